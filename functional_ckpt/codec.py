@@ -1,0 +1,805 @@
+"""Exact, pickle-free encoding of the non-tensor values of a training state.
+
+A resumed run must be bit-identical to the run that saved it, so a codec that
+turns a tuple into a list, an ``int`` key into a ``str``, a ``np.float32`` into a
+``float`` or a NaN into another NaN silently breaks the resume in ways nobody
+notices until the curves diverge. This module therefore stores every supported
+value so that it comes back with exactly the same type at every level and the
+same value bit for bit, and refuses everything else loudly instead of
+converting it.
+
+The format is msgpack. Types msgpack stores exactly (``None``, ``bool``,
+``int`` in the 64-bit range, ``float`` as a double, ``str``, ``bytes``,
+``list``, ``dict``) use its native forms, so the C packer and unpacker do the
+bulk of the work and a manifest of tens of thousands of entries stays fast.
+Everything else is an extension type:
+
+* Containers (tuple, set, frozenset, OrderedDict, torch.Size) are written as a
+  native array whose first element is an empty *marker* ext. The unpacker
+  rebuilds them in its ``list_hook`` while it is still inside the one C-level
+  parse, so decoding them never recurses through Python or through nested
+  ``unpackb`` calls (each of which reserves a large parser stack on the C
+  stack), and tuples used as dict keys are hashable by the time the map needs
+  them.
+* Leaves (big ints, bytearray, numpy arrays and scalars, torch dtypes and
+  devices) carry their payload inside the ext.
+
+Ext codes (stable; part of the on-disk format):
+
+====  =================  ==================================================
+code  kind               payload
+====  =================  ==================================================
+1     tuple marker       empty; ``[m, *items]``
+2     set marker         empty; ``[m, *members]``
+3     frozenset marker   empty; ``[m, *members]``
+4     OrderedDict marker empty; ``[m, k0, v0, k1, v1, ...]``
+5     torch.Size marker  empty; ``[m, *dims]``
+16    big int            little-endian two's complement bytes
+17    bytearray          the bytes
+18    numpy.ndarray      msgpack ``[dtype_code, shape, c_order_bytes]``
+19    numpy scalar       msgpack ``[dtype_code, raw_bytes]``, or ``["U", str]`` /
+                         ``["S", bytes]`` for ``np.str_`` / ``np.bytes_``
+20    torch.dtype        ascii name without ``torch.``, e.g. ``bfloat16``
+21    torch.device       ascii ``str(device)``, e.g. ``cuda:0``
+====  =================  ==================================================
+
+Decoding treats its input as hostile: no pickle, no import or attribute lookup
+driven by the data (dtypes and devices are matched against fixed tables or
+parsed and re-checked for a canonical spelling), every declared length is capped
+by the bytes actually present before anything is allocated, and nesting is
+bounded without Python recursion.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import itertools
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, Final, cast
+
+import msgpack
+import numpy as np
+import torch
+
+from functional_ckpt.errors import (
+    CheckpointError,
+    CorruptCheckpoint,
+    UnsafeCheckpoint,
+    UnsupportedValue,
+)
+
+__all__ = [
+    "EXT_BIGINT",
+    "EXT_BYTEARRAY",
+    "EXT_FROZENSET",
+    "EXT_NDARRAY",
+    "EXT_NUMPY_SCALAR",
+    "EXT_ORDERED_DICT",
+    "EXT_SET",
+    "EXT_TORCH_DEVICE",
+    "EXT_TORCH_DTYPE",
+    "EXT_TORCH_SIZE",
+    "EXT_TUPLE",
+    "MAX_ENCODE_DEPTH",
+    "check_encodable",
+    "decode",
+    "encode",
+]
+
+EXT_TUPLE: Final = 1
+EXT_SET: Final = 2
+EXT_FROZENSET: Final = 3
+EXT_ORDERED_DICT: Final = 4
+EXT_TORCH_SIZE: Final = 5
+EXT_BIGINT: Final = 16
+EXT_BYTEARRAY: Final = 17
+EXT_NDARRAY: Final = 18
+EXT_NUMPY_SCALAR: Final = 19
+EXT_TORCH_DTYPE: Final = 20
+EXT_TORCH_DEVICE: Final = 21
+
+MAX_ENCODE_DEPTH: Final = 500
+"""Deepest container nesting ``encode`` accepts.
+
+Kept below msgpack's packer recursion limit (511) and below ``decode``'s default
+``max_depth`` so that whatever encodes also decodes with default settings.
+"""
+
+_MSGPACK_STACK_LIMIT: Final = 1024  # the C unpacker's fixed parse stack
+_MAX_NDIM: Final = 64  # numpy's own limit (NPY_MAXDIMS)
+_MAX_DEVICE_LEN: Final = 64
+_GC_PAUSE_BYTES: Final = 256 * 1024
+
+_NoneType = type(None)
+_OrderedDict = collections.OrderedDict
+
+# Types the strict C packer writes natively *and* the unpacker returns with the
+# same type. bytearray is deliberately absent: msgpack packs it as bin, which
+# decodes as bytes.
+_NATIVE_LEAVES: Final[frozenset[type]] = frozenset({_NoneType, bool, int, float, str, bytes})
+
+_CONTAINERS: Final[frozenset[type]] = frozenset({list, tuple, dict, _OrderedDict, set, frozenset})
+
+_NUMPY_SCALAR_TYPES: Final[frozenset[type]] = frozenset(
+    t for t in set(np.sctypeDict.values()) if t is not np.object_ and t is not np.void
+)
+
+_TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+
+_LEAVES: Final[frozenset[type]] = (
+    _NATIVE_LEAVES
+    | _NUMPY_SCALAR_TYPES
+    | {bytearray, np.ndarray, torch.dtype, torch.device, torch.Size}
+)
+
+_SUPPORTED_TEXT: Final = (
+    "None, bool, int, float, str, bytes, bytearray, list, tuple, dict, "
+    "collections.OrderedDict, set, frozenset, numpy.ndarray (non-object dtypes), "
+    "numpy scalars, torch.dtype, torch.device, torch.Size"
+)
+
+# Array dtype kinds whose raw bytes fully describe the values.
+_ARRAY_KINDS: Final = frozenset("biufcMmSUV")
+_CHAR_KINDS: Final = frozenset("biufc")
+
+
+class _Marker:
+    """Stands in, during one parse, for the ext that opens a container array."""
+
+    __slots__ = ("build", "name")
+
+    def __init__(self, name: str, build: Callable[[list[Any]], object]) -> None:
+        self.name = name
+        self.build = build
+
+    def __repr__(self) -> str:
+        return f"<{self.name} marker>"
+
+
+class _Corrupt(Exception):
+    """Internal: malformed data, re-raised as CorruptCheckpoint naming the source."""
+
+
+class _Unsafe(Exception):
+    """Internal: resource limit exceeded, re-raised as UnsafeCheckpoint."""
+
+
+# --------------------------------------------------------------------------- dtypes
+
+
+def _dtype_code(dt: np.dtype[Any]) -> str | None:
+    """Spell a dtype so that parsing it gives back the same dtype *class*.
+
+    ``dtype.str`` alone is not enough: ``longlong`` and ``int64`` share ``<i8``
+    but are different scalar types, so fixed-size numeric kinds use byte order
+    plus type character instead. Returns None for dtypes we cannot store exactly.
+    """
+    kind = dt.kind
+    if kind not in _ARRAY_KINDS or dt.hasobject or dt.fields is not None:
+        return None
+    if dt.subdtype is not None or dt.itemsize == 0:
+        return None
+    code = dt.str[0] + dt.char if kind in _CHAR_KINDS else dt.str
+    try:
+        back = np.dtype(code)
+    except (TypeError, ValueError):  # pragma: no cover - defensive
+        return None
+    if back != dt or type(back) is not type(dt) or back.char != dt.char:
+        return None  # e.g. extension dtypes that only look like void/bytes
+    return code
+
+
+def _parse_dtype(code: object) -> np.dtype[Any]:
+    if type(code) is not str or not code or len(code) > 32 or not code.isascii():
+        raise _Corrupt(f"invalid numpy dtype code {code!r}")
+    try:
+        dt = np.dtype(code)
+    except Exception:
+        raise _Corrupt(f"invalid numpy dtype code {code!r}") from None
+    if _dtype_code(dt) != code:
+        raise _Corrupt(f"non-canonical or unsupported numpy dtype code {code!r}")
+    return dt
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _pack_payload(obj: object) -> bytes:
+    return msgpack.packb(
+        obj,
+        use_bin_type=True,
+        use_single_float=False,
+        strict_types=True,
+        unicode_errors="surrogatepass",  # np.str_ may hold lone surrogates
+    )
+
+
+def _encode_bigint(n: int) -> msgpack.ExtType:
+    return msgpack.ExtType(EXT_BIGINT, n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True))
+
+
+def _encode_ndarray(a: np.ndarray[Any, Any]) -> msgpack.ExtType:
+    code = _dtype_code(a.dtype)
+    if code is None:  # pragma: no cover - _scan refuses these first
+        raise UnsupportedValue(f"unsupported numpy dtype {a.dtype!r}")
+    return msgpack.ExtType(EXT_NDARRAY, _pack_payload([code, list(a.shape), a.tobytes()]))
+
+
+def _encode_numpy_scalar(x: np.generic) -> msgpack.ExtType:
+    # Text scalars lose trailing NULs through an array (and np.str_("") has a
+    # zero itemsize), so they travel as their Python value under a bare kind.
+    t = type(x)
+    if t is np.str_:
+        # str() would go through numpy's __str__, which drops trailing NULs.
+        return msgpack.ExtType(EXT_NUMPY_SCALAR, _pack_payload(["U", str.__str__(x)]))
+    if t is np.bytes_:
+        payload = _pack_payload(["S", bytes(memoryview(cast(bytes, x)))])
+        return msgpack.ExtType(EXT_NUMPY_SCALAR, payload)
+    code = _dtype_code(x.dtype)
+    if code is None:  # pragma: no cover - _scan refuses these first
+        raise UnsupportedValue(f"unsupported numpy scalar {type(x).__name__}")
+    return msgpack.ExtType(EXT_NUMPY_SCALAR, _pack_payload([code, x.tobytes()]))
+
+
+_TUPLE_EXT: Final = msgpack.ExtType(EXT_TUPLE, b"")
+_SET_EXT: Final = msgpack.ExtType(EXT_SET, b"")
+_FROZENSET_EXT: Final = msgpack.ExtType(EXT_FROZENSET, b"")
+_ORDERED_DICT_EXT: Final = msgpack.ExtType(EXT_ORDERED_DICT, b"")
+_TORCH_SIZE_EXT: Final = msgpack.ExtType(EXT_TORCH_SIZE, b"")
+
+
+def _default(obj: Any) -> object:
+    """The C packer's fallback for every type it does not write natively."""
+    t = type(obj)
+    if t is tuple:
+        return [_TUPLE_EXT, *obj]
+    if t is int:  # outside the 64-bit range msgpack handles
+        return _encode_bigint(obj)
+    if t is np.ndarray:
+        return _encode_ndarray(obj)
+    if t in _NUMPY_SCALAR_TYPES:
+        return _encode_numpy_scalar(obj)
+    if t is set:
+        return [_SET_EXT, *obj]
+    if t is frozenset:
+        return [_FROZENSET_EXT, *obj]
+    if t is _OrderedDict:
+        return [_ORDERED_DICT_EXT, *itertools.chain.from_iterable(obj.items())]
+    if t is torch.Size:
+        return [_TORCH_SIZE_EXT, *obj]
+    if t is torch.dtype:
+        return msgpack.ExtType(EXT_TORCH_DTYPE, str(obj).removeprefix("torch.").encode("ascii"))
+    if t is torch.device:
+        return msgpack.ExtType(EXT_TORCH_DEVICE, str(obj).encode("ascii"))
+    # Unreachable after _scan, except for the ExtTypes we insert ourselves,
+    # which the packer handles natively.
+    raise UnsupportedValue(f"unsupported type {_type_name(t)}")  # pragma: no cover
+
+
+def _type_name(t: type) -> str:
+    if t.__module__ == "builtins":
+        return t.__qualname__
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def _short_repr(obj: object, limit: int = 40) -> str:
+    try:
+        text = repr(obj)
+    except Exception:
+        text = f"<{_type_name(type(obj))}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_BASES_OF_SUBCLASSES: Final = (
+    bool,
+    int,
+    float,
+    str,
+    bytes,
+    bytearray,
+    list,
+    tuple,
+    dict,
+    set,
+    frozenset,
+    np.ndarray,
+)
+
+
+def _torch_size_problem(dims: Iterable[object]) -> str | None:
+    for d in dims:
+        if type(d) is not int:
+            return f"torch.Size dimension of type {_type_name(type(d))}"
+        if not -(2**63) <= d < 2**63:
+            # torch.Size stores such a value but fails when it is read back.
+            return f"torch.Size dimension {d} out of the int64 range"
+    return None
+
+
+def _leaf_problem(obj: object, t: type) -> str | None:
+    """Why a non-container value cannot be stored, or None if it can."""
+    if t in _LEAVES:
+        if t is torch.Size:
+            return _torch_size_problem(obj)  # type: ignore[arg-type]
+        if t is np.ndarray:
+            dtype = obj.dtype  # type: ignore[attr-defined]
+            if _dtype_code(dtype) is None:
+                return (
+                    f"numpy array with dtype {dtype!r} is not supported "
+                    "(only plain bool/int/uint/float/complex/datetime/bytes/str dtypes)"
+                )
+        return None
+    if isinstance(obj, torch.Tensor):
+        return (
+            f"{_type_name(t)} is not supported here; tensors belong in the tensor tree, "
+            "not among plain values"
+        )
+    if isinstance(obj, np.generic):
+        return f"unsupported numpy scalar type {_type_name(t)} (supported: {_SUPPORTED_TEXT})"
+    for base in _BASES_OF_SUBCLASSES:
+        if isinstance(obj, base):
+            return (
+                f"unsupported type {_type_name(t)}, a subclass of {_type_name(base)} "
+                "(only exact types round-trip, so subclasses are refused rather than converted; "
+                f"supported: {_SUPPORTED_TEXT})"
+            )
+    return f"unsupported type {_type_name(t)} (supported: {_SUPPORTED_TEXT})"
+
+
+# A node of the scan is (value, level_of_its_container, parent_node, label_kind, label).
+_ITEM: Final = 0
+_KEY: Final = 1
+_MEMBER: Final = 2
+_Node = tuple[object, int, Any, int, object]
+
+
+def _path(node: _Node | None, where: str) -> str:
+    parts: list[str] = []
+    while node is not None and node[2] is not None:
+        _, _, parent, kind, label = node
+        if kind == _ITEM:
+            parts.append(f"[{_short_repr(label)}]")
+        elif kind == _KEY:
+            parts.append(f"<key {_short_repr(label)}>")
+        else:
+            parts.append(f"<member {_short_repr(label)}>")
+        node = parent
+    return where + "".join(reversed(parts))
+
+
+def _scan(value: object, where: str) -> bool:
+    """Refuse anything that would not come back exactly; True if bytearrays occur.
+
+    Must run before packing: the C packer would happily write a bytearray or a
+    memoryview as bin (which reads back as bytes) and a stray ExtType or
+    Timestamp as itself. Iterative, so a deep value cannot exhaust the Python
+    stack, and labels are kept as raw keys so paths are only formatted on error.
+    """
+    native = _NATIVE_LEAVES
+    has_bytearray = False
+    stack: list[_Node] = [(value, 0, None, _ITEM, None)]
+    push = stack.append
+    pop = stack.pop
+    while stack:
+        node = pop()
+        obj: Any = node[0]
+        t = type(obj)
+        if t is dict or t is list or t is tuple or t in _CONTAINERS:
+            level = node[1] + 1
+            if level > MAX_ENCODE_DEPTH:
+                raise UnsupportedValue(
+                    f"{_path(node, where)}: nested deeper than {MAX_ENCODE_DEPTH} containers"
+                )
+            if t is dict or t is _OrderedDict:
+                for k, v in obj.items():
+                    if type(k) not in native:
+                        push((k, level, node, _KEY, k))
+                    if type(v) not in native:
+                        push((v, level, node, _ITEM, k))
+            elif t is list or t is tuple:
+                for i, v in enumerate(obj):
+                    if type(v) not in native:
+                        push((v, level, node, _ITEM, i))
+            else:
+                for m in obj:
+                    if type(m) not in native:
+                        push((m, level, node, _MEMBER, m))
+        elif t in native:
+            continue
+        else:
+            problem = _leaf_problem(obj, t)
+            if problem is not None:
+                raise UnsupportedValue(f"{_path(node, where)}: {problem}")
+            if t is bytearray:
+                has_bytearray = True
+    return has_bytearray
+
+
+def _wrap_bytearrays(obj: Any) -> Any:
+    """Copy the containers above each bytearray, swapping it for its ext.
+
+    Needed because the packer never offers a bytearray to ``default``. Only
+    mutable containers and tuples can hold one (it is unhashable), and the
+    depth is already bounded by _scan.
+    """
+    t = type(obj)
+    if t is bytearray:
+        return msgpack.ExtType(EXT_BYTEARRAY, bytes(obj))
+    if t is list:
+        return [_wrap_bytearrays(v) for v in obj]
+    if t is tuple:
+        return tuple(_wrap_bytearrays(v) for v in obj)
+    if t is dict:
+        return {k: _wrap_bytearrays(v) for k, v in obj.items()}
+    if t is _OrderedDict:
+        return _OrderedDict((k, _wrap_bytearrays(v)) for k, v in obj.items())
+    return obj
+
+
+def _pack(value: object, where: str) -> bytes:
+    try:
+        try:
+            return msgpack.packb(
+                value,
+                default=_default,
+                use_bin_type=True,
+                use_single_float=False,
+                strict_types=True,
+            )
+        except UnicodeEncodeError:
+            # Lone surrogates are valid Python strings; carry them exactly.
+            return msgpack.packb(
+                value,
+                default=_default,
+                use_bin_type=True,
+                use_single_float=False,
+                strict_types=True,
+                unicode_errors="surrogatepass",
+            )
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise UnsupportedValue(f"{where}: cannot be encoded: {exc}") from exc
+
+
+def check_encodable(value: object, *, where: str = "value") -> None:
+    """Refuse, before any work is written, a value that ``encode`` would refuse.
+
+    Lets a save fail fast, naming the offending leaf, instead of after tensors
+    have already been written.
+
+    Raises:
+        UnsupportedValue: naming the location inside ``value`` (prefixed by
+            ``where``) of the first leaf that cannot round-trip exactly.
+    """
+    _scan(value, where)
+
+
+def encode(value: object, *, where: str = "value") -> bytes:
+    """Serialise a non-tensor value so that ``decode`` returns an identical one.
+
+    Identical means same type at every level (tuples stay tuples, int keys stay
+    ints, numpy scalars stay numpy scalars) and same bits (``-0.0``, NaN
+    payloads, byte order of arrays). Subclasses of supported types are refused
+    rather than quietly converted, because a conversion is exactly the kind of
+    silent change a bit-identical resume cannot afford.
+
+    Raises:
+        UnsupportedValue: naming the location inside ``value`` (prefixed by
+            ``where``), e.g. ``value['env'][3]: unsupported type Foo (...)``.
+    """
+    if _scan(value, where):
+        try:
+            value = _wrap_bytearrays(value)
+        except RecursionError:
+            raise UnsupportedValue(
+                f"{where}: too deeply nested around a bytearray to encode from this call depth"
+            ) from None
+    return _pack(value, where)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _build_tuple(items: list[Any]) -> object:
+    return tuple(items)
+
+
+def _build_set(items: list[Any]) -> object:
+    return set(items)
+
+
+def _build_frozenset(items: list[Any]) -> object:
+    return frozenset(items)
+
+
+def _build_ordered_dict(items: list[Any]) -> object:
+    if len(items) % 2:
+        raise _Corrupt("OrderedDict with an odd number of keys and values")
+    it = iter(items)
+    return _OrderedDict(zip(it, it, strict=True))
+
+
+def _build_torch_size(items: list[Any]) -> object:
+    problem = _torch_size_problem(items)
+    if problem is not None:
+        raise _Corrupt(problem)
+    return torch.Size(items)
+
+
+_MARKERS: Final[dict[int, _Marker]] = {
+    EXT_TUPLE: _Marker("tuple", _build_tuple),
+    EXT_SET: _Marker("set", _build_set),
+    EXT_FROZENSET: _Marker("frozenset", _build_frozenset),
+    EXT_ORDERED_DICT: _Marker("OrderedDict", _build_ordered_dict),
+    EXT_TORCH_SIZE: _Marker("torch.Size", _build_torch_size),
+}
+
+
+def _list_hook(lst: list[Any]) -> object:
+    if lst and type(lst[0]) is _Marker:
+        marker = lst[0]
+        del lst[0]
+        try:
+            return marker.build(lst)
+        except _Corrupt:
+            raise
+        except Exception as exc:  # e.g. an unhashable set member or key
+            raise _Corrupt(f"cannot rebuild {marker.name}: {exc}") from None
+    return lst
+
+
+def _unpack_payload(payload: bytes, what: str) -> list[Any]:
+    """Parse the small, flat msgpack header inside a leaf ext; no exts allowed inside."""
+    n = len(payload)
+    try:
+        out = msgpack.unpackb(
+            payload,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            unicode_errors="surrogatepass",
+            ext_hook=_refuse_ext,
+            max_str_len=n,
+            max_bin_len=n,
+            max_array_len=n,
+            max_map_len=n // 2,
+            max_ext_len=0,
+        )
+    except _Corrupt:
+        raise
+    except Exception as exc:
+        raise _Corrupt(f"malformed {what} payload: {exc}") from None
+    if type(out) is not list:
+        raise _Corrupt(f"malformed {what} payload")
+    return out
+
+
+def _refuse_ext(code: int, data: bytes) -> object:
+    raise _Corrupt(f"unexpected ext code {code} inside a leaf payload")
+
+
+def _decode_ndarray(payload: bytes) -> object:
+    header = _unpack_payload(payload, "numpy array")
+    if len(header) != 3:
+        raise _Corrupt("malformed numpy array payload")
+    code, shape, raw = header
+    dt = _parse_dtype(code)
+    if type(shape) is not list or len(shape) > _MAX_NDIM:
+        raise _Corrupt(f"invalid numpy array shape {_short_repr(shape)}")
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise _Corrupt(f"invalid numpy array dimension {_short_repr(d)}")
+    if type(raw) is not bytes:
+        raise _Corrupt("numpy array data is not bytes")
+    declared = math.prod(shape) * dt.itemsize
+    if declared != len(raw):
+        raise _Corrupt(
+            f"numpy array of shape {tuple(shape)} and dtype {code} needs {declared} bytes "
+            f"but {len(raw)} are present"
+        )
+    try:
+        arr = np.frombuffer(raw, dtype=dt).reshape(shape).copy()
+    except Exception as exc:
+        raise _Corrupt(f"invalid numpy array: {exc}") from None
+    return arr
+
+
+def _decode_numpy_scalar(payload: bytes) -> object:
+    header = _unpack_payload(payload, "numpy scalar")
+    if len(header) != 2:
+        raise _Corrupt("malformed numpy scalar payload")
+    code, body = header
+    if code == "U":
+        if type(body) is not str:
+            raise _Corrupt("numpy str_ scalar without a str value")
+        return np.str_(body)
+    if code == "S":
+        if type(body) is not bytes:
+            raise _Corrupt("numpy bytes_ scalar without a bytes value")
+        return np.bytes_(body)
+    dt = _parse_dtype(code)
+    if dt.kind in "USV":
+        raise _Corrupt(f"numpy scalar dtype {code} is not part of the format")
+    if type(body) is not bytes or len(body) != dt.itemsize:
+        raise _Corrupt(f"numpy scalar of dtype {code} needs exactly {dt.itemsize} bytes")
+    scalar: object = np.frombuffer(body, dtype=dt)[0]
+    return scalar
+
+
+def _decode_torch_dtype(payload: bytes) -> object:
+    try:
+        return _TORCH_DTYPES[payload.decode("ascii")]
+    except (KeyError, UnicodeDecodeError):
+        raise _Corrupt(f"unknown torch dtype {_short_repr(payload)}") from None
+
+
+def _decode_torch_device(payload: bytes) -> object:
+    if len(payload) > _MAX_DEVICE_LEN:
+        raise _Corrupt("torch device name too long")
+    try:
+        text = payload.decode("ascii")
+        device = torch.device(text)
+    except Exception:
+        raise _Corrupt(f"invalid torch device {_short_repr(payload)}") from None
+    if str(device) != text:
+        raise _Corrupt(f"non-canonical torch device {text!r}")
+    return device
+
+
+def _decode_bigint(payload: bytes) -> object:
+    if not payload:
+        raise _Corrupt("empty big int payload")
+    return int.from_bytes(payload, "little", signed=True)
+
+
+def _decode_bytearray(payload: bytes) -> object:
+    return bytearray(payload)
+
+
+_LEAF_DECODERS: Final[dict[int, Callable[[bytes], object]]] = {
+    EXT_BIGINT: _decode_bigint,
+    EXT_BYTEARRAY: _decode_bytearray,
+    EXT_NDARRAY: _decode_ndarray,
+    EXT_NUMPY_SCALAR: _decode_numpy_scalar,
+    EXT_TORCH_DTYPE: _decode_torch_dtype,
+    EXT_TORCH_DEVICE: _decode_torch_device,
+}
+
+
+def _ext_hook(code: int, payload: bytes) -> object:
+    marker = _MARKERS.get(code)
+    if marker is not None:
+        if payload:
+            raise _Corrupt(f"{marker.name} marker with a payload")
+        return marker
+    decoder = _LEAF_DECODERS.get(code)
+    if decoder is None:
+        raise _Corrupt(f"unknown ext code {code}")
+    return decoder(payload)
+
+
+def _stray(t: type) -> _Corrupt:
+    if t is _Marker:
+        return _Corrupt("container marker outside the first slot of an array")
+    if t is msgpack.Timestamp:
+        return _Corrupt("unknown ext code -1 (msgpack timestamp)")
+    return _Corrupt(f"unexpected decoded type {_type_name(t)}")  # pragma: no cover
+
+
+def _check_decoded(value: object, max_depth: int) -> None:
+    """Bound the nesting and make sure only supported types came out.
+
+    The unpacker cannot be told a depth limit (only its fixed 1024-level parse
+    stack), and it turns ext -1 into a msgpack Timestamp without consulting
+    ``ext_hook``; a stray container marker is also only visible here.
+    Iterative, so hostile depth cannot reach Python's recursion limit.
+    """
+    leaves = _LEAVES
+    containers = _CONTAINERS
+    t = type(value)
+    if t not in containers:
+        if t not in leaves:
+            raise _stray(t)
+        return
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    push = stack.append
+    pop = stack.pop
+    while stack:
+        obj, level = pop()
+        if level > max_depth:
+            raise _Unsafe(f"nesting deeper than max_depth={max_depth}")
+        t = type(obj)
+        children = (
+            itertools.chain(obj.keys(), obj.values()) if t is dict or t is _OrderedDict else obj
+        )
+        for child in children:
+            tc = type(child)
+            if tc in leaves:
+                continue
+            if tc in containers:
+                push((child, level + 1))
+            else:
+                raise _stray(tc)
+
+
+def decode(data: bytes | memoryview, *, source: str = "data", max_depth: int = 512) -> object:
+    """Rebuild exactly the value ``encode`` was given, treating ``data`` as hostile.
+
+    ``data`` may come from a damaged disk or an attacker, so decoding never runs
+    code, never allocates more than a small multiple of ``len(data)``, and
+    never recurses in Python.
+
+    Errors are split by what the caller should conclude:
+
+    Raises:
+        CorruptCheckpoint: the bytes are not a valid encoding: truncated,
+            trailing bytes, invalid UTF-8, unknown ext codes, malformed ext
+            payloads, and any declared length (array, map, string, ndarray
+            shape) that does not match the bytes actually present. Size bombs
+            land here too, because from the bytes alone they are
+            indistinguishable from truncation or a flipped length bit.
+        UnsafeCheckpoint: the bytes are well formed but nest containers deeper
+            than ``max_depth`` (or than msgpack's fixed parse stack of 1024), a
+            depth bomb aimed at whatever walks the value next.
+    """
+    if isinstance(data, memoryview):
+        if not data.c_contiguous:
+            data = data.tobytes()
+        n = data.nbytes if isinstance(data, memoryview) else len(data)
+    elif isinstance(data, (bytes, bytearray)):
+        n = len(data)
+    else:
+        raise TypeError(f"decode() needs bytes or memoryview, not {_type_name(type(data))}")
+    # Building many containers at once triggers full cyclic-GC passes over the
+    # whole process heap (msgpack's own advice is to pause GC); nothing built
+    # here can form a cycle, so the pause loses nothing.
+    pause_gc = n >= _GC_PAUSE_BYTES and gc.isenabled()
+    if pause_gc:
+        gc.disable()
+    try:
+        value = msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=True,
+            strict_map_key=False,
+            unicode_errors="surrogatepass",
+            ext_hook=_ext_hook,
+            list_hook=_list_hook,
+            max_str_len=n,
+            max_bin_len=n,
+            max_array_len=n,
+            max_map_len=n // 2,
+            max_ext_len=n,
+        )
+        _check_decoded(value, max_depth)
+    except _Unsafe as exc:
+        raise UnsafeCheckpoint(f"{source}: {exc}") from None
+    except _Corrupt as exc:
+        raise CorruptCheckpoint(f"{source}: {exc}") from None
+    except msgpack.StackError:
+        raise UnsafeCheckpoint(
+            f"{source}: nesting deeper than msgpack's parse stack ({_MSGPACK_STACK_LIMIT})"
+        ) from None
+    except RecursionError:  # pragma: no cover - nothing above recurses; belt and braces
+        raise UnsafeCheckpoint(f"{source}: nesting too deep to decode") from None
+    except msgpack.ExtraData:
+        raise CorruptCheckpoint(f"{source}: trailing bytes after the encoded value") from None
+    except UnicodeDecodeError as exc:
+        raise CorruptCheckpoint(f"{source}: invalid UTF-8 in a string: {exc}") from None
+    except MemoryError:
+        raise
+    except CheckpointError:  # pragma: no cover - hooks only raise the internal errors
+        raise
+    except Exception as exc:
+        raise CorruptCheckpoint(
+            f"{source}: not a valid encoding ({type(exc).__name__}: {exc})"
+        ) from None
+    finally:
+        if pause_gc:
+            gc.enable()
+    return value

@@ -1,0 +1,57 @@
+"""One exception hierarchy, so callers can catch every checkpoint failure at once.
+
+Each subclass answers a different question a user asks after a failure: is there
+anything at that path, was it finished, is it damaged, does it fit my state, or is
+it hostile. Messages always name the offending path, file or key.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by functional_ckpt."""
+
+
+class CheckpointNotFound(CheckpointError, FileNotFoundError):
+    """Nothing that looks like a checkpoint exists at the given path."""
+
+
+class CheckpointExists(CheckpointError, FileExistsError):
+    """The destination already holds a checkpoint and ``overwrite`` was not set."""
+
+
+class IncompleteCheckpoint(CheckpointError):
+    """A directory exists but was never committed (a crash or a save in progress)."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A committed checkpoint whose bytes do not match what its manifest recorded."""
+
+
+class TemplateMismatch(CheckpointError):
+    """The saved tree does not fit the template given to ``restore``."""
+
+
+class UnsafeCheckpoint(CheckpointError):
+    """The checkpoint tries something a loader must never do (code, path escape, bombs)."""
+
+
+class UnsupportedValue(CheckpointError, TypeError):
+    """A leaf of the state has a type the exact codec cannot store."""
+
+
+class ModifiedDuringSave(CheckpointError):
+    """A tensor was changed in place while an unstaged save was reading it."""
+
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExists",
+    "CheckpointNotFound",
+    "CorruptCheckpoint",
+    "IncompleteCheckpoint",
+    "ModifiedDuringSave",
+    "TemplateMismatch",
+    "UnsafeCheckpoint",
+    "UnsupportedValue",
+]

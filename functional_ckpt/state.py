@@ -1,0 +1,156 @@
+"""Capture live training objects into one state tree, and apply a tree back to them.
+
+Everything a resumed run needs to be bit-identical lives here: parameters and
+buffers, optimizer moments and hyper-parameters (floats stay float64, ``betas``
+stays a tuple), scheduler counters, every random generator the step may touch, and
+the data position. Tensors are captured by reference (no copy): saving copies them
+to disk, and restoring into a captured template writes straight into the live
+tensors.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from tensordict import NonTensorData, TensorDict, TensorDictBase
+
+from functional_ckpt.errors import TemplateMismatch, UnsupportedValue
+from functional_ckpt.tree import from_python, to_python
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything checkpointable the PyTorch way: modules, optimizers, schedulers, loaders."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any) -> Any: ...
+
+
+def capture_rng() -> dict[str, Any]:
+    """The state of every random generator a training step may draw from."""
+    rng: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(legacy=True),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        rng["cuda"] = list(torch.cuda.get_rng_state_all())
+    return rng
+
+
+def apply_rng(rng: Mapping[str, Any]) -> None:
+    """Put every random generator back where :func:`capture_rng` found it."""
+    torch.set_rng_state(rng["torch"].cpu())
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    cuda = rng.get("cuda")
+    if cuda is not None:
+        if not torch.cuda.is_available():
+            raise TemplateMismatch(
+                "state['rng']['cuda']: the checkpoint holds CUDA generator states "
+                "but CUDA is not available; pass rng=False to fc.apply to skip them"
+            )
+        if len(cuda) != torch.cuda.device_count():
+            raise TemplateMismatch(
+                f"state['rng']['cuda']: saved for {len(cuda)} CUDA devices, "
+                f"this process sees {torch.cuda.device_count()}"
+            )
+        torch.cuda.set_rng_state_all([t.cpu() for t in cuda])
+
+
+def _state_of(name: str, obj: Any) -> Any:
+    if not isinstance(obj, Stateful):
+        raise UnsupportedValue(
+            f"fc.capture({name}=...): {type(obj).__name__} has no state_dict()/load_state_dict(); "
+            "use a resumable object (e.g. torchdata's StatefulDataLoader) or put its state in **extra"
+        )
+    return obj.state_dict()
+
+
+def _subtree(name: str, value: Any) -> Any:
+    if isinstance(value, torch.Tensor | TensorDictBase):
+        return value
+    if isinstance(value, Stateful):
+        return from_python(value.state_dict(), (name,))
+    if type(value) in (dict, list, tuple):
+        return from_python(value, (name,))
+    return NonTensorData(data=from_python({name: value}).get(name).data, batch_size=[])
+
+
+def capture(
+    model: Any = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    loader: Any = None,
+    rng: bool = True,
+    **extra: Any,
+) -> TensorDict:
+    """Gather the whole training state into one locked TensorDict.
+
+    ``extra`` holds user subtrees (``env=``, ``step=``, ...): nested dicts, lists,
+    tuples, tensors, numpy arrays and plain values, or any object with
+    ``state_dict()``.
+    """
+    td = TensorDict({}, batch_size=[])
+    for name, obj in (
+        ("model", model),
+        ("optimizer", optimizer),
+        ("scheduler", scheduler),
+        ("loader", loader),
+    ):
+        if obj is not None:
+            td.set(name, from_python(_state_of(name, obj), (name,)))
+    if rng:
+        td.set("rng", from_python(capture_rng(), ("rng",)))
+    for name, value in extra.items():
+        if name in td.keys():
+            raise UnsupportedValue(f"fc.capture({name}=...): the name {name!r} is already used")
+        td.set(name, _subtree(name, value))
+    td.lock_()
+    return td
+
+
+def _load(name: str, obj: Any, state: TensorDictBase) -> None:
+    if name not in state.keys():
+        raise TemplateMismatch(
+            f"fc.apply({name}=...): the state has no {name!r} entry (keys: {list(state.keys())})"
+        )
+    if not isinstance(obj, Stateful):
+        raise UnsupportedValue(f"fc.apply({name}=...): {type(obj).__name__} has no load_state_dict()")
+    obj.load_state_dict(to_python(state.get(name)))
+
+
+def apply(
+    state: TensorDictBase,
+    model: Any = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    loader: Any = None,
+    rng: bool = True,
+    **extra: Any,
+) -> None:
+    """Write a state back into live objects (the inverse of :func:`capture`).
+
+    ``extra`` names further stateful objects (anything with ``load_state_dict``)
+    stored under the same names by :func:`capture`.
+    """
+    for name, obj in (
+        ("model", model),
+        ("optimizer", optimizer),
+        ("scheduler", scheduler),
+        ("loader", loader),
+        *extra.items(),
+    ):
+        if obj is not None:
+            _load(name, obj, state)
+    if rng:
+        if "rng" not in state.keys():
+            raise TemplateMismatch(
+                "fc.apply(rng=True): the state has no 'rng' entry; pass rng=False to skip it"
+            )
+        apply_rng(to_python(state.get("rng")))

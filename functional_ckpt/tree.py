@@ -1,0 +1,205 @@
+"""The state as a tree: conversion from Python containers, key paths, flattening.
+
+A training state is a locked ``TensorDict`` whose leaves are tensors or
+``NonTensorData`` holding plain Python values. Python containers that TensorDict
+cannot express (lists, tuples, dicts with int keys, such as an optimizer's
+``state``) become sub-TensorDicts that carry one extra non-tensor leaf,
+:data:`NODE_KEY`, recording the original container kind and keys. That record is
+ordinary data, so save and restore need no special case for it; only
+:func:`from_python` and :func:`to_python` read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import NonTensorData, TensorDict, TensorDictBase
+
+from functional_ckpt.errors import UnsupportedValue
+
+KeyPath = tuple[str, ...]
+
+#: Reserved key of the record that turns a sub-TensorDict back into a list,
+#: tuple or dict with non-string keys.
+NODE_KEY = "__container__"
+
+
+def format_path(path: KeyPath) -> str:
+    """Render a key path the way users index a TensorDict: ``('model', 'w')``."""
+    return repr(tuple(path)) if len(path) != 1 else repr(path[0])
+
+
+def _contains_tensor(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, TensorDictBase):
+        return True
+    if isinstance(value, dict):
+        return any(_contains_tensor(v) for v in value.values())
+    if type(value) in (list, tuple):
+        return any(_contains_tensor(v) for v in value)
+    return False
+
+
+def _leaf(value: object, path: KeyPath) -> NonTensorData:
+    # Values are checked by the codec when saved, where the key path is known too.
+    return NonTensorData(data=value, batch_size=[])
+
+
+def from_python(value: Mapping[str, Any] | Any, path: KeyPath = ()) -> TensorDict:
+    """Build an unlocked TensorDict from nested Python containers, exactly.
+
+    Plain dicts with string keys become sub-TensorDicts (an empty dict becomes an
+    empty node, which a restore fills from the checkpoint); lists, tuples and other
+    mappings become sub-TensorDicts with a :data:`NODE_KEY` record when they hold
+    tensors, and single, exactly stored non-tensor leaves when they do not.
+    """
+    if isinstance(value, TensorDictBase):
+        return value  # type: ignore[return-value]
+    td = TensorDict({}, batch_size=[])
+    if isinstance(value, dict) and all(type(k) is str for k in value):
+        if NODE_KEY in value:
+            raise UnsupportedValue(
+                f"state[{format_path(path)}]: the key {NODE_KEY!r} is reserved by functional_ckpt"
+            )
+        items: list[tuple[str, Any]] = list(value.items())
+    elif type(value) in (list, tuple) or isinstance(value, dict):
+        if isinstance(value, dict):
+            keys = list(value.keys())
+            names = [k if type(k) is str else repr(k) for k in keys]
+            kind = "dict"
+        else:
+            keys = None
+            names = [str(i) for i in range(len(value))]
+            kind = type(value).__name__
+        if len(set(names)) != len(names):
+            raise UnsupportedValue(
+                f"state[{format_path(path)}]: dict keys {keys!r} collide once written as strings"
+            )
+        record: dict[str, Any] = {"kind": kind}
+        if keys is not None:
+            record["keys"] = keys
+        td.set(NODE_KEY, _leaf(record, (*path, NODE_KEY)))
+        vals = value.values() if isinstance(value, dict) else value
+        items = list(zip(names, vals, strict=True))
+    else:
+        raise UnsupportedValue(
+            f"state[{format_path(path)}]: expected a dict, list or tuple, got {type(value).__name__}"
+        )
+    for name, v in items:
+        sub = (*path, name)
+        if isinstance(v, torch.Tensor):
+            td.set(name, v)
+        elif isinstance(v, TensorDictBase) or (
+            type(v) is dict and all(type(k) is str for k in v)
+        ):
+            td.set(name, from_python(v, sub))
+        elif _contains_tensor(v):
+            td.set(name, from_python(v, sub))
+        else:
+            td.set(name, _leaf(v, sub))
+    return td
+
+
+def to_python(value: Any) -> Any:
+    """Turn a (sub-)TensorDict built by :func:`from_python` back into Python containers."""
+    if isinstance(value, NonTensorData):
+        return value.data
+    if not isinstance(value, TensorDictBase):
+        return value
+    record = None
+    out: dict[str, Any] = {}
+    for key in value.keys():
+        item = value.get(key)
+        if key == NODE_KEY:
+            record = item.data if isinstance(item, NonTensorData) else item
+            continue
+        out[key] = to_python(item)
+    if record is None:
+        return out
+    kind = record["kind"]
+    if kind == "dict":
+        keys = record["keys"]
+        names = [k if type(k) is str else repr(k) for k in keys]
+        return {k: out[n] for k, n in zip(keys, names, strict=True)}
+    seq = [out[str(i)] for i in range(len(out))]
+    return tuple(seq) if kind == "tuple" else seq
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One entry of a flattened tree: a tensor, a plain value, or an (empty) node."""
+
+    path: KeyPath
+    kind: str  # "tensor" | "value" | "node"
+    value: Any = None
+
+
+def iter_leaves(td: TensorDictBase, prefix: KeyPath = ()) -> Iterator[Leaf]:
+    """Walk a TensorDict in insertion order, yielding every node and leaf.
+
+    Nodes are yielded before their children so that an unflatten can rebuild
+    empty sub-trees too.
+    """
+    for key in td.keys():
+        path = (*prefix, key)
+        item = td.get(key)
+        if isinstance(item, NonTensorData):
+            yield Leaf(path, "value", item.data)
+        elif isinstance(item, TensorDictBase):
+            if item.batch_size != torch.Size([]):
+                raise UnsupportedValue(
+                    f"state[{format_path(path)}]: sub-TensorDicts must have batch_size=[] "
+                    f"(got {list(item.batch_size)})"
+                )
+            yield Leaf(path, "node")
+            yield from iter_leaves(item, path)
+        elif isinstance(item, torch.Tensor):
+            yield Leaf(path, "tensor", item)
+        else:
+            raise UnsupportedValue(
+                f"state[{format_path(path)}]: unsupported leaf type {type(item).__name__}"
+            )
+
+
+def as_state(value: TensorDictBase | Mapping[str, Any]) -> TensorDictBase:
+    """Accept a TensorDict or a plain mapping wherever a state is expected."""
+    if isinstance(value, TensorDictBase):
+        if value.batch_size != torch.Size([]):
+            raise UnsupportedValue(
+                f"state: the root TensorDict must have batch_size=[] (got {list(value.batch_size)})"
+            )
+        return value
+    if isinstance(value, Mapping):
+        return from_python(dict(value))
+    raise UnsupportedValue(f"state: expected a TensorDict or a dict, got {type(value).__name__}")
+
+
+def unflatten(leaves: list[Leaf]) -> TensorDict:
+    """Rebuild a locked TensorDict from leaves produced by :func:`iter_leaves`."""
+    root = TensorDict({}, batch_size=[])
+    nodes: dict[KeyPath, TensorDictBase] = {(): root}
+    for leaf in leaves:
+        parent = nodes.get(leaf.path[:-1])
+        if parent is None:  # a parent omitted by a partial restore
+            parent = root
+            for i in range(1, len(leaf.path)):
+                sub = leaf.path[:i]
+                if sub not in nodes:
+                    child = TensorDict({}, batch_size=[])
+                    parent.set(sub[-1], child)
+                    nodes[sub] = parent.get(sub[-1])
+                parent = nodes[sub]
+        name = leaf.path[-1]
+        if leaf.kind == "node":
+            parent.set(name, TensorDict({}, batch_size=[]))
+            nodes[leaf.path] = parent.get(name)
+        elif leaf.kind == "value":
+            parent.set(name, NonTensorData(data=leaf.value, batch_size=[]))
+        else:
+            parent.set(name, leaf.value)
+    root.lock_()
+    return root

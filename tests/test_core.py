@@ -1,0 +1,248 @@
+"""save / restore / inspect / verify on real files: exactness, templates, DCP compatibility."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from tensordict import TensorDict
+
+import functional_ckpt as fc
+from tests.exact import assert_exact
+
+CPU_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu,
+    torch.complex32,
+    torch.complex64,
+    torch.complex128,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+]
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """Random bytes reinterpreted as ``dtype``: every bit pattern, NaN payloads included."""
+    size = torch.empty((), dtype=dtype).element_size()
+    n = 1
+    for d in shape:
+        n *= d
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(3):
+        model(torch.randn(6, 4)).sum().backward()
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def test_every_dtype_and_shape_round_trips(tmp_path: Path) -> None:
+    tree: dict[str, object] = {}
+    for i, dtype in enumerate(CPU_DTYPES):
+        name = str(dtype).removeprefix("torch.")
+        tree[name] = {
+            "m": random_tensor(dtype, (3, 5), i),
+            "scalar": random_tensor(dtype, (), i + 100),
+            "empty": random_tensor(dtype, (0, 4), i),
+        }
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    tree["views"] = {"t": base.t(), "strided": base[:, ::2], "grad": torch.ones(3, requires_grad=True)}
+    tree["keys"] = {"a.b": torch.ones(1), "c/d": torch.zeros(2), "ünï©ødé ✓": torch.ones(2)}
+    state = fc.from_python(tree)
+    fc.save(tmp_path / "ck", state)
+    back = fc.restore(tmp_path / "ck")
+    assert back.is_locked and back.batch_size == torch.Size([])
+    out = fc.to_python(back)
+    assert out["views"]["grad"].requires_grad
+    tree["views"]["grad"] = tree["views"]["grad"].detach()
+    out["views"]["grad"] = out["views"]["grad"].detach()
+    assert_exact(out, tree)
+    assert fc.verify(tmp_path / "ck").ok
+
+
+def test_optimizer_hyperparameters_keep_their_python_types(tmp_path: Path) -> None:
+    model, opt, sched = model_and_optimizer()
+    state = fc.capture(model=model, optimizer=opt, scheduler=sched)
+    fc.save(tmp_path / "ck", state)
+    back = fc.to_python(fc.restore(tmp_path / "ck"))
+    group = back["optimizer"]["param_groups"][0]
+    assert type(group["lr"]) is float and group["lr"] == opt.param_groups[0]["lr"]
+    assert type(group["betas"]) is tuple and group["betas"] == (0.9, 0.95)
+    assert list(back["optimizer"]["state"]) == list(opt.state_dict()["state"])  # int keys
+    assert_exact(back["optimizer"], opt.state_dict())
+    assert_exact(back["scheduler"], sched.state_dict())
+
+
+def test_capture_apply_restores_live_objects(tmp_path: Path) -> None:
+    model, opt, sched = model_and_optimizer()
+    np.random.seed(5)
+    random.seed(5)
+    state = fc.capture(model=model, optimizer=opt, scheduler=sched, step=7, env={"pos": (1, 2)})
+    fc.save(tmp_path / "ck", state)
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+
+    model2 = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1.0)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    template = fc.capture(model=model2, optimizer=opt2, scheduler=sched2, step=0, env={"pos": (0, 0)})
+    back = fc.restore(tmp_path / "ck", template)  # fresh optimizer: empty state is filled
+    fc.apply(back, model=model2, optimizer=opt2, scheduler=sched2)
+    assert back["step"] == 7 and fc.to_python(back["env"]) == {"pos": (1, 2)}
+    assert_exact(opt2.state_dict(), opt.state_dict())
+    assert_exact(model2.state_dict(), model.state_dict())
+    assert sched2.state_dict() == sched.state_dict()
+    got = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(got[0], expected[0])
+    assert np.array_equal(got[1], expected[1]) and got[2] == expected[2]
+
+
+def test_restore_reads_into_template_tensors_in_place(tmp_path: Path) -> None:
+    src = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+    fc.save(tmp_path / "ck", src)
+    template = fc.from_python({"w": torch.zeros(64, 64), "b": torch.zeros(64)})
+    w_ptr = template["w"].data_ptr()
+    back = fc.restore(tmp_path / "ck", template)
+    assert back["w"].data_ptr() == w_ptr  # no second copy
+    assert torch.equal(back["w"], src["w"]) and torch.equal(template["b"], src["b"])
+
+
+def test_meta_template_allocates_on_cpu(tmp_path: Path) -> None:
+    fc.save(tmp_path / "ck", {"w": torch.arange(6.0).reshape(2, 3)})
+    back = fc.restore(tmp_path / "ck", {"w": torch.empty(2, 3, device="meta")})
+    assert back["w"].device.type == "cpu"
+    assert torch.equal(back["w"], torch.arange(6.0).reshape(2, 3))
+
+
+def test_template_mismatch_lists_every_offending_key(tmp_path: Path) -> None:
+    fc.save(tmp_path / "ck", {"a": torch.zeros(2, 3), "b": torch.zeros(4), "c": torch.zeros(1), "v": 1})
+    template = {"a": torch.zeros(3, 2), "b": torch.zeros(4, dtype=torch.float64), "d": torch.zeros(1), "v": 2}
+    with pytest.raises(fc.TemplateMismatch) as e:
+        fc.restore(tmp_path / "ck", template)
+    msg = str(e.value)
+    assert "'a'" in msg and "float32[2, 3]" in msg and "float32[3, 2]" in msg
+    assert "'b'" in msg and "float64" in msg and "cast=True" in msg
+    assert "'d'" in msg and "missing" in msg
+    assert "'c'" in msg and "partial=True" in msg
+
+
+def test_cast_and_partial(tmp_path: Path) -> None:
+    fc.save(tmp_path / "ck", {"a": torch.tensor([1.5, 2.5]), "b": torch.zeros(4), "n": {"x": 3}})
+    back = fc.restore(tmp_path / "ck", {"a": torch.zeros(2, dtype=torch.float64)}, cast=True, partial=True)
+    assert back["a"].dtype == torch.float64 and back["a"].tolist() == [1.5, 2.5]
+    assert set(back.keys()) == {"a"}
+
+
+def test_tied_parameters_are_written_once_and_stay_tied(tmp_path: Path) -> None:
+    emb = torch.nn.Embedding(100, 32)
+    head = torch.nn.Linear(32, 100, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    state = fc.capture(model=model, rng=False)
+    info = fc.save(tmp_path / "ck", state)
+    assert info.tensor_bytes == 100 * 32 * 4
+    back = fc.restore(tmp_path / "ck")
+    assert back["model", "emb.weight"].data_ptr() == back["model", "head.weight"].data_ptr()
+    sd = {"model": {"emb.weight": torch.empty(100, 32), "head.weight": torch.empty(100, 32)}}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    assert torch.equal(sd["model"]["head.weight"], emb.weight.detach())
+
+
+def test_stock_dcp_load_reads_every_tensor(tmp_path: Path) -> None:
+    tree = {
+        "model": {f"layer{i}.{name}": random_tensor(d, (3, 4), i) for i, d in enumerate(CPU_DTYPES) for name in ("w",)},
+        "scalar": torch.tensor(3.5),
+        "step": 12,
+    }
+    fc.save(tmp_path / "ck", tree)
+    target = {
+        "model": {k: torch.empty_like(v) for k, v in tree["model"].items()},
+        "scalar": torch.empty(()),
+    }
+    dcp.load(target, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    for k, v in tree["model"].items():
+        assert torch.equal(target["model"][k].view(torch.uint8), v.view(torch.uint8)), k
+    assert target["scalar"].item() == 3.5
+
+
+def test_restore_of_stock_dcp_checkpoint(tmp_path: Path) -> None:
+    sd = {"w": torch.randn(4, 4), "nested": {"b": torch.arange(3)}, "obj": {"lr": 0.1}}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    template = {"w": torch.zeros(4, 4), "nested": {"b": torch.zeros(3, dtype=torch.long)}}
+    back = fc.restore(tmp_path / "d", template, partial=True)
+    assert torch.equal(back["w"], sd["w"]) and torch.equal(back["nested", "b"], sd["nested"]["b"])
+    with pytest.raises(fc.UnsafeCheckpoint, match="allow_pickle"):
+        fc.restore(tmp_path / "d", {**template, "obj": {"lr": 0.0}})
+    back = fc.restore(tmp_path / "d", {**template, "obj": {"lr": 0.0}}, allow_pickle=True)
+    assert back["obj", "lr"] == 0.1
+    summary = fc.inspect(tmp_path / "d")
+    assert summary.foreign and summary.num_tensors == 2
+
+
+def test_inspect_reads_no_tensor_data(tmp_path: Path) -> None:
+    fc.save(tmp_path / "ck", {"w": torch.zeros(8, 8), "lr": 0.5}, metadata={"run": "r1"})
+    os.truncate(tmp_path / "ck" / "__0_0.distcp", 0)  # tensors gone: inspect still works
+    with pytest.raises(fc.CorruptCheckpoint):
+        fc.restore(tmp_path / "ck")
+    (tmp_path / "ck2").mkdir()
+
+
+def test_inspect_summary(tmp_path: Path) -> None:
+    fc.save(tmp_path / "ck", {"w": torch.zeros(8, 8), "lr": 0.5}, metadata={"run": "r1"})
+    s = fc.inspect(tmp_path / "ck")
+    assert s.tree["w"].shape == (8, 8) and s.tree["lr"] == 0.5
+    assert s.metadata["run"] == "r1" and "hostname" in s.metadata
+    assert s.num_tensors == 1 and s.tensor_bytes == 256
+    assert "w: float32[8, 8]" in str(s)
+
+
+def test_overwrite_replaces_atomically(tmp_path: Path) -> None:
+    fc.save(tmp_path / "ck", {"v": torch.zeros(3)})
+    with pytest.raises(fc.CheckpointExists, match="overwrite=True"):
+        fc.save(tmp_path / "ck", {"v": torch.ones(3)})
+    fc.save(tmp_path / "ck", {"v": torch.ones(3)}, overwrite=True)
+    assert torch.equal(fc.restore(tmp_path / "ck")["v"], torch.ones(3))
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # nothing left behind
+
+
+def test_save_works_without_process_group() -> None:
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+
+
+def test_state_must_be_a_tree(tmp_path: Path) -> None:
+    with pytest.raises(fc.UnsupportedValue, match=r"state\['env'\]"):
+        fc.save(tmp_path / "ck", {"env": object()})
+    with pytest.raises(fc.UnsupportedValue, match="batch_size"):
+        fc.save(tmp_path / "ck", TensorDict({"a": torch.zeros(2)}, batch_size=[2]))
+    assert not (tmp_path / "ck").exists()
+    assert os.listdir(tmp_path) == []

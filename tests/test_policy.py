@@ -1,0 +1,660 @@
+"""Save policies: decision tables, algebra laws, restart semantics, plain-data state."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from functional_ckpt.errors import CheckpointError
+from functional_ckpt.policy import (
+    Event,
+    PolicyState,
+    SavePolicy,
+    always,
+    at_steps,
+    every_epochs,
+    every_secs,
+    every_steps,
+    never,
+    on_final,
+    on_improve,
+    on_signal,
+    run_policy,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def steps(*ss: int) -> list[Event]:
+    return [Event(step=s) for s in ss]
+
+
+def fired_at(policy: SavePolicy, events: list[Event]) -> list[int]:
+    return [e.step for e, d in zip(events, run_policy(policy, events), strict=True) if d]
+
+
+class FakeClock:
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def roundtrip(state: PolicyState) -> PolicyState:
+    """What a state looks like after a manifest write and read."""
+    return msgpack.unpackb(msgpack.packb(state), raw=False)
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def test_every_steps_table() -> None:
+    assert fired_at(every_steps(3), steps(*range(11))) == [0, 3, 6, 9]
+    assert fired_at(every_steps(3, offset=1), steps(*range(9))) == [1, 4, 7]
+    assert fired_at(every_steps(3, offset=3), steps(*range(7))) == [3, 6]
+    # Sparse steps: only exact multiples count.
+    assert fired_at(every_steps(5), steps(1, 4, 7, 10, 13, 15)) == [10, 15]
+
+
+def test_every_steps_repeated_step_fires_once() -> None:
+    policy = every_steps(3)
+    assert run_policy(policy, steps(3, 3, 4, 3, 6, 6)) == [True, False, False, False, True, False]
+    # The memory survives a restore: the checkpoint saved at 3 holds last_fired_step=3.
+    state = policy.init()
+    _, state = policy.should_save(state, Event(3))
+    assert run_policy(policy, steps(3, 4, 6), state=roundtrip(state)) == [False, False, True]
+    # A rollback of the step counter fires again at the next matching step.
+    assert run_policy(policy, steps(3, 6, 3)) == [True, True, True]
+
+
+def test_every_epochs_table() -> None:
+    epochs = [0, 0, 1, 1, 2, 2, None, 3, 4, 4, 5, 6]
+    events = [Event(step=i, epoch=e) for i, e in enumerate(epochs)]
+    assert run_policy(every_epochs(2), events) == [
+        False, False, False, False, True, False, False, False, True, False, False, True,
+    ]  # fmt: skip
+    assert run_policy(every_epochs(1), events) == [
+        False, False, True, False, True, False, False, True, True, False, True, True,
+    ]  # fmt: skip
+    # One event per finished epoch, counted from 1.
+    ends = [Event(step=10 * e, epoch=e) for e in (1, 2, 3, 4)]
+    assert run_policy(every_epochs(1), ends) == [True] * 4
+    assert run_policy(every_epochs(2), ends) == [False, True, False, True]
+    # A jump over a multiple does not save; going down then up again does.
+    jumps = [Event(step=i, epoch=e) for i, e in enumerate([1, 3, 2, 4, 2, 4])]
+    assert run_policy(every_epochs(2), jumps) == [False, False, False, True, False, True]
+
+
+def test_every_epochs_ignores_events_without_epoch() -> None:
+    policy = every_epochs(1)
+    state = policy.init()
+    _, state = policy.should_save(state, Event(step=1, epoch=3))
+    saved, after = policy.should_save(state, Event(step=2))
+    assert not saved and after == state
+    # Restored mid-epoch: no second save for the same epoch.
+    assert run_policy(policy, [Event(5, epoch=3), Event(6, epoch=4)], roundtrip(state)) == [
+        False,
+        True,
+    ]
+
+
+def test_at_steps_table() -> None:
+    policy = at_steps([2, 5, 100])
+    assert fired_at(policy, steps(0, 1, 2, 2, 3, 5, 5, 2)) == [2, 5]
+    state = policy.init()
+    for e in steps(0, 1, 2):
+        _, state = policy.should_save(state, e)
+    # Restored after step 2: 2 is not saved again, 5 still is.
+    assert run_policy(policy, steps(2, 5), roundtrip(state)) == [False, True]
+    assert run_policy(at_steps([]), steps(0, 1, 2)) == [False] * 3
+
+
+def test_stateless_policies() -> None:
+    events = [Event(1), Event(2), Event(3, is_final=True)]
+    assert run_policy(always(), events) == [True, True, True]
+    assert run_policy(never(), events) == [False, False, False]
+    assert run_policy(on_final(), events) == [False, False, True]
+
+
+def test_on_improve_min() -> None:
+    losses = [3.0, 2.0, 2.0, 2.5, 1.0, math.inf]
+    events = [Event(i, metrics={"loss": v}) for i, v in enumerate(losses)]
+    assert run_policy(on_improve("loss"), events) == [True, True, False, False, True, False]
+
+
+def test_on_improve_max_and_min_delta() -> None:
+    acc = [0.5, 0.55, 0.59, 0.61, 0.6, 0.9]
+    events = [Event(i, metrics={"acc": v}) for i, v in enumerate(acc)]
+    assert run_policy(on_improve("acc", mode="max"), events) == [
+        True, True, True, True, False, True,
+    ]  # fmt: skip
+    # best is the best *saved* value: 0.55 and 0.59 are within 0.1 of 0.5, 0.61 is not.
+    assert run_policy(on_improve("acc", mode="max", min_delta=0.1), events) == [
+        True, False, False, True, False, True,
+    ]  # fmt: skip
+    # min mode with min_delta: improvements must exceed it strictly.
+    losses = [3.0, 2.8, 2.5, 2.4, 1.0]
+    ev = [Event(i, metrics={"loss": v}) for i, v in enumerate(losses)]
+    assert run_policy(on_improve("loss", min_delta=0.5), ev) == [True, False, False, True, True]
+
+
+def test_on_improve_ignores_missing_metric_and_nan() -> None:
+    policy = on_improve("loss")
+    state = policy.init()
+    for metrics in (None, {}, {"acc": 1.0}, {"loss": math.nan}):
+        saved, after = policy.should_save(state, Event(1, metrics=metrics))
+        assert not saved and after == state
+    saved, state = policy.should_save(state, Event(2, metrics={"loss": 1.0}))
+    assert saved
+    saved, after = policy.should_save(state, Event(3, metrics={"loss": math.nan}))
+    assert not saved and after == state
+
+
+def test_on_improve_remembers_best_across_restore() -> None:
+    events = [Event(i, metrics={"loss": v}) for i, v in enumerate([5.0, 3.0, 4.0])]
+    first = on_improve("loss")
+    state = first.init()
+    for e in events:
+        _, state = first.should_save(state, e)
+    restored = json.loads(json.dumps(state))
+    second = on_improve("loss")  # a new process builds a new, equal policy
+    later = [Event(10 + i, metrics={"loss": v}) for i, v in enumerate([3.5, 3.0, 2.9])]
+    assert run_policy(second, later, restored) == [False, False, True]
+    assert run_policy(second, later) == [True, True, True]  # a fresh state would save
+
+
+def test_combination_tables() -> None:
+    p = every_steps(3) & ~at_steps([6])
+    assert fired_at(p, steps(*range(13))) == [0, 3, 9, 12]
+
+    q = every_steps(5) | on_improve("loss")
+    losses = [9, 8, 8, 8, 8, 8, 7, 7, 7, 7, 7, 7]
+    events = [Event(i, metrics={"loss": float(v)}) for i, v in enumerate(losses)]
+    assert fired_at(q, events) == [0, 1, 5, 6, 10]
+
+    r = every_epochs(2) | on_final()
+    ev = [Event(i, epoch=i // 2, is_final=i == 6) for i in range(7)]
+    assert fired_at(r, ev) == [4, 6]
+
+    s = (every_steps(2) | at_steps([3])) & ~on_final()
+    ev = [Event(i, is_final=i == 4) for i in range(6)]
+    assert fired_at(s, ev) == [0, 2, 3]
+
+
+def test_combinators_evaluate_every_child() -> None:
+    """at_steps must record 6 as fired even though always() already decided the Any."""
+    p = always() | at_steps([6])
+    state = p.init()
+    _, state = p.should_save(state, Event(6))
+    assert state == [None, {"fired": [6]}]
+    q = never() & at_steps([6])
+    state = q.init()
+    _, state = q.should_save(state, Event(6))
+    assert state == [None, {"fired": [6]}]
+
+
+def test_repr_and_flattening() -> None:
+    assert repr(every_steps(1000) | every_secs(3600)) == "every_steps(1000) | every_secs(3600.0)"
+    a, b, c = every_steps(2), at_steps([3, 1]), on_improve("acc", mode="max", min_delta=0.5)
+    abc = a | b | c
+    assert repr(abc) == (
+        "every_steps(2) | at_steps([1, 3]) | on_improve('acc', mode='max', min_delta=0.5)"
+    )
+    assert isinstance(abc.init(), list) and len(abc.init()) == 3  # one flat Any node
+    assert len(((a | b) | (c | on_final())).init()) == 4
+    assert repr(~(a | b)) == "~(every_steps(2) | at_steps([1, 3]))"
+    assert repr((a | b) & ~c) == (
+        "(every_steps(2) | at_steps([1, 3])) & ~on_improve('acc', mode='max', min_delta=0.5)"
+    )
+    assert repr(a & b | c) == "every_steps(2) & at_steps([1, 3]) | " + repr(c)
+    assert repr(~(a & b)) == "~(every_steps(2) & at_steps([1, 3]))"
+    assert repr(every_steps(5, offset=2)) == "every_steps(5, offset=2)"
+    assert repr(every_epochs(2) | on_final() | always() | never()) == (
+        "every_epochs(2) | on_final() | always() | never()"
+    )
+    assert ~~a is a
+    # repr is valid Python that rebuilds an equivalent policy.
+    namespace = {"every_steps": every_steps, "at_steps": at_steps, "on_improve": on_improve}
+    for p in (abc, ~(a | b), (a | b) & ~c, a & b | c):
+        assert repr(eval(repr(p), namespace)) == repr(p)
+
+
+def test_run_policy_with_state() -> None:
+    p = every_steps(2)
+    assert run_policy(p, []) == []
+    assert run_policy(p, steps(2, 3, 4), state={"last_fired_step": 2}) == [False, False, True]
+
+
+# --------------------------------------------------------------------------- every_secs
+
+
+def test_every_secs_fake_clock() -> None:
+    clock = FakeClock(1000.0)
+    p = every_secs(10, clock=clock)
+    state = p.init()
+    decisions = []
+    for t in [1000, 1004, 1009, 1010, 1015, 1019, 1021, 1031]:
+        clock.now = t
+        d, state = p.should_save(state, Event(0))
+        decisions.append(d)
+    # The first event starts the timer; after a save the count restarts from zero.
+    assert decisions == [False, False, False, True, False, False, True, True]
+
+
+def test_every_secs_clock_backwards_adds_nothing() -> None:
+    clock = FakeClock(100.0)
+    p = every_secs(5, clock=clock)
+    state = p.init()
+    for t, expected in [(100, False), (90, False), (94, False), (95, True)]:
+        clock.now = t
+        d, state = p.should_save(state, Event(0))
+        assert d is expected
+
+
+def test_every_secs_downtime_does_not_count() -> None:
+    clock = FakeClock(50_000.0)
+    p = every_secs(60, clock=clock)
+    state = p.init()
+    decisions = []
+    for t in (50_000, 50_020, 50_060, 50_100):  # saves at +60, then 40 s accumulate
+        clock.now = t
+        saved, state = p.should_save(state, Event(0))
+        decisions.append(saved)
+    assert decisions == [False, False, True, False]
+    assert state["elapsed"] == 40.0  # type: ignore[index]
+    manifest = json.dumps(state)  # plain data: survives json and msgpack exactly
+    assert roundtrip(state) == state
+
+    # A new process: a new instance, a clock with an unrelated origin, hours later.
+    clock2 = FakeClock(3.0)
+    p2 = every_secs(60, clock=clock2)
+    restored = json.loads(manifest)
+    decisions.clear()
+    for t in (3.0, 13.0, 22.0, 23.0, 24.0):
+        clock2.now = t
+        d, restored = p2.should_save(restored, Event(1))
+        decisions.append(d)
+    # 40 s before the crash + 20 s after the resume event = 60 s at t=23.
+    assert decisions == [False, False, False, True, False]
+
+
+def test_every_secs_state_is_not_mutated_and_session_is_adopted() -> None:
+    clock = FakeClock()
+    p, q = every_secs(1, clock=clock), every_secs(1, clock=clock)
+    foreign = q.init()
+    frozen = copy.deepcopy(foreign)
+    _, mine = p.should_save(foreign, Event(0))
+    assert foreign == frozen
+    assert mine["session"] != foreign["session"]  # type: ignore[index]
+    clock.now = 1.0
+    assert p.should_save(mine, Event(1))[0]
+
+
+def test_every_secs_default_clock_is_monotonic() -> None:
+    p = every_secs(3600)
+    saved, state = p.should_save(p.init(), Event(0))
+    assert not saved and isinstance(state["last_clock"], float)  # type: ignore[index]
+    assert abs(state["last_clock"] - time.monotonic()) < 60  # type: ignore[index]
+
+
+# --------------------------------------------------------------------------- on_signal
+
+
+def test_on_signal_chains_previous_python_handler_and_uninstalls() -> None:
+    calls: list[int] = []
+
+    def previous(signum: int, frame: object) -> None:
+        calls.append(signum)
+
+    original = signal.signal(signal.SIGUSR1, previous)
+    try:
+        p = on_signal(signal.SIGUSR1)
+        assert repr(p) == "on_signal(signal.SIGUSR1)"
+        assert run_policy(p, steps(1)) == [False]
+        os.kill(os.getpid(), signal.SIGUSR1)
+        deadline = time.monotonic() + 5
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert calls == [signal.SIGUSR1]
+        # The flag makes the next event save, once.
+        assert run_policy(p, steps(2, 3)) == [True, False]
+        p.trigger()
+        assert run_policy(every_steps(100) | p, steps(4, 5)) == [True, False]
+        p.uninstall()
+        assert signal.getsignal(signal.SIGUSR1) is previous
+        p.uninstall()  # idempotent
+        assert signal.getsignal(signal.SIGUSR1) is previous
+    finally:
+        signal.signal(signal.SIGUSR1, original)
+
+
+def test_on_signal_uninstall_leaves_later_handler_in_place() -> None:
+    original = signal.getsignal(signal.SIGUSR2)
+    try:
+        first = on_signal(signal.SIGUSR2)
+        second = on_signal(signal.SIGUSR2)  # chains to first
+        second.trigger()
+        first.uninstall()  # second is on top: leave it, first becomes pass-through
+        assert signal.getsignal(signal.SIGUSR2) == second._handle
+        second.uninstall()
+        assert signal.getsignal(signal.SIGUSR2) == first._handle
+        # first is uninstalled: it only passes the signal on and does not fire.
+        first._handle(signal.SIGUSR2, None)
+        assert run_policy(first, steps(1)) == [False]
+    finally:
+        signal.signal(signal.SIGUSR2, original)
+
+
+def test_on_signal_does_not_run_sig_dfl() -> None:
+    """SIGTERM's default action would kill the process before it could save."""
+    script = textwrap.dedent(
+        """
+        import os, signal, time
+        from functional_ckpt.policy import Event, on_signal, run_policy
+        p = on_signal()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert run_policy(p, [Event(1), Event(2)]) == [True, False]
+        p.uninstall()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        print("survived")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "survived"
+
+
+def test_on_signal_requires_main_thread() -> None:
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            on_signal(signal.SIGUSR1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and isinstance(errors[0], CheckpointError)
+    assert "main thread" in str(errors[0])
+
+
+def test_on_signal_bad_signum() -> None:
+    with pytest.raises(ValueError, match="signum"):
+        on_signal(123456)
+    with pytest.raises(ValueError, match="signum"):
+        on_signal(signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize(
+    ("make", "exc", "message"),
+    [
+        (lambda: every_steps(0), ValueError, r"every_steps\(n=0\): n must be a positive int"),
+        (lambda: every_steps(True), ValueError, "n must be a positive int"),
+        (lambda: every_steps(2.0), ValueError, "n must be a positive int"),
+        (lambda: every_steps(2, offset=1.5), TypeError, "offset must be an int"),
+        (lambda: every_epochs(-1), ValueError, r"every_epochs\(n=-1\)"),
+        (lambda: every_secs(0), ValueError, "s must be a positive"),
+        (lambda: every_secs(math.inf), ValueError, "finite"),
+        (lambda: every_secs("5"), TypeError, "s must be a number"),
+        (lambda: every_secs(5, clock=3), TypeError, "clock must be callable"),
+        (lambda: on_improve(1), TypeError, "metric must be a str"),
+        (lambda: on_improve("loss", mode="avg"), ValueError, "mode must be 'min' or 'max'"),
+        (lambda: on_improve("loss", min_delta=-1), ValueError, "min_delta"),
+        (lambda: on_improve("loss", min_delta=math.nan), ValueError, "min_delta"),
+        (lambda: at_steps(5), TypeError, "steps must be an iterable"),
+        (lambda: at_steps([1, "2"]), TypeError, "steps must be ints"),
+        (lambda: Event(step=1.5), TypeError, r"Event\(step=...\)"),
+        (lambda: Event(step=True), TypeError, "bool"),
+        (lambda: Event(step=1, epoch="2"), TypeError, r"Event\(epoch=...\)"),
+        (lambda: Event(step=1, metrics=[1.0]), TypeError, "metrics must be a mapping"),
+        (lambda: Event(step=1, is_final=1), TypeError, "is_final must be a bool"),
+    ],
+)
+def test_bad_arguments(make: Any, exc: type[Exception], message: str) -> None:
+    with pytest.raises(exc, match=message):
+        make()
+
+
+def test_event_accepts_index_types() -> None:
+    class Step:
+        def __index__(self) -> int:
+            return 7
+
+    e = Event(step=Step(), epoch=Step())  # type: ignore[arg-type]
+    assert type(e.step) is int and e.step == 7 and e.epoch == 7
+
+
+def test_foreign_state_is_rejected() -> None:
+    with pytest.raises(ValueError, match="does not fit"):
+        every_steps(3).should_save({"fired": []}, Event(1))
+    with pytest.raises(ValueError, match="does not fit"):
+        (every_steps(3) | at_steps([1])).should_save([None], Event(1))
+    with pytest.raises(ValueError, match="does not fit"):
+        on_final().should_save({"best": 1.0}, Event(1))
+
+
+def test_operators_reject_non_policies() -> None:
+    with pytest.raises(TypeError):
+        every_steps(1) | 3  # type: ignore[operator]
+    with pytest.raises(TypeError):
+        every_steps(1) & None  # type: ignore[operator]
+
+
+# --------------------------------------------------------------------------- hypothesis
+
+# One shared fake clock, reset by `run` before each pass, so that two policies built from
+# the same leaves see the same times.
+CLOCK = FakeClock()
+
+leaves = st.one_of(
+    st.builds(every_steps, st.integers(1, 5), st.integers(0, 4)),
+    st.builds(every_epochs, st.integers(1, 3)),
+    st.lists(st.integers(0, 20), max_size=4).map(at_steps),
+    st.builds(
+        on_improve,
+        st.sampled_from(["loss", "acc"]),
+        st.sampled_from(["min", "max"]),
+        st.sampled_from([0.0, 0.5]),
+    ),
+    st.floats(0.5, 5.0).map(lambda s: every_secs(s, clock=CLOCK)),
+    st.sampled_from([on_final(), always(), never()]),
+)
+
+policies = st.recursive(
+    leaves,
+    lambda children: st.one_of(
+        st.tuples(children, children).map(lambda t: t[0] | t[1]),
+        st.tuples(children, children).map(lambda t: t[0] & t[1]),
+        children.map(lambda p: ~p),
+    ),
+    max_leaves=6,
+)
+
+metric_values = st.one_of(st.floats(-3, 3), st.just(math.nan), st.just(math.inf))
+
+
+@st.composite
+def event_streams(draw: st.DrawFn) -> list[tuple[float, Event]]:
+    """Mostly increasing steps and epochs, with repeats, gaps and missing metrics."""
+    n = draw(st.integers(0, 25))
+    step, epoch = 0, 0
+    out: list[tuple[float, Event]] = []
+    for i in range(n):
+        step += draw(st.integers(0, 3))
+        epoch += draw(st.integers(0, 1))
+        metrics = draw(
+            st.dictionaries(st.sampled_from(["loss", "acc"]), metric_values, max_size=2) | st.none()
+        )
+        event = Event(
+            step=step,
+            epoch=draw(st.sampled_from([epoch, epoch, None])),
+            metrics=metrics,
+            is_final=i == n - 1 and draw(st.booleans()),
+        )
+        out.append((draw(st.floats(0.0, 3.0)), event))
+    return out
+
+
+def run(policy: SavePolicy, stream: list[tuple[float, Event]]) -> list[bool]:
+    CLOCK.now = 0.0
+    state = policy.init()
+    decisions = []
+    for dt, event in stream:
+        CLOCK.now += dt
+        before = copy.deepcopy(state)
+        decision, new_state = policy.should_save(state, event)
+        assert _same(state, before), "should_save mutated its input state"
+        assert type(decision) is bool
+        decisions.append(decision)
+        state = new_state
+    return decisions
+
+
+def _same(a: object, b: object) -> bool:
+    """Equality that treats NaN as equal to itself (json-like comparison)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+ALGEBRA = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@ALGEBRA
+@given(policies, event_streams())
+def test_double_negation(p: SavePolicy, stream: list[tuple[float, Event]]) -> None:
+    assert run(~~p, stream) == run(p, stream)
+    assert run(~p, stream) == [not d for d in run(p, stream)]
+
+
+@ALGEBRA
+@given(policies, policies, event_streams())
+def test_commutativity(p: SavePolicy, q: SavePolicy, stream: list[tuple[float, Event]]) -> None:
+    assert run(p | q, stream) == run(q | p, stream)
+    assert run(p & q, stream) == run(q & p, stream)
+    dp, dq = run(p, stream), run(q, stream)
+    assert run(p | q, stream) == [a or b for a, b in zip(dp, dq, strict=True)]
+    assert run(p & q, stream) == [a and b for a, b in zip(dp, dq, strict=True)]
+
+
+@ALGEBRA
+@given(policies, policies, event_streams())
+def test_de_morgan(p: SavePolicy, q: SavePolicy, stream: list[tuple[float, Event]]) -> None:
+    assert run(~(p | q), stream) == run(~p & ~q, stream)
+    assert run(~(p & q), stream) == run(~p | ~q, stream)
+
+
+@ALGEBRA
+@given(policies, policies, policies, event_streams())
+def test_associativity(
+    p: SavePolicy, q: SavePolicy, r: SavePolicy, stream: list[tuple[float, Event]]
+) -> None:
+    assert run((p | q) | r, stream) == run(p | (q | r), stream)
+    assert run((p & q) & r, stream) == run(p & (q & r), stream)
+
+
+def _assert_plain(value: object, path: str = "state") -> None:
+    if value is None or type(value) in (bool, int, float, str):
+        return
+    if type(value) is list:
+        for i, item in enumerate(value):
+            _assert_plain(item, f"{path}[{i}]")
+        return
+    if type(value) is dict:
+        for key, item in value.items():
+            assert type(key) is str, f"{path} has non-str key {key!r}"
+            _assert_plain(item, f"{path}[{key!r}]")
+        return
+    raise AssertionError(f"{path} is {type(value).__name__}, not plain data: {value!r}")
+
+
+@ALGEBRA
+@given(policies, event_streams(), st.data())
+def test_state_is_plain_data_and_round_trips(
+    p: SavePolicy, stream: list[tuple[float, Event]], data: st.DataObject
+) -> None:
+    CLOCK.now = 0.0
+    state = p.init()
+    states = [state]
+    for dt, event in stream:
+        CLOCK.now += dt
+        _, state = p.should_save(state, event)
+        states.append(state)
+    for s in states:
+        _assert_plain(s)
+        assert roundtrip(s) == s
+        assert json.loads(json.dumps(s)) == s
+    # Resuming from any intermediate state (after a manifest round trip) in the same
+    # process gives the same decisions as the uninterrupted run.
+    cut = data.draw(st.integers(0, len(stream)))
+    expected = run(p, stream)
+    CLOCK.now = 0.0
+    state = p.init()
+    for dt, event in stream[:cut]:
+        CLOCK.now += dt
+        _, state = p.should_save(state, event)
+    state = roundtrip(state)
+    rest = []
+    for dt, event in stream[cut:]:
+        CLOCK.now += dt
+        d, state = p.should_save(state, event)
+        rest.append(d)
+    assert rest == expected[cut:]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(st.floats(-5, 5), st.just(math.nan)), max_size=20), st.data())
+def test_on_improve_matches_reference(values: list[float], data: st.DataObject) -> None:
+    mode = data.draw(st.sampled_from(["min", "max"]))
+    delta = data.draw(st.sampled_from([0.0, 0.25]))
+    events = [Event(i, metrics={"m": v}) for i, v in enumerate(values)]
+    best: float | None = None
+    expected = []
+    for v in values:
+        better = not math.isnan(v) and (
+            best is None or (v < best - delta if mode == "min" else v > best + delta)
+        )
+        expected.append(better)
+        if better:
+            best = v
+    assert run_policy(on_improve("m", mode=mode, min_delta=delta), events) == expected
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def test_docs_examples_run() -> None:
+    """Every ```python block of docs/policies.md runs, in order, in one namespace."""
+    text = (REPO / "docs" / "policies.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+    assert blocks, "docs/policies.md has no python examples"
+    namespace: dict[str, Any] = {"__name__": "docs_policies"}
+    original = signal.getsignal(signal.SIGTERM)
+    try:
+        for i, block in enumerate(blocks):
+            exec(compile(block, f"docs/policies.md[block {i}]", "exec"), namespace)
+    finally:
+        signal.signal(signal.SIGTERM, original)
