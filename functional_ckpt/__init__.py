@@ -23,6 +23,7 @@ from functional_ckpt.io import (
     save,
     verify,
 )
+from functional_ckpt.staging import PendingSave, Stager, save_async
 from functional_ckpt.state import apply, capture
 from functional_ckpt.tree import from_python, to_python
 
@@ -35,7 +36,9 @@ __all__ = [
     "CorruptCheckpoint",
     "IncompleteCheckpoint",
     "ModifiedDuringSave",
+    "PendingSave",
     "Problem",
+    "Stager",
     "TemplateMismatch",
     "TensorSpec",
     "UnsafeCheckpoint",
@@ -48,6 +51,7 @@ __all__ = [
     "inspect",
     "restore",
     "save",
+    "save_async",
     "to_python",
     "verify",
 ]

@@ -12,7 +12,7 @@ import gc
 import os
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,9 +24,7 @@ from functional_ckpt import codec, format, shards
 from functional_ckpt.errors import (
     CheckpointError,
     CheckpointExists,
-    CheckpointNotFound,
     CorruptCheckpoint,
-    IncompleteCheckpoint,
     TemplateMismatch,
     UnsafeCheckpoint,
     UnsupportedValue,
@@ -82,7 +80,7 @@ def _fqn_of(path: KeyPath) -> str:
     return ".".join(path)
 
 
-def _plain_tensor(t: torch.Tensor, path: KeyPath) -> torch.Tensor:
+def _check_tensor(t: torch.Tensor, path: KeyPath) -> None:
     where = f"state[{format_path(path)}]"
     if t.is_meta:
         raise UnsupportedValue(f"{where}: meta tensors hold no data and cannot be saved")
@@ -90,6 +88,10 @@ def _plain_tensor(t: torch.Tensor, path: KeyPath) -> torch.Tensor:
         raise UnsupportedValue(f"{where}: {t.layout} tensors are not supported; convert to dense")
     if t.is_quantized or t.is_nested:
         raise UnsupportedValue(f"{where}: quantized and nested tensors are not supported")
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous CPU tensor: itself when it already is one, else a copy."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -108,9 +110,8 @@ class _Plan:
     """The flattened state ready to be written."""
 
     entries: list[dict[str, Any]] = field(default_factory=list)
-    tensors: list[torch.Tensor] = field(default_factory=list)  # to write, in file order
-    tensor_entries: list[int] = field(default_factory=list)  # entry index of each written tensor
-    sources: list[torch.Tensor] = field(default_factory=list)  # the caller's tensors
+    sources: list[torch.Tensor] = field(default_factory=list)  # the caller's tensors, to write
+    tensor_entries: list[int] = field(default_factory=list)  # entry index of each source
     keys: list[KeyPath] = field(default_factory=list)
     num_values: int = 0
 
@@ -148,7 +149,7 @@ def plan_save(state: TensorDictBase | Mapping[str, Any]) -> _Plan:
             else:
                 if key is not None:
                     seen[key] = len(plan.entries)
-                plan.tensors.append(_plain_tensor(t, leaf.path))
+                _check_tensor(t, leaf.path)
                 plan.sources.append(t)
                 plan.tensor_entries.append(len(plan.entries))
                 plan.keys.append(leaf.path)
@@ -205,19 +206,26 @@ def auto_metadata() -> dict[str, Any]:
 def write_checkpoint(
     path: Path,
     plan: _Plan,
+    tensors: Sequence[torch.Tensor],
     *,
     metadata: Any,
     overwrite: bool,
-    after_each: Any = None,
+    after_each: Callable[[int], None] | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> CheckpointInfo:
-    """Write a planned state into ``path`` with the full commit protocol."""
+    """Write a planned state into ``path`` with the full commit protocol.
+
+    ``tensors`` are the bytes to write for ``plan.sources`` (the sources themselves,
+    or staged copies), each contiguous and on the CPU. ``after_each(i)`` runs once
+    tensor ``i`` is written; ``before_commit()`` may raise to refuse the commit.
+    """
     t0 = time.perf_counter()
     created = time.time()
     tmp = format.tmp_sibling(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-        records = shards.write_shard(tmp / SHARD_FILE, plan.tensors, after_each=after_each)
+        records = shards.write_shard(tmp / SHARD_FILE, tensors, after_each=after_each)
         by_index = {}
         for rec, idx in zip(records, plan.tensor_entries, strict=True):
             plan.entries[idx].update(
@@ -260,6 +268,8 @@ def write_checkpoint(
         }
         manifest_bytes = codec.encode(manifest, where="manifest")
         format.write_file_durably(tmp / format.MANIFEST, manifest_bytes)
+        if before_commit is not None:
+            before_commit()
         format.write_commit_marker(tmp, manifest_bytes)
         format.commit(tmp, path, overwrite=overwrite)
     except OSError as e:
@@ -281,6 +291,20 @@ def write_checkpoint(
     )
 
 
+def prepare_save(
+    path: PathLike,
+    state: TensorDictBase | Mapping[str, Any],
+    metadata: Mapping[str, Any] | None,
+    overwrite: bool,
+) -> tuple[Path, _Plan, dict[str, Any]]:
+    """Everything a save checks before writing a byte: destination, metadata, tree."""
+    dest = Path(path)
+    _check_destination(dest, overwrite)
+    meta = {**auto_metadata(), **dict(metadata or {})}
+    codec.check_encodable(meta, where="metadata")
+    return dest, plan_save(state), meta
+
+
 def save(
     path: PathLike,
     state: TensorDictBase | Mapping[str, Any],
@@ -293,13 +317,10 @@ def save(
     When this returns, the checkpoint is on disk (fsynced) and complete; before it
     returns, ``path`` is either absent or still the previous checkpoint.
     """
-    dest = Path(path)
-    _check_destination(dest, overwrite)
-    meta = {**auto_metadata(), **dict(metadata or {})}
-    codec.check_encodable(meta, where="metadata")
     with gc_paused():
-        plan = plan_save(state)
-        return write_checkpoint(dest, plan, metadata=meta, overwrite=overwrite)
+        dest, plan, meta = prepare_save(path, state, metadata, overwrite)
+        tensors = [host_copy(t) for t in plan.sources]
+        return write_checkpoint(dest, plan, tensors, metadata=meta, overwrite=overwrite)
 
 
 # --------------------------------------------------------------------------- restore
@@ -377,7 +398,8 @@ def _select(
             elif t.dtype != e.dtype and not cast:
                 problems.append(
                     f"  {format_path(p)}: saved {e.spec}, template "
-                    f"{dtype_name(t.dtype)}{list(t.shape)} (dtype differs; pass cast=True to convert)"
+                    f"{dtype_name(t.dtype)}{list(t.shape)} "
+                    "(dtype differs; pass cast=True to convert)"
                 )
             else:
                 targets[p] = t
@@ -396,9 +418,7 @@ def _select(
         if len(extra) > 50:
             problems.append(f"  ... and {len(extra) - 50} more")
     if problems:
-        raise TemplateMismatch(
-            "the checkpoint does not fit the template:\n" + "\n".join(problems)
-        )
+        raise TemplateMismatch("the checkpoint does not fit the template:\n" + "\n".join(problems))
     return selected, targets
 
 
@@ -435,9 +455,13 @@ def _read(path: Path, targets: list[_Target]) -> None:
         raise CorruptCheckpoint(f"{path}: damaged tensor data:\n" + "\n".join(bad))
     with torch.no_grad():
         for tg in targets:
-            if tg.dest is not None and tg.buf is not None and tg.buf is not tg.dest:
-                if tg.buf.data_ptr() != tg.dest.data_ptr() or tg.buf.numel() == 0:
-                    tg.dest.copy_(tg.buf)
+            if (
+                tg.dest is not None
+                and tg.buf is not None
+                and tg.buf.numel()
+                and tg.buf.data_ptr() != tg.dest.data_ptr()
+            ):
+                tg.dest.copy_(tg.buf)
 
 
 def restore(
@@ -556,8 +580,10 @@ class CheckpointSummary:
     foreign: bool = False
 
     def __str__(self) -> str:
-        lines = [f"{self.path}: {self.num_tensors} tensors ({self.tensor_bytes} B), "
-                 f"{self.num_values} values"]
+        lines = [
+            f"{self.path}: {self.num_tensors} tensors ({self.tensor_bytes} B), "
+            f"{self.num_values} values"
+        ]
 
         def walk(node: dict[str, Any], indent: str) -> None:
             for k, v in node.items():
@@ -593,7 +619,8 @@ def inspect(path: PathLike) -> CheckpointSummary:
     ):
         from functional_ckpt.foreign import inspect_dcp
 
-        return inspect_dcp(src)
+        summary: CheckpointSummary = inspect_dcp(src)
+        return summary
     parsed = open_checkpoint(src)
     tree: dict[str, Any] = {}
     tensor_bytes = 0
@@ -647,8 +674,10 @@ class VerifyReport:
     bytes_checked: int = 0
 
     def __str__(self) -> str:
-        head = f"{self.path}: {'OK' if self.ok else 'DAMAGED'} ({self.files_checked} files, " \
-               f"{self.bytes_checked} bytes)"
+        head = (
+            f"{self.path}: {'OK' if self.ok else 'DAMAGED'} ({self.files_checked} files, "
+            f"{self.bytes_checked} bytes)"
+        )
         return "\n".join([head, *(f"  {p}" for p in self.problems)])
 
 
@@ -660,9 +689,9 @@ def verify(path: PathLike) -> VerifyReport:
     try:
         manifest = format.read_manifest(src)
         parsed = parse(manifest, src)
-    except (CorruptCheckpoint, UnsafeCheckpoint) as e:
+    except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.ok = False
-        report.problems.append(Problem(format.MANIFEST, str(e)))
+        report.problems.append(Problem(format.MANIFEST, str(err)))
         return report
     files = manifest["files"]
     listed = set(files) | {format.MANIFEST, format.COMMIT_MARKER}
@@ -690,7 +719,9 @@ def verify(path: PathLike) -> VerifyReport:
         try:
             for e in entries:
                 if e.offset != pos:
-                    report.problems.append(Problem(name, f"bytes {pos}..{e.offset} are not accounted for"))
+                    report.problems.append(
+                        Problem(name, f"bytes {pos}..{e.offset} are not accounted for")
+                    )
                 hcrc, n1 = shards.crc_range(fd, e.offset, e.data_offset - e.offset)
                 crc, n2 = shards.crc_range(fd, e.data_offset, e.nbytes)
                 end = e.data_offset + e.nbytes

@@ -119,7 +119,7 @@ def parse(manifest: dict[str, Any], root: Path) -> ParsedManifest:
             not isinstance(p, list)
             or not p
             or len(p) > MAX_TREE_DEPTH
-            or not all(isinstance(k, str) and k for k in p)
+            or not all(isinstance(k, str) for k in p)
         ):
             raise CorruptCheckpoint(f"{where}: invalid key path {p!r}")
         path: KeyPath = tuple(p)

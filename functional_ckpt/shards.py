@@ -51,7 +51,8 @@ def byte_view(t: torch.Tensor) -> memoryview:
     flat = t.detach().reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    array: Any = flat.numpy()
+    return memoryview(array).cast("B")
 
 
 class _SparseWriter:
@@ -219,7 +220,9 @@ def write_shard(
             tpl = blob_template(t.dtype, tuple(t.shape))
             data = byte_view(t)
             if len(data) != tpl.nbytes:
-                raise CheckpointError(f"internal: tensor {i} has {len(data)} bytes, expected {tpl.nbytes}")
+                raise CheckpointError(
+                    f"internal: tensor {i} has {len(data)} bytes, expected {tpl.nbytes}"
+                )
             if tpl.nbytes < SMALL_TENSOR:
                 crc = zlib.crc32(data)
                 tail = tpl.patch(crc)

@@ -66,8 +66,9 @@ def apply_rng(rng: Mapping[str, Any]) -> None:
 def _state_of(name: str, obj: Any) -> Any:
     if not isinstance(obj, Stateful):
         raise UnsupportedValue(
-            f"fc.capture({name}=...): {type(obj).__name__} has no state_dict()/load_state_dict(); "
-            "use a resumable object (e.g. torchdata's StatefulDataLoader) or put its state in **extra"
+            f"fc.capture({name}=...): {type(obj).__name__} has no "
+            "state_dict()/load_state_dict(); use a resumable object (e.g. torchdata's "
+            "StatefulDataLoader) or put its state in **extra"
         )
     return obj.state_dict()
 
@@ -121,7 +122,9 @@ def _load(name: str, obj: Any, state: TensorDictBase) -> None:
             f"fc.apply({name}=...): the state has no {name!r} entry (keys: {list(state.keys())})"
         )
     if not isinstance(obj, Stateful):
-        raise UnsupportedValue(f"fc.apply({name}=...): {type(obj).__name__} has no load_state_dict()")
+        raise UnsupportedValue(
+            f"fc.apply({name}=...): {type(obj).__name__} has no load_state_dict()"
+        )
     obj.load_state_dict(to_python(state.get(name)))
 
 

@@ -39,7 +39,7 @@ def _contains_tensor(value: object) -> bool:
         return True
     if isinstance(value, dict):
         return any(_contains_tensor(v) for v in value.values())
-    if type(value) in (list, tuple):
+    if isinstance(value, list | tuple):
         return any(_contains_tensor(v) for v in value)
     return False
 
@@ -58,7 +58,7 @@ def from_python(value: Mapping[str, Any] | Any, path: KeyPath = ()) -> TensorDic
     tensors, and single, exactly stored non-tensor leaves when they do not.
     """
     if isinstance(value, TensorDictBase):
-        return value  # type: ignore[return-value]
+        return value
     td = TensorDict({}, batch_size=[])
     if isinstance(value, dict) and all(type(k) is str for k in value):
         if NODE_KEY in value:
@@ -82,25 +82,26 @@ def from_python(value: Mapping[str, Any] | Any, path: KeyPath = ()) -> TensorDic
         record: dict[str, Any] = {"kind": kind}
         if keys is not None:
             record["keys"] = keys
-        td.set(NODE_KEY, _leaf(record, (*path, NODE_KEY)))
+        td.set(NODE_KEY, _leaf(record, (*path, NODE_KEY)))  # type: ignore[arg-type]
         vals = value.values() if isinstance(value, dict) else value
         items = list(zip(names, vals, strict=True))
     else:
         raise UnsupportedValue(
-            f"state[{format_path(path)}]: expected a dict, list or tuple, got {type(value).__name__}"
+            f"state[{format_path(path)}]: expected a dict, list or tuple, "
+            f"got {type(value).__name__}"
         )
     for name, v in items:
         sub = (*path, name)
         if isinstance(v, torch.Tensor):
             td.set(name, v)
-        elif isinstance(v, TensorDictBase) or (
-            type(v) is dict and all(type(k) is str for k in v)
+        elif (
+            isinstance(v, TensorDictBase)
+            or (type(v) is dict and all(type(k) is str for k in v))
+            or _contains_tensor(v)
         ):
             td.set(name, from_python(v, sub))
-        elif _contains_tensor(v):
-            td.set(name, from_python(v, sub))
         else:
-            td.set(name, _leaf(v, sub))
+            td.set(name, _leaf(v, sub))  # type: ignore[arg-type]
     return td
 
 
@@ -198,7 +199,7 @@ def unflatten(leaves: list[Leaf]) -> TensorDict:
             parent.set(name, TensorDict({}, batch_size=[]))
             nodes[leaf.path] = parent.get(name)
         elif leaf.kind == "value":
-            parent.set(name, NonTensorData(data=leaf.value, batch_size=[]))
+            parent.set(name, NonTensorData(data=leaf.value, batch_size=[]))  # type: ignore[arg-type]
         else:
             parent.set(name, leaf.value)
     root.lock_()

@@ -29,6 +29,10 @@ def main() -> None:
         version += 1
         if mode == "overwrite":
             fc.save(root / "ck", state(version), overwrite=True)
+        elif mode == "async":
+            pending = fc.save_async(root / f"ck{version:06d}", state(version))
+            pending.wait_staged()
+            pending.result()
         else:
             fc.save(root / f"ck{version:06d}", state(version))
 

@@ -55,7 +55,9 @@ def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> 
 
 def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     for _ in range(3):
@@ -75,7 +77,11 @@ def test_every_dtype_and_shape_round_trips(tmp_path: Path) -> None:
             "empty": random_tensor(dtype, (0, 4), i),
         }
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    tree["views"] = {"t": base.t(), "strided": base[:, ::2], "grad": torch.ones(3, requires_grad=True)}
+    tree["views"] = {
+        "t": base.t(),
+        "strided": base[:, ::2],
+        "grad": torch.ones(3, requires_grad=True),
+    }
     tree["keys"] = {"a.b": torch.ones(1), "c/d": torch.zeros(2), "ünï©ødé ✓": torch.ones(2)}
     state = fc.from_python(tree)
     fc.save(tmp_path / "ck", state)
@@ -110,10 +116,14 @@ def test_capture_apply_restores_live_objects(tmp_path: Path) -> None:
     fc.save(tmp_path / "ck", state)
     expected = (torch.rand(3), np.random.rand(3), random.random())
 
-    model2 = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    model2 = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3)
+    )
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1.0)
     sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
-    template = fc.capture(model=model2, optimizer=opt2, scheduler=sched2, step=0, env={"pos": (0, 0)})
+    template = fc.capture(
+        model=model2, optimizer=opt2, scheduler=sched2, step=0, env={"pos": (0, 0)}
+    )
     back = fc.restore(tmp_path / "ck", template)  # fresh optimizer: empty state is filled
     fc.apply(back, model=model2, optimizer=opt2, scheduler=sched2)
     assert back["step"] == 7 and fc.to_python(back["env"]) == {"pos": (1, 2)}
@@ -143,8 +153,15 @@ def test_meta_template_allocates_on_cpu(tmp_path: Path) -> None:
 
 
 def test_template_mismatch_lists_every_offending_key(tmp_path: Path) -> None:
-    fc.save(tmp_path / "ck", {"a": torch.zeros(2, 3), "b": torch.zeros(4), "c": torch.zeros(1), "v": 1})
-    template = {"a": torch.zeros(3, 2), "b": torch.zeros(4, dtype=torch.float64), "d": torch.zeros(1), "v": 2}
+    fc.save(
+        tmp_path / "ck", {"a": torch.zeros(2, 3), "b": torch.zeros(4), "c": torch.zeros(1), "v": 1}
+    )
+    template = {
+        "a": torch.zeros(3, 2),
+        "b": torch.zeros(4, dtype=torch.float64),
+        "d": torch.zeros(1),
+        "v": 2,
+    }
     with pytest.raises(fc.TemplateMismatch) as e:
         fc.restore(tmp_path / "ck", template)
     msg = str(e.value)
@@ -156,7 +173,9 @@ def test_template_mismatch_lists_every_offending_key(tmp_path: Path) -> None:
 
 def test_cast_and_partial(tmp_path: Path) -> None:
     fc.save(tmp_path / "ck", {"a": torch.tensor([1.5, 2.5]), "b": torch.zeros(4), "n": {"x": 3}})
-    back = fc.restore(tmp_path / "ck", {"a": torch.zeros(2, dtype=torch.float64)}, cast=True, partial=True)
+    back = fc.restore(
+        tmp_path / "ck", {"a": torch.zeros(2, dtype=torch.float64)}, cast=True, partial=True
+    )
     assert back["a"].dtype == torch.float64 and back["a"].tolist() == [1.5, 2.5]
     assert set(back.keys()) == {"a"}
 
@@ -178,7 +197,11 @@ def test_tied_parameters_are_written_once_and_stay_tied(tmp_path: Path) -> None:
 
 def test_stock_dcp_load_reads_every_tensor(tmp_path: Path) -> None:
     tree = {
-        "model": {f"layer{i}.{name}": random_tensor(d, (3, 4), i) for i, d in enumerate(CPU_DTYPES) for name in ("w",)},
+        "model": {
+            f"layer{i}.{name}": random_tensor(d, (3, 4), i)
+            for i, d in enumerate(CPU_DTYPES)
+            for name in ("w",)
+        },
         "scalar": torch.tensor(3.5),
         "step": 12,
     }

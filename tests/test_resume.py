@@ -18,7 +18,16 @@ STEPS = 40
 
 def run(root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(SCRIPT), str(root), "--steps", str(STEPS), "--save-every", "5", *extra],
+        [
+            sys.executable,
+            str(SCRIPT),
+            str(root),
+            "--steps",
+            str(STEPS),
+            "--save-every",
+            "5",
+            *extra,
+        ],
         capture_output=True,
         text=True,
         timeout=300,

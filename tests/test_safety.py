@@ -49,7 +49,7 @@ def no_marker() -> Any:
 def test_hostile_dcp_metadata_in_our_checkpoint(tmp_path: Path) -> None:
     path = make(tmp_path)
     (path / ".metadata").write_bytes(pickle.dumps(Hostile()))
-    with pytest.raises(fc.UnsafeCheckpoint, match="posix.system|os.system"):
+    with pytest.raises(fc.UnsafeCheckpoint, match=r"posix\.system|os\.system"):
         fc.restore(path)
     with pytest.raises(fc.UnsafeCheckpoint):
         fc.inspect(path)

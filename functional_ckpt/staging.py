@@ -1,0 +1,245 @@
+"""Asynchronous saves: the training loop waits for a memory copy, or for nothing.
+
+``save_async`` checks everything a save checks, then hands the state to one
+background thread that stages it and writes it with exactly the protocol of
+:func:`functional_ckpt.save`. Staging copies into buffers a :class:`Stager`
+allocates once and reuses while shapes stay the same (pinned host memory and
+non-blocking copies on a side stream for CUDA tensors), so host memory stays flat
+over any number of saves. With ``staging="none"`` nothing is copied: the writer
+reads the live tensors and refuses to commit if any of them changed in place
+while it read them (tensor version counters).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from tensordict import TensorDictBase
+
+from functional_ckpt.errors import CheckpointError, ModifiedDuringSave
+from functional_ckpt.io import (
+    CheckpointInfo,
+    PathLike,
+    host_copy,
+    prepare_save,
+    write_checkpoint,
+)
+from functional_ckpt.tree import format_path
+
+Staging = Literal["copy", "none"]
+
+
+class Stager:
+    """Reusable host buffers for one state layout; one save uses them at a time.
+
+    Buffers are kept while the list of (shape, dtype, device kind) stays the same
+    and reallocated otherwise. A stager is busy from :meth:`acquire` until the write
+    that read its buffers has finished, so a second save waits instead of
+    overwriting bytes that are still being written.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._layout: list[tuple[torch.Size, torch.dtype, bool]] = []
+        self._free = threading.Condition()
+        self._busy = False
+        self.allocations = 0  # how many times buffers were (re)allocated
+
+    def acquire(self, timeout: float | None = None) -> None:
+        with self._free:
+            if not self._free.wait_for(lambda: not self._busy, timeout):
+                raise CheckpointError("timed out waiting for the previous save to finish")
+            self._busy = True
+
+    def release(self) -> None:
+        with self._free:
+            self._busy = False
+            self._free.notify_all()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers)
+
+    def stage(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copy ``tensors`` into the reusable buffers; returns the buffers.
+
+        CUDA copies are issued non-blocking on a side stream; this returns once
+        they are complete, so the sources may be modified afterwards.
+        """
+        layout = [(t.shape, t.dtype, t.device.type == "cuda") for t in tensors]
+        if layout != self._layout:
+            self._buffers = [
+                torch.empty(shape, dtype=dtype, pin_memory=cuda) for shape, dtype, cuda in layout
+            ]
+            self._layout = layout
+            self.allocations += 1
+        cuda = [i for i, t in enumerate(tensors) if t.device.type == "cuda"]
+        if cuda:
+            self._stage_cuda([tensors[i] for i in cuda], [self._buffers[i] for i in cuda])
+        with torch.no_grad():
+            for src, buf in zip(tensors, self._buffers, strict=True):
+                if src.device.type != "cuda":
+                    buf.copy_(src.detach())
+        return list(self._buffers)
+
+    @staticmethod
+    def _stage_cuda(srcs: list[torch.Tensor], bufs: list[torch.Tensor]) -> None:
+        stream = torch.cuda.Stream(device=srcs[0].device)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(srcs[0].device))
+        with torch.cuda.stream(stream), torch.no_grad():
+            for src, buf in zip(srcs, bufs, strict=True):
+                buf.copy_(src.detach(), non_blocking=True)
+                src.record_stream(stream)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        event.synchronize()
+
+
+_DEFAULT_STAGER = Stager()
+
+
+class PendingSave:
+    """A save running in the background.
+
+    ``wait_staged()`` returns once the state may be mutated again; ``result()``
+    once the checkpoint is committed (or raises why it was not).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._staged = threading.Event()
+        self._finished = threading.Event()
+        self._info: CheckpointInfo | None = None
+        self._error: BaseException | None = None
+        self.started = time.perf_counter()
+        self.staged_after: float | None = None  # seconds from the call to staged
+        self._thread: threading.Thread | None = None
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the state's tensors are no longer read (copied, or written)."""
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"{self.path}: staging did not finish within {timeout} s")
+
+    def result(self, timeout: float | None = None) -> CheckpointInfo:
+        """Wait for the commit; raise the background error if the save failed."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"{self.path}: the save did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._info is not None
+        return self._info
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"{self.path}: the save did not finish within {timeout} s")
+        return self._error
+
+    def _run(self, work: Any) -> None:
+        try:
+            self._info = work()
+        except BaseException as e:  # surfaced through result(), never only logged
+            self._error = e
+        finally:
+            self._mark_staged()
+            self._finished.set()
+
+    def _mark_staged(self) -> None:
+        if not self._staged.is_set():
+            self.staged_after = time.perf_counter() - self.started
+            self._staged.set()
+
+
+def _version_guard(
+    sources: Sequence[torch.Tensor], keys: Sequence[tuple[str, ...]]
+) -> tuple[Any, Any]:
+    versions = [t._version for t in sources]
+    modified: list[int] = []
+
+    def after_each(i: int) -> None:
+        if sources[i]._version != versions[i]:
+            modified.append(i)
+
+    def check() -> None:
+        late = [i for i, t in enumerate(sources) if t._version != versions[i]]
+        bad = sorted(set(modified) | set(late))
+        if bad:
+            names = ", ".join(format_path(keys[i]) for i in bad[:20])
+            more = f" and {len(bad) - 20} more" if len(bad) > 20 else ""
+            raise ModifiedDuringSave(
+                f"tensors changed in place during a staging='none' save, so the checkpoint "
+                f"was not committed: {names}{more}; use staging='copy' or stop mutating "
+                "the state until result() returns"
+            )
+
+    return after_each, check
+
+
+def save_async(
+    path: PathLike,
+    state: TensorDictBase | Mapping[str, Any],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    staging: Staging = "copy",
+    stager: Stager | None = None,
+) -> PendingSave:
+    """Start saving ``state`` to ``path`` in the background.
+
+    Everything that can be checked up front (destination, metadata, leaf types) is
+    checked here and raises here. The files and commit protocol are those of
+    :func:`functional_ckpt.save`.
+
+    ``staging="copy"`` (default): tensors are copied into reusable buffers first;
+    ``wait_staged()`` returns after the copy. ``staging="none"``: no copy; the caller
+    must not modify the state's tensors in place until ``result()`` returns, and a
+    violation is detected and the checkpoint refused.
+    """
+    if staging not in ("copy", "none"):
+        raise ValueError(f"save_async(staging={staging!r}): expected 'copy' or 'none'")
+    dest, plan, meta = prepare_save(path, state, metadata, overwrite)
+    pending = PendingSave(dest)
+    keys = [tuple(plan.entries[i]["path"]) for i in plan.tensor_entries]
+
+    if staging == "none":
+        # Only tensors that are already contiguous host memory can be read live.
+        tensors = [host_copy(t) for t in plan.sources]
+        after_each, check = _version_guard(plan.sources, keys)
+        pending._mark_staged()
+
+        def work() -> CheckpointInfo:
+            return write_checkpoint(
+                dest,
+                plan,
+                tensors,
+                metadata=meta,
+                overwrite=overwrite,
+                after_each=after_each,
+                before_commit=check,
+            )
+
+    else:
+        own = stager if stager is not None else _DEFAULT_STAGER
+
+        def work() -> CheckpointInfo:
+            own.acquire()
+            try:
+                staged = own.stage(plan.sources)
+                pending._mark_staged()
+                return write_checkpoint(dest, plan, staged, metadata=meta, overwrite=overwrite)
+            finally:
+                own.release()
+
+    thread = threading.Thread(
+        target=pending._run, args=(work,), name=f"fc-save:{dest.name}", daemon=False
+    )
+    pending._thread = thread
+    thread.start()
+    return pending

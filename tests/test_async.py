@@ -1,0 +1,119 @@
+"""Async saves: what blocks, what is refused, how failures surface, flat memory."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+import functional_ckpt as fc
+from functional_ckpt import shards
+
+
+def big_state(n: int = 40, numel: int = 1 << 20) -> dict[str, Any]:
+    return {"w": {f"t{i}": torch.full((numel,), float(i)) for i in range(n)}, "step": 1}
+
+
+def test_mutation_after_wait_staged_is_not_in_the_checkpoint(tmp_path: Path) -> None:
+    state = big_state()
+    pending = fc.save_async(tmp_path / "ck", state)
+    pending.wait_staged()
+    for t in state["w"].values():
+        t.add_(1000.0)  # the loop's optimizer step
+    info = pending.result()
+    assert info.path == tmp_path / "ck" and pending.done() and pending.exception() is None
+    back = fc.restore(tmp_path / "ck")
+    for i in range(40):
+        assert bool((back["w", f"t{i}"] == float(i)).all())
+
+
+def test_staging_none_refuses_a_torn_checkpoint(tmp_path: Path) -> None:
+    state = big_state()
+    pending = fc.save_async(tmp_path / "ck", state, staging="none")
+    pending.wait_staged()  # returns at once: nothing is copied
+    state["w"]["t39"].mul_(2.0)  # violates the promise while the write runs
+    with pytest.raises(fc.ModifiedDuringSave, match="'t39'") as e:
+        pending.result()
+    assert isinstance(e.value, fc.CheckpointError)
+    assert not (tmp_path / "ck").exists()
+    assert os.listdir(tmp_path) == []  # the temporary directory is gone too
+
+
+def test_staging_none_without_mutation_commits_identical_bytes(tmp_path: Path) -> None:
+    state = big_state(8)
+    fc.save_async(tmp_path / "a", state, staging="none").result()
+    fc.save(tmp_path / "b", state)
+    a, b = fc.restore(tmp_path / "a"), fc.restore(tmp_path / "b")
+    for i in range(8):
+        assert torch.equal(a["w", f"t{i}"], b["w", f"t{i}"])
+    assert fc.verify(tmp_path / "a").ok
+
+
+def test_background_failure_surfaces_on_result(tmp_path: Path, monkeypatch: Any) -> None:
+    def disk_full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shards, "write_shard", disk_full)
+    pending = fc.save_async(tmp_path / "ck", big_state(2))
+    with pytest.raises(fc.CheckpointError, match="no space left"):
+        pending.result()
+    assert isinstance(pending.exception(), fc.CheckpointError)
+    assert os.listdir(tmp_path) == []
+
+
+def test_bad_input_raises_at_the_call(tmp_path: Path) -> None:
+    fc.save(tmp_path / "ck", {"a": torch.zeros(1)})
+    with pytest.raises(fc.CheckpointExists):
+        fc.save_async(tmp_path / "ck", {"a": torch.zeros(1)})
+    with pytest.raises(fc.UnsupportedValue, match="'bad'"):
+        fc.save_async(tmp_path / "x", {"bad": object()})
+    with pytest.raises(ValueError, match="staging"):
+        fc.save_async(tmp_path / "y", {"a": torch.zeros(1)}, staging="maybe")  # type: ignore[arg-type]
+
+
+def test_staging_buffers_are_reused_and_memory_stays_flat(tmp_path: Path) -> None:
+    stager = fc.Stager()
+    state = big_state(16, 1 << 17)  # 8 MiB
+    proc = psutil.Process()
+
+    def one(i: int) -> None:
+        fc.save_async(tmp_path / "ck", state, overwrite=True, stager=stager).result()
+
+    for i in range(20):
+        one(i)
+    gc.collect()
+    rss0 = proc.memory_info().rss
+    for i in range(200):
+        one(i)
+    gc.collect()
+    growth = proc.memory_info().rss - rss0
+    assert stager.allocations == 1
+    assert growth < 24 << 20, f"RSS grew by {growth >> 20} MiB over 200 saves"
+
+
+def test_stager_reallocates_when_shapes_change(tmp_path: Path) -> None:
+    stager = fc.Stager()
+    fc.save_async(tmp_path / "a", {"w": torch.ones(4)}, stager=stager).result()
+    fc.save_async(tmp_path / "b", {"w": torch.ones(5)}, stager=stager).result()
+    assert stager.allocations == 2
+    assert torch.equal(fc.restore(tmp_path / "b")["w"], torch.ones(5))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_staging_uses_pinned_buffers(tmp_path: Path) -> None:
+    state = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.arange(10, device="cuda")}
+    expected = {k: v.cpu() for k, v in state.items()}
+    stager = fc.Stager()
+    pending = fc.save_async(tmp_path / "ck", state, stager=stager)
+    pending.wait_staged()
+    state["w"].add_(1.0)
+    pending.result()
+    back = fc.restore(tmp_path / "ck")
+    assert torch.equal(back["w"], expected["w"]) and torch.equal(back["b"], expected["b"])
+    assert all(b.is_pinned() for b in stager._buffers)
