@@ -206,9 +206,12 @@ def check_committed(path: Path) -> dict[str, Any]:
         raise CheckpointNotFound(f"{path}: no checkpoint here (the path does not exist)")
     if not path.is_dir():
         raise CheckpointNotFound(f"{path}: not a checkpoint directory (it is a file)")
+    if is_temporary_name(path.name):
+        raise IncompleteCheckpoint(
+            f"{path}: a temporary directory (an unfinished save or a deletion in progress), "
+            "never a checkpoint"
+        )
     if not (path / COMMIT_MARKER).exists():
-        if is_temporary_name(path.name):
-            raise IncompleteCheckpoint(f"{path}: a temporary directory of an unfinished save")
         if (path / MANIFEST).exists() or (path / DCP_METADATA).exists():
             raise IncompleteCheckpoint(
                 f"{path}: the checkpoint was never committed ({COMMIT_MARKER} is missing); "
