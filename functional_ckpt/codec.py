@@ -368,7 +368,10 @@ def _path(node: _Node | None, where: str) -> str:
         else:
             parts.append(f"<member {_short_repr(label)}>")
         node = parent
-    return where + "".join(reversed(parts))
+    parts.reverse()
+    if len(parts) > 16:  # a depth error would otherwise print hundreds of "[0]"
+        parts[8:-6] = [f"...{len(parts) - 14} levels..."]
+    return where + "".join(parts)
 
 
 def _scan(value: object, where: str) -> bool:
@@ -419,25 +422,48 @@ def _scan(value: object, where: str) -> bool:
     return has_bytearray
 
 
-def _wrap_bytearrays(obj: Any) -> Any:
+_REBUILT: Final[frozenset[type]] = frozenset({list, tuple, dict, _OrderedDict})
+
+
+def _wrap_bytearrays(value: Any) -> Any:
     """Copy the containers above each bytearray, swapping it for its ext.
 
     Needed because the packer never offers a bytearray to ``default``. Only
-    mutable containers and tuples can hold one (it is unhashable), and the
-    depth is already bounded by _scan.
+    lists, tuples and dict values can hold one (it is unhashable). Iterative
+    like _scan: containers are copied into mutable shells top-down, then
+    frozen bottom-up, so the Python stack depth does not grow with nesting.
     """
-    t = type(obj)
-    if t is bytearray:
-        return msgpack.ExtType(EXT_BYTEARRAY, bytes(obj))
-    if t is list:
-        return [_wrap_bytearrays(v) for v in obj]
-    if t is tuple:
-        return tuple(_wrap_bytearrays(v) for v in obj)
-    if t is dict:
-        return {k: _wrap_bytearrays(v) for k, v in obj.items()}
-    if t is _OrderedDict:
-        return _OrderedDict((k, _wrap_bytearrays(v)) for k, v in obj.items())
-    return obj
+    if type(value) is bytearray:
+        return msgpack.ExtType(EXT_BYTEARRAY, bytes(value))
+    if type(value) not in _REBUILT:
+        return value
+    # Each shell: (type, keys or None, child values, parent shell index, slot).
+    shells: list[tuple[type, list[Any] | None, list[Any], int, int]] = []
+    stack: list[tuple[Any, int, int]] = [(value, -1, 0)]
+    while stack:
+        obj, parent, slot = stack.pop()
+        t = type(obj)
+        if t is bytearray:
+            shells[parent][2][slot] = msgpack.ExtType(EXT_BYTEARRAY, bytes(obj))
+            continue
+        if t is dict or t is _OrderedDict:
+            keys: list[Any] | None = list(obj.keys())
+            children = list(obj.values())
+        else:
+            keys = None
+            children = list(obj)
+        index = len(shells)
+        shells.append((t, keys, children, parent, slot))
+        for i, child in enumerate(children):
+            tc = type(child)
+            if tc is bytearray or tc in _REBUILT:
+                stack.append((child, index, i))
+    built: Any = None
+    for t, keys, children, parent, slot in reversed(shells):  # children before parents
+        built = t(children) if keys is None else t(zip(keys, children, strict=True))
+        if parent >= 0:
+            shells[parent][2][slot] = built
+    return built
 
 
 def _pack(value: object, where: str) -> bytes:
@@ -493,12 +519,7 @@ def encode(value: object, *, where: str = "value") -> bytes:
             ``where``), e.g. ``value['env'][3]: unsupported type Foo (...)``.
     """
     if _scan(value, where):
-        try:
-            value = _wrap_bytearrays(value)
-        except RecursionError:
-            raise UnsupportedValue(
-                f"{where}: too deeply nested around a bytearray to encode from this call depth"
-            ) from None
+        value = _wrap_bytearrays(value)
     return _pack(value, where)
 
 
@@ -706,25 +727,38 @@ def _check_decoded(value: object, max_depth: int) -> None:
         if t not in leaves:
             raise _stray(t)
         return
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    push = stack.append
-    pop = stack.pop
-    while stack:
-        obj, level = pop()
+    # Level by level rather than a stack of (node, depth) pairs: no per-node
+    # allocation, which matters for manifests with tens of thousands of dicts.
+    level_nodes: list[Any] = [value]
+    level = 1
+    while level_nodes:
         if level > max_depth:
             raise _Unsafe(f"nesting deeper than max_depth={max_depth}")
-        t = type(obj)
-        children = (
-            itertools.chain(obj.keys(), obj.values()) if t is dict or t is _OrderedDict else obj
-        )
-        for child in children:
-            tc = type(child)
-            if tc in leaves:
-                continue
-            if tc in containers:
-                push((child, level + 1))
-            else:
-                raise _stray(tc)
+        next_nodes: list[Any] = []
+        push = next_nodes.append
+        for obj in level_nodes:
+            t = type(obj)
+            children = obj
+            if t is dict or t is _OrderedDict:
+                for child in obj:
+                    tc = type(child)
+                    if tc in leaves:
+                        continue
+                    if tc in containers:
+                        push(child)
+                    else:
+                        raise _stray(tc)
+                children = obj.values()
+            for child in children:
+                tc = type(child)
+                if tc in leaves:
+                    continue
+                if tc in containers:
+                    push(child)
+                else:
+                    raise _stray(tc)
+        level_nodes = next_nodes
+        level += 1
 
 
 def decode(data: bytes | memoryview, *, source: str = "data", max_depth: int = 512) -> object:

@@ -149,17 +149,15 @@ def inspect_dcp(root: Path) -> Any:
     """Describe a stock DCP checkpoint from its metadata alone."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from functional_ckpt.io import CheckpointSummary, TensorSpec, _insert
+    from functional_ckpt.io import CheckpointSummary, Node, TensorSpec, _insert
 
     md = format.read_dcp_metadata(root)
     planner: Any = md.planner_data if isinstance(md.planner_data, dict) else {}
-    tree: dict[str, Any] = {}
+    tree: dict[str, Any] = Node()
     num_tensors = num_values = tensor_bytes = 0
     for fqn, smd in md.state_dict_metadata.items():
         kp = planner.get(fqn)
-        path: KeyPath = (
-            tuple(str(k) for k in kp) if isinstance(kp, tuple | list) and kp else (fqn,)
-        )
+        path: KeyPath = tuple(str(k) for k in kp) if isinstance(kp, tuple | list) and kp else (fqn,)
         if isinstance(smd, TensorStorageMetadata):
             n = 1
             for d in smd.size:
@@ -171,9 +169,7 @@ def inspect_dcp(root: Path) -> Any:
         else:
             num_values += 1
             _insert(tree, path, "<pickled value, not loaded>")
-    file_bytes = sum(
-        (root / f).stat().st_size for f in os.listdir(root) if (root / f).is_file()
-    )
+    file_bytes = sum((root / f).stat().st_size for f in os.listdir(root) if (root / f).is_file())
     return CheckpointSummary(
         path=root,
         format_version=None,

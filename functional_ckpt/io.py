@@ -572,7 +572,7 @@ class CheckpointSummary:
     format_version: int | None
     created: float | None
     metadata: Any
-    tree: dict[str, Any]  # nested: key -> dict | TensorSpec | plain value
+    tree: dict[str, Any]  # nested: key -> Node | TensorSpec | plain value
     num_tensors: int
     num_values: int
     tensor_bytes: int
@@ -587,24 +587,29 @@ class CheckpointSummary:
 
         def walk(node: dict[str, Any], indent: str) -> None:
             for k, v in node.items():
-                if isinstance(v, dict) and not isinstance(v, _Value):
+                if isinstance(v, Node):
                     lines.append(f"{indent}{k}/")
                     walk(v, indent + "  ")
                 else:
-                    lines.append(f"{indent}{k}: {v}")
+                    lines.append(f"{indent}{k}: {_short(v)}")
 
         walk(self.tree, "  ")
         return "\n".join(lines)
 
 
-class _Value:
-    """Marker base; plain values are stored unwrapped in ``CheckpointSummary.tree``."""
+class Node(dict[str, Any]):
+    """A sub-tree in ``CheckpointSummary.tree`` (plain values that are dicts are not)."""
+
+
+def _short(value: Any, limit: int = 100) -> str:
+    text = " ".join(str(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _insert(tree: dict[str, Any], path: KeyPath, value: Any) -> None:
     node = tree
     for k in path[:-1]:
-        node = node.setdefault(k, {})
+        node = node.setdefault(k, Node())
     node[path[-1]] = value
 
 
@@ -622,11 +627,11 @@ def inspect(path: PathLike) -> CheckpointSummary:
         summary: CheckpointSummary = inspect_dcp(src)
         return summary
     parsed = open_checkpoint(src)
-    tree: dict[str, Any] = {}
+    tree: dict[str, Any] = Node()
     tensor_bytes = 0
     for p, kind in parsed.order:
         if kind == "node":
-            _insert(tree, p, {})
+            _insert(tree, p, Node())
         elif kind == "value":
             _insert(tree, p, parsed.values[p])
         else:

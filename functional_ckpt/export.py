@@ -1,0 +1,287 @@
+"""Weights-only safetensors exports in the Hugging Face layout.
+
+Full checkpoints are for resuming; an export is for everything else (evaluation,
+serving, sharing): just the model's tensors, in the format other tools load
+without functional_ckpt. The layout is the one ``transformers`` writes and reads:
+
+* ``model.safetensors`` when everything fits in one shard, else
+* ``model-00001-of-0000K.safetensors`` … plus ``model.safetensors.index.json``
+  (``{"metadata": {"total_size": N}, "weight_map": {name: file}}``).
+
+Tensor names are the key path under ``select`` joined with ``"."``, i.e. the
+model's ``state_dict`` names. Safetensors refuses tensors that share memory, so
+tied weights (two names, one tensor) keep the first name in state order and drop
+the alias, as ``transformers`` does; tensors that merely overlap in one storage
+are copied. An export directory appears atomically (temporary sibling, fsync,
+rename), so a reader never sees a partial one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from functional_ckpt import format
+from functional_ckpt.errors import CheckpointError, CheckpointExists, TemplateMismatch
+from functional_ckpt.io import restore
+from functional_ckpt.policy import SavePolicy
+from functional_ckpt.tree import KeyPath, as_state, format_path, iter_leaves
+
+__all__ = [
+    "Export",
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "export_safetensors",
+    "parse_size",
+]
+
+PathLike = str | os.PathLike[str]
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``size``: an int, or ``"5GB"``, ``"500MB"``, ``"1.5GiB"`` (case-insensitive).
+
+    Decimal units (KB, MB, GB, TB) are powers of 1000 and binary ones (KiB …) of
+    1024, as in ``transformers``' ``max_shard_size``.
+    """
+    if isinstance(size, bool):
+        raise TypeError(f"max_shard_size={size!r}: expected an int or a string like '5GB'")
+    if isinstance(size, int):
+        value = size
+    elif isinstance(size, str):
+        m = _SIZE_RE.fullmatch(size)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(
+                f"max_shard_size={size!r}: expected a number with an optional unit "
+                f"({', '.join(u.upper() for u in _UNITS if u)})"
+            )
+        value = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise TypeError(f"max_shard_size={size!r}: expected an int or a string like '5GB'")
+    if value <= 0:
+        raise ValueError(f"max_shard_size={size!r}: must be positive")
+    return value
+
+
+def _select_path(select: str | Sequence[str]) -> KeyPath:
+    """``"model"`` or ``("policy", "model")``: the subtree holding the weights.
+
+    A string is one key, never split on dots (state_dict names contain dots).
+    """
+    if isinstance(select, str):
+        path: KeyPath = (select,)
+    else:
+        path = tuple(select)
+    if not path or not all(isinstance(k, str) and k for k in path):
+        raise ValueError(f"select={select!r}: expected a key or a non-empty sequence of keys")
+    return path
+
+
+@dataclass(frozen=True)
+class Export:
+    """An export on its own save policy, for ``CheckpointManager(..., export=...)``.
+
+    ``dtype`` converts floating-point tensors only (integer buffers such as
+    position ids keep their type). ``max_shard_size`` bounds each file's tensor
+    bytes; a single tensor larger than it gets a file of its own.
+    """
+
+    policy: SavePolicy
+    select: str | Sequence[str] = "model"
+    dtype: torch.dtype | None = None
+    max_shard_size: int | str = "5GB"
+    max_shard_bytes: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, SavePolicy):
+            raise TypeError(f"Export(policy={self.policy!r}): not a SavePolicy")
+        _select_path(self.select)
+        _check_dtype(self.dtype)
+        object.__setattr__(self, "max_shard_bytes", parse_size(self.max_shard_size))
+
+
+def _check_dtype(dtype: torch.dtype | None) -> None:
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype={dtype!r}: expected a floating-point torch.dtype or None")
+
+
+# --------------------------------------------------------------------------- collect
+
+
+def _load(
+    source: TensorDictBase | Mapping[str, Any] | PathLike, path: KeyPath
+) -> TensorDictBase:
+    """The state, or the ``path`` subtree of a checkpoint read without the rest."""
+    if isinstance(source, TensorDictBase | Mapping):
+        return as_state(source)
+    template: dict[str, Any] = {}
+    node = template
+    for key in path:
+        node[key] = {}
+        node = node[key]
+    try:
+        return restore(source, template, partial=True)
+    except TemplateMismatch:
+        return restore(source)  # the selection is not a subtree (e.g. one tensor)
+
+
+def _collect(state: TensorDictBase, path: KeyPath) -> dict[str, torch.Tensor]:
+    """Tensor leaves under ``path`` by dotted name; non-tensor leaves are skipped."""
+    node: Any = state
+    for i, key in enumerate(path):
+        if not isinstance(node, TensorDictBase) or key not in node.keys():
+            have = sorted(node.keys()) if isinstance(node, TensorDictBase) else []
+            raise CheckpointError(
+                f"export: the state has no state[{format_path(path[: i + 1])}] "
+                f"(keys there: {have})"
+            )
+        node = node.get(key)
+    if isinstance(node, torch.Tensor) and not isinstance(node, TensorDictBase):
+        return {path[-1]: node}
+    tensors = {
+        ".".join(leaf.path): leaf.value for leaf in iter_leaves(node) if leaf.kind == "tensor"
+    }
+    if not tensors:
+        raise CheckpointError(f"export: state[{format_path(path)}] holds no tensors")
+    return tensors
+
+
+def _dedupe(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop tied aliases: a later name for the very same tensor view is left out."""
+    seen: set[tuple[Any, ...]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        key = (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = t
+    return out
+
+
+def _out_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+
+def _plan_shards(
+    tensors: dict[str, torch.Tensor], limit: int, dtype: torch.dtype | None
+) -> list[list[str]]:
+    """Greedy, in state order: start a new shard when the next tensor would overflow."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * _out_dtype(t, dtype).itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _prepared(
+    names: list[str], tensors: dict[str, torch.Tensor], dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """CPU, converted, contiguous tensors that share no storage with each other."""
+    storages: set[int] = set()
+    for name in names:
+        t = tensors[name].detach()
+        t = t.to(device="cpu", dtype=_out_dtype(t, dtype)).contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and ptr in storages:
+            t = t.clone()
+            ptr = t.untyped_storage().data_ptr()
+        storages.add(ptr)
+        yield name, t
+
+
+# --------------------------------------------------------------------------- write
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_shards(
+    tmp: Path, shards: list[list[str]], tensors: dict[str, torch.Tensor], dtype: torch.dtype | None
+) -> None:
+    from safetensors.torch import save_file
+
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, names in enumerate(shards, start=1):
+        file = SINGLE_FILE if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+        shard = dict(_prepared(names, tensors, dtype))  # one shard in memory at a time
+        save_file(shard, str(tmp / file), metadata={"format": "pt"})
+        _fsync_file(tmp / file)
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+        weight_map.update(dict.fromkeys(names, file))
+        del shard
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        format.write_file_durably(tmp / INDEX_FILE, json.dumps(index, indent=2).encode())
+
+
+def export_safetensors(
+    state_or_checkpoint_path: TensorDictBase | Mapping[str, Any] | PathLike,
+    out_dir: PathLike,
+    *,
+    select: str | Sequence[str] = "model",
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+) -> Path:
+    """Write the tensors under ``select`` as Hugging Face safetensors into ``out_dir``.
+
+    The source is a state (TensorDict or dict) or the path of a checkpoint, of
+    which only the selected subtree is read. ``out_dir`` appears complete or not
+    at all; with ``overwrite`` an existing export is replaced atomically.
+    Returns ``out_dir``.
+    """
+    out = Path(out_dir)
+    path = _select_path(select)
+    _check_dtype(dtype)
+    limit = parse_size(max_shard_size)
+    if (out.exists() or out.is_symlink()) and not overwrite:
+        raise CheckpointExists(f"{out}: already exists; pass overwrite=True to replace it")
+    tensors = _dedupe(_collect(_load(state_or_checkpoint_path, path), path))
+    shards = _plan_shards(tensors, limit, dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = format.tmp_sibling(out)
+    try:
+        tmp.mkdir()
+        _write_shards(tmp, shards, tensors, dtype)
+        format.commit(tmp, out, overwrite=overwrite)
+    except BaseException:
+        format.remove_tree(tmp)
+        raise
+    return out
