@@ -26,7 +26,15 @@ from functional_ckpt.errors import (
     UnsafeCheckpoint,
 )
 from functional_ckpt.manifest import dtype_name
-from functional_ckpt.tree import KeyPath, Leaf, as_state, format_path, iter_leaves, unflatten
+from functional_ckpt.tree import (
+    NODE_KEY,
+    KeyPath,
+    Leaf,
+    as_state,
+    format_path,
+    iter_leaves,
+    unflatten,
+)
 
 
 def _read_blob(root: Path, info: Any, sizes: dict[str, int]) -> bytes:
@@ -82,8 +90,8 @@ def restore_dcp(
     out: list[Leaf] = []
     sizes: dict[str, int] = {}
     for leaf in leaves:
-        if leaf.kind == "node":
-            out.append(leaf)
+        if leaf.kind == "node" or leaf.path[-1] == NODE_KEY:
+            out.append(leaf)  # structure (and container records) come from the template
             continue
         fqn = ".".join(leaf.path)
         smd = saved.get(fqn)

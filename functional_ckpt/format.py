@@ -22,13 +22,13 @@ import os
 import pickle
 import shutil
 import uuid
-import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from functional_ckpt import codec
+from functional_ckpt.checksum import crc32
 from functional_ckpt.errors import (
     CheckpointExists,
     CheckpointNotFound,
@@ -89,7 +89,7 @@ def crc32_file(path: Path) -> tuple[int, int]:
             if not chunk:
                 break
             size += len(chunk)
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
     return size, crc
 
 
@@ -134,7 +134,7 @@ def write_commit_marker(tmp: Path, manifest_bytes: bytes) -> None:
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "manifest_size": len(manifest_bytes),
-            "manifest_crc32": zlib.crc32(manifest_bytes),
+            "manifest_crc32": crc32(manifest_bytes),
         }
     )
     write_file_durably(tmp / COMMIT_MARKER, marker)
@@ -212,7 +212,12 @@ def check_committed(path: Path) -> dict[str, Any]:
             "never a checkpoint"
         )
     if not (path / COMMIT_MARKER).exists():
-        if (path / MANIFEST).exists() or (path / DCP_METADATA).exists():
+        if (path / DCP_METADATA).exists() and not (path / MANIFEST).exists():
+            raise CheckpointNotFound(
+                f"{path}: a stock torch.distributed.checkpoint directory, not a functional_ckpt "
+                "checkpoint: it has no checksums to verify (fc.restore reads it with a template)"
+            )
+        if (path / MANIFEST).exists():
             raise IncompleteCheckpoint(
                 f"{path}: the checkpoint was never committed ({COMMIT_MARKER} is missing); "
                 "it was interrupted or is still being written"
@@ -235,7 +240,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
     """Read and authenticate the manifest of a committed checkpoint."""
     marker = check_committed(path)
     raw = _read_small(path / MANIFEST, MAX_MANIFEST_BYTES, "manifest")
-    if len(raw) != marker.get("manifest_size") or zlib.crc32(raw) != marker.get("manifest_crc32"):
+    if len(raw) != marker.get("manifest_size") or crc32(raw) != marker.get("manifest_crc32"):
         raise CorruptCheckpoint(
             f"{path / MANIFEST}: the manifest does not match its checksum in {COMMIT_MARKER} "
             f"({len(raw)} bytes); the checkpoint is damaged"

@@ -8,6 +8,8 @@ range-checked against the files on disk before a single byte is allocated.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,38 +40,68 @@ def element_size(dtype: torch.dtype) -> int:
 
 
 @dataclass
+class Chunk:
+    """One stored piece of a tensor: a box of the global tensor and where its bytes are."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int  # blob start (what DCP's ``_StorageInfo`` points at)
+    length: int  # blob length
+    data_offset: int  # absolute offset of the raw bytes, C order of ``sizes``
+    nbytes: int
+    crc32: int  # CRC32 of the raw bytes
+    hcrc32: int  # CRC32 of the blob's other bytes
+
+    @property
+    def whole(self) -> bool:
+        return not any(self.offsets)
+
+
+@dataclass
 class TensorEntry:
     """A validated tensor entry of a manifest."""
 
-    index: int
     path: KeyPath
     fqn: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     requires_grad: bool
-    file: str = ""
-    offset: int = 0
-    length: int = 0
-    data_offset: int = 0
-    nbytes: int = 0
-    crc32: int = 0
-    hcrc32: int = 0
-    alias: int | None = None
+    chunks: list[Chunk] = field(default_factory=list)
+    alias: KeyPath | None = None
 
     @property
     def spec(self) -> str:
         return f"{dtype_name(self.dtype)}{list(self.shape)}"
 
+    @property
+    def nbytes(self) -> int:
+        return numel(self.shape) * element_size(self.dtype)
+
+
+def numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
 
 @dataclass
 class ParsedManifest:
-    """A manifest whose entries were checked against the checkpoint's files."""
+    """A manifest whose entries were checked against the checkpoint's files.
+
+    ``order`` is the tree as seen by one rank: shared entries with that rank's
+    per-rank subtrees spliced in where they stood.
+    """
 
     raw: dict[str, Any]
+    rank: int = 0
+    world_size: int = 1
     order: list[tuple[KeyPath, str]] = field(default_factory=list)  # (path, kind)
     tensors: dict[KeyPath, TensorEntry] = field(default_factory=dict)
     values: dict[KeyPath, Any] = field(default_factory=dict)
     nodes: set[KeyPath] = field(default_factory=set)
+    per_rank_roots: list[KeyPath] = field(default_factory=list)
     file_sizes: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -83,13 +115,11 @@ def _int(v: object, where: str, what: str, lo: int = 0) -> int:
     return v
 
 
-def parse(manifest: dict[str, Any], root: Path) -> ParsedManifest:
-    """Validate a decoded manifest against the directory ``root`` it came from."""
-    src = str(root / "manifest.msgpack")
-    out = ParsedManifest(manifest)
+def _files(manifest: dict[str, Any], root: Path, src: str) -> dict[str, int]:
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise CorruptCheckpoint(f"{src}: missing file table")
+    sizes: dict[str, int] = {}
     for name, info in files.items():
         member = safe_member(root, name)
         if not isinstance(info, dict):
@@ -106,43 +136,88 @@ def parse(manifest: dict[str, Any], root: Path) -> ParsedManifest:
                 f"{member}: file is {actual} bytes, the manifest recorded {size} "
                 "(truncated or replaced)"
             )
-        out.file_sizes[name] = size
+        sizes[name] = size
+    return sizes
+
+
+def rank_entries(manifest: dict[str, Any], src: str) -> list[list[Any]]:
+    ranks = manifest.get("ranks", [])
+    if not isinstance(ranks, list) or not all(
+        isinstance(r, dict) and isinstance(r.get("entries"), list) for r in ranks
+    ):
+        raise CorruptCheckpoint(f"{src}: invalid per-rank table")
+    return [r["entries"] for r in ranks]
+
+
+def parse(manifest: dict[str, Any], root: Path, *, rank: int | None = 0) -> ParsedManifest:
+    """Validate a decoded manifest against the directory ``root`` it came from.
+
+    ``rank`` selects whose per-rank subtrees are spliced in; None leaves them out.
+    """
+    src = str(root / "manifest.msgpack")
+    out = ParsedManifest(manifest)
+    order = manifest.get("byteorder", "little")
+    if order != sys.byteorder:
+        raise CorruptCheckpoint(
+            f"{src}: tensor bytes are {order}-endian; this machine is {sys.byteorder}-endian"
+        )
+    out.file_sizes = _files(manifest, root, src)
     entries = manifest.get("entries")
     if not isinstance(entries, list):
         raise CorruptCheckpoint(f"{src}: missing entries")
+    ranks = rank_entries(manifest, src)
+    out.world_size = max(1, len(ranks))
+    out.rank = rank if rank is not None else 0
     for i, e in enumerate(entries):
         where = f"{src} entry {i}"
-        if not isinstance(e, dict):
-            raise CorruptCheckpoint(f"{where}: not a mapping")
-        p = e.get("path")
-        if (
-            not isinstance(p, list)
-            or not p
-            or len(p) > MAX_TREE_DEPTH
-            or not all(isinstance(k, str) for k in p)
-        ):
-            raise CorruptCheckpoint(f"{where}: invalid key path {p!r}")
-        path: KeyPath = tuple(p)
-        if path in out.tensors or path in out.values or path in out.nodes:
-            raise CorruptCheckpoint(f"{where}: duplicate key {format_path(path)}")
-        kind = e.get("kind")
-        out.order.append((path, str(kind)))
-        if kind == "node":
-            out.nodes.add(path)
-        elif kind == "value":
-            if "value" not in e:
-                raise CorruptCheckpoint(f"{where}: value entry without a value")
-            out.values[path] = e["value"]
-        elif kind == "tensor":
-            out.tensors[path] = _tensor_entry(i, path, e, out, where)
-        else:
-            raise CorruptCheckpoint(f"{where}: unknown entry kind {kind!r}")
+        if isinstance(e, dict) and e.get("kind") == "per_rank":
+            path = _path(e, where)
+            out.per_rank_roots.append(path)
+            if rank is None or rank >= len(ranks):
+                continue
+            for j, sub in enumerate(ranks[rank]):
+                wsub = f"{src} rank {rank} entry {j}"
+                p = _path(sub, wsub) if isinstance(sub, dict) else ()
+                if p[: len(path)] == path:
+                    _add(out, sub, wsub)
+            continue
+        _add(out, e, where)
     return out
 
 
-def _tensor_entry(
-    i: int, path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: str
-) -> TensorEntry:
+def _path(e: dict[str, Any], where: str) -> KeyPath:
+    p = e.get("path")
+    if (
+        not isinstance(p, list)
+        or not p
+        or len(p) > MAX_TREE_DEPTH
+        or not all(isinstance(k, str) for k in p)
+    ):
+        raise CorruptCheckpoint(f"{where}: invalid key path {p!r}")
+    return tuple(p)
+
+
+def _add(out: ParsedManifest, e: object, where: str) -> None:
+    if not isinstance(e, dict):
+        raise CorruptCheckpoint(f"{where}: not a mapping")
+    path = _path(e, where)
+    if path in out.tensors or path in out.values or path in out.nodes:
+        raise CorruptCheckpoint(f"{where}: duplicate key {format_path(path)}")
+    kind = e.get("kind")
+    if kind == "node":
+        out.nodes.add(path)
+    elif kind == "value":
+        if "value" not in e:
+            raise CorruptCheckpoint(f"{where}: value entry without a value")
+        out.values[path] = e["value"]
+    elif kind == "tensor":
+        out.tensors[path] = _tensor_entry(path, e, out, where)
+    else:
+        raise CorruptCheckpoint(f"{where}: unknown entry kind {kind!r}")
+    out.order.append((path, kind))
+
+
+def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: str) -> TensorEntry:
     dtype = dtype_from_name(e.get("dtype"), where)
     shape_raw = e.get("shape")
     if not isinstance(shape_raw, list) or len(shape_raw) > 64:
@@ -151,43 +226,87 @@ def _tensor_entry(
     fqn = e.get("fqn")
     if not isinstance(fqn, str):
         raise CorruptCheckpoint(f"{where}: invalid DCP key {fqn!r}")
-    entry = TensorEntry(i, path, fqn, dtype, shape, bool(e.get("requires_grad", False)))
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = numel * element_size(dtype)
+    entry = TensorEntry(path, fqn, dtype, shape, bool(e.get("requires_grad", False)))
     if "alias" in e:
         target = e["alias"]
-        by_index = {t.index: t for t in out.tensors.values()}
-        if type(target) is not int or target not in by_index:
-            raise CorruptCheckpoint(f"{where}: alias of an unknown entry {target!r}")
-        src = by_index[target]
+        src = out.tensors.get(tuple(target)) if isinstance(target, list) else None
+        if src is None or src.alias is not None:
+            raise CorruptCheckpoint(f"{where}: alias of an unknown tensor {target!r}")
         if src.dtype != dtype or src.shape != shape:
             raise CorruptCheckpoint(f"{where}: alias spec differs from its target")
-        entry.alias = target
-        entry.file, entry.data_offset, entry.nbytes = src.file, src.data_offset, src.nbytes
+        entry.alias = src.path
+        entry.chunks = src.chunks
         return entry
-    file = e.get("file")
+    chunks = e.get("chunks")
+    if not isinstance(chunks, list) or len(chunks) > 1 << 16:
+        raise CorruptCheckpoint(f"{where}: invalid chunk list")
+    size = element_size(dtype)
+    for c in chunks:
+        entry.chunks.append(_chunk(c, entry, size, out, where))
+    if sum(numel(c.sizes) for c in entry.chunks) != numel(shape) or (
+        numel(shape) and not entry.chunks
+    ):
+        raise CorruptCheckpoint(f"{where}: chunks of {format_path(path)} do not cover the tensor")
+    if 1 < len(entry.chunks) <= 64:
+        for i, a in enumerate(entry.chunks):
+            for b in entry.chunks[i + 1 :]:
+                if (
+                    all(
+                        ao < bo + bs and bo < ao + as_
+                        for ao, as_, bo, bs in zip(
+                            a.offsets, a.sizes, b.offsets, b.sizes, strict=True
+                        )
+                    )
+                    and numel(a.sizes)
+                    and numel(b.sizes)
+                ):
+                    raise CorruptCheckpoint(f"{where}: chunks of {format_path(path)} overlap")
+    return entry
+
+
+def _chunk(c: object, entry: TensorEntry, size: int, out: ParsedManifest, where: str) -> Chunk:
+    if not isinstance(c, dict):
+        raise CorruptCheckpoint(f"{where}: invalid chunk")
+    offsets = c.get("offsets")
+    sizes = c.get("sizes")
+    if (
+        not isinstance(offsets, list)
+        or not isinstance(sizes, list)
+        or len(offsets) != len(entry.shape)
+        or len(sizes) != len(entry.shape)
+    ):
+        raise CorruptCheckpoint(f"{where}: chunk box does not match the tensor's rank")
+    box_o = tuple(_int(v, where, "chunk offset") for v in offsets)
+    box_s = tuple(_int(v, where, "chunk size") for v in sizes)
+    if any(o + s > d for o, s, d in zip(box_o, box_s, entry.shape, strict=True)):
+        raise UnsafeCheckpoint(f"{where}: a chunk of {format_path(entry.path)} lies outside it")
+    file = c.get("file")
     if not isinstance(file, str) or file not in out.file_sizes or file == DCP_METADATA:
         raise CorruptCheckpoint(f"{where}: tensor stored in an unknown file {file!r}")
-    entry.file = file
-    entry.offset = _int(e.get("offset"), where, "offset")
-    entry.length = _int(e.get("length"), where, "length")
-    entry.data_offset = _int(e.get("data_offset"), where, "data offset")
-    entry.nbytes = _int(e.get("nbytes"), where, "byte count")
-    entry.crc32 = _int(e.get("crc32"), where, "checksum")
-    entry.hcrc32 = _int(e.get("hcrc32"), where, "checksum")
-    if entry.nbytes != nbytes:
+    chunk = Chunk(
+        box_o,
+        box_s,
+        file,
+        _int(c.get("offset"), where, "offset"),
+        _int(c.get("length"), where, "length"),
+        _int(c.get("data_offset"), where, "data offset"),
+        _int(c.get("nbytes"), where, "byte count"),
+        _int(c.get("crc32"), where, "checksum"),
+        _int(c.get("hcrc32"), where, "checksum"),
+    )
+    expected = numel(box_s) * size
+    if chunk.nbytes != expected:
         raise UnsafeCheckpoint(
-            f"{where}: {format_path(path)} declares {entry.spec} ({nbytes} bytes) "
-            f"but records {entry.nbytes} bytes"
+            f"{where}: {format_path(entry.path)} declares {entry.spec} chunk {list(box_s)} "
+            f"({expected} bytes) but records {chunk.nbytes} bytes"
         )
-    size = out.file_sizes[file]
+    fsize = out.file_sizes[file]
     if not (
-        entry.offset <= entry.data_offset
-        and entry.data_offset + entry.nbytes <= entry.offset + entry.length <= size
+        chunk.offset <= chunk.data_offset
+        and chunk.data_offset + chunk.nbytes <= chunk.offset + chunk.length <= fsize
     ):
         raise UnsafeCheckpoint(
-            f"{where}: {format_path(path)} declares bytes beyond the end of {file} ({size} bytes)"
+            f"{where}: {format_path(entry.path)} declares bytes beyond the end of {file} "
+            f"({fsize} bytes)"
         )
-    return entry
+    return chunk

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import struct
 import threading
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +28,7 @@ from typing import Any
 
 import torch
 
+from functional_ckpt.checksum import crc32
 from functional_ckpt.errors import CheckpointError
 
 #: Tensors below this size are assembled in memory and written in batches.
@@ -135,7 +135,7 @@ def _build_template(dtype: torch.dtype, shape: tuple[int, ...]) -> BlobTemplate:
     elif len(positions) != 2:
         raise CheckpointError("unexpected torch.save zip layout (CRC fields not found)")
     head = bytes(image[:start])
-    return BlobTemplate(head, tail, nbytes, tuple(positions), zlib.crc32(head))
+    return BlobTemplate(head, tail, nbytes, tuple(positions), crc32(head))
 
 
 _TEMPLATES: OrderedDict[tuple[torch.dtype, tuple[int, ...]], BlobTemplate] = OrderedDict()
@@ -194,7 +194,7 @@ def checksum_pool() -> ThreadPoolExecutor:
 def _crc_chunks(view: memoryview, start: int = 0) -> int:
     crc = start
     for off in range(0, len(view), CHUNK):
-        crc = zlib.crc32(view[off : off + CHUNK], crc)
+        crc = crc32(view[off : off + CHUNK], crc)
     return crc
 
 
@@ -224,7 +224,7 @@ def write_shard(
                     f"internal: tensor {i} has {len(data)} bytes, expected {tpl.nbytes}"
                 )
             if tpl.nbytes < SMALL_TENSOR:
-                crc = zlib.crc32(data)
+                crc = crc32(data)
                 tail = tpl.patch(crc)
                 pending += tpl.head
                 pending += data
@@ -242,7 +242,7 @@ def write_shard(
                 crc = fut.result()
                 tail = tpl.patch(crc)
                 _write_all(fd, tail)
-            hcrc = zlib.crc32(tail, tpl.head_crc)
+            hcrc = crc32(tail, tpl.head_crc)
             length = len(tpl.head) + tpl.nbytes + len(tail)
             records.append(
                 TensorRecord(name, pos, length, pos + len(tpl.head), tpl.nbytes, crc, hcrc)
@@ -297,7 +297,7 @@ def read_tensors(
                 continue
             if len(dest) >= SMALL_TENSOR:
                 futures.append((k, pool.submit(_crc_chunks, dest), crc))
-            elif zlib.crc32(dest) != crc:
+            elif crc32(dest) != crc:
                 results[k] = -1
         for k, fut, crc in futures:
             if fut.result() != crc:
@@ -315,16 +315,23 @@ def crc_range(fd: int, offset: int, length: int, start: int = 0) -> tuple[int, i
         chunk = os.pread(fd, min(CHUNK, length - done), offset + done)
         if not chunk:
             break
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         done += len(chunk)
     return crc, done
 
 
-def dcp_metadata(
-    entries: Sequence[tuple[str, tuple[str, ...], torch.dtype, tuple[int, ...], TensorRecord]],
-) -> tuple[Any, list[Any]]:
-    """DCP ``Metadata`` and ``WriteResult`` list describing the written blobs."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
+def write_dcp_metadata(
+    directory: Path,
+    items: Sequence[
+        tuple[str, tuple[str, ...], torch.dtype, tuple[int, ...], list[dict[str, Any]]]
+    ],
+) -> None:
+    """Describe the written chunks as DCP ``Metadata`` and let DCP's writer store it.
+
+    ``items`` are (fqn, key path, dtype, global shape, chunk records); DCP's own
+    ``FileSystemWriter.finish`` serializes and fsyncs ``.metadata``.
+    """
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
         Metadata,
@@ -337,34 +344,44 @@ def dcp_metadata(
     state_md: dict[str, Any] = {}
     planner_data: dict[str, Any] = {}
     results: list[Any] = []
-    # One metadata object per distinct (dtype, shape): pickle then stores it once.
-    specs: dict[tuple[torch.dtype, tuple[int, ...]], tuple[Any, torch.Size]] = {}
-    for fqn, key_path, dtype, shape, rec in entries:
-        spec = specs.get((dtype, shape))
-        if spec is None:
-            size = torch.Size(shape)
-            zeros = torch.Size([0] * len(size))
+    # Shared objects for repeated specs: pickle then stores each only once.
+    props: dict[torch.dtype, Any] = {}
+    sizes: dict[tuple[int, ...], torch.Size] = {}
+
+    def size_of(dims: Sequence[int]) -> torch.Size:
+        key = tuple(dims)
+        got = sizes.get(key)
+        if got is None:
+            got = sizes[key] = torch.Size(key)
+        return got
+
+    single: dict[tuple[torch.dtype, tuple[int, ...]], Any] = {}
+    for fqn, key_path, dtype, shape, chunks in items:
+        prop = props.get(dtype)
+        if prop is None:
+            prop = props[dtype] = TensorProperties(dtype=dtype)
+        whole = len(chunks) == 1 and not any(chunks[0]["offsets"])
+        md = single.get((dtype, shape)) if whole else None
+        if md is None:
             md = TensorStorageMetadata(
-                properties=TensorProperties(dtype=dtype),
-                size=size,
-                chunks=[ChunkStorageMetadata(offsets=zeros, sizes=size)],
+                properties=prop,
+                size=size_of(shape),
+                chunks=[
+                    ChunkStorageMetadata(offsets=size_of(c["offsets"]), sizes=size_of(c["sizes"]))
+                    for c in chunks
+                ],
             )
-            spec = specs[(dtype, shape)] = (md, zeros)
-        state_md[fqn] = spec[0]
+            if whole:
+                single[(dtype, shape)] = md
+        state_md[fqn] = md
         planner_data[fqn] = key_path
-        results.append(
-            WriteResult(
-                index=MetadataIndex(fqn, spec[1], 0),
-                size_in_bytes=rec.length,
-                storage_data=_StorageInfo(rec.file, rec.offset, rec.length),
+        for i, c in enumerate(chunks):
+            results.append(
+                WriteResult(
+                    index=MetadataIndex(fqn, size_of(c["offsets"]), i),
+                    size_in_bytes=c["length"],
+                    storage_data=_StorageInfo(c["file"], c["offset"], c["length"]),
+                )
             )
-        )
-    return Metadata(state_dict_metadata=state_md, planner_data=planner_data), results
-
-
-def write_dcp_metadata(directory: Path, metadata: Any, results: list[Any]) -> None:
-    """Let DCP's own writer serialize and fsync ``.metadata`` into ``directory``."""
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
-    writer = FileSystemWriter(directory, sync_files=True)
-    writer.finish(metadata, [results])
+    metadata = Metadata(state_dict_metadata=state_md, planner_data=planner_data)
+    FileSystemWriter(directory, sync_files=True).finish(metadata, [results])

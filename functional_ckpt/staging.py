@@ -22,14 +22,15 @@ import torch
 from tensordict import TensorDictBase
 
 from functional_ckpt.errors import CheckpointError, ModifiedDuringSave
-from functional_ckpt.io import (
+from functional_ckpt.tree import format_path
+from functional_ckpt.writer import (
+    DEFAULT_PER_RANK,
     CheckpointInfo,
     PathLike,
     host_copy,
     prepare_save,
-    write_checkpoint,
+    write_local,
 )
-from functional_ckpt.tree import format_path
 
 Staging = Literal["copy", "none"]
 
@@ -190,6 +191,7 @@ def save_async(
     overwrite: bool = False,
     staging: Staging = "copy",
     stager: Stager | None = None,
+    per_rank: Sequence[str] = DEFAULT_PER_RANK,
 ) -> PendingSave:
     """Start saving ``state`` to ``path`` in the background.
 
@@ -204,9 +206,9 @@ def save_async(
     """
     if staging not in ("copy", "none"):
         raise ValueError(f"save_async(staging={staging!r}): expected 'copy' or 'none'")
-    dest, plan, meta = prepare_save(path, state, metadata, overwrite)
+    dest, plan, meta = prepare_save(path, state, metadata, overwrite, per_rank=per_rank)
     pending = PendingSave(dest)
-    keys = [tuple(plan.entries[i]["path"]) for i in plan.tensor_entries]
+    keys = plan.keys
 
     if staging == "none":
         # Only tensors that are already contiguous host memory can be read live.
@@ -215,7 +217,7 @@ def save_async(
         pending._mark_staged()
 
         def work() -> CheckpointInfo:
-            return write_checkpoint(
+            return write_local(
                 dest,
                 plan,
                 tensors,
@@ -233,7 +235,7 @@ def save_async(
             try:
                 staged = own.stage(plan.sources)
                 pending._mark_staged()
-                return write_checkpoint(dest, plan, staged, metadata=meta, overwrite=overwrite)
+                return write_local(dest, plan, staged, metadata=meta, overwrite=overwrite)
             finally:
                 own.release()
 

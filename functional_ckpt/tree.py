@@ -11,6 +11,7 @@ ordinary data, so save and restore need no special case for it; only
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,18 @@ def from_python(value: Mapping[str, Any] | Any, path: KeyPath = ()) -> TensorDic
                 f"state[{format_path(path)}]: the key {NODE_KEY!r} is reserved by functional_ckpt"
             )
         items: list[tuple[str, Any]] = list(value.items())
+        if type(value) is OrderedDict:
+            # a module's state_dict: keep its type and its per-module version metadata
+            record: dict[str, Any] = {"kind": "OrderedDict"}
+            meta = getattr(value, "_metadata", None)
+            if meta is not None:
+                record["metadata"] = meta
+            td.set(NODE_KEY, _leaf(record, (*path, NODE_KEY)))  # type: ignore[arg-type]
+        elif type(value) is not dict:
+            raise UnsupportedValue(
+                f"state[{format_path(path)}]: {type(value).__name__} is not supported "
+                "(only dict and OrderedDict mappings keep their type)"
+            )
     elif type(value) in (list, tuple) or isinstance(value, dict):
         if isinstance(value, dict):
             keys = list(value.keys())
@@ -79,7 +92,7 @@ def from_python(value: Mapping[str, Any] | Any, path: KeyPath = ()) -> TensorDic
             raise UnsupportedValue(
                 f"state[{format_path(path)}]: dict keys {keys!r} collide once written as strings"
             )
-        record: dict[str, Any] = {"kind": kind}
+        record = {"kind": kind}
         if keys is not None:
             record["keys"] = keys
         td.set(NODE_KEY, _leaf(record, (*path, NODE_KEY)))  # type: ignore[arg-type]
@@ -122,6 +135,11 @@ def to_python(value: Any) -> Any:
     if record is None:
         return out
     kind = record["kind"]
+    if kind == "OrderedDict":
+        ordered: OrderedDict[str, Any] = OrderedDict(out)
+        if "metadata" in record:
+            ordered._metadata = record["metadata"]  # type: ignore[attr-defined]
+        return ordered
     if kind == "dict":
         keys = record["keys"]
         names = [k if type(k) is str else repr(k) for k in keys]

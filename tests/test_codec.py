@@ -7,6 +7,7 @@ import collections
 import contextlib
 import enum
 import struct
+import warnings
 from typing import Any, NamedTuple
 
 import msgpack
@@ -180,10 +181,19 @@ def test_sets_keep_member_types() -> None:
 
 
 def test_max_encode_depth_roundtrips_with_default_max_depth() -> None:
-    value: Any = 1
-    for i in range(codec.MAX_ENCODE_DEPTH):
-        value = [value] if i % 2 else (value,)
-    roundtrip(value)
+    for leaf in (1, bytearray(b"deep")):
+        value: Any = leaf
+        for i in range(codec.MAX_ENCODE_DEPTH):
+            value = [value] if i % 3 == 0 else (value,) if i % 3 == 1 else {"k": value}
+        roundtrip(value)
+
+
+def test_shared_and_mixed_bytearray_containers() -> None:
+    shared = [bytearray(b"a"), 1]
+    value = {"x": shared, "y": (shared, collections.OrderedDict(z=shared)), "n": [[], ()]}
+    out = roundtrip(value)
+    assert out["x"] is not out["y"][0]  # identity is not part of the format
+    assert value == {"x": shared, "y": (shared, collections.OrderedDict(z=shared)), "n": [[], ()]}
 
 
 # --------------------------------------------------------------------------- numpy
@@ -306,6 +316,11 @@ class Foo:
     pass
 
 
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", PendingDeprecationWarning)
+    MATRIX = np.matrix([[1]])
+
+
 class Color(enum.IntEnum):
     RED = 1
 
@@ -370,7 +385,7 @@ def test_where_prefix() -> None:
         (np.zeros(2, dtype=[("a", "i4"), ("b", "f8")]), "numpy array with dtype"),
         (np.void(b"ab"), "numpy scalar type numpy.void"),
         (np.ma.masked_array([1, 2]), "subclass of numpy.ndarray"),
-        (np.matrix([[1]]), "subclass of numpy.ndarray"),
+        (MATRIX, "subclass of numpy.ndarray"),
         (torch.zeros(2), "tensors belong in the tensor tree"),
         (torch.nn.Parameter(torch.zeros(2)), "tensors belong in the tensor tree"),
     ],

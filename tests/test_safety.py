@@ -74,8 +74,8 @@ def test_manifest_paths_cannot_escape(tmp_path: Path, name: str) -> None:
     def edit(m: dict[str, Any]) -> None:
         m["files"][name] = m["files"].pop("__0_0.distcp")
         for e in m["entries"]:
-            if e.get("file") == "__0_0.distcp":
-                e["file"] = name
+            for c in e.get("chunks", []):
+                c["file"] = name
 
     rewrite_manifest(path, edit)
     with pytest.raises(fc.UnsafeCheckpoint, match="unsafe file"):
@@ -98,7 +98,8 @@ def test_declared_size_beyond_file_allocates_nothing(tmp_path: Path) -> None:
         for e in m["entries"]:
             if e.get("path") == ["w"]:
                 e["shape"] = [1 << 40]
-                e["nbytes"] = 4 << 40
+                e["chunks"][0]["sizes"] = [1 << 40]
+                e["chunks"][0]["nbytes"] = 4 << 40
 
     rewrite_manifest(path, edit)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -114,6 +115,7 @@ def test_declared_bytes_disagree_with_shape(tmp_path: Path) -> None:
         for e in m["entries"]:
             if e.get("path") == ["w"]:
                 e["shape"] = [1 << 30]
+                e["chunks"][0]["sizes"] = [1 << 30]
 
     rewrite_manifest(path, edit)
     with pytest.raises(fc.UnsafeCheckpoint, match="declares"):
@@ -143,10 +145,11 @@ def test_bit_flip_in_tensor_data_names_the_key(tmp_path: Path) -> None:
     path = make(tmp_path)
     manifest = codec.decode((path / format.MANIFEST).read_bytes())
     entry = next(e for e in manifest["entries"] if e["path"] == ["w"])
+    offset = entry["chunks"][0]["data_offset"] + 5
     with open(path / "__0_0.distcp", "r+b") as f:
-        f.seek(entry["data_offset"] + 5)
+        f.seek(offset)
         byte = f.read(1)
-        f.seek(entry["data_offset"] + 5)
+        f.seek(offset)
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(fc.CorruptCheckpoint, match=r"'w' in __0_0.distcp: checksum"):
         fc.restore(path)

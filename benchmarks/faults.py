@@ -1,0 +1,1213 @@
+"""Fault and attack suite: crashes, full disks, bad destinations, corruption, hostile files.
+
+A checkpoint library is trusted only as far as it was tried, so this script tries it
+and prints what happened instead of promising anything::
+
+    python benchmarks/faults.py                 # long form (>= 300 SIGKILL trials)
+    python benchmarks/faults.py --ci --json x   # the short form tests/test_faults.py runs
+
+Every trial uses real files, real ``SIGKILL``s of real processes and real mounts.
+Crash children are ``os.fork()``ed from this process after torch is imported (a
+fresh interpreter per trial would cost seconds of imports each); they leave through
+``os._exit`` only, so no ``atexit`` hook or pytest teardown ever runs in them.
+
+Columns of the table:
+
+* ``lost``: committed checkpoints that existed before a trial and were gone or
+  damaged after it (or a retention policy deleting more than it may);
+* ``torn``: visible (non-temporary) checkpoints that did not restore whole, or a
+  restore that returned data of mixed versions;
+* ``detected``: corruptions / hostile files caught by both ``fc.verify`` and
+  ``fc.restore`` (x/y);
+* ``executed``: hostile payloads that ran (a marker file appeared);
+* ``other``: anything else that went wrong: an unclear error type, a leaked
+  temporary directory, a hang, a large allocation. Each is tagged; see ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import errno
+import inspect
+import json
+import os
+import pickle
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import functional_ckpt as fc
+from functional_ckpt import codec, format
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class Result:
+    """What one scenario tried and what went wrong; plain data, dumped to JSON."""
+
+    scenario: str
+    trials: int = 0
+    lost: int = 0
+    torn: int = 0
+    detected: int = 0
+    corruptions: int = 0
+    executed: int = 0
+    other: int = 0
+    counts: dict[str, int] = field(default_factory=dict)  # named sub-counters
+    problems: list[str] = field(default_factory=list)  # "tag: detail", first ones only
+    skipped: str | None = None
+    seconds: float = 0.0
+
+    def bump(self, name: str, n: int = 1) -> None:
+        self.counts[name] = self.counts.get(name, 0) + n
+
+    def problem(self, tag: str, detail: str, *, column: str = "other") -> None:
+        """Record a failure under ``column`` (lost / torn / executed / other) with a tag."""
+        setattr(self, column, getattr(self, column) + 1)
+        self.bump(f"{column}:{tag}")
+        if len(self.problems) < 40:
+            self.problems.append(f"{tag}: {detail[:400]}")
+
+    def tags(self) -> set[str]:
+        return {p.split(":", 1)[0] for p in self.problems}
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How many trials of each kind; the long and the CI forms differ only here."""
+
+    kills_per_kind: int  # SIGKILL trials for each of sync / async / prune / export
+    flips_per_file: int  # random single-bit flips per checkpoint file
+    exhaustive_marker: bool  # flip every bit of COMMITTED (it is tiny)
+    disk_full_steps: int  # free-space levels tried on the small filesystem
+    vanish_trials: int  # destination removed mid-save
+    follow_secs: float  # how long a reader follows a writer
+
+
+LONG = Scale(80, 40, True, 24, 20, 15.0)
+CI = Scale(8, 6, False, 8, 4, 3.0)
+
+KINDS = ("sync", "async", "prune", "export")
+
+
+# --------------------------------------------------------------------------- states
+
+
+def make_state(version: int, *, big: int = 2, small: int = 24) -> dict[str, Any]:
+    """A state whose every tensor element equals ``version``: a reader can tell torn mixes."""
+    v = float(version)
+    model: dict[str, Any] = {f"big{i}": torch.full((1 << 18,), v) for i in range(big)}
+    model.update({f"s{i}": torch.full((16, 4), v) for i in range(small)})
+    return {
+        "model": model,
+        "optim": {"m": torch.full((100,), v), "count": torch.tensor(version)},
+        "step": version,
+        "meta": {"v": [version] * 4, "t": (version, "x")},
+    }
+
+
+def state_version(state: Any) -> int:
+    """The version a restored state claims, after checking every leaf agrees with it."""
+    version = int(fc.to_python(state["step"]))
+    leaves = [
+        t.reshape(-1).double()
+        for t in state.values(include_nested=True, leaves_only=True)
+        if isinstance(t, torch.Tensor)
+    ]
+    flat = torch.cat(leaves)
+    if not bool((flat == version).all()):
+        wrong = flat[flat != version][0].item()
+        raise AssertionError(f"a tensor holds {wrong}, expected {version} everywhere")
+    meta = fc.to_python(state["meta"])
+    if meta != {"v": [version] * 4, "t": (version, "x")}:
+        raise AssertionError(f"meta {meta!r} does not match version {version}")
+    return version
+
+
+def check_whole(path: Path) -> int:
+    """Restore and verify a visible checkpoint; its version, or AssertionError/CheckpointError."""
+    version = state_version(fc.restore(path))
+    report = fc.verify(path)
+    if not report.ok:
+        raise AssertionError(f"verify failed: {report}")
+    return version
+
+
+def export_version(path: Path) -> int:
+    """Load a safetensors export with safetensors itself and check it is one step whole."""
+    from safetensors.torch import load_file
+
+    step = int(path.name.split("_")[1])
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise AssertionError("no safetensors file")
+    names: set[str] = set()
+    for f in files:
+        for name, t in load_file(str(f)).items():
+            names.add(name)
+            if not bool((t == step).all()):
+                raise AssertionError(f"{f.name}:{name} is not step {step}")
+    if not {"big0", "s0"} <= names:
+        raise AssertionError(f"export misses tensors: {sorted(names)[:5]}")
+    return step
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def after_fork_in_child() -> None:
+    """Make a forked child able to save.
+
+    The library's checksum pool is a module-level ThreadPoolExecutor; after
+    ``fork`` its thread is gone but the executor believes it is idle, so the first
+    checksum of a tensor >= 1 MiB waits forever (weakness ``fork-pool``, reported).
+    Until the library resets it with ``os.register_at_fork`` we reset it here.
+    """
+    torch.set_num_threads(1)
+    from functional_ckpt import shards
+
+    if hasattr(shards, "_POOL"):
+        shards._POOL = None
+
+
+def fork_child(work: Callable[[], None]) -> int:
+    """Run ``work`` in a forked child that can only leave through ``os._exit``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 0
+        try:
+            after_fork_in_child()
+            work()
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            os._exit(code)
+    return pid
+
+
+def kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+def run_forked(fn: Callable[[], Any], timeout: float, mem_limit: int | None = None) -> Any:
+    """``fn()`` in a forked child (isolated memory limit, hang guard); its JSON result.
+
+    Returns ``{"hang": True}`` when the child does not answer within ``timeout``.
+    """
+    r, w = os.pipe()
+
+    def work() -> None:
+        os.close(r)
+        if mem_limit is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (mem_limit, mem_limit))
+        out = json.dumps(fn()).encode()
+        os.write(w, out)
+
+    pid = fork_child(work)
+    os.close(w)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    os.set_blocking(r, False)
+    try:
+        while True:
+            try:
+                chunk = os.read(r, 1 << 16)
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    kill(pid)
+                    return {"hang": True}
+                time.sleep(0.005)
+                continue
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+    os.waitpid(pid, 0)
+    return json.loads(b"".join(chunks) or b"null")
+
+
+def vm_size() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def peak_rss_reset() -> bool:
+    """Reset this process's peak RSS (VmHWM) so a later read measures one action."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def rss_and_peak() -> tuple[int, int]:
+    rss = hwm = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+            elif line.startswith("VmHWM:"):
+                hwm = int(line.split()[1]) * 1024
+    return rss, hwm
+
+
+# --------------------------------------------------------------------------- listing
+
+
+def visible(root: Path) -> list[Path]:
+    """Directories a user would take for checkpoints: not temporary, not manager files."""
+    if not root.is_dir():
+        return []
+    return sorted(
+        p
+        for p in root.iterdir()
+        if p.is_dir() and not format.is_temporary_name(p.name) and p.name != "exports"
+    )
+
+
+def temporaries(root: Path) -> list[Path]:
+    out: list[Path] = []
+    for parent in (root, root / "exports"):
+        if parent.is_dir():
+            out += [p for p in parent.iterdir() if format.is_temporary_name(p.name)]
+    return out
+
+
+def snapshot(paths: list[Path], res: Result, load: Callable[[Path], int]) -> dict[str, int]:
+    """name -> version of every visible entry; anything unreadable counts as torn."""
+    seen: dict[str, int] = {}
+    for p in paths:
+        try:
+            seen[p.name] = load(p)
+        except Exception as e:
+            res.problem("torn", f"{p}: {type(e).__name__}: {e}", column="torn")
+    return seen
+
+
+def check_kept(
+    before: dict[str, int], after: dict[str, int], keep: int | None, res: Result
+) -> None:
+    """Every entry committed before the trial still exists and is at least as new.
+
+    With a retention policy ``keep_last(keep)`` an entry may be gone only if at
+    least ``keep`` newer ones exist.
+    """
+    for name, version in before.items():
+        now = after.get(name)
+        if now is not None and now >= version:
+            continue
+        if now is None and keep is not None and sum(v > version for v in after.values()) >= keep:
+            continue
+        res.problem("lost", f"{name} (version {version}) became {now}", column="lost")
+
+
+# --------------------------------------------------------------------------- SIGKILL
+
+
+def _child_loop(kind: str, root: Path, start: int) -> None:  # pragma: no cover - child
+    """Save forever (the parent kills us): the workload of one kind of crash trial."""
+    v = start
+    if kind in ("sync", "async"):
+        while True:
+            name, overwrite = (f"ck{v:06d}", False) if v % 2 else ("ck_over", True)
+            if kind == "sync":
+                fc.save(root / name, make_state(v), overwrite=overwrite)
+            else:
+                pending = fc.save_async(root / name, make_state(v), overwrite=overwrite)
+                pending.wait_staged()
+                pending.result()
+            v += 1
+    export = fc.Export(fc.every_steps(1), select="model") if kind == "export" else None
+    with fc.CheckpointManager(root, keep=fc.keep_last(2), export=export) as mgr:
+        v = (mgr.latest_step() or 0) + 1
+        while True:
+            mgr.maybe_save(make_state(v), step=v)
+            v += 1
+
+
+def _trim(root: Path, keep: int) -> None:
+    """Keep the directory small between trials (old entries removed crash-safely)."""
+    for parent in (root, root / "exports"):
+        old = [p for p in visible(parent) if p.name != "ck_over"][:-keep]
+        for p in old:
+            aside = format.tmp_sibling(p, format.TRASH_INFIX)
+            os.rename(p, aside)
+            format.remove_tree(aside)
+
+
+def _check_manager(root: Path, after: dict[str, int], res: Result) -> None:
+    """A restarted writer cleans up; a reader resumes from the newest committed step."""
+    with fc.CheckpointManager(root, keep=fc.keep_last(2)):
+        pass  # opening a writer removes a crashed writer's temporaries
+    for t in temporaries(root):
+        res.problem("temp-leak", f"{t} survived a writer's start")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mgr = fc.CheckpointManager(root, read_only=True)
+        state = mgr.restore_latest()
+    for w in caught:
+        if issubclass(w.category, fc.CheckpointWarning):
+            res.problem("skipped", str(w.message), column="torn")
+    newest = max(after.values(), default=None)
+    got = None if state is None else state_version(state)
+    if got != newest or mgr.restored_step != newest:
+        res.problem("resume", f"restore_latest gave {got}/{mgr.restored_step}, newest {newest}")
+
+
+def kill_trial(kind: str, root: Path, rng: random.Random, window: float, res: Result) -> None:
+    """One SIGKILL at a random moment of a child saving in a loop; then check everything."""
+    manager = kind in ("prune", "export")
+    keep = 2 if manager else None
+    if not manager:
+        _trim(root, 4)
+    before = snapshot(visible(root), res, check_whole)
+    exports_before = snapshot(visible(root / "exports"), res, export_version)
+    start = max(before.values(), default=0) + 1
+    pid = fork_child(lambda: _child_loop(kind, root, start))
+    time.sleep(rng.uniform(0.0, window))
+    kill(pid)
+    res.trials += 1
+    res.bump("killed-mid-save", bool(temporaries(root)))
+    after = snapshot(visible(root), res, check_whole)
+    check_kept(before, after, keep, res)
+    if kind == "export":
+        exports_after = snapshot(visible(root / "exports"), res, export_version)
+        check_kept(exports_before, exports_after, 2, res)
+    for t in temporaries(root):
+        try:
+            fc.restore(t)
+            res.problem("temp-readable", f"{t} restored", column="torn")
+        except fc.CheckpointError:
+            pass
+    if manager:
+        _check_manager(root, after, res)
+    else:
+        for t in temporaries(root):
+            format.remove_tree(t)
+
+
+def save_seconds(base: Path) -> float:
+    """How long one save of the crash state takes here: kills are spread over a few."""
+    t0 = time.perf_counter()
+    fc.save(base / "probe", make_state(1))
+    dt = time.perf_counter() - t0
+    shutil.rmtree(base / "probe")
+    return dt
+
+
+def scenario_kill(kind: str, scale: Scale, base: Path, seed: int) -> Result:
+    res = Result(f"SIGKILL during {kind} saves" + (" (keep_last=2)" if kind == "prune" else ""))
+    if kind == "export":
+        res.scenario = "SIGKILL during exports"
+    rng = random.Random(seed)
+    window = max(0.05, 4 * save_seconds(base)) + 0.02  # fork + start-up, then ~4 saves
+    root = base / f"kill-{kind}"
+    root.mkdir()
+    for _ in range(scale.kills_per_kind):
+        kill_trial(kind, root, rng, rng.choice([window / 8, window]), res)
+        if kind == "export":
+            _trim(root / "exports", 4)
+    res.bump("committed-at-end", len(visible(root)))
+    return res
+
+
+# --------------------------------------------------------------------------- mounts
+
+
+def mount_tmpfs(path: Path, size: str, *, ro: bool = False) -> str | None:
+    """Mount a small tmpfs at ``path``; None on success, else why it could not be."""
+    path.mkdir(parents=True, exist_ok=True)
+    opts = f"size={size}" + (",ro" if ro else "")
+    try:
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"cannot run mount: {e}"
+    if proc.returncode != 0:
+        return f"mount -t tmpfs failed (needs root / CAP_SYS_ADMIN): {proc.stderr.strip()}"
+    return None
+
+
+def remount(path: Path, opts: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{opts}", str(path)], check=True, timeout=20)
+
+
+def umount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], check=False, timeout=20, capture_output=True)
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[str | None]:
+    why = mount_tmpfs(path, size)
+    try:
+        yield why
+    finally:
+        if why is None:
+            umount(path)
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def fill_leaving(path: Path, leave: int) -> Path:
+    """Fill the filesystem of ``path`` until only ``leave`` bytes are free."""
+    filler = path / "filler.bin"
+    need = max(0, free_bytes(path) - leave)
+    with open(filler, "wb") as f:
+        block = b"\0" * (1 << 16)
+        while need > 0:
+            try:
+                need -= f.write(block[: min(need, len(block))])
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    break
+                raise
+    return filler
+
+
+# --------------------------------------------------------------------------- disk full
+
+
+def _expect_no_space(err: BaseException | None, res: Result, where: str) -> None:
+    if err is None:
+        return
+    if not isinstance(err, fc.CheckpointError):
+        res.problem("unclear-error", f"{where}: {type(err).__name__}: {err}")
+    elif "space" not in str(err).lower():
+        res.problem("unclear-error", f"{where}: message does not say 'no space': {err}")
+
+
+def manager_has_async() -> bool:
+    """Whether CheckpointManager saves in the background yet (``async_save=``)."""
+    return "async_save" in inspect.signature(fc.CheckpointManager.__init__).parameters
+
+
+DISK_FULL_MODES = ("sync", "async", "manager") + (("manager-async",) if manager_has_async() else ())
+
+
+def _full_disk_save(mode: str, mnt: Path, v: int) -> BaseException | None:
+    state = make_state(v, big=2, small=20)
+    try:
+        if mode == "sync":
+            fc.save(mnt / f"ck{v:04d}", state)
+        elif mode == "async":
+            fc.save_async(mnt / f"ck{v:04d}", state).result()
+        elif mode == "manager":
+            with fc.CheckpointManager(mnt / "mgr", keep=fc.keep_last(1)) as mgr:
+                mgr.maybe_save(state, step=v)
+        else:  # the manager's own async saves: the failure surfaces on a later call
+            opts: dict[str, Any] = {"async_save": True}
+            with fc.CheckpointManager(mnt / "mgr", keep=fc.keep_last(1), **opts) as mgr:
+                mgr.maybe_save(state, step=v)
+                mgr.wait()
+    except Exception as e:
+        return e
+    return None
+
+
+def scenario_disk_full(scale: Scale, base: Path, seed: int) -> Result:
+    """ENOSPC at every stage of a save on a real 8 MiB tmpfs, sync, async and managed."""
+    res = Result("disk full mid-save (8 MiB tmpfs)")
+    mnt = base / "full"
+    with tmpfs(mnt, "8m") as why:
+        if why is not None:
+            res.skipped = why
+            return res
+        fc.save(mnt / "base", make_state(1, big=0, small=4))
+        with fc.CheckpointManager(mnt / "mgr") as mgr:
+            mgr.maybe_save(make_state(1, big=0, small=4), step=1)
+        need = 2 * (1 << 20) + (1 << 18)  # the state written below, with headroom
+        levels = [int(need * i / (scale.disk_full_steps - 1)) for i in range(scale.disk_full_steps)]
+        v = 2
+        for leave in levels:
+            for mode in DISK_FULL_MODES:
+                filler = fill_leaving(mnt, leave)
+                err = _full_disk_save(mode, mnt, v)
+                res.trials += 1
+                res.bump("failed-cleanly" if err is not None else "fit")
+                _expect_no_space(err, res, f"{mode} with {leave} B free")
+                for t in temporaries(mnt) + temporaries(mnt / "mgr"):
+                    res.problem("temp-leak", f"{mode} with {leave} B free left {t.name}")
+                try:
+                    check_whole(mnt / "base")
+                    with fc.CheckpointManager(mnt / "mgr", read_only=True) as ro:
+                        state_version(ro.restore_latest())
+                except Exception as e:
+                    res.problem("lost", f"{mode}: older checkpoint damaged: {e}", column="lost")
+                filler.unlink()
+                err = _full_disk_save(mode, mnt, v + 1)  # training continues
+                if err is not None:
+                    res.problem("cannot-continue", f"{mode} after freeing space: {err!r}")
+                for p in visible(mnt):
+                    if p.name not in ("base", "mgr"):
+                        shutil.rmtree(p)
+                v += 2
+    return res
+
+
+# --------------------------------------------------------------------------- destinations
+
+
+def _expect_error(fn: Callable[[], Any], res: Result, tag: str, words: tuple[str, ...]) -> None:
+    """``fn`` must raise a CheckpointError whose message has one of ``words``."""
+    res.trials += 1
+    try:
+        fn()
+    except fc.CheckpointError as e:
+        if words and not any(w in str(e).lower() for w in words):
+            res.problem("unclear-error", f"{tag}: {e}")
+        return
+    except Exception as e:
+        res.problem("unclear-error", f"{tag}: {type(e).__name__}: {e}")
+        return
+    res.problem("no-error", f"{tag}: succeeded")
+
+
+def _read_only_cases(base: Path, res: Result) -> None:
+    mnt = base / "ro"
+    why = mount_tmpfs(mnt, "8m")
+    if why is not None:
+        res.skipped = why
+        return
+    try:
+        with fc.CheckpointManager(mnt / "run") as mgr:
+            mgr.maybe_save(make_state(1, big=0, small=4), step=1)
+        remount(mnt, "ro")
+        words = ("read-only", "permission", "read only")
+        st = make_state(2, big=0, small=4)
+        _expect_error(lambda: fc.save(mnt / "ck", st), res, "ro: fc.save", words)
+        _expect_error(lambda: fc.save_async(mnt / "ck", st).result(), res, "ro: async", words)
+        _expect_error(
+            lambda: fc.CheckpointManager(mnt / "run"), res, "ro: CheckpointManager(root)", words
+        )
+        res.trials += 1
+        try:
+            with fc.CheckpointManager(mnt / "run", read_only=True) as ro:
+                state_version(ro.restore_latest())
+        except Exception as e:
+            res.problem("ro-reader", f"read-only manager on a read-only mount: {e!r}")
+    finally:
+        umount(mnt)
+
+
+def _vanish_trial(base: Path, rng: random.Random, window: float, res: Result) -> None:
+    """Remove the destination's parent while a large save writes into it."""
+    parent = base / "vanish" / "run"
+    parent.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+
+    def remover() -> None:
+        time.sleep(rng.uniform(0, window))
+        while not stop.is_set():
+            try:
+                shutil.rmtree(parent)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                continue  # a file appeared while we removed: try again
+
+    th = threading.Thread(target=remover)
+    th.start()
+    res.trials += 1
+    try:
+        fc.save(parent / "ck", make_state(3, big=16, small=10))
+        res.bump("saved-before-removal")
+    except fc.CheckpointError:
+        res.bump("failed-cleanly")
+    except Exception as e:
+        res.problem("unclear-error", f"destination removed: {type(e).__name__}: {e}")
+    finally:
+        stop.set()
+        th.join()
+    for t in temporaries(parent):
+        res.problem("temp-leak", f"{t}")
+    shutil.rmtree(base / "vanish", ignore_errors=True)
+    try:
+        fc.save(parent / "ck", make_state(4, big=0, small=2))  # training continues
+        check_whole(parent / "ck")
+    except Exception as e:
+        res.problem("cannot-continue", f"after removal: {e!r}")
+    shutil.rmtree(base / "vanish", ignore_errors=True)
+
+
+def _file_cases(base: Path, res: Result) -> None:
+    f = base / "a-file"
+    f.write_text("not a checkpoint")
+    st = make_state(1, big=0, small=2)
+    _expect_error(lambda: fc.save(f, st), res, "file: fc.save(file)", ("not a checkpoint",))
+    _expect_error(lambda: fc.save(f / "ck", st), res, "file: fc.save(file/ck)", ())
+    _expect_error(lambda: fc.save_async(f, st).result(), res, "file: save_async(file)", ())
+    _expect_error(lambda: fc.restore(f), res, "file: fc.restore(file)", ("file",))
+    _expect_error(lambda: fc.verify(f), res, "file: fc.verify(file)", ("file",))
+    _expect_error(lambda: fc.CheckpointManager(f), res, "file: CheckpointManager(file)", ())
+
+    def reader() -> Any:
+        return fc.CheckpointManager(f, read_only=True).restore_latest()
+
+    _expect_error(reader, res, "file: read-only manager restore_latest(file)", ())
+    if f.read_text() != "not a checkpoint":
+        res.problem("clobbered", f"{f} was modified", column="lost")
+
+
+def scenario_destinations(scale: Scale, base: Path, seed: int) -> Result:
+    res = Result("read-only / vanishing / file destination")
+    rng = random.Random(seed)
+    _read_only_cases(base, res)
+    t0 = time.perf_counter()
+    fc.save(base / "probe", make_state(3, big=16, small=10))
+    window = time.perf_counter() - t0
+    shutil.rmtree(base / "probe")
+    for _ in range(scale.vanish_trials):
+        _vanish_trial(base, rng, window, res)
+    _file_cases(base, res)
+    if res.skipped:
+        res.skipped = f"read-only cases skipped: {res.skipped}"
+    return res
+
+
+# --------------------------------------------------------------------------- corruption
+
+
+def flip_bit(path: Path, offset: int, bit: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([b ^ (1 << bit)]))
+
+
+def _mutations(files: list[Path], other: Path, scale: Scale, rng: random.Random) -> list[Any]:
+    """(label, file name, action) for every corruption tried on one checkpoint."""
+    out: list[Any] = []
+    for f in files:
+        size = f.stat().st_size
+        if f.name == format.COMMIT_MARKER and scale.exhaustive_marker:
+            offsets = [(o, b) for o in range(size) for b in range(8)]
+        elif f.suffix == ".distcp":
+            # half in the first blob's zip headers, half anywhere (mostly tensor bytes)
+            n = scale.flips_per_file
+            offsets = [(rng.randrange(min(size, 256)), rng.randrange(8)) for _ in range(n // 2)]
+            offsets += [(rng.randrange(size), rng.randrange(8)) for _ in range(n - n // 2)]
+        else:
+            n = scale.flips_per_file
+            offsets = [(rng.randrange(size), rng.randrange(8)) for _ in range(n)]
+        for o, b in offsets:
+            out.append((f"bit flip @{o}.{b}", f.name, lambda p, o=o, b=b: flip_bit(p, o, b)))
+        cut = rng.randrange(size) if size else 0
+        out.append((f"truncate to {cut}", f.name, lambda p, cut=cut: os.truncate(p, cut)))
+        out.append(("truncate to 0", f.name, lambda p: os.truncate(p, 0)))
+        out.append(("delete", f.name, lambda p: os.unlink(p)))
+        if f.suffix == ".distcp" and (other / f.name).exists():
+            out.append(
+                (
+                    "swapped from another checkpoint",
+                    f.name,
+                    lambda p: shutil.copy(other / p.name, p),
+                )
+            )
+    return out
+
+
+def _detected_by_verify(path: Path) -> bool:
+    try:
+        return not fc.verify(path).ok
+    except fc.CheckpointError:
+        return True
+
+
+def _detected_by_restore(path: Path, res: Result, label: str) -> bool:
+    try:
+        state = fc.restore(path)
+    except fc.CheckpointError:
+        return True
+    except Exception as e:
+        res.problem("unclear-error", f"{label}: restore raised {type(e).__name__}: {e}")
+        return True
+    try:
+        if state_version(state) != 2:
+            raise AssertionError("wrong version")
+    except Exception as e:
+        res.problem("wrong-data", f"{label}: restore returned damaged data: {e}", column="torn")
+    return False
+
+
+def scenario_corruption(scale: Scale, base: Path, seed: int) -> Result:
+    """Every file of the newest checkpoint damaged in turn; verify, restore and resume see it."""
+    res = Result("corruption: bit flips / truncation / deletion / swap")
+    rng = random.Random(seed)
+    root = base / "corrupt"
+    small = {"big": 1, "small": 12}
+    with fc.CheckpointManager(root) as mgr:
+        mgr.maybe_save(make_state(1, **small), step=1)
+        mgr.maybe_save(make_state(2, **small), step=2)
+    newest = root / "step_000000002"
+    pristine = base / "pristine"
+    shutil.copytree(newest, pristine)
+    other = base / "other"
+    fc.save(other, make_state(7, **small))
+    files = sorted(p for p in pristine.iterdir() if p.is_file())
+    for label, name, action in _mutations(files, other, scale, rng):
+        shutil.rmtree(newest)
+        shutil.copytree(pristine, newest)
+        action(newest / name)
+        full = f"{name}: {label}"
+        res.trials += 1
+        res.corruptions += 1
+        by_verify = _detected_by_verify(newest)
+        by_restore = _detected_by_restore(newest, res, full)
+        res.bump("verify", by_verify)
+        res.bump("restore", by_restore)
+        if by_verify and by_restore:
+            res.detected += 1
+        else:
+            missed = [w for w, ok in (("verify", by_verify), ("restore", by_restore)) if not ok]
+            res.bump(f"missed:{name}")
+            if len(res.problems) < 40:
+                res.problems.append(f"missed-by-{'+'.join(missed)}: {full}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reader = fc.CheckpointManager(root, read_only=True)
+            try:
+                got = reader.restore_latest()
+                ok = got is not None and state_version(got) == reader.restored_step
+                fell_back = reader.restored_step == 1
+            except Exception as e:
+                res.problem("resume", f"{full}: restore_latest raised {e!r}")
+                continue
+        if not ok:
+            res.problem("wrong-data", f"{full}: restore_latest returned bad data", column="torn")
+        elif by_restore and not fell_back:
+            res.problem("resume", f"{full}: manager did not fall back to step 1")
+        res.bump("manager-fell-back", fell_back)
+    return res
+
+
+# --------------------------------------------------------------------------- hostile
+
+
+class Payload:
+    """Pickles to ``os.system("touch MARKER")``: it must never run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def resign(path: Path, raw: bytes) -> None:
+    """Install ``raw`` as the manifest and sign it, as an attacker owning the files would."""
+    (path / format.MANIFEST).write_bytes(raw)
+    os.unlink(path / format.COMMIT_MARKER)
+    format.write_commit_marker(path, raw)
+
+
+def edit_manifest(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    manifest = codec.decode((path / format.MANIFEST).read_bytes())
+    assert isinstance(manifest, dict)
+    edit(manifest)
+    resign(path, codec.encode(manifest))
+
+
+def _tensor_entries(m: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in m["entries"] if e.get("kind") == "tensor" and "alias" not in e]
+
+
+def _shard_names(m: dict[str, Any]) -> list[str]:
+    return [n for n in m["files"] if n.endswith(".distcp")]
+
+
+def _rename_file(name: str) -> Callable[[dict[str, Any]], None]:
+    def edit(m: dict[str, Any]) -> None:
+        shard = _shard_names(m)[0]
+        m["files"][name] = m["files"].pop(shard)
+        for e in m["entries"]:
+            if e.get("file") == shard:
+                e["file"] = name
+
+    return edit
+
+
+def _huge_tensor(m: dict[str, Any]) -> None:
+    e = _tensor_entries(m)[0]
+    e["shape"] = [1 << 40]
+    e["nbytes"] = 4 << 40 if e["dtype"] == "float32" else e["nbytes"]
+
+
+def _zero_overflow(m: dict[str, Any]) -> None:
+    e = _tensor_entries(m)[0]
+    e["shape"] = [0, 1 << 64]
+    e["nbytes"] = 0
+
+
+def _raw_manifest(raw: bytes) -> Callable[[Path], None]:
+    return lambda p: resign(p, raw)
+
+
+def _symlink_each(name: str, outside: Path) -> Callable[[Path], None]:
+    def act(p: Path) -> None:
+        target = outside / f"{p.name}-{name}"
+        shutil.copy(p / name, target)
+        os.unlink(p / name)
+        os.symlink(target, p / name)
+
+    return act
+
+
+def _all_symlinks(outside: Path) -> Callable[[Path], None]:
+    def act(p: Path) -> None:
+        real = outside / "real-copy"
+        shutil.copytree(p, real)
+        for f in list(p.iterdir()):
+            os.unlink(f)
+            os.symlink(real / f.name, f)
+
+    return act
+
+
+def _hostile_metadata(marker: Path, resigned: bool) -> Callable[[Path], None]:
+    def act(p: Path) -> None:
+        raw = pickle.dumps(Payload(marker))
+        (p / format.DCP_METADATA).write_bytes(raw)
+        if resigned:
+            import zlib
+
+            def edit(m: dict[str, Any]) -> None:
+                m["files"][format.DCP_METADATA] = {"size": len(raw), "crc32": zlib.crc32(raw)}
+
+            edit_manifest(p, edit)
+
+    return act
+
+
+def _stock_dcp_pickle(marker: Path) -> Callable[[Path], None]:
+    def act(p: Path) -> None:
+        for f in list(p.iterdir()):
+            os.unlink(f)
+        (p / format.DCP_METADATA).write_bytes(pickle.dumps(Payload(marker)))
+
+    return act
+
+
+def _sparse(name: str, size: int) -> Callable[[Path], None]:
+    """Replace ``name`` by a sparse file of ``size`` bytes (costs no disk, reads as zeros)."""
+
+    def act(p: Path) -> None:
+        with open(p / name, "r+b") as f:
+            f.truncate(size)
+
+    return act
+
+
+def hostile_cases(marker: Path, outside: Path) -> list[tuple[str, Callable[[Path], None]]]:
+    """(name, tamper) for each hostile checkpoint, applied to a fresh valid checkpoint."""
+    cases: list[tuple[str, Callable[[Path], None]]] = [
+        (".metadata pickle runs os.system", _hostile_metadata(marker, False)),
+        (".metadata pickle, re-signed in the manifest", _hostile_metadata(marker, True)),
+        ("stock-DCP dir with a hostile .metadata", _stock_dcp_pickle(marker)),
+        (
+            "manifest names ../escape.distcp",
+            lambda p: edit_manifest(p, _rename_file("../x.distcp")),
+        ),
+        ("manifest names /etc/passwd", lambda p: edit_manifest(p, _rename_file("/etc/passwd"))),
+        ("manifest names ..", lambda p: edit_manifest(p, _rename_file(".."))),
+        ("tensor declares 4 TiB", lambda p: edit_manifest(p, _huge_tensor)),
+        ("tensor shape [0, 2**64]", lambda p: edit_manifest(p, _zero_overflow)),
+        ("10^6-deep nested arrays", _raw_manifest(b"\x91" * 1_000_000 + b"\xc0")),
+        ("map declaring 2^32-1 entries", _raw_manifest(b"\xdf\xff\xff\xff\xff")),
+        ("array declaring 2^32-1 items", _raw_manifest(b"\xdd\xff\xff\xff\xff")),
+        ("bin declaring 1 GiB", _raw_manifest(b"\xc6\x40\x00\x00\x00" + b"\0" * 16)),
+        ("str declaring 4 GiB", _raw_manifest(b"\xdb\xff\xff\xff\xff" + b"a" * 16)),
+        ("1.5 GiB sparse manifest", _sparse(format.MANIFEST, 3 << 29)),
+        ("1.5 GiB sparse .metadata", _sparse(format.DCP_METADATA, 3 << 29)),
+        ("checkpoint dir full of symlinks", _all_symlinks(outside)),
+    ]
+    for name in ("__0_0.distcp", format.DCP_METADATA, format.MANIFEST, format.COMMIT_MARKER):
+        cases.append((f"{name} is a symlink outside", _symlink_each(name, outside)))
+    return cases
+
+
+def _probe_load(path: Path) -> dict[str, Any]:
+    """In the child: restore, verify and resume a hostile checkpoint; report outcomes and RSS."""
+    out: dict[str, Any] = {}
+    reset = peak_rss_reset()
+    rss0, _ = rss_and_peak()
+    template = {"model": {"big0": torch.zeros(1 << 18)}}
+    for what, fn in (
+        ("restore", lambda: fc.restore(path)),
+        ("restore(template)", lambda: fc.restore(path, template, partial=True)),
+        ("verify", lambda: fc.verify(path)),
+        ("manager", lambda: fc.CheckpointManager(path.parent, read_only=True).restore_latest()),
+    ):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                value = fn()
+            ok = value.ok if isinstance(value, fc.VerifyReport) else True
+            out[what] = ["ok" if ok else "reported", ""]
+        except BaseException as e:
+            out[what] = [type(e).__name__, str(e)[:300]]
+    _, hwm = rss_and_peak()
+    out["peak_rss_growth"] = hwm - rss0 if reset else -1
+    return out
+
+
+SAFE_ERRORS = {
+    "UnsafeCheckpoint",
+    "CorruptCheckpoint",
+    "CheckpointNotFound",
+    "IncompleteCheckpoint",
+    "CheckpointError",
+}
+
+
+def scenario_hostile(scale: Scale, base: Path, seed: int) -> Result:
+    """Hostile checkpoints loaded in a forked child under a memory limit and a hang guard."""
+    res = Result("hostile checkpoints")
+    marker = base / "PWNED"
+    outside = base / "outside"
+    outside.mkdir()
+    limit = vm_size() + (768 << 20)
+    for i, (name, tamper) in enumerate(hostile_cases(marker, outside)):
+        root = base / f"hostile{i}"
+        path = root / "step_000000001"
+        fc.save(path, make_state(1, big=1, small=4))
+        tamper(path)
+        res.trials += 1
+        out = run_forked(lambda path=path: _probe_load(path), timeout=60, mem_limit=limit)
+        if marker.exists():
+            res.problem("executed", name, column="executed")
+            marker.unlink()
+        if out is None or out.get("hang"):
+            res.problem("hang", f"{name}: no answer within 60 s")
+            continue
+        res.corruptions += 1
+        caught = True
+        for what in ("restore", "restore(template)", "verify", "manager"):
+            kind, msg = out[what]
+            if kind in ("ok",):
+                caught = False
+                if what != "restore(template)" and len(res.problems) < 40:
+                    res.problems.append(f"accepted: {name}: {what} accepted it")
+                res.bump(f"accepted:{what}")
+            elif kind not in SAFE_ERRORS and kind != "reported":
+                caught = False
+                tag = "allocation" if kind in ("MemoryError", "RuntimeError") else "unclear-error"
+                res.problem(tag, f"{name}: {what} raised {kind}: {msg}")
+        if out["peak_rss_growth"] > (256 << 20):
+            res.problem("allocation", f"{name}: peak RSS grew {out['peak_rss_growth'] >> 20} MiB")
+        if caught:
+            res.detected += 1
+        shutil.rmtree(root, ignore_errors=True)
+    return res
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+def _writer(root: Path, secs: float) -> None:  # pragma: no cover - child
+    with fc.CheckpointManager(root, keep=fc.keep_last(2)) as mgr:
+        v = (mgr.latest_step() or 0) + 1
+        end = time.monotonic() + secs
+        while time.monotonic() < end:
+            mgr.maybe_save(make_state(v, big=1, small=10), step=v)
+            v += 1
+
+
+def _two_writers(base: Path, res: Result) -> None:
+    root = base / "two"
+    with fc.CheckpointManager(root):
+        _expect_error(lambda: fc.CheckpointManager(root), res, "second writer", ("another",))
+    r, w = os.pipe()
+
+    def hold() -> None:
+        with fc.CheckpointManager(root):
+            os.write(w, b"x")
+            time.sleep(60)
+
+    pid = fork_child(hold)
+    os.close(w)
+    os.read(r, 1)
+    os.close(r)
+    _expect_error(
+        lambda: fc.CheckpointManager(root), res, "writer in another process", ("another",)
+    )
+    kill(pid)
+    res.trials += 1
+    try:
+        fc.CheckpointManager(root).close()  # a SIGKILLed holder's lock is taken over
+    except Exception as e:
+        res.problem("lock-takeover", f"after the holder was killed: {e!r}")
+
+
+def _follow(root: Path, secs: float, res: Result) -> None:
+    """Readers (manager and bare fc.restore) following a writer that saves and prunes."""
+    pid = fork_child(lambda: _writer(root, secs))
+    end = time.monotonic() + secs
+    reader = fc.CheckpointManager(root, read_only=True)
+    try:
+        while time.monotonic() < end:
+            res.trials += 1
+            try:
+                state = reader.restore_latest()
+                if state is not None and state_version(state) != reader.restored_step:
+                    res.problem("torn", "restore_latest: version != step", column="torn")
+                res.bump("manager-read")
+            except fc.CheckpointError as e:
+                res.bump("manager-raced")
+                res.problem("resume", f"restore_latest while following: {e}")
+            except AssertionError as e:
+                res.problem("torn", f"restore_latest returned mixed data: {e}", column="torn")
+            cands = [p for p in visible(root) if (p / format.COMMIT_MARKER).exists()]
+            if not cands:
+                continue
+            res.trials += 1
+            try:
+                state_version(fc.restore(cands[-1]))
+                res.bump("restore-read")
+            except fc.CheckpointError:
+                res.bump("restore-raced")  # pruned while we read it: a clear error
+            except AssertionError as e:
+                res.problem("torn", f"fc.restore returned mixed data: {e}", column="torn")
+            except Exception as e:
+                res.problem("unclear-error", f"prune racing fc.restore: {type(e).__name__}: {e}")
+    finally:
+        os.waitpid(pid, 0)
+
+
+def scenario_concurrency(scale: Scale, base: Path, seed: int) -> Result:
+    res = Result("concurrency: 2 writers / follower / prune vs restore")
+    _two_writers(base, res)
+    _follow(base / "follow", scale.follow_secs, res)
+    return res
+
+
+# --------------------------------------------------------------------------- driver
+
+SCENARIOS: dict[str, Callable[[Scale, Path, int], Result]] = {
+    **{f"kill-{k}": (lambda s, b, seed, k=k: scenario_kill(k, s, b, seed)) for k in KINDS},
+    "disk-full": scenario_disk_full,
+    "destinations": scenario_destinations,
+    "corruption": scenario_corruption,
+    "hostile": scenario_hostile,
+    "concurrency": scenario_concurrency,
+}
+
+
+def run_scenario(name: str, scale: Scale, seed: int = 0, base: Path | None = None) -> Result:
+    """Run one scenario in a fresh scratch directory (removed afterwards)."""
+    own = base is None
+    work = Path(tempfile.mkdtemp(prefix=f"fc-faults-{name}-")) if own else base
+    assert work is not None
+    t0 = time.perf_counter()
+    try:
+        res = SCENARIOS[name](scale, work, seed)
+    finally:
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def table(results: list[Result]) -> str:
+    head = ("scenario", "trials", "lost", "torn visible", "detected", "code executed", "other")
+    rows = [head]
+    for r in results:
+        det = f"{r.detected}/{r.corruptions}" if r.corruptions else "-"
+        if r.skipped and not r.trials:
+            rows.append((r.scenario, "skipped", "", "", "", "", r.skipped[:60]))
+            continue
+        rows.append(
+            (
+                r.scenario,
+                str(r.trials),
+                str(r.lost),
+                str(r.torn),
+                det,
+                str(r.executed),
+                str(r.other),
+            )
+        )
+    kills = sum(r.trials for r in results if r.scenario.startswith("SIGKILL"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append(f"SIGKILL trials in total: {kills}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ci", action="store_true", help="the short form (what the tests run)")
+    ap.add_argument("--trials", type=int, help="SIGKILL trials per kind (4 kinds)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--scenarios", nargs="*", choices=sorted(SCENARIOS), default=list(SCENARIOS))
+    ap.add_argument("-v", "--verbose", action="store_true", help="print each problem")
+    args = ap.parse_args(argv)
+    scale = CI if args.ci else LONG
+    if args.trials is not None:
+        scale = Scale(args.trials, *list(asdict(scale).values())[1:])
+    results = []
+    for i, name in enumerate(args.scenarios):
+        res = run_scenario(name, scale, args.seed + i)
+        print(f"{name}: {res.trials} trials in {res.seconds:.1f} s", file=sys.stderr, flush=True)
+        if args.verbose:
+            for p in res.problems:
+                print(f"    {p}", file=sys.stderr)
+        results.append(res)
+    print(table(results))
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                    "form": "ci" if args.ci else "long",
+                    "scale": asdict(scale),
+                    "torch": str(torch.__version__),
+                    "results": [asdict(r) for r in results],
+                },
+                indent=2,
+            )
+        )
+    bad = any(r.lost or r.torn or r.executed for r in results)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,458 @@
+"""Multi-rank saves and restores on torch.distributed and DCP's planners.
+
+Every rank calls ``fc.save`` / ``fc.restore`` with its own state. DCP's planner
+decides who writes what (sharded DTensor leaves by their owners, replicated
+tensors once, spread across ranks); our storage writer puts the chunks into each
+rank's shard file with the same blob layout and CRC32s as a single-process save.
+The coordinator commits only inside DCP's ``finish`` step, which runs after every
+rank reported its data durable. All checkpoint collectives run on a dedicated
+gloo group with a timeout, so they never interleave with training collectives
+and a dead rank makes the others fail with a clear error instead of hanging.
+
+On restore, DCP's load planner maps saved chunks onto the template's DTensor
+shards (any world size); our storage reader serves it from the manifest (no
+pickle) with CRC checks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict, TensorDictBase
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from functional_ckpt import codec, format, shards
+from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
+from functional_ckpt.manifest import Chunk, ParsedManifest
+from functional_ckpt.reader import (
+    Reshard,
+    build,
+    gc_paused,
+    open_checkpoint,
+    per_rank_check,
+    select,
+)
+from functional_ckpt.tree import Leaf, iter_leaves, unflatten
+from functional_ckpt.writer import (
+    DEFAULT_PER_RANK,
+    CheckpointInfo,
+    PathLike,
+    check_destination,
+    finalize,
+    host_copy,
+    is_dtensor,
+    os_error,
+    prepare_save,
+    shard_name,
+)
+
+#: Seconds a rank waits for the others in a checkpoint collective before failing.
+DEFAULT_TIMEOUT = float(os.environ.get("FUNCTIONAL_CKPT_TIMEOUT", "600"))
+
+_GROUPS: dict[tuple[int, float], Any] = {}
+
+
+def checkpoint_group(timeout: float | None = None) -> Any:
+    """The dedicated gloo group for checkpoint collectives (created once per world)."""
+    seconds = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+    key = (dist.get_world_size(), seconds)
+    group = _GROUPS.get(key)
+    if group is None:
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
+        _GROUPS[key] = group
+    return group
+
+
+def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
+    """Every rank's ``data``, without pickling (length-prefixed byte tensors)."""
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(out, buf, group=group)
+    return [bytes(t[: int(s.item())].numpy()) for t, s in zip(out, sizes, strict=True)]
+
+
+def agree(error: BaseException | None, group: Any, what: str) -> None:
+    """Make every rank fail together when any rank failed a local step."""
+    try:
+        reports = all_gather_bytes(b"" if error is None else _describe(error).encode(), group)
+    except Exception as e:  # a rank died or timed out
+        raise CheckpointError(
+            f"{what}: another rank did not answer ({e}); nothing committed"
+        ) from e
+    failed = [(r, m.decode(errors="replace")) for r, m in enumerate(reports) if m]
+    if error is not None:
+        raise error
+    if failed:
+        r, msg = failed[0]
+        raise CheckpointError(f"{what}: rank {r} failed: {msg}; nothing was committed")
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+# --------------------------------------------------------------------------- save
+
+
+class _ChunkWriter(StorageWriter):
+    """DCP storage writer that writes our blobs and commits on the coordinator."""
+
+    def __init__(self, tmp: Path, job: _SaveJob) -> None:
+        super().__init__()
+        self.tmp = tmp
+        self.job = job
+        self.rank = 0
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.rank = int(kwargs.get("rank", dist.get_rank()))
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        items = [it for it in plan.items if it.type != WriteItemType.BYTE_IO]
+        tensors = [host_copy(planner.resolve_data(it)) for it in items]  # type: ignore[arg-type]
+        path = self.tmp / shard_name(self.rank)
+        try:
+            records = shards.write_shard(path, tensors)
+        except OSError as e:
+            raise os_error(e, self.job.dest) from e
+        results = []
+        for item, rec in zip(items, records, strict=True):
+            assert item.tensor_data is not None
+            chunk = item.tensor_data.chunk
+            info = {
+                "offsets": list(chunk.offsets),
+                "sizes": list(chunk.sizes),
+                "file": rec.file,
+                "offset": rec.offset,
+                "length": rec.length,
+                "data_offset": rec.data_offset,
+                "nbytes": rec.nbytes,
+                "crc32": rec.crc,
+                "hcrc32": rec.hcrc,
+            }
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=rec.length, storage_data=info)
+            )
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self.job.commit([wr for group in results for wr in group])
+
+    def storage_meta(self) -> Any:
+        return None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+@dataclass
+class _SaveJob:
+    """What the coordinator needs to turn written chunks into a committed checkpoint."""
+
+    dest: Path
+    tmp: Path
+    entries: list[dict[str, Any]]
+    ranks: list[list[dict[str, Any]]]
+    metadata: Any
+    overwrite: bool
+    created: float
+    nbytes: int = 0
+
+    def commit(self, results: list[WriteResult]) -> None:
+        chunks: dict[str, list[dict[str, Any]]] = {}
+        for wr in results:
+            chunks.setdefault(wr.index.fqn, []).append(dict(wr.storage_data))
+        for group in [self.entries, *self.ranks]:
+            for e in group:
+                if e["kind"] == "tensor" and "alias" not in e:
+                    e["chunks"] = sorted(chunks.get(e["fqn"], []), key=lambda c: c["offsets"])
+        try:
+            self.nbytes, _ = finalize(
+                self.tmp,
+                self.dest,
+                entries=self.entries,
+                ranks=self.ranks,
+                metadata=self.metadata,
+                overwrite=self.overwrite,
+                created=self.created,
+            )
+        except OSError as e:
+            raise os_error(e, self.dest) from e
+
+
+def save_distributed(
+    path: PathLike,
+    state: TensorDictBase | Mapping[str, Any],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    per_rank: Sequence[str] = DEFAULT_PER_RANK,
+    timeout: float | None = None,
+) -> CheckpointInfo:
+    """The multi-rank ``fc.save``: every rank calls it; one checkpoint is committed."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    t0 = time.perf_counter()
+    group = checkpoint_group(timeout)
+    rank = dist.get_rank()
+    dest = Path(path)
+    error: BaseException | None = None
+    plan = meta = None
+    try:
+        if rank == 0:
+            check_destination(dest, overwrite)
+        _, plan, meta = prepare_save(
+            dest, state, metadata, overwrite, per_rank=per_rank, rank=rank, check_path=False
+        )
+    except BaseException as e:
+        error = e
+    agree(error, group, f"save {dest}")
+    assert plan is not None and meta is not None
+    tmp_name = format.tmp_sibling(dest).name if rank == 0 else ""
+    tmp_name = all_gather_bytes(tmp_name.encode(), group)[0].decode()
+    tmp = dest.parent / tmp_name
+    error = None
+    try:
+        if rank == 0:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+    except BaseException as e:
+        error = os_error(e, dest) if isinstance(e, OSError) else e
+    agree(error, group, f"save {dest}")
+    locals_ = [codec.decode(b) for b in all_gather_bytes(codec.encode(plan.local), group)]
+    job = _SaveJob(dest, tmp, plan.entries, locals_, meta, overwrite, time.time())  # type: ignore[arg-type]
+    state_dict = {e["fqn"]: t for e, t in zip(plan.targets, plan.sources, strict=True)}
+    try:
+        with gc_paused():
+            dcp_save(
+                state_dict,
+                storage_writer=_ChunkWriter(tmp, job),
+                planner=DefaultSavePlanner(),
+                process_group=group,
+            )
+    except BaseException as e:
+        if rank == 0:
+            format.remove_tree(tmp)
+        raise _unwrap(e, f"save {dest}") from e
+    sizes = all_gather_bytes(str(job.nbytes).encode(), group)
+    return CheckpointInfo(
+        path=dest,
+        nbytes=int(sizes[0].decode() or 0),
+        tensor_bytes=sum(t.numel() * t.element_size() for t in plan.sources),
+        num_tensors=len(plan.sources),
+        num_values=plan.num_values,
+        created=job.created,
+        duration=time.perf_counter() - t0,
+        metadata=meta,
+    )
+
+
+def _unwrap(e: BaseException, what: str) -> CheckpointError:
+    """DCP wraps rank failures in CheckpointException; name the first real cause."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = sorted(failures.items())[0]
+        cause = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+        if isinstance(cause, CheckpointError):
+            return cause
+        return CheckpointError(f"{what}: rank {rank} failed: {cause!r}; nothing was committed")
+    if isinstance(e, CheckpointError):
+        return e
+    return CheckpointError(f"{what}: {_describe(e)}; nothing was committed")
+
+
+# --------------------------------------------------------------------------- restore
+
+
+class _ManifestReader(StorageReader):
+    """DCP storage reader serving chunks straight from our manifest and files."""
+
+    def __init__(self, root: Path, parsed: list[ParsedManifest]) -> None:
+        super().__init__()
+        self.root = root
+        self.parsed = parsed
+        self.chunks: dict[MetadataIndex, Chunk] = {}
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        state_md: dict[str, Any] = {}
+        for one in self.parsed:
+            for e in one.tensors.values():
+                if e.fqn in state_md:
+                    continue
+                state_md[e.fqn] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=e.dtype),
+                    size=torch.Size(e.shape),
+                    chunks=[
+                        ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
+                        for c in e.chunks
+                    ],
+                )
+                for c in e.chunks:
+                    self.chunks[MetadataIndex(e.fqn, torch.Size(c.offsets))] = c
+        return Metadata(state_dict_metadata=state_md, storage_data=None)
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *a: Any, **k: Any
+    ) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_chunk: dict[int, tuple[Chunk, list[Any]]] = {}
+        for req in plan.items:
+            chunk = self.chunks[req.storage_index]
+            by_chunk.setdefault(id(chunk), (chunk, []))[1].append(req)
+        ordered = sorted(by_chunk.values(), key=lambda cr: (cr[0].file, cr[0].data_offset))
+        for chunk, reqs in ordered:
+            dtype = self._dtype(reqs[0].storage_index.fqn)
+            data = torch.empty(chunk.sizes, dtype=dtype)
+            res = (
+                shards.read_tensors(
+                    self.root / chunk.file,
+                    [(chunk.data_offset, shards.byte_view(data), chunk.crc32)],
+                )[0]
+                if chunk.nbytes
+                else None
+            )
+            if res is not None:
+                raise CorruptCheckpoint(
+                    f"{self.root}: damaged tensor data for DCP key {reqs[0].storage_index.fqn!r} "
+                    f"in {chunk.file}"
+                )
+            for req in reqs:
+                piece = data
+                for dim, (off, size) in enumerate(
+                    zip(req.storage_offsets, req.lengths, strict=True)
+                ):
+                    piece = piece.narrow(dim, off, size)
+                target = planner.resolve_tensor(req).detach()
+                target.copy_(piece)
+                planner.commit_tensor(req, target)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _dtype(self, fqn: str) -> torch.dtype:
+        for one in self.parsed:
+            for e in one.tensors.values():
+                if e.fqn == fqn:
+                    return e.dtype
+        raise CorruptCheckpoint(f"{self.root}: no tensor {fqn!r}")
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+def restore_distributed(
+    src: Path,
+    template: TensorDictBase | Mapping[str, Any],
+    *,
+    partial: bool,
+    cast: bool,
+    reshard: Reshard | None,
+    timeout: float | None = None,
+) -> TensorDict:
+    """Restore with DTensor leaves in the template: DCP maps saved chunks to shards."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise CheckpointError("restoring into DTensor templates needs an initialized process group")
+    group = checkpoint_group(timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    error: BaseException | None = None
+    try:
+        parsed = open_checkpoint(src, rank=rank if _world(src) == world else None)
+        if parsed.world_size != world and parsed.per_rank_roots and reshard is not None:
+            raise CheckpointError("reshard= with DTensor templates is not supported yet")
+        selected, wanted = select(parsed, template, partial=partial, cast=cast)
+        per_rank_check(parsed, selected, world)
+    except BaseException as e:
+        error = e
+    agree(error, group, f"restore {src}")
+    sharded = {p: t for p, t in wanted.items() if is_dtensor(t)}
+    plain_template = {p: t for p, t in wanted.items() if p not in sharded}
+    state_dict = {parsed.tensors[p].fqn: t for p, t in sharded.items()}
+    dtypes_ok = all(t.dtype == parsed.tensors[p].dtype for p, t in sharded.items())
+    if not dtypes_ok:
+        raise CheckpointError(f"{src}: cast=True is not supported for DTensor leaves")
+    try:
+        dcp_load(
+            state_dict,
+            storage_reader=_ManifestReader(src, [parsed]),
+            planner=DefaultLoadPlanner(),
+            process_group=group,
+        )
+    except BaseException as e:
+        raise _unwrap(e, f"restore {src}") from e
+    local = [(p, k) for p, k in selected if p not in sharded]
+    with gc_paused():
+        rest = build(src, parsed, local, plain_template, False)
+    values = {leaf.path: leaf for leaf in iter_leaves(rest)}
+    leaves: list[Leaf] = []
+    for p, _ in selected:
+        if p in sharded:
+            leaves.append(Leaf(p, "tensor", sharded[p]))
+        elif p in values:
+            leaves.append(values[p])
+    return unflatten(leaves)
+
+
+def _world(src: Path) -> int:
+    manifest = format.read_manifest(src)
+    ranks = manifest.get("ranks", [])
+    return max(1, len(ranks)) if isinstance(ranks, list) else 1
+
+
+__all__ = ["checkpoint_group", "restore_distributed", "save_distributed"]

@@ -1,0 +1,324 @@
+"""From committed files to a state: authenticate, match the template, read, rebuild.
+
+The manifest is authenticated by the commit marker and validated against the
+files before anything is allocated. Tensor bytes are read straight into their
+destination (the template's own tensors when dtype and layout allow), checked
+against their CRC32 on the way, and a new locked TensorDict is built around them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from functional_ckpt import format, shards
+from functional_ckpt.errors import (
+    CheckpointError,
+    CorruptCheckpoint,
+    TemplateMismatch,
+    UnsafeCheckpoint,
+)
+from functional_ckpt.manifest import Chunk, ParsedManifest, TensorEntry, dtype_name, parse
+from functional_ckpt.tree import KeyPath, Leaf, as_state, format_path, iter_leaves, unflatten
+
+Reshard = Callable[[list[TensorDict], int, int], Any]
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC while building many short-lived objects.
+
+    A state with thousands of tensors makes each generational collection walk the
+    whole heap; collections triggered by our own bookkeeping cost more than the
+    disk I/O of small tensors.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size (0, 1 without a process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def classify_metadata(path: Path) -> CheckpointError:
+    """A ``.metadata`` that fails its checksum: hostile, or merely damaged?"""
+    try:
+        format.read_dcp_metadata(path)
+    except UnsafeCheckpoint as e:
+        return e
+    except CheckpointError:
+        pass
+    return CorruptCheckpoint(
+        f"{path / format.DCP_METADATA}: does not match the checksum in the manifest"
+    )
+
+
+def open_checkpoint(path: Path, *, rank: int | None = 0) -> ParsedManifest:
+    """Authenticate and validate a committed checkpoint's manifest and DCP metadata."""
+    manifest = format.read_manifest(path)
+    files = manifest.get("files")
+    md_info = files.get(format.DCP_METADATA) if isinstance(files, dict) else None
+    if isinstance(md_info, dict):
+        try:
+            size, crc = format.crc32_file(format.safe_member(path, format.DCP_METADATA))
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{path / format.DCP_METADATA}: missing") from None
+        if (size, crc) != (md_info.get("size"), md_info.get("crc32")):
+            raise classify_metadata(path)
+    return parse(manifest, path, rank=rank)
+
+
+@dataclass
+class Target:
+    """Where one saved tensor goes: the tensor returned, and the bytes' landing place."""
+
+    entry: TensorEntry
+    dest: torch.Tensor
+    buf: torch.Tensor  # dest itself when possible, else a staging tensor of the saved dtype
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+def _template_leaves(template: TensorDictBase | Mapping[str, Any]) -> dict[KeyPath, Leaf]:
+    return {leaf.path: leaf for leaf in iter_leaves(as_state(template))}
+
+
+def select(
+    parsed: ParsedManifest,
+    template: TensorDictBase | Mapping[str, Any] | None,
+    *,
+    partial: bool,
+    cast: bool,
+) -> tuple[list[tuple[KeyPath, str]], dict[KeyPath, torch.Tensor]]:
+    """Match saved entries to the template; every mismatch is listed in one error."""
+    if template is None:
+        return parsed.order, {}
+    tleaves = _template_leaves(template)
+    children: set[KeyPath] = {p[:-1] for p in tleaves}
+    fill = [p for p, leaf in tleaves.items() if leaf.kind == "node" and p not in children]
+    problems: list[str] = []
+    targets: dict[KeyPath, torch.Tensor] = {}
+    saved_kinds = dict(parsed.order)
+    for p, leaf in tleaves.items():
+        kind = saved_kinds.get(p)
+        if kind is None:
+            problems.append(f"  {format_path(p)}: missing from the checkpoint")
+        elif kind != leaf.kind:
+            problems.append(f"  {format_path(p)}: saved as a {kind}, template has a {leaf.kind}")
+        elif kind == "tensor":
+            e = parsed.tensors[p]
+            t: torch.Tensor = leaf.value
+            if tuple(t.shape) != e.shape:
+                problems.append(
+                    f"  {format_path(p)}: saved {e.spec}, template "
+                    f"{dtype_name(t.dtype)}{list(t.shape)} (shape differs)"
+                )
+            elif t.dtype != e.dtype and not cast:
+                problems.append(
+                    f"  {format_path(p)}: saved {e.spec}, template "
+                    f"{dtype_name(t.dtype)}{list(t.shape)} "
+                    "(dtype differs; pass cast=True to convert)"
+                )
+            else:
+                targets[p] = t
+
+    def wanted(p: KeyPath) -> bool:
+        return p in tleaves or any(p[: len(f)] == f for f in fill)
+
+    selected = [(p, k) for p, k in parsed.order if wanted(p)]
+    if not partial:
+        extra = [p for p, _ in parsed.order if not wanted(p)]
+        problems += [
+            f"  {format_path(p)}: in the checkpoint but not in the template (pass partial=True "
+            "to restore a subset)"
+            for p in extra[:50]
+        ]
+        if len(extra) > 50:
+            problems.append(f"  ... and {len(extra) - 50} more")
+    if problems:
+        raise TemplateMismatch("the checkpoint does not fit the template:\n" + "\n".join(problems))
+    return selected, targets
+
+
+def materialize(entry: TensorEntry, target: torch.Tensor | None) -> Target:
+    """Decide where a tensor's bytes land: in place when the template allows it."""
+    if target is None:
+        dest = torch.empty(entry.shape, dtype=entry.dtype)
+        return Target(entry, dest, dest)
+    if target.is_meta:
+        dest = torch.empty(entry.shape, dtype=target.dtype)
+        buf = dest if target.dtype == entry.dtype else torch.empty(entry.shape, dtype=entry.dtype)
+        return Target(entry, dest, buf)
+    direct = target.device.type == "cpu" and target.dtype == entry.dtype and target.is_contiguous()
+    buf = target.detach() if direct else torch.empty(entry.shape, dtype=entry.dtype)
+    return Target(entry, target, buf)
+
+
+def _region(buf: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+    region = buf
+    for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+        region = region.narrow(dim, off, size)
+    return region
+
+
+def read_targets(path: Path, targets: list[Target]) -> None:
+    """Read every chunk of every target, checking CRC32s; one error lists all damage."""
+    by_file: dict[str, list[tuple[Target, Chunk, torch.Tensor]]] = {}
+    for tg in targets:
+        for chunk in tg.entry.chunks:
+            if not chunk.nbytes:
+                continue
+            if len(tg.entry.chunks) == 1 and chunk.whole:
+                land = tg.buf
+            else:
+                region = _region(tg.buf, chunk)
+                if region.is_contiguous():
+                    land = region
+                else:
+                    land = torch.empty(chunk.sizes, dtype=tg.entry.dtype)
+                    tg.copies.append((region, land))
+            by_file.setdefault(chunk.file, []).append((tg, chunk, land))
+    bad: list[str] = []
+    for name, group in by_file.items():
+        jobs = [(c.data_offset, shards.byte_view(land), c.crc32) for _, c, land in group]
+        results = shards.read_tensors(path / name, jobs)
+        for (tg, chunk, _), res in zip(group, results, strict=True):
+            if res is not None:
+                what = "checksum mismatch" if res < 0 else f"only {res} of {chunk.nbytes} bytes"
+                bad.append(f"  {format_path(tg.entry.path)} in {name}: {what}")
+    if bad:
+        raise CorruptCheckpoint(f"{path}: damaged tensor data:\n" + "\n".join(bad))
+    with torch.no_grad():
+        for tg in targets:
+            for region, land in tg.copies:
+                region.copy_(land)
+            if tg.buf.numel() and tg.buf.data_ptr() != tg.dest.data_ptr():
+                tg.dest.copy_(tg.buf)
+
+
+def per_rank_check(parsed: ParsedManifest, selected: list[tuple[KeyPath, str]], world: int) -> None:
+    roots = parsed.per_rank_roots
+    if not roots or parsed.world_size == world:
+        return
+    hit = [r for r in roots if any(p[: len(r)] == r for p, _ in selected)]
+    if hit:
+        raise TemplateMismatch(
+            f"per-rank state {', '.join(format_path(r) for r in hit)} was saved by "
+            f"{parsed.world_size} ranks but this run has {world}; pass reshard=fn to map it "
+            "(see the multi-rank guide), or leave it out of the template with partial=True"
+        )
+
+
+def restore_local(
+    src: Path,
+    template: TensorDictBase | Mapping[str, Any] | None,
+    *,
+    partial: bool,
+    cast: bool,
+    reshard: Reshard | None = None,
+) -> TensorDict:
+    """Restore a checkpoint of this format into a new locked TensorDict."""
+    rank, world = rank_and_world()
+    parsed = open_checkpoint(src, rank=rank)
+    if parsed.per_rank_roots and parsed.world_size != world:
+        if reshard is not None:
+            return _restore_resharded(src, template, partial, cast, reshard, rank, world)
+        parsed = open_checkpoint(src, rank=None)
+        if template is None and not partial:
+            per_rank_check(parsed, [(r, "node") for r in parsed.per_rank_roots], world)
+    selected, wanted = select(parsed, template, partial=partial, cast=cast)
+    per_rank_check(parsed, selected, world)
+    return build(src, parsed, selected, wanted, template is None)
+
+
+def build(
+    src: Path,
+    parsed: ParsedManifest,
+    selected: list[tuple[KeyPath, str]],
+    wanted: dict[KeyPath, torch.Tensor],
+    fresh: bool,
+) -> TensorDict:
+    targets: dict[KeyPath, Target] = {}
+    aliases: list[TensorEntry] = []
+    chosen = {p for p, k in selected if k == "tensor"}
+    for p in chosen:
+        e = parsed.tensors[p]
+        if e.alias is not None and e.alias in chosen:
+            aliases.append(e)
+        else:
+            targets[p] = materialize(e, wanted.get(p))
+    read_targets(src, list(targets.values()))
+    results = {p: tg.dest for p, tg in targets.items()}
+    with torch.no_grad():
+        for e in aliases:
+            assert e.alias is not None
+            source = results[e.alias]
+            dest = wanted.get(e.path)
+            if dest is None or dest.is_meta:
+                results[e.path] = source
+            else:
+                if dest.data_ptr() != source.data_ptr():
+                    dest.copy_(source)
+                results[e.path] = dest
+    leaves: list[Leaf] = []
+    for p, kind in selected:
+        if kind == "node":
+            leaves.append(Leaf(p, "node"))
+        elif kind == "value":
+            leaves.append(Leaf(p, "value", parsed.values[p]))
+        else:
+            t = results[p]
+            if (
+                fresh
+                and parsed.tensors[p].requires_grad
+                and (t.is_floating_point() or t.is_complex())
+            ):
+                t.requires_grad_(True)
+            leaves.append(Leaf(p, "tensor", t))
+    return unflatten(leaves)
+
+
+def _restore_resharded(
+    src: Path,
+    template: TensorDictBase | Mapping[str, Any] | None,
+    partial: bool,
+    cast: bool,
+    reshard: Reshard,
+    rank: int,
+    world: int,
+) -> TensorDict:
+    """Restore shared state normally and per-rank state through the user's mapping.
+
+    ``reshard(saved, rank, world_size)`` gets one TensorDict per saving rank with
+    its per-rank subtrees and returns this rank's.
+    """
+    shared = open_checkpoint(src, rank=None)
+    roots = {r[0] for r in shared.per_rank_roots}
+    saved = []
+    for r in range(shared.world_size):
+        one = open_checkpoint(src, rank=r)
+        sel = [(p, k) for p, k in one.order if p[0] in roots]
+        saved.append(build(src, one, sel, {}, True))
+    mine = as_state(reshard(saved, rank, world))
+    if template is not None:
+        kept = [leaf for leaf in iter_leaves(as_state(template)) if leaf.path[0] not in roots]
+        template = unflatten(kept)
+    selected, wanted = select(shared, template, partial=partial, cast=cast)
+    base = build(src, shared, selected, wanted, template is None)
+    return unflatten(list(iter_leaves(base)) + list(iter_leaves(mine)))

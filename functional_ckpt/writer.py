@@ -1,0 +1,354 @@
+"""From a state to committed files: plan, write tensor chunks, finalize, commit.
+
+A plan flattens the state into manifest entries and the tensors to write. Entries
+under per-rank roots (by default the top-level ``rng`` and ``loader`` subtrees)
+belong to the writing rank and are stored separately, so each rank gets its own
+generators and data position back. Tensor bytes are written as chunks (a whole
+tensor, or one shard of a sharded tensor); :func:`finalize` turns chunk records
+into the manifest and DCP's ``.metadata`` and commits the directory. Single-process
+saves and the coordinator of a multi-rank save share it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from functional_ckpt import codec, format, shards
+from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
+from functional_ckpt.manifest import dtype_name
+from functional_ckpt.tree import KeyPath, as_state, format_path, iter_leaves
+
+PathLike = str | os.PathLike[str]
+
+#: Top-level subtrees that differ between ranks and are stored once per rank.
+DEFAULT_PER_RANK = ("rng", "loader")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a finished save produced."""
+
+    path: Path
+    nbytes: int  # bytes on disk, all files
+    tensor_bytes: int
+    num_tensors: int
+    num_values: int
+    created: float  # seconds since the epoch
+    duration: float  # seconds spent in save
+    metadata: Any = None
+
+
+def fqn_of(path: KeyPath) -> str:
+    """The DCP key of a tensor: its key path joined by dots, as DCP flattens dicts."""
+    return ".".join(path)
+
+
+def rank_fqn(rank: int, path: KeyPath) -> str:
+    """The DCP key of a per-rank tensor, distinct for every rank."""
+    return f"__rank{rank}__." + fqn_of(path)
+
+
+def check_tensor(t: torch.Tensor, path: KeyPath) -> None:
+    where = f"state[{format_path(path)}]"
+    if t.is_meta:
+        raise UnsupportedValue(f"{where}: meta tensors hold no data and cannot be saved")
+    if t.layout != torch.strided:
+        raise UnsupportedValue(f"{where}: {t.layout} tensors are not supported; convert to dense")
+    if t.is_quantized or t.is_nested:
+        raise UnsupportedValue(f"{where}: quantized and nested tensors are not supported")
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous CPU tensor: itself when it already is one, else a copy."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """Identity of a tensor's bytes: two leaves with the same key are one tensor."""
+    if t.is_meta or t.numel() == 0 or is_dtensor(t):
+        return None
+    return (t.device, t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+
+def is_dtensor(t: object) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor")
+
+
+@dataclass
+class Plan:
+    """The flattened state ready to be written.
+
+    ``entries`` is the shared tree, with a ``per_rank`` placeholder where a per-rank
+    subtree stands; ``local`` holds this rank's per-rank entries. ``sources`` are
+    the tensors to write and ``targets`` the entry each one fills.
+    """
+
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    local: list[dict[str, Any]] = field(default_factory=list)
+    sources: list[torch.Tensor] = field(default_factory=list)
+    targets: list[dict[str, Any]] = field(default_factory=list)
+    keys: list[KeyPath] = field(default_factory=list)
+    num_values: int = 0
+
+
+def plan_save(
+    state: TensorDictBase | Mapping[str, Any],
+    *,
+    per_rank: Sequence[str] = DEFAULT_PER_RANK,
+    rank: int = 0,
+) -> Plan:
+    """Flatten a state into manifest entries and the tensors to write."""
+    td = as_state(state)
+    plan = Plan()
+    fqns: dict[str, KeyPath] = {}
+    seen: dict[tuple[Any, ...], KeyPath] = {}
+    roots = set(per_rank)
+    for leaf in iter_leaves(td):
+        local = leaf.path[0] in roots
+        entry: dict[str, Any] = {"path": list(leaf.path), "kind": leaf.kind}
+        if local and len(leaf.path) == 1:
+            plan.entries.append({"path": list(leaf.path), "kind": "per_rank"})
+        if leaf.kind == "value":
+            entry["value"] = leaf.value
+            plan.num_values += 1
+        elif leaf.kind == "tensor":
+            t: torch.Tensor = leaf.value
+            fqn = rank_fqn(rank, leaf.path) if local else fqn_of(leaf.path)
+            other = fqns.get(fqn)
+            if other is not None:
+                raise UnsupportedValue(
+                    f"state[{format_path(leaf.path)}] and state[{format_path(other)}] map to the "
+                    f"same DCP key {fqn!r}; rename one of them"
+                )
+            fqns[fqn] = leaf.path
+            entry.update(
+                fqn=fqn,
+                dtype=dtype_name(t.dtype),
+                shape=list(t.shape),
+                requires_grad=bool(t.requires_grad),
+            )
+            key = _alias_key(t)
+            if key is not None and key in seen and (seen[key][0] in roots) == local:
+                entry["alias"] = list(seen[key])
+            else:
+                if key is not None:
+                    seen[key] = leaf.path
+                check_tensor(t, leaf.path)
+                entry["chunks"] = []
+                plan.sources.append(t)
+                plan.targets.append(entry)
+                plan.keys.append(leaf.path)
+        (plan.local if local else plan.entries).append(entry)
+    check_values(plan.entries + plan.local)
+    return plan
+
+
+def check_values(entries: list[dict[str, Any]]) -> None:
+    """Fail before any byte is written if a value cannot be stored exactly."""
+    values = [e["value"] for e in entries if e["kind"] == "value"]
+    try:
+        codec.check_encodable(values)
+    except UnsupportedValue:
+        for e in entries:
+            if e["kind"] == "value":
+                codec.check_encodable(e["value"], where=f"state[{format_path(tuple(e['path']))}]")
+        raise
+
+
+def chunk_record(
+    rec: shards.TensorRecord, offsets: Sequence[int], sizes: Sequence[int]
+) -> dict[str, Any]:
+    return {
+        "offsets": list(offsets),
+        "sizes": list(sizes),
+        "file": rec.file,
+        "offset": rec.offset,
+        "length": rec.length,
+        "data_offset": rec.data_offset,
+        "nbytes": rec.nbytes,
+        "crc32": rec.crc,
+        "hcrc32": rec.hcrc,
+    }
+
+
+def os_error(e: OSError, where: Path) -> CheckpointError:
+    if e.errno == errno.ENOSPC:
+        return CheckpointError(f"{where}: no space left on the device while saving ({e})")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return CheckpointError(f"{where}: permission denied while saving ({e})")
+    return CheckpointError(f"{where}: saving failed: {e}")
+
+
+def check_destination(path: Path, overwrite: bool) -> None:
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise CheckpointExists(f"{path}: the destination exists and is not a checkpoint directory")
+    if path.exists() and not overwrite:
+        raise CheckpointExists(
+            f"{path}: a checkpoint already exists here; pass overwrite=True to replace it"
+        )
+    if format.is_temporary_name(path.name):
+        raise CheckpointError(
+            f"{path}: names containing {format.TMP_INFIX!r} or {format.TRASH_INFIX!r} are reserved"
+        )
+
+
+def auto_metadata() -> dict[str, Any]:
+    """What every checkpoint records about where it came from."""
+    from functional_ckpt import __version__
+
+    return {
+        "hostname": socket.gethostname(),
+        "torch": str(torch.__version__),
+        "functional_ckpt": __version__,
+        "pid": os.getpid(),
+    }
+
+
+def prepare_save(
+    path: PathLike,
+    state: TensorDictBase | Mapping[str, Any],
+    metadata: Mapping[str, Any] | None,
+    overwrite: bool,
+    *,
+    per_rank: Sequence[str] = DEFAULT_PER_RANK,
+    rank: int = 0,
+    check_path: bool = True,
+) -> tuple[Path, Plan, dict[str, Any]]:
+    """Everything a save checks before writing a byte: destination, metadata, tree."""
+    dest = Path(path)
+    if check_path:
+        check_destination(dest, overwrite)
+    meta = {**auto_metadata(), **dict(metadata or {})}
+    codec.check_encodable(meta, where="metadata")
+    return dest, plan_save(state, per_rank=per_rank, rank=rank), meta
+
+
+def shard_name(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+def _dcp_items(
+    entries: list[dict[str, Any]], ranks: list[list[dict[str, Any]]]
+) -> list[tuple[str, KeyPath, torch.dtype, tuple[int, ...], list[dict[str, Any]]]]:
+    """(fqn, key path, dtype, shape, chunks) of every tensor, aliases resolved."""
+    items = []
+    for group in [entries, *ranks]:
+        by_path = {tuple(e["path"]): e for e in group if e["kind"] == "tensor"}
+        for e in by_path.values():
+            chunks = by_path[tuple(e["alias"])]["chunks"] if "alias" in e else e["chunks"]
+            items.append(
+                (e["fqn"], tuple(e["path"]), getattr(torch, e["dtype"]), tuple(e["shape"]), chunks)
+            )
+    return items
+
+
+def finalize(
+    tmp: Path,
+    dest: Path,
+    *,
+    entries: list[dict[str, Any]],
+    ranks: list[list[dict[str, Any]]],
+    metadata: Any,
+    overwrite: bool,
+    created: float,
+    before_commit: Callable[[], None] | None = None,
+) -> tuple[int, int]:
+    """Write ``.metadata``, the manifest and the marker into ``tmp``; commit as ``dest``.
+
+    Every shard file in ``tmp`` must already be durable. Returns (bytes on disk,
+    manifest bytes).
+    """
+    shards.write_dcp_metadata(tmp, _dcp_items(entries, ranks))
+    files: dict[str, dict[str, int]] = {}
+    for name in sorted(os.listdir(tmp)):
+        if name == format.DCP_METADATA:
+            size, crc = format.crc32_file(tmp / name)
+            files[name] = {"size": size, "crc32": crc}
+        else:
+            files[name] = {"size": (tmp / name).stat().st_size}
+    manifest = {
+        "format": format.FORMAT_NAME,
+        "version": format.FORMAT_VERSION,
+        "created": created,
+        "world_size": max(1, len(ranks)),
+        "byteorder": sys.byteorder,
+        "metadata": metadata,
+        "files": files,
+        "entries": entries,
+        "ranks": [{"entries": r} for r in ranks],
+    }
+    manifest_bytes = codec.encode(manifest, where="manifest")
+    format.write_file_durably(tmp / format.MANIFEST, manifest_bytes)
+    if before_commit is not None:
+        before_commit()
+    format.write_commit_marker(tmp, manifest_bytes)
+    format.commit(tmp, dest, overwrite=overwrite)
+    total = sum(f["size"] for f in files.values()) + len(manifest_bytes)
+    return total, len(manifest_bytes)
+
+
+def write_local(
+    dest: Path,
+    plan: Plan,
+    tensors: Sequence[torch.Tensor],
+    *,
+    metadata: Any,
+    overwrite: bool,
+    after_each: Callable[[int], None] | None = None,
+    before_commit: Callable[[], None] | None = None,
+) -> CheckpointInfo:
+    """Write a planned state from one process with the full commit protocol.
+
+    ``tensors`` are the bytes to write for ``plan.sources`` (the sources themselves,
+    or staged copies), each contiguous and on the CPU. ``after_each(i)`` runs once
+    tensor ``i`` is written; ``before_commit()`` may raise to refuse the commit.
+    """
+    t0 = time.perf_counter()
+    created = time.time()
+    tmp = format.tmp_sibling(dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        records = shards.write_shard(tmp / shard_name(0), tensors, after_each=after_each)
+        for rec, entry in zip(records, plan.targets, strict=True):
+            entry["chunks"] = [chunk_record(rec, [0] * len(entry["shape"]), entry["shape"])]
+        nbytes, _ = finalize(
+            tmp,
+            dest,
+            entries=plan.entries,
+            ranks=[plan.local],
+            metadata=metadata,
+            overwrite=overwrite,
+            created=created,
+            before_commit=before_commit,
+        )
+    except OSError as e:
+        format.remove_tree(tmp)
+        raise os_error(e, dest) from e
+    except BaseException:
+        format.remove_tree(tmp)
+        raise
+    return CheckpointInfo(
+        path=dest,
+        nbytes=nbytes,
+        tensor_bytes=sum(r.nbytes for r in records),
+        num_tensors=len(records),
+        num_values=plan.num_values,
+        created=created,
+        duration=time.perf_counter() - t0,
+        metadata=metadata,
+    )
