@@ -205,10 +205,12 @@ def fork_child(work: Callable[[], None]) -> int:
     return pid
 
 
-def kill(pid: int) -> None:
+def kill(pid: int) -> bool:
+    """SIGKILL a child and reap it; False if it had already exited on its own (a bug)."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
 
 
 def run_forked(fn: Callable[[], Any], timeout: float, mem_limit: int | None = None) -> Any:
@@ -392,7 +394,8 @@ def kill_trial(kind: str, root: Path, rng: random.Random, window: float, res: Re
     start = max(before.values(), default=0) + 1
     pid = fork_child(lambda: _child_loop(kind, root, start))
     time.sleep(rng.uniform(0.0, window))
-    kill(pid)
+    if not kill(pid):
+        res.problem("child-died", f"the {kind} saver exited before it was killed")
     res.trials += 1
     res.bump("killed-mid-save", bool(temporaries(root)))
     after = snapshot(visible(root), res, check_whole)
@@ -863,16 +866,24 @@ def _rename_file(name: str) -> Callable[[dict[str, Any]], None]:
     return edit
 
 
+def _declare(e: dict[str, Any], shape: list[int], nbytes: int) -> None:
+    """Give a tensor entry (and its chunk records, if the format has them) a new size."""
+    e["shape"] = shape
+    targets = e.get("chunks") or [e]
+    for c in targets:
+        c["nbytes"] = nbytes
+        if "sizes" in c:
+            c["sizes"] = list(shape)
+            c["offsets"] = [0] * len(shape)
+
+
 def _huge_tensor(m: dict[str, Any]) -> None:
-    e = _tensor_entries(m)[0]
-    e["shape"] = [1 << 40]
-    e["nbytes"] = 4 << 40 if e["dtype"] == "float32" else e["nbytes"]
+    e = next(e for e in _tensor_entries(m) if e["dtype"] == "float32")
+    _declare(e, [1 << 40], 4 << 40)
 
 
 def _zero_overflow(m: dict[str, Any]) -> None:
-    e = _tensor_entries(m)[0]
-    e["shape"] = [0, 1 << 64]
-    e["nbytes"] = 0
+    _declare(_tensor_entries(m)[0], [0, 1 << 64], 0)
 
 
 def _raw_manifest(raw: bytes) -> Callable[[Path], None]:
@@ -1107,7 +1118,9 @@ def _follow(root: Path, secs: float, res: Result) -> None:
             except Exception as e:
                 res.problem("unclear-error", f"prune racing fc.restore: {type(e).__name__}: {e}")
     finally:
-        os.waitpid(pid, 0)
+        _, status = os.waitpid(pid, 0)
+    if not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
+        res.problem("writer-failed", f"the followed writer ended with status {status}")
 
 
 def scenario_concurrency(scale: Scale, base: Path, seed: int) -> Result:

@@ -53,9 +53,11 @@ from functional_ckpt.reader import (
     gc_paused,
     open_checkpoint,
     per_rank_check,
+    resharded_per_rank,
     select,
+    without_roots,
 )
-from functional_ckpt.tree import Leaf, iter_leaves, unflatten
+from functional_ckpt.tree import Leaf, as_state, iter_leaves, unflatten
 from functional_ckpt.writer import (
     DEFAULT_PER_RANK,
     CheckpointInfo,
@@ -412,12 +414,16 @@ def restore_distributed(
     group = checkpoint_group(timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     error: BaseException | None = None
+    mine: TensorDict | None = None
     try:
         parsed = open_checkpoint(src, rank=rank if _world(src) == world else None)
         if parsed.world_size != world and parsed.per_rank_roots and reshard is not None:
-            raise CheckpointError("reshard= with DTensor templates is not supported yet")
+            mine = resharded_per_rank(src, reshard, rank, world)
+            template = without_roots(as_state(template), parsed.per_rank_roots)
+        if parsed.world_size != world and mine is None:
+            asked = [(leaf.path, leaf.kind) for leaf in iter_leaves(as_state(template))]
+            per_rank_check(parsed, asked, world)
         selected, wanted = select(parsed, template, partial=partial, cast=cast)
-        per_rank_check(parsed, selected, world)
     except BaseException as e:
         error = e
     agree(error, group, f"restore {src}")
@@ -446,6 +452,8 @@ def restore_distributed(
             leaves.append(Leaf(p, "tensor", sharded[p]))
         elif p in values:
             leaves.append(values[p])
+    if mine is not None:
+        leaves += iter_leaves(mine)
     return unflatten(leaves)
 
 

@@ -132,9 +132,7 @@ def _check_dtype(dtype: torch.dtype | None) -> None:
 # --------------------------------------------------------------------------- collect
 
 
-def _load(
-    source: TensorDictBase | Mapping[str, Any] | PathLike, path: KeyPath
-) -> TensorDictBase:
+def _load(source: TensorDictBase | Mapping[str, Any] | PathLike, path: KeyPath) -> TensorDictBase:
     """The state, or the ``path`` subtree of a checkpoint read without the rest."""
     if isinstance(source, TensorDictBase | Mapping):
         return as_state(source)
@@ -156,8 +154,7 @@ def _collect(state: TensorDictBase, path: KeyPath) -> dict[str, torch.Tensor]:
         if not isinstance(node, TensorDictBase) or key not in node.keys():
             have = sorted(node.keys()) if isinstance(node, TensorDictBase) else []
             raise CheckpointError(
-                f"export: the state has no state[{format_path(path[: i + 1])}] "
-                f"(keys there: {have})"
+                f"export: the state has no state[{format_path(path[: i + 1])}] (keys there: {have})"
             )
         node = node.get(key)
     if isinstance(node, torch.Tensor) and not isinstance(node, TensorDictBase):

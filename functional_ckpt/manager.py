@@ -31,7 +31,6 @@ import re
 import socket
 import subprocess
 import time
-import uuid
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -205,6 +204,18 @@ def _stamp(path: Path) -> tuple[int, int, int]:
     return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
+def _identity(path: Path) -> tuple[int, tuple[int, int, int] | None] | None:
+    """(directory inode, marker stamp), or None if gone: did a writer swap it under us?"""
+    try:
+        ino = os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
+    try:
+        return ino, _stamp(path)
+    except FileNotFoundError:
+        return ino, None
+
+
 def _read_info(path: Path, step: int) -> StepInfo:
     manifest = format.read_manifest(path)
     meta = manifest.get("metadata")
@@ -275,6 +286,10 @@ class _RootLock:
             os.close(self.fd)  # closing the only descriptor drops the flock
             self.fd = None
 
+    def __del__(self) -> None:  # a manager dropped without close() still unlocks
+        with contextlib.suppress(Exception):
+            self.release()
+
 
 # --------------------------------------------------------------------------- manager
 
@@ -319,6 +334,7 @@ class CheckpointManager:
         self._lock: _RootLock | None = None
         self._closed = False
         self._git: str | None = None
+        self._lineage: dict[str, Any] | None = None
         self._cwd = os.getcwd()
         if not self.read_only:
             self._open_writer()
@@ -527,6 +543,8 @@ class CheckpointManager:
         export_fire, export_state = False, self._export_state
         if self.export is not None:
             export_fire, export_state = self.export.policy.should_save(self._export_state, event)
+        if fire or force:
+            self._check_order(event.step)  # before any write, the export included
         if export_fire:
             self._export_weights(state, event.step)
         if fire or force:
@@ -535,16 +553,19 @@ class CheckpointManager:
         self._export_state = export_state
         return fire or force
 
-    def _save_checkpoint(
-        self, state: State, event: Event, policy_state: PolicyState, export_state: PolicyState
-    ) -> CheckpointInfo:
+    def _check_order(self, step: int) -> None:
+        """Refuse to save behind the newest checkpoint: a resume would never pick it."""
         latest = self.latest_step()
-        if latest is not None and event.step < latest:
+        if latest is not None and step < latest:
             raise CheckpointError(
-                f"{self.root}: cannot save step {event.step}: step {latest} is newer, and a "
+                f"{self.root}: cannot save step {step}: step {latest} is newer, and a "
                 "resume would pick it over this one. Call restore_latest() to resume, delete "
                 "the newer steps with delete(step), or fork() into a new root"
             )
+
+    def _save_checkpoint(
+        self, state: State, event: Event, policy_state: PolicyState, export_state: PolicyState
+    ) -> CheckpointInfo:
         record = {
             "step": event.step,
             "epoch": event.epoch,
@@ -566,6 +587,8 @@ class CheckpointManager:
         }
         if self._git is not None:
             auto["git_commit"] = self._git
+        if self._lineage is not None:
+            auto["forked_from"] = self._lineage  # every checkpoint of a fork says so
         return {**auto, **self.metadata, MANAGER_KEY: dict(record)}
 
     def _write(self, path: Path, state: State, metadata: Mapping[str, Any]) -> CheckpointInfo:
@@ -663,19 +686,34 @@ class CheckpointManager:
                 f"{self.root}: checkpoints exist but none is readable; refusing to start "
                 "fresh:\n" + "\n".join(failures)
             )
+        damaged = self._quarantined()
+        if damaged:
+            raise CheckpointError(
+                f"{self.root}: the only checkpoints here were found damaged earlier and moved "
+                f"aside ({', '.join(damaged[:5])}); refusing to start fresh. Move or delete "
+                "them to start over"
+            )
         return None
+
+    def _quarantined(self) -> list[str]:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return sorted(n for n in names if QUARANTINE_INFIX in n and n.startswith("step_"))
 
     def _try_candidates(self, template: State | None, failures: list[str]) -> object:
         candidates = sorted(self._step_dirs(), reverse=True)
         for step, path in candidates:
+            before = _identity(path)
             try:
                 info = _read_info(path, step)
                 state = restore(path, template)
             except TemplateMismatch:
                 raise
             except (CheckpointError, OSError) as err:
-                if not path.exists():
-                    return _VANISHED  # pruned by the writer we follow: list again
+                if before is None or _identity(path) != before:
+                    return _VANISHED  # pruned or replaced by the writer we follow: list again
                 failures.append(f"  {path}: {err}")
                 self._reject(step, path, err)
                 continue
@@ -708,6 +746,10 @@ class CheckpointManager:
     def _adopt(self, info: StepInfo) -> None:
         """Continue the policies from the states stored with the restored checkpoint."""
         self._restored_step = info.step
+        if self.read_only:
+            return  # a follower never saves: its policies are irrelevant
+        lineage = info.metadata.get("forked_from")
+        self._lineage = lineage if isinstance(lineage, dict) else None
         record = info.metadata.get(MANAGER_KEY)
         record = record if isinstance(record, dict) else {}
         self._policy_state = self._reseed(

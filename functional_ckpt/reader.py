@@ -242,6 +242,9 @@ def restore_local(
         parsed = open_checkpoint(src, rank=None)
         if template is None and not partial:
             per_rank_check(parsed, [(r, "node") for r in parsed.per_rank_roots], world)
+        if template is not None:
+            asked = [(leaf.path, leaf.kind) for leaf in iter_leaves(as_state(template))]
+            per_rank_check(parsed, asked, world)
     selected, wanted = select(parsed, template, partial=partial, cast=cast)
     per_rank_check(parsed, selected, world)
     return build(src, parsed, selected, wanted, template is None)
@@ -294,16 +297,8 @@ def build(
     return unflatten(leaves)
 
 
-def _restore_resharded(
-    src: Path,
-    template: TensorDictBase | Mapping[str, Any] | None,
-    partial: bool,
-    cast: bool,
-    reshard: Reshard,
-    rank: int,
-    world: int,
-) -> TensorDict:
-    """Restore shared state normally and per-rank state through the user's mapping.
+def resharded_per_rank(src: Path, reshard: Reshard, rank: int, world: int) -> TensorDict:
+    """This rank's per-rank subtrees, mapped by the user from every saving rank's.
 
     ``reshard(saved, rank, world_size)`` gets one TensorDict per saving rank with
     its per-rank subtrees and returns this rank's.
@@ -315,10 +310,29 @@ def _restore_resharded(
         one = open_checkpoint(src, rank=r)
         sel = [(p, k) for p, k in one.order if p[0] in roots]
         saved.append(build(src, one, sel, {}, True))
-    mine = as_state(reshard(saved, rank, world))
+    return as_state(reshard(saved, rank, world))
+
+
+def without_roots(template: TensorDictBase, roots: list[KeyPath]) -> TensorDict:
+    """The template minus the per-rank subtrees (they come from ``reshard``)."""
+    names = {r[0] for r in roots}
+    return unflatten([leaf for leaf in iter_leaves(template) if leaf.path[0] not in names])
+
+
+def _restore_resharded(
+    src: Path,
+    template: TensorDictBase | Mapping[str, Any] | None,
+    partial: bool,
+    cast: bool,
+    reshard: Reshard,
+    rank: int,
+    world: int,
+) -> TensorDict:
+    """Restore shared state normally and per-rank state through the user's mapping."""
+    shared = open_checkpoint(src, rank=None)
+    mine = resharded_per_rank(src, reshard, rank, world)
     if template is not None:
-        kept = [leaf for leaf in iter_leaves(as_state(template)) if leaf.path[0] not in roots]
-        template = unflatten(kept)
+        template = without_roots(as_state(template), shared.per_rank_roots)
     selected, wanted = select(shared, template, partial=partial, cast=cast)
     base = build(src, shared, selected, wanted, template is None)
     return unflatten(list(iter_leaves(base)) + list(iter_leaves(mine)))

@@ -63,6 +63,30 @@ def apply_rng(rng: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all([t.cpu() for t in cuda])
 
 
+def is_sharded_module(model: Any) -> bool:
+    """True for modules with DTensor parameters (FSDP2 ``fully_shard``, tensor parallel)."""
+    params = getattr(model, "parameters", None)
+    if params is None:
+        return False
+    return any(type(p).__name__ == "DTensor" for p in params())
+
+
+def sharded_state_dicts(model: Any, optimizer: Any) -> tuple[Any, Any]:
+    """Model and optimizer state through DCP's ``get_state_dict`` (keys are FQNs).
+
+    DCP initializes a fresh optimizer's state with a hidden zero-gradient step so
+    that the state has its sharded shape; that is what a restore template needs,
+    but the optimizer itself must not keep it, so the hidden state is dropped.
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    fresh = not optimizer.state
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    if fresh:
+        optimizer.state.clear()
+    return model_sd, optim_sd
+
+
 def _state_of(name: str, obj: Any) -> Any:
     if not isinstance(obj, Stateful):
         raise UnsupportedValue(
@@ -98,6 +122,11 @@ def capture(
     ``state_dict()``.
     """
     td = TensorDict({}, batch_size=[])
+    if model is not None and optimizer is not None and is_sharded_module(model):
+        model_sd, optim_sd = sharded_state_dicts(model, optimizer)
+        td.set("model", from_python(model_sd, ("model",)))
+        td.set("optimizer", from_python(optim_sd, ("optimizer",)))
+        model = optimizer = None
     for name, obj in (
         ("model", model),
         ("optimizer", optimizer),
@@ -142,6 +171,19 @@ def apply(
     ``extra`` names further stateful objects (anything with ``load_state_dict``)
     stored under the same names by :func:`capture`.
     """
+    if model is not None and optimizer is not None and is_sharded_module(model):
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        for name in ("model", "optimizer"):
+            if name not in state.keys():
+                raise TemplateMismatch(f"fc.apply({name}=...): the state has no {name!r} entry")
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=to_python(state.get("model")),
+            optim_state_dict=to_python(state.get("optimizer")),
+        )
+        model = optimizer = None
     for name, obj in (
         ("model", model),
         ("optimizer", optimizer),

@@ -1,0 +1,183 @@
+"""One rank of the multi-rank tests (launched by tests/test_dist.py with RANK etc. set).
+
+Modes:
+  train ROOT STEPS [CRASH_RANK CRASH_AT]  FSDP2 training, checkpoint every 3 steps
+  shard-save ROOT                         save a sharded + replicated + per-rank state
+  shard-restore ROOT                      restore it into differently sharded templates
+  plain-restore ROOT                      restore a single-process checkpoint into DTensors
+  kill-in-save ROOT                       the last rank dies while writing its shard
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import functional_ckpt as fc
+from functional_ckpt import format
+from tests.training import ShuffleLoader
+
+
+def full_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "w": torch.randn(10, 6, generator=g),  # uneven shards on 4 ranks
+        "e": torch.randn(5, 3, 2, generator=g).to(torch.bfloat16),
+        "b": torch.arange(7, dtype=torch.int64),
+    }
+
+
+def shard_state(mesh: Any, rank: int) -> dict[str, Any]:
+    full = full_tensors()
+    return {
+        "w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+        "e": distribute_tensor(full["e"], mesh, [Shard(1)]),
+        "r": distribute_tensor(full["w"] * 2, mesh, [Replicate()]),
+        "b": full["b"],
+        "step": 11,
+        "loader": {"pos": rank * 100, "seed": rank},
+    }
+
+
+def shard_template(mesh: Any) -> dict[str, Any]:
+    return {
+        "w": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(1)]),
+        "e": distribute_tensor(torch.zeros(5, 3, 2, dtype=torch.bfloat16), mesh, [Shard(0)]),
+        "r": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(0)]),
+        "b": torch.zeros(7, dtype=torch.int64),
+        "step": 0,
+        "loader": {"pos": 0, "seed": 0},
+    }
+
+
+def positions(saved: list[Any], rank: int, world: int) -> dict[str, Any]:
+    """Reshard recipe: the new ranks split the saved ranks' work evenly."""
+    total = sum(s["loader", "pos"] for s in saved)
+    return {"loader": {"pos": total // world, "seed": rank}}
+
+
+def check_restored(back: Any, rank: int, world: int) -> None:
+    full = full_tensors()
+    assert torch.equal(back["w"].full_tensor(), full["w"])
+    assert torch.equal(back["e"].full_tensor(), full["e"])
+    assert torch.equal(back["r"].full_tensor(), full["w"] * 2)
+    assert torch.equal(back["b"], full["b"]) and back["step"] == 11
+
+
+def build_fsdp(mesh: Any, rank: int) -> tuple[Any, Any, Any, ShuffleLoader]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)  # identical init on every rank before sharding
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 4)
+    )
+    for layer in (model[0], model[3]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+    g = torch.Generator().manual_seed(99)
+    data, targets = torch.randn(128, 16, generator=g), torch.randint(0, 4, (128,), generator=g)
+    torch.manual_seed(1000 + rank)  # per-rank dropout stream
+    return model, opt, sched, ShuffleLoader(data, targets, 16, seed=rank)
+
+
+def train(root: Path, steps: int, crash_rank: int, crash_at: int) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt, sched, loader = build_fsdp(mesh, rank)
+    mgr_steps = sorted(
+        int(p.name.split("_")[1])
+        for p in root.glob("step_*")
+        if not format.is_temporary_name(p.name) and (p / "COMMITTED").exists()
+    )
+    step = 0
+    if mgr_steps:
+        template = fc.capture(model=model, optimizer=opt, scheduler=sched, loader=loader, step=0)
+        state = fc.restore(root / f"step_{mgr_steps[-1]:06d}", template)
+        fc.apply(state, model=model, optimizer=opt, scheduler=sched, loader=loader)
+        step = state["step"]
+    with open(root / f"losses.{rank}.txt", "a") as log:
+        while step < steps:
+            x, y = loader.next_batch()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            step += 1
+            log.write(f"{step} {float(loss.item()).hex()}\n")
+            log.flush()
+            if step % 3 == 0:
+                state = fc.capture(
+                    model=model, optimizer=opt, scheduler=sched, loader=loader, step=step
+                )
+                fc.save(root / f"step_{step:06d}", state)
+            if rank == crash_rank and step == crash_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+    final = fc.capture(model=model, optimizer=opt, scheduler=sched, loader=loader, step=step)
+    fc.save(root / "final", final, overwrite=True)
+
+
+def main() -> None:
+    mode, root = sys.argv[1], Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if mode == "train":
+        crash = (int(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else (-1, -1)
+        train(root, int(sys.argv[3]), *crash)
+    elif mode == "shard-save":
+        mesh = init_device_mesh("cpu", (world,))
+        fc.save(root / f"w{world}", shard_state(mesh, rank))
+    elif mode == "shard-restore":
+        mesh = init_device_mesh("cpu", (world,))
+        for saved in sorted(root.glob("w*")):
+            back = fc.restore(saved, shard_template(mesh), reshard=positions)
+            check_restored(back, rank, world)
+            saved_world = int(saved.name[1:])
+            expect = (
+                rank * 100
+                if saved_world == world
+                else sum(range(0, saved_world * 100, 100)) // world
+            )
+            assert back["loader", "pos"] == expect, (back["loader", "pos"], expect)
+    elif mode == "plain-restore":
+        mesh = init_device_mesh("cpu", (world,))
+        back = fc.restore(root / "w1", shard_template(mesh), reshard=positions)
+        check_restored(back, rank, world)
+    elif mode == "kill-in-save":
+        from functional_ckpt import shards
+
+        original = shards.write_shard
+
+        def dying(*args: Any, **kwargs: Any) -> Any:
+            if rank == world - 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(*args, **kwargs)
+
+        shards.write_shard = dying
+        mesh = init_device_mesh("cpu", (world,))
+        t0 = time.monotonic()
+        try:
+            fc.save(root / "ck", shard_state(mesh, rank))
+        except fc.CheckpointError as e:
+            print(f"raised after {time.monotonic() - t0:.1f}s: {e}", flush=True)
+            os._exit(3)
+        print("no error", flush=True)
+        os._exit(0)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Child process for the CheckpointManager crash tests: a tiny training run that resumes.
+
+It trains :mod:`tests.training`'s model (dropout, AdamW, warm-up schedule, shuffling
+loader, numpy and python randomness), saves every step under ``keep_last(2)`` so
+saves and prunes happen constantly, and resumes with ``restore_latest``. Killed at
+any moment and restarted, it must end in the state of an uninterrupted run.
+
+``run()`` is the entry point used through a forkserver (importing torch once for
+many runs); the script form serves the lock tests::
+
+    python tests/manager_job.py ROOT --steps N [--kill-point P --kill-after K]
+    python tests/manager_job.py ROOT --hold     # hold the writer lock until killed
+
+``kill_point`` makes the job SIGKILL itself at the ``kill_after``-th pass through a
+chosen point of the commit or prune protocol, for crashes that random timing
+would rarely hit: ``marker`` (everything written but the commit marker),
+``commit`` (renamed into place, parent not yet fsynced), ``prune`` (a trashed
+checkpoint half removed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+import functional_ckpt as fc
+from functional_ckpt import format
+from tests.training import build, train_step
+
+KILL_POINTS = ("marker", "commit", "prune")
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install_kill_point(point: str, after: int) -> None:
+    """Patch one step of the protocol so that its ``after``-th call kills the process."""
+    calls = [0]
+
+    def due() -> bool:
+        calls[0] += 1
+        return calls[0] >= after
+
+    if point == "marker":
+        original_marker = format.write_commit_marker
+
+        def marker(tmp: Path, manifest_bytes: bytes) -> None:
+            if due():
+                _die()
+            original_marker(tmp, manifest_bytes)
+
+        format.write_commit_marker = marker  # type: ignore[assignment]
+    elif point == "commit":
+        original_commit = format.commit
+
+        def commit(tmp: Path, final: Path, *, overwrite: bool) -> None:
+            if due() and not final.exists():
+                os.rename(tmp, final)
+                _die()
+            original_commit(tmp, final, overwrite=overwrite)
+
+        format.commit = commit  # type: ignore[assignment]
+    elif point == "prune":
+        original_remove = format.remove_tree
+
+        def remove_tree(path: Path) -> None:
+            if due():
+                (path / format.COMMIT_MARKER).unlink(missing_ok=True)
+                (path / format.MANIFEST).unlink(missing_ok=True)
+                _die()
+            original_remove(path)
+
+        format.remove_tree = remove_tree  # type: ignore[assignment]
+    else:
+        raise ValueError(f"kill_point={point!r}: expected one of {KILL_POINTS}")
+
+
+def live_state(objs: tuple[Any, ...], step: int) -> Any:
+    model, opt, sched, loader = objs
+    return fc.capture(model=model, optimizer=opt, scheduler=sched, loader=loader, step=step)
+
+
+def run(
+    root: str,
+    steps: int = 24,
+    kill_point: str | None = None,
+    kill_after: int = 1,
+    keep: int = 2,
+) -> None:
+    """Train to ``steps``, resuming from whatever ``root`` holds."""
+    torch.set_num_threads(1)
+    if kill_point is not None:
+        install_kill_point(kill_point, kill_after)
+    objs = build()
+    model, opt, sched, loader = objs
+    with fc.CheckpointManager(root, save=fc.every_steps(1), keep=fc.keep_last(keep)) as mgr:
+        restored = mgr.restore_latest(template=live_state(objs, 0))
+        step = 0
+        if restored is not None:
+            fc.apply(restored, model=model, optimizer=opt, scheduler=sched, loader=loader)
+            step = int(restored["step"])
+        while step < steps:
+            loss = train_step(model, opt, sched, loader)
+            step += 1
+            mgr.maybe_save(
+                live_state(objs, step),
+                step=step,
+                metrics={"loss": loss},
+                is_final=step == steps,
+            )
+
+
+def hold(root: str) -> None:
+    """Hold the writer lock of ``root`` until killed (for the lock tests)."""
+    with fc.CheckpointManager(root):
+        print(f"locked {os.getpid()}", flush=True)
+        while True:
+            time.sleep(60)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("root")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--kill-point", choices=KILL_POINTS)
+    ap.add_argument("--kill-after", type=int, default=1)
+    ap.add_argument("--keep", type=int, default=2)
+    ap.add_argument("--hold", action="store_true")
+    args = ap.parse_args(argv)
+    if args.hold:
+        hold(args.root)
+    else:
+        run(args.root, args.steps, args.kill_point, args.kill_after, args.keep)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Multi-rank checkpoints with real processes on gloo: FSDP2 resume, resharding, dead ranks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import functional_ckpt as fc
+from tests.exact import assert_exact
+
+JOB = Path(__file__).with_name("dist_job.py")
+REPO = JOB.parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(
+    world: int, *args: str, timeout: float = 240, env: dict[str, str] | None = None
+) -> list[subprocess.Popen[str]]:
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        penv = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO),
+            **(env or {}),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(JOB), *args],
+                env=penv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return procs
+
+
+def wait_all(
+    procs: list[subprocess.Popen[str]], timeout: float = 240
+) -> list[tuple[int, str, str]]:
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append((p.returncode, stdout, stderr))
+    return out
+
+
+def run_ok(world: int, *args: str) -> None:
+    for rc, _, err in wait_all(launch(world, *args)):
+        assert rc == 0, err[-3000:]
+
+
+def losses(root: Path, rank: int) -> list[tuple[int, str]]:
+    words = (root / f"losses.{rank}.txt").read_text().split()
+    return [(int(a), b) for a, b in zip(words[::2], words[1::2], strict=True)]
+
+
+def test_fsdp2_sigkill_of_one_rank_resumes_bit_identically(tmp_path: Path) -> None:
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ref.mkdir()
+    run.mkdir()
+    run_ok(2, "train", str(ref), "10")
+    procs = launch(2, "train", str(run), "10", "1", "7")
+    rank1 = procs[1]
+    rank1.wait(timeout=240)
+    assert rank1.returncode == -9  # SIGKILLed mid-run
+    procs[0].kill()  # the job is dead; the scheduler takes the survivor down too
+    wait_all(procs)
+    assert not (run / "final").exists()
+    run_ok(2, "train", str(run), "10")
+    for rank in range(2):
+        reference = dict(losses(ref, rank))
+        for step, loss in losses(run, rank):
+            assert loss == reference[step], f"rank {rank} step {step}"
+    a = fc.restore(ref / "final", partial=True)
+    b = fc.restore(run / "final", partial=True)
+    assert_exact(fc.to_python(a), fc.to_python(b))
+
+
+def test_reshard_4_to_2_and_1_and_1_to_2(tmp_path: Path) -> None:
+    run_ok(4, "shard-save", str(tmp_path))
+    run_ok(2, "shard-save", str(tmp_path))
+    assert fc.verify(tmp_path / "w4").ok and fc.inspect(tmp_path / "w4").world_size == 4
+    run_ok(2, "shard-restore", str(tmp_path))  # 4 -> 2 and 2 -> 2
+
+    # 4 -> 1 without a process group: full tensors assembled from the shards
+    template = {
+        "w": torch.zeros(10, 6),
+        "e": torch.zeros(5, 3, 2, dtype=torch.bfloat16),
+        "r": torch.zeros(10, 6),
+        "b": torch.zeros(7, dtype=torch.int64),
+        "step": 0,
+    }
+    back = fc.restore(tmp_path / "w4", template, partial=True)
+    from tests.dist_job import full_tensors
+
+    full = full_tensors()
+    assert torch.equal(back["w"], full["w"]) and torch.equal(back["e"], full["e"])
+    assert torch.equal(back["r"], full["w"] * 2)
+    with pytest.raises(fc.TemplateMismatch, match="saved by 4 ranks"):
+        fc.restore(tmp_path / "w4", {**template, "loader": {"pos": 0, "seed": 0}})
+
+    # 1 -> 2: a single-process checkpoint restored into DTensor shards
+    single = {**full, "r": full["w"] * 2, "step": 11, "loader": {"pos": 0, "seed": 0}}
+    fc.save(tmp_path / "solo" / "w1", single)
+    run_ok(2, "plain-restore", str(tmp_path / "solo"))
+
+
+def test_a_rank_killed_during_save_commits_nothing(tmp_path: Path) -> None:
+    procs = launch(2, "kill-in-save", str(tmp_path), env={"FUNCTIONAL_CKPT_TIMEOUT": "30"})
+    results = wait_all(procs, timeout=120)
+    assert results[1][0] == -9
+    rc, out, err = results[0]
+    assert rc == 3, out + err[-2000:]
+    assert "raised after" in out and "nothing" in out
+    seconds = float(out.split("raised after ")[1].split("s:")[0])
+    assert seconds < 60
+    assert not (tmp_path / "ck").exists()

@@ -1,0 +1,640 @@
+"""CheckpointManager: policies, retention, resume, corruption fallback, locking, forking.
+
+The crash tests use real processes: a forkserver (torch imported once) forks each
+run of ``tests/manager_job.py``, which the test SIGKILLs at random moments or which
+kills itself inside the commit or prune protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing as mp
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import functional_ckpt as fc
+from functional_ckpt import format
+from functional_ckpt.manager import CheckpointWarning, StepInfo, parse_step, step_name
+from functional_ckpt.retention import RetentionPolicy
+from tests import manager_job
+from tests.exact import assert_exact
+
+REPO = Path(__file__).resolve().parent.parent
+JOB = Path(__file__).with_name("manager_job.py")
+STEPS = 24
+
+
+def small_state(step: int, value: float | None = None) -> dict[str, Any]:
+    v = float(step) if value is None else value
+    return {"w": torch.full((4, 3), v), "b": torch.arange(5) + step, "step": step}
+
+
+def committed_dirs(root: Path) -> list[Path]:
+    if not root.exists():  # killed before the manager created it
+        return []
+    return sorted(p for p in root.iterdir() if parse_step(p.name) is not None)
+
+
+def no_warnings() -> contextlib.AbstractContextManager[list[warnings.WarningMessage]]:
+    return warnings.catch_warnings(record=True)
+
+
+# --------------------------------------------------------------------------- policies
+
+
+def test_step_names_sort_and_parse() -> None:
+    assert step_name(7) == "step_000000007"
+    assert parse_step("step_000000007") == 7
+    assert parse_step("step_7") is None  # only the canonical spelling counts
+    assert parse_step("step_000000007.tmp-abc") is None
+    assert parse_step("step_000000007.corrupt-abc") is None
+    assert parse_step(step_name(10**10)) == 10**10
+
+
+def test_policy_decides_and_retention_prunes(tmp_path: Path) -> None:
+    with fc.CheckpointManager(tmp_path, save=fc.every_steps(2), keep=fc.keep_last(2)) as mgr:
+        saved = [mgr.maybe_save(small_state(s), step=s) for s in range(1, 11)]
+        assert saved == [s % 2 == 0 for s in range(1, 11)]
+        assert mgr.steps() == [8, 10]
+        assert mgr.latest_step() == 10
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [".lock", "step_000000008", "step_000000010"]  # no trash left
+
+
+def test_force_and_final(tmp_path: Path) -> None:
+    with fc.CheckpointManager(tmp_path, save=fc.every_steps(100) | fc.on_final()) as mgr:
+        assert not mgr.maybe_save(small_state(1), step=1)
+        assert mgr.maybe_save(small_state(2), step=2, force=True)
+        assert mgr.maybe_save(small_state(3), step=3, is_final=True)
+        assert mgr.steps() == [2, 3]
+        assert mgr.info(3).is_final and not mgr.info(2).is_final
+
+
+class _KeepNothing(RetentionPolicy):
+    def _select(self, checkpoints: Any) -> set[int]:
+        return set()
+
+
+def test_newest_and_protected_are_never_deleted(tmp_path: Path) -> None:
+    with fc.CheckpointManager(tmp_path, keep=_KeepNothing()) as mgr:
+        for s in range(1, 5):
+            mgr.maybe_save(small_state(s), step=s)
+            assert mgr.steps() == [s]  # the newest survives a policy that keeps nothing
+    with fc.CheckpointManager(tmp_path, keep=fc.keep_best(1, "loss")) as mgr:
+        mgr.restore_latest()
+        mgr.maybe_save(small_state(5), step=5, metrics={"loss": 0.1})
+        mgr.maybe_save(small_state(6), step=6, metrics={"loss": 9.0})  # worst, but newest
+        assert mgr.steps() == [5, 6]
+        mgr.keep = _KeepNothing()
+        mgr.maybe_save(small_state(7), step=7)
+        assert mgr.steps() == [7]
+        mgr.maybe_save(small_state(8), step=8)
+        assert mgr._prune(protected={8}) == []  # in flight and newest
+
+
+def test_listing_info_best(tmp_path: Path) -> None:
+    t0 = time.time()
+    with fc.CheckpointManager(tmp_path, metadata={"exp": "e1", "lr": 3e-4}) as mgr:
+        assert mgr.steps() == [] and mgr.latest_step() is None and mgr.best_step("loss") is None
+        losses = {1: 0.5, 2: 0.25, 3: math.nan, 4: 0.25, 5: 0.75}
+        for s, loss in losses.items():
+            mgr.maybe_save(small_state(s), step=s, epoch=s // 2, metrics={"loss": loss, "acc": s})
+        assert mgr.steps() == [1, 2, 3, 4, 5]
+        assert mgr.best_step("loss") == 4  # tie with 2 goes to the newer step; NaN ignored
+        assert mgr.best_step("acc", mode="max") == 5
+        assert mgr.best_step("missing") is None
+        info = mgr.info(2)
+    assert isinstance(info, StepInfo)
+    assert info.step == 2 and info.epoch == 1 and info.path == tmp_path / "step_000000002"
+    assert info.metrics == {"loss": 0.25, "acc": 2.0}
+    assert t0 - 1 <= info.time <= time.time() + 1
+    assert info.size == sum(f.stat().st_size for f in info.path.iterdir())
+    meta = info.metadata
+    assert meta["exp"] == "e1" and meta["lr"] == 3e-4
+    for key in ("hostname", "torch", "functional_ckpt", "pid", "time", "python"):
+        assert key in meta, key
+    assert meta["manager"]["step"] == 2
+    with pytest.raises(fc.CheckpointNotFound, match="step 9"):
+        fc.CheckpointManager(tmp_path, read_only=True).info(9)
+
+
+def test_reserved_metadata_key_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="reserved"):
+        fc.CheckpointManager(tmp_path, metadata={"manager": 1})
+
+
+def _git(cwd: Path, *args: str) -> str:
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
+    out = subprocess.run(
+        ["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True
+    )
+    return out.stdout.strip()
+
+
+def test_git_commit_recorded_in_a_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "train.py").write_text("print('hi')\n")
+    _git(repo, "add", "train.py")
+    _git(repo, "commit", "-q", "-m", "init")
+    head = _git(repo, "rev-parse", "HEAD")
+    monkeypatch.chdir(repo)
+    with fc.CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.maybe_save(small_state(1), step=1)
+        assert mgr.info(1).metadata["git_commit"] == head
+    elsewhere = tmp_path / "plain"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    with fc.CheckpointManager(tmp_path / "ckpt2") as mgr:
+        mgr.maybe_save(small_state(1), step=1)
+        assert "git_commit" not in mgr.info(1).metadata
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_every_secs_continues_after_reopen_without_counting_downtime(tmp_path: Path) -> None:
+    clock = FakeClock()
+    with fc.CheckpointManager(tmp_path, save=fc.every_secs(10, clock=clock)) as mgr:
+        for step, t in [(1, 0.0), (2, 6.0)]:
+            clock.now = t
+            assert not mgr.maybe_save(small_state(step), step=step)
+        clock.now = 7.0
+        assert mgr.maybe_save(small_state(3), step=3, force=True)  # stores 7 s of running time
+    clock2 = FakeClock()  # a new process: unrelated clock origin, long downtime
+    clock2.now = 1000.0
+    with fc.CheckpointManager(tmp_path, save=fc.every_secs(10, clock=clock2)) as mgr:
+        assert mgr.restore_latest() is not None
+        decisions = []
+        for step, t in [(4, 1000.0), (5, 1002.0), (6, 1003.5)]:
+            clock2.now = t
+            decisions.append(mgr.maybe_save(small_state(step), step=step))
+    # downtime did not count (step 4 does not fire); the 7 s before did (step 6 fires)
+    assert decisions == [False, False, True]
+
+
+def test_on_improve_remembers_best_after_reopen(tmp_path: Path) -> None:
+    with fc.CheckpointManager(tmp_path, save=fc.on_improve("loss")) as mgr:
+        got = [mgr.maybe_save(small_state(s), step=s, metrics={"loss": v}) for s, v in
+               [(1, 1.0), (2, 0.5), (3, 0.7)]]  # fmt: skip
+        assert got == [True, True, False]
+    with fc.CheckpointManager(tmp_path, save=fc.on_improve("loss")) as mgr:
+        mgr.restore_latest()
+        assert mgr.restored_step == 2
+        assert not mgr.maybe_save(small_state(3), step=3, metrics={"loss": 0.6})
+        assert mgr.maybe_save(small_state(4), step=4, metrics={"loss": 0.4})
+
+
+def test_changed_policy_warns_and_starts_afresh(tmp_path: Path) -> None:
+    with fc.CheckpointManager(tmp_path, save=fc.every_steps(1)) as mgr:
+        mgr.maybe_save(small_state(1), step=1)
+    policy = fc.every_steps(1) | fc.on_improve("loss")
+    with fc.CheckpointManager(tmp_path, save=policy) as mgr:
+        with pytest.warns(CheckpointWarning, match="does not fit"):
+            mgr.restore_latest()
+        assert mgr.maybe_save(small_state(2), step=2, metrics={"loss": 1.0})
+
+
+def test_saving_behind_the_newest_step_is_refused(tmp_path: Path) -> None:
+    with fc.CheckpointManager(tmp_path) as mgr:
+        mgr.maybe_save(small_state(5), step=5)
+    with fc.CheckpointManager(tmp_path) as mgr:  # forgot restore_latest()
+        with pytest.raises(fc.CheckpointError, match=r"step 1: step 5 is newer") as err:
+            mgr.maybe_save(small_state(1), step=1)
+        assert str(tmp_path) in str(err.value)
+        assert mgr.maybe_save(small_state(5, 42.0), step=5, force=True)  # same step: replaced
+        assert float(mgr.restore(5)["w"][0, 0]) == 42.0
+        mgr.delete(5)
+        assert mgr.steps() == []
+        assert mgr.maybe_save(small_state(1), step=1)
+
+
+def test_read_only_manager(tmp_path: Path) -> None:
+    ro = fc.CheckpointManager(tmp_path / "absent", read_only=True)
+    assert ro.steps() == [] and ro.restore_latest() is None
+    assert not (tmp_path / "absent").exists()
+    with fc.CheckpointManager(tmp_path) as mgr:
+        mgr.maybe_save(small_state(1), step=1)
+    with fc.CheckpointManager(tmp_path, read_only=True) as ro:
+        with pytest.raises(fc.CheckpointError, match="read-only"):
+            ro.maybe_save(small_state(2), step=2)
+        state = ro.restore_latest()
+        assert state is not None and state["step"] == 1
+    closed = fc.CheckpointManager(tmp_path)
+    closed.close()
+    closed.close()
+    with pytest.raises(fc.CheckpointError, match="closed"):
+        closed.maybe_save(small_state(2), step=2)
+
+
+def test_restore_latest_none_only_without_checkpoints(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "step_000000004.tmp-abc").mkdir()  # stale half-written save
+    with fc.CheckpointManager(tmp_path, read_only=True) as ro:
+        assert ro.restore_latest() is None
+    with fc.CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore_latest() is None
+
+
+def test_template_mismatch_is_not_treated_as_damage(tmp_path: Path) -> None:
+    with fc.CheckpointManager(tmp_path) as mgr:
+        mgr.maybe_save(small_state(1), step=1)
+        mgr.maybe_save(small_state(2), step=2)
+    wrong = {"w": torch.zeros(2, 2), "b": torch.zeros(5, dtype=torch.long), "step": 0}
+    with fc.CheckpointManager(tmp_path) as mgr, no_warnings() as caught:
+        with pytest.raises(fc.TemplateMismatch):
+            mgr.restore_latest(template=wrong)
+        assert mgr.steps() == [1, 2] and not caught
+
+
+# --------------------------------------------------------------------------- stale dirs
+
+
+def test_stale_temporary_dirs_removed_at_open_only_by_writers(tmp_path: Path) -> None:
+    with fc.CheckpointManager(tmp_path) as mgr:
+        mgr.maybe_save(small_state(1), step=1)
+    stale = [
+        tmp_path / "step_000000002.tmp-0123456789ab",
+        tmp_path / "step_000000001.trash-0123456789ab",
+        tmp_path / "exports" / "step_000000002.tmp-0123456789ab",
+    ]
+    for d in stale:
+        d.mkdir(parents=True)
+        (d / "manifest.msgpack").write_bytes(b"half")
+    (tmp_path / "user.tmp-1").mkdir()  # not ours: never touched
+    with fc.CheckpointManager(tmp_path, read_only=True) as ro:
+        assert ro.steps() == [1]
+        assert all(d.exists() for d in stale)
+    with fc.CheckpointManager(tmp_path) as mgr:
+        assert mgr.steps() == [1]
+    assert not any(d.exists() for d in stale)
+    assert (tmp_path / "user.tmp-1").exists()
+
+
+# --------------------------------------------------------------------------- corruption
+
+
+def _tensor_bytes(path: Path) -> tuple[str, int, int]:
+    """(file, data offset, nbytes) of the first non-empty tensor's data in a checkpoint."""
+    manifest = format.read_manifest(path)
+    for e in manifest["entries"]:
+        if e["kind"] != "tensor":
+            continue
+        for piece in e.get("chunks", [e]):  # per-chunk records, or a flat entry
+            if piece.get("nbytes"):
+                return piece["file"], piece["data_offset"], piece["nbytes"]
+    raise AssertionError(f"{path}: no tensor data")
+
+
+def corrupt(path: Path, how: str) -> None:
+    if how == "flipped_byte":
+        file, offset, nbytes = _tensor_bytes(path)
+        with open(path / file, "r+b") as f:
+            f.seek(offset + nbytes // 2)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0x40]))
+    elif how == "missing_shard":
+        (path / _tensor_bytes(path)[0]).unlink()
+    elif how == "torn_manifest":
+        raw = (path / format.MANIFEST).read_bytes()
+        (path / format.MANIFEST).write_bytes(raw[: len(raw) // 2])
+    elif how == "missing_marker":
+        (path / format.COMMIT_MARKER).unlink()
+    else:
+        raise AssertionError(how)
+
+
+HOWS = ["flipped_byte", "missing_shard", "torn_manifest", "missing_marker"]
+
+
+def _three_checkpoints(root: Path) -> None:
+    with fc.CheckpointManager(root, save=fc.on_improve("loss")) as mgr:
+        for s in (1, 2, 3):
+            mgr.maybe_save(small_state(s), step=s, metrics={"loss": 1.0 / s})
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_corrupt_newest_falls_back_to_previous(tmp_path: Path, how: str) -> None:
+    _three_checkpoints(tmp_path)
+    corrupt(tmp_path / "step_000000003", how)
+    template = small_state(0)
+    with fc.CheckpointManager(tmp_path, save=fc.on_improve("loss")) as mgr:
+        with pytest.warns(CheckpointWarning, match=r"step_000000003.*step 3"):
+            state = mgr.restore_latest(template=template)
+        assert state is not None and state["step"] == 2
+        assert torch.equal(state["w"], torch.full((4, 3), 2.0))
+        assert mgr.latest_step() == 2 and mgr.restored_step == 2
+        # moved aside, not deleted; a new step 3 can be written
+        assert len(list(tmp_path.glob("step_000000003.corrupt-*"))) == 1
+        assert not mgr.maybe_save(small_state(3), step=3, metrics={"loss": 0.6})  # best is 0.5
+        assert mgr.maybe_save(small_state(3), step=3, metrics={"loss": 0.1})
+        assert mgr.latest_step() == 3
+
+
+@pytest.mark.parametrize("how", ["flipped_byte", "missing_shard"])
+def test_read_only_follower_skips_corrupt_newest_without_touching_it(
+    tmp_path: Path, how: str
+) -> None:
+    _three_checkpoints(tmp_path)
+    corrupt(tmp_path / "step_000000003", how)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with fc.CheckpointManager(tmp_path, read_only=True) as ro:
+        with pytest.warns(CheckpointWarning, match="step_000000003"):
+            state = ro.restore_latest()
+        assert state is not None and state["step"] == 2
+        assert ro.latest_step() == 2
+        with no_warnings() as caught:  # remembered: not reported twice
+            warnings.simplefilter("always")
+            state = ro.restore_latest()
+        assert state is not None and state["step"] == 2 and not caught
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_all_corrupt_raises_instead_of_starting_fresh(tmp_path: Path, read_only: bool) -> None:
+    _three_checkpoints(tmp_path)
+    for s, how in zip((1, 2, 3), ("flipped_byte", "torn_manifest", "missing_shard"), strict=True):
+        corrupt(tmp_path / step_name(s), how)
+    with fc.CheckpointManager(tmp_path, read_only=read_only) as mgr:
+        with pytest.warns(CheckpointWarning), pytest.raises(fc.CheckpointError) as err:
+            mgr.restore_latest()
+        message = str(err.value)
+        assert str(tmp_path) in message and "none is readable" in message
+        for s in (1, 2, 3):
+            assert step_name(s) in message
+    with fc.CheckpointManager(tmp_path) as mgr, pytest.raises(fc.CheckpointError):
+        mgr.restore_latest()  # still refuses: the damaged ones were moved aside, not lost
+
+
+# --------------------------------------------------------------------------- processes
+
+
+@pytest.fixture(scope="module")
+def ctx() -> mp.context.ForkServerContext:
+    """A forkserver that has imported torch and functional_ckpt once for all runs."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["tests.manager_job", "torch.distributed.checkpoint"])
+    return context
+
+
+def start(ctx: mp.context.ForkServerContext, root: Path, **kwargs: Any) -> Any:
+    proc = ctx.Process(target=manager_job.run, args=(str(root),), kwargs=kwargs)
+    proc.start()
+    return proc
+
+
+def finish(proc: Any, timeout: float = 60) -> int:
+    proc.join(timeout)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        raise AssertionError("the job hung")
+    code: int = proc.exitcode
+    return code
+
+
+@contextlib.contextmanager
+def holder(root: Path) -> Iterator[subprocess.Popen[str]]:
+    """A real script process holding the writer lock of ``root`` until killed."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, str(JOB), str(root), "--hold"], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line == f"locked {proc.pid}\n", line
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_second_writer_refused_in_process(tmp_path: Path) -> None:
+    first = fc.CheckpointManager(tmp_path)
+    with pytest.raises(fc.CheckpointError) as err:
+        fc.CheckpointManager(tmp_path)
+    assert str(tmp_path) in str(err.value) and f"pid {os.getpid()}" in str(err.value)
+    with fc.CheckpointManager(tmp_path, read_only=True) as ro:
+        assert ro.steps() == []
+    first.close()
+    fc.CheckpointManager(tmp_path).close()
+
+
+def test_lock_of_a_killed_writer_is_taken_over(tmp_path: Path) -> None:
+    with holder(tmp_path) as proc:
+        with pytest.raises(fc.CheckpointError) as err:
+            fc.CheckpointManager(tmp_path)
+        message = str(err.value)
+        assert f"pid {proc.pid}" in message and str(tmp_path) in message, message
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with fc.CheckpointManager(tmp_path) as mgr:  # the dead holder's lock is ours now
+        mgr.maybe_save(small_state(1), step=1)
+
+
+def test_follower_lists_and_restores_while_writer_saves(
+    ctx: mp.context.ForkServerContext, tmp_path: Path
+) -> None:
+    writer = start(ctx, tmp_path, steps=10**6, keep=2)
+    try:
+        ro = fc.CheckpointManager(tmp_path, read_only=True)
+        deadline = time.monotonic() + 30
+        while ro.latest_step() is None:
+            assert time.monotonic() < deadline and writer.is_alive()
+            time.sleep(0.01)
+        seen: set[int] = set()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a skipped "corrupt" checkpoint would fail here
+            end = time.monotonic() + 2.5
+            while time.monotonic() < end:
+                for step in ro.steps():
+                    assert (tmp_path / step_name(step) / format.COMMIT_MARKER).exists() or (
+                        not (tmp_path / step_name(step)).exists()  # pruned meanwhile
+                    )
+                state = ro.restore_latest()
+                assert state is not None
+                assert state["step"] == ro.restored_step
+                seen.add(ro.restored_step)
+        assert writer.is_alive()
+        assert len(seen) >= 5, seen  # it really followed a moving writer
+    finally:
+        writer.kill()
+        writer.join()
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@dataclass
+class Reference:
+    state: Any  # the final checkpoint of an uninterrupted run
+    seconds: float  # how long an uninterrupted run takes once the forkserver is warm
+
+
+@pytest.fixture(scope="module")
+def reference(
+    ctx: mp.context.ForkServerContext, tmp_path_factory: pytest.TempPathFactory
+) -> Reference:
+    roots = [tmp_path_factory.mktemp("reference"), tmp_path_factory.mktemp("reference")]
+    assert finish(start(ctx, roots[0], steps=STEPS)) == 0  # also warms the forkserver up
+    t0 = time.monotonic()
+    assert finish(start(ctx, roots[1], steps=STEPS)) == 0
+    seconds = time.monotonic() - t0
+    states = [fc.restore(r / step_name(STEPS)) for r in roots]
+    assert_exact(fc.to_python(states[0]), fc.to_python(states[1]))  # the job is deterministic
+    return Reference(states[0], seconds)
+
+
+def check_after_crash(root: Path) -> int | None:
+    """Nothing half-written is visible, and the newest committed checkpoint restores."""
+    visible = committed_dirs(root)
+    for d in visible:
+        assert (d / format.COMMIT_MARKER).exists(), f"{d} visible but uncommitted"
+    newest = max((parse_step(d.name) for d in visible), default=None)
+    with fc.CheckpointManager(root, read_only=True) as ro, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = ro.restore_latest()
+    if newest is None:
+        assert state is None
+        return None
+    assert state is not None and ro.restored_step == newest and state["step"] == newest
+    return newest
+
+
+def check_final(root: Path, reference: Reference) -> None:
+    final = fc.restore(root / step_name(STEPS))
+    assert_exact(fc.to_python(final), fc.to_python(reference.state))
+    leftovers = [p.name for p in root.iterdir() if format.is_temporary_name(p.name)]
+    assert not leftovers, leftovers
+
+
+def test_sigkill_at_random_moments_resumes_bit_identically(
+    ctx: mp.context.ForkServerContext, reference: Reference, tmp_path: Path
+) -> None:
+    """30+ runs killed at random moments (mostly inside save or prune: that is where
+    the job spends its time); each lineage is restarted until it finishes."""
+    rng = random.Random(20240601)
+    longest = 0.6 * max(0.1, reference.seconds)
+    killed = lineages = 0
+    newest: list[int | None] = []  # what each crash left as the newest checkpoint
+    mid_save = 0  # crashes that left a half-written save behind
+    while killed < 30:
+        lineages += 1
+        root = tmp_path / f"run{lineages}"
+        for attempt in range(9):
+            proc = start(ctx, root, steps=STEPS)
+            if attempt < 8:  # then let it finish, however slow the machine
+                time.sleep(rng.uniform(0.02, longest))
+                proc.kill()
+            code = finish(proc)
+            if code == 0:
+                break
+            assert code == -signal.SIGKILL
+            killed += 1
+            mid_save += any(".tmp-" in p.name for p in root.glob("step_*"))
+            newest.append(check_after_crash(root))
+        assert check_after_crash(root) == STEPS
+        check_final(root, reference)
+    assert lineages >= 2
+    assert mid_save >= 1 and len(set(newest)) >= 5, (mid_save, newest)  # kills were spread
+
+
+@pytest.mark.parametrize(
+    ("point", "after"), [("marker", 3), ("marker", 8), ("commit", 4), ("prune", 2), ("prune", 6)]
+)
+def test_sigkill_inside_commit_and_prune_resumes_bit_identically(
+    ctx: mp.context.ForkServerContext,
+    reference: Reference,
+    tmp_path: Path,
+    point: str,
+    after: int,
+) -> None:
+    proc = start(ctx, tmp_path, steps=STEPS, kill_point=point, kill_after=after)
+    assert finish(proc) == -signal.SIGKILL
+    names = [p.name for p in tmp_path.iterdir()]
+    if point in ("marker", "prune"):
+        assert any(format.is_temporary_name(n) for n in names), names  # crashed mid-protocol
+    check_after_crash(tmp_path)
+    assert finish(start(ctx, tmp_path, steps=STEPS)) == 0
+    check_final(tmp_path, reference)
+
+
+# --------------------------------------------------------------------------- fork
+
+
+def test_fork_records_provenance_and_continues(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    with fc.CheckpointManager(a, metadata={"exp": "A"}, save=fc.on_improve("loss")) as mgr:
+        for s in (1, 2, 3):
+            mgr.maybe_save(small_state(s), step=s, epoch=1, metrics={"loss": 1.0 / s})
+    path = fc.fork(a / step_name(3), b)
+    assert path == b / step_name(3)
+    with fc.CheckpointManager(b, save=fc.on_improve("loss")) as mgr:
+        info = mgr.info(3)
+        prov = info.metadata["forked_from"]
+        assert prov["path"] == str((a / step_name(3)).resolve()) and prov["step"] == 3
+        assert abs(prov["time"] - time.time()) < 60
+        assert info.metadata["exp"] == "A" and info.metrics["loss"] == 1.0 / 3 and info.epoch == 1
+        assert info.metadata["pid"] == os.getpid()
+        state = mgr.restore_latest(template=small_state(0))
+        assert state is not None and torch.equal(state["w"], torch.full((4, 3), 3.0))
+        # a new run: its policies start afresh (on_improve fires on its first value)
+        assert mgr.maybe_save(small_state(4), step=4, metrics={"loss": 5.0})
+        assert mgr.steps() == [3, 4]
+        assert mgr.info(4).metadata["forked_from"] == prov  # later checkpoints say so too
+    assert fc.CheckpointManager(a, read_only=True).steps() == [1, 2, 3]  # source untouched
+    with pytest.raises(fc.CheckpointExists, match="already holds"):
+        fc.fork(a / step_name(2), b)
+    c = fc.fork(b / step_name(4), tmp_path / "c", step=0)
+    prov = fc.CheckpointManager(tmp_path / "c", read_only=True).info(0).metadata["forked_from"]
+    assert c.name == step_name(0) and prov["step"] == 4 and prov["parent"]["step"] == 3
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def test_docs_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ```python block of docs/manager.md runs, in order, in one namespace."""
+    text = (REPO / "docs" / "manager.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+    assert blocks, "docs/manager.md has no python examples"
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {"__name__": "docs_manager"}
+    original = signal.getsignal(signal.SIGTERM)
+    try:
+        for i, block in enumerate(blocks):
+            exec(compile(block, f"docs/manager.md[block {i}]", "exec"), namespace)
+    finally:
+        signal.signal(signal.SIGTERM, original)
+        for value in namespace.values():
+            if isinstance(value, fc.CheckpointManager):
+                value.close()
