@@ -53,6 +53,7 @@ from functional_ckpt.reader import (
     gc_paused,
     open_checkpoint,
     per_rank_check,
+    read_chunk,
     resharded_per_rank,
     select,
     without_roots,
@@ -357,20 +358,7 @@ class _ManifestReader(StorageReader):
         ordered = sorted(by_chunk.values(), key=lambda cr: (cr[0].file, cr[0].data_offset))
         for chunk, reqs in ordered:
             dtype = self._dtype(reqs[0].storage_index.fqn)
-            data = torch.empty(chunk.sizes, dtype=dtype)
-            res = (
-                shards.read_tensors(
-                    self.root / chunk.file,
-                    [(chunk.data_offset, shards.byte_view(data), chunk.crc32)],
-                )[0]
-                if chunk.nbytes
-                else None
-            )
-            if res is not None:
-                raise CorruptCheckpoint(
-                    f"{self.root}: damaged tensor data for DCP key {reqs[0].storage_index.fqn!r} "
-                    f"in {chunk.file}"
-                )
+            data = read_chunk(self.root, chunk, dtype, reqs[0].storage_index.fqn)
             for req in reqs:
                 piece = data
                 for dim, (off, size) in enumerate(

@@ -145,7 +145,7 @@ def remove_tree(path: Path) -> None:
 
     The marker goes first (it is what makes a directory a checkpoint), then the rest.
     """
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(OSError):
         os.unlink(path / COMMIT_MARKER)
     shutil.rmtree(path, ignore_errors=True)
 
@@ -195,9 +195,14 @@ def _read_small(path: Path, limit: int, what: str) -> bytes:
     if not os.path.isfile(path) or os.path.islink(path):
         raise UnsafeCheckpoint(f"{path}: the {what} is not a regular file")
     if st.st_size > limit:
-        raise UnsafeCheckpoint(f"{path}: the {what} is {st.st_size} bytes, over the {limit} limit")
+        raise CorruptCheckpoint(
+            f"{path}: the {what} is {st.st_size} bytes, more than the {limit} recorded or allowed"
+        )
     with open(path, "rb") as f:
         return f.read()
+
+
+_MARKER_KEYS = {"format", "version", "manifest_size", "manifest_crc32"}
 
 
 def check_committed(path: Path) -> dict[str, Any]:
@@ -225,10 +230,16 @@ def check_committed(path: Path) -> dict[str, Any]:
         raise CheckpointNotFound(f"{path}: not a checkpoint (no {COMMIT_MARKER} or {MANIFEST})")
     raw = _read_small(path / COMMIT_MARKER, 1 << 16, "commit marker")
     marker = codec.decode(raw, source=str(path / COMMIT_MARKER))
-    if not isinstance(marker, dict) or marker.get("format") != FORMAT_NAME:
+    if (
+        not isinstance(marker, dict)
+        or set(marker) != _MARKER_KEYS
+        or marker.get("format") != FORMAT_NAME
+    ):
         raise CorruptCheckpoint(f"{path / COMMIT_MARKER}: not a functional_ckpt commit marker")
     version = marker.get("version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if type(version) is not int or version < 1:
+        raise CorruptCheckpoint(f"{path / COMMIT_MARKER}: invalid format version {version!r}")
+    if version > FORMAT_VERSION:
         raise CorruptCheckpoint(
             f"{path}: written by a newer format (version {version!r}; this reader knows "
             f"{FORMAT_VERSION}); upgrade functional_ckpt to read it"
@@ -239,7 +250,9 @@ def check_committed(path: Path) -> dict[str, Any]:
 def read_manifest(path: Path) -> dict[str, Any]:
     """Read and authenticate the manifest of a committed checkpoint."""
     marker = check_committed(path)
-    raw = _read_small(path / MANIFEST, MAX_MANIFEST_BYTES, "manifest")
+    expected = marker.get("manifest_size")
+    limit = expected if type(expected) is int and 0 <= expected <= MAX_MANIFEST_BYTES else 0
+    raw = _read_small(path / MANIFEST, limit, "manifest")
     if len(raw) != marker.get("manifest_size") or crc32(raw) != marker.get("manifest_crc32"):
         raise CorruptCheckpoint(
             f"{path / MANIFEST}: the manifest does not match its checksum in {COMMIT_MARKER} "

@@ -253,9 +253,9 @@ class VerifyReport:
 def verify(path: PathLike) -> VerifyReport:
     """Recompute every checksum over every byte; raise only if ``path`` is no checkpoint."""
     src = Path(path)
-    format.check_committed(src)  # raises CheckpointNotFound / IncompleteCheckpoint
     report = VerifyReport(src, True, [])
     try:
+        format.check_committed(src)  # CheckpointNotFound / IncompleteCheckpoint propagate
         manifest = format.read_manifest(src)
         ranks = parse(manifest, src, rank=None).world_size
         parsed = [parse(manifest, src, rank=r) for r in range(ranks)]
@@ -275,6 +275,11 @@ def verify(path: PathLike) -> VerifyReport:
         report.bytes_checked += size
         if crc != md.get("crc32"):
             report.problems.append(Problem(format.DCP_METADATA, str(classify_metadata(src))))
+        else:  # intact, but would stock dcp.load run anything in it?
+            try:
+                format.read_dcp_metadata(src)
+            except (CorruptCheckpoint, UnsafeCheckpoint) as err:
+                report.problems.append(Problem(format.DCP_METADATA, str(err)))
     by_file: dict[str, dict[int, tuple[KeyPath, Chunk]]] = {}
     for one in parsed:
         for e in one.tensors.values():

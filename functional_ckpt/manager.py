@@ -252,7 +252,13 @@ class _RootLock:
 
     def __init__(self, root: Path) -> None:
         self.path = root / LOCK_FILE
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise CheckpointError(
+                f"{root}: cannot take the writer lock {self.path} ({e}); on a read-only "
+                "location open the manager with read_only=True"
+            ) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -358,7 +364,12 @@ class CheckpointManager:
             raise TypeError(f"CheckpointManager(export={self.export!r}): not an fc.Export")
 
     def _open_writer(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        if self.root.exists() and not self.root.is_dir():
+            raise CheckpointError(f"{self.root}: the checkpoint root is a file, not a directory")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"{self.root}: cannot create the checkpoint root: {e}") from e
         self._lock = _RootLock(self.root)
         try:
             self._remove_stale()
@@ -439,6 +450,10 @@ class CheckpointManager:
             entries = list(os.scandir(self.root))
         except FileNotFoundError:
             return
+        except NotADirectoryError:
+            raise CheckpointError(
+                f"{self.root}: the checkpoint root is a file, not a directory"
+            ) from None
         for entry in entries:
             step = parse_step(entry.name)
             if step is None or not entry.is_dir(follow_symlinks=False):

@@ -22,6 +22,8 @@ from functional_ckpt.tree import KeyPath, format_path
 
 #: Nested deeper than this, a tree is rejected as hostile.
 MAX_TREE_DEPTH = 256
+#: No dimension or byte count of a real tensor reaches this.
+MAX_DIM = 1 << 62
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -223,6 +225,8 @@ def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: 
     if not isinstance(shape_raw, list) or len(shape_raw) > 64:
         raise CorruptCheckpoint(f"{where}: invalid shape {shape_raw!r}")
     shape = tuple(_int(d, where, "dimension") for d in shape_raw)
+    if any(d >= MAX_DIM for d in shape) or numel(shape) * element_size(dtype) >= MAX_DIM:
+        raise UnsafeCheckpoint(f"{where}: {format_path(path)} declares an impossible shape")
     fqn = e.get("fqn")
     if not isinstance(fqn, str):
         raise CorruptCheckpoint(f"{where}: invalid DCP key {fqn!r}")

@@ -21,6 +21,7 @@ from tensordict import TensorDict, TensorDictBase
 from functional_ckpt import format, shards
 from functional_ckpt.errors import (
     CheckpointError,
+    CheckpointNotFound,
     CorruptCheckpoint,
     TemplateMismatch,
     UnsafeCheckpoint,
@@ -57,10 +58,15 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+#: A damaged ``.metadata`` is parsed (to tell hostile from broken) only up to this size.
+CLASSIFY_LIMIT = 64 << 20
+
+
 def classify_metadata(path: Path) -> CheckpointError:
     """A ``.metadata`` that fails its checksum: hostile, or merely damaged?"""
     try:
-        format.read_dcp_metadata(path)
+        if (path / format.DCP_METADATA).stat().st_size <= CLASSIFY_LIMIT:
+            format.read_dcp_metadata(path)
     except UnsafeCheckpoint as e:
         return e
     except CheckpointError:
@@ -82,6 +88,8 @@ def open_checkpoint(path: Path, *, rank: int | None = 0) -> ParsedManifest:
             raise CorruptCheckpoint(f"{path / format.DCP_METADATA}: missing") from None
         if (size, crc) != (md_info.get("size"), md_info.get("crc32")):
             raise classify_metadata(path)
+        # Intact is not enough: a re-signed hostile pickle would run under stock dcp.load.
+        format.read_dcp_metadata(path)
     return parse(manifest, path, rank=rank)
 
 
@@ -196,12 +204,22 @@ def read_targets(path: Path, targets: list[Target]) -> None:
             by_file.setdefault(chunk.file, []).append((tg, chunk, land))
     bad: list[str] = []
     for name, group in by_file.items():
-        jobs = [(c.data_offset, shards.byte_view(land), c.crc32) for _, c, land in group]
-        results = shards.read_tensors(path / name, jobs)
-        for (tg, chunk, _), res in zip(group, results, strict=True):
+        jobs = [
+            shards.ReadJob(
+                c.offset, c.length, c.data_offset, shards.byte_view(land), c.crc32, c.hcrc32
+            )
+            for _, c, land in group
+        ]
+        try:
+            results = shards.read_tensors(path / name, jobs)
+        except FileNotFoundError:
+            raise CheckpointNotFound(
+                f"{path}: {name} disappeared while reading (the checkpoint was deleted, "
+                "e.g. pruned by a writer)"
+            ) from None
+        for (tg, _, _), res in zip(group, results, strict=True):
             if res is not None:
-                what = "checksum mismatch" if res < 0 else f"only {res} of {chunk.nbytes} bytes"
-                bad.append(f"  {format_path(tg.entry.path)} in {name}: {what}")
+                bad.append(f"  {format_path(tg.entry.path)} in {name}: {res}")
     if bad:
         raise CorruptCheckpoint(f"{path}: damaged tensor data:\n" + "\n".join(bad))
     with torch.no_grad():
@@ -210,6 +228,26 @@ def read_targets(path: Path, targets: list[Target]) -> None:
                 region.copy_(land)
             if tg.buf.numel() and tg.buf.data_ptr() != tg.dest.data_ptr():
                 tg.dest.copy_(tg.buf)
+
+
+def read_chunk(root: Path, chunk: Chunk, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """One stored chunk as a new tensor, every byte checked."""
+    data = torch.empty(chunk.sizes, dtype=dtype)
+    if chunk.nbytes:
+        job = shards.ReadJob(
+            chunk.offset,
+            chunk.length,
+            chunk.data_offset,
+            shards.byte_view(data),
+            chunk.crc32,
+            chunk.hcrc32,
+        )
+        res = shards.read_tensors(root / chunk.file, [job])[0]
+        if res is not None:
+            raise CorruptCheckpoint(
+                f"{root}: damaged tensor data for {what!r} in {chunk.file}: {res}"
+            )
+    return data
 
 
 def per_rank_check(parsed: ParsedManifest, selected: list[tuple[KeyPath, str]], world: int) -> None:

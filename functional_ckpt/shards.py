@@ -273,38 +273,100 @@ def read_into(fd: int, offset: int, dest: memoryview) -> int:
     return done
 
 
-def read_tensors(
-    path: Path,
-    jobs: Sequence[tuple[int, memoryview, int]],
-) -> list[int | None]:
-    """Read ``(data_offset, destination, expected_crc)`` jobs from one file.
+@dataclass(frozen=True)
+class ReadJob:
+    """One blob to read: its bytes land in ``dest``; both of its checksums are checked."""
 
-    Returns, per job, None when the bytes arrived intact, or the number of bytes
-    actually read / a sentinel -1 when the checksum disagrees. Checksums of one
-    tensor run in the background while the next one is read.
+    offset: int  # blob start
+    length: int  # blob length
+    data_offset: int
+    dest: memoryview  # exactly the raw data's size
+    crc: int  # of the raw data
+    hcrc: int  # of the blob's other bytes
+
+
+#: Small blobs that lie together in the file are read with one call of this size.
+READ_WINDOW = 8 << 20
+
+
+def read_tensors(path: Path, jobs: Sequence[ReadJob]) -> list[str | None]:
+    """Read blobs from one file into their destinations, checking every byte.
+
+    Returns, per job, None when the blob arrived intact, else what is wrong.
+    Small blobs are read in large windows; large ones straight into place while
+    the previous one is checksummed in the background.
     """
-    results: list[int | None] = [None] * len(jobs)
+    results: list[str | None] = [None] * len(jobs)
     pool = checksum_pool()
-    order = sorted(range(len(jobs)), key=lambda k: jobs[k][0])
+    order = sorted(range(len(jobs)), key=lambda k: jobs[k].offset)
     fd = os.open(path, os.O_RDONLY)
     try:
-        futures: list[tuple[int, Future[int], int]] = []
-        for k in order:
-            offset, dest, crc = jobs[k]
-            n = read_into(fd, offset, dest)
-            if n != len(dest):
-                results[k] = n
+        futures: list[tuple[int, Future[int]]] = []
+        i = 0
+        while i < len(order):
+            job = jobs[order[i]]
+            if job.length >= SMALL_TENSOR:
+                results[order[i]] = _read_large(fd, job, pool, futures, order[i])
+                i += 1
                 continue
-            if len(dest) >= SMALL_TENSOR:
-                futures.append((k, pool.submit(_crc_chunks, dest), crc))
-            elif crc32(dest) != crc:
-                results[k] = -1
-        for k, fut, crc in futures:
-            if fut.result() != crc:
-                results[k] = -1
+            j = i + 1
+            end = job.offset + job.length
+            while j < len(order):
+                nxt = jobs[order[j]]
+                if nxt.length >= SMALL_TENSOR or nxt.offset + nxt.length - job.offset > READ_WINDOW:
+                    break
+                end = max(end, nxt.offset + nxt.length)
+                j += 1
+            window = os.pread(fd, end - job.offset, job.offset)
+            for k in order[i:j]:
+                results[k] = _check_small(jobs[k], memoryview(window), job.offset)
+            i = j
+        for k, fut in futures:
+            if fut.result() != jobs[k].crc and results[k] is None:
+                results[k] = "checksum mismatch"
     finally:
         os.close(fd)
     return results
+
+
+def _check_small(job: ReadJob, window: memoryview, base: int) -> str | None:
+    start = job.offset - base
+    if start + job.length > len(window):
+        return f"only {max(0, len(window) - start)} of {job.length} bytes"
+    data_at = job.data_offset - base
+    data = window[data_at : data_at + len(job.dest)]
+    head = window[start:data_at]
+    tail = window[data_at + len(job.dest) : start + job.length]
+    if crc32(tail, crc32(head)) != job.hcrc:
+        return "blob headers fail their checksum"
+    if crc32(data) != job.crc:
+        return "checksum mismatch"
+    job.dest[:] = data
+    return None
+
+
+def _read_large(
+    fd: int, job: ReadJob, pool: ThreadPoolExecutor, futures: list[tuple[int, Future[int]]], k: int
+) -> str | None:
+    n = read_into(fd, job.data_offset, job.dest)
+    if n != len(job.dest):
+        return f"only {n} of {len(job.dest)} bytes"
+    futures.append((k, pool.submit(_crc_chunks, job.dest)))
+    head = os.pread(fd, job.data_offset - job.offset, job.offset)
+    end = job.data_offset + len(job.dest)
+    tail = os.pread(fd, job.offset + job.length - end, end)
+    if crc32(tail, crc32(head)) != job.hcrc:
+        return "blob headers fail their checksum"
+    return None
+
+
+def _reset_after_fork() -> None:
+    global _POOL, _POOL_LOCK
+    _POOL = None
+    _POOL_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def crc_range(fd: int, offset: int, length: int, start: int = 0) -> tuple[int, int]:
