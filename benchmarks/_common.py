@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RESULTS = REPO_ROOT / "bench-results"
@@ -38,6 +38,8 @@ DEFAULT_RESULTS = REPO_ROOT / "bench-results"
 GiB = 1 << 30
 MiB = 1 << 20
 KiB = 1 << 10
+
+T = TypeVar("T")
 
 # --------------------------------------------------------------------------- timing
 
@@ -59,6 +61,21 @@ def ratio(num: float | None, den: float | None) -> float | None:
     if num is None or den is None or den <= 0 or num != num or den != den:
         return None
     return num / den
+
+
+def rotate(items: Sequence[T], k: int) -> list[T]:
+    """``items`` starting at position ``k`` (mod len): interleaves tools across repetitions."""
+    if not items:
+        return []
+    k %= len(items)
+    return [*items[k:], *items[:k]]
+
+
+def verdict(value: float | None, limit: float) -> str:
+    """PASS / FAIL of ``value <= limit``; SKIP when the value is missing."""
+    if value is None or value != value:
+        return "SKIP"
+    return "PASS" if value <= limit else "FAIL"
 
 
 # --------------------------------------------------------------------------- durable files
@@ -316,6 +333,17 @@ def fmt_seconds(s: float | None) -> str:
 
 def fmt_ratio(r: float | None) -> str:
     return "-" if r is None else f"{r:.2f}x"
+
+
+def fmt_ms(s: float | None) -> str:
+    """Seconds as milliseconds with two decimals (small stalls need the precision)."""
+    if s is None or s != s:
+        return "-"
+    return f"{s * 1000:.2f} ms"
+
+
+def fmt_pct(x: float | None) -> str:
+    return "-" if x is None or x != x else f"{x:+.2f}%"
 
 
 def fmt_rate(nbytes: int, seconds: float | None) -> str:

@@ -75,13 +75,19 @@ from functional_ckpt.writer import (
 #: Seconds a rank waits for the others in a checkpoint collective before failing.
 DEFAULT_TIMEOUT = float(os.environ.get("FUNCTIONAL_CKPT_TIMEOUT", "600"))
 
-_GROUPS: dict[tuple[int, float], Any] = {}
+_GROUPS: dict[tuple[int, float, str], Any] = {}
 
 
-def checkpoint_group(timeout: float | None = None) -> Any:
-    """The dedicated gloo group for checkpoint collectives (created once per world)."""
+def checkpoint_group(timeout: float | None = None, purpose: str = "save") -> Any:
+    """A dedicated gloo group for checkpoint collectives (created once per world).
+
+    Saves (possibly on a background thread) and a manager's decisions (on the
+    training thread) use different groups, so their collectives never interleave.
+    Creating a group is a collective on the default group: call it from the
+    training thread, in the same order on every rank.
+    """
     seconds = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-    key = (dist.get_world_size(), seconds)
+    key = (dist.get_world_size(), seconds, purpose)
     group = _GROUPS.get(key)
     if group is None:
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))

@@ -48,9 +48,10 @@ from functional_ckpt.errors import (
     TemplateMismatch,
 )
 from functional_ckpt.export import Export, export_safetensors
-from functional_ckpt.io import CheckpointInfo, restore, save
+from functional_ckpt.io import CheckpointInfo, distributed_active, restore, save
 from functional_ckpt.policy import Event, PolicyState, SavePolicy, every_steps, never
 from functional_ckpt.retention import RetentionPolicy, keep_all, plan_deletions
+from functional_ckpt.staging import PendingSave, Stager, Staging, save_async
 
 __all__ = [
     "CheckpointManager",
@@ -324,8 +325,26 @@ class CheckpointManager:
         metadata: Mapping[str, Any] | None = None,
         read_only: bool = False,
         export: Export | None = None,
+        async_save: bool = False,
+        staging: Staging = "copy",
     ) -> None:
         self.root = Path(root)
+        self.async_save = bool(async_save)
+        self.staging: Staging = staging
+        self._pending: PendingSave | None = None
+        self._stager = Stager()
+        self._distributed = distributed_active()
+        self._coordinator = not self._distributed or _rank() == 0
+        if self._distributed:
+            from functional_ckpt.dist import checkpoint_group
+
+            checkpoint_group()  # created now, on the training thread, in the same order
+            checkpoint_group(purpose="control")  # on every rank
+        if self._distributed and export is not None:
+            raise CheckpointError(
+                f"{root}: export= is not supported under torch.distributed yet; export from a "
+                "single process with fc.export_safetensors"
+            )
         self.read_only = bool(read_only)
         self.save_policy = every_steps(1) if save is None else save
         self.keep = keep_all() if keep is None else keep
@@ -343,7 +362,10 @@ class CheckpointManager:
         self._lineage: dict[str, Any] | None = None
         self._cwd = os.getcwd()
         if not self.read_only:
-            self._open_writer()
+            if self._coordinator:
+                self._open_writer()  # one lock per job: the coordinator's
+            else:
+                self._git = git_commit(self._cwd)
 
     def _check_metadata(self, metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         meta = dict(metadata or {})
@@ -426,10 +448,28 @@ class CheckpointManager:
                 self._lock = None
 
     def wait(self) -> None:
-        """Block until every save started so far is committed (saves are synchronous today)."""
+        """Block until every save started so far is committed; raise if one failed.
+
+        The retention policy runs once the save it follows has committed.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        info = pending.result()
+        self._after_commit(info)
 
     def wait_staged(self) -> None:
-        """Block until the state may be mutated again (saves are synchronous today)."""
+        """Block until the state may be mutated again (call it before the optimizer step).
+
+        With synchronous saves, or ``staging="copy"`` once the copy is done, this
+        returns at once. With ``staging="none"`` it waits for the whole write.
+        """
+        if self._pending is None:
+            return
+        if self.staging == "none":
+            self.wait()
+        else:
+            self._pending.wait_staged()
 
     def __repr__(self) -> str:
         mode = "read-only" if self.read_only else "writer"
@@ -549,6 +589,8 @@ class CheckpointManager:
         next event.
         """
         self._check_writable("maybe_save")
+        if self._pending is not None and self._pending.done():
+            self.wait()  # a background failure surfaces here, at the next call
         event = Event(
             step=step, epoch=epoch, metrics=_plain_metrics(metrics, "maybe_save"), is_final=is_final
         )
@@ -558,7 +600,12 @@ class CheckpointManager:
         export_fire, export_state = False, self._export_state
         if self.export is not None:
             export_fire, export_state = self.export.policy.should_save(self._export_state, event)
+        if self._distributed:  # one decision for all ranks: the coordinator's
+            fire, policy_state, export_fire, export_state, force = _coordinator_decides(
+                (fire, policy_state, export_fire, export_state, force)
+            )
         if fire or force:
+            self.wait()  # at most one save in flight; the previous one must have committed
             self._check_order(event.step)  # before any write, the export included
         if export_fire:
             self._export_weights(state, event.step)
@@ -580,7 +627,7 @@ class CheckpointManager:
 
     def _save_checkpoint(
         self, state: State, event: Event, policy_state: PolicyState, export_state: PolicyState
-    ) -> CheckpointInfo:
+    ) -> CheckpointInfo | None:
         record = {
             "step": event.step,
             "epoch": event.epoch,
@@ -590,8 +637,15 @@ class CheckpointManager:
             "export_policy_state": export_state,
         }
         info = self._write(self.path(event.step), state, self._metadata(record))
-        self._prune(protected={event.step})
+        if info is not None:
+            self._after_commit(info)
         return info
+
+    def _after_commit(self, info: CheckpointInfo) -> None:
+        """Retention runs only after the checkpoint it protects is committed."""
+        step = parse_step(info.path.name)
+        if self._coordinator:
+            self._prune(protected={step} if step is not None else set())
 
     def _metadata(self, record: Mapping[str, Any]) -> dict[str, Any]:
         """Automatic keys, then the user's metadata, then the manager's record."""
@@ -606,13 +660,26 @@ class CheckpointManager:
             auto["forked_from"] = self._lineage  # every checkpoint of a fork says so
         return {**auto, **self.metadata, MANAGER_KEY: dict(record)}
 
-    def _write(self, path: Path, state: State, metadata: Mapping[str, Any]) -> CheckpointInfo:
-        """The one place a checkpoint is written (the async saver will replace this).
+    def _write(
+        self, path: Path, state: State, metadata: Mapping[str, Any]
+    ) -> CheckpointInfo | None:
+        """The one place a checkpoint is written; None while an async save runs.
 
         An existing directory for the same step is replaced atomically: the newer
         save of a step supersedes the older one.
         """
-        return save(path, state, metadata=metadata, overwrite=path.exists())
+        overwrite = path.exists()
+        if self.async_save:
+            self._pending = save_async(
+                path,
+                state,
+                metadata=metadata,
+                overwrite=overwrite,
+                staging=self.staging,
+                stager=self._stager,
+            )
+            return None
+        return save(path, state, metadata=metadata, overwrite=overwrite)
 
     def _export_weights(self, state: State, step: int) -> Path:
         assert self.export is not None
@@ -629,6 +696,9 @@ class CheckpointManager:
 
     def _prune(self, protected: set[int]) -> list[int]:
         """Delete what the retention policy does not keep; never the newest or ``protected``."""
+        if self._pending is not None:  # a save in flight is never a candidate
+            step = parse_step(self._pending.path.name)
+            protected = protected | ({step} if step is not None else set())
         doomed = plan_deletions(self.keep, self.infos(), protected=protected)
         self._delete(doomed)
         return doomed
@@ -742,7 +812,7 @@ class CheckpointManager:
         damaged = isinstance(err, CheckpointError) or (
             isinstance(err, OSError) and err.errno == errno.ENOENT
         )
-        if not self.read_only and damaged:
+        if not self.read_only and self._coordinator and damaged:
             aside = format.tmp_sibling(path, QUARANTINE_INFIX)
             with contextlib.suppress(OSError):
                 os.rename(path, aside)
@@ -792,6 +862,28 @@ class CheckpointManager:
 
 
 _VANISHED = object()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _coordinator_decides(decision: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Every rank adopts rank 0's decision and policy states.
+
+    Clocks and metrics may differ between ranks (``every_secs``, ``on_improve``);
+    half the ranks saving would deadlock the collective save, so only the
+    coordinator's view counts, and its policy states are stored everywhere.
+    """
+    from functional_ckpt.dist import all_gather_bytes, checkpoint_group
+
+    group = checkpoint_group(purpose="control")
+    payload = codec.encode(list(decision))
+    chosen = codec.decode(all_gather_bytes(payload, group)[0])
+    assert isinstance(chosen, list)
+    return tuple(chosen)
 
 
 # --------------------------------------------------------------------------- fork

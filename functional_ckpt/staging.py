@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,12 +22,14 @@ import torch
 from tensordict import TensorDictBase
 
 from functional_ckpt.errors import CheckpointError, ModifiedDuringSave
-from functional_ckpt.tree import format_path
+from functional_ckpt.io import distributed_active
+from functional_ckpt.tree import Leaf, as_state, format_path, iter_leaves, unflatten
 from functional_ckpt.writer import (
     DEFAULT_PER_RANK,
     CheckpointInfo,
     PathLike,
     host_copy,
+    is_dtensor,
     prepare_save,
     write_local,
 )
@@ -206,17 +208,21 @@ def save_async(
     """
     if staging not in ("copy", "none"):
         raise ValueError(f"save_async(staging={staging!r}): expected 'copy' or 'none'")
+    own = stager if stager is not None else _DEFAULT_STAGER
+    if distributed_active():
+        return _start(
+            Path(path), _distributed_work(path, state, metadata, overwrite, per_rank, staging, own)
+        )
     dest, plan, meta = prepare_save(path, state, metadata, overwrite, per_rank=per_rank)
-    pending = PendingSave(dest)
     keys = plan.keys
 
     if staging == "none":
         # Only tensors that are already contiguous host memory can be read live.
         tensors = [host_copy(t) for t in plan.sources]
         after_each, check = _version_guard(plan.sources, keys)
-        pending._mark_staged()
 
-        def work() -> CheckpointInfo:
+        def work(pending: PendingSave) -> CheckpointInfo:
+            pending._mark_staged()
             return write_local(
                 dest,
                 plan,
@@ -228,9 +234,8 @@ def save_async(
             )
 
     else:
-        own = stager if stager is not None else _DEFAULT_STAGER
 
-        def work() -> CheckpointInfo:
+        def work(pending: PendingSave) -> CheckpointInfo:
             own.acquire()
             try:
                 staged = own.stage(plan.sources)
@@ -239,9 +244,75 @@ def save_async(
             finally:
                 own.release()
 
+    return _start(dest, work)
+
+
+def _start(dest: Path, work: Callable[[PendingSave], CheckpointInfo]) -> PendingSave:
+    """Run ``work`` on its own (non-daemon: exit waits for it) thread."""
+    pending = PendingSave(dest)
     thread = threading.Thread(
-        target=pending._run, args=(work,), name=f"fc-save:{dest.name}", daemon=False
+        target=pending._run,
+        args=(lambda: work(pending),),
+        name=f"fc-save:{dest.name}",
+        daemon=False,
     )
     pending._thread = thread
     thread.start()
     return pending
+
+
+def _distributed_work(
+    path: PathLike,
+    state: TensorDictBase | Mapping[str, Any],
+    metadata: Mapping[str, Any] | None,
+    overwrite: bool,
+    per_rank: Sequence[str],
+    staging: Staging,
+    stager: Stager,
+) -> Callable[[PendingSave], CheckpointInfo]:
+    """A multi-rank save for the background thread: stage, then the collective save.
+
+    The checkpoint group is created here, on the caller's thread, because creating
+    it is itself a collective on the default group that must not race training.
+    """
+    from functional_ckpt.dist import checkpoint_group, save_distributed
+
+    if staging == "none":
+        raise CheckpointError(
+            "save_async(staging='none') is not supported under torch.distributed; "
+            "use staging='copy'"
+        )
+    checkpoint_group()
+    leaves = list(iter_leaves(as_state(state)))
+    live = [leaf.value for leaf in leaves if leaf.kind == "tensor"]
+    local = [t.to_local() if is_dtensor(t) else t for t in live]
+
+    def work(pending: PendingSave) -> CheckpointInfo:
+        stager.acquire()
+        try:
+            staged = iter(stager.stage(local))
+            pending._mark_staged()
+            copies = [_rewrap(t, next(staged)) for t in live]
+            it = iter(copies)
+            rebuilt = [
+                Leaf(lf.path, lf.kind, next(it)) if lf.kind == "tensor" else lf for lf in leaves
+            ]
+            return save_distributed(
+                path, unflatten(rebuilt), metadata=metadata, overwrite=overwrite, per_rank=per_rank
+            )
+        finally:
+            stager.release()
+
+    return work
+
+
+def _rewrap(original: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
+    """A staged local shard as a DTensor like ``original`` (plain tensors pass through)."""
+    if not is_dtensor(original):
+        return staged
+    from torch.distributed.tensor import DTensor
+
+    dt: Any = original
+    return DTensor.from_local(
+        staged, dt.device_mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride()
+    )

@@ -156,6 +156,32 @@ def main() -> None:
         mesh = init_device_mesh("cpu", (world,))
         back = fc.restore(root / "w1", shard_template(mesh), reshard=positions)
         check_restored(back, rank, world)
+    elif mode == "manager":
+        # Ranks see different metrics and clocks; the coordinator's view decides.
+        mesh = init_device_mesh("cpu", (world,))
+        state = shard_state(mesh, rank)
+        decisions = []
+        with fc.CheckpointManager(
+            root / "run", fc.on_improve("loss"), fc.keep_last(2), async_save=True
+        ) as mgr:
+            for step in range(6):
+                loss = 1.0 if rank == 0 else 1.0 - step  # rank 1 "improves" every step
+                decisions.append(mgr.maybe_save(state, step=step, metrics={"loss": loss}))
+                mgr.wait_staged()
+                state["b"].add_(1)  # mutate after staging, as an optimizer step would
+        print("decisions", decisions, flush=True)
+        assert decisions == [True] + [False] * 5, decisions
+        back = fc.restore(root / "run" / "step_000000000", shard_template(mesh))
+        check_restored(back, rank, world)
+    elif mode == "async-save":
+        mesh = init_device_mesh("cpu", (world,))
+        state = shard_state(mesh, rank)
+        pending = fc.save_async(root / "ck", state)
+        pending.wait_staged()
+        state["w"].to_local().add_(100.0)  # after staging: must not reach the checkpoint
+        pending.result()
+        back = fc.restore(root / "ck", shard_template(mesh))
+        check_restored(back, rank, world)
     elif mode == "kill-in-save":
         from functional_ckpt import shards
 

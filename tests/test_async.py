@@ -117,3 +117,52 @@ def test_cuda_staging_uses_pinned_buffers(tmp_path: Path) -> None:
     back = fc.restore(tmp_path / "ck")
     assert torch.equal(back["w"], expected["w"]) and torch.equal(back["b"], expected["b"])
     assert all(b.is_pinned() for b in stager._buffers)
+
+
+def test_manager_async_failure_surfaces_on_the_next_call(tmp_path: Path, monkeypatch: Any) -> None:
+    mgr = fc.CheckpointManager(tmp_path / "run", fc.every_steps(1), async_save=True)
+    mgr.maybe_save(big_state(2), step=1)
+    mgr.wait()
+    real = shards.write_shard
+
+    def disk_full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shards, "write_shard", disk_full)
+    assert mgr.maybe_save(big_state(2), step=2)  # starts; fails in the background
+    assert mgr._pending is not None
+    mgr._pending.exception()  # let it finish
+    with pytest.raises(fc.CheckpointError, match="no space left"):
+        mgr.maybe_save(big_state(2), step=3)
+    monkeypatch.setattr(shards, "write_shard", real)
+    assert mgr.maybe_save(big_state(2), step=3)  # training continues
+    mgr.close()
+    assert fc.CheckpointManager(tmp_path / "run", read_only=True).steps() == [1, 3]
+
+
+def test_manager_async_close_raises_a_pending_failure(tmp_path: Path, monkeypatch: Any) -> None:
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("writer exploded")
+
+    monkeypatch.setattr(shards, "write_shard", boom)
+    mgr = fc.CheckpointManager(tmp_path / "run", fc.every_steps(1), async_save=True)
+    mgr.maybe_save(big_state(2), step=1)
+    with pytest.raises(RuntimeError, match="writer exploded"):
+        mgr.close()
+
+
+def test_manager_wait_staged_then_mutate(tmp_path: Path) -> None:
+    state = big_state(8)
+    with fc.CheckpointManager(
+        tmp_path / "run", fc.every_steps(2), fc.keep_last(2), async_save=True
+    ) as mgr:
+        for step in range(1, 9):
+            mgr.maybe_save(state, step=step)
+            mgr.wait_staged()
+            for t in state["w"].values():
+                t.add_(1.0)  # the optimizer step, right after wait_staged
+    steps = fc.CheckpointManager(tmp_path / "run", read_only=True).steps()
+    assert steps == [6, 8]
+    back = fc.restore(tmp_path / "run" / "step_000000008")
+    # values at step 8 were i + 7 (seven increments happened before the save at step 8)
+    assert all(bool((back["w", f"t{i}"] == float(i + 7)).all()) for i in range(8))

@@ -139,3 +139,10 @@ def test_a_rank_killed_during_save_commits_nothing(tmp_path: Path) -> None:
     seconds = float(out.split("raised after ")[1].split("s:")[0])
     assert seconds < 60
     assert not (tmp_path / "ck").exists()
+
+
+def test_manager_decisions_agree_and_async_saves_work_across_ranks(tmp_path: Path) -> None:
+    run_ok(2, "manager", str(tmp_path))
+    assert fc.CheckpointManager(tmp_path / "run", read_only=True).steps() == [0]
+    run_ok(2, "async-save", str(tmp_path))
+    assert fc.verify(tmp_path / "ck").ok
