@@ -64,6 +64,7 @@ from functional_ckpt.writer import (
     CheckpointInfo,
     PathLike,
     check_destination,
+    chunk_record,
     finalize,
     host_copy,
     is_dtensor,
@@ -166,17 +167,7 @@ class _ChunkWriter(StorageWriter):
         for item, rec in zip(items, records, strict=True):
             assert item.tensor_data is not None
             chunk = item.tensor_data.chunk
-            info = {
-                "offsets": list(chunk.offsets),
-                "sizes": list(chunk.sizes),
-                "file": rec.file,
-                "offset": rec.offset,
-                "length": rec.length,
-                "data_offset": rec.data_offset,
-                "nbytes": rec.nbytes,
-                "crc32": rec.crc,
-                "hcrc32": rec.hcrc,
-            }
+            info = chunk_record(rec, chunk.offsets, chunk.sizes)
             results.append(
                 WriteResult(index=item.index, size_in_bytes=rec.length, storage_data=info)
             )

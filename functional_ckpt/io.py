@@ -64,6 +64,17 @@ def save(
         return write_local(dest, plan, tensors, metadata=meta, overwrite=overwrite)
 
 
+def is_stock_dcp(path: Path) -> bool:
+    """A directory written by stock ``torch.distributed.checkpoint`` (no manifest)."""
+    return (
+        path.is_dir()
+        and not (path / format.COMMIT_MARKER).exists()
+        and not (path / format.MANIFEST).exists()
+        and (path / format.DCP_METADATA).exists()
+        and not format.is_temporary_name(path.name)
+    )
+
+
 def distributed_active() -> bool:
     """True under an initialized process group with more than one rank."""
     import torch.distributed as dist
@@ -90,13 +101,7 @@ def restore(
     contents are unspecified.
     """
     src = Path(path)
-    if (
-        src.is_dir()
-        and not (src / format.COMMIT_MARKER).exists()
-        and not (src / format.MANIFEST).exists()
-        and (src / format.DCP_METADATA).exists()
-        and not format.is_temporary_name(src.name)
-    ):
+    if is_stock_dcp(src):
         from functional_ckpt.foreign import restore_dcp
 
         return restore_dcp(src, template, partial=partial, cast=cast, allow_pickle=allow_pickle)
@@ -182,13 +187,7 @@ def _insert(tree: dict[str, Any], path: KeyPath, value: Any) -> None:
 def inspect(path: PathLike) -> CheckpointSummary:
     """Describe a checkpoint without reading any tensor data."""
     src = Path(path)
-    if (
-        src.is_dir()
-        and not (src / format.COMMIT_MARKER).exists()
-        and not (src / format.MANIFEST).exists()
-        and (src / format.DCP_METADATA).exists()
-        and not format.is_temporary_name(src.name)
-    ):
+    if is_stock_dcp(src):
         from functional_ckpt.foreign import inspect_dcp
 
         summary: CheckpointSummary = inspect_dcp(src)

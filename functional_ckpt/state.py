@@ -87,6 +87,14 @@ def sharded_state_dicts(model: Any, optimizer: Any) -> tuple[Any, Any]:
     return model_sd, optim_sd
 
 
+def _named(
+    model: Any, optimizer: Any, scheduler: Any, loader: Any, **extra: Any
+) -> list[tuple[str, Any]]:
+    """The given stateful objects under their conventional top-level names."""
+    named = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader}
+    return [(k, v) for k, v in {**named, **extra}.items() if v is not None]
+
+
 def _state_of(name: str, obj: Any) -> Any:
     if not isinstance(obj, Stateful):
         raise UnsupportedValue(
@@ -127,14 +135,8 @@ def capture(
         td.set("model", from_python(model_sd, ("model",)))
         td.set("optimizer", from_python(optim_sd, ("optimizer",)))
         model = optimizer = None
-    for name, obj in (
-        ("model", model),
-        ("optimizer", optimizer),
-        ("scheduler", scheduler),
-        ("loader", loader),
-    ):
-        if obj is not None:
-            td.set(name, from_python(_state_of(name, obj), (name,)))
+    for name, obj in _named(model, optimizer, scheduler, loader):
+        td.set(name, from_python(_state_of(name, obj), (name,)))
     if rng:
         td.set("rng", from_python(capture_rng(), ("rng",)))
     for name, value in extra.items():
@@ -184,15 +186,8 @@ def apply(
             optim_state_dict=to_python(state.get("optimizer")),
         )
         model = optimizer = None
-    for name, obj in (
-        ("model", model),
-        ("optimizer", optimizer),
-        ("scheduler", scheduler),
-        ("loader", loader),
-        *extra.items(),
-    ):
-        if obj is not None:
-            _load(name, obj, state)
+    for name, obj in _named(model, optimizer, scheduler, loader, **extra):
+        _load(name, obj, state)
     if rng:
         if "rng" not in state.keys():
             raise TemplateMismatch(
