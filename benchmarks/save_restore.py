@@ -23,7 +23,7 @@ Each tool runs ``--reps`` times, interleaved (repetition k runs every tool, star
 from a rotated position), and the median is reported. Also measured:
 
 * checksum cost: ``functional_ckpt.shards`` has no switch to disable checksums, so
-  the cost is estimated as the time of ``zlib.crc32`` over the same tensor bytes in
+  the cost is estimated as the time of functional_ckpt's ``crc32`` over the same tensor bytes in
   the same run, divided by the ``fc.save`` time (an upper bound: fc checksums large
   tensors in a background thread while it writes). For information the run also
   times ``fc.save`` with ``zlib`` stubbed out inside ``functional_ckpt.shards``.
@@ -48,7 +48,6 @@ import os
 import sys
 import types
 import warnings
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +80,9 @@ from _common import (
     write_views_durably,
 )
 
+from functional_ckpt.checksum import BACKEND as CRC_BACKEND
+from functional_ckpt.checksum import crc32 as fc_crc32
+
 # Tool labels, used as row keys in the table, the JSON and the targets.
 FC_SAVE = "fc.save"
 FC_SAVE_NOCRC = "fc.save (crc32 stubbed)"
@@ -94,7 +96,7 @@ TORCH_LOAD = "torch.load(weights_only)"
 ST_LOAD = "safetensors.load_file"
 DCP_LOAD = "dcp.load(template)"
 RAW_READ = "raw read into template"
-CRC = "zlib.crc32 of tensor bytes"
+CRC = f"crc32 ({CRC_BACKEND}) of tensor bytes"
 
 
 def import_fc() -> types.ModuleType:
@@ -308,18 +310,17 @@ def clear_template(template: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def crc_stubbed() -> Iterator[bool]:
-    """Replace ``zlib`` inside ``functional_ckpt.shards`` by a no-op crc32 (info only)."""
+    """Replace the crc32 used by ``functional_ckpt.shards`` by a no-op (info only)."""
     shards = sys.modules.get("functional_ckpt.shards")
-    original = getattr(shards, "zlib", None)
+    original = getattr(shards, "crc32", None)
     if shards is None or original is None:
         yield False
         return
-    stub = types.SimpleNamespace(crc32=lambda data, start=0: start)
-    shards.zlib = stub  # type: ignore[attr-defined]
+    shards.crc32 = lambda data, start=0: start  # type: ignore[attr-defined]
     try:
         yield True
     finally:
-        shards.zlib = original  # type: ignore[attr-defined]
+        shards.crc32 = original  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- running
@@ -379,7 +380,7 @@ def run_checksum(w: Workload, opts: Options, res: Results) -> None:
     views = [byte_view(t) for t in w.tensors.values()]
 
     def crc_all() -> int:
-        return sum(zlib.crc32(v) for v in views)
+        return sum(fc_crc32(v) for v in views)
 
     seconds, _ = timed(crc_all)
     res.add((w.name, "checksum", CRC), seconds)
@@ -674,8 +675,8 @@ def print_report(
         print("\n" + render_rss(rss, workloads["big"].nbytes))
     print(
         "\nchecksum cost: functional_ckpt.shards has no switch to disable checksums, so it is "
-        "estimated as zlib.crc32 over the same tensor bytes (same run) / fc.save time; "
-        f"'{FC_SAVE_NOCRC}' is fc.save with shards.zlib stubbed (info only)."
+        "estimated as fc's crc32 over the same tensor bytes (same run) / fc.save time; "
+        f"'{FC_SAVE_NOCRC}' is fc.save with shards.crc32 stubbed (info only)."
     )
     for line in checksum_info(rows):
         print("  " + line)
@@ -705,7 +706,7 @@ def make_payload(
         "only": args.only,
         "state": args.state,
         "page_cache": "warm",
-        "checksum_method": "zlib.crc32 over the tensor bytes, divided by fc.save time",
+        "checksum_method": f"crc32 ({CRC_BACKEND}) over the tensor bytes, divided by fc.save time",
     }
     return {
         "benchmark": "save_restore",
