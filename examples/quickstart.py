@@ -42,7 +42,9 @@ def main() -> None:
     restored = fc.restore(root / "step_5", template)
     fc.apply(restored, model=model2, optimizer=opt2, scheduler=sched2)
 
-    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    same = all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True)
+    )
     print(f"step={restored['step']} parameters identical: {same}")
     print(f"verify: {fc.verify(root / 'step_5').ok}")
 

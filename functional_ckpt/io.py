@@ -52,7 +52,8 @@ def save(
     initialized process group every rank calls it with its own state (see the
     multi-rank guide); ``per_rank`` names the top-level subtrees stored per rank.
     """
-    if distributed_active():
+    state = as_state(state)
+    if distributed_active() or _has_dtensor(state):
         from functional_ckpt.dist import save_distributed
 
         return save_distributed(

@@ -32,7 +32,7 @@ import socket
 import subprocess
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -50,8 +50,10 @@ from functional_ckpt.errors import (
 from functional_ckpt.export import Export, export_safetensors
 from functional_ckpt.io import CheckpointInfo, distributed_active, restore, save
 from functional_ckpt.policy import Event, PolicyState, SavePolicy, every_steps, never
+from functional_ckpt.reader import Reshard
 from functional_ckpt.retention import RetentionPolicy, keep_all, plan_deletions
 from functional_ckpt.staging import PendingSave, Stager, Staging, save_async
+from functional_ckpt.writer import DEFAULT_PER_RANK
 
 __all__ = [
     "CheckpointManager",
@@ -327,8 +329,10 @@ class CheckpointManager:
         export: Export | None = None,
         async_save: bool = False,
         staging: Staging = "copy",
+        per_rank: Sequence[str] = DEFAULT_PER_RANK,
     ) -> None:
         self.root = Path(root)
+        self.per_rank = tuple(per_rank)
         self.async_save = bool(async_save)
         self.staging: Staging = staging
         self._pending: PendingSave | None = None
@@ -677,9 +681,10 @@ class CheckpointManager:
                 overwrite=overwrite,
                 staging=self.staging,
                 stager=self._stager,
+                per_rank=self.per_rank,
             )
             return None
-        return save(path, state, metadata=metadata, overwrite=overwrite)
+        return save(path, state, metadata=metadata, overwrite=overwrite, per_rank=self.per_rank)
 
     def _export_weights(self, state: State, step: int) -> Path:
         assert self.export is not None
@@ -734,17 +739,25 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ restoring
 
-    def restore(self, step: int, template: State | None = None) -> TensorDict:
-        """Restore one step (no fallback) and continue the policies from it."""
+    def restore(
+        self, step: int, template: State | None = None, *, reshard: Reshard | None = None
+    ) -> TensorDict:
+        """Restore one step (no fallback) and continue the policies from it.
+
+        ``reshard`` maps per-rank state saved by a different number of ranks (see
+        :func:`functional_ckpt.restore`).
+        """
         if self._closed:
             raise CheckpointError(f"{self.root}: restore: the manager is closed")
         path = self.path(step)
         info = self.info(step)
-        state = restore(path, template)
+        state = restore(path, template, reshard=reshard)
         self._adopt(info)
         return state
 
-    def restore_latest(self, template: State | None = None) -> TensorDict | None:
+    def restore_latest(
+        self, template: State | None = None, *, reshard: Reshard | None = None
+    ) -> TensorDict | None:
         """Restore the newest readable checkpoint; None only if the root holds none.
 
         Unreadable checkpoints (corrupt bytes, missing files, torn manifest) are
@@ -759,7 +772,7 @@ class CheckpointManager:
             raise CheckpointError(f"{self.root}: restore_latest: the manager is closed")
         failures: list[str] = []
         for _ in range(100):  # re-list only when a follower raced a prune
-            result = self._try_candidates(template, failures)
+            result = self._try_candidates(template, failures, reshard)
             if result is not _VANISHED:
                 break
         else:
@@ -787,13 +800,15 @@ class CheckpointManager:
             return []
         return sorted(n for n in names if QUARANTINE_INFIX in n and n.startswith("step_"))
 
-    def _try_candidates(self, template: State | None, failures: list[str]) -> object:
+    def _try_candidates(
+        self, template: State | None, failures: list[str], reshard: Reshard | None
+    ) -> object:
         candidates = sorted(self._step_dirs(), reverse=True)
         for step, path in candidates:
             before = _identity(path)
             try:
                 info = _read_info(path, step)
-                state = restore(path, template)
+                state = restore(path, template, reshard=reshard)
             except TemplateMismatch:
                 raise
             except (CheckpointError, OSError) as err:

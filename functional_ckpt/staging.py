@@ -209,7 +209,10 @@ def save_async(
     if staging not in ("copy", "none"):
         raise ValueError(f"save_async(staging={staging!r}): expected 'copy' or 'none'")
     own = stager if stager is not None else _DEFAULT_STAGER
-    if distributed_active():
+    state = as_state(state)
+    if distributed_active() or any(
+        leaf.kind == "tensor" and is_dtensor(leaf.value) for leaf in iter_leaves(state)
+    ):
         return _start(
             Path(path), _distributed_work(path, state, metadata, overwrite, per_rank, staging, own)
         )

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/save_restore.py: it runs and writes the expected JSON.
+"""Smoke tests of the benchmark scripts: each runs (--quick) and writes the expected JSON.
 
 No timing is asserted here: the benchmark's numbers are for people, not for CI.
 """
@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,3 +75,124 @@ def test_save_restore_quick_run(tmp_path: Path) -> None:
     assert len(data["targets"]) == 9
     assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}
     assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())
+
+
+@pytest.mark.timeout(180)
+def test_distributed_quick_run(tmp_path: Path) -> None:
+    """benchmarks/distributed.py launches its 2 gloo ranks and writes its table and JSON."""
+    out = tmp_path / "distributed.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    env.pop("RANK", None)  # the script is the launcher only without RANK
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "distributed.py"),
+            "--quick",
+            "--allow-tmpfs",
+            "--json",
+            str(out),
+            "--dir",
+            str(tmp_path / "d"),
+            "--timeout",
+            "150",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "fc.save" in proc.stdout and "dcp.save" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["config"]["world_size"] == 2 and data["config"]["reps"] == 2
+    tools = {(r["op"], r["tool"]) for r in data["rows"]}
+    assert tools == {
+        ("save", "fc.save"),
+        ("save", "dcp.save"),
+        ("restore", "fc.restore(template)"),
+        ("restore", "dcp.load(template)"),
+    }
+    for r in data["rows"]:
+        assert len(r["times_s"]) == 2 and len(r["per_rank_times_s"]) == 2
+        assert r["median_s"] > 0
+    assert data["target"]["result"] in {"PASS", "FAIL"}
+    assert not any((tmp_path / "d").iterdir())  # every rank's files were removed
+
+
+def _run_benchmark(script: str, tmp_path: Path, *extra: str) -> dict[str, Any]:
+    """Run ``benchmarks/<script> --quick`` into ``tmp_path``; return its JSON."""
+    out = tmp_path / f"{script}.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / script),
+            "--quick",
+            "--allow-tmpfs",  # tmp_path may be on tmpfs; no timing is asserted
+            "--json",
+            str(out),
+            "--dir",
+            str(tmp_path / "s"),
+            *extra,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data: dict[str, Any] = json.loads(out.read_text())
+    assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())
+    return data
+
+
+ASYNC_TOOLS = {
+    'fc.save_async(staging="copy")',
+    'fc.save_async(staging="none")',
+    "plain copy (dst.copy_(src))",
+    "fc.save (sync)",
+    "dcp.async_save(DefaultStager)",
+}
+
+
+@pytest.mark.timeout(120)
+def test_async_stall_quick_run(tmp_path: Path) -> None:
+    data = _run_benchmark("async_stall.py", tmp_path)
+    assert data["config"]["reps"] == 2
+    rows = {(r["state"], r["tool"]): r for r in data["rows"]}
+    assert set(rows) == {(s, t) for s in ("big", "small") for t in ASYNC_TOOLS}
+    for (_, tool), r in rows.items():
+        assert len(r["stall_times_s"]) == 2 and r["stall_median_s"] > 0
+        has_commit = tool.startswith(("fc.save_async", "dcp.async_save"))
+        assert (r["commit_median_s"] is not None) == has_commit
+        if has_commit:  # committing includes staging
+            assert all(c >= s for s, c in zip(r["stall_times_s"], r["commit_times_s"], strict=True))
+    assert len(data["targets"]) == 7
+    assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["auto", "save_async"])
+def test_train_overhead_quick_run(tmp_path: Path, mode: str) -> None:
+    data = _run_benchmark("train_overhead.py", tmp_path, "--mode", mode)
+    config = data["config"]
+    assert config["quick"] and 1 <= config["k"] <= 5
+    assert [b["variant"] for b in data["blocks"]] == ["baseline", "async"] * 2
+    for b in data["blocks"]:
+        assert b["steps"] == config["steps_per_block"] and b["steps_per_s"] > 0
+        assert b["saves"] == (config["saves_per_block"] if b["variant"] == "async" else 0)
+    assert data["last_checkpoint_verified"] is True
+    assert data["target"]["result"] in {"PASS", "FAIL"}
+    assert data["blocked_s"] >= 0
+    if mode == "save_async":
+        assert not config["manager_async"]
