@@ -75,8 +75,8 @@ from _common import (
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-import functional_ckpt as fc  # noqa: E402
-from functional_ckpt.staging import Staging  # noqa: E402
+import functional_ckpt as fc
+from functional_ckpt.staging import Staging
 
 # Tool labels: row keys in the table, the JSON and the targets.
 FC_COPY = 'fc.save_async(staging="copy")'

@@ -28,10 +28,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import inspect
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -68,7 +68,7 @@ RUN_DIR, REF_DIR, LOG_DIR = "run", "reference", "logs"
 CKPT_DIR = "checkpoints"
 EVENTS = "events.jsonl"
 IN_DIM, HIDDEN, CLASSES = 32, 1024, 8
-TRAIN_SAMPLES, VAL_SAMPLES, BATCH = 4096, 1024, 64
+TRAIN_SAMPLES, VAL_SAMPLES, BATCH = 16384, 1024, 64
 DATA_SEED, INIT_SEED = 1234, 0
 
 
@@ -97,7 +97,7 @@ class Schedule:
 
     @classmethod
     def for_steps(cls, steps: int) -> Schedule:
-        eval_every = max(1, steps // 30)
+        eval_every = max(2, steps // 30)
         return cls(
             steps=steps,
             eval_every=eval_every,
@@ -163,7 +163,7 @@ def make_data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(DATA_SEED)
     n = TRAIN_SAMPLES + VAL_SAMPLES
     w1 = torch.randn(IN_DIM, 64, generator=g) / math.sqrt(IN_DIM)
-    w2 = torch.randn(64, CLASSES, generator=g) * 1.5
+    w2 = torch.randn(64, CLASSES, generator=g) * 3.0
     x = torch.randn(n, IN_DIM, generator=g)
     u = torch.rand(n, CLASSES, generator=g).clamp(1e-9, 1 - 1e-9)
     y = (torch.tanh(x @ w1) @ w2 - torch.log(-torch.log(u))).argmax(dim=1)
@@ -176,6 +176,7 @@ class Job:
     def __init__(self, schedule: Schedule) -> None:
         torch.manual_seed(INIT_SEED)
         np.random.seed(INIT_SEED)
+        random.seed(INIT_SEED)  # unused by the step, but captured: it must match too
         self.schedule = schedule
         self.model = torch.nn.Sequential(
             torch.nn.Linear(IN_DIM, HIDDEN),
@@ -235,11 +236,6 @@ class Job:
 # --------------------------------------------------------------------------- children
 
 
-def manager_supports_async() -> bool:
-    """Async saves arrived in the manager later than the rest: use them when present."""
-    return "async_save" in inspect.signature(fc.CheckpointManager).parameters
-
-
 class EventLog:
     """JSON lines, flushed one by one, so a SIGKILL loses at most the line being written."""
 
@@ -270,18 +266,17 @@ def _step_fields(step: int, loss: float, metrics: Mapping[str, float] | None) ->
     return fields
 
 
-def train_managed(directory: Path, schedule: Schedule, crash_at: int | None) -> None:
+def train_managed(directory: Path, schedule: Schedule, crash_at: int | None, events: Path) -> None:
     """The run under test: resumes if it can, checkpoints on policies, maybe dies."""
     job = Job(schedule)
-    log = EventLog(directory / EVENTS)
-    kwargs: dict[str, Any] = {"async_save": True} if manager_supports_async() else {}
+    log = EventLog(events)
     meta = {"demo": "fckpt demo", "retention": repr(schedule.retention())}
     with fc.CheckpointManager(
         directory / CKPT_DIR,
         save=schedule.save_policy(),
         keep=schedule.retention(),
         metadata=meta,
-        **kwargs,
+        async_save=True,  # the loop waits for a memory copy, the write runs behind it
     ) as mgr:
         t0 = time.perf_counter()
         restored = mgr.restore_latest(template=job.capture(0))
@@ -291,7 +286,7 @@ def train_managed(directory: Path, schedule: Schedule, crash_at: int | None) -> 
             pid=os.getpid(),
             resumed_from=mgr.restored_step,
             restore_s=time.perf_counter() - t0,
-            async_save=bool(kwargs),
+            async_save=mgr.async_save,
         )
         while step < schedule.steps:
             t = time.perf_counter()
@@ -300,9 +295,10 @@ def train_managed(directory: Path, schedule: Schedule, crash_at: int | None) -> 
             loss = job.train_step()
             step += 1
             metrics = _eval_metrics(job, step, loss)
+            state = job.capture(step)
             t = time.perf_counter()
             saved = mgr.maybe_save(
-                job.capture(step), step=step, metrics=metrics, is_final=step == schedule.steps
+                state, step=step, metrics=metrics, is_final=step == schedule.steps
             )
             blocked += time.perf_counter() - t
             log.write("step", blocked=blocked, saved=saved, **_step_fields(step, loss, metrics))
@@ -315,10 +311,10 @@ def train_managed(directory: Path, schedule: Schedule, crash_at: int | None) -> 
     log.close()
 
 
-def train_reference(directory: Path, schedule: Schedule) -> None:
+def train_reference(directory: Path, schedule: Schedule, events: Path) -> None:
     """The same job, never stopped and never checkpointed; its final state is saved once."""
     job = Job(schedule)
-    log = EventLog(directory / EVENTS)
+    log = EventLog(events)
     log.write("start", pid=os.getpid(), resumed_from=None, restore_s=0.0, async_save=False)
     for step in range(1, schedule.steps + 1):
         loss = job.train_step()
@@ -336,15 +332,16 @@ def child_main(argv: Sequence[str]) -> int:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--crash-at", type=int, default=None)
     ap.add_argument("--reference", action="store_true")
+    ap.add_argument("--events", type=Path, required=True, help="JSON-lines log to append to")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     args.directory.mkdir(parents=True, exist_ok=True)
     schedule = Schedule.for_steps(args.steps)
     if args.reference:
-        train_reference(args.directory, schedule)
+        train_reference(args.directory, schedule, args.events)
     else:
-        train_managed(args.directory, schedule, args.crash_at)
+        train_managed(args.directory, schedule, args.crash_at, args.events)
     return 0
 
 
@@ -446,7 +443,9 @@ class Child:
         except OSError:
             lines = []
         last = lines[-1].strip() if lines else "no output"
-        return f"the {self.name} process exited with {self.proc.returncode}: {last} (log: {self.log})"
+        return (
+            f"the {self.name} process exited with {self.proc.returncode}: {last} (log: {self.log})"
+        )
 
 
 def _child_env() -> dict[str, str]:
@@ -462,11 +461,12 @@ def _child_env() -> dict[str, str]:
 def spawn(name: str, directory: Path, logs: Path, steps: int, *extra: str) -> Child:
     directory.mkdir(parents=True, exist_ok=True)
     log = logs / f"{name}.log"
+    events = logs / f"{name}.{EVENTS}"
     cmd = [sys.executable, "-m", "functional_ckpt.demo", "train", str(directory)]
-    cmd += ["--steps", str(steps), *extra]
+    cmd += ["--steps", str(steps), "--events", str(events), *extra]
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_child_env())
-    return Child(name, proc, EventTail(directory / EVENTS), log)
+    return Child(name, proc, EventTail(events), log)
 
 
 @dataclass
@@ -499,10 +499,10 @@ class DemoResult:
 def prepare_root(root: Path) -> None:
     """Use an empty or earlier demo directory; never clobber anything else."""
     if root.exists() and not root.is_dir():
-        raise DemoError(f"{root}: exists and is not a directory")
+        raise ValueError(f"{root}: exists and is not a directory")
     if root.is_dir() and any(root.iterdir()):
         if not (root / MARKER).is_file():
-            raise DemoError(
+            raise ValueError(
                 f"{root}: is not empty and not an earlier demo directory; pass a new --root"
             )
         for name in (RUN_DIR, REF_DIR, LOG_DIR, "loss.png"):
@@ -521,10 +521,11 @@ def default_crash_at(steps: int) -> int:
 
 
 def check_args(steps: int, crash_at: int) -> None:
+    """Bad arguments are the caller's error (exit status 2), not a failed demo."""
     if steps < 2:
-        raise DemoError(f"--steps {steps}: need at least 2 steps (one before and after the crash)")
+        raise ValueError(f"--steps {steps}: need at least 2 steps (one before and after the crash)")
     if not 1 <= crash_at < steps:
-        raise DemoError(f"--crash-at {crash_at}: must be between 1 and {steps - 1} (--steps - 1)")
+        raise ValueError(f"--crash-at {crash_at}: must be between 1 and {steps - 1} (--steps - 1)")
 
 
 def run_demo(
@@ -569,8 +570,16 @@ def run_demo(
             if child.proc.poll() is None:
                 child.proc.kill()
                 child.proc.wait()
-    return _compare(root, Schedule.for_steps(steps), crash, first, second, reference, in_flight,
-                    time.perf_counter() - started)
+    return _compare(
+        root,
+        Schedule.for_steps(steps),
+        crash,
+        first,
+        second,
+        reference,
+        in_flight,
+        time.perf_counter() - started,
+    )
 
 
 def _watch(child: Child, label: str, total: int, progress: ProgressFactory | None) -> Attempt:
@@ -664,8 +673,10 @@ def _run_losses(result: DemoResult) -> list[float]:
     return [float.fromhex(merged[s]) for s in sorted(merged)]
 
 
-def sparkline(values: Sequence[float], width: int, marks: Mapping[int, str], ascii_only: bool) -> str:
-    """Mean value per column on an 8-level scale, and a second line with ``marks``.
+def sparkline(
+    values: Sequence[float], width: int, marks: Mapping[int, str], ascii_only: bool
+) -> str:
+    """Mean value per column on an 8-level (log) scale, and a second line with ``marks``.
 
     ``marks`` maps 1-based steps to a one-character marker placed under the
     column holding that step.
@@ -676,6 +687,8 @@ def sparkline(values: Sequence[float], width: int, marks: Mapping[int, str], asc
     width = max(1, min(width, len(values)))
     cols = [values[i * len(values) // width : (i + 1) * len(values) // width] for i in range(width)]
     means = [sum(c) / len(c) for c in cols if c]
+    if min(means) > 0:  # losses span decades: a log scale keeps the tail visible
+        means = [math.log(m) for m in means]
     lo, hi = min(means), max(means)
     span = hi - lo or 1.0
     line = "".join(levels[min(len(levels) - 1, int((m - lo) / span * len(levels)))] for m in means)
@@ -690,8 +703,12 @@ def _plot(result: DemoResult) -> Path | None:
     """A PNG of both loss curves with the crash and the resume marked, if matplotlib is there."""
     try:
         plt: Any = importlib.import_module("matplotlib.pyplot")
-    except ImportError:
+        return _draw(plt, result)
+    except Exception:  # optional garnish: a broken matplotlib must not fail the demo
         return None
+
+
+def _draw(plt: Any, result: DemoResult) -> Path:
     ref = [float.fromhex(v) for _, v in sorted(result.reference.losses.items())]
     run = _run_losses(result)
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -718,12 +735,17 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-def _kept_text(result: DemoResult) -> str:
-    parts = []
+def _kept_lines(result: DemoResult) -> list[str]:
+    """One line per part of the retention policy: the steps it keeps."""
+    by_label: dict[str, list[int]] = {}
     for step in result.kept:
-        why = ", ".join(result.kept_by.get(step, []))
-        parts.append(f"{step} ({why})" if why else str(step))
-    return ", ".join(parts)
+        for label in result.kept_by.get(step, []):
+            by_label.setdefault(label, []).append(step)
+    width = max((len(label) for label in by_label), default=0)
+    return [
+        f"    {label.ljust(width)}  keeps {', '.join(map(str, steps))}"
+        for label, steps in by_label.items()
+    ]
 
 
 def _loss_text(result: DemoResult) -> str:
@@ -743,7 +765,9 @@ def _crash_text(result: DemoResult) -> str:
     return text + "; no save was in flight"
 
 
-def report_lines(result: DemoResult, colour: Colour = _plain, ascii_only: bool = False) -> list[str]:
+def report_lines(
+    result: DemoResult, colour: Colour = _plain, ascii_only: bool = False
+) -> list[str]:
     """The report as lines; ``colour(text, style)`` decorates (or not) a fragment."""
     s, first, second = result.schedule, result.first, result.second
     resumed = second.resumed_from or 0
@@ -753,7 +777,7 @@ def report_lines(result: DemoResult, colour: Colour = _plain, ascii_only: bool =
     committed = saves - len(result.in_flight)
     marks = {resumed or 1: "R" if ascii_only else "↺", first.last_step: "X" if ascii_only else "✗"}
     curve = sparkline(_run_losses(result), 60, marks, ascii_only).splitlines()
-    mode = "async" if first.async_save else "synchronous (this manager has no async_save yet)"
+    mode = "async" if first.async_save else "synchronous"
     ok = result.identical
     lines = [
         f"fckpt demo report ({result.root})",
@@ -772,7 +796,8 @@ def report_lines(result: DemoResult, colour: Colour = _plain, ascii_only: bool =
         "",
         f"  steps done           {s.steps} (+{result.replayed} replayed after the resume)",
         f"  checkpoints          {saves} saves started, {committed} committed, "
-        f"{len(result.kept)} kept: {_kept_text(result)}",
+        f"{len(result.kept)} kept:",
+        *_kept_lines(result),
         f"  blocked on saves     {blocked:.2f} s of {loop_s:.1f} s in the training loops "
         f"({100 * blocked / max(loop_s, 1e-9):.1f} %)",
         f"  final parameters     {result.model_tensors} tensors ({_mb(result.model_bytes)}): "

@@ -638,6 +638,8 @@ class CheckpointManager:
             "metrics": dict(event.metrics or {}),
             "is_final": event.is_final,
             "policy_state": policy_state,
+            "save": repr(self.save_policy),
+            "keep": repr(self.keep),
             "export_policy_state": export_state,
         }
         info = self._write(self.path(event.step), state, self._metadata(record))

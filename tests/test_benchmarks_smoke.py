@@ -66,7 +66,7 @@ def test_save_restore_quick_run(tmp_path: Path) -> None:
     for state in ("big", "small"):
         assert {(state, "save", t) for t in SAVE_TOOLS} <= rows
         assert {(state, "restore", t) for t in RESTORE_TOOLS} <= rows
-        assert (state, "checksum", "zlib.crc32 of tensor bytes") in rows
+        assert any(r[:2] == (state, "checksum") for r in rows)
     for r in data["rows"]:
         assert len(r["times_s"]) == data["config"]["reps"] == 2
         assert r["median_s"] > 0
