@@ -16,6 +16,8 @@ pickle) with CRC checks.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -76,7 +78,7 @@ from functional_ckpt.writer import (
 #: Seconds a rank waits for the others in a checkpoint collective before failing.
 DEFAULT_TIMEOUT = float(os.environ.get("FUNCTIONAL_CKPT_TIMEOUT", "600"))
 
-_GROUPS: dict[tuple[int, float, str], Any] = {}
+_GROUPS: dict[tuple[int, int, float, str], Any] = {}
 
 
 def checkpoint_group(timeout: float | None = None, purpose: str = "save") -> Any:
@@ -88,12 +90,25 @@ def checkpoint_group(timeout: float | None = None, purpose: str = "save") -> Any
     training thread, in the same order on every rank.
     """
     seconds = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-    key = (dist.get_world_size(), seconds, purpose)
+    # keyed by the default group too: a re-initialized job gets fresh groups
+    key = (id(dist.group.WORLD), dist.get_world_size(), seconds, purpose)
     group = _GROUPS.get(key)
     if group is None:
+        if not _GROUPS:
+            atexit.register(_release_groups)
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
         _GROUPS[key] = group
     return group
+
+
+def _release_groups() -> None:
+    """Tear our groups down before interpreter shutdown frees them in arbitrary order."""
+    groups = list(_GROUPS.values())
+    _GROUPS.clear()
+    if dist.is_available() and dist.is_initialized():
+        for group in groups:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
 
 
 def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
