@@ -30,6 +30,7 @@ import platform
 import re
 import socket
 import subprocess
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -736,8 +737,14 @@ class CheckpointManager:
             self._cache.pop(step, None)
         if trash:
             format.fsync_dir(self.root)
-        for aside in trash:
-            format.remove_tree(aside)
+        if self.async_save and trash:
+            # Out of sight already; unlinking gigabytes need not stall the training loop.
+            # Whatever a crash leaves is removed when the next writer opens the root.
+            threading.Thread(
+                target=_remove_all, args=(trash,), name="fc-prune", daemon=True
+            ).start()
+        else:
+            _remove_all(trash)
 
     # ------------------------------------------------------------------ restoring
 
@@ -879,6 +886,11 @@ class CheckpointManager:
 
 
 _VANISHED = object()
+
+
+def _remove_all(paths: list[Path]) -> None:
+    for path in paths:
+        format.remove_tree(path)
 
 
 def _rank() -> int:

@@ -163,9 +163,8 @@ def iter_leaves(td: TensorDictBase, prefix: KeyPath = ()) -> Iterator[Leaf]:
     Nodes are yielded before their children so that an unflatten can rebuild
     empty sub-trees too.
     """
-    for key in td.keys():
+    for key, item in td.items():
         path = (*prefix, key)
-        item = td.get(key)
         if isinstance(item, NonTensorData):
             yield Leaf(path, "value", item.data)
         elif isinstance(item, TensorDictBase):
