@@ -178,32 +178,6 @@ def _write_all(fd: int, data: memoryview | bytes | bytearray) -> None:
         view = view[n:]
 
 
-#: Dirty data handed to the disk while the rest of the shard is still being written.
-WRITEBACK_STEP = 64 << 20
-
-
-class _Writeback:
-    """Starts writeback of what was written so far, so the final fsync has less to do.
-
-    Writing to the page cache is far faster than the disk; without this the disk
-    idles until ``fsync``. ``POSIX_FADV_DONTNEED`` on a dirty range starts its
-    writeback without waiting for it (pages still dirty stay cached).
-    """
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.flushed = 0
-        self.enabled = hasattr(os, "posix_fadvise")
-
-    def advance(self, pos: int) -> None:
-        if self.enabled and pos - self.flushed >= WRITEBACK_STEP:
-            try:
-                os.posix_fadvise(self.fd, self.flushed, pos - self.flushed, os.POSIX_FADV_DONTNEED)
-            except OSError:
-                self.enabled = False
-            self.flushed = pos
-
-
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
@@ -242,7 +216,6 @@ def write_shard(
         pending = bytearray()
         pos = 0
         pool = checksum_pool()
-        writeback = _Writeback(fd)
         for i, t in enumerate(tensors):
             tpl = blob_template(t.dtype, tuple(t.shape))
             data = byte_view(t)
@@ -275,7 +248,6 @@ def write_shard(
                 TensorRecord(name, pos, length, pos + len(tpl.head), tpl.nbytes, crc, hcrc)
             )
             pos += length
-            writeback.advance(pos - len(pending))
             if after_each is not None:
                 after_each(i)
         if pending:
