@@ -337,6 +337,7 @@ class CheckpointManager:
         self.async_save = bool(async_save)
         self.staging: Staging = staging
         self._pending: PendingSave | None = None
+        self._removal: threading.Thread | None = None
         self._stager = Stager()
         self._distributed = distributed_active()
         self._coordinator = not self._distributed or _rank() == 0
@@ -447,6 +448,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            self._join_removals()
             self._closed = True
             if self._lock is not None:
                 self._lock.release()
@@ -739,12 +741,19 @@ class CheckpointManager:
             format.fsync_dir(self.root)
         if self.async_save and trash:
             # Out of sight already; unlinking gigabytes need not stall the training loop.
-            # Whatever a crash leaves is removed when the next writer opens the root.
-            threading.Thread(
+            # close() waits for it; what a crash leaves, the next writer removes at open.
+            self._join_removals()
+            self._removal = threading.Thread(
                 target=_remove_all, args=(trash,), name="fc-prune", daemon=True
-            ).start()
+            )
+            self._removal.start()
         else:
             _remove_all(trash)
+
+    def _join_removals(self) -> None:
+        if self._removal is not None:
+            self._removal.join()
+            self._removal = None
 
     # ------------------------------------------------------------------ restoring
 
