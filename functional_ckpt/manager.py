@@ -244,6 +244,23 @@ def _read_info(path: Path, step: int) -> StepInfo:
 # --------------------------------------------------------------------------- lock
 
 
+#: A dead writer's lock can outlive it briefly: children it forked (data loader
+#: workers, a subprocess before its exec) hold the descriptor until they exit.
+LOCK_GRACE_S = 3.0
+
+
+def _flock_with_grace(fd: int) -> None:
+    deadline = time.monotonic() + LOCK_GRACE_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class _RootLock:
     """An exclusive ``flock`` on ``root/.lock`` for the lifetime of a writing manager.
 
@@ -264,7 +281,7 @@ class _RootLock:
                 "location open the manager with read_only=True"
             ) from e
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock_with_grace(fd)
         except OSError as e:
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
@@ -398,13 +415,13 @@ class CheckpointManager:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CheckpointError(f"{self.root}: cannot create the checkpoint root: {e}") from e
+        self._git = git_commit(self._cwd)  # before the lock: no child inherits it
         self._lock = _RootLock(self.root)
         try:
             self._remove_stale()
         except BaseException:
             self._lock.release()
             raise
-        self._git = git_commit(self._cwd)
 
     def _remove_stale(self) -> None:
         """Delete the ``*.tmp-*`` / ``*.trash-*`` siblings a crashed writer left behind.
