@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-PAGES = ["guide.md", "api.md", "format.md"]
+PAGES = ["guide.md", "api.md", "format.md", "async.md"]
 SKIP_MARK = "# doctest: skip"
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
