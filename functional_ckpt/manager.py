@@ -54,7 +54,8 @@ from functional_ckpt.policy import Event, PolicyState, SavePolicy, every_steps, 
 from functional_ckpt.reader import Reshard
 from functional_ckpt.retention import RetentionPolicy, keep_all, plan_deletions
 from functional_ckpt.staging import PendingSave, Stager, Staging, save_async
-from functional_ckpt.writer import DEFAULT_PER_RANK
+from functional_ckpt.tree import Leaf, as_state, iter_leaves, unflatten
+from functional_ckpt.writer import DEFAULT_PER_RANK, is_dtensor
 
 __all__ = [
     "CheckpointManager",
@@ -363,11 +364,6 @@ class CheckpointManager:
 
             checkpoint_group()  # created now, on the training thread, in the same order
             checkpoint_group(purpose="control")  # on every rank
-        if self._distributed and export is not None:
-            raise CheckpointError(
-                f"{root}: export= is not supported under torch.distributed yet; export from a "
-                "single process with fc.export_safetensors"
-            )
         self.read_only = bool(read_only)
         self.save_policy = every_steps(1) if save is None else save
         self.keep = keep_all() if keep is None else keep
@@ -708,8 +704,13 @@ class CheckpointManager:
             return None
         return save(path, state, metadata=metadata, overwrite=overwrite, per_rank=self.per_rank)
 
-    def _export_weights(self, state: State, step: int) -> Path:
+    def _export_weights(self, state: State, step: int) -> Path | None:
         assert self.export is not None
+        if self._distributed:
+            # Every rank takes part in gathering the sharded weights; rank 0 writes them.
+            state = gathered(state, self.export.select)
+            if not self._coordinator:
+                return None
         return export_safetensors(
             state,
             self.root / EXPORTS_DIR / step_name(step),
@@ -912,6 +913,24 @@ class CheckpointManager:
 
 
 _VANISHED = object()
+
+
+def gathered(state: State, select: str | Sequence[str]) -> TensorDict:
+    """The ``select`` subtree with every DTensor gathered into a full tensor.
+
+    ``full_tensor()`` is a collective on the tensor's mesh: every rank calls this,
+    in the same order, on the training thread.
+    """
+    prefix = (select,) if isinstance(select, str) else tuple(select)
+    leaves = []
+    for leaf in iter_leaves(as_state(state)):
+        if leaf.path[: len(prefix)] != prefix and leaf.path != prefix[: len(leaf.path)]:
+            continue
+        value = leaf.value
+        if leaf.kind == "tensor" and is_dtensor(value):
+            value = value.full_tensor()
+        leaves.append(Leaf(leaf.path, leaf.kind, value))
+    return unflatten(leaves)
 
 
 def _remove_all(paths: list[Path]) -> None:

@@ -144,5 +144,12 @@ def test_a_rank_killed_during_save_commits_nothing(tmp_path: Path) -> None:
 def test_manager_decisions_agree_and_async_saves_work_across_ranks(tmp_path: Path) -> None:
     run_ok(2, "manager", str(tmp_path))
     assert fc.CheckpointManager(tmp_path / "run", read_only=True).steps() == [0]
+    # the export gathered the sharded weights from both ranks into full tensors
+    from safetensors.torch import load_file
+
+    from tests.dist_job import full_tensors
+
+    export = tmp_path / "run" / "exports" / "step_000000002" / "model.safetensors"
+    assert torch.equal(next(iter(load_file(str(export)).values())), full_tensors()["w"])
     run_ok(2, "async-save", str(tmp_path))
     assert fc.verify(tmp_path / "ck").ok
