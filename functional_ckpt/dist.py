@@ -53,12 +53,10 @@ from functional_ckpt.reader import (
     Reshard,
     build,
     gc_paused,
-    open_checkpoint,
-    per_rank_check,
+    load_manifest,
+    rank_view,
     read_chunk,
-    resharded_per_rank,
     select,
-    without_roots,
 )
 from functional_ckpt.tree import Leaf, as_state, iter_leaves, unflatten
 from functional_ckpt.writer import (
@@ -416,14 +414,17 @@ def restore_distributed(
     error: BaseException | None = None
     mine: TensorDict | None = None
     try:
-        parsed = open_checkpoint(src, rank=rank if _world(src) == world else None)
-        if parsed.world_size != world and parsed.per_rank_roots and reshard is not None:
-            mine = resharded_per_rank(src, reshard, rank, world)
-            template = without_roots(as_state(template), parsed.per_rank_roots)
-        if parsed.world_size != world and mine is None:
-            asked = [(leaf.path, leaf.kind) for leaf in iter_leaves(as_state(template))]
-            per_rank_check(parsed, asked, world)
-        selected, wanted = select(parsed, template, partial=partial, cast=cast)
+        view = rank_view(
+            src,
+            load_manifest(src),
+            as_state(template),
+            partial=partial,
+            reshard=reshard,
+            rank=rank,
+            world=world,
+        )
+        parsed, mine = view.parsed, view.mine
+        selected, wanted = select(parsed, view.template, partial=partial, cast=cast)
     except BaseException as e:
         error = e
     agree(error, group, f"restore {src}")
@@ -455,12 +456,6 @@ def restore_distributed(
     if mine is not None:
         leaves += iter_leaves(mine)
     return unflatten(leaves)
-
-
-def _world(src: Path) -> int:
-    manifest = format.read_manifest(src)
-    ranks = manifest.get("ranks", [])
-    return max(1, len(ranks)) if isinstance(ranks, list) else 1
 
 
 __all__ = ["checkpoint_group", "restore_distributed", "save_distributed"]

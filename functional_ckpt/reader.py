@@ -76,8 +76,12 @@ def classify_metadata(path: Path) -> CheckpointError:
     )
 
 
-def open_checkpoint(path: Path, *, rank: int | None = 0) -> ParsedManifest:
-    """Authenticate and validate a committed checkpoint's manifest and DCP metadata."""
+def load_manifest(path: Path) -> dict[str, Any]:
+    """The authenticated manifest of a committed checkpoint, its DCP metadata vetted.
+
+    This is the only read of the manifest and ``.metadata`` a restore makes; the
+    rank-specific views are parsed from the result.
+    """
     manifest = format.read_manifest(path)
     files = manifest.get("files")
     md_info = files.get(format.DCP_METADATA) if isinstance(files, dict) else None
@@ -90,7 +94,12 @@ def open_checkpoint(path: Path, *, rank: int | None = 0) -> ParsedManifest:
             raise classify_metadata(path)
         # Intact is not enough: a re-signed hostile pickle would run under stock dcp.load.
         format.read_dcp_metadata(path)
-    return parse(manifest, path, rank=rank)
+    return manifest
+
+
+def open_checkpoint(path: Path, *, rank: int | None = 0) -> ParsedManifest:
+    """Authenticate and validate a committed checkpoint, seen from ``rank``."""
+    return parse(load_manifest(path), path, rank=rank)
 
 
 @dataclass
@@ -263,6 +272,47 @@ def per_rank_check(parsed: ParsedManifest, selected: list[tuple[KeyPath, str]], 
         )
 
 
+@dataclass
+class RankView:
+    """A checkpoint as this rank restores it: what it shares, and its own per-rank part."""
+
+    parsed: ParsedManifest
+    template: TensorDictBase | None
+    mine: TensorDict | None = None  # per-rank subtrees mapped by ``reshard``
+
+
+def rank_view(
+    src: Path,
+    manifest: dict[str, Any],
+    template: TensorDictBase | None,
+    *,
+    partial: bool,
+    reshard: Reshard | None,
+    rank: int,
+    world: int,
+) -> RankView:
+    """Pick this rank's per-rank state, or map it with ``reshard`` on a new world size.
+
+    Without ``reshard`` a different world size refuses per-rank state the caller
+    asks for (explicitly by the template, or implicitly by a template-free, full
+    restore).
+    """
+    saved_world = parse(manifest, src, rank=None)
+    if saved_world.world_size == world or not saved_world.per_rank_roots:
+        return RankView(parse(manifest, src, rank=rank), template)
+    roots = saved_world.per_rank_roots
+    if reshard is not None:
+        mine = resharded_per_rank(src, manifest, reshard, rank, world)
+        return RankView(
+            saved_world, None if template is None else without_roots(template, roots), mine
+        )
+    if template is None and not partial:
+        per_rank_check(saved_world, [(r, "node") for r in roots], world)
+    if template is not None:
+        per_rank_check(saved_world, [(lf.path, lf.kind) for lf in iter_leaves(template)], world)
+    return RankView(saved_world, template)
+
+
 def restore_local(
     src: Path,
     template: TensorDictBase | Mapping[str, Any] | None,
@@ -273,19 +323,15 @@ def restore_local(
 ) -> TensorDict:
     """Restore a checkpoint of this format into a new locked TensorDict."""
     rank, world = rank_and_world()
-    parsed = open_checkpoint(src, rank=rank)
-    if parsed.per_rank_roots and parsed.world_size != world:
-        if reshard is not None:
-            return _restore_resharded(src, template, partial, cast, reshard, rank, world)
-        parsed = open_checkpoint(src, rank=None)
-        if template is None and not partial:
-            per_rank_check(parsed, [(r, "node") for r in parsed.per_rank_roots], world)
-        if template is not None:
-            asked = [(leaf.path, leaf.kind) for leaf in iter_leaves(as_state(template))]
-            per_rank_check(parsed, asked, world)
-    selected, wanted = select(parsed, template, partial=partial, cast=cast)
-    per_rank_check(parsed, selected, world)
-    return build(src, parsed, selected, wanted, template is None)
+    tpl = None if template is None else as_state(template)
+    view = rank_view(
+        src, load_manifest(src), tpl, partial=partial, reshard=reshard, rank=rank, world=world
+    )
+    selected, wanted = select(view.parsed, view.template, partial=partial, cast=cast)
+    base = build(src, view.parsed, selected, wanted, view.template is None)
+    if view.mine is None:
+        return base
+    return unflatten(list(iter_leaves(base)) + list(iter_leaves(view.mine)))
 
 
 def build(
@@ -335,17 +381,19 @@ def build(
     return unflatten(leaves)
 
 
-def resharded_per_rank(src: Path, reshard: Reshard, rank: int, world: int) -> TensorDict:
+def resharded_per_rank(
+    src: Path, manifest: dict[str, Any], reshard: Reshard, rank: int, world: int
+) -> TensorDict:
     """This rank's per-rank subtrees, mapped by the user from every saving rank's.
 
     ``reshard(saved, rank, world_size)`` gets one TensorDict per saving rank with
     its per-rank subtrees and returns this rank's.
     """
-    shared = open_checkpoint(src, rank=None)
+    shared = parse(manifest, src, rank=None)
     roots = {r[0] for r in shared.per_rank_roots}
     saved = []
     for r in range(shared.world_size):
-        one = open_checkpoint(src, rank=r)
+        one = parse(manifest, src, rank=r)
         sel = [(p, k) for p, k in one.order if p[0] in roots]
         saved.append(build(src, one, sel, {}, True))
     return as_state(reshard(saved, rank, world))
@@ -355,22 +403,3 @@ def without_roots(template: TensorDictBase, roots: list[KeyPath]) -> TensorDict:
     """The template minus the per-rank subtrees (they come from ``reshard``)."""
     names = {r[0] for r in roots}
     return unflatten([leaf for leaf in iter_leaves(template) if leaf.path[0] not in names])
-
-
-def _restore_resharded(
-    src: Path,
-    template: TensorDictBase | Mapping[str, Any] | None,
-    partial: bool,
-    cast: bool,
-    reshard: Reshard,
-    rank: int,
-    world: int,
-) -> TensorDict:
-    """Restore shared state normally and per-rank state through the user's mapping."""
-    shared = open_checkpoint(src, rank=None)
-    mine = resharded_per_rank(src, reshard, rank, world)
-    if template is not None:
-        template = without_roots(as_state(template), shared.per_rank_roots)
-    selected, wanted = select(shared, template, partial=partial, cast=cast)
-    base = build(src, shared, selected, wanted, template is None)
-    return unflatten(list(iter_leaves(base)) + list(iter_leaves(mine)))
