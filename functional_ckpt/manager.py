@@ -11,9 +11,11 @@ is the bookkeeping a single function cannot do:
   step, epoch, metrics and the policy states, so a restarted run continues its
   policies (``every_secs`` counts only running time, ``on_improve`` keeps its best);
 * one writer per root, enforced by an ``flock`` on ``root/.lock`` (released by the
-  kernel when the holder dies, so a crashed writer's lock is simply taken over);
-* a crash leaves only ``*.tmp-*`` / ``*.trash-*`` directories, which the next
-  writer removes; readers never list them;
+  kernel when the holder dies, so a crashed writer's lock is simply taken over;
+  a ``.lock`` symlink is refused, never followed);
+* a crash leaves only ``*.tmp-*`` / ``*.trash-*`` directories, which readers never
+  list; the next writer recovers committed ones and deletes the rest
+  (:mod:`functional_ckpt.root` holds all knowledge of a root's layout);
 * a corrupt newest checkpoint is reported and skipped, never silently replaced by a
   fresh start.
 """
@@ -22,19 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
-import json
 import math
 import os
 import platform
 import re
-import socket
 import subprocess
 import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -42,17 +40,34 @@ from typing import Any
 from tensordict import TensorDict, TensorDictBase
 
 from functional_ckpt import codec, format
+from functional_ckpt._types import PathLike
 from functional_ckpt.errors import (
     CheckpointError,
     CheckpointExists,
     CheckpointNotFound,
-    TemplateMismatch,
 )
 from functional_ckpt.export import Export, export_safetensors
 from functional_ckpt.io import CheckpointInfo, distributed_active, restore, save
 from functional_ckpt.policy import Event, PolicyState, SavePolicy, every_steps, never
 from functional_ckpt.reader import Reshard
 from functional_ckpt.retention import RetentionPolicy, keep_all, plan_deletions
+from functional_ckpt.root import (
+    EXPORTS_DIR,
+    MANAGER_KEY,
+    StepInfo,
+    WriterLock,
+    delete,
+    is_damage,
+    parse_step,
+    quarantine,
+    quarantined,
+    read_info,
+    recover_leftovers,
+    remove_all,
+    step_dirs,
+    step_in_name,
+    step_name,
+)
 from functional_ckpt.staging import PendingSave, Stager, Staging, save_async
 from functional_ckpt.tree import Leaf, as_state, iter_leaves, unflatten
 from functional_ckpt.writer import DEFAULT_PER_RANK, is_dtensor
@@ -66,63 +81,17 @@ __all__ = [
     "step_name",
 ]
 
-PathLike = str | os.PathLike[str]
 State = TensorDictBase | Mapping[str, Any]
 
-#: Reserved metadata key holding the manager's own record of each checkpoint.
-MANAGER_KEY = "manager"
-LOCK_FILE = ".lock"
-EXPORTS_DIR = "exports"
-#: Infix of a checkpoint moved aside because it could not be read (kept for forensics).
-QUARANTINE_INFIX = ".corrupt-"
 #: Metadata keys describing the process that wrote a checkpoint (replaced on fork).
 AUTO_KEYS = frozenset(
     {"hostname", "torch", "functional_ckpt", "pid", "time", "python", "git_commit", "cwd"}
 )
-_STEP_RE = re.compile(r"step_(\d+)")
 _GIT_TIMEOUT_S = 2.0
 
 
 class CheckpointWarning(UserWarning):
     """A checkpoint was skipped or a stored policy state was discarded."""
-
-
-def step_name(step: int) -> str:
-    """Directory name of ``step``: zero padded so that lexical order is step order."""
-    return f"step_{step:09d}"
-
-
-def parse_step(name: str) -> int | None:
-    """The step of a canonical checkpoint directory name, else None.
-
-    Only the exact name :func:`step_name` produces counts, so ``step_5`` next to
-    ``step_000000005`` cannot make one step appear twice, and temporary or
-    quarantined siblings (``step_….tmp-…``) never match.
-    """
-    m = _STEP_RE.fullmatch(name)
-    if m is None:
-        return None
-    step = int(m.group(1))
-    return step if step_name(step) == name else None
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """One managed checkpoint, as retention policies and users see it.
-
-    ``time`` is when the save started (Unix seconds, the manifest's ``created``);
-    ``size`` counts every file in the directory. ``metadata`` is everything the
-    checkpoint recorded, automatic keys and the user's alike.
-    """
-
-    step: int
-    path: Path
-    time: float
-    metrics: Mapping[str, float] = field(default_factory=dict, hash=False)
-    epoch: int | None = None
-    is_final: bool = False
-    size: int = 0
-    metadata: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -194,15 +163,6 @@ def _fits(state: Any, shape: Any, *, in_field: bool = False) -> bool:
     return not isinstance(state, dict | list)
 
 
-def _dir_size(path: Path) -> int:
-    total = 0
-    with os.scandir(path) as it:
-        for entry in it:
-            if entry.is_file(follow_symlinks=False):
-                total += entry.stat(follow_symlinks=False).st_size
-    return total
-
-
 def _stamp(path: Path) -> tuple[int, int, int]:
     """Identity of a committed checkpoint (its marker), to cache manifest reads."""
     st = os.stat(path / format.COMMIT_MARKER)
@@ -219,104 +179,6 @@ def _identity(path: Path) -> tuple[int, tuple[int, int, int] | None] | None:
         return ino, _stamp(path)
     except FileNotFoundError:
         return ino, None
-
-
-def _read_info(path: Path, step: int) -> StepInfo:
-    manifest = format.read_manifest(path)
-    meta = manifest.get("metadata")
-    meta = meta if isinstance(meta, dict) else {}
-    record = meta.get(MANAGER_KEY)
-    record = record if isinstance(record, dict) else {}
-    metrics = record.get("metrics")
-    epoch = record.get("epoch")
-    created = manifest.get("created")
-    return StepInfo(
-        step=step,
-        path=path,
-        time=float(created) if isinstance(created, int | float) else 0.0,
-        metrics=dict(metrics) if isinstance(metrics, dict) else {},
-        epoch=epoch if isinstance(epoch, int) else None,
-        is_final=bool(record.get("is_final", False)),
-        size=_dir_size(path),
-        metadata=meta,
-    )
-
-
-# --------------------------------------------------------------------------- lock
-
-
-#: A dead writer's lock can outlive it briefly: children it forked (data loader
-#: workers, a subprocess before its exec) hold the descriptor until they exit.
-LOCK_GRACE_S = 3.0
-
-
-def _flock_with_grace(fd: int) -> None:
-    deadline = time.monotonic() + LOCK_GRACE_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
-class _RootLock:
-    """An exclusive ``flock`` on ``root/.lock`` for the lifetime of a writing manager.
-
-    ``flock`` rather than an O_EXCL lock file because the kernel drops it when the
-    holder dies, however it dies: a SIGKILLed trainer leaves no lock to clean up.
-    The file's content (pid, host, start time) is only for the error message; the
-    file itself is never removed, since unlinking a locked file lets a second
-    process lock a fresh inode of the same name.
-    """
-
-    def __init__(self, root: Path) -> None:
-        self.path = root / LOCK_FILE
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise CheckpointError(
-                f"{root}: cannot take the writer lock {self.path} ({e}); on a read-only "
-                "location open the manager with read_only=True"
-            ) from e
-        try:
-            _flock_with_grace(fd)
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise CheckpointError(f"{root}: cannot lock {self.path}: {e}") from e
-            raise CheckpointError(
-                f"{root}: another writing CheckpointManager holds the lock "
-                f"({self.holder_text()}); only one writer per root is allowed. Stop it, use "
-                "another root, or open this one with read_only=True to follow it"
-            ) from None
-        self.fd: int | None = fd
-        info = {
-            "pid": os.getpid(),
-            "hostname": socket.gethostname(),
-            "since": time.time(),
-        }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(info).encode(), 0)
-
-    def holder_text(self) -> str:
-        try:
-            info = json.loads(self.path.read_text())
-            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info["since"])))
-            return f"pid {info['pid']} on {info['hostname']} since {since}; see {self.path}"
-        except (OSError, ValueError, KeyError, TypeError):
-            return f"holder unknown; see {self.path}"
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing the only descriptor drops the flock
-            self.fd = None
-
-    def __del__(self) -> None:  # a manager dropped without close() still unlocks
-        with contextlib.suppress(Exception):
-            self.release()
 
 
 # --------------------------------------------------------------------------- manager
@@ -375,7 +237,7 @@ class CheckpointManager:
         self._bad: set[tuple[int, int]] = set()  # (step, dir inode) found unreadable
         self._cache: dict[int, tuple[tuple[int, int, int], StepInfo]] = {}
         self._restored_step: int | None = None
-        self._lock: _RootLock | None = None
+        self._lock: WriterLock | None = None
         self._closed = False
         self._git: str | None = None
         self._lineage: dict[str, Any] | None = None
@@ -412,7 +274,7 @@ class CheckpointManager:
         except OSError as e:
             raise CheckpointError(f"{self.root}: cannot create the checkpoint root: {e}") from e
         self._git = git_commit(self._cwd)  # before the lock: no child inherits it
-        self._lock = _RootLock(self.root)
+        self._lock = WriterLock(self.root)
         try:
             self._remove_stale()
         except BaseException:
@@ -420,26 +282,12 @@ class CheckpointManager:
             raise
 
     def _remove_stale(self) -> None:
-        """Delete the ``*.tmp-*`` / ``*.trash-*`` siblings a crashed writer left behind.
+        """Recover committed leftovers of crashed writers; delete only uncommitted ones.
 
-        Safe only because we hold the lock: no other writer can be mid-save. Only
-        names derived from ``step_N`` are touched; anything else in the root is the
-        user's.
+        Safe only because we hold the lock: no other writer can be mid-save (see
+        :func:`functional_ckpt.root.recover_leftovers`).
         """
-        removed = False
-        for parent in (self.root, self.root / EXPORTS_DIR):
-            if not parent.is_dir():
-                continue
-            for entry in os.scandir(parent):
-                base = entry.name.split(format.TMP_INFIX)[0].split(format.TRASH_INFIX)[0]
-                if format.is_temporary_name(entry.name) and parse_step(base) is not None:
-                    if entry.is_dir(follow_symlinks=False):
-                        format.remove_tree(Path(entry.path))
-                    else:
-                        os.unlink(entry.path)
-                    removed = True
-        if removed:
-            format.fsync_dir(self.root)
+        recover_leftovers(self.root)
 
     # ------------------------------------------------------------------ context manager
 
@@ -506,21 +354,9 @@ class CheckpointManager:
 
     def _step_dirs(self) -> Iterator[tuple[int, Path]]:
         """Every canonical ``step_N`` directory not known to be unreadable."""
-        try:
-            entries = list(os.scandir(self.root))
-        except FileNotFoundError:
-            return
-        except NotADirectoryError:
-            raise CheckpointError(
-                f"{self.root}: the checkpoint root is a file, not a directory"
-            ) from None
-        for entry in entries:
-            step = parse_step(entry.name)
-            if step is None or not entry.is_dir(follow_symlinks=False):
-                continue
-            if (step, entry.inode()) in self._bad:
-                continue
-            yield step, Path(entry.path)
+        for step, path, inode in step_dirs(self.root):
+            if (step, inode) not in self._bad:
+                yield step, path
 
     def steps(self) -> list[int]:
         """Steps of the committed checkpoints, ascending (half-written ones never appear)."""
@@ -548,7 +384,7 @@ class CheckpointManager:
         cached = self._cache.get(step)
         if cached is not None and cached[0] == stamp:
             return cached[1]
-        info = _read_info(path, step)
+        info = read_info(path, step)
         self._cache[step] = (stamp, info)
         return info
 
@@ -745,28 +581,19 @@ class CheckpointManager:
         slow removal leaves only a ``*.trash-*`` directory that the next writer
         deletes; a half-deleted directory never carries a checkpoint's name.
         """
-        trash: list[Path] = []
+        trash = delete(self.root, [self.path(step) for step in steps])
         for step in steps:
-            path = self.path(step)
-            aside = format.tmp_sibling(path, format.TRASH_INFIX)
-            try:
-                os.rename(path, aside)
-            except FileNotFoundError:
-                continue
-            trash.append(aside)
             self._cache.pop(step, None)
-        if trash:
-            format.fsync_dir(self.root)
         if self.async_save and trash:
             # Out of sight already; unlinking gigabytes need not stall the training loop.
             # close() waits for it; what a crash leaves, the next writer removes at open.
             self._join_removals()
             self._removal = threading.Thread(
-                target=_remove_all, args=(trash,), name="fc-prune", daemon=True
+                target=remove_all, args=(trash,), name="fc-prune", daemon=True
             )
             self._removal.start()
         else:
-            _remove_all(trash)
+            remove_all(trash)
 
     def _join_removals(self) -> None:
         if self._removal is not None:
@@ -820,7 +647,7 @@ class CheckpointManager:
                 f"{self.root}: checkpoints exist but none is readable; refusing to start "
                 "fresh:\n" + "\n".join(failures)
             )
-        damaged = self._quarantined()
+        damaged = quarantined(self.root)
         if damaged:
             raise CheckpointError(
                 f"{self.root}: the only checkpoints here were found damaged earlier and moved "
@@ -829,13 +656,6 @@ class CheckpointManager:
             )
         return None
 
-    def _quarantined(self) -> list[str]:
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return []
-        return sorted(n for n in names if QUARANTINE_INFIX in n and n.startswith("step_"))
-
     def _try_candidates(
         self, template: State | None, failures: list[str], reshard: Reshard | None
     ) -> object:
@@ -843,11 +663,11 @@ class CheckpointManager:
         for step, path in candidates:
             before = _identity(path)
             try:
-                info = _read_info(path, step)
+                info = read_info(path, step)
                 state = restore(path, template, reshard=reshard)
-            except TemplateMismatch:
-                raise
-            except (CheckpointError, OSError) as err:
+            except Exception as err:
+                if not is_damage(err):
+                    raise  # the template or an argument is wrong, not the checkpoint
                 if before is None or _identity(path) != before:
                     return _VANISHED  # pruned or replaced by the writer we follow: list again
                 failures.append(f"  {path}: {err}")
@@ -864,10 +684,8 @@ class CheckpointManager:
             isinstance(err, OSError) and err.errno == errno.ENOENT
         )
         if not self.read_only and self._coordinator and damaged:
-            aside = format.tmp_sibling(path, QUARANTINE_INFIX)
             with contextlib.suppress(OSError):
-                os.rename(path, aside)
-                format.fsync_dir(self.root)
+                aside = quarantine(self.root, path)
                 moved = f"; moved aside to {aside.name} (not deleted)"
         if not moved:
             with contextlib.suppress(OSError):
@@ -933,11 +751,6 @@ def gathered(state: State, select: str | Sequence[str]) -> TensorDict:
     return unflatten(leaves)
 
 
-def _remove_all(paths: list[Path]) -> None:
-    for path in paths:
-        format.remove_tree(path)
-
-
 def _rank() -> int:
     import torch.distributed as dist
 
@@ -968,8 +781,7 @@ def _source_step(path: Path, meta: Mapping[str, Any]) -> int | None:
     if isinstance(record, dict) and isinstance(record.get("step"), int):
         step: int = record["step"]
         return step
-    m = _STEP_RE.fullmatch(path.name)
-    return int(m.group(1)) if m else None
+    return step_in_name(path.name)
 
 
 def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = None) -> Path:

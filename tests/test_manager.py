@@ -638,3 +638,116 @@ def test_docs_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         for value in namespace.values():
             if isinstance(value, fc.CheckpointManager):
                 value.close()
+
+
+# --------------------------------------------------------------------------- a root's leftovers
+
+
+def _committed_copy(root: Path, name: str, state: dict[str, Any]) -> Path:
+    """A real committed checkpoint, saved elsewhere then renamed to ``name`` inside ``root``."""
+    scratch = root.parent / f"scratch-{len(os.listdir(root))}"
+    fc.save(scratch, state)
+    os.rename(scratch, root / name)
+    return root / name
+
+
+def test_committed_leftovers_of_an_interrupted_overwrite_are_recovered(tmp_path: Path) -> None:
+    """Without RENAME_EXCHANGE an overwrite renames old -> trash, then tmp -> name.
+
+    A crash between the two leaves both committed and no ``step_N``: the next writer
+    must put the newest back, keep the other, and delete only what was never committed.
+    """
+    root = tmp_path / "root"
+    root.mkdir()
+    name = step_name(3)
+    _committed_copy(root, f"{name}.trash-0123456789ab", small_state(3, value=1.0))
+    time.sleep(0.01)  # the overwrite is the newer save
+    _committed_copy(root, f"{name}.tmp-0123456789ab", small_state(3, value=2.0))
+    half = root / f"{step_name(4)}.tmp-0123456789ab"
+    half.mkdir()
+    (half / format.MANIFEST).write_bytes(b"half")
+    with fc.CheckpointManager(root, read_only=True) as ro:  # a follower changes nothing
+        assert ro.steps() == [] and half.exists()
+    with pytest.warns(UserWarning, match="recovered"):
+        mgr = fc.CheckpointManager(root)
+    with mgr:
+        assert mgr.steps() == [3]
+        restored = mgr.restore_latest()
+        assert restored is not None and float(restored["w"][0, 0]) == 2.0
+    assert not half.exists()  # never committed: deleted
+    assert (root / f"{name}.trash-0123456789ab" / format.COMMIT_MARKER).exists()  # kept
+
+
+_CRASH_BETWEEN_RENAMES = """
+import os, signal, sys
+import torch
+import functional_ckpt as fc
+from functional_ckpt import format
+format._exchange = lambda a, b: False  # as on a filesystem without RENAME_EXCHANGE
+real_rename = os.rename
+def rename(src, dst):
+    real_rename(src, dst)
+    if format.TRASH_INFIX in os.fspath(dst):  # the old one moved aside, the new not yet in
+        os.kill(os.getpid(), signal.SIGKILL)
+root = sys.argv[1]
+with fc.CheckpointManager(root) as mgr:
+    mgr.maybe_save({"w": torch.full((4,), 1.0)}, step=5)
+    os.rename = rename
+    mgr.maybe_save({"w": torch.full((4,), 2.0)}, step=5, force=True)
+"""
+
+
+def test_crash_between_the_renames_of_an_overwrite_loses_nothing(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _CRASH_BETWEEN_RENAMES, str(tmp_path)], env=env, check=False
+    )
+    assert proc.returncode == -signal.SIGKILL
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert step_name(5) not in names and any(".trash-" in n for n in names), names
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mgr = fc.CheckpointManager(tmp_path)
+    with mgr:
+        restored = mgr.restore_latest()
+        assert restored is not None, "the step was lost"
+        assert mgr.restored_step == 5 and float(restored["w"][0]) == 2.0
+
+
+def test_deletion_leaves_no_committed_trash(tmp_path: Path) -> None:
+    """A deleted checkpoint loses its marker at once, so a crash cannot bring it back."""
+    from functional_ckpt import root as rootdir
+
+    with fc.CheckpointManager(tmp_path) as mgr:
+        mgr.maybe_save(small_state(1), step=1)
+        trash = rootdir.delete(tmp_path, [mgr.path(1)])
+        assert len(trash) == 1 and not (trash[0] / format.COMMIT_MARKER).exists()
+        assert mgr.steps() == []
+    with fc.CheckpointManager(tmp_path) as mgr:  # the next writer removes, never recovers it
+        assert mgr.steps() == [] and not trash[0].exists()
+
+
+def test_lock_symlink_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    target = tmp_path / "precious.txt"
+    target.write_bytes(b"do not truncate me")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / ".lock").symlink_to(target)
+    with pytest.raises(fc.CheckpointError, match="symbolic link"):
+        fc.CheckpointManager(root)
+    assert target.read_bytes() == b"do not truncate me"
+
+
+def test_a_template_the_codec_refuses_is_the_callers_error(tmp_path: Path) -> None:
+    """A defaultdict in the template is the caller's bug: it raises, nothing moves aside."""
+    from collections import defaultdict
+
+    with fc.CheckpointManager(tmp_path) as mgr:
+        mgr.maybe_save(small_state(1), step=1)
+        mgr.maybe_save(small_state(2), step=2)
+    bad = {"w": torch.zeros(4, 3), "b": defaultdict(list, {"x": torch.zeros(5)}), "step": 0}
+    with fc.CheckpointManager(tmp_path) as mgr, no_warnings() as caught:
+        with pytest.raises(fc.UnsupportedValue):
+            mgr.restore_latest(template=bad)
+        assert mgr.steps() == [1, 2] and not caught
+    assert sorted(p.name for p in tmp_path.iterdir() if ".corrupt-" in p.name) == []

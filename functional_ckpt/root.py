@@ -1,0 +1,602 @@
+"""A directory of checkpoints: names, scanning, summaries, quarantine, deletion, leftovers, lock.
+
+Everything that knows how a *root* (a directory holding ``step_N`` checkpoints)
+is laid out lives here, so the manager and the ``fckpt`` command read and change
+a root the same way:
+
+* a checkpoint of step ``N`` is ``root/step_{N:09d}`` (zero padded: ``ls`` sorts);
+* ``step_N.tmp-<id>`` is a save in progress, ``step_N.trash-<id>`` a deletion in
+  progress, ``step_N.corrupt-<id>`` a checkpoint found damaged and moved aside;
+* one writer per root holds an ``flock`` on ``root/.lock``.
+
+Leftovers of a crash are *recovered*, never lost: a committed leftover whose name
+is free is renamed back (the newest one wins), and only uncommitted ones are
+deleted. Nothing committed is ever deleted by cleanup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import math
+import os
+import re
+import socket
+import stat
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from functional_ckpt import format
+from functional_ckpt.errors import (
+    CheckpointError,
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    IncompleteCheckpoint,
+    UnsafeCheckpoint,
+)
+
+__all__ = [
+    "EXPORTS_DIR",
+    "LOCK_FILE",
+    "MANAGER_KEY",
+    "QUARANTINE_INFIX",
+    "Entry",
+    "LeftoverWarning",
+    "StepInfo",
+    "WriterLock",
+    "base_name",
+    "delete",
+    "is_damage",
+    "kept_by",
+    "parse_step",
+    "quarantine",
+    "quarantined",
+    "read_info",
+    "recover_leftovers",
+    "scan",
+    "step_dirs",
+    "step_in_name",
+    "step_name",
+]
+
+#: Reserved metadata key holding the manager's own record of each checkpoint.
+MANAGER_KEY = "manager"
+LOCK_FILE = ".lock"
+EXPORTS_DIR = "exports"
+#: Infix of a checkpoint moved aside because it could not be read (kept for forensics).
+QUARANTINE_INFIX = ".corrupt-"
+_INFIXES = (format.TMP_INFIX, format.TRASH_INFIX, QUARANTINE_INFIX)
+_STEP_RE = re.compile(r"step_(\d{1,30})")
+#: Largest time accepted as a save time (year 9999): anything else is shown as unknown.
+_MAX_TIME = 253_402_300_799.0
+
+
+class LeftoverWarning(UserWarning):
+    """A committed leftover of a crash was recovered, or kept because its name is taken."""
+
+
+# --------------------------------------------------------------------------- names
+
+
+def step_name(step: int) -> str:
+    """Directory name of ``step``: zero padded so that lexical order is step order."""
+    return f"step_{step:09d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a canonical checkpoint directory name, else None.
+
+    Only the exact name :func:`step_name` produces counts, so ``step_5`` next to
+    ``step_000000005`` cannot make one step appear twice, and temporary or
+    quarantined siblings (``step_….tmp-…``) never match.
+    """
+    m = _STEP_RE.fullmatch(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_name(step) == name else None
+
+
+def step_in_name(name: str) -> int | None:
+    """The step a ``step_<digits>`` name spells, padded or not (for names users chose)."""
+    m = _STEP_RE.fullmatch(base_name(name))
+    return int(m.group(1)) if m else None
+
+
+def base_name(name: str) -> str:
+    """``step_N`` of ``step_N.tmp-…``, ``step_N.trash-…`` or ``step_N.corrupt-…``."""
+    for infix in _INFIXES:
+        name = name.split(infix)[0]
+    return name
+
+
+# --------------------------------------------------------------------------- summaries
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One managed checkpoint, as retention policies and users see it.
+
+    ``time`` is when the save started (Unix seconds, the manifest's ``created``;
+    0.0 when it is missing or not a sane time); ``size`` counts every file in the
+    directory. ``metadata`` is everything the checkpoint recorded, automatic keys
+    and the user's alike.
+    """
+
+    step: int
+    path: Path
+    time: float
+    metrics: Mapping[str, float] = field(default_factory=dict, hash=False)
+    epoch: int | None = None
+    is_final: bool = False
+    size: int = 0
+    metadata: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+
+def dir_size(path: Path) -> int:
+    """Bytes in the regular files directly inside ``path`` (0 if it vanished)."""
+    total = 0
+    with contextlib.suppress(OSError), os.scandir(path) as it:
+        for entry in it:
+            if entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+def _time(value: Any) -> float | None:
+    """A manifest's ``created`` as a usable time, or None (NaN, 1e300, a string...)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        t = float(value)
+    except OverflowError:
+        return None
+    return t if math.isfinite(t) and 0.0 <= t <= _MAX_TIME else None
+
+
+def _metrics(value: Any) -> dict[str, float]:
+    """The numeric ``str -> number`` part of a recorded metrics mapping; anything else drops."""
+    if not isinstance(value, dict):
+        return {}
+    out: dict[str, float] = {}
+    for k, v in value.items():
+        if isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool):
+            with contextlib.suppress(OverflowError):
+                out[k] = float(v)
+    return out
+
+
+def _record(meta: Mapping[str, Any]) -> dict[str, Any]:
+    record = meta.get(MANAGER_KEY)
+    return record if isinstance(record, dict) else {}
+
+
+def read_info(path: Path, step: int) -> StepInfo:
+    """The summary of one committed checkpoint; raises only if its manifest is unreadable.
+
+    Whatever the manifest holds (a manager's record or odd user metadata), the
+    summary is well formed: fields of the wrong type are left out, never fatal.
+    """
+    manifest = format.read_manifest(path)
+    meta = manifest.get("metadata")
+    meta = meta if isinstance(meta, dict) else {}
+    record = _record(meta)
+    epoch = record.get("epoch")
+    created = _time(manifest.get("created"))
+    return StepInfo(
+        step=step,
+        path=path,
+        time=0.0 if created is None else created,
+        metrics=_metrics(record.get("metrics")),
+        epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
+        is_final=record.get("is_final") is True,
+        size=dir_size(path),
+        metadata=meta,
+    )
+
+
+@dataclass
+class Entry:
+    """One checkpoint-related directory of a root, whatever state it is in.
+
+    ``status``: ``ok`` (committed, manifest readable), ``damaged`` (committed, manifest
+    unreadable), ``uncommitted``, ``quarantined``, ``deleting`` or ``foreign`` (a stock
+    DCP checkpoint). ``canonical``: the name is exactly :func:`step_name` of its step.
+    """
+
+    name: str
+    path: Path
+    step: int | None
+    status: str
+    canonical: bool = False
+    time: float | None = None
+    size: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    detail: str = ""
+
+    @property
+    def committed(self) -> bool:
+        return self.status in ("ok", "damaged")
+
+
+def _one_line(err: BaseException) -> str:
+    text = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    return text or type(err).__name__
+
+
+def _committed_entry(path: Path) -> Entry:
+    name = path.name
+    canonical = parse_step(name) is not None
+    try:
+        manifest = format.read_manifest(path)
+    except (CheckpointError, OSError, ValueError, RecursionError, MemoryError) as err:
+        return Entry(
+            name,
+            path,
+            step_in_name(name),
+            "damaged",
+            canonical=canonical,
+            size=dir_size(path),
+            detail=_one_line(err),
+        )
+    meta = manifest.get("metadata")
+    meta = dict(meta) if isinstance(meta, dict) else {}
+    recorded = _record(meta).get("step")
+    step = step_in_name(name)
+    if step is None and isinstance(recorded, int) and not isinstance(recorded, bool):
+        step = recorded
+    return Entry(
+        name,
+        path,
+        step,
+        "ok",
+        canonical=canonical,
+        time=_time(manifest.get("created")),
+        size=dir_size(path),
+        metrics=_metrics(_record(meta).get("metrics")),
+        metadata=meta,
+    )
+
+
+def classify(path: Path) -> Entry | None:
+    """The entry for one directory of a root, or None if it is not checkpoint-related."""
+    name = path.name
+    if path.is_symlink() or not path.is_dir():
+        return None
+    step = step_in_name(name)
+    aside = {
+        QUARANTINE_INFIX: ("quarantined", "found unreadable by a manager and moved aside"),
+        format.TRASH_INFIX: ("deleting", "a deletion in progress (or interrupted)"),
+        format.TMP_INFIX: ("uncommitted", "a save in progress, or one a crash interrupted"),
+    }
+    for infix, (status, detail) in aside.items():
+        if infix in name:
+            return Entry(name, path, step, status, size=dir_size(path), detail=detail)
+    if (path / format.COMMIT_MARKER).exists():
+        return _committed_entry(path)
+    if (path / format.MANIFEST).exists():
+        return Entry(
+            name,
+            path,
+            step,
+            "uncommitted",
+            canonical=parse_step(name) is not None,
+            size=dir_size(path),
+            detail="never committed: the COMMITTED marker is missing",
+        )
+    if (path / format.DCP_METADATA).exists():
+        return Entry(
+            name,
+            path,
+            step,
+            "foreign",
+            size=dir_size(path),
+            detail="a stock torch.distributed.checkpoint directory",
+        )
+    return None
+
+
+def scan(root: Path) -> list[Entry]:
+    """Every checkpoint-related directory directly under ``root``, by step then name."""
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"{root}: no such directory") from None
+    except NotADirectoryError:
+        raise CheckpointNotFound(f"{root}: not a directory") from None
+    entries = [e for n in names if (e := classify(root / n)) is not None]
+    entries.sort(key=lambda e: (e.step if e.step is not None else -1, e.name))
+    return entries
+
+
+def step_dirs(root: Path) -> Iterator[tuple[int, Path, int]]:
+    """(step, path, inode) of every canonical ``step_N`` directory, in no order."""
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:
+        raise CheckpointError(f"{root}: the checkpoint root is a file, not a directory") from None
+    for entry in entries:
+        step = parse_step(entry.name)
+        if step is not None and entry.is_dir(follow_symlinks=False):
+            yield step, Path(entry.path), entry.inode()
+
+
+def quarantined(root: Path) -> list[str]:
+    """Names of the checkpoints of ``root`` that were moved aside as damaged."""
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(n for n in names if QUARANTINE_INFIX in n and n.startswith("step_"))
+
+
+class _Record(Protocol):
+    @property
+    def step(self) -> int: ...
+
+
+class _Selects(Protocol):
+    def select(self, records: Sequence[Any]) -> Iterable[int]: ...
+
+
+def kept_by(
+    parts: Sequence[tuple[str, _Selects]], records: Sequence[_Record]
+) -> dict[int, list[str]]:
+    """For each step, the labels of the policy parts that keep it ("latest" keeps the newest)."""
+    out: dict[int, list[str]] = {r.step: [] for r in records}
+    for label, policy in parts:
+        for step in sorted(policy.select(records)):
+            out[step].append(label)
+    if out:
+        out[max(out)].append("latest")
+    return out
+
+
+# --------------------------------------------------------------------------- damage
+
+
+#: What a checkpoint's own bytes can raise: only these move it aside.
+DAMAGE: tuple[type[BaseException], ...] = (
+    CorruptCheckpoint,
+    UnsafeCheckpoint,
+    IncompleteCheckpoint,
+    CheckpointNotFound,
+)
+
+
+def is_damage(err: BaseException) -> bool:
+    """Is ``err`` about the checkpoint (skip it) rather than the caller (raise it)?
+
+    A bad template, an unsupported value in it or a bad argument is the caller's
+    error and says nothing about the checkpoint; an I/O error reading it does.
+    """
+    if isinstance(err, CheckpointError):
+        return isinstance(err, DAMAGE)
+    return isinstance(err, OSError)
+
+
+def quarantine(root: Path, path: Path) -> Path:
+    """Move a damaged checkpoint aside to ``step_N.corrupt-<id>`` (kept, never deleted)."""
+    aside = format.tmp_sibling(path, QUARANTINE_INFIX)
+    os.rename(path, aside)
+    format.fsync_dir(root)
+    return aside
+
+
+# --------------------------------------------------------------------------- deleting
+
+
+def delete(root: Path, paths: Iterable[Path]) -> list[Path]:
+    """Take checkpoints out of sight crash-safely; returns the trash left to remove.
+
+    Each is renamed to ``step_N.trash-<id>`` and the root fsynced, so no reader can
+    see it and a half-removed directory never carries a checkpoint's name; then its
+    marker is unlinked, so a crash before the (slow) removal leaves an uncommitted
+    leftover that the next writer deletes rather than recovers.
+    """
+    trash: list[Path] = []
+    for path in paths:
+        aside = format.tmp_sibling(path, format.TRASH_INFIX)
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            continue
+        trash.append(aside)
+    if trash:
+        format.fsync_dir(root)
+        for aside in trash:
+            with contextlib.suppress(OSError):
+                os.unlink(aside / format.COMMIT_MARKER)
+    return trash
+
+
+def remove_all(paths: Iterable[Path]) -> None:
+    for path in paths:
+        format.remove_tree(path)
+
+
+def _committed(path: Path) -> bool:
+    try:
+        st = os.lstat(path / format.COMMIT_MARKER)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode)
+
+
+def _created(path: Path) -> float:
+    try:
+        t = _time(format.read_manifest(path).get("created"))
+    except (CheckpointError, OSError, ValueError, RecursionError, MemoryError):
+        t = None
+    return -math.inf if t is None else t
+
+
+def recover_leftovers(root: Path) -> list[Path]:
+    """Recover or remove what crashed writers left in ``root``; returns what was recovered.
+
+    For every ``step_N.tmp-*`` / ``step_N.trash-*``: an uncommitted one is deleted. A
+    committed one is a whole checkpoint (an overwrite interrupted between its two
+    renames leaves the old one as trash and the new one as tmp): if ``step_N`` is
+    free, the newest committed leftover (by save time, a save over a deletion on a
+    tie) is renamed back to it; committed leftovers that cannot be renamed back stay
+    where they are, with a :class:`LeftoverWarning`. Only names derived from
+    ``step_N`` are touched; anything else in the root is the user's. Safe only
+    under the writer lock. Temporaries under ``exports/`` are deleted (an export
+    can always be written again from its checkpoint).
+    """
+    groups: dict[str, list[Path]] = {}
+    changed = False
+    for parent in (root, root / EXPORTS_DIR):
+        try:
+            entries = list(os.scandir(parent))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            base = base_name(entry.name)
+            if not format.is_temporary_name(entry.name) or QUARANTINE_INFIX in entry.name:
+                continue
+            if parse_step(base) is None:
+                continue
+            path = Path(entry.path)
+            if not entry.is_dir(follow_symlinks=False):
+                os.unlink(path)
+                changed = True
+            elif parent == root and _committed(path):
+                groups.setdefault(base, []).append(path)
+            else:
+                format.remove_tree(path)
+                changed = True
+    recovered: list[Path] = []
+    for base, paths in sorted(groups.items()):
+        final = root / base
+        paths.sort(key=lambda p: (_created(p), format.TMP_INFIX in p.name), reverse=True)
+        if not os.path.lexists(final):
+            os.rename(paths[0], final)
+            format.fsync_dir(root)
+            recovered.append(final)
+            warnings.warn(
+                f"{final}: recovered from {paths[0].name}, a committed checkpoint an interrupted "
+                "save or deletion left behind",
+                LeftoverWarning,
+                stacklevel=3,
+            )
+            paths = paths[1:]
+        for path in paths:
+            warnings.warn(
+                f"{path}: a committed checkpoint left behind by an interrupted save or deletion "
+                f"while {final.name} exists; kept (never deleted automatically). Inspect it "
+                "and delete it by hand if it is not needed",
+                LeftoverWarning,
+                stacklevel=3,
+            )
+    if changed:
+        format.fsync_dir(root)
+    return recovered
+
+
+# --------------------------------------------------------------------------- lock
+
+
+#: A dead writer's lock can outlive it briefly: children it forked (data loader
+#: workers, a subprocess before its exec) hold the descriptor until they exit.
+LOCK_GRACE_S = 3.0
+
+
+def _flock_with_grace(fd: int) -> None:
+    deadline = time.monotonic() + LOCK_GRACE_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _open_lock_file(root: Path, path: Path) -> int:
+    """Open (or create) the lock file without following a link or blocking on a FIFO."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(
+                f"{root}: the writer lock {path} is a symbolic link; refusing to follow it "
+                "(its target is left untouched). Remove the link and try again"
+            ) from None
+        raise CheckpointError(
+            f"{root}: cannot take the writer lock {path} ({e}); on a read-only "
+            "location open the manager with read_only=True"
+        ) from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(
+            f"{root}: the writer lock {path} is not a regular file; remove it and try again"
+        )
+    return fd
+
+
+class WriterLock:
+    """An exclusive ``flock`` on ``root/.lock`` for the lifetime of a writer.
+
+    ``flock`` rather than an O_EXCL lock file because the kernel drops it when the
+    holder dies, however it dies: a SIGKILLed trainer leaves no lock to clean up.
+    The file's content (pid, host, start time) is only for the error message; the
+    file itself is never removed, since unlinking a locked file lets a second
+    process lock a fresh inode of the same name. The file is opened without
+    following links, so a planted ``.lock`` symlink cannot make the writer
+    truncate another file.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / LOCK_FILE
+        fd = _open_lock_file(root, self.path)
+        try:
+            _flock_with_grace(fd)
+        except OSError as e:
+            holder = _holder_text(fd, self.path)
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise CheckpointError(f"{root}: cannot lock {self.path}: {e}") from e
+            raise CheckpointError(
+                f"{root}: another writing CheckpointManager holds the lock "
+                f"({holder}); only one writer per root is allowed. Stop it, use "
+                "another root, or open this one with read_only=True to follow it"
+            ) from None
+        self.fd: int | None = fd
+        info = {"pid": os.getpid(), "hostname": socket.gethostname(), "since": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+
+    def holder_text(self) -> str:
+        if self.fd is None:
+            return f"holder unknown; see {self.path}"
+        return _holder_text(self.fd, self.path)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the only descriptor drops the flock
+            self.fd = None
+
+    def __del__(self) -> None:  # a writer dropped without release() still unlocks
+        with contextlib.suppress(Exception):
+            self.release()
+
+
+def _holder_text(fd: int, path: Path) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0))
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info["since"])))
+        return f"pid {info['pid']} on {info['hostname']} since {since}; see {path}"
+    except (OSError, ValueError, KeyError, TypeError, OverflowError):
+        return f"holder unknown; see {path}"
