@@ -26,6 +26,7 @@ from functional_ckpt.errors import (
     UnsafeCheckpoint,
 )
 from functional_ckpt.manifest import dtype_name
+from functional_ckpt.summary import CheckpointSummary, Node, TensorSpec, insert
 from functional_ckpt.tree import (
     NODE_KEY,
     KeyPath,
@@ -153,11 +154,9 @@ def restore_dcp(
     return unflatten(out)
 
 
-def inspect_dcp(root: Path) -> Any:
+def inspect_dcp(root: Path) -> CheckpointSummary:
     """Describe a stock DCP checkpoint from its metadata alone."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from functional_ckpt.io import CheckpointSummary, Node, TensorSpec, _insert
 
     md = format.read_dcp_metadata(root)
     planner: Any = md.planner_data if isinstance(md.planner_data, dict) else {}
@@ -173,10 +172,10 @@ def inspect_dcp(root: Path) -> Any:
             nbytes = n * torch.empty((), dtype=smd.properties.dtype).element_size()
             tensor_bytes += nbytes
             num_tensors += 1
-            _insert(tree, path, TensorSpec(smd.properties.dtype, tuple(smd.size), nbytes))
+            insert(tree, path, TensorSpec(smd.properties.dtype, tuple(smd.size), nbytes))
         else:
             num_values += 1
-            _insert(tree, path, "<pickled value, not loaded>")
+            insert(tree, path, "<pickled value, not loaded>")
     file_bytes = sum((root / f).stat().st_size for f in os.listdir(root) if (root / f).is_file())
     return CheckpointSummary(
         path=root,

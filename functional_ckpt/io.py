@@ -12,12 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from tensordict import TensorDict, TensorDictBase
 
 from functional_ckpt import format, shards
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
-from functional_ckpt.manifest import Chunk, dtype_name, parse
+from functional_ckpt.manifest import Chunk, parse
 from functional_ckpt.reader import (
     Reshard,
     classify_metadata,
@@ -25,6 +24,7 @@ from functional_ckpt.reader import (
     open_checkpoint,
     restore_local,
 )
+from functional_ckpt.summary import CheckpointSummary, Node, TensorSpec, insert
 from functional_ckpt.tree import KeyPath, as_state, format_path, iter_leaves
 from functional_ckpt.writer import (
     DEFAULT_PER_RANK,
@@ -125,66 +125,6 @@ def _has_dtensor(template: TensorDictBase | Mapping[str, Any]) -> bool:
 # --------------------------------------------------------------------------- inspect
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    nbytes: int
-
-    def __str__(self) -> str:
-        return f"{dtype_name(self.dtype)}{list(self.shape)} ({self.nbytes} B)"
-
-
-@dataclass
-class CheckpointSummary:
-    """What a checkpoint holds, read from its manifest alone."""
-
-    path: Path
-    format_version: int | None
-    created: float | None
-    metadata: Any
-    tree: dict[str, Any]  # nested: key -> Node | TensorSpec | plain value
-    num_tensors: int
-    num_values: int
-    tensor_bytes: int
-    file_bytes: int
-    foreign: bool = False
-    world_size: int = 1  # ranks that wrote it; per-rank subtrees shown are rank 0's
-
-    def __str__(self) -> str:
-        lines = [
-            f"{self.path}: {self.num_tensors} tensors ({self.tensor_bytes} B), "
-            f"{self.num_values} values"
-        ]
-
-        def walk(node: dict[str, Any], indent: str) -> None:
-            for k, v in node.items():
-                if isinstance(v, Node):
-                    lines.append(f"{indent}{k}/")
-                    walk(v, indent + "  ")
-                else:
-                    lines.append(f"{indent}{k}: {_short(v)}")
-
-        walk(self.tree, "  ")
-        return "\n".join(lines)
-
-
-class Node(dict[str, Any]):
-    """A sub-tree in ``CheckpointSummary.tree`` (plain values that are dicts are not)."""
-
-
-def _short(value: Any, limit: int = 100) -> str:
-    text = " ".join(str(value).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _insert(tree: dict[str, Any], path: KeyPath, value: Any) -> None:
-    node = tree
-    for k in path[:-1]:
-        node = node.setdefault(k, Node())
-    node[path[-1]] = value
-
-
 def inspect(path: PathLike) -> CheckpointSummary:
     """Describe a checkpoint without reading any tensor data."""
     src = Path(path)
@@ -198,13 +138,13 @@ def inspect(path: PathLike) -> CheckpointSummary:
     tensor_bytes = 0
     for p, kind in parsed.order:
         if kind == "node":
-            _insert(tree, p, Node())
+            insert(tree, p, Node())
         elif kind == "value":
-            _insert(tree, p, parsed.values[p])
+            insert(tree, p, parsed.values[p])
         else:
             e = parsed.tensors[p]
             tensor_bytes += e.nbytes if e.alias is None else 0
-            _insert(tree, p, TensorSpec(e.dtype, e.shape, e.nbytes))
+            insert(tree, p, TensorSpec(e.dtype, e.shape, e.nbytes))
     raw = parsed.raw
     return CheckpointSummary(
         path=src,

@@ -233,7 +233,8 @@ def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: 
     entry = TensorEntry(path, fqn, dtype, shape, bool(e.get("requires_grad", False)))
     if "alias" in e:
         target = e["alias"]
-        src = out.tensors.get(tuple(target)) if isinstance(target, list) else None
+        is_path = isinstance(target, list) and all(isinstance(k, str) for k in target)
+        src = out.tensors.get(tuple(target)) if is_path else None
         if src is None or src.alias is not None:
             raise CorruptCheckpoint(f"{where}: alias of an unknown tensor {target!r}")
         if src.dtype != dtype or src.shape != shape:

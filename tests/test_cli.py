@@ -22,6 +22,8 @@ from safetensors.torch import load_file
 
 import functional_ckpt as fc
 from functional_ckpt import cli
+from functional_ckpt.cli import listing, ui
+from functional_ckpt.diff import same_value, tensor_delta
 from functional_ckpt.manager import step_name
 from functional_ckpt.reader import open_checkpoint
 
@@ -349,29 +351,29 @@ def test_diff_structure_changes(tmp_path: Path, capsys: pytest.CaptureFixture[st
     ],
 )
 def test_tensor_delta_dtypes(a: torch.Tensor, b: torch.Tensor, expected: str) -> None:
-    delta = cli.tensor_delta(a, b)
+    delta = tensor_delta(a, b)
     assert delta is not None and expected in delta, delta
-    assert cli.tensor_delta(a, a.clone()) is None
+    assert tensor_delta(a, a.clone()) is None
 
 
 def test_tensor_delta_float8_and_nan_payloads() -> None:
     a = torch.tensor([1.0, 2.0, 4.0]).to(torch.float8_e4m3fn)
     b = torch.tensor([1.0, 2.0, 8.0]).to(torch.float8_e4m3fn)
-    assert cli.tensor_delta(a, b) == "max |Δ| 4 (1 of 3 elements differ)"
+    assert tensor_delta(a, b) == "max |Δ| 4 (1 of 3 elements differ)"
     nan = torch.tensor([float("nan")])
-    assert cli.tensor_delta(nan, nan.clone()) is None
-    assert cli.tensor_delta(torch.tensor([0.0]), torch.tensor([-0.0])) == (
+    assert tensor_delta(nan, nan.clone()) is None
+    assert tensor_delta(torch.tensor([0.0]), torch.tensor([-0.0])) == (
         "max |Δ| 0 (1 of 1 elements differ)"
     )
 
 
 def test_same_value_is_exact() -> None:
-    assert cli.same_value((1, 2.0), (1, 2.0))
-    assert not cli.same_value((1, 2.0), [1, 2.0])
-    assert not cli.same_value(1, 1.0)
-    assert not cli.same_value(0.0, -0.0)
-    assert cli.same_value(float("nan"), float("nan"))
-    assert not cli.same_value({1: "a", 2: "b"}, {2: "b", 1: "a"})
+    assert same_value((1, 2.0), (1, 2.0))
+    assert not same_value((1, 2.0), [1, 2.0])
+    assert not same_value(1, 1.0)
+    assert not same_value(0.0, -0.0)
+    assert same_value(float("nan"), float("nan"))
+    assert not same_value({1: "a", 2: "b"}, {2: "b", 1: "a"})
 
 
 def test_diff_bad_input(root: Path, copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -528,31 +530,32 @@ def test_prune_refuses_while_a_writer_runs(copy: Path, capsys: pytest.CaptureFix
 
 
 def test_parse_retention_accepts_only_keep_calls() -> None:
-    parts = cli.parse_retention("keep_last(3) | keep_best(2, 'val_loss', mode='max')")
+    parts = listing.parse_retention("keep_last(3) | keep_best(2, 'val_loss', mode='max')")
     assert parts is not None
     assert [label for label, _ in parts] == ["keep_last(3)", "keep_best(2, 'val_loss', mode='max')"]
     records = [fc.CheckpointRecord(s, 0.0, {"val_loss": float(s)}) for s in range(1, 7)]
-    assert cli.kept_by(parts, records)[6] == [parts[0][0], parts[1][0], "latest"]
+    assert listing.kept_by(parts, records)[6] == [parts[0][0], parts[1][0], "latest"]
     for bad in ("__import__('os').system('echo hi')", "keep_last(n)", "keep_last(", "print(1)"):
-        assert cli.parse_retention(bad) is None, bad
+        assert listing.parse_retention(bad) is None, bad
 
 
 def test_colours_only_on_a_terminal() -> None:
     tty, plain = FakeTTY(), io.StringIO()
-    assert cli.UI(out=tty, env={}).colour
-    assert not cli.UI(out=tty, env={"NO_COLOR": "1"}).colour
-    assert not cli.UI(out=plain, env={}).colour
-    assert cli.UI(out=tty, env={}).paint("x", "ok") == "\033[32mx\033[0m"
-    assert cli.UI(out=plain, env={}).paint("x", "ok") == "x"
+    assert ui.UI(out=tty, env={}).colour
+    assert not ui.UI(out=tty, env={"NO_COLOR": "1"}).colour
+    assert not ui.UI(out=plain, env={}).colour
+    assert ui.UI(out=tty, env={}).paint("x", "ok") == "\033[32mx\033[0m"
+    assert ui.UI(out=plain, env={}).paint("x", "ok") == "x"
 
 
 def test_progress_bar_draws_only_on_a_terminal() -> None:
     stream = FakeTTY()
-    with cli.Progress(stream, "verifying", 2048, "B", enabled=True) as bar:
+    with ui.Progress(stream, "verifying", 2048, "B", enabled=True) as bar:
         bar.update(1024, force=True)
-    assert "verifying [" in stream.getvalue() and "50%" in stream.getvalue()
+    drawn = stream.getvalue()
+    assert "verifying " in drawn and "50%" in drawn and "1.0/2.0 KiB" in drawn
     quiet = io.StringIO()
-    with cli.Progress(quiet, "verifying", 10, "B", enabled=False) as bar:
+    with ui.Progress(quiet, "verifying", 10, "B", enabled=False) as bar:
         bar.update(5, force=True)
     assert quiet.getvalue() == ""
 

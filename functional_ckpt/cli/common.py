@@ -1,0 +1,93 @@
+"""What every ``fckpt`` command shares: its two outcomes besides success, and finding checkpoints.
+
+The layout of a root (names, statuses, summaries) is :mod:`functional_ckpt.root`'s;
+this only adds the command line's wording.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from functional_ckpt import format as fmt
+from functional_ckpt.cli.ui import PROG
+from functional_ckpt.errors import CheckpointError, CheckpointNotFound
+from functional_ckpt.root import Entry, scan
+
+__all__ = [
+    "Declined",
+    "UsageError",
+    "is_checkpoint_dir",
+    "newest_checkpoint",
+    "one_line",
+    "require_exists",
+    "scan_root",
+    "time_text",
+]
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported in one line, exit status 2."""
+
+
+class Declined(Exception):
+    """The command ran and the answer is "no" (damage found, prune declined): exit 1."""
+
+
+def one_line(err: BaseException) -> str:
+    """An exception as one line: multi-line messages joined, errno noise dropped."""
+    if (
+        isinstance(err, OSError)
+        and err.strerror
+        and err.filename
+        and not isinstance(err, CheckpointError)
+    ):
+        return f"{err.filename}: {err.strerror}"
+    text = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    return text or type(err).__name__
+
+
+def time_text(t: float | None) -> str:
+    """A save time for a table; "-" when unknown or not representable."""
+    if t is None or not math.isfinite(t) or t <= 0:
+        return "-"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    except (OverflowError, ValueError, OSError):
+        return "-"
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """Looks like one checkpoint (ours, committed or not, or a stock DCP one)."""
+    return path.is_dir() and any(
+        (path / name).exists() for name in (fmt.COMMIT_MARKER, fmt.MANIFEST, fmt.DCP_METADATA)
+    )
+
+
+def require_exists(path: Path) -> None:
+    if not path.exists():
+        raise CheckpointNotFound(f"{path}: no such file or directory")
+
+
+def scan_root(root: Path) -> list[Entry]:
+    """Every checkpoint-related directory directly under ``root``, by step then name."""
+    require_exists(root)
+    if not root.is_dir():
+        raise CheckpointNotFound(f"{root}: not a directory")
+    if is_checkpoint_dir(root):
+        raise UsageError(
+            f"{root}: is a checkpoint, not a directory of checkpoints; try '{PROG} inspect {root}'"
+        )
+    return scan(root)
+
+
+def newest_checkpoint(root: Path) -> Path:
+    """``root`` itself if it is a checkpoint, else its newest committed, readable one."""
+    require_exists(root)
+    if is_checkpoint_dir(root):
+        return root
+    ok = [e for e in scan_root(root) if e.status == "ok"]
+    if not ok:
+        raise CheckpointNotFound(f"{root}: no committed checkpoint here")
+    return ok[-1].path

@@ -1,0 +1,342 @@
+"""``fckpt ls``, ``verify`` and ``prune``: the commands about a root of checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import functional_ckpt as fc
+from functional_ckpt import format as fmt
+from functional_ckpt.cli.common import (
+    Declined,
+    UsageError,
+    is_checkpoint_dir,
+    one_line,
+    require_exists,
+    scan_root,
+    time_text,
+)
+from functional_ckpt.cli.ui import UI, human
+from functional_ckpt.root import MANAGER_KEY, Entry, dir_size, kept_by
+
+__all__ = ["cmd_ls", "cmd_prune", "cmd_verify", "parse_retention", "verify_one"]
+
+#: Statuses of a committed checkpoint (``intact`` once ``--verify`` re-read it).
+COMMITTED = ("ok", "damaged", "intact")
+
+# --------------------------------------------------------------------------- retention
+
+_RETENTION: dict[str, Callable[..., fc.RetentionPolicy]] = {
+    "keep_all": fc.keep_all,
+    "keep_best": fc.keep_best,
+    "keep_every": fc.keep_every,
+    "keep_last": fc.keep_last,
+    "keep_within": fc.keep_within,
+}
+
+
+def _calls(node: ast.expr) -> Iterator[ast.expr]:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        yield from _calls(node.left)
+        yield from _calls(node.right)
+    else:
+        yield node
+
+
+def parse_retention(text: str) -> list[tuple[str, fc.RetentionPolicy]] | None:
+    """Rebuild a retention policy from its ``repr``, one part per ``|`` operand.
+
+    Checkpoints do not store policy objects, only text; this accepts exactly the
+    ``keep_*`` calls with literal arguments (no name lookups, no code), and
+    returns None for anything else, so a foreign string can never run.
+    """
+    try:
+        tree = ast.parse(text, mode="eval")
+        parts = []
+        for call in _calls(tree.body):
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
+                return None
+            make = _RETENTION.get(call.func.id)
+            if make is None:
+                return None
+            args = [ast.literal_eval(a) for a in call.args]
+            kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg}
+            parts.append((ast.unparse(call), make(*args, **kwargs)))
+        return parts
+    except (SyntaxError, ValueError, TypeError):
+        return None
+
+
+def recorded_retention(rows: Sequence[Entry]) -> str | None:
+    """The retention policy the newest checkpoint says its writer used, if any.
+
+    Looked up under ``metadata["manager"]["keep"]`` (where a manager would record
+    it) and then the user key ``metadata["retention"]`` (which ``fckpt demo`` sets).
+    """
+    for row in reversed(rows):
+        if row.status != "ok":
+            continue
+        record = row.metadata.get(MANAGER_KEY)
+        for value in (
+            record.get("keep") if isinstance(record, dict) else None,
+            row.metadata.get("retention"),
+        ):
+            if isinstance(value, str):
+                return value
+    return None
+
+
+def _records(rows: Sequence[Entry]) -> list[fc.CheckpointRecord]:
+    return [
+        fc.CheckpointRecord(r.step, r.time or 0.0, r.metrics)
+        for r in rows
+        if r.status in ("ok", "intact") and r.canonical and r.step is not None
+    ]
+
+
+def policy_from_flags(args: argparse.Namespace) -> list[tuple[str, fc.RetentionPolicy]] | None:
+    """``--keep-last N [--keep-best K --metric M [--mode max]]`` as policy parts."""
+    parts: list[tuple[str, fc.RetentionPolicy]] = []
+    if getattr(args, "keep_best", None) is not None and not getattr(args, "metric", None):
+        raise UsageError("--keep-best needs --metric NAME")
+    if getattr(args, "keep_last", None) is not None:
+        policy = fc.keep_last(args.keep_last)
+        parts.append((repr(policy), policy))
+    if getattr(args, "keep_best", None) is not None:
+        policy = fc.keep_best(args.keep_best, args.metric, mode=args.mode)
+        parts.append((repr(policy), policy))
+    return parts or None
+
+
+def _union(parts: Sequence[tuple[str, fc.RetentionPolicy]]) -> fc.RetentionPolicy:
+    policy = parts[0][1]
+    for _, more in parts[1:]:
+        policy = policy | more
+    return policy
+
+
+# --------------------------------------------------------------------------- ls
+
+
+def _metrics_text(metrics: Mapping[str, float]) -> str:
+    return " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
+
+
+def _status_style(status: str) -> str:
+    return {"ok": "ok", "intact": "ok", "damaged": "bad", "quarantined": "bad"}.get(status, "warn")
+
+
+def _verify_rows(rows: Sequence[Entry], ui: UI) -> None:
+    """Replace ``ok`` by ``intact`` or ``damaged`` after re-reading every byte."""
+    todo = [r for r in rows if r.status == "ok"]
+    with ui.progress("verifying", sum(r.size for r in todo)) as bar:
+        for row in todo:
+            ok, problems, _ = verify_one(row.path)
+            row.status = "intact" if ok else "damaged"
+            row.detail = "" if ok else f"{len(problems)} problems: {problems[0]}"
+            bar.advance(row.size)
+
+
+def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
+    root = Path(args.root)
+    rows = scan_root(root)
+    if args.verify:
+        _verify_rows(rows, ui)
+    source = "flags"
+    parts = policy_from_flags(args)
+    if parts is None:
+        recorded = recorded_retention(rows)
+        parts = parse_retention(recorded) if recorded else None
+        source = "recorded in the checkpoints"
+    records = _records(rows)
+    kept = kept_by(parts or [], records)
+    why: dict[str, list[str]] = {}
+    for row in rows:
+        if row.step in kept and row.canonical and row.status in ("ok", "intact"):
+            why[row.name] = kept[row.step] or (["(deleted by the next prune)"] if parts else [])
+    if args.json:
+        ui.print(json.dumps([_row_json(r, why.get(r.name, [])) for r in rows], indent=2))
+        return 0
+    if not rows:
+        ui.print(f"{root}: no checkpoints")
+        return 0
+    _print_ls(rows, why, parts, source, ui)
+    return 0
+
+
+def _row_json(row: Entry, kept: list[str]) -> dict[str, Any]:
+    return {
+        "name": row.name,
+        "path": str(row.path),
+        "step": row.step,
+        "status": row.status,
+        "time": row.time,
+        "size": row.size,
+        "metrics": {k: v if math.isfinite(v) else repr(v) for k, v in row.metrics.items()},
+        "kept_by": kept,
+        "detail": row.detail,
+    }
+
+
+def _print_ls(
+    rows: Sequence[Entry],
+    kept: Mapping[str, list[str]],
+    parts: Sequence[tuple[str, Any]] | None,
+    source: str,
+    ui: UI,
+) -> None:
+    head = ["CHECKPOINT", "STEP", "SAVED", "SIZE", "STATUS", "METRICS", "KEPT BY"]
+    cells: list[list[str]] = []
+    styles: list[list[str]] = []
+    for r in rows:
+        why = ", ".join(kept[r.name]) if kept.get(r.name) else r.detail
+        cells.append(
+            [
+                r.name,
+                "-" if r.step is None else str(r.step),
+                time_text(r.time),
+                human(r.size),
+                r.status,
+                _metrics_text(r.metrics),
+                why,
+            ]
+        )
+        deleting = "deleted by" in why
+        styles.append(
+            ["", "", "dim", "", _status_style(r.status), "", "bad" if deleting else "dim"]
+        )
+    ui.table(head, cells, styles)
+    committed = [r for r in rows if r.status in COMMITTED]
+    ui.print(f"\n{len(committed)} committed checkpoints, {human(sum(r.size for r in rows))} in all")
+    if parts:
+        ui.print(f"retention ({source}): {' | '.join(label for label, _ in parts)}")
+    else:
+        ui.print(
+            "retention: unknown (not recorded in the checkpoints); pass --keep-last N "
+            "[--keep-best K --metric M] to see what a policy would keep"
+        )
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def verify_one(path: Path) -> tuple[bool, list[str], str]:
+    """(intact, problem lines, summary) for one checkpoint; damage never raises."""
+    try:
+        report = fc.verify(path)
+    except (fc.CorruptCheckpoint, fc.UnsafeCheckpoint) as err:
+        return False, [f"{path}: {one_line(err)}"], ""
+    except fc.IncompleteCheckpoint as err:
+        if fmt.is_temporary_name(path.name):
+            raise
+        return False, [f"{path}: {one_line(err)}"], ""
+    lines = [f"{path / p.where if _is_file(path, p.where) else path}: {p}" for p in report.problems]
+    return report.ok, lines, f"{report.files_checked} files, {human(report.bytes_checked)}"
+
+
+def _is_file(path: Path, where: str) -> bool:
+    return "/" not in where and (path / where).exists()
+
+
+def _verify_targets(target: Path) -> tuple[list[Path], list[str]]:
+    """Checkpoints to verify under ``target`` and damage found by listing alone."""
+    if is_checkpoint_dir(target) or not target.is_dir():
+        return [target], []
+    rows = scan_root(target)
+    paths = [r.path for r in rows if r.status in COMMITTED]
+    broken = [f"{r.path}: {r.detail}" for r in rows if r.status == "uncommitted" and r.canonical]
+    if not paths and not broken:
+        raise fc.CheckpointNotFound(f"{target}: no checkpoints to verify here")
+    return paths, broken
+
+
+def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
+    target = Path(args.path)
+    require_exists(target)
+    paths, broken = _verify_targets(target)
+    bad = len(broken)
+    for line in broken:
+        ui.print(f"{ui.paint('DAMAGED', 'bad')}  {line}")
+    results = []
+    with ui.progress("verifying", sum(dir_size(p) for p in paths)) as bar:
+        for p in paths:
+            results.append((p, *verify_one(p)))
+            bar.advance(dir_size(p))
+    for path, ok, problems, what in results:
+        if ok:
+            if not args.quiet:
+                ui.print(f"{ui.paint('OK', 'ok')}       {path}  ({what})")
+            continue
+        bad += 1
+        ui.print(f"{ui.paint('DAMAGED', 'bad')}  {path}")
+        for line in problems:
+            ui.print(f"  {line}")
+    total = len(paths) + len(broken)
+    if bad:
+        ui.print(f"{bad} of {total} checkpoints damaged")
+        return 1
+    ui.print(f"{total} checkpoint{'s' if total != 1 else ''} intact")
+    return 0
+
+
+# --------------------------------------------------------------------------- prune
+
+
+def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
+    root = Path(args.root)
+    rows = scan_root(root)
+    parts = policy_from_flags(args)
+    assert parts is not None  # --keep-last is required
+    policy = _union(parts)
+    infos = fc.CheckpointManager(root, read_only=True).infos()
+    if not infos:
+        ui.print(f"{root}: no committed checkpoints; nothing to prune")
+        return 0
+    plan = fc.plan_deletions(policy, infos)
+    kept = kept_by(parts, infos)
+    sizes = {r.step: r.size for r in rows if r.canonical}
+    for info in infos:
+        doomed = info.step in plan
+        label = ui.paint("delete", "bad") if doomed else ui.paint("keep  ", "ok")
+        why = "" if doomed else f"  ({', '.join(kept[info.step])})"
+        ui.print(f"{label}  {info.path.name}  {human(sizes.get(info.step, info.size))}{why}")
+    freed = sum(sizes.get(s, 0) for s in plan)
+    if not plan:
+        ui.print(f"nothing to delete: the policy {policy!r} keeps all {len(infos)} checkpoints")
+        return 0
+    question = f"delete {len(plan)} of {len(infos)} checkpoints ({human(freed)})?"
+    if args.dry_run:
+        ui.print(f"dry run: would {question[:-1]}")
+        return 0
+    if not args.yes:
+        if not ui.interactive():
+            raise UsageError(
+                "refusing to delete without confirmation: stdin is not a terminal; "
+                "pass --yes (or --dry-run to only see the plan)"
+            )
+        if not ui.confirm(question[0].upper() + question[1:]):
+            raise Declined("nothing deleted")
+    deleted = _delete(root, policy, set(plan))
+    ui.print(
+        f"deleted {len(deleted)} checkpoints, freed {human(sum(sizes.get(s, 0) for s in deleted))}"
+    )
+    return 0
+
+
+def _delete(root: Path, policy: fc.RetentionPolicy, approved: set[int]) -> list[int]:
+    """Delete under the writer lock, re-planned there: only steps shown and still doomed.
+
+    A trainer that saved since the plan was shown may have changed which steps the
+    policy keeps; deleting only the intersection never removes something the user
+    was not shown, nor something that became worth keeping.
+    """
+    with fc.CheckpointManager(root, save=fc.never(), keep=fc.keep_all()) as mgr:
+        doomed = [s for s in fc.plan_deletions(policy, mgr.infos()) if s in approved]
+        for step in doomed:
+            mgr.delete(step)
+    return doomed

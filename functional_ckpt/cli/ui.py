@@ -1,0 +1,188 @@
+"""Where ``fckpt`` output goes and how it looks: colours, tables and progress through ``rich``.
+
+Decided once from the streams and the environment: colours need a terminal on
+stdout and no ``NO_COLOR`` (https://no-color.org) or ``TERM=dumb``; progress needs
+a terminal on stderr, so ``fckpt verify ROOT > log`` still shows progress while
+the log stays plain. Output on a non-terminal is plain, stable text (scripts
+parse it): tables are never wrapped or truncated and carry no trailing spaces.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import IO, Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    TaskProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+)
+from rich.progress import Progress as RichProgress
+from rich.style import Style
+from rich.table import Table
+from rich.text import Text
+
+__all__ = ["PROG", "Progress", "UI", "human"]
+
+PROG = "fckpt"
+
+_STYLES = {
+    "ok": "green",
+    "bad": "bold red",
+    "warn": "yellow",
+    "dim": "dim",
+    "key": "bold",
+    "dtype": "cyan",
+    "head": "bold",
+}
+#: Wide enough that no table row of any real root wraps on a non-terminal.
+_PLAIN_WIDTH = 1 << 16
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def human(n: float) -> str:
+    """Bytes in binary units, short enough for a table column."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class Progress:
+    """A transient ``rich`` progress bar on a terminal; nothing at all otherwise.
+
+    Plain output (pipes, CI logs) gets no bar: animations only clutter a log, and
+    the command prints its result lines either way.
+    """
+
+    def __init__(self, stream: IO[str], label: str, total: int, unit: str, enabled: bool) -> None:
+        self.label, self.total, self.unit, self.enabled = label, max(0, total), unit, enabled
+        self._bar: RichProgress | None = None
+        self._task: Any = None
+        if enabled:
+            amount = DownloadColumn(binary_units=True) if unit == "B" else MofNCompleteColumn()
+            self._bar = RichProgress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TaskProgressColumn(),
+                amount,
+                TimeRemainingColumn(),
+                console=Console(file=stream, force_terminal=True),
+                transient=True,
+            )
+
+    def __enter__(self) -> Progress:
+        if self._bar is not None:
+            self._bar.start()
+            self._task = self._bar.add_task(self.label, total=self.total or None)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def update(self, done: float, *, force: bool = False) -> None:
+        """Set the amount done (``force`` draws now instead of at the next refresh)."""
+        if self._bar is None or self._task is None:
+            return
+        self._bar.update(self._task, completed=min(max(done, 0), self.total or done))
+        if force:
+            self._bar.refresh()
+
+    def advance(self, amount: float) -> None:
+        if self._bar is not None and self._task is not None:
+            self._bar.advance(self._task, amount)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+class UI:
+    """The streams of one ``fckpt`` run and how to write to them."""
+
+    def __init__(
+        self,
+        out: IO[str] | None = None,
+        err: IO[str] | None = None,
+        stdin: IO[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        *,
+        colour: bool | None = None,
+    ) -> None:
+        self.out = out if out is not None else sys.stdout
+        self.err = err if err is not None else sys.stderr
+        self.stdin = stdin if stdin is not None else sys.stdin
+        env = os.environ if env is None else env
+        plain_term = env.get("TERM") == "dumb" or bool(env.get("NO_COLOR"))
+        self.colour = (_isatty(self.out) and not plain_term) if colour is None else colour
+        self.show_progress = _isatty(self.err) and env.get("TERM") != "dumb"
+        encoding = (getattr(self.out, "encoding", None) or "").lower().replace("-", "")
+        self.ascii_only = encoding not in ("utf8", "utf16", "utf32")
+
+    def paint(self, text: str, style: str) -> str:
+        """``text`` in the style's colours when colours are on, else unchanged."""
+        name = _STYLES.get(style)
+        return Style.parse(name).render(text) if self.colour and name else text
+
+    def print(self, text: str = "") -> None:
+        print(text, file=self.out, flush=True)
+
+    def error(self, message: str) -> None:
+        print(f"{PROG}: error: {message}", file=self.err, flush=True)
+
+    def progress(self, label: str, total: int, unit: str = "B") -> Progress:
+        return Progress(self.err, label, total, unit, enabled=self.show_progress)
+
+    def table(self, head: Sequence[str], rows: Sequence[Sequence[str]], styles: Any) -> None:
+        """Print a table: aligned columns, ``head`` bold, ``styles[i][j]`` per cell."""
+        table = Table(box=None, pad_edge=False, padding=(0, 2, 0, 0), show_edge=False)
+        for name in head:
+            table.add_column(Text(name, style="bold" if self.colour else ""), no_wrap=True)
+        for cells, cell_styles in zip(rows, styles, strict=True):
+            table.add_row(
+                *(
+                    Text(c, style=_STYLES.get(s, "") if self.colour else "")
+                    for c, s in zip(cells, cell_styles, strict=True)
+                )
+            )
+        buf = io.StringIO()
+        console = Console(
+            file=buf,
+            width=_PLAIN_WIDTH,
+            force_terminal=self.colour,
+            no_color=not self.colour,
+            color_system="standard" if self.colour else None,
+            highlight=False,
+        )
+        console.print(table)
+        for line in buf.getvalue().splitlines():
+            self.print(line.rstrip())
+
+    def interactive(self) -> bool:
+        return _isatty(self.stdin)
+
+    def confirm(self, question: str) -> bool:
+        print(f"{question} [y/N] ", end="", file=self.out, flush=True)
+        answer = self.stdin.readline()
+        return answer.strip().lower() in ("y", "yes")

@@ -1,0 +1,162 @@
+"""Compare two checkpoints key by key: what was added, removed or changed, and by how much.
+
+Exact by design: plain values compare by type and bits (a float 0.0 is not -0.0,
+NaN equals NaN), tensors element by element on their bytes, so "identical"
+means bit-identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from functional_ckpt.io import restore
+from functional_ckpt.manifest import dtype_name
+from functional_ckpt.summary import short_repr
+from functional_ckpt.tree import KeyPath, iter_leaves
+
+__all__ = ["DiffEntry", "DiffResult", "diff_checkpoints", "same_value", "tensor_delta"]
+
+
+def _dtype_text(dtype: torch.dtype) -> str:
+    return dtype_name(dtype)
+
+
+@dataclass(frozen=True)
+class DiffEntry:
+    """One difference (or sameness) between two checkpoints, for one key."""
+
+    kind: str  # added | removed | kind | shape | dtype | value | tensor | same
+    key: KeyPath
+    detail: str = ""
+    nbytes: int = 0
+
+    def __str__(self) -> str:
+        sign = {"added": "+", "removed": "-", "same": "="}.get(self.kind, "~")
+        return f"{sign} {self.kind:<7} {'/'.join(self.key)}  {self.detail}".rstrip()
+
+
+@dataclass
+class DiffResult:
+    a: Path
+    b: Path
+    entries: list[DiffEntry]
+
+    @property
+    def changes(self) -> list[DiffEntry]:
+        return [e for e in self.entries if e.kind != "same"]
+
+    @property
+    def same(self) -> list[DiffEntry]:
+        return [e for e in self.entries if e.kind == "same"]
+
+
+def _leaves(path: Path) -> dict[KeyPath, tuple[str, Any]]:
+    state = restore(path)
+    return {
+        leaf.path: (leaf.kind, leaf.value) for leaf in iter_leaves(state) if leaf.kind != "node"
+    }
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Exact equality of plain values: same types, floats bit for bit (NaN == NaN)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return bool(a.hex() == b.hex())
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, np.ndarray):
+        return bool(a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes())
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return repr(a) == repr(b)
+
+
+def _element_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Each element's bytes as one row, to compare any dtype bit for bit."""
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).reshape(flat.numel(), t.element_size())
+
+
+def tensor_delta(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """None if bit-identical, else how much they differ.
+
+    Values are compared in float64 (complex128 for complex dtypes), which holds
+    every bool, integer up to 2**53, float8/16/32 exactly; NaN against a number
+    is counted apart. Dtypes torch cannot convert get "bytes differ".
+    """
+    try:
+        differ = (_element_bytes(a) != _element_bytes(b)).any(dim=1)
+    except RuntimeError:
+        return None if torch.equal(a, b) else "values differ"
+    n = int(differ.sum())
+    if n == 0:
+        return None
+    where = f"{n} of {a.numel()} elements differ"
+    try:
+        wide = torch.complex128 if a.is_complex() else torch.float64
+        x = a.detach().reshape(-1).to(wide)[differ]
+        y = b.detach().reshape(-1).to(wide)[differ]
+    except (RuntimeError, TypeError):
+        return f"bytes differ ({where})"
+    d = (x - y).abs()
+    nan = d.isnan()
+    both_nan = x.isnan() & y.isnan()
+    mismatched = int((nan & ~both_nan).sum())
+    finite = d[~nan]
+    text = f"max |Δ| {float(finite.max()):.3g}" if finite.numel() else "max |Δ| -"
+    if mismatched:
+        text += f", {mismatched} NaN vs number"
+    return f"{text} ({where})"
+
+
+def _spec(value: torch.Tensor) -> str:
+    return f"{_dtype_text(value.dtype)}{list(value.shape)}"
+
+
+def _diff_one(key: KeyPath, a: tuple[str, Any], b: tuple[str, Any]) -> DiffEntry:
+    (ka, va), (kb, vb) = a, b
+    if ka != kb:
+        left = _spec(va) if ka == "tensor" else short_repr(va, 40)
+        right = _spec(vb) if kb == "tensor" else short_repr(vb, 40)
+        return DiffEntry("kind", key, f"{ka} {left} -> {kb} {right}")
+    if ka == "value":
+        if same_value(va, vb):
+            return DiffEntry("same", key)
+        return DiffEntry("value", key, f"{short_repr(va, 60)} -> {short_repr(vb, 60)}")
+    if tuple(va.shape) != tuple(vb.shape):
+        return DiffEntry("shape", key, f"{_spec(va)} -> {_spec(vb)}")
+    if va.dtype != vb.dtype:
+        return DiffEntry("dtype", key, f"{_spec(va)} -> {_spec(vb)}")
+    delta = tensor_delta(va, vb)
+    nbytes = va.numel() * va.element_size()
+    if delta is None:
+        return DiffEntry("same", key, _spec(va), nbytes)
+    return DiffEntry("tensor", key, f"{_spec(va)}  {delta}", nbytes)
+
+
+def diff_checkpoints(a: Path, b: Path) -> DiffResult:
+    """Compare two checkpoints leaf by leaf (both restored in full, without templates)."""
+    left, right = _leaves(a), _leaves(b)
+    entries = []
+    for key, (kind, value) in right.items():
+        if key not in left:
+            what = _spec(value) if kind == "tensor" else short_repr(value, 60)
+            entries.append(DiffEntry("added", key, what))
+    for key, (kind, value) in left.items():
+        if key not in right:
+            what = _spec(value) if kind == "tensor" else short_repr(value, 60)
+            entries.append(DiffEntry("removed", key, what))
+        else:
+            entries.append(_diff_one(key, left[key], right[key]))
+    order = {"added": 0, "removed": 1, "kind": 2, "shape": 3, "dtype": 4, "value": 5, "tensor": 6}
+    entries.sort(key=lambda e: (order.get(e.kind, 7), e.key))
+    return DiffResult(a, b, entries)

@@ -1,0 +1,109 @@
+"""What ``fc.inspect`` returns: a checkpoint's tree of specs and values, and how to show it.
+
+Shared by the readers of both checkpoint kinds (the project's own and stock DCP),
+so neither imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from functional_ckpt.manifest import dtype_name
+from functional_ckpt.tree import KeyPath
+
+__all__ = ["CheckpointSummary", "Node", "TensorSpec", "insert", "short_repr"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+    def __str__(self) -> str:
+        return f"{dtype_name(self.dtype)}{list(self.shape)} ({self.nbytes} B)"
+
+
+class Node(dict[str, Any]):
+    """A sub-tree in ``CheckpointSummary.tree`` (plain values that are dicts are not)."""
+
+
+@dataclass
+class CheckpointSummary:
+    """What a checkpoint holds, read from its manifest alone."""
+
+    path: Path
+    format_version: int | None
+    created: float | None
+    metadata: Any
+    tree: dict[str, Any]  # nested: key -> Node | TensorSpec | plain value
+    num_tensors: int
+    num_values: int
+    tensor_bytes: int
+    file_bytes: int
+    foreign: bool = False
+    world_size: int = 1  # ranks that wrote it; per-rank subtrees shown are rank 0's
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.path}: {self.num_tensors} tensors ({self.tensor_bytes} B), "
+            f"{self.num_values} values"
+        ]
+
+        def walk(node: dict[str, Any], indent: str) -> None:
+            for k, v in node.items():
+                if isinstance(v, Node):
+                    lines.append(f"{indent}{k}/")
+                    walk(v, indent + "  ")
+                else:
+                    text = str(v) if isinstance(v, TensorSpec | str) else short_repr(v)
+                    lines.append(f"{indent}{k}: {_clip(text, 100)}")
+
+        walk(self.tree, "  ")
+        return "\n".join(lines)
+
+
+def _clip(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _big_int(n: int) -> str:
+    """An int too long for ``repr`` (Python's 4300-digit limit), shown by size and hex head."""
+    digits = int(n.bit_length() * 0.30103) + 1
+    return f"<int of about {digits} digits, {hex(n)[:18]}...>"
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """``repr`` on one line, at most ``limit`` characters; never raises.
+
+    Checkpoints hold exact values of any size: an int past the interpreter's
+    digit limit, or an object whose ``repr`` fails, is described instead.
+    """
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):
+        text = _describe(value)
+    except Exception as err:
+        text = f"<{type(value).__name__}: repr failed ({type(err).__name__})>"
+    return _clip(text, limit)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, int):
+        return _big_int(value)
+    if isinstance(value, list | tuple | set | frozenset | dict):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    return f"<{type(value).__name__}>"
+
+
+def insert(tree: dict[str, Any], path: KeyPath, value: Any) -> None:
+    """Put ``value`` at ``path``, creating the Nodes on the way."""
+    node = tree
+    for k in path[:-1]:
+        node = node.setdefault(k, Node())
+    node[path[-1]] = value
