@@ -26,6 +26,7 @@ from functional_ckpt.cli import listing, ui
 from functional_ckpt.diff import same_value, tensor_delta
 from functional_ckpt.manager import step_name
 from functional_ckpt.reader import open_checkpoint
+from tests.forge import resign
 
 KEEP = fc.keep_last(2) | fc.keep_best(1, "val_loss", mode="min")
 VAL_LOSSES = {10: 0.9, 20: 0.5, 30: 0.7, 40: 0.8, 50: 0.6}
@@ -587,3 +588,72 @@ def test_subprocess_entry_point(root: Path, copy: Path, tmp_path: Path) -> None:
     proc = fckpt("diff", str(root / step_name(50)), str(tmp_path / "missing"))
     assert proc.returncode == 2
     assert_one_line_error(proc.stderr, "missing", "no such file")
+
+
+# --------------------------------------------------------------------------- odd checkpoints
+
+
+def _odd_root(tmp_path: Path) -> Path:
+    """Five good steps, three of them re-signed with values ``fc.save`` or a bug could write."""
+    root = tmp_path / "odd"
+    with fc.CheckpointManager(root) as mgr:
+        for step in (1, 2, 3, 4, 5):
+            mgr.maybe_save({"w": torch.ones(2) * step}, step=step, metrics={"loss": 1.0 / step})
+
+    def created(value: float) -> Any:
+        return lambda m: m.__setitem__("created", value)
+
+    resign(root / step_name(1), created(1e300))
+    resign(root / step_name(2), created(float("nan")))
+    resign(root / step_name(3), lambda m: m["metadata"]["manager"].__setitem__("metrics", [1, 2]))
+    return root
+
+
+def test_ls_and_inspect_survive_odd_but_authentic_manifests(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = _odd_root(tmp_path)
+    code, out, err = run(["ls", str(root)], capsys)
+    assert code == 0 and err == "", err
+    for step in (1, 2, 3, 4, 5):  # one odd checkpoint never hides the others
+        assert step_name(step) in out
+    assert "loss=0.25" in out and "loss=0.2" in out
+    code, out, err = run(["ls", str(root), "--json"], capsys)
+    rows = {r["step"]: r for r in json.loads(out)}
+    assert code == 0 and sorted(rows) == [1, 2, 3, 4, 5]
+    assert rows[1]["time"] is None and rows[2]["time"] is None and rows[3]["metrics"] == {}
+    for step in (1, 2, 3):
+        code, out, err = run(["inspect", str(root / step_name(step))], capsys)
+        assert code == 0 and err == "", err
+        code, out, err = run(["inspect", str(root / step_name(step)), "--json"], capsys)
+        assert code == 0 and json.loads(out)["path"].endswith(step_name(step))
+    with fc.CheckpointManager(root, read_only=True) as mgr:
+        assert mgr.steps() == [1, 2, 3, 4, 5] and mgr.info(3).metrics == {}
+
+
+def test_inspect_shows_an_int_past_the_digit_limit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    big = 7**6000  # about 5070 digits: more than str() allows by default
+    fc.save(tmp_path / "c", {"w": torch.ones(1), "big": big})
+    assert "big: <int of about 50" in str(fc.inspect(tmp_path / "c"))
+    code, out, err = run(["inspect", str(tmp_path / "c")], capsys)
+    assert code == 0 and err == "" and "<int of about 50" in out
+    code, out, err = run(["inspect", str(tmp_path / "c"), "--json"], capsys)
+    values = {e["key"]: e.get("value") for e in json.loads(out)["entries"]}
+    assert code == 0 and int(values["big"]["int"], 16) == big
+    assert fc.restore(tmp_path / "c")["big"] == big
+
+
+def test_an_unsafe_checkpoint_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fc.save(tmp_path / "c", {"w": torch.ones(1)})
+    manifest = tmp_path / "c" / "manifest.msgpack"
+    os.rename(manifest, tmp_path / "elsewhere")
+    manifest.symlink_to(tmp_path / "elsewhere")  # a manifest that is a link: refused, unsafe
+    for argv in (["inspect", str(tmp_path / "c")], ["ls", str(tmp_path)]):
+        code, out, err = run(argv, capsys)
+        if argv[0] == "ls":  # listing reports it as damaged and goes on
+            assert code == 0 and "damaged" in out and "not a regular file" in out, out
+            continue
+        assert code == 1, err
+        assert_one_line_error(err, "not a regular file")

@@ -751,3 +751,31 @@ def test_a_template_the_codec_refuses_is_the_callers_error(tmp_path: Path) -> No
             mgr.restore_latest(template=bad)
         assert mgr.steps() == [1, 2] and not caught
     assert sorted(p.name for p in tmp_path.iterdir() if ".corrupt-" in p.name) == []
+
+
+def test_a_malformed_alias_is_damage_and_the_manager_falls_back(tmp_path: Path) -> None:
+    """An alias written as ``[["w"]]`` (authentic marker) is a corrupt checkpoint, not a TypeError."""
+    from tests.forge import resign
+
+    def aliased(step: int) -> dict[str, Any]:
+        w = torch.full((3,), float(step))
+        return {"w": w, "same": w, "step": step}
+
+    with fc.CheckpointManager(tmp_path) as mgr:
+        mgr.maybe_save(aliased(1), step=1)
+        mgr.maybe_save(aliased(2), step=2)
+
+    def nest(manifest: dict[str, Any]) -> None:
+        for entry in manifest["entries"]:
+            if "alias" in entry:
+                entry["alias"] = [entry["alias"]]
+
+    newest = tmp_path / step_name(2)
+    resign(newest, nest)
+    report = fc.verify(newest)
+    assert not report.ok
+    with pytest.raises(fc.CorruptCheckpoint, match="alias"):
+        fc.restore(newest)
+    with fc.CheckpointManager(tmp_path) as mgr, pytest.warns(CheckpointWarning, match="alias"):
+        restored = mgr.restore_latest()
+    assert restored is not None and mgr.restored_step == 1 and restored["same"] is restored["w"]
