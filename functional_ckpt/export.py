@@ -30,6 +30,7 @@ import torch
 from tensordict import TensorDictBase
 
 from functional_ckpt import format
+from functional_ckpt._types import PathLike
 from functional_ckpt.errors import CheckpointError, CheckpointExists, TemplateMismatch
 from functional_ckpt.io import restore
 from functional_ckpt.policy import SavePolicy
@@ -43,7 +44,6 @@ __all__ = [
     "parse_size",
 ]
 
-PathLike = str | os.PathLike[str]
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _UNITS = {

@@ -25,11 +25,10 @@ import torch
 from tensordict import TensorDictBase
 
 from functional_ckpt import codec, format, shards
+from functional_ckpt._types import PathLike as PathLike  # re-exported: one PathLike
 from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
 from functional_ckpt.manifest import dtype_name
 from functional_ckpt.tree import KeyPath, as_state, format_path, iter_leaves
-
-PathLike = str | os.PathLike[str]
 
 #: Top-level subtrees that differ between ranks and are stored once per rank.
 DEFAULT_PER_RANK = ("rng", "loader")
@@ -208,7 +207,7 @@ def check_destination(path: Path, overwrite: bool) -> None:
 
 def auto_metadata() -> dict[str, Any]:
     """What every checkpoint records about where it came from."""
-    from functional_ckpt import __version__
+    from functional_ckpt._version import __version__
 
     return {
         "hostname": socket.gethostname(),

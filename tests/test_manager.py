@@ -754,7 +754,7 @@ def test_a_template_the_codec_refuses_is_the_callers_error(tmp_path: Path) -> No
 
 
 def test_a_malformed_alias_is_damage_and_the_manager_falls_back(tmp_path: Path) -> None:
-    """An alias written as ``[["w"]]`` (authentic marker) is a corrupt checkpoint, not a TypeError."""
+    """An alias written as ``[["w"]]`` (re-signed) is a corrupt checkpoint, not a TypeError."""
     from tests.forge import resign
 
     def aliased(step: int) -> dict[str, Any]:
