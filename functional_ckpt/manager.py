@@ -287,7 +287,7 @@ class CheckpointManager:
         Safe only because we hold the lock: no other writer can be mid-save (see
         :func:`functional_ckpt.root.recover_leftovers`).
         """
-        recover_leftovers(self.root)
+        recover_leftovers(self.root, stacklevel=5)  # warn at the CheckpointManager(...) call
 
     # ------------------------------------------------------------------ context manager
 

@@ -278,6 +278,8 @@ def classify(path: Path) -> Entry | None:
     }
     for infix, (status, detail) in aside.items():
         if infix in name:
+            if infix != QUARANTINE_INFIX and _committed(path):
+                detail = "complete (committed): the next writer recovers it, never deletes it"
             return Entry(name, path, step, status, size=dir_size(path), detail=detail)
     if (path / format.COMMIT_MARKER).exists():
         return _committed_entry(path)
@@ -440,7 +442,7 @@ def _created(path: Path) -> float:
     return -math.inf if t is None else t
 
 
-def recover_leftovers(root: Path) -> list[Path]:
+def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
     """Recover or remove what crashed writers left in ``root``; returns what was recovered.
 
     For every ``step_N.tmp-*`` / ``step_N.trash-*``: an uncommitted one is deleted. A
@@ -487,7 +489,7 @@ def recover_leftovers(root: Path) -> list[Path]:
                 f"{final}: recovered from {paths[0].name}, a committed checkpoint an interrupted "
                 "save or deletion left behind",
                 LeftoverWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
             paths = paths[1:]
         for path in paths:
@@ -496,7 +498,7 @@ def recover_leftovers(root: Path) -> list[Path]:
                 f"while {final.name} exists; kept (never deleted automatically). Inspect it "
                 "and delete it by hand if it is not needed",
                 LeftoverWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
     if changed:
         format.fsync_dir(root)

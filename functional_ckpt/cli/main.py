@@ -41,9 +41,7 @@ def cmd_demo(args: argparse.Namespace, ui: UI) -> int:
     root = Path(args.root) if args.root else demo.default_root()
 
     def progress(label: str, total: int) -> Progress:
-        bar = ui.progress(label, total, unit="steps")
-        bar.update(0, force=True)
-        return bar
+        return ui.progress(label, total, unit="steps").start()
 
     ui.print(f"fckpt demo: train, SIGKILL, resume, compare; working in {root}")
     result = demo.run_demo(root, args.steps, args.crash_at, progress=progress, say=ui.print)

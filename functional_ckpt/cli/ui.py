@@ -86,11 +86,15 @@ class Progress:
                 transient=True,
             )
 
-    def __enter__(self) -> Progress:
-        if self._bar is not None:
+    def start(self) -> Progress:
+        """Show the bar (``with`` does it too); ``close`` takes it away."""
+        if self._bar is not None and self._task is None:
             self._bar.start()
             self._task = self._bar.add_task(self.label, total=self.total or None)
         return self
+
+    def __enter__(self) -> Progress:
+        return self.start()
 
     def __exit__(
         self,

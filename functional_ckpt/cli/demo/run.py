@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import functional_ckpt as fc
+from functional_ckpt import format
 from functional_ckpt.cli.demo.job import (
     CKPT_DIR,
     CRASH_FRACTION,
@@ -31,7 +32,7 @@ from functional_ckpt.cli.demo.job import (
     Schedule,
 )
 from functional_ckpt.diff import diff_checkpoints
-from functional_ckpt.root import kept_by
+from functional_ckpt.root import kept_by, scan
 
 # --------------------------------------------------------------------------- parent
 
@@ -283,8 +284,8 @@ def _watch(child: Child, label: str, total: int, progress: ProgressFactory | Non
 def _in_flight(ckpt_dir: Path) -> list[str]:
     """Temporary directories a killed save left behind (invisible to every reader)."""
     try:
-        return sorted(p.name for p in ckpt_dir.iterdir() if ".tmp-" in p.name)
-    except FileNotFoundError:
+        return [e.name for e in scan(ckpt_dir) if format.TMP_INFIX in e.name]
+    except fc.CheckpointNotFound:
         return []
 
 
