@@ -657,3 +657,20 @@ def test_an_unsafe_checkpoint_exits_1(tmp_path: Path, capsys: pytest.CaptureFixt
             continue
         assert code == 1, err
         assert_one_line_error(err, "not a regular file")
+
+
+def test_ls_tells_a_committed_leftover_from_a_half_written_one(
+    copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shutil.copytree(copy / step_name(50), copy / f"{step_name(60)}.tmp-0123456789ab")
+    (copy / f"{step_name(70)}.tmp-0123456789ab").mkdir()
+    code, out, _ = run(["ls", str(copy), "--json"], capsys)
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert code == 0
+    complete = rows[f"{step_name(60)}.tmp-0123456789ab"]
+    half = rows[f"{step_name(70)}.tmp-0123456789ab"]
+    assert complete["step"] == 60 and "recovers it" in complete["detail"]
+    assert half["step"] == 70 and "recovers" not in half["detail"]
+    with pytest.warns(UserWarning, match="recovered"), fc.CheckpointManager(copy) as mgr:
+        assert mgr.latest_step() == 60  # the complete one came back, the half one is gone
+    assert not (copy / f"{step_name(70)}.tmp-0123456789ab").exists()

@@ -113,7 +113,7 @@ def _crash_text(result: DemoResult) -> str:
     if result.in_flight:
         return text + (
             f"; the save in flight was left as {result.in_flight[0]} "
-            "(a temporary name: never read, removed on resume)"
+            "(a temporary name: never read; on resume removed, or recovered if complete)"
         )
     return text + "; no save was in flight"
 
