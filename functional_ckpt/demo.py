@@ -645,7 +645,7 @@ def _compare(
         reference=reference,
         in_flight=in_flight,
         kept=[i.step for i in infos],
-        kept_by=cli.kept_by(cli.parse_retention(repr(schedule.retention())) or [], infos),
+        kept_by=cli.kept_by(cli.retention_parts(schedule.retention().spec) or [], infos),
         losses_identical=losses_identical,
         replayed=replayed,
         state_diff=[str(e) for e in diff.changes],
