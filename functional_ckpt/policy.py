@@ -133,9 +133,13 @@ class SavePolicy(ABC):
         """The state after ``event``, given whether a save actually happened on it."""
 
     @property
-    @abstractmethod
     def spec(self) -> PolicySpec:
-        """Kind and arguments as plain data; :func:`policy_from_spec` rebuilds the policy."""
+        """Kind and arguments as plain data; :func:`policy_from_spec` rebuilds the policy.
+
+        A policy defined outside this module describes itself by type and repr, which
+        is enough to tell whether a stored state is its own, but cannot be rebuilt.
+        """
+        return {"kind": "custom", "type": type(self).__qualname__, "repr": repr(self)}
 
     def should_save(self, state: PolicyState, event: Event) -> tuple[bool, PolicyState]:
         """``(save?, new_state)`` for a policy that decides alone: its vote is the outcome."""

@@ -82,9 +82,13 @@ class RetentionPolicy(ABC):
         """``select`` without the input checks, so unions check only once."""
 
     @property
-    @abstractmethod
     def spec(self) -> dict[str, Any]:
-        """Kind and arguments as plain data; :func:`retention_from_spec` rebuilds it."""
+        """Kind and arguments as plain data; :func:`retention_from_spec` rebuilds it.
+
+        A policy defined outside this module describes itself by type and repr; such a
+        spec is recorded but cannot be rebuilt.
+        """
+        return {"kind": "custom", "type": type(self).__qualname__, "repr": repr(self)}
 
     def __or__(self, other: object) -> RetentionPolicy:
         if not isinstance(other, RetentionPolicy):

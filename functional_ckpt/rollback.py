@@ -118,6 +118,9 @@ def begin(root: Path, plan: Plan) -> None:
 def finish(root: Path) -> Plan | None:
     """Complete the rollback recorded in ``root``, if any; the caller holds the lock."""
     intent = root / INTENT_FILE
+    for name in os.listdir(root):  # a plan a crash cut short before it was recorded
+        if name.startswith(INTENT_FILE + format.TMP_INFIX):
+            os.unlink(root / name)
     try:
         raw = intent.read_bytes()
     except FileNotFoundError:
