@@ -81,7 +81,17 @@ EXPORTS_DIR = "exports"
 QUARANTINE_INFIX = ".corrupt-"
 #: Metadata keys describing the process that wrote a checkpoint (replaced on fork).
 AUTO_KEYS = frozenset(
-    {"hostname", "torch", "functional_ckpt", "pid", "time", "python", "git_commit", "cwd"}
+    {
+        "hostname",
+        "torch",
+        "functional_ckpt",
+        "pid",
+        "time",
+        "python",
+        "git_commit",
+        "cwd",
+        "rollbacks",
+    }
 )
 _STEP_RE = re.compile(r"step_(\d+)")
 _GIT_TIMEOUT_S = 2.0
@@ -364,6 +374,7 @@ class CheckpointManager:
         self._closed = False
         self._git: str | None = None
         self._lineage: dict[str, Any] | None = None
+        self._rollbacks: list[Any] = []  # this run's rollbacks, oldest first
         self._cwd = os.getcwd()
         if not self.read_only:
             if self._coordinator:
@@ -685,6 +696,8 @@ class CheckpointManager:
             auto["git_commit"] = self._git
         if self._lineage is not None:
             auto["forked_from"] = self._lineage  # every checkpoint of a fork says so
+        if self._rollbacks:
+            auto["rollbacks"] = list(self._rollbacks)  # and of a run that rolled back
         return {**auto, **self.metadata, MANAGER_KEY: dict(record)}
 
     def _write(
@@ -900,7 +913,9 @@ class CheckpointManager:
         the steps; see :meth:`branches`), with ``newer="delete"`` deleted. Nothing is
         moved if the restore fails. The moves are recorded durably first and each is
         an atomic rename, so a crash leaves the rollback either not started or
-        finished by the next writer that opens the root. Returns the restored state.
+        finished by the next writer that opens the root. Every later checkpoint
+        records the run's rollbacks under ``metadata["rollbacks"]``. Returns the
+        restored state.
         """
         self._check_writable("rollback")
         if newer not in ("branch", "delete"):
@@ -922,6 +937,9 @@ class CheckpointManager:
         rollback.finish(self.root)
         for s in doomed:
             self._cache.pop(s, None)
+        self._rollbacks.append(
+            {"time": time.time(), "to_step": step, "newer_steps": doomed, "branch": name}
+        )
         return state
 
     def _adopt(self, info: StepInfo) -> None:
@@ -931,6 +949,8 @@ class CheckpointManager:
             return  # a follower never saves: its policies are irrelevant
         lineage = info.metadata.get("forked_from")
         self._lineage = lineage if isinstance(lineage, dict) else None
+        rollbacks = info.metadata.get("rollbacks")
+        self._rollbacks = list(rollbacks) if isinstance(rollbacks, list) else []
         record = info.metadata.get(MANAGER_KEY)
         record = record if isinstance(record, dict) else {}
         self._policy_state = _stored_state(self.save_policy, record, "save", info.path)

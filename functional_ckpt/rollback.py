@@ -6,7 +6,9 @@ each move is one atomic ``rename`` followed by an ``fsync`` of the directories i
 changed; the plan is removed last. A writer that opens the root and finds a plan
 finishes it (every move is idempotent: a step already moved is skipped). So after
 any crash the rollback has either not started (no plan on disk, nothing moved) or
-completes at the next open; no checkpoint is ever lost on the way.
+completes at the next open; no checkpoint is ever lost on the way. Steps move in
+ascending order, so the trunk's latest step stays the old one until the last move
+and then is the target: a reader never sees a latest step in between.
 
 Newer checkpoints either go to a *branch*, ``root/branches/<name>/step_N`` (itself
 a valid root that any manager or ``fc.restore`` can read, never the trunk's

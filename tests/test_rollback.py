@@ -63,6 +63,9 @@ def test_rollback_keeps_newer_steps_on_a_branch_and_continues(tmp_path: Path) ->
         assert mgr.maybe_save(small_state(4), step=4, metrics={"loss": 0.55})
         assert mgr.info(4).metadata["manager"]["save"]["state"][0] == {"best": 0.5}
         assert mgr.latest_step() == 4 and mgr.best_step("loss") == 3
+        (event,) = mgr.info(4).metadata["rollbacks"]  # the run's history says so
+        assert event["to_step"] == 3 and event["newer_steps"] == [4, 5]
+        assert event["branch"] == "diverged" and "rollbacks" not in mgr.info(3).metadata
     assert names(tmp_path) == [".lock", "branches", step_name(1), step_name(2), step_name(3),
                                step_name(4)]  # fmt: skip
     # The branch is a root of its own; readers of the trunk never see it as latest.
