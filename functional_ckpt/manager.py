@@ -8,8 +8,11 @@ is the bookkeeping a single function cannot do:
 
 * checkpoints live in ``root/step_{step:09d}/`` (zero padded, so ``ls`` sorts them);
 * each checkpoint's metadata carries, under the reserved key ``"manager"``, the
-  step, epoch, metrics and the policy states, so a restarted run continues its
-  policies (``every_secs`` counts only running time, ``on_improve`` keeps its best);
+  step, epoch, metrics, the running time and each policy's spec with its state, so a
+  restarted run continues its policies (``every_secs`` counts only running time,
+  ``on_improve`` keeps its best) and a changed policy starts fresh;
+* ``rollback`` resumes from an older step and moves the newer ones aside (to a
+  branch, or deleted) crash-safely, so the run continues in the same root;
 * one writer per root, enforced by an ``flock`` on ``root/.lock`` (released by the
   kernel when the holder dies, so a crashed writer's lock is simply taken over;
   a ``.lock`` symlink is refused, never followed);
@@ -23,6 +26,7 @@ is the bookkeeping a single function cannot do:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import math
 import os
@@ -32,14 +36,14 @@ import subprocess
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from tensordict import TensorDict, TensorDictBase
 
-from functional_ckpt import codec, format
+from functional_ckpt import codec, format, rollback
 from functional_ckpt._types import PathLike
 from functional_ckpt.errors import (
     CheckpointError,
@@ -50,7 +54,7 @@ from functional_ckpt.export import Export, export_safetensors
 from functional_ckpt.io import CheckpointInfo, distributed_active, restore, save
 from functional_ckpt.policy import Event, PolicyState, SavePolicy, every_steps, never
 from functional_ckpt.reader import Reshard
-from functional_ckpt.retention import RetentionPolicy, keep_all, plan_deletions
+from functional_ckpt.retention import RetentionPolicy, best_steps, keep_all, plan_deletions
 from functional_ckpt.root import (
     EXPORTS_DIR,
     MANAGER_KEY,
@@ -85,7 +89,17 @@ State = TensorDictBase | Mapping[str, Any]
 
 #: Metadata keys describing the process that wrote a checkpoint (replaced on fork).
 AUTO_KEYS = frozenset(
-    {"hostname", "torch", "functional_ckpt", "pid", "time", "python", "git_commit", "cwd"}
+    {
+        "hostname",
+        "torch",
+        "functional_ckpt",
+        "pid",
+        "time",
+        "python",
+        "git_commit",
+        "cwd",
+        "rollbacks",
+    }
 )
 _GIT_TIMEOUT_S = 2.0
 
@@ -135,34 +149,6 @@ def _plain_metrics(metrics: Mapping[str, Any] | None, where: str) -> dict[str, f
     return out
 
 
-def _fits(state: Any, shape: Any, *, in_field: bool = False) -> bool:
-    """Does a stored policy state have the shape of ``policy.init()``?
-
-    Compared structurally (dict keys, list lengths, None-ness), not by value, so a
-    state saved under a different policy is detected before the policy chokes on it.
-    A None *field* of a dict (``last_fired_step``, ``best``) starts unset and may
-    hold any scalar later; a None *policy state* (a stateless policy) must stay
-    None. An empty list (``at_steps``' fired steps) accepts any list.
-    """
-    if isinstance(shape, dict):
-        return (
-            isinstance(state, dict)
-            and set(state) == set(shape)
-            and all(_fits(state[k], shape[k], in_field=True) for k in shape)
-        )
-    if isinstance(shape, list):
-        if not isinstance(state, list):
-            return False
-        if not shape:
-            return True
-        return len(state) == len(shape) and all(
-            _fits(a, b, in_field=in_field) for a, b in zip(state, shape, strict=True)
-        )
-    if shape is None and not in_field:
-        return state is None
-    return not isinstance(state, dict | list)
-
-
 def _stamp(path: Path) -> tuple[int, int, int]:
     """Identity of a committed checkpoint (its marker), to cache manifest reads."""
     st = os.stat(path / format.COMMIT_MARKER)
@@ -194,9 +180,11 @@ class CheckpointManager:
     the automatic keys. ``export`` adds weights-only safetensors exports on their
     own policy (see :class:`~functional_ckpt.export.Export`).
 
-    A writing manager locks ``root`` and removes stale temporary directories at
-    open; ``read_only=True`` does neither and never deletes or renames anything.
-    Not thread-safe: use one manager from one thread.
+    A writing manager locks ``root``, removes stale temporary directories and
+    finishes an interrupted rollback at open; ``read_only=True`` does none of that
+    and never deletes or renames anything. ``clock`` is read (only by the manager,
+    never by a policy) to count the run's running time, which every event carries
+    and every checkpoint records. Not thread-safe: use one manager from one thread.
     """
 
     def __init__(
@@ -211,8 +199,15 @@ class CheckpointManager:
         async_save: bool = False,
         staging: Staging = "copy",
         per_rank: Sequence[str] = DEFAULT_PER_RANK,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.root = Path(root)
+        if not callable(clock):
+            raise TypeError(f"CheckpointManager(clock={clock!r}): clock must be callable")
+        self._clock = clock
+        # Running time = offset (carried by the restored checkpoint) + clock since base.
+        self._run_offset = 0.0
+        self._run_base = float(clock())
         self.per_rank = tuple(per_rank)
         self.async_save = bool(async_save)
         self.staging: Staging = staging
@@ -241,6 +236,7 @@ class CheckpointManager:
         self._closed = False
         self._git: str | None = None
         self._lineage: dict[str, Any] | None = None
+        self._rollbacks: list[Any] = []  # this run's rollbacks, oldest first
         self._cwd = os.getcwd()
         if not self.read_only:
             if self._coordinator:
@@ -277,6 +273,7 @@ class CheckpointManager:
         self._lock = WriterLock(self.root)
         try:
             self._remove_stale()
+            rollback.finish(self.root)  # a rollback a crash interrupted completes now
         except BaseException:
             self._lock.release()
             raise
@@ -406,16 +403,20 @@ class CheckpointManager:
         return out
 
     def best_step(self, metric: str, mode: str = "min") -> int | None:
-        """The step with the best recorded ``metric`` (ties go to the newer step)."""
-        if mode not in ("min", "max"):
-            raise ValueError(f"best_step(mode={mode!r}): mode must be 'min' or 'max'")
-        sign = 1.0 if mode == "min" else -1.0
-        scored = [
-            (sign * float(i.metrics[metric]), -i.step)
-            for i in self.infos()
-            if metric in i.metrics and not math.isnan(float(i.metrics[metric]))
-        ]
-        return -min(scored)[1] if scored else None
+        """The step ``keep_best(1, metric, mode)`` would keep (ties go to the newer step)."""
+        return next(iter(best_steps(self.infos(), metric, mode)), None)
+
+    def branches(self) -> dict[str, list[int]]:
+        """Branches left by :meth:`rollback`, each with its committed steps.
+
+        A branch is a root of its own, ``root/branches/<name>``: open it with another
+        (read-only) manager or restore its checkpoints with ``fc.restore``.
+        """
+        return rollback.branches(self.root, parse_step)
+
+    def branch_root(self, name: str) -> Path:
+        """Where branch ``name`` lives (a root of its own)."""
+        return self.root / rollback.BRANCHES_DIR / rollback.check_branch_name(name)
 
     # ------------------------------------------------------------------ saving
 
@@ -435,41 +436,53 @@ class CheckpointManager:
         is_final: bool = False,
         force: bool = False,
     ) -> bool:
-        """Feed one event to the policies; save (and prune) if the save policy says so.
+        """Build the event, ask the policy, save, commit its state with it, then prune.
 
         Returns whether a full checkpoint was written. ``force=True`` saves whatever
-        the policy says (its state still advances). The export policy is evaluated
-        on the same event and its export is written first, so a crash between the
-        two can only repeat an export, never lose one. Policy states advance only
-        once the writes they describe succeeded, so a failed save is retried at the
-        next event.
+        the policy says, and the policy sees that a save happened. The export policy
+        is asked on the same event and its export is written first, so a crash
+        between the two can only repeat an export, never lose one. Policy states
+        advance only once the writes they describe succeeded, so a failed save is
+        retried at the next event.
         """
         self._check_writable("maybe_save")
         if self._pending is not None and self._pending.done():
             self.wait()  # a background failure surfaces here, at the next call
         event = Event(
-            step=step, epoch=epoch, metrics=_plain_metrics(metrics, "maybe_save"), is_final=is_final
+            step=step,
+            epoch=epoch,
+            metrics=_plain_metrics(metrics, "maybe_save"),
+            is_final=is_final,
+            time=self.running_time(),
         )
         if event.step < 0:
             raise ValueError(f"maybe_save(step={step!r}): steps must be >= 0")
-        fire, policy_state = self.save_policy.should_save(self._policy_state, event)
-        export_fire, export_state = False, self._export_state
-        if self.export is not None:
-            export_fire, export_state = self.export.policy.should_save(self._export_state, event)
+        policy, export = self.save_policy, self.export
+        saved = policy.decide(self._policy_state, event) or force
+        policy_state = policy.update(self._policy_state, event, saved)
+        exported, export_state = False, self._export_state
+        if export is not None:
+            exported = export.policy.decide(export_state, event)
+            export_state = export.policy.update(export_state, event, exported)
         if self._distributed:  # one decision for all ranks: the coordinator's
-            fire, policy_state, export_fire, export_state, force = _coordinator_decides(
-                (fire, policy_state, export_fire, export_state, force)
+            saved, policy_state, exported, export_state, now = _coordinator_decides(
+                (saved, policy_state, exported, export_state, event.time)
             )
-        if fire or force:
+            event = dataclasses.replace(event, time=now)
+        if saved:
             self.wait()  # at most one save in flight; the previous one must have committed
             self._check_order(event.step)  # before any write, the export included
-        if export_fire:
+        if exported:
             self._export_weights(state, event.step)
-        if fire or force:
+        if saved:
             self._save_checkpoint(state, event, policy_state, export_state)
         self._policy_state = policy_state
         self._export_state = export_state
-        return fire or force
+        return bool(saved)
+
+    def running_time(self) -> float:
+        """Seconds this run has been running: carried over by restores, downtime excluded."""
+        return self._run_offset + max(0.0, float(self._clock()) - self._run_base)
 
     def _check_order(self, step: int) -> None:
         """Refuse to save behind the newest checkpoint: a resume would never pick it."""
@@ -477,23 +490,26 @@ class CheckpointManager:
         if latest is not None and step < latest:
             raise CheckpointError(
                 f"{self.root}: cannot save step {step}: step {latest} is newer, and a "
-                "resume would pick it over this one. Call restore_latest() to resume, delete "
-                "the newer steps with delete(step), or fork() into a new root"
+                "resume would pick it over this one. Call restore_latest() to resume, "
+                f"rollback(step) to continue from an older step (step {latest} and the "
+                "others after it are kept on a branch), or fork() into a new root"
             )
 
     def _save_checkpoint(
         self, state: State, event: Event, policy_state: PolicyState, export_state: PolicyState
     ) -> CheckpointInfo | None:
-        record = {
+        record: dict[str, Any] = {
             "step": event.step,
             "epoch": event.epoch,
             "metrics": dict(event.metrics or {}),
             "is_final": event.is_final,
-            "policy_state": policy_state,
-            "save": repr(self.save_policy),
-            "keep": repr(self.keep),
-            "export_policy_state": export_state,
+            "running_time": event.time,
+            # A stored state belongs to the policy of this spec and no other.
+            "save": {"spec": self.save_policy.spec, "state": policy_state},
+            "keep": self.keep.spec,
         }
+        if self.export is not None:
+            record["export"] = {"spec": self.export.policy.spec, "state": export_state}
         info = self._write(self.path(event.step), state, self._metadata(record))
         if info is not None:
             self._after_commit(info)
@@ -516,6 +532,8 @@ class CheckpointManager:
             auto["git_commit"] = self._git
         if self._lineage is not None:
             auto["forked_from"] = self._lineage  # every checkpoint of a fork says so
+        if self._rollbacks:
+            auto["rollbacks"] = list(self._rollbacks)  # and of a run that rolled back
         return {**auto, **self.metadata, MANAGER_KEY: dict(record)}
 
     def _write(
@@ -697,37 +715,96 @@ class CheckpointManager:
             stacklevel=4,
         )
 
+    def rollback(
+        self,
+        step: int,
+        like: State | None = None,
+        *,
+        newer: rollback.Newer = "branch",
+        branch: str | None = None,
+    ) -> TensorDict:
+        """Continue the run from the older kept checkpoint ``step``, in this root.
+
+        Restores ``step`` like :meth:`restore` (policies and running time continue
+        from it), then moves every newer checkpoint out of the trunk: with
+        ``newer="branch"`` to ``root/branches/<branch>/`` (default name: one naming
+        the steps; see :meth:`branches`), with ``newer="delete"`` deleted. Nothing is
+        moved if the restore fails. The moves are recorded durably first and each is
+        an atomic rename, so a crash leaves the rollback either not started or
+        finished by the next writer that opens the root. Every later checkpoint
+        records the run's rollbacks under ``metadata["rollbacks"]``. Returns the
+        restored state.
+        """
+        self._check_writable("rollback")
+        if newer not in ("branch", "delete"):
+            raise ValueError(f"rollback(newer={newer!r}): newer must be 'branch' or 'delete'")
+        if newer == "delete" and branch is not None:
+            raise ValueError(f"rollback(branch={branch!r}): a branch needs newer='branch'")
+        if branch is not None:
+            rollback.check_branch_name(branch)
+        self.wait()  # a save in flight commits first: it may be one of the newer steps
+        state = self.restore(step, like)  # raises, moving nothing, if step is unusable
+        doomed = sorted(s for s, _ in self._step_dirs() if s > step)
+        if not doomed or not self._coordinator:
+            return state
+        name = None
+        if newer == "branch":
+            name = rollback.new_branch(self.root, branch, doomed[-1], step)
+        plan = rollback.Plan(step, [step_name(s) for s in doomed], newer, name)
+        rollback.begin(self.root, plan)
+        rollback.finish(self.root)
+        for s in doomed:
+            self._cache.pop(s, None)
+        self._rollbacks.append(
+            {"time": time.time(), "to_step": step, "newer_steps": doomed, "branch": name}
+        )
+        return state
+
     def _adopt(self, info: StepInfo) -> None:
-        """Continue the policies from the states stored with the restored checkpoint."""
+        """Continue the run from the restored checkpoint: policy states and running time."""
         self._restored_step = info.step
         if self.read_only:
             return  # a follower never saves: its policies are irrelevant
         lineage = info.metadata.get("forked_from")
         self._lineage = lineage if isinstance(lineage, dict) else None
+        rollbacks = info.metadata.get("rollbacks")
+        self._rollbacks = list(rollbacks) if isinstance(rollbacks, list) else []
         record = info.metadata.get(MANAGER_KEY)
         record = record if isinstance(record, dict) else {}
-        self._policy_state = self._reseed(
-            self.save_policy, record.get("policy_state"), info, "save"
-        )
+        self._policy_state = _stored_state(self.save_policy, record, "save", info.path)
         if self.export is not None:
-            self._export_state = self._reseed(
-                self.export.policy, record.get("export_policy_state"), info, "export"
-            )
+            self._export_state = _stored_state(self.export.policy, record, "export", info.path)
+        running = record.get("running_time")
+        plain = isinstance(running, float | int) and not isinstance(running, bool)
+        seconds = float(running) if plain else 0.0  # type: ignore[arg-type]
+        self._run_offset = seconds if math.isfinite(seconds) and seconds >= 0 else 0.0
+        self._run_base = float(self._clock())
 
-    def _reseed(self, policy: SavePolicy, stored: Any, info: StepInfo, what: str) -> PolicyState:
-        fresh = policy.init()
-        if stored is None and fresh is not None:
-            return fresh  # saved without a manager, or forked: a new run's policies
-        if _fits(stored, fresh):
-            state: PolicyState = stored
-            return state
-        warnings.warn(
-            f"{info.path}: the stored {what} policy state does not fit {policy!r} (was the "
-            "policy changed?); that policy starts afresh",
-            CheckpointWarning,
-            stacklevel=4,
-        )
-        return fresh
+
+def _stored_state(
+    policy: SavePolicy, record: Mapping[str, Any], key: str, path: Path
+) -> PolicyState:
+    """The state stored for ``policy``, or ``policy.init()`` if it was another policy's.
+
+    A state is handed back only to the policy whose spec it was stored with; any other
+    policy starts fresh (with a warning) instead of reinterpreting it.
+    """
+    stored = record.get(key)
+    if stored is None and not any(k in record for k in ("policy_state", "export_policy_state")):
+        return policy.init()  # written by fc.save or a fork: a new run's policies
+    spec = policy.spec
+    if isinstance(stored, dict) and stored.get("spec") == spec and "state" in stored:
+        state: PolicyState = stored["state"]
+        return state
+    old = stored.get("spec") if isinstance(stored, dict) else None
+    warnings.warn(
+        f"{path}: the stored {key} policy state belongs to "
+        f"{'an unrecorded policy' if old is None else repr(old)}, not to {policy!r} "
+        f"(spec {spec!r}); that policy starts fresh",
+        CheckpointWarning,
+        stacklevel=5,
+    )
+    return policy.init()
 
 
 _VANISHED = object()
@@ -820,7 +897,9 @@ def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = No
                 "an empty root"
             )
         record = dict(meta.get(MANAGER_KEY) or {})
-        record.update(step=target, policy_state=None, export_policy_state=None)
+        for key in ("save", "export", "policy_state", "export_policy_state"):
+            record.pop(key, None)  # a new run: its policies start fresh
+        record.update(step=target, running_time=0.0)
         user = {k: v for k, v in meta.items() if k not in AUTO_KEYS and k != MANAGER_KEY}
         user["forked_from"] = provenance
         metadata = {**mgr._metadata(record), **user}

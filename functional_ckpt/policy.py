@@ -1,20 +1,26 @@
 """Save policies: pure, composable decisions about *when* to checkpoint.
 
-A policy is modelled like an optax gradient transformation: the policy object holds
-only configuration, and everything that changes over a run lives in an explicit
-``PolicyState`` that the caller threads through::
+A policy is a value made of pure functions, like an optax gradient transformation.
+The object holds only configuration; everything that changes over a run lives in an
+explicit ``PolicyState`` that the caller threads through::
 
     state = policy.init()
     for event in events:
-        save, state = policy.should_save(state, event)
+        save = policy.decide(state, event)        # the vote, from (state, event) only
+        state = policy.update(state, event, save)  # what happened: did a save occur?
 
-Keeping the state outside the object is what makes restarts exact: the manager
-stores the state in each checkpoint's manifest and hands it back after a restore,
-so "the best loss so far" or "seconds since the last save" survive a crash. That is
-also why the state must be plain data (it goes through msgpack unchanged).
+``should_save(state, event) -> (save, new_state)`` is the two composed, for a policy
+that decides alone. The split is what makes combinators exact: ``p | q`` first
+combines the children's votes, then advances *every* leaf from the event and the
+combined outcome, so ``on_improve`` compares with the best value actually saved,
+``every_secs`` counts from the last actual save, and ``~(p | q)`` and ``~p & ~q``
+move every leaf through the very same states.
 
-Policies compose with ``|`` (any), ``&`` (all) and ``~`` (not). Combinators always
-evaluate every child, never short-circuit, so each child's state sees every event.
+Time comes in through the event (``Event(step, time=running_seconds)``); no policy
+reads a clock, so equal inputs give equal decisions and a restart is exact. The
+state is plain data (it goes through msgpack unchanged) and every policy has a
+plain-data :attr:`~SavePolicy.spec` that :func:`policy_from_spec` rebuilds it from:
+a stored state is only ever handed back to the policy of the same spec.
 
 The one deliberate exception to purity is :func:`on_signal`, whose "a signal
 arrived" flag is process state: a signal is an event of this process, not of the
@@ -27,10 +33,8 @@ import math
 import operator
 import signal
 import threading
-import time
-import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TypeAlias
@@ -39,6 +43,8 @@ from functional_ckpt.errors import CheckpointError
 
 __all__ = [
     "Event",
+    "PolicyError",
+    "PolicySpec",
     "PolicyState",
     "SavePolicy",
     "SignalPolicy",
@@ -51,6 +57,7 @@ __all__ = [
     "on_final",
     "on_improve",
     "on_signal",
+    "policy_from_spec",
     "run_policy",
 ]
 
@@ -62,20 +69,30 @@ PolicyState: TypeAlias = (
 Lists, never tuples (msgpack reads tuples back as lists); dict keys are strings.
 """
 
+PolicySpec: TypeAlias = dict[str, Any]
+"""``{"kind": name, **arguments}``, nested for combinators; plain data like a state."""
+
+
+class PolicyError(CheckpointError, ValueError):
+    """A policy was given a state, event or spec it cannot use."""
+
 
 @dataclass(frozen=True)
 class Event:
     """One point in training at which the caller asks "should I save now?".
 
-    ``step`` is required because every policy can at least count steps; ``epoch`` and
-    ``metrics`` are optional so that a loop without them can still use step/time
-    policies. ``is_final`` marks the last event of a run (see :func:`on_final`).
+    ``step`` is required because every policy can at least count steps; ``epoch``,
+    ``metrics`` and ``time`` are needed only by the policies that read them.
+    ``time`` is *running* time in seconds (the manager supplies it, continued across
+    restarts; a loop driving policies by hand passes its own). ``is_final`` marks the
+    last event of a run (see :func:`on_final`).
     """
 
     step: int
     epoch: int | None = None
     metrics: Mapping[str, float] | None = None
     is_final: bool = False
+    time: float | None = None
 
     def __post_init__(self) -> None:
         # Accept numpy/torch integer scalars (anything with __index__) but store a plain
@@ -87,14 +104,20 @@ class Event:
             raise TypeError(f"Event(metrics={self.metrics!r}): metrics must be a mapping or None")
         if not isinstance(self.is_final, bool):
             raise TypeError(f"Event(is_final={self.is_final!r}): is_final must be a bool")
+        if self.time is not None:
+            if isinstance(self.time, bool) or not isinstance(self.time, int | float):
+                raise TypeError(f"Event(time={self.time!r}): time must be a number of seconds")
+            if not math.isfinite(self.time):
+                raise ValueError(f"Event(time={self.time!r}): time must be finite")
+            object.__setattr__(self, "time", float(self.time))
 
 
 class SavePolicy(ABC):
     """Decides, event by event, whether to save; pure apart from :func:`on_signal`.
 
-    Subclasses implement :meth:`init` and :meth:`should_save`. ``should_save`` must not
-    mutate the state it is given: it returns a new one, so a caller can keep the old
-    state (for example the one stored with the previous checkpoint).
+    Subclasses implement :meth:`init`, :meth:`decide`, :meth:`update` and
+    :attr:`spec`. Neither ``decide`` nor ``update`` mutates the state it is given,
+    so a caller can keep an old state (e.g. the one stored with a checkpoint).
     """
 
     @abstractmethod
@@ -102,8 +125,26 @@ class SavePolicy(ABC):
         """The state of a run that has seen no events yet."""
 
     @abstractmethod
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        """This policy's vote on ``event``, from ``(state, event)`` alone."""
+
+    @abstractmethod
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        """The state after ``event``, given whether a save actually happened on it."""
+
+    @property
+    def spec(self) -> PolicySpec:
+        """Kind and arguments as plain data; :func:`policy_from_spec` rebuilds the policy.
+
+        A policy defined outside this module describes itself by type and repr, which
+        is enough to tell whether a stored state is its own, but cannot be rebuilt.
+        """
+        return {"kind": "custom", "type": type(self).__qualname__, "repr": repr(self)}
+
     def should_save(self, state: PolicyState, event: Event) -> tuple[bool, PolicyState]:
-        """Return ``(save?, new_state)`` for ``event`` given the state after the last one."""
+        """``(save?, new_state)`` for a policy that decides alone: its vote is the outcome."""
+        saved = self.decide(state, event)
+        return saved, self.update(state, event, saved)
 
     def __or__(self, other: object) -> SavePolicy:
         if not isinstance(other, SavePolicy):
@@ -141,12 +182,12 @@ def _positive_int(value: object, name: str, call: str) -> int:
 def _state_dict(policy: SavePolicy, state: PolicyState, keys: Iterable[str]) -> dict[str, Any]:
     """Check that a (possibly restored) state has this policy's shape, and return it.
 
-    A state that does not fit usually means the checkpoint was written under a
-    different policy; failing loudly beats silently misreading it.
+    A state that does not fit was written under a different policy; failing loudly
+    beats silently misreading it.
     """
     expected = set(keys)
     if not isinstance(state, dict) or set(state) != expected:
-        raise ValueError(
+        raise PolicyError(
             f"{policy!r}: state={state!r} does not fit this policy (expected a dict with "
             f"keys {sorted(expected)}); was it saved under a different policy? "
             "Use policy.init() to start over."
@@ -156,14 +197,18 @@ def _state_dict(policy: SavePolicy, state: PolicyState, keys: Iterable[str]) -> 
 
 def _no_state(policy: SavePolicy, state: PolicyState) -> None:
     if state is not None:
-        raise ValueError(
+        raise PolicyError(
             f"{policy!r}: state={state!r} does not fit this stateless policy (expected "
             "None); was it saved under a different policy? Use policy.init() to start over."
         )
 
 
-def _fmt_float(x: float) -> str:
-    return repr(float(x))
+def _metric(event: Event, name: str) -> float | None:
+    """The event's value of ``name`` as a float; None when missing or NaN (ignored)."""
+    if event.metrics is None or name not in event.metrics:
+        return None
+    value = float(event.metrics[name])
+    return None if math.isnan(value) else value
 
 
 # ---------------------------------------------------------------------------------------
@@ -195,6 +240,7 @@ class _Combinator(SavePolicy):
     """Shared machinery of Any and All: a list state, one entry per child."""
 
     _symbol = ""
+    _kind = ""
 
     def __init__(self, children: list[SavePolicy]) -> None:
         self.children: tuple[SavePolicy, ...] = tuple(children)
@@ -202,21 +248,28 @@ class _Combinator(SavePolicy):
     def init(self) -> PolicyState:
         return [child.init() for child in self.children]
 
-    def _step(self, state: PolicyState, event: Event) -> tuple[list[bool], PolicyState]:
+    def _states(self, state: PolicyState) -> list[PolicyState]:
         if not isinstance(state, list) or len(state) != len(self.children):
-            raise ValueError(
+            raise PolicyError(
                 f"{self!r}: state={state!r} does not fit this policy (expected a list of "
                 f"{len(self.children)} child states); was it saved under a different "
                 "policy? Use policy.init() to start over."
             )
-        decisions: list[bool] = []
-        new_state: list[PolicyState] = []
-        # Every child sees every event, so no child's state falls behind.
-        for child, child_state in zip(self.children, state, strict=True):
-            decision, child_new = child.should_save(child_state, event)
-            decisions.append(decision)
-            new_state.append(child_new)
-        return decisions, new_state
+        return state
+
+    def _votes(self, state: PolicyState, event: Event) -> list[bool]:
+        # Every child votes (no short-circuit): on_signal's flag is consumed either way.
+        states = self._states(state)
+        return [c.decide(s, event) for c, s in zip(self.children, states, strict=True)]
+
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        # Every child advances from the combined outcome, not from its own vote.
+        states = self._states(state)
+        return [c.update(s, event, saved) for c, s in zip(self.children, states, strict=True)]
+
+    @property
+    def spec(self) -> PolicySpec:
+        return {"kind": self._kind, "children": [c.spec for c in self.children]}
 
     def __repr__(self) -> str:
         return f" {self._symbol} ".join(_wrap(c, type(self)) for c in self.children)
@@ -224,18 +277,18 @@ class _Combinator(SavePolicy):
 
 class _Any(_Combinator):
     _symbol = "|"
+    _kind = "any"
 
-    def should_save(self, state: PolicyState, event: Event) -> tuple[bool, PolicyState]:
-        decisions, new_state = self._step(state, event)
-        return any(decisions), new_state
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        return any(self._votes(state, event))
 
 
 class _All(_Combinator):
     _symbol = "&"
+    _kind = "all"
 
-    def should_save(self, state: PolicyState, event: Event) -> tuple[bool, PolicyState]:
-        decisions, new_state = self._step(state, event)
-        return all(decisions), new_state
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        return all(self._votes(state, event))
 
 
 class _Not(SavePolicy):
@@ -247,9 +300,15 @@ class _Not(SavePolicy):
     def init(self) -> PolicyState:
         return self.child.init()
 
-    def should_save(self, state: PolicyState, event: Event) -> tuple[bool, PolicyState]:
-        decision, new_state = self.child.should_save(state, event)
-        return not decision, new_state
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        return not self.child.decide(state, event)
+
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        return self.child.update(state, event, saved)
+
+    @property
+    def spec(self) -> PolicySpec:
+        return {"kind": "not", "child": self.child.spec}
 
     def __invert__(self) -> SavePolicy:
         return self.child  # ~~p is p, state shape included.
@@ -262,40 +321,50 @@ class _Not(SavePolicy):
 # Stateless policies
 
 
-class _Always(SavePolicy):
+class _Stateless(SavePolicy):
+    _name = ""
+
     def init(self) -> PolicyState:
         return None
 
-    def should_save(self, state: PolicyState, event: Event) -> tuple[bool, PolicyState]:
+    def decide(self, state: PolicyState, event: Event) -> bool:
         _no_state(self, state)
-        return True, None
+        return self._vote(event)
 
-    def __repr__(self) -> str:
-        return "always()"
+    def _vote(self, event: Event) -> bool:
+        raise NotImplementedError
 
-
-class _Never(SavePolicy):
-    def init(self) -> PolicyState:
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        _no_state(self, state)
         return None
 
-    def should_save(self, state: PolicyState, event: Event) -> tuple[bool, PolicyState]:
-        _no_state(self, state)
-        return False, None
+    @property
+    def spec(self) -> PolicySpec:
+        return {"kind": self._name}
 
     def __repr__(self) -> str:
-        return "never()"
+        return f"{self._name}()"
 
 
-class _OnFinal(SavePolicy):
-    def init(self) -> PolicyState:
-        return None
+class _Always(_Stateless):
+    _name = "always"
 
-    def should_save(self, state: PolicyState, event: Event) -> tuple[bool, PolicyState]:
-        _no_state(self, state)
-        return event.is_final, None
+    def _vote(self, event: Event) -> bool:
+        return True
 
-    def __repr__(self) -> str:
-        return "on_final()"
+
+class _Never(_Stateless):
+    _name = "never"
+
+    def _vote(self, event: Event) -> bool:
+        return False
+
+
+class _OnFinal(_Stateless):
+    _name = "on_final"
+
+    def _vote(self, event: Event) -> bool:
+        return event.is_final
 
 
 def always() -> SavePolicy:
@@ -323,13 +392,20 @@ class _EverySteps(SavePolicy):
         self.offset = offset
 
     def init(self) -> PolicyState:
-        return {"last_fired_step": None}
+        return {"last_saved_step": None}
 
-    def should_save(self, state: PolicyState, event: Event) -> tuple[bool, PolicyState]:
-        last = _state_dict(self, state, ["last_fired_step"])["last_fired_step"]
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        last = _state_dict(self, state, ["last_saved_step"])["last_saved_step"]
         step = event.step
-        fire = step >= self.offset and (step - self.offset) % self.n == 0 and step != last
-        return fire, {"last_fired_step": step if fire else last}
+        return step >= self.offset and (step - self.offset) % self.n == 0 and step != last
+
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        last = _state_dict(self, state, ["last_saved_step"])["last_saved_step"]
+        return {"last_saved_step": event.step if saved else last}
+
+    @property
+    def spec(self) -> PolicySpec:
+        return {"kind": "every_steps", "n": self.n, "offset": self.offset}
 
     def __repr__(self) -> str:
         extra = f", offset={self.offset}" if self.offset else ""
@@ -339,12 +415,12 @@ class _EverySteps(SavePolicy):
 def every_steps(n: int, offset: int = 0) -> SavePolicy:
     """Save at steps ``offset, offset + n, offset + 2n, ...``.
 
-    Fires when ``step >= offset``, ``(step - offset) % n == 0`` and ``step`` differs
-    from the step at which it last fired, so an event repeated for the same step (a
-    retried iteration, a second call at the end of a step) saves only once. It does
-    not require steps to increase: after the step counter is rolled back it fires
-    again at the next matching step. With the default offset it fires at step 0 if
-    you send an event for step 0; pass ``offset=n`` to skip that save.
+    Votes yes when ``step >= offset``, ``(step - offset) % n == 0`` and no save
+    happened at this very step last time, so an event repeated for the same step (a
+    retried iteration, a second call at the end of a step) saves only once. Steps
+    need not increase: after the step counter is rolled back it fires again at the
+    next matching step. With the default offset it fires at step 0 if you send an
+    event for step 0; pass ``offset=n`` to skip that save.
     """
     n = _positive_int(n, "n", f"every_steps(n={n!r})")
     if isinstance(offset, bool) or not isinstance(offset, int):
@@ -358,30 +434,48 @@ class _EveryEpochs(SavePolicy):
 
     def init(self) -> PolicyState:
         # A run starts in epoch 0, so entering epoch 0 is not an advance and never saves.
-        return {"last_epoch": 0}
+        return {"last_epoch": 0, "owed": False}
 
-    def should_save(self, state: PolicyState, event: Event) -> tuple[bool, PolicyState]:
-        last = _state_dict(self, state, ["last_epoch"])["last_epoch"]
+    def _fields(self, state: PolicyState) -> tuple[int, bool]:
+        fields = _state_dict(self, state, ["last_epoch", "owed"])
+        return fields["last_epoch"], bool(fields["owed"])
+
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        last, owed = self._fields(state)
         epoch = event.epoch
         if epoch is None:
-            return False, state
-        fire = epoch > last and epoch % self.n == 0
-        return fire, {"last_epoch": epoch}
+            return False
+        return (epoch > last and epoch % self.n == 0) or (epoch == last and owed)
+
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        last, owed = self._fields(state)
+        epoch = event.epoch
+        if epoch is None:
+            return state
+        if epoch > last:
+            owed = epoch % self.n == 0
+        elif epoch < last:
+            owed = False
+        return {"last_epoch": epoch, "owed": owed and not saved}
+
+    @property
+    def spec(self) -> PolicySpec:
+        return {"kind": "every_epochs", "n": self.n}
 
     def __repr__(self) -> str:
         return f"every_epochs({self.n})"
 
 
 def every_epochs(n: int) -> SavePolicy:
-    """Save on the first event of each epoch that is a positive multiple of ``n``.
+    """Save once on entering each epoch that is a positive multiple of ``n``.
 
-    Fires when ``event.epoch`` is higher than the epoch of the previous event that had
-    one (initially 0) and ``epoch % n == 0``. Events with ``epoch=None`` are ignored
-    and leave the state unchanged. Works both for per-step events (the first step of
-    epoch 2 saves "2 epochs done") and for one event per finished epoch counted from 1.
-    A jump over a multiple (epoch 1 to 3 with ``n=2``) does not save: only the epoch
-    actually reached is tested. An epoch that goes down is recorded, so counting up
-    again saves again.
+    Votes yes when ``event.epoch`` is higher than the epoch of the previous event
+    that had one (initially 0) and ``epoch % n == 0``, and keeps voting yes during
+    that epoch until a save actually happens (inside ``&`` the other side may say
+    no at first). Events with ``epoch=None`` are ignored and leave the state as it
+    is. Works both for per-step events and for one event per finished epoch counted
+    from 1. A jump over a multiple (epoch 1 to 3 with ``n=2``) does not save; an
+    epoch that goes down is recorded, so counting up again saves again.
     """
     return _EveryEpochs(_positive_int(n, "n", f"every_epochs(n={n!r})"))
 
@@ -393,20 +487,28 @@ class _AtSteps(SavePolicy):
     def init(self) -> PolicyState:
         return {"fired": []}
 
-    def should_save(self, state: PolicyState, event: Event) -> tuple[bool, PolicyState]:
+    def decide(self, state: PolicyState, event: Event) -> bool:
         fired = _state_dict(self, state, ["fired"])["fired"]
-        if event.step not in self.steps or event.step in fired:
-            return False, state
-        return True, {"fired": sorted([*fired, event.step])}
+        return event.step in self.steps and event.step not in fired
+
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        fired = _state_dict(self, state, ["fired"])["fired"]
+        if not saved or event.step not in self.steps or event.step in fired:
+            return state
+        return {"fired": sorted([*fired, event.step])}
+
+    @property
+    def spec(self) -> PolicySpec:
+        return {"kind": "at_steps", "steps": sorted(self.steps)}
 
     def __repr__(self) -> str:
         return f"at_steps({sorted(self.steps)!r})"
 
 
 def at_steps(steps: Iterable[int]) -> SavePolicy:
-    """Save at each of the given steps, once each (a repeated or replayed step is skipped).
+    """Save at each of the given steps, once each (a step already saved is skipped).
 
-    The state remembers which of them already fired, so a run restored from a
+    The state remembers at which of them a save happened, so a run restored from a
     checkpoint does not save again at a listed step it has passed.
     """
     try:
@@ -420,61 +522,59 @@ def at_steps(steps: Iterable[int]) -> SavePolicy:
 
 
 # ---------------------------------------------------------------------------------------
-# Wall-clock time
+# Running time
 
 
 class _EverySecs(SavePolicy):
-    def __init__(self, secs: float, clock: Callable[[], float]) -> None:
+    def __init__(self, secs: float) -> None:
         self.secs = secs
-        self.clock = clock
-        # Identifies this process's clock; a state carrying another token was written
-        # by another process (or instance), whose clock readings mean nothing here.
-        self.session = uuid.uuid4().hex
 
     def init(self) -> PolicyState:
-        return {"session": self.session, "elapsed": 0.0, "last_clock": None}
+        return {"since": None}
 
-    def should_save(self, state: PolicyState, event: Event) -> tuple[bool, PolicyState]:
-        fields = _state_dict(self, state, ["session", "elapsed", "last_clock"])
-        now = float(self.clock())
-        elapsed = float(fields["elapsed"])
-        last_clock = fields["last_clock"]
-        if fields["session"] == self.session and last_clock is not None:
-            # Same clock: count the time since the previous event (never negative).
-            elapsed += max(0.0, now - float(last_clock))
-        # Otherwise this is the first event, or a resume: (re)start the timer at `now`
-        # and keep the running time accumulated before, so downtime does not count.
-        fire = elapsed >= self.secs
-        return fire, {
-            "session": self.session,
-            "elapsed": 0.0 if fire else elapsed,
-            "last_clock": now,
-        }
+    def _since(self, state: PolicyState, event: Event) -> tuple[float | None, float]:
+        since = _state_dict(self, state, ["since"])["since"]
+        if event.time is None:
+            raise PolicyError(
+                f"{self!r}: Event(step={event.step}) has no time; this policy needs the "
+                "running time in seconds: pass Event(..., time=seconds) (a "
+                "CheckpointManager supplies it)"
+            )
+        return (None if since is None else float(since)), event.time
+
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        since, now = self._since(state, event)
+        return since is not None and now - since >= self.secs
+
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        since, now = self._since(state, event)
+        if saved or since is None or now < since:
+            return {"since": now}
+        return state
+
+    @property
+    def spec(self) -> PolicySpec:
+        return {"kind": "every_secs", "s": self.secs}
 
     def __repr__(self) -> str:
-        return f"every_secs({_fmt_float(self.secs)})"
+        return f"every_secs({self.secs!r})"
 
 
-def every_secs(s: float, clock: Callable[[], float] = time.monotonic) -> SavePolicy:
-    """Save once at least ``s`` seconds of *running* time passed since the last save.
+def every_secs(s: float) -> SavePolicy:
+    """Save once at least ``s`` seconds of running time passed since the last save.
 
-    Running time is the sum of clock intervals between consecutive events of one
-    process. The first event only starts the timer. The state stores the seconds
-    accumulated since the last save, the last clock reading and a per-instance session
-    token; when a state written by another instance (a new process after a restore,
-    whose monotonic clock has an unrelated origin) comes in, the first event re-bases
-    the timer and adds nothing, so downtime between the crash and the restart never
-    counts, while the running time accumulated before the checkpoint does. A clock
-    that goes backwards adds no time. After a save the count restarts from zero.
+    Time is ``event.time``, the running time of the run in seconds (the manager
+    counts it across restarts, excluding downtime); an event without it is an error.
+    The first event only starts the timer (``since``); a save, made by this policy
+    or any other in the same combination, restarts it. Time that goes backwards
+    restarts the timer there, so it never adds time.
     """
     call = f"every_secs(s={s!r})"
     if isinstance(s, bool) or not isinstance(s, int | float):
         raise TypeError(f"{call}: s must be a number of seconds")
     if not (math.isfinite(s) and s > 0):
         raise ValueError(f"{call}: s must be a positive, finite number of seconds")
-    if not callable(clock):
-        raise TypeError(f"every_secs(clock={clock!r}): clock must be callable")
-    return _EverySecs(float(s), clock)
+    return _EverySecs(float(s))
 
 
 # ---------------------------------------------------------------------------------------
@@ -490,20 +590,36 @@ class _OnImprove(SavePolicy):
     def init(self) -> PolicyState:
         return {"best": None}
 
-    def should_save(self, state: PolicyState, event: Event) -> tuple[bool, PolicyState]:
+    def _best(self, state: PolicyState) -> float | None:
         best = _state_dict(self, state, ["best"])["best"]
-        if event.metrics is None or self.metric not in event.metrics:
-            return False, state
-        value = float(event.metrics[self.metric])
-        if math.isnan(value):
-            return False, state
+        return None if best is None else float(best)
+
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        best, value = self._best(state), _metric(event, self.metric)
+        if value is None:
+            return False
         if best is None:
-            fire = True
-        elif self.mode == "min":
-            fire = value < best - self.min_delta
-        else:
-            fire = value > best + self.min_delta
-        return fire, ({"best": value} if fire else state)
+            return True
+        if self.mode == "min":
+            return value < best - self.min_delta
+        return value > best + self.min_delta
+
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        best, value = self._best(state), _metric(event, self.metric)
+        if not saved or value is None:
+            return state
+        if best is None or (value < best if self.mode == "min" else value > best):
+            return {"best": value}
+        return state
+
+    @property
+    def spec(self) -> PolicySpec:
+        return {
+            "kind": "on_improve",
+            "metric": self.metric,
+            "mode": self.mode,
+            "min_delta": self.min_delta,
+        }
 
     def __repr__(self) -> str:
         extra = "" if self.mode == "min" else f", mode={self.mode!r}"
@@ -515,11 +631,12 @@ class _OnImprove(SavePolicy):
 def on_improve(metric: str, mode: str = "min", min_delta: float = 0.0) -> SavePolicy:
     """Save when ``metrics[metric]`` beats the best saved value by more than ``min_delta``.
 
-    The first value seen always saves. ``best`` is updated only when it fires, so it
-    is the best value *saved*: a slow improvement of less than ``min_delta`` per event
-    still saves once it adds up to more than ``min_delta``. Events without the metric
-    and NaN values are ignored (no save, state unchanged); infinities compare normally.
-    ``best`` lives in the state, so a restored run keeps comparing against it.
+    The first value seen votes yes. ``best`` is the best value among the events on
+    which a save actually happened (whichever policy caused it), so a slow
+    improvement of less than ``min_delta`` per event still saves once it adds up,
+    and a vote outvoted by ``&`` leaves ``best`` alone. Events without the metric
+    and NaN values are ignored; infinities compare normally. ``best`` lives in the
+    state, so a restored run keeps comparing against it.
     """
     if not isinstance(metric, str):
         raise TypeError(f"on_improve(metric={metric!r}): metric must be a str")
@@ -583,12 +700,19 @@ class SignalPolicy(SavePolicy):
     def init(self) -> PolicyState:
         return None
 
-    def should_save(self, state: PolicyState, event: Event) -> tuple[bool, PolicyState]:
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        # The documented impurity: the vote consumes the process's flag.
         _no_state(self, state)
-        if not self._pending:
-            return False, None
-        self._pending = False
-        return True, None
+        pending, self._pending = self._pending, False
+        return pending
+
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        _no_state(self, state)
+        return None
+
+    @property
+    def spec(self) -> PolicySpec:
+        return {"kind": "on_signal", "signum": int(self.signum)}
 
     def __repr__(self) -> str:
         return f"on_signal(signal.{self.signum.name})"
@@ -611,7 +735,7 @@ def on_signal(signum: int = signal.SIGTERM) -> SignalPolicy:
     kill the process before it can save, and preemption notices come with a grace
     period meant for exactly that save. Your loop should therefore exit on its own
     after the final save. The flag is process state (not in ``PolicyState``); the next
-    event fires and clears it. Use ``.trigger()`` to raise the flag by hand and
+    event's vote consumes it. Use ``.trigger()`` to raise the flag by hand and
     ``.uninstall()`` to restore the previous handler.
     """
     try:
@@ -619,6 +743,65 @@ def on_signal(signum: int = signal.SIGTERM) -> SignalPolicy:
     except ValueError:
         raise ValueError(f"on_signal(signum={signum!r}): not a valid signal number") from None
     return SignalPolicy(sig)
+
+
+# ---------------------------------------------------------------------------------------
+# Specs
+
+
+def _spec_args(spec: Mapping[str, Any], names: Iterable[str]) -> list[Any]:
+    wanted = set(names)
+    given = set(spec) - {"kind"}
+    if given != wanted:
+        raise PolicyError(
+            f"policy spec {dict(spec)!r}: expected the arguments {sorted(wanted)}, got "
+            f"{sorted(given)}"
+        )
+    return [spec[n] for n in names]
+
+
+def policy_from_spec(spec: Mapping[str, Any]) -> SavePolicy:
+    """Rebuild a save policy from its :attr:`~SavePolicy.spec` (plain data, no code).
+
+    Rebuilding an ``on_signal`` spec installs its signal handler, as calling
+    :func:`on_signal` does. A spec of unknown kind or with wrong arguments raises
+    :class:`PolicyError`.
+    """
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("kind"), str):
+        raise PolicyError(f"policy spec {spec!r}: expected a dict with a str 'kind'")
+    kind = spec["kind"]
+    try:
+        if kind in ("any", "all"):
+            (children,) = _spec_args(spec, ["children"])
+            if not isinstance(children, list) or len(children) < 2:
+                raise PolicyError(f"policy spec {dict(spec)!r}: needs a list of >= 2 children")
+            built = [policy_from_spec(c) for c in children]
+            return _Any(built) if kind == "any" else _All(built)
+        if kind == "not":
+            (child,) = _spec_args(spec, ["child"])
+            return _Not(policy_from_spec(child))
+        simple: dict[str, Any] = {"always": always, "never": never, "on_final": on_final}
+        if kind in simple:
+            _spec_args(spec, [])
+            made: SavePolicy = simple[kind]()
+            return made
+        if kind == "every_steps":
+            return every_steps(*_spec_args(spec, ["n", "offset"]))
+        if kind == "every_epochs":
+            return every_epochs(*_spec_args(spec, ["n"]))
+        if kind == "at_steps":
+            return at_steps(*_spec_args(spec, ["steps"]))
+        if kind == "every_secs":
+            return every_secs(*_spec_args(spec, ["s"]))
+        if kind == "on_improve":
+            return on_improve(*_spec_args(spec, ["metric", "mode", "min_delta"]))
+        if kind == "on_signal":
+            return on_signal(*_spec_args(spec, ["signum"]))
+    except PolicyError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise PolicyError(f"policy spec {dict(spec)!r}: {exc}") from None
+    raise PolicyError(f"policy spec {dict(spec)!r}: unknown kind {kind!r}")
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,6 +8,9 @@ Deleting is the manager's job, so that planning stays easy to test and to dry-ru
 
 Policies combine with ``|`` (union: keep what any of them keeps), which is the only
 combinator retention needs: "keep the last 3 and the best 2 and one per 10k steps".
+Every policy has a plain-data :attr:`~RetentionPolicy.spec` (kind and arguments) that
+:func:`retention_from_spec` rebuilds it from, so a checkpoint can record the policy
+its writer used without storing code or parsing text.
 """
 
 from __future__ import annotations
@@ -17,19 +20,29 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+from functional_ckpt.errors import CheckpointError
 
 __all__ = [
     "CheckpointLike",
     "CheckpointRecord",
+    "RetentionError",
     "RetentionPolicy",
+    "best_steps",
     "keep_all",
     "keep_best",
     "keep_every",
     "keep_last",
     "keep_within",
     "plan_deletions",
+    "retention_from_spec",
+    "union_parts",
 ]
+
+
+class RetentionError(CheckpointError, ValueError):
+    """A retention spec that does not describe a retention policy."""
 
 
 class CheckpointLike(Protocol):
@@ -68,6 +81,15 @@ class RetentionPolicy(ABC):
     def _select(self, checkpoints: Sequence[CheckpointLike]) -> set[int]:
         """``select`` without the input checks, so unions check only once."""
 
+    @property
+    def spec(self) -> dict[str, Any]:
+        """Kind and arguments as plain data; :func:`retention_from_spec` rebuilds it.
+
+        A policy defined outside this module describes itself by type and repr; such a
+        spec is recorded but cannot be rebuilt.
+        """
+        return {"kind": "custom", "type": type(self).__qualname__, "repr": repr(self)}
+
     def __or__(self, other: object) -> RetentionPolicy:
         if not isinstance(other, RetentionPolicy):
             return NotImplemented
@@ -104,6 +126,10 @@ class _Union(RetentionPolicy):
             keep |= child._select(checkpoints)
         return keep
 
+    @property
+    def spec(self) -> dict[str, Any]:
+        return {"kind": "union", "children": [c.spec for c in self.children]}
+
     def __repr__(self) -> str:
         return " | ".join(repr(c) for c in self.children)
 
@@ -111,6 +137,10 @@ class _Union(RetentionPolicy):
 class _KeepAll(RetentionPolicy):
     def _select(self, checkpoints: Sequence[CheckpointLike]) -> set[int]:
         return {c.step for c in checkpoints}
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return {"kind": "keep_all"}
 
     def __repr__(self) -> str:
         return "keep_all()"
@@ -128,6 +158,10 @@ class _KeepLast(RetentionPolicy):
     def _select(self, checkpoints: Sequence[CheckpointLike]) -> set[int]:
         return set(sorted((c.step for c in checkpoints), reverse=True)[: self.n])
 
+    @property
+    def spec(self) -> dict[str, Any]:
+        return {"kind": "keep_last", "n": self.n}
+
     def __repr__(self) -> str:
         return f"keep_last({self.n})"
 
@@ -144,20 +178,40 @@ class _KeepBest(RetentionPolicy):
         self.mode = mode
 
     def _select(self, checkpoints: Sequence[CheckpointLike]) -> set[int]:
-        sign = 1.0 if self.mode == "min" else -1.0
-        candidates: list[tuple[float, int]] = []
-        for c in checkpoints:
-            if self.metric in c.metrics:
-                value = float(c.metrics[self.metric])
-                if not math.isnan(value):
-                    # Sort key: better value first, then newer step first on ties.
-                    candidates.append((sign * value, -c.step))
-        candidates.sort()
-        return {-neg_step for _, neg_step in candidates[: self.k]}
+        return set(best_steps(checkpoints, self.metric, self.mode)[: self.k])
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return {"kind": "keep_best", "k": self.k, "metric": self.metric, "mode": self.mode}
 
     def __repr__(self) -> str:
         extra = "" if self.mode == "min" else f", mode={self.mode!r}"
         return f"keep_best({self.k}, {self.metric!r}{extra})"
+
+
+def _check_mode(mode: object, call: str) -> str:
+    if mode not in ("min", "max"):
+        raise ValueError(f"{call}(mode={mode!r}): mode must be 'min' or 'max'")
+    return str(mode)
+
+
+def best_steps(checkpoints: Iterable[CheckpointLike], metric: str, mode: str = "min") -> list[int]:
+    """Steps ranked best first by ``metrics[metric]``: the one definition of "best".
+
+    ``mode="min"`` ranks the lowest values first, ``"max"`` the highest. Checkpoints
+    without the metric, or with NaN, are not ranked. Ties go to the newer (higher)
+    step, the one a resume would rather start from. ``keep_best`` keeps a prefix of
+    this list and the manager's ``best_step`` is its head.
+    """
+    sign = 1.0 if _check_mode(mode, "best_steps") == "min" else -1.0
+    candidates: list[tuple[float, int]] = []
+    for c in checkpoints:
+        if metric in c.metrics:
+            value = float(c.metrics[metric])
+            if not math.isnan(value):
+                candidates.append((sign * value, -c.step))
+    candidates.sort()
+    return [-neg_step for _, neg_step in candidates]
 
 
 def keep_best(k: int, metric: str, mode: str = "min") -> RetentionPolicy:
@@ -171,9 +225,7 @@ def keep_best(k: int, metric: str, mode: str = "min") -> RetentionPolicy:
     k = _positive_int(k, "k", f"keep_best(k={k!r})")
     if not isinstance(metric, str):
         raise TypeError(f"keep_best(metric={metric!r}): metric must be a str")
-    if mode not in ("min", "max"):
-        raise ValueError(f"keep_best(mode={mode!r}): mode must be 'min' or 'max'")
-    return _KeepBest(k, metric, mode)
+    return _KeepBest(k, metric, _check_mode(mode, "keep_best"))
 
 
 class _KeepEvery(RetentionPolicy):
@@ -182,6 +234,10 @@ class _KeepEvery(RetentionPolicy):
 
     def _select(self, checkpoints: Sequence[CheckpointLike]) -> set[int]:
         return {c.step for c in checkpoints if c.step % self.steps == 0}
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return {"kind": "keep_every", "steps": self.steps}
 
     def __repr__(self) -> str:
         return f"keep_every(steps={self.steps})"
@@ -201,6 +257,11 @@ class _KeepWithin(RetentionPolicy):
         cutoff = float(self.clock()) - self.secs
         return {c.step for c in checkpoints if c.time >= cutoff}
 
+    @property
+    def spec(self) -> dict[str, Any]:
+        # The clock is how "now" is read, not what the policy is.
+        return {"kind": "keep_within", "secs": self.secs}
+
     def __repr__(self) -> str:
         return f"keep_within({self.secs!r})"
 
@@ -219,6 +280,47 @@ def keep_within(secs: float, clock: Callable[[], float] = time.time) -> Retentio
     if not callable(clock):
         raise TypeError(f"keep_within(clock={clock!r}): clock must be callable")
     return _KeepWithin(float(secs), clock)
+
+
+def union_parts(policy: RetentionPolicy) -> tuple[RetentionPolicy, ...]:
+    """The operands of ``a | b | ...`` (a policy that is no union is its only part)."""
+    return policy.children if isinstance(policy, _Union) else (policy,)
+
+
+def retention_from_spec(spec: Mapping[str, Any]) -> RetentionPolicy:
+    """Rebuild a retention policy from its :attr:`~RetentionPolicy.spec` (plain data).
+
+    Only the ``keep_*`` kinds and their union exist; anything else raises
+    :class:`RetentionError`, so a spec read from a checkpoint never runs code.
+    """
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("kind"), str):
+        raise RetentionError(f"retention spec {spec!r}: expected a dict with a str 'kind'")
+    kind = spec["kind"]
+    args = {k: v for k, v in spec.items() if k != "kind"}
+    makers: dict[str, Callable[..., RetentionPolicy]] = {
+        "keep_all": keep_all,
+        "keep_best": keep_best,
+        "keep_every": keep_every,
+        "keep_last": keep_last,
+        "keep_within": keep_within,
+    }
+    try:
+        if kind == "union":
+            children = args.pop("children", None)
+            if args or not isinstance(children, list) or len(children) < 2:
+                raise RetentionError(
+                    f"retention spec {dict(spec)!r}: a union needs only 'children', a list "
+                    "of >= 2 specs"
+                )
+            return _Union(retention_from_spec(c) for c in children)
+        make = makers.get(kind)
+        if make is None or "clock" in args:
+            raise RetentionError(f"retention spec {dict(spec)!r}: unknown kind {kind!r}")
+        return make(**args)
+    except RetentionError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise RetentionError(f"retention spec {dict(spec)!r}: {exc}") from None
 
 
 def plan_deletions(

@@ -530,14 +530,22 @@ def test_prune_refuses_while_a_writer_runs(copy: Path, capsys: pytest.CaptureFix
 # --------------------------------------------------------------------------- helpers
 
 
-def test_parse_retention_accepts_only_keep_calls() -> None:
-    parts = listing.parse_retention("keep_last(3) | keep_best(2, 'val_loss', mode='max')")
+def test_retention_parts_rebuild_only_keep_specs() -> None:
+    policy = fc.keep_last(3) | fc.keep_best(2, "val_loss", mode="max")
+    parts = listing.retention_parts(policy.spec)
     assert parts is not None
     assert [label for label, _ in parts] == ["keep_last(3)", "keep_best(2, 'val_loss', mode='max')"]
     records = [fc.CheckpointRecord(s, 0.0, {"val_loss": float(s)}) for s in range(1, 7)]
     assert listing.kept_by(parts, records)[6] == [parts[0][0], parts[1][0], "latest"]
-    for bad in ("__import__('os').system('echo hi')", "keep_last(n)", "keep_last(", "print(1)"):
-        assert listing.parse_retention(bad) is None, bad
+    for bad in (
+        "__import__('os').system('echo hi')",
+        "keep_last(3)",  # a repr is text, not a spec
+        {"kind": "keep_last", "n": "n"},
+        {"kind": "print", "args": [1]},
+        {"kind": "custom", "type": "Mine", "repr": "Mine()"},
+        None,
+    ):
+        assert listing.retention_parts(bad) is None, bad
 
 
 def test_colours_only_on_a_terminal() -> None:

@@ -84,7 +84,7 @@ def test_force_and_final(tmp_path: Path) -> None:
         assert mgr.info(3).is_final and not mgr.info(2).is_final
 
 
-class _KeepNothing(RetentionPolicy):
+class _KeepNothing(RetentionPolicy):  # a user's own policy: no spec of its own
     def _select(self, checkpoints: Any) -> set[int]:
         return set()
 
@@ -182,22 +182,44 @@ class FakeClock:
 
 def test_every_secs_continues_after_reopen_without_counting_downtime(tmp_path: Path) -> None:
     clock = FakeClock()
-    with fc.CheckpointManager(tmp_path, save=fc.every_secs(10, clock=clock)) as mgr:
+    with fc.CheckpointManager(tmp_path, save=fc.every_secs(10), clock=clock) as mgr:
         for step, t in [(1, 0.0), (2, 6.0)]:
             clock.now = t
             assert not mgr.maybe_save(small_state(step), step=step)
         clock.now = 7.0
         assert mgr.maybe_save(small_state(3), step=3, force=True)  # stores 7 s of running time
+        assert mgr.info(3).metadata["manager"]["running_time"] == 7.0
     clock2 = FakeClock()  # a new process: unrelated clock origin, long downtime
     clock2.now = 1000.0
-    with fc.CheckpointManager(tmp_path, save=fc.every_secs(10, clock=clock2)) as mgr:
+    with fc.CheckpointManager(tmp_path, save=fc.every_secs(10), clock=clock2) as mgr:
         assert mgr.restore_latest() is not None
+        assert mgr.running_time() == 7.0
         decisions = []
-        for step, t in [(4, 1000.0), (5, 1002.0), (6, 1003.5)]:
+        for step, t in [(4, 1000.0), (5, 1005.0), (6, 1010.0)]:
             clock2.now = t
             decisions.append(mgr.maybe_save(small_state(step), step=step))
-    # downtime did not count (step 4 does not fire); the 7 s before did (step 6 fires)
+        assert mgr.info(6).metadata["manager"]["running_time"] == 17.0
+    # downtime did not count (step 4 does not fire); the forced save at 7 s restarted the
+    # timer, and 10 s of running time after it step 6 fires
     assert decisions == [False, False, True]
+
+
+def test_every_secs_and_on_improve_through_the_manager(tmp_path: Path) -> None:
+    """Finding 16: ``&`` must advance its children on the combined decision."""
+    clock = FakeClock()
+    drops = {3: 0.9, 13: 0.75, 23: 0.6, 33: 0.5, 43: 0.41}
+    loss, saved = 1.0, {}
+    policy = fc.every_secs(10) & fc.on_improve("loss")
+    with fc.CheckpointManager(tmp_path, save=policy, clock=clock) as mgr:
+        for t in range(51):
+            clock.now = float(t)
+            loss = drops.get(t, loss)
+            if mgr.maybe_save(small_state(t), step=t, metrics={"loss": loss}):
+                saved[t] = loss
+        record = mgr.info(50).metadata["manager"]
+    assert saved == {10: 0.9, 20: 0.75, 30: 0.6, 40: 0.5, 50: 0.41}
+    assert record["save"]["spec"] == policy.spec
+    assert record["save"]["state"] == [{"since": 50.0}, {"best": 0.41}]
 
 
 def test_on_improve_remembers_best_after_reopen(tmp_path: Path) -> None:
@@ -217,9 +239,34 @@ def test_changed_policy_warns_and_starts_afresh(tmp_path: Path) -> None:
         mgr.maybe_save(small_state(1), step=1)
     policy = fc.every_steps(1) | fc.on_improve("loss")
     with fc.CheckpointManager(tmp_path, save=policy) as mgr:
-        with pytest.warns(CheckpointWarning, match="does not fit"):
+        with pytest.warns(CheckpointWarning, match="starts fresh"):
             mgr.restore_latest()
         assert mgr.maybe_save(small_state(2), step=2, metrics={"loss": 1.0})
+
+
+def test_a_stored_state_is_never_reinterpreted_by_another_policy(tmp_path: Path) -> None:
+    """Finding 16: a state of the same shape used to be reused, so accuracies were
+    compared with the old best loss."""
+    with fc.CheckpointManager(tmp_path, save=fc.on_improve("loss")) as mgr:
+        assert mgr.maybe_save(small_state(1), step=1, metrics={"loss": 0.5})
+    acc = fc.on_improve("acc", mode="max")
+    with fc.CheckpointManager(tmp_path, save=acc) as mgr:
+        with pytest.warns(CheckpointWarning, match=r"on_improve\('acc', mode='max'\).*fresh"):
+            mgr.restore_latest()
+        # fresh: the first accuracy saves (0.3 is not compared with the loss 0.5)
+        assert mgr.maybe_save(small_state(2), step=2, metrics={"acc": 0.3})
+        assert mgr.info(2).metadata["manager"]["save"] == {"spec": acc.spec, "state": {"best": 0.3}}
+    # Only arguments changed: still another policy.
+    other = fc.on_improve("acc", mode="max", min_delta=0.1)
+    with fc.CheckpointManager(tmp_path, save=other) as m, pytest.warns(CheckpointWarning):
+        m.restore_latest()
+    # The same policy continues silently from its own state.
+    with fc.CheckpointManager(tmp_path, save=fc.on_improve("acc", mode="max")) as mgr:
+        with no_warnings() as caught:
+            mgr.restore_latest()
+        assert not [w for w in caught if issubclass(w.category, CheckpointWarning)]
+        assert not mgr.maybe_save(small_state(3), step=3, metrics={"acc": 0.25})
+        assert mgr.maybe_save(small_state(4), step=4, metrics={"acc": 0.35})
 
 
 def test_saving_behind_the_newest_step_is_refused(tmp_path: Path) -> None:

@@ -14,13 +14,17 @@ from hypothesis import strategies as st
 from functional_ckpt.retention import (
     CheckpointLike,
     CheckpointRecord,
+    RetentionError,
     RetentionPolicy,
+    best_steps,
     keep_all,
     keep_best,
     keep_every,
     keep_last,
     keep_within,
     plan_deletions,
+    retention_from_spec,
+    union_parts,
 )
 
 NOW = 1_700_000_000.0
@@ -279,3 +283,57 @@ def test_keep_last_keeps_highest_steps(n: int, checkpoints: list[CheckpointRecor
     assert len(kept) == min(n, len(checkpoints))
     dropped = {c.step for c in checkpoints} - kept
     assert all(k > d for k in kept for d in dropped)
+
+
+@settings(max_examples=200, deadline=None)
+@given(retention_policies, checkpoint_lists())
+def test_spec_rebuilds_the_same_policy(
+    policy: RetentionPolicy, checkpoints: list[CheckpointRecord]
+) -> None:
+    from functional_ckpt import codec
+
+    spec = codec.decode(codec.encode(policy.spec))  # as stored in a manifest
+    assert spec == policy.spec
+    rebuilt = retention_from_spec(spec)
+    assert repr(rebuilt) == repr(policy) and rebuilt.spec == policy.spec
+    if not any("keep_within" in repr(p) for p in union_parts(policy)):
+        assert rebuilt.select(checkpoints) == policy.select(checkpoints)
+    assert [repr(p) for p in union_parts(policy)] == repr(policy).split(" | ")
+
+
+def test_retention_spec_table_and_rejects() -> None:
+    p = keep_last(3) | keep_best(2, "loss", mode="max") | keep_every(steps=10) | keep_within(5)
+    assert p.spec == {
+        "kind": "union",
+        "children": [
+            {"kind": "keep_last", "n": 3},
+            {"kind": "keep_best", "k": 2, "metric": "loss", "mode": "max"},
+            {"kind": "keep_every", "steps": 10},
+            {"kind": "keep_within", "secs": 5.0},
+        ],
+    }
+    assert keep_all().spec == {"kind": "keep_all"}
+    for bad in (
+        None,
+        "keep_last(3)",
+        {"kind": "keep_last"},
+        {"kind": "keep_last", "n": 0},
+        {"kind": "keep_last", "n": 3, "extra": 1},
+        {"kind": "keep_within", "secs": 1.0, "clock": "time.time"},
+        {"kind": "__import__", "name": "os"},
+        {"kind": "union", "children": [{"kind": "keep_all"}]},
+        {"kind": "union", "children": [{"kind": "keep_all"}, {"kind": "nope"}]},
+    ):
+        with pytest.raises(RetentionError):
+            retention_from_spec(bad)  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.sampled_from(["min", "max"]), checkpoint_lists())
+def test_keep_best_is_a_prefix_of_best_steps(
+    k: int, mode: str, checkpoints: list[CheckpointRecord]
+) -> None:
+    ranked = best_steps(checkpoints, "acc", mode)
+    assert keep_best(k, "acc", mode=mode).select(checkpoints) == set(ranked[:k])
+    with pytest.raises(ValueError, match="mode must be 'min' or 'max'"):
+        best_steps(checkpoints, "acc", "avg")

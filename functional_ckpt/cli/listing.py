@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,72 +21,42 @@ from functional_ckpt.cli.common import (
     time_text,
 )
 from functional_ckpt.cli.ui import UI, human
+from functional_ckpt.retention import RetentionError, retention_from_spec, union_parts
 from functional_ckpt.root import MANAGER_KEY, Entry, dir_size, kept_by
 
-__all__ = ["cmd_ls", "cmd_prune", "cmd_verify", "parse_retention", "verify_one"]
+__all__ = ["cmd_ls", "cmd_prune", "cmd_verify", "retention_parts", "verify_one"]
 
 #: Statuses of a committed checkpoint (``intact`` once ``--verify`` re-read it).
 COMMITTED = ("ok", "damaged", "intact")
 
 # --------------------------------------------------------------------------- retention
 
-_RETENTION: dict[str, Callable[..., fc.RetentionPolicy]] = {
-    "keep_all": fc.keep_all,
-    "keep_best": fc.keep_best,
-    "keep_every": fc.keep_every,
-    "keep_last": fc.keep_last,
-    "keep_within": fc.keep_within,
-}
 
+def retention_parts(spec: object) -> list[tuple[str, fc.RetentionPolicy]] | None:
+    """Rebuild a recorded retention policy from its spec, one part per ``|`` operand.
 
-def _calls(node: ast.expr) -> Iterator[ast.expr]:
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
-        yield from _calls(node.left)
-        yield from _calls(node.right)
-    else:
-        yield node
-
-
-def parse_retention(text: str) -> list[tuple[str, fc.RetentionPolicy]] | None:
-    """Rebuild a retention policy from its ``repr``, one part per ``|`` operand.
-
-    Checkpoints do not store policy objects, only text; this accepts exactly the
-    ``keep_*`` calls with literal arguments (no name lookups, no code), and
-    returns None for anything else, so a foreign string can never run.
+    A spec is plain data (kind and arguments) and only the ``keep_*`` kinds exist,
+    so nothing read from a checkpoint can run; None for anything else.
     """
     try:
-        tree = ast.parse(text, mode="eval")
-        parts = []
-        for call in _calls(tree.body):
-            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
-                return None
-            make = _RETENTION.get(call.func.id)
-            if make is None:
-                return None
-            args = [ast.literal_eval(a) for a in call.args]
-            kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg}
-            parts.append((ast.unparse(call), make(*args, **kwargs)))
-        return parts
-    except (SyntaxError, ValueError, TypeError):
+        policy = retention_from_spec(spec)  # type: ignore[arg-type]
+    except RetentionError:
         return None
+    return [(repr(part), part) for part in union_parts(policy)]
 
 
-def recorded_retention(rows: Sequence[Entry]) -> str | None:
-    """The retention policy the newest checkpoint says its writer used, if any.
+def recorded_retention(rows: Sequence[Entry]) -> object | None:
+    """The spec of the retention policy the newest checkpoint says its writer used.
 
-    Looked up under ``metadata["manager"]["keep"]`` (where a manager would record
-    it) and then the user key ``metadata["retention"]`` (which ``fckpt demo`` sets).
+    A manager records it under ``metadata["manager"]["keep"]``.
     """
     for row in reversed(rows):
         if row.status != "ok":
             continue
         record = row.metadata.get(MANAGER_KEY)
-        for value in (
-            record.get("keep") if isinstance(record, dict) else None,
-            row.metadata.get("retention"),
-        ):
-            if isinstance(value, str):
-                return value
+        spec = record.get("keep") if isinstance(record, dict) else None
+        if isinstance(spec, dict):
+            return spec
     return None
 
 
@@ -151,7 +120,7 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
     parts = policy_from_flags(args)
     if parts is None:
         recorded = recorded_retention(rows)
-        parts = parse_retention(recorded) if recorded else None
+        parts = retention_parts(recorded) if recorded is not None else None
         source = "recorded in the checkpoints"
     records = _records(rows)
     kept = kept_by(parts or [], records)

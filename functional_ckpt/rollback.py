@@ -1,0 +1,195 @@
+"""Rolling a root back to an older step: the newer checkpoints move aside, crash-safely.
+
+A rollback is a list of directory moves. Before the first move, the whole plan (the
+target step, the steps to move, where to) is written durably to ``root/.rollback``;
+each move is one atomic ``rename`` followed by an ``fsync`` of the directories it
+changed; the plan is removed last. A writer that opens the root and finds a plan
+finishes it (every move is idempotent: a step already moved is skipped). So after
+any crash the rollback has either not started (no plan on disk, nothing moved) or
+completes at the next open; no checkpoint is ever lost on the way. Steps move in
+ascending order, so the trunk's latest step stays the old one until the last move
+and then is the target: a reader never sees a latest step in between.
+
+Newer checkpoints either go to a *branch*, ``root/branches/<name>/step_N`` (itself
+a valid root that any manager or ``fc.restore`` can read, never the trunk's
+latest), or are deleted (renamed out of sight first, like every deletion).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+from functional_ckpt import format
+from functional_ckpt.errors import CheckpointError, CheckpointExists
+
+__all__ = ["BRANCHES_DIR", "INTENT_FILE", "Plan", "begin", "branches", "finish", "new_branch"]
+
+#: The durable record of a rollback in progress.
+INTENT_FILE = ".rollback"
+#: Where newer checkpoints kept aside by rollbacks live, one root per branch.
+BRANCHES_DIR = "branches"
+EXPORTS_DIR = "exports"
+_BRANCH_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+
+Newer = Literal["branch", "delete"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One rollback: move ``names`` (``step_N`` directory names) out of the trunk."""
+
+    to_step: int
+    names: list[str]
+    newer: Newer
+    branch: str | None
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @staticmethod
+    def decode(raw: bytes, where: Path) -> Plan:
+        try:
+            data = json.loads(raw)
+            plan = Plan(
+                to_step=int(data["to_step"]),
+                names=[str(n) for n in data["names"]],
+                newer=data["newer"],
+                branch=None if data["branch"] is None else str(data["branch"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(
+                f"{where}: unreadable rollback record ({exc}); it lists checkpoints to move "
+                "aside: inspect it, then finish by hand or remove it"
+            ) from None
+        if plan.newer not in ("branch", "delete") or (plan.newer == "branch") != bool(plan.branch):
+            raise CheckpointError(f"{where}: inconsistent rollback record {raw[:200]!r}")
+        for name in plan.names:
+            if "/" in name or name.startswith("."):
+                raise CheckpointError(f"{where}: rollback record names {name!r}, not a step")
+        return plan
+
+
+def check_branch_name(name: object) -> str:
+    if not isinstance(name, str) or _BRANCH_RE.fullmatch(name) is None:
+        raise ValueError(
+            f"rollback(branch={name!r}): a branch name is 1-100 letters, digits, '_', '.' "
+            "or '-', starting with a letter or digit"
+        )
+    if format.is_temporary_name(name):
+        raise ValueError(f"rollback(branch={name!r}): the name looks like a temporary directory")
+    return name
+
+
+def new_branch(root: Path, name: str | None, from_step: int, to_step: int) -> str:
+    """A branch name that does not exist yet (``name`` itself, which must be new)."""
+    parent = root / BRANCHES_DIR
+    if name is not None:
+        name = check_branch_name(name)
+        if (parent / name).exists():
+            raise CheckpointExists(
+                f"{parent / name}: branch {name!r} already exists; choose another name"
+            )
+        return name
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    base = f"step_{from_step}_before_rollback_to_{to_step}_{stamp}"
+    candidate, n = base, 1
+    while (parent / candidate).exists():
+        n += 1
+        candidate = f"{base}_{n}"
+    return candidate
+
+
+def begin(root: Path, plan: Plan) -> None:
+    """Record ``plan`` durably; nothing has moved yet, and from here on it will finish."""
+    intent = root / INTENT_FILE
+    if intent.exists():
+        raise CheckpointError(f"{intent}: a rollback is already in progress; reopen the manager")
+    tmp = format.tmp_sibling(intent)
+    format.write_file_durably(tmp, plan.encode())
+    os.rename(tmp, intent)
+    format.fsync_dir(root)
+
+
+def finish(root: Path) -> Plan | None:
+    """Complete the rollback recorded in ``root``, if any; the caller holds the lock."""
+    intent = root / INTENT_FILE
+    for name in os.listdir(root):  # a plan a crash cut short before it was recorded
+        if name.startswith(INTENT_FILE + format.TMP_INFIX):
+            os.unlink(root / name)
+    try:
+        raw = intent.read_bytes()
+    except FileNotFoundError:
+        return None
+    plan = Plan.decode(raw, intent)
+    if plan.newer == "branch":
+        assert plan.branch is not None
+        target = root / BRANCHES_DIR / plan.branch
+        _makedirs(target / EXPORTS_DIR, stop=root)
+        for name in plan.names:
+            _move(root / name, target / name)
+            _move(root / EXPORTS_DIR / name, target / EXPORTS_DIR / name)
+    else:
+        for name in plan.names:
+            for path in (root / name, root / EXPORTS_DIR / name):
+                trash = format.tmp_sibling(path, format.TRASH_INFIX)
+                try:
+                    os.rename(path, trash)
+                except FileNotFoundError:
+                    continue
+                format.fsync_dir(path.parent)
+                format.remove_tree(trash)
+    os.unlink(intent)
+    format.fsync_dir(root)
+    return plan
+
+
+def _move(src: Path, dst: Path) -> None:
+    """One atomic rename, durable in both directories; skipped when already done."""
+    if not src.exists():
+        return
+    if dst.exists():
+        raise CheckpointError(
+            f"{src}: cannot move it to {dst}, which exists; move one of them by hand and "
+            "reopen the manager to finish the rollback"
+        )
+    os.rename(src, dst)
+    format.fsync_dir(dst.parent)
+    format.fsync_dir(src.parent)
+
+
+def _makedirs(path: Path, stop: Path) -> None:
+    """``mkdir -p`` that fsyncs the parent of every directory it creates."""
+    missing: list[Path] = []
+    p = path
+    while p != stop and not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir()
+        format.fsync_dir(d.parent)
+
+
+def branches(root: Path, parse_step: Callable[[str], int | None]) -> dict[str, list[int]]:
+    """Each branch of ``root`` with the committed steps it holds, by name."""
+    parent = root / BRANCHES_DIR
+    try:
+        names = sorted(os.listdir(parent))
+    except FileNotFoundError:
+        return {}
+    out: dict[str, list[int]] = {}
+    for name in names:
+        path = parent / name
+        if not path.is_dir() or _BRANCH_RE.fullmatch(name) is None:
+            continue
+        steps = (
+            parse_step(n) for n in os.listdir(path) if (path / n / format.COMMIT_MARKER).exists()
+        )
+        out[name] = sorted(s for s in steps if s is not None)
+    return out
