@@ -230,6 +230,8 @@ class _SaveJob:
                 overwrite=self.overwrite,
                 created=self.created,
             )
+        except CheckpointError:  # e.g. CheckpointExists, itself an OSError
+            raise
         except OSError as e:
             raise os_error(e, self.dest) from e
 

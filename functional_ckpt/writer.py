@@ -327,6 +327,9 @@ def write_local(
             created=created,
             before_commit=before_commit,
         )
+    except CheckpointError:  # e.g. CheckpointExists, itself an OSError
+        format.remove_tree(tmp)
+        raise
     except OSError as e:
         format.remove_tree(tmp)
         raise os_error(e, dest) from e
