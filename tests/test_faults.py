@@ -109,6 +109,50 @@ def test_concurrency() -> None:
     assert res.counts.get("manager-read", 0) > 0
 
 
+def test_durability_order() -> None:
+    """Every file fsynced at its final size before the marker; new ancestors made durable."""
+    res = run("durability")
+    assert res.lost == res.other == 0, res.problems
+    assert res.trials >= 20 and res.counts["files-checked"] >= 4 * res.trials
+
+
+def test_special_files_never_hang() -> None:
+    res = run("special-files")
+    assert res.other == 0, res.problems
+    assert res.detected == res.corruptions >= 12
+
+
+def test_unpickler_attacks_change_nothing() -> None:
+    res = run("unpickler")
+    assert res.counts.get("attributes-changed", 0) == 0
+    assert res.detected == res.corruptions == len(faults.ATTACK_PREFIXES)
+
+
+def test_derived_metadata_disagreement() -> None:
+    res = run("derived")
+    assert res.detected == res.corruptions >= 9
+    assert res.counts.get("honest-accepted") == 1
+    assert res.other == 0, res.problems
+
+
+def test_overwrite_scope() -> None:
+    res = run("overwrite-scope")
+    assert res.lost == res.other == 0, res.problems
+    assert res.counts.get("refused") == res.trials >= 10
+
+
+def test_overwrite_race() -> None:
+    res = run("overwrite-race")
+    assert res.torn == res.other == 0, res.problems
+    assert res.counts.get("restore-read", 0) >= 10
+
+
+def test_reader_fuzz_scenario() -> None:
+    res = run("fuzz")
+    assert res.trials == faults.CI.fuzz_examples
+    assert res.torn == res.other == 0, res.problems
+
+
 def test_cli_table_and_json(tmp_path: Path) -> None:
     out = tmp_path / "faults.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
