@@ -531,24 +531,35 @@ def _replaced(path: Path, dir_fd: int, had_marker: bool) -> bool:
     return had_marker and not _exists(dir_fd, COMMIT_MARKER)
 
 
-def open_checkpoint(path: Path, *, members: bool = True) -> Checkpoint:
+def open_checkpoint(
+    path: Path,
+    *,
+    members: bool = True,
+    problems: list[tuple[str, CheckpointError]] | None = None,
+) -> Checkpoint:
     """Open a committed checkpoint: marker, manifest and (``members``) every listed file.
 
     If the directory is replaced or deleted before all its files are open (a
     writer's ``overwrite=True`` or a prune), this starts once more from what is
     at ``path`` now; a second race is reported as ``CheckpointNotFound``, never as
-    damage.
+    damage. With ``problems``, files that cannot be opened are listed there
+    instead of raising (see :func:`open_members`).
     """
     for attempt in (0, 1):
         dir_fd = open_directory(path)
         had_marker = False
         ck = Checkpoint(path, dir_fd, {})
+        found: list[tuple[str, CheckpointError]] = []
         try:
             marker = read_marker(dir_fd, path)
             had_marker = True
             ck.manifest = read_manifest_at(dir_fd, path, marker)
             if members:
-                open_members(ck)
+                open_members(ck, None if problems is None else found)
+            if found and _replaced(path, dir_fd, had_marker):
+                raise found[0][1]
+            if problems is not None:
+                problems += found
             return ck
         except (CheckpointError, OSError) as err:
             replaced = _replaced(path, dir_fd, had_marker)
@@ -556,7 +567,7 @@ def open_checkpoint(path: Path, *, members: bool = True) -> Checkpoint:
             if not replaced:
                 if isinstance(err, CheckpointError):
                     raise
-                raise CorruptCheckpoint(f"{path}: cannot read the checkpoint: {err}") from err
+                raise CheckpointError(f"{path}: cannot read the checkpoint: {err}") from err
             if attempt:
                 raise CheckpointNotFound(
                     f"{path}: the checkpoint was replaced or deleted while it was being read "

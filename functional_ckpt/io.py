@@ -17,7 +17,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from functional_ckpt import dcpmeta, format, shards
 from functional_ckpt.checksum import crc32
-from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
+from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
 from functional_ckpt.manifest import Chunk, dtype_name, parse
 from functional_ckpt.reader import (
     Reshard,
@@ -263,23 +263,24 @@ def verify(path: PathLike) -> VerifyReport:
     """
     src = Path(path)
     report = VerifyReport(src, True, [])
+    failed: list[tuple[str, CheckpointError]] = []
     try:  # CheckpointNotFound / IncompleteCheckpoint propagate
-        ck = format.open_checkpoint(src, members=False)
+        ck = format.open_checkpoint(src, problems=failed)
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.ok = False
         report.problems.append(Problem(format.MANIFEST, str(err)))
         return report
     with ck:
-        _verify_open(ck, report)
+        _verify_open(ck, failed, report)
     report.ok = not report.problems
     return report
 
 
-def _verify_open(ck: format.Checkpoint, report: VerifyReport) -> None:
+def _verify_open(
+    ck: format.Checkpoint, failed: list[tuple[str, CheckpointError]], report: VerifyReport
+) -> None:
     src, manifest = ck.path, ck.manifest
-    failed: list[tuple[str, Any]] = []
     try:
-        format.open_members(ck, failed)
         ranks = parse(manifest, src, rank=None).world_size
         parsed = [parse(manifest, src, rank=r) for r in range(ranks)]
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
