@@ -423,15 +423,21 @@ def _size(v: Any, where: str) -> None:
         raise _bad(f"{where} is not a size")
 
 
-def _plain(v: Any, depth: int = 0) -> bool:
+def _plain(v: Any, depth: int = 0, seen: set[int] | None = None) -> bool:
+    """Plain data only; every shared container is walked once (no exponential blow-up)."""
     if depth > 32:
         return False
     if v is None or type(v) in (str, int, bool, float):
         return True
+    seen = set() if seen is None else seen
+    if id(v) in seen:
+        return True
     if type(v) in (tuple, list):
-        return all(_plain(x, depth + 1) for x in v)
+        seen.add(id(v))
+        return all(_plain(x, depth + 1, seen) for x in v)
     if type(v) in (dict, collections.OrderedDict):
-        return all(_plain(k, depth + 1) and _plain(x, depth + 1) for k, x in v.items())
+        seen.add(id(v))
+        return all(_plain(k, depth + 1, seen) and _plain(x, depth + 1, seen) for k, x in v.items())
     return False
 
 
@@ -479,7 +485,13 @@ def check(md: Any) -> Metadata:
                 and type(v.length) is int
                 and v.offset >= 0
                 and v.length >= 0
-                and _plain(v.transform_descriptors)
+                and (
+                    v.transform_descriptors is None
+                    or (
+                        type(v.transform_descriptors) in (list, tuple)
+                        and all(type(t) is str for t in v.transform_descriptors)
+                    )
+                )
             ):
                 raise _bad(f"storage of {k.fqn!r}")
     if md.storage_meta is not None:
@@ -492,7 +504,7 @@ def check(md: Any) -> Metadata:
             and _plain(sm.modules)
         ):
             raise _bad("storage_meta")
-    if not (_plain(md.planner_data) and _plain(md.version)):
+    if not (_plain(md.planner_data) and type(md.version) in (str, type(None))):
         raise _bad("planner_data or version")
     return md  # type: ignore[no-any-return]
 

@@ -222,7 +222,8 @@ def inspect_dcp(root: Path) -> Any:
     num_tensors = num_values = tensor_bytes = 0
     for fqn, smd in md.state_dict_metadata.items():
         kp = planner.get(fqn)
-        path: KeyPath = tuple(str(k) for k in kp) if isinstance(kp, tuple | list) and kp else (fqn,)
+        flat = isinstance(kp, tuple | list) and kp and all(type(k) in (str, int) for k in kp)
+        path: KeyPath = tuple(str(k) for k in kp) if flat else (fqn,)
         if isinstance(smd, TensorStorageMetadata):
             n = 1
             for d in smd.size:
