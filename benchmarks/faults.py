@@ -99,10 +99,12 @@ class Scale:
     disk_full_steps: int  # free-space levels tried on the small filesystem
     vanish_trials: int  # destination removed mid-save
     follow_secs: float  # how long a reader follows a writer
+    fuzz_examples: int = 3000  # mutated manifests / markers / .metadata files read back
+    cli_each: bool = True  # run the CLI against every overwrite target (slow: a process each)
 
 
 LONG = Scale(80, 40, True, 24, 20, 15.0)
-CI = Scale(8, 6, False, 8, 4, 3.0)
+CI = Scale(8, 6, False, 8, 4, 3.0, 300, False)
 
 KINDS = ("sync", "async", "prune", "export")
 
@@ -945,6 +947,11 @@ def _sparse(name: str, size: int) -> Callable[[Path], None]:
     return act
 
 
+#: Cases that damage only a file derived from the manifest (``.metadata``): our readers
+#: never read it, so restoring the intact tensors exactly is correct; verify reports it.
+DERIVED_ONLY = {".metadata pickle, re-signed in the manifest"}
+
+
 def hostile_cases(marker: Path, outside: Path) -> list[tuple[str, Callable[[Path], None]]]:
     """(name, tamper) for each hostile checkpoint, applied to a fresh valid checkpoint."""
     cases: list[tuple[str, Callable[[Path], None]]] = [
@@ -990,7 +997,13 @@ def _probe_load(path: Path) -> dict[str, Any]:
                 warnings.simplefilter("ignore")
                 value = fn()
             ok = value.ok if isinstance(value, fc.VerifyReport) else True
-            out[what] = ["ok" if ok else "reported", ""]
+            exact = ""
+            if what in ("restore", "manager") and value is not None:
+                try:
+                    exact = "exact" if state_version(value) == 1 else "wrong"
+                except AssertionError as e:
+                    exact = f"wrong: {e}"
+            out[what] = ["ok" if ok else "reported", exact]
         except BaseException as e:
             out[what] = [type(e).__name__, str(e)[:300]]
     _, hwm = rss_and_peak()
@@ -1031,6 +1044,12 @@ def scenario_hostile(scale: Scale, base: Path, seed: int) -> Result:
         caught = True
         for what in ("restore", "restore(template)", "verify", "manager"):
             kind, msg = out[what]
+            if kind == "ok" and name in DERIVED_ONLY and what != "verify":
+                # Only a derived file is hostile; our readers never use it, the tensors
+                # are intact: restoring them exactly is right, verify must report it.
+                if msg.startswith("wrong"):
+                    res.problem("torn", f"{name}: {what} returned {msg}", column="torn")
+                continue
             if kind in ("ok",):
                 caught = False
                 if what != "restore(template)" and len(res.problems) < 40:
@@ -1130,6 +1149,727 @@ def scenario_concurrency(scale: Scale, base: Path, seed: int) -> Result:
     return res
 
 
+# --------------------------------------------------------------------------- storage hardening
+
+
+class SyscallLog:
+    """Records creations, fsyncs (path, size at the time) and renames, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, int]] = []
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> SyscallLog:
+        real_fsync, real_open, real_rename = os.fsync, os.open, os.rename
+        real_mkdir = Path.mkdir
+        self._saved = {"fsync": real_fsync, "open": real_open, "rename": real_rename}
+        self._mkdir = real_mkdir
+
+        def fsync(fd: Any) -> None:
+            fd = fd if isinstance(fd, int) else fd.fileno()
+            real_fsync(fd)
+            st = os.fstat(fd)
+            size = -1 if os.path.isdir(f"/proc/self/fd/{fd}") else st.st_size
+            self.events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"), size))
+
+        def open_(path: Any, flags: int, *a: Any, **k: Any) -> int:
+            if flags & os.O_CREAT:
+                self.events.append(("create", os.path.abspath(path), 0))
+            return real_open(path, flags, *a, **k)
+
+        def rename(a: Any, b: Any, *args: Any, **kwargs: Any) -> None:
+            real_rename(a, b, *args, **kwargs)
+            self.events.append(("renamed", os.path.abspath(b), 0))
+
+        def mkdir(path: Path, *a: Any, **k: Any) -> None:
+            real_mkdir(path, *a, **k)
+            self.events.append(("mkdir", str(path.absolute()), 0))
+
+        real_exchange = format._exchange
+
+        def exchange(a: Path, b: Path) -> bool:
+            done = real_exchange(a, b)
+            if done:
+                self.events.append(("renamed", os.path.abspath(b), 0))
+            return done
+
+        self._exchange = real_exchange
+        os.fsync, os.open, os.rename = fsync, open_, rename  # type: ignore[assignment]
+        Path.mkdir = mkdir  # type: ignore[method-assign]
+        format._exchange = exchange
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.fsync = self._saved["fsync"]
+        os.open = self._saved["open"]
+        os.rename = self._saved["rename"]
+        Path.mkdir = self._mkdir  # type: ignore[method-assign]
+        format._exchange = self._exchange
+
+    def first(self, kind: str, pred: Callable[[str, int], bool]) -> int:
+        for i, (k, name, size) in enumerate(self.events):
+            if k == kind and pred(name, size):
+                return i
+        return -1
+
+
+def durability_violations(log: SyscallLog, dest: Path, created: list[Path]) -> list[str]:
+    """What a power loss at the wrong moment could take: files, directory, ancestors."""
+    out: list[str] = []
+    marker = log.first("create", lambda n, _: n.endswith("/" + format.COMMIT_MARKER))
+    if marker < 0:
+        return ["no commit marker was written"]
+    tmp = Path(log.events[marker][1]).parent
+    for f in sorted(dest.iterdir()):
+        size = f.stat().st_size
+        at = log.first("fsync", lambda n, s, f=f, size=size: n == str(tmp / f.name) and s == size)
+        if at < 0 or (f.name != format.COMMIT_MARKER and at > marker):
+            out.append(f"{f.name} not fsynced at its final size ({size} B) before the marker")
+    synced = log.first("fsync", lambda n, s: n == str(tmp) and s == -1)
+    renamed = log.first("renamed", lambda n, _: n == str(dest.absolute()))
+    after = [
+        i
+        for i, (k, n, _) in enumerate(log.events)
+        if k == "fsync" and n == str(dest.parent.absolute()) and i > renamed
+    ]
+    if not 0 <= synced < renamed or not after:
+        out.append("directory not fsynced before the rename, or parent not after it")
+    for d in created:
+        made = log.first("mkdir", lambda n, _, d=d: n == str(d.absolute()))
+        ok = [
+            i
+            for i, (k, n, _) in enumerate(log.events)
+            if k == "fsync" and n == str(d.parent.absolute()) and i > made >= 0
+        ]
+        if not ok:
+            out.append(f"new directory {d.name} never fsynced into its parent")
+    return out
+
+
+def scenario_durability(scale: Scale, base: Path, seed: int) -> Result:
+    """Syscall order of every way to save: fsync at final size, marker last, ancestors."""
+    res = Result("durability: fsync order of save / async / manager / overwrite")
+    for i in range(max(1, scale.vanish_trials)):
+        for mode in ("save", "async", "manager", "overwrite", "dist-commit"):
+            top = base / f"d{i}-{mode}"
+            dest = top / "x" / "ck"
+            created = [top, top / "x"]
+            if mode == "overwrite":
+                fc.save(dest, make_state(1, big=1, small=4))
+                created = []
+            with SyscallLog() as log:
+                if mode in ("save", "overwrite"):
+                    fc.save(dest, make_state(2, big=1, small=4), overwrite=mode == "overwrite")
+                elif mode == "async":
+                    fc.save_async(dest, make_state(2, big=1, small=4)).result()
+                elif mode == "manager":
+                    with fc.CheckpointManager(top / "x") as mgr:
+                        mgr.maybe_save(make_state(2, big=1, small=4), step=2)
+                    dest = top / "x" / "step_000000002"
+                else:
+                    _commit_like_coordinator(dest)
+            res.trials += 1
+            bad = durability_violations(log, dest, created)
+            res.bump("files-checked", sum(1 for _ in dest.iterdir()))
+            for b in bad:
+                res.problem("durability", f"{mode}: {b}", column="lost")
+            shutil.rmtree(top, ignore_errors=True)
+    return res
+
+
+def _commit_like_coordinator(dest: Path) -> None:
+    """The distributed coordinator's commit (writer.finalize), without a process group."""
+    from functional_ckpt import writer
+
+    plan = writer.plan_save(make_state(2, big=1, small=4))
+    tensors = [writer.host_copy(t) for t in plan.sources]
+    writer.write_local(dest, plan, tensors, metadata={}, overwrite=False)
+
+
+_SPECIAL_KINDS = ("fifo", "directory", "symlink", "device")
+
+
+def _make_special(target: Path, kind: str) -> bool:
+    if target.exists() or target.is_symlink():
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        else:
+            os.unlink(target)
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "directory":
+        target.mkdir()
+    elif kind == "symlink":
+        os.symlink("/dev/zero", target)
+    else:
+        try:
+            os.mknod(target, 0o600 | 0o020000, os.stat("/dev/null").st_rdev)
+        except OSError:
+            return False
+    return True
+
+
+def _special_probe(path: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for what, fn in (
+        ("restore", lambda: fc.restore(path)),
+        ("inspect", lambda: fc.inspect(path)),
+        ("verify", lambda: fc.verify(path)),
+        ("manager", lambda: fc.CheckpointManager(path.parent, read_only=True).restore_latest()),
+    ):
+        try:
+            value = fn()
+            ok = value.ok if isinstance(value, fc.VerifyReport) else True
+            out[what] = ["ok" if ok else "reported", "" if ok else str(value)]
+        except BaseException as e:
+            out[what] = [type(e).__name__, str(e)[:300]]
+    return out
+
+
+def scenario_special_files(scale: Scale, base: Path, seed: int) -> Result:
+    """A FIFO, directory, symlink or device in place of every file, on every read path."""
+    res = Result("special files on every read path")
+    names = [format.COMMIT_MARKER, format.MANIFEST, format.DCP_METADATA, "__0_0.distcp"]
+    for name in names:
+        for kind in _SPECIAL_KINDS:
+            root = base / f"sp-{name.strip('.')}-{kind}"
+            path = root / "step_000000001"
+            fc.save(path, make_state(1, big=1, small=4))
+            if not _make_special(path / name, kind):
+                res.bump("device-skipped")
+                continue
+            res.trials += 1
+            res.corruptions += 1
+            out = run_forked(lambda path=path: _special_probe(path), timeout=30)
+            if out is None or out.get("hang"):
+                res.problem("hang", f"{name} as a {kind}: no answer within 30 s")
+                continue
+            if scale.cli_each or (name == format.DCP_METADATA and kind == "fifo"):
+                out["cli"] = _cli_inspect(path)
+            caught = True
+            for what, (kind_, msg) in out.items():
+                if kind_ == "hang":
+                    res.problem("hang", f"{name} as a {kind}: fckpt inspect hung")
+                    caught = False
+                elif kind_ == "ok" and what == "manager":
+                    continue  # nothing else to fall back to: it reports no checkpoint
+                elif kind_ == "ok":
+                    caught = False
+                    res.problem("accepted", f"{name} as a {kind}: {what} accepted it")
+                elif kind_ not in SAFE_ERRORS and kind_ != "reported":
+                    caught = False
+                    res.problem("unclear-error", f"{name} as a {kind}: {what}: {kind_}: {msg}")
+                elif name not in msg:
+                    res.problem("unnamed", f"{name} as a {kind}: {what} did not name the file")
+            res.detected += caught
+            shutil.rmtree(root, ignore_errors=True)
+    return res
+
+
+def _cli_inspect(path: Path) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "functional_ckpt", "inspect", str(path)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired:
+        return ["hang", ""]
+    if proc.returncode == 0:
+        return ["ok", ""]
+    if "Traceback" in proc.stderr:
+        return ["traceback", proc.stderr[-300:]]
+    return ["CheckpointError", proc.stdout + proc.stderr]
+
+
+def _g(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _u(text: str) -> bytes:
+    raw = text.encode()
+    return b"X" + len(raw).to_bytes(4, "little") + raw
+
+
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+
+#: Pickle fragments that try to change the loading process, each followed (in
+#: ``unpickler_attacks``) by a genuine DCP ``Metadata``, so a loader that only
+#: filters globals would return a valid result after the damage is done.
+ATTACK_PREFIXES: dict[str, bytes] = {
+    "BUILD slot state on PosixPath (patch __truediv__)": _g("pathlib", "PosixPath")
+    + b"N}"
+    + _u("__truediv__")
+    + _g("collections", "OrderedDict")
+    + b"s\x86b0",
+    "BUILD dict state on torch.serialization._get_layout (poison its cache)": _g(
+        "torch.serialization", "_get_layout"
+    )
+    + b"}"
+    + _u("cache")
+    + b"}"
+    + _u("torch.strided")
+    + _g("torch", "sparse_coo")
+    + b"ssb0",
+    "BUILD on a shared enum member": _g(_DCP_MD, "_MEM_FORMAT_ENCODING")
+    + b"K\x00\x85R}"
+    + _u("_value_")
+    + b"K\x07sb0",
+    "BUILD slot state on the Metadata class": _g(_DCP_MD, "Metadata")
+    + b"N}"
+    + _u("__eq__")
+    + _g("torch", "Size")
+    + b"s\x86b0",
+    "BUILD on TensorProperties class (default dtype)": _g(_DCP_MD, "TensorProperties")
+    + b"N}"
+    + _u("dtype")
+    + _g("torch", "float64")
+    + b"s\x86b0",
+    "SETITEM on a class": _g("collections", "OrderedDict") + _u("x") + b"Ns0",
+    "APPEND to a class": _g("torch", "Size") + b"Na0",
+    "REDUCE os.system": _g("os", "system") + _u("true") + b"\x85R0",
+    "REDUCE _get_layout with a poisoned name": _g("torch.serialization", "_get_layout")
+    + _u("torch.sparse_coo")
+    + b"\x85R0",
+    "copyreg._reconstructor": _g("copyreg", "_reconstructor") + b"0",
+    "protocol-0 INST": b"(i" + b"pathlib\nPosixPath\n" + b"0",
+}
+
+
+def genuine_metadata(base: Path) -> bytes:
+    """A real ``.metadata`` of this library's writer, as protocol-2 pickle without PROTO."""
+    path = base / "genuine"
+    if not path.exists():
+        fc.save(path, make_state(1, big=1, small=4))
+    md = pickle.loads((path / format.DCP_METADATA).read_bytes())
+    return pickle.dumps(md, protocol=2)[2:]
+
+
+def unpickler_attacks(base: Path) -> dict[str, bytes]:
+    tail = genuine_metadata(base)
+    return {name: b"\x80\x02" + prefix + tail for name, prefix in ATTACK_PREFIXES.items()}
+
+
+def allowed_snapshot() -> dict[str, Any]:
+    """Every attribute of every allow-listed global (and its type), and torch's caches."""
+    from functional_ckpt import dcpmeta
+
+    out: dict[str, Any] = {}
+    seen: set[int] = set()
+    for key, obj in dcpmeta.ALLOWED.items():
+        for o in (obj, type(obj), *getattr(obj, "__mro__", ())):
+            if id(o) in seen or o is object or o is type:
+                continue
+            seen.add(id(o))
+            d = getattr(o, "__dict__", None)
+            if d is not None:
+                out[f"{key}:{id(o)}"] = {k: id(v) for k, v in dict(d).items()}
+            for attr in ("__code__", "__defaults__", "__kwdefaults__"):
+                if hasattr(o, attr):
+                    out[f"{key}:{attr}"] = id(getattr(o, attr))
+    import torch.serialization as ser
+
+    out["layout-cache"] = dict(getattr(ser._get_layout, "cache", {}))
+    for member in dcpmeta._MEM_FORMAT_ENCODING:
+        out[f"enum:{member.name}"] = dict(vars(member))
+    return out
+
+
+def _install_metadata(path: Path, raw: bytes) -> None:
+    import zlib
+
+    (path / format.DCP_METADATA).write_bytes(raw)
+
+    def edit(m: dict[str, Any]) -> None:
+        m["files"][format.DCP_METADATA] = {"size": len(raw), "crc32": zlib.crc32(raw)}
+
+    edit_manifest(path, edit)
+
+
+def _unpickler_probe(raw: bytes, base: Path) -> dict[str, Any]:
+    from functional_ckpt import dcpmeta
+
+    before = allowed_snapshot()
+    out: dict[str, Any] = {}
+    stock = base / "stock"
+    stock.mkdir()
+    (stock / format.DCP_METADATA).write_bytes(raw)
+    ours = base / "ours"
+    fc.save(ours, make_state(1, big=1, small=4))
+    _install_metadata(ours, raw)
+    for what, fn in (
+        ("load", lambda: dcpmeta.load_foreign(raw, base / ".metadata")),
+        ("stock restore", lambda: fc.restore(stock, {"model": {}}, partial=True)),
+        ("stock inspect", lambda: fc.inspect(stock)),
+        ("verify", lambda: fc.verify(ours)),
+    ):
+        try:
+            value = fn()
+            ok = value.ok if isinstance(value, fc.VerifyReport) else True
+            out[what] = "ok" if ok else "reported"
+        except BaseException as e:
+            out[what] = type(e).__name__
+    out["changed"] = sorted(k for k, v in allowed_snapshot().items() if before.get(k) != v)
+    return out
+
+
+def scenario_unpickler(scale: Scale, base: Path, seed: int) -> Result:
+    """Pickles that set attributes on allowed classes/functions, then build real Metadata."""
+    res = Result("unpickler attribute attacks")
+    for i, (name, raw) in enumerate(unpickler_attacks(base).items()):
+        work = base / f"u{i}"
+        work.mkdir()
+        res.trials += 1
+        res.corruptions += 1
+        out = run_forked(lambda raw=raw, work=work: _unpickler_probe(raw, work), timeout=60)
+        if out is None or out.get("hang"):
+            res.problem("hang", f"{name}: no answer within 60 s")
+            continue
+        if out["changed"]:
+            res.problem("attribute-changed", f"{name}: {out['changed'][:5]}", column="executed")
+        res.bump("attributes-changed", len(out["changed"]))
+        refused = all(out[w] in ("UnsafeCheckpoint", "reported") for w in out if w != "changed")
+        if refused:
+            res.detected += 1
+        else:
+            res.problem("accepted", f"{name}: {out}")
+    return res
+
+
+def _derived_cases() -> list[tuple[str, bool, Callable[[Any, Path], Any]]]:
+    """(name, honest, edit of the loaded Metadata) for .metadata-vs-manifest disagreements."""
+
+    def abs_path(md: Any, base: Path) -> None:
+        for info in md.storage_data.values():
+            info.relative_path = str(base / "elsewhere.distcp")
+
+    def length(md: Any, base: Path) -> None:
+        next(iter(md.storage_data.values())).length += 8
+
+    def offset(md: Any, base: Path) -> None:
+        next(iter(md.storage_data.values())).offset += 1
+
+    def dtype(md: Any, base: Path) -> None:
+        next(iter(md.state_dict_metadata.values())).properties.dtype = torch.int32
+
+    def size(md: Any, base: Path) -> None:
+        smd = next(iter(md.state_dict_metadata.values()))
+        smd.size = torch.Size([*smd.size, 1])
+
+    def chunk(md: Any, base: Path) -> None:
+        next(iter(md.state_dict_metadata.values())).chunks[0].offsets = torch.Size([1])
+
+    def planner(md: Any, base: Path) -> None:
+        key = next(iter(md.planner_data))
+        md.planner_data[key] = ("elsewhere",)
+
+    def missing(md: Any, base: Path) -> None:
+        md.state_dict_metadata.pop(next(iter(md.state_dict_metadata)))
+
+    def extra(md: Any, base: Path) -> None:
+        md.state_dict_metadata["injected"] = next(iter(md.state_dict_metadata.values()))
+
+    def honest(md: Any, base: Path) -> None:
+        pass
+
+    return [
+        ("storage points at an absolute path", False, abs_path),
+        ("storage length differs", False, length),
+        ("storage offset differs", False, offset),
+        ("dtype differs", False, dtype),
+        ("size differs", False, size),
+        ("chunk box differs", False, chunk),
+        ("key path (planner data) differs", False, planner),
+        ("a tensor is missing", False, missing),
+        ("an extra tensor", False, extra),
+        ("same content, other pickle bytes (another torch)", True, honest),
+    ]
+
+
+def scenario_derived(scale: Scale, base: Path, seed: int) -> Result:
+    """A re-signed .metadata that disagrees with the manifest: verify must report it."""
+    res = Result("derived file (.metadata) vs manifest")
+    for i, (name, honest, edit) in enumerate(_derived_cases()):
+        path = base / f"dv{i}"
+        fc.save(path, make_state(1, big=1, small=4))
+        md = pickle.loads((path / format.DCP_METADATA).read_bytes())
+        edit(md, base)
+        _install_metadata(path, pickle.dumps(md, protocol=2))
+        res.trials += 1
+        try:
+            if state_version(fc.restore(path)) != 1:
+                raise AssertionError("wrong version")
+        except Exception as e:
+            res.problem("restore", f"{name}: restore failed on intact tensors: {e}", column="torn")
+        ok = fc.verify(path).ok
+        if honest:
+            res.bump("honest-accepted", ok)
+            if not ok:
+                res.problem("false-alarm", f"{name}: verify reported an honest .metadata")
+        else:
+            res.corruptions += 1
+            res.detected += not ok
+            if ok:
+                res.problem("accepted", f"{name}: verify said OK")
+    return res
+
+
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def scenario_overwrite_scope(scale: Scale, base: Path, seed: int) -> Result:
+    """overwrite=True aimed at things that are not checkpoints: refused, left intact."""
+    res = Result("overwrite scope")
+    root = base / "run"
+    with fc.CheckpointManager(root, keep=fc.keep_last(5)) as mgr:
+        for step in (1, 2, 3):
+            mgr.maybe_save(make_state(step, big=1, small=4), step=step)
+    (root / "notes.txt").write_text("mine")
+    src = base / "project"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "__init__.py").write_text("x = 1\n")
+    nonempty = base / "data"
+    nonempty.mkdir()
+    (nonempty / "a.bin").write_bytes(b"123")
+    ck = base / "ck"
+    fc.save(ck, make_state(1, big=1, small=4))
+    state = make_state(9, big=1, small=4)
+    attempts: list[tuple[str, Path, Callable[[Path], Any]]] = []
+    for label, target in (("manager root", root), ("source tree", src), ("data dir", nonempty)):
+        attempts += [
+            (f"fc.save onto a {label}", target, lambda t: fc.save(t, state, overwrite=True)),
+            (
+                f"fc.save_async onto a {label}",
+                target,
+                lambda t: fc.save_async(t, state, overwrite=True).result(),
+            ),
+            (
+                f"export onto a {label}",
+                target,
+                lambda t: fc.export_safetensors(ck, t, overwrite=True),
+            ),
+        ]
+        if scale.cli_each or label == "source tree":
+            attempts.append(
+                (f"fckpt export --overwrite onto a {label}", target, lambda t: _cli_export(ck, t))
+            )
+    for label, target, act in attempts:
+        before = _tree(target)
+        res.trials += 1
+        try:
+            act(target)
+            res.problem("accepted", f"{label}: it was replaced", column="lost")
+        except fc.CheckpointExists:
+            res.bump("refused")
+        except Exception as e:
+            res.problem("unclear-error", f"{label}: {type(e).__name__}: {e}")
+        if _tree(target) != before:
+            res.problem("lost", f"{label}: files changed or deleted", column="lost")
+    return res
+
+
+def _cli_export(ck: Path, out: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "functional_ckpt", "export", str(ck), str(out), "--overwrite"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    if proc.returncode == 0:
+        return
+    if "Traceback" in proc.stderr:
+        raise RuntimeError(proc.stderr[-300:])
+    raise fc.CheckpointExists(proc.stderr.strip())
+
+
+def scenario_overwrite_race(scale: Scale, base: Path, seed: int) -> Result:
+    """Readers racing fc.save(..., overwrite=True): A or B exactly, never "corrupt"."""
+    res = Result("reader vs overwrite race")
+    path = base / "ck"
+    fc.save(path, make_state(1, big=1, small=8))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        v = 2
+        try:
+            while not stop.is_set():
+                fc.save(path, make_state(v, big=1, small=8), overwrite=True)
+                v = 3 - v
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    end = time.monotonic() + scale.follow_secs
+    try:
+        while time.monotonic() < end:
+            for what, fn in (("restore", fc.restore), ("verify", fc.verify)):
+                res.trials += 1
+                try:
+                    value = fn(path)
+                    if what == "restore" and state_version(value) not in (1, 2):
+                        raise AssertionError("unknown version")
+                    if what == "verify" and not value.ok:
+                        res.problem("false-damage", f"verify: {value}", column="torn")
+                    res.bump(f"{what}-read")
+                except fc.CheckpointNotFound:
+                    res.bump(f"{what}-replaced")
+                except fc.CheckpointError as e:
+                    res.problem("false-damage", f"{what}: {type(e).__name__}: {e}", column="torn")
+                except AssertionError as e:
+                    res.problem("torn", f"{what}: mixed data: {e}", column="torn")
+    finally:
+        stop.set()
+        t.join()
+    if errors:
+        res.problem("writer-failed", repr(errors[0]))
+    return res
+
+
+# --------------------------------------------------------------------------- reader fuzzing
+
+FUZZ_TARGETS = (
+    "manifest",
+    "manifest+sign",
+    "marker",
+    "metadata",
+    "metadata+sign",
+    "msgpack+sign",
+)
+FUZZ_KINDS = ("flip", "truncate", "splice", "replace")
+
+
+def fuzz_mutate(path: Path, target: str, kind: str, pos: int, data: bytes) -> bool:
+    """Damage one file of ``path``; True when the manifest was re-signed afterwards."""
+    import zlib
+
+    name = {
+        "manifest": format.MANIFEST,
+        "marker": format.COMMIT_MARKER,
+        "metadata": format.DCP_METADATA,
+        "msgpack": format.MANIFEST,
+    }[target.split("+")[0]]
+    raw = bytearray((path / name).read_bytes())
+    if target.startswith("msgpack"):
+        raw = bytearray(data)
+    elif kind == "flip" and raw:
+        raw[pos % len(raw)] ^= 1 << (data[0] % 8 if data else 0)
+    elif kind == "truncate":
+        del raw[pos % (len(raw) + 1) :]
+    elif kind == "splice":
+        at = pos % (len(raw) + 1)
+        raw[at : at + len(data) // 2] = data
+    else:
+        raw = bytearray(data)
+    (path / name).write_bytes(bytes(raw))
+    if not target.endswith("+sign"):
+        return False
+    if name == format.MANIFEST:
+        os.unlink(path / format.COMMIT_MARKER)
+        format.write_commit_marker(path, bytes(raw))
+    else:
+        try:
+            m = codec.decode((path / format.MANIFEST).read_bytes())
+            m["files"][name] = {"size": len(raw), "crc32": zlib.crc32(bytes(raw))}  # type: ignore[index]
+            resign(path, codec.encode(m))
+        except Exception:
+            return False
+    return True
+
+
+def fuzz_one(path: Path, signed: bool, budget_s: float) -> str:
+    """Read a mutated checkpoint every way; the outcome, or AssertionError on a violation.
+
+    Unsigned damage must be refused (CheckpointError) or change nothing; signed
+    damage (an attacker owning the files) must end in a CheckpointError or a
+    state; never another exception, never over the time budget.
+    """
+    outcomes = []
+    for what, fn in (
+        ("restore", lambda: fc.restore(path)),
+        ("inspect", lambda: fc.inspect(path)),
+        ("verify", lambda: fc.verify(path)),
+    ):
+        t0 = time.monotonic()
+        try:
+            value = fn()
+            if what == "restore" and not signed and state_version(value) != 1:
+                raise AssertionError("unsigned damage changed the restored state")
+            outcome = "ok"
+        except fc.CheckpointError as e:
+            outcome = type(e).__name__
+        elapsed = time.monotonic() - t0
+        if elapsed > budget_s:
+            raise AssertionError(f"{what} took {elapsed:.1f} s (budget {budget_s} s)")
+        outcomes.append(f"{what}:{outcome}")
+    return " ".join(outcomes)
+
+
+def scenario_fuzz(scale: Scale, base: Path, seed: int) -> Result:
+    """Random mutations of real manifests, markers and .metadata files (bounded)."""
+    res = Result("reader fuzzing (manifest / marker / .metadata)")
+    rng = random.Random(seed)
+    pristine = base / "pristine"
+    fc.save(pristine, make_state(1, big=1, small=4))
+    path = base / "ck"
+    for _ in range(scale.fuzz_examples):
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.copytree(pristine, path)
+        target = rng.choice(FUZZ_TARGETS)
+        kind = rng.choice(FUZZ_KINDS)
+        data = rng.randbytes(rng.randrange(1, 64))
+        if target.startswith("msgpack"):
+            data = _random_msgpack(rng)
+        signed = fuzz_mutate(path, target, kind, rng.randrange(1 << 20), data)
+        res.trials += 1
+        peak_rss_reset()
+        rss0, _ = rss_and_peak()
+        try:
+            res.bump(fuzz_one(path, signed, budget_s=5.0).split()[0])
+        except AssertionError as e:
+            res.problem("violation", f"{target}/{kind}: {e}", column="torn")
+        except Exception as e:
+            res.problem("unclear-error", f"{target}/{kind}: {type(e).__name__}: {e}")
+        _, hwm = rss_and_peak()
+        if hwm - rss0 > (256 << 20):
+            res.problem("allocation", f"{target}/{kind}: peak RSS grew {(hwm - rss0) >> 20} MiB")
+    return res
+
+
+def _random_msgpack(rng: random.Random, depth: int = 0) -> bytes:
+    import msgpack
+
+    def value(d: int) -> Any:
+        r = rng.random()
+        if d > 4 or r < 0.4:
+            return rng.choice(
+                [
+                    None,
+                    True,
+                    rng.randrange(-(2**63), 2**64),
+                    rng.random(),
+                    "x" * rng.randrange(8),
+                    b"\0",
+                ]
+            )
+        if r < 0.7:
+            return [value(d + 1) for _ in range(rng.randrange(4))]
+        return {
+            rng.choice(["format", "files", "entries", "ranks", "version", "k"]): value(d + 1)
+            for _ in range(rng.randrange(4))
+        }
+
+    top = {"format": format.FORMAT_NAME, "version": 1, "files": value(1), "entries": value(1)}
+    return bytes(msgpack.packb(top))
+
+
 # --------------------------------------------------------------------------- driver
 
 SCENARIOS: dict[str, Callable[[Scale, Path, int], Result]] = {
@@ -1139,6 +1879,13 @@ SCENARIOS: dict[str, Callable[[Scale, Path, int], Result]] = {
     "corruption": scenario_corruption,
     "hostile": scenario_hostile,
     "concurrency": scenario_concurrency,
+    "durability": scenario_durability,
+    "special-files": scenario_special_files,
+    "unpickler": scenario_unpickler,
+    "derived": scenario_derived,
+    "overwrite-scope": scenario_overwrite_scope,
+    "overwrite-race": scenario_overwrite_race,
+    "fuzz": scenario_fuzz,
 }
 
 

@@ -53,7 +53,7 @@ from functional_ckpt.reader import (
     Reshard,
     build,
     gc_paused,
-    load_manifest,
+    open_vetted,
     rank_view,
     read_chunk,
     select,
@@ -230,6 +230,8 @@ class _SaveJob:
                 overwrite=self.overwrite,
                 created=self.created,
             )
+        except CheckpointError:  # e.g. CheckpointExists, itself an OSError
+            raise
         except OSError as e:
             raise os_error(e, self.dest) from e
 
@@ -269,7 +271,7 @@ def save_distributed(
     error = None
     try:
         if rank == 0:
-            dest.parent.mkdir(parents=True, exist_ok=True)
+            format.make_dirs(dest.parent)
             tmp.mkdir()
     except BaseException as e:
         error = os_error(e, dest) if isinstance(e, OSError) else e
@@ -322,7 +324,7 @@ def _unwrap(e: BaseException, what: str) -> CheckpointError:
 class _ManifestReader(StorageReader):
     """DCP storage reader serving chunks straight from our manifest and files."""
 
-    def __init__(self, root: Path, parsed: list[ParsedManifest]) -> None:
+    def __init__(self, root: format.Checkpoint, parsed: list[ParsedManifest]) -> None:
         super().__init__()
         self.root = root
         self.parsed = parsed
@@ -387,7 +389,7 @@ class _ManifestReader(StorageReader):
             for e in one.tensors.values():
                 if e.fqn == fqn:
                     return e.dtype
-        raise CorruptCheckpoint(f"{self.root}: no tensor {fqn!r}")
+        raise CorruptCheckpoint(f"{self.root.path}: no tensor {fqn!r}")
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -404,30 +406,58 @@ def restore_distributed(
     timeout: float | None = None,
 ) -> TensorDict:
     """Restore with DTensor leaves in the template: DCP maps saved chunks to shards."""
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-
     if not (dist.is_available() and dist.is_initialized()):
         raise CheckpointError("restoring into DTensor templates needs an initialized process group")
     group = checkpoint_group(timeout)
-    rank, world = dist.get_rank(), dist.get_world_size()
     error: BaseException | None = None
-    mine: TensorDict | None = None
+    ck: format.Checkpoint | None = None
     try:
-        view = rank_view(
-            src,
-            load_manifest(src),
-            as_state(template),
-            partial=partial,
-            reshard=reshard,
-            rank=rank,
-            world=world,
-        )
-        parsed, mine = view.parsed, view.mine
-        selected, wanted = select(parsed, view.template, partial=partial, cast=cast)
+        ck = open_vetted(src)
     except BaseException as e:
         error = e
+    try:
+        return _restore_open(
+            ck, error, group, template, partial=partial, cast=cast, reshard=reshard
+        )
+    finally:
+        if ck is not None:
+            ck.close()
+
+
+def _restore_open(
+    ck: format.Checkpoint | None,
+    error: BaseException | None,
+    group: Any,
+    template: TensorDictBase | Mapping[str, Any],
+    *,
+    partial: bool,
+    cast: bool,
+    reshard: Reshard | None,
+) -> TensorDict:
+    """The distributed restore, reading every file through the opened checkpoint ``ck``."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine: TensorDict | None = None
+    src = ck.path if ck is not None else Path("?")
+    if ck is not None:
+        try:
+            view = rank_view(
+                ck,
+                ck.manifest,
+                as_state(template),
+                partial=partial,
+                reshard=reshard,
+                rank=rank,
+                world=world,
+            )
+            parsed, mine = view.parsed, view.mine
+            selected, wanted = select(parsed, view.template, partial=partial, cast=cast)
+        except BaseException as e:
+            error = e
     agree(error, group, f"restore {src}")
+    assert ck is not None
     sharded = {p: t for p, t in wanted.items() if is_dtensor(t)}
     plain_template = {p: t for p, t in wanted.items() if p not in sharded}
     state_dict = {parsed.tensors[p].fqn: t for p, t in sharded.items()}
@@ -437,7 +467,7 @@ def restore_distributed(
     try:
         dcp_load(
             state_dict,
-            storage_reader=_ManifestReader(src, [parsed]),
+            storage_reader=_ManifestReader(ck, [parsed]),
             planner=DefaultLoadPlanner(),
             process_group=group,
         )
@@ -445,7 +475,7 @@ def restore_distributed(
         raise _unwrap(e, f"restore {src}") from e
     local = [(p, k) for p, k in selected if p not in sharded]
     with gc_paused():
-        rest = build(src, parsed, local, plain_template, False)
+        rest = build(ck, parsed, local, plain_template, False)
     values = {leaf.path: leaf for leaf in iter_leaves(rest)}
     leaves: list[Leaf] = []
     for p, _ in selected:

@@ -248,6 +248,33 @@ def _write_shards(
         format.write_file_durably(tmp / INDEX_FILE, json.dumps(index, indent=2).encode())
 
 
+_EXPORT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+
+
+def is_export(path: Path) -> bool:
+    """A directory holding only what an export writes (or nothing)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    for name in names:
+        if not (_EXPORT_FILE.fullmatch(name) or name == INDEX_FILE):
+            return False
+        if not os.path.isfile(path / name) or os.path.islink(path / name):
+            return False
+    return True
+
+
+def check_replaceable_export(path: Path) -> None:
+    """Refuse to replace anything but a previous export or an empty directory."""
+    if path.is_symlink() or not path.is_dir() or not is_export(path):
+        raise CheckpointExists(
+            f"{path}: exists and is not a safetensors export (it holds other files); "
+            "overwrite replaces only a previous export or an empty directory, so it was "
+            "left intact: choose another output directory or remove it"
+        )
+
+
 def export_safetensors(
     state_or_checkpoint_path: TensorDictBase | Mapping[str, Any] | PathLike,
     out_dir: PathLike,
@@ -261,23 +288,27 @@ def export_safetensors(
 
     The source is a state (TensorDict or dict) or the path of a checkpoint, of
     which only the selected subtree is read. ``out_dir`` appears complete or not
-    at all; with ``overwrite`` an existing export is replaced atomically.
+    at all; with ``overwrite`` an existing export (a directory holding only
+    ``model*.safetensors`` files and their index) or an empty directory is
+    replaced atomically; anything else is refused and left intact.
     Returns ``out_dir``.
     """
     out = Path(out_dir)
     path = _select_path(select)
     _check_dtype(dtype)
     limit = parse_size(max_shard_size)
-    if (out.exists() or out.is_symlink()) and not overwrite:
-        raise CheckpointExists(f"{out}: already exists; pass overwrite=True to replace it")
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise CheckpointExists(f"{out}: already exists; pass overwrite=True to replace it")
+        check_replaceable_export(out)
     tensors = _dedupe(_collect(_load(state_or_checkpoint_path, path), path))
     shards = _plan_shards(tensors, limit, dtype)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    format.make_dirs(out.parent)
     tmp = format.tmp_sibling(out)
     try:
         tmp.mkdir()
         _write_shards(tmp, shards, tensors, dtype)
-        format.commit(tmp, out, overwrite=overwrite)
+        format.commit(tmp, out, overwrite=overwrite, replaceable=check_replaceable_export)
     except BaseException:
         format.remove_tree(tmp)
         raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from functional_ckpt import format
+from functional_ckpt import dcpmeta, format
 from functional_ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -38,19 +39,59 @@ from functional_ckpt.tree import (
 )
 
 
-def _read_blob(root: Path, info: Any, sizes: dict[str, int]) -> bytes:
-    name = info.relative_path
-    path = format.safe_member(root, name)
-    if name not in sizes:
-        try:
-            sizes[name] = path.stat().st_size
-        except FileNotFoundError:
-            raise CorruptCheckpoint(f"{path}: shard file is missing") from None
-    if info.offset < 0 or info.length < 0 or info.offset + info.length > sizes[name]:
-        raise UnsafeCheckpoint(f"{path}: DCP metadata points beyond the end of the file")
-    with open(path, "rb") as f:
-        f.seek(info.offset)
-        return f.read(info.length)
+class StockFiles:
+    """A stock DCP checkpoint directory held open; its files opened safely, once each."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.dir_fd = format.open_directory(root)
+        self.fds: dict[str, tuple[int, int]] = {}  # name -> (fd, size)
+
+    def open(self, name: str) -> tuple[int, int]:
+        got = self.fds.get(name)
+        if got is None:
+            where = format.safe_member(self.root, name)
+            try:
+                fd = format.open_member(self.dir_fd, name, where, what="DCP file")
+            except FileNotFoundError:
+                raise CorruptCheckpoint(f"{where}: file is missing") from None
+            got = self.fds[name] = (fd, os.fstat(fd).st_size)
+        return got
+
+    def metadata(self) -> Any:
+        """DCP's ``.metadata``, parsed by the hardened unpickler."""
+        where = self.root / format.DCP_METADATA
+        fd, size = self.open(format.DCP_METADATA)
+        if size > dcpmeta.MAX_BYTES:
+            raise CorruptCheckpoint(f"{where}: {size} bytes of DCP metadata is more than allowed")
+        return dcpmeta.load_foreign(format.read_exact(fd, size, where), where)
+
+    def blob(self, info: Any) -> bytes:
+        name = info.relative_path
+        fd, size = self.open(name)
+        if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
+            raise UnsafeCheckpoint(
+                f"{self.root / name}: DCP metadata points beyond the end of the file"
+            )
+        return os.pread(fd, info.length, info.offset)
+
+    def close(self) -> None:
+        for fd, _ in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+        os.close(self.dir_fd)
+
+    def __enter__(self) -> StockFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_stock_metadata(root: Path) -> Any:
+    """The parsed ``.metadata`` of a stock DCP checkpoint (nothing in it runs)."""
+    with StockFiles(root) as files:
+        return files.metadata()
 
 
 def _load_tensor(blob: bytes, where: str) -> torch.Tensor:
@@ -72,24 +113,37 @@ def restore_dcp(
     allow_pickle: bool,
 ) -> TensorDict:
     """Restore the template's keys from a stock DCP checkpoint."""
+    if template is None:
+        raise CheckpointError(
+            f"{root}: a stock DCP checkpoint has no manifest; pass a template to restore it"
+        )
+    with StockFiles(root) as files:
+        return _restore(files, template, partial=partial, cast=cast, allow_pickle=allow_pickle)
+
+
+def _restore(
+    files: StockFiles,
+    template: TensorDictBase | Mapping[str, Any],
+    *,
+    partial: bool,
+    cast: bool,
+    allow_pickle: bool,
+) -> TensorDict:
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         MetadataIndex,
         TensorStorageMetadata,
     )
 
-    if template is None:
-        raise CheckpointError(
-            f"{root}: a stock DCP checkpoint has no manifest; pass a template to restore it"
-        )
-    md = format.read_dcp_metadata(root)
+    root = files.root
+    md = files.metadata()
     saved: dict[str, Any] = md.state_dict_metadata
+    storage: dict[Any, Any] = md.storage_data if isinstance(md.storage_data, dict) else {}
     leaves = list(iter_leaves(as_state(template)))
     problems: list[str] = []
     pickled: list[str] = []
     used: set[str] = set()
     out: list[Leaf] = []
-    sizes: dict[str, int] = {}
     for leaf in leaves:
         if leaf.kind == "node" or leaf.path[-1] == NODE_KEY:
             out.append(leaf)  # structure (and container records) come from the template
@@ -107,7 +161,10 @@ def restore_dcp(
             elif not allow_pickle:
                 pickled.append(where)
             else:
-                blob = _read_blob(root, md.storage_data[MetadataIndex(fqn)], sizes)
+                info = storage.get(MetadataIndex(fqn))
+                if info is None:
+                    raise CorruptCheckpoint(f"{root}: no storage recorded for {where}")
+                blob = files.blob(info)
                 value = torch.load(io.BytesIO(blob), weights_only=False)  # trusted by the caller
                 out.append(Leaf(leaf.path, "value", value))
             continue
@@ -128,10 +185,10 @@ def restore_dcp(
         dest = torch.empty(t.shape, dtype=t.dtype) if t.is_meta else t
         with torch.no_grad():
             for chunk in smd.chunks:
-                info = md.storage_data.get(MetadataIndex(fqn, chunk.offsets))
+                info = storage.get(MetadataIndex(fqn, chunk.offsets))
                 if info is None:
                     raise CorruptCheckpoint(f"{root}: no storage recorded for {where}")
-                piece = _load_tensor(_read_blob(root, info, sizes), f"{root} {where}")
+                piece = _load_tensor(files.blob(info), f"{root} {where}")
                 if tuple(piece.shape) != tuple(chunk.sizes):
                     raise CorruptCheckpoint(f"{root} {where}: chunk shape differs from metadata")
                 region = dest
@@ -158,13 +215,14 @@ def inspect_dcp(root: Path) -> CheckpointSummary:
     """Describe a stock DCP checkpoint from its metadata alone."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    md = format.read_dcp_metadata(root)
+    md = read_stock_metadata(root)
     planner: Any = md.planner_data if isinstance(md.planner_data, dict) else {}
     tree: dict[str, Any] = Node()
     num_tensors = num_values = tensor_bytes = 0
     for fqn, smd in md.state_dict_metadata.items():
         kp = planner.get(fqn)
-        path: KeyPath = tuple(str(k) for k in kp) if isinstance(kp, tuple | list) and kp else (fqn,)
+        flat = isinstance(kp, tuple | list) and kp and all(type(k) in (str, int) for k in kp)
+        path: KeyPath = tuple(str(k) for k in kp) if flat else (fqn,)
         if isinstance(smd, TensorStorageMetadata):
             n = 1
             for d in smd.size:
@@ -176,7 +234,10 @@ def inspect_dcp(root: Path) -> CheckpointSummary:
         else:
             num_values += 1
             insert(tree, path, "<pickled value, not loaded>")
-    file_bytes = sum((root / f).stat().st_size for f in os.listdir(root) if (root / f).is_file())
+    file_bytes = 0
+    for f in os.listdir(root):
+        st = os.lstat(root / f)
+        file_bytes += st.st_size if stat.S_ISREG(st.st_mode) else 0
     return CheckpointSummary(
         path=root,
         format_version=None,

@@ -14,8 +14,9 @@ from typing import Any
 
 from tensordict import TensorDict, TensorDictBase
 
-from functional_ckpt import format, shards
-from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
+from functional_ckpt import dcpmeta, format, shards
+from functional_ckpt.checksum import crc32
+from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
 from functional_ckpt.manifest import Chunk, parse
 from functional_ckpt.reader import (
     Reshard,
@@ -66,12 +67,15 @@ def save(
 
 
 def is_stock_dcp(path: Path) -> bool:
-    """A directory written by stock ``torch.distributed.checkpoint`` (no manifest)."""
+    """A directory written by stock ``torch.distributed.checkpoint`` (no manifest).
+
+    Decided from directory entries alone (nothing is opened).
+    """
     return (
         path.is_dir()
-        and not (path / format.COMMIT_MARKER).exists()
-        and not (path / format.MANIFEST).exists()
-        and (path / format.DCP_METADATA).exists()
+        and not os.path.lexists(path / format.COMMIT_MARKER)
+        and not os.path.lexists(path / format.MANIFEST)
+        and os.path.lexists(path / format.DCP_METADATA)
         and not format.is_temporary_name(path.name)
     )
 
@@ -191,35 +195,44 @@ class VerifyReport:
 
 
 def verify(path: PathLike) -> VerifyReport:
-    """Recompute every checksum over every byte; raise only if ``path`` is no checkpoint."""
+    """Recompute every checksum over every byte; raise only if ``path`` is no checkpoint.
+
+    ``.metadata`` is recomputed from the manifest and must match byte for byte
+    (or, if another torch version wrote it, field for field): a ``.metadata``
+    that would send stock ``dcp.load`` elsewhere than the manifest is damage.
+    """
     src = Path(path)
     report = VerifyReport(src, True, [])
-    try:
-        format.check_committed(src)  # CheckpointNotFound / IncompleteCheckpoint propagate
-        manifest = format.read_manifest(src)
-        ranks = parse(manifest, src, rank=None).world_size
-        parsed = [parse(manifest, src, rank=r) for r in range(ranks)]
+    failed: list[tuple[str, CheckpointError]] = []
+    try:  # CheckpointNotFound / IncompleteCheckpoint propagate
+        ck = format.open_checkpoint(src, problems=failed)
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.ok = False
         report.problems.append(Problem(format.MANIFEST, str(err)))
         return report
+    with ck:
+        _verify_open(ck, failed, report)
+    report.ok = not report.problems
+    return report
+
+
+def _verify_open(
+    ck: format.Checkpoint, failed: list[tuple[str, CheckpointError]], report: VerifyReport
+) -> None:
+    src, manifest = ck.path, ck.manifest
+    try:
+        ranks = parse(manifest, src, rank=None).world_size
+        parsed = [parse(manifest, src, rank=r) for r in range(ranks)]
+    except (CorruptCheckpoint, UnsafeCheckpoint) as err:
+        report.problems.append(Problem(format.MANIFEST, str(err)))
+        return
+    report.problems += [Problem(name, str(err)) for name, err in failed]
     files = manifest["files"]
     listed = set(files) | {format.MANIFEST, format.COMMIT_MARKER}
-    for child in sorted(os.listdir(src)):
+    for child in format.iter_names(ck.dir_fd):
         if child not in listed:
             report.problems.append(Problem(child, "unexpected file in the checkpoint"))
-    md = files.get(format.DCP_METADATA)
-    if isinstance(md, dict):
-        size, crc = format.crc32_file(src / format.DCP_METADATA)
-        report.files_checked += 1
-        report.bytes_checked += size
-        if crc != md.get("crc32"):
-            report.problems.append(Problem(format.DCP_METADATA, str(classify_metadata(src))))
-        else:  # intact, but would stock dcp.load run anything in it?
-            try:
-                format.read_dcp_metadata(src)
-            except (CorruptCheckpoint, UnsafeCheckpoint) as err:
-                report.problems.append(Problem(format.DCP_METADATA, str(err)))
+    _verify_metadata(ck, report)
     by_file: dict[str, dict[int, tuple[KeyPath, Chunk]]] = {}
     for one in parsed:
         for e in one.tensors.values():
@@ -227,14 +240,51 @@ def verify(path: PathLike) -> VerifyReport:
                 for c in e.chunks:
                     by_file.setdefault(c.file, {})[c.offset] = (e.path, c)
     for name in files:
-        if name != format.DCP_METADATA:
-            _verify_file(src, name, sorted(by_file.get(name, {}).items()), parsed[0], report)
-    report.ok = not report.problems
-    return report
+        if name != format.DCP_METADATA and name in ck.fds:
+            _verify_file(ck, name, sorted(by_file.get(name, {}).items()), parsed[0], report)
+
+
+def _verify_metadata(ck: format.Checkpoint, report: VerifyReport) -> None:
+    """``.metadata`` is intact and says exactly what the manifest says."""
+    name = format.DCP_METADATA
+    info = ck.manifest["files"].get(name)
+    if not isinstance(info, dict):
+        report.problems.append(Problem(name, "not recorded in the manifest"))
+        return
+    if name not in ck.fds:
+        return  # already reported: missing, wrong size or not a regular file
+    where = ck.path / name
+    if ck.sizes[name] != info.get("size"):
+        report.problems.append(Problem(name, str(classify_metadata(ck))))
+        return
+    raw = format.read_exact(ck.fds[name], ck.sizes[name], where)
+    report.files_checked += 1
+    report.bytes_checked += len(raw)
+    if crc32(raw) != info.get("crc32"):
+        report.problems.append(Problem(name, str(classify_metadata(ck))))
+        return
+    try:
+        expected = dcpmeta.derive_from_manifest(ck.manifest)
+    except Exception as err:  # a manifest that parse accepted but that cannot describe DCP
+        report.problems.append(Problem(name, f"cannot be derived from the manifest ({err})"))
+        return
+    if raw == expected:
+        return
+    # Another torch version may pickle the same metadata differently: compare fields.
+    try:
+        found = dcpmeta.load_foreign(raw, where)
+    except (CorruptCheckpoint, UnsafeCheckpoint) as err:
+        report.problems.append(Problem(name, str(err)))
+        return
+    ranks = [r["entries"] for r in ck.manifest.get("ranks", [])]
+    for diff in dcpmeta.compare(found, dcpmeta.build(ck.manifest["entries"], ranks)):
+        report.problems.append(
+            Problem(name, f"disagrees with the manifest (stock dcp.load would misread): {diff}")
+        )
 
 
 def _verify_file(
-    src: Path,
+    ck: format.Checkpoint,
     name: str,
     chunks: list[tuple[int, tuple[KeyPath, Chunk]]],
     parsed: Any,
@@ -243,29 +293,24 @@ def _verify_file(
     """Every byte of a shard file belongs to exactly one blob whose checksums hold."""
     report.files_checked += 1
     pos = 0
-    fd = os.open(src / name, os.O_RDONLY)
-    try:
-        for _, (key, c) in chunks:
-            if c.offset != pos:
-                report.problems.append(
-                    Problem(name, f"bytes {pos}..{c.offset} are not accounted for")
-                )
-            hcrc, n1 = shards.crc_range(fd, c.offset, c.data_offset - c.offset)
-            crc, n2 = shards.crc_range(fd, c.data_offset, c.nbytes)
-            end = c.data_offset + c.nbytes
-            hcrc, n3 = shards.crc_range(fd, end, c.offset + c.length - end, hcrc)
-            report.bytes_checked += n1 + n2 + n3
-            if crc != c.crc32:
-                report.problems.append(
-                    Problem(format_path(key), f"tensor data in {name} fails its checksum")
-                )
-            if hcrc != c.hcrc32:
-                report.problems.append(
-                    Problem(format_path(key), f"blob headers in {name} fail their checksum")
-                )
-            pos = c.offset + c.length
-    finally:
-        os.close(fd)
+    fd = ck.fds[name]
+    for _, (key, c) in chunks:
+        if c.offset != pos:
+            report.problems.append(Problem(name, f"bytes {pos}..{c.offset} are not accounted for"))
+        hcrc, n1 = shards.crc_range(fd, c.offset, c.data_offset - c.offset)
+        crc, n2 = shards.crc_range(fd, c.data_offset, c.nbytes)
+        end = c.data_offset + c.nbytes
+        hcrc, n3 = shards.crc_range(fd, end, c.offset + c.length - end, hcrc)
+        report.bytes_checked += n1 + n2 + n3
+        if crc != c.crc32:
+            report.problems.append(
+                Problem(format_path(key), f"tensor data in {name} fails its checksum")
+            )
+        if hcrc != c.hcrc32:
+            report.problems.append(
+                Problem(format_path(key), f"blob headers in {name} fail their checksum")
+            )
+        pos = c.offset + c.length
     if pos != parsed.file_sizes[name]:
         report.problems.append(
             Problem(name, f"bytes {pos}..{parsed.file_sizes[name]} are not accounted for")

@@ -266,7 +266,7 @@ class CheckpointManager:
         if self.root.exists() and not self.root.is_dir():
             raise CheckpointError(f"{self.root}: the checkpoint root is a file, not a directory")
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            format.make_dirs(self.root)
         except OSError as e:
             raise CheckpointError(f"{self.root}: cannot create the checkpoint root: {e}") from e
         self._git = git_commit(self._cwd)  # before the lock: no child inherits it

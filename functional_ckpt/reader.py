@@ -18,13 +18,11 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from functional_ckpt import format, shards
+from functional_ckpt import dcpmeta, format, shards
 from functional_ckpt.errors import (
     CheckpointError,
-    CheckpointNotFound,
     CorruptCheckpoint,
     TemplateMismatch,
-    UnsafeCheckpoint,
 )
 from functional_ckpt.manifest import Chunk, ParsedManifest, TensorEntry, dtype_name, parse
 from functional_ckpt.tree import KeyPath, Leaf, as_state, format_path, iter_leaves, unflatten
@@ -58,48 +56,63 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-#: A damaged ``.metadata`` is parsed (to tell hostile from broken) only up to this size.
+#: A damaged ``.metadata`` is scanned (to tell hostile from broken) only up to this size.
 CLASSIFY_LIMIT = 64 << 20
 
 
-def classify_metadata(path: Path) -> CheckpointError:
-    """A ``.metadata`` that fails its checksum: hostile, or merely damaged?"""
-    try:
-        if (path / format.DCP_METADATA).stat().st_size <= CLASSIFY_LIMIT:
-            format.read_dcp_metadata(path)
-    except UnsafeCheckpoint as e:
-        return e
-    except CheckpointError:
-        pass
-    return CorruptCheckpoint(
-        f"{path / format.DCP_METADATA}: does not match the checksum in the manifest"
-    )
+def classify_metadata(ck: format.Checkpoint) -> CheckpointError:
+    """A ``.metadata`` that fails its checksum: hostile, or merely damaged?
 
-
-def load_manifest(path: Path) -> dict[str, Any]:
-    """The authenticated manifest of a committed checkpoint, its DCP metadata vetted.
-
-    This is the only read of the manifest and ``.metadata`` a restore makes; the
-    rank-specific views are parsed from the result.
+    Its opcodes are read statically (nothing is unpickled): naming anything but
+    DCP's metadata classes makes it hostile.
     """
-    manifest = format.read_manifest(path)
-    files = manifest.get("files")
-    md_info = files.get(format.DCP_METADATA) if isinstance(files, dict) else None
-    if isinstance(md_info, dict):
+    where = ck.path / format.DCP_METADATA
+    fd = ck.fds.get(format.DCP_METADATA)
+    size = ck.sizes.get(format.DCP_METADATA, 0)
+    if fd is not None and size <= CLASSIFY_LIMIT:
         try:
-            size, crc = format.crc32_file(format.safe_member(path, format.DCP_METADATA))
-        except FileNotFoundError:
-            raise CorruptCheckpoint(f"{path / format.DCP_METADATA}: missing") from None
-        if (size, crc) != (md_info.get("size"), md_info.get("crc32")):
-            raise classify_metadata(path)
-        # Intact is not enough: a re-signed hostile pickle would run under stock dcp.load.
-        format.read_dcp_metadata(path)
-    return manifest
+            hostile = dcpmeta.scan(format.read_exact(fd, size, where), where)
+        except CheckpointError:
+            hostile = None
+        if hostile is not None:
+            return hostile
+    return CorruptCheckpoint(f"{where}: does not match the checksum in the manifest")
+
+
+def metadata_intact(ck: format.Checkpoint) -> bool:
+    """Does ``.metadata`` have the size and CRC32 the manifest recorded (if it records one)?"""
+    files = ck.manifest.get("files")
+    info = files.get(format.DCP_METADATA) if isinstance(files, dict) else None
+    if not isinstance(info, dict):
+        return True
+    size = ck.sizes.get(format.DCP_METADATA)
+    if size is None or size != info.get("size"):
+        return False
+    return format.crc32_fd(ck.fd(format.DCP_METADATA), size) == info.get("crc32")
+
+
+def open_vetted(path: Path) -> format.Checkpoint:
+    """Open a committed checkpoint and vet it once: marker, manifest, every file, ``.metadata``.
+
+    ``.metadata`` is derived from the manifest and never read by our readers; it
+    is checked against the size and checksum the manifest recorded, so damage to
+    it (which would mislead stock ``dcp.load``) is still reported. Close the
+    result (or use ``with``); read every tensor through it.
+    """
+    ck = format.open_checkpoint(path)
+    try:
+        if not metadata_intact(ck):
+            raise classify_metadata(ck)
+    except BaseException:
+        ck.close()
+        raise
+    return ck
 
 
 def open_checkpoint(path: Path, *, rank: int | None = 0) -> ParsedManifest:
     """Authenticate and validate a committed checkpoint, seen from ``rank``."""
-    return parse(load_manifest(path), path, rank=rank)
+    with open_vetted(path) as ck:
+        return parse(ck.manifest, path, rank=rank)
 
 
 @dataclass
@@ -194,7 +207,7 @@ def _region(buf: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     return region
 
 
-def read_targets(path: Path, targets: list[Target]) -> None:
+def read_targets(src: format.Checkpoint, targets: list[Target]) -> None:
     """Read every chunk of every target, checking CRC32s; one error lists all damage."""
     by_file: dict[str, list[tuple[Target, Chunk, torch.Tensor]]] = {}
     for tg in targets:
@@ -219,18 +232,12 @@ def read_targets(path: Path, targets: list[Target]) -> None:
             )
             for _, c, land in group
         ]
-        try:
-            results = shards.read_tensors(path / name, jobs)
-        except FileNotFoundError:
-            raise CheckpointNotFound(
-                f"{path}: {name} disappeared while reading (the checkpoint was deleted, "
-                "e.g. pruned by a writer)"
-            ) from None
+        results = shards.read_tensors(src.fd(name), jobs)
         for (tg, _, _), res in zip(group, results, strict=True):
             if res is not None:
                 bad.append(f"  {format_path(tg.entry.path)} in {name}: {res}")
     if bad:
-        raise CorruptCheckpoint(f"{path}: damaged tensor data:\n" + "\n".join(bad))
+        raise CorruptCheckpoint(f"{src.path}: damaged tensor data:\n" + "\n".join(bad))
     with torch.no_grad():
         for tg in targets:
             for region, land in tg.copies:
@@ -239,7 +246,9 @@ def read_targets(path: Path, targets: list[Target]) -> None:
                 tg.dest.copy_(tg.buf)
 
 
-def read_chunk(root: Path, chunk: Chunk, dtype: torch.dtype, what: str) -> torch.Tensor:
+def read_chunk(
+    root: format.Checkpoint, chunk: Chunk, dtype: torch.dtype, what: str
+) -> torch.Tensor:
     """One stored chunk as a new tensor, every byte checked."""
     data = torch.empty(chunk.sizes, dtype=dtype)
     if chunk.nbytes:
@@ -251,10 +260,10 @@ def read_chunk(root: Path, chunk: Chunk, dtype: torch.dtype, what: str) -> torch
             chunk.crc32,
             chunk.hcrc32,
         )
-        res = shards.read_tensors(root / chunk.file, [job])[0]
+        res = shards.read_tensors(root.fd(chunk.file), [job])[0]
         if res is not None:
             raise CorruptCheckpoint(
-                f"{root}: damaged tensor data for {what!r} in {chunk.file}: {res}"
+                f"{root.path}: damaged tensor data for {what!r} in {chunk.file}: {res}"
             )
     return data
 
@@ -282,7 +291,7 @@ class RankView:
 
 
 def rank_view(
-    src: Path,
+    src: format.Checkpoint,
     manifest: dict[str, Any],
     template: TensorDictBase | None,
     *,
@@ -297,9 +306,9 @@ def rank_view(
     asks for (explicitly by the template, or implicitly by a template-free, full
     restore).
     """
-    saved_world = parse(manifest, src, rank=None)
+    saved_world = parse(manifest, src.path, rank=None)
     if saved_world.world_size == world or not saved_world.per_rank_roots:
-        return RankView(parse(manifest, src, rank=rank), template)
+        return RankView(parse(manifest, src.path, rank=rank), template)
     roots = saved_world.per_rank_roots
     if reshard is not None:
         mine = resharded_per_rank(src, manifest, reshard, rank, world)
@@ -324,18 +333,19 @@ def restore_local(
     """Restore a checkpoint of this format into a new locked TensorDict."""
     rank, world = rank_and_world()
     tpl = None if template is None else as_state(template)
-    view = rank_view(
-        src, load_manifest(src), tpl, partial=partial, reshard=reshard, rank=rank, world=world
-    )
-    selected, wanted = select(view.parsed, view.template, partial=partial, cast=cast)
-    base = build(src, view.parsed, selected, wanted, view.template is None)
+    with open_vetted(src) as ck:
+        view = rank_view(
+            ck, ck.manifest, tpl, partial=partial, reshard=reshard, rank=rank, world=world
+        )
+        selected, wanted = select(view.parsed, view.template, partial=partial, cast=cast)
+        base = build(ck, view.parsed, selected, wanted, view.template is None)
     if view.mine is None:
         return base
     return unflatten(list(iter_leaves(base)) + list(iter_leaves(view.mine)))
 
 
 def build(
-    src: Path,
+    src: format.Checkpoint,
     parsed: ParsedManifest,
     selected: list[tuple[KeyPath, str]],
     wanted: dict[KeyPath, torch.Tensor],
@@ -382,18 +392,18 @@ def build(
 
 
 def resharded_per_rank(
-    src: Path, manifest: dict[str, Any], reshard: Reshard, rank: int, world: int
+    src: format.Checkpoint, manifest: dict[str, Any], reshard: Reshard, rank: int, world: int
 ) -> TensorDict:
     """This rank's per-rank subtrees, mapped by the user from every saving rank's.
 
     ``reshard(saved, rank, world_size)`` gets one TensorDict per saving rank with
     its per-rank subtrees and returns this rank's.
     """
-    shared = parse(manifest, src, rank=None)
+    shared = parse(manifest, src.path, rank=None)
     roots = {r[0] for r in shared.per_rank_roots}
     saved = []
     for r in range(shared.world_size):
-        one = parse(manifest, src, rank=r)
+        one = parse(manifest, src.path, rank=r)
         sel = [(p, k) for p, k in one.order if p[0] in roots]
         saved.append(build(src, one, sel, {}, True))
     return as_state(reshard(saved, rank, world))

@@ -289,43 +289,40 @@ class ReadJob:
 READ_WINDOW = 8 << 20
 
 
-def read_tensors(path: Path, jobs: Sequence[ReadJob]) -> list[str | None]:
-    """Read blobs from one file into their destinations, checking every byte.
+def read_tensors(fd: int, jobs: Sequence[ReadJob]) -> list[str | None]:
+    """Read blobs from one opened file into their destinations, checking every byte.
 
     Returns, per job, None when the blob arrived intact, else what is wrong.
     Small blobs are read in large windows; large ones straight into place while
-    the previous one is checksummed in the background.
+    the previous one is checksummed in the background. ``fd`` stays open (it is
+    the checkpoint's, opened safely; positional reads let threads share it).
     """
     results: list[str | None] = [None] * len(jobs)
     pool = checksum_pool()
     order = sorted(range(len(jobs)), key=lambda k: jobs[k].offset)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        futures: list[tuple[int, Future[int]]] = []
-        i = 0
-        while i < len(order):
-            job = jobs[order[i]]
-            if job.length >= SMALL_TENSOR:
-                results[order[i]] = _read_large(fd, job, pool, futures, order[i])
-                i += 1
-                continue
-            j = i + 1
-            end = job.offset + job.length
-            while j < len(order):
-                nxt = jobs[order[j]]
-                if nxt.length >= SMALL_TENSOR or nxt.offset + nxt.length - job.offset > READ_WINDOW:
-                    break
-                end = max(end, nxt.offset + nxt.length)
-                j += 1
-            window = os.pread(fd, end - job.offset, job.offset)
-            for k in order[i:j]:
-                results[k] = _check_small(jobs[k], memoryview(window), job.offset)
-            i = j
-        for k, fut in futures:
-            if fut.result() != jobs[k].crc and results[k] is None:
-                results[k] = "checksum mismatch"
-    finally:
-        os.close(fd)
+    futures: list[tuple[int, Future[int]]] = []
+    i = 0
+    while i < len(order):
+        job = jobs[order[i]]
+        if job.length >= SMALL_TENSOR:
+            results[order[i]] = _read_large(fd, job, pool, futures, order[i])
+            i += 1
+            continue
+        j = i + 1
+        end = job.offset + job.length
+        while j < len(order):
+            nxt = jobs[order[j]]
+            if nxt.length >= SMALL_TENSOR or nxt.offset + nxt.length - job.offset > READ_WINDOW:
+                break
+            end = max(end, nxt.offset + nxt.length)
+            j += 1
+        window = os.pread(fd, end - job.offset, job.offset)
+        for k in order[i:j]:
+            results[k] = _check_small(jobs[k], memoryview(window), job.offset)
+        i = j
+    for k, fut in futures:
+        if fut.result() != jobs[k].crc and results[k] is None:
+            results[k] = "checksum mismatch"
     return results
 
 
@@ -380,70 +377,3 @@ def crc_range(fd: int, offset: int, length: int, start: int = 0) -> tuple[int, i
         crc = crc32(chunk, crc)
         done += len(chunk)
     return crc, done
-
-
-def write_dcp_metadata(
-    directory: Path,
-    items: Sequence[
-        tuple[str, tuple[str, ...], torch.dtype, tuple[int, ...], list[dict[str, Any]]]
-    ],
-) -> None:
-    """Describe the written chunks as DCP ``Metadata`` and let DCP's writer store it.
-
-    ``items`` are (fqn, key path, dtype, global shape, chunk records); DCP's own
-    ``FileSystemWriter.finish`` serializes and fsyncs ``.metadata``.
-    """
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-    from torch.distributed.checkpoint.storage import WriteResult
-
-    state_md: dict[str, Any] = {}
-    planner_data: dict[str, Any] = {}
-    results: list[Any] = []
-    # Shared objects for repeated specs: pickle then stores each only once.
-    props: dict[torch.dtype, Any] = {}
-    sizes: dict[tuple[int, ...], torch.Size] = {}
-
-    def size_of(dims: Sequence[int]) -> torch.Size:
-        key = tuple(dims)
-        got = sizes.get(key)
-        if got is None:
-            got = sizes[key] = torch.Size(key)
-        return got
-
-    single: dict[tuple[torch.dtype, tuple[int, ...]], Any] = {}
-    for fqn, key_path, dtype, shape, chunks in items:
-        prop = props.get(dtype)
-        if prop is None:
-            prop = props[dtype] = TensorProperties(dtype=dtype)
-        whole = len(chunks) == 1 and not any(chunks[0]["offsets"])
-        md = single.get((dtype, shape)) if whole else None
-        if md is None:
-            md = TensorStorageMetadata(
-                properties=prop,
-                size=size_of(shape),
-                chunks=[
-                    ChunkStorageMetadata(offsets=size_of(c["offsets"]), sizes=size_of(c["sizes"]))
-                    for c in chunks
-                ],
-            )
-            if whole:
-                single[(dtype, shape)] = md
-        state_md[fqn] = md
-        planner_data[fqn] = key_path
-        for i, c in enumerate(chunks):
-            results.append(
-                WriteResult(
-                    index=MetadataIndex(fqn, size_of(c["offsets"]), i),
-                    size_in_bytes=c["length"],
-                    storage_data=_StorageInfo(c["file"], c["offset"], c["length"]),
-                )
-            )
-    metadata = Metadata(state_dict_metadata=state_md, planner_data=planner_data)
-    FileSystemWriter(directory, sync_files=True).finish(metadata, [results])

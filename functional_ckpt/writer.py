@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from functional_ckpt import codec, format, shards
+from functional_ckpt import codec, dcpmeta, format, shards
 from functional_ckpt._types import PathLike as PathLike  # re-exported: one PathLike
+from functional_ckpt.checksum import crc32
 from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
 from functional_ckpt.manifest import dtype_name
 from functional_ckpt.tree import KeyPath, as_state, format_path, iter_leaves
@@ -193,12 +194,15 @@ def os_error(e: OSError, where: Path) -> CheckpointError:
 
 
 def check_destination(path: Path, overwrite: bool) -> None:
+    """Refuse, before anything is written, a destination a save may not replace."""
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         raise CheckpointExists(f"{path}: the destination exists and is not a checkpoint directory")
     if path.exists() and not overwrite:
         raise CheckpointExists(
             f"{path}: a checkpoint already exists here; pass overwrite=True to replace it"
         )
+    if path.exists():
+        format.check_replaceable(path)
     if format.is_temporary_name(path.name):
         raise CheckpointError(
             f"{path}: names containing {format.TMP_INFIX!r} or {format.TRASH_INFIX!r} are reserved"
@@ -240,21 +244,6 @@ def shard_name(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-def _dcp_items(
-    entries: list[dict[str, Any]], ranks: list[list[dict[str, Any]]]
-) -> list[tuple[str, KeyPath, torch.dtype, tuple[int, ...], list[dict[str, Any]]]]:
-    """(fqn, key path, dtype, shape, chunks) of every tensor, aliases resolved."""
-    items = []
-    for group in [entries, *ranks]:
-        by_path = {tuple(e["path"]): e for e in group if e["kind"] == "tensor"}
-        for e in by_path.values():
-            chunks = by_path[tuple(e["alias"])]["chunks"] if "alias" in e else e["chunks"]
-            items.append(
-                (e["fqn"], tuple(e["path"]), getattr(torch, e["dtype"]), tuple(e["shape"]), chunks)
-            )
-    return items
-
-
 def finalize(
     tmp: Path,
     dest: Path,
@@ -268,15 +257,17 @@ def finalize(
 ) -> tuple[int, int]:
     """Write ``.metadata``, the manifest and the marker into ``tmp``; commit as ``dest``.
 
-    Every shard file in ``tmp`` must already be durable. Returns (bytes on disk,
-    manifest bytes).
+    Every shard file in ``tmp`` must already be durable; ``.metadata`` (derived
+    from the entries by :func:`dcpmeta.derive`), the manifest and the marker are
+    each written and fsynced at their final size before the directory is fsynced
+    and renamed. Returns (bytes on disk, manifest bytes).
     """
-    shards.write_dcp_metadata(tmp, _dcp_items(entries, ranks))
+    md_bytes = dcpmeta.derive(entries, ranks)
+    format.write_file_durably(tmp / format.DCP_METADATA, md_bytes)
     files: dict[str, dict[str, int]] = {}
     for name in sorted(os.listdir(tmp)):
         if name == format.DCP_METADATA:
-            size, crc = format.crc32_file(tmp / name)
-            files[name] = {"size": size, "crc32": crc}
+            files[name] = {"size": len(md_bytes), "crc32": crc32(md_bytes)}
         else:
             files[name] = {"size": (tmp / name).stat().st_size}
     manifest = {
@@ -295,7 +286,7 @@ def finalize(
     if before_commit is not None:
         before_commit()
     format.write_commit_marker(tmp, manifest_bytes)
-    format.commit(tmp, dest, overwrite=overwrite)
+    format.commit(tmp, dest, overwrite=overwrite, replaceable=format.check_replaceable)
     total = sum(f["size"] for f in files.values()) + len(manifest_bytes)
     return total, len(manifest_bytes)
 
@@ -320,7 +311,7 @@ def write_local(
     created = time.time()
     tmp = format.tmp_sibling(dest)
     try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        format.make_dirs(dest.parent)
         tmp.mkdir()
         records = shards.write_shard(tmp / shard_name(0), tensors, after_each=after_each)
         for rec, entry in zip(records, plan.targets, strict=True):
@@ -335,6 +326,9 @@ def write_local(
             created=created,
             before_commit=before_commit,
         )
+    except CheckpointError:  # e.g. CheckpointExists, itself an OSError
+        format.remove_tree(tmp)
+        raise
     except OSError as e:
         format.remove_tree(tmp)
         raise os_error(e, dest) from e

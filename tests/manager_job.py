@@ -64,11 +64,11 @@ def install_kill_point(point: str, after: int) -> None:
     elif point == "commit":
         original_commit = format.commit
 
-        def commit(tmp: Path, final: Path, *, overwrite: bool) -> None:
+        def commit(tmp: Path, final: Path, **kwargs: Any) -> None:
             if due() and not final.exists():
                 os.rename(tmp, final)
                 _die()
-            original_commit(tmp, final, overwrite=overwrite)
+            original_commit(tmp, final, **kwargs)
 
         format.commit = commit  # type: ignore[assignment]
     elif point == "prune":
