@@ -36,6 +36,7 @@ from functional_ckpt.errors import (
     IncompleteCheckpoint,
     UnsafeCheckpoint,
 )
+from functional_ckpt.limits import LIMITS
 
 FORMAT_NAME = "functional_ckpt"
 FORMAT_VERSION = 1
@@ -44,8 +45,8 @@ COMMIT_MARKER = "COMMITTED"
 DCP_METADATA = ".metadata"
 TMP_INFIX = ".tmp-"
 TRASH_INFIX = ".trash-"
-#: Upper bound on the manifest and marker sizes a reader accepts (hostile files).
-MAX_MANIFEST_BYTES = 1 << 31
+#: Upper bound on the manifest size a reader accepts (hostile files).
+MAX_MANIFEST_BYTES = LIMITS.manifest_bytes
 MAX_DCP_METADATA_BYTES = 1 << 31
 
 
@@ -228,7 +229,7 @@ def check_committed(path: Path) -> dict[str, Any]:
                 "it was interrupted or is still being written"
             )
         raise CheckpointNotFound(f"{path}: not a checkpoint (no {COMMIT_MARKER} or {MANIFEST})")
-    raw = _read_small(path / COMMIT_MARKER, 1 << 16, "commit marker")
+    raw = _read_small(path / COMMIT_MARKER, LIMITS.marker_bytes, "commit marker")
     marker = codec.decode(raw, source=str(path / COMMIT_MARKER))
     if (
         not isinstance(marker, dict)
