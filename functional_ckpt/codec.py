@@ -95,6 +95,7 @@ __all__ = [
     "EXT_TUPLE",
     "MAX_ENCODE_DEPTH",
     "check_encodable",
+    "check_hashes",
     "decode",
     "encode",
 ]
@@ -601,6 +602,20 @@ def _refuse_flood(keys: list[Any], what: str) -> None:
             f"{shared} {what}s share one hash value (at most {LIMITS.equal_hashes} may): "
             "a hash flood"
         )
+
+
+def check_hashes(keys: list[Any], *, where: str) -> None:
+    """Refuse keys read from a checkpoint that would flood a hash table built from them.
+
+    For hash tables built after decoding (for example from a list of dict keys).
+
+    Raises:
+        UnsafeCheckpoint: more keys than ``LIMITS.equal_hashes`` share one hash value.
+    """
+    try:
+        _refuse_flood(keys, "key")
+    except _Unsafe as exc:
+        raise UnsafeCheckpoint(f"{where}: {exc}") from None
 
 
 def _build_set(items: list[Any]) -> object:

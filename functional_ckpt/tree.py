@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, TensorDict, TensorDictBase
 
-from functional_ckpt.errors import UnsupportedValue
+from functional_ckpt import codec
+from functional_ckpt.errors import UnsafeCheckpoint, UnsupportedValue
 from functional_ckpt.limits import LIMITS
 
 KeyPath = tuple[str, ...]
@@ -107,6 +108,10 @@ def from_python(
             keys = list(value.keys())
             names = [k if type(k) is str else repr(k) for k in keys]
             kind = "dict"
+            try:
+                codec.check_hashes(keys, where=f"state[{format_path(path)}]")
+            except UnsafeCheckpoint as exc:
+                raise UnsupportedValue(f"{exc}; a reader would refuse these keys") from None
         else:
             keys = None
             names = [str(i) for i in range(len(value))]
@@ -165,6 +170,7 @@ def to_python(value: Any) -> Any:
         return ordered
     if kind == "dict":
         keys = record["keys"]
+        codec.check_hashes(keys, where=f"the keys of a {kind} node record")
         names = [k if type(k) is str else repr(k) for k in keys]
         return {k: out[n] for k, n in zip(keys, names, strict=True)}
     seq = [out[str(i)] for i in range(len(out))]

@@ -98,13 +98,12 @@ def check_tensor(t: torch.Tensor, path: KeyPath) -> None:
             f"{where}: quantized tensors are not supported; save t.int_repr() and the "
             "quantization parameters instead"
         )
-    if not is_dtensor(t):
-        problem = shape_problem(t.shape, t.dtype)
-        if problem is not None:
-            raise UnsupportedValue(
-                f"{where}: a tensor of {problem} lies beyond the format's limits and could "
-                "not be loaded back"
-            )
+    problem = shape_problem(t.shape, t.dtype)  # the global shape, for a DTensor
+    if problem is not None:
+        raise UnsupportedValue(
+            f"{where}: a tensor of {problem} lies beyond the format's limits and could "
+            "not be loaded back"
+        )
 
 
 def resolved(t: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import codec, format, limits, manifest, staging, writer
+from functional_ckpt import codec, format, limits, manifest, staging, tree, writer
 from functional_ckpt.errors import (
     CorruptCheckpoint,
     ModifiedDuringSave,
@@ -283,6 +283,21 @@ def test_a_flooded_manifest_is_refused_by_restore_and_verify(
     with pytest.raises(UnsafeCheckpoint, match="hash flood"):
         fc.restore(tmp_path / "c")
     assert not fc.verify(tmp_path / "c").ok
+
+
+def test_int_keyed_nodes_refuse_a_flood_at_save_and_at_load(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedValue, match=r"state\['d'\]: .*share one hash value"):
+        fc.save(tmp_path / "c", {"d": {k: torch.ones(1) for k in FLOOD[:100]}})
+    fc.save(tmp_path / "c", {"d": {i: torch.ones(1) for i in range(100)}})
+
+    def flood(raw: dict[str, Any]) -> None:
+        for e in raw["entries"]:
+            if e["path"][-1] == tree.NODE_KEY:
+                e["value"]["keys"] = FLOOD[:100]
+
+    rewrite_manifest(tmp_path / "c", flood)
+    with pytest.raises(UnsafeCheckpoint, match="hash flood"):
+        fc.to_python(fc.restore(tmp_path / "c"))
 
 
 def test_empty_container_bomb_is_refused_within_a_memory_budget() -> None:
