@@ -20,6 +20,7 @@ import torch
 
 import functional_ckpt as fc
 from functional_ckpt import codec, format, limits, manifest, staging, tree, writer
+from functional_ckpt.checksum import crc32
 from functional_ckpt.errors import (
     CorruptCheckpoint,
     ModifiedDuringSave,
@@ -45,7 +46,7 @@ def rewrite_manifest(path: Path, edit: Any) -> None:
     (path / format.MANIFEST).write_bytes(data)
     marker = codec.decode((path / format.COMMIT_MARKER).read_bytes())
     assert isinstance(marker, dict)
-    marker.update(manifest_size=len(data), manifest_crc32=format.crc32(data))
+    marker.update(manifest_size=len(data), manifest_crc32=crc32(data))
     (path / format.COMMIT_MARKER).write_bytes(codec.encode(marker))
 
 
@@ -316,9 +317,9 @@ def test_empty_container_bomb_is_refused_within_a_memory_budget() -> None:
 
 def test_the_container_budget_matches_between_encode_and_decode() -> None:
     free = LIMITS.decode_free_containers
-    fits = [[] for _ in range(free)]
+    fits: list[list[int]] = [[] for _ in range(free)]
     assert codec.decode(codec.encode(fits)) == fits
-    bomb = [[] for _ in range(2 * free)]
+    bomb: list[list[int]] = [[] for _ in range(2 * free)]
     with pytest.raises(UnsupportedValue, match="decode budget"):
         codec.encode(bomb)
     with pytest.raises(UnsafeCheckpoint, match="decode budget"):
@@ -400,8 +401,8 @@ def test_65_overlapping_chunks_in_a_real_checkpoint(tmp_path: Path) -> None:
         ]
         at = chunk["data_offset"] - chunk["offset"]
         # every chunk is elements 0-1, with checksums that match the bytes it names
-        crc = format.crc32(blob[at : at + 8])
-        hcrc = format.crc32(blob[at + 8 :], format.crc32(blob[:at]))
+        crc = crc32(blob[at : at + 8])
+        hcrc = crc32(blob[at + 8 :], crc32(blob[:at]))
         box = {"offsets": [0], "sizes": [2], "nbytes": 8, "crc32": crc, "hcrc32": hcrc}
         entry["chunks"] = [dict(chunk, **box) for _ in range(n)]
 
