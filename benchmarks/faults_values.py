@@ -73,6 +73,10 @@ class ClassResult:
     worst_s: float = 0.0
     worst_mem: float = 0.0
     problems: list[str] = dataclasses.field(default_factory=list)
+    notes: dict[str, int] = dataclasses.field(default_factory=dict)  # how the ok ones went
+
+    def note(self, what: str) -> None:
+        self.notes[what] = self.notes.get(what, 0) + 1
 
     def fail(self, column: str, detail: str) -> None:
         setattr(self, column, getattr(self, column) + 1)
@@ -416,18 +420,20 @@ def unstaged_bypass(base: Path, quick: bool) -> ClassResult:
                     p.detach().numpy()[:] += 1
 
         path = base / f"unstaged-{i}"
+        thread = threading.Thread(target=writer)
         with trial(res, f"{how} #{i}"):
-            pending = fc.save_async(path, {"p": p}, staging="none")
-            thread = threading.Thread(target=writer)
-            thread.start()
-            error = pending.exception()
-            stop.set()
-            thread.join()
+            thread.start()  # writing before, during and after the save
+            try:
+                error = fc.save_async(path, {"p": p}, staging="none").exception()
+            finally:
+                stop.set()
+                thread.join()
             if isinstance(error, ModifiedDuringSave):
                 if path.exists():
                     res.fail("wrong", f"{how} #{i}: refused but committed")
                 else:
                     res.ok += 1
+                    res.note("refused before the commit")
                 continue
             if error is not None:
                 raise error
@@ -435,12 +441,14 @@ def unstaged_bypass(base: Path, quick: bool) -> ClassResult:
             try:
                 out = fc.restore(path)["p"]
             except CheckpointError:
-                res.ok += 1  # detected at load (documented)
+                res.ok += 1
+                res.note("committed, refused at load (documented)")
                 continue
             if torch.unique(out).numel() != 1:
                 res.fail("wrong", f"{how} #{i}: a torn tensor restored without an error")
             else:
                 res.ok += 1
+                res.note("committed whole")
     return res
 
 
@@ -491,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(report))
     if args.verbose:
         for r in report["results"]:
+            for what, n in r["notes"].items():
+                print(f"  {r['name']}: {n} {what}", file=sys.stderr)
             for p in r["problems"]:
                 print(f"  {r['name']}: {p}", file=sys.stderr)
     if args.json:
