@@ -98,7 +98,15 @@ def check_tensor(t: torch.Tensor, path: KeyPath) -> None:
             f"{where}: quantized tensors are not supported; save t.int_repr() and the "
             "quantization parameters instead"
         )
-    problem = shape_problem(t.shape, t.dtype)  # the global shape, for a DTensor
+    extent = LIMITS.tensor_extent
+    numel = t.numel()  # global, for a DTensor
+    if (
+        t.dim() <= LIMITS.tensor_ndim
+        and numel * t.element_size() < extent
+        and (numel or all(d < extent for d in t.shape))
+    ):
+        return  # the common case, without building the message
+    problem = shape_problem(tuple(t.shape), t.dtype)
     if problem is not None:
         raise UnsupportedValue(
             f"{where}: a tensor of {problem} lies beyond the format's limits and could "
@@ -221,11 +229,20 @@ def plan_save(
     return plan
 
 
+def _text_bytes(s: str) -> int:
+    """An upper bound on the encoded size of a string (header included)."""
+    return 5 + (len(s) if s.isascii() else 4 * len(s))
+
+
 def _entry_overhead(e: dict[str, Any]) -> int:
-    """A generous bound on the manifest bytes of an entry, its value aside."""
-    n = 64 + sum(len(k) + 5 for k in e["path"])
+    """An upper bound on the manifest bytes of an entry, its value aside.
+
+    The constants are the encoded sizes of the fixed fields with every integer at
+    its widest (a tensor entry with one chunk: 202 bytes), plus wide list headers.
+    """
+    n = 48 + sum(_text_bytes(k) for k in e["path"])
     if e["kind"] == "tensor":
-        n += 256 + 2 * len(e["fqn"]) + 20 * len(e["shape"])
+        n += 202 + 16 + _text_bytes(e["fqn"]) + 27 * len(e["shape"])
     return n
 
 
