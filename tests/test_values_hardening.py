@@ -9,7 +9,11 @@ on unsupported states.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import struct
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -455,3 +459,29 @@ def test_a_metric_too_large_for_a_float_is_refused_by_name(tmp_path: Path) -> No
         with pytest.raises(UnsupportedValue, match=r"metrics\['x'\]"):
             mgr.maybe_save({"t": torch.ones(1)}, step=1, metrics={"x": 10**400})
         assert mgr.maybe_save({"t": torch.ones(1)}, step=2, metrics={"x": 1.0})
+
+
+# --------------------------------------------------------------------------- the fault classes
+
+
+@pytest.mark.timeout(300)
+def test_fault_classes_find_nothing_wrong(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parent.parent
+    script = repo / "benchmarks" / "faults_values.py"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = tmp_path / "faults.json"
+    classes = ["view-bit-aliasing", "limit-symmetry", "chunk-coverage", "unstaged-bypass"]
+    subprocess.run(
+        [sys.executable, str(script), "--quick", "--json", str(out), "--classes", *classes],
+        check=True,
+        capture_output=True,
+        timeout=280,
+        env=env,
+    )
+    report = json.loads(out.read_text())
+    assert [r["name"] for r in report["results"]] == classes
+    for r in report["results"]:
+        assert r["trials"] > 0 and r["wrong"] == 0 and r["raw"] == 0, r
