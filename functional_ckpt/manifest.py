@@ -249,7 +249,8 @@ def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: 
     ):
         raise CorruptCheckpoint(f"{where}: chunks of {format_path(path)} do not cover the tensor")
     if len(entry.chunks) > 1:
-        _check_coverage(entry, where)
+        boxes = [(c.offsets, c.sizes) for c in entry.chunks]
+        check_coverage(shape, boxes, f"{where}: chunks of {format_path(path)}")
     return entry
 
 
@@ -269,43 +270,51 @@ def shape_problem(shape: Sequence[int], dtype: torch.dtype) -> str | None:
     return None
 
 
-def _check_coverage(entry: TensorEntry, where: str) -> None:
-    """Every element of the tensor lies in exactly one chunk; refuse the entry otherwise.
+def check_coverage(
+    shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]], what: str
+) -> None:
+    """Every element of a tensor of ``shape`` lies in exactly one box (offsets, sizes).
 
-    The distinct chunk boundaries of each dimension cut the tensor into a grid
-    whose cells each lie wholly inside or outside every chunk. Chunks fill the
-    cells they span; a cell filled twice is an overlap, and the element counts
-    (already checked to add up) then guarantee that no cell is left empty. Each
-    cell is inspected at most twice, so the check is linear in the grid, which
-    for real layouts (shards of a device mesh) has one cell per chunk.
+    ``what`` names the boxes in messages, e.g. ``"<file> entry 3: chunks of 'w'"``.
+
+    The boxes must already lie inside the tensor, and their element counts must add
+    up to the tensor's. The distinct box boundaries of each dimension cut the
+    tensor into a grid whose cells each lie wholly inside or outside every box.
+    Boxes fill the cells they span; a cell filled twice is an overlap, and the
+    element counts then guarantee that no cell is left empty. Each cell is
+    inspected at most twice, so the check is linear in the grid, which for real
+    layouts (shards of a device mesh) has one cell per box.
+
+    Raises:
+        CorruptCheckpoint: two boxes overlap.
+        UnsafeCheckpoint: the boxes cut the tensor into more cells than
+            ``LIMITS.coverage_cells``.
     """
-    boxes = [c for c in entry.chunks if numel(c.sizes)]  # empty chunks cover nothing
+    boxes = [(o, s) for o, s in boxes if numel(s)]  # empty boxes cover nothing
     if len(boxes) <= 1:
         return
     cuts = []
-    for i, dim in enumerate(entry.shape):
-        starts = {c.offsets[i] for c in boxes}
-        cuts.append(sorted({0, dim, *starts, *(c.offsets[i] + c.sizes[i] for c in boxes)}))
+    for i, dim in enumerate(shape):
+        starts = {o[i] for o, _ in boxes}
+        cuts.append(sorted({0, dim, *starts, *(o[i] + s[i] for o, s in boxes)}))
     cells = numel([len(b) - 1 for b in cuts])
     if cells > LIMITS.coverage_cells:
         raise UnsafeCheckpoint(
-            f"{where}: the {len(boxes)} chunks of {format_path(entry.path)} cut it into "
-            f"{cells} pieces (at most {LIMITS.coverage_cells} can be checked); "
-            "not a layout any writer produces"
+            f"{what} ({len(boxes)}) cut the tensor into {cells} pieces (at most "
+            f"{LIMITS.coverage_cells} can be checked); not a layout any writer produces"
         )
     index = [{v: j for j, v in enumerate(b)} for b in cuts]
     grid = np.zeros([len(b) - 1 for b in cuts], dtype=np.bool_)
-    for c in boxes:
+    for offsets, sizes in boxes:
         view = grid[
             tuple(
                 slice(index[i][o], index[i][o + s])
-                for i, (o, s) in enumerate(zip(c.offsets, c.sizes, strict=True))
+                for i, (o, s) in enumerate(zip(offsets, sizes, strict=True))
             )
         ]
         if view.any():
             raise CorruptCheckpoint(
-                f"{where}: chunks of {format_path(entry.path)} overlap at "
-                f"offsets {list(c.offsets)}; the checkpoint is damaged"
+                f"{what} overlap at offsets {list(offsets)}; the checkpoint is damaged"
             )
         view[...] = True
 

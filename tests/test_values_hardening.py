@@ -398,6 +398,15 @@ def test_overlap_hiding_a_hole_is_refused(tmp_path: Path) -> None:
         parse_chunks(tmp_path, [3, 3], boxes)
 
 
+def test_coverage_of_a_pathological_grid_is_bounded() -> None:
+    n = 3000  # each row split at its own column: 3000 x 3000 cells for 6000 chunks
+    boxes = [b for i in range(1, n) for b in (([i, 0], [1, i]), ([i, i], [1, n - i]))]
+    boxes.append(([0, 0], [1, n]))
+    with pytest.raises(UnsafeCheckpoint, match="pieces"):
+        manifest.check_coverage([n, n], boxes, "chunks of 'w'")
+    manifest.check_coverage([n, n], [([i, 0], [1, n]) for i in range(n)], "chunks of 'w'")
+
+
 def test_65_overlapping_chunks_in_a_real_checkpoint(tmp_path: Path) -> None:
     n = 65
     fc.save(tmp_path / "c", {"w": torch.arange(2.0 * n)})
