@@ -264,7 +264,13 @@ def check_values(entries: list[dict[str, Any]]) -> None:
         biggest = max(
             (e for e in entries if e["kind"] == "value"),
             key=lambda e: len(codec.encode(e["value"])),
+            default=None,
         )
+        if biggest is None:
+            raise UnsupportedValue(
+                f"state: its {len(entries)} entries need more than the {LIMITS.manifest_bytes} "
+                "manifest bytes a reader accepts; save it in parts"
+            ) from None
         raise UnsupportedValue(
             f"{_where(tuple(biggest['path']))} is the largest value of a state that a reader "
             f"would refuse: {exc}; store bulk data as tensors"

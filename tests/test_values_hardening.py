@@ -228,6 +228,9 @@ def test_values_too_large_for_a_manifest_are_refused_before_writing(
     state = {"small": b"x" * 100, "big": b"x" * (1 << 20), "t": torch.ones(1)}
     with pytest.raises(UnsupportedValue, match=r"state\['big'\]"):
         fc.save(tmp_path / "c" / "s", state)
+    many = {f"t{i}": torch.ones(1) for i in range(5000)}  # entries alone: about 1.3 MB
+    with pytest.raises(UnsupportedValue, match="5000 entries need more than"):
+        fc.save(tmp_path / "c" / "s", many)
     assert nothing_written(tmp_path / "c")
 
 
