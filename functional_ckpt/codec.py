@@ -47,7 +47,17 @@ Decoding treats its input as hostile: no pickle, no import or attribute lookup
 driven by the data (dtypes and devices are matched against fixed tables or
 parsed and re-checked for a canonical spelling), every declared length is capped
 by the bytes actually present before anything is allocated, and nesting is
-bounded without Python recursion.
+bounded without Python recursion. Its limits come from
+:data:`functional_ckpt.limits.LIMITS`, which ``encode`` enforces too:
+
+* every decode may build at most one container per
+  ``decode_bytes_per_container`` input bytes (beyond ``decode_free_containers``),
+  counted as each container is finished, so memory stays within a small multiple
+  of the input and a flood of tiny containers is refused after a bounded amount
+  of work;
+* no map or set may have more than ``equal_hashes`` keys or members sharing one
+  hash value, counted in linear time before the hash table is built, so hash
+  flooding cannot make decoding quadratic.
 """
 
 from __future__ import annotations
@@ -69,6 +79,7 @@ from functional_ckpt.errors import (
     UnsafeCheckpoint,
     UnsupportedValue,
 )
+from functional_ckpt.limits import LIMITS
 
 __all__ = [
     "EXT_BIGINT",
@@ -84,6 +95,7 @@ __all__ = [
     "EXT_TUPLE",
     "MAX_ENCODE_DEPTH",
     "check_encodable",
+    "check_hashes",
     "decode",
     "encode",
 ]
@@ -100,15 +112,10 @@ EXT_NUMPY_SCALAR: Final = 19
 EXT_TORCH_DTYPE: Final = 20
 EXT_TORCH_DEVICE: Final = 21
 
-MAX_ENCODE_DEPTH: Final = 500
-"""Deepest container nesting ``encode`` accepts.
-
-Kept below msgpack's packer recursion limit (511) and below ``decode``'s default
-``max_depth`` so that whatever encodes also decodes with default settings.
-"""
+MAX_ENCODE_DEPTH: Final = LIMITS.encode_depth
+"""Deepest container nesting ``encode`` accepts (see :class:`~functional_ckpt.limits.Limits`)."""
 
 _MSGPACK_STACK_LIMIT: Final = 1024  # the C unpacker's fixed parse stack
-_MAX_NDIM: Final = 64  # numpy's own limit (NPY_MAXDIMS)
 _MAX_DEVICE_LEN: Final = 64
 _GC_PAUSE_BYTES: Final = 256 * 1024
 
@@ -374,16 +381,25 @@ def _path(node: _Node | None, where: str) -> str:
     return where + "".join(parts)
 
 
-def _scan(value: object, where: str) -> bool:
-    """Refuse anything that would not come back exactly; True if bytearrays occur.
+def _flood(keys: Iterable[object]) -> int:
+    """How many of ``keys`` share the most common hash value (linear time)."""
+    return max(collections.Counter(map(hash, keys)).values(), default=0)
 
-    Must run before packing: the C packer would happily write a bytearray or a
-    memoryview as bin (which reads back as bytes) and a stray ExtType or
-    Timestamp as itself. Iterative, so a deep value cannot exhaust the Python
-    stack, and labels are kept as raw keys so paths are only formatted on error.
+
+def _scan(value: object, where: str) -> tuple[bool, int]:
+    """Refuse anything that would not come back exactly.
+
+    Returns whether bytearrays occur and how many containers ``decode`` will
+    build, for its budget. Must run before packing: the C packer would happily
+    write a bytearray or a memoryview as bin (which reads back as bytes) and a
+    stray ExtType or Timestamp as itself. Iterative, so a deep value cannot
+    exhaust the Python stack, and labels are kept as raw keys so paths are only
+    formatted on error.
     """
     native = _NATIVE_LEAVES
     has_bytearray = False
+    containers = 0
+    equal_hashes = LIMITS.equal_hashes
     stack: list[_Node] = [(value, 0, None, _ITEM, None)]
     push = stack.append
     pop = stack.pop
@@ -392,11 +408,19 @@ def _scan(value: object, where: str) -> bool:
         obj: Any = node[0]
         t = type(obj)
         if t is dict or t is list or t is tuple or t in _CONTAINERS:
+            containers += 1
             level = node[1] + 1
             if level > MAX_ENCODE_DEPTH:
                 raise UnsupportedValue(
                     f"{_path(node, where)}: nested deeper than {MAX_ENCODE_DEPTH} containers"
                 )
+            if t is not list and t is not tuple and len(obj) > equal_hashes:
+                shared = _flood(obj)
+                if shared > equal_hashes:
+                    raise UnsupportedValue(
+                        f"{_path(node, where)}: {shared} keys or members share one hash value "
+                        f"(at most {equal_hashes} may: a reader refuses more as a hash flood)"
+                    )
             if t is dict or t is _OrderedDict:
                 for k, v in obj.items():
                     if type(k) not in native:
@@ -419,7 +443,24 @@ def _scan(value: object, where: str) -> bool:
                 raise UnsupportedValue(f"{_path(node, where)}: {problem}")
             if t is bytearray:
                 has_bytearray = True
-    return has_bytearray
+            elif t is torch.Size:
+                containers += 1  # written as a marked array
+    return has_bytearray, containers
+
+
+def _container_budget(nbytes: int, free: int) -> int:
+    """How many containers a decode of ``nbytes`` bytes may build."""
+    return free + nbytes // LIMITS.decode_bytes_per_container
+
+
+def _check_budget(containers: int, data: bytes, free: int, where: str) -> None:
+    budget = _container_budget(len(data), free)
+    if containers > budget:
+        raise UnsupportedValue(
+            f"{where}: {containers} containers in {len(data)} encoded bytes exceed the decode "
+            f"budget ({budget}: one per {LIMITS.decode_bytes_per_container} bytes beyond "
+            f"{free}); a reader would refuse it. Store bulk data as a tensor or numpy array"
+        )
 
 
 _REBUILT: Final[frozenset[type]] = frozenset({list, tuple, dict, _OrderedDict})
@@ -492,17 +533,34 @@ def _pack(value: object, where: str) -> bytes:
         raise UnsupportedValue(f"{where}: cannot be encoded: {exc}") from exc
 
 
-def check_encodable(value: object, *, where: str = "value") -> None:
+def check_encodable(value: object, *, where: str = "value", max_bytes: int | None = None) -> None:
     """Refuse, before any work is written, a value that ``encode`` would refuse.
 
     Lets a save fail fast, naming the offending leaf, instead of after tensors
     have already been written.
 
+    Also refuses what a reader's budgets would refuse: too many containers for
+    the encoded size and, with ``max_bytes``, an encoding longer than that.
+
     Raises:
         UnsupportedValue: naming the location inside ``value`` (prefixed by
             ``where``) of the first leaf that cannot round-trip exactly.
     """
-    _scan(value, where)
+    has_bytearray, containers = _scan(value, where)
+    # Parts of one manifest are checked on their own, so each gets a quarter of the
+    # free containers; only a value dense in containers needs its encoded size.
+    free = LIMITS.decode_free_containers // 4
+    if containers <= free and max_bytes is None:
+        return
+    if has_bytearray:
+        value = _wrap_bytearrays(value)
+    data = _pack(value, where)
+    _check_budget(containers, data, free, where)
+    if max_bytes is not None and len(data) > max_bytes:
+        raise UnsupportedValue(
+            f"{where}: encodes to {len(data)} bytes, more than the {max_bytes} the manifest "
+            "has room for"
+        )
 
 
 def encode(value: object, *, where: str = "value") -> bytes:
@@ -518,9 +576,13 @@ def encode(value: object, *, where: str = "value") -> bytes:
         UnsupportedValue: naming the location inside ``value`` (prefixed by
             ``where``), e.g. ``value['env'][3]: unsupported type Foo (...)``.
     """
-    if _scan(value, where):
+    has_bytearray, containers = _scan(value, where)
+    if has_bytearray:
         value = _wrap_bytearrays(value)
-    return _pack(value, where)
+    data = _pack(value, where)
+    if containers > LIMITS.decode_free_containers:
+        _check_budget(containers, data, LIMITS.decode_free_containers, where)
+    return data
 
 
 # --------------------------------------------------------------------------- decoding
@@ -530,17 +592,46 @@ def _build_tuple(items: list[Any]) -> object:
     return tuple(items)
 
 
+def _refuse_flood(keys: list[Any], what: str) -> None:
+    """Refuse, before a hash table is built, keys whose hashes would make it quadratic."""
+    if len(keys) <= LIMITS.equal_hashes:
+        return  # at most that many probes per insertion anyway
+    shared = _flood(keys)  # an unhashable key raises TypeError: not a valid encoding
+    if shared > LIMITS.equal_hashes:
+        raise _Unsafe(
+            f"{shared} {what}s share one hash value (at most {LIMITS.equal_hashes} may): "
+            "a hash flood"
+        )
+
+
+def check_hashes(keys: list[Any], *, where: str) -> None:
+    """Refuse keys read from a checkpoint that would flood a hash table built from them.
+
+    For hash tables built after decoding (for example from a list of dict keys).
+
+    Raises:
+        UnsafeCheckpoint: more keys than ``LIMITS.equal_hashes`` share one hash value.
+    """
+    try:
+        _refuse_flood(keys, "key")
+    except _Unsafe as exc:
+        raise UnsafeCheckpoint(f"{where}: {exc}") from None
+
+
 def _build_set(items: list[Any]) -> object:
+    _refuse_flood(items, "set member")
     return set(items)
 
 
 def _build_frozenset(items: list[Any]) -> object:
+    _refuse_flood(items, "set member")
     return frozenset(items)
 
 
 def _build_ordered_dict(items: list[Any]) -> object:
     if len(items) % 2:
         raise _Corrupt("OrderedDict with an odd number of keys and values")
+    _refuse_flood(items[::2], "map key")
     it = iter(items)
     return _OrderedDict(zip(it, it, strict=True))
 
@@ -561,17 +652,52 @@ _MARKERS: Final[dict[int, _Marker]] = {
 }
 
 
-def _list_hook(lst: list[Any]) -> object:
-    if lst and type(lst[0]) is _Marker:
-        marker = lst[0]
-        del lst[0]
-        try:
-            return marker.build(lst)
-        except _Corrupt:
-            raise
-        except Exception as exc:  # e.g. an unhashable set member or key
-            raise _Corrupt(f"cannot rebuild {marker.name}: {exc}") from None
-    return lst
+class _Hooks:
+    """The unpacker's hooks for one decode: containers are counted as they finish.
+
+    Every array passes through :meth:`list_hook` and every map through
+    :meth:`pairs_hook`, so the count is exact and a budget overrun stops the parse
+    after at most ``budget`` containers were built, whatever the input declares.
+    Maps get their pairs, not a dict, so their keys are vetted for a hash flood
+    before any hash table is built.
+    """
+
+    __slots__ = ("budget", "count", "few")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.count = 0
+        self.few = LIMITS.equal_hashes  # maps this small cannot flood
+
+    def _over(self) -> _Unsafe:
+        return _Unsafe(
+            f"more than {self.budget} containers (decode budget: one per "
+            f"{LIMITS.decode_bytes_per_container} bytes beyond "
+            f"{LIMITS.decode_free_containers}), a memory bomb"
+        )
+
+    def list_hook(self, lst: list[Any]) -> object:
+        self.count += 1
+        if self.count > self.budget:
+            raise self._over()
+        if lst and type(lst[0]) is _Marker:
+            marker = lst[0]
+            del lst[0]
+            try:
+                return marker.build(lst)
+            except (_Corrupt, _Unsafe):
+                raise
+            except Exception as exc:  # e.g. an unhashable set member or key
+                raise _Corrupt(f"cannot rebuild {marker.name}: {exc}") from None
+        return lst
+
+    def pairs_hook(self, pairs: list[tuple[Any, Any]]) -> object:
+        self.count += 1
+        if self.count > self.budget:
+            raise self._over()
+        if len(pairs) > self.few:
+            _refuse_flood([k for k, _ in pairs], "map key")
+        return dict(pairs)
 
 
 def _unpack_payload(payload: bytes, what: str) -> list[Any]:
@@ -610,7 +736,7 @@ def _decode_ndarray(payload: bytes) -> object:
         raise _Corrupt("malformed numpy array payload")
     code, shape, raw = header
     dt = _parse_dtype(code)
-    if type(shape) is not list or len(shape) > _MAX_NDIM:
+    if type(shape) is not list or len(shape) > LIMITS.tensor_ndim:
         raise _Corrupt(f"invalid numpy array shape {_short_repr(shape)}")
     for d in shape:
         if type(d) is not int or d < 0:
@@ -761,12 +887,15 @@ def _check_decoded(value: object, max_depth: int) -> None:
         level += 1
 
 
-def decode(data: bytes | memoryview, *, source: str = "data", max_depth: int = 512) -> object:
+def decode(
+    data: bytes | memoryview, *, source: str = "data", max_depth: int = LIMITS.decode_depth
+) -> object:
     """Rebuild exactly the value ``encode`` was given, treating ``data`` as hostile.
 
     ``data`` may come from a damaged disk or an attacker, so decoding never runs
-    code, never allocates more than a small multiple of ``len(data)``, and
-    never recurses in Python.
+    code, never recurses in Python, stays linear in ``len(data)`` (no hash
+    flood), and holds at most about 20 times ``len(data)`` in containers (the
+    decode budget) plus what msgpack's fixed 1024-level parse stack costs.
 
     Errors are split by what the caller should conclude:
 
@@ -779,7 +908,9 @@ def decode(data: bytes | memoryview, *, source: str = "data", max_depth: int = 5
             indistinguishable from truncation or a flipped length bit.
         UnsafeCheckpoint: the bytes are well formed but nest containers deeper
             than ``max_depth`` (or than msgpack's fixed parse stack of 1024), a
-            depth bomb aimed at whatever walks the value next.
+            depth bomb aimed at whatever walks the value next; or they hold more
+            containers than the decode budget allows (a memory bomb), or keys or
+            set members sharing one hash value beyond the limit (a hash flood).
     """
     if isinstance(data, memoryview):
         if not data.c_contiguous:
@@ -792,6 +923,7 @@ def decode(data: bytes | memoryview, *, source: str = "data", max_depth: int = 5
     # Building many containers at once triggers full cyclic-GC passes over the
     # whole process heap (msgpack's own advice is to pause GC); nothing built
     # here can form a cycle, so the pause loses nothing.
+    hooks = _Hooks(_container_budget(n, LIMITS.decode_free_containers))
     pause_gc = n >= _GC_PAUSE_BYTES and gc.isenabled()
     if pause_gc:
         gc.disable()
@@ -803,7 +935,8 @@ def decode(data: bytes | memoryview, *, source: str = "data", max_depth: int = 5
             strict_map_key=False,
             unicode_errors="surrogatepass",
             ext_hook=_ext_hook,
-            list_hook=_list_hook,
+            list_hook=hooks.list_hook,
+            object_pairs_hook=hooks.pairs_hook,
             max_str_len=n,
             max_bin_len=n,
             max_array_len=n,

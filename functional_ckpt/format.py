@@ -37,6 +37,7 @@ from functional_ckpt.errors import (
     IncompleteCheckpoint,
     UnsafeCheckpoint,
 )
+from functional_ckpt.limits import LIMITS
 
 FORMAT_NAME = "functional_ckpt"
 FORMAT_VERSION = 1
@@ -46,8 +47,8 @@ DCP_METADATA = ".metadata"
 TMP_INFIX = ".tmp-"
 TRASH_INFIX = ".trash-"
 #: Upper bound on the manifest and marker sizes a reader accepts (hostile files).
-MAX_MANIFEST_BYTES = 1 << 31
-MAX_MARKER_BYTES = 1 << 16
+MAX_MANIFEST_BYTES = LIMITS.manifest_bytes
+MAX_MARKER_BYTES = LIMITS.marker_bytes
 
 
 def tmp_sibling(path: Path, infix: str = TMP_INFIX) -> Path:

@@ -49,6 +49,7 @@ from functional_ckpt.errors import (
     CheckpointError,
     CheckpointExists,
     CheckpointNotFound,
+    UnsupportedValue,
 )
 from functional_ckpt.export import Export, export_safetensors
 from functional_ckpt.io import CheckpointInfo, distributed_active, restore, save
@@ -146,6 +147,11 @@ def _plain_metrics(metrics: Mapping[str, Any] | None, where: str) -> dict[str, f
             out[k] = float(v)
         except (TypeError, ValueError):
             raise TypeError(f"{where}: metrics[{k!r}]={v!r} is not a number") from None
+        except OverflowError:
+            raise UnsupportedValue(
+                f"{where}: metrics[{k!r}] (a {type(v).__name__}) is too large for a float; "
+                "metrics are compared and stored as float64"
+            ) from None
     return out
 
 

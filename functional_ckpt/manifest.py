@@ -14,16 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 from functional_ckpt.format import DCP_METADATA, safe_member
+from functional_ckpt.limits import LIMITS
 from functional_ckpt.tree import KeyPath, format_path
-
-#: Nested deeper than this, a tree is rejected as hostile.
-MAX_TREE_DEPTH = 256
-#: No dimension or byte count of a real tensor reaches this.
-MAX_DIM = 1 << 62
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -185,7 +182,7 @@ def _path(e: dict[str, Any], where: str) -> KeyPath:
     if (
         not isinstance(p, list)
         or not p
-        or len(p) > MAX_TREE_DEPTH
+        or len(p) > LIMITS.key_depth
         or not all(isinstance(k, str) for k in p)
     ):
         raise CorruptCheckpoint(f"{where}: invalid key path {p!r}")
@@ -215,10 +212,10 @@ def _add(out: ParsedManifest, e: object, where: str) -> None:
 def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: str) -> TensorEntry:
     dtype = dtype_from_name(e.get("dtype"), where)
     shape_raw = e.get("shape")
-    if not isinstance(shape_raw, list) or len(shape_raw) > 64:
+    if not isinstance(shape_raw, list) or len(shape_raw) > LIMITS.tensor_ndim:
         raise CorruptCheckpoint(f"{where}: invalid shape {shape_raw!r}")
     shape = tuple(_int(d, where, "dimension") for d in shape_raw)
-    if any(d >= MAX_DIM for d in shape) or numel(shape) * element_size(dtype) >= MAX_DIM:
+    if shape_problem(shape, dtype) is not None:
         raise UnsafeCheckpoint(f"{where}: {format_path(path)} declares an impossible shape")
     fqn = e.get("fqn")
     if not isinstance(fqn, str):
@@ -236,7 +233,7 @@ def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: 
         entry.chunks = src.chunks
         return entry
     chunks = e.get("chunks")
-    if not isinstance(chunks, list) or len(chunks) > 1 << 16:
+    if not isinstance(chunks, list) or len(chunks) > LIMITS.chunks_per_tensor:
         raise CorruptCheckpoint(f"{where}: invalid chunk list")
     size = element_size(dtype)
     for c in chunks:
@@ -245,21 +242,75 @@ def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: 
         numel(shape) and not entry.chunks
     ):
         raise CorruptCheckpoint(f"{where}: chunks of {format_path(path)} do not cover the tensor")
-    if 1 < len(entry.chunks) <= 64:
-        for i, a in enumerate(entry.chunks):
-            for b in entry.chunks[i + 1 :]:
-                if (
-                    all(
-                        ao < bo + bs and bo < ao + as_
-                        for ao, as_, bo, bs in zip(
-                            a.offsets, a.sizes, b.offsets, b.sizes, strict=True
-                        )
-                    )
-                    and numel(a.sizes)
-                    and numel(b.sizes)
-                ):
-                    raise CorruptCheckpoint(f"{where}: chunks of {format_path(path)} overlap")
+    if len(entry.chunks) > 1:
+        boxes = [(c.offsets, c.sizes) for c in entry.chunks]
+        check_coverage(shape, boxes, f"{where}: chunks of {format_path(path)}")
     return entry
+
+
+def shape_problem(shape: Sequence[int], dtype: torch.dtype) -> str | None:
+    """Why a tensor of this shape and dtype lies beyond the format's limits, or None."""
+    if len(shape) > LIMITS.tensor_ndim:
+        return f"{len(shape)} dimensions (the format allows at most {LIMITS.tensor_ndim})"
+    extent = LIMITS.tensor_extent
+    if any(d >= extent for d in shape):
+        return f"a dimension of {max(shape)} (each must be below 2**{extent.bit_length() - 1})"
+    if numel(shape) * element_size(dtype) >= extent:
+        return (
+            f"shape {list(shape)} of {dtype_name(dtype)} "
+            f"(the element count times the element size must be below "
+            f"2**{extent.bit_length() - 1})"
+        )
+    return None
+
+
+def check_coverage(
+    shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]], what: str
+) -> None:
+    """Every element of a tensor of ``shape`` lies in exactly one box (offsets, sizes).
+
+    ``what`` names the boxes in messages, e.g. ``"<file> entry 3: chunks of 'w'"``.
+
+    The boxes must already lie inside the tensor, and their element counts must add
+    up to the tensor's. The distinct box boundaries of each dimension cut the
+    tensor into a grid whose cells each lie wholly inside or outside every box.
+    Boxes fill the cells they span; a cell filled twice is an overlap, and the
+    element counts then guarantee that no cell is left empty. Each cell is
+    inspected at most twice, so the check is linear in the grid, which for real
+    layouts (shards of a device mesh) has one cell per box.
+
+    Raises:
+        CorruptCheckpoint: two boxes overlap.
+        UnsafeCheckpoint: the boxes cut the tensor into more cells than
+            ``LIMITS.coverage_cells``.
+    """
+    boxes = [(o, s) for o, s in boxes if numel(s)]  # empty boxes cover nothing
+    if len(boxes) <= 1:
+        return
+    cuts = []
+    for i, dim in enumerate(shape):
+        starts = {o[i] for o, _ in boxes}
+        cuts.append(sorted({0, dim, *starts, *(o[i] + s[i] for o, s in boxes)}))
+    cells = numel([len(b) - 1 for b in cuts])
+    if cells > LIMITS.coverage_cells:
+        raise UnsafeCheckpoint(
+            f"{what} ({len(boxes)}) cut the tensor into {cells} pieces (at most "
+            f"{LIMITS.coverage_cells} can be checked); not a layout any writer produces"
+        )
+    index = [{v: j for j, v in enumerate(b)} for b in cuts]
+    grid = np.zeros([len(b) - 1 for b in cuts], dtype=np.bool_)
+    for offsets, sizes in boxes:
+        view = grid[
+            tuple(
+                slice(index[i][o], index[i][o + s])
+                for i, (o, s) in enumerate(zip(offsets, sizes, strict=True))
+            )
+        ]
+        if view.any():
+            raise CorruptCheckpoint(
+                f"{what} overlap at offsets {list(offsets)}; the checkpoint is damaged"
+            )
+        view[...] = True
 
 
 def _chunk(c: object, entry: TensorEntry, size: int, out: ParsedManifest, where: str) -> Chunk:

@@ -6,8 +6,9 @@ background thread that stages it and writes it with exactly the protocol of
 allocates once and reuses while shapes stay the same (pinned host memory and
 non-blocking copies on a side stream for CUDA tensors), so host memory stays flat
 over any number of saves. With ``staging="none"`` nothing is copied: the writer
-reads the live tensors and refuses to commit if any of them changed in place
-while it read them (tensor version counters).
+reads the live tensors and refuses to commit if any of them changed while it read
+them (tensor version counters, and a second checksum of every tensor right before
+the commit, which also sees writes through ``.data`` and numpy).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from typing import Any, Literal
 import torch
 from tensordict import TensorDictBase
 
+from functional_ckpt.checksum import crc32
 from functional_ckpt.errors import CheckpointError, ModifiedDuringSave
 from functional_ckpt.io import distributed_active
+from functional_ckpt.shards import byte_view
 from functional_ckpt.tree import Leaf, as_state, format_path, iter_leaves, unflatten
 from functional_ckpt.writer import (
     DEFAULT_PER_RANK,
@@ -168,9 +171,25 @@ class PendingSave:
             self._staged.set()
 
 
+def _written_crc(entry: dict[str, Any]) -> int:
+    """The CRC32 the writer recorded for the bytes of a (single-chunk) tensor entry."""
+    return int(entry["chunks"][0]["crc32"])
+
+
 def _version_guard(
-    sources: Sequence[torch.Tensor], keys: Sequence[tuple[str, ...]]
+    sources: Sequence[torch.Tensor],
+    keys: Sequence[tuple[str, ...]],
+    written: Sequence[torch.Tensor],
+    targets: Sequence[dict[str, Any]],
 ) -> tuple[Any, Any]:
+    """Hooks that refuse the commit of a state changed while it was written.
+
+    Version counters catch every in-place operation on a tensor or its views, but
+    not writes through ``.data`` (its own counter) or through numpy (none). So
+    right before the commit every written tensor is checksummed again and
+    compared with the CRC32 recorded for the bytes in the file: a tensor whose
+    bytes differ now from what was checksummed was changed after its write began.
+    """
     versions = [t._version for t in sources]
     modified: list[int] = []
 
@@ -180,7 +199,12 @@ def _version_guard(
 
     def check() -> None:
         late = [i for i, t in enumerate(sources) if t._version != versions[i]]
-        bad = sorted(set(modified) | set(late))
+        changed = [
+            i
+            for i, (t, entry) in enumerate(zip(written, targets, strict=True))
+            if crc32(byte_view(t)) != _written_crc(entry)
+        ]
+        bad = sorted(set(modified) | set(late) | set(changed))
         if bad:
             names = ", ".join(format_path(keys[i]) for i in bad[:20])
             more = f" and {len(bad) - 20} more" if len(bad) > 20 else ""
@@ -230,7 +254,7 @@ def save_async(
     if staging == "none":
         # Only tensors that are already contiguous host memory can be read live.
         tensors = [host_copy(t) for t in plan.sources]
-        after_each, check = _version_guard(plan.sources, keys)
+        after_each, check = _version_guard(plan.sources, keys, tensors, plan.targets)
 
         def work(pending: PendingSave) -> CheckpointInfo:
             pending._mark_staged()

@@ -19,7 +19,9 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, TensorDict, TensorDictBase
 
-from functional_ckpt.errors import UnsupportedValue
+from functional_ckpt import codec
+from functional_ckpt.errors import UnsafeCheckpoint, UnsupportedValue
+from functional_ckpt.limits import LIMITS
 
 KeyPath = tuple[str, ...]
 
@@ -34,14 +36,20 @@ def format_path(path: KeyPath) -> str:
 
 
 def _contains_tensor(value: object) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, TensorDictBase):
-        return True
-    if isinstance(value, dict):
-        return any(_contains_tensor(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return any(_contains_tensor(v) for v in value)
+    # Iterative and visiting each container once, so a container that contains
+    # itself (or is nested deeper than the recursion limit) is answered too; the
+    # codec then refuses such a value by its depth, naming the key.
+    stack = [value]
+    seen: set[int] = set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor | TensorDictBase):
+            return True
+        if isinstance(item, dict | list | tuple):
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
+            stack.extend(item.values() if isinstance(item, dict) else item)
     return False
 
 
@@ -50,16 +58,32 @@ def _leaf(value: object, path: KeyPath) -> NonTensorData:
     return NonTensorData(data=value, batch_size=[])
 
 
-def from_python(value: Mapping[str, Any] | Any, path: KeyPath = ()) -> TensorDict:
+def from_python(
+    value: Mapping[str, Any] | Any, path: KeyPath = (), _active: frozenset[int] = frozenset()
+) -> TensorDict:
     """Build an unlocked TensorDict from nested Python containers, exactly.
 
     Plain dicts with string keys become sub-TensorDicts (an empty dict becomes an
     empty node, which a restore fills from the checkpoint); lists, tuples and other
     mappings become sub-TensorDicts with a :data:`NODE_KEY` record when they hold
     tensors, and single, exactly stored non-tensor leaves when they do not.
+
+    ``_active`` holds the containers being converted above ``value``: a container
+    that contains itself has no tree form and is refused, as is a tree deeper than
+    the format's key paths, before Python's recursion limit is reached.
     """
     if isinstance(value, TensorDictBase):
         return value
+    if id(value) in _active:
+        raise UnsupportedValue(
+            f"state[{format_path(path)}]: the container contains itself; a state must be a tree"
+        )
+    if len(path) > LIMITS.key_depth:
+        raise UnsupportedValue(
+            f"state[{format_path(path[:8])} ...]: nested {len(path)} levels deep; the format "
+            f"allows key paths of at most {LIMITS.key_depth} keys"
+        )
+    _active = _active | {id(value)}
     td = TensorDict({}, batch_size=[])
     if isinstance(value, dict) and all(type(k) is str for k in value):
         if NODE_KEY in value:
@@ -84,6 +108,10 @@ def from_python(value: Mapping[str, Any] | Any, path: KeyPath = ()) -> TensorDic
             keys = list(value.keys())
             names = [k if type(k) is str else repr(k) for k in keys]
             kind = "dict"
+            try:
+                codec.check_hashes(keys, where=f"state[{format_path(path)}]")
+            except UnsafeCheckpoint as exc:
+                raise UnsupportedValue(f"{exc}; a reader would refuse these keys") from None
         else:
             keys = None
             names = [str(i) for i in range(len(value))]
@@ -112,7 +140,7 @@ def from_python(value: Mapping[str, Any] | Any, path: KeyPath = ()) -> TensorDic
             or (type(v) is dict and all(type(k) is str for k in v))
             or _contains_tensor(v)
         ):
-            td.set(name, from_python(v, sub))
+            td.set(name, from_python(v, sub, _active))
         else:
             td.set(name, _leaf(v, sub))  # type: ignore[arg-type]
     return td
@@ -142,6 +170,7 @@ def to_python(value: Any) -> Any:
         return ordered
     if kind == "dict":
         keys = record["keys"]
+        codec.check_hashes(keys, where=f"the keys of a {kind} node record")
         names = [k if type(k) is str else repr(k) for k in keys]
         return {k: out[n] for k, n in zip(keys, names, strict=True)}
     seq = [out[str(i)] for i in range(len(out))]

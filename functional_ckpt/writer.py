@@ -28,7 +28,8 @@ from functional_ckpt import codec, dcpmeta, format, shards
 from functional_ckpt._types import PathLike as PathLike  # re-exported: one PathLike
 from functional_ckpt.checksum import crc32
 from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
-from functional_ckpt.manifest import dtype_name
+from functional_ckpt.limits import LIMITS
+from functional_ckpt.manifest import dtype_name, shape_problem
 from functional_ckpt.tree import KeyPath, as_state, format_path, iter_leaves
 
 #: Top-level subtrees that differ between ranks and are stored once per rank.
@@ -59,29 +60,99 @@ def rank_fqn(rank: int, path: KeyPath) -> str:
     return f"__rank{rank}__." + fqn_of(path)
 
 
+def _where(path: KeyPath) -> str:
+    if len(path) > 16:  # a path refused for its depth would print hundreds of keys
+        path = (*path[:8], f"...{len(path) - 14} levels...", *path[-6:])
+    return f"state[{format_path(path)}]"
+
+
+def check_path(path: KeyPath) -> None:
+    """Refuse a key path that a reader would refuse."""
+    if len(path) > LIMITS.key_depth:
+        raise UnsupportedValue(
+            f"{_where(path)}: the key path is {len(path)} levels deep; the format allows at "
+            f"most {LIMITS.key_depth}, so flatten this part of the state"
+        )
+
+
 def check_tensor(t: torch.Tensor, path: KeyPath) -> None:
-    where = f"state[{format_path(path)}]"
+    """Refuse, before anything is written, a tensor the format cannot store or load back.
+
+    Runs before anything else looks at the tensor (its alias key needs a data
+    pointer, which sparse, nested and meta tensors do not have).
+    """
+    where = _where(path)
     if t.is_meta:
         raise UnsupportedValue(f"{where}: meta tensors hold no data and cannot be saved")
+    if t.is_nested:
+        raise UnsupportedValue(
+            f"{where}: nested tensors are not supported; save their components "
+            "(e.g. t.unbind()) as separate tensors"
+        )
     if t.layout != torch.strided:
-        raise UnsupportedValue(f"{where}: {t.layout} tensors are not supported; convert to dense")
-    if t.is_quantized or t.is_nested:
-        raise UnsupportedValue(f"{where}: quantized and nested tensors are not supported")
+        raise UnsupportedValue(
+            f"{where}: {t.layout} tensors are not supported; convert to dense (t.to_dense())"
+        )
+    if t.is_quantized:
+        raise UnsupportedValue(
+            f"{where}: quantized tensors are not supported; save t.int_repr() and the "
+            "quantization parameters instead"
+        )
+    extent = LIMITS.tensor_extent
+    numel = t.numel()  # global, for a DTensor
+    if (
+        t.dim() <= LIMITS.tensor_ndim
+        and numel * t.element_size() < extent
+        and (numel or all(d < extent for d in t.shape))
+    ):
+        return  # the common case, without building the message
+    problem = shape_problem(tuple(t.shape), t.dtype)
+    if problem is not None:
+        raise UnsupportedValue(
+            f"{where}: a tensor of {problem} lies beyond the format's limits and could "
+            "not be loaded back"
+        )
+
+
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a lazy conjugate or negative bit applied to its values.
+
+    Such a view shares its base's bytes but not its values; what is stored is
+    always the values.
+    """
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a contiguous CPU tensor: itself when it already is one, else a copy."""
-    t = t.detach()
+    t = resolved(t.detach())
     if t.device.type != "cpu":
         t = t.cpu()
     return t if t.is_contiguous() else t.contiguous()
 
 
 def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
-    """Identity of a tensor's bytes: two leaves with the same key are one tensor."""
+    """Identity of a tensor's values: two leaves with the same key are one tensor.
+
+    Everything that makes two views of the same bytes read differently is part of
+    it: where they start, their shape and strides, their dtype, and the lazy
+    conjugate and negative bits.
+    """
     if t.is_meta or t.numel() == 0 or is_dtensor(t):
         return None
-    return (t.device, t.data_ptr(), t.shape, t.stride(), t.dtype)
+    return (
+        t.device,
+        t.data_ptr(),
+        t.shape,
+        t.stride(),
+        t.dtype,
+        t.is_conj(),
+        t.is_neg(),
+    )
 
 
 def is_dtensor(t: object) -> bool:
@@ -118,6 +189,7 @@ def plan_save(
     seen: dict[tuple[Any, ...], KeyPath] = {}
     roots = set(per_rank)
     for leaf in iter_leaves(td):
+        check_path(leaf.path)
         local = leaf.path[0] in roots
         entry: dict[str, Any] = {"path": list(leaf.path), "kind": leaf.kind}
         if local and len(leaf.path) == 1:
@@ -127,6 +199,7 @@ def plan_save(
             plan.num_values += 1
         elif leaf.kind == "tensor":
             t: torch.Tensor = leaf.value
+            check_tensor(t, leaf.path)
             fqn = rank_fqn(rank, leaf.path) if local else fqn_of(leaf.path)
             other = fqns.get(fqn)
             if other is not None:
@@ -147,9 +220,8 @@ def plan_save(
             else:
                 if key is not None:
                     seen[key] = leaf.path
-                check_tensor(t, leaf.path)
                 entry["chunks"] = []
-                plan.sources.append(t)
+                plan.sources.append(resolved(t))
                 plan.targets.append(entry)
                 plan.keys.append(leaf.path)
         (plan.local if local else plan.entries).append(entry)
@@ -157,16 +229,52 @@ def plan_save(
     return plan
 
 
+def _text_bytes(s: str) -> int:
+    """An upper bound on the encoded size of a string (header included)."""
+    return 5 + (len(s) if s.isascii() else 4 * len(s))
+
+
+def _entry_overhead(e: dict[str, Any]) -> int:
+    """An upper bound on the manifest bytes of an entry, its value aside.
+
+    The constants are the encoded sizes of the fixed fields with every integer at
+    its widest (a tensor entry with one chunk: 202 bytes), plus wide list headers.
+    """
+    n = 48 + sum(_text_bytes(k) for k in e["path"])
+    if e["kind"] == "tensor":
+        n += 202 + 16 + _text_bytes(e["fqn"]) + 27 * len(e["shape"])
+    return n
+
+
 def check_values(entries: list[dict[str, Any]]) -> None:
-    """Fail before any byte is written if a value cannot be stored exactly."""
+    """Fail before any byte is written if a value cannot be stored exactly.
+
+    That includes the reader's budgets: the whole manifest must stay within
+    ``LIMITS.manifest_bytes`` and the decode budget of containers.
+    """
     values = [e["value"] for e in entries if e["kind"] == "value"]
+    room = LIMITS.manifest_bytes - sum(_entry_overhead(e) for e in entries)
     try:
-        codec.check_encodable(values)
-    except UnsupportedValue:
-        for e in entries:
+        codec.check_encodable(values, where="the state's values", max_bytes=room)
+    except UnsupportedValue as exc:
+        for e in entries:  # name the leaf at fault, if one is
             if e["kind"] == "value":
-                codec.check_encodable(e["value"], where=f"state[{format_path(tuple(e['path']))}]")
-        raise
+                codec.check_encodable(e["value"], where=_where(tuple(e["path"])))
+        # Only together are the values too large for a reader: name the largest.
+        biggest = max(
+            (e for e in entries if e["kind"] == "value"),
+            key=lambda e: len(codec.encode(e["value"])),
+            default=None,
+        )
+        if biggest is None:
+            raise UnsupportedValue(
+                f"state: its {len(entries)} entries need more than the {LIMITS.manifest_bytes} "
+                "manifest bytes a reader accepts; save it in parts"
+            ) from None
+        raise UnsupportedValue(
+            f"{_where(tuple(biggest['path']))} is the largest value of a state that a reader "
+            f"would refuse: {exc}; store bulk data as tensors"
+        ) from None
 
 
 def chunk_record(

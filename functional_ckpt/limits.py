@@ -1,0 +1,78 @@
+"""The limits of the format, in one table that both save and load read.
+
+A reader refuses what lies beyond these bounds, because past them a file is far
+more likely hostile or damaged than real. A writer refuses the same things before
+it writes a byte, naming the key at fault, so a save can never commit a checkpoint
+that its own loader would then refuse (and a manager would then quarantine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = ["LIMITS", "Limits"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Every bound of the on-disk format; each field says why it is where it is."""
+
+    key_depth: int = 256
+    """Longest key path of the tensor tree. Real states nest a few levels; the bound
+    keeps every walk of a hostile tree short and every path printable."""
+
+    tensor_ndim: int = 64
+    """Most dimensions of a tensor (or numpy array value). numpy's own limit
+    (NPY_MAXDIMS) and far beyond any real layout; torch allocates per-dimension
+    metadata before any data, so a reader bounds it first."""
+
+    tensor_extent: int = 1 << 62
+    """Exclusive bound of any dimension, of any tensor's element count times its
+    element size, and of any byte offset or length: no real tensor reaches it, and
+    offsets computed from it stay inside int64 arithmetic."""
+
+    chunks_per_tensor: int = 1 << 16
+    """Most stored chunks (shards) of one tensor: far more ranks than any job has."""
+
+    coverage_cells: int = 1 << 22
+    """Most cells of the grid that the distinct chunk boundaries of one tensor cut it
+    into, when a reader checks that the chunks cover every element exactly once.
+    Real layouts (row or column shards, 2-D meshes) make grids of a few thousand
+    cells; the bound keeps that check near-linear on hostile boxes."""
+
+    manifest_bytes: int = 256 << 20
+    """Largest manifest. A manifest costs about 150 bytes per tensor plus the
+    encoded non-tensor values, so 256 MiB is a million tensors and large values;
+    anything bigger is a value that belongs in a tensor. Read whole into memory,
+    so the bound is also what one read of a hostile file can cost."""
+
+    marker_bytes: int = 64 << 10
+    """Largest commit marker (it holds a few fixed fields)."""
+
+    encode_depth: int = 500
+    """Deepest nesting of a non-tensor value a save accepts: below msgpack's packer
+    recursion limit (511) and below ``decode_depth``, so whatever encodes decodes."""
+
+    decode_depth: int = 512
+    """Deepest nesting a reader accepts; well inside msgpack's fixed parse stack
+    (1024) and Python's recursion limit for whatever walks the value next."""
+
+    decode_bytes_per_container: int = 4
+    """Decode budget: at most one container (list, dict, tuple, set...) per this many
+    input bytes, beyond ``decode_free_containers``. An empty map is one byte on disk
+    and about 70 bytes in memory; the budget caps that amplification near 20x while
+    leaving room for any real manifest (about one container per 30 bytes)."""
+
+    decode_free_containers: int = 1 << 16
+    """Containers every decode may build whatever its size, so small values never
+    meet the per-byte budget."""
+
+    equal_hashes: int = 32
+    """Most keys of one map, or members of one set, that may share a hash value.
+    Equal hashes make building a hash table quadratic (a flood); real data meets
+    a handful of accidental collisions at most."""
+
+
+#: The limits every reader and writer of this version uses.
+LIMITS: Final = Limits()

@@ -1,0 +1,504 @@
+"""Values a save must store exactly or refuse by name, and manifests a reader must refuse.
+
+Covers lazy conj/neg views, writes that bypass version counters during an unstaged
+save, the format's limits (refused at save exactly where a load would refuse),
+hostile manifests (hash floods, memory bombs, overlapping chunks) and raw errors
+on unsupported states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+
+import functional_ckpt as fc
+from functional_ckpt import codec, format, limits, manifest, staging, tree, writer
+from functional_ckpt.checksum import crc32
+from functional_ckpt.errors import (
+    CorruptCheckpoint,
+    ModifiedDuringSave,
+    UnsafeCheckpoint,
+    UnsupportedValue,
+)
+from functional_ckpt.limits import LIMITS
+
+P = 2**61 - 1  # hash(k * P) == hash(0) for every int k
+
+
+def entries_of(path: Path) -> dict[tuple[str, ...], dict[str, Any]]:
+    raw = codec.decode((path / format.MANIFEST).read_bytes())
+    assert isinstance(raw, dict)
+    return {tuple(e["path"]): e for e in raw["entries"]}
+
+
+def rewrite_manifest(path: Path, edit: Any) -> None:
+    """Apply ``edit`` to the decoded manifest and re-sign it in the commit marker."""
+    raw = codec.decode((path / format.MANIFEST).read_bytes())
+    edit(raw)
+    write_signed(path, codec.encode(raw))
+
+
+def write_signed(path: Path, data: bytes) -> None:
+    """Replace the manifest with ``data`` and re-sign it, as anyone with write access can."""
+    (path / format.MANIFEST).write_bytes(data)
+    marker = codec.decode((path / format.COMMIT_MARKER).read_bytes())
+    assert isinstance(marker, dict)
+    marker.update(manifest_size=len(data), manifest_crc32=crc32(data))
+    (path / format.COMMIT_MARKER).write_bytes(codec.encode(marker))
+
+
+def nothing_written(parent: Path) -> bool:
+    return not parent.exists() or not any(parent.iterdir())
+
+
+# --------------------------------------------------------------------------- conj / neg views
+
+
+def complex_tensor() -> torch.Tensor:
+    return torch.complex(torch.arange(6.0), torch.arange(6.0) + 10).reshape(2, 3)
+
+
+@pytest.mark.parametrize("mode", ["sync", "copy", "none"])
+def test_conj_view_and_its_base_keep_their_own_values(tmp_path: Path, mode: str) -> None:
+    z = complex_tensor()
+    state = {"z": z, "z_conj": z.conj(), "imag_neg": z.conj().imag}
+    assert state["imag_neg"].is_neg()
+    dest = tmp_path / "c"
+    if mode == "sync":
+        fc.save(dest, state)
+    else:
+        fc.save_async(dest, state, staging=mode).result()  # type: ignore[arg-type]
+    out = fc.restore(dest)
+    assert torch.equal(out["z"], z)
+    assert torch.equal(out["z_conj"], z.conj().resolve_conj())
+    assert torch.equal(out["imag_neg"], -torch.arange(6.0).reshape(2, 3) - 10)
+    assert not out["z_conj"].is_conj() and not out["imag_neg"].is_neg()
+    assert fc.verify(dest).ok
+    assert all("alias" not in e for e in entries_of(dest).values())
+
+
+def test_a_conj_view_alone_saves(tmp_path: Path) -> None:
+    z = complex_tensor()
+    fc.save(tmp_path / "c", {"zc": z.conj()})
+    assert torch.equal(fc.restore(tmp_path / "c")["zc"], z.conj().resolve_conj())
+
+
+def test_identical_views_still_share_one_copy(tmp_path: Path) -> None:
+    z = complex_tensor()
+    fc.save(tmp_path / "c", {"a": z.conj(), "b": z.conj(), "c": z})
+    entries = entries_of(tmp_path / "c")
+    assert entries[("b",)]["alias"] == ["a"]
+    assert "alias" not in entries[("c",)]
+    out = fc.restore(tmp_path / "c")
+    assert torch.equal(out["b"], z.conj().resolve_conj())
+    assert torch.equal(out["c"], z)
+
+
+# --------------------------------------------------------------------------- unstaged writes
+
+
+def _mutate_during_write(monkeypatch: pytest.MonkeyPatch, mutate: Any, at: int) -> None:
+    """Run ``mutate`` on the writing thread once tensor ``at`` is written."""
+    original = staging._version_guard
+
+    def guard(*args: Any) -> tuple[Any, Any]:
+        after_each, check = original(*args)
+
+        def hook(i: int) -> None:
+            after_each(i)
+            if i == at:
+                mutate()
+
+        return hook, check
+
+    monkeypatch.setattr(staging, "_version_guard", guard)
+
+
+@pytest.mark.parametrize("how", ["data", "numpy"])
+@pytest.mark.parametrize("at", [0, 1])
+def test_unstaged_save_refuses_writes_that_bypass_version_counters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str, at: int
+) -> None:
+    p = torch.nn.Parameter(torch.zeros(1000))
+    q = torch.ones(10)
+    before = p._version
+
+    def mutate() -> None:
+        if how == "data":
+            p.data.add_(1)
+        else:
+            p.detach().numpy()[:] += 1
+
+    _mutate_during_write(monkeypatch, mutate, at)
+    dest = tmp_path / "ckpt" / "s"
+    error = fc.save_async(dest, {"p": p, "q": q}, staging="none").exception()
+    assert p._version == before  # the version counter saw nothing
+    assert isinstance(error, ModifiedDuringSave), error
+    assert "'p'" in str(error) and "'q'" not in str(error)
+    assert not dest.exists() and list(dest.parent.iterdir()) == []
+
+
+def test_unstaged_save_of_an_untouched_state_commits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p = torch.arange(1000.0)
+    _mutate_during_write(monkeypatch, lambda: None, 0)
+    fc.save_async(tmp_path / "s", {"p": p, "q": torch.ones(3)}, staging="none").result()
+    assert torch.equal(fc.restore(tmp_path / "s")["p"], p)
+
+
+# --------------------------------------------------------------------------- limits
+
+
+def deep(depth: int, leaf: Any) -> dict[str, Any]:
+    state: Any = leaf
+    for i in range(depth - 1):
+        state = {f"k{i}": state}
+    return {"top": state}
+
+
+def test_one_table_of_limits() -> None:
+    assert format.MAX_MANIFEST_BYTES == LIMITS.manifest_bytes <= 1 << 28
+    assert codec.MAX_ENCODE_DEPTH == LIMITS.encode_depth < LIMITS.decode_depth
+    for private in ("MAX_TREE_DEPTH", "MAX_DIM"):
+        assert not hasattr(manifest, private)
+    assert dataclasses.is_dataclass(limits.Limits)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LIMITS.key_depth = 1  # type: ignore[misc]
+
+
+def test_key_paths_at_the_limit_round_trip(tmp_path: Path) -> None:
+    state = deep(LIMITS.key_depth, torch.ones(2))
+    fc.save(tmp_path / "ok", state)
+    out = fc.restore(tmp_path / "ok")
+    assert len(next(iter(out.keys(include_nested=True, leaves_only=True)))) == LIMITS.key_depth
+
+
+@pytest.mark.parametrize(
+    ("state", "fragment"),
+    [
+        (deep(LIMITS.key_depth + 1, torch.ones(2)), "257 levels deep"),
+        ({"t": torch.empty([1] * (LIMITS.tensor_ndim + 1))}, "65 dimensions"),
+        ({"t": torch.empty(0, 2**62)}, "dimension of 4611686018427387904"),
+        ({"t": torch.empty(0, 2**61, dtype=torch.float64)}, None),
+    ],
+)
+def test_save_refuses_what_load_would_refuse(
+    tmp_path: Path, state: dict[str, Any], fragment: str | None
+) -> None:
+    if fragment is None:  # within the limits: saved and loaded back
+        fc.save(tmp_path / "c" / "s", state)
+        assert fc.restore(tmp_path / "c" / "s")["t"].shape == state["t"].shape
+        return
+    with pytest.raises(UnsupportedValue, match=fragment) as info:
+        fc.save(tmp_path / "c" / "s", state)
+    assert "state[" in str(info.value)
+    assert nothing_written(tmp_path / "c")
+    with pytest.raises(UnsupportedValue, match=fragment):
+        fc.save_async(tmp_path / "c" / "s", state)
+    assert nothing_written(tmp_path / "c")
+
+
+def test_load_refuses_each_limit_one_past_it(tmp_path: Path) -> None:
+    fc.save(tmp_path / "c", {"t": torch.ones(2)})
+
+    def too_deep(raw: dict[str, Any]) -> None:
+        raw["entries"][0]["path"] = ["k"] * (LIMITS.key_depth + 1)
+
+    rewrite_manifest(tmp_path / "c", too_deep)
+    with pytest.raises(CorruptCheckpoint, match="invalid key path"):
+        fc.restore(tmp_path / "c")
+
+
+def test_values_too_large_for_a_manifest_are_refused_before_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writer, "LIMITS", dataclasses.replace(LIMITS, manifest_bytes=1 << 20))
+    state = {"small": b"x" * 100, "big": b"x" * (1 << 20), "t": torch.ones(1)}
+    with pytest.raises(UnsupportedValue, match=r"state\['big'\]"):
+        fc.save(tmp_path / "c" / "s", state)
+    many = {f"t{i}": torch.ones(1) for i in range(5000)}  # entries alone: about 1.3 MB
+    with pytest.raises(UnsupportedValue, match="5000 entries need more than"):
+        fc.save(tmp_path / "c" / "s", many)
+    assert nothing_written(tmp_path / "c")
+
+
+def test_values_dense_in_containers_are_refused_at_save(tmp_path: Path) -> None:
+    state = {"t": torch.ones(1), "lists": [[] for _ in range(200_000)]}
+    with pytest.raises(UnsupportedValue, match="decode budget"):
+        fc.save(tmp_path / "c" / "s", state)
+    assert nothing_written(tmp_path / "c")
+
+
+# --------------------------------------------------------------------------- hostile decoding
+
+
+def ext_array(code: int, items: list[bytes]) -> bytes:
+    """A msgpack array opened by an empty container-marker ext (tuple, set, ...)."""
+    header = b"\xdd" + struct.pack(">I", len(items) + 1)
+    return header + b"\xc7\x00" + bytes([code]) + b"".join(items)
+
+
+def packed_int(n: int) -> bytes:
+    return bytes(msgpack.packb(n, default=codec._default))
+
+
+FLOOD = [k * P for k in range(1, 20_001)]
+
+
+@pytest.mark.parametrize("kind", ["map", "set", "frozenset", "OrderedDict"])
+def test_hash_flood_is_refused(kind: str) -> None:
+    keys = [packed_int(k) for k in FLOOD]
+    if kind == "map":
+        data = b"\xdf" + struct.pack(">I", len(keys)) + b"".join(k + b"\x00" for k in keys)
+    elif kind == "OrderedDict":
+        data = ext_array(codec.EXT_ORDERED_DICT, [b for k in keys for b in (k, b"\x00")])
+    else:
+        code = codec.EXT_SET if kind == "set" else codec.EXT_FROZENSET
+        data = ext_array(code, keys)
+    with pytest.raises(UnsafeCheckpoint, match="share one hash value"):
+        codec.decode(data, source="m")
+
+
+def test_a_few_equal_hashes_are_fine_and_a_flood_is_refused_at_save() -> None:
+    few = {k * P: k for k in range(1, LIMITS.equal_hashes + 1)}
+    assert codec.decode(codec.encode(few)) == few
+    assert codec.decode(codec.encode(set(few))) == set(few)
+    with pytest.raises(UnsupportedValue, match="share one hash value"):
+        codec.encode(set(FLOOD[:100]))
+    with pytest.raises(UnsupportedValue, match="share one hash value"):
+        codec.check_encodable({"m": dict.fromkeys(FLOOD[:100], 0)})
+
+
+def test_a_flooded_manifest_is_refused_by_restore_and_verify(tmp_path: Path) -> None:
+    fc.save(tmp_path / "c", {"t": torch.ones(2), "v": 1})
+    placeholder = b"the flood goes here"
+
+    def mark(raw: dict[str, Any]) -> None:
+        raw["entries"][-1]["value"] = placeholder
+
+    rewrite_manifest(tmp_path / "c", mark)
+    # encode() refuses a flood (and building one is quadratic): write its bytes directly
+    flood = ext_array(codec.EXT_SET, [packed_int(k) for k in FLOOD])
+    data = (tmp_path / "c" / format.MANIFEST).read_bytes()
+    write_signed(tmp_path / "c", data.replace(msgpack.packb(placeholder), flood))
+    with pytest.raises(UnsafeCheckpoint, match="hash flood"):
+        fc.restore(tmp_path / "c")
+    assert not fc.verify(tmp_path / "c").ok
+
+
+def test_int_keyed_nodes_refuse_a_flood_at_save_and_at_load(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedValue, match=r"state\['d'\]: .*share one hash value"):
+        fc.save(tmp_path / "c", {"d": {k: torch.ones(1) for k in FLOOD[:100]}})
+    fc.save(tmp_path / "c", {"d": {i: torch.ones(1) for i in range(100)}})
+
+    def flood(raw: dict[str, Any]) -> None:
+        for e in raw["entries"]:
+            if e["path"][-1] == tree.NODE_KEY:
+                e["value"]["keys"] = FLOOD[:100]
+
+    rewrite_manifest(tmp_path / "c", flood)
+    with pytest.raises(UnsafeCheckpoint, match="hash flood"):
+        fc.to_python(fc.restore(tmp_path / "c"))
+
+
+def test_empty_container_bomb_is_refused_within_a_memory_budget() -> None:
+    n = 4 << 20
+    for body in (b"\x80", b"\x90"):  # empty maps, empty arrays
+        data = b"\xdd" + struct.pack(">I", n) + body * n
+        tracemalloc.start()
+        try:
+            with pytest.raises(UnsafeCheckpoint, match="decode budget"):
+                codec.decode(data, source="m")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 32 * len(data), peak / len(data)
+
+
+def test_the_container_budget_matches_between_encode_and_decode() -> None:
+    free = LIMITS.decode_free_containers
+    fits: list[list[int]] = [[] for _ in range(free)]
+    assert codec.decode(codec.encode(fits)) == fits
+    bomb: list[list[int]] = [[] for _ in range(2 * free)]
+    with pytest.raises(UnsupportedValue, match="decode budget"):
+        codec.encode(bomb)
+    with pytest.raises(UnsafeCheckpoint, match="decode budget"):
+        codec.decode(msgpack.packb(bomb))
+
+
+# --------------------------------------------------------------------------- chunk coverage
+
+
+def parse_chunks(tmp_path: Path, shape: list[int], boxes: list[tuple[list[int], list[int]]]) -> Any:
+    """Parse a manifest whose one float32 tensor is stored as ``boxes`` (offsets, sizes)."""
+    size = 4 * max(1, max(manifest.numel(s) for _, s in boxes))
+    (tmp_path / "f").write_bytes(b"\0" * size)
+    chunks = [
+        {
+            "offsets": o,
+            "sizes": s,
+            "file": "f",
+            "offset": 0,
+            "length": size,
+            "data_offset": 0,
+            "nbytes": 4 * manifest.numel(s),
+            "crc32": 0,
+            "hcrc32": 0,
+        }
+        for o, s in boxes
+    ]
+    raw = {
+        "files": {"f": {"size": size}},
+        "entries": [
+            {
+                "path": ["w"],
+                "kind": "tensor",
+                "fqn": "w",
+                "dtype": "float32",
+                "shape": shape,
+                "chunks": chunks,
+            }
+        ],
+    }
+    return manifest.parse(raw, tmp_path)
+
+
+def test_real_layouts_cover_their_tensor(tmp_path: Path) -> None:
+    quadrants = [([r, c], [2, 3]) for r in (0, 2) for c in (0, 3)]
+    assert len(parse_chunks(tmp_path, [4, 6], quadrants).tensors[("w",)].chunks) == 4
+    # bricks: rows split unevenly, each row band split at different columns
+    bricks = [([0, 0], [1, 2]), ([0, 2], [1, 4]), ([1, 0], [3, 5]), ([1, 5], [3, 1])]
+    parse_chunks(tmp_path, [4, 6], bricks)
+    rows = [([i], [1]) for i in range(1000)]
+    parse_chunks(tmp_path, [1000], rows)
+    parse_chunks(tmp_path, [4], [([0], [4]), ([2], [0])])  # an empty chunk covers nothing
+
+
+@pytest.mark.parametrize("count", [2, 65, 1000])
+def test_overlapping_chunks_are_refused_however_many(tmp_path: Path, count: int) -> None:
+    # every chunk covers elements 0-1; the element counts add up to the tensor's
+    boxes = [([0], [2]) for _ in range(count)]
+    with pytest.raises(CorruptCheckpoint, match="chunks of 'w' overlap"):
+        parse_chunks(tmp_path, [2 * count], boxes)
+
+
+def test_overlap_hiding_a_hole_is_refused(tmp_path: Path) -> None:
+    # 4 + 4 + 1 elements of a 3x3 tensor: (1, 1) twice and (2, 0) never
+    boxes = [([0, 0], [2, 2]), ([1, 1], [2, 2]), ([0, 2], [1, 1])]
+    with pytest.raises(CorruptCheckpoint, match="chunks of 'w' overlap"):
+        parse_chunks(tmp_path, [3, 3], boxes)
+
+
+def test_coverage_of_a_pathological_grid_is_bounded() -> None:
+    n = 3000  # each row split at its own column: 3000 x 3000 cells for 6000 chunks
+    boxes = [b for i in range(1, n) for b in (([i, 0], [1, i]), ([i, i], [1, n - i]))]
+    boxes.append(([0, 0], [1, n]))
+    with pytest.raises(UnsafeCheckpoint, match="pieces"):
+        manifest.check_coverage([n, n], boxes, "chunks of 'w'")
+    manifest.check_coverage([n, n], [([i, 0], [1, n]) for i in range(n)], "chunks of 'w'")
+
+
+def test_65_overlapping_chunks_in_a_real_checkpoint(tmp_path: Path) -> None:
+    n = 65
+    fc.save(tmp_path / "c", {"w": torch.arange(2.0 * n)})
+
+    def overlap(raw: dict[str, Any]) -> None:
+        (entry,) = (e for e in raw["entries"] if e["path"] == ["w"])
+        (chunk,) = entry["chunks"]
+        blob = (tmp_path / "c" / chunk["file"]).read_bytes()[
+            chunk["offset"] : chunk["offset"] + chunk["length"]
+        ]
+        at = chunk["data_offset"] - chunk["offset"]
+        # every chunk is elements 0-1, with checksums that match the bytes it names
+        crc = crc32(blob[at : at + 8])
+        hcrc = crc32(blob[at + 8 :], crc32(blob[:at]))
+        box = {"offsets": [0], "sizes": [2], "nbytes": 8, "crc32": crc, "hcrc32": hcrc}
+        entry["chunks"] = [dict(chunk, **box) for _ in range(n)]
+
+    rewrite_manifest(tmp_path / "c", overlap)
+    with pytest.raises(CorruptCheckpoint, match="chunks of 'w' overlap"):
+        fc.restore(tmp_path / "c")
+    report = fc.verify(tmp_path / "c")
+    assert not report.ok
+
+
+# --------------------------------------------------------------------------- unsupported states
+
+
+@pytest.mark.parametrize(
+    ("make", "fragment"),
+    [
+        (lambda: torch.eye(3).to_sparse(), "sparse_coo"),
+        (lambda: torch.eye(3).to_sparse_csr(), "sparse_csr"),
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested"),
+        (lambda: torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8), "quantized"),
+    ],
+)
+def test_unsupported_tensors_are_refused_by_name(tmp_path: Path, make: Any, fragment: str) -> None:
+    t = make()
+    for state in ({"x": {"y": t}}, {"x": {"y": t}, "alias": t}):
+        with pytest.raises(UnsupportedValue, match=rf"state\[\('x', 'y'\)\].*{fragment}"):
+            fc.save(tmp_path / "c" / "s", state)
+    assert nothing_written(tmp_path / "c")
+
+
+def test_recursive_containers_are_refused_by_name(tmp_path: Path) -> None:
+    with_tensor: list[Any] = [torch.ones(1)]
+    with_tensor.append(with_tensor)
+    cfg: dict[str, Any] = {"a": 1}
+    cfg["self"] = cfg
+    plain: list[Any] = [1]
+    plain.append(plain)
+    for state, fragment in (
+        ({"x": with_tensor}, r"state\[\('x', '1'\)\]: the container contains itself"),
+        ({"cfg": cfg}, r"state\[\('cfg', 'self'\)\]: the container contains itself"),
+        ({"v": plain}, r"state\['v'\].*nested deeper than"),
+    ):
+        with pytest.raises(UnsupportedValue, match=fragment):
+            fc.save(tmp_path / "c" / "s", state)
+    assert nothing_written(tmp_path / "c")
+
+
+def test_a_metric_too_large_for_a_float_is_refused_by_name(tmp_path: Path) -> None:
+    with fc.CheckpointManager(tmp_path / "run", save=fc.every_steps(1)) as mgr:
+        with pytest.raises(UnsupportedValue, match=r"metrics\['x'\]"):
+            mgr.maybe_save({"t": torch.ones(1)}, step=1, metrics={"x": 10**400})
+        assert mgr.maybe_save({"t": torch.ones(1)}, step=2, metrics={"x": 1.0})
+
+
+# --------------------------------------------------------------------------- the fault classes
+
+
+@pytest.mark.timeout(300)
+def test_fault_classes_find_nothing_wrong(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parent.parent
+    script = repo / "benchmarks" / "faults_values.py"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = tmp_path / "faults.json"
+    classes = ["view-bit-aliasing", "limit-symmetry", "chunk-coverage", "unstaged-bypass"]
+    subprocess.run(
+        [sys.executable, str(script), "--quick", "--json", str(out), "--classes", *classes],
+        check=True,
+        capture_output=True,
+        timeout=280,
+        env=env,
+    )
+    report = json.loads(out.read_text())
+    assert [r["name"] for r in report["results"]] == classes
+    for r in report["results"]:
+        assert r["trials"] > 0 and r["wrong"] == 0 and r["raw"] == 0, r
