@@ -54,6 +54,7 @@ import torch
 
 import functional_ckpt as fc
 from functional_ckpt import codec, format
+from functional_ckpt.root import parse_step, step_name
 
 # --------------------------------------------------------------------------- results
 
@@ -367,7 +368,19 @@ def _trim(root: Path, keep: int) -> None:
 
 
 def _check_manager(root: Path, after: dict[str, int], res: Result) -> None:
-    """A restarted writer cleans up; a reader resumes from the newest committed step."""
+    """A restarted writer cleans up; a reader resumes from the newest committed step.
+
+    A save killed after its marker but before its rename left a whole, committed
+    temporary; the writer recovers it under its own name when that is free, so it
+    may be the newest step too.
+    """
+    recoverable = {
+        step
+        for t in temporaries(root)
+        if (t / format.COMMIT_MARKER).exists()
+        and (step := parse_step(t.name.split(".")[0])) is not None
+        and step_name(step) not in after
+    }
     with fc.CheckpointManager(root, keep=fc.keep_last(2)):
         pass  # opening a writer removes a crashed writer's temporaries
     for t in temporaries(root):
@@ -379,7 +392,7 @@ def _check_manager(root: Path, after: dict[str, int], res: Result) -> None:
     for w in caught:
         if issubclass(w.category, fc.CheckpointWarning):
             res.problem("skipped", str(w.message), column="torn")
-    newest = max(after.values(), default=None)
+    newest = max([*after.values(), *recoverable], default=None)
     got = None if state is None else state_version(state)
     if got != newest or mgr.restored_step != newest:
         res.problem("resume", f"restore_latest gave {got}/{mgr.restored_step}, newest {newest}")
