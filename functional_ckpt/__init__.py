@@ -13,7 +13,7 @@ from functional_ckpt.errors import (
     UnsupportedValue,
 )
 from functional_ckpt.export import Export, export_safetensors
-from functional_ckpt.fork import fork
+from functional_ckpt.forking import fork
 from functional_ckpt.io import (
     CheckpointInfo,
     CheckpointSummary,

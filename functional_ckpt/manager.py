@@ -32,22 +32,18 @@ from tensordict import TensorDict, TensorDictBase
 from functional_ckpt import format, rollback
 from functional_ckpt._types import PathLike
 from functional_ckpt.collective import coordinator_decides, gathered, prepare_groups
-from functional_ckpt.errors import (
-    CheckpointError,
-    CheckpointNotFound,
-    CheckpointWarning,
-)
+from functional_ckpt.errors import CheckpointError, CheckpointNotFound, CheckpointWarning
 from functional_ckpt.export import Export, export_safetensors
 from functional_ckpt.io import CheckpointInfo, distributed_active, restore, save
 from functional_ckpt.lock import WriterLock
 from functional_ckpt.policy import Event, PolicyState, SavePolicy, every_steps
 from functional_ckpt.reader import Reshard, rank_and_world
 from functional_ckpt.record import (
+    Provenance,
+    RunningTime,
     check_metadata,
-    checkpoint_metadata,
     git_commit,
     manager_record,
-    running_time_of,
     stored_state,
 )
 from functional_ckpt.retention import RetentionPolicy, best_steps, keep_all, plan_deletions
@@ -64,6 +60,7 @@ from functional_ckpt.root import (
     quarantine,
     quarantined,
     read_info,
+    record_of,
     remove_all,
     step_dirs,
     step_name,
@@ -138,10 +135,7 @@ class CheckpointManager:
         self.root = Path(root)
         if not callable(clock):
             raise TypeError(f"CheckpointManager(clock={clock!r}): clock must be callable")
-        self._clock = clock
-        # Running time = offset (carried by the restored checkpoint) + clock since base.
-        self._run_offset = 0.0
-        self._run_base = float(clock())
+        self._running = RunningTime(clock)
         self.per_rank = tuple(per_rank)
         self.async_save = bool(async_save)
         self.staging: Staging = staging
@@ -165,15 +159,11 @@ class CheckpointManager:
         self._restored_step: int | None = None
         self._lock: WriterLock | None = None
         self._closed = False
-        self._git: str | None = None
-        self._lineage: dict[str, Any] | None = None
-        self._rollbacks: list[Any] = []  # this run's rollbacks, oldest first
-        self._cwd = os.getcwd()
+        self._run = Provenance(os.getcwd())
         if not self.read_only:
+            self._run.git = git_commit(self._run.cwd)  # before the lock: no child inherits it
             if self._coordinator:
                 self._open_writer()  # one lock per job: the coordinator's
-            else:
-                self._git = git_commit(self._cwd)
 
     def _check_types(self) -> None:
         if not isinstance(self.save_policy, SavePolicy):
@@ -184,7 +174,6 @@ class CheckpointManager:
             raise TypeError(f"CheckpointManager(export={self.export!r}): not an fc.Export")
 
     def _open_writer(self) -> None:
-        self._git = git_commit(self._cwd)  # before the lock: no child inherits it
         # Leftovers of crashed writers are recovered (warning at the CheckpointManager call).
         self._lock = open_writer(self.root, stacklevel=4)
         try:
@@ -383,7 +372,7 @@ class CheckpointManager:
 
     def running_time(self) -> float:
         """Seconds this run has been running: carried over by restores, downtime excluded."""
-        return self._run_offset + max(0.0, float(self._clock()) - self._run_base)
+        return self._running()
 
     def _check_order(self, step: int) -> None:
         """Refuse to save behind the newest checkpoint: a resume would never pick it."""
@@ -403,15 +392,7 @@ class CheckpointManager:
         record = manager_record(
             event, self.save_policy, policy_state, self.keep, export, export_state
         )
-        metadata = checkpoint_metadata(
-            record,
-            self.metadata,
-            cwd=self._cwd,
-            git=self._git,
-            lineage=self._lineage,
-            rollbacks=self._rollbacks,
-        )
-        info = self._write(self.path(event.step), state, metadata)
+        info = self._write(self.path(event.step), state, self._run.metadata(record, self.metadata))
         if info is not None:
             self._after_commit(info)
         return info
@@ -479,12 +460,7 @@ class CheckpointManager:
         self._delete([step])
 
     def _delete(self, steps: list[int]) -> None:
-        """Rename out of sight, fsync the root, then remove.
-
-        After the rename no reader can see the checkpoint, so a crash during the
-        slow removal leaves only a ``*.trash-*`` directory that the next writer
-        deletes; a half-deleted directory never carries a checkpoint's name.
-        """
+        """Out of sight crash-safely first (see :func:`~functional_ckpt.root.delete`), then gone."""
         trash = delete(self.root, [self.path(step) for step in steps])
         self._summaries.forget(steps)
         if self.async_save and trash:
@@ -627,7 +603,7 @@ class CheckpointManager:
         doomed = sorted(s for s, _ in self._step_dirs() if s > step)
         if not doomed or not self._coordinator:
             return state
-        self._rollbacks.append(rollback.run(self.root, step, doomed, newer, branch))
+        self._run.rollbacks.append(rollback.run(self.root, step, doomed, newer, branch))
         self._summaries.forget(doomed)
         return state
 
@@ -636,17 +612,12 @@ class CheckpointManager:
         self._restored_step = info.step
         if self.read_only:
             return  # a follower never saves: its policies are irrelevant
-        lineage = info.metadata.get("forked_from")
-        self._lineage = lineage if isinstance(lineage, dict) else None
-        rollbacks = info.metadata.get("rollbacks")
-        self._rollbacks = list(rollbacks) if isinstance(rollbacks, list) else []
-        record = info.metadata.get(MANAGER_KEY)
-        record = record if isinstance(record, dict) else {}
+        self._run.resume(info.metadata)
+        record = record_of(info.metadata)
         self._policy_state = stored_state(self.save_policy, record, "save", info.path)
         if self.export is not None:
             self._export_state = stored_state(self.export.policy, record, "export", info.path)
-        self._run_offset = running_time_of(record)
-        self._run_base = float(self._clock())
+        self._running.resume(record)
 
 
 _VANISHED = object()

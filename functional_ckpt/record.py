@@ -17,7 +17,8 @@ import re
 import subprocess
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,11 @@ from functional_ckpt.root import MANAGER_KEY
 
 __all__ = [
     "AUTO_KEYS",
-    "checkpoint_metadata",
+    "Provenance",
+    "RunningTime",
     "check_metadata",
     "git_commit",
     "manager_record",
-    "running_time_of",
     "stored_state",
 ]
 
@@ -87,28 +88,40 @@ def check_metadata(metadata: Mapping[str, Any] | None, where: str) -> dict[str, 
     return meta
 
 
-def checkpoint_metadata(
-    record: Mapping[str, Any],
-    user: Mapping[str, Any],
-    *,
-    cwd: str,
-    git: str | None = None,
-    lineage: Mapping[str, Any] | None = None,
-    rollbacks: Sequence[Any] = (),
-) -> dict[str, Any]:
-    """Automatic keys, then the user's metadata, then the manager's record."""
-    auto: dict[str, Any] = {
-        "time": time.time(),
-        "python": platform.python_version(),
-        "cwd": cwd,
-    }
-    if git is not None:
-        auto["git_commit"] = git
-    if lineage is not None:
-        auto["forked_from"] = lineage  # every checkpoint of a fork says so
-    if rollbacks:
-        auto["rollbacks"] = list(rollbacks)  # and of a run that rolled back
-    return {**auto, **user, MANAGER_KEY: dict(record)}
+@dataclass
+class Provenance:
+    """Where a run comes from, as each of its checkpoints records it.
+
+    ``lineage`` is the ``"forked_from"`` record of a forked run, ``rollbacks`` the
+    run's rollbacks, oldest first; both continue from a restored checkpoint.
+    """
+
+    cwd: str
+    git: str | None = None
+    lineage: dict[str, Any] | None = None
+    rollbacks: list[Any] = field(default_factory=list)
+
+    def metadata(self, record: Mapping[str, Any], user: Mapping[str, Any]) -> dict[str, Any]:
+        """Automatic keys, then the user's metadata, then the manager's record."""
+        auto: dict[str, Any] = {
+            "time": time.time(),
+            "python": platform.python_version(),
+            "cwd": self.cwd,
+        }
+        if self.git is not None:
+            auto["git_commit"] = self.git
+        if self.lineage is not None:
+            auto["forked_from"] = self.lineage  # every checkpoint of a fork says so
+        if self.rollbacks:
+            auto["rollbacks"] = list(self.rollbacks)  # and of a run that rolled back
+        return {**auto, **user, MANAGER_KEY: dict(record)}
+
+    def resume(self, metadata: Mapping[str, Any]) -> None:
+        """Continue the lineage and rollbacks recorded in a restored checkpoint."""
+        lineage = metadata.get("forked_from")
+        self.lineage = lineage if isinstance(lineage, dict) else None
+        rollbacks = metadata.get("rollbacks")
+        self.rollbacks = list(rollbacks) if isinstance(rollbacks, list) else []
 
 
 def manager_record(
@@ -135,12 +148,31 @@ def manager_record(
     return record
 
 
-def running_time_of(record: Mapping[str, Any]) -> float:
-    """The running time a record carries; 0.0 when it is missing or not a sane duration."""
-    running = record.get("running_time")
-    plain = isinstance(running, float | int) and not isinstance(running, bool)
-    seconds = float(running) if plain else 0.0  # type: ignore[arg-type]
-    return seconds if math.isfinite(seconds) and seconds >= 0 else 0.0
+class RunningTime:
+    """Seconds a run has been running: carried over by restores, downtime excluded.
+
+    Only this reads the clock, never a policy: every event carries its value.
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        # Running time = offset (carried by the restored checkpoint) + clock since base.
+        self._offset = 0.0
+        self._base = float(clock())
+
+    def __call__(self) -> float:
+        return self._offset + max(0.0, float(self.clock()) - self._base)
+
+    def resume(self, record: Mapping[str, Any]) -> None:
+        """Continue from the running time a restored checkpoint's record carries.
+
+        A missing or insane value (negative, NaN, not a number) counts as 0.0.
+        """
+        running = record.get("running_time")
+        plain = isinstance(running, float | int) and not isinstance(running, bool)
+        seconds = float(running) if plain else 0.0  # type: ignore[arg-type]
+        self._offset = seconds if math.isfinite(seconds) and seconds >= 0 else 0.0
+        self._base = float(self.clock())
 
 
 def stored_state(

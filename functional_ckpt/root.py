@@ -57,6 +57,7 @@ __all__ = [
     "quarantine",
     "quarantined",
     "read_info",
+    "record_of",
     "recover_leftovers",
     "scan",
     "stamp",
@@ -171,7 +172,8 @@ def _metrics(value: Any) -> dict[str, float]:
     return out
 
 
-def _record(meta: Mapping[str, Any]) -> dict[str, Any]:
+def record_of(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The manager's record in a checkpoint's metadata; empty if there is none."""
     record = meta.get(MANAGER_KEY)
     return record if isinstance(record, dict) else {}
 
@@ -185,7 +187,7 @@ def read_info(path: Path, step: int) -> StepInfo:
     manifest = format.read_manifest(path)
     meta = manifest.get("metadata")
     meta = meta if isinstance(meta, dict) else {}
-    record = _record(meta)
+    record = record_of(meta)
     epoch = record.get("epoch")
     created = _time(manifest.get("created"))
     return StepInfo(
@@ -296,7 +298,7 @@ def _committed_entry(path: Path) -> Entry:
         )
     meta = manifest.get("metadata")
     meta = dict(meta) if isinstance(meta, dict) else {}
-    recorded = _record(meta).get("step")
+    recorded = record_of(meta).get("step")
     step = step_in_name(name)
     if step is None and isinstance(recorded, int) and not isinstance(recorded, bool):
         step = recorded
@@ -308,7 +310,7 @@ def _committed_entry(path: Path) -> Entry:
         canonical=canonical,
         time=_time(manifest.get("created")),
         size=dir_size(path),
-        metrics=_metrics(_record(meta).get("metrics")),
+        metrics=_metrics(record_of(meta).get("metrics")),
         metadata=meta,
     )
 

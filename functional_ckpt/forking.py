@@ -19,19 +19,16 @@ from functional_ckpt.errors import CheckpointError, CheckpointExists
 from functional_ckpt.io import restore, save
 from functional_ckpt.manager import CheckpointManager
 from functional_ckpt.policy import never
-from functional_ckpt.record import AUTO_KEYS, checkpoint_metadata, git_commit
+from functional_ckpt.record import AUTO_KEYS, Provenance, git_commit
 from functional_ckpt.retention import keep_all
-from functional_ckpt.root import MANAGER_KEY, step_in_name
+from functional_ckpt.root import MANAGER_KEY, record_of, step_in_name
 
 __all__ = ["fork"]
 
 
 def _source_step(path: Path, meta: Mapping[str, Any]) -> int | None:
-    record = meta.get(MANAGER_KEY)
-    if isinstance(record, dict) and isinstance(record.get("step"), int):
-        step: int = record["step"]
-        return step
-    return step_in_name(path.name)
+    step = record_of(meta).get("step")
+    return step if isinstance(step, int) else step_in_name(path.name)
 
 
 def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = None) -> Path:
@@ -63,7 +60,7 @@ def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = No
     if "forked_from" in meta:
         provenance["parent"] = meta["forked_from"]
     cwd = os.getcwd()
-    git = git_commit(cwd)
+    run = Provenance(cwd, git_commit(cwd))  # a new run: no lineage of its own yet
     with CheckpointManager(new_root, save=never(), keep=keep_all()) as mgr:
         existing = mgr.steps()
         if existing:
@@ -77,7 +74,7 @@ def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = No
         record.update(step=target, running_time=0.0)
         user = {k: v for k, v in meta.items() if k not in AUTO_KEYS and k != MANAGER_KEY}
         user["forked_from"] = provenance
-        metadata = {**checkpoint_metadata(record, {}, cwd=cwd, git=git), **user}
+        metadata = {**run.metadata(record, {}), **user}
         metadata[MANAGER_KEY] = record
         path = mgr.path(target)
         save(path, state, metadata=metadata, overwrite=path.exists())
