@@ -460,7 +460,7 @@ class CheckpointManager:
         self._delete([step])
 
     def _delete(self, steps: list[int]) -> None:
-        """Out of sight crash-safely first (see :func:`~functional_ckpt.root.delete`), then gone."""
+        """Crash-safely: out of sight first (:func:`~functional_ckpt.root.delete`), then removed."""
         trash = delete(self.root, [self.path(step) for step in steps])
         self._summaries.forget(steps)
         if self.async_save and trash:
