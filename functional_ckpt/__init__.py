@@ -13,6 +13,7 @@ from functional_ckpt.errors import (
     UnsupportedValue,
 )
 from functional_ckpt.export import Export, export_safetensors
+from functional_ckpt.forking import fork
 from functional_ckpt.io import (
     CheckpointInfo,
     CheckpointSummary,
@@ -24,7 +25,7 @@ from functional_ckpt.io import (
     save,
     verify,
 )
-from functional_ckpt.manager import CheckpointManager, CheckpointWarning, StepInfo, fork
+from functional_ckpt.manager import CheckpointManager, CheckpointWarning, StepInfo
 from functional_ckpt.policy import (
     Event,
     PolicyState,

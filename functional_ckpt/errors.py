@@ -44,10 +44,15 @@ class ModifiedDuringSave(CheckpointError):
     """A tensor was changed in place while an unstaged save was reading it."""
 
 
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped or a stored policy state was discarded."""
+
+
 __all__ = [
     "CheckpointError",
     "CheckpointExists",
     "CheckpointNotFound",
+    "CheckpointWarning",
     "CorruptCheckpoint",
     "IncompleteCheckpoint",
     "ModifiedDuringSave",

@@ -3,24 +3,14 @@
 The manager holds no checkpointing logic of its own (DESIGN principle 1). It
 threads a save policy's state through ``maybe_save`` events, writes through
 :func:`functional_ckpt.save`, prunes with :func:`~functional_ckpt.retention.plan_deletions`,
-and on resume reads the newest checkpoint that is actually readable. What it adds
-is the bookkeeping a single function cannot do:
-
-* checkpoints live in ``root/step_{step:09d}/`` (zero padded, so ``ls`` sorts them);
-* each checkpoint's metadata carries, under the reserved key ``"manager"``, the
-  step, epoch, metrics, the running time and each policy's spec with its state, so a
-  restarted run continues its policies (``every_secs`` counts only running time,
-  ``on_improve`` keeps its best) and a changed policy starts fresh;
-* ``rollback`` resumes from an older step and moves the newer ones aside (to a
-  branch, or deleted) crash-safely, so the run continues in the same root;
-* one writer per root, enforced by an ``flock`` on ``root/.lock`` (released by the
-  kernel when the holder dies, so a crashed writer's lock is simply taken over;
-  a ``.lock`` symlink is refused, never followed);
-* a crash leaves only ``*.tmp-*`` / ``*.trash-*`` directories, which readers never
-  list; the next writer recovers committed ones and deletes the rest
-  (:mod:`functional_ckpt.root` holds all knowledge of a root's layout);
-* a corrupt newest checkpoint is reported and skipped, never silently replaced by a
-  fresh start.
+and on resume reads the newest checkpoint that is actually readable (a damaged one
+is reported and moved aside, never silently replaced by a fresh start). What it
+builds on is public: a root's layout, leftovers and writer lock in
+:mod:`functional_ckpt.root` and :mod:`functional_ckpt.lock`; what each checkpoint
+records (step, metrics, running time, each policy's spec and state, so a restarted
+run continues its policies) in :mod:`functional_ckpt.record`; rollbacks in
+:mod:`functional_ckpt.rollback`; the decisions all ranks share in
+:mod:`functional_ckpt.collective`.
 """
 
 from __future__ import annotations
@@ -28,11 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import math
 import os
-import platform
-import re
-import subprocess
 import threading
 import time
 import warnings
@@ -43,94 +29,61 @@ from typing import Any
 
 from tensordict import TensorDict, TensorDictBase
 
-from functional_ckpt import codec, format, rollback
+from functional_ckpt import format, rollback
 from functional_ckpt._types import PathLike
+from functional_ckpt.collective import coordinator_decides, gathered, prepare_groups
 from functional_ckpt.errors import (
     CheckpointError,
-    CheckpointExists,
     CheckpointNotFound,
+    CheckpointWarning,
     UnsupportedValue,
 )
 from functional_ckpt.export import Export, export_safetensors
 from functional_ckpt.io import CheckpointInfo, distributed_active, restore, save
-from functional_ckpt.policy import Event, PolicyState, SavePolicy, every_steps, never
-from functional_ckpt.reader import Reshard
+from functional_ckpt.lock import WriterLock
+from functional_ckpt.policy import Event, PolicyState, SavePolicy, every_steps
+from functional_ckpt.reader import Reshard, rank_and_world
+from functional_ckpt.record import (
+    Provenance,
+    RunningTime,
+    check_metadata,
+    git_commit,
+    manager_record,
+    stored_state,
+)
 from functional_ckpt.retention import RetentionPolicy, best_steps, keep_all, plan_deletions
 from functional_ckpt.root import (
     EXPORTS_DIR,
     MANAGER_KEY,
     StepInfo,
-    WriterLock,
+    Summaries,
     delete,
+    identity,
     is_damage,
+    open_writer,
     parse_step,
     quarantine,
     quarantined,
     read_info,
-    recover_leftovers,
+    record_of,
     remove_all,
     step_dirs,
-    step_in_name,
     step_name,
 )
 from functional_ckpt.staging import PendingSave, Stager, Staging, save_async
-from functional_ckpt.tree import Leaf, as_state, iter_leaves, unflatten
-from functional_ckpt.writer import DEFAULT_PER_RANK, is_dtensor
+from functional_ckpt.writer import DEFAULT_PER_RANK
 
 __all__ = [
     "CheckpointManager",
     "CheckpointWarning",
     "MANAGER_KEY",
     "StepInfo",
-    "fork",
     "step_name",
 ]
 
 State = TensorDictBase | Mapping[str, Any]
 
-#: Metadata keys describing the process that wrote a checkpoint (replaced on fork).
-AUTO_KEYS = frozenset(
-    {
-        "hostname",
-        "torch",
-        "functional_ckpt",
-        "pid",
-        "time",
-        "python",
-        "git_commit",
-        "cwd",
-        "rollbacks",
-    }
-)
-_GIT_TIMEOUT_S = 2.0
-
-
-class CheckpointWarning(UserWarning):
-    """A checkpoint was skipped or a stored policy state was discarded."""
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-def git_commit(cwd: PathLike | None = None) -> str | None:
-    """HEAD of the git checkout at ``cwd`` (default: the working directory), or None.
-
-    Best effort by design: no git, no repository, a hung filesystem (short timeout)
-    all mean "unknown", never a failed save.
-    """
-    try:
-        proc = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            timeout=_GIT_TIMEOUT_S,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    sha = proc.stdout.strip()
-    return sha if proc.returncode == 0 and re.fullmatch(r"[0-9a-f]{40,64}", sha) else None
 
 
 def _plain_metrics(metrics: Mapping[str, Any] | None, where: str) -> dict[str, float]:
@@ -153,24 +106,6 @@ def _plain_metrics(metrics: Mapping[str, Any] | None, where: str) -> dict[str, f
                 "metrics are compared and stored as float64"
             ) from None
     return out
-
-
-def _stamp(path: Path) -> tuple[int, int, int]:
-    """Identity of a committed checkpoint (its marker), to cache manifest reads."""
-    st = os.stat(path / format.COMMIT_MARKER)
-    return (st.st_ino, st.st_mtime_ns, st.st_size)
-
-
-def _identity(path: Path) -> tuple[int, tuple[int, int, int] | None] | None:
-    """(directory inode, marker stamp), or None if gone: did a writer swap it under us?"""
-    try:
-        ino = os.stat(path).st_ino
-    except FileNotFoundError:
-        return None
-    try:
-        return ino, _stamp(path)
-    except FileNotFoundError:
-        return ino, None
 
 
 # --------------------------------------------------------------------------- manager
@@ -210,10 +145,7 @@ class CheckpointManager:
         self.root = Path(root)
         if not callable(clock):
             raise TypeError(f"CheckpointManager(clock={clock!r}): clock must be callable")
-        self._clock = clock
-        # Running time = offset (carried by the restored checkpoint) + clock since base.
-        self._run_offset = 0.0
-        self._run_base = float(clock())
+        self._running = RunningTime(clock)
         self.per_rank = tuple(per_rank)
         self.async_save = bool(async_save)
         self.staging: Staging = staging
@@ -221,44 +153,27 @@ class CheckpointManager:
         self._removal: threading.Thread | None = None
         self._stager = Stager()
         self._distributed = distributed_active()
-        self._coordinator = not self._distributed or _rank() == 0
+        self._coordinator = not self._distributed or rank_and_world()[0] == 0
         if self._distributed:
-            from functional_ckpt.dist import checkpoint_group
-
-            checkpoint_group()  # created now, on the training thread, in the same order
-            checkpoint_group(purpose="control")  # on every rank
+            prepare_groups()  # now, on the training thread, in the same order on every rank
         self.read_only = bool(read_only)
         self.save_policy = every_steps(1) if save is None else save
         self.keep = keep_all() if keep is None else keep
         self.export = export
-        self.metadata = self._check_metadata(metadata)
+        self.metadata = check_metadata(metadata, f"CheckpointManager({self.root})")
         self._check_types()
         self._policy_state: PolicyState = self.save_policy.init()
         self._export_state: PolicyState = export.policy.init() if export is not None else None
         self._bad: set[tuple[int, int]] = set()  # (step, dir inode) found unreadable
-        self._cache: dict[int, tuple[tuple[int, int, int], StepInfo]] = {}
+        self._summaries = Summaries()
         self._restored_step: int | None = None
         self._lock: WriterLock | None = None
         self._closed = False
-        self._git: str | None = None
-        self._lineage: dict[str, Any] | None = None
-        self._rollbacks: list[Any] = []  # this run's rollbacks, oldest first
-        self._cwd = os.getcwd()
+        self._run = Provenance(os.getcwd())
         if not self.read_only:
+            self._run.git = git_commit(self._run.cwd)  # before the lock: no child inherits it
             if self._coordinator:
                 self._open_writer()  # one lock per job: the coordinator's
-            else:
-                self._git = git_commit(self._cwd)
-
-    def _check_metadata(self, metadata: Mapping[str, Any] | None) -> dict[str, Any]:
-        meta = dict(metadata or {})
-        if MANAGER_KEY in meta:
-            raise ValueError(
-                f"CheckpointManager({self.root}): metadata key {MANAGER_KEY!r} is reserved "
-                "for the manager's own record"
-            )
-        codec.check_encodable(meta, where="CheckpointManager(metadata=...)")
-        return meta
 
     def _check_types(self) -> None:
         if not isinstance(self.save_policy, SavePolicy):
@@ -269,28 +184,13 @@ class CheckpointManager:
             raise TypeError(f"CheckpointManager(export={self.export!r}): not an fc.Export")
 
     def _open_writer(self) -> None:
-        if self.root.exists() and not self.root.is_dir():
-            raise CheckpointError(f"{self.root}: the checkpoint root is a file, not a directory")
+        # Leftovers of crashed writers are recovered (warning at the CheckpointManager call).
+        self._lock = open_writer(self.root, stacklevel=4)
         try:
-            format.make_dirs(self.root)
-        except OSError as e:
-            raise CheckpointError(f"{self.root}: cannot create the checkpoint root: {e}") from e
-        self._git = git_commit(self._cwd)  # before the lock: no child inherits it
-        self._lock = WriterLock(self.root)
-        try:
-            self._remove_stale()
             rollback.finish(self.root)  # a rollback a crash interrupted completes now
         except BaseException:
             self._lock.release()
             raise
-
-    def _remove_stale(self) -> None:
-        """Recover committed leftovers of crashed writers; delete only uncommitted ones.
-
-        Safe only because we hold the lock: no other writer can be mid-save (see
-        :func:`functional_ckpt.root.recover_leftovers`).
-        """
-        recover_leftovers(self.root, stacklevel=5)  # warn at the CheckpointManager(...) call
 
     # ------------------------------------------------------------------ context manager
 
@@ -377,18 +277,12 @@ class CheckpointManager:
     def info(self, step: int) -> StepInfo:
         """Step, time, metrics, epoch, size and full metadata of one checkpoint."""
         path = self.path(step)
-        try:
-            stamp = _stamp(path)
-        except FileNotFoundError:
+        info = self._summaries.get(path, step)
+        if info is None:
             raise CheckpointNotFound(
                 f"{path}: no committed checkpoint for step {step} in {self.root} "
                 f"(steps: {self._steps_text()})"
-            ) from None
-        cached = self._cache.get(step)
-        if cached is not None and cached[0] == stamp:
-            return cached[1]
-        info = read_info(path, step)
-        self._cache[step] = (stamp, info)
+            )
         return info
 
     def _steps_text(self) -> str:
@@ -418,7 +312,7 @@ class CheckpointManager:
         A branch is a root of its own, ``root/branches/<name>``: open it with another
         (read-only) manager or restore its checkpoints with ``fc.restore``.
         """
-        return rollback.branches(self.root, parse_step)
+        return rollback.branches(self.root)
 
     def branch_root(self, name: str) -> Path:
         """Where branch ``name`` lives (a root of its own)."""
@@ -471,7 +365,7 @@ class CheckpointManager:
             exported = export.policy.decide(export_state, event)
             export_state = export.policy.update(export_state, event, exported)
         if self._distributed:  # one decision for all ranks: the coordinator's
-            saved, policy_state, exported, export_state, now = _coordinator_decides(
+            saved, policy_state, exported, export_state, now = coordinator_decides(
                 (saved, policy_state, exported, export_state, event.time)
             )
             event = dataclasses.replace(event, time=now)
@@ -488,7 +382,7 @@ class CheckpointManager:
 
     def running_time(self) -> float:
         """Seconds this run has been running: carried over by restores, downtime excluded."""
-        return self._run_offset + max(0.0, float(self._clock()) - self._run_base)
+        return self._running()
 
     def _check_order(self, step: int) -> None:
         """Refuse to save behind the newest checkpoint: a resume would never pick it."""
@@ -504,19 +398,11 @@ class CheckpointManager:
     def _save_checkpoint(
         self, state: State, event: Event, policy_state: PolicyState, export_state: PolicyState
     ) -> CheckpointInfo | None:
-        record: dict[str, Any] = {
-            "step": event.step,
-            "epoch": event.epoch,
-            "metrics": dict(event.metrics or {}),
-            "is_final": event.is_final,
-            "running_time": event.time,
-            # A stored state belongs to the policy of this spec and no other.
-            "save": {"spec": self.save_policy.spec, "state": policy_state},
-            "keep": self.keep.spec,
-        }
-        if self.export is not None:
-            record["export"] = {"spec": self.export.policy.spec, "state": export_state}
-        info = self._write(self.path(event.step), state, self._metadata(record))
+        export = None if self.export is None else self.export.policy
+        record = manager_record(
+            event, self.save_policy, policy_state, self.keep, export, export_state
+        )
+        info = self._write(self.path(event.step), state, self._run.metadata(record, self.metadata))
         if info is not None:
             self._after_commit(info)
         return info
@@ -526,21 +412,6 @@ class CheckpointManager:
         step = parse_step(info.path.name)
         if self._coordinator:
             self._prune(protected={step} if step is not None else set())
-
-    def _metadata(self, record: Mapping[str, Any]) -> dict[str, Any]:
-        """Automatic keys, then the user's metadata, then the manager's record."""
-        auto: dict[str, Any] = {
-            "time": time.time(),
-            "python": platform.python_version(),
-            "cwd": self._cwd,
-        }
-        if self._git is not None:
-            auto["git_commit"] = self._git
-        if self._lineage is not None:
-            auto["forked_from"] = self._lineage  # every checkpoint of a fork says so
-        if self._rollbacks:
-            auto["rollbacks"] = list(self._rollbacks)  # and of a run that rolled back
-        return {**auto, **self.metadata, MANAGER_KEY: dict(record)}
 
     def _write(
         self, path: Path, state: State, metadata: Mapping[str, Any]
@@ -599,15 +470,9 @@ class CheckpointManager:
         self._delete([step])
 
     def _delete(self, steps: list[int]) -> None:
-        """Rename out of sight, fsync the root, then remove.
-
-        After the rename no reader can see the checkpoint, so a crash during the
-        slow removal leaves only a ``*.trash-*`` directory that the next writer
-        deletes; a half-deleted directory never carries a checkpoint's name.
-        """
+        """Crash-safely: out of sight first (:func:`~functional_ckpt.root.delete`), then removed."""
         trash = delete(self.root, [self.path(step) for step in steps])
-        for step in steps:
-            self._cache.pop(step, None)
+        self._summaries.forget(steps)
         if self.async_save and trash:
             # Out of sight already; unlinking gigabytes need not stall the training loop.
             # close() waits for it; what a crash leaves, the next writer removes at open.
@@ -685,14 +550,14 @@ class CheckpointManager:
     ) -> object:
         candidates = sorted(self._step_dirs(), reverse=True)
         for step, path in candidates:
-            before = _identity(path)
+            before = identity(path)
             try:
                 info = read_info(path, step)
                 state = restore(path, template, reshard=reshard)
             except Exception as err:
                 if not is_damage(err):
                     raise  # the template or an argument is wrong, not the checkpoint
-                if before is None or _identity(path) != before:
+                if before is None or identity(path) != before:
                     return _VANISHED  # pruned or replaced by the writer we follow: list again
                 failures.append(f"  {path}: {err}")
                 self._reject(step, path, err)
@@ -742,28 +607,14 @@ class CheckpointManager:
         restored state.
         """
         self._check_writable("rollback")
-        if newer not in ("branch", "delete"):
-            raise ValueError(f"rollback(newer={newer!r}): newer must be 'branch' or 'delete'")
-        if newer == "delete" and branch is not None:
-            raise ValueError(f"rollback(branch={branch!r}): a branch needs newer='branch'")
-        if branch is not None:
-            rollback.check_branch_name(branch)
+        rollback.check_request(newer, branch)
         self.wait()  # a save in flight commits first: it may be one of the newer steps
         state = self.restore(step, like)  # raises, moving nothing, if step is unusable
         doomed = sorted(s for s, _ in self._step_dirs() if s > step)
         if not doomed or not self._coordinator:
             return state
-        name = None
-        if newer == "branch":
-            name = rollback.new_branch(self.root, branch, doomed[-1], step)
-        plan = rollback.Plan(step, [step_name(s) for s in doomed], newer, name)
-        rollback.begin(self.root, plan)
-        rollback.finish(self.root)
-        for s in doomed:
-            self._cache.pop(s, None)
-        self._rollbacks.append(
-            {"time": time.time(), "to_step": step, "newer_steps": doomed, "branch": name}
-        )
+        self._run.rollbacks.append(rollback.run(self.root, step, doomed, newer, branch))
+        self._summaries.forget(doomed)
         return state
 
     def _adopt(self, info: StepInfo) -> None:
@@ -771,144 +622,12 @@ class CheckpointManager:
         self._restored_step = info.step
         if self.read_only:
             return  # a follower never saves: its policies are irrelevant
-        lineage = info.metadata.get("forked_from")
-        self._lineage = lineage if isinstance(lineage, dict) else None
-        rollbacks = info.metadata.get("rollbacks")
-        self._rollbacks = list(rollbacks) if isinstance(rollbacks, list) else []
-        record = info.metadata.get(MANAGER_KEY)
-        record = record if isinstance(record, dict) else {}
-        self._policy_state = _stored_state(self.save_policy, record, "save", info.path)
+        self._run.resume(info.metadata)
+        record = record_of(info.metadata)
+        self._policy_state = stored_state(self.save_policy, record, "save", info.path)
         if self.export is not None:
-            self._export_state = _stored_state(self.export.policy, record, "export", info.path)
-        running = record.get("running_time")
-        plain = isinstance(running, float | int) and not isinstance(running, bool)
-        seconds = float(running) if plain else 0.0  # type: ignore[arg-type]
-        self._run_offset = seconds if math.isfinite(seconds) and seconds >= 0 else 0.0
-        self._run_base = float(self._clock())
-
-
-def _stored_state(
-    policy: SavePolicy, record: Mapping[str, Any], key: str, path: Path
-) -> PolicyState:
-    """The state stored for ``policy``, or ``policy.init()`` if it was another policy's.
-
-    A state is handed back only to the policy whose spec it was stored with; any other
-    policy starts fresh (with a warning) instead of reinterpreting it.
-    """
-    stored = record.get(key)
-    if stored is None and not any(k in record for k in ("policy_state", "export_policy_state")):
-        return policy.init()  # written by fc.save or a fork: a new run's policies
-    spec = policy.spec
-    if isinstance(stored, dict) and stored.get("spec") == spec and "state" in stored:
-        state: PolicyState = stored["state"]
-        return state
-    old = stored.get("spec") if isinstance(stored, dict) else None
-    warnings.warn(
-        f"{path}: the stored {key} policy state belongs to "
-        f"{'an unrecorded policy' if old is None else repr(old)}, not to {policy!r} "
-        f"(spec {spec!r}); that policy starts fresh",
-        CheckpointWarning,
-        stacklevel=5,
-    )
-    return policy.init()
+            self._export_state = stored_state(self.export.policy, record, "export", info.path)
+        self._running.resume(record)
 
 
 _VANISHED = object()
-
-
-def gathered(state: State, select: str | Sequence[str]) -> TensorDict:
-    """The ``select`` subtree with every DTensor gathered into a full tensor.
-
-    ``full_tensor()`` is a collective on the tensor's mesh: every rank calls this,
-    in the same order, on the training thread.
-    """
-    prefix = (select,) if isinstance(select, str) else tuple(select)
-    leaves = []
-    for leaf in iter_leaves(as_state(state)):
-        if leaf.path[: len(prefix)] != prefix and leaf.path != prefix[: len(leaf.path)]:
-            continue
-        value = leaf.value
-        if leaf.kind == "tensor" and is_dtensor(value):
-            value = value.full_tensor()
-        leaves.append(Leaf(leaf.path, leaf.kind, value))
-    return unflatten(leaves)
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _coordinator_decides(decision: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Every rank adopts rank 0's decision and policy states.
-
-    Clocks and metrics may differ between ranks (``every_secs``, ``on_improve``);
-    half the ranks saving would deadlock the collective save, so only the
-    coordinator's view counts, and its policy states are stored everywhere.
-    """
-    from functional_ckpt.dist import all_gather_bytes, checkpoint_group
-
-    group = checkpoint_group(purpose="control")
-    payload = codec.encode(list(decision))
-    chosen = codec.decode(all_gather_bytes(payload, group)[0])
-    assert isinstance(chosen, list)
-    return tuple(chosen)
-
-
-# --------------------------------------------------------------------------- fork
-
-
-def _source_step(path: Path, meta: Mapping[str, Any]) -> int | None:
-    record = meta.get(MANAGER_KEY)
-    if isinstance(record, dict) and isinstance(record.get("step"), int):
-        step: int = record["step"]
-        return step
-    return step_in_name(path.name)
-
-
-def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = None) -> Path:
-    """Start a new run in ``new_root`` from a checkpoint of another run.
-
-    The checkpoint is restored and saved again (a full copy: the original manifest
-    is sealed by its commit marker, so it cannot be amended in place) as
-    ``new_root/step_N`` with ``N`` the source's step unless ``step`` is given. The
-    copy keeps the user metadata, step, epoch and metrics of the source, gets fresh
-    automatic metadata, starts its policies afresh (it is a new run), and records
-    ``"forked_from": {"path", "step", "time", "hostname", "git_commit"}`` (nested
-    ``"parent"`` for forks of forks). ``new_root`` must hold no checkpoint yet.
-    """
-    src = Path(checkpoint_path)
-    meta = format.read_manifest(src).get("metadata")
-    meta = dict(meta) if isinstance(meta, dict) else {}
-    src_step = _source_step(src, meta)
-    target = src_step if step is None else step
-    if target is None:
-        raise CheckpointError(f"{src}: cannot tell the checkpoint's step; pass fork(..., step=N)")
-    state = restore(src)
-    provenance: dict[str, Any] = {
-        "path": str(src.resolve()),
-        "step": src_step,
-        "time": time.time(),
-        "hostname": meta.get("hostname"),
-        "git_commit": meta.get("git_commit"),
-    }
-    if "forked_from" in meta:
-        provenance["parent"] = meta["forked_from"]
-    with CheckpointManager(new_root, save=never(), keep=keep_all()) as mgr:
-        existing = mgr.steps()
-        if existing:
-            raise CheckpointExists(
-                f"{mgr.root}: already holds checkpoints (steps {existing[:5]}…); fork into "
-                "an empty root"
-            )
-        record = dict(meta.get(MANAGER_KEY) or {})
-        for key in ("save", "export", "policy_state", "export_policy_state"):
-            record.pop(key, None)  # a new run: its policies start fresh
-        record.update(step=target, running_time=0.0)
-        user = {k: v for k, v in meta.items() if k not in AUTO_KEYS and k != MANAGER_KEY}
-        user["forked_from"] = provenance
-        metadata = {**mgr._metadata(record), **user}
-        metadata[MANAGER_KEY] = record
-        mgr._write(mgr.path(target), state, metadata)
-        return mgr.path(target)

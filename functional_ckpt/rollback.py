@@ -21,21 +21,30 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from functional_ckpt import format
 from functional_ckpt.errors import CheckpointError, CheckpointExists
+from functional_ckpt.root import EXPORTS_DIR, parse_step, step_name
 
-__all__ = ["BRANCHES_DIR", "INTENT_FILE", "Plan", "begin", "branches", "finish", "new_branch"]
+__all__ = [
+    "BRANCHES_DIR",
+    "INTENT_FILE",
+    "Plan",
+    "begin",
+    "branches",
+    "check_request",
+    "finish",
+    "new_branch",
+    "run",
+]
 
 #: The durable record of a rollback in progress.
 INTENT_FILE = ".rollback"
 #: Where newer checkpoints kept aside by rollbacks live, one root per branch.
 BRANCHES_DIR = "branches"
-EXPORTS_DIR = "exports"
 _BRANCH_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 
 Newer = Literal["branch", "delete"]
@@ -85,6 +94,33 @@ def check_branch_name(name: object) -> str:
     if format.is_temporary_name(name):
         raise ValueError(f"rollback(branch={name!r}): the name looks like a temporary directory")
     return name
+
+
+def check_request(newer: object, branch: str | None) -> None:
+    """Refuse a bad ``rollback(newer=..., branch=...)`` before anything is restored or moved."""
+    if newer not in ("branch", "delete"):
+        raise ValueError(f"rollback(newer={newer!r}): newer must be 'branch' or 'delete'")
+    if newer == "delete" and branch is not None:
+        raise ValueError(f"rollback(branch={branch!r}): a branch needs newer='branch'")
+    if branch is not None:
+        check_branch_name(branch)
+
+
+def run(
+    root: Path, to_step: int, newer_steps: list[int], newer: Newer, branch: str | None
+) -> dict[str, Any]:
+    """Move ``newer_steps`` (ascending) out of the trunk; returns the record of the rollback.
+
+    The caller holds the writer lock. The record is what later checkpoints of the run
+    list under ``metadata["rollbacks"]``.
+    """
+    name = None
+    if newer == "branch":
+        name = new_branch(root, branch, newer_steps[-1], to_step)
+    plan = Plan(to_step, [step_name(s) for s in newer_steps], newer, name)
+    begin(root, plan)
+    finish(root)
+    return {"time": time.time(), "to_step": to_step, "newer_steps": newer_steps, "branch": name}
 
 
 def new_branch(root: Path, name: str | None, from_step: int, to_step: int) -> str:
@@ -176,7 +212,7 @@ def _makedirs(path: Path, stop: Path) -> None:
         format.fsync_dir(d.parent)
 
 
-def branches(root: Path, parse_step: Callable[[str], int | None]) -> dict[str, list[int]]:
+def branches(root: Path) -> dict[str, list[int]]:
     """Each branch of ``root`` with the committed steps it holds, by name."""
     parent = root / BRANCHES_DIR
     try:

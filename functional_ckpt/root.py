@@ -1,4 +1,4 @@
-"""A directory of checkpoints: names, scanning, summaries, quarantine, deletion, leftovers, lock.
+"""A directory of checkpoints: names, scanning, summaries, quarantine, deletion, leftovers.
 
 Everything that knows how a *root* (a directory holding ``step_N`` checkpoints)
 is laid out lives here, so the manager and the ``fckpt`` command read and change
@@ -7,7 +7,7 @@ a root the same way:
 * a checkpoint of step ``N`` is ``root/step_{N:09d}`` (zero padded: ``ls`` sorts);
 * ``step_N.tmp-<id>`` is a save in progress, ``step_N.trash-<id>`` a deletion in
   progress, ``step_N.corrupt-<id>`` a checkpoint found damaged and moved aside;
-* one writer per root holds an ``flock`` on ``root/.lock``.
+* one writer per root holds an ``flock`` on ``root/.lock`` (:mod:`functional_ckpt.lock`).
 
 Leftovers of a crash are *recovered*, never lost: a committed leftover whose name
 is free is renamed back (the newest one wins), and only uncommitted ones are
@@ -17,15 +17,10 @@ deleted. Nothing committed is ever deleted by cleanup.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
-import json
 import math
 import os
 import re
-import socket
 import stat
-import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +35,7 @@ from functional_ckpt.errors import (
     IncompleteCheckpoint,
     UnsafeCheckpoint,
 )
+from functional_ckpt.lock import LOCK_FILE, WriterLock
 
 __all__ = [
     "EXPORTS_DIR",
@@ -49,17 +45,22 @@ __all__ = [
     "Entry",
     "LeftoverWarning",
     "StepInfo",
+    "Summaries",
     "WriterLock",
     "base_name",
     "delete",
+    "identity",
     "is_damage",
     "kept_by",
+    "open_writer",
     "parse_step",
     "quarantine",
     "quarantined",
     "read_info",
+    "record_of",
     "recover_leftovers",
     "scan",
+    "stamp",
     "step_dirs",
     "step_in_name",
     "step_name",
@@ -67,7 +68,6 @@ __all__ = [
 
 #: Reserved metadata key holding the manager's own record of each checkpoint.
 MANAGER_KEY = "manager"
-LOCK_FILE = ".lock"
 EXPORTS_DIR = "exports"
 #: Infix of a checkpoint moved aside because it could not be read (kept for forensics).
 QUARANTINE_INFIX = ".corrupt-"
@@ -172,7 +172,8 @@ def _metrics(value: Any) -> dict[str, float]:
     return out
 
 
-def _record(meta: Mapping[str, Any]) -> dict[str, Any]:
+def record_of(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The manager's record in a checkpoint's metadata; empty if there is none."""
     record = meta.get(MANAGER_KEY)
     return record if isinstance(record, dict) else {}
 
@@ -186,7 +187,7 @@ def read_info(path: Path, step: int) -> StepInfo:
     manifest = format.read_manifest(path)
     meta = manifest.get("metadata")
     meta = meta if isinstance(meta, dict) else {}
-    record = _record(meta)
+    record = record_of(meta)
     epoch = record.get("epoch")
     created = _time(manifest.get("created"))
     return StepInfo(
@@ -199,6 +200,55 @@ def read_info(path: Path, step: int) -> StepInfo:
         size=dir_size(path),
         metadata=meta,
     )
+
+
+def stamp(path: Path) -> tuple[int, int, int]:
+    """Identity of a committed checkpoint (its marker), to cache manifest reads.
+
+    Raises ``FileNotFoundError`` when ``path`` holds no committed checkpoint.
+    """
+    st = os.stat(path / format.COMMIT_MARKER)
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+class Summaries:
+    """:func:`read_info` of committed checkpoints, read again only when one changed.
+
+    A checkpoint is known by its marker's :func:`stamp`, so a step saved again (or
+    replaced by another writer) is read afresh.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[int, tuple[tuple[int, int, int], StepInfo]] = {}
+
+    def get(self, path: Path, step: int) -> StepInfo | None:
+        """The summary of ``path``, or None if it holds no committed checkpoint."""
+        try:
+            marker = stamp(path)
+        except FileNotFoundError:
+            return None
+        cached = self._cache.get(step)
+        if cached is not None and cached[0] == marker:
+            return cached[1]
+        info = read_info(path, step)
+        self._cache[step] = (marker, info)
+        return info
+
+    def forget(self, steps: Iterable[int]) -> None:
+        for step in steps:
+            self._cache.pop(step, None)
+
+
+def identity(path: Path) -> tuple[int, tuple[int, int, int] | None] | None:
+    """(directory inode, marker stamp), or None if gone: did a writer swap it under us?"""
+    try:
+        ino = os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
+    try:
+        return ino, stamp(path)
+    except FileNotFoundError:
+        return ino, None
 
 
 @dataclass
@@ -248,7 +298,7 @@ def _committed_entry(path: Path) -> Entry:
         )
     meta = manifest.get("metadata")
     meta = dict(meta) if isinstance(meta, dict) else {}
-    recorded = _record(meta).get("step")
+    recorded = record_of(meta).get("step")
     step = step_in_name(name)
     if step is None and isinstance(recorded, int) and not isinstance(recorded, bool):
         step = recorded
@@ -260,7 +310,7 @@ def _committed_entry(path: Path) -> Entry:
         canonical=canonical,
         time=_time(manifest.get("created")),
         size=dir_size(path),
-        metrics=_metrics(_record(meta).get("metrics")),
+        metrics=_metrics(record_of(meta).get("metrics")),
         metadata=meta,
     )
 
@@ -394,6 +444,31 @@ def quarantine(root: Path, path: Path) -> Path:
     return aside
 
 
+# --------------------------------------------------------------------------- writing
+
+
+def open_writer(root: Path, *, stacklevel: int = 2) -> WriterLock:
+    """Become the one writer of ``root``: create it, lock it, recover what crashes left.
+
+    Recovering leftovers is safe only under the lock: no other writer can be
+    mid-save (see :func:`recover_leftovers`, whose warnings point ``stacklevel``
+    frames up from this call).
+    """
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"{root}: the checkpoint root is a file, not a directory")
+    try:
+        format.make_dirs(root)
+    except OSError as e:
+        raise CheckpointError(f"{root}: cannot create the checkpoint root: {e}") from e
+    lock = WriterLock(root)
+    try:
+        recover_leftovers(root, stacklevel=stacklevel + 1)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
 # --------------------------------------------------------------------------- deleting
 
 
@@ -503,102 +578,3 @@ def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
     if changed:
         format.fsync_dir(root)
     return recovered
-
-
-# --------------------------------------------------------------------------- lock
-
-
-#: A dead writer's lock can outlive it briefly: children it forked (data loader
-#: workers, a subprocess before its exec) hold the descriptor until they exit.
-LOCK_GRACE_S = 3.0
-
-
-def _flock_with_grace(fd: int) -> None:
-    deadline = time.monotonic() + LOCK_GRACE_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
-def _open_lock_file(root: Path, path: Path) -> int:
-    """Open (or create) the lock file without following a link or blocking on a FIFO."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-    try:
-        fd = os.open(path, flags, 0o644)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise CheckpointError(
-                f"{root}: the writer lock {path} is a symbolic link; refusing to follow it "
-                "(its target is left untouched). Remove the link and try again"
-            ) from None
-        raise CheckpointError(
-            f"{root}: cannot take the writer lock {path} ({e}); on a read-only "
-            "location open the manager with read_only=True"
-        ) from e
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CheckpointError(
-            f"{root}: the writer lock {path} is not a regular file; remove it and try again"
-        )
-    return fd
-
-
-class WriterLock:
-    """An exclusive ``flock`` on ``root/.lock`` for the lifetime of a writer.
-
-    ``flock`` rather than an O_EXCL lock file because the kernel drops it when the
-    holder dies, however it dies: a SIGKILLed trainer leaves no lock to clean up.
-    The file's content (pid, host, start time) is only for the error message; the
-    file itself is never removed, since unlinking a locked file lets a second
-    process lock a fresh inode of the same name. The file is opened without
-    following links, so a planted ``.lock`` symlink cannot make the writer
-    truncate another file.
-    """
-
-    def __init__(self, root: Path) -> None:
-        self.path = root / LOCK_FILE
-        fd = _open_lock_file(root, self.path)
-        try:
-            _flock_with_grace(fd)
-        except OSError as e:
-            holder = _holder_text(fd, self.path)
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise CheckpointError(f"{root}: cannot lock {self.path}: {e}") from e
-            raise CheckpointError(
-                f"{root}: another writing CheckpointManager holds the lock "
-                f"({holder}); only one writer per root is allowed. Stop it, use "
-                "another root, or open this one with read_only=True to follow it"
-            ) from None
-        self.fd: int | None = fd
-        info = {"pid": os.getpid(), "hostname": socket.gethostname(), "since": time.time()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(info).encode(), 0)
-
-    def holder_text(self) -> str:
-        if self.fd is None:
-            return f"holder unknown; see {self.path}"
-        return _holder_text(self.fd, self.path)
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing the only descriptor drops the flock
-            self.fd = None
-
-    def __del__(self) -> None:  # a writer dropped without release() still unlocks
-        with contextlib.suppress(Exception):
-            self.release()
-
-
-def _holder_text(fd: int, path: Path) -> str:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0))
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info["since"])))
-        return f"pid {info['pid']} on {info['hostname']} since {since}; see {path}"
-    except (OSError, ValueError, KeyError, TypeError, OverflowError):
-        return f"holder unknown; see {path}"

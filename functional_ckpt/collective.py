@@ -1,0 +1,65 @@
+"""What every rank of a job does together, on the training thread, around a save.
+
+Each of these is a collective: every rank calls it, in the same order, or the job
+hangs. The manager uses them to agree on one save decision (the coordinator's) and
+to gather sharded weights for an export.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tensordict import TensorDict, TensorDictBase
+
+from functional_ckpt import codec
+from functional_ckpt.tree import Leaf, as_state, iter_leaves, unflatten
+from functional_ckpt.writer import is_dtensor
+
+__all__ = ["coordinator_decides", "gathered", "prepare_groups"]
+
+
+def prepare_groups() -> None:
+    """Create the process groups saves and decisions use, on every rank, in one order.
+
+    Groups are created collectively; creating them later on a background save
+    thread could interleave with the training thread's collectives.
+    """
+    from functional_ckpt.dist import checkpoint_group
+
+    checkpoint_group()
+    checkpoint_group(purpose="control")
+
+
+def gathered(state: TensorDictBase | Mapping[str, Any], select: str | Sequence[str]) -> TensorDict:
+    """The ``select`` subtree with every DTensor gathered into a full tensor.
+
+    ``full_tensor()`` is a collective on the tensor's mesh: every rank calls this,
+    in the same order, on the training thread.
+    """
+    prefix = (select,) if isinstance(select, str) else tuple(select)
+    leaves = []
+    for leaf in iter_leaves(as_state(state)):
+        if leaf.path[: len(prefix)] != prefix and leaf.path != prefix[: len(leaf.path)]:
+            continue
+        value = leaf.value
+        if leaf.kind == "tensor" and is_dtensor(value):
+            value = value.full_tensor()
+        leaves.append(Leaf(leaf.path, leaf.kind, value))
+    return unflatten(leaves)
+
+
+def coordinator_decides(decision: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Every rank adopts rank 0's decision and policy states.
+
+    Clocks and metrics may differ between ranks (``every_secs``, ``on_improve``);
+    half the ranks saving would deadlock the collective save, so only the
+    coordinator's view counts, and its policy states are stored everywhere.
+    """
+    from functional_ckpt.dist import all_gather_bytes, checkpoint_group
+
+    group = checkpoint_group(purpose="control")
+    payload = codec.encode(list(decision))
+    chosen = codec.decode(all_gather_bytes(payload, group)[0])
+    assert isinstance(chosen, list)
+    return tuple(chosen)

@@ -1,0 +1,313 @@
+"""The save-policy protocol: ``Event``, ``SavePolicy``, its state, and the combinators.
+
+``|``, ``&`` and ``~`` live here with the protocol because ``SavePolicy``'s operators
+build them: a combination first combines its children's votes, then advances every
+child from the combined outcome.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from functional_ckpt.errors import CheckpointError
+
+__all__ = [
+    "AllOf",
+    "AnyOf",
+    "Event",
+    "Not",
+    "PolicyError",
+    "PolicySpec",
+    "PolicyState",
+    "SavePolicy",
+    "as_int",
+    "checked_state",
+    "metric_value",
+    "no_state",
+    "positive_int",
+    "run_policy",
+]
+
+PolicyState: TypeAlias = (
+    "bool | int | float | str | list[PolicyState] | dict[str, PolicyState] | None"
+)
+"""Plain data only: it is written into msgpack manifests and must round-trip exactly.
+
+Lists, never tuples (msgpack reads tuples back as lists); dict keys are strings.
+"""
+
+PolicySpec: TypeAlias = dict[str, Any]
+"""``{"kind": name, **arguments}``, nested for combinators; plain data like a state."""
+
+
+class PolicyError(CheckpointError, ValueError):
+    """A policy was given a state, event or spec it cannot use."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """One point in training at which the caller asks "should I save now?".
+
+    ``step`` is required because every policy can at least count steps; ``epoch``,
+    ``metrics`` and ``time`` are needed only by the policies that read them.
+    ``time`` is *running* time in seconds (the manager supplies it, continued across
+    restarts; a loop driving policies by hand passes its own). ``is_final`` marks the
+    last event of a run (see :func:`on_final`).
+    """
+
+    step: int
+    epoch: int | None = None
+    metrics: Mapping[str, float] | None = None
+    is_final: bool = False
+    time: float | None = None
+
+    def __post_init__(self) -> None:
+        # Accept numpy/torch integer scalars (anything with __index__) but store a plain
+        # int, so that nothing non-plain can leak into a policy state.
+        object.__setattr__(self, "step", as_int(self.step, "Event(step=...)"))
+        if self.epoch is not None:
+            object.__setattr__(self, "epoch", as_int(self.epoch, "Event(epoch=...)"))
+        if self.metrics is not None and not isinstance(self.metrics, Mapping):
+            raise TypeError(f"Event(metrics={self.metrics!r}): metrics must be a mapping or None")
+        if not isinstance(self.is_final, bool):
+            raise TypeError(f"Event(is_final={self.is_final!r}): is_final must be a bool")
+        if self.time is not None:
+            if isinstance(self.time, bool) or not isinstance(self.time, int | float):
+                raise TypeError(f"Event(time={self.time!r}): time must be a number of seconds")
+            if not math.isfinite(self.time):
+                raise ValueError(f"Event(time={self.time!r}): time must be finite")
+            object.__setattr__(self, "time", float(self.time))
+
+
+class SavePolicy(ABC):
+    """Decides, event by event, whether to save; pure apart from :func:`on_signal`.
+
+    Subclasses implement :meth:`init`, :meth:`decide`, :meth:`update` and
+    :attr:`spec`. Neither ``decide`` nor ``update`` mutates the state it is given,
+    so a caller can keep an old state (e.g. the one stored with a checkpoint).
+    """
+
+    @abstractmethod
+    def init(self) -> PolicyState:
+        """The state of a run that has seen no events yet."""
+
+    @abstractmethod
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        """This policy's vote on ``event``, from ``(state, event)`` alone."""
+
+    @abstractmethod
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        """The state after ``event``, given whether a save actually happened on it."""
+
+    @property
+    def spec(self) -> PolicySpec:
+        """Kind and arguments as plain data; :func:`policy_from_spec` rebuilds the policy.
+
+        A policy defined outside this package describes itself by type and repr, which
+        is enough to tell whether a stored state is its own, but cannot be rebuilt.
+        """
+        return {"kind": "custom", "type": type(self).__qualname__, "repr": repr(self)}
+
+    def should_save(self, state: PolicyState, event: Event) -> tuple[bool, PolicyState]:
+        """``(save?, new_state)`` for a policy that decides alone: its vote is the outcome."""
+        saved = self.decide(state, event)
+        return saved, self.update(state, event, saved)
+
+    def __or__(self, other: object) -> SavePolicy:
+        if not isinstance(other, SavePolicy):
+            return NotImplemented
+        return AnyOf(_flatten(AnyOf, (self, other)))
+
+    def __and__(self, other: object) -> SavePolicy:
+        if not isinstance(other, SavePolicy):
+            return NotImplemented
+        return AllOf(_flatten(AllOf, (self, other)))
+
+    def __invert__(self) -> SavePolicy:
+        return Not(self)
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers
+
+
+def as_int(value: object, what: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{what}: expected an int, got bool {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what}: expected an int, got {type(value).__name__} {value!r}") from None
+
+
+def positive_int(value: object, name: str, call: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{call}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def checked_state(policy: SavePolicy, state: PolicyState, keys: Iterable[str]) -> dict[str, Any]:
+    """Check that a (possibly restored) state has this policy's shape, and return it.
+
+    A state that does not fit was written under a different policy; failing loudly
+    beats silently misreading it.
+    """
+    expected = set(keys)
+    if not isinstance(state, dict) or set(state) != expected:
+        raise PolicyError(
+            f"{policy!r}: state={state!r} does not fit this policy (expected a dict with "
+            f"keys {sorted(expected)}); was it saved under a different policy? "
+            "Use policy.init() to start over."
+        )
+    return state
+
+
+def no_state(policy: SavePolicy, state: PolicyState) -> None:
+    if state is not None:
+        raise PolicyError(
+            f"{policy!r}: state={state!r} does not fit this stateless policy (expected "
+            "None); was it saved under a different policy? Use policy.init() to start over."
+        )
+
+
+def metric_value(event: Event, name: str) -> float | None:
+    """The event's value of ``name`` as a float; None when missing or NaN (ignored)."""
+    if event.metrics is None or name not in event.metrics:
+        return None
+    value = float(event.metrics[name])
+    return None if math.isnan(value) else value
+
+
+# ---------------------------------------------------------------------------------------
+# Combinators
+
+
+def _flatten(kind: type[AnyOf | AllOf], children: Iterable[SavePolicy]) -> list[SavePolicy]:
+    """Merge nested nodes of the same kind, so ``a | b | c`` is one Any with 3 children."""
+    out: list[SavePolicy] = []
+    for child in children:
+        if type(child) is kind:
+            out.extend(child.children)
+        else:
+            out.append(child)
+    return out
+
+
+def _wrap(policy: SavePolicy, inside: type[SavePolicy]) -> str:
+    """repr of a child, parenthesised only where Python's precedence needs it."""
+    text = repr(policy)
+    if isinstance(policy, AnyOf) and inside in (AllOf, Not):
+        return f"({text})"
+    if isinstance(policy, AllOf) and inside is Not:
+        return f"({text})"
+    return text
+
+
+class _Combinator(SavePolicy):
+    """Shared machinery of Any and All: a list state, one entry per child."""
+
+    _symbol = ""
+    _kind = ""
+
+    def __init__(self, children: list[SavePolicy]) -> None:
+        self.children: tuple[SavePolicy, ...] = tuple(children)
+
+    def init(self) -> PolicyState:
+        return [child.init() for child in self.children]
+
+    def _states(self, state: PolicyState) -> list[PolicyState]:
+        if not isinstance(state, list) or len(state) != len(self.children):
+            raise PolicyError(
+                f"{self!r}: state={state!r} does not fit this policy (expected a list of "
+                f"{len(self.children)} child states); was it saved under a different "
+                "policy? Use policy.init() to start over."
+            )
+        return state
+
+    def _votes(self, state: PolicyState, event: Event) -> list[bool]:
+        # Every child votes (no short-circuit): on_signal's flag is consumed either way.
+        states = self._states(state)
+        return [c.decide(s, event) for c, s in zip(self.children, states, strict=True)]
+
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        # Every child advances from the combined outcome, not from its own vote.
+        states = self._states(state)
+        return [c.update(s, event, saved) for c, s in zip(self.children, states, strict=True)]
+
+    @property
+    def spec(self) -> PolicySpec:
+        return {"kind": self._kind, "children": [c.spec for c in self.children]}
+
+    def __repr__(self) -> str:
+        return f" {self._symbol} ".join(_wrap(c, type(self)) for c in self.children)
+
+
+class AnyOf(_Combinator):
+    """``p | q | ...``: saves when any child votes yes."""
+
+    _symbol = "|"
+    _kind = "any"
+
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        return any(self._votes(state, event))
+
+
+class AllOf(_Combinator):
+    """``p & q & ...``: saves when every child votes yes."""
+
+    _symbol = "&"
+    _kind = "all"
+
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        return all(self._votes(state, event))
+
+
+class Not(SavePolicy):
+    """Negation; its state is the child's state, unchanged in shape."""
+
+    def __init__(self, child: SavePolicy) -> None:
+        self.child = child
+
+    def init(self) -> PolicyState:
+        return self.child.init()
+
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        return not self.child.decide(state, event)
+
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        return self.child.update(state, event, saved)
+
+    @property
+    def spec(self) -> PolicySpec:
+        return {"kind": "not", "child": self.child.spec}
+
+    def __invert__(self) -> SavePolicy:
+        return self.child  # ~~p is p, state shape included.
+
+    def __repr__(self) -> str:
+        return f"~{_wrap(self.child, Not)}"
+
+
+# ---------------------------------------------------------------------------------------
+# Driving a policy by hand
+
+
+def run_policy(
+    policy: SavePolicy, events: Iterable[Event], state: PolicyState = None
+) -> list[bool]:
+    """Feed ``events`` through ``policy`` and return its decisions, for docs and tests.
+
+    ``state=None`` means ``policy.init()``; pass a restored state to continue a run.
+    (A stateless policy's state is also None, which init() returns anyway.)
+    """
+    current = policy.init() if state is None else state
+    decisions: list[bool] = []
+    for event in events:
+        decision, current = policy.should_save(current, event)
+        decisions.append(decision)
+    return decisions

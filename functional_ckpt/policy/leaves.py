@@ -1,0 +1,361 @@
+"""The leaf save policies: constant, step, epoch, running-time and metric policies.
+
+Each is a pure value: configuration in the object, everything that changes over a
+run in the ``PolicyState`` it returns from ``init`` and ``update``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from functional_ckpt.policy.base import (
+    Event,
+    PolicyError,
+    PolicySpec,
+    PolicyState,
+    SavePolicy,
+    checked_state,
+    metric_value,
+    no_state,
+    positive_int,
+)
+
+__all__ = [
+    "always",
+    "at_steps",
+    "every_epochs",
+    "every_secs",
+    "every_steps",
+    "never",
+    "on_final",
+    "on_improve",
+]
+
+
+class _Stateless(SavePolicy):
+    _name = ""
+
+    def init(self) -> PolicyState:
+        return None
+
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        no_state(self, state)
+        return self._vote(event)
+
+    def _vote(self, event: Event) -> bool:
+        raise NotImplementedError
+
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        no_state(self, state)
+        return None
+
+    @property
+    def spec(self) -> PolicySpec:
+        return {"kind": self._name}
+
+    def __repr__(self) -> str:
+        return f"{self._name}()"
+
+
+class _Always(_Stateless):
+    _name = "always"
+
+    def _vote(self, event: Event) -> bool:
+        return True
+
+
+class _Never(_Stateless):
+    _name = "never"
+
+    def _vote(self, event: Event) -> bool:
+        return False
+
+
+class _OnFinal(_Stateless):
+    _name = "on_final"
+
+    def _vote(self, event: Event) -> bool:
+        return event.is_final
+
+
+def always() -> SavePolicy:
+    """Save on every event (useful in tests and as the neutral element of ``&``)."""
+    return _Always()
+
+
+def never() -> SavePolicy:
+    """Never save (the neutral element of ``|``)."""
+    return _Never()
+
+
+def on_final() -> SavePolicy:
+    """Save on every event with ``is_final=True`` (the end of a run)."""
+    return _OnFinal()
+
+
+# ---------------------------------------------------------------------------------------
+# Step and epoch counting
+
+
+class _EverySteps(SavePolicy):
+    def __init__(self, n: int, offset: int) -> None:
+        self.n = n
+        self.offset = offset
+
+    def init(self) -> PolicyState:
+        return {"last_saved_step": None}
+
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        last = checked_state(self, state, ["last_saved_step"])["last_saved_step"]
+        step = event.step
+        return step >= self.offset and (step - self.offset) % self.n == 0 and step != last
+
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        last = checked_state(self, state, ["last_saved_step"])["last_saved_step"]
+        return {"last_saved_step": event.step if saved else last}
+
+    @property
+    def spec(self) -> PolicySpec:
+        return {"kind": "every_steps", "n": self.n, "offset": self.offset}
+
+    def __repr__(self) -> str:
+        extra = f", offset={self.offset}" if self.offset else ""
+        return f"every_steps({self.n}{extra})"
+
+
+def every_steps(n: int, offset: int = 0) -> SavePolicy:
+    """Save at steps ``offset, offset + n, offset + 2n, ...``.
+
+    Votes yes when ``step >= offset``, ``(step - offset) % n == 0`` and no save
+    happened at this very step last time, so an event repeated for the same step (a
+    retried iteration, a second call at the end of a step) saves only once. Steps
+    need not increase: after the step counter is rolled back it fires again at the
+    next matching step. With the default offset it fires at step 0 if you send an
+    event for step 0; pass ``offset=n`` to skip that save.
+    """
+    n = positive_int(n, "n", f"every_steps(n={n!r})")
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"every_steps(offset={offset!r}): offset must be an int")
+    return _EverySteps(n, offset)
+
+
+class _EveryEpochs(SavePolicy):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def init(self) -> PolicyState:
+        # A run starts in epoch 0, so entering epoch 0 is not an advance and never saves.
+        return {"last_epoch": 0, "owed": False}
+
+    def _fields(self, state: PolicyState) -> tuple[int, bool]:
+        fields = checked_state(self, state, ["last_epoch", "owed"])
+        return fields["last_epoch"], bool(fields["owed"])
+
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        last, owed = self._fields(state)
+        epoch = event.epoch
+        if epoch is None:
+            return False
+        return (epoch > last and epoch % self.n == 0) or (epoch == last and owed)
+
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        last, owed = self._fields(state)
+        epoch = event.epoch
+        if epoch is None:
+            return state
+        if epoch > last:
+            owed = epoch % self.n == 0
+        elif epoch < last:
+            owed = False
+        return {"last_epoch": epoch, "owed": owed and not saved}
+
+    @property
+    def spec(self) -> PolicySpec:
+        return {"kind": "every_epochs", "n": self.n}
+
+    def __repr__(self) -> str:
+        return f"every_epochs({self.n})"
+
+
+def every_epochs(n: int) -> SavePolicy:
+    """Save once on entering each epoch that is a positive multiple of ``n``.
+
+    Votes yes when ``event.epoch`` is higher than the epoch of the previous event
+    that had one (initially 0) and ``epoch % n == 0``, and keeps voting yes during
+    that epoch until a save actually happens (inside ``&`` the other side may say
+    no at first). Events with ``epoch=None`` are ignored and leave the state as it
+    is. Works both for per-step events and for one event per finished epoch counted
+    from 1. A jump over a multiple (epoch 1 to 3 with ``n=2``) does not save; an
+    epoch that goes down is recorded, so counting up again saves again.
+    """
+    return _EveryEpochs(positive_int(n, "n", f"every_epochs(n={n!r})"))
+
+
+class _AtSteps(SavePolicy):
+    def __init__(self, steps: frozenset[int]) -> None:
+        self.steps = steps
+
+    def init(self) -> PolicyState:
+        return {"fired": []}
+
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        fired = checked_state(self, state, ["fired"])["fired"]
+        return event.step in self.steps and event.step not in fired
+
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        fired = checked_state(self, state, ["fired"])["fired"]
+        if not saved or event.step not in self.steps or event.step in fired:
+            return state
+        return {"fired": sorted([*fired, event.step])}
+
+    @property
+    def spec(self) -> PolicySpec:
+        return {"kind": "at_steps", "steps": sorted(self.steps)}
+
+    def __repr__(self) -> str:
+        return f"at_steps({sorted(self.steps)!r})"
+
+
+def at_steps(steps: Iterable[int]) -> SavePolicy:
+    """Save at each of the given steps, once each (a step already saved is skipped).
+
+    The state remembers at which of them a save happened, so a run restored from a
+    checkpoint does not save again at a listed step it has passed.
+    """
+    try:
+        items = list(steps)
+    except TypeError:
+        raise TypeError(f"at_steps(steps={steps!r}): steps must be an iterable of ints") from None
+    for s in items:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"at_steps(steps={steps!r}): steps must be ints, got {s!r}")
+    return _AtSteps(frozenset(items))
+
+
+# ---------------------------------------------------------------------------------------
+# Running time
+
+
+class _EverySecs(SavePolicy):
+    def __init__(self, secs: float) -> None:
+        self.secs = secs
+
+    def init(self) -> PolicyState:
+        return {"since": None}
+
+    def _since(self, state: PolicyState, event: Event) -> tuple[float | None, float]:
+        since = checked_state(self, state, ["since"])["since"]
+        if event.time is None:
+            raise PolicyError(
+                f"{self!r}: Event(step={event.step}) has no time; this policy needs the "
+                "running time in seconds: pass Event(..., time=seconds) (a "
+                "CheckpointManager supplies it)"
+            )
+        return (None if since is None else float(since)), event.time
+
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        since, now = self._since(state, event)
+        return since is not None and now - since >= self.secs
+
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        since, now = self._since(state, event)
+        if saved or since is None or now < since:
+            return {"since": now}
+        return state
+
+    @property
+    def spec(self) -> PolicySpec:
+        return {"kind": "every_secs", "s": self.secs}
+
+    def __repr__(self) -> str:
+        return f"every_secs({self.secs!r})"
+
+
+def every_secs(s: float) -> SavePolicy:
+    """Save once at least ``s`` seconds of running time passed since the last save.
+
+    Time is ``event.time``, the running time of the run in seconds (the manager
+    counts it across restarts, excluding downtime); an event without it is an error.
+    The first event only starts the timer (``since``); a save, made by this policy
+    or any other in the same combination, restarts it. Time that goes backwards
+    restarts the timer there, so it never adds time.
+    """
+    call = f"every_secs(s={s!r})"
+    if isinstance(s, bool) or not isinstance(s, int | float):
+        raise TypeError(f"{call}: s must be a number of seconds")
+    if not (math.isfinite(s) and s > 0):
+        raise ValueError(f"{call}: s must be a positive, finite number of seconds")
+    return _EverySecs(float(s))
+
+
+# ---------------------------------------------------------------------------------------
+# Metrics
+
+
+class _OnImprove(SavePolicy):
+    def __init__(self, metric: str, mode: str, min_delta: float) -> None:
+        self.metric = metric
+        self.mode = mode
+        self.min_delta = min_delta
+
+    def init(self) -> PolicyState:
+        return {"best": None}
+
+    def _best(self, state: PolicyState) -> float | None:
+        best = checked_state(self, state, ["best"])["best"]
+        return None if best is None else float(best)
+
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        best, value = self._best(state), metric_value(event, self.metric)
+        if value is None:
+            return False
+        if best is None:
+            return True
+        if self.mode == "min":
+            return value < best - self.min_delta
+        return value > best + self.min_delta
+
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        best, value = self._best(state), metric_value(event, self.metric)
+        if not saved or value is None:
+            return state
+        if best is None or (value < best if self.mode == "min" else value > best):
+            return {"best": value}
+        return state
+
+    @property
+    def spec(self) -> PolicySpec:
+        return {
+            "kind": "on_improve",
+            "metric": self.metric,
+            "mode": self.mode,
+            "min_delta": self.min_delta,
+        }
+
+    def __repr__(self) -> str:
+        extra = "" if self.mode == "min" else f", mode={self.mode!r}"
+        if self.min_delta:
+            extra += f", min_delta={self.min_delta!r}"
+        return f"on_improve({self.metric!r}{extra})"
+
+
+def on_improve(metric: str, mode: str = "min", min_delta: float = 0.0) -> SavePolicy:
+    """Save when ``metrics[metric]`` beats the best saved value by more than ``min_delta``.
+
+    The first value seen votes yes. ``best`` is the best value among the events on
+    which a save actually happened (whichever policy caused it), so a slow
+    improvement of less than ``min_delta`` per event still saves once it adds up,
+    and a vote outvoted by ``&`` leaves ``best`` alone. Events without the metric
+    and NaN values are ignored; infinities compare normally. ``best`` lives in the
+    state, so a restored run keeps comparing against it.
+    """
+    if not isinstance(metric, str):
+        raise TypeError(f"on_improve(metric={metric!r}): metric must be a str")
+    if mode not in ("min", "max"):
+        raise ValueError(f"on_improve(mode={mode!r}): mode must be 'min' or 'max'")
+    if isinstance(min_delta, bool) or not isinstance(min_delta, int | float):
+        raise TypeError(f"on_improve(min_delta={min_delta!r}): min_delta must be a number")
+    if not (math.isfinite(min_delta) and min_delta >= 0):
+        raise ValueError(f"on_improve(min_delta={min_delta!r}): min_delta must be finite and >= 0")
+    return _OnImprove(metric, mode, float(min_delta))

@@ -1,0 +1,109 @@
+"""``on_signal``: save at the next event after a signal, the one impure policy.
+
+Its "a signal arrived" flag is process state: a signal is an event of this process,
+not of the run, and must not be replayed after a restore.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+from functional_ckpt.errors import CheckpointError
+from functional_ckpt.policy.base import Event, PolicySpec, PolicyState, SavePolicy, no_state
+
+__all__ = ["SignalPolicy", "on_signal"]
+
+
+class SignalPolicy(SavePolicy):
+    """Returned by :func:`on_signal`; adds :meth:`trigger` and :meth:`uninstall`."""
+
+    def __init__(self, signum: signal.Signals) -> None:
+        self.signum = signum
+        self._pending = False
+        self._installed = False
+        self._previous: Any = None
+        _require_main_thread(f"{self!r}")
+        try:
+            self._previous = signal.signal(signum, self._handle)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"on_signal(signum={signum!r}): cannot handle it: {exc}") from exc
+        self._installed = True
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # After uninstall() we may still sit inside a later handler's chain; then we
+        # only pass the signal on.
+        if self._installed:
+            self._pending = True
+        previous = self._previous
+        # SIG_DFL / SIG_IGN are not callable; None means a handler set outside Python.
+        if callable(previous):
+            previous(signum, frame)
+
+    def trigger(self) -> None:
+        """Act as if the signal had arrived (for tests and for manual preemption)."""
+        self._pending = True
+
+    def uninstall(self) -> None:
+        """Stop handling the signal and restore the previous handler; idempotent.
+
+        If another handler was installed on top of ours in the meantime, it is left in
+        place (it may chain to us, and we then just pass the signal on).
+        """
+        if not self._installed:
+            return
+        _require_main_thread(f"{self!r}.uninstall()")
+        if signal.getsignal(self.signum) == self._handle:
+            previous = self._previous if self._previous is not None else signal.SIG_DFL
+            signal.signal(self.signum, previous)
+        self._installed = False
+        self._pending = False
+
+    def init(self) -> PolicyState:
+        return None
+
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        # The documented impurity: the vote consumes the process's flag.
+        no_state(self, state)
+        pending, self._pending = self._pending, False
+        return pending
+
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        no_state(self, state)
+        return None
+
+    @property
+    def spec(self) -> PolicySpec:
+        return {"kind": "on_signal", "signum": int(self.signum)}
+
+    def __repr__(self) -> str:
+        return f"on_signal(signal.{self.signum.name})"
+
+
+def _require_main_thread(what: str) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        raise CheckpointError(
+            f"{what}: signal handlers can only be installed or removed from the main "
+            "thread; create the policy there and pass it to other threads"
+        )
+
+
+def on_signal(signum: int = signal.SIGTERM) -> SignalPolicy:
+    """Save at the next event after ``signum`` arrives (e.g. a preemption notice).
+
+    Installs a handler when called, which must happen in the main thread. The handler
+    sets a flag and then calls the previous handler if that was a Python callable. If
+    the previous handler was ``SIG_DFL`` it is *not* invoked: for SIGTERM that would
+    kill the process before it can save, and preemption notices come with a grace
+    period meant for exactly that save. Your loop should therefore exit on its own
+    after the final save. The flag is process state (not in ``PolicyState``); the next
+    event's vote consumes it. Use ``.trigger()`` to raise the flag by hand and
+    ``.uninstall()`` to restore the previous handler.
+    """
+    try:
+        sig = signal.Signals(signum)
+    except ValueError:
+        raise ValueError(f"on_signal(signum={signum!r}): not a valid signal number") from None
+    return SignalPolicy(sig)

@@ -1,0 +1,201 @@
+"""What a managed checkpoint records about itself in its metadata, and reading it back.
+
+Each checkpoint a :class:`~functional_ckpt.manager.CheckpointManager` writes carries
+automatic keys (when, where and from which git commit it was written, the run's
+lineage and rollbacks), the user's metadata, and under the reserved key
+``"manager"`` the manager's record: step, epoch, metrics, running time and each
+policy's spec with its state. A restarted run reads its policies' states and its
+running time back from that record; a state is handed back only to the policy of
+the same spec.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import re
+import subprocess
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from functional_ckpt import codec
+from functional_ckpt._types import PathLike
+from functional_ckpt.errors import CheckpointWarning
+from functional_ckpt.policy import Event, PolicyState, SavePolicy
+from functional_ckpt.retention import RetentionPolicy
+from functional_ckpt.root import MANAGER_KEY
+
+__all__ = [
+    "AUTO_KEYS",
+    "Provenance",
+    "RunningTime",
+    "check_metadata",
+    "git_commit",
+    "manager_record",
+    "stored_state",
+]
+
+#: Metadata keys describing the process that wrote a checkpoint (replaced on fork).
+AUTO_KEYS = frozenset(
+    {
+        "hostname",
+        "torch",
+        "functional_ckpt",
+        "pid",
+        "time",
+        "python",
+        "git_commit",
+        "cwd",
+        "rollbacks",
+    }
+)
+_GIT_TIMEOUT_S = 2.0
+
+
+def git_commit(cwd: PathLike | None = None) -> str | None:
+    """HEAD of the git checkout at ``cwd`` (default: the working directory), or None.
+
+    Best effort by design: no git, no repository, a hung filesystem (short timeout)
+    all mean "unknown", never a failed save.
+    """
+    try:
+        proc = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=_GIT_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sha = proc.stdout.strip()
+    return sha if proc.returncode == 0 and re.fullmatch(r"[0-9a-f]{40,64}", sha) else None
+
+
+def check_metadata(metadata: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
+    """The user's metadata as a plain dict: msgpack-encodable, the reserved key left free."""
+    meta = dict(metadata or {})
+    if MANAGER_KEY in meta:
+        raise ValueError(
+            f"{where}: metadata key {MANAGER_KEY!r} is reserved for the manager's own record"
+        )
+    codec.check_encodable(meta, where="CheckpointManager(metadata=...)")
+    return meta
+
+
+@dataclass
+class Provenance:
+    """Where a run comes from, as each of its checkpoints records it.
+
+    ``lineage`` is the ``"forked_from"`` record of a forked run, ``rollbacks`` the
+    run's rollbacks, oldest first; both continue from a restored checkpoint.
+    """
+
+    cwd: str
+    git: str | None = None
+    lineage: dict[str, Any] | None = None
+    rollbacks: list[Any] = field(default_factory=list)
+
+    def metadata(self, record: Mapping[str, Any], user: Mapping[str, Any]) -> dict[str, Any]:
+        """Automatic keys, then the user's metadata, then the manager's record."""
+        auto: dict[str, Any] = {
+            "time": time.time(),
+            "python": platform.python_version(),
+            "cwd": self.cwd,
+        }
+        if self.git is not None:
+            auto["git_commit"] = self.git
+        if self.lineage is not None:
+            auto["forked_from"] = self.lineage  # every checkpoint of a fork says so
+        if self.rollbacks:
+            auto["rollbacks"] = list(self.rollbacks)  # and of a run that rolled back
+        return {**auto, **user, MANAGER_KEY: dict(record)}
+
+    def resume(self, metadata: Mapping[str, Any]) -> None:
+        """Continue the lineage and rollbacks recorded in a restored checkpoint."""
+        lineage = metadata.get("forked_from")
+        self.lineage = lineage if isinstance(lineage, dict) else None
+        rollbacks = metadata.get("rollbacks")
+        self.rollbacks = list(rollbacks) if isinstance(rollbacks, list) else []
+
+
+def manager_record(
+    event: Event,
+    save: SavePolicy,
+    save_state: PolicyState,
+    keep: RetentionPolicy,
+    export: SavePolicy | None = None,
+    export_state: PolicyState = None,
+) -> dict[str, Any]:
+    """The manager's record of a checkpoint saved on ``event``."""
+    record: dict[str, Any] = {
+        "step": event.step,
+        "epoch": event.epoch,
+        "metrics": dict(event.metrics or {}),
+        "is_final": event.is_final,
+        "running_time": event.time,
+        # A stored state belongs to the policy of this spec and no other.
+        "save": {"spec": save.spec, "state": save_state},
+        "keep": keep.spec,
+    }
+    if export is not None:
+        record["export"] = {"spec": export.spec, "state": export_state}
+    return record
+
+
+class RunningTime:
+    """Seconds a run has been running: carried over by restores, downtime excluded.
+
+    Only this reads the clock, never a policy: every event carries its value.
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        # Running time = offset (carried by the restored checkpoint) + clock since base.
+        self._offset = 0.0
+        self._base = float(clock())
+
+    def __call__(self) -> float:
+        return self._offset + max(0.0, float(self.clock()) - self._base)
+
+    def resume(self, record: Mapping[str, Any]) -> None:
+        """Continue from the running time a restored checkpoint's record carries.
+
+        A missing or insane value (negative, NaN, not a number) counts as 0.0.
+        """
+        running = record.get("running_time")
+        plain = isinstance(running, float | int) and not isinstance(running, bool)
+        seconds = float(running) if plain else 0.0  # type: ignore[arg-type]
+        self._offset = seconds if math.isfinite(seconds) and seconds >= 0 else 0.0
+        self._base = float(self.clock())
+
+
+def stored_state(
+    policy: SavePolicy, record: Mapping[str, Any], key: str, path: Path
+) -> PolicyState:
+    """The state stored for ``policy``, or ``policy.init()`` if it was another policy's.
+
+    A state is handed back only to the policy whose spec it was stored with; any other
+    policy starts fresh (with a warning) instead of reinterpreting it.
+    """
+    stored = record.get(key)
+    if stored is None and not any(k in record for k in ("policy_state", "export_policy_state")):
+        return policy.init()  # written by fc.save or a fork: a new run's policies
+    spec = policy.spec
+    if isinstance(stored, dict) and stored.get("spec") == spec and "state" in stored:
+        state: PolicyState = stored["state"]
+        return state
+    old = stored.get("spec") if isinstance(stored, dict) else None
+    warnings.warn(
+        f"{path}: the stored {key} policy state belongs to "
+        f"{'an unrecorded policy' if old is None else repr(old)}, not to {policy!r} "
+        f"(spec {spec!r}); that policy starts fresh",
+        CheckpointWarning,
+        stacklevel=5,
+    )
+    return policy.init()
