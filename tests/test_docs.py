@@ -186,6 +186,7 @@ def run_ranks(path: Path, world: int, timeout: float = 240) -> None:
             "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(world),
             "OMP_NUM_THREADS": "1",
+            "FUNCTIONAL_CKPT_TIMEOUT": "60",  # a rank that dies does not leave the other waiting
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         }
         procs.append(
