@@ -21,6 +21,8 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,8 +86,7 @@ def unexplained_skips(blocks: list[Block]) -> list[Block]:
         for b in blocks
         if b.info.startswith("python")
         and (
-            b.info != "python"
-            or (SKIP_MARK in b.source and not _SKIP_WITH_REASON.search(b.source))
+            b.info != "python" or (SKIP_MARK in b.source and not _SKIP_WITH_REASON.search(b.source))
         )
     ]
 
@@ -172,42 +173,53 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_ranks(path: Path, world: int, timeout: float = 240) -> None:
-    """Run a page's examples as ``torchrun --nproc_per_node=world`` would, in the cwd."""
+def run_ranks(path: Path, world: int, timeout: float = 240, grace: float = 20) -> None:
+    """Run a page's examples as ``torchrun --nproc_per_node=world`` would, in the cwd.
+
+    When one rank fails, the others get ``grace`` seconds to fail too (they usually
+    do at once, on a dropped connection) before they are killed.
+    """
     port = str(free_port())
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world),
-            "OMP_NUM_THREADS": "1",
-            "FUNCTIONAL_CKPT_TIMEOUT": "60",  # a rank that dies does not leave the other waiting
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, str(path)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    failures = []
-    for rank, p in enumerate(procs):
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        if p.returncode != 0:
-            failures.append(f"rank {rank} exited with {p.returncode}:\n{out[-2000:]}{err[-4000:]}")
+    with tempfile.TemporaryDirectory() as logs:
+        procs = []
+        for rank in range(world):
+            env = {
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(world),
+                "OMP_NUM_THREADS": "1",
+                "FUNCTIONAL_CKPT_TIMEOUT": "60",
+                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            }
+            with open(Path(logs) / f"{rank}.log", "w") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, __file__, str(path)],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        deadline, killed = time.monotonic() + timeout, False
+        while None in (codes := [p.poll() for p in procs]):
+            if any(code not in (None, 0) for code in codes):
+                deadline = min(deadline, time.monotonic() + grace)
+            if time.monotonic() > deadline and not killed:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                killed = True
+            time.sleep(0.05)
+        failures = [
+            f"rank {rank} exited with {p.returncode}:\n"
+            + (Path(logs) / f"{rank}.log").read_text(errors="replace")[-4000:]
+            for rank, p in enumerate(procs)
+            if p.returncode != 0
+        ]
     if failures:
         pytest.fail("\n".join(failures), pytrace=False)
 
