@@ -100,6 +100,10 @@ def ranks(text: str) -> int:
     return 1 if m is None else int(m[1])
 
 
+class PageError(Exception):
+    """An example of a page raised; the message names the page, the line and the traceback."""
+
+
 def run_page(path: Path) -> None:
     """Execute a page's blocks in order in one namespace, in the current directory."""
     namespace: dict[str, object] = {"__name__": f"docs_{path.stem}"}
@@ -112,10 +116,6 @@ def run_page(path: Path) -> None:
             raise PageError(
                 f"{path.name}: the example at line {block.line} raised:\n{traceback.format_exc()}"
             ) from e
-
-
-class PageError(Exception):
-    pass
 
 
 def test_fence_parser() -> None:
