@@ -1,23 +1,40 @@
 """Run the Python examples of the documentation.
 
-Every fenced code block tagged ``python`` in the pages below is executed. The blocks
-of one page run in order, in one namespace, inside a temporary working directory, so
-checkpoints written by the examples land there. A block tagged ``python-skip`` or
-containing ``# doctest: skip`` is not run.
+Every fenced code block tagged ``python`` in README.md and in every page of docs/
+is executed. The blocks of one page run in order, in one namespace, inside a
+temporary working directory, so checkpoints written by the examples land there.
+
+A block that cannot run here says why, in the block: ``# doctest: skip (reason)``.
+A skip without a reason, or a ``python-skip`` fence, fails the test.
+
+A page whose examples need several processes says so with the comment
+``<!-- doctest: ranks=N -->``: its blocks then run in ``N`` processes at once, each
+with the variables torchrun sets (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` …), all
+in the same working directory. This file is also the runner of one such process:
+``python tests/test_docs.py PAGE``.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
-PAGES = ["guide.md", "api.md", "format.md", "async.md"]
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in DOCS.glob("*.md"))]
 SKIP_MARK = "# doctest: skip"
+_SKIP_WITH_REASON = re.compile(r"# doctest: skip \(([^()\s][^()]*)\)")
+_RANKS = re.compile(r"^<!-- doctest: ranks=(\d+) -->$", re.MULTILINE)
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 
@@ -62,8 +79,43 @@ def code_blocks(text: str) -> list[Block]:
     return blocks
 
 
+def unexplained_skips(blocks: list[Block]) -> list[Block]:
+    """Python blocks left out without saying why."""
+    return [
+        b
+        for b in blocks
+        if b.info.startswith("python")
+        and (
+            b.info != "python" or (SKIP_MARK in b.source and not _SKIP_WITH_REASON.search(b.source))
+        )
+    ]
+
+
 def runnable(blocks: list[Block]) -> list[Block]:
     return [b for b in blocks if b.info == "python" and SKIP_MARK not in b.source]
+
+
+def ranks(text: str) -> int:
+    m = _RANKS.search(text)
+    return 1 if m is None else int(m[1])
+
+
+class PageError(Exception):
+    """An example of a page raised; the message names the page, the line and the traceback."""
+
+
+def run_page(path: Path) -> None:
+    """Execute a page's blocks in order in one namespace, in the current directory."""
+    namespace: dict[str, object] = {"__name__": f"docs_{path.stem}"}
+    for block in runnable(code_blocks(path.read_text(encoding="utf-8"))):
+        # Pad with blank lines so tracebacks show the line number in the Markdown file.
+        code = compile("\n" * (block.line - 1) + block.source, str(path), "exec")
+        try:
+            exec(code, namespace)
+        except Exception as e:
+            raise PageError(
+                f"{path.name}: the example at line {block.line} raised:\n{traceback.format_exc()}"
+            ) from e
 
 
 def test_fence_parser() -> None:
@@ -80,6 +132,9 @@ def test_fence_parser() -> None:
             "raise RuntimeError",
             "```",
             "```python",
+            "raise RuntimeError  # doctest: skip (needs a GPU)",
+            "```",
+            "```python",
             "raise RuntimeError  # doctest: skip",
             "```",
             "1. item",
@@ -90,26 +145,106 @@ def test_fence_parser() -> None:
         ]
     )
     blocks = code_blocks(text)
-    assert [b.info for b in blocks] == ["python", "", "python-skip", "python", "python"]
+    assert [b.info for b in blocks] == ["python", "", "python-skip", "python", "python", "python"]
     assert [b.source for b in runnable(blocks)] == ["x = 1\n", "y = x + 1\n"]
     assert runnable(blocks)[0].line == 3
+    assert [b.line for b in unexplained_skips(blocks)] == [9, 15]
+    assert ranks(text) == 1 and ranks(text + "\n<!-- doctest: ranks=2 -->\n") == 2
+
+
+def test_every_page_is_covered() -> None:
+    assert "README.md" in PAGES and "docs/guide.md" in PAGES and "docs/distributed.md" in PAGES
+    assert len(PAGES) == 1 + len(list(DOCS.glob("*.md")))
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_skips_say_why(page: str) -> None:
+    blocks = code_blocks((REPO / page).read_text(encoding="utf-8"))
+    bad = [b.line for b in unexplained_skips(blocks)]
+    assert not bad, (
+        f"{page}: python blocks at lines {bad} are skipped without a reason; run them, or "
+        "mark them ```python with '# doctest: skip (why it cannot run here)'"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(path: Path, world: int, timeout: float = 240, grace: float = 20) -> None:
+    """Run a page's examples as ``torchrun --nproc_per_node=world`` would, in the cwd.
+
+    When one rank fails, the others get ``grace`` seconds to fail too (they usually
+    do at once, on a dropped connection) before they are killed.
+    """
+    port = str(free_port())
+    with tempfile.TemporaryDirectory() as logs:
+        procs = []
+        for rank in range(world):
+            env = {
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(world),
+                "OMP_NUM_THREADS": "1",
+                "FUNCTIONAL_CKPT_TIMEOUT": "60",
+                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            }
+            with open(Path(logs) / f"{rank}.log", "w") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, __file__, str(path)],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        deadline, killed = time.monotonic() + timeout, False
+        while None in (codes := [p.poll() for p in procs]):
+            if any(code not in (None, 0) for code in codes):
+                deadline = min(deadline, time.monotonic() + grace)
+            if time.monotonic() > deadline and not killed:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                killed = True
+            time.sleep(0.05)
+        failures = [
+            f"rank {rank} exited with {p.returncode}:\n"
+            + (Path(logs) / f"{rank}.log").read_text(errors="replace")[-4000:]
+            for rank, p in enumerate(procs)
+            if p.returncode != 0
+        ]
+    if failures:
+        pytest.fail("\n".join(failures), pytrace=False)
 
 
 @pytest.mark.parametrize("page", PAGES)
 def test_examples_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = DOCS / page
-    assert path.is_file(), f"{path} is missing"
-    blocks = runnable(code_blocks(path.read_text(encoding="utf-8")))
-    assert blocks, f"{page} has no runnable python examples"
+    path = REPO / page
+    text = path.read_text(encoding="utf-8")
+    if not any(b.info == "python" for b in code_blocks(text)):
+        pytest.skip(f"{page} has no python examples")
+    assert runnable(code_blocks(text)), f"{page} skips every python example"
     monkeypatch.chdir(tmp_path)
-    namespace: dict[str, object] = {"__name__": f"docs_{path.stem}"}
-    for block in blocks:
-        # Pad with blank lines so tracebacks show the line number in the Markdown file.
-        code = compile("\n" * (block.line - 1) + block.source, str(path), "exec")
-        try:
-            exec(code, namespace)
-        except Exception:
-            pytest.fail(
-                f"{page}: the example at line {block.line} raised:\n{traceback.format_exc()}",
-                pytrace=False,
-            )
+    world = ranks(text)
+    if world > 1:
+        run_ranks(path, world)
+        return
+    try:
+        run_page(path)
+    except PageError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+if __name__ == "__main__":
+    try:
+        run_page(Path(sys.argv[1]))
+    except PageError as e:
+        print(e, file=sys.stderr)
+        sys.exit(1)
