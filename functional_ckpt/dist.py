@@ -402,8 +402,14 @@ def restore_distributed(
     cast: bool,
     reshard: Reshard | None,
     timeout: float | None = None,
+    inplace: bool = False,
+    device: torch.device | None = None,
 ) -> TensorDict:
-    """Restore with DTensor leaves in the template: DCP maps saved chunks to shards."""
+    """Restore with DTensor leaves in the template: DCP maps saved chunks to shards.
+
+    The shards land in new DTensors on each template leaf's mesh and placements, or
+    in the template's own DTensors when ``inplace``.
+    """
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
@@ -428,7 +434,7 @@ def restore_distributed(
     except BaseException as e:
         error = e
     agree(error, group, f"restore {src}")
-    sharded = {p: t for p, t in wanted.items() if is_dtensor(t)}
+    sharded = {p: t if inplace else _fresh_dtensor(t) for p, t in wanted.items() if is_dtensor(t)}
     plain_template = {p: t for p, t in wanted.items() if p not in sharded}
     state_dict = {parsed.tensors[p].fqn: t for p, t in sharded.items()}
     dtypes_ok = all(t.dtype == parsed.tensors[p].dtype for p, t in sharded.items())
@@ -443,9 +449,20 @@ def restore_distributed(
         )
     except BaseException as e:
         raise _unwrap(e, f"restore {src}") from e
+    for p, t in sharded.items():
+        if not inplace and wanted[p].requires_grad and t.is_floating_point():
+            t.requires_grad_(True)
     local = [(p, k) for p, k in selected if p not in sharded]
     with gc_paused():
-        rest = build(src, parsed, local, plain_template, False)
+        rest = build(
+            src,
+            parsed,
+            local,
+            plain_template,
+            False,
+            inplace=inplace,
+            device=device or torch.device("cpu"),
+        )
     values = {leaf.path: leaf for leaf in iter_leaves(rest)}
     leaves: list[Leaf] = []
     for p, _ in selected:
@@ -456,6 +473,22 @@ def restore_distributed(
     if mine is not None:
         leaves += iter_leaves(mine)
     return unflatten(leaves)
+
+
+def _fresh_dtensor(like: Any) -> torch.Tensor:
+    """A new, uninitialised DTensor with the mesh, placements and global shape of ``like``."""
+    from torch.distributed.tensor import DTensor
+
+    local = torch.empty_like(like.to_local(), requires_grad=False)
+    fresh = DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+    return fresh
 
 
 __all__ = ["checkpoint_group", "restore_distributed", "save_distributed"]

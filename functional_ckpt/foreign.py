@@ -69,8 +69,14 @@ def restore_dcp(
     partial: bool,
     cast: bool,
     allow_pickle: bool,
+    inplace: bool = False,
+    device: torch.device | None = None,
 ) -> TensorDict:
-    """Restore the template's keys from a stock DCP checkpoint."""
+    """Restore the template's keys from a stock DCP checkpoint.
+
+    Into new tensors of each template leaf's dtype and device (``device`` for
+    ``meta`` leaves), or into the template's own tensors when ``inplace``.
+    """
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         MetadataIndex,
@@ -124,7 +130,11 @@ def restore_dcp(
                 f"{dtype_name(t.dtype)} (pass cast=True to convert)"
             )
             continue
-        dest = torch.empty(t.shape, dtype=t.dtype) if t.is_meta else t
+        if inplace and not t.is_meta:
+            dest = t
+        else:
+            dev = (device or torch.device("cpu")) if t.is_meta else t.device
+            dest = torch.empty(t.shape, dtype=t.dtype, device=dev)
         with torch.no_grad():
             for chunk in smd.chunks:
                 info = md.storage_data.get(MetadataIndex(fqn, chunk.offsets))
@@ -137,6 +147,8 @@ def restore_dcp(
                 for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
                     region = region.narrow(dim, off, size)
                 region.copy_(piece)
+        if dest is not t and t.requires_grad and (dest.is_floating_point() or dest.is_complex()):
+            dest.requires_grad_(True)
         out.append(Leaf(leaf.path, "tensor", dest))
     if not partial:
         extra = sorted(set(saved) - used)

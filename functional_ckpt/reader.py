@@ -31,6 +31,8 @@ from functional_ckpt.tree import KeyPath, Leaf, as_state, format_path, iter_leav
 
 Reshard = Callable[[list[TensorDict], int, int], Any]
 
+CPU = torch.device("cpu")
+
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
@@ -173,18 +175,28 @@ def select(
     return selected, targets
 
 
-def materialize(entry: TensorEntry, target: torch.Tensor | None) -> Target:
-    """Decide where a tensor's bytes land: in place when the template allows it."""
-    if target is None:
-        dest = torch.empty(entry.shape, dtype=entry.dtype)
-        return Target(entry, dest, dest)
-    if target.is_meta:
-        dest = torch.empty(entry.shape, dtype=target.dtype)
-        buf = dest if target.dtype == entry.dtype else torch.empty(entry.shape, dtype=entry.dtype)
-        return Target(entry, dest, buf)
-    direct = target.device.type == "cpu" and target.dtype == entry.dtype and target.is_contiguous()
-    buf = target.detach() if direct else torch.empty(entry.shape, dtype=entry.dtype)
-    return Target(entry, target, buf)
+def materialize(
+    entry: TensorEntry, target: torch.Tensor | None, *, inplace: bool, device: torch.device
+) -> Target:
+    """Decide where a tensor's bytes land.
+
+    A new tensor is allocated with the template leaf's dtype on its device (``device``
+    for ``meta`` leaves and leaves without a template), and the bytes land in it
+    directly when it is host memory of the saved dtype. Only ``inplace`` restores
+    (``out=``) land in the template's own tensors.
+    """
+    if inplace and target is not None and not target.is_meta:
+        direct = (
+            target.device.type == "cpu" and target.dtype == entry.dtype and target.is_contiguous()
+        )
+        buf = target.detach() if direct else torch.empty(entry.shape, dtype=entry.dtype)
+        return Target(entry, target, buf)
+    dtype = entry.dtype if target is None else target.dtype
+    where = device if target is None or target.is_meta else target.device
+    dest = torch.empty(entry.shape, dtype=dtype, device=where)
+    direct = where.type == "cpu" and dtype == entry.dtype
+    buf = dest if direct else torch.empty(entry.shape, dtype=entry.dtype)
+    return Target(entry, dest, buf)
 
 
 def _region(buf: torch.Tensor, chunk: Chunk) -> torch.Tensor:
@@ -320,6 +332,8 @@ def restore_local(
     partial: bool,
     cast: bool,
     reshard: Reshard | None = None,
+    inplace: bool = False,
+    device: torch.device = CPU,
 ) -> TensorDict:
     """Restore a checkpoint of this format into a new locked TensorDict."""
     rank, world = rank_and_world()
@@ -328,7 +342,15 @@ def restore_local(
         src, load_manifest(src), tpl, partial=partial, reshard=reshard, rank=rank, world=world
     )
     selected, wanted = select(view.parsed, view.template, partial=partial, cast=cast)
-    base = build(src, view.parsed, selected, wanted, view.template is None)
+    base = build(
+        src,
+        view.parsed,
+        selected,
+        wanted,
+        view.template is None,
+        inplace=inplace,
+        device=device,
+    )
     if view.mine is None:
         return base
     return unflatten(list(iter_leaves(base)) + list(iter_leaves(view.mine)))
@@ -340,7 +362,15 @@ def build(
     selected: list[tuple[KeyPath, str]],
     wanted: dict[KeyPath, torch.Tensor],
     fresh: bool,
+    *,
+    inplace: bool = False,
+    device: torch.device = CPU,
 ) -> TensorDict:
+    """Read the selected entries and rebuild their tree.
+
+    ``wanted`` maps key paths to template leaves: their dtype and device shape the
+    result, and with ``inplace`` their storage receives it.
+    """
     targets: dict[KeyPath, Target] = {}
     aliases: list[TensorEntry] = []
     chosen = {p for p, k in selected if k == "tensor"}
@@ -349,36 +379,46 @@ def build(
         if e.alias is not None and e.alias in chosen:
             aliases.append(e)
         else:
-            targets[p] = materialize(e, wanted.get(p))
+            targets[p] = materialize(e, wanted.get(p), inplace=inplace, device=device)
     read_targets(src, list(targets.values()))
     results = {p: tg.dest for p, tg in targets.items()}
     with torch.no_grad():
         for e in aliases:
             assert e.alias is not None
-            source = results[e.alias]
-            dest = wanted.get(e.path)
-            if dest is None or dest.is_meta:
-                results[e.path] = source
-            else:
-                if dest.data_ptr() != source.data_ptr():
-                    dest.copy_(source)
-                results[e.path] = dest
+            results[e.path] = _tied(results[e.alias], wanted.get(e.path), inplace, device)
     leaves: list[Leaf] = []
     for p, kind in selected:
         if kind == "node":
-            leaves.append(Leaf(p, "node"))
+            leaves.append(Leaf(p, "node", parsed.node_info.get(p)))
         elif kind == "value":
             leaves.append(Leaf(p, "value", parsed.values[p]))
         else:
             t = results[p]
-            if (
-                fresh
-                and parsed.tensors[p].requires_grad
-                and (t.is_floating_point() or t.is_complex())
-            ):
+            like = wanted.get(p)
+            if like is not None and not inplace:
+                grad = like.requires_grad
+            else:
+                grad = fresh and parsed.tensors[p].requires_grad
+            if grad and not t.requires_grad and (t.is_floating_point() or t.is_complex()):
                 t.requires_grad_(True)
             leaves.append(Leaf(p, "tensor", t))
     return unflatten(leaves)
+
+
+def _tied(
+    source: torch.Tensor, like: torch.Tensor | None, inplace: bool, device: torch.device
+) -> torch.Tensor:
+    """A tensor saved as a tie of ``source``: the same tensor where dtype and device allow."""
+    if like is None:
+        return source
+    if inplace and not like.is_meta:
+        if like.data_ptr() != source.data_ptr():
+            like.copy_(source)
+        return like
+    where = device if like.is_meta else like.device
+    if source.dtype == like.dtype and source.device == where:
+        return source
+    return source.to(device=where, dtype=like.dtype, copy=True)
 
 
 def resharded_per_rank(
