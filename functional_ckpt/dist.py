@@ -211,6 +211,7 @@ class _SaveJob:
     overwrite: bool
     created: float
     nbytes: int = 0
+    root: dict[str, Any] | None = None  # the root's batch size and names
 
     def commit(self, results: list[WriteResult]) -> None:
         chunks: dict[str, list[dict[str, Any]]] = {}
@@ -229,6 +230,7 @@ class _SaveJob:
                 metadata=self.metadata,
                 overwrite=self.overwrite,
                 created=self.created,
+                root=self.root,
             )
         except OSError as e:
             raise os_error(e, self.dest) from e
@@ -276,6 +278,7 @@ def save_distributed(
     agree(error, group, f"save {dest}")
     locals_ = [codec.decode(b) for b in all_gather_bytes(codec.encode(plan.local), group)]
     job = _SaveJob(dest, tmp, plan.entries, locals_, meta, overwrite, time.time())  # type: ignore[arg-type]
+    job.root = plan.root
     state_dict = {e["fqn"]: t for e, t in zip(plan.targets, plan.sources, strict=True)}
     try:
         with gc_paused():
@@ -472,7 +475,7 @@ def restore_distributed(
             leaves.append(values[p])
     if mine is not None:
         leaves += iter_leaves(mine)
-    return unflatten(leaves)
+    return unflatten(leaves, parsed.root)
 
 
 def _fresh_dtensor(like: Any) -> torch.Tensor:

@@ -33,6 +33,7 @@ from functional_ckpt.tree import (
     as_state,
     format_path,
     iter_leaves,
+    node_record,
     unflatten,
 )
 
@@ -162,7 +163,7 @@ def restore_dcp(
             f"{root}: these values are stored as pickles, which can run code; pass "
             "allow_pickle=True only for a checkpoint you trust:\n  " + "\n  ".join(pickled)
         )
-    return unflatten(out)
+    return unflatten(out, node_record(as_state(template)))
 
 
 def inspect_dcp(root: Path) -> Any:

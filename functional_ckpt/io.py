@@ -217,7 +217,8 @@ class CheckpointSummary:
         def walk(node: dict[str, Any], indent: str) -> None:
             for k, v in node.items():
                 if isinstance(v, Node):
-                    lines.append(f"{indent}{k}/")
+                    batch = f" batch_size={list(v.batch_size)}" if v.batch_size else ""
+                    lines.append(f"{indent}{k}/{batch}")
                     walk(v, indent + "  ")
                 else:
                     lines.append(f"{indent}{k}: {_short(v)}")
@@ -228,6 +229,17 @@ class CheckpointSummary:
 
 class Node(dict[str, Any]):
     """A sub-tree in ``CheckpointSummary.tree`` (plain values that are dicts are not)."""
+
+    batch_size: tuple[int, ...] = ()  # of the TensorDict it was saved from
+    names: list[str | None] | None = None
+
+
+def _node(record: Mapping[str, Any] | None) -> Node:
+    node = Node()
+    if record:
+        node.batch_size = tuple(record["batch_size"])
+        node.names = record.get("names")
+    return node
 
 
 def _short(value: Any, limit: int = 100) -> str:
@@ -251,11 +263,11 @@ def inspect(path: PathLike) -> CheckpointSummary:
         summary: CheckpointSummary = inspect_dcp(src)
         return summary
     parsed = open_checkpoint(src)
-    tree: dict[str, Any] = Node()
+    tree: dict[str, Any] = _node(parsed.root)
     tensor_bytes = 0
     for p, kind in parsed.order:
         if kind == "node":
-            _insert(tree, p, Node())
+            _insert(tree, p, _node(parsed.node_info.get(p)))
         elif kind == "value":
             _insert(tree, p, parsed.values[p])
         else:

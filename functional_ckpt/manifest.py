@@ -104,6 +104,7 @@ class ParsedManifest:
     values: dict[KeyPath, Any] = field(default_factory=dict)
     nodes: set[KeyPath] = field(default_factory=set)
     node_info: dict[KeyPath, dict[str, Any]] = field(default_factory=dict)  # batch size, names
+    root: dict[str, Any] | None = None  # the root's batch size and names, if batched
     per_rank_roots: list[KeyPath] = field(default_factory=list)
     file_sizes: dict[str, int] = field(default_factory=dict)
 
@@ -165,6 +166,10 @@ def parse(manifest: dict[str, Any], root: Path, *, rank: int | None = 0) -> Pars
             f"{src}: tensor bytes are {order}-endian; this machine is {sys.byteorder}-endian"
         )
     out.file_sizes = _files(manifest, root, src)
+    root_record = manifest.get("root", {})
+    if not isinstance(root_record, dict):
+        raise CorruptCheckpoint(f"{src}: invalid root record")
+    out.root = node_info(root_record, f"{src} root")
     entries = manifest.get("entries")
     if not isinstance(entries, list):
         raise CorruptCheckpoint(f"{src}: missing entries")

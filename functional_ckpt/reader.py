@@ -36,7 +36,15 @@ from functional_ckpt.manifest import (
     numel,
     parse,
 )
-from functional_ckpt.tree import KeyPath, Leaf, as_state, format_path, iter_leaves, unflatten
+from functional_ckpt.tree import (
+    KeyPath,
+    Leaf,
+    as_state,
+    format_path,
+    iter_leaves,
+    node_record,
+    unflatten,
+)
 
 Reshard = Callable[[list[TensorDict], int, int], Any]
 
@@ -391,7 +399,7 @@ def restore_local(
     )
     if view.mine is None:
         return base
-    return unflatten(list(iter_leaves(base)) + list(iter_leaves(view.mine)))
+    return unflatten(list(iter_leaves(base)) + list(iter_leaves(view.mine)), view.parsed.root)
 
 
 def build(
@@ -440,7 +448,10 @@ def build(
             if grad and not t.requires_grad and (t.is_floating_point() or t.is_complex()):
                 t.requires_grad_(True)
             leaves.append(Leaf(p, "tensor", t))
-    return unflatten(leaves)
+    try:
+        return unflatten(leaves, parsed.root)
+    except (RuntimeError, ValueError) as e:  # batch sizes that do not fit the tensors
+        raise CorruptCheckpoint(f"{src}: the saved tree does not fit together: {e}") from None
 
 
 def _tied(
@@ -480,4 +491,5 @@ def resharded_per_rank(
 def without_roots(template: TensorDictBase, roots: list[KeyPath]) -> TensorDict:
     """The template minus the per-rank subtrees (they come from ``reshard``)."""
     names = {r[0] for r in roots}
-    return unflatten([leaf for leaf in iter_leaves(template) if leaf.path[0] not in names])
+    kept = [leaf for leaf in iter_leaves(template) if leaf.path[0] not in names]
+    return unflatten(kept, node_record(template))

@@ -27,7 +27,7 @@ from tensordict import TensorDictBase
 from functional_ckpt import codec, format, shards
 from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
 from functional_ckpt.manifest import dtype_name
-from functional_ckpt.tree import KeyPath, as_state, format_path, iter_leaves
+from functional_ckpt.tree import KeyPath, as_state, format_path, iter_leaves, node_record
 
 PathLike = str | os.PathLike[str]
 
@@ -103,6 +103,7 @@ class Plan:
     targets: list[dict[str, Any]] = field(default_factory=list)
     keys: list[KeyPath] = field(default_factory=list)
     num_values: int = 0
+    root: dict[str, Any] | None = None  # the root's batch size and names, if batched
 
 
 def plan_save(
@@ -113,7 +114,7 @@ def plan_save(
 ) -> Plan:
     """Flatten a state into manifest entries and the tensors to write."""
     td = as_state(state)
-    plan = Plan()
+    plan = Plan(root=node_record(td))
     fqns: dict[str, KeyPath] = {}
     seen: dict[tuple[Any, ...], KeyPath] = {}
     roots = set(per_rank)
@@ -122,7 +123,9 @@ def plan_save(
         entry: dict[str, Any] = {"path": list(leaf.path), "kind": leaf.kind}
         if local and len(leaf.path) == 1:
             plan.entries.append({"path": list(leaf.path), "kind": "per_rank"})
-        if leaf.kind == "value":
+        if leaf.kind == "node" and leaf.value:
+            entry.update(leaf.value)  # batch size and dimension names
+        elif leaf.kind == "value":
             entry["value"] = leaf.value
             plan.num_values += 1
         elif leaf.kind == "tensor":
@@ -266,6 +269,7 @@ def finalize(
     overwrite: bool,
     created: float,
     before_commit: Callable[[], None] | None = None,
+    root: dict[str, Any] | None = None,
 ) -> tuple[int, int]:
     """Write ``.metadata``, the manifest and the marker into ``tmp``; commit as ``dest``.
 
@@ -291,6 +295,8 @@ def finalize(
         "entries": entries,
         "ranks": [{"entries": r} for r in ranks],
     }
+    if root:
+        manifest["root"] = root  # the root TensorDict's batch size and names
     manifest_bytes = codec.encode(manifest, where="manifest")
     format.write_file_durably(tmp / format.MANIFEST, manifest_bytes)
     if before_commit is not None:
@@ -335,6 +341,7 @@ def write_local(
             overwrite=overwrite,
             created=created,
             before_commit=before_commit,
+            root=plan.root,
         )
     except OSError as e:
         format.remove_tree(tmp)

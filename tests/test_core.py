@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from tensordict import TensorDict
+from tensordict import tensorclass
 
 import functional_ckpt as fc
 from tests.exact import assert_exact
@@ -331,10 +331,15 @@ def test_save_works_without_process_group() -> None:
     assert not dist.is_initialized()
 
 
+@tensorclass
+class Pair:
+    a: torch.Tensor
+
+
 def test_state_must_be_a_tree(tmp_path: Path) -> None:
     with pytest.raises(fc.UnsupportedValue, match=r"state\['env'\]"):
         fc.save(tmp_path / "ck", {"env": object()})
-    with pytest.raises(fc.UnsupportedValue, match="batch_size"):
-        fc.save(tmp_path / "ck", TensorDict({"a": torch.zeros(2)}, batch_size=[2]))
+    with pytest.raises(fc.UnsupportedValue, match="tensorclass"):
+        fc.save(tmp_path / "ck", Pair(a=torch.zeros(2), batch_size=[2]))  # type: ignore[call-arg]
     assert not (tmp_path / "ck").exists()
     assert os.listdir(tmp_path) == []
