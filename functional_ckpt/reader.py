@@ -2,8 +2,10 @@
 
 The manifest is authenticated by the commit marker and validated against the
 files before anything is allocated. Tensor bytes are read straight into their
-destination (the template's own tensors when dtype and layout allow), checked
-against their CRC32 on the way, and a new locked TensorDict is built around them.
+destination, checked against their CRC32 on the way, and a new locked TensorDict
+is built around them. The destination is a new tensor shaped by the ``like``
+leaf (its dtype and device), so a restore never writes what it was given; only
+an explicit in-place restore (``out=``) reads into the given tensors.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import mmap
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,7 +195,7 @@ def select(
     return selected, targets
 
 
-#: Host tensors from this size on are allocated as populated (huge-page) mappings.
+#: Host tensors from this size on are allocated with their pages faulted in up front.
 PREFAULT_BYTES = 4 << 20
 #: ``madvise`` advice that faults a whole range in with one call (Linux 5.14+).
 MADV_POPULATE_WRITE = 23
@@ -201,20 +204,21 @@ MADV_POPULATE_WRITE = 23
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A new CPU tensor whose pages are already faulted in.
 
-    A restore writes every byte of its new tensors once; touching fresh memory page
-    by page costs more than reading the bytes themselves (one fault per 4 KiB, far
-    more under virtualisation). Large tensors are therefore mapped with huge pages
-    and populated with one call; where the kernel declines, it is ordinary memory.
+    A restore writes every byte of its new tensors once; faulting fresh memory in
+    4 KiB at a time while reading costs more than the read itself (far more under
+    virtualisation), and one ``MADV_POPULATE_WRITE`` call does the same work with
+    one trap (Linux only; on older kernels the advice fails and the read faults
+    the pages in). Huge pages are deliberately not asked for: with the common
+    ``defrag=madvise`` setting the kernel would compact memory synchronously,
+    evicting the very page cache being read.
     """
     nbytes = numel(shape) * element_size(dtype)
-    if nbytes < PREFAULT_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if nbytes < PREFAULT_BYTES or not sys.platform.startswith("linux"):
         return torch.empty(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    for advice in (mmap.MADV_HUGEPAGE, MADV_POPULATE_WRITE):
-        with contextlib.suppress(OSError):
-            region.madvise(advice)
-    flat = torch.frombuffer(region, dtype=torch.uint8)
-    return flat.view(dtype).view(shape)
+    with contextlib.suppress(OSError):
+        region.madvise(MADV_POPULATE_WRITE)
+    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def materialize(
