@@ -38,7 +38,7 @@ def dtype_from_name(name: object, where: str) -> torch.dtype:
 
 
 def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 @dataclass

@@ -359,9 +359,10 @@ def rank_view(
     asks for (explicitly by the template, or implicitly by a template-free, full
     restore).
     """
+    mine_parsed = parse(manifest, src, rank=rank)
+    if mine_parsed.world_size == world or not mine_parsed.per_rank_roots:
+        return RankView(mine_parsed, template)  # the common case: one parse
     saved_world = parse(manifest, src, rank=None)
-    if saved_world.world_size == world or not saved_world.per_rank_roots:
-        return RankView(parse(manifest, src, rank=rank), template)
     roots = saved_world.per_rank_roots
     if reshard is not None:
         mine = resharded_per_rank(src, manifest, reshard, rank, world)

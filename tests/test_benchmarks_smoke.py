@@ -32,6 +32,7 @@ RESTORE_TOOLS = {
     "safetensors.load_file",
     "dcp.load(template)",
     "raw read into template",
+    "raw read into new tensors",
 }
 
 
