@@ -211,6 +211,7 @@ class _SaveJob:
     overwrite: bool
     created: float
     nbytes: int = 0
+    root: dict[str, Any] | None = None  # the root's batch size and names
 
     def commit(self, results: list[WriteResult]) -> None:
         chunks: dict[str, list[dict[str, Any]]] = {}
@@ -229,6 +230,7 @@ class _SaveJob:
                 metadata=self.metadata,
                 overwrite=self.overwrite,
                 created=self.created,
+                root=self.root,
             )
         except CheckpointError:  # e.g. CheckpointExists, itself an OSError
             raise
@@ -278,6 +280,7 @@ def save_distributed(
     agree(error, group, f"save {dest}")
     locals_ = [codec.decode(b) for b in all_gather_bytes(codec.encode(plan.local), group)]
     job = _SaveJob(dest, tmp, plan.entries, locals_, meta, overwrite, time.time())  # type: ignore[arg-type]
+    job.root = plan.root
     state_dict = {e["fqn"]: t for e, t in zip(plan.targets, plan.sources, strict=True)}
     try:
         with gc_paused():
@@ -404,8 +407,14 @@ def restore_distributed(
     cast: bool,
     reshard: Reshard | None,
     timeout: float | None = None,
+    inplace: bool = False,
+    device: torch.device | None = None,
 ) -> TensorDict:
-    """Restore with DTensor leaves in the template: DCP maps saved chunks to shards."""
+    """Restore with DTensor leaves in the template: DCP maps saved chunks to shards.
+
+    The shards land in new DTensors on each template leaf's mesh and placements, or
+    in the template's own DTensors when ``inplace``.
+    """
     if not (dist.is_available() and dist.is_initialized()):
         raise CheckpointError("restoring into DTensor templates needs an initialized process group")
     group = checkpoint_group(timeout)
@@ -417,7 +426,15 @@ def restore_distributed(
         error = e
     try:
         return _restore_open(
-            ck, error, group, template, partial=partial, cast=cast, reshard=reshard
+            ck,
+            error,
+            group,
+            template,
+            partial=partial,
+            cast=cast,
+            reshard=reshard,
+            inplace=inplace,
+            device=device,
         )
     finally:
         if ck is not None:
@@ -433,6 +450,8 @@ def _restore_open(
     partial: bool,
     cast: bool,
     reshard: Reshard | None,
+    inplace: bool,
+    device: torch.device | None,
 ) -> TensorDict:
     """The distributed restore, reading every file through the opened checkpoint ``ck``."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -458,7 +477,7 @@ def _restore_open(
             error = e
     agree(error, group, f"restore {src}")
     assert ck is not None
-    sharded = {p: t for p, t in wanted.items() if is_dtensor(t)}
+    sharded = {p: t if inplace else _fresh_dtensor(t) for p, t in wanted.items() if is_dtensor(t)}
     plain_template = {p: t for p, t in wanted.items() if p not in sharded}
     state_dict = {parsed.tensors[p].fqn: t for p, t in sharded.items()}
     dtypes_ok = all(t.dtype == parsed.tensors[p].dtype for p, t in sharded.items())
@@ -473,9 +492,20 @@ def _restore_open(
         )
     except BaseException as e:
         raise _unwrap(e, f"restore {src}") from e
+    for p, t in sharded.items():
+        if not inplace and wanted[p].requires_grad and t.is_floating_point():
+            t.requires_grad_(True)
     local = [(p, k) for p, k in selected if p not in sharded]
     with gc_paused():
-        rest = build(ck, parsed, local, plain_template, False)
+        rest = build(
+            ck,
+            parsed,
+            local,
+            plain_template,
+            False,
+            inplace=inplace,
+            device=device or torch.device("cpu"),
+        )
     values = {leaf.path: leaf for leaf in iter_leaves(rest)}
     leaves: list[Leaf] = []
     for p, _ in selected:
@@ -485,7 +515,23 @@ def _restore_open(
             leaves.append(values[p])
     if mine is not None:
         leaves += iter_leaves(mine)
-    return unflatten(leaves)
+    return unflatten(leaves, parsed.root)
+
+
+def _fresh_dtensor(like: Any) -> torch.Tensor:
+    """A new, uninitialised DTensor with the mesh, placements and global shape of ``like``."""
+    from torch.distributed.tensor import DTensor
+
+    local = torch.empty_like(like.to_local(), requires_grad=False)
+    fresh = DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+    return fresh
 
 
 __all__ = ["checkpoint_group", "restore_distributed", "save_distributed"]

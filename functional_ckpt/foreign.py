@@ -35,6 +35,7 @@ from functional_ckpt.tree import (
     as_state,
     format_path,
     iter_leaves,
+    node_record,
     unflatten,
 )
 
@@ -111,14 +112,28 @@ def restore_dcp(
     partial: bool,
     cast: bool,
     allow_pickle: bool,
+    inplace: bool = False,
+    device: torch.device | None = None,
 ) -> TensorDict:
-    """Restore the template's keys from a stock DCP checkpoint."""
+    """Restore the template's keys from a stock DCP checkpoint.
+
+    Into new tensors of each template leaf's dtype and device (``device`` for
+    ``meta`` leaves), or into the template's own tensors when ``inplace``.
+    """
     if template is None:
         raise CheckpointError(
             f"{root}: a stock DCP checkpoint has no manifest; pass a template to restore it"
         )
     with StockFiles(root) as files:
-        return _restore(files, template, partial=partial, cast=cast, allow_pickle=allow_pickle)
+        return _restore(
+            files,
+            template,
+            partial=partial,
+            cast=cast,
+            allow_pickle=allow_pickle,
+            inplace=inplace,
+            device=device,
+        )
 
 
 def _restore(
@@ -128,6 +143,8 @@ def _restore(
     partial: bool,
     cast: bool,
     allow_pickle: bool,
+    inplace: bool,
+    device: torch.device | None,
 ) -> TensorDict:
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
@@ -182,7 +199,11 @@ def _restore(
                 f"{dtype_name(t.dtype)} (pass cast=True to convert)"
             )
             continue
-        dest = torch.empty(t.shape, dtype=t.dtype) if t.is_meta else t
+        if inplace and not t.is_meta:
+            dest = t
+        else:
+            dev = (device or torch.device("cpu")) if t.is_meta else t.device
+            dest = torch.empty(t.shape, dtype=t.dtype, device=dev)
         with torch.no_grad():
             for chunk in smd.chunks:
                 info = storage.get(MetadataIndex(fqn, chunk.offsets))
@@ -195,6 +216,8 @@ def _restore(
                 for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
                     region = region.narrow(dim, off, size)
                 region.copy_(piece)
+        if dest is not t and t.requires_grad and (dest.is_floating_point() or dest.is_complex()):
+            dest.requires_grad_(True)
         out.append(Leaf(leaf.path, "tensor", dest))
     if not partial:
         extra = sorted(set(saved) - used)
@@ -208,7 +231,7 @@ def _restore(
             f"{root}: these values are stored as pickles, which can run code; pass "
             "allow_pickle=True only for a checkpoint you trust:\n  " + "\n  ".join(pickled)
         )
-    return unflatten(out)
+    return unflatten(out, node_record(as_state(template)))
 
 
 def inspect_dcp(root: Path) -> CheckpointSummary:

@@ -1,17 +1,19 @@
 """save, restore, inspect, verify: the pure functions between a state and a directory.
 
 save:    state -> flatten -> write shards -> DCP metadata -> manifest -> commit
-restore: manifest -> check template -> read into target tensors -> unflatten -> lock
+restore: manifest -> match ``like`` -> read into new tensors (or ``out``'s) -> unflatten -> lock
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from tensordict import TensorDict, TensorDictBase
 
 from functional_ckpt import dcpmeta, format, shards
@@ -25,7 +27,7 @@ from functional_ckpt.reader import (
     open_checkpoint,
     restore_local,
 )
-from functional_ckpt.summary import CheckpointSummary, Node, TensorSpec, insert
+from functional_ckpt.summary import CheckpointSummary, TensorSpec, insert, node_of
 from functional_ckpt.tree import KeyPath, as_state, format_path, iter_leaves
 from functional_ckpt.writer import (
     DEFAULT_PER_RANK,
@@ -87,37 +89,93 @@ def distributed_active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+State = TensorDictBase | Mapping[str, Any]
+
+
 def restore(
     path: PathLike,
-    template: TensorDictBase | Mapping[str, Any] | None = None,
+    like: State | None = None,
     *,
+    out: State | None = None,
+    device: torch.device | str | None = None,
     partial: bool = False,
     cast: bool = False,
     allow_pickle: bool = False,
     reshard: Reshard | None = None,
+    template: State | None = None,
 ) -> TensorDict:
     """Read a checkpoint back as a new locked TensorDict.
 
-    With a template, bytes are read straight into the template's tensors (in place,
-    like ``dcp.load``: no second copy of the state in memory); ``meta`` tensors in
-    the template are allocated on the CPU; without a template the whole tree is
-    rebuilt from the manifest. DTensor leaves of the template receive their local
-    shards, whatever the world size at save time. On failure the template tensors'
-    contents are unspecified.
+    A pure function of the files and ``like``: ``like`` only says which keys to read
+    and each tensor's dtype and device (``meta`` leaves land on ``device``, default
+    CPU; DTensor leaves get fresh shards on their mesh and placements). Nothing
+    ``like`` refers to is ever written, also when the restore fails, so a state
+    captured from a live model stays the model's until ``fc.apply``. Without
+    ``like`` the whole tree is rebuilt from the manifest.
+
+    ``out=state`` is the explicit in-place mode for memory-tight restores: bytes go
+    straight into ``out``'s tensors and the result holds them; if it fails, their
+    contents are unspecified. ``template=`` is the deprecated spelling of ``like=``.
     """
+    like = like_argument(like, out, template, "fc.restore")
+    chosen = out if out is not None else like
+    target = None if chosen is None else as_state(chosen)
+    inplace = out is not None
+    where = torch.device("cpu" if device is None else device)
     src = Path(path)
     if is_stock_dcp(src):
         from functional_ckpt.foreign import restore_dcp
 
-        return restore_dcp(src, template, partial=partial, cast=cast, allow_pickle=allow_pickle)
-    if template is not None:
-        template = as_state(template)  # convert a plain mapping once
-    if template is not None and _has_dtensor(template):
+        return restore_dcp(
+            src,
+            target,
+            partial=partial,
+            cast=cast,
+            allow_pickle=allow_pickle,
+            inplace=inplace,
+            device=where,
+        )
+    if target is not None and _has_dtensor(target):
         from functional_ckpt.dist import restore_distributed
 
-        return restore_distributed(src, template, partial=partial, cast=cast, reshard=reshard)
+        return restore_distributed(
+            src, target, partial=partial, cast=cast, reshard=reshard, inplace=inplace, device=where
+        )
     with gc_paused():
-        return restore_local(src, template, partial=partial, cast=cast, reshard=reshard)
+        return restore_local(
+            src,
+            target,
+            partial=partial,
+            cast=cast,
+            reshard=reshard,
+            inplace=inplace,
+            device=where,
+        )
+
+
+def like_argument(
+    like: State | None, out: State | None, template: State | None, what: str
+) -> State | None:
+    """Check that at most one of ``like``/``out`` is given; accept ``template=`` as ``like=``."""
+    if template is not None:
+        like = _deprecated_template(like, template, what)
+    if like is not None and out is not None:
+        raise CheckpointError(
+            f"{what}: pass like= (a new state is returned) or out= (restore in place), not both"
+        )
+    return like
+
+
+def _deprecated_template(like: State | None, template: State, what: str) -> State:
+    warnings.warn(
+        f"{what}(template=...) is deprecated: pass like= (a new state is returned, the "
+        "template is not written) or out= (restore in place)",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    if like is not None:
+        raise CheckpointError(f"{what}: pass like= or its old name template=, not both")
+    return template
 
 
 def _has_dtensor(template: TensorDictBase | Mapping[str, Any]) -> bool:
@@ -138,11 +196,11 @@ def inspect(path: PathLike) -> CheckpointSummary:
         summary: CheckpointSummary = inspect_dcp(src)
         return summary
     parsed = open_checkpoint(src)
-    tree: dict[str, Any] = Node()
+    tree: dict[str, Any] = node_of(parsed.root)
     tensor_bytes = 0
     for p, kind in parsed.order:
         if kind == "node":
-            insert(tree, p, Node())
+            insert(tree, p, node_of(parsed.node_info.get(p)))
         elif kind == "value":
             insert(tree, p, parsed.values[p])
         else:

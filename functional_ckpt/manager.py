@@ -39,7 +39,7 @@ from functional_ckpt.errors import (
     UnsupportedValue,
 )
 from functional_ckpt.export import Export, export_safetensors
-from functional_ckpt.io import CheckpointInfo, distributed_active, restore, save
+from functional_ckpt.io import CheckpointInfo, distributed_active, like_argument, restore, save
 from functional_ckpt.lock import WriterLock
 from functional_ckpt.policy import Event, PolicyState, SavePolicy, every_steps
 from functional_ckpt.reader import Reshard, rank_and_world
@@ -492,23 +492,35 @@ class CheckpointManager:
     # ------------------------------------------------------------------ restoring
 
     def restore(
-        self, step: int, template: State | None = None, *, reshard: Reshard | None = None
+        self,
+        step: int,
+        like: State | None = None,
+        *,
+        out: State | None = None,
+        reshard: Reshard | None = None,
+        template: State | None = None,
     ) -> TensorDict:
         """Restore one step (no fallback) and continue the policies from it.
 
-        ``reshard`` maps per-rank state saved by a different number of ranks (see
-        :func:`functional_ckpt.restore`).
+        ``like``, ``out`` and ``reshard`` are those of :func:`functional_ckpt.restore`
+        (``template=`` is the deprecated spelling of ``like=``).
         """
+        like = like_argument(like, out, template, "CheckpointManager.restore")
         if self._closed:
             raise CheckpointError(f"{self.root}: restore: the manager is closed")
         path = self.path(step)
         info = self.info(step)
-        state = restore(path, template, reshard=reshard)
+        state = restore(path, like, out=out, reshard=reshard)
         self._adopt(info)
         return state
 
     def restore_latest(
-        self, template: State | None = None, *, reshard: Reshard | None = None
+        self,
+        like: State | None = None,
+        *,
+        out: State | None = None,
+        reshard: Reshard | None = None,
+        template: State | None = None,
     ) -> TensorDict | None:
         """Restore the newest readable checkpoint; None only if the root holds none.
 
@@ -519,12 +531,15 @@ class CheckpointManager:
         If checkpoints exist but none is readable this raises rather than letting
         the run silently start over. The per-tensor CRCs that ``fc.restore``
         checks while reading are the validation; nothing is read twice.
+        ``like``/``out`` are those of :func:`functional_ckpt.restore`: with ``like`` a
+        new state is returned and ``like`` is never written.
         """
+        like = like_argument(like, out, template, "CheckpointManager.restore_latest")
         if self._closed:
             raise CheckpointError(f"{self.root}: restore_latest: the manager is closed")
         failures: list[str] = []
         for _ in range(100):  # re-list only when a follower raced a prune
-            result = self._try_candidates(template, failures, reshard)
+            result = self._try_candidates(like, out, failures, reshard)
             if result is not _VANISHED:
                 break
         else:
@@ -546,14 +561,18 @@ class CheckpointManager:
         return None
 
     def _try_candidates(
-        self, template: State | None, failures: list[str], reshard: Reshard | None
+        self,
+        like: State | None,
+        out: State | None,
+        failures: list[str],
+        reshard: Reshard | None,
     ) -> object:
         candidates = sorted(self._step_dirs(), reverse=True)
         for step, path in candidates:
             before = identity(path)
             try:
                 info = read_info(path, step)
-                state = restore(path, template, reshard=reshard)
+                state = restore(path, like, out=out, reshard=reshard)
             except Exception as err:
                 if not is_damage(err):
                     raise  # the template or an argument is wrong, not the checkpoint

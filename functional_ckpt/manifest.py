@@ -35,7 +35,7 @@ def dtype_from_name(name: object, where: str) -> torch.dtype:
 
 
 def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 @dataclass
@@ -100,6 +100,8 @@ class ParsedManifest:
     tensors: dict[KeyPath, TensorEntry] = field(default_factory=dict)
     values: dict[KeyPath, Any] = field(default_factory=dict)
     nodes: set[KeyPath] = field(default_factory=set)
+    node_info: dict[KeyPath, dict[str, Any]] = field(default_factory=dict)  # batch size, names
+    root: dict[str, Any] | None = None  # the root's batch size and names, if batched
     per_rank_roots: list[KeyPath] = field(default_factory=list)
     file_sizes: dict[str, int] = field(default_factory=dict)
 
@@ -154,6 +156,10 @@ def parse(manifest: dict[str, Any], root: Path, *, rank: int | None = 0) -> Pars
             f"{src}: tensor bytes are {order}-endian; this machine is {sys.byteorder}-endian"
         )
     out.file_sizes = _files(manifest, root, src)
+    root_record = manifest.get("root", {})
+    if not isinstance(root_record, dict):
+        raise CorruptCheckpoint(f"{src}: invalid root record")
+    out.root = node_info(root_record, f"{src} root")
     entries = manifest.get("entries")
     if not isinstance(entries, list):
         raise CorruptCheckpoint(f"{src}: missing entries")
@@ -198,6 +204,9 @@ def _add(out: ParsedManifest, e: object, where: str) -> None:
     kind = e.get("kind")
     if kind == "node":
         out.nodes.add(path)
+        info = node_info(e, where)
+        if info is not None:
+            out.node_info[path] = info
     elif kind == "value":
         if "value" not in e:
             raise CorruptCheckpoint(f"{where}: value entry without a value")
@@ -207,6 +216,26 @@ def _add(out: ParsedManifest, e: object, where: str) -> None:
     else:
         raise CorruptCheckpoint(f"{where}: unknown entry kind {kind!r}")
     out.order.append((path, kind))
+
+
+def node_info(e: dict[str, Any], where: str) -> dict[str, Any] | None:
+    """A node's batch size and dimension names; None for ``batch_size=[]`` (older manifests)."""
+    size = e.get("batch_size", [])
+    names = e.get("names")
+    if not isinstance(size, list) or len(size) > 64:
+        raise CorruptCheckpoint(f"{where}: invalid batch size {size!r}")
+    dims = [_int(d, where, "batch dimension") for d in size]
+    if len(dims) > LIMITS.tensor_ndim or any(d >= LIMITS.tensor_extent for d in dims):
+        raise UnsafeCheckpoint(f"{where}: impossible batch size {dims}")
+    if names is not None and (
+        not isinstance(names, list)
+        or len(names) != len(dims)
+        or not all(n is None or isinstance(n, str) for n in names)
+    ):
+        raise CorruptCheckpoint(f"{where}: invalid dimension names {names!r}")
+    if not dims:
+        return None
+    return {"batch_size": dims} if names is None else {"batch_size": dims, "names": names}
 
 
 def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: str) -> TensorEntry:

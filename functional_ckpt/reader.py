@@ -2,14 +2,18 @@
 
 The manifest is authenticated by the commit marker and validated against the
 files before anything is allocated. Tensor bytes are read straight into their
-destination (the template's own tensors when dtype and layout allow), checked
-against their CRC32 on the way, and a new locked TensorDict is built around them.
+destination, checked against their CRC32 on the way, and a new locked TensorDict
+is built around them. The destination is a new tensor shaped by the ``like``
+leaf (its dtype and device), so a restore never writes what it was given; only
+an explicit in-place restore (``out=``) reads into the given tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import mmap
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,10 +28,28 @@ from functional_ckpt.errors import (
     CorruptCheckpoint,
     TemplateMismatch,
 )
-from functional_ckpt.manifest import Chunk, ParsedManifest, TensorEntry, dtype_name, parse
-from functional_ckpt.tree import KeyPath, Leaf, as_state, format_path, iter_leaves, unflatten
+from functional_ckpt.manifest import (
+    Chunk,
+    ParsedManifest,
+    TensorEntry,
+    dtype_name,
+    element_size,
+    numel,
+    parse,
+)
+from functional_ckpt.tree import (
+    KeyPath,
+    Leaf,
+    as_state,
+    format_path,
+    iter_leaves,
+    node_record,
+    unflatten,
+)
 
 Reshard = Callable[[list[TensorDict], int, int], Any]
+
+CPU = torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -186,18 +208,58 @@ def select(
     return selected, targets
 
 
-def materialize(entry: TensorEntry, target: torch.Tensor | None) -> Target:
-    """Decide where a tensor's bytes land: in place when the template allows it."""
-    if target is None:
-        dest = torch.empty(entry.shape, dtype=entry.dtype)
-        return Target(entry, dest, dest)
-    if target.is_meta:
-        dest = torch.empty(entry.shape, dtype=target.dtype)
-        buf = dest if target.dtype == entry.dtype else torch.empty(entry.shape, dtype=entry.dtype)
-        return Target(entry, dest, buf)
-    direct = target.device.type == "cpu" and target.dtype == entry.dtype and target.is_contiguous()
-    buf = target.detach() if direct else torch.empty(entry.shape, dtype=entry.dtype)
-    return Target(entry, target, buf)
+#: Host tensors from this size on are allocated with their pages faulted in up front.
+PREFAULT_BYTES = 4 << 20
+#: ``madvise`` advice that faults a whole range in with one call (Linux 5.14+).
+MADV_POPULATE_WRITE = 23
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A new CPU tensor whose pages are already faulted in.
+
+    A restore writes every byte of its new tensors once; faulting fresh memory in
+    4 KiB at a time while reading costs more than the read itself (far more under
+    virtualisation), and one ``MADV_POPULATE_WRITE`` call does the same work with
+    one trap (Linux only; on older kernels the advice fails and the read faults
+    the pages in). Huge pages are deliberately not asked for: with the common
+    ``defrag=madvise`` setting the kernel would compact memory synchronously,
+    evicting the very page cache being read.
+    """
+    nbytes = numel(shape) * element_size(dtype)
+    if nbytes < PREFAULT_BYTES or not sys.platform.startswith("linux"):
+        return torch.empty(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):
+        region.madvise(MADV_POPULATE_WRITE)
+    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def materialize(
+    entry: TensorEntry, target: torch.Tensor | None, *, inplace: bool, device: torch.device
+) -> Target:
+    """Decide where a tensor's bytes land.
+
+    A new tensor is allocated with the template leaf's dtype on its device (``device``
+    for ``meta`` leaves and leaves without a template), and the bytes land in it
+    directly when it is host memory of the saved dtype. Only ``inplace`` restores
+    (``out=``) land in the template's own tensors.
+    """
+    if inplace and target is not None and not target.is_meta:
+        direct = (
+            target.device.type == "cpu" and target.dtype == entry.dtype and target.is_contiguous()
+        )
+        buf = target.detach() if direct else torch.empty(entry.shape, dtype=entry.dtype)
+        return Target(entry, target, buf)
+    dtype = entry.dtype if target is None else target.dtype
+    where = device if target is None or target.is_meta else target.device
+    direct = where.type == "cpu" and dtype == entry.dtype
+    dest = (
+        host_empty(entry.shape, dtype)
+        if direct
+        else torch.empty(entry.shape, dtype=dtype, device=where)
+    )
+    buf = dest if direct else torch.empty(entry.shape, dtype=entry.dtype)
+    return Target(entry, dest, buf)
 
 
 def _region(buf: torch.Tensor, chunk: Chunk) -> torch.Tensor:
@@ -306,9 +368,10 @@ def rank_view(
     asks for (explicitly by the template, or implicitly by a template-free, full
     restore).
     """
+    mine_parsed = parse(manifest, src.path, rank=rank)
+    if mine_parsed.world_size == world or not mine_parsed.per_rank_roots:
+        return RankView(mine_parsed, template)  # the common case: one parse
     saved_world = parse(manifest, src.path, rank=None)
-    if saved_world.world_size == world or not saved_world.per_rank_roots:
-        return RankView(parse(manifest, src.path, rank=rank), template)
     roots = saved_world.per_rank_roots
     if reshard is not None:
         mine = resharded_per_rank(src, manifest, reshard, rank, world)
@@ -329,6 +392,8 @@ def restore_local(
     partial: bool,
     cast: bool,
     reshard: Reshard | None = None,
+    inplace: bool = False,
+    device: torch.device = CPU,
 ) -> TensorDict:
     """Restore a checkpoint of this format into a new locked TensorDict."""
     rank, world = rank_and_world()
@@ -338,10 +403,18 @@ def restore_local(
             ck, ck.manifest, tpl, partial=partial, reshard=reshard, rank=rank, world=world
         )
         selected, wanted = select(view.parsed, view.template, partial=partial, cast=cast)
-        base = build(ck, view.parsed, selected, wanted, view.template is None)
+        base = build(
+            ck,
+            view.parsed,
+            selected,
+            wanted,
+            view.template is None,
+            inplace=inplace,
+            device=device,
+        )
     if view.mine is None:
         return base
-    return unflatten(list(iter_leaves(base)) + list(iter_leaves(view.mine)))
+    return unflatten(list(iter_leaves(base)) + list(iter_leaves(view.mine)), view.parsed.root)
 
 
 def build(
@@ -350,7 +423,15 @@ def build(
     selected: list[tuple[KeyPath, str]],
     wanted: dict[KeyPath, torch.Tensor],
     fresh: bool,
+    *,
+    inplace: bool = False,
+    device: torch.device = CPU,
 ) -> TensorDict:
+    """Read the selected entries and rebuild their tree.
+
+    ``wanted`` maps key paths to template leaves: their dtype and device shape the
+    result, and with ``inplace`` their storage receives it.
+    """
     targets: dict[KeyPath, Target] = {}
     aliases: list[TensorEntry] = []
     chosen = {p for p, k in selected if k == "tensor"}
@@ -359,36 +440,49 @@ def build(
         if e.alias is not None and e.alias in chosen:
             aliases.append(e)
         else:
-            targets[p] = materialize(e, wanted.get(p))
+            targets[p] = materialize(e, wanted.get(p), inplace=inplace, device=device)
     read_targets(src, list(targets.values()))
     results = {p: tg.dest for p, tg in targets.items()}
     with torch.no_grad():
         for e in aliases:
             assert e.alias is not None
-            source = results[e.alias]
-            dest = wanted.get(e.path)
-            if dest is None or dest.is_meta:
-                results[e.path] = source
-            else:
-                if dest.data_ptr() != source.data_ptr():
-                    dest.copy_(source)
-                results[e.path] = dest
+            results[e.path] = _tied(results[e.alias], wanted.get(e.path), inplace, device)
     leaves: list[Leaf] = []
     for p, kind in selected:
         if kind == "node":
-            leaves.append(Leaf(p, "node"))
+            leaves.append(Leaf(p, "node", parsed.node_info.get(p)))
         elif kind == "value":
             leaves.append(Leaf(p, "value", parsed.values[p]))
         else:
             t = results[p]
-            if (
-                fresh
-                and parsed.tensors[p].requires_grad
-                and (t.is_floating_point() or t.is_complex())
-            ):
+            like = wanted.get(p)
+            if like is not None and not inplace:
+                grad = like.requires_grad
+            else:
+                grad = fresh and parsed.tensors[p].requires_grad
+            if grad and not t.requires_grad and (t.is_floating_point() or t.is_complex()):
                 t.requires_grad_(True)
             leaves.append(Leaf(p, "tensor", t))
-    return unflatten(leaves)
+    try:
+        return unflatten(leaves, parsed.root)
+    except (RuntimeError, ValueError) as e:  # batch sizes that do not fit the tensors
+        raise CorruptCheckpoint(f"{src}: the saved tree does not fit together: {e}") from None
+
+
+def _tied(
+    source: torch.Tensor, like: torch.Tensor | None, inplace: bool, device: torch.device
+) -> torch.Tensor:
+    """A tensor saved as a tie of ``source``: the same tensor where dtype and device allow."""
+    if like is None:
+        return source
+    if inplace and not like.is_meta:
+        if like.data_ptr() != source.data_ptr():
+            like.copy_(source)
+        return like
+    where = device if like.is_meta else like.device
+    if source.dtype == like.dtype and source.device == where:
+        return source
+    return source.to(device=where, dtype=like.dtype, copy=True)
 
 
 def resharded_per_rank(
@@ -412,4 +506,5 @@ def resharded_per_rank(
 def without_roots(template: TensorDictBase, roots: list[KeyPath]) -> TensorDict:
     """The template minus the per-rank subtrees (they come from ``reshard``)."""
     names = {r[0] for r in roots}
-    return unflatten([leaf for leaf in iter_leaves(template) if leaf.path[0] not in names])
+    kept = [leaf for leaf in iter_leaves(template) if leaf.path[0] not in names]
+    return unflatten(kept, node_record(template))

@@ -26,7 +26,7 @@ from functional_ckpt.checksum import crc32
 from functional_ckpt.errors import CheckpointError, ModifiedDuringSave
 from functional_ckpt.io import distributed_active
 from functional_ckpt.shards import byte_view
-from functional_ckpt.tree import Leaf, as_state, format_path, iter_leaves, unflatten
+from functional_ckpt.tree import Leaf, as_state, format_path, iter_leaves, node_record, unflatten
 from functional_ckpt.writer import (
     DEFAULT_PER_RANK,
     CheckpointInfo,
@@ -333,7 +333,11 @@ def _distributed_work(
                 Leaf(lf.path, lf.kind, next(it)) if lf.kind == "tensor" else lf for lf in leaves
             ]
             return save_distributed(
-                path, unflatten(rebuilt), metadata=metadata, overwrite=overwrite, per_rank=per_rank
+                path,
+                unflatten(rebuilt, node_record(as_state(state))),
+                metadata=metadata,
+                overwrite=overwrite,
+                per_rank=per_rank,
             )
         finally:
             stager.release()

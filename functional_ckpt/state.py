@@ -4,8 +4,8 @@ Everything a resumed run needs to be bit-identical lives here: parameters and
 buffers, optimizer moments and hyper-parameters (floats stay float64, ``betas``
 stays a tuple), scheduler counters, every random generator the step may touch, and
 the data position. Tensors are captured by reference (no copy): saving copies them
-to disk, and restoring into a captured template writes straight into the live
-tensors.
+to disk; ``fc.restore(path, like=captured)`` returns new tensors and leaves the live
+ones alone until :func:`apply` loads the result into the objects.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ so neither imports the other.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,18 @@ class TensorSpec:
 
 class Node(dict[str, Any]):
     """A sub-tree in ``CheckpointSummary.tree`` (plain values that are dicts are not)."""
+
+    batch_size: tuple[int, ...] = ()  # of the TensorDict it was saved from
+    names: list[str | None] | None = None
+
+
+def node_of(record: Mapping[str, Any] | None) -> Node:
+    """A summary node carrying the batch size and names a node entry recorded."""
+    node = Node()
+    if record:
+        node.batch_size = tuple(record["batch_size"])
+        node.names = record.get("names")
+    return node
 
 
 @dataclass
@@ -57,7 +70,8 @@ class CheckpointSummary:
         def walk(node: dict[str, Any], indent: str) -> None:
             for k, v in node.items():
                 if isinstance(v, Node):
-                    lines.append(f"{indent}{k}/")
+                    batch = f" batch_size={list(v.batch_size)}" if v.batch_size else ""
+                    lines.append(f"{indent}{k}/{batch}")
                     walk(v, indent + "  ")
                 else:
                     text = str(v) if isinstance(v, TensorSpec | str) else short_repr(v)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tensordict import NonTensorData, TensorDict, TensorDictBase
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_tensorclass
 
 from functional_ckpt import codec
 from functional_ckpt.errors import UnsafeCheckpoint, UnsupportedValue
@@ -186,26 +186,53 @@ class Leaf:
     value: Any = None
 
 
+def node_record(td: TensorDictBase) -> dict[str, Any] | None:
+    """What a (sub-)TensorDict carries besides its entries: batch size and dimension names.
+
+    None for ``batch_size=[]``, so unbatched trees are recorded as before.
+    """
+    if td.batch_size == torch.Size([]):
+        return None
+    record: dict[str, Any] = {"batch_size": list(td.batch_size)}
+    names = list(td.names)
+    if any(n is not None for n in names):
+        record["names"] = names
+    return record
+
+
+def new_node(record: Mapping[str, Any] | None) -> TensorDict:
+    """An empty TensorDict with the batch size and names of a :func:`node_record`."""
+    if not record:
+        return TensorDict({}, batch_size=[])
+    return TensorDict({}, batch_size=record["batch_size"], names=record.get("names"))
+
+
 def iter_leaves(td: TensorDictBase, prefix: KeyPath = ()) -> Iterator[Leaf]:
     """Walk a TensorDict in insertion order, yielding every node and leaf.
 
     Nodes are yielded before their children so that an unflatten can rebuild
-    empty sub-trees too.
+    empty sub-trees too; a node's value is its :func:`node_record`.
     """
     for key, item in td.items():
         path = (*prefix, key)
         if isinstance(item, NonTensorData):
             yield Leaf(path, "value", item.data)
+        elif isinstance(item, NonTensorStack):
+            raise UnsupportedValue(
+                f"state[{format_path(path)}]: a stack of per-element non-tensor values is not "
+                "supported; store the values as one plain list (e.g. in a sub-dict with "
+                "batch_size=[]) or as a tensor"
+            )
         elif isinstance(item, TensorDictBase):
-            if item.batch_size != torch.Size([]):
-                raise UnsupportedValue(
-                    f"state[{format_path(path)}]: sub-TensorDicts must have batch_size=[] "
-                    f"(got {list(item.batch_size)})"
-                )
-            yield Leaf(path, "node")
+            yield Leaf(path, "node", node_record(item))
             yield from iter_leaves(item, path)
         elif isinstance(item, torch.Tensor):
             yield Leaf(path, "tensor", item)
+        elif is_tensorclass(item):
+            raise UnsupportedValue(
+                f"state[{format_path(path)}]: tensorclass {type(item).__name__} is not "
+                "supported; store item.to_tensordict() (it keeps the batch size and names)"
+            )
         else:
             raise UnsupportedValue(
                 f"state[{format_path(path)}]: unsupported leaf type {type(item).__name__}"
@@ -213,40 +240,44 @@ def iter_leaves(td: TensorDictBase, prefix: KeyPath = ()) -> Iterator[Leaf]:
 
 
 def as_state(value: TensorDictBase | Mapping[str, Any]) -> TensorDictBase:
-    """Accept a TensorDict or a plain mapping wherever a state is expected."""
+    """Accept a TensorDict (of any batch size) or a plain mapping wherever a state is expected."""
     if isinstance(value, TensorDictBase):
-        if value.batch_size != torch.Size([]):
-            raise UnsupportedValue(
-                f"state: the root TensorDict must have batch_size=[] (got {list(value.batch_size)})"
-            )
         return value
     if isinstance(value, Mapping):
         return from_python(dict(value))
+    if is_tensorclass(value):
+        raise UnsupportedValue(
+            f"state: tensorclass {type(value).__name__} is not supported; pass "
+            "state.to_tensordict()"
+        )
     raise UnsupportedValue(f"state: expected a TensorDict or a dict, got {type(value).__name__}")
 
 
-def unflatten(leaves: list[Leaf]) -> TensorDict:
-    """Rebuild a locked TensorDict from leaves produced by :func:`iter_leaves`."""
-    root = TensorDict({}, batch_size=[])
-    nodes: dict[KeyPath, TensorDictBase] = {(): root}
+def unflatten(leaves: list[Leaf], root: Mapping[str, Any] | None = None) -> TensorDict:
+    """Rebuild a locked TensorDict from leaves produced by :func:`iter_leaves`.
+
+    ``root`` is the :func:`node_record` of the root (its batch size and names).
+    """
+    top = new_node(root)
+    nodes: dict[KeyPath, TensorDictBase] = {(): top}
     for leaf in leaves:
         parent = nodes.get(leaf.path[:-1])
         if parent is None:  # a parent omitted by a partial restore
-            parent = root
+            parent = top
             for i in range(1, len(leaf.path)):
                 sub = leaf.path[:i]
                 if sub not in nodes:
-                    child = TensorDict({}, batch_size=[])
-                    parent.set(sub[-1], child)
+                    parent.set(sub[-1], TensorDict({}, batch_size=[]))
                     nodes[sub] = parent.get(sub[-1])
                 parent = nodes[sub]
         name = leaf.path[-1]
         if leaf.kind == "node":
-            parent.set(name, TensorDict({}, batch_size=[]))
+            parent.set(name, new_node(leaf.value))
             nodes[leaf.path] = parent.get(name)
         elif leaf.kind == "value":
-            parent.set(name, NonTensorData(data=leaf.value, batch_size=[]))  # type: ignore[arg-type]
+            value = NonTensorData(data=leaf.value, batch_size=parent.batch_size)
+            parent.set(name, value)  # type: ignore[arg-type]
         else:
             parent.set(name, leaf.value)
-    root.lock_()
-    return root
+    top.lock_()
+    return top

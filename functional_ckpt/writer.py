@@ -30,7 +30,7 @@ from functional_ckpt.checksum import crc32
 from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
 from functional_ckpt.limits import LIMITS
 from functional_ckpt.manifest import dtype_name, shape_problem
-from functional_ckpt.tree import KeyPath, as_state, format_path, iter_leaves
+from functional_ckpt.tree import KeyPath, as_state, format_path, iter_leaves, node_record
 
 #: Top-level subtrees that differ between ranks and are stored once per rank.
 DEFAULT_PER_RANK = ("rng", "loader")
@@ -174,6 +174,7 @@ class Plan:
     targets: list[dict[str, Any]] = field(default_factory=list)
     keys: list[KeyPath] = field(default_factory=list)
     num_values: int = 0
+    root: dict[str, Any] | None = None  # the root's batch size and names, if batched
 
 
 def plan_save(
@@ -184,7 +185,7 @@ def plan_save(
 ) -> Plan:
     """Flatten a state into manifest entries and the tensors to write."""
     td = as_state(state)
-    plan = Plan()
+    plan = Plan(root=node_record(td))
     fqns: dict[str, KeyPath] = {}
     seen: dict[tuple[Any, ...], KeyPath] = {}
     roots = set(per_rank)
@@ -194,7 +195,9 @@ def plan_save(
         entry: dict[str, Any] = {"path": list(leaf.path), "kind": leaf.kind}
         if local and len(leaf.path) == 1:
             plan.entries.append({"path": list(leaf.path), "kind": "per_rank"})
-        if leaf.kind == "value":
+        if leaf.kind == "node" and leaf.value:
+            entry.update(leaf.value)  # batch size and dimension names
+        elif leaf.kind == "value":
             entry["value"] = leaf.value
             plan.num_values += 1
         elif leaf.kind == "tensor":
@@ -362,6 +365,7 @@ def finalize(
     overwrite: bool,
     created: float,
     before_commit: Callable[[], None] | None = None,
+    root: dict[str, Any] | None = None,
 ) -> tuple[int, int]:
     """Write ``.metadata``, the manifest and the marker into ``tmp``; commit as ``dest``.
 
@@ -389,6 +393,8 @@ def finalize(
         "entries": entries,
         "ranks": [{"entries": r} for r in ranks],
     }
+    if root:
+        manifest["root"] = root  # the root TensorDict's batch size and names
     manifest_bytes = codec.encode(manifest, where="manifest")
     format.write_file_durably(tmp / format.MANIFEST, manifest_bytes)
     if before_commit is not None:
@@ -433,6 +439,7 @@ def write_local(
             overwrite=overwrite,
             created=created,
             before_commit=before_commit,
+            root=plan.root,
         )
     except CheckpointError:  # e.g. CheckpointExists, itself an OSError
         format.remove_tree(tmp)

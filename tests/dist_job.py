@@ -143,8 +143,15 @@ def main() -> None:
     elif mode == "shard-restore":
         mesh = init_device_mesh("cpu", (world,))
         for saved in sorted(root.glob("w*")):
-            back = fc.restore(saved, shard_template(mesh), reshard=positions)
+            like = shard_template(mesh)
+            back = fc.restore(saved, like, reshard=positions)
             check_restored(back, rank, world)
+            assert not like["w"].to_local().any() and not like["e"].to_local().any()  # untouched
+            assert back["w"].placements == like["w"].placements
+            assert back["w"].to_local().data_ptr() != like["w"].to_local().data_ptr()
+            into = shard_template(mesh)
+            check_restored(fc.restore(saved, out=into, reshard=positions), rank, world)
+            assert torch.equal(into["w"].full_tensor(), full_tensors()["w"])  # in place
             saved_world = int(saved.name[1:])
             expect = (
                 rank * 100

@@ -25,12 +25,14 @@ SAVE_TOOLS = {
     "raw write+fsync",
 }
 RESTORE_TOOLS = {
-    "fc.restore(template)",
+    "fc.restore(like)",
+    "fc.restore(out=)",
     "fc.restore()",
     "torch.load(weights_only)",
     "safetensors.load_file",
     "dcp.load(template)",
     "raw read into template",
+    "raw read into new tensors",
 }
 
 
@@ -71,8 +73,8 @@ def test_save_restore_quick_run(tmp_path: Path) -> None:
         assert len(r["times_s"]) == data["config"]["reps"] == 2
         assert r["median_s"] > 0
 
-    assert set(data["peak_rss"]) == {"fc.restore(template)", "dcp.load(template)"}
-    assert len(data["targets"]) == 9
+    assert set(data["peak_rss"]) == {"fc.restore(like)", "fc.restore(out=)", "dcp.load(template)"}
+    assert len(data["targets"]) == 12
     assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}
     assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from tensordict import TensorDict
+from tensordict import tensorclass
 
 import functional_ckpt as fc
 from tests.exact import assert_exact
@@ -135,20 +135,85 @@ def test_capture_apply_restores_live_objects(tmp_path: Path) -> None:
     assert np.array_equal(got[1], expected[1]) and got[2] == expected[2]
 
 
-def test_restore_reads_into_template_tensors_in_place(tmp_path: Path) -> None:
+def test_restore_out_reads_into_its_tensors_in_place(tmp_path: Path) -> None:
     src = {"w": torch.randn(64, 64), "b": torch.randn(64)}
     fc.save(tmp_path / "ck", src)
     template = fc.from_python({"w": torch.zeros(64, 64), "b": torch.zeros(64)})
     w_ptr = template["w"].data_ptr()
-    back = fc.restore(tmp_path / "ck", template)
+    back = fc.restore(tmp_path / "ck", out=template)
     assert back["w"].data_ptr() == w_ptr  # no second copy
     assert torch.equal(back["w"], src["w"]) and torch.equal(template["b"], src["b"])
+
+
+def test_restore_returns_new_tensors_and_never_writes_like(tmp_path: Path) -> None:
+    src = {"w": torch.randn(64, 64), "b": torch.randn(64), "step": 3}
+    fc.save(tmp_path / "ck", src)
+    like = fc.from_python({"w": torch.zeros(64, 64), "b": torch.zeros(64), "step": 0})
+    before = like.clone()
+    back = fc.restore(tmp_path / "ck", like)
+    assert back["w"].data_ptr() != like["w"].data_ptr()
+    assert back["b"].data_ptr() != like["b"].data_ptr()
+    assert torch.equal(back["w"], src["w"]) and torch.equal(back["b"], src["b"])
+    assert back["step"] == 3 and back.is_locked
+    assert_exact(fc.to_python(like), fc.to_python(before))  # untouched, bit for bit
+
+
+def test_failed_restore_leaves_the_live_model_untouched(tmp_path: Path) -> None:
+    model, opt, _ = model_and_optimizer()
+    fc.save(tmp_path / "ck", fc.capture(model=model, optimizer=opt))
+    data = tmp_path / "ck" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one tensor fails its checksum; the others are intact
+    data.write_bytes(bytes(raw))
+    live, live_opt, _ = model_and_optimizer()
+    with torch.no_grad():
+        for p in live.parameters():
+            p.mul_(-2.0)  # differs from every saved tensor
+    expected = {k: v.clone() for k, v in live.state_dict().items()}
+    with pytest.raises(fc.CorruptCheckpoint):
+        fc.restore(tmp_path / "ck", fc.capture(model=live, optimizer=live_opt))
+    for k, v in live.state_dict().items():
+        assert torch.equal(
+            v.reshape(-1).view(torch.uint8), expected[k].reshape(-1).view(torch.uint8)
+        ), k
+
+
+def test_result_takes_each_like_leafs_dtype_device_and_grad(tmp_path: Path) -> None:
+    fc.save(tmp_path / "ck", {"a": torch.tensor([1.5, 2.5]), "b": torch.arange(4), "c": 2.0})
+    like = fc.from_python(
+        {
+            "a": torch.zeros(2, dtype=torch.float64, requires_grad=True),
+            "b": torch.empty(4, dtype=torch.int64, device="meta"),
+            "c": 0.0,
+        }
+    )
+    back = fc.restore(tmp_path / "ck", like, cast=True)
+    assert back["a"].dtype == torch.float64 and back["a"].requires_grad
+    assert back["a"].tolist() == [1.5, 2.5] and back["a"].is_leaf
+    assert back["b"].device.type == "cpu" and back["b"].tolist() == [0, 1, 2, 3]
+    assert like["a"].tolist() == [0.0, 0.0]
+    with pytest.raises(fc.TemplateMismatch, match="cast=True"):
+        fc.restore(tmp_path / "ck", like)  # conversion only when asked for
+
+
+def test_like_and_out_are_exclusive_and_template_is_deprecated(tmp_path: Path) -> None:
+    fc.save(tmp_path / "ck", {"w": torch.ones(3)})
+    like = {"w": torch.zeros(3)}
+    with pytest.raises(fc.CheckpointError, match="not both"):
+        fc.restore(tmp_path / "ck", like, out=like)
+    with pytest.warns(DeprecationWarning, match="like="):
+        back = fc.restore(tmp_path / "ck", template=like)
+    assert torch.equal(back["w"], torch.ones(3)) and torch.equal(like["w"], torch.zeros(3))
 
 
 def test_meta_template_allocates_on_cpu(tmp_path: Path) -> None:
     fc.save(tmp_path / "ck", {"w": torch.arange(6.0).reshape(2, 3)})
     back = fc.restore(tmp_path / "ck", {"w": torch.empty(2, 3, device="meta")})
     assert back["w"].device.type == "cpu"
+    assert torch.equal(back["w"], torch.arange(6.0).reshape(2, 3))
+    back = fc.restore(tmp_path / "ck", {"w": torch.empty(2, 3, device="meta")}, device="cpu")
+    assert torch.equal(back["w"], torch.arange(6.0).reshape(2, 3))
+    back = fc.restore(tmp_path / "ck", out={"w": torch.empty(2, 3, device="meta")})
     assert torch.equal(back["w"], torch.arange(6.0).reshape(2, 3))
 
 
@@ -222,6 +287,10 @@ def test_restore_of_stock_dcp_checkpoint(tmp_path: Path) -> None:
     template = {"w": torch.zeros(4, 4), "nested": {"b": torch.zeros(3, dtype=torch.long)}}
     back = fc.restore(tmp_path / "d", template, partial=True)
     assert torch.equal(back["w"], sd["w"]) and torch.equal(back["nested", "b"], sd["nested"]["b"])
+    assert torch.equal(template["w"], torch.zeros(4, 4))  # like= is never written
+    into = fc.from_python(template)
+    back = fc.restore(tmp_path / "d", out=into, partial=True)
+    assert back["w"].data_ptr() == into["w"].data_ptr() and torch.equal(into["w"], sd["w"])
     with pytest.raises(fc.UnsafeCheckpoint, match="allow_pickle"):
         fc.restore(tmp_path / "d", {**template, "obj": {"lr": 0.0}})
     back = fc.restore(tmp_path / "d", {**template, "obj": {"lr": 0.0}}, allow_pickle=True)
@@ -262,10 +331,15 @@ def test_save_works_without_process_group() -> None:
     assert not dist.is_initialized()
 
 
+@tensorclass
+class Pair:
+    a: torch.Tensor
+
+
 def test_state_must_be_a_tree(tmp_path: Path) -> None:
     with pytest.raises(fc.UnsupportedValue, match=r"state\['env'\]"):
         fc.save(tmp_path / "ck", {"env": object()})
-    with pytest.raises(fc.UnsupportedValue, match="batch_size"):
-        fc.save(tmp_path / "ck", TensorDict({"a": torch.zeros(2)}, batch_size=[2]))
+    with pytest.raises(fc.UnsupportedValue, match="tensorclass"):
+        fc.save(tmp_path / "ck", Pair(a=torch.zeros(2), batch_size=[2]))  # type: ignore[call-arg]
     assert not (tmp_path / "ck").exists()
     assert os.listdir(tmp_path) == []
