@@ -349,7 +349,7 @@ def _child_loop(kind: str, root: Path, start: int) -> None:  # pragma: no cover 
                 pending.wait_staged()
                 pending.result()
             v += 1
-    export = fc.Export(fc.every_steps(1), select="model") if kind == "export" else None
+    export = fc.export.Export(fc.every_steps(1), select="model") if kind == "export" else None
     with fc.CheckpointManager(root, keep=fc.keep_last(2), export=export) as mgr:
         v = (mgr.latest_step() or 0) + 1
         while True:
@@ -390,7 +390,7 @@ def _check_manager(root: Path, after: dict[str, int], res: Result) -> None:
         mgr = fc.CheckpointManager(root, read_only=True)
         state = mgr.restore_latest()
     for w in caught:
-        if issubclass(w.category, fc.CheckpointWarning):
+        if issubclass(w.category, fc.errors.CheckpointWarning):
             res.problem("skipped", str(w.message), column="torn")
     newest = max([*after.values(), *recoverable], default=None)
     got = None if state is None else state_version(state)
@@ -1009,7 +1009,7 @@ def _probe_load(path: Path) -> dict[str, Any]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 value = fn()
-            ok = value.ok if isinstance(value, fc.VerifyReport) else True
+            ok = value.ok if isinstance(value, fc.io.VerifyReport) else True
             exact = ""
             if what in ("restore", "manager") and value is not None:
                 try:
@@ -1332,7 +1332,7 @@ def _special_probe(path: Path) -> dict[str, Any]:
     ):
         try:
             value = fn()
-            ok = value.ok if isinstance(value, fc.VerifyReport) else True
+            ok = value.ok if isinstance(value, fc.io.VerifyReport) else True
             out[what] = ["ok" if ok else "reported", "" if ok else str(value)]
         except BaseException as e:
             out[what] = [type(e).__name__, str(e)[:300]]
@@ -1521,7 +1521,7 @@ def _unpickler_probe(raw: bytes, base: Path) -> dict[str, Any]:
     ):
         try:
             value = fn()
-            ok = value.ok if isinstance(value, fc.VerifyReport) else True
+            ok = value.ok if isinstance(value, fc.io.VerifyReport) else True
             out[what] = "ok" if ok else "reported"
         except BaseException as e:
             out[what] = type(e).__name__
@@ -1676,7 +1676,7 @@ def scenario_overwrite_scope(scale: Scale, base: Path, seed: int) -> Result:
         try:
             act(target)
             res.problem("accepted", f"{label}: it was replaced", column="lost")
-        except fc.CheckpointExists:
+        except fc.errors.CheckpointExists:
             res.bump("refused")
         except Exception as e:
             res.problem("unclear-error", f"{label}: {type(e).__name__}: {e}")
@@ -1698,7 +1698,7 @@ def _cli_export(ck: Path, out: Path) -> None:
         return
     if "Traceback" in proc.stderr:
         raise RuntimeError(proc.stderr[-300:])
-    raise fc.CheckpointExists(proc.stderr.strip())
+    raise fc.errors.CheckpointExists(proc.stderr.strip())
 
 
 def scenario_overwrite_race(scale: Scale, base: Path, seed: int) -> Result:
@@ -1732,7 +1732,7 @@ def scenario_overwrite_race(scale: Scale, base: Path, seed: int) -> Result:
                     if what == "verify" and not value.ok:
                         res.problem("false-damage", f"verify: {value}", column="torn")
                     res.bump(f"{what}-read")
-                except fc.CheckpointNotFound:
+                except fc.errors.CheckpointNotFound:
                     res.bump(f"{what}-replaced")
                 except fc.CheckpointError as e:
                     res.problem("false-damage", f"{what}: {type(e).__name__}: {e}", column="torn")

@@ -191,13 +191,13 @@ class Checkpointer:
 class DirectCheckpointer(Checkpointer):
     """``fc.save_async`` with one pending save at a time, alternating two slots."""
 
-    kind = "fc.save_async (one pending save, reused fc.Stager)"
+    kind = "fc.save_async (one pending save, reused fc.staging.Stager)"
 
     def __init__(self, root: Path) -> None:
         super().__init__()
         self.root = root
-        self.stager = fc.Stager()
-        self.pending: fc.PendingSave | None = None
+        self.stager = fc.staging.Stager()
+        self.pending: fc.staging.PendingSave | None = None
         self.committed: Path | None = None
         self.count = 0
 
@@ -296,7 +296,7 @@ def calibrate(trainer: Trainer, workdir: Path, timed_steps: int) -> Calibration:
         step_times.append(time.perf_counter() - t0)
     state = trainer.state(0)
     dest = workdir / "calibrate"
-    stager = fc.Stager()
+    stager = fc.staging.Stager()
     fc.save_async(dest, state, stager=stager).result()  # allocates the buffers
     remove_path(dest)
     settle()

@@ -1,87 +1,36 @@
-"""functional_ckpt: functional, atomic, pickle-free checkpoints for PyTorch training state."""
+"""functional_ckpt: functional, atomic, pickle-free checkpoints for PyTorch training state.
+
+The top level is the whole everyday API: capture and apply live objects, save and
+restore states, the save and retention policies, the manager. Everything else
+(the error classes, policy internals, staging, reports) lives in the submodule
+that owns it: ``fc.errors``, ``fc.policy``, ``fc.retention``, ``fc.staging``,
+``fc.export``, ``fc.io``, ``fc.manager``, ``fc.tree``.
+"""
 
 from functional_ckpt._version import __version__
-from functional_ckpt.errors import (
-    CheckpointError,
-    CheckpointExists,
-    CheckpointNotFound,
-    CorruptCheckpoint,
-    IncompleteCheckpoint,
-    ModifiedDuringSave,
-    TemplateMismatch,
-    UnsafeCheckpoint,
-    UnsupportedValue,
-)
-from functional_ckpt.export import Export, export_safetensors
+from functional_ckpt.errors import CheckpointError
+from functional_ckpt.export import export_safetensors
 from functional_ckpt.forking import fork
-from functional_ckpt.io import (
-    CheckpointInfo,
-    CheckpointSummary,
-    Problem,
-    TensorSpec,
-    VerifyReport,
-    inspect,
-    restore,
-    save,
-    verify,
-)
-from functional_ckpt.manager import CheckpointManager, CheckpointWarning, StepInfo
+from functional_ckpt.io import inspect, restore, save, verify
+from functional_ckpt.manager import CheckpointManager
 from functional_ckpt.policy import (
-    Event,
-    PolicyState,
-    SavePolicy,
-    always,
     at_steps,
     every_epochs,
     every_secs,
     every_steps,
-    never,
     on_final,
     on_improve,
     on_signal,
 )
-from functional_ckpt.retention import (
-    CheckpointRecord,
-    RetentionPolicy,
-    keep_all,
-    keep_best,
-    keep_every,
-    keep_last,
-    keep_within,
-    plan_deletions,
-)
-from functional_ckpt.staging import PendingSave, Stager, save_async
+from functional_ckpt.retention import keep_best, keep_every, keep_last, keep_within
+from functional_ckpt.staging import save_async
 from functional_ckpt.state import apply, capture
-from functional_ckpt.tree import from_python, to_python
+from functional_ckpt.tree import to_python
 
 __all__ = [
     "CheckpointError",
-    "CheckpointExists",
-    "CheckpointInfo",
     "CheckpointManager",
-    "CheckpointNotFound",
-    "CheckpointRecord",
-    "CheckpointSummary",
-    "CheckpointWarning",
-    "CorruptCheckpoint",
-    "Event",
-    "Export",
-    "IncompleteCheckpoint",
-    "ModifiedDuringSave",
-    "PendingSave",
-    "PolicyState",
-    "Problem",
-    "RetentionPolicy",
-    "SavePolicy",
-    "Stager",
-    "StepInfo",
-    "TemplateMismatch",
-    "TensorSpec",
-    "UnsafeCheckpoint",
-    "UnsupportedValue",
-    "VerifyReport",
     "__version__",
-    "always",
     "apply",
     "at_steps",
     "capture",
@@ -90,18 +39,14 @@ __all__ = [
     "every_steps",
     "export_safetensors",
     "fork",
-    "from_python",
     "inspect",
-    "keep_all",
     "keep_best",
     "keep_every",
     "keep_last",
     "keep_within",
-    "never",
     "on_final",
     "on_improve",
     "on_signal",
-    "plan_deletions",
     "restore",
     "save",
     "save_async",

@@ -181,7 +181,7 @@ class CheckpointManager:
         if not isinstance(self.keep, RetentionPolicy):
             raise TypeError(f"CheckpointManager(keep={self.keep!r}): not a RetentionPolicy")
         if self.export is not None and not isinstance(self.export, Export):
-            raise TypeError(f"CheckpointManager(export={self.export!r}): not an fc.Export")
+            raise TypeError(f"CheckpointManager(export={self.export!r}): not an fc.export.Export")
 
     def _open_writer(self) -> None:
         # Leftovers of crashed writers are recovered (warning at the CheckpointManager call).

@@ -38,7 +38,7 @@ def test_staging_none_refuses_a_torn_checkpoint(tmp_path: Path) -> None:
     pending = fc.save_async(tmp_path / "ck", state, staging="none")
     pending.wait_staged()  # returns at once: nothing is copied
     state["w"]["t39"].mul_(2.0)  # violates the promise while the write runs
-    with pytest.raises(fc.ModifiedDuringSave, match="'t39'") as e:
+    with pytest.raises(fc.errors.ModifiedDuringSave, match="'t39'") as e:
         pending.result()
     assert isinstance(e.value, fc.CheckpointError)
     assert not (tmp_path / "ck").exists()
@@ -69,16 +69,16 @@ def test_background_failure_surfaces_on_result(tmp_path: Path, monkeypatch: Any)
 
 def test_bad_input_raises_at_the_call(tmp_path: Path) -> None:
     fc.save(tmp_path / "ck", {"a": torch.zeros(1)})
-    with pytest.raises(fc.CheckpointExists):
+    with pytest.raises(fc.errors.CheckpointExists):
         fc.save_async(tmp_path / "ck", {"a": torch.zeros(1)})
-    with pytest.raises(fc.UnsupportedValue, match="'bad'"):
+    with pytest.raises(fc.errors.UnsupportedValue, match="'bad'"):
         fc.save_async(tmp_path / "x", {"bad": object()})
     with pytest.raises(ValueError, match="staging"):
         fc.save_async(tmp_path / "y", {"a": torch.zeros(1)}, staging="maybe")  # type: ignore[arg-type]
 
 
 def test_staging_buffers_are_reused_and_memory_stays_flat(tmp_path: Path) -> None:
-    stager = fc.Stager()
+    stager = fc.staging.Stager()
     state = big_state(16, 1 << 17)  # 8 MiB
     proc = psutil.Process()
 
@@ -98,7 +98,7 @@ def test_staging_buffers_are_reused_and_memory_stays_flat(tmp_path: Path) -> Non
 
 
 def test_stager_reallocates_when_shapes_change(tmp_path: Path) -> None:
-    stager = fc.Stager()
+    stager = fc.staging.Stager()
     fc.save_async(tmp_path / "a", {"w": torch.ones(4)}, stager=stager).result()
     fc.save_async(tmp_path / "b", {"w": torch.ones(5)}, stager=stager).result()
     assert stager.allocations == 2
@@ -109,7 +109,7 @@ def test_stager_reallocates_when_shapes_change(tmp_path: Path) -> None:
 def test_cuda_staging_uses_pinned_buffers(tmp_path: Path) -> None:
     state = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.arange(10, device="cuda")}
     expected = {k: v.cpu() for k, v in state.items()}
-    stager = fc.Stager()
+    stager = fc.staging.Stager()
     pending = fc.save_async(tmp_path / "ck", state, stager=stager)
     pending.wait_staged()
     state["w"].add_(1.0)

@@ -113,7 +113,7 @@ def _rewrite_manifest(path: Path, edit: Any) -> None:
 
 
 def test_manifest_without_batch_sizes_reads_as_unbatched(tmp_path: Path) -> None:
-    state = fc.from_python({"env": {"obs": torch.randn(NUM_ENVS, 3)}, "n": 1})
+    state = fc.tree.from_python({"env": {"obs": torch.randn(NUM_ENVS, 3)}, "n": 1})
     fc.save(tmp_path / "ck", state)
     manifest = format.read_manifest(tmp_path / "ck")
     assert all("batch_size" not in e for e in manifest["entries"]) and "root" not in manifest
@@ -140,7 +140,7 @@ def test_hostile_batch_sizes_are_refused(tmp_path: Path) -> None:
                 e["batch_size"] = [NUM_ENVS + 1]
 
     _rewrite_manifest(tmp_path / "ck", lie)
-    with pytest.raises(fc.CorruptCheckpoint, match="does not fit"):
+    with pytest.raises(fc.errors.CorruptCheckpoint, match="does not fit"):
         fc.restore(tmp_path / "ck")
 
     def bad_names(m: dict[str, Any]) -> None:
@@ -150,7 +150,7 @@ def test_hostile_batch_sizes_are_refused(tmp_path: Path) -> None:
                 e["names"] = ["a", "b"]
 
     _rewrite_manifest(tmp_path / "ck", bad_names)
-    with pytest.raises(fc.CorruptCheckpoint, match="dimension names"):
+    with pytest.raises(fc.errors.CorruptCheckpoint, match="dimension names"):
         fc.restore(tmp_path / "ck")
 
 
@@ -161,6 +161,6 @@ class Particles:
 
 def test_tensorclass_is_refused_naming_the_key(tmp_path: Path) -> None:
     state = TensorDict({"env": Particles(pos=torch.zeros(3, 2), batch_size=[3])}, batch_size=[])
-    with pytest.raises(fc.UnsupportedValue, match=r"state\['env'\].*to_tensordict"):
+    with pytest.raises(fc.errors.UnsupportedValue, match=r"state\['env'\].*to_tensordict"):
         fc.save(tmp_path / "ck", state)
     assert not (tmp_path / "ck").exists()

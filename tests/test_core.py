@@ -83,7 +83,7 @@ def test_every_dtype_and_shape_round_trips(tmp_path: Path) -> None:
         "grad": torch.ones(3, requires_grad=True),
     }
     tree["keys"] = {"a.b": torch.ones(1), "c/d": torch.zeros(2), "ünï©ødé ✓": torch.ones(2)}
-    state = fc.from_python(tree)
+    state = fc.tree.from_python(tree)
     fc.save(tmp_path / "ck", state)
     back = fc.restore(tmp_path / "ck")
     assert back.is_locked and back.batch_size == torch.Size([])
@@ -138,7 +138,7 @@ def test_capture_apply_restores_live_objects(tmp_path: Path) -> None:
 def test_restore_out_reads_into_its_tensors_in_place(tmp_path: Path) -> None:
     src = {"w": torch.randn(64, 64), "b": torch.randn(64)}
     fc.save(tmp_path / "ck", src)
-    template = fc.from_python({"w": torch.zeros(64, 64), "b": torch.zeros(64)})
+    template = fc.tree.from_python({"w": torch.zeros(64, 64), "b": torch.zeros(64)})
     w_ptr = template["w"].data_ptr()
     back = fc.restore(tmp_path / "ck", out=template)
     assert back["w"].data_ptr() == w_ptr  # no second copy
@@ -148,7 +148,7 @@ def test_restore_out_reads_into_its_tensors_in_place(tmp_path: Path) -> None:
 def test_restore_returns_new_tensors_and_never_writes_like(tmp_path: Path) -> None:
     src = {"w": torch.randn(64, 64), "b": torch.randn(64), "step": 3}
     fc.save(tmp_path / "ck", src)
-    like = fc.from_python({"w": torch.zeros(64, 64), "b": torch.zeros(64), "step": 0})
+    like = fc.tree.from_python({"w": torch.zeros(64, 64), "b": torch.zeros(64), "step": 0})
     before = like.clone()
     back = fc.restore(tmp_path / "ck", like)
     assert back["w"].data_ptr() != like["w"].data_ptr()
@@ -170,7 +170,7 @@ def test_failed_restore_leaves_the_live_model_untouched(tmp_path: Path) -> None:
         for p in live.parameters():
             p.mul_(-2.0)  # differs from every saved tensor
     expected = {k: v.clone() for k, v in live.state_dict().items()}
-    with pytest.raises(fc.CorruptCheckpoint):
+    with pytest.raises(fc.errors.CorruptCheckpoint):
         fc.restore(tmp_path / "ck", fc.capture(model=live, optimizer=live_opt))
     for k, v in live.state_dict().items():
         assert torch.equal(
@@ -180,7 +180,7 @@ def test_failed_restore_leaves_the_live_model_untouched(tmp_path: Path) -> None:
 
 def test_result_takes_each_like_leafs_dtype_device_and_grad(tmp_path: Path) -> None:
     fc.save(tmp_path / "ck", {"a": torch.tensor([1.5, 2.5]), "b": torch.arange(4), "c": 2.0})
-    like = fc.from_python(
+    like = fc.tree.from_python(
         {
             "a": torch.zeros(2, dtype=torch.float64, requires_grad=True),
             "b": torch.empty(4, dtype=torch.int64, device="meta"),
@@ -192,7 +192,7 @@ def test_result_takes_each_like_leafs_dtype_device_and_grad(tmp_path: Path) -> N
     assert back["a"].tolist() == [1.5, 2.5] and back["a"].is_leaf
     assert back["b"].device.type == "cpu" and back["b"].tolist() == [0, 1, 2, 3]
     assert like["a"].tolist() == [0.0, 0.0]
-    with pytest.raises(fc.TemplateMismatch, match="cast=True"):
+    with pytest.raises(fc.errors.TemplateMismatch, match="cast=True"):
         fc.restore(tmp_path / "ck", like)  # conversion only when asked for
 
 
@@ -227,7 +227,7 @@ def test_template_mismatch_lists_every_offending_key(tmp_path: Path) -> None:
         "d": torch.zeros(1),
         "v": 2,
     }
-    with pytest.raises(fc.TemplateMismatch) as e:
+    with pytest.raises(fc.errors.TemplateMismatch) as e:
         fc.restore(tmp_path / "ck", template)
     msg = str(e.value)
     assert "'a'" in msg and "float32[2, 3]" in msg and "float32[3, 2]" in msg
@@ -288,10 +288,10 @@ def test_restore_of_stock_dcp_checkpoint(tmp_path: Path) -> None:
     back = fc.restore(tmp_path / "d", template, partial=True)
     assert torch.equal(back["w"], sd["w"]) and torch.equal(back["nested", "b"], sd["nested"]["b"])
     assert torch.equal(template["w"], torch.zeros(4, 4))  # like= is never written
-    into = fc.from_python(template)
+    into = fc.tree.from_python(template)
     back = fc.restore(tmp_path / "d", out=into, partial=True)
     assert back["w"].data_ptr() == into["w"].data_ptr() and torch.equal(into["w"], sd["w"])
-    with pytest.raises(fc.UnsafeCheckpoint, match="allow_pickle"):
+    with pytest.raises(fc.errors.UnsafeCheckpoint, match="allow_pickle"):
         fc.restore(tmp_path / "d", {**template, "obj": {"lr": 0.0}})
     back = fc.restore(tmp_path / "d", {**template, "obj": {"lr": 0.0}}, allow_pickle=True)
     assert back["obj", "lr"] == 0.1
@@ -302,7 +302,7 @@ def test_restore_of_stock_dcp_checkpoint(tmp_path: Path) -> None:
 def test_inspect_reads_no_tensor_data(tmp_path: Path) -> None:
     fc.save(tmp_path / "ck", {"w": torch.zeros(8, 8), "lr": 0.5}, metadata={"run": "r1"})
     os.truncate(tmp_path / "ck" / "__0_0.distcp", 0)  # tensors gone: inspect still works
-    with pytest.raises(fc.CorruptCheckpoint):
+    with pytest.raises(fc.errors.CorruptCheckpoint):
         fc.restore(tmp_path / "ck")
     (tmp_path / "ck2").mkdir()
 
@@ -318,7 +318,7 @@ def test_inspect_summary(tmp_path: Path) -> None:
 
 def test_overwrite_replaces_atomically(tmp_path: Path) -> None:
     fc.save(tmp_path / "ck", {"v": torch.zeros(3)})
-    with pytest.raises(fc.CheckpointExists, match="overwrite=True"):
+    with pytest.raises(fc.errors.CheckpointExists, match="overwrite=True"):
         fc.save(tmp_path / "ck", {"v": torch.ones(3)})
     fc.save(tmp_path / "ck", {"v": torch.ones(3)}, overwrite=True)
     assert torch.equal(fc.restore(tmp_path / "ck")["v"], torch.ones(3))
@@ -337,9 +337,9 @@ class Pair:
 
 
 def test_state_must_be_a_tree(tmp_path: Path) -> None:
-    with pytest.raises(fc.UnsupportedValue, match=r"state\['env'\]"):
+    with pytest.raises(fc.errors.UnsupportedValue, match=r"state\['env'\]"):
         fc.save(tmp_path / "ck", {"env": object()})
-    with pytest.raises(fc.UnsupportedValue, match="tensorclass"):
+    with pytest.raises(fc.errors.UnsupportedValue, match="tensorclass"):
         fc.save(tmp_path / "ck", Pair(a=torch.zeros(2), batch_size=[2]))  # type: ignore[call-arg]
     assert not (tmp_path / "ck").exists()
     assert os.listdir(tmp_path) == []

@@ -56,6 +56,6 @@ def test_sigkill_during_save_never_leaves_a_readable_half(tmp_path: Path, mode: 
             last_version = check_whole(p)
         for p in root.iterdir():
             if format.is_temporary_name(p.name):
-                with pytest.raises(fc.IncompleteCheckpoint):
+                with pytest.raises(fc.errors.IncompleteCheckpoint):
                     fc.restore(p)
     assert last_version > 0  # at least one trial got far enough to commit

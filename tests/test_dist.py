@@ -120,7 +120,7 @@ def test_reshard_4_to_2_and_1_and_1_to_2(tmp_path: Path) -> None:
     full = full_tensors()
     assert torch.equal(back["w"], full["w"]) and torch.equal(back["e"], full["e"])
     assert torch.equal(back["r"], full["w"] * 2)
-    with pytest.raises(fc.TemplateMismatch, match="saved by 4 ranks"):
+    with pytest.raises(fc.errors.TemplateMismatch, match="saved by 4 ranks"):
         fc.restore(tmp_path / "w4", {**template, "loader": {"pos": 0, "seed": 0}})
 
     # 1 -> 2: a single-process checkpoint restored into DTensor shards

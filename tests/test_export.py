@@ -123,7 +123,7 @@ def test_errors_name_what_is_wrong(model: TinyLM, tmp_path: Path) -> None:
     with pytest.raises(fc.CheckpointError, match="no tensors"):
         fc.export_safetensors({"model": {"x": 1}}, tmp_path / "e")
     fc.export_safetensors(state, tmp_path / "e")
-    with pytest.raises(fc.CheckpointExists, match="overwrite=True"):
+    with pytest.raises(fc.errors.CheckpointExists, match="overwrite=True"):
         fc.export_safetensors(state, tmp_path / "e")
     fc.export_safetensors(state, tmp_path / "e", overwrite=True, dtype=torch.float16)
     assert load_export(tmp_path / "e")["block.weight"].dtype == torch.float16
@@ -175,7 +175,7 @@ def test_parse_size_rejects(bad: Any) -> None:
 
 
 def test_manager_exports_on_its_own_policy(model: TinyLM, tmp_path: Path) -> None:
-    exp = fc.Export(fc.on_improve("loss"), dtype=torch.bfloat16, max_shard_size="2KB")
+    exp = fc.export.Export(fc.on_improve("loss"), dtype=torch.bfloat16, max_shard_size="2KB")
     losses = {1: 3.0, 2: 2.0, 3: 2.5, 4: 1.0}
     with fc.CheckpointManager(tmp_path, save=fc.every_steps(2), export=exp) as mgr:
         for step, loss in losses.items():
@@ -199,9 +199,9 @@ def test_manager_exports_on_its_own_policy(model: TinyLM, tmp_path: Path) -> Non
 
 def test_export_config_is_checked(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="SavePolicy"):
-        fc.Export("every step")  # type: ignore[arg-type]
+        fc.export.Export("every step")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_shard_size"):
-        fc.Export(fc.always(), max_shard_size="lots")
+        fc.export.Export(fc.policy.always(), max_shard_size="lots")
     with pytest.raises(ValueError, match="select"):
-        fc.Export(fc.always(), select=())
-    assert export_mod.Export(fc.always(), max_shard_size="1KB").max_shard_bytes == 1000
+        fc.export.Export(fc.policy.always(), select=())
+    assert export_mod.Export(fc.policy.always(), max_shard_size="1KB").max_shard_bytes == 1000

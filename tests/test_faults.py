@@ -267,7 +267,7 @@ def test_restore_detects_shard_header_flip(ckpt: Path) -> None:
     shard = next(p for p in ckpt.iterdir() if p.suffix == ".distcp")
     faults.flip_bit(shard, 40, 0)
     assert not fc.verify(ckpt).ok  # verify does see it
-    with pytest.raises(fc.CorruptCheckpoint):
+    with pytest.raises(fc.errors.CorruptCheckpoint):
         fc.restore(ckpt)
 
 
@@ -365,7 +365,7 @@ def test_restore_pruned_before_opening(ckpt: Path, monkeypatch: pytest.MonkeyPat
         return original(ck, *args)
 
     monkeypatch.setattr(format, "open_members", pruned_first)
-    with pytest.raises(fc.CheckpointNotFound):
+    with pytest.raises(fc.errors.CheckpointNotFound):
         fc.restore(ckpt)
 
 
@@ -392,7 +392,7 @@ def test_manifest_flip_needs_the_marker(ckpt: Path) -> None:
     raw[at] ^= 0x01  # the last mantissa bit of the creation time: still a valid manifest
     codec.decode(bytes(raw))
     (ckpt / format.MANIFEST).write_bytes(bytes(raw))
-    with pytest.raises(fc.CorruptCheckpoint, match="checksum"):
+    with pytest.raises(fc.errors.CorruptCheckpoint, match="checksum"):
         fc.restore(ckpt)
     assert not fc.verify(ckpt).ok
     assert (
@@ -407,6 +407,6 @@ def test_pickle_marker_not_created_by_stock_layout(tmp_path: Path) -> None:
     d = tmp_path / "d"
     d.mkdir()
     (d / ".metadata").write_bytes(pickle.dumps(faults.Payload(marker)))
-    with pytest.raises(fc.UnsafeCheckpoint):
+    with pytest.raises(fc.errors.UnsafeCheckpoint):
         fc.restore(d, {"w": torch.zeros(2)})
     assert not marker.exists()

@@ -128,7 +128,7 @@ def test_listing_info_best(tmp_path: Path) -> None:
     for key in ("hostname", "torch", "functional_ckpt", "pid", "time", "python"):
         assert key in meta, key
     assert meta["manager"]["step"] == 2
-    with pytest.raises(fc.CheckpointNotFound, match="step 9"):
+    with pytest.raises(fc.errors.CheckpointNotFound, match="step 9"):
         fc.CheckpointManager(tmp_path, read_only=True).info(9)
 
 
@@ -316,7 +316,7 @@ def test_template_mismatch_is_not_treated_as_damage(tmp_path: Path) -> None:
         mgr.maybe_save(small_state(2), step=2)
     wrong = {"w": torch.zeros(2, 2), "b": torch.zeros(5, dtype=torch.long), "step": 0}
     with fc.CheckpointManager(tmp_path) as mgr, no_warnings() as caught:
-        with pytest.raises(fc.TemplateMismatch):
+        with pytest.raises(fc.errors.TemplateMismatch):
             mgr.restore_latest(template=wrong)
         assert mgr.steps() == [1, 2] and not caught
 
@@ -659,7 +659,7 @@ def test_fork_records_provenance_and_continues(tmp_path: Path) -> None:
         assert mgr.steps() == [3, 4]
         assert mgr.info(4).metadata["forked_from"] == prov  # later checkpoints say so too
     assert fc.CheckpointManager(a, read_only=True).steps() == [1, 2, 3]  # source untouched
-    with pytest.raises(fc.CheckpointExists, match="already holds"):
+    with pytest.raises(fc.errors.CheckpointExists, match="already holds"):
         fc.fork(a / step_name(2), b)
     c = fc.fork(b / step_name(4), tmp_path / "c", step=0)
     prov = fc.CheckpointManager(tmp_path / "c", read_only=True).info(0).metadata["forked_from"]
@@ -794,7 +794,7 @@ def test_a_template_the_codec_refuses_is_the_callers_error(tmp_path: Path) -> No
         mgr.maybe_save(small_state(2), step=2)
     bad = {"w": torch.zeros(4, 3), "b": defaultdict(list, {"x": torch.zeros(5)}), "step": 0}
     with fc.CheckpointManager(tmp_path) as mgr, no_warnings() as caught:
-        with pytest.raises(fc.UnsupportedValue):
+        with pytest.raises(fc.errors.UnsupportedValue):
             mgr.restore_latest(template=bad)
         assert mgr.steps() == [1, 2] and not caught
     assert sorted(p.name for p in tmp_path.iterdir() if ".corrupt-" in p.name) == []
@@ -821,7 +821,7 @@ def test_a_malformed_alias_is_damage_and_the_manager_falls_back(tmp_path: Path) 
     resign(newest, nest)
     report = fc.verify(newest)
     assert not report.ok
-    with pytest.raises(fc.CorruptCheckpoint, match="alias"):
+    with pytest.raises(fc.errors.CorruptCheckpoint, match="alias"):
         fc.restore(newest)
     with fc.CheckpointManager(tmp_path) as mgr, pytest.warns(CheckpointWarning, match="alias"):
         restored = mgr.restore_latest()

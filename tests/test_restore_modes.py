@@ -18,7 +18,7 @@ def model(seed: int) -> torch.nn.Module:
 
 def save_steps(root: Path) -> dict[int, torch.Tensor]:
     saved = {}
-    with fc.CheckpointManager(root, save=fc.always()) as mgr:
+    with fc.CheckpointManager(root, save=fc.policy.always()) as mgr:
         for step in (1, 2):
             m = model(step)
             saved[step] = m.weight.detach().clone()
@@ -34,7 +34,7 @@ def test_restore_latest_falls_back_without_touching_the_live_model(tmp_path: Pat
     shard.write_bytes(bytes(raw))
     live = model(99)
     before = {k: v.clone() for k, v in live.state_dict().items()}
-    with fc.CheckpointManager(tmp_path) as mgr, pytest.warns(fc.CheckpointWarning):
+    with fc.CheckpointManager(tmp_path) as mgr, pytest.warns(fc.errors.CheckpointWarning):
         restored = mgr.restore_latest(like=fc.capture(model=live, rng=False))
     assert restored is not None and mgr.restored_step == 1
     for k, v in live.state_dict().items():  # neither step 2 (damaged) nor step 1 wrote into it

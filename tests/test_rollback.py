@@ -31,7 +31,7 @@ def small_state(step: int) -> dict[str, Any]:
     return {"w": torch.full((4, 3), float(step)), "b": torch.arange(5) + step, "step": step}
 
 
-def policy() -> fc.SavePolicy:
+def policy() -> fc.policy.SavePolicy:
     return fc.on_improve("loss") | fc.every_steps(1)
 
 
@@ -102,7 +102,7 @@ def test_rollback_refusals_move_nothing(tmp_path: Path) -> None:
     make_run(tmp_path)
     before = names(tmp_path)
     with fc.CheckpointManager(tmp_path, save=policy()) as mgr:
-        with pytest.raises(fc.CheckpointNotFound, match="step 9"):
+        with pytest.raises(fc.errors.CheckpointNotFound, match="step 9"):
             mgr.rollback(9)
         with pytest.raises(ValueError, match="newer must be 'branch' or 'delete'"):
             mgr.rollback(3, newer="keep")  # type: ignore[arg-type]
@@ -110,11 +110,11 @@ def test_rollback_refusals_move_nothing(tmp_path: Path) -> None:
             mgr.rollback(3, branch="../escape")
         with pytest.raises(ValueError, match="needs newer='branch'"):
             mgr.rollback(3, newer="delete", branch="x")
-        with pytest.raises(fc.TemplateMismatch):
+        with pytest.raises(fc.errors.TemplateMismatch):
             mgr.rollback(3, {"other": torch.zeros(2)})
         mgr.rollback(4, branch="b")
         mgr.maybe_save(small_state(5), step=5)
-        with pytest.raises(fc.CheckpointExists, match="branch 'b' already exists"):
+        with pytest.raises(fc.errors.CheckpointExists, match="branch 'b' already exists"):
             mgr.rollback(4, branch="b")
         assert mgr.steps() == [1, 2, 3, 4, 5]
     assert names(tmp_path) == sorted([*before, "branches"])

@@ -58,7 +58,7 @@ def trees(max_leaves: int = 20) -> st.SearchStrategy[Any]:
 def test_any_tree_round_trips_exactly(tree: dict[str, Any]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="fc-rt-"))
     try:
-        state = fc.from_python(tree)
+        state = fc.tree.from_python(tree)
         expected = fc.to_python(state)  # the tree as the state holds it (views stay views)
         fc.save(tmp / "ck", state)
         back = fc.restore(tmp / "ck")

@@ -49,9 +49,9 @@ def no_marker() -> Any:
 def test_hostile_dcp_metadata_in_our_checkpoint(tmp_path: Path) -> None:
     path = make(tmp_path)
     (path / ".metadata").write_bytes(pickle.dumps(Hostile()))
-    with pytest.raises(fc.UnsafeCheckpoint, match=r"posix\.system|os\.system"):
+    with pytest.raises(fc.errors.UnsafeCheckpoint, match=r"posix\.system|os\.system"):
         fc.restore(path)
-    with pytest.raises(fc.UnsafeCheckpoint):
+    with pytest.raises(fc.errors.UnsafeCheckpoint):
         fc.inspect(path)
     report = fc.verify(path)
     assert not report.ok and any(".metadata" in str(p) for p in report.problems)
@@ -61,9 +61,9 @@ def test_hostile_dcp_metadata_in_stock_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "d"
     path.mkdir()
     (path / ".metadata").write_bytes(pickle.dumps(Hostile()))
-    with pytest.raises(fc.UnsafeCheckpoint):
+    with pytest.raises(fc.errors.UnsafeCheckpoint):
         fc.restore(path, {"w": torch.zeros(2)})
-    with pytest.raises(fc.UnsafeCheckpoint):
+    with pytest.raises(fc.errors.UnsafeCheckpoint):
         fc.inspect(path)
 
 
@@ -78,7 +78,7 @@ def test_manifest_paths_cannot_escape(tmp_path: Path, name: str) -> None:
                 c["file"] = name
 
     rewrite_manifest(path, edit)
-    with pytest.raises(fc.UnsafeCheckpoint, match="unsafe file"):
+    with pytest.raises(fc.errors.UnsafeCheckpoint, match="unsafe file"):
         fc.restore(path)
 
 
@@ -87,7 +87,7 @@ def test_symlinked_shard_is_refused(tmp_path: Path) -> None:
     outside = tmp_path / "outside.bin"
     shutil.move(path / "__0_0.distcp", outside)
     os.symlink(outside, path / "__0_0.distcp")
-    with pytest.raises(fc.UnsafeCheckpoint, match="symbolic link"):
+    with pytest.raises(fc.errors.UnsafeCheckpoint, match="symbolic link"):
         fc.restore(path)
 
 
@@ -103,7 +103,7 @@ def test_declared_size_beyond_file_allocates_nothing(tmp_path: Path) -> None:
 
     rewrite_manifest(path, edit)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with pytest.raises(fc.UnsafeCheckpoint, match="beyond the end"):
+    with pytest.raises(fc.errors.UnsafeCheckpoint, match="beyond the end"):
         fc.restore(path)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB
 
@@ -118,7 +118,7 @@ def test_declared_bytes_disagree_with_shape(tmp_path: Path) -> None:
                 e["chunks"][0]["sizes"] = [1 << 30]
 
     rewrite_manifest(path, edit)
-    with pytest.raises(fc.UnsafeCheckpoint, match="declares"):
+    with pytest.raises(fc.errors.UnsafeCheckpoint, match="declares"):
         fc.restore(path)
 
 
@@ -128,7 +128,7 @@ def test_deeply_nested_manifest_value(tmp_path: Path) -> None:
     (path / format.MANIFEST).write_bytes(raw)
     os.unlink(path / format.COMMIT_MARKER)
     format.write_commit_marker(path, raw)
-    with pytest.raises((fc.UnsafeCheckpoint, fc.CorruptCheckpoint)):
+    with pytest.raises((fc.errors.UnsafeCheckpoint, fc.errors.CorruptCheckpoint)):
         fc.restore(path)
 
 
@@ -137,7 +137,7 @@ def test_bit_flip_in_manifest_is_detected(tmp_path: Path) -> None:
     raw = bytearray((path / format.MANIFEST).read_bytes())
     raw[len(raw) // 2] ^= 0x10
     (path / format.MANIFEST).write_bytes(bytes(raw))
-    with pytest.raises(fc.CorruptCheckpoint, match="manifest"):
+    with pytest.raises(fc.errors.CorruptCheckpoint, match="manifest"):
         fc.restore(path)
 
 
@@ -151,7 +151,7 @@ def test_bit_flip_in_tensor_data_names_the_key(tmp_path: Path) -> None:
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 1]))
-    with pytest.raises(fc.CorruptCheckpoint, match=r"'w' in __0_0.distcp: checksum"):
+    with pytest.raises(fc.errors.CorruptCheckpoint, match=r"'w' in __0_0.distcp: checksum"):
         fc.restore(path)
     report = fc.verify(path)
     assert not report.ok and [str(p.where) for p in report.problems] == ["'w'"]
@@ -172,7 +172,7 @@ def test_truncated_shard_names_the_file(tmp_path: Path) -> None:
     path = make(tmp_path)
     size = (path / "__0_0.distcp").stat().st_size
     os.truncate(path / "__0_0.distcp", size - 10)
-    with pytest.raises(fc.CorruptCheckpoint, match=r"__0_0.distcp.*truncated"):
+    with pytest.raises(fc.errors.CorruptCheckpoint, match=r"__0_0.distcp.*truncated"):
         fc.restore(path)
     assert not fc.verify(path).ok
 
@@ -180,7 +180,7 @@ def test_truncated_shard_names_the_file(tmp_path: Path) -> None:
 def test_missing_shard(tmp_path: Path) -> None:
     path = make(tmp_path)
     os.unlink(path / "__0_0.distcp")
-    with pytest.raises(fc.CorruptCheckpoint, match="missing"):
+    with pytest.raises(fc.errors.CorruptCheckpoint, match="missing"):
         fc.restore(path)
 
 
@@ -189,7 +189,7 @@ def test_shard_swapped_from_another_checkpoint(tmp_path: Path) -> None:
     b = tmp_path / "b"
     fc.save(b, {"w": torch.arange(16.0) + 1, "b": torch.ones(4), "lr": 0.1})
     shutil.copy(b / "__0_0.distcp", a / "__0_0.distcp")
-    with pytest.raises(fc.CorruptCheckpoint, match="checksum"):
+    with pytest.raises(fc.errors.CorruptCheckpoint, match="checksum"):
         fc.restore(a)
     assert not fc.verify(a).ok
 
@@ -197,21 +197,21 @@ def test_shard_swapped_from_another_checkpoint(tmp_path: Path) -> None:
 def test_newer_format_version(tmp_path: Path) -> None:
     path = make(tmp_path)
     rewrite_manifest(path, lambda m: m.update(version=format.FORMAT_VERSION + 1))
-    with pytest.raises(fc.CorruptCheckpoint, match="newer"):
+    with pytest.raises(fc.errors.CorruptCheckpoint, match="newer"):
         fc.restore(path)
 
 
 def test_missing_and_uncommitted(tmp_path: Path) -> None:
-    with pytest.raises(fc.CheckpointNotFound, match="does not exist"):
+    with pytest.raises(fc.errors.CheckpointNotFound, match="does not exist"):
         fc.restore(tmp_path / "nope")
     path = make(tmp_path)
     os.unlink(path / format.COMMIT_MARKER)
-    with pytest.raises(fc.IncompleteCheckpoint, match="never committed"):
+    with pytest.raises(fc.errors.IncompleteCheckpoint, match="never committed"):
         fc.restore(path)
-    with pytest.raises(fc.IncompleteCheckpoint):
+    with pytest.raises(fc.errors.IncompleteCheckpoint):
         fc.verify(path)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(fc.CheckpointNotFound, match="is a file"):
+    with pytest.raises(fc.errors.CheckpointNotFound, match="is a file"):
         fc.restore(tmp_path / "file")
-    with pytest.raises(fc.CheckpointExists, match="not a checkpoint directory"):
+    with pytest.raises(fc.errors.CheckpointExists, match="not a checkpoint directory"):
         fc.save(tmp_path / "file", {"a": torch.zeros(1)})

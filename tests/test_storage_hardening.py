@@ -348,14 +348,14 @@ def test_unpickler_attack_changes_nothing(tmp_path: Path, name: str) -> None:
     """Regression (finding 8): BUILD used to set attributes on allowed classes/functions."""
     raw = b"\x80\x02" + ATTACKS[name] + _genuine(tmp_path)
     before = _snapshot()
-    with pytest.raises(fc.UnsafeCheckpoint):
+    with pytest.raises(fc.errors.UnsafeCheckpoint):
         dcpmeta.load_foreign(raw, tmp_path / ".metadata")
     stock = tmp_path / "stock"
     stock.mkdir()
     (stock / format.DCP_METADATA).write_bytes(raw)
-    with pytest.raises(fc.UnsafeCheckpoint):
+    with pytest.raises(fc.errors.UnsafeCheckpoint):
         fc.restore(stock, {"model": {"w": torch.zeros(64, 8)}}, partial=True)
-    with pytest.raises(fc.UnsafeCheckpoint):
+    with pytest.raises(fc.errors.UnsafeCheckpoint):
         fc.inspect(stock)
     ours = tmp_path / "ours"
     fc.save(ours, make_state(1.0))
@@ -537,7 +537,7 @@ def test_reader_racing_overwrite_never_sees_corruption(tmp_path: Path) -> None:
         while time.monotonic() < deadline:
             try:
                 state = fc.restore(path)
-            except fc.CheckpointNotFound as e:
+            except fc.errors.CheckpointNotFound as e:
                 assert "replaced" in str(e)
                 replaced += 1
                 continue
@@ -547,7 +547,7 @@ def test_reader_racing_overwrite_never_sees_corruption(tmp_path: Path) -> None:
             reads += 1
             try:
                 report = fc.verify(path)
-            except fc.CheckpointNotFound:
+            except fc.errors.CheckpointNotFound:
                 replaced += 1
                 continue
             assert report.ok, str(report)
@@ -578,7 +578,7 @@ def _listing(root: Path) -> list[str]:
 def test_save_overwrite_refuses_a_manager_root(manager_root: Path) -> None:
     """Regression (finding 6): overwrite=True deleted three checkpoints, notes and the lock."""
     before = _listing(manager_root)
-    with pytest.raises(fc.CheckpointExists, match="not a checkpoint"):
+    with pytest.raises(fc.errors.CheckpointExists, match="not a checkpoint"):
         fc.save(manager_root, make_state(9.0), overwrite=True)
     assert _listing(manager_root) == before
 
@@ -589,9 +589,9 @@ def test_save_overwrite_refuses_a_source_tree(tmp_path: Path) -> None:
     (src / "pkg" / "__init__.py").write_text("x = 1\n")
     (src / "README.md").write_text("hi")
     before = _listing(src)
-    with pytest.raises(fc.CheckpointExists, match=str(src)):
+    with pytest.raises(fc.errors.CheckpointExists, match=str(src)):
         fc.save(src, make_state(9.0), overwrite=True)
-    with pytest.raises(fc.CheckpointExists):
+    with pytest.raises(fc.errors.CheckpointExists):
         fc.save_async(src, make_state(9.0), overwrite=True).result()
     assert _listing(src) == before
 
@@ -629,7 +629,7 @@ def test_export_overwrite_scope(tmp_path: Path) -> None:
     (src / "pkg").mkdir(parents=True)
     (src / "pkg" / "mod.py").write_text("x = 1\n")
     before = _listing(src)
-    with pytest.raises(fc.CheckpointExists, match="not a safetensors export"):
+    with pytest.raises(fc.errors.CheckpointExists, match="not a safetensors export"):
         fc.export_safetensors(state, src, overwrite=True)
     assert _listing(src) == before
 
@@ -671,7 +671,7 @@ def test_overwrite_scope_checked_again_at_commit(
         real(tmp, final, **kw)
 
     monkeypatch.setattr(format, "commit", commit)
-    with pytest.raises(fc.CheckpointExists):
+    with pytest.raises(fc.errors.CheckpointExists):
         fc.save(dest, make_state(2.0), overwrite=True)
     assert (dest / "notes.txt").exists()
     assert not [p for p in tmp_path.iterdir() if format.is_temporary_name(p.name)]

@@ -32,7 +32,7 @@ COMMITTED = ("ok", "damaged", "intact")
 # --------------------------------------------------------------------------- retention
 
 
-def retention_parts(spec: object) -> list[tuple[str, fc.RetentionPolicy]] | None:
+def retention_parts(spec: object) -> list[tuple[str, fc.retention.RetentionPolicy]] | None:
     """Rebuild a recorded retention policy from its spec, one part per ``|`` operand.
 
     A spec is plain data (kind and arguments) and only the ``keep_*`` kinds exist,
@@ -60,17 +60,19 @@ def recorded_retention(rows: Sequence[Entry]) -> object | None:
     return None
 
 
-def _records(rows: Sequence[Entry]) -> list[fc.CheckpointRecord]:
+def _records(rows: Sequence[Entry]) -> list[fc.retention.CheckpointRecord]:
     return [
-        fc.CheckpointRecord(r.step, r.time or 0.0, r.metrics)
+        fc.retention.CheckpointRecord(r.step, r.time or 0.0, r.metrics)
         for r in rows
         if r.status in ("ok", "intact") and r.canonical and r.step is not None
     ]
 
 
-def policy_from_flags(args: argparse.Namespace) -> list[tuple[str, fc.RetentionPolicy]] | None:
+def policy_from_flags(
+    args: argparse.Namespace,
+) -> list[tuple[str, fc.retention.RetentionPolicy]] | None:
     """``--keep-last N [--keep-best K --metric M [--mode max]]`` as policy parts."""
-    parts: list[tuple[str, fc.RetentionPolicy]] = []
+    parts: list[tuple[str, fc.retention.RetentionPolicy]] = []
     if getattr(args, "keep_best", None) is not None and not getattr(args, "metric", None):
         raise UsageError("--keep-best needs --metric NAME")
     if getattr(args, "keep_last", None) is not None:
@@ -82,7 +84,9 @@ def policy_from_flags(args: argparse.Namespace) -> list[tuple[str, fc.RetentionP
     return parts or None
 
 
-def _union(parts: Sequence[tuple[str, fc.RetentionPolicy]]) -> fc.RetentionPolicy:
+def _union(
+    parts: Sequence[tuple[str, fc.retention.RetentionPolicy]],
+) -> fc.retention.RetentionPolicy:
     policy = parts[0][1]
     for _, more in parts[1:]:
         policy = policy | more
@@ -198,9 +202,9 @@ def verify_one(path: Path) -> tuple[bool, list[str], str]:
     """(intact, problem lines, summary) for one checkpoint; damage never raises."""
     try:
         report = fc.verify(path)
-    except (fc.CorruptCheckpoint, fc.UnsafeCheckpoint) as err:
+    except (fc.errors.CorruptCheckpoint, fc.errors.UnsafeCheckpoint) as err:
         return False, [f"{path}: {one_line(err)}"], ""
-    except fc.IncompleteCheckpoint as err:
+    except fc.errors.IncompleteCheckpoint as err:
         if fmt.is_temporary_name(path.name):
             raise
         return False, [f"{path}: {one_line(err)}"], ""
@@ -220,7 +224,7 @@ def _verify_targets(target: Path) -> tuple[list[Path], list[str]]:
     paths = [r.path for r in rows if r.status in COMMITTED]
     broken = [f"{r.path}: {r.detail}" for r in rows if r.status == "uncommitted" and r.canonical]
     if not paths and not broken:
-        raise fc.CheckpointNotFound(f"{target}: no checkpoints to verify here")
+        raise fc.errors.CheckpointNotFound(f"{target}: no checkpoints to verify here")
     return paths, broken
 
 
@@ -266,7 +270,7 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
     if not infos:
         ui.print(f"{root}: no committed checkpoints; nothing to prune")
         return 0
-    plan = fc.plan_deletions(policy, infos)
+    plan = fc.retention.plan_deletions(policy, infos)
     kept = kept_by(parts, infos)
     sizes = {r.step: r.size for r in rows if r.canonical}
     for info in infos:
@@ -297,15 +301,15 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
     return 0
 
 
-def _delete(root: Path, policy: fc.RetentionPolicy, approved: set[int]) -> list[int]:
+def _delete(root: Path, policy: fc.retention.RetentionPolicy, approved: set[int]) -> list[int]:
     """Delete under the writer lock, re-planned there: only steps shown and still doomed.
 
     A trainer that saved since the plan was shown may have changed which steps the
     policy keeps; deleting only the intersection never removes something the user
     was not shown, nor something that became worth keeping.
     """
-    with fc.CheckpointManager(root, save=fc.never(), keep=fc.keep_all()) as mgr:
-        doomed = [s for s in fc.plan_deletions(policy, mgr.infos()) if s in approved]
+    with fc.CheckpointManager(root, save=fc.policy.never(), keep=fc.retention.keep_all()) as mgr:
+        doomed = [s for s in fc.retention.plan_deletions(policy, mgr.infos()) if s in approved]
         for step in doomed:
             mgr.delete(step)
     return doomed

@@ -1,7 +1,7 @@
 """``fckpt``: look at, check, compare, export and prune checkpoints from the shell.
 
 Every subcommand is a thin layer over the public functions (``fc.inspect``,
-``fc.verify``, ``fc.restore``, ``fc.export_safetensors``, ``fc.plan_deletions``,
+``fc.verify``, ``fc.restore``, ``fc.export_safetensors``, ``fc.retention.plan_deletions``,
 ``CheckpointManager.delete``) and :mod:`functional_ckpt.root`: the command line
 adds presentation, never new checkpoint logic. Conventions:
 
@@ -315,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Declined as e:
         ui.error(one_line(e))
         return 1
-    except (fc.CorruptCheckpoint, fc.UnsafeCheckpoint, DemoError) as e:
+    except (fc.errors.CorruptCheckpoint, fc.errors.UnsafeCheckpoint, DemoError) as e:
         ui.error(one_line(e))  # the answer is "no": the checkpoint is damaged or hostile
         return 1
     except BrokenPipeError:

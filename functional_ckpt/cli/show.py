@@ -79,7 +79,7 @@ def _entry_line(entry: Entry, ui: UI, width: int) -> str:
     item = entry.item
     if isinstance(item, Node):
         return f"{indent}{ui.paint(name + '/', 'key')}{ui.paint(_container_kind(item), 'dim')}"
-    if isinstance(item, fc.TensorSpec):
+    if isinstance(item, fc.io.TensorSpec):
         spec = f"{_dtype_text(item.dtype)}{list(item.shape)}"
         size = ui.paint(human(item.nbytes), "dim")
         return f"{indent}{name.ljust(width)}  {ui.paint(spec, 'dtype')}  {size}"
@@ -133,7 +133,7 @@ def _entry_json(entry: Entry) -> dict[str, Any]:
     item = entry.item
     if isinstance(item, Node):
         return {"key": entry.key, "path": list(entry.path), "kind": "node"}
-    if isinstance(item, fc.TensorSpec):
+    if isinstance(item, fc.io.TensorSpec):
         return {
             "key": entry.key,
             "path": list(entry.path),
@@ -145,12 +145,12 @@ def _entry_json(entry: Entry) -> dict[str, Any]:
     return {"key": entry.key, "path": list(entry.path), "kind": "value", "value": jsonable(item)}
 
 
-def _inspect(path: Path) -> fc.CheckpointSummary:
+def _inspect(path: Path) -> fc.io.CheckpointSummary:
     """``fc.inspect`` with a pointer to ``ls`` when given a directory of checkpoints."""
     require_exists(path)
     try:
         return fc.inspect(path)
-    except fc.CheckpointNotFound:
+    except fc.errors.CheckpointNotFound:
         if path.is_dir() and any(classify(p) for p in path.iterdir()):  # a root
             raise UsageError(
                 f"{path}: a directory of checkpoints, not a checkpoint; "
@@ -187,7 +187,7 @@ def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
     return 0
 
 
-def _inspect_lines(summary: fc.CheckpointSummary, entries: Sequence[Entry], ui: UI) -> list[str]:
+def _inspect_lines(summary: fc.io.CheckpointSummary, entries: Sequence[Entry], ui: UI) -> list[str]:
     kind = "stock DCP checkpoint" if summary.foreign else f"format v{summary.format_version}"
     lines = [
         ui.paint(str(summary.path), "head"),
@@ -255,13 +255,13 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
 
 
 def _selected_bytes(
-    summary: fc.CheckpointSummary, select: KeyPath, dtype: torch.dtype | None
+    summary: fc.io.CheckpointSummary, select: KeyPath, dtype: torch.dtype | None
 ) -> tuple[int, int]:
     """(bytes to read, bytes to write) of the tensors under ``select``, for the progress bar."""
     entries = flatten_tree(summary.tree)
     read = write = 0
     for e in entries:
-        if e.path[: len(select)] == select and isinstance(e.item, fc.TensorSpec):
+        if e.path[: len(select)] == select and isinstance(e.item, fc.io.TensorSpec):
             read += e.item.nbytes
             itemsize = dtype.itemsize if dtype and e.item.dtype.is_floating_point else None
             numel = math.prod(e.item.shape)

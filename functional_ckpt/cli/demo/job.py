@@ -88,7 +88,7 @@ class Schedule:
             warmup=max(1, steps // 20),
         )
 
-    def save_policy(self) -> fc.SavePolicy:
+    def save_policy(self) -> fc.policy.SavePolicy:
         return (
             fc.every_steps(self.save_every)
             | fc.every_secs(self.save_secs)
@@ -96,12 +96,12 @@ class Schedule:
             | fc.on_final()
         )
 
-    def retention_parts(self) -> list[tuple[str, fc.RetentionPolicy]]:
+    def retention_parts(self) -> list[tuple[str, fc.retention.RetentionPolicy]]:
         """The parts of :meth:`retention`, each with its label (for "kept by" columns)."""
         parts = [fc.keep_last(self.keep_last), fc.keep_best(self.keep_best, "val_loss", mode="min")]
         return [(repr(p), p) for p in parts]
 
-    def retention(self) -> fc.RetentionPolicy:
+    def retention(self) -> fc.retention.RetentionPolicy:
         first, second = (p for _, p in self.retention_parts())
         return first | second
 

@@ -285,7 +285,7 @@ def _in_flight(ckpt_dir: Path) -> list[str]:
     """Temporary directories a killed save left behind (invisible to every reader)."""
     try:
         return [e.name for e in scan(ckpt_dir) if format.TMP_INFIX in e.name]
-    except fc.CheckpointNotFound:
+    except fc.errors.CheckpointNotFound:
         return []
 
 

@@ -1,0 +1,32 @@
+"""The top-level API fits on one page; everything else stays reachable in its submodule."""
+
+from __future__ import annotations
+
+import functional_ckpt as fc
+
+
+def test_the_top_level_has_at_most_25_names() -> None:
+    public = [n for n in fc.__all__ if n != "__version__"]
+    assert len(public) <= 25, public
+    assert len(set(public)) == len(public)
+    for name in fc.__all__:
+        assert hasattr(fc, name), name
+
+
+def test_everything_else_is_reachable_in_its_submodule() -> None:
+    assert issubclass(fc.errors.CorruptCheckpoint, fc.CheckpointError)
+    assert issubclass(fc.errors.UnsupportedValue, fc.CheckpointError)
+    assert fc.policy.always().spec == {"kind": "always"}
+    assert isinstance(fc.policy.Event(step=1), fc.policy.Event)
+    assert fc.retention.keep_all().select([]) == set()
+    assert callable(fc.staging.Stager)
+    assert callable(fc.export.Export)
+    assert callable(fc.tree.from_python)
+    assert callable(fc.io.VerifyReport)
+
+
+def test_no_top_level_name_is_a_submodule() -> None:
+    import types
+
+    for name in fc.__all__:
+        assert not isinstance(getattr(fc, name), types.ModuleType), name
