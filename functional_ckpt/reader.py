@@ -38,6 +38,7 @@ from functional_ckpt.manifest import (
     parse,
 )
 from functional_ckpt.tree import (
+    NODE_KEY,
     KeyPath,
     Leaf,
     as_state,
@@ -169,6 +170,8 @@ def select(
     saved_kinds = dict(parsed.order)
     for p, leaf in tleaves.items():
         kind = saved_kinds.get(p)
+        if kind is None and p[-1] == NODE_KEY:
+            continue  # the checkpoint's own container kind (a plain dict, say) is kept
         if kind is None:
             problems.append(f"  {format_path(p)}: missing from the checkpoint")
         elif kind != leaf.kind:
@@ -191,7 +194,12 @@ def select(
                 targets[p] = t
 
     def wanted(p: KeyPath) -> bool:
-        return p in tleaves or any(p[: len(f)] == f for f in fill)
+        if p in tleaves or any(p[: len(f)] == f for f in fill):
+            return True
+        # A container record describes how the saved subtree was built (an
+        # OrderedDict state_dict, a list); a template written as plain dicts asks
+        # for that subtree all the same.
+        return p[-1] == NODE_KEY and (len(p) == 1 or p[:-1] in tleaves)
 
     selected = [(p, k) for p, k in parsed.order if wanted(p)]
     if not partial:

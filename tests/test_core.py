@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -343,3 +344,24 @@ def test_state_must_be_a_tree(tmp_path: Path) -> None:
         fc.save(tmp_path / "ck", Pair(a=torch.zeros(2), batch_size=[2]))  # type: ignore[call-arg]
     assert not (tmp_path / "ck").exists()
     assert os.listdir(tmp_path) == []
+
+
+def test_plain_dict_like_fits_a_captured_module(tmp_path: Path) -> None:
+    """A template written as plain dicts restores a captured state_dict and vice versa.
+
+    The container record (``__container__``) says how the *saved* subtree was built;
+    it is not something a template has to spell out.
+    """
+    model = torch.nn.Linear(2, 2)
+    fc.save(tmp_path / "captured", fc.capture(model=model, step=3))
+    like = {"model": {"weight": torch.zeros(2, 2), "bias": torch.zeros(2)}, "step": 0}
+    got = fc.restore(tmp_path / "captured", like, partial=True)  # partial: rng is left out
+    assert isinstance(fc.to_python(got["model"]), OrderedDict)
+    assert torch.equal(got["model", "weight"], model.weight.detach())
+    assert fc.to_python(got["step"]) == 3
+
+    fc.save(tmp_path / "plain", {"model": {"weight": torch.ones(2, 2), "bias": torch.ones(2)}})
+    captured_like = {"model": fc.capture(model=model)["model"]}
+    got = fc.restore(tmp_path / "plain", captured_like)
+    fc.apply(got, model=model, rng=False)
+    assert torch.equal(model.weight.detach(), torch.ones(2, 2))
