@@ -6,6 +6,15 @@ and prints what happened instead of promising anything::
     python benchmarks/faults.py                 # long form (>= 300 SIGKILL trials)
     python benchmarks/faults.py --ci --json x   # the short form tests/test_faults.py runs
 
+It runs every attack class of the project in one table: crashes (SIGKILL of saves,
+exports, pruning, overwrites without ``RENAME_EXCHANGE``, rollbacks), full disks, bad
+destinations, corruption, hostile files, storage hardening (durability order, special
+files, unpickler attacks, derived ``.metadata``, overwrite scope and races, reader
+fuzzing), manager roots (lock-file links, template errors, ``fckpt`` on odd
+manifests) and, from ``benchmarks/faults_values.py`` (also runnable on its own),
+values and manifests (decoder budgets, view bits, limits, chunk coverage, unstaged
+saves). ``--scenarios`` picks some.
+
 Every trial uses real files, real ``SIGKILL``s of real processes and real mounts.
 Crash children are ``os.fork()``ed from this process after torch is imported (a
 fresh interpreter per trial would cost seconds of imports each); they leave through
@@ -21,7 +30,12 @@ Columns of the table:
   ``fc.restore`` (x/y);
 * ``executed``: hostile payloads that ran (a marker file appeared);
 * ``other``: anything else that went wrong: an unclear error type, a leaked
-  temporary directory, a hang, a large allocation. Each is tagged; see ``--json``.
+  temporary directory, a hang, a traceback, a wrong exit status, a large
+  allocation. Each is tagged; see ``--json``.
+
+A values class counts a wrong value restored, a hostile input accepted or a save
+that cannot be loaded as ``torn``, and an error that is not a ``CheckpointError``
+as ``other``; its slowest trial and worst memory ratio are printed below the table.
 """
 
 from __future__ import annotations
@@ -54,6 +68,13 @@ import torch
 
 import functional_ckpt as fc
 from functional_ckpt import codec, format
+from functional_ckpt.root import (
+    QUARANTINE_INFIX,
+    LeftoverWarning,
+    is_damage,
+    parse_step,
+    step_name,
+)
 
 # --------------------------------------------------------------------------- results
 
@@ -102,8 +123,8 @@ class Scale:
     follow_secs: float  # how long a reader follows a writer
     fuzz_examples: int = 3000  # mutated manifests / markers / .metadata files read back
     cli_each: bool = True  # run the CLI against every overwrite target (slow: a process each)
-    leftover_kills: int = 60  # SIGKILLs per mode with RENAME_EXCHANGE unavailable
-    rollback_kills: int = 60  # SIGKILLs of CheckpointManager.rollback
+    leftover_kills: int = 100  # SIGKILLs per mode with RENAME_EXCHANGE unavailable
+    rollback_kills: int = 100  # SIGKILLs of CheckpointManager.rollback
     values_quick: bool = False  # benchmarks/faults_values.py's short form
 
 
@@ -372,8 +393,11 @@ def _trim(root: Path, keep: int) -> None:
 
 def _check_manager(root: Path, after: dict[str, int], res: Result) -> None:
     """A restarted writer cleans up; a reader resumes from the newest committed step."""
-    with fc.CheckpointManager(root, keep=fc.keep_last(2)):
-        pass  # opening a writer removes a crashed writer's temporaries
+    with warnings.catch_warnings(record=True) as recovered:
+        warnings.simplefilter("always", LeftoverWarning)
+        with fc.CheckpointManager(root, keep=fc.keep_last(2)):
+            pass  # opening a writer recovers or removes a crashed writer's temporaries
+    res.bump("recovered", sum(issubclass(w.category, LeftoverWarning) for w in recovered))
     for t in temporaries(root):
         res.problem("temp-leak", f"{t} survived a writer's start")
     with warnings.catch_warnings(record=True) as caught:
@@ -383,7 +407,11 @@ def _check_manager(root: Path, after: dict[str, int], res: Result) -> None:
     for w in caught:
         if issubclass(w.category, fc.CheckpointWarning):
             res.problem("skipped", str(w.message), column="torn")
-    newest = max(after.values(), default=None)
+    # The writer may have renamed a committed leftover back (killed between the marker
+    # and the rename): the newest step is then one the snapshot before it did not see.
+    now = snapshot(visible(root), res, check_whole)
+    check_kept(after, now, None, res)
+    newest = max(now.values(), default=None)
     got = None if state is None else state_version(state)
     if got != newest or mgr.restored_step != newest:
         res.problem("resume", f"restore_latest gave {got}/{mgr.restored_step}, newest {newest}")
@@ -1919,7 +1947,7 @@ _LOCK_VICTIM = b"precious bytes that a lock must never touch\n" * 4
 
 def _lock_attacks(root: Path, victim: Path) -> dict[str, Callable[[Path], None]]:
     """``.lock`` replaced by a link or a special file; each names what must stay unchanged."""
-    ck = root / step_name_of(1)
+    ck = root / step_name(1)
 
     def symlink(target: Path) -> Callable[[Path], None]:
         return lambda lock: os.symlink(target, lock)
@@ -1943,12 +1971,6 @@ def _lock_attacks(root: Path, victim: Path) -> dict[str, Callable[[Path], None]]
         "FIFO": lambda lock: os.mkfifo(lock),
         "directory": subdir,
     }
-
-
-def step_name_of(step: int) -> str:
-    from functional_ckpt.root import step_name
-
-    return step_name(step)
 
 
 def _fingerprint(paths: list[Path]) -> dict[str, Any]:
@@ -2042,7 +2064,7 @@ def _leftover_child(mode: str, root: Path, start: int, k: int) -> None:  # pragm
     v = start
     if mode == "overwrite":  # re-save the newest steps in place, as a resumed run might
         while True:
-            fc.save(root / step_name_of(v % 3 + 1), make_state(v, big=1, small=4), overwrite=True)
+            fc.save(root / step_name(v % 3 + 1), make_state(v, big=1, small=4), overwrite=True)
             v += 1
     with fc.CheckpointManager(root, keep=fc.keep_last(2)) as mgr:
         v = (mgr.latest_step() or 0) + 1
@@ -2142,7 +2164,7 @@ def _rollback_trial(base: Path, i: int, rng: random.Random, res: Result) -> None
             mgr.maybe_save(make_state(s, big=0, small=4), step=s)
     to = rng.choice(ROLLBACK_STEPS[:-1])
     newer = rng.choice(("branch", "delete"))
-    k = rng.randrange(1, 12 + 8 * (len(ROLLBACK_STEPS) - to))
+    k = rng.randrange(1, 6 + 5 * (len(ROLLBACK_STEPS) - to))
     pid = fork_child(lambda: _rollback_child(root, to, newer, k))
     outcome = _reap(pid, 60)
     res.trials += 1
@@ -2163,7 +2185,7 @@ def _rollback_trial(base: Path, i: int, rng: random.Random, res: Result) -> None
         if issubclass(w.category, fc.CheckpointWarning):
             res.problem("damaged", f"{label}: {w.message}", column="torn")
     leftovers = [n.name for n in root.iterdir() if n.name not in (".lock", "branches")]
-    leftovers = [n for n in leftovers if step_in(n) is None]
+    leftovers = [n for n in leftovers if parse_step(n) is None]
     if leftovers:
         res.problem("leftover", f"{label}: {leftovers} left in the root")
     all_steps, kept = list(ROLLBACK_STEPS), [s for s in ROLLBACK_STEPS if s <= to]
@@ -2174,8 +2196,8 @@ def _rollback_trial(base: Path, i: int, rng: random.Random, res: Result) -> None
         res.bump("completed")
     else:
         res.problem("half-done", f"{label}: trunk {trunk}, branches {branches}", column="torn")
-    where = {s: root / step_name_of(s) for s in trunk}
-    where |= {s: root / "branches" / "b" / step_name_of(s) for s in branches.get("b", [])}
+    where = {s: root / step_name(s) for s in trunk}
+    where |= {s: root / "branches" / "b" / step_name(s) for s in branches.get("b", [])}
     must = all_steps if newer == "branch" or trunk == all_steps else kept
     for s in must:
         try:
@@ -2184,12 +2206,6 @@ def _rollback_trial(base: Path, i: int, rng: random.Random, res: Result) -> None
         except Exception as e:
             res.problem("lost", f"{label}: step {s}: {e}", column="lost")
     shutil.rmtree(root)
-
-
-def step_in(name: str) -> int | None:
-    from functional_ckpt.root import parse_step
-
-    return parse_step(name)
 
 
 def scenario_rollback(scale: Scale, base: Path, seed: int) -> Result:
@@ -2274,7 +2290,7 @@ def scenario_template_errors(scale: Scale, base: Path, seed: int) -> Result:
                         res.bump("usable template")
                         refused = False
                     except fc.CheckpointError as e:
-                        if root_module().is_damage(e):
+                        if is_damage(e):
                             res.problem("as-damage", f"{label}: {type(e).__name__}: {e}")
                         else:
                             res.bump(type(e).__name__)
@@ -2284,22 +2300,14 @@ def scenario_template_errors(scale: Scale, base: Path, seed: int) -> Result:
                     if issubclass(w.category, fc.CheckpointWarning):
                         res.problem("warned", f"{label}: {w.message}")
                 now = sorted(os.listdir(root))
-                if any(root_module().QUARANTINE_INFIX in n for n in now) or (
-                    refused and now != names
-                ):
+                if any(QUARANTINE_INFIX in n for n in now) or (refused and now != names):
                     res.problem("moved", f"{label}: the root became {now}", column="lost")
                 for s in (1, 2, 3) if refused else ():
                     try:
-                        check_whole(root / step_name_of(s))
+                        check_whole(root / step_name(s))
                     except Exception as e:
                         res.problem("lost", f"{label}: step {s}: {e}", column="lost")
     return res
-
-
-def root_module() -> Any:
-    from functional_ckpt import root
-
-    return root
 
 
 def _odd_manifests() -> dict[str, tuple[bool, Callable[[dict[str, Any]], None]]]:
@@ -2403,7 +2411,7 @@ def _cli_expect(what: str, damaged: bool) -> int:
 
 def _judge_cli(label: str, damaged: bool, out: dict[str, Any], res: Result) -> bool:
     good = True
-    others = (step_name_of(1), step_name_of(2))
+    others = (step_name(1), step_name(2))
     for what, (code, stdout, stderr) in (
         (k, v) for k, v in out.items() if k.startswith(("l", "i", "v"))
     ):
@@ -2445,7 +2453,7 @@ def scenario_cli_odd(scale: Scale, base: Path, seed: int) -> Result:
         with fc.CheckpointManager(root) as mgr:
             for s in (1, 2, 3):
                 mgr.maybe_save(make_state(s, big=0, small=2), step=s, metrics={"loss": 1.0 / s})
-        odd = root / step_name_of(3)
+        odd = root / step_name(3)
         edit_manifest(odd, edit)
         res.trials += 1
         res.corruptions += damaged
@@ -2588,6 +2596,11 @@ def table(results: list[Result]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append(f"SIGKILL trials in total: {kills}")
+    for r in results:
+        if r.figures:
+            mem = r.figures.get("worst_mem", 0.0)
+            tail = f", peak traced memory {mem:.1f}x the input" if mem else ""
+            lines.append(f"{r.scenario}: slowest trial {r.figures['worst_s']:.2f} s{tail}")
     return "\n".join(lines)
 
 
