@@ -3,7 +3,9 @@
 The scenario tests run the very functions the long form runs, at the CI scale:
 >= 30 real SIGKILLs of forked savers, a real 8 MiB tmpfs filling up, a read-only
 mount, a destination removed mid-save, every file of a checkpoint corrupted,
-hostile checkpoints loaded in a memory-limited child, and readers racing a writer.
+hostile checkpoints loaded in a memory-limited child, readers racing a writer,
+manager roots (lock-file links, SIGKILLs without RENAME_EXCHANGE and during
+rollbacks, bad templates, ``fckpt`` on odd manifests) and the values classes.
 They assert the invariants that must never break (nothing committed lost, nothing
 torn visible, no code run, no wrong data) and that every other problem the suite
 reports is a known weakness. Each known weakness has a minimal, deterministic
