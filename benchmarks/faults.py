@@ -6,6 +6,15 @@ and prints what happened instead of promising anything::
     python benchmarks/faults.py                 # long form (>= 300 SIGKILL trials)
     python benchmarks/faults.py --ci --json x   # the short form tests/test_faults.py runs
 
+It runs every attack class of the project in one table: crashes (SIGKILL of saves,
+exports, pruning, overwrites without ``RENAME_EXCHANGE``, rollbacks), full disks, bad
+destinations, corruption, hostile files, storage hardening (durability order, special
+files, unpickler attacks, derived ``.metadata``, overwrite scope and races, reader
+fuzzing), manager roots (lock-file links, template errors, ``fckpt`` on odd
+manifests) and, from ``benchmarks/faults_values.py`` (also runnable on its own),
+values and manifests (decoder budgets, view bits, limits, chunk coverage, unstaged
+saves). ``--scenarios`` picks some.
+
 Every trial uses real files, real ``SIGKILL``s of real processes and real mounts.
 Crash children are ``os.fork()``ed from this process after torch is imported (a
 fresh interpreter per trial would cost seconds of imports each); they leave through
@@ -21,7 +30,12 @@ Columns of the table:
   ``fc.restore`` (x/y);
 * ``executed``: hostile payloads that ran (a marker file appeared);
 * ``other``: anything else that went wrong: an unclear error type, a leaked
-  temporary directory, a hang, a large allocation. Each is tagged; see ``--json``.
+  temporary directory, a hang, a traceback, a wrong exit status, a large
+  allocation. Each is tagged; see ``--json``.
+
+A values class counts a wrong value restored, a hostile input accepted or a save
+that cannot be loaded as ``torn``, and an error that is not a ``CheckpointError``
+as ``other``; its slowest trial and worst memory ratio are printed below the table.
 """
 
 from __future__ import annotations
@@ -54,7 +68,13 @@ import torch
 
 import functional_ckpt as fc
 from functional_ckpt import codec, format
-from functional_ckpt.root import parse_step, step_name
+from functional_ckpt.root import (
+    QUARANTINE_INFIX,
+    LeftoverWarning,
+    is_damage,
+    parse_step,
+    step_name,
+)
 
 # --------------------------------------------------------------------------- results
 
@@ -75,6 +95,7 @@ class Result:
     problems: list[str] = field(default_factory=list)  # "tag: detail", first ones only
     skipped: str | None = None
     seconds: float = 0.0
+    figures: dict[str, float] = field(default_factory=dict)  # worst time, memory ratio
 
     def bump(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
@@ -102,10 +123,13 @@ class Scale:
     follow_secs: float  # how long a reader follows a writer
     fuzz_examples: int = 3000  # mutated manifests / markers / .metadata files read back
     cli_each: bool = True  # run the CLI against every overwrite target (slow: a process each)
+    leftover_kills: int = 100  # SIGKILLs per mode with RENAME_EXCHANGE unavailable
+    rollback_kills: int = 100  # SIGKILLs of CheckpointManager.rollback
+    values_quick: bool = False  # benchmarks/faults_values.py's short form
 
 
 LONG = Scale(80, 40, True, 24, 20, 15.0)
-CI = Scale(8, 6, False, 8, 4, 3.0, 300, False)
+CI = Scale(8, 6, False, 8, 4, 3.0, 300, False, 5, 8, True)
 
 KINDS = ("sync", "async", "prune", "export")
 
@@ -368,21 +392,12 @@ def _trim(root: Path, keep: int) -> None:
 
 
 def _check_manager(root: Path, after: dict[str, int], res: Result) -> None:
-    """A restarted writer cleans up; a reader resumes from the newest committed step.
-
-    A save killed after its marker but before its rename left a whole, committed
-    temporary; the writer recovers it under its own name when that is free, so it
-    may be the newest step too.
-    """
-    recoverable = {
-        step
-        for t in temporaries(root)
-        if (t / format.COMMIT_MARKER).exists()
-        and (step := parse_step(t.name.split(".")[0])) is not None
-        and step_name(step) not in after
-    }
-    with fc.CheckpointManager(root, keep=fc.keep_last(2)):
-        pass  # opening a writer removes a crashed writer's temporaries
+    """A restarted writer cleans up; a reader resumes from the newest committed step."""
+    with warnings.catch_warnings(record=True) as recovered:
+        warnings.simplefilter("always", LeftoverWarning)
+        with fc.CheckpointManager(root, keep=fc.keep_last(2)):
+            pass  # opening a writer recovers or removes a crashed writer's temporaries
+    res.bump("recovered", sum(issubclass(w.category, LeftoverWarning) for w in recovered))
     for t in temporaries(root):
         res.problem("temp-leak", f"{t} survived a writer's start")
     with warnings.catch_warnings(record=True) as caught:
@@ -392,7 +407,11 @@ def _check_manager(root: Path, after: dict[str, int], res: Result) -> None:
     for w in caught:
         if issubclass(w.category, fc.errors.CheckpointWarning):
             res.problem("skipped", str(w.message), column="torn")
-    newest = max([*after.values(), *recoverable], default=None)
+    # The writer may have renamed a committed leftover back (killed between the marker
+    # and the rename): the newest step is then one the snapshot before it did not see.
+    now = snapshot(visible(root), res, check_whole)
+    check_kept(after, now, None, res)
+    newest = max(now.values(), default=None)
     got = None if state is None else state_version(state)
     if got != newest or mgr.restored_step != newest:
         res.problem("resume", f"restore_latest gave {got}/{mgr.restored_step}, newest {newest}")
@@ -1883,6 +1902,633 @@ def _random_msgpack(rng: random.Random, depth: int = 0) -> bytes:
     return bytes(msgpack.packb(top))
 
 
+# --------------------------------------------------------------------------- manager roots
+
+
+def _die_at_call(k: int, names: tuple[str, ...] = ("rename", "replace", "unlink", "fsync")) -> None:
+    """In a child: SIGKILL ourselves right before the ``k``-th call of any of ``os.<names>``.
+
+    Kill points at system-call boundaries reach the narrow windows (between the two
+    renames of an overwrite, between a rollback's moves) that a timer rarely hits.
+    """
+    calls = [0]
+
+    def wrap(real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == k:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(os, name, wrap(getattr(os, name)))
+
+
+def _reap(pid: int, timeout: float) -> str:
+    """Wait for a child that kills itself: 'killed', 'finished', 'failed' or 'hang'."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            kill(pid)
+            return "hang"
+        time.sleep(0.002)
+    if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+        return "killed"
+    return "finished" if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 else "failed"
+
+
+_LOCK_VICTIM = b"precious bytes that a lock must never touch\n" * 4
+
+
+def _lock_attacks(root: Path, victim: Path) -> dict[str, Callable[[Path], None]]:
+    """``.lock`` replaced by a link or a special file; each names what must stay unchanged."""
+    ck = root / step_name(1)
+
+    def symlink(target: Path) -> Callable[[Path], None]:
+        return lambda lock: os.symlink(target, lock)
+
+    def subdir(lock: Path) -> None:
+        lock.mkdir()
+        (lock / "inside").write_bytes(_LOCK_VICTIM)
+
+    return {
+        "symlink to a file outside": symlink(victim),
+        "symlink to the checkpoint's COMMITTED": symlink(ck / format.COMMIT_MARKER),
+        "symlink to the checkpoint's manifest": symlink(ck / format.MANIFEST),
+        "relative symlink to a file outside": lambda lock: os.symlink(
+            os.path.relpath(victim, lock.parent), lock
+        ),
+        "dangling symlink": symlink(victim.parent / "not-there"),
+        "symlink to a directory": symlink(victim.parent),
+        "symlink to a FIFO": symlink(victim.parent / "fifo"),
+        "hard link to a file outside": lambda lock: os.link(victim, lock),
+        "hard link to the checkpoint's shard": lambda lock: os.link(ck / "__0_0.distcp", lock),
+        "FIFO": lambda lock: os.mkfifo(lock),
+        "directory": subdir,
+    }
+
+
+def _fingerprint(paths: list[Path]) -> dict[str, Any]:
+    """Names, types, sizes, mtimes and bytes of regular files (links not followed)."""
+    out: dict[str, Any] = {}
+    for top in paths:
+        for p in [top, *sorted(top.rglob("*"))] if top.is_dir() else [top]:
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:
+                continue
+            data = p.read_bytes() if p.is_file() and not p.is_symlink() else b""
+            out[str(p)] = (st.st_mode, st.st_size, st.st_mtime_ns, st.st_nlink, data)
+    return out
+
+
+def _lock_probe(root: Path) -> list[str]:
+    try:
+        fc.CheckpointManager(root, keep=fc.keep_last(1)).close()
+    except fc.CheckpointError as e:
+        return ["refused", str(e)]
+    except BaseException as e:
+        return [type(e).__name__, str(e)]
+    return ["accepted", ""]
+
+
+def scenario_lock_links(scale: Scale, base: Path, seed: int) -> Result:
+    """A ``.lock`` symlink, hard link, FIFO or directory: the writer refuses, changes nothing."""
+    res = Result("lock-file links (.lock symlink / hard link / FIFO / dir)")
+    outside = base / "outside"
+    outside.mkdir()
+    victim = outside / "victim.txt"
+    victim.write_bytes(_LOCK_VICTIM)
+    os.mkfifo(outside / "fifo")
+    for i, name in enumerate(_lock_attacks(base / "x", victim)):
+        root = base / f"lock{i}"
+        with fc.CheckpointManager(root) as mgr:
+            mgr.maybe_save(make_state(1, big=1, small=4), step=1)
+        os.unlink(root / ".lock")
+        _lock_attacks(root, victim)[name](root / ".lock")
+        before = _fingerprint([root, outside])
+        res.trials += 1
+        res.corruptions += 1
+        out = run_forked(lambda root=root: _lock_probe(root), timeout=30)
+        if not isinstance(out, list):
+            res.problem("hang", f"{name}: a writing manager did not answer within 30 s")
+            continue
+        kind, msg = out
+        if kind == "refused" and ".lock" in msg:
+            res.detected += 1
+        elif kind == "refused":
+            res.problem("unnamed", f"{name}: refused without naming the lock: {msg}")
+        elif kind == "accepted":
+            res.problem("accepted", f"{name}: a writing manager opened the root")
+        else:
+            res.problem("unclear-error", f"{name}: {kind}: {msg}")
+        after = _fingerprint([root, outside])
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        if changed:
+            res.problem("changed", f"{name}: {changed[:4]} changed", column="lost")
+        try:
+            with fc.CheckpointManager(root, read_only=True) as ro:  # readers never need it
+                if state_version(ro.restore_latest()) != 1:
+                    raise AssertionError("wrong version")
+        except Exception as e:
+            res.problem("lost", f"{name}: the checkpoint is unreadable: {e!r}", column="lost")
+    return res
+
+
+LEFTOVER_MODES = ("overwrite", "manager")
+
+
+def _no_exchange() -> None:  # pragma: no cover - child
+    """What a file system without ``renameat2(RENAME_EXCHANGE)`` (NFS, FUSE, macOS) gives."""
+    format._exchange = lambda a, b: False
+
+
+def _leftover_child(mode: str, root: Path, start: int, k: int) -> None:  # pragma: no cover
+    _no_exchange()
+    if k > 0:
+        _die_at_call(k)
+    elif k < 0:  # right inside the window: the old checkpoint moved aside, the new not in
+        real_rename = os.rename
+
+        def rename(a: Any, b: Any, *args: Any, **kwargs: Any) -> None:
+            real_rename(a, b, *args, **kwargs)
+            if format.TRASH_INFIX in os.fspath(b):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        os.rename = rename  # type: ignore[assignment]
+    v = start
+    if mode == "overwrite":  # re-save the newest steps in place, as a resumed run might
+        while True:
+            fc.save(root / step_name(v % 3 + 1), make_state(v, big=1, small=4), overwrite=True)
+            v += 1
+    with fc.CheckpointManager(root, keep=fc.keep_last(2)) as mgr:
+        v = (mgr.latest_step() or 0) + 1
+        while True:
+            mgr.maybe_save(make_state(v, big=1, small=4), step=v)
+            v += 1
+
+
+def _leftover_trial(
+    mode: str, root: Path, rng: random.Random, window: float, res: Result, *, in_window: bool
+) -> None:
+    keep = 2 if mode == "manager" else None
+    before = snapshot(visible(root), res, check_whole)
+    start = max(before.values(), default=0) + 1
+    timed = not in_window and rng.random() < 0.3
+    k = -1 if in_window else 0 if timed else rng.randrange(1, 80)
+    pid = fork_child(lambda: _leftover_child(mode, root, start, k))
+    if timed:
+        time.sleep(rng.uniform(0.0, window))
+        kill(pid)
+        outcome = "killed"
+    else:
+        outcome = _reap(pid, 60)
+    res.trials += 1
+    res.bump(f"kill:{'timer' if timed else 'window' if in_window else 'syscall'}")
+    if outcome != "killed":
+        res.problem("child-" + outcome, f"{mode}: the saver ended '{outcome}' before its kill")
+        return
+    committed_left = [t for t in temporaries(root) if (t / format.COMMIT_MARKER).is_file()]
+    res.bump("committed-leftovers", len(committed_left))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fc.CheckpointManager(root, keep=fc.keep_last(2)).close()  # recovers leftovers
+        except Exception as e:
+            res.problem("writer-refused", f"{mode}: a writer could not open: {e!r}")
+            return
+    res.bump("recovered", sum("recovered from" in str(w.message) for w in caught))
+    after = snapshot(visible(root), res, check_whole)
+    check_kept(before, after, keep, res)
+    newest_before = max(before.values(), default=0)
+    if max(after.values(), default=0) < newest_before:
+        res.problem("lost", f"{mode}: newest step went back from {newest_before}", column="lost")
+    for t in temporaries(root):
+        if (t / format.COMMIT_MARKER).is_file() and (root / t.name.split(".")[0]).is_dir():
+            res.bump("kept-leftover")  # committed, its step exists: kept, never deleted
+            probe = root.parent / "kept-probe"
+            os.rename(t, probe)  # under a plain name: readers refuse temporary names
+            try:
+                check_whole(probe)
+            except Exception as e:
+                res.problem("torn", f"kept leftover {t.name}: {e}", column="torn")
+            format.remove_tree(probe)
+        else:
+            res.problem("temp-leak", f"{t.name} survived a writer's start")
+            format.remove_tree(t)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reader = fc.CheckpointManager(root, read_only=True)
+        state = reader.restore_latest()
+    newest = max(after.values(), default=None)
+    got = None if state is None else state_version(state)
+    if mode == "manager" and (got != newest or reader.restored_step != newest):
+        res.problem("resume", f"restore_latest gave {got}/{reader.restored_step}, newest {newest}")
+
+
+def scenario_leftovers(scale: Scale, base: Path, seed: int) -> Result:
+    """SIGKILLs of overwrites and pruning manager saves where no atomic exchange exists."""
+    res = Result("SIGKILL without RENAME_EXCHANGE (leftover recovery)")
+    rng = random.Random(seed)
+    t0 = time.perf_counter()
+    fc.save(base / "probe", make_state(1, big=1, small=4))
+    window = 4 * (time.perf_counter() - t0) + 0.05
+    for mode in LEFTOVER_MODES:
+        root = base / f"left-{mode}"
+        with fc.CheckpointManager(root) as mgr:
+            mgr.maybe_save(make_state(1, big=1, small=4), step=1)
+        for i in range(scale.leftover_kills):
+            in_window = mode == "overwrite" and i % 4 == 0
+            _leftover_trial(mode, root, rng, window, res, in_window=in_window)
+    return res
+
+
+ROLLBACK_STEPS = (1, 2, 3, 4, 5)
+
+
+def _rollback_child(root: Path, to: int, newer: str, k: int) -> None:  # pragma: no cover
+    mgr = fc.CheckpointManager(root)
+    _die_at_call(k, ("rename", "replace", "unlink", "fsync", "rmdir"))
+    mgr.rollback(to, newer=newer, branch="b" if newer == "branch" else None)  # type: ignore[arg-type]
+
+
+def _rollback_trial(base: Path, i: int, rng: random.Random, res: Result) -> None:
+    root = base / f"rb{i}"
+    with fc.CheckpointManager(root) as mgr:
+        for s in ROLLBACK_STEPS:
+            mgr.maybe_save(make_state(s, big=0, small=4), step=s)
+    to = rng.choice(ROLLBACK_STEPS[:-1])
+    newer = rng.choice(("branch", "delete"))
+    k = rng.randrange(1, 6 + 5 * (len(ROLLBACK_STEPS) - to))
+    pid = fork_child(lambda: _rollback_child(root, to, newer, k))
+    outcome = _reap(pid, 60)
+    res.trials += 1
+    res.bump(f"child-{outcome}")
+    if outcome in ("hang", "failed"):
+        res.problem(f"child-{outcome}", f"rollback({to}, newer={newer}) ended '{outcome}'")
+        return
+    label = f"rollback({to}, newer={newer!r}) killed at call {k}"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with fc.CheckpointManager(root) as mgr:  # a writer opens: finishes the rollback
+                trunk, branches = mgr.steps(), mgr.branches()
+        except Exception as e:
+            res.problem("writer-refused", f"{label}: reopening failed: {e!r}")
+            return
+    for w in caught:
+        if issubclass(w.category, fc.CheckpointWarning):
+            res.problem("damaged", f"{label}: {w.message}", column="torn")
+    leftovers = [n.name for n in root.iterdir() if n.name not in (".lock", "branches")]
+    leftovers = [n for n in leftovers if parse_step(n) is None]
+    if leftovers:
+        res.problem("leftover", f"{label}: {leftovers} left in the root")
+    all_steps, kept = list(ROLLBACK_STEPS), [s for s in ROLLBACK_STEPS if s <= to]
+    newer_steps = [s for s in ROLLBACK_STEPS if s > to]
+    if trunk == all_steps and not branches:
+        res.bump("never-started")
+    elif trunk == kept and branches == ({"b": newer_steps} if newer == "branch" else {}):
+        res.bump("completed")
+    else:
+        res.problem("half-done", f"{label}: trunk {trunk}, branches {branches}", column="torn")
+    where = {s: root / step_name(s) for s in trunk}
+    where |= {s: root / "branches" / "b" / step_name(s) for s in branches.get("b", [])}
+    must = all_steps if newer == "branch" or trunk == all_steps else kept
+    for s in must:
+        try:
+            if s not in where or check_whole(where[s]) != s:
+                raise AssertionError("missing")
+        except Exception as e:
+            res.problem("lost", f"{label}: step {s}: {e}", column="lost")
+    shutil.rmtree(root)
+
+
+def scenario_rollback(scale: Scale, base: Path, seed: int) -> Result:
+    """SIGKILL at random system calls of CheckpointManager.rollback, then reopen."""
+    res = Result("SIGKILL during rollback")
+    rng = random.Random(seed)
+    for i in range(scale.rollback_kills):
+        _rollback_trial(base, i, rng, res)
+    return res
+
+
+def _bad_templates() -> dict[str, Callable[[], Any]]:
+    """Templates (the caller's input) that cannot describe the saved state."""
+    import collections
+
+    def recursive() -> Any:
+        d: dict[str, Any] = {"step": 0}
+        d["self"] = d
+        return d
+
+    def shape() -> Any:
+        t = make_state(0, big=1, small=4)
+        t["model"]["s0"] = torch.zeros(3)
+        return t
+
+    def leaf(value: Any) -> Callable[[], Any]:
+        def make() -> Any:
+            t = make_state(0, big=1, small=4)
+            t["model"]["s0"] = value  # where a tensor was saved
+            return t
+
+        return make
+
+    return {
+        "defaultdict at the top": lambda: collections.defaultdict(
+            list, make_state(0, big=1, small=4)
+        ),
+        "defaultdict inside": lambda: {"model": collections.defaultdict(list), "step": 0},
+        "wrong shape": shape,
+        "unknown keys": lambda: {"other": torch.zeros(2)},
+        "unsupported leaf (object)": leaf(object()),
+        "unsupported leaf (lambda)": leaf(lambda: 0),
+        "sparse tensor leaf": leaf(torch.zeros(2, 2).to_sparse()),
+        "recursive template": recursive,
+        "a list": lambda: [torch.zeros(2)],
+        "a string": lambda: "model",
+    }
+
+
+def scenario_template_errors(scale: Scale, base: Path, seed: int) -> Result:
+    """Bad templates through every manager path: the caller's error, never quarantine.
+
+    Each call runs on a fresh copy of a root of three healthy checkpoints. A template
+    the library can use is fine (a rollback it allows may then move steps); a refused
+    one must be a CheckpointError that is not damage, with every checkpoint in place.
+    """
+    res = Result("template/caller errors never quarantine")
+    pristine = base / "pristine"
+    with fc.CheckpointManager(pristine) as mgr:
+        for s in (1, 2, 3):
+            mgr.maybe_save(make_state(s, big=1, small=4), step=s)
+    names = sorted(os.listdir(pristine))
+    calls: dict[str, Callable[[fc.CheckpointManager, Any], Any]] = {
+        "restore_latest": lambda m, t: m.restore_latest(t),
+        "restore(3)": lambda m, t: m.restore(3, t),
+        "rollback(1)": lambda m, t: m.rollback(1, t),
+    }
+    root = base / "run"
+    for name, make in _bad_templates().items():
+        for call, fn in calls.items():
+            for ro in (False, True) if call == "restore_latest" else (False,):
+                label = f"{name}: {'read-only ' if ro else ''}{call}"
+                shutil.rmtree(root, ignore_errors=True)
+                shutil.copytree(pristine, root, symlinks=True)
+                res.trials += 1
+                refused = True
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    try:
+                        with fc.CheckpointManager(root, read_only=ro) as mgr:
+                            fn(mgr, make())
+                        res.bump("usable template")
+                        refused = False
+                    except fc.CheckpointError as e:
+                        if is_damage(e):
+                            res.problem("as-damage", f"{label}: {type(e).__name__}: {e}")
+                        else:
+                            res.bump(type(e).__name__)
+                    except Exception as e:
+                        res.problem("unclear-error", f"{label}: {type(e).__name__}: {e}")
+                for w in caught:
+                    if issubclass(w.category, fc.CheckpointWarning):
+                        res.problem("warned", f"{label}: {w.message}")
+                now = sorted(os.listdir(root))
+                if any(QUARANTINE_INFIX in n for n in now) or (refused and now != names):
+                    res.problem("moved", f"{label}: the root became {now}", column="lost")
+                for s in (1, 2, 3) if refused else ():
+                    try:
+                        check_whole(root / step_name(s))
+                    except Exception as e:
+                        res.problem("lost", f"{label}: step {s}: {e}", column="lost")
+    return res
+
+
+def _odd_manifests() -> dict[str, tuple[bool, Callable[[dict[str, Any]], None]]]:
+    """(damaged?, edit) of a re-signed manifest: odd values, or a malformed entry."""
+
+    def meta(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+        def edit(m: dict[str, Any]) -> None:
+            m["metadata"][key] = value
+
+        return edit
+
+    def manager(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+        def edit(m: dict[str, Any]) -> None:
+            m["metadata"]["manager"][key] = value
+
+        return edit
+
+    def created(value: Any) -> Callable[[dict[str, Any]], None]:
+        def edit(m: dict[str, Any]) -> None:
+            m["created"] = value
+
+        return edit
+
+    def alias(m: dict[str, Any]) -> None:
+        e = next(e for e in m["entries"] if e.get("kind") == "tensor")
+        e["alias"] = [["x"]]
+
+    def value(v: Any) -> Callable[[dict[str, Any]], None]:
+        def edit(m: dict[str, Any]) -> None:
+            next(e for e in m["entries"] if e["path"] == ["step"])["value"] = v
+
+        return edit
+
+    return {
+        "created = 1e300": (False, created(1e300)),
+        "created = NaN": (False, created(float("nan"))),
+        "created = -inf": (False, created(float("-inf"))),
+        "created = 2**80": (False, created(2**80)),
+        "created = 'yesterday'": (False, created("yesterday")),
+        "metrics as a list": (False, manager("metrics", [1, 2])),
+        "metrics = {'loss': 'x'}": (False, manager("metrics", {"loss": "x"})),
+        "metrics = {'loss': 10**400}": (False, manager("metrics", {"loss": 10**400})),
+        "manager record as a list": (False, meta("manager", [1])),
+        "metadata int of 5000 digits": (False, meta("big", 10**5000)),
+        "value int of 5000 digits": (False, value(10**5000)),
+        "alias as [['x']]": (True, alias),
+    }
+
+
+def _cli(argv: list[str]) -> list[Any]:
+    """``fckpt argv`` in this process: [exit status, stdout, stderr]; a traceback is caught."""
+    import io
+
+    from functional_ckpt.cli.main import main as fckpt
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code: Any = fckpt(argv)
+        except BaseException:
+            code = "traceback"
+            err.write(traceback.format_exc())
+    return [code, out.getvalue(), err.getvalue()]
+
+
+def _cli_probe(root: Path, odd: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for what, argv in (
+        ("ls", ["ls", str(root)]),
+        ("ls --json", ["ls", str(root), "--json"]),
+        ("ls --verify", ["ls", str(root), "--verify"]),
+        ("inspect", ["inspect", str(odd)]),
+        ("inspect --json", ["inspect", str(odd), "--json"]),
+        ("verify", ["verify", str(odd)]),
+        ("verify root", ["verify", str(root)]),
+    ):
+        out[what] = _cli(argv)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            reader = fc.CheckpointManager(root, read_only=True)
+            state = reader.restore_latest()
+            out["restore_latest"] = [reader.restored_step, state is not None]
+        except BaseException as e:
+            out["restore_latest"] = [type(e).__name__, str(e)[:300]]
+    try:
+        out["str(inspect)"] = ["ok", len(str(fc.inspect(odd)))]
+    except fc.CheckpointError as e:
+        out["str(inspect)"] = ["refused", type(e).__name__]
+    except BaseException as e:
+        out["str(inspect)"] = [type(e).__name__, str(e)[:300]]
+    return out
+
+
+def _cli_expect(what: str, damaged: bool) -> int:
+    """The documented exit status (docs/cli.md) of a command on the odd root / checkpoint."""
+    if what.startswith("ls"):
+        return 0  # a damaged checkpoint is a row of the listing (--verify: "damaged")
+    return 1 if damaged else 0
+
+
+def _judge_cli(label: str, damaged: bool, out: dict[str, Any], res: Result) -> bool:
+    good = True
+    others = (step_name(1), step_name(2))
+    for what, (code, stdout, stderr) in (
+        (k, v) for k, v in out.items() if k.startswith(("l", "i", "v"))
+    ):
+        text = f"{label}: fckpt {what}"
+        if code == "traceback" or "Traceback" in stderr:
+            res.problem("traceback", f"{text}: {stderr[-300:]}")
+            good = False
+            continue
+        if code != _cli_expect(what, damaged):
+            res.problem("exit-status", f"{text}: exit {code}: {stderr.strip()[:200]}")
+            good = False
+        lines = [ln for ln in stderr.splitlines() if ln.strip()]
+        if code == 2 or (lines and not damaged):
+            res.problem("error-text", f"{text}: stderr {lines[:3]}")
+            good = False
+        elif len(lines) > 1 or (lines and not lines[0].startswith("fckpt: error:")):
+            res.problem("error-text", f"{text}: not one line: {lines[:3]}")
+            good = False
+        if what.startswith(("ls", "verify root")) and not all(n in stdout for n in others):
+            res.problem("hidden", f"{text}: the other checkpoints are not listed", column="torn")
+            good = False
+    step, restored = out["restore_latest"]
+    if step != (2 if damaged else 3) or restored is not True:
+        res.problem("resume", f"{label}: restore_latest gave {step} {restored}")
+        good = False
+    if out["str(inspect)"][0] not in ("ok", "refused") or (
+        out["str(inspect)"][0] == "refused" and not damaged
+    ):
+        res.problem("inspect", f"{label}: fc.inspect: {out['str(inspect)']}")
+        good = False
+    return good
+
+
+def scenario_cli_odd(scale: Scale, base: Path, seed: int) -> Result:
+    """fckpt ls / inspect / verify on re-signed manifests with odd values, beside good ones."""
+    res = Result("CLI on odd manifests (ls / inspect / verify)")
+    for i, (label, (damaged, edit)) in enumerate(_odd_manifests().items()):
+        root = base / f"cli{i}"
+        with fc.CheckpointManager(root) as mgr:
+            for s in (1, 2, 3):
+                mgr.maybe_save(make_state(s, big=0, small=2), step=s, metrics={"loss": 1.0 / s})
+        odd = root / step_name(3)
+        edit_manifest(odd, edit)
+        res.trials += 1
+        res.corruptions += damaged
+        out = run_forked(lambda root=root, odd=odd: _cli_probe(root, odd), timeout=120)
+        if out is None or out.get("hang"):
+            res.problem("hang", f"{label}: fckpt did not answer within 120 s")
+            continue
+        good = _judge_cli(label, damaged, out, res)
+        res.detected += damaged and good
+        if scale.cli_each or label == "alias as [['x']]":
+            code = _cli_process(["ls", str(root)])
+            if code != 0:
+                res.problem("process", f"{label}: the fckpt process: {code}")
+        shutil.rmtree(root)
+    return res
+
+
+def _cli_process(argv: list[str]) -> Any:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "functional_ckpt", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    return "traceback" if "Traceback" in proc.stderr else proc.returncode
+
+
+# --------------------------------------------------------------------------- values and manifests
+
+
+def _sibling(name: str) -> Any:
+    """A module next to this script, however this script was loaded (run, or by a test)."""
+    import importlib.util
+
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+#: faults_values.py classes: (table title, whether each trial is an attack to detect).
+VALUE_CLASSES: dict[str, tuple[str, bool]] = {
+    "decoder-complexity": ("decoder complexity (hash floods)", True),
+    "decoder-memory": ("decoder memory budget", False),
+    "view-bit-aliasing": ("view-bit aliasing (conj / neg)", False),
+    "limit-symmetry": ("save/load limit symmetry", False),
+    "chunk-coverage": ("chunk coverage (overlaps, holes)", True),
+    "unstaged-bypass": ("unstaged bypass (.data / numpy)", False),
+}
+
+
+def scenario_values(name: str, scale: Scale, base: Path, seed: int) -> Result:
+    """One class of benchmarks/faults_values.py, in this table's columns.
+
+    ``wrong`` (a wrong value restored, a hostile input accepted, a save that cannot
+    be loaded) is *torn visible*; ``raw`` (not a CheckpointError) is *other*.
+    """
+    title, attack = VALUE_CLASSES[name]
+    report = _sibling("faults_values").run(quick=scale.values_quick, classes=[name])
+    (r,) = report["results"]
+    res = Result(title, trials=r["trials"], torn=r["wrong"], other=r["raw"])
+    if attack:
+        res.corruptions, res.detected = r["trials"], r["ok"]
+    res.counts = {"ok": r["ok"], **r["notes"]}
+    res.figures = {"worst_s": r["worst_s"], "worst_mem": r["worst_mem"]}
+    res.problems = list(r["problems"])
+    return res
+
+
 # --------------------------------------------------------------------------- driver
 
 SCENARIOS: dict[str, Callable[[Scale, Path, int], Result]] = {
@@ -1899,6 +2545,15 @@ SCENARIOS: dict[str, Callable[[Scale, Path, int], Result]] = {
     "overwrite-scope": scenario_overwrite_scope,
     "overwrite-race": scenario_overwrite_race,
     "fuzz": scenario_fuzz,
+    "lock-links": scenario_lock_links,
+    "leftovers": scenario_leftovers,
+    "rollback": scenario_rollback,
+    "template-errors": scenario_template_errors,
+    "cli-odd": scenario_cli_odd,
+    **{
+        f"values-{k}": (lambda s, b, seed, k=k: scenario_values(k, s, b, seed))
+        for k in VALUE_CLASSES
+    },
 }
 
 
@@ -1941,6 +2596,11 @@ def table(results: list[Result]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append(f"SIGKILL trials in total: {kills}")
+    for r in results:
+        if r.figures:
+            mem = r.figures.get("worst_mem", 0.0)
+            tail = f", peak traced memory {mem:.1f}x the input" if mem else ""
+            lines.append(f"{r.scenario}: slowest trial {r.figures['worst_s']:.2f} s{tail}")
     return "\n".join(lines)
 
 

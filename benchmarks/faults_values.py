@@ -6,6 +6,9 @@ wrong instead of promising anything::
     python benchmarks/faults_values.py           # long form
     python benchmarks/faults_values.py --quick   # the short form
 
+``benchmarks/faults.py`` runs these classes too (``values-*`` scenarios), in its one
+table of every attack class.
+
 Classes:
 
 * ``decoder-complexity``: hash floods (int-keyed maps, sets, frozensets,

@@ -208,10 +208,12 @@ def inspect(path: PathLike) -> CheckpointSummary:
             tensor_bytes += e.nbytes if e.alias is None else 0
             insert(tree, p, TensorSpec(e.dtype, e.shape, e.nbytes))
     raw = parsed.raw
+    created = raw.get("created")  # a time only if it is a number (re-signed manifests lie)
+    number = isinstance(created, float | int) and not isinstance(created, bool)
     return CheckpointSummary(
         path=src,
         format_version=raw.get("version"),
-        created=raw.get("created"),
+        created=created if number else None,
         metadata=raw.get("metadata"),
         tree=tree,
         num_tensors=len(parsed.tensors),

@@ -54,10 +54,17 @@ def _open_lock_file(root: Path, path: Path) -> int:
             f"{root}: cannot take the writer lock {path} ({e}); on a read-only "
             "location open the manager with read_only=True"
         ) from e
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise CheckpointError(
             f"{root}: the writer lock {path} is not a regular file; remove it and try again"
+        )
+    if st.st_nlink != 1:  # a hard link: writing the holder's name would change another file
+        os.close(fd)
+        raise CheckpointError(
+            f"{root}: the writer lock {path} has {st.st_nlink} hard links, so it is shared "
+            "with another file that taking the lock would overwrite; remove it and try again"
         )
     return fd
 

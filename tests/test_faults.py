@@ -3,7 +3,9 @@
 The scenario tests run the very functions the long form runs, at the CI scale:
 >= 30 real SIGKILLs of forked savers, a real 8 MiB tmpfs filling up, a read-only
 mount, a destination removed mid-save, every file of a checkpoint corrupted,
-hostile checkpoints loaded in a memory-limited child, and readers racing a writer.
+hostile checkpoints loaded in a memory-limited child, readers racing a writer,
+manager roots (lock-file links, SIGKILLs without RENAME_EXCHANGE and during
+rollbacks, bad templates, ``fckpt`` on odd manifests) and the values classes.
 They assert the invariants that must never break (nothing committed lost, nothing
 torn visible, no code run, no wrong data) and that every other problem the suite
 reports is a known weakness. Each known weakness has a minimal, deterministic
@@ -151,6 +153,55 @@ def test_reader_fuzz_scenario() -> None:
     res = run("fuzz")
     assert res.trials == faults.CI.fuzz_examples
     assert res.torn == res.other == 0, res.problems
+
+
+@pytest.mark.parametrize("name", list(faults.VALUE_CLASSES))
+def test_values_and_manifests(name: str) -> None:
+    """benchmarks/faults_values.py's classes run as scenarios of this suite (short form)."""
+    res = run(f"values-{name}")
+    assert res.trials > 0 and res.torn == res.other == 0, res.problems
+    if faults.VALUE_CLASSES[name][1]:  # an attack class: every attack refused
+        assert res.detected == res.corruptions == res.trials
+
+
+def test_lock_file_links() -> None:
+    """A .lock symlink, hard link, FIFO or directory: refused by name, nothing changes."""
+    res = run("lock-links")
+    attacks = faults._lock_attacks(Path("/r"), Path("/v"))
+    assert res.detected == res.corruptions == res.trials == len(attacks)
+    assert res.lost == res.other == 0, res.problems
+
+
+def test_leftover_recovery_without_exchange() -> None:
+    """SIGKILLs of overwrites and pruning saves with RENAME_EXCHANGE unavailable."""
+    res = run("leftovers")
+    assert res.trials == 2 * faults.CI.leftover_kills
+    assert res.other == 0, res.problems
+    assert res.counts.get("kill:window", 0) >= 1  # killed between the two renames
+    assert res.counts.get("recovered", 0) >= 1  # and the newest step was renamed back
+
+
+def test_rollback_crashes() -> None:
+    """SIGKILL at random system calls of rollback: it completed or never started."""
+    res = run("rollback")
+    assert res.trials == faults.CI.rollback_kills and res.other == 0, res.problems
+    assert res.counts.get("child-killed", 0) >= 1
+    done = res.counts.get("completed", 0) + res.counts.get("never-started", 0)
+    assert done == res.trials
+
+
+def test_template_errors_never_quarantine() -> None:
+    res = run("template-errors")
+    assert res.lost == res.other == 0, res.problems
+    assert res.counts.get("TemplateMismatch", 0) >= 1
+    assert res.counts.get("UnsupportedValue", 0) >= 1
+
+
+def test_cli_on_odd_manifests() -> None:
+    """fckpt ls/inspect/verify: documented exit status, one line, others still listed."""
+    res = run("cli-odd")
+    assert res.trials == len(faults._odd_manifests()) and res.other == 0, res.problems
+    assert res.detected == res.corruptions == 1
 
 
 def test_cli_table_and_json(tmp_path: Path) -> None:
@@ -410,3 +461,26 @@ def test_pickle_marker_not_created_by_stock_layout(tmp_path: Path) -> None:
     with pytest.raises(fc.errors.UnsafeCheckpoint):
         fc.restore(d, {"w": torch.zeros(2)})
     assert not marker.exists()
+
+
+def test_lock_hard_link_is_refused(tmp_path: Path) -> None:
+    """A hard-linked .lock shares its inode: taking the lock would truncate the other file."""
+    root = tmp_path / "run"
+    with fc.CheckpointManager(root) as mgr:
+        mgr.maybe_save({"w": torch.ones(4)}, step=1)
+    shard = next((root / "step_000000001").glob("*.distcp"))
+    pristine = shard.read_bytes()
+    os.unlink(root / ".lock")
+    os.link(shard, root / ".lock")
+    with pytest.raises(fc.CheckpointError, match=r"\.lock has 2 hard links"):
+        fc.CheckpointManager(root)
+    assert shard.read_bytes() == pristine
+    assert fc.verify(root / "step_000000001").ok
+
+
+def test_inspect_of_a_non_numeric_save_time(ckpt: Path) -> None:
+    """A re-signed manifest whose created is a string: no time, and fckpt inspect exits 0."""
+    faults.edit_manifest(ckpt, lambda m: m.update(created="yesterday"))
+    assert fc.inspect(ckpt).created is None
+    code, out, err = faults._cli(["inspect", str(ckpt)])
+    assert (code, err) == (0, "") and "saved -" in out
