@@ -10,7 +10,7 @@ save
   group) against ``dcp.save(state, checkpoint_id=path, process_group=group)`` with
   its default ``FileSystemWriter`` (which fsyncs its files).
 restore (for information; warm page cache: each tool reads what it just wrote)
-  ``fc.restore(path, template)`` into DTensor templates against
+  ``fc.restore(path, out=template)`` in place into DTensor templates against
   ``dcp.load(template, checkpoint_id=path, process_group=group)`` into the same
   preallocated DTensors.
 
@@ -73,7 +73,7 @@ TARGET = 0.8  # fc.save / dcp.save
 
 FC_SAVE = "fc.save"
 DCP_SAVE = "dcp.save"
-FC_RESTORE = "fc.restore(template)"
+FC_RESTORE = "fc.restore(out=template)"
 DCP_LOAD = "dcp.load(template)"
 SAVE_TOOLS = (FC_SAVE, DCP_SAVE)
 RESTORE_OF = {FC_SAVE: FC_RESTORE, DCP_SAVE: DCP_LOAD}
@@ -160,7 +160,7 @@ def worker(args: argparse.Namespace) -> None:
 
     def restore(tool: str, path: Path, tpl: dict[str, Any]) -> None:
         if tool == FC_SAVE:
-            fc.restore(path, tpl)
+            fc.restore(path, out=tpl)  # in place, like dcp.load
         else:
             dcp_load(tpl, checkpoint_id=path, process_group=dcp_group)
 

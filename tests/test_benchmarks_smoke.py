@@ -116,7 +116,7 @@ def test_distributed_quick_run(tmp_path: Path) -> None:
     assert tools == {
         ("save", "fc.save"),
         ("save", "dcp.save"),
-        ("restore", "fc.restore(template)"),
+        ("restore", "fc.restore(out=template)"),
         ("restore", "dcp.load(template)"),
     }
     for r in data["rows"]:
