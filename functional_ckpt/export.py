@@ -373,7 +373,7 @@ def _config_bytes(config: Any, dtype: torch.dtype | None) -> bytes:
         raise TypeError(f"config: to_dict() returned a {type(data).__name__}, not a dict")
     if dtype is not None:  # the weights' dtype, as save_pretrained records it
         for key in ("torch_dtype", "dtype"):
-            if data.get(key) is not None:
+            if key in data:
                 data[key] = str(dtype).removeprefix("torch.")
     return _json_bytes(data, "config")
 
