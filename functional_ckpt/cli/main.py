@@ -61,6 +61,17 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
+def _size(text: str) -> str:
+    """A shard size as ``export_safetensors`` takes it, checked while parsing the flags."""
+    try:
+        fc.export.parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 500MB, 5GB, 5G or 2GiB, got {text!r}"
+        ) from None
+    return text
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -208,12 +219,15 @@ def _add_export(subs: Any) -> None:
         default="model",
         help="subtree holding the weights, nested keys joined by '/' (default: model)",
     )
-    p.add_argument("--dtype", help="convert floating-point tensors (bfloat16, float16, ...)")
+    p.add_argument(
+        "--dtype", help="convert floating-point tensors (bfloat16 or bf16, float16 or fp16, ...)"
+    )
     p.add_argument(
         "--max-shard-size",
         default="5GB",
+        type=_size,
         metavar="SIZE",
-        help="largest shard, e.g. 500MB, 5GB, 2GiB (default: 5GB)",
+        help="largest shard, e.g. 500MB, 5GB (or 5G), 2GiB (default: 5GB)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace OUT atomically")
     p.set_defaults(func=cmd_export)
