@@ -284,12 +284,10 @@ def _check_rename(rename: Rename | None) -> None:
 
 def _new_name(name: str, strip: tuple[str, ...], rename: Rename | None) -> str:
     """``name`` without the wrapper prefixes in ``strip``, then renamed."""
-    stripped = True
-    while stripped:
-        stripped = False
-        for prefix in strip:
-            if name.startswith(prefix):
-                name, stripped = name[len(prefix) :], True
+    left = list(strip)  # each prefix once: "model." of a wrapper, not HF's own "model."
+    while hit := next((p for p in left if name.startswith(p)), None):
+        name = name[len(hit) :]
+        left.remove(hit)
     if callable(rename):
         new = rename(name)
         if not isinstance(new, str):
@@ -338,7 +336,7 @@ def _warn_if_prefixed(names: list[str]) -> None:
                 f"that {by} adds; transformers would not find these weights and would "
                 f"initialise them at random. Pass strip_prefix={prefix!r} (or rename=)",
                 CheckpointWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
 
 

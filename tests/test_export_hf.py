@@ -163,6 +163,12 @@ def test_rename_maps_a_lightning_attribute_and_refuses_collisions(tmp_path: Path
         state, tmp_path / "hf", select="module", config=model.config, rename={"net.": ""}
     )
     assert_bit_exact(logits(load(out)), logits(model))
+    llama = tiny_llama()  # its own names start with "model." too: stripped once only
+    lit = {"state_dict": {f"model.{k}": v for k, v in llama.state_dict().items()}}
+    out = fc.export_safetensors(
+        lit, tmp_path / "lit", select="state_dict", config=llama.config, strip_prefix="model."
+    )
+    assert_bit_exact(logits(load(out)), logits(llama))
     with pytest.raises(fc.CheckpointError, match="would both be named"):
         fc.export_safetensors(
             {"model": {"a.w": torch.zeros(2), "b.w": torch.ones(2)}},
