@@ -138,8 +138,8 @@ class Export:
     select: str | Sequence[str] = "model"
     dtype: torch.dtype | None = None
     max_shard_size: int | str = "5GB"
-    config: Any = None
-    extra_files: Mapping[str, ExtraFile] | None = None
+    config: Any = field(default=None, repr=False)
+    extra_files: Mapping[str, ExtraFile] | None = field(default=None, repr=False)
     strip_prefix: str | Sequence[str] | None = None
     rename: Rename | None = None
     keep: RetentionPolicy = field(default_factory=keep_all)

@@ -127,7 +127,8 @@ def _add_ls(subs: Any) -> None:
         "which part of the retention policy keeps each one. The policy is read from\n"
         "the checkpoints' metadata when recorded there, or taken from the flags.\n"
         "Half-written (*.tmp-*), quarantined (*.corrupt-*) and uncommitted directories\n"
-        "are listed too, with their status.",
+        "are listed too, with their status; a manager's safetensors exports\n"
+        "(ROOT/exports) below the checkpoints.",
         "  fckpt ls runs/exp1\n"
         "  fckpt ls runs/exp1 --verify                 # also re-check every checksum\n"
         "  fckpt ls runs/exp1 --keep-last 2 --keep-best 1 --metric val_loss\n"
