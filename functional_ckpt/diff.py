@@ -7,6 +7,7 @@ means bit-identical.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,9 +144,20 @@ def _diff_one(key: KeyPath, a: tuple[str, Any], b: tuple[str, Any]) -> DiffEntry
     return DiffEntry("tensor", key, f"{_spec(va)}  {delta}", nbytes)
 
 
-def diff_checkpoints(a: Path, b: Path) -> DiffResult:
-    """Compare two checkpoints leaf by leaf (both restored in full, without templates)."""
-    left, right = _leaves(a), _leaves(b)
+def diff_checkpoints(
+    a: Path, b: Path, progress: Callable[[str, Path | None], None] | None = None
+) -> DiffResult:
+    """Compare two checkpoints leaf by leaf (both restored in full, without templates).
+
+    ``progress(stage, path)`` is called as each stage starts: ``"reading"`` each
+    checkpoint, then ``"comparing"`` (path None), then ``"done"``.
+    """
+    say = progress or (lambda stage, path: None)
+    say("reading", a)
+    left = _leaves(a)
+    say("reading", b)
+    right = _leaves(b)
+    say("comparing", None)
     entries = []
     for key, (kind, value) in right.items():
         if key not in left:
@@ -159,4 +171,5 @@ def diff_checkpoints(a: Path, b: Path) -> DiffResult:
             entries.append(_diff_one(key, left[key], right[key]))
     order = {"added": 0, "removed": 1, "kind": 2, "shape": 3, "dtype": 4, "value": 5, "tensor": 6}
     entries.sort(key=lambda e: (order.get(e.kind, 7), e.key))
+    say("done", None)
     return DiffResult(a, b, entries)

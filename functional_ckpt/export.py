@@ -21,7 +21,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
+import stat
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,12 +33,19 @@ from tensordict import TensorDictBase
 
 from functional_ckpt import format
 from functional_ckpt._types import PathLike
-from functional_ckpt.errors import CheckpointError, CheckpointExists, TemplateMismatch
+from functional_ckpt.errors import (
+    CheckpointError,
+    CheckpointExists,
+    CheckpointWarning,
+    TemplateMismatch,
+)
 from functional_ckpt.io import restore
 from functional_ckpt.policy import SavePolicy
-from functional_ckpt.tree import KeyPath, as_state, format_path, iter_leaves
+from functional_ckpt.retention import RetentionPolicy, keep_all
+from functional_ckpt.tree import NODE_KEY, KeyPath, as_state, format_path, iter_leaves
 
 __all__ = [
+    "CONFIG_FILE",
     "Export",
     "INDEX_FILE",
     "SINGLE_FILE",
@@ -46,9 +55,16 @@ __all__ = [
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+#: Prefixes that wrappers add to every name; transformers finds no weight under them.
+WRAPPER_PREFIXES = {"_orig_mod.": "torch.compile", "module.": "DDP or DataParallel"}
 _UNITS = {
     "": 1,
     "b": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
     "kb": 10**3,
     "mb": 10**6,
     "gb": 10**9,
@@ -64,8 +80,8 @@ _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 def parse_size(size: int | str) -> int:
     """Bytes in ``size``: an int, or ``"5GB"``, ``"500MB"``, ``"1.5GiB"`` (case-insensitive).
 
-    Decimal units (KB, MB, GB, TB) are powers of 1000 and binary ones (KiB …) of
-    1024, as in ``transformers``' ``max_shard_size``.
+    Decimal units (KB, MB, GB, TB, and the short K, M, G, T) are powers of 1000
+    and binary ones (KiB …) of 1024, as in ``transformers``' ``max_shard_size``.
     """
     if isinstance(size, bool):
         raise TypeError(f"max_shard_size={size!r}: expected an int or a string like '5GB'")
@@ -101,26 +117,44 @@ def _select_path(select: str | Sequence[str]) -> KeyPath:
     return path
 
 
+Rename = Mapping[str, str] | Callable[[str], str]
+ExtraFile = bytes | str | os.PathLike[str] | Mapping[str, Any] | Any
+
+
 @dataclass(frozen=True)
 class Export:
     """An export on its own save policy, for ``CheckpointManager(..., export=...)``.
 
     ``dtype`` converts floating-point tensors only (integer buffers such as
     position ids keep their type). ``max_shard_size`` bounds each file's tensor
-    bytes; a single tensor larger than it gets a file of its own.
+    bytes; a single tensor larger than it gets a file of its own. ``config``,
+    ``extra_files``, ``strip_prefix`` and ``rename`` are those of
+    :func:`export_safetensors`. ``keep`` is the exports' own retention policy
+    (default: keep all), applied to ``root/exports`` after each export; the newest
+    export is never deleted.
     """
 
     policy: SavePolicy
     select: str | Sequence[str] = "model"
     dtype: torch.dtype | None = None
     max_shard_size: int | str = "5GB"
+    config: Any = field(default=None, repr=False)
+    extra_files: Mapping[str, ExtraFile] | None = field(default=None, repr=False)
+    strip_prefix: str | Sequence[str] | None = None
+    rename: Rename | None = None
+    keep: RetentionPolicy = field(default_factory=keep_all)
     max_shard_bytes: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, SavePolicy):
             raise TypeError(f"Export(policy={self.policy!r}): not a SavePolicy")
+        if not isinstance(self.keep, RetentionPolicy):
+            raise TypeError(f"Export(keep={self.keep!r}): not a RetentionPolicy")
         _select_path(self.select)
         _check_dtype(self.dtype)
+        _side_files(self.config, self.extra_files, None)  # fails now, not at the first export
+        _prefixes(self.strip_prefix)
+        _check_rename(self.rename)
         object.__setattr__(self, "max_shard_bytes", parse_size(self.max_shard_size))
 
 
@@ -152,7 +186,12 @@ def _collect(state: TensorDictBase, path: KeyPath) -> dict[str, torch.Tensor]:
     node: Any = state
     for i, key in enumerate(path):
         if not isinstance(node, TensorDictBase) or key not in node.keys():
-            have = sorted(node.keys()) if isinstance(node, TensorDictBase) else []
+            have = (
+                [str(k) for k in node.keys() if k != NODE_KEY]
+                if isinstance(node, TensorDictBase)
+                else []
+            )
+            have.sort()
             raise CheckpointError(
                 f"export: the state has no state[{format_path(path[: i + 1])}] (keys there: {have})"
             )
@@ -216,6 +255,203 @@ def _prepared(
         yield name, t
 
 
+# --------------------------------------------------------------------------- names
+
+
+def _prefixes(strip_prefix: str | Sequence[str] | None) -> tuple[str, ...]:
+    if strip_prefix is None:
+        return ()
+    prefixes = (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix)
+    if not all(isinstance(p, str) and p for p in prefixes):
+        raise TypeError(
+            f"strip_prefix={strip_prefix!r}: expected a prefix such as '_orig_mod.' or a "
+            "sequence of them"
+        )
+    return prefixes
+
+
+def _check_rename(rename: Rename | None) -> None:
+    if rename is None or callable(rename):
+        return
+    if not isinstance(rename, Mapping) or not all(
+        isinstance(k, str) and k and isinstance(v, str) for k, v in rename.items()
+    ):
+        raise TypeError(
+            f"rename={rename!r}: expected a mapping of name prefixes to their replacement "
+            "(e.g. {'model.': ''}) or a function of one name"
+        )
+
+
+def _new_name(name: str, strip: tuple[str, ...], rename: Rename | None) -> str:
+    """``name`` without the wrapper prefixes in ``strip``, then renamed."""
+    left = list(strip)  # each prefix once: "model." of a wrapper, not HF's own "model."
+    while hit := next((p for p in left if name.startswith(p)), None):
+        name = name[len(hit) :]
+        left.remove(hit)
+    if callable(rename):
+        new = rename(name)
+        if not isinstance(new, str):
+            raise TypeError(f"rename({name!r}) returned {new!r}, not a str")
+        return new
+    if rename:
+        hits = [old for old in rename if name.startswith(old)]
+        if hits:
+            old = max(hits, key=len)  # the longest prefix is the most specific rule
+            return rename[old] + name[len(old) :]
+    return name
+
+
+def _map_names(
+    tensors: dict[str, torch.Tensor],
+    strip_prefix: str | Sequence[str] | None,
+    rename: Rename | None,
+) -> dict[str, torch.Tensor]:
+    """Names as ``from_pretrained`` should see them; two tensors never get one name."""
+    strip = _prefixes(strip_prefix)
+    _check_rename(rename)
+    out: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    for name, t in tensors.items():
+        new = _new_name(name, strip, rename)
+        if not new:
+            raise CheckpointError(f"export: the tensor {name!r} would get an empty name")
+        if new in origin:
+            raise CheckpointError(
+                f"export: the tensors {origin[new]!r} and {name!r} would both be named {new!r}; "
+                "check strip_prefix= and rename="
+            )
+        origin[new] = name
+        out[new] = t
+    _warn_if_prefixed(list(out))
+    return out
+
+
+def _warn_if_prefixed(names: list[str]) -> None:
+    for prefix, by in WRAPPER_PREFIXES.items():
+        wrapped = [n for n in names if n.startswith(prefix) or f".{prefix}" in n]
+        everywhere = len(wrapped) == len(names)
+        if wrapped and (prefix == "_orig_mod." or everywhere):
+            warnings.warn(
+                f"export: tensor names such as {wrapped[0]!r} carry the prefix {prefix!r} "
+                f"that {by} adds; transformers would not find these weights and would "
+                f"initialise them at random. Pass strip_prefix={prefix!r} (or rename=)",
+                CheckpointWarning,
+                stacklevel=5,
+            )
+
+
+# --------------------------------------------------------------------------- side files
+
+
+def _json_bytes(value: Any, what: str) -> bytes:
+    try:
+        return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what}: not JSON-serialisable ({e})") from None
+
+
+def _config_bytes(config: Any, dtype: torch.dtype | None) -> bytes:
+    """``config.json`` of a transformers config (duck-typed) or of a plain dict."""
+    if hasattr(config, "to_json_string") and callable(config.to_json_string):
+        try:
+            text = config.to_json_string(use_diff=False)
+        except TypeError:
+            text = config.to_json_string()
+        data = json.loads(text)
+    elif hasattr(config, "to_dict") and callable(config.to_dict):
+        data = config.to_dict()
+    elif isinstance(config, Mapping):
+        data = dict(config)
+    else:
+        raise TypeError(
+            f"config={config!r}: expected a transformers PretrainedConfig (anything with "
+            "to_dict()) or a dict"
+        )
+    if not isinstance(data, dict):
+        raise TypeError(f"config: to_dict() returned a {type(data).__name__}, not a dict")
+    if dtype is not None:  # the weights' dtype, as save_pretrained records it
+        for key in ("torch_dtype", "dtype"):
+            if key in data:
+                data[key] = str(dtype).removeprefix("torch.")
+    return _json_bytes(data, "config")
+
+
+def _file_bytes(name: str, value: ExtraFile) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, os.PathLike):
+        path = Path(os.fspath(value))
+        try:
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"extra_files[{name!r}]={path}: not a regular file")
+            return path.read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"extra_files[{name!r}]={path}: cannot read it ({e})") from e
+    if hasattr(value, "to_json_string") and callable(value.to_json_string):
+        text = value.to_json_string()  # e.g. a transformers GenerationConfig
+        return text.encode() if isinstance(text, str) else bytes(text)
+    if isinstance(value, Mapping):
+        return _json_bytes(dict(value), f"extra_files[{name!r}]")
+    raise TypeError(
+        f"extra_files[{name!r}]={value!r}: expected bytes, str (the text), a pathlib.Path "
+        "(a file to copy), a dict (written as JSON) or an object with to_json_string()"
+    )
+
+
+def _is_weight_file(name: str) -> bool:
+    return bool(_EXPORT_FILE.fullmatch(name)) or name == INDEX_FILE
+
+
+def _side_files(
+    config: Any, extra_files: Mapping[str, ExtraFile] | None, dtype: torch.dtype | None
+) -> dict[str, bytes]:
+    """File name -> bytes of everything an export holds beside the weights."""
+    files: dict[str, bytes] = {}
+    if config is not None:
+        files[CONFIG_FILE] = _config_bytes(config, dtype)
+    if extra_files is None:
+        return files
+    if not isinstance(extra_files, Mapping):
+        raise TypeError(f"extra_files={extra_files!r}: expected a mapping of file name to data")
+    for name, value in extra_files.items():
+        if (
+            not isinstance(name, str)
+            or name in ("", ".", "..")
+            or "/" in name
+            or "\\" in name
+            or "\0" in name
+        ):
+            raise ValueError(f"extra_files: {name!r} is not a plain file name")
+        if _is_weight_file(name):
+            raise ValueError(f"extra_files: {name!r} is a name the weights use")
+        if name in files:
+            raise ValueError(f"extra_files: {name!r} is written from config=; pass only one")
+        files[name] = _file_bytes(name, value)
+    return files
+
+
+def _carried_over(out: Path, given: Mapping[str, bytes]) -> dict[str, bytes]:
+    """Side files of the export being replaced that this export does not write anew."""
+    kept: dict[str, bytes] = {}
+    dir_fd = format.open_directory(out)
+    try:
+        for name in sorted(os.listdir(out)):
+            if _is_weight_file(name) or name in given:
+                continue
+            where = out / name
+            fd = format.open_member(dir_fd, name, where, what="export file")
+            try:
+                kept[name] = format.read_exact(fd, os.fstat(fd).st_size, where)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(dir_fd)
+    return kept
+
+
 # --------------------------------------------------------------------------- write
 
 
@@ -228,7 +464,11 @@ def _fsync_file(path: Path) -> None:
 
 
 def _write_shards(
-    tmp: Path, shards: list[list[str]], tensors: dict[str, torch.Tensor], dtype: torch.dtype | None
+    tmp: Path,
+    shards: list[list[str]],
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    header: Mapping[str, str],
 ) -> None:
     from safetensors.torch import save_file
 
@@ -238,7 +478,8 @@ def _write_shards(
     for i, names in enumerate(shards, start=1):
         file = SINGLE_FILE if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
         shard = dict(_prepared(names, tensors, dtype))  # one shard in memory at a time
-        save_file(shard, str(tmp / file), metadata={"format": "pt"})
+        meta = {**header, "format": "pt"} if i == 1 else {"format": "pt"}
+        save_file(shard, str(tmp / file), metadata=meta)
         _fsync_file(tmp / file)
         total += sum(t.numel() * t.element_size() for t in shard.values())
         weight_map.update(dict.fromkeys(names, file))
@@ -252,27 +493,53 @@ _EXPORT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 
 
 def is_export(path: Path) -> bool:
-    """A directory holding only what an export writes (or nothing)."""
+    """An empty directory, or one holding weights as an export writes them, and plain files.
+
+    Files beside the weights (config, tokenizer, a README) are carried over when
+    an export replaces it, so replacing it loses nothing but the old weights.
+    """
     try:
         names = os.listdir(path)
     except OSError:
         return False
     for name in names:
-        if not (_EXPORT_FILE.fullmatch(name) or name == INDEX_FILE):
+        try:
+            st = os.lstat(path / name)
+        except OSError:
             return False
-        if not os.path.isfile(path / name) or os.path.islink(path / name):
+        if not stat.S_ISREG(st.st_mode):
             return False
-    return True
+    return not names or SINGLE_FILE in names or INDEX_FILE in names
 
 
 def check_replaceable_export(path: Path) -> None:
     """Refuse to replace anything but a previous export or an empty directory."""
     if path.is_symlink() or not path.is_dir() or not is_export(path):
         raise CheckpointExists(
-            f"{path}: exists and is not a safetensors export (it holds other files); "
-            "overwrite replaces only a previous export or an empty directory, so it was "
-            "left intact: choose another output directory or remove it"
+            f"{path}: exists and is not a safetensors export (no model.safetensors or "
+            "index, or it holds directories or links); only a previous export or an empty "
+            "directory is replaced, so it was left intact: choose another output directory "
+            "or remove it"
         )
+
+
+def first_weight_file(path: Path) -> Path:
+    """The file holding an export's header metadata: the single file or the first shard."""
+    if (path / SINGLE_FILE).is_file():
+        return path / SINGLE_FILE
+    shards = sorted(n for n in os.listdir(path) if _EXPORT_FILE.fullmatch(n))
+    if not shards:
+        raise CheckpointError(f"{path}: holds no model*.safetensors file")
+    return path / shards[0]
+
+
+def header_metadata(path: Path) -> dict[str, str]:
+    """The safetensors header metadata of an export (``{"format": "pt", ...}``)."""
+    from safetensors import safe_open
+
+    with safe_open(str(first_weight_file(path)), framework="pt") as f:
+        meta = f.metadata()
+    return dict(meta or {})
 
 
 def export_safetensors(
@@ -283,31 +550,84 @@ def export_safetensors(
     dtype: torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
+    config: Any = None,
+    extra_files: Mapping[str, ExtraFile] | None = None,
+    strip_prefix: str | Sequence[str] | None = None,
+    rename: Rename | None = None,
 ) -> Path:
     """Write the tensors under ``select`` as Hugging Face safetensors into ``out_dir``.
 
     The source is a state (TensorDict or dict) or the path of a checkpoint, of
-    which only the selected subtree is read. ``out_dir`` appears complete or not
-    at all; with ``overwrite`` an existing export (a directory holding only
-    ``model*.safetensors`` files and their index) or an empty directory is
-    replaced atomically; anything else is refused and left intact.
-    Returns ``out_dir``.
+    which only the selected subtree is read. ``config`` (a transformers
+    ``PretrainedConfig``, or a dict) becomes ``config.json``; ``extra_files`` maps
+    more file names to their content: bytes, str (the text), a ``pathlib.Path``
+    (a file to copy), a dict (JSON) or an object with ``to_json_string()`` such as
+    a ``GenerationConfig``. With those, ``AutoModelForCausalLM.from_pretrained(out_dir)``
+    works as it does on ``save_pretrained``'s output.
+
+    Names are the state_dict names; ``strip_prefix`` removes wrapper prefixes
+    (``"_orig_mod."``, ``"module."``, a LightningModule attribute such as
+    ``"model."``) wherever they lead a name, then ``rename`` maps a prefix to
+    another (``{"backbone.": "model."}``; the longest matching prefix wins) or is a
+    function of the name. A warning says when names still look wrapped.
+
+    ``out_dir`` appears complete or not at all. With ``overwrite`` a previous
+    export (or an empty directory) is replaced atomically: its weights go, and
+    every other file in it (config, tokenizer files, a README) is carried over
+    into the new export unless this call writes a file of that name. Anything
+    else is refused and left intact. Returns ``out_dir``.
     """
+    return write_export(
+        state_or_checkpoint_path,
+        out_dir,
+        select=select,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+        config=config,
+        extra_files=extra_files,
+        strip_prefix=strip_prefix,
+        rename=rename,
+    )
+
+
+def write_export(
+    source: TensorDictBase | Mapping[str, Any] | PathLike,
+    out_dir: PathLike,
+    *,
+    select: str | Sequence[str] = "model",
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    config: Any = None,
+    extra_files: Mapping[str, ExtraFile] | None = None,
+    strip_prefix: str | Sequence[str] | None = None,
+    rename: Rename | None = None,
+    header: Mapping[str, str] | None = None,
+) -> Path:
+    """:func:`export_safetensors`, plus ``header``: more safetensors header metadata."""
     out = Path(out_dir)
     path = _select_path(select)
     _check_dtype(dtype)
     limit = parse_size(max_shard_size)
-    if out.exists() or out.is_symlink():
+    files = _side_files(config, extra_files, dtype)
+    replacing = out.exists() or out.is_symlink()
+    if replacing:
         if not overwrite:
             raise CheckpointExists(f"{out}: already exists; pass overwrite=True to replace it")
         check_replaceable_export(out)
-    tensors = _dedupe(_collect(_load(state_or_checkpoint_path, path), path))
+    tensors = _collect(_load(source, path), path)
+    tensors = _dedupe(_map_names(tensors, strip_prefix, rename))
     shards = _plan_shards(tensors, limit, dtype)
     format.make_dirs(out.parent)
     tmp = format.tmp_sibling(out)
     try:
         tmp.mkdir()
-        _write_shards(tmp, shards, tensors, dtype)
+        _write_shards(tmp, shards, tensors, dtype, header or {})
+        if replacing:
+            files = {**_carried_over(out, files), **files}
+        for name, data in files.items():
+            format.write_file_durably(tmp / name, data)
         format.commit(tmp, out, overwrite=overwrite, replaceable=check_replaceable_export)
     except BaseException:
         format.remove_tree(tmp)

@@ -38,7 +38,8 @@ from functional_ckpt.errors import (
     CheckpointWarning,
     UnsupportedValue,
 )
-from functional_ckpt.export import Export, export_safetensors
+from functional_ckpt.export import Export
+from functional_ckpt.exporting import run_export, snapshot
 from functional_ckpt.io import CheckpointInfo, distributed_active, like_argument, restore, save
 from functional_ckpt.lock import WriterLock
 from functional_ckpt.policy import Event, PolicyState, SavePolicy, every_steps
@@ -53,7 +54,6 @@ from functional_ckpt.record import (
 )
 from functional_ckpt.retention import RetentionPolicy, best_steps, keep_all, plan_deletions
 from functional_ckpt.root import (
-    EXPORTS_DIR,
     MANAGER_KEY,
     StepInfo,
     Summaries,
@@ -151,6 +151,9 @@ class CheckpointManager:
         self.staging: Staging = staging
         self._pending: PendingSave | None = None
         self._removal: threading.Thread | None = None
+        self._exporter: threading.Thread | None = None
+        self._export_error: BaseException | None = None
+        self._exporting: int | None = None  # the step an export in flight reads
         self._stager = Stager()
         self._distributed = distributed_active()
         self._coordinator = not self._distributed or rank_and_world()[0] == 0
@@ -210,7 +213,10 @@ class CheckpointManager:
         if self._closed:
             return
         try:
-            self.wait()
+            try:
+                self.wait()
+            finally:
+                self._join_export()
         finally:
             self._join_removals()
             self._closed = True
@@ -341,13 +347,19 @@ class CheckpointManager:
         Returns whether a full checkpoint was written. ``force=True`` saves whatever
         the policy says, and the policy sees that a save happened. The export policy
         is asked on the same event and its export is written first, so a crash
-        between the two can only repeat an export, never lose one. Policy states
+        between the two can only repeat an export, never lose one. With
+        ``async_save`` the export is written off the training thread instead: from
+        the checkpoint of the same step once it has committed, else from a copy of
+        the selected tensors taken now (a crash may then lose the export, never the
+        checkpoint it is written from). Policy states
         advance only once the writes they describe succeeded, so a failed save is
         retried at the next event.
         """
         self._check_writable("maybe_save")
         if self._pending is not None and self._pending.done():
             self.wait()  # a background failure surfaces here, at the next call
+        if self._exporter is not None and not self._exporter.is_alive():
+            self._join_export()
         event = Event(
             step=step,
             epoch=epoch,
@@ -372,10 +384,13 @@ class CheckpointManager:
         if saved:
             self.wait()  # at most one save in flight; the previous one must have committed
             self._check_order(event.step)  # before any write, the export included
-        if exported:
-            self._export_weights(state, event.step)
+        background = exported and self.async_save and not self._distributed
+        if exported and not background:
+            self._export_weights(state, event)
         if saved:
             self._save_checkpoint(state, event, policy_state, export_state)
+        if background:
+            self._export_in_background(state, event, saved)
         self._policy_state = policy_state
         self._export_state = export_state
         return bool(saved)
@@ -435,21 +450,47 @@ class CheckpointManager:
             return None
         return save(path, state, metadata=metadata, overwrite=overwrite, per_rank=self.per_rank)
 
-    def _export_weights(self, state: State, step: int) -> Path | None:
+    def _export_weights(self, state: State, event: Event) -> Path | None:
         assert self.export is not None
         if self._distributed:
             # Every rank takes part in gathering the sharded weights; rank 0 writes them.
             state = gathered(state, self.export.select)
             if not self._coordinator:
                 return None
-        return export_safetensors(
-            state,
-            self.root / EXPORTS_DIR / step_name(step),
-            select=self.export.select,
-            dtype=self.export.dtype,
-            max_shard_size=self.export.max_shard_size,
-            overwrite=True,
-        )
+        return run_export(state, self.root, self.export, event.step, event.metrics or {})
+
+    def _export_in_background(self, state: State, event: Event, saved: bool) -> None:
+        """Export from the committed checkpoint of this step, or from a copy taken now."""
+        export = self.export
+        assert export is not None
+        self._join_export()  # one export in flight; a failed one surfaces here
+        pending = self._pending if saved else None
+        source: State | Path = self.path(event.step) if saved else snapshot(state, export)
+        self._exporting = event.step
+
+        def work() -> None:
+            try:
+                if pending is not None and pending.exception() is not None:
+                    return  # the save failed: wait() raises that, there is nothing to read
+                run_export(source, self.root, export, event.step, event.metrics or {})
+            except BaseException as e:  # surfaced at the next call, never only logged
+                self._export_error = e
+
+        self._exporter = threading.Thread(target=work, name="fc-export", daemon=True)
+        self._exporter.start()
+
+    def wait_exports(self) -> None:
+        """Block until the export running in the background is written; raise if it failed."""
+        self._join_export()
+
+    def _join_export(self) -> None:
+        if self._exporter is not None:
+            self._exporter.join()
+            self._exporter = None
+            self._exporting = None
+        error, self._export_error = self._export_error, None
+        if error is not None:
+            raise error
 
     # ------------------------------------------------------------------ deleting
 
@@ -458,6 +499,8 @@ class CheckpointManager:
         if self._pending is not None:  # a save in flight is never a candidate
             step = parse_step(self._pending.path.name)
             protected = protected | ({step} if step is not None else set())
+        if self._exporting is not None:  # nor the checkpoint an export is reading
+            protected = protected | {self._exporting}
         doomed = plan_deletions(self.keep, self.infos(), protected=protected)
         self._delete(doomed)
         return doomed

@@ -425,9 +425,9 @@ def test_export_bad_input(root: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     ckpt = str(root / step_name(50))
     (tmp_path / "exists").mkdir()
     cases = [
-        (["export", ckpt, str(tmp_path / "exists")], ["already exists"]),
+        (["export", ckpt, str(tmp_path / "exists")], ["already exists", "--overwrite"]),
         (["export", ckpt, str(tmp_path / "o1"), "--dtype", "int8"], ["--dtype int8", "bfloat16"]),
-        (["export", ckpt, str(tmp_path / "o2"), "--max-shard-size", "lots"], ["max_shard_size"]),
+        (["export", ckpt, str(tmp_path / "o2"), "--max-shard-size", "lots"], ["--max-shard-size"]),
         (["export", ckpt, str(tmp_path / "o3"), "--select", "ema"], ["no state['ema']"]),
         (["export", str(tmp_path / "none"), str(tmp_path / "o4")], ["no such file"]),
     ]

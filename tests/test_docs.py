@@ -7,6 +7,10 @@ temporary working directory, so checkpoints written by the examples land there.
 A block that cannot run here says why, in the block: ``# doctest: skip (reason)``.
 A skip without a reason, or a ``python-skip`` fence, fails the test.
 
+A page whose examples need an optional package says so with
+``<!-- doctest: requires=transformers -->`` (comma-separated modules): without
+them its examples are skipped, with the reason.
+
 A page whose examples need several processes says so with the comment
 ``<!-- doctest: ranks=N -->``: its blocks then run in ``N`` processes at once, each
 with the variables torchrun sets (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` …), all
@@ -35,6 +39,7 @@ PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in DOCS.glob("*.md"))]
 SKIP_MARK = "# doctest: skip"
 _SKIP_WITH_REASON = re.compile(r"# doctest: skip \(([^()\s][^()]*)\)")
 _RANKS = re.compile(r"^<!-- doctest: ranks=(\d+) -->$", re.MULTILINE)
+_REQUIRES = re.compile(r"^<!-- doctest: requires=([\w.,]+) -->$", re.MULTILINE)
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 
@@ -231,6 +236,9 @@ def test_examples_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     if not any(b.info == "python" for b in code_blocks(text)):
         pytest.skip(f"{page} has no python examples")
     assert runnable(code_blocks(text)), f"{page} skips every python example"
+    for m in _REQUIRES.finditer(text):
+        for module in m[1].split(","):
+            pytest.importorskip(module, reason=f"{page} needs {module} (the test extra)")
     monkeypatch.chdir(tmp_path)
     world = ranks(text)
     if world > 1:

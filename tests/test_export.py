@@ -205,3 +205,49 @@ def test_export_config_is_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="select"):
         fc.export.Export(fc.policy.always(), select=())
     assert export_mod.Export(fc.policy.always(), max_shard_size="1KB").max_shard_bytes == 1000
+
+
+def test_config_and_side_files_are_written_and_carried_over(model: TinyLM, tmp_path: Path) -> None:
+    out = tmp_path / "e"
+    state = fc.capture(model=model)
+    fc.export_safetensors(
+        state,
+        out,
+        config={"model_type": "tiny", "dtype": "float32"},
+        extra_files={"tokenizer.json": b"{}", "vocab.txt": "a\nb\n"},
+        dtype=torch.float16,
+    )
+    assert json.loads((out / "config.json").read_text()) == {
+        "model_type": "tiny",
+        "dtype": "float16",
+    }
+    assert (out / "vocab.txt").read_text() == "a\nb\n"
+    fc.export_safetensors(state, out, overwrite=True, extra_files={"vocab.txt": "c\n"})
+    assert (out / "vocab.txt").read_text() == "c\n"  # given anew: rewritten
+    assert (out / "tokenizer.json").read_bytes() == b"{}"  # not given: carried over
+    assert "float16" in (out / "config.json").read_text()
+    assert_same(load_export(out), expected_weights(model))
+    for bad in ({"../x": b""}, {"model.safetensors": b""}, {"a/b": b""}):
+        with pytest.raises(ValueError, match="extra_files"):
+            fc.export_safetensors(state, tmp_path / "f", extra_files=bad)
+    with pytest.raises(TypeError, match="config"):
+        fc.export_safetensors(state, tmp_path / "f", config=42)
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "sub").mkdir()
+    with pytest.raises(fc.errors.CheckpointExists, match="left intact"):
+        fc.export_safetensors(state, tmp_path / "g", overwrite=True)
+    assert not (tmp_path / "f").exists() and (tmp_path / "g" / "sub").is_dir()
+
+
+def test_a_failed_background_export_surfaces(model: TinyLM, tmp_path: Path) -> None:
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("a\n")
+    exp = fc.export.Export(fc.every_steps(1), extra_files={"vocab.txt": vocab})
+    vocab.unlink()  # gone by the time the export runs
+    with fc.CheckpointManager(tmp_path / "run", export=exp, async_save=True) as mgr:
+        mgr.maybe_save(fc.capture(model=model), step=1)
+        with pytest.raises(fc.CheckpointError, match=r"vocab\.txt"):
+            mgr.wait_exports()
+        mgr.wait()
+        assert mgr.steps() == [1]  # the checkpoint is unaffected
+    assert fc.CheckpointManager(tmp_path / "run", read_only=True).steps() == [1]

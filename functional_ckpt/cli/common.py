@@ -19,6 +19,7 @@ __all__ = [
     "Declined",
     "UsageError",
     "is_checkpoint_dir",
+    "is_stock_dcp",
     "newest_checkpoint",
     "one_line",
     "require_exists",
@@ -63,6 +64,32 @@ def is_checkpoint_dir(path: Path) -> bool:
     return path.is_dir() and any(
         (path / name).exists() for name in (fmt.COMMIT_MARKER, fmt.MANIFEST, fmt.DCP_METADATA)
     )
+
+
+def is_stock_dcp(path: Path) -> bool:
+    """A checkpoint written by stock ``torch.distributed.checkpoint`` (no manifest)."""
+    return (
+        path.is_dir()
+        and (path / fmt.DCP_METADATA).exists()
+        and not (path / fmt.MANIFEST).exists()
+        and not (path / fmt.COMMIT_MARKER).exists()
+    )
+
+
+def refuse_stock_dcp(path: Path, command: str) -> None:
+    """Say what a stock DCP checkpoint is and what to do instead of ``command``."""
+    then = {
+        "export": "then fc.export_safetensors(state, OUT)",
+        "diff": f"then fc.save it and run '{PROG} diff' on the saved copy",
+    }.get(command, f"then fc.save it and run '{PROG} {command}' on the saved copy")
+    if is_stock_dcp(path):
+        raise UsageError(
+            f"{path}: a stock torch.distributed.checkpoint directory, not a functional_ckpt "
+            f"checkpoint: it records no tree of its values, so '{PROG} {command}' cannot read "
+            "it on its own. In Python, restore it with a template "
+            f"(state = fc.restore(path, like=fc.capture(model=model, ...))), {then}; "
+            f"'{PROG} inspect {path}' shows what it holds"
+        )
 
 
 def require_exists(path: Path) -> None:

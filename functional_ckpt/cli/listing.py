@@ -21,6 +21,7 @@ from functional_ckpt.cli.common import (
     time_text,
 )
 from functional_ckpt.cli.ui import UI, human
+from functional_ckpt.exporting import ExportInfo, export_infos
 from functional_ckpt.retention import RetentionError, retention_from_spec, union_parts
 from functional_ckpt.root import MANAGER_KEY, Entry, dir_size, kept_by
 
@@ -51,7 +52,7 @@ def recorded_retention(rows: Sequence[Entry]) -> object | None:
     A manager records it under ``metadata["manager"]["keep"]``.
     """
     for row in reversed(rows):
-        if row.status != "ok":
+        if row.status not in ("ok", "intact"):  # "intact": re-read by --verify
             continue
         record = row.metadata.get(MANAGER_KEY)
         spec = record.get("keep") if isinstance(record, dict) else None
@@ -132,14 +133,56 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
     for row in rows:
         if row.step in kept and row.canonical and row.status in ("ok", "intact"):
             why[row.name] = kept[row.step] or (["(deleted by the next prune)"] if parts else [])
+    exports = export_infos(root)
     if args.json:
-        ui.print(json.dumps([_row_json(r, why.get(r.name, [])) for r in rows], indent=2))
+        doc = [_row_json(r, why.get(r.name, [])) for r in rows]
+        doc += [_export_json(e) for e in exports]
+        ui.print(json.dumps(doc, indent=2))
         return 0
-    if not rows:
+    if not rows and not exports:
         ui.print(f"{root}: no checkpoints")
         return 0
     _print_ls(rows, why, parts, source, ui)
+    _print_exports(exports, ui)
     return 0
+
+
+def _export_json(e: ExportInfo) -> dict[str, Any]:
+    """An export as a row of ``ls --json``: ``"kind": "export"`` tells it apart."""
+    return {
+        "kind": "export",
+        "name": f"{e.path.parent.name}/{e.path.name}",
+        "path": str(e.path),
+        "step": e.step,
+        "status": "export",
+        "time": e.time,
+        "size": e.size,
+        "metrics": {k: v if math.isfinite(v) else repr(v) for k, v in e.metrics.items()},
+        "files": list(e.files),
+    }
+
+
+def _print_exports(exports: Sequence[ExportInfo], ui: UI) -> None:
+    if not exports:
+        return
+    ui.print(f"\n{ui.paint('exports', 'head')} (safetensors, under {exports[0].path.parent})")
+    cells = []
+    for e in exports:
+        side = [f for f in e.files if not f.startswith("model")]
+        weights = len(e.files) - len(side)
+        what = f"{weights} weight file{'s' if weights != 1 else ''}"
+        cells.append(
+            [
+                e.path.name,
+                str(e.step),
+                time_text(e.time),
+                human(e.size),
+                _metrics_text(e.metrics),
+                ", ".join([what, *side]),
+            ]
+        )
+    head = ["EXPORT", "STEP", "SAVED", "SIZE", "METRICS", "FILES"]
+    ui.table(head, cells, [["", "", "dim", "", "", "dim"]] * len(cells))
 
 
 def _row_json(row: Entry, kept: list[str]) -> dict[str, Any]:
@@ -216,44 +259,52 @@ def _is_file(path: Path, where: str) -> bool:
     return "/" not in where and (path / where).exists()
 
 
-def _verify_targets(target: Path) -> tuple[list[Path], list[str]]:
-    """Checkpoints to verify under ``target`` and damage found by listing alone."""
+def _verify_targets(target: Path) -> tuple[list[Path], list[str], list[Path]]:
+    """Checkpoints to verify under ``target``, damage found by listing alone, stock DCP dirs."""
     if is_checkpoint_dir(target) or not target.is_dir():
-        return [target], []
+        return [target], [], []
     rows = scan_root(target)
     paths = [r.path for r in rows if r.status in COMMITTED]
     broken = [f"{r.path}: {r.detail}" for r in rows if r.status == "uncommitted" and r.canonical]
-    if not paths and not broken:
+    stock = [r.path for r in rows if r.status == "foreign"]
+    if not paths and not broken and not stock:
         raise fc.errors.CheckpointNotFound(f"{target}: no checkpoints to verify here")
-    return paths, broken
+    return paths, broken, stock
 
 
 def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
     target = Path(args.path)
     require_exists(target)
-    paths, broken = _verify_targets(target)
+    paths, broken, stock = _verify_targets(target)
     bad = len(broken)
     for line in broken:
         ui.print(f"{ui.paint('DAMAGED', 'bad')}  {line}")
-    results = []
+    for path in stock:
+        ui.print(
+            f"{ui.paint('SKIPPED', 'warn')}  {path}: a stock torch.distributed.checkpoint "
+            "directory records no checksums; it cannot be verified"
+        )
     with ui.progress("verifying", sum(dir_size(p) for p in paths)) as bar:
-        for p in paths:
-            results.append((p, *verify_one(p)))
-            bar.advance(dir_size(p))
-    for path, ok, problems, what in results:
-        if ok:
-            if not args.quiet:
-                ui.print(f"{ui.paint('OK', 'ok')}       {path}  ({what})")
-            continue
-        bad += 1
-        ui.print(f"{ui.paint('DAMAGED', 'bad')}  {path}")
-        for line in problems:
-            ui.print(f"  {line}")
+        for path in paths:  # each result as soon as it is known
+            ok, problems, what = verify_one(path)
+            bar.advance(dir_size(path))
+            if ok:
+                if not args.quiet:
+                    bar.print(f"{ui.paint('OK', 'ok')}       {path}  ({what})")
+                continue
+            bad += 1
+            bar.print(f"{ui.paint('DAMAGED', 'bad')}  {path}")
+            for line in problems:
+                bar.print(f"  {line}")
     total = len(paths) + len(broken)
+    unverified = f"; {len(stock)} stock DCP not verifiable" if stock else ""
     if bad:
-        ui.print(f"{bad} of {total} checkpoints damaged")
+        ui.print(f"{bad} of {total} checkpoints damaged{unverified}")
         return 1
-    ui.print(f"{total} checkpoint{'s' if total != 1 else ''} intact")
+    if not total:
+        ui.print(f"no functional_ckpt checkpoint to verify{unverified}")
+        return 0
+    ui.print(f"{total} checkpoint{'s' if total != 1 else ''} intact{unverified}")
     return 0
 
 

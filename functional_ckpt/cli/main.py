@@ -61,6 +61,17 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
+def _size(text: str) -> str:
+    """A shard size as ``export_safetensors`` takes it, checked while parsing the flags."""
+    try:
+        fc.export.parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 500MB, 5GB, 5G or 2GiB, got {text!r}"
+        ) from None
+    return text
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -116,7 +127,8 @@ def _add_ls(subs: Any) -> None:
         "which part of the retention policy keeps each one. The policy is read from\n"
         "the checkpoints' metadata when recorded there, or taken from the flags.\n"
         "Half-written (*.tmp-*), quarantined (*.corrupt-*) and uncommitted directories\n"
-        "are listed too, with their status.",
+        "are listed too, with their status; a manager's safetensors exports\n"
+        "(ROOT/exports) below the checkpoints.",
         "  fckpt ls runs/exp1\n"
         "  fckpt ls runs/exp1 --verify                 # also re-check every checksum\n"
         "  fckpt ls runs/exp1 --keep-last 2 --keep-best 1 --metric val_loss\n"
@@ -208,12 +220,15 @@ def _add_export(subs: Any) -> None:
         default="model",
         help="subtree holding the weights, nested keys joined by '/' (default: model)",
     )
-    p.add_argument("--dtype", help="convert floating-point tensors (bfloat16, float16, ...)")
+    p.add_argument(
+        "--dtype", help="convert floating-point tensors (bfloat16 or bf16, float16 or fp16, ...)"
+    )
     p.add_argument(
         "--max-shard-size",
         default="5GB",
+        type=_size,
         metavar="SIZE",
-        help="largest shard, e.g. 500MB, 5GB, 2GiB (default: 5GB)",
+        help="largest shard, e.g. 500MB, 5GB (or 5G), 2GiB (default: 5GB)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace OUT atomically")
     p.set_defaults(func=cmd_export)

@@ -14,10 +14,16 @@ import numpy as np
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt.cli.common import UsageError, newest_checkpoint, require_exists, time_text
+from functional_ckpt.cli.common import (
+    UsageError,
+    newest_checkpoint,
+    refuse_stock_dcp,
+    require_exists,
+    time_text,
+)
 from functional_ckpt.cli.ui import PROG, UI, human
 from functional_ckpt.diff import diff_checkpoints
-from functional_ckpt.root import classify
+from functional_ckpt.root import classify, dir_size
 from functional_ckpt.summary import Node, short_repr
 from functional_ckpt.tree import NODE_KEY, KeyPath
 
@@ -212,7 +218,21 @@ def cmd_diff(args: argparse.Namespace, ui: UI) -> int:
     a, b = Path(args.a), Path(args.b)
     for p in (a, b):
         require_exists(p)
-    result = diff_checkpoints(a, b)
+        refuse_stock_dcp(p, "diff")
+    sizes = [dir_size(a), dir_size(b)]
+    with ui.progress("reading A", sum(sizes)) as bar:
+        reads = iter(zip(("reading A", "reading B"), [0, sizes[0]], strict=True))
+        done = [0]
+
+        def progress(stage: str, path: Path | None) -> None:
+            if stage == "reading":
+                label, done[0] = next(reads, (stage, done[0]))
+            else:
+                label, done[0] = stage, sum(sizes)
+            bar.describe(label)
+            bar.update(done[0], force=True)
+
+        result = diff_checkpoints(a, b, progress)
     ui.print(f"{ui.paint('A', 'head')} {a}\n{ui.paint('B', 'head')} {b}")
     shown = result.entries if args.all else result.changes
     for entry in shown:
@@ -243,14 +263,26 @@ _FLOAT_DTYPES = {
     for name in ("float16", "bfloat16", "float32", "float64", "half", "float", "double")
     if isinstance(dt := getattr(torch, name, None), torch.dtype)
 }
+#: The short spellings of training scripts and model cards.
+_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "f16": "float16",
+    "fp32": "float32",
+    "f32": "float32",
+    "fp64": "float64",
+    "f64": "float64",
+}
 
 
 def parse_dtype(name: str | None) -> torch.dtype | None:
     if name is None:
         return None
-    dtype = _FLOAT_DTYPES.get(name.removeprefix("torch."))
+    key = name.strip().lower().removeprefix("torch.")
+    dtype = _FLOAT_DTYPES.get(_ALIASES.get(key, key))
     if dtype is None:
-        raise UsageError(f"--dtype {name}: expected one of {', '.join(sorted(_FLOAT_DTYPES))}")
+        names = ", ".join(sorted(_FLOAT_DTYPES)) + " (or bf16, fp16, fp32, fp64)"
+        raise UsageError(f"--dtype {name}: expected one of {names}")
     return dtype
 
 
@@ -271,21 +303,27 @@ def _selected_bytes(
 
 def cmd_export(args: argparse.Namespace, ui: UI) -> int:
     src = newest_checkpoint(Path(args.path))
+    refuse_stock_dcp(src, "export")
     out = Path(args.out)
+    if (out.exists() or out.is_symlink()) and not args.overwrite:
+        raise UsageError(f"{out}: already exists; pass --overwrite to replace it")
     dtype = parse_dtype(args.dtype)
     select = tuple(k for k in args.select.split("/") if k)
     if not select:
         raise UsageError(f"--select {args.select!r}: expected a key such as 'model'")
     read, write = _selected_bytes(fc.inspect(src), select, dtype)
     with ui.progress("exporting", read + write) as bar:
-        fc.export_safetensors(
-            src,
-            out,
-            select=select[0] if len(select) == 1 else select,
-            dtype=dtype,
-            max_shard_size=args.max_shard_size,
-            overwrite=args.overwrite,
-        )
+        try:
+            fc.export_safetensors(
+                src,
+                out,
+                select=select[0] if len(select) == 1 else select,
+                dtype=dtype,
+                max_shard_size=args.max_shard_size,
+                overwrite=args.overwrite,
+            )
+        except fc.errors.CheckpointExists as e:  # created meanwhile: the flag, not the argument
+            raise UsageError(str(e).replace("overwrite=True", "--overwrite")) from None
         bar.update(read + write, force=True)
     files = sorted(p for p in out.iterdir() if p.is_file())
     ui.print(f"exported {'/'.join(select)} of {src} to {out}:")

@@ -70,8 +70,17 @@ class Progress:
     the command prints its result lines either way.
     """
 
-    def __init__(self, stream: IO[str], label: str, total: int, unit: str, enabled: bool) -> None:
+    def __init__(
+        self,
+        stream: IO[str],
+        label: str,
+        total: int,
+        unit: str,
+        enabled: bool,
+        out: IO[str] | None = None,
+    ) -> None:
         self.label, self.total, self.unit, self.enabled = label, max(0, total), unit, enabled
+        self.out = out if out is not None else sys.stdout
         self._bar: RichProgress | None = None
         self._task: Any = None
         if enabled:
@@ -111,6 +120,19 @@ class Progress:
         self._bar.update(self._task, completed=min(max(done, 0), self.total or done))
         if force:
             self._bar.refresh()
+
+    def describe(self, label: str) -> None:
+        """Say what is being done now (the bar's label)."""
+        self.label = label
+        if self._bar is not None and self._task is not None:
+            self._bar.update(self._task, description=label)
+
+    def print(self, text: str) -> None:
+        """A result line on stdout while the bar runs: above the bar when both share a terminal."""
+        if self._bar is not None and self._task is not None and _isatty(self.out):
+            self._bar.console.print(Text.from_ansi(text), soft_wrap=True, highlight=False)
+        else:
+            print(text, file=self.out, flush=True)
 
     def advance(self, amount: float) -> None:
         if self._bar is not None and self._task is not None:
@@ -156,7 +178,7 @@ class UI:
         print(f"{PROG}: error: {message}", file=self.err, flush=True)
 
     def progress(self, label: str, total: int, unit: str = "B") -> Progress:
-        return Progress(self.err, label, total, unit, enabled=self.show_progress)
+        return Progress(self.err, label, total, unit, enabled=self.show_progress, out=self.out)
 
     def table(self, head: Sequence[str], rows: Sequence[Sequence[str]], styles: Any) -> None:
         """Print a table: aligned columns, ``head`` bold, ``styles[i][j]`` per cell."""

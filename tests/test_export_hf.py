@@ -1,0 +1,225 @@
+"""Exports that transformers loads as it loads save_pretrained's output, bit for bit.
+
+Tiny models built from configs (nothing is downloaded): a Llama and a GPT-2, tied
+embeddings, sharded with an index, bf16; config and side files in the export;
+prefixed names from torch.compile; manager exports with retention, off the
+training thread.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import functional_ckpt as fc
+from functional_ckpt import exporting
+from functional_ckpt.export import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+AutoModelForCausalLM = transformers.AutoModelForCausalLM
+
+IDS = torch.tensor([[1, 5, 9, 33, 2, 7, 60, 3]])
+
+
+def tiny_llama(**kw: Any) -> Any:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **kw,
+    )
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def tiny_gpt2() -> Any:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def logits(model: Any) -> torch.Tensor:
+    with torch.no_grad():
+        out: torch.Tensor = model(IDS).logits
+    return out
+
+
+def load(out: Path, dtype: torch.dtype = torch.float32) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=dtype)
+    return model.eval()
+
+
+def assert_bit_exact(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+def test_from_pretrained_loads_the_export_bit_exactly(build: Any, tmp_path: Path) -> None:
+    model = build(**({"tie_word_embeddings": True} if build is tiny_llama else {}))
+    want = logits(model)
+    out = fc.export_safetensors(fc.capture(model=model), tmp_path / "hf", config=model.config)
+    assert (out / CONFIG_FILE).is_file() and (out / SINGLE_FILE).is_file()
+    loaded = load(out)
+    assert_bit_exact(logits(loaded), want)
+    head = loaded.get_output_embeddings().weight
+    assert head.data_ptr() == loaded.get_input_embeddings().weight.data_ptr()  # still tied
+
+
+def test_sharded_bf16_export_with_an_index(tmp_path: Path) -> None:
+    model = tiny_llama(tie_word_embeddings=False)
+    # The reference: the same weights in bf16, in a model transformers built in bf16
+    # (which keeps its rotary buffers in float32, as from_pretrained does).
+    ref = AutoModelForCausalLM.from_config(model.config, dtype=torch.bfloat16).eval()
+    ref.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
+    want = logits(ref)
+    out = fc.export_safetensors(
+        fc.capture(model=model),
+        tmp_path / "hf",
+        config=model.config,
+        dtype=torch.bfloat16,
+        max_shard_size="8KB",
+    )
+    index = json.loads((out / INDEX_FILE).read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert json.loads((out / CONFIG_FILE).read_text())["dtype"] == "bfloat16"
+    loaded = load(out, torch.bfloat16)
+    for name, t in ref.state_dict().items():
+        assert_bit_exact(loaded.state_dict()[name], t)
+    assert_bit_exact(logits(loaded), want)
+
+
+def test_export_from_a_checkpoint_path_with_side_files_kept_on_overwrite(tmp_path: Path) -> None:
+    model = tiny_gpt2()
+    fc.save(tmp_path / "ckpt", fc.capture(model=model))
+    gen = transformers.GenerationConfig(max_new_tokens=5, do_sample=False)
+    out = tmp_path / "hf"
+    fc.export_safetensors(
+        tmp_path / "ckpt",
+        out,
+        config=model.config,
+        extra_files={
+            "generation_config.json": gen,
+            "special_tokens_map.json": {"eos_token": "</s>"},
+            "README.md": "tiny\n",
+            "vocab.txt": _file(tmp_path / "vocab.txt", b"a\nb\n"),
+        },
+    )
+    before = {p.name: p.read_bytes() for p in out.iterdir() if not p.name.startswith("model")}
+    assert set(before) == {
+        CONFIG_FILE,
+        "generation_config.json",
+        "special_tokens_map.json",
+        "README.md",
+        "vocab.txt",
+    }
+    (out / "notes.txt").write_text("written by hand")
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)  # tied: changes the embedding too
+    fc.export_safetensors(
+        fc.capture(model=model), out, overwrite=True, extra_files={"README.md": "v2\n"}
+    )
+    after = {p.name: p.read_bytes() for p in out.iterdir() if not p.name.startswith("model")}
+    assert after == {**before, "README.md": b"v2\n", "notes.txt": b"written by hand"}
+    assert_bit_exact(logits(load(out)), logits(model))
+    assert transformers.GenerationConfig.from_pretrained(out).max_new_tokens == 5
+
+
+def _file(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def test_compiled_model_names_are_stripped_and_warned_about(tmp_path: Path) -> None:
+    model = tiny_llama()
+    compiled = torch.compile(model)  # lazy: nothing is compiled until it is called
+    state = fc.capture(model=compiled)
+    with pytest.warns(fc.errors.CheckpointWarning, match=r"strip_prefix='_orig_mod\.'"):
+        fc.export_safetensors(state, tmp_path / "raw", config=model.config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fc.errors.CheckpointWarning)
+        out = fc.export_safetensors(
+            state, tmp_path / "hf", config=model.config, strip_prefix="_orig_mod."
+        )
+    assert_bit_exact(logits(load(out)), logits(model))
+
+
+def test_rename_maps_a_lightning_attribute_and_refuses_collisions(tmp_path: Path) -> None:
+    model = tiny_gpt2()
+    state = {"module": {"net": model.state_dict()}}  # a LightningModule holding it as .net
+    out = fc.export_safetensors(
+        state, tmp_path / "hf", select="module", config=model.config, rename={"net.": ""}
+    )
+    assert_bit_exact(logits(load(out)), logits(model))
+    llama = tiny_llama()  # its own names start with "model." too: stripped once only
+    lit = {"state_dict": {f"model.{k}": v for k, v in llama.state_dict().items()}}
+    out = fc.export_safetensors(
+        lit, tmp_path / "lit", select="state_dict", config=llama.config, strip_prefix="model."
+    )
+    assert_bit_exact(logits(load(out)), logits(llama))
+    with pytest.raises(fc.CheckpointError, match="would both be named"):
+        fc.export_safetensors(
+            {"model": {"a.w": torch.zeros(2), "b.w": torch.ones(2)}},
+            tmp_path / "x",
+            rename=lambda name: name.split(".")[-1],
+        )
+
+
+def test_select_errors_never_show_internal_keys(tmp_path: Path) -> None:
+    state = fc.capture(model=torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    fc.save(tmp_path / "ckpt", {"model": [{"w": torch.zeros(2)}], "step": 3})
+    for source in (state, tmp_path / "ckpt"):
+        with pytest.raises(fc.CheckpointError) as info:
+            fc.export_safetensors(source, tmp_path / "e", select=("model", "_orig_mod"))
+        assert "__container__" not in str(info.value)
+
+
+def test_manager_exports_load_are_pruned_and_run_off_the_training_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tiny_llama(tie_word_embeddings=True)
+    threads: list[str] = []
+    real = exporting.run_export
+
+    def spy(*args: Any, **kw: Any) -> Path:
+        threads.append(threading.current_thread().name)
+        return real(*args, **kw)
+
+    monkeypatch.setattr("functional_ckpt.manager.run_export", spy)
+    export = fc.export.Export(
+        fc.every_steps(1),
+        config=model.config,
+        extra_files={"generation_config.json": transformers.GenerationConfig(max_new_tokens=3)},
+        keep=fc.keep_last(2),
+    )
+    snapshots = {}
+    with fc.CheckpointManager(
+        tmp_path, save=fc.every_steps(2), export=export, async_save=True
+    ) as mgr:
+        for step in range(1, 6):
+            state = fc.capture(model=model)
+            mgr.maybe_save(state, step=step, metrics={"loss": 1.0 / step})
+            mgr.wait_staged()
+            snapshots[step] = logits(model)
+            with torch.no_grad():  # the next optimizer step, while the export runs
+                for p in model.parameters():
+                    p.add_(0.25)
+        mgr.wait_exports()
+    assert threads and all(name == "fc-export" for name in threads)
+    assert [e.step for e in exporting.export_infos(tmp_path)] == [4, 5]
+    for step in (4, 5):
+        out = exporting.export_path(tmp_path, step)
+        assert transformers.GenerationConfig.from_pretrained(out).max_new_tokens == 3
+        assert_bit_exact(logits(load(out)), snapshots[step])
