@@ -2182,7 +2182,7 @@ def _rollback_trial(base: Path, i: int, rng: random.Random, res: Result) -> None
             res.problem("writer-refused", f"{label}: reopening failed: {e!r}")
             return
     for w in caught:
-        if issubclass(w.category, fc.CheckpointWarning):
+        if issubclass(w.category, fc.errors.CheckpointWarning):
             res.problem("damaged", f"{label}: {w.message}", column="torn")
     leftovers = [n.name for n in root.iterdir() if n.name not in (".lock", "branches")]
     leftovers = [n for n in leftovers if parse_step(n) is None]
@@ -2297,7 +2297,7 @@ def scenario_template_errors(scale: Scale, base: Path, seed: int) -> Result:
                     except Exception as e:
                         res.problem("unclear-error", f"{label}: {type(e).__name__}: {e}")
                 for w in caught:
-                    if issubclass(w.category, fc.CheckpointWarning):
+                    if issubclass(w.category, fc.errors.CheckpointWarning):
                         res.problem("warned", f"{label}: {w.message}")
                 now = sorted(os.listdir(root))
                 if any(QUARANTINE_INFIX in n for n in now) or (refused and now != names):

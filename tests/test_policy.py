@@ -767,8 +767,12 @@ def test_on_improve_matches_reference(values: list[float], data: st.DataObject) 
 # --------------------------------------------------------------------------- docs
 
 
-def test_docs_examples_run() -> None:
-    """Every ```python block of docs/policies.md runs, in order, in one namespace."""
+def test_docs_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ```python block of docs/policies.md runs, in order, in one namespace.
+
+    In a temporary working directory: the examples write checkpoints.
+    """
+    monkeypatch.chdir(tmp_path)
     text = (REPO / "docs" / "policies.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
     assert blocks, "docs/policies.md has no python examples"
