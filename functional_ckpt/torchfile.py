@@ -12,8 +12,9 @@ reader accepts, so the file it writes loads with ``weights_only=True`` too.
   "epoch", ...}``, nested dicts of tensors and values) is the state as it is.
 * export: the tensors under ``select`` by their dotted ``state_dict`` names (what
   ``model.load_state_dict`` takes), or the whole state as nested Python
-  containers (``full``). The file appears atomically: written under a temporary
-  name, fsynced, renamed, its directory fsynced.
+  containers (``full``; numpy values, which that reader cannot build, become
+  tensors and Python numbers). The file appears atomically: written under a
+  temporary name, fsynced, renamed, its directory fsynced.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from functional_ckpt.export import _collect, _load, _select_path
 from functional_ckpt.io import CheckpointInfo, restore, save
 from functional_ckpt.tree import KeyPath, format_path, to_python
 
-__all__ = ["WEIGHTS_KEY", "export_torch", "import_torch", "load_torch_file"]
+__all__ = ["WEIGHTS_KEY", "export_torch", "import_torch", "load_torch_file", "loadable"]
 
 #: Where a bare ``state_dict`` lands in an imported state.
 WEIGHTS_KEY = "model"
@@ -63,7 +64,6 @@ _PLAIN_LEAVES = (
     torch.dtype,
     torch.device,
 )
-_CONTAINERS = (dict, OrderedDict, list, tuple, set)
 
 
 # --------------------------------------------------------------------------- import
@@ -90,15 +90,16 @@ def load_torch_file(path: PathLike) -> Any:
         return torch.load(src, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(src))
     except pickle.UnpicklingError as exc:
         text = str(exc)
-        if "Weights only load failed" in text:
-            reason = _refusal_reason(text)
+        reason = _refusal_reason(text)
+        if "Weights only load failed" in text and "GLOBAL" in reason:
             raise UnsafeCheckpoint(
                 f"{src}: refused: the file holds pickled objects that "
                 f"torch.load(weights_only=True) does not build{reason}; nothing in it "
                 "was run. Load it with weights_only=False only if you trust its source, "
                 "then save the state with fc.save"
             ) from None
-        raise CheckpointError(f"{src}: not a torch.save file ({_first_line(text)})") from None
+        detail = reason.strip(" ()") or _first_line(text)
+        raise CheckpointError(f"{src}: not a torch.save file ({detail})") from None
     except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile) as exc:
         raise CheckpointError(
             f"{src}: not a readable torch.save file ({_first_line(str(exc))})"
@@ -184,8 +185,16 @@ def _weights(source: PathLike, select: KeyPath, dtype: torch.dtype | None) -> di
     return weights
 
 
-def check_loadable(value: Any, path: KeyPath = ()) -> None:
-    """Refuse a value that ``torch.load(weights_only=True)`` could not read back."""
+def loadable(value: Any, path: KeyPath = (), converted: list[KeyPath] | None = None) -> Any:
+    """``value`` as something ``torch.load(weights_only=True)`` reads back exactly.
+
+    That reader builds no numpy objects, so numpy arrays become tensors of the same
+    dtype and bytes and numpy scalars become Python numbers (their paths are added
+    to ``converted``); any other value it cannot build (a path, a datetime, a
+    dataclass...) raises :class:`CheckpointError` naming its key path.
+    """
+    import numpy as np
+
     kind = type(value)
     if isinstance(value, torch.Tensor):
         if kind is not torch.Tensor and kind is not torch.nn.Parameter:
@@ -193,25 +202,36 @@ def check_loadable(value: Any, path: KeyPath = ()) -> None:
                 f"state[{format_path(path)}]: a {kind.__name__} cannot be exported as a "
                 "torch file that loads with weights_only=True; export plain tensors"
             )
-        return
-    if kind in _CONTAINERS:
-        if isinstance(value, Mapping):
-            for k, v in value.items():
-                check_loadable(k, (*path, repr(k)))
-                check_loadable(v, (*path, str(k)))
-            if hasattr(value, "_metadata"):
-                check_loadable(value._metadata, (*path, "_metadata"))
-        else:
-            for i, v in enumerate(value):
-                check_loadable(v, (*path, str(i)))
-        return
-    if kind not in _PLAIN_LEAVES:
-        raise CheckpointError(
-            f"state[{format_path(path)}]: a {kind.__module__}.{kind.__qualname__} value; "
-            "torch.load(weights_only=True) refuses it, so the export would not load safely. "
-            "Export the weights only (without full), or convert the value to plain data "
-            "(str, int, float, list, dict) in the state first"
-        )
+        return value
+    if kind in _PLAIN_LEAVES:
+        return value
+    if kind is np.ndarray or isinstance(value, np.generic):
+        try:
+            out = torch.from_numpy(np.array(value)) if kind is np.ndarray else value.item()
+        except TypeError:
+            out = None
+        if isinstance(out, torch.Tensor) or type(out) in _PLAIN_LEAVES:
+            if converted is not None:
+                converted.append(path)
+            return out
+    if kind in (dict, OrderedDict):
+        mapping = kind()
+        for k, v in value.items():
+            mapping[loadable(k, (*path, repr(k)), converted)] = loadable(
+                v, (*path, str(k)), converted
+            )
+        if hasattr(value, "_metadata"):
+            meta = loadable(value._metadata, (*path, "_metadata"), converted)
+            mapping._metadata = meta  # type: ignore[attr-defined]
+        return mapping
+    if kind in (list, tuple, set):
+        return kind(loadable(v, (*path, str(i)), converted) for i, v in enumerate(value))
+    raise CheckpointError(
+        f"state[{format_path(path)}]: a {kind.__module__}.{kind.__qualname__} value; "
+        "torch.load(weights_only=True) refuses it, so the export would not load safely. "
+        "Export the weights only (without full), or convert the value to plain data "
+        "(str, int, float, list, dict) in the state first"
+    )
 
 
 def write_torch_file(obj: Any, out: Path, *, overwrite: bool) -> Path:
@@ -257,12 +277,13 @@ def export_torch(
     select: str | Sequence[str] | None = "model",
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
-) -> Path:
+) -> list[KeyPath]:
     """Write a checkpoint's weights (``select``) or whole state (``select=None``) as a
     ``torch.save`` file that ``torch.load(weights_only=True)`` reads back bit-exactly.
 
-    ``dtype`` converts floating-point weights; the whole state is always exported as
-    saved. Only the selected subtree is read.
+    ``dtype`` converts floating-point weights; the whole state is exported as saved,
+    except that numpy values become tensors and Python numbers (see :func:`loadable`).
+    Only the selected subtree is read. Returns the key paths of the converted values.
     """
     dest = Path(out)
     obj: Any
@@ -272,5 +293,7 @@ def export_torch(
         obj = to_python(restore(checkpoint))
     else:
         obj = _weights(checkpoint, _select_path(select), dtype)
-    check_loadable(obj)
-    return write_torch_file(obj, dest, overwrite=overwrite)
+    converted: list[KeyPath] = []
+    obj = loadable(obj, (), converted)
+    write_torch_file(obj, dest, overwrite=overwrite)
+    return converted

@@ -43,9 +43,18 @@ def _export_torch(args: argparse.Namespace, ui: UI) -> int:
     select = None if args.full else tuple(k for k in args.select.split("/") if k)
     if select == ():
         raise UsageError(f"--select {args.select!r}: expected a key such as 'model'")
-    export_torch(src, out, select=select, dtype=parse_dtype(args.dtype), overwrite=args.overwrite)
+    converted = export_torch(
+        src, out, select=select, dtype=parse_dtype(args.dtype), overwrite=args.overwrite
+    )
     what = "the full state" if select is None else "/".join(select)
     ui.print(f"exported {what} of {src} to {out} ({human(out.stat().st_size)})")
+    if converted:
+        shown = ", ".join("/".join(p) for p in converted[:5])
+        more = f" and {len(converted) - 5} more" if len(converted) > 5 else ""
+        ui.print(
+            f"numpy values saved as tensors / Python numbers (weights_only=True reads no "
+            f"numpy): {shown}{more}"
+        )
     return 0
 
 
