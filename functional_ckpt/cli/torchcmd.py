@@ -27,8 +27,8 @@ def cmd_import(args: argparse.Namespace, ui: UI) -> int:
     if list(summary.tree) == [WEIGHTS_KEY]:
         layout = f" (a state_dict: under '{WEIGHTS_KEY}')"
     ui.print(
-        f"imported {src} to {info.path}{layout}: {summary.num_tensors} tensors "
-        f"({human(summary.tensor_bytes)}), {summary.num_values} values"
+        f"imported {src} to {info.path}{layout}: {summary.num_tensors} tensors, "
+        f"{human(summary.tensor_bytes)}"
     )
     return 0
 
