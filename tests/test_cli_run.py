@@ -144,36 +144,69 @@ def _wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 60.0) ->
         time.sleep(0.02)
 
 
-# A wrapper that ignores SIGTERM and waits for its own child (as a launcher may): the job
-# hears the signal only because it goes to the whole process group.
-WRAPPER = [
-    sys.executable,
-    "-c",
-    "import signal, subprocess, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-    "sys.exit(subprocess.call(sys.argv[1:]))",
-]
+# Launchers between fckpt run and the job. One ignores SIGTERM and waits for the job (as
+# torchrun does, roughly): the job hears the signal only because it goes to the whole
+# process group. The other dies of the SIGTERM at once, leaving the job saving: fckpt
+# run waits for it all the same.
+LAUNCHERS = {
+    "direct": ([], 0),
+    "through-a-launcher": (
+        [
+            sys.executable,
+            "-c",
+            "import signal, subprocess, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "sys.exit(subprocess.call(sys.argv[1:]))",
+        ],
+        0,
+    ),
+    "launcher-dies-first": (
+        [sys.executable, "-c", "import subprocess, sys; subprocess.call(sys.argv[1:])"],
+        128 + signal.SIGTERM,
+    ),
+}
 
 
-@pytest.mark.parametrize("wrapped", [False, True], ids=["direct", "through-a-launcher"])
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
 def test_sigterm_reaches_the_job_which_saves_and_is_not_relaunched(
-    tmp_path: Path, wrapped: bool
+    tmp_path: Path, launcher: str
 ) -> None:
     root, ready = tmp_path / "ckpt", tmp_path / "ready"
+    prefix, status = LAUNCHERS[launcher]
     job = [*JOB, str(root), "--steps=100000", "--save-every=100000", "--step-time=0.005"]
     job.append(f"--ready={ready}")
-    proc = _start(
-        "--retries=3", "--backoff=0.1", f"--root={root}", "--", *(WRAPPER if wrapped else []), *job
-    )
+    proc = _start("--retries=3", "--backoff=0.1", f"--root={root}", "--", *prefix, *job)
     _wait_for(ready, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
+    assert proc.returncode == status, err
     (line,) = log_lines(root)
     stopped_at = int(line.rsplit(" ", 1)[1])
     assert line == f"attempt 1: from 0, stopped at {stopped_at}"
     assert fc.CheckpointManager(root, read_only=True).steps() == [stopped_at]  # on_signal saved
     assert "SIGTERM was passed on to it: not relaunching" in err
     assert "attempt 2" not in err and "1 attempt;" in err
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_processes_a_failed_command_leaves_behind_are_ended_before_a_relaunch(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    pids = tmp_path / "pids"
+    leave = f"sleep 60 & echo $! >> {pids}; exit 1"
+    code, _, err = fckpt_run(capfd, "--retries=1", "--backoff=0", "--", "sh", "-c", leave)
+    assert code == 1
+    first, second = (int(p) for p in pids.read_text().split())
+    assert err.count("left processes behind") == 2
+    assert not _alive(first) and not _alive(second)
+    # the first sleep was gone before the second attempt started
+    assert err.index("left processes behind") < err.index("attempt 2 of 2")
 
 
 def test_a_stop_during_the_pause_prevents_the_relaunch() -> None:

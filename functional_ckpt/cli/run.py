@@ -50,6 +50,8 @@ QUICK_SECONDS = 60.0
 #: Signals that mean "stop": passed to the command's group, then no relaunch.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _POLL = 0.05
+#: How long processes a failed command left behind get between SIGTERM and SIGKILL.
+GRACE_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -140,12 +142,37 @@ def _seconds(t: float) -> str:
 # --------------------------------------------------------------------------- signals
 
 
+def _group_alive(group: int) -> bool:
+    """Whether a live (not zombie) process is left in process group ``group``."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:  # no procfs: ask the kernel (zombies count there)
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == group:
+            return True
+    return False
+
+
 class _Signals:
     """Passes stop signals to the running command's group and remembers that one came."""
 
     def __init__(self) -> None:
         self.received: int | None = None
-        self.child: subprocess.Popen[bytes] | None = None
+        self.group: int | None = None  # the process group of the running command
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -153,11 +180,9 @@ class _Signals:
         self.forward(signum)
 
     def forward(self, signum: int) -> None:
-        child = self.child
-        if child is None or child.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(child.pid, signum)
+        if self.group is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.group, signum)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[_Signals]:
@@ -217,16 +242,39 @@ class _Supervisor:
             raise UsageError(f"{self.opts.command[0]}: command not found") from None
         except PermissionError:
             raise UsageError(f"{self.opts.command[0]}: permission denied") from None
-        self.signals.child = child
+        self.signals.group = child.pid
         if self.signals.received is not None:  # a stop arrived while it was starting
             self.signals.forward(self.signals.received)
         attempt.returncode = child.wait()
         attempt.ended = time.time()
+        self.clear_group(child.pid)
+        self.signals.group = None
         attempt.stopped = self.signals.received is not None
         attempt.reached = self.newest()
-        self.signals.child = None
         self.attempts.append(attempt)
         return attempt
+
+    def clear_group(self, group: int) -> None:
+        """Wait until no process of the command's group is left, so that two copies of
+        the job never run at once.
+
+        After a stop signal the stragglers (a launcher's workers still saving) are
+        waited for; after a failure they get SIGTERM, ``GRACE_SECONDS``, then SIGKILL.
+        """
+        if not _group_alive(group):
+            return
+        if self.signals.received is None:
+            self.say(
+                f"the command left processes behind: SIGTERM, then SIGKILL in {GRACE_SECONDS:.0f} s"
+            )
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_SECONDS
+        while _group_alive(group):
+            if self.signals.received is None and time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(group, signal.SIGKILL)
+            time.sleep(_POLL)
 
     def stalled(self) -> str:
         """Why the last failed attempts show the job cannot get past a point; "" if not."""
