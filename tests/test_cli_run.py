@@ -230,6 +230,7 @@ def test_a_stop_during_the_pause_prevents_the_relaunch() -> None:
         (["--"], "no command to run"),
         (["--retries=-1", "--", "true"], "integer >= 0"),
         (["--backoff=soon", "--", "true"], "expected seconds"),
+        (["--stall-limit=1", "--", "true"], "2 or more"),
         (["--", "/nonexistent/train"], "command not found"),
     ],
 )

@@ -386,7 +386,7 @@ def _add_run(subs: Any) -> None:
         type=_non_negative,
         default=2,
         metavar="K",
-        help="stop after K consecutive failures without progress (default: 2; 0: never)",
+        help="stop after K >= 2 failures in a row at the same place (default: 2; 0: never)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...")
     p.set_defaults(func=cmd_run)

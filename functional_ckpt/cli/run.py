@@ -403,6 +403,10 @@ def _options(args: argparse.Namespace) -> _Options:
         raise UsageError(
             f"--root {root}: is a checkpoint; give the directory of checkpoints that holds it"
         )
+    if args.stall_limit == 1:
+        raise UsageError(
+            "--stall-limit 1: give 2 or more (failures in a row at the same place), or 0 for never"
+        )
     if args.backoff < 0 or args.max_backoff < 0:
         raise UsageError("--backoff and --max-backoff must be >= 0 seconds")
     return _Options(
