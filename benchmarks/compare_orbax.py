@@ -19,6 +19,10 @@ Tools, every one timed to a durable, committed checkpoint:
 ``fc.save`` / ``fc.save_async``
     ``save_async(staging="copy")`` with a reused ``Stager`` (warmed up once).
     *Stall*: until ``wait_staged()``; *commit*: until ``result()``.
+``fc.save_async(none)``
+    ``staging="none"``: no copy, the caller leaves the tensors alone until
+    ``result()``; the counterpart of Orbax on CPU, whose jax arrays are immutable
+    and need no copy to be written in the background.
 
 Restores: Orbax's ``restore(path, abstract_tree)`` (shapes and dtypes, new arrays)
 against ``fc.restore(path, like=state)`` (new tensors) and ``fc.restore(path)`` (no
@@ -70,7 +74,11 @@ if str(REPO_ROOT) not in sys.path:
 
 import functional_ckpt as fc
 
-SAVE_PAIRS = [("fc.save", "orbax sync"), ("fc.save_async", "orbax async")]
+SAVE_PAIRS = [
+    ("fc.save", "orbax sync"),
+    ("fc.save_async", "orbax async"),
+    ("fc.save_async(none)", "orbax async"),
+]
 RESTORE_PAIRS = [("fc.restore(like)", "orbax restore"), ("fc.restore()", "orbax restore")]
 
 
@@ -99,9 +107,15 @@ def make_workload(name: str, count: int, numel: int, values: int) -> Workload:
     jax_state: dict[str, Any] = {k: jnp.asarray(t.numpy()) for k, t in tensors.items()}
     jax_state.update(plain)
     size = numel * 4
-    each = f"{size // MiB} MiB" if size >= MiB else f"{size / KiB:g} KiB"
+    each = (
+        f"{size // MiB} MiB"
+        if size >= MiB
+        else f"{size // KiB} KiB"
+        if size >= KiB
+        else f"{size} B"
+    )
     extra = f" + {values} values" if values else ""
-    label = f"{count} x {each} float32{extra} ({count * size / MiB:g} MiB)"
+    label = f"{count} x {each} float32{extra} ({count * size / MiB:.4g} MiB)"
     return Workload(name, label, torch_state, jax_state, count * size)
 
 
@@ -137,8 +151,9 @@ class Runner:
             fc.save(path, self.w.torch_state)
             stall = time.perf_counter() - t0
             return stall, stall
-        if tool == "fc.save_async":
-            pending = fc.save_async(path, self.w.torch_state, stager=self.stager)
+        if tool in ("fc.save_async", "fc.save_async(none)"):
+            staging: Any = "none" if tool.endswith("(none)") else "copy"
+            pending = fc.save_async(path, self.w.torch_state, stager=self.stager, staging=staging)
             pending.wait_staged()
             stall = time.perf_counter() - t0
             pending.result()
@@ -184,7 +199,7 @@ def _collect(reps: int, tools: list[str], run: Callable[[str], Any]) -> dict[str
 
 def bench(w: Workload, workdir: Path, reps: int) -> dict[str, Any]:
     runner = Runner(w, workdir)
-    save_tools = ["fc.save", "fc.save_async", "orbax sync", "orbax async"]
+    save_tools = ["fc.save", "fc.save_async", "fc.save_async(none)", "orbax sync", "orbax async"]
 
     def one_save(tool: str) -> tuple[float, float]:
         result = runner.save(tool)
@@ -228,6 +243,11 @@ def render(results: dict[str, Any]) -> str:
             ("save (sync), durable", s["fc.save"]["commit_s"], s["orbax sync"]["commit_s"]),
             ("async save: stall", s["fc.save_async"]["stall_s"], s["orbax async"]["stall_s"]),
             ("async save: commit", s["fc.save_async"]["commit_s"], s["orbax async"]["commit_s"]),
+            (
+                "async, no copy: stall",
+                s["fc.save_async(none)"]["stall_s"],
+                s["orbax async"]["stall_s"],
+            ),
             (
                 "restore (template)",
                 rs["fc.restore(like)"]["seconds"],

@@ -48,7 +48,13 @@ def test_compare_orbax_quick_run(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     for state in ("big", "small"):
         r = data["results"][state]
-        assert set(r["save"]) == {"fc.save", "fc.save_async", "orbax sync", "orbax async"}
+        assert set(r["save"]) == {
+            "fc.save",
+            "fc.save_async",
+            "fc.save_async(none)",
+            "orbax sync",
+            "orbax async",
+        }
         assert set(r["restore"]) == {"fc.restore(like)", "fc.restore()", "orbax restore"}
         assert all(v is not None and v > 0 for v in r["ratios"].values())
     assert "async save: stall" in proc.stdout
