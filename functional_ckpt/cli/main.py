@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 import functional_ckpt as fc
 from functional_ckpt.cli.common import Declined, UsageError, one_line
 from functional_ckpt.cli.listing import cmd_ls, cmd_prune, cmd_verify
-from functional_ckpt.cli.show import cmd_diff, cmd_export, cmd_inspect
+from functional_ckpt.cli.show import cmd_diff, cmd_inspect
 from functional_ckpt.cli.ui import PROG, UI, Progress
 
 __all__ = ["build_parser", "main"]
@@ -201,37 +201,80 @@ def _add_diff(subs: Any) -> None:
 
 
 def _add_export(subs: Any) -> None:
+    from functional_ckpt.cli.torchcmd import cmd_export_any
+
     p = _sub(
         subs,
         "export",
-        "write the weights as Hugging Face-style safetensors",
-        "Write the tensors under --select as model.safetensors, or as shards plus\n"
-        "model.safetensors.index.json when they exceed --max-shard-size. OUT appears\n"
-        "atomically: complete or not at all. PATH may be a root: its newest\n"
-        "checkpoint is exported.",
+        "write the weights as safetensors, or weights / full state as a torch file",
+        "Write the tensors under --select as Hugging Face-style model.safetensors, or as\n"
+        "shards plus model.safetensors.index.json when they exceed --max-shard-size.\n"
+        "With --format torch, write them as one torch.save file OUT (a state_dict that\n"
+        "model.load_state_dict takes), or with --full the whole state; the file loads\n"
+        "with torch.load(weights_only=True). OUT appears atomically: complete or not at\n"
+        "all. PATH may be a root: its newest checkpoint is exported.",
         "  fckpt export runs/exp1/step_000001000 weights/\n"
         "  fckpt export runs/exp1 weights/ --dtype bfloat16 --max-shard-size 2GB\n"
-        "  fckpt export ckpt ema/ --select ema/model --overwrite\n",
+        "  fckpt export ckpt ema/ --select ema/model --overwrite\n"
+        "  fckpt export runs/exp1 model.pt --format torch\n"
+        "  fckpt export runs/exp1 full.pt --format torch --full\n",
     )
     p.add_argument("path", help="a checkpoint, or a root (its newest checkpoint)")
-    p.add_argument("out", help="output directory (must not exist unless --overwrite)")
+    p.add_argument(
+        "out",
+        help="output directory (safetensors) or file (torch); must not exist unless --overwrite",
+    )
+    p.add_argument(
+        "--format",
+        choices=("safetensors", "torch"),
+        default="safetensors",
+        help="safetensors (default) or torch (a torch.save file)",
+    )
     p.add_argument(
         "--select",
+        "--key",
+        dest="select",
         default="model",
         help="subtree holding the weights, nested keys joined by '/' (default: model)",
+    )
+    p.add_argument(
+        "--full", action="store_true", help="with --format torch: the whole state, not the weights"
     )
     p.add_argument(
         "--dtype", help="convert floating-point tensors (bfloat16 or bf16, float16 or fp16, ...)"
     )
     p.add_argument(
         "--max-shard-size",
-        default="5GB",
         type=_size,
         metavar="SIZE",
-        help="largest shard, e.g. 500MB, 5GB (or 5G), 2GiB (default: 5GB)",
+        help="largest safetensors shard, e.g. 500MB, 5GB (or 5G), 2GiB (default: 5GB)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace OUT atomically")
-    p.set_defaults(func=cmd_export)
+    p.set_defaults(func=cmd_export_any)
+
+
+def _add_import(subs: Any) -> None:
+    from functional_ckpt.cli.torchcmd import cmd_import
+
+    p = _sub(
+        subs,
+        "import",
+        "turn a torch.save file (.pt, .pth) into a checkpoint",
+        "Read FILE with torch.load(weights_only=True), which refuses a pickle that\n"
+        "would run code (nothing in it runs), and save what it holds as the checkpoint\n"
+        "OUT with fc.save (atomically). A bare state_dict becomes the state's 'model'\n"
+        "subtree; any other dict (a training checkpoint such as Lightning's) is the\n"
+        "state as it is.",
+        "  fckpt import model.pt ckpt/imported\n"
+        "  fckpt import lightning.ckpt runs/exp1/step_000005000\n"
+        "  fckpt inspect ckpt/imported\n",
+    )
+    p.add_argument("file", help="a torch.save file (.pt, .pth, .ckpt)")
+    p.add_argument(
+        "out", help="the checkpoint directory to write (must not exist unless --overwrite)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace OUT atomically")
+    p.set_defaults(func=cmd_import)
 
 
 def _add_prune(subs: Any) -> None:
@@ -287,10 +330,88 @@ def _add_demo(subs: Any) -> None:
     p.set_defaults(func=cmd_demo)
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
+def _add_run(subs: Any) -> None:
+    from functional_ckpt.cli.run import cmd_run
+
+    p = _sub(
+        subs,
+        "run",
+        "run a training command, relaunching it after a crash",
+        "Run CMD; when it fails (non-zero exit, or killed by a signal) start it again,\n"
+        "up to --retries times, pausing --backoff seconds, doubled after each failure\n"
+        "(up to --max-backoff). Never after success. SIGTERM, SIGINT and SIGHUP are\n"
+        "passed on to CMD's whole process group (an on_signal policy saves) and then\n"
+        "CMD is not started again. With --root, each attempt's resumed and reached\n"
+        "checkpoint steps are reported, and a job whose --stall-limit consecutive\n"
+        "failures end at the same checkpoint is stopped early (without --root: the same\n"
+        "quick failure). CMD sees FCKPT_RUN_ATTEMPT=1, 2, ...\n"
+        "Exit status: the last attempt's (128+N for a death by signal N).",
+        "  fckpt run --retries 3 -- python train.py --config c.yaml\n"
+        "  fckpt run --retries 5 --root runs/exp1 -- torchrun --nproc-per-node 8 train.py\n"
+        "  fckpt run --backoff 30 --max-backoff 600 --stall-limit 0 -- ./train.sh\n",
+    )
+    p.add_argument(
+        "--retries",
+        type=_non_negative,
+        default=3,
+        metavar="N",
+        help="relaunches after a failure (default: 3)",
+    )
+    p.add_argument(
+        "--backoff",
+        type=_seconds,
+        default=1.0,
+        metavar="SECONDS",
+        help="pause before the first relaunch, doubled after each failure (default: 1)",
+    )
+    p.add_argument(
+        "--max-backoff",
+        type=_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="longest pause (default: 60)",
+    )
+    p.add_argument(
+        "--root",
+        metavar="DIR",
+        help="the job's checkpoint root, read to report steps and see progress",
+    )
+    p.add_argument(
+        "--stall-limit",
+        type=_non_negative,
+        default=2,
+        metavar="K",
+        help="stop after K >= 2 failures in a row at the same place (default: 2; 0: never)",
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...")
+    p.set_defaults(func=cmd_run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
-        description="Look at, check, compare, export and prune functional_ckpt checkpoints.",
+        description="Look at, check, compare, export, import and prune functional_ckpt "
+        "checkpoints, and run a training command that is relaunched after a crash.",
         epilog="examples:\n"
         "  fckpt demo                          # see train / crash / resume work\n"
         "  fckpt ls runs/exp1\n"
@@ -298,14 +419,26 @@ def build_parser() -> argparse.ArgumentParser:
         "  fckpt verify runs/exp1\n"
         "  fckpt diff runs/exp1/step_000001000 runs/exp1/step_000002000\n"
         "  fckpt export runs/exp1 weights/ --dtype bfloat16\n"
-        "  fckpt prune runs/exp1 --keep-last 3 --keep-best 2 --metric val_loss\n\n"
+        "  fckpt import model.pt ckpt/imported\n"
+        "  fckpt prune runs/exp1 --keep-last 3 --keep-best 2 --metric val_loss\n"
+        "  fckpt run --retries 3 --root runs/exp1 -- python train.py\n\n"
         "exit status: 0 ok, 1 damage found / not identical / declined, 2 bad input\n"
         "'fckpt COMMAND --help' shows each command's options. NO_COLOR=1 disables colours.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {fc.__version__}")
     subs = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
-    for add in (_add_ls, _add_inspect, _add_verify, _add_diff, _add_export, _add_prune, _add_demo):
+    for add in (
+        _add_ls,
+        _add_inspect,
+        _add_verify,
+        _add_diff,
+        _add_export,
+        _add_import,
+        _add_prune,
+        _add_run,
+        _add_demo,
+    ):
         add(subs)
     return parser
 

@@ -1,0 +1,263 @@
+"""``fckpt run`` with real processes: relaunch after crashes, stop on success or on a signal.
+
+The jobs are :mod:`tests.run_job` (a tiny state, a real CheckpointManager) or a
+one-line Python command; pauses between attempts are a tenth of a second.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import functional_ckpt as fc
+from functional_ckpt import cli
+from functional_ckpt.cli.run import Attempt, Checkpoint, exit_status, outcome_text
+from functional_ckpt.root import step_name
+
+REPO = Path(__file__).resolve().parent.parent
+JOB = [sys.executable, str(REPO / "tests" / "run_job.py")]
+FAIL = [sys.executable, "-c", "raise SystemExit(1)"]
+
+
+def fckpt_run(capfd: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(["run", *argv])
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def log_lines(root: Path) -> list[str]:
+    return Path(f"{root}.log").read_text().splitlines()
+
+
+def test_a_job_that_crashes_twice_is_resumed_twice_and_finishes(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "ckpt"
+    code, _, err = fckpt_run(
+        capfd,
+        "--retries=3",
+        "--backoff=0.1",
+        f"--root={root}",
+        "--",
+        *JOB,
+        str(root),
+        "--steps=30",
+        "--save-every=5",
+        "--fail=1:kill:12",
+        "--fail=2:exit:23",
+    )
+    assert code == 0, err
+    assert log_lines(root) == [
+        "attempt 1: from 0, killed at 12",
+        "attempt 2: from 10, failed at 23",
+        "attempt 3: from 20, finished",
+    ]
+    assert "attempt 1 ended: SIGKILL" in err and "checkpoint step none -> 10" in err
+    assert "attempt 2 ended: exit 1" in err and "checkpoint step 10 -> 20" in err
+    assert "attempt 3 ended: exit 0" in err and "checkpoint step 20 -> 30" in err
+    assert "attempt 4" not in err  # never relaunched after success
+    assert err.count("relaunching in 0.1 s") == 2  # progress made: the pause starts over
+    rows = [line.split() for line in err.splitlines() if line[:1].isdigit()]
+    assert [r[:2] for r in rows] == [["1", "SIGKILL"], ["2", "exit"], ["3", "exit"]]
+    assert "3 attempts, 2 relaunches" in err and "exit status 0" in err
+    final = fc.restore(root / step_name(30))
+    assert final["w"].tolist() == [30.0] * 4  # every step done exactly once in the end state
+
+
+def test_an_always_failing_job_gets_every_retry_then_its_exit_status(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = fckpt_run(
+        capfd, "--retries=3", "--backoff=0.1", "--max-backoff=0.2", "--stall-limit=0", "--", *FAIL
+    )
+    assert code == 1
+    assert [f"attempt {n} ended: exit 1" in err for n in (1, 2, 3, 4)] == [True] * 4
+    assert "attempt 5" not in err and "no retries left" in err
+    pauses = [
+        line.rsplit("relaunching in ", 1)[1]
+        for line in err.splitlines()
+        if "relaunching in" in line
+    ]
+    assert pauses == ["0.1 s", "0.2 s", "0.2 s"]  # doubled, then capped by --max-backoff
+    assert "4 attempts, 3 relaunches" in err and "exit status 1" in err
+
+
+def test_identical_quick_failures_stop_early(capfd: pytest.CaptureFixture[str]) -> None:
+    code, _, err = fckpt_run(capfd, "--retries=5", "--backoff=0.1", "--", *FAIL)
+    assert code == 1
+    assert "attempt 2 ended: exit 1" in err and "attempt 3" not in err
+    assert "stopping early" in err and "failed the same way (exit 1)" in err
+    assert "2 attempts" in err
+
+
+def test_no_checkpoint_progress_between_failures_stops_early(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "ckpt"
+    code, _, err = fckpt_run(
+        capfd,
+        "--retries=5",
+        "--backoff=0.1",
+        f"--root={root}",
+        "--",
+        *JOB,
+        str(root),
+        "--steps=30",
+        "--save-every=5",
+        "--fail=*:exit:7",
+    )
+    assert code == 1
+    assert log_lines(root) == ["attempt 1: from 0, failed at 7", "attempt 2: from 5, failed at 7"]
+    assert "stopping early" in err and "at step 5 (no checkpoint saved in between)" in err
+    assert "attempt 3" not in err
+
+
+def test_a_signal_by_death_gives_the_shell_status(capfd: pytest.CaptureFixture[str]) -> None:
+    kill = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    code, _, err = fckpt_run(capfd, "--retries=0", "--", *kill)
+    assert code == 128 + signal.SIGKILL
+    assert "attempt 1 ended: SIGKILL" in err and "no retries left" in err
+
+
+def _start(*argv: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "NO_COLOR": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "functional_ckpt", "run", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+# Launchers between fckpt run and the job. One ignores SIGTERM and waits for the job (as
+# torchrun does, roughly): the job hears the signal only because it goes to the whole
+# process group. The other dies of the SIGTERM at once, leaving the job saving: fckpt
+# run waits for it all the same.
+LAUNCHERS = {
+    "direct": ([], 0),
+    "through-a-launcher": (
+        [
+            sys.executable,
+            "-c",
+            "import signal, subprocess, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "sys.exit(subprocess.call(sys.argv[1:]))",
+        ],
+        0,
+    ),
+    "launcher-dies-first": (
+        [sys.executable, "-c", "import subprocess, sys; subprocess.call(sys.argv[1:])"],
+        128 + signal.SIGTERM,
+    ),
+}
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_sigterm_reaches_the_job_which_saves_and_is_not_relaunched(
+    tmp_path: Path, launcher: str
+) -> None:
+    root, ready = tmp_path / "ckpt", tmp_path / "ready"
+    prefix, status = LAUNCHERS[launcher]
+    job = [*JOB, str(root), "--steps=100000", "--save-every=100000", "--step-time=0.005"]
+    job.append(f"--ready={ready}")
+    proc = _start("--retries=3", "--backoff=0.1", f"--root={root}", "--", *prefix, *job)
+    _wait_for(ready, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == status, err
+    (line,) = log_lines(root)
+    stopped_at = int(line.rsplit(" ", 1)[1])
+    assert line == f"attempt 1: from 0, stopped at {stopped_at}"
+    assert fc.CheckpointManager(root, read_only=True).steps() == [stopped_at]  # on_signal saved
+    assert "SIGTERM was passed on to it: not relaunching" in err
+    assert "attempt 2" not in err and "1 attempt;" in err
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_processes_a_failed_command_leaves_behind_are_ended_before_a_relaunch(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    pids = tmp_path / "pids"
+    leave = f"sleep 60 & echo $! >> {pids}; exit 1"
+    code, _, err = fckpt_run(capfd, "--retries=1", "--backoff=0", "--", "sh", "-c", leave)
+    assert code == 1
+    first, second = (int(p) for p in pids.read_text().split())
+    assert err.count("left processes behind") == 2
+    assert not _alive(first) and not _alive(second)
+    # the first sleep was gone before the second attempt started
+    assert err.index("left processes behind") < err.index("attempt 2 of 2")
+
+
+def test_a_stop_during_the_pause_prevents_the_relaunch() -> None:
+    proc = _start("--retries=3", "--backoff=30", "--stall-limit=0", "--", *FAIL)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if "relaunching in" in line:
+            break
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=30)
+    assert time.monotonic() - start < 20  # did not sit out the 30 s pause
+    assert proc.returncode == 1  # the last attempt's status
+    assert "SIGINT received: not relaunching" in rest and "attempt 2" not in rest
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        ([], "no command to run"),
+        (["--"], "no command to run"),
+        (["--retries=-1", "--", "true"], "integer >= 0"),
+        (["--backoff=soon", "--", "true"], "expected seconds"),
+        (["--stall-limit=1", "--", "true"], "2 or more"),
+        (["--", "/nonexistent/train"], "command not found"),
+    ],
+)
+def test_bad_input_is_one_line(
+    argv: list[str], fragment: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = fckpt_run(capfd, *argv)
+    assert code == 2
+    errors = [line for line in err.splitlines() if line.startswith("fckpt: error:")]
+    assert len(errors) == 1 and fragment in errors[0], err
+
+
+def test_root_that_is_a_checkpoint_is_refused(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    fc.save(tmp_path / "one", {"x": 1})
+    code, _, err = fckpt_run(capfd, f"--root={tmp_path / 'one'}", "--", "true")
+    assert code == 2 and "is a checkpoint" in err
+
+
+def test_time_lost_counts_work_since_the_last_checkpoint() -> None:
+    a = Attempt(1, started=100.0, resumed_from=None, ended=160.0, returncode=-9)
+    a.reached, a.waited = Checkpoint(10, time=150.0), 2.0
+    assert a.lost(root_known=True) == 12.0  # 10 s after the save began, plus the pause
+    assert a.lost(root_known=False) == 62.0  # without a root: the whole attempt
+    a.reached = Checkpoint(10, time=90.0)  # saved before this attempt began: nothing kept
+    a.resumed_from = a.reached
+    assert a.lost(root_known=True) == 62.0
+    assert exit_status(-15) == 143 and outcome_text(-15) == "SIGTERM"
+    assert outcome_text(3) == "exit 3"
