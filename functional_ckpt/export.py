@@ -21,9 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
-import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,9 +34,18 @@ from functional_ckpt._types import PathLike
 from functional_ckpt.errors import (
     CheckpointError,
     CheckpointExists,
-    CheckpointWarning,
     TemplateMismatch,
 )
+from functional_ckpt.export_files import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    ExtraFile,
+    carried_over,
+    check_replaceable_export,
+    side_files,
+)
+from functional_ckpt.export_names import Rename, check_rename, map_names, prefixes
 from functional_ckpt.io import restore
 from functional_ckpt.policy import SavePolicy
 from functional_ckpt.retention import RetentionPolicy, keep_all
@@ -53,11 +60,7 @@ __all__ = [
     "parse_size",
 ]
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
 #: Prefixes that wrappers add to every name; transformers finds no weight under them.
-WRAPPER_PREFIXES = {"_orig_mod.": "torch.compile", "module.": "DDP or DataParallel"}
 _UNITS = {
     "": 1,
     "b": 1,
@@ -117,10 +120,6 @@ def _select_path(select: str | Sequence[str]) -> KeyPath:
     return path
 
 
-Rename = Mapping[str, str] | Callable[[str], str]
-ExtraFile = bytes | str | os.PathLike[str] | Mapping[str, Any] | Any
-
-
 @dataclass(frozen=True)
 class Export:
     """An export on its own save policy, for ``CheckpointManager(..., export=...)``.
@@ -152,9 +151,9 @@ class Export:
             raise TypeError(f"Export(keep={self.keep!r}): not a RetentionPolicy")
         _select_path(self.select)
         _check_dtype(self.dtype)
-        _side_files(self.config, self.extra_files, None)  # fails now, not at the first export
-        _prefixes(self.strip_prefix)
-        _check_rename(self.rename)
+        side_files(self.config, self.extra_files, None)  # fails now, not at the first export
+        prefixes(self.strip_prefix)
+        check_rename(self.rename)
         object.__setattr__(self, "max_shard_bytes", parse_size(self.max_shard_size))
 
 
@@ -255,203 +254,6 @@ def _prepared(
         yield name, t
 
 
-# --------------------------------------------------------------------------- names
-
-
-def _prefixes(strip_prefix: str | Sequence[str] | None) -> tuple[str, ...]:
-    if strip_prefix is None:
-        return ()
-    prefixes = (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix)
-    if not all(isinstance(p, str) and p for p in prefixes):
-        raise TypeError(
-            f"strip_prefix={strip_prefix!r}: expected a prefix such as '_orig_mod.' or a "
-            "sequence of them"
-        )
-    return prefixes
-
-
-def _check_rename(rename: Rename | None) -> None:
-    if rename is None or callable(rename):
-        return
-    if not isinstance(rename, Mapping) or not all(
-        isinstance(k, str) and k and isinstance(v, str) for k, v in rename.items()
-    ):
-        raise TypeError(
-            f"rename={rename!r}: expected a mapping of name prefixes to their replacement "
-            "(e.g. {'model.': ''}) or a function of one name"
-        )
-
-
-def _new_name(name: str, strip: tuple[str, ...], rename: Rename | None) -> str:
-    """``name`` without the wrapper prefixes in ``strip``, then renamed."""
-    left = list(strip)  # each prefix once: "model." of a wrapper, not HF's own "model."
-    while hit := next((p for p in left if name.startswith(p)), None):
-        name = name[len(hit) :]
-        left.remove(hit)
-    if callable(rename):
-        new = rename(name)
-        if not isinstance(new, str):
-            raise TypeError(f"rename({name!r}) returned {new!r}, not a str")
-        return new
-    if rename:
-        hits = [old for old in rename if name.startswith(old)]
-        if hits:
-            old = max(hits, key=len)  # the longest prefix is the most specific rule
-            return rename[old] + name[len(old) :]
-    return name
-
-
-def _map_names(
-    tensors: dict[str, torch.Tensor],
-    strip_prefix: str | Sequence[str] | None,
-    rename: Rename | None,
-) -> dict[str, torch.Tensor]:
-    """Names as ``from_pretrained`` should see them; two tensors never get one name."""
-    strip = _prefixes(strip_prefix)
-    _check_rename(rename)
-    out: dict[str, torch.Tensor] = {}
-    origin: dict[str, str] = {}
-    for name, t in tensors.items():
-        new = _new_name(name, strip, rename)
-        if not new:
-            raise CheckpointError(f"export: the tensor {name!r} would get an empty name")
-        if new in origin:
-            raise CheckpointError(
-                f"export: the tensors {origin[new]!r} and {name!r} would both be named {new!r}; "
-                "check strip_prefix= and rename="
-            )
-        origin[new] = name
-        out[new] = t
-    _warn_if_prefixed(list(out))
-    return out
-
-
-def _warn_if_prefixed(names: list[str]) -> None:
-    for prefix, by in WRAPPER_PREFIXES.items():
-        wrapped = [n for n in names if n.startswith(prefix) or f".{prefix}" in n]
-        everywhere = len(wrapped) == len(names)
-        if wrapped and (prefix == "_orig_mod." or everywhere):
-            warnings.warn(
-                f"export: tensor names such as {wrapped[0]!r} carry the prefix {prefix!r} "
-                f"that {by} adds; transformers would not find these weights and would "
-                f"initialise them at random. Pass strip_prefix={prefix!r} (or rename=)",
-                CheckpointWarning,
-                stacklevel=5,
-            )
-
-
-# --------------------------------------------------------------------------- side files
-
-
-def _json_bytes(value: Any, what: str) -> bytes:
-    try:
-        return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{what}: not JSON-serialisable ({e})") from None
-
-
-def _config_bytes(config: Any, dtype: torch.dtype | None) -> bytes:
-    """``config.json`` of a transformers config (duck-typed) or of a plain dict."""
-    if hasattr(config, "to_json_string") and callable(config.to_json_string):
-        try:
-            text = config.to_json_string(use_diff=False)
-        except TypeError:
-            text = config.to_json_string()
-        data = json.loads(text)
-    elif hasattr(config, "to_dict") and callable(config.to_dict):
-        data = config.to_dict()
-    elif isinstance(config, Mapping):
-        data = dict(config)
-    else:
-        raise TypeError(
-            f"config={config!r}: expected a transformers PretrainedConfig (anything with "
-            "to_dict()) or a dict"
-        )
-    if not isinstance(data, dict):
-        raise TypeError(f"config: to_dict() returned a {type(data).__name__}, not a dict")
-    if dtype is not None:  # the weights' dtype, as save_pretrained records it
-        for key in ("torch_dtype", "dtype"):
-            if key in data:
-                data[key] = str(dtype).removeprefix("torch.")
-    return _json_bytes(data, "config")
-
-
-def _file_bytes(name: str, value: ExtraFile) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return value.encode()
-    if isinstance(value, os.PathLike):
-        path = Path(os.fspath(value))
-        try:
-            st = os.stat(path)
-            if not stat.S_ISREG(st.st_mode):
-                raise CheckpointError(f"extra_files[{name!r}]={path}: not a regular file")
-            return path.read_bytes()
-        except OSError as e:
-            raise CheckpointError(f"extra_files[{name!r}]={path}: cannot read it ({e})") from e
-    if hasattr(value, "to_json_string") and callable(value.to_json_string):
-        text = value.to_json_string()  # e.g. a transformers GenerationConfig
-        return text.encode() if isinstance(text, str) else bytes(text)
-    if isinstance(value, Mapping):
-        return _json_bytes(dict(value), f"extra_files[{name!r}]")
-    raise TypeError(
-        f"extra_files[{name!r}]={value!r}: expected bytes, str (the text), a pathlib.Path "
-        "(a file to copy), a dict (written as JSON) or an object with to_json_string()"
-    )
-
-
-def _is_weight_file(name: str) -> bool:
-    return bool(_EXPORT_FILE.fullmatch(name)) or name == INDEX_FILE
-
-
-def _side_files(
-    config: Any, extra_files: Mapping[str, ExtraFile] | None, dtype: torch.dtype | None
-) -> dict[str, bytes]:
-    """File name -> bytes of everything an export holds beside the weights."""
-    files: dict[str, bytes] = {}
-    if config is not None:
-        files[CONFIG_FILE] = _config_bytes(config, dtype)
-    if extra_files is None:
-        return files
-    if not isinstance(extra_files, Mapping):
-        raise TypeError(f"extra_files={extra_files!r}: expected a mapping of file name to data")
-    for name, value in extra_files.items():
-        if (
-            not isinstance(name, str)
-            or name in ("", ".", "..")
-            or "/" in name
-            or "\\" in name
-            or "\0" in name
-        ):
-            raise ValueError(f"extra_files: {name!r} is not a plain file name")
-        if _is_weight_file(name):
-            raise ValueError(f"extra_files: {name!r} is a name the weights use")
-        if name in files:
-            raise ValueError(f"extra_files: {name!r} is written from config=; pass only one")
-        files[name] = _file_bytes(name, value)
-    return files
-
-
-def _carried_over(out: Path, given: Mapping[str, bytes]) -> dict[str, bytes]:
-    """Side files of the export being replaced that this export does not write anew."""
-    kept: dict[str, bytes] = {}
-    dir_fd = format.open_directory(out)
-    try:
-        for name in sorted(os.listdir(out)):
-            if _is_weight_file(name) or name in given:
-                continue
-            where = out / name
-            fd = format.open_member(dir_fd, name, where, what="export file")
-            try:
-                kept[name] = format.read_exact(fd, os.fstat(fd).st_size, where)
-            finally:
-                os.close(fd)
-    finally:
-        os.close(dir_fd)
-    return kept
-
-
 # --------------------------------------------------------------------------- write
 
 
@@ -487,59 +289,6 @@ def _write_shards(
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         format.write_file_durably(tmp / INDEX_FILE, json.dumps(index, indent=2).encode())
-
-
-_EXPORT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
-
-
-def is_export(path: Path) -> bool:
-    """An empty directory, or one holding weights as an export writes them, and plain files.
-
-    Files beside the weights (config, tokenizer, a README) are carried over when
-    an export replaces it, so replacing it loses nothing but the old weights.
-    """
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return False
-    for name in names:
-        try:
-            st = os.lstat(path / name)
-        except OSError:
-            return False
-        if not stat.S_ISREG(st.st_mode):
-            return False
-    return not names or SINGLE_FILE in names or INDEX_FILE in names
-
-
-def check_replaceable_export(path: Path) -> None:
-    """Refuse to replace anything but a previous export or an empty directory."""
-    if path.is_symlink() or not path.is_dir() or not is_export(path):
-        raise CheckpointExists(
-            f"{path}: exists and is not a safetensors export (no model.safetensors or "
-            "index, or it holds directories or links); only a previous export or an empty "
-            "directory is replaced, so it was left intact: choose another output directory "
-            "or remove it"
-        )
-
-
-def first_weight_file(path: Path) -> Path:
-    """The file holding an export's header metadata: the single file or the first shard."""
-    if (path / SINGLE_FILE).is_file():
-        return path / SINGLE_FILE
-    shards = sorted(n for n in os.listdir(path) if _EXPORT_FILE.fullmatch(n))
-    if not shards:
-        raise CheckpointError(f"{path}: holds no model*.safetensors file")
-    return path / shards[0]
-
-
-def header_metadata(path: Path) -> dict[str, str]:
-    """The safetensors header metadata of an export (``{"format": "pt", ...}``)."""
-    from safetensors import safe_open
-
-    with safe_open(str(first_weight_file(path)), framework="pt") as f:
-        meta = f.metadata()
-    return dict(meta or {})
 
 
 def export_safetensors(
@@ -610,14 +359,14 @@ def write_export(
     path = _select_path(select)
     _check_dtype(dtype)
     limit = parse_size(max_shard_size)
-    files = _side_files(config, extra_files, dtype)
+    files = side_files(config, extra_files, dtype)
     replacing = out.exists() or out.is_symlink()
     if replacing:
         if not overwrite:
             raise CheckpointExists(f"{out}: already exists; pass overwrite=True to replace it")
         check_replaceable_export(out)
     tensors = _collect(_load(source, path), path)
-    tensors = _dedupe(_map_names(tensors, strip_prefix, rename))
+    tensors = _dedupe(map_names(tensors, strip_prefix, rename))
     shards = _plan_shards(tensors, limit, dtype)
     format.make_dirs(out.parent)
     tmp = format.tmp_sibling(out)
@@ -625,7 +374,7 @@ def write_export(
         tmp.mkdir()
         _write_shards(tmp, shards, tensors, dtype, header or {})
         if replacing:
-            files = {**_carried_over(out, files), **files}
+            files = {**carried_over(out, files), **files}
         for name, data in files.items():
             format.write_file_durably(tmp / name, data)
         format.commit(tmp, out, overwrite=overwrite, replaceable=check_replaceable_export)

@@ -28,7 +28,8 @@ import torch
 from tensordict import TensorDictBase
 
 from functional_ckpt.errors import CheckpointError
-from functional_ckpt.export import Export, _select_path, header_metadata, write_export
+from functional_ckpt.export import Export, _select_path, write_export
+from functional_ckpt.export_files import header_metadata
 from functional_ckpt.retention import plan_deletions
 from functional_ckpt.root import EXPORTS_DIR, delete, dir_size, remove_all, step_dirs, step_name
 from functional_ckpt.tree import as_state, iter_leaves
