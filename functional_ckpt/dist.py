@@ -48,7 +48,14 @@ from torch.futures import Future
 
 from functional_ckpt import codec, format, shards
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
-from functional_ckpt.manifest import Chunk, ParsedManifest
+from functional_ckpt.manifest import (
+    Chunk,
+    Entry,
+    Manifest,
+    ParsedManifest,
+    entries_from_plain,
+    tensor_groups,
+)
 from functional_ckpt.reader import (
     Reshard,
     build,
@@ -64,7 +71,6 @@ from functional_ckpt.writer import (
     CheckpointInfo,
     PathLike,
     check_destination,
-    chunk_record,
     finalize,
     host_copy,
     is_dtensor,
@@ -172,18 +178,19 @@ class _ChunkWriter(StorageWriter):
         items = [it for it in plan.items if it.type != WriteItemType.BYTE_IO]
         tensors = [host_copy(planner.resolve_data(it)) for it in items]  # type: ignore[arg-type]
         path = self.tmp / shard_name(self.rank)
+        chunks = []
+        for item in items:
+            assert item.tensor_data is not None
+            box = item.tensor_data.chunk
+            chunks.append(Chunk(tuple(box.offsets), tuple(box.sizes)))
         try:
-            records = shards.write_shard(path, tensors)
+            shards.write_shard(path, tensors, chunks)
         except OSError as e:
             raise os_error(e, self.job.dest) from e
-        results = []
-        for item, rec in zip(items, records, strict=True):
-            assert item.tensor_data is not None
-            chunk = item.tensor_data.chunk
-            info = chunk_record(rec, chunk.offsets, chunk.sizes)
-            results.append(
-                WriteResult(index=item.index, size_in_bytes=rec.length, storage_data=info)
-            )
+        results = [
+            WriteResult(index=item.index, size_in_bytes=c.length, storage_data=c)
+            for item, c in zip(items, chunks, strict=True)
+        ]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -205,8 +212,8 @@ class _SaveJob:
 
     dest: Path
     tmp: Path
-    entries: list[dict[str, Any]]
-    ranks: list[list[dict[str, Any]]]
+    entries: list[Entry]
+    ranks: list[list[Entry]]
     metadata: Any
     overwrite: bool
     created: float
@@ -214,24 +221,16 @@ class _SaveJob:
     root: dict[str, Any] | None = None  # the root's batch size and names
 
     def commit(self, results: list[WriteResult]) -> None:
-        chunks: dict[str, list[dict[str, Any]]] = {}
+        chunks: dict[str, list[Chunk]] = {}
         for wr in results:
-            chunks.setdefault(wr.index.fqn, []).append(dict(wr.storage_data))
-        for group in [self.entries, *self.ranks]:
+            chunks.setdefault(wr.index.fqn, []).append(wr.storage_data)
+        for group in tensor_groups(self.entries, self.ranks):
             for e in group:
-                if e["kind"] == "tensor" and "alias" not in e:
-                    e["chunks"] = sorted(chunks.get(e["fqn"], []), key=lambda c: c["offsets"])
+                if e.alias is None:
+                    e.chunks[:] = sorted(chunks.get(e.fqn, []), key=lambda c: c.offsets)
+        manifest = Manifest(self.created, self.metadata, {}, self.entries, self.ranks, self.root)
         try:
-            self.nbytes, _ = finalize(
-                self.tmp,
-                self.dest,
-                entries=self.entries,
-                ranks=self.ranks,
-                metadata=self.metadata,
-                overwrite=self.overwrite,
-                created=self.created,
-                root=self.root,
-            )
+            self.nbytes, _ = finalize(self.tmp, self.dest, manifest, overwrite=self.overwrite)
         except CheckpointError:  # e.g. CheckpointExists, itself an OSError
             raise
         except OSError as e:
@@ -278,10 +277,12 @@ def save_distributed(
     except BaseException as e:
         error = os_error(e, dest) if isinstance(e, OSError) else e
     agree(error, group, f"save {dest}")
-    locals_ = [codec.decode(b) for b in all_gather_bytes(codec.encode(plan.local), group)]
-    job = _SaveJob(dest, tmp, plan.entries, locals_, meta, overwrite, time.time())  # type: ignore[arg-type]
+    mine = codec.encode([e.to_plain() for e in plan.local])
+    locals_ = [entries_from_plain(codec.decode(b)) for b in all_gather_bytes(mine, group)]  # type: ignore[arg-type]
+    locals_[rank] = plan.local
+    job = _SaveJob(dest, tmp, plan.entries, locals_, meta, overwrite, time.time())
     job.root = plan.root
-    state_dict = {e["fqn"]: t for e, t in zip(plan.targets, plan.sources, strict=True)}
+    state_dict = {e.fqn: t for e, t in zip(plan.targets, plan.sources, strict=True)}
     try:
         with gc_paused():
             dcp_save(

@@ -19,7 +19,7 @@ from tensordict import TensorDict, TensorDictBase
 from functional_ckpt import dcpmeta, format, shards
 from functional_ckpt.checksum import crc32
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
-from functional_ckpt.manifest import Chunk, parse
+from functional_ckpt.manifest import Chunk, parse, parsed_groups
 from functional_ckpt.reader import (
     Reshard,
     classify_metadata,
@@ -322,7 +322,8 @@ def _verify_metadata(ck: format.Checkpoint, report: VerifyReport) -> None:
         report.problems.append(Problem(name, str(classify_metadata(ck))))
         return
     try:
-        expected = dcpmeta.derive_from_manifest(ck.manifest)
+        groups = parsed_groups(ck.manifest, ck.path)
+        expected = dcpmeta.derive(groups)
     except Exception as err:  # a manifest that parse accepted but that cannot describe DCP
         report.problems.append(Problem(name, f"cannot be derived from the manifest ({err})"))
         return
@@ -334,8 +335,7 @@ def _verify_metadata(ck: format.Checkpoint, report: VerifyReport) -> None:
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.problems.append(Problem(name, str(err)))
         return
-    ranks = [r["entries"] for r in ck.manifest.get("ranks", [])]
-    for diff in dcpmeta.compare(found, dcpmeta.build(ck.manifest["entries"], ranks)):
+    for diff in dcpmeta.compare(found, dcpmeta.build(groups)):
         report.problems.append(
             Problem(name, f"disagrees with the manifest (stock dcp.load would misread): {diff}")
         )

@@ -288,12 +288,7 @@ def read_targets(src: format.Checkpoint, targets: list[Target]) -> None:
             by_file.setdefault(chunk.file, []).append((tg, chunk, land))
     bad: list[str] = []
     for name, group in by_file.items():
-        jobs = [
-            shards.ReadJob(
-                c.offset, c.length, c.data_offset, shards.byte_view(land), c.crc32, c.hcrc32
-            )
-            for _, c, land in group
-        ]
+        jobs = [(c, shards.byte_view(land)) for _, c, land in group]
         results = shards.read_tensors(src.fd(name), jobs)
         for (tg, _, _), res in zip(group, results, strict=True):
             if res is not None:
@@ -314,15 +309,7 @@ def read_chunk(
     """One stored chunk as a new tensor, every byte checked."""
     data = torch.empty(chunk.sizes, dtype=dtype)
     if chunk.nbytes:
-        job = shards.ReadJob(
-            chunk.offset,
-            chunk.length,
-            chunk.data_offset,
-            shards.byte_view(data),
-            chunk.crc32,
-            chunk.hcrc32,
-        )
-        res = shards.read_tensors(root.fd(chunk.file), [job])[0]
+        res = shards.read_tensors(root.fd(chunk.file), [(chunk, shards.byte_view(data))])[0]
         if res is not None:
             raise CorruptCheckpoint(
                 f"{root.path}: damaged tensor data for {what!r} in {chunk.file}: {res}"

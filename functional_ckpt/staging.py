@@ -25,6 +25,7 @@ from tensordict import TensorDictBase
 from functional_ckpt.checksum import crc32
 from functional_ckpt.errors import CheckpointError, ModifiedDuringSave
 from functional_ckpt.io import distributed_active
+from functional_ckpt.manifest import TensorEntry
 from functional_ckpt.shards import byte_view
 from functional_ckpt.tree import Leaf, as_state, format_path, iter_leaves, node_record, unflatten
 from functional_ckpt.writer import (
@@ -171,16 +172,16 @@ class PendingSave:
             self._staged.set()
 
 
-def _written_crc(entry: dict[str, Any]) -> int:
+def _written_crc(entry: TensorEntry) -> int:
     """The CRC32 the writer recorded for the bytes of a (single-chunk) tensor entry."""
-    return int(entry["chunks"][0]["crc32"])
+    return entry.chunks[0].crc32
 
 
 def _version_guard(
     sources: Sequence[torch.Tensor],
     keys: Sequence[tuple[str, ...]],
     written: Sequence[torch.Tensor],
-    targets: Sequence[dict[str, Any]],
+    targets: Sequence[TensorEntry],
 ) -> tuple[Any, Any]:
     """Hooks that refuse the commit of a state changed while it was written.
 
