@@ -26,6 +26,7 @@ from functional_ckpt.io import (
     verify,
 )
 from functional_ckpt.manager import CheckpointManager, CheckpointWarning, StepInfo
+from functional_ckpt.pipeline.save import save_async
 from functional_ckpt.policy import (
     Event,
     PolicyState,
@@ -50,7 +51,7 @@ from functional_ckpt.retention import (
     keep_within,
     plan_deletions,
 )
-from functional_ckpt.staging import PendingSave, Stager, save_async
+from functional_ckpt.staging import PendingSave, Stager
 from functional_ckpt.state import apply, capture
 from functional_ckpt.tree import from_python, to_python
 

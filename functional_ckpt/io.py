@@ -20,6 +20,8 @@ from functional_ckpt import dcpmeta, format, shards
 from functional_ckpt.checksum import crc32
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
 from functional_ckpt.manifest import Chunk, parse, parsed_groups
+from functional_ckpt.pipeline.save import save as pipeline_save
+from functional_ckpt.pipeline.topology import has_dtensor
 from functional_ckpt.reader import (
     Reshard,
     classify_metadata,
@@ -28,15 +30,11 @@ from functional_ckpt.reader import (
     restore_local,
 )
 from functional_ckpt.summary import CheckpointSummary, TensorSpec, insert, node_of
-from functional_ckpt.tree import KeyPath, as_state, format_path, iter_leaves
+from functional_ckpt.tree import KeyPath, as_state, format_path
 from functional_ckpt.writer import (
     DEFAULT_PER_RANK,
     CheckpointInfo,
     PathLike,
-    host_copy,
-    is_dtensor,
-    prepare_save,
-    write_local,
 )
 
 
@@ -55,17 +53,7 @@ def save(
     initialized process group every rank calls it with its own state (see the
     multi-rank guide); ``per_rank`` names the top-level subtrees stored per rank.
     """
-    state = as_state(state)
-    if distributed_active() or _has_dtensor(state):
-        from functional_ckpt.dist import save_distributed
-
-        return save_distributed(
-            path, state, metadata=metadata, overwrite=overwrite, per_rank=per_rank
-        )
-    with gc_paused():
-        dest, plan, meta = prepare_save(path, state, metadata, overwrite, per_rank=per_rank)
-        tensors = [host_copy(t) for t in plan.sources]
-        return write_local(dest, plan, tensors, metadata=meta, overwrite=overwrite)
+    return pipeline_save(path, state, metadata=metadata, overwrite=overwrite, per_rank=per_rank)
 
 
 def is_stock_dcp(path: Path) -> bool:
@@ -80,13 +68,6 @@ def is_stock_dcp(path: Path) -> bool:
         and os.path.lexists(path / format.DCP_METADATA)
         and not format.is_temporary_name(path.name)
     )
-
-
-def distributed_active() -> bool:
-    """True under an initialized process group with more than one rank."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 State = TensorDictBase | Mapping[str, Any]
@@ -135,7 +116,7 @@ def restore(
             inplace=inplace,
             device=where,
         )
-    if target is not None and _has_dtensor(target):
+    if target is not None and has_dtensor(target):
         from functional_ckpt.dist import restore_distributed
 
         return restore_distributed(
@@ -176,12 +157,6 @@ def _deprecated_template(like: State | None, template: State, what: str) -> Stat
     if like is not None:
         raise CheckpointError(f"{what}: pass like= or its old name template=, not both")
     return template
-
-
-def _has_dtensor(template: TensorDictBase | Mapping[str, Any]) -> bool:
-    return any(
-        leaf.kind == "tensor" and is_dtensor(leaf.value) for leaf in iter_leaves(as_state(template))
-    )
 
 
 # --------------------------------------------------------------------------- inspect

@@ -37,6 +37,7 @@ from functional_ckpt.manifest import (
     numel,
     parse,
 )
+from functional_ckpt.pipeline.topology import topology
 from functional_ckpt.tree import (
     KeyPath,
     Leaf,
@@ -67,15 +68,6 @@ def gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-def rank_and_world() -> tuple[int, int]:
-    """This process's rank and the world size (0, 1 without a process group)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 #: A damaged ``.metadata`` is scanned (to tell hostile from broken) only up to this size.
@@ -383,7 +375,8 @@ def restore_local(
     device: torch.device = CPU,
 ) -> TensorDict:
     """Restore a checkpoint of this format into a new locked TensorDict."""
-    rank, world = rank_and_world()
+    topo = topology()
+    rank, world = topo.rank, topo.world
     tpl = None if template is None else as_state(template)
     with open_vetted(src) as ck:
         view = rank_view(

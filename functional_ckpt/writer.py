@@ -39,6 +39,7 @@ from functional_ckpt.manifest import (
     shape_problem,
     tensor_groups,
 )
+from functional_ckpt.pipeline.topology import is_dtensor as is_dtensor  # re-exported
 from functional_ckpt.tree import KeyPath, as_state, format_path, iter_leaves, node_record
 
 #: Top-level subtrees that differ between ranks and are stored once per rank.
@@ -164,10 +165,6 @@ def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     )
 
 
-def is_dtensor(t: object) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor")
-
-
 @dataclass
 class Plan:
     """The flattened state ready to be written: manifest entries and tensors.
@@ -184,6 +181,7 @@ class Plan:
     targets: list[TensorEntry] = field(default_factory=list)
     num_values: int = 0
     root: dict[str, Any] | None = None  # the root's batch size and names, if batched
+    has_dtensor: bool = False  # a DTensor's shards are written collectively
 
     @property
     def keys(self) -> list[KeyPath]:
@@ -227,6 +225,8 @@ def plan_save(
             fqns[fqn] = path
             entry = TensorEntry(path, fqn, t.dtype, tuple(t.shape), bool(t.requires_grad))
             key = _alias_key(t)
+            if key is None and is_dtensor(t):
+                plan.has_dtensor = True
             src = seen.get(key) if key is not None else None
             if src is not None and (src.path[0] in roots) == local:
                 entry.alias = src.path
