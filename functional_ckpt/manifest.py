@@ -203,6 +203,7 @@ class Manifest:
     entries: list[Entry]
     ranks: list[list[Entry]]
     root: dict[str, Any] | None = None  # the root TensorDict's batch size and names
+    checked: bool = False  # values and metadata passed codec.check_encodable, no bytearrays
 
     def to_plain(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -221,6 +222,9 @@ class Manifest:
         return out
 
     def encode(self) -> bytes:
+        """The manifest's bytes; what was checked at planning is not scanned again."""
+        if self.checked:
+            return codec.encode_checked(self.to_plain(), where="manifest")
         return codec.encode(self.to_plain(), where="manifest")
 
 

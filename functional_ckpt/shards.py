@@ -179,6 +179,25 @@ def checksum_pool() -> ThreadPoolExecutor:
         return _POOL
 
 
+_SYNC_POOL: ThreadPoolExecutor | None = None
+
+
+def sync_pool() -> ThreadPoolExecutor:
+    """One background thread that fsyncs files while the caller computes (fsync drops the GIL)."""
+    global _SYNC_POOL
+    with _POOL_LOCK:
+        if _SYNC_POOL is None:
+            _SYNC_POOL = ThreadPoolExecutor(1, thread_name_prefix="fc-fsync")
+        return _SYNC_POOL
+
+
+def fsync_and_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _crc_chunks(view: memoryview, start: int = 0) -> int:
     crc = start
     for off in range(0, len(view), CHUNK):
@@ -192,12 +211,15 @@ def write_shard(
     chunks: Sequence[Chunk],
     *,
     after_each: Callable[[int], None] | None = None,
+    background: list[Future[None]] | None = None,
 ) -> None:
     """Write tensors (contiguous, on CPU) as DCP blobs into a new file, fsynced.
 
     Tensor ``i`` holds the bytes of ``chunks[i]``, whose location and checksums
     are filled in here. ``after_each(i)`` runs once tensor ``i`` is fully written
-    (version checks of unstaged saves hook in here).
+    (version checks of unstaged saves hook in here). With ``background``, the
+    fsync runs on :func:`sync_pool` and its future is appended there: the file is
+    durable once that future is done.
     """
     name = path.name
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -245,9 +267,13 @@ def write_shard(
                 after_each(i)
         if pending:
             _write_all(fd, pending)
-        os.fsync(fd)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    if background is None:
+        fsync_and_close(fd)
+    else:
+        background.append(sync_pool().submit(fsync_and_close, fd))
 
 
 # --------------------------------------------------------------------------- reading
@@ -344,8 +370,8 @@ def _read_large(
 
 
 def _reset_after_fork() -> None:
-    global _POOL, _POOL_LOCK
-    _POOL = None
+    global _POOL, _POOL_LOCK, _SYNC_POOL
+    _POOL = _SYNC_POOL = None
     _POOL_LOCK = threading.Lock()
 
 

@@ -16,6 +16,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,7 @@ class Plan:
     num_values: int = 0
     root: dict[str, Any] | None = None  # the root's batch size and names, if batched
     has_dtensor: bool = False  # a DTensor's shards are written collectively
+    checked: bool = False  # values and metadata passed check_encodable, no bytearray among them
 
     @property
     def keys(self) -> list[KeyPath]:
@@ -237,7 +239,7 @@ def plan_save(
                 plan.sources.append(resolved(t))
                 plan.targets.append(entry)
         (plan.local if local else plan.entries).append(entry)
-    check_values(plan.entries + plan.local)
+    plan.checked = not check_values(plan.entries + plan.local)
     return plan
 
 
@@ -258,16 +260,19 @@ def _entry_overhead(e: Entry) -> int:
     return n
 
 
-def check_values(entries: list[Entry]) -> None:
+def check_values(entries: list[Entry]) -> bool:
     """Fail before any byte is written if a value cannot be stored exactly.
 
     That includes the reader's budgets: the whole manifest must stay within
-    ``LIMITS.manifest_bytes`` and the decode budget of containers.
+    ``LIMITS.manifest_bytes`` and the decode budget of containers. Returns
+    whether a value holds a bytearray (see :func:`codec.check_encodable`).
     """
     held = [e for e in entries if isinstance(e, ValueEntry)]
     room = LIMITS.manifest_bytes - sum(_entry_overhead(e) for e in entries)
     try:
-        codec.check_encodable([e.value for e in held], where="the state's values", max_bytes=room)
+        return codec.check_encodable(
+            [e.value for e in held], where="the state's values", max_bytes=room
+        )
     except UnsupportedValue as exc:
         for e in held:  # name the leaf at fault, if one is
             codec.check_encodable(e.value, where=_where(e.path))
@@ -335,8 +340,10 @@ def prepare_save(
     if check_path:
         check_destination(dest, overwrite)
     meta = {**auto_metadata(), **dict(metadata or {})}
-    codec.check_encodable(meta, where="metadata")
-    return dest, plan_save(state, per_rank=per_rank, rank=rank), meta
+    meta_has_bytearray = codec.check_encodable(meta, where="metadata")
+    plan = plan_save(state, per_rank=per_rank, rank=rank)
+    plan.checked = plan.checked and not meta_has_bytearray
+    return dest, plan, meta
 
 
 def shard_name(rank: int) -> str:
@@ -350,32 +357,53 @@ def finalize(
     *,
     overwrite: bool,
     before_commit: Callable[[], None] | None = None,
+    syncing: list[Future[None]] | None = None,
 ) -> tuple[int, int]:
     """Write ``.metadata``, the manifest and the marker into ``tmp``; commit as ``dest``.
 
-    Every shard file in ``tmp`` must already be durable and every chunk of the
-    manifest filled in; ``.metadata`` (derived from the manifest by
-    :func:`dcpmeta.derive`), the manifest (its file table filled in here) and the
-    marker are each written and fsynced at their final size before the directory
-    is fsynced and renamed. Returns (bytes on disk, manifest bytes).
+    Every shard file in ``tmp`` must already be written and every chunk of the
+    manifest filled in; ``syncing`` holds the fsyncs of shard files still
+    running (they overlap with deriving and encoding here). ``.metadata``
+    (derived from the manifest by :func:`dcpmeta.derive`), the manifest (its file
+    table filled in here) and the marker are each written and fsynced at their
+    final size, and every fsync has finished, before the marker is written and the
+    directory is fsynced and renamed. Returns (bytes on disk, manifest bytes).
     """
-    md_bytes = dcpmeta.derive(tensor_groups(manifest.entries, manifest.ranks))
-    format.write_file_durably(tmp / format.DCP_METADATA, md_bytes)
-    files = manifest.files
-    files.clear()
-    for name in sorted(os.listdir(tmp)):
-        if name == format.DCP_METADATA:
-            files[name] = {"size": len(md_bytes), "crc32": crc32(md_bytes)}
-        else:
-            files[name] = {"size": (tmp / name).stat().st_size}
-    manifest_bytes = manifest.encode()
-    format.write_file_durably(tmp / format.MANIFEST, manifest_bytes)
+    syncing = [] if syncing is None else syncing
+    try:
+        md_bytes = dcpmeta.derive(tensor_groups(manifest.entries, manifest.ranks))
+        _write_file(tmp / format.DCP_METADATA, md_bytes, syncing)
+        files = manifest.files
+        files.clear()
+        for name in sorted(os.listdir(tmp)):
+            if name == format.DCP_METADATA:
+                files[name] = {"size": len(md_bytes), "crc32": crc32(md_bytes)}
+            else:
+                files[name] = {"size": (tmp / name).stat().st_size}
+        manifest_bytes = manifest.encode()
+        format.write_file_durably(tmp / format.MANIFEST, manifest_bytes)
+    finally:
+        for fut in syncing:  # every file durable (or its error raised) before going on
+            fut.result()
     if before_commit is not None:
         before_commit()
     format.write_commit_marker(tmp, manifest_bytes)
     format.commit(tmp, dest, overwrite=overwrite, replaceable=format.check_replaceable)
     total = sum(f["size"] for f in files.values()) + len(manifest_bytes)
     return total, len(manifest_bytes)
+
+
+def _write_file(path: Path, data: bytes, syncing: list[Future[None]]) -> None:
+    """Write a new file whole; its fsync runs in the background (appended to ``syncing``)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except BaseException:
+        os.close(fd)
+        raise
+    syncing.append(shards.sync_pool().submit(shards.fsync_and_close, fd))
 
 
 def write_local(
@@ -404,9 +432,16 @@ def write_local(
         for entry in plan.targets:
             entry.chunks[:] = [Chunk((0,) * len(entry.shape), entry.shape)]
             chunks.append(entry.chunks[0])
-        shards.write_shard(tmp / shard_name(0), tensors, chunks, after_each=after_each)
-        manifest = Manifest(created, metadata, {}, plan.entries, [plan.local], plan.root)
-        nbytes, _ = finalize(tmp, dest, manifest, overwrite=overwrite, before_commit=before_commit)
+        syncing: list[Future[None]] = []
+        shards.write_shard(
+            tmp / shard_name(0), tensors, chunks, after_each=after_each, background=syncing
+        )
+        manifest = Manifest(
+            created, metadata, {}, plan.entries, [plan.local], plan.root, checked=plan.checked
+        )
+        nbytes, _ = finalize(
+            tmp, dest, manifest, overwrite=overwrite, before_commit=before_commit, syncing=syncing
+        )
     except CheckpointError:  # e.g. CheckpointExists, itself an OSError
         format.remove_tree(tmp)
         raise

@@ -109,6 +109,10 @@ def save_async(
         raise ValueError(f"save_async(staging={staging!r}): expected 'copy' or 'none'")
     own = stager if stager is not None else stages.DEFAULT_STAGER
     job = flatten(path, state, metadata, overwrite, per_rank)
+    if job.plan is not None:
+        # Values are encoded when the write ends, after the caller may have changed
+        # them: scan them again then.
+        job.plan.checked = False
     if job.distributed:
         if staging == "none":
             raise CheckpointError(
