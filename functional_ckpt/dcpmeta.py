@@ -117,8 +117,41 @@ def build(groups: Sequence[Sequence[TensorEntry]]) -> Metadata:
 
 
 def derive(groups: Sequence[Sequence[TensorEntry]]) -> bytes:
-    """The exact bytes of ``.metadata`` for a manifest: a pickle stock ``dcp.load`` reads."""
-    return pickle.dumps(build(groups), protocol=PROTOCOL)
+    """The exact bytes of ``.metadata`` for a manifest: a pickle stock ``dcp.load`` reads.
+
+    A training loop saves the same layout again and again, and the bytes depend
+    only on the layout (never on tensor values or checksums), so the last result
+    is kept and returned while the layout stays equal field for field.
+    """
+    global _LAST
+    key = _layout(groups)
+    last = _LAST
+    if last is not None and last[0] == key:
+        return last[1]
+    data = pickle.dumps(build(groups), protocol=PROTOCOL)
+    _LAST = (key, data)
+    return data
+
+
+#: The last layout derived and its bytes (one entry: the layout of the current run).
+_LAST: tuple[tuple[Any, ...], bytes] | None = None
+
+
+def _layout(groups: Sequence[Sequence[TensorEntry]]) -> tuple[Any, ...]:
+    """Everything of a manifest that :func:`build` reads, as one comparable value."""
+    return tuple(
+        tuple(
+            (
+                e.fqn,
+                e.path,
+                e.dtype,
+                e.shape,
+                tuple((c.offsets, c.sizes, c.file, c.offset, c.length) for c in e.chunks),
+            )
+            for e in group
+        )
+        for group in groups
+    )
 
 
 def derive_from_manifest(manifest: dict[str, Any], root: Path = Path(".")) -> bytes:

@@ -49,10 +49,11 @@ def byte_view(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy (writable)."""
     if t.numel() == 0:
         return memoryview(b"")
-    flat = t.detach().reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    array: Any = flat.numpy()
+    flat = t.detach()
+    try:  # dtypes numpy knows: one call, no reshaping views
+        array: Any = flat.numpy()
+    except TypeError:  # bfloat16, float8, ...: reinterpret as bytes first
+        array = flat.reshape(-1).view(torch.uint8).numpy()
     return memoryview(array).cast("B")
 
 

@@ -139,7 +139,12 @@ def resolved(t: torch.Tensor) -> torch.Tensor:
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a contiguous CPU tensor: itself when it already is one, else a copy."""
+    """``t`` as a contiguous CPU tensor: itself when it already is one, else a copy.
+
+    The result may still require grad; whoever reads its bytes detaches it.
+    """
+    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        return t  # the common case, without a new tensor object
     t = resolved(t.detach())
     if t.device.type != "cpu":
         t = t.cpu()

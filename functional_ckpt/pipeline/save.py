@@ -81,7 +81,11 @@ def save(
         # Distributed writers copy what DCP's planner hands them; locally, only
         # device tensors and non-contiguous views are copied to the host.
         tensors = sources if job.distributed else [host_copy(t) for t in sources]
-        return backend_for(job).write(job, tensors, Hooks())
+        info = backend_for(job).write(job, tensors, Hooks())
+        # Freed while collection is paused, the plan's many small objects are never
+        # walked by the collection that re-enabling would soon trigger.
+        del job, sources, tensors
+    return info
 
 
 def save_async(
