@@ -19,7 +19,7 @@ from tensordict import TensorDict, TensorDictBase
 from functional_ckpt import dcpmeta, format, shards
 from functional_ckpt.checksum import crc32
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
-from functional_ckpt.manifest import Chunk, parse, parsed_groups
+from functional_ckpt.manifest import Chunk, TensorEntry, groups_of, parse
 from functional_ckpt.pipeline.save import save as pipeline_save
 from functional_ckpt.pipeline.topology import has_dtensor
 from functional_ckpt.reader import (
@@ -254,8 +254,8 @@ def _verify_open(
 ) -> None:
     src, manifest = ck.path, ck.manifest
     try:
-        ranks = parse(manifest, src, rank=None).world_size
-        parsed = [parse(manifest, src, rank=r) for r in range(ranks)]
+        shared = parse(manifest, src, rank=None)
+        parsed = [parse(manifest, src, rank=r) for r in range(shared.world_size)]
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.problems.append(Problem(format.MANIFEST, str(err)))
         return
@@ -265,7 +265,7 @@ def _verify_open(
     for child in format.iter_names(ck.dir_fd):
         if child not in listed:
             report.problems.append(Problem(child, "unexpected file in the checkpoint"))
-    _verify_metadata(ck, report)
+    _verify_metadata(ck, groups_of(shared, parsed), report)
     by_file: dict[str, dict[int, tuple[KeyPath, Chunk]]] = {}
     for one in parsed:
         for e in one.tensors.values():
@@ -277,7 +277,9 @@ def _verify_open(
             _verify_file(ck, name, sorted(by_file.get(name, {}).items()), parsed[0], report)
 
 
-def _verify_metadata(ck: format.Checkpoint, report: VerifyReport) -> None:
+def _verify_metadata(
+    ck: format.Checkpoint, groups: list[list[TensorEntry]], report: VerifyReport
+) -> None:
     """``.metadata`` is intact and says exactly what the manifest says."""
     name = format.DCP_METADATA
     info = ck.manifest["files"].get(name)
@@ -297,7 +299,6 @@ def _verify_metadata(ck: format.Checkpoint, report: VerifyReport) -> None:
         report.problems.append(Problem(name, str(classify_metadata(ck))))
         return
     try:
-        groups = parsed_groups(ck.manifest, ck.path)
         expected = dcpmeta.derive(groups)
     except Exception as err:  # a manifest that parse accepted but that cannot describe DCP
         report.problems.append(Problem(name, f"cannot be derived from the manifest ({err})"))

@@ -343,9 +343,14 @@ def tensor_groups(
 def parsed_groups(manifest: dict[str, Any], root: Path) -> list[list[TensorEntry]]:
     """:func:`tensor_groups` of a decoded manifest, every entry validated by :func:`parse`."""
     shared = parse(manifest, root, rank=None)
+    ranks = len(rank_entries(manifest, str(root / "manifest.msgpack")))
+    return groups_of(shared, [parse(manifest, root, rank=r) for r in range(ranks)])
+
+
+def groups_of(shared: ParsedManifest, ranks: Sequence[ParsedManifest]) -> list[list[TensorEntry]]:
+    """:func:`tensor_groups` from ``parse`` results: ``rank=None``, then every rank's."""
     groups = [list(shared.tensors.values())]
-    for r in range(len(rank_entries(manifest, str(root / "manifest.msgpack")))):
-        one = parse(manifest, root, rank=r)
+    for one in ranks:
         groups.append([e for p, e in one.tensors.items() if p not in shared.tensors])
     return groups
 
