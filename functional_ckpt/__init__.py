@@ -13,6 +13,7 @@ from functional_ckpt.export import export_safetensors
 from functional_ckpt.forking import fork
 from functional_ckpt.io import inspect, restore, save, verify
 from functional_ckpt.manager import CheckpointManager
+from functional_ckpt.pipeline.save import save_async
 from functional_ckpt.policy import (
     at_steps,
     every_epochs,
@@ -23,7 +24,6 @@ from functional_ckpt.policy import (
     on_signal,
 )
 from functional_ckpt.retention import keep_best, keep_every, keep_last, keep_within
-from functional_ckpt.staging import save_async
 from functional_ckpt.state import apply, capture
 from functional_ckpt.tree import to_python
 

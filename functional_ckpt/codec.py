@@ -98,6 +98,7 @@ __all__ = [
     "check_hashes",
     "decode",
     "encode",
+    "encode_checked",
 ]
 
 EXT_TUPLE: Final = 1
@@ -533,11 +534,13 @@ def _pack(value: object, where: str) -> bytes:
         raise UnsupportedValue(f"{where}: cannot be encoded: {exc}") from exc
 
 
-def check_encodable(value: object, *, where: str = "value", max_bytes: int | None = None) -> None:
+def check_encodable(value: object, *, where: str = "value", max_bytes: int | None = None) -> bool:
     """Refuse, before any work is written, a value that ``encode`` would refuse.
 
     Lets a save fail fast, naming the offending leaf, instead of after tensors
-    have already been written.
+    have already been written. Returns whether ``value`` holds a bytearray (when
+    it does not, :func:`encode_checked` may encode it, or plain data built around
+    it, without scanning it again).
 
     Also refuses what a reader's budgets would refuse: too many containers for
     the encoded size and, with ``max_bytes``, an encoding longer than that.
@@ -551,16 +554,27 @@ def check_encodable(value: object, *, where: str = "value", max_bytes: int | Non
     # free containers; only a value dense in containers needs its encoded size.
     free = LIMITS.decode_free_containers // 4
     if containers <= free and max_bytes is None:
-        return
-    if has_bytearray:
-        value = _wrap_bytearrays(value)
-    data = _pack(value, where)
+        return has_bytearray
+    data = _pack(_wrap_bytearrays(value) if has_bytearray else value, where)
     _check_budget(containers, data, free, where)
     if max_bytes is not None and len(data) > max_bytes:
         raise UnsupportedValue(
             f"{where}: encodes to {len(data)} bytes, more than the {max_bytes} the manifest "
             "has room for"
         )
+    return has_bytearray
+
+
+def encode_checked(value: object, *, where: str = "value") -> bytes:
+    """:func:`encode` of plain data (str, int, bool, float, None, lists, dicts with str
+    keys) around parts that each passed :func:`check_encodable` without a bytearray.
+
+    Nothing is scanned again: the parts were, and the plain data around them adds
+    at most a few levels of nesting (``encode_depth`` leaves room below the
+    packer's and the reader's limits) and many bytes per container (so the
+    reader's container budget holds for the whole when it held for each part).
+    """
+    return _pack(value, where)
 
 
 def encode(value: object, *, where: str = "value") -> bytes:

@@ -42,14 +42,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
+from functional_ckpt.manifest import TensorEntry, parsed_groups
 
 #: The pickle protocol of the derived file (what ``pickle.dump`` writes by default).
 PROTOCOL = 4
 #: Largest foreign ``.metadata`` parsed (the pure-Python unpickler is slow and hostile
 #: files are bounded by it).
 MAX_BYTES = 1 << 30
-
-Item = tuple[str, tuple[str, ...], torch.dtype, tuple[int, ...], list[dict[str, Any]]]
 
 
 def _dcp_version() -> str | None:
@@ -58,21 +57,11 @@ def _dcp_version() -> str | None:
     return getattr(filesystem, "CURRENT_DCP_VERSION", None)
 
 
-def items(entries: list[dict[str, Any]], ranks: list[list[dict[str, Any]]]) -> list[Item]:
-    """(fqn, key path, dtype, shape, chunks) of every tensor of a manifest, aliases resolved."""
-    out: list[Item] = []
-    for group in [entries, *ranks]:
-        by_path = {tuple(e["path"]): e for e in group if e.get("kind") == "tensor"}
-        for e in by_path.values():
-            chunks = by_path[tuple(e["alias"])]["chunks"] if "alias" in e else e["chunks"]
-            out.append(
-                (e["fqn"], tuple(e["path"]), getattr(torch, e["dtype"]), tuple(e["shape"]), chunks)
-            )
-    return out
-
-
-def build(entries: list[dict[str, Any]], ranks: list[list[dict[str, Any]]]) -> Metadata:
+def build(groups: Sequence[Sequence[TensorEntry]]) -> Metadata:
     """The DCP ``Metadata`` describing a manifest's tensors (shared, then per rank).
+
+    ``groups`` comes from :func:`manifest.tensor_groups` (a manifest being
+    written) or :func:`manifest.parsed_groups` (one being verified).
 
     Equal strings, sizes and properties are one object each, so the pickle is
     compact and its bytes depend only on the manifest's content.
@@ -95,29 +84,29 @@ def build(entries: list[dict[str, Any]], ranks: list[list[dict[str, Any]]]) -> M
     state_md: dict[str, Any] = {}
     planner_data: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
-    for fqn_raw, key_path, dtype, shape, chunks in items(entries, ranks):
-        fqn = s(fqn_raw)
+    for entry in (e for group in groups for e in group):
+        fqn, dtype, shape, chunks = s(entry.fqn), entry.dtype, entry.shape, entry.chunks
         prop = props.get(dtype)
         if prop is None:
             prop = props[dtype] = TensorProperties(dtype=dtype)
-        whole = len(chunks) == 1 and not any(chunks[0]["offsets"])
+        whole = len(chunks) == 1 and chunks[0].whole
         md = single.get((dtype, shape)) if whole else None
         if md is None:
             md = TensorStorageMetadata(
                 properties=prop,
                 size=size_of(shape),
                 chunks=[
-                    ChunkStorageMetadata(offsets=size_of(c["offsets"]), sizes=size_of(c["sizes"]))
+                    ChunkStorageMetadata(offsets=size_of(c.offsets), sizes=size_of(c.sizes))
                     for c in chunks
                 ],
             )
             if whole:
                 single[(dtype, shape)] = md
         state_md[fqn] = md
-        planner_data[fqn] = tuple(s(k) for k in key_path)
+        planner_data[fqn] = tuple(s(k) for k in entry.path)
         for i, c in enumerate(chunks):
-            index = MetadataIndex(fqn, size_of(c["offsets"]), i)
-            storage[index] = _StorageInfo(s(c["file"]), int(c["offset"]), int(c["length"]))
+            index = MetadataIndex(fqn, size_of(c.offsets), i)
+            storage[index] = _StorageInfo(s(c.file), c.offset, c.length)
     return Metadata(
         state_dict_metadata=state_md,
         planner_data=planner_data,
@@ -127,15 +116,47 @@ def build(entries: list[dict[str, Any]], ranks: list[list[dict[str, Any]]]) -> M
     )
 
 
-def derive(entries: list[dict[str, Any]], ranks: list[list[dict[str, Any]]]) -> bytes:
-    """The exact bytes of ``.metadata`` for a manifest: a pickle stock ``dcp.load`` reads."""
-    return pickle.dumps(build(entries, ranks), protocol=PROTOCOL)
+def derive(groups: Sequence[Sequence[TensorEntry]]) -> bytes:
+    """The exact bytes of ``.metadata`` for a manifest: a pickle stock ``dcp.load`` reads.
+
+    A training loop saves the same layout again and again, and the bytes depend
+    only on the layout (never on tensor values or checksums), so the last result
+    is kept and returned while the layout stays equal field for field.
+    """
+    global _LAST
+    key = _layout(groups)
+    last = _LAST
+    if last is not None and last[0] == key:
+        return last[1]
+    data = pickle.dumps(build(groups), protocol=PROTOCOL)
+    _LAST = (key, data)
+    return data
 
 
-def derive_from_manifest(manifest: dict[str, Any]) -> bytes:
-    """:func:`derive` of a decoded (already validated) manifest."""
-    ranks = [r["entries"] for r in manifest.get("ranks", [])]
-    return derive(manifest["entries"], ranks)
+#: The last layout derived and its bytes (one entry: the layout of the current run).
+_LAST: tuple[tuple[Any, ...], bytes] | None = None
+
+
+def _layout(groups: Sequence[Sequence[TensorEntry]]) -> tuple[Any, ...]:
+    """Everything of a manifest that :func:`build` reads, as one comparable value."""
+    return tuple(
+        tuple(
+            (
+                e.fqn,
+                e.path,
+                e.dtype,
+                e.shape,
+                tuple((c.offsets, c.sizes, c.file, c.offset, c.length) for c in e.chunks),
+            )
+            for e in group
+        )
+        for group in groups
+    )
+
+
+def derive_from_manifest(manifest: dict[str, Any], root: Path = Path(".")) -> bytes:
+    """:func:`derive` of a decoded manifest (validated here; ``root`` names it in errors)."""
+    return derive(parsed_groups(manifest, root))
 
 
 # --------------------------------------------------------------------------- comparing

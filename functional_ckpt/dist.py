@@ -48,7 +48,15 @@ from torch.futures import Future
 
 from functional_ckpt import codec, format, shards
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
-from functional_ckpt.manifest import Chunk, ParsedManifest
+from functional_ckpt.manifest import (
+    Chunk,
+    Entry,
+    Manifest,
+    ParsedManifest,
+    entries_from_plain,
+    tensor_groups,
+)
+from functional_ckpt.pipeline.topology import topology
 from functional_ckpt.reader import (
     Reshard,
     build,
@@ -60,16 +68,12 @@ from functional_ckpt.reader import (
 )
 from functional_ckpt.tree import Leaf, as_state, iter_leaves, unflatten
 from functional_ckpt.writer import (
-    DEFAULT_PER_RANK,
     CheckpointInfo,
-    PathLike,
-    check_destination,
-    chunk_record,
+    Plan,
     finalize,
     host_copy,
     is_dtensor,
     os_error,
-    prepare_save,
     shard_name,
 )
 
@@ -103,7 +107,7 @@ def _release_groups() -> None:
     """Tear our groups down before interpreter shutdown frees them in arbitrary order."""
     groups = list(_GROUPS.values())
     _GROUPS.clear()
-    if dist.is_available() and dist.is_initialized():
+    if topology().initialized:
         for group in groups:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(group)
@@ -172,18 +176,19 @@ class _ChunkWriter(StorageWriter):
         items = [it for it in plan.items if it.type != WriteItemType.BYTE_IO]
         tensors = [host_copy(planner.resolve_data(it)) for it in items]  # type: ignore[arg-type]
         path = self.tmp / shard_name(self.rank)
+        chunks = []
+        for item in items:
+            assert item.tensor_data is not None
+            box = item.tensor_data.chunk
+            chunks.append(Chunk(tuple(box.offsets), tuple(box.sizes)))
         try:
-            records = shards.write_shard(path, tensors)
+            shards.write_shard(path, tensors, chunks)
         except OSError as e:
             raise os_error(e, self.job.dest) from e
-        results = []
-        for item, rec in zip(items, records, strict=True):
-            assert item.tensor_data is not None
-            chunk = item.tensor_data.chunk
-            info = chunk_record(rec, chunk.offsets, chunk.sizes)
-            results.append(
-                WriteResult(index=item.index, size_in_bytes=rec.length, storage_data=info)
-            )
+        results = [
+            WriteResult(index=item.index, size_in_bytes=c.length, storage_data=c)
+            for item, c in zip(items, chunks, strict=True)
+        ]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -205,8 +210,8 @@ class _SaveJob:
 
     dest: Path
     tmp: Path
-    entries: list[dict[str, Any]]
-    ranks: list[list[dict[str, Any]]]
+    entries: list[Entry]
+    ranks: list[list[Entry]]
     metadata: Any
     overwrite: bool
     created: float
@@ -214,59 +219,46 @@ class _SaveJob:
     root: dict[str, Any] | None = None  # the root's batch size and names
 
     def commit(self, results: list[WriteResult]) -> None:
-        chunks: dict[str, list[dict[str, Any]]] = {}
+        chunks: dict[str, list[Chunk]] = {}
         for wr in results:
-            chunks.setdefault(wr.index.fqn, []).append(dict(wr.storage_data))
-        for group in [self.entries, *self.ranks]:
+            chunks.setdefault(wr.index.fqn, []).append(wr.storage_data)
+        for group in tensor_groups(self.entries, self.ranks):
             for e in group:
-                if e["kind"] == "tensor" and "alias" not in e:
-                    e["chunks"] = sorted(chunks.get(e["fqn"], []), key=lambda c: c["offsets"])
+                if e.alias is None:
+                    e.chunks[:] = sorted(chunks.get(e.fqn, []), key=lambda c: c.offsets)
+        manifest = Manifest(self.created, self.metadata, {}, self.entries, self.ranks, self.root)
         try:
-            self.nbytes, _ = finalize(
-                self.tmp,
-                self.dest,
-                entries=self.entries,
-                ranks=self.ranks,
-                metadata=self.metadata,
-                overwrite=self.overwrite,
-                created=self.created,
-                root=self.root,
-            )
+            self.nbytes, _ = finalize(self.tmp, self.dest, manifest, overwrite=self.overwrite)
         except CheckpointError:  # e.g. CheckpointExists, itself an OSError
             raise
         except OSError as e:
             raise os_error(e, self.dest) from e
 
 
-def save_distributed(
-    path: PathLike,
-    state: TensorDictBase | Mapping[str, Any],
+def save_planned(
+    dest: Path,
+    plan: Plan | None,
+    metadata: Any,
+    overwrite: bool,
+    tensors: Sequence[torch.Tensor],
+    error: BaseException | None,
     *,
-    metadata: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    per_rank: Sequence[str] = DEFAULT_PER_RANK,
     timeout: float | None = None,
 ) -> CheckpointInfo:
-    """The multi-rank ``fc.save``: every rank calls it; one checkpoint is committed."""
+    """The multi-rank write of a planned save: every rank calls it; one checkpoint commits.
+
+    ``error`` is this rank's planning failure (then ``plan`` is None): the ranks
+    agree on it first, so all of them fail together. ``tensors`` are what fills
+    ``plan.targets`` (the sources, DTensors included, or their staged copies).
+    """
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     t0 = time.perf_counter()
     group = checkpoint_group(timeout)
     rank = dist.get_rank()
-    dest = Path(path)
-    error: BaseException | None = None
-    plan = meta = None
-    try:
-        if rank == 0:
-            check_destination(dest, overwrite)
-        _, plan, meta = prepare_save(
-            dest, state, metadata, overwrite, per_rank=per_rank, rank=rank, check_path=False
-        )
-    except BaseException as e:
-        error = e
     agree(error, group, f"save {dest}")
-    assert plan is not None and meta is not None
+    assert plan is not None
     tmp_name = format.tmp_sibling(dest).name if rank == 0 else ""
     tmp_name = all_gather_bytes(tmp_name.encode(), group)[0].decode()
     tmp = dest.parent / tmp_name
@@ -278,10 +270,12 @@ def save_distributed(
     except BaseException as e:
         error = os_error(e, dest) if isinstance(e, OSError) else e
     agree(error, group, f"save {dest}")
-    locals_ = [codec.decode(b) for b in all_gather_bytes(codec.encode(plan.local), group)]
-    job = _SaveJob(dest, tmp, plan.entries, locals_, meta, overwrite, time.time())  # type: ignore[arg-type]
+    mine = codec.encode([e.to_plain() for e in plan.local])
+    locals_ = [entries_from_plain(codec.decode(b)) for b in all_gather_bytes(mine, group)]  # type: ignore[arg-type]
+    locals_[rank] = plan.local
+    job = _SaveJob(dest, tmp, plan.entries, locals_, metadata, overwrite, time.time())
     job.root = plan.root
-    state_dict = {e["fqn"]: t for e, t in zip(plan.targets, plan.sources, strict=True)}
+    state_dict = {e.fqn: t for e, t in zip(plan.targets, tensors, strict=True)}
     try:
         with gc_paused():
             dcp_save(
@@ -303,7 +297,7 @@ def save_distributed(
         num_values=plan.num_values,
         created=job.created,
         duration=time.perf_counter() - t0,
-        metadata=meta,
+        metadata=metadata,
     )
 
 
@@ -415,7 +409,7 @@ def restore_distributed(
     The shards land in new DTensors on each template leaf's mesh and placements, or
     in the template's own DTensors when ``inplace``.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not topology().initialized:
         raise CheckpointError("restoring into DTensor templates needs an initialized process group")
     group = checkpoint_group(timeout)
     error: BaseException | None = None
@@ -534,4 +528,4 @@ def _fresh_dtensor(like: Any) -> torch.Tensor:
     return fresh
 
 
-__all__ = ["checkpoint_group", "restore_distributed", "save_distributed"]
+__all__ = ["checkpoint_group", "restore_distributed", "save_planned"]

@@ -19,7 +19,9 @@ from tensordict import TensorDict, TensorDictBase
 from functional_ckpt import dcpmeta, format, shards
 from functional_ckpt.checksum import crc32
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
-from functional_ckpt.manifest import Chunk, parse
+from functional_ckpt.manifest import Chunk, TensorEntry, groups_of, parse
+from functional_ckpt.pipeline.save import save as pipeline_save
+from functional_ckpt.pipeline.topology import has_dtensor
 from functional_ckpt.reader import (
     Reshard,
     classify_metadata,
@@ -28,15 +30,11 @@ from functional_ckpt.reader import (
     restore_local,
 )
 from functional_ckpt.summary import CheckpointSummary, TensorSpec, insert, node_of
-from functional_ckpt.tree import KeyPath, as_state, format_path, iter_leaves
+from functional_ckpt.tree import KeyPath, as_state, format_path
 from functional_ckpt.writer import (
     DEFAULT_PER_RANK,
     CheckpointInfo,
     PathLike,
-    host_copy,
-    is_dtensor,
-    prepare_save,
-    write_local,
 )
 
 
@@ -55,17 +53,7 @@ def save(
     initialized process group every rank calls it with its own state (see the
     multi-rank guide); ``per_rank`` names the top-level subtrees stored per rank.
     """
-    state = as_state(state)
-    if distributed_active() or _has_dtensor(state):
-        from functional_ckpt.dist import save_distributed
-
-        return save_distributed(
-            path, state, metadata=metadata, overwrite=overwrite, per_rank=per_rank
-        )
-    with gc_paused():
-        dest, plan, meta = prepare_save(path, state, metadata, overwrite, per_rank=per_rank)
-        tensors = [host_copy(t) for t in plan.sources]
-        return write_local(dest, plan, tensors, metadata=meta, overwrite=overwrite)
+    return pipeline_save(path, state, metadata=metadata, overwrite=overwrite, per_rank=per_rank)
 
 
 def is_stock_dcp(path: Path) -> bool:
@@ -80,13 +68,6 @@ def is_stock_dcp(path: Path) -> bool:
         and os.path.lexists(path / format.DCP_METADATA)
         and not format.is_temporary_name(path.name)
     )
-
-
-def distributed_active() -> bool:
-    """True under an initialized process group with more than one rank."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 State = TensorDictBase | Mapping[str, Any]
@@ -135,7 +116,7 @@ def restore(
             inplace=inplace,
             device=where,
         )
-    if target is not None and _has_dtensor(target):
+    if target is not None and has_dtensor(target):
         from functional_ckpt.dist import restore_distributed
 
         return restore_distributed(
@@ -176,12 +157,6 @@ def _deprecated_template(like: State | None, template: State, what: str) -> Stat
     if like is not None:
         raise CheckpointError(f"{what}: pass like= or its old name template=, not both")
     return template
-
-
-def _has_dtensor(template: TensorDictBase | Mapping[str, Any]) -> bool:
-    return any(
-        leaf.kind == "tensor" and is_dtensor(leaf.value) for leaf in iter_leaves(as_state(template))
-    )
 
 
 # --------------------------------------------------------------------------- inspect
@@ -281,8 +256,8 @@ def _verify_open(
 ) -> None:
     src, manifest = ck.path, ck.manifest
     try:
-        ranks = parse(manifest, src, rank=None).world_size
-        parsed = [parse(manifest, src, rank=r) for r in range(ranks)]
+        shared = parse(manifest, src, rank=None)
+        parsed = [parse(manifest, src, rank=r) for r in range(shared.world_size)]
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.problems.append(Problem(format.MANIFEST, str(err)))
         return
@@ -292,7 +267,7 @@ def _verify_open(
     for child in format.iter_names(ck.dir_fd):
         if child not in listed:
             report.problems.append(Problem(child, "unexpected file in the checkpoint"))
-    _verify_metadata(ck, report)
+    _verify_metadata(ck, groups_of(shared, parsed), report)
     by_file: dict[str, dict[int, tuple[KeyPath, Chunk]]] = {}
     for one in parsed:
         for e in one.tensors.values():
@@ -304,7 +279,9 @@ def _verify_open(
             _verify_file(ck, name, sorted(by_file.get(name, {}).items()), parsed[0], report)
 
 
-def _verify_metadata(ck: format.Checkpoint, report: VerifyReport) -> None:
+def _verify_metadata(
+    ck: format.Checkpoint, groups: list[list[TensorEntry]], report: VerifyReport
+) -> None:
     """``.metadata`` is intact and says exactly what the manifest says."""
     name = format.DCP_METADATA
     info = ck.manifest["files"].get(name)
@@ -324,7 +301,7 @@ def _verify_metadata(ck: format.Checkpoint, report: VerifyReport) -> None:
         report.problems.append(Problem(name, str(classify_metadata(ck))))
         return
     try:
-        expected = dcpmeta.derive_from_manifest(ck.manifest)
+        expected = dcpmeta.derive(groups)
     except Exception as err:  # a manifest that parse accepted but that cannot describe DCP
         report.problems.append(Problem(name, f"cannot be derived from the manifest ({err})"))
         return
@@ -336,8 +313,7 @@ def _verify_metadata(ck: format.Checkpoint, report: VerifyReport) -> None:
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.problems.append(Problem(name, str(err)))
         return
-    ranks = [r["entries"] for r in ck.manifest.get("ranks", [])]
-    for diff in dcpmeta.compare(found, dcpmeta.build(ck.manifest["entries"], ranks)):
+    for diff in dcpmeta.compare(found, dcpmeta.build(groups)):
         report.problems.append(
             Problem(name, f"disagrees with the manifest (stock dcp.load would misread): {diff}")
         )

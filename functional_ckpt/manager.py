@@ -40,10 +40,12 @@ from functional_ckpt.errors import (
 )
 from functional_ckpt.export import Export
 from functional_ckpt.exporting import run_export, snapshot
-from functional_ckpt.io import CheckpointInfo, distributed_active, like_argument, restore, save
+from functional_ckpt.io import CheckpointInfo, like_argument, restore, save
 from functional_ckpt.lock import WriterLock
+from functional_ckpt.pipeline.save import save_async
+from functional_ckpt.pipeline.topology import topology
 from functional_ckpt.policy import Event, PolicyState, SavePolicy, every_steps
-from functional_ckpt.reader import Reshard, rank_and_world
+from functional_ckpt.reader import Reshard
 from functional_ckpt.record import (
     Provenance,
     RunningTime,
@@ -70,7 +72,7 @@ from functional_ckpt.root import (
     step_dirs,
     step_name,
 )
-from functional_ckpt.staging import PendingSave, Stager, Staging, save_async
+from functional_ckpt.staging import PendingSave, Stager, Staging
 from functional_ckpt.writer import DEFAULT_PER_RANK
 
 __all__ = [
@@ -155,8 +157,9 @@ class CheckpointManager:
         self._export_error: BaseException | None = None
         self._exporting: int | None = None  # the step an export in flight reads
         self._stager = Stager()
-        self._distributed = distributed_active()
-        self._coordinator = not self._distributed or rank_and_world()[0] == 0
+        topo = topology()
+        self._distributed = topo.distributed
+        self._coordinator = topo.coordinator
         if self._distributed:
             prepare_groups()  # now, on the training thread, in the same order on every rank
         self.read_only = bool(read_only)

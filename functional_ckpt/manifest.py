@@ -12,13 +12,14 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from functional_ckpt import codec
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
-from functional_ckpt.format import DCP_METADATA, safe_member
+from functional_ckpt.format import DCP_METADATA, FORMAT_NAME, FORMAT_VERSION, safe_member
 from functional_ckpt.limits import LIMITS
 from functional_ckpt.tree import KeyPath, format_path
 
@@ -38,28 +39,50 @@ def element_size(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
-    """One stored piece of a tensor: a box of the global tensor and where its bytes are."""
+    """One stored piece of a tensor: a box of the global tensor and where its bytes are.
+
+    The one representation of a chunk from planning (the box alone) through
+    writing (the shard writer fills in where the blob landed and its checksums)
+    to reading (``parse`` builds it from the manifest, readers read it).
+    """
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    file: str
-    offset: int  # blob start (what DCP's ``_StorageInfo`` points at)
-    length: int  # blob length
-    data_offset: int  # absolute offset of the raw bytes, C order of ``sizes``
-    nbytes: int
-    crc32: int  # CRC32 of the raw bytes
-    hcrc32: int  # CRC32 of the blob's other bytes
+    file: str = ""
+    offset: int = 0  # blob start (what DCP's ``_StorageInfo`` points at)
+    length: int = 0  # blob length
+    data_offset: int = 0  # absolute offset of the raw bytes, C order of ``sizes``
+    nbytes: int = 0
+    crc32: int = 0  # CRC32 of the raw bytes
+    hcrc32: int = 0  # CRC32 of the blob's other bytes
 
     @property
     def whole(self) -> bool:
         return not any(self.offsets)
 
+    def to_plain(self) -> dict[str, Any]:
+        return {
+            "offsets": list(self.offsets),
+            "sizes": list(self.sizes),
+            "file": self.file,
+            "offset": self.offset,
+            "length": self.length,
+            "data_offset": self.data_offset,
+            "nbytes": self.nbytes,
+            "crc32": self.crc32,
+            "hcrc32": self.hcrc32,
+        }
 
-@dataclass
+
+@dataclass(slots=True)
 class TensorEntry:
-    """A validated tensor entry of a manifest."""
+    """A tensor of the tree: its spec, DCP key and chunks (or the tensor it aliases).
+
+    An alias shares its target's ``chunks`` list, so chunks filled in after
+    planning are seen through both.
+    """
 
     path: KeyPath
     fqn: str
@@ -68,6 +91,7 @@ class TensorEntry:
     requires_grad: bool
     chunks: list[Chunk] = field(default_factory=list)
     alias: KeyPath | None = None
+    kind: ClassVar[str] = "tensor"
 
     @property
     def spec(self) -> str:
@@ -76,6 +100,132 @@ class TensorEntry:
     @property
     def nbytes(self) -> int:
         return numel(self.shape) * element_size(self.dtype)
+
+    def to_plain(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "path": list(self.path),
+            "kind": "tensor",
+            "fqn": self.fqn,
+            "dtype": dtype_name(self.dtype),
+            "shape": list(self.shape),
+            "requires_grad": self.requires_grad,
+        }
+        if self.alias is not None:
+            out["alias"] = list(self.alias)
+        else:
+            out["chunks"] = [c.to_plain() for c in self.chunks]
+        return out
+
+
+@dataclass(slots=True)
+class NodeEntry:
+    """A sub-tree; ``info`` holds its batch size and dimension names when batched."""
+
+    path: KeyPath
+    info: dict[str, Any] | None = None
+    kind: ClassVar[str] = "node"
+
+    def to_plain(self) -> dict[str, Any]:
+        return {"path": list(self.path), "kind": "node", **(self.info or {})}
+
+
+@dataclass(slots=True)
+class ValueEntry:
+    """A non-tensor leaf, stored exactly through the codec."""
+
+    path: KeyPath
+    value: Any
+    kind: ClassVar[str] = "value"
+
+    def to_plain(self) -> dict[str, Any]:
+        return {"path": list(self.path), "kind": "value", "value": self.value}
+
+
+@dataclass(slots=True)
+class PerRankEntry:
+    """Where a per-rank subtree stands in the shared tree; each rank's lies in ``ranks``."""
+
+    path: KeyPath
+    kind: ClassVar[str] = "per_rank"
+
+    def to_plain(self) -> dict[str, Any]:
+        return {"path": list(self.path), "kind": "per_rank"}
+
+
+Entry = TensorEntry | NodeEntry | ValueEntry | PerRankEntry
+
+
+def entries_from_plain(plain: Sequence[dict[str, Any]]) -> list[Entry]:
+    """Entries from the plain form (``to_plain``) that a peer rank built for this save.
+
+    Only for entries of the save in progress, exchanged between its ranks (before
+    any chunk is written); checkpoints on disk are read through :func:`parse`.
+    """
+    out: list[Entry] = []
+    by_path: dict[KeyPath, TensorEntry] = {}
+    for d in plain:
+        path = tuple(d["path"])
+        kind = d["kind"]
+        if kind == "tensor":
+            e = TensorEntry(
+                path,
+                d["fqn"],
+                dtype_from_name(d["dtype"], "a peer's entry"),
+                tuple(d["shape"]),
+                bool(d["requires_grad"]),
+            )
+            if "alias" in d:
+                src = by_path[tuple(d["alias"])]
+                e.alias, e.chunks = src.path, src.chunks
+            by_path[path] = e
+            out.append(e)
+        elif kind == "node":
+            info = {k: v for k, v in d.items() if k not in ("path", "kind")}
+            out.append(NodeEntry(path, info or None))
+        elif kind == "value":
+            out.append(ValueEntry(path, d["value"]))
+        else:
+            out.append(PerRankEntry(path))
+    return out
+
+
+@dataclass
+class Manifest:
+    """A checkpoint's manifest as the writer builds it; :meth:`encode` gives its bytes.
+
+    ``files`` maps each file name to its recorded size (and CRC32 for
+    ``.metadata``); ``ranks`` holds each rank's per-rank entries.
+    """
+
+    created: float
+    metadata: Any
+    files: dict[str, dict[str, int]]
+    entries: list[Entry]
+    ranks: list[list[Entry]]
+    root: dict[str, Any] | None = None  # the root TensorDict's batch size and names
+    checked: bool = False  # values and metadata passed codec.check_encodable, no bytearrays
+
+    def to_plain(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "created": self.created,
+            "world_size": max(1, len(self.ranks)),
+            "byteorder": sys.byteorder,
+            "metadata": self.metadata,
+            "files": self.files,
+            "entries": [e.to_plain() for e in self.entries],
+            "ranks": [{"entries": [e.to_plain() for e in r]} for r in self.ranks],
+        }
+        if self.root:
+            out["root"] = self.root
+        return out
+
+    def encode(self) -> bytes:
+        """The manifest's bytes; what was checked at planning is not scanned again."""
+        if self.checked:
+            return codec.encode_checked(self.to_plain(), where="manifest")
+        return codec.encode(self.to_plain(), where="manifest")
 
 
 def numel(shape: Sequence[int]) -> int:
@@ -181,6 +331,28 @@ def parse(manifest: dict[str, Any], root: Path, *, rank: int | None = 0) -> Pars
             continue
         _add(out, e, where)
     return out
+
+
+def tensor_groups(
+    entries: Sequence[Entry], ranks: Sequence[Sequence[Entry]]
+) -> list[list[TensorEntry]]:
+    """The tensor entries of a manifest model: the shared ones, then each rank's."""
+    return [[e for e in group if isinstance(e, TensorEntry)] for group in [entries, *ranks]]
+
+
+def parsed_groups(manifest: dict[str, Any], root: Path) -> list[list[TensorEntry]]:
+    """:func:`tensor_groups` of a decoded manifest, every entry validated by :func:`parse`."""
+    shared = parse(manifest, root, rank=None)
+    ranks = len(rank_entries(manifest, str(root / "manifest.msgpack")))
+    return groups_of(shared, [parse(manifest, root, rank=r) for r in range(ranks)])
+
+
+def groups_of(shared: ParsedManifest, ranks: Sequence[ParsedManifest]) -> list[list[TensorEntry]]:
+    """:func:`tensor_groups` from ``parse`` results: ``rank=None``, then every rank's."""
+    groups = [list(shared.tensors.values())]
+    for one in ranks:
+        groups.append([e for p, e in one.tensors.items() if p not in shared.tensors])
+    return groups
 
 
 def _path(e: dict[str, Any], where: str) -> KeyPath:

@@ -37,6 +37,7 @@ from functional_ckpt.manifest import (
     numel,
     parse,
 )
+from functional_ckpt.pipeline.topology import topology
 from functional_ckpt.tree import (
     NODE_KEY,
     KeyPath,
@@ -68,15 +69,6 @@ def gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-def rank_and_world() -> tuple[int, int]:
-    """This process's rank and the world size (0, 1 without a process group)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 #: A damaged ``.metadata`` is scanned (to tell hostile from broken) only up to this size.
@@ -296,12 +288,7 @@ def read_targets(src: format.Checkpoint, targets: list[Target]) -> None:
             by_file.setdefault(chunk.file, []).append((tg, chunk, land))
     bad: list[str] = []
     for name, group in by_file.items():
-        jobs = [
-            shards.ReadJob(
-                c.offset, c.length, c.data_offset, shards.byte_view(land), c.crc32, c.hcrc32
-            )
-            for _, c, land in group
-        ]
+        jobs = [(c, shards.byte_view(land)) for _, c, land in group]
         results = shards.read_tensors(src.fd(name), jobs)
         for (tg, _, _), res in zip(group, results, strict=True):
             if res is not None:
@@ -322,15 +309,7 @@ def read_chunk(
     """One stored chunk as a new tensor, every byte checked."""
     data = torch.empty(chunk.sizes, dtype=dtype)
     if chunk.nbytes:
-        job = shards.ReadJob(
-            chunk.offset,
-            chunk.length,
-            chunk.data_offset,
-            shards.byte_view(data),
-            chunk.crc32,
-            chunk.hcrc32,
-        )
-        res = shards.read_tensors(root.fd(chunk.file), [job])[0]
+        res = shards.read_tensors(root.fd(chunk.file), [(chunk, shards.byte_view(data))])[0]
         if res is not None:
             raise CorruptCheckpoint(
                 f"{root.path}: damaged tensor data for {what!r} in {chunk.file}: {res}"
@@ -404,7 +383,8 @@ def restore_local(
     device: torch.device = CPU,
 ) -> TensorDict:
     """Restore a checkpoint of this format into a new locked TensorDict."""
-    rank, world = rank_and_world()
+    topo = topology()
+    rank, world = topo.rank, topo.world
     tpl = None if template is None else as_state(template)
     with open_vetted(src) as ck:
         view = rank_view(

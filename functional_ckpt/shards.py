@@ -30,6 +30,7 @@ import torch
 
 from functional_ckpt.checksum import crc32
 from functional_ckpt.errors import CheckpointError
+from functional_ckpt.manifest import Chunk
 
 #: Tensors below this size are assembled in memory and written in batches.
 SMALL_TENSOR = 1 << 20
@@ -48,10 +49,11 @@ def byte_view(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy (writable)."""
     if t.numel() == 0:
         return memoryview(b"")
-    flat = t.detach().reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    array: Any = flat.numpy()
+    flat = t.detach()
+    try:  # dtypes numpy knows: one call, no reshaping views
+        array: Any = flat.numpy()
+    except TypeError:  # bfloat16, float8, ...: reinterpret as bytes first
+        array = flat.reshape(-1).view(torch.uint8).numpy()
     return memoryview(array).cast("B")
 
 
@@ -158,19 +160,6 @@ def blob_template(dtype: torch.dtype, shape: tuple[int, ...]) -> BlobTemplate:
     return tpl
 
 
-@dataclass
-class TensorRecord:
-    """Where one tensor's blob and raw bytes sit in a shard file, and their checksums."""
-
-    file: str
-    offset: int  # blob start (what DCP's ``_StorageInfo`` points at)
-    length: int  # blob length
-    data_offset: int  # absolute offset of the raw tensor bytes
-    nbytes: int
-    crc: int  # CRC32 of the raw tensor bytes (also the zip's CRC of the data record)
-    hcrc: int  # CRC32 of the blob's other bytes (zip headers, pickle, directory)
-
-
 def _write_all(fd: int, data: memoryview | bytes | bytearray) -> None:
     view = memoryview(data).cast("B")
     while view:
@@ -191,6 +180,25 @@ def checksum_pool() -> ThreadPoolExecutor:
         return _POOL
 
 
+_SYNC_POOL: ThreadPoolExecutor | None = None
+
+
+def sync_pool() -> ThreadPoolExecutor:
+    """One background thread that fsyncs files while the caller computes (fsync drops the GIL)."""
+    global _SYNC_POOL
+    with _POOL_LOCK:
+        if _SYNC_POOL is None:
+            _SYNC_POOL = ThreadPoolExecutor(1, thread_name_prefix="fc-fsync")
+        return _SYNC_POOL
+
+
+def fsync_and_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _crc_chunks(view: memoryview, start: int = 0) -> int:
     crc = start
     for off in range(0, len(view), CHUNK):
@@ -201,15 +209,19 @@ def _crc_chunks(view: memoryview, start: int = 0) -> int:
 def write_shard(
     path: Path,
     tensors: Iterable[torch.Tensor],
+    chunks: Sequence[Chunk],
     *,
     after_each: Callable[[int], None] | None = None,
-) -> list[TensorRecord]:
+    background: list[Future[None]] | None = None,
+) -> None:
     """Write tensors (contiguous, on CPU) as DCP blobs into a new file, fsynced.
 
-    ``after_each(i)`` runs once tensor ``i`` is fully written (version checks of
-    unstaged saves hook in here).
+    Tensor ``i`` holds the bytes of ``chunks[i]``, whose location and checksums
+    are filled in here. ``after_each(i)`` runs once tensor ``i`` is fully written
+    (version checks of unstaged saves hook in here). With ``background``, the
+    fsync runs on :func:`sync_pool` and its future is appended there: the file is
+    durable once that future is done.
     """
-    records: list[TensorRecord] = []
     name = path.name
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -242,20 +254,27 @@ def write_shard(
                 crc = fut.result()
                 tail = tpl.patch(crc)
                 _write_all(fd, tail)
-            hcrc = crc32(tail, tpl.head_crc)
             length = len(tpl.head) + tpl.nbytes + len(tail)
-            records.append(
-                TensorRecord(name, pos, length, pos + len(tpl.head), tpl.nbytes, crc, hcrc)
-            )
+            c = chunks[i]
+            c.file = name
+            c.offset = pos
+            c.length = length
+            c.data_offset = pos + len(tpl.head)
+            c.nbytes = tpl.nbytes
+            c.crc32 = crc
+            c.hcrc32 = crc32(tail, tpl.head_crc)
             pos += length
             if after_each is not None:
                 after_each(i)
         if pending:
             _write_all(fd, pending)
-        os.fsync(fd)
-    finally:
+    except BaseException:
         os.close(fd)
-    return records
+        raise
+    if background is None:
+        fsync_and_close(fd)
+    else:
+        background.append(sync_pool().submit(fsync_and_close, fd))
 
 
 # --------------------------------------------------------------------------- reading
@@ -273,16 +292,8 @@ def read_into(fd: int, offset: int, dest: memoryview) -> int:
     return done
 
 
-@dataclass(frozen=True)
-class ReadJob:
-    """One blob to read: its bytes land in ``dest``; both of its checksums are checked."""
-
-    offset: int  # blob start
-    length: int  # blob length
-    data_offset: int
-    dest: memoryview  # exactly the raw data's size
-    crc: int  # of the raw data
-    hcrc: int  # of the blob's other bytes
+#: One blob to read: the chunk it holds and where its raw bytes land (exactly their size).
+ReadJob = tuple[Chunk, memoryview]
 
 
 #: Small blobs that lie together in the file are read with one call of this size.
@@ -299,19 +310,19 @@ def read_tensors(fd: int, jobs: Sequence[ReadJob]) -> list[str | None]:
     """
     results: list[str | None] = [None] * len(jobs)
     pool = checksum_pool()
-    order = sorted(range(len(jobs)), key=lambda k: jobs[k].offset)
+    order = sorted(range(len(jobs)), key=lambda k: jobs[k][0].offset)
     futures: list[tuple[int, Future[int]]] = []
     i = 0
     while i < len(order):
-        job = jobs[order[i]]
+        job = jobs[order[i]][0]
         if job.length >= SMALL_TENSOR:
-            results[order[i]] = _read_large(fd, job, pool, futures, order[i])
+            results[order[i]] = _read_large(fd, jobs[order[i]], pool, futures, order[i])
             i += 1
             continue
         j = i + 1
         end = job.offset + job.length
         while j < len(order):
-            nxt = jobs[order[j]]
+            nxt = jobs[order[j]][0]
             if nxt.length >= SMALL_TENSOR or nxt.offset + nxt.length - job.offset > READ_WINDOW:
                 break
             end = max(end, nxt.offset + nxt.length)
@@ -321,45 +332,47 @@ def read_tensors(fd: int, jobs: Sequence[ReadJob]) -> list[str | None]:
             results[k] = _check_small(jobs[k], memoryview(window), job.offset)
         i = j
     for k, fut in futures:
-        if fut.result() != jobs[k].crc and results[k] is None:
+        if fut.result() != jobs[k][0].crc32 and results[k] is None:
             results[k] = "checksum mismatch"
     return results
 
 
 def _check_small(job: ReadJob, window: memoryview, base: int) -> str | None:
-    start = job.offset - base
-    if start + job.length > len(window):
-        return f"only {max(0, len(window) - start)} of {job.length} bytes"
-    data_at = job.data_offset - base
-    data = window[data_at : data_at + len(job.dest)]
+    chunk, dest = job
+    start = chunk.offset - base
+    if start + chunk.length > len(window):
+        return f"only {max(0, len(window) - start)} of {chunk.length} bytes"
+    data_at = chunk.data_offset - base
+    data = window[data_at : data_at + len(dest)]
     head = window[start:data_at]
-    tail = window[data_at + len(job.dest) : start + job.length]
-    if crc32(tail, crc32(head)) != job.hcrc:
+    tail = window[data_at + len(dest) : start + chunk.length]
+    if crc32(tail, crc32(head)) != chunk.hcrc32:
         return "blob headers fail their checksum"
-    if crc32(data) != job.crc:
+    if crc32(data) != chunk.crc32:
         return "checksum mismatch"
-    job.dest[:] = data
+    dest[:] = data
     return None
 
 
 def _read_large(
     fd: int, job: ReadJob, pool: ThreadPoolExecutor, futures: list[tuple[int, Future[int]]], k: int
 ) -> str | None:
-    n = read_into(fd, job.data_offset, job.dest)
-    if n != len(job.dest):
-        return f"only {n} of {len(job.dest)} bytes"
-    futures.append((k, pool.submit(_crc_chunks, job.dest)))
-    head = os.pread(fd, job.data_offset - job.offset, job.offset)
-    end = job.data_offset + len(job.dest)
-    tail = os.pread(fd, job.offset + job.length - end, end)
-    if crc32(tail, crc32(head)) != job.hcrc:
+    chunk, dest = job
+    n = read_into(fd, chunk.data_offset, dest)
+    if n != len(dest):
+        return f"only {n} of {len(dest)} bytes"
+    futures.append((k, pool.submit(_crc_chunks, dest)))
+    head = os.pread(fd, chunk.data_offset - chunk.offset, chunk.offset)
+    end = chunk.data_offset + len(dest)
+    tail = os.pread(fd, chunk.offset + chunk.length - end, end)
+    if crc32(tail, crc32(head)) != chunk.hcrc32:
         return "blob headers fail their checksum"
     return None
 
 
 def _reset_after_fork() -> None:
-    global _POOL, _POOL_LOCK
-    _POOL = None
+    global _POOL, _POOL_LOCK, _SYNC_POOL
+    _POOL = _SYNC_POOL = None
     _POOL_LOCK = threading.Lock()
 
 

@@ -1,40 +1,35 @@
-"""Asynchronous saves: the training loop waits for a memory copy, or for nothing.
+"""The staging stage of the save pipeline, and the handle of a background save.
 
-``save_async`` checks everything a save checks, then hands the state to one
-background thread that stages it and writes it with exactly the protocol of
-:func:`functional_ckpt.save`. Staging copies into buffers a :class:`Stager`
-allocates once and reuses while shapes stay the same (pinned host memory and
-non-blocking copies on a side stream for CUDA tensors), so host memory stays flat
-over any number of saves. With ``staging="none"`` nothing is copied: the writer
-reads the live tensors and refuses to commit if any of them changed while it read
-them (tensor version counters, and a second checksum of every tensor right before
-the commit, which also sees writes through ``.data`` and numpy).
+``save_async`` (:mod:`functional_ckpt.pipeline.save`) checks everything a save
+checks, then hands the flattened state to one background thread that stages it
+and writes it through the same backend as :func:`functional_ckpt.save`. Staging
+copies into buffers a :class:`Stager` allocates once and reuses while shapes stay
+the same (pinned host memory and non-blocking copies on a side stream for CUDA
+tensors), so host memory stays flat over any number of saves. With
+``staging="none"`` nothing is copied: the writer reads the live tensors and
+refuses to commit if any of them changed while it read them (tensor version
+counters, and a second checksum of every tensor right before the commit, which
+also sees writes through ``.data`` and numpy).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from tensordict import TensorDictBase
 
 from functional_ckpt.checksum import crc32
 from functional_ckpt.errors import CheckpointError, ModifiedDuringSave
-from functional_ckpt.io import distributed_active
+from functional_ckpt.manifest import TensorEntry
 from functional_ckpt.shards import byte_view
-from functional_ckpt.tree import Leaf, as_state, format_path, iter_leaves, node_record, unflatten
+from functional_ckpt.tree import format_path
 from functional_ckpt.writer import (
-    DEFAULT_PER_RANK,
     CheckpointInfo,
-    PathLike,
-    host_copy,
     is_dtensor,
-    prepare_save,
-    write_local,
 )
 
 Staging = Literal["copy", "none"]
@@ -114,7 +109,7 @@ class Stager:
         event.synchronize()
 
 
-_DEFAULT_STAGER = Stager()
+DEFAULT_STAGER = Stager()
 
 
 class PendingSave:
@@ -171,16 +166,16 @@ class PendingSave:
             self._staged.set()
 
 
-def _written_crc(entry: dict[str, Any]) -> int:
+def _written_crc(entry: TensorEntry) -> int:
     """The CRC32 the writer recorded for the bytes of a (single-chunk) tensor entry."""
-    return int(entry["chunks"][0]["crc32"])
+    return entry.chunks[0].crc32
 
 
 def _version_guard(
     sources: Sequence[torch.Tensor],
     keys: Sequence[tuple[str, ...]],
     written: Sequence[torch.Tensor],
-    targets: Sequence[dict[str, Any]],
+    targets: Sequence[TensorEntry],
 ) -> tuple[Any, Any]:
     """Hooks that refuse the commit of a state changed while it was written.
 
@@ -217,72 +212,7 @@ def _version_guard(
     return after_each, check
 
 
-def save_async(
-    path: PathLike,
-    state: TensorDictBase | Mapping[str, Any],
-    *,
-    metadata: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    staging: Staging = "copy",
-    stager: Stager | None = None,
-    per_rank: Sequence[str] = DEFAULT_PER_RANK,
-) -> PendingSave:
-    """Start saving ``state`` to ``path`` in the background.
-
-    Everything that can be checked up front (destination, metadata, leaf types) is
-    checked here and raises here. The files and commit protocol are those of
-    :func:`functional_ckpt.save`.
-
-    ``staging="copy"`` (default): tensors are copied into reusable buffers first;
-    ``wait_staged()`` returns after the copy. ``staging="none"``: no copy; the caller
-    must not modify the state's tensors in place until ``result()`` returns, and a
-    violation is detected and the checkpoint refused.
-    """
-    if staging not in ("copy", "none"):
-        raise ValueError(f"save_async(staging={staging!r}): expected 'copy' or 'none'")
-    own = stager if stager is not None else _DEFAULT_STAGER
-    state = as_state(state)
-    if distributed_active() or any(
-        leaf.kind == "tensor" and is_dtensor(leaf.value) for leaf in iter_leaves(state)
-    ):
-        return _start(
-            Path(path), _distributed_work(path, state, metadata, overwrite, per_rank, staging, own)
-        )
-    dest, plan, meta = prepare_save(path, state, metadata, overwrite, per_rank=per_rank)
-    keys = plan.keys
-
-    if staging == "none":
-        # Only tensors that are already contiguous host memory can be read live.
-        tensors = [host_copy(t) for t in plan.sources]
-        after_each, check = _version_guard(plan.sources, keys, tensors, plan.targets)
-
-        def work(pending: PendingSave) -> CheckpointInfo:
-            pending._mark_staged()
-            return write_local(
-                dest,
-                plan,
-                tensors,
-                metadata=meta,
-                overwrite=overwrite,
-                after_each=after_each,
-                before_commit=check,
-            )
-
-    else:
-
-        def work(pending: PendingSave) -> CheckpointInfo:
-            own.acquire()
-            try:
-                staged = own.stage(plan.sources)
-                pending._mark_staged()
-                return write_local(dest, plan, staged, metadata=meta, overwrite=overwrite)
-            finally:
-                own.release()
-
-    return _start(dest, work)
-
-
-def _start(dest: Path, work: Callable[[PendingSave], CheckpointInfo]) -> PendingSave:
+def run_in_background(dest: Path, work: Callable[[PendingSave], CheckpointInfo]) -> PendingSave:
     """Run ``work`` on its own (non-daemon: exit waits for it) thread."""
     pending = PendingSave(dest)
     thread = threading.Thread(
@@ -296,56 +226,7 @@ def _start(dest: Path, work: Callable[[PendingSave], CheckpointInfo]) -> Pending
     return pending
 
 
-def _distributed_work(
-    path: PathLike,
-    state: TensorDictBase | Mapping[str, Any],
-    metadata: Mapping[str, Any] | None,
-    overwrite: bool,
-    per_rank: Sequence[str],
-    staging: Staging,
-    stager: Stager,
-) -> Callable[[PendingSave], CheckpointInfo]:
-    """A multi-rank save for the background thread: stage, then the collective save.
-
-    The checkpoint group is created here, on the caller's thread, because creating
-    it is itself a collective on the default group that must not race training.
-    """
-    from functional_ckpt.dist import checkpoint_group, save_distributed
-
-    if staging == "none":
-        raise CheckpointError(
-            "save_async(staging='none') is not supported under torch.distributed; "
-            "use staging='copy'"
-        )
-    checkpoint_group()
-    leaves = list(iter_leaves(as_state(state)))
-    live = [leaf.value for leaf in leaves if leaf.kind == "tensor"]
-    local = [t.to_local() if is_dtensor(t) else t for t in live]
-
-    def work(pending: PendingSave) -> CheckpointInfo:
-        stager.acquire()
-        try:
-            staged = iter(stager.stage(local))
-            pending._mark_staged()
-            copies = [_rewrap(t, next(staged)) for t in live]
-            it = iter(copies)
-            rebuilt = [
-                Leaf(lf.path, lf.kind, next(it)) if lf.kind == "tensor" else lf for lf in leaves
-            ]
-            return save_distributed(
-                path,
-                unflatten(rebuilt, node_record(as_state(state))),
-                metadata=metadata,
-                overwrite=overwrite,
-                per_rank=per_rank,
-            )
-        finally:
-            stager.release()
-
-    return work
-
-
-def _rewrap(original: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
+def rewrap(original: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
     """A staged local shard as a DTensor like ``original`` (plain tensors pass through)."""
     if not is_dtensor(original):
         return staged

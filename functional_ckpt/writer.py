@@ -14,9 +14,9 @@ from __future__ import annotations
 import errno
 import os
 import socket
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,18 @@ from functional_ckpt._types import PathLike as PathLike  # re-exported: one Path
 from functional_ckpt.checksum import crc32
 from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
 from functional_ckpt.limits import LIMITS
-from functional_ckpt.manifest import dtype_name, shape_problem
+from functional_ckpt.manifest import (
+    Chunk,
+    Entry,
+    Manifest,
+    NodeEntry,
+    PerRankEntry,
+    TensorEntry,
+    ValueEntry,
+    shape_problem,
+    tensor_groups,
+)
+from functional_ckpt.pipeline.topology import is_dtensor as is_dtensor  # re-exported
 from functional_ckpt.tree import KeyPath, as_state, format_path, iter_leaves, node_record
 
 #: Top-level subtrees that differ between ranks and are stored once per rank.
@@ -128,7 +139,12 @@ def resolved(t: torch.Tensor) -> torch.Tensor:
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a contiguous CPU tensor: itself when it already is one, else a copy."""
+    """``t`` as a contiguous CPU tensor: itself when it already is one, else a copy.
+
+    The result may still require grad; whoever reads its bytes detaches it.
+    """
+    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        return t  # the common case, without a new tensor object
     t = resolved(t.detach())
     if t.device.type != "cpu":
         t = t.cpu()
@@ -155,26 +171,28 @@ def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     )
 
 
-def is_dtensor(t: object) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor")
-
-
 @dataclass
 class Plan:
-    """The flattened state ready to be written.
+    """The flattened state ready to be written: manifest entries and tensors.
 
-    ``entries`` is the shared tree, with a ``per_rank`` placeholder where a per-rank
+    ``entries`` is the shared tree, with a per-rank placeholder where a per-rank
     subtree stands; ``local`` holds this rank's per-rank entries. ``sources`` are
-    the tensors to write and ``targets`` the entry each one fills.
+    the tensors to write and ``targets`` the entry each one fills (its chunks
+    are filled in by the backend that writes them).
     """
 
-    entries: list[dict[str, Any]] = field(default_factory=list)
-    local: list[dict[str, Any]] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)
+    local: list[Entry] = field(default_factory=list)
     sources: list[torch.Tensor] = field(default_factory=list)
-    targets: list[dict[str, Any]] = field(default_factory=list)
-    keys: list[KeyPath] = field(default_factory=list)
+    targets: list[TensorEntry] = field(default_factory=list)
     num_values: int = 0
     root: dict[str, Any] | None = None  # the root's batch size and names, if batched
+    has_dtensor: bool = False  # a DTensor's shards are written collectively
+    checked: bool = False  # values and metadata passed check_encodable, no bytearray among them
+
+    @property
+    def keys(self) -> list[KeyPath]:
+        return [t.path for t in self.targets]
 
 
 def plan_save(
@@ -187,48 +205,46 @@ def plan_save(
     td = as_state(state)
     plan = Plan(root=node_record(td))
     fqns: dict[str, KeyPath] = {}
-    seen: dict[tuple[Any, ...], KeyPath] = {}
+    seen: dict[tuple[Any, ...], TensorEntry] = {}
     roots = set(per_rank)
     for leaf in iter_leaves(td):
-        check_path(leaf.path)
-        local = leaf.path[0] in roots
-        entry: dict[str, Any] = {"path": list(leaf.path), "kind": leaf.kind}
-        if local and len(leaf.path) == 1:
-            plan.entries.append({"path": list(leaf.path), "kind": "per_rank"})
-        if leaf.kind == "node" and leaf.value:
-            entry.update(leaf.value)  # batch size and dimension names
+        path = leaf.path
+        check_path(path)
+        local = path[0] in roots
+        entry: Entry
+        if local and len(path) == 1:
+            plan.entries.append(PerRankEntry(path))
+        if leaf.kind == "node":
+            entry = NodeEntry(path, leaf.value or None)
         elif leaf.kind == "value":
-            entry["value"] = leaf.value
+            entry = ValueEntry(path, leaf.value)
             plan.num_values += 1
-        elif leaf.kind == "tensor":
+        else:
             t: torch.Tensor = leaf.value
-            check_tensor(t, leaf.path)
-            fqn = rank_fqn(rank, leaf.path) if local else fqn_of(leaf.path)
+            check_tensor(t, path)
+            fqn = rank_fqn(rank, path) if local else fqn_of(path)
             other = fqns.get(fqn)
             if other is not None:
                 raise UnsupportedValue(
-                    f"state[{format_path(leaf.path)}] and state[{format_path(other)}] map to the "
+                    f"state[{format_path(path)}] and state[{format_path(other)}] map to the "
                     f"same DCP key {fqn!r}; rename one of them"
                 )
-            fqns[fqn] = leaf.path
-            entry.update(
-                fqn=fqn,
-                dtype=dtype_name(t.dtype),
-                shape=list(t.shape),
-                requires_grad=bool(t.requires_grad),
-            )
+            fqns[fqn] = path
+            entry = TensorEntry(path, fqn, t.dtype, tuple(t.shape), bool(t.requires_grad))
             key = _alias_key(t)
-            if key is not None and key in seen and (seen[key][0] in roots) == local:
-                entry["alias"] = list(seen[key])
+            if key is None and is_dtensor(t):
+                plan.has_dtensor = True
+            src = seen.get(key) if key is not None else None
+            if src is not None and (src.path[0] in roots) == local:
+                entry.alias = src.path
+                entry.chunks = src.chunks  # one list: filled once, seen through both
             else:
                 if key is not None:
-                    seen[key] = leaf.path
-                entry["chunks"] = []
+                    seen[key] = entry
                 plan.sources.append(resolved(t))
                 plan.targets.append(entry)
-                plan.keys.append(leaf.path)
         (plan.local if local else plan.entries).append(entry)
-    check_values(plan.entries + plan.local)
+    plan.checked = not check_values(plan.entries + plan.local)
     return plan
 
 
@@ -237,63 +253,45 @@ def _text_bytes(s: str) -> int:
     return 5 + (len(s) if s.isascii() else 4 * len(s))
 
 
-def _entry_overhead(e: dict[str, Any]) -> int:
+def _entry_overhead(e: Entry) -> int:
     """An upper bound on the manifest bytes of an entry, its value aside.
 
     The constants are the encoded sizes of the fixed fields with every integer at
     its widest (a tensor entry with one chunk: 202 bytes), plus wide list headers.
     """
-    n = 48 + sum(_text_bytes(k) for k in e["path"])
-    if e["kind"] == "tensor":
-        n += 202 + 16 + _text_bytes(e["fqn"]) + 27 * len(e["shape"])
+    n = 48 + sum(_text_bytes(k) for k in e.path)
+    if isinstance(e, TensorEntry):
+        n += 202 + 16 + _text_bytes(e.fqn) + 27 * len(e.shape)
     return n
 
 
-def check_values(entries: list[dict[str, Any]]) -> None:
+def check_values(entries: list[Entry]) -> bool:
     """Fail before any byte is written if a value cannot be stored exactly.
 
     That includes the reader's budgets: the whole manifest must stay within
-    ``LIMITS.manifest_bytes`` and the decode budget of containers.
+    ``LIMITS.manifest_bytes`` and the decode budget of containers. Returns
+    whether a value holds a bytearray (see :func:`codec.check_encodable`).
     """
-    values = [e["value"] for e in entries if e["kind"] == "value"]
+    held = [e for e in entries if isinstance(e, ValueEntry)]
     room = LIMITS.manifest_bytes - sum(_entry_overhead(e) for e in entries)
     try:
-        codec.check_encodable(values, where="the state's values", max_bytes=room)
-    except UnsupportedValue as exc:
-        for e in entries:  # name the leaf at fault, if one is
-            if e["kind"] == "value":
-                codec.check_encodable(e["value"], where=_where(tuple(e["path"])))
-        # Only together are the values too large for a reader: name the largest.
-        biggest = max(
-            (e for e in entries if e["kind"] == "value"),
-            key=lambda e: len(codec.encode(e["value"])),
-            default=None,
+        return codec.check_encodable(
+            [e.value for e in held], where="the state's values", max_bytes=room
         )
+    except UnsupportedValue as exc:
+        for e in held:  # name the leaf at fault, if one is
+            codec.check_encodable(e.value, where=_where(e.path))
+        # Only together are the values too large for a reader: name the largest.
+        biggest = max(held, key=lambda e: len(codec.encode(e.value)), default=None)
         if biggest is None:
             raise UnsupportedValue(
                 f"state: its {len(entries)} entries need more than the {LIMITS.manifest_bytes} "
                 "manifest bytes a reader accepts; save it in parts"
             ) from None
         raise UnsupportedValue(
-            f"{_where(tuple(biggest['path']))} is the largest value of a state that a reader "
+            f"{_where(biggest.path)} is the largest value of a state that a reader "
             f"would refuse: {exc}; store bulk data as tensors"
         ) from None
-
-
-def chunk_record(
-    rec: shards.TensorRecord, offsets: Sequence[int], sizes: Sequence[int]
-) -> dict[str, Any]:
-    return {
-        "offsets": list(offsets),
-        "sizes": list(sizes),
-        "file": rec.file,
-        "offset": rec.offset,
-        "length": rec.length,
-        "data_offset": rec.data_offset,
-        "nbytes": rec.nbytes,
-        "crc32": rec.crc,
-        "hcrc32": rec.hcrc,
-    }
 
 
 def os_error(e: OSError, where: Path) -> CheckpointError:
@@ -347,8 +345,10 @@ def prepare_save(
     if check_path:
         check_destination(dest, overwrite)
     meta = {**auto_metadata(), **dict(metadata or {})}
-    codec.check_encodable(meta, where="metadata")
-    return dest, plan_save(state, per_rank=per_rank, rank=rank), meta
+    meta_has_bytearray = codec.check_encodable(meta, where="metadata")
+    plan = plan_save(state, per_rank=per_rank, rank=rank)
+    plan.checked = plan.checked and not meta_has_bytearray
+    return dest, plan, meta
 
 
 def shard_name(rank: int) -> str:
@@ -358,51 +358,57 @@ def shard_name(rank: int) -> str:
 def finalize(
     tmp: Path,
     dest: Path,
+    manifest: Manifest,
     *,
-    entries: list[dict[str, Any]],
-    ranks: list[list[dict[str, Any]]],
-    metadata: Any,
     overwrite: bool,
-    created: float,
     before_commit: Callable[[], None] | None = None,
-    root: dict[str, Any] | None = None,
+    syncing: list[Future[None]] | None = None,
 ) -> tuple[int, int]:
     """Write ``.metadata``, the manifest and the marker into ``tmp``; commit as ``dest``.
 
-    Every shard file in ``tmp`` must already be durable; ``.metadata`` (derived
-    from the entries by :func:`dcpmeta.derive`), the manifest and the marker are
-    each written and fsynced at their final size before the directory is fsynced
-    and renamed. Returns (bytes on disk, manifest bytes).
+    Every shard file in ``tmp`` must already be written and every chunk of the
+    manifest filled in; ``syncing`` holds the fsyncs of shard files still
+    running (they overlap with deriving and encoding here). ``.metadata``
+    (derived from the manifest by :func:`dcpmeta.derive`), the manifest (its file
+    table filled in here) and the marker are each written and fsynced at their
+    final size, and every fsync has finished, before the marker is written and the
+    directory is fsynced and renamed. Returns (bytes on disk, manifest bytes).
     """
-    md_bytes = dcpmeta.derive(entries, ranks)
-    format.write_file_durably(tmp / format.DCP_METADATA, md_bytes)
-    files: dict[str, dict[str, int]] = {}
-    for name in sorted(os.listdir(tmp)):
-        if name == format.DCP_METADATA:
-            files[name] = {"size": len(md_bytes), "crc32": crc32(md_bytes)}
-        else:
-            files[name] = {"size": (tmp / name).stat().st_size}
-    manifest = {
-        "format": format.FORMAT_NAME,
-        "version": format.FORMAT_VERSION,
-        "created": created,
-        "world_size": max(1, len(ranks)),
-        "byteorder": sys.byteorder,
-        "metadata": metadata,
-        "files": files,
-        "entries": entries,
-        "ranks": [{"entries": r} for r in ranks],
-    }
-    if root:
-        manifest["root"] = root  # the root TensorDict's batch size and names
-    manifest_bytes = codec.encode(manifest, where="manifest")
-    format.write_file_durably(tmp / format.MANIFEST, manifest_bytes)
+    syncing = [] if syncing is None else syncing
+    try:
+        md_bytes = dcpmeta.derive(tensor_groups(manifest.entries, manifest.ranks))
+        _write_file(tmp / format.DCP_METADATA, md_bytes, syncing)
+        files = manifest.files
+        files.clear()
+        for name in sorted(os.listdir(tmp)):
+            if name == format.DCP_METADATA:
+                files[name] = {"size": len(md_bytes), "crc32": crc32(md_bytes)}
+            else:
+                files[name] = {"size": (tmp / name).stat().st_size}
+        manifest_bytes = manifest.encode()
+        format.write_file_durably(tmp / format.MANIFEST, manifest_bytes)
+    finally:
+        for fut in syncing:  # every file durable (or its error raised) before going on
+            fut.result()
     if before_commit is not None:
         before_commit()
     format.write_commit_marker(tmp, manifest_bytes)
     format.commit(tmp, dest, overwrite=overwrite, replaceable=format.check_replaceable)
     total = sum(f["size"] for f in files.values()) + len(manifest_bytes)
     return total, len(manifest_bytes)
+
+
+def _write_file(path: Path, data: bytes, syncing: list[Future[None]]) -> None:
+    """Write a new file whole; its fsync runs in the background (appended to ``syncing``)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except BaseException:
+        os.close(fd)
+        raise
+    syncing.append(shards.sync_pool().submit(shards.fsync_and_close, fd))
 
 
 def write_local(
@@ -427,19 +433,19 @@ def write_local(
     try:
         format.make_dirs(dest.parent)
         tmp.mkdir()
-        records = shards.write_shard(tmp / shard_name(0), tensors, after_each=after_each)
-        for rec, entry in zip(records, plan.targets, strict=True):
-            entry["chunks"] = [chunk_record(rec, [0] * len(entry["shape"]), entry["shape"])]
+        chunks = []
+        for entry in plan.targets:
+            entry.chunks[:] = [Chunk((0,) * len(entry.shape), entry.shape)]
+            chunks.append(entry.chunks[0])
+        syncing: list[Future[None]] = []
+        shards.write_shard(
+            tmp / shard_name(0), tensors, chunks, after_each=after_each, background=syncing
+        )
+        manifest = Manifest(
+            created, metadata, {}, plan.entries, [plan.local], plan.root, checked=plan.checked
+        )
         nbytes, _ = finalize(
-            tmp,
-            dest,
-            entries=plan.entries,
-            ranks=[plan.local],
-            metadata=metadata,
-            overwrite=overwrite,
-            created=created,
-            before_commit=before_commit,
-            root=plan.root,
+            tmp, dest, manifest, overwrite=overwrite, before_commit=before_commit, syncing=syncing
         )
     except CheckpointError:  # e.g. CheckpointExists, itself an OSError
         format.remove_tree(tmp)
@@ -453,8 +459,8 @@ def write_local(
     return CheckpointInfo(
         path=dest,
         nbytes=nbytes,
-        tensor_bytes=sum(r.nbytes for r in records),
-        num_tensors=len(records),
+        tensor_bytes=sum(c.nbytes for c in chunks),
+        num_tensors=len(chunks),
         num_values=plan.num_values,
         created=created,
         duration=time.perf_counter() - t0,

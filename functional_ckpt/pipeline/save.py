@@ -1,0 +1,165 @@
+"""``fc.save`` and ``fc.save_async``: one pipeline, different staging and backends.
+
+    flatten once (:func:`flatten`) -> stage (none / copy into reusable, pinned
+    buffers) -> write through a backend (local files; the distributed DCP writer)
+    -> commit
+
+A synchronous save stages nothing beyond a host copy of device tensors; an
+asynchronous one stages on its background thread and commits there. Whether the
+save is distributed is decided once, from the :mod:`topology` and the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from functional_ckpt import staging as stages
+from functional_ckpt.errors import CheckpointError
+from functional_ckpt.pipeline.backends import Hooks, SaveJob, backend_for
+from functional_ckpt.pipeline.topology import topology
+from functional_ckpt.reader import gc_paused
+from functional_ckpt.staging import PendingSave, Stager, Staging
+from functional_ckpt.writer import (
+    DEFAULT_PER_RANK,
+    CheckpointInfo,
+    PathLike,
+    host_copy,
+    is_dtensor,
+    prepare_save,
+)
+
+State = TensorDictBase | Mapping[str, Any]
+
+
+def flatten(
+    path: PathLike,
+    state: State,
+    metadata: Mapping[str, Any] | None,
+    overwrite: bool,
+    per_rank: Sequence[str],
+) -> SaveJob:
+    """Check and flatten a state once: destination, metadata, every leaf.
+
+    A single process raises what it finds; a rank of a distributed save keeps it
+    in the job, for the backend to fail every rank together.
+    """
+    topo = topology()
+    try:
+        dest, plan, meta = prepare_save(
+            path,
+            state,
+            metadata,
+            overwrite,
+            per_rank=per_rank,
+            rank=topo.rank,
+            check_path=topo.coordinator,
+        )
+    except BaseException as e:
+        if not topo.distributed:
+            raise
+        return SaveJob(Path(path), None, None, overwrite, topo, True, e)
+    return SaveJob(dest, plan, meta, overwrite, topo, topo.distributed or plan.has_dtensor)
+
+
+def save(
+    path: PathLike,
+    state: State,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    per_rank: Sequence[str] = DEFAULT_PER_RANK,
+) -> CheckpointInfo:
+    """The synchronous pipeline behind ``fc.save`` (documented there)."""
+    with gc_paused():
+        job = flatten(path, state, metadata, overwrite, per_rank)
+        sources = [] if job.plan is None else job.plan.sources
+        # Distributed writers copy what DCP's planner hands them; locally, only
+        # device tensors and non-contiguous views are copied to the host.
+        tensors = sources if job.distributed else [host_copy(t) for t in sources]
+        info = backend_for(job).write(job, tensors, Hooks())
+        # Freed while collection is paused, the plan's many small objects are never
+        # walked by the collection that re-enabling would soon trigger.
+        del job, sources, tensors
+    return info
+
+
+def save_async(
+    path: PathLike,
+    state: State,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    staging: Staging = "copy",
+    stager: Stager | None = None,
+    per_rank: Sequence[str] = DEFAULT_PER_RANK,
+) -> PendingSave:
+    """Start saving ``state`` to ``path`` in the background.
+
+    Everything that can be checked up front (destination, metadata, leaf types) is
+    checked here and raises here. The files and commit protocol are those of
+    :func:`functional_ckpt.save`.
+
+    ``staging="copy"`` (default): tensors are copied into reusable buffers first;
+    ``wait_staged()`` returns after the copy. ``staging="none"``: no copy; the caller
+    must not modify the state's tensors in place until ``result()`` returns, and a
+    violation is detected and the checkpoint refused.
+    """
+    if staging not in ("copy", "none"):
+        raise ValueError(f"save_async(staging={staging!r}): expected 'copy' or 'none'")
+    own = stager if stager is not None else stages.DEFAULT_STAGER
+    job = flatten(path, state, metadata, overwrite, per_rank)
+    if job.plan is not None:
+        # Values are encoded when the write ends, after the caller may have changed
+        # them: scan them again then.
+        job.plan.checked = False
+    if job.distributed:
+        if staging == "none":
+            raise CheckpointError(
+                "save_async(staging='none') is not supported under torch.distributed; "
+                "use staging='copy'"
+            )
+        from functional_ckpt.dist import checkpoint_group
+
+        # Creating the group is a collective on the default group: not on a thread
+        # that could race training.
+        checkpoint_group()
+    return stages.run_in_background(job.dest, _work(job, staging, own))
+
+
+def _work(job: SaveJob, mode: Staging, stager: Stager) -> Callable[[PendingSave], CheckpointInfo]:
+    """The background half of an async save: stage, then write through the backend."""
+    backend = backend_for(job)
+    sources: list[torch.Tensor] = [] if job.plan is None else job.plan.sources
+    if mode == "none":
+        assert job.plan is not None
+        tensors = [host_copy(t) for t in sources]  # only contiguous host tensors stay live
+        after_each, check = stages._version_guard(sources, job.plan.keys, tensors, job.plan.targets)
+
+        def unstaged(pending: PendingSave) -> CheckpointInfo:
+            pending._mark_staged()
+            return backend.write(job, tensors, Hooks(after_each, check))
+
+        return unstaged
+
+    local = [t.to_local() if is_dtensor(t) else t for t in sources]  # type: ignore[attr-defined]
+
+    def staged(pending: PendingSave) -> CheckpointInfo:
+        stager.acquire()
+        try:
+            copies = stager.stage(local)
+            pending._mark_staged()
+            if job.distributed:
+                copies = [stages.rewrap(t, c) for t, c in zip(sources, copies, strict=True)]
+            return backend.write(job, copies, Hooks())
+        finally:
+            stager.release()
+
+    return staged
+
+
+__all__ = ["flatten", "save", "save_async"]

@@ -1,0 +1,110 @@
+"""The save pipeline: one flatten, staging before the backend, one topology answer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import functional_ckpt as fc
+from functional_ckpt import writer
+from functional_ckpt.manifest import Chunk, TensorEntry
+from functional_ckpt.pipeline import backends, save
+from functional_ckpt.pipeline.topology import Topology, topology
+
+
+def test_topology_without_a_process_group() -> None:
+    topo = topology()
+    assert topo == Topology(0, 1, False)
+    assert not topo.distributed and topo.coordinator
+
+
+@pytest.mark.parametrize("mode", ["save", "copy", "none"])
+def test_every_save_flattens_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    calls = []
+    original = writer.plan_save
+
+    def counted(*args: Any, **kwargs: Any) -> writer.Plan:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "plan_save", counted)
+    w = torch.arange(6.0)
+    state = {"w": w, "tied": w, "step": 3}
+    if mode == "save":
+        fc.save(tmp_path / "ck", state)
+    else:
+        fc.save_async(tmp_path / "ck", state, staging=mode).result()  # type: ignore[arg-type]
+    assert len(calls) == 1
+    back = fc.restore(tmp_path / "ck")
+    assert torch.equal(back["tied"], w) and back["step"] == 3
+
+
+class Recording:
+    """A backend that records what reaches it, then writes locally."""
+
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+
+    def write(
+        self,
+        job: backends.SaveJob,
+        tensors: Sequence[torch.Tensor],
+        hooks: backends.Hooks,
+    ) -> writer.CheckpointInfo:
+        self.seen = list(tensors)
+        return backends.LocalBackend().write(job, tensors, hooks)
+
+
+def test_the_backend_gets_staged_copies_and_fills_the_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rec = Recording()
+    monkeypatch.setattr(save, "backend_for", lambda job: rec)
+    w = torch.arange(4.0)
+    stager = fc.Stager()
+    pending = fc.save_async(tmp_path / "ck", {"w": w}, stager=stager)
+    info = pending.result()
+    assert info.num_tensors == 1
+    (got,) = rec.seen
+    assert torch.equal(got, w) and got.data_ptr() != w.data_ptr()  # a staged copy
+    assert got.data_ptr() == stager._buffers[0].data_ptr()
+    job = save.flatten(tmp_path / "other", {"w": w}, None, False, ())
+    assert job.plan is not None and not job.distributed and job.error is None
+    (target,) = job.plan.targets
+    assert isinstance(target, TensorEntry) and target.chunks == []
+    backends.LocalBackend().write(job, [w], backends.Hooks())
+    (chunk,) = target.chunks  # the model the manifest was built from, filled in place
+    assert isinstance(chunk, Chunk) and chunk.file == "__0_0.distcp" and chunk.nbytes == 16
+
+
+def test_a_single_process_raises_planning_errors_at_once(tmp_path: Path) -> None:
+    fc.save(tmp_path / "ck", {"x": 1})
+    with pytest.raises(fc.CheckpointError, match="already exists"):
+        save.flatten(tmp_path / "ck", {"x": 1}, None, False, ())
+
+
+def test_metadata_of_a_repeated_layout_is_reused_only_while_equal(tmp_path: Path) -> None:
+    import pickle
+
+    from functional_ckpt import codec, dcpmeta, format
+    from functional_ckpt.manifest import parsed_groups
+
+    fc.save(tmp_path / "a", {"w": torch.zeros(3), "b": torch.ones(2, 2)})
+    fc.save(tmp_path / "b", {"w": torch.ones(3), "b": torch.zeros(2, 2)})  # same layout
+    fc.save(tmp_path / "c", {"w": torch.zeros(4), "b": torch.ones(2, 2)})  # another one
+    derived = []
+    for name in "abc":
+        raw = (tmp_path / name / format.DCP_METADATA).read_bytes()
+        manifest = codec.decode((tmp_path / name / format.MANIFEST).read_bytes())
+        groups = parsed_groups(manifest, tmp_path / name)
+        assert raw == dcpmeta.derive(groups)
+        assert raw == pickle.dumps(dcpmeta.build(groups), protocol=dcpmeta.PROTOCOL)
+        derived.append(raw)
+    assert derived[0] == derived[1] != derived[2]
+    assert pickle.loads(derived[2]).state_dict_metadata["w"].size == torch.Size([4])
