@@ -1,0 +1,398 @@
+"""Encoding: refuse what would not come back exactly, then pack.
+
+Every value is scanned before a byte is packed, because msgpack's C packer
+would quietly write a bytearray as bytes or a subclass as its base type; the
+scan also counts the containers a reader will build, so nothing is written that
+a reader's budgets would refuse.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Any, Final, cast
+
+import msgpack
+import numpy as np
+import torch
+
+from functional_ckpt.codec.table import (
+    CONTAINERS,
+    EXT_BIGINT,
+    EXT_BYTEARRAY,
+    EXT_FROZENSET,
+    EXT_NDARRAY,
+    EXT_NUMPY_SCALAR,
+    EXT_ORDERED_DICT,
+    EXT_SET,
+    EXT_TORCH_DEVICE,
+    EXT_TORCH_DTYPE,
+    EXT_TORCH_SIZE,
+    EXT_TUPLE,
+    LEAVES,
+    MAX_ENCODE_DEPTH,
+    NATIVE_LEAVES,
+    NUMPY_SCALAR_TYPES,
+    SUPPORTED_TEXT,
+    container_budget,
+    dtype_code,
+    flood,
+    short_repr,
+    torch_size_problem,
+    type_name,
+)
+from functional_ckpt.errors import CheckpointError, UnsupportedValue
+from functional_ckpt.limits import LIMITS
+
+__all__ = ["check_encodable", "encode", "encode_checked"]
+
+_OrderedDict = collections.OrderedDict
+
+
+def _pack_payload(obj: object) -> bytes:
+    return msgpack.packb(
+        obj,
+        use_bin_type=True,
+        use_single_float=False,
+        strict_types=True,
+        unicode_errors="surrogatepass",  # np.str_ may hold lone surrogates
+    )
+
+
+def _encode_bigint(n: int) -> msgpack.ExtType:
+    return msgpack.ExtType(EXT_BIGINT, n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True))
+
+
+def _encode_ndarray(a: np.ndarray[Any, Any]) -> msgpack.ExtType:
+    code = dtype_code(a.dtype)
+    if code is None:  # pragma: no cover - _scan refuses these first
+        raise UnsupportedValue(f"unsupported numpy dtype {a.dtype!r}")
+    return msgpack.ExtType(EXT_NDARRAY, _pack_payload([code, list(a.shape), a.tobytes()]))
+
+
+def _encode_numpy_scalar(x: np.generic) -> msgpack.ExtType:
+    # Text scalars lose trailing NULs through an array (and np.str_("") has a
+    # zero itemsize), so they travel as their Python value under a bare kind.
+    t = type(x)
+    if t is np.str_:
+        # str() would go through numpy's __str__, which drops trailing NULs.
+        return msgpack.ExtType(EXT_NUMPY_SCALAR, _pack_payload(["U", str.__str__(x)]))
+    if t is np.bytes_:
+        payload = _pack_payload(["S", bytes(memoryview(cast(bytes, x)))])
+        return msgpack.ExtType(EXT_NUMPY_SCALAR, payload)
+    code = dtype_code(x.dtype)
+    if code is None:  # pragma: no cover - _scan refuses these first
+        raise UnsupportedValue(f"unsupported numpy scalar {type(x).__name__}")
+    return msgpack.ExtType(EXT_NUMPY_SCALAR, _pack_payload([code, x.tobytes()]))
+
+
+_TUPLE_EXT: Final = msgpack.ExtType(EXT_TUPLE, b"")
+_SET_EXT: Final = msgpack.ExtType(EXT_SET, b"")
+_FROZENSET_EXT: Final = msgpack.ExtType(EXT_FROZENSET, b"")
+_ORDERED_DICT_EXT: Final = msgpack.ExtType(EXT_ORDERED_DICT, b"")
+_TORCH_SIZE_EXT: Final = msgpack.ExtType(EXT_TORCH_SIZE, b"")
+
+
+def _default(obj: Any) -> object:
+    """The C packer's fallback for every type it does not write natively."""
+    t = type(obj)
+    if t is tuple:
+        return [_TUPLE_EXT, *obj]
+    if t is int:  # outside the 64-bit range msgpack handles
+        return _encode_bigint(obj)
+    if t is np.ndarray:
+        return _encode_ndarray(obj)
+    if t in NUMPY_SCALAR_TYPES:
+        return _encode_numpy_scalar(obj)
+    if t is set:
+        return [_SET_EXT, *obj]
+    if t is frozenset:
+        return [_FROZENSET_EXT, *obj]
+    if t is _OrderedDict:
+        return [_ORDERED_DICT_EXT, *itertools.chain.from_iterable(obj.items())]
+    if t is torch.Size:
+        return [_TORCH_SIZE_EXT, *obj]
+    if t is torch.dtype:
+        return msgpack.ExtType(EXT_TORCH_DTYPE, str(obj).removeprefix("torch.").encode("ascii"))
+    if t is torch.device:
+        return msgpack.ExtType(EXT_TORCH_DEVICE, str(obj).encode("ascii"))
+    # Unreachable after _scan, except for the ExtTypes we insert ourselves,
+    # which the packer handles natively.
+    raise UnsupportedValue(f"unsupported type {type_name(t)}")  # pragma: no cover
+
+
+_BASES_OF_SUBCLASSES: Final = (
+    bool,
+    int,
+    float,
+    str,
+    bytes,
+    bytearray,
+    list,
+    tuple,
+    dict,
+    set,
+    frozenset,
+    np.ndarray,
+)
+
+
+def _leaf_problem(obj: object, t: type) -> str | None:
+    """Why a non-container value cannot be stored, or None if it can."""
+    if t in LEAVES:
+        if t is torch.Size:
+            return torch_size_problem(obj)  # type: ignore[arg-type]
+        if t is np.ndarray:
+            dtype = obj.dtype  # type: ignore[attr-defined]
+            if dtype_code(dtype) is None:
+                return (
+                    f"numpy array with dtype {dtype!r} is not supported "
+                    "(only plain bool/int/uint/float/complex/datetime/bytes/str dtypes)"
+                )
+        return None
+    if isinstance(obj, torch.Tensor):
+        return (
+            f"{type_name(t)} is not supported here; tensors belong in the tensor tree, "
+            "not among plain values"
+        )
+    if isinstance(obj, np.generic):
+        return f"unsupported numpy scalar type {type_name(t)} (supported: {SUPPORTED_TEXT})"
+    for base in _BASES_OF_SUBCLASSES:
+        if isinstance(obj, base):
+            return (
+                f"unsupported type {type_name(t)}, a subclass of {type_name(base)} "
+                "(only exact types round-trip, so subclasses are refused rather than converted; "
+                f"supported: {SUPPORTED_TEXT})"
+            )
+    return f"unsupported type {type_name(t)} (supported: {SUPPORTED_TEXT})"
+
+
+# A node of the scan is (value, level_of_its_container, parent_node, label_kind, label).
+_ITEM: Final = 0
+_KEY: Final = 1
+_MEMBER: Final = 2
+_Node = tuple[object, int, Any, int, object]
+
+
+def _path(node: _Node | None, where: str) -> str:
+    parts: list[str] = []
+    while node is not None and node[2] is not None:
+        _, _, parent, kind, label = node
+        if kind == _ITEM:
+            parts.append(f"[{short_repr(label)}]")
+        elif kind == _KEY:
+            parts.append(f"<key {short_repr(label)}>")
+        else:
+            parts.append(f"<member {short_repr(label)}>")
+        node = parent
+    parts.reverse()
+    if len(parts) > 16:  # a depth error would otherwise print hundreds of "[0]"
+        parts[8:-6] = [f"...{len(parts) - 14} levels..."]
+    return where + "".join(parts)
+
+
+def _scan(value: object, where: str) -> tuple[bool, int]:
+    """Refuse anything that would not come back exactly.
+
+    Returns whether bytearrays occur and how many containers ``decode`` will
+    build, for its budget. Must run before packing: the C packer would happily
+    write a bytearray or a memoryview as bin (which reads back as bytes) and a
+    stray ExtType or Timestamp as itself. Iterative, so a deep value cannot
+    exhaust the Python stack, and labels are kept as raw keys so paths are only
+    formatted on error.
+    """
+    native = NATIVE_LEAVES
+    has_bytearray = False
+    containers = 0
+    equal_hashes = LIMITS.equal_hashes
+    stack: list[_Node] = [(value, 0, None, _ITEM, None)]
+    push = stack.append
+    pop = stack.pop
+    while stack:
+        node = pop()
+        obj: Any = node[0]
+        t = type(obj)
+        if t is dict or t is list or t is tuple or t in CONTAINERS:
+            containers += 1
+            level = node[1] + 1
+            if level > MAX_ENCODE_DEPTH:
+                raise UnsupportedValue(
+                    f"{_path(node, where)}: nested deeper than {MAX_ENCODE_DEPTH} containers"
+                )
+            if t is not list and t is not tuple and len(obj) > equal_hashes:
+                shared = flood(obj)
+                if shared > equal_hashes:
+                    raise UnsupportedValue(
+                        f"{_path(node, where)}: {shared} keys or members share one hash value "
+                        f"(at most {equal_hashes} may: a reader refuses more as a hash flood)"
+                    )
+            if t is dict or t is _OrderedDict:
+                for k, v in obj.items():
+                    if type(k) not in native:
+                        push((k, level, node, _KEY, k))
+                    if type(v) not in native:
+                        push((v, level, node, _ITEM, k))
+            elif t is list or t is tuple:
+                for i, v in enumerate(obj):
+                    if type(v) not in native:
+                        push((v, level, node, _ITEM, i))
+            else:
+                for m in obj:
+                    if type(m) not in native:
+                        push((m, level, node, _MEMBER, m))
+        elif t in native:
+            continue
+        else:
+            problem = _leaf_problem(obj, t)
+            if problem is not None:
+                raise UnsupportedValue(f"{_path(node, where)}: {problem}")
+            if t is bytearray:
+                has_bytearray = True
+            elif t is torch.Size:
+                containers += 1  # written as a marked array
+    return has_bytearray, containers
+
+
+def _check_budget(containers: int, data: bytes, free: int, where: str) -> None:
+    budget = container_budget(len(data), free)
+    if containers > budget:
+        raise UnsupportedValue(
+            f"{where}: {containers} containers in {len(data)} encoded bytes exceed the decode "
+            f"budget ({budget}: one per {LIMITS.decode_bytes_per_container} bytes beyond "
+            f"{free}); a reader would refuse it. Store bulk data as a tensor or numpy array"
+        )
+
+
+_REBUILT: Final[frozenset[type]] = frozenset({list, tuple, dict, _OrderedDict})
+
+
+def _wrap_bytearrays(value: Any) -> Any:
+    """Copy the containers above each bytearray, swapping it for its ext.
+
+    Needed because the packer never offers a bytearray to ``default``. Only
+    lists, tuples and dict values can hold one (it is unhashable). Iterative
+    like _scan: containers are copied into mutable shells top-down, then
+    frozen bottom-up, so the Python stack depth does not grow with nesting.
+    """
+    if type(value) is bytearray:
+        return msgpack.ExtType(EXT_BYTEARRAY, bytes(value))
+    if type(value) not in _REBUILT:
+        return value
+    # Each shell: (type, keys or None, child values, parent shell index, slot).
+    shells: list[tuple[type, list[Any] | None, list[Any], int, int]] = []
+    stack: list[tuple[Any, int, int]] = [(value, -1, 0)]
+    while stack:
+        obj, parent, slot = stack.pop()
+        t = type(obj)
+        if t is bytearray:
+            shells[parent][2][slot] = msgpack.ExtType(EXT_BYTEARRAY, bytes(obj))
+            continue
+        if t is dict or t is _OrderedDict:
+            keys: list[Any] | None = list(obj.keys())
+            children = list(obj.values())
+        else:
+            keys = None
+            children = list(obj)
+        index = len(shells)
+        shells.append((t, keys, children, parent, slot))
+        for i, child in enumerate(children):
+            tc = type(child)
+            if tc is bytearray or tc in _REBUILT:
+                stack.append((child, index, i))
+    built: Any = None
+    for t, keys, children, parent, slot in reversed(shells):  # children before parents
+        built = t(children) if keys is None else t(zip(keys, children, strict=True))
+        if parent >= 0:
+            shells[parent][2][slot] = built
+    return built
+
+
+def _pack(value: object, where: str) -> bytes:
+    try:
+        try:
+            return msgpack.packb(
+                value,
+                default=_default,
+                use_bin_type=True,
+                use_single_float=False,
+                strict_types=True,
+            )
+        except UnicodeEncodeError:
+            # Lone surrogates are valid Python strings; carry them exactly.
+            return msgpack.packb(
+                value,
+                default=_default,
+                use_bin_type=True,
+                use_single_float=False,
+                strict_types=True,
+                unicode_errors="surrogatepass",
+            )
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise UnsupportedValue(f"{where}: cannot be encoded: {exc}") from exc
+
+
+def check_encodable(value: object, *, where: str = "value", max_bytes: int | None = None) -> bool:
+    """Refuse, before any work is written, a value that ``encode`` would refuse.
+
+    Lets a save fail fast, naming the offending leaf, instead of after tensors
+    have already been written. Returns whether ``value`` holds a bytearray (when
+    it does not, :func:`encode_checked` may encode it, or plain data built around
+    it, without scanning it again).
+
+    Also refuses what a reader's budgets would refuse: too many containers for
+    the encoded size and, with ``max_bytes``, an encoding longer than that.
+
+    Raises:
+        UnsupportedValue: naming the location inside ``value`` (prefixed by
+            ``where``) of the first leaf that cannot round-trip exactly.
+    """
+    has_bytearray, containers = _scan(value, where)
+    # Parts of one manifest are checked on their own, so each gets a quarter of the
+    # free containers; only a value dense in containers needs its encoded size.
+    free = LIMITS.decode_free_containers // 4
+    if containers <= free and max_bytes is None:
+        return has_bytearray
+    data = _pack(_wrap_bytearrays(value) if has_bytearray else value, where)
+    _check_budget(containers, data, free, where)
+    if max_bytes is not None and len(data) > max_bytes:
+        raise UnsupportedValue(
+            f"{where}: encodes to {len(data)} bytes, more than the {max_bytes} the manifest "
+            "has room for"
+        )
+    return has_bytearray
+
+
+def encode_checked(value: object, *, where: str = "value") -> bytes:
+    """:func:`encode` of plain data (str, int, bool, float, None, lists, dicts with str
+    keys) around parts that each passed :func:`check_encodable` without a bytearray.
+
+    Nothing is scanned again: the parts were, and the plain data around them adds
+    at most a few levels of nesting (``encode_depth`` leaves room below the
+    packer's and the reader's limits) and many bytes per container (so the
+    reader's container budget holds for the whole when it held for each part).
+    """
+    return _pack(value, where)
+
+
+def encode(value: object, *, where: str = "value") -> bytes:
+    """Serialise a non-tensor value so that ``decode`` returns an identical one.
+
+    Identical means same type at every level (tuples stay tuples, int keys stay
+    ints, numpy scalars stay numpy scalars) and same bits (``-0.0``, NaN
+    payloads, byte order of arrays). Subclasses of supported types are refused
+    rather than quietly converted, because a conversion is exactly the kind of
+    silent change a bit-identical resume cannot afford.
+
+    Raises:
+        UnsupportedValue: naming the location inside ``value`` (prefixed by
+            ``where``), e.g. ``value['env'][3]: unsupported type Foo (...)``.
+    """
+    has_bytearray, containers = _scan(value, where)
+    if has_bytearray:
+        value = _wrap_bytearrays(value)
+    data = _pack(value, where)
+    if containers > LIMITS.decode_free_containers:
+        _check_budget(containers, data, LIMITS.decode_free_containers, where)
+    return data

@@ -1,0 +1,122 @@
+"""What the codec can store and how each type is tagged on disk.
+
+The ext codes are part of the format (see :mod:`functional_ckpt.codec`); the
+type tables say which values come back exactly, and both the encoder and the
+decoder check against the same tables, so what one writes the other accepts.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+from typing import Any, Final
+
+import numpy as np
+import torch
+
+from functional_ckpt.limits import LIMITS
+
+EXT_TUPLE: Final = 1
+EXT_SET: Final = 2
+EXT_FROZENSET: Final = 3
+EXT_ORDERED_DICT: Final = 4
+EXT_TORCH_SIZE: Final = 5
+EXT_BIGINT: Final = 16
+EXT_BYTEARRAY: Final = 17
+EXT_NDARRAY: Final = 18
+EXT_NUMPY_SCALAR: Final = 19
+EXT_TORCH_DTYPE: Final = 20
+EXT_TORCH_DEVICE: Final = 21
+
+MAX_ENCODE_DEPTH: Final = LIMITS.encode_depth
+"""Deepest container nesting ``encode`` accepts (see :class:`~functional_ckpt.limits.Limits`)."""
+
+_NoneType = type(None)
+_OrderedDict = collections.OrderedDict
+
+# Types the strict C packer writes natively *and* the unpacker returns with the
+# same type. bytearray is deliberately absent: msgpack packs it as bin, which
+# decodes as bytes.
+NATIVE_LEAVES: Final[frozenset[type]] = frozenset({_NoneType, bool, int, float, str, bytes})
+
+CONTAINERS: Final[frozenset[type]] = frozenset({list, tuple, dict, _OrderedDict, set, frozenset})
+
+NUMPY_SCALAR_TYPES: Final[frozenset[type]] = frozenset(
+    t for t in set(np.sctypeDict.values()) if t is not np.object_ and t is not np.void
+)
+
+TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+
+LEAVES: Final[frozenset[type]] = (
+    NATIVE_LEAVES
+    | NUMPY_SCALAR_TYPES
+    | {bytearray, np.ndarray, torch.dtype, torch.device, torch.Size}
+)
+
+SUPPORTED_TEXT: Final = (
+    "None, bool, int, float, str, bytes, bytearray, list, tuple, dict, "
+    "collections.OrderedDict, set, frozenset, numpy.ndarray (non-object dtypes), "
+    "numpy scalars, torch.dtype, torch.device, torch.Size"
+)
+
+# Array dtype kinds whose raw bytes fully describe the values.
+_ARRAY_KINDS: Final = frozenset("biufcMmSUV")
+_CHAR_KINDS: Final = frozenset("biufc")
+
+
+def dtype_code(dt: np.dtype[Any]) -> str | None:
+    """Spell a dtype so that parsing it gives back the same dtype *class*.
+
+    ``dtype.str`` alone is not enough: ``longlong`` and ``int64`` share ``<i8``
+    but are different scalar types, so fixed-size numeric kinds use byte order
+    plus type character instead. Returns None for dtypes we cannot store exactly.
+    """
+    kind = dt.kind
+    if kind not in _ARRAY_KINDS or dt.hasobject or dt.fields is not None:
+        return None
+    if dt.subdtype is not None or dt.itemsize == 0:
+        return None
+    code = dt.str[0] + dt.char if kind in _CHAR_KINDS else dt.str
+    try:
+        back = np.dtype(code)
+    except (TypeError, ValueError):  # pragma: no cover - defensive
+        return None
+    if back != dt or type(back) is not type(dt) or back.char != dt.char:
+        return None  # e.g. extension dtypes that only look like void/bytes
+    return code
+
+
+def type_name(t: type) -> str:
+    if t.__module__ == "builtins":
+        return t.__qualname__
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def short_repr(obj: object, limit: int = 40) -> str:
+    try:
+        text = repr(obj)
+    except Exception:
+        text = f"<{type_name(type(obj))}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def torch_size_problem(dims: Iterable[object]) -> str | None:
+    for d in dims:
+        if type(d) is not int:
+            return f"torch.Size dimension of type {type_name(type(d))}"
+        if not -(2**63) <= d < 2**63:
+            # torch.Size stores such a value but fails when it is read back.
+            return f"torch.Size dimension {d} out of the int64 range"
+    return None
+
+
+def flood(keys: Iterable[object]) -> int:
+    """How many of ``keys`` share the most common hash value (linear time)."""
+    return max(collections.Counter(map(hash, keys)).values(), default=0)
+
+
+def container_budget(nbytes: int, free: int) -> int:
+    """How many containers a decode of ``nbytes`` bytes may build."""
+    return free + nbytes // LIMITS.decode_bytes_per_container
