@@ -18,8 +18,9 @@ import contextlib
 import json
 import math
 import os
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,16 @@ from functional_ckpt.retention import plan_deletions
 from functional_ckpt.root import EXPORTS_DIR, delete, dir_size, remove_all, step_dirs, step_name
 from functional_ckpt.tree import as_state, iter_leaves
 
-__all__ = ["HEADER_KEY", "ExportInfo", "export_infos", "export_path", "prune_exports", "snapshot"]
+__all__ = [
+    "HEADER_KEY",
+    "BackgroundExport",
+    "ExportInfo",
+    "export_infos",
+    "export_path",
+    "prune_exports",
+    "run_export",
+    "snapshot",
+]
 
 #: Key of the safetensors header metadata holding the manager's record of an export.
 HEADER_KEY = "functional_ckpt"
@@ -173,3 +183,58 @@ def run_export(
     )
     prune_exports(root, export)
     return out
+
+
+class BackgroundExport:
+    """At most one export off the training thread; a failure surfaces at the next :meth:`join`.
+
+    ``step`` is the step of the export in flight (None when there is none): its
+    checkpoint may be what the export reads, so retention must not delete it.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.step: int | None = None
+
+    def start(
+        self,
+        source: TensorDictBase | Mapping[str, Any] | Path,
+        root: Path,
+        export: Export,
+        step: int,
+        metrics: Mapping[str, float],
+        save_failure: Callable[[], BaseException | None] | None = None,
+    ) -> None:
+        """Export ``source`` (a snapshot, or the checkpoint a save in flight commits).
+
+        ``save_failure`` is that save's error once it is done: when it failed,
+        there is nothing to read and the save's own error is what surfaces.
+        """
+        self.join()
+        self.step = step
+
+        def work() -> None:
+            try:
+                if save_failure is not None and save_failure() is not None:
+                    return
+                run_export(source, root, export, step, metrics)
+            except BaseException as e:  # surfaced at the next call, never only logged
+                self._error = e
+
+        self._thread = threading.Thread(target=work, name="fc-export", daemon=True)
+        self._thread.start()
+
+    def finished(self) -> bool:
+        """Whether an export was started and has ended (so :meth:`join` will not block)."""
+        return self._thread is not None and not self._thread.is_alive()
+
+    def join(self) -> None:
+        """Wait for the export in flight; raise its error, once."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            self.step = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error

@@ -10,18 +10,17 @@ builds on is public: a root's layout, leftovers and writer lock in
 records (step, metrics, running time, each policy's spec and state, so a restarted
 run continues its policies) in :mod:`functional_ckpt.record`; rollbacks in
 :mod:`functional_ckpt.rollback`; the decisions all ranks share in
-:mod:`functional_ckpt.collective`.
+:mod:`functional_ckpt.collective`; which checkpoint a resume picks in
+:mod:`functional_ckpt.resume`; exports off the training thread in
+:mod:`functional_ckpt.exporting`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -36,12 +35,12 @@ from functional_ckpt.errors import (
     CheckpointError,
     CheckpointNotFound,
     CheckpointWarning,
-    UnsupportedValue,
 )
 from functional_ckpt.export import Export
-from functional_ckpt.exporting import run_export, snapshot
+from functional_ckpt.exporting import BackgroundExport, run_export, snapshot
 from functional_ckpt.io import CheckpointInfo, like_argument, restore, save
 from functional_ckpt.lock import WriterLock
+from functional_ckpt.manager_args import check_policies, plain_metrics
 from functional_ckpt.pipeline.save import save_async
 from functional_ckpt.pipeline.topology import topology
 from functional_ckpt.policy import Event, PolicyState, SavePolicy, every_steps
@@ -54,19 +53,15 @@ from functional_ckpt.record import (
     manager_record,
     stored_state,
 )
+from functional_ckpt.resume import check_order, newest_readable
 from functional_ckpt.retention import RetentionPolicy, best_steps, keep_all, plan_deletions
 from functional_ckpt.root import (
     MANAGER_KEY,
     StepInfo,
     Summaries,
     delete,
-    identity,
-    is_damage,
     open_writer,
     parse_step,
-    quarantine,
-    quarantined,
-    read_info,
     record_of,
     remove_all,
     step_dirs,
@@ -84,31 +79,6 @@ __all__ = [
 ]
 
 State = TensorDictBase | Mapping[str, Any]
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _plain_metrics(metrics: Mapping[str, Any] | None, where: str) -> dict[str, float]:
-    """Metrics as plain ``str -> float`` (tensors and numpy scalars are converted)."""
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, Mapping):
-        raise TypeError(f"{where}: metrics must be a mapping of str to numbers")
-    out: dict[str, float] = {}
-    for k, v in metrics.items():
-        if not isinstance(k, str):
-            raise TypeError(f"{where}: metric names must be str, got {k!r}")
-        try:
-            out[k] = float(v)
-        except (TypeError, ValueError):
-            raise TypeError(f"{where}: metrics[{k!r}]={v!r} is not a number") from None
-        except OverflowError:
-            raise UnsupportedValue(
-                f"{where}: metrics[{k!r}] (a {type(v).__name__}) is too large for a float; "
-                "metrics are compared and stored as float64"
-            ) from None
-    return out
-
 
 # --------------------------------------------------------------------------- manager
 
@@ -153,9 +123,7 @@ class CheckpointManager:
         self.staging: Staging = staging
         self._pending: PendingSave | None = None
         self._removal: threading.Thread | None = None
-        self._exporter: threading.Thread | None = None
-        self._export_error: BaseException | None = None
-        self._exporting: int | None = None  # the step an export in flight reads
+        self._exports = BackgroundExport()
         self._stager = Stager()
         topo = topology()
         self._distributed = topo.distributed
@@ -167,7 +135,7 @@ class CheckpointManager:
         self.keep = keep_all() if keep is None else keep
         self.export = export
         self.metadata = check_metadata(metadata, f"CheckpointManager({self.root})")
-        self._check_types()
+        check_policies(self.save_policy, self.keep, self.export)
         self._policy_state: PolicyState = self.save_policy.init()
         self._export_state: PolicyState = export.policy.init() if export is not None else None
         self._bad: set[tuple[int, int]] = set()  # (step, dir inode) found unreadable
@@ -180,14 +148,6 @@ class CheckpointManager:
             self._run.git = git_commit(self._run.cwd)  # before the lock: no child inherits it
             if self._coordinator:
                 self._open_writer()  # one lock per job: the coordinator's
-
-    def _check_types(self) -> None:
-        if not isinstance(self.save_policy, SavePolicy):
-            raise TypeError(f"CheckpointManager(save={self.save_policy!r}): not a SavePolicy")
-        if not isinstance(self.keep, RetentionPolicy):
-            raise TypeError(f"CheckpointManager(keep={self.keep!r}): not a RetentionPolicy")
-        if self.export is not None and not isinstance(self.export, Export):
-            raise TypeError(f"CheckpointManager(export={self.export!r}): not an fc.export.Export")
 
     def _open_writer(self) -> None:
         # Leftovers of crashed writers are recovered (warning at the CheckpointManager call).
@@ -219,7 +179,7 @@ class CheckpointManager:
             try:
                 self.wait()
             finally:
-                self._join_export()
+                self._exports.join()
         finally:
             self._join_removals()
             self._closed = True
@@ -361,12 +321,12 @@ class CheckpointManager:
         self._check_writable("maybe_save")
         if self._pending is not None and self._pending.done():
             self.wait()  # a background failure surfaces here, at the next call
-        if self._exporter is not None and not self._exporter.is_alive():
-            self._join_export()
+        if self._exports.finished():
+            self._exports.join()
         event = Event(
             step=step,
             epoch=epoch,
-            metrics=_plain_metrics(metrics, "maybe_save"),
+            metrics=plain_metrics(metrics, "maybe_save"),
             is_final=is_final,
             time=self.running_time(),
         )
@@ -386,7 +346,7 @@ class CheckpointManager:
             event = dataclasses.replace(event, time=now)
         if saved:
             self.wait()  # at most one save in flight; the previous one must have committed
-            self._check_order(event.step)  # before any write, the export included
+            check_order(self.root, event.step, self.latest_step())  # before any write
         background = exported and self.async_save and not self._distributed
         if exported and not background:
             self._export_weights(state, event)
@@ -401,17 +361,6 @@ class CheckpointManager:
     def running_time(self) -> float:
         """Seconds this run has been running: carried over by restores, downtime excluded."""
         return self._running()
-
-    def _check_order(self, step: int) -> None:
-        """Refuse to save behind the newest checkpoint: a resume would never pick it."""
-        latest = self.latest_step()
-        if latest is not None and step < latest:
-            raise CheckpointError(
-                f"{self.root}: cannot save step {step}: step {latest} is newer, and a "
-                "resume would pick it over this one. Call restore_latest() to resume, "
-                f"rollback(step) to continue from an older step (step {latest} and the "
-                "others after it are kept on a branch), or fork() into a new root"
-            )
 
     def _save_checkpoint(
         self, state: State, event: Event, policy_state: PolicyState, export_state: PolicyState
@@ -466,34 +415,15 @@ class CheckpointManager:
         """Export from the committed checkpoint of this step, or from a copy taken now."""
         export = self.export
         assert export is not None
-        self._join_export()  # one export in flight; a failed one surfaces here
+        self._exports.join()  # one export in flight; a failed one surfaces here
         pending = self._pending if saved else None
         source: State | Path = self.path(event.step) if saved else snapshot(state, export)
-        self._exporting = event.step
-
-        def work() -> None:
-            try:
-                if pending is not None and pending.exception() is not None:
-                    return  # the save failed: wait() raises that, there is nothing to read
-                run_export(source, self.root, export, event.step, event.metrics or {})
-            except BaseException as e:  # surfaced at the next call, never only logged
-                self._export_error = e
-
-        self._exporter = threading.Thread(target=work, name="fc-export", daemon=True)
-        self._exporter.start()
+        failure = None if pending is None else pending.exception
+        self._exports.start(source, self.root, export, event.step, event.metrics or {}, failure)
 
     def wait_exports(self) -> None:
         """Block until the export running in the background is written; raise if it failed."""
-        self._join_export()
-
-    def _join_export(self) -> None:
-        if self._exporter is not None:
-            self._exporter.join()
-            self._exporter = None
-            self._exporting = None
-        error, self._export_error = self._export_error, None
-        if error is not None:
-            raise error
+        self._exports.join()
 
     # ------------------------------------------------------------------ deleting
 
@@ -502,8 +432,8 @@ class CheckpointManager:
         if self._pending is not None:  # a save in flight is never a candidate
             step = parse_step(self._pending.path.name)
             protected = protected | ({step} if step is not None else set())
-        if self._exporting is not None:  # nor the checkpoint an export is reading
-            protected = protected | {self._exporting}
+        if self._exports.step is not None:  # nor the checkpoint an export is reading
+            protected = protected | {self._exports.step}
         doomed = plan_deletions(self.keep, self.infos(), protected=protected)
         self._delete(doomed)
         return doomed
@@ -583,73 +513,19 @@ class CheckpointManager:
         like = like_argument(like, out, template, "CheckpointManager.restore_latest")
         if self._closed:
             raise CheckpointError(f"{self.root}: restore_latest: the manager is closed")
-        failures: list[str] = []
-        for _ in range(100):  # re-list only when a follower raced a prune
-            result = self._try_candidates(like, out, failures, reshard)
-            if result is not _VANISHED:
-                break
-        else:
-            raise CheckpointError(f"{self.root}: checkpoints kept vanishing while restoring")
-        if isinstance(result, TensorDict):
-            return result
-        if failures:
-            raise CheckpointError(
-                f"{self.root}: checkpoints exist but none is readable; refusing to start "
-                "fresh:\n" + "\n".join(failures)
-            )
-        damaged = quarantined(self.root)
-        if damaged:
-            raise CheckpointError(
-                f"{self.root}: the only checkpoints here were found damaged earlier and moved "
-                f"aside ({', '.join(damaged[:5])}); refusing to start fresh. Move or delete "
-                "them to start over"
-            )
-        return None
-
-    def _try_candidates(
-        self,
-        like: State | None,
-        out: State | None,
-        failures: list[str],
-        reshard: Reshard | None,
-    ) -> object:
-        candidates = sorted(self._step_dirs(), reverse=True)
-        for step, path in candidates:
-            before = identity(path)
-            try:
-                info = read_info(path, step)
-                state = restore(path, like, out=out, reshard=reshard)
-            except Exception as err:
-                if not is_damage(err):
-                    raise  # the template or an argument is wrong, not the checkpoint
-                if before is None or identity(path) != before:
-                    return _VANISHED  # pruned or replaced by the writer we follow: list again
-                failures.append(f"  {path}: {err}")
-                self._reject(step, path, err)
-                continue
-            self._adopt(info)
-            return state
-        return None
-
-    def _reject(self, step: int, path: Path, err: BaseException) -> None:
-        """Warn about an unreadable checkpoint and make sure it is not picked again."""
-        moved = ""
-        damaged = isinstance(err, CheckpointError) or (
-            isinstance(err, OSError) and err.errno == errno.ENOENT
+        found = newest_readable(
+            self.root,
+            self._step_dirs,
+            lambda path: restore(path, like, out=out, reshard=reshard),
+            move_aside=not self.read_only and self._coordinator,
+            bad=self._bad,
+            stacklevel=3,
         )
-        if not self.read_only and self._coordinator and damaged:
-            with contextlib.suppress(OSError):
-                aside = quarantine(self.root, path)
-                moved = f"; moved aside to {aside.name} (not deleted)"
-        if not moved:
-            with contextlib.suppress(OSError):
-                self._bad.add((step, os.stat(path).st_ino))
-        warnings.warn(
-            f"{path}: checkpoint of step {step} is unreadable ({type(err).__name__}: {err})"
-            f"{moved}; falling back to the previous checkpoint",
-            CheckpointWarning,
-            stacklevel=4,
-        )
+        if found is None:
+            return None
+        info, state = found
+        self._adopt(info)
+        return state
 
     def rollback(
         self,
@@ -693,6 +569,3 @@ class CheckpointManager:
         if self.export is not None:
             self._export_state = stored_state(self.export.policy, record, "export", info.path)
         self._running.resume(record)
-
-
-_VANISHED = object()

@@ -197,7 +197,7 @@ def test_manager_exports_load_are_pruned_and_run_off_the_training_thread(
         threads.append(threading.current_thread().name)
         return real(*args, **kw)
 
-    monkeypatch.setattr("functional_ckpt.manager.run_export", spy)
+    monkeypatch.setattr("functional_ckpt.exporting.run_export", spy)
     export = fc.export.Export(
         fc.every_steps(1),
         config=model.config,

@@ -1,0 +1,49 @@
+"""The manager's arguments, checked where they come in.
+
+A bad argument is the caller's error, never damage: it raises at the call that
+passed it, naming the argument, before anything is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from functional_ckpt.errors import UnsupportedValue
+from functional_ckpt.export import Export
+from functional_ckpt.policy import SavePolicy
+from functional_ckpt.retention import RetentionPolicy
+
+__all__ = ["check_policies", "plain_metrics"]
+
+
+def check_policies(save: object, keep: object, export: object) -> None:
+    """Refuse a save policy, retention policy or export that is not one."""
+    if not isinstance(save, SavePolicy):
+        raise TypeError(f"CheckpointManager(save={save!r}): not a SavePolicy")
+    if not isinstance(keep, RetentionPolicy):
+        raise TypeError(f"CheckpointManager(keep={keep!r}): not a RetentionPolicy")
+    if export is not None and not isinstance(export, Export):
+        raise TypeError(f"CheckpointManager(export={export!r}): not an fc.export.Export")
+
+
+def plain_metrics(metrics: Mapping[str, Any] | None, where: str) -> dict[str, float]:
+    """Metrics as plain ``str -> float`` (tensors and numpy scalars are converted)."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"{where}: metrics must be a mapping of str to numbers")
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        if not isinstance(k, str):
+            raise TypeError(f"{where}: metric names must be str, got {k!r}")
+        try:
+            out[k] = float(v)
+        except (TypeError, ValueError):
+            raise TypeError(f"{where}: metrics[{k!r}]={v!r} is not a number") from None
+        except OverflowError:
+            raise UnsupportedValue(
+                f"{where}: metrics[{k!r}] (a {type(v).__name__}) is too large for a float; "
+                "metrics are compared and stored as float64"
+            ) from None
+    return out

@@ -1,0 +1,152 @@
+"""Which checkpoint a run resumes from: the newest one that is actually readable.
+
+A resume must never silently start over, and must never lose a checkpoint: a
+damaged one (corrupt bytes, missing files, a torn manifest) is reported with a
+:class:`~functional_ckpt.errors.CheckpointWarning` and skipped in favour of the
+previous one; a writer moves it aside (:func:`functional_ckpt.root.quarantine`,
+never deleted), a reader only remembers not to pick it again. A template or
+argument that does not fit is the caller's error and raises at once. If
+checkpoints exist but none is readable, or the only ones were moved aside
+earlier, the resume raises rather than returning "nothing to resume from".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TypeVar
+
+from functional_ckpt.errors import CheckpointError, CheckpointWarning
+from functional_ckpt.root import StepInfo, identity, is_damage, quarantine, quarantined, read_info
+
+__all__ = ["check_order", "newest_readable"]
+
+T = TypeVar("T")
+
+
+class _Vanished(Exception):
+    """A candidate was pruned or replaced while it was read: list again."""
+
+
+_RELISTS = 100  # re-list only when a follower raced a prune
+
+
+def newest_readable(
+    root: Path,
+    candidates: Callable[[], Iterable[tuple[int, Path]]],
+    read: Callable[[Path], T],
+    *,
+    move_aside: bool,
+    bad: set[tuple[int, int]],
+    stacklevel: int = 2,
+) -> tuple[StepInfo, T] | None:
+    """Read the newest of ``candidates()`` that is readable; None only if there is none.
+
+    ``candidates`` lists ``(step, path)`` and is called again when a checkpoint
+    vanishes or is replaced while it is read (a follower racing the writer's
+    prune). ``read`` reads one checkpoint. A damaged one is moved aside when
+    ``move_aside``, else its ``(step, inode)`` is added to ``bad`` so that
+    ``candidates`` can leave it out. ``stacklevel`` is that of the warnings, counted
+    as if this function issued them.
+
+    Raises:
+        CheckpointError: checkpoints exist but none is readable, or the only ones
+            were found damaged earlier and moved aside.
+    """
+    failures: list[str] = []
+    for _ in range(_RELISTS):
+        try:
+            result = _try_candidates(
+                root, candidates(), read, failures, move_aside, bad, stacklevel
+            )
+            break
+        except _Vanished:
+            continue
+    else:
+        raise CheckpointError(f"{root}: checkpoints kept vanishing while restoring")
+    if result is not None:
+        return result
+    if failures:
+        raise CheckpointError(
+            f"{root}: checkpoints exist but none is readable; refusing to start "
+            "fresh:\n" + "\n".join(failures)
+        )
+    damaged = quarantined(root)
+    if damaged:
+        raise CheckpointError(
+            f"{root}: the only checkpoints here were found damaged earlier and moved "
+            f"aside ({', '.join(damaged[:5])}); refusing to start fresh. Move or delete "
+            "them to start over"
+        )
+    return None
+
+
+def _try_candidates(
+    root: Path,
+    candidates: Iterable[tuple[int, Path]],
+    read: Callable[[Path], T],
+    failures: list[str],
+    move_aside: bool,
+    bad: set[tuple[int, int]],
+    stacklevel: int,
+) -> tuple[StepInfo, T] | None:
+    for step, path in sorted(candidates, reverse=True):
+        before = identity(path)
+        try:
+            info = read_info(path, step)
+            state = read(path)
+        except Exception as err:
+            if not is_damage(err):
+                raise  # the template or an argument is wrong, not the checkpoint
+            if before is None or identity(path) != before:
+                raise _Vanished from None  # pruned or replaced by the writer we follow: list again
+            failures.append(f"  {path}: {err}")
+            # Two frames deeper than newest_readable: this function and _reject.
+            _reject(root, step, path, err, move_aside, bad, stacklevel + 2)
+            continue
+        return info, state
+    return None
+
+
+def _reject(
+    root: Path,
+    step: int,
+    path: Path,
+    err: BaseException,
+    move_aside: bool,
+    bad: set[tuple[int, int]],
+    stacklevel: int,
+) -> None:
+    """Warn about an unreadable checkpoint and make sure it is not picked again."""
+    moved = ""
+    damaged = isinstance(err, CheckpointError) or (
+        isinstance(err, OSError) and err.errno == errno.ENOENT
+    )
+    if move_aside and damaged:
+        with contextlib.suppress(OSError):
+            aside = quarantine(root, path)
+            moved = f"; moved aside to {aside.name} (not deleted)"
+    if not moved:
+        with contextlib.suppress(OSError):
+            bad.add((step, os.stat(path).st_ino))
+    warnings.warn(
+        f"{path}: checkpoint of step {step} is unreadable ({type(err).__name__}: {err})"
+        f"{moved}; falling back to the previous checkpoint",
+        CheckpointWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def check_order(root: Path, step: int, latest: int | None) -> None:
+    """Refuse to save ``step`` behind the newest checkpoint: a resume would never pick it."""
+    if latest is not None and step < latest:
+        raise CheckpointError(
+            f"{root}: cannot save step {step}: step {latest} is newer, and a "
+            "resume would pick it over this one. Call restore_latest() to resume, "
+            f"rollback(step) to continue from an older step (step {latest} and the "
+            "others after it are kept on a branch), or fork() into a new root"
+        )
