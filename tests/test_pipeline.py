@@ -67,7 +67,7 @@ def test_the_backend_gets_staged_copies_and_fills_the_chunks(
     rec = Recording()
     monkeypatch.setattr(save, "backend_for", lambda job: rec)
     w = torch.arange(4.0)
-    stager = fc.Stager()
+    stager = fc.staging.Stager()
     pending = fc.save_async(tmp_path / "ck", {"w": w}, stager=stager)
     info = pending.result()
     assert info.num_tensors == 1
