@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -294,10 +294,79 @@ def rank_entries(manifest: dict[str, Any], src: str) -> list[list[Any]]:
 
 
 def parse(manifest: dict[str, Any], root: Path, *, rank: int | None = 0) -> ParsedManifest:
-    """Validate a decoded manifest against the directory ``root`` it came from.
+    """Validate a decoded manifest against ``root`` and view it from ``rank``.
 
     ``rank`` selects whose per-rank subtrees are spliced in; None leaves them out.
+    A caller that needs more than one rank's view parses once with
+    :func:`parse_checkpoint` and asks it for each view.
     """
+    return parse_checkpoint(manifest, root).view(rank)
+
+
+@dataclass
+class ParsedCheckpoint:
+    """A manifest validated once: the shared tree, and every rank's view derived from it.
+
+    The shared entries are checked once; each rank's per-rank entries are checked
+    the first time that rank's view is asked for.
+    """
+
+    shared: ParsedManifest  # the view of ``rank=None``: per-rank subtrees left out
+    ranks: list[list[Any]]  # each rank's per-rank entries, as decoded
+    markers: list[tuple[int, KeyPath]]  # where in ``shared.order`` each per-rank subtree stands
+    src: str
+    views: dict[int, ParsedManifest] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.shared.world_size
+
+    def view(self, rank: int | None) -> ParsedManifest:
+        """The tree as ``rank`` sees it (None: without any per-rank subtree)."""
+        if rank is None:
+            return self.shared
+        got = self.views.get(rank)
+        if got is None:
+            got = self.views[rank] = self._view(rank)
+        return got
+
+    def all_views(self) -> list[ParsedManifest]:
+        """Every saving rank's view, in rank order."""
+        return [self.view(r) for r in range(len(self.ranks))]
+
+    def groups(self) -> list[list[TensorEntry]]:
+        """:func:`tensor_groups` of this manifest (shared, then each rank's own)."""
+        return groups_of(self.shared, self.all_views())
+
+    def _view(self, rank: int) -> ParsedManifest:
+        base = self.shared
+        out = replace(
+            base,
+            rank=rank,
+            order=[],
+            tensors=dict(base.tensors),
+            values=dict(base.values),
+            nodes=set(base.nodes),
+            node_info=dict(base.node_info),
+        )
+        if rank >= len(self.ranks):
+            out.order = list(base.order)
+            return out
+        prev = 0
+        for pos, path in self.markers:
+            out.order += base.order[prev:pos]
+            prev = pos
+            for j, sub in enumerate(self.ranks[rank]):
+                wsub = f"{self.src} rank {rank} entry {j}"
+                p = _path(sub, wsub) if isinstance(sub, dict) else ()
+                if p[: len(path)] == path:
+                    _add(out, sub, wsub)
+        out.order += base.order[prev:]
+        return out
+
+
+def parse_checkpoint(manifest: dict[str, Any], root: Path) -> ParsedCheckpoint:
+    """Validate a decoded manifest against the directory ``root`` it came from, once."""
     src = str(root / "manifest.msgpack")
     out = ParsedManifest(manifest)
     order = manifest.get("byteorder", "little")
@@ -315,22 +384,16 @@ def parse(manifest: dict[str, Any], root: Path, *, rank: int | None = 0) -> Pars
         raise CorruptCheckpoint(f"{src}: missing entries")
     ranks = rank_entries(manifest, src)
     out.world_size = max(1, len(ranks))
-    out.rank = rank if rank is not None else 0
+    markers: list[tuple[int, KeyPath]] = []
     for i, e in enumerate(entries):
         where = f"{src} entry {i}"
         if isinstance(e, dict) and e.get("kind") == "per_rank":
             path = _path(e, where)
             out.per_rank_roots.append(path)
-            if rank is None or rank >= len(ranks):
-                continue
-            for j, sub in enumerate(ranks[rank]):
-                wsub = f"{src} rank {rank} entry {j}"
-                p = _path(sub, wsub) if isinstance(sub, dict) else ()
-                if p[: len(path)] == path:
-                    _add(out, sub, wsub)
+            markers.append((len(out.order), path))
             continue
         _add(out, e, where)
-    return out
+    return ParsedCheckpoint(out, ranks, markers, src)
 
 
 def tensor_groups(
@@ -342,9 +405,7 @@ def tensor_groups(
 
 def parsed_groups(manifest: dict[str, Any], root: Path) -> list[list[TensorEntry]]:
     """:func:`tensor_groups` of a decoded manifest, every entry validated by :func:`parse`."""
-    shared = parse(manifest, root, rank=None)
-    ranks = len(rank_entries(manifest, str(root / "manifest.msgpack")))
-    return groups_of(shared, [parse(manifest, root, rank=r) for r in range(ranks)])
+    return parse_checkpoint(manifest, root).groups()
 
 
 def groups_of(shared: ParsedManifest, ranks: Sequence[ParsedManifest]) -> list[list[TensorEntry]]:
