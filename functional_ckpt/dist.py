@@ -46,7 +46,7 @@ from functional_ckpt.manifest import (
     Entry,
     Manifest,
     ParsedManifest,
-    entries_from_plain,
+    parse_planned,
     tensor_groups,
 )
 from functional_ckpt.pipeline.topology import topology
@@ -256,7 +256,10 @@ def save_planned(
         error = os_error(e, dest) if isinstance(e, OSError) else e
     agree(error, group, f"save {dest}")
     mine = codec.encode([e.to_plain() for e in plan.local])
-    locals_ = [entries_from_plain(codec.decode(b)) for b in all_gather_bytes(mine, group)]  # type: ignore[arg-type]
+    gathered = all_gather_bytes(mine, group)
+    locals_ = [
+        parse_planned(codec.decode(b), f"rank {r}'s entries") for r, b in enumerate(gathered)
+    ]
     locals_[rank] = plan.local
     job = _SaveJob(dest, tmp, plan.entries, locals_, metadata, overwrite, time.time())
     job.root = plan.root

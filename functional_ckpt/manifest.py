@@ -155,40 +155,6 @@ class PerRankEntry:
 Entry = TensorEntry | NodeEntry | ValueEntry | PerRankEntry
 
 
-def entries_from_plain(plain: Sequence[dict[str, Any]]) -> list[Entry]:
-    """Entries from the plain form (``to_plain``) that a peer rank built for this save.
-
-    Only for entries of the save in progress, exchanged between its ranks (before
-    any chunk is written); checkpoints on disk are read through :func:`parse`.
-    """
-    out: list[Entry] = []
-    by_path: dict[KeyPath, TensorEntry] = {}
-    for d in plain:
-        path = tuple(d["path"])
-        kind = d["kind"]
-        if kind == "tensor":
-            e = TensorEntry(
-                path,
-                d["fqn"],
-                dtype_from_name(d["dtype"], "a peer's entry"),
-                tuple(d["shape"]),
-                bool(d["requires_grad"]),
-            )
-            if "alias" in d:
-                src = by_path[tuple(d["alias"])]
-                e.alias, e.chunks = src.path, src.chunks
-            by_path[path] = e
-            out.append(e)
-        elif kind == "node":
-            info = {k: v for k, v in d.items() if k not in ("path", "kind")}
-            out.append(NodeEntry(path, info or None))
-        elif kind == "value":
-            out.append(ValueEntry(path, d["value"]))
-        else:
-            out.append(PerRankEntry(path))
-    return out
-
-
 @dataclass
 class Manifest:
     """A checkpoint's manifest as the writer builds it; :meth:`encode` gives its bytes.
@@ -254,6 +220,7 @@ class ParsedManifest:
     root: dict[str, Any] | None = None  # the root's batch size and names, if batched
     per_rank_roots: list[KeyPath] = field(default_factory=list)
     file_sizes: dict[str, int] = field(default_factory=dict)
+    planned: bool = False  # entries of a save in progress: no chunk is written yet
 
     @property
     def metadata(self) -> Any:
@@ -396,6 +363,28 @@ def parse_checkpoint(manifest: dict[str, Any], root: Path) -> ParsedCheckpoint:
     return ParsedCheckpoint(out, ranks, markers, src)
 
 
+def parse_planned(plain: object, where: str) -> list[Entry]:
+    """Entries of a save in progress from their plain form (``to_plain``), by the one parser.
+
+    Ranks exchange their per-rank entries before any chunk is written, so the
+    tensors carry no chunks yet; everything else is validated as on load.
+    """
+    if not isinstance(plain, list):
+        raise CorruptCheckpoint(f"{where}: not a list of entries")
+    out = ParsedManifest({}, planned=True)
+    for i, e in enumerate(plain):
+        _add(out, e, f"{where} entry {i}")
+    entries: list[Entry] = []
+    for path, kind in out.order:
+        if kind == "node":
+            entries.append(NodeEntry(path, out.node_info.get(path)))
+        elif kind == "value":
+            entries.append(ValueEntry(path, out.values[path]))
+        else:
+            entries.append(out.tensors[path])
+    return entries
+
+
 def tensor_groups(
     entries: Sequence[Entry], ranks: Sequence[Sequence[Entry]]
 ) -> list[list[TensorEntry]]:
@@ -497,6 +486,10 @@ def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: 
     chunks = e.get("chunks")
     if not isinstance(chunks, list) or len(chunks) > LIMITS.chunks_per_tensor:
         raise CorruptCheckpoint(f"{where}: invalid chunk list")
+    if out.planned:
+        if chunks:
+            raise CorruptCheckpoint(f"{where}: a planned tensor carries chunks")
+        return entry
     size = element_size(dtype)
     for c in chunks:
         entry.chunks.append(_chunk(c, entry, size, out, where))

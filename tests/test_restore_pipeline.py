@@ -82,3 +82,25 @@ def test_verify_parses_the_manifest_once(tmp_path: Path, validations: Counter[st
     validations.clear()
     assert fc.verify(tmp_path / "ck").ok
     assert validations == {"<file table>": 1, "model.w": 1, "model.b": 1, "rng.state": 1}
+
+
+def test_planned_entries_travel_through_the_one_parser() -> None:
+    from functional_ckpt.errors import CorruptCheckpoint
+    from functional_ckpt.writer import plan_save
+
+    state = TensorDict(
+        {"rng": {"a": torch.ones(2, 3), "env": TensorDict({"x": torch.zeros(4)}, [4])}},
+        batch_size=[],
+    )
+    state["rng", "tied"] = state["rng", "a"]
+    local = plan_save(state, rank=1).local
+    back = manifest.parse_planned([e.to_plain() for e in local], "rank 1's entries")
+    assert [e.to_plain() for e in back] == [e.to_plain() for e in local]
+    tied = {e.path: e for e in back}[("rng", "tied")]
+    assert isinstance(tied, manifest.TensorEntry) and tied.alias == ("rng", "a")
+    a = {e.path: e for e in back}[("rng", "a")]
+    assert isinstance(a, manifest.TensorEntry) and tied.chunks is a.chunks  # filled once
+    plain = [e.to_plain() for e in local]
+    plain[1]["chunks"] = [{"offsets": [0, 0], "sizes": [2, 3]}]
+    with pytest.raises(CorruptCheckpoint, match="rank 1's entries entry 1: a planned tensor"):
+        manifest.parse_planned(plain, "rank 1's entries")

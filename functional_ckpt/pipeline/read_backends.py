@@ -65,6 +65,8 @@ class Opened(Protocol):
 
 
 class ReadBackend(Protocol):
+    """Where a restore reads from; :meth:`open` opens and vets the checkpoint once."""
+
     def open(self, path: Path) -> Opened: ...
 
 
