@@ -28,14 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict, TensorDictBase
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
     LoadPlanner,
@@ -46,27 +39,19 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from functional_ckpt import codec, format, shards
+from functional_ckpt import codec, dcpmeta, format, shards
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 from functional_ckpt.manifest import (
     Chunk,
     Entry,
     Manifest,
     ParsedManifest,
-    entries_from_plain,
+    parse_planned,
     tensor_groups,
 )
 from functional_ckpt.pipeline.topology import topology
-from functional_ckpt.reader import (
-    Reshard,
-    build,
-    gc_paused,
-    open_vetted,
-    rank_view,
-    read_chunk,
-    select,
-)
-from functional_ckpt.tree import Leaf, as_state, iter_leaves, unflatten
+from functional_ckpt.reader import gc_paused, read_chunk
+from functional_ckpt.tree import KeyPath
 from functional_ckpt.writer import (
     CheckpointInfo,
     Plan,
@@ -271,7 +256,10 @@ def save_planned(
         error = os_error(e, dest) if isinstance(e, OSError) else e
     agree(error, group, f"save {dest}")
     mine = codec.encode([e.to_plain() for e in plan.local])
-    locals_ = [entries_from_plain(codec.decode(b)) for b in all_gather_bytes(mine, group)]  # type: ignore[arg-type]
+    gathered = all_gather_bytes(mine, group)
+    locals_ = [
+        parse_planned(codec.decode(b), f"rank {r}'s entries") for r, b in enumerate(gathered)
+    ]
     locals_[rank] = plan.local
     job = _SaveJob(dest, tmp, plan.entries, locals_, metadata, overwrite, time.time())
     job.root = plan.root
@@ -319,34 +307,30 @@ def _unwrap(e: BaseException, what: str) -> CheckpointError:
 
 
 class _ManifestReader(StorageReader):
-    """DCP storage reader serving chunks straight from our manifest and files."""
+    """DCP storage reader serving chunks straight from our manifest and files.
 
-    def __init__(self, root: format.Checkpoint, parsed: list[ParsedManifest]) -> None:
+    Its ``Metadata`` is the one derivation of ``.metadata`` from the manifest
+    (:func:`dcpmeta.build`), built from this rank's parsed view; the file itself
+    is never read.
+    """
+
+    def __init__(self, root: format.Checkpoint, parsed: ParsedManifest) -> None:
         super().__init__()
         self.root = root
         self.parsed = parsed
         self.chunks: dict[MetadataIndex, Chunk] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        state_md: dict[str, Any] = {}
-        for one in self.parsed:
-            for e in one.tensors.values():
-                if e.fqn in state_md:
-                    continue
-                state_md[e.fqn] = TensorStorageMetadata(
-                    properties=TensorProperties(dtype=e.dtype),
-                    size=torch.Size(e.shape),
-                    chunks=[
-                        ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
-                        for c in e.chunks
-                    ],
-                )
-                for c in e.chunks:
-                    self.chunks[MetadataIndex(e.fqn, torch.Size(c.offsets))] = c
-        return Metadata(state_dict_metadata=state_md, storage_data=None)
+        entries = list(self.parsed.tensors.values())
+        for e in entries:  # later entries win, as in ``dcpmeta.build``
+            self.dtypes[e.fqn] = e.dtype
+            for c in e.chunks:
+                self.chunks[MetadataIndex(e.fqn, torch.Size(c.offsets))] = c
+        return dcpmeta.build([entries])
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *a: Any, **k: Any
@@ -366,8 +350,11 @@ class _ManifestReader(StorageReader):
             by_chunk.setdefault(id(chunk), (chunk, []))[1].append(req)
         ordered = sorted(by_chunk.values(), key=lambda cr: (cr[0].file, cr[0].data_offset))
         for chunk, reqs in ordered:
-            dtype = self._dtype(reqs[0].storage_index.fqn)
-            data = read_chunk(self.root, chunk, dtype, reqs[0].storage_index.fqn)
+            fqn = reqs[0].storage_index.fqn
+            dtype = self.dtypes.get(fqn)
+            if dtype is None:
+                raise CorruptCheckpoint(f"{self.root.path}: no tensor {fqn!r}")
+            data = read_chunk(self.root, chunk, dtype, fqn)
             for req in reqs:
                 piece = data
                 for dim, (off, size) in enumerate(
@@ -381,135 +368,44 @@ class _ManifestReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _dtype(self, fqn: str) -> torch.dtype:
-        for one in self.parsed:
-            for e in one.tensors.values():
-                if e.fqn == fqn:
-                    return e.dtype
-        raise CorruptCheckpoint(f"{self.root.path}: no tensor {fqn!r}")
-
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
 
 
-def restore_distributed(
-    src: Path,
-    template: TensorDictBase | Mapping[str, Any],
-    *,
-    partial: bool,
-    cast: bool,
-    reshard: Reshard | None,
-    timeout: float | None = None,
-    inplace: bool = False,
-    device: torch.device | None = None,
-) -> TensorDict:
-    """Restore with DTensor leaves in the template: DCP maps saved chunks to shards.
-
-    The shards land in new DTensors on each template leaf's mesh and placements, or
-    in the template's own DTensors when ``inplace``.
-    """
-    if not topology().initialized:
-        raise CheckpointError("restoring into DTensor templates needs an initialized process group")
-    group = checkpoint_group(timeout)
-    error: BaseException | None = None
-    ck: format.Checkpoint | None = None
-    try:
-        ck = open_vetted(src)
-    except BaseException as e:
-        error = e
-    try:
-        return _restore_open(
-            ck,
-            error,
-            group,
-            template,
-            partial=partial,
-            cast=cast,
-            reshard=reshard,
-            inplace=inplace,
-            device=device,
-        )
-    finally:
-        if ck is not None:
-            ck.close()
-
-
-def _restore_open(
-    ck: format.Checkpoint | None,
-    error: BaseException | None,
+def read_sharded(
+    ck: format.Checkpoint,
+    parsed: ParsedManifest,
+    wanted: Mapping[KeyPath, torch.Tensor],
     group: Any,
-    template: TensorDictBase | Mapping[str, Any],
     *,
-    partial: bool,
-    cast: bool,
-    reshard: Reshard | None,
     inplace: bool,
-    device: torch.device | None,
-) -> TensorDict:
-    """The distributed restore, reading every file through the opened checkpoint ``ck``."""
+) -> dict[KeyPath, torch.Tensor]:
+    """The DTensor leaves of ``wanted``, read collectively through DCP's load planner.
+
+    The shards land in new DTensors on each template leaf's mesh and placements,
+    or in the template's own DTensors when ``inplace``. Every rank calls it.
+    """
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine: TensorDict | None = None
-    src = ck.path if ck is not None else Path("?")
-    if ck is not None:
-        try:
-            view = rank_view(
-                ck,
-                ck.manifest,
-                as_state(template),
-                partial=partial,
-                reshard=reshard,
-                rank=rank,
-                world=world,
-            )
-            parsed, mine = view.parsed, view.mine
-            selected, wanted = select(parsed, view.template, partial=partial, cast=cast)
-        except BaseException as e:
-            error = e
-    agree(error, group, f"restore {src}")
-    assert ck is not None
     sharded = {p: t if inplace else _fresh_dtensor(t) for p, t in wanted.items() if is_dtensor(t)}
-    plain_template = {p: t for p, t in wanted.items() if p not in sharded}
     state_dict = {parsed.tensors[p].fqn: t for p, t in sharded.items()}
-    dtypes_ok = all(t.dtype == parsed.tensors[p].dtype for p, t in sharded.items())
-    if not dtypes_ok:
-        raise CheckpointError(f"{src}: cast=True is not supported for DTensor leaves")
+    if not all(t.dtype == parsed.tensors[p].dtype for p, t in sharded.items()):
+        raise CheckpointError(f"{ck.path}: cast=True is not supported for DTensor leaves")
     try:
         dcp_load(
             state_dict,
-            storage_reader=_ManifestReader(ck, [parsed]),
+            storage_reader=_ManifestReader(ck, parsed),
             planner=DefaultLoadPlanner(),
             process_group=group,
         )
     except BaseException as e:
-        raise _unwrap(e, f"restore {src}") from e
+        raise _unwrap(e, f"restore {ck.path}") from e
     for p, t in sharded.items():
         if not inplace and wanted[p].requires_grad and t.is_floating_point():
             t.requires_grad_(True)
-    local = [(p, k) for p, k in selected if p not in sharded]
-    with gc_paused():
-        rest = build(
-            ck,
-            parsed,
-            local,
-            plain_template,
-            False,
-            inplace=inplace,
-            device=device or torch.device("cpu"),
-        )
-    values = {leaf.path: leaf for leaf in iter_leaves(rest)}
-    leaves: list[Leaf] = []
-    for p, _ in selected:
-        if p in sharded:
-            leaves.append(Leaf(p, "tensor", sharded[p]))
-        elif p in values:
-            leaves.append(values[p])
-    if mine is not None:
-        leaves += iter_leaves(mine)
-    return unflatten(leaves, parsed.root)
+    return sharded
 
 
 def _fresh_dtensor(like: Any) -> torch.Tensor:
@@ -528,4 +424,4 @@ def _fresh_dtensor(like: Any) -> torch.Tensor:
     return fresh
 
 
-__all__ = ["checkpoint_group", "restore_distributed", "save_planned"]
+__all__ = ["checkpoint_group", "read_sharded", "save_planned"]

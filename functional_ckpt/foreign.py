@@ -13,11 +13,12 @@ import io
 import os
 import stat
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
 from functional_ckpt import dcpmeta, format
 from functional_ckpt.errors import (
@@ -36,7 +37,6 @@ from functional_ckpt.tree import (
     format_path,
     iter_leaves,
     node_record,
-    unflatten,
 )
 
 
@@ -105,69 +105,49 @@ def _load_tensor(blob: bytes, where: str) -> torch.Tensor:
     return t
 
 
-def restore_dcp(
-    root: Path,
+@dataclass
+class StockMatch:
+    """The template's leaves matched to a stock checkpoint's entries, before any read.
+
+    ``items`` keeps the template's order: a leaf with its DCP key and storage
+    metadata is read; one without (structure, container records) is kept as is.
+    """
+
+    items: list[tuple[Leaf, str | None, Any]]
+    storage: dict[Any, Any]
+    root: dict[str, Any] | None
+
+
+def match_dcp(
+    files: StockFiles,
+    md: Any,
     template: TensorDictBase | Mapping[str, Any] | None,
     *,
     partial: bool,
     cast: bool,
     allow_pickle: bool,
-    inplace: bool = False,
-    device: torch.device | None = None,
-) -> TensorDict:
-    """Restore the template's keys from a stock DCP checkpoint.
+) -> StockMatch:
+    """Match the template to the stock ``.metadata`` ``md``; one error lists every mismatch."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    Into new tensors of each template leaf's dtype and device (``device`` for
-    ``meta`` leaves), or into the template's own tensors when ``inplace``.
-    """
+    root = files.root
     if template is None:
         raise CheckpointError(
             f"{root}: a stock DCP checkpoint has no manifest; pass a template to restore it"
         )
-    with StockFiles(root) as files:
-        return _restore(
-            files,
-            template,
-            partial=partial,
-            cast=cast,
-            allow_pickle=allow_pickle,
-            inplace=inplace,
-            device=device,
-        )
-
-
-def _restore(
-    files: StockFiles,
-    template: TensorDictBase | Mapping[str, Any],
-    *,
-    partial: bool,
-    cast: bool,
-    allow_pickle: bool,
-    inplace: bool,
-    device: torch.device | None,
-) -> TensorDict:
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        MetadataIndex,
-        TensorStorageMetadata,
-    )
-
-    root = files.root
-    md = files.metadata()
     saved: dict[str, Any] = md.state_dict_metadata
     storage: dict[Any, Any] = md.storage_data if isinstance(md.storage_data, dict) else {}
-    leaves = list(iter_leaves(as_state(template)))
     problems: list[str] = []
     pickled: list[str] = []
     used: set[str] = set()
-    out: list[Leaf] = []
-    for leaf in leaves:
+    items: list[tuple[Leaf, str | None, Any]] = []
+    for leaf in iter_leaves(as_state(template)):
         if leaf.kind == "node" or leaf.path[-1] == NODE_KEY:
-            out.append(leaf)  # structure (and container records) come from the template
+            items.append((leaf, None, None))  # structure comes from the template
             continue
         fqn = ".".join(leaf.path)
         smd = saved.get(fqn)
-        where = f"{format_path(leaf.path)} (DCP key {fqn!r})"
+        where = _where(leaf.path)
         if smd is None:
             problems.append(f"  {where}: missing from the checkpoint")
             continue
@@ -178,12 +158,7 @@ def _restore(
             elif not allow_pickle:
                 pickled.append(where)
             else:
-                info = storage.get(MetadataIndex(fqn))
-                if info is None:
-                    raise CorruptCheckpoint(f"{root}: no storage recorded for {where}")
-                blob = files.blob(info)
-                value = torch.load(io.BytesIO(blob), weights_only=False)  # trusted by the caller
-                out.append(Leaf(leaf.path, "value", value))
+                items.append((leaf, fqn, smd))
             continue
         if not isinstance(smd, TensorStorageMetadata):
             problems.append(f"  {where}: saved as a pickled value, template has a tensor")
@@ -192,33 +167,13 @@ def _restore(
         saved_dtype = smd.properties.dtype
         if tuple(smd.size) != tuple(t.shape):
             problems.append(f"  {where}: saved shape {list(smd.size)}, template {list(t.shape)}")
-            continue
-        if saved_dtype != t.dtype and not cast:
+        elif saved_dtype != t.dtype and not cast:
             problems.append(
                 f"  {where}: saved dtype {dtype_name(saved_dtype)}, template "
                 f"{dtype_name(t.dtype)} (pass cast=True to convert)"
             )
-            continue
-        if inplace and not t.is_meta:
-            dest = t
         else:
-            dev = (device or torch.device("cpu")) if t.is_meta else t.device
-            dest = torch.empty(t.shape, dtype=t.dtype, device=dev)
-        with torch.no_grad():
-            for chunk in smd.chunks:
-                info = storage.get(MetadataIndex(fqn, chunk.offsets))
-                if info is None:
-                    raise CorruptCheckpoint(f"{root}: no storage recorded for {where}")
-                piece = _load_tensor(files.blob(info), f"{root} {where}")
-                if tuple(piece.shape) != tuple(chunk.sizes):
-                    raise CorruptCheckpoint(f"{root} {where}: chunk shape differs from metadata")
-                region = dest
-                for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
-                    region = region.narrow(dim, off, size)
-                region.copy_(piece)
-        if dest is not t and t.requires_grad and (dest.is_floating_point() or dest.is_complex()):
-            dest.requires_grad_(True)
-        out.append(Leaf(leaf.path, "tensor", dest))
+            items.append((leaf, fqn, smd))
     if not partial:
         extra = sorted(set(saved) - used)
         problems += [f"  DCP key {k!r}: in the checkpoint but not in the template" for k in extra]
@@ -231,7 +186,61 @@ def _restore(
             f"{root}: these values are stored as pickles, which can run code; pass "
             "allow_pickle=True only for a checkpoint you trust:\n  " + "\n  ".join(pickled)
         )
-    return unflatten(out, node_record(as_state(template)))
+    return StockMatch(items, storage, node_record(as_state(template)))
+
+
+def _where(path: KeyPath) -> str:
+    return f"{format_path(path)} (DCP key {'.'.join(path)!r})"
+
+
+def read_dcp(
+    files: StockFiles, match: StockMatch, *, inplace: bool, device: torch.device
+) -> list[Leaf]:
+    """Read every matched leaf: tensors into new tensors (or the template's, ``inplace``).
+
+    A tensor lands in a new tensor of its template leaf's dtype and device
+    (``device`` for ``meta`` leaves); pickled values reach here only when the
+    caller allowed them.
+    """
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    root = files.root
+    out: list[Leaf] = []
+    for leaf, fqn, smd in match.items:
+        if fqn is None:
+            out.append(leaf)
+            continue
+        where = _where(leaf.path)
+        if leaf.kind == "value":
+            info = match.storage.get(MetadataIndex(fqn))
+            if info is None:
+                raise CorruptCheckpoint(f"{root}: no storage recorded for {where}")
+            blob = files.blob(info)
+            value = torch.load(io.BytesIO(blob), weights_only=False)  # trusted by the caller
+            out.append(Leaf(leaf.path, "value", value))
+            continue
+        t: torch.Tensor = leaf.value
+        if inplace and not t.is_meta:
+            dest = t
+        else:
+            dev = device if t.is_meta else t.device
+            dest = torch.empty(t.shape, dtype=t.dtype, device=dev)
+        with torch.no_grad():
+            for chunk in smd.chunks:
+                info = match.storage.get(MetadataIndex(fqn, chunk.offsets))
+                if info is None:
+                    raise CorruptCheckpoint(f"{root}: no storage recorded for {where}")
+                piece = _load_tensor(files.blob(info), f"{root} {where}")
+                if tuple(piece.shape) != tuple(chunk.sizes):
+                    raise CorruptCheckpoint(f"{root} {where}: chunk shape differs from metadata")
+                region = dest
+                for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+                    region = region.narrow(dim, off, size)
+                region.copy_(piece)
+        if dest is not t and t.requires_grad and (dest.is_floating_point() or dest.is_complex()):
+            dest.requires_grad_(True)
+        out.append(Leaf(leaf.path, "tensor", dest))
+    return out
 
 
 def inspect_dcp(root: Path) -> CheckpointSummary:

@@ -6,7 +6,6 @@ restore: manifest -> match ``like`` -> read into new tensors (or ``out``'s) -> u
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,18 +18,13 @@ from tensordict import TensorDict, TensorDictBase
 from functional_ckpt import dcpmeta, format, shards
 from functional_ckpt.checksum import crc32
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
-from functional_ckpt.manifest import Chunk, TensorEntry, groups_of, parse
+from functional_ckpt.manifest import Chunk, TensorEntry, groups_of, parse_checkpoint
+from functional_ckpt.pipeline.restore import is_stock_dcp
+from functional_ckpt.pipeline.restore import restore as pipeline_restore
 from functional_ckpt.pipeline.save import save as pipeline_save
-from functional_ckpt.pipeline.topology import has_dtensor
-from functional_ckpt.reader import (
-    Reshard,
-    classify_metadata,
-    gc_paused,
-    open_checkpoint,
-    restore_local,
-)
+from functional_ckpt.reader import Reshard, classify_metadata, open_checkpoint
 from functional_ckpt.summary import CheckpointSummary, TensorSpec, insert, node_of
-from functional_ckpt.tree import KeyPath, as_state, format_path
+from functional_ckpt.tree import KeyPath, format_path
 from functional_ckpt.writer import (
     DEFAULT_PER_RANK,
     CheckpointInfo,
@@ -54,20 +48,6 @@ def save(
     multi-rank guide); ``per_rank`` names the top-level subtrees stored per rank.
     """
     return pipeline_save(path, state, metadata=metadata, overwrite=overwrite, per_rank=per_rank)
-
-
-def is_stock_dcp(path: Path) -> bool:
-    """A directory written by stock ``torch.distributed.checkpoint`` (no manifest).
-
-    Decided from directory entries alone (nothing is opened).
-    """
-    return (
-        path.is_dir()
-        and not os.path.lexists(path / format.COMMIT_MARKER)
-        and not os.path.lexists(path / format.MANIFEST)
-        and os.path.lexists(path / format.DCP_METADATA)
-        and not format.is_temporary_name(path.name)
-    )
 
 
 State = TensorDictBase | Mapping[str, Any]
@@ -99,39 +79,16 @@ def restore(
     contents are unspecified. ``template=`` is the deprecated spelling of ``like=``.
     """
     like = like_argument(like, out, template, "fc.restore")
-    chosen = out if out is not None else like
-    target = None if chosen is None else as_state(chosen)
-    inplace = out is not None
-    where = torch.device("cpu" if device is None else device)
-    src = Path(path)
-    if is_stock_dcp(src):
-        from functional_ckpt.foreign import restore_dcp
-
-        return restore_dcp(
-            src,
-            target,
-            partial=partial,
-            cast=cast,
-            allow_pickle=allow_pickle,
-            inplace=inplace,
-            device=where,
-        )
-    if target is not None and has_dtensor(target):
-        from functional_ckpt.dist import restore_distributed
-
-        return restore_distributed(
-            src, target, partial=partial, cast=cast, reshard=reshard, inplace=inplace, device=where
-        )
-    with gc_paused():
-        return restore_local(
-            src,
-            target,
-            partial=partial,
-            cast=cast,
-            reshard=reshard,
-            inplace=inplace,
-            device=where,
-        )
+    return pipeline_restore(
+        Path(path),
+        like,
+        out=out,
+        device=device,
+        partial=partial,
+        cast=cast,
+        allow_pickle=allow_pickle,
+        reshard=reshard,
+    )
 
 
 def like_argument(
@@ -256,8 +213,8 @@ def _verify_open(
 ) -> None:
     src, manifest = ck.path, ck.manifest
     try:
-        shared = parse(manifest, src, rank=None)
-        parsed = [parse(manifest, src, rank=r) for r in range(shared.world_size)]
+        once = parse_checkpoint(manifest, src)
+        shared, parsed = once.shared, once.all_views()
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.problems.append(Problem(format.MANIFEST, str(err)))
         return

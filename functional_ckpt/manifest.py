@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -155,40 +155,6 @@ class PerRankEntry:
 Entry = TensorEntry | NodeEntry | ValueEntry | PerRankEntry
 
 
-def entries_from_plain(plain: Sequence[dict[str, Any]]) -> list[Entry]:
-    """Entries from the plain form (``to_plain``) that a peer rank built for this save.
-
-    Only for entries of the save in progress, exchanged between its ranks (before
-    any chunk is written); checkpoints on disk are read through :func:`parse`.
-    """
-    out: list[Entry] = []
-    by_path: dict[KeyPath, TensorEntry] = {}
-    for d in plain:
-        path = tuple(d["path"])
-        kind = d["kind"]
-        if kind == "tensor":
-            e = TensorEntry(
-                path,
-                d["fqn"],
-                dtype_from_name(d["dtype"], "a peer's entry"),
-                tuple(d["shape"]),
-                bool(d["requires_grad"]),
-            )
-            if "alias" in d:
-                src = by_path[tuple(d["alias"])]
-                e.alias, e.chunks = src.path, src.chunks
-            by_path[path] = e
-            out.append(e)
-        elif kind == "node":
-            info = {k: v for k, v in d.items() if k not in ("path", "kind")}
-            out.append(NodeEntry(path, info or None))
-        elif kind == "value":
-            out.append(ValueEntry(path, d["value"]))
-        else:
-            out.append(PerRankEntry(path))
-    return out
-
-
 @dataclass
 class Manifest:
     """A checkpoint's manifest as the writer builds it; :meth:`encode` gives its bytes.
@@ -254,6 +220,7 @@ class ParsedManifest:
     root: dict[str, Any] | None = None  # the root's batch size and names, if batched
     per_rank_roots: list[KeyPath] = field(default_factory=list)
     file_sizes: dict[str, int] = field(default_factory=dict)
+    planned: bool = False  # entries of a save in progress: no chunk is written yet
 
     @property
     def metadata(self) -> Any:
@@ -294,10 +261,79 @@ def rank_entries(manifest: dict[str, Any], src: str) -> list[list[Any]]:
 
 
 def parse(manifest: dict[str, Any], root: Path, *, rank: int | None = 0) -> ParsedManifest:
-    """Validate a decoded manifest against the directory ``root`` it came from.
+    """Validate a decoded manifest against ``root`` and view it from ``rank``.
 
     ``rank`` selects whose per-rank subtrees are spliced in; None leaves them out.
+    A caller that needs more than one rank's view parses once with
+    :func:`parse_checkpoint` and asks it for each view.
     """
+    return parse_checkpoint(manifest, root).view(rank)
+
+
+@dataclass
+class ParsedCheckpoint:
+    """A manifest validated once: the shared tree, and every rank's view derived from it.
+
+    The shared entries are checked once; each rank's per-rank entries are checked
+    the first time that rank's view is asked for.
+    """
+
+    shared: ParsedManifest  # the view of ``rank=None``: per-rank subtrees left out
+    ranks: list[list[Any]]  # each rank's per-rank entries, as decoded
+    markers: list[tuple[int, KeyPath]]  # where in ``shared.order`` each per-rank subtree stands
+    src: str
+    views: dict[int, ParsedManifest] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.shared.world_size
+
+    def view(self, rank: int | None) -> ParsedManifest:
+        """The tree as ``rank`` sees it (None: without any per-rank subtree)."""
+        if rank is None:
+            return self.shared
+        got = self.views.get(rank)
+        if got is None:
+            got = self.views[rank] = self._view(rank)
+        return got
+
+    def all_views(self) -> list[ParsedManifest]:
+        """Every saving rank's view, in rank order."""
+        return [self.view(r) for r in range(len(self.ranks))]
+
+    def groups(self) -> list[list[TensorEntry]]:
+        """:func:`tensor_groups` of this manifest (shared, then each rank's own)."""
+        return groups_of(self.shared, self.all_views())
+
+    def _view(self, rank: int) -> ParsedManifest:
+        base = self.shared
+        out = replace(
+            base,
+            rank=rank,
+            order=[],
+            tensors=dict(base.tensors),
+            values=dict(base.values),
+            nodes=set(base.nodes),
+            node_info=dict(base.node_info),
+        )
+        if rank >= len(self.ranks):
+            out.order = list(base.order)
+            return out
+        prev = 0
+        for pos, path in self.markers:
+            out.order += base.order[prev:pos]
+            prev = pos
+            for j, sub in enumerate(self.ranks[rank]):
+                wsub = f"{self.src} rank {rank} entry {j}"
+                p = _path(sub, wsub) if isinstance(sub, dict) else ()
+                if p[: len(path)] == path:
+                    _add(out, sub, wsub)
+        out.order += base.order[prev:]
+        return out
+
+
+def parse_checkpoint(manifest: dict[str, Any], root: Path) -> ParsedCheckpoint:
+    """Validate a decoded manifest against the directory ``root`` it came from, once."""
     src = str(root / "manifest.msgpack")
     out = ParsedManifest(manifest)
     order = manifest.get("byteorder", "little")
@@ -315,22 +351,38 @@ def parse(manifest: dict[str, Any], root: Path, *, rank: int | None = 0) -> Pars
         raise CorruptCheckpoint(f"{src}: missing entries")
     ranks = rank_entries(manifest, src)
     out.world_size = max(1, len(ranks))
-    out.rank = rank if rank is not None else 0
+    markers: list[tuple[int, KeyPath]] = []
     for i, e in enumerate(entries):
         where = f"{src} entry {i}"
         if isinstance(e, dict) and e.get("kind") == "per_rank":
             path = _path(e, where)
             out.per_rank_roots.append(path)
-            if rank is None or rank >= len(ranks):
-                continue
-            for j, sub in enumerate(ranks[rank]):
-                wsub = f"{src} rank {rank} entry {j}"
-                p = _path(sub, wsub) if isinstance(sub, dict) else ()
-                if p[: len(path)] == path:
-                    _add(out, sub, wsub)
+            markers.append((len(out.order), path))
             continue
         _add(out, e, where)
-    return out
+    return ParsedCheckpoint(out, ranks, markers, src)
+
+
+def parse_planned(plain: object, where: str) -> list[Entry]:
+    """Entries of a save in progress from their plain form (``to_plain``), by the one parser.
+
+    Ranks exchange their per-rank entries before any chunk is written, so the
+    tensors carry no chunks yet; everything else is validated as on load.
+    """
+    if not isinstance(plain, list):
+        raise CorruptCheckpoint(f"{where}: not a list of entries")
+    out = ParsedManifest({}, planned=True)
+    for i, e in enumerate(plain):
+        _add(out, e, f"{where} entry {i}")
+    entries: list[Entry] = []
+    for path, kind in out.order:
+        if kind == "node":
+            entries.append(NodeEntry(path, out.node_info.get(path)))
+        elif kind == "value":
+            entries.append(ValueEntry(path, out.values[path]))
+        else:
+            entries.append(out.tensors[path])
+    return entries
 
 
 def tensor_groups(
@@ -342,9 +394,7 @@ def tensor_groups(
 
 def parsed_groups(manifest: dict[str, Any], root: Path) -> list[list[TensorEntry]]:
     """:func:`tensor_groups` of a decoded manifest, every entry validated by :func:`parse`."""
-    shared = parse(manifest, root, rank=None)
-    ranks = len(rank_entries(manifest, str(root / "manifest.msgpack")))
-    return groups_of(shared, [parse(manifest, root, rank=r) for r in range(ranks)])
+    return parse_checkpoint(manifest, root).groups()
 
 
 def groups_of(shared: ParsedManifest, ranks: Sequence[ParsedManifest]) -> list[list[TensorEntry]]:
@@ -436,6 +486,10 @@ def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: 
     chunks = e.get("chunks")
     if not isinstance(chunks, list) or len(chunks) > LIMITS.chunks_per_tensor:
         raise CorruptCheckpoint(f"{where}: invalid chunk list")
+    if out.planned:
+        if chunks:
+            raise CorruptCheckpoint(f"{where}: a planned tensor carries chunks")
+        return entry
     size = element_size(dtype)
     for c in chunks:
         entry.chunks.append(_chunk(c, entry, size, out, where))

@@ -30,6 +30,7 @@ from functional_ckpt.errors import (
 )
 from functional_ckpt.manifest import (
     Chunk,
+    ParsedCheckpoint,
     ParsedManifest,
     TensorEntry,
     dtype_name,
@@ -37,7 +38,6 @@ from functional_ckpt.manifest import (
     numel,
     parse,
 )
-from functional_ckpt.pipeline.topology import topology
 from functional_ckpt.tree import (
     NODE_KEY,
     KeyPath,
@@ -341,7 +341,7 @@ class RankView:
 
 def rank_view(
     src: format.Checkpoint,
-    manifest: dict[str, Any],
+    parsed: ParsedCheckpoint,
     template: TensorDictBase | None,
     *,
     partial: bool,
@@ -353,15 +353,15 @@ def rank_view(
 
     Without ``reshard`` a different world size refuses per-rank state the caller
     asks for (explicitly by the template, or implicitly by a template-free, full
-    restore).
+    restore). Every view comes from the one parse ``parsed``.
     """
-    mine_parsed = parse(manifest, src.path, rank=rank)
+    mine_parsed = parsed.view(rank)
     if mine_parsed.world_size == world or not mine_parsed.per_rank_roots:
-        return RankView(mine_parsed, template)  # the common case: one parse
-    saved_world = parse(manifest, src.path, rank=None)
+        return RankView(mine_parsed, template)  # the common case
+    saved_world = parsed.shared
     roots = saved_world.per_rank_roots
     if reshard is not None:
-        mine = resharded_per_rank(src, manifest, reshard, rank, world)
+        mine = resharded_per_rank(src, parsed, reshard, rank, world)
         return RankView(
             saved_world, None if template is None else without_roots(template, roots), mine
         )
@@ -370,39 +370,6 @@ def rank_view(
     if template is not None:
         per_rank_check(saved_world, [(lf.path, lf.kind) for lf in iter_leaves(template)], world)
     return RankView(saved_world, template)
-
-
-def restore_local(
-    src: Path,
-    template: TensorDictBase | Mapping[str, Any] | None,
-    *,
-    partial: bool,
-    cast: bool,
-    reshard: Reshard | None = None,
-    inplace: bool = False,
-    device: torch.device = CPU,
-) -> TensorDict:
-    """Restore a checkpoint of this format into a new locked TensorDict."""
-    topo = topology()
-    rank, world = topo.rank, topo.world
-    tpl = None if template is None else as_state(template)
-    with open_vetted(src) as ck:
-        view = rank_view(
-            ck, ck.manifest, tpl, partial=partial, reshard=reshard, rank=rank, world=world
-        )
-        selected, wanted = select(view.parsed, view.template, partial=partial, cast=cast)
-        base = build(
-            ck,
-            view.parsed,
-            selected,
-            wanted,
-            view.template is None,
-            inplace=inplace,
-            device=device,
-        )
-    if view.mine is None:
-        return base
-    return unflatten(list(iter_leaves(base)) + list(iter_leaves(view.mine)), view.parsed.root)
 
 
 def build(
@@ -415,7 +382,30 @@ def build(
     inplace: bool = False,
     device: torch.device = CPU,
 ) -> TensorDict:
-    """Read the selected entries and rebuild their tree.
+    """Read the selected entries and rebuild their tree (see :func:`read_leaves`)."""
+    leaves = read_leaves(src, parsed, selected, wanted, fresh, inplace=inplace, device=device)
+    return rebuild(leaves, parsed.root, src.path)
+
+
+def rebuild(leaves: list[Leaf], root: dict[str, Any] | None, src: Path) -> TensorDict:
+    """The locked tree of ``leaves``; a saved tree that does not fit together is damage."""
+    try:
+        return unflatten(leaves, root)
+    except (RuntimeError, ValueError) as e:  # batch sizes that do not fit the tensors
+        raise CorruptCheckpoint(f"{src}: the saved tree does not fit together: {e}") from None
+
+
+def read_leaves(
+    src: format.Checkpoint,
+    parsed: ParsedManifest,
+    selected: list[tuple[KeyPath, str]],
+    wanted: dict[KeyPath, torch.Tensor],
+    fresh: bool,
+    *,
+    inplace: bool = False,
+    device: torch.device = CPU,
+) -> list[Leaf]:
+    """Read the selected entries into leaves, in the manifest's order.
 
     ``wanted`` maps key paths to template leaves: their dtype and device shape the
     result, and with ``inplace`` their storage receives it.
@@ -451,10 +441,7 @@ def build(
             if grad and not t.requires_grad and (t.is_floating_point() or t.is_complex()):
                 t.requires_grad_(True)
             leaves.append(Leaf(p, "tensor", t))
-    try:
-        return unflatten(leaves, parsed.root)
-    except (RuntimeError, ValueError) as e:  # batch sizes that do not fit the tensors
-        raise CorruptCheckpoint(f"{src}: the saved tree does not fit together: {e}") from None
+    return leaves
 
 
 def _tied(
@@ -474,18 +461,17 @@ def _tied(
 
 
 def resharded_per_rank(
-    src: format.Checkpoint, manifest: dict[str, Any], reshard: Reshard, rank: int, world: int
+    src: format.Checkpoint, parsed: ParsedCheckpoint, reshard: Reshard, rank: int, world: int
 ) -> TensorDict:
     """This rank's per-rank subtrees, mapped by the user from every saving rank's.
 
     ``reshard(saved, rank, world_size)`` gets one TensorDict per saving rank with
     its per-rank subtrees and returns this rank's.
     """
-    shared = parse(manifest, src.path, rank=None)
-    roots = {r[0] for r in shared.per_rank_roots}
+    roots = {r[0] for r in parsed.shared.per_rank_roots}
     saved = []
-    for r in range(shared.world_size):
-        one = parse(manifest, src.path, rank=r)
+    for r in range(parsed.world_size):
+        one = parsed.view(r)
         sel = [(p, k) for p, k in one.order if p[0] in roots]
         saved.append(build(src, one, sel, {}, True))
     return as_state(reshard(saved, rank, world))

@@ -1,0 +1,238 @@
+"""Read backends: where a restore's bytes come from, behind one interface.
+
+A backend opens and vets a checkpoint once (:meth:`ReadBackend.open`), matches
+the template against what it holds (:meth:`Opened.match`) and reads the matched
+leaves (:meth:`Opened.read`); the restore pipeline unflattens them. The
+project's own checkpoints are read from the manifest (:class:`ManifestBackend`),
+stock DCP checkpoints through their hardened ``.metadata``
+(:class:`StockDcpBackend`), and templates with DTensor leaves through DCP's
+load planner (:class:`PlannerBackend`), which also reads from the manifest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from tensordict import TensorDictBase
+
+from functional_ckpt import format
+from functional_ckpt.errors import CheckpointError
+from functional_ckpt.foreign import StockFiles, StockMatch, match_dcp, read_dcp
+from functional_ckpt.manifest import ParsedCheckpoint, ParsedManifest, parse_checkpoint
+from functional_ckpt.pipeline.topology import Topology
+from functional_ckpt.reader import CPU, Reshard, open_vetted, rank_view, read_leaves, select
+from functional_ckpt.tree import KeyPath, Leaf, iter_leaves
+
+
+@dataclass(frozen=True)
+class Request:
+    """How the caller asked for a restore (everything but the path and the template)."""
+
+    partial: bool = False
+    cast: bool = False
+    allow_pickle: bool = False
+    reshard: Reshard | None = None
+    inplace: bool = False
+    device: torch.device = CPU
+
+
+@dataclass
+class Match:
+    """The template matched against a checkpoint: what will be read, and the tree's root."""
+
+    root: dict[str, Any] | None
+    parsed: ParsedManifest | None = None
+    selected: list[tuple[KeyPath, str]] = field(default_factory=list)
+    wanted: dict[KeyPath, torch.Tensor] = field(default_factory=dict)
+    fresh: bool = True  # no template: requires_grad comes from the manifest
+    extra: list[Leaf] = field(default_factory=list)  # per-rank leaves mapped by ``reshard``
+    stock: StockMatch | None = None
+
+
+class Opened(Protocol):
+    """A checkpoint opened and vetted once; every file is read through it."""
+
+    path: Path
+
+    def match(self, template: TensorDictBase | None, req: Request) -> Match: ...
+
+    def read(self, match: Match, req: Request) -> list[Leaf]: ...
+
+    def close(self) -> None: ...
+
+
+class ReadBackend(Protocol):
+    """Where a restore reads from; :meth:`open` opens and vets the checkpoint once."""
+
+    def open(self, path: Path) -> Opened: ...
+
+
+class _Manifested:
+    """A checkpoint of this format: opened, vetted and its manifest parsed, once."""
+
+    def __init__(self, ck: format.Checkpoint, topo: Topology) -> None:
+        self.ck = ck
+        self.path = ck.path
+        self.topo = topo
+        self.parsed: ParsedCheckpoint = parse_checkpoint(ck.manifest, ck.path)
+
+    def match(self, template: TensorDictBase | None, req: Request) -> Match:
+        view = rank_view(
+            self.ck,
+            self.parsed,
+            template,
+            partial=req.partial,
+            reshard=req.reshard,
+            rank=self.topo.rank,
+            world=self.topo.world,
+        )
+        selected, wanted = select(view.parsed, view.template, partial=req.partial, cast=req.cast)
+        extra = [] if view.mine is None else list(iter_leaves(view.mine))
+        return Match(view.parsed.root, view.parsed, selected, wanted, view.template is None, extra)
+
+    def read(self, match: Match, req: Request) -> list[Leaf]:
+        assert match.parsed is not None
+        leaves = read_leaves(
+            self.ck,
+            match.parsed,
+            match.selected,
+            match.wanted,
+            match.fresh,
+            inplace=req.inplace,
+            device=req.device,
+        )
+        return leaves + match.extra
+
+    def close(self) -> None:
+        self.ck.close()
+
+
+@dataclass
+class ManifestBackend:
+    """The project's own checkpoints, read from the manifest by this process alone."""
+
+    topo: Topology
+
+    def open(self, path: Path) -> Opened:
+        ck = open_vetted(path)
+        try:
+            return _Manifested(ck, self.topo)
+        except BaseException:
+            ck.close()
+            raise
+
+
+class _Stock:
+    def __init__(self, files: StockFiles) -> None:
+        self.files = files
+        self.path = files.root
+        self.md = files.metadata()
+
+    def match(self, template: TensorDictBase | None, req: Request) -> Match:
+        stock = match_dcp(
+            self.files,
+            self.md,
+            template,
+            partial=req.partial,
+            cast=req.cast,
+            allow_pickle=req.allow_pickle,
+        )
+        return Match(stock.root, stock=stock)
+
+    def read(self, match: Match, req: Request) -> list[Leaf]:
+        assert match.stock is not None
+        return read_dcp(self.files, match.stock, inplace=req.inplace, device=req.device)
+
+    def close(self) -> None:
+        self.files.close()
+
+
+class StockDcpBackend:
+    """Checkpoints written by stock ``torch.distributed.checkpoint`` (no manifest)."""
+
+    def open(self, path: Path) -> Opened:
+        files = StockFiles(path)
+        try:
+            return _Stock(files)
+        except BaseException:
+            files.close()
+            raise
+
+
+class _Planned:
+    """A checkpoint of this format read collectively: the ranks agree on every step.
+
+    A rank that fails to open, vet or match fails every rank together, so no
+    rank is left waiting in DCP's load.
+    """
+
+    def __init__(self, path: Path, topo: Topology, group: Any) -> None:
+        self.path = path
+        self.group = group
+        self.inner: _Manifested | None = None
+        self.error: BaseException | None = None
+        try:
+            self.inner = _Manifested(open_vetted(path), topo)
+        except BaseException as e:
+            self.error = e
+
+    def match(self, template: TensorDictBase | None, req: Request) -> Match:
+        from functional_ckpt.dist import agree
+
+        got: Match | None = None
+        error = self.error
+        if self.inner is not None and error is None:
+            try:
+                got = self.inner.match(template, req)
+            except BaseException as e:
+                error = e
+        agree(error, self.group, f"restore {self.path}")
+        assert got is not None
+        return got
+
+    def read(self, match: Match, req: Request) -> list[Leaf]:
+        from functional_ckpt.dist import read_sharded
+
+        assert self.inner is not None and match.parsed is not None
+        sharded = read_sharded(
+            self.inner.ck, match.parsed, match.wanted, self.group, inplace=req.inplace
+        )
+        rest = Match(
+            match.root,
+            match.parsed,
+            [(p, k) for p, k in match.selected if p not in sharded],
+            {p: t for p, t in match.wanted.items() if p not in sharded},
+            False,
+        )
+        values = {leaf.path: leaf for leaf in self.inner.read(rest, req)}
+        leaves: list[Leaf] = []
+        for p, _ in match.selected:
+            if p in sharded:
+                leaves.append(Leaf(p, "tensor", sharded[p]))
+            elif p in values:
+                leaves.append(values[p])
+        return leaves + match.extra
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+
+
+@dataclass
+class PlannerBackend:
+    """Templates with DTensor leaves: DCP's load planner maps saved chunks to shards."""
+
+    topo: Topology
+    timeout: float | None = None
+
+    def open(self, path: Path) -> Opened:
+        from functional_ckpt.dist import checkpoint_group
+
+        if not self.topo.initialized:
+            raise CheckpointError(
+                "restoring into DTensor templates needs an initialized process group"
+            )
+        return _Planned(path, self.topo, checkpoint_group(self.timeout))
