@@ -11,6 +11,7 @@ an explicit in-place restore (``out=``) reads into the given tensors.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import mmap
 import sys
@@ -219,19 +220,37 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
     A restore writes every byte of its new tensors once; faulting fresh memory in
     4 KiB at a time while reading costs more than the read itself (far more under
-    virtualisation), and one ``MADV_POPULATE_WRITE`` call does the same work with
-    one trap (Linux only; on older kernels the advice fails and the read faults
-    the pages in). Huge pages are deliberately not asked for: with the common
-    ``defrag=madvise`` setting the kernel would compact memory synchronously,
+    virtualisation), and one ``MADV_POPULATE_WRITE`` call over the tensor's own
+    allocation does the same work with one trap (Linux only; on older kernels the
+    advice fails and the read faults the pages in). The tensor is an ordinary one
+    from torch's allocator. Huge pages are deliberately not asked for: with the
+    common ``defrag=madvise`` setting the kernel would compact memory synchronously,
     evicting the very page cache being read.
     """
+    tensor = torch.empty(shape, dtype=dtype)
     nbytes = numel(shape) * element_size(dtype)
-    if nbytes < PREFAULT_BYTES or not sys.platform.startswith("linux"):
-        return torch.empty(shape, dtype=dtype)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):
-        region.madvise(MADV_POPULATE_WRITE)
-    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
+    if nbytes >= PREFAULT_BYTES and _MADVISE is not None:
+        start = (tensor.data_ptr() + _PAGE - 1) & ~(_PAGE - 1)
+        end = (tensor.data_ptr() + nbytes) & ~(_PAGE - 1)
+        if end > start:
+            _MADVISE(start, end - start, MADV_POPULATE_WRITE)  # best effort: -1 is harmless
+    return tensor
+
+
+def _libc_madvise() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _libc_madvise()
+_PAGE = mmap.PAGESIZE
 
 
 def materialize(
