@@ -515,8 +515,8 @@ class Target:
 
 
 TARGETS = [
-    Target("save: fc.save / raw write+fsync", "big", ("save", FC_SAVE), ("save", RAW_SAVE), 1.25),
-    Target("save: fc.save / dcp.save", "big", ("save", FC_SAVE), ("save", DCP_SAVE), 0.7),
+    Target("save: fc.save / raw write+fsync", "big", ("save", FC_SAVE), ("save", RAW_SAVE), 1.1),
+    Target("save: fc.save / dcp.save", "big", ("save", FC_SAVE), ("save", DCP_SAVE), 1.0),
     Target(
         "restore: fc.restore(like) / dcp.load",
         "big",
@@ -547,7 +547,7 @@ TARGETS = [
     ),
     Target("checksum: crc32 time / fc.save time", "big", ("checksum", CRC), ("save", FC_SAVE), 0.1),
     Target("save: fc.save / dcp.save", "small", ("save", FC_SAVE), ("save", DCP_SAVE), 0.3),
-    Target("save: fc.save / torch.save", "small", ("save", FC_SAVE), ("save", TORCH_SAVE), 1.5),
+    Target("save: fc.save / torch.save", "small", ("save", FC_SAVE), ("save", TORCH_SAVE), 1.0),
     Target(
         "restore: fc.restore(like) / dcp.load",
         "small",
