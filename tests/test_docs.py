@@ -114,7 +114,7 @@ def run_page(path: Path) -> None:
     namespace: dict[str, object] = {"__name__": f"docs_{path.stem}"}
     for block in runnable(code_blocks(path.read_text(encoding="utf-8"))):
         # Pad with blank lines so tracebacks show the line number in the Markdown file.
-        code = compile("\n" * (block.line - 1) + block.source, str(path), "exec")
+        code = compile("\n" * (block.line - 1) + block.source, str(path), "exec", dont_inherit=True)
         try:
             exec(code, namespace)
         except Exception as e:
