@@ -366,13 +366,13 @@ def test_where_prefix() -> None:
 @pytest.mark.parametrize(
     ("value", "fragment"),
     [
-        (Color.RED, "subclass of int"),
-        (Point(1, 2), "subclass of tuple"),
+        (Color.RED, "an Enum that is not registered; register it once"),
+        (Point(1, 2), "a NamedTuple that is not registered; register it once"),
         (MyStr("x"), "subclass of str"),
         (MyDict(a=1), "subclass of dict"),
         (collections.defaultdict(list), "subclass of dict"),
         (collections.Counter("ab"), "subclass of dict"),
-        (msgpack.ExtType(1, b""), "subclass of tuple"),
+        (msgpack.ExtType(1, b""), "a NamedTuple that is not registered"),
         (msgpack.Timestamp(1, 0), "unsupported type msgpack"),
         (memoryview(b"abc"), "memoryview"),
         (lambda: None, "function"),
@@ -397,7 +397,7 @@ def test_unsupported_types(value: Any, fragment: str) -> None:
 
 
 def test_unsupported_in_keys_and_members() -> None:
-    _unsupported({(1, Color.RED): 1}, "value<key (1, <Color.RED: 1>)>[1]: ", "subclass of int")
+    _unsupported({(1, Color.RED): 1}, "value<key (1, <Color.RED: 1>)>[1]: ", "not registered")
     _unsupported({"s": {1, Foo()}}, "value['s']<member <", "Foo")
     _unsupported(frozenset({Point(1, 2)}), "value<member Point(x=1, y=2)>")
     _unsupported(collections.OrderedDict(a=[torch.ones(1)]), "value['a'][0]: ", "tensor tree")
@@ -553,11 +553,16 @@ def test_malformed_leaf_payloads() -> None:
 
 
 def test_unknown_ext_codes() -> None:
-    for code in (0, 6, 15, 22, 100, 127, -2, -128):
+    for code in (0, 7, 15, 22, 100, 127, -2, -128):
         fixext1 = b"\xd4" + struct.pack("b", code) + b"\x00"
         _corrupt(fixext1, f"unknown ext code {code}")
         _corrupt(b"\x91" + fixext1, f"unknown ext code {code}")
     _corrupt(pack_raw([ext(99, b"")]), "unknown ext code 99")
+    # code 6 is a tagged value: a tag nobody registered is refused, never looked up
+    with pytest.raises(UnsafeCheckpoint, match=r"unknown tagged type 'os\.system'"):
+        codec.decode(pack_raw([ext(6, b"os.system"), ["ls"]]))
+    with pytest.raises(CorruptCheckpoint, match="invalid tag"):
+        codec.decode(pack_raw([ext(6, b"\xff"), 1]))
 
 
 def test_msgpack_timestamp_is_refused() -> None:

@@ -34,6 +34,7 @@ code  kind               payload
 3     frozenset marker   empty; ``[m, *members]``
 4     OrderedDict marker empty; ``[m, k0, v0, k1, v1, ...]``
 5     torch.Size marker  empty; ``[m, *dims]``
+6     tagged marker      the UTF-8 tag; ``[m, fields]`` (see ``tagged``)
 16    big int            little-endian two's complement bytes
 17    bytearray          the bytes
 18    numpy.ndarray      msgpack ``[dtype_code, shape, c_order_bytes]``
@@ -61,7 +62,9 @@ bounded without Python recursion. Its limits come from
 
 The package holds one concept per module: ``table`` (what is encodable and the
 ext codes), ``encoding`` (scan, then pack), ``decoding`` (the unpacker's hooks,
-budgets, hash-flood and depth checks) and ``leaves`` (each leaf ext's payload).
+budgets, hash-flood and depth checks), ``leaves`` (each leaf ext's payload) and
+``tagged`` (paths, datetimes, namespaces and registered classes as tagged plain
+data; :func:`register` adds a user's dataclass, NamedTuple or Enum).
 """
 
 from __future__ import annotations
@@ -77,12 +80,14 @@ from functional_ckpt.codec.table import (
     EXT_NUMPY_SCALAR,
     EXT_ORDERED_DICT,
     EXT_SET,
+    EXT_TAGGED,
     EXT_TORCH_DEVICE,
     EXT_TORCH_DTYPE,
     EXT_TORCH_SIZE,
     EXT_TUPLE,
     MAX_ENCODE_DEPTH,
 )
+from functional_ckpt.codec.tagged import register
 
 __all__ = [
     "EXT_BIGINT",
@@ -92,6 +97,7 @@ __all__ = [
     "EXT_NUMPY_SCALAR",
     "EXT_ORDERED_DICT",
     "EXT_SET",
+    "EXT_TAGGED",
     "EXT_TORCH_DEVICE",
     "EXT_TORCH_DTYPE",
     "EXT_TORCH_SIZE",
@@ -102,4 +108,5 @@ __all__ = [
     "decode",
     "encode",
     "encode_checked",
+    "register",
 ]

@@ -23,6 +23,7 @@ from functional_ckpt.codec.table import (
     EXT_FROZENSET,
     EXT_ORDERED_DICT,
     EXT_SET,
+    EXT_TAGGED,
     EXT_TORCH_SIZE,
     EXT_TUPLE,
     LEAVES,
@@ -31,6 +32,7 @@ from functional_ckpt.codec.table import (
     torch_size_problem,
     type_name,
 )
+from functional_ckpt.codec.tagged import TAGGED, BadFields, by_tag, unknown_tag_problem
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
 from functional_ckpt.limits import LIMITS
 
@@ -171,7 +173,30 @@ class _Hooks:
         return dict(pairs)
 
 
+def _tagged_marker(payload: bytes) -> _Marker:
+    """The marker of a tagged value: the tag is looked up in the table, never imported."""
+    try:
+        tag = payload.decode("utf-8")
+    except UnicodeDecodeError:
+        raise Corrupt(f"tagged value with an invalid tag {payload[:80]!r}") from None
+    entry = by_tag(tag)
+    if entry is None:
+        raise _Unsafe(unknown_tag_problem(tag[:256]))
+
+    def build(items: list[Any]) -> object:
+        if len(items) != 1:
+            raise Corrupt(f"tagged value {tag!r} with {len(items)} fields entries instead of 1")
+        try:
+            return entry.build(items[0])
+        except BadFields as exc:
+            raise Corrupt(f"tagged value {tag!r}: {exc}") from None
+
+    return _Marker(f"tagged value {tag!r}", build)
+
+
 def _ext_hook(code: int, payload: bytes) -> object:
+    if code == EXT_TAGGED:
+        return _tagged_marker(payload)
     marker = _MARKERS.get(code)
     if marker is not None:
         if payload:
@@ -191,6 +216,14 @@ def _stray(t: type) -> Corrupt:
     return Corrupt(f"unexpected decoded type {type_name(t)}")  # pragma: no cover
 
 
+def _tagged_fields(t: type, value: object) -> object:
+    """The fields below a rebuilt tagged value, walked like any container's children."""
+    entry = TAGGED.get(t)
+    if entry is None:
+        raise _stray(t)
+    return entry.fields(value)
+
+
 def _check_decoded(value: object, max_depth: int) -> None:
     """Bound the nesting and make sure only supported types came out.
 
@@ -204,7 +237,7 @@ def _check_decoded(value: object, max_depth: int) -> None:
     t = type(value)
     if t not in containers:
         if t not in leaves:
-            raise _stray(t)
+            _check_decoded([_tagged_fields(t, value)], max_depth)
         return
     # Level by level rather than a stack of (node, depth) pairs: no per-node
     # allocation, which matters for manifests with tens of thousands of dicts.
@@ -226,7 +259,7 @@ def _check_decoded(value: object, max_depth: int) -> None:
                     if tc in containers:
                         push(child)
                     else:
-                        raise _stray(tc)
+                        push([_tagged_fields(tc, child)])
                 children = obj.values()
             for child in children:
                 tc = type(child)
@@ -235,7 +268,7 @@ def _check_decoded(value: object, max_depth: int) -> None:
                 if tc in containers:
                     push(child)
                 else:
-                    raise _stray(tc)
+                    push([_tagged_fields(tc, child)])
         level_nodes = next_nodes
         level += 1
 

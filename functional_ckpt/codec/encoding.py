@@ -25,6 +25,7 @@ from functional_ckpt.codec.table import (
     EXT_NUMPY_SCALAR,
     EXT_ORDERED_DICT,
     EXT_SET,
+    EXT_TAGGED,
     EXT_TORCH_DEVICE,
     EXT_TORCH_DTYPE,
     EXT_TORCH_SIZE,
@@ -41,6 +42,7 @@ from functional_ckpt.codec.table import (
     torch_size_problem,
     type_name,
 )
+from functional_ckpt.codec.tagged import TAGGED, unregistered_problem
 from functional_ckpt.errors import CheckpointError, UnsupportedValue
 from functional_ckpt.limits import LIMITS
 
@@ -112,6 +114,11 @@ def _default(obj: Any) -> object:
         return [_ORDERED_DICT_EXT, *itertools.chain.from_iterable(obj.items())]
     if t is torch.Size:
         return [_TORCH_SIZE_EXT, *obj]
+    entry = TAGGED.get(t)
+    if entry is not None:
+        # A bytearray among the fields would be packed as bin; swap it for its ext.
+        marker = msgpack.ExtType(EXT_TAGGED, entry.tag.encode("utf-8"))
+        return [marker, _wrap_bytearrays(entry.fields(obj))]
     if t is torch.dtype:
         return msgpack.ExtType(EXT_TORCH_DTYPE, str(obj).removeprefix("torch.").encode("ascii"))
     if t is torch.device:
@@ -155,6 +162,9 @@ def _leaf_problem(obj: object, t: type) -> str | None:
             f"{type_name(t)} is not supported here; tensors belong in the tensor tree, "
             "not among plain values"
         )
+    registrable = unregistered_problem(t)
+    if registrable is not None:
+        return registrable
     if isinstance(obj, np.generic):
         return f"unsupported numpy scalar type {type_name(t)} (supported: {SUPPORTED_TEXT})"
     for base in _BASES_OF_SUBCLASSES:
@@ -242,6 +252,20 @@ def _scan(value: object, where: str) -> tuple[bool, int]:
                         push((m, level, node, _MEMBER, m))
         elif t in native:
             continue
+        elif t in TAGGED:
+            # Written as [marker, fields]: one array, then the fields as any other value.
+            containers += 1
+            level = node[1] + 1
+            if level > MAX_ENCODE_DEPTH:
+                raise UnsupportedValue(
+                    f"{_path(node, where)}: nested deeper than {MAX_ENCODE_DEPTH} containers"
+                )
+            try:
+                fields = TAGGED[t].fields(obj)
+            except UnsupportedValue as exc:
+                raise UnsupportedValue(f"{_path(node, where)}: {exc}") from None
+            if type(fields) not in native:
+                push((fields, level, node, _ITEM, TAGGED[t].tag))
         else:
             problem = _leaf_problem(obj, t)
             if problem is not None:

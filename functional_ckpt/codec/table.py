@@ -21,6 +21,7 @@ EXT_SET: Final = 2
 EXT_FROZENSET: Final = 3
 EXT_ORDERED_DICT: Final = 4
 EXT_TORCH_SIZE: Final = 5
+EXT_TAGGED: Final = 6
 EXT_BIGINT: Final = 16
 EXT_BYTEARRAY: Final = 17
 EXT_NDARRAY: Final = 18
@@ -58,7 +59,8 @@ LEAVES: Final[frozenset[type]] = (
 SUPPORTED_TEXT: Final = (
     "None, bool, int, float, str, bytes, bytearray, list, tuple, dict, "
     "collections.OrderedDict, set, frozenset, numpy.ndarray (non-object dtypes), "
-    "numpy scalars, torch.dtype, torch.device, torch.Size"
+    "numpy scalars, torch.dtype, torch.device, torch.Size, pathlib paths, datetime.datetime/"
+    "date/time/timedelta, argparse.Namespace, and registered dataclasses, NamedTuples and Enums"
 )
 
 # Array dtype kinds whose raw bytes fully describe the values.
