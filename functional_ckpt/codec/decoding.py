@@ -250,9 +250,9 @@ def _check_decoded(value: object, max_depth: int) -> None:
         push = next_nodes.append
         for obj in level_nodes:
             t = type(obj)
-            children = obj
-            if t is dict or t is _OrderedDict:
-                for child in obj:
+            groups = (obj, obj.values()) if t is dict or t is _OrderedDict else (obj,)
+            for group in groups:  # a mapping's keys, then its values
+                for child in group:
                     tc = type(child)
                     if tc in leaves:
                         continue
@@ -260,15 +260,6 @@ def _check_decoded(value: object, max_depth: int) -> None:
                         push(child)
                     else:
                         push([_tagged_fields(tc, child)])
-                children = obj.values()
-            for child in children:
-                tc = type(child)
-                if tc in leaves:
-                    continue
-                if tc in containers:
-                    push(child)
-                else:
-                    push([_tagged_fields(tc, child)])
         level_nodes = next_nodes
         level += 1
 

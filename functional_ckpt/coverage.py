@@ -1,0 +1,71 @@
+"""Chunk coverage: the stored pieces of a tensor cover every element exactly once.
+
+A tensor saved by several ranks is a set of boxes; a reader that trusted them
+could return uninitialised memory (a hole) or pick one of two overlapping writes.
+This check is the one place that decides, for any number of boxes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
+from functional_ckpt.limits import LIMITS
+
+
+def numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def check_coverage(
+    shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]], what: str
+) -> None:
+    """Every element of a tensor of ``shape`` lies in exactly one box (offsets, sizes).
+
+    ``what`` names the boxes in messages, e.g. ``"<file> entry 3: chunks of 'w'"``.
+
+    The boxes must already lie inside the tensor, and their element counts must add
+    up to the tensor's. The distinct box boundaries of each dimension cut the
+    tensor into a grid whose cells each lie wholly inside or outside every box.
+    Boxes fill the cells they span; a cell filled twice is an overlap, and the
+    element counts then guarantee that no cell is left empty. Each cell is
+    inspected at most twice, so the check is linear in the grid, which for real
+    layouts (shards of a device mesh) has one cell per box.
+
+    Raises:
+        CorruptCheckpoint: two boxes overlap.
+        UnsafeCheckpoint: the boxes cut the tensor into more cells than
+            ``LIMITS.coverage_cells``.
+    """
+    boxes = [(o, s) for o, s in boxes if numel(s)]  # empty boxes cover nothing
+    if len(boxes) <= 1:
+        return
+    cuts = []
+    for i, dim in enumerate(shape):
+        starts = {o[i] for o, _ in boxes}
+        cuts.append(sorted({0, dim, *starts, *(o[i] + s[i] for o, s in boxes)}))
+    cells = numel([len(b) - 1 for b in cuts])
+    if cells > LIMITS.coverage_cells:
+        raise UnsafeCheckpoint(
+            f"{what} ({len(boxes)}) cut the tensor into {cells} pieces (at most "
+            f"{LIMITS.coverage_cells} can be checked); not a layout any writer produces"
+        )
+    index = [{v: j for j, v in enumerate(b)} for b in cuts]
+    grid = np.zeros([len(b) - 1 for b in cuts], dtype=np.bool_)
+    for offsets, sizes in boxes:
+        view = grid[
+            tuple(
+                slice(index[i][o], index[i][o + s])
+                for i, (o, s) in enumerate(zip(offsets, sizes, strict=True))
+            )
+        ]
+        if view.any():
+            raise CorruptCheckpoint(
+                f"{what} overlap at offsets {list(offsets)}; the checkpoint is damaged"
+            )
+        view[...] = True
