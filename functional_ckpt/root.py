@@ -59,6 +59,7 @@ __all__ = [
     "read_info",
     "record_of",
     "recover_leftovers",
+    "remove_checkpoint",
     "scan",
     "stamp",
     "step_dirs",
@@ -499,6 +500,33 @@ def delete(root: Path, paths: Iterable[Path]) -> list[Path]:
 def remove_all(paths: Iterable[Path]) -> None:
     for path in paths:
         format.remove_tree(path)
+
+
+def remove_checkpoint(path: str | os.PathLike[str], *, missing_ok: bool = False) -> None:
+    """Delete one checkpoint directory so that no crash leaves a half of it readable.
+
+    It is renamed to ``NAME.trash-<id>`` (its name is free at once) and its marker
+    unlinked before the files go, so a crash at any point leaves either the whole
+    checkpoint or an uncommitted leftover, never a damaged checkpoint. Anything but
+    a checkpoint (committed or not, ours or stock DCP) is refused and left intact.
+    A checkpoint inside a manager's root is the manager's to prune.
+
+    Raises:
+        CheckpointNotFound: nothing at ``path`` (unless ``missing_ok``).
+        CheckpointError: ``path`` is not a checkpoint directory.
+    """
+    path = Path(path)
+    if not os.path.lexists(path):
+        if missing_ok:
+            return
+        raise CheckpointNotFound(f"{path}: no such checkpoint to remove")
+    ours = path.is_dir() and not path.is_symlink() and format.checkpoint_like(path)
+    if not ours or not os.listdir(path):
+        raise CheckpointError(
+            f"{path}: not a checkpoint directory (only a directory holding a checkpoint's "
+            "files is removed); left intact"
+        )
+    remove_all(delete(path.parent, [path]))
 
 
 def _committed(path: Path) -> bool:

@@ -1,0 +1,169 @@
+"""Lightning with FunctionalCheckpointIO: real Trainer runs, resumed bit-identically.
+
+A tiny LightningModule whose hyper-parameters hold a Namespace and a Path trains
+with ModelCheckpoint (top-2 by loss, so older checkpoints are pruned); a second
+run resumes from the end-of-epoch checkpoint with ``ckpt_path=`` and must end
+with the very weights and optimizer state of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+import functional_ckpt.integrations.lightning as fc_lightning
+from functional_ckpt import format
+from functional_ckpt.errors import CheckpointError
+from functional_ckpt.integrations.lightning import FunctionalCheckpointIO
+from functional_ckpt.staging import PendingSave, run_in_background
+from functional_ckpt.writer import CheckpointInfo
+
+STEPS_PER_EPOCH = 8
+
+
+class Tiny(L.LightningModule):
+    def __init__(self, args: argparse.Namespace, out: Path) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=0.05)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 3)}
+
+
+def loader() -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=32 // STEPS_PER_EPOCH)
+
+
+def fit(
+    root: Path, steps: int, io: FunctionalCheckpointIO, ckpt: Path | None = None
+) -> tuple[Tiny, L.Trainer]:
+    L.seed_everything(0, verbose=False)
+    model = Tiny(argparse.Namespace(lr=0.05, layers=[4, 1]), Path("/data/run"))
+    checkpoints = ModelCheckpoint(
+        dirpath=root, every_n_train_steps=4, save_top_k=2, monitor="loss", save_last=True
+    )
+    trainer = L.Trainer(
+        max_steps=steps,
+        plugins=[io],
+        callbacks=[checkpoints],
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=True,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, loader(), ckpt_path=ckpt)
+    return model, trainer
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [x for k in sorted(value, key=repr) for x in [k, *_flat(value[k])]]
+    if isinstance(value, list | tuple):
+        return [x for v in value for x in _flat(v)]
+    return [value]
+
+
+def _same(a: Any, b: Any) -> bool:
+    fa, fb = _flat(a), _flat(b)
+    return len(fa) == len(fb) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        for x, y in zip(fa, fb, strict=True)
+    )
+
+
+def test_fit_prune_and_resume_bit_identically(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    removed: list[Path] = []
+    real_remove = fc_lightning.remove_checkpoint
+
+    def spy(path: Path, **kwargs: Any) -> None:
+        removed.append(Path(path))
+        real_remove(path, **kwargs)
+
+    monkeypatch.setattr(fc_lightning, "remove_checkpoint", spy)
+
+    full, full_trainer = fit(tmp_path / "full", 2 * STEPS_PER_EPOCH, FunctionalCheckpointIO())
+
+    # The interrupted run saves asynchronously; fit's teardown waits for the commits.
+    root = tmp_path / "resumed"
+    fit(root, STEPS_PER_EPOCH, FunctionalCheckpointIO(async_save=True))
+    at_epoch_end = root / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
+    assert (at_epoch_end / format.COMMIT_MARKER).is_file()
+    loaded = FunctionalCheckpointIO().load_checkpoint(at_epoch_end)
+    assert loaded["global_step"] == STEPS_PER_EPOCH
+    hparams = loaded["hyper_parameters"]
+    assert hparams["args"] == argparse.Namespace(lr=0.05, layers=[4, 1])
+    assert hparams["out"] == Path("/data/run") and isinstance(hparams["out"], Path)
+    assert all(type(t) is torch.Tensor for t in loaded["state_dict"].values())
+
+    resumed, trainer = fit(root, 2 * STEPS_PER_EPOCH, FunctionalCheckpointIO(), at_epoch_end)
+    assert trainer.global_step == full_trainer.global_step == 2 * STEPS_PER_EPOCH
+    assert _same(full.state_dict(), resumed.state_dict())
+    assert _same(full_trainer.optimizers[0].state_dict(), trainer.optimizers[0].state_dict())
+    assert trainer.lr_scheduler_configs[0].scheduler.state_dict() == (
+        full_trainer.lr_scheduler_configs[0].scheduler.state_dict()
+    )
+
+    # Top-2 by loss, last, and the one resumed from (Lightning never prunes that one):
+    # the rest were pruned through the crash-safe delete.
+    kept = {p.name for p in root.iterdir()}
+    best = {Path(p).name for p in trainer.checkpoint_callback.best_k_models}
+    assert kept == best | {"last.ckpt", at_epoch_end.name}
+    assert removed and all(not p.exists() for p in removed)
+    assert {p.name for p in removed} & {"epoch=0-step=4.ckpt", "epoch=1-step=12.ckpt"}
+    assert not any(format.is_temporary_name(n) for n in os.listdir(root))
+
+
+def test_async_failures_surface_and_bad_arguments_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def disk_full(pending: PendingSave) -> CheckpointInfo:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(
+        fc_lightning, "save_async", lambda path, state, **kw: run_in_background(path, disk_full)
+    )
+    io = FunctionalCheckpointIO(async_save=True)
+    io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "a")
+    with pytest.raises(OSError, match="No space left"):
+        io.teardown()
+    io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "b")
+    io._pending[tmp_path / "b"].exception()
+    with pytest.raises(OSError, match="No space left"):  # the next call raises it
+        io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "c")
+    io.teardown()
+
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        FunctionalCheckpointIO().save_checkpoint({"w": torch.zeros(2)}, tmp_path / "taken")
+    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
+        io.remove_checkpoint(tmp_path / "taken")
+    assert (tmp_path / "taken" / "notes.txt").read_text() == "not a checkpoint"
+    with pytest.raises(CheckpointError, match="storage_options"):
+        io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "x", storage_options={"a": 1})
+    with pytest.raises(CheckpointError, match="map_location"):
+        io.load_checkpoint(tmp_path / "x", map_location=lambda s, loc: s)
