@@ -1,0 +1,218 @@
+"""Hugging Face ``Trainer`` checkpoints in this format, resumed through ``train()`` itself.
+
+:class:`FunctionalTrainerMixin` replaces what the Trainer writes at each save step
+(``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``,
+``training_args.bin``, ``trainer_state.json``) with one checkpoint directory of this
+format, ``output_dir/checkpoint-N``: model, optimizer, scheduler, gradient scaler,
+every random generator and the trainer state (global step, epoch, log history,
+callback states). Nothing is pickled. ``save_steps``, ``save_strategy`` and
+``save_total_limit`` keep their meaning; pruning is crash-safe.
+
+Resuming is the Trainer's own path, ``trainer.train(resume_from_checkpoint=...)``
+(a path, or ``True`` for the newest ``checkpoint-N``): the Trainer skips the
+batches already trained and restores the generators after doing so, exactly as
+for its own checkpoints, so the resumed run is bit-identical to an uninterrupted
+one. Only the loading steps are replaced, and they read this format.
+
+Single process only (one CPU or GPU); DeepSpeed, FSDP and multi-process runs are
+refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import Trainer
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from functional_ckpt.errors import CheckpointError, CheckpointNotFound
+from functional_ckpt.io import restore, save
+from functional_ckpt.pipeline.topology import topology
+from functional_ckpt.root import remove_checkpoint
+from functional_ckpt.state import apply_rng, capture
+from functional_ckpt.tree import to_python
+
+if TYPE_CHECKING:
+    _Base = Trainer
+else:
+    _Base = object
+
+__all__ = ["FunctionalTrainer", "FunctionalTrainerMixin", "load_trainer_checkpoint"]
+
+_STATE_KEYS = ("model", "optimizer", "scheduler", "rng", "trainer_state")
+
+
+def load_trainer_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A ``checkpoint-N`` directory as plain data (model, optimizer, scheduler, rng, ...)."""
+    loaded = to_python(restore(Path(path)))
+    missing = [k for k in _STATE_KEYS if k not in loaded]
+    if missing:
+        raise CheckpointError(
+            f"{path}: not a Trainer checkpoint of FunctionalTrainerMixin (no {missing}); "
+            "resume from a checkpoint-N directory it wrote"
+        )
+    return dict(loaded)
+
+
+def _checkpoints(run_dir: Path) -> list[Path]:
+    """The ``checkpoint-N`` directories of ``run_dir``, by step (saves commit atomically)."""
+    found: list[tuple[int, Path]] = []
+    prefix = f"{PREFIX_CHECKPOINT_DIR}-"
+    with contextlib.suppress(FileNotFoundError):
+        for p in run_dir.iterdir():
+            step = p.name.removeprefix(prefix)
+            if p.name.startswith(prefix) and step.isdigit() and p.is_dir():
+                found.append((int(step), p))
+    return [p for _, p in sorted(found)]
+
+
+class FunctionalTrainerMixin(_Base):
+    """Mix in before ``Trainer`` or a subclass: ``class T(FunctionalTrainerMixin, Trainer)``."""
+
+    _fc_resume: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ saving
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        self._fc_check_supported()
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = Path(self._get_output_dir(trial=trial))
+        path = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        best = self.state.best_global_step
+        if best:
+            best_dir = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{best}"
+            if best_dir.exists():
+                self.state.best_model_checkpoint = str(best_dir)
+        stateful: Any = self.state.stateful_callbacks  # filled by the Trainer: a dict
+        for cb in [*self.callback_handler.callbacks, self.control]:
+            if isinstance(cb, ExportableState):
+                name = type(cb).__name__
+                if isinstance(stateful.get(name), list):
+                    stateful[name].append(cb.state())
+                else:
+                    stateful[name] = cb.state()
+        extra: dict[str, Any] = {"trainer_state": dataclasses.asdict(self.state)}
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None:
+            extra["scaler"] = scaler
+        state = capture(
+            model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler, **extra
+        )
+        if self.args.should_save:
+            save(path, state, overwrite=True)
+            self._fc_rotate(run_dir)
+
+    def _fc_rotate(self, run_dir: Path) -> None:
+        """``save_total_limit`` as the Trainer reads it, deleting crash-safely."""
+        limit = self.args.save_total_limit
+        if limit is None or limit <= 0:
+            return
+        paths = _checkpoints(run_dir)
+        if len(paths) <= limit:
+            return
+        protected = {paths[-1]}
+        if self.state.best_model_checkpoint is not None:
+            protected.add(Path(self.state.best_model_checkpoint))
+        remaining = len(paths)
+        for p in paths:
+            if remaining <= max(limit, len(protected)):
+                break
+            if p not in protected:
+                remove_checkpoint(p, missing_ok=True)
+                remaining -= 1
+
+    def _fc_check_supported(self) -> None:
+        if topology().distributed or self.args.world_size > 1:
+            raise CheckpointError(
+                "FunctionalTrainerMixin saves from one process; multi-process training is not "
+                "supported (save with fc.save on every rank instead)"
+            )
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise CheckpointError(
+                "FunctionalTrainerMixin does not support DeepSpeed or FSDP; drop the mixin "
+                "for those runs"
+            )
+
+    # ------------------------------------------------------------------ resuming
+
+    def train(
+        self,
+        resume_from_checkpoint: str | os.PathLike[str] | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """``Trainer.train``; ``resume_from_checkpoint`` names a checkpoint of this format.
+
+        ``True`` picks the newest ``checkpoint-N`` of ``output_dir``. The Trainer
+        reads its own state from a JSON file: it is written into a temporary
+        directory for the duration of the call, never beside the checkpoint.
+        """
+        if resume_from_checkpoint is None or resume_from_checkpoint is False:
+            return super().train(None, trial, ignore_keys_for_eval, **kwargs)
+        if resume_from_checkpoint is True:
+            found = _checkpoints(Path(self.args.output_dir or "."))
+            if not found:
+                raise CheckpointNotFound(
+                    f"{self.args.output_dir}: no checkpoint-N directory to resume from"
+                )
+            resume_from_checkpoint = found[-1]
+        self._fc_check_supported()
+        self._fc_resume = load_trainer_checkpoint(resume_from_checkpoint)
+        try:
+            with tempfile.TemporaryDirectory(prefix="fc-trainer-state-") as tmp:
+                Path(tmp, "trainer_state.json").write_text(
+                    json.dumps(self._fc_resume["trainer_state"], indent=2, sort_keys=True)
+                )
+                return super().train(tmp, trial, ignore_keys_for_eval, **kwargs)
+        finally:
+            self._fc_resume = None
+
+    def _fc_loaded(self) -> dict[str, Any]:
+        if self._fc_resume is None:
+            raise CheckpointError(
+                "FunctionalTrainerMixin: the Trainer asked to load a checkpoint outside "
+                "train(resume_from_checkpoint=...)"
+            )
+        return self._fc_resume
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        target: Any = self.model if model is None else model
+        target.load_state_dict(self._fc_loaded()["model"])
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        loaded = self._fc_loaded()
+        optimizer: Any = self.optimizer
+        scheduler: Any = self.lr_scheduler
+        optimizer.load_state_dict(loaded["optimizer"])
+        scheduler.load_state_dict(loaded["scheduler"])
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        scaler = getattr(self.accelerator, "scaler", None)
+        if checkpoint is not None and scaler is not None and "scaler" in self._fc_loaded():
+            scaler.load_state_dict(self._fc_loaded()["scaler"])
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        # Called by the Trainer after it has skipped the trained batches: from here
+        # on, every draw is the one the uninterrupted run made.
+        if checkpoint is None:
+            return
+        rng = self._fc_loaded()["rng"]
+        if "cuda" in rng and not torch.cuda.is_available():
+            rng = {k: v for k, v in rng.items() if k != "cuda"}
+        apply_rng(rng)
+
+
+class FunctionalTrainer(FunctionalTrainerMixin, Trainer):
+    """``transformers.Trainer`` with :class:`FunctionalTrainerMixin`: a drop-in replacement."""

@@ -1,0 +1,120 @@
+"""Hugging Face Trainer with FunctionalTrainerMixin: real Trainer runs, resumed bit-identically.
+
+A tiny GPT-2 (dropout on, so every step draws random numbers) trains for 10 steps
+with a linear schedule and checkpoints every 4 steps (6 steps an epoch: both
+checkpoints are mid-epoch). A second run is stopped at step 4, and a third,
+built from a differently initialised model, resumes from its checkpoint with
+``train(resume_from_checkpoint=True)`` and must end where the uninterrupted run
+ended, loss for loss and bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+
+import functional_ckpt as fc
+import functional_ckpt.integrations.hf as fc_hf
+from functional_ckpt import format
+from functional_ckpt.integrations.hf import FunctionalTrainer, load_trainer_checkpoint
+
+OUR_FILES = {format.COMMIT_MARKER, format.MANIFEST, format.DCP_METADATA}
+
+
+class StopAt(TrainerCallback):
+    """Ends training after ``step`` as a crash would (its checkpoint is written first)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def trainer(out: Path, init_seed: int, stop: int | None = None) -> FunctionalTrainer:
+    torch.manual_seed(init_seed)
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    )
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 64, (12, 8), generator=g)
+    args = TrainingArguments(
+        str(out),
+        max_steps=10,
+        per_device_train_batch_size=2,
+        save_steps=4,
+        save_total_limit=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        seed=7,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+    )
+    return FunctionalTrainer(
+        model=model,
+        args=args,
+        train_dataset=[{"input_ids": r, "labels": r} for r in rows],
+        callbacks=[StopAt(stop)] if stop is not None else None,
+    )
+
+
+def losses(t: FunctionalTrainer) -> list[float]:
+    return [h["loss"] for h in t.state.log_history if "loss" in h]
+
+
+def test_train_stop_resume_bit_identically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    removed: list[Path] = []
+    real_remove = fc_hf.remove_checkpoint
+
+    def spy(path: Path, **kwargs: Any) -> None:
+        removed.append(Path(path))
+        real_remove(path, **kwargs)
+
+    monkeypatch.setattr(fc_hf, "remove_checkpoint", spy)
+
+    full = trainer(tmp_path / "full", init_seed=0)
+    full.train()
+    # save_total_limit=2: step 4 went, through the crash-safe delete.
+    assert removed == [tmp_path / "full" / "checkpoint-4"]
+    assert sorted(os.listdir(tmp_path / "full")) == ["checkpoint-10", "checkpoint-8"]
+
+    out = tmp_path / "run"
+    trainer(out, init_seed=0, stop=4).train()
+    assert os.listdir(out) == ["checkpoint-4"]
+    saved = load_trainer_checkpoint(out / "checkpoint-4")
+    assert saved["trainer_state"]["global_step"] == 4
+    assert saved["optimizer"]["state"] and set(saved["rng"]) >= {"torch", "numpy", "python"}
+
+    resumed = trainer(out, init_seed=1)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == full.state.global_step == 10
+    assert losses(resumed) == losses(full)
+    for (name, a), (_, b) in zip(
+        full.model.state_dict().items(), resumed.model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    assert resumed.lr_scheduler.state_dict() == full.lr_scheduler.state_dict()
+
+    # Nothing but checkpoints of this format: no optimizer.pt, rng_state.pth,
+    # training_args.bin or trainer_state.json beside them.
+    for root in (tmp_path / "full", out):
+        for ckpt in root.iterdir():
+            assert fc.verify(ckpt).ok
+            names = set(os.listdir(ckpt))
+            assert names - OUR_FILES == {n for n in names if n.endswith(".distcp")}, names
+
+
+def test_resume_needs_a_checkpoint_of_this_format(tmp_path: Path) -> None:
+    t = trainer(tmp_path / "empty", init_seed=0)
+    with pytest.raises(fc.errors.CheckpointNotFound, match="no checkpoint-N"):
+        t.train(resume_from_checkpoint=True)
+    fc.save(tmp_path / "other", {"w": torch.zeros(2)})
+    with pytest.raises(fc.CheckpointError, match=r"not a Trainer checkpoint.*'model'"):
+        t.train(resume_from_checkpoint=str(tmp_path / "other"))
