@@ -172,6 +172,12 @@ def apply(
 
     ``extra`` names further stateful objects (anything with ``load_state_dict``)
     stored under the same names by :func:`capture`.
+
+    The random generators are restored last. Creating a data loader's iterator
+    draws from them (its sampler's seed), so a loop resumed mid-epoch must create
+    the iterator *before* they are restored, or every later random draw shifts:
+    ``fc.apply(state, loader=loader, rng=False)``, ``it = iter(loader)``,
+    ``fc.apply(state)`` (or :func:`functional_ckpt.integrations.torchdata.iter_resumed`).
     """
     if model is not None and optimizer is not None and is_sharded_module(model):
         from torch.distributed.checkpoint.state_dict import set_state_dict

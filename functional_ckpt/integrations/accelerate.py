@@ -1,0 +1,78 @@
+"""accelerate without its pickles: capture and apply what ``accelerator.prepare`` returned.
+
+``accelerator.save_state`` writes the optimizer, scheduler, sampler and random
+states as pickles (``optimizer.bin``, ``random_states_0.pkl``, ...). These two
+functions are ``fc.capture``/``fc.apply`` for prepared objects instead: the model
+is unwrapped (DDP, ``torch.compile``), so its names do not depend on how it was
+wrapped; the gradient scaler of fp16 mixed precision and the accelerator's step
+counter (gradient accumulation) are included. Save the result with ``fc.save``
+or a ``CheckpointManager``. A prepared loader resumes mid-epoch through
+:func:`iter_resumed` (build it from torchdata's ``StatefulDataLoader`` with
+``DataLoaderConfiguration(use_stateful_dataloader=True)``, so it has a state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from tensordict import TensorDict, TensorDictBase
+
+from functional_ckpt.errors import TemplateMismatch
+from functional_ckpt.integrations import torchdata
+from functional_ckpt.state import apply as fc_apply
+from functional_ckpt.state import capture as fc_capture
+from functional_ckpt.tree import to_python
+
+__all__ = ["apply", "capture", "iter_resumed"]
+
+_KEY = "accelerator"
+
+
+def _objects(accelerator: Any, model: Any, objects: dict[str, Any]) -> dict[str, Any]:
+    out = dict(objects)
+    if model is not None:
+        out["model"] = accelerator.unwrap_model(model, keep_torch_compile=False)
+    scaler = getattr(accelerator, "scaler", None)
+    if scaler is not None:
+        out["scaler"] = scaler
+    return out
+
+
+def capture(accelerator: Any, *, model: Any = None, rng: bool = True, **objects: Any) -> TensorDict:
+    """``fc.capture`` of prepared objects (``optimizer=``, ``scheduler=``, ``loader=``, extras)."""
+    return fc_capture(
+        rng=rng,
+        **_objects(accelerator, model, objects),
+        **{_KEY: {"step": int(accelerator.step)}},
+    )
+
+
+def _step(state: TensorDictBase) -> int:
+    if _KEY not in state.keys():
+        raise TemplateMismatch(
+            f"state[{_KEY!r}]: missing; apply a state captured with "
+            "functional_ckpt.integrations.accelerate.capture"
+        )
+    return int(to_python(state.get(_KEY))["step"])
+
+
+def apply(accelerator: Any, state: TensorDictBase, *, model: Any = None, **objects: Any) -> None:
+    """``fc.apply`` into prepared objects; the inverse of :func:`capture`."""
+    step = _step(state)
+    fc_apply(state, **_objects(accelerator, model, objects))
+    accelerator.step = step
+
+
+def iter_resumed(
+    accelerator: Any, state: TensorDictBase, loader: Any, *, model: Any = None, **objects: Any
+) -> Iterator[Any]:
+    """:func:`apply`, and the prepared ``loader``'s iterator resumed where the state was taken.
+
+    The random generators are restored once the loader has drawn its seeds (see
+    :func:`functional_ckpt.integrations.torchdata.iter_resumed`).
+    """
+    step = _step(state)
+    iterator = torchdata.iter_resumed(state, loader, **_objects(accelerator, model, objects))
+    accelerator.step = step
+    return iterator

@@ -1,0 +1,48 @@
+"""torchdata's ``StatefulDataLoader``: resume mid-epoch, random draws included.
+
+Creating a loader's iterator draws from the global torch generator (the
+sampler's seed, the workers' base seed). A resumed run that restores the
+generators and *then* calls ``iter(loader)`` has taken one draw more than the
+uninterrupted run at the same step, and every later ``torch.randn``, dropout
+mask or augmentation differs. The order that resumes exactly is: load the
+loader's state, create the iterator, restore the generators last. That is what
+:func:`iter_resumed` does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+from tensordict import TensorDictBase
+
+from functional_ckpt.state import apply
+
+__all__ = ["iter_resumed"]
+
+
+def iter_resumed(state: TensorDictBase, loader: Any, **objects: Any) -> Iterator[Any]:
+    """Apply ``state`` to ``loader`` and ``objects``, and return the loader's resumed iterator.
+
+    ``objects`` are what :func:`functional_ckpt.apply` takes (``model=``,
+    ``optimizer=``, ...). The random generators are restored after the iterator
+    is created, so the next batch and the next random draw are those the
+    uninterrupted run saw after the step the state was captured at. Iterate the
+    returned iterator to finish the interrupted epoch, then ``loader`` as usual.
+    """
+    apply(state, loader=loader, rng=False, **objects)
+    iterator: Iterator[Any] = iter(loader)
+    if inspect.isgenerator(iterator):
+        # A generator (accelerate's loaders) runs nothing, and draws nothing, until
+        # its first batch is asked for: ask now, before the generators are restored.
+        try:
+            first = next(iterator)
+        except StopIteration:
+            apply(state)
+            return iter(())
+        apply(state)
+        return itertools.chain([first], iterator)
+    apply(state)  # the generators only, now that the iterator has drawn its seeds
+    return iterator
