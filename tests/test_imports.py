@@ -128,3 +128,43 @@ def test_the_library_never_loads_the_cli_or_the_demo() -> None:
     code = "import sys, functional_ckpt.cli\nprint('functional_ckpt.cli.demo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"  # only `fckpt demo` loads the demo
+
+
+#: The optional clients, and the one module allowed to import each.
+CLIENTS = {
+    "lightning": "functional_ckpt.integrations.lightning",
+    "pytorch_lightning": "functional_ckpt.integrations.lightning",
+    "transformers": "functional_ckpt.integrations.hf",
+    "accelerate": "functional_ckpt.integrations.accelerate",
+    "torchdata": "functional_ckpt.integrations.torchdata",
+}
+
+
+def clients_of(module: str) -> set[str]:
+    """The optional clients ``module`` imports, anywhere in its source."""
+    tree = ast.parse(MODULES[module].read_text(), str(MODULES[module]))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found & set(CLIENTS)
+
+
+def test_each_client_is_imported_by_its_integration_only() -> None:
+    assert "functional_ckpt.integrations.lightning" in MODULES
+    importers = {m: clients_of(m) for m in MODULES}
+    assert {m: c for m, c in importers.items() if c} == {
+        "functional_ckpt.integrations.lightning": {"lightning"},
+        "functional_ckpt.integrations.hf": {"transformers"},
+    }
+    for module, clients in importers.items():
+        assert all(CLIENTS[c] == module for c in clients), (module, clients)
+    library = sorted(m for m in MODULES if ".integrations" not in m and not m.endswith("__main__"))
+    code = (
+        f"import sys\nfor m in {library!r}: __import__(m)\n"
+        f"print(sorted(c for c in {sorted(CLIENTS)!r} if c in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
