@@ -118,3 +118,23 @@ def test_resume_needs_a_checkpoint_of_this_format(tmp_path: Path) -> None:
     fc.save(tmp_path / "other", {"w": torch.zeros(2)})
     with pytest.raises(fc.CheckpointError, match=r"not a Trainer checkpoint.*'model'"):
         t.train(resume_from_checkpoint=str(tmp_path / "other"))
+
+
+def test_best_model_at_end_and_weights_only_checkpoints(tmp_path: Path) -> None:
+    t = trainer(tmp_path / "best", init_seed=0)
+    t.args.eval_strategy = t.args.save_strategy
+    t.args.eval_steps, t.args.max_steps = 4, 8
+    t.args.save_only_model = t.args.load_best_model_at_end = True
+    t.args.metric_for_best_model, t.args.greater_is_better = "eval_loss", True
+    t.eval_dataset = t.train_dataset
+    t.train()
+    # The loss falls, so the "best" (highest) is the first: its weights, not the last ones.
+    assert t.state.best_model_checkpoint == str(tmp_path / "best" / "checkpoint-4")
+    best = load_trainer_checkpoint(tmp_path / "best" / "checkpoint-4")
+    last = load_trainer_checkpoint(tmp_path / "best" / "checkpoint-8")
+    assert set(best) == {"model", "trainer_state"}  # save_only_model: weights to load
+    for name, value in t.model.state_dict().items():
+        assert torch.equal(value, best["model"][name]), name
+    assert not torch.equal(best["model"]["lm_head.weight"], last["model"]["lm_head.weight"])
+    with pytest.raises(fc.CheckpointError, match="save_only_model"):
+        trainer(tmp_path / "best", init_seed=0).train(resume_from_checkpoint=True)

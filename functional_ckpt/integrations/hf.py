@@ -47,17 +47,17 @@ else:
 
 __all__ = ["FunctionalTrainer", "FunctionalTrainerMixin", "load_trainer_checkpoint"]
 
-_STATE_KEYS = ("model", "optimizer", "scheduler", "rng", "trainer_state")
+_RESUME_KEYS = ("optimizer", "scheduler", "rng")
 
 
 def load_trainer_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A ``checkpoint-N`` directory as plain data (model, optimizer, scheduler, rng, ...)."""
+    """A ``checkpoint-N`` directory as plain data: model, trainer_state, optimizer, ..."""
     loaded = to_python(restore(Path(path)))
-    missing = [k for k in _STATE_KEYS if k not in loaded]
+    missing = [k for k in ("model", "trainer_state") if k not in loaded]
     if missing:
         raise CheckpointError(
             f"{path}: not a Trainer checkpoint of FunctionalTrainerMixin (no {missing}); "
-            "resume from a checkpoint-N directory it wrote"
+            "pass a checkpoint-N directory it wrote"
         )
     return dict(loaded)
 
@@ -101,12 +101,15 @@ class FunctionalTrainerMixin(_Base):
                 else:
                     stateful[name] = cb.state()
         extra: dict[str, Any] = {"trainer_state": dataclasses.asdict(self.state)}
-        scaler = getattr(self.accelerator, "scaler", None)
-        if scaler is not None:
-            extra["scaler"] = scaler
-        state = capture(
-            model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler, **extra
-        )
+        if self.args.save_only_model:  # as the Trainer's own: weights to load, not to resume
+            state = capture(model=self.model, rng=False, **extra)
+        else:
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None:
+                extra["scaler"] = scaler
+            state = capture(
+                model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler, **extra
+            )
         if self.args.should_save:
             save(path, state, overwrite=True)
             self._fc_rotate(run_dir)
@@ -167,7 +170,14 @@ class FunctionalTrainerMixin(_Base):
                 )
             resume_from_checkpoint = found[-1]
         self._fc_check_supported()
-        self._fc_resume = load_trainer_checkpoint(resume_from_checkpoint)
+        loaded = load_trainer_checkpoint(resume_from_checkpoint)
+        missing = [k for k in _RESUME_KEYS if k not in loaded]
+        if missing:
+            raise CheckpointError(
+                f"{resume_from_checkpoint}: holds no {missing} (saved with save_only_model=True?); "
+                "it has the weights to load, not the state to resume training from"
+            )
+        self._fc_resume = loaded
         try:
             with tempfile.TemporaryDirectory(prefix="fc-trainer-state-") as tmp:
                 Path(tmp, "trainer_state.json").write_text(
@@ -184,6 +194,14 @@ class FunctionalTrainerMixin(_Base):
                 "train(resume_from_checkpoint=...)"
             )
         return self._fc_resume
+
+    def _load_best_model(self) -> None:
+        # The Trainer's own would find no weight file, warn, and keep the last weights.
+        best = self.state.best_model_checkpoint
+        if best is None:
+            return
+        model: Any = self.model
+        model.load_state_dict(load_trainer_checkpoint(best)["model"])
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         target: Any = self.model if model is None else model
