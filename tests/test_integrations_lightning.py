@@ -9,6 +9,7 @@ with the very weights and optimizer state of an uninterrupted run.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import os
 import warnings
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
+import functional_ckpt as fc
 import functional_ckpt.integrations.lightning as fc_lightning
 from functional_ckpt import format
 from functional_ckpt.errors import CheckpointError
@@ -28,10 +30,11 @@ from functional_ckpt.staging import PendingSave, run_in_background
 from functional_ckpt.writer import CheckpointInfo
 
 STEPS_PER_EPOCH = 8
+STARTED = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
 
 
 class Tiny(L.LightningModule):
-    def __init__(self, args: argparse.Namespace, out: Path) -> None:
+    def __init__(self, args: argparse.Namespace, out: Path, started: dt.datetime) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Linear(4, 1)
@@ -57,7 +60,7 @@ def fit(
     root: Path, steps: int, io: FunctionalCheckpointIO, ckpt: Path | None = None
 ) -> tuple[Tiny, L.Trainer]:
     L.seed_everything(0, verbose=False)
-    model = Tiny(argparse.Namespace(lr=0.05, layers=[4, 1]), Path("/data/run"))
+    model = Tiny(argparse.Namespace(lr=0.05, layers=[4, 1]), Path("/data/run"), STARTED)
     checkpoints = ModelCheckpoint(
         dirpath=root, every_n_train_steps=4, save_top_k=2, monitor="loss", save_last=True
     )
@@ -117,6 +120,7 @@ def test_fit_prune_and_resume_bit_identically(
     hparams = loaded["hyper_parameters"]
     assert hparams["args"] == argparse.Namespace(lr=0.05, layers=[4, 1])
     assert hparams["out"] == Path("/data/run") and isinstance(hparams["out"], Path)
+    assert hparams["started"] == STARTED
     assert all(type(t) is torch.Tensor for t in loaded["state_dict"].values())
 
     resumed, trainer = fit(root, 2 * STEPS_PER_EPOCH, FunctionalCheckpointIO(), at_epoch_end)
@@ -163,6 +167,10 @@ def test_async_failures_surface_and_bad_arguments_are_refused(
     with pytest.raises(CheckpointError, match="not a checkpoint directory"):
         io.remove_checkpoint(tmp_path / "taken")
     assert (tmp_path / "taken" / "notes.txt").read_text() == "not a checkpoint"
+    fc.save(tmp_path / "kept", {"w": torch.zeros(2)})
+    (tmp_path / "last.ckpt").symlink_to("kept")  # what save_last="link" makes
+    io.remove_checkpoint(tmp_path / "last.ckpt")
+    assert not os.path.lexists(tmp_path / "last.ckpt") and fc.verify(tmp_path / "kept").ok
     with pytest.raises(CheckpointError, match="storage_options"):
         io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "x", storage_options={"a": 1})
     with pytest.raises(CheckpointError, match="map_location"):

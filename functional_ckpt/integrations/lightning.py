@@ -117,6 +117,9 @@ class FunctionalCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         target = Path(path)
         self._wait(target)
+        if target.is_symlink():  # ``save_last="link"``: the checkpoint it names stays
+            target.unlink()
+            return
         remove_checkpoint(target, missing_ok=True)
 
     def teardown(self) -> None:
