@@ -13,10 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import functional_ckpt as fc
+from functional_ckpt.errors import TemplateMismatch
 from functional_ckpt.integrations.torchdata import iter_resumed
 
 STEPS, STOP = 15, 7
@@ -88,3 +90,16 @@ def test_interrupted_mid_epoch_resumes_bit_identically(tmp_path: Path) -> None:
     batches = [b for b, _, _ in naive]
     assert batches == [b for b, _, _ in full]  # the loader's own position is restored either way
     assert [n for _, n, _ in naive][STOP:] != [n for _, n, _ in full][STOP:]  # draws shift by one
+
+
+def test_a_state_without_generators_is_refused_unless_asked() -> None:
+    _, _, loader = setup(0)
+    it = iter(loader)
+    next(it)
+    no_rng = fc.capture(loader=loader, rng=False)
+    _, _, fresh = setup(1)
+    with pytest.raises(TemplateMismatch, match=r"no 'rng'.*rng=False"):
+        iter_resumed(no_rng, fresh)
+    assert fresh.state_dict()["_num_yielded"] == 0  # refused before anything was applied
+    rest = [b[:, 0].tolist() for b in iter_resumed(no_rng, fresh, rng=False)]
+    assert rest == [b[:, 0].tolist() for b in it]

@@ -57,15 +57,23 @@ def _step(state: TensorDictBase) -> int:
     return int(to_python(state.get(_KEY))["step"])
 
 
-def apply(accelerator: Any, state: TensorDictBase, *, model: Any = None, **objects: Any) -> None:
+def apply(
+    accelerator: Any, state: TensorDictBase, *, model: Any = None, rng: bool = True, **objects: Any
+) -> None:
     """``fc.apply`` into prepared objects; the inverse of :func:`capture`."""
     step = _step(state)
-    fc_apply(state, **_objects(accelerator, model, objects))
+    fc_apply(state, rng=rng, **_objects(accelerator, model, objects))
     accelerator.step = step
 
 
 def iter_resumed(
-    accelerator: Any, state: TensorDictBase, loader: Any, *, model: Any = None, **objects: Any
+    accelerator: Any,
+    state: TensorDictBase,
+    loader: Any,
+    *,
+    model: Any = None,
+    rng: bool = True,
+    **objects: Any,
 ) -> Iterator[Any]:
     """:func:`apply`, and the prepared ``loader``'s iterator resumed where the state was taken.
 
@@ -73,6 +81,8 @@ def iter_resumed(
     :func:`functional_ckpt.integrations.torchdata.iter_resumed`).
     """
     step = _step(state)
-    iterator = torchdata.iter_resumed(state, loader, **_objects(accelerator, model, objects))
+    iterator = torchdata.iter_resumed(
+        state, loader, rng=rng, **_objects(accelerator, model, objects)
+    )
     accelerator.step = step
     return iterator

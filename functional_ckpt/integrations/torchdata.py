@@ -18,12 +18,15 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
+from functional_ckpt.errors import TemplateMismatch
 from functional_ckpt.state import apply
 
 __all__ = ["iter_resumed"]
 
 
-def iter_resumed(state: TensorDictBase, loader: Any, **objects: Any) -> Iterator[Any]:
+def iter_resumed(
+    state: TensorDictBase, loader: Any, *, rng: bool = True, **objects: Any
+) -> Iterator[Any]:
     """Apply ``state`` to ``loader`` and ``objects``, and return the loader's resumed iterator.
 
     ``objects`` are what :func:`functional_ckpt.apply` takes (``model=``,
@@ -31,18 +34,23 @@ def iter_resumed(state: TensorDictBase, loader: Any, **objects: Any) -> Iterator
     is created, so the next batch and the next random draw are those the
     uninterrupted run saw after the step the state was captured at. Iterate the
     returned iterator to finish the interrupted epoch, then ``loader`` as usual.
+    ``rng=False`` leaves the generators alone (a state captured without them).
     """
+    if rng and "rng" not in state.keys():
+        raise TemplateMismatch(
+            "iter_resumed: the state has no 'rng' entry (captured with rng=False?); pass "
+            "rng=False to resume without restoring the random generators"
+        )
     apply(state, loader=loader, rng=False, **objects)
     iterator: Iterator[Any] = iter(loader)
     if inspect.isgenerator(iterator):
         # A generator (accelerate's loaders) runs nothing, and draws nothing, until
         # its first batch is asked for: ask now, before the generators are restored.
         try:
-            first = next(iterator)
+            first = [next(iterator)]
         except StopIteration:
-            apply(state)
-            return iter(())
-        apply(state)
-        return itertools.chain([first], iterator)
-    apply(state)  # the generators only, now that the iterator has drawn its seeds
+            first = []
+        apply(state, rng=rng)
+        return itertools.chain(first, iterator)
+    apply(state, rng=rng)  # the generators only, now that the iterator has drawn its seeds
     return iterator
