@@ -9,6 +9,7 @@ with the very weights and optimizer state of an uninterrupted run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import os
 import warnings
@@ -23,18 +24,29 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import functional_ckpt as fc
 import functional_ckpt.integrations.lightning as fc_lightning
-from functional_ckpt import format
+from functional_ckpt import codec, format
 from functional_ckpt.errors import CheckpointError
 from functional_ckpt.integrations.lightning import FunctionalCheckpointIO
 from functional_ckpt.staging import PendingSave, run_in_background
 from functional_ckpt.writer import CheckpointInfo
 
 STEPS_PER_EPOCH = 8
+
+
+@codec.register
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    warmup: int
+    kind: str
+
+
 STARTED = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
 
 
 class Tiny(L.LightningModule):
-    def __init__(self, args: argparse.Namespace, out: Path, started: dt.datetime) -> None:
+    def __init__(
+        self, args: argparse.Namespace, out: Path, started: dt.datetime, schedule: Schedule
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Linear(4, 1)
@@ -60,7 +72,12 @@ def fit(
     root: Path, steps: int, io: FunctionalCheckpointIO, ckpt: Path | None = None
 ) -> tuple[Tiny, L.Trainer]:
     L.seed_everything(0, verbose=False)
-    model = Tiny(argparse.Namespace(lr=0.05, layers=[4, 1]), Path("/data/run"), STARTED)
+    model = Tiny(
+        argparse.Namespace(lr=0.05, layers=[4, 1]),
+        Path("/data/run"),
+        STARTED,
+        Schedule(2, "cosine"),
+    )
     checkpoints = ModelCheckpoint(
         dirpath=root, every_n_train_steps=4, save_top_k=2, monitor="loss", save_last=True
     )
@@ -121,6 +138,7 @@ def test_fit_prune_and_resume_bit_identically(
     assert hparams["args"] == argparse.Namespace(lr=0.05, layers=[4, 1])
     assert hparams["out"] == Path("/data/run") and isinstance(hparams["out"], Path)
     assert hparams["started"] == STARTED
+    assert hparams["schedule"] == Schedule(2, "cosine")
     assert all(type(t) is torch.Tensor for t in loaded["state_dict"].values())
 
     resumed, trainer = fit(root, 2 * STEPS_PER_EPOCH, FunctionalCheckpointIO(), at_epoch_end)
