@@ -40,7 +40,7 @@ PARAM_NAMES = "param_fqns"
 #: Largest ``torch.save`` blob of one value written for stock readers.
 MAX_VALUE_BYTES = 64 << 10
 #: At most this many byte entries per checkpoint (the rest stays manifest-only).
-MAX_ENTRIES = 1 << 14
+MAX_ENTRIES = 1024
 _PLAIN = (type(None), bool, int, float, str)
 
 

@@ -1,8 +1,9 @@
 """DCP's ``.metadata``: derived from the manifest, and read safely when it is foreign.
 
-Stock ``torch.distributed.checkpoint`` finds tensors through ``.metadata``, a
-pickle of its ``Metadata``. For our own checkpoints it is a derived file: one
-function (:func:`derive`) computes its exact bytes from the manifest's tensor
+Stock ``torch.distributed.checkpoint`` finds tensors (and values stored as
+byte entries, see :mod:`dcpbytes`) through ``.metadata``, a pickle of its
+``Metadata``. For our own checkpoints it is a derived file: one function
+(:func:`derive`) computes its exact bytes from the manifest's tensor and byte
 entries, the writer stores them with its own durable write, and ``fc.verify``
 recomputes them and compares, so our readers never unpickle it. Bytes may
 honestly differ when another torch version wrote them; only then is the file
@@ -457,8 +458,8 @@ def _size(v: Any, where: str) -> None:
         raise _bad(f"{where} is not a size")
 
 
-def _plain(v: Any, depth: int = 0, seen: set[int] | None = None) -> bool:
-    """Plain data only; every shared container is walked once (no exponential blow-up)."""
+def is_plain(v: Any, depth: int = 0, seen: set[int] | None = None) -> bool:
+    """None, numbers, strings, and lists, tuples and dicts of them; shared containers once."""
     if depth > 32:
         return False
     if v is None or type(v) in (str, int, bool, float):
@@ -468,16 +469,13 @@ def _plain(v: Any, depth: int = 0, seen: set[int] | None = None) -> bool:
         return True
     if type(v) in (tuple, list):
         seen.add(id(v))
-        return all(_plain(x, depth + 1, seen) for x in v)
+        return all(is_plain(x, depth + 1, seen) for x in v)
     if type(v) in (dict, collections.OrderedDict):
         seen.add(id(v))
-        return all(_plain(k, depth + 1, seen) and _plain(x, depth + 1, seen) for k, x in v.items())
+        return all(
+            is_plain(k, depth + 1, seen) and is_plain(x, depth + 1, seen) for k, x in v.items()
+        )
     return False
-
-
-def is_plain(value: Any) -> bool:
-    """Only plain data: ``None``, numbers, strings, and lists, tuples and dicts of them."""
-    return _plain(value)
 
 
 def check(md: Any) -> Metadata:
@@ -538,12 +536,12 @@ def check(md: Any) -> Metadata:
         sm = md.storage_meta
         if not (
             type(sm.checkpoint_id) in (type(None), str, *_PATHS)
-            and _plain(sm.save_id)
-            and _plain(sm.load_id)
-            and _plain(sm.modules)
+            and is_plain(sm.save_id)
+            and is_plain(sm.load_id)
+            and is_plain(sm.modules)
         ):
             raise _bad("storage_meta")
-    if not (_plain(md.planner_data) and type(md.version) in (str, type(None))):
+    if not (is_plain(md.planner_data) and type(md.version) in (str, type(None))):
         raise _bad("planner_data or version")
     return md  # type: ignore[no-any-return]
 
