@@ -111,38 +111,62 @@ def dcp_path(path: KeyPath, optimizers: Mapping[KeyPath, list[str]]) -> KeyPath 
 # --------------------------------------------------------------------------- flattening
 
 
-def _terminal(value: Any) -> bool:
+#: Values nested deeper than this are left to the manifest.
+_MAX_DEPTH = 64
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def _terminal(value: Any, depth: int = 0) -> bool:
     """What DCP's flattening visits whole (``_traverse.traverse_state_dict``)."""
+    if depth > _MAX_DEPTH:
+        raise _TooDeep
     if isinstance(value, Mapping):
         return False
     if isinstance(value, list):
-        return all(not (isinstance(v, Mapping | list) and not _terminal(v)) for v in value)
+        return all(
+            not (isinstance(v, Mapping | list) and not _terminal(v, depth + 1)) for v in value
+        )
     return True
 
 
-def flatten(prefix: DcpPath, value: Any) -> Iterator[tuple[DcpPath, Any]]:
+def flatten(prefix: DcpPath, value: Any, depth: int = 0) -> Iterator[tuple[DcpPath, Any]]:
     """The (object path, value) pairs DCP's flattening makes of ``value`` at ``prefix``."""
+    if depth > _MAX_DEPTH:
+        raise _TooDeep
     if isinstance(value, Mapping):
         for k, v in value.items():
-            yield from flatten((*prefix, str(k)), v)
+            yield from flatten((*prefix, str(k)), v, depth + 1)
     elif _terminal(value):
         yield prefix, value
     else:
         for i, v in enumerate(value):
-            yield from flatten((*prefix, i), v)
+            yield from flatten((*prefix, i), v, depth + 1)
 
 
-def _plain(value: Any, depth: int = 0) -> bool:
-    """A value ``torch.load(weights_only=True)`` and every stock reader rebuild as it was."""
-    if type(value) in _PLAIN:
-        return True
-    if depth > 32:
+def _plain(value: Any, budget: list[int], depth: int = 0) -> bool:
+    """A small value ``torch.load(weights_only=True)`` and every stock reader rebuild as it was.
+
+    ``budget`` counts down the elements visited; a value that exhausts it is not small.
+    """
+    budget[0] -= 1
+    if budget[0] < 0 or depth > _MAX_DEPTH:
         return False
+    if type(value) in _PLAIN:
+        return type(value) is not int or abs(value) < _LARGE_INT
     if type(value) in (list, tuple):
-        return all(_plain(v, depth + 1) for v in value)
+        return all(_plain(v, budget, depth + 1) for v in value)
     if type(value) in (dict, OrderedDict):
-        return all(type(k) in _PLAIN and _plain(v, depth + 1) for k, v in value.items())
+        return all(_plain(k, budget) and _plain(v, budget, depth + 1) for k, v in value.items())
     return False
+
+
+#: Elements of one value at most (its ``torch.save`` bytes must stay small anyway).
+_MAX_ELEMENTS = 4096
+#: Larger ints are left to the manifest (``repr`` would refuse the largest).
+_LARGE_INT = 1 << 4096
 
 
 _CACHE: OrderedDict[tuple[type, str], bytes] = OrderedDict()
@@ -186,11 +210,15 @@ def plan_bytes(
     out: list[ByteEntry] = []
     seen = set(taken)
     for path, value in values:
-        if path[-1] == NODE_KEY:
+        if path[-1] == NODE_KEY or len(out) >= MAX_ENTRIES:
             continue
         base: DcpPath = dcp_path(path, optimizers) or path
         root = next((r for r in optimizers if path[: len(r)] == r), None)
-        for sub, v in flatten(base, value):
+        try:
+            pairs = list(flatten(base, value))
+        except _TooDeep:
+            continue
+        for sub, v in pairs:
             fqn = ".".join(map(str, sub))
             if root is not None and _is_params(sub[len(root) :]):
                 names = optimizers[root]
@@ -199,7 +227,7 @@ def plan_bytes(
                 if not all(0 <= i < len(names) for i in v):
                     continue
                 v = [names[i] for i in v]  # as get_state_dict names them
-            if fqn in seen or not _plain(v) or len(out) >= MAX_ENTRIES:
+            if fqn in seen or len(out) >= MAX_ENTRIES or not _plain(v, [_MAX_ELEMENTS]):
                 continue
             data = _saved(v)
             if len(data) > MAX_VALUE_BYTES:

@@ -369,7 +369,8 @@ def read_dcp(
             got: Any = None
             for rel, fqn, smd in item.parts:
                 if hasattr(smd, "chunks"):
-                    part: Any = torch.empty(tuple(smd.size), dtype=smd.properties.dtype)
+                    shape, dtype = tuple(smd.size), smd.properties.dtype
+                    part: Any = torch.empty(shape, dtype=dtype, device=device)
                     _tensor(files, match, fqn, smd, part, where)
                 else:
                     part = _value(files, match, fqn, where)
