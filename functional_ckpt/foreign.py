@@ -3,8 +3,12 @@
 Such a checkpoint has no manifest: the tree comes from the caller's template, the
 tensor locations from DCP's ``.metadata`` (read by the restricted unpickler), and
 each tensor from its ``torch.save`` blob through ``torch.load(weights_only=True)``.
-Non-tensor values there are arbitrary pickles; they are refused unless the caller
-passes ``allow_pickle=True`` for a checkpoint it trusts.
+Non-tensor values there are pickles: plain data (numbers, strings and containers
+of them) is read by the restricted unpickler with every global refused; any other
+value is refused unless the caller passes ``allow_pickle=True`` for a checkpoint
+it trusts. DCP stores a list of dicts (an optimizer's ``param_groups``) element
+by element, and a fresh optimizer's template has an empty ``state``: both are put
+together from the entries under their key.
 """
 
 from __future__ import annotations
@@ -232,8 +236,10 @@ def match_dcp(
                     used.add(key)
                     if isinstance(part, BytesStorageMetadata):
                         value_of(key, _where((*leaf.path, key[len(fqn) + 1 :])))
-                    elif leaf.kind == "value":
-                        problems.append(f"  {where}: saved as tensors, template has a value")
+                if leaf.kind == "value" and not all(
+                    isinstance(part, BytesStorageMetadata) for _, _, part in parts
+                ):
+                    problems.append(f"  {where}: saved with tensors, template has a value")
             else:
                 problems.append(f"  {where}: missing from the checkpoint")
             continue
