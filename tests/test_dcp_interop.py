@@ -193,3 +193,12 @@ def test_two_rank_checkpoint_converts_with_dcp_to_torch_save(tmp_path: Path) -> 
     assert full["step"] == 11  # written once, by the coordinator
     assert torch.equal(full["w"], want["w"]) and torch.equal(full["e"], want["e"])
     assert fc.verify(tmp_path / "w2").ok
+
+
+def test_partial_restore_of_a_captured_optimizer(tmp_path: Path) -> None:
+    """The recorded parameter names never get in the way of a partial restore."""
+    model, opt, _ = _trained()
+    fc.save(tmp_path / "ck", fc.capture(model=model, optimizer=opt, rng=False))
+    back = fc.restore(tmp_path / "ck", {"optimizer": {"param_groups": []}}, partial=True)
+    groups = fc.to_python(back["optimizer"])["param_groups"]
+    assert [g["lr"] for g in groups] == [g["lr"] for g in opt.param_groups]
