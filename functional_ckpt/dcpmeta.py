@@ -1,8 +1,9 @@
 """DCP's ``.metadata``: derived from the manifest, and read safely when it is foreign.
 
-Stock ``torch.distributed.checkpoint`` finds tensors through ``.metadata``, a
-pickle of its ``Metadata``. For our own checkpoints it is a derived file: one
-function (:func:`derive`) computes its exact bytes from the manifest's tensor
+Stock ``torch.distributed.checkpoint`` finds tensors (and values stored as
+byte entries, see :mod:`dcpbytes`) through ``.metadata``, a pickle of its
+``Metadata``. For our own checkpoints it is a derived file: one function
+(:func:`derive`) computes its exact bytes from the manifest's tensor and byte
 entries, the writer stores them with its own durable write, and ``fc.verify``
 recomputes them and compares, so our readers never unpickle it. Bytes may
 honestly differ when another torch version wrote them; only then is the file
@@ -41,8 +42,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from functional_ckpt import dcpbytes
+from functional_ckpt.dcpbytes import ByteEntry
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
-from functional_ckpt.manifest import TensorEntry, parsed_groups
+from functional_ckpt.manifest import TensorEntry, parse_checkpoint
 
 #: The pickle protocol of the derived file (what ``pickle.dump`` writes by default).
 PROTOCOL = 4
@@ -57,11 +60,12 @@ def _dcp_version() -> str | None:
     return getattr(filesystem, "CURRENT_DCP_VERSION", None)
 
 
-def build(groups: Sequence[Sequence[TensorEntry]]) -> Metadata:
+def build(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] = ()) -> Metadata:
     """The DCP ``Metadata`` describing a manifest's tensors (shared, then per rank).
 
     ``groups`` comes from :func:`manifest.tensor_groups` (a manifest being
-    written) or :func:`manifest.parsed_groups` (one being verified).
+    written) or :func:`manifest.parsed_groups` (one being verified); ``blobs``
+    are its values as DCP byte entries (:mod:`dcpbytes`), after the tensors.
 
     Equal strings, sizes and properties are one object each, so the pickle is
     compact and its bytes depend only on the manifest's content.
@@ -103,10 +107,17 @@ def build(groups: Sequence[Sequence[TensorEntry]]) -> Metadata:
             if whole:
                 single[(dtype, shape)] = md
         state_md[fqn] = md
-        planner_data[fqn] = tuple(s(k) for k in entry.path)
+        key_path = entry.path if entry.dcp_path is None else entry.dcp_path
+        planner_data[fqn] = tuple(s(k) for k in key_path)
         for i, c in enumerate(chunks):
             index = MetadataIndex(fqn, size_of(c.offsets), i)
             storage[index] = _StorageInfo(s(c.file), c.offset, c.length)
+    value = BytesStorageMetadata()
+    for b in blobs:
+        fqn = s(b.fqn)
+        state_md[fqn] = value
+        planner_data[fqn] = tuple(s(k) if type(k) is str else k for k in b.path)
+        storage[MetadataIndex(fqn)] = _StorageInfo(s(b.file), b.offset, b.length)
     return Metadata(
         state_dict_metadata=state_md,
         planner_data=planner_data,
@@ -116,7 +127,7 @@ def build(groups: Sequence[Sequence[TensorEntry]]) -> Metadata:
     )
 
 
-def derive(groups: Sequence[Sequence[TensorEntry]]) -> bytes:
+def derive(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] = ()) -> bytes:
     """The exact bytes of ``.metadata`` for a manifest: a pickle stock ``dcp.load`` reads.
 
     A training loop saves the same layout again and again, and the bytes depend
@@ -124,11 +135,11 @@ def derive(groups: Sequence[Sequence[TensorEntry]]) -> bytes:
     is kept and returned while the layout stays equal field for field.
     """
     global _LAST
-    key = _layout(groups)
+    key = _layout(groups, blobs)
     last = _LAST
     if last is not None and last[0] == key:
         return last[1]
-    data = pickle.dumps(build(groups), protocol=PROTOCOL)
+    data = pickle.dumps(build(groups, blobs), protocol=PROTOCOL)
     _LAST = (key, data)
     return data
 
@@ -137,13 +148,15 @@ def derive(groups: Sequence[Sequence[TensorEntry]]) -> bytes:
 _LAST: tuple[tuple[Any, ...], bytes] | None = None
 
 
-def _layout(groups: Sequence[Sequence[TensorEntry]]) -> tuple[Any, ...]:
+def _layout(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry]) -> tuple[Any, ...]:
     """Everything of a manifest that :func:`build` reads, as one comparable value."""
-    return tuple(
+    values = tuple((b.fqn, b.path, b.file, b.offset, b.length) for b in blobs)
+    return values, tuple(
         tuple(
             (
                 e.fqn,
                 e.path,
+                e.dcp_path,
                 e.dtype,
                 e.shape,
                 tuple((c.offsets, c.sizes, c.file, c.offset, c.length) for c in e.chunks),
@@ -156,7 +169,8 @@ def _layout(groups: Sequence[Sequence[TensorEntry]]) -> tuple[Any, ...]:
 
 def derive_from_manifest(manifest: dict[str, Any], root: Path = Path(".")) -> bytes:
     """:func:`derive` of a decoded manifest (validated here; ``root`` names it in errors)."""
-    return derive(parsed_groups(manifest, root))
+    once = parse_checkpoint(manifest, root)
+    return derive(once.groups(), dcpbytes.parse(manifest, once.shared.file_sizes, root))
 
 
 # --------------------------------------------------------------------------- comparing
@@ -444,8 +458,8 @@ def _size(v: Any, where: str) -> None:
         raise _bad(f"{where} is not a size")
 
 
-def _plain(v: Any, depth: int = 0, seen: set[int] | None = None) -> bool:
-    """Plain data only; every shared container is walked once (no exponential blow-up)."""
+def is_plain(v: Any, depth: int = 0, seen: set[int] | None = None) -> bool:
+    """None, numbers, strings, and lists, tuples and dicts of them; shared containers once."""
     if depth > 32:
         return False
     if v is None or type(v) in (str, int, bool, float):
@@ -455,10 +469,12 @@ def _plain(v: Any, depth: int = 0, seen: set[int] | None = None) -> bool:
         return True
     if type(v) in (tuple, list):
         seen.add(id(v))
-        return all(_plain(x, depth + 1, seen) for x in v)
+        return all(is_plain(x, depth + 1, seen) for x in v)
     if type(v) in (dict, collections.OrderedDict):
         seen.add(id(v))
-        return all(_plain(k, depth + 1, seen) and _plain(x, depth + 1, seen) for k, x in v.items())
+        return all(
+            is_plain(k, depth + 1, seen) and is_plain(x, depth + 1, seen) for k, x in v.items()
+        )
     return False
 
 
@@ -520,12 +536,12 @@ def check(md: Any) -> Metadata:
         sm = md.storage_meta
         if not (
             type(sm.checkpoint_id) in (type(None), str, *_PATHS)
-            and _plain(sm.save_id)
-            and _plain(sm.load_id)
-            and _plain(sm.modules)
+            and is_plain(sm.save_id)
+            and is_plain(sm.load_id)
+            and is_plain(sm.modules)
         ):
             raise _bad("storage_meta")
-    if not (_plain(md.planner_data) and type(md.version) in (str, type(None))):
+    if not (is_plain(md.planner_data) and type(md.version) in (str, type(None))):
         raise _bad("planner_data or version")
     return md  # type: ignore[no-any-return]
 

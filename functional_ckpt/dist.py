@@ -21,7 +21,7 @@ import contextlib
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from functional_ckpt import codec, dcpmeta, format, shards
+from functional_ckpt.dcpbytes import ByteEntry
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 from functional_ckpt.manifest import (
     Chunk,
@@ -55,6 +56,7 @@ from functional_ckpt.tree import KeyPath
 from functional_ckpt.writer import (
     CheckpointInfo,
     Plan,
+    byte_entries,
     finalize,
     host_copy,
     is_dtensor,
@@ -166,8 +168,9 @@ class _ChunkWriter(StorageWriter):
             assert item.tensor_data is not None
             box = item.tensor_data.chunk
             chunks.append(Chunk(tuple(box.offsets), tuple(box.sizes)))
+        blobs = self.job.blobs if self.rank == 0 else []
         try:
-            shards.write_shard(path, tensors, chunks)
+            shards.write_shard(path, tensors, chunks, blobs=blobs)
         except OSError as e:
             raise os_error(e, self.job.dest) from e
         results = [
@@ -202,6 +205,7 @@ class _SaveJob:
     created: float
     nbytes: int = 0
     root: dict[str, Any] | None = None  # the root's batch size and names
+    blobs: list[ByteEntry] = field(default_factory=list)  # values for stock readers (rank 0)
 
     def commit(self, results: list[WriteResult]) -> None:
         chunks: dict[str, list[Chunk]] = {}
@@ -212,6 +216,7 @@ class _SaveJob:
                 if e.alias is None:
                     e.chunks[:] = sorted(chunks.get(e.fqn, []), key=lambda c: c.offsets)
         manifest = Manifest(self.created, self.metadata, {}, self.entries, self.ranks, self.root)
+        manifest.dcp_bytes = self.blobs
         try:
             self.nbytes, _ = finalize(self.tmp, self.dest, manifest, overwrite=self.overwrite)
         except CheckpointError:  # e.g. CheckpointExists, itself an OSError
@@ -263,6 +268,8 @@ def save_planned(
     locals_[rank] = plan.local
     job = _SaveJob(dest, tmp, plan.entries, locals_, metadata, overwrite, time.time())
     job.root = plan.root
+    if rank == 0:
+        job.blobs = byte_entries(plan)
     state_dict = {e.fqn: t for e, t in zip(plan.targets, tensors, strict=True)}
     try:
         with gc_paused():

@@ -3,8 +3,12 @@
 Such a checkpoint has no manifest: the tree comes from the caller's template, the
 tensor locations from DCP's ``.metadata`` (read by the restricted unpickler), and
 each tensor from its ``torch.save`` blob through ``torch.load(weights_only=True)``.
-Non-tensor values there are arbitrary pickles; they are refused unless the caller
-passes ``allow_pickle=True`` for a checkpoint it trusts.
+Non-tensor values there are pickles: plain data (numbers, strings and containers
+of them) is read by the restricted unpickler with every global refused; any other
+value is refused unless the caller passes ``allow_pickle=True`` for a checkpoint
+it trusts. DCP stores a list of dicts (an optimizer's ``param_groups``) element
+by element, and a fresh optimizer's template has an empty ``state``: both are put
+together from the entries under their key.
 """
 
 from __future__ import annotations
@@ -12,15 +16,17 @@ from __future__ import annotations
 import io
 import os
 import stat
+import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
-from functional_ckpt import dcpmeta, format
+from functional_ckpt import dcpbytes, dcpmeta, format
+from functional_ckpt.dcpbytes import DcpPath
 from functional_ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -35,6 +41,7 @@ from functional_ckpt.tree import (
     Leaf,
     as_state,
     format_path,
+    from_python,
     iter_leaves,
     node_record,
 )
@@ -105,17 +112,73 @@ def _load_tensor(blob: bytes, where: str) -> torch.Tensor:
     return t
 
 
-@dataclass
-class StockMatch:
-    """The template's leaves matched to a stock checkpoint's entries, before any read.
+#: What :func:`load_plain` returns for a byte entry that is not plain data.
+_NOT_PLAIN: Any = object()
+#: Largest pickle of a byte entry that :func:`load_plain` reads.
+MAX_PLAIN_BYTES = 16 << 20
 
-    ``items`` keeps the template's order: a leaf with its DCP key and storage
-    metadata is read; one without (structure, container records) is kept as is.
+
+class _PlainUnpickler(dcpmeta.RestrictedUnpickler):
+    """Builds plain data only: no class or function can be named, so none is built."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise UnsafeCheckpoint(f"refusing to load {module}.{name}")
+
+
+def load_plain(blob: bytes) -> Any:
+    """A byte entry's value when it is plain data, else ``_NOT_PLAIN``; nothing in it runs.
+
+    A stock byte entry is ``torch.save`` bytes: a zip whose ``data.pkl`` holds
+    the pickle. Numbers, strings, ``None`` and lists, tuples and dicts of them
+    need no class to be rebuilt; the pickle is read by the restricted unpickler
+    with every global refused, and its result checked to be plain data.
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as z:
+            infos = z.infolist()
+            pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
+            if (
+                len(pkl) != 1
+                or any("/data/" in i.filename for i in infos)  # tensor storages
+                or pkl[0].compress_type != zipfile.ZIP_STORED
+                or pkl[0].file_size > MAX_PLAIN_BYTES
+            ):
+                return _NOT_PLAIN
+            data = z.read(pkl[0])
+        value = _PlainUnpickler(data).load()
+    except (CheckpointError, zipfile.BadZipFile, RecursionError, Exception):
+        return _NOT_PLAIN
+    return value if dcpmeta.is_plain(value) else _NOT_PLAIN
+
+
+@dataclass
+class StockItem:
+    """One template leaf and what fills it.
+
+    A leaf is read from its own DCP entry (``fqn``), or put together from the
+    entries under it (``parts``: a value DCP stored per element, such as an
+    optimizer's ``param_groups``; or an empty template subtree, such as a fresh
+    optimizer's ``state``), or, without either, kept as the template has it.
     """
 
-    items: list[tuple[Leaf, str | None, Any]]
+    leaf: Leaf
+    fqn: str | None = None
+    smd: Any = None
+    parts: list[tuple[DcpPath, str, Any]] | None = None  # (path below the leaf, fqn, metadata)
+
+
+@dataclass
+class StockMatch:
+    """The template's leaves matched to a stock checkpoint's entries, before any tensor read.
+
+    ``items`` keeps the template's order; ``values`` holds the byte entries
+    already loaded (plain data, read safely while matching).
+    """
+
+    items: list[StockItem]
     storage: dict[Any, Any]
     root: dict[str, Any] | None
+    values: dict[str, Any] = field(default_factory=dict)
 
 
 def match_dcp(
@@ -127,7 +190,12 @@ def match_dcp(
     cast: bool,
     allow_pickle: bool,
 ) -> StockMatch:
-    """Match the template to the stock ``.metadata`` ``md``; one error lists every mismatch."""
+    """Match the template to the stock ``.metadata`` ``md``; one error lists every mismatch.
+
+    Byte entries are loaded here: plain data (numbers, strings, containers of
+    them) through a restricted unpickler that can build nothing else; anything
+    else only with ``allow_pickle``.
+    """
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     root = files.root
@@ -137,28 +205,51 @@ def match_dcp(
         )
     saved: dict[str, Any] = md.state_dict_metadata
     storage: dict[Any, Any] = md.storage_data if isinstance(md.storage_data, dict) else {}
+    planner: dict[str, Any] = md.planner_data if isinstance(md.planner_data, dict) else {}
+    match = StockMatch([], storage, node_record(as_state(template)))
     problems: list[str] = []
     pickled: list[str] = []
     used: set[str] = set()
-    items: list[tuple[Leaf, str | None, Any]] = []
-    for leaf in iter_leaves(as_state(template)):
-        if leaf.kind == "node" or leaf.path[-1] == NODE_KEY:
-            items.append((leaf, None, None))  # structure comes from the template
-            continue
+
+    def value_of(fqn: str, where: str) -> None:
+        blob = files.blob(_info(storage, fqn, root, where))
+        value = load_plain(blob)
+        if value is not _NOT_PLAIN:
+            match.values[fqn] = value
+        elif not allow_pickle:
+            pickled.append(where)
+
+    leaves = list(iter_leaves(as_state(template)))
+    parents = {leaf.path[:-1] for leaf in leaves}
+    for leaf in leaves:
+        where = _where(leaf.path)
         fqn = ".".join(leaf.path)
         smd = saved.get(fqn)
-        where = _where(leaf.path)
-        if smd is None:
-            problems.append(f"  {where}: missing from the checkpoint")
+        if leaf.kind == "node" or leaf.path[-1] == NODE_KEY or smd is None:
+            empty = leaf.kind == "node" and leaf.path not in parents
+            parts = _parts(saved, planner, leaf.path) if empty or leaf.kind == "value" else []
+            if parts or leaf.kind == "node" or leaf.path[-1] == NODE_KEY:
+                # structure comes from the template; an empty subtree or a value
+                # stored element by element comes from the entries under it
+                match.items.append(StockItem(leaf, parts=parts or None))
+                for _, key, part in parts:
+                    used.add(key)
+                    if isinstance(part, BytesStorageMetadata):
+                        value_of(key, _where((*leaf.path, key[len(fqn) + 1 :])))
+                if leaf.kind == "value" and not all(
+                    isinstance(part, BytesStorageMetadata) for _, _, part in parts
+                ):
+                    problems.append(f"  {where}: saved with tensors, template has a value")
+            else:
+                problems.append(f"  {where}: missing from the checkpoint")
             continue
         used.add(fqn)
         if leaf.kind == "value":
             if not isinstance(smd, BytesStorageMetadata):
                 problems.append(f"  {where}: saved as a tensor, template has a value")
-            elif not allow_pickle:
-                pickled.append(where)
-            else:
-                items.append((leaf, fqn, smd))
+                continue
+            value_of(fqn, where)
+            match.items.append(StockItem(leaf, fqn, smd))
             continue
         if not isinstance(smd, TensorStorageMetadata):
             problems.append(f"  {where}: saved as a pickled value, template has a tensor")
@@ -173,7 +264,7 @@ def match_dcp(
                 f"{dtype_name(t.dtype)} (pass cast=True to convert)"
             )
         else:
-            items.append((leaf, fqn, smd))
+            match.items.append(StockItem(leaf, fqn, smd))
     if not partial:
         extra = sorted(set(saved) - used)
         problems += [f"  DCP key {k!r}: in the checkpoint but not in the template" for k in extra]
@@ -186,11 +277,85 @@ def match_dcp(
             f"{root}: these values are stored as pickles, which can run code; pass "
             "allow_pickle=True only for a checkpoint you trust:\n  " + "\n  ".join(pickled)
         )
-    return StockMatch(items, storage, node_record(as_state(template)))
+    return match
+
+
+def _parts(saved: dict[str, Any], planner: dict[str, Any], path: KeyPath) -> list[Any]:
+    """The entries stored under ``path``, each with its object path below it.
+
+    DCP records each entry's object path in ``planner_data`` (list indices as
+    ints); an entry without one counts as a single key below ``path``.
+    """
+    prefix = ".".join(path) + "."
+    out: list[tuple[DcpPath, str, Any]] = []
+    for key, smd in saved.items():
+        if not key.startswith(prefix):
+            continue
+        obj = planner.get(key)
+        if isinstance(obj, tuple | list) and len(obj) > len(path):
+            if tuple(str(k) for k in obj[: len(path)]) != path:
+                continue
+            rel: DcpPath = tuple(obj[len(path) :])
+        else:
+            rel = (key[len(prefix) :],)
+        out.append((rel, key, smd))
+    return out
+
+
+def _info(storage: dict[Any, Any], fqn: str, root: Path, where: str) -> Any:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    info = storage.get(MetadataIndex(fqn))
+    if info is None:
+        raise CorruptCheckpoint(f"{root}: no storage recorded for {where}")
+    return info
 
 
 def _where(path: KeyPath) -> str:
     return f"{format_path(path)} (DCP key {'.'.join(path)!r})"
+
+
+def _value(files: StockFiles, match: StockMatch, fqn: str, where: str) -> Any:
+    if fqn in match.values:
+        return match.values[fqn]
+    blob = files.blob(_info(match.storage, fqn, files.root, where))
+    return torch.load(io.BytesIO(blob), weights_only=False)  # allowed by the caller
+
+
+def _tensor(
+    files: StockFiles, match: StockMatch, fqn: str, smd: Any, dest: torch.Tensor, where: str
+) -> None:
+    """Read every chunk of a stored tensor into its place in ``dest``."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    root = files.root
+    with torch.no_grad():
+        for chunk in smd.chunks:
+            info = match.storage.get(MetadataIndex(fqn, chunk.offsets))
+            if info is None:
+                raise CorruptCheckpoint(f"{root}: no storage recorded for {where}")
+            piece = _load_tensor(files.blob(info), f"{root} {where}")
+            if tuple(piece.shape) != tuple(chunk.sizes):
+                raise CorruptCheckpoint(f"{root} {where}: chunk shape differs from metadata")
+            region = dest
+            for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+                region = region.narrow(dim, off, size)
+            region.copy_(piece)
+
+
+def _set(container: Any, rel: DcpPath, value: Any) -> Any:
+    """``value`` placed at ``rel`` in ``container`` (made as needed: int keys make lists)."""
+    if not rel:
+        return value
+    key, rest = rel[0], rel[1:]
+    if type(key) is int:
+        seq = container if isinstance(container, list) else []
+        seq.extend([None] * (key + 1 - len(seq)))
+        seq[key] = _set(seq[key], rest, value)
+        return seq
+    mapping = container if isinstance(container, dict) else {}
+    mapping[key] = _set(mapping.get(key), rest, value)
+    return mapping
 
 
 def read_dcp(
@@ -199,48 +364,88 @@ def read_dcp(
     """Read every matched leaf: tensors into new tensors (or the template's, ``inplace``).
 
     A tensor lands in a new tensor of its template leaf's dtype and device
-    (``device`` for ``meta`` leaves); pickled values reach here only when the
-    caller allowed them.
+    (``device`` for ``meta`` leaves); a filled subtree's tensors keep their saved
+    dtype. Pickled values reach here only when the caller allowed them.
     """
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    root = files.root
-    out: list[Leaf] = []
-    for leaf, fqn, smd in match.items:
-        if fqn is None:
-            out.append(leaf)
-            continue
+    values: dict[KeyPath, Any] = {}
+    for item in match.items:
+        leaf = item.leaf
         where = _where(leaf.path)
-        if leaf.kind == "value":
-            info = match.storage.get(MetadataIndex(fqn))
-            if info is None:
-                raise CorruptCheckpoint(f"{root}: no storage recorded for {where}")
-            blob = files.blob(info)
-            value = torch.load(io.BytesIO(blob), weights_only=False)  # trusted by the caller
-            out.append(Leaf(leaf.path, "value", value))
-            continue
-        t: torch.Tensor = leaf.value
-        if inplace and not t.is_meta:
-            dest = t
+        if item.parts is not None:
+            got: Any = None
+            for rel, fqn, smd in item.parts:
+                if hasattr(smd, "chunks"):
+                    shape, dtype = tuple(smd.size), smd.properties.dtype
+                    part: Any = torch.empty(shape, dtype=dtype, device=device)
+                    _tensor(files, match, fqn, smd, part, where)
+                else:
+                    part = _value(files, match, fqn, where)
+                got = _set(got, rel, part)
+            values[leaf.path] = got
+        elif item.fqn is not None and leaf.kind == "value":
+            values[leaf.path] = _value(files, match, item.fqn, where)
+    records = {i.leaf.path[:-1]: i.leaf.value for i in match.items if i.leaf.path[-1] == NODE_KEY}
+    for path in [p for p in values if p[-1] == "state"]:
+        _positional_keys(path[:-1], values, records.get(path[:-1]))
+    out: list[Leaf] = []
+    for item in match.items:
+        leaf = item.leaf
+        where = _where(leaf.path)
+        if leaf.path in values and leaf.kind == "value":
+            out.append(Leaf(leaf.path, "value", values[leaf.path]))
+        elif leaf.path in values:  # an empty template subtree, filled from the checkpoint
+            out.append(leaf)
+            filled = values[leaf.path]
+            if isinstance(filled, dict | list):
+                out += iter_leaves(from_python(filled, leaf.path), leaf.path)
+        elif item.fqn is None:
+            out.append(leaf)  # structure comes from the template
         else:
-            dev = device if t.is_meta else t.device
-            dest = torch.empty(t.shape, dtype=t.dtype, device=dev)
-        with torch.no_grad():
-            for chunk in smd.chunks:
-                info = match.storage.get(MetadataIndex(fqn, chunk.offsets))
-                if info is None:
-                    raise CorruptCheckpoint(f"{root}: no storage recorded for {where}")
-                piece = _load_tensor(files.blob(info), f"{root} {where}")
-                if tuple(piece.shape) != tuple(chunk.sizes):
-                    raise CorruptCheckpoint(f"{root} {where}: chunk shape differs from metadata")
-                region = dest
-                for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
-                    region = region.narrow(dim, off, size)
-                region.copy_(piece)
-        if dest is not t and t.requires_grad and (dest.is_floating_point() or dest.is_complex()):
-            dest.requires_grad_(True)
-        out.append(Leaf(leaf.path, "tensor", dest))
+            t: torch.Tensor = leaf.value
+            if inplace and not t.is_meta:
+                dest = t
+            else:
+                dev = device if t.is_meta else t.device
+                dest = torch.empty(t.shape, dtype=t.dtype, device=dev)
+            _tensor(files, match, item.fqn, item.smd, dest, where)
+            if (
+                dest is not t
+                and t.requires_grad
+                and (dest.is_floating_point() or dest.is_complex())
+            ):
+                dest.requires_grad_(True)
+            out.append(Leaf(leaf.path, "tensor", dest))
     return out
+
+
+def _positional_keys(opt: KeyPath, values: dict[KeyPath, Any], record: Any) -> None:
+    """An optimizer's ``state`` (filled from a stock checkpoint) keyed by position again.
+
+    ``optimizer.state_dict()`` keys its state by parameter position (an int) and
+    ``load_state_dict`` needs that back; DCP writes every dict key as a string,
+    and ``get_state_dict`` uses parameter names, which the template's record
+    (``fc.capture`` with a model) maps to positions. Anything else is left as read.
+    """
+    state, groups = values.get((*opt, "state")), values.get((*opt, "param_groups"))
+    if not (isinstance(state, dict) and isinstance(groups, list)):
+        return
+    if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        return
+    params = [p for g in groups for p in g["params"]]
+    if params and all(type(p) is int for p in params):
+        if all(type(k) is str and k.isdigit() and str(int(k)) == k for k in state):
+            values[(*opt, "state")] = {int(k): v for k, v in state.items()}
+        return
+    names = record.get(dcpbytes.PARAM_NAMES) if isinstance(record, dict) else None
+    if not isinstance(names, list):
+        return
+    pos = {n: i for i, n in enumerate(names) if type(n) is str}
+    if not (all(p in pos for p in params) and all(k in pos for k in state)):
+        return
+    values[(*opt, "state")] = {pos[k]: state[k] for k in sorted(state, key=pos.__getitem__)}
+    values[(*opt, "param_groups")] = [
+        {**g, "params": [pos[p] for p in g["params"]]} for g in groups
+    ]
 
 
 def inspect_dcp(root: Path) -> CheckpointSummary:

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from functional_ckpt import dcpmeta, format, shards
+from functional_ckpt import dcpbytes, dcpmeta, format, shards
 from functional_ckpt.checksum import crc32
+from functional_ckpt.dcpbytes import ByteEntry
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
 from functional_ckpt.manifest import Chunk, TensorEntry, groups_of, parse_checkpoint
 from functional_ckpt.pipeline.restore import is_stock_dcp
@@ -24,7 +25,7 @@ from functional_ckpt.pipeline.restore import restore as pipeline_restore
 from functional_ckpt.pipeline.save import save as pipeline_save
 from functional_ckpt.reader import Reshard, classify_metadata, open_checkpoint
 from functional_ckpt.summary import CheckpointSummary, TensorSpec, insert, node_of
-from functional_ckpt.tree import KeyPath, format_path
+from functional_ckpt.tree import format_path
 from functional_ckpt.writer import (
     DEFAULT_PER_RANK,
     CheckpointInfo,
@@ -215,6 +216,7 @@ def _verify_open(
     try:
         once = parse_checkpoint(manifest, src)
         shared, parsed = once.shared, once.all_views()
+        blobs = dcpbytes.parse(manifest, shared.file_sizes, src)
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.problems.append(Problem(format.MANIFEST, str(err)))
         return
@@ -224,20 +226,25 @@ def _verify_open(
     for child in format.iter_names(ck.dir_fd):
         if child not in listed:
             report.problems.append(Problem(child, "unexpected file in the checkpoint"))
-    _verify_metadata(ck, groups_of(shared, parsed), report)
-    by_file: dict[str, dict[int, tuple[KeyPath, Chunk]]] = {}
+    _verify_metadata(ck, groups_of(shared, parsed), blobs, report)
+    by_file: dict[str, dict[int, tuple[str, Chunk | ByteEntry]]] = {}
     for one in parsed:
         for e in one.tensors.values():
             if e.alias is None:
                 for c in e.chunks:
-                    by_file.setdefault(c.file, {})[c.offset] = (e.path, c)
+                    by_file.setdefault(c.file, {})[c.offset] = (format_path(e.path), c)
+    for b in blobs:
+        by_file.setdefault(b.file, {})[b.offset] = (f"DCP byte entry {b.fqn!r}", b)
     for name in files:
         if name != format.DCP_METADATA and name in ck.fds:
             _verify_file(ck, name, sorted(by_file.get(name, {}).items()), parsed[0], report)
 
 
 def _verify_metadata(
-    ck: format.Checkpoint, groups: list[list[TensorEntry]], report: VerifyReport
+    ck: format.Checkpoint,
+    groups: list[list[TensorEntry]],
+    blobs: list[ByteEntry],
+    report: VerifyReport,
 ) -> None:
     """``.metadata`` is intact and says exactly what the manifest says."""
     name = format.DCP_METADATA
@@ -258,7 +265,7 @@ def _verify_metadata(
         report.problems.append(Problem(name, str(classify_metadata(ck))))
         return
     try:
-        expected = dcpmeta.derive(groups)
+        expected = dcpmeta.derive(groups, blobs)
     except Exception as err:  # a manifest that parse accepted but that cannot describe DCP
         report.problems.append(Problem(name, f"cannot be derived from the manifest ({err})"))
         return
@@ -270,7 +277,7 @@ def _verify_metadata(
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.problems.append(Problem(name, str(err)))
         return
-    for diff in dcpmeta.compare(found, dcpmeta.build(groups)):
+    for diff in dcpmeta.compare(found, dcpmeta.build(groups, blobs)):
         report.problems.append(
             Problem(name, f"disagrees with the manifest (stock dcp.load would misread): {diff}")
         )
@@ -279,7 +286,7 @@ def _verify_metadata(
 def _verify_file(
     ck: format.Checkpoint,
     name: str,
-    chunks: list[tuple[int, tuple[KeyPath, Chunk]]],
+    chunks: list[tuple[int, tuple[str, Chunk | ByteEntry]]],
     parsed: Any,
     report: VerifyReport,
 ) -> None:
@@ -290,19 +297,22 @@ def _verify_file(
     for _, (key, c) in chunks:
         if c.offset != pos:
             report.problems.append(Problem(name, f"bytes {pos}..{c.offset} are not accounted for"))
+        if isinstance(c, ByteEntry):  # a value's bytes for stock readers: one checksum
+            crc, n = shards.crc_range(fd, c.offset, c.length)
+            report.bytes_checked += n
+            if crc != c.crc32:
+                report.problems.append(Problem(key, f"bytes in {name} fail their checksum"))
+            pos = c.offset + c.length
+            continue
         hcrc, n1 = shards.crc_range(fd, c.offset, c.data_offset - c.offset)
         crc, n2 = shards.crc_range(fd, c.data_offset, c.nbytes)
         end = c.data_offset + c.nbytes
         hcrc, n3 = shards.crc_range(fd, end, c.offset + c.length - end, hcrc)
         report.bytes_checked += n1 + n2 + n3
         if crc != c.crc32:
-            report.problems.append(
-                Problem(format_path(key), f"tensor data in {name} fails its checksum")
-            )
+            report.problems.append(Problem(key, f"tensor data in {name} fails its checksum"))
         if hcrc != c.hcrc32:
-            report.problems.append(
-                Problem(format_path(key), f"blob headers in {name} fail their checksum")
-            )
+            report.problems.append(Problem(key, f"blob headers in {name} fail their checksum"))
         pos = c.offset + c.length
     if pos != parsed.file_sizes[name]:
         report.problems.append(

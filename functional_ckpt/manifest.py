@@ -19,6 +19,7 @@ import torch
 from functional_ckpt import codec
 from functional_ckpt.coverage import check_coverage as check_coverage
 from functional_ckpt.coverage import numel as numel
+from functional_ckpt.dcpbytes import ByteEntry
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 from functional_ckpt.format import DCP_METADATA, FORMAT_NAME, FORMAT_VERSION, safe_member
 from functional_ckpt.limits import LIMITS
@@ -92,6 +93,7 @@ class TensorEntry:
     requires_grad: bool
     chunks: list[Chunk] = field(default_factory=list)
     alias: KeyPath | None = None
+    dcp_path: KeyPath | None = None  # DCP's object path of ``fqn``, when not ``path``
     kind: ClassVar[str] = "tensor"
 
     @property
@@ -111,6 +113,8 @@ class TensorEntry:
             "shape": list(self.shape),
             "requires_grad": self.requires_grad,
         }
+        if self.dcp_path is not None:
+            out["dcp_path"] = list(self.dcp_path)
         if self.alias is not None:
             out["alias"] = list(self.alias)
         else:
@@ -171,6 +175,7 @@ class Manifest:
     ranks: list[list[Entry]]
     root: dict[str, Any] | None = None  # the root TensorDict's batch size and names
     checked: bool = False  # values and metadata passed codec.check_encodable, no bytearrays
+    dcp_bytes: list[ByteEntry] | None = None  # values as stock DCP byte entries
 
     def to_plain(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -186,6 +191,8 @@ class Manifest:
         }
         if self.root:
             out["root"] = self.root
+        if self.dcp_bytes is not None:
+            out["dcp_bytes"] = [b.to_plain() for b in self.dcp_bytes]
         return out
 
     def encode(self) -> bytes:
@@ -466,6 +473,16 @@ def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: 
     if not isinstance(fqn, str):
         raise CorruptCheckpoint(f"{where}: invalid DCP key {fqn!r}")
     entry = TensorEntry(path, fqn, dtype, shape, bool(e.get("requires_grad", False)))
+    if "dcp_path" in e:
+        dp = e["dcp_path"]
+        if (
+            not isinstance(dp, list)
+            or not 0 < len(dp) <= LIMITS.key_depth + 1
+            or not all(isinstance(k, str) for k in dp)
+            or ".".join(dp) != fqn
+        ):
+            raise CorruptCheckpoint(f"{where}: invalid DCP key path {dp!r}")
+        entry.dcp_path = tuple(dp)
     if "alias" in e:
         target = e["alias"]
         is_path = isinstance(target, list) and all(isinstance(k, str) for k in target)

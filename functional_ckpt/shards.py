@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from functional_ckpt.checksum import crc32
+from functional_ckpt.dcpbytes import ByteEntry
 from functional_ckpt.errors import CheckpointError
 from functional_ckpt.manifest import Chunk
 
@@ -213,14 +214,16 @@ def write_shard(
     *,
     after_each: Callable[[int], None] | None = None,
     background: list[Future[None]] | None = None,
+    blobs: Sequence[ByteEntry] = (),
 ) -> None:
     """Write tensors (contiguous, on CPU) as DCP blobs into a new file, fsynced.
 
     Tensor ``i`` holds the bytes of ``chunks[i]``, whose location and checksums
-    are filled in here. ``after_each(i)`` runs once tensor ``i`` is fully written
-    (version checks of unstaged saves hook in here). With ``background``, the
-    fsync runs on :func:`sync_pool` and its future is appended there: the file is
-    durable once that future is done.
+    are filled in here. ``blobs`` (values as DCP byte entries) follow the
+    tensors; their location and CRC32 are filled in too. ``after_each(i)`` runs
+    once tensor ``i`` is fully written (version checks of unstaged saves hook in
+    here). With ``background``, the fsync runs on :func:`sync_pool` and its
+    future is appended there: the file is durable once that future is done.
     """
     name = path.name
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -266,6 +269,10 @@ def write_shard(
             pos += length
             if after_each is not None:
                 after_each(i)
+        for b in blobs:
+            b.file, b.offset, b.length, b.crc32 = name, pos, len(b.data), crc32(b.data)
+            pending += b.data
+            pos += len(b.data)
         if pending:
             _write_all(fd, pending)
     except BaseException:

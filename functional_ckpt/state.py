@@ -137,6 +137,8 @@ def capture(
         model = optimizer = None
     for name, obj in _named(model, optimizer, scheduler, loader):
         td.set(name, from_python(_state_of(name, obj), (name,)))
+    if model is not None and optimizer is not None:
+        _record_param_names(td.get("optimizer"), model, optimizer)
     if rng:
         td.set("rng", from_python(capture_rng(), ("rng",)))
     for name, value in extra.items():
@@ -145,6 +147,21 @@ def capture(
         td.set(name, _subtree(name, value))
     td.lock_()
     return td
+
+
+def _record_param_names(sub: TensorDictBase, model: Any, optimizer: Any) -> None:
+    """Record the optimizer's parameter names, so stock DCP sees its state by name.
+
+    The record is container metadata (``to_python`` ignores it): the state stays
+    ``optimizer.state_dict()``; only the DCP keys follow ``get_state_dict``.
+    """
+    from functional_ckpt import dcpbytes
+    from functional_ckpt.tree import NODE_KEY
+
+    names = dcpbytes.param_names(model, optimizer)
+    if names is not None and NODE_KEY not in sub.keys():
+        record = dcpbytes.optimizer_record(list(sub.keys()), names)
+        sub.set(NODE_KEY, NonTensorData(data=record, batch_size=[]))  # type: ignore[arg-type]
 
 
 def _load(name: str, obj: Any, state: TensorDictBase) -> None:

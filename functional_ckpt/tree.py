@@ -172,7 +172,8 @@ def to_python(value: Any) -> Any:
         keys = record["keys"]
         codec.check_hashes(keys, where=f"the keys of a {kind} node record")
         names = [k if type(k) is str else repr(k) for k in keys]
-        return {k: out[n] for k, n in zip(keys, names, strict=True)}
+        # a partial restore may hold only some of the recorded keys
+        return {k: out[n] for k, n in zip(keys, names, strict=True) if n in out}
     seq = [out[str(i)] for i in range(len(out))]
     return tuple(seq) if kind == "tuple" else seq
 

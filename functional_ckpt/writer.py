@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from functional_ckpt import codec, dcpmeta, format, shards
+from functional_ckpt import codec, dcpbytes, dcpmeta, format, shards
 from functional_ckpt._types import PathLike as PathLike  # re-exported: one PathLike
 from functional_ckpt.checksum import crc32
 from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
@@ -186,6 +186,7 @@ class Plan:
     sources: list[torch.Tensor] = field(default_factory=list)
     targets: list[TensorEntry] = field(default_factory=list)
     num_values: int = 0
+    optimizers: dict[KeyPath, list[str]] = field(default_factory=dict)  # parameter names
     root: dict[str, Any] | None = None  # the root's batch size and names, if batched
     has_dtensor: bool = False  # a DTensor's shards are written collectively
     checked: bool = False  # values and metadata passed check_encodable, no bytearray among them
@@ -219,6 +220,9 @@ def plan_save(
         elif leaf.kind == "value":
             entry = ValueEntry(path, leaf.value)
             plan.num_values += 1
+            named = dcpbytes.optimizer_names(path, leaf.value)
+            if named is not None and not local:
+                plan.optimizers[named[0]] = named[1]
         else:
             t: torch.Tensor = leaf.value
             check_tensor(t, path)
@@ -231,6 +235,8 @@ def plan_save(
                 )
             fqns[fqn] = path
             entry = TensorEntry(path, fqn, t.dtype, tuple(t.shape), bool(t.requires_grad))
+            if local:
+                entry.dcp_path = (fqn.partition(".")[0], *path)
             key = _alias_key(t)
             if key is None and is_dtensor(t):
                 plan.has_dtensor = True
@@ -244,8 +250,34 @@ def plan_save(
                 plan.sources.append(resolved(t))
                 plan.targets.append(entry)
         (plan.local if local else plan.entries).append(entry)
+    if plan.optimizers:
+        _name_optimizer_state(plan, fqns)
     plan.checked = not check_values(plan.entries + plan.local)
     return plan
+
+
+def _name_optimizer_state(plan: Plan, fqns: dict[str, KeyPath]) -> None:
+    """DCP keys of optimizer state by parameter name, as ``get_state_dict`` gives them."""
+    for entry in plan.entries:
+        if not isinstance(entry, TensorEntry):
+            continue
+        named = dcpbytes.dcp_path(entry.path, plan.optimizers)
+        if named is None:
+            continue
+        fqn = fqn_of(named)
+        other = fqns.get(fqn)
+        if other is not None and other != entry.path:
+            continue  # the name is taken: this tensor keeps its positional key
+        del fqns[entry.fqn]
+        fqns[fqn] = entry.path
+        entry.fqn, entry.dcp_path = fqn, named
+
+
+def byte_entries(plan: Plan) -> list[dcpbytes.ByteEntry]:
+    """The shared values of a plan as DCP byte entries, for stock readers."""
+    values = [(e.path, e.value) for e in plan.entries if isinstance(e, ValueEntry)]
+    taken = {e.fqn for e in plan.entries + plan.local if isinstance(e, TensorEntry)}
+    return dcpbytes.plan_bytes(values, taken, plan.optimizers)
 
 
 def _text_bytes(s: str) -> int:
@@ -376,7 +408,8 @@ def finalize(
     """
     syncing = [] if syncing is None else syncing
     try:
-        md_bytes = dcpmeta.derive(tensor_groups(manifest.entries, manifest.ranks))
+        groups = tensor_groups(manifest.entries, manifest.ranks)
+        md_bytes = dcpmeta.derive(groups, manifest.dcp_bytes or ())
         _write_file(tmp / format.DCP_METADATA, md_bytes, syncing)
         files = manifest.files
         files.clear()
@@ -438,11 +471,24 @@ def write_local(
             entry.chunks[:] = [Chunk((0,) * len(entry.shape), entry.shape)]
             chunks.append(entry.chunks[0])
         syncing: list[Future[None]] = []
+        blobs = byte_entries(plan)
         shards.write_shard(
-            tmp / shard_name(0), tensors, chunks, after_each=after_each, background=syncing
+            tmp / shard_name(0),
+            tensors,
+            chunks,
+            after_each=after_each,
+            background=syncing,
+            blobs=blobs,
         )
         manifest = Manifest(
-            created, metadata, {}, plan.entries, [plan.local], plan.root, checked=plan.checked
+            created,
+            metadata,
+            {},
+            plan.entries,
+            [plan.local],
+            plan.root,
+            checked=plan.checked,
+            dcp_bytes=blobs,
         )
         nbytes, _ = finalize(
             tmp, dest, manifest, overwrite=overwrite, before_commit=before_commit, syncing=syncing

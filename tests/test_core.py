@@ -283,7 +283,11 @@ def test_stock_dcp_load_reads_every_tensor(tmp_path: Path) -> None:
 
 
 def test_restore_of_stock_dcp_checkpoint(tmp_path: Path) -> None:
-    sd = {"w": torch.randn(4, 4), "nested": {"b": torch.arange(3)}, "obj": {"lr": 0.1}}
+    sd = {
+        "w": torch.randn(4, 4),
+        "nested": {"b": torch.arange(3)},
+        "obj": {"lr": 0.1, "tags": {"x"}},  # a set is not plain data: a pickle
+    }
     dcp.save(sd, checkpoint_id=str(tmp_path / "d"), no_dist=True)
     template = {"w": torch.zeros(4, 4), "nested": {"b": torch.zeros(3, dtype=torch.long)}}
     back = fc.restore(tmp_path / "d", template, partial=True)
@@ -293,9 +297,12 @@ def test_restore_of_stock_dcp_checkpoint(tmp_path: Path) -> None:
     back = fc.restore(tmp_path / "d", out=into, partial=True)
     assert back["w"].data_ptr() == into["w"].data_ptr() and torch.equal(into["w"], sd["w"])
     with pytest.raises(fc.errors.UnsafeCheckpoint, match="allow_pickle"):
-        fc.restore(tmp_path / "d", {**template, "obj": {"lr": 0.0}})
-    back = fc.restore(tmp_path / "d", {**template, "obj": {"lr": 0.0}}, allow_pickle=True)
-    assert back["obj", "lr"] == 0.1
+        fc.restore(tmp_path / "d", {**template, "obj": {"lr": 0.0, "tags": set()}})
+    back = fc.restore(tmp_path / "d", {**template, "obj": {"lr": 0.0}}, partial=True)
+    assert back["obj", "lr"] == 0.1  # plain data loads without allow_pickle
+    like = {**template, "obj": {"lr": 0.0, "tags": set()}}
+    back = fc.restore(tmp_path / "d", like, allow_pickle=True)
+    assert back["obj", "lr"] == 0.1 and back["obj", "tags"] == {"x"}
     summary = fc.inspect(tmp_path / "d")
     assert summary.foreign and summary.num_tensors == 2
 

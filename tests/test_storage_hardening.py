@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 import functional_ckpt as fc
 from functional_ckpt import codec, dcpmeta, format
@@ -191,7 +191,9 @@ def test_metadata_is_derived_from_the_manifest(tmp_path: Path) -> None:
         "model.w",
         "model.b",
         "opt.m",
+        "step",  # a value, as a DCP byte entry for stock readers
     }
+    assert isinstance(md.state_dict_metadata["step"], BytesStorageMetadata)
 
 
 def test_our_readers_never_unpickle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
