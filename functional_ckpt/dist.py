@@ -49,6 +49,7 @@ from functional_ckpt.manifest import (
     parse_planned,
     tensor_groups,
 )
+from functional_ckpt.pipeline import incremental
 from functional_ckpt.pipeline.topology import topology
 from functional_ckpt.reader import gc_paused, read_chunk
 from functional_ckpt.tree import KeyPath
@@ -144,6 +145,7 @@ class _ChunkWriter(StorageWriter):
         self.tmp = tmp
         self.job = job
         self.rank = 0
+        self.seen: dict[incremental.Key, incremental.Ident] = {}  # for an incremental save
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -167,7 +169,14 @@ class _ChunkWriter(StorageWriter):
             box = item.tensor_data.chunk
             chunks.append(Chunk(tuple(box.offsets), tuple(box.sizes)))
         try:
-            shards.write_shard(path, tensors, chunks)
+            if self.job.idents is None:
+                shards.write_shard(path, tensors, chunks)
+            else:  # each rank decides for its own chunks
+                keys = [(it.index.fqn, c.offsets) for it, c in zip(items, chunks, strict=True)]
+                idents = [self.job.idents.get(it.index.fqn) for it in items]
+                self.seen = incremental.write_rank(
+                    self.tmp, self.rank, self.job.base, keys, tensors, idents, chunks
+                )
         except OSError as e:
             raise os_error(e, self.job.dest) from e
         results = [
@@ -202,6 +211,8 @@ class _SaveJob:
     created: float
     nbytes: int = 0
     root: dict[str, Any] | None = None  # the root's batch size and names
+    base: incremental.Base | None = None  # an incremental save's base
+    idents: dict[str, incremental.Ident | None] | None = None  # by DCP key, when incremental
 
     def commit(self, results: list[WriteResult]) -> None:
         chunks: dict[str, list[Chunk]] = {}
@@ -213,7 +224,13 @@ class _SaveJob:
                     e.chunks[:] = sorted(chunks.get(e.fqn, []), key=lambda c: c.offsets)
         manifest = Manifest(self.created, self.metadata, {}, self.entries, self.ranks, self.root)
         try:
-            self.nbytes, _ = finalize(self.tmp, self.dest, manifest, overwrite=self.overwrite)
+            self.nbytes, _ = finalize(
+                self.tmp,
+                self.dest,
+                manifest,
+                overwrite=self.overwrite,
+                file_info=incremental.reused_info(self.tmp),
+            )
         except CheckpointError:  # e.g. CheckpointExists, itself an OSError
             raise
         except OSError as e:
@@ -229,6 +246,8 @@ def save_planned(
     error: BaseException | None,
     *,
     timeout: float | None = None,
+    base: incremental.Base | None = None,
+    idents: Sequence[incremental.Ident | None] | None = None,
 ) -> CheckpointInfo:
     """The multi-rank write of a planned save: every rank calls it; one checkpoint commits.
 
@@ -263,12 +282,16 @@ def save_planned(
     locals_[rank] = plan.local
     job = _SaveJob(dest, tmp, plan.entries, locals_, metadata, overwrite, time.time())
     job.root = plan.root
+    if idents is not None:
+        job.base = base
+        job.idents = {e.fqn: i for e, i in zip(plan.targets, idents, strict=True)}
+    writer = _ChunkWriter(tmp, job)
     state_dict = {e.fqn: t for e, t in zip(plan.targets, tensors, strict=True)}
     try:
         with gc_paused():
             dcp_save(
                 state_dict,
-                storage_writer=_ChunkWriter(tmp, job),
+                storage_writer=writer,
                 planner=DefaultSavePlanner(),
                 process_group=group,
             )
@@ -277,6 +300,8 @@ def save_planned(
             format.remove_tree(tmp)
         raise _unwrap(e, f"save {dest}") from e
     sizes = all_gather_bytes(str(job.nbytes).encode(), group)
+    if idents is not None:
+        incremental.remember(dest, writer.seen)
     return CheckpointInfo(
         path=dest,
         nbytes=int(sizes[0].decode() or 0),

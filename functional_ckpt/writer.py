@@ -363,6 +363,7 @@ def finalize(
     overwrite: bool,
     before_commit: Callable[[], None] | None = None,
     syncing: list[Future[None]] | None = None,
+    file_info: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> tuple[int, int]:
     """Write ``.metadata``, the manifest and the marker into ``tmp``; commit as ``dest``.
 
@@ -372,7 +373,8 @@ def finalize(
     (derived from the manifest by :func:`dcpmeta.derive`), the manifest (its file
     table filled in here) and the marker are each written and fsynced at their
     final size, and every fsync has finished, before the marker is written and the
-    directory is fsynced and renamed. Returns (bytes on disk, manifest bytes).
+    directory is fsynced and renamed. ``file_info`` adds fields to files' entries
+    (data files reused from a base). Returns (bytes on disk, manifest bytes).
     """
     syncing = [] if syncing is None else syncing
     try:
@@ -385,6 +387,7 @@ def finalize(
                 files[name] = {"size": len(md_bytes), "crc32": crc32(md_bytes)}
             else:
                 files[name] = {"size": (tmp / name).stat().st_size}
+            files[name].update((file_info or {}).get(name, {}))
         manifest_bytes = manifest.encode()
         format.write_file_durably(tmp / format.MANIFEST, manifest_bytes)
     finally:
