@@ -219,7 +219,7 @@ def test_an_unusable_base_is_an_error_for_save_and_a_full_save_for_the_manager(
     tmp_path: Path,
 ) -> None:
     state = make_state()
-    with pytest.raises(fc.errors.CheckpointError, match="base=.*missing"):
+    with pytest.raises(fc.errors.CheckpointError, match=r"base=.*missing"):
         fc.save(tmp_path / "x", state, base=tmp_path / "missing")
     assert not (tmp_path / "x").exists()
     with pytest.raises(TypeError, match="base="):
@@ -304,7 +304,9 @@ def test_sigkill_during_incremental_saves_leaves_the_base_intact(tmp_path: Path)
         proc.wait()
         assert fc.verify(root / "base").ok
         back = fc.restore(root / "base")
-        assert all(bool((t == 1.0).all()) for t in back.values(include_nested=True, leaves_only=True))
+        assert all(
+            bool((t == 1.0).all()) for t in back.values(include_nested=True, leaves_only=True)
+        )
         for p in root.iterdir():
             if format.is_temporary_name(p.name):
                 with pytest.raises(fc.errors.IncompleteCheckpoint):
