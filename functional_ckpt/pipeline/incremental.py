@@ -125,8 +125,7 @@ def open_base(inc: Incremental | None) -> Base | None:
                 if e.alias is None:
                     for c in e.chunks:
                         chunks[(e.fqn, c.offsets)] = BaseChunk(e.dtype, c)
-        held = os.fstat(ck.dir_fd)
-        seen = _SEEN.get((held.st_dev, held.st_ino), {})
+        seen = _SEEN.get(_identity(ck.dir_fd, path), {})
         return Base(ck, chunks, dict(parsed.shared.file_sizes), seen)
     except BaseException as err:
         ck.close()
@@ -141,7 +140,7 @@ def open_base(inc: Incremental | None) -> Base | None:
 
 # --------------------------------------------------------------------------- versions
 
-_SEEN: OrderedDict[tuple[int, int], dict[Key, Ident]] = OrderedDict()
+_SEEN: OrderedDict[tuple[int, ...], dict[Key, Ident]] = OrderedDict()
 _SEEN_LOCK = threading.Lock()
 #: Checkpoints whose version counters a process remembers.
 _SEEN_MAX = 8
@@ -156,15 +155,31 @@ def ident(t: torch.Tensor) -> Ident | None:
         return None
 
 
+def _identity(dir_fd: int, path: Path) -> tuple[int, ...]:
+    """One committed checkpoint: its directory's inode and its marker's manifest CRC32
+    and size (an inode alone may be reused once a checkpoint is deleted)."""
+    held = os.fstat(dir_fd)
+    try:
+        marker = format.read_marker(dir_fd, path)
+        crc, size = int(marker["manifest_crc32"]), int(marker["manifest_size"])
+    except (CheckpointError, OSError, KeyError, TypeError, ValueError):
+        crc = size = -1
+    return (held.st_dev, held.st_ino, crc, size)
+
+
 def remember(dest: Path, seen: dict[Key, Ident]) -> None:
     """After a commit: which bytes and versions the checkpoint at ``dest`` holds."""
     try:
-        st = os.stat(dest)
-    except OSError:
+        dir_fd = format.open_directory(dest)
+    except (CheckpointError, OSError):
         return
+    try:
+        key = _identity(dir_fd, dest)
+    finally:
+        os.close(dir_fd)
     with _SEEN_LOCK:
-        _SEEN[(st.st_dev, st.st_ino)] = seen
-        _SEEN.move_to_end((st.st_dev, st.st_ino))
+        _SEEN[key] = seen
+        _SEEN.move_to_end(key)
         while len(_SEEN) > _SEEN_MAX:
             _SEEN.popitem(last=False)
 
@@ -284,12 +299,8 @@ def _copy(base: Base, name: str, size: int, dst: Path, syncing: list[Future[None
     try:
         out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            done = 0
-            while done < size:
-                n = os.copy_file_range(src, out, size - done, done, done)
-                if n == 0:
-                    raise CheckpointError(f"{base.path / name}: shorter than its recorded size")
-                done += n
+            if _copy_range(src, out, size) != size:
+                raise CheckpointError(f"{base.path / name}: shorter than its recorded size")
         except BaseException:
             os.close(out)
             raise
@@ -297,6 +308,28 @@ def _copy(base: Base, name: str, size: int, dst: Path, syncing: list[Future[None
     finally:
         os.close(src)
     return True
+
+
+def _copy_range(src: int, out: int, size: int) -> int:
+    """Copy ``size`` bytes between files (in the kernel where it can); returns bytes copied."""
+    done = 0
+    kernel = True
+    while done < size:
+        if kernel:
+            try:
+                n = os.copy_file_range(src, out, size - done, done, done)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                kernel = False  # across file systems on older kernels: copy through memory
+                continue
+        else:
+            block = os.pread(src, min(shards.CHUNK, size - done), done)
+            n = len(block) and os.pwrite(out, block, done)
+        if n == 0:
+            break
+        done += n
+    return done
 
 
 def reused_info(directory: Path) -> dict[str, dict[str, Any]]:
