@@ -22,7 +22,7 @@ from functional_ckpt.cli.common import (
 )
 from functional_ckpt.cli.ui import UI, human
 from functional_ckpt.exporting import ExportInfo, export_infos
-from functional_ckpt.pipeline.incremental import shared_bytes
+from functional_ckpt.pipeline.incremental import disk_bytes, shared_bytes
 from functional_ckpt.retention import RetentionError, retention_from_spec, union_parts
 from functional_ckpt.root import MANAGER_KEY, Entry, dir_size, kept_by
 
@@ -231,7 +231,8 @@ def _print_ls(
         )
     ui.table(head, cells, styles)
     committed = [r for r in rows if r.status in COMMITTED]
-    ui.print(f"\n{len(committed)} committed checkpoints, {human(sum(r.size for r in rows))} in all")
+    total = disk_bytes([r.path for r in rows])  # a file shared by several counts once
+    ui.print(f"\n{len(committed)} committed checkpoints, {human(total)} in all")
     if parts:
         ui.print(f"retention ({source}): {' | '.join(label for label, _ in parts)}")
     else:

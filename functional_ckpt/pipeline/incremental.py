@@ -497,3 +497,16 @@ def shared_bytes(path: Path) -> int:
                 if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
                     total += st.st_size
     return total
+
+
+def disk_bytes(paths: Sequence[Path]) -> int:
+    """Bytes of the regular files directly inside ``paths``, each file counted once."""
+    seen: dict[tuple[int, int], int] = {}
+    for path in paths:
+        with contextlib.suppress(OSError), os.scandir(path) as it:
+            for entry in it:
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode):
+                        seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
