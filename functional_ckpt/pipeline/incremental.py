@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -127,15 +127,16 @@ def open_base(inc: Incremental | None) -> Base | None:
                         chunks[(e.fqn, c.offsets)] = BaseChunk(e.dtype, c)
         seen = _SEEN.get(_identity(ck.dir_fd, path), {})
         return Base(ck, chunks, dict(parsed.shared.file_sizes), seen)
-    except BaseException as err:
+    except CheckpointError as err:
         ck.close()
-        if not inc.required or not isinstance(err, CheckpointError):
-            if inc.required:
-                raise
+        if not inc.required:
             return None
         raise CheckpointError(
             f"base={path}: cannot be used as the base of an incremental save: {err}"
         ) from err
+    except BaseException:
+        ck.close()
+        raise
 
 
 # --------------------------------------------------------------------------- versions
@@ -187,18 +188,6 @@ def remember(dest: Path, seen: dict[Key, Ident]) -> None:
 # --------------------------------------------------------------------------- deciding
 
 
-@dataclass
-class Split:
-    """Which chunks a rank writes and which it takes from the base (``reused[i]``)."""
-
-    reused: list[Chunk | None]
-    files: dict[str, str] = field(default_factory=dict)  # new name -> base file name
-
-    @property
-    def written(self) -> list[int]:
-        return [i for i, c in enumerate(self.reused) if c is None]
-
-
 def _unchanged(base: Base, key: Key, t: torch.Tensor, known: Ident | None) -> Chunk | None:
     """The base's chunk for ``key`` if ``t`` (contiguous, on the CPU) holds its bytes."""
     got = base.chunks.get(key)
@@ -240,15 +229,14 @@ def place(
     tmp: Path,
     rank: int,
     syncing: list[Future[None]],
-) -> Split:
+) -> list[Chunk | None]:
     """Bring the base files the reused chunks lie in into ``tmp``; repoint the chunks.
 
     A file used below :data:`MIN_LIVE`, or one that cannot be linked or copied
     (the base was deleted meanwhile), has its chunks written again instead.
     """
-    split = Split(list(reused))
     if base is None:
-        return split
+        return list(reused)
     used: dict[str, int] = {}
     for c in reused:
         if c is not None:
@@ -260,12 +248,10 @@ def place(
             new = f"__{rank}_{n}.distcp"
             if _bring(base, name, size, tmp / new, syncing):
                 names[name] = new
-                split.files[new] = name
-    for i, c in enumerate(reused):
-        if c is not None:
-            new_name = names.get(c.file)
-            split.reused[i] = None if new_name is None else dataclasses.replace(c, file=new_name)
-    return split
+    return [
+        None if c is None or c.file not in names else dataclasses.replace(c, file=names[c.file])
+        for c in reused
+    ]
 
 
 def _bring(base: Base, name: str, size: int, dst: Path, syncing: list[Future[None]]) -> bool:
@@ -355,9 +341,9 @@ def write_rank(
     returns what to :func:`remember` once the checkpoint is committed.
     """
     background: list[Future[None]] = [] if syncing is None else syncing
-    split = place(base, decide(base, keys, tensors, idents), tmp, rank, background)
-    todo = split.written
-    for i, c in enumerate(split.reused):
+    reused = place(base, decide(base, keys, tensors, idents), tmp, rank, background)
+    todo = [i for i, c in enumerate(reused) if c is None]
+    for i, c in enumerate(reused):
         if c is not None:
             target = chunks[i]
             for f in dataclasses.fields(Chunk):
