@@ -214,7 +214,7 @@ def test_incremental_quick_run(tmp_path: Path) -> None:
         "restore incremental",
     }
     for r in rows.values():
-        assert r["median_s"] > 0 and len(r["times_s"]) in (2, 6)
+        assert r["median_s"] > 0 and len(r["times_s"]) in (2, 4, 6)
     # bytes are not timings: an incremental save of a 90%-frozen state writes a tenth
     assert rows["incremental, 90% frozen"]["bytes_ratio"] < 0.12
     assert rows["incremental, nothing frozen"]["bytes_ratio"] > 0.99
