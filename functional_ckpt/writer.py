@@ -414,6 +414,28 @@ def _write_file(path: Path, data: bytes, syncing: list[Future[None]]) -> None:
     syncing.append(shards.sync_pool().submit(shards.fsync_and_close, fd))
 
 
+#: Writes tensor ``i`` as ``chunks[i]`` into the temporary directory (filling in the
+#: chunks, calling ``after_each(i)``, appending background fsyncs to ``syncing``);
+#: returns fields to add to the files' entries in the manifest.
+DataWriter = Callable[
+    [Path, Sequence[torch.Tensor], list[Chunk], Callable[[int], None] | None, list[Future[None]]],
+    Mapping[str, Mapping[str, Any]],
+]
+
+
+def _write_chunks(
+    tmp: Path,
+    tensors: Sequence[torch.Tensor],
+    chunks: list[Chunk],
+    after_each: Callable[[int], None] | None,
+    syncing: list[Future[None]],
+) -> Mapping[str, Mapping[str, Any]]:
+    shards.write_shard(
+        tmp / shard_name(0), tensors, chunks, after_each=after_each, background=syncing
+    )
+    return {}
+
+
 def write_local(
     dest: Path,
     plan: Plan,
@@ -423,12 +445,15 @@ def write_local(
     overwrite: bool,
     after_each: Callable[[int], None] | None = None,
     before_commit: Callable[[], None] | None = None,
+    write_data: DataWriter | None = None,
 ) -> CheckpointInfo:
     """Write a planned state from one process with the full commit protocol.
 
     ``tensors`` are the bytes to write for ``plan.sources`` (the sources themselves,
     or staged copies), each contiguous and on the CPU. ``after_each(i)`` runs once
     tensor ``i`` is written; ``before_commit()`` may raise to refuse the commit.
+    ``write_data`` replaces how the tensor chunks reach the directory (an
+    incremental save takes unchanged ones from its base).
     """
     t0 = time.perf_counter()
     created = time.time()
@@ -441,14 +466,18 @@ def write_local(
             entry.chunks[:] = [Chunk((0,) * len(entry.shape), entry.shape)]
             chunks.append(entry.chunks[0])
         syncing: list[Future[None]] = []
-        shards.write_shard(
-            tmp / shard_name(0), tensors, chunks, after_each=after_each, background=syncing
-        )
+        info = (write_data or _write_chunks)(tmp, tensors, chunks, after_each, syncing)
         manifest = Manifest(
             created, metadata, {}, plan.entries, [plan.local], plan.root, checked=plan.checked
         )
         nbytes, _ = finalize(
-            tmp, dest, manifest, overwrite=overwrite, before_commit=before_commit, syncing=syncing
+            tmp,
+            dest,
+            manifest,
+            overwrite=overwrite,
+            before_commit=before_commit,
+            syncing=syncing,
+            file_info=info,
         )
     except CheckpointError:  # e.g. CheckpointExists, itself an OSError
         format.remove_tree(tmp)

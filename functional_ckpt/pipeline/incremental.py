@@ -23,7 +23,6 @@ import os
 import re
 import stat
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -33,12 +32,12 @@ from typing import Any
 
 import torch
 
-from functional_ckpt import format, shards
+from functional_ckpt import format, shards, writer
 from functional_ckpt._types import PathLike
 from functional_ckpt.checksum import crc32
 from functional_ckpt.errors import CheckpointError
-from functional_ckpt.manifest import Chunk, Manifest, parse_checkpoint
-from functional_ckpt.writer import CheckpointInfo, Plan, finalize, os_error, shard_name
+from functional_ckpt.manifest import Chunk, parse_checkpoint
+from functional_ckpt.writer import CheckpointInfo, Plan, shard_name
 
 #: A chunk's identity across saves: the tensor's DCP key and the box's offsets.
 Key = tuple[str, tuple[int, ...]]
@@ -398,53 +397,35 @@ def write_local(
     The commit protocol is the same; the base is only read (its files are linked
     or copied into the new directory, never opened for writing).
     """
-    t0 = time.perf_counter()
-    created = time.time()
-    tmp = format.tmp_sibling(dest)
-    try:
-        format.make_dirs(dest.parent)
-        tmp.mkdir()
-        chunks = []
-        for entry in plan.targets:
-            entry.chunks[:] = [Chunk((0,) * len(entry.shape), entry.shape)]
-            chunks.append(entry.chunks[0])
+    seen: dict[Key, Ident] = {}
+
+    def write_data(
+        tmp: Path,
+        tensors: Sequence[torch.Tensor],
+        chunks: list[Chunk],
+        after_each: Callable[[int], None] | None,
+        syncing: list[Future[None]],
+    ) -> dict[str, dict[str, Any]]:
         keys = [(e.fqn, c.offsets) for e, c in zip(plan.targets, chunks, strict=True)]
-        syncing: list[Future[None]] = []
-        seen = write_rank(
-            tmp, 0, base, keys, tensors, idents, chunks, after_each=after_each, syncing=syncing
+        seen.update(
+            write_rank(
+                tmp, 0, base, keys, tensors, idents, chunks, after_each=after_each, syncing=syncing
+            )
         )
-        manifest = Manifest(
-            created, metadata, {}, plan.entries, [plan.local], plan.root, checked=plan.checked
-        )
-        nbytes, _ = finalize(
-            tmp,
-            dest,
-            manifest,
-            overwrite=overwrite,
-            before_commit=before_commit,
-            syncing=syncing,
-            file_info=reused_info(tmp),
-        )
-    except CheckpointError:
-        format.remove_tree(tmp)
-        raise
-    except OSError as e:
-        format.remove_tree(tmp)
-        raise os_error(e, dest) from e
-    except BaseException:
-        format.remove_tree(tmp)
-        raise
-    remember(dest, seen)
-    return CheckpointInfo(
-        path=dest,
-        nbytes=nbytes,
-        tensor_bytes=sum(c.nbytes for c in chunks),
-        num_tensors=len(chunks),
-        num_values=plan.num_values,
-        created=created,
-        duration=time.perf_counter() - t0,
+        return reused_info(tmp)
+
+    info = writer.write_local(
+        dest,
+        plan,
+        tensors,
         metadata=metadata,
+        overwrite=overwrite,
+        after_each=after_each,
+        before_commit=before_commit,
+        write_data=write_data,
     )
+    remember(dest, seen)
+    return info
 
 
 # --------------------------------------------------------------------------- sharing
