@@ -88,11 +88,11 @@ def save(
     """The synchronous pipeline behind ``fc.save`` (documented there)."""
     with gc_paused():
         job = flatten(path, state, metadata, overwrite, per_rank, incr.as_incremental(base))
-        sources = [] if job.plan is None else job.plan.sources
-        # Distributed writers copy what DCP's planner hands them; locally, only
-        # device tensors and non-contiguous views are copied to the host.
-        tensors = sources if job.distributed else [host_copy(t) for t in sources]
         with incr.closing(job.base):
+            sources = [] if job.plan is None else job.plan.sources
+            # Distributed writers copy what DCP's planner hands them; locally, only
+            # device tensors and non-contiguous views are copied to the host.
+            tensors = sources if job.distributed else [host_copy(t) for t in sources]
             info = backend_for(job).write(job, tensors, Hooks())
         # Freed while collection is paused, the plan's many small objects are never
         # walked by the collection that re-enabling would soon trigger.
