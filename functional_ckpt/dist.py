@@ -50,6 +50,7 @@ from functional_ckpt.manifest import (
     parse_planned,
     tensor_groups,
 )
+from functional_ckpt.pipeline import incremental
 from functional_ckpt.pipeline.topology import topology
 from functional_ckpt.reader import gc_paused, read_chunk
 from functional_ckpt.tree import KeyPath
@@ -146,6 +147,7 @@ class _ChunkWriter(StorageWriter):
         self.tmp = tmp
         self.job = job
         self.rank = 0
+        self.seen: dict[incremental.Key, incremental.Ident] = {}  # for an incremental save
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -170,7 +172,14 @@ class _ChunkWriter(StorageWriter):
             chunks.append(Chunk(tuple(box.offsets), tuple(box.sizes)))
         blobs = self.job.blobs if self.rank == 0 else []
         try:
-            shards.write_shard(path, tensors, chunks, blobs=blobs)
+            if self.job.idents is None:
+                shards.write_shard(path, tensors, chunks, blobs=blobs)
+            else:  # each rank decides for its own chunks
+                keys = [(it.index.fqn, c.offsets) for it, c in zip(items, chunks, strict=True)]
+                idents = [self.job.idents.get(it.index.fqn) for it in items]
+                self.seen = incremental.write_rank(
+                    self.tmp, self.rank, self.job.base, keys, tensors, idents, chunks, blobs=blobs
+                )
         except OSError as e:
             raise os_error(e, self.job.dest) from e
         results = [
@@ -206,6 +215,8 @@ class _SaveJob:
     nbytes: int = 0
     root: dict[str, Any] | None = None  # the root's batch size and names
     blobs: list[ByteEntry] = field(default_factory=list)  # values for stock readers (rank 0)
+    base: incremental.Base | None = None  # an incremental save's base
+    idents: dict[str, incremental.Ident | None] | None = None  # by DCP key, when incremental
 
     def commit(self, results: list[WriteResult]) -> None:
         chunks: dict[str, list[Chunk]] = {}
@@ -218,7 +229,13 @@ class _SaveJob:
         manifest = Manifest(self.created, self.metadata, {}, self.entries, self.ranks, self.root)
         manifest.dcp_bytes = self.blobs
         try:
-            self.nbytes, _ = finalize(self.tmp, self.dest, manifest, overwrite=self.overwrite)
+            self.nbytes, _ = finalize(
+                self.tmp,
+                self.dest,
+                manifest,
+                overwrite=self.overwrite,
+                file_info=incremental.reused_info(self.tmp),
+            )
         except CheckpointError:  # e.g. CheckpointExists, itself an OSError
             raise
         except OSError as e:
@@ -234,6 +251,8 @@ def save_planned(
     error: BaseException | None,
     *,
     timeout: float | None = None,
+    base: incremental.Base | None = None,
+    idents: Sequence[incremental.Ident | None] | None = None,
 ) -> CheckpointInfo:
     """The multi-rank write of a planned save: every rank calls it; one checkpoint commits.
 
@@ -270,12 +289,16 @@ def save_planned(
     job.root = plan.root
     if rank == 0:
         job.blobs = byte_entries(plan)
+    if idents is not None:
+        job.base = base
+        job.idents = {e.fqn: i for e, i in zip(plan.targets, idents, strict=True)}
+    writer = _ChunkWriter(tmp, job)
     state_dict = {e.fqn: t for e, t in zip(plan.targets, tensors, strict=True)}
     try:
         with gc_paused():
             dcp_save(
                 state_dict,
-                storage_writer=_ChunkWriter(tmp, job),
+                storage_writer=writer,
                 planner=DefaultSavePlanner(),
                 process_group=group,
             )
@@ -284,6 +307,8 @@ def save_planned(
             format.remove_tree(tmp)
         raise _unwrap(e, f"save {dest}") from e
     sizes = all_gather_bytes(str(job.nbytes).encode(), group)
+    if idents is not None:
+        incremental.remember(dest, writer.seen)
     return CheckpointInfo(
         path=dest,
         nbytes=int(sizes[0].decode() or 0),

@@ -1,8 +1,10 @@
 """Forking: start a new run in a new root from a checkpoint of another run.
 
-The fork is a full copy (the source's manifest is sealed by its commit marker, so
-it cannot be amended in place) that records its lineage under ``"forked_from"``;
-every later checkpoint of the new run carries that lineage on.
+The fork is a new checkpoint (the source's manifest is sealed by its commit
+marker, so it cannot be amended in place) that records its lineage under
+``"forked_from"`` and shares the source's data files (an incremental save with
+the source as its base: hard links, or copies across file systems); every later
+checkpoint of the new run carries that lineage on.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ def _source_step(path: Path, meta: Mapping[str, Any]) -> int | None:
 def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = None) -> Path:
     """Start a new run in ``new_root`` from a checkpoint of another run.
 
-    The checkpoint is restored and saved again (a full copy: the original manifest
-    is sealed by its commit marker, so it cannot be amended in place) as
+    The checkpoint is restored and saved again (its data files shared with the
+    source, not copied, where the file system allows hard links) as
     ``new_root/step_N`` with ``N`` the source's step unless ``step`` is given. The
     copy keeps the user metadata, step, epoch and metrics of the source, gets fresh
     automatic metadata, starts its policies afresh (it is a new run), and records
@@ -77,5 +79,5 @@ def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = No
         metadata = {**run.metadata(record, {}), **user}
         metadata[MANAGER_KEY] = record
         path = mgr.path(target)
-        save(path, state, metadata=metadata, overwrite=path.exists())
+        save(path, state, metadata=metadata, overwrite=path.exists(), base=src)
         return path

@@ -38,9 +38,11 @@ from functional_ckpt.errors import (
 )
 from functional_ckpt.export import Export
 from functional_ckpt.exporting import BackgroundExport, run_export, snapshot
-from functional_ckpt.io import CheckpointInfo, like_argument, restore, save
+from functional_ckpt.io import CheckpointInfo, like_argument, restore
 from functional_ckpt.lock import WriterLock
 from functional_ckpt.manager_args import check_policies, plain_metrics
+from functional_ckpt.pipeline.incremental import Incremental
+from functional_ckpt.pipeline.save import save as save_sync
 from functional_ckpt.pipeline.save import save_async
 from functional_ckpt.pipeline.topology import topology
 from functional_ckpt.policy import Event, PolicyState, SavePolicy, every_steps
@@ -97,7 +99,11 @@ class CheckpointManager:
     finishes an interrupted rollback at open; ``read_only=True`` does none of that
     and never deletes or renames anything. ``clock`` is read (only by the manager,
     never by a policy) to count the run's running time, which every event carries
-    and every checkpoint records. Not thread-safe: use one manager from one thread.
+    and every checkpoint records. ``incremental=True`` saves each checkpoint with
+    the previous committed one as its base (see ``fc.save(base=...)``): unchanged
+    bytes are shared, never written again, and every checkpoint stays
+    self-contained, so retention may delete any of them. Not thread-safe: use
+    one manager from one thread.
     """
 
     def __init__(
@@ -113,6 +119,7 @@ class CheckpointManager:
         staging: Staging = "copy",
         per_rank: Sequence[str] = DEFAULT_PER_RANK,
         clock: Callable[[], float] = time.monotonic,
+        incremental: bool = False,
     ) -> None:
         self.root = Path(root)
         if not callable(clock):
@@ -120,6 +127,7 @@ class CheckpointManager:
         self._running = RunningTime(clock)
         self.per_rank = tuple(per_rank)
         self.async_save = bool(async_save)
+        self.incremental = bool(incremental)
         self.staging: Staging = staging
         self._pending: PendingSave | None = None
         self._removal: threading.Thread | None = None
@@ -389,6 +397,7 @@ class CheckpointManager:
         save of a step supersedes the older one.
         """
         overwrite = path.exists()
+        base = self._base_for(path) if self.incremental else None
         if self.async_save:
             self._pending = save_async(
                 path,
@@ -398,9 +407,21 @@ class CheckpointManager:
                 staging=self.staging,
                 stager=self._stager,
                 per_rank=self.per_rank,
+                base=base,
             )
             return None
-        return save(path, state, metadata=metadata, overwrite=overwrite, per_rank=self.per_rank)
+        return save_sync(
+            path, state, metadata=metadata, overwrite=overwrite, per_rank=self.per_rank, base=base
+        )
+
+    def _base_for(self, path: Path) -> Incremental:
+        """The base of an incremental save: the newest other committed checkpoint.
+
+        Unreadable or gone by the time it is opened, it is not an error: the save
+        is then a full one.
+        """
+        others = [s for s in self.steps() if self.path(s) != path]
+        return Incremental(self.path(max(others)) if others else None, required=False)
 
     def _export_weights(self, state: State, event: Event) -> Path | None:
         assert self.export is not None

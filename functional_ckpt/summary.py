@@ -60,6 +60,8 @@ class CheckpointSummary:
     file_bytes: int
     foreign: bool = False
     world_size: int = 1  # ranks that wrote it; per-rank subtrees shown are rank 0's
+    shared_bytes: int = 0  # in data files also linked into another checkpoint
+    added_bytes: int | None = None  # what its save wrote (the rest it reused from a base)
 
     def __str__(self) -> str:
         lines = [

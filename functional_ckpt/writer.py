@@ -395,6 +395,7 @@ def finalize(
     overwrite: bool,
     before_commit: Callable[[], None] | None = None,
     syncing: list[Future[None]] | None = None,
+    file_info: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> tuple[int, int]:
     """Write ``.metadata``, the manifest and the marker into ``tmp``; commit as ``dest``.
 
@@ -404,7 +405,8 @@ def finalize(
     (derived from the manifest by :func:`dcpmeta.derive`), the manifest (its file
     table filled in here) and the marker are each written and fsynced at their
     final size, and every fsync has finished, before the marker is written and the
-    directory is fsynced and renamed. Returns (bytes on disk, manifest bytes).
+    directory is fsynced and renamed. ``file_info`` adds fields to files' entries
+    (data files reused from a base). Returns (bytes on disk, manifest bytes).
     """
     syncing = [] if syncing is None else syncing
     try:
@@ -418,6 +420,7 @@ def finalize(
                 files[name] = {"size": len(md_bytes), "crc32": crc32(md_bytes)}
             else:
                 files[name] = {"size": (tmp / name).stat().st_size}
+            files[name].update((file_info or {}).get(name, {}))
         manifest_bytes = manifest.encode()
         format.write_file_durably(tmp / format.MANIFEST, manifest_bytes)
     finally:
@@ -444,6 +447,41 @@ def _write_file(path: Path, data: bytes, syncing: list[Future[None]]) -> None:
     syncing.append(shards.sync_pool().submit(shards.fsync_and_close, fd))
 
 
+#: Writes tensor ``i`` as ``chunks[i]`` into the temporary directory (filling in the
+#: chunks, calling ``after_each(i)``, appending background fsyncs to ``syncing``);
+#: returns fields to add to the files' entries in the manifest.
+DataWriter = Callable[
+    [
+        Path,
+        Sequence[torch.Tensor],
+        list[Chunk],
+        Sequence[dcpbytes.ByteEntry],
+        Callable[[int], None] | None,
+        list[Future[None]],
+    ],
+    Mapping[str, Mapping[str, Any]],
+]
+
+
+def _write_chunks(
+    tmp: Path,
+    tensors: Sequence[torch.Tensor],
+    chunks: list[Chunk],
+    blobs: Sequence[dcpbytes.ByteEntry],
+    after_each: Callable[[int], None] | None,
+    syncing: list[Future[None]],
+) -> Mapping[str, Mapping[str, Any]]:
+    shards.write_shard(
+        tmp / shard_name(0),
+        tensors,
+        chunks,
+        after_each=after_each,
+        background=syncing,
+        blobs=blobs,
+    )
+    return {}
+
+
 def write_local(
     dest: Path,
     plan: Plan,
@@ -453,12 +491,15 @@ def write_local(
     overwrite: bool,
     after_each: Callable[[int], None] | None = None,
     before_commit: Callable[[], None] | None = None,
+    write_data: DataWriter | None = None,
 ) -> CheckpointInfo:
     """Write a planned state from one process with the full commit protocol.
 
     ``tensors`` are the bytes to write for ``plan.sources`` (the sources themselves,
     or staged copies), each contiguous and on the CPU. ``after_each(i)`` runs once
     tensor ``i`` is written; ``before_commit()`` may raise to refuse the commit.
+    ``write_data`` replaces how the tensor chunks reach the directory (an
+    incremental save takes unchanged ones from its base).
     """
     t0 = time.perf_counter()
     created = time.time()
@@ -472,14 +513,7 @@ def write_local(
             chunks.append(entry.chunks[0])
         syncing: list[Future[None]] = []
         blobs = byte_entries(plan)
-        shards.write_shard(
-            tmp / shard_name(0),
-            tensors,
-            chunks,
-            after_each=after_each,
-            background=syncing,
-            blobs=blobs,
-        )
+        info = (write_data or _write_chunks)(tmp, tensors, chunks, blobs, after_each, syncing)
         manifest = Manifest(
             created,
             metadata,
@@ -491,7 +525,13 @@ def write_local(
             dcp_bytes=blobs,
         )
         nbytes, _ = finalize(
-            tmp, dest, manifest, overwrite=overwrite, before_commit=before_commit, syncing=syncing
+            tmp,
+            dest,
+            manifest,
+            overwrite=overwrite,
+            before_commit=before_commit,
+            syncing=syncing,
+            file_info=info,
         )
     except CheckpointError:  # e.g. CheckpointExists, itself an OSError
         format.remove_tree(tmp)

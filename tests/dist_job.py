@@ -6,11 +6,13 @@ Modes:
   shard-restore ROOT                      restore it into differently sharded templates
   plain-restore ROOT                      restore a single-process checkpoint into DTensors
   kill-in-save ROOT                       the last rank dies while writing its shard
+  incremental ROOT                        incremental saves, one rank's shard changed
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -184,6 +186,29 @@ def main() -> None:
         assert decisions == [True] + [False] * 5, decisions
         back = fc.restore(root / "run" / "step_000000000", shard_template(mesh))
         check_restored(back, rank, world)
+    elif mode == "incremental":
+        mesh = init_device_mesh("cpu", (world,))
+        state = shard_state(mesh, rank)
+        fc.save(root / "a", state)
+        if rank == world - 1:
+            state["w"].to_local().add_(1.0)  # only the last rank's shard changes
+        fc.save(root / "b", state, base=root / "a")
+        pending = fc.save_async(root / "c", state, base=root / "b")  # nothing changed
+        pending.wait_staged()
+        pending.result()
+        dist.barrier()
+        if rank == 0:
+            written = {n for n in os.listdir(root / "b") if n.endswith("_0.distcp")}
+            assert written == {f"__{world - 1}_0.distcp"}, written  # only its shard changed
+            shutil.rmtree(root / "a")
+            shutil.rmtree(root / "b")
+        dist.barrier()
+        back = fc.restore(root / "c", shard_template(mesh))
+        expect = full_tensors()["w"]
+        expect[-(-10 // world) * (world - 1) :] += 1.0
+        assert torch.equal(back["w"].full_tensor(), expect)
+        assert torch.equal(back["r"].full_tensor(), full_tensors()["w"] * 2)
+        assert back["loader", "pos"] == rank * 100
     elif mode == "async-save":
         mesh = init_device_mesh("cpu", (world,))
         state = shard_state(mesh, rank)

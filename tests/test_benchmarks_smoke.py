@@ -198,3 +198,25 @@ def test_train_overhead_quick_run(tmp_path: Path, mode: str) -> None:
     assert data["blocked_s"] >= 0
     if mode == "save_async":
         assert not config["manager_async"]
+
+
+@pytest.mark.timeout(120)
+def test_incremental_quick_run(tmp_path: Path) -> None:
+    data = _run_benchmark("incremental.py", tmp_path)
+    assert data["config"]["reps"] == 2 and data["config"]["trained"] == 2
+    rows = {r["op"]: r for r in data["rows"]}
+    assert set(rows) == {
+        "full save",
+        "incremental, 90% frozen",
+        "incremental, 90% frozen, unknown base",
+        "incremental, nothing frozen",
+        "restore full",
+        "restore incremental",
+    }
+    for r in rows.values():
+        assert r["median_s"] > 0 and len(r["times_s"]) in (2, 4, 6)
+    # bytes are not timings: an incremental save of a 90%-frozen state writes a tenth
+    assert rows["incremental, 90% frozen"]["bytes_ratio"] < 0.12
+    assert rows["incremental, nothing frozen"]["bytes_ratio"] > 0.99
+    assert len(data["targets"]) == 4
+    assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}

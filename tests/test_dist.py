@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import functional_ckpt as fc
+from functional_ckpt import format
 from tests.exact import assert_exact
 
 JOB = Path(__file__).with_name("dist_job.py")
@@ -139,6 +140,15 @@ def test_a_rank_killed_during_save_commits_nothing(tmp_path: Path) -> None:
     seconds = float(out.split("raised after ")[1].split("s:")[0])
     assert seconds < 60
     assert not (tmp_path / "ck").exists()
+
+
+def test_incremental_saves_across_ranks_share_each_ranks_unchanged_shards(tmp_path: Path) -> None:
+    run_ok(2, "incremental", str(tmp_path))
+    files = format.read_manifest(tmp_path / "c")["files"]
+    data = sorted(n for n in files if n.endswith(".distcp"))
+    assert data and all(files[n].get("reused") for n in data), files  # c wrote no data
+    assert {n.split("_")[2] for n in data} == {"0", "1"}  # both ranks' shards
+    assert fc.verify(tmp_path / "c").ok
 
 
 def test_manager_decisions_agree_and_async_saves_work_across_ranks(tmp_path: Path) -> None:

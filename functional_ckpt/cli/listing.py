@@ -22,6 +22,7 @@ from functional_ckpt.cli.common import (
 )
 from functional_ckpt.cli.ui import UI, human
 from functional_ckpt.exporting import ExportInfo, export_infos
+from functional_ckpt.pipeline.incremental import disk_bytes, shared_bytes
 from functional_ckpt.retention import RetentionError, retention_from_spec, union_parts
 from functional_ckpt.root import MANAGER_KEY, Entry, dir_size, kept_by
 
@@ -193,6 +194,7 @@ def _row_json(row: Entry, kept: list[str]) -> dict[str, Any]:
         "status": row.status,
         "time": row.time,
         "size": row.size,
+        "shared": shared_bytes(row.path),
         "metrics": {k: v if math.isfinite(v) else repr(v) for k, v in row.metrics.items()},
         "kept_by": kept,
         "detail": row.detail,
@@ -206,7 +208,7 @@ def _print_ls(
     source: str,
     ui: UI,
 ) -> None:
-    head = ["CHECKPOINT", "STEP", "SAVED", "SIZE", "STATUS", "METRICS", "KEPT BY"]
+    head = ["CHECKPOINT", "STEP", "SAVED", "SIZE", "SHARED", "STATUS", "METRICS", "KEPT BY"]
     cells: list[list[str]] = []
     styles: list[list[str]] = []
     for r in rows:
@@ -217,6 +219,7 @@ def _print_ls(
                 "-" if r.step is None else str(r.step),
                 time_text(r.time),
                 human(r.size),
+                human(shared_bytes(r.path)),
                 r.status,
                 _metrics_text(r.metrics),
                 why,
@@ -224,11 +227,12 @@ def _print_ls(
         )
         deleting = "deleted by" in why
         styles.append(
-            ["", "", "dim", "", _status_style(r.status), "", "bad" if deleting else "dim"]
+            ["", "", "dim", "", "dim", _status_style(r.status), "", "bad" if deleting else "dim"]
         )
     ui.table(head, cells, styles)
     committed = [r for r in rows if r.status in COMMITTED]
-    ui.print(f"\n{len(committed)} committed checkpoints, {human(sum(r.size for r in rows))} in all")
+    total = disk_bytes([r.path for r in rows])  # a file shared by several counts once
+    ui.print(f"\n{len(committed)} committed checkpoints, {human(total)} in all")
     if parts:
         ui.print(f"retention ({source}): {' | '.join(label for label, _ in parts)}")
     else:

@@ -183,6 +183,8 @@ def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
             "num_values": summary.num_values,
             "tensor_bytes": summary.tensor_bytes,
             "file_bytes": summary.file_bytes,
+            "shared_bytes": summary.shared_bytes,
+            "added_bytes": summary.added_bytes,
             "metadata": jsonable(summary.metadata),
             "entries": [_entry_json(e) for e in entries],
         }
@@ -202,6 +204,11 @@ def _inspect_lines(summary: fc.io.CheckpointSummary, entries: Sequence[Entry], u
         f"  {summary.num_tensors} tensors ({human(summary.tensor_bytes)}), "
         f"{summary.num_values} values, {human(summary.file_bytes)} in files",
     ]
+    if summary.added_bytes is not None:
+        lines.append(
+            f"  {human(summary.shared_bytes)} shared with other checkpoints, "
+            f"{human(summary.added_bytes)} added by this save"
+        )
     lines += _metadata_lines(summary.metadata, ui)
     lines.append(ui.paint("tree", "head"))
     lines += _tree_lines(entries, ui)

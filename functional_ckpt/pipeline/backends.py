@@ -3,9 +3,9 @@
 A backend receives a :class:`SaveJob` (the plan, built once) and the tensors
 that fill its targets (the sources or their staged copies), writes every chunk,
 fills in the chunks of the plan's entries, and commits the manifest built from
-them. Local files and the distributed DCP writer are the two backends; an
-incremental save (reusing a base's files) or a remote tier is one more class
-with the same method.
+them. Local files, incremental local files (reusing a base's files, see
+:mod:`incremental`) and the distributed DCP writer are the backends; a remote
+tier is one more class with the same method.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from functional_ckpt.pipeline import incremental
 from functional_ckpt.pipeline.topology import Topology
 from functional_ckpt.writer import CheckpointInfo, Plan, write_local
 
@@ -37,6 +38,8 @@ class SaveJob:
     topology: Topology
     distributed: bool
     error: BaseException | None = None
+    base: incremental.Base | None = None  # an incremental save's base, held open
+    idents: list[incremental.Ident | None] | None = None  # the sources', when incremental
 
 
 @dataclass
@@ -70,6 +73,24 @@ class LocalBackend:
         )
 
 
+class IncrementalBackend:
+    """One process writes what changed since the base; unchanged chunks are the base's."""
+
+    def write(self, job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> CheckpointInfo:
+        assert job.plan is not None and job.idents is not None
+        return incremental.write_local(
+            job.dest,
+            job.plan,
+            tensors,
+            job.base,
+            job.idents,
+            metadata=job.metadata,
+            overwrite=job.overwrite,
+            after_each=hooks.after_each,
+            before_commit=hooks.before_commit,
+        )
+
+
 class DistributedBackend:
     """Every rank writes its shards through DCP's planners; the coordinator commits."""
 
@@ -87,8 +108,12 @@ class DistributedBackend:
             tensors,
             job.error,
             timeout=self.timeout,
+            base=job.base,
+            idents=job.idents,
         )
 
 
 def backend_for(job: SaveJob) -> Backend:
-    return DistributedBackend() if job.distributed else LocalBackend()
+    if job.distributed:
+        return DistributedBackend()
+    return LocalBackend() if job.idents is None else IncrementalBackend()

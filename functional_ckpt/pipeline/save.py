@@ -20,7 +20,9 @@ from tensordict import TensorDictBase
 
 from functional_ckpt import staging as stages
 from functional_ckpt.errors import CheckpointError
+from functional_ckpt.pipeline import incremental as incr
 from functional_ckpt.pipeline.backends import Hooks, SaveJob, backend_for
+from functional_ckpt.pipeline.incremental import Incremental
 from functional_ckpt.pipeline.topology import topology
 from functional_ckpt.reader import gc_paused
 from functional_ckpt.staging import PendingSave, Stager, Staging
@@ -42,11 +44,14 @@ def flatten(
     metadata: Mapping[str, Any] | None,
     overwrite: bool,
     per_rank: Sequence[str],
+    incremental: Incremental | None = None,
 ) -> SaveJob:
-    """Check and flatten a state once: destination, metadata, every leaf.
+    """Check and flatten a state once: destination, metadata, every leaf, the base.
 
     A single process raises what it finds; a rank of a distributed save keeps it
-    in the job, for the backend to fail every rank together.
+    in the job, for the backend to fail every rank together. With
+    ``incremental``, the base is opened and vetted here, and the sources'
+    version counters are read now, before anything can stage or write them.
     """
     topo = topology()
     try:
@@ -59,11 +64,16 @@ def flatten(
             rank=topo.rank,
             check_path=topo.coordinator,
         )
+        base = incr.open_base(incremental)
     except BaseException as e:
         if not topo.distributed:
             raise
         return SaveJob(Path(path), None, None, overwrite, topo, True, e)
-    return SaveJob(dest, plan, meta, overwrite, topo, topo.distributed or plan.has_dtensor)
+    job = SaveJob(dest, plan, meta, overwrite, topo, topo.distributed or plan.has_dtensor)
+    if incremental is not None:
+        job.base = base
+        job.idents = [incr.ident(t) for t in plan.sources]
+    return job
 
 
 def save(
@@ -73,15 +83,17 @@ def save(
     metadata: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     per_rank: Sequence[str] = DEFAULT_PER_RANK,
+    base: PathLike | Incremental | None = None,
 ) -> CheckpointInfo:
     """The synchronous pipeline behind ``fc.save`` (documented there)."""
     with gc_paused():
-        job = flatten(path, state, metadata, overwrite, per_rank)
-        sources = [] if job.plan is None else job.plan.sources
-        # Distributed writers copy what DCP's planner hands them; locally, only
-        # device tensors and non-contiguous views are copied to the host.
-        tensors = sources if job.distributed else [host_copy(t) for t in sources]
-        info = backend_for(job).write(job, tensors, Hooks())
+        job = flatten(path, state, metadata, overwrite, per_rank, incr.as_incremental(base))
+        with incr.closing(job.base):
+            sources = [] if job.plan is None else job.plan.sources
+            # Distributed writers copy what DCP's planner hands them; locally, only
+            # device tensors and non-contiguous views are copied to the host.
+            tensors = sources if job.distributed else [host_copy(t) for t in sources]
+            info = backend_for(job).write(job, tensors, Hooks())
         # Freed while collection is paused, the plan's many small objects are never
         # walked by the collection that re-enabling would soon trigger.
         del job, sources, tensors
@@ -97,6 +109,7 @@ def save_async(
     staging: Staging = "copy",
     stager: Stager | None = None,
     per_rank: Sequence[str] = DEFAULT_PER_RANK,
+    base: PathLike | Incremental | None = None,
 ) -> PendingSave:
     """Start saving ``state`` to ``path`` in the background.
 
@@ -107,12 +120,19 @@ def save_async(
     ``staging="copy"`` (default): tensors are copied into reusable buffers first;
     ``wait_staged()`` returns after the copy. ``staging="none"``: no copy; the caller
     must not modify the state's tensors in place until ``result()`` returns, and a
-    violation is detected and the checkpoint refused.
+    violation is detected and the checkpoint refused. ``base`` as for
+    :func:`functional_ckpt.save`: unchanged chunks are shared with the base,
+    decided on the bytes being committed (the staged copies).
     """
     if staging not in ("copy", "none"):
         raise ValueError(f"save_async(staging={staging!r}): expected 'copy' or 'none'")
     own = stager if stager is not None else stages.DEFAULT_STAGER
-    job = flatten(path, state, metadata, overwrite, per_rank)
+    job = flatten(path, state, metadata, overwrite, per_rank, incr.as_incremental(base))
+    with incr.closing_on_error(job.base):
+        return _start(job, staging, own)
+
+
+def _start(job: SaveJob, staging: Staging, own: Stager) -> PendingSave:
     if job.plan is not None:
         # Values are encoded when the write ends, after the caller may have changed
         # them: scan them again then.
@@ -142,13 +162,18 @@ def _work(job: SaveJob, mode: Staging, stager: Stager) -> Callable[[PendingSave]
 
         def unstaged(pending: PendingSave) -> CheckpointInfo:
             pending._mark_staged()
-            return backend.write(job, tensors, Hooks(after_each, check))
+            with incr.closing(job.base):
+                return backend.write(job, tensors, Hooks(after_each, check))
 
         return unstaged
 
     local = [t.to_local() if is_dtensor(t) else t for t in sources]  # type: ignore[attr-defined]
 
     def staged(pending: PendingSave) -> CheckpointInfo:
+        with incr.closing(job.base):
+            return staged_write(pending)
+
+    def staged_write(pending: PendingSave) -> CheckpointInfo:
         stager.acquire()
         try:
             copies = stager.stage(local)

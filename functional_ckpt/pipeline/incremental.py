@@ -1,0 +1,494 @@
+"""Incremental saves: what did not change since a base checkpoint is not written again.
+
+A checkpoint may hold several data files. The chunks of tensors that changed go
+into the save's own shard file; the base's data files that still hold enough
+unchanged chunks are hard-linked into the new directory under names of their
+own (copied where a link is impossible), and the manifest points at them. Every
+checkpoint is self-contained: readers, ``verify``, ``fckpt`` and stock
+``dcp.load`` see ordinary data files, and deleting the base never breaks it.
+
+"Unchanged" is decided per chunk, never guessed: a chunk is reused only when
+the base recorded the same key, box and dtype and the CRC32 of the bytes being
+saved equals the CRC32 the base recorded. Version counters only save work: a
+tensor whose counter moved since this process wrote the base is written
+without that checksum pass (its checksum is computed during the write anyway).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import os
+import re
+import stat
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from functional_ckpt import format, shards, writer
+from functional_ckpt._types import PathLike
+from functional_ckpt.checksum import crc32
+from functional_ckpt.dcpbytes import ByteEntry
+from functional_ckpt.errors import CheckpointError
+from functional_ckpt.manifest import Chunk, parse_checkpoint
+from functional_ckpt.writer import CheckpointInfo, Plan, shard_name
+
+#: A chunk's identity across saves: the tensor's DCP key and the box's offsets.
+Key = tuple[str, tuple[int, ...]]
+#: Where a source tensor's bytes live and its version counter, when it was saved.
+Ident = tuple[int, int]
+
+#: A base data file is shared only while at least this fraction of its bytes is
+#: still used; below it, the unchanged chunks in it are written again, so that
+#: no checkpoint keeps more than about twice its live bytes alive.
+MIN_LIVE = 0.5
+
+#: Data files reused from an earlier checkpoint: ``__<rank>_<n>.distcp`` with n >= 1
+#: (a save writes its own bytes to ``__<rank>_0.distcp``).
+_REUSED_NAME = re.compile(r"__\d+_[1-9]\d*\.distcp")
+
+#: errnos for which a hard link cannot work here, and a copy is made instead.
+_NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES}
+
+
+@dataclass(frozen=True)
+class Incremental:
+    """How a save uses a base: ``base`` (None: no base yet, but remember this save)
+    and whether an unreadable base is an error (``fc.save``) or means a full save
+    (the manager: its previous checkpoint may have been moved aside meanwhile)."""
+
+    base: Path | None
+    required: bool = True
+
+
+def as_incremental(base: PathLike | Incremental | None) -> Incremental | None:
+    """A ``base=`` argument: a path (it must be readable) or how the manager chains."""
+    if base is None or isinstance(base, Incremental):
+        return base
+    if not isinstance(base, str | os.PathLike):
+        raise TypeError(f"base={base!r}: expected the path of a committed checkpoint or None")
+    return Incremental(Path(base))
+
+
+@dataclass
+class BaseChunk:
+    dtype: torch.dtype
+    chunk: Chunk
+
+
+@dataclass
+class Base:
+    """A committed base held open through its directory: its chunks and file sizes."""
+
+    ck: format.Checkpoint
+    chunks: dict[Key, BaseChunk]
+    sizes: dict[str, int]
+    seen: dict[Key, Ident]  # what this process saved there, if it wrote it
+
+    @property
+    def path(self) -> Path:
+        return self.ck.path
+
+    def close(self) -> None:
+        self.ck.close()
+
+
+def open_base(inc: Incremental | None) -> Base | None:
+    """Open and vet the base once, before anything is written.
+
+    An unreadable base raises when ``required``; otherwise the save is a full one.
+    """
+    if inc is None or inc.base is None:
+        return None
+    path = inc.base
+    try:
+        ck = format.open_checkpoint(path, members=False)
+    except CheckpointError as err:
+        if not inc.required:
+            return None
+        raise CheckpointError(
+            f"base={path}: cannot be used as the base of an incremental save: {err}; "
+            "pass a committed checkpoint of this format, or base=None for a full save"
+        ) from err
+    try:
+        parsed = parse_checkpoint(ck.manifest, path)
+        chunks: dict[Key, BaseChunk] = {}
+        for group in parsed.groups():
+            for e in group:
+                if e.alias is None:
+                    for c in e.chunks:
+                        chunks[(e.fqn, c.offsets)] = BaseChunk(e.dtype, c)
+        seen = _SEEN.get(_identity(ck.dir_fd, path), {})
+        return Base(ck, chunks, dict(parsed.shared.file_sizes), seen)
+    except CheckpointError as err:
+        ck.close()
+        if not inc.required:
+            return None
+        raise CheckpointError(
+            f"base={path}: cannot be used as the base of an incremental save: {err}"
+        ) from err
+    except BaseException:
+        ck.close()
+        raise
+
+
+# --------------------------------------------------------------------------- versions
+
+_SEEN: OrderedDict[tuple[int, ...], dict[Key, Ident]] = OrderedDict()
+_SEEN_LOCK = threading.Lock()
+#: Checkpoints whose version counters a process remembers.
+_SEEN_MAX = 8
+
+
+def ident(t: torch.Tensor) -> Ident | None:
+    """Where a tensor's bytes are and its version counter; None if it has none."""
+    try:
+        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard
+        return (int(local.data_ptr()), int(t._version))
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def _identity(dir_fd: int, path: Path) -> tuple[int, ...]:
+    """One committed checkpoint: its directory's inode and its marker's manifest CRC32
+    and size (an inode alone may be reused once a checkpoint is deleted)."""
+    held = os.fstat(dir_fd)
+    try:
+        marker = format.read_marker(dir_fd, path)
+        crc, size = int(marker["manifest_crc32"]), int(marker["manifest_size"])
+    except (CheckpointError, OSError, KeyError, TypeError, ValueError):
+        crc = size = -1
+    return (held.st_dev, held.st_ino, crc, size)
+
+
+def remember(dest: Path, seen: dict[Key, Ident]) -> None:
+    """After a commit: which bytes and versions the checkpoint at ``dest`` holds."""
+    try:
+        dir_fd = format.open_directory(dest)
+    except (CheckpointError, OSError):
+        return
+    try:
+        key = _identity(dir_fd, dest)
+    finally:
+        os.close(dir_fd)
+    with _SEEN_LOCK:
+        _SEEN[key] = seen
+        _SEEN.move_to_end(key)
+        while len(_SEEN) > _SEEN_MAX:
+            _SEEN.popitem(last=False)
+
+
+# --------------------------------------------------------------------------- deciding
+
+
+def _unchanged(base: Base, key: Key, t: torch.Tensor, known: Ident | None) -> Chunk | None:
+    """The base's chunk for ``key`` if ``t`` (contiguous, on the CPU) holds its bytes."""
+    got = base.chunks.get(key)
+    if got is None or got.dtype != t.dtype or got.chunk.sizes != tuple(t.shape):
+        return None  # a new key, box or dtype: a layout change, written in full
+    if got.chunk.nbytes == 0:
+        return None
+    seen = base.seen.get(key)
+    if seen is not None and known is not None and seen != known:
+        return None  # written or moved since the base: changed, no checksum pass needed
+    if _crc(t) != got.chunk.crc32:
+        return None
+    return got.chunk
+
+
+def _crc(t: torch.Tensor) -> int:
+    view = shards.byte_view(t)
+    crc = 0
+    for off in range(0, len(view), shards.CHUNK):
+        crc = crc32(view[off : off + shards.CHUNK], crc)
+    return crc
+
+
+def decide(
+    base: Base | None,
+    keys: Sequence[Key],
+    tensors: Sequence[torch.Tensor],
+    idents: Sequence[Ident | None],
+) -> list[Chunk | None]:
+    """For each chunk to save, the base chunk holding the same bytes, or None."""
+    if base is None:
+        return [None] * len(keys)
+    return [_unchanged(base, k, t, i) for k, t, i in zip(keys, tensors, idents, strict=True)]
+
+
+def place(
+    base: Base | None,
+    reused: list[Chunk | None],
+    tmp: Path,
+    rank: int,
+    syncing: list[Future[None]],
+) -> list[Chunk | None]:
+    """Bring the base files the reused chunks lie in into ``tmp``; repoint the chunks.
+
+    A file used below :data:`MIN_LIVE`, or one that cannot be linked or copied
+    (the base was deleted meanwhile), has its chunks written again instead.
+    """
+    if base is None:
+        return list(reused)
+    used: dict[str, int] = {}
+    for c in reused:
+        if c is not None:
+            used[c.file] = used.get(c.file, 0) + c.length
+    names: dict[str, str] = {}
+    for n, (name, live) in enumerate(sorted(used.items()), start=1):
+        size = base.sizes.get(name, 0)
+        if size and live >= MIN_LIVE * size:
+            new = f"__{rank}_{n}.distcp"
+            if _bring(base, name, size, tmp / new, syncing):
+                names[name] = new
+    return [
+        None if c is None or c.file not in names else dataclasses.replace(c, file=names[c.file])
+        for c in reused
+    ]
+
+
+def _bring(base: Base, name: str, size: int, dst: Path, syncing: list[Future[None]]) -> bool:
+    """Hard-link (else copy) the base's file ``name`` to ``dst``; False if it is gone."""
+    dir_fd = base.ck.dir_fd
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+        return False
+    try:
+        os.link(name, dst, src_dir_fd=dir_fd, follow_symlinks=False)
+    except OSError as e:
+        if e.errno not in _NO_LINK:
+            return False
+        return _copy(base, name, size, dst, syncing)
+    now = os.stat(dst, follow_symlinks=False)
+    if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):  # swapped between stat and link
+        dst.unlink()
+        return False
+    return True
+
+
+def _copy(base: Base, name: str, size: int, dst: Path, syncing: list[Future[None]]) -> bool:
+    """Copy a base file whole (where links are impossible); its fsync joins ``syncing``."""
+    try:
+        src = format.open_member(base.ck.dir_fd, name, base.path / name, size=size)
+    except (OSError, CheckpointError):
+        return False
+    try:
+        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            if _copy_range(src, out, size) != size:
+                raise CheckpointError(f"{base.path / name}: shorter than its recorded size")
+        except BaseException:
+            os.close(out)
+            raise
+        syncing.append(shards.sync_pool().submit(shards.fsync_and_close, out))
+    finally:
+        os.close(src)
+    return True
+
+
+def _copy_range(src: int, out: int, size: int) -> int:
+    """Copy ``size`` bytes between files (in the kernel where it can); returns bytes copied."""
+    done = 0
+    kernel = True
+    while done < size:
+        if kernel:
+            try:
+                n = os.copy_file_range(src, out, size - done, done, done)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                kernel = False  # across file systems on older kernels: copy through memory
+                continue
+        else:
+            block = os.pread(src, min(shards.CHUNK, size - done), done)
+            n = len(block) and os.pwrite(out, block, done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def reused_info(directory: Path) -> dict[str, dict[str, Any]]:
+    """The ``files`` table marks of a save's directory: data files reused from a base."""
+    return {n: {"reused": True} for n in os.listdir(directory) if _REUSED_NAME.fullmatch(n)}
+
+
+def write_rank(
+    tmp: Path,
+    rank: int,
+    base: Base | None,
+    keys: Sequence[Key],
+    tensors: Sequence[torch.Tensor],
+    idents: Sequence[Ident | None],
+    chunks: Sequence[Chunk],
+    *,
+    after_each: Callable[[int], None] | None = None,
+    syncing: list[Future[None]] | None = None,
+    blobs: Sequence[ByteEntry] = (),
+) -> dict[Key, Ident]:
+    """Write one rank's chunks into ``tmp``: unchanged ones from the base, the rest anew.
+
+    Fills in every chunk of ``chunks`` (from the base or from the write) and
+    returns what to :func:`remember` once the checkpoint is committed. ``blobs``
+    (values as DCP byte entries) are small and always written anew, into the
+    rank's own data file.
+    """
+    background: list[Future[None]] = [] if syncing is None else syncing
+    reused = place(base, decide(base, keys, tensors, idents), tmp, rank, background)
+    todo = [i for i, c in enumerate(reused) if c is None]
+    for i, c in enumerate(reused):
+        if c is not None:
+            target = chunks[i]
+            for f in dataclasses.fields(Chunk):
+                setattr(target, f.name, getattr(c, f.name))
+            if after_each is not None:
+                after_each(i)
+    if todo or base is None or blobs:
+        each = None if after_each is None else (lambda j: after_each(todo[j]))
+        shards.write_shard(
+            tmp / shard_name(rank),
+            [tensors[i] for i in todo],
+            [chunks[i] for i in todo],
+            after_each=each,
+            background=background if syncing is not None else None,
+            blobs=blobs,
+        )
+    if syncing is None:
+        for fut in background:
+            fut.result()
+    return {k: i for k, i in zip(keys, idents, strict=True) if i is not None}
+
+
+def closing(base: Base | None) -> contextlib.AbstractContextManager[Any]:
+    """Close the base once the save is done with it."""
+    return contextlib.closing(base) if base is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def closing_on_error(base: Base | None) -> Iterator[None]:
+    """Close the base if starting a background save fails (else the save closes it)."""
+    try:
+        yield
+    except BaseException:
+        if base is not None:
+            base.close()
+        raise
+
+
+def write_local(
+    dest: Path,
+    plan: Plan,
+    tensors: Sequence[torch.Tensor],
+    base: Base | None,
+    idents: Sequence[Ident | None],
+    *,
+    metadata: Any,
+    overwrite: bool,
+    after_each: Callable[[int], None] | None = None,
+    before_commit: Callable[[], None] | None = None,
+) -> CheckpointInfo:
+    """:func:`functional_ckpt.writer.write_local` with unchanged chunks taken from ``base``.
+
+    The commit protocol is the same; the base is only read (its files are linked
+    or copied into the new directory, never opened for writing).
+    """
+    seen: dict[Key, Ident] = {}
+
+    def write_data(
+        tmp: Path,
+        tensors: Sequence[torch.Tensor],
+        chunks: list[Chunk],
+        blobs: Sequence[ByteEntry],
+        after_each: Callable[[int], None] | None,
+        syncing: list[Future[None]],
+    ) -> dict[str, dict[str, Any]]:
+        keys = [(e.fqn, c.offsets) for e, c in zip(plan.targets, chunks, strict=True)]
+        seen.update(
+            write_rank(
+                tmp,
+                0,
+                base,
+                keys,
+                tensors,
+                idents,
+                chunks,
+                after_each=after_each,
+                syncing=syncing,
+                blobs=blobs,
+            )
+        )
+        return reused_info(tmp)
+
+    info = writer.write_local(
+        dest,
+        plan,
+        tensors,
+        metadata=metadata,
+        overwrite=overwrite,
+        after_each=after_each,
+        before_commit=before_commit,
+        write_data=write_data,
+    )
+    remember(dest, seen)
+    return info
+
+
+# --------------------------------------------------------------------------- sharing
+
+
+def sharing(path: Path, files: Any) -> tuple[int, int]:
+    """(bytes shared with other checkpoints now, bytes this save added) of a checkpoint.
+
+    Shared: data files with more than one link (the same bytes in another
+    checkpoint). Added: every listed file the save wrote itself, not reused.
+    """
+    shared = added = 0
+    if not isinstance(files, dict):
+        return 0, 0
+    for name, info in files.items():
+        if not isinstance(info, dict) or not isinstance(name, str) or "/" in name:
+            continue
+        size = info.get("size")
+        size = size if isinstance(size, int) else 0
+        if not info.get("reused"):
+            added += size
+        with contextlib.suppress(OSError):
+            st = os.stat(path / name, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                shared += size
+    return shared, added
+
+
+def shared_bytes(path: Path) -> int:
+    """Bytes of the files in ``path`` that are also linked elsewhere (stat only)."""
+    total = 0
+    with contextlib.suppress(OSError), os.scandir(path) as it:
+        for entry in it:
+            with contextlib.suppress(OSError):
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                    total += st.st_size
+    return total
+
+
+def disk_bytes(paths: Sequence[Path]) -> int:
+    """Bytes of the regular files directly inside ``paths``, each file counted once."""
+    seen: dict[tuple[int, int], int] = {}
+    for path in paths:
+        with contextlib.suppress(OSError), os.scandir(path) as it:
+            for entry in it:
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode):
+                        seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
