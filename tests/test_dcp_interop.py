@@ -98,6 +98,27 @@ def test_stock_get_state_dict_recipe_loads_everything(tmp_path: Path) -> None:
     assert fc.verify(tmp_path / "ck").ok
 
 
+def test_incremental_checkpoint_keeps_its_values_for_stock_readers(tmp_path: Path) -> None:
+    """Byte entries are written anew by every save: one whose tensors all come from
+    a deleted base still loads whole with the stock recipe and verifies."""
+    model, opt, sched = _trained()
+    fc.save(tmp_path / "a", fc.capture(model=model, optimizer=opt, scheduler=sched, step=6))
+    sched.step()  # values change, tensors do not
+    state = fc.capture(model=model, optimizer=opt, scheduler=sched, step=7)
+    fc.save(tmp_path / "b", state, base=tmp_path / "a")
+    format.remove_tree(tmp_path / "a")
+    assert fc.verify(tmp_path / "b").ok
+    fresh = _objects(lr=0.5, seed=1)
+    m2, o2, s2 = fresh
+    msd, osd = get_state_dict(m2, o2)
+    sd: dict[str, Any] = {"model": msd, "optimizer": osd, "scheduler": s2.state_dict(), "step": 0}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "b"), no_dist=True)
+    set_state_dict(m2, o2, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+    s2.load_state_dict(sd["scheduler"])
+    assert sd["step"] == 7
+    _assert_resumed(fresh, (model, opt, sched))
+
+
 def test_manager_checkpoint_converts_with_dcp_to_torch_save(tmp_path: Path) -> None:
     model, opt, sched = _trained()
     with fc.CheckpointManager(tmp_path / "run") as mgr:
