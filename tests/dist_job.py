@@ -198,7 +198,9 @@ def main() -> None:
         pending.result()
         dist.barrier()
         if rank == 0:
-            written = {n for n in os.listdir(root / "b") if n.endswith("_0.distcp")}
+            manifest = format.read_manifest(root / "b")
+            files = {c["file"] for e in manifest["entries"] for c in e.get("chunks", ())}
+            written = {n for n in files if n.endswith("_0.distcp")}
             assert written == {f"__{world - 1}_0.distcp"}, written  # only its shard changed
             shutil.rmtree(root / "a")
             shutil.rmtree(root / "b")

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from functional_ckpt import format, shards, writer
+from functional_ckpt import dcpbytes, format, shards, writer
 from functional_ckpt._types import PathLike
 from functional_ckpt.checksum import crc32
 from functional_ckpt.dcpbytes import ByteEntry
@@ -46,8 +46,10 @@ Key = tuple[str, tuple[int, ...]]
 Ident = tuple[int, int]
 
 #: A base data file is shared only while at least this fraction of its bytes is
-#: still used; below it, the unchanged chunks in it are written again, so that
-#: no checkpoint keeps more than about twice its live bytes alive.
+#: still used (the values the base holds there for stock DCP readers do not
+#: count: every save writes its own); below it, the unchanged chunks in it are
+#: written again, so that no checkpoint keeps more than about twice its live
+#: bytes alive.
 MIN_LIVE = 0.5
 
 #: Data files reused from an earlier checkpoint: ``__<rank>_<n>.distcp`` with n >= 1
@@ -85,11 +87,13 @@ class BaseChunk:
 
 @dataclass
 class Base:
-    """A committed base held open through its directory: its chunks and file sizes."""
+    """A committed base held open through its directory: its chunks, file sizes and
+    the bytes of each file that are not the base's own values for stock readers."""
 
     ck: format.Checkpoint
     chunks: dict[Key, BaseChunk]
     sizes: dict[str, int]
+    tensor_bytes: dict[str, int]
     seen: dict[Key, Ident]  # what this process saved there, if it wrote it
 
     @property
@@ -126,7 +130,10 @@ def open_base(inc: Incremental | None) -> Base | None:
                     for c in e.chunks:
                         chunks[(e.fqn, c.offsets)] = BaseChunk(e.dtype, c)
         seen = _SEEN.get(_identity(ck.dir_fd, path), {})
-        return Base(ck, chunks, dict(parsed.shared.file_sizes), seen)
+        held = dict(parsed.shared.file_sizes)
+        for b in dcpbytes.parse(ck.manifest, held, path):
+            held[b.file] -= b.length
+        return Base(ck, chunks, dict(parsed.shared.file_sizes), held, seen)
     except CheckpointError as err:
         ck.close()
         if not inc.required:
@@ -244,7 +251,7 @@ def place(
     names: dict[str, str] = {}
     for n, (name, live) in enumerate(sorted(used.items()), start=1):
         size = base.sizes.get(name, 0)
-        if size and live >= MIN_LIVE * size:
+        if size and live >= MIN_LIVE * base.tensor_bytes.get(name, size):
             new = f"__{rank}_{n}.distcp"
             if _bring(base, name, size, tmp / new, syncing):
                 names[name] = new
