@@ -160,7 +160,8 @@ class Watch:
 
     def reason(self, event: Event) -> dict[str, Any]:
         """Why the rollback happened, as ``metadata["rollbacks"]`` records it."""
-        return {"rule": repr(self.rule), "at_step": event.step, "metrics": dict(event.metrics or {})}
+        metrics = dict(event.metrics or {})
+        return {"rule": repr(self.rule), "at_step": event.step, "metrics": metrics}
 
 
 class _Manager(Protocol):

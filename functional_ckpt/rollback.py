@@ -21,9 +21,9 @@ import json
 import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any, Literal
 
 from functional_ckpt import codec, format
