@@ -198,3 +198,13 @@ def test_train_overhead_quick_run(tmp_path: Path, mode: str) -> None:
     assert data["blocked_s"] >= 0
     if mode == "save_async":
         assert not config["manager_async"]
+
+
+@pytest.mark.timeout(120)
+def test_record_quick_run(tmp_path: Path) -> None:
+    data = _run_benchmark("record.py", tmp_path)
+    result = data["result"]
+    assert data["config"]["quick"] and result["steps"] == 100
+    assert result["stall_median_s"] > 0 and result["replay_median_s"] > 0
+    assert result["written_bytes"] >= result["changed_bytes"] > 0
+    assert [t["result"] in {"PASS", "FAIL"} for t in data["targets"]] == [True] * 3

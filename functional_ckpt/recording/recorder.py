@@ -65,12 +65,17 @@ class _Slot:
     """One staging buffer: every tensor leaf's bytes, and the values' encodings."""
 
     def __init__(self, specs: list[TensorEntry], pin: bool) -> None:
-        offsets, total = [], 0
+        offsets, padded = [], []
         for e in specs:
-            offsets.append(total)
-            total += -(-e.nbytes // _ALIGN) * _ALIGN
-        self.buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
+            offsets.append(sum(padded))
+            padded.append(-(-e.nbytes // _ALIGN) * _ALIGN)
+        # Zeroed, so that the padding of every slot is equal: leaves compare as int64
+        # words (torch.equal on bytes is many times slower).
+        self.buf = torch.zeros(max(sum(padded), 1), dtype=torch.uint8, pin_memory=pin)
         self.raw = [self.buf[o : o + e.nbytes] for o, e in zip(offsets, specs, strict=True)]
+        self.words = [
+            self.buf[o : o + n].view(torch.int64) for o, n in zip(offsets, padded, strict=True)
+        ]
         self.views = [r.view(e.dtype).view(e.shape) for r, e in zip(self.raw, specs, strict=True)]
         self.bytes = [byte_view(r) for r in self.raw]
         self.values: list[bytes] = []
@@ -335,7 +340,7 @@ class Recorder:
         t = v = 0
         for i, kind in enumerate(self._kinds):
             if kind == "tensor":
-                same = ref is not None and torch.equal(slot.raw[t], ref.raw[t])
+                same = ref is not None and torch.equal(slot.words[t], ref.words[t])
                 data: memoryview | bytes = slot.bytes[t]
                 t += 1
             else:
