@@ -97,7 +97,7 @@ def inspect_recording(args: argparse.Namespace, ui: UI) -> int:
     with Replay(args.path) as replay:
         rec = replay.committed
         doc = _summary(rec)
-        entries = []
+        entries: list[dict[str, Any]] = []
         for e in rec.entries:
             key = "/".join(e.path)
             if args.key and not key.startswith(args.key):

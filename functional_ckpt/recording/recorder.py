@@ -65,7 +65,8 @@ class _Slot:
     """One staging buffer: every tensor leaf's bytes, and the values' encodings."""
 
     def __init__(self, specs: list[TensorEntry], pin: bool) -> None:
-        offsets, padded = [], []
+        offsets: list[int] = []
+        padded: list[int] = []
         for e in specs:
             offsets.append(sum(padded))
             padded.append(-(-e.nbytes // _ALIGN) * _ALIGN)
