@@ -207,6 +207,11 @@ def test_bad_inputs_name_the_argument(tmp_path: Path) -> None:
         recorder.record(missing, step=1)
     with pytest.raises(fc.CheckpointError, match=r"record\(step=0\): steps must increase"):
         recorder.record(env_state(0), step=0)
+    for step in range(1, 6):  # a refused record takes no staging slot with it
+        odd = env_state(step)
+        odd["info"]["episode"] = object()
+        with pytest.raises(fc.errors.UnsupportedValue, match=r"state\[\('info', 'episode'\)\]"):
+            recorder.record(odd, step=step)
     recorder.record(env_state(1), step=1)
     recorder.close()
     with pytest.raises(fc.CheckpointError, match="the recorder is closed"):

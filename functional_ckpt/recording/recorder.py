@@ -158,30 +158,35 @@ class Recorder:
         if step is None:
             step = self._count
         step = as_int(step, f"Recorder.record(step={step!r})")
-        self._count = step + 1
         if step < 0 or (self._last_step is not None and step <= self._last_step):
             raise CheckpointError(
                 f"Recorder.record(step={step}): steps must increase (the last recorded step "
                 f"is {self._last_step}); to record a re-run, start a new recording"
             )
+        self._count = step + 1
         if step % self.every:
             return False
-        leaves = list(iter_leaves(as_state(state)))
-        if self._layout is None:
-            self._start(as_state(state), leaves)
-        elif [_signature(leaf) for leaf in leaves] != self._layout:
-            self._refuse_layout(leaves)
-        slot = self._take_slot()
-        tensors = [leaf.value for leaf in leaves if leaf.kind == "tensor"]
-        with torch.no_grad():
-            for view, t in zip(slot.views, tensors, strict=True):
-                view.copy_(t)
-        slot.values = [
+        td = as_state(state)
+        leaves = list(iter_leaves(td))
+        values = [
             codec.encode(leaf.value, where=f"Recorder.record: state[{format_path(leaf.path)}]")
             for leaf in leaves
             if leaf.kind == "value"
         ]
-        slot.step = step
+        if self._layout is None:
+            self._start(td, leaves)
+        elif [_signature(leaf) for leaf in leaves] != self._layout:
+            self._refuse_layout(leaves)
+        tensors = [leaf.value for leaf in leaves if leaf.kind == "tensor"]
+        slot = self._take_slot()
+        try:
+            with torch.no_grad():
+                for view, t in zip(slot.views, tensors, strict=True):
+                    view.copy_(t)
+        except BaseException:
+            self._free.put(slot)
+            raise
+        slot.values, slot.step = values, step
         self._last_step = step
         self._jobs.put(("record", slot))
         return True
