@@ -94,7 +94,8 @@ class CheckpointManager:
     policies is a safe, plain "save each step I give you". ``metadata`` (experiment
     id, hyper-parameters; msgpack-encodable) is stored in every checkpoint next to
     the automatic keys. ``export`` adds weights-only safetensors exports on their
-    own policy (see :class:`~functional_ckpt.export.Export`).
+    own policy (see :class:`~functional_ckpt.export.Export`). ``rollback`` (a rule such
+    as ``fc.policy.on_degrade``) rolls the run back when it fires (``maybe_save``).
 
     A writing manager locks ``root``, removes stale temporary directories and
     finishes an interrupted rollback at open; ``read_only=True`` does none of that
