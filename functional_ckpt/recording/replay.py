@@ -102,12 +102,16 @@ class Replay:
         """The state recorded at ``step``, as new tensors.
 
         ``like`` (optional, never written) must have the recording's tensors at the
-        same keys, dtypes and shapes; each comes back on its ``like`` tensor's device.
+        same keys, dtypes and shapes; each comes back on its ``like`` tensor's device
+        (a ``meta`` one on the CPU).
         """
         what = f"Replay({str(self.path)!r})[{step!r}]"
         if self._dir_fd < 0:
             raise CheckpointError(f"{what}: the replay is closed")
-        step = as_int(step, what)
+        try:
+            step = as_int(step, what)
+        except TypeError as exc:
+            raise NotRecorded(f"{exc}; steps are ints (see replay.steps)") from None
         row = self._where.get(step)
         if row is None:
             raise NotRecorded(f"{what}: step {step} is not recorded; {self._steps_text()}")
@@ -128,7 +132,7 @@ class Replay:
                 got = read_into(fd, off, view) if n else 0
                 self._check(got, n, crc32(view) if n else 0, crc, entry.path, seg, step)
                 device = devices.get(entry.path)
-                if device is not None and device != t.device:
+                if device is not None and device.type != "meta" and device != t.device:
                     t = t.to(device)
                 if entry.requires_grad and (t.is_floating_point() or t.is_complex()):
                     t.requires_grad_(True)
