@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -245,3 +246,37 @@ def test_damage_is_caught_where_it_is(tmp_path: Path) -> None:
     index.write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpoint, match=r"index\.bin: does not match its commit marker"):
         fc.Replay(tmp_path / "rec")
+
+
+def test_commits_happen_by_time_while_the_recorder_runs(tmp_path: Path) -> None:
+    with fc.Recorder(tmp_path / "rec", commit_every=1000, commit_secs=0.05) as recorder:
+        for step in range(3):
+            recorder.record({"w": torch.full((4,), float(step))}, step=step)
+        deadline = time.monotonic() + 30
+        while recorder.committed < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with fc.Replay(tmp_path / "rec") as replay:  # a reader next to the running writer
+            assert replay.steps == [0, 1, 2]
+            assert torch.equal(replay[2]["w"], torch.full((4,), 2.0))
+
+
+def test_a_failure_in_the_background_surfaces_at_the_next_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recorder = fc.Recorder(tmp_path / "rec")
+    recorder.record({"w": torch.zeros(4)}, step=0)
+    assert recorder.commit() == 1
+
+    def disk_full(self: Any, data: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fc.recording.recorder.Recorder, "_append", disk_full)
+    recorder.record({"w": torch.ones(4)}, step=1)  # staged; the write fails behind it
+    with pytest.raises(
+        fc.CheckpointError, match=r"No space left.*the 1 records committed before it are safe"
+    ):
+        recorder.commit()
+    with pytest.raises(fc.CheckpointError, match="No space left"):
+        recorder.close()
+    with fc.Replay(tmp_path / "rec") as replay:
+        assert replay.steps == [0]  # what was committed stays

@@ -303,8 +303,8 @@ class Recorder:
         failure = self._failure
         if failure is not None:
             raise CheckpointError(
-                f"{self.path}: writing the recording failed ({failure!r}); records after "
-                f"the last commit ({self.committed} records) are lost"
+                f"{self.path}: writing the recording failed ({failure!r}); the "
+                f"{self.committed} records committed before it are safe, later ones are lost"
             ) from failure
 
     # ------------------------------------------------------------------ the writer thread
