@@ -189,3 +189,16 @@ def test_save_result_is_the_bool_it_was(tmp_path: Path) -> None:
 def test_a_rule_without_on_degrade_is_refused(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"CheckpointManager\(rollback=every_steps\(3\)\)"):
         fc.CheckpointManager(tmp_path, rollback=fc.every_steps(3))
+
+
+def test_a_rollback_to_the_newest_checkpoint_moves_nothing_and_is_recorded(tmp_path: Path) -> None:
+    rule = fc.policy.on_degrade("reward", mode="max", patience=1)
+    with fc.CheckpointManager(tmp_path, save=fc.at_steps([1, 3]), rollback=rule) as mgr:
+        assert mgr.maybe_save({"w": torch.ones(1)}, step=1, metrics={"reward": 10.0})
+        result = mgr.maybe_save({"w": torch.zeros(1)}, step=2, metrics={"reward": 1.0})
+        assert not result and result.rollback is not None
+        assert (result.rollback.to_step, result.rollback.branch) == (1, None)
+        assert torch.equal(result.rollback.state["w"], torch.ones(1)) and mgr.branches() == {}
+        mgr.maybe_save(result.rollback.state, step=3, metrics={"reward": 10.0})
+        (record,) = mgr.info(3).metadata["rollbacks"]
+        assert record["newer_steps"] == [] and record["reason"]["at_step"] == 2
