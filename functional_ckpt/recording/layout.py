@@ -96,7 +96,7 @@ class Committed:
 
 
 def _int(value: object, where: Path, what: str) -> int:
-    if type(value) is not int or value < 0:
+    if type(value) is not int or not 0 <= value < 1 << 63:
         raise CorruptCheckpoint(f"{where}: invalid {what} {value!r}")
     return value
 
@@ -177,9 +177,13 @@ def parse_header(raw: bytes, where: Path) -> tuple[dict[str, Any], list[Entry]]:
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise CorruptCheckpoint(f"{where}: not a recording's header")
     entries = parse_planned(header.get("layout"), str(where))
-    node_info({"batch_size": (header.get("root") or {}).get("batch_size", [])}, str(where))
-    if not isinstance(header.get("every"), int):
-        raise CorruptCheckpoint(f"{where}: invalid 'every' {header.get('every')!r}")
+    root = header.get("root")
+    if root is not None and not isinstance(root, dict):
+        raise CorruptCheckpoint(f"{where}: invalid root record {root!r}")
+    header["root"] = node_info(root, str(where)) if root else None
+    every = header.get("every")
+    if type(every) is not int or every < 1:
+        raise CorruptCheckpoint(f"{where}: invalid 'every' {every!r}")
     return header, entries
 
 

@@ -10,6 +10,7 @@ protocol). A crash loses at most the records after the last commit.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -110,8 +111,8 @@ class Recorder:
         self.commit_every = positive_int(commit_every, "commit_every", "Recorder(commit_every=…)")
         if isinstance(commit_secs, bool) or not isinstance(commit_secs, int | float):
             raise TypeError(f"Recorder(commit_secs={commit_secs!r}): a number of seconds")
-        if not commit_secs > 0:
-            raise ValueError(f"Recorder(commit_secs={commit_secs!r}): must be positive")
+        if not (math.isfinite(commit_secs) and commit_secs > 0):
+            raise ValueError(f"Recorder(commit_secs={commit_secs!r}): must be positive, finite")
         self.commit_secs = float(commit_secs)
         positive_int(slots, "slots", f"Recorder(slots={slots!r})")
         self._slots_wanted = max(3, slots)
