@@ -4,7 +4,7 @@ The top level is the whole everyday API: capture and apply live objects, save an
 restore states, the save and retention policies, the manager. Everything else
 (the error classes, policy internals, staging, reports) lives in the submodule
 that owns it: ``fc.errors``, ``fc.policy``, ``fc.retention``, ``fc.staging``,
-``fc.export``, ``fc.io``, ``fc.manager``, ``fc.tree``.
+``fc.export``, ``fc.io``, ``fc.manager``, ``fc.tree``, ``fc.recording``.
 """
 
 from functional_ckpt._version import __version__
@@ -23,6 +23,7 @@ from functional_ckpt.policy import (
     on_improve,
     on_signal,
 )
+from functional_ckpt.recording import Recorder, Replay
 from functional_ckpt.retention import keep_best, keep_every, keep_last, keep_within
 from functional_ckpt.state import apply, capture
 from functional_ckpt.tree import to_python
@@ -30,6 +31,8 @@ from functional_ckpt.tree import to_python
 __all__ = [
     "CheckpointError",
     "CheckpointManager",
+    "Recorder",
+    "Replay",
     "__version__",
     "apply",
     "at_steps",

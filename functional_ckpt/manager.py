@@ -31,6 +31,7 @@ from tensordict import TensorDict, TensorDictBase
 from functional_ckpt import format, rollback
 from functional_ckpt._types import PathLike
 from functional_ckpt.collective import coordinator_decides, gathered, prepare_groups
+from functional_ckpt.degradation import Rollback, SaveResult, Watch, roll_back
 from functional_ckpt.errors import (
     CheckpointError,
     CheckpointNotFound,
@@ -76,6 +77,8 @@ __all__ = [
     "CheckpointManager",
     "CheckpointWarning",
     "MANAGER_KEY",
+    "Rollback",
+    "SaveResult",
     "StepInfo",
     "step_name",
 ]
@@ -93,7 +96,8 @@ class CheckpointManager:
     policies is a safe, plain "save each step I give you". ``metadata`` (experiment
     id, hyper-parameters; msgpack-encodable) is stored in every checkpoint next to
     the automatic keys. ``export`` adds weights-only safetensors exports on their
-    own policy (see :class:`~functional_ckpt.export.Export`).
+    own policy (see :class:`~functional_ckpt.export.Export`). ``rollback`` (a rule such
+    as ``fc.policy.on_degrade``) rolls the run back when it fires (``maybe_save``).
 
     A writing manager locks ``root``, removes stale temporary directories and
     finishes an interrupted rollback at open; ``read_only=True`` does none of that
@@ -120,6 +124,7 @@ class CheckpointManager:
         per_rank: Sequence[str] = DEFAULT_PER_RANK,
         clock: Callable[[], float] = time.monotonic,
         incremental: bool = False,
+        rollback: SavePolicy | None = None,
     ) -> None:
         self.root = Path(root)
         if not callable(clock):
@@ -146,6 +151,7 @@ class CheckpointManager:
         check_policies(self.save_policy, self.keep, self.export)
         self._policy_state: PolicyState = self.save_policy.init()
         self._export_state: PolicyState = export.policy.init() if export is not None else None
+        self._watch = Watch(rollback)  # the rollback rule (see functional_ckpt.degradation)
         self._bad: set[tuple[int, int]] = set()  # (step, dir inode) found unreadable
         self._summaries = Summaries()
         self._restored_step: int | None = None
@@ -312,7 +318,7 @@ class CheckpointManager:
         metrics: Mapping[str, Any] | None = None,
         is_final: bool = False,
         force: bool = False,
-    ) -> bool:
+    ) -> SaveResult:
         """Build the event, ask the policy, save, commit its state with it, then prune.
 
         Returns whether a full checkpoint was written. ``force=True`` saves whatever
@@ -324,7 +330,8 @@ class CheckpointManager:
         the selected tensors taken now (a crash may then lose the export, never the
         checkpoint it is written from). Policy states
         advance only once the writes they describe succeeded, so a failed save is
-        retried at the next event.
+        retried at the next event. A ``rollback`` rule that fires restores the checkpoint
+        it points to, returned in ``.rollback`` (:mod:`functional_ckpt.degradation`).
         """
         self._check_writable("maybe_save")
         if self._pending is not None and self._pending.done():
@@ -347,11 +354,14 @@ class CheckpointManager:
         if export is not None:
             exported = export.policy.decide(export_state, event)
             export_state = export.policy.update(export_state, event, exported)
+        rolls, rule_state = self._watch.vote(event, saved)
         if self._distributed:  # one decision for all ranks: the coordinator's
-            saved, policy_state, exported, export_state, now = coordinator_decides(
-                (saved, policy_state, exported, export_state, event.time)
+            decided = (saved, policy_state, exported, export_state, event.time, rolls, rule_state)
+            saved, policy_state, exported, export_state, now, rolls, rule_state = (
+                coordinator_decides(decided)
             )
             event = dataclasses.replace(event, time=now)
+        self._watch.next = rule_state
         if saved:
             self.wait()  # at most one save in flight; the previous one must have committed
             check_order(self.root, event.step, self.latest_step())  # before any write
@@ -364,7 +374,8 @@ class CheckpointManager:
             self._export_in_background(state, event, saved)
         self._policy_state = policy_state
         self._export_state = export_state
-        return bool(saved)
+        self._watch.state = rule_state
+        return roll_back(self, self._watch, state, event, saved) if rolls else SaveResult(saved)
 
     def running_time(self) -> float:
         """Seconds this run has been running: carried over by restores, downtime excluded."""
@@ -377,6 +388,7 @@ class CheckpointManager:
         record = manager_record(
             event, self.save_policy, policy_state, self.keep, export, export_state
         )
+        record.update(self._watch.entry())
         info = self._write(self.path(event.step), state, self._run.metadata(record, self.metadata))
         if info is not None:
             self._after_commit(info)
@@ -555,6 +567,7 @@ class CheckpointManager:
         *,
         newer: rollback.Newer = "branch",
         branch: str | None = None,
+        reason: Mapping[str, Any] | None = None,
     ) -> TensorDict:
         """Continue the run from the older kept checkpoint ``step``, in this root.
 
@@ -565,17 +578,17 @@ class CheckpointManager:
         moved if the restore fails. The moves are recorded durably first and each is
         an atomic rename, so a crash leaves the rollback either not started or
         finished by the next writer that opens the root. Every later checkpoint
-        records the run's rollbacks under ``metadata["rollbacks"]``. Returns the
-        restored state.
+        records the run's rollbacks under ``metadata["rollbacks"]``, with ``reason`` (plain
+        data) if given, then even if nothing moved. Returns the restored state.
         """
         self._check_writable("rollback")
-        rollback.check_request(newer, branch)
+        rollback.check_request(newer, branch, reason)
         self.wait()  # a save in flight commits first: it may be one of the newer steps
         state = self.restore(step, like)  # raises, moving nothing, if step is unusable
         doomed = sorted(s for s, _ in self._step_dirs() if s > step)
-        if not doomed or not self._coordinator:
+        if not (doomed or reason) or not self._coordinator:
             return state
-        self._run.rollbacks.append(rollback.run(self.root, step, doomed, newer, branch))
+        self._run.rollbacks.append(rollback.run(self.root, step, doomed, newer, branch, reason))
         self._summaries.forget(doomed)
         return state
 
@@ -587,6 +600,7 @@ class CheckpointManager:
         self._run.resume(info.metadata)
         record = record_of(info.metadata)
         self._policy_state = stored_state(self.save_policy, record, "save", info.path)
+        self._watch.resume(record, info.path)
         if self.export is not None:
             self._export_state = stored_state(self.export.policy, record, "export", info.path)
         self._running.resume(record)

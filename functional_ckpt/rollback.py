@@ -21,11 +21,12 @@ import json
 import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from functional_ckpt import format
+from functional_ckpt import codec, format
 from functional_ckpt.errors import CheckpointError, CheckpointExists
 from functional_ckpt.root import EXPORTS_DIR, parse_step, step_name
 
@@ -96,31 +97,42 @@ def check_branch_name(name: object) -> str:
     return name
 
 
-def check_request(newer: object, branch: str | None) -> None:
-    """Refuse a bad ``rollback(newer=..., branch=...)`` before anything is restored or moved."""
+def check_request(newer: object, branch: str | None, reason: object = None) -> None:
+    """Refuse a bad ``rollback(newer=..., branch=..., reason=...)`` before anything moves."""
     if newer not in ("branch", "delete"):
         raise ValueError(f"rollback(newer={newer!r}): newer must be 'branch' or 'delete'")
     if newer == "delete" and branch is not None:
         raise ValueError(f"rollback(branch={branch!r}): a branch needs newer='branch'")
     if branch is not None:
         check_branch_name(branch)
+    if reason is not None:
+        if not isinstance(reason, Mapping):
+            raise TypeError(f"rollback(reason={reason!r}): reason must be a dict of plain data")
+        codec.check_encodable(dict(reason), where="rollback(reason=...)")
 
 
 def run(
-    root: Path, to_step: int, newer_steps: list[int], newer: Newer, branch: str | None
+    root: Path,
+    to_step: int,
+    newer_steps: list[int],
+    newer: Newer,
+    branch: str | None,
+    reason: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Move ``newer_steps`` (ascending) out of the trunk; returns the record of the rollback.
 
     The caller holds the writer lock. The record is what later checkpoints of the run
-    list under ``metadata["rollbacks"]``.
+    list under ``metadata["rollbacks"]``, with ``reason`` when given.
     """
     name = None
-    if newer == "branch":
-        name = new_branch(root, branch, newer_steps[-1], to_step)
-    plan = Plan(to_step, [step_name(s) for s in newer_steps], newer, name)
-    begin(root, plan)
-    finish(root)
-    return {"time": time.time(), "to_step": to_step, "newer_steps": newer_steps, "branch": name}
+    if newer_steps:
+        if newer == "branch":
+            name = new_branch(root, branch, newer_steps[-1], to_step)
+        plan = Plan(to_step, [step_name(s) for s in newer_steps], newer, name)
+        begin(root, plan)
+        finish(root)
+    done = {"time": time.time(), "to_step": to_step, "newer_steps": newer_steps, "branch": name}
+    return done if reason is None else {**done, "reason": dict(reason)}
 
 
 def new_branch(root: Path, name: str | None, from_step: int, to_step: int) -> str:

@@ -13,6 +13,38 @@ def test_the_top_level_has_at_most_25_names() -> None:
         assert hasattr(fc, name), name
 
 
+def test_the_top_level_names_are_these() -> None:
+    assert sorted(n for n in fc.__all__ if n != "__version__") == sorted(
+        [
+            "CheckpointError",
+            "CheckpointManager",
+            "Recorder",
+            "Replay",
+            "apply",
+            "at_steps",
+            "capture",
+            "every_epochs",
+            "every_secs",
+            "every_steps",
+            "export_safetensors",
+            "fork",
+            "inspect",
+            "keep_best",
+            "keep_every",
+            "keep_last",
+            "keep_within",
+            "on_final",
+            "on_improve",
+            "on_signal",
+            "restore",
+            "save",
+            "save_async",
+            "to_python",
+            "verify",
+        ]
+    )
+
+
 def test_everything_else_is_reachable_in_its_submodule() -> None:
     assert issubclass(fc.errors.CorruptCheckpoint, fc.CheckpointError)
     assert issubclass(fc.errors.UnsupportedValue, fc.CheckpointError)
@@ -23,6 +55,8 @@ def test_everything_else_is_reachable_in_its_submodule() -> None:
     assert callable(fc.export.Export)
     assert callable(fc.tree.from_python)
     assert callable(fc.io.VerifyReport)
+    assert fc.policy.on_degrade("reward").spec["kind"] == "on_degrade"
+    assert issubclass(fc.recording.NotRecorded, fc.CheckpointError)
 
 
 def test_no_top_level_name_is_a_submodule() -> None:

@@ -220,3 +220,13 @@ def test_incremental_quick_run(tmp_path: Path) -> None:
     assert rows["incremental, nothing frozen"]["bytes_ratio"] > 0.99
     assert len(data["targets"]) == 4
     assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}
+
+
+@pytest.mark.timeout(120)
+def test_record_quick_run(tmp_path: Path) -> None:
+    data = _run_benchmark("record.py", tmp_path)
+    result = data["result"]
+    assert data["config"]["quick"] and result["steps"] == 100
+    assert result["stall_median_s"] > 0 and result["replay_median_s"] > 0
+    assert result["written_bytes"] >= result["changed_bytes"] > 0
+    assert [t["result"] in {"PASS", "FAIL"} for t in data["targets"]] == [True] * 3

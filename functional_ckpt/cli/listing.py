@@ -20,10 +20,13 @@ from functional_ckpt.cli.common import (
     scan_root,
     time_text,
 )
-from functional_ckpt.cli.ui import UI, human
+from functional_ckpt.cli.recording import ls_recording
+from functional_ckpt.cli.ui import PROG, UI, human
 from functional_ckpt.exporting import ExportInfo, export_infos
 from functional_ckpt.pipeline.incremental import disk_bytes, shared_bytes
+from functional_ckpt.recording import is_recording
 from functional_ckpt.retention import RetentionError, retention_from_spec, union_parts
+from functional_ckpt.rollback import BRANCHES_DIR, branches
 from functional_ckpt.root import MANAGER_KEY, Entry, dir_size, kept_by
 
 __all__ = ["cmd_ls", "cmd_prune", "cmd_verify", "retention_parts", "verify_one"]
@@ -119,6 +122,8 @@ def _verify_rows(rows: Sequence[Entry], ui: UI) -> None:
 
 def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
     root = Path(args.root)
+    if is_recording(root):
+        return ls_recording(args, ui)
     rows = scan_root(root)
     if args.verify:
         _verify_rows(rows, ui)
@@ -135,17 +140,33 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
         if row.step in kept and row.canonical and row.status in ("ok", "intact"):
             why[row.name] = kept[row.step] or (["(deleted by the next prune)"] if parts else [])
     exports = export_infos(root)
+    branched = [_branch_json(root, name, steps) for name, steps in branches(root).items()]
     if args.json:
         doc = [_row_json(r, why.get(r.name, [])) for r in rows]
-        doc += [_export_json(e) for e in exports]
+        doc += [_export_json(e) for e in exports] + branched
         ui.print(json.dumps(doc, indent=2))
         return 0
-    if not rows and not exports:
+    if not rows and not exports and not branched:
         ui.print(f"{root}: no checkpoints")
         return 0
     _print_ls(rows, why, parts, source, ui)
     _print_exports(exports, ui)
+    _print_branches(branched, ui)
     return 0
+
+
+def _branch_json(root: Path, name: str, steps: list[int]) -> dict[str, Any]:
+    """A branch a rollback left (a root of its own) as a row of ``ls --json``."""
+    path = root / BRANCHES_DIR / name
+    return {"kind": "branch", "name": f"{BRANCHES_DIR}/{name}", "path": str(path), "steps": steps}
+
+
+def _print_branches(rows: Sequence[dict[str, Any]], ui: UI) -> None:
+    if not rows:
+        return
+    ui.print(f"\n{ui.paint('branches', 'head')} (kept aside by rollbacks; '{PROG} ls PATH' each)")
+    cells = [[r["name"], ", ".join(map(str, r["steps"])) or "-"] for r in rows]
+    ui.table(["BRANCH", "STEPS"], cells, [["", "dim"]] * len(cells))
 
 
 def _export_json(e: ExportInfo) -> dict[str, Any]:

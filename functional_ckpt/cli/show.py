@@ -21,8 +21,10 @@ from functional_ckpt.cli.common import (
     require_exists,
     time_text,
 )
+from functional_ckpt.cli.recording import inspect_recording
 from functional_ckpt.cli.ui import PROG, UI, human
 from functional_ckpt.diff import diff_checkpoints
+from functional_ckpt.recording import is_recording
 from functional_ckpt.root import classify, dir_size
 from functional_ckpt.summary import Node, short_repr
 from functional_ckpt.tree import NODE_KEY, KeyPath
@@ -167,6 +169,8 @@ def _inspect(path: Path) -> fc.io.CheckpointSummary:
 
 def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
     path = Path(args.path)
+    if is_recording(path):
+        return inspect_recording(args, ui)
     summary = _inspect(path)
     entries = filter_entries(list(flatten_tree(summary.tree)), args.key)
     if args.key and not entries:

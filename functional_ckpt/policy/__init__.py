@@ -37,6 +37,7 @@ from functional_ckpt.policy.base import (
     SavePolicy,
     run_policy,
 )
+from functional_ckpt.policy.degrade import on_degrade
 from functional_ckpt.policy.leaves import (
     always,
     at_steps,
@@ -63,6 +64,7 @@ __all__ = [
     "every_secs",
     "every_steps",
     "never",
+    "on_degrade",
     "on_final",
     "on_improve",
     "on_signal",

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from functional_ckpt.policy.base import AllOf, AnyOf, Not, PolicyError, SavePolicy
+from functional_ckpt.policy.degrade import on_degrade
 from functional_ckpt.policy.leaves import (
     always,
     at_steps,
@@ -71,6 +72,8 @@ def policy_from_spec(spec: Mapping[str, Any]) -> SavePolicy:
             return every_secs(*_spec_args(spec, ["s"]))
         if kind == "on_improve":
             return on_improve(*_spec_args(spec, ["metric", "mode", "min_delta"]))
+        if kind == "on_degrade":
+            return on_degrade(*_spec_args(spec, ["metric", "mode", "drop", "patience", "to"]))
         if kind == "on_signal":
             return on_signal(*_spec_args(spec, ["signum"]))
     except PolicyError:

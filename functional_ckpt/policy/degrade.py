@@ -1,0 +1,126 @@
+"""``on_degrade``: a metric that fell too far below its best, for long enough.
+
+A rollback rule for :class:`~functional_ckpt.manager.CheckpointManager`
+(``rollback=``): its vote means "the run degraded, go back". It is a policy like
+the save policies (pure ``decide``/``update`` over a plain-data state, a spec,
+``|``/``&``/``~``), so it composes with them and its state is stored with every
+checkpoint and continues after a restart. Its ``update`` learns, like every
+policy's, whether a checkpoint was saved on the event, which keeps ``best`` the
+best value *saved*: the level a rollback can return to.
+"""
+
+from __future__ import annotations
+
+import math
+
+from functional_ckpt.policy.base import (
+    Event,
+    PolicySpec,
+    PolicyState,
+    SavePolicy,
+    checked_state,
+    positive_int,
+)
+
+__all__ = ["TARGETS", "on_degrade"]
+
+#: Which kept checkpoint a rollback returns to (see :func:`on_degrade`).
+TARGETS = ("best", "last_good")
+
+
+class OnDegrade(SavePolicy):
+    """See :func:`on_degrade`; the attributes are its arguments."""
+
+    def __init__(self, metric: str, mode: str, drop: float, patience: int, to: str) -> None:
+        self.metric = metric
+        self.mode = mode
+        self.drop = drop
+        self.patience = patience
+        self.to = to
+
+    def init(self) -> PolicyState:
+        return {"best": None, "bad": 0}
+
+    def _fields(self, state: PolicyState) -> tuple[float | None, int]:
+        fields = checked_state(self, state, ["best", "bad"])
+        best, bad = fields["best"], fields["bad"]
+        return (None if best is None else float(best)), int(bad)
+
+    def _value(self, event: Event) -> float | None:
+        """The event's value (NaN kept: a diverged run is degraded); None when absent."""
+        if event.metrics is None or self.metric not in event.metrics:
+            return None
+        return float(event.metrics[self.metric])
+
+    def degraded(self, value: float, best: float | None) -> bool:
+        """Worse than ``best`` by more than ``drop`` of its magnitude (NaN always is)."""
+        if math.isnan(value):
+            return True
+        if best is None:
+            return False
+        margin = self.drop * abs(best)
+        return value < best - margin if self.mode == "max" else value > best + margin
+
+    def decide(self, state: PolicyState, event: Event) -> bool:
+        best, bad = self._fields(state)
+        value = self._value(event)
+        return value is not None and self.degraded(value, best) and bad + 1 >= self.patience
+
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        best, bad = self._fields(state)
+        value = self._value(event)
+        if value is None:
+            return state
+        bad = bad + 1 if self.degraded(value, best) else 0
+        better = best is None or (value > best if self.mode == "max" else value < best)
+        if saved and not math.isnan(value) and better:
+            best = value
+        return {"best": best, "bad": bad}
+
+    @property
+    def spec(self) -> PolicySpec:
+        return {
+            "kind": "on_degrade",
+            "metric": self.metric,
+            "mode": self.mode,
+            "drop": self.drop,
+            "patience": self.patience,
+            "to": self.to,
+        }
+
+    def __repr__(self) -> str:
+        args = [repr(self.metric)]
+        if self.mode != "min":
+            args.append(f"mode={self.mode!r}")
+        args += [f"drop={self.drop!r}", f"patience={self.patience}"]
+        if self.to != "best":
+            args.append(f"to={self.to!r}")
+        return f"on_degrade({', '.join(args)})"
+
+
+def on_degrade(
+    metric: str, mode: str = "min", drop: float = 0.2, patience: int = 3, to: str = "best"
+) -> SavePolicy:
+    """Vote yes once ``metrics[metric]`` was degraded on ``patience`` evaluations in a row.
+
+    An evaluation (an event carrying the metric) is *degraded* when its value is
+    worse than ``best`` by more than ``drop`` times ``abs(best)`` (``mode="max"``:
+    lower, ``"min"``: higher), or is NaN. ``best`` is the best value among events
+    on which a checkpoint was saved (the state's ``"best"``), ``"bad"`` counts the
+    degraded evaluations in a row; a good one resets it, events without the metric
+    leave it alone. ``to`` says where a manager rolls back to: ``"best"``, the kept
+    checkpoint with the best value, or ``"last_good"``, the newest kept one that is
+    not degraded (less work lost).
+    """
+    if not isinstance(metric, str):
+        raise TypeError(f"on_degrade(metric={metric!r}): metric must be a str")
+    if mode not in ("min", "max"):
+        raise ValueError(f"on_degrade(mode={mode!r}): mode must be 'min' or 'max'")
+    if isinstance(drop, bool) or not isinstance(drop, int | float):
+        raise TypeError(f"on_degrade(drop={drop!r}): drop must be a number (a fraction)")
+    if not (math.isfinite(drop) and drop >= 0):
+        raise ValueError(f"on_degrade(drop={drop!r}): drop must be finite and >= 0")
+    patience = positive_int(patience, "patience", f"on_degrade(patience={patience!r})")
+    if to not in TARGETS:
+        raise ValueError(f"on_degrade(to={to!r}): to must be one of {', '.join(TARGETS)}")
+    return OnDegrade(metric, mode, float(drop), patience, to)
