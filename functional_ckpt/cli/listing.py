@@ -11,6 +11,7 @@ from typing import Any
 
 import functional_ckpt as fc
 from functional_ckpt import format as fmt
+from functional_ckpt.cli import tiers
 from functional_ckpt.cli.common import (
     Declined,
     UsageError,
@@ -117,6 +118,8 @@ def _verify_rows(rows: Sequence[Entry], ui: UI) -> None:
 
 
 def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
+    if tiers.is_url(args.root):
+        return tiers.ls_remote(args, ui)
     root = Path(args.root)
     rows = scan_root(root)
     if args.verify:
@@ -134,9 +137,10 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
         if row.step in kept and row.canonical and row.status in ("ok", "intact"):
             why[row.name] = kept[row.step] or (["(deleted by the next prune)"] if parts else [])
     exports = export_infos(root)
+    remote = tiers.tier_rows(root, rows)  # where each step lives, with a remote tier
     if args.json:
         doc = [_row_json(r, why.get(r.name, [])) for r in rows]
-        doc += [_export_json(e) for e in exports]
+        doc += [_export_json(e) for e in exports] + (remote[1] if remote else [])
         ui.print(json.dumps(doc, indent=2))
         return 0
     if not rows and not exports:
@@ -144,6 +148,7 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
         return 0
     _print_ls(rows, why, parts, source, ui)
     _print_exports(exports, ui)
+    tiers.print_tiers(remote, ui)
     return 0
 
 
@@ -273,6 +278,8 @@ def _verify_targets(target: Path) -> tuple[list[Path], list[str], list[Path]]:
 
 
 def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
+    if tiers.is_url(args.path):
+        return tiers.verify_remote(args, ui)
     target = Path(args.path)
     require_exists(target)
     paths, broken, stock = _verify_targets(target)

@@ -131,35 +131,40 @@ class Store:
         """Fail now, clearly, if the store cannot be listed (endpoint, credentials, bucket)."""
         self.listing()
 
+    def _ls(self, path: str, where: str) -> list[dict[str, Any]]:
+        """``ls`` (not ``find``, which some stores answer with nothing on any error)."""
+        try:
+            return list(self.fs.ls(path, detail=True))
+        except FileNotFoundError as e:
+            if "bucket" in str(e).lower():
+                raise remote_error(e, where) from e
+            return []  # nothing written under this prefix yet
+        except Exception as e:
+            raise remote_error(e, where) from e
+
     def listing(self) -> dict[int, RemoteStep]:
-        """Every ``step_N`` directory of the remote root with its objects, in one listing."""
+        """Every ``step_N`` directory of the remote root with its objects."""
         self._fresh()
-        found = self.call(self.url, self.fs.find, self.base, maxdepth=2, detail=True)
         steps: dict[int, RemoteStep] = {}
-        prefix = self.base + "/"
-        for path, info in found.items():
-            rel = str(path)
-            rel = rel[rel.index(prefix) + len(prefix) :] if prefix in rel else rel
-            parts = rel.split("/")
-            if len(parts) != 2:
-                continue
-            step = parse_step(parts[0])
-            if step is None:
-                continue
-            size = info.get("size")
-            entry = steps.setdefault(step, RemoteStep(step))
-            entry.objects[parts[1]] = int(size) if isinstance(size, int) else -1
+        for info in self._ls(self.base, self.url):
+            step = parse_step(str(info.get("name", "")).rstrip("/").rsplit("/", 1)[-1])
+            if step is not None and info.get("type") == "directory":
+                objects = self.objects(step, fresh=False)
+                if objects:  # an empty prefix left by a deletion is nothing
+                    steps[step] = RemoteStep(step, objects)
         return steps
 
-    def objects(self, step: int) -> dict[str, int]:
+    def objects(self, step: int, *, fresh: bool = True) -> dict[str, int]:
         """The objects of one remote checkpoint directory (name -> size)."""
-        self._fresh()
-        where = self.where(step)
-        found = self.call(where, self.fs.find, self.step_dir(step), maxdepth=1, detail=True)
+        if fresh:
+            self._fresh()
         out = {}
-        for path, info in found.items():
+        for info in self._ls(self.step_dir(step), self.where(step)):
+            if info.get("type") == "directory":
+                continue
             size = info.get("size")
-            out[str(path).rsplit("/", 1)[-1]] = int(size) if isinstance(size, int) else -1
+            name = str(info.get("name", "")).rsplit("/", 1)[-1]
+            out[name] = int(size) if isinstance(size, int) else -1
         return out
 
     def read(self, step: int, name: str) -> bytes:
