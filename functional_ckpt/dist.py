@@ -202,18 +202,27 @@ class _SaveJob:
     created: float
     nbytes: int = 0
     root: dict[str, Any] | None = None  # the root's batch size and names
+    world: int = 1
 
     def commit(self, results: list[WriteResult]) -> None:
         chunks: dict[str, list[Chunk]] = {}
+        sizes = {shard_name(r): 0 for r in range(self.world)}  # every rank writes its file
         for wr in results:
             chunks.setdefault(wr.index.fqn, []).append(wr.storage_data)
+            c = wr.storage_data
+            sizes[c.file] = max(sizes.get(c.file, 0), c.offset + c.length)  # blobs tile it
         for group in tensor_groups(self.entries, self.ranks):
             for e in group:
                 if e.alias is None:
                     e.chunks[:] = sorted(chunks.get(e.fqn, []), key=lambda c: c.offsets)
         manifest = Manifest(self.created, self.metadata, {}, self.entries, self.ranks, self.root)
         try:
-            self.nbytes, _ = finalize(self.tmp, self.dest, manifest, overwrite=self.overwrite)
+            # Shard files not in this directory were written by ranks that do not share
+            # its file system, each into a directory of its own (a part).
+            elsewhere = {n: size for n, size in sizes.items() if not (self.tmp / n).exists()}
+            self.nbytes, _ = finalize(
+                self.tmp, self.dest, manifest, overwrite=self.overwrite, elsewhere=elsewhere
+            )
         except CheckpointError:  # e.g. CheckpointExists, itself an OSError
             raise
         except OSError as e:
@@ -255,6 +264,11 @@ def save_planned(
     except BaseException as e:
         error = os_error(e, dest) if isinstance(e, OSError) else e
     agree(error, group, f"save {dest}")
+    try:
+        own = rank != 0 and _own_part(tmp)
+    except BaseException as e:
+        error, own = os_error(e, dest) if isinstance(e, OSError) else e, False
+    agree(error, group, f"save {dest}")
     mine = codec.encode([e.to_plain() for e in plan.local])
     gathered = all_gather_bytes(mine, group)
     locals_ = [
@@ -263,6 +277,7 @@ def save_planned(
     locals_[rank] = plan.local
     job = _SaveJob(dest, tmp, plan.entries, locals_, metadata, overwrite, time.time())
     job.root = plan.root
+    job.world = dist.get_world_size(group)
     state_dict = {e.fqn: t for e, t in zip(plan.targets, tensors, strict=True)}
     try:
         with gc_paused():
@@ -273,9 +288,15 @@ def save_planned(
                 process_group=group,
             )
     except BaseException as e:
-        if rank == 0:
+        if rank == 0 or own:
             format.remove_tree(tmp)
         raise _unwrap(e, f"save {dest}") from e
+    if own:  # this rank's part of a checkpoint committed on the coordinator's file system
+        try:
+            format.commit(tmp, dest, overwrite=True, replaceable=format.check_replaceable)
+        except OSError as e:
+            format.remove_tree(tmp)
+            raise os_error(e, dest) from e
     sizes = all_gather_bytes(str(job.nbytes).encode(), group)
     return CheckpointInfo(
         path=dest,
@@ -287,6 +308,24 @@ def save_planned(
         duration=time.perf_counter() - t0,
         metadata=metadata,
     )
+
+
+def _own_part(tmp: Path) -> bool:
+    """Create ``tmp`` here if this rank does not see the coordinator's: True if it did.
+
+    Ranks that share no file system with the coordinator (one local root per
+    machine) each keep their shard files in a directory of their own, renamed to
+    the checkpoint's name once the coordinator committed: a *part* of the
+    checkpoint, without manifest or marker, which no reader takes for a checkpoint.
+    """
+    if tmp.is_dir():
+        return False
+    format.make_dirs(tmp.parent)
+    try:
+        tmp.mkdir()
+    except FileExistsError:  # it showed up late: a shared file system after all
+        return False
+    return True
 
 
 def _unwrap(e: BaseException, what: str) -> CheckpointError:

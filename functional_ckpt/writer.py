@@ -363,6 +363,7 @@ def finalize(
     overwrite: bool,
     before_commit: Callable[[], None] | None = None,
     syncing: list[Future[None]] | None = None,
+    elsewhere: Mapping[str, int] | None = None,
 ) -> tuple[int, int]:
     """Write ``.metadata``, the manifest and the marker into ``tmp``; commit as ``dest``.
 
@@ -372,7 +373,9 @@ def finalize(
     (derived from the manifest by :func:`dcpmeta.derive`), the manifest (its file
     table filled in here) and the marker are each written and fsynced at their
     final size, and every fsync has finished, before the marker is written and the
-    directory is fsynced and renamed. Returns (bytes on disk, manifest bytes).
+    directory is fsynced and renamed. ``elsewhere`` names the shard files (with
+    their sizes) that other ranks wrote into directories of their own, when the
+    ranks share no file system. Returns (bytes on disk, manifest bytes).
     """
     syncing = [] if syncing is None else syncing
     try:
@@ -385,6 +388,8 @@ def finalize(
                 files[name] = {"size": len(md_bytes), "crc32": crc32(md_bytes)}
             else:
                 files[name] = {"size": (tmp / name).stat().st_size}
+        for name, size in sorted((elsewhere or {}).items()):
+            files.setdefault(name, {"size": size})
         manifest_bytes = manifest.encode()
         format.write_file_durably(tmp / format.MANIFEST, manifest_bytes)
     finally:

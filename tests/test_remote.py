@@ -328,3 +328,63 @@ def test_fckpt_ls_shows_the_tiers_and_verify_inspect_take_remote_urls(
     assert cli.main(["verify", mem]) == 1
     out = capsys.readouterr().out
     assert f"DAMAGED  {mem}/step_000000002" in out and "1 of 2 checkpoints damaged" in out
+
+
+def test_two_ranks_with_their_own_local_roots_commit_on_one_remote(
+    tmp_path: Path, s3: dict[str, Any]
+) -> None:
+    url = _bucket(s3)
+    (rc0, out0, err0), (rc1, out1, err1) = _two_ranks(tmp_path, url, s3["endpoint"])
+    assert rc0 == 0 and rc1 == 9, err0[-3000:] + err1[-3000:]
+    assert "UPLOADED [1, 2, 3]" in out0
+    assert "RESUMED 3" in out0 and "RESUMED 3" in out1  # from the remote tier, bit-identically
+    assert "FAILED [4]" in out0 and "upload of step 4 failed" in out0, out0  # reported, no hang
+    listing = Store(url, s3["options"]).listing()
+    assert sorted(s for s, r in listing.items() if r.committed) == [1, 2, 3]  # 4: no commit
+    assert {"__0_0.distcp", "__1_0.distcp", "COMMITTED", "manifest.msgpack"} <= set(
+        listing[3].objects
+    )
+    # Rank 1's roots hold parts (its own shard files), never a checkpoint of its own making.
+    assert fc.CheckpointManager(tmp_path / "run1", read_only=True).steps() == []
+    part = tmp_path / "fresh1" / "step_000000004"
+    assert sorted(p.name for p in part.iterdir()) == ["__1_0.distcp"]
+    assert fc.CheckpointManager(tmp_path / "run0", read_only=True).steps()[-1] == 3
+    assert fc.CheckpointManager(tmp_path / "fresh0", read_only=True).steps() == [4]
+
+
+def _two_ranks(base: Path, url: str, endpoint: str) -> list[tuple[int, str, str]]:
+    """tests/remote_job.py on two ranks, with the variables torchrun sets."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "remote_job.py"), str(base), url],
+            env={
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": str(REPO),
+                "ENDPOINT": endpoint,
+                "FUNCTIONAL_CKPT_TIMEOUT": "30",  # a dead rank fails the others within this
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append((p.returncode, stdout, stderr))
+    return out

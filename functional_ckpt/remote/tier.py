@@ -242,11 +242,15 @@ class RemoteTier:
         local_steps: Callable[[], list[int]],
         read_step: Callable[[int], tuple[StepInfo, T]],
     ) -> Found[T]:
-        """Every rank restores one step: the newest every rank has locally, or the remote's."""
-        from functional_ckpt.dist import agree
+        """Every rank restores one step: the newest every rank has locally, or the remote's.
 
+        On the training thread, so on the manager's group (uploads use their own).
+        """
+        from functional_ckpt.dist import agree, checkpoint_group
+
+        group = checkpoint_group(purpose="control")
         mine = local_steps()
-        everyone = [set(s) for s in self._gather(mine)]
+        everyone = [set(s) for s in self._gather(mine, group)]
         common = set.intersection(*everyone)
         error: BaseException | None = None
         remote: list[int] = []
@@ -255,8 +259,8 @@ class RemoteTier:
                 remote = self._remote_good(max(common, default=None))
             except BaseException as e:
                 error = e
-        agree(error, self._group, f"restore from {self.url}")
-        remote = self._share(remote)
+        agree(error, group, f"restore from {self.url}")
+        remote = self._share(remote, group)
         target = max([*common, *remote], default=None)
         if target is None:
             return None
@@ -265,21 +269,23 @@ class RemoteTier:
                 download(self.store, target, self.root)
         except BaseException as e:
             error = e
-        agree(error, self._group, f"download {self.store.where(target)}")
+        agree(error, group, f"download {self.store.where(target)}")
         return read_step(target)
 
     # ------------------------------------------------------------------ collectives
 
-    def _gather(self, value: Any) -> list[Any]:
+    def _gather(self, value: Any, group: Any = None) -> list[Any]:
+        """Every rank's ``value`` (on the uploads' group unless told otherwise)."""
         if self.world == 1:
             return [value]
         from functional_ckpt.dist import all_gather_bytes
 
-        return [codec.decode(b) for b in all_gather_bytes(codec.encode(value), self._group)]
+        encoded = codec.encode(value)
+        return [codec.decode(b) for b in all_gather_bytes(encoded, group or self._group)]
 
-    def _share(self, value: Any) -> Any:
+    def _share(self, value: Any, group: Any = None) -> Any:
         """The coordinator's ``value``, on every rank."""
-        return self._gather(value if self.coordinator else None)[0]
+        return self._gather(value if self.coordinator else None, group)[0]
 
     def _shared_root(self) -> bool:
         """Whether every rank's root is the coordinator's directory (one shared file system)."""
