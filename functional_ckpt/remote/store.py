@@ -45,7 +45,7 @@ def remote_error(err: BaseException, where: str) -> CheckpointError:
             f"{where}: the object store refused access ({text}); check the credentials "
             "(environment, ~/.aws, storage_options=) and the bucket's permissions"
         )
-    if isinstance(err, FileNotFoundError) and "bucket" in str(err).lower():
+    if isinstance(err, FileNotFoundError) and _missing_bucket(err):
         return RemoteBucketMissing(
             f"{where}: the bucket does not exist ({err}); create it, or fix the remote URL"
         )
@@ -61,6 +61,14 @@ def remote_error(err: BaseException, where: str) -> CheckpointError:
             "(storage_options client_kwargs endpoint_url) and the network"
         )
     return RemoteError(f"{where}: {text}")
+
+
+def _missing_bucket(err: FileNotFoundError, path: str = "") -> bool:
+    """Whether the store said the bucket is missing (not merely the object at ``path``)."""
+    text = str(err).replace(path, "").lower() if path else str(err).lower()
+    return "nosuchbucket" in text or (
+        "bucket" in text and ("not exist" in text or "not found" in text)
+    )
 
 
 @dataclass
@@ -136,7 +144,7 @@ class Store:
         try:
             return list(self.fs.ls(path, detail=True))
         except FileNotFoundError as e:
-            if "bucket" in str(e).lower():
+            if _missing_bucket(e, path):
                 raise remote_error(e, where) from e
             return []  # nothing written under this prefix yet
         except Exception as e:
