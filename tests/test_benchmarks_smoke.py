@@ -198,3 +198,15 @@ def test_train_overhead_quick_run(tmp_path: Path, mode: str) -> None:
     assert data["blocked_s"] >= 0
     if mode == "save_async":
         assert not config["manager_async"]
+
+
+@pytest.mark.timeout(120)
+def test_tiered_quick_run(tmp_path: Path) -> None:
+    data = _run_benchmark("tiered.py", tmp_path)
+    assert data["config"]["reps"] == 1
+    tools = {(r["op"], r["tool"]) for r in data["rows"]}
+    assert {op for op, _ in tools} == {"upload", "restore", "stall"} and len(tools) == 6
+    for r in data["rows"]:
+        assert len(r["times_s"]) == 1 and r["median_s"] > 0
+    assert len(data["targets"]) == 3
+    assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}

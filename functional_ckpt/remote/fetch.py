@@ -4,7 +4,8 @@ The objects of a committed remote checkpoint are downloaded (through the store's
 bulk ``get``, in parallel) into a private directory of the local root, fsynced,
 and checked by :func:`functional_ckpt.verify` (every chunk's CRC32, the derived
 ``.metadata``, the manifest against the marker) before the directory is renamed
-into place as an ordinary local checkpoint. A damaged object is
+into place as an ordinary local checkpoint (its data flushed to disk in the
+background: the remote copy is the durable one). A damaged object is
 :class:`~functional_ckpt.errors.CorruptCheckpoint`; a checkpoint deleted or
 replaced remotely while it was read is :class:`~functional_ckpt.errors.RemoteVanished`.
 Nothing half-downloaded is ever visible.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import uuid
 from pathlib import Path
 
@@ -67,8 +69,6 @@ def download(store: Store, step: int, into: Path, *, check: bool = True) -> Path
             raise RemoteVanished(
                 f"{store.where(step)}: deleted or replaced remotely while it was downloaded"
             )
-        for n in wanted:
-            _fsync(tmp / n)
         format.write_file_durably(tmp / format.COMMIT_MARKER, marker)
         report = verify(tmp) if check else None
         if report is not None and not report.ok:
@@ -78,15 +78,25 @@ def download(store: Store, step: int, into: Path, *, check: bool = True) -> Path
         format.commit(tmp, final, overwrite=False)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    # A local copy of a remote checkpoint is flushed to disk in the background: one
+    # torn by a power loss before then fails its checksums, is moved aside, and is
+    # downloaded again (the remote copy is the durable one).
+    threading.Thread(target=_fsync_all, args=(final, wanted), daemon=True).start()
     return final
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _fsync_all(path: Path, names: list[str]) -> None:
+    for name in names:
+        try:
+            fd = os.open(path / name, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return  # deleted meanwhile: nothing to flush
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def remove_downloads(root: Path) -> None:

@@ -46,6 +46,7 @@ from functional_ckpt.retention import CheckpointRecord, RetentionPolicy, plan_de
 from functional_ckpt.root import (
     StepInfo,
     delete,
+    quarantine,
     read_info,
     record_of,
     remove_all,
@@ -220,7 +221,10 @@ class RemoteTier:
         for step in self._remote_good(newest_local):
             if newest_local is not None and step <= newest_local:
                 return None
-            if (self.root / step_name(step)).exists() and step not in fetched:
+            there = self.root / step_name(step)
+            if there.is_dir() and not (there / format.COMMIT_MARKER).exists():
+                quarantine(self.root, there)  # never committed (a download a crash cut short)
+            if there.exists() and step not in fetched:
                 continue  # a local directory there is unreadable: the local resume decides
             try:
                 if step not in fetched:
