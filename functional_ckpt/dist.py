@@ -268,7 +268,12 @@ def save_planned(
         own = rank != 0 and _own_part(tmp)
     except BaseException as e:
         error, own = os_error(e, dest) if isinstance(e, OSError) else e, False
-    agree(error, group, f"save {dest}")
+    try:
+        agree(error, group, f"save {dest}")
+    except BaseException:
+        if rank == 0 or own:
+            format.remove_tree(tmp)
+        raise
     mine = codec.encode([e.to_plain() for e in plan.local])
     gathered = all_gather_bytes(mine, group)
     locals_ = [
@@ -310,16 +315,42 @@ def save_planned(
     )
 
 
+#: Roots whose checkpoints may be split across the ranks' own file systems (a remote
+#: tier completes them): see :func:`allow_parts`.
+_PART_ROOTS: set[Path] = set()
+
+
+def allow_parts(root: Path, allowed: bool = True) -> None:
+    """Let saves under ``root`` keep each rank's shard files on that rank's own disk.
+
+    Only a remote tier, which uploads every rank's files and commits them as one
+    checkpoint, makes such a split checkpoint whole; without one, a rank that does
+    not see the coordinator's directory fails the save.
+    """
+    key = Path(os.path.abspath(root))
+    if allowed:
+        _PART_ROOTS.add(key)
+    else:
+        _PART_ROOTS.discard(key)
+
+
 def _own_part(tmp: Path) -> bool:
     """Create ``tmp`` here if this rank does not see the coordinator's: True if it did.
 
     Ranks that share no file system with the coordinator (one local root per
-    machine) each keep their shard files in a directory of their own, renamed to
-    the checkpoint's name once the coordinator committed: a *part* of the
-    checkpoint, without manifest or marker, which no reader takes for a checkpoint.
+    machine, under a remote tier) each keep their shard files in a directory of
+    their own, renamed to the checkpoint's name once the coordinator committed: a
+    *part* of the checkpoint, without manifest or marker, which no reader takes for
+    a checkpoint.
     """
     if tmp.is_dir():
         return False
+    if Path(os.path.abspath(tmp.parent)) not in _PART_ROOTS:
+        raise CheckpointError(
+            f"{tmp.parent}: rank {dist.get_rank()} does not see the directory rank 0 "
+            "created there: a multi-rank save needs one directory shared by every rank, "
+            "or a CheckpointManager with remote= (docs/tiered.md)"
+        )
     format.make_dirs(tmp.parent)
     try:
         tmp.mkdir()
@@ -463,4 +494,4 @@ def _fresh_dtensor(like: Any) -> torch.Tensor:
     return fresh
 
 
-__all__ = ["checkpoint_group", "read_sharded", "save_planned"]
+__all__ = ["allow_parts", "checkpoint_group", "read_sharded", "save_planned"]

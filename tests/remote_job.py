@@ -4,6 +4,7 @@ Every rank has local roots of its own (``BASE/<name><R>``: no shared file
 system) and all share one remote (``REMOTE``, an S3 URL on the test's moto
 server at ``ENDPOINT``). In order:
 
+0. ``fc.save`` into ``plain<R>``, without a remote tier, fails on every rank;
 1. in ``run<R>``: save steps 1-3 and wait for their uploads;
 2. in fresh, empty roots ``fresh<R>``: resume from the remote tier (step 3), in
    DTensors, bit-identically;
@@ -50,6 +51,13 @@ def main() -> None:
         return fc.CheckpointManager(
             base / f"{name}{rank}", keep=fc.keep_last(1), remote=remote, storage_options=options
         )
+
+    try:  # without a remote tier, a save needs one directory every rank sees
+        fc.save(base / f"plain{rank}" / "step_1", state(mesh, rank, 1))
+        raise AssertionError("a split save without a remote tier was committed")
+    except fc.CheckpointError as e:
+        assert "rank 1 does not see the directory rank 0 created" in str(e), e
+    print("REFUSED", flush=True)
 
     with manager("run") as mgr:
         assert mgr.remote is not None and not mgr.remote.shared

@@ -336,6 +336,8 @@ def test_two_ranks_with_their_own_local_roots_commit_on_one_remote(
     url = _bucket(s3)
     (rc0, out0, err0), (rc1, out1, err1) = _two_ranks(tmp_path, url, s3["endpoint"])
     assert rc0 == 0 and rc1 == 9, err0[-3000:] + err1[-3000:]
+    assert "REFUSED" in out0 and "REFUSED" in out1
+    assert not list((tmp_path / "plain0").iterdir())  # nothing committed, nothing left
     assert "UPLOADED [1, 2, 3]" in out0
     assert "RESUMED 3" in out0 and "RESUMED 3" in out1  # from the remote tier, bit-identically
     assert "FAILED [4]" in out0 and "upload of step 4 failed" in out0, out0  # reported, no hang

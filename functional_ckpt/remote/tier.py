@@ -94,12 +94,13 @@ class RemoteTier:
             error = e
         self.url = url.rstrip("/")
         if self.world > 1:
-            from functional_ckpt.dist import agree, checkpoint_group
+            from functional_ckpt.dist import agree, allow_parts, checkpoint_group
 
             self._group = checkpoint_group(timeout, purpose="upload")
             agree(error, self._group, f"remote {url}")
             if writer:
                 self.shared = self._shared_root()
+                allow_parts(root, not self.shared)  # the uploads make each split save whole
         self._lock = threading.Lock()
         self.failures: dict[int, CheckpointError] = {}
         self._unreported: list[CheckpointError] = []
@@ -163,6 +164,10 @@ class RemoteTier:
             self._worker.drain()
             self._worker.stop()
             self._worker = None
+            if self.world > 1 and not self.shared:
+                from functional_ckpt.dist import allow_parts
+
+                allow_parts(self.root, False)
         self.check()
 
     # ------------------------------------------------------------------ restore
@@ -310,7 +315,10 @@ class RemoteTier:
     def _round(self) -> None:
         plan: dict[str, list[int]] = {"upload": [], "local": []}
         if self.coordinator:
-            plan = self._plan()
+            try:
+                plan = self._plan()
+            except Exception as err:  # the other ranks still take part in the round
+                self._fail(-1, err)
         plan = self._share(plan) if self.world > 1 else plan
         for step in plan["upload"]:
             self._upload(step)
