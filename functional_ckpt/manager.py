@@ -152,13 +152,8 @@ class CheckpointManager:
             self._run.git = git_commit(self._run.cwd)  # before the lock: no child inherits it
             if self._coordinator:
                 self._open_writer()  # one lock per job: the coordinator's
-        try:  # the remote tier (docs/tiered.md): its endpoint is checked now
-            args = (remote, remote_keep, storage_options, prune_unuploaded, self.read_only)
-            self.remote = remote_tier(self.root, *args)
-        except BaseException:
-            if self._lock is not None:
-                self._lock.release()
-            raise
+        args = (remote, remote_keep, storage_options, prune_unuploaded, self.read_only)
+        self.remote = remote_tier(self.root, *args, lock=self._lock)  # docs/tiered.md
 
     def _open_writer(self) -> None:
         # Leftovers of crashed writers are recovered (warning at the CheckpointManager call).
@@ -537,15 +532,9 @@ class CheckpointManager:
             return restore(path, like, out=out, reshard=reshard)
 
         def local() -> tuple[StepInfo, TensorDict] | None:
-            move_aside = not self.read_only and self._coordinator
-            depth = 3 if self.remote is None else 5  # warnings point at the caller
+            aside, depth = not self.read_only and self._coordinator, 3 if self.remote is None else 5
             return newest_readable(
-                self.root,
-                self._step_dirs,
-                read,
-                move_aside=move_aside,
-                bad=self._bad,
-                stacklevel=depth,
+                self.root, self._step_dirs, read, move_aside=aside, bad=self._bad, stacklevel=depth
             )
 
         if self.remote is None:

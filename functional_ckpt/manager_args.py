@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from functional_ckpt.errors import UnsupportedValue
 from functional_ckpt.export import Export
+from functional_ckpt.lock import WriterLock
 from functional_ckpt.policy import SavePolicy
 from functional_ckpt.retention import RetentionPolicy, keep_all
 
@@ -60,8 +61,29 @@ def remote_tier(
     storage_options: Mapping[str, Any] | None,
     prune_unuploaded: bool,
     read_only: bool,
+    *,
+    lock: WriterLock | None = None,
 ) -> RemoteTier | None:
-    """The remote tier ``remote=`` asks for (None without one), its endpoint checked now."""
+    """The remote tier ``remote=`` asks for (None without one), its endpoint checked now.
+
+    On any failure the manager's ``lock`` is released: the manager was not made.
+    """
+    try:
+        return _remote_tier(root, remote, keep, storage_options, prune_unuploaded, read_only)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _remote_tier(
+    root: Path,
+    remote: str | None,
+    keep: object,
+    storage_options: Mapping[str, Any] | None,
+    prune_unuploaded: bool,
+    read_only: bool,
+) -> RemoteTier | None:
     if remote is None:
         if keep is not None or storage_options is not None:
             raise TypeError("CheckpointManager: remote_keep= and storage_options= need remote=")
