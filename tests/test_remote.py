@@ -197,6 +197,23 @@ def test_a_corrupted_remote_object_is_detected_and_the_previous_one_used(
         assert mgr.steps() == [1]  # the damaged copy never became a local checkpoint
 
 
+def test_a_damaged_local_checkpoint_falls_back_to_its_remote_copy(tmp_path: Path, mem: str) -> None:
+    root = tmp_path / "ckpt"
+    with fc.CheckpointManager(root, remote=mem) as mgr:
+        for step in (1, 2):
+            mgr.maybe_save(_state(step), step=step)
+    shard = root / "step_000000002" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-40] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with fc.CheckpointManager(root, remote=mem) as mgr:
+        with pytest.warns(fc.errors.CheckpointWarning, match=r"(?s)step 2 is unreadable.*moved aside"):
+            got = mgr.restore_latest()
+        assert mgr.restored_step == 2 and got is not None  # the remote copy, not step 1
+        assert torch.equal(got["w"], _state(2)["w"])
+    assert [p.name for p in root.glob("step_000000002.corrupt-*")]  # kept, never deleted
+
+
 def test_a_remote_deletion_racing_the_download_falls_back(
     tmp_path: Path, mem: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -31,13 +31,16 @@ __all__ = ["DOWNLOAD_PREFIX", "download", "remove_downloads"]
 DOWNLOAD_PREFIX = ".fc-download-"
 
 
-def download(store: Store, step: int, into: Path, *, check: bool = True) -> Path:
+def download(
+    store: Store, step: int, into: Path, *, check: bool = True, replace: bool = False
+) -> Path:
     """Download and verify remote ``step``; return it committed as ``into/step_N``.
 
     ``into`` is the local root (or any directory on the same file system). An
     existing ``into/step_N`` is left alone: the caller decides it is missing first.
     ``check=False`` leaves the verification to the caller (``fckpt verify`` reports
-    every problem instead of the first).
+    every problem instead of the first). ``replace=True`` replaces what is at
+    ``into/step_N`` (a rank's part of that checkpoint: the download supersedes it).
     """
     marker, manifest = store.manifest(step)
     files = manifest["files"]
@@ -75,7 +78,7 @@ def download(store: Store, step: int, into: Path, *, check: bool = True) -> Path
             problems = "; ".join(str(p) for p in report.problems[:3])
             raise CorruptCheckpoint(f"{store.where(step)}: damaged remote checkpoint: {problems}")
         final = into / step_name(step)
-        format.commit(tmp, final, overwrite=False)
+        format.commit(tmp, final, overwrite=replace, replaceable=format.check_replaceable)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     # A local copy of a remote checkpoint is flushed to disk in the background: one

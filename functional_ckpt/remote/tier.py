@@ -195,12 +195,13 @@ class RemoteTier:
         fetched: set[int] = set()
         found: Found[T] = None
         for _ in range(8):
-            steps = local_steps()
-            best = self._fetch_newer(max(steps, default=None), fetched)
-            found = local()
+            good = self._fetch_newer(max(local_steps(), default=None), fetched)
+            found = local()  # damaged local copies are moved aside here
+            best = max((s for s in good if s not in self._bad), default=None)
             if best is None or (found is not None and found[0].step >= best):
                 return found
-            self._bad.add(best)  # downloaded, then found unreadable locally: not again
+            if best in fetched:
+                self._bad.add(best)  # downloaded, then found unreadable locally: not again
         return found
 
     def _remote_good(self, newest_local: int | None) -> list[int]:
@@ -221,11 +222,15 @@ class RemoteTier:
             self._committed = {s for s, r in listing.items() if r.committed}
         return sorted((s for s in self._committed if s not in self._bad), reverse=True)
 
-    def _fetch_newer(self, newest_local: int | None, fetched: set[int]) -> int | None:
-        """Download the newest good remote step newer than ``newest_local``; return it."""
-        for step in self._remote_good(newest_local):
+    def _fetch_newer(self, newest_local: int | None, fetched: set[int]) -> list[int]:
+        """Download the newest good remote step newer than ``newest_local``.
+
+        Returns the good remote steps (empty if the remote could not be listed).
+        """
+        good = self._remote_good(newest_local)
+        for step in good:
             if newest_local is not None and step <= newest_local:
-                return None
+                break
             there = self.root / step_name(step)
             if there.is_dir() and not (there / format.COMMIT_MARKER).exists():
                 quarantine(self.root, there)  # never committed (a download a crash cut short)
@@ -235,7 +240,7 @@ class RemoteTier:
                 if step not in fetched:
                     download(self.store, step, self.root)
                     fetched.add(step)
-                return step
+                break
             except _DAMAGE as err:
                 self._bad.add(step)
                 warnings.warn(
@@ -244,7 +249,7 @@ class RemoteTier:
                     RemoteWarning,
                     stacklevel=5,
                 )
-        return None
+        return good
 
     def _restore_agreed(
         self,
@@ -275,7 +280,7 @@ class RemoteTier:
             return None
         try:
             if target not in mine and (self.coordinator or not self.shared):
-                download(self.store, target, self.root)
+                download(self.store, target, self.root, replace=True)  # over a part
         except BaseException as e:
             error = e
         agree(error, group, f"download {self.store.where(target)}")
