@@ -187,7 +187,9 @@ class CheckpointManager:
             finally:
                 self._exports.join()
                 if self.remote is not None:
-                    self.remote.close()  # the uploads asked for finish first
+                    self.remote.close()  # the uploads asked for finish, then what they
+                    if self._lock is not None:  # protected from retention is pruned
+                        self._prune(set())
         finally:
             self._join_removals()
             self._closed = True

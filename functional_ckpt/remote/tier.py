@@ -188,10 +188,10 @@ class RemoteTier:
         there; a damaged one is reported and the previous remote one tried. A
         read-only manager reads its local root only.
         """
-        if self.world > 1:
-            return self._restore_agreed(local_steps, read_step)
         if not writer:
             return local()
+        if self.world > 1:
+            return self._restore_agreed(local_steps, read_step)
         fetched: set[int] = set()
         found: Found[T] = None
         for _ in range(8):
