@@ -6,7 +6,8 @@ server at ``ENDPOINT``). In order:
 
 0. ``fc.save`` into ``plain<R>``, without a remote tier, fails on every rank;
 1. in ``run<R>``: save steps 1-3 and wait for their uploads;
-2. in fresh, empty roots ``fresh<R>``: resume from the remote tier (step 3), in
+2. restart in the same roots: every rank resumes from step 3 (rank 0's local copy
+   lacks rank 1's files, rank 1 has only its part: both download it), in
    DTensors, bit-identically;
 3. save step 4, during whose upload rank 1 dies: rank 0 reports the failed
    upload (no remote commit) within the collective timeout and exits.
@@ -65,8 +66,10 @@ def main() -> None:
             mgr.maybe_save(state(mesh, rank, step), step=step)
         mgr.remote.wait()
         print("UPLOADED", mgr.remote.steps() if rank == 0 else "", flush=True)
+    # Rank 1's root holds parts (its own shard files), never a checkpoint of its own.
+    print("LOCAL", fc.CheckpointManager(base / f"run{rank}", read_only=True).steps(), flush=True)
 
-    mgr = manager("fresh")  # a new machine: nothing local
+    mgr = manager("run")  # the job restarts on the same machines
     got = mgr.restore_latest(like=state(mesh, rank, 0))
     assert got is not None and mgr.restored_step == 3, mgr.restored_step
     assert torch.equal(got["w"].to_local(), state(mesh, rank, 3)["w"].to_local())

@@ -78,7 +78,12 @@ def download(
             problems = "; ".join(str(p) for p in report.problems[:3])
             raise CorruptCheckpoint(f"{store.where(step)}: damaged remote checkpoint: {problems}")
         final = into / step_name(step)
-        format.commit(tmp, final, overwrite=replace, replaceable=format.check_replaceable)
+        if replace:
+            from functional_ckpt.dist import replaceable_part
+
+            format.commit(tmp, final, overwrite=True, replaceable=replaceable_part)
+        else:
+            format.commit(tmp, final, overwrite=False)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     # A local copy of a remote checkpoint is flushed to disk in the background: one

@@ -263,7 +263,7 @@ class RemoteTier:
         from functional_ckpt.dist import agree, checkpoint_group
 
         group = checkpoint_group(purpose="control")
-        mine = local_steps()
+        mine = [s for s in local_steps() if self._whole(s)]
         everyone = [set(s) for s in self._gather(mine, group)]
         common = set.intersection(*everyone)
         error: BaseException | None = None
@@ -285,6 +285,15 @@ class RemoteTier:
             error = e
         agree(error, group, f"download {self.store.where(target)}")
         return read_step(target)
+
+    def _whole(self, step: int) -> bool:
+        """Whether the local ``step_N`` holds every file its manifest lists (not split)."""
+        path = self.root / step_name(step)
+        try:
+            sizes = protocol.expected_sizes(path)
+            return all((path / n).stat().st_size == size for n, size in sizes.items())
+        except (CheckpointError, OSError, KeyError, TypeError, ValueError):
+            return False
 
     # ------------------------------------------------------------------ collectives
 
