@@ -217,11 +217,16 @@ class _SaveJob:
     blobs: list[ByteEntry] = field(default_factory=list)  # values for stock readers (rank 0)
     base: incremental.Base | None = None  # an incremental save's base
     idents: dict[str, incremental.Ident | None] | None = None  # by DCP key, when incremental
+    world: int = 1
 
     def commit(self, results: list[WriteResult]) -> None:
         chunks: dict[str, list[Chunk]] = {}
+        # every rank writes its file, unless an incremental save found nothing to write
+        sizes = {} if self.idents is not None else {shard_name(r): 0 for r in range(self.world)}
         for wr in results:
             chunks.setdefault(wr.index.fqn, []).append(wr.storage_data)
+            c = wr.storage_data
+            sizes[c.file] = max(sizes.get(c.file, 0), c.offset + c.length)  # blobs tile it
         for group in tensor_groups(self.entries, self.ranks):
             for e in group:
                 if e.alias is None:
@@ -229,12 +234,16 @@ class _SaveJob:
         manifest = Manifest(self.created, self.metadata, {}, self.entries, self.ranks, self.root)
         manifest.dcp_bytes = self.blobs
         try:
+            # Shard files not in this directory were written by ranks that do not share
+            # its file system, each into a directory of its own (a part).
+            elsewhere = {n: size for n, size in sizes.items() if not (self.tmp / n).exists()}
             self.nbytes, _ = finalize(
                 self.tmp,
                 self.dest,
                 manifest,
                 overwrite=self.overwrite,
                 file_info=incremental.reused_info(self.tmp),
+                elsewhere=elsewhere,
             )
         except CheckpointError:  # e.g. CheckpointExists, itself an OSError
             raise
@@ -279,6 +288,16 @@ def save_planned(
     except BaseException as e:
         error = os_error(e, dest) if isinstance(e, OSError) else e
     agree(error, group, f"save {dest}")
+    try:
+        own = rank != 0 and _own_part(tmp)
+    except BaseException as e:
+        error, own = os_error(e, dest) if isinstance(e, OSError) else e, False
+    try:
+        agree(error, group, f"save {dest}")
+    except BaseException:
+        if rank == 0 or own:
+            format.remove_tree(tmp)
+        raise
     mine = codec.encode([e.to_plain() for e in plan.local])
     gathered = all_gather_bytes(mine, group)
     locals_ = [
@@ -289,9 +308,10 @@ def save_planned(
     job.root = plan.root
     if rank == 0:
         job.blobs = byte_entries(plan)
-    if idents is not None:
+    if idents is not None and not own:  # a rank's own part has no base to share with
         job.base = base
         job.idents = {e.fqn: i for e, i in zip(plan.targets, idents, strict=True)}
+    job.world = dist.get_world_size(group)
     writer = _ChunkWriter(tmp, job)
     state_dict = {e.fqn: t for e, t in zip(plan.targets, tensors, strict=True)}
     try:
@@ -303,9 +323,15 @@ def save_planned(
                 process_group=group,
             )
     except BaseException as e:
-        if rank == 0:
+        if rank == 0 or own:
             format.remove_tree(tmp)
         raise _unwrap(e, f"save {dest}") from e
+    if own:  # this rank's part of a checkpoint committed on the coordinator's file system
+        try:
+            format.commit(tmp, dest, overwrite=True, replaceable=replaceable_part)
+        except OSError as e:
+            format.remove_tree(tmp)
+            raise os_error(e, dest) from e
     sizes = all_gather_bytes(str(job.nbytes).encode(), group)
     if idents is not None:
         incremental.remember(dest, writer.seen)
@@ -319,6 +345,68 @@ def save_planned(
         duration=time.perf_counter() - t0,
         metadata=metadata,
     )
+
+
+#: Roots whose checkpoints may be split across the ranks' own file systems (a remote
+#: tier completes them): see :func:`allow_parts`.
+_PART_ROOTS: set[Path] = set()
+
+
+def allow_parts(root: Path, allowed: bool = True) -> None:
+    """Let saves under ``root`` keep each rank's shard files on that rank's own disk.
+
+    Only a remote tier, which uploads every rank's files and commits them as one
+    checkpoint, makes such a split checkpoint whole; without one, a rank that does
+    not see the coordinator's directory fails the save.
+    """
+    key = Path(os.path.abspath(root))
+    if allowed:
+        _PART_ROOTS.add(key)
+    else:
+        _PART_ROOTS.discard(key)
+
+
+def replaceable_part(path: Path) -> None:
+    """Refuse to replace ``path`` unless it is a checkpoint or a rank's part of one.
+
+    A part holds only shard files (``*.distcp``, regular files): the rank's own
+    files of a checkpoint, superseded by a newer save or a download of that step.
+    """
+    try:
+        names = os.listdir(path)
+    except OSError:
+        names = ["?"]
+    if names and all(
+        n.endswith(".distcp") and os.path.isfile(path / n) and not os.path.islink(path / n)
+        for n in names
+    ):
+        return
+    format.check_replaceable(path)
+
+
+def _own_part(tmp: Path) -> bool:
+    """Create ``tmp`` here if this rank does not see the coordinator's: True if it did.
+
+    Ranks that share no file system with the coordinator (one local root per
+    machine, under a remote tier) each keep their shard files in a directory of
+    their own, renamed to the checkpoint's name once the coordinator committed: a
+    *part* of the checkpoint, without manifest or marker, which no reader takes for
+    a checkpoint.
+    """
+    if tmp.is_dir():
+        return False
+    if Path(os.path.abspath(tmp.parent)) not in _PART_ROOTS:
+        raise CheckpointError(
+            f"{tmp.parent}: rank {dist.get_rank()} does not see the directory rank 0 "
+            "created there: a multi-rank save needs one directory shared by every rank, "
+            "or a CheckpointManager with remote= (docs/tiered.md)"
+        )
+    format.make_dirs(tmp.parent)
+    try:
+        tmp.mkdir()
+    except FileExistsError:  # it showed up late: a shared file system after all
+        return False
+    return True
 
 
 def _unwrap(e: BaseException, what: str) -> CheckpointError:
@@ -456,4 +544,4 @@ def _fresh_dtensor(like: Any) -> torch.Tensor:
     return fresh
 
 
-__all__ = ["checkpoint_group", "read_sharded", "save_planned"]
+__all__ = ["allow_parts", "checkpoint_group", "read_sharded", "replaceable_part", "save_planned"]

@@ -44,8 +44,36 @@ class ModifiedDuringSave(CheckpointError):
     """A tensor was changed in place while an unstaged save was reading it."""
 
 
+class RemoteError(CheckpointError):
+    """The remote tier (an fsspec object store) failed; the message names the URL."""
+
+
+class RemoteUnreachable(RemoteError, ConnectionError):
+    """The object store's endpoint did not answer (wrong URL, network down, timeout)."""
+
+
+class RemoteAccessDenied(RemoteError, PermissionError):
+    """The object store refused the credentials, or they lack a permission."""
+
+
+class RemoteBucketMissing(RemoteError, FileNotFoundError):
+    """The bucket (or container) named by the remote URL does not exist."""
+
+
+class RemoteVanished(RemoteError):
+    """A remote checkpoint was deleted (or replaced) while it was being read."""
+
+
+class UploadFailed(RemoteError):
+    """A background upload failed after its retries; the local checkpoint is intact."""
+
+
 class CheckpointWarning(UserWarning):
     """A checkpoint was skipped or a stored policy state was discarded."""
+
+
+class RemoteWarning(CheckpointWarning):
+    """A background upload failed (the local checkpoint is intact; training goes on)."""
 
 
 __all__ = [
@@ -56,7 +84,14 @@ __all__ = [
     "CorruptCheckpoint",
     "IncompleteCheckpoint",
     "ModifiedDuringSave",
+    "RemoteAccessDenied",
+    "RemoteBucketMissing",
+    "RemoteError",
+    "RemoteUnreachable",
+    "RemoteVanished",
+    "RemoteWarning",
     "TemplateMismatch",
     "UnsafeCheckpoint",
     "UnsupportedValue",
+    "UploadFailed",
 ]

@@ -41,7 +41,7 @@ from functional_ckpt.export import Export
 from functional_ckpt.exporting import BackgroundExport, run_export, snapshot
 from functional_ckpt.io import CheckpointInfo, like_argument, restore
 from functional_ckpt.lock import WriterLock
-from functional_ckpt.manager_args import check_policies, plain_metrics
+from functional_ckpt.manager_args import check_policies, plain_metrics, remote_tier
 from functional_ckpt.pipeline.incremental import Incremental
 from functional_ckpt.pipeline.save import save as save_sync
 from functional_ckpt.pipeline.save import save_async
@@ -125,6 +125,10 @@ class CheckpointManager:
         clock: Callable[[], float] = time.monotonic,
         incremental: bool = False,
         rollback: SavePolicy | None = None,
+        remote: str | None = None,
+        remote_keep: RetentionPolicy | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        prune_unuploaded: bool = False,
     ) -> None:
         self.root = Path(root)
         if not callable(clock):
@@ -162,6 +166,8 @@ class CheckpointManager:
             self._run.git = git_commit(self._run.cwd)  # before the lock: no child inherits it
             if self._coordinator:
                 self._open_writer()  # one lock per job: the coordinator's
+        args = (remote, remote_keep, storage_options, prune_unuploaded, self.read_only)
+        self.remote = remote_tier(self.root, *args, lock=self._lock)  # docs/tiered.md
 
     def _open_writer(self) -> None:
         # Leftovers of crashed writers are recovered (warning at the CheckpointManager call).
@@ -194,6 +200,10 @@ class CheckpointManager:
                 self.wait()
             finally:
                 self._exports.join()
+                if self.remote is not None:
+                    self.remote.close()  # the uploads asked for finish, then what they
+                    if self._lock is not None:  # protected from retention is pruned
+                        self._prune(set())
         finally:
             self._join_removals()
             self._closed = True
@@ -334,6 +344,8 @@ class CheckpointManager:
         it points to, returned in ``.rollback`` (:mod:`functional_ckpt.degradation`).
         """
         self._check_writable("maybe_save")
+        if self.remote is not None:
+            self.remote.check()  # a failed upload is reported here, as a RemoteWarning
         if self._pending is not None and self._pending.done():
             self.wait()  # a background failure surfaces here, at the next call
         if self._exports.finished():
@@ -397,6 +409,8 @@ class CheckpointManager:
     def _after_commit(self, info: CheckpointInfo) -> None:
         """Retention runs only after the checkpoint it protects is committed."""
         step = parse_step(info.path.name)
+        if self.remote is not None:
+            self.remote.committed()  # uploaded in the background
         if self._coordinator:
             self._prune(protected={step} if step is not None else set())
 
@@ -467,6 +481,8 @@ class CheckpointManager:
             protected = protected | ({step} if step is not None else set())
         if self._exports.step is not None:  # nor the checkpoint an export is reading
             protected = protected | {self._exports.step}
+        if self.remote is not None:  # nor one whose remote copy is not committed yet
+            protected = protected | self.remote.protected(self.steps())
         doomed = plan_deletions(self.keep, self.infos(), protected=protected)
         self._delete(doomed)
         return doomed
@@ -546,14 +562,21 @@ class CheckpointManager:
         like = like_argument(like, out, template, "CheckpointManager.restore_latest")
         if self._closed:
             raise CheckpointError(f"{self.root}: restore_latest: the manager is closed")
-        found = newest_readable(
-            self.root,
-            self._step_dirs,
-            lambda path: restore(path, like, out=out, reshard=reshard),
-            move_aside=not self.read_only and self._coordinator,
-            bad=self._bad,
-            stacklevel=3,
-        )
+
+        def read(path: Path) -> TensorDict:
+            return restore(path, like, out=out, reshard=reshard)
+
+        def local() -> tuple[StepInfo, TensorDict] | None:
+            aside, depth = not self.read_only and self._coordinator, 3 if self.remote is None else 5
+            return newest_readable(
+                self.root, self._step_dirs, read, move_aside=aside, bad=self._bad, stacklevel=depth
+            )
+
+        if self.remote is None:
+            found = local()
+        else:  # the newest of both tiers; only the remote has it: downloaded, verified first
+            one = lambda step: (self.info(step), read(self.path(step)))  # noqa: E731
+            found = self.remote.restore_latest(local, self.steps, one, writer=not self.read_only)
         if found is None:
             return None
         info, state = found

@@ -7,14 +7,19 @@ passed it, naming the argument, before anything is written.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from functional_ckpt.errors import UnsupportedValue
 from functional_ckpt.export import Export
+from functional_ckpt.lock import WriterLock
 from functional_ckpt.policy import SavePolicy
-from functional_ckpt.retention import RetentionPolicy
+from functional_ckpt.retention import RetentionPolicy, keep_all
 
-__all__ = ["check_policies", "plain_metrics"]
+if TYPE_CHECKING:
+    from functional_ckpt.remote.tier import RemoteTier
+
+__all__ = ["check_policies", "plain_metrics", "remote_tier"]
 
 
 def check_policies(save: object, keep: object, export: object) -> None:
@@ -47,3 +52,58 @@ def plain_metrics(metrics: Mapping[str, Any] | None, where: str) -> dict[str, fl
                 "metrics are compared and stored as float64"
             ) from None
     return out
+
+
+def remote_tier(
+    root: Path,
+    remote: str | None,
+    keep: object,
+    storage_options: Mapping[str, Any] | None,
+    prune_unuploaded: bool,
+    read_only: bool,
+    *,
+    lock: WriterLock | None = None,
+) -> RemoteTier | None:
+    """The remote tier ``remote=`` asks for (None without one), its endpoint checked now.
+
+    On any failure the manager's ``lock`` is released: the manager was not made.
+    """
+    try:
+        return _remote_tier(root, remote, keep, storage_options, prune_unuploaded, read_only)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _remote_tier(
+    root: Path,
+    remote: str | None,
+    keep: object,
+    storage_options: Mapping[str, Any] | None,
+    prune_unuploaded: bool,
+    read_only: bool,
+) -> RemoteTier | None:
+    if remote is None:
+        if keep is not None or storage_options is not None:
+            raise TypeError("CheckpointManager: remote_keep= and storage_options= need remote=")
+        return None
+    if not isinstance(remote, str):
+        raise TypeError(f"CheckpointManager(remote={remote!r}): expected an fsspec URL string")
+    keep = keep_all() if keep is None else keep
+    if not isinstance(keep, RetentionPolicy):
+        raise TypeError(f"CheckpointManager(remote_keep={keep!r}): not a RetentionPolicy")
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise TypeError(
+            f"CheckpointManager(storage_options={storage_options!r}): expected a mapping"
+        )
+    from functional_ckpt.remote.tier import RemoteTier
+
+    return RemoteTier(
+        root,
+        remote,
+        keep=keep,
+        storage_options=storage_options,
+        prune_unuploaded=bool(prune_unuploaded),
+        writer=not read_only,
+    )

@@ -396,6 +396,7 @@ def finalize(
     before_commit: Callable[[], None] | None = None,
     syncing: list[Future[None]] | None = None,
     file_info: Mapping[str, Mapping[str, Any]] | None = None,
+    elsewhere: Mapping[str, int] | None = None,
 ) -> tuple[int, int]:
     """Write ``.metadata``, the manifest and the marker into ``tmp``; commit as ``dest``.
 
@@ -406,7 +407,9 @@ def finalize(
     table filled in here) and the marker are each written and fsynced at their
     final size, and every fsync has finished, before the marker is written and the
     directory is fsynced and renamed. ``file_info`` adds fields to files' entries
-    (data files reused from a base). Returns (bytes on disk, manifest bytes).
+    (data files reused from a base). ``elsewhere`` names the shard files (with
+    their sizes) that other ranks wrote into directories of their own, when the
+    ranks share no file system. Returns (bytes on disk, manifest bytes).
     """
     syncing = [] if syncing is None else syncing
     try:
@@ -421,6 +424,8 @@ def finalize(
             else:
                 files[name] = {"size": (tmp / name).stat().st_size}
             files[name].update((file_info or {}).get(name, {}))
+        for name, size in sorted((elsewhere or {}).items()):
+            files.setdefault(name, {"size": size})
         manifest_bytes = manifest.encode()
         format.write_file_durably(tmp / format.MANIFEST, manifest_bytes)
     finally:

@@ -230,3 +230,15 @@ def test_record_quick_run(tmp_path: Path) -> None:
     assert result["stall_median_s"] > 0 and result["replay_median_s"] > 0
     assert result["written_bytes"] >= result["changed_bytes"] > 0
     assert [t["result"] in {"PASS", "FAIL"} for t in data["targets"]] == [True] * 3
+
+
+@pytest.mark.timeout(120)
+def test_tiered_quick_run(tmp_path: Path) -> None:
+    data = _run_benchmark("tiered.py", tmp_path)
+    assert data["config"]["reps"] == 1
+    tools = {(r["op"], r["tool"]) for r in data["rows"]}
+    assert {op for op, _ in tools} == {"upload", "restore", "stall"} and len(tools) == 6
+    for r in data["rows"]:
+        assert len(r["times_s"]) == 1 and r["median_s"] > 0
+    assert len(data["targets"]) == 3
+    assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}

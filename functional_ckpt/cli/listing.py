@@ -11,6 +11,7 @@ from typing import Any
 
 import functional_ckpt as fc
 from functional_ckpt import format as fmt
+from functional_ckpt.cli import tiers
 from functional_ckpt.cli.common import (
     Declined,
     UsageError,
@@ -121,6 +122,8 @@ def _verify_rows(rows: Sequence[Entry], ui: UI) -> None:
 
 
 def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
+    if tiers.is_url(args.root):
+        return tiers.ls_remote(args, ui)
     root = Path(args.root)
     if is_recording(root):
         return ls_recording(args, ui)
@@ -141,9 +144,10 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
             why[row.name] = kept[row.step] or (["(deleted by the next prune)"] if parts else [])
     exports = export_infos(root)
     branched = [_branch_json(root, name, steps) for name, steps in branches(root).items()]
+    remote = tiers.tier_rows(root, rows)  # where each step lives, with a remote tier
     if args.json:
         doc = [_row_json(r, why.get(r.name, [])) for r in rows]
-        doc += [_export_json(e) for e in exports] + branched
+        doc += [_export_json(e) for e in exports] + branched + (remote[1] if remote else [])
         ui.print(json.dumps(doc, indent=2))
         return 0
     if not rows and not exports and not branched:
@@ -152,6 +156,7 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
     _print_ls(rows, why, parts, source, ui)
     _print_exports(exports, ui)
     _print_branches(branched, ui)
+    tiers.print_tiers(remote, ui)
     return 0
 
 
@@ -298,6 +303,8 @@ def _verify_targets(target: Path) -> tuple[list[Path], list[str], list[Path]]:
 
 
 def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
+    if tiers.is_url(args.path):
+        return tiers.verify_remote(args, ui)
     target = Path(args.path)
     require_exists(target)
     paths, broken, stock = _verify_targets(target)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 import functional_ckpt as fc
+from functional_ckpt.cli import tiers
 from functional_ckpt.cli.common import (
     UsageError,
     newest_checkpoint,
@@ -168,6 +169,9 @@ def _inspect(path: Path) -> fc.io.CheckpointSummary:
 
 
 def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
+    if tiers.is_url(args.path):  # a remote checkpoint: downloaded first
+        with tiers.fetched(args.path, check=False) as local:
+            return cmd_inspect(argparse.Namespace(**{**vars(args), "path": str(local)}), ui)
     path = Path(args.path)
     if is_recording(path):
         return inspect_recording(args, ui)

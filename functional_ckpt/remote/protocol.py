@@ -1,0 +1,116 @@
+"""Committing a checkpoint on an object store: every object confirmed, the marker last.
+
+An object store has no atomic rename, so a remote checkpoint becomes visible the
+way a local one does on a store without rename: by its ``COMMITTED`` marker, the
+same bytes as the local marker (it authenticates the manifest, which records
+every file's size and every chunk's checksum). The steps, for one checkpoint:
+
+1. ``begin`` (the coordinator): a remote copy already committed with the same
+   marker is done. Otherwise, if the remote manifest is this checkpoint's
+   manifest, the objects there belong to this checkpoint (an interrupted upload
+   resumes); anything else under the step (another checkpoint of the same step,
+   a torn upload of one) is deleted, marker first, and the manifest is written
+   first, so that every object found next to it later was written after it.
+2. ``put_part`` (every rank): upload the files this rank wrote, in parallel, and
+   confirm each is present at its local size.
+3. ``commit`` (the coordinator, after every rank confirmed): check every file of
+   the manifest's table and the manifest itself present at its recorded size,
+   then write the marker and confirm it.
+
+A crash at any point leaves no marker, or the marker of a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from functional_ckpt import format
+from functional_ckpt.errors import RemoteError
+from functional_ckpt.remote.store import Store
+
+__all__ = ["begin", "commit", "expected_sizes", "owner", "put_part"]
+
+_SHARD = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def owner(name: str, world: int) -> int:
+    """The rank that uploads file ``name``: a shard file's writer, else the coordinator."""
+    m = _SHARD.fullmatch(name)
+    rank = int(m[1]) if m else 0
+    return rank if rank < world else 0
+
+
+def expected_sizes(local: Path) -> dict[str, int]:
+    """Every object of the checkpoint at ``local`` except the marker, with its size."""
+    manifest = format.read_manifest(local)  # authenticated by the local marker
+    sizes = {str(name): int(info["size"]) for name, info in manifest["files"].items()}
+    sizes[format.MANIFEST] = (local / format.MANIFEST).stat().st_size
+    return sizes
+
+
+def begin(store: Store, step: int, local: Path) -> dict[str, int] | None:
+    """Ready the remote directory of ``step`` for the checkpoint at ``local``.
+
+    Returns None if the remote copy is already committed (same marker), else the
+    objects already uploaded for this very checkpoint (name -> size), which an
+    interrupted upload need not send again.
+    """
+    marker = (local / format.COMMIT_MARKER).read_bytes()
+    manifest = (local / format.MANIFEST).read_bytes()
+    objects = store.objects(step)
+    if format.COMMIT_MARKER in objects:
+        if store.read(step, format.COMMIT_MARKER) == marker:
+            return None
+        store.remove(step, [format.COMMIT_MARKER])  # superseded: uncommitted before anything else
+        del objects[format.COMMIT_MARKER]
+    if (
+        objects.get(format.MANIFEST) == len(manifest)
+        and store.read(step, format.MANIFEST) == manifest
+    ):
+        return objects
+    store.remove(step, sorted(objects))
+    store.write(step, format.MANIFEST, manifest)
+    return {format.MANIFEST: len(manifest)}
+
+
+def put_part(
+    store: Store, step: int, local: Path, names: Iterable[str], present: dict[str, int]
+) -> int:
+    """Upload ``names`` from ``local`` (those not already ``present`` at their size); confirm all.
+
+    Returns the bytes sent. Objects go up in parallel, through the store's own
+    bulk ``put``.
+    """
+    sizes = {name: os.stat(local / name).st_size for name in names}
+    todo = [n for n, size in sizes.items() if present.get(n) != size]
+    if todo:
+        lpaths = [str(local / n) for n in todo]
+        rpaths = [store.object_path(step, n) for n in todo]
+        store.call(store.where(step), store.fs.put, lpaths, rpaths)
+    _confirm(store, step, sizes)
+    return sum(sizes[n] for n in todo)
+
+
+def commit(store: Store, step: int, local: Path, sizes: dict[str, int]) -> None:
+    """Write the marker once every object of ``sizes`` is confirmed; then confirm it."""
+    _confirm(store, step, sizes)
+    marker = (local / format.COMMIT_MARKER).read_bytes()
+    store.write(step, format.COMMIT_MARKER, marker)
+    _confirm(store, step, {format.COMMIT_MARKER: len(marker)})
+
+
+def _confirm(store: Store, step: int, sizes: dict[str, int]) -> None:
+    found = store.objects(step)
+    wrong = [
+        f"{name} ({'missing' if name not in found else f'{found[name]} bytes'}, expected {size})"
+        for name, size in sorted(sizes.items())
+        if found.get(name) != size
+    ]
+    if wrong:
+        raise RemoteError(
+            f"{store.where(step)}: uploaded objects not confirmed: {', '.join(wrong[:5])}; "
+            "the checkpoint is not committed remotely"
+        )

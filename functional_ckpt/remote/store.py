@@ -1,0 +1,228 @@
+"""An object store reached through fsspec: its checkpoints' objects and its failures.
+
+A remote root mirrors a local one: ``<url>/step_{N:09d}/`` holds the same files
+as the local checkpoint. Every failure of the store is turned into one
+:class:`~functional_ckpt.errors.RemoteError` subclass that names the URL and
+says what to do; fsspec (and s3fs, gcsfs …) is imported only here, and only when
+a remote is used.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from functional_ckpt import codec, format
+from functional_ckpt.checksum import crc32
+from functional_ckpt.errors import (
+    CheckpointError,
+    CorruptCheckpoint,
+    IncompleteCheckpoint,
+    RemoteAccessDenied,
+    RemoteBucketMissing,
+    RemoteError,
+    RemoteUnreachable,
+    RemoteVanished,
+)
+from functional_ckpt.root import parse_step, step_name
+
+__all__ = ["RemoteStep", "Store", "remote_error"]
+
+T = TypeVar("T")
+
+_UNREACHABLE = ("connection", "timeout", "endpoint", "dns", "gaierror", "clientconnector")
+
+
+def remote_error(err: BaseException, where: str) -> CheckpointError:
+    """The :class:`RemoteError` a failure of the store at ``where`` stands for."""
+    if isinstance(err, CheckpointError):
+        return err
+    text = f"{type(err).__name__}: {err}"
+    if isinstance(err, PermissionError):
+        return RemoteAccessDenied(
+            f"{where}: the object store refused access ({text}); check the credentials "
+            "(environment, ~/.aws, storage_options=) and the bucket's permissions"
+        )
+    if isinstance(err, FileNotFoundError) and _missing_bucket(err):
+        return RemoteBucketMissing(
+            f"{where}: the bucket does not exist ({err}); create it, or fix the remote URL"
+        )
+    if isinstance(err, FileNotFoundError):
+        return RemoteVanished(
+            f"{where}: the object is gone ({err}); it was deleted while it was read"
+        )
+    names = " ".join(c.__name__.lower() for c in type(err).__mro__)
+    refused = isinstance(err, OSError) and err.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH)
+    if refused or isinstance(err, TimeoutError) or any(w in names for w in _UNREACHABLE):
+        return RemoteUnreachable(
+            f"{where}: the object store did not answer ({text}); check the endpoint URL "
+            "(storage_options client_kwargs endpoint_url) and the network"
+        )
+    return RemoteError(f"{where}: {text}")
+
+
+def _missing_bucket(err: FileNotFoundError, path: str = "") -> bool:
+    """Whether the store said the bucket is missing (not merely the object at ``path``)."""
+    text = str(err).replace(path, "").lower() if path else str(err).lower()
+    return "nosuchbucket" in text or (
+        "bucket" in text and ("not exist" in text or "not found" in text)
+    )
+
+
+@dataclass
+class RemoteStep:
+    """The objects of one remote checkpoint directory: name -> size."""
+
+    step: int
+    objects: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def committed(self) -> bool:
+        return format.COMMIT_MARKER in self.objects
+
+
+class Store:
+    """One remote root: ``url`` (any fsspec URL) opened with ``storage_options``."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        if not isinstance(url, str) or "://" not in url:
+            raise ValueError(
+                f"remote={url!r}: expected an fsspec URL such as 's3://bucket/prefix' "
+                "or 'memory://name'"
+            )
+        try:
+            import fsspec  # type: ignore[import-untyped]
+        except ImportError:
+            raise CheckpointError(
+                f"remote={url!r} needs fsspec (and s3fs for s3://): "
+                "pip install 'functional_ckpt[remote]'"
+            ) from None
+        self.url = url.rstrip("/")
+        options = dict(storage_options or {})
+        try:
+            self.fs, path = fsspec.core.url_to_fs(self.url, **options)
+        except ImportError as e:
+            raise CheckpointError(f"remote={url!r}: {e}") from None
+        except Exception as e:
+            raise remote_error(e, self.url) from e
+        self.base = str(path).rstrip("/")
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r})"
+
+    def call(self, where: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args)`` with the store's failures as :class:`RemoteError`."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise remote_error(e, where) from e
+
+    def step_dir(self, step: int) -> str:
+        return f"{self.base}/{step_name(step)}"
+
+    def object_path(self, step: int, name: str) -> str:
+        return f"{self.step_dir(step)}/{name}"
+
+    def where(self, step: int, name: str | None = None) -> str:
+        """A URL for messages: the checkpoint directory or one of its objects."""
+        tail = step_name(step) if name is None else f"{step_name(step)}/{name}"
+        return f"{self.url}/{tail}"
+
+    def _fresh(self) -> None:
+        invalidate = getattr(self.fs, "invalidate_cache", None)
+        if invalidate is not None:
+            invalidate()
+
+    def probe(self) -> None:
+        """Fail now, clearly, if the store cannot be listed (endpoint, credentials, bucket)."""
+        self.listing()
+
+    def _ls(self, path: str, where: str) -> list[dict[str, Any]]:
+        """``ls`` (not ``find``, which some stores answer with nothing on any error)."""
+        try:
+            return list(self.fs.ls(path, detail=True))
+        except FileNotFoundError as e:
+            if _missing_bucket(e, path):
+                raise remote_error(e, where) from e
+            return []  # nothing written under this prefix yet
+        except Exception as e:
+            raise remote_error(e, where) from e
+
+    def listing(self) -> dict[int, RemoteStep]:
+        """Every ``step_N`` directory of the remote root with its objects."""
+        self._fresh()
+        steps: dict[int, RemoteStep] = {}
+        for info in self._ls(self.base, self.url):
+            step = parse_step(str(info.get("name", "")).rstrip("/").rsplit("/", 1)[-1])
+            if step is not None and info.get("type") == "directory":
+                objects = self.objects(step, fresh=False)
+                if objects:  # an empty prefix left by a deletion is nothing
+                    steps[step] = RemoteStep(step, objects)
+        return steps
+
+    def objects(self, step: int, *, fresh: bool = True) -> dict[str, int]:
+        """The objects of one remote checkpoint directory (name -> size)."""
+        if fresh:
+            self._fresh()
+        out = {}
+        for info in self._ls(self.step_dir(step), self.where(step)):
+            if info.get("type") == "directory":
+                continue
+            size = info.get("size")
+            name = str(info.get("name", "")).rsplit("/", 1)[-1]
+            out[name] = int(size) if isinstance(size, int) else -1
+        return out
+
+    def read(self, step: int, name: str) -> bytes:
+        data = self.call(self.where(step, name), self.fs.cat_file, self.object_path(step, name))
+        return bytes(data)
+
+    def write(self, step: int, name: str, data: bytes) -> None:
+        self.call(self.where(step, name), self.fs.pipe_file, self.object_path(step, name), data)
+
+    def remove(self, step: int, names: list[str]) -> None:
+        for name in names:
+            try:
+                self.fs.rm_file(self.object_path(step, name))
+            except FileNotFoundError:
+                continue
+            except Exception as e:
+                raise remote_error(e, self.where(step, name)) from e
+
+    def manifest(self, step: int) -> tuple[bytes, dict[str, Any]]:
+        """The marker's bytes and the manifest it authenticates (committed checkpoints only)."""
+        where = self.where(step)
+        try:
+            marker_bytes = self.read(step, format.COMMIT_MARKER)
+        except RemoteVanished:
+            raise IncompleteCheckpoint(
+                f"{where}: not a committed remote checkpoint ({format.COMMIT_MARKER} is missing)"
+            ) from None
+        marker = decode_small(marker_bytes, self.where(step, format.COMMIT_MARKER))
+        size = marker.get("manifest_size")
+        if not isinstance(size, int) or not 0 <= size <= format.MAX_MANIFEST_BYTES:
+            raise CorruptCheckpoint(f"{where}: the commit marker records no valid manifest size")
+        raw = self.read(step, format.MANIFEST)
+        if len(raw) != size or crc32(raw) != marker.get("manifest_crc32"):
+            raise CorruptCheckpoint(
+                f"{self.where(step, format.MANIFEST)}: the manifest does not match its checksum "
+                f"in {format.COMMIT_MARKER}; the remote checkpoint is damaged"
+            )
+        manifest = decode_small(raw, self.where(step, format.MANIFEST))
+        if manifest.get("format") != format.FORMAT_NAME or not isinstance(
+            manifest.get("files"), dict
+        ):
+            raise CorruptCheckpoint(f"{where}: not a functional_ckpt manifest")
+        return marker_bytes, manifest
+
+
+def decode_small(raw: bytes, where: str) -> dict[str, Any]:
+    """A marker or manifest decoded by the exact codec (never pickle)."""
+    if len(raw) > format.MAX_MANIFEST_BYTES:
+        raise CorruptCheckpoint(f"{where}: {len(raw)} bytes, more than a manifest may hold")
+    value = codec.decode(raw, source=where)
+    if not isinstance(value, dict):
+        raise CorruptCheckpoint(f"{where}: not a msgpack map")
+    return value

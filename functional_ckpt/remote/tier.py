@@ -1,0 +1,499 @@
+"""The remote tier of a manager's root: uploads, per-tier retention, resumes from remote.
+
+Every checkpoint commits locally first; an upload round then runs on a
+background worker (:mod:`~functional_ckpt.remote.uploader`): the coordinator
+lists the remote root, picks the local checkpoints the remote retention keeps
+and that are not committed remotely yet, and each is committed there by the
+object-store protocol (:mod:`~functional_ckpt.remote.protocol`), every rank
+uploading the files it wrote. A local checkpoint is protected from local
+retention until its remote copy is committed (unless ``prune_unuploaded``).
+
+Under ``torch.distributed`` the ranks' local roots may be one shared directory
+or one directory each. With one each, a non-coordinator rank's ``step_N`` holds
+only the shard files it wrote (a *part*: no manifest, no marker), which is never
+listed or restored as a checkpoint; it exists to be uploaded, and goes once the
+coordinator no longer keeps that step. A resume then comes from the remote tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from functional_ckpt import codec, format
+from functional_ckpt.errors import (
+    CheckpointError,
+    CorruptCheckpoint,
+    IncompleteCheckpoint,
+    RemoteError,
+    RemoteVanished,
+    RemoteWarning,
+    UnsafeCheckpoint,
+)
+from functional_ckpt.pipeline.topology import topology
+from functional_ckpt.remote import protocol
+from functional_ckpt.remote.fetch import download, remove_downloads
+from functional_ckpt.remote.store import Store
+from functional_ckpt.remote.uploader import Worker, failure, read_status, retried, write_status
+from functional_ckpt.retention import CheckpointRecord, RetentionPolicy, plan_deletions
+from functional_ckpt.root import (
+    StepInfo,
+    delete,
+    quarantine,
+    read_info,
+    record_of,
+    remove_all,
+    step_dirs,
+    step_name,
+)
+
+__all__ = ["RemoteTier", "read_status"]
+
+T = TypeVar("T")
+Found = tuple[StepInfo, T] | None
+
+_DAMAGE = (CorruptCheckpoint, UnsafeCheckpoint, IncompleteCheckpoint, RemoteVanished)
+
+
+class RemoteTier:
+    """The object store behind one manager's root (see the module docstring)."""
+
+    def __init__(
+        self,
+        root: Path,
+        url: str,
+        *,
+        keep: RetentionPolicy,
+        storage_options: Mapping[str, Any] | None = None,
+        prune_unuploaded: bool = False,
+        writer: bool = True,
+        timeout: float | None = None,
+    ) -> None:
+        self.root = root
+        self.keep = keep
+        self.prune_unuploaded = prune_unuploaded
+        topo = topology()
+        self.rank, self.world = topo.rank, topo.world
+        self.coordinator = topo.coordinator
+        self._group: Any = None
+        self.shared = True
+        error: BaseException | None = None
+        try:
+            self.store = Store(url, storage_options)
+            retried(self.store.probe)  # a wrong endpoint, credentials or bucket fails here
+        except BaseException as e:
+            if self.world == 1:
+                raise
+            error = e
+        self.url = url.rstrip("/")
+        if self.world > 1:
+            from functional_ckpt.dist import agree, allow_parts, checkpoint_group
+
+            self._group = checkpoint_group(timeout, purpose="upload")
+            agree(error, self._group, f"remote {url}")
+            if writer:
+                self.shared = self._shared_root()
+                allow_parts(root, not self.shared)  # the uploads make each split save whole
+        self._lock = threading.Lock()
+        self.failures: dict[int, CheckpointError] = {}
+        self._unreported: list[CheckpointError] = []
+        self._committed: set[int] = set()  # steps committed remotely (as last seen)
+        self._dropped: set[int] = set()  # local steps the remote retention does not keep
+        self._uploading: int | None = None
+        self._bad: set[int] = set()  # remote steps found damaged by this process
+        self._records: dict[int, CheckpointRecord] = {}
+        self._worker: Worker | None = None
+        if writer:
+            if self.coordinator or not self.shared:
+                remove_downloads(root)
+            self._worker = Worker(self._round)
+            self._worker.request()  # resumes what a crash interrupted
+
+    def __repr__(self) -> str:
+        return f"RemoteTier({self.url!r}, keep={self.keep!r})"
+
+    # ------------------------------------------------------------------ training thread
+
+    def committed(self) -> None:
+        """A local checkpoint committed: run an upload round in the background."""
+        if self._worker is not None:
+            self._worker.request()
+
+    def check(self) -> None:
+        """Report upload failures not reported yet, once each, as :class:`RemoteWarning`."""
+        with self._lock:
+            new, self._unreported = self._unreported, []
+        for err in new:
+            warnings.warn(str(err), RemoteWarning, stacklevel=3)
+
+    def protected(self, local_steps: list[int]) -> set[int]:
+        """Local steps retention must not delete yet: their remote copy is not committed."""
+        if self.prune_unuploaded:
+            return set()
+        with self._lock:
+            return {s for s in local_steps if s not in self._committed and s not in self._dropped}
+
+    def steps(self) -> list[int]:
+        """Steps committed on the remote tier, ascending (listed now)."""
+        listing = retried(self.store.listing)
+        return sorted(s for s, r in listing.items() if r.committed)
+
+    def uploading(self) -> bool:
+        """Whether an upload round is asked for or running."""
+        return self._worker is not None and self._worker.busy()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every upload asked for so far has finished (or failed); report failures.
+
+        Returns False if ``timeout`` (seconds) passed first.
+        """
+        done = True if self._worker is None else self._worker.drain(timeout)
+        self.check()
+        return done
+
+    def close(self) -> None:
+        """Finish the uploads asked for, then stop the worker."""
+        if self._worker is not None:
+            self._worker.drain()
+            self._worker.stop()
+            self._worker = None
+            if self.world > 1 and not self.shared:
+                from functional_ckpt.dist import allow_parts
+
+                allow_parts(self.root, False)
+        self.check()
+
+    # ------------------------------------------------------------------ restore
+
+    def restore_latest(
+        self,
+        local: Callable[[], Found[T]],
+        local_steps: Callable[[], list[int]],
+        read_step: Callable[[int], tuple[StepInfo, T]],
+        *,
+        writer: bool,
+    ) -> Found[T]:
+        """The newest checkpoint of either tier, downloaded first when only the remote has it.
+
+        ``local`` is the local resume (newest readable, damage moved aside);
+        ``read_step`` restores one local step. A remote checkpoint newer than every
+        readable local one is downloaded into the root, verified, and read from
+        there; a damaged one is reported and the previous remote one tried. A
+        read-only manager reads its local root only.
+        """
+        if not writer:
+            return local()
+        if self.world > 1:
+            return self._restore_agreed(local_steps, read_step)
+        fetched: set[int] = set()
+        found: Found[T] = None
+        for _ in range(8):
+            good = self._fetch_newer(max(local_steps(), default=None), fetched)
+            found = local()  # damaged local copies are moved aside here
+            best = max((s for s in good if s not in self._bad), default=None)
+            if best is None or (found is not None and found[0].step >= best):
+                return found
+            if best in fetched:
+                self._bad.add(best)  # downloaded, then found unreadable locally: not again
+        return found
+
+    def _remote_good(self, newest_local: int | None) -> list[int]:
+        """Committed remote steps not found damaged, newest first; warns if unlisted."""
+        try:
+            listing = retried(self.store.listing)
+        except RemoteError as err:
+            if newest_local is None:
+                raise
+            warnings.warn(
+                f"{err}; resuming from the local tier (step {newest_local}), which may be "
+                "older than the newest remote checkpoint",
+                RemoteWarning,
+                stacklevel=5,
+            )
+            return []
+        with self._lock:
+            self._committed = {s for s, r in listing.items() if r.committed}
+        return sorted((s for s in self._committed if s not in self._bad), reverse=True)
+
+    def _fetch_newer(self, newest_local: int | None, fetched: set[int]) -> list[int]:
+        """Download the newest good remote step newer than ``newest_local``.
+
+        Returns the good remote steps (empty if the remote could not be listed).
+        """
+        good = self._remote_good(newest_local)
+        for step in good:
+            if newest_local is not None and step <= newest_local:
+                break
+            there = self.root / step_name(step)
+            if there.is_dir() and not (there / format.COMMIT_MARKER).exists():
+                quarantine(self.root, there)  # never committed (a download a crash cut short)
+            if there.exists() and step not in fetched:
+                continue  # a local directory there is unreadable: the local resume decides
+            try:
+                if step not in fetched:
+                    download(self.store, step, self.root)
+                    fetched.add(step)
+                break
+            except _DAMAGE as err:
+                self._bad.add(step)
+                warnings.warn(
+                    f"{self.store.where(step)}: remote checkpoint of step {step} is unusable "
+                    f"({type(err).__name__}: {err}); falling back to the previous one",
+                    RemoteWarning,
+                    stacklevel=5,
+                )
+        return good
+
+    def _restore_agreed(
+        self,
+        local_steps: Callable[[], list[int]],
+        read_step: Callable[[int], tuple[StepInfo, T]],
+    ) -> Found[T]:
+        """Every rank restores one step: the newest every rank has locally, or the remote's.
+
+        On the training thread, so on the manager's group (uploads use their own).
+        """
+        from functional_ckpt.dist import agree, checkpoint_group
+
+        group = checkpoint_group(purpose="control")
+        mine = [s for s in local_steps() if self._whole(s)]
+        everyone = [set(s) for s in self._gather(mine, group)]
+        common = set.intersection(*everyone)
+        error: BaseException | None = None
+        remote: list[int] = []
+        if self.coordinator:
+            try:
+                remote = self._remote_good(max(common, default=None))
+            except BaseException as e:
+                error = e
+        agree(error, group, f"restore from {self.url}")
+        remote = self._share(remote, group)
+        target = max([*common, *remote], default=None)
+        if target is None:
+            return None
+        try:
+            if target not in mine and (self.coordinator or not self.shared):
+                download(self.store, target, self.root, replace=True)  # over a part
+        except BaseException as e:
+            error = e
+        agree(error, group, f"download {self.store.where(target)}")
+        return read_step(target)
+
+    def _whole(self, step: int) -> bool:
+        """Whether the local ``step_N`` holds every file its manifest lists (not split)."""
+        path = self.root / step_name(step)
+        try:
+            sizes = protocol.expected_sizes(path)
+            return all((path / n).stat().st_size == size for n, size in sizes.items())
+        except (CheckpointError, OSError, KeyError, TypeError, ValueError):
+            return False
+
+    # ------------------------------------------------------------------ collectives
+
+    def _gather(self, value: Any, group: Any = None) -> list[Any]:
+        """Every rank's ``value`` (on the uploads' group unless told otherwise)."""
+        if self.world == 1:
+            return [value]
+        from functional_ckpt.dist import all_gather_bytes
+
+        encoded = codec.encode(value)
+        return [codec.decode(b) for b in all_gather_bytes(encoded, group or self._group)]
+
+    def _share(self, value: Any, group: Any = None) -> Any:
+        """The coordinator's ``value``, on every rank."""
+        return self._gather(value if self.coordinator else None, group)[0]
+
+    def _shared_root(self) -> bool:
+        """Whether every rank's root is the coordinator's directory (one shared file system)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        token = self._share(uuid.uuid4().hex if self.coordinator else None)
+        probe = self.root / f".fc-probe-{token}"
+        if self.coordinator:
+            probe.touch()
+        self._gather(None)  # the probe exists before anyone looks
+        seen = all(self._gather(probe.exists()))
+        if self.coordinator:
+            with contextlib.suppress(OSError):
+                probe.unlink()
+        return seen
+
+    # ------------------------------------------------------------------ worker thread
+
+    def _round(self) -> None:
+        plan: dict[str, list[int]] = {"upload": [], "local": []}
+        if self.coordinator:
+            try:
+                plan = self._plan()
+            except Exception as err:  # the other ranks still take part in the round
+                self._fail(-1, err)
+        plan = self._share(plan) if self.world > 1 else plan
+        for step in plan["upload"]:
+            self._upload(step)
+        if self.coordinator:
+            self._prune_remote()
+            self._write_status()
+        elif not self.shared:
+            self._drop_parts(plan["local"])
+
+    def _local(self) -> dict[int, Path]:
+        return {s: p for s, p, _ in step_dirs(self.root) if (p / format.COMMIT_MARKER).exists()}
+
+    def _plan(self) -> dict[str, list[int]]:
+        local = self._local()
+        try:
+            listing = retried(self.store.listing)
+        except CheckpointError as err:
+            self._fail(max(local, default=-1), err)
+            return {"upload": [], "local": sorted(local)}
+        committed = {s for s, r in listing.items() if r.committed}
+        candidates = sorted(s for s in local if s not in committed)
+        records: list[Any] = [self._record(s) for s in committed]
+        for s in candidates:
+            try:
+                records.append(read_info(local[s], s))
+            except (CheckpointError, OSError):
+                continue  # unreadable locally: not uploaded (the local resume deals with it)
+        kept = self.keep.select(records) | {max(r.step for r in records)} if records else set()
+        upload = [s for s in candidates if s in kept]
+        with self._lock:
+            self._committed = committed
+            self._dropped = set(candidates) - kept
+        return {"upload": upload, "local": sorted(local)}
+
+    def _record(self, step: int) -> CheckpointRecord:
+        """What the remote retention needs of a remote checkpoint (its manifest, read once)."""
+        if step not in self._records:
+            created, metrics = 0.0, {}
+            with contextlib.suppress(CheckpointError, ValueError):
+                _, manifest = self.store.manifest(step)
+                meta = manifest.get("metadata")
+                record = record_of(meta) if isinstance(meta, dict) else {}
+                raw = record.get("metrics")
+                if isinstance(raw, dict):
+                    metrics = {str(k): float(v) for k, v in raw.items()}
+                value = manifest.get("created")
+                created = float(value) if isinstance(value, int | float) else 0.0
+            self._records[step] = CheckpointRecord(step, created, metrics)
+        return self._records[step]
+
+    def _upload(self, step: int) -> None:
+        """One checkpoint, by the object-store commit protocol, every rank its own files."""
+        from functional_ckpt.dist import agree
+
+        local = self.root / step_name(step)
+        self._set_uploading(step)
+        error: BaseException | None = None
+        present: dict[str, int] | None = {}
+        sizes: dict[str, int] = {}
+        try:
+            if self.coordinator:
+                sizes = protocol.expected_sizes(local)
+                present = retried(lambda: protocol.begin(self.store, step, local))
+        except BaseException as e:
+            error = e
+        try:
+            if self.world > 1:
+                agree(error, self._group, f"upload {self.store.where(step)}")
+                present = self._share(present)
+            elif error is not None:
+                raise error
+            if present is None:
+                self._done(step)  # already committed remotely: the same checkpoint
+                return
+            names = [
+                n
+                for n in os.listdir(local)
+                if n not in (format.COMMIT_MARKER, format.MANIFEST)
+                and protocol.owner(n, self.world) == self.rank
+            ]
+            error = None
+            try:
+                retried(lambda: protocol.put_part(self.store, step, local, names, present or {}))
+            except BaseException as e:
+                error = e
+            if self.world > 1:
+                agree(error, self._group, f"upload {self.store.where(step)}")
+            elif error is not None:
+                raise error
+            error = None
+            try:
+                if self.coordinator:
+                    retried(lambda: protocol.commit(self.store, step, local, sizes))
+            except BaseException as e:
+                error = e
+            if self.world > 1:
+                agree(error, self._group, f"commit {self.store.where(step)}")
+            elif error is not None:
+                raise error
+        except BaseException as err:
+            self._fail(step, err)
+            return
+        self._done(step)
+
+    def _set_uploading(self, step: int | None) -> None:
+        with self._lock:
+            self._uploading = step
+        if self.coordinator and step is not None:
+            self._write_status()
+
+    def _done(self, step: int) -> None:
+        with self._lock:
+            self._committed.add(step)
+            self._uploading = None
+            self.failures.pop(step, None)
+        with contextlib.suppress(CheckpointError, OSError):
+            info = read_info(self.root / step_name(step), step)
+            self._records[step] = CheckpointRecord(step, info.time, dict(info.metrics))
+
+    def _fail(self, step: int, err: BaseException) -> None:
+        failed = failure(step, err, self.url)
+        with self._lock:
+            self._uploading = None
+            if self.coordinator:
+                self.failures[step] = failed
+                self._unreported.append(failed)
+
+    def _prune_remote(self) -> None:
+        """Delete what the remote retention does not keep, marker first (never the newest)."""
+        with self._lock:
+            committed = sorted(self._committed)
+        if not committed:
+            return
+        doomed = plan_deletions(self.keep, [self._record(s) for s in committed])
+        for step in doomed:
+            try:
+                self.store.remove(step, [format.COMMIT_MARKER])
+                self.store.remove(step, sorted(self.store.objects(step)))
+            except CheckpointError as err:
+                self._fail(step, err)
+                continue
+            with self._lock:
+                self._committed.discard(step)
+            self._records.pop(step, None)
+
+    def _drop_parts(self, coordinator_steps: list[int]) -> None:
+        """This rank's parts of steps the coordinator no longer keeps (crash-safely)."""
+        if not coordinator_steps:
+            return
+        newest, kept = max(coordinator_steps), set(coordinator_steps)
+        doomed = [p for s, p, _ in step_dirs(self.root) if s < newest and s not in kept]
+        with contextlib.suppress(CheckpointError, OSError):
+            remove_all(delete(self.root, doomed))
+
+    def _write_status(self) -> None:
+        with self._lock:
+            doc = {
+                "url": self.url,
+                "time": time.time(),
+                "remote": sorted(self._committed),
+                "uploading": self._uploading,
+                "failed": {str(s): str(e) for s, e in sorted(self.failures.items())},
+            }
+        write_status(self.root, doc)

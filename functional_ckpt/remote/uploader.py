@@ -1,0 +1,144 @@
+"""Uploads off the training thread: one worker, retries with backoff, a status file.
+
+The training thread only asks for an upload round (after each local commit)
+and reads the outcome; the worker runs the rounds in order. Under
+``torch.distributed`` every rank runs the same rounds in the same order (each
+round is asked for by the same collective save on every rank), so the rounds'
+collectives line up on a group of their own.
+
+A failed upload never raises on the training thread: it is kept as an
+:class:`~functional_ckpt.errors.UploadFailed`, reported once by a
+:class:`~functional_ckpt.errors.RemoteWarning` at the next manager call, and
+written to ``root/.remote.json`` for ``fckpt ls``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from functional_ckpt.errors import (
+    CheckpointError,
+    RemoteAccessDenied,
+    RemoteBucketMissing,
+    RemoteError,
+    UploadFailed,
+)
+
+__all__ = [
+    "BACKOFF",
+    "RETRIES",
+    "STATUS_FILE",
+    "Worker",
+    "failure",
+    "read_status",
+    "retried",
+    "write_status",
+]
+
+T = TypeVar("T")
+
+#: Attempts of each step of an upload (listing, objects, marker) before it counts as failed.
+RETRIES = 5
+#: Seconds before the first retry; doubled for each next one, at most ``MAX_BACKOFF``.
+BACKOFF = 0.5
+MAX_BACKOFF = 30.0
+#: The local root's record of the remote tier: its URL, uploads running and failed.
+STATUS_FILE = ".remote.json"
+
+
+def retried(fn: Callable[[], T], attempts: int | None = None) -> T:
+    """``fn()``, tried again with exponential backoff while the store fails transiently.
+
+    Refused credentials and a missing bucket are not transient: they raise at once.
+    """
+    tries = RETRIES if attempts is None else attempts
+    delay = BACKOFF
+    for attempt in range(tries):
+        try:
+            return fn()
+        except (RemoteAccessDenied, RemoteBucketMissing):
+            raise
+        except RemoteError:
+            if attempt == tries - 1:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, MAX_BACKOFF)
+    raise AssertionError("unreachable")
+
+
+class Worker:
+    """One daemon thread that runs ``round()`` once per request, in order."""
+
+    def __init__(self, round_: Callable[[], None], name: str = "fc-upload") -> None:
+        self._round = round_
+        self._requests: queue.Queue[bool] = queue.Queue()
+        self._lock = threading.Condition()
+        self._asked = 0
+        self._done = 0
+        self.crashed: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        with self._lock:
+            self._asked += 1
+        self._requests.put(True)
+
+    def busy(self) -> bool:
+        with self._lock:
+            return self._done < self._asked
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every round asked for so far has run; False on timeout."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._done >= self._asked, timeout)
+
+    def stop(self) -> None:
+        self._requests.put(False)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while self._requests.get():
+            try:
+                self._round()
+            except BaseException as e:  # recorded by the round itself; this is a bug guard
+                self.crashed = e
+            finally:
+                with self._lock:
+                    self._done += 1
+                    self._lock.notify_all()
+
+
+def write_status(root: Path, doc: dict[str, Any]) -> None:
+    """Replace ``root/.remote.json`` atomically (best effort: it is only a report)."""
+    tmp = root / f"{STATUS_FILE}.tmp-{os.getpid()}"
+    with contextlib.suppress(OSError):
+        tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
+        os.replace(tmp, root / STATUS_FILE)
+
+
+def read_status(root: Path) -> dict[str, Any]:
+    """What the last writer recorded about the remote tier of ``root``; {} if nothing."""
+    try:
+        doc = json.loads((root / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def failure(step: int, err: BaseException, url: str) -> CheckpointError:
+    """The :class:`UploadFailed` reported for ``step`` (``err`` is its cause)."""
+    failed = UploadFailed(
+        f"{url}: upload of step {step} failed ({type(err).__name__}: {err}); the local "
+        "checkpoint is intact and kept until an upload succeeds (retried after the next save)"
+    )
+    failed.__cause__ = err
+    return failed

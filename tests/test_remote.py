@@ -1,0 +1,409 @@
+"""The remote tier: uploads to an object store, per-tier retention, resumes, faults.
+
+Against fsspec's in-process ``memory://`` store and a real S3-protocol server
+(moto's standalone server, on a free loopback port, through s3fs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+
+import functional_ckpt as fc
+from functional_ckpt import cli
+from functional_ckpt.errors import (
+    RemoteAccessDenied,
+    RemoteBucketMissing,
+    RemoteUnreachable,
+    RemoteWarning,
+    UploadFailed,
+)
+from functional_ckpt.remote import protocol, uploader
+from functional_ckpt.remote.store import Store
+from tests.exact import assert_exact
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(uploader, "BACKOFF", 0.01)
+    monkeypatch.setattr(uploader, "RETRIES", 3)
+
+
+@pytest.fixture
+def mem() -> Iterator[str]:
+    url = f"memory://t-{uuid.uuid4().hex[:8]}/run"
+    yield url
+    with contextlib.suppress(FileNotFoundError):
+        fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[dict[str, Any]]:
+    """A moto S3 server on 127.0.0.1 (a free port), with dummy credentials in the env."""
+    from moto.server import ThreadedMotoServer
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
+            mp.setenv(k, v)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        try:
+            yield {"endpoint": endpoint, "options": {"client_kwargs": {"endpoint_url": endpoint}}}
+        finally:
+            server.stop()
+
+
+def _bucket(s3: dict[str, Any]) -> str:
+    name = f"b-{uuid.uuid4().hex[:10]}"
+    Store(f"s3://{name}", s3["options"]).fs.mkdir(name)
+    return f"s3://{name}/run"
+
+
+def _state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64, generator=g), "b": torch.randn(3, 3, generator=g), "step": step}
+
+
+def _objects(url: str, options: dict[str, Any] | None = None) -> dict[str, bytes]:
+    store = Store(url, options)
+    return {
+        p[len(store.base) + 1 :]: bytes(store.fs.cat_file(p))
+        for p in store.fs.find(store.base)
+        if not p.endswith(".remote.json")
+    }
+
+
+def test_uploads_commit_with_the_marker_last_and_each_tier_keeps_its_own(
+    tmp_path: Path, mem: str
+) -> None:
+    root = tmp_path / "ckpt"
+    with fc.CheckpointManager(
+        root, keep=fc.keep_last(2), remote=mem, remote_keep=fc.keep_last(3)
+    ) as mgr:
+        for step in range(1, 6):
+            mgr.maybe_save(_state(step), step=step)
+        assert mgr.remote is not None and mgr.remote.wait()
+        assert mgr.remote.steps() == [3, 4, 5]
+    assert fc.CheckpointManager(root, read_only=True).steps() == [4, 5]
+    remote = _objects(mem)
+    local = root / "step_000000005"
+    for f in local.iterdir():  # byte for byte the local checkpoint, marker included
+        assert remote[f"step_000000005/{f.name}"] == f.read_bytes()
+    status = json.loads((root / ".remote.json").read_text())
+    assert status["url"] == mem and status["remote"] == [3, 4, 5] and status["failed"] == {}
+
+
+def test_a_failed_upload_is_reported_and_keeps_the_local_copy_until_one_succeeds(
+    tmp_path: Path, mem: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "ckpt"
+    real = protocol.put_part
+
+    def down(*a: Any, **k: Any) -> int:
+        raise fc.errors.RemoteUnreachable(f"{mem}: the object store did not answer (test)")
+
+    monkeypatch.setattr(protocol, "put_part", down)
+    mgr = fc.CheckpointManager(root, keep=fc.keep_last(1), remote=mem)
+    assert mgr.remote is not None
+    mgr.maybe_save(_state(1), step=1)
+    with pytest.warns(RemoteWarning, match="upload of step 1 failed.*did not answer"):
+        mgr.remote.wait()
+    assert mgr.maybe_save(_state(2), step=2)  # training goes on
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        mgr.remote.wait()  # (or the next maybe_save, once the retries are over)
+    assert any("upload of step 2 failed" in str(w.message) for w in seen)
+    assert isinstance(mgr.remote.failures[2], UploadFailed)
+    assert mgr.steps() == [1, 2]  # keep_last(1), but neither is on the remote tier yet
+    status = json.loads((root / ".remote.json").read_text())
+    assert set(status["failed"]) == {"1", "2"} and "did not answer" in status["failed"]["2"]
+    assert cli.main(["ls", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "remote " + mem in out and "upload failed" in out and "did not answer" in out
+
+    monkeypatch.setattr(protocol, "put_part", real)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RemoteWarning)
+        mgr.maybe_save(_state(3), step=3)
+        mgr.remote.wait()
+        mgr.maybe_save(_state(4), step=4)  # the next prune sees them uploaded
+        mgr.close()
+    assert Store(mem).listing().keys() == {1, 2, 3, 4}
+    assert fc.CheckpointManager(root, read_only=True).steps() == [4]
+    assert json.loads((root / ".remote.json").read_text())["failed"] == {}
+
+
+def test_restore_on_an_empty_root_resumes_from_remote_bit_identically(
+    tmp_path: Path, s3: dict[str, Any]
+) -> None:
+    url = _bucket(s3)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    state = fc.capture(model=model, optimizer=opt, step=7, lr=1e-3)
+    with fc.CheckpointManager(tmp_path / "a", remote=url, storage_options=s3["options"]) as mgr:
+        mgr.maybe_save(state, step=7)
+    # A fresh machine: an empty local root.
+    fresh = tmp_path / "b"
+    with fc.CheckpointManager(fresh, remote=url, storage_options=s3["options"]) as mgr:
+        got = mgr.restore_latest(like=state)
+        assert got is not None and mgr.restored_step == 7 and mgr.steps() == [7]
+    assert_exact(fc.restore(tmp_path / "a" / "step_000000007"), got)  # same bits, same types
+    for f in (tmp_path / "a" / "step_000000007").iterdir():
+        assert (fresh / "step_000000007" / f.name).read_bytes() == f.read_bytes()
+
+
+def test_a_corrupted_remote_object_is_detected_and_the_previous_one_used(
+    tmp_path: Path, mem: str
+) -> None:
+    with fc.CheckpointManager(tmp_path / "a", remote=mem) as mgr:
+        for step in (1, 2):
+            mgr.maybe_save(_state(step), step=step)
+    fs = fsspec.filesystem("memory")
+    shard = mem.removeprefix("memory://") + "/step_000000002/__0_0.distcp"
+    data = bytearray(fs.cat_file(shard))
+    data[len(data) // 2] ^= 0xFF  # same size: only the checksums can tell
+    fs.pipe_file(shard, bytes(data))
+    with fc.CheckpointManager(tmp_path / "b", remote=mem) as mgr:
+        with pytest.warns(RemoteWarning, match="step 2 is unusable.*CorruptCheckpoint"):
+            got = mgr.restore_latest()
+        assert got is not None and mgr.restored_step == 1
+        assert torch.equal(got["w"], _state(1)["w"])
+        assert mgr.steps() == [1]  # the damaged copy never became a local checkpoint
+
+
+def test_a_damaged_local_checkpoint_falls_back_to_its_remote_copy(tmp_path: Path, mem: str) -> None:
+    root = tmp_path / "ckpt"
+    with fc.CheckpointManager(root, remote=mem) as mgr:
+        for step in (1, 2):
+            mgr.maybe_save(_state(step), step=step)
+    shard = root / "step_000000002" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-40] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with fc.CheckpointManager(root, remote=mem) as mgr:
+        with pytest.warns(
+            fc.errors.CheckpointWarning, match=r"(?s)step 2 is unreadable.*moved aside"
+        ):
+            got = mgr.restore_latest()
+        assert mgr.restored_step == 2 and got is not None  # the remote copy, not step 1
+        assert torch.equal(got["w"], _state(2)["w"])
+    assert [p.name for p in root.glob("step_000000002.corrupt-*")]  # kept, never deleted
+
+
+def test_a_remote_deletion_racing_the_download_falls_back(
+    tmp_path: Path, mem: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with fc.CheckpointManager(tmp_path / "a", remote=mem) as mgr:
+        for step in (1, 2):
+            mgr.maybe_save(_state(step), step=step)
+    fs = fsspec.filesystem("memory")
+    real_get = type(fs).get
+
+    def racing_get(self: Any, rpaths: Any, lpaths: Any, *a: Any, **k: Any) -> Any:
+        if any("step_000000002" in p for p in rpaths):  # a writer prunes step 2 meanwhile
+            Store(mem).remove(2, ["COMMITTED", "__0_0.distcp"])
+        return real_get(self, rpaths, lpaths, *a, **k)
+
+    monkeypatch.setattr(type(fs), "get", racing_get)
+    with fc.CheckpointManager(tmp_path / "b", remote=mem) as mgr:
+        with pytest.warns(RemoteWarning, match="step 2 is unusable.*RemoteVanished"):
+            got = mgr.restore_latest()
+        assert mgr.restored_step == 1 and got is not None
+        assert not any(p.name.startswith(".fc-download") for p in (tmp_path / "b").iterdir())
+
+
+def test_store_faults_raise_clear_errors_at_open(
+    tmp_path: Path, s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import moto.settings
+
+    url = _bucket(s3)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    options = {
+        "client_kwargs": {"endpoint_url": dead},
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
+    with pytest.raises(RemoteUnreachable, match=r"did not answer.*endpoint"):
+        fc.CheckpointManager(tmp_path / "a", remote=url, storage_options=options)
+    fc.CheckpointManager(tmp_path / "a").close()  # the lock was released
+    with pytest.raises(RemoteBucketMissing, match=r"no-such-bucket/x: the bucket does not exist"):
+        fc.CheckpointManager(
+            tmp_path / "a", remote="s3://no-such-bucket/x", storage_options=s3["options"]
+        )
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+    bad = {**s3["options"], "key": "wrong", "secret": "wrong", "skip_instance_cache": True}
+    with pytest.raises(RemoteAccessDenied, match=r"refused access.*credentials"):
+        fc.CheckpointManager(tmp_path / "a", remote=url, storage_options=bad)
+    with pytest.raises(TypeError, match="remote_keep"):
+        fc.CheckpointManager(tmp_path / "a", remote_keep=fc.keep_last(1))
+
+
+_KILLED_CHILD = """
+import sys, time, torch
+import functional_ckpt as fc
+from functional_ckpt.remote import protocol
+
+def stuck(*a, **k):  # every object is up, the marker is next: die here
+    print("OBJECTS-UPLOADED", flush=True)
+    time.sleep(600)
+
+protocol.commit = stuck
+options = {{"client_kwargs": {{"endpoint_url": "{endpoint}"}}}}
+mgr = fc.CheckpointManager(sys.argv[1], remote=sys.argv[2], storage_options=options)
+mgr.maybe_save({{"w": torch.arange(1 << 16, dtype=torch.float32), "step": 1}}, step=1)
+time.sleep(600)
+"""
+
+
+def test_sigkill_during_upload_leaves_no_remote_commit_and_the_restart_finishes_it(
+    tmp_path: Path, s3: dict[str, Any]
+) -> None:
+    url = _bucket(s3)
+    root = tmp_path / "ckpt"
+    code = textwrap.dedent(_KILLED_CHILD.format(endpoint=s3["endpoint"]))
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(root), url],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "OBJECTS-UPLOADED"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    store = Store(url, s3["options"])
+    partial = store.listing()[1]
+    assert not partial.committed and "__0_0.distcp" in partial.objects
+    before = store.fs.info(store.object_path(1, "__0_0.distcp"))["LastModified"]
+    with fc.CheckpointManager(tmp_path / "fresh", remote=url, storage_options=s3["options"]) as m:
+        assert m.restore_latest() is None  # a partial upload is never a checkpoint
+    with fc.CheckpointManager(root, remote=url, storage_options=s3["options"]) as mgr:
+        assert mgr.remote is not None and mgr.remote.wait()  # the restart resumes the upload
+        assert mgr.remote.steps() == [1]
+    after = store.fs.info(store.object_path(1, "__0_0.distcp"))["LastModified"]
+    assert after == before  # resumed, not sent again
+    local = root / "step_000000001"
+    remote = _objects(url, s3["options"])
+    assert {f"step_000000001/{f.name}": f.read_bytes() for f in local.iterdir()} == remote
+
+
+def test_fckpt_ls_shows_the_tiers_and_verify_inspect_take_remote_urls(
+    tmp_path: Path, mem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "ckpt"
+    with fc.CheckpointManager(
+        root, keep=fc.keep_last(1), remote=mem, remote_keep=fc.keep_last(2)
+    ) as mgr:
+        for step in (1, 2, 3):
+            mgr.maybe_save(_state(step), step=step)
+    with fc.CheckpointManager(tmp_path / "other", remote=mem) as other:
+        other.restore_latest()
+    assert cli.main(["ls", str(root), "--json"]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out) if r.get("kind") == "tier"]
+    assert [(r["step"], r["tier"]) for r in rows] == [(2, "remote"), (3, "both")]
+    assert cli.main(["ls", mem]) == 0
+    out = capsys.readouterr().out
+    assert "step_000000002" in out and "2 committed checkpoints" in out
+    assert cli.main(["verify", mem]) == 0
+    assert "2 checkpoints intact" in capsys.readouterr().out
+    assert cli.main(["inspect", f"{mem}/step_000000003", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["metadata"]["manager"]["step"] == 3
+    fs = fsspec.filesystem("memory")
+    shard = mem.removeprefix("memory://") + "/step_000000002/__0_0.distcp"
+    data = bytearray(fs.cat_file(shard))
+    data[-40] ^= 0xFF
+    fs.pipe_file(shard, bytes(data))
+    assert cli.main(["verify", mem]) == 1
+    out = capsys.readouterr().out
+    assert f"DAMAGED  {mem}/step_000000002" in out and "1 of 2 checkpoints damaged" in out
+
+
+def test_two_ranks_with_their_own_local_roots_commit_on_one_remote(
+    tmp_path: Path, s3: dict[str, Any]
+) -> None:
+    url = _bucket(s3)
+    (rc0, out0, err0), (rc1, out1, err1) = _two_ranks(tmp_path, url, s3["endpoint"])
+    assert rc0 == 0 and rc1 == 9, err0[-3000:] + err1[-3000:]
+    assert "REFUSED" in out0 and "REFUSED" in out1
+    assert not list((tmp_path / "plain0").iterdir())  # nothing committed, nothing left
+    assert "UPLOADED [1, 2, 3]" in out0
+    assert "RESUMED 3" in out0 and "RESUMED 3" in out1  # from the remote tier, bit-identically
+    assert "FAILED [4]" in out0 and "upload of step 4 failed" in out0, out0  # reported, no hang
+    listing = Store(url, s3["options"]).listing()
+    assert sorted(s for s, r in listing.items() if r.committed) == [1, 2, 3]  # 4: no commit
+    assert {"__0_0.distcp", "__1_0.distcp", "COMMITTED", "manifest.msgpack"} <= set(
+        listing[3].objects
+    )
+    assert "LOCAL [3]" in out0 and "LOCAL []" in out1  # rank 1 keeps parts only
+    part = tmp_path / "run1" / "step_000000004"
+    assert sorted(p.name for p in part.iterdir()) == ["__1_0.distcp"]
+    assert fc.CheckpointManager(tmp_path / "run0", read_only=True).steps() == [4]
+
+
+def _two_ranks(base: Path, url: str, endpoint: str) -> list[tuple[int, str, str]]:
+    """tests/remote_job.py on two ranks, with the variables torchrun sets."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "remote_job.py"), str(base), url],
+            env={
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": str(REPO),
+                "ENDPOINT": endpoint,
+                "FUNCTIONAL_CKPT_TIMEOUT": "30",  # a dead rank fails the others within this
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append((p.returncode, stdout, stderr))
+    return out
