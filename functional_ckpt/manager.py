@@ -10,7 +10,8 @@ builds on is public: a root's layout, leftovers and writer lock in
 records (step, metrics, running time, each policy's spec and state, so a restarted
 run continues its policies) in :mod:`functional_ckpt.record`; rollbacks in
 :mod:`functional_ckpt.rollback`; the decisions all ranks share in
-:mod:`functional_ckpt.collective`; which checkpoint a resume picks in
+:mod:`functional_ckpt.collective`; the root's steps and records as queries in
+:mod:`functional_ckpt.rootview`; which checkpoint a resume picks in
 :mod:`functional_ckpt.resume`; exports off the training thread in
 :mod:`functional_ckpt.exporting`.
 """
@@ -21,14 +22,14 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from tensordict import TensorDict, TensorDictBase
 
-from functional_ckpt import format, rollback
+from functional_ckpt import rollback
 from functional_ckpt._types import PathLike
 from functional_ckpt.collective import coordinator_decides, gathered, prepare_groups
 from functional_ckpt.degradation import Rollback, SaveResult, Watch, roll_back
@@ -57,19 +58,18 @@ from functional_ckpt.record import (
     stored_state,
 )
 from functional_ckpt.resume import check_order, newest_readable
-from functional_ckpt.retention import RetentionPolicy, best_steps, keep_all, plan_deletions
+from functional_ckpt.retention import RetentionPolicy, keep_all, plan_deletions
 from functional_ckpt.root import (
     MANAGER_KEY,
     StepInfo,
-    Summaries,
     delete,
     open_writer,
     parse_step,
     record_of,
     remove_all,
-    step_dirs,
     step_name,
 )
+from functional_ckpt.rootview import RootView
 from functional_ckpt.staging import PendingSave, Stager, Staging
 from functional_ckpt.writer import DEFAULT_PER_RANK
 
@@ -88,7 +88,7 @@ State = TensorDictBase | Mapping[str, Any]
 # --------------------------------------------------------------------------- manager
 
 
-class CheckpointManager:
+class CheckpointManager(RootView):
     """Save on a policy, keep on a retention policy, resume from the newest good checkpoint.
 
     ``save`` defaults to ``every_steps(1)`` (every ``maybe_save`` with a new step
@@ -130,7 +130,7 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         prune_unuploaded: bool = False,
     ) -> None:
-        self.root = Path(root)
+        RootView.__init__(self, Path(root))
         if not callable(clock):
             raise TypeError(f"CheckpointManager(clock={clock!r}): clock must be callable")
         self._running = RunningTime(clock)
@@ -156,9 +156,6 @@ class CheckpointManager:
         self._policy_state: PolicyState = self.save_policy.init()
         self._export_state: PolicyState = export.policy.init() if export is not None else None
         self._watch = Watch(rollback)  # the rollback rule (see functional_ckpt.degradation)
-        self._bad: set[tuple[int, int]] = set()  # (step, dir inode) found unreadable
-        self._summaries = Summaries()
-        self._restored_step: int | None = None
         self._lock: WriterLock | None = None
         self._closed = False
         self._run = Provenance(os.getcwd())
@@ -241,75 +238,6 @@ class CheckpointManager:
             f"CheckpointManager({str(self.root)!r}, save={self.save_policy!r}, "
             f"keep={self.keep!r}, {mode})"
         )
-
-    # ------------------------------------------------------------------ listing
-
-    def path(self, step: int) -> Path:
-        """Where the checkpoint of ``step`` lives (whether or not it exists)."""
-        return self.root / step_name(step)
-
-    def _step_dirs(self) -> Iterator[tuple[int, Path]]:
-        """Every canonical ``step_N`` directory not known to be unreadable."""
-        for step, path, inode in step_dirs(self.root):
-            if (step, inode) not in self._bad:
-                yield step, path
-
-    def steps(self) -> list[int]:
-        """Steps of the committed checkpoints, ascending (half-written ones never appear)."""
-        return sorted(s for s, p in self._step_dirs() if (p / format.COMMIT_MARKER).exists())
-
-    def latest_step(self) -> int | None:
-        """The newest committed step, excluding any this manager found unreadable."""
-        return max(self.steps(), default=None)
-
-    @property
-    def restored_step(self) -> int | None:
-        """The step the last ``restore``/``restore_latest`` returned, if any."""
-        return self._restored_step
-
-    def info(self, step: int) -> StepInfo:
-        """Step, time, metrics, epoch, size and full metadata of one checkpoint."""
-        path = self.path(step)
-        info = self._summaries.get(path, step)
-        if info is None:
-            raise CheckpointNotFound(
-                f"{path}: no committed checkpoint for step {step} in {self.root} "
-                f"(steps: {self._steps_text()})"
-            )
-        return info
-
-    def _steps_text(self) -> str:
-        steps = self.steps()
-        if not steps:
-            return "none"
-        shown = ", ".join(map(str, steps[-10:]))
-        return shown if len(steps) <= 10 else f"…, {shown}"
-
-    def infos(self) -> list[StepInfo]:
-        """:meth:`info` of every readable committed checkpoint, ascending by step."""
-        out = []
-        for step in self.steps():
-            try:
-                out.append(self.info(step))
-            except (CheckpointError, OSError):
-                continue  # unreadable or just pruned: not a candidate for anything
-        return out
-
-    def best_step(self, metric: str, mode: str = "min") -> int | None:
-        """The step ``keep_best(1, metric, mode)`` would keep (ties go to the newer step)."""
-        return next(iter(best_steps(self.infos(), metric, mode)), None)
-
-    def branches(self) -> dict[str, list[int]]:
-        """Branches left by :meth:`rollback`, each with its committed steps.
-
-        A branch is a root of its own, ``root/branches/<name>``: open it with another
-        (read-only) manager or restore its checkpoints with ``fc.restore``.
-        """
-        return rollback.branches(self.root)
-
-    def branch_root(self, name: str) -> Path:
-        """Where branch ``name`` lives (a root of its own)."""
-        return self.root / rollback.BRANCHES_DIR / rollback.check_branch_name(name)
 
     # ------------------------------------------------------------------ saving
 

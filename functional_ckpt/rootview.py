@@ -1,0 +1,93 @@
+"""What a checkpoint root holds, as a manager sees it: its steps, their records, its
+branches. Read-only queries, shared by every manager of a root; the manager adds
+writing, resuming and locking on top.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from functional_ckpt import format, rollback
+from functional_ckpt.errors import CheckpointError, CheckpointNotFound
+from functional_ckpt.retention import best_steps
+from functional_ckpt.root import StepInfo, Summaries, step_dirs, step_name
+
+__all__ = ["RootView"]
+
+
+class RootView:
+    """The committed checkpoints of ``root``, minus those found unreadable here."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._bad: set[tuple[int, int]] = set()  # (step, dir inode) found unreadable
+        self._summaries = Summaries()
+        self._restored_step: int | None = None
+
+    def path(self, step: int) -> Path:
+        """Where the checkpoint of ``step`` lives (whether or not it exists)."""
+        return self.root / step_name(step)
+
+    def _step_dirs(self) -> Iterator[tuple[int, Path]]:
+        """Every canonical ``step_N`` directory not known to be unreadable."""
+        for step, path, inode in step_dirs(self.root):
+            if (step, inode) not in self._bad:
+                yield step, path
+
+    def steps(self) -> list[int]:
+        """Steps of the committed checkpoints, ascending (half-written ones never appear)."""
+        return sorted(s for s, p in self._step_dirs() if (p / format.COMMIT_MARKER).exists())
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, excluding any this manager found unreadable."""
+        return max(self.steps(), default=None)
+
+    @property
+    def restored_step(self) -> int | None:
+        """The step the last ``restore``/``restore_latest`` returned, if any."""
+        return self._restored_step
+
+    def info(self, step: int) -> StepInfo:
+        """Step, time, metrics, epoch, size and full metadata of one checkpoint."""
+        path = self.path(step)
+        info = self._summaries.get(path, step)
+        if info is None:
+            raise CheckpointNotFound(
+                f"{path}: no committed checkpoint for step {step} in {self.root} "
+                f"(steps: {self._steps_text()})"
+            )
+        return info
+
+    def _steps_text(self) -> str:
+        steps = self.steps()
+        if not steps:
+            return "none"
+        shown = ", ".join(map(str, steps[-10:]))
+        return shown if len(steps) <= 10 else f"…, {shown}"
+
+    def infos(self) -> list[StepInfo]:
+        """:meth:`info` of every readable committed checkpoint, ascending by step."""
+        out = []
+        for step in self.steps():
+            try:
+                out.append(self.info(step))
+            except (CheckpointError, OSError):
+                continue  # unreadable or just pruned: not a candidate for anything
+        return out
+
+    def best_step(self, metric: str, mode: str = "min") -> int | None:
+        """The step ``keep_best(1, metric, mode)`` would keep (ties go to the newer step)."""
+        return next(iter(best_steps(self.infos(), metric, mode)), None)
+
+    def branches(self) -> dict[str, list[int]]:
+        """Branches left by :meth:`rollback`, each with its committed steps.
+
+        A branch is a root of its own, ``root/branches/<name>``: open it with another
+        (read-only) manager or restore its checkpoints with ``fc.restore``.
+        """
+        return rollback.branches(self.root)
+
+    def branch_root(self, name: str) -> Path:
+        """Where branch ``name`` lives (a root of its own)."""
+        return self.root / rollback.BRANCHES_DIR / rollback.check_branch_name(name)
