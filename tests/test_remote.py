@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import cli
+from functional_ckpt import cli, format
 from functional_ckpt.errors import (
     RemoteAccessDenied,
     RemoteBucketMissing,
@@ -202,9 +202,11 @@ def test_a_damaged_local_checkpoint_falls_back_to_its_remote_copy(tmp_path: Path
     with fc.CheckpointManager(root, remote=mem) as mgr:
         for step in (1, 2):
             mgr.maybe_save(_state(step), step=step)
-    shard = root / "step_000000002" / "__0_0.distcp"
+    ck = root / "step_000000002"
+    (chunk,) = next(e for e in format.read_manifest(ck)["entries"] if e["path"] == ["w"])["chunks"]
+    shard = ck / chunk["file"]
     data = bytearray(shard.read_bytes())
-    data[-40] ^= 0xFF
+    data[chunk["data_offset"]] ^= 0xFF  # a byte of the tensor the restore reads
     shard.write_bytes(bytes(data))
     with fc.CheckpointManager(root, remote=mem) as mgr:
         with pytest.warns(
