@@ -11,11 +11,14 @@ benchmarks all build on the same pieces so their numbers are measured the same w
 * :func:`measure_peak_above_baseline`, :func:`run_json_child` -- peak resident memory
   of one action above what the process already held, best run in a fresh child
   process so that earlier work cannot inflate it;
-* :class:`Table`, :func:`write_json`, :func:`environment` -- output.
+* :func:`bench_parser`, :func:`add_run_args` -- the options every script shares;
+* :class:`Table`, :func:`render_targets`, :func:`write_json`, :func:`finish`,
+  :func:`environment` -- output.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -374,6 +377,21 @@ class Table:
         return "\n".join([line(self.headers), rule, *(line(r) for r in self.rows)])
 
 
+def render_targets(targets: Sequence[dict[str, Any]], keys: Sequence[str] = ("target",)) -> str:
+    """The targets as a table: the ``keys`` columns, the value against its limit, the verdict.
+
+    A target with ``"unit": "s"`` is a duration (shown in ms); any other is a ratio.
+    """
+    table = Table([*keys, "value", "limit", "result"])
+    for t in targets:
+        if t.get("unit") == "s":
+            value, limit = fmt_ms(t["value"]), fmt_ms(t["limit"])
+        else:
+            value, limit = fmt_ratio(t["value"]), f"{t['limit']:.2f}x"
+        table.add(*(t[k] for k in keys), value, limit, t["result"])
+    return table.render()
+
+
 def environment() -> dict[str, Any]:
     """Versions and machine facts worth keeping next to the numbers."""
     info: dict[str, Any] = {
@@ -401,6 +419,40 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     os.replace(tmp, path)
+
+
+def finish(args: argparse.Namespace, payload: dict[str, Any], failed: bool | None = None) -> int:
+    """Write ``payload`` to ``--json``, say where, and return the exit status.
+
+    Only ``--strict`` turns a failed target into exit 1 (numbers from a shared or small
+    machine are worth keeping even when they miss). ``failed`` defaults to whether any
+    of ``payload["targets"]`` is FAIL; a SKIP (no value) fails nothing.
+    """
+    write_json(args.json, payload)
+    print(f"\nwrote {args.json}")
+    if failed is None:
+        failed = any(t["result"] == "FAIL" for t in payload["targets"])
+    return 1 if args.strict and failed else 0
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def bench_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A parser described by the first paragraph of the script's docstring ``doc``."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0] if doc else None)
+
+
+def add_run_args(p: argparse.ArgumentParser, name: str, strict: str | None = "a target") -> None:
+    """``--dir``, ``--json`` (default ``bench-results/<name>.json``), ``--allow-tmpfs`` and,
+    unless ``strict`` is None, ``--strict`` (exit 1 when ``strict`` fails)."""
+    p.add_argument("--dir", type=Path, default=DEFAULT_RESULTS / "tmp", help="scratch directory")
+    p.add_argument("--json", type=Path, default=DEFAULT_RESULTS / f"{name}.json")
+    p.add_argument(
+        "--allow-tmpfs", action="store_true", help="only warn when --dir is memory-backed"
+    )
+    if strict is not None:
+        p.add_argument("--strict", action="store_true", help=f"exit 1 when {strict} fails")
 
 
 # --------------------------------------------------------------------------- processes

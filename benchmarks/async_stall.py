@@ -52,24 +52,26 @@ from typing import Any
 
 import torch
 from _common import (
-    DEFAULT_RESULTS,
     REPO_ROOT,
     KiB,
     MiB,
     Table,
+    add_run_args,
+    bench_parser,
     check_not_tmpfs,
     environment,
+    finish,
     fmt_ms,
     fmt_ratio,
     fmt_seconds,
     median,
     ratio,
     remove_path,
+    render_targets,
     rotate,
     scratch_dir,
     settle,
     verdict,
-    write_json,
 )
 
 if str(REPO_ROOT) not in sys.path:
@@ -343,31 +345,15 @@ def render_results(rows: list[dict[str, Any]]) -> str:
     return table.render()
 
 
-def render_targets(rows: list[dict[str, Any]]) -> str:
-    table = Table(["state", "target", "value", "limit", "result"])
-    for r in rows:
-        if r["unit"] == "s":
-            value, limit = fmt_ms(r["value"]), fmt_ms(r["limit"])
-        else:
-            value, limit = fmt_ratio(r["value"]), f"{r['limit']:.2f}x"
-        table.add(r["state"], r["target"], value, limit, r["result"])
-    return table.render()
-
-
 # --------------------------------------------------------------------------- main
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = bench_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="small states and 2 repetitions")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 5, quick 2)")
-    p.add_argument("--dir", type=Path, default=DEFAULT_RESULTS / "tmp", help="scratch directory")
-    p.add_argument("--json", type=Path, default=DEFAULT_RESULTS / "async_stall.json")
     p.add_argument("--state", choices=["big", "small", "both"], default="both")
-    p.add_argument(
-        "--allow-tmpfs", action="store_true", help="only warn when --dir is memory-backed"
-    )
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
+    add_run_args(p, "async_stall")
     return p.parse_args(argv)
 
 
@@ -411,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("  stall: from the call until the caller may mutate the state again;")
     print("  commit: from the call until the checkpoint is durable.")
     print("\n" + render_results(rows))
-    print("\n" + render_targets(targets))
+    print("\n" + render_targets(targets, ("state", "target")))
     if args.quick:
         print("(--quick: the states are too small for the targets to mean anything)")
 
@@ -434,10 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": rows,
         "targets": targets,
     }
-    write_json(args.json, payload)
-    print(f"\nwrote {args.json}")
-    failed = any(t["result"] == "FAIL" for t in targets)
-    return 1 if args.strict and failed else 0
+    return finish(args, payload)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 import sys
@@ -51,11 +50,12 @@ from typing import Any
 
 import torch
 from _common import (
-    DEFAULT_RESULTS,
     REPO_ROOT,
     KiB,
     MiB,
     Table,
+    add_run_args,
+    bench_parser,
     check_not_tmpfs,
     environment,
     fmt_ratio,
@@ -265,15 +265,11 @@ def render(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny states, 1 rep (smoke test)")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument(
-        "--dir", type=Path, default=DEFAULT_RESULTS / "tmp", help="scratch directory"
-    )
-    parser.add_argument("--json", type=Path, default=DEFAULT_RESULTS / "compare_orbax.json")
     parser.add_argument("--state", choices=("big", "small", "both"), default="both")
-    parser.add_argument("--allow-tmpfs", action="store_true")
+    add_run_args(parser, "compare_orbax", strict=None)
     args = parser.parse_args(argv)
     try:
         import jax

@@ -48,12 +48,14 @@ from pathlib import Path
 from typing import Any
 
 from _common import (
-    DEFAULT_RESULTS,
     REPO_ROOT,
     MiB,
     Table,
+    add_run_args,
+    bench_parser,
     check_not_tmpfs,
     environment,
+    finish,
     fmt_rate,
     fmt_ratio,
     fmt_seconds,
@@ -80,18 +82,13 @@ RESTORE_OF = {FC_SAVE: FC_RESTORE, DCP_SAVE: DCP_LOAD}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = bench_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="small state and 2 repetitions")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 5, quick 2)")
     p.add_argument("--count", type=int, default=None, help="tensors (default 16, quick 4)")
     p.add_argument("--mib", type=int, default=None, help="MiB per tensor (default 64, quick 4)")
-    p.add_argument("--dir", type=Path, default=DEFAULT_RESULTS / "tmp", help="scratch directory")
-    p.add_argument("--json", type=Path, default=DEFAULT_RESULTS / "distributed.json")
-    p.add_argument(
-        "--allow-tmpfs", action="store_true", help="only warn when --dir is memory-backed"
-    )
+    add_run_args(p, "distributed", strict="the target")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
-    p.add_argument("--strict", action="store_true", help="exit 1 when the target fails")
     p.add_argument("--rank-dir", type=Path, help=argparse.SUPPRESS)  # set by the launcher
     args = p.parse_args(argv)
     args.reps = args.reps if args.reps is not None else (2 if args.quick else 5)
@@ -365,9 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         remove_path(args.dir)
     result = summarize(args, ranks)
     print(render(result))
-    write_json(args.json, result)
-    print(f"\nwrote {args.json}")
-    return 1 if args.strict and result["target"]["result"] != "PASS" else 0
+    return finish(args, result, failed=result["target"]["result"] != "PASS")
 
 
 def _strip(argv: Sequence[str], options: Sequence[str]) -> list[str]:

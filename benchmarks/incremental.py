@@ -45,13 +45,15 @@ from typing import Any
 
 import torch
 from _common import (
-    DEFAULT_RESULTS,
     REPO_ROOT,
     GiB,
     MiB,
     Table,
+    add_run_args,
+    bench_parser,
     check_not_tmpfs,
     environment,
+    finish,
     fmt_ratio,
     fmt_seconds,
     median,
@@ -62,7 +64,6 @@ from _common import (
     settle,
     timed,
     verdict,
-    write_json,
 )
 
 TENSORS = 20
@@ -150,15 +151,12 @@ def one_rep(
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="a 32 MiB state and 2 repetitions")
     p.add_argument("--size", type=int, default=None, help="state bytes (default 1 GiB)")
     p.add_argument("--frozen", type=float, default=0.9, help="fraction of tensors never changed")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 5, quick 2)")
-    p.add_argument("--dir", type=Path, default=DEFAULT_RESULTS / "tmp", help="scratch directory")
-    p.add_argument("--json", type=Path, default=DEFAULT_RESULTS / "incremental.json")
-    p.add_argument("--allow-tmpfs", action="store_true", help="only warn on a memory filesystem")
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
+    add_run_args(p, "incremental")
     return p.parse_args(argv)
 
 
@@ -231,26 +229,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{c['result']:4}  {c['target']}  (measured {shown})")
     if args.quick:
         print("(--quick: the state is too small for the targets to mean anything)")
-    write_json(
-        args.json,
-        {
-            "config": {
-                "size": size,
-                "tensors": TENSORS,
-                "trained": len(trained),
-                "frozen": args.frozen,
-                "reps": reps,
-                "quick": args.quick,
-                "fstype": fstype,
-            },
-            "environment": environment(),
-            "rows": rows,
-            "targets": checks,
+    payload = {
+        "config": {
+            "size": size,
+            "tensors": TENSORS,
+            "trained": len(trained),
+            "frozen": args.frozen,
+            "reps": reps,
+            "quick": args.quick,
+            "fstype": fstype,
         },
-    )
-    print(f"\nwrote {args.json}")
-    failed = any(c["result"] == "FAIL" for c in checks)
-    return 1 if args.strict and failed else 0
+        "environment": environment(),
+        "rows": rows,
+        "targets": checks,
+    }
+    return finish(args, payload)
 
 
 if __name__ == "__main__":

@@ -38,19 +38,20 @@ from typing import Any
 
 import torch
 from _common import (
-    DEFAULT_RESULTS,
     REPO_ROOT,
     KiB,
     MiB,
     Table,
+    add_run_args,
+    bench_parser,
     check_not_tmpfs,
     environment,
+    finish,
     fmt_ms,
     median,
     remove_path,
     scratch_dir,
     verdict,
-    write_json,
 )
 from tensordict import TensorDict
 
@@ -154,17 +155,12 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = bench_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="a 64 KiB state, 100 steps")
     p.add_argument("--steps", type=int, default=None, help="steps (default 2000, quick 100)")
     p.add_argument("--envs", type=int, default=256, help="environments (default 256)")
     p.add_argument("--replays", type=int, default=200, help="random steps replayed")
-    p.add_argument("--dir", type=Path, default=DEFAULT_RESULTS / "tmp", help="scratch directory")
-    p.add_argument("--json", type=Path, default=DEFAULT_RESULTS / "record.json")
-    p.add_argument(
-        "--allow-tmpfs", action="store_true", help="only warn when --dir is memory-backed"
-    )
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
+    add_run_args(p, "record")
     args = p.parse_args(argv)
     args.steps = args.steps or (100 if args.quick else 2000)
     args.state_bytes = 64 * KiB if args.quick else 1 * MiB
@@ -238,10 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "result": res,
         "targets": targets,
     }
-    write_json(args.json, payload)
-    print(f"\nwrote {args.json}")
-    failed = any(t["result"] == "FAIL" for t in targets)
-    return 1 if args.strict and failed else 0
+    return finish(args, payload)
 
 
 if __name__ == "__main__":

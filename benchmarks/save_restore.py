@@ -61,13 +61,15 @@ from typing import Any
 
 import torch
 from _common import (
-    DEFAULT_RESULTS,
     REPO_ROOT,
     KiB,
     MiB,
     Table,
+    add_run_args,
+    bench_parser,
     check_not_tmpfs,
     environment,
+    finish,
     fmt_rate,
     fmt_ratio,
     fmt_seconds,
@@ -78,11 +80,11 @@ from _common import (
     ratio,
     read_views,
     remove_path,
+    render_targets,
     run_json_child,
     scratch_dir,
     settle,
     timed,
-    write_json,
     write_views_durably,
 )
 
@@ -639,13 +641,6 @@ def render_results(rows: list[dict[str, Any]], workloads: dict[str, Workload]) -
     return table.render()
 
 
-def render_targets(rows: list[dict[str, Any]]) -> str:
-    table = Table(["state", "target", "value", "limit", "result"])
-    for r in rows:
-        table.add(r["state"], r["target"], fmt_ratio(r["value"]), f"{r['limit']:.2f}x", r["result"])
-    return table.render()
-
-
 def render_rss(rss: dict[str, Any], size: int) -> str:
     headers = ["restore (fresh process)", "RSS with template", "peak RSS", "extra", "extra / state"]
     table = Table([*headers, "peak from"])
@@ -665,11 +660,9 @@ def render_rss(rss: dict[str, Any], size: int) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = bench_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="small states and 2 repetitions")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 5, quick 2)")
-    p.add_argument("--dir", type=Path, default=DEFAULT_RESULTS / "tmp", help="scratch directory")
-    p.add_argument("--json", type=Path, default=DEFAULT_RESULTS / "save_restore.json")
     p.add_argument("--only", choices=["save", "restore"], default=None)
     p.add_argument("--state", choices=["big", "small", "both"], default="both")
     p.add_argument(
@@ -677,10 +670,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="skip the informational fc.save run with crc32 stubbed out",
     )
-    p.add_argument(
-        "--allow-tmpfs", action="store_true", help="only warn when --dir is memory-backed"
-    )
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
+    add_run_args(p, "save_restore")
     p.add_argument("--rss-child", choices=["fc-like", "fc-out", "dcp"], help=argparse.SUPPRESS)
     p.add_argument("--rss-path", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--rss-spec", help=argparse.SUPPRESS)
@@ -738,7 +728,7 @@ def print_report(
     )
     for line in checksum_info(rows):
         print("  " + line)
-    print("\n" + render_targets(targets))
+    print("\n" + render_targets(targets, ("state", "target")))
     if args.quick:
         print("(--quick: the states are too small for the targets to mean anything)")
 
@@ -808,10 +798,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     targets = evaluate(res, rss)
     print_report(args, opts, fstype, workloads, rows, rss, targets)
     payload = make_payload(args, opts, fstype, workloads, rows, rss, targets)
-    write_json(args.json, payload)
-    print(f"\nwrote {args.json}")
-    failed = any(t["result"] == "FAIL" for t in targets)
-    return 1 if args.strict and failed else 0
+    return finish(args, payload)
 
 
 if __name__ == "__main__":

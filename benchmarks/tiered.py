@@ -49,23 +49,25 @@ from typing import Any
 
 import torch
 from _common import (
-    DEFAULT_RESULTS,
     REPO_ROOT,
     MiB,
     Table,
+    add_run_args,
+    bench_parser,
     check_not_tmpfs,
     environment,
-    fmt_ratio,
+    finish,
     fmt_seconds,
     median,
     ratio,
     remove_path,
+    render_targets,
     rotate,
     scratch_dir,
     settle,
     verdict,
-    write_json,
 )
+from _common import timed as time_call
 
 sys.path.insert(0, str(REPO_ROOT))
 
@@ -184,9 +186,7 @@ def run(args: argparse.Namespace, workdir: Path, endpoint: str) -> dict[str, lis
 
     def timed(label: str, fn: Callable[[], Any]) -> None:
         settle()
-        t0 = time.perf_counter()
-        fn()
-        times.setdefault(label, []).append(time.perf_counter() - t0)
+        times.setdefault(label, []).append(time_call(fn)[0])
 
     # The checkpoint every restore reads, uploaded once.
     remote_root = f"s3://{bucket}/restore"
@@ -273,17 +273,12 @@ def evaluate(times: dict[str, list[float]]) -> list[dict[str, Any]]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = bench_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="a tiny checkpoint and 1 repetition")
     p.add_argument("--size", type=float, default=None, help="checkpoint MiB (default 1024)")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3, quick 1)")
     p.add_argument("--steps", type=int, default=None, help="training steps per stall run")
-    p.add_argument("--dir", type=Path, default=DEFAULT_RESULTS / "tmp", help="scratch directory")
-    p.add_argument("--json", type=Path, default=DEFAULT_RESULTS / "tiered.json")
-    p.add_argument(
-        "--allow-tmpfs", action="store_true", help="only warn when --dir is memory-backed"
-    )
-    p.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
+    add_run_args(p, "tiered")
     args = p.parse_args(argv)
     args.size = args.size or (4.0 if args.quick else 1024.0)
     args.reps = args.reps or (1 if args.quick else 3)
@@ -338,10 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             r["op"], r["tool"], fmt_seconds(r["median_s"]), "-" if rate is None else f"{rate:.0f}"
         )
     print("\n" + table.render())
-    ttable = Table(["target", "value", "limit", "result"])
-    for t in targets:
-        ttable.add(t["target"], fmt_ratio(t["value"]), f"{t['limit']:.2f}x", t["result"])
-    print("\n" + ttable.render())
+    print("\n" + render_targets(targets))
     if args.quick:
         print("(--quick: the checkpoint is too small for the targets to mean anything)")
     payload = {
@@ -359,10 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": rows,
         "targets": targets,
     }
-    write_json(args.json, payload)
-    print(f"\nwrote {args.json}")
-    failed = any(t["result"] == "FAIL" for t in targets)
-    return 1 if args.strict and failed else 0
+    return finish(args, payload)
 
 
 if __name__ == "__main__":

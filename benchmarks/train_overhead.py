@@ -47,12 +47,14 @@ from typing import Any
 
 import torch
 from _common import (
-    DEFAULT_RESULTS,
     REPO_ROOT,
     MiB,
     Table,
+    add_run_args,
+    bench_parser,
     check_not_tmpfs,
     environment,
+    finish,
     fmt_ms,
     fmt_pct,
     fmt_seconds,
@@ -62,7 +64,6 @@ from _common import (
     settle,
     timed,
     verdict,
-    write_json,
 )
 
 if str(REPO_ROOT) not in sys.path:
@@ -507,7 +508,7 @@ def render_summary(rows: list[list[str]]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = bench_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
     p.add_argument("--d", type=int, default=None, help="model width (default 1024)")
     p.add_argument("--hidden", type=int, default=None, help="hidden width (default 4 d)")
@@ -526,12 +527,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--k", type=int, default=None, help="force the checkpoint interval K")
     p.add_argument("--mode", choices=["auto", "manager", "save_async"], default="auto")
-    p.add_argument("--dir", type=Path, default=DEFAULT_RESULTS / "tmp", help="scratch directory")
-    p.add_argument("--json", type=Path, default=DEFAULT_RESULTS / "train_overhead.json")
-    p.add_argument(
-        "--allow-tmpfs", action="store_true", help="only warn when --dir is memory-backed"
-    )
-    p.add_argument("--strict", action="store_true", help="exit 1 when the target fails")
+    add_run_args(p, "train_overhead", strict="the target")
     args = p.parse_args(argv)
     quick = args.quick
     args.d = args.d or (64 if quick else 1024)
@@ -663,9 +659,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "environment": environment(),
     }
-    write_json(args.json, payload)
-    print(f"\nwrote {args.json}")
-    return 1 if args.strict and overhead > TARGET_OVERHEAD_PCT else 0
+    return finish(args, payload, failed=overhead > TARGET_OVERHEAD_PCT)
 
 
 if __name__ == "__main__":

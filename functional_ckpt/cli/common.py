@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from functional_ckpt import format as fmt
-from functional_ckpt.cli.ui import PROG
+from functional_ckpt.cli.ui import PROG, UI
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 from functional_ckpt.root import Entry, scan
 
@@ -22,6 +23,7 @@ __all__ = [
     "is_stock_dcp",
     "newest_checkpoint",
     "one_line",
+    "print_verified",
     "require_exists",
     "scan_root",
     "time_text",
@@ -118,3 +120,26 @@ def newest_checkpoint(root: Path) -> Path:
     if not ok:
         raise CheckpointNotFound(f"{root}: no committed checkpoint here")
     return ok[-1].path
+
+
+def print_verified(
+    ui: UI,
+    emit: Callable[[str], None],
+    where: object,
+    result: tuple[bool, Sequence[str], str],
+    quiet: bool,
+) -> bool:
+    """``fckpt verify``'s lines for one checkpoint, local or remote alike; True if damaged.
+
+    ``result`` is (intact, problem lines, summary); ``emit`` prints a line (above a
+    progress bar when one runs).
+    """
+    ok, problems, what = result
+    if ok:
+        if not quiet:
+            emit(f"{ui.paint('OK', 'ok')}       {where}  ({what})")
+        return False
+    emit(f"{ui.paint('DAMAGED', 'bad')}  {where}")
+    for line in problems:
+        emit(f"  {line}")
+    return True

@@ -17,6 +17,7 @@ from functional_ckpt.cli.common import (
     UsageError,
     is_checkpoint_dir,
     one_line,
+    print_verified,
     require_exists,
     scan_root,
     time_text,
@@ -318,16 +319,9 @@ def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
         )
     with ui.progress("verifying", sum(dir_size(p) for p in paths)) as bar:
         for path in paths:  # each result as soon as it is known
-            ok, problems, what = verify_one(path)
+            result = verify_one(path)
             bar.advance(dir_size(path))
-            if ok:
-                if not args.quiet:
-                    bar.print(f"{ui.paint('OK', 'ok')}       {path}  ({what})")
-                continue
-            bad += 1
-            bar.print(f"{ui.paint('DAMAGED', 'bad')}  {path}")
-            for line in problems:
-                bar.print(f"  {line}")
+            bad += print_verified(ui, bar.print, path, result, args.quiet)
     total = len(paths) + len(broken)
     unverified = f"; {len(stock)} stock DCP not verifiable" if stock else ""
     if bad:

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from functional_ckpt.cli.common import UsageError, one_line, time_text
+from functional_ckpt.cli.common import UsageError, one_line, print_verified, time_text
 from functional_ckpt.cli.ui import UI, human
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 from functional_ckpt.io import verify
@@ -174,18 +174,12 @@ def verify_remote(args: argparse.Namespace, ui: UI) -> int:
         with tempfile.TemporaryDirectory(prefix="fckpt-") as tmp:
             try:
                 report = verify(download(store, s, Path(tmp), check=False))
-                ok, problems = report.ok, [f"{where}/{p}" for p in report.problems]
+                problems = [f"{where}/{p}" for p in report.problems]
                 what = f"{report.files_checked} files, {human(report.bytes_checked)}"
+                result = (report.ok, problems, what)
             except CheckpointError as err:
-                ok, problems, what = False, [f"{where}: {one_line(err)}"], ""
-        if ok:
-            if not args.quiet:
-                ui.print(f"{ui.paint('OK', 'ok')}       {where}  ({what})")
-            continue
-        bad += 1
-        ui.print(f"{ui.paint('DAMAGED', 'bad')}  {where}")
-        for line in problems:
-            ui.print(f"  {line}")
+                result = (False, [f"{where}: {one_line(err)}"], "")
+        bad += print_verified(ui, ui.print, where, result, args.quiet)
     if bad:
         ui.print(f"{bad} of {len(steps)} checkpoints damaged")
         return 1

@@ -413,29 +413,36 @@ class RemoteTier:
                 if n not in (format.COMMIT_MARKER, format.MANIFEST)
                 and protocol.owner(n, self.world) == self.rank
             ]
-            error = None
-            try:
-                retried(lambda: protocol.put_part(self.store, step, local, names, present or {}))
-            except BaseException as e:
-                error = e
-            if self.world > 1:
-                agree(error, self._group, f"upload {self.store.where(step)}")
-            elif error is not None:
-                raise error
-            error = None
-            try:
-                if self.coordinator:
-                    retried(lambda: protocol.commit(self.store, step, local, sizes))
-            except BaseException as e:
-                error = e
-            if self.world > 1:
-                agree(error, self._group, f"commit {self.store.where(step)}")
-            elif error is not None:
-                raise error
+            parts = present or {}
+            self._together(
+                f"upload {self.store.where(step)}",
+                lambda: retried(lambda: protocol.put_part(self.store, step, local, names, parts)),
+            )
+            self._together(
+                f"commit {self.store.where(step)}",
+                lambda: retried(lambda: protocol.commit(self.store, step, local, sizes)),
+                here=self.coordinator,
+            )
         except BaseException as err:
             self._fail(step, err)
             return
         self._done(step)
+
+    def _together(self, what: str, action: Callable[[], object], here: bool = True) -> None:
+        """``action`` (on this rank if ``here``), then every rank raises if any rank's
+        failed: no rank goes on to the next phase of an upload alone."""
+        error: BaseException | None = None
+        try:
+            if here:
+                action()
+        except BaseException as e:
+            error = e
+        if self.world > 1:
+            from functional_ckpt.dist import agree
+
+            agree(error, self._group, what)
+        elif error is not None:
+            raise error
 
     def _set_uploading(self, step: int | None) -> None:
         with self._lock:
