@@ -20,7 +20,6 @@ import contextlib
 import math
 import os
 import re
-import stat
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -529,19 +528,32 @@ def remove_checkpoint(path: str | os.PathLike[str], *, missing_ok: bool = False)
     remove_all(delete(path.parent, [path]))
 
 
-def _committed(path: Path) -> bool:
+def _leftover_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest of a leftover directory if its marker is whole and vouches for it.
+
+    A marker file alone proves nothing: a save killed while writing it leaves an
+    empty or cut one in its temporary directory, which must not come back as a
+    checkpoint.
+    """
     try:
-        st = os.lstat(path / format.COMMIT_MARKER)
+        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
-        return False
-    return stat.S_ISREG(st.st_mode)
+        return None
+    try:
+        return format.read_manifest_at(dir_fd, path, format.read_marker(dir_fd, path))
+    except (CheckpointError, OSError, ValueError, RecursionError, MemoryError):
+        return None
+    finally:
+        os.close(dir_fd)
+
+
+def _committed(path: Path) -> bool:
+    return _leftover_manifest(path) is not None
 
 
 def _created(path: Path) -> float:
-    try:
-        t = _time(format.read_manifest(path).get("created"))
-    except (CheckpointError, OSError, ValueError, RecursionError, MemoryError):
-        t = None
+    manifest = _leftover_manifest(path)
+    t = None if manifest is None else _time(manifest.get("created"))
     return -math.inf if t is None else t
 
 

@@ -725,6 +725,23 @@ def test_committed_leftovers_of_an_interrupted_overwrite_are_recovered(tmp_path:
     assert (root / f"{name}.trash-0123456789ab" / format.COMMIT_MARKER).exists()  # kept
 
 
+@pytest.mark.parametrize("cut", [0, 7])
+def test_a_leftover_whose_marker_was_cut_is_not_recovered(tmp_path: Path, cut: int) -> None:
+    """A save killed while writing its marker leaves an empty or cut ``COMMITTED`` in its
+    temporary directory: the next writer must delete it, never make it ``step_N``."""
+    root = tmp_path / "root"
+    root.mkdir()
+    torn = _committed_copy(root, f"{step_name(3)}.tmp-0123456789ab", small_state(3))
+    marker = torn / format.COMMIT_MARKER
+    marker.write_bytes(marker.read_bytes()[:cut])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is recovered, so nothing is said
+        mgr = fc.CheckpointManager(root)
+    with mgr:
+        assert mgr.steps() == [] and mgr.restore_latest() is None
+    assert not torn.exists() and not (root / step_name(3)).exists()
+
+
 _CRASH_BETWEEN_RENAMES = """
 import os, signal, sys
 import torch
