@@ -187,6 +187,24 @@ def test_stock_values_that_are_not_plain_still_need_allow_pickle(tmp_path: Path)
     assert back["tags"] == {"a", "b"} and back["lr"] == 0.5
 
 
+def test_a_stock_value_that_expands_beyond_its_bytes_is_not_plain(tmp_path: Path) -> None:
+    """A pickle of a few hundred bytes can share one list at every level: 2**31 elements
+    once walked. Taken for plain data it would hang whatever walks the restored state."""
+    bomb: list[Any] = [1, 2]
+    for _ in range(30):  # as deep as plain data may be
+        bomb = [bomb, bomb]
+    shared = [1, 2]
+    # a tuple is a leaf to DCP's flattening, which would walk the list itself
+    sd = {"w": torch.ones(2), "v": (bomb,), "pair": [shared, shared], "lr": 0.5}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    like = {"w": torch.zeros(2), "v": 0, "pair": [], "lr": 0.0}
+    with pytest.raises(fc.errors.UnsafeCheckpoint, match="allow_pickle") as err:
+        fc.restore(tmp_path / "d", like)
+    assert "'v'" in str(err.value) and "'pair'" not in str(err.value)  # modest sharing is fine
+    back = fc.restore(tmp_path / "d", {"w": torch.zeros(2), "pair": [], "lr": 0.0}, partial=True)
+    assert back["pair"] == [[1, 2], [1, 2]] and back["lr"] == 0.5
+
+
 def test_own_reader_never_reads_byte_entries(tmp_path: Path) -> None:
     """A checkpoint of ours restores from the manifest even with its byte entries zeroed."""
     fc.save(tmp_path / "ck", {"w": torch.ones(2), "lr": 0.25})
