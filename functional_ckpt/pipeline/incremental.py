@@ -345,6 +345,9 @@ def _bring(base: Base, name: str, size: int, dst: Path, syncing: list[Future[Non
         return False
     if not stat.S_ISREG(st.st_mode) or st.st_size != size:
         return False
+    compared = base.fds.get(name)
+    if compared is not None and not os.path.samestat(os.fstat(compared), st):
+        return False  # replaced since its bytes were compared
     try:
         os.link(name, dst, src_dir_fd=dir_fd, follow_symlinks=False)
     except OSError as e:
