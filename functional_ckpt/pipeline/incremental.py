@@ -10,9 +10,10 @@ checkpoint is self-contained: readers, ``verify``, ``fckpt`` and stock
 "Unchanged" is decided per chunk, never guessed: a chunk is reused only when
 the base recorded the same key, box and dtype and the CRC32 of the bytes being
 saved equals the CRC32 the base recorded. The base's file is trusted to hold
-those bytes only when this process wrote (or checked) that very file; any
-other base file is read and compared byte for byte first, so a damaged or
-foreign base never puts its bytes into a new checkpoint. Version counters only
+those bytes only when this process committed that very file in an incremental
+save (:func:`remember`); any other base file is read and compared byte for
+byte first, so a damaged or foreign base never puts its bytes into a new
+checkpoint. Version counters only
 save work: a tensor whose counter moved since this process wrote the base is
 written without that checksum pass (its checksum is computed during the write
 anyway).
