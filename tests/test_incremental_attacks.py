@@ -6,13 +6,17 @@ must never reach a new checkpoint, which has to hold exactly the state saved.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 import functional_ckpt as fc
+from functional_ckpt.pipeline import incremental
 
 
 def _flip_byte_of(path: Path, needle: bytes) -> None:
@@ -57,3 +61,22 @@ def test_an_intact_foreign_base_is_still_shared(tmp_path: Path) -> None:
     fc.save(tmp_path / "b", {"w": w, "step": 2}, base=tmp_path / "foreign")
     assert os.stat(tmp_path / "b" / "__0_1.distcp").st_nlink == 2
     assert fc.verify(tmp_path / "b").ok
+
+
+def test_a_copied_base_file_counts_as_added(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Where no hard link is possible the base's file is copied: the save wrote those
+    # bytes, and fckpt inspect/ls must not report them as shared or as not added.
+    w = torch.arange(4096, dtype=torch.float32)
+    fc.save(tmp_path / "a", {"w": w, "step": 1})
+
+    def no_link(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EXDEV, "cross-device link")
+
+    monkeypatch.setattr(incremental.os, "link", no_link)
+    fc.save(tmp_path / "b", {"w": w, "step": 2}, base=tmp_path / "a")
+    copied = os.stat(tmp_path / "b" / "__0_1.distcp").st_size
+    info = fc.inspect(tmp_path / "b")
+    assert info.shared_bytes == 0
+    assert info.added_bytes is not None and info.added_bytes >= copied

@@ -405,8 +405,16 @@ def _copy_range(src: int, out: int, size: int) -> int:
 
 
 def reused_info(directory: Path) -> dict[str, dict[str, Any]]:
-    """The ``files`` table marks of a save's directory: data files reused from a base."""
-    return {n: {"reused": True} for n in os.listdir(directory) if _REUSED_NAME.fullmatch(n)}
+    """The ``files`` table marks of a save's directory: data files reused from a base,
+    and of those the ones that are copies (one link: no other checkpoint holds them),
+    whose bytes this save wrote."""
+    out: dict[str, dict[str, Any]] = {}
+    for n in os.listdir(directory):
+        if _REUSED_NAME.fullmatch(n):
+            out[n] = {"reused": True}
+            if os.stat(directory / n, follow_symlinks=False).st_nlink == 1:
+                out[n]["copied"] = True
+    return out
 
 
 def write_rank(
@@ -536,7 +544,7 @@ def sharing(path: Path, files: Any) -> tuple[int, int]:
     """(bytes shared with other checkpoints now, bytes this save added) of a checkpoint.
 
     Shared: data files with more than one link (the same bytes in another
-    checkpoint). Added: every listed file the save wrote itself, not reused.
+    checkpoint). Added: every listed file the save wrote itself, copies included.
     """
     shared = added = 0
     if not isinstance(files, dict):
@@ -546,7 +554,7 @@ def sharing(path: Path, files: Any) -> tuple[int, int]:
             continue
         size = info.get("size")
         size = size if isinstance(size, int) else 0
-        if not info.get("reused"):
+        if not info.get("reused") or info.get("copied") is True:
             added += size
         with contextlib.suppress(OSError):
             st = os.stat(path / name, follow_symlinks=False)
