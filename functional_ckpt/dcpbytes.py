@@ -205,10 +205,13 @@ def plan_bytes(
 
     ``taken`` holds the DCP keys of tensors (a value never shadows one);
     container records, values that are not plain data and large values are
-    left to the manifest alone.
+    left to the manifest alone, and so are values whose DCP keys collide
+    (``a.b`` and ``a`` -> ``b``): a stock reader asking for one of them must
+    not be handed the other's value.
     """
     out: list[ByteEntry] = []
     seen = set(taken)
+    clashes: set[str] = set()
     for path, value in values:
         if path[-1] == NODE_KEY or len(out) >= MAX_ENTRIES:
             continue
@@ -227,14 +230,17 @@ def plan_bytes(
                 if not all(0 <= i < len(names) for i in v):
                     continue
                 v = [names[i] for i in v]  # as get_state_dict names them
-            if fqn in seen or len(out) >= MAX_ENTRIES or not _plain(v, [_MAX_ELEMENTS]):
+            if fqn in seen:
+                clashes.add(fqn)
+                continue
+            if len(out) >= MAX_ENTRIES or not _plain(v, [_MAX_ELEMENTS]):
                 continue
             data = _saved(v)
             if len(data) > MAX_VALUE_BYTES:
                 continue
             seen.add(fqn)
             out.append(ByteEntry(fqn, sub, data))
-    return out
+    return [e for e in out if e.fqn not in clashes]
 
 
 # --------------------------------------------------------------------------- parsing

@@ -334,7 +334,7 @@ def save_planned(
             raise os_error(e, dest) from e
     sizes = all_gather_bytes(str(job.nbytes).encode(), group)
     if idents is not None:
-        incremental.remember(dest, writer.seen)
+        incremental.remember(dest, writer.seen, writer.rank)
     return CheckpointInfo(
         path=dest,
         nbytes=int(sizes[0].decode() or 0),

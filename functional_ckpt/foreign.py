@@ -131,7 +131,10 @@ def load_plain(blob: bytes) -> Any:
     A stock byte entry is ``torch.save`` bytes: a zip whose ``data.pkl`` holds
     the pickle. Numbers, strings, ``None`` and lists, tuples and dicts of them
     need no class to be rebuilt; the pickle is read by the restricted unpickler
-    with every global refused, and its result checked to be plain data.
+    with every global refused, and its result checked to be plain data. A pickle
+    may refer to one container many times: a value that, walked as the tree it
+    stands for, has more elements than :func:`_tree_budget` allows is no plain
+    data either (a few hundred bytes could otherwise stand for 2**31 elements).
     """
     try:
         with zipfile.ZipFile(io.BytesIO(blob)) as z:
@@ -148,7 +151,34 @@ def load_plain(blob: bytes) -> Any:
         value = _PlainUnpickler(data).load()
     except (CheckpointError, zipfile.BadZipFile, RecursionError, Exception):
         return _NOT_PLAIN
-    return value if dcpmeta.is_plain(value) else _NOT_PLAIN
+    if not dcpmeta.is_plain(value) or not _tree_within(value, _tree_budget(len(data))):
+        return _NOT_PLAIN
+    return value
+
+
+def _tree_budget(pickle_bytes: int) -> int:
+    """Elements allowed in a plain value read from a pickle of ``pickle_bytes``.
+
+    Each element of a value without shared parts costs its pickle at least one
+    byte; the slack lets a value refer to a part of itself a few times.
+    """
+    return 4 * pickle_bytes + 64
+
+
+def _tree_within(value: Any, budget: int) -> bool:
+    """Whether ``value``, walked as a tree, has at most ``budget`` elements (a cycle has not)."""
+    todo = [value]
+    while todo:
+        budget -= 1
+        if budget < 0:
+            return False
+        v = todo.pop()
+        if type(v) in (list, tuple):
+            todo += v
+        elif isinstance(v, dict):
+            todo += v.keys()
+            todo += v.values()
+    return True
 
 
 @dataclass

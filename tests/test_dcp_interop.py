@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -185,6 +186,40 @@ def test_stock_values_that_are_not_plain_still_need_allow_pickle(tmp_path: Path)
     assert "'tags'" in str(err.value) and "'lr'" not in str(err.value)
     back = fc.restore(tmp_path / "d", like, allow_pickle=True)
     assert back["tags"] == {"a", "b"} and back["lr"] == 0.5
+
+
+def test_a_stock_value_that_expands_beyond_its_bytes_is_not_plain(tmp_path: Path) -> None:
+    """A pickle of a few hundred bytes can share one list at every level: 2**31 elements
+    once walked. Taken for plain data it would hang whatever walks the restored state."""
+    bomb: list[Any] = [1, 2]
+    for _ in range(30):  # as deep as plain data may be
+        bomb = [bomb, bomb]
+    shared = [1, 2]
+    # a tuple is a leaf to DCP's flattening, which would walk the list itself
+    sd = {"w": torch.ones(2), "v": (bomb,), "pair": [shared, shared], "lr": 0.5}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    like = {"w": torch.zeros(2), "v": 0, "pair": [], "lr": 0.0}
+    with pytest.raises(fc.errors.UnsafeCheckpoint, match="allow_pickle") as err:
+        fc.restore(tmp_path / "d", like)
+    assert "'v'" in str(err.value) and "'pair'" not in str(err.value)  # modest sharing is fine
+    back = fc.restore(tmp_path / "d", {"w": torch.zeros(2), "pair": [], "lr": 0.0}, partial=True)
+    assert back["pair"] == [[1, 2], [1, 2]] and back["lr"] == 0.5
+
+
+def test_values_whose_dcp_keys_collide_are_left_to_the_manifest(tmp_path: Path) -> None:
+    """``state['a.b']`` and ``state['a']['b']`` are both DCP key ``a.b``: a stock reader
+    asking for one must not be handed the other's value."""
+    fc.save(tmp_path / "ck", {"a.b": 1, "a": {"b": 2}, "c": 3, "w": torch.ones(2)})
+    back = fc.restore(tmp_path / "ck")
+    assert back["a.b"] == 1 and back["a", "b"] == 2
+    for target in ({"a": {"b": 0}}, {"a.b": 0}):
+        with pytest.raises(
+            CheckpointException, match=r"Missing key in checkpoint state_dict: a\.b"
+        ):
+            dcp.load(target, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    target = {"c": 0, "w": torch.zeros(2)}
+    dcp.load(target, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    assert target["c"] == 3 and fc.verify(tmp_path / "ck").ok
 
 
 def test_own_reader_never_reads_byte_entries(tmp_path: Path) -> None:

@@ -9,9 +9,14 @@ checkpoint is self-contained: readers, ``verify``, ``fckpt`` and stock
 
 "Unchanged" is decided per chunk, never guessed: a chunk is reused only when
 the base recorded the same key, box and dtype and the CRC32 of the bytes being
-saved equals the CRC32 the base recorded. Version counters only save work: a
-tensor whose counter moved since this process wrote the base is written
-without that checksum pass (its checksum is computed during the write anyway).
+saved equals the CRC32 the base recorded. The base's file is trusted to hold
+those bytes only when this process committed that very file in an incremental
+save (:func:`remember`); any other base file is read and compared byte for
+byte first, so a damaged or foreign base never puts its bytes into a new
+checkpoint. Version counters only
+save work: a tensor whose counter moved since this process wrote the base is
+written without that checksum pass (its checksum is computed during the write
+anyway).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from functional_ckpt import dcpbytes, format, shards, writer
@@ -44,6 +50,8 @@ from functional_ckpt.writer import CheckpointInfo, Plan, shard_name
 Key = tuple[str, tuple[int, ...]]
 #: Where a source tensor's bytes live and its version counter, when it was saved.
 Ident = tuple[int, int]
+#: One data file as this process left it: device, inode, size, modification time.
+FileIdent = tuple[int, int, int, int]
 
 #: A base data file is shared only while at least this fraction of its bytes is
 #: still used (the values the base holds there for stock DCP readers do not
@@ -95,12 +103,27 @@ class Base:
     sizes: dict[str, int]
     tensor_bytes: dict[str, int]
     seen: dict[Key, Ident]  # what this process saved there, if it wrote it
+    trusted: set[str] = dataclasses.field(default_factory=set)  # files this process wrote
+    fds: dict[str, int] = dataclasses.field(default_factory=dict)  # files opened to compare
 
     @property
     def path(self) -> Path:
         return self.ck.path
 
+    def open(self, name: str) -> int:
+        """The base's data file ``name``, opened safely once and checked for its size."""
+        fd = self.fds.get(name)
+        if fd is None:
+            where = format.safe_member(self.path, name)
+            fd = self.fds[name] = format.open_member(
+                self.ck.dir_fd, name, where, size=self.sizes[name]
+            )
+        return fd
+
     def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
         self.ck.close()
 
 
@@ -129,11 +152,14 @@ def open_base(inc: Incremental | None) -> Base | None:
                 if e.alias is None:
                     for c in e.chunks:
                         chunks[(e.fqn, c.offsets)] = BaseChunk(e.dtype, c)
-        seen = _SEEN.get(_identity(ck.dir_fd, path), {})
+        memory = _SEEN.get(_identity(ck.dir_fd, path))
         held = dict(parsed.shared.file_sizes)
         for b in dcpbytes.parse(ck.manifest, held, path):
             held[b.file] -= b.length
-        return Base(ck, chunks, dict(parsed.shared.file_sizes), held, seen)
+        if memory is None:
+            return Base(ck, chunks, dict(parsed.shared.file_sizes), held, {})
+        trusted = {n for n, fid in memory.files.items() if _file_ident(ck.dir_fd, n) == fid}
+        return Base(ck, chunks, dict(parsed.shared.file_sizes), held, memory.seen, trusted)
     except CheckpointError as err:
         ck.close()
         if not inc.required:
@@ -148,7 +174,17 @@ def open_base(inc: Incremental | None) -> Base | None:
 
 # --------------------------------------------------------------------------- versions
 
-_SEEN: OrderedDict[tuple[int, ...], dict[Key, Ident]] = OrderedDict()
+
+@dataclass(frozen=True)
+class _Memory:
+    """What this process knows of a checkpoint it committed: the version counters
+    of what it saved, and the data files it wrote or checked, as it left them."""
+
+    seen: dict[Key, Ident]
+    files: dict[str, FileIdent]
+
+
+_SEEN: OrderedDict[tuple[int, ...], _Memory] = OrderedDict()
 _SEEN_LOCK = threading.Lock()
 #: Checkpoints whose version counters a process remembers.
 _SEEN_MAX = 8
@@ -175,18 +211,35 @@ def _identity(dir_fd: int, path: Path) -> tuple[int, ...]:
     return (held.st_dev, held.st_ino, crc, size)
 
 
-def remember(dest: Path, seen: dict[Key, Ident]) -> None:
-    """After a commit: which bytes and versions the checkpoint at ``dest`` holds."""
+def _file_ident(dir_fd: int, name: str) -> FileIdent | None:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def remember(dest: Path, seen: dict[Key, Ident], rank: int = 0) -> None:
+    """After a commit: which bytes and versions the checkpoint at ``dest`` holds, and
+    the data files of ``rank`` (this process wrote them, or checked the reused ones)."""
     try:
         dir_fd = format.open_directory(dest)
     except (CheckpointError, OSError):
         return
     try:
         key = _identity(dir_fd, dest)
+        own = re.compile(rf"__{rank}_\d+\.distcp")
+        files = {
+            n: fid
+            for n in os.listdir(dir_fd)
+            if own.fullmatch(n) and (fid := _file_ident(dir_fd, n)) is not None
+        }
     finally:
         os.close(dir_fd)
     with _SEEN_LOCK:
-        _SEEN[key] = seen
+        _SEEN[key] = _Memory(seen, files)
         _SEEN.move_to_end(key)
         while len(_SEEN) > _SEEN_MAX:
             _SEEN.popitem(last=False)
@@ -207,7 +260,30 @@ def _unchanged(base: Base, key: Key, t: torch.Tensor, known: Ident | None) -> Ch
         return None  # written or moved since the base: changed, no checksum pass needed
     if _crc(t) != got.chunk.crc32:
         return None
+    if got.chunk.file not in base.trusted and not _stored_equals(base, got.chunk, t):
+        return None  # the base's file does not hold what its manifest says: not shared
     return got.chunk
+
+
+def _stored_equals(base: Base, chunk: Chunk, t: torch.Tensor) -> bool:
+    """Whether the base's blob for ``chunk`` is intact and holds exactly ``t``'s bytes."""
+    view = np.frombuffer(shards.byte_view(t), dtype=np.uint8)
+    try:
+        fd = base.open(chunk.file)
+        head = os.pread(fd, chunk.data_offset - chunk.offset, chunk.offset)
+        end = chunk.data_offset + chunk.nbytes
+        tail = os.pread(fd, chunk.offset + chunk.length - end, end)
+        if len(view) != chunk.nbytes or crc32(tail, crc32(head)) != chunk.hcrc32:
+            return False
+        buf = np.empty(min(shards.CHUNK, len(view)), dtype=np.uint8)
+        for off in range(0, len(view), len(buf)):
+            part = buf[: min(len(buf), len(view) - off)]
+            got = shards.read_into(fd, chunk.data_offset + off, part.data)
+            if got != len(part) or not np.array_equal(part, view[off : off + len(part)]):
+                return False
+    except (OSError, CheckpointError, KeyError, ValueError):
+        return False
+    return True
 
 
 def _crc(t: torch.Tensor) -> int:
@@ -270,6 +346,9 @@ def _bring(base: Base, name: str, size: int, dst: Path, syncing: list[Future[Non
         return False
     if not stat.S_ISREG(st.st_mode) or st.st_size != size:
         return False
+    compared = base.fds.get(name)
+    if compared is not None and not os.path.samestat(os.fstat(compared), st):
+        return False  # replaced since its bytes were compared
     try:
         os.link(name, dst, src_dir_fd=dir_fd, follow_symlinks=False)
     except OSError as e:
@@ -326,8 +405,16 @@ def _copy_range(src: int, out: int, size: int) -> int:
 
 
 def reused_info(directory: Path) -> dict[str, dict[str, Any]]:
-    """The ``files`` table marks of a save's directory: data files reused from a base."""
-    return {n: {"reused": True} for n in os.listdir(directory) if _REUSED_NAME.fullmatch(n)}
+    """The ``files`` table marks of a save's directory: data files reused from a base,
+    and of those the ones that are copies (one link: no other checkpoint holds them),
+    whose bytes this save wrote."""
+    out: dict[str, dict[str, Any]] = {}
+    for n in os.listdir(directory):
+        if _REUSED_NAME.fullmatch(n):
+            out[n] = {"reused": True}
+            if os.stat(directory / n, follow_symlinks=False).st_nlink == 1:
+                out[n]["copied"] = True
+    return out
 
 
 def write_rank(
@@ -457,7 +544,7 @@ def sharing(path: Path, files: Any) -> tuple[int, int]:
     """(bytes shared with other checkpoints now, bytes this save added) of a checkpoint.
 
     Shared: data files with more than one link (the same bytes in another
-    checkpoint). Added: every listed file the save wrote itself, not reused.
+    checkpoint). Added: every listed file the save wrote itself, copies included.
     """
     shared = added = 0
     if not isinstance(files, dict):
@@ -467,7 +554,7 @@ def sharing(path: Path, files: Any) -> tuple[int, int]:
             continue
         size = info.get("size")
         size = size if isinstance(size, int) else 0
-        if not info.get("reused"):
+        if not info.get("reused") or info.get("copied") is True:
             added += size
         with contextlib.suppress(OSError):
             st = os.stat(path / name, follow_symlinks=False)
