@@ -39,8 +39,10 @@ DcpPath = tuple[str | int, ...]
 PARAM_NAMES = "param_fqns"
 #: Largest ``torch.save`` blob of one value written for stock readers.
 MAX_VALUE_BYTES = 64 << 10
-#: At most this many byte entries per checkpoint (the rest stays manifest-only).
-MAX_ENTRIES = 1024
+#: At most this many byte entries per checkpoint (the rest stays manifest-only):
+#: room for an optimizer with a thousand parameter groups (about 12 values each),
+#: at about 1.3 KB of disk per entry.
+MAX_ENTRIES = 16384
 _PLAIN = (type(None), bool, int, float, str)
 
 

@@ -120,6 +120,31 @@ def test_incremental_checkpoint_keeps_its_values_for_stock_readers(tmp_path: Pat
     _assert_resumed(fresh, (model, opt, sched))
 
 
+def test_an_optimizer_with_many_param_groups_loads_whole_with_the_stock_recipe(
+    tmp_path: Path,
+) -> None:
+    """Layer-wise learning rates give one group per layer: 120 groups of about twelve
+    values each must all reach a stock reader, and so must the values after them."""
+
+    def objects(lr: float) -> tuple[Any, Any]:
+        model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(60)])
+        groups = [{"params": [p], "lr": lr * (i + 1)} for i, p in enumerate(model.parameters())]
+        return model, torch.optim.AdamW(groups, lr=lr)
+
+    model, opt = objects(0.01)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    fc.save(tmp_path / "ck", fc.capture(model=model, optimizer=opt, step=3))
+    m2, o2 = objects(0.5)
+    msd, osd = get_state_dict(m2, o2)
+    sd: dict[str, Any] = {"model": msd, "optimizer": osd, "step": 0}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    set_state_dict(m2, o2, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+    assert sd["step"] == 3 and len(o2.param_groups) == 120
+    assert [g["lr"] for g in o2.param_groups] == [g["lr"] for g in opt.param_groups]
+    _assert_same(o2.state_dict(), opt.state_dict(), "optimizer")
+
+
 def test_manager_checkpoint_converts_with_dcp_to_torch_save(tmp_path: Path) -> None:
     model, opt, sched = _trained()
     with fc.CheckpointManager(tmp_path / "run") as mgr:
