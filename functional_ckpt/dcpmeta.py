@@ -409,6 +409,10 @@ class RestrictedUnpickler(pickle._Unpickler):
     def load_obj(self) -> None:
         raise _refuse("protocol-1 instances")
 
+    def load_ext(self) -> None:
+        # copyreg's extension cache hands back objects without asking find_class
+        raise _refuse("extension codes (copyreg)")
+
     dispatch[pickle.NEWOBJ[0]] = load_newobj
     dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
     dispatch[pickle.REDUCE[0]] = load_reduce
@@ -420,6 +424,9 @@ class RestrictedUnpickler(pickle._Unpickler):
     dispatch[pickle.ADDITEMS[0]] = load_additems
     dispatch[pickle.INST[0]] = load_inst
     dispatch[pickle.OBJ[0]] = load_obj
+    for _op in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
+        dispatch[_op[0]] = load_ext
+    del _op
 
 
 def _properties(state: Any) -> None:

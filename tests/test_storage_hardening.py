@@ -369,6 +369,21 @@ def test_unpickler_attack_changes_nothing(tmp_path: Path, name: str) -> None:
     assert copyreg is not None and collections.OrderedDict is not None
 
 
+def test_extension_codes_are_refused_even_when_cached() -> None:
+    """copyreg's extension cache returns an object for an EXT opcode without asking
+    ``find_class``: a process that once registered and loaded a code would hand any
+    pickle that names the code that object (here ``print``)."""
+    code = 0xF0
+    copyreg.add_extension("builtins", "print", code)
+    try:
+        assert pickle.loads(b"\x80\x02\x82\xf0.") is print  # now in the cache
+        with pytest.raises(fc.errors.UnsafeCheckpoint, match="extension"):
+            dcpmeta.RestrictedUnpickler(b"\x80\x02\x82\xf0.").load()
+    finally:
+        copyreg.remove_extension("builtins", "print", code)
+        copyreg.clear_extension_cache()
+
+
 def test_attack_would_work_without_the_vetting(tmp_path: Path) -> None:
     """The attack pickles are real: an unpickler filtering only globals (the old one) is fooled.
 
