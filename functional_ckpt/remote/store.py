@@ -26,6 +26,7 @@ from functional_ckpt.errors import (
     RemoteUnreachable,
     RemoteVanished,
 )
+from functional_ckpt.remote.background import background_loop
 from functional_ckpt.root import parse_step, step_name
 
 __all__ = ["RemoteStep", "Store", "remote_error"]
@@ -84,9 +85,19 @@ class RemoteStep:
 
 
 class Store:
-    """One remote root: ``url`` (any fsspec URL) opened with ``storage_options``."""
+    """One remote root: ``url`` (any fsspec URL) opened with ``storage_options``.
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    ``background=True`` (the uploads' store): an asynchronous file system runs
+    this store's requests on :func:`~functional_ckpt.remote.background.background_loop`.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        background: bool = False,
+    ) -> None:
         if not isinstance(url, str) or "://" not in url:
             raise ValueError(
                 f"remote={url!r}: expected an fsspec URL such as 's3://bucket/prefix' "
@@ -102,6 +113,8 @@ class Store:
         self.url = url.rstrip("/")
         options = dict(storage_options or {})
         try:
+            if background and _asynchronous(fsspec, self.url):
+                options["loop"] = background_loop()  # its requests at a low CPU priority
             self.fs, path = fsspec.core.url_to_fs(self.url, **options)
         except ImportError as e:
             raise CheckpointError(f"remote={url!r}: {e}") from None
@@ -216,6 +229,15 @@ class Store:
         ):
             raise CorruptCheckpoint(f"{where}: not a functional_ckpt manifest")
         return marker_bytes, manifest
+
+
+def _asynchronous(fsspec: Any, url: str) -> bool:
+    """Whether ``url``'s file system runs its requests on an event loop (s3fs, gcsfs …)."""
+    try:
+        cls = fsspec.get_filesystem_class(url.split("://", 1)[0])
+    except (ImportError, ValueError):
+        return False
+    return bool(getattr(cls, "async_impl", False))
 
 
 def decode_small(raw: bytes, where: str) -> dict[str, Any]:

@@ -88,6 +88,7 @@ class RemoteTier:
         try:
             self.store = Store(url, storage_options)
             retried(self.store.probe)  # a wrong endpoint, credentials or bucket fails here
+            self._bg = Store(url, storage_options, background=True)  # the uploads' store
         except BaseException as e:
             if self.world == 1:
                 raise
@@ -348,7 +349,7 @@ class RemoteTier:
     def _plan(self) -> dict[str, list[int]]:
         local = self._local()
         try:
-            listing = retried(self.store.listing)
+            listing = retried(self._bg.listing)
         except CheckpointError as err:
             self._fail(max(local, default=-1), err)
             return {"upload": [], "local": sorted(local)}
@@ -372,7 +373,7 @@ class RemoteTier:
         if step not in self._records:
             created, metrics = 0.0, {}
             with contextlib.suppress(CheckpointError, ValueError):
-                _, manifest = self.store.manifest(step)
+                _, manifest = self._bg.manifest(step)
                 meta = manifest.get("metadata")
                 record = record_of(meta) if isinstance(meta, dict) else {}
                 raw = record.get("metrics")
@@ -395,12 +396,12 @@ class RemoteTier:
         try:
             if self.coordinator:
                 sizes = protocol.expected_sizes(local)
-                present = retried(lambda: protocol.begin(self.store, step, local))
+                present = retried(lambda: protocol.begin(self._bg, step, local))
         except BaseException as e:
             error = e
         try:
             if self.world > 1:
-                agree(error, self._group, f"upload {self.store.where(step)}")
+                agree(error, self._group, f"upload {self._bg.where(step)}")
                 present = self._share(present)
             elif error is not None:
                 raise error
@@ -415,21 +416,21 @@ class RemoteTier:
             ]
             error = None
             try:
-                retried(lambda: protocol.put_part(self.store, step, local, names, present or {}))
+                retried(lambda: protocol.put_part(self._bg, step, local, names, present or {}))
             except BaseException as e:
                 error = e
             if self.world > 1:
-                agree(error, self._group, f"upload {self.store.where(step)}")
+                agree(error, self._group, f"upload {self._bg.where(step)}")
             elif error is not None:
                 raise error
             error = None
             try:
                 if self.coordinator:
-                    retried(lambda: protocol.commit(self.store, step, local, sizes))
+                    retried(lambda: protocol.commit(self._bg, step, local, sizes))
             except BaseException as e:
                 error = e
             if self.world > 1:
-                agree(error, self._group, f"commit {self.store.where(step)}")
+                agree(error, self._group, f"commit {self._bg.where(step)}")
             elif error is not None:
                 raise error
         except BaseException as err:
@@ -469,8 +470,8 @@ class RemoteTier:
         doomed = plan_deletions(self.keep, [self._record(s) for s in committed])
         for step in doomed:
             try:
-                self.store.remove(step, [format.COMMIT_MARKER])
-                self.store.remove(step, sorted(self.store.objects(step)))
+                self._bg.remove(step, [format.COMMIT_MARKER])
+                self._bg.remove(step, sorted(self._bg.objects(step)))
             except CheckpointError as err:
                 self._fail(step, err)
                 continue

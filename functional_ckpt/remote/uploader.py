@@ -31,6 +31,7 @@ from functional_ckpt.errors import (
     RemoteError,
     UploadFailed,
 )
+from functional_ckpt.remote.background import lower_priority
 
 __all__ = [
     "BACKOFF",
@@ -106,6 +107,7 @@ class Worker:
         self._thread.join()
 
     def _run(self) -> None:
+        lower_priority()  # uploads take the CPU time training leaves idle
         while self._requests.get():
             try:
                 self._round()
