@@ -363,3 +363,14 @@ def test_a_forged_index_pointing_past_the_data_is_corrupt(tmp_path: Path) -> Non
     (rec / MARKER).write_bytes(codec.encode(marker))
     with pytest.raises(CorruptCheckpoint, match=r"index\.bin: a record points beyond"):
         fc.Replay(rec)
+
+
+def test_a_later_record_of_a_meta_or_sparse_tensor_is_refused(tmp_path: Path) -> None:
+    with fc.Recorder(tmp_path / "rec") as recorder:
+        recorder.record({"w": torch.zeros(2)}, step=0)
+        for step, bad in enumerate([torch.zeros(2, device="meta"), torch.zeros(2).to_sparse()]):
+            with pytest.raises(fc.CheckpointError, match=r"state\['w'\] is .*the first record"):
+                recorder.record({"w": bad}, step=step + 1)
+        recorder.record({"w": torch.ones(4)[::2]}, step=3)  # a strided view is fine
+    with fc.Replay(tmp_path / "rec") as replay:
+        assert replay.steps == [0, 3] and torch.equal(replay[3]["w"], torch.ones(2))

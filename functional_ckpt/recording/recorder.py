@@ -58,7 +58,7 @@ def _signature(leaf: Leaf) -> tuple[Any, ...]:
     """What must stay the same from record to record: the layout of the first one."""
     if leaf.kind == "tensor":
         t = leaf.value
-        return (leaf.path, "tensor", t.dtype, tuple(t.shape))
+        return (leaf.path, "tensor", t.dtype, tuple(t.shape), t.layout, t.is_meta)
     if leaf.kind == "node":
         return (leaf.path, "node", leaf.value)
     return (leaf.path, "value")
