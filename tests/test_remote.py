@@ -407,3 +407,33 @@ def _two_ranks(base: Path, url: str, endpoint: str) -> list[tuple[int, str, str]
             raise
         out.append((p.returncode, stdout, stderr))
     return out
+
+
+def test_credentials_are_never_written_or_printed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A password in the URL (ftp://user:pw@host/…) and storage_options given the wrong
+    way (a JSON string read from the environment) stay out of files, errors and output."""
+    url = f"memory://user:SEKRET@t-{uuid.uuid4().hex[:8]}/run"
+    root = tmp_path / "ckpt"
+
+    def down(*a: Any, **k: Any) -> int:
+        raise fc.errors.RemoteUnreachable("the object store did not answer (test)")
+
+    monkeypatch.setattr(protocol, "put_part", down)
+    mgr = fc.CheckpointManager(root, remote=url)
+    mgr.maybe_save(_state(1), step=1)
+    with pytest.warns(RemoteWarning) as seen:
+        mgr.remote.wait()  # type: ignore[union-attr]
+    shown = [str(w.message) for w in seen] + [repr(mgr.remote), str(mgr.remote.failures[1])]  # type: ignore[union-attr]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RemoteWarning)
+        mgr.close()
+    assert cli.main(["ls", str(root)]) == 0
+    shown.append(capsys.readouterr().out)
+    shown += [p.read_text() for p in root.rglob("*.json")]
+    with pytest.raises(TypeError) as err:
+        fc.CheckpointManager(tmp_path / "b", remote=url, storage_options='{"secret": "SEKRET"}')  # type: ignore[arg-type]
+    shown.append(str(err.value))
+    assert "user@t-" in shown[0]
+    assert not [s for s in shown if "SEKRET" in s]

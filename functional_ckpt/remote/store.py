@@ -10,6 +10,7 @@ a remote is used.
 from __future__ import annotations
 
 import errno
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -29,7 +30,7 @@ from functional_ckpt.errors import (
 from functional_ckpt.remote.background import background_loop
 from functional_ckpt.root import parse_step, step_name
 
-__all__ = ["RemoteStep", "Store", "remote_error"]
+__all__ = ["RemoteStep", "Store", "public_url", "remote_error"]
 
 T = TypeVar("T")
 
@@ -62,6 +63,23 @@ def remote_error(err: BaseException, where: str) -> CheckpointError:
             "(storage_options client_kwargs endpoint_url) and the network"
         )
     return RemoteError(f"{where}: {text}")
+
+
+def public_url(url: str) -> str:
+    """``url`` without the password of its user part (``ftp://user@host/…``).
+
+    A URL may carry a password (ftp, sftp, http); it is never written to the
+    status file nor put in a message. (Credentials belong in the environment or
+    in ``storage_options``, which are never written or shown either.)
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.password is None:
+            return url
+    except ValueError:
+        return url
+    user, host = parts.netloc.rsplit("@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user.split(':', 1)[0]}@{host}"))
 
 
 def _missing_bucket(err: FileNotFoundError, path: str = "") -> bool:
@@ -103,21 +121,22 @@ class Store:
                 f"remote={url!r}: expected an fsspec URL such as 's3://bucket/prefix' "
                 "or 'memory://name'"
             )
+        full = url.rstrip("/")
+        self.url = public_url(full)  # what messages and the status file show
         try:
             import fsspec  # type: ignore[import-untyped]
         except ImportError:
             raise CheckpointError(
-                f"remote={url!r} needs fsspec (and s3fs for s3://): "
+                f"remote={self.url!r} needs fsspec (and s3fs for s3://): "
                 "pip install 'functional_ckpt[remote]'"
             ) from None
-        self.url = url.rstrip("/")
         options = dict(storage_options or {})
         try:
-            if background and _asynchronous(fsspec, self.url):
+            if background and _asynchronous(fsspec, full):
                 options["loop"] = background_loop()  # its requests at a low CPU priority
-            self.fs, path = fsspec.core.url_to_fs(self.url, **options)
+            self.fs, path = fsspec.core.url_to_fs(full, **options)
         except ImportError as e:
-            raise CheckpointError(f"remote={url!r}: {e}") from None
+            raise CheckpointError(f"remote={self.url!r}: {e}") from None
         except Exception as e:
             raise remote_error(e, self.url) from e
         self.base = str(path).rstrip("/")

@@ -40,7 +40,7 @@ from functional_ckpt.errors import (
 from functional_ckpt.pipeline.topology import topology
 from functional_ckpt.remote import protocol
 from functional_ckpt.remote.fetch import download, remove_downloads
-from functional_ckpt.remote.store import Store
+from functional_ckpt.remote.store import Store, public_url
 from functional_ckpt.remote.uploader import Worker, failure, read_status, retried, write_status
 from functional_ckpt.retention import CheckpointRecord, RetentionPolicy, plan_deletions
 from functional_ckpt.root import (
@@ -85,6 +85,7 @@ class RemoteTier:
         self._group: Any = None
         self.shared = True
         error: BaseException | None = None
+        self.url = public_url(url.rstrip("/"))  # never the URL's password
         try:
             self.store = Store(url, storage_options)
             retried(self.store.probe)  # a wrong endpoint, credentials or bucket fails here
@@ -93,12 +94,11 @@ class RemoteTier:
             if self.world == 1:
                 raise
             error = e
-        self.url = url.rstrip("/")
         if self.world > 1:
             from functional_ckpt.dist import agree, allow_parts, checkpoint_group
 
             self._group = checkpoint_group(timeout, purpose="upload")
-            agree(error, self._group, f"remote {url}")
+            agree(error, self._group, f"remote {self.url}")
             if writer:
                 self.shared = self._shared_root()
                 allow_parts(root, not self.shared)  # the uploads make each split save whole
