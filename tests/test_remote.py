@@ -35,6 +35,7 @@ from functional_ckpt.errors import (
 )
 from functional_ckpt.remote import protocol, uploader
 from functional_ckpt.remote.store import Store
+from functional_ckpt.remote.tier import LEASE
 from tests.exact import assert_exact
 
 REPO = Path(__file__).resolve().parent.parent
@@ -314,6 +315,7 @@ def test_sigkill_during_upload_leaves_no_remote_commit_and_the_restart_finishes_
     assert after == before  # resumed, not sent again
     local = root / "step_000000001"
     remote = _objects(url, s3["options"])
+    remote.pop(LEASE)  # the name of the manager that writes there, beside the checkpoints
     assert {f"step_000000001/{f.name}": f.read_bytes() for f in local.iterdir()} == remote
 
 
@@ -437,3 +439,27 @@ def test_credentials_are_never_written_or_printed(
     shown.append(str(err.value))
     assert "user@t-" in shown[0]
     assert not [s for s in shown if "SEKRET" in s]
+
+
+def test_a_second_manager_on_the_remote_root_takes_it_over(tmp_path: Path, mem: str) -> None:
+    """The stale process of a restarted job (or a second run) on one prefix: the manager
+    opened last writes there; the other stops uploading and deleting, and says so."""
+    stale = fc.CheckpointManager(tmp_path / "old", keep=fc.keep_last(1), remote=mem)
+    stale.maybe_save(_state(1), step=1)
+    assert stale.remote is not None
+    stale.remote.wait()
+    with fc.CheckpointManager(tmp_path / "new", remote=mem, remote_keep=fc.keep_last(1)) as mgr:
+        mgr.maybe_save(_state(2), step=2)
+        stale.maybe_save(_state(3), step=3)  # a different step 3 than the new run's
+        with pytest.warns(RemoteWarning, match=r"upload of step 3 failed.*another manager"):
+            stale.remote.wait()
+        mgr.maybe_save(_state(30), step=3)
+    assert Store(mem).listing().keys() == {3}  # the new run's retention, the new run's data
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RemoteWarning)
+        stale.close()
+    assert stale.steps()[-1] == 3  # kept locally: never uploaded by the stale one
+    fresh = fc.CheckpointManager(tmp_path / "fresh", remote=mem)
+    got = fresh.restore_latest()
+    assert got is not None and torch.equal(got["w"], _state(30)["w"])
+    fresh.close()

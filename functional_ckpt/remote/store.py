@@ -207,6 +207,20 @@ class Store:
             out[name] = int(size) if isinstance(size, int) else -1
         return out
 
+    def read_root(self, name: str) -> bytes | None:
+        """An object beside the checkpoints (``url/name``); None if there is none."""
+        try:
+            return bytes(self.fs.cat_file(f"{self.base}/{name}"))
+        except FileNotFoundError as e:
+            if _missing_bucket(e, f"{self.base}/{name}"):
+                raise remote_error(e, f"{self.url}/{name}") from e
+            return None
+        except Exception as e:
+            raise remote_error(e, f"{self.url}/{name}") from e
+
+    def write_root(self, name: str, data: bytes) -> None:
+        self.call(f"{self.url}/{name}", self.fs.pipe_file, f"{self.base}/{name}", data)
+
     def read(self, step: int, name: str) -> bytes:
         data = self.call(self.where(step, name), self.fs.cat_file, self.object_path(step, name))
         return bytes(data)

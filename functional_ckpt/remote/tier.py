@@ -18,7 +18,9 @@ coordinator no longer keeps that step. A resume then comes from the remote tier.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import socket
 import threading
 import time
 import uuid
@@ -54,10 +56,16 @@ from functional_ckpt.root import (
     step_name,
 )
 
-__all__ = ["RemoteTier", "read_status"]
+__all__ = ["LEASE", "RemoteTier", "read_status"]
 
 T = TypeVar("T")
 Found = tuple[StepInfo, T] | None
+
+#: The object beside the checkpoints naming the manager that writes the remote root:
+#: the one that began writing there last. A manager takes it before its first upload
+#: or deletion and checks it before each next one, so the stale process of a restarted
+#: job stops writing once the new one writes (a manager that only restores never takes it).
+LEASE = ".writer.json"
 
 _DAMAGE = (CorruptCheckpoint, UnsafeCheckpoint, IncompleteCheckpoint, RemoteVanished)
 
@@ -86,6 +94,10 @@ class RemoteTier:
         self.shared = True
         error: BaseException | None = None
         self.url = public_url(url.rstrip("/"))  # never the URL's password
+        self._lease = json.dumps(
+            {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid()}
+        ).encode()
+        self._holding = False  # whether this manager took the remote root (see LEASE)
         try:
             self.store = Store(url, storage_options)
             retried(self.store.probe)  # a wrong endpoint, credentials or bucket fails here
@@ -346,6 +358,30 @@ class RemoteTier:
     def _local(self) -> dict[int, Path]:
         return {s: p for s, p, _ in step_dirs(self.root) if (p / format.COMMIT_MARKER).exists()}
 
+    def _claim(self) -> None:
+        """Before writing remotely: take the remote root (the first time), or raise if
+        another manager took it since (see :data:`LEASE`)."""
+        if not self._holding:
+            retried(lambda: self._bg.write_root(LEASE, self._lease))
+            self._holding = True
+        self._held()
+
+    def _held(self) -> None:
+        """Raise unless this manager still holds the remote root."""
+        found = retried(lambda: self._bg.read_root(LEASE))
+        if found == self._lease:
+            return
+        try:
+            other = json.loads(found or b"{}")
+            who = f"pid {int(other['pid'])} on {str(other['host'])[:64]!r}"
+        except (ValueError, TypeError, KeyError):
+            who = "an unknown writer"
+        raise RemoteError(
+            f"{self.url}: another manager ({who}) opened this remote root after this one and "
+            "writes there now; this one no longer uploads or deletes there (one writer per "
+            "remote root: give each run its own prefix)"
+        )
+
     def _plan(self) -> dict[str, list[int]]:
         local = self._local()
         try:
@@ -363,6 +399,12 @@ class RemoteTier:
                 continue  # unreadable locally: not uploaded (the local resume deals with it)
         kept = self.keep.select(records) | {max(r.step for r in records)} if records else set()
         upload = [s for s in candidates if s in kept]
+        if upload:
+            try:
+                self._claim()
+            except CheckpointError as err:
+                self._fail(upload[-1], err)
+                upload = []
         with self._lock:
             self._committed = committed
             self._dropped = set(candidates) - kept
@@ -426,6 +468,7 @@ class RemoteTier:
             error = None
             try:
                 if self.coordinator:
+                    self._held()  # a root taken over meanwhile gets no marker from here
                     retried(lambda: protocol.commit(self._bg, step, local, sizes))
             except BaseException as e:
                 error = e
@@ -468,6 +511,12 @@ class RemoteTier:
         if not committed:
             return
         doomed = plan_deletions(self.keep, [self._record(s) for s in committed])
+        if doomed:
+            try:
+                self._claim()
+            except CheckpointError as err:
+                self._fail(max(committed), err)
+                return
         for step in doomed:
             try:
                 self._bg.remove(step, [format.COMMIT_MARKER])
