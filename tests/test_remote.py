@@ -443,13 +443,15 @@ def test_credentials_are_never_written_or_printed(
 
 def test_a_second_manager_on_the_remote_root_takes_it_over(tmp_path: Path, mem: str) -> None:
     """The stale process of a restarted job (or a second run) on one prefix: the manager
-    opened last writes there; the other stops uploading and deleting, and says so."""
+    that began writing there last writes there; the other stops uploading and deleting,
+    and says so."""
     stale = fc.CheckpointManager(tmp_path / "old", keep=fc.keep_last(1), remote=mem)
     stale.maybe_save(_state(1), step=1)
     assert stale.remote is not None
     stale.remote.wait()
     with fc.CheckpointManager(tmp_path / "new", remote=mem, remote_keep=fc.keep_last(1)) as mgr:
         mgr.maybe_save(_state(2), step=2)
+        assert mgr.remote is not None and mgr.remote.wait()  # the new run has written there
         stale.maybe_save(_state(3), step=3)  # a different step 3 than the new run's
         with pytest.warns(RemoteWarning, match=r"upload of step 3 failed.*another manager"):
             stale.remote.wait()
@@ -463,3 +465,26 @@ def test_a_second_manager_on_the_remote_root_takes_it_over(tmp_path: Path, mem: 
     got = fresh.restore_latest()
     assert got is not None and torch.equal(got["w"], _state(30)["w"])
     fresh.close()
+
+
+def test_upload_rounds_asked_for_while_one_runs_are_served_by_one_more() -> None:
+    """A store that is down makes a round last its retries: the rounds asked for by the
+    saves meanwhile must not queue up behind it (close() waits for them)."""
+    import threading
+
+    started, release, rounds = threading.Event(), threading.Event(), []
+
+    def round_() -> None:
+        rounds.append(1)
+        started.set()
+        release.wait()
+
+    worker = uploader.Worker(round_)
+    worker.request()
+    assert started.wait(30)
+    for _ in range(10):  # ten saves while the first round hangs on the store
+        worker.request()
+    release.set()
+    assert worker.drain(30)
+    worker.stop()
+    assert len(rounds) == 2  # the running one, then one for everything asked meanwhile

@@ -126,7 +126,7 @@ class RemoteTier:
         if writer:
             if self.coordinator or not self.shared:
                 remove_downloads(root)
-            self._worker = Worker(self._round)
+            self._worker = Worker(self._round, coalesce=self.world == 1)
             self._worker.request()  # resumes what a crash interrupted
 
     def __repr__(self) -> str:
