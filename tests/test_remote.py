@@ -488,3 +488,16 @@ def test_upload_rounds_asked_for_while_one_runs_are_served_by_one_more() -> None
     assert worker.drain(30)
     worker.stop()
     assert len(rounds) == 2  # the running one, then one for everything asked meanwhile
+
+
+def test_a_remote_that_is_the_local_root_itself_is_refused(tmp_path: Path) -> None:
+    """Its retention would delete local checkpoints the local retention keeps."""
+    root = tmp_path / "ckpt"
+    (tmp_path / "link").symlink_to(root, target_is_directory=True)
+    fc.CheckpointManager(root).close()
+    for url in (f"file://{root}", f"file://{root}/", f"file://{tmp_path}/link", f"{root}/../ckpt"):
+        with pytest.raises(fc.CheckpointError, match=r"remote=.*: the local root itself"):
+            fc.CheckpointManager(root, remote=url if "://" in url else f"file://{url}")
+    with fc.CheckpointManager(root, remote=f"file://{tmp_path}/remote") as mgr:
+        mgr.maybe_save(_state(1), step=1)  # a remote beside it is fine
+    assert Store(f"file://{tmp_path}/remote").listing().keys() == {1}

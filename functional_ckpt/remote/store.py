@@ -132,8 +132,11 @@ class Store:
             ) from None
         options = dict(storage_options or {})
         try:
-            if background and _asynchronous(fsspec, full):
+            cls = _fs_class(fsspec, full)
+            if background and getattr(cls, "async_impl", False):
                 options["loop"] = background_loop()  # its requests at a low CPU priority
+            if getattr(cls, "local_file", False):
+                options.setdefault("auto_mkdir", True)  # a directory, as on an object store
             self.fs, path = fsspec.core.url_to_fs(full, **options)
         except ImportError as e:
             raise CheckpointError(f"remote={self.url!r}: {e}") from None
@@ -264,13 +267,12 @@ class Store:
         return marker_bytes, manifest
 
 
-def _asynchronous(fsspec: Any, url: str) -> bool:
-    """Whether ``url``'s file system runs its requests on an event loop (s3fs, gcsfs …)."""
+def _fs_class(fsspec: Any, url: str) -> Any:
+    """The fsspec file system class of ``url`` (None if unknown: ``url_to_fs`` says why)."""
     try:
-        cls = fsspec.get_filesystem_class(url.split("://", 1)[0])
+        return fsspec.get_filesystem_class(url.split("://", 1)[0])
     except (ImportError, ValueError):
-        return False
-    return bool(getattr(cls, "async_impl", False))
+        return None
 
 
 def decode_small(raw: bytes, where: str) -> dict[str, Any]:

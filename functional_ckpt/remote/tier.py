@@ -100,6 +100,13 @@ class RemoteTier:
         self._holding = False  # whether this manager took the remote root (see LEASE)
         try:
             self.store = Store(url, storage_options)
+            if getattr(self.store.fs, "local_file", False) and os.path.realpath(
+                self.store.base
+            ) == os.path.realpath(root):
+                raise CheckpointError(
+                    f"remote={self.url!r}: the local root itself ({root}); its retention would "
+                    "delete local checkpoints: give the remote tier a directory of its own"
+                )
             retried(self.store.probe)  # a wrong endpoint, credentials or bucket fails here
             self._bg = Store(url, storage_options, background=True)  # the uploads' store
         except BaseException as e:
