@@ -27,7 +27,6 @@ from functional_ckpt.errors import (
     RemoteUnreachable,
     RemoteVanished,
 )
-from functional_ckpt.remote.background import background_loop
 from functional_ckpt.root import parse_step, step_name
 
 __all__ = ["RemoteStep", "Store", "public_url", "remote_error"]
@@ -103,19 +102,9 @@ class RemoteStep:
 
 
 class Store:
-    """One remote root: ``url`` (any fsspec URL) opened with ``storage_options``.
+    """One remote root: ``url`` (any fsspec URL) opened with ``storage_options``."""
 
-    ``background=True`` (the uploads' store): an asynchronous file system runs
-    this store's requests on :func:`~functional_ckpt.remote.background.background_loop`.
-    """
-
-    def __init__(
-        self,
-        url: str,
-        storage_options: Mapping[str, Any] | None = None,
-        *,
-        background: bool = False,
-    ) -> None:
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         if not isinstance(url, str) or "://" not in url:
             raise ValueError(
                 f"remote={url!r}: expected an fsspec URL such as 's3://bucket/prefix' "
@@ -132,10 +121,7 @@ class Store:
             ) from None
         options = dict(storage_options or {})
         try:
-            cls = _fs_class(fsspec, full)
-            if background and getattr(cls, "async_impl", False):
-                options["loop"] = background_loop()  # its requests at a low CPU priority
-            if getattr(cls, "local_file", False):
+            if getattr(_fs_class(fsspec, full), "local_file", False):
                 options.setdefault("auto_mkdir", True)  # a directory, as on an object store
             self.fs, path = fsspec.core.url_to_fs(full, **options)
         except ImportError as e:

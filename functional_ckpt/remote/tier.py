@@ -108,7 +108,6 @@ class RemoteTier:
                     "delete local checkpoints: give the remote tier a directory of its own"
                 )
             retried(self.store.probe)  # a wrong endpoint, credentials or bucket fails here
-            self._bg = Store(url, storage_options, background=True)  # the uploads' store
         except BaseException as e:
             if self.world == 1:
                 raise
@@ -369,13 +368,13 @@ class RemoteTier:
         """Before writing remotely: take the remote root (the first time), or raise if
         another manager took it since (see :data:`LEASE`)."""
         if not self._holding:
-            retried(lambda: self._bg.write_root(LEASE, self._lease))
+            retried(lambda: self.store.write_root(LEASE, self._lease))
             self._holding = True
         self._held()
 
     def _held(self) -> None:
         """Raise unless this manager still holds the remote root."""
-        found = retried(lambda: self._bg.read_root(LEASE))
+        found = retried(lambda: self.store.read_root(LEASE))
         if found == self._lease:
             return
         try:
@@ -392,7 +391,7 @@ class RemoteTier:
     def _plan(self) -> dict[str, list[int]]:
         local = self._local()
         try:
-            listing = retried(self._bg.listing)
+            listing = retried(self.store.listing)
         except CheckpointError as err:
             self._fail(max(local, default=-1), err)
             return {"upload": [], "local": sorted(local)}
@@ -422,7 +421,7 @@ class RemoteTier:
         if step not in self._records:
             created, metrics = 0.0, {}
             with contextlib.suppress(CheckpointError, ValueError):
-                _, manifest = self._bg.manifest(step)
+                _, manifest = self.store.manifest(step)
                 meta = manifest.get("metadata")
                 record = record_of(meta) if isinstance(meta, dict) else {}
                 raw = record.get("metrics")
@@ -445,12 +444,12 @@ class RemoteTier:
         try:
             if self.coordinator:
                 sizes = protocol.expected_sizes(local)
-                present = retried(lambda: protocol.begin(self._bg, step, local))
+                present = retried(lambda: protocol.begin(self.store, step, local))
         except BaseException as e:
             error = e
         try:
             if self.world > 1:
-                agree(error, self._group, f"upload {self._bg.where(step)}")
+                agree(error, self._group, f"upload {self.store.where(step)}")
                 present = self._share(present)
             elif error is not None:
                 raise error
@@ -465,22 +464,22 @@ class RemoteTier:
             ]
             error = None
             try:
-                retried(lambda: protocol.put_part(self._bg, step, local, names, present or {}))
+                retried(lambda: protocol.put_part(self.store, step, local, names, present or {}))
             except BaseException as e:
                 error = e
             if self.world > 1:
-                agree(error, self._group, f"upload {self._bg.where(step)}")
+                agree(error, self._group, f"upload {self.store.where(step)}")
             elif error is not None:
                 raise error
             error = None
             try:
                 if self.coordinator:
                     self._held()  # a root taken over meanwhile gets no marker from here
-                    retried(lambda: protocol.commit(self._bg, step, local, sizes))
+                    retried(lambda: protocol.commit(self.store, step, local, sizes))
             except BaseException as e:
                 error = e
             if self.world > 1:
-                agree(error, self._group, f"commit {self._bg.where(step)}")
+                agree(error, self._group, f"commit {self.store.where(step)}")
             elif error is not None:
                 raise error
         except BaseException as err:
@@ -526,8 +525,8 @@ class RemoteTier:
                 return
         for step in doomed:
             try:
-                self._bg.remove(step, [format.COMMIT_MARKER])
-                self._bg.remove(step, sorted(self._bg.objects(step)))
+                self.store.remove(step, [format.COMMIT_MARKER])
+                self.store.remove(step, sorted(self.store.objects(step)))
             except CheckpointError as err:
                 self._fail(step, err)
                 continue

@@ -30,7 +30,6 @@ from functional_ckpt.errors import (
     RemoteError,
     UploadFailed,
 )
-from functional_ckpt.remote.background import lower_priority
 
 __all__ = [
     "BACKOFF",
@@ -119,7 +118,6 @@ class Worker:
         self._thread.join()
 
     def _run(self) -> None:
-        lower_priority()  # uploads take the CPU time training leaves idle
         while True:
             with self._lock:
                 self._lock.wait_for(lambda: self._done < self._asked or self._stopping)
