@@ -440,6 +440,8 @@ def _claim(path: Path) -> int:
             raise CheckpointExists(
                 f"{where}: another Recorder is writing there; choose a new path"
             ) from None
+        except OSError:
+            pass  # no flock on directories here (some network file systems): the check below
         if os.listdir(fd):
             raise CheckpointExists(
                 f"{where}: the directory is not empty; a recording is never appended to or "
