@@ -501,3 +501,21 @@ def test_a_remote_that_is_the_local_root_itself_is_refused(tmp_path: Path) -> No
     with fc.CheckpointManager(root, remote=f"file://{tmp_path}/remote") as mgr:
         mgr.maybe_save(_state(1), step=1)  # a remote beside it is fine
     assert Store(f"file://{tmp_path}/remote").listing().keys() == {1}
+
+
+def test_a_rollback_sets_the_remote_trunk_aside_too(tmp_path: Path, mem: str) -> None:
+    """After a rollback, a restart (here or on a fresh machine) resumes the new trunk,
+    not the newer checkpoints of the old one still on the remote tier."""
+    root = tmp_path / "ckpt"
+    with fc.CheckpointManager(root, remote=mem) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.maybe_save(_state(step), step=step)
+        assert mgr.remote is not None and mgr.remote.wait()
+        mgr.rollback(2, branch="old")
+        mgr.maybe_save(_state(30), step=3)
+    assert Store(mem).listing().keys() == {1, 2, 3}
+    assert Store(f"{mem}/branches/old").listing().keys() == {3, 4}  # set aside, not lost
+    for where in (root, tmp_path / "fresh"):
+        with fc.CheckpointManager(where, remote=mem) as mgr:
+            got = mgr.restore_latest()
+            assert mgr.restored_step == 3 and torch.equal(got["w"], _state(30)["w"])  # type: ignore[index]

@@ -26,6 +26,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,6 +46,7 @@ from functional_ckpt.remote.fetch import download, remove_downloads
 from functional_ckpt.remote.store import Store, public_url
 from functional_ckpt.remote.uploader import Worker, failure, read_status, retried, write_status
 from functional_ckpt.retention import CheckpointRecord, RetentionPolicy, plan_deletions
+from functional_ckpt.rollback import BRANCHES_DIR
 from functional_ckpt.root import (
     StepInfo,
     delete,
@@ -188,6 +190,33 @@ class RemoteTier:
 
                 allow_parts(self.root, False)
         self.check()
+
+    def newer_than(self, step: int) -> list[int]:
+        """Remote steps after ``step`` (committed or not), the uploads asked for done first."""
+        if self._worker is not None:
+            self._worker.drain()
+        return sorted(s for s in retried(self.store.listing) if s > step)
+
+    def set_aside(self, steps: list[int], branch: str | None) -> None:
+        """A rollback's remote part: ``steps`` leave the remote trunk, copied first to
+        ``url/branches/<branch>/`` (marker last) unless ``branch`` is None.
+
+        Runs before the local rollback moves anything: a crash in between leaves the
+        local trunk whole, and the next upload round puts its steps back remotely.
+        """
+        store = self.store
+        for step in steps:
+            objects = retried(partial(store.objects, step))
+            if branch is not None and format.COMMIT_MARKER in objects:
+                dest = f"{store.base}/{BRANCHES_DIR}/{branch}/{step_name(step)}"
+                for name in sorted(objects, key=lambda n: n == format.COMMIT_MARKER):
+                    src = store.object_path(step, name)
+                    retried(partial(store.call, src, store.fs.copy, src, f"{dest}/{name}"))
+            retried(partial(store.remove, step, [format.COMMIT_MARKER]))
+            retried(partial(store.remove, step, sorted(objects)))
+            with self._lock:
+                self._committed.discard(step)
+            self._records.pop(step, None)
 
     # ------------------------------------------------------------------ restore
 
