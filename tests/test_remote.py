@@ -27,6 +27,7 @@ import torch
 import functional_ckpt as fc
 from functional_ckpt import cli
 from functional_ckpt.errors import (
+    CorruptCheckpoint,
     RemoteAccessDenied,
     RemoteBucketMissing,
     RemoteUnreachable,
@@ -519,3 +520,26 @@ def test_a_rollback_sets_the_remote_trunk_aside_too(tmp_path: Path, mem: str) ->
         with fc.CheckpointManager(where, remote=mem) as mgr:
             got = mgr.restore_latest()
             assert mgr.restored_step == 3 and torch.equal(got["w"], _state(30)["w"])  # type: ignore[index]
+
+
+def test_a_remote_marker_or_manifest_of_the_wrong_size_is_never_read(
+    tmp_path: Path, mem: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Like a local file, a remote object is checked to have its recorded size before
+    a byte of it is read (an object of many GiB would be read into memory)."""
+    with fc.CheckpointManager(tmp_path / "a", remote=mem) as mgr:
+        mgr.maybe_save(_state(1), step=1)
+    store = Store(mem)
+    read: list[str] = []
+    real = store.fs.cat_file
+    monkeypatch.setattr(store.fs, "cat_file", lambda p, *a, **k: read.append(p) or real(p, *a, **k))
+    good = real(store.object_path(1, "manifest.msgpack"))
+    for name, junk in (("manifest.msgpack", good + bytes(1 << 16)), ("COMMITTED", bytes(1 << 17))):
+        saved = real(store.object_path(1, name))
+        store.fs.pipe_file(store.object_path(1, name), junk)
+        read.clear()
+        with pytest.raises(CorruptCheckpoint, match=rf"{name}: .*bytes"):
+            store.manifest(1)
+        assert store.object_path(1, name) not in read
+        store.fs.pipe_file(store.object_path(1, name), saved)
+    assert store.manifest(1)[1]["files"]  # intact again

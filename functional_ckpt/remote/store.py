@@ -27,6 +27,7 @@ from functional_ckpt.errors import (
     RemoteUnreachable,
     RemoteVanished,
 )
+from functional_ckpt.limits import LIMITS
 from functional_ckpt.root import parse_step, step_name
 
 __all__ = ["RemoteStep", "Store", "public_url", "remote_error"]
@@ -229,6 +230,17 @@ class Store:
     def manifest(self, step: int) -> tuple[bytes, dict[str, Any]]:
         """The marker's bytes and the manifest it authenticates (committed checkpoints only)."""
         where = self.where(step)
+        found = self.objects(step)  # sizes first: no object is read past what it may hold
+        marker_size = found.get(format.COMMIT_MARKER)
+        if marker_size is None:
+            raise IncompleteCheckpoint(
+                f"{where}: not a committed remote checkpoint ({format.COMMIT_MARKER} is missing)"
+            )
+        if not 0 <= marker_size <= LIMITS.marker_bytes:
+            raise CorruptCheckpoint(
+                f"{self.where(step, format.COMMIT_MARKER)}: {marker_size} bytes, too large for "
+                "a commit marker; the remote checkpoint is damaged"
+            )
         try:
             marker_bytes = self.read(step, format.COMMIT_MARKER)
         except RemoteVanished:
@@ -239,6 +251,13 @@ class Store:
         size = marker.get("manifest_size")
         if not isinstance(size, int) or not 0 <= size <= format.MAX_MANIFEST_BYTES:
             raise CorruptCheckpoint(f"{where}: the commit marker records no valid manifest size")
+        if found.get(format.MANIFEST) != size:
+            have = found.get(format.MANIFEST)
+            raise CorruptCheckpoint(
+                f"{self.where(step, format.MANIFEST)}: "
+                f"{'missing' if have is None else f'{have} bytes'}, the commit marker records "
+                f"{size} bytes; the remote checkpoint is damaged (or being deleted)"
+            )
         raw = self.read(step, format.MANIFEST)
         if len(raw) != size or crc32(raw) != marker.get("manifest_crc32"):
             raise CorruptCheckpoint(
