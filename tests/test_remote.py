@@ -35,6 +35,7 @@ from functional_ckpt.errors import (
     UploadFailed,
 )
 from functional_ckpt.remote import protocol, uploader
+from functional_ckpt.remote.fetch import download
 from functional_ckpt.remote.store import Store
 from functional_ckpt.remote.tier import LEASE
 from tests.exact import assert_exact
@@ -543,3 +544,10 @@ def test_a_remote_marker_or_manifest_of_the_wrong_size_is_never_read(
         assert store.object_path(1, name) not in read
         store.fs.pipe_file(store.object_path(1, name), saved)
     assert store.manifest(1)[1]["files"]  # intact again
+    shard = store.object_path(1, "__0_0.distcp")
+    store.fs.pipe_file(shard, real(shard) + bytes(1 << 16))
+    got: list[Any] = []
+    monkeypatch.setattr(store.fs, "get", lambda *a, **k: got.append(a))
+    with pytest.raises(CorruptCheckpoint, match=r"__0_0.distcp: \d+ bytes, the manifest records"):
+        download(store, 1, tmp_path / "b")
+    assert not got  # nothing downloaded
