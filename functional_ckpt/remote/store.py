@@ -111,8 +111,15 @@ class Store:
                 f"remote={url!r}: expected an fsspec URL such as 's3://bucket/prefix' "
                 "or 'memory://name'"
             )
-        full = url.rstrip("/")
+        scheme, _, rest = url.partition("://")
+        full = f"{scheme}://{rest.rstrip('/')}"
         self.url = public_url(full)  # what messages and the status file show
+        parts = rest.split("?", 1)[0].rstrip("/").split("/")
+        if not rest.strip("/") or any(p in (".", "..") for p in parts):
+            raise ValueError(
+                f"remote={self.url!r}: name the directory of the remote root, without '.' or "
+                "'..' (an object store does not resolve them), e.g. 's3://bucket/run1'"
+            )
         try:
             import fsspec  # type: ignore[import-untyped]
         except ImportError:
