@@ -130,6 +130,7 @@ class RemoteTier:
         self._uploading: int | None = None
         self._bad: set[int] = set()  # remote steps found damaged by this process
         self._records: dict[int, CheckpointRecord] = {}
+        self._same: dict[int, bytes] = {}  # local steps whose remote copy has their marker
         self._worker: Worker | None = None
         if writer:
             if self.coordinator or not self.shared:
@@ -204,19 +205,21 @@ class RemoteTier:
         Runs before the local rollback moves anything: a crash in between leaves the
         local trunk whole, and the next upload round puts its steps back remotely.
         """
-        store = self.store
         for step in steps:
-            objects = retried(partial(store.objects, step))
-            if branch is not None and format.COMMIT_MARKER in objects:
-                dest = f"{store.base}/{BRANCHES_DIR}/{branch}/{step_name(step)}"
-                for name in sorted(objects, key=lambda n: n == format.COMMIT_MARKER):
-                    src = store.object_path(step, name)
-                    retried(partial(store.call, src, store.fs.copy, src, f"{dest}/{name}"))
-            retried(partial(store.remove, step, [format.COMMIT_MARKER]))
-            retried(partial(store.remove, step, sorted(objects)))
-            with self._lock:
-                self._committed.discard(step)
-            self._records.pop(step, None)
+            if branch is not None and retried(partial(self.store.objects, step)).get(
+                format.COMMIT_MARKER
+            ):
+                dest = f"{self.store.base}/{BRANCHES_DIR}/{branch}/{step_name(step)}"
+                retried(partial(protocol.copy_step, self.store, step, dest))
+            retried(partial(protocol.remove_step, self.store, step))
+            self._forget(step)
+
+    def _forget(self, step: int) -> None:
+        """Remote ``step`` is deleted."""
+        with self._lock:
+            self._committed.discard(step)
+        self._records.pop(step, None)
+        self._same.pop(step, None)
 
     # ------------------------------------------------------------------ restore
 
@@ -397,24 +400,14 @@ class RemoteTier:
         """Before writing remotely: take the remote root (the first time), or raise if
         another manager took it since (see :data:`LEASE`)."""
         if not self._holding:
-            retried(lambda: self.store.write_root(LEASE, self._lease))
+            retried(partial(self.store.write_root, LEASE, self._lease))
             self._holding = True
         self._held()
 
     def _held(self) -> None:
         """Raise unless this manager still holds the remote root."""
-        found = retried(lambda: self.store.read_root(LEASE))
-        if found == self._lease:
-            return
-        try:
-            other = json.loads(found or b"{}")
-            who = f"pid {int(other['pid'])} on {str(other['host'])[:64]!r}"
-        except (ValueError, TypeError, KeyError):
-            who = "an unknown writer"
-        raise RemoteError(
-            f"{self.url}: another manager ({who}) opened this remote root after this one and "
-            "writes there now; this one no longer uploads or deletes there (one writer per "
-            "remote root: give each run its own prefix)"
+        protocol.check_lease(
+            self.store, LEASE, retried(partial(self.store.read_root, LEASE)), self._lease
         )
 
     def _plan(self) -> dict[str, list[int]]:
@@ -425,6 +418,11 @@ class RemoteTier:
             self._fail(max(local, default=-1), err)
             return {"upload": [], "local": sorted(local)}
         committed = {s for s, r in listing.items() if r.committed}
+        try:
+            committed -= self._others(local, committed)
+        except CheckpointError as err:
+            self._fail(max(local, default=-1), err)
+            return {"upload": [], "local": sorted(local)}
         candidates = sorted(s for s in local if s not in committed)
         records: list[Any] = [self._record(s) for s in committed]
         for s in candidates:
@@ -444,6 +442,28 @@ class RemoteTier:
             self._committed = committed
             self._dropped = set(candidates) - kept
         return {"upload": upload, "local": sorted(local)}
+
+    def _others(self, local: dict[int, Path], committed: set[int]) -> set[int]:
+        """Local steps whose remote copy is another checkpoint of that step (another
+        marker): not this one's copy, so uploaded over it. Each is compared once."""
+        out = set()
+        for step in sorted(committed & local.keys()):
+            try:
+                mine = (local[step] / format.COMMIT_MARKER).read_bytes()
+            except OSError:
+                continue
+            if self._same.get(step) == mine:
+                continue
+            try:
+                theirs = retried(partial(self.store.read, step, format.COMMIT_MARKER))
+            except RemoteVanished:
+                theirs = b""  # deleted meanwhile: not a copy of anything
+            if theirs == mine:
+                self._same[step] = mine
+            else:
+                out.add(step)
+                self._records.pop(step, None)
+        return out
 
     def _record(self, step: int) -> CheckpointRecord:
         """What the remote retention needs of a remote checkpoint (its manifest, read once)."""
@@ -554,14 +574,11 @@ class RemoteTier:
                 return
         for step in doomed:
             try:
-                self.store.remove(step, [format.COMMIT_MARKER])
-                self.store.remove(step, sorted(self.store.objects(step)))
+                protocol.remove_step(self.store, step)
             except CheckpointError as err:
                 self._fail(step, err)
                 continue
-            with self._lock:
-                self._committed.discard(step)
-            self._records.pop(step, None)
+            self._forget(step)
 
     def _drop_parts(self, coordinator_steps: list[int]) -> None:
         """This rank's parts of steps the coordinator no longer keeps (crash-safely)."""
