@@ -205,6 +205,8 @@ class RemoteTier:
         Runs before the local rollback moves anything: a crash in between leaves the
         local trunk whole, and the next upload round puts its steps back remotely.
         """
+        if steps:
+            self._claim()  # a root another manager writes is not this one's to change
         for step in steps:
             if branch is not None and retried(partial(self.store.objects, step)).get(
                 format.COMMIT_MARKER
