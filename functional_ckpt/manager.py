@@ -537,6 +537,11 @@ class CheckpointManager(RootView):
         self.wait()  # a save in flight commits first: it may be one of the newer steps
         state = self.restore(step, like)  # raises, moving nothing, if step is unusable
         doomed = sorted(s for s, _ in self._step_dirs() if s > step)
+        if self.remote is not None and self._coordinator:  # the remote trunk first (tiered.md)
+            remote = self.remote.newer_than(step)
+            if remote and newer == "branch":
+                branch = rollback.new_branch(self.root, branch, max(remote + doomed), step)
+            self.remote.set_aside(remote, branch if newer == "branch" else None)
         if not (doomed or reason) or not self._coordinator:
             return state
         self._run.rollbacks.append(rollback.run(self.root, step, doomed, newer, branch, reason))

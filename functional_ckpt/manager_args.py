@@ -95,7 +95,8 @@ def _remote_tier(
         raise TypeError(f"CheckpointManager(remote_keep={keep!r}): not a RetentionPolicy")
     if storage_options is not None and not isinstance(storage_options, Mapping):
         raise TypeError(
-            f"CheckpointManager(storage_options={storage_options!r}): expected a mapping"
+            f"CheckpointManager(storage_options=<{type(storage_options).__name__}>): expected "
+            "a mapping of fsspec options (its values are not shown: they may be credentials)"
         )
     from functional_ckpt.remote.tier import RemoteTier
 

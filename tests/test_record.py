@@ -316,3 +316,61 @@ def test_a_damaged_recording_raises_only_checkpoint_errors(tmp_path: Path) -> No
         except fc.CheckpointError:
             pass
         shutil.rmtree(copy)
+
+
+def test_two_recorders_on_one_path_never_damage_each_other(tmp_path: Path) -> None:
+    first = fc.Recorder(tmp_path / "rec")
+    with pytest.raises(CheckpointExists, match=r"Recorder\(path=.*rec'\): .*choose a new path"):
+        fc.Recorder(tmp_path / "rec")  # both found it empty: the second must not take it
+    first.record({"w": torch.zeros(4)}, step=0)
+    first.close()
+    with fc.Replay(tmp_path / "rec") as replay:
+        assert replay.steps == [0] and torch.equal(replay[0]["w"], torch.zeros(4))
+
+
+def test_a_step_beyond_the_format_is_refused_when_recorded(tmp_path: Path) -> None:
+    with fc.Recorder(tmp_path / "rec") as recorder:
+        recorder.record({"w": torch.zeros(2)}, step=1)
+        with pytest.raises(fc.CheckpointError, match=r"record\(step=9223372036854775808\)"):
+            recorder.record({"w": torch.ones(2)}, step=1 << 63)
+        recorder.record({"w": torch.ones(2)}, step=2)
+    with fc.Replay(tmp_path / "rec") as replay:  # what was committed stays readable
+        assert replay.steps == [1, 2]
+
+
+def test_a_forged_index_pointing_past_the_data_is_corrupt(tmp_path: Path) -> None:
+    """The index and the marker rewritten consistently (a CRC authenticates nothing):
+    a location whose offset wraps around 2**64 is refused as damage."""
+    import numpy as np
+
+    from functional_ckpt import codec
+    from functional_ckpt.checksum import crc32
+    from functional_ckpt.recording.layout import FRAME, LOC, MARKER
+
+    rec = tmp_path / "rec"
+    with fc.Recorder(rec) as recorder:
+        recorder.record({"w": torch.zeros(2)}, step=0)
+    raw = (rec / INDEX).read_bytes()
+    frame = codec.decode(raw[FRAME.size :])
+    locs = np.frombuffer(frame["locs"], LOC).copy()
+    locs["off"] = (1 << 64) - 4  # + 8 bytes wraps to 4: inside the segment
+    frame["locs"] = locs.tobytes()
+    body = codec.encode(frame)
+    index = FRAME.pack(len(body)) + body
+    (rec / INDEX).write_bytes(index)
+    marker = codec.decode((rec / MARKER).read_bytes())
+    marker.update(index_size=len(index), index_crc32=crc32(index))
+    (rec / MARKER).write_bytes(codec.encode(marker))
+    with pytest.raises(CorruptCheckpoint, match=r"index\.bin: a record points beyond"):
+        fc.Replay(rec)
+
+
+def test_a_later_record_of_a_meta_or_sparse_tensor_is_refused(tmp_path: Path) -> None:
+    with fc.Recorder(tmp_path / "rec") as recorder:
+        recorder.record({"w": torch.zeros(2)}, step=0)
+        for step, bad in enumerate([torch.zeros(2, device="meta"), torch.zeros(2).to_sparse()]):
+            with pytest.raises(fc.CheckpointError, match=r"state\['w'\] is .*the first record"):
+                recorder.record({"w": bad}, step=step + 1)
+        recorder.record({"w": torch.ones(4)[::2]}, step=3)  # a strided view is fine
+    with fc.Replay(tmp_path / "rec") as replay:
+        assert replay.steps == [0, 3] and torch.equal(replay[3]["w"], torch.ones(2))

@@ -27,6 +27,7 @@ import torch
 import functional_ckpt as fc
 from functional_ckpt import cli, format
 from functional_ckpt.errors import (
+    CorruptCheckpoint,
     RemoteAccessDenied,
     RemoteBucketMissing,
     RemoteUnreachable,
@@ -34,7 +35,9 @@ from functional_ckpt.errors import (
     UploadFailed,
 )
 from functional_ckpt.remote import protocol, uploader
+from functional_ckpt.remote.fetch import download
 from functional_ckpt.remote.store import Store
+from functional_ckpt.remote.tier import LEASE
 from tests.exact import assert_exact
 
 REPO = Path(__file__).resolve().parent.parent
@@ -316,6 +319,7 @@ def test_sigkill_during_upload_leaves_no_remote_commit_and_the_restart_finishes_
     assert after == before  # resumed, not sent again
     local = root / "step_000000001"
     remote = _objects(url, s3["options"])
+    remote.pop(LEASE)  # the name of the manager that writes there, beside the checkpoints
     assert {f"step_000000001/{f.name}": f.read_bytes() for f in local.iterdir()} == remote
 
 
@@ -409,3 +413,169 @@ def _two_ranks(base: Path, url: str, endpoint: str) -> list[tuple[int, str, str]
             raise
         out.append((p.returncode, stdout, stderr))
     return out
+
+
+def test_credentials_are_never_written_or_printed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A password in the URL (ftp://user:pw@host/…) and storage_options given the wrong
+    way (a JSON string read from the environment) stay out of files, errors and output."""
+    url = f"memory://user:SEKRET@t-{uuid.uuid4().hex[:8]}/run"
+    root = tmp_path / "ckpt"
+
+    def down(*a: Any, **k: Any) -> int:
+        raise fc.errors.RemoteUnreachable("the object store did not answer (test)")
+
+    monkeypatch.setattr(protocol, "put_part", down)
+    mgr = fc.CheckpointManager(root, remote=url)
+    mgr.maybe_save(_state(1), step=1)
+    with pytest.warns(RemoteWarning) as seen:
+        mgr.remote.wait()  # type: ignore[union-attr]
+    shown = [str(w.message) for w in seen] + [repr(mgr.remote), str(mgr.remote.failures[1])]  # type: ignore[union-attr]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RemoteWarning)
+        mgr.close()
+    assert cli.main(["ls", str(root)]) == 0
+    shown.append(capsys.readouterr().out)
+    shown += [p.read_text() for p in root.rglob("*.json")]
+    with pytest.raises(TypeError) as err:
+        fc.CheckpointManager(tmp_path / "b", remote=url, storage_options='{"secret": "SEKRET"}')  # type: ignore[arg-type]
+    shown.append(str(err.value))
+    assert "user@t-" in shown[0]
+    assert not [s for s in shown if "SEKRET" in s]
+
+
+def test_a_second_manager_on_the_remote_root_takes_it_over(tmp_path: Path, mem: str) -> None:
+    """The stale process of a restarted job (or a second run) on one prefix: the manager
+    that began writing there last writes there; the other stops uploading and deleting,
+    and says so."""
+    stale = fc.CheckpointManager(tmp_path / "old", keep=fc.keep_last(1), remote=mem)
+    stale.maybe_save(_state(1), step=1)
+    assert stale.remote is not None
+    stale.remote.wait()
+    with fc.CheckpointManager(tmp_path / "new", remote=mem, remote_keep=fc.keep_last(1)) as mgr:
+        mgr.maybe_save(_state(2), step=2)
+        assert mgr.remote is not None and mgr.remote.wait()  # the new run has written there
+        stale.maybe_save(_state(3), step=3)  # a different step 3 than the new run's
+        with pytest.warns(RemoteWarning, match=r"upload of step 3 failed.*another manager"):
+            stale.remote.wait()
+        mgr.maybe_save(_state(30), step=3)
+    assert Store(mem).listing().keys() == {3}  # the new run's retention, the new run's data
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RemoteWarning)
+        stale.close()
+    assert stale.steps()[-1] == 3  # kept locally: never uploaded by the stale one
+    fresh = fc.CheckpointManager(tmp_path / "fresh", remote=mem)
+    got = fresh.restore_latest()
+    assert got is not None and torch.equal(got["w"], _state(30)["w"])
+    fresh.close()
+
+
+def test_upload_rounds_asked_for_while_one_runs_are_served_by_one_more() -> None:
+    """A store that is down makes a round last its retries: the rounds asked for by the
+    saves meanwhile must not queue up behind it (close() waits for them)."""
+    import threading
+
+    started, release, rounds = threading.Event(), threading.Event(), []
+
+    def round_() -> None:
+        rounds.append(1)
+        started.set()
+        release.wait()
+
+    worker = uploader.Worker(round_)
+    worker.request()
+    assert started.wait(30)
+    for _ in range(10):  # ten saves while the first round hangs on the store
+        worker.request()
+    release.set()
+    assert worker.drain(30)
+    worker.stop()
+    assert len(rounds) == 2  # the running one, then one for everything asked meanwhile
+
+
+def test_a_remote_that_is_the_local_root_itself_is_refused(tmp_path: Path) -> None:
+    """Its retention would delete local checkpoints the local retention keeps."""
+    root = tmp_path / "ckpt"
+    (tmp_path / "link").symlink_to(root, target_is_directory=True)
+    fc.CheckpointManager(root).close()
+    for url in (f"file://{root}", f"file://{root}//", f"file://{tmp_path}/link"):
+        with pytest.raises(fc.CheckpointError, match=r"remote=.*: the local root itself"):
+            fc.CheckpointManager(root, remote=url)
+    with fc.CheckpointManager(root, remote=f"file://{tmp_path}/remote") as mgr:
+        mgr.maybe_save(_state(1), step=1)  # a remote beside it is fine
+    assert Store(f"file://{tmp_path}/remote").listing().keys() == {1}
+
+
+def test_a_rollback_sets_the_remote_trunk_aside_too(tmp_path: Path, mem: str) -> None:
+    """After a rollback, a restart (here or on a fresh machine) resumes the new trunk,
+    not the newer checkpoints of the old one still on the remote tier."""
+    root = tmp_path / "ckpt"
+    with fc.CheckpointManager(root, remote=mem) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.maybe_save(_state(step), step=step)
+        assert mgr.remote is not None and mgr.remote.wait()
+        mgr.rollback(2, branch="old")
+        mgr.maybe_save(_state(30), step=3)
+    assert Store(mem).listing().keys() == {1, 2, 3}
+    assert Store(f"{mem}/branches/old").listing().keys() == {3, 4}  # set aside, not lost
+    for where in (root, tmp_path / "fresh"):
+        with fc.CheckpointManager(where, remote=mem) as mgr:
+            got = mgr.restore_latest()
+            assert mgr.restored_step == 3 and torch.equal(got["w"], _state(30)["w"])  # type: ignore[index]
+
+
+def test_a_remote_marker_or_manifest_of_the_wrong_size_is_never_read(
+    tmp_path: Path, mem: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Like a local file, a remote object is checked to have its recorded size before
+    a byte of it is read (an object of many GiB would be read into memory)."""
+    with fc.CheckpointManager(tmp_path / "a", remote=mem) as mgr:
+        mgr.maybe_save(_state(1), step=1)
+    store = Store(mem)
+    read: list[str] = []
+    real = store.fs.cat_file
+    monkeypatch.setattr(store.fs, "cat_file", lambda p, *a, **k: read.append(p) or real(p, *a, **k))
+    good = real(store.object_path(1, "manifest.msgpack"))
+    for name, junk in (("manifest.msgpack", good + bytes(1 << 16)), ("COMMITTED", bytes(1 << 17))):
+        saved = real(store.object_path(1, name))
+        store.fs.pipe_file(store.object_path(1, name), junk)
+        read.clear()
+        with pytest.raises(CorruptCheckpoint, match=rf"{name}: .*bytes"):
+            store.manifest(1)
+        assert store.object_path(1, name) not in read
+        store.fs.pipe_file(store.object_path(1, name), saved)
+    assert store.manifest(1)[1]["files"]  # intact again
+    shard = store.object_path(1, "__0_0.distcp")
+    store.fs.pipe_file(shard, real(shard) + bytes(1 << 16))
+    got: list[Any] = []
+    monkeypatch.setattr(store.fs, "get", lambda *a, **k: got.append(a))
+    with pytest.raises(CorruptCheckpoint, match=r"__0_0.distcp: \d+ bytes, the manifest records"):
+        download(store, 1, tmp_path / "b")
+    assert not got  # nothing downloaded
+
+
+def test_a_remote_url_without_a_path_or_with_dot_dot_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """'s3://' lost its '//' to the trailing-slash strip and became the local path 's3:'."""
+    monkeypatch.chdir(tmp_path)
+    for url in ("s3://", "s3:///", "memory://", "s3://bucket/runs/../run1", "memory://a/./b"):
+        with pytest.raises(ValueError, match=r"remote='.*': "):
+            fc.CheckpointManager(tmp_path / "ckpt", remote=url)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # nothing written beside it
+    assert Store("memory://bucket/run1//").url == "memory://bucket/run1"
+
+
+def test_a_local_checkpoint_is_uploaded_over_another_of_its_step(tmp_path: Path, mem: str) -> None:
+    """A remote copy counts as this checkpoint's only if it is this checkpoint (same marker):
+    a new run on a used prefix must not take the old run's step 2 for its own, and prune it."""
+    with fc.CheckpointManager(tmp_path / "a", remote=mem) as mgr:
+        for step in (1, 2):
+            mgr.maybe_save(_state(step), step=step)
+    with fc.CheckpointManager(tmp_path / "b", keep=fc.keep_last(1), remote=mem) as mgr:
+        mgr.maybe_save(_state(20), step=2)
+        assert mgr.remote is not None and mgr.remote.wait()
+        mgr.maybe_save(_state(30), step=3)  # prunes the local step 2: it is on the remote
+    got = fc.restore(download(Store(mem), 2, tmp_path / "fresh"))
+    assert torch.equal(got["w"], _state(20)["w"])

@@ -41,6 +41,7 @@ __all__ = [
     "INDEX",
     "LOC",
     "MARKER",
+    "MAX_STEP",
     "VERSION",
     "Committed",
     "NotARecording",
@@ -58,6 +59,8 @@ MARKER = "RECORDED"
 #: A leaf's location in the data: segment number, CRC32, byte offset, byte count.
 LOC = np.dtype([("seg", "<u4"), ("crc", "<u4"), ("off", "<u8"), ("n", "<u8")])
 FRAME = struct.Struct("<I")
+#: The largest step a record may have (the index holds steps as int64).
+MAX_STEP = (1 << 63) - 1
 _MARKER_KEYS = {"format", "version", "records", "index_size", "index_crc32", "header_size"}
 _MARKER_KEYS |= {"header_crc32", "segments"}
 
@@ -212,7 +215,9 @@ def parse_index(
     locs = np.concatenate(parts) if parts else np.empty((0, len(leaves)), LOC)
     sizes = np.array([*segments, 0], dtype=np.uint64)
     seg = np.minimum(locs["seg"], len(segments)).astype(np.int64)
-    if (locs["seg"] >= len(segments)).any() or (locs["off"] + locs["n"] > sizes[seg]).any():
+    room = sizes[seg]  # off + n could wrap around 2**64: compared without adding
+    beyond = (locs["off"] > room) | (locs["n"] > room - np.minimum(locs["off"], room))
+    if (locs["seg"] >= len(segments)).any() or beyond.any():
         raise CorruptCheckpoint(f"{where}: a record points beyond the committed data")
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, TensorEntry) and len(locs) and (locs["n"][:, i] != leaf.nbytes).any():

@@ -10,6 +10,7 @@ protocol). A crash loses at most the records after the last commit.
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import queue
@@ -37,6 +38,7 @@ from functional_ckpt.recording.layout import (
     INDEX,
     LOC,
     MARKER,
+    MAX_STEP,
     VERSION,
     segment_name,
 )
@@ -56,7 +58,7 @@ def _signature(leaf: Leaf) -> tuple[Any, ...]:
     """What must stay the same from record to record: the layout of the first one."""
     if leaf.kind == "tensor":
         t = leaf.value
-        return (leaf.path, "tensor", t.dtype, tuple(t.shape))
+        return (leaf.path, "tensor", t.dtype, tuple(t.shape), t.layout, t.is_meta)
     if leaf.kind == "node":
         return (leaf.path, "node", leaf.value)
     return (leaf.path, "value")
@@ -120,12 +122,8 @@ class Recorder:
         codec.check_encodable(self.metadata, where="Recorder(metadata=...)")
         if self.path.is_symlink() or (self.path.exists() and not self.path.is_dir()):
             raise CheckpointExists(f"Recorder(path={str(self.path)!r}): exists, not a directory")
-        if self.path.is_dir() and any(self.path.iterdir()):
-            raise CheckpointExists(
-                f"Recorder(path={str(self.path)!r}): the directory is not empty; a recording is "
-                "never appended to or overwritten: choose a new path"
-            )
         format.make_dirs(self.path)
+        self._dir_fd = _claim(self.path)
         self._layout: list[tuple[Any, ...]] | None = None
         self._kinds: list[str] = []
         self._free: queue.Queue[_Slot] = queue.Queue()
@@ -159,6 +157,10 @@ class Recorder:
         if step is None:
             step = self._count
         step = as_int(step, f"Recorder.record(step={step!r})")
+        if step > MAX_STEP:
+            raise CheckpointError(
+                f"Recorder.record(step={step}): a recording holds steps up to {MAX_STEP}"
+            )
         if step < 0 or (self._last_step is not None and step <= self._last_step):
             raise CheckpointError(
                 f"Recorder.record(step={step}): steps must increase (the last recorded step "
@@ -279,6 +281,7 @@ class Recorder:
         if self._thread is not None:
             self._jobs.put(("close",))
             self._thread.join()
+        os.close(self._dir_fd)  # drops the claim: the recording is complete
         self._raise_failure()
 
     def __enter__(self) -> Recorder:
@@ -420,3 +423,31 @@ class Recorder:
             if fd >= 0:
                 os.close(fd)
         self._seg_fd = self._index_fd = -1
+
+
+def _claim(path: Path) -> int:
+    """The directory of a new recording, locked (``flock``) for this recorder's lifetime.
+
+    Found empty while the lock is held, so two recorders never write one path
+    (the second would replace the first's header): the second is refused.
+    """
+    where = f"Recorder(path={str(path)!r})"
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CheckpointExists(
+                f"{where}: another Recorder is writing there; choose a new path"
+            ) from None
+        except OSError:
+            pass  # no flock on directories here (some network file systems): the check below
+        if os.listdir(fd):
+            raise CheckpointExists(
+                f"{where}: the directory is not empty; a recording is never appended to or "
+                "overwritten: choose a new path"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

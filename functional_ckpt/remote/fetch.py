@@ -54,6 +54,13 @@ def download(
             f"{store.where(step)}: {', '.join(missing[:5])} missing from a committed remote "
             "checkpoint: it is being deleted (or was damaged)"
         )
+    for name in names:  # no object is downloaded past the size the manifest records
+        size = files[name].get("size") if isinstance(files[name], dict) else None
+        if found[name] != size:
+            raise CorruptCheckpoint(
+                f"{store.where(step, name)}: {found[name]} bytes, the manifest records {size}; "
+                "the remote checkpoint is damaged"
+            )
     into.mkdir(parents=True, exist_ok=True)
     work = into / f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"
     tmp = work / step_name(step)

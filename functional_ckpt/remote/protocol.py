@@ -22,6 +22,7 @@ A crash at any point leaves no marker, or the marker of a complete checkpoint.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterable
@@ -31,7 +32,16 @@ from functional_ckpt import format
 from functional_ckpt.errors import RemoteError
 from functional_ckpt.remote.store import Store
 
-__all__ = ["begin", "commit", "expected_sizes", "owner", "put_part"]
+__all__ = [
+    "begin",
+    "check_lease",
+    "commit",
+    "copy_step",
+    "expected_sizes",
+    "owner",
+    "put_part",
+    "remove_step",
+]
 
 _SHARD = re.compile(r"__(\d+)_\d+\.distcp")
 
@@ -114,3 +124,33 @@ def _confirm(store: Store, step: int, sizes: dict[str, int]) -> None:
             f"{store.where(step)}: uploaded objects not confirmed: {', '.join(wrong[:5])}; "
             "the checkpoint is not committed remotely"
         )
+
+
+def remove_step(store: Store, step: int) -> None:
+    """Delete remote ``step``: its marker first (no longer committed), then the rest."""
+    store.remove(step, [format.COMMIT_MARKER])
+    store.remove(step, sorted(store.objects(step)))
+
+
+def copy_step(store: Store, step: int, dest: str) -> None:
+    """Copy committed remote ``step`` into the directory ``dest`` of the store, marker last."""
+    objects = store.objects(step)
+    for name in sorted(objects, key=lambda n: n == format.COMMIT_MARKER):
+        src = store.object_path(step, name)
+        store.call(src, store.fs.copy, src, f"{dest}/{name}")
+
+
+def check_lease(store: Store, name: str, found: bytes | None, mine: bytes) -> None:
+    """Raise unless the lease object ``name`` found at the root is ``mine``."""
+    if found == mine:
+        return
+    try:
+        other = json.loads(found or b"{}")
+        who = f"pid {int(other['pid'])} on {str(other['host'])[:64]!r}"
+    except (ValueError, TypeError, KeyError):
+        who = "an unknown writer"
+    raise RemoteError(
+        f"{store.url}: another manager ({who}) began writing to this remote root after this "
+        "one; this one no longer uploads or deletes there (one writer per remote root: give "
+        "each run its own prefix)"
+    )

@@ -10,6 +10,7 @@ a remote is used.
 from __future__ import annotations
 
 import errno
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -26,9 +27,10 @@ from functional_ckpt.errors import (
     RemoteUnreachable,
     RemoteVanished,
 )
+from functional_ckpt.limits import LIMITS
 from functional_ckpt.root import parse_step, step_name
 
-__all__ = ["RemoteStep", "Store", "remote_error"]
+__all__ = ["RemoteStep", "Store", "public_url", "remote_error"]
 
 T = TypeVar("T")
 
@@ -63,6 +65,23 @@ def remote_error(err: BaseException, where: str) -> CheckpointError:
     return RemoteError(f"{where}: {text}")
 
 
+def public_url(url: str) -> str:
+    """``url`` without the password of its user part (``ftp://user@host/…``).
+
+    A URL may carry a password (ftp, sftp, http); it is never written to the
+    status file nor put in a message. (Credentials belong in the environment or
+    in ``storage_options``, which are never written or shown either.)
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.password is None:
+            return url
+    except ValueError:
+        return url
+    user, host = parts.netloc.rsplit("@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user.split(':', 1)[0]}@{host}"))
+
+
 def _missing_bucket(err: FileNotFoundError, path: str = "") -> bool:
     """Whether the store said the bucket is missing (not merely the object at ``path``)."""
     text = str(err).replace(path, "").lower() if path else str(err).lower()
@@ -92,19 +111,29 @@ class Store:
                 f"remote={url!r}: expected an fsspec URL such as 's3://bucket/prefix' "
                 "or 'memory://name'"
             )
+        scheme, _, rest = url.partition("://")
+        full = f"{scheme}://{rest.rstrip('/')}"
+        self.url = public_url(full)  # what messages and the status file show
+        parts = rest.split("?", 1)[0].rstrip("/").split("/")
+        if not rest.strip("/") or any(p in (".", "..") for p in parts):
+            raise ValueError(
+                f"remote={self.url!r}: name the directory of the remote root, without '.' or "
+                "'..' (an object store does not resolve them), e.g. 's3://bucket/run1'"
+            )
         try:
             import fsspec  # type: ignore[import-untyped]
         except ImportError:
             raise CheckpointError(
-                f"remote={url!r} needs fsspec (and s3fs for s3://): "
+                f"remote={self.url!r} needs fsspec (and s3fs for s3://): "
                 "pip install 'functional_ckpt[remote]'"
             ) from None
-        self.url = url.rstrip("/")
         options = dict(storage_options or {})
         try:
-            self.fs, path = fsspec.core.url_to_fs(self.url, **options)
+            if getattr(_fs_class(fsspec, full), "local_file", False):
+                options.setdefault("auto_mkdir", True)  # a directory, as on an object store
+            self.fs, path = fsspec.core.url_to_fs(full, **options)
         except ImportError as e:
-            raise CheckpointError(f"remote={url!r}: {e}") from None
+            raise CheckpointError(f"remote={self.url!r}: {e}") from None
         except Exception as e:
             raise remote_error(e, self.url) from e
         self.base = str(path).rstrip("/")
@@ -175,6 +204,20 @@ class Store:
             out[name] = int(size) if isinstance(size, int) else -1
         return out
 
+    def read_root(self, name: str) -> bytes | None:
+        """An object beside the checkpoints (``url/name``); None if there is none."""
+        try:
+            return bytes(self.fs.cat_file(f"{self.base}/{name}"))
+        except FileNotFoundError as e:
+            if _missing_bucket(e, f"{self.base}/{name}"):
+                raise remote_error(e, f"{self.url}/{name}") from e
+            return None
+        except Exception as e:
+            raise remote_error(e, f"{self.url}/{name}") from e
+
+    def write_root(self, name: str, data: bytes) -> None:
+        self.call(f"{self.url}/{name}", self.fs.pipe_file, f"{self.base}/{name}", data)
+
     def read(self, step: int, name: str) -> bytes:
         data = self.call(self.where(step, name), self.fs.cat_file, self.object_path(step, name))
         return bytes(data)
@@ -194,6 +237,17 @@ class Store:
     def manifest(self, step: int) -> tuple[bytes, dict[str, Any]]:
         """The marker's bytes and the manifest it authenticates (committed checkpoints only)."""
         where = self.where(step)
+        found = self.objects(step)  # sizes first: no object is read past what it may hold
+        marker_size = found.get(format.COMMIT_MARKER)
+        if marker_size is None:
+            raise IncompleteCheckpoint(
+                f"{where}: not a committed remote checkpoint ({format.COMMIT_MARKER} is missing)"
+            )
+        if not 0 <= marker_size <= LIMITS.marker_bytes:
+            raise CorruptCheckpoint(
+                f"{self.where(step, format.COMMIT_MARKER)}: {marker_size} bytes, too large for "
+                "a commit marker; the remote checkpoint is damaged"
+            )
         try:
             marker_bytes = self.read(step, format.COMMIT_MARKER)
         except RemoteVanished:
@@ -204,6 +258,13 @@ class Store:
         size = marker.get("manifest_size")
         if not isinstance(size, int) or not 0 <= size <= format.MAX_MANIFEST_BYTES:
             raise CorruptCheckpoint(f"{where}: the commit marker records no valid manifest size")
+        if found.get(format.MANIFEST) != size:
+            have = found.get(format.MANIFEST)
+            raise CorruptCheckpoint(
+                f"{self.where(step, format.MANIFEST)}: "
+                f"{'missing' if have is None else f'{have} bytes'}, the commit marker records "
+                f"{size} bytes; the remote checkpoint is damaged (or being deleted)"
+            )
         raw = self.read(step, format.MANIFEST)
         if len(raw) != size or crc32(raw) != marker.get("manifest_crc32"):
             raise CorruptCheckpoint(
@@ -216,6 +277,14 @@ class Store:
         ):
             raise CorruptCheckpoint(f"{where}: not a functional_ckpt manifest")
         return marker_bytes, manifest
+
+
+def _fs_class(fsspec: Any, url: str) -> Any:
+    """The fsspec file system class of ``url`` (None if unknown: ``url_to_fs`` says why)."""
+    try:
+        return fsspec.get_filesystem_class(url.split("://", 1)[0])
+    except (ImportError, ValueError):
+        return None
 
 
 def decode_small(raw: bytes, where: str) -> dict[str, Any]:

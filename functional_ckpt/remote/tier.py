@@ -18,12 +18,15 @@ coordinator no longer keeps that step. A resume then comes from the remote tier.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import socket
 import threading
 import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,9 +43,10 @@ from functional_ckpt.errors import (
 from functional_ckpt.pipeline.topology import topology
 from functional_ckpt.remote import protocol
 from functional_ckpt.remote.fetch import download, remove_downloads
-from functional_ckpt.remote.store import Store
+from functional_ckpt.remote.store import Store, public_url
 from functional_ckpt.remote.uploader import Worker, failure, read_status, retried, write_status
 from functional_ckpt.retention import CheckpointRecord, RetentionPolicy, plan_deletions
+from functional_ckpt.rollback import BRANCHES_DIR
 from functional_ckpt.root import (
     StepInfo,
     delete,
@@ -54,10 +58,16 @@ from functional_ckpt.root import (
     step_name,
 )
 
-__all__ = ["RemoteTier", "read_status"]
+__all__ = ["LEASE", "RemoteTier", "read_status"]
 
 T = TypeVar("T")
 Found = tuple[StepInfo, T] | None
+
+#: The object beside the checkpoints naming the manager that writes the remote root:
+#: the one that began writing there last. A manager takes it before its first upload
+#: or deletion and checks it before each next one, so the stale process of a restarted
+#: job stops writing once the new one writes (a manager that only restores never takes it).
+LEASE = ".writer.json"
 
 _DAMAGE = (CorruptCheckpoint, UnsafeCheckpoint, IncompleteCheckpoint, RemoteVanished)
 
@@ -85,19 +95,30 @@ class RemoteTier:
         self._group: Any = None
         self.shared = True
         error: BaseException | None = None
+        self.url = public_url(url.rstrip("/"))  # never the URL's password
+        self._lease = json.dumps(
+            {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid()}
+        ).encode()
+        self._holding = False  # whether this manager took the remote root (see LEASE)
         try:
             self.store = Store(url, storage_options)
+            if getattr(self.store.fs, "local_file", False) and os.path.realpath(
+                self.store.base
+            ) == os.path.realpath(root):
+                raise CheckpointError(
+                    f"remote={self.url!r}: the local root itself ({root}); its retention would "
+                    "delete local checkpoints: give the remote tier a directory of its own"
+                )
             retried(self.store.probe)  # a wrong endpoint, credentials or bucket fails here
         except BaseException as e:
             if self.world == 1:
                 raise
             error = e
-        self.url = url.rstrip("/")
         if self.world > 1:
             from functional_ckpt.dist import agree, allow_parts, checkpoint_group
 
             self._group = checkpoint_group(timeout, purpose="upload")
-            agree(error, self._group, f"remote {url}")
+            agree(error, self._group, f"remote {self.url}")
             if writer:
                 self.shared = self._shared_root()
                 allow_parts(root, not self.shared)  # the uploads make each split save whole
@@ -109,11 +130,12 @@ class RemoteTier:
         self._uploading: int | None = None
         self._bad: set[int] = set()  # remote steps found damaged by this process
         self._records: dict[int, CheckpointRecord] = {}
+        self._same: dict[int, bytes] = {}  # local steps whose remote copy has their marker
         self._worker: Worker | None = None
         if writer:
             if self.coordinator or not self.shared:
                 remove_downloads(root)
-            self._worker = Worker(self._round)
+            self._worker = Worker(self._round, coalesce=self.world == 1)
             self._worker.request()  # resumes what a crash interrupted
 
     def __repr__(self) -> str:
@@ -169,6 +191,37 @@ class RemoteTier:
 
                 allow_parts(self.root, False)
         self.check()
+
+    def newer_than(self, step: int) -> list[int]:
+        """Remote steps after ``step`` (committed or not), the uploads asked for done first."""
+        if self._worker is not None:
+            self._worker.drain()
+        return sorted(s for s in retried(self.store.listing) if s > step)
+
+    def set_aside(self, steps: list[int], branch: str | None) -> None:
+        """A rollback's remote part: ``steps`` leave the remote trunk, copied first to
+        ``url/branches/<branch>/`` (marker last) unless ``branch`` is None.
+
+        Runs before the local rollback moves anything: a crash in between leaves the
+        local trunk whole, and the next upload round puts its steps back remotely.
+        """
+        if steps:
+            self._claim()  # a root another manager writes is not this one's to change
+        for step in steps:
+            if branch is not None and retried(partial(self.store.objects, step)).get(
+                format.COMMIT_MARKER
+            ):
+                dest = f"{self.store.base}/{BRANCHES_DIR}/{branch}/{step_name(step)}"
+                retried(partial(protocol.copy_step, self.store, step, dest))
+            retried(partial(protocol.remove_step, self.store, step))
+            self._forget(step)
+
+    def _forget(self, step: int) -> None:
+        """Remote ``step`` is deleted."""
+        with self._lock:
+            self._committed.discard(step)
+        self._records.pop(step, None)
+        self._same.pop(step, None)
 
     # ------------------------------------------------------------------ restore
 
@@ -345,6 +398,20 @@ class RemoteTier:
     def _local(self) -> dict[int, Path]:
         return {s: p for s, p, _ in step_dirs(self.root) if (p / format.COMMIT_MARKER).exists()}
 
+    def _claim(self) -> None:
+        """Before writing remotely: take the remote root (the first time), or raise if
+        another manager took it since (see :data:`LEASE`)."""
+        if not self._holding:
+            retried(partial(self.store.write_root, LEASE, self._lease))
+            self._holding = True
+        self._held()
+
+    def _held(self) -> None:
+        """Raise unless this manager still holds the remote root."""
+        protocol.check_lease(
+            self.store, LEASE, retried(partial(self.store.read_root, LEASE)), self._lease
+        )
+
     def _plan(self) -> dict[str, list[int]]:
         local = self._local()
         try:
@@ -353,6 +420,11 @@ class RemoteTier:
             self._fail(max(local, default=-1), err)
             return {"upload": [], "local": sorted(local)}
         committed = {s for s, r in listing.items() if r.committed}
+        try:
+            committed -= self._others(local, committed)
+        except CheckpointError as err:
+            self._fail(max(local, default=-1), err)
+            return {"upload": [], "local": sorted(local)}
         candidates = sorted(s for s in local if s not in committed)
         records: list[Any] = [self._record(s) for s in committed]
         for s in candidates:
@@ -362,10 +434,38 @@ class RemoteTier:
                 continue  # unreadable locally: not uploaded (the local resume deals with it)
         kept = self.keep.select(records) | {max(r.step for r in records)} if records else set()
         upload = [s for s in candidates if s in kept]
+        if upload:
+            try:
+                self._claim()
+            except CheckpointError as err:
+                self._fail(upload[-1], err)
+                upload = []
         with self._lock:
             self._committed = committed
             self._dropped = set(candidates) - kept
         return {"upload": upload, "local": sorted(local)}
+
+    def _others(self, local: dict[int, Path], committed: set[int]) -> set[int]:
+        """Local steps whose remote copy is another checkpoint of that step (another
+        marker): not this one's copy, so uploaded over it. Each is compared once."""
+        out = set()
+        for step in sorted(committed & local.keys()):
+            try:
+                mine = (local[step] / format.COMMIT_MARKER).read_bytes()
+            except OSError:
+                continue
+            if self._same.get(step) == mine:
+                continue
+            try:
+                theirs = retried(partial(self.store.read, step, format.COMMIT_MARKER))
+            except RemoteVanished:
+                theirs = b""  # deleted meanwhile: not a copy of anything
+            if theirs == mine:
+                self._same[step] = mine
+            else:
+                out.add(step)
+                self._records.pop(step, None)
+        return out
 
     def _record(self, step: int) -> CheckpointRecord:
         """What the remote retention needs of a remote checkpoint (its manifest, read once)."""
@@ -418,11 +518,12 @@ class RemoteTier:
                 f"upload {self.store.where(step)}",
                 lambda: retried(lambda: protocol.put_part(self.store, step, local, names, parts)),
             )
-            self._together(
-                f"commit {self.store.where(step)}",
-                lambda: retried(lambda: protocol.commit(self.store, step, local, sizes)),
-                here=self.coordinator,
-            )
+
+            def commit() -> None:
+                self._held()  # a root taken over meanwhile gets no marker from here
+                retried(lambda: protocol.commit(self.store, step, local, sizes))
+
+            self._together(f"commit {self.store.where(step)}", commit, here=self.coordinator)
         except BaseException as err:
             self._fail(step, err)
             return
@@ -474,16 +575,19 @@ class RemoteTier:
         if not committed:
             return
         doomed = plan_deletions(self.keep, [self._record(s) for s in committed])
+        if doomed:
+            try:
+                self._claim()
+            except CheckpointError as err:
+                self._fail(max(committed), err)
+                return
         for step in doomed:
             try:
-                self.store.remove(step, [format.COMMIT_MARKER])
-                self.store.remove(step, sorted(self.store.objects(step)))
+                protocol.remove_step(self.store, step)
             except CheckpointError as err:
                 self._fail(step, err)
                 continue
-            with self._lock:
-                self._committed.discard(step)
-            self._records.pop(step, None)
+            self._forget(step)
 
     def _drop_parts(self, coordinator_steps: list[int]) -> None:
         """This rank's parts of steps the coordinator no longer keeps (crash-safely)."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -75,14 +74,24 @@ def retried(fn: Callable[[], T], attempts: int | None = None) -> T:
 
 
 class Worker:
-    """One daemon thread that runs ``round()`` once per request, in order."""
+    """One daemon thread that runs ``round()`` after requests, in order.
 
-    def __init__(self, round_: Callable[[], None], name: str = "fc-upload") -> None:
+    A round serves every request made before it began (each round plans from what
+    is on disk and remote then), so the requests of saves made while a round hangs
+    on a store that is down do not queue up: one more round serves them all.
+    ``coalesce=False`` runs one round per request (under ``torch.distributed``,
+    where every rank must run the same rounds for their collectives to line up).
+    """
+
+    def __init__(
+        self, round_: Callable[[], None], name: str = "fc-upload", *, coalesce: bool = True
+    ) -> None:
         self._round = round_
-        self._requests: queue.Queue[bool] = queue.Queue()
+        self._coalesce = coalesce
         self._lock = threading.Condition()
         self._asked = 0
         self._done = 0
+        self._stopping = False
         self.crashed: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -90,7 +99,7 @@ class Worker:
     def request(self) -> None:
         with self._lock:
             self._asked += 1
-        self._requests.put(True)
+            self._lock.notify_all()
 
     def busy(self) -> bool:
         with self._lock:
@@ -102,18 +111,26 @@ class Worker:
             return self._lock.wait_for(lambda: self._done >= self._asked, timeout)
 
     def stop(self) -> None:
-        self._requests.put(False)
+        """Run the rounds asked for, then end the thread."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
         self._thread.join()
 
     def _run(self) -> None:
-        while self._requests.get():
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._done < self._asked or self._stopping)
+                if self._done >= self._asked:
+                    return  # stopping, nothing asked for
+                served = self._asked if self._coalesce else self._done + 1
             try:
                 self._round()
             except BaseException as e:  # recorded by the round itself; this is a bug guard
                 self.crashed = e
             finally:
                 with self._lock:
-                    self._done += 1
+                    self._done = served
                     self._lock.notify_all()
 
 
