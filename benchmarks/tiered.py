@@ -1,11 +1,15 @@
 """The remote tier against s3fs itself, on one S3-protocol server (moto, on loopback).
 
 What is compared, in one run, against the same server (moto's standalone server,
-started by this script in a child process on a free 127.0.0.1 port):
+started by this script in a child process on a free 127.0.0.1 port; it stands in
+for another machine, so it runs at the lowest CPU priority and keeps its objects
+in memory, not in temporary files on this machine's disk):
 
 ``upload``
     *fc upload*: the remote tier's commit of one local checkpoint (the manifest,
-    every file through s3fs's bulk ``put``, every object confirmed, the marker);
+    every file through s3fs's bulk ``put`` in the tier's helper process, started
+    beforehand as a manager starts it when it opens, every object confirmed, the
+    marker);
     *s3fs put*: ``S3FileSystem.put`` of the same files to another prefix.
 ``restore``
     *fc restore_latest (remote)*: ``CheckpointManager(empty root,
@@ -16,9 +20,10 @@ started by this script in a child process on a free 127.0.0.1 port):
 ``training stall``
     A training loop (in-place updates of a state of a quarter of the checkpoint's
     size, plus matmuls) saving every 10 steps with
-    ``CheckpointManager(async_save=True)``, with and without ``remote=``; *stall*
-    is the time the loop spent blocked in ``maybe_save`` and ``wait_staged`` (which
-    includes waiting for the previous save to commit before the next one).
+    ``CheckpointManager(async_save=True)``, with and without ``remote=`` (100
+    steps, 10 saves, uploading all the time); *stall* is the time the loop spent
+    blocked in ``maybe_save`` and ``wait_staged`` (which includes waiting for the
+    previous save to commit before the next one).
 
 Every measurement runs ``--reps`` times, interleaved; medians are reported, and
 the targets are checked on the median of the per-repetition ratios (each pair of
@@ -98,11 +103,16 @@ def start_server() -> tuple[subprocess.Popen[bytes], str]:
     # The server stands in for another machine: at the lowest CPU priority, its own
     # work (which a real object store does not put on the training machine) is not
     # counted as the client's.
+    # Nor does its disk: moto spills every object over 5 MiB to a temporary file, whose
+    # writeback would land on this machine's disk beside the checkpoints; a buffer of
+    # 8 GiB keeps the objects in the server's memory.
+    env = {**os.environ, "MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(8 << 30)}
     proc = subprocess.Popen(
         [sys.executable, "-c", code, str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         preexec_fn=lambda: os.nice(19),
+        env=env,
     )
     assert proc.stdout is not None
     proc.stdout.readline()
@@ -194,6 +204,7 @@ def run(args: argparse.Namespace, workdir: Path, endpoint: str) -> dict[str, lis
     reads = Store(remote_root, options)
     for k in range(args.reps):
         store = Store(f"s3://{bucket}/up{k}", options)
+        store.start_uploads()  # as a manager does when it opens
         jobs: list[tuple[str, Callable[[], Any]]] = [
             (UPLOAD_FC, lambda s=store: fc_upload(s, 1, local)),
             (UPLOAD_S3, lambda s=store: s3fs_put(s, f"{s.base}/put", local)),
@@ -201,6 +212,7 @@ def run(args: argparse.Namespace, workdir: Path, endpoint: str) -> dict[str, lis
         for label, fn in rotate(jobs, k):
             timed(label, fn)
         store.fs.rm(store.base, recursive=True)
+        store.close()
 
         def fc_restore() -> float:
             """Seconds of ``restore_latest`` (opening the manager is not counted)."""
@@ -276,13 +288,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = bench_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="a tiny checkpoint and 1 repetition")
     p.add_argument("--size", type=float, default=None, help="checkpoint MiB (default 1024)")
-    p.add_argument("--reps", type=int, default=None, help="repetitions (default 3, quick 1)")
-    p.add_argument("--steps", type=int, default=None, help="training steps per stall run")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default 5, quick 1)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="training steps per stall run (default 100)"
+    )
     add_run_args(p, "tiered")
     args = p.parse_args(argv)
     args.size = args.size or (4.0 if args.quick else 1024.0)
-    args.reps = args.reps or (1 if args.quick else 3)
-    args.steps = args.steps or (10 if args.quick else 40)
+    args.reps = args.reps or (1 if args.quick else 5)
+    args.steps = args.steps or (10 if args.quick else 100)
     return args
 
 

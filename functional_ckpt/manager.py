@@ -352,21 +352,37 @@ class CheckpointManager(RootView):
         """
         overwrite = path.exists()
         base = self._base_for(path) if self.incremental else None
-        if self.async_save:
-            self._pending = save_async(
+        remote = self.remote
+        held = remote is not None  # uploads stand still while the state is staged
+        if remote is not None:
+            remote.hold_uploads()
+        try:
+            if self.async_save:
+                self._pending = save_async(
+                    path,
+                    state,
+                    metadata=metadata,
+                    overwrite=overwrite,
+                    staging=self.staging,
+                    stager=self._stager,
+                    per_rank=self.per_rank,
+                    base=base,
+                )
+                if remote is not None:
+                    self._pending.when_staged(remote.release_uploads)
+                    held = False
+                return None
+            return save_sync(
                 path,
                 state,
                 metadata=metadata,
                 overwrite=overwrite,
-                staging=self.staging,
-                stager=self._stager,
                 per_rank=self.per_rank,
                 base=base,
             )
-            return None
-        return save_sync(
-            path, state, metadata=metadata, overwrite=overwrite, per_rank=self.per_rank, base=base
-        )
+        finally:
+            if held and remote is not None:
+                remote.release_uploads()
 
     def _base_for(self, path: Path) -> Incremental:
         """The base of an incremental save: the newest other committed checkpoint.

@@ -128,6 +128,16 @@ class PendingSave:
         self.started = time.perf_counter()
         self.staged_after: float | None = None  # seconds from the call to staged
         self._thread: threading.Thread | None = None
+        self._on_staged: list[Callable[[], object]] | None = []  # None once called
+        self._callbacks = threading.Lock()
+
+    def when_staged(self, fn: Callable[[], object]) -> None:
+        """Call ``fn()`` once the state is staged (now, if it is; also if the save failed)."""
+        with self._callbacks:
+            if self._on_staged is not None:
+                self._on_staged.append(fn)
+                return
+        fn()
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the state's tensors are no longer read (copied, or written)."""
@@ -161,9 +171,19 @@ class PendingSave:
             self._finished.set()
 
     def _mark_staged(self) -> None:
-        if not self._staged.is_set():
-            self.staged_after = time.perf_counter() - self.started
-            self._staged.set()
+        """The callbacks run before ``wait_staged`` returns: what they undo (the uploads
+        held during staging) is undone by the time the caller goes on."""
+        with self._callbacks:
+            callbacks, self._on_staged = self._on_staged, None
+        if callbacks is None:
+            return
+        self.staged_after = time.perf_counter() - self.started
+        for fn in callbacks:
+            try:
+                fn()
+            except Exception:  # a callback's failure is not the save's
+                continue
+        self._staged.set()
 
 
 def _written_crc(entry: TensorEntry) -> int:

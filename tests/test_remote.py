@@ -6,7 +6,6 @@ Against fsspec's in-process ``memory://`` store and a real S3-protocol server
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -16,7 +15,6 @@ import sys
 import textwrap
 import uuid
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,42 +45,6 @@ REPO = Path(__file__).resolve().parent.parent
 def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(uploader, "BACKOFF", 0.01)
     monkeypatch.setattr(uploader, "RETRIES", 3)
-
-
-@pytest.fixture
-def mem() -> Iterator[str]:
-    url = f"memory://t-{uuid.uuid4().hex[:8]}/run"
-    yield url
-    with contextlib.suppress(FileNotFoundError):
-        fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[dict[str, Any]]:
-    """A moto S3 server on 127.0.0.1 (a free port), with dummy credentials in the env."""
-    from moto.server import ThreadedMotoServer
-
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }.items():
-            mp.setenv(k, v)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        try:
-            yield {"endpoint": endpoint, "options": {"client_kwargs": {"endpoint_url": endpoint}}}
-        finally:
-            server.stop()
-
-
-def _bucket(s3: dict[str, Any]) -> str:
-    name = f"b-{uuid.uuid4().hex[:10]}"
-    Store(f"s3://{name}", s3["options"]).fs.mkdir(name)
-    return f"s3://{name}/run"
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -160,9 +122,9 @@ def test_a_failed_upload_is_reported_and_keeps_the_local_copy_until_one_succeeds
 
 
 def test_restore_on_an_empty_root_resumes_from_remote_bit_identically(
-    tmp_path: Path, s3: dict[str, Any]
+    tmp_path: Path, s3: dict[str, Any], bucket: str
 ) -> None:
-    url = _bucket(s3)
+    url = bucket
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.AdamW(model.parameters())
@@ -244,11 +206,11 @@ def test_a_remote_deletion_racing_the_download_falls_back(
 
 
 def test_store_faults_raise_clear_errors_at_open(
-    tmp_path: Path, s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, s3: dict[str, Any], bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import moto.settings
 
-    url = _bucket(s3)
+    url = bucket
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
@@ -289,9 +251,9 @@ time.sleep(600)
 
 
 def test_sigkill_during_upload_leaves_no_remote_commit_and_the_restart_finishes_it(
-    tmp_path: Path, s3: dict[str, Any]
+    tmp_path: Path, s3: dict[str, Any], bucket: str
 ) -> None:
-    url = _bucket(s3)
+    url = bucket
     root = tmp_path / "ckpt"
     code = textwrap.dedent(_KILLED_CHILD.format(endpoint=s3["endpoint"]))
     child = subprocess.Popen(
@@ -356,9 +318,9 @@ def test_fckpt_ls_shows_the_tiers_and_verify_inspect_take_remote_urls(
 
 
 def test_two_ranks_with_their_own_local_roots_commit_on_one_remote(
-    tmp_path: Path, s3: dict[str, Any]
+    tmp_path: Path, s3: dict[str, Any], bucket: str
 ) -> None:
-    url = _bucket(s3)
+    url = bucket
     (rc0, out0, err0), (rc1, out1, err1) = _two_ranks(tmp_path, url, s3["endpoint"])
     assert rc0 == 0 and rc1 == 9, err0[-3000:] + err1[-3000:]
     assert "REFUSED" in out0 and "REFUSED" in out1

@@ -92,14 +92,15 @@ def put_part(
     """Upload ``names`` from ``local`` (those not already ``present`` at their size); confirm all.
 
     Returns the bytes sent. Objects go up in parallel, through the store's own
-    bulk ``put``.
+    bulk ``put`` (run by the helper process of :mod:`~functional_ckpt.remote.mover`
+    where there is one).
     """
     sizes = {name: os.stat(local / name).st_size for name in names}
     todo = [n for n, size in sizes.items() if present.get(n) != size]
     if todo:
         lpaths = [str(local / n) for n in todo]
         rpaths = [store.object_path(step, n) for n in todo]
-        store.call(store.where(step), store.fs.put, lpaths, rpaths)
+        store.put(store.where(step), lpaths, rpaths)
     _confirm(store, step, sizes)
     return sum(sizes[n] for n in todo)
 

@@ -28,6 +28,7 @@ from functional_ckpt.errors import (
     RemoteVanished,
 )
 from functional_ckpt.limits import LIMITS
+from functional_ckpt.remote.mover import MovedFailure, Mover, facts_of, reaches
 from functional_ckpt.root import parse_step, step_name
 
 __all__ = ["RemoteStep", "Store", "public_url", "remote_error"]
@@ -41,23 +42,25 @@ def remote_error(err: BaseException, where: str) -> CheckpointError:
     """The :class:`RemoteError` a failure of the store at ``where`` stands for."""
     if isinstance(err, CheckpointError):
         return err
-    text = f"{type(err).__name__}: {err}"
-    if isinstance(err, PermissionError):
+    facts = err.facts if isinstance(err, MovedFailure) else facts_of(err)
+    names, number, text = set(facts["names"]), facts["errno"], str(facts["text"])
+    if "PermissionError" in names:
         return RemoteAccessDenied(
             f"{where}: the object store refused access ({text}); check the credentials "
             "(environment, ~/.aws, storage_options=) and the bucket's permissions"
         )
-    if isinstance(err, FileNotFoundError) and _missing_bucket(err):
+    if "FileNotFoundError" in names and _missing_bucket(str(facts["message"])):
         return RemoteBucketMissing(
-            f"{where}: the bucket does not exist ({err}); create it, or fix the remote URL"
+            f"{where}: the bucket does not exist ({facts['message']}); create it, or fix the "
+            "remote URL"
         )
-    if isinstance(err, FileNotFoundError):
+    if "FileNotFoundError" in names:
         return RemoteVanished(
-            f"{where}: the object is gone ({err}); it was deleted while it was read"
+            f"{where}: the object is gone ({facts['message']}); it was deleted while it was read"
         )
-    names = " ".join(c.__name__.lower() for c in type(err).__mro__)
-    refused = isinstance(err, OSError) and err.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH)
-    if refused or isinstance(err, TimeoutError) or any(w in names for w in _UNREACHABLE):
+    lowered = " ".join(n.lower() for n in names)
+    refused = "OSError" in names and number in (errno.ECONNREFUSED, errno.EHOSTUNREACH)
+    if refused or "TimeoutError" in names or any(w in lowered for w in _UNREACHABLE):
         return RemoteUnreachable(
             f"{where}: the object store did not answer ({text}); check the endpoint URL "
             "(storage_options client_kwargs endpoint_url) and the network"
@@ -82,9 +85,9 @@ def public_url(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{user.split(':', 1)[0]}@{host}"))
 
 
-def _missing_bucket(err: FileNotFoundError, path: str = "") -> bool:
+def _missing_bucket(message: str, path: str = "") -> bool:
     """Whether the store said the bucket is missing (not merely the object at ``path``)."""
-    text = str(err).replace(path, "").lower() if path else str(err).lower()
+    text = message.replace(path, "").lower() if path else message.lower()
     return "nosuchbucket" in text or (
         "bucket" in text and ("not exist" in text or "not found" in text)
     )
@@ -137,6 +140,8 @@ class Store:
         except Exception as e:
             raise remote_error(e, self.url) from e
         self.base = str(path).rstrip("/")
+        # Bulk uploads run in a helper process where another process reaches the store.
+        self._mover = Mover(full, options) if reaches(self.fs) else None
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -147,6 +152,37 @@ class Store:
             return fn(*args, **kwargs)
         except Exception as e:
             raise remote_error(e, where) from e
+
+    def put(self, where: str, lpaths: list[str], rpaths: list[str]) -> None:
+        """Upload local files to objects, in parallel (in the helper process if any)."""
+        if self._mover is not None and self._mover.start():
+            self.call(where, self._mover.put, lpaths, rpaths)
+        else:
+            self.call(where, self.fs.put, lpaths, rpaths)
+
+    def start_uploads(self) -> None:
+        """Start the helper process of uploads now, not at the first upload."""
+        if self._mover is not None:
+            self._mover.start()
+
+    def pause_uploads(self) -> None:
+        """Hold the uploads running (in the helper process) until ``resume_uploads``."""
+        if self._mover is not None:
+            self._mover.pause()
+
+    def resume_uploads(self) -> None:
+        if self._mover is not None:
+            self._mover.resume()
+
+    @property
+    def uploader_pid(self) -> int | None:
+        """The helper process of uploads, while one runs."""
+        return None if self._mover is None else self._mover.pid
+
+    def close(self) -> None:
+        """End the helper process of uploads (a later upload starts another)."""
+        if self._mover is not None:
+            self._mover.close()
 
     def step_dir(self, step: int) -> str:
         return f"{self.base}/{step_name(step)}"
@@ -173,7 +209,7 @@ class Store:
         try:
             return list(self.fs.ls(path, detail=True))
         except FileNotFoundError as e:
-            if _missing_bucket(e, path):
+            if _missing_bucket(str(e), path):
                 raise remote_error(e, where) from e
             return []  # nothing written under this prefix yet
         except Exception as e:
@@ -209,7 +245,7 @@ class Store:
         try:
             return bytes(self.fs.cat_file(f"{self.base}/{name}"))
         except FileNotFoundError as e:
-            if _missing_bucket(e, f"{self.base}/{name}"):
+            if _missing_bucket(str(e), f"{self.base}/{name}"):
                 raise remote_error(e, f"{self.url}/{name}") from e
             return None
         except Exception as e:

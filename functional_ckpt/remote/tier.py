@@ -148,6 +148,18 @@ class RemoteTier:
         if self._worker is not None:
             self._worker.request()
 
+    def hold_uploads(self) -> None:
+        """A save begins: the uploads running stand still until ``release_uploads``.
+
+        The helper process that moves their bytes is stopped, so the copy of the
+        state the training loop waits for has the cores to itself (see
+        :mod:`~functional_ckpt.remote.mover`); stores without one are not held.
+        """
+        self.store.pause_uploads()
+
+    def release_uploads(self) -> None:
+        self.store.resume_uploads()
+
     def check(self) -> None:
         """Report upload failures not reported yet, once each, as :class:`RemoteWarning`."""
         with self._lock:
@@ -190,6 +202,7 @@ class RemoteTier:
                 from functional_ckpt.dist import allow_parts
 
                 allow_parts(self.root, False)
+        self.store.close()
         self.check()
 
     def newer_than(self, step: int) -> list[int]:
@@ -380,6 +393,7 @@ class RemoteTier:
     # ------------------------------------------------------------------ worker thread
 
     def _round(self) -> None:
+        self.store.start_uploads()  # at the open of the manager, not during the first save
         plan: dict[str, list[int]] = {"upload": [], "local": []}
         if self.coordinator:
             try:

@@ -1,0 +1,53 @@
+"""Object stores for the remote tier's tests: fsspec's ``memory://`` and a real S3 server."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture
+def mem() -> Iterator[str]:
+    """A fresh ``memory://`` remote root (fsspec's in-process store), removed after."""
+    import fsspec
+
+    url = f"memory://t-{uuid.uuid4().hex[:8]}/run"
+    yield url
+    with contextlib.suppress(FileNotFoundError):
+        fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[dict[str, Any]]:
+    """A moto S3 server on 127.0.0.1 (a free port), with dummy credentials in the env."""
+    from moto.server import ThreadedMotoServer
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
+            mp.setenv(k, v)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        try:
+            yield {"endpoint": endpoint, "options": {"client_kwargs": {"endpoint_url": endpoint}}}
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def bucket(s3: dict[str, Any]) -> str:
+    """A remote root in a new bucket of the S3 server."""
+    from functional_ckpt.remote.store import Store
+
+    name = f"b-{uuid.uuid4().hex[:10]}"
+    Store(f"s3://{name}", s3["options"]).fs.mkdir(name)
+    return f"s3://{name}/run"
