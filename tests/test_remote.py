@@ -41,10 +41,7 @@ from tests.exact import assert_exact
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(uploader, "BACKOFF", 0.01)
-    monkeypatch.setattr(uploader, "RETRIES", 3)
+pytestmark = pytest.mark.usefixtures("fast_retries")
 
 
 def _state(step: int) -> dict[str, Any]:

@@ -27,17 +27,13 @@ from functional_ckpt.errors import (
     RemoteUnreachable,
     RemoteVanished,
 )
-from functional_ckpt.remote import uploader
 from functional_ckpt.remote.mover import MovedFailure, Mover, facts_of
 from functional_ckpt.remote.store import Store, remote_error
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(uploader, "BACKOFF", 0.01)
-    monkeypatch.setattr(uploader, "RETRIES", 3)
+pytestmark = pytest.mark.usefixtures("fast_retries")
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -242,6 +238,37 @@ def test_stores_no_other_process_reaches_upload_in_process(tmp_path: Path, mem: 
     assert local.uploader_pid is None and (tmp_path / "remote" / "blob").exists()
 
 
-def test_options_that_do_not_pickle_leave_uploads_in_process() -> None:
-    mover = Mover("s3://b/x", {"client_kwargs": {"hook": lambda: None}})
+@pytest.mark.parametrize(
+    "options",
+    [{"client_kwargs": {"hook": lambda: None}}, {"config_kwargs": {"retries": ("a", 1)}}],
+    ids=["object", "tuple"],
+)
+def test_options_that_are_not_plain_json_leave_uploads_in_process(options: dict[str, Any]) -> None:
+    """Nothing is pickled: what JSON cannot carry exactly stays in the training process."""
+    mover = Mover("s3://b/x", options)
     assert not mover.usable and not mover.start()
+
+
+@pytest.mark.parametrize(
+    "launch", ["import sys; sys.exit(3)", "import time; time.sleep(600)"], ids=["exits", "silent"]
+)
+def test_a_helper_that_does_not_start_leaves_uploads_in_process(
+    tmp_path: Path, s3: dict[str, Any], bucket: str, monkeypatch: pytest.MonkeyPatch, launch: str
+) -> None:
+    """An interpreter that cannot run the helper (or hangs) costs one try, not a hang."""
+    from functional_ckpt.remote import mover
+
+    monkeypatch.setattr(mover, "_LAUNCH", launch)
+    monkeypatch.setattr(mover, "HELLO_TIMEOUT", 1.0)
+    one = Mover("s3://b/x", {})
+    began = time.monotonic()
+    assert not one.start() and not one.usable and one.pid is None
+    assert time.monotonic() - began < 30
+    assert not one.start()  # not tried again
+    with pytest.raises(MovedFailure, match="could not start"):
+        one.put([], [])
+    store = Store(bucket, s3["options"])
+    blob = _file(tmp_path)
+    store.put(bucket, [blob], [f"{store.base}/blob"])  # in this process instead
+    assert store.uploader_pid is None
+    assert bytes(store.fs.cat_file(f"{store.base}/blob")) == Path(blob).read_bytes()

@@ -20,23 +20,24 @@ the same :class:`~functional_ckpt.errors.RemoteError`.
 
 Only stores that another process can reach take part: not ``memory://``
 (process-local) nor a local directory (a file copy takes no GIL), nor a store
-whose ``storage_options`` cannot be pickled; for those the transfer runs in
+whose ``storage_options`` are not plain JSON (a botocore ``Config``, a session
+object: nothing is pickled here); for those the transfer runs in
 the calling thread.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
-import pickle
+import select
 import signal
 import subprocess
 import sys
 import threading
+import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 __all__ = ["Mover", "MovedFailure", "facts_of", "reaches"]
@@ -48,6 +49,8 @@ Facts = dict[str, Any]
 #: The helper's CPU priority below the training process's: it takes the cores the
 #: training leaves idle before any the training uses.
 NICENESS = 10
+#: Seconds the child may take to start (import fsspec and the store's client).
+HELLO_TIMEOUT = 120.0
 #: Seconds the child gets to exit once asked (then it is killed).
 STOP_GRACE = 5.0
 
@@ -87,12 +90,16 @@ class Mover:
 
     def __init__(self, url: str, storage_options: Mapping[str, Any]) -> None:
         self.url = url
-        # Pickled now, in the caller: options that do not pickle leave the transfers
-        # in the calling thread (``usable`` is False), they never fail later.
+        # Encoded now, in the caller: options that are not plain JSON (exactly: a
+        # tuple would come back a list) leave the transfers in the calling thread
+        # (``usable`` is False), they never fail later.
+        options = dict(storage_options)
         try:
-            self._setup: bytes | None = pickle.dumps(dict(storage_options))
-        except Exception:
-            self._setup = None
+            encoded = json.dumps(options)
+            exact = json.loads(encoded) == options
+        except (TypeError, ValueError):
+            encoded, exact = "", False
+        self._setup = encoded if exact else None
         self._proc: subprocess.Popen[str] | None = None
         self._broken = False  # the process could not start: no second try
         self._lock = threading.Lock()  # one request at a time
@@ -156,19 +163,34 @@ class Mover:
             return False
         with self._state:
             self._proc = proc
-            self._finalizer = weakref.finalize(self, _stop, proc)
+            self._finalizer = weakref.finalize(self, _stop, proc, os.getpid())
             if self._paused:
                 _signal(proc, _SIGSTOP)
         hello = {
             "url": self.url,
-            "options": base64.b64encode(self._setup).decode(),
+            "options": self._setup,
             "path": [p for p in sys.path if p],
         }
-        if _ask(proc, hello).get("ready") is not True:
+        if _ask(proc, hello, patience=self._patience()).get("ready") is not True:
             self.close()
             self._broken = True
             return False
         return True
+
+    def _patience(self) -> Callable[[float], bool]:
+        """Whether to wait on for a start that took ``seconds`` so far: for
+        ``HELLO_TIMEOUT`` seconds, not counting the time a save held the process."""
+        held = 0.0
+        last = 0.0
+
+        def more(seconds: float) -> bool:
+            nonlocal held, last
+            if self._paused:
+                held += seconds - last
+            last = seconds
+            return seconds - held < HELLO_TIMEOUT
+
+        return more
 
     def pause(self) -> None:
         """Stop the helper process where it is (its transfers wait) until ``resume``."""
@@ -191,7 +213,7 @@ class Mover:
         if finalizer is not None:
             finalizer.detach()
         if proc is not None:
-            _stop(proc)
+            _stop(proc, os.getpid())
 
 
 #: The child's command: this file as ``__main__``, with neither the working
@@ -216,12 +238,23 @@ def _facts(message: str) -> Facts:
     return {"names": ["MovedFailure"], "errno": None, "text": message, "message": message}
 
 
-def _ask(proc: subprocess.Popen[str], request: dict[str, Any]) -> dict[str, Any]:
-    """Send one request line; the reply line, or {} if the process is gone."""
+def _ask(
+    proc: subprocess.Popen[str],
+    request: dict[str, Any],
+    patience: Callable[[float], bool] | None = None,
+) -> dict[str, Any]:
+    """Send one request line; the reply line, or {} if the process is gone (or silent
+    for as long as ``patience(seconds waited)`` allows: it is then killed)."""
     assert proc.stdin is not None and proc.stdout is not None
     try:
         proc.stdin.write(json.dumps(request) + "\n")
         proc.stdin.flush()
+        if patience is not None:
+            began = time.monotonic()
+            while not select.select([proc.stdout], [], [], 1.0)[0]:
+                if proc.poll() is not None or not patience(time.monotonic() - began):
+                    proc.kill()
+                    return {}
         line = proc.stdout.readline()
     except (OSError, ValueError):
         return {}
@@ -232,8 +265,11 @@ def _ask(proc: subprocess.Popen[str], request: dict[str, Any]) -> dict[str, Any]
     return reply if isinstance(reply, dict) else {}
 
 
-def _stop(proc: subprocess.Popen[str]) -> None:
-    """Let the process run and end (its stdin closed), else kill it."""
+def _stop(proc: subprocess.Popen[str], owner: int) -> None:
+    """Let the process run and end (its stdin closed), else kill it; only in the
+    process that started it (a fork of it inherits this object, not the child)."""
+    if os.getpid() != owner:
+        return
     _signal(proc, _SIGCONT)
     for stream in (proc.stdin, proc.stdout):
         if stream is not None:
@@ -250,7 +286,11 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 
 def _die_with(parent: int) -> None:
-    """End this process when ``parent`` ends (at once on Linux; else within a second)."""
+    """End this process when ``parent`` ends (at once on Linux; else within a second).
+
+    Linux signals the death of the *thread* that started this process: the
+    upload worker, which lives as long as the manager's remote tier.
+    """
     with contextlib.suppress(Exception):
         import ctypes
 
@@ -284,7 +324,7 @@ def _serve(parent: int) -> None:
         sys.path[:] = [str(p) for p in hello["path"]]
         import fsspec  # type: ignore[import-untyped]
 
-        options = pickle.loads(base64.b64decode(hello["options"]))
+        options = json.loads(hello["options"])
         fs, _ = fsspec.core.url_to_fs(hello["url"], **options)
     except Exception as e:
         reply({"error": facts_of(e)})
