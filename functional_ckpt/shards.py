@@ -391,30 +391,17 @@ os.register_at_fork(after_in_child=_reset_after_fork)
 def crc_range(fd: int, offset: int, length: int, start: int = 0) -> tuple[int, int]:
     """CRC32 over a file range; returns (crc, bytes read).
 
-    The range is read into one reused buffer: a fresh buffer per read costs its
-    page faults, several times the time of the read and the checksum together.
+    The range is read (by :func:`read_into`) into one reused buffer: a fresh
+    buffer per read costs its page faults, several times the time of the read and
+    the checksum together.
     """
-    if not hasattr(os, "preadv"):  # pragma: no cover - Windows
-        return _crc_range_pread(fd, offset, length, start)
     view = memoryview(bytearray(min(CRC_BLOCK, max(length, 0))))
     crc = start
     done = 0
     while done < length:
-        n = os.preadv(fd, [view[: min(CRC_BLOCK, length - done)]], offset + done)
+        n = read_into(fd, offset + done, view[: min(CRC_BLOCK, length - done)])
         if not n:
             break
         crc = crc32(view[:n], crc)
         done += n
-    return crc, done
-
-
-def _crc_range_pread(fd: int, offset: int, length: int, start: int) -> tuple[int, int]:
-    crc = start
-    done = 0
-    while done < length:
-        chunk = os.pread(fd, min(CHUNK, length - done), offset + done)
-        if not chunk:
-            break
-        crc = crc32(chunk, crc)
-        done += len(chunk)
     return crc, done
