@@ -67,14 +67,11 @@ from typing import Any
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import codec, format
-from functional_ckpt.root import (
-    QUARANTINE_INFIX,
-    LeftoverWarning,
-    is_damage,
-    parse_step,
-    step_name,
-)
+from functional_ckpt._src import codec
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.naming import QUARANTINE_INFIX, parse_step, step_name
+from functional_ckpt._src.storage import commit, durable
+from functional_ckpt.root import LeftoverWarning, is_damage
 
 # --------------------------------------------------------------------------- results
 
@@ -208,7 +205,7 @@ def after_fork_in_child() -> None:
     Until the library resets it with ``os.register_at_fork`` we reset it here.
     """
     torch.set_num_threads(1)
-    from functional_ckpt import shards
+    from functional_ckpt._src.storage import shards
 
     if hasattr(shards, "_POOL"):
         shards._POOL = None
@@ -317,7 +314,7 @@ def visible(root: Path) -> list[Path]:
     return sorted(
         p
         for p in root.iterdir()
-        if p.is_dir() and not format.is_temporary_name(p.name) and p.name != "exports"
+        if p.is_dir() and not naming.is_temporary_name(p.name) and p.name != "exports"
     )
 
 
@@ -325,7 +322,7 @@ def temporaries(root: Path) -> list[Path]:
     out: list[Path] = []
     for parent in (root, root / "exports"):
         if parent.is_dir():
-            out += [p for p in parent.iterdir() if format.is_temporary_name(p.name)]
+            out += [p for p in parent.iterdir() if naming.is_temporary_name(p.name)]
     return out
 
 
@@ -386,9 +383,9 @@ def _trim(root: Path, keep: int) -> None:
     for parent in (root, root / "exports"):
         old = [p for p in visible(parent) if p.name != "ck_over"][:-keep]
         for p in old:
-            aside = format.tmp_sibling(p, format.TRASH_INFIX)
+            aside = durable.tmp_sibling(p, naming.TRASH_INFIX)
             os.rename(p, aside)
-            format.remove_tree(aside)
+            commit.remove_tree(aside)
 
 
 def _check_manager(root: Path, after: dict[str, int], res: Result) -> None:
@@ -447,7 +444,7 @@ def kill_trial(kind: str, root: Path, rng: random.Random, window: float, res: Re
         _check_manager(root, after, res)
     else:
         for t in temporaries(root):
-            format.remove_tree(t)
+            commit.remove_tree(t)
 
 
 def save_seconds(base: Path) -> float:
@@ -753,7 +750,7 @@ def _mutations(files: list[Path], other: Path, scale: Scale, rng: random.Random)
     out: list[Any] = []
     for f in files:
         size = f.stat().st_size
-        if f.name == format.COMMIT_MARKER and scale.exhaustive_marker:
+        if f.name == naming.COMMIT_MARKER and scale.exhaustive_marker:
             offsets = [(o, b) for o in range(size) for b in range(8)]
         elif f.suffix == ".distcp":
             # half in the first blob's zip headers, half anywhere (mostly tensor bytes)
@@ -869,13 +866,13 @@ class Payload:
 
 def resign(path: Path, raw: bytes) -> None:
     """Install ``raw`` as the manifest and sign it, as an attacker owning the files would."""
-    (path / format.MANIFEST).write_bytes(raw)
-    os.unlink(path / format.COMMIT_MARKER)
-    format.write_commit_marker(path, raw)
+    (path / naming.MANIFEST).write_bytes(raw)
+    os.unlink(path / naming.COMMIT_MARKER)
+    commit.write_commit_marker(path, raw)
 
 
 def edit_manifest(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
-    manifest = codec.decode((path / format.MANIFEST).read_bytes())
+    manifest = codec.decode((path / naming.MANIFEST).read_bytes())
     assert isinstance(manifest, dict)
     edit(manifest)
     resign(path, codec.encode(manifest))
@@ -948,12 +945,12 @@ def _all_symlinks(outside: Path) -> Callable[[Path], None]:
 def _hostile_metadata(marker: Path, resigned: bool) -> Callable[[Path], None]:
     def act(p: Path) -> None:
         raw = pickle.dumps(Payload(marker))
-        (p / format.DCP_METADATA).write_bytes(raw)
+        (p / naming.DCP_METADATA).write_bytes(raw)
         if resigned:
             import zlib
 
             def edit(m: dict[str, Any]) -> None:
-                m["files"][format.DCP_METADATA] = {"size": len(raw), "crc32": zlib.crc32(raw)}
+                m["files"][naming.DCP_METADATA] = {"size": len(raw), "crc32": zlib.crc32(raw)}
 
             edit_manifest(p, edit)
 
@@ -964,7 +961,7 @@ def _stock_dcp_pickle(marker: Path) -> Callable[[Path], None]:
     def act(p: Path) -> None:
         for f in list(p.iterdir()):
             os.unlink(f)
-        (p / format.DCP_METADATA).write_bytes(pickle.dumps(Payload(marker)))
+        (p / naming.DCP_METADATA).write_bytes(pickle.dumps(Payload(marker)))
 
     return act
 
@@ -1003,11 +1000,11 @@ def hostile_cases(marker: Path, outside: Path) -> list[tuple[str, Callable[[Path
         ("array declaring 2^32-1 items", _raw_manifest(b"\xdd\xff\xff\xff\xff")),
         ("bin declaring 1 GiB", _raw_manifest(b"\xc6\x40\x00\x00\x00" + b"\0" * 16)),
         ("str declaring 4 GiB", _raw_manifest(b"\xdb\xff\xff\xff\xff" + b"a" * 16)),
-        ("1.5 GiB sparse manifest", _sparse(format.MANIFEST, 3 << 29)),
-        ("1.5 GiB sparse .metadata", _sparse(format.DCP_METADATA, 3 << 29)),
+        ("1.5 GiB sparse manifest", _sparse(naming.MANIFEST, 3 << 29)),
+        ("1.5 GiB sparse .metadata", _sparse(naming.DCP_METADATA, 3 << 29)),
         ("checkpoint dir full of symlinks", _all_symlinks(outside)),
     ]
-    for name in ("__0_0.distcp", format.DCP_METADATA, format.MANIFEST, format.COMMIT_MARKER):
+    for name in ("__0_0.distcp", naming.DCP_METADATA, naming.MANIFEST, naming.COMMIT_MARKER):
         cases.append((f"{name} is a symlink outside", _symlink_each(name, outside)))
     return cases
 
@@ -1155,7 +1152,7 @@ def _follow(root: Path, secs: float, res: Result) -> None:
                 res.problem("resume", f"restore_latest while following: {e}")
             except AssertionError as e:
                 res.problem("torn", f"restore_latest returned mixed data: {e}", column="torn")
-            cands = [p for p in visible(root) if (p / format.COMMIT_MARKER).exists()]
+            cands = [p for p in visible(root) if (p / naming.COMMIT_MARKER).exists()]
             if not cands:
                 continue
             res.trials += 1
@@ -1217,7 +1214,7 @@ class SyscallLog:
             real_mkdir(path, *a, **k)
             self.events.append(("mkdir", str(path.absolute()), 0))
 
-        real_exchange = format._exchange
+        real_exchange = commit._exchange
 
         def exchange(a: Path, b: Path) -> bool:
             done = real_exchange(a, b)
@@ -1228,7 +1225,7 @@ class SyscallLog:
         self._exchange = real_exchange
         os.fsync, os.open, os.rename = fsync, open_, rename  # type: ignore[assignment]
         Path.mkdir = mkdir  # type: ignore[method-assign]
-        format._exchange = exchange
+        commit._exchange = exchange
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -1236,7 +1233,7 @@ class SyscallLog:
         os.open = self._saved["open"]
         os.rename = self._saved["rename"]
         Path.mkdir = self._mkdir  # type: ignore[method-assign]
-        format._exchange = self._exchange
+        commit._exchange = self._exchange
 
     def first(self, kind: str, pred: Callable[[str, int], bool]) -> int:
         for i, (k, name, size) in enumerate(self.events):
@@ -1248,14 +1245,14 @@ class SyscallLog:
 def durability_violations(log: SyscallLog, dest: Path, created: list[Path]) -> list[str]:
     """What a power loss at the wrong moment could take: files, directory, ancestors."""
     out: list[str] = []
-    marker = log.first("create", lambda n, _: n.endswith("/" + format.COMMIT_MARKER))
+    marker = log.first("create", lambda n, _: n.endswith("/" + naming.COMMIT_MARKER))
     if marker < 0:
         return ["no commit marker was written"]
     tmp = Path(log.events[marker][1]).parent
     for f in sorted(dest.iterdir()):
         size = f.stat().st_size
         at = log.first("fsync", lambda n, s, f=f, size=size: n == str(tmp / f.name) and s == size)
-        if at < 0 or (f.name != format.COMMIT_MARKER and at > marker):
+        if at < 0 or (f.name != naming.COMMIT_MARKER and at > marker):
             out.append(f"{f.name} not fsynced at its final size ({size} B) before the marker")
     synced = log.first("fsync", lambda n, s: n == str(tmp) and s == -1)
     renamed = log.first("renamed", lambda n, _: n == str(dest.absolute()))
@@ -1361,7 +1358,7 @@ def _special_probe(path: Path) -> dict[str, Any]:
 def scenario_special_files(scale: Scale, base: Path, seed: int) -> Result:
     """A FIFO, directory, symlink or device in place of every file, on every read path."""
     res = Result("special files on every read path")
-    names = [format.COMMIT_MARKER, format.MANIFEST, format.DCP_METADATA, "__0_0.distcp"]
+    names = [naming.COMMIT_MARKER, naming.MANIFEST, naming.DCP_METADATA, "__0_0.distcp"]
     for name in names:
         for kind in _SPECIAL_KINDS:
             root = base / f"sp-{name.strip('.')}-{kind}"
@@ -1376,7 +1373,7 @@ def scenario_special_files(scale: Scale, base: Path, seed: int) -> Result:
             if out is None or out.get("hang"):
                 res.problem("hang", f"{name} as a {kind}: no answer within 30 s")
                 continue
-            if scale.cli_each or (name == format.DCP_METADATA and kind == "fifo"):
+            if scale.cli_each or (name == naming.DCP_METADATA and kind == "fifo"):
                 out["cli"] = _cli_inspect(path)
             caught = True
             for what, (kind_, msg) in out.items():
@@ -1476,7 +1473,7 @@ def genuine_metadata(base: Path) -> bytes:
     path = base / "genuine"
     if not path.exists():
         fc.save(path, make_state(1, big=1, small=4))
-    md = pickle.loads((path / format.DCP_METADATA).read_bytes())
+    md = pickle.loads((path / naming.DCP_METADATA).read_bytes())
     return pickle.dumps(md, protocol=2)[2:]
 
 
@@ -1487,11 +1484,11 @@ def unpickler_attacks(base: Path) -> dict[str, bytes]:
 
 def allowed_snapshot() -> dict[str, Any]:
     """Every attribute of every allow-listed global (and its type), and torch's caches."""
-    from functional_ckpt import dcpmeta
+    from functional_ckpt._src.format import unpickler
 
     out: dict[str, Any] = {}
     seen: set[int] = set()
-    for key, obj in dcpmeta.ALLOWED.items():
+    for key, obj in unpickler.ALLOWED.items():
         for o in (obj, type(obj), *getattr(obj, "__mro__", ())):
             if id(o) in seen or o is object or o is type:
                 continue
@@ -1505,7 +1502,7 @@ def allowed_snapshot() -> dict[str, Any]:
     import torch.serialization as ser
 
     out["layout-cache"] = dict(getattr(ser._get_layout, "cache", {}))
-    for member in dcpmeta._MEM_FORMAT_ENCODING:
+    for member in unpickler._MEM_FORMAT_ENCODING:
         out[f"enum:{member.name}"] = dict(vars(member))
     return out
 
@@ -1513,27 +1510,27 @@ def allowed_snapshot() -> dict[str, Any]:
 def _install_metadata(path: Path, raw: bytes) -> None:
     import zlib
 
-    (path / format.DCP_METADATA).write_bytes(raw)
+    (path / naming.DCP_METADATA).write_bytes(raw)
 
     def edit(m: dict[str, Any]) -> None:
-        m["files"][format.DCP_METADATA] = {"size": len(raw), "crc32": zlib.crc32(raw)}
+        m["files"][naming.DCP_METADATA] = {"size": len(raw), "crc32": zlib.crc32(raw)}
 
     edit_manifest(path, edit)
 
 
 def _unpickler_probe(raw: bytes, base: Path) -> dict[str, Any]:
-    from functional_ckpt import dcpmeta
+    from functional_ckpt._src.format import unpickler
 
     before = allowed_snapshot()
     out: dict[str, Any] = {}
     stock = base / "stock"
     stock.mkdir()
-    (stock / format.DCP_METADATA).write_bytes(raw)
+    (stock / naming.DCP_METADATA).write_bytes(raw)
     ours = base / "ours"
     fc.save(ours, make_state(1, big=1, small=4))
     _install_metadata(ours, raw)
     for what, fn in (
-        ("load", lambda: dcpmeta.load_foreign(raw, base / ".metadata")),
+        ("load", lambda: unpickler.load_foreign(raw, base / ".metadata")),
         ("stock restore", lambda: fc.restore(stock, {"model": {}}, partial=True)),
         ("stock inspect", lambda: fc.inspect(stock)),
         ("verify", lambda: fc.verify(ours)),
@@ -1627,7 +1624,7 @@ def scenario_derived(scale: Scale, base: Path, seed: int) -> Result:
     for i, (name, honest, edit) in enumerate(_derived_cases()):
         path = base / f"dv{i}"
         fc.save(path, make_state(1, big=1, small=4))
-        md = pickle.loads((path / format.DCP_METADATA).read_bytes())
+        md = pickle.loads((path / naming.DCP_METADATA).read_bytes())
         edit(md, base)
         _install_metadata(path, pickle.dumps(md, protocol=2))
         res.trials += 1
@@ -1783,10 +1780,10 @@ def fuzz_mutate(path: Path, target: str, kind: str, pos: int, data: bytes) -> bo
     import zlib
 
     name = {
-        "manifest": format.MANIFEST,
-        "marker": format.COMMIT_MARKER,
-        "metadata": format.DCP_METADATA,
-        "msgpack": format.MANIFEST,
+        "manifest": naming.MANIFEST,
+        "marker": naming.COMMIT_MARKER,
+        "metadata": naming.DCP_METADATA,
+        "msgpack": naming.MANIFEST,
     }[target.split("+")[0]]
     raw = bytearray((path / name).read_bytes())
     if target.startswith("msgpack"):
@@ -1803,12 +1800,12 @@ def fuzz_mutate(path: Path, target: str, kind: str, pos: int, data: bytes) -> bo
     (path / name).write_bytes(bytes(raw))
     if not target.endswith("+sign"):
         return False
-    if name == format.MANIFEST:
-        os.unlink(path / format.COMMIT_MARKER)
-        format.write_commit_marker(path, bytes(raw))
+    if name == naming.MANIFEST:
+        os.unlink(path / naming.COMMIT_MARKER)
+        commit.write_commit_marker(path, bytes(raw))
     else:
         try:
-            m = codec.decode((path / format.MANIFEST).read_bytes())
+            m = codec.decode((path / naming.MANIFEST).read_bytes())
             m["files"][name] = {"size": len(raw), "crc32": zlib.crc32(bytes(raw))}  # type: ignore[index]
             resign(path, codec.encode(m))
         except Exception:
@@ -1898,7 +1895,7 @@ def _random_msgpack(rng: random.Random, depth: int = 0) -> bytes:
             for _ in range(rng.randrange(4))
         }
 
-    top = {"format": format.FORMAT_NAME, "version": 1, "files": value(1), "entries": value(1)}
+    top = {"format": naming.FORMAT_NAME, "version": 1, "files": value(1), "entries": value(1)}
     return bytes(msgpack.packb(top))
 
 
@@ -1958,8 +1955,8 @@ def _lock_attacks(root: Path, victim: Path) -> dict[str, Callable[[Path], None]]
 
     return {
         "symlink to a file outside": symlink(victim),
-        "symlink to the checkpoint's COMMITTED": symlink(ck / format.COMMIT_MARKER),
-        "symlink to the checkpoint's manifest": symlink(ck / format.MANIFEST),
+        "symlink to the checkpoint's COMMITTED": symlink(ck / naming.COMMIT_MARKER),
+        "symlink to the checkpoint's manifest": symlink(ck / naming.MANIFEST),
         "relative symlink to a file outside": lambda lock: os.symlink(
             os.path.relpath(victim, lock.parent), lock
         ),
@@ -2045,7 +2042,7 @@ LEFTOVER_MODES = ("overwrite", "manager")
 
 def _no_exchange() -> None:  # pragma: no cover - child
     """What a file system without ``renameat2(RENAME_EXCHANGE)`` (NFS, FUSE, macOS) gives."""
-    format._exchange = lambda a, b: False
+    commit._exchange = lambda a, b: False
 
 
 def _leftover_child(mode: str, root: Path, start: int, k: int) -> None:  # pragma: no cover
@@ -2057,7 +2054,7 @@ def _leftover_child(mode: str, root: Path, start: int, k: int) -> None:  # pragm
 
         def rename(a: Any, b: Any, *args: Any, **kwargs: Any) -> None:
             real_rename(a, b, *args, **kwargs)
-            if format.TRASH_INFIX in os.fspath(b):
+            if naming.TRASH_INFIX in os.fspath(b):
                 os.kill(os.getpid(), signal.SIGKILL)
 
         os.rename = rename  # type: ignore[assignment]
@@ -2093,7 +2090,7 @@ def _leftover_trial(
     if outcome != "killed":
         res.problem("child-" + outcome, f"{mode}: the saver ended '{outcome}' before its kill")
         return
-    committed_left = [t for t in temporaries(root) if (t / format.COMMIT_MARKER).is_file()]
+    committed_left = [t for t in temporaries(root) if (t / naming.COMMIT_MARKER).is_file()]
     res.bump("committed-leftovers", len(committed_left))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -2109,7 +2106,7 @@ def _leftover_trial(
     if max(after.values(), default=0) < newest_before:
         res.problem("lost", f"{mode}: newest step went back from {newest_before}", column="lost")
     for t in temporaries(root):
-        if (t / format.COMMIT_MARKER).is_file() and (root / t.name.split(".")[0]).is_dir():
+        if (t / naming.COMMIT_MARKER).is_file() and (root / t.name.split(".")[0]).is_dir():
             res.bump("kept-leftover")  # committed, its step exists: kept, never deleted
             probe = root.parent / "kept-probe"
             os.rename(t, probe)  # under a plain name: readers refuse temporary names
@@ -2117,10 +2114,10 @@ def _leftover_trial(
                 check_whole(probe)
             except Exception as e:
                 res.problem("torn", f"kept leftover {t.name}: {e}", column="torn")
-            format.remove_tree(probe)
+            commit.remove_tree(probe)
         else:
             res.problem("temp-leak", f"{t.name} survived a writer's start")
-            format.remove_tree(t)
+            commit.remove_tree(t)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         reader = fc.CheckpointManager(root, read_only=True)

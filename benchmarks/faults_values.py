@@ -55,10 +55,11 @@ import msgpack
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import codec, format, tree
-from functional_ckpt.checksum import crc32
+from functional_ckpt._src import codec
+from functional_ckpt._src.format import keys, naming
+from functional_ckpt._src.format.checksum import crc32
+from functional_ckpt._src.format.limits import LIMITS
 from functional_ckpt.errors import CheckpointError, ModifiedDuringSave, UnsupportedValue
-from functional_ckpt.limits import LIMITS
 
 P = 2**61 - 1  # hash(k * P) == hash(0)
 #: What msgpack's C parser may hold for its 1024 nested levels (about 80 KiB each,
@@ -130,7 +131,7 @@ def refused(
 
 def rewrite_manifest(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     """Edit a checkpoint's manifest and re-sign it, as an attacker with write access can."""
-    raw = codec.decode((path / format.MANIFEST).read_bytes())
+    raw = codec.decode((path / naming.MANIFEST).read_bytes())
     assert isinstance(raw, dict)
     edit(raw)
     data = codec.encode(raw)
@@ -138,11 +139,11 @@ def rewrite_manifest(path: Path, edit: Callable[[dict[str, Any]], None]) -> None
 
 
 def write_signed(path: Path, data: bytes) -> None:
-    (path / format.MANIFEST).write_bytes(data)
-    marker = codec.decode((path / format.COMMIT_MARKER).read_bytes())
+    (path / naming.MANIFEST).write_bytes(data)
+    marker = codec.decode((path / naming.COMMIT_MARKER).read_bytes())
     assert isinstance(marker, dict)
     marker.update(manifest_size=len(data), manifest_crc32=crc32(data))
-    (path / format.COMMIT_MARKER).write_bytes(codec.encode(marker))
+    (path / naming.COMMIT_MARKER).write_bytes(codec.encode(marker))
 
 
 def refused_both(res: ClassResult, label: str, path: Path, text: str) -> None:
@@ -204,7 +205,7 @@ def decoder_complexity(base: Path, quick: bool) -> ClassResult:
                     raw["entries"][-1]["value"] = value
 
                 rewrite_manifest(path, put)
-                data = (path / format.MANIFEST).read_bytes()
+                data = (path / naming.MANIFEST).read_bytes()
                 write_signed(path, data.replace(msgpack.packb(placeholder), flood))
                 res.note(f"manifest of {len(data) + len(flood)} bytes")
                 refused_both(res, f"{kind} x{n}", path, "hash flood")
@@ -214,7 +215,7 @@ def decoder_complexity(base: Path, quick: bool) -> ClassResult:
 
             def node(raw: dict[str, Any], n: int = n) -> None:
                 for e in raw["entries"]:
-                    if e["path"][-1] == tree.NODE_KEY:
+                    if e["path"][-1] == keys.NODE_KEY:
                         e["value"]["keys"] = [k * P for k in range(1, n + 1)]
 
             rewrite_manifest(path, node)
@@ -266,7 +267,7 @@ def decoder_memory(base: Path, quick: bool) -> ClassResult:
     path = base / "bomb"
     fc.save(path, {"t": torch.ones(1)})
     m = 4 << 20
-    raw = codec.decode((path / format.MANIFEST).read_bytes())
+    raw = codec.decode((path / naming.MANIFEST).read_bytes())
     assert isinstance(raw, dict)
     placeholder = b"bomb goes here"
     raw["metadata"]["bomb"] = placeholder

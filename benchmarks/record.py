@@ -59,7 +59,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import functional_ckpt as fc
-from functional_ckpt import codec
+from functional_ckpt._src import codec
 
 STALL_LIMIT_S = 0.2e-3
 BYTES_LIMIT = 1.2

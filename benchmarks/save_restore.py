@@ -27,11 +27,11 @@ run, since the machine is shared and absolute times are noisy.
 Each tool runs ``--reps`` times, interleaved (repetition k runs every tool, starting
 from a rotated position), and the median is reported. Also measured:
 
-* checksum cost: ``functional_ckpt.shards`` has no switch to disable checksums, so
+* checksum cost: ``functional_ckpt._src.storage.shards`` has no switch to disable checksums, so
   the cost is estimated as the time of functional_ckpt's ``crc32`` over the same tensor bytes in
   the same run, divided by the ``fc.save`` time (an upper bound: fc checksums large
   tensors in a background thread while it writes). For information the run also
-  times ``fc.save`` with ``zlib`` stubbed out inside ``functional_ckpt.shards``.
+  times ``fc.save`` with ``zlib`` stubbed out inside ``functional_ckpt._src.storage.shards``.
 * peak RSS of a restore of the 1 GiB state, in a fresh child process: peak
   ``ru_maxrss`` minus the RSS once the template (or ``like``) is allocated and
   touched, as a fraction of the state size, for ``fc.restore(like)`` (its result is
@@ -88,8 +88,8 @@ from _common import (
     write_views_durably,
 )
 
-from functional_ckpt.checksum import BACKEND as CRC_BACKEND
-from functional_ckpt.checksum import crc32 as fc_crc32
+from functional_ckpt._src.format.checksum import BACKEND as CRC_BACKEND
+from functional_ckpt._src.format.checksum import crc32 as fc_crc32
 
 # Tool labels, used as row keys in the table, the JSON and the targets.
 FC_SAVE = "fc.save"
@@ -340,8 +340,8 @@ def clear_template(template: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def crc_stubbed() -> Iterator[bool]:
-    """Replace the crc32 used by ``functional_ckpt.shards`` by a no-op (info only)."""
-    shards = sys.modules.get("functional_ckpt.shards")
+    """Replace the crc32 used by ``functional_ckpt._src.storage.shards`` by a no-op (info only)."""
+    shards = sys.modules.get("functional_ckpt._src.storage.shards")
     original = getattr(shards, "crc32", None)
     if shards is None or original is None:
         yield False
@@ -722,7 +722,7 @@ def print_report(
     if rss:
         print("\n" + render_rss(rss, workloads["big"].nbytes))
     print(
-        "\nchecksum cost: functional_ckpt.shards has no switch to disable checksums, so it is "
+        "\nchecksum cost: fc.save has no switch to disable checksums, so it is "
         "estimated as fc's crc32 over the same tensor bytes (same run) / fc.save time; "
         f"'{FC_SAVE_NOCRC}' is fc.save with shards.crc32 stubbed (info only)."
     )

@@ -7,11 +7,13 @@ that owns it: ``fc.errors``, ``fc.policy``, ``fc.retention``, ``fc.staging``,
 ``fc.export``, ``fc.io``, ``fc.manager``, ``fc.tree``, ``fc.recording``.
 """
 
-from functional_ckpt._version import __version__
+from functional_ckpt import codec as codec
+from functional_ckpt._src.storage.verify import verify
+from functional_ckpt._src.version import __version__
 from functional_ckpt.errors import CheckpointError
 from functional_ckpt.export import export_safetensors
 from functional_ckpt.forking import fork
-from functional_ckpt.io import inspect, restore, save, verify
+from functional_ckpt.io import inspect, restore, save
 from functional_ckpt.manager import CheckpointManager
 from functional_ckpt.pipeline.save import save_async
 from functional_ckpt.policy import (

@@ -12,9 +12,9 @@ from typing import Any
 
 from tensordict import TensorDict, TensorDictBase
 
-from functional_ckpt import codec
+from functional_ckpt._src import codec
+from functional_ckpt.pipeline.topology import is_dtensor
 from functional_ckpt.tree import Leaf, as_state, iter_leaves, unflatten
-from functional_ckpt.writer import is_dtensor
 
 __all__ = ["coordinator_decides", "gathered", "prepare_groups"]
 

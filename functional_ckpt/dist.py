@@ -39,31 +39,20 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from functional_ckpt import codec, dcpmeta, format, shards
-from functional_ckpt.dcpbytes import ByteEntry
+from functional_ckpt._src import codec
+from functional_ckpt._src.format import dcp_metadata
+from functional_ckpt._src.format.dcp_values import ByteEntry
+from functional_ckpt._src.format.keys import KeyPath
+from functional_ckpt._src.format.manifest import Chunk, Entry, Manifest, tensor_groups
+from functional_ckpt._src.format.naming import shard_name
+from functional_ckpt._src.format.view import ParsedManifest, parse_planned
+from functional_ckpt._src.storage import checkpoint, commit, durable, shards
+from functional_ckpt._src.storage.shards import read_chunk
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
-from functional_ckpt.manifest import (
-    Chunk,
-    Entry,
-    Manifest,
-    ParsedManifest,
-    parse_planned,
-    tensor_groups,
-)
 from functional_ckpt.pipeline import incremental
-from functional_ckpt.pipeline.topology import topology
-from functional_ckpt.reader import gc_paused, read_chunk
-from functional_ckpt.tree import KeyPath
-from functional_ckpt.writer import (
-    CheckpointInfo,
-    Plan,
-    byte_entries,
-    finalize,
-    host_copy,
-    is_dtensor,
-    os_error,
-    shard_name,
-)
+from functional_ckpt.pipeline.topology import is_dtensor, topology
+from functional_ckpt.reader import gc_paused
+from functional_ckpt.writer import CheckpointInfo, Plan, byte_entries, finalize, host_copy, os_error
 
 #: Seconds a rank waits for the others in a checkpoint collective before failing.
 DEFAULT_TIMEOUT = float(os.environ.get("FUNCTIONAL_CKPT_TIMEOUT", "600"))
@@ -277,13 +266,13 @@ def save_planned(
     rank = dist.get_rank()
     agree(error, group, f"save {dest}")
     assert plan is not None
-    tmp_name = format.tmp_sibling(dest).name if rank == 0 else ""
+    tmp_name = durable.tmp_sibling(dest).name if rank == 0 else ""
     tmp_name = all_gather_bytes(tmp_name.encode(), group)[0].decode()
     tmp = dest.parent / tmp_name
     error = None
     try:
         if rank == 0:
-            format.make_dirs(dest.parent)
+            durable.make_dirs(dest.parent)
             tmp.mkdir()
     except BaseException as e:
         error = os_error(e, dest) if isinstance(e, OSError) else e
@@ -296,7 +285,7 @@ def save_planned(
         agree(error, group, f"save {dest}")
     except BaseException:
         if rank == 0 or own:
-            format.remove_tree(tmp)
+            commit.remove_tree(tmp)
         raise
     mine = codec.encode([e.to_plain() for e in plan.local])
     gathered = all_gather_bytes(mine, group)
@@ -324,13 +313,13 @@ def save_planned(
             )
     except BaseException as e:
         if rank == 0 or own:
-            format.remove_tree(tmp)
+            commit.remove_tree(tmp)
         raise _unwrap(e, f"save {dest}") from e
     if own:  # this rank's part of a checkpoint committed on the coordinator's file system
         try:
-            format.commit(tmp, dest, overwrite=True, replaceable=replaceable_part)
+            commit.commit_checkpoint(tmp, dest, overwrite=True, replaceable=replaceable_part)
         except OSError as e:
-            format.remove_tree(tmp)
+            commit.remove_tree(tmp)
             raise os_error(e, dest) from e
     sizes = all_gather_bytes(str(job.nbytes).encode(), group)
     if idents is not None:
@@ -381,7 +370,7 @@ def replaceable_part(path: Path) -> None:
         for n in names
     ):
         return
-    format.check_replaceable(path)
+    commit.check_replaceable(path)
 
 
 def _own_part(tmp: Path) -> bool:
@@ -401,7 +390,7 @@ def _own_part(tmp: Path) -> bool:
             "created there: a multi-rank save needs one directory shared by every rank, "
             "or a CheckpointManager with remote= (docs/tiered.md)"
         )
-    format.make_dirs(tmp.parent)
+    durable.make_dirs(tmp.parent)
     try:
         tmp.mkdir()
     except FileExistsError:  # it showed up late: a shared file system after all
@@ -430,11 +419,11 @@ class _ManifestReader(StorageReader):
     """DCP storage reader serving chunks straight from our manifest and files.
 
     Its ``Metadata`` is the one derivation of ``.metadata`` from the manifest
-    (:func:`dcpmeta.build`), built from this rank's parsed view; the file itself
+    (:func:`dcp_metadata.build`), built from this rank's parsed view; the file itself
     is never read.
     """
 
-    def __init__(self, root: format.Checkpoint, parsed: ParsedManifest) -> None:
+    def __init__(self, root: checkpoint.Checkpoint, parsed: ParsedManifest) -> None:
         super().__init__()
         self.root = root
         self.parsed = parsed
@@ -446,11 +435,11 @@ class _ManifestReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         entries = list(self.parsed.tensors.values())
-        for e in entries:  # later entries win, as in ``dcpmeta.build``
+        for e in entries:  # later entries win, as in ``dcp_metadata.build``
             self.dtypes[e.fqn] = e.dtype
             for c in e.chunks:
                 self.chunks[MetadataIndex(e.fqn, torch.Size(c.offsets))] = c
-        return dcpmeta.build([entries])
+        return dcp_metadata.build([entries])
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *a: Any, **k: Any
@@ -494,7 +483,7 @@ class _ManifestReader(StorageReader):
 
 
 def read_sharded(
-    ck: format.Checkpoint,
+    ck: checkpoint.Checkpoint,
     parsed: ParsedManifest,
     wanted: Mapping[KeyPath, torch.Tensor],
     group: Any,

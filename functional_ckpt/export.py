@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from functional_ckpt import format
-from functional_ckpt._types import PathLike
+from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
+from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.storage import commit, durable
 from functional_ckpt.errors import (
     CheckpointError,
     CheckpointExists,
@@ -49,7 +50,7 @@ from functional_ckpt.export_names import Rename, check_rename, map_names, prefix
 from functional_ckpt.io import restore
 from functional_ckpt.policy import SavePolicy
 from functional_ckpt.retention import RetentionPolicy, keep_all
-from functional_ckpt.tree import NODE_KEY, KeyPath, as_state, format_path, iter_leaves
+from functional_ckpt.tree import as_state, iter_leaves
 
 __all__ = [
     "CONFIG_FILE",
@@ -288,7 +289,7 @@ def _write_shards(
         del shard
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        format.write_file_durably(tmp / INDEX_FILE, json.dumps(index, indent=2).encode())
+        durable.write_file_durably(tmp / INDEX_FILE, json.dumps(index, indent=2).encode())
 
 
 def export_safetensors(
@@ -368,17 +369,19 @@ def write_export(
     tensors = _collect(_load(source, path), path)
     tensors = _dedupe(map_names(tensors, strip_prefix, rename))
     shards = _plan_shards(tensors, limit, dtype)
-    format.make_dirs(out.parent)
-    tmp = format.tmp_sibling(out)
+    durable.make_dirs(out.parent)
+    tmp = durable.tmp_sibling(out)
     try:
         tmp.mkdir()
         _write_shards(tmp, shards, tensors, dtype, header or {})
         if replacing:
             files = {**carried_over(out, files), **files}
         for name, data in files.items():
-            format.write_file_durably(tmp / name, data)
-        format.commit(tmp, out, overwrite=overwrite, replaceable=check_replaceable_export)
+            durable.write_file_durably(tmp / name, data)
+        commit.commit_checkpoint(
+            tmp, out, overwrite=overwrite, replaceable=check_replaceable_export
+        )
     except BaseException:
-        format.remove_tree(tmp)
+        commit.remove_tree(tmp)
         raise
     return out

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from functional_ckpt import format
+from functional_ckpt._src.storage import opener
 from functional_ckpt.errors import CheckpointError, CheckpointExists
 
 SINGLE_FILE = "model.safetensors"
@@ -122,15 +122,15 @@ def side_files(
 def carried_over(out: Path, given: Mapping[str, bytes]) -> dict[str, bytes]:
     """Side files of the export being replaced that this export does not write anew."""
     kept: dict[str, bytes] = {}
-    dir_fd = format.open_directory(out)
+    dir_fd = opener.open_directory(out)
     try:
         for name in sorted(os.listdir(out)):
             if is_weight_file(name) or name in given:
                 continue
             where = out / name
-            fd = format.open_member(dir_fd, name, where, what="export file")
+            fd = opener.open_member(dir_fd, name, where, what="export file")
             try:
-                kept[name] = format.read_exact(fd, os.fstat(fd).st_size, where)
+                kept[name] = opener.read_exact(fd, os.fstat(fd).st_size, where)
             finally:
                 os.close(fd)
     finally:

@@ -25,26 +25,20 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from functional_ckpt import dcpbytes, dcpmeta, format
-from functional_ckpt.dcpbytes import DcpPath
+from functional_ckpt._src.format import dcp_values as dcpbytes
+from functional_ckpt._src.format import naming, unpickler
+from functional_ckpt._src.format.dcp_values import DcpPath
+from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
+from functional_ckpt._src.format.manifest import dtype_name
+from functional_ckpt._src.storage import opener
 from functional_ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
     TemplateMismatch,
     UnsafeCheckpoint,
 )
-from functional_ckpt.manifest import dtype_name
 from functional_ckpt.summary import CheckpointSummary, Node, TensorSpec, insert
-from functional_ckpt.tree import (
-    NODE_KEY,
-    KeyPath,
-    Leaf,
-    as_state,
-    format_path,
-    from_python,
-    iter_leaves,
-    node_record,
-)
+from functional_ckpt.tree import Leaf, as_state, from_python, iter_leaves, node_record
 
 
 class StockFiles:
@@ -52,15 +46,15 @@ class StockFiles:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.dir_fd = format.open_directory(root)
+        self.dir_fd = opener.open_directory(root)
         self.fds: dict[str, tuple[int, int]] = {}  # name -> (fd, size)
 
     def open(self, name: str) -> tuple[int, int]:
         got = self.fds.get(name)
         if got is None:
-            where = format.safe_member(self.root, name)
+            where = naming.safe_member(self.root, name)
             try:
-                fd = format.open_member(self.dir_fd, name, where, what="DCP file")
+                fd = opener.open_member(self.dir_fd, name, where, what="DCP file")
             except FileNotFoundError:
                 raise CorruptCheckpoint(f"{where}: file is missing") from None
             got = self.fds[name] = (fd, os.fstat(fd).st_size)
@@ -68,11 +62,11 @@ class StockFiles:
 
     def metadata(self) -> Any:
         """DCP's ``.metadata``, parsed by the hardened unpickler."""
-        where = self.root / format.DCP_METADATA
-        fd, size = self.open(format.DCP_METADATA)
-        if size > dcpmeta.MAX_BYTES:
+        where = self.root / naming.DCP_METADATA
+        fd, size = self.open(naming.DCP_METADATA)
+        if size > unpickler.MAX_BYTES:
             raise CorruptCheckpoint(f"{where}: {size} bytes of DCP metadata is more than allowed")
-        return dcpmeta.load_foreign(format.read_exact(fd, size, where), where)
+        return unpickler.load_foreign(opener.read_exact(fd, size, where), where)
 
     def blob(self, info: Any) -> bytes:
         name = info.relative_path
@@ -118,7 +112,7 @@ _NOT_PLAIN: Any = object()
 MAX_PLAIN_BYTES = 16 << 20
 
 
-class _PlainUnpickler(dcpmeta.RestrictedUnpickler):
+class _PlainUnpickler(unpickler.RestrictedUnpickler):
     """Builds plain data only: no class or function can be named, so none is built."""
 
     def find_class(self, module: str, name: str) -> Any:
@@ -151,7 +145,7 @@ def load_plain(blob: bytes) -> Any:
         value = _PlainUnpickler(data).load()
     except (CheckpointError, zipfile.BadZipFile, RecursionError, Exception):
         return _NOT_PLAIN
-    if not dcpmeta.is_plain(value) or not _tree_within(value, _tree_budget(len(data))):
+    if not unpickler.is_plain(value) or not _tree_within(value, _tree_budget(len(data))):
         return _NOT_PLAIN
     return value
 

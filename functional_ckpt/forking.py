@@ -15,15 +15,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from functional_ckpt import format
-from functional_ckpt._types import PathLike
+from functional_ckpt._src.format.naming import step_in_name
+from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.storage import checkpoint
 from functional_ckpt.errors import CheckpointError, CheckpointExists
 from functional_ckpt.io import restore, save
 from functional_ckpt.manager import CheckpointManager
 from functional_ckpt.policy import never
 from functional_ckpt.record import AUTO_KEYS, Provenance, git_commit
 from functional_ckpt.retention import keep_all
-from functional_ckpt.root import MANAGER_KEY, record_of, step_in_name
+from functional_ckpt.root import MANAGER_KEY, record_of
 
 __all__ = ["fork"]
 
@@ -45,7 +46,7 @@ def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = No
     ``"parent"`` for forks of forks). ``new_root`` must hold no checkpoint yet.
     """
     src = Path(checkpoint_path)
-    meta = format.read_manifest(src).get("metadata")
+    meta = checkpoint.read_manifest(src).get("metadata")
     meta = dict(meta) if isinstance(meta, dict) else {}
     src_step = _source_step(src, meta)
     target = src_step if step is None else step

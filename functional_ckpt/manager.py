@@ -30,7 +30,8 @@ from typing import Any
 from tensordict import TensorDict, TensorDictBase
 
 from functional_ckpt import rollback
-from functional_ckpt._types import PathLike
+from functional_ckpt._src.format.naming import parse_step, step_name
+from functional_ckpt._src.paths import PathLike
 from functional_ckpt.collective import coordinator_decides, gathered, prepare_groups
 from functional_ckpt.degradation import Rollback, SaveResult, Watch, roll_back
 from functional_ckpt.errors import (
@@ -40,7 +41,7 @@ from functional_ckpt.errors import (
 )
 from functional_ckpt.export import Export
 from functional_ckpt.exporting import BackgroundExport, run_export, snapshot
-from functional_ckpt.io import CheckpointInfo, like_argument, restore
+from functional_ckpt.io import like_argument, restore
 from functional_ckpt.lock import WriterLock
 from functional_ckpt.manager_args import check_policies, plain_metrics, remote_tier
 from functional_ckpt.pipeline.incremental import Incremental
@@ -59,19 +60,10 @@ from functional_ckpt.record import (
 )
 from functional_ckpt.resume import check_order, newest_readable
 from functional_ckpt.retention import RetentionPolicy, keep_all, plan_deletions
-from functional_ckpt.root import (
-    MANAGER_KEY,
-    StepInfo,
-    delete,
-    open_writer,
-    parse_step,
-    record_of,
-    remove_all,
-    step_name,
-)
+from functional_ckpt.root import MANAGER_KEY, StepInfo, delete, open_writer, record_of, remove_all
 from functional_ckpt.rootview import RootView
 from functional_ckpt.staging import PendingSave, Stager, Staging
-from functional_ckpt.writer import DEFAULT_PER_RANK
+from functional_ckpt.writer import DEFAULT_PER_RANK, CheckpointInfo
 
 __all__ = [
     "CheckpointManager",

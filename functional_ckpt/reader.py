@@ -23,32 +23,18 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from functional_ckpt import dcpmeta, format, shards
+from functional_ckpt._src.format import blobs
+from functional_ckpt._src.format.coverage import numel
+from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
+from functional_ckpt._src.format.manifest import Chunk, TensorEntry, dtype_name, element_size
+from functional_ckpt._src.format.view import ParsedCheckpoint, ParsedManifest, parse
+from functional_ckpt._src.storage import checkpoint, shards
+from functional_ckpt._src.storage.checkpoint import open_vetted
 from functional_ckpt.errors import (
-    CheckpointError,
     CorruptCheckpoint,
     TemplateMismatch,
 )
-from functional_ckpt.manifest import (
-    Chunk,
-    ParsedCheckpoint,
-    ParsedManifest,
-    TensorEntry,
-    dtype_name,
-    element_size,
-    numel,
-    parse,
-)
-from functional_ckpt.tree import (
-    NODE_KEY,
-    KeyPath,
-    Leaf,
-    as_state,
-    format_path,
-    iter_leaves,
-    node_record,
-    unflatten,
-)
+from functional_ckpt.tree import Leaf, as_state, iter_leaves, node_record, unflatten
 
 Reshard = Callable[[list[TensorDict], int, int], Any]
 
@@ -70,59 +56,6 @@ def gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-#: A damaged ``.metadata`` is scanned (to tell hostile from broken) only up to this size.
-CLASSIFY_LIMIT = 64 << 20
-
-
-def classify_metadata(ck: format.Checkpoint) -> CheckpointError:
-    """A ``.metadata`` that fails its checksum: hostile, or merely damaged?
-
-    Its opcodes are read statically (nothing is unpickled): naming anything but
-    DCP's metadata classes makes it hostile.
-    """
-    where = ck.path / format.DCP_METADATA
-    fd = ck.fds.get(format.DCP_METADATA)
-    size = ck.sizes.get(format.DCP_METADATA, 0)
-    if fd is not None and size <= CLASSIFY_LIMIT:
-        try:
-            hostile = dcpmeta.scan(format.read_exact(fd, size, where), where)
-        except CheckpointError:
-            hostile = None
-        if hostile is not None:
-            return hostile
-    return CorruptCheckpoint(f"{where}: does not match the checksum in the manifest")
-
-
-def metadata_intact(ck: format.Checkpoint) -> bool:
-    """Does ``.metadata`` have the size and CRC32 the manifest recorded (if it records one)?"""
-    files = ck.manifest.get("files")
-    info = files.get(format.DCP_METADATA) if isinstance(files, dict) else None
-    if not isinstance(info, dict):
-        return True
-    size = ck.sizes.get(format.DCP_METADATA)
-    if size is None or size != info.get("size"):
-        return False
-    return format.crc32_fd(ck.fd(format.DCP_METADATA), size) == info.get("crc32")
-
-
-def open_vetted(path: Path) -> format.Checkpoint:
-    """Open a committed checkpoint and vet it once: marker, manifest, every file, ``.metadata``.
-
-    ``.metadata`` is derived from the manifest and never read by our readers; it
-    is checked against the size and checksum the manifest recorded, so damage to
-    it (which would mislead stock ``dcp.load``) is still reported. Close the
-    result (or use ``with``); read every tensor through it.
-    """
-    ck = format.open_checkpoint(path)
-    try:
-        if not metadata_intact(ck):
-            raise classify_metadata(ck)
-    except BaseException:
-        ck.close()
-        raise
-    return ck
 
 
 def open_checkpoint(path: Path, *, rank: int | None = 0) -> ParsedManifest:
@@ -211,6 +144,7 @@ def select(
 
 #: Host tensors from this size on are allocated with their pages faulted in up front.
 PREFAULT_BYTES = 4 << 20
+
 #: ``madvise`` advice that faults a whole range in with one call (Linux 5.14+).
 MADV_POPULATE_WRITE = 23
 
@@ -250,6 +184,7 @@ def _libc_madvise() -> Any:
 
 
 _MADVISE = _libc_madvise()
+
 _PAGE = mmap.PAGESIZE
 
 
@@ -288,7 +223,7 @@ def _region(buf: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     return region
 
 
-def read_targets(src: format.Checkpoint, targets: list[Target]) -> None:
+def read_targets(src: checkpoint.Checkpoint, targets: list[Target]) -> None:
     """Read every chunk of every target, checking CRC32s; one error lists all damage."""
     by_file: dict[str, list[tuple[Target, Chunk, torch.Tensor]]] = {}
     for tg in targets:
@@ -307,7 +242,7 @@ def read_targets(src: format.Checkpoint, targets: list[Target]) -> None:
             by_file.setdefault(chunk.file, []).append((tg, chunk, land))
     bad: list[str] = []
     for name, group in by_file.items():
-        jobs = [(c, shards.byte_view(land)) for _, c, land in group]
+        jobs = [(c, blobs.byte_view(land)) for _, c, land in group]
         results = shards.read_tensors(src.fd(name), jobs)
         for (tg, _, _), res in zip(group, results, strict=True):
             if res is not None:
@@ -320,20 +255,6 @@ def read_targets(src: format.Checkpoint, targets: list[Target]) -> None:
                 region.copy_(land)
             if tg.buf.numel() and tg.buf.data_ptr() != tg.dest.data_ptr():
                 tg.dest.copy_(tg.buf)
-
-
-def read_chunk(
-    root: format.Checkpoint, chunk: Chunk, dtype: torch.dtype, what: str
-) -> torch.Tensor:
-    """One stored chunk as a new tensor, every byte checked."""
-    data = torch.empty(chunk.sizes, dtype=dtype)
-    if chunk.nbytes:
-        res = shards.read_tensors(root.fd(chunk.file), [(chunk, shards.byte_view(data))])[0]
-        if res is not None:
-            raise CorruptCheckpoint(
-                f"{root.path}: damaged tensor data for {what!r} in {chunk.file}: {res}"
-            )
-    return data
 
 
 def per_rank_check(parsed: ParsedManifest, selected: list[tuple[KeyPath, str]], world: int) -> None:
@@ -359,7 +280,7 @@ class RankView:
 
 
 def rank_view(
-    src: format.Checkpoint,
+    src: checkpoint.Checkpoint,
     parsed: ParsedCheckpoint,
     template: TensorDictBase | None,
     *,
@@ -392,7 +313,7 @@ def rank_view(
 
 
 def build(
-    src: format.Checkpoint,
+    src: checkpoint.Checkpoint,
     parsed: ParsedManifest,
     selected: list[tuple[KeyPath, str]],
     wanted: dict[KeyPath, torch.Tensor],
@@ -415,7 +336,7 @@ def rebuild(leaves: list[Leaf], root: dict[str, Any] | None, src: Path) -> Tenso
 
 
 def read_leaves(
-    src: format.Checkpoint,
+    src: checkpoint.Checkpoint,
     parsed: ParsedManifest,
     selected: list[tuple[KeyPath, str]],
     wanted: dict[KeyPath, torch.Tensor],
@@ -480,7 +401,7 @@ def _tied(
 
 
 def resharded_per_rank(
-    src: format.Checkpoint, parsed: ParsedCheckpoint, reshard: Reshard, rank: int, world: int
+    src: checkpoint.Checkpoint, parsed: ParsedCheckpoint, reshard: Reshard, rank: int, world: int
 ) -> TensorDict:
     """This rank's per-rank subtrees, mapped by the user from every saving rank's.
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from functional_ckpt import codec
-from functional_ckpt._types import PathLike
+from functional_ckpt._src import codec
+from functional_ckpt._src.paths import PathLike
 from functional_ckpt.errors import CheckpointWarning
 from functional_ckpt.policy import Event, PolicyState, SavePolicy
 from functional_ckpt.retention import RetentionPolicy

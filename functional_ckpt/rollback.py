@@ -26,9 +26,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from functional_ckpt import codec, format
+from functional_ckpt._src import codec
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.naming import EXPORTS_DIR, parse_step, step_name
+from functional_ckpt._src.storage import commit, durable
 from functional_ckpt.errors import CheckpointError, CheckpointExists
-from functional_ckpt.root import EXPORTS_DIR, parse_step, step_name
 
 __all__ = [
     "BRANCHES_DIR",
@@ -92,7 +94,7 @@ def check_branch_name(name: object) -> str:
             f"rollback(branch={name!r}): a branch name is 1-100 letters, digits, '_', '.' "
             "or '-', starting with a letter or digit"
         )
-    if format.is_temporary_name(name):
+    if naming.is_temporary_name(name):
         raise ValueError(f"rollback(branch={name!r}): the name looks like a temporary directory")
     return name
 
@@ -159,17 +161,17 @@ def begin(root: Path, plan: Plan) -> None:
     intent = root / INTENT_FILE
     if intent.exists():
         raise CheckpointError(f"{intent}: a rollback is already in progress; reopen the manager")
-    tmp = format.tmp_sibling(intent)
-    format.write_file_durably(tmp, plan.encode())
+    tmp = durable.tmp_sibling(intent)
+    durable.write_file_durably(tmp, plan.encode())
     os.rename(tmp, intent)
-    format.fsync_dir(root)
+    durable.fsync_dir(root)
 
 
 def finish(root: Path) -> Plan | None:
     """Complete the rollback recorded in ``root``, if any; the caller holds the lock."""
     intent = root / INTENT_FILE
     for name in os.listdir(root):  # a plan a crash cut short before it was recorded
-        if name.startswith(INTENT_FILE + format.TMP_INFIX):
+        if name.startswith(INTENT_FILE + naming.TMP_INFIX):
             os.unlink(root / name)
     try:
         raw = intent.read_bytes()
@@ -186,15 +188,15 @@ def finish(root: Path) -> Plan | None:
     else:
         for name in plan.names:
             for path in (root / name, root / EXPORTS_DIR / name):
-                trash = format.tmp_sibling(path, format.TRASH_INFIX)
+                trash = durable.tmp_sibling(path, naming.TRASH_INFIX)
                 try:
                     os.rename(path, trash)
                 except FileNotFoundError:
                     continue
-                format.fsync_dir(path.parent)
-                format.remove_tree(trash)
+                durable.fsync_dir(path.parent)
+                commit.remove_tree(trash)
     os.unlink(intent)
-    format.fsync_dir(root)
+    durable.fsync_dir(root)
     return plan
 
 
@@ -208,8 +210,8 @@ def _move(src: Path, dst: Path) -> None:
             "reopen the manager to finish the rollback"
         )
     os.rename(src, dst)
-    format.fsync_dir(dst.parent)
-    format.fsync_dir(src.parent)
+    durable.fsync_dir(dst.parent)
+    durable.fsync_dir(src.parent)
 
 
 def _makedirs(path: Path, stop: Path) -> None:
@@ -221,7 +223,7 @@ def _makedirs(path: Path, stop: Path) -> None:
         p = p.parent
     for d in reversed(missing):
         d.mkdir()
-        format.fsync_dir(d.parent)
+        durable.fsync_dir(d.parent)
 
 
 def branches(root: Path) -> dict[str, list[int]]:
@@ -237,7 +239,7 @@ def branches(root: Path) -> dict[str, list[int]]:
         if not path.is_dir() or _BRANCH_RE.fullmatch(name) is None:
             continue
         steps = (
-            parse_step(n) for n in os.listdir(path) if (path / n / format.COMMIT_MARKER).exists()
+            parse_step(n) for n in os.listdir(path) if (path / n / naming.COMMIT_MARKER).exists()
         )
         out[name] = sorted(s for s in steps if s is not None)
     return out

@@ -19,14 +19,22 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import re
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from functional_ckpt import format
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.naming import (
+    EXPORTS_DIR,
+    QUARANTINE_INFIX,
+    base_name,
+    parse_step,
+    step_in_name,
+)
+from functional_ckpt._src.storage import checkpoint, commit, durable
+from functional_ckpt._src.storage.usage import dir_size
 from functional_ckpt.errors import (
     CheckpointError,
     CheckpointNotFound,
@@ -34,89 +42,17 @@ from functional_ckpt.errors import (
     IncompleteCheckpoint,
     UnsafeCheckpoint,
 )
-from functional_ckpt.lock import LOCK_FILE, WriterLock
-
-__all__ = [
-    "EXPORTS_DIR",
-    "LOCK_FILE",
-    "MANAGER_KEY",
-    "QUARANTINE_INFIX",
-    "Entry",
-    "LeftoverWarning",
-    "StepInfo",
-    "Summaries",
-    "WriterLock",
-    "base_name",
-    "delete",
-    "identity",
-    "is_damage",
-    "kept_by",
-    "open_writer",
-    "parse_step",
-    "quarantine",
-    "quarantined",
-    "read_info",
-    "record_of",
-    "recover_leftovers",
-    "remove_checkpoint",
-    "scan",
-    "stamp",
-    "step_dirs",
-    "step_in_name",
-    "step_name",
-]
+from functional_ckpt.lock import WriterLock
 
 #: Reserved metadata key holding the manager's own record of each checkpoint.
 MANAGER_KEY = "manager"
-EXPORTS_DIR = "exports"
-#: Infix of a checkpoint moved aside because it could not be read (kept for forensics).
-QUARANTINE_INFIX = ".corrupt-"
-_INFIXES = (format.TMP_INFIX, format.TRASH_INFIX, QUARANTINE_INFIX)
-_STEP_RE = re.compile(r"step_(\d{1,30})")
+
 #: Largest time accepted as a save time (year 9999): anything else is shown as unknown.
 _MAX_TIME = 253_402_300_799.0
 
 
 class LeftoverWarning(UserWarning):
     """A committed leftover of a crash was recovered, or kept because its name is taken."""
-
-
-# --------------------------------------------------------------------------- names
-
-
-def step_name(step: int) -> str:
-    """Directory name of ``step``: zero padded so that lexical order is step order."""
-    return f"step_{step:09d}"
-
-
-def parse_step(name: str) -> int | None:
-    """The step of a canonical checkpoint directory name, else None.
-
-    Only the exact name :func:`step_name` produces counts, so ``step_5`` next to
-    ``step_000000005`` cannot make one step appear twice, and temporary or
-    quarantined siblings (``step_….tmp-…``) never match.
-    """
-    m = _STEP_RE.fullmatch(name)
-    if m is None:
-        return None
-    step = int(m.group(1))
-    return step if step_name(step) == name else None
-
-
-def step_in_name(name: str) -> int | None:
-    """The step a ``step_<digits>`` name spells, padded or not (for names users chose)."""
-    m = _STEP_RE.fullmatch(base_name(name))
-    return int(m.group(1)) if m else None
-
-
-def base_name(name: str) -> str:
-    """``step_N`` of ``step_N.tmp-…``, ``step_N.trash-…`` or ``step_N.corrupt-…``."""
-    for infix in _INFIXES:
-        name = name.split(infix)[0]
-    return name
-
-
-# --------------------------------------------------------------------------- summaries
 
 
 @dataclass(frozen=True)
@@ -137,16 +73,6 @@ class StepInfo:
     is_final: bool = False
     size: int = 0
     metadata: Mapping[str, Any] = field(default_factory=dict, hash=False)
-
-
-def dir_size(path: Path) -> int:
-    """Bytes in the regular files directly inside ``path`` (0 if it vanished)."""
-    total = 0
-    with contextlib.suppress(OSError), os.scandir(path) as it:
-        for entry in it:
-            if entry.is_file(follow_symlinks=False):
-                total += entry.stat(follow_symlinks=False).st_size
-    return total
 
 
 def _time(value: Any) -> float | None:
@@ -184,7 +110,7 @@ def read_info(path: Path, step: int) -> StepInfo:
     Whatever the manifest holds (a manager's record or odd user metadata), the
     summary is well formed: fields of the wrong type are left out, never fatal.
     """
-    manifest = format.read_manifest(path)
+    manifest = checkpoint.read_manifest(path)
     meta = manifest.get("metadata")
     meta = meta if isinstance(meta, dict) else {}
     record = record_of(meta)
@@ -207,7 +133,7 @@ def stamp(path: Path) -> tuple[int, int, int]:
 
     Raises ``FileNotFoundError`` when ``path`` holds no committed checkpoint.
     """
-    st = os.stat(path / format.COMMIT_MARKER)
+    st = os.stat(path / naming.COMMIT_MARKER)
     return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
@@ -285,7 +211,7 @@ def _committed_entry(path: Path) -> Entry:
     name = path.name
     canonical = parse_step(name) is not None
     try:
-        manifest = format.read_manifest(path)
+        manifest = checkpoint.read_manifest(path)
     except (CheckpointError, OSError, ValueError, RecursionError, MemoryError) as err:
         return Entry(
             name,
@@ -323,17 +249,17 @@ def classify(path: Path) -> Entry | None:
     step = step_in_name(name)
     aside = {
         QUARANTINE_INFIX: ("quarantined", "found unreadable by a manager and moved aside"),
-        format.TRASH_INFIX: ("deleting", "a deletion in progress (or interrupted)"),
-        format.TMP_INFIX: ("uncommitted", "a save in progress, or one a crash interrupted"),
+        naming.TRASH_INFIX: ("deleting", "a deletion in progress (or interrupted)"),
+        naming.TMP_INFIX: ("uncommitted", "a save in progress, or one a crash interrupted"),
     }
     for infix, (status, detail) in aside.items():
         if infix in name:
             if infix != QUARANTINE_INFIX and _committed(path):
                 detail = "complete (committed): the next writer recovers it, never deletes it"
             return Entry(name, path, step, status, size=dir_size(path), detail=detail)
-    if (path / format.COMMIT_MARKER).exists():
+    if (path / naming.COMMIT_MARKER).exists():
         return _committed_entry(path)
-    if (path / format.MANIFEST).exists():
+    if (path / naming.MANIFEST).exists():
         return Entry(
             name,
             path,
@@ -343,7 +269,7 @@ def classify(path: Path) -> Entry | None:
             size=dir_size(path),
             detail="never committed: the COMMITTED marker is missing",
         )
-    if (path / format.DCP_METADATA).exists():
+    if (path / naming.DCP_METADATA).exists():
         return Entry(
             name,
             path,
@@ -413,9 +339,6 @@ def kept_by(
     return out
 
 
-# --------------------------------------------------------------------------- damage
-
-
 #: What a checkpoint's own bytes can raise: only these move it aside.
 DAMAGE: tuple[type[BaseException], ...] = (
     CorruptCheckpoint,
@@ -438,13 +361,10 @@ def is_damage(err: BaseException) -> bool:
 
 def quarantine(root: Path, path: Path) -> Path:
     """Move a damaged checkpoint aside to ``step_N.corrupt-<id>`` (kept, never deleted)."""
-    aside = format.tmp_sibling(path, QUARANTINE_INFIX)
+    aside = durable.tmp_sibling(path, QUARANTINE_INFIX)
     os.rename(path, aside)
-    format.fsync_dir(root)
+    durable.fsync_dir(root)
     return aside
-
-
-# --------------------------------------------------------------------------- writing
 
 
 def open_writer(root: Path, *, stacklevel: int = 2) -> WriterLock:
@@ -457,7 +377,7 @@ def open_writer(root: Path, *, stacklevel: int = 2) -> WriterLock:
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"{root}: the checkpoint root is a file, not a directory")
     try:
-        format.make_dirs(root)
+        durable.make_dirs(root)
     except OSError as e:
         raise CheckpointError(f"{root}: cannot create the checkpoint root: {e}") from e
     lock = WriterLock(root)
@@ -467,9 +387,6 @@ def open_writer(root: Path, *, stacklevel: int = 2) -> WriterLock:
         lock.release()
         raise
     return lock
-
-
-# --------------------------------------------------------------------------- deleting
 
 
 def delete(root: Path, paths: Iterable[Path]) -> list[Path]:
@@ -482,23 +399,23 @@ def delete(root: Path, paths: Iterable[Path]) -> list[Path]:
     """
     trash: list[Path] = []
     for path in paths:
-        aside = format.tmp_sibling(path, format.TRASH_INFIX)
+        aside = durable.tmp_sibling(path, naming.TRASH_INFIX)
         try:
             os.rename(path, aside)
         except FileNotFoundError:
             continue
         trash.append(aside)
     if trash:
-        format.fsync_dir(root)
+        durable.fsync_dir(root)
         for aside in trash:
             with contextlib.suppress(OSError):
-                os.unlink(aside / format.COMMIT_MARKER)
+                os.unlink(aside / naming.COMMIT_MARKER)
     return trash
 
 
 def remove_all(paths: Iterable[Path]) -> None:
     for path in paths:
-        format.remove_tree(path)
+        commit.remove_tree(path)
 
 
 def remove_checkpoint(path: str | os.PathLike[str], *, missing_ok: bool = False) -> None:
@@ -519,7 +436,7 @@ def remove_checkpoint(path: str | os.PathLike[str], *, missing_ok: bool = False)
         if missing_ok:
             return
         raise CheckpointNotFound(f"{path}: no such checkpoint to remove")
-    ours = path.is_dir() and not path.is_symlink() and format.checkpoint_like(path)
+    ours = path.is_dir() and not path.is_symlink() and commit.checkpoint_like(path)
     if not ours or not os.listdir(path):
         raise CheckpointError(
             f"{path}: not a checkpoint directory (only a directory holding a checkpoint's "
@@ -540,7 +457,7 @@ def _leftover_manifest(path: Path) -> dict[str, Any] | None:
     except OSError:
         return None
     try:
-        return format.read_manifest_at(dir_fd, path, format.read_marker(dir_fd, path))
+        return checkpoint.read_manifest_at(dir_fd, path, checkpoint.read_marker(dir_fd, path))
     except (CheckpointError, OSError, ValueError, RecursionError, MemoryError):
         return None
     finally:
@@ -579,7 +496,7 @@ def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
             continue
         for entry in entries:
             base = base_name(entry.name)
-            if not format.is_temporary_name(entry.name) or QUARANTINE_INFIX in entry.name:
+            if not naming.is_temporary_name(entry.name) or QUARANTINE_INFIX in entry.name:
                 continue
             if parse_step(base) is None:
                 continue
@@ -590,15 +507,15 @@ def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
             elif parent == root and _committed(path):
                 groups.setdefault(base, []).append(path)
             else:
-                format.remove_tree(path)
+                commit.remove_tree(path)
                 changed = True
     recovered: list[Path] = []
     for base, paths in sorted(groups.items()):
         final = root / base
-        paths.sort(key=lambda p: (_created(p), format.TMP_INFIX in p.name), reverse=True)
+        paths.sort(key=lambda p: (_created(p), naming.TMP_INFIX in p.name), reverse=True)
         if not os.path.lexists(final):
             os.rename(paths[0], final)
-            format.fsync_dir(root)
+            durable.fsync_dir(root)
             recovered.append(final)
             warnings.warn(
                 f"{final}: recovered from {paths[0].name}, a committed checkpoint an interrupted "
@@ -616,5 +533,5 @@ def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
                 stacklevel=stacklevel,
             )
     if changed:
-        format.fsync_dir(root)
+        durable.fsync_dir(root)
     return recovered

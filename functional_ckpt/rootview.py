@@ -8,10 +8,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from functional_ckpt import format, rollback
+from functional_ckpt import rollback
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.naming import step_name
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 from functional_ckpt.retention import best_steps
-from functional_ckpt.root import StepInfo, Summaries, step_dirs, step_name
+from functional_ckpt.root import StepInfo, Summaries, step_dirs
 
 __all__ = ["RootView"]
 
@@ -37,7 +39,7 @@ class RootView:
 
     def steps(self) -> list[int]:
         """Steps of the committed checkpoints, ascending (half-written ones never appear)."""
-        return sorted(s for s, p in self._step_dirs() if (p / format.COMMIT_MARKER).exists())
+        return sorted(s for s, p in self._step_dirs() if (p / naming.COMMIT_MARKER).exists())
 
     def latest_step(self) -> int | None:
         """The newest committed step, excluding any this manager found unreadable."""

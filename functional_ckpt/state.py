@@ -155,8 +155,8 @@ def _record_param_names(sub: TensorDictBase, model: Any, optimizer: Any) -> None
     The record is container metadata (``to_python`` ignores it): the state stays
     ``optimizer.state_dict()``; only the DCP keys follow ``get_state_dict``.
     """
-    from functional_ckpt import dcpbytes
-    from functional_ckpt.tree import NODE_KEY
+    from functional_ckpt._src.format import dcp_values as dcpbytes
+    from functional_ckpt._src.format.keys import NODE_KEY
 
     names = dcpbytes.param_names(model, optimizer)
     if names is not None and NODE_KEY not in sub.keys():

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from functional_ckpt.manifest import dtype_name
-from functional_ckpt.tree import KeyPath
+from functional_ckpt._src.format.keys import KeyPath
+from functional_ckpt._src.format.manifest import dtype_name
 
 __all__ = ["CheckpointSummary", "Node", "TensorSpec", "insert", "short_repr"]
 

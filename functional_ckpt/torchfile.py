@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from functional_ckpt import format
-from functional_ckpt._types import PathLike
+from functional_ckpt._src.format.keys import KeyPath, format_path
+from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.storage import durable
 from functional_ckpt.errors import (
     CheckpointError,
     CheckpointExists,
@@ -41,8 +42,9 @@ from functional_ckpt.errors import (
     UnsafeCheckpoint,
 )
 from functional_ckpt.export import _collect, _load, _select_path
-from functional_ckpt.io import CheckpointInfo, restore, save
-from functional_ckpt.tree import KeyPath, format_path, to_python
+from functional_ckpt.io import restore, save
+from functional_ckpt.tree import to_python
+from functional_ckpt.writer import CheckpointInfo
 
 __all__ = ["WEIGHTS_KEY", "export_torch", "import_torch", "load_torch_file", "loadable"]
 
@@ -240,8 +242,8 @@ def write_torch_file(obj: Any, out: Path, *, overwrite: bool) -> Path:
         raise CheckpointExists(f"{out}: is a directory; give the path of the file to write")
     if out.exists() and not overwrite:
         raise CheckpointExists(f"{out}: already exists; pass overwrite=True to replace it")
-    format.make_dirs(out.parent)
-    tmp = format.tmp_sibling(out)
+    durable.make_dirs(out.parent)
+    tmp = durable.tmp_sibling(out)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -261,7 +263,7 @@ def write_torch_file(obj: Any, out: Path, *, overwrite: bool) -> Path:
     except BaseException:
         _remove(tmp)
         raise
-    format.fsync_dir(out.parent)
+    durable.fsync_dir(out.parent)
     return out
 
 

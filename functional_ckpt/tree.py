@@ -19,20 +19,10 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_tensorclass
 
-from functional_ckpt import codec
+from functional_ckpt._src import codec
+from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
+from functional_ckpt._src.format.limits import LIMITS
 from functional_ckpt.errors import UnsafeCheckpoint, UnsupportedValue
-from functional_ckpt.limits import LIMITS
-
-KeyPath = tuple[str, ...]
-
-#: Reserved key of the record that turns a sub-TensorDict back into a list,
-#: tuple or dict with non-string keys.
-NODE_KEY = "__container__"
-
-
-def format_path(path: KeyPath) -> str:
-    """Render a key path the way users index a TensorDict: ``('model', 'w')``."""
-    return repr(tuple(path)) if len(path) != 1 else repr(path[0])
 
 
 def _contains_tensor(value: object) -> bool:

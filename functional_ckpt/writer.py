@@ -24,12 +24,13 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from functional_ckpt import codec, dcpbytes, dcpmeta, format, shards
-from functional_ckpt._types import PathLike as PathLike  # re-exported: one PathLike
-from functional_ckpt.checksum import crc32
-from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
-from functional_ckpt.limits import LIMITS
-from functional_ckpt.manifest import (
+from functional_ckpt._src import codec
+from functional_ckpt._src.format import dcp_metadata, naming
+from functional_ckpt._src.format import dcp_values as dcpbytes
+from functional_ckpt._src.format.checksum import crc32
+from functional_ckpt._src.format.keys import KeyPath, format_path, fqn_of, rank_fqn
+from functional_ckpt._src.format.limits import LIMITS
+from functional_ckpt._src.format.manifest import (
     Chunk,
     Entry,
     Manifest,
@@ -40,8 +41,12 @@ from functional_ckpt.manifest import (
     shape_problem,
     tensor_groups,
 )
+from functional_ckpt._src.format.naming import shard_name
+from functional_ckpt._src.paths import PathLike as PathLike
+from functional_ckpt._src.storage import commit, durable, shards
+from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
 from functional_ckpt.pipeline.topology import is_dtensor as is_dtensor  # re-exported
-from functional_ckpt.tree import KeyPath, as_state, format_path, iter_leaves, node_record
+from functional_ckpt.tree import as_state, iter_leaves, node_record
 
 #: Top-level subtrees that differ between ranks and are stored once per rank.
 DEFAULT_PER_RANK = ("rng", "loader")
@@ -59,16 +64,6 @@ class CheckpointInfo:
     created: float  # seconds since the epoch
     duration: float  # seconds spent in save
     metadata: Any = None
-
-
-def fqn_of(path: KeyPath) -> str:
-    """The DCP key of a tensor: its key path joined by dots, as DCP flattens dicts."""
-    return ".".join(path)
-
-
-def rank_fqn(rank: int, path: KeyPath) -> str:
-    """The DCP key of a per-rank tensor, distinct for every rank."""
-    return f"__rank{rank}__." + fqn_of(path)
 
 
 def _where(path: KeyPath) -> str:
@@ -343,16 +338,16 @@ def check_destination(path: Path, overwrite: bool) -> None:
             f"{path}: a checkpoint already exists here; pass overwrite=True to replace it"
         )
     if path.exists():
-        format.check_replaceable(path)
-    if format.is_temporary_name(path.name):
+        commit.check_replaceable(path)
+    if naming.is_temporary_name(path.name):
         raise CheckpointError(
-            f"{path}: names containing {format.TMP_INFIX!r} or {format.TRASH_INFIX!r} are reserved"
+            f"{path}: names containing {naming.TMP_INFIX!r} or {naming.TRASH_INFIX!r} are reserved"
         )
 
 
 def auto_metadata() -> dict[str, Any]:
     """What every checkpoint records about where it came from."""
-    from functional_ckpt._version import __version__
+    from functional_ckpt._src.version import __version__
 
     return {
         "hostname": socket.gethostname(),
@@ -383,10 +378,6 @@ def prepare_save(
     return dest, plan, meta
 
 
-def shard_name(rank: int) -> str:
-    return f"__{rank}_0.distcp"
-
-
 def finalize(
     tmp: Path,
     dest: Path,
@@ -403,7 +394,7 @@ def finalize(
     Every shard file in ``tmp`` must already be written and every chunk of the
     manifest filled in; ``syncing`` holds the fsyncs of shard files still
     running (they overlap with deriving and encoding here). ``.metadata``
-    (derived from the manifest by :func:`dcpmeta.derive`), the manifest (its file
+    (derived from the manifest by :func:`dcp_metadata.derive`), the manifest (its file
     table filled in here) and the marker are each written and fsynced at their
     final size, and every fsync has finished, before the marker is written and the
     directory is fsynced and renamed. ``file_info`` adds fields to files' entries
@@ -414,12 +405,12 @@ def finalize(
     syncing = [] if syncing is None else syncing
     try:
         groups = tensor_groups(manifest.entries, manifest.ranks)
-        md_bytes = dcpmeta.derive(groups, manifest.dcp_bytes or ())
-        _write_file(tmp / format.DCP_METADATA, md_bytes, syncing)
+        md_bytes = dcp_metadata.derive(groups, manifest.dcp_bytes or ())
+        _write_file(tmp / naming.DCP_METADATA, md_bytes, syncing)
         files = manifest.files
         files.clear()
         for name in sorted(os.listdir(tmp)):
-            if name == format.DCP_METADATA:
+            if name == naming.DCP_METADATA:
                 files[name] = {"size": len(md_bytes), "crc32": crc32(md_bytes)}
             else:
                 files[name] = {"size": (tmp / name).stat().st_size}
@@ -427,14 +418,14 @@ def finalize(
         for name, size in sorted((elsewhere or {}).items()):
             files.setdefault(name, {"size": size})
         manifest_bytes = manifest.encode()
-        format.write_file_durably(tmp / format.MANIFEST, manifest_bytes)
+        durable.write_file_durably(tmp / naming.MANIFEST, manifest_bytes)
     finally:
         for fut in syncing:  # every file durable (or its error raised) before going on
             fut.result()
     if before_commit is not None:
         before_commit()
-    format.write_commit_marker(tmp, manifest_bytes)
-    format.commit(tmp, dest, overwrite=overwrite, replaceable=format.check_replaceable)
+    commit.write_commit_marker(tmp, manifest_bytes)
+    commit.commit_checkpoint(tmp, dest, overwrite=overwrite, replaceable=commit.check_replaceable)
     total = sum(f["size"] for f in files.values()) + len(manifest_bytes)
     return total, len(manifest_bytes)
 
@@ -508,9 +499,9 @@ def write_local(
     """
     t0 = time.perf_counter()
     created = time.time()
-    tmp = format.tmp_sibling(dest)
+    tmp = durable.tmp_sibling(dest)
     try:
-        format.make_dirs(dest.parent)
+        durable.make_dirs(dest.parent)
         tmp.mkdir()
         chunks = []
         for entry in plan.targets:
@@ -539,13 +530,13 @@ def write_local(
             file_info=info,
         )
     except CheckpointError:  # e.g. CheckpointExists, itself an OSError
-        format.remove_tree(tmp)
+        commit.remove_tree(tmp)
         raise
     except OSError as e:
-        format.remove_tree(tmp)
+        commit.remove_tree(tmp)
         raise os_error(e, dest) from e
     except BaseException:
-        format.remove_tree(tmp)
+        commit.remove_tree(tmp)
         raise
     return CheckpointInfo(
         path=dest,

@@ -27,7 +27,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import functional_ckpt as fc
-from functional_ckpt import format
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.storage import checkpoint
 from tests.training import ShuffleLoader
 
 
@@ -102,7 +103,7 @@ def train(root: Path, steps: int, crash_rank: int, crash_at: int) -> None:
     mgr_steps = sorted(
         int(p.name.split("_")[1])
         for p in root.glob("step_*")
-        if not format.is_temporary_name(p.name) and (p / "COMMITTED").exists()
+        if not naming.is_temporary_name(p.name) and (p / "COMMITTED").exists()
     )
     step = 0
     if mgr_steps:
@@ -198,7 +199,7 @@ def main() -> None:
         pending.result()
         dist.barrier()
         if rank == 0:
-            manifest = format.read_manifest(root / "b")
+            manifest = checkpoint.read_manifest(root / "b")
             files = {c["file"] for e in manifest["entries"] for c in e.get("chunks", ())}
             written = {n for n in files if n.endswith("_0.distcp")}
             assert written == {f"__{world - 1}_0.distcp"}, written  # only its shard changed
@@ -221,7 +222,7 @@ def main() -> None:
         back = fc.restore(root / "ck", shard_template(mesh))
         check_restored(back, rank, world)
     elif mode == "kill-in-save":
-        from functional_ckpt import shards
+        from functional_ckpt._src.storage import shards
 
         original = shards.write_shard
 

@@ -11,14 +11,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from functional_ckpt import codec, format
+from functional_ckpt._src import codec
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.storage import checkpoint, commit
 
 
 def resign(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     """Apply ``edit`` to the decoded manifest of ``path``, write it back, re-sign the marker."""
-    manifest = format.read_manifest(path)
+    manifest = checkpoint.read_manifest(path)
     edit(manifest)
     raw = codec.encode(manifest)
-    (path / format.MANIFEST).write_bytes(raw)
-    os.unlink(path / format.COMMIT_MARKER)
-    format.write_commit_marker(path, raw)
+    (path / naming.MANIFEST).write_bytes(raw)
+    os.unlink(path / naming.COMMIT_MARKER)
+    commit.write_commit_marker(path, raw)

@@ -34,7 +34,8 @@ if __package__ in (None, ""):
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import format
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.storage import commit
 from tests.training import build, train_step
 
 KILL_POINTS = ("marker", "commit", "prune")
@@ -53,35 +54,35 @@ def install_kill_point(point: str, after: int) -> None:
         return calls[0] >= after
 
     if point == "marker":
-        original_marker = format.write_commit_marker
+        original_marker = commit.write_commit_marker
 
         def marker(tmp: Path, manifest_bytes: bytes) -> None:
             if due():
                 _die()
             original_marker(tmp, manifest_bytes)
 
-        format.write_commit_marker = marker  # type: ignore[assignment]
+        commit.write_commit_marker = marker  # type: ignore[assignment]
     elif point == "commit":
-        original_commit = format.commit
+        original_commit = commit.commit_checkpoint
 
-        def commit(tmp: Path, final: Path, **kwargs: Any) -> None:
+        def dying_commit(tmp: Path, final: Path, **kwargs: Any) -> None:
             if due() and not final.exists():
                 os.rename(tmp, final)
                 _die()
             original_commit(tmp, final, **kwargs)
 
-        format.commit = commit  # type: ignore[assignment]
+        commit.commit_checkpoint = dying_commit  # type: ignore[assignment]
     elif point == "prune":
-        original_remove = format.remove_tree
+        original_remove = commit.remove_tree
 
         def remove_tree(path: Path) -> None:
             if due():
-                (path / format.COMMIT_MARKER).unlink(missing_ok=True)
-                (path / format.MANIFEST).unlink(missing_ok=True)
+                (path / naming.COMMIT_MARKER).unlink(missing_ok=True)
+                (path / naming.MANIFEST).unlink(missing_ok=True)
                 _die()
             original_remove(path)
 
-        format.remove_tree = remove_tree  # type: ignore[assignment]
+        commit.remove_tree = remove_tree  # type: ignore[assignment]
     else:
         raise ValueError(f"kill_point={point!r}: expected one of {KILL_POINTS}")
 

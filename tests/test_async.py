@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import shards
+from functional_ckpt._src.storage import shards
 
 
 def big_state(n: int = 40, numel: int = 1 << 20) -> dict[str, Any]:

@@ -17,8 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from functional_ckpt import codec
-from functional_ckpt.codec import check_encodable, decode, encode
+from functional_ckpt._src import codec
+from functional_ckpt._src.codec import check_encodable, decode, encode
 from functional_ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,

@@ -22,9 +22,11 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import codec, format
+from functional_ckpt._src import codec
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.limits import LIMITS
+from functional_ckpt._src.storage import commit
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint, UnsupportedValue
-from functional_ckpt.limits import LIMITS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,12 +206,12 @@ def test_register_refuses_what_it_cannot_store() -> None:
 
 def edit_raw(path: Path, old: bytes, new: bytes) -> None:
     """Replace bytes inside the manifest and re-sign it, as an attacker could."""
-    raw = (path / format.MANIFEST).read_bytes()
+    raw = (path / naming.MANIFEST).read_bytes()
     assert raw.count(old) == 1 and len(old) == len(new)
     raw = raw.replace(old, new)
-    (path / format.MANIFEST).write_bytes(raw)
-    os.unlink(path / format.COMMIT_MARKER)
-    format.write_commit_marker(path, raw)
+    (path / naming.MANIFEST).write_bytes(raw)
+    os.unlink(path / naming.COMMIT_MARKER)
+    commit.write_commit_marker(path, raw)
 
 
 def test_a_forged_unknown_tag_is_refused_and_never_imported(tmp_path: Path) -> None:

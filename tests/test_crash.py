@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import format
+from functional_ckpt._src.format import naming
 
 SCRIPT = Path(__file__).with_name("save_loop.py")
 
@@ -51,11 +51,11 @@ def test_sigkill_during_save_never_leaves_a_readable_half(tmp_path: Path, mode: 
         root = tmp_path / f"t{trial}"
         root.mkdir()
         kill_at_random(root, mode, rng.uniform(0.05, 1.5))
-        visible = [p for p in root.iterdir() if not format.is_temporary_name(p.name)]
+        visible = [p for p in root.iterdir() if not naming.is_temporary_name(p.name)]
         for p in visible:
             last_version = check_whole(p)
         for p in root.iterdir():
-            if format.is_temporary_name(p.name):
+            if naming.is_temporary_name(p.name):
                 with pytest.raises(fc.errors.IncompleteCheckpoint):
                     fc.restore(p)
     assert last_version > 0  # at least one trial got far enough to commit

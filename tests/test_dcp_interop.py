@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import functional_ckpt as fc
-from functional_ckpt import format
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.storage import commit
 
 
 def _objects(lr: float = 0.01, seed: int = 0) -> tuple[Any, Any, Any]:
@@ -107,7 +108,7 @@ def test_incremental_checkpoint_keeps_its_values_for_stock_readers(tmp_path: Pat
     sched.step()  # values change, tensors do not
     state = fc.capture(model=model, optimizer=opt, scheduler=sched, step=7)
     fc.save(tmp_path / "b", state, base=tmp_path / "a")
-    format.remove_tree(tmp_path / "a")
+    commit.remove_tree(tmp_path / "a")
     assert fc.verify(tmp_path / "b").ok
     fresh = _objects(lr=0.5, seed=1)
     m2, o2, s2 = fresh
@@ -260,7 +261,7 @@ def test_own_reader_never_reads_byte_entries(tmp_path: Path) -> None:
         f.write(bytes(info.length))
     assert fc.restore(tmp_path / "ck")["lr"] == 0.25
     assert not fc.verify(tmp_path / "ck").ok
-    assert format.MANIFEST in {p.name for p in (tmp_path / "ck").iterdir()}
+    assert naming.MANIFEST in {p.name for p in (tmp_path / "ck").iterdir()}
 
 
 def test_two_rank_checkpoint_converts_with_dcp_to_torch_save(tmp_path: Path) -> None:

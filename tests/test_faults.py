@@ -32,7 +32,9 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import codec, format, shards
+from functional_ckpt._src import codec
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.storage import checkpoint, commit, durable, shards
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "faults.py"
@@ -275,7 +277,7 @@ def test_hostile_pickle_never_runs(ckpt: Path, tmp_path: Path) -> None:
     report = fc.verify(ckpt)
     assert not report.ok
     assert any(
-        p.where == format.DCP_METADATA and "posix.system" in p.detail for p in report.problems
+        p.where == naming.DCP_METADATA and "posix.system" in p.detail for p in report.problems
     )
     assert not marker.exists()
 
@@ -323,10 +325,10 @@ def test_restore_detects_shard_header_flip(ckpt: Path) -> None:
 
 
 def test_marker_version_flip_detected(ckpt: Path) -> None:
-    raw = bytearray((ckpt / format.COMMIT_MARKER).read_bytes())
+    raw = bytearray((ckpt / naming.COMMIT_MARKER).read_bytes())
     at = raw.index(b"\xa7version\x01") + len(b"\xa7version")
     raw[at] ^= 0x01  # 1 -> 0: a single bit flip
-    (ckpt / format.COMMIT_MARKER).write_bytes(bytes(raw))
+    (ckpt / naming.COMMIT_MARKER).write_bytes(bytes(raw))
     assert codec.decode(bytes(raw))["version"] == 0  # type: ignore[index]
     assert not fc.verify(ckpt).ok
 
@@ -349,11 +351,11 @@ def _sparse_probe(path: Path, name: str) -> Any:
 
 
 def test_oversized_manifest_is_not_read(ckpt: Path) -> None:
-    assert _sparse_probe(ckpt, format.MANIFEST) == ["CorruptCheckpoint", "ok"]
+    assert _sparse_probe(ckpt, naming.MANIFEST) == ["CorruptCheckpoint", "ok"]
 
 
 def test_oversized_metadata_is_not_read(ckpt: Path) -> None:
-    restore, _ = _sparse_probe(ckpt, format.DCP_METADATA)
+    restore, _ = _sparse_probe(ckpt, naming.DCP_METADATA)
     assert restore == "CorruptCheckpoint"
 
 
@@ -393,10 +395,10 @@ def test_restore_racing_prune(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> No
     original = shards.read_tensors
 
     def pruned_first(fd: int, *args: Any, **kwargs: Any) -> Any:
-        aside = format.tmp_sibling(ckpt, format.TRASH_INFIX)  # what the manager's prune does
+        aside = durable.tmp_sibling(ckpt, naming.TRASH_INFIX)  # what the manager's prune does
         if ckpt.exists():
             os.rename(ckpt, aside)
-            format.remove_tree(aside)
+            commit.remove_tree(aside)
         return original(fd, *args, **kwargs)
 
     monkeypatch.setattr(shards, "read_tensors", pruned_first)
@@ -406,49 +408,49 @@ def test_restore_racing_prune(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_restore_pruned_before_opening(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Pruned before its files could be opened: not found (never "corrupt")."""
-    original = format.open_members
+    original = checkpoint.open_members
 
     def pruned_first(ck: Any, *args: Any) -> Any:
-        aside = format.tmp_sibling(ckpt, format.TRASH_INFIX)
+        aside = durable.tmp_sibling(ckpt, naming.TRASH_INFIX)
         if ckpt.exists():
             os.rename(ckpt, aside)
-            format.remove_tree(aside)
+            commit.remove_tree(aside)
         return original(ck, *args)
 
-    monkeypatch.setattr(format, "open_members", pruned_first)
+    monkeypatch.setattr(checkpoint, "open_members", pruned_first)
     with pytest.raises(fc.errors.CheckpointNotFound):
         fc.restore(ckpt)
 
 
 def test_marker_is_authenticated(ckpt: Path) -> None:
     """Every single-bit flip of COMMITTED is caught by restore (exhaustive)."""
-    pristine = (ckpt / format.COMMIT_MARKER).read_bytes()
+    pristine = (ckpt / naming.COMMIT_MARKER).read_bytes()
     version_at = pristine.index(b"\xa7version\x01") + len(b"\xa7version")
     missed = []
     for off in range(len(pristine)):
         for bit in range(8):
             raw = bytearray(pristine)
             raw[off] ^= 1 << bit
-            (ckpt / format.COMMIT_MARKER).write_bytes(bytes(raw))
+            (ckpt / naming.COMMIT_MARKER).write_bytes(bytes(raw))
             if outcome(lambda: fc.restore(ckpt)) == "ok":
                 missed.append((off, bit))
-    (ckpt / format.COMMIT_MARKER).write_bytes(pristine)
+    (ckpt / naming.COMMIT_MARKER).write_bytes(pristine)
     assert missed == [], f"undetected flips (version byte at {version_at}): {missed}"
 
 
 def test_manifest_flip_needs_the_marker(ckpt: Path) -> None:
     """A manifest flip that still decodes is caught by the CRC32 in COMMITTED."""
-    raw = bytearray((ckpt / format.MANIFEST).read_bytes())
+    raw = bytearray((ckpt / naming.MANIFEST).read_bytes())
     at = raw.index(b"\xa7created\xcb") + len(b"\xa7created\xcb") + 7
     raw[at] ^= 0x01  # the last mantissa bit of the creation time: still a valid manifest
     codec.decode(bytes(raw))
-    (ckpt / format.MANIFEST).write_bytes(bytes(raw))
+    (ckpt / naming.MANIFEST).write_bytes(bytes(raw))
     with pytest.raises(fc.errors.CorruptCheckpoint, match="checksum"):
         fc.restore(ckpt)
     assert not fc.verify(ckpt).ok
     assert (
         zlib.crc32(bytes(raw))
-        != codec.decode((ckpt / format.COMMIT_MARKER).read_bytes())["manifest_crc32"]
+        != codec.decode((ckpt / naming.COMMIT_MARKER).read_bytes())["manifest_crc32"]
     )  # type: ignore[index]
 
 

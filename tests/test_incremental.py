@@ -23,7 +23,9 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import cli, format
+from functional_ckpt import cli
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.storage import checkpoint, usage
 from functional_ckpt.cli import ui
 from functional_ckpt.pipeline import incremental
 from functional_ckpt.reader import open_checkpoint
@@ -46,7 +48,7 @@ def make_state(seed: int = 0) -> dict[str, Any]:
 
 
 def files_of(path: Path) -> dict[str, dict[str, Any]]:
-    files: dict[str, dict[str, Any]] = format.read_manifest(path)["files"]
+    files: dict[str, dict[str, Any]] = checkpoint.read_manifest(path)["files"]
     return files
 
 
@@ -90,7 +92,7 @@ def test_base_deleted_then_incremental_restores_bit_identically(
     assert cli.main(["inspect", str(tmp_path / "b")]) == 0
     assert "shared with other checkpoints" in capsys.readouterr().out
     assert cli.main(["ls", str(tmp_path)]) == 0
-    both = incremental.disk_bytes([tmp_path / "a", tmp_path / "b"])
+    both = usage.disk_bytes([tmp_path / "a", tmp_path / "b"])
     assert both < sum(fc.inspect(tmp_path / n).file_bytes for n in "ab")
     assert f"{ui.human(both)} in all" in capsys.readouterr().out  # a shared file counts once
     assert cli.main(["ls", "--json", str(tmp_path)]) == 0
@@ -281,7 +283,7 @@ def test_fork_shares_the_source_files(tmp_path: Path) -> None:
     forked = fc.fork(src, tmp_path / "fork")
     assert os.stat(forked / "__0_1.distcp").st_ino == os.stat(src / "__0_0.distcp").st_ino
     # nothing changed: no tensor is written again, only the values for stock DCP readers
-    manifest = format.read_manifest(forked)
+    manifest = checkpoint.read_manifest(forked)
     chunks = [c for e in manifest["entries"] for c in e.get("chunks", ())]
     own = [c for c in chunks if c["file"] == "__0_0.distcp"]
     assert own == [] and (forked / "__0_0.distcp").stat().st_size < 4096
@@ -323,7 +325,7 @@ def test_sigkill_during_incremental_saves_leaves_the_base_intact(tmp_path: Path)
             bool((t == 1.0).all()) for t in back.values(include_nested=True, leaves_only=True)
         )
         for p in root.iterdir():
-            if format.is_temporary_name(p.name):
+            if naming.is_temporary_name(p.name):
                 with pytest.raises(fc.errors.IncompleteCheckpoint):
                     fc.restore(p)
             elif p.name != "base":
@@ -331,5 +333,5 @@ def test_sigkill_during_incremental_saves_leaves_the_base_intact(tmp_path: Path)
                 got = fc.restore(p)
                 assert bool((got["changed"] == v).all()) and bool((got["w0"] == 1.0).all())
         newest = max((p for p in root.iterdir() if p.name.startswith("ck")), default=None)
-        if newest is not None and not format.is_temporary_name(newest.name):
+        if newest is not None and not naming.is_temporary_name(newest.name):
             assert fc.verify(newest).ok

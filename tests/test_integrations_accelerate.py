@@ -20,7 +20,7 @@ from accelerate.utils import DataLoaderConfiguration
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import functional_ckpt as fc
-from functional_ckpt import format
+from functional_ckpt._src.format import naming
 from functional_ckpt.errors import TemplateMismatch
 from functional_ckpt.integrations import accelerate as fc_accelerate
 
@@ -69,7 +69,7 @@ def test_prepared_objects_resume_bit_identically(tmp_path: Path) -> None:
     state = fc_accelerate.capture(acc, model=model, optimizer=opt, scheduler=sched, loader=loader)
     fc.save(tmp_path / "ck", state)
     assert {p.name for p in (tmp_path / "ck").iterdir()} <= {
-        format.COMMIT_MARKER, format.MANIFEST, format.DCP_METADATA, "__0_0.distcp"
+        naming.COMMIT_MARKER, naming.MANIFEST, naming.DCP_METADATA, "__0_0.distcp"
     }  # fmt: skip
 
     acc, model, opt, loader, sched = setup(1)

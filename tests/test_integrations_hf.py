@@ -20,10 +20,10 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingA
 
 import functional_ckpt as fc
 import functional_ckpt.integrations.hf as fc_hf
-from functional_ckpt import format
+from functional_ckpt._src.format import naming
 from functional_ckpt.integrations.hf import FunctionalTrainer, load_trainer_checkpoint
 
-OUR_FILES = {format.COMMIT_MARKER, format.MANIFEST, format.DCP_METADATA}
+OUR_FILES = {naming.COMMIT_MARKER, naming.MANIFEST, naming.DCP_METADATA}
 
 
 class StopAt(TrainerCallback):

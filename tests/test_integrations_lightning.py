@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import functional_ckpt as fc
 import functional_ckpt.integrations.lightning as fc_lightning
-from functional_ckpt import codec, format
+from functional_ckpt._src import codec
+from functional_ckpt._src.format import naming
 from functional_ckpt.errors import CheckpointError
 from functional_ckpt.integrations.lightning import FunctionalCheckpointIO
 from functional_ckpt.staging import PendingSave, run_in_background
@@ -131,7 +132,7 @@ def test_fit_prune_and_resume_bit_identically(
     root = tmp_path / "resumed"
     fit(root, STEPS_PER_EPOCH, FunctionalCheckpointIO(async_save=True))
     at_epoch_end = root / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
-    assert (at_epoch_end / format.COMMIT_MARKER).is_file()
+    assert (at_epoch_end / naming.COMMIT_MARKER).is_file()
     loaded = FunctionalCheckpointIO().load_checkpoint(at_epoch_end)
     assert loaded["global_step"] == STEPS_PER_EPOCH
     hparams = loaded["hyper_parameters"]
@@ -156,7 +157,7 @@ def test_fit_prune_and_resume_bit_identically(
     assert kept == best | {"last.ckpt", at_epoch_end.name}
     assert removed and all(not p.exists() for p in removed)
     assert {p.name for p in removed} & {"epoch=0-step=4.ckpt", "epoch=1-step=12.ckpt"}
-    assert not any(format.is_temporary_name(n) for n in os.listdir(root))
+    assert not any(naming.is_temporary_name(n) for n in os.listdir(root))
 
 
 def test_async_failures_surface_and_bad_arguments_are_refused(

@@ -27,7 +27,8 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import format
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.storage import checkpoint
 from functional_ckpt.manager import CheckpointWarning, StepInfo, parse_step, step_name
 from functional_ckpt.retention import RetentionPolicy
 from tests import manager_job
@@ -350,7 +351,7 @@ def test_stale_temporary_dirs_removed_at_open_only_by_writers(tmp_path: Path) ->
 
 def _tensor_bytes(path: Path) -> tuple[str, int, int]:
     """(file, data offset, nbytes) of the first non-empty tensor's data in a checkpoint."""
-    manifest = format.read_manifest(path)
+    manifest = checkpoint.read_manifest(path)
     for e in manifest["entries"]:
         if e["kind"] != "tensor":
             continue
@@ -371,10 +372,10 @@ def corrupt(path: Path, how: str) -> None:
     elif how == "missing_shard":
         (path / _tensor_bytes(path)[0]).unlink()
     elif how == "torn_manifest":
-        raw = (path / format.MANIFEST).read_bytes()
-        (path / format.MANIFEST).write_bytes(raw[: len(raw) // 2])
+        raw = (path / naming.MANIFEST).read_bytes()
+        (path / naming.MANIFEST).write_bytes(raw[: len(raw) // 2])
     elif how == "missing_marker":
-        (path / format.COMMIT_MARKER).unlink()
+        (path / naming.COMMIT_MARKER).unlink()
     else:
         raise AssertionError(how)
 
@@ -524,7 +525,7 @@ def test_follower_lists_and_restores_while_writer_saves(
             end = time.monotonic() + 2.5
             while time.monotonic() < end:
                 for step in ro.steps():
-                    assert (tmp_path / step_name(step) / format.COMMIT_MARKER).exists() or (
+                    assert (tmp_path / step_name(step) / naming.COMMIT_MARKER).exists() or (
                         not (tmp_path / step_name(step)).exists()  # pruned meanwhile
                     )
                 state = ro.restore_latest()
@@ -565,7 +566,7 @@ def check_after_crash(root: Path) -> int | None:
     """Nothing half-written is visible, and the newest committed checkpoint restores."""
     visible = committed_dirs(root)
     for d in visible:
-        assert (d / format.COMMIT_MARKER).exists(), f"{d} visible but uncommitted"
+        assert (d / naming.COMMIT_MARKER).exists(), f"{d} visible but uncommitted"
     newest = max((parse_step(d.name) for d in visible), default=None)
     with fc.CheckpointManager(root, read_only=True) as ro, warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -580,7 +581,7 @@ def check_after_crash(root: Path) -> int | None:
 def check_final(root: Path, reference: Reference) -> None:
     final = fc.restore(root / step_name(STEPS))
     assert_exact(fc.to_python(final), fc.to_python(reference.state))
-    leftovers = [p.name for p in root.iterdir() if format.is_temporary_name(p.name)]
+    leftovers = [p.name for p in root.iterdir() if naming.is_temporary_name(p.name)]
     assert not leftovers, leftovers
 
 
@@ -629,7 +630,7 @@ def test_sigkill_inside_commit_and_prune_resumes_bit_identically(
     assert finish(proc) == -signal.SIGKILL
     names = [p.name for p in tmp_path.iterdir()]
     if point in ("marker", "prune"):
-        assert any(format.is_temporary_name(n) for n in names), names  # crashed mid-protocol
+        assert any(naming.is_temporary_name(n) for n in names), names  # crashed mid-protocol
     check_after_crash(tmp_path)
     assert finish(start(ctx, tmp_path, steps=STEPS)) == 0
     check_final(tmp_path, reference)
@@ -712,7 +713,7 @@ def test_committed_leftovers_of_an_interrupted_overwrite_are_recovered(tmp_path:
     _committed_copy(root, f"{name}.tmp-0123456789ab", small_state(3, value=2.0))
     half = root / f"{step_name(4)}.tmp-0123456789ab"
     half.mkdir()
-    (half / format.MANIFEST).write_bytes(b"half")
+    (half / naming.MANIFEST).write_bytes(b"half")
     with fc.CheckpointManager(root, read_only=True) as ro:  # a follower changes nothing
         assert ro.steps() == [] and half.exists()
     with pytest.warns(UserWarning, match="recovered"):
@@ -722,7 +723,7 @@ def test_committed_leftovers_of_an_interrupted_overwrite_are_recovered(tmp_path:
         restored = mgr.restore_latest()
         assert restored is not None and float(restored["w"][0, 0]) == 2.0
     assert not half.exists()  # never committed: deleted
-    assert (root / f"{name}.trash-0123456789ab" / format.COMMIT_MARKER).exists()  # kept
+    assert (root / f"{name}.trash-0123456789ab" / naming.COMMIT_MARKER).exists()  # kept
 
 
 @pytest.mark.parametrize("cut", [0, 7])
@@ -732,7 +733,7 @@ def test_a_leftover_whose_marker_was_cut_is_not_recovered(tmp_path: Path, cut: i
     root = tmp_path / "root"
     root.mkdir()
     torn = _committed_copy(root, f"{step_name(3)}.tmp-0123456789ab", small_state(3))
-    marker = torn / format.COMMIT_MARKER
+    marker = torn / naming.COMMIT_MARKER
     marker.write_bytes(marker.read_bytes()[:cut])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing is recovered, so nothing is said
@@ -746,12 +747,13 @@ _CRASH_BETWEEN_RENAMES = """
 import os, signal, sys
 import torch
 import functional_ckpt as fc
-from functional_ckpt import format
-format._exchange = lambda a, b: False  # as on a filesystem without RENAME_EXCHANGE
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.storage import commit
+commit._exchange = lambda a, b: False  # as on a filesystem without RENAME_EXCHANGE
 real_rename = os.rename
 def rename(src, dst):
     real_rename(src, dst)
-    if format.TRASH_INFIX in os.fspath(dst):  # the old one moved aside, the new not yet in
+    if naming.TRASH_INFIX in os.fspath(dst):  # the old one moved aside, the new not yet in
         os.kill(os.getpid(), signal.SIGKILL)
 root = sys.argv[1]
 with fc.CheckpointManager(root) as mgr:
@@ -780,12 +782,12 @@ def test_crash_between_the_renames_of_an_overwrite_loses_nothing(tmp_path: Path)
 
 def test_deletion_leaves_no_committed_trash(tmp_path: Path) -> None:
     """A deleted checkpoint loses its marker at once, so a crash cannot bring it back."""
-    from functional_ckpt import root as rootdir
+    from functional_ckpt import root
 
     with fc.CheckpointManager(tmp_path) as mgr:
         mgr.maybe_save(small_state(1), step=1)
-        trash = rootdir.delete(tmp_path, [mgr.path(1)])
-        assert len(trash) == 1 and not (trash[0] / format.COMMIT_MARKER).exists()
+        trash = root.delete(tmp_path, [mgr.path(1)])
+        assert len(trash) == 1 and not (trash[0] / naming.COMMIT_MARKER).exists()
         assert mgr.steps() == []
     with fc.CheckpointManager(tmp_path) as mgr:  # the next writer removes, never recovers it
         assert mgr.steps() == [] and not trash[0].exists()

@@ -11,7 +11,7 @@ import torch
 
 import functional_ckpt as fc
 from functional_ckpt import writer
-from functional_ckpt.manifest import Chunk, TensorEntry
+from functional_ckpt._src.format.manifest import Chunk, TensorEntry
 from functional_ckpt.pipeline import backends, save
 from functional_ckpt.pipeline.topology import Topology, topology
 
@@ -92,19 +92,20 @@ def test_a_single_process_raises_planning_errors_at_once(tmp_path: Path) -> None
 def test_metadata_of_a_repeated_layout_is_reused_only_while_equal(tmp_path: Path) -> None:
     import pickle
 
-    from functional_ckpt import codec, dcpmeta, format
-    from functional_ckpt.manifest import parsed_groups
+    from functional_ckpt._src import codec
+    from functional_ckpt._src.format import dcp_metadata, naming
+    from functional_ckpt._src.format.view import parsed_groups
 
     fc.save(tmp_path / "a", {"w": torch.zeros(3), "b": torch.ones(2, 2)})
     fc.save(tmp_path / "b", {"w": torch.ones(3), "b": torch.zeros(2, 2)})  # same layout
     fc.save(tmp_path / "c", {"w": torch.zeros(4), "b": torch.ones(2, 2)})  # another one
     derived = []
     for name in "abc":
-        raw = (tmp_path / name / format.DCP_METADATA).read_bytes()
-        manifest = codec.decode((tmp_path / name / format.MANIFEST).read_bytes())
+        raw = (tmp_path / name / naming.DCP_METADATA).read_bytes()
+        manifest = codec.decode((tmp_path / name / naming.MANIFEST).read_bytes())
         groups = parsed_groups(manifest, tmp_path / name)
-        assert raw == dcpmeta.derive(groups)
-        assert raw == pickle.dumps(dcpmeta.build(groups), protocol=dcpmeta.PROTOCOL)
+        assert raw == dcp_metadata.derive(groups)
+        assert raw == pickle.dumps(dcp_metadata.build(groups), protocol=dcp_metadata.PROTOCOL)
         derived.append(raw)
     assert derived[0] == derived[1] != derived[2]
     assert pickle.loads(derived[2]).state_dict_metadata["w"].size == torch.Size([4])

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from functional_ckpt import codec
+from functional_ckpt._src import codec
 from functional_ckpt.errors import CheckpointError
 from functional_ckpt.policy import (
     Event,

@@ -24,6 +24,7 @@ from tensordict import TensorDict
 
 import functional_ckpt as fc
 from functional_ckpt import cli
+from functional_ckpt._src import codec
 from functional_ckpt.cli.recording import new_bytes
 from functional_ckpt.errors import CheckpointExists, CorruptCheckpoint, TemplateMismatch
 from functional_ckpt.recording import NotARecording, NotRecorded
@@ -97,7 +98,7 @@ def test_unchanged_leaves_are_shared_not_written_again(tmp_path: Path) -> None:
                 moving += 1  # changes on steps 0, 3, 6, 9 only
             recorder.record({"static": static, "moving": moving, "n": step // 5}, step=step)
     data = (tmp_path / "rec" / segment_name(0)).stat().st_size
-    value = len(fc.codec.encode(0))  # "n" changes once (0 -> 1)
+    value = len(codec.encode(0))  # "n" changes once (0 -> 1)
     assert data == static.nbytes + 4 * moving.nbytes + 2 * value
     with fc.Replay(tmp_path / "rec") as replay:
         added, _ = new_bytes(replay.committed)
@@ -343,8 +344,8 @@ def test_a_forged_index_pointing_past_the_data_is_corrupt(tmp_path: Path) -> Non
     a location whose offset wraps around 2**64 is refused as damage."""
     import numpy as np
 
-    from functional_ckpt import codec
-    from functional_ckpt.checksum import crc32
+    from functional_ckpt._src import codec
+    from functional_ckpt._src.format.checksum import crc32
     from functional_ckpt.recording.layout import FRAME, LOC, MARKER
 
     rec = tmp_path / "rec"

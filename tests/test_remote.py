@@ -23,7 +23,8 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import cli, format
+from functional_ckpt import cli
+from functional_ckpt._src.storage import checkpoint
 from functional_ckpt.errors import (
     CorruptCheckpoint,
     RemoteAccessDenied,
@@ -165,7 +166,9 @@ def test_a_damaged_local_checkpoint_falls_back_to_its_remote_copy(tmp_path: Path
         for step in (1, 2):
             mgr.maybe_save(_state(step), step=step)
     ck = root / "step_000000002"
-    (chunk,) = next(e for e in format.read_manifest(ck)["entries"] if e["path"] == ["w"])["chunks"]
+    (chunk,) = next(e for e in checkpoint.read_manifest(ck)["entries"] if e["path"] == ["w"])[
+        "chunks"
+    ]
     shard = ck / chunk["file"]
     data = bytearray(shard.read_bytes())
     data[chunk["data_offset"]] ^= 0xFF  # a byte of the tensor the restore reads

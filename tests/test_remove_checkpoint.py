@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import format, root
+from functional_ckpt import root
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.storage import commit
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
 
@@ -44,13 +46,13 @@ def test_a_crash_mid_removal_leaves_no_readable_half(
     def crash(path: Path) -> None:
         raise KeyboardInterrupt  # the process dies before the files are gone
 
-    monkeypatch.setattr(format, "remove_tree", crash)
+    monkeypatch.setattr(commit, "remove_tree", crash)
     with pytest.raises(KeyboardInterrupt):
         root.remove_checkpoint(tmp_path / "step_000000007")
     monkeypatch.undo()
     (left,) = os.listdir(tmp_path)
-    assert left.startswith("step_000000007" + format.TRASH_INFIX)
-    assert not (tmp_path / left / format.COMMIT_MARKER).exists()
+    assert left.startswith("step_000000007" + naming.TRASH_INFIX)
+    assert not (tmp_path / left / naming.COMMIT_MARKER).exists()
     # The next writer of the root finishes the deletion instead of recovering it.
     root.recover_leftovers(tmp_path)
     assert os.listdir(tmp_path) == []

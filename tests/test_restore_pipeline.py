@@ -12,7 +12,7 @@ import torch
 from tensordict import TensorDict
 
 import functional_ckpt as fc
-from functional_ckpt import manifest
+from functional_ckpt._src.format import manifest, view
 from functional_ckpt.pipeline import restore as restore_pipeline
 from functional_ckpt.pipeline.topology import Topology
 
@@ -30,7 +30,7 @@ def saved_state() -> dict[str, Any]:
 def validations(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
     """How often each tensor entry, and the file table, were validated."""
     seen: Counter[str] = Counter()
-    tensor_entry, files = manifest._tensor_entry, manifest._files
+    tensor_entry, files = view._tensor_entry, view._files
 
     def count_entry(path: Any, e: Any, out: Any, where: str) -> Any:
         seen[".".join(path)] += 1
@@ -40,8 +40,8 @@ def validations(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
         seen["<file table>"] += 1
         return files(*args)
 
-    monkeypatch.setattr(manifest, "_tensor_entry", count_entry)
-    monkeypatch.setattr(manifest, "_files", count_files)
+    monkeypatch.setattr(view, "_tensor_entry", count_entry)
+    monkeypatch.setattr(view, "_files", count_files)
     yield seen
 
 
@@ -94,7 +94,7 @@ def test_planned_entries_travel_through_the_one_parser() -> None:
     )
     state["rng", "tied"] = state["rng", "a"]
     local = plan_save(state, rank=1).local
-    back = manifest.parse_planned([e.to_plain() for e in local], "rank 1's entries")
+    back = view.parse_planned([e.to_plain() for e in local], "rank 1's entries")
     assert [e.to_plain() for e in back] == [e.to_plain() for e in local]
     tied = {e.path: e for e in back}[("rng", "tied")]
     assert isinstance(tied, manifest.TensorEntry) and tied.alias == ("rng", "a")
@@ -103,4 +103,4 @@ def test_planned_entries_travel_through_the_one_parser() -> None:
     plain = [e.to_plain() for e in local]
     plain[1]["chunks"] = [{"offsets": [0, 0], "sizes": [2, 3]}]
     with pytest.raises(CorruptCheckpoint, match="rank 1's entries entry 1: a planned tensor"):
-        manifest.parse_planned(plain, "rank 1's entries")
+        view.parse_planned(plain, "rank 1's entries")

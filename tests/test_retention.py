@@ -290,7 +290,7 @@ def test_keep_last_keeps_highest_steps(n: int, checkpoints: list[CheckpointRecor
 def test_spec_rebuilds_the_same_policy(
     policy: RetentionPolicy, checkpoints: list[CheckpointRecord]
 ) -> None:
-    from functional_ckpt import codec
+    from functional_ckpt._src import codec
 
     spec = codec.decode(codec.encode(policy.spec))  # as stored in a manifest
     assert spec == policy.spec

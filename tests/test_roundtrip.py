@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 import functional_ckpt as fc
-from functional_ckpt.tree import NODE_KEY
+from functional_ckpt._src.format.keys import NODE_KEY
 from tests.exact import assert_exact, python_values
 from tests.test_core import CPU_DTYPES, random_tensor
 

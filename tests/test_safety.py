@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import codec, format
+from functional_ckpt._src import codec
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.storage import commit
 
 MARKER_FILE = Path("/tmp/functional_ckpt_pwned")
 
@@ -31,12 +33,12 @@ def make(tmp_path: Path, name: str = "ck") -> Path:
 
 def rewrite_manifest(path: Path, edit: Any) -> None:
     """Tamper with a manifest the way an attacker would: re-sign the commit marker."""
-    manifest = codec.decode((path / format.MANIFEST).read_bytes())
+    manifest = codec.decode((path / naming.MANIFEST).read_bytes())
     edit(manifest)
     raw = codec.encode(manifest)
-    (path / format.MANIFEST).write_bytes(raw)
-    os.unlink(path / format.COMMIT_MARKER)
-    format.write_commit_marker(path, raw)
+    (path / naming.MANIFEST).write_bytes(raw)
+    os.unlink(path / naming.COMMIT_MARKER)
+    commit.write_commit_marker(path, raw)
 
 
 @pytest.fixture(autouse=True)
@@ -125,25 +127,25 @@ def test_declared_bytes_disagree_with_shape(tmp_path: Path) -> None:
 def test_deeply_nested_manifest_value(tmp_path: Path) -> None:
     path = make(tmp_path)
     raw = b"\x91" * 100_000 + b"\xc0"  # 100k nested one-element arrays
-    (path / format.MANIFEST).write_bytes(raw)
-    os.unlink(path / format.COMMIT_MARKER)
-    format.write_commit_marker(path, raw)
+    (path / naming.MANIFEST).write_bytes(raw)
+    os.unlink(path / naming.COMMIT_MARKER)
+    commit.write_commit_marker(path, raw)
     with pytest.raises((fc.errors.UnsafeCheckpoint, fc.errors.CorruptCheckpoint)):
         fc.restore(path)
 
 
 def test_bit_flip_in_manifest_is_detected(tmp_path: Path) -> None:
     path = make(tmp_path)
-    raw = bytearray((path / format.MANIFEST).read_bytes())
+    raw = bytearray((path / naming.MANIFEST).read_bytes())
     raw[len(raw) // 2] ^= 0x10
-    (path / format.MANIFEST).write_bytes(bytes(raw))
+    (path / naming.MANIFEST).write_bytes(bytes(raw))
     with pytest.raises(fc.errors.CorruptCheckpoint, match="manifest"):
         fc.restore(path)
 
 
 def test_bit_flip_in_tensor_data_names_the_key(tmp_path: Path) -> None:
     path = make(tmp_path)
-    manifest = codec.decode((path / format.MANIFEST).read_bytes())
+    manifest = codec.decode((path / naming.MANIFEST).read_bytes())
     entry = next(e for e in manifest["entries"] if e["path"] == ["w"])
     offset = entry["chunks"][0]["data_offset"] + 5
     with open(path / "__0_0.distcp", "r+b") as f:
@@ -196,7 +198,7 @@ def test_shard_swapped_from_another_checkpoint(tmp_path: Path) -> None:
 
 def test_newer_format_version(tmp_path: Path) -> None:
     path = make(tmp_path)
-    rewrite_manifest(path, lambda m: m.update(version=format.FORMAT_VERSION + 1))
+    rewrite_manifest(path, lambda m: m.update(version=naming.FORMAT_VERSION + 1))
     with pytest.raises(fc.errors.CorruptCheckpoint, match="newer"):
         fc.restore(path)
 
@@ -205,7 +207,7 @@ def test_missing_and_uncommitted(tmp_path: Path) -> None:
     with pytest.raises(fc.errors.CheckpointNotFound, match="does not exist"):
         fc.restore(tmp_path / "nope")
     path = make(tmp_path)
-    os.unlink(path / format.COMMIT_MARKER)
+    os.unlink(path / naming.COMMIT_MARKER)
     with pytest.raises(fc.errors.IncompleteCheckpoint, match="never committed"):
         fc.restore(path)
     with pytest.raises(fc.errors.IncompleteCheckpoint):

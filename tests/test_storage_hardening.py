@@ -25,7 +25,9 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 import functional_ckpt as fc
-from functional_ckpt import codec, dcpmeta, format
+from functional_ckpt._src import codec
+from functional_ckpt._src.format import dcp_metadata, naming, unpickler
+from functional_ckpt._src.storage import commit
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -48,21 +50,21 @@ def check_state(state: Any, v: float) -> None:
 
 def resign(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     """Edit the manifest and re-sign it, as an attacker owning the files would."""
-    manifest = codec.decode((path / format.MANIFEST).read_bytes())
+    manifest = codec.decode((path / naming.MANIFEST).read_bytes())
     assert isinstance(manifest, dict)
     edit(manifest)
     raw = codec.encode(manifest)
-    (path / format.MANIFEST).write_bytes(raw)
-    os.unlink(path / format.COMMIT_MARKER)
-    format.write_commit_marker(path, raw)
+    (path / naming.MANIFEST).write_bytes(raw)
+    os.unlink(path / naming.COMMIT_MARKER)
+    commit.write_commit_marker(path, raw)
 
 
 def install_metadata(path: Path, raw: bytes) -> None:
     """Replace ``.metadata`` and record its size and CRC in a re-signed manifest."""
-    (path / format.DCP_METADATA).write_bytes(raw)
+    (path / naming.DCP_METADATA).write_bytes(raw)
 
     def edit(m: dict[str, Any]) -> None:
-        m["files"][format.DCP_METADATA] = {"size": len(raw), "crc32": zlib.crc32(raw)}
+        m["files"][naming.DCP_METADATA] = {"size": len(raw), "crc32": zlib.crc32(raw)}
 
     resign(path, edit)
 
@@ -113,14 +115,14 @@ class FsyncSpy:
 
 def check_durable_commit(spy: FsyncSpy, dest: Path, created: list[Path]) -> None:
     """Every file fsynced at its final size before the marker, dir before rename, parent after."""
-    marker_created = spy.index("create", lambda n, _: n.endswith("/" + format.COMMIT_MARKER))
+    marker_created = spy.index("create", lambda n, _: n.endswith("/" + naming.COMMIT_MARKER))
     tmp = Path(spy.events[marker_created][1]).parent
     for f in dest.iterdir():
         size = f.stat().st_size
         at = spy.index("fsync", lambda n, s, f=f, size=size: n == str(tmp / f.name) and s == size)
-        if f.name != format.COMMIT_MARKER:
+        if f.name != naming.COMMIT_MARKER:
             assert at < marker_created, f"{f.name} fsynced only after the marker was written"
-    marker_synced = spy.index("fsync", lambda n, _: n == str(tmp / format.COMMIT_MARKER))
+    marker_synced = spy.index("fsync", lambda n, _: n == str(tmp / naming.COMMIT_MARKER))
     dir_synced = spy.index("fsync", lambda n, s: n == str(tmp) and s == -1)
     renamed = spy.index("renamed", lambda n, _: n == str(dest.absolute()))
     parent_synced = max(
@@ -158,7 +160,7 @@ def test_every_file_and_new_ancestor_is_fsynced_in_order(
         else:
             fc.save_async(dest, make_state(1.0)).result()
         created = [a, a / "b"]
-    assert (dest / format.DCP_METADATA).stat().st_size > 0
+    assert (dest / naming.DCP_METADATA).stat().st_size > 0
     check_durable_commit(spy, dest, created)
 
 
@@ -167,7 +169,7 @@ def test_overwrite_is_durable_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     fc.save(dest, make_state(1.0))
     spy = FsyncSpy(monkeypatch)
     fc.save(dest, make_state(2.0), overwrite=True)
-    marker = spy.index("create", lambda n, _: n.endswith("/" + format.COMMIT_MARKER))
+    marker = spy.index("create", lambda n, _: n.endswith("/" + naming.COMMIT_MARKER))
     tmp = Path(spy.events[marker][1]).parent
     for f in dest.iterdir():
         size = f.stat().st_size
@@ -181,11 +183,11 @@ def test_overwrite_is_durable_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 def test_metadata_is_derived_from_the_manifest(tmp_path: Path) -> None:
     fc.save(tmp_path / "a", make_state(1.0))
     fc.save(tmp_path / "b", make_state(2.0))
-    raw = (tmp_path / "a" / format.DCP_METADATA).read_bytes()
-    manifest = codec.decode((tmp_path / "a" / format.MANIFEST).read_bytes())
+    raw = (tmp_path / "a" / naming.DCP_METADATA).read_bytes()
+    manifest = codec.decode((tmp_path / "a" / naming.MANIFEST).read_bytes())
     assert isinstance(manifest, dict)
-    assert raw == dcpmeta.derive_from_manifest(manifest)
-    assert raw == (tmp_path / "b" / format.DCP_METADATA).read_bytes()  # same layout, same bytes
+    assert raw == dcp_metadata.derive_from_manifest(manifest)
+    assert raw == (tmp_path / "b" / naming.DCP_METADATA).read_bytes()  # same layout, same bytes
     md = pickle.loads(raw)  # what stock DCP does with it
     assert isinstance(md, Metadata) and set(md.state_dict_metadata) == {
         "model.w",
@@ -220,7 +222,7 @@ def test_verify_catches_metadata_sending_dcp_elsewhere(tmp_path: Path) -> None:
     fc.save(path, make_state(1.0))
     elsewhere = tmp_path / "elsewhere.distcp"
     elsewhere.write_bytes((path / "__0_0.distcp").read_bytes())
-    md = pickle.loads((path / format.DCP_METADATA).read_bytes())
+    md = pickle.loads((path / naming.DCP_METADATA).read_bytes())
     for info in md.storage_data.values():
         info.relative_path = str(elsewhere)
     install_metadata(path, pickle.dumps(md, protocol=4))
@@ -228,7 +230,7 @@ def test_verify_catches_metadata_sending_dcp_elsewhere(tmp_path: Path) -> None:
     report = fc.verify(path)
     assert not report.ok
     assert any(
-        p.where == format.DCP_METADATA and str(elsewhere) in p.detail for p in report.problems
+        p.where == naming.DCP_METADATA and str(elsewhere) in p.detail for p in report.problems
     )
 
 
@@ -236,9 +238,9 @@ def test_verify_accepts_honestly_different_metadata_bytes(tmp_path: Path) -> Non
     """Another torch may pickle the same metadata differently: compared field by field."""
     path = tmp_path / "ck"
     fc.save(path, make_state(1.0))
-    md = pickle.loads((path / format.DCP_METADATA).read_bytes())
+    md = pickle.loads((path / naming.DCP_METADATA).read_bytes())
     raw = pickle.dumps(md, protocol=2)
-    assert raw != (path / format.DCP_METADATA).read_bytes()
+    assert raw != (path / naming.DCP_METADATA).read_bytes()
     install_metadata(path, raw)
     assert fc.verify(path).ok
 
@@ -250,7 +252,7 @@ def test_verify_accepts_honestly_different_metadata_bytes(tmp_path: Path) -> Non
 def test_verify_reports_each_field_disagreement(tmp_path: Path, edit: str) -> None:
     path = tmp_path / "ck"
     fc.save(path, make_state(1.0))
-    md = pickle.loads((path / format.DCP_METADATA).read_bytes())
+    md = pickle.loads((path / naming.DCP_METADATA).read_bytes())
     smd = md.state_dict_metadata["model.w"]
     if edit == "dtype":
         smd.properties.dtype = torch.float64
@@ -266,7 +268,7 @@ def test_verify_reports_each_field_disagreement(tmp_path: Path, edit: str) -> No
         md.state_dict_metadata["extra"] = smd
     install_metadata(path, pickle.dumps(md, protocol=2))
     report = fc.verify(path)
-    assert not report.ok and any(p.where == format.DCP_METADATA for p in report.problems)
+    assert not report.ok and any(p.where == naming.DCP_METADATA for p in report.problems)
 
 
 # --------------------------------------------------------------------------- hardened unpickler
@@ -276,7 +278,7 @@ def _snapshot() -> dict[str, Any]:
     """Every attribute of every allow-listed class, function and the classes they use."""
     out: dict[str, Any] = {}
     seen: set[int] = set()
-    for key, obj in dcpmeta.ALLOWED.items():
+    for key, obj in unpickler.ALLOWED.items():
         for o in (obj, type(obj)):
             if id(o) in seen:
                 continue
@@ -290,14 +292,14 @@ def _snapshot() -> dict[str, Any]:
     import torch.serialization as ser
 
     out["layout-cache"] = dict(getattr(ser._get_layout, "cache", {}))
-    for member in dcpmeta._MEM_FORMAT_ENCODING:
+    for member in unpickler._MEM_FORMAT_ENCODING:
         out[f"enum:{member.name}"] = dict(vars(member))
     return out
 
 
 def _genuine(tmp_path: Path) -> bytes:
     fc.save(tmp_path / "genuine", make_state(1.0))
-    md = pickle.loads((tmp_path / "genuine" / format.DCP_METADATA).read_bytes())
+    md = pickle.loads((tmp_path / "genuine" / naming.DCP_METADATA).read_bytes())
     return pickle.dumps(md, protocol=2)[2:]  # without PROTO: spliced after an attack
 
 
@@ -351,10 +353,10 @@ def test_unpickler_attack_changes_nothing(tmp_path: Path, name: str) -> None:
     raw = b"\x80\x02" + ATTACKS[name] + _genuine(tmp_path)
     before = _snapshot()
     with pytest.raises(fc.errors.UnsafeCheckpoint):
-        dcpmeta.load_foreign(raw, tmp_path / ".metadata")
+        unpickler.load_foreign(raw, tmp_path / ".metadata")
     stock = tmp_path / "stock"
     stock.mkdir()
-    (stock / format.DCP_METADATA).write_bytes(raw)
+    (stock / naming.DCP_METADATA).write_bytes(raw)
     with pytest.raises(fc.errors.UnsafeCheckpoint):
         fc.restore(stock, {"model": {"w": torch.zeros(64, 8)}}, partial=True)
     with pytest.raises(fc.errors.UnsafeCheckpoint):
@@ -378,7 +380,7 @@ def test_extension_codes_are_refused_even_when_cached() -> None:
     try:
         assert pickle.loads(b"\x80\x02\x82\xf0.") is print  # now in the cache
         with pytest.raises(fc.errors.UnsafeCheckpoint, match="extension"):
-            dcpmeta.RestrictedUnpickler(b"\x80\x02\x82\xf0.").load()
+            unpickler.RestrictedUnpickler(b"\x80\x02\x82\xf0.").load()
     finally:
         copyreg.remove_extension("builtins", "print", code)
         copyreg.clear_extension_cache()
@@ -393,11 +395,11 @@ def test_attack_would_work_without_the_vetting(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
         import io, pathlib, pickle
-        from functional_ckpt import dcpmeta
+        from functional_ckpt._src.format import unpickler
 
         class GlobalsOnly(pickle.Unpickler):
             def find_class(self, module, name):
-                return dcpmeta.ALLOWED[(module, name)]
+                return unpickler.ALLOWED[(module, name)]
 
         md = GlobalsOnly(io.BytesIO({raw!r})).load()
         print(type(md).__name__, pathlib.PosixPath.__truediv__ is not pathlib.PurePath.__truediv__)
@@ -465,11 +467,11 @@ _PROBE = textwrap.dedent(
 @pytest.mark.parametrize(
     ("name", "kind"),
     [
-        (format.DCP_METADATA, "fifo"),
-        (format.DCP_METADATA, "dir"),
+        (naming.DCP_METADATA, "fifo"),
+        (naming.DCP_METADATA, "dir"),
         ("__0_0.distcp", "fifo"),
-        (format.MANIFEST, "fifo"),
-        (format.COMMIT_MARKER, "fifo"),
+        (naming.MANIFEST, "fifo"),
+        (naming.COMMIT_MARKER, "fifo"),
         ("__0_0.distcp", "link"),
     ],
 )
@@ -512,7 +514,7 @@ def test_special_file_never_hangs(tmp_path: Path, name: str, kind: str) -> None:
 def test_stock_dcp_with_a_fifo_never_hangs(tmp_path: Path) -> None:
     d = tmp_path / "d"
     d.mkdir()
-    os.mkfifo(d / format.DCP_METADATA)
+    os.mkfifo(d / naming.DCP_METADATA)
     code = (
         "import sys, functional_ckpt as fc, torch\n"
         "for fn in (lambda: fc.inspect(sys.argv[1]), "
@@ -629,7 +631,7 @@ def test_save_overwrite_replaces_checkpoints(tmp_path: Path, kind: str) -> None:
     else:
         fc.save(dest, make_state(1.0))
         if kind == "uncommitted":
-            os.unlink(dest / format.COMMIT_MARKER)
+            os.unlink(dest / naming.COMMIT_MARKER)
     fc.save(dest, make_state(5.0), overwrite=True)
     check_state(fc.restore(dest), 5.0)
 
@@ -671,7 +673,7 @@ def test_cli_export_overwrite_keeps_a_source_tree(tmp_path: Path) -> None:
 
 @pytest.fixture
 def no_exchange(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(format, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(commit, "_exchange", lambda a, b: False)
     yield
 
 
@@ -681,17 +683,17 @@ def test_overwrite_scope_checked_again_at_commit(
     """A directory that became a non-checkpoint during the save is still left intact."""
     dest = tmp_path / "ck"
     fc.save(dest, make_state(1.0))
-    real = format.commit
+    real = commit.commit_checkpoint
 
-    def commit(tmp: Path, final: Path, **kw: Any) -> None:
+    def late(tmp: Path, final: Path, **kw: Any) -> None:
         (final / "notes.txt").write_text("arrived meanwhile")
         real(tmp, final, **kw)
 
-    monkeypatch.setattr(format, "commit", commit)
+    monkeypatch.setattr(commit, "commit_checkpoint", late)
     with pytest.raises(fc.errors.CheckpointExists):
         fc.save(dest, make_state(2.0), overwrite=True)
     assert (dest / "notes.txt").exists()
-    assert not [p for p in tmp_path.iterdir() if format.is_temporary_name(p.name)]
+    assert not [p for p in tmp_path.iterdir() if naming.is_temporary_name(p.name)]
 
 
 @pytest.mark.parametrize("block", [1 << 10, 4 << 20])
@@ -699,7 +701,7 @@ def test_crc_range_checksums_exactly_the_bytes_of_the_range(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: int
 ) -> None:
     """``fc.verify`` stands on it: the same CRC as zlib over the same bytes, short at EOF."""
-    from functional_ckpt import shards
+    from functional_ckpt._src.storage import shards
 
     monkeypatch.setattr(shards, "CRC_BLOCK", block)
     data = os.urandom(3 * 4096 + 17)

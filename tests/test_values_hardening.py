@@ -23,39 +23,42 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import codec, format, limits, manifest, staging, tree, writer
-from functional_ckpt.checksum import crc32
+from functional_ckpt import staging, writer
+from functional_ckpt._src import codec
+from functional_ckpt._src.format import coverage, keys, limits, naming, view
+from functional_ckpt._src.format.checksum import crc32
+from functional_ckpt._src.format.limits import LIMITS
+from functional_ckpt._src.storage import checkpoint
 from functional_ckpt.errors import (
     CorruptCheckpoint,
     ModifiedDuringSave,
     UnsafeCheckpoint,
     UnsupportedValue,
 )
-from functional_ckpt.limits import LIMITS
 
 P = 2**61 - 1  # hash(k * P) == hash(0) for every int k
 
 
 def entries_of(path: Path) -> dict[tuple[str, ...], dict[str, Any]]:
-    raw = codec.decode((path / format.MANIFEST).read_bytes())
+    raw = codec.decode((path / naming.MANIFEST).read_bytes())
     assert isinstance(raw, dict)
     return {tuple(e["path"]): e for e in raw["entries"]}
 
 
 def rewrite_manifest(path: Path, edit: Any) -> None:
     """Apply ``edit`` to the decoded manifest and re-sign it in the commit marker."""
-    raw = codec.decode((path / format.MANIFEST).read_bytes())
+    raw = codec.decode((path / naming.MANIFEST).read_bytes())
     edit(raw)
     write_signed(path, codec.encode(raw))
 
 
 def write_signed(path: Path, data: bytes) -> None:
     """Replace the manifest with ``data`` and re-sign it, as anyone with write access can."""
-    (path / format.MANIFEST).write_bytes(data)
-    marker = codec.decode((path / format.COMMIT_MARKER).read_bytes())
+    (path / naming.MANIFEST).write_bytes(data)
+    marker = codec.decode((path / naming.COMMIT_MARKER).read_bytes())
     assert isinstance(marker, dict)
     marker.update(manifest_size=len(data), manifest_crc32=crc32(data))
-    (path / format.COMMIT_MARKER).write_bytes(codec.encode(marker))
+    (path / naming.COMMIT_MARKER).write_bytes(codec.encode(marker))
 
 
 def nothing_written(parent: Path) -> bool:
@@ -169,10 +172,10 @@ def deep(depth: int, leaf: Any) -> dict[str, Any]:
 
 
 def test_one_table_of_limits() -> None:
-    assert format.MAX_MANIFEST_BYTES == LIMITS.manifest_bytes <= 1 << 28
+    assert checkpoint.MAX_MANIFEST_BYTES == LIMITS.manifest_bytes <= 1 << 28
     assert codec.MAX_ENCODE_DEPTH == LIMITS.encode_depth < LIMITS.decode_depth
     for private in ("MAX_TREE_DEPTH", "MAX_DIM"):
-        assert not hasattr(manifest, private)
+        assert not hasattr(view, private)
     assert dataclasses.is_dataclass(limits.Limits)
     with pytest.raises(dataclasses.FrozenInstanceError):
         LIMITS.key_depth = 1  # type: ignore[misc]
@@ -291,7 +294,7 @@ def test_a_flooded_manifest_is_refused_by_restore_and_verify(tmp_path: Path) -> 
     rewrite_manifest(tmp_path / "c", mark)
     # encode() refuses a flood (and building one is quadratic): write its bytes directly
     flood = ext_array(codec.EXT_SET, [packed_int(k) for k in FLOOD])
-    data = (tmp_path / "c" / format.MANIFEST).read_bytes()
+    data = (tmp_path / "c" / naming.MANIFEST).read_bytes()
     write_signed(tmp_path / "c", data.replace(msgpack.packb(placeholder), flood))
     with pytest.raises(UnsafeCheckpoint, match="hash flood"):
         fc.restore(tmp_path / "c")
@@ -305,7 +308,7 @@ def test_int_keyed_nodes_refuse_a_flood_at_save_and_at_load(tmp_path: Path) -> N
 
     def flood(raw: dict[str, Any]) -> None:
         for e in raw["entries"]:
-            if e["path"][-1] == tree.NODE_KEY:
+            if e["path"][-1] == keys.NODE_KEY:
                 e["value"]["keys"] = FLOOD[:100]
 
     rewrite_manifest(tmp_path / "c", flood)
@@ -343,7 +346,7 @@ def test_the_container_budget_matches_between_encode_and_decode() -> None:
 
 def parse_chunks(tmp_path: Path, shape: list[int], boxes: list[tuple[list[int], list[int]]]) -> Any:
     """Parse a manifest whose one float32 tensor is stored as ``boxes`` (offsets, sizes)."""
-    size = 4 * max(1, max(manifest.numel(s) for _, s in boxes))
+    size = 4 * max(1, max(coverage.numel(s) for _, s in boxes))
     (tmp_path / "f").write_bytes(b"\0" * size)
     chunks = [
         {
@@ -353,7 +356,7 @@ def parse_chunks(tmp_path: Path, shape: list[int], boxes: list[tuple[list[int], 
             "offset": 0,
             "length": size,
             "data_offset": 0,
-            "nbytes": 4 * manifest.numel(s),
+            "nbytes": 4 * coverage.numel(s),
             "crc32": 0,
             "hcrc32": 0,
         }
@@ -372,7 +375,7 @@ def parse_chunks(tmp_path: Path, shape: list[int], boxes: list[tuple[list[int], 
             }
         ],
     }
-    return manifest.parse(raw, tmp_path)
+    return view.parse(raw, tmp_path)
 
 
 def test_real_layouts_cover_their_tensor(tmp_path: Path) -> None:
@@ -406,8 +409,8 @@ def test_coverage_of_a_pathological_grid_is_bounded() -> None:
     boxes = [b for i in range(1, n) for b in (([i, 0], [1, i]), ([i, i], [1, n - i]))]
     boxes.append(([0, 0], [1, n]))
     with pytest.raises(UnsafeCheckpoint, match="pieces"):
-        manifest.check_coverage([n, n], boxes, "chunks of 'w'")
-    manifest.check_coverage([n, n], [([i, 0], [1, n]) for i in range(n)], "chunks of 'w'")
+        coverage.check_coverage([n, n], boxes, "chunks of 'w'")
+    coverage.check_coverage([n, n], [([i, 0], [1, n]) for i in range(n)], "chunks of 'w'")
 
 
 def test_65_overlapping_chunks_in_a_real_checkpoint(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from functional_ckpt import format as fmt
+from functional_ckpt._src.format import naming
 from functional_ckpt.cli.ui import PROG, UI
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 from functional_ckpt.root import Entry, scan
@@ -64,7 +64,8 @@ def time_text(t: float | None) -> str:
 def is_checkpoint_dir(path: Path) -> bool:
     """Looks like one checkpoint (ours, committed or not, or a stock DCP one)."""
     return path.is_dir() and any(
-        (path / name).exists() for name in (fmt.COMMIT_MARKER, fmt.MANIFEST, fmt.DCP_METADATA)
+        (path / name).exists()
+        for name in (naming.COMMIT_MARKER, naming.MANIFEST, naming.DCP_METADATA)
     )
 
 
@@ -72,9 +73,9 @@ def is_stock_dcp(path: Path) -> bool:
     """A checkpoint written by stock ``torch.distributed.checkpoint`` (no manifest)."""
     return (
         path.is_dir()
-        and (path / fmt.DCP_METADATA).exists()
-        and not (path / fmt.MANIFEST).exists()
-        and not (path / fmt.COMMIT_MARKER).exists()
+        and (path / naming.DCP_METADATA).exists()
+        and not (path / naming.MANIFEST).exists()
+        and not (path / naming.COMMIT_MARKER).exists()
     )
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import functional_ckpt as fc
-from functional_ckpt import format as fmt
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.storage.usage import dir_size, disk_bytes, shared_bytes
 from functional_ckpt.cli import tiers
 from functional_ckpt.cli.common import (
     Declined,
@@ -25,11 +26,10 @@ from functional_ckpt.cli.common import (
 from functional_ckpt.cli.recording import ls_recording
 from functional_ckpt.cli.ui import PROG, UI, human
 from functional_ckpt.exporting import ExportInfo, export_infos
-from functional_ckpt.pipeline.incremental import disk_bytes, shared_bytes
 from functional_ckpt.recording import is_recording
 from functional_ckpt.retention import RetentionError, retention_from_spec, union_parts
 from functional_ckpt.rollback import BRANCHES_DIR, branches
-from functional_ckpt.root import MANAGER_KEY, Entry, dir_size, kept_by
+from functional_ckpt.root import MANAGER_KEY, Entry, kept_by
 
 __all__ = ["cmd_ls", "cmd_prune", "cmd_verify", "retention_parts", "verify_one"]
 
@@ -279,7 +279,7 @@ def verify_one(path: Path) -> tuple[bool, list[str], str]:
     except (fc.errors.CorruptCheckpoint, fc.errors.UnsafeCheckpoint) as err:
         return False, [f"{path}: {one_line(err)}"], ""
     except fc.errors.IncompleteCheckpoint as err:
-        if fmt.is_temporary_name(path.name):
+        if naming.is_temporary_name(path.name):
             raise
         return False, [f"{path}: {one_line(err)}"], ""
     lines = [f"{path / p.where if _is_file(path, p.where) else path}: {p}" for p in report.problems]

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from functional_ckpt._src.format.manifest import NodeEntry, TensorEntry
 from functional_ckpt.cli.common import time_text
 from functional_ckpt.cli.ui import UI, human
-from functional_ckpt.manifest import NodeEntry, TensorEntry
 from functional_ckpt.recording import Replay
 from functional_ckpt.recording.layout import Committed
 

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 
 import functional_ckpt as fc
+from functional_ckpt._src.format.keys import NODE_KEY, KeyPath
+from functional_ckpt._src.storage.usage import dir_size
 from functional_ckpt.cli import tiers
 from functional_ckpt.cli.common import (
     UsageError,
@@ -26,9 +28,8 @@ from functional_ckpt.cli.recording import inspect_recording
 from functional_ckpt.cli.ui import PROG, UI, human
 from functional_ckpt.diff import diff_checkpoints
 from functional_ckpt.recording import is_recording
-from functional_ckpt.root import classify, dir_size
+from functional_ckpt.root import classify
 from functional_ckpt.summary import Node, short_repr
-from functional_ckpt.tree import NODE_KEY, KeyPath
 
 __all__ = ["cmd_diff", "cmd_export", "cmd_inspect", "jsonable", "parse_dtype"]
 

@@ -38,18 +38,26 @@ from typing import Any
 import numpy as np
 import torch
 
-from functional_ckpt import dcpbytes, format, shards, writer
-from functional_ckpt._types import PathLike
-from functional_ckpt.checksum import crc32
-from functional_ckpt.dcpbytes import ByteEntry
+from functional_ckpt import writer
+from functional_ckpt._src.format import dcp_values as dcpbytes
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.blobs import byte_view
+from functional_ckpt._src.format.checksum import crc32
+from functional_ckpt._src.format.dcp_values import ByteEntry
+from functional_ckpt._src.format.manifest import Chunk
+from functional_ckpt._src.format.naming import shard_name
+from functional_ckpt._src.format.view import parse_checkpoint
+from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.storage import checkpoint, opener, shards
 from functional_ckpt.errors import CheckpointError
-from functional_ckpt.manifest import Chunk, parse_checkpoint
-from functional_ckpt.writer import CheckpointInfo, Plan, shard_name
+from functional_ckpt.writer import CheckpointInfo, Plan
 
 #: A chunk's identity across saves: the tensor's DCP key and the box's offsets.
 Key = tuple[str, tuple[int, ...]]
+
 #: Where a source tensor's bytes live and its version counter, when it was saved.
 Ident = tuple[int, int]
+
 #: One data file as this process left it: device, inode, size, modification time.
 FileIdent = tuple[int, int, int, int]
 
@@ -98,7 +106,7 @@ class Base:
     """A committed base held open through its directory: its chunks, file sizes and
     the bytes of each file that are not the base's own values for stock readers."""
 
-    ck: format.Checkpoint
+    ck: checkpoint.Checkpoint
     chunks: dict[Key, BaseChunk]
     sizes: dict[str, int]
     tensor_bytes: dict[str, int]
@@ -114,8 +122,8 @@ class Base:
         """The base's data file ``name``, opened safely once and checked for its size."""
         fd = self.fds.get(name)
         if fd is None:
-            where = format.safe_member(self.path, name)
-            fd = self.fds[name] = format.open_member(
+            where = naming.safe_member(self.path, name)
+            fd = self.fds[name] = opener.open_member(
                 self.ck.dir_fd, name, where, size=self.sizes[name]
             )
         return fd
@@ -136,7 +144,7 @@ def open_base(inc: Incremental | None) -> Base | None:
         return None
     path = inc.base
     try:
-        ck = format.open_checkpoint(path, members=False)
+        ck = checkpoint.open_checkpoint(path, members=False)
     except CheckpointError as err:
         if not inc.required:
             return None
@@ -172,9 +180,6 @@ def open_base(inc: Incremental | None) -> Base | None:
         raise
 
 
-# --------------------------------------------------------------------------- versions
-
-
 @dataclass(frozen=True)
 class _Memory:
     """What this process knows of a checkpoint it committed: the version counters
@@ -185,7 +190,9 @@ class _Memory:
 
 
 _SEEN: OrderedDict[tuple[int, ...], _Memory] = OrderedDict()
+
 _SEEN_LOCK = threading.Lock()
+
 #: Checkpoints whose version counters a process remembers.
 _SEEN_MAX = 8
 
@@ -204,7 +211,7 @@ def _identity(dir_fd: int, path: Path) -> tuple[int, ...]:
     and size (an inode alone may be reused once a checkpoint is deleted)."""
     held = os.fstat(dir_fd)
     try:
-        marker = format.read_marker(dir_fd, path)
+        marker = checkpoint.read_marker(dir_fd, path)
         crc, size = int(marker["manifest_crc32"]), int(marker["manifest_size"])
     except (CheckpointError, OSError, KeyError, TypeError, ValueError):
         crc = size = -1
@@ -225,7 +232,7 @@ def remember(dest: Path, seen: dict[Key, Ident], rank: int = 0) -> None:
     """After a commit: which bytes and versions the checkpoint at ``dest`` holds, and
     the data files of ``rank`` (this process wrote them, or checked the reused ones)."""
     try:
-        dir_fd = format.open_directory(dest)
+        dir_fd = opener.open_directory(dest)
     except (CheckpointError, OSError):
         return
     try:
@@ -243,9 +250,6 @@ def remember(dest: Path, seen: dict[Key, Ident], rank: int = 0) -> None:
         _SEEN.move_to_end(key)
         while len(_SEEN) > _SEEN_MAX:
             _SEEN.popitem(last=False)
-
-
-# --------------------------------------------------------------------------- deciding
 
 
 def _unchanged(base: Base, key: Key, t: torch.Tensor, known: Ident | None) -> Chunk | None:
@@ -267,7 +271,7 @@ def _unchanged(base: Base, key: Key, t: torch.Tensor, known: Ident | None) -> Ch
 
 def _stored_equals(base: Base, chunk: Chunk, t: torch.Tensor) -> bool:
     """Whether the base's blob for ``chunk`` is intact and holds exactly ``t``'s bytes."""
-    view = np.frombuffer(shards.byte_view(t), dtype=np.uint8)
+    view = np.frombuffer(byte_view(t), dtype=np.uint8)
     try:
         fd = base.open(chunk.file)
         head = os.pread(fd, chunk.data_offset - chunk.offset, chunk.offset)
@@ -287,7 +291,7 @@ def _stored_equals(base: Base, chunk: Chunk, t: torch.Tensor) -> bool:
 
 
 def _crc(t: torch.Tensor) -> int:
-    view = shards.byte_view(t)
+    view = byte_view(t)
     crc = 0
     for off in range(0, len(view), shards.CHUNK):
         crc = crc32(view[off : off + shards.CHUNK], crc)
@@ -365,7 +369,7 @@ def _bring(base: Base, name: str, size: int, dst: Path, syncing: list[Future[Non
 def _copy(base: Base, name: str, size: int, dst: Path, syncing: list[Future[None]]) -> bool:
     """Copy a base file whole (where links are impossible); its fsync joins ``syncing``."""
     try:
-        src = format.open_member(base.ck.dir_fd, name, base.path / name, size=size)
+        src = opener.open_member(base.ck.dir_fd, name, base.path / name, size=size)
     except (OSError, CheckpointError):
         return False
     try:
@@ -535,54 +539,3 @@ def write_local(
     )
     remember(dest, seen)
     return info
-
-
-# --------------------------------------------------------------------------- sharing
-
-
-def sharing(path: Path, files: Any) -> tuple[int, int]:
-    """(bytes shared with other checkpoints now, bytes this save added) of a checkpoint.
-
-    Shared: data files with more than one link (the same bytes in another
-    checkpoint). Added: every listed file the save wrote itself, copies included.
-    """
-    shared = added = 0
-    if not isinstance(files, dict):
-        return 0, 0
-    for name, info in files.items():
-        if not isinstance(info, dict) or not isinstance(name, str) or "/" in name:
-            continue
-        size = info.get("size")
-        size = size if isinstance(size, int) else 0
-        if not info.get("reused") or info.get("copied") is True:
-            added += size
-        with contextlib.suppress(OSError):
-            st = os.stat(path / name, follow_symlinks=False)
-            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-                shared += size
-    return shared, added
-
-
-def shared_bytes(path: Path) -> int:
-    """Bytes of the files in ``path`` that are also linked elsewhere (stat only)."""
-    total = 0
-    with contextlib.suppress(OSError), os.scandir(path) as it:
-        for entry in it:
-            with contextlib.suppress(OSError):
-                st = entry.stat(follow_symlinks=False)
-                if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-                    total += st.st_size
-    return total
-
-
-def disk_bytes(paths: Sequence[Path]) -> int:
-    """Bytes of the regular files directly inside ``paths``, each file counted once."""
-    seen: dict[tuple[int, int], int] = {}
-    for path in paths:
-        with contextlib.suppress(OSError), os.scandir(path) as it:
-            for entry in it:
-                with contextlib.suppress(OSError):
-                    st = entry.stat(follow_symlinks=False)
-                    if stat.S_ISREG(st.st_mode):
-                        seen[(st.st_dev, st.st_ino)] = st.st_size
-    return sum(seen.values())

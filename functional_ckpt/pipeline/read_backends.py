@@ -18,13 +18,15 @@ from typing import Any, Protocol
 import torch
 from tensordict import TensorDictBase
 
-from functional_ckpt import format
+from functional_ckpt._src.format.keys import KeyPath
+from functional_ckpt._src.format.view import ParsedCheckpoint, ParsedManifest, parse_checkpoint
+from functional_ckpt._src.storage import checkpoint
+from functional_ckpt._src.storage.checkpoint import open_vetted
 from functional_ckpt.errors import CheckpointError
 from functional_ckpt.foreign import StockFiles, StockMatch, match_dcp, read_dcp
-from functional_ckpt.manifest import ParsedCheckpoint, ParsedManifest, parse_checkpoint
 from functional_ckpt.pipeline.topology import Topology
-from functional_ckpt.reader import CPU, Reshard, open_vetted, rank_view, read_leaves, select
-from functional_ckpt.tree import KeyPath, Leaf, iter_leaves
+from functional_ckpt.reader import CPU, Reshard, rank_view, read_leaves, select
+from functional_ckpt.tree import Leaf, iter_leaves
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ class ReadBackend(Protocol):
 class _Manifested:
     """A checkpoint of this format: opened, vetted and its manifest parsed, once."""
 
-    def __init__(self, ck: format.Checkpoint, topo: Topology) -> None:
+    def __init__(self, ck: checkpoint.Checkpoint, topo: Topology) -> None:
         self.ck = ck
         self.path = ck.path
         self.topo = topo

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from functional_ckpt import format
+from functional_ckpt._src.format import naming
 from functional_ckpt.pipeline.read_backends import (
     ManifestBackend,
     PlannerBackend,
@@ -41,10 +41,10 @@ def is_stock_dcp(path: Path) -> bool:
     """
     return (
         path.is_dir()
-        and not os.path.lexists(path / format.COMMIT_MARKER)
-        and not os.path.lexists(path / format.MANIFEST)
-        and os.path.lexists(path / format.DCP_METADATA)
-        and not format.is_temporary_name(path.name)
+        and not os.path.lexists(path / naming.COMMIT_MARKER)
+        and not os.path.lexists(path / naming.MANIFEST)
+        and os.path.lexists(path / naming.DCP_METADATA)
+        and not naming.is_temporary_name(path.name)
     )
 
 

@@ -19,21 +19,15 @@ import torch
 from tensordict import TensorDictBase
 
 from functional_ckpt import staging as stages
+from functional_ckpt._src.paths import PathLike
 from functional_ckpt.errors import CheckpointError
 from functional_ckpt.pipeline import incremental as incr
 from functional_ckpt.pipeline.backends import Hooks, SaveJob, backend_for
 from functional_ckpt.pipeline.incremental import Incremental
-from functional_ckpt.pipeline.topology import topology
+from functional_ckpt.pipeline.topology import is_dtensor, topology
 from functional_ckpt.reader import gc_paused
 from functional_ckpt.staging import PendingSave, Stager, Staging
-from functional_ckpt.writer import (
-    DEFAULT_PER_RANK,
-    CheckpointInfo,
-    PathLike,
-    host_copy,
-    is_dtensor,
-    prepare_save,
-)
+from functional_ckpt.writer import DEFAULT_PER_RANK, CheckpointInfo, host_copy, prepare_save
 
 State = TensorDictBase | Mapping[str, Any]
 

@@ -29,11 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from functional_ckpt import codec, format
-from functional_ckpt.checksum import crc32
+from functional_ckpt._src import codec
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.checksum import crc32
+from functional_ckpt._src.format.limits import LIMITS
+from functional_ckpt._src.format.manifest import Entry, TensorEntry, ValueEntry
+from functional_ckpt._src.format.view import node_info, parse_planned
+from functional_ckpt._src.storage import opener
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
-from functional_ckpt.limits import LIMITS
-from functional_ckpt.manifest import Entry, TensorEntry, ValueEntry, node_info, parse_planned
 
 __all__ = [
     "FORMAT",
@@ -108,7 +111,7 @@ def open_at_least(dir_fd: int, path: Path, name: str, size: int, what: str) -> i
     """Open a member safely, checked to hold at least its ``size`` committed bytes."""
     where = path / name
     try:
-        fd = format.open_member(dir_fd, name, where, what=what)
+        fd = opener.open_member(dir_fd, name, where, what=what)
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{where}: the {what} is missing") from None
     actual = os.fstat(fd).st_size
@@ -122,7 +125,7 @@ def _read(dir_fd: int, path: Path, name: str, size: int, what: str) -> tuple[byt
     """The first ``size`` bytes of a member (the rest is uncommitted) and its full size."""
     fd = open_at_least(dir_fd, path, name, size, what)
     try:
-        return format.read_exact(fd, size, path / name), os.fstat(fd).st_size
+        return opener.read_exact(fd, size, path / name), os.fstat(fd).st_size
     finally:
         os.close(fd)
 
@@ -130,14 +133,14 @@ def _read(dir_fd: int, path: Path, name: str, size: int, what: str) -> tuple[byt
 def open_recording(path: Path, what: str) -> int:
     """A descriptor of the recording directory ``path``; :class:`NotARecording` otherwise."""
     try:
-        dir_fd = format.open_directory(path)
+        dir_fd = opener.open_directory(path)
     except CheckpointError as exc:
         raise NotARecording(f"{what}: {exc}") from None
     if not (path / HEADER).exists():
         os.close(dir_fd)
         kind = (
             "a checkpoint (use fc.restore)"
-            if (path / format.COMMIT_MARKER).exists()
+            if (path / naming.COMMIT_MARKER).exists()
             else "not a recording (it has no recording.msgpack)"
         )
         raise NotARecording(f"{what}: {path} is {kind}")
@@ -148,14 +151,14 @@ def read_marker(dir_fd: int, path: Path) -> dict[str, Any] | None:
     """The decoded marker, or None before the first commit."""
     where = path / MARKER
     try:
-        fd = format.open_member(dir_fd, MARKER, where, what="commit marker")
+        fd = opener.open_member(dir_fd, MARKER, where, what="commit marker")
     except FileNotFoundError:
         return None
     try:
         size = os.fstat(fd).st_size
         if size > LIMITS.marker_bytes:
             raise CorruptCheckpoint(f"{where}: {size} bytes, too large for a commit marker")
-        marker = codec.decode(format.read_exact(fd, size, where), source=str(where))
+        marker = codec.decode(opener.read_exact(fd, size, where), source=str(where))
     finally:
         os.close(fd)
     if not isinstance(marker, dict) or set(marker) != _MARKER_KEYS:

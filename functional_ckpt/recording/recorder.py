@@ -25,11 +25,14 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from functional_ckpt import codec, format
-from functional_ckpt._types import PathLike
-from functional_ckpt.checksum import crc32
+from functional_ckpt._src import codec
+from functional_ckpt._src.format.blobs import byte_view
+from functional_ckpt._src.format.checksum import crc32
+from functional_ckpt._src.format.keys import format_path, fqn_of
+from functional_ckpt._src.format.manifest import Entry, NodeEntry, TensorEntry, ValueEntry
+from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.storage import durable
 from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
-from functional_ckpt.manifest import Entry, NodeEntry, TensorEntry, ValueEntry
 from functional_ckpt.policy.base import as_int, positive_int
 from functional_ckpt.recording.layout import (
     FORMAT,
@@ -42,9 +45,7 @@ from functional_ckpt.recording.layout import (
     VERSION,
     segment_name,
 )
-from functional_ckpt.shards import byte_view
-from functional_ckpt.tree import Leaf, as_state, format_path, iter_leaves, node_record
-from functional_ckpt.writer import fqn_of
+from functional_ckpt.tree import Leaf, as_state, iter_leaves, node_record
 
 __all__ = ["Recorder"]
 
@@ -122,7 +123,7 @@ class Recorder:
         codec.check_encodable(self.metadata, where="Recorder(metadata=...)")
         if self.path.is_symlink() or (self.path.exists() and not self.path.is_dir()):
             raise CheckpointExists(f"Recorder(path={str(self.path)!r}): exists, not a directory")
-        format.make_dirs(self.path)
+        durable.make_dirs(self.path)
         self._dir_fd = _claim(self.path)
         self._layout: list[tuple[Any, ...]] | None = None
         self._kinds: list[str] = []
@@ -234,10 +235,10 @@ class Recorder:
             "layout": [e.to_plain() for e in entries],
         }
         self._header = codec.encode(header, where="Recorder: the recording's header")
-        tmp = format.tmp_sibling(self.path / HEADER)
-        format.write_file_durably(tmp, self._header)
+        tmp = durable.tmp_sibling(self.path / HEADER)
+        durable.write_file_durably(tmp, self._header)
         os.rename(tmp, self.path / HEADER)
-        format.fsync_dir(self.path)
+        durable.fsync_dir(self.path)
         for _ in range(self._slots_wanted):
             self._free.put(_Slot(specs, pin))
         self._layout = [_signature(leaf) for leaf in leaves]
@@ -411,10 +412,10 @@ class Recorder:
             "header_crc32": crc32(self._header),
             "segments": list(self._segments),
         }
-        tmp = format.tmp_sibling(self.path / MARKER)
-        format.write_file_durably(tmp, codec.encode(marker, where="recording marker"))
+        tmp = durable.tmp_sibling(self.path / MARKER)
+        durable.write_file_durably(tmp, codec.encode(marker, where="recording marker"))
         os.replace(tmp, self.path / MARKER)
-        format.fsync_dir(self.path)
+        durable.fsync_dir(self.path)
         self.committed += len(steps)
         self._pending.clear()
 

@@ -20,11 +20,14 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from functional_ckpt import codec
-from functional_ckpt._types import PathLike
-from functional_ckpt.checksum import crc32
+from functional_ckpt._src import codec
+from functional_ckpt._src.format.blobs import byte_view
+from functional_ckpt._src.format.checksum import crc32
+from functional_ckpt._src.format.keys import KeyPath, format_path
+from functional_ckpt._src.format.manifest import NodeEntry, TensorEntry, dtype_name
+from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.storage.shards import read_into
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, TemplateMismatch
-from functional_ckpt.manifest import NodeEntry, TensorEntry, dtype_name
 from functional_ckpt.policy.base import as_int
 from functional_ckpt.recording.layout import (
     Committed,
@@ -32,8 +35,7 @@ from functional_ckpt.recording.layout import (
     read_committed,
     segment_name,
 )
-from functional_ckpt.shards import byte_view, read_into
-from functional_ckpt.tree import KeyPath, Leaf, as_state, format_path, iter_leaves, unflatten
+from functional_ckpt.tree import Leaf, as_state, iter_leaves, unflatten
 
 __all__ = ["NotRecorded", "Replay"]
 

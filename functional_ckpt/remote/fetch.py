@@ -19,11 +19,12 @@ import threading
 import uuid
 from pathlib import Path
 
-from functional_ckpt import format
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.naming import step_name
+from functional_ckpt._src.storage import commit, durable
+from functional_ckpt._src.storage.verify import verify
 from functional_ckpt.errors import CorruptCheckpoint, RemoteVanished
-from functional_ckpt.io import verify
 from functional_ckpt.remote.store import Store
-from functional_ckpt.root import step_name
 
 __all__ = ["DOWNLOAD_PREFIX", "download", "remove_downloads"]
 
@@ -46,9 +47,9 @@ def download(
     files = manifest["files"]
     names = [str(n) for n in files]
     for name in names:
-        format.safe_member(Path(step_name(step)), name)  # plain file names only
+        naming.safe_member(Path(step_name(step)), name)  # plain file names only
     found = store.objects(step)
-    missing = [n for n in [*names, format.MANIFEST] if n not in found]
+    missing = [n for n in [*names, naming.MANIFEST] if n not in found]
     if missing:
         raise RemoteVanished(
             f"{store.where(step)}: {', '.join(missing[:5])} missing from a committed remote "
@@ -66,20 +67,20 @@ def download(
     tmp = work / step_name(step)
     try:
         tmp.mkdir(parents=True)
-        wanted = [*names, format.MANIFEST]
+        wanted = [*names, naming.MANIFEST]
         store.call(
             store.where(step),
             store.fs.get,
             [store.object_path(step, n) for n in wanted],
             [str(tmp / n) for n in wanted],
         )
-        if store.objects(step).get(format.COMMIT_MARKER) != len(marker) or (
-            store.read(step, format.COMMIT_MARKER) != marker
+        if store.objects(step).get(naming.COMMIT_MARKER) != len(marker) or (
+            store.read(step, naming.COMMIT_MARKER) != marker
         ):
             raise RemoteVanished(
                 f"{store.where(step)}: deleted or replaced remotely while it was downloaded"
             )
-        format.write_file_durably(tmp / format.COMMIT_MARKER, marker)
+        durable.write_file_durably(tmp / naming.COMMIT_MARKER, marker)
         report = verify(tmp) if check else None
         if report is not None and not report.ok:
             problems = "; ".join(str(p) for p in report.problems[:3])
@@ -88,9 +89,9 @@ def download(
         if replace:
             from functional_ckpt.dist import replaceable_part
 
-            format.commit(tmp, final, overwrite=True, replaceable=replaceable_part)
+            commit.commit_checkpoint(tmp, final, overwrite=True, replaceable=replaceable_part)
         else:
-            format.commit(tmp, final, overwrite=False)
+            commit.commit_checkpoint(tmp, final, overwrite=False)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     # A local copy of a remote checkpoint is flushed to disk in the background: one

@@ -28,7 +28,8 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from functional_ckpt import format
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.storage import checkpoint
 from functional_ckpt.errors import RemoteError
 from functional_ckpt.remote.store import Store
 
@@ -55,9 +56,9 @@ def owner(name: str, world: int) -> int:
 
 def expected_sizes(local: Path) -> dict[str, int]:
     """Every object of the checkpoint at ``local`` except the marker, with its size."""
-    manifest = format.read_manifest(local)  # authenticated by the local marker
+    manifest = checkpoint.read_manifest(local)  # authenticated by the local marker
     sizes = {str(name): int(info["size"]) for name, info in manifest["files"].items()}
-    sizes[format.MANIFEST] = (local / format.MANIFEST).stat().st_size
+    sizes[naming.MANIFEST] = (local / naming.MANIFEST).stat().st_size
     return sizes
 
 
@@ -68,22 +69,22 @@ def begin(store: Store, step: int, local: Path) -> dict[str, int] | None:
     objects already uploaded for this very checkpoint (name -> size), which an
     interrupted upload need not send again.
     """
-    marker = (local / format.COMMIT_MARKER).read_bytes()
-    manifest = (local / format.MANIFEST).read_bytes()
+    marker = (local / naming.COMMIT_MARKER).read_bytes()
+    manifest = (local / naming.MANIFEST).read_bytes()
     objects = store.objects(step)
-    if format.COMMIT_MARKER in objects:
-        if store.read(step, format.COMMIT_MARKER) == marker:
+    if naming.COMMIT_MARKER in objects:
+        if store.read(step, naming.COMMIT_MARKER) == marker:
             return None
-        store.remove(step, [format.COMMIT_MARKER])  # superseded: uncommitted before anything else
-        del objects[format.COMMIT_MARKER]
+        store.remove(step, [naming.COMMIT_MARKER])  # superseded: uncommitted before anything else
+        del objects[naming.COMMIT_MARKER]
     if (
-        objects.get(format.MANIFEST) == len(manifest)
-        and store.read(step, format.MANIFEST) == manifest
+        objects.get(naming.MANIFEST) == len(manifest)
+        and store.read(step, naming.MANIFEST) == manifest
     ):
         return objects
     store.remove(step, sorted(objects))
-    store.write(step, format.MANIFEST, manifest)
-    return {format.MANIFEST: len(manifest)}
+    store.write(step, naming.MANIFEST, manifest)
+    return {naming.MANIFEST: len(manifest)}
 
 
 def put_part(
@@ -108,9 +109,9 @@ def put_part(
 def commit(store: Store, step: int, local: Path, sizes: dict[str, int]) -> None:
     """Write the marker once every object of ``sizes`` is confirmed; then confirm it."""
     _confirm(store, step, sizes)
-    marker = (local / format.COMMIT_MARKER).read_bytes()
-    store.write(step, format.COMMIT_MARKER, marker)
-    _confirm(store, step, {format.COMMIT_MARKER: len(marker)})
+    marker = (local / naming.COMMIT_MARKER).read_bytes()
+    store.write(step, naming.COMMIT_MARKER, marker)
+    _confirm(store, step, {naming.COMMIT_MARKER: len(marker)})
 
 
 def _confirm(store: Store, step: int, sizes: dict[str, int]) -> None:
@@ -129,14 +130,14 @@ def _confirm(store: Store, step: int, sizes: dict[str, int]) -> None:
 
 def remove_step(store: Store, step: int) -> None:
     """Delete remote ``step``: its marker first (no longer committed), then the rest."""
-    store.remove(step, [format.COMMIT_MARKER])
+    store.remove(step, [naming.COMMIT_MARKER])
     store.remove(step, sorted(store.objects(step)))
 
 
 def copy_step(store: Store, step: int, dest: str) -> None:
     """Copy committed remote ``step`` into the directory ``dest`` of the store, marker last."""
     objects = store.objects(step)
-    for name in sorted(objects, key=lambda n: n == format.COMMIT_MARKER):
+    for name in sorted(objects, key=lambda n: n == naming.COMMIT_MARKER):
         src = store.object_path(step, name)
         store.call(src, store.fs.copy, src, f"{dest}/{name}")
 

@@ -15,8 +15,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from functional_ckpt import codec, format
-from functional_ckpt.checksum import crc32
+from functional_ckpt._src import codec
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.checksum import crc32
+from functional_ckpt._src.format.limits import LIMITS
+from functional_ckpt._src.format.naming import parse_step, step_name
+from functional_ckpt._src.storage import checkpoint
 from functional_ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -27,9 +31,7 @@ from functional_ckpt.errors import (
     RemoteUnreachable,
     RemoteVanished,
 )
-from functional_ckpt.limits import LIMITS
 from functional_ckpt.remote.mover import MovedFailure, Mover, facts_of, reaches
-from functional_ckpt.root import parse_step, step_name
 
 __all__ = ["RemoteStep", "Store", "public_url", "remote_error"]
 
@@ -102,7 +104,7 @@ class RemoteStep:
 
     @property
     def committed(self) -> bool:
-        return format.COMMIT_MARKER in self.objects
+        return naming.COMMIT_MARKER in self.objects
 
 
 class Store:
@@ -274,41 +276,41 @@ class Store:
         """The marker's bytes and the manifest it authenticates (committed checkpoints only)."""
         where = self.where(step)
         found = self.objects(step)  # sizes first: no object is read past what it may hold
-        marker_size = found.get(format.COMMIT_MARKER)
+        marker_size = found.get(naming.COMMIT_MARKER)
         if marker_size is None:
             raise IncompleteCheckpoint(
-                f"{where}: not a committed remote checkpoint ({format.COMMIT_MARKER} is missing)"
+                f"{where}: not a committed remote checkpoint ({naming.COMMIT_MARKER} is missing)"
             )
         if not 0 <= marker_size <= LIMITS.marker_bytes:
             raise CorruptCheckpoint(
-                f"{self.where(step, format.COMMIT_MARKER)}: {marker_size} bytes, too large for "
+                f"{self.where(step, naming.COMMIT_MARKER)}: {marker_size} bytes, too large for "
                 "a commit marker; the remote checkpoint is damaged"
             )
         try:
-            marker_bytes = self.read(step, format.COMMIT_MARKER)
+            marker_bytes = self.read(step, naming.COMMIT_MARKER)
         except RemoteVanished:
             raise IncompleteCheckpoint(
-                f"{where}: not a committed remote checkpoint ({format.COMMIT_MARKER} is missing)"
+                f"{where}: not a committed remote checkpoint ({naming.COMMIT_MARKER} is missing)"
             ) from None
-        marker = decode_small(marker_bytes, self.where(step, format.COMMIT_MARKER))
+        marker = decode_small(marker_bytes, self.where(step, naming.COMMIT_MARKER))
         size = marker.get("manifest_size")
-        if not isinstance(size, int) or not 0 <= size <= format.MAX_MANIFEST_BYTES:
+        if not isinstance(size, int) or not 0 <= size <= checkpoint.MAX_MANIFEST_BYTES:
             raise CorruptCheckpoint(f"{where}: the commit marker records no valid manifest size")
-        if found.get(format.MANIFEST) != size:
-            have = found.get(format.MANIFEST)
+        if found.get(naming.MANIFEST) != size:
+            have = found.get(naming.MANIFEST)
             raise CorruptCheckpoint(
-                f"{self.where(step, format.MANIFEST)}: "
+                f"{self.where(step, naming.MANIFEST)}: "
                 f"{'missing' if have is None else f'{have} bytes'}, the commit marker records "
                 f"{size} bytes; the remote checkpoint is damaged (or being deleted)"
             )
-        raw = self.read(step, format.MANIFEST)
+        raw = self.read(step, naming.MANIFEST)
         if len(raw) != size or crc32(raw) != marker.get("manifest_crc32"):
             raise CorruptCheckpoint(
-                f"{self.where(step, format.MANIFEST)}: the manifest does not match its checksum "
-                f"in {format.COMMIT_MARKER}; the remote checkpoint is damaged"
+                f"{self.where(step, naming.MANIFEST)}: the manifest does not match its checksum "
+                f"in {naming.COMMIT_MARKER}; the remote checkpoint is damaged"
             )
-        manifest = decode_small(raw, self.where(step, format.MANIFEST))
-        if manifest.get("format") != format.FORMAT_NAME or not isinstance(
+        manifest = decode_small(raw, self.where(step, naming.MANIFEST))
+        if manifest.get("format") != naming.FORMAT_NAME or not isinstance(
             manifest.get("files"), dict
         ):
             raise CorruptCheckpoint(f"{where}: not a functional_ckpt manifest")
@@ -325,7 +327,7 @@ def _fs_class(fsspec: Any, url: str) -> Any:
 
 def decode_small(raw: bytes, where: str) -> dict[str, Any]:
     """A marker or manifest decoded by the exact codec (never pickle)."""
-    if len(raw) > format.MAX_MANIFEST_BYTES:
+    if len(raw) > checkpoint.MAX_MANIFEST_BYTES:
         raise CorruptCheckpoint(f"{where}: {len(raw)} bytes, more than a manifest may hold")
     value = codec.decode(raw, source=where)
     if not isinstance(value, dict):

@@ -30,7 +30,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-from functional_ckpt import codec, format
+from functional_ckpt._src import codec
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.naming import step_name
 from functional_ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -55,7 +57,6 @@ from functional_ckpt.root import (
     record_of,
     remove_all,
     step_dirs,
-    step_name,
 )
 
 __all__ = ["LEASE", "RemoteTier", "read_status"]
@@ -222,7 +223,7 @@ class RemoteTier:
             self._claim()  # a root another manager writes is not this one's to change
         for step in steps:
             if branch is not None and retried(partial(self.store.objects, step)).get(
-                format.COMMIT_MARKER
+                naming.COMMIT_MARKER
             ):
                 dest = f"{self.store.base}/{BRANCHES_DIR}/{branch}/{step_name(step)}"
                 retried(partial(protocol.copy_step, self.store, step, dest))
@@ -298,7 +299,7 @@ class RemoteTier:
             if newest_local is not None and step <= newest_local:
                 break
             there = self.root / step_name(step)
-            if there.is_dir() and not (there / format.COMMIT_MARKER).exists():
+            if there.is_dir() and not (there / naming.COMMIT_MARKER).exists():
                 quarantine(self.root, there)  # never committed (a download a crash cut short)
             if there.exists() and step not in fetched:
                 continue  # a local directory there is unreadable: the local resume decides
@@ -410,7 +411,7 @@ class RemoteTier:
             self._drop_parts(plan["local"])
 
     def _local(self) -> dict[int, Path]:
-        return {s: p for s, p, _ in step_dirs(self.root) if (p / format.COMMIT_MARKER).exists()}
+        return {s: p for s, p, _ in step_dirs(self.root) if (p / naming.COMMIT_MARKER).exists()}
 
     def _claim(self) -> None:
         """Before writing remotely: take the remote root (the first time), or raise if
@@ -465,13 +466,13 @@ class RemoteTier:
         out = set()
         for step in sorted(committed & local.keys()):
             try:
-                mine = (local[step] / format.COMMIT_MARKER).read_bytes()
+                mine = (local[step] / naming.COMMIT_MARKER).read_bytes()
             except OSError:
                 continue
             if self._same.get(step) == mine:
                 continue
             try:
-                theirs = retried(partial(self.store.read, step, format.COMMIT_MARKER))
+                theirs = retried(partial(self.store.read, step, naming.COMMIT_MARKER))
             except RemoteVanished:
                 theirs = b""  # deleted meanwhile: not a copy of anything
             if theirs == mine:
@@ -524,7 +525,7 @@ class RemoteTier:
             names = [
                 n
                 for n in os.listdir(local)
-                if n not in (format.COMMIT_MARKER, format.MANIFEST)
+                if n not in (naming.COMMIT_MARKER, naming.MANIFEST)
                 and protocol.owner(n, self.world) == self.rank
             ]
             parts = present or {}

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import functional_ckpt as fc
-from functional_ckpt import format
+from functional_ckpt._src.format import naming
 from functional_ckpt.cli.demo.job import (
     CKPT_DIR,
     CRASH_FRACTION,
@@ -284,7 +284,7 @@ def _watch(child: Child, label: str, total: int, progress: ProgressFactory | Non
 def _in_flight(ckpt_dir: Path) -> list[str]:
     """Temporary directories a killed save left behind (invisible to every reader)."""
     try:
-        return [e.name for e in scan(ckpt_dir) if format.TMP_INFIX in e.name]
+        return [e.name for e in scan(ckpt_dir) if naming.TMP_INFIX in e.name]
     except fc.errors.CheckpointNotFound:
         return []
 

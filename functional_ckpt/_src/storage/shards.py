@@ -1,176 +1,47 @@
-"""Tensor shard files that are both ours and a real DCP checkpoint.
+"""Shard files: tensor blobs written with their checksums, and read back checked.
 
-Stock ``torch.distributed.checkpoint`` stores every tensor as a ``torch.save`` zip
-blob inside a shard file and finds it through ``.metadata``. Running ``torch.save``
-once per tensor is what makes DCP slow on many small tensors, so we write the same
-bytes ourselves: ``torch.save`` (with ``skip_data``) produces the zip around an
-empty tensor of each distinct (dtype, shape) once, and every tensor of that shape
-is emitted as that template with its raw bytes in the data record and the CRC32
-fields patched. The CRC32 we compute for the zip is the checksum the manifest
-records, so checksumming costs one pass that runs beside the disk write.
-
-Readers of our own checkpoints never parse the zip: the manifest gives each
-tensor's absolute data offset, so restore reads raw bytes straight into the
-destination tensor.
+Tensor bytes are written as DCP blobs (:mod:`..format.blobs`) into each rank's shard
+file, their CRC32 computed beside the disk write. Readers of the project's own
+checkpoints never parse the zip: the manifest gives each tensor's absolute data
+offset, so a restore reads raw bytes straight into the destination tensor and
+checks every byte against its CRC32 on the way.
 """
 
 from __future__ import annotations
 
 import os
-import struct
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from functional_ckpt.checksum import crc32
-from functional_ckpt.dcpbytes import ByteEntry
-from functional_ckpt.errors import CheckpointError
-from functional_ckpt.manifest import Chunk
+from functional_ckpt._src.format.blobs import blob_template, byte_view
+from functional_ckpt._src.format.checksum import crc32
+from functional_ckpt._src.format.dcp_values import ByteEntry
+from functional_ckpt._src.format.manifest import Chunk
+from functional_ckpt._src.storage import checkpoint
+from functional_ckpt._src.storage.durable import write_all
+from functional_ckpt.errors import (
+    CheckpointError,
+    CorruptCheckpoint,
+)
 
 #: Tensors below this size are assembled in memory and written in batches.
 SMALL_TENSOR = 1 << 20
+
 #: Batched small writes are flushed once this many bytes are pending.
 WRITE_BATCH = 8 << 20
+
 #: Large tensors are written and checksummed in chunks of this size, overlapped.
 CHUNK = 32 << 20
+
 #: Bytes read per step when checksumming a file range (the buffer stays in cache).
 CRC_BLOCK = 4 << 20
 
-_LOCAL_SIG = b"PK\x03\x04"
-_CENTRAL_SIG = b"PK\x01\x02"
-_DESCRIPTOR_SIG = b"PK\x07\x08"
-_DATA_RECORD_SUFFIX = b"/data/0"
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without a copy (writable)."""
-    if t.numel() == 0:
-        return memoryview(b"")
-    flat = t.detach()
-    try:  # dtypes numpy knows: one call, no reshaping views
-        array: Any = flat.numpy()
-    except TypeError:  # bfloat16, float8, ...: reinterpret as bytes first
-        array = flat.reshape(-1).view(torch.uint8).numpy()
-    return memoryview(array).cast("B")
-
-
-class _SparseWriter:
-    """A seekable sink that keeps what ``torch.save`` writes, skipping the data gap."""
-
-    def __init__(self) -> None:
-        self.parts: list[tuple[int, bytes]] = []
-        self.pos = 0
-
-    def write(self, b: Any) -> int:
-        data = bytes(memoryview(b).cast("B"))
-        self.parts.append((self.pos, data))
-        self.pos += len(data)
-        return len(data)
-
-    def seek(self, off: int, whence: int = 0) -> int:
-        self.pos = off if whence == 0 else self.pos + off if whence == 1 else self.pos
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def flush(self) -> None:
-        pass
-
-
-@dataclass(frozen=True)
-class BlobTemplate:
-    """The ``torch.save`` zip of one (dtype, shape), minus the tensor bytes."""
-
-    head: bytes
-    tail: bytes
-    nbytes: int
-    crc_positions: tuple[int, ...]  # offsets in ``tail`` of the data record's CRC32 fields
-    head_crc: int  # CRC32 of ``head``: the start of every blob's header checksum
-
-    def patch(self, crc: int) -> bytes:
-        tail = bytearray(self.tail)
-        packed = struct.pack("<I", crc)
-        for pos in self.crc_positions:
-            tail[pos : pos + 4] = packed
-        return bytes(tail)
-
-
-def _build_template(dtype: torch.dtype, shape: tuple[int, ...]) -> BlobTemplate:
-    sink = _SparseWriter()
-    with torch.serialization.skip_data():
-        torch.save(torch.empty(shape, dtype=dtype), sink)  # type: ignore[arg-type]
-    image = bytearray(sink.pos)
-    for off, data in sink.parts:
-        image[off : off + len(data)] = data
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    start = -1
-    i = image.find(_LOCAL_SIG)
-    while i >= 0:
-        name_len, extra_len = struct.unpack_from("<HH", image, i + 26)
-        name = bytes(image[i + 30 : i + 30 + name_len])
-        if name.endswith(_DATA_RECORD_SUFFIX):
-            flags = struct.unpack_from("<H", image, i + 6)[0]
-            if not flags & 0x8 and nbytes:
-                raise CheckpointError("unexpected torch.save zip layout (no data descriptor)")
-            start = i + 30 + name_len + extra_len
-            break
-        i = image.find(_LOCAL_SIG, i + 4)
-    if start < 0:
-        raise CheckpointError("unexpected torch.save zip layout (no data record)")
-    end = start + nbytes
-    tail = bytes(image[end:])
-    positions = []
-    if tail.startswith(_DESCRIPTOR_SIG):
-        positions.append(4)
-    j = tail.find(_CENTRAL_SIG)
-    while j >= 0:
-        name_len = struct.unpack_from("<H", tail, j + 28)[0]
-        if tail[j + 46 : j + 46 + name_len].endswith(_DATA_RECORD_SUFFIX):
-            positions.append(j + 16)
-        j = tail.find(_CENTRAL_SIG, j + 4)
-    if nbytes == 0:
-        positions = []  # CRC32 of no bytes is 0, already in the template
-    elif len(positions) != 2:
-        raise CheckpointError("unexpected torch.save zip layout (CRC fields not found)")
-    head = bytes(image[:start])
-    return BlobTemplate(head, tail, nbytes, tuple(positions), crc32(head))
-
-
-_TEMPLATES: OrderedDict[tuple[torch.dtype, tuple[int, ...]], BlobTemplate] = OrderedDict()
-_TEMPLATES_LOCK = threading.Lock()
-_TEMPLATE_CACHE_SIZE = 8192
-
-
-def blob_template(dtype: torch.dtype, shape: tuple[int, ...]) -> BlobTemplate:
-    key = (dtype, shape)
-    with _TEMPLATES_LOCK:
-        tpl = _TEMPLATES.get(key)
-        if tpl is not None:
-            _TEMPLATES.move_to_end(key)
-            return tpl
-    tpl = _build_template(dtype, shape)
-    with _TEMPLATES_LOCK:
-        _TEMPLATES[key] = tpl
-        while len(_TEMPLATES) > _TEMPLATE_CACHE_SIZE:
-            _TEMPLATES.popitem(last=False)
-    return tpl
-
-
-def _write_all(fd: int, data: memoryview | bytes | bytearray) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
 _POOL: ThreadPoolExecutor | None = None
+
 _POOL_LOCK = threading.Lock()
 
 
@@ -247,18 +118,18 @@ def write_shard(
                 pending += data
                 pending += tail
                 if len(pending) >= WRITE_BATCH:
-                    _write_all(fd, pending)
+                    write_all(fd, pending)
                     pending.clear()
             else:
                 if pending:
-                    _write_all(fd, pending)
+                    write_all(fd, pending)
                     pending.clear()
                 fut: Future[int] = pool.submit(_crc_chunks, data)
-                _write_all(fd, tpl.head)
-                _write_all(fd, data)
+                write_all(fd, tpl.head)
+                write_all(fd, data)
                 crc = fut.result()
                 tail = tpl.patch(crc)
-                _write_all(fd, tail)
+                write_all(fd, tail)
             length = len(tpl.head) + tpl.nbytes + len(tail)
             c = chunks[i]
             c.file = name
@@ -276,7 +147,7 @@ def write_shard(
             pending += b.data
             pos += len(b.data)
         if pending:
-            _write_all(fd, pending)
+            write_all(fd, pending)
     except BaseException:
         os.close(fd)
         raise
@@ -284,9 +155,6 @@ def write_shard(
         fsync_and_close(fd)
     else:
         background.append(sync_pool().submit(fsync_and_close, fd))
-
-
-# --------------------------------------------------------------------------- reading
 
 
 def read_into(fd: int, offset: int, dest: memoryview) -> int:
@@ -303,7 +171,6 @@ def read_into(fd: int, offset: int, dest: memoryview) -> int:
 
 #: One blob to read: the chunk it holds and where its raw bytes land (exactly their size).
 ReadJob = tuple[Chunk, memoryview]
-
 
 #: Small blobs that lie together in the file are read with one call of this size.
 READ_WINDOW = 8 << 20
@@ -405,3 +272,17 @@ def crc_range(fd: int, offset: int, length: int, start: int = 0) -> tuple[int, i
         crc = crc32(view[:n], crc)
         done += n
     return crc, done
+
+
+def read_chunk(
+    root: checkpoint.Checkpoint, chunk: Chunk, dtype: torch.dtype, what: str
+) -> torch.Tensor:
+    """One stored chunk as a new tensor, every byte checked."""
+    data = torch.empty(chunk.sizes, dtype=dtype)
+    if chunk.nbytes:
+        res = read_tensors(root.fd(chunk.file), [(chunk, byte_view(data))])[0]
+        if res is not None:
+            raise CorruptCheckpoint(
+                f"{root.path}: damaged tensor data for {what!r} in {chunk.file}: {res}"
+            )
+    return data

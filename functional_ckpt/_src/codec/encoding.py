@@ -16,7 +16,7 @@ import msgpack
 import numpy as np
 import torch
 
-from functional_ckpt.codec.table import (
+from functional_ckpt._src.codec.table import (
     CONTAINERS,
     EXT_BIGINT,
     EXT_BYTEARRAY,
@@ -42,9 +42,9 @@ from functional_ckpt.codec.table import (
     torch_size_problem,
     type_name,
 )
-from functional_ckpt.codec.tagged import TAGGED, unregistered_problem
+from functional_ckpt._src.codec.tagged import TAGGED, unregistered_problem
+from functional_ckpt._src.format.limits import LIMITS
 from functional_ckpt.errors import CheckpointError, UnsupportedValue
-from functional_ckpt.limits import LIMITS
 
 __all__ = ["check_encodable", "encode", "encode_checked"]
 

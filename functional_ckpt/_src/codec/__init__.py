@@ -69,10 +69,10 @@ data; :func:`register` adds a user's dataclass, NamedTuple or Enum).
 
 from __future__ import annotations
 
-from functional_ckpt.codec.decoding import check_hashes, decode
-from functional_ckpt.codec.encoding import _default as _default
-from functional_ckpt.codec.encoding import check_encodable, encode, encode_checked
-from functional_ckpt.codec.table import (
+from functional_ckpt._src.codec.decoding import check_hashes, decode
+from functional_ckpt._src.codec.encoding import _default as _default
+from functional_ckpt._src.codec.encoding import check_encodable, encode, encode_checked
+from functional_ckpt._src.codec.table import (
     EXT_BIGINT,
     EXT_BYTEARRAY,
     EXT_FROZENSET,
@@ -87,7 +87,7 @@ from functional_ckpt.codec.table import (
     EXT_TUPLE,
     MAX_ENCODE_DEPTH,
 )
-from functional_ckpt.codec.tagged import register
+from functional_ckpt._src.codec.tagged import register
 
 __all__ = [
     "EXT_BIGINT",

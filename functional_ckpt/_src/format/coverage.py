@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from functional_ckpt._src.format.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
-from functional_ckpt.limits import LIMITS
 
 
 def numel(shape: Sequence[int]) -> int:

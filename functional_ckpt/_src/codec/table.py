@@ -14,7 +14,7 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from functional_ckpt.limits import LIMITS
+from functional_ckpt._src.format.limits import LIMITS
 
 EXT_TUPLE: Final = 1
 EXT_SET: Final = 2

@@ -17,8 +17,8 @@ from typing import Any, Final
 import msgpack
 import torch
 
-from functional_ckpt.codec.leaves import LEAF_DECODERS, Corrupt
-from functional_ckpt.codec.table import (
+from functional_ckpt._src.codec.leaves import LEAF_DECODERS, Corrupt
+from functional_ckpt._src.codec.table import (
     CONTAINERS,
     EXT_FROZENSET,
     EXT_ORDERED_DICT,
@@ -32,9 +32,9 @@ from functional_ckpt.codec.table import (
     torch_size_problem,
     type_name,
 )
-from functional_ckpt.codec.tagged import TAGGED, BadFields, by_tag, unknown_tag_problem
+from functional_ckpt._src.codec.tagged import TAGGED, BadFields, by_tag, unknown_tag_problem
+from functional_ckpt._src.format.limits import LIMITS
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
-from functional_ckpt.limits import LIMITS
 
 __all__ = ["check_hashes", "decode"]
 

@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 import torch
 
-from functional_ckpt.codec.table import (
+from functional_ckpt._src.codec.table import (
     EXT_BIGINT,
     EXT_BYTEARRAY,
     EXT_NDARRAY,
@@ -29,7 +29,7 @@ from functional_ckpt.codec.table import (
     dtype_code,
     short_repr,
 )
-from functional_ckpt.limits import LIMITS
+from functional_ckpt._src.format.limits import LIMITS
 
 __all__ = ["LEAF_DECODERS", "Corrupt"]
 

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
+from functional_ckpt._src.format.keys import NODE_KEY, KeyPath
+from functional_ckpt._src.format.limits import LIMITS
+from functional_ckpt._src.format.naming import DCP_METADATA
 from functional_ckpt.errors import CorruptCheckpoint
-from functional_ckpt.format import DCP_METADATA
-from functional_ckpt.limits import LIMITS
-from functional_ckpt.tree import NODE_KEY, KeyPath
 
 #: A DCP object path: dict keys are strings, list indices ints (``planner_data``).
 DcpPath = tuple[str | int, ...]

@@ -1,0 +1,147 @@
+"""The bytes of one tensor as stock DCP stores it: a ``torch.save`` zip blob.
+
+Stock ``torch.distributed.checkpoint`` stores every tensor as a ``torch.save`` zip
+blob inside a shard file. Running ``torch.save`` once per tensor is what makes DCP
+slow on many small tensors, so the zip around an empty tensor of each distinct
+(dtype, shape) is built once (``torch.save`` with ``skip_data``) and every tensor
+of that shape is that template with its raw bytes in the data record and the
+CRC32 fields patched (:class:`BlobTemplate`).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from functional_ckpt._src.format.checksum import crc32
+from functional_ckpt.errors import CheckpointError
+
+_LOCAL_SIG = b"PK\x03\x04"
+
+_CENTRAL_SIG = b"PK\x01\x02"
+
+_DESCRIPTOR_SIG = b"PK\x07\x08"
+
+_DATA_RECORD_SUFFIX = b"/data/0"
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy (writable)."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    flat = t.detach()
+    try:  # dtypes numpy knows: one call, no reshaping views
+        array: Any = flat.numpy()
+    except TypeError:  # bfloat16, float8, ...: reinterpret as bytes first
+        array = flat.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
+
+
+class _SparseWriter:
+    """A seekable sink that keeps what ``torch.save`` writes, skipping the data gap."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[int, bytes]] = []
+        self.pos = 0
+
+    def write(self, b: Any) -> int:
+        data = bytes(memoryview(b).cast("B"))
+        self.parts.append((self.pos, data))
+        self.pos += len(data)
+        return len(data)
+
+    def seek(self, off: int, whence: int = 0) -> int:
+        self.pos = off if whence == 0 else self.pos + off if whence == 1 else self.pos
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class BlobTemplate:
+    """The ``torch.save`` zip of one (dtype, shape), minus the tensor bytes."""
+
+    head: bytes
+    tail: bytes
+    nbytes: int
+    crc_positions: tuple[int, ...]  # offsets in ``tail`` of the data record's CRC32 fields
+    head_crc: int  # CRC32 of ``head``: the start of every blob's header checksum
+
+    def patch(self, crc: int) -> bytes:
+        tail = bytearray(self.tail)
+        packed = struct.pack("<I", crc)
+        for pos in self.crc_positions:
+            tail[pos : pos + 4] = packed
+        return bytes(tail)
+
+
+def _build_template(dtype: torch.dtype, shape: tuple[int, ...]) -> BlobTemplate:
+    sink = _SparseWriter()
+    with torch.serialization.skip_data():
+        torch.save(torch.empty(shape, dtype=dtype), sink)  # type: ignore[arg-type]
+    image = bytearray(sink.pos)
+    for off, data in sink.parts:
+        image[off : off + len(data)] = data
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    start = -1
+    i = image.find(_LOCAL_SIG)
+    while i >= 0:
+        name_len, extra_len = struct.unpack_from("<HH", image, i + 26)
+        name = bytes(image[i + 30 : i + 30 + name_len])
+        if name.endswith(_DATA_RECORD_SUFFIX):
+            flags = struct.unpack_from("<H", image, i + 6)[0]
+            if not flags & 0x8 and nbytes:
+                raise CheckpointError("unexpected torch.save zip layout (no data descriptor)")
+            start = i + 30 + name_len + extra_len
+            break
+        i = image.find(_LOCAL_SIG, i + 4)
+    if start < 0:
+        raise CheckpointError("unexpected torch.save zip layout (no data record)")
+    end = start + nbytes
+    tail = bytes(image[end:])
+    positions = []
+    if tail.startswith(_DESCRIPTOR_SIG):
+        positions.append(4)
+    j = tail.find(_CENTRAL_SIG)
+    while j >= 0:
+        name_len = struct.unpack_from("<H", tail, j + 28)[0]
+        if tail[j + 46 : j + 46 + name_len].endswith(_DATA_RECORD_SUFFIX):
+            positions.append(j + 16)
+        j = tail.find(_CENTRAL_SIG, j + 4)
+    if nbytes == 0:
+        positions = []  # CRC32 of no bytes is 0, already in the template
+    elif len(positions) != 2:
+        raise CheckpointError("unexpected torch.save zip layout (CRC fields not found)")
+    head = bytes(image[:start])
+    return BlobTemplate(head, tail, nbytes, tuple(positions), crc32(head))
+
+
+_TEMPLATES: OrderedDict[tuple[torch.dtype, tuple[int, ...]], BlobTemplate] = OrderedDict()
+
+_TEMPLATES_LOCK = threading.Lock()
+
+_TEMPLATE_CACHE_SIZE = 8192
+
+
+def blob_template(dtype: torch.dtype, shape: tuple[int, ...]) -> BlobTemplate:
+    key = (dtype, shape)
+    with _TEMPLATES_LOCK:
+        tpl = _TEMPLATES.get(key)
+        if tpl is not None:
+            _TEMPLATES.move_to_end(key)
+            return tpl
+    tpl = _build_template(dtype, shape)
+    with _TEMPLATES_LOCK:
+        _TEMPLATES[key] = tpl
+        while len(_TEMPLATES) > _TEMPLATE_CACHE_SIZE:
+            _TEMPLATES.popitem(last=False)
+    return tpl

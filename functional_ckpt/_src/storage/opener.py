@@ -1,0 +1,133 @@
+"""The one safe way to open a file of a checkpoint.
+
+Every file is opened without following a link and without blocking (a FIFO or a
+device in place of a file would hang a plain ``open``), and checked to be a
+regular file of the recorded size before a byte is read.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+from functional_ckpt._src.format.checksum import crc32
+from functional_ckpt._src.format.naming import is_temporary_name
+from functional_ckpt.errors import (
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    IncompleteCheckpoint,
+    UnsafeCheckpoint,
+)
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    return "not a regular file"
+
+
+def _check_mode(mode: int, where: Path, what: str) -> None:
+    if stat.S_ISLNK(mode):
+        raise UnsafeCheckpoint(f"{where}: checkpoint files may not be symbolic links ({what})")
+    if not stat.S_ISREG(mode):
+        raise UnsafeCheckpoint(
+            f"{where}: the {what} is {_kind(mode)}, not a regular file; the checkpoint is "
+            "damaged or hostile (a special file would block or mislead a reader)"
+        )
+
+
+def open_member(
+    dir_fd: int, name: str, where: Path, *, size: int | None = None, what: str = "file"
+) -> int:
+    """Open one file of a checkpoint for reading, safely: the only way any is opened.
+
+    Never follows a link, never blocks (a FIFO or device in place of a file would
+    hang a plain ``open``), and checks that it is a regular file of the recorded
+    ``size`` before a byte is read; the returned descriptor is blocking again.
+    ``FileNotFoundError`` is left to the caller (missing or replaced?).
+    """
+    _check_mode(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode, where, what)
+    try:
+        fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafeCheckpoint(f"{where}: checkpoint files may not be symbolic links") from None
+        if e.errno in (errno.ENXIO, errno.EISDIR, errno.ENOTDIR):
+            raise UnsafeCheckpoint(f"{where}: the {what} is not a regular file") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        _check_mode(st.st_mode, where, what)
+        if size is not None and st.st_size != size:
+            raise CorruptCheckpoint(
+                f"{where}: file is {st.st_size} bytes, the manifest recorded {size} "
+                "(truncated or replaced)"
+            )
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_exact(fd: int, size: int, where: Path) -> bytes:
+    """All ``size`` bytes of an opened file (its size was checked when it was opened)."""
+    parts: list[bytes] = []
+    done = 0
+    while done < size:
+        chunk = os.pread(fd, min(size - done, 16 << 20), done)
+        if not chunk:
+            raise CorruptCheckpoint(f"{where}: only {done} of {size} bytes could be read")
+        parts.append(chunk)
+        done += len(chunk)
+    return b"".join(parts)
+
+
+def crc32_fd(fd: int, size: int) -> int:
+    """CRC32 of the first ``size`` bytes of an opened file, read in large chunks."""
+    crc = 0
+    done = 0
+    while done < size:
+        chunk = os.pread(fd, min(size - done, 16 << 20), done)
+        if not chunk:
+            return -1  # shorter than recorded: cannot match
+        crc = crc32(chunk, crc)
+        done += len(chunk)
+    return crc
+
+
+def exists_at(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def open_directory(path: Path) -> int:
+    """A descriptor of the checkpoint directory ``path`` (the caller closes it)."""
+    if is_temporary_name(path.name):
+        raise IncompleteCheckpoint(
+            f"{path}: a temporary directory (an unfinished save or a deletion in progress), "
+            "never a checkpoint"
+        )
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"{path}: no checkpoint here (the path does not exist)") from None
+    except NotADirectoryError:
+        raise CheckpointNotFound(f"{path}: not a checkpoint directory (it is a file)") from None
+    except OSError as e:
+        raise CheckpointNotFound(f"{path}: cannot open the checkpoint directory: {e}") from None

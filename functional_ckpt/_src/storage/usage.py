@@ -1,0 +1,73 @@
+"""Disk usage of checkpoints: their bytes, and the bytes they share with others.
+
+Incremental checkpoints share data files through hard links, so a checkpoint's
+size and the bytes it adds to the disk are different numbers; both are read from
+``stat`` alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def dir_size(path: Path) -> int:
+    """Bytes in the regular files directly inside ``path`` (0 if it vanished)."""
+    total = 0
+    with contextlib.suppress(OSError), os.scandir(path) as it:
+        for entry in it:
+            if entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+def sharing(path: Path, files: Any) -> tuple[int, int]:
+    """(bytes shared with other checkpoints now, bytes this save added) of a checkpoint.
+
+    Shared: data files with more than one link (the same bytes in another
+    checkpoint). Added: every listed file the save wrote itself, copies included.
+    """
+    shared = added = 0
+    if not isinstance(files, dict):
+        return 0, 0
+    for name, info in files.items():
+        if not isinstance(info, dict) or not isinstance(name, str) or "/" in name:
+            continue
+        size = info.get("size")
+        size = size if isinstance(size, int) else 0
+        if not info.get("reused") or info.get("copied") is True:
+            added += size
+        with contextlib.suppress(OSError):
+            st = os.stat(path / name, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                shared += size
+    return shared, added
+
+
+def shared_bytes(path: Path) -> int:
+    """Bytes of the files in ``path`` that are also linked elsewhere (stat only)."""
+    total = 0
+    with contextlib.suppress(OSError), os.scandir(path) as it:
+        for entry in it:
+            with contextlib.suppress(OSError):
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                    total += st.st_size
+    return total
+
+
+def disk_bytes(paths: Sequence[Path]) -> int:
+    """Bytes of the regular files directly inside ``paths``, each file counted once."""
+    seen: dict[tuple[int, int], int] = {}
+    for path in paths:
+        with contextlib.suppress(OSError), os.scandir(path) as it:
+            for entry in it:
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode):
+                        seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
