@@ -3,7 +3,7 @@
 What is compared, in one run, on the same disk, with every save made durable:
 
 ``fc.save_async(staging="copy")``
-    with one reused :class:`fc.staging.Stager` per state (a warm-up save allocates its
+    with one reused :class:`fc.checkpoint.Stager` per state (a warm-up save allocates its
     buffers first). *Stall*: from the call until ``wait_staged()`` returns.
 ``fc.save_async(staging="none")``
     no copy; the stall is the up-front checks and the hand-off to the writer thread.
@@ -78,7 +78,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import functional_ckpt as fc
-from functional_ckpt.staging import Staging
+from functional_ckpt._src.save.staging import Staging
 
 # Tool labels: row keys in the table, the JSON and the targets.
 FC_COPY = 'fc.save_async(staging="copy")'
@@ -88,7 +88,7 @@ FC_SYNC = "fc.save (sync)"
 DCP_ASYNC = "dcp.async_save(DefaultStager)"
 
 NOTES = {
-    FC_COPY: "reused fc.staging.Stager; stall = call -> wait_staged()",
+    FC_COPY: "reused fc.checkpoint.Stager; stall = call -> wait_staged()",
     FC_NONE: "no copy; stall = call -> wait_staged()",
     COPY: "preallocated buffers; no disk",
     FC_SYNC: "stall = the whole durable save",
@@ -140,7 +140,7 @@ class Runner:
 
         self.w = w
         self.workdir = workdir
-        self.stager = fc.staging.Stager()
+        self.stager = fc.checkpoint.Stager()
         self.copy_buffers = [torch.empty_like(t) for t in w.tensors.values()]
         self.dcp_stager = DefaultStager(
             StagingOptions(
@@ -255,7 +255,7 @@ def run_workload(w: Workload, workdir: Path, reps: int, res: Results) -> None:
             for label in rotate(list(tools), rep):
                 res.add(w.name, label, runner.run(label, tools[label]))
         if runner.stager.allocations != allocations:
-            log(f"warning: the fc.staging.Stager reallocated its buffers during {w.name}")
+            log(f"warning: the fc.checkpoint.Stager reallocated its buffers during {w.name}")
     finally:
         runner.close()
 

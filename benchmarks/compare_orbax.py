@@ -131,7 +131,7 @@ class Runner:
         self.orbax_sync = ocp.Checkpointer(ocp.StandardCheckpointHandler())
         self.orbax_async = ocp.StandardCheckpointer()
         self.abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, w.jax_state)
-        self.stager = fc.staging.Stager()
+        self.stager = fc.checkpoint.Stager()
         self.fc_dir = workdir / "fc-read"
         self.orbax_dir = workdir / "orbax-read"
         fc.save(self.fc_dir, w.torch_state)

@@ -1025,7 +1025,7 @@ def _probe_load(path: Path) -> dict[str, Any]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 value = fn()
-            ok = value.ok if isinstance(value, fc.io.VerifyReport) else True
+            ok = value.ok if isinstance(value, fc.checkpoint.VerifyReport) else True
             exact = ""
             if what in ("restore", "manager") and value is not None:
                 try:
@@ -1307,12 +1307,13 @@ def scenario_durability(scale: Scale, base: Path, seed: int) -> Result:
 
 
 def _commit_like_coordinator(dest: Path) -> None:
-    """The distributed coordinator's commit (writer.finalize), without a process group."""
-    from functional_ckpt import writer
+    """The distributed coordinator's commit (local.finalize), without a process group."""
+    from functional_ckpt._src.save import local
+    from functional_ckpt._src.save.plan import host_copy, plan_save
 
-    plan = writer.plan_save(make_state(2, big=1, small=4))
-    tensors = [writer.host_copy(t) for t in plan.sources]
-    writer.write_local(dest, plan, tensors, metadata={}, overwrite=False)
+    plan = plan_save(make_state(2, big=1, small=4))
+    tensors = [host_copy(t) for t in plan.sources]
+    local.write_local(dest, plan, tensors, metadata={}, overwrite=False)
 
 
 _SPECIAL_KINDS = ("fifo", "directory", "symlink", "device")
@@ -1348,7 +1349,7 @@ def _special_probe(path: Path) -> dict[str, Any]:
     ):
         try:
             value = fn()
-            ok = value.ok if isinstance(value, fc.io.VerifyReport) else True
+            ok = value.ok if isinstance(value, fc.checkpoint.VerifyReport) else True
             out[what] = ["ok" if ok else "reported", "" if ok else str(value)]
         except BaseException as e:
             out[what] = [type(e).__name__, str(e)[:300]]
@@ -1537,7 +1538,7 @@ def _unpickler_probe(raw: bytes, base: Path) -> dict[str, Any]:
     ):
         try:
             value = fn()
-            ok = value.ok if isinstance(value, fc.io.VerifyReport) else True
+            ok = value.ok if isinstance(value, fc.checkpoint.VerifyReport) else True
             out[what] = "ok" if ok else "reported"
         except BaseException as e:
             out[what] = type(e).__name__

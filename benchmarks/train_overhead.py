@@ -192,13 +192,13 @@ class Checkpointer:
 class DirectCheckpointer(Checkpointer):
     """``fc.save_async`` with one pending save at a time, alternating two slots."""
 
-    kind = "fc.save_async (one pending save, reused fc.staging.Stager)"
+    kind = "fc.save_async (one pending save, reused fc.checkpoint.Stager)"
 
     def __init__(self, root: Path) -> None:
         super().__init__()
         self.root = root
-        self.stager = fc.staging.Stager()
-        self.pending: fc.staging.PendingSave | None = None
+        self.stager = fc.checkpoint.Stager()
+        self.pending: fc.checkpoint.PendingSave | None = None
         self.committed: Path | None = None
         self.count = 0
 
@@ -297,7 +297,7 @@ def calibrate(trainer: Trainer, workdir: Path, timed_steps: int) -> Calibration:
         step_times.append(time.perf_counter() - t0)
     state = trainer.state(0)
     dest = workdir / "calibrate"
-    stager = fc.staging.Stager()
+    stager = fc.checkpoint.Stager()
     fc.save_async(dest, state, stager=stager).result()  # allocates the buffers
     remove_path(dest)
     settle()

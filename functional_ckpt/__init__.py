@@ -7,15 +7,20 @@ that owns it: ``fc.errors``, ``fc.policy``, ``fc.retention``, ``fc.staging``,
 ``fc.export``, ``fc.io``, ``fc.manager``, ``fc.tree``, ``fc.recording``.
 """
 
+from functional_ckpt import checkpoint as checkpoint
 from functional_ckpt import codec as codec
+from functional_ckpt import tree as tree
+from functional_ckpt._src.restore.api import restore
+from functional_ckpt._src.restore.inspect import inspect
+from functional_ckpt._src.save.api import save, save_async
+from functional_ckpt._src.state.capture import apply, capture
+from functional_ckpt._src.state.tree import to_python
 from functional_ckpt._src.storage.verify import verify
 from functional_ckpt._src.version import __version__
 from functional_ckpt.errors import CheckpointError
 from functional_ckpt.export import export_safetensors
 from functional_ckpt.forking import fork
-from functional_ckpt.io import inspect, restore, save
 from functional_ckpt.manager import CheckpointManager
-from functional_ckpt.pipeline.save import save_async
 from functional_ckpt.policy import (
     at_steps,
     every_epochs,
@@ -27,8 +32,6 @@ from functional_ckpt.policy import (
 )
 from functional_ckpt.recording import Recorder, Replay
 from functional_ckpt.retention import keep_best, keep_every, keep_last, keep_within
-from functional_ckpt.state import apply, capture
-from functional_ckpt.tree import to_python
 
 __all__ = [
     "CheckpointError",

@@ -13,8 +13,8 @@ from typing import Any
 from tensordict import TensorDict, TensorDictBase
 
 from functional_ckpt._src import codec
-from functional_ckpt.pipeline.topology import is_dtensor
-from functional_ckpt.tree import Leaf, as_state, iter_leaves, unflatten
+from functional_ckpt._src.distributed.topology import is_dtensor
+from functional_ckpt._src.state.tree import Leaf, as_state, iter_leaves, unflatten
 
 __all__ = ["coordinator_decides", "gathered", "prepare_groups"]
 
@@ -25,7 +25,7 @@ def prepare_groups() -> None:
     Groups are created collectively; creating them later on a background save
     thread could interleave with the training thread's collectives.
     """
-    from functional_ckpt.dist import checkpoint_group
+    from functional_ckpt._src.distributed.groups import checkpoint_group
 
     checkpoint_group()
     checkpoint_group(purpose="control")
@@ -56,7 +56,7 @@ def coordinator_decides(decision: tuple[Any, ...]) -> tuple[Any, ...]:
     half the ranks saving would deadlock the collective save, so only the
     coordinator's view counts, and its policy states are stored everywhere.
     """
-    from functional_ckpt.dist import all_gather_bytes, checkpoint_group
+    from functional_ckpt._src.distributed.groups import all_gather_bytes, checkpoint_group
 
     group = checkpoint_group(purpose="control")
     payload = codec.encode(list(decision))

@@ -30,8 +30,17 @@ from typing import Any
 from tensordict import TensorDict, TensorDictBase
 
 from functional_ckpt import rollback
+from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format.naming import parse_step, step_name
 from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.restore.api import check_like_or_out, restore
+from functional_ckpt._src.restore.template import Reshard
+from functional_ckpt._src.save.api import save as save_sync
+from functional_ckpt._src.save.api import save_async
+from functional_ckpt._src.save.incremental import Incremental
+from functional_ckpt._src.save.info import CheckpointInfo
+from functional_ckpt._src.save.plan import DEFAULT_PER_RANK
+from functional_ckpt._src.save.staging import PendingSave, Stager, Staging
 from functional_ckpt.collective import coordinator_decides, gathered, prepare_groups
 from functional_ckpt.degradation import Rollback, SaveResult, Watch, roll_back
 from functional_ckpt.errors import (
@@ -41,15 +50,9 @@ from functional_ckpt.errors import (
 )
 from functional_ckpt.export import Export
 from functional_ckpt.exporting import BackgroundExport, run_export, snapshot
-from functional_ckpt.io import like_argument, restore
 from functional_ckpt.lock import WriterLock
 from functional_ckpt.manager_args import check_policies, plain_metrics, remote_tier
-from functional_ckpt.pipeline.incremental import Incremental
-from functional_ckpt.pipeline.save import save as save_sync
-from functional_ckpt.pipeline.save import save_async
-from functional_ckpt.pipeline.topology import topology
 from functional_ckpt.policy import Event, PolicyState, SavePolicy, every_steps
-from functional_ckpt.reader import Reshard
 from functional_ckpt.record import (
     Provenance,
     RunningTime,
@@ -62,8 +65,6 @@ from functional_ckpt.resume import check_order, newest_readable
 from functional_ckpt.retention import RetentionPolicy, keep_all, plan_deletions
 from functional_ckpt.root import MANAGER_KEY, StepInfo, delete, open_writer, record_of, remove_all
 from functional_ckpt.rootview import RootView
-from functional_ckpt.staging import PendingSave, Stager, Staging
-from functional_ckpt.writer import DEFAULT_PER_RANK, CheckpointInfo
 
 __all__ = [
     "CheckpointManager",
@@ -459,14 +460,12 @@ class CheckpointManager(RootView):
         *,
         out: State | None = None,
         reshard: Reshard | None = None,
-        template: State | None = None,
     ) -> TensorDict:
         """Restore one step (no fallback) and continue the policies from it.
 
-        ``like``, ``out`` and ``reshard`` are those of :func:`functional_ckpt.restore`
-        (``template=`` is the deprecated spelling of ``like=``).
+        ``like``, ``out`` and ``reshard`` are those of :func:`functional_ckpt.restore`.
         """
-        like = like_argument(like, out, template, "CheckpointManager.restore")
+        check_like_or_out(like, out, "CheckpointManager.restore")
         if self._closed:
             raise CheckpointError(f"{self.root}: restore: the manager is closed")
         path = self.path(step)
@@ -481,7 +480,6 @@ class CheckpointManager(RootView):
         *,
         out: State | None = None,
         reshard: Reshard | None = None,
-        template: State | None = None,
     ) -> TensorDict | None:
         """Restore the newest readable checkpoint; None only if the root holds none.
 
@@ -495,7 +493,7 @@ class CheckpointManager(RootView):
         ``like``/``out`` are those of :func:`functional_ckpt.restore`: with ``like`` a
         new state is returned and ``like`` is never written.
         """
-        like = like_argument(like, out, template, "CheckpointManager.restore_latest")
+        check_like_or_out(like, out, "CheckpointManager.restore_latest")
         if self._closed:
             raise CheckpointError(f"{self.root}: restore_latest: the manager is closed")
 

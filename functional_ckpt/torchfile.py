@@ -34,6 +34,10 @@ from tensordict import TensorDictBase
 
 from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.restore.api import restore
+from functional_ckpt._src.save.api import save
+from functional_ckpt._src.save.info import CheckpointInfo
+from functional_ckpt._src.state.tree import to_python
 from functional_ckpt._src.storage import durable
 from functional_ckpt.errors import (
     CheckpointError,
@@ -42,9 +46,6 @@ from functional_ckpt.errors import (
     UnsafeCheckpoint,
 )
 from functional_ckpt.export import _collect, _load, _select_path
-from functional_ckpt.io import restore, save
-from functional_ckpt.tree import to_python
-from functional_ckpt.writer import CheckpointInfo
 
 __all__ = ["WEIGHTS_KEY", "export_torch", "import_torch", "load_torch_file", "loadable"]
 

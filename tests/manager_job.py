@@ -106,7 +106,7 @@ def run(
     objs = build()
     model, opt, sched, loader = objs
     with fc.CheckpointManager(root, save=fc.every_steps(1), keep=fc.keep_last(keep)) as mgr:
-        restored = mgr.restore_latest(template=live_state(objs, 0))
+        restored = mgr.restore_latest(like=live_state(objs, 0))
         step = 0
         if restored is not None:
             fc.apply(restored, model=model, optimizer=opt, scheduler=sched, loader=loader)

@@ -51,10 +51,10 @@ def test_everything_else_is_reachable_in_its_submodule() -> None:
     assert fc.policy.always().spec == {"kind": "always"}
     assert isinstance(fc.policy.Event(step=1), fc.policy.Event)
     assert fc.retention.keep_all().select([]) == set()
-    assert callable(fc.staging.Stager)
+    assert callable(fc.checkpoint.Stager)
     assert callable(fc.export.Export)
     assert callable(fc.tree.from_python)
-    assert callable(fc.io.VerifyReport)
+    assert callable(fc.checkpoint.VerifyReport)
     assert fc.policy.on_degrade("reward").spec["kind"] == "on_degrade"
     assert issubclass(fc.recording.NotRecorded, fc.CheckpointError)
 

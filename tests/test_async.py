@@ -78,7 +78,7 @@ def test_bad_input_raises_at_the_call(tmp_path: Path) -> None:
 
 
 def test_staging_buffers_are_reused_and_memory_stays_flat(tmp_path: Path) -> None:
-    stager = fc.staging.Stager()
+    stager = fc.checkpoint.Stager()
     state = big_state(16, 1 << 17)  # 8 MiB
     proc = psutil.Process()
 
@@ -98,7 +98,7 @@ def test_staging_buffers_are_reused_and_memory_stays_flat(tmp_path: Path) -> Non
 
 
 def test_stager_reallocates_when_shapes_change(tmp_path: Path) -> None:
-    stager = fc.staging.Stager()
+    stager = fc.checkpoint.Stager()
     fc.save_async(tmp_path / "a", {"w": torch.ones(4)}, stager=stager).result()
     fc.save_async(tmp_path / "b", {"w": torch.ones(5)}, stager=stager).result()
     assert stager.allocations == 2
@@ -109,7 +109,7 @@ def test_stager_reallocates_when_shapes_change(tmp_path: Path) -> None:
 def test_cuda_staging_uses_pinned_buffers(tmp_path: Path) -> None:
     state = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.arange(10, device="cuda")}
     expected = {k: v.cpu() for k, v in state.items()}
-    stager = fc.staging.Stager()
+    stager = fc.checkpoint.Stager()
     pending = fc.save_async(tmp_path / "ck", state, stager=stager)
     pending.wait_staged()
     state["w"].add_(1.0)

@@ -197,13 +197,14 @@ def test_result_takes_each_like_leafs_dtype_device_and_grad(tmp_path: Path) -> N
         fc.restore(tmp_path / "ck", like)  # conversion only when asked for
 
 
-def test_like_and_out_are_exclusive_and_template_is_deprecated(tmp_path: Path) -> None:
+def test_like_and_out_are_exclusive_and_template_is_no_spelling(tmp_path: Path) -> None:
     fc.save(tmp_path / "ck", {"w": torch.ones(3)})
     like = {"w": torch.zeros(3)}
     with pytest.raises(fc.CheckpointError, match="not both"):
         fc.restore(tmp_path / "ck", like, out=like)
-    with pytest.warns(DeprecationWarning, match="like="):
-        back = fc.restore(tmp_path / "ck", template=like)
+    with pytest.raises(TypeError, match="template"):  # the old spelling is gone
+        fc.restore(tmp_path / "ck", template=like)
+    back = fc.restore(tmp_path / "ck", like=like)
     assert torch.equal(back["w"], torch.ones(3)) and torch.equal(like["w"], torch.zeros(3))
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt.pipeline import incremental
+from functional_ckpt._src.save import incremental
 
 
 def _flip_byte_of(path: Path, needle: bytes) -> None:

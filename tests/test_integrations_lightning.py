@@ -26,10 +26,10 @@ import functional_ckpt as fc
 import functional_ckpt.integrations.lightning as fc_lightning
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
+from functional_ckpt._src.save.info import CheckpointInfo
+from functional_ckpt._src.save.staging import PendingSave, run_in_background
 from functional_ckpt.errors import CheckpointError
 from functional_ckpt.integrations.lightning import FunctionalCheckpointIO
-from functional_ckpt.staging import PendingSave, run_in_background
-from functional_ckpt.writer import CheckpointInfo
 
 STEPS_PER_EPOCH = 8
 

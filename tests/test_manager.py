@@ -318,7 +318,7 @@ def test_template_mismatch_is_not_treated_as_damage(tmp_path: Path) -> None:
     wrong = {"w": torch.zeros(2, 2), "b": torch.zeros(5, dtype=torch.long), "step": 0}
     with fc.CheckpointManager(tmp_path) as mgr, no_warnings() as caught:
         with pytest.raises(fc.errors.TemplateMismatch):
-            mgr.restore_latest(template=wrong)
+            mgr.restore_latest(like=wrong)
         assert mgr.steps() == [1, 2] and not caught
 
 
@@ -396,7 +396,7 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path: Path, how: str) -> None
     template = small_state(0)
     with fc.CheckpointManager(tmp_path, save=fc.on_improve("loss")) as mgr:
         with pytest.warns(CheckpointWarning, match=r"step_000000003.*step 3"):
-            state = mgr.restore_latest(template=template)
+            state = mgr.restore_latest(like=template)
         assert state is not None and state["step"] == 2
         assert torch.equal(state["w"], torch.full((4, 3), 2.0))
         assert mgr.latest_step() == 2 and mgr.restored_step == 2
@@ -653,7 +653,7 @@ def test_fork_records_provenance_and_continues(tmp_path: Path) -> None:
         assert abs(prov["time"] - time.time()) < 60
         assert info.metadata["exp"] == "A" and info.metrics["loss"] == 1.0 / 3 and info.epoch == 1
         assert info.metadata["pid"] == os.getpid()
-        state = mgr.restore_latest(template=small_state(0))
+        state = mgr.restore_latest(like=small_state(0))
         assert state is not None and torch.equal(state["w"], torch.full((4, 3), 3.0))
         # a new run: its policies start afresh (on_improve fires on its first value)
         assert mgr.maybe_save(small_state(4), step=4, metrics={"loss": 5.0})
@@ -814,7 +814,7 @@ def test_a_template_the_codec_refuses_is_the_callers_error(tmp_path: Path) -> No
     bad = {"w": torch.zeros(4, 3), "b": defaultdict(list, {"x": torch.zeros(5)}), "step": 0}
     with fc.CheckpointManager(tmp_path) as mgr, no_warnings() as caught:
         with pytest.raises(fc.errors.UnsupportedValue):
-            mgr.restore_latest(template=bad)
+            mgr.restore_latest(like=bad)
         assert mgr.steps() == [1, 2] and not caught
     assert sorted(p.name for p in tmp_path.iterdir() if ".corrupt-" in p.name) == []
 

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import writer
+from functional_ckpt._src.distributed.topology import Topology, topology
 from functional_ckpt._src.format.manifest import Chunk, TensorEntry
-from functional_ckpt.pipeline import backends, save
-from functional_ckpt.pipeline.topology import Topology, topology
+from functional_ckpt._src.save import api as save
+from functional_ckpt._src.save import backends, plan
+from functional_ckpt._src.save.info import CheckpointInfo
 
 
 def test_topology_without_a_process_group() -> None:
@@ -27,13 +28,13 @@ def test_every_save_flattens_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     calls = []
-    original = writer.plan_save
+    original = plan.plan_save
 
-    def counted(*args: Any, **kwargs: Any) -> writer.Plan:
+    def counted(*args: Any, **kwargs: Any) -> plan.Plan:
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(writer, "plan_save", counted)
+    monkeypatch.setattr(plan, "plan_save", counted)
     w = torch.arange(6.0)
     state = {"w": w, "tied": w, "step": 3}
     if mode == "save":
@@ -56,7 +57,7 @@ class Recording:
         job: backends.SaveJob,
         tensors: Sequence[torch.Tensor],
         hooks: backends.Hooks,
-    ) -> writer.CheckpointInfo:
+    ) -> CheckpointInfo:
         self.seen = list(tensors)
         return backends.LocalBackend().write(job, tensors, hooks)
 
@@ -67,7 +68,7 @@ def test_the_backend_gets_staged_copies_and_fills_the_chunks(
     rec = Recording()
     monkeypatch.setattr(save, "backend_for", lambda job: rec)
     w = torch.arange(4.0)
-    stager = fc.staging.Stager()
+    stager = fc.checkpoint.Stager()
     pending = fc.save_async(tmp_path / "ck", {"w": w}, stager=stager)
     info = pending.result()
     assert info.num_tensors == 1

@@ -44,15 +44,16 @@ def test_restore_latest_falls_back_without_touching_the_live_model(tmp_path: Pat
     assert torch.equal(live.weight, saved[1])
 
 
-def test_manager_restore_out_and_deprecated_template(tmp_path: Path) -> None:
+def test_manager_restore_out_and_no_template_spelling(tmp_path: Path) -> None:
     saved = save_steps(tmp_path)
     live = model(99)
     with fc.CheckpointManager(tmp_path) as mgr:
         state = mgr.restore(1, out=fc.capture(model=live, rng=False))
         assert torch.equal(live.weight, saved[1])  # in place, by name
         assert state["model", "weight"].data_ptr() == live.weight.data_ptr()
-        with pytest.warns(DeprecationWarning, match="like="):
-            old = mgr.restore_latest(template=fc.capture(model=model(98), rng=False))
+        with pytest.raises(TypeError, match="template"):  # the old spelling is gone
+            mgr.restore_latest(template=fc.capture(model=model(98), rng=False))
+        old = mgr.restore_latest(like=fc.capture(model=model(98), rng=False))
         assert old is not None and torch.equal(old["model", "weight"], saved[2])
 
 

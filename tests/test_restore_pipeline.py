@@ -12,9 +12,9 @@ import torch
 from tensordict import TensorDict
 
 import functional_ckpt as fc
+from functional_ckpt._src.distributed.topology import Topology
 from functional_ckpt._src.format import manifest, view
-from functional_ckpt.pipeline import restore as restore_pipeline
-from functional_ckpt.pipeline.topology import Topology
+from functional_ckpt._src.restore import api as restore_pipeline
 
 
 def saved_state() -> dict[str, Any]:
@@ -85,8 +85,8 @@ def test_verify_parses_the_manifest_once(tmp_path: Path, validations: Counter[st
 
 
 def test_planned_entries_travel_through_the_one_parser() -> None:
+    from functional_ckpt._src.save.plan import plan_save
     from functional_ckpt.errors import CorruptCheckpoint
-    from functional_ckpt.writer import plan_save
 
     state = TensorDict(
         {"rng": {"a": torch.ones(2, 3), "env": TensorDict({"x": torch.zeros(4)}, [4])}},

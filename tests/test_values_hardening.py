@@ -23,11 +23,11 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import staging, writer
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import coverage, keys, limits, naming, view
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.limits import LIMITS
+from functional_ckpt._src.save import plan, staging
 from functional_ckpt._src.storage import checkpoint
 from functional_ckpt.errors import (
     CorruptCheckpoint,
@@ -227,7 +227,7 @@ def test_load_refuses_each_limit_one_past_it(tmp_path: Path) -> None:
 def test_values_too_large_for_a_manifest_are_refused_before_writing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(writer, "LIMITS", dataclasses.replace(LIMITS, manifest_bytes=1 << 20))
+    monkeypatch.setattr(plan, "LIMITS", dataclasses.replace(LIMITS, manifest_bytes=1 << 20))
     state = {"small": b"x" * 100, "big": b"x" * (1 << 20), "t": torch.ones(1)}
     with pytest.raises(UnsupportedValue, match=r"state\['big'\]"):
         fc.save(tmp_path / "c" / "s", state)

@@ -15,6 +15,8 @@ import torch
 
 import functional_ckpt as fc
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath
+from functional_ckpt._src.restore.diff import diff_checkpoints
+from functional_ckpt._src.restore.summary import CheckpointSummary, Node, TensorSpec, short_repr
 from functional_ckpt._src.storage.usage import dir_size
 from functional_ckpt.cli import tiers
 from functional_ckpt.cli.common import (
@@ -26,10 +28,8 @@ from functional_ckpt.cli.common import (
 )
 from functional_ckpt.cli.recording import inspect_recording
 from functional_ckpt.cli.ui import PROG, UI, human
-from functional_ckpt.diff import diff_checkpoints
 from functional_ckpt.recording import is_recording
 from functional_ckpt.root import classify
-from functional_ckpt.summary import Node, short_repr
 
 __all__ = ["cmd_diff", "cmd_export", "cmd_inspect", "jsonable", "parse_dtype"]
 
@@ -89,7 +89,7 @@ def _entry_line(entry: Entry, ui: UI, width: int) -> str:
     item = entry.item
     if isinstance(item, Node):
         return f"{indent}{ui.paint(name + '/', 'key')}{ui.paint(_container_kind(item), 'dim')}"
-    if isinstance(item, fc.io.TensorSpec):
+    if isinstance(item, TensorSpec):
         spec = f"{_dtype_text(item.dtype)}{list(item.shape)}"
         size = ui.paint(human(item.nbytes), "dim")
         return f"{indent}{name.ljust(width)}  {ui.paint(spec, 'dtype')}  {size}"
@@ -143,7 +143,7 @@ def _entry_json(entry: Entry) -> dict[str, Any]:
     item = entry.item
     if isinstance(item, Node):
         return {"key": entry.key, "path": list(entry.path), "kind": "node"}
-    if isinstance(item, fc.io.TensorSpec):
+    if isinstance(item, TensorSpec):
         return {
             "key": entry.key,
             "path": list(entry.path),
@@ -155,7 +155,7 @@ def _entry_json(entry: Entry) -> dict[str, Any]:
     return {"key": entry.key, "path": list(entry.path), "kind": "value", "value": jsonable(item)}
 
 
-def _inspect(path: Path) -> fc.io.CheckpointSummary:
+def _inspect(path: Path) -> CheckpointSummary:
     """``fc.inspect`` with a pointer to ``ls`` when given a directory of checkpoints."""
     require_exists(path)
     try:
@@ -204,7 +204,7 @@ def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
     return 0
 
 
-def _inspect_lines(summary: fc.io.CheckpointSummary, entries: Sequence[Entry], ui: UI) -> list[str]:
+def _inspect_lines(summary: CheckpointSummary, entries: Sequence[Entry], ui: UI) -> list[str]:
     kind = "stock DCP checkpoint" if summary.foreign else f"format v{summary.format_version}"
     lines = [
         ui.paint(str(summary.path), "head"),
@@ -303,13 +303,13 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
 
 
 def _selected_bytes(
-    summary: fc.io.CheckpointSummary, select: KeyPath, dtype: torch.dtype | None
+    summary: CheckpointSummary, select: KeyPath, dtype: torch.dtype | None
 ) -> tuple[int, int]:
     """(bytes to read, bytes to write) of the tensors under ``select``, for the progress bar."""
     entries = flatten_tree(summary.tree)
     read = write = 0
     for e in entries:
-        if e.path[: len(select)] == select and isinstance(e.item, fc.io.TensorSpec):
+        if e.path[: len(select)] == select and isinstance(e.item, TensorSpec):
             read += e.item.nbytes
             itemsize = dtype.itemsize if dtype and e.item.dtype.is_floating_point else None
             numel = math.prod(e.item.shape)

@@ -18,11 +18,11 @@ from typing import Any
 
 from tensordict import TensorDict, TensorDictBase
 
+from functional_ckpt._src.state.capture import apply as fc_apply
+from functional_ckpt._src.state.capture import capture as fc_capture
+from functional_ckpt._src.state.tree import to_python
 from functional_ckpt.errors import TemplateMismatch
 from functional_ckpt.integrations import torchdata
-from functional_ckpt.state import apply as fc_apply
-from functional_ckpt.state import capture as fc_capture
-from functional_ckpt.tree import to_python
 
 __all__ = ["apply", "capture", "iter_resumed"]
 

@@ -24,13 +24,13 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
+from functional_ckpt._src.distributed.topology import topology
+from functional_ckpt._src.restore.api import restore
+from functional_ckpt._src.save.api import save, save_async
+from functional_ckpt._src.save.staging import PendingSave
+from functional_ckpt._src.state.tree import to_python
 from functional_ckpt.errors import CheckpointError
-from functional_ckpt.io import restore, save
-from functional_ckpt.pipeline.save import save_async
-from functional_ckpt.pipeline.topology import topology
 from functional_ckpt.root import remove_checkpoint
-from functional_ckpt.staging import PendingSave
-from functional_ckpt.tree import to_python
 
 __all__ = ["FunctionalCheckpointIO"]
 

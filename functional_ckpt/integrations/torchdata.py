@@ -18,8 +18,8 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
+from functional_ckpt._src.state.capture import apply
 from functional_ckpt.errors import TemplateMismatch
-from functional_ckpt.state import apply
 
 __all__ = ["iter_resumed"]
 

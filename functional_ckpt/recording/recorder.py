@@ -31,6 +31,7 @@ from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.keys import format_path, fqn_of
 from functional_ckpt._src.format.manifest import Entry, NodeEntry, TensorEntry, ValueEntry
 from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.state.tree import Leaf, as_state, iter_leaves, node_record
 from functional_ckpt._src.storage import durable
 from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
 from functional_ckpt.policy.base import as_int, positive_int
@@ -45,7 +46,6 @@ from functional_ckpt.recording.layout import (
     VERSION,
     segment_name,
 )
-from functional_ckpt.tree import Leaf, as_state, iter_leaves, node_record
 
 __all__ = ["Recorder"]
 

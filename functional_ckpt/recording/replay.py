@@ -26,6 +26,7 @@ from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.format.manifest import NodeEntry, TensorEntry, dtype_name
 from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.state.tree import Leaf, as_state, iter_leaves, unflatten
 from functional_ckpt._src.storage.shards import read_into
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, TemplateMismatch
 from functional_ckpt.policy.base import as_int
@@ -35,7 +36,6 @@ from functional_ckpt.recording.layout import (
     read_committed,
     segment_name,
 )
-from functional_ckpt.tree import Leaf, as_state, iter_leaves, unflatten
 
 __all__ = ["NotRecorded", "Replay"]
 

@@ -87,7 +87,7 @@ def download(
             raise CorruptCheckpoint(f"{store.where(step)}: damaged remote checkpoint: {problems}")
         final = into / step_name(step)
         if replace:
-            from functional_ckpt.dist import replaceable_part
+            from functional_ckpt._src.save.multi_rank import replaceable_part
 
             commit.commit_checkpoint(tmp, final, overwrite=True, replaceable=replaceable_part)
         else:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from functional_ckpt._src import codec
+from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt.errors import (
@@ -42,7 +43,6 @@ from functional_ckpt.errors import (
     RemoteWarning,
     UnsafeCheckpoint,
 )
-from functional_ckpt.pipeline.topology import topology
 from functional_ckpt.remote import protocol
 from functional_ckpt.remote.fetch import download, remove_downloads
 from functional_ckpt.remote.store import Store, public_url
@@ -116,7 +116,8 @@ class RemoteTier:
                 raise
             error = e
         if self.world > 1:
-            from functional_ckpt.dist import agree, allow_parts, checkpoint_group
+            from functional_ckpt._src.distributed.groups import agree, checkpoint_group
+            from functional_ckpt._src.save.multi_rank import allow_parts
 
             self._group = checkpoint_group(timeout, purpose="upload")
             agree(error, self._group, f"remote {self.url}")
@@ -200,7 +201,7 @@ class RemoteTier:
             self._worker.stop()
             self._worker = None
             if self.world > 1 and not self.shared:
-                from functional_ckpt.dist import allow_parts
+                from functional_ckpt._src.save.multi_rank import allow_parts
 
                 allow_parts(self.root, False)
         self.store.close()
@@ -327,7 +328,7 @@ class RemoteTier:
 
         On the training thread, so on the manager's group (uploads use their own).
         """
-        from functional_ckpt.dist import agree, checkpoint_group
+        from functional_ckpt._src.distributed.groups import agree, checkpoint_group
 
         group = checkpoint_group(purpose="control")
         mine = [s for s in local_steps() if self._whole(s)]
@@ -368,7 +369,7 @@ class RemoteTier:
         """Every rank's ``value`` (on the uploads' group unless told otherwise)."""
         if self.world == 1:
             return [value]
-        from functional_ckpt.dist import all_gather_bytes
+        from functional_ckpt._src.distributed.groups import all_gather_bytes
 
         encoded = codec.encode(value)
         return [codec.decode(b) for b in all_gather_bytes(encoded, group or self._group)]
@@ -500,7 +501,7 @@ class RemoteTier:
 
     def _upload(self, step: int) -> None:
         """One checkpoint, by the object-store commit protocol, every rank its own files."""
-        from functional_ckpt.dist import agree
+        from functional_ckpt._src.distributed.groups import agree
 
         local = self.root / step_name(step)
         self._set_uploading(step)
@@ -554,7 +555,7 @@ class RemoteTier:
         except BaseException as e:
             error = e
         if self.world > 1:
-            from functional_ckpt.dist import agree
+            from functional_ckpt._src.distributed.groups import agree
 
             agree(error, self._group, what)
         elif error is not None:

@@ -267,7 +267,7 @@ def train_managed(directory: Path, schedule: Schedule, crash_at: int | None, eve
         async_save=True,  # the loop waits for a memory copy, the write runs behind it
     ) as mgr:
         t0 = time.perf_counter()
-        restored = mgr.restore_latest(template=job.capture(0))
+        restored = mgr.restore_latest(like=job.capture(0))
         step = job.apply(restored) if restored is not None else 0
         log.write(
             "start",

@@ -18,6 +18,7 @@ from typing import Any
 
 import functional_ckpt as fc
 from functional_ckpt._src.format import naming
+from functional_ckpt._src.restore.diff import diff_checkpoints
 from functional_ckpt.cli.demo.job import (
     CKPT_DIR,
     CRASH_FRACTION,
@@ -31,7 +32,6 @@ from functional_ckpt.cli.demo.job import (
     Job,
     Schedule,
 )
-from functional_ckpt.diff import diff_checkpoints
 from functional_ckpt.root import kept_by, scan
 
 # --------------------------------------------------------------------------- parent

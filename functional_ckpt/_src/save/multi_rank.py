@@ -1,131 +1,51 @@
-"""Multi-rank saves and restores on torch.distributed and DCP's planners.
+"""A save every rank takes part in, through DCP's planners.
 
-Every rank calls ``fc.save`` / ``fc.restore`` with its own state. DCP's planner
-decides who writes what (sharded DTensor leaves by their owners, replicated
-tensors once, spread across ranks); our storage writer puts the chunks into each
-rank's shard file with the same blob layout and CRC32s as a single-process save.
-The coordinator commits only inside DCP's ``finish`` step, which runs after every
-rank reported its data durable. All checkpoint collectives run on a dedicated
-gloo group with a timeout, so they never interleave with training collectives
-and a dead rank makes the others fail with a clear error instead of hanging.
-
-On restore, DCP's load planner maps saved chunks onto the template's DTensor
-shards (any world size); our storage reader serves it from the manifest (no
-pickle) with CRC checks.
+Every rank calls ``fc.save`` with its own state. DCP's planner decides who writes
+what (sharded DTensor leaves by their owners, replicated tensors once, spread
+across ranks); the storage writer here puts the chunks into each rank's shard file
+with the same blob layout and CRC32s as a single-process save. The coordinator
+commits only inside DCP's ``finish`` step, which runs after every rank reported
+its data durable.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    LoadPlanner,
     SavePlan,
     SavePlanner,
     WriteItemType,
 )
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from functional_ckpt._src import codec
-from functional_ckpt._src.format import dcp_metadata
+from functional_ckpt._src.distributed.groups import (
+    _unwrap,
+    agree,
+    all_gather_bytes,
+    checkpoint_group,
+)
 from functional_ckpt._src.format.dcp_values import ByteEntry
-from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.manifest import Chunk, Entry, Manifest, tensor_groups
 from functional_ckpt._src.format.naming import shard_name
-from functional_ckpt._src.format.view import ParsedManifest, parse_planned
-from functional_ckpt._src.storage import checkpoint, commit, durable, shards
-from functional_ckpt._src.storage.shards import read_chunk
-from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
-from functional_ckpt.pipeline import incremental
-from functional_ckpt.pipeline.topology import is_dtensor, topology
-from functional_ckpt.reader import gc_paused
-from functional_ckpt.writer import CheckpointInfo, Plan, byte_entries, finalize, host_copy, os_error
-
-#: Seconds a rank waits for the others in a checkpoint collective before failing.
-DEFAULT_TIMEOUT = float(os.environ.get("FUNCTIONAL_CKPT_TIMEOUT", "600"))
-
-_GROUPS: dict[tuple[int, int, float, str], Any] = {}
-
-
-def checkpoint_group(timeout: float | None = None, purpose: str = "save") -> Any:
-    """A dedicated gloo group for checkpoint collectives (created once per world).
-
-    Saves (possibly on a background thread) and a manager's decisions (on the
-    training thread) use different groups, so their collectives never interleave.
-    Creating a group is a collective on the default group: call it from the
-    training thread, in the same order on every rank.
-    """
-    seconds = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-    # keyed by the default group too: a re-initialized job gets fresh groups
-    key = (id(dist.group.WORLD), dist.get_world_size(), seconds, purpose)
-    group = _GROUPS.get(key)
-    if group is None:
-        if not _GROUPS:
-            atexit.register(_release_groups)
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
-        _GROUPS[key] = group
-    return group
-
-
-def _release_groups() -> None:
-    """Tear our groups down before interpreter shutdown frees them in arbitrary order."""
-    groups = list(_GROUPS.values())
-    _GROUPS.clear()
-    if topology().initialized:
-        for group in groups:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(group)
-
-
-def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
-    """Every rank's ``data``, without pickling (length-prefixed byte tensors)."""
-    world = dist.get_world_size(group)
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s.item()) for s in sizes)
-    buf = torch.zeros(longest, dtype=torch.uint8)
-    if data:
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(out, buf, group=group)
-    return [bytes(t[: int(s.item())].numpy()) for t, s in zip(out, sizes, strict=True)]
-
-
-def agree(error: BaseException | None, group: Any, what: str) -> None:
-    """Make every rank fail together when any rank failed a local step."""
-    try:
-        reports = all_gather_bytes(b"" if error is None else _describe(error).encode(), group)
-    except Exception as e:  # a rank died or timed out
-        raise CheckpointError(
-            f"{what}: another rank did not answer ({e}); nothing committed"
-        ) from e
-    failed = [(r, m.decode(errors="replace")) for r, m in enumerate(reports) if m]
-    if error is not None:
-        raise error
-    if failed:
-        r, msg = failed[0]
-        raise CheckpointError(f"{what}: rank {r} failed: {msg}; nothing was committed")
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
-# --------------------------------------------------------------------------- save
+from functional_ckpt._src.format.view import parse_planned
+from functional_ckpt._src.save import incremental, trust
+from functional_ckpt._src.save.info import CheckpointInfo
+from functional_ckpt._src.save.local import finalize, os_error
+from functional_ckpt._src.save.plan import Plan, byte_entries, host_copy
+from functional_ckpt._src.state.gc_pause import gc_paused
+from functional_ckpt._src.storage import commit, durable, shards
+from functional_ckpt.errors import CheckpointError
 
 
 class _ChunkWriter(StorageWriter):
@@ -136,7 +56,7 @@ class _ChunkWriter(StorageWriter):
         self.tmp = tmp
         self.job = job
         self.rank = 0
-        self.seen: dict[incremental.Key, incremental.Ident] = {}  # for an incremental save
+        self.seen: dict[trust.Key, trust.Ident] = {}  # for an incremental save
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -205,7 +125,7 @@ class _SaveJob:
     root: dict[str, Any] | None = None  # the root's batch size and names
     blobs: list[ByteEntry] = field(default_factory=list)  # values for stock readers (rank 0)
     base: incremental.Base | None = None  # an incremental save's base
-    idents: dict[str, incremental.Ident | None] | None = None  # by DCP key, when incremental
+    idents: dict[str, trust.Ident | None] | None = None  # by DCP key, when incremental
     world: int = 1
 
     def commit(self, results: list[WriteResult]) -> None:
@@ -250,7 +170,7 @@ def save_planned(
     *,
     timeout: float | None = None,
     base: incremental.Base | None = None,
-    idents: Sequence[incremental.Ident | None] | None = None,
+    idents: Sequence[trust.Ident | None] | None = None,
 ) -> CheckpointInfo:
     """The multi-rank write of a planned save: every rank calls it; one checkpoint commits.
 
@@ -323,7 +243,7 @@ def save_planned(
             raise os_error(e, dest) from e
     sizes = all_gather_bytes(str(job.nbytes).encode(), group)
     if idents is not None:
-        incremental.remember(dest, writer.seen, writer.rank)
+        trust.remember(dest, writer.seen, writer.rank)
     return CheckpointInfo(
         path=dest,
         nbytes=int(sizes[0].decode() or 0),
@@ -396,141 +316,3 @@ def _own_part(tmp: Path) -> bool:
     except FileExistsError:  # it showed up late: a shared file system after all
         return False
     return True
-
-
-def _unwrap(e: BaseException, what: str) -> CheckpointError:
-    """DCP wraps rank failures in CheckpointException; name the first real cause."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, wrapped = sorted(failures.items())[0]
-        cause = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
-        if isinstance(cause, CheckpointError):
-            return cause
-        return CheckpointError(f"{what}: rank {rank} failed: {cause!r}; nothing was committed")
-    if isinstance(e, CheckpointError):
-        return e
-    return CheckpointError(f"{what}: {_describe(e)}; nothing was committed")
-
-
-# --------------------------------------------------------------------------- restore
-
-
-class _ManifestReader(StorageReader):
-    """DCP storage reader serving chunks straight from our manifest and files.
-
-    Its ``Metadata`` is the one derivation of ``.metadata`` from the manifest
-    (:func:`dcp_metadata.build`), built from this rank's parsed view; the file itself
-    is never read.
-    """
-
-    def __init__(self, root: checkpoint.Checkpoint, parsed: ParsedManifest) -> None:
-        super().__init__()
-        self.root = root
-        self.parsed = parsed
-        self.chunks: dict[MetadataIndex, Chunk] = {}
-        self.dtypes: dict[str, torch.dtype] = {}
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        pass
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        entries = list(self.parsed.tensors.values())
-        for e in entries:  # later entries win, as in ``dcp_metadata.build``
-            self.dtypes[e.fqn] = e.dtype
-            for c in e.chunks:
-                self.chunks[MetadataIndex(e.fqn, torch.Size(c.offsets))] = c
-        return dcp_metadata.build([entries])
-
-    def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, *a: Any, **k: Any
-    ) -> None:
-        pass
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        by_chunk: dict[int, tuple[Chunk, list[Any]]] = {}
-        for req in plan.items:
-            chunk = self.chunks[req.storage_index]
-            by_chunk.setdefault(id(chunk), (chunk, []))[1].append(req)
-        ordered = sorted(by_chunk.values(), key=lambda cr: (cr[0].file, cr[0].data_offset))
-        for chunk, reqs in ordered:
-            fqn = reqs[0].storage_index.fqn
-            dtype = self.dtypes.get(fqn)
-            if dtype is None:
-                raise CorruptCheckpoint(f"{self.root.path}: no tensor {fqn!r}")
-            data = read_chunk(self.root, chunk, dtype, fqn)
-            for req in reqs:
-                piece = data
-                for dim, (off, size) in enumerate(
-                    zip(req.storage_offsets, req.lengths, strict=True)
-                ):
-                    piece = piece.narrow(dim, off, size)
-                target = planner.resolve_tensor(req).detach()
-                target.copy_(piece)
-                planner.commit_tensor(req, target)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return False
-
-
-def read_sharded(
-    ck: checkpoint.Checkpoint,
-    parsed: ParsedManifest,
-    wanted: Mapping[KeyPath, torch.Tensor],
-    group: Any,
-    *,
-    inplace: bool,
-) -> dict[KeyPath, torch.Tensor]:
-    """The DTensor leaves of ``wanted``, read collectively through DCP's load planner.
-
-    The shards land in new DTensors on each template leaf's mesh and placements,
-    or in the template's own DTensors when ``inplace``. Every rank calls it.
-    """
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-
-    sharded = {p: t if inplace else _fresh_dtensor(t) for p, t in wanted.items() if is_dtensor(t)}
-    state_dict = {parsed.tensors[p].fqn: t for p, t in sharded.items()}
-    if not all(t.dtype == parsed.tensors[p].dtype for p, t in sharded.items()):
-        raise CheckpointError(f"{ck.path}: cast=True is not supported for DTensor leaves")
-    try:
-        dcp_load(
-            state_dict,
-            storage_reader=_ManifestReader(ck, parsed),
-            planner=DefaultLoadPlanner(),
-            process_group=group,
-        )
-    except BaseException as e:
-        raise _unwrap(e, f"restore {ck.path}") from e
-    for p, t in sharded.items():
-        if not inplace and wanted[p].requires_grad and t.is_floating_point():
-            t.requires_grad_(True)
-    return sharded
-
-
-def _fresh_dtensor(like: Any) -> torch.Tensor:
-    """A new, uninitialised DTensor with the mesh, placements and global shape of ``like``."""
-    from torch.distributed.tensor import DTensor
-
-    local = torch.empty_like(like.to_local(), requires_grad=False)
-    fresh = DTensor.from_local(
-        local,
-        like.device_mesh,
-        like.placements,
-        run_check=False,
-        shape=like.shape,
-        stride=like.stride(),
-    )
-    return fresh
-
-
-__all__ = ["allow_parts", "checkpoint_group", "read_sharded", "replaceable_part", "save_planned"]

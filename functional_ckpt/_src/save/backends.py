@@ -17,9 +17,11 @@ from typing import Any, Protocol
 
 import torch
 
-from functional_ckpt.pipeline import incremental
-from functional_ckpt.pipeline.topology import Topology
-from functional_ckpt.writer import CheckpointInfo, Plan, write_local
+from functional_ckpt._src.distributed.topology import Topology
+from functional_ckpt._src.save import incremental, trust
+from functional_ckpt._src.save.info import CheckpointInfo
+from functional_ckpt._src.save.local import write_local
+from functional_ckpt._src.save.plan import Plan
 
 
 @dataclass
@@ -39,7 +41,7 @@ class SaveJob:
     distributed: bool
     error: BaseException | None = None
     base: incremental.Base | None = None  # an incremental save's base, held open
-    idents: list[incremental.Ident | None] | None = None  # the sources', when incremental
+    idents: list[trust.Ident | None] | None = None  # the sources', when incremental
 
 
 @dataclass
@@ -98,7 +100,7 @@ class DistributedBackend:
         self.timeout = timeout
 
     def write(self, job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> CheckpointInfo:
-        from functional_ckpt.dist import save_planned
+        from functional_ckpt._src.save.multi_rank import save_planned
 
         return save_planned(
             job.dest,

@@ -22,13 +22,13 @@ from typing import Any, Literal
 
 import torch
 
+from functional_ckpt._src.distributed.topology import is_dtensor
 from functional_ckpt._src.format.blobs import byte_view
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.keys import format_path
 from functional_ckpt._src.format.manifest import TensorEntry
+from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt.errors import CheckpointError, ModifiedDuringSave
-from functional_ckpt.pipeline.topology import is_dtensor
-from functional_ckpt.writer import CheckpointInfo
 
 Staging = Literal["copy", "none"]
 

@@ -10,13 +10,9 @@ checkpoint is self-contained: readers, ``verify``, ``fckpt`` and stock
 "Unchanged" is decided per chunk, never guessed: a chunk is reused only when
 the base recorded the same key, box and dtype and the CRC32 of the bytes being
 saved equals the CRC32 the base recorded. The base's file is trusted to hold
-those bytes only when this process committed that very file in an incremental
-save (:func:`remember`); any other base file is read and compared byte for
-byte first, so a damaged or foreign base never puts its bytes into a new
-checkpoint. Version counters only
-save work: a tensor whose counter moved since this process wrote the base is
-written without that checksum pass (its checksum is computed during the write
-anyway).
+those bytes only when this process committed that very file (:mod:`.trust`);
+any other base file is read and compared byte for byte first, so a damaged or
+foreign base never puts its bytes into a new checkpoint.
 """
 
 from __future__ import annotations
@@ -27,8 +23,6 @@ import errno
 import os
 import re
 import stat
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -38,7 +32,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from functional_ckpt import writer
 from functional_ckpt._src.format import dcp_values as dcpbytes
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.blobs import byte_view
@@ -48,18 +41,12 @@ from functional_ckpt._src.format.manifest import Chunk
 from functional_ckpt._src.format.naming import shard_name
 from functional_ckpt._src.format.view import parse_checkpoint
 from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.save import local
+from functional_ckpt._src.save.info import CheckpointInfo
+from functional_ckpt._src.save.plan import Plan
+from functional_ckpt._src.save.trust import _SEEN, Ident, Key, _file_ident, _identity, remember
 from functional_ckpt._src.storage import checkpoint, opener, shards
 from functional_ckpt.errors import CheckpointError
-from functional_ckpt.writer import CheckpointInfo, Plan
-
-#: A chunk's identity across saves: the tensor's DCP key and the box's offsets.
-Key = tuple[str, tuple[int, ...]]
-
-#: Where a source tensor's bytes live and its version counter, when it was saved.
-Ident = tuple[int, int]
-
-#: One data file as this process left it: device, inode, size, modification time.
-FileIdent = tuple[int, int, int, int]
 
 #: A base data file is shared only while at least this fraction of its bytes is
 #: still used (the values the base holds there for stock DCP readers do not
@@ -180,76 +167,13 @@ def open_base(inc: Incremental | None) -> Base | None:
         raise
 
 
-@dataclass(frozen=True)
-class _Memory:
-    """What this process knows of a checkpoint it committed: the version counters
-    of what it saved, and the data files it wrote or checked, as it left them."""
-
-    seen: dict[Key, Ident]
-    files: dict[str, FileIdent]
-
-
-_SEEN: OrderedDict[tuple[int, ...], _Memory] = OrderedDict()
-
-_SEEN_LOCK = threading.Lock()
-
-#: Checkpoints whose version counters a process remembers.
-_SEEN_MAX = 8
-
-
 def ident(t: torch.Tensor) -> Ident | None:
     """Where a tensor's bytes are and its version counter; None if it has none."""
     try:
-        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard
-        return (int(local.data_ptr()), int(t._version))
+        shard = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard
+        return (int(shard.data_ptr()), int(t._version))
     except (RuntimeError, AttributeError):
         return None
-
-
-def _identity(dir_fd: int, path: Path) -> tuple[int, ...]:
-    """One committed checkpoint: its directory's inode and its marker's manifest CRC32
-    and size (an inode alone may be reused once a checkpoint is deleted)."""
-    held = os.fstat(dir_fd)
-    try:
-        marker = checkpoint.read_marker(dir_fd, path)
-        crc, size = int(marker["manifest_crc32"]), int(marker["manifest_size"])
-    except (CheckpointError, OSError, KeyError, TypeError, ValueError):
-        crc = size = -1
-    return (held.st_dev, held.st_ino, crc, size)
-
-
-def _file_ident(dir_fd: int, name: str) -> FileIdent | None:
-    try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except OSError:
-        return None
-    if not stat.S_ISREG(st.st_mode):
-        return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def remember(dest: Path, seen: dict[Key, Ident], rank: int = 0) -> None:
-    """After a commit: which bytes and versions the checkpoint at ``dest`` holds, and
-    the data files of ``rank`` (this process wrote them, or checked the reused ones)."""
-    try:
-        dir_fd = opener.open_directory(dest)
-    except (CheckpointError, OSError):
-        return
-    try:
-        key = _identity(dir_fd, dest)
-        own = re.compile(rf"__{rank}_\d+\.distcp")
-        files = {
-            n: fid
-            for n in os.listdir(dir_fd)
-            if own.fullmatch(n) and (fid := _file_ident(dir_fd, n)) is not None
-        }
-    finally:
-        os.close(dir_fd)
-    with _SEEN_LOCK:
-        _SEEN[key] = _Memory(seen, files)
-        _SEEN.move_to_end(key)
-        while len(_SEEN) > _SEEN_MAX:
-            _SEEN.popitem(last=False)
 
 
 def _unchanged(base: Base, key: Key, t: torch.Tensor, known: Ident | None) -> Chunk | None:
@@ -527,7 +451,7 @@ def write_local(
         )
         return reused_info(tmp)
 
-    info = writer.write_local(
+    info = local.write_local(
         dest,
         plan,
         tensors,

@@ -8,7 +8,7 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from functional_ckpt.tree import as_state, iter_leaves
+from functional_ckpt._src.state.tree import as_state, iter_leaves
 
 
 @dataclass(frozen=True)

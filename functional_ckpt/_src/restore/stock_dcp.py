@@ -6,16 +6,13 @@ each tensor from its ``torch.save`` blob through ``torch.load(weights_only=True)
 Non-tensor values there are pickles: plain data (numbers, strings and containers
 of them) is read by the restricted unpickler with every global refused; any other
 value is refused unless the caller passes ``allow_pickle=True`` for a checkpoint
-it trusts. DCP stores a list of dicts (an optimizer's ``param_groups``) element
-by element, and a fresh optimizer's template has an empty ``state``: both are put
-together from the entries under their key.
+it trusts.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import stat
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,6 +27,7 @@ from functional_ckpt._src.format import naming, unpickler
 from functional_ckpt._src.format.dcp_values import DcpPath
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.format.manifest import dtype_name
+from functional_ckpt._src.state.tree import Leaf, as_state, from_python, iter_leaves, node_record
 from functional_ckpt._src.storage import opener
 from functional_ckpt.errors import (
     CheckpointError,
@@ -37,8 +35,6 @@ from functional_ckpt.errors import (
     TemplateMismatch,
     UnsafeCheckpoint,
 )
-from functional_ckpt.summary import CheckpointSummary, Node, TensorSpec, insert
-from functional_ckpt.tree import Leaf, as_state, from_python, iter_leaves, node_record
 
 
 class StockFiles:
@@ -108,6 +104,7 @@ def _load_tensor(blob: bytes, where: str) -> torch.Tensor:
 
 #: What :func:`load_plain` returns for a byte entry that is not plain data.
 _NOT_PLAIN: Any = object()
+
 #: Largest pickle of a byte entry that :func:`load_plain` reads.
 MAX_PLAIN_BYTES = 16 << 20
 
@@ -470,44 +467,3 @@ def _positional_keys(opt: KeyPath, values: dict[KeyPath, Any], record: Any) -> N
     values[(*opt, "param_groups")] = [
         {**g, "params": [pos[p] for p in g["params"]]} for g in groups
     ]
-
-
-def inspect_dcp(root: Path) -> CheckpointSummary:
-    """Describe a stock DCP checkpoint from its metadata alone."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    md = read_stock_metadata(root)
-    planner: Any = md.planner_data if isinstance(md.planner_data, dict) else {}
-    tree: dict[str, Any] = Node()
-    num_tensors = num_values = tensor_bytes = 0
-    for fqn, smd in md.state_dict_metadata.items():
-        kp = planner.get(fqn)
-        flat = isinstance(kp, tuple | list) and kp and all(type(k) in (str, int) for k in kp)
-        path: KeyPath = tuple(str(k) for k in kp) if flat else (fqn,)
-        if isinstance(smd, TensorStorageMetadata):
-            n = 1
-            for d in smd.size:
-                n *= d
-            nbytes = n * torch.empty((), dtype=smd.properties.dtype).element_size()
-            tensor_bytes += nbytes
-            num_tensors += 1
-            insert(tree, path, TensorSpec(smd.properties.dtype, tuple(smd.size), nbytes))
-        else:
-            num_values += 1
-            insert(tree, path, "<pickled value, not loaded>")
-    file_bytes = 0
-    for f in os.listdir(root):
-        st = os.lstat(root / f)
-        file_bytes += st.st_size if stat.S_ISREG(st.st_mode) else 0
-    return CheckpointSummary(
-        path=root,
-        format_version=None,
-        created=None,
-        metadata=None,
-        tree=tree,
-        num_tensors=num_tensors,
-        num_values=num_values,
-        tensor_bytes=tensor_bytes,
-        file_bytes=file_bytes,
-        foreign=True,
-    )

@@ -18,16 +18,17 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from functional_ckpt import staging as stages
+from functional_ckpt._src.distributed.topology import is_dtensor, topology
 from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.save import incremental as incr
+from functional_ckpt._src.save import staging as stages
+from functional_ckpt._src.save.backends import Hooks, SaveJob, backend_for
+from functional_ckpt._src.save.incremental import Incremental
+from functional_ckpt._src.save.info import CheckpointInfo
+from functional_ckpt._src.save.plan import DEFAULT_PER_RANK, host_copy, prepare_save
+from functional_ckpt._src.save.staging import PendingSave, Stager, Staging
+from functional_ckpt._src.state.gc_pause import gc_paused
 from functional_ckpt.errors import CheckpointError
-from functional_ckpt.pipeline import incremental as incr
-from functional_ckpt.pipeline.backends import Hooks, SaveJob, backend_for
-from functional_ckpt.pipeline.incremental import Incremental
-from functional_ckpt.pipeline.topology import is_dtensor, topology
-from functional_ckpt.reader import gc_paused
-from functional_ckpt.staging import PendingSave, Stager, Staging
-from functional_ckpt.writer import DEFAULT_PER_RANK, CheckpointInfo, host_copy, prepare_save
 
 State = TensorDictBase | Mapping[str, Any]
 
@@ -79,7 +80,15 @@ def save(
     per_rank: Sequence[str] = DEFAULT_PER_RANK,
     base: PathLike | Incremental | None = None,
 ) -> CheckpointInfo:
-    """The synchronous pipeline behind ``fc.save`` (documented there)."""
+    """Write ``state`` to the directory ``path``, atomically and durably.
+
+    When this returns, the checkpoint is on disk (fsynced) and complete; before it
+    returns, ``path`` is either absent or still the previous checkpoint. Under an
+    initialized process group every rank calls it with its own state (see the
+    multi-rank guide); ``per_rank`` names the top-level subtrees stored per rank.
+    With ``base`` (a committed checkpoint), bytes unchanged since the base are
+    not written again but shared with it; the result is still self-contained.
+    """
     with gc_paused():
         job = flatten(path, state, metadata, overwrite, per_rank, incr.as_incremental(base))
         with incr.closing(job.base):
@@ -137,7 +146,7 @@ def _start(job: SaveJob, staging: Staging, own: Stager) -> PendingSave:
                 "save_async(staging='none') is not supported under torch.distributed; "
                 "use staging='copy'"
             )
-        from functional_ckpt.dist import checkpoint_group
+        from functional_ckpt._src.distributed.groups import checkpoint_group
 
         # Creating the group is a collective on the default group: not on a thread
         # that could race training.

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, TensorDict, TensorDictBase
 
+from functional_ckpt._src.state.tree import from_python, to_python
 from functional_ckpt.errors import TemplateMismatch, UnsupportedValue
-from functional_ckpt.tree import from_python, to_python
 
 
 @runtime_checkable

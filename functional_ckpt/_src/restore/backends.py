@@ -18,15 +18,16 @@ from typing import Any, Protocol
 import torch
 from tensordict import TensorDictBase
 
+from functional_ckpt._src.distributed.topology import Topology
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.view import ParsedCheckpoint, ParsedManifest, parse_checkpoint
+from functional_ckpt._src.restore.read import CPU, read_leaves
+from functional_ckpt._src.restore.stock_dcp import StockFiles, StockMatch, match_dcp, read_dcp
+from functional_ckpt._src.restore.template import Reshard, rank_view, select
+from functional_ckpt._src.state.tree import Leaf, iter_leaves
 from functional_ckpt._src.storage import checkpoint
 from functional_ckpt._src.storage.checkpoint import open_vetted
 from functional_ckpt.errors import CheckpointError
-from functional_ckpt.foreign import StockFiles, StockMatch, match_dcp, read_dcp
-from functional_ckpt.pipeline.topology import Topology
-from functional_ckpt.reader import CPU, Reshard, rank_view, read_leaves, select
-from functional_ckpt.tree import Leaf, iter_leaves
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ class _Planned:
             self.error = e
 
     def match(self, template: TensorDictBase | None, req: Request) -> Match:
-        from functional_ckpt.dist import agree
+        from functional_ckpt._src.distributed.groups import agree
 
         got: Match | None = None
         error = self.error
@@ -196,7 +197,7 @@ class _Planned:
         return got
 
     def read(self, match: Match, req: Request) -> list[Leaf]:
-        from functional_ckpt.dist import read_sharded
+        from functional_ckpt._src.restore.dtensor import read_sharded
 
         assert self.inner is not None and match.parsed is not None
         sharded = read_sharded(
@@ -231,7 +232,7 @@ class PlannerBackend:
     timeout: float | None = None
 
     def open(self, path: Path) -> Opened:
-        from functional_ckpt.dist import checkpoint_group
+        from functional_ckpt._src.distributed.groups import checkpoint_group
 
         if not self.topo.initialized:
             raise CheckpointError(

@@ -19,17 +19,21 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from functional_ckpt._src.distributed.topology import has_dtensor, topology
 from functional_ckpt._src.format import naming
-from functional_ckpt.pipeline.read_backends import (
+from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.restore.backends import (
     ManifestBackend,
     PlannerBackend,
     ReadBackend,
     Request,
     StockDcpBackend,
 )
-from functional_ckpt.pipeline.topology import has_dtensor, topology
-from functional_ckpt.reader import Reshard, gc_paused, rebuild
-from functional_ckpt.tree import as_state
+from functional_ckpt._src.restore.read import rebuild
+from functional_ckpt._src.restore.template import Reshard
+from functional_ckpt._src.state.gc_pause import gc_paused
+from functional_ckpt._src.state.tree import as_state
+from functional_ckpt.errors import CheckpointError
 
 State = TensorDictBase | Mapping[str, Any]
 
@@ -58,8 +62,16 @@ def read_backend(path: Path, template: TensorDictBase | None) -> ReadBackend:
     return ManifestBackend(topo)
 
 
+def check_like_or_out(like: State | None, out: State | None, what: str) -> None:
+    """At most one of ``like`` (a new state is returned) and ``out`` (in place)."""
+    if like is not None and out is not None:
+        raise CheckpointError(
+            f"{what}: pass like= (a new state is returned) or out= (restore in place), not both"
+        )
+
+
 def restore(
-    path: Path,
+    path: PathLike,
     like: State | None = None,
     *,
     out: State | None = None,
@@ -69,11 +81,20 @@ def restore(
     allow_pickle: bool = False,
     reshard: Reshard | None = None,
 ) -> TensorDict:
-    """Restore ``path`` as a new locked TensorDict shaped by ``like`` (or into ``out``).
+    """Read a checkpoint back as a new locked TensorDict.
 
-    See :func:`functional_ckpt.restore` for the semantics; ``like`` and ``out``
-    are exclusive (checked by the caller).
+    A pure function of the files and ``like``: ``like`` only says which keys to read
+    and each tensor's dtype and device (``meta`` leaves land on ``device``, default
+    CPU; DTensor leaves get fresh shards on their mesh and placements). Nothing
+    ``like`` refers to is ever written, also when the restore fails, so a state
+    captured from a live model stays the model's until ``fc.apply``. Without
+    ``like`` the whole tree is rebuilt from the manifest.
+
+    ``out=state`` is the explicit in-place mode for memory-tight restores: bytes go
+    straight into ``out``'s tensors and the result holds them; if it fails, their
+    contents are unspecified.
     """
+    check_like_or_out(like, out, "fc.restore")
     chosen = out if out is not None else like
     template = None if chosen is None else as_state(chosen)
     req = Request(

@@ -1,0 +1,105 @@
+"""Checkpoint collectives: dedicated gloo groups, byte all-gathers, failing together.
+
+All checkpoint collectives run on dedicated gloo groups with a timeout, so they
+never interleave with training collectives and a dead rank makes the others fail
+with a clear error instead of hanging. When any rank fails a local step, every
+rank fails together (:func:`agree`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from functional_ckpt._src.distributed.topology import topology
+from functional_ckpt.errors import CheckpointError
+
+#: Seconds a rank waits for the others in a checkpoint collective before failing.
+DEFAULT_TIMEOUT = float(os.environ.get("FUNCTIONAL_CKPT_TIMEOUT", "600"))
+
+_GROUPS: dict[tuple[int, int, float, str], Any] = {}
+
+
+def checkpoint_group(timeout: float | None = None, purpose: str = "save") -> Any:
+    """A dedicated gloo group for checkpoint collectives (created once per world).
+
+    Saves (possibly on a background thread) and a manager's decisions (on the
+    training thread) use different groups, so their collectives never interleave.
+    Creating a group is a collective on the default group: call it from the
+    training thread, in the same order on every rank.
+    """
+    seconds = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+    # keyed by the default group too: a re-initialized job gets fresh groups
+    key = (id(dist.group.WORLD), dist.get_world_size(), seconds, purpose)
+    group = _GROUPS.get(key)
+    if group is None:
+        if not _GROUPS:
+            atexit.register(_release_groups)
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
+        _GROUPS[key] = group
+    return group
+
+
+def _release_groups() -> None:
+    """Tear our groups down before interpreter shutdown frees them in arbitrary order."""
+    groups = list(_GROUPS.values())
+    _GROUPS.clear()
+    if topology().initialized:
+        for group in groups:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
+
+
+def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
+    """Every rank's ``data``, without pickling (length-prefixed byte tensors)."""
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(out, buf, group=group)
+    return [bytes(t[: int(s.item())].numpy()) for t, s in zip(out, sizes, strict=True)]
+
+
+def agree(error: BaseException | None, group: Any, what: str) -> None:
+    """Make every rank fail together when any rank failed a local step."""
+    try:
+        reports = all_gather_bytes(b"" if error is None else _describe(error).encode(), group)
+    except Exception as e:  # a rank died or timed out
+        raise CheckpointError(
+            f"{what}: another rank did not answer ({e}); nothing committed"
+        ) from e
+    failed = [(r, m.decode(errors="replace")) for r, m in enumerate(reports) if m]
+    if error is not None:
+        raise error
+    if failed:
+        r, msg = failed[0]
+        raise CheckpointError(f"{what}: rank {r} failed: {msg}; nothing was committed")
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _unwrap(e: BaseException, what: str) -> CheckpointError:
+    """DCP wraps rank failures in CheckpointException; name the first real cause."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = sorted(failures.items())[0]
+        cause = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+        if isinstance(cause, CheckpointError):
+            return cause
+        return CheckpointError(f"{what}: rank {rank} failed: {cause!r}; nothing was committed")
+    if isinstance(e, CheckpointError):
+        return e
+    return CheckpointError(f"{what}: {_describe(e)}; nothing was committed")

@@ -1,0 +1,105 @@
+"""``fc.inspect``: what a checkpoint holds, from its manifest (or stock ``.metadata``) alone."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from functional_ckpt._src.format.keys import KeyPath
+from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.restore.api import is_stock_dcp
+from functional_ckpt._src.restore.read import open_checkpoint
+from functional_ckpt._src.restore.stock_dcp import read_stock_metadata
+from functional_ckpt._src.restore.summary import (
+    CheckpointSummary,
+    Node,
+    TensorSpec,
+    insert,
+    node_of,
+)
+from functional_ckpt._src.storage.usage import sharing
+
+
+def inspect_dcp(root: Path) -> CheckpointSummary:
+    """Describe a stock DCP checkpoint from its metadata alone."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = read_stock_metadata(root)
+    planner: Any = md.planner_data if isinstance(md.planner_data, dict) else {}
+    tree: dict[str, Any] = Node()
+    num_tensors = num_values = tensor_bytes = 0
+    for fqn, smd in md.state_dict_metadata.items():
+        kp = planner.get(fqn)
+        flat = isinstance(kp, tuple | list) and kp and all(type(k) in (str, int) for k in kp)
+        path: KeyPath = tuple(str(k) for k in kp) if flat else (fqn,)
+        if isinstance(smd, TensorStorageMetadata):
+            n = 1
+            for d in smd.size:
+                n *= d
+            nbytes = n * torch.empty((), dtype=smd.properties.dtype).element_size()
+            tensor_bytes += nbytes
+            num_tensors += 1
+            insert(tree, path, TensorSpec(smd.properties.dtype, tuple(smd.size), nbytes))
+        else:
+            num_values += 1
+            insert(tree, path, "<pickled value, not loaded>")
+    file_bytes = 0
+    for f in os.listdir(root):
+        st = os.lstat(root / f)
+        file_bytes += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return CheckpointSummary(
+        path=root,
+        format_version=None,
+        created=None,
+        metadata=None,
+        tree=tree,
+        num_tensors=num_tensors,
+        num_values=num_values,
+        tensor_bytes=tensor_bytes,
+        file_bytes=file_bytes,
+        foreign=True,
+    )
+
+
+def inspect(path: PathLike) -> CheckpointSummary:
+    """Describe a checkpoint without reading any tensor data."""
+    src = Path(path)
+    if is_stock_dcp(src):
+        pass
+
+        summary: CheckpointSummary = inspect_dcp(src)
+        return summary
+    parsed = open_checkpoint(src)
+    tree: dict[str, Any] = node_of(parsed.root)
+    tensor_bytes = 0
+    for p, kind in parsed.order:
+        if kind == "node":
+            insert(tree, p, node_of(parsed.node_info.get(p)))
+        elif kind == "value":
+            insert(tree, p, parsed.values[p])
+        else:
+            e = parsed.tensors[p]
+            tensor_bytes += e.nbytes if e.alias is None else 0
+            insert(tree, p, TensorSpec(e.dtype, e.shape, e.nbytes))
+    raw = parsed.raw
+    shared, added = sharing(src, raw.get("files"))
+    created = raw.get("created")  # a time only if it is a number (re-signed manifests lie)
+    number = isinstance(created, float | int) and not isinstance(created, bool)
+    return CheckpointSummary(
+        path=src,
+        format_version=raw.get("version"),
+        created=created if number else None,
+        metadata=raw.get("metadata"),
+        tree=tree,
+        num_tensors=len(parsed.tensors),
+        num_values=len(parsed.values),
+        tensor_bytes=tensor_bytes,
+        file_bytes=sum(parsed.file_sizes.values()),
+        world_size=parsed.world_size,
+        shared_bytes=shared,
+        added_bytes=added,
+    )

@@ -1,0 +1,174 @@
+"""Matching a checkpoint against the template: what is read, and into what.
+
+``like``/``out`` say which keys to read and each tensor's dtype and device; every
+mismatch is listed in one error. Per-rank subtrees (random generators, data
+positions) are this rank's, or mapped by ``reshard`` when the world size changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
+from functional_ckpt._src.format.manifest import dtype_name
+from functional_ckpt._src.format.view import ParsedCheckpoint, ParsedManifest
+from functional_ckpt._src.restore.read import build
+from functional_ckpt._src.state.tree import Leaf, as_state, iter_leaves, node_record, unflatten
+from functional_ckpt._src.storage import checkpoint
+from functional_ckpt.errors import (
+    TemplateMismatch,
+)
+
+Reshard = Callable[[list[TensorDict], int, int], Any]
+
+
+def _template_leaves(template: TensorDictBase | Mapping[str, Any]) -> dict[KeyPath, Leaf]:
+    return {leaf.path: leaf for leaf in iter_leaves(as_state(template))}
+
+
+def select(
+    parsed: ParsedManifest,
+    template: TensorDictBase | Mapping[str, Any] | None,
+    *,
+    partial: bool,
+    cast: bool,
+) -> tuple[list[tuple[KeyPath, str]], dict[KeyPath, torch.Tensor]]:
+    """Match saved entries to the template; every mismatch is listed in one error."""
+    if template is None:
+        return parsed.order, {}
+    tleaves = _template_leaves(template)
+    children: set[KeyPath] = {p[:-1] for p in tleaves}
+    fill = [p for p, leaf in tleaves.items() if leaf.kind == "node" and p not in children]
+    problems: list[str] = []
+    targets: dict[KeyPath, torch.Tensor] = {}
+    saved_kinds = dict(parsed.order)
+    for p, leaf in tleaves.items():
+        kind = saved_kinds.get(p)
+        if kind is None and p[-1] == NODE_KEY:
+            continue  # the checkpoint's own container kind (a plain dict, say) is kept
+        if kind is None:
+            problems.append(f"  {format_path(p)}: missing from the checkpoint")
+        elif kind != leaf.kind:
+            problems.append(f"  {format_path(p)}: saved as a {kind}, template has a {leaf.kind}")
+        elif kind == "tensor":
+            e = parsed.tensors[p]
+            t: torch.Tensor = leaf.value
+            if tuple(t.shape) != e.shape:
+                problems.append(
+                    f"  {format_path(p)}: saved {e.spec}, template "
+                    f"{dtype_name(t.dtype)}{list(t.shape)} (shape differs)"
+                )
+            elif t.dtype != e.dtype and not cast:
+                problems.append(
+                    f"  {format_path(p)}: saved {e.spec}, template "
+                    f"{dtype_name(t.dtype)}{list(t.shape)} "
+                    "(dtype differs; pass cast=True to convert)"
+                )
+            else:
+                targets[p] = t
+
+    def wanted(p: KeyPath) -> bool:
+        if p in tleaves or any(p[: len(f)] == f for f in fill):
+            return True
+        # A container record describes how the saved subtree was built (an
+        # OrderedDict state_dict, a list); a template written as plain dicts asks
+        # for that subtree all the same.
+        return p[-1] == NODE_KEY and (len(p) == 1 or p[:-1] in tleaves)
+
+    selected = [(p, k) for p, k in parsed.order if wanted(p)]
+    if not partial:
+        extra = [p for p, _ in parsed.order if not wanted(p)]
+        problems += [
+            f"  {format_path(p)}: in the checkpoint but not in the template (pass partial=True "
+            "to restore a subset)"
+            for p in extra[:50]
+        ]
+        if len(extra) > 50:
+            problems.append(f"  ... and {len(extra) - 50} more")
+    if problems:
+        raise TemplateMismatch("the checkpoint does not fit the template:\n" + "\n".join(problems))
+    return selected, targets
+
+
+def per_rank_check(parsed: ParsedManifest, selected: list[tuple[KeyPath, str]], world: int) -> None:
+    roots = parsed.per_rank_roots
+    if not roots or parsed.world_size == world:
+        return
+    hit = [r for r in roots if any(p[: len(r)] == r for p, _ in selected)]
+    if hit:
+        raise TemplateMismatch(
+            f"per-rank state {', '.join(format_path(r) for r in hit)} was saved by "
+            f"{parsed.world_size} ranks but this run has {world}; pass reshard=fn to map it "
+            "(see the multi-rank guide), or leave it out of the template with partial=True"
+        )
+
+
+@dataclass
+class RankView:
+    """A checkpoint as this rank restores it: what it shares, and its own per-rank part."""
+
+    parsed: ParsedManifest
+    template: TensorDictBase | None
+    mine: TensorDict | None = None  # per-rank subtrees mapped by ``reshard``
+
+
+def rank_view(
+    src: checkpoint.Checkpoint,
+    parsed: ParsedCheckpoint,
+    template: TensorDictBase | None,
+    *,
+    partial: bool,
+    reshard: Reshard | None,
+    rank: int,
+    world: int,
+) -> RankView:
+    """Pick this rank's per-rank state, or map it with ``reshard`` on a new world size.
+
+    Without ``reshard`` a different world size refuses per-rank state the caller
+    asks for (explicitly by the template, or implicitly by a template-free, full
+    restore). Every view comes from the one parse ``parsed``.
+    """
+    mine_parsed = parsed.view(rank)
+    if mine_parsed.world_size == world or not mine_parsed.per_rank_roots:
+        return RankView(mine_parsed, template)  # the common case
+    saved_world = parsed.shared
+    roots = saved_world.per_rank_roots
+    if reshard is not None:
+        mine = resharded_per_rank(src, parsed, reshard, rank, world)
+        return RankView(
+            saved_world, None if template is None else without_roots(template, roots), mine
+        )
+    if template is None and not partial:
+        per_rank_check(saved_world, [(r, "node") for r in roots], world)
+    if template is not None:
+        per_rank_check(saved_world, [(lf.path, lf.kind) for lf in iter_leaves(template)], world)
+    return RankView(saved_world, template)
+
+
+def resharded_per_rank(
+    src: checkpoint.Checkpoint, parsed: ParsedCheckpoint, reshard: Reshard, rank: int, world: int
+) -> TensorDict:
+    """This rank's per-rank subtrees, mapped by the user from every saving rank's.
+
+    ``reshard(saved, rank, world_size)`` gets one TensorDict per saving rank with
+    its per-rank subtrees and returns this rank's.
+    """
+    roots = {r[0] for r in parsed.shared.per_rank_roots}
+    saved = []
+    for r in range(parsed.world_size):
+        one = parsed.view(r)
+        sel = [(p, k) for p, k in one.order if p[0] in roots]
+        saved.append(build(src, one, sel, {}, True))
+    return as_state(reshard(saved, rank, world))
+
+
+def without_roots(template: TensorDictBase, roots: list[KeyPath]) -> TensorDict:
+    """The template minus the per-rank subtrees (they come from ``reshard``)."""
+    names = {r[0] for r in roots}
+    kept = [leaf for leaf in iter_leaves(template) if leaf.path[0] not in names]
+    return unflatten(kept, node_record(template))

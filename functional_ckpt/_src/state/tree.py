@@ -1,0 +1,274 @@
+"""The state as a tree: conversion from Python containers, key paths, flattening.
+
+A training state is a locked ``TensorDict`` whose leaves are tensors or
+``NonTensorData`` holding plain Python values. Python containers that TensorDict
+cannot express (lists, tuples, dicts with int keys, such as an optimizer's
+``state``) become sub-TensorDicts that carry one extra non-tensor leaf,
+:data:`NODE_KEY`, recording the original container kind and keys. That record is
+ordinary data, so save and restore need no special case for it; only
+:func:`from_python` and :func:`to_python` read it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_tensorclass
+
+from functional_ckpt._src import codec
+from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
+from functional_ckpt._src.format.limits import LIMITS
+from functional_ckpt.errors import UnsafeCheckpoint, UnsupportedValue
+
+
+def _contains_tensor(value: object) -> bool:
+    # Iterative and visiting each container once, so a container that contains
+    # itself (or is nested deeper than the recursion limit) is answered too; the
+    # codec then refuses such a value by its depth, naming the key.
+    stack = [value]
+    seen: set[int] = set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor | TensorDictBase):
+            return True
+        if isinstance(item, dict | list | tuple):
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
+            stack.extend(item.values() if isinstance(item, dict) else item)
+    return False
+
+
+def _leaf(value: object, path: KeyPath) -> NonTensorData:
+    # Values are checked by the codec when saved, where the key path is known too.
+    return NonTensorData(data=value, batch_size=[])
+
+
+def from_python(
+    value: Mapping[str, Any] | Any, path: KeyPath = (), _active: frozenset[int] = frozenset()
+) -> TensorDict:
+    """Build an unlocked TensorDict from nested Python containers, exactly.
+
+    Plain dicts with string keys become sub-TensorDicts (an empty dict becomes an
+    empty node, which a restore fills from the checkpoint); lists, tuples and other
+    mappings become sub-TensorDicts with a :data:`NODE_KEY` record when they hold
+    tensors, and single, exactly stored non-tensor leaves when they do not.
+
+    ``_active`` holds the containers being converted above ``value``: a container
+    that contains itself has no tree form and is refused, as is a tree deeper than
+    the format's key paths, before Python's recursion limit is reached.
+    """
+    if isinstance(value, TensorDictBase):
+        return value
+    if id(value) in _active:
+        raise UnsupportedValue(
+            f"state[{format_path(path)}]: the container contains itself; a state must be a tree"
+        )
+    if len(path) > LIMITS.key_depth:
+        raise UnsupportedValue(
+            f"state[{format_path(path[:8])} ...]: nested {len(path)} levels deep; the format "
+            f"allows key paths of at most {LIMITS.key_depth} keys"
+        )
+    _active = _active | {id(value)}
+    td = TensorDict({}, batch_size=[])
+    if isinstance(value, dict) and all(type(k) is str for k in value):
+        if NODE_KEY in value:
+            raise UnsupportedValue(
+                f"state[{format_path(path)}]: the key {NODE_KEY!r} is reserved by functional_ckpt"
+            )
+        items: list[tuple[str, Any]] = list(value.items())
+        if type(value) is OrderedDict:
+            # a module's state_dict: keep its type and its per-module version metadata
+            record: dict[str, Any] = {"kind": "OrderedDict"}
+            meta = getattr(value, "_metadata", None)
+            if meta is not None:
+                record["metadata"] = meta
+            td.set(NODE_KEY, _leaf(record, (*path, NODE_KEY)))  # type: ignore[arg-type]
+        elif type(value) is not dict:
+            raise UnsupportedValue(
+                f"state[{format_path(path)}]: {type(value).__name__} is not supported "
+                "(only dict and OrderedDict mappings keep their type)"
+            )
+    elif type(value) in (list, tuple) or isinstance(value, dict):
+        if isinstance(value, dict):
+            keys = list(value.keys())
+            names = [k if type(k) is str else repr(k) for k in keys]
+            kind = "dict"
+            try:
+                codec.check_hashes(keys, where=f"state[{format_path(path)}]")
+            except UnsafeCheckpoint as exc:
+                raise UnsupportedValue(f"{exc}; a reader would refuse these keys") from None
+        else:
+            keys = None
+            names = [str(i) for i in range(len(value))]
+            kind = type(value).__name__
+        if len(set(names)) != len(names):
+            raise UnsupportedValue(
+                f"state[{format_path(path)}]: dict keys {keys!r} collide once written as strings"
+            )
+        record = {"kind": kind}
+        if keys is not None:
+            record["keys"] = keys
+        td.set(NODE_KEY, _leaf(record, (*path, NODE_KEY)))  # type: ignore[arg-type]
+        vals = value.values() if isinstance(value, dict) else value
+        items = list(zip(names, vals, strict=True))
+    else:
+        raise UnsupportedValue(
+            f"state[{format_path(path)}]: expected a dict, list or tuple, "
+            f"got {type(value).__name__}"
+        )
+    for name, v in items:
+        sub = (*path, name)
+        if isinstance(v, torch.Tensor):
+            td.set(name, v)
+        elif (
+            isinstance(v, TensorDictBase)
+            or (type(v) is dict and all(type(k) is str for k in v))
+            or _contains_tensor(v)
+        ):
+            td.set(name, from_python(v, sub, _active))
+        else:
+            td.set(name, _leaf(v, sub))  # type: ignore[arg-type]
+    return td
+
+
+def to_python(value: Any) -> Any:
+    """Turn a (sub-)TensorDict built by :func:`from_python` back into Python containers."""
+    if isinstance(value, NonTensorData):
+        return value.data
+    if not isinstance(value, TensorDictBase):
+        return value
+    record = None
+    out: dict[str, Any] = {}
+    for key in value.keys():
+        item = value.get(key)
+        if key == NODE_KEY:
+            record = item.data if isinstance(item, NonTensorData) else item
+            continue
+        out[key] = to_python(item)
+    if record is None:
+        return out
+    kind = record["kind"]
+    if kind == "OrderedDict":
+        ordered: OrderedDict[str, Any] = OrderedDict(out)
+        if "metadata" in record:
+            ordered._metadata = record["metadata"]  # type: ignore[attr-defined]
+        return ordered
+    if kind == "dict":
+        keys = record["keys"]
+        codec.check_hashes(keys, where=f"the keys of a {kind} node record")
+        names = [k if type(k) is str else repr(k) for k in keys]
+        # a partial restore may hold only some of the recorded keys
+        return {k: out[n] for k, n in zip(keys, names, strict=True) if n in out}
+    seq = [out[str(i)] for i in range(len(out))]
+    return tuple(seq) if kind == "tuple" else seq
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One entry of a flattened tree: a tensor, a plain value, or an (empty) node."""
+
+    path: KeyPath
+    kind: str  # "tensor" | "value" | "node"
+    value: Any = None
+
+
+def node_record(td: TensorDictBase) -> dict[str, Any] | None:
+    """What a (sub-)TensorDict carries besides its entries: batch size and dimension names.
+
+    None for ``batch_size=[]``, so unbatched trees are recorded as before.
+    """
+    if td.batch_size == torch.Size([]):
+        return None
+    record: dict[str, Any] = {"batch_size": list(td.batch_size)}
+    names = list(td.names)
+    if any(n is not None for n in names):
+        record["names"] = names
+    return record
+
+
+def new_node(record: Mapping[str, Any] | None) -> TensorDict:
+    """An empty TensorDict with the batch size and names of a :func:`node_record`."""
+    if not record:
+        return TensorDict({}, batch_size=[])
+    return TensorDict({}, batch_size=record["batch_size"], names=record.get("names"))
+
+
+def iter_leaves(td: TensorDictBase, prefix: KeyPath = ()) -> Iterator[Leaf]:
+    """Walk a TensorDict in insertion order, yielding every node and leaf.
+
+    Nodes are yielded before their children so that an unflatten can rebuild
+    empty sub-trees too; a node's value is its :func:`node_record`.
+    """
+    for key, item in td.items():
+        path = (*prefix, key)
+        if isinstance(item, NonTensorData):
+            yield Leaf(path, "value", item.data)
+        elif isinstance(item, NonTensorStack):
+            raise UnsupportedValue(
+                f"state[{format_path(path)}]: a stack of per-element non-tensor values is not "
+                "supported; store the values as one plain list (e.g. in a sub-dict with "
+                "batch_size=[]) or as a tensor"
+            )
+        elif isinstance(item, TensorDictBase):
+            yield Leaf(path, "node", node_record(item))
+            yield from iter_leaves(item, path)
+        elif isinstance(item, torch.Tensor):
+            yield Leaf(path, "tensor", item)
+        elif is_tensorclass(item):
+            raise UnsupportedValue(
+                f"state[{format_path(path)}]: tensorclass {type(item).__name__} is not "
+                "supported; store item.to_tensordict() (it keeps the batch size and names)"
+            )
+        else:
+            raise UnsupportedValue(
+                f"state[{format_path(path)}]: unsupported leaf type {type(item).__name__}"
+            )
+
+
+def as_state(value: TensorDictBase | Mapping[str, Any]) -> TensorDictBase:
+    """Accept a TensorDict (of any batch size) or a plain mapping wherever a state is expected."""
+    if isinstance(value, TensorDictBase):
+        return value
+    if isinstance(value, Mapping):
+        return from_python(dict(value))
+    if is_tensorclass(value):
+        raise UnsupportedValue(
+            f"state: tensorclass {type(value).__name__} is not supported; pass "
+            "state.to_tensordict()"
+        )
+    raise UnsupportedValue(f"state: expected a TensorDict or a dict, got {type(value).__name__}")
+
+
+def unflatten(leaves: list[Leaf], root: Mapping[str, Any] | None = None) -> TensorDict:
+    """Rebuild a locked TensorDict from leaves produced by :func:`iter_leaves`.
+
+    ``root`` is the :func:`node_record` of the root (its batch size and names).
+    """
+    top = new_node(root)
+    nodes: dict[KeyPath, TensorDictBase] = {(): top}
+    for leaf in leaves:
+        parent = nodes.get(leaf.path[:-1])
+        if parent is None:  # a parent omitted by a partial restore
+            parent = top
+            for i in range(1, len(leaf.path)):
+                sub = leaf.path[:i]
+                if sub not in nodes:
+                    parent.set(sub[-1], TensorDict({}, batch_size=[]))
+                    nodes[sub] = parent.get(sub[-1])
+                parent = nodes[sub]
+        name = leaf.path[-1]
+        if leaf.kind == "node":
+            parent.set(name, new_node(leaf.value))
+            nodes[leaf.path] = parent.get(name)
+        elif leaf.kind == "value":
+            value = NonTensorData(data=leaf.value, batch_size=parent.batch_size)
+            parent.set(name, value)  # type: ignore[arg-type]
+        else:
+            parent.set(name, leaf.value)
+    top.lock_()
+    return top

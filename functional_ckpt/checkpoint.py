@@ -1,0 +1,27 @@
+"""What the functions on one checkpoint take and return, and the safe delete of one.
+
+``fc.save`` returns a :class:`CheckpointInfo`; ``fc.save_async`` a :class:`PendingSave`
+and it stages into a :class:`Stager`'s reusable buffers; ``fc.inspect`` returns a
+:class:`CheckpointSummary` of :class:`TensorSpec` leaves; ``fc.verify`` a
+:class:`VerifyReport` of :class:`Problem` lines. :func:`remove` deletes one checkpoint
+directory so that no crash leaves a readable half of it.
+"""
+
+from __future__ import annotations
+
+from functional_ckpt._src.restore.summary import CheckpointSummary, TensorSpec
+from functional_ckpt._src.save.info import CheckpointInfo
+from functional_ckpt._src.save.staging import PendingSave, Stager
+from functional_ckpt._src.storage.verify import Problem, VerifyReport
+from functional_ckpt.root import remove_checkpoint as remove
+
+__all__ = [
+    "CheckpointInfo",
+    "CheckpointSummary",
+    "PendingSave",
+    "Problem",
+    "Stager",
+    "TensorSpec",
+    "VerifyReport",
+    "remove",
+]
