@@ -70,8 +70,9 @@ import functional_ckpt as fc
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import QUARANTINE_INFIX, parse_step, step_name
+from functional_ckpt._src.root.leftovers import LeftoverWarning
+from functional_ckpt._src.root.listing import is_damage
 from functional_ckpt._src.storage import commit, durable
-from functional_ckpt.root import LeftoverWarning, is_damage
 
 # --------------------------------------------------------------------------- results
 

@@ -9,7 +9,19 @@ that owns it: ``fc.errors``, ``fc.policy``, ``fc.retention``, ``fc.staging``,
 
 from functional_ckpt import checkpoint as checkpoint
 from functional_ckpt import codec as codec
+from functional_ckpt import policy as policy
+from functional_ckpt import retention as retention
 from functional_ckpt import tree as tree
+from functional_ckpt._src.policy import (
+    at_steps,
+    every_epochs,
+    every_secs,
+    every_steps,
+    on_final,
+    on_improve,
+    on_signal,
+)
+from functional_ckpt._src.policy.retention import keep_best, keep_every, keep_last, keep_within
 from functional_ckpt._src.restore.api import restore
 from functional_ckpt._src.restore.inspect import inspect
 from functional_ckpt._src.save.api import save, save_async
@@ -21,17 +33,7 @@ from functional_ckpt.errors import CheckpointError
 from functional_ckpt.export import export_safetensors
 from functional_ckpt.forking import fork
 from functional_ckpt.manager import CheckpointManager
-from functional_ckpt.policy import (
-    at_steps,
-    every_epochs,
-    every_secs,
-    every_steps,
-    on_final,
-    on_improve,
-    on_signal,
-)
 from functional_ckpt.recording import Recorder, Replay
-from functional_ckpt.retention import keep_best, keep_every, keep_last, keep_within
 
 __all__ = [
     "CheckpointError",

@@ -10,10 +10,10 @@ directory so that no crash leaves a readable half of it.
 from __future__ import annotations
 
 from functional_ckpt._src.restore.summary import CheckpointSummary, TensorSpec
+from functional_ckpt._src.root.delete import remove_checkpoint as remove
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.staging import PendingSave, Stager
 from functional_ckpt._src.storage.verify import Problem, VerifyReport
-from functional_ckpt.root import remove_checkpoint as remove
 
 __all__ = [
     "CheckpointInfo",

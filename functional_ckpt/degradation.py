@@ -22,13 +22,13 @@ from typing import Any, Protocol
 
 from tensordict import TensorDict
 
+from functional_ckpt._src.policy import Event, PolicyState, SavePolicy
+from functional_ckpt._src.policy.base import AllOf, AnyOf, Not
+from functional_ckpt._src.policy.degrade import OnDegrade
+from functional_ckpt._src.policy.retention import best_steps
+from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt.errors import CheckpointWarning
-from functional_ckpt.policy import Event, PolicyState, SavePolicy
-from functional_ckpt.policy.base import AllOf, AnyOf, Not
-from functional_ckpt.policy.degrade import OnDegrade
 from functional_ckpt.record import stored_state
-from functional_ckpt.retention import best_steps
-from functional_ckpt.root import StepInfo
 
 __all__ = ["Rollback", "SaveResult", "Watch", "choose_target", "roll_back"]
 

@@ -31,6 +31,8 @@ from tensordict import TensorDictBase
 
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.policy import SavePolicy
+from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all
 from functional_ckpt._src.restore.api import restore
 from functional_ckpt._src.state.tree import as_state, iter_leaves
 from functional_ckpt._src.storage import commit, durable
@@ -49,8 +51,6 @@ from functional_ckpt.export_files import (
     side_files,
 )
 from functional_ckpt.export_names import Rename, check_rename, map_names, prefixes
-from functional_ckpt.policy import SavePolicy
-from functional_ckpt.retention import RetentionPolicy, keep_all
 
 __all__ = [
     "CONFIG_FILE",

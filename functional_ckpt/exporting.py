@@ -29,13 +29,14 @@ import torch
 from tensordict import TensorDictBase
 
 from functional_ckpt._src.format.naming import EXPORTS_DIR, step_name
+from functional_ckpt._src.policy.retention import plan_deletions
+from functional_ckpt._src.root.delete import delete, remove_all
+from functional_ckpt._src.root.listing import step_dirs
 from functional_ckpt._src.state.tree import as_state, iter_leaves
 from functional_ckpt._src.storage.usage import dir_size
 from functional_ckpt.errors import CheckpointError
 from functional_ckpt.export import Export, _select_path, write_export
 from functional_ckpt.export_files import header_metadata
-from functional_ckpt.retention import plan_deletions
-from functional_ckpt.root import delete, remove_all, step_dirs
 
 __all__ = [
     "HEADER_KEY",

@@ -17,15 +17,15 @@ from typing import Any
 
 from functional_ckpt._src.format.naming import step_in_name
 from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.policy import never
+from functional_ckpt._src.policy.retention import keep_all
 from functional_ckpt._src.restore.api import restore
+from functional_ckpt._src.root.listing import MANAGER_KEY, record_of
 from functional_ckpt._src.save.api import save
 from functional_ckpt._src.storage import checkpoint
 from functional_ckpt.errors import CheckpointError, CheckpointExists
 from functional_ckpt.manager import CheckpointManager
-from functional_ckpt.policy import never
 from functional_ckpt.record import AUTO_KEYS, Provenance, git_commit
-from functional_ckpt.retention import keep_all
-from functional_ckpt.root import MANAGER_KEY, record_of
 
 __all__ = ["fork"]
 

@@ -29,12 +29,20 @@ from typing import Any
 
 from tensordict import TensorDict, TensorDictBase
 
-from functional_ckpt import rollback
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format.naming import parse_step, step_name
 from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.policy import Event, PolicyState, SavePolicy, every_steps
+from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all, plan_deletions
 from functional_ckpt._src.restore.api import check_like_or_out, restore
 from functional_ckpt._src.restore.template import Reshard
+from functional_ckpt._src.root import rollback
+from functional_ckpt._src.root.delete import delete, remove_all
+from functional_ckpt._src.root.leftovers import open_writer
+from functional_ckpt._src.root.listing import MANAGER_KEY, StepInfo, record_of
+from functional_ckpt._src.root.lock import WriterLock
+from functional_ckpt._src.root.resume import check_order, newest_readable
+from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.api import save as save_sync
 from functional_ckpt._src.save.api import save_async
 from functional_ckpt._src.save.incremental import Incremental
@@ -50,9 +58,7 @@ from functional_ckpt.errors import (
 )
 from functional_ckpt.export import Export
 from functional_ckpt.exporting import BackgroundExport, run_export, snapshot
-from functional_ckpt.lock import WriterLock
 from functional_ckpt.manager_args import check_policies, plain_metrics, remote_tier
-from functional_ckpt.policy import Event, PolicyState, SavePolicy, every_steps
 from functional_ckpt.record import (
     Provenance,
     RunningTime,
@@ -61,10 +67,6 @@ from functional_ckpt.record import (
     manager_record,
     stored_state,
 )
-from functional_ckpt.resume import check_order, newest_readable
-from functional_ckpt.retention import RetentionPolicy, keep_all, plan_deletions
-from functional_ckpt.root import MANAGER_KEY, StepInfo, delete, open_writer, record_of, remove_all
-from functional_ckpt.rootview import RootView
 
 __all__ = [
     "CheckpointManager",

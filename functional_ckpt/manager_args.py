@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from functional_ckpt._src.policy import SavePolicy
+from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all
+from functional_ckpt._src.root.lock import WriterLock
 from functional_ckpt.errors import UnsupportedValue
 from functional_ckpt.export import Export
-from functional_ckpt.lock import WriterLock
-from functional_ckpt.policy import SavePolicy
-from functional_ckpt.retention import RetentionPolicy, keep_all
 
 if TYPE_CHECKING:
     from functional_ckpt.remote.tier import RemoteTier

@@ -24,10 +24,10 @@ from typing import Any
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.policy import Event, PolicyState, SavePolicy
+from functional_ckpt._src.policy.retention import RetentionPolicy
+from functional_ckpt._src.root.listing import MANAGER_KEY
 from functional_ckpt.errors import CheckpointWarning
-from functional_ckpt.policy import Event, PolicyState, SavePolicy
-from functional_ckpt.retention import RetentionPolicy
-from functional_ckpt.root import MANAGER_KEY
 
 __all__ = [
     "AUTO_KEYS",

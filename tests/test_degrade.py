@@ -18,9 +18,9 @@ import torch
 
 import functional_ckpt as fc
 from functional_ckpt import cli
+from functional_ckpt._src.policy import Event, on_degrade, policy_from_spec, run_policy
+from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt.degradation import SaveResult, choose_target
-from functional_ckpt.policy import Event, on_degrade, policy_from_spec, run_policy
-from functional_ckpt.root import StepInfo
 
 
 def events(values: list[float | None]) -> list[Event]:

@@ -120,7 +120,7 @@ def test_the_library_never_loads_the_cli_or_the_demo() -> None:
         m for m, deps in library.items() if any(d.startswith("functional_ckpt.cli") for d in deps)
     } == {"functional_ckpt.__main__"}
     code = (
-        "import sys, functional_ckpt, functional_ckpt.manager, functional_ckpt.root\n"
+        "import sys, functional_ckpt, functional_ckpt.manager, functional_ckpt._src.root.listing\n"
         "print(sorted(m for m in sys.modules if m.startswith('functional_ckpt.cli')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

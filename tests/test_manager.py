@@ -28,9 +28,9 @@ import torch
 
 import functional_ckpt as fc
 from functional_ckpt._src.format import naming
+from functional_ckpt._src.policy.retention import RetentionPolicy
 from functional_ckpt._src.storage import checkpoint
 from functional_ckpt.manager import CheckpointWarning, StepInfo, parse_step, step_name
-from functional_ckpt.retention import RetentionPolicy
 from tests import manager_job
 from tests.exact import assert_exact
 
@@ -782,11 +782,11 @@ def test_crash_between_the_renames_of_an_overwrite_loses_nothing(tmp_path: Path)
 
 def test_deletion_leaves_no_committed_trash(tmp_path: Path) -> None:
     """A deleted checkpoint loses its marker at once, so a crash cannot bring it back."""
-    from functional_ckpt import root
+    from functional_ckpt._src.root import delete
 
     with fc.CheckpointManager(tmp_path) as mgr:
         mgr.maybe_save(small_state(1), step=1)
-        trash = root.delete(tmp_path, [mgr.path(1)])
+        trash = delete.delete(tmp_path, [mgr.path(1)])
         assert len(trash) == 1 and not (trash[0] / naming.COMMIT_MARKER).exists()
         assert mgr.steps() == []
     with fc.CheckpointManager(tmp_path) as mgr:  # the next writer removes, never recovers it

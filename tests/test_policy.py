@@ -22,8 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from functional_ckpt._src import codec
-from functional_ckpt.errors import CheckpointError
-from functional_ckpt.policy import (
+from functional_ckpt._src.policy import (
     Event,
     PolicyError,
     PolicyState,
@@ -40,6 +39,7 @@ from functional_ckpt.policy import (
     policy_from_spec,
     run_policy,
 )
+from functional_ckpt.errors import CheckpointError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,20 +9,20 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import root
 from functional_ckpt._src.format import naming
+from functional_ckpt._src.root import delete, leftovers
 from functional_ckpt._src.storage import commit
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
 
 def test_removes_a_checkpoint_and_refuses_anything_else(tmp_path: Path) -> None:
     fc.save(tmp_path / "ck", {"w": torch.arange(3)})
-    root.remove_checkpoint(tmp_path / "ck")
+    delete.remove_checkpoint(tmp_path / "ck")
     assert os.listdir(tmp_path) == []
 
     with pytest.raises(CheckpointNotFound, match="no such checkpoint"):
-        root.remove_checkpoint(tmp_path / "ck")
-    root.remove_checkpoint(tmp_path / "ck", missing_ok=True)
+        delete.remove_checkpoint(tmp_path / "ck")
+    delete.remove_checkpoint(tmp_path / "ck", missing_ok=True)
 
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "train.py").write_text("print(1)")
@@ -32,7 +32,7 @@ def test_removes_a_checkpoint_and_refuses_anything_else(tmp_path: Path) -> None:
     (tmp_path / "link").symlink_to(tmp_path / "real")
     for name in ("src", "empty", "file", "link"):
         with pytest.raises(CheckpointError, match="not a checkpoint directory"):
-            root.remove_checkpoint(tmp_path / name)
+            delete.remove_checkpoint(tmp_path / name)
     assert (tmp_path / "src" / "train.py").read_text() == "print(1)"
     assert (tmp_path / "empty").is_dir() and (tmp_path / "file").is_file()
     assert fc.verify(tmp_path / "real").ok
@@ -48,11 +48,11 @@ def test_a_crash_mid_removal_leaves_no_readable_half(
 
     monkeypatch.setattr(commit, "remove_tree", crash)
     with pytest.raises(KeyboardInterrupt):
-        root.remove_checkpoint(tmp_path / "step_000000007")
+        delete.remove_checkpoint(tmp_path / "step_000000007")
     monkeypatch.undo()
     (left,) = os.listdir(tmp_path)
     assert left.startswith("step_000000007" + naming.TRASH_INFIX)
     assert not (tmp_path / left / naming.COMMIT_MARKER).exists()
     # The next writer of the root finishes the deletion instead of recovering it.
-    root.recover_leftovers(tmp_path)
+    leftovers.recover_leftovers(tmp_path)
     assert os.listdir(tmp_path) == []

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from functional_ckpt.retention import (
+from functional_ckpt._src.policy.retention import (
     CheckpointLike,
     CheckpointRecord,
     RetentionError,

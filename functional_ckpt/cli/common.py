@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from functional_ckpt._src.format import naming
+from functional_ckpt._src.root.listing import Entry, scan
 from functional_ckpt.cli.ui import PROG, UI
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
-from functional_ckpt.root import Entry, scan
 
 __all__ = [
     "Declined",

@@ -11,6 +11,9 @@ from typing import Any
 
 import functional_ckpt as fc
 from functional_ckpt._src.format import naming
+from functional_ckpt._src.policy.retention import RetentionError, retention_from_spec, union_parts
+from functional_ckpt._src.root.listing import MANAGER_KEY, Entry, kept_by
+from functional_ckpt._src.root.rollback import BRANCHES_DIR, branches
 from functional_ckpt._src.storage.usage import dir_size, disk_bytes, shared_bytes
 from functional_ckpt.cli import tiers
 from functional_ckpt.cli.common import (
@@ -27,9 +30,6 @@ from functional_ckpt.cli.recording import ls_recording
 from functional_ckpt.cli.ui import PROG, UI, human
 from functional_ckpt.exporting import ExportInfo, export_infos
 from functional_ckpt.recording import is_recording
-from functional_ckpt.retention import RetentionError, retention_from_spec, union_parts
-from functional_ckpt.rollback import BRANCHES_DIR, branches
-from functional_ckpt.root import MANAGER_KEY, Entry, kept_by
 
 __all__ = ["cmd_ls", "cmd_prune", "cmd_verify", "retention_parts", "verify_one"]
 

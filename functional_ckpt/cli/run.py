@@ -27,10 +27,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from functional_ckpt._src.root.listing import scan
 from functional_ckpt.cli.common import UsageError, is_checkpoint_dir
 from functional_ckpt.cli.ui import PROG, UI
 from functional_ckpt.errors import CheckpointError
-from functional_ckpt.root import scan
 
 __all__ = [
     "ATTEMPT_ENV",

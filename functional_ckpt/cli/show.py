@@ -17,6 +17,7 @@ import functional_ckpt as fc
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath
 from functional_ckpt._src.restore.diff import diff_checkpoints
 from functional_ckpt._src.restore.summary import CheckpointSummary, Node, TensorSpec, short_repr
+from functional_ckpt._src.root.listing import classify
 from functional_ckpt._src.storage.usage import dir_size
 from functional_ckpt.cli import tiers
 from functional_ckpt.cli.common import (
@@ -29,7 +30,6 @@ from functional_ckpt.cli.common import (
 from functional_ckpt.cli.recording import inspect_recording
 from functional_ckpt.cli.ui import PROG, UI, human
 from functional_ckpt.recording import is_recording
-from functional_ckpt.root import classify
 
 __all__ = ["cmd_diff", "cmd_export", "cmd_inspect", "jsonable", "parse_dtype"]
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from functional_ckpt._src.format.naming import parse_step
+from functional_ckpt._src.root.listing import Entry
 from functional_ckpt._src.storage.verify import verify
 from functional_ckpt.cli.common import UsageError, one_line, print_verified, time_text
 from functional_ckpt.cli.ui import UI, human
@@ -28,7 +29,6 @@ from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 from functional_ckpt.remote.fetch import download
 from functional_ckpt.remote.store import Store
 from functional_ckpt.remote.uploader import read_status
-from functional_ckpt.root import Entry
 
 __all__ = ["fetched", "is_url", "ls_remote", "print_tiers", "tier_rows", "verify_remote"]
 

@@ -35,11 +35,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.restore.api import restore
+from functional_ckpt._src.root.delete import remove_checkpoint
 from functional_ckpt._src.save.api import save
 from functional_ckpt._src.state.capture import apply_rng, capture
 from functional_ckpt._src.state.tree import to_python
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
-from functional_ckpt.root import remove_checkpoint
 
 if TYPE_CHECKING:
     _Base = Trainer

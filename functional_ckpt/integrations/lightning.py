@@ -26,11 +26,11 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.restore.api import restore
+from functional_ckpt._src.root.delete import remove_checkpoint
 from functional_ckpt._src.save.api import save, save_async
 from functional_ckpt._src.save.staging import PendingSave
 from functional_ckpt._src.state.tree import to_python
 from functional_ckpt.errors import CheckpointError
-from functional_ckpt.root import remove_checkpoint
 
 __all__ = ["FunctionalCheckpointIO"]
 

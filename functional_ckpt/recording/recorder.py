@@ -31,10 +31,10 @@ from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.keys import format_path, fqn_of
 from functional_ckpt._src.format.manifest import Entry, NodeEntry, TensorEntry, ValueEntry
 from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.policy.base import as_int, positive_int
 from functional_ckpt._src.state.tree import Leaf, as_state, iter_leaves, node_record
 from functional_ckpt._src.storage import durable
 from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
-from functional_ckpt.policy.base import as_int, positive_int
 from functional_ckpt.recording.layout import (
     FORMAT,
     FRAME,

@@ -26,10 +26,10 @@ from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.format.manifest import NodeEntry, TensorEntry, dtype_name
 from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.policy.base import as_int
 from functional_ckpt._src.state.tree import Leaf, as_state, iter_leaves, unflatten
 from functional_ckpt._src.storage.shards import read_into
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, TemplateMismatch
-from functional_ckpt.policy.base import as_int
 from functional_ckpt.recording.layout import (
     Committed,
     open_at_least,

@@ -34,6 +34,10 @@ from functional_ckpt._src import codec
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import step_name
+from functional_ckpt._src.policy.retention import CheckpointRecord, RetentionPolicy, plan_deletions
+from functional_ckpt._src.root.delete import delete, quarantine, remove_all
+from functional_ckpt._src.root.listing import StepInfo, read_info, record_of, step_dirs
+from functional_ckpt._src.root.rollback import BRANCHES_DIR
 from functional_ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -47,17 +51,6 @@ from functional_ckpt.remote import protocol
 from functional_ckpt.remote.fetch import download, remove_downloads
 from functional_ckpt.remote.store import Store, public_url
 from functional_ckpt.remote.uploader import Worker, failure, read_status, retried, write_status
-from functional_ckpt.retention import CheckpointRecord, RetentionPolicy, plan_deletions
-from functional_ckpt.rollback import BRANCHES_DIR
-from functional_ckpt.root import (
-    StepInfo,
-    delete,
-    quarantine,
-    read_info,
-    record_of,
-    remove_all,
-    step_dirs,
-)
 
 __all__ = ["LEASE", "RemoteTier", "read_status"]
 

@@ -19,6 +19,7 @@ from typing import Any
 import functional_ckpt as fc
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.restore.diff import diff_checkpoints
+from functional_ckpt._src.root.listing import kept_by, scan
 from functional_ckpt.cli.demo.job import (
     CKPT_DIR,
     CRASH_FRACTION,
@@ -32,7 +33,6 @@ from functional_ckpt.cli.demo.job import (
     Job,
     Schedule,
 )
-from functional_ckpt.root import kept_by, scan
 
 # --------------------------------------------------------------------------- parent
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from functional_ckpt.policy.base import (
+from functional_ckpt._src.policy.base import (
     Event,
     PolicyError,
     PolicySpec,

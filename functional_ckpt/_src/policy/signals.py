@@ -11,8 +11,8 @@ import threading
 from types import FrameType
 from typing import Any
 
+from functional_ckpt._src.policy.base import Event, PolicySpec, PolicyState, SavePolicy, no_state
 from functional_ckpt.errors import CheckpointError
-from functional_ckpt.policy.base import Event, PolicySpec, PolicyState, SavePolicy, no_state
 
 __all__ = ["SignalPolicy", "on_signal"]
 

@@ -29,7 +29,7 @@ run, and must not be replayed after a restore.
 
 from __future__ import annotations
 
-from functional_ckpt.policy.base import (
+from functional_ckpt._src.policy.base import (
     Event,
     PolicyError,
     PolicySpec,
@@ -37,8 +37,8 @@ from functional_ckpt.policy.base import (
     SavePolicy,
     run_policy,
 )
-from functional_ckpt.policy.degrade import on_degrade
-from functional_ckpt.policy.leaves import (
+from functional_ckpt._src.policy.degrade import on_degrade
+from functional_ckpt._src.policy.leaves import (
     always,
     at_steps,
     every_epochs,
@@ -48,8 +48,8 @@ from functional_ckpt.policy.leaves import (
     on_final,
     on_improve,
 )
-from functional_ckpt.policy.signals import SignalPolicy, on_signal
-from functional_ckpt.policy.spec import policy_from_spec
+from functional_ckpt._src.policy.signals import SignalPolicy, on_signal
+from functional_ckpt._src.policy.spec import policy_from_spec
 
 __all__ = [
     "Event",

@@ -8,12 +8,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from functional_ckpt import rollback
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import step_name
+from functional_ckpt._src.policy.retention import best_steps
+from functional_ckpt._src.root import rollback
+from functional_ckpt._src.root.listing import StepInfo, Summaries, step_dirs
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
-from functional_ckpt.retention import best_steps
-from functional_ckpt.root import StepInfo, Summaries, step_dirs
 
 __all__ = ["RootView"]
 

@@ -1,17 +1,9 @@
-"""A directory of checkpoints: names, scanning, summaries, quarantine, deletion, leftovers.
+"""What a root of checkpoints holds: every step directory, its status and its summary.
 
-Everything that knows how a *root* (a directory holding ``step_N`` checkpoints)
-is laid out lives here, so the manager and the ``fckpt`` command read and change
-a root the same way:
-
-* a checkpoint of step ``N`` is ``root/step_{N:09d}`` (zero padded: ``ls`` sorts);
-* ``step_N.tmp-<id>`` is a save in progress, ``step_N.trash-<id>`` a deletion in
-  progress, ``step_N.corrupt-<id>`` a checkpoint found damaged and moved aside;
-* one writer per root holds an ``flock`` on ``root/.lock`` (:mod:`functional_ckpt.lock`).
-
-Leftovers of a crash are *recovered*, never lost: a committed leftover whose name
-is free is renamed back (the newest one wins), and only uncommitted ones are
-deleted. Nothing committed is ever deleted by cleanup.
+A *root* is a directory holding ``step_N`` checkpoints (names in
+:mod:`..format.naming`). The manager, the remote tier and the ``fckpt`` command
+read a root the same way: a checkpoint is listed by its canonical name, counts
+once it is committed, and is summarised from its manifest alone.
 """
 
 from __future__ import annotations
@@ -19,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,13 +18,11 @@ from typing import Any, Protocol
 
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import (
-    EXPORTS_DIR,
     QUARANTINE_INFIX,
-    base_name,
     parse_step,
     step_in_name,
 )
-from functional_ckpt._src.storage import checkpoint, commit, durable
+from functional_ckpt._src.storage import checkpoint
 from functional_ckpt._src.storage.usage import dir_size
 from functional_ckpt.errors import (
     CheckpointError,
@@ -42,17 +31,12 @@ from functional_ckpt.errors import (
     IncompleteCheckpoint,
     UnsafeCheckpoint,
 )
-from functional_ckpt.lock import WriterLock
 
 #: Reserved metadata key holding the manager's own record of each checkpoint.
 MANAGER_KEY = "manager"
 
 #: Largest time accepted as a save time (year 9999): anything else is shown as unknown.
 _MAX_TIME = 253_402_300_799.0
-
-
-class LeftoverWarning(UserWarning):
-    """A committed leftover of a crash was recovered, or kept because its name is taken."""
 
 
 @dataclass(frozen=True)
@@ -359,92 +343,6 @@ def is_damage(err: BaseException) -> bool:
     return isinstance(err, OSError)
 
 
-def quarantine(root: Path, path: Path) -> Path:
-    """Move a damaged checkpoint aside to ``step_N.corrupt-<id>`` (kept, never deleted)."""
-    aside = durable.tmp_sibling(path, QUARANTINE_INFIX)
-    os.rename(path, aside)
-    durable.fsync_dir(root)
-    return aside
-
-
-def open_writer(root: Path, *, stacklevel: int = 2) -> WriterLock:
-    """Become the one writer of ``root``: create it, lock it, recover what crashes left.
-
-    Recovering leftovers is safe only under the lock: no other writer can be
-    mid-save (see :func:`recover_leftovers`, whose warnings point ``stacklevel``
-    frames up from this call).
-    """
-    if root.exists() and not root.is_dir():
-        raise CheckpointError(f"{root}: the checkpoint root is a file, not a directory")
-    try:
-        durable.make_dirs(root)
-    except OSError as e:
-        raise CheckpointError(f"{root}: cannot create the checkpoint root: {e}") from e
-    lock = WriterLock(root)
-    try:
-        recover_leftovers(root, stacklevel=stacklevel + 1)
-    except BaseException:
-        lock.release()
-        raise
-    return lock
-
-
-def delete(root: Path, paths: Iterable[Path]) -> list[Path]:
-    """Take checkpoints out of sight crash-safely; returns the trash left to remove.
-
-    Each is renamed to ``step_N.trash-<id>`` and the root fsynced, so no reader can
-    see it and a half-removed directory never carries a checkpoint's name; then its
-    marker is unlinked, so a crash before the (slow) removal leaves an uncommitted
-    leftover that the next writer deletes rather than recovers.
-    """
-    trash: list[Path] = []
-    for path in paths:
-        aside = durable.tmp_sibling(path, naming.TRASH_INFIX)
-        try:
-            os.rename(path, aside)
-        except FileNotFoundError:
-            continue
-        trash.append(aside)
-    if trash:
-        durable.fsync_dir(root)
-        for aside in trash:
-            with contextlib.suppress(OSError):
-                os.unlink(aside / naming.COMMIT_MARKER)
-    return trash
-
-
-def remove_all(paths: Iterable[Path]) -> None:
-    for path in paths:
-        commit.remove_tree(path)
-
-
-def remove_checkpoint(path: str | os.PathLike[str], *, missing_ok: bool = False) -> None:
-    """Delete one checkpoint directory so that no crash leaves a half of it readable.
-
-    It is renamed to ``NAME.trash-<id>`` (its name is free at once) and its marker
-    unlinked before the files go, so a crash at any point leaves either the whole
-    checkpoint or an uncommitted leftover, never a damaged checkpoint. Anything but
-    a checkpoint (committed or not, ours or stock DCP) is refused and left intact.
-    A checkpoint inside a manager's root is the manager's to prune.
-
-    Raises:
-        CheckpointNotFound: nothing at ``path`` (unless ``missing_ok``).
-        CheckpointError: ``path`` is not a checkpoint directory.
-    """
-    path = Path(path)
-    if not os.path.lexists(path):
-        if missing_ok:
-            return
-        raise CheckpointNotFound(f"{path}: no such checkpoint to remove")
-    ours = path.is_dir() and not path.is_symlink() and commit.checkpoint_like(path)
-    if not ours or not os.listdir(path):
-        raise CheckpointError(
-            f"{path}: not a checkpoint directory (only a directory holding a checkpoint's "
-            "files is removed); left intact"
-        )
-    remove_all(delete(path.parent, [path]))
-
-
 def _leftover_manifest(path: Path) -> dict[str, Any] | None:
     """The manifest of a leftover directory if its marker is whole and vouches for it.
 
@@ -472,66 +370,3 @@ def _created(path: Path) -> float:
     manifest = _leftover_manifest(path)
     t = None if manifest is None else _time(manifest.get("created"))
     return -math.inf if t is None else t
-
-
-def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
-    """Recover or remove what crashed writers left in ``root``; returns what was recovered.
-
-    For every ``step_N.tmp-*`` / ``step_N.trash-*``: an uncommitted one is deleted. A
-    committed one is a whole checkpoint (an overwrite interrupted between its two
-    renames leaves the old one as trash and the new one as tmp): if ``step_N`` is
-    free, the newest committed leftover (by save time, a save over a deletion on a
-    tie) is renamed back to it; committed leftovers that cannot be renamed back stay
-    where they are, with a :class:`LeftoverWarning`. Only names derived from
-    ``step_N`` are touched; anything else in the root is the user's. Safe only
-    under the writer lock. Temporaries under ``exports/`` are deleted (an export
-    can always be written again from its checkpoint).
-    """
-    groups: dict[str, list[Path]] = {}
-    changed = False
-    for parent in (root, root / EXPORTS_DIR):
-        try:
-            entries = list(os.scandir(parent))
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        for entry in entries:
-            base = base_name(entry.name)
-            if not naming.is_temporary_name(entry.name) or QUARANTINE_INFIX in entry.name:
-                continue
-            if parse_step(base) is None:
-                continue
-            path = Path(entry.path)
-            if not entry.is_dir(follow_symlinks=False):
-                os.unlink(path)
-                changed = True
-            elif parent == root and _committed(path):
-                groups.setdefault(base, []).append(path)
-            else:
-                commit.remove_tree(path)
-                changed = True
-    recovered: list[Path] = []
-    for base, paths in sorted(groups.items()):
-        final = root / base
-        paths.sort(key=lambda p: (_created(p), naming.TMP_INFIX in p.name), reverse=True)
-        if not os.path.lexists(final):
-            os.rename(paths[0], final)
-            durable.fsync_dir(root)
-            recovered.append(final)
-            warnings.warn(
-                f"{final}: recovered from {paths[0].name}, a committed checkpoint an interrupted "
-                "save or deletion left behind",
-                LeftoverWarning,
-                stacklevel=stacklevel,
-            )
-            paths = paths[1:]
-        for path in paths:
-            warnings.warn(
-                f"{path}: a committed checkpoint left behind by an interrupted save or deletion "
-                f"while {final.name} exists; kept (never deleted automatically). Inspect it "
-                "and delete it by hand if it is not needed",
-                LeftoverWarning,
-                stacklevel=stacklevel,
-            )
-    if changed:
-        durable.fsync_dir(root)
-    return recovered

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from functional_ckpt.policy.base import (
+from functional_ckpt._src.policy.base import (
     Event,
     PolicySpec,
     PolicyState,

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from functional_ckpt.policy.base import AllOf, AnyOf, Not, PolicyError, SavePolicy
-from functional_ckpt.policy.degrade import on_degrade
-from functional_ckpt.policy.leaves import (
+from functional_ckpt._src.policy.base import AllOf, AnyOf, Not, PolicyError, SavePolicy
+from functional_ckpt._src.policy.degrade import on_degrade
+from functional_ckpt._src.policy.leaves import (
     always,
     at_steps,
     every_epochs,
@@ -21,7 +21,7 @@ from functional_ckpt.policy.leaves import (
     on_final,
     on_improve,
 )
-from functional_ckpt.policy.signals import on_signal
+from functional_ckpt._src.policy.signals import on_signal
 
 __all__ = ["policy_from_spec"]
 

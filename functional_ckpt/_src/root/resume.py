@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
+from functional_ckpt._src.root.delete import quarantine
+from functional_ckpt._src.root.listing import StepInfo, identity, is_damage, quarantined, read_info
 from functional_ckpt.errors import CheckpointError, CheckpointWarning
-from functional_ckpt.root import StepInfo, identity, is_damage, quarantine, quarantined, read_info
 
 __all__ = ["check_order", "newest_readable"]
 

@@ -1,0 +1,87 @@
+"""Deleting checkpoints so that no crash leaves half of one readable.
+
+A checkpoint is renamed out of sight first (its name is free at once), its marker
+unlinked, and only then are its files removed; a damaged one is moved aside
+(quarantined), never deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.naming import (
+    QUARANTINE_INFIX,
+)
+from functional_ckpt._src.storage import commit, durable
+from functional_ckpt.errors import (
+    CheckpointError,
+    CheckpointNotFound,
+)
+
+
+def quarantine(root: Path, path: Path) -> Path:
+    """Move a damaged checkpoint aside to ``step_N.corrupt-<id>`` (kept, never deleted)."""
+    aside = durable.tmp_sibling(path, QUARANTINE_INFIX)
+    os.rename(path, aside)
+    durable.fsync_dir(root)
+    return aside
+
+
+def delete(root: Path, paths: Iterable[Path]) -> list[Path]:
+    """Take checkpoints out of sight crash-safely; returns the trash left to remove.
+
+    Each is renamed to ``step_N.trash-<id>`` and the root fsynced, so no reader can
+    see it and a half-removed directory never carries a checkpoint's name; then its
+    marker is unlinked, so a crash before the (slow) removal leaves an uncommitted
+    leftover that the next writer deletes rather than recovers.
+    """
+    trash: list[Path] = []
+    for path in paths:
+        aside = durable.tmp_sibling(path, naming.TRASH_INFIX)
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            continue
+        trash.append(aside)
+    if trash:
+        durable.fsync_dir(root)
+        for aside in trash:
+            with contextlib.suppress(OSError):
+                os.unlink(aside / naming.COMMIT_MARKER)
+    return trash
+
+
+def remove_all(paths: Iterable[Path]) -> None:
+    for path in paths:
+        commit.remove_tree(path)
+
+
+def remove_checkpoint(path: str | os.PathLike[str], *, missing_ok: bool = False) -> None:
+    """Delete one checkpoint directory so that no crash leaves a half of it readable.
+
+    It is renamed to ``NAME.trash-<id>`` (its name is free at once) and its marker
+    unlinked before the files go, so a crash at any point leaves either the whole
+    checkpoint or an uncommitted leftover, never a damaged checkpoint. Anything but
+    a checkpoint (committed or not, ours or stock DCP) is refused and left intact.
+    A checkpoint inside a manager's root is the manager's to prune.
+
+    Raises:
+        CheckpointNotFound: nothing at ``path`` (unless ``missing_ok``).
+        CheckpointError: ``path`` is not a checkpoint directory.
+    """
+    path = Path(path)
+    if not os.path.lexists(path):
+        if missing_ok:
+            return
+        raise CheckpointNotFound(f"{path}: no such checkpoint to remove")
+    ours = path.is_dir() and not path.is_symlink() and commit.checkpoint_like(path)
+    if not ours or not os.listdir(path):
+        raise CheckpointError(
+            f"{path}: not a checkpoint directory (only a directory holding a checkpoint's "
+            "files is removed); left intact"
+        )
+    remove_all(delete(path.parent, [path]))

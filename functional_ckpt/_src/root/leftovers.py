@@ -1,0 +1,116 @@
+"""What crashed writers leave in a root: recovered if committed, removed if not.
+
+Leftovers of a crash are *recovered*, never lost: a committed leftover whose name
+is free is renamed back (the newest one wins), and only uncommitted ones are
+deleted. Nothing committed is ever deleted by cleanup. Safe only under the writer
+lock, which :func:`open_writer` takes first.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.naming import (
+    EXPORTS_DIR,
+    QUARANTINE_INFIX,
+    base_name,
+    parse_step,
+)
+from functional_ckpt._src.root.listing import _committed, _created
+from functional_ckpt._src.root.lock import WriterLock
+from functional_ckpt._src.storage import commit, durable
+from functional_ckpt.errors import (
+    CheckpointError,
+)
+
+
+class LeftoverWarning(UserWarning):
+    """A committed leftover of a crash was recovered, or kept because its name is taken."""
+
+
+def open_writer(root: Path, *, stacklevel: int = 2) -> WriterLock:
+    """Become the one writer of ``root``: create it, lock it, recover what crashes left.
+
+    Recovering leftovers is safe only under the lock: no other writer can be
+    mid-save (see :func:`recover_leftovers`, whose warnings point ``stacklevel``
+    frames up from this call).
+    """
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"{root}: the checkpoint root is a file, not a directory")
+    try:
+        durable.make_dirs(root)
+    except OSError as e:
+        raise CheckpointError(f"{root}: cannot create the checkpoint root: {e}") from e
+    lock = WriterLock(root)
+    try:
+        recover_leftovers(root, stacklevel=stacklevel + 1)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
+    """Recover or remove what crashed writers left in ``root``; returns what was recovered.
+
+    For every ``step_N.tmp-*`` / ``step_N.trash-*``: an uncommitted one is deleted. A
+    committed one is a whole checkpoint (an overwrite interrupted between its two
+    renames leaves the old one as trash and the new one as tmp): if ``step_N`` is
+    free, the newest committed leftover (by save time, a save over a deletion on a
+    tie) is renamed back to it; committed leftovers that cannot be renamed back stay
+    where they are, with a :class:`LeftoverWarning`. Only names derived from
+    ``step_N`` are touched; anything else in the root is the user's. Safe only
+    under the writer lock. Temporaries under ``exports/`` are deleted (an export
+    can always be written again from its checkpoint).
+    """
+    groups: dict[str, list[Path]] = {}
+    changed = False
+    for parent in (root, root / EXPORTS_DIR):
+        try:
+            entries = list(os.scandir(parent))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            base = base_name(entry.name)
+            if not naming.is_temporary_name(entry.name) or QUARANTINE_INFIX in entry.name:
+                continue
+            if parse_step(base) is None:
+                continue
+            path = Path(entry.path)
+            if not entry.is_dir(follow_symlinks=False):
+                os.unlink(path)
+                changed = True
+            elif parent == root and _committed(path):
+                groups.setdefault(base, []).append(path)
+            else:
+                commit.remove_tree(path)
+                changed = True
+    recovered: list[Path] = []
+    for base, paths in sorted(groups.items()):
+        final = root / base
+        paths.sort(key=lambda p: (_created(p), naming.TMP_INFIX in p.name), reverse=True)
+        if not os.path.lexists(final):
+            os.rename(paths[0], final)
+            durable.fsync_dir(root)
+            recovered.append(final)
+            warnings.warn(
+                f"{final}: recovered from {paths[0].name}, a committed checkpoint an interrupted "
+                "save or deletion left behind",
+                LeftoverWarning,
+                stacklevel=stacklevel,
+            )
+            paths = paths[1:]
+        for path in paths:
+            warnings.warn(
+                f"{path}: a committed checkpoint left behind by an interrupted save or deletion "
+                f"while {final.name} exists; kept (never deleted automatically). Inspect it "
+                "and delete it by hand if it is not needed",
+                LeftoverWarning,
+                stacklevel=stacklevel,
+            )
+    if changed:
+        durable.fsync_dir(root)
+    return recovered
