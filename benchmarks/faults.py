@@ -70,9 +70,9 @@ import functional_ckpt as fc
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import QUARANTINE_INFIX, parse_step, step_name
-from functional_ckpt._src.root.leftovers import LeftoverWarning
 from functional_ckpt._src.root.listing import is_damage
 from functional_ckpt._src.storage import commit, durable
+from functional_ckpt.errors import LeftoverWarning
 
 # --------------------------------------------------------------------------- results
 
@@ -371,7 +371,7 @@ def _child_loop(kind: str, root: Path, start: int) -> None:  # pragma: no cover 
                 pending.wait_staged()
                 pending.result()
             v += 1
-    export = fc.export.Export(fc.every_steps(1), select="model") if kind == "export" else None
+    export = fc.manager.Export(fc.every_steps(1), select="model") if kind == "export" else None
     with fc.CheckpointManager(root, keep=fc.keep_last(2), export=export) as mgr:
         v = (mgr.latest_step() or 0) + 1
         while True:
@@ -389,6 +389,13 @@ def _trim(root: Path, keep: int) -> None:
             commit.remove_tree(aside)
 
 
+def _damage_warning(category: type[Warning]) -> bool:
+    """A warning that reports damage (a recovered leftover is a recovery, not damage)."""
+    return issubclass(category, fc.errors.CheckpointWarning) and not issubclass(
+        category, LeftoverWarning
+    )
+
+
 def _check_manager(root: Path, after: dict[str, int], res: Result) -> None:
     """A restarted writer cleans up; a reader resumes from the newest committed step."""
     with warnings.catch_warnings(record=True) as recovered:
@@ -403,7 +410,7 @@ def _check_manager(root: Path, after: dict[str, int], res: Result) -> None:
         mgr = fc.CheckpointManager(root, read_only=True)
         state = mgr.restore_latest()
     for w in caught:
-        if issubclass(w.category, fc.errors.CheckpointWarning):
+        if _damage_warning(w.category):
             res.problem("skipped", str(w.message), column="torn")
     # The writer may have renamed a committed leftover back (killed between the marker
     # and the rename): the newest step is then one the snapshot before it did not see.
@@ -2181,7 +2188,7 @@ def _rollback_trial(base: Path, i: int, rng: random.Random, res: Result) -> None
             res.problem("writer-refused", f"{label}: reopening failed: {e!r}")
             return
     for w in caught:
-        if issubclass(w.category, fc.errors.CheckpointWarning):
+        if _damage_warning(w.category):
             res.problem("damaged", f"{label}: {w.message}", column="torn")
     leftovers = [n.name for n in root.iterdir() if n.name not in (".lock", "branches")]
     leftovers = [n for n in leftovers if parse_step(n) is None]
@@ -2296,7 +2303,7 @@ def scenario_template_errors(scale: Scale, base: Path, seed: int) -> Result:
                     except Exception as e:
                         res.problem("unclear-error", f"{label}: {type(e).__name__}: {e}")
                 for w in caught:
-                    if issubclass(w.category, fc.errors.CheckpointWarning):
+                    if _damage_warning(w.category):
                         res.problem("warned", f"{label}: {w.message}")
                 now = sorted(os.listdir(root))
                 if any(QUARANTINE_INFIX in n for n in now) or (refused and now != names):
@@ -2360,7 +2367,7 @@ def _cli(argv: list[str]) -> list[Any]:
     """``fckpt argv`` in this process: [exit status, stdout, stderr]; a traceback is caught."""
     import io
 
-    from functional_ckpt.cli.main import main as fckpt
+    from functional_ckpt._src.cli.main import main as fckpt
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

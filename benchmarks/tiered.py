@@ -77,8 +77,8 @@ from _common import timed as time_call
 sys.path.insert(0, str(REPO_ROOT))
 
 import functional_ckpt as fc
-from functional_ckpt.remote import protocol
-from functional_ckpt.remote.store import Store
+from functional_ckpt._src.remote import protocol
+from functional_ckpt._src.remote.store import Store
 
 UPLOAD_FC, UPLOAD_S3 = "fc upload", "s3fs put"
 RESTORE_FC, RESTORE_S3 = "fc restore_latest (remote)", "s3fs get + fc.restore"

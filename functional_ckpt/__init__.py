@@ -1,39 +1,92 @@
 """functional_ckpt: functional, atomic, pickle-free checkpoints for PyTorch training state.
 
 The top level is the whole everyday API: capture and apply live objects, save and
-restore states, the save and retention policies, the manager. Everything else
-(the error classes, policy internals, staging, reports) lives in the submodule
-that owns it: ``fc.errors``, ``fc.policy``, ``fc.retention``, ``fc.staging``,
-``fc.export``, ``fc.io``, ``fc.manager``, ``fc.tree``, ``fc.recording``.
+restore states, the save and retention policies, the manager. Everything else a
+user names lives in one of a few public namespaces:
+
+* ``fc.errors``: every exception and warning the package raises;
+* ``fc.policy``: save policies beyond the everyday ones, their protocol, ``on_degrade``;
+* ``fc.retention``: retention policies, ``plan_deletions``, ``best_steps``;
+* ``fc.manager``: ``CheckpointManager``, its option objects and what it reports;
+* ``fc.checkpoint``: what the functions on one checkpoint return, ``Stager``, ``remove``;
+* ``fc.tree``: ``from_python``, the inverse of ``fc.to_python``;
+* ``fc.codec``: ``register``, for the dataclasses, NamedTuples and Enums a state holds;
+* ``functional_ckpt.integrations.<client>``: Lightning, Hugging Face, accelerate, torchdata.
+
+Everything else (``functional_ckpt._src``) is the implementation. Names are imported
+on first use, so ``import functional_ckpt`` (and the ``fckpt`` command) loads no
+tensor library until something needs one.
 """
 
-from functional_ckpt import checkpoint as checkpoint
-from functional_ckpt import codec as codec
-from functional_ckpt import policy as policy
-from functional_ckpt import retention as retention
-from functional_ckpt import tree as tree
-from functional_ckpt._src.policy import (
-    at_steps,
-    every_epochs,
-    every_secs,
-    every_steps,
-    on_final,
-    on_improve,
-    on_signal,
-)
-from functional_ckpt._src.policy.retention import keep_best, keep_every, keep_last, keep_within
-from functional_ckpt._src.restore.api import restore
-from functional_ckpt._src.restore.inspect import inspect
-from functional_ckpt._src.save.api import save, save_async
-from functional_ckpt._src.state.capture import apply, capture
-from functional_ckpt._src.state.tree import to_python
-from functional_ckpt._src.storage.verify import verify
-from functional_ckpt._src.version import __version__
-from functional_ckpt.errors import CheckpointError
-from functional_ckpt.export import export_safetensors
-from functional_ckpt.forking import fork
-from functional_ckpt.manager import CheckpointManager
-from functional_ckpt.recording import Recorder, Replay
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from functional_ckpt._src.version import __version__ as __version__
+
+if TYPE_CHECKING:
+    from functional_ckpt import checkpoint as checkpoint
+    from functional_ckpt import codec as codec
+    from functional_ckpt import errors as errors
+    from functional_ckpt import manager as manager
+    from functional_ckpt import policy as policy
+    from functional_ckpt import retention as retention
+    from functional_ckpt import tree as tree
+    from functional_ckpt._src.export.safetensors import export_safetensors
+    from functional_ckpt._src.manager.fork import fork
+    from functional_ckpt._src.manager.manager import CheckpointManager
+    from functional_ckpt._src.policy.leaves import (
+        at_steps,
+        every_epochs,
+        every_secs,
+        every_steps,
+        on_final,
+        on_improve,
+    )
+    from functional_ckpt._src.policy.retention import keep_best, keep_every, keep_last, keep_within
+    from functional_ckpt._src.policy.signals import on_signal
+    from functional_ckpt._src.recording.recorder import Recorder
+    from functional_ckpt._src.recording.replay import Replay
+    from functional_ckpt._src.restore.api import restore
+    from functional_ckpt._src.restore.inspect import inspect
+    from functional_ckpt._src.save.api import save, save_async
+    from functional_ckpt._src.state.capture import apply, capture
+    from functional_ckpt._src.state.tree import to_python
+    from functional_ckpt._src.storage.verify import verify
+    from functional_ckpt.errors import CheckpointError
+
+#: Where each public name lives: ``name -> module`` (the module itself for a namespace).
+_WHERE = {
+    "CheckpointError": "functional_ckpt.errors",
+    "CheckpointManager": "functional_ckpt._src.manager.manager",
+    "Recorder": "functional_ckpt._src.recording.recorder",
+    "Replay": "functional_ckpt._src.recording.replay",
+    "apply": "functional_ckpt._src.state.capture",
+    "at_steps": "functional_ckpt._src.policy.leaves",
+    "capture": "functional_ckpt._src.state.capture",
+    "every_epochs": "functional_ckpt._src.policy.leaves",
+    "every_secs": "functional_ckpt._src.policy.leaves",
+    "every_steps": "functional_ckpt._src.policy.leaves",
+    "export_safetensors": "functional_ckpt._src.export.safetensors",
+    "fork": "functional_ckpt._src.manager.fork",
+    "inspect": "functional_ckpt._src.restore.inspect",
+    "keep_best": "functional_ckpt._src.policy.retention",
+    "keep_every": "functional_ckpt._src.policy.retention",
+    "keep_last": "functional_ckpt._src.policy.retention",
+    "keep_within": "functional_ckpt._src.policy.retention",
+    "on_final": "functional_ckpt._src.policy.leaves",
+    "on_improve": "functional_ckpt._src.policy.leaves",
+    "on_signal": "functional_ckpt._src.policy.signals",
+    "restore": "functional_ckpt._src.restore.api",
+    "save": "functional_ckpt._src.save.api",
+    "save_async": "functional_ckpt._src.save.api",
+    "to_python": "functional_ckpt._src.state.tree",
+    "verify": "functional_ckpt._src.storage.verify",
+}
+
+#: The public namespaces, each a module of its own.
+_NAMESPACES = ("checkpoint", "codec", "errors", "manager", "policy", "retention", "tree")
 
 __all__ = [
     "CheckpointError",
@@ -63,3 +116,18 @@ __all__ = [
     "to_python",
     "verify",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(import_module(_WHERE[name]), name)
+    elif name in _NAMESPACES:
+        value = import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # looked up once; the next access finds it directly
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, *_NAMESPACES])

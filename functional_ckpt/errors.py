@@ -68,8 +68,28 @@ class UploadFailed(RemoteError):
     """A background upload failed after its retries; the local checkpoint is intact."""
 
 
+class PolicyError(CheckpointError, ValueError):
+    """A save policy was given a state, event or spec it cannot use."""
+
+
+class RetentionError(CheckpointError, ValueError):
+    """A retention spec that does not describe a retention policy."""
+
+
+class NotARecording(CheckpointError):
+    """The path given as a recording is not one (missing, a checkpoint, anything else)."""
+
+
+class NotRecorded(CheckpointError, LookupError):
+    """A replay was asked for a step that the recording does not hold."""
+
+
 class CheckpointWarning(UserWarning):
     """A checkpoint was skipped or a stored policy state was discarded."""
+
+
+class LeftoverWarning(CheckpointWarning):
+    """A committed leftover of a crash was recovered, or kept because its name is taken."""
 
 
 class RemoteWarning(CheckpointWarning):
@@ -83,13 +103,18 @@ __all__ = [
     "CheckpointWarning",
     "CorruptCheckpoint",
     "IncompleteCheckpoint",
+    "LeftoverWarning",
     "ModifiedDuringSave",
+    "NotARecording",
+    "NotRecorded",
+    "PolicyError",
     "RemoteAccessDenied",
     "RemoteBucketMissing",
     "RemoteError",
     "RemoteUnreachable",
     "RemoteVanished",
     "RemoteWarning",
+    "RetentionError",
     "TemplateMismatch",
     "UnsafeCheckpoint",
     "UnsupportedValue",

@@ -28,11 +28,9 @@ from functional_ckpt._src.policy import (
     policy_from_spec,
     run_policy,
 )
-from functional_ckpt._src.policy.base import PolicyError
 
 __all__ = [
     "Event",
-    "PolicyError",
     "PolicySpec",
     "PolicyState",
     "SavePolicy",

@@ -10,7 +10,6 @@ from __future__ import annotations
 from functional_ckpt._src.policy.retention import (
     CheckpointLike,
     CheckpointRecord,
-    RetentionError,
     RetentionPolicy,
     best_steps,
     keep_all,
@@ -25,7 +24,6 @@ from functional_ckpt._src.policy.retention import (
 __all__ = [
     "CheckpointLike",
     "CheckpointRecord",
-    "RetentionError",
     "RetentionPolicy",
     "best_steps",
     "keep_all",

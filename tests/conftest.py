@@ -13,7 +13,7 @@ import pytest
 @pytest.fixture
 def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     """Uploads retried three times from 10 ms, not five times from half a second."""
-    from functional_ckpt.remote import uploader
+    from functional_ckpt._src.remote import uploader
 
     monkeypatch.setattr(uploader, "BACKOFF", 0.01)
     monkeypatch.setattr(uploader, "RETRIES", 3)
@@ -55,7 +55,7 @@ def s3() -> Iterator[dict[str, Any]]:
 @pytest.fixture
 def bucket(s3: dict[str, Any]) -> str:
     """A remote root in a new bucket of the S3 server."""
-    from functional_ckpt.remote.store import Store
+    from functional_ckpt._src.remote.store import Store
 
     name = f"b-{uuid.uuid4().hex[:10]}"
     Store(f"s3://{name}", s3["options"]).fs.mkdir(name)

@@ -176,7 +176,7 @@ def main() -> None:
             fc.on_improve("loss"),
             fc.keep_last(2),
             async_save=True,
-            export=fc.export.Export(fc.at_steps([2]), select="w"),
+            export=fc.manager.Export(fc.at_steps([2]), select="w"),
         ) as mgr:
             for step in range(6):
                 loss = 1.0 if rank == 0 else 1.0 - step  # rank 1 "improves" every step

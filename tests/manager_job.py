@@ -40,6 +40,14 @@ from tests.training import build, train_step
 
 KILL_POINTS = ("marker", "commit", "prune")
 
+#: What a forkserver imports once for all runs (the package imports them on first use).
+PRELOAD = [
+    "functional_ckpt._src.manager.manager",
+    "functional_ckpt._src.save.api",
+    "functional_ckpt._src.restore.api",
+    "functional_ckpt._src.state.capture",
+]
+
 
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)

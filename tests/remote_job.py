@@ -29,7 +29,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import functional_ckpt as fc
-from functional_ckpt.remote import protocol
+from functional_ckpt._src.remote import protocol
 
 
 def state(mesh: Any, rank: int, step: int) -> dict[str, Any]:

@@ -58,11 +58,11 @@ def main() -> int:
         print(f"attempt {attempt}: from {state['step']}", file=log, end="", flush=True)
         for step in range(state["step"] + 1, args.steps + 1):
             state = {"w": state["w"] + 1, "step": step}
-            stopping = bool(stop)  # read before the vote: a signal seen here is saved now
-            mgr.maybe_save(state, step=step)
+            saved = mgr.maybe_save(state, step=step)
             if args.ready and not os.path.exists(args.ready):
                 Path(args.ready).touch()
-            if stopping:
+            # A signal that lands after the vote is saved at the next event: stop once saved.
+            if stop and saved:
                 mgr.wait()
                 print(f", stopped at {step}", file=log, flush=True)
                 return 0

@@ -35,6 +35,7 @@ def main() -> None:
             pending.result()
         else:
             fc.save(root / f"ck{version:06d}", state(version))
+        print(version, flush=True)  # committed
 
 
 if __name__ == "__main__":

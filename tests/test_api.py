@@ -52,11 +52,11 @@ def test_everything_else_is_reachable_in_its_submodule() -> None:
     assert isinstance(fc.policy.Event(step=1), fc.policy.Event)
     assert fc.retention.keep_all().select([]) == set()
     assert callable(fc.checkpoint.Stager)
-    assert callable(fc.export.Export)
+    assert callable(fc.manager.Export)
     assert callable(fc.tree.from_python)
     assert callable(fc.checkpoint.VerifyReport)
     assert fc.policy.on_degrade("reward").spec["kind"] == "on_degrade"
-    assert issubclass(fc.recording.NotRecorded, fc.CheckpointError)
+    assert issubclass(fc.errors.NotRecorded, fc.CheckpointError)
 
 
 def test_no_top_level_name_is_a_submodule() -> None:

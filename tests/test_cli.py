@@ -21,11 +21,11 @@ import torch
 from safetensors.torch import load_file
 
 import functional_ckpt as fc
-from functional_ckpt import cli
+from functional_ckpt._src import cli
+from functional_ckpt._src.cli import listing, ui
+from functional_ckpt._src.manager.manager import step_name
 from functional_ckpt._src.restore.diff import same_value, tensor_delta
 from functional_ckpt._src.restore.read import open_checkpoint
-from functional_ckpt.cli import listing, ui
-from functional_ckpt.manager import step_name
 from tests.forge import resign
 
 KEEP = fc.keep_last(2) | fc.keep_best(1, "val_loss", mode="min")

@@ -15,12 +15,12 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 import functional_ckpt as fc
-from functional_ckpt import cli
-from functional_ckpt.cli import listing, show
-from functional_ckpt.cli.main import build_parser
-from functional_ckpt.cli.ui import UI
-from functional_ckpt.export import INDEX_FILE, SINGLE_FILE
-from functional_ckpt.manager import step_name
+from functional_ckpt._src import cli
+from functional_ckpt._src.cli import listing, show
+from functional_ckpt._src.cli.main import build_parser
+from functional_ckpt._src.cli.ui import UI
+from functional_ckpt._src.export.safetensors import INDEX_FILE, SINGLE_FILE, parse_size
+from functional_ckpt._src.manager.manager import step_name
 
 KEEP = fc.keep_last(2)
 
@@ -35,7 +35,7 @@ def _state(step: int) -> Any:
 def root(tmp_path: Path) -> Path:
     """Steps 1..4 with keep_last(2) recorded, and an export of every step, keeping two."""
     path = tmp_path / "run"
-    export = fc.export.Export(fc.every_steps(1), keep=fc.keep_last(2))
+    export = fc.manager.Export(fc.every_steps(1), keep=fc.keep_last(2))
     with fc.CheckpointManager(path, keep=KEEP, export=export) as mgr:
         for step in range(1, 5):
             mgr.maybe_save(_state(step), step=step, metrics={"loss": 1.0 / step})
@@ -151,7 +151,7 @@ def test_5g_and_fp16_are_accepted(root: Path, tmp_path: Path) -> None:
     args = build_parser().parse_args(
         ["export", str(root), str(tmp_path / "o"), "--max-shard-size", "5G", "--dtype", "fp16"]
     )
-    assert fc.export.parse_size(args.max_shard_size) == 5 * 10**9
+    assert parse_size(args.max_shard_size) == 5 * 10**9
     assert show.parse_dtype(args.dtype) is torch.float16
 
 

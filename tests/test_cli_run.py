@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 import functional_ckpt as fc
-from functional_ckpt import cli
+from functional_ckpt._src import cli
+from functional_ckpt._src.cli.run import Attempt, Checkpoint, exit_status, outcome_text
 from functional_ckpt._src.format.naming import step_name
-from functional_ckpt.cli.run import Attempt, Checkpoint, exit_status, outcome_text
 
 REPO = Path(__file__).resolve().parent.parent
 JOB = [sys.executable, str(REPO / "tests" / "run_job.py")]

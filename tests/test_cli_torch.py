@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import cli
-from functional_ckpt.torchfile import export_torch, load_torch_file
+from functional_ckpt._src import cli
+from functional_ckpt._src.export.torch_save import export_torch, load_torch_file
 from tests.exact import assert_exact
 
 

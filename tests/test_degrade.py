@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import cli
+from functional_ckpt._src import cli
+from functional_ckpt._src.manager.rollback_rule import SaveResult, choose_target
 from functional_ckpt._src.policy import Event, on_degrade, policy_from_spec, run_policy
 from functional_ckpt._src.root.listing import StepInfo
-from functional_ckpt.degradation import SaveResult, choose_target
 
 
 def events(values: list[float | None]) -> list[Event]:

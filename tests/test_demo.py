@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import functional_ckpt as fc
-from functional_ckpt import cli
-from functional_ckpt.cli import demo
+from functional_ckpt._src import cli
+from functional_ckpt._src.cli import demo
 
 STEPS, CRASH_AT = 40, 17
 FCKPT = [sys.executable, "-m", "functional_ckpt"]

@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import functional_ckpt as fc
-from functional_ckpt import export as export_mod
-from functional_ckpt.export import INDEX_FILE, SINGLE_FILE, parse_size
+from functional_ckpt._src.export import safetensors as export_mod
+from functional_ckpt._src.export.safetensors import INDEX_FILE, SINGLE_FILE, parse_size
 
 
 class TinyLM(torch.nn.Module):
@@ -175,7 +175,7 @@ def test_parse_size_rejects(bad: Any) -> None:
 
 
 def test_manager_exports_on_its_own_policy(model: TinyLM, tmp_path: Path) -> None:
-    exp = fc.export.Export(fc.on_improve("loss"), dtype=torch.bfloat16, max_shard_size="2KB")
+    exp = fc.manager.Export(fc.on_improve("loss"), dtype=torch.bfloat16, max_shard_size="2KB")
     losses = {1: 3.0, 2: 2.0, 3: 2.5, 4: 1.0}
     with fc.CheckpointManager(tmp_path, save=fc.every_steps(2), export=exp) as mgr:
         for step, loss in losses.items():
@@ -199,11 +199,11 @@ def test_manager_exports_on_its_own_policy(model: TinyLM, tmp_path: Path) -> Non
 
 def test_export_config_is_checked(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="SavePolicy"):
-        fc.export.Export("every step")  # type: ignore[arg-type]
+        fc.manager.Export("every step")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_shard_size"):
-        fc.export.Export(fc.policy.always(), max_shard_size="lots")
+        fc.manager.Export(fc.policy.always(), max_shard_size="lots")
     with pytest.raises(ValueError, match="select"):
-        fc.export.Export(fc.policy.always(), select=())
+        fc.manager.Export(fc.policy.always(), select=())
     assert export_mod.Export(fc.policy.always(), max_shard_size="1KB").max_shard_bytes == 1000
 
 
@@ -242,7 +242,7 @@ def test_config_and_side_files_are_written_and_carried_over(model: TinyLM, tmp_p
 def test_a_failed_background_export_surfaces(model: TinyLM, tmp_path: Path) -> None:
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("a\n")
-    exp = fc.export.Export(fc.every_steps(1), extra_files={"vocab.txt": vocab})
+    exp = fc.manager.Export(fc.every_steps(1), extra_files={"vocab.txt": vocab})
     vocab.unlink()  # gone by the time the export runs
     with fc.CheckpointManager(tmp_path / "run", export=exp, async_save=True) as mgr:
         mgr.maybe_save(fc.capture(model=model), step=1)

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import exporting
-from functional_ckpt.export import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from functional_ckpt._src.export import exports as exporting
+from functional_ckpt._src.export.safetensors import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 AutoModelForCausalLM = transformers.AutoModelForCausalLM
@@ -197,8 +197,8 @@ def test_manager_exports_load_are_pruned_and_run_off_the_training_thread(
         threads.append(threading.current_thread().name)
         return real(*args, **kw)
 
-    monkeypatch.setattr("functional_ckpt.exporting.run_export", spy)
-    export = fc.export.Export(
+    monkeypatch.setattr("functional_ckpt._src.export.exports.run_export", spy)
+    export = fc.manager.Export(
         fc.every_steps(1),
         config=model.config,
         extra_files={"generation_config.json": transformers.GenerationConfig(max_new_tokens=3)},

@@ -115,17 +115,19 @@ def test_every_module_imports(module: str) -> None:
 
 
 def test_the_library_never_loads_the_cli_or_the_demo() -> None:
-    library = {m: imports_of(m) for m in MODULES if not m.startswith("functional_ckpt.cli")}
+    library = {m: imports_of(m) for m in MODULES if not m.startswith("functional_ckpt._src.cli")}
     assert {
-        m for m, deps in library.items() if any(d.startswith("functional_ckpt.cli") for d in deps)
+        m
+        for m, deps in library.items()
+        if any(d.startswith("functional_ckpt._src.cli") for d in deps)
     } == {"functional_ckpt.__main__"}
     code = (
         "import sys, functional_ckpt, functional_ckpt.manager, functional_ckpt._src.root.listing\n"
-        "print(sorted(m for m in sys.modules if m.startswith('functional_ckpt.cli')))"
+        "print(sorted(m for m in sys.modules if m.startswith('functional_ckpt._src.cli')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
-    code = "import sys, functional_ckpt.cli\nprint('functional_ckpt.cli.demo' in sys.modules)"
+    code = "import sys, functional_ckpt._src.cli as c\nprint(c.__name__ + '.demo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"  # only `fckpt demo` loads the demo
 

@@ -23,12 +23,12 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import cli
+from functional_ckpt._src import cli
+from functional_ckpt._src.cli import ui
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.restore.read import open_checkpoint
 from functional_ckpt._src.save import incremental
 from functional_ckpt._src.storage import checkpoint, usage
-from functional_ckpt.cli import ui
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -28,9 +28,9 @@ import torch
 
 import functional_ckpt as fc
 from functional_ckpt._src.format import naming
+from functional_ckpt._src.manager.manager import CheckpointWarning, StepInfo, parse_step, step_name
 from functional_ckpt._src.policy.retention import RetentionPolicy
 from functional_ckpt._src.storage import checkpoint
-from functional_ckpt.manager import CheckpointWarning, StepInfo, parse_step, step_name
 from tests import manager_job
 from tests.exact import assert_exact
 
@@ -449,7 +449,9 @@ def test_all_corrupt_raises_instead_of_starting_fresh(tmp_path: Path, read_only:
 def ctx() -> mp.context.ForkServerContext:
     """A forkserver that has imported torch and functional_ckpt once for all runs."""
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["tests.manager_job", "torch.distributed.checkpoint"])
+    context.set_forkserver_preload(
+        ["tests.manager_job", "torch.distributed.checkpoint", *manager_job.PRELOAD]
+    )
     return context
 
 

@@ -24,7 +24,6 @@ from hypothesis import strategies as st
 from functional_ckpt._src import codec
 from functional_ckpt._src.policy import (
     Event,
-    PolicyError,
     PolicyState,
     SavePolicy,
     always,
@@ -39,7 +38,7 @@ from functional_ckpt._src.policy import (
     policy_from_spec,
     run_policy,
 )
-from functional_ckpt.errors import CheckpointError
+from functional_ckpt.errors import CheckpointError, PolicyError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,12 +23,16 @@ import torch
 from tensordict import TensorDict
 
 import functional_ckpt as fc
-from functional_ckpt import cli
-from functional_ckpt._src import codec
-from functional_ckpt.cli.recording import new_bytes
-from functional_ckpt.errors import CheckpointExists, CorruptCheckpoint, TemplateMismatch
-from functional_ckpt.recording import NotARecording, NotRecorded
-from functional_ckpt.recording.layout import INDEX, segment_name
+from functional_ckpt._src import cli, codec
+from functional_ckpt._src.cli.recording import new_bytes
+from functional_ckpt._src.recording.layout import INDEX, segment_name
+from functional_ckpt.errors import (
+    CheckpointExists,
+    CorruptCheckpoint,
+    NotARecording,
+    NotRecorded,
+    TemplateMismatch,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -272,7 +276,7 @@ def test_a_failure_in_the_background_surfaces_at_the_next_call(
     def disk_full(self: Any, data: Any) -> Any:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(fc.recording.recorder.Recorder, "_append", disk_full)
+    monkeypatch.setattr(fc.Recorder, "_append", disk_full)
     recorder.record({"w": torch.ones(4)}, step=1)  # staged; the write fails behind it
     with pytest.raises(
         fc.CheckpointError, match=r"No space left.*the 1 records committed before it are safe"
@@ -346,7 +350,7 @@ def test_a_forged_index_pointing_past_the_data_is_corrupt(tmp_path: Path) -> Non
 
     from functional_ckpt._src import codec
     from functional_ckpt._src.format.checksum import crc32
-    from functional_ckpt.recording.layout import FRAME, LOC, MARKER
+    from functional_ckpt._src.recording.layout import FRAME, LOC, MARKER
 
     rec = tmp_path / "rec"
     with fc.Recorder(rec) as recorder:

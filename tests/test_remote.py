@@ -23,7 +23,11 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt import cli
+from functional_ckpt._src import cli
+from functional_ckpt._src.remote import protocol, uploader
+from functional_ckpt._src.remote.fetch import download
+from functional_ckpt._src.remote.store import Store
+from functional_ckpt._src.remote.tier import LEASE
 from functional_ckpt._src.storage import checkpoint
 from functional_ckpt.errors import (
     CorruptCheckpoint,
@@ -33,10 +37,6 @@ from functional_ckpt.errors import (
     RemoteWarning,
     UploadFailed,
 )
-from functional_ckpt.remote import protocol, uploader
-from functional_ckpt.remote.fetch import download
-from functional_ckpt.remote.store import Store
-from functional_ckpt.remote.tier import LEASE
 from tests.exact import assert_exact
 
 REPO = Path(__file__).resolve().parent.parent
@@ -236,7 +236,7 @@ def test_store_faults_raise_clear_errors_at_open(
 _KILLED_CHILD = """
 import sys, time, torch
 import functional_ckpt as fc
-from functional_ckpt.remote import protocol
+from functional_ckpt._src.remote import protocol
 
 def stuck(*a, **k):  # every object is up, the marker is next: die here
     print("OBJECTS-UPLOADED", flush=True)

@@ -20,6 +20,8 @@ import pytest
 import torch
 
 import functional_ckpt as fc
+from functional_ckpt._src.remote.mover import Mover, _MovedFailure, facts_of
+from functional_ckpt._src.remote.store import Store, remote_error
 from functional_ckpt.errors import (
     RemoteAccessDenied,
     RemoteBucketMissing,
@@ -27,8 +29,6 @@ from functional_ckpt.errors import (
     RemoteUnreachable,
     RemoteVanished,
 )
-from functional_ckpt.remote.mover import MovedFailure, Mover, facts_of
-from functional_ckpt.remote.store import Store, remote_error
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -222,7 +222,7 @@ def test_a_failure_reported_by_the_helper_maps_as_it_does_in_process(
     err: BaseException, kind: type[RemoteError]
 ) -> None:
     here = remote_error(err, "s3://b/x")
-    there = remote_error(MovedFailure(facts_of(err)), "s3://b/x")
+    there = remote_error(_MovedFailure(facts_of(err)), "s3://b/x")
     assert type(here) is kind and type(there) is kind
     assert str(here) == str(there)
 
@@ -256,7 +256,7 @@ def test_a_helper_that_does_not_start_leaves_uploads_in_process(
     tmp_path: Path, s3: dict[str, Any], bucket: str, monkeypatch: pytest.MonkeyPatch, launch: str
 ) -> None:
     """An interpreter that cannot run the helper (or hangs) costs one try, not a hang."""
-    from functional_ckpt.remote import mover
+    from functional_ckpt._src.remote import mover
 
     monkeypatch.setattr(mover, "_LAUNCH", launch)
     monkeypatch.setattr(mover, "HELLO_TIMEOUT", 1.0)
@@ -265,7 +265,7 @@ def test_a_helper_that_does_not_start_leaves_uploads_in_process(
     assert not one.start() and not one.usable and one.pid is None
     assert time.monotonic() - began < 30
     assert not one.start()  # not tried again
-    with pytest.raises(MovedFailure, match="could not start"):
+    with pytest.raises(_MovedFailure, match="could not start"):
         one.put([], [])
     store = Store(bucket, s3["options"])
     blob = _file(tmp_path)

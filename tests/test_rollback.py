@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import functional_ckpt as fc
+from functional_ckpt._src.manager.manager import step_name
 from functional_ckpt._src.root import rollback
-from functional_ckpt.manager import step_name
 from tests.exact import assert_exact as _assert_exact
 
 REPO = Path(__file__).resolve().parent.parent

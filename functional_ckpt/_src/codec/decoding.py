@@ -17,7 +17,7 @@ from typing import Any, Final
 import msgpack
 import torch
 
-from functional_ckpt._src.codec.leaves import LEAF_DECODERS, Corrupt
+from functional_ckpt._src.codec.leaves import LEAF_DECODERS, _Corrupt
 from functional_ckpt._src.codec.table import (
     CONTAINERS,
     EXT_FROZENSET,
@@ -32,7 +32,7 @@ from functional_ckpt._src.codec.table import (
     torch_size_problem,
     type_name,
 )
-from functional_ckpt._src.codec.tagged import TAGGED, BadFields, by_tag, unknown_tag_problem
+from functional_ckpt._src.codec.tagged import TAGGED, _BadFields, by_tag, unknown_tag_problem
 from functional_ckpt._src.format.limits import LIMITS
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
 
@@ -103,7 +103,7 @@ def _build_frozenset(items: list[Any]) -> object:
 
 def _build_ordered_dict(items: list[Any]) -> object:
     if len(items) % 2:
-        raise Corrupt("OrderedDict with an odd number of keys and values")
+        raise _Corrupt("OrderedDict with an odd number of keys and values")
     _refuse_flood(items[::2], "map key")
     it = iter(items)
     return _OrderedDict(zip(it, it, strict=True))
@@ -112,7 +112,7 @@ def _build_ordered_dict(items: list[Any]) -> object:
 def _build_torch_size(items: list[Any]) -> object:
     problem = torch_size_problem(items)
     if problem is not None:
-        raise Corrupt(problem)
+        raise _Corrupt(problem)
     return torch.Size(items)
 
 
@@ -158,10 +158,10 @@ class _Hooks:
             del lst[0]
             try:
                 return marker.build(lst)
-            except (Corrupt, _Unsafe):
+            except (_Corrupt, _Unsafe):
                 raise
             except Exception as exc:  # e.g. an unhashable set member or key
-                raise Corrupt(f"cannot rebuild {marker.name}: {exc}") from None
+                raise _Corrupt(f"cannot rebuild {marker.name}: {exc}") from None
         return lst
 
     def pairs_hook(self, pairs: list[tuple[Any, Any]]) -> object:
@@ -178,18 +178,18 @@ def _tagged_marker(payload: bytes) -> _Marker:
     try:
         tag = payload.decode("utf-8")
     except UnicodeDecodeError:
-        raise Corrupt(f"tagged value with an invalid tag {payload[:80]!r}") from None
+        raise _Corrupt(f"tagged value with an invalid tag {payload[:80]!r}") from None
     entry = by_tag(tag)
     if entry is None:
         raise _Unsafe(unknown_tag_problem(tag[:256]))
 
     def build(items: list[Any]) -> object:
         if len(items) != 1:
-            raise Corrupt(f"tagged value {tag!r} with {len(items)} fields entries instead of 1")
+            raise _Corrupt(f"tagged value {tag!r} with {len(items)} fields entries instead of 1")
         try:
             return entry.build(items[0])
-        except BadFields as exc:
-            raise Corrupt(f"tagged value {tag!r}: {exc}") from None
+        except _BadFields as exc:
+            raise _Corrupt(f"tagged value {tag!r}: {exc}") from None
 
     return _Marker(f"tagged value {tag!r}", build)
 
@@ -200,20 +200,20 @@ def _ext_hook(code: int, payload: bytes) -> object:
     marker = _MARKERS.get(code)
     if marker is not None:
         if payload:
-            raise Corrupt(f"{marker.name} marker with a payload")
+            raise _Corrupt(f"{marker.name} marker with a payload")
         return marker
     decoder = LEAF_DECODERS.get(code)
     if decoder is None:
-        raise Corrupt(f"unknown ext code {code}")
+        raise _Corrupt(f"unknown ext code {code}")
     return decoder(payload)
 
 
-def _stray(t: type) -> Corrupt:
+def _stray(t: type) -> _Corrupt:
     if t is _Marker:
-        return Corrupt("container marker outside the first slot of an array")
+        return _Corrupt("container marker outside the first slot of an array")
     if t is msgpack.Timestamp:
-        return Corrupt("unknown ext code -1 (msgpack timestamp)")
-    return Corrupt(f"unexpected decoded type {type_name(t)}")  # pragma: no cover
+        return _Corrupt("unknown ext code -1 (msgpack timestamp)")
+    return _Corrupt(f"unexpected decoded type {type_name(t)}")  # pragma: no cover
 
 
 def _tagged_fields(t: type, value: object) -> object:
@@ -323,7 +323,7 @@ def decode(
         _check_decoded(value, max_depth)
     except _Unsafe as exc:
         raise UnsafeCheckpoint(f"{source}: {exc}") from None
-    except Corrupt as exc:
+    except _Corrupt as exc:
         raise CorruptCheckpoint(f"{source}: {exc}") from None
     except msgpack.StackError:
         raise UnsafeCheckpoint(

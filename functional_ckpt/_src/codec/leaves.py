@@ -31,24 +31,24 @@ from functional_ckpt._src.codec.table import (
 )
 from functional_ckpt._src.format.limits import LIMITS
 
-__all__ = ["LEAF_DECODERS", "Corrupt"]
+__all__ = ["LEAF_DECODERS", "_Corrupt"]
 
 _MAX_DEVICE_LEN: Final = 64
 
 
-class Corrupt(Exception):
+class _Corrupt(Exception):
     """Internal: malformed data, re-raised as CorruptCheckpoint naming the source."""
 
 
 def _parse_dtype(code: object) -> np.dtype[Any]:
     if type(code) is not str or not code or len(code) > 32 or not code.isascii():
-        raise Corrupt(f"invalid numpy dtype code {code!r}")
+        raise _Corrupt(f"invalid numpy dtype code {code!r}")
     try:
         dt = np.dtype(code)
     except Exception:
-        raise Corrupt(f"invalid numpy dtype code {code!r}") from None
+        raise _Corrupt(f"invalid numpy dtype code {code!r}") from None
     if dtype_code(dt) != code:
-        raise Corrupt(f"non-canonical or unsupported numpy dtype code {code!r}")
+        raise _Corrupt(f"non-canonical or unsupported numpy dtype code {code!r}")
     return dt
 
 
@@ -69,63 +69,63 @@ def _unpack_payload(payload: bytes, what: str) -> list[Any]:
             max_map_len=n // 2,
             max_ext_len=0,
         )
-    except Corrupt:
+    except _Corrupt:
         raise
     except Exception as exc:
-        raise Corrupt(f"malformed {what} payload: {exc}") from None
+        raise _Corrupt(f"malformed {what} payload: {exc}") from None
     if type(out) is not list:
-        raise Corrupt(f"malformed {what} payload")
+        raise _Corrupt(f"malformed {what} payload")
     return out
 
 
 def _refuse_ext(code: int, data: bytes) -> object:
-    raise Corrupt(f"unexpected ext code {code} inside a leaf payload")
+    raise _Corrupt(f"unexpected ext code {code} inside a leaf payload")
 
 
 def _decode_ndarray(payload: bytes) -> object:
     header = _unpack_payload(payload, "numpy array")
     if len(header) != 3:
-        raise Corrupt("malformed numpy array payload")
+        raise _Corrupt("malformed numpy array payload")
     code, shape, raw = header
     dt = _parse_dtype(code)
     if type(shape) is not list or len(shape) > LIMITS.tensor_ndim:
-        raise Corrupt(f"invalid numpy array shape {short_repr(shape)}")
+        raise _Corrupt(f"invalid numpy array shape {short_repr(shape)}")
     for d in shape:
         if type(d) is not int or d < 0:
-            raise Corrupt(f"invalid numpy array dimension {short_repr(d)}")
+            raise _Corrupt(f"invalid numpy array dimension {short_repr(d)}")
     if type(raw) is not bytes:
-        raise Corrupt("numpy array data is not bytes")
+        raise _Corrupt("numpy array data is not bytes")
     declared = math.prod(shape) * dt.itemsize
     if declared != len(raw):
-        raise Corrupt(
+        raise _Corrupt(
             f"numpy array of shape {tuple(shape)} and dtype {code} needs {declared} bytes "
             f"but {len(raw)} are present"
         )
     try:
         arr = np.frombuffer(raw, dtype=dt).reshape(shape).copy()
     except Exception as exc:
-        raise Corrupt(f"invalid numpy array: {exc}") from None
+        raise _Corrupt(f"invalid numpy array: {exc}") from None
     return arr
 
 
 def _decode_numpy_scalar(payload: bytes) -> object:
     header = _unpack_payload(payload, "numpy scalar")
     if len(header) != 2:
-        raise Corrupt("malformed numpy scalar payload")
+        raise _Corrupt("malformed numpy scalar payload")
     code, body = header
     if code == "U":
         if type(body) is not str:
-            raise Corrupt("numpy str_ scalar without a str value")
+            raise _Corrupt("numpy str_ scalar without a str value")
         return np.str_(body)
     if code == "S":
         if type(body) is not bytes:
-            raise Corrupt("numpy bytes_ scalar without a bytes value")
+            raise _Corrupt("numpy bytes_ scalar without a bytes value")
         return np.bytes_(body)
     dt = _parse_dtype(code)
     if dt.kind in "USV":
-        raise Corrupt(f"numpy scalar dtype {code} is not part of the format")
+        raise _Corrupt(f"numpy scalar dtype {code} is not part of the format")
     if type(body) is not bytes or len(body) != dt.itemsize:
-        raise Corrupt(f"numpy scalar of dtype {code} needs exactly {dt.itemsize} bytes")
+        raise _Corrupt(f"numpy scalar of dtype {code} needs exactly {dt.itemsize} bytes")
     scalar: object = np.frombuffer(body, dtype=dt)[0]
     return scalar
 
@@ -134,25 +134,25 @@ def _decode_torch_dtype(payload: bytes) -> object:
     try:
         return TORCH_DTYPES[payload.decode("ascii")]
     except (KeyError, UnicodeDecodeError):
-        raise Corrupt(f"unknown torch dtype {short_repr(payload)}") from None
+        raise _Corrupt(f"unknown torch dtype {short_repr(payload)}") from None
 
 
 def _decode_torch_device(payload: bytes) -> object:
     if len(payload) > _MAX_DEVICE_LEN:
-        raise Corrupt("torch device name too long")
+        raise _Corrupt("torch device name too long")
     try:
         text = payload.decode("ascii")
         device = torch.device(text)
     except Exception:
-        raise Corrupt(f"invalid torch device {short_repr(payload)}") from None
+        raise _Corrupt(f"invalid torch device {short_repr(payload)}") from None
     if str(device) != text:
-        raise Corrupt(f"non-canonical torch device {text!r}")
+        raise _Corrupt(f"non-canonical torch device {text!r}")
     return device
 
 
 def _decode_bigint(payload: bytes) -> object:
     if not payload:
-        raise Corrupt("empty big int payload")
+        raise _Corrupt("empty big int payload")
     return int.from_bytes(payload, "little", signed=True)
 
 

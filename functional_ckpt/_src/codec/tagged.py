@@ -24,7 +24,7 @@ from functional_ckpt.errors import UnsupportedValue
 
 __all__ = [
     "TAGGED",
-    "BadFields",
+    "_BadFields",
     "TaggedType",
     "by_tag",
     "register",
@@ -44,7 +44,7 @@ class TaggedType(NamedTuple):
     build: Callable[[Any], object]
 
 
-class BadFields(Exception):
+class _BadFields(Exception):
     """Internal: fields that do not fit the tagged class (the decoder reports corruption)."""
 
 
@@ -65,7 +65,7 @@ def _add(entry: TaggedType) -> None:
 
 def _ints(fields: object, n: int, what: str) -> list[int]:
     if type(fields) is not list or len(fields) != n or any(type(x) is not int for x in fields):
-        raise BadFields(f"{what} needs a list of {n} ints, got {fields!r:.80}")
+        raise _BadFields(f"{what} needs a list of {n} ints, got {fields!r:.80}")
     return fields
 
 
@@ -98,17 +98,17 @@ def _tz_build(fields: object) -> dt.tzinfo | None:
         if name is None:
             return dt.timezone(off)
         if type(name) is not str:
-            raise BadFields(f"a time zone name must be a str, got {name!r:.80}")
+            raise _BadFields(f"a time zone name must be a str, got {name!r:.80}")
         return dt.timezone(off, name)
     if type(fields) is list and len(fields) == 2 and fields[0] == "zone":
         key = fields[1]
         if type(key) is not str or not 0 < len(key) <= 128:
-            raise BadFields(f"invalid time zone key {key!r:.80}")
+            raise _BadFields(f"invalid time zone key {key!r:.80}")
         try:
             return zoneinfo.ZoneInfo(key)
         except (ValueError, zoneinfo.ZoneInfoNotFoundError) as exc:
-            raise BadFields(f"unknown time zone {key!r}: {exc}") from None
-    raise BadFields(f"invalid time zone fields {fields!r:.80}")
+            raise _BadFields(f"unknown time zone {key!r}: {exc}") from None
+    raise _BadFields(f"invalid time zone fields {fields!r:.80}")
 
 
 def _datetime_fields(v: dt.datetime) -> object:
@@ -127,7 +127,7 @@ def _datetime_fields(v: dt.datetime) -> object:
 
 def _datetime_build(f: object) -> object:
     if type(f) is not list or len(f) != 9:
-        raise BadFields(f"datetime needs 9 fields, got {f!r:.80}")
+        raise _BadFields(f"datetime needs 9 fields, got {f!r:.80}")
     y, mo, d, h, mi, s, us, fold = _ints(f[:8], 8, "datetime")
     return dt.datetime(y, mo, d, h, mi, s, us, tzinfo=_tz_build(f[8]), fold=fold)
 
@@ -138,7 +138,7 @@ def _time_fields(v: dt.time) -> object:
 
 def _time_build(f: object) -> object:
     if type(f) is not list or len(f) != 6:
-        raise BadFields(f"time needs 6 fields, got {f!r:.80}")
+        raise _BadFields(f"time needs 6 fields, got {f!r:.80}")
     h, mi, s, us, fold = _ints(f[:5], 5, "time")
     return dt.time(h, mi, s, us, tzinfo=_tz_build(f[5]), fold=fold)
 
@@ -146,7 +146,7 @@ def _time_build(f: object) -> object:
 def _path_entry(cls: type) -> TaggedType:
     def build(f: object) -> object:
         if type(f) is not str:
-            raise BadFields(f"{cls.__name__} needs a str, got {f!r:.80}")
+            raise _BadFields(f"{cls.__name__} needs a str, got {f!r:.80}")
         return cls(f)
 
     return TaggedType(f"pathlib.{cls.__name__}", cls, str, build)
@@ -154,7 +154,7 @@ def _path_entry(cls: type) -> TaggedType:
 
 def _namespace_build(f: object) -> object:
     if type(f) is not dict or any(type(k) is not str for k in f):
-        raise BadFields(f"argparse.Namespace needs a map with str keys, got {f!r:.80}")
+        raise _BadFields(f"argparse.Namespace needs a map with str keys, got {f!r:.80}")
     return argparse.Namespace(**f)
 
 
@@ -205,7 +205,7 @@ def _dataclass_entry(tag: str, cls: type) -> TaggedType:
     def build(f: object) -> object:
         if type(f) is not dict or len(f) != len(names) or set(f) != set(names):
             keys = list(f) if type(f) is dict else f
-            raise BadFields(f"{tag} has the fields {names}, not {keys!r:.200}")
+            raise _BadFields(f"{tag} has the fields {names}, not {keys!r:.200}")
         obj = cls(**{n: f[n] for n in init})
         for n in later:
             object.__setattr__(obj, n, f[n])
@@ -219,7 +219,7 @@ def _namedtuple_entry(tag: str, cls: type) -> TaggedType:
 
     def build(f: object) -> object:
         if type(f) is not list or len(f) != len(names):
-            raise BadFields(f"{tag} has {len(names)} fields {list(names)}, got {f!r:.200}")
+            raise _BadFields(f"{tag} has {len(names)} fields {list(names)}, got {f!r:.200}")
         return cls._make(f)  # type: ignore[attr-defined]
 
     return TaggedType(tag, cls, list, build)
@@ -237,11 +237,11 @@ def _enum_entry(tag: str, cls: type[enum.Enum]) -> TaggedType:
         if type(f) is str:
             member = cls.__members__.get(f)
             if member is None:
-                raise BadFields(f"{tag} has no member {f!r:.80}")
+                raise _BadFields(f"{tag} has no member {f!r:.80}")
             return member
         if type(f) is int and issubclass(cls, enum.Flag):
             return cls(f)
-        raise BadFields(f"{tag} needs a member name, got {f!r:.80}")
+        raise _BadFields(f"{tag} needs a member name, got {f!r:.80}")
 
     return TaggedType(tag, cls, fields, build)
 

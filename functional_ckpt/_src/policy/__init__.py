@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from functional_ckpt._src.policy.base import (
     Event,
-    PolicyError,
     PolicySpec,
     PolicyState,
     SavePolicy,
@@ -53,7 +52,6 @@ from functional_ckpt._src.policy.spec import policy_from_spec
 
 __all__ = [
     "Event",
-    "PolicyError",
     "PolicySpec",
     "PolicyState",
     "SavePolicy",

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from functional_ckpt.errors import CheckpointError
+from functional_ckpt.errors import PolicyError
 
 __all__ = [
     "AllOf",
@@ -43,10 +43,6 @@ Lists, never tuples (msgpack reads tuples back as lists); dict keys are strings.
 
 PolicySpec: TypeAlias = dict[str, Any]
 """``{"kind": name, **arguments}``, nested for combinators; plain data like a state."""
-
-
-class PolicyError(CheckpointError, ValueError):
-    """A policy was given a state, event or spec it cannot use."""
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from functional_ckpt.errors import CheckpointError
+from functional_ckpt.errors import RetentionError
 
 __all__ = [
     "CheckpointLike",
     "CheckpointRecord",
-    "RetentionError",
     "RetentionPolicy",
     "best_steps",
     "keep_all",
@@ -39,10 +38,6 @@ __all__ = [
     "retention_from_spec",
     "union_parts",
 ]
-
-
-class RetentionError(CheckpointError, ValueError):
-    """A retention spec that does not describe a retention policy."""
 
 
 class CheckpointLike(Protocol):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from functional_ckpt._src.policy.base import AllOf, AnyOf, Not, PolicyError, SavePolicy
+from functional_ckpt._src.policy.base import AllOf, AnyOf, Not, SavePolicy
 from functional_ckpt._src.policy.degrade import on_degrade
 from functional_ckpt._src.policy.leaves import (
     always,
@@ -22,6 +22,7 @@ from functional_ckpt._src.policy.leaves import (
     on_improve,
 )
 from functional_ckpt._src.policy.signals import on_signal
+from functional_ckpt.errors import PolicyError
 
 __all__ = ["policy_from_spec"]
 

@@ -24,11 +24,8 @@ from functional_ckpt._src.root.lock import WriterLock
 from functional_ckpt._src.storage import commit, durable
 from functional_ckpt.errors import (
     CheckpointError,
+    LeftoverWarning,
 )
-
-
-class LeftoverWarning(UserWarning):
-    """A committed leftover of a crash was recovered, or kept because its name is taken."""
 
 
 def open_writer(root: Path, *, stacklevel: int = 2) -> WriterLock:

@@ -1,0 +1,8 @@
+"""The ``fckpt`` command line (``main``); the demo it runs lives in :mod:`functional_ckpt.cli.demo`.
+
+Nothing in the library imports this package.
+"""
+
+from functional_ckpt._src.cli.main import build_parser, main
+
+__all__ = ["build_parser", "main"]

@@ -1,0 +1,423 @@
+"""``fckpt run``: relaunch a training command after a crash, never after success or a stop.
+
+A supervisor, not a scheduler: it starts the command in its own process group,
+waits, and on a non-zero exit or a death by signal starts it again (after a
+growing pause), so the job resumes from its newest checkpoint. A SIGTERM, SIGINT
+or SIGHUP sent to the supervisor is passed to the whole group (so a job with an
+``on_signal`` policy saves, and ``torchrun``'s workers hear it too) and means
+"stop": the command is not started again. With ``--root`` the supervisor also
+reads the checkpoint root between attempts (read only) to report the step each
+attempt resumed from and reached, and to tell a job that makes progress from one
+that fails at the same place every time, which it stops instead of burning every
+retry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from functional_ckpt._src.cli.common import UsageError, is_checkpoint_dir
+from functional_ckpt._src.cli.ui import PROG, UI
+from functional_ckpt._src.root.listing import scan
+from functional_ckpt.errors import CheckpointError
+
+__all__ = [
+    "ATTEMPT_ENV",
+    "QUICK_SECONDS",
+    "Attempt",
+    "Checkpoint",
+    "cmd_run",
+    "exit_status",
+    "newest_checkpoint",
+    "outcome_text",
+]
+
+#: Set in the command's environment: the attempt number, 1 for the first launch.
+ATTEMPT_ENV = "FCKPT_RUN_ATTEMPT"
+#: Without ``--root``, a failure this soon after launch counts as "failed the same way".
+QUICK_SECONDS = 60.0
+#: Signals that mean "stop": passed to the command's group, then no relaunch.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_POLL = 0.05
+#: How long processes a failed command left behind get between SIGTERM and SIGKILL.
+GRACE_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The newest committed, readable checkpoint of a root: its step and save time."""
+
+    step: int
+    time: float | None
+
+
+@dataclass
+class Attempt:
+    """One launch of the command and how it ended."""
+
+    number: int
+    started: float
+    resumed_from: Checkpoint | None = None
+    ended: float = 0.0
+    returncode: int = 0
+    reached: Checkpoint | None = None
+    stopped: bool = False  # a stop signal was passed on during this attempt
+    waited: float = 0.0  # backoff after it
+
+    @property
+    def ran(self) -> float:
+        return max(0.0, self.ended - self.started)
+
+    @property
+    def failed(self) -> bool:
+        return self.returncode != 0
+
+    def lost(self, root_known: bool) -> float:
+        """Work to redo after this attempt plus the pause before the next one.
+
+        With a root, the work since the newest checkpoint this attempt saved (its
+        save time; the saved state is the one at that moment), or all of it if it
+        saved none; without one, all of a failed attempt (an upper bound).
+        """
+        if not self.failed:
+            return self.waited
+        work = self.ran
+        if root_known and self.reached is not None and self.reached.time is not None:
+            saved_here = self.reached != self.resumed_from and self.reached.time >= self.started
+            if saved_here:
+                work = max(0.0, self.ended - self.reached.time)
+        return work + self.waited
+
+
+def newest_checkpoint(root: Path) -> Checkpoint | None:
+    """The newest checkpoint a job resuming from ``root`` would find; None if none (yet)."""
+    try:
+        entries = scan(root)
+    except (CheckpointError, OSError):
+        return None  # not created yet, or unreadable right now: nothing to report
+    ok = [e for e in entries if e.status == "ok" and e.canonical and e.step is not None]
+    if not ok:
+        return None
+    newest = max(ok, key=lambda e: e.step or 0)
+    return Checkpoint(newest.step or 0, newest.time)
+
+
+def exit_status(returncode: int) -> int:
+    """A child's return code as a shell reports it: 128 + N for a death by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def outcome_text(returncode: int) -> str:
+    if returncode >= 0:
+        return f"exit {returncode}"
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+def _step_text(ckpt: Checkpoint | None) -> str:
+    return "-" if ckpt is None else str(ckpt.step)
+
+
+def _seconds(t: float) -> str:
+    if t < 60:
+        return f"{t:.1f} s"
+    if t < 3600:
+        return f"{t / 60:.1f} min"
+    return f"{t / 3600:.2f} h"
+
+
+# --------------------------------------------------------------------------- signals
+
+
+def _group_alive(group: int) -> bool:
+    """Whether a live (not zombie) process is left in process group ``group``."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:  # no procfs: ask the kernel (zombies count there)
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == group:
+            return True
+    return False
+
+
+class _Signals:
+    """Passes stop signals to the running command's group and remembers that one came."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.group: int | None = None  # the process group of the running command
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+        self.forward(signum)
+
+    def forward(self, signum: int) -> None:
+        if self.group is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.group, signum)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[_Signals]:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        try:
+            yield self
+        finally:
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous)
+
+
+# --------------------------------------------------------------------------- supervisor
+
+
+@dataclass
+class _Options:
+    command: list[str]
+    retries: int
+    backoff: float
+    max_backoff: float
+    stall_limit: int
+    root: Path | None
+
+
+class _Supervisor:
+    def __init__(self, opts: _Options, ui: UI) -> None:
+        self.opts = opts
+        self.ui = ui
+        self.attempts: list[Attempt] = []
+        self.signals = _Signals()
+        self.gave_up = ""
+
+    def say(self, text: str) -> None:
+        print(f"{PROG} run: {text}", file=self.ui.err, flush=True)
+
+    def newest(self) -> Checkpoint | None:
+        return None if self.opts.root is None else newest_checkpoint(self.opts.root)
+
+    def launch(self, number: int) -> Attempt:
+        attempt = Attempt(number, time.time(), resumed_from=self.newest())
+        total = self.opts.retries + 1
+        where = ""
+        if self.opts.root is not None:
+            where = (
+                f", resuming from step {attempt.resumed_from.step}"
+                if attempt.resumed_from
+                else ", no checkpoint yet"
+            )
+        self.say(f"attempt {number} of {total}: {shlex.join(self.opts.command)}{where}")
+        env = {**os.environ, ATTEMPT_ENV: str(number)}
+        try:
+            # A session of its own: the whole job (torchrun's workers too) is one group to
+            # signal, and a terminal's Ctrl-C reaches only us, who pass it on once.
+            child = subprocess.Popen(self.opts.command, env=env, start_new_session=True)
+        except FileNotFoundError:
+            raise UsageError(f"{self.opts.command[0]}: command not found") from None
+        except PermissionError:
+            raise UsageError(f"{self.opts.command[0]}: permission denied") from None
+        self.signals.group = child.pid
+        if self.signals.received is not None:  # a stop arrived while it was starting
+            self.signals.forward(self.signals.received)
+        attempt.returncode = child.wait()
+        attempt.ended = time.time()
+        self.clear_group(child.pid)
+        self.signals.group = None
+        attempt.stopped = self.signals.received is not None
+        attempt.reached = self.newest()
+        self.attempts.append(attempt)
+        return attempt
+
+    def clear_group(self, group: int) -> None:
+        """Wait until no process of the command's group is left, so that two copies of
+        the job never run at once.
+
+        After a stop signal the stragglers (a launcher's workers still saving) are
+        waited for; after a failure they get SIGTERM, ``GRACE_SECONDS``, then SIGKILL.
+        """
+        if not _group_alive(group):
+            return
+        if self.signals.received is None:
+            self.say(
+                f"the command left processes behind: SIGTERM, then SIGKILL in {GRACE_SECONDS:.0f} s"
+            )
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_SECONDS
+        while _group_alive(group):
+            if self.signals.received is None and time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(group, signal.SIGKILL)
+            time.sleep(_POLL)
+
+    def stalled(self) -> str:
+        """Why the last failed attempts show the job cannot get past a point; "" if not."""
+        limit = self.opts.stall_limit
+        if limit <= 0 or len(self.attempts) < limit:
+            return ""
+        last = self.attempts[-limit:]
+        if not all(a.failed and not a.stopped for a in last):
+            return ""
+        numbers = " and ".join([", ".join(str(a.number) for a in last[:-1]), str(last[-1].number)])
+        every = "both" if limit == 2 else "all"
+        if self.opts.root is not None:
+            steps = {a.reached.step if a.reached else None for a in last}
+            if len(steps) != 1:
+                return ""
+            step = next(iter(steps))
+            where = "before the first checkpoint" if step is None else f"at step {step}"
+            return (
+                f"attempts {numbers} {every} failed {where} (no checkpoint saved in between): "
+                "the job fails at the same place every time; see its output above"
+            )
+        outcomes = {a.returncode for a in last}
+        if len(outcomes) != 1 or any(a.ran >= QUICK_SECONDS for a in last):
+            return ""
+        return (
+            f"attempts {numbers} {every} failed the same way ({outcome_text(last[0].returncode)}) "
+            f"within {QUICK_SECONDS:.0f} s of starting: this does not look like a passing "
+            "fault; see the command's output above"
+        )
+
+    def progressed(self, attempt: Attempt) -> bool:
+        if self.opts.root is not None:
+            return attempt.reached is not None and attempt.reached != attempt.resumed_from
+        return attempt.ran >= QUICK_SECONDS
+
+    def pause(self, seconds: float) -> float:
+        """Sleep ``seconds`` unless a stop signal arrives; returns the time slept."""
+        start = time.monotonic()
+        deadline = start + seconds
+        while self.signals.received is None and (now := time.monotonic()) < deadline:
+            time.sleep(min(_POLL, deadline - now))
+        return time.monotonic() - start
+
+    def supervise(self) -> int:
+        delay = self.opts.backoff
+        with self.signals.installed():
+            for number in range(1, self.opts.retries + 2):
+                if self.signals.received is not None:
+                    name = signal.Signals(self.signals.received).name
+                    self.say(f"{name} received: not relaunching")
+                    break
+                attempt = self.launch(number)
+                outcome = outcome_text(attempt.returncode)
+                steps = ""
+                if self.opts.root is not None:
+                    before, after = attempt.resumed_from, attempt.reached
+                    steps = (
+                        f", checkpoint step {before.step if before else 'none'} -> "
+                        f"{after.step if after else 'none'}"
+                    )
+                done = f"attempt {number} ended: {outcome} after {_seconds(attempt.ran)}{steps}"
+                if attempt.stopped:
+                    name = signal.Signals(self.signals.received or signal.SIGTERM).name
+                    self.say(f"{done}; {name} was passed on to it: not relaunching")
+                    break
+                if not attempt.failed:
+                    self.say(done)
+                    break
+                if number > self.opts.retries:
+                    self.say(f"{done}; no retries left")
+                    break
+                self.gave_up = self.stalled()
+                if self.gave_up:
+                    self.say(f"{done}; stopping early: {self.gave_up}")
+                    break
+                if self.progressed(attempt):
+                    delay = self.opts.backoff
+                self.say(f"{done}; relaunching in {_seconds(delay)}")
+                attempt.waited = self.pause(delay)
+                delay = min(delay * 2, self.opts.max_backoff)
+        self.summary()
+        if not self.attempts:
+            return 128 + (self.signals.received or signal.SIGINT)
+        return exit_status(self.attempts[-1].returncode)
+
+    def summary(self) -> None:
+        if not self.attempts:
+            return
+        root_known = self.opts.root is not None
+        head = ["ATTEMPT", "RESULT", "RAN"]
+        if root_known:
+            head += ["RESUMED FROM", "REACHED"]
+        head.append("LOST")
+        rows, styles = [], []
+        for a in self.attempts:
+            cells = [str(a.number), outcome_text(a.returncode), _seconds(a.ran)]
+            if root_known:
+                cells += [_step_text(a.resumed_from), _step_text(a.reached)]
+            cells.append(_seconds(a.lost(root_known)))
+            rows.append(cells)
+            style = "ok" if not a.failed else ("warn" if a.stopped else "bad")
+            styles.append([""] + [style] + [""] * (len(cells) - 2))
+        err_ui = UI(out=self.ui.err, err=self.ui.err, stdin=self.ui.stdin)
+        err_ui.table(head, rows, styles)
+        n = len(self.attempts)
+        lost = sum(a.lost(root_known) for a in self.attempts)
+        relaunches = f", {n - 1} relaunch{'es' if n != 2 else ''}" if n > 1 else ""
+        basis = "work since the last checkpoint" if root_known else "failed attempts"
+        self.say(
+            f"{n} attempt{'s' if n != 1 else ''}{relaunches}; time lost {_seconds(lost)} "
+            f"({basis} and pauses); exit status {exit_status(self.attempts[-1].returncode)}"
+        )
+
+
+# --------------------------------------------------------------------------- command
+
+
+def _options(args: argparse.Namespace) -> _Options:
+    command: Sequence[str] = args.command
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UsageError("no command to run; put it after '--': fckpt run -- python train.py")
+    root = Path(args.root) if args.root else None
+    if root is not None and is_checkpoint_dir(root):
+        raise UsageError(
+            f"--root {root}: is a checkpoint; give the directory of checkpoints that holds it"
+        )
+    if args.stall_limit == 1:
+        raise UsageError(
+            "--stall-limit 1: give 2 or more (failures in a row at the same place), or 0 for never"
+        )
+    if args.backoff < 0 or args.max_backoff < 0:
+        raise UsageError("--backoff and --max-backoff must be >= 0 seconds")
+    return _Options(
+        command=list(command),
+        retries=args.retries,
+        backoff=args.backoff,
+        max_backoff=max(args.max_backoff, args.backoff),
+        stall_limit=args.stall_limit,
+        root=root,
+    )
+
+
+def cmd_run(args: argparse.Namespace, ui: UI) -> int:
+    return _Supervisor(_options(args), ui).supervise()

@@ -1,0 +1,348 @@
+"""``fckpt inspect``, ``diff`` and ``export``: the commands about one or two checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import functional_ckpt as fc
+from functional_ckpt._src.cli import tiers
+from functional_ckpt._src.cli.common import (
+    UsageError,
+    newest_checkpoint,
+    refuse_stock_dcp,
+    require_exists,
+    time_text,
+)
+from functional_ckpt._src.cli.recording import inspect_recording
+from functional_ckpt._src.cli.ui import PROG, UI, human
+from functional_ckpt._src.format.keys import NODE_KEY, KeyPath
+from functional_ckpt._src.recording import is_recording
+from functional_ckpt._src.restore.diff import diff_checkpoints
+from functional_ckpt._src.restore.summary import CheckpointSummary, Node, TensorSpec, short_repr
+from functional_ckpt._src.root.listing import classify
+from functional_ckpt._src.storage.usage import dir_size
+
+__all__ = ["cmd_diff", "cmd_export", "cmd_inspect", "jsonable", "parse_dtype"]
+
+# --------------------------------------------------------------------------- inspect
+
+
+def _dtype_text(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One row of a flattened summary tree: a node, a tensor spec or a plain value."""
+
+    path: KeyPath
+    item: Any
+
+    @property
+    def key(self) -> str:
+        return "/".join(self.path)
+
+
+def flatten_tree(tree: Mapping[str, Any], prefix: KeyPath = ()) -> Iterator[Entry]:
+    for key, item in tree.items():
+        path = (*prefix, str(key))
+        yield Entry(path, item)
+        if isinstance(item, Node):
+            yield from flatten_tree(item, path)
+
+
+def filter_entries(entries: Sequence[Entry], prefix: str | None) -> list[Entry]:
+    """Entries whose ``a/b/c`` key starts with ``prefix``, plus their ancestors for context."""
+    if not prefix:
+        return list(entries)
+    hits = [e for e in entries if e.key.startswith(prefix)]
+    wanted = {e.path for e in hits}
+    for e in hits:
+        wanted.update(e.path[:i] for i in range(1, len(e.path)))
+    return [e for e in entries if e.path in wanted]
+
+
+def _container_kind(node: Node) -> str:
+    record = node.get(NODE_KEY)
+    if isinstance(record, dict):
+        kind = record.get("kind")
+        if kind in ("list", "tuple"):
+            return f"  ({kind})"
+        if kind == "dict":
+            return "  (dict, non-str keys)"
+    return ""
+
+
+def _entry_line(entry: Entry, ui: UI, width: int) -> str:
+    """One tree row; leaf names are padded to ``width`` so their specs line up."""
+    indent = "  " * len(entry.path)
+    name = entry.path[-1]
+    item = entry.item
+    if isinstance(item, Node):
+        return f"{indent}{ui.paint(name + '/', 'key')}{ui.paint(_container_kind(item), 'dim')}"
+    if isinstance(item, TensorSpec):
+        spec = f"{_dtype_text(item.dtype)}{list(item.shape)}"
+        size = ui.paint(human(item.nbytes), "dim")
+        return f"{indent}{name.ljust(width)}  {ui.paint(spec, 'dtype')}  {size}"
+    return f"{indent}{name.ljust(width)}  = {short_repr(item)}"
+
+
+def _tree_lines(entries: Sequence[Entry], ui: UI) -> list[str]:
+    shown = [e for e in entries if e.path[-1] != NODE_KEY]
+    widths: dict[KeyPath, int] = {}
+    for e in shown:
+        if not isinstance(e.item, Node):
+            widths[e.path[:-1]] = min(40, max(widths.get(e.path[:-1], 0), len(e.path[-1])))
+    return [_entry_line(e, ui, widths.get(e.path[:-1], 0)) for e in shown]
+
+
+def _metadata_lines(meta: Any, ui: UI) -> list[str]:
+    if not isinstance(meta, dict) or not meta:
+        return []
+    lines = [ui.paint("metadata", "head")]
+    for key, value in meta.items():
+        if isinstance(value, dict) and value:
+            lines.append(f"  {key}:")
+            lines += [f"    {k} = {short_repr(v, 100)}" for k, v in value.items()]
+        else:
+            lines.append(f"  {key} = {short_repr(value, 100)}")
+    return lines
+
+
+def jsonable(value: Any) -> Any:
+    """Plain JSON for any manifest value: exact where JSON can be, descriptive otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 53:
+        return {"int": hex(value)}  # exact; JSON readers lose big ints and repr may refuse them
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, bytes | bytearray):
+        return {"bytes": value.hex()}
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return {"ndarray": value.tolist(), "dtype": str(value.dtype)}
+    if isinstance(value, np.generic):
+        return jsonable(value.item())
+    return repr(value)
+
+
+def _entry_json(entry: Entry) -> dict[str, Any]:
+    item = entry.item
+    if isinstance(item, Node):
+        return {"key": entry.key, "path": list(entry.path), "kind": "node"}
+    if isinstance(item, TensorSpec):
+        return {
+            "key": entry.key,
+            "path": list(entry.path),
+            "kind": "tensor",
+            "dtype": _dtype_text(item.dtype),
+            "shape": list(item.shape),
+            "nbytes": item.nbytes,
+        }
+    return {"key": entry.key, "path": list(entry.path), "kind": "value", "value": jsonable(item)}
+
+
+def _inspect(path: Path) -> CheckpointSummary:
+    """``fc.inspect`` with a pointer to ``ls`` when given a directory of checkpoints."""
+    require_exists(path)
+    try:
+        return fc.inspect(path)
+    except fc.errors.CheckpointNotFound:
+        if path.is_dir() and any(classify(p) for p in path.iterdir()):  # a root
+            raise UsageError(
+                f"{path}: a directory of checkpoints, not a checkpoint; "
+                f"see '{PROG} ls {path}' and inspect one of them"
+            ) from None
+        raise
+
+
+def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
+    if tiers.is_url(args.path):  # a remote checkpoint: downloaded first
+        with tiers.fetched(args.path, check=False) as local:
+            return cmd_inspect(argparse.Namespace(**{**vars(args), "path": str(local)}), ui)
+    path = Path(args.path)
+    if is_recording(path):
+        return inspect_recording(args, ui)
+    summary = _inspect(path)
+    entries = filter_entries(list(flatten_tree(summary.tree)), args.key)
+    if args.key and not entries:
+        top = ", ".join(sorted(summary.tree)) or "none"
+        raise UsageError(f"{path}: no key starts with {args.key!r} (top-level keys: {top})")
+    if args.json:
+        doc = {
+            "path": str(summary.path),
+            "format_version": summary.format_version,
+            "created": jsonable(summary.created),
+            "world_size": summary.world_size,
+            "foreign": summary.foreign,
+            "num_tensors": summary.num_tensors,
+            "num_values": summary.num_values,
+            "tensor_bytes": summary.tensor_bytes,
+            "file_bytes": summary.file_bytes,
+            "shared_bytes": summary.shared_bytes,
+            "added_bytes": summary.added_bytes,
+            "metadata": jsonable(summary.metadata),
+            "entries": [_entry_json(e) for e in entries],
+        }
+        ui.print(json.dumps(doc, indent=2))
+        return 0
+    for line in _inspect_lines(summary, entries, ui):
+        ui.print(line)
+    return 0
+
+
+def _inspect_lines(summary: CheckpointSummary, entries: Sequence[Entry], ui: UI) -> list[str]:
+    kind = "stock DCP checkpoint" if summary.foreign else f"format v{summary.format_version}"
+    lines = [
+        ui.paint(str(summary.path), "head"),
+        f"  {kind}, saved {time_text(summary.created)}, written by "
+        f"{summary.world_size} rank{'s' if summary.world_size != 1 else ''}",
+        f"  {summary.num_tensors} tensors ({human(summary.tensor_bytes)}), "
+        f"{summary.num_values} values, {human(summary.file_bytes)} in files",
+    ]
+    if summary.added_bytes is not None:
+        lines.append(
+            f"  {human(summary.shared_bytes)} shared with other checkpoints, "
+            f"{human(summary.added_bytes)} added by this save"
+        )
+    lines += _metadata_lines(summary.metadata, ui)
+    lines.append(ui.paint("tree", "head"))
+    lines += _tree_lines(entries, ui)
+    return lines
+
+
+# --------------------------------------------------------------------------- diff
+
+
+_DIFF_STYLE = {"added": "ok", "removed": "bad", "same": "dim"}
+
+
+def cmd_diff(args: argparse.Namespace, ui: UI) -> int:
+    a, b = Path(args.a), Path(args.b)
+    for p in (a, b):
+        require_exists(p)
+        refuse_stock_dcp(p, "diff")
+    sizes = [dir_size(a), dir_size(b)]
+    with ui.progress("reading A", sum(sizes)) as bar:
+        reads = iter(zip(("reading A", "reading B"), [0, sizes[0]], strict=True))
+        done = [0]
+
+        def progress(stage: str, path: Path | None) -> None:
+            if stage == "reading":
+                label, done[0] = next(reads, (stage, done[0]))
+            else:
+                label, done[0] = stage, sum(sizes)
+            bar.describe(label)
+            bar.update(done[0], force=True)
+
+        result = diff_checkpoints(a, b, progress)
+    ui.print(f"{ui.paint('A', 'head')} {a}\n{ui.paint('B', 'head')} {b}")
+    shown = result.entries if args.all else result.changes
+    for entry in shown:
+        ui.print(ui.paint(str(entry), _DIFF_STYLE.get(entry.kind, "warn")))
+    counts: dict[str, int] = {}
+    for e in result.entries:
+        counts[e.kind] = counts.get(e.kind, 0) + 1
+    order = ("added", "removed", "kind", "shape", "dtype", "value", "tensor", "same")
+    names = {
+        "kind": "kind changed",
+        "shape": "shape changed",
+        "dtype": "dtype changed",
+        "value": "value(s) changed",
+        "tensor": "tensor(s) differ",
+        "same": "identical",
+    }
+    ui.print(", ".join(f"{counts[k]} {names.get(k, k)}" for k in order if counts.get(k)))
+    if not result.changes:
+        ui.print("the checkpoints hold identical states")
+    return 1 if args.exit_code and result.changes else 0
+
+
+# --------------------------------------------------------------------------- export
+
+
+_FLOAT_DTYPES = {
+    name: dt
+    for name in ("float16", "bfloat16", "float32", "float64", "half", "float", "double")
+    if isinstance(dt := getattr(torch, name, None), torch.dtype)
+}
+#: The short spellings of training scripts and model cards.
+_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "f16": "float16",
+    "fp32": "float32",
+    "f32": "float32",
+    "fp64": "float64",
+    "f64": "float64",
+}
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    key = name.strip().lower().removeprefix("torch.")
+    dtype = _FLOAT_DTYPES.get(_ALIASES.get(key, key))
+    if dtype is None:
+        names = ", ".join(sorted(_FLOAT_DTYPES)) + " (or bf16, fp16, fp32, fp64)"
+        raise UsageError(f"--dtype {name}: expected one of {names}")
+    return dtype
+
+
+def _selected_bytes(
+    summary: CheckpointSummary, select: KeyPath, dtype: torch.dtype | None
+) -> tuple[int, int]:
+    """(bytes to read, bytes to write) of the tensors under ``select``, for the progress bar."""
+    entries = flatten_tree(summary.tree)
+    read = write = 0
+    for e in entries:
+        if e.path[: len(select)] == select and isinstance(e.item, TensorSpec):
+            read += e.item.nbytes
+            itemsize = dtype.itemsize if dtype and e.item.dtype.is_floating_point else None
+            numel = math.prod(e.item.shape)
+            write += numel * itemsize if itemsize else e.item.nbytes
+    return read, write
+
+
+def cmd_export(args: argparse.Namespace, ui: UI) -> int:
+    src = newest_checkpoint(Path(args.path))
+    refuse_stock_dcp(src, "export")
+    out = Path(args.out)
+    if (out.exists() or out.is_symlink()) and not args.overwrite:
+        raise UsageError(f"{out}: already exists; pass --overwrite to replace it")
+    dtype = parse_dtype(args.dtype)
+    select = tuple(k for k in args.select.split("/") if k)
+    if not select:
+        raise UsageError(f"--select {args.select!r}: expected a key such as 'model'")
+    read, write = _selected_bytes(fc.inspect(src), select, dtype)
+    with ui.progress("exporting", read + write) as bar:
+        try:
+            fc.export_safetensors(
+                src,
+                out,
+                select=select[0] if len(select) == 1 else select,
+                dtype=dtype,
+                max_shard_size=args.max_shard_size,
+                overwrite=args.overwrite,
+            )
+        except fc.errors.CheckpointExists as e:  # created meanwhile: the flag, not the argument
+            raise UsageError(str(e).replace("overwrite=True", "--overwrite")) from None
+        bar.update(read + write, force=True)
+    files = sorted(p for p in out.iterdir() if p.is_file())
+    ui.print(f"exported {'/'.join(select)} of {src} to {out}:")
+    for f in files:
+        ui.print(f"  {f.name}  {human(f.stat().st_size)}")
+    return 0

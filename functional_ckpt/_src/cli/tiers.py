@@ -1,0 +1,188 @@
+"""The remote tier on the command line: which tier holds each step, remote URLs as arguments.
+
+``fckpt ls ROOT`` adds, for a root whose manager uploads to a remote (recorded in
+``ROOT/.remote.json``), where each step lives: ``local``, ``remote``, ``both``,
+``uploading``, or ``local`` with the upload's failure. ``fckpt ls URL``,
+``fckpt verify URL`` and ``fckpt inspect URL/step_N`` read a remote root or
+checkpoint (downloaded into a temporary directory first). Credentials and
+endpoints come from the environment (``AWS_*`` for s3fs), or from
+``FCKPT_STORAGE_OPTIONS``, a JSON object of fsspec storage options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from functional_ckpt._src.cli.common import UsageError, one_line, print_verified, time_text
+from functional_ckpt._src.cli.ui import UI, human
+from functional_ckpt._src.format.naming import parse_step
+from functional_ckpt._src.remote.fetch import download
+from functional_ckpt._src.remote.store import Store
+from functional_ckpt._src.remote.uploader import read_status
+from functional_ckpt._src.root.listing import Entry
+from functional_ckpt._src.storage.verify import verify
+from functional_ckpt.errors import CheckpointError, CheckpointNotFound
+
+__all__ = ["fetched", "is_url", "ls_remote", "print_tiers", "tier_rows", "verify_remote"]
+
+OPTIONS_ENV = "FCKPT_STORAGE_OPTIONS"
+
+
+def is_url(text: str) -> bool:
+    return "://" in text
+
+
+def open_store(url: str) -> Store:
+    raw = os.environ.get(OPTIONS_ENV)
+    try:
+        options = json.loads(raw) if raw else {}
+    except ValueError as e:
+        raise UsageError(f"{OPTIONS_ENV}: not JSON ({e})") from None
+    if not isinstance(options, dict):
+        raise UsageError(f"{OPTIONS_ENV}: expected a JSON object of fsspec storage options")
+    return Store(url, options)
+
+
+def split_step(url: str) -> tuple[str, int | None]:
+    """``(root URL, step)`` of a checkpoint URL; ``(url, None)`` for a root."""
+    head, _, tail = url.rstrip("/").rpartition("/")
+    step = parse_step(tail)
+    return (head, step) if step is not None and "://" in head else (url, None)
+
+
+@contextlib.contextmanager
+def fetched(url: str, *, check: bool) -> Iterator[Path]:
+    """The remote checkpoint ``url`` (``…/step_N``), downloaded into a temporary directory."""
+    root, step = split_step(url)
+    if step is None:
+        raise UsageError(f"{url}: name one checkpoint (…/step_000000100), see 'fckpt ls {url}'")
+    with tempfile.TemporaryDirectory(prefix="fckpt-") as tmp:
+        yield download(open_store(root), step, Path(tmp), check=check)
+
+
+# --------------------------------------------------------------------------- ls
+
+
+def tier_rows(root: Path, rows: Sequence[Entry]) -> tuple[str, list[dict[str, Any]]] | None:
+    """(remote URL, one row per step: tier and note) for a root with a remote tier."""
+    status = read_status(root)
+    url = status.get("url")
+    if not isinstance(url, str):
+        return None
+    local = {r.step for r in rows if r.canonical and r.committed and r.step is not None}
+    failed = status.get("failed")
+    failed = failed if isinstance(failed, dict) else {}
+    try:
+        listing = open_store(url).listing()
+        error = ""
+    except (CheckpointError, UsageError) as err:
+        listing, error = {}, one_line(err)
+    remote = {s for s, r in listing.items() if r.committed}
+    partial = {s for s, r in listing.items() if not r.committed}
+    out = []
+    for step in sorted(local | set(listing)):
+        note = ""
+        if step in local and step in remote:
+            tier = "both"
+        elif step in remote:
+            tier = "remote"
+        elif step in local and step == status.get("uploading"):
+            tier = "uploading"
+        elif step in local:
+            tier = "local"
+            note = f"upload failed: {failed[str(step)]}" if str(step) in failed else ""
+            note = note or ("upload pending" if step in partial or error else "")
+        else:
+            tier, note = "partial", "an interrupted upload (not a checkpoint)"
+        out.append({"kind": "tier", "step": step, "tier": tier, "note": note})
+    if error:
+        out.append({"kind": "tier", "step": None, "tier": "unknown", "note": error})
+    return url, out
+
+
+def print_tiers(found: tuple[str, list[dict[str, Any]]] | None, ui: UI) -> None:
+    if found is None:
+        return
+    url, rows = found
+    ui.print(f"\n{ui.paint('tiers', 'head')} (remote {url})")
+    cells = [["-" if r["step"] is None else str(r["step"]), r["tier"], r["note"]] for r in rows]
+    styles = [["", "bad" if "failed" in r["note"] else "", "dim"] for r in rows]
+    ui.table(["STEP", "TIER", "NOTE"], cells, styles)
+
+
+def ls_remote(args: argparse.Namespace, ui: UI) -> int:
+    """``fckpt ls URL``: the checkpoints of a remote root."""
+    store = open_store(args.root)
+    listing = store.listing()
+    rows: list[dict[str, Any]] = []
+    for step, entry in sorted(listing.items()):
+        created: float | None = None
+        if entry.committed:
+            with contextlib.suppress(CheckpointError, ValueError):
+                value = store.manifest(step)[1].get("created")
+                created = float(value) if isinstance(value, int | float) else None
+        size = sum(v for v in entry.objects.values() if v > 0)
+        status = "ok" if entry.committed else "partial"
+        rows.append({"step": step, "status": status, "time": created, "size": size})
+    if args.json:
+        ui.print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        ui.print(f"{args.root}: no checkpoints")
+        return 0
+    cells = [
+        [
+            f"step_{r['step']:09d}",
+            str(r["step"]),
+            time_text(r["time"]),
+            human(r["size"]),
+            r["status"],
+        ]
+        for r in rows
+    ]
+    ui.table(
+        ["CHECKPOINT", "STEP", "SAVED", "SIZE", "STATUS"],
+        cells,
+        [["", "", "dim", "", ""]] * len(rows),
+    )
+    committed = sum(r["status"] == "ok" for r in rows)
+    ui.print(f"\n{committed} committed checkpoints on {args.root}")
+    return 0
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def verify_remote(args: argparse.Namespace, ui: UI) -> int:
+    """``fckpt verify URL``: download each checkpoint and check every byte."""
+    root, step = split_step(args.path)
+    store = open_store(root)
+    steps = (
+        [step] if step is not None else sorted(s for s, r in store.listing().items() if r.committed)
+    )
+    if not steps:
+        raise CheckpointNotFound(f"{args.path}: no committed checkpoints to verify here")
+    bad = 0
+    for s in steps:
+        where = store.where(s)
+        with tempfile.TemporaryDirectory(prefix="fckpt-") as tmp:
+            try:
+                report = verify(download(store, s, Path(tmp), check=False))
+                problems = [f"{where}/{p}" for p in report.problems]
+                what = f"{report.files_checked} files, {human(report.bytes_checked)}"
+                result = (report.ok, problems, what)
+            except CheckpointError as err:
+                result = (False, [f"{where}: {one_line(err)}"], "")
+        bad += print_verified(ui, ui.print, where, result, args.quiet)
+    if bad:
+        ui.print(f"{bad} of {len(steps)} checkpoints damaged")
+        return 1
+    ui.print(f"{len(steps)} checkpoint{'s' if len(steps) != 1 else ''} intact")
+    return 0

@@ -1,0 +1,68 @@
+"""``fckpt import`` and ``fckpt export --format torch``: in and out of ``torch.save`` files.
+
+The conversions are :mod:`functional_ckpt.torchfile`'s; this adds the flags and
+the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import functional_ckpt as fc
+from functional_ckpt._src.cli.common import UsageError, newest_checkpoint, require_exists
+from functional_ckpt._src.cli.show import cmd_export, parse_dtype
+from functional_ckpt._src.cli.ui import UI, human
+from functional_ckpt._src.export.torch_save import WEIGHTS_KEY, export_torch, import_torch
+
+__all__ = ["cmd_export_any", "cmd_import"]
+
+
+def cmd_import(args: argparse.Namespace, ui: UI) -> int:
+    src, out = Path(args.file), Path(args.out)
+    require_exists(src)
+    info = import_torch(src, out, overwrite=args.overwrite)
+    summary = fc.inspect(info.path)
+    layout = ""
+    if list(summary.tree) == [WEIGHTS_KEY]:
+        layout = f" (a state_dict: under '{WEIGHTS_KEY}')"
+    ui.print(
+        f"imported {src} to {info.path}{layout}: {summary.num_tensors} tensors, "
+        f"{human(summary.tensor_bytes)}"
+    )
+    return 0
+
+
+def _export_torch(args: argparse.Namespace, ui: UI) -> int:
+    if args.max_shard_size is not None:
+        raise UsageError("--max-shard-size: a torch export is one file; leave it out")
+    if args.full and args.dtype:
+        raise UsageError("--dtype converts the weights; --full exports the state as saved")
+    src = newest_checkpoint(Path(args.path))
+    out = Path(args.out)
+    select = None if args.full else tuple(k for k in args.select.split("/") if k)
+    if select == ():
+        raise UsageError(f"--select {args.select!r}: expected a key such as 'model'")
+    converted = export_torch(
+        src, out, select=select, dtype=parse_dtype(args.dtype), overwrite=args.overwrite
+    )
+    what = "the full state" if select is None else "/".join(select)
+    ui.print(f"exported {what} of {src} to {out} ({human(out.stat().st_size)})")
+    if converted:
+        shown = ", ".join("/".join(p) for p in converted[:5])
+        more = f" and {len(converted) - 5} more" if len(converted) > 5 else ""
+        ui.print(
+            f"numpy values saved as tensors / Python numbers (weights_only=True reads no "
+            f"numpy): {shown}{more}"
+        )
+    return 0
+
+
+def cmd_export_any(args: argparse.Namespace, ui: UI) -> int:
+    if args.format == "torch":
+        return _export_torch(args, ui)
+    if args.full:
+        raise UsageError("--full: only with --format torch (safetensors holds weights only)")
+    if args.max_shard_size is None:
+        args.max_shard_size = "5GB"
+    return cmd_export(args, ui)

@@ -1,0 +1,243 @@
+"""A root's exports: where they live, what they record, their retention, their snapshots.
+
+A manager writes each export to ``root/exports/step_N`` (:func:`export_path`) and
+records in its safetensors header which step it is and the metrics of that
+event, so an export's own retention policy (``Export.keep``) can choose among
+exports exactly as ``keep`` chooses among checkpoints, without any file beside
+the ones ``transformers`` reads. Deleting an export is crash-safe like deleting a
+checkpoint (out of sight first, see :func:`functional_ckpt.root.delete`).
+
+An export that runs off the training thread reads either the committed
+checkpoint of its step or a :func:`snapshot` of the selected tensors, taken on
+the training thread: never the live tensors that the next optimizer step changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from functional_ckpt._src.export.files import header_metadata
+from functional_ckpt._src.export.safetensors import Export, _select_path, write_export
+from functional_ckpt._src.format.naming import EXPORTS_DIR, step_name
+from functional_ckpt._src.policy.retention import plan_deletions
+from functional_ckpt._src.root.delete import delete, remove_all
+from functional_ckpt._src.root.listing import step_dirs
+from functional_ckpt._src.state.tree import as_state, iter_leaves
+from functional_ckpt._src.storage.usage import dir_size
+from functional_ckpt.errors import CheckpointError
+
+__all__ = [
+    "HEADER_KEY",
+    "BackgroundExport",
+    "ExportInfo",
+    "export_infos",
+    "export_path",
+    "prune_exports",
+    "run_export",
+    "snapshot",
+]
+
+#: Key of the safetensors header metadata holding the manager's record of an export.
+HEADER_KEY = "functional_ckpt"
+
+
+def export_path(root: Path, step: int) -> Path:
+    return root / EXPORTS_DIR / step_name(step)
+
+
+@dataclass(frozen=True)
+class ExportInfo:
+    """One export of a root, as its retention policy and ``fckpt ls`` see it.
+
+    ``time`` is when the export was written (the recorded time, else the
+    directory's modification time); ``files`` are every file in it.
+    """
+
+    step: int
+    path: Path
+    time: float
+    metrics: Mapping[str, float] = field(default_factory=dict, hash=False)
+    size: int = 0
+    files: tuple[str, ...] = ()
+
+
+def header(step: int, metrics: Mapping[str, float], now: float) -> dict[str, str]:
+    """What an export records of itself (safetensors metadata values are strings)."""
+    record = {"step": step, "time": now, "metrics": {k: repr(v) for k, v in metrics.items()}}
+    return {HEADER_KEY: json.dumps(record, sort_keys=True)}
+
+
+def _recorded(path: Path) -> tuple[float | None, dict[str, float]]:
+    """(time, metrics) an export recorded; (None, {}) when it recorded nothing usable."""
+    try:
+        record = json.loads(header_metadata(path).get(HEADER_KEY, "{}"))
+    except (CheckpointError, OSError, ValueError, RuntimeError):
+        return None, {}
+    if not isinstance(record, dict):
+        return None, {}
+    t = record.get("time")
+    when = float(t) if isinstance(t, int | float) and math.isfinite(t) and t > 0 else None
+    metrics: dict[str, float] = {}
+    raw = record.get("metrics")
+    for k, v in raw.items() if isinstance(raw, dict) else ():
+        with contextlib.suppress(TypeError, ValueError):
+            metrics[str(k)] = float(v)
+    return when, metrics
+
+
+def export_infos(root: Path) -> list[ExportInfo]:
+    """Every ``root/exports/step_N`` directory, ascending by step."""
+    out = []
+    for step, path, _ in step_dirs(root / EXPORTS_DIR):
+        try:
+            files = tuple(sorted(os.listdir(path)))
+            mtime = os.stat(path).st_mtime
+        except OSError:
+            continue  # deleted meanwhile
+        when, metrics = _recorded(path)
+        out.append(
+            ExportInfo(step, path, mtime if when is None else when, metrics, dir_size(path), files)
+        )
+    out.sort(key=lambda e: e.step)
+    return out
+
+
+def prune_exports(root: Path, export: Export) -> list[int]:
+    """Delete the exports ``export.keep`` does not keep (never the newest one)."""
+    infos = export_infos(root)
+    doomed = plan_deletions(export.keep, infos)
+    if doomed:
+        by_step = {e.step: e.path for e in infos}
+        remove_all(delete(root / EXPORTS_DIR, [by_step[s] for s in doomed]))
+    return doomed
+
+
+def snapshot(state: TensorDictBase | Mapping[str, Any], export: Export) -> dict[str, Any]:
+    """A copy of the tensors ``export`` selects, as a state that ``select`` still finds.
+
+    Tied weights stay tied (one copy per distinct view), so the export drops the
+    alias exactly as it would from the live state.
+    """
+    path = _select_path(export.select)
+    node: Any = as_state(state)
+    for key in path:
+        if not isinstance(node, TensorDictBase) or key not in node.keys():
+            return dict(as_state(state).items())  # let the export report what is missing
+        node = node.get(key)
+    copies: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        key = (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+        if key not in copies:
+            copies[key] = t.detach().clone()
+        return copies[key]
+
+    if isinstance(node, torch.Tensor) and not isinstance(node, TensorDictBase):
+        inner: Any = copy(node)
+    else:
+        inner = {}
+        for leaf in iter_leaves(node):
+            if leaf.kind != "tensor":
+                continue
+            where = inner
+            for k in leaf.path[:-1]:
+                where = where.setdefault(k, {})
+            where[leaf.path[-1]] = copy(leaf.value)
+    out: dict[str, Any] = {}
+    where = out
+    for k in path[:-1]:
+        where = where.setdefault(k, {})
+    where[path[-1]] = inner
+    return out
+
+
+def run_export(
+    source: TensorDictBase | Mapping[str, Any] | Path,
+    root: Path,
+    export: Export,
+    step: int,
+    metrics: Mapping[str, float],
+) -> Path:
+    """Write the export of ``step`` from ``source`` (replacing one of the same step), prune."""
+    out = write_export(
+        source,
+        export_path(root, step),
+        select=export.select,
+        dtype=export.dtype,
+        max_shard_size=export.max_shard_size,
+        overwrite=True,
+        config=export.config,
+        extra_files=export.extra_files,
+        strip_prefix=export.strip_prefix,
+        rename=export.rename,
+        header=header(step, metrics, time.time()),
+    )
+    prune_exports(root, export)
+    return out
+
+
+class BackgroundExport:
+    """At most one export off the training thread; a failure surfaces at the next :meth:`join`.
+
+    ``step`` is the step of the export in flight (None when there is none): its
+    checkpoint may be what the export reads, so retention must not delete it.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.step: int | None = None
+
+    def start(
+        self,
+        source: TensorDictBase | Mapping[str, Any] | Path,
+        root: Path,
+        export: Export,
+        step: int,
+        metrics: Mapping[str, float],
+        save_failure: Callable[[], BaseException | None] | None = None,
+    ) -> None:
+        """Export ``source`` (a snapshot, or the checkpoint a save in flight commits).
+
+        ``save_failure`` is that save's error once it is done: when it failed,
+        there is nothing to read and the save's own error is what surfaces.
+        """
+        self.join()
+        self.step = step
+
+        def work() -> None:
+            try:
+                if save_failure is not None and save_failure() is not None:
+                    return
+                run_export(source, root, export, step, metrics)
+            except BaseException as e:  # surfaced at the next call, never only logged
+                self._error = e
+
+        self._thread = threading.Thread(target=work, name="fc-export", daemon=True)
+        self._thread.start()
+
+    def finished(self) -> bool:
+        """Whether an export was started and has ended (so :meth:`join` will not block)."""
+        return self._thread is not None and not self._thread.is_alive()
+
+    def join(self) -> None:
+        """Wait for the export in flight; raise its error, once."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            self.step = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error

@@ -1,0 +1,302 @@
+"""Bridges to ``torch.save`` files (``.pt``/``.pth``): import one as a checkpoint, export one.
+
+Users arrive with ``.pt`` files and leave with them. Both directions keep the
+package's promise of never running code from a file: a ``.pt`` file is read with
+``torch.load(weights_only=True)``, which builds only tensors and plain containers
+and refuses a pickle that names anything else, and an export holds only what that
+reader accepts, so the file it writes loads with ``weights_only=True`` too.
+
+* import: a bare ``state_dict`` (a mapping of tensors only) becomes the state's
+  ``model`` subtree, the layout ``fc.capture(model=...)`` gives; any other mapping
+  (a training checkpoint: Lightning's ``{"state_dict", "optimizer_states",
+  "epoch", ...}``, nested dicts of tensors and values) is the state as it is.
+* export: the tensors under ``select`` by their dotted ``state_dict`` names (what
+  ``model.load_state_dict`` takes), or the whole state as nested Python
+  containers (``full``; numpy values, which that reader cannot build, become
+  tensors and Python numbers). The file appears atomically: written under a
+  temporary name, fsynced, renamed, its directory fsynced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import stat
+import zipfile
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from functional_ckpt._src.export.safetensors import _collect, _load, _select_path
+from functional_ckpt._src.format.keys import KeyPath, format_path
+from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.restore.api import restore
+from functional_ckpt._src.save.api import save
+from functional_ckpt._src.save.info import CheckpointInfo
+from functional_ckpt._src.state.tree import to_python
+from functional_ckpt._src.storage import durable
+from functional_ckpt.errors import (
+    CheckpointError,
+    CheckpointExists,
+    CheckpointNotFound,
+    UnsafeCheckpoint,
+)
+
+__all__ = ["WEIGHTS_KEY", "export_torch", "import_torch", "load_torch_file", "loadable"]
+
+#: Where a bare ``state_dict`` lands in an imported state.
+WEIGHTS_KEY = "model"
+
+#: Leaf types ``torch.load(weights_only=True)`` rebuilds (exact types: a subclass is
+#: pickled by its class name, which that reader refuses).
+_PLAIN_LEAVES = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    bytearray,
+    torch.Size,
+    torch.dtype,
+    torch.device,
+)
+
+
+# --------------------------------------------------------------------------- import
+
+
+def load_torch_file(path: PathLike) -> Any:
+    """What a ``torch.save`` file holds, read with ``weights_only=True`` (no code runs).
+
+    A pickle that names a function or class outside torch's safe set raises
+    :class:`UnsafeCheckpoint` and nothing of it runs; a file that is not a
+    ``torch.save`` file raises :class:`CheckpointError`.
+    """
+    src = Path(path)
+    try:
+        mode = os.stat(src).st_mode
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"{src}: no such file") from None
+    if not stat.S_ISREG(mode):
+        hint = " (a checkpoint directory is read with fc.restore)" if stat.S_ISDIR(mode) else ""
+        raise CheckpointError(f"{src}: not a regular file{hint}; expected a torch.save file")
+    try:
+        # mmap: tensors are read from the page cache as fc.save copies them, not first
+        # into memory; the legacy (non-zip) format cannot be mapped.
+        return torch.load(src, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(src))
+    except pickle.UnpicklingError as exc:
+        text = str(exc)
+        reason = _refusal_reason(text)
+        if "Weights only load failed" in text and "GLOBAL" in reason:
+            raise UnsafeCheckpoint(
+                f"{src}: refused: the file holds pickled objects that "
+                f"torch.load(weights_only=True) does not build{reason}; nothing in it "
+                "was run. Load it with weights_only=False only if you trust its source, "
+                "then save the state with fc.save"
+            ) from None
+        detail = reason.strip(" ()") or _first_line(text)
+        raise CheckpointError(f"{src}: not a torch.save file ({detail})") from None
+    except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile) as exc:
+        raise CheckpointError(
+            f"{src}: not a readable torch.save file ({_first_line(str(exc))})"
+        ) from None
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "unknown error")
+
+
+def _refusal_reason(text: str) -> str:
+    """The line of torch's refusal that names what was refused, if there is one."""
+    for line in text.splitlines():
+        line = line.strip()
+        if "GLOBAL" in line or "Unsupported" in line:
+            return f" ({line.rstrip('.')})"
+    return ""
+
+
+def is_bare_state_dict(obj: Any) -> bool:
+    """A non-empty mapping of names to tensors, as ``module.state_dict()`` returns."""
+    return (
+        isinstance(obj, Mapping)
+        and bool(obj)
+        and all(isinstance(k, str) for k in obj)
+        and all(isinstance(v, torch.Tensor) for v in obj.values())
+    )
+
+
+def state_of(obj: Any, src: Path) -> Mapping[str, Any]:
+    """The state an imported object becomes (see the module's docstring)."""
+    if is_bare_state_dict(obj):
+        return {WEIGHTS_KEY: obj}
+    if not isinstance(obj, Mapping):
+        raise CheckpointError(
+            f"{src}: holds a {type(obj).__name__}, not a state_dict or a checkpoint dict; "
+            "load it with torch.load, put it in a dict and save that with fc.save"
+        )
+    bad = [k for k in obj if not isinstance(k, str)]
+    if bad:
+        raise CheckpointError(
+            f"{src}: the top-level keys must be strings to become a state; found {bad[0]!r}"
+        )
+    return obj
+
+
+def import_torch(src: PathLike, out: PathLike, *, overwrite: bool = False) -> CheckpointInfo:
+    """Read a ``torch.save`` file safely and write what it holds as a checkpoint at ``out``."""
+    path = Path(src)
+    state = state_of(load_torch_file(path), path)
+    return save(
+        out,
+        state,
+        metadata={"imported": {"from": str(path), "format": "torch"}},
+        overwrite=overwrite,
+    )
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _weights(source: PathLike, select: KeyPath, dtype: torch.dtype | None) -> dict[str, Any]:
+    """The tensors under ``select`` by dotted name: what ``load_state_dict`` takes.
+
+    A subtree captured from a module comes back as its ``OrderedDict`` with
+    ``_metadata`` (the per-module versions ``load_state_dict`` consults).
+    """
+    state = _load(source, select)
+    tensors = _collect(state, select)
+    node: Any = state
+    for key in select:
+        node = node.get(key)
+    python: Any = to_python(node) if isinstance(node, TensorDictBase) else None
+    weights: dict[str, Any] = {}
+    if is_bare_state_dict(python) and python.keys() == tensors.keys():
+        tensors = dict(python)
+        if isinstance(python, OrderedDict):
+            weights = OrderedDict()
+            if hasattr(python, "_metadata"):
+                weights._metadata = python._metadata  # type: ignore[attr-defined]
+    for name, t in tensors.items():
+        weights[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    return weights
+
+
+def loadable(value: Any, path: KeyPath = (), converted: list[KeyPath] | None = None) -> Any:
+    """``value`` as something ``torch.load(weights_only=True)`` reads back exactly.
+
+    That reader builds no numpy objects, so numpy arrays become tensors of the same
+    dtype and bytes and numpy scalars become Python numbers (their paths are added
+    to ``converted``); any other value it cannot build (a path, a datetime, a
+    dataclass...) raises :class:`CheckpointError` naming its key path.
+    """
+    import numpy as np
+
+    kind = type(value)
+    if isinstance(value, torch.Tensor):
+        if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+            raise CheckpointError(
+                f"state[{format_path(path)}]: a {kind.__name__} cannot be exported as a "
+                "torch file that loads with weights_only=True; export plain tensors"
+            )
+        return value
+    if kind in _PLAIN_LEAVES:
+        return value
+    if kind is np.ndarray or isinstance(value, np.generic):
+        try:
+            out = torch.from_numpy(np.array(value)) if kind is np.ndarray else value.item()
+        except TypeError:
+            out = None
+        if isinstance(out, torch.Tensor) or type(out) in _PLAIN_LEAVES:
+            if converted is not None:
+                converted.append(path)
+            return out
+    if kind in (dict, OrderedDict):
+        mapping = kind()
+        for k, v in value.items():
+            mapping[loadable(k, (*path, repr(k)), converted)] = loadable(
+                v, (*path, str(k)), converted
+            )
+        if hasattr(value, "_metadata"):
+            meta = loadable(value._metadata, (*path, "_metadata"), converted)
+            mapping._metadata = meta  # type: ignore[attr-defined]
+        return mapping
+    if kind in (list, tuple, set):
+        return kind(loadable(v, (*path, str(i)), converted) for i, v in enumerate(value))
+    raise CheckpointError(
+        f"state[{format_path(path)}]: a {kind.__module__}.{kind.__qualname__} value; "
+        "torch.load(weights_only=True) refuses it, so the export would not load safely. "
+        "Export the weights only (without full), or convert the value to plain data "
+        "(str, int, float, list, dict) in the state first"
+    )
+
+
+def write_torch_file(obj: Any, out: Path, *, overwrite: bool) -> Path:
+    """``torch.save`` to ``out`` atomically and durably; never replaces a directory."""
+    if out.is_dir() and not out.is_symlink():
+        raise CheckpointExists(f"{out}: is a directory; give the path of the file to write")
+    if out.exists() and not overwrite:
+        raise CheckpointExists(f"{out}: already exists; pass overwrite=True to replace it")
+    durable.make_dirs(out.parent)
+    tmp = durable.tmp_sibling(out)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if overwrite:
+            os.replace(tmp, out)
+        else:
+            os.link(tmp, out)  # fails if out appeared meanwhile: nothing is replaced
+            os.unlink(tmp)
+    except FileExistsError:
+        _remove(tmp)
+        raise CheckpointExists(
+            f"{out}: already exists; pass overwrite=True to replace it"
+        ) from None
+    except BaseException:
+        _remove(tmp)
+        raise
+    durable.fsync_dir(out.parent)
+    return out
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def export_torch(
+    checkpoint: PathLike,
+    out: PathLike,
+    *,
+    select: str | Sequence[str] | None = "model",
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> list[KeyPath]:
+    """Write a checkpoint's weights (``select``) or whole state (``select=None``) as a
+    ``torch.save`` file that ``torch.load(weights_only=True)`` reads back bit-exactly.
+
+    ``dtype`` converts floating-point weights; the whole state is exported as saved,
+    except that numpy values become tensors and Python numbers (see :func:`loadable`).
+    Only the selected subtree is read. Returns the key paths of the converted values.
+    """
+    dest = Path(out)
+    obj: Any
+    if select is None:
+        if dtype is not None:
+            raise ValueError("export_torch: dtype converts weights; the full state stays exact")
+        obj = to_python(restore(checkpoint))
+    else:
+        obj = _weights(checkpoint, _select_path(select), dtype)
+    converted: list[KeyPath] = []
+    obj = loadable(obj, (), converted)
+    write_torch_file(obj, dest, overwrite=overwrite)
+    return converted

@@ -1,0 +1,85 @@
+"""Forking: start a new run in a new root from a checkpoint of another run.
+
+The fork is a new checkpoint (the source's manifest is sealed by its commit
+marker, so it cannot be amended in place) that records its lineage under
+``"forked_from"`` and shares the source's data files (an incremental save with
+the source as its base: hard links, or copies across file systems); every later
+checkpoint of the new run carries that lineage on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from functional_ckpt._src.format.naming import step_in_name
+from functional_ckpt._src.manager.manager import CheckpointManager
+from functional_ckpt._src.manager.provenance import AUTO_KEYS, Provenance, git_commit
+from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.policy import never
+from functional_ckpt._src.policy.retention import keep_all
+from functional_ckpt._src.restore.api import restore
+from functional_ckpt._src.root.listing import MANAGER_KEY, record_of
+from functional_ckpt._src.save.api import save
+from functional_ckpt._src.storage import checkpoint
+from functional_ckpt.errors import CheckpointError, CheckpointExists
+
+__all__ = ["fork"]
+
+
+def _source_step(path: Path, meta: Mapping[str, Any]) -> int | None:
+    step = record_of(meta).get("step")
+    return step if isinstance(step, int) else step_in_name(path.name)
+
+
+def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = None) -> Path:
+    """Start a new run in ``new_root`` from a checkpoint of another run.
+
+    The checkpoint is restored and saved again (its data files shared with the
+    source, not copied, where the file system allows hard links) as
+    ``new_root/step_N`` with ``N`` the source's step unless ``step`` is given. The
+    copy keeps the user metadata, step, epoch and metrics of the source, gets fresh
+    automatic metadata, starts its policies afresh (it is a new run), and records
+    ``"forked_from": {"path", "step", "time", "hostname", "git_commit"}`` (nested
+    ``"parent"`` for forks of forks). ``new_root`` must hold no checkpoint yet.
+    """
+    src = Path(checkpoint_path)
+    meta = checkpoint.read_manifest(src).get("metadata")
+    meta = dict(meta) if isinstance(meta, dict) else {}
+    src_step = _source_step(src, meta)
+    target = src_step if step is None else step
+    if target is None:
+        raise CheckpointError(f"{src}: cannot tell the checkpoint's step; pass fork(..., step=N)")
+    state = restore(src)
+    provenance: dict[str, Any] = {
+        "path": str(src.resolve()),
+        "step": src_step,
+        "time": time.time(),
+        "hostname": meta.get("hostname"),
+        "git_commit": meta.get("git_commit"),
+    }
+    if "forked_from" in meta:
+        provenance["parent"] = meta["forked_from"]
+    cwd = os.getcwd()
+    run = Provenance(cwd, git_commit(cwd))  # a new run: no lineage of its own yet
+    with CheckpointManager(new_root, save=never(), keep=keep_all()) as mgr:
+        existing = mgr.steps()
+        if existing:
+            raise CheckpointExists(
+                f"{mgr.root}: already holds checkpoints (steps {existing[:5]}…); fork into "
+                "an empty root"
+            )
+        record = dict(meta.get(MANAGER_KEY) or {})
+        for key in ("save", "export", "policy_state", "export_policy_state"):
+            record.pop(key, None)  # a new run: its policies start fresh
+        record.update(step=target, running_time=0.0)
+        user = {k: v for k, v in meta.items() if k not in AUTO_KEYS and k != MANAGER_KEY}
+        user["forked_from"] = provenance
+        metadata = {**run.metadata(record, {}), **user}
+        metadata[MANAGER_KEY] = record
+        path = mgr.path(target)
+        save(path, state, metadata=metadata, overwrite=path.exists(), base=src)
+        return path

@@ -1,0 +1,196 @@
+"""Rolling back on degradation: the manager's side of a rollback rule.
+
+A :class:`~functional_ckpt.manager.CheckpointManager` given ``rollback=`` (a rule
+such as :func:`functional_ckpt.policy.on_degrade`) asks the rule on every
+``maybe_save`` event, after the save policy, and stores the rule's spec and state
+with each checkpoint like the save policy's. When the rule votes yes, the manager
+restores the kept checkpoint the rule points to as a new state through
+:meth:`~functional_ckpt.manager.CheckpointManager.rollback` (newer checkpoints go
+to a branch), records why in the run's ``metadata["rollbacks"]``, and
+``maybe_save`` hands the state back in a :class:`SaveResult`. The rule's own state
+comes back with the checkpoint, so after a rollback it watches from there.
+Everything here is a function of the rule, the event and the kept checkpoints.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from tensordict import TensorDict
+
+from functional_ckpt._src.manager.provenance import stored_state
+from functional_ckpt._src.policy import Event, PolicyState, SavePolicy
+from functional_ckpt._src.policy.base import AllOf, AnyOf, Not
+from functional_ckpt._src.policy.degrade import OnDegrade
+from functional_ckpt._src.policy.retention import best_steps
+from functional_ckpt._src.root.listing import StepInfo
+from functional_ckpt.errors import CheckpointWarning
+
+__all__ = ["Rollback", "SaveResult", "Watch", "choose_target", "roll_back"]
+
+#: Where a checkpoint's record keeps the rollback rule's spec and state.
+RECORD_KEY = "rollback"
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """A rollback ``maybe_save`` made: continue the loop from ``state`` at ``to_step``.
+
+    ``step`` is the event on which the rule fired; ``branch`` is where the newer
+    checkpoints went (None when there were none, and on ranks other than the
+    coordinator).
+    """
+
+    step: int
+    to_step: int
+    state: TensorDict = field(repr=False)
+    branch: str | None = None
+
+
+class SaveResult(int):
+    """What ``maybe_save`` returns: 1 or 0 like the ``bool`` it always was, and more.
+
+    ``if mgr.maybe_save(...)``, ``== True``, ``sum(...)`` and JSON work as before;
+    ``saved`` is the same as a bool and ``rollback`` is the :class:`Rollback` made on
+    this event, if any.
+    """
+
+    rollback: Rollback | None
+
+    def __new__(cls, saved: bool, rollback: Rollback | None = None) -> SaveResult:
+        result = super().__new__(cls, bool(saved))
+        result.rollback = rollback
+        return result
+
+    @property
+    def saved(self) -> bool:
+        return bool(self)
+
+    def __repr__(self) -> str:
+        if self.rollback is None:
+            return repr(bool(self))
+        return f"SaveResult(saved={bool(self)}, rollback={self.rollback!r})"
+
+
+def _leaves(rule: SavePolicy) -> Iterator[SavePolicy]:
+    if isinstance(rule, AnyOf | AllOf):
+        for child in rule.children:
+            yield from _leaves(child)
+    elif isinstance(rule, Not):
+        yield from _leaves(rule.child)
+    else:
+        yield rule
+
+
+def choose_target(rule: OnDegrade, infos: Sequence[StepInfo]) -> int | None:
+    """The kept checkpoint a rollback returns to (None if no kept one has the metric).
+
+    ``"best"``: the best value (``fc.retention.best_steps``, ties to the newer);
+    ``"last_good"``: the newest checkpoint not degraded relative to that best.
+    """
+    ranked = best_steps(infos, rule.metric, rule.mode)
+    if not ranked or rule.to == "best":
+        return next(iter(ranked), None)
+    best = float(next(i for i in infos if i.step == ranked[0]).metrics[rule.metric])
+    for info in reversed(infos):
+        value = info.metrics.get(rule.metric)
+        if value is not None and not rule.degraded(float(value), best):
+            return info.step
+    return ranked[0]
+
+
+class Watch:
+    """A rollback rule and its state, as a manager threads them through its events.
+
+    ``next`` is the state after the current event, stored with the checkpoint that
+    event saves; it becomes ``state`` once the event is through.
+    """
+
+    def __init__(self, rule: object) -> None:
+        self.rule: SavePolicy | None = None
+        self.target: OnDegrade | None = None
+        self.state: PolicyState = None
+        self.next: PolicyState = None
+        if rule is None:
+            return
+        if isinstance(rule, SavePolicy):
+            self.target = next((p for p in _leaves(rule) if isinstance(p, OnDegrade)), None)
+        if self.target is None:
+            raise TypeError(
+                f"CheckpointManager(rollback={rule!r}): a rollback rule is a policy holding "
+                "an fc.policy.on_degrade(...) (it says which metric ranks the checkpoints)"
+            )
+        assert isinstance(rule, SavePolicy)
+        self.rule = rule
+        self.state = self.next = rule.init()
+
+    def vote(self, event: Event, saved: bool) -> tuple[bool, PolicyState]:
+        """(roll back?, the state after ``event``), given whether it saved."""
+        if self.rule is None:
+            return False, None
+        return self.rule.decide(self.state, event), self.rule.update(self.state, event, saved)
+
+    def entry(self) -> dict[str, Any]:
+        """What a checkpoint's record stores of the rule: its spec and state."""
+        if self.rule is None:
+            return {}
+        return {RECORD_KEY: {"spec": self.rule.spec, "state": self.next}}
+
+    def resume(self, record: Mapping[str, Any], path: Path) -> None:
+        """Continue from the state stored with a restored checkpoint."""
+        if self.rule is not None:
+            self.state = self.next = stored_state(self.rule, record, RECORD_KEY, path)
+
+    def choose(self, infos: Sequence[StepInfo], event: Event, root: Path) -> int | None:
+        """The step to roll back to; None (with a warning) when nothing kept qualifies."""
+        assert self.target is not None
+        step = choose_target(self.target, infos)
+        if step is None:
+            warnings.warn(
+                f"{root}: {self.rule!r} fired at step {event.step}, but no kept checkpoint "
+                f"records {self.target.metric!r}; nothing to roll back to, the run goes on",
+                CheckpointWarning,
+                stacklevel=4,
+            )
+        return step
+
+    def reason(self, event: Event) -> dict[str, Any]:
+        """Why the rollback happened, as ``metadata["rollbacks"]`` records it."""
+        metrics = dict(event.metrics or {})
+        return {"rule": repr(self.rule), "at_step": event.step, "metrics": metrics}
+
+
+class _Manager(Protocol):
+    """The public methods of a manager that a rollback on degradation uses."""
+
+    root: Path
+
+    def wait(self) -> None: ...
+
+    def infos(self) -> list[StepInfo]: ...
+
+    def branches(self) -> dict[str, list[int]]: ...
+
+    def rollback(
+        self, step: int, like: Any = None, *, reason: Mapping[str, Any] | None = None
+    ) -> TensorDict: ...
+
+
+def roll_back(mgr: _Manager, watch: Watch, like: Any, event: Event, saved: bool) -> SaveResult:
+    """The rule fired on ``event``: continue from the kept checkpoint it points to.
+
+    Only public manager methods: a loop could do the same by hand with
+    :func:`choose_target` and ``mgr.rollback``.
+    """
+    mgr.wait()  # the checkpoint of this very event commits first: it goes to the branch
+    target = watch.choose(mgr.infos(), event, mgr.root)
+    if target is None:
+        return SaveResult(saved)
+    before = set(mgr.branches())
+    state = mgr.rollback(target, like, reason=watch.reason(event))
+    branch = next(iter(set(mgr.branches()) - before), None)
+    return SaveResult(saved, Rollback(event.step, target, state, branch))

@@ -1,0 +1,126 @@
+"""Downloading a remote checkpoint: in parallel, every byte verified, committed locally.
+
+The objects of a committed remote checkpoint are downloaded (through the store's
+bulk ``get``, in parallel) into a private directory of the local root, fsynced,
+and checked by :func:`functional_ckpt.verify` (every chunk's CRC32, the derived
+``.metadata``, the manifest against the marker) before the directory is renamed
+into place as an ordinary local checkpoint (its data flushed to disk in the
+background: the remote copy is the durable one). A damaged object is
+:class:`~functional_ckpt.errors.CorruptCheckpoint`; a checkpoint deleted or
+replaced remotely while it was read is :class:`~functional_ckpt.errors.RemoteVanished`.
+Nothing half-downloaded is ever visible.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import uuid
+from pathlib import Path
+
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.naming import step_name
+from functional_ckpt._src.remote.store import Store
+from functional_ckpt._src.storage import commit, durable
+from functional_ckpt._src.storage.verify import verify
+from functional_ckpt.errors import CorruptCheckpoint, RemoteVanished
+
+__all__ = ["DOWNLOAD_PREFIX", "download", "remove_downloads"]
+
+#: Prefix of the private directories downloads are written into (inside the local root).
+DOWNLOAD_PREFIX = ".fc-download-"
+
+
+def download(
+    store: Store, step: int, into: Path, *, check: bool = True, replace: bool = False
+) -> Path:
+    """Download and verify remote ``step``; return it committed as ``into/step_N``.
+
+    ``into`` is the local root (or any directory on the same file system). An
+    existing ``into/step_N`` is left alone: the caller decides it is missing first.
+    ``check=False`` leaves the verification to the caller (``fckpt verify`` reports
+    every problem instead of the first). ``replace=True`` replaces what is at
+    ``into/step_N`` (a rank's part of that checkpoint: the download supersedes it).
+    """
+    marker, manifest = store.manifest(step)
+    files = manifest["files"]
+    names = [str(n) for n in files]
+    for name in names:
+        naming.safe_member(Path(step_name(step)), name)  # plain file names only
+    found = store.objects(step)
+    missing = [n for n in [*names, naming.MANIFEST] if n not in found]
+    if missing:
+        raise RemoteVanished(
+            f"{store.where(step)}: {', '.join(missing[:5])} missing from a committed remote "
+            "checkpoint: it is being deleted (or was damaged)"
+        )
+    for name in names:  # no object is downloaded past the size the manifest records
+        size = files[name].get("size") if isinstance(files[name], dict) else None
+        if found[name] != size:
+            raise CorruptCheckpoint(
+                f"{store.where(step, name)}: {found[name]} bytes, the manifest records {size}; "
+                "the remote checkpoint is damaged"
+            )
+    into.mkdir(parents=True, exist_ok=True)
+    work = into / f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"
+    tmp = work / step_name(step)
+    try:
+        tmp.mkdir(parents=True)
+        wanted = [*names, naming.MANIFEST]
+        store.call(
+            store.where(step),
+            store.fs.get,
+            [store.object_path(step, n) for n in wanted],
+            [str(tmp / n) for n in wanted],
+        )
+        if store.objects(step).get(naming.COMMIT_MARKER) != len(marker) or (
+            store.read(step, naming.COMMIT_MARKER) != marker
+        ):
+            raise RemoteVanished(
+                f"{store.where(step)}: deleted or replaced remotely while it was downloaded"
+            )
+        durable.write_file_durably(tmp / naming.COMMIT_MARKER, marker)
+        report = verify(tmp) if check else None
+        if report is not None and not report.ok:
+            problems = "; ".join(str(p) for p in report.problems[:3])
+            raise CorruptCheckpoint(f"{store.where(step)}: damaged remote checkpoint: {problems}")
+        final = into / step_name(step)
+        if replace:
+            from functional_ckpt._src.save.multi_rank import replaceable_part
+
+            commit.commit_checkpoint(tmp, final, overwrite=True, replaceable=replaceable_part)
+        else:
+            commit.commit_checkpoint(tmp, final, overwrite=False)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    # A local copy of a remote checkpoint is flushed to disk in the background: one
+    # torn by a power loss before then fails its checksums, is moved aside, and is
+    # downloaded again (the remote copy is the durable one).
+    threading.Thread(target=_fsync_all, args=(final, wanted), daemon=True).start()
+    return final
+
+
+def _fsync_all(path: Path, names: list[str]) -> None:
+    for name in names:
+        try:
+            fd = os.open(path / name, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return  # deleted meanwhile: nothing to flush
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def remove_downloads(root: Path) -> None:
+    """Remove what interrupted downloads left in ``root`` (never a checkpoint)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(DOWNLOAD_PREFIX):
+            shutil.rmtree(root / name, ignore_errors=True)

@@ -1,0 +1,158 @@
+"""Committing a checkpoint on an object store: every object confirmed, the marker last.
+
+An object store has no atomic rename, so a remote checkpoint becomes visible the
+way a local one does on a store without rename: by its ``COMMITTED`` marker, the
+same bytes as the local marker (it authenticates the manifest, which records
+every file's size and every chunk's checksum). The steps, for one checkpoint:
+
+1. ``begin`` (the coordinator): a remote copy already committed with the same
+   marker is done. Otherwise, if the remote manifest is this checkpoint's
+   manifest, the objects there belong to this checkpoint (an interrupted upload
+   resumes); anything else under the step (another checkpoint of the same step,
+   a torn upload of one) is deleted, marker first, and the manifest is written
+   first, so that every object found next to it later was written after it.
+2. ``put_part`` (every rank): upload the files this rank wrote, in parallel, and
+   confirm each is present at its local size.
+3. ``commit`` (the coordinator, after every rank confirmed): check every file of
+   the manifest's table and the manifest itself present at its recorded size,
+   then write the marker and confirm it.
+
+A crash at any point leaves no marker, or the marker of a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.remote.store import Store
+from functional_ckpt._src.storage import checkpoint
+from functional_ckpt.errors import RemoteError
+
+__all__ = [
+    "begin",
+    "check_lease",
+    "commit",
+    "copy_step",
+    "expected_sizes",
+    "owner",
+    "put_part",
+    "remove_step",
+]
+
+_SHARD = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def owner(name: str, world: int) -> int:
+    """The rank that uploads file ``name``: a shard file's writer, else the coordinator."""
+    m = _SHARD.fullmatch(name)
+    rank = int(m[1]) if m else 0
+    return rank if rank < world else 0
+
+
+def expected_sizes(local: Path) -> dict[str, int]:
+    """Every object of the checkpoint at ``local`` except the marker, with its size."""
+    manifest = checkpoint.read_manifest(local)  # authenticated by the local marker
+    sizes = {str(name): int(info["size"]) for name, info in manifest["files"].items()}
+    sizes[naming.MANIFEST] = (local / naming.MANIFEST).stat().st_size
+    return sizes
+
+
+def begin(store: Store, step: int, local: Path) -> dict[str, int] | None:
+    """Ready the remote directory of ``step`` for the checkpoint at ``local``.
+
+    Returns None if the remote copy is already committed (same marker), else the
+    objects already uploaded for this very checkpoint (name -> size), which an
+    interrupted upload need not send again.
+    """
+    marker = (local / naming.COMMIT_MARKER).read_bytes()
+    manifest = (local / naming.MANIFEST).read_bytes()
+    objects = store.objects(step)
+    if naming.COMMIT_MARKER in objects:
+        if store.read(step, naming.COMMIT_MARKER) == marker:
+            return None
+        store.remove(step, [naming.COMMIT_MARKER])  # superseded: uncommitted before anything else
+        del objects[naming.COMMIT_MARKER]
+    if (
+        objects.get(naming.MANIFEST) == len(manifest)
+        and store.read(step, naming.MANIFEST) == manifest
+    ):
+        return objects
+    store.remove(step, sorted(objects))
+    store.write(step, naming.MANIFEST, manifest)
+    return {naming.MANIFEST: len(manifest)}
+
+
+def put_part(
+    store: Store, step: int, local: Path, names: Iterable[str], present: dict[str, int]
+) -> int:
+    """Upload ``names`` from ``local`` (those not already ``present`` at their size); confirm all.
+
+    Returns the bytes sent. Objects go up in parallel, through the store's own
+    bulk ``put`` (run by the helper process of :mod:`~functional_ckpt.remote.mover`
+    where there is one).
+    """
+    sizes = {name: os.stat(local / name).st_size for name in names}
+    todo = [n for n, size in sizes.items() if present.get(n) != size]
+    if todo:
+        lpaths = [str(local / n) for n in todo]
+        rpaths = [store.object_path(step, n) for n in todo]
+        store.put(store.where(step), lpaths, rpaths)
+    _confirm(store, step, sizes)
+    return sum(sizes[n] for n in todo)
+
+
+def commit(store: Store, step: int, local: Path, sizes: dict[str, int]) -> None:
+    """Write the marker once every object of ``sizes`` is confirmed; then confirm it."""
+    _confirm(store, step, sizes)
+    marker = (local / naming.COMMIT_MARKER).read_bytes()
+    store.write(step, naming.COMMIT_MARKER, marker)
+    _confirm(store, step, {naming.COMMIT_MARKER: len(marker)})
+
+
+def _confirm(store: Store, step: int, sizes: dict[str, int]) -> None:
+    found = store.objects(step)
+    wrong = [
+        f"{name} ({'missing' if name not in found else f'{found[name]} bytes'}, expected {size})"
+        for name, size in sorted(sizes.items())
+        if found.get(name) != size
+    ]
+    if wrong:
+        raise RemoteError(
+            f"{store.where(step)}: uploaded objects not confirmed: {', '.join(wrong[:5])}; "
+            "the checkpoint is not committed remotely"
+        )
+
+
+def remove_step(store: Store, step: int) -> None:
+    """Delete remote ``step``: its marker first (no longer committed), then the rest."""
+    store.remove(step, [naming.COMMIT_MARKER])
+    store.remove(step, sorted(store.objects(step)))
+
+
+def copy_step(store: Store, step: int, dest: str) -> None:
+    """Copy committed remote ``step`` into the directory ``dest`` of the store, marker last."""
+    objects = store.objects(step)
+    for name in sorted(objects, key=lambda n: n == naming.COMMIT_MARKER):
+        src = store.object_path(step, name)
+        store.call(src, store.fs.copy, src, f"{dest}/{name}")
+
+
+def check_lease(store: Store, name: str, found: bytes | None, mine: bytes) -> None:
+    """Raise unless the lease object ``name`` found at the root is ``mine``."""
+    if found == mine:
+        return
+    try:
+        other = json.loads(found or b"{}")
+        who = f"pid {int(other['pid'])} on {str(other['host'])[:64]!r}"
+    except (ValueError, TypeError, KeyError):
+        who = "an unknown writer"
+    raise RemoteError(
+        f"{store.url}: another manager ({who}) began writing to this remote root after this "
+        "one; this one no longer uploads or deletes there (one writer per remote root: give "
+        "each run its own prefix)"
+    )

@@ -1,0 +1,335 @@
+"""An object store reached through fsspec: its checkpoints' objects and its failures.
+
+A remote root mirrors a local one: ``<url>/step_{N:09d}/`` holds the same files
+as the local checkpoint. Every failure of the store is turned into one
+:class:`~functional_ckpt.errors.RemoteError` subclass that names the URL and
+says what to do; fsspec (and s3fs, gcsfs …) is imported only here, and only when
+a remote is used.
+"""
+
+from __future__ import annotations
+
+import errno
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from functional_ckpt._src import codec
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.checksum import crc32
+from functional_ckpt._src.format.limits import LIMITS
+from functional_ckpt._src.format.naming import parse_step, step_name
+from functional_ckpt._src.remote.mover import Mover, _MovedFailure, facts_of, reaches
+from functional_ckpt._src.storage import checkpoint
+from functional_ckpt.errors import (
+    CheckpointError,
+    CorruptCheckpoint,
+    IncompleteCheckpoint,
+    RemoteAccessDenied,
+    RemoteBucketMissing,
+    RemoteError,
+    RemoteUnreachable,
+    RemoteVanished,
+)
+
+__all__ = ["RemoteStep", "Store", "public_url", "remote_error"]
+
+T = TypeVar("T")
+
+_UNREACHABLE = ("connection", "timeout", "endpoint", "dns", "gaierror", "clientconnector")
+
+
+def remote_error(err: BaseException, where: str) -> CheckpointError:
+    """The :class:`RemoteError` a failure of the store at ``where`` stands for."""
+    if isinstance(err, CheckpointError):
+        return err
+    facts = err.facts if isinstance(err, _MovedFailure) else facts_of(err)
+    names, number, text = set(facts["names"]), facts["errno"], str(facts["text"])
+    if "PermissionError" in names:
+        return RemoteAccessDenied(
+            f"{where}: the object store refused access ({text}); check the credentials "
+            "(environment, ~/.aws, storage_options=) and the bucket's permissions"
+        )
+    if "FileNotFoundError" in names and _missing_bucket(str(facts["message"])):
+        return RemoteBucketMissing(
+            f"{where}: the bucket does not exist ({facts['message']}); create it, or fix the "
+            "remote URL"
+        )
+    if "FileNotFoundError" in names:
+        return RemoteVanished(
+            f"{where}: the object is gone ({facts['message']}); it was deleted while it was read"
+        )
+    lowered = " ".join(n.lower() for n in names)
+    refused = "OSError" in names and number in (errno.ECONNREFUSED, errno.EHOSTUNREACH)
+    if refused or "TimeoutError" in names or any(w in lowered for w in _UNREACHABLE):
+        return RemoteUnreachable(
+            f"{where}: the object store did not answer ({text}); check the endpoint URL "
+            "(storage_options client_kwargs endpoint_url) and the network"
+        )
+    return RemoteError(f"{where}: {text}")
+
+
+def public_url(url: str) -> str:
+    """``url`` without the password of its user part (``ftp://user@host/…``).
+
+    A URL may carry a password (ftp, sftp, http); it is never written to the
+    status file nor put in a message. (Credentials belong in the environment or
+    in ``storage_options``, which are never written or shown either.)
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.password is None:
+            return url
+    except ValueError:
+        return url
+    user, host = parts.netloc.rsplit("@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user.split(':', 1)[0]}@{host}"))
+
+
+def _missing_bucket(message: str, path: str = "") -> bool:
+    """Whether the store said the bucket is missing (not merely the object at ``path``)."""
+    text = message.replace(path, "").lower() if path else message.lower()
+    return "nosuchbucket" in text or (
+        "bucket" in text and ("not exist" in text or "not found" in text)
+    )
+
+
+@dataclass
+class RemoteStep:
+    """The objects of one remote checkpoint directory: name -> size."""
+
+    step: int
+    objects: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def committed(self) -> bool:
+        return naming.COMMIT_MARKER in self.objects
+
+
+class Store:
+    """One remote root: ``url`` (any fsspec URL) opened with ``storage_options``."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        if not isinstance(url, str) or "://" not in url:
+            raise ValueError(
+                f"remote={url!r}: expected an fsspec URL such as 's3://bucket/prefix' "
+                "or 'memory://name'"
+            )
+        scheme, _, rest = url.partition("://")
+        full = f"{scheme}://{rest.rstrip('/')}"
+        self.url = public_url(full)  # what messages and the status file show
+        parts = rest.split("?", 1)[0].rstrip("/").split("/")
+        if not rest.strip("/") or any(p in (".", "..") for p in parts):
+            raise ValueError(
+                f"remote={self.url!r}: name the directory of the remote root, without '.' or "
+                "'..' (an object store does not resolve them), e.g. 's3://bucket/run1'"
+            )
+        try:
+            import fsspec  # type: ignore[import-untyped]
+        except ImportError:
+            raise CheckpointError(
+                f"remote={self.url!r} needs fsspec (and s3fs for s3://): "
+                "pip install 'functional_ckpt[remote]'"
+            ) from None
+        options = dict(storage_options or {})
+        try:
+            if getattr(_fs_class(fsspec, full), "local_file", False):
+                options.setdefault("auto_mkdir", True)  # a directory, as on an object store
+            self.fs, path = fsspec.core.url_to_fs(full, **options)
+        except ImportError as e:
+            raise CheckpointError(f"remote={self.url!r}: {e}") from None
+        except Exception as e:
+            raise remote_error(e, self.url) from e
+        self.base = str(path).rstrip("/")
+        # Bulk uploads run in a helper process where another process reaches the store.
+        self._mover = Mover(full, options) if reaches(self.fs) else None
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r})"
+
+    def call(self, where: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args)`` with the store's failures as :class:`RemoteError`."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise remote_error(e, where) from e
+
+    def put(self, where: str, lpaths: list[str], rpaths: list[str]) -> None:
+        """Upload local files to objects, in parallel (in the helper process if any)."""
+        if self._mover is not None and self._mover.start():
+            self.call(where, self._mover.put, lpaths, rpaths)
+        else:
+            self.call(where, self.fs.put, lpaths, rpaths)
+
+    def start_uploads(self) -> None:
+        """Start the helper process of uploads now, not at the first upload."""
+        if self._mover is not None:
+            self._mover.start()
+
+    def pause_uploads(self) -> None:
+        """Hold the uploads running (in the helper process) until ``resume_uploads``."""
+        if self._mover is not None:
+            self._mover.pause()
+
+    def resume_uploads(self) -> None:
+        if self._mover is not None:
+            self._mover.resume()
+
+    @property
+    def uploader_pid(self) -> int | None:
+        """The helper process of uploads, while one runs."""
+        return None if self._mover is None else self._mover.pid
+
+    def close(self) -> None:
+        """End the helper process of uploads (a later upload starts another)."""
+        if self._mover is not None:
+            self._mover.close()
+
+    def step_dir(self, step: int) -> str:
+        return f"{self.base}/{step_name(step)}"
+
+    def object_path(self, step: int, name: str) -> str:
+        return f"{self.step_dir(step)}/{name}"
+
+    def where(self, step: int, name: str | None = None) -> str:
+        """A URL for messages: the checkpoint directory or one of its objects."""
+        tail = step_name(step) if name is None else f"{step_name(step)}/{name}"
+        return f"{self.url}/{tail}"
+
+    def _fresh(self) -> None:
+        invalidate = getattr(self.fs, "invalidate_cache", None)
+        if invalidate is not None:
+            invalidate()
+
+    def probe(self) -> None:
+        """Fail now, clearly, if the store cannot be listed (endpoint, credentials, bucket)."""
+        self.listing()
+
+    def _ls(self, path: str, where: str) -> list[dict[str, Any]]:
+        """``ls`` (not ``find``, which some stores answer with nothing on any error)."""
+        try:
+            return list(self.fs.ls(path, detail=True))
+        except FileNotFoundError as e:
+            if _missing_bucket(str(e), path):
+                raise remote_error(e, where) from e
+            return []  # nothing written under this prefix yet
+        except Exception as e:
+            raise remote_error(e, where) from e
+
+    def listing(self) -> dict[int, RemoteStep]:
+        """Every ``step_N`` directory of the remote root with its objects."""
+        self._fresh()
+        steps: dict[int, RemoteStep] = {}
+        for info in self._ls(self.base, self.url):
+            step = parse_step(str(info.get("name", "")).rstrip("/").rsplit("/", 1)[-1])
+            if step is not None and info.get("type") == "directory":
+                objects = self.objects(step, fresh=False)
+                if objects:  # an empty prefix left by a deletion is nothing
+                    steps[step] = RemoteStep(step, objects)
+        return steps
+
+    def objects(self, step: int, *, fresh: bool = True) -> dict[str, int]:
+        """The objects of one remote checkpoint directory (name -> size)."""
+        if fresh:
+            self._fresh()
+        out = {}
+        for info in self._ls(self.step_dir(step), self.where(step)):
+            if info.get("type") == "directory":
+                continue
+            size = info.get("size")
+            name = str(info.get("name", "")).rsplit("/", 1)[-1]
+            out[name] = int(size) if isinstance(size, int) else -1
+        return out
+
+    def read_root(self, name: str) -> bytes | None:
+        """An object beside the checkpoints (``url/name``); None if there is none."""
+        try:
+            return bytes(self.fs.cat_file(f"{self.base}/{name}"))
+        except FileNotFoundError as e:
+            if _missing_bucket(str(e), f"{self.base}/{name}"):
+                raise remote_error(e, f"{self.url}/{name}") from e
+            return None
+        except Exception as e:
+            raise remote_error(e, f"{self.url}/{name}") from e
+
+    def write_root(self, name: str, data: bytes) -> None:
+        self.call(f"{self.url}/{name}", self.fs.pipe_file, f"{self.base}/{name}", data)
+
+    def read(self, step: int, name: str) -> bytes:
+        data = self.call(self.where(step, name), self.fs.cat_file, self.object_path(step, name))
+        return bytes(data)
+
+    def write(self, step: int, name: str, data: bytes) -> None:
+        self.call(self.where(step, name), self.fs.pipe_file, self.object_path(step, name), data)
+
+    def remove(self, step: int, names: list[str]) -> None:
+        for name in names:
+            try:
+                self.fs.rm_file(self.object_path(step, name))
+            except FileNotFoundError:
+                continue
+            except Exception as e:
+                raise remote_error(e, self.where(step, name)) from e
+
+    def manifest(self, step: int) -> tuple[bytes, dict[str, Any]]:
+        """The marker's bytes and the manifest it authenticates (committed checkpoints only)."""
+        where = self.where(step)
+        found = self.objects(step)  # sizes first: no object is read past what it may hold
+        marker_size = found.get(naming.COMMIT_MARKER)
+        if marker_size is None:
+            raise IncompleteCheckpoint(
+                f"{where}: not a committed remote checkpoint ({naming.COMMIT_MARKER} is missing)"
+            )
+        if not 0 <= marker_size <= LIMITS.marker_bytes:
+            raise CorruptCheckpoint(
+                f"{self.where(step, naming.COMMIT_MARKER)}: {marker_size} bytes, too large for "
+                "a commit marker; the remote checkpoint is damaged"
+            )
+        try:
+            marker_bytes = self.read(step, naming.COMMIT_MARKER)
+        except RemoteVanished:
+            raise IncompleteCheckpoint(
+                f"{where}: not a committed remote checkpoint ({naming.COMMIT_MARKER} is missing)"
+            ) from None
+        marker = decode_small(marker_bytes, self.where(step, naming.COMMIT_MARKER))
+        size = marker.get("manifest_size")
+        if not isinstance(size, int) or not 0 <= size <= checkpoint.MAX_MANIFEST_BYTES:
+            raise CorruptCheckpoint(f"{where}: the commit marker records no valid manifest size")
+        if found.get(naming.MANIFEST) != size:
+            have = found.get(naming.MANIFEST)
+            raise CorruptCheckpoint(
+                f"{self.where(step, naming.MANIFEST)}: "
+                f"{'missing' if have is None else f'{have} bytes'}, the commit marker records "
+                f"{size} bytes; the remote checkpoint is damaged (or being deleted)"
+            )
+        raw = self.read(step, naming.MANIFEST)
+        if len(raw) != size or crc32(raw) != marker.get("manifest_crc32"):
+            raise CorruptCheckpoint(
+                f"{self.where(step, naming.MANIFEST)}: the manifest does not match its checksum "
+                f"in {naming.COMMIT_MARKER}; the remote checkpoint is damaged"
+            )
+        manifest = decode_small(raw, self.where(step, naming.MANIFEST))
+        if manifest.get("format") != naming.FORMAT_NAME or not isinstance(
+            manifest.get("files"), dict
+        ):
+            raise CorruptCheckpoint(f"{where}: not a functional_ckpt manifest")
+        return marker_bytes, manifest
+
+
+def _fs_class(fsspec: Any, url: str) -> Any:
+    """The fsspec file system class of ``url`` (None if unknown: ``url_to_fs`` says why)."""
+    try:
+        return fsspec.get_filesystem_class(url.split("://", 1)[0])
+    except (ImportError, ValueError):
+        return None
+
+
+def decode_small(raw: bytes, where: str) -> dict[str, Any]:
+    """A marker or manifest decoded by the exact codec (never pickle)."""
+    if len(raw) > checkpoint.MAX_MANIFEST_BYTES:
+        raise CorruptCheckpoint(f"{where}: {len(raw)} bytes, more than a manifest may hold")
+    value = codec.decode(raw, source=where)
+    if not isinstance(value, dict):
+        raise CorruptCheckpoint(f"{where}: not a msgpack map")
+    return value

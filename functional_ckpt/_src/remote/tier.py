@@ -1,0 +1,619 @@
+"""The remote tier of a manager's root: uploads, per-tier retention, resumes from remote.
+
+Every checkpoint commits locally first; an upload round then runs on a
+background worker (:mod:`~functional_ckpt.remote.uploader`): the coordinator
+lists the remote root, picks the local checkpoints the remote retention keeps
+and that are not committed remotely yet, and each is committed there by the
+object-store protocol (:mod:`~functional_ckpt.remote.protocol`), every rank
+uploading the files it wrote. A local checkpoint is protected from local
+retention until its remote copy is committed (unless ``prune_unuploaded``).
+
+Under ``torch.distributed`` the ranks' local roots may be one shared directory
+or one directory each. With one each, a non-coordinator rank's ``step_N`` holds
+only the shard files it wrote (a *part*: no manifest, no marker), which is never
+listed or restored as a checkpoint; it exists to be uploaded, and goes once the
+coordinator no longer keeps that step. A resume then comes from the remote tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+from functional_ckpt._src import codec
+from functional_ckpt._src.distributed.topology import topology
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.naming import step_name
+from functional_ckpt._src.policy.retention import CheckpointRecord, RetentionPolicy, plan_deletions
+from functional_ckpt._src.remote import protocol
+from functional_ckpt._src.remote.fetch import download, remove_downloads
+from functional_ckpt._src.remote.store import Store, public_url
+from functional_ckpt._src.remote.uploader import Worker, failure, read_status, retried, write_status
+from functional_ckpt._src.root.delete import delete, quarantine, remove_all
+from functional_ckpt._src.root.listing import StepInfo, read_info, record_of, step_dirs
+from functional_ckpt._src.root.rollback import BRANCHES_DIR
+from functional_ckpt.errors import (
+    CheckpointError,
+    CorruptCheckpoint,
+    IncompleteCheckpoint,
+    RemoteError,
+    RemoteVanished,
+    RemoteWarning,
+    UnsafeCheckpoint,
+)
+
+__all__ = ["LEASE", "RemoteTier", "read_status"]
+
+T = TypeVar("T")
+Found = tuple[StepInfo, T] | None
+
+#: The object beside the checkpoints naming the manager that writes the remote root:
+#: the one that began writing there last. A manager takes it before its first upload
+#: or deletion and checks it before each next one, so the stale process of a restarted
+#: job stops writing once the new one writes (a manager that only restores never takes it).
+LEASE = ".writer.json"
+
+_DAMAGE = (CorruptCheckpoint, UnsafeCheckpoint, IncompleteCheckpoint, RemoteVanished)
+
+
+class RemoteTier:
+    """The object store behind one manager's root (see the module docstring)."""
+
+    def __init__(
+        self,
+        root: Path,
+        url: str,
+        *,
+        keep: RetentionPolicy,
+        storage_options: Mapping[str, Any] | None = None,
+        prune_unuploaded: bool = False,
+        writer: bool = True,
+        timeout: float | None = None,
+    ) -> None:
+        self.root = root
+        self.keep = keep
+        self.prune_unuploaded = prune_unuploaded
+        topo = topology()
+        self.rank, self.world = topo.rank, topo.world
+        self.coordinator = topo.coordinator
+        self._group: Any = None
+        self.shared = True
+        error: BaseException | None = None
+        self.url = public_url(url.rstrip("/"))  # never the URL's password
+        self._lease = json.dumps(
+            {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid()}
+        ).encode()
+        self._holding = False  # whether this manager took the remote root (see LEASE)
+        try:
+            self.store = Store(url, storage_options)
+            if getattr(self.store.fs, "local_file", False) and os.path.realpath(
+                self.store.base
+            ) == os.path.realpath(root):
+                raise CheckpointError(
+                    f"remote={self.url!r}: the local root itself ({root}); its retention would "
+                    "delete local checkpoints: give the remote tier a directory of its own"
+                )
+            retried(self.store.probe)  # a wrong endpoint, credentials or bucket fails here
+        except BaseException as e:
+            if self.world == 1:
+                raise
+            error = e
+        if self.world > 1:
+            from functional_ckpt._src.distributed.groups import agree, checkpoint_group
+            from functional_ckpt._src.save.multi_rank import allow_parts
+
+            self._group = checkpoint_group(timeout, purpose="upload")
+            agree(error, self._group, f"remote {self.url}")
+            if writer:
+                self.shared = self._shared_root()
+                allow_parts(root, not self.shared)  # the uploads make each split save whole
+        self._lock = threading.Lock()
+        self.failures: dict[int, CheckpointError] = {}
+        self._unreported: list[CheckpointError] = []
+        self._committed: set[int] = set()  # steps committed remotely (as last seen)
+        self._dropped: set[int] = set()  # local steps the remote retention does not keep
+        self._uploading: int | None = None
+        self._bad: set[int] = set()  # remote steps found damaged by this process
+        self._records: dict[int, CheckpointRecord] = {}
+        self._same: dict[int, bytes] = {}  # local steps whose remote copy has their marker
+        self._worker: Worker | None = None
+        if writer:
+            if self.coordinator or not self.shared:
+                remove_downloads(root)
+            self._worker = Worker(self._round, coalesce=self.world == 1)
+            self._worker.request()  # resumes what a crash interrupted
+
+    def __repr__(self) -> str:
+        return f"RemoteTier({self.url!r}, keep={self.keep!r})"
+
+    # ------------------------------------------------------------------ training thread
+
+    def committed(self) -> None:
+        """A local checkpoint committed: run an upload round in the background."""
+        if self._worker is not None:
+            self._worker.request()
+
+    def hold_uploads(self) -> None:
+        """A save begins: the uploads running stand still until ``release_uploads``.
+
+        The helper process that moves their bytes is stopped, so the copy of the
+        state the training loop waits for has the cores to itself (see
+        :mod:`~functional_ckpt.remote.mover`); stores without one are not held.
+        """
+        self.store.pause_uploads()
+
+    def release_uploads(self) -> None:
+        self.store.resume_uploads()
+
+    def check(self) -> None:
+        """Report upload failures not reported yet, once each, as :class:`RemoteWarning`."""
+        with self._lock:
+            new, self._unreported = self._unreported, []
+        for err in new:
+            warnings.warn(str(err), RemoteWarning, stacklevel=3)
+
+    def protected(self, local_steps: list[int]) -> set[int]:
+        """Local steps retention must not delete yet: their remote copy is not committed."""
+        if self.prune_unuploaded:
+            return set()
+        with self._lock:
+            return {s for s in local_steps if s not in self._committed and s not in self._dropped}
+
+    def steps(self) -> list[int]:
+        """Steps committed on the remote tier, ascending (listed now)."""
+        listing = retried(self.store.listing)
+        return sorted(s for s, r in listing.items() if r.committed)
+
+    def uploading(self) -> bool:
+        """Whether an upload round is asked for or running."""
+        return self._worker is not None and self._worker.busy()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every upload asked for so far has finished (or failed); report failures.
+
+        Returns False if ``timeout`` (seconds) passed first.
+        """
+        done = True if self._worker is None else self._worker.drain(timeout)
+        self.check()
+        return done
+
+    def close(self) -> None:
+        """Finish the uploads asked for, then stop the worker."""
+        if self._worker is not None:
+            self._worker.drain()
+            self._worker.stop()
+            self._worker = None
+            if self.world > 1 and not self.shared:
+                from functional_ckpt._src.save.multi_rank import allow_parts
+
+                allow_parts(self.root, False)
+        self.store.close()
+        self.check()
+
+    def newer_than(self, step: int) -> list[int]:
+        """Remote steps after ``step`` (committed or not), the uploads asked for done first."""
+        if self._worker is not None:
+            self._worker.drain()
+        return sorted(s for s in retried(self.store.listing) if s > step)
+
+    def set_aside(self, steps: list[int], branch: str | None) -> None:
+        """A rollback's remote part: ``steps`` leave the remote trunk, copied first to
+        ``url/branches/<branch>/`` (marker last) unless ``branch`` is None.
+
+        Runs before the local rollback moves anything: a crash in between leaves the
+        local trunk whole, and the next upload round puts its steps back remotely.
+        """
+        if steps:
+            self._claim()  # a root another manager writes is not this one's to change
+        for step in steps:
+            if branch is not None and retried(partial(self.store.objects, step)).get(
+                naming.COMMIT_MARKER
+            ):
+                dest = f"{self.store.base}/{BRANCHES_DIR}/{branch}/{step_name(step)}"
+                retried(partial(protocol.copy_step, self.store, step, dest))
+            retried(partial(protocol.remove_step, self.store, step))
+            self._forget(step)
+
+    def _forget(self, step: int) -> None:
+        """Remote ``step`` is deleted."""
+        with self._lock:
+            self._committed.discard(step)
+        self._records.pop(step, None)
+        self._same.pop(step, None)
+
+    # ------------------------------------------------------------------ restore
+
+    def restore_latest(
+        self,
+        local: Callable[[], Found[T]],
+        local_steps: Callable[[], list[int]],
+        read_step: Callable[[int], tuple[StepInfo, T]],
+        *,
+        writer: bool,
+    ) -> Found[T]:
+        """The newest checkpoint of either tier, downloaded first when only the remote has it.
+
+        ``local`` is the local resume (newest readable, damage moved aside);
+        ``read_step`` restores one local step. A remote checkpoint newer than every
+        readable local one is downloaded into the root, verified, and read from
+        there; a damaged one is reported and the previous remote one tried. A
+        read-only manager reads its local root only.
+        """
+        if not writer:
+            return local()
+        if self.world > 1:
+            return self._restore_agreed(local_steps, read_step)
+        fetched: set[int] = set()
+        found: Found[T] = None
+        for _ in range(8):
+            good = self._fetch_newer(max(local_steps(), default=None), fetched)
+            found = local()  # damaged local copies are moved aside here
+            best = max((s for s in good if s not in self._bad), default=None)
+            if best is None or (found is not None and found[0].step >= best):
+                return found
+            if best in fetched:
+                self._bad.add(best)  # downloaded, then found unreadable locally: not again
+        return found
+
+    def _remote_good(self, newest_local: int | None) -> list[int]:
+        """Committed remote steps not found damaged, newest first; warns if unlisted."""
+        try:
+            listing = retried(self.store.listing)
+        except RemoteError as err:
+            if newest_local is None:
+                raise
+            warnings.warn(
+                f"{err}; resuming from the local tier (step {newest_local}), which may be "
+                "older than the newest remote checkpoint",
+                RemoteWarning,
+                stacklevel=5,
+            )
+            return []
+        with self._lock:
+            self._committed = {s for s, r in listing.items() if r.committed}
+        return sorted((s for s in self._committed if s not in self._bad), reverse=True)
+
+    def _fetch_newer(self, newest_local: int | None, fetched: set[int]) -> list[int]:
+        """Download the newest good remote step newer than ``newest_local``.
+
+        Returns the good remote steps (empty if the remote could not be listed).
+        """
+        good = self._remote_good(newest_local)
+        for step in good:
+            if newest_local is not None and step <= newest_local:
+                break
+            there = self.root / step_name(step)
+            if there.is_dir() and not (there / naming.COMMIT_MARKER).exists():
+                quarantine(self.root, there)  # never committed (a download a crash cut short)
+            if there.exists() and step not in fetched:
+                continue  # a local directory there is unreadable: the local resume decides
+            try:
+                if step not in fetched:
+                    download(self.store, step, self.root)
+                    fetched.add(step)
+                break
+            except _DAMAGE as err:
+                self._bad.add(step)
+                warnings.warn(
+                    f"{self.store.where(step)}: remote checkpoint of step {step} is unusable "
+                    f"({type(err).__name__}: {err}); falling back to the previous one",
+                    RemoteWarning,
+                    stacklevel=5,
+                )
+        return good
+
+    def _restore_agreed(
+        self,
+        local_steps: Callable[[], list[int]],
+        read_step: Callable[[int], tuple[StepInfo, T]],
+    ) -> Found[T]:
+        """Every rank restores one step: the newest every rank has locally, or the remote's.
+
+        On the training thread, so on the manager's group (uploads use their own).
+        """
+        from functional_ckpt._src.distributed.groups import agree, checkpoint_group
+
+        group = checkpoint_group(purpose="control")
+        mine = [s for s in local_steps() if self._whole(s)]
+        everyone = [set(s) for s in self._gather(mine, group)]
+        common = set.intersection(*everyone)
+        error: BaseException | None = None
+        remote: list[int] = []
+        if self.coordinator:
+            try:
+                remote = self._remote_good(max(common, default=None))
+            except BaseException as e:
+                error = e
+        agree(error, group, f"restore from {self.url}")
+        remote = self._share(remote, group)
+        target = max([*common, *remote], default=None)
+        if target is None:
+            return None
+        try:
+            if target not in mine and (self.coordinator or not self.shared):
+                download(self.store, target, self.root, replace=True)  # over a part
+        except BaseException as e:
+            error = e
+        agree(error, group, f"download {self.store.where(target)}")
+        return read_step(target)
+
+    def _whole(self, step: int) -> bool:
+        """Whether the local ``step_N`` holds every file its manifest lists (not split)."""
+        path = self.root / step_name(step)
+        try:
+            sizes = protocol.expected_sizes(path)
+            return all((path / n).stat().st_size == size for n, size in sizes.items())
+        except (CheckpointError, OSError, KeyError, TypeError, ValueError):
+            return False
+
+    # ------------------------------------------------------------------ collectives
+
+    def _gather(self, value: Any, group: Any = None) -> list[Any]:
+        """Every rank's ``value`` (on the uploads' group unless told otherwise)."""
+        if self.world == 1:
+            return [value]
+        from functional_ckpt._src.distributed.groups import all_gather_bytes
+
+        encoded = codec.encode(value)
+        return [codec.decode(b) for b in all_gather_bytes(encoded, group or self._group)]
+
+    def _share(self, value: Any, group: Any = None) -> Any:
+        """The coordinator's ``value``, on every rank."""
+        return self._gather(value if self.coordinator else None, group)[0]
+
+    def _shared_root(self) -> bool:
+        """Whether every rank's root is the coordinator's directory (one shared file system)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        token = self._share(uuid.uuid4().hex if self.coordinator else None)
+        probe = self.root / f".fc-probe-{token}"
+        if self.coordinator:
+            probe.touch()
+        self._gather(None)  # the probe exists before anyone looks
+        seen = all(self._gather(probe.exists()))
+        if self.coordinator:
+            with contextlib.suppress(OSError):
+                probe.unlink()
+        return seen
+
+    # ------------------------------------------------------------------ worker thread
+
+    def _round(self) -> None:
+        self.store.start_uploads()  # at the open of the manager, not during the first save
+        plan: dict[str, list[int]] = {"upload": [], "local": []}
+        if self.coordinator:
+            try:
+                plan = self._plan()
+            except Exception as err:  # the other ranks still take part in the round
+                self._fail(-1, err)
+        plan = self._share(plan) if self.world > 1 else plan
+        for step in plan["upload"]:
+            self._upload(step)
+        if self.coordinator:
+            self._prune_remote()
+            self._write_status()
+        elif not self.shared:
+            self._drop_parts(plan["local"])
+
+    def _local(self) -> dict[int, Path]:
+        return {s: p for s, p, _ in step_dirs(self.root) if (p / naming.COMMIT_MARKER).exists()}
+
+    def _claim(self) -> None:
+        """Before writing remotely: take the remote root (the first time), or raise if
+        another manager took it since (see :data:`LEASE`)."""
+        if not self._holding:
+            retried(partial(self.store.write_root, LEASE, self._lease))
+            self._holding = True
+        self._held()
+
+    def _held(self) -> None:
+        """Raise unless this manager still holds the remote root."""
+        protocol.check_lease(
+            self.store, LEASE, retried(partial(self.store.read_root, LEASE)), self._lease
+        )
+
+    def _plan(self) -> dict[str, list[int]]:
+        local = self._local()
+        try:
+            listing = retried(self.store.listing)
+        except CheckpointError as err:
+            self._fail(max(local, default=-1), err)
+            return {"upload": [], "local": sorted(local)}
+        committed = {s for s, r in listing.items() if r.committed}
+        try:
+            committed -= self._others(local, committed)
+        except CheckpointError as err:
+            self._fail(max(local, default=-1), err)
+            return {"upload": [], "local": sorted(local)}
+        candidates = sorted(s for s in local if s not in committed)
+        records: list[Any] = [self._record(s) for s in committed]
+        for s in candidates:
+            try:
+                records.append(read_info(local[s], s))
+            except (CheckpointError, OSError):
+                continue  # unreadable locally: not uploaded (the local resume deals with it)
+        kept = self.keep.select(records) | {max(r.step for r in records)} if records else set()
+        upload = [s for s in candidates if s in kept]
+        if upload:
+            try:
+                self._claim()
+            except CheckpointError as err:
+                self._fail(upload[-1], err)
+                upload = []
+        with self._lock:
+            self._committed = committed
+            self._dropped = set(candidates) - kept
+        return {"upload": upload, "local": sorted(local)}
+
+    def _others(self, local: dict[int, Path], committed: set[int]) -> set[int]:
+        """Local steps whose remote copy is another checkpoint of that step (another
+        marker): not this one's copy, so uploaded over it. Each is compared once."""
+        out = set()
+        for step in sorted(committed & local.keys()):
+            try:
+                mine = (local[step] / naming.COMMIT_MARKER).read_bytes()
+            except OSError:
+                continue
+            if self._same.get(step) == mine:
+                continue
+            try:
+                theirs = retried(partial(self.store.read, step, naming.COMMIT_MARKER))
+            except RemoteVanished:
+                theirs = b""  # deleted meanwhile: not a copy of anything
+            if theirs == mine:
+                self._same[step] = mine
+            else:
+                out.add(step)
+                self._records.pop(step, None)
+        return out
+
+    def _record(self, step: int) -> CheckpointRecord:
+        """What the remote retention needs of a remote checkpoint (its manifest, read once)."""
+        if step not in self._records:
+            created, metrics = 0.0, {}
+            with contextlib.suppress(CheckpointError, ValueError):
+                _, manifest = self.store.manifest(step)
+                meta = manifest.get("metadata")
+                record = record_of(meta) if isinstance(meta, dict) else {}
+                raw = record.get("metrics")
+                if isinstance(raw, dict):
+                    metrics = {str(k): float(v) for k, v in raw.items()}
+                value = manifest.get("created")
+                created = float(value) if isinstance(value, int | float) else 0.0
+            self._records[step] = CheckpointRecord(step, created, metrics)
+        return self._records[step]
+
+    def _upload(self, step: int) -> None:
+        """One checkpoint, by the object-store commit protocol, every rank its own files."""
+        from functional_ckpt._src.distributed.groups import agree
+
+        local = self.root / step_name(step)
+        self._set_uploading(step)
+        error: BaseException | None = None
+        present: dict[str, int] | None = {}
+        sizes: dict[str, int] = {}
+        try:
+            if self.coordinator:
+                sizes = protocol.expected_sizes(local)
+                present = retried(lambda: protocol.begin(self.store, step, local))
+        except BaseException as e:
+            error = e
+        try:
+            if self.world > 1:
+                agree(error, self._group, f"upload {self.store.where(step)}")
+                present = self._share(present)
+            elif error is not None:
+                raise error
+            if present is None:
+                self._done(step)  # already committed remotely: the same checkpoint
+                return
+            names = [
+                n
+                for n in os.listdir(local)
+                if n not in (naming.COMMIT_MARKER, naming.MANIFEST)
+                and protocol.owner(n, self.world) == self.rank
+            ]
+            parts = present or {}
+            self._together(
+                f"upload {self.store.where(step)}",
+                lambda: retried(lambda: protocol.put_part(self.store, step, local, names, parts)),
+            )
+
+            def commit() -> None:
+                self._held()  # a root taken over meanwhile gets no marker from here
+                retried(lambda: protocol.commit(self.store, step, local, sizes))
+
+            self._together(f"commit {self.store.where(step)}", commit, here=self.coordinator)
+        except BaseException as err:
+            self._fail(step, err)
+            return
+        self._done(step)
+
+    def _together(self, what: str, action: Callable[[], object], here: bool = True) -> None:
+        """``action`` (on this rank if ``here``), then every rank raises if any rank's
+        failed: no rank goes on to the next phase of an upload alone."""
+        error: BaseException | None = None
+        try:
+            if here:
+                action()
+        except BaseException as e:
+            error = e
+        if self.world > 1:
+            from functional_ckpt._src.distributed.groups import agree
+
+            agree(error, self._group, what)
+        elif error is not None:
+            raise error
+
+    def _set_uploading(self, step: int | None) -> None:
+        with self._lock:
+            self._uploading = step
+        if self.coordinator and step is not None:
+            self._write_status()
+
+    def _done(self, step: int) -> None:
+        with self._lock:
+            self._committed.add(step)
+            self._uploading = None
+            self.failures.pop(step, None)
+        with contextlib.suppress(CheckpointError, OSError):
+            info = read_info(self.root / step_name(step), step)
+            self._records[step] = CheckpointRecord(step, info.time, dict(info.metrics))
+
+    def _fail(self, step: int, err: BaseException) -> None:
+        failed = failure(step, err, self.url)
+        with self._lock:
+            self._uploading = None
+            if self.coordinator:
+                self.failures[step] = failed
+                self._unreported.append(failed)
+
+    def _prune_remote(self) -> None:
+        """Delete what the remote retention does not keep, marker first (never the newest)."""
+        with self._lock:
+            committed = sorted(self._committed)
+        if not committed:
+            return
+        doomed = plan_deletions(self.keep, [self._record(s) for s in committed])
+        if doomed:
+            try:
+                self._claim()
+            except CheckpointError as err:
+                self._fail(max(committed), err)
+                return
+        for step in doomed:
+            try:
+                protocol.remove_step(self.store, step)
+            except CheckpointError as err:
+                self._fail(step, err)
+                continue
+            self._forget(step)
+
+    def _drop_parts(self, coordinator_steps: list[int]) -> None:
+        """This rank's parts of steps the coordinator no longer keeps (crash-safely)."""
+        if not coordinator_steps:
+            return
+        newest, kept = max(coordinator_steps), set(coordinator_steps)
+        doomed = [p for s, p, _ in step_dirs(self.root) if s < newest and s not in kept]
+        with contextlib.suppress(CheckpointError, OSError):
+            remove_all(delete(self.root, doomed))
+
+    def _write_status(self) -> None:
+        with self._lock:
+            doc = {
+                "url": self.url,
+                "time": time.time(),
+                "remote": sorted(self._committed),
+                "uploading": self._uploading,
+                "failed": {str(s): str(e) for s, e in sorted(self.failures.items())},
+            }
+        write_status(self.root, doc)

@@ -1,8 +1,0 @@
-"""The ``fckpt`` command line (``main``); the demo it runs lives in :mod:`functional_ckpt.cli.demo`.
-
-Nothing in the library imports this package.
-"""
-
-from functional_ckpt.cli.main import build_parser, main
-
-__all__ = ["build_parser", "main"]
