@@ -110,7 +110,7 @@ def _rewrite_manifest(path: Path, edit: Any) -> None:
     data = codec.encode(manifest, where="manifest")
     (path / naming.MANIFEST).unlink()
     (path / naming.COMMIT_MARKER).unlink()
-    durable.write_file_durably(path / naming.MANIFEST, data)
+    durable.write_new(path / naming.MANIFEST, data)
     commit.write_commit_marker(path, data)
 
 

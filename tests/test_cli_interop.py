@@ -19,7 +19,8 @@ from functional_ckpt._src import cli
 from functional_ckpt._src.cli import listing, show
 from functional_ckpt._src.cli.main import build_parser
 from functional_ckpt._src.cli.ui import UI
-from functional_ckpt._src.export.safetensors import INDEX_FILE, SINGLE_FILE, parse_size
+from functional_ckpt._src.export.safetensors import parse_size
+from functional_ckpt._src.format.naming import EXPORT_INDEX, EXPORT_WEIGHTS
 from functional_ckpt._src.manager.manager import step_name
 
 KEEP = fc.keep_last(2)
@@ -84,7 +85,7 @@ def test_ls_shows_exports(root: Path, capsys: pytest.CaptureFixture[str]) -> Non
     exports = [r for r in rows if r.get("kind") == "export"]
     assert [r["step"] for r in exports] == [3, 4]
     assert exports[0]["metrics"] == {"loss": pytest.approx(1 / 3)}
-    assert all(SINGLE_FILE in r["files"] for r in exports)
+    assert all(EXPORT_WEIGHTS in r["files"] for r in exports)
     assert {r["step"] for r in rows if r.get("kind") != "export"} == {3, 4}
 
 
@@ -141,7 +142,7 @@ def test_shard_size_and_dtype_spellings(
     argv = ["export", str(root), str(out), "--max-shard-size", size, "--dtype", dtype]
     code, _, err = run(argv, capsys)
     assert code == 0, err
-    index = json.loads((out / INDEX_FILE).read_text())
+    index = json.loads((out / EXPORT_INDEX).read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1
     assert all(t.dtype == torch.bfloat16 for f in files for t in load_file(out / f).values())

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 import functional_ckpt as fc
 from functional_ckpt._src.export import safetensors as export_mod
-from functional_ckpt._src.export.safetensors import INDEX_FILE, SINGLE_FILE, parse_size
+from functional_ckpt._src.export.safetensors import parse_size
+from functional_ckpt._src.format.naming import EXPORT_INDEX, EXPORT_WEIGHTS
 
 
 class TinyLM(torch.nn.Module):
@@ -38,10 +39,10 @@ def expected_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def load_export(out: Path) -> dict[str, torch.Tensor]:
     """Read an export the way transformers does: single file, or index + shards."""
-    if (out / SINGLE_FILE).exists():
-        assert not (out / INDEX_FILE).exists()
-        return load_file(out / SINGLE_FILE)
-    index = json.loads((out / INDEX_FILE).read_text())
+    if (out / EXPORT_WEIGHTS).exists():
+        assert not (out / EXPORT_INDEX).exists()
+        return load_file(out / EXPORT_WEIGHTS)
+    index = json.loads((out / EXPORT_INDEX).read_text())
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(set(index["weight_map"].values())):
         part = load_file(out / file)
@@ -70,17 +71,17 @@ def test_single_file_matches_model_and_drops_tied_alias(model: TinyLM, tmp_path:
     state = fc.capture(model=model, step=3, note={"lr": 0.1})  # non-tensor leaves are skipped
     out = fc.export_safetensors(state, tmp_path / "export")
     assert out == tmp_path / "export"
-    assert sorted(p.name for p in out.iterdir()) == [SINGLE_FILE]
+    assert sorted(p.name for p in out.iterdir()) == [EXPORT_WEIGHTS]
     assert_same(load_export(out), expected_weights(model))
-    with safe_open(str(out / SINGLE_FILE), framework="pt") as f:
+    with safe_open(str(out / EXPORT_WEIGHTS), framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
 
 
 def test_sharding_past_max_shard_size(model: TinyLM, tmp_path: Path) -> None:
     out = fc.export_safetensors(fc.capture(model=model), tmp_path / "e", max_shard_size=2000)
     names = sorted(p.name for p in out.iterdir())
-    assert INDEX_FILE in names and SINGLE_FILE not in names
-    shards = [n for n in names if n != INDEX_FILE]
+    assert EXPORT_INDEX in names and EXPORT_WEIGHTS not in names
+    shards = [n for n in names if n != EXPORT_INDEX]
     k = len(shards)
     assert k >= 3
     assert shards == [f"model-{i:05d}-of-{k:05d}.safetensors" for i in range(1, k + 1)]

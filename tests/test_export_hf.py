@@ -19,7 +19,8 @@ import torch
 
 import functional_ckpt as fc
 from functional_ckpt._src.export import exports as exporting
-from functional_ckpt._src.export.safetensors import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from functional_ckpt._src.export.safetensors import CONFIG_FILE
+from functional_ckpt._src.format.naming import EXPORT_INDEX, EXPORT_WEIGHTS
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 AutoModelForCausalLM = transformers.AutoModelForCausalLM
@@ -71,7 +72,7 @@ def test_from_pretrained_loads_the_export_bit_exactly(build: Any, tmp_path: Path
     model = build(**({"tie_word_embeddings": True} if build is tiny_llama else {}))
     want = logits(model)
     out = fc.export_safetensors(fc.capture(model=model), tmp_path / "hf", config=model.config)
-    assert (out / CONFIG_FILE).is_file() and (out / SINGLE_FILE).is_file()
+    assert (out / CONFIG_FILE).is_file() and (out / EXPORT_WEIGHTS).is_file()
     loaded = load(out)
     assert_bit_exact(logits(loaded), want)
     head = loaded.get_output_embeddings().weight
@@ -92,7 +93,7 @@ def test_sharded_bf16_export_with_an_index(tmp_path: Path) -> None:
         dtype=torch.bfloat16,
         max_shard_size="8KB",
     )
-    index = json.loads((out / INDEX_FILE).read_text())
+    index = json.loads((out / EXPORT_INDEX).read_text())
     assert len(set(index["weight_map"].values())) > 2
     assert json.loads((out / CONFIG_FILE).read_text())["dtype"] == "bfloat16"
     loaded = load(out, torch.bfloat16)

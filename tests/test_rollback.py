@@ -137,7 +137,7 @@ CHILD = textwrap.dedent(
 
     root, kill_at = sys.argv[1], int(sys.argv[2])
     done = 0
-    real_rename, real_unlink = os.rename, os.unlink
+    real_rename, real_replace, real_unlink = os.rename, os.replace, os.unlink
 
     def die_at(point):
         if point == kill_at:
@@ -149,13 +149,19 @@ CHILD = textwrap.dedent(
         real_rename(src, dst, *args, **kwargs)
         done += 1
 
+    def replace(src, dst, *args, **kwargs):  # a rename that may replace: counted the same
+        global done
+        die_at(done)
+        real_replace(src, dst, *args, **kwargs)
+        done += 1
+
     def unlink(path, *args, **kwargs):
         if str(path).endswith("/.rollback"):
             die_at(done)  # every move done, the record not yet removed
         real_unlink(path, *args, **kwargs)
 
     mgr = fc.CheckpointManager(root, save=fc.on_improve("loss") | fc.every_steps(1))
-    os.rename, os.unlink = rename, unlink
+    os.rename, os.replace, os.unlink = rename, replace, unlink
     mgr.rollback(2, newer=sys.argv[3], branch="b" if sys.argv[3] == "branch" else None)
     print("finished", flush=True)
     """

@@ -12,15 +12,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from functional_ckpt._src.cli.ui import PROG, UI
-from functional_ckpt._src.format import naming
-from functional_ckpt._src.root.listing import Entry, scan
+from functional_ckpt._src.format.kind import Kind, classify
+from functional_ckpt._src.root.listing import Entry, newest_summary, scan
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
 __all__ = [
     "Declined",
     "UsageError",
     "is_checkpoint_dir",
-    "is_stock_dcp",
     "newest_checkpoint",
     "one_line",
     "print_verified",
@@ -62,21 +61,8 @@ def time_text(t: float | None) -> str:
 
 
 def is_checkpoint_dir(path: Path) -> bool:
-    """Looks like one checkpoint (ours, committed or not, or a stock DCP one)."""
-    return path.is_dir() and any(
-        (path / name).exists()
-        for name in (naming.COMMIT_MARKER, naming.MANIFEST, naming.DCP_METADATA)
-    )
-
-
-def is_stock_dcp(path: Path) -> bool:
-    """A checkpoint written by stock ``torch.distributed.checkpoint`` (no manifest)."""
-    return (
-        path.is_dir()
-        and (path / naming.DCP_METADATA).exists()
-        and not (path / naming.MANIFEST).exists()
-        and not (path / naming.COMMIT_MARKER).exists()
-    )
+    """Holds one checkpoint (ours, committed or not, or a stock DCP one), whatever its name."""
+    return classify(path, by_name=False) in (Kind.COMMITTED, Kind.UNCOMMITTED, Kind.STOCK_DCP)
 
 
 def refuse_stock_dcp(path: Path, command: str) -> None:
@@ -85,7 +71,7 @@ def refuse_stock_dcp(path: Path, command: str) -> None:
         "export": "then fc.export_safetensors(state, OUT)",
         "diff": f"then fc.save it and run '{PROG} diff' on the saved copy",
     }.get(command, f"then fc.save it and run '{PROG} {command}' on the saved copy")
-    if is_stock_dcp(path):
+    if classify(path) is Kind.STOCK_DCP:
         raise UsageError(
             f"{path}: a stock torch.distributed.checkpoint directory, not a functional_ckpt "
             f"checkpoint: it records no tree of its values, so '{PROG} {command}' cannot read "
@@ -117,10 +103,11 @@ def newest_checkpoint(root: Path) -> Path:
     require_exists(root)
     if is_checkpoint_dir(root):
         return root
-    ok = [e for e in scan_root(root) if e.status == "ok"]
-    if not ok:
+    scan_root(root)  # refuses what is no root of checkpoints
+    newest = newest_summary(root)
+    if newest is None:
         raise CheckpointNotFound(f"{root}: no committed checkpoint here")
-    return ok[-1].path
+    return newest.path
 
 
 def print_verified(

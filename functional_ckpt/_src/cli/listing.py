@@ -25,10 +25,12 @@ from functional_ckpt._src.cli.recording import ls_recording
 from functional_ckpt._src.cli.ui import PROG, UI, human
 from functional_ckpt._src.export.exports import ExportInfo, export_infos
 from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.header import MANAGER_KEY
+from functional_ckpt._src.format.naming import BRANCHES_DIR
 from functional_ckpt._src.policy.retention import retention_from_spec, union_parts
 from functional_ckpt._src.recording import is_recording
-from functional_ckpt._src.root.listing import MANAGER_KEY, Entry, kept_by
-from functional_ckpt._src.root.rollback import BRANCHES_DIR, branches
+from functional_ckpt._src.root.listing import Entry, kept_by
+from functional_ckpt._src.root.rollback import branches
 from functional_ckpt._src.storage.usage import dir_size, disk_bytes, shared_bytes
 from functional_ckpt.errors import RetentionError
 

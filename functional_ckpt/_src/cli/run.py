@@ -29,7 +29,7 @@ from typing import Any
 
 from functional_ckpt._src.cli.common import UsageError, is_checkpoint_dir
 from functional_ckpt._src.cli.ui import PROG, UI
-from functional_ckpt._src.root.listing import scan
+from functional_ckpt._src.root.listing import newest_summary
 from functional_ckpt.errors import CheckpointError
 
 __all__ = [
@@ -103,14 +103,10 @@ class Attempt:
 def newest_checkpoint(root: Path) -> Checkpoint | None:
     """The newest checkpoint a job resuming from ``root`` would find; None if none (yet)."""
     try:
-        entries = scan(root)
+        newest = newest_summary(root)
     except (CheckpointError, OSError):
-        return None  # not created yet, or unreadable right now: nothing to report
-    ok = [e for e in entries if e.status == "ok" and e.canonical and e.step is not None]
-    if not ok:
-        return None
-    newest = max(ok, key=lambda e: e.step or 0)
-    return Checkpoint(newest.step or 0, newest.time)
+        return None  # unreadable right now: nothing to report
+    return None if newest is None else Checkpoint(newest.step, newest.time or None)
 
 
 def exit_status(returncode: int) -> int:

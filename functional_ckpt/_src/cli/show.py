@@ -28,7 +28,7 @@ from functional_ckpt._src.format.keys import NODE_KEY, KeyPath
 from functional_ckpt._src.recording import is_recording
 from functional_ckpt._src.restore.diff import diff_checkpoints
 from functional_ckpt._src.restore.summary import CheckpointSummary, Node, TensorSpec, short_repr
-from functional_ckpt._src.root.listing import classify
+from functional_ckpt._src.root.listing import entry_of
 from functional_ckpt._src.storage.usage import dir_size
 
 __all__ = ["cmd_diff", "cmd_export", "cmd_inspect", "jsonable", "parse_dtype"]
@@ -161,7 +161,7 @@ def _inspect(path: Path) -> CheckpointSummary:
     try:
         return fc.inspect(path)
     except fc.errors.CheckpointNotFound:
-        if path.is_dir() and any(classify(p) for p in path.iterdir()):  # a root
+        if path.is_dir() and any(entry_of(p) for p in path.iterdir()):  # a root
             raise UsageError(
                 f"{path}: a directory of checkpoints, not a checkpoint; "
                 f"see '{PROG} ls {path}' and inspect one of them"

@@ -22,7 +22,8 @@ from typing import Any
 
 from functional_ckpt._src.cli.common import UsageError, one_line, print_verified, time_text
 from functional_ckpt._src.cli.ui import UI, human
-from functional_ckpt._src.format.naming import parse_step
+from functional_ckpt._src.format.header import header_of
+from functional_ckpt._src.format.naming import parse_step, step_name
 from functional_ckpt._src.remote.fetch import download
 from functional_ckpt._src.remote.store import Store
 from functional_ckpt._src.remote.uploader import read_status
@@ -126,8 +127,7 @@ def ls_remote(args: argparse.Namespace, ui: UI) -> int:
         created: float | None = None
         if entry.committed:
             with contextlib.suppress(CheckpointError, ValueError):
-                value = store.manifest(step)[1].get("created")
-                created = float(value) if isinstance(value, int | float) else None
+                created = header_of(store.manifest(step)[1]).created
         size = sum(v for v in entry.objects.values() if v > 0)
         status = "ok" if entry.committed else "partial"
         rows.append({"step": step, "status": status, "time": created, "size": size})
@@ -139,7 +139,7 @@ def ls_remote(args: argparse.Namespace, ui: UI) -> int:
         return 0
     cells = [
         [
-            f"step_{r['step']:09d}",
+            step_name(r["step"]),
             str(r["step"]),
             time_text(r["time"]),
             human(r["size"]),

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import threading
 import time
@@ -30,6 +29,7 @@ from tensordict import TensorDictBase
 
 from functional_ckpt._src.export.files import header_metadata
 from functional_ckpt._src.export.safetensors import Export, _select_path, write_export
+from functional_ckpt._src.format.header import metrics_of, save_time
 from functional_ckpt._src.format.naming import EXPORTS_DIR, step_name
 from functional_ckpt._src.policy.retention import plan_deletions
 from functional_ckpt._src.root.delete import delete, remove_all
@@ -87,14 +87,17 @@ def _recorded(path: Path) -> tuple[float | None, dict[str, float]]:
         return None, {}
     if not isinstance(record, dict):
         return None, {}
-    t = record.get("time")
-    when = float(t) if isinstance(t, int | float) and math.isfinite(t) and t > 0 else None
-    metrics: dict[str, float] = {}
     raw = record.get("metrics")
-    for k, v in raw.items() if isinstance(raw, dict) else ():
-        with contextlib.suppress(TypeError, ValueError):
-            metrics[str(k)] = float(v)
-    return when, metrics
+    texts = raw.items() if isinstance(raw, dict) else ()
+    return save_time(record.get("time")), metrics_of({k: _number(v) for k, v in texts})
+
+
+def _number(text: object) -> object:
+    """A metric as :func:`header` writes it (its ``repr``), parsed; else left as it is."""
+    if isinstance(text, str):
+        with contextlib.suppress(ValueError):
+            return float(text)
+    return text
 
 
 def export_infos(root: Path) -> list[ExportInfo]:

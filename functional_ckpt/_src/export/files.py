@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,12 +16,9 @@ from typing import Any
 
 import torch
 
+from functional_ckpt._src.format.naming import EXPORT_INDEX, EXPORT_WEIGHTS, is_export_weights
 from functional_ckpt._src.storage import opener
-from functional_ckpt.errors import CheckpointError, CheckpointExists
-
-SINGLE_FILE = "model.safetensors"
-
-INDEX_FILE = "model.safetensors.index.json"
+from functional_ckpt.errors import CheckpointError
 
 CONFIG_FILE = "config.json"
 
@@ -88,7 +84,7 @@ def _file_bytes(name: str, value: ExtraFile) -> bytes:
 
 
 def is_weight_file(name: str) -> bool:
-    return bool(_EXPORT_FILE.fullmatch(name)) or name == INDEX_FILE
+    return is_export_weights(name) or name == EXPORT_INDEX
 
 
 def side_files(
@@ -138,45 +134,11 @@ def carried_over(out: Path, given: Mapping[str, bytes]) -> dict[str, bytes]:
     return kept
 
 
-_EXPORT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
-
-
-def is_export(path: Path) -> bool:
-    """An empty directory, or one holding weights as an export writes them, and plain files.
-
-    Files beside the weights (config, tokenizer, a README) are carried over when
-    an export replaces it, so replacing it loses nothing but the old weights.
-    """
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return False
-    for name in names:
-        try:
-            st = os.lstat(path / name)
-        except OSError:
-            return False
-        if not stat.S_ISREG(st.st_mode):
-            return False
-    return not names or SINGLE_FILE in names or INDEX_FILE in names
-
-
-def check_replaceable_export(path: Path) -> None:
-    """Refuse to replace anything but a previous export or an empty directory."""
-    if path.is_symlink() or not path.is_dir() or not is_export(path):
-        raise CheckpointExists(
-            f"{path}: exists and is not a safetensors export (no model.safetensors or "
-            "index, or it holds directories or links); only a previous export or an empty "
-            "directory is replaced, so it was left intact: choose another output directory "
-            "or remove it"
-        )
-
-
 def first_weight_file(path: Path) -> Path:
     """The file holding an export's header metadata: the single file or the first shard."""
-    if (path / SINGLE_FILE).is_file():
-        return path / SINGLE_FILE
-    shards = sorted(n for n in os.listdir(path) if _EXPORT_FILE.fullmatch(n))
+    if (path / EXPORT_WEIGHTS).is_file():
+        return path / EXPORT_WEIGHTS
+    shards = sorted(n for n in os.listdir(path) if is_export_weights(n))
     if not shards:
         raise CheckpointError(f"{path}: holds no model*.safetensors file")
     return path / shards[0]

@@ -31,15 +31,13 @@ from tensordict import TensorDictBase
 
 from functional_ckpt._src.export.files import (
     CONFIG_FILE,
-    INDEX_FILE,
-    SINGLE_FILE,
     ExtraFile,
     carried_over,
-    check_replaceable_export,
     side_files,
 )
 from functional_ckpt._src.export.names import Rename, check_rename, map_names, prefixes
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
+from functional_ckpt._src.format.naming import EXPORT_INDEX, EXPORT_WEIGHTS
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy import SavePolicy
 from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all
@@ -55,8 +53,6 @@ from functional_ckpt.errors import (
 __all__ = [
     "CONFIG_FILE",
     "Export",
-    "INDEX_FILE",
-    "SINGLE_FILE",
     "export_safetensors",
     "parse_size",
 ]
@@ -279,7 +275,7 @@ def _write_shards(
     weight_map: dict[str, str] = {}
     total = 0
     for i, names in enumerate(shards, start=1):
-        file = SINGLE_FILE if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+        file = EXPORT_WEIGHTS if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
         shard = dict(_prepared(names, tensors, dtype))  # one shard in memory at a time
         meta = {**header, "format": "pt"} if i == 1 else {"format": "pt"}
         save_file(shard, str(tmp / file), metadata=meta)
@@ -289,7 +285,7 @@ def _write_shards(
         del shard
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        durable.write_file_durably(tmp / INDEX_FILE, json.dumps(index, indent=2).encode())
+        durable.write_new(tmp / EXPORT_INDEX, json.dumps(index, indent=2).encode())
 
 
 def export_safetensors(
@@ -365,7 +361,7 @@ def write_export(
     if replacing:
         if not overwrite:
             raise CheckpointExists(f"{out}: already exists; pass overwrite=True to replace it")
-        check_replaceable_export(out)
+        commit.check_replaceable(out, commit.EXPORTS)
     tensors = _collect(_load(source, path), path)
     tensors = _dedupe(map_names(tensors, strip_prefix, rename))
     shards = _plan_shards(tensors, limit, dtype)
@@ -377,10 +373,8 @@ def write_export(
         if replacing:
             files = {**carried_over(out, files), **files}
         for name, data in files.items():
-            durable.write_file_durably(tmp / name, data)
-        commit.commit_checkpoint(
-            tmp, out, overwrite=overwrite, replaceable=check_replaceable_export
-        )
+            durable.write_new(tmp / name, data)
+        commit.commit_checkpoint(tmp, out, overwrite=overwrite, replaces=commit.EXPORTS)
     except BaseException:
         commit.remove_tree(tmp)
         raise

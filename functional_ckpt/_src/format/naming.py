@@ -1,8 +1,9 @@
 """The names of the on-disk format: files, directories and the steps they stand for.
 
 One place spells every name a reader or writer looks for: the files of a checkpoint,
-the infixes of its temporary, deleted and quarantined siblings, the ``step_N``
-directories of a root, and which file names a manifest may list at all.
+its shard files, the infixes of its temporary, deleted and quarantined siblings, the
+``step_N`` directories of a root and what else a root holds, the files that make a
+directory an export or a recording, and which file names a manifest may list at all.
 """
 
 from __future__ import annotations
@@ -10,34 +11,42 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from functional_ckpt.errors import (
-    UnsafeCheckpoint,
-)
+from functional_ckpt.errors import UnsafeCheckpoint
+
+# --------------------------------------------------------------------------- a checkpoint
 
 FORMAT_NAME = "functional_ckpt"
-
 FORMAT_VERSION = 1
-
 MANIFEST = "manifest.msgpack"
-
 COMMIT_MARKER = "COMMITTED"
-
 DCP_METADATA = ".metadata"
 
-TMP_INFIX = ".tmp-"
+#: ``__<rank>_<n>.distcp``: a rank's shard files. A save writes its own bytes to
+#: ``n = 0``; an incremental save links files it reuses from its base as ``n >= 1``.
+_SHARD_RE = re.compile(r"__(\d{1,9})_(\d{1,9})\.distcp")
 
-TRASH_INFIX = ".trash-"
+
+def shard_name(rank: int, n: int = 0) -> str:
+    """The name of shard file ``n`` of ``rank``."""
+    return f"__{rank}_{n}.distcp"
 
 
-def is_temporary_name(name: str) -> bool:
-    return TMP_INFIX in name or TRASH_INFIX in name
+def parse_shard(name: str) -> tuple[int, int] | None:
+    """``(rank, n)`` of a shard file name this project writes, else None."""
+    m = _SHARD_RE.fullmatch(name)
+    return None if m is None else (int(m.group(1)), int(m.group(2)))
+
+
+def is_shard_file(name: str) -> bool:
+    """A DCP data file (``*.distcp``): ours, or any a stock DCP writer names so."""
+    return name.endswith(".distcp") and "/" not in name
 
 
 def safe_member(root: Path, name: object) -> Path:
     """A file name from a manifest as a path in ``root``; anything else is refused.
 
     Only the name is checked here; links and special files are refused when the
-    file is opened (:func:`open_member`).
+    file is opened (:mod:`..storage.opener`).
     """
     if (
         not isinstance(name, str)
@@ -51,14 +60,34 @@ def safe_member(root: Path, name: object) -> Path:
     return root / name
 
 
-EXPORTS_DIR = "exports"
+# --------------------------------------------------------------------------- siblings
 
+#: A save in progress writes ``<name>.tmp-<id>``; a deletion renames to ``<name>.trash-<id>``.
+TMP_INFIX = ".tmp-"
+TRASH_INFIX = ".trash-"
 #: Infix of a checkpoint moved aside because it could not be read (kept for forensics).
 QUARANTINE_INFIX = ".corrupt-"
-
 _INFIXES = (TMP_INFIX, TRASH_INFIX, QUARANTINE_INFIX)
 
+
+def is_temporary_name(name: str) -> bool:
+    """A save or a deletion in progress: never a checkpoint, whatever it holds."""
+    return TMP_INFIX in name or TRASH_INFIX in name
+
+
+def base_name(name: str) -> str:
+    """``step_N`` of ``step_N.tmp-…``, ``step_N.trash-…`` or ``step_N.corrupt-…``."""
+    for infix in _INFIXES:
+        name = name.split(infix)[0]
+    return name
+
+
+# --------------------------------------------------------------------------- a root
+
 _STEP_RE = re.compile(r"step_(\d{1,30})")
+#: Where a manager writes its exports, and where a rollback keeps the newer steps.
+EXPORTS_DIR = "exports"
+BRANCHES_DIR = "branches"
 
 
 def step_name(step: int) -> str:
@@ -86,12 +115,16 @@ def step_in_name(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def base_name(name: str) -> str:
-    """``step_N`` of ``step_N.tmp-…``, ``step_N.trash-…`` or ``step_N.corrupt-…``."""
-    for infix in _INFIXES:
-        name = name.split(infix)[0]
-    return name
+# --------------------------------------------------------------------------- exports, recordings
+
+#: A safetensors export (Hugging Face layout): one file, or shards and their index.
+EXPORT_WEIGHTS = "model.safetensors"
+EXPORT_INDEX = "model.safetensors.index.json"
+_EXPORT_SHARD_RE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+#: The header every recording (``fc.Recorder``) writes first.
+RECORDING_HEADER = "recording.msgpack"
 
 
-def shard_name(rank: int) -> str:
-    return f"__{rank}_0.distcp"
+def is_export_weights(name: str) -> bool:
+    """A weight file of an export: the single file or one of its numbered shards."""
+    return _EXPORT_SHARD_RE.fullmatch(name) is not None

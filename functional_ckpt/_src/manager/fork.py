@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from functional_ckpt._src.format.header import MANAGER_KEY, header_of
 from functional_ckpt._src.format.naming import step_in_name
 from functional_ckpt._src.manager.manager import CheckpointManager
 from functional_ckpt._src.manager.provenance import AUTO_KEYS, Provenance, git_commit
@@ -22,17 +22,11 @@ from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy import never
 from functional_ckpt._src.policy.retention import keep_all
 from functional_ckpt._src.restore.api import restore
-from functional_ckpt._src.root.listing import MANAGER_KEY, record_of
 from functional_ckpt._src.save.api import save
 from functional_ckpt._src.storage import checkpoint
 from functional_ckpt.errors import CheckpointError, CheckpointExists
 
 __all__ = ["fork"]
-
-
-def _source_step(path: Path, meta: Mapping[str, Any]) -> int | None:
-    step = record_of(meta).get("step")
-    return step if isinstance(step, int) else step_in_name(path.name)
 
 
 def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = None) -> Path:
@@ -47,9 +41,9 @@ def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = No
     ``"parent"`` for forks of forks). ``new_root`` must hold no checkpoint yet.
     """
     src = Path(checkpoint_path)
-    meta = checkpoint.read_manifest(src).get("metadata")
-    meta = dict(meta) if isinstance(meta, dict) else {}
-    src_step = _source_step(src, meta)
+    head = header_of(checkpoint.read_manifest(src))
+    meta = dict(head.metadata)
+    src_step = head.record.step if head.record.step is not None else step_in_name(src.name)
     target = src_step if step is None else step
     if target is None:
         raise CheckpointError(f"{src}: cannot tell the checkpoint's step; pass fork(..., step=N)")
@@ -72,7 +66,7 @@ def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = No
                 f"{mgr.root}: already holds checkpoints (steps {existing[:5]}…); fork into "
                 "an empty root"
             )
-        record = dict(meta.get(MANAGER_KEY) or {})
+        record = dict(head.record.raw)
         for key in ("save", "export", "policy_state", "export_policy_state"):
             record.pop(key, None)  # a new run: its policies start fresh
         record.update(step=target, running_time=0.0)

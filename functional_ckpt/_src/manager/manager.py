@@ -32,6 +32,7 @@ from tensordict import TensorDict, TensorDictBase
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.export.exports import BackgroundExport, run_export, snapshot
 from functional_ckpt._src.export.safetensors import Export
+from functional_ckpt._src.format.header import MANAGER_KEY, record_of
 from functional_ckpt._src.format.naming import parse_step, step_name
 from functional_ckpt._src.manager.decisions import coordinator_decides, gathered, prepare_groups
 from functional_ckpt._src.manager.options import check_policies, plain_metrics, remote_tier
@@ -52,7 +53,7 @@ from functional_ckpt._src.restore.template import Reshard
 from functional_ckpt._src.root import rollback
 from functional_ckpt._src.root.delete import delete, remove_all
 from functional_ckpt._src.root.leftovers import open_writer
-from functional_ckpt._src.root.listing import MANAGER_KEY, StepInfo, record_of
+from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt._src.root.lock import WriterLock
 from functional_ckpt._src.root.resume import check_order, newest_readable
 from functional_ckpt._src.root.view import RootView
@@ -563,8 +564,8 @@ class CheckpointManager(RootView):
             return  # a follower never saves: its policies are irrelevant
         self._run.resume(info.metadata)
         record = record_of(info.metadata)
-        self._policy_state = stored_state(self.save_policy, record, "save", info.path)
-        self._watch.resume(record, info.path)
+        self._policy_state = stored_state(self.save_policy, record.raw, "save", info.path)
+        self._watch.resume(record.raw, info.path)
         if self.export is not None:
-            self._export_state = stored_state(self.export.policy, record, "export", info.path)
-        self._running.resume(record)
+            self._export_state = stored_state(self.export.policy, record.raw, "export", info.path)
+        self._running.resume(record.running_time)

@@ -11,7 +11,6 @@ the same spec.
 
 from __future__ import annotations
 
-import math
 import platform
 import re
 import subprocess
@@ -23,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from functional_ckpt._src import codec
+from functional_ckpt._src.format.header import MANAGER_KEY
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy import Event, PolicyState, SavePolicy
 from functional_ckpt._src.policy.retention import RetentionPolicy
-from functional_ckpt._src.root.listing import MANAGER_KEY
 from functional_ckpt.errors import CheckpointWarning
 
 __all__ = [
@@ -163,15 +162,10 @@ class RunningTime:
     def __call__(self) -> float:
         return self._offset + max(0.0, float(self.clock()) - self._base)
 
-    def resume(self, record: Mapping[str, Any]) -> None:
-        """Continue from the running time a restored checkpoint's record carries.
-
-        A missing or insane value (negative, NaN, not a number) counts as 0.0.
-        """
-        running = record.get("running_time")
-        plain = isinstance(running, float | int) and not isinstance(running, bool)
-        seconds = float(running) if plain else 0.0  # type: ignore[arg-type]
-        self._offset = seconds if math.isfinite(seconds) and seconds >= 0 else 0.0
+    def resume(self, seconds: float) -> None:
+        """Continue from the running time a restored checkpoint's record carries
+        (:class:`~..format.header.Record`: an insane value there reads as 0.0)."""
+        self._offset = seconds
         self._base = float(self.clock())
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from functional_ckpt._src.policy.base import positive_int
 from functional_ckpt.errors import RetentionError
 
 __all__ = [
@@ -105,12 +106,6 @@ def _check_unique(checkpoints: Sequence[CheckpointLike]) -> None:
         seen.add(c.step)
 
 
-def _positive_int(value: object, name: str, call: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{call}: {name} must be a positive int, got {value!r}")
-    return value
-
-
 class _Union(RetentionPolicy):
     def __init__(self, children: Iterable[RetentionPolicy]) -> None:
         self.children: tuple[RetentionPolicy, ...] = tuple(children)
@@ -163,7 +158,7 @@ class _KeepLast(RetentionPolicy):
 
 def keep_last(n: int) -> RetentionPolicy:
     """Keep the ``n`` checkpoints with the highest steps (newest by step, not by time)."""
-    return _KeepLast(_positive_int(n, "n", f"keep_last(n={n!r})"))
+    return _KeepLast(positive_int(n, "n", f"keep_last(n={n!r})"))
 
 
 class _KeepBest(RetentionPolicy):
@@ -217,7 +212,7 @@ def keep_best(k: int, metric: str, mode: str = "min") -> RetentionPolicy:
     Ties are broken in favour of the newer (higher) step, which is the one a resume
     would rather start from.
     """
-    k = _positive_int(k, "k", f"keep_best(k={k!r})")
+    k = positive_int(k, "k", f"keep_best(k={k!r})")
     if not isinstance(metric, str):
         raise TypeError(f"keep_best(metric={metric!r}): metric must be a str")
     return _KeepBest(k, metric, _check_mode(mode, "keep_best"))
@@ -240,7 +235,7 @@ class _KeepEvery(RetentionPolicy):
 
 def keep_every(steps: int) -> RetentionPolicy:
     """Keep checkpoints whose step is a multiple of ``steps`` (sparse long-term history)."""
-    return _KeepEvery(_positive_int(steps, "steps", f"keep_every(steps={steps!r})"))
+    return _KeepEvery(positive_int(steps, "steps", f"keep_every(steps={steps!r})"))
 
 
 class _KeepWithin(RetentionPolicy):

@@ -30,10 +30,11 @@ from typing import Any
 import numpy as np
 
 from functional_ckpt._src import codec
-from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.checksum import crc32
+from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.format.limits import LIMITS
 from functional_ckpt._src.format.manifest import Entry, TensorEntry, ValueEntry
+from functional_ckpt._src.format.naming import RECORDING_HEADER
 from functional_ckpt._src.format.view import node_info, parse_planned
 from functional_ckpt._src.storage import opener
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, NotARecording
@@ -56,7 +57,7 @@ __all__ = [
 
 FORMAT = "functional_ckpt.recording"
 VERSION = 1
-HEADER = "recording.msgpack"
+HEADER = RECORDING_HEADER
 INDEX = "index.bin"
 MARKER = "RECORDED"
 #: A leaf's location in the data: segment number, CRC32, byte offset, byte count.
@@ -74,7 +75,7 @@ def segment_name(i: int) -> str:
 
 def is_recording(path: Path) -> bool:
     """Looks like a recording (committed or not yet): it has a header."""
-    return path.is_dir() and (path / HEADER).is_file()
+    return classify(path) is Kind.RECORDING
 
 
 def stored_leaves(entries: list[Entry]) -> list[TensorEntry | ValueEntry]:
@@ -132,12 +133,13 @@ def open_recording(path: Path, what: str) -> int:
         dir_fd = opener.open_directory(path)
     except CheckpointError as exc:
         raise NotARecording(f"{what}: {exc}") from None
-    if not (path / HEADER).exists():
+    found = classify(path)
+    if found is not Kind.RECORDING:
         os.close(dir_fd)
         kind = (
             "a checkpoint (use fc.restore)"
-            if (path / naming.COMMIT_MARKER).exists()
-            else "not a recording (it has no recording.msgpack)"
+            if found is Kind.COMMITTED
+            else f"not a recording (it has no {HEADER}: {found.value})"
         )
         raise NotARecording(f"{what}: {path} is {kind}")
     return dir_fd

@@ -52,7 +52,6 @@ __all__ = ["Recorder"]
 #: A data segment is closed and a new one started past this size.
 SEGMENT_BYTES = 1 << 30
 _ALIGN = 64
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
 def _signature(leaf: Leaf) -> tuple[Any, ...]:
@@ -235,10 +234,7 @@ class Recorder:
             "layout": [e.to_plain() for e in entries],
         }
         self._header = codec.encode(header, where="Recorder: the recording's header")
-        tmp = durable.tmp_sibling(self.path / HEADER)
-        durable.write_file_durably(tmp, self._header)
-        os.rename(tmp, self.path / HEADER)
-        durable.fsync_dir(self.path)
+        durable.replace_durably(self.path / HEADER, self._header)
         for _ in range(self._slots_wanted):
             self._free.put(_Slot(specs, pin))
         self._layout = [_signature(leaf) for leaf in leaves]
@@ -374,12 +370,10 @@ class Recorder:
             if self._seg_fd >= 0:
                 os.fsync(self._seg_fd)  # complete before the next segment is begun
                 os.close(self._seg_fd)
-            self._seg_fd = os.open(self.path / segment_name(len(self._segments)), _CREATE, 0o644)
+            self._seg_fd = durable.open_new(self.path / segment_name(len(self._segments)))
             self._segments.append(0)
         off = self._segments[-1]
-        view = memoryview(data).cast("B")
-        while view:
-            view = view[os.write(self._seg_fd, view) :]
+        durable.write_all(self._seg_fd, data)
         self._segments[-1] = off + n
         return (len(self._segments) - 1, crc32(data), off, n)
 
@@ -395,10 +389,8 @@ class Recorder:
         frame = codec.encode({"steps": steps, "locs": locs.tobytes()}, where="recording index")
         blob = FRAME.pack(len(frame)) + frame
         if self._index_fd < 0:
-            self._index_fd = os.open(self.path / INDEX, _CREATE, 0o644)
-        view = memoryview(blob)
-        while view:
-            view = view[os.write(self._index_fd, view) :]
+            self._index_fd = durable.open_new(self.path / INDEX)
+        durable.write_all(self._index_fd, blob)
         os.fsync(self._index_fd)
         self._index_size += len(blob)
         self._index_crc = crc32(blob, self._index_crc)
@@ -412,10 +404,7 @@ class Recorder:
             "header_crc32": crc32(self._header),
             "segments": list(self._segments),
         }
-        tmp = durable.tmp_sibling(self.path / MARKER)
-        durable.write_file_durably(tmp, codec.encode(marker, where="recording marker"))
-        os.replace(tmp, self.path / MARKER)
-        durable.fsync_dir(self.path)
+        durable.replace_durably(self.path / MARKER, codec.encode(marker, where="recording marker"))
         self.committed += len(steps)
         self._pending.clear()
 

@@ -80,18 +80,13 @@ def download(
             raise RemoteVanished(
                 f"{store.where(step)}: deleted or replaced remotely while it was downloaded"
             )
-        durable.write_file_durably(tmp / naming.COMMIT_MARKER, marker)
+        durable.write_new(tmp / naming.COMMIT_MARKER, marker)
         report = verify(tmp) if check else None
         if report is not None and not report.ok:
             problems = "; ".join(str(p) for p in report.problems[:3])
             raise CorruptCheckpoint(f"{store.where(step)}: damaged remote checkpoint: {problems}")
         final = into / step_name(step)
-        if replace:
-            from functional_ckpt._src.save.multi_rank import replaceable_part
-
-            commit.commit_checkpoint(tmp, final, overwrite=True, replaceable=replaceable_part)
-        else:
-            commit.commit_checkpoint(tmp, final, overwrite=False)
+        commit.commit_checkpoint(tmp, final, overwrite=replace, replaces=commit.PARTS)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     # A local copy of a remote checkpoint is flushed to disk in the background: one

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterable
 from pathlib import Path
 
 from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.naming import parse_shard
 from functional_ckpt._src.remote.store import Store
 from functional_ckpt._src.storage import checkpoint
 from functional_ckpt.errors import RemoteError
@@ -44,13 +44,11 @@ __all__ = [
     "remove_step",
 ]
 
-_SHARD = re.compile(r"__(\d+)_\d+\.distcp")
-
 
 def owner(name: str, world: int) -> int:
     """The rank that uploads file ``name``: a shard file's writer, else the coordinator."""
-    m = _SHARD.fullmatch(name)
-    rank = int(m[1]) if m else 0
+    shard = parse_shard(name)
+    rank = shard[0] if shard else 0
     return rank if rank < world else 0
 
 

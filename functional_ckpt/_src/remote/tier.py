@@ -33,15 +33,16 @@ from typing import Any, TypeVar
 from functional_ckpt._src import codec
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format import naming
-from functional_ckpt._src.format.naming import step_name
+from functional_ckpt._src.format.header import header_of
+from functional_ckpt._src.format.kind import is_committed
+from functional_ckpt._src.format.naming import BRANCHES_DIR, step_name
 from functional_ckpt._src.policy.retention import CheckpointRecord, RetentionPolicy, plan_deletions
 from functional_ckpt._src.remote import protocol
 from functional_ckpt._src.remote.fetch import download, remove_downloads
 from functional_ckpt._src.remote.store import Store, public_url
 from functional_ckpt._src.remote.uploader import Worker, failure, read_status, retried, write_status
 from functional_ckpt._src.root.delete import delete, quarantine, remove_all
-from functional_ckpt._src.root.listing import StepInfo, read_info, record_of, step_dirs
-from functional_ckpt._src.root.rollback import BRANCHES_DIR
+from functional_ckpt._src.root.listing import StepInfo, committed_steps, read_info, step_dirs
 from functional_ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -293,7 +294,7 @@ class RemoteTier:
             if newest_local is not None and step <= newest_local:
                 break
             there = self.root / step_name(step)
-            if there.is_dir() and not (there / naming.COMMIT_MARKER).exists():
+            if there.is_dir() and not is_committed(there):
                 quarantine(self.root, there)  # never committed (a download a crash cut short)
             if there.exists() and step not in fetched:
                 continue  # a local directory there is unreadable: the local resume decides
@@ -405,7 +406,7 @@ class RemoteTier:
             self._drop_parts(plan["local"])
 
     def _local(self) -> dict[int, Path]:
-        return {s: p for s, p, _ in step_dirs(self.root) if (p / naming.COMMIT_MARKER).exists()}
+        return committed_steps(self.root)
 
     def _claim(self) -> None:
         """Before writing remotely: take the remote root (the first time), or raise if
@@ -481,14 +482,8 @@ class RemoteTier:
         if step not in self._records:
             created, metrics = 0.0, {}
             with contextlib.suppress(CheckpointError, ValueError):
-                _, manifest = self.store.manifest(step)
-                meta = manifest.get("metadata")
-                record = record_of(meta) if isinstance(meta, dict) else {}
-                raw = record.get("metrics")
-                if isinstance(raw, dict):
-                    metrics = {str(k): float(v) for k, v in raw.items()}
-                value = manifest.get("created")
-                created = float(value) if isinstance(value, int | float) else 0.0
+                head = header_of(self.store.manifest(step)[1])
+                created, metrics = head.created or 0.0, dict(head.record.metrics)
             self._records[step] = CheckpointRecord(step, created, metrics)
         return self._records[step]
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from functional_ckpt._src.storage import durable
 from functional_ckpt.errors import (
     CheckpointError,
     RemoteAccessDenied,
@@ -135,11 +135,11 @@ class Worker:
 
 
 def write_status(root: Path, doc: dict[str, Any]) -> None:
-    """Replace ``root/.remote.json`` atomically (best effort: it is only a report)."""
-    tmp = root / f"{STATUS_FILE}.tmp-{os.getpid()}"
+    """Replace ``root/.remote.json`` durably (best effort: it is only a report)."""
     with contextlib.suppress(OSError):
-        tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
-        os.replace(tmp, root / STATUS_FILE)
+        durable.replace_durably(
+            root / STATUS_FILE, json.dumps(doc, indent=1, sort_keys=True).encode()
+        )
 
 
 def read_status(root: Path) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from functional_ckpt._src.distributed.topology import has_dtensor, topology
-from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.restore.backends import (
     ManifestBackend,
@@ -41,15 +41,10 @@ State = TensorDictBase | Mapping[str, Any]
 def is_stock_dcp(path: Path) -> bool:
     """A directory written by stock ``torch.distributed.checkpoint`` (no manifest).
 
-    Decided from directory entries alone (nothing is opened).
+    Decided from directory entries alone (nothing is opened). A reader follows a
+    link the caller named as the checkpoint's path; nothing inside it is followed.
     """
-    return (
-        path.is_dir()
-        and not os.path.lexists(path / naming.COMMIT_MARKER)
-        and not os.path.lexists(path / naming.MANIFEST)
-        and os.path.lexists(path / naming.DCP_METADATA)
-        and not naming.is_temporary_name(path.name)
-    )
+    return classify(Path(os.path.realpath(path))) is Kind.STOCK_DCP
 
 
 def read_backend(path: Path, template: TensorDictBase | None) -> ReadBackend:

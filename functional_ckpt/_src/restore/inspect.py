@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from functional_ckpt._src.format.header import header_of
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.restore.api import is_stock_dcp
@@ -87,12 +88,11 @@ def inspect(path: PathLike) -> CheckpointSummary:
             insert(tree, p, TensorSpec(e.dtype, e.shape, e.nbytes))
     raw = parsed.raw
     shared, added = sharing(src, raw.get("files"))
-    created = raw.get("created")  # a time only if it is a number (re-signed manifests lie)
-    number = isinstance(created, float | int) and not isinstance(created, bool)
+    head = header_of(raw)  # re-signed manifests lie: only sane values count
     return CheckpointSummary(
         path=src,
-        format_version=raw.get("version"),
-        created=created if number else None,
+        format_version=head.version,
+        created=head.created,
         metadata=raw.get("metadata"),
         tree=tree,
         num_tensors=len(parsed.tensors),

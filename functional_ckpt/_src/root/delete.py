@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.kind import classify, holds_only_its_own
 from functional_ckpt._src.format.naming import (
     QUARANTINE_INFIX,
 )
@@ -78,10 +79,10 @@ def remove_checkpoint(path: str | os.PathLike[str], *, missing_ok: bool = False)
         if missing_ok:
             return
         raise CheckpointNotFound(f"{path}: no such checkpoint to remove")
-    ours = path.is_dir() and not path.is_symlink() and commit.checkpoint_like(path)
-    if not ours or not os.listdir(path):
+    found = classify(path)
+    if found not in commit.CHECKPOINTS or not holds_only_its_own(path, found):
         raise CheckpointError(
-            f"{path}: not a checkpoint directory (only a directory holding a checkpoint's "
-            "files is removed); left intact"
+            f"{path}: not a checkpoint directory but {found.value} (only a directory holding "
+            "a checkpoint's files, and nothing else, is removed); left intact"
         )
     remove_all(delete(path.parent, [path]))

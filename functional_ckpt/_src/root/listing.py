@@ -8,15 +8,16 @@ once it is committed, and is summarised from its manifest alone.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.header import header_of
+from functional_ckpt._src.format.kind import Kind, classify, is_committed
 from functional_ckpt._src.format.naming import (
     QUARANTINE_INFIX,
     parse_step,
@@ -31,12 +32,6 @@ from functional_ckpt.errors import (
     IncompleteCheckpoint,
     UnsafeCheckpoint,
 )
-
-#: Reserved metadata key holding the manager's own record of each checkpoint.
-MANAGER_KEY = "manager"
-
-#: Largest time accepted as a save time (year 9999): anything else is shown as unknown.
-_MAX_TIME = 253_402_300_799.0
 
 
 @dataclass(frozen=True)
@@ -59,56 +54,22 @@ class StepInfo:
     metadata: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
 
-def _time(value: Any) -> float | None:
-    """A manifest's ``created`` as a usable time, or None (NaN, 1e300, a string...)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    try:
-        t = float(value)
-    except OverflowError:
-        return None
-    return t if math.isfinite(t) and 0.0 <= t <= _MAX_TIME else None
-
-
-def _metrics(value: Any) -> dict[str, float]:
-    """The numeric ``str -> number`` part of a recorded metrics mapping; anything else drops."""
-    if not isinstance(value, dict):
-        return {}
-    out: dict[str, float] = {}
-    for k, v in value.items():
-        if isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool):
-            with contextlib.suppress(OverflowError):
-                out[k] = float(v)
-    return out
-
-
-def record_of(meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The manager's record in a checkpoint's metadata; empty if there is none."""
-    record = meta.get(MANAGER_KEY)
-    return record if isinstance(record, dict) else {}
-
-
 def read_info(path: Path, step: int) -> StepInfo:
     """The summary of one committed checkpoint; raises only if its manifest is unreadable.
 
     Whatever the manifest holds (a manager's record or odd user metadata), the
     summary is well formed: fields of the wrong type are left out, never fatal.
     """
-    manifest = checkpoint.read_manifest(path)
-    meta = manifest.get("metadata")
-    meta = meta if isinstance(meta, dict) else {}
-    record = record_of(meta)
-    epoch = record.get("epoch")
-    created = _time(manifest.get("created"))
+    head = header_of(checkpoint.read_manifest(path))
     return StepInfo(
         step=step,
         path=path,
-        time=0.0 if created is None else created,
-        metrics=_metrics(record.get("metrics")),
-        epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
-        is_final=record.get("is_final") is True,
+        time=0.0 if head.created is None else head.created,
+        metrics=head.record.metrics,
+        epoch=head.record.epoch,
+        is_final=head.record.is_final,
         size=dir_size(path),
-        metadata=meta,
+        metadata=head.metadata,
     )
 
 
@@ -206,44 +167,43 @@ def _committed_entry(path: Path) -> Entry:
             size=dir_size(path),
             detail=_one_line(err),
         )
-    meta = manifest.get("metadata")
-    meta = dict(meta) if isinstance(meta, dict) else {}
-    recorded = record_of(meta).get("step")
+    head = header_of(manifest)
     step = step_in_name(name)
-    if step is None and isinstance(recorded, int) and not isinstance(recorded, bool):
-        step = recorded
+    if step is None:
+        step = head.record.step
     return Entry(
         name,
         path,
         step,
         "ok",
         canonical=canonical,
-        time=_time(manifest.get("created")),
+        time=head.created,
         size=dir_size(path),
-        metrics=_metrics(record_of(meta).get("metrics")),
-        metadata=meta,
+        metrics=dict(head.record.metrics),
+        metadata=dict(head.metadata),
     )
 
 
-def classify(path: Path) -> Entry | None:
+def entry_of(path: Path) -> Entry | None:
     """The entry for one directory of a root, or None if it is not checkpoint-related."""
-    name = path.name
-    if path.is_symlink() or not path.is_dir():
-        return None
-    step = step_in_name(name)
-    aside = {
-        QUARANTINE_INFIX: ("quarantined", "found unreadable by a manager and moved aside"),
-        naming.TRASH_INFIX: ("deleting", "a deletion in progress (or interrupted)"),
-        naming.TMP_INFIX: ("uncommitted", "a save in progress, or one a crash interrupted"),
-    }
-    for infix, (status, detail) in aside.items():
-        if infix in name:
-            if infix != QUARANTINE_INFIX and _committed(path):
-                detail = "complete (committed): the next writer recovers it, never deletes it"
-            return Entry(name, path, step, status, size=dir_size(path), detail=detail)
-    if (path / naming.COMMIT_MARKER).exists():
+    kind = classify(path)
+    name, step = path.name, step_in_name(path.name)
+    if kind is Kind.QUARANTINED:
+        detail = "found unreadable by a manager and moved aside"
+        return Entry(name, path, step, "quarantined", size=dir_size(path), detail=detail)
+    if kind is Kind.TEMPORARY:
+        deleting = naming.TRASH_INFIX in name
+        status = "deleting" if deleting else "uncommitted"
+        if _committed(path):
+            detail = "complete (committed): the next writer recovers it, never deletes it"
+        elif deleting:
+            detail = "a deletion in progress (or interrupted)"
+        else:
+            detail = "a save in progress, or one a crash interrupted"
+        return Entry(name, path, step, status, size=dir_size(path), detail=detail)
+    if kind is Kind.COMMITTED:
         return _committed_entry(path)
-    if (path / naming.MANIFEST).exists():
+    if kind is Kind.UNCOMMITTED:
         return Entry(
             name,
             path,
@@ -253,15 +213,8 @@ def classify(path: Path) -> Entry | None:
             size=dir_size(path),
             detail="never committed: the COMMITTED marker is missing",
         )
-    if (path / naming.DCP_METADATA).exists():
-        return Entry(
-            name,
-            path,
-            step,
-            "foreign",
-            size=dir_size(path),
-            detail="a stock torch.distributed.checkpoint directory",
-        )
+    if kind is Kind.STOCK_DCP:
+        return Entry(name, path, step, "foreign", size=dir_size(path), detail=kind.value)
     return None
 
 
@@ -273,7 +226,7 @@ def scan(root: Path) -> list[Entry]:
         raise CheckpointNotFound(f"{root}: no such directory") from None
     except NotADirectoryError:
         raise CheckpointNotFound(f"{root}: not a directory") from None
-    entries = [e for n in names if (e := classify(root / n)) is not None]
+    entries = [e for n in names if (e := entry_of(root / n)) is not None]
     entries.sort(key=lambda e: (e.step if e.step is not None else -1, e.name))
     return entries
 
@@ -290,6 +243,31 @@ def step_dirs(root: Path) -> Iterator[tuple[int, Path, int]]:
         step = parse_step(entry.name)
         if step is not None and entry.is_dir(follow_symlinks=False):
             yield step, Path(entry.path), entry.inode()
+
+
+def committed_steps(root: Path, exclude: Container[tuple[int, int]] = ()) -> dict[int, Path]:
+    """Every committed checkpoint of ``root`` by step, ascending: the canonical ``step_N``
+    directories that carry a marker, less the ``(step, inode)`` pairs in ``exclude``.
+
+    This is what "the checkpoints of a root" means to every reader (the manager, the
+    remote tier, the command line); its last one is the newest committed checkpoint.
+    """
+    found = {s: p for s, p, inode in step_dirs(root) if (s, inode) not in exclude}
+    return {s: found[s] for s in sorted(found) if is_committed(found[s])}
+
+
+def newest_summary(root: Path) -> StepInfo | None:
+    """The newest committed checkpoint of ``root`` whose manifest reads; None if none does.
+
+    What a job resuming from ``root`` would find, short of reading its tensors (which
+    only a resume does, moving damage aside: :mod:`.resume`).
+    """
+    for step, path in reversed(committed_steps(root).items()):
+        try:
+            return read_info(path, step)
+        except (CheckpointError, OSError):
+            continue
+    return None
 
 
 def quarantined(root: Path) -> list[str]:
@@ -368,5 +346,5 @@ def _committed(path: Path) -> bool:
 
 def _created(path: Path) -> float:
     manifest = _leftover_manifest(path)
-    t = None if manifest is None else _time(manifest.get("created"))
+    t = None if manifest is None else header_of(manifest).created
     return -math.inf if t is None else t

@@ -28,7 +28,8 @@ from typing import Any, Literal
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
-from functional_ckpt._src.format.naming import EXPORTS_DIR, parse_step, step_name
+from functional_ckpt._src.format.kind import is_committed
+from functional_ckpt._src.format.naming import BRANCHES_DIR, EXPORTS_DIR, parse_step, step_name
 from functional_ckpt._src.storage import commit, durable
 from functional_ckpt.errors import CheckpointError, CheckpointExists
 
@@ -46,8 +47,6 @@ __all__ = [
 
 #: The durable record of a rollback in progress.
 INTENT_FILE = ".rollback"
-#: Where newer checkpoints kept aside by rollbacks live, one root per branch.
-BRANCHES_DIR = "branches"
 _BRANCH_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 
 Newer = Literal["branch", "delete"]
@@ -161,10 +160,7 @@ def begin(root: Path, plan: Plan) -> None:
     intent = root / INTENT_FILE
     if intent.exists():
         raise CheckpointError(f"{intent}: a rollback is already in progress; reopen the manager")
-    tmp = durable.tmp_sibling(intent)
-    durable.write_file_durably(tmp, plan.encode())
-    os.rename(tmp, intent)
-    durable.fsync_dir(root)
+    durable.replace_durably(intent, plan.encode())
 
 
 def finish(root: Path) -> Plan | None:
@@ -238,8 +234,6 @@ def branches(root: Path) -> dict[str, list[int]]:
         path = parent / name
         if not path.is_dir() or _BRANCH_RE.fullmatch(name) is None:
             continue
-        steps = (
-            parse_step(n) for n in os.listdir(path) if (path / n / naming.COMMIT_MARKER).exists()
-        )
+        steps = (parse_step(n) for n in os.listdir(path) if is_committed(path / n))
         out[name] = sorted(s for s in steps if s is not None)
     return out

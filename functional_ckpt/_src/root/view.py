@@ -8,11 +8,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from functional_ckpt._src.format import naming
-from functional_ckpt._src.format.naming import step_name
+from functional_ckpt._src.format.naming import BRANCHES_DIR, step_name
 from functional_ckpt._src.policy.retention import best_steps
 from functional_ckpt._src.root import rollback
-from functional_ckpt._src.root.listing import StepInfo, Summaries, step_dirs
+from functional_ckpt._src.root.listing import StepInfo, Summaries, committed_steps, step_dirs
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
 __all__ = ["RootView"]
@@ -39,7 +38,7 @@ class RootView:
 
     def steps(self) -> list[int]:
         """Steps of the committed checkpoints, ascending (half-written ones never appear)."""
-        return sorted(s for s, p in self._step_dirs() if (p / naming.COMMIT_MARKER).exists())
+        return list(committed_steps(self.root, exclude=self._bad))
 
     def latest_step(self) -> int | None:
         """The newest committed step, excluding any this manager found unreadable."""
@@ -92,4 +91,4 @@ class RootView:
 
     def branch_root(self, name: str) -> Path:
         """Where branch ``name`` lives (a root of its own)."""
-        return self.root / rollback.BRANCHES_DIR / rollback.check_branch_name(name)
+        return self.root / BRANCHES_DIR / rollback.check_branch_name(name)

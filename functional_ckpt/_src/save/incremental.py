@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import errno
 import os
-import re
 import stat
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -38,7 +37,7 @@ from functional_ckpt._src.format.blobs import byte_view
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import Chunk
-from functional_ckpt._src.format.naming import shard_name
+from functional_ckpt._src.format.naming import parse_shard, shard_name
 from functional_ckpt._src.format.view import parse_checkpoint
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.save import local
@@ -55,9 +54,6 @@ from functional_ckpt.errors import CheckpointError
 #: bytes alive.
 MIN_LIVE = 0.5
 
-#: Data files reused from an earlier checkpoint: ``__<rank>_<n>.distcp`` with n >= 1
-#: (a save writes its own bytes to ``__<rank>_0.distcp``).
-_REUSED_NAME = re.compile(r"__\d+_[1-9]\d*\.distcp")
 
 #: errnos for which a hard link cannot work here, and a copy is made instead.
 _NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES}
@@ -256,7 +252,7 @@ def place(
     for n, (name, live) in enumerate(sorted(used.items()), start=1):
         size = base.sizes.get(name, 0)
         if size and live >= MIN_LIVE * base.tensor_bytes.get(name, size):
-            new = f"__{rank}_{n}.distcp"
+            new = shard_name(rank, n)
             if _bring(base, name, size, tmp / new, syncing):
                 names[name] = new
     return [
@@ -338,7 +334,8 @@ def reused_info(directory: Path) -> dict[str, dict[str, Any]]:
     whose bytes this save wrote."""
     out: dict[str, dict[str, Any]] = {}
     for n in os.listdir(directory):
-        if _REUSED_NAME.fullmatch(n):
+        shard = parse_shard(n)
+        if shard is not None and shard[1] >= 1:  # files a save reuses from a base: n >= 1
             out[n] = {"reused": True}
             if os.stat(directory / n, follow_symlinks=False).st_nlink == 1:
                 out[n]["copied"] = True

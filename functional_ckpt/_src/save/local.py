@@ -83,25 +83,23 @@ def finalize(
         for name, size in sorted((elsewhere or {}).items()):
             files.setdefault(name, {"size": size})
         manifest_bytes = manifest.encode()
-        durable.write_file_durably(tmp / naming.MANIFEST, manifest_bytes)
+        durable.write_new(tmp / naming.MANIFEST, manifest_bytes)
     finally:
         for fut in syncing:  # every file durable (or its error raised) before going on
             fut.result()
     if before_commit is not None:
         before_commit()
     commit.write_commit_marker(tmp, manifest_bytes)
-    commit.commit_checkpoint(tmp, dest, overwrite=overwrite, replaceable=commit.check_replaceable)
+    commit.commit_checkpoint(tmp, dest, overwrite=overwrite)
     total = sum(f["size"] for f in files.values()) + len(manifest_bytes)
     return total, len(manifest_bytes)
 
 
 def _write_file(path: Path, data: bytes, syncing: list[Future[None]]) -> None:
     """Write a new file whole; its fsync runs in the background (appended to ``syncing``)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = durable.open_new(path)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        durable.write_all(fd, data)
     except BaseException:
         os.close(fd)
         raise

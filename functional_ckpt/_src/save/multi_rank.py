@@ -237,7 +237,7 @@ def save_planned(
         raise _unwrap(e, f"save {dest}") from e
     if own:  # this rank's part of a checkpoint committed on the coordinator's file system
         try:
-            commit.commit_checkpoint(tmp, dest, overwrite=True, replaceable=replaceable_part)
+            commit.commit_checkpoint(tmp, dest, overwrite=True, replaces=commit.PARTS)
         except OSError as e:
             commit.remove_tree(tmp)
             raise os_error(e, dest) from e
@@ -273,24 +273,6 @@ def allow_parts(root: Path, allowed: bool = True) -> None:
         _PART_ROOTS.add(key)
     else:
         _PART_ROOTS.discard(key)
-
-
-def replaceable_part(path: Path) -> None:
-    """Refuse to replace ``path`` unless it is a checkpoint or a rank's part of one.
-
-    A part holds only shard files (``*.distcp``, regular files): the rank's own
-    files of a checkpoint, superseded by a newer save or a download of that step.
-    """
-    try:
-        names = os.listdir(path)
-    except OSError:
-        names = ["?"]
-    if names and all(
-        n.endswith(".distcp") and os.path.isfile(path / n) and not os.path.islink(path / n)
-        for n in names
-    ):
-        return
-    commit.check_replaceable(path)
 
 
 def _own_part(tmp: Path) -> bool:

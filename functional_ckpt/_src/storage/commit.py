@@ -15,22 +15,19 @@ import ctypes.util
 import errno
 import os
 import shutil
-import stat
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.format.checksum import crc32
+from functional_ckpt._src.format.kind import Kind, classify, holds_only_its_own
 from functional_ckpt._src.format.naming import (
     COMMIT_MARKER,
-    DCP_METADATA,
     FORMAT_NAME,
     FORMAT_VERSION,
-    MANIFEST,
     TRASH_INFIX,
 )
-from functional_ckpt._src.storage.durable import fsync_dir, tmp_sibling, write_file_durably
+from functional_ckpt._src.storage.durable import fsync_dir, tmp_sibling, write_new
 from functional_ckpt.errors import (
     CheckpointExists,
 )
@@ -79,7 +76,7 @@ def write_commit_marker(tmp: Path, manifest_bytes: bytes) -> None:
             "manifest_crc32": crc32(manifest_bytes),
         }
     )
-    write_file_durably(tmp / COMMIT_MARKER, marker)
+    write_new(tmp / COMMIT_MARKER, marker)
 
 
 def remove_tree(path: Path) -> None:
@@ -92,20 +89,35 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+#: What a checkpoint save may replace (beside an empty directory).
+CHECKPOINTS = frozenset({Kind.COMMITTED, Kind.UNCOMMITTED, Kind.STOCK_DCP})
+#: What an export may replace.
+EXPORTS = frozenset({Kind.EXPORT})
+#: What a rank's part of a split checkpoint may replace: a part, or a checkpoint.
+PARTS = CHECKPOINTS | {Kind.PART}
+
+_NOUN = {
+    CHECKPOINTS: "a checkpoint directory",
+    EXPORTS: "a safetensors export",
+    PARTS: "a checkpoint directory or a rank's part of one",
+}
+
+
 def commit_checkpoint(
     tmp: Path,
     final: Path,
     *,
     overwrite: bool,
-    replaceable: Callable[[Path], None] | None = None,
+    replaces: frozenset[Kind] = CHECKPOINTS,
 ) -> None:
     """Make a fully written ``tmp`` directory visible as ``final``, atomically.
 
     With ``overwrite`` an existing ``final`` stays readable until the new one has
     taken its place (an atomic exchange where the OS offers it; otherwise the old
     one is moved aside for the shortest possible moment and put back on failure).
-    ``replaceable(final)`` raises if what is there may not be replaced (checked
-    again here, right before the exchange).
+    Only a directory of ``replaces`` holding nothing but its own files (or an
+    empty one) is ever replaced (:func:`check_replaceable`, checked again here,
+    right before the exchange).
     """
     fsync_dir(tmp)
     parent = final.parent
@@ -114,10 +126,7 @@ def commit_checkpoint(
             raise CheckpointExists(
                 f"{final}: a checkpoint already exists here; pass overwrite=True to replace it"
             )
-        if replaceable is not None:
-            replaceable(final)
-        elif not final.is_dir() or final.is_symlink():
-            raise CheckpointExists(f"{final}: exists and is not a checkpoint directory")
+        check_replaceable(final, replaces)
         if _exchange(tmp, final):
             fsync_dir(parent)
             remove_tree(tmp)  # tmp now holds the old checkpoint
@@ -136,38 +145,20 @@ def commit_checkpoint(
     fsync_dir(parent)
 
 
-def checkpoint_like(path: Path) -> bool:
-    """Is the directory ``path`` something a checkpoint save may replace?
-
-    A committed checkpoint of this format, an uncommitted one (only our files), a
-    stock DCP checkpoint (``.metadata`` and ``*.distcp`` files only), or nothing.
-    A directory holding anything else (a manager root, a source tree) is not.
-    """
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return False
-    ours = {COMMIT_MARKER, MANIFEST, DCP_METADATA}
-    for name in names:
-        if name in ours or (name.endswith(".distcp") and "/" not in name):
-            try:
-                st = os.lstat(path / name)
-            except OSError:
-                return False
-            if not stat.S_ISREG(st.st_mode):
-                return False
-            continue
-        return False
-    return not names or DCP_METADATA in names or MANIFEST in names
-
-
-def check_replaceable(path: Path) -> None:
-    """Refuse to replace anything at ``path`` but a checkpoint or an empty directory."""
-    if path.is_symlink() or not path.is_dir():
-        raise CheckpointExists(f"{path}: exists and is not a checkpoint directory; left intact")
-    if not checkpoint_like(path):
-        raise CheckpointExists(
-            f"{path}: exists and is not a checkpoint (it holds other files, e.g. a "
-            "checkpoint root or a source tree); overwrite=True replaces only a checkpoint or "
-            "an empty directory, so it was left intact: choose another path or remove it"
-        )
+def check_replaceable(path: Path, kinds: frozenset[Kind] = CHECKPOINTS) -> None:
+    """Refuse to replace ``path`` unless it is one of ``kinds`` holding only its own files,
+    or an empty directory (the one check every writer that replaces a directory makes)."""
+    kind = classify(path)
+    if kind is Kind.EMPTY or (kind in kinds and holds_only_its_own(path, kind)):
+        return
+    noun = _NOUN.get(kinds, "one of " + ", ".join(sorted(k.value for k in kinds)))
+    if kind in kinds:
+        found = f"{kind.value} holding other files too"
+    elif kind is Kind.OTHER:
+        found = f"not {noun}: it holds other files (a root of checkpoints? a source tree?)"
+    else:
+        found = f"not {noun} but {kind.value}"
+    raise CheckpointExists(
+        f"{path}: exists and is {found}; only {noun} (or an empty directory) is replaced "
+        "with overwrite=True, so it was left intact: choose another path or remove it"
+    )

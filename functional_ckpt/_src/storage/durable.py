@@ -1,20 +1,26 @@
 """Durable file primitives: every byte written, fsynced, renamed into place.
 
-Every writer of the project (checkpoints, recordings, rollback plans, state files
-of the tiers) writes through these, so "durable" means the same everywhere: a new
-file is written whole and fsynced at its final size; a replacement is written as
-a temporary sibling and renamed over the old one; every new directory entry is
-made durable by an fsync of its directory.
+Every writer of the project (checkpoints, exports, recordings, rollback plans, the
+state files of the tiers) writes through these, so "durable" means the same
+everywhere: a new file is written whole and fsynced at its final size
+(:func:`write_new`); a replacement is written as a temporary sibling and renamed
+over the old one, and the rename is made durable by an fsync of the directory
+(:func:`replace_durably`); every new directory is durable in its parent
+(:func:`make_dirs`). Nothing here follows a link where the file it writes is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import uuid
 from pathlib import Path
 
 from functional_ckpt._src.format.naming import TMP_INFIX
+
+#: Flags of every new file: created here, never an existing one, never through a link.
+NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def tmp_sibling(path: Path, infix: str = TMP_INFIX) -> Path:
@@ -23,6 +29,7 @@ def tmp_sibling(path: Path, infix: str = TMP_INFIX) -> Path:
 
 
 def fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` (new files, renames) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -30,17 +37,47 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file_durably(path: Path, data: bytes) -> None:
-    """Write a whole small file and fsync it; refuses to overwrite."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+def write_all(fd: int, data: memoryview | bytes | bytearray) -> None:
+    """Write every byte of ``data`` to ``fd`` (``os.write`` may write fewer)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def open_new(path: Path) -> int:
+    """A new file at ``path`` for writing; refuses an existing file or a link there."""
+    return os.open(path, NEW_FILE, 0o644)
+
+
+def write_new(path: Path, data: bytes, *, sync: bool = True) -> None:
+    """Write a whole new file and (``sync``) fsync it; refuses to overwrite anything."""
+    fd = open_new(path)
     try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
+        write_all(fd, data)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_durably(path: Path, data: bytes, *, sync: bool = True) -> None:
+    """Replace the file at ``path`` with ``data``, atomically: a reader sees the old
+    bytes or the new ones, never a mix, and (``sync``) a crash keeps one of them.
+
+    The bytes go to a temporary sibling first; the rename over ``path`` replaces a
+    link there by the new file, never writing through it.
+    """
+    tmp = tmp_sibling(path)
+    try:
+        write_new(tmp, data, sync=sync)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if sync:
+        fsync_dir(path.parent)
 
 
 def make_dirs(path: Path) -> None:
@@ -62,10 +99,3 @@ def make_dirs(path: Path) -> None:
                 raise
             continue
         fsync_dir(d.parent)
-
-
-def write_all(fd: int, data: memoryview | bytes | bytearray) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]

@@ -1,0 +1,140 @@
+"""What a path is, decided in one place: a checkpoint, a part of one, an export, a root...
+
+Every operation that reads, lists, replaces, deletes or writes into a directory asks
+:func:`classify` first, so they all agree on what they hold: the listing of a root, the
+command line, a save that would replace a directory, a manager refusing a root that is
+itself a checkpoint. The decision reads directory entries only (``lstat``, never a
+file's bytes, never following a link): a directory *claims* to be committed when it has
+an entry named ``COMMITTED``; whether the claim holds is for the reader that opens it.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import stat
+from pathlib import Path
+
+from functional_ckpt._src.format.naming import (
+    COMMIT_MARKER,
+    DCP_METADATA,
+    EXPORT_INDEX,
+    EXPORT_WEIGHTS,
+    MANIFEST,
+    QUARANTINE_INFIX,
+    RECORDING_HEADER,
+    is_shard_file,
+    is_temporary_name,
+)
+
+
+class Kind(enum.Enum):
+    """What :func:`classify` found at a path."""
+
+    MISSING = "nothing"
+    LINK = "a symbolic link"
+    NOT_A_DIRECTORY = "a file, not a directory"
+    TEMPORARY = "a save or deletion in progress (or one a crash interrupted)"
+    QUARANTINED = "a checkpoint found damaged and moved aside"
+    COMMITTED = "a checkpoint"
+    UNCOMMITTED = "a checkpoint that was never committed"
+    STOCK_DCP = "a stock torch.distributed.checkpoint directory"
+    PART = "one rank's part of a checkpoint (shard files only)"
+    EXPORT = "a safetensors export"
+    RECORDING = "a recording"
+    EMPTY = "an empty directory"
+    OTHER = "a directory"
+
+    @property
+    def checkpoint(self) -> bool:
+        """One checkpoint (of any kind, committed or not): nothing to nest others in."""
+        return self in _ONE_CHECKPOINT
+
+
+_ONE_CHECKPOINT = frozenset(
+    {Kind.COMMITTED, Kind.UNCOMMITTED, Kind.STOCK_DCP, Kind.PART, Kind.EXPORT, Kind.RECORDING}
+)
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _entries(path: Path) -> dict[str, bool]:
+    """Each entry's name, and whether it is a regular file (links are not followed)."""
+    try:
+        with os.scandir(path) as it:
+            return {e.name: e.is_file(follow_symlinks=False) for e in it}
+    except OSError:
+        return {}
+
+
+def _directory_kind(path: Path, by_name: bool = True) -> Kind | None:
+    """The kind of ``path`` decided before its entries are read, if that decides it."""
+    st = _lstat(path)
+    if st is None:
+        return Kind.MISSING
+    if stat.S_ISLNK(st.st_mode):
+        return Kind.LINK
+    if not stat.S_ISDIR(st.st_mode):
+        return Kind.NOT_A_DIRECTORY
+    if by_name and QUARANTINE_INFIX in path.name:
+        return Kind.QUARANTINED
+    if by_name and is_temporary_name(path.name):
+        return Kind.TEMPORARY
+    return None
+
+
+def classify(path: Path, *, by_name: bool = True) -> Kind:
+    """What ``path`` is (see :class:`Kind`), from directory entries alone.
+
+    ``by_name=False`` looks past a temporary or quarantined name at what the
+    directory holds (a killed save's ``step_N.tmp-…`` holds a checkpoint's files).
+    """
+    early = _directory_kind(path, by_name)
+    if early is not None:
+        return early
+    names = _entries(path)
+    if not names:
+        return Kind.EMPTY
+    if COMMIT_MARKER in names:
+        return Kind.COMMITTED
+    if MANIFEST in names:
+        return Kind.UNCOMMITTED
+    if DCP_METADATA in names:
+        return Kind.STOCK_DCP
+    if RECORDING_HEADER in names:
+        return Kind.RECORDING
+    if EXPORT_WEIGHTS in names or EXPORT_INDEX in names:
+        return Kind.EXPORT
+    if all(is_shard_file(n) for n in names):
+        return Kind.PART
+    return Kind.OTHER
+
+
+def is_committed(path: Path) -> bool:
+    """``classify(path) is Kind.COMMITTED``, with one ``lstat`` more instead of a listing."""
+    return _directory_kind(path) is None and _lstat(path / COMMIT_MARKER) is not None
+
+
+def _member(kind: Kind, name: str, regular: bool) -> bool:
+    """Whether an entry belongs to a directory of ``kind`` (what replacing it may drop)."""
+    if not regular:
+        return False  # a link or a directory inside is never ours to drop
+    if kind in (Kind.COMMITTED, Kind.UNCOMMITTED):
+        return name in (COMMIT_MARKER, MANIFEST, DCP_METADATA) or is_shard_file(name)
+    if kind in (Kind.STOCK_DCP, Kind.PART):
+        return name == DCP_METADATA or is_shard_file(name)
+    return kind is Kind.EXPORT  # an export's side files (config, tokenizer) are plain files
+
+
+def holds_only_its_own(path: Path, kind: Kind) -> bool:
+    """Whether every entry of the directory ``path`` (of ``kind``) is one of its own files.
+
+    Replacing such a directory loses nothing but the thing it is; anything else in it
+    (a notes file, a subdirectory, a link) means it is more than that, and is kept.
+    """
+    return all(_member(kind, n, regular) for n, regular in _entries(path).items())
