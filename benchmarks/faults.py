@@ -70,9 +70,8 @@ import functional_ckpt as fc
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import QUARANTINE_INFIX, parse_step, step_name
-from functional_ckpt._src.root.listing import is_damage
 from functional_ckpt._src.storage import commit, durable
-from functional_ckpt.errors import LeftoverWarning
+from functional_ckpt.errors import LeftoverWarning, is_damage
 
 # --------------------------------------------------------------------------- results
 
@@ -1315,13 +1314,8 @@ def scenario_durability(scale: Scale, base: Path, seed: int) -> Result:
 
 
 def _commit_like_coordinator(dest: Path) -> None:
-    """The distributed coordinator's commit (local.finalize), without a process group."""
-    from functional_ckpt._src.save import local
-    from functional_ckpt._src.save.plan import host_copy, plan_save
-
-    plan = plan_save(make_state(2, big=1, small=4))
-    tensors = [host_copy(t) for t in plan.sources]
-    local.write_local(dest, plan, tensors, metadata={}, overwrite=False)
+    """The commit the distributed coordinator makes too (``local.finalize``), in one process."""
+    fc.save(dest, make_state(2, big=1, small=4))
 
 
 _SPECIAL_KINDS = ("fifo", "directory", "symlink", "device")

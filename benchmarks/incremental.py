@@ -125,7 +125,7 @@ def one_rep(
     step(trained)
     frozen = save(FROZEN, "frozen", chained)
     step(trained)
-    trust._SEEN.clear()  # as if the base had been written by another process
+    trust.PROCESS_TRUST.clear()  # as if the base had been written by another process
     cold = save(FROZEN_COLD, "cold", frozen)
     step(list(state))
     # The same bytes, saved in full and on top of ``cold`` (whose counters are

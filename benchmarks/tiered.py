@@ -159,7 +159,9 @@ def train_stall(
     stall = 0.0
     kwargs: dict[str, Any] = {}
     if remote is not None:
-        kwargs = {"remote": remote, "storage_options": options, "remote_keep": fc.keep_last(2)}
+        kwargs = {
+            "remote": fc.manager.Remote(remote, keep=fc.keep_last(2), storage_options=options)
+        }
     mgr = fc.CheckpointManager(
         root, save=fc.every_steps(10), keep=fc.keep_last(2), async_save=True, **kwargs
     )
@@ -217,7 +219,9 @@ def run(args: argparse.Namespace, workdir: Path, endpoint: str) -> dict[str, lis
         def fc_restore() -> float:
             """Seconds of ``restore_latest`` (opening the manager is not counted)."""
             root = workdir / f"fresh-{uuid.uuid4().hex[:6]}"
-            with fc.CheckpointManager(root, remote=remote_root, storage_options=options) as mgr:
+            with fc.CheckpointManager(
+                root, remote=fc.manager.Remote(remote_root, storage_options=options)
+            ) as mgr:
                 mgr.remote.wait()  # the upload round every open starts: nothing to send
                 settle()
                 t0 = time.perf_counter()

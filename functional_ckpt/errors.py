@@ -96,12 +96,34 @@ class RemoteWarning(CheckpointWarning):
     """A background upload failed (the local checkpoint is intact; training goes on)."""
 
 
+#: What a checkpoint's own bytes can raise: only these say it is damaged (and only damage
+#: moves a checkpoint aside; a bad template or argument is the caller's error).
+DAMAGE: tuple[type[CheckpointError], ...] = (
+    CorruptCheckpoint,
+    UnsafeCheckpoint,
+    IncompleteCheckpoint,
+    CheckpointNotFound,
+)
+
+
+def is_damage(err: BaseException) -> bool:
+    """Is ``err`` about the checkpoint (skip it) rather than the caller (raise it)?
+
+    A bad template, an unsupported value in it or a bad argument is the caller's
+    error and says nothing about the checkpoint; an I/O error reading it does.
+    """
+    if isinstance(err, CheckpointError):
+        return isinstance(err, DAMAGE)
+    return isinstance(err, OSError)
+
+
 __all__ = [
     "CheckpointError",
     "CheckpointExists",
     "CheckpointNotFound",
     "CheckpointWarning",
     "CorruptCheckpoint",
+    "DAMAGE",
     "IncompleteCheckpoint",
     "LeftoverWarning",
     "ModifiedDuringSave",
@@ -119,4 +141,5 @@ __all__ = [
     "UnsafeCheckpoint",
     "UnsupportedValue",
     "UploadFailed",
+    "is_damage",
 ]

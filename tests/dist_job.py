@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import functional_ckpt as fc
 from functional_ckpt._src.format import naming
-from functional_ckpt._src.storage import checkpoint
+from functional_ckpt._src.storage import committed
 from tests.training import ShuffleLoader
 
 
@@ -199,7 +199,7 @@ def main() -> None:
         pending.result()
         dist.barrier()
         if rank == 0:
-            manifest = checkpoint.read_manifest(root / "b")
+            manifest = committed.read_manifest(root / "b")
             files = {c["file"] for e in manifest["entries"] for c in e.get("chunks", ())}
             written = {n for n in files if n.endswith("_0.distcp")}
             assert written == {f"__{world - 1}_0.distcp"}, written  # only its shard changed

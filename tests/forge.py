@@ -13,12 +13,12 @@ from typing import Any
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
-from functional_ckpt._src.storage import checkpoint, commit
+from functional_ckpt._src.storage import commit, committed
 
 
 def resign(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     """Apply ``edit`` to the decoded manifest of ``path``, write it back, re-sign the marker."""
-    manifest = checkpoint.read_manifest(path)
+    manifest = committed.read_manifest(path)
     edit(manifest)
     raw = codec.encode(manifest)
     (path / naming.MANIFEST).write_bytes(raw)

@@ -50,7 +50,9 @@ def main() -> None:
 
     def manager(name: str) -> fc.CheckpointManager:
         return fc.CheckpointManager(
-            base / f"{name}{rank}", keep=fc.keep_last(1), remote=remote, storage_options=options
+            base / f"{name}{rank}",
+            keep=fc.keep_last(1),
+            remote=fc.manager.Remote(remote, storage_options=options),
         )
 
     try:  # without a remote tier, a save needs one directory every rank sees

@@ -130,8 +130,8 @@ def test_manager_async_failure_surfaces_on_the_next_call(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(shards, "write_shard", disk_full)
     assert mgr.maybe_save(big_state(2), step=2)  # starts; fails in the background
-    assert mgr._pending is not None
-    mgr._pending.exception()  # let it finish
+    assert mgr._writes.pending is not None
+    mgr._writes.pending.exception()  # let it finish
     with pytest.raises(fc.CheckpointError, match="no space left"):
         mgr.maybe_save(big_state(2), step=3)
     monkeypatch.setattr(shards, "write_shard", real)
@@ -166,3 +166,17 @@ def test_manager_wait_staged_then_mutate(tmp_path: Path) -> None:
     back = fc.restore(tmp_path / "run" / "step_000000008")
     # values at step 8 were i + 7 (seven increments happened before the save at step 8)
     assert all(bool((back["w", f"t{i}"] == float(i + 7)).all()) for i in range(8))
+
+
+def test_an_async_save_holds_the_values_as_they_were_at_the_call(tmp_path: Path) -> None:
+    """Values are encoded when the save is started: a later in-place change is not saved."""
+    config = {"lr": [0.1, 0.2], "name": "a"}
+    stager = fc.checkpoint.Stager()
+    pending = fc.save_async(tmp_path / "ck", {"w": torch.ones(1 << 20), "config": config},
+                            stager=stager)  # fmt: skip
+    config["lr"].append(0.3)  # the loop goes on and changes its own dict
+    config["name"] = "b"
+    pending.result()
+    back = fc.to_python(fc.restore(tmp_path / "ck")["config"])
+    assert back == {"lr": [0.1, 0.2], "name": "a"}
+    assert fc.verify(tmp_path / "ck").ok

@@ -12,7 +12,7 @@ from tensordict import NonTensorData, TensorDict, tensorclass
 import functional_ckpt as fc
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
-from functional_ckpt._src.storage import checkpoint, commit, durable
+from functional_ckpt._src.storage import commit, committed, durable
 from tests.exact import assert_exact
 
 NUM_ENVS = 4
@@ -105,7 +105,7 @@ def test_inspect_shows_batch_sizes(tmp_path: Path) -> None:
 
 def _rewrite_manifest(path: Path, edit: Any) -> None:
     """Change a committed manifest and re-sign it (what an older writer produced)."""
-    manifest = checkpoint.read_manifest(path)
+    manifest = committed.read_manifest(path)
     edit(manifest)
     data = codec.encode(manifest, where="manifest")
     (path / naming.MANIFEST).unlink()
@@ -117,7 +117,7 @@ def _rewrite_manifest(path: Path, edit: Any) -> None:
 def test_manifest_without_batch_sizes_reads_as_unbatched(tmp_path: Path) -> None:
     state = fc.tree.from_python({"env": {"obs": torch.randn(NUM_ENVS, 3)}, "n": 1})
     fc.save(tmp_path / "ck", state)
-    manifest = checkpoint.read_manifest(tmp_path / "ck")
+    manifest = committed.read_manifest(tmp_path / "ck")
     assert all("batch_size" not in e for e in manifest["entries"]) and "root" not in manifest
 
     fc.save(tmp_path / "batched", env_state())

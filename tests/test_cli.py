@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 import functional_ckpt as fc
 from functional_ckpt._src import cli
 from functional_ckpt._src.cli import listing, ui
-from functional_ckpt._src.manager.manager import step_name
+from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.restore.diff import same_value, tensor_delta
 from functional_ckpt._src.restore.read import open_checkpoint
 from tests.forge import resign

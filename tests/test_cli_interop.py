@@ -20,8 +20,7 @@ from functional_ckpt._src.cli import listing, show
 from functional_ckpt._src.cli.main import build_parser
 from functional_ckpt._src.cli.ui import UI
 from functional_ckpt._src.export.safetensors import parse_size
-from functional_ckpt._src.format.naming import EXPORT_INDEX, EXPORT_WEIGHTS
-from functional_ckpt._src.manager.manager import step_name
+from functional_ckpt._src.format.naming import EXPORT_INDEX, EXPORT_WEIGHTS, step_name
 
 KEEP = fc.keep_last(2)
 

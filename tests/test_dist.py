@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt._src.storage import checkpoint
+from functional_ckpt._src.storage import committed
 from tests.exact import assert_exact
 
 JOB = Path(__file__).with_name("dist_job.py")
@@ -144,7 +144,7 @@ def test_a_rank_killed_during_save_commits_nothing(tmp_path: Path) -> None:
 
 def test_incremental_saves_across_ranks_share_each_ranks_unchanged_shards(tmp_path: Path) -> None:
     run_ok(2, "incremental", str(tmp_path))
-    manifest = checkpoint.read_manifest(tmp_path / "c")
+    manifest = committed.read_manifest(tmp_path / "c")
     files = manifest["files"]
     data = sorted({c["file"] for e in manifest["entries"] for c in e.get("chunks", ())})
     assert data and all(files[n].get("reused") for n in data), files  # c wrote no tensor

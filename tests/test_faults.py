@@ -34,7 +34,7 @@ import torch
 import functional_ckpt as fc
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
-from functional_ckpt._src.storage import checkpoint, commit, durable, shards
+from functional_ckpt._src.storage import commit, committed, durable, shards
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "faults.py"
@@ -408,7 +408,7 @@ def test_restore_racing_prune(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_restore_pruned_before_opening(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Pruned before its files could be opened: not found (never "corrupt")."""
-    original = checkpoint.open_members
+    original = committed.open_members
 
     def pruned_first(ck: Any, *args: Any) -> Any:
         aside = durable.tmp_sibling(ckpt, naming.TRASH_INFIX)
@@ -417,7 +417,7 @@ def test_restore_pruned_before_opening(ckpt: Path, monkeypatch: pytest.MonkeyPat
             commit.remove_tree(aside)
         return original(ck, *args)
 
-    monkeypatch.setattr(checkpoint, "open_members", pruned_first)
+    monkeypatch.setattr(committed, "open_members", pruned_first)
     with pytest.raises(fc.errors.CheckpointNotFound):
         fc.restore(ckpt)
 

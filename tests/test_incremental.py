@@ -28,7 +28,7 @@ from functional_ckpt._src.cli import ui
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.restore.read import open_checkpoint
 from functional_ckpt._src.save import incremental
-from functional_ckpt._src.storage import checkpoint, usage
+from functional_ckpt._src.storage import committed, usage
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,7 +48,7 @@ def make_state(seed: int = 0) -> dict[str, Any]:
 
 
 def files_of(path: Path) -> dict[str, dict[str, Any]]:
-    files: dict[str, dict[str, Any]] = checkpoint.read_manifest(path)["files"]
+    files: dict[str, dict[str, Any]] = committed.read_manifest(path)["files"]
     return files
 
 
@@ -283,7 +283,7 @@ def test_fork_shares_the_source_files(tmp_path: Path) -> None:
     forked = fc.fork(src, tmp_path / "fork")
     assert os.stat(forked / "__0_1.distcp").st_ino == os.stat(src / "__0_0.distcp").st_ino
     # nothing changed: no tensor is written again, only the values for stock DCP readers
-    manifest = checkpoint.read_manifest(forked)
+    manifest = committed.read_manifest(forked)
     chunks = [c for e in manifest["entries"] for c in e.get("chunks", ())]
     own = [c for c in chunks if c["file"] == "__0_0.distcp"]
     assert own == [] and (forked / "__0_0.distcp").stat().st_size < 4096
@@ -335,3 +335,60 @@ def test_sigkill_during_incremental_saves_leaves_the_base_intact(tmp_path: Path)
         newest = max((p for p in root.iterdir() if p.name.startswith("ck")), default=None)
         if newest is not None and not naming.is_temporary_name(newest.name):
             assert fc.verify(newest).ok
+
+
+# --------------------------------------------------------------------------- trust memory
+
+
+def _count_comparisons(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = incremental._stored_equals
+
+    def counted(*args: Any) -> bool:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(incremental, "_stored_equals", counted)
+    return calls
+
+
+def test_a_plain_save_feeds_the_trust_of_the_next_incremental_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fc.save(a) then fc.save(b, base=a) in one process compares no byte of a."""
+    from functional_ckpt._src.save.trust import PROCESS_TRUST
+
+    state = make_state()
+    calls = _count_comparisons(monkeypatch)
+    fc.save(tmp_path / "a", state)
+    fc.save(tmp_path / "b", state, base=tmp_path / "a")
+    assert calls == []  # this process wrote a's files: trusted, no comparison
+    assert fc.inspect(tmp_path / "b").shared_bytes > 0
+    PROCESS_TRUST.clear()  # as if another process had written c
+    fc.save(tmp_path / "c", state, base=tmp_path / "b")
+    assert len(calls) == 5  # every shared chunk compared byte for byte
+    assert fc.inspect(tmp_path / "c").shared_bytes > 0  # compared, equal, shared
+    for name in "abc":
+        assert fc.verify(tmp_path / name).ok
+
+
+def test_a_trusted_file_changed_since_is_compared_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = make_state()
+    fc.save(tmp_path / "a", state)
+    shard = tmp_path / "a" / "__0_0.distcp"
+    os.utime(shard, ns=(1, 1))  # not the file this process left (its mtime differs)
+    calls = _count_comparisons(monkeypatch)
+    fc.save(tmp_path / "b", state, base=tmp_path / "a")
+    assert calls  # no longer trusted: every shared chunk was compared byte for byte
+
+
+def test_the_manager_owns_its_trust_memory(tmp_path: Path) -> None:
+    from functional_ckpt._src.save.trust import PROCESS_TRUST
+
+    one = fc.CheckpointManager(tmp_path / "run", incremental=True)
+    two = fc.CheckpointManager(tmp_path / "other", incremental=True)
+    with one, two:
+        assert one._writes.trust is not two._writes.trust
+        assert one._writes.trust is not PROCESS_TRUST

@@ -28,9 +28,11 @@ import torch
 
 import functional_ckpt as fc
 from functional_ckpt._src.format import naming
-from functional_ckpt._src.manager.manager import CheckpointWarning, StepInfo, parse_step, step_name
+from functional_ckpt._src.format.naming import parse_step, step_name
 from functional_ckpt._src.policy.retention import RetentionPolicy
-from functional_ckpt._src.storage import checkpoint
+from functional_ckpt._src.root.listing import StepInfo
+from functional_ckpt._src.storage import committed
+from functional_ckpt.errors import CheckpointWarning
 from tests import manager_job
 from tests.exact import assert_exact
 
@@ -351,7 +353,7 @@ def test_stale_temporary_dirs_removed_at_open_only_by_writers(tmp_path: Path) ->
 
 def _tensor_bytes(path: Path) -> tuple[str, int, int]:
     """(file, data offset, nbytes) of the first non-empty tensor's data in a checkpoint."""
-    manifest = checkpoint.read_manifest(path)
+    manifest = committed.read_manifest(path)
     for e in manifest["entries"]:
         if e["kind"] != "tensor":
             continue

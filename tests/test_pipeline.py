@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,12 @@ import torch
 import functional_ckpt as fc
 from functional_ckpt._src.distributed.topology import Topology, topology
 from functional_ckpt._src.format.manifest import Chunk, TensorEntry
+from functional_ckpt._src.restore.read import open_checkpoint as view
 from functional_ckpt._src.save import api as save
 from functional_ckpt._src.save import backends, plan
 from functional_ckpt._src.save.info import CheckpointInfo
+from functional_ckpt._src.save.job import Hooks, SaveJob
+from functional_ckpt._src.save.options import SaveOptions
 
 
 def test_topology_without_a_process_group() -> None:
@@ -54,15 +58,15 @@ class Recording:
 
     def write(
         self,
-        job: backends.SaveJob,
+        job: SaveJob,
         tensors: Sequence[torch.Tensor],
-        hooks: backends.Hooks,
+        hooks: Hooks,
     ) -> CheckpointInfo:
         self.seen = list(tensors)
         return backends.LocalBackend().write(job, tensors, hooks)
 
 
-def test_the_backend_gets_staged_copies_and_fills_the_chunks(
+def test_the_backend_gets_staged_copies_and_the_plan_stays_a_value(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rec = Recording()
@@ -75,19 +79,22 @@ def test_the_backend_gets_staged_copies_and_fills_the_chunks(
     (got,) = rec.seen
     assert torch.equal(got, w) and got.data_ptr() != w.data_ptr()  # a staged copy
     assert got.data_ptr() == stager._buffers[0].data_ptr()
-    job = save.flatten(tmp_path / "other", {"w": w}, None, False, ())
-    assert job.plan is not None and not job.distributed and job.error is None
+    job = save.plan_job(tmp_path / "other", {"w": w}, SaveOptions(), snapshot=False)
+    assert job.prepared is not None and not job.distributed and job.error is None
     (target,) = job.plan.targets
-    assert isinstance(target, TensorEntry) and target.chunks == []
-    backends.LocalBackend().write(job, [w], backends.Hooks())
-    (chunk,) = target.chunks  # the model the manifest was built from, filled in place
+    assert isinstance(target, TensorEntry) and target.chunks == ()
+    backends.LocalBackend().write(job, [w], Hooks())
+    assert job.plan.targets == (target,) and target.chunks == ()  # the plan is never changed
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        target.chunks = ()  # type: ignore[misc]
+    (chunk,) = view(tmp_path / "other").tensors[("w",)].chunks  # what the write reported
     assert isinstance(chunk, Chunk) and chunk.file == "__0_0.distcp" and chunk.nbytes == 16
 
 
 def test_a_single_process_raises_planning_errors_at_once(tmp_path: Path) -> None:
     fc.save(tmp_path / "ck", {"x": 1})
     with pytest.raises(fc.CheckpointError, match="already exists"):
-        save.flatten(tmp_path / "ck", {"x": 1}, None, False, ())
+        save.plan_job(tmp_path / "ck", {"x": 1}, SaveOptions(), snapshot=False)
 
 
 def test_metadata_of_a_repeated_layout_is_reused_only_while_equal(tmp_path: Path) -> None:

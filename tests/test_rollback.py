@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt._src.manager.manager import step_name
+from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.root import rollback
 from tests.exact import assert_exact as _assert_exact
 

@@ -28,7 +28,7 @@ from functional_ckpt._src.format import coverage, keys, limits, naming, view
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.limits import LIMITS
 from functional_ckpt._src.save import plan, staging
-from functional_ckpt._src.storage import checkpoint
+from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import (
     CorruptCheckpoint,
     ModifiedDuringSave,
@@ -113,7 +113,7 @@ def test_identical_views_still_share_one_copy(tmp_path: Path) -> None:
 
 def _mutate_during_write(monkeypatch: pytest.MonkeyPatch, mutate: Any, at: int) -> None:
     """Run ``mutate`` on the writing thread once tensor ``at`` is written."""
-    original = staging._version_guard
+    original = staging.version_guard
 
     def guard(*args: Any) -> tuple[Any, Any]:
         after_each, check = original(*args)
@@ -125,7 +125,7 @@ def _mutate_during_write(monkeypatch: pytest.MonkeyPatch, mutate: Any, at: int) 
 
         return hook, check
 
-    monkeypatch.setattr(staging, "_version_guard", guard)
+    monkeypatch.setattr(staging, "version_guard", guard)
 
 
 @pytest.mark.parametrize("how", ["data", "numpy"])
@@ -172,7 +172,7 @@ def deep(depth: int, leaf: Any) -> dict[str, Any]:
 
 
 def test_one_table_of_limits() -> None:
-    assert checkpoint.MAX_MANIFEST_BYTES == LIMITS.manifest_bytes <= 1 << 28
+    assert committed.MAX_MANIFEST_BYTES == LIMITS.manifest_bytes <= 1 << 28
     assert codec.MAX_ENCODE_DEPTH == LIMITS.encode_depth < LIMITS.decode_depth
     for private in ("MAX_TREE_DEPTH", "MAX_DIM"):
         assert not hasattr(view, private)

@@ -71,7 +71,12 @@ from __future__ import annotations
 
 from functional_ckpt._src.codec.decoding import check_hashes, decode
 from functional_ckpt._src.codec.encoding import _default as _default
-from functional_ckpt._src.codec.encoding import check_encodable, encode, encode_checked
+from functional_ckpt._src.codec.encoding import (
+    check_encodable,
+    encode,
+    encode_checked,
+    encode_counted,
+)
 from functional_ckpt._src.codec.table import (
     EXT_BIGINT,
     EXT_BYTEARRAY,
@@ -108,5 +113,6 @@ __all__ = [
     "decode",
     "encode",
     "encode_checked",
+    "encode_counted",
     "register",
 ]

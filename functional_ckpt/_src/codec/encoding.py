@@ -400,6 +400,18 @@ def encode_checked(value: object, *, where: str = "value") -> bytes:
     return _pack(value, where)
 
 
+def encode_counted(value: object, *, where: str = "value") -> tuple[bytes, int]:
+    """:func:`encode`, and how many containers a decode of the bytes builds (for the
+    budget of a manifest that holds many encoded values)."""
+    has_bytearray, containers = _scan(value, where)
+    if has_bytearray:
+        value = _wrap_bytearrays(value)
+    data = _pack(value, where)
+    if containers > LIMITS.decode_free_containers:
+        _check_budget(containers, data, LIMITS.decode_free_containers, where)
+    return data, containers
+
+
 def encode(value: object, *, where: str = "value") -> bytes:
     """Serialise a non-tensor value so that ``decode`` returns an identical one.
 
@@ -413,10 +425,4 @@ def encode(value: object, *, where: str = "value") -> bytes:
         UnsupportedValue: naming the location inside ``value`` (prefixed by
             ``where``), e.g. ``value['env'][3]: unsupported type Foo (...)``.
     """
-    has_bytearray, containers = _scan(value, where)
-    if has_bytearray:
-        value = _wrap_bytearrays(value)
-    data = _pack(value, where)
-    if containers > LIMITS.decode_free_containers:
-        _check_budget(containers, data, LIMITS.decode_free_containers, where)
-    return data
+    return encode_counted(value, where=where)[0]

@@ -46,9 +46,12 @@ MAX_ENTRIES = 16384
 _PLAIN = (type(None), bool, int, float, str)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ByteEntry:
-    """One value as stock DCP stores it: where its ``torch.save`` bytes lie and their CRC32."""
+    """One value as stock DCP stores it: where its ``torch.save`` bytes lie and their CRC32.
+
+    Planned with its ``data``; the shard writer returns it located (``data`` dropped).
+    """
 
     fqn: str
     path: DcpPath

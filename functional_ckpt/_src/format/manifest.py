@@ -9,10 +9,11 @@ after validating a manifest read back.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
+import msgpack
 import torch
 
 from functional_ckpt._src import codec
@@ -42,13 +43,12 @@ def element_size(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """One stored piece of a tensor: a box of the global tensor and where its bytes are.
 
-    The one representation of a chunk from planning (the box alone) through
-    writing (the shard writer fills in where the blob landed and its checksums)
-    to reading (``parse`` builds it from the manifest, readers read it).
+    The shard writer returns one for every box it wrote (where the blob landed and its
+    checksums); the manifest records them, and :mod:`.view` builds them back from it.
     """
 
     offsets: tuple[int, ...]
@@ -79,12 +79,12 @@ class Chunk:
         }
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     """A tensor of the tree: its spec, DCP key and chunks (or the tensor it aliases).
 
-    An alias shares its target's ``chunks`` list, so chunks filled in after
-    planning are seen through both.
+    A save plans it without chunks; the manifest holds it with the chunks the write
+    stage reported (an alias with its target's, for DCP's ``.metadata``).
     """
 
     path: KeyPath
@@ -92,7 +92,7 @@ class TensorEntry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     requires_grad: bool
-    chunks: list[Chunk] = field(default_factory=list)
+    chunks: tuple[Chunk, ...] = ()
     alias: KeyPath | None = None
     dcp_path: KeyPath | None = None  # DCP's object path of ``fqn``, when not ``path``
     kind: ClassVar[str] = "tensor"
@@ -123,7 +123,7 @@ class TensorEntry:
         return out
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class NodeEntry:
     """A sub-tree; ``info`` holds its batch size and dimension names when batched."""
 
@@ -135,19 +135,25 @@ class NodeEntry:
         return {"path": list(self.path), "kind": "node", **(self.info or {})}
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ValueEntry:
-    """A non-tensor leaf, stored exactly through the codec."""
+    """A non-tensor leaf, stored exactly through the codec.
+
+    A save encodes ``value`` once, when it plans (``encoded``): the manifest holds
+    those bytes, so what is committed is the value as it was at the call, also when
+    an asynchronous save writes later.
+    """
 
     path: KeyPath
     value: Any
+    encoded: bytes | None = field(default=None, compare=False, repr=False)
     kind: ClassVar[str] = "value"
 
     def to_plain(self) -> dict[str, Any]:
         return {"path": list(self.path), "kind": "value", "value": self.value}
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class PerRankEntry:
     """Where a per-rank subtree stands in the shared tree; each rank's lies in ``ranks``."""
 
@@ -161,22 +167,45 @@ class PerRankEntry:
 Entry = TensorEntry | NodeEntry | ValueEntry | PerRankEntry
 
 
-@dataclass
-class Manifest:
-    """A checkpoint's manifest as the writer builds it; :meth:`encode` gives its bytes.
+@dataclass(frozen=True)
+class Tree:
+    """A state's tree as a save plans it: the shared entries (a :class:`PerRankEntry`
+    where a per-rank subtree stands), every rank's per-rank entries, and the root's
+    batch size and names."""
 
-    ``files`` maps each file name to its recorded size (and CRC32 for
-    ``.metadata``); ``ranks`` holds each rank's per-rank entries.
+    entries: tuple[Entry, ...]
+    ranks: tuple[tuple[Entry, ...], ...]
+    root: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a save's write stage put on disk: every tensor's chunks by DCP key, the
+    values' DCP byte entries (located), and extra fields of the file table (data
+    files reused from a base)."""
+
+    chunks: Mapping[str, tuple[Chunk, ...]]
+    blobs: tuple[ByteEntry, ...] = ()
+    file_info: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A checkpoint's manifest as a save commits it; :meth:`encode` gives its bytes.
+
+    Built once, by :func:`assemble`, from the planned tree and what the write stage
+    wrote. ``files`` maps each file name to its recorded size (and CRC32 for
+    ``.metadata``).
     """
 
     created: float
     metadata: Any
-    files: dict[str, dict[str, int]]
-    entries: list[Entry]
-    ranks: list[list[Entry]]
+    files: Mapping[str, Mapping[str, Any]]
+    entries: tuple[Entry, ...]
+    ranks: tuple[tuple[Entry, ...], ...]
     root: dict[str, Any] | None = None  # the root TensorDict's batch size and names
-    checked: bool = False  # values and metadata passed codec.check_encodable, no bytearrays
-    dcp_bytes: list[ByteEntry] | None = None  # values as stock DCP byte entries
+    dcp_bytes: tuple[ByteEntry, ...] = ()  # values as stock DCP byte entries
+    metadata_bytes: bytes | None = field(default=None, repr=False)  # ``metadata``, encoded
 
     def to_plain(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -186,21 +215,123 @@ class Manifest:
             "world_size": max(1, len(self.ranks)),
             "byteorder": sys.byteorder,
             "metadata": self.metadata,
-            "files": self.files,
+            "files": {name: dict(info) for name, info in self.files.items()},
             "entries": [e.to_plain() for e in self.entries],
             "ranks": [{"entries": [e.to_plain() for e in r]} for r in self.ranks],
         }
         if self.root:
             out["root"] = self.root
-        if self.dcp_bytes is not None:
-            out["dcp_bytes"] = [b.to_plain() for b in self.dcp_bytes]
+        out["dcp_bytes"] = [b.to_plain() for b in self.dcp_bytes]
         return out
 
+    def tensor_groups(self) -> list[list[TensorEntry]]:
+        """The tensor entries: the shared ones, then each rank's (what ``.metadata`` lists)."""
+        return tensor_groups(self.entries, self.ranks)
+
     def encode(self) -> bytes:
-        """The manifest's bytes; what was checked at planning is not scanned again."""
-        if self.checked:
-            return codec.encode_checked(self.to_plain(), where="manifest")
-        return codec.encode(self.to_plain(), where="manifest")
+        """The manifest's bytes: the values and the metadata as they were encoded when
+        the save was planned, spliced into the rest (plain data, packed once)."""
+        head = self.to_plain()
+        tail = {k: head.pop(k) for k in ("metadata", "entries", "ranks")}
+        parts = [_map_header(len(head) + len(tail)), _elements(_flat(head))]
+        parts += [_pack("metadata"), self.metadata_bytes or codec.encode(tail["metadata"])]
+        parts += [_pack("entries"), _entries(self.entries)]
+        parts += [_pack("ranks"), _array_header(len(self.ranks))]
+        for rank in self.ranks:
+            parts += [_map_header(1), _pack("entries"), _entries(rank)]
+        return b"".join(parts)
+
+
+def with_chunks(tree: Tree, written: Written) -> tuple[tuple[Entry, ...], ...]:
+    """The tree's entry groups (shared, then each rank's) with the chunks written.
+
+    An alias gets its target's chunks: stock DCP finds each key's bytes through
+    ``.metadata``, and a tie's bytes are its target's.
+    """
+    by_path: dict[KeyPath, tuple[Chunk, ...]] = {}
+    groups: list[tuple[Entry, ...]] = []
+    for group in (tree.entries, *tree.ranks):
+        out: list[Entry] = []
+        for e in group:
+            if isinstance(e, TensorEntry):
+                found = by_path[e.alias] if e.alias is not None else written.chunks.get(e.fqn, ())
+                e = replace(e, chunks=tuple(sorted(found, key=lambda c: c.offsets)))
+                if e.alias is None:
+                    by_path[e.path] = e.chunks
+            out.append(e)
+        groups.append(tuple(out))
+    return tuple(groups)
+
+
+def assemble(
+    tree: Tree,
+    written: Written,
+    files: Mapping[str, Mapping[str, Any]],
+    *,
+    created: float,
+    metadata: Any,
+    metadata_bytes: bytes | None = None,
+) -> Manifest:
+    """The one way a manifest is made: the planned tree, filled with what was written."""
+    shared, *ranks = with_chunks(tree, written)
+    return Manifest(
+        created,
+        metadata,
+        files,
+        shared,
+        tuple(ranks),
+        tree.root,
+        dcp_bytes=written.blobs,
+        metadata_bytes=metadata_bytes,
+    )
+
+
+# --------------------------------------------------------------------------- encoding
+
+_PACKER = msgpack.Packer(use_bin_type=True, use_single_float=False, autoreset=True)
+
+
+def _pack(plain: Any) -> bytes:
+    """Plain data this module built (strings, ints, lists, dicts), packed."""
+    return codec.encode_checked(plain, where="manifest")
+
+
+def _array_header(n: int) -> bytes:
+    return bytes(_PACKER.pack_array_header(n))
+
+
+def _map_header(n: int) -> bytes:
+    return bytes(_PACKER.pack_map_header(n))
+
+
+def _flat(mapping: Mapping[str, Any]) -> list[Any]:
+    return [x for kv in mapping.items() for x in kv]
+
+
+def _elements(items: list[Any]) -> bytes:
+    """The packed elements of ``items`` one after the other, without an array header."""
+    packed = _pack(items)
+    head = _array_header(len(items))
+    assert packed.startswith(head)
+    return packed[len(head) :]
+
+
+def _entries(entries: Sequence[Entry]) -> bytes:
+    """An array of entries: runs of plain ones packed at once, values spliced in."""
+    parts = [_array_header(len(entries))]
+    run: list[Any] = []
+    for e in entries:
+        if isinstance(e, ValueEntry):
+            if run:
+                parts.append(_elements(run))
+                run = []
+            head = _pack({"path": list(e.path), "kind": "value", "value": None})
+            parts += [head[:-1], e.encoded or codec.encode(e.value)]  # the nil, replaced
+        else:
+            run.append(e.to_plain())
+    if run:
+        parts.append(_elements(run))
+    return b"".join(parts)
 
 
 def tensor_groups(

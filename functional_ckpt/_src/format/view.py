@@ -307,7 +307,7 @@ def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: 
             or ".".join(dp) != fqn
         ):
             raise CorruptCheckpoint(f"{where}: invalid DCP key path {dp!r}")
-        entry.dcp_path = tuple(dp)
+        entry = replace(entry, dcp_path=tuple(dp))
     if "alias" in e:
         target = e["alias"]
         is_path = isinstance(target, list) and all(isinstance(k, str) for k in target)
@@ -316,9 +316,7 @@ def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: 
             raise CorruptCheckpoint(f"{where}: alias of an unknown tensor {target!r}")
         if src.dtype != dtype or src.shape != shape:
             raise CorruptCheckpoint(f"{where}: alias spec differs from its target")
-        entry.alias = src.path
-        entry.chunks = src.chunks
-        return entry
+        return replace(entry, alias=src.path, chunks=src.chunks)
     chunks = e.get("chunks")
     if not isinstance(chunks, list) or len(chunks) > LIMITS.chunks_per_tensor:
         raise CorruptCheckpoint(f"{where}: invalid chunk list")
@@ -327,8 +325,7 @@ def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: 
             raise CorruptCheckpoint(f"{where}: a planned tensor carries chunks")
         return entry
     size = element_size(dtype)
-    for c in chunks:
-        entry.chunks.append(_chunk(c, entry, size, out, where))
+    entry = replace(entry, chunks=tuple(_chunk(c, entry, size, out, where) for c in chunks))
     if sum(numel(c.sizes) for c in entry.chunks) != numel(shape) or (
         numel(shape) and not entry.chunks
     ):

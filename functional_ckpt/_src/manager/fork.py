@@ -23,7 +23,7 @@ from functional_ckpt._src.policy import never
 from functional_ckpt._src.policy.retention import keep_all
 from functional_ckpt._src.restore.api import restore
 from functional_ckpt._src.save.api import save
-from functional_ckpt._src.storage import checkpoint
+from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import CheckpointError, CheckpointExists
 
 __all__ = ["fork"]
@@ -41,7 +41,7 @@ def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = No
     ``"parent"`` for forks of forks). ``new_root`` must hold no checkpoint yet.
     """
     src = Path(checkpoint_path)
-    head = header_of(checkpoint.read_manifest(src))
+    head = header_of(committed.read_manifest(src))
     meta = dict(head.metadata)
     src_step = head.record.step if head.record.step is not None else step_in_name(src.name)
     target = src_step if step is None else step

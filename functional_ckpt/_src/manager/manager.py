@@ -1,26 +1,18 @@
 """CheckpointManager: policies, retention, resume and locking around ``save``/``restore``.
 
-The manager holds no checkpointing logic of its own (DESIGN principle 1). It
-threads a save policy's state through ``maybe_save`` events, writes through
-:func:`functional_ckpt.save`, prunes with :func:`~functional_ckpt.retention.plan_deletions`,
-and on resume reads the newest checkpoint that is actually readable (a damaged one
-is reported and moved aside, never silently replaced by a fresh start). What it
-builds on is public: a root's layout, leftovers and writer lock in
-:mod:`functional_ckpt.root` and :mod:`functional_ckpt.lock`; what each checkpoint
-records (step, metrics, running time, each policy's spec and state, so a restarted
-run continues its policies) in :mod:`functional_ckpt.record`; rollbacks in
-:mod:`functional_ckpt.rollback`; the decisions all ranks share in
-:mod:`functional_ckpt.collective`; the root's steps and records as queries in
-:mod:`functional_ckpt.rootview`; which checkpoint a resume picks in
-:mod:`functional_ckpt.resume`; exports off the training thread in
-:mod:`functional_ckpt.exporting`.
+The manager holds no checkpointing logic of its own (DESIGN principle 1). It threads a
+save policy's state through ``maybe_save`` events, writes through the save pipeline
+(:mod:`.writes`), prunes with :func:`~..policy.retention.plan_deletions`, and on resume
+reads the newest checkpoint that is actually readable (:mod:`..root.resume`: a damaged
+one is reported and moved aside, never silently replaced by a fresh start). What each
+checkpoint records of the run is :mod:`.provenance`'s; the rollback rule is
+:mod:`.rollback_rule`'s; the decisions all ranks share are :mod:`.decisions`'; the
+root's steps and records are its :class:`~..root.view.RootView`'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -30,12 +22,17 @@ from typing import Any
 from tensordict import TensorDict, TensorDictBase
 
 from functional_ckpt._src.distributed.topology import topology
-from functional_ckpt._src.export.exports import BackgroundExport, run_export, snapshot
 from functional_ckpt._src.export.safetensors import Export
-from functional_ckpt._src.format.header import MANAGER_KEY, record_of
-from functional_ckpt._src.format.naming import parse_step, step_name
-from functional_ckpt._src.manager.decisions import coordinator_decides, gathered, prepare_groups
-from functional_ckpt._src.manager.options import check_policies, plain_metrics, remote_tier
+from functional_ckpt._src.format.header import record_of
+from functional_ckpt._src.format.naming import parse_step
+from functional_ckpt._src.manager.decide import decide
+from functional_ckpt._src.manager.decisions import prepare_groups
+from functional_ckpt._src.manager.options import (
+    AsyncSave,
+    async_option,
+    check_policies,
+    plain_metrics,
+)
 from functional_ckpt._src.manager.provenance import (
     Provenance,
     RunningTime,
@@ -44,66 +41,45 @@ from functional_ckpt._src.manager.provenance import (
     manager_record,
     stored_state,
 )
-from functional_ckpt._src.manager.rollback_rule import Rollback, SaveResult, Watch, roll_back
+from functional_ckpt._src.manager.rollback_rule import SaveResult, Watch, roll_back
+from functional_ckpt._src.manager.writes import Writes, WriteSettings
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy import Event, PolicyState, SavePolicy, every_steps
 from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all, plan_deletions
+from functional_ckpt._src.remote.options import Remote
 from functional_ckpt._src.restore.api import check_like_or_out, restore
 from functional_ckpt._src.restore.template import Reshard
 from functional_ckpt._src.root import rollback
-from functional_ckpt._src.root.delete import delete, remove_all
+from functional_ckpt._src.root.delete import delete
 from functional_ckpt._src.root.leftovers import open_writer
 from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt._src.root.lock import WriterLock
 from functional_ckpt._src.root.resume import check_order, newest_readable
+from functional_ckpt._src.root.rollback import Newer
 from functional_ckpt._src.root.view import RootView
-from functional_ckpt._src.save.api import save as save_sync
-from functional_ckpt._src.save.api import save_async
-from functional_ckpt._src.save.incremental import Incremental
 from functional_ckpt._src.save.info import CheckpointInfo
-from functional_ckpt._src.save.plan import DEFAULT_PER_RANK
-from functional_ckpt._src.save.staging import PendingSave, Stager, Staging
-from functional_ckpt.errors import (
-    CheckpointError,
-    CheckpointNotFound,
-    CheckpointWarning,
-)
+from functional_ckpt._src.save.options import DEFAULT_PER_RANK
+from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
-__all__ = [
-    "CheckpointManager",
-    "CheckpointWarning",
-    "MANAGER_KEY",
-    "Rollback",
-    "SaveResult",
-    "StepInfo",
-    "step_name",
-]
+__all__ = ["CheckpointManager"]
 
 State = TensorDictBase | Mapping[str, Any]
 
-# --------------------------------------------------------------------------- manager
 
-
-class CheckpointManager(RootView):
+class CheckpointManager:
     """Save on a policy, keep on a retention policy, resume from the newest good checkpoint.
 
-    ``save`` defaults to ``every_steps(1)`` (every ``maybe_save`` with a new step
-    saves) and ``keep`` to ``keep_all()`` (nothing is deleted), so a manager without
-    policies is a safe, plain "save each step I give you". ``metadata`` (experiment
-    id, hyper-parameters; msgpack-encodable) is stored in every checkpoint next to
-    the automatic keys. ``export`` adds weights-only safetensors exports on their
-    own policy (see :class:`~functional_ckpt.export.Export`). ``rollback`` (a rule such
-    as ``fc.policy.on_degrade``) rolls the run back when it fires (``maybe_save``).
-
-    A writing manager locks ``root``, removes stale temporary directories and
-    finishes an interrupted rollback at open; ``read_only=True`` does none of that
-    and never deletes or renames anything. ``clock`` is read (only by the manager,
-    never by a policy) to count the run's running time, which every event carries
-    and every checkpoint records. ``incremental=True`` saves each checkpoint with
-    the previous committed one as its base (see ``fc.save(base=...)``): unchanged
-    bytes are shared, never written again, and every checkpoint stays
-    self-contained, so retention may delete any of them. Not thread-safe: use
-    one manager from one thread.
+    ``save`` defaults to ``every_steps(1)`` and ``keep`` to ``keep_all()``: a manager
+    without policies is a plain "save each step I give you". ``metadata`` is stored in
+    every checkpoint beside the automatic keys. One option value per concern:
+    ``async_save`` (True or ``fc.manager.AsyncSave``), ``incremental`` (each save on
+    the previous one, unchanged bytes shared), ``export`` (``fc.manager.Export``),
+    ``remote`` (``fc.manager.Remote``), ``rollback`` (a rule such as
+    ``fc.policy.on_degrade``), ``per_rank`` (the subtrees stored per rank). A writing
+    manager locks ``root``, recovers or removes what crashes left and finishes an
+    interrupted rollback at open; ``read_only=True`` never deletes or renames
+    anything. Only the manager reads ``clock`` (the run's running time, which every
+    event carries), never a policy. Not thread-safe. See docs/manager.md.
     """
 
     def __init__(
@@ -114,44 +90,44 @@ class CheckpointManager(RootView):
         *,
         metadata: Mapping[str, Any] | None = None,
         read_only: bool = False,
+        async_save: bool | AsyncSave = False,
+        incremental: bool = False,
         export: Export | None = None,
-        async_save: bool = False,
-        staging: Staging = "copy",
+        remote: Remote | None = None,
+        rollback: SavePolicy | None = None,
         per_rank: Sequence[str] = DEFAULT_PER_RANK,
         clock: Callable[[], float] = time.monotonic,
-        incremental: bool = False,
-        rollback: SavePolicy | None = None,
-        remote: str | None = None,
-        remote_keep: RetentionPolicy | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        prune_unuploaded: bool = False,
     ) -> None:
-        RootView.__init__(self, Path(root))
+        self.view = RootView(Path(root))
+        self.root = self.view.root
         if not callable(clock):
             raise TypeError(f"CheckpointManager(clock={clock!r}): clock must be callable")
-        self._running = RunningTime(clock)
-        self.per_rank = tuple(per_rank)
-        self.async_save = bool(async_save)
-        self.incremental = bool(incremental)
-        self.staging: Staging = staging
-        self._pending: PendingSave | None = None
-        self._removal: threading.Thread | None = None
-        self._exports = BackgroundExport()
-        self._stager = Stager()
-        topo = topology()
-        self._distributed = topo.distributed
-        self._coordinator = topo.coordinator
-        if self._distributed:
-            prepare_groups()  # now, on the training thread, in the same order on every rank
+        if remote is not None and not isinstance(remote, Remote):
+            raise TypeError(
+                f"CheckpointManager(remote={remote!r}): expected fc.manager.Remote(url, ...)"
+            )
         self.read_only = bool(read_only)
         self.save_policy = every_steps(1) if save is None else save
         self.keep = keep_all() if keep is None else keep
         self.export = export
-        self.metadata = check_metadata(metadata, f"CheckpointManager({self.root})")
         check_policies(self.save_policy, self.keep, self.export)
+        self.metadata = check_metadata(metadata, f"CheckpointManager({self.root})")
+        topo = topology()
+        self._distributed, self._coordinator = topo.distributed, topo.coordinator
+        settings = WriteSettings(
+            tuple(per_rank),
+            async_option(async_save),
+            bool(incremental),
+            self._distributed,
+            self._coordinator,
+        )
+        if self._distributed:
+            prepare_groups()  # now, on the training thread, in the same order on every rank
+        self._running = RunningTime(clock)
         self._policy_state: PolicyState = self.save_policy.init()
         self._export_state: PolicyState = export.policy.init() if export is not None else None
-        self._watch = Watch(rollback)  # the rollback rule (see functional_ckpt.degradation)
+        self._watch = Watch(rollback)  # the rollback rule (see .rollback_rule)
+        self._restored_step: int | None = None
         self._lock: WriterLock | None = None
         self._closed = False
         self._run = Provenance(os.getcwd())
@@ -159,8 +135,13 @@ class CheckpointManager(RootView):
             self._run.git = git_commit(self._run.cwd)  # before the lock: no child inherits it
             if self._coordinator:
                 self._open_writer()  # one lock per job: the coordinator's
-        args = (remote, remote_keep, storage_options, prune_unuploaded, self.read_only)
-        self.remote = remote_tier(self.root, *args, lock=self._lock)  # docs/tiered.md
+        try:
+            self.remote = None if remote is None else remote.open(self.root, writer=not read_only)
+        except BaseException:  # the manager was not made: its lock goes
+            if self._lock is not None:
+                self._lock.release()
+            raise
+        self._writes = Writes(self.view, settings, self.remote)
 
     def _open_writer(self) -> None:
         # Leftovers of crashed writers are recovered (warning at the CheckpointManager call).
@@ -170,6 +151,45 @@ class CheckpointManager(RootView):
         except BaseException:
             self._lock.release()
             raise
+
+    # ------------------------------------------------------------------ the root
+
+    def path(self, step: int) -> Path:
+        """Where the checkpoint of ``step`` lives (whether or not it exists)."""
+        return self.view.path(step)
+
+    def steps(self) -> list[int]:
+        """Steps of the committed checkpoints, ascending (half-written ones never appear)."""
+        return self.view.steps()
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, excluding any this manager found unreadable."""
+        return self.view.latest_step()
+
+    def info(self, step: int) -> StepInfo:
+        """Step, time, metrics, epoch, size and full metadata of one checkpoint."""
+        return self.view.info(step)
+
+    def infos(self) -> list[StepInfo]:
+        """:meth:`info` of every readable committed checkpoint, ascending by step."""
+        return self.view.infos()
+
+    def best_step(self, metric: str, mode: str = "min") -> int | None:
+        """The step ``keep_best(1, metric, mode)`` would keep (ties go to the newer step)."""
+        return self.view.best_step(metric, mode)
+
+    def branches(self) -> dict[str, list[int]]:
+        """Branches left by :meth:`rollback`, each with its committed steps (a root each)."""
+        return self.view.branches()
+
+    def branch_root(self, name: str) -> Path:
+        """Where branch ``name`` lives (a root of its own)."""
+        return self.view.branch_root(name)
+
+    @property
+    def restored_step(self) -> int | None:
+        """The step the last ``restore``/``restore_latest`` returned, if any."""
+        return self._restored_step
 
     # ------------------------------------------------------------------ context manager
 
@@ -192,13 +212,13 @@ class CheckpointManager(RootView):
             try:
                 self.wait()
             finally:
-                self._exports.join()
+                self._writes.exports.join()
                 if self.remote is not None:
                     self.remote.close()  # the uploads asked for finish, then what they
                     if self._lock is not None:  # protected from retention is pruned
                         self._prune(set())
         finally:
-            self._join_removals()
+            self._writes.join_removals()
             self._closed = True
             if self._lock is not None:
                 self._lock.release()
@@ -209,11 +229,9 @@ class CheckpointManager(RootView):
 
         The retention policy runs once the save it follows has committed.
         """
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        info = pending.result()
-        self._after_commit(info)
+        info = self._writes.wait()
+        if info is not None:
+            self._after_commit(info)
 
     def wait_staged(self) -> None:
         """Block until the state may be mutated again (call it before the optimizer step).
@@ -221,12 +239,11 @@ class CheckpointManager(RootView):
         With synchronous saves, or ``staging="copy"`` once the copy is done, this
         returns at once. With ``staging="none"`` it waits for the whole write.
         """
-        if self._pending is None:
-            return
-        if self.staging == "none":
-            self.wait()
-        else:
-            self._pending.wait_staged()
+        self._writes.wait_staged()
+
+    def wait_exports(self) -> None:
+        """Block until the export running in the background is written; raise if it failed."""
+        self._writes.exports.join()
 
     def __repr__(self) -> str:
         mode = "read-only" if self.read_only else "writer"
@@ -237,10 +254,10 @@ class CheckpointManager(RootView):
 
     # ------------------------------------------------------------------ saving
 
-    def _check_writable(self, what: str) -> None:
+    def _check_open(self, what: str, *, writing: bool) -> None:
         if self._closed:
             raise CheckpointError(f"{self.root}: {what}: the manager is closed")
-        if self.read_only:
+        if writing and self.read_only:
             raise CheckpointError(f"{self.root}: {what}: this manager is read-only")
 
     def maybe_save(
@@ -253,27 +270,22 @@ class CheckpointManager(RootView):
         is_final: bool = False,
         force: bool = False,
     ) -> SaveResult:
-        """Build the event, ask the policy, save, commit its state with it, then prune.
+        """Build the event, ask the policies, save, commit their states with it, then prune.
 
-        Returns whether a full checkpoint was written. ``force=True`` saves whatever
-        the policy says, and the policy sees that a save happened. The export policy
-        is asked on the same event and its export is written first, so a crash
-        between the two can only repeat an export, never lose one. With
-        ``async_save`` the export is written off the training thread instead: from
-        the checkpoint of the same step once it has committed, else from a copy of
-        the selected tensors taken now (a crash may then lose the export, never the
-        checkpoint it is written from). Policy states
-        advance only once the writes they describe succeeded, so a failed save is
-        retried at the next event. A ``rollback`` rule that fires restores the checkpoint
-        it points to, returned in ``.rollback`` (:mod:`functional_ckpt.degradation`).
+        Returns whether a checkpoint was written (``force=True`` saves whatever the
+        policy says). An export due on the same event is written first (off the
+        training thread with ``async_save``, from this step's checkpoint or a copy of
+        its tensors). Policy states advance only once the writes they describe
+        succeeded. A rollback rule that fires returns the state it went back to in
+        ``.rollback``.
         """
-        self._check_writable("maybe_save")
+        self._check_open("maybe_save", writing=True)
         if self.remote is not None:
             self.remote.check()  # a failed upload is reported here, as a RemoteWarning
-        if self._pending is not None and self._pending.done():
+        if self._writes.finished():
             self.wait()  # a background failure surfaces here, at the next call
-        if self._exports.finished():
-            self._exports.join()
+        if self._writes.exports.finished():
+            self._writes.exports.join()
         event = Event(
             step=step,
             epoch=epoch,
@@ -283,35 +295,36 @@ class CheckpointManager(RootView):
         )
         if event.step < 0:
             raise ValueError(f"maybe_save(step={step!r}): steps must be >= 0")
-        policy, export = self.save_policy, self.export
-        saved = policy.decide(self._policy_state, event) or force
-        policy_state = policy.update(self._policy_state, event, saved)
-        exported, export_state = False, self._export_state
-        if export is not None:
-            exported = export.policy.decide(export_state, event)
-            export_state = export.policy.update(export_state, event, exported)
-        rolls, rule_state = self._watch.vote(event, saved)
-        if self._distributed:  # one decision for all ranks: the coordinator's
-            decided = (saved, policy_state, exported, export_state, event.time, rolls, rule_state)
-            saved, policy_state, exported, export_state, now, rolls, rule_state = (
-                coordinator_decides(decided)
-            )
-            event = dataclasses.replace(event, time=now)
+        export = self.export
+        d = decide(
+            event, force=force, save=self.save_policy, save_state=self._policy_state,
+            export=None if export is None else export.policy, export_state=self._export_state,
+            watch=self._watch, distributed=self._distributed,
+        )  # fmt: skip
+        event, saved, exported, rolls = d.event, d.saved, d.exported, d.rolls
+        policy_state, export_state, rule_state = d.policy_state, d.export_state, d.rule_state
         self._watch.next = rule_state
         if saved:
             self.wait()  # at most one save in flight; the previous one must have committed
             check_order(self.root, event.step, self.latest_step())  # before any write
-        background = exported and self.async_save and not self._distributed
+        background = exported and self._writes.plan.async_save is not None
+        background = background and not self._distributed
         if exported and not background:
-            self._export_weights(state, event)
+            assert export is not None
+            self._writes.export(state, export, event)
         if saved:
             self._save_checkpoint(state, event, policy_state, export_state)
         if background:
-            self._export_in_background(state, event, saved)
+            assert export is not None
+            self._writes.export_in_background(state, export, event, saved)
         self._policy_state = policy_state
         self._export_state = export_state
         self._watch.state = rule_state
-        return roll_back(self, self._watch, state, event, saved) if rolls else SaveResult(saved)
+        if not rolls:
+            return SaveResult(saved)
+        self.wait()  # the checkpoint of this very event commits first: it goes to the branch
+        roll = lambda to, why: self._rollback(to, state, "branch", None, why)  # noqa: E731
+        return roll_back(self._watch, event, saved, self.infos(), self.root, roll)
 
     def running_time(self) -> float:
         """Seconds this run has been running: carried over by restores, downtime excluded."""
@@ -319,16 +332,16 @@ class CheckpointManager(RootView):
 
     def _save_checkpoint(
         self, state: State, event: Event, policy_state: PolicyState, export_state: PolicyState
-    ) -> CheckpointInfo | None:
+    ) -> None:
         export = None if self.export is None else self.export.policy
         record = manager_record(
             event, self.save_policy, policy_state, self.keep, export, export_state
         )
         record.update(self._watch.entry())
-        info = self._write(self.path(event.step), state, self._run.metadata(record, self.metadata))
+        metadata = self._run.metadata(record, self.metadata)
+        info = self._writes.save(self.path(event.step), state, metadata)
         if info is not None:
             self._after_commit(info)
-        return info
 
     def _after_commit(self, info: CheckpointInfo) -> None:
         """Retention runs only after the checkpoint it protects is committed."""
@@ -338,90 +351,13 @@ class CheckpointManager(RootView):
         if self._coordinator:
             self._prune(protected={step} if step is not None else set())
 
-    def _write(
-        self, path: Path, state: State, metadata: Mapping[str, Any]
-    ) -> CheckpointInfo | None:
-        """The one place a checkpoint is written; None while an async save runs.
-
-        An existing directory for the same step is replaced atomically: the newer
-        save of a step supersedes the older one.
-        """
-        overwrite = path.exists()
-        base = self._base_for(path) if self.incremental else None
-        remote = self.remote
-        held = remote is not None  # uploads stand still while the state is staged
-        if remote is not None:
-            remote.hold_uploads()
-        try:
-            if self.async_save:
-                self._pending = save_async(
-                    path,
-                    state,
-                    metadata=metadata,
-                    overwrite=overwrite,
-                    staging=self.staging,
-                    stager=self._stager,
-                    per_rank=self.per_rank,
-                    base=base,
-                )
-                if remote is not None:
-                    self._pending.when_staged(remote.release_uploads)
-                    held = False
-                return None
-            return save_sync(
-                path,
-                state,
-                metadata=metadata,
-                overwrite=overwrite,
-                per_rank=self.per_rank,
-                base=base,
-            )
-        finally:
-            if held and remote is not None:
-                remote.release_uploads()
-
-    def _base_for(self, path: Path) -> Incremental:
-        """The base of an incremental save: the newest other committed checkpoint.
-
-        Unreadable or gone by the time it is opened, it is not an error: the save
-        is then a full one.
-        """
-        others = [s for s in self.steps() if self.path(s) != path]
-        return Incremental(self.path(max(others)) if others else None, required=False)
-
-    def _export_weights(self, state: State, event: Event) -> Path | None:
-        assert self.export is not None
-        if self._distributed:
-            # Every rank takes part in gathering the sharded weights; rank 0 writes them.
-            state = gathered(state, self.export.select)
-            if not self._coordinator:
-                return None
-        return run_export(state, self.root, self.export, event.step, event.metrics or {})
-
-    def _export_in_background(self, state: State, event: Event, saved: bool) -> None:
-        """Export from the committed checkpoint of this step, or from a copy taken now."""
-        export = self.export
-        assert export is not None
-        self._exports.join()  # one export in flight; a failed one surfaces here
-        pending = self._pending if saved else None
-        source: State | Path = self.path(event.step) if saved else snapshot(state, export)
-        failure = None if pending is None else pending.exception
-        self._exports.start(source, self.root, export, event.step, event.metrics or {}, failure)
-
-    def wait_exports(self) -> None:
-        """Block until the export running in the background is written; raise if it failed."""
-        self._exports.join()
-
     # ------------------------------------------------------------------ deleting
 
     def _prune(self, protected: set[int]) -> list[int]:
-        """Delete what the retention policy does not keep; never the newest or ``protected``."""
-        if self._pending is not None:  # a save in flight is never a candidate
-            step = parse_step(self._pending.path.name)
-            protected = protected | ({step} if step is not None else set())
-        if self._exports.step is not None:  # nor the checkpoint an export is reading
-            protected = protected | {self._exports.step}
-        if self.remote is not None:  # nor one whose remote copy is not committed yet
+        """Delete what retention does not keep; never the newest, ``protected``, one a save
+        or an export uses, or one whose remote copy is not committed yet."""
+        protected = protected | self._writes.busy_steps()
+        if self.remote is not None:
             protected = protected | self.remote.protected(self.steps())
         doomed = plan_deletions(self.keep, self.infos(), protected=protected)
         self._delete(doomed)
@@ -429,30 +365,16 @@ class CheckpointManager(RootView):
 
     def delete(self, step: int) -> None:
         """Delete one checkpoint, crash-safely (even the newest: you asked for it)."""
-        self._check_writable("delete")
+        self._check_open("delete", writing=True)
         if not self.path(step).is_dir():
             raise CheckpointNotFound(f"{self.path(step)}: no checkpoint for step {step}")
         self._delete([step])
 
     def _delete(self, steps: list[int]) -> None:
-        """Crash-safely: out of sight first (:func:`~functional_ckpt.root.delete`), then removed."""
+        """Crash-safely: out of sight first (:func:`~..root.delete.delete`), then removed."""
         trash = delete(self.root, [self.path(step) for step in steps])
-        self._summaries.forget(steps)
-        if self.async_save and trash:
-            # Out of sight already; unlinking gigabytes need not stall the training loop.
-            # close() waits for it; what a crash leaves, the next writer removes at open.
-            self._join_removals()
-            self._removal = threading.Thread(
-                target=remove_all, args=(trash,), name="fc-prune", daemon=True
-            )
-            self._removal.start()
-        else:
-            remove_all(trash)
-
-    def _join_removals(self) -> None:
-        if self._removal is not None:
-            self._removal.join()
-            self._removal = None
+        self.view.forget(steps)
+        self._writes.remove(trash)
 
     # ------------------------------------------------------------------ restoring
 
@@ -469,8 +391,7 @@ class CheckpointManager(RootView):
         ``like``, ``out`` and ``reshard`` are those of :func:`functional_ckpt.restore`.
         """
         check_like_or_out(like, out, "CheckpointManager.restore")
-        if self._closed:
-            raise CheckpointError(f"{self.root}: restore: the manager is closed")
+        self._check_open("restore", writing=False)
         path = self.path(step)
         info = self.info(step)
         state = restore(path, like, out=out, reshard=reshard)
@@ -487,27 +408,25 @@ class CheckpointManager(RootView):
         """Restore the newest readable checkpoint; None only if the root holds none.
 
         Unreadable checkpoints (corrupt bytes, missing files, torn manifest) are
-        reported with a :class:`CheckpointWarning` and skipped; a writing manager
-        moves them aside to ``step_N.corrupt-…`` (never deletes them). A template
-        that does not fit raises at once (that is a bug in the caller, not damage).
-        If checkpoints exist but none is readable this raises rather than letting
-        the run silently start over. The per-tensor CRCs that ``fc.restore``
-        checks while reading are the validation; nothing is read twice.
-        ``like``/``out`` are those of :func:`functional_ckpt.restore`: with ``like`` a
-        new state is returned and ``like`` is never written.
+        reported with a ``CheckpointWarning`` and skipped; a writing manager moves them
+        aside to ``step_N.corrupt-…`` (never deletes them). A template that does not
+        fit raises at once (a bug in the caller, not damage). If checkpoints exist but
+        none is readable this raises rather than letting the run silently start over.
+        ``like``/``out`` are those of :func:`functional_ckpt.restore`.
         """
         check_like_or_out(like, out, "CheckpointManager.restore_latest")
-        if self._closed:
-            raise CheckpointError(f"{self.root}: restore_latest: the manager is closed")
+        self._check_open("restore_latest", writing=False)
 
         def read(path: Path) -> TensorDict:
             return restore(path, like, out=out, reshard=reshard)
 
         def local() -> tuple[StepInfo, TensorDict] | None:
             aside, depth = not self.read_only and self._coordinator, 3 if self.remote is None else 5
-            return newest_readable(
-                self.root, self._step_dirs, read, move_aside=aside, bad=self._bad, stacklevel=depth
+            found, damaged = newest_readable(
+                self.root, self.view.candidates, read, move_aside=aside, stacklevel=depth
             )
+            self.view.found_unreadable(damaged)
+            return found
 
         if self.remote is None:
             found = local()
@@ -525,37 +444,45 @@ class CheckpointManager(RootView):
         step: int,
         like: State | None = None,
         *,
-        newer: rollback.Newer = "branch",
+        newer: Newer = "branch",
         branch: str | None = None,
         reason: Mapping[str, Any] | None = None,
     ) -> TensorDict:
         """Continue the run from the older kept checkpoint ``step``, in this root.
 
-        Restores ``step`` like :meth:`restore` (policies and running time continue
-        from it), then moves every newer checkpoint out of the trunk: with
-        ``newer="branch"`` to ``root/branches/<branch>/`` (default name: one naming
-        the steps; see :meth:`branches`), with ``newer="delete"`` deleted. Nothing is
-        moved if the restore fails. The moves are recorded durably first and each is
-        an atomic rename, so a crash leaves the rollback either not started or
-        finished by the next writer that opens the root. Every later checkpoint
-        records the run's rollbacks under ``metadata["rollbacks"]``, with ``reason`` (plain
-        data) if given, then even if nothing moved. Returns the restored state.
+        Restores ``step`` like :meth:`restore`, then moves every newer checkpoint out of
+        the trunk: to ``root/branches/<branch>/`` (``newer="branch"``) or deleted
+        (``newer="delete"``); nothing moves if the restore fails, and a crash leaves
+        the rollback not started or finished by the next writer. Later checkpoints
+        record it under ``metadata["rollbacks"]`` (with ``reason``). See docs/manager.md.
         """
-        self._check_writable("rollback")
+        return self._rollback(step, like, newer, branch, reason)[0]
+
+    def _rollback(
+        self,
+        step: int,
+        like: State | None,
+        newer: Newer,
+        branch: str | None,
+        reason: Mapping[str, Any] | None,
+    ) -> tuple[TensorDict, str | None]:
+        """:meth:`rollback`, and the branch the newer checkpoints went to (or None)."""
+        self._check_open("rollback", writing=True)
         rollback.check_request(newer, branch, reason)
         self.wait()  # a save in flight commits first: it may be one of the newer steps
         state = self.restore(step, like)  # raises, moving nothing, if step is unusable
-        doomed = sorted(s for s, _ in self._step_dirs() if s > step)
+        doomed = sorted(s for s, _ in self.view.candidates() if s > step)
         if self.remote is not None and self._coordinator:  # the remote trunk first (tiered.md)
             remote = self.remote.newer_than(step)
             if remote and newer == "branch":
                 branch = rollback.new_branch(self.root, branch, max(remote + doomed), step)
             self.remote.set_aside(remote, branch if newer == "branch" else None)
         if not (doomed or reason) or not self._coordinator:
-            return state
-        self._run.rollbacks.append(rollback.run(self.root, step, doomed, newer, branch, reason))
-        self._summaries.forget(doomed)
-        return state
+            return state, None
+        done = rollback.run(self.root, step, doomed, newer, branch, reason)
+        self._run.rollbacks.append(done)
+        self.view.forget(doomed)
+        return state, done.get("branch")
 
     def _adopt(self, info: StepInfo) -> None:
         """Continue the run from the restored checkpoint: policy states and running time."""

@@ -7,19 +7,48 @@ passed it, naming the argument, before anything is written.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.policy import SavePolicy
-from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all
-from functional_ckpt._src.root.lock import WriterLock
+from functional_ckpt._src.policy.retention import RetentionPolicy
+from functional_ckpt._src.save.staging import Staging
 from functional_ckpt.errors import UnsupportedValue
 
-if TYPE_CHECKING:
-    from functional_ckpt._src.remote.tier import RemoteTier
+__all__ = ["AsyncSave", "check_policies", "plain_metrics"]
 
-__all__ = ["check_policies", "plain_metrics", "remote_tier"]
+
+@dataclass(frozen=True)
+class AsyncSave:
+    """Save off the training thread (``CheckpointManager(async_save=AsyncSave(...))``).
+
+    ``staging="copy"`` (default): ``maybe_save`` returns once the state's tensors are
+    copied into the manager's reusable buffers; ``"none"``: nothing is copied, the
+    loop must not change tensors in place until the save commits (a functional loop
+    never does; a violation refuses the checkpoint). ``async_save=True`` is
+    ``AsyncSave()``.
+    """
+
+    staging: Staging = "copy"
+
+    def __post_init__(self) -> None:
+        if self.staging not in ("copy", "none"):
+            raise ValueError(f"AsyncSave(staging={self.staging!r}): expected 'copy' or 'none'")
+
+
+def async_option(value: object) -> AsyncSave | None:
+    """``async_save=`` as given: False/None, True, or an :class:`AsyncSave`."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return AsyncSave()
+    if not isinstance(value, AsyncSave):
+        raise TypeError(
+            f"CheckpointManager(async_save={value!r}): expected True, False or "
+            "fc.manager.AsyncSave(staging=...)"
+        )
+    return value
 
 
 def check_policies(save: object, keep: object, export: object) -> None:
@@ -52,59 +81,3 @@ def plain_metrics(metrics: Mapping[str, Any] | None, where: str) -> dict[str, fl
                 "metrics are compared and stored as float64"
             ) from None
     return out
-
-
-def remote_tier(
-    root: Path,
-    remote: str | None,
-    keep: object,
-    storage_options: Mapping[str, Any] | None,
-    prune_unuploaded: bool,
-    read_only: bool,
-    *,
-    lock: WriterLock | None = None,
-) -> RemoteTier | None:
-    """The remote tier ``remote=`` asks for (None without one), its endpoint checked now.
-
-    On any failure the manager's ``lock`` is released: the manager was not made.
-    """
-    try:
-        return _remote_tier(root, remote, keep, storage_options, prune_unuploaded, read_only)
-    except BaseException:
-        if lock is not None:
-            lock.release()
-        raise
-
-
-def _remote_tier(
-    root: Path,
-    remote: str | None,
-    keep: object,
-    storage_options: Mapping[str, Any] | None,
-    prune_unuploaded: bool,
-    read_only: bool,
-) -> RemoteTier | None:
-    if remote is None:
-        if keep is not None or storage_options is not None:
-            raise TypeError("CheckpointManager: remote_keep= and storage_options= need remote=")
-        return None
-    if not isinstance(remote, str):
-        raise TypeError(f"CheckpointManager(remote={remote!r}): expected an fsspec URL string")
-    keep = keep_all() if keep is None else keep
-    if not isinstance(keep, RetentionPolicy):
-        raise TypeError(f"CheckpointManager(remote_keep={keep!r}): not a RetentionPolicy")
-    if storage_options is not None and not isinstance(storage_options, Mapping):
-        raise TypeError(
-            f"CheckpointManager(storage_options=<{type(storage_options).__name__}>): expected "
-            "a mapping of fsspec options (its values are not shown: they may be credentials)"
-        )
-    from functional_ckpt._src.remote.tier import RemoteTier
-
-    return RemoteTier(
-        root,
-        remote,
-        keep=keep,
-        storage_options=storage_options,
-        prune_unuploaded=bool(prune_unuploaded),
-        writer=not read_only,
-    )

@@ -15,10 +15,10 @@ Everything here is a function of the rule, the event and the kept checkpoints.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from tensordict import TensorDict
 
@@ -164,33 +164,27 @@ class Watch:
         return {"rule": repr(self.rule), "at_step": event.step, "metrics": metrics}
 
 
-class _Manager(Protocol):
-    """The public methods of a manager that a rollback on degradation uses."""
-
-    root: Path
-
-    def wait(self) -> None: ...
-
-    def infos(self) -> list[StepInfo]: ...
-
-    def branches(self) -> dict[str, list[int]]: ...
-
-    def rollback(
-        self, step: int, like: Any = None, *, reason: Mapping[str, Any] | None = None
-    ) -> TensorDict: ...
+#: Continue from ``step``, recording ``reason``: returns the restored state and the
+#: branch the newer checkpoints went to (None when there were none).
+RollbackTo = Callable[[int, Mapping[str, Any]], tuple[TensorDict, str | None]]
 
 
-def roll_back(mgr: _Manager, watch: Watch, like: Any, event: Event, saved: bool) -> SaveResult:
+def roll_back(
+    watch: Watch,
+    event: Event,
+    saved: bool,
+    infos: Sequence[StepInfo],
+    root: Path,
+    rollback_to: RollbackTo,
+) -> SaveResult:
     """The rule fired on ``event``: continue from the kept checkpoint it points to.
 
-    Only public manager methods: a loop could do the same by hand with
-    :func:`choose_target` and ``mgr.rollback``.
+    Gets what it needs and nothing else: the kept checkpoints (``infos``, the one of
+    this very event committed already) and how to roll back. A loop could do the same
+    by hand with :func:`choose_target` and ``CheckpointManager.rollback``.
     """
-    mgr.wait()  # the checkpoint of this very event commits first: it goes to the branch
-    target = watch.choose(mgr.infos(), event, mgr.root)
+    target = watch.choose(infos, event, root)
     if target is None:
         return SaveResult(saved)
-    before = set(mgr.branches())
-    state = mgr.rollback(target, like, reason=watch.reason(event))
-    branch = next(iter(set(mgr.branches()) - before), None)
+    state, branch = rollback_to(target, watch.reason(event))
     return SaveResult(saved, Rollback(event.step, target, state, branch))

@@ -30,7 +30,7 @@ from pathlib import Path
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import parse_shard
 from functional_ckpt._src.remote.store import Store
-from functional_ckpt._src.storage import checkpoint
+from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import RemoteError
 
 __all__ = [
@@ -54,7 +54,7 @@ def owner(name: str, world: int) -> int:
 
 def expected_sizes(local: Path) -> dict[str, int]:
     """Every object of the checkpoint at ``local`` except the marker, with its size."""
-    manifest = checkpoint.read_manifest(local)  # authenticated by the local marker
+    manifest = committed.read_manifest(local)  # authenticated by the local marker
     sizes = {str(name): int(info["size"]) for name, info in manifest["files"].items()}
     sizes[naming.MANIFEST] = (local / naming.MANIFEST).stat().st_size
     return sizes

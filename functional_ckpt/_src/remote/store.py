@@ -21,7 +21,7 @@ from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.limits import LIMITS
 from functional_ckpt._src.format.naming import parse_step, step_name
 from functional_ckpt._src.remote.mover import Mover, _MovedFailure, facts_of, reaches
-from functional_ckpt._src.storage import checkpoint
+from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -294,7 +294,7 @@ class Store:
             ) from None
         marker = decode_small(marker_bytes, self.where(step, naming.COMMIT_MARKER))
         size = marker.get("manifest_size")
-        if not isinstance(size, int) or not 0 <= size <= checkpoint.MAX_MANIFEST_BYTES:
+        if not isinstance(size, int) or not 0 <= size <= committed.MAX_MANIFEST_BYTES:
             raise CorruptCheckpoint(f"{where}: the commit marker records no valid manifest size")
         if found.get(naming.MANIFEST) != size:
             have = found.get(naming.MANIFEST)
@@ -327,7 +327,7 @@ def _fs_class(fsspec: Any, url: str) -> Any:
 
 def decode_small(raw: bytes, where: str) -> dict[str, Any]:
     """A marker or manifest decoded by the exact codec (never pickle)."""
-    if len(raw) > checkpoint.MAX_MANIFEST_BYTES:
+    if len(raw) > committed.MAX_MANIFEST_BYTES:
         raise CorruptCheckpoint(f"{where}: {len(raw)} bytes, more than a manifest may hold")
     value = codec.decode(raw, source=where)
     if not isinstance(value, dict):

@@ -111,13 +111,11 @@ class RemoteTier:
             error = e
         if self.world > 1:
             from functional_ckpt._src.distributed.groups import agree, checkpoint_group
-            from functional_ckpt._src.save.multi_rank import allow_parts
 
             self._group = checkpoint_group(timeout, purpose="upload")
             agree(error, self._group, f"remote {self.url}")
             if writer:
                 self.shared = self._shared_root()
-                allow_parts(root, not self.shared)  # the uploads make each split save whole
         self._lock = threading.Lock()
         self.failures: dict[int, CheckpointError] = {}
         self._unreported: list[CheckpointError] = []
@@ -136,6 +134,12 @@ class RemoteTier:
 
     def __repr__(self) -> str:
         return f"RemoteTier({self.url!r}, keep={self.keep!r})"
+
+    @property
+    def parts(self) -> bool:
+        """Whether the ranks' local roots are split (one per machine): each rank's save
+        then keeps its own shard files, and the uploads make every checkpoint whole."""
+        return self.world > 1 and not self.shared
 
     # ------------------------------------------------------------------ training thread
 
@@ -194,10 +198,6 @@ class RemoteTier:
             self._worker.drain()
             self._worker.stop()
             self._worker = None
-            if self.world > 1 and not self.shared:
-                from functional_ckpt._src.save.multi_rank import allow_parts
-
-                allow_parts(self.root, False)
         self.store.close()
         self.check()
 

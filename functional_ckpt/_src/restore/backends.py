@@ -25,8 +25,8 @@ from functional_ckpt._src.restore.read import CPU, read_leaves
 from functional_ckpt._src.restore.stock_dcp import StockFiles, StockMatch, match_dcp, read_dcp
 from functional_ckpt._src.restore.template import Reshard, rank_view, select
 from functional_ckpt._src.state.tree import Leaf, iter_leaves
-from functional_ckpt._src.storage import checkpoint
-from functional_ckpt._src.storage.checkpoint import open_vetted
+from functional_ckpt._src.storage import committed
+from functional_ckpt._src.storage.committed import open_vetted
 from functional_ckpt.errors import CheckpointError
 
 
@@ -76,7 +76,7 @@ class ReadBackend(Protocol):
 class _Manifested:
     """A checkpoint of this format: opened, vetted and its manifest parsed, once."""
 
-    def __init__(self, ck: checkpoint.Checkpoint, topo: Topology) -> None:
+    def __init__(self, ck: committed.Checkpoint, topo: Topology) -> None:
         self.ck = ck
         self.path = ck.path
         self.topo = topo

@@ -25,7 +25,7 @@ from functional_ckpt._src.format import dcp_metadata
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.manifest import Chunk
 from functional_ckpt._src.format.view import ParsedManifest
-from functional_ckpt._src.storage import checkpoint
+from functional_ckpt._src.storage import committed
 from functional_ckpt._src.storage.shards import read_chunk
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
@@ -38,7 +38,7 @@ class _ManifestReader(StorageReader):
     is never read.
     """
 
-    def __init__(self, root: checkpoint.Checkpoint, parsed: ParsedManifest) -> None:
+    def __init__(self, root: committed.Checkpoint, parsed: ParsedManifest) -> None:
         super().__init__()
         self.root = root
         self.parsed = parsed
@@ -98,7 +98,7 @@ class _ManifestReader(StorageReader):
 
 
 def read_sharded(
-    ck: checkpoint.Checkpoint,
+    ck: committed.Checkpoint,
     parsed: ParsedManifest,
     wanted: Mapping[KeyPath, torch.Tensor],
     group: Any,

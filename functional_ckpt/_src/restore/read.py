@@ -23,8 +23,8 @@ from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.format.manifest import Chunk, TensorEntry, element_size
 from functional_ckpt._src.format.view import ParsedManifest, parse
 from functional_ckpt._src.state.tree import Leaf, unflatten
-from functional_ckpt._src.storage import checkpoint, shards
-from functional_ckpt._src.storage.checkpoint import open_vetted
+from functional_ckpt._src.storage import committed, shards
+from functional_ckpt._src.storage.committed import open_vetted
 from functional_ckpt.errors import (
     CorruptCheckpoint,
 )
@@ -129,7 +129,7 @@ def _region(buf: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     return region
 
 
-def read_targets(src: checkpoint.Checkpoint, targets: list[Target]) -> None:
+def read_targets(src: committed.Checkpoint, targets: list[Target]) -> None:
     """Read every chunk of every target, checking CRC32s; one error lists all damage."""
     by_file: dict[str, list[tuple[Target, Chunk, torch.Tensor]]] = {}
     for tg in targets:
@@ -164,7 +164,7 @@ def read_targets(src: checkpoint.Checkpoint, targets: list[Target]) -> None:
 
 
 def build(
-    src: checkpoint.Checkpoint,
+    src: committed.Checkpoint,
     parsed: ParsedManifest,
     selected: list[tuple[KeyPath, str]],
     wanted: dict[KeyPath, torch.Tensor],
@@ -187,7 +187,7 @@ def rebuild(leaves: list[Leaf], root: dict[str, Any] | None, src: Path) -> Tenso
 
 
 def read_leaves(
-    src: checkpoint.Checkpoint,
+    src: committed.Checkpoint,
     parsed: ParsedManifest,
     selected: list[tuple[KeyPath, str]],
     wanted: dict[KeyPath, torch.Tensor],

@@ -19,7 +19,7 @@ from functional_ckpt._src.format.manifest import dtype_name
 from functional_ckpt._src.format.view import ParsedCheckpoint, ParsedManifest
 from functional_ckpt._src.restore.read import build
 from functional_ckpt._src.state.tree import Leaf, as_state, iter_leaves, node_record, unflatten
-from functional_ckpt._src.storage import checkpoint
+from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import (
     TemplateMismatch,
 )
@@ -118,7 +118,7 @@ class RankView:
 
 
 def rank_view(
-    src: checkpoint.Checkpoint,
+    src: committed.Checkpoint,
     parsed: ParsedCheckpoint,
     template: TensorDictBase | None,
     *,
@@ -151,7 +151,7 @@ def rank_view(
 
 
 def resharded_per_rank(
-    src: checkpoint.Checkpoint, parsed: ParsedCheckpoint, reshard: Reshard, rank: int, world: int
+    src: committed.Checkpoint, parsed: ParsedCheckpoint, reshard: Reshard, rank: int, world: int
 ) -> TensorDict:
     """This rank's per-rank subtrees, mapped by the user from every saving rank's.
 

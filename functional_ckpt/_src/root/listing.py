@@ -23,14 +23,11 @@ from functional_ckpt._src.format.naming import (
     parse_step,
     step_in_name,
 )
-from functional_ckpt._src.storage import checkpoint
+from functional_ckpt._src.storage import committed
 from functional_ckpt._src.storage.usage import dir_size
 from functional_ckpt.errors import (
     CheckpointError,
     CheckpointNotFound,
-    CorruptCheckpoint,
-    IncompleteCheckpoint,
-    UnsafeCheckpoint,
 )
 
 
@@ -60,7 +57,7 @@ def read_info(path: Path, step: int) -> StepInfo:
     Whatever the manifest holds (a manager's record or odd user metadata), the
     summary is well formed: fields of the wrong type are left out, never fatal.
     """
-    head = header_of(checkpoint.read_manifest(path))
+    head = header_of(committed.read_manifest(path))
     return StepInfo(
         step=step,
         path=path,
@@ -156,7 +153,7 @@ def _committed_entry(path: Path) -> Entry:
     name = path.name
     canonical = parse_step(name) is not None
     try:
-        manifest = checkpoint.read_manifest(path)
+        manifest = committed.read_manifest(path)
     except (CheckpointError, OSError, ValueError, RecursionError, MemoryError) as err:
         return Entry(
             name,
@@ -301,26 +298,6 @@ def kept_by(
     return out
 
 
-#: What a checkpoint's own bytes can raise: only these move it aside.
-DAMAGE: tuple[type[BaseException], ...] = (
-    CorruptCheckpoint,
-    UnsafeCheckpoint,
-    IncompleteCheckpoint,
-    CheckpointNotFound,
-)
-
-
-def is_damage(err: BaseException) -> bool:
-    """Is ``err`` about the checkpoint (skip it) rather than the caller (raise it)?
-
-    A bad template, an unsupported value in it or a bad argument is the caller's
-    error and says nothing about the checkpoint; an I/O error reading it does.
-    """
-    if isinstance(err, CheckpointError):
-        return isinstance(err, DAMAGE)
-    return isinstance(err, OSError)
-
-
 def _leftover_manifest(path: Path) -> dict[str, Any] | None:
     """The manifest of a leftover directory if its marker is whole and vouches for it.
 
@@ -333,7 +310,7 @@ def _leftover_manifest(path: Path) -> dict[str, Any] | None:
     except OSError:
         return None
     try:
-        return checkpoint.read_manifest_at(dir_fd, path, checkpoint.read_marker(dir_fd, path))
+        return committed.read_manifest_at(dir_fd, path, committed.read_marker(dir_fd, path))
     except (CheckpointError, OSError, ValueError, RecursionError, MemoryError):
         return None
     finally:

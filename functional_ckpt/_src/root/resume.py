@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from functional_ckpt._src.root.delete import quarantine
-from functional_ckpt._src.root.listing import StepInfo, identity, is_damage, quarantined, read_info
-from functional_ckpt.errors import CheckpointError, CheckpointWarning
+from functional_ckpt._src.root.listing import StepInfo, identity, quarantined, read_info
+from functional_ckpt.errors import CheckpointError, CheckpointWarning, is_damage
 
 __all__ = ["check_order", "newest_readable"]
 
@@ -42,23 +42,24 @@ def newest_readable(
     read: Callable[[Path], T],
     *,
     move_aside: bool,
-    bad: set[tuple[int, int]],
     stacklevel: int = 2,
-) -> tuple[StepInfo, T] | None:
-    """Read the newest of ``candidates()`` that is readable; None only if there is none.
+) -> tuple[tuple[StepInfo, T] | None, set[tuple[int, int]]]:
+    """Read the newest of ``candidates()`` that is readable, and say what was damaged.
 
-    ``candidates`` lists ``(step, path)`` and is called again when a checkpoint
-    vanishes or is replaced while it is read (a follower racing the writer's
-    prune). ``read`` reads one checkpoint. A damaged one is moved aside when
-    ``move_aside``, else its ``(step, inode)`` is added to ``bad`` so that
-    ``candidates`` can leave it out. ``stacklevel`` is that of the warnings, counted
-    as if this function issued them.
+    Returns (the step's summary and what ``read`` made of it, or None when there is
+    nothing to resume from; the ``(step, inode)`` of every damaged checkpoint left in
+    place, for the caller to leave out of its next candidates). ``candidates`` lists
+    ``(step, path)`` and is called again when a checkpoint vanishes or is replaced
+    while it is read (a follower racing the writer's prune). ``read`` reads one
+    checkpoint. A damaged one is moved aside when ``move_aside``. ``stacklevel`` is
+    that of the warnings, counted as if this function issued them.
 
     Raises:
         CheckpointError: checkpoints exist but none is readable, or the only ones
             were found damaged earlier and moved aside.
     """
     failures: list[str] = []
+    bad: set[tuple[int, int]] = set()
     for _ in range(_RELISTS):
         try:
             result = _try_candidates(
@@ -70,7 +71,7 @@ def newest_readable(
     else:
         raise CheckpointError(f"{root}: checkpoints kept vanishing while restoring")
     if result is not None:
-        return result
+        return result, bad
     if failures:
         raise CheckpointError(
             f"{root}: checkpoints exist but none is readable; refusing to start "
@@ -83,7 +84,7 @@ def newest_readable(
             f"aside ({', '.join(damaged[:5])}); refusing to start fresh. Move or delete "
             "them to start over"
         )
-    return None
+    return None, bad
 
 
 def _try_candidates(
@@ -97,6 +98,8 @@ def _try_candidates(
 ) -> tuple[StepInfo, T] | None:
     for step, path in sorted(candidates, reverse=True):
         before = identity(path)
+        if before is not None and (step, before[0]) in bad:
+            continue  # found damaged already, on an earlier listing
         try:
             info = read_info(path, step)
             state = read(path)

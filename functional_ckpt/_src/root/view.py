@@ -24,14 +24,14 @@ class RootView:
         self.root = root
         self._bad: set[tuple[int, int]] = set()  # (step, dir inode) found unreadable
         self._summaries = Summaries()
-        self._restored_step: int | None = None
 
     def path(self, step: int) -> Path:
         """Where the checkpoint of ``step`` lives (whether or not it exists)."""
         return self.root / step_name(step)
 
-    def _step_dirs(self) -> Iterator[tuple[int, Path]]:
-        """Every canonical ``step_N`` directory not known to be unreadable."""
+    def candidates(self) -> Iterator[tuple[int, Path]]:
+        """Every canonical ``step_N`` directory not known to be unreadable (what a resume
+        tries, newest first)."""
         for step, path, inode in step_dirs(self.root):
             if (step, inode) not in self._bad:
                 yield step, path
@@ -44,10 +44,14 @@ class RootView:
         """The newest committed step, excluding any this manager found unreadable."""
         return max(self.steps(), default=None)
 
-    @property
-    def restored_step(self) -> int | None:
-        """The step the last ``restore``/``restore_latest`` returned, if any."""
-        return self._restored_step
+    def found_unreadable(self, damaged: set[tuple[int, int]]) -> None:
+        """Leave these ``(step, directory inode)`` out from now on (a reader found them
+        damaged and left them where they are)."""
+        self._bad |= damaged
+
+    def forget(self, steps: list[int]) -> None:
+        """These steps were deleted or moved: their summaries are stale."""
+        self._summaries.forget(steps)
 
     def info(self, step: int) -> StepInfo:
         """Step, time, metrics, epoch, size and full metadata of one checkpoint."""

@@ -1,12 +1,14 @@
 """``fc.save`` and ``fc.save_async``: one pipeline, different staging and backends.
 
-    flatten once (:func:`flatten`) -> stage (none / copy into reusable, pinned
+    plan once (:func:`plan_job`) -> stage (none / copy into reusable, pinned
     buffers) -> write through a backend (local files; the distributed DCP writer)
     -> commit
 
-A synchronous save stages nothing beyond a host copy of device tensors; an
-asynchronous one stages on its background thread and commits there. Whether the
-save is distributed is decided once, from the :mod:`topology` and the plan.
+The options are checked once, where the call comes in (:mod:`.options`); the plan
+and the job are values from there on. A synchronous save stages nothing beyond a
+host copy of device tensors; an asynchronous one stages on its background thread and
+commits there. Whether the save is distributed is decided once, from the
+:mod:`topology <..distributed.topology>` and the plan.
 """
 
 from __future__ import annotations
@@ -20,55 +22,72 @@ from tensordict import TensorDictBase
 
 from functional_ckpt._src.distributed.topology import is_dtensor, topology
 from functional_ckpt._src.paths import PathLike
-from functional_ckpt._src.save import incremental as incr
+from functional_ckpt._src.save import incremental
 from functional_ckpt._src.save import staging as stages
-from functional_ckpt._src.save.backends import Hooks, SaveJob, backend_for
-from functional_ckpt._src.save.incremental import Incremental
+from functional_ckpt._src.save.backends import backend_for
 from functional_ckpt._src.save.info import CheckpointInfo
-from functional_ckpt._src.save.plan import DEFAULT_PER_RANK, host_copy, prepare_save
+from functional_ckpt._src.save.job import Hooks, SaveJob
+from functional_ckpt._src.save.options import DEFAULT_PER_RANK, SaveOptions, save_options
+from functional_ckpt._src.save.plan import host_copy, prepare_save
 from functional_ckpt._src.save.staging import PendingSave, Stager, Staging
+from functional_ckpt._src.save.trust import ident
 from functional_ckpt._src.state.gc_pause import gc_paused
 from functional_ckpt.errors import CheckpointError
 
 State = TensorDictBase | Mapping[str, Any]
 
 
-def flatten(
-    path: PathLike,
-    state: State,
-    metadata: Mapping[str, Any] | None,
-    overwrite: bool,
-    per_rank: Sequence[str],
-    incremental: Incremental | None = None,
-) -> SaveJob:
-    """Check and flatten a state once: destination, metadata, every leaf, the base.
+def plan_job(path: PathLike, state: State, options: SaveOptions, *, snapshot: bool) -> SaveJob:
+    """Check and plan a save once: destination, metadata, every leaf, the base.
 
-    A single process raises what it finds; a rank of a distributed save keeps it
-    in the job, for the backend to fail every rank together. With
-    ``incremental``, the base is opened and vetted here, and the sources'
-    version counters are read now, before anything can stage or write them.
+    A single process raises what it finds; a rank of a distributed save keeps it in
+    the job, for the backend to fail every rank together. The base is opened and
+    vetted here, and the sources' version counters are read now, before anything can
+    stage or write them.
     """
     topo = topology()
     try:
-        dest, plan, meta = prepare_save(
+        prepared = prepare_save(
             path,
             state,
-            metadata,
-            overwrite,
-            per_rank=per_rank,
+            options.metadata,
+            options.overwrite,
+            per_rank=options.per_rank,
             rank=topo.rank,
             check_path=topo.coordinator,
         )
-        base = incr.open_base(incremental)
+        base = incremental.open_base(options)
     except BaseException as e:
         if not topo.distributed:
             raise
-        return SaveJob(Path(path), None, None, overwrite, topo, True, e)
-    job = SaveJob(dest, plan, meta, overwrite, topo, topo.distributed or plan.has_dtensor)
-    if incremental is not None:
-        job.base = base
-        job.idents = [incr.ident(t) for t in plan.sources]
-    return job
+        return SaveJob(Path(path), None, options, topo, True, e)
+    plan = prepared.plan
+    return SaveJob(
+        prepared.dest,
+        prepared,
+        options,
+        topo,
+        topo.distributed or plan.has_dtensor,
+        base=base,
+        idents=tuple(ident(t) for t in plan.sources),
+        snapshot=snapshot,
+    )
+
+
+def run_save(path: PathLike, state: State, options: SaveOptions) -> CheckpointInfo:
+    """A synchronous save with the given options (``fc.save``, a manager's saves)."""
+    with gc_paused():
+        job = plan_job(path, state, options, snapshot=False)
+        with incremental.closing(job.base):
+            sources = () if job.prepared is None else job.plan.sources
+            # Distributed writers copy what DCP's planner hands them; locally, only
+            # device tensors and non-contiguous views are copied to the host.
+            tensors = list(sources) if job.distributed else [host_copy(t) for t in sources]
+            info = backend_for(job).write(job, tensors, Hooks())
+        # Freed while collection is paused, the plan's many small objects are never
+        # walked by the collection that re-enabling would soon trigger.
+        del job, sources, tensors
+    return info
 
 
 def save(
@@ -78,7 +97,7 @@ def save(
     metadata: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     per_rank: Sequence[str] = DEFAULT_PER_RANK,
-    base: PathLike | Incremental | None = None,
+    base: PathLike | None = None,
 ) -> CheckpointInfo:
     """Write ``state`` to the directory ``path``, atomically and durably.
 
@@ -89,18 +108,32 @@ def save(
     With ``base`` (a committed checkpoint), bytes unchanged since the base are
     not written again but shared with it; the result is still self-contained.
     """
-    with gc_paused():
-        job = flatten(path, state, metadata, overwrite, per_rank, incr.as_incremental(base))
-        with incr.closing(job.base):
-            sources = [] if job.plan is None else job.plan.sources
-            # Distributed writers copy what DCP's planner hands them; locally, only
-            # device tensors and non-contiguous views are copied to the host.
-            tensors = sources if job.distributed else [host_copy(t) for t in sources]
-            info = backend_for(job).write(job, tensors, Hooks())
-        # Freed while collection is paused, the plan's many small objects are never
-        # walked by the collection that re-enabling would soon trigger.
-        del job, sources, tensors
-    return info
+    options = save_options(
+        metadata=metadata, overwrite=overwrite, per_rank=per_rank, base=base, what="fc.save"
+    )
+    return run_save(path, state, options)
+
+
+def start_save(
+    path: PathLike, state: State, options: SaveOptions, staging: Staging, stager: Stager
+) -> PendingSave:
+    """An asynchronous save with the given options (``fc.save_async``, a manager's)."""
+    if staging not in ("copy", "none"):
+        raise ValueError(f"save_async(staging={staging!r}): expected 'copy' or 'none'")
+    job = plan_job(path, state, options, snapshot=True)
+    with incremental.closing_on_error(job.base):
+        if job.distributed:
+            if staging == "none":
+                raise CheckpointError(
+                    "save_async(staging='none') is not supported under torch.distributed; "
+                    "use staging='copy'"
+                )
+            from functional_ckpt._src.distributed.groups import checkpoint_group
+
+            # Creating the group is a collective on the default group: not on a thread
+            # that could race training.
+            checkpoint_group()
+        return stages.run_in_background(job.dest, _work(job, staging, stager))
 
 
 def save_async(
@@ -112,60 +145,44 @@ def save_async(
     staging: Staging = "copy",
     stager: Stager | None = None,
     per_rank: Sequence[str] = DEFAULT_PER_RANK,
-    base: PathLike | Incremental | None = None,
+    base: PathLike | None = None,
 ) -> PendingSave:
     """Start saving ``state`` to ``path`` in the background.
 
     Everything that can be checked up front (destination, metadata, leaf types) is
-    checked here and raises here. The files and commit protocol are those of
-    :func:`functional_ckpt.save`.
+    checked here and raises here, and the state's plain values are encoded now (the
+    checkpoint holds them as they are at this call). The files and commit protocol
+    are those of :func:`functional_ckpt.save`.
 
-    ``staging="copy"`` (default): tensors are copied into reusable buffers first;
-    ``wait_staged()`` returns after the copy. ``staging="none"``: no copy; the caller
-    must not modify the state's tensors in place until ``result()`` returns, and a
-    violation is detected and the checkpoint refused. ``base`` as for
-    :func:`functional_ckpt.save`: unchanged chunks are shared with the base,
-    decided on the bytes being committed (the staged copies).
+    ``staging="copy"`` (default): tensors are copied into buffers first;
+    ``wait_staged()`` returns after the copy. A ``stager`` (``fc.checkpoint.Stager``)
+    keeps those buffers from one save to the next; without one, each save allocates
+    its own. ``staging="none"``: no copy; the caller must not modify the state's
+    tensors in place until ``result()`` returns, and a violation is detected and the
+    checkpoint refused. ``base`` as for :func:`functional_ckpt.save`: unchanged
+    chunks are shared with the base, decided on the bytes being committed (the
+    staged copies).
     """
-    if staging not in ("copy", "none"):
-        raise ValueError(f"save_async(staging={staging!r}): expected 'copy' or 'none'")
-    own = stager if stager is not None else stages.DEFAULT_STAGER
-    job = flatten(path, state, metadata, overwrite, per_rank, incr.as_incremental(base))
-    with incr.closing_on_error(job.base):
-        return _start(job, staging, own)
-
-
-def _start(job: SaveJob, staging: Staging, own: Stager) -> PendingSave:
-    if job.plan is not None:
-        # Values are encoded when the write ends, after the caller may have changed
-        # them: scan them again then.
-        job.plan.checked = False
-    if job.distributed:
-        if staging == "none":
-            raise CheckpointError(
-                "save_async(staging='none') is not supported under torch.distributed; "
-                "use staging='copy'"
-            )
-        from functional_ckpt._src.distributed.groups import checkpoint_group
-
-        # Creating the group is a collective on the default group: not on a thread
-        # that could race training.
-        checkpoint_group()
-    return stages.run_in_background(job.dest, _work(job, staging, own))
+    options = save_options(
+        metadata=metadata, overwrite=overwrite, per_rank=per_rank, base=base, what="fc.save_async"
+    )
+    if stager is not None and not isinstance(stager, Stager):
+        raise TypeError(f"fc.save_async(stager={stager!r}): expected an fc.checkpoint.Stager")
+    return start_save(path, state, options, staging, Stager() if stager is None else stager)
 
 
 def _work(job: SaveJob, mode: Staging, stager: Stager) -> Callable[[PendingSave], CheckpointInfo]:
     """The background half of an async save: stage, then write through the backend."""
     backend = backend_for(job)
-    sources: list[torch.Tensor] = [] if job.plan is None else job.plan.sources
+    sources: Sequence[torch.Tensor] = () if job.prepared is None else job.plan.sources
     if mode == "none":
-        assert job.plan is not None
+        plan = job.plan
         tensors = [host_copy(t) for t in sources]  # only contiguous host tensors stay live
-        after_each, check = stages._version_guard(sources, job.plan.keys, tensors, job.plan.targets)
+        after_each, check = stages.version_guard(sources, plan.keys, tensors, plan.targets)
 
         def unstaged(pending: PendingSave) -> CheckpointInfo:
             pending._mark_staged()
-            with incr.closing(job.base):
+            with incremental.closing(job.base):
                 return backend.write(job, tensors, Hooks(after_each, check))
 
         return unstaged
@@ -173,7 +190,7 @@ def _work(job: SaveJob, mode: Staging, stager: Stager) -> Callable[[PendingSave]
     local = [t.to_local() if is_dtensor(t) else t for t in sources]  # type: ignore[attr-defined]
 
     def staged(pending: PendingSave) -> CheckpointInfo:
-        with incr.closing(job.base):
+        with incremental.closing(job.base):
             return staged_write(pending)
 
     def staged_write(pending: PendingSave) -> CheckpointInfo:
@@ -190,4 +207,4 @@ def _work(job: SaveJob, mode: Staging, stager: Stager) -> Callable[[PendingSave]
     return staged
 
 
-__all__ = ["flatten", "save", "save_async"]
+__all__ = ["plan_job", "run_save", "save", "save_async", "start_save"]

@@ -22,7 +22,7 @@ import dataclasses
 import errno
 import os
 import stat
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,12 +39,9 @@ from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import Chunk
 from functional_ckpt._src.format.naming import parse_shard, shard_name
 from functional_ckpt._src.format.view import parse_checkpoint
-from functional_ckpt._src.paths import PathLike
-from functional_ckpt._src.save import local
-from functional_ckpt._src.save.info import CheckpointInfo
-from functional_ckpt._src.save.plan import Plan
-from functional_ckpt._src.save.trust import _SEEN, Ident, Key, _file_ident, _identity, remember
-from functional_ckpt._src.storage import checkpoint, opener, shards
+from functional_ckpt._src.save.options import SaveOptions
+from functional_ckpt._src.save.trust import Ident, Key
+from functional_ckpt._src.storage import committed, opener, shards
 from functional_ckpt.errors import CheckpointError
 
 #: A base data file is shared only while at least this fraction of its bytes is
@@ -59,25 +56,6 @@ MIN_LIVE = 0.5
 _NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES}
 
 
-@dataclass(frozen=True)
-class Incremental:
-    """How a save uses a base: ``base`` (None: no base yet, but remember this save)
-    and whether an unreadable base is an error (``fc.save``) or means a full save
-    (the manager: its previous checkpoint may have been moved aside meanwhile)."""
-
-    base: Path | None
-    required: bool = True
-
-
-def as_incremental(base: PathLike | Incremental | None) -> Incremental | None:
-    """A ``base=`` argument: a path (it must be readable) or how the manager chains."""
-    if base is None or isinstance(base, Incremental):
-        return base
-    if not isinstance(base, str | os.PathLike):
-        raise TypeError(f"base={base!r}: expected the path of a committed checkpoint or None")
-    return Incremental(Path(base))
-
-
 @dataclass
 class BaseChunk:
     dtype: torch.dtype
@@ -89,11 +67,11 @@ class Base:
     """A committed base held open through its directory: its chunks, file sizes and
     the bytes of each file that are not the base's own values for stock readers."""
 
-    ck: checkpoint.Checkpoint
+    ck: committed.Checkpoint
     chunks: dict[Key, BaseChunk]
     sizes: dict[str, int]
     tensor_bytes: dict[str, int]
-    seen: dict[Key, Ident]  # what this process saved there, if it wrote it
+    seen: Mapping[Key, Ident]  # what this process saved there, if it wrote it
     trusted: set[str] = dataclasses.field(default_factory=set)  # files this process wrote
     fds: dict[str, int] = dataclasses.field(default_factory=dict)  # files opened to compare
 
@@ -118,18 +96,19 @@ class Base:
         self.ck.close()
 
 
-def open_base(inc: Incremental | None) -> Base | None:
-    """Open and vet the base once, before anything is written.
+def open_base(options: SaveOptions) -> Base | None:
+    """Open and vet the base of a save once, before anything is written.
 
-    An unreadable base raises when ``required``; otherwise the save is a full one.
+    An unreadable base raises when ``options.base_required``; otherwise the save is a
+    full one.
     """
-    if inc is None or inc.base is None:
+    path = options.base
+    if path is None:
         return None
-    path = inc.base
     try:
-        ck = checkpoint.open_checkpoint(path, members=False)
+        ck = committed.open_checkpoint(path, members=False)
     except CheckpointError as err:
-        if not inc.required:
+        if not options.base_required:
             return None
         raise CheckpointError(
             f"base={path}: cannot be used as the base of an incremental save: {err}; "
@@ -143,17 +122,17 @@ def open_base(inc: Incremental | None) -> Base | None:
                 if e.alias is None:
                     for c in e.chunks:
                         chunks[(e.fqn, c.offsets)] = BaseChunk(e.dtype, c)
-        memory = _SEEN.get(_identity(ck.dir_fd, path))
         held = dict(parsed.shared.file_sizes)
         for b in dcpbytes.parse(ck.manifest, held, path):
             held[b.file] -= b.length
+        memory = options.trust.recall(ck.dir_fd, path)
+        sizes = dict(parsed.shared.file_sizes)
         if memory is None:
-            return Base(ck, chunks, dict(parsed.shared.file_sizes), held, {})
-        trusted = {n for n, fid in memory.files.items() if _file_ident(ck.dir_fd, n) == fid}
-        return Base(ck, chunks, dict(parsed.shared.file_sizes), held, memory.seen, trusted)
+            return Base(ck, chunks, sizes, held, {})
+        return Base(ck, chunks, sizes, held, memory.seen, memory.trusted(ck.dir_fd))
     except CheckpointError as err:
         ck.close()
-        if not inc.required:
+        if not options.base_required:
             return None
         raise CheckpointError(
             f"base={path}: cannot be used as the base of an incremental save: {err}"
@@ -161,15 +140,6 @@ def open_base(inc: Incremental | None) -> Base | None:
     except BaseException:
         ck.close()
         raise
-
-
-def ident(t: torch.Tensor) -> Ident | None:
-    """Where a tensor's bytes are and its version counter; None if it has none."""
-    try:
-        shard = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard
-        return (int(shard.data_ptr()), int(t._version))
-    except (RuntimeError, AttributeError):
-        return None
 
 
 def _unchanged(base: Base, key: Key, t: torch.Tensor, known: Ident | None) -> Chunk | None:
@@ -180,8 +150,8 @@ def _unchanged(base: Base, key: Key, t: torch.Tensor, known: Ident | None) -> Ch
     if got.chunk.nbytes == 0:
         return None
     seen = base.seen.get(key)
-    if seen is not None and known is not None and seen != known:
-        return None  # written or moved since the base: changed, no checksum pass needed
+    if seen is not None and known is not None and seen[0] == known[0] and seen[1] != known[1]:
+        return None  # written in place since the base: changed, no checksum pass needed
     if _crc(t) != got.chunk.crc32:
         return None
     if got.chunk.file not in base.trusted and not _stored_equals(base, got.chunk, t):
@@ -349,43 +319,43 @@ def write_rank(
     keys: Sequence[Key],
     tensors: Sequence[torch.Tensor],
     idents: Sequence[Ident | None],
-    chunks: Sequence[Chunk],
     *,
     after_each: Callable[[int], None] | None = None,
     syncing: list[Future[None]] | None = None,
     blobs: Sequence[ByteEntry] = (),
-) -> dict[Key, Ident]:
+) -> tuple[list[Chunk], list[ByteEntry]]:
     """Write one rank's chunks into ``tmp``: unchanged ones from the base, the rest anew.
 
-    Fills in every chunk of ``chunks`` (from the base or from the write) and
-    returns what to :func:`remember` once the checkpoint is committed. ``blobs``
-    (values as DCP byte entries) are small and always written anew, into the
-    rank's own data file.
+    ``keys[i]`` names tensor ``i``'s chunk (its DCP key and box offsets). Returns the
+    chunk of every tensor (the base's, repointed to the linked file, or the one just
+    written), in ``tensors``' order, and the located ``blobs`` (values as DCP byte
+    entries: small, always written anew, into the rank's own data file). Without a
+    base every chunk is written.
     """
     background: list[Future[None]] = [] if syncing is None else syncing
     reused = place(base, decide(base, keys, tensors, idents), tmp, rank, background)
     todo = [i for i, c in enumerate(reused) if c is None]
-    for i, c in enumerate(reused):
-        if c is not None:
-            target = chunks[i]
-            for f in dataclasses.fields(Chunk):
-                setattr(target, f.name, getattr(c, f.name))
-            if after_each is not None:
+    if after_each is not None:
+        for i, c in enumerate(reused):
+            if c is not None:
                 after_each(i)
+    located: list[ByteEntry] = []
     if todo or base is None or blobs:
         each = None if after_each is None else (lambda j: after_each(todo[j]))
-        shards.write_shard(
+        fresh, located = shards.write_shard(
             tmp / shard_name(rank),
             [tensors[i] for i in todo],
-            [chunks[i] for i in todo],
+            [keys[i][1] for i in todo],
             after_each=each,
             background=background if syncing is not None else None,
             blobs=blobs,
         )
+        for i, c in zip(todo, fresh, strict=True):
+            reused[i] = c
     if syncing is None:
         for fut in background:
             fut.result()
-    return {k: i for k, i in zip(keys, idents, strict=True) if i is not None}
+    return [c for c in reused if c is not None], located
 
 
 def closing(base: Base | None) -> contextlib.AbstractContextManager[Any]:
@@ -402,61 +372,3 @@ def closing_on_error(base: Base | None) -> Iterator[None]:
         if base is not None:
             base.close()
         raise
-
-
-def write_local(
-    dest: Path,
-    plan: Plan,
-    tensors: Sequence[torch.Tensor],
-    base: Base | None,
-    idents: Sequence[Ident | None],
-    *,
-    metadata: Any,
-    overwrite: bool,
-    after_each: Callable[[int], None] | None = None,
-    before_commit: Callable[[], None] | None = None,
-) -> CheckpointInfo:
-    """:func:`functional_ckpt.writer.write_local` with unchanged chunks taken from ``base``.
-
-    The commit protocol is the same; the base is only read (its files are linked
-    or copied into the new directory, never opened for writing).
-    """
-    seen: dict[Key, Ident] = {}
-
-    def write_data(
-        tmp: Path,
-        tensors: Sequence[torch.Tensor],
-        chunks: list[Chunk],
-        blobs: Sequence[ByteEntry],
-        after_each: Callable[[int], None] | None,
-        syncing: list[Future[None]],
-    ) -> dict[str, dict[str, Any]]:
-        keys = [(e.fqn, c.offsets) for e, c in zip(plan.targets, chunks, strict=True)]
-        seen.update(
-            write_rank(
-                tmp,
-                0,
-                base,
-                keys,
-                tensors,
-                idents,
-                chunks,
-                after_each=after_each,
-                syncing=syncing,
-                blobs=blobs,
-            )
-        )
-        return reused_info(tmp)
-
-    info = local.write_local(
-        dest,
-        plan,
-        tensors,
-        metadata=metadata,
-        overwrite=overwrite,
-        after_each=after_each,
-        before_commit=before_commit,
-        write_data=write_data,
-    )
-    remember(dest, seen)
-    return info

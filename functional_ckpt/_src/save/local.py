@@ -1,13 +1,15 @@
 """One process writes a planned state and commits it.
 
-Tensor bytes are written as chunks (a whole tensor, or one shard of a sharded
-tensor); :func:`finalize` turns chunk records into the manifest and DCP's
-``.metadata`` and commits the directory. Single-process saves and the coordinator
-of a multi-rank save share it.
+The write stage returns what it wrote (:class:`~..format.manifest.Written`: every
+tensor's chunks, the values' byte entries, reused files); :func:`finalize` makes the
+manifest from the plan's tree and that result (:func:`~..format.manifest.assemble`),
+derives DCP's ``.metadata`` from it, writes both and the marker, and commits the
+directory. Single-process saves and the coordinator of a multi-rank save share it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import time
@@ -18,70 +20,74 @@ from typing import Any
 
 import torch
 
-from functional_ckpt._src.distributed.topology import is_dtensor as is_dtensor
 from functional_ckpt._src.format import dcp_metadata, naming
-from functional_ckpt._src.format import dcp_values as dcpbytes
 from functional_ckpt._src.format.checksum import crc32
-from functional_ckpt._src.format.manifest import (
-    Chunk,
-    Manifest,
-    tensor_groups,
-)
-from functional_ckpt._src.format.naming import shard_name
-from functional_ckpt._src.paths import PathLike as PathLike
+from functional_ckpt._src.format.manifest import Tree, Written, assemble
+from functional_ckpt._src.save import incremental
 from functional_ckpt._src.save.info import CheckpointInfo
-from functional_ckpt._src.save.plan import Plan, byte_entries
+from functional_ckpt._src.save.job import Hooks, SaveJob
+from functional_ckpt._src.save.plan import byte_entries
+from functional_ckpt._src.save.trust import Ident, Key
 from functional_ckpt._src.storage import commit, durable, shards
 from functional_ckpt.errors import CheckpointError
 
 
 def os_error(e: OSError, where: Path) -> CheckpointError:
+    """A failed save's ``OSError`` as the :class:`CheckpointError` that says what ran out."""
     if e.errno == errno.ENOSPC:
         return CheckpointError(f"{where}: no space left on the device while saving ({e})")
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return CheckpointError(f"{where}: permission denied while saving ({e})")
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        return CheckpointError(
+            f"{where}: this process ran out of file descriptors while saving ({e}); "
+            "raise the limit (ulimit -n) or close files"
+        )
     return CheckpointError(f"{where}: saving failed: {e}")
 
 
 def finalize(
     tmp: Path,
     dest: Path,
-    manifest: Manifest,
+    tree: Tree,
+    written: Written,
     *,
+    created: float,
+    metadata: Any,
+    metadata_bytes: bytes | None,
     overwrite: bool,
     before_commit: Callable[[], None] | None = None,
     syncing: list[Future[None]] | None = None,
-    file_info: Mapping[str, Mapping[str, Any]] | None = None,
     elsewhere: Mapping[str, int] | None = None,
 ) -> tuple[int, int]:
     """Write ``.metadata``, the manifest and the marker into ``tmp``; commit as ``dest``.
 
-    Every shard file in ``tmp`` must already be written and every chunk of the
-    manifest filled in; ``syncing`` holds the fsyncs of shard files still
-    running (they overlap with deriving and encoding here). ``.metadata``
-    (derived from the manifest by :func:`dcp_metadata.derive`), the manifest (its file
-    table filled in here) and the marker are each written and fsynced at their
-    final size, and every fsync has finished, before the marker is written and the
-    directory is fsynced and renamed. ``file_info`` adds fields to files' entries
-    (data files reused from a base). ``elsewhere`` names the shard files (with
-    their sizes) that other ranks wrote into directories of their own, when the
-    ranks share no file system. Returns (bytes on disk, manifest bytes).
+    Every shard file in ``tmp`` must already be written (``written`` says what they
+    hold); ``syncing`` holds the fsyncs of shard files still running (they overlap
+    with deriving and encoding here). ``.metadata`` (derived from the manifest by
+    :func:`dcp_metadata.derive`), the manifest and the marker are each written and
+    fsynced at their final size, and every fsync has finished, before the marker is
+    written and the directory is fsynced and renamed. ``elsewhere`` names the shard
+    files (with their sizes) that other ranks wrote into directories of their own,
+    when the ranks share no file system. Returns (bytes on disk, manifest bytes).
     """
     syncing = [] if syncing is None else syncing
     try:
-        groups = tensor_groups(manifest.entries, manifest.ranks)
-        md_bytes = dcp_metadata.derive(groups, manifest.dcp_bytes or ())
+        manifest = assemble(
+            tree, written, {}, created=created, metadata=metadata, metadata_bytes=metadata_bytes
+        )
+        md_bytes = dcp_metadata.derive(manifest.tensor_groups(), manifest.dcp_bytes)
         _write_file(tmp / naming.DCP_METADATA, md_bytes, syncing)
-        files = manifest.files
-        files.clear()
+        files: dict[str, dict[str, Any]] = {}
         for name in sorted(os.listdir(tmp)):
             if name == naming.DCP_METADATA:
                 files[name] = {"size": len(md_bytes), "crc32": crc32(md_bytes)}
             else:
                 files[name] = {"size": (tmp / name).stat().st_size}
-            files[name].update((file_info or {}).get(name, {}))
+            files[name].update(written.file_info.get(name, {}))
         for name, size in sorted((elsewhere or {}).items()):
             files.setdefault(name, {"size": size})
+        manifest = dataclasses.replace(manifest, files=files)
         manifest_bytes = manifest.encode()
         durable.write_new(tmp / naming.MANIFEST, manifest_bytes)
     finally:
@@ -106,91 +112,62 @@ def _write_file(path: Path, data: bytes, syncing: list[Future[None]]) -> None:
     syncing.append(shards.sync_pool().submit(shards.fsync_and_close, fd))
 
 
-#: Writes tensor ``i`` as ``chunks[i]`` into the temporary directory (filling in the
-#: chunks, calling ``after_each(i)``, appending background fsyncs to ``syncing``);
-#: returns fields to add to the files' entries in the manifest.
-DataWriter = Callable[
-    [
-        Path,
-        Sequence[torch.Tensor],
-        list[Chunk],
-        Sequence[dcpbytes.ByteEntry],
-        Callable[[int], None] | None,
-        list[Future[None]],
-    ],
-    Mapping[str, Mapping[str, Any]],
-]
+def chunk_keys(job: SaveJob) -> list[Key]:
+    """Each written tensor's chunk identity: a whole tensor is the box at the origin."""
+    assert job.prepared is not None
+    return [(e.fqn, (0,) * len(e.shape)) for e in job.prepared.plan.targets]
 
 
-def _write_chunks(
-    tmp: Path,
-    tensors: Sequence[torch.Tensor],
-    chunks: list[Chunk],
-    blobs: Sequence[dcpbytes.ByteEntry],
-    after_each: Callable[[int], None] | None,
-    syncing: list[Future[None]],
-) -> Mapping[str, Mapping[str, Any]]:
-    shards.write_shard(
-        tmp / shard_name(0),
-        tensors,
-        chunks,
-        after_each=after_each,
-        background=syncing,
-        blobs=blobs,
-    )
-    return {}
+def remembered(keys: Sequence[Key], idents: Sequence[Ident | None]) -> dict[Key, Ident]:
+    """What a trust memory keeps of a commit: each chunk's tensor identity and version."""
+    return {k: i for k, i in zip(keys, idents, strict=True) if i is not None}
 
 
-def write_local(
-    dest: Path,
-    plan: Plan,
-    tensors: Sequence[torch.Tensor],
-    *,
-    metadata: Any,
-    overwrite: bool,
-    after_each: Callable[[int], None] | None = None,
-    before_commit: Callable[[], None] | None = None,
-    write_data: DataWriter | None = None,
-) -> CheckpointInfo:
+def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> CheckpointInfo:
     """Write a planned state from one process with the full commit protocol.
 
-    ``tensors`` are the bytes to write for ``plan.sources`` (the sources themselves,
-    or staged copies), each contiguous and on the CPU. ``after_each(i)`` runs once
-    tensor ``i`` is written; ``before_commit()`` may raise to refuse the commit.
-    ``write_data`` replaces how the tensor chunks reach the directory (an
-    incremental save takes unchanged ones from its base).
+    ``tensors`` are the bytes to write for the plan's sources (the sources
+    themselves, or staged copies), each contiguous and on the CPU. Chunks unchanged
+    since the job's base are taken from it (:mod:`.incremental`). ``hooks.after_each(i)``
+    runs once tensor ``i`` is written; ``hooks.before_commit(written)`` may raise to
+    refuse the commit.
     """
+    assert job.prepared is not None
+    prepared, plan, dest = job.prepared, job.prepared.plan, job.dest
     t0 = time.perf_counter()
     created = time.time()
     tmp = durable.tmp_sibling(dest)
+    keys = chunk_keys(job)
     try:
         durable.make_dirs(dest.parent)
         tmp.mkdir()
-        chunks = []
-        for entry in plan.targets:
-            entry.chunks[:] = [Chunk((0,) * len(entry.shape), entry.shape)]
-            chunks.append(entry.chunks[0])
         syncing: list[Future[None]] = []
-        blobs = byte_entries(plan)
-        info = (write_data or _write_chunks)(tmp, tensors, chunks, blobs, after_each, syncing)
-        manifest = Manifest(
-            created,
-            metadata,
-            {},
-            plan.entries,
-            [plan.local],
-            plan.root,
-            checked=plan.checked,
-            dcp_bytes=blobs,
+        blobs = byte_entries(plan, snapshot=job.snapshot)
+        chunks, located = incremental.write_rank(
+            tmp,
+            0,
+            job.base,
+            keys,
+            tensors,
+            job.idents,
+            after_each=hooks.after_each,
+            syncing=syncing,
+            blobs=blobs,
         )
+        by_fqn = {e.fqn: (c,) for e, c in zip(plan.targets, chunks, strict=True)}
+        written = Written(by_fqn, tuple(located), incremental.reused_info(tmp))
+        check = hooks.before_commit
         nbytes, _ = finalize(
             tmp,
             dest,
-            manifest,
-            overwrite=overwrite,
-            before_commit=before_commit,
+            plan.tree(),
+            written,
+            created=created,
+            metadata=prepared.metadata,
+            metadata_bytes=prepared.metadata_bytes,
+            overwrite=job.options.overwrite,
+            before_commit=None if check is None else (lambda: check(written)),
             syncing=syncing,
-            file_info=info,
         )
     except CheckpointError:  # e.g. CheckpointExists, itself an OSError
         commit.remove_tree(tmp)
@@ -201,6 +178,7 @@ def write_local(
     except BaseException:
         commit.remove_tree(tmp)
         raise
+    job.options.trust.remember(dest, remembered(keys, job.idents))
     return CheckpointInfo(
         path=dest,
         nbytes=nbytes,
@@ -209,5 +187,5 @@ def write_local(
         num_values=plan.num_values,
         created=created,
         duration=time.perf_counter() - t0,
-        metadata=metadata,
+        metadata=prepared.metadata,
     )

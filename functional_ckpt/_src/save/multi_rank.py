@@ -10,10 +10,9 @@ its data durable.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,27 +35,34 @@ from functional_ckpt._src.distributed.groups import (
     checkpoint_group,
 )
 from functional_ckpt._src.format.dcp_values import ByteEntry
-from functional_ckpt._src.format.manifest import Chunk, Entry, Manifest, tensor_groups
+from functional_ckpt._src.format.manifest import Chunk, Tree, Written
 from functional_ckpt._src.format.naming import shard_name
 from functional_ckpt._src.format.view import parse_planned
 from functional_ckpt._src.save import incremental, trust
 from functional_ckpt._src.save.info import CheckpointInfo
-from functional_ckpt._src.save.local import finalize, os_error
-from functional_ckpt._src.save.plan import Plan, byte_entries, host_copy
+from functional_ckpt._src.save.job import SaveJob
+from functional_ckpt._src.save.local import finalize, os_error, remembered
+from functional_ckpt._src.save.plan import byte_entries, host_copy
 from functional_ckpt._src.state.gc_pause import gc_paused
-from functional_ckpt._src.storage import commit, durable, shards
+from functional_ckpt._src.storage import commit, durable
 from functional_ckpt.errors import CheckpointError
 
 
 class _ChunkWriter(StorageWriter):
-    """DCP storage writer that writes our blobs and commits on the coordinator."""
+    """DCP storage writer that writes this project's blobs and commits on the coordinator.
 
-    def __init__(self, tmp: Path, job: _SaveJob) -> None:
+    ``write_data`` returns, through DCP, the chunks each rank wrote; the coordinator's
+    ``finish`` makes the manifest from the planned tree and those chunks.
+    """
+
+    def __init__(self, tmp: Path, job: SaveJob, commit_job: _Commit) -> None:
         super().__init__()
         self.tmp = tmp
         self.job = job
+        self.commit_job = commit_job
         self.rank = 0
-        self.seen: dict[trust.Key, trust.Ident] = {}  # for an incremental save
+        self.seen: dict[trust.Key, trust.Ident] = {}  # what this rank's commit remembers
+        self.blobs: list[ByteEntry] = []  # the values for stock readers, located (rank 0)
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -73,24 +79,20 @@ class _ChunkWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         items = [it for it in plan.items if it.type != WriteItemType.BYTE_IO]
         tensors = [host_copy(planner.resolve_data(it)) for it in items]  # type: ignore[arg-type]
-        path = self.tmp / shard_name(self.rank)
-        chunks = []
+        keys: list[trust.Key] = []
         for item in items:
             assert item.tensor_data is not None
-            box = item.tensor_data.chunk
-            chunks.append(Chunk(tuple(box.offsets), tuple(box.sizes)))
-        blobs = self.job.blobs if self.rank == 0 else []
-        try:
-            if self.job.idents is None:
-                shards.write_shard(path, tensors, chunks, blobs=blobs)
-            else:  # each rank decides for its own chunks
-                keys = [(it.index.fqn, c.offsets) for it, c in zip(items, chunks, strict=True)]
-                idents = [self.job.idents.get(it.index.fqn) for it in items]
-                self.seen = incremental.write_rank(
-                    self.tmp, self.rank, self.job.base, keys, tensors, idents, chunks, blobs=blobs
-                )
+            keys.append((item.index.fqn, tuple(item.tensor_data.chunk.offsets)))
+        idents = self.commit_job.idents
+        chunk_idents = [idents.get(it.index.fqn) for it in items]
+        blobs = self.commit_job.blobs if self.rank == 0 else []
+        try:  # each rank decides for its own chunks what its base already holds
+            chunks, self.blobs = incremental.write_rank(
+                self.tmp, self.rank, self.commit_job.base, keys, tensors, chunk_idents, blobs=blobs
+            )
         except OSError as e:
             raise os_error(e, self.job.dest) from e
+        self.seen = remembered(keys, chunk_idents)
         results = [
             WriteResult(index=item.index, size_in_bytes=c.length, storage_data=c)
             for item, c in zip(items, chunks, strict=True)
@@ -100,7 +102,9 @@ class _ChunkWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        self.job.commit([wr for group in results for wr in group])
+        self.commit_job.nbytes = self.commit_job.finish(
+            [wr for group in results for wr in group], tuple(self.blobs)
+        )
 
     def storage_meta(self) -> Any:
         return None
@@ -111,85 +115,82 @@ class _ChunkWriter(StorageWriter):
 
 
 @dataclass
-class _SaveJob:
-    """What the coordinator needs to turn written chunks into a committed checkpoint."""
+class _Commit:
+    """What the coordinator needs to turn every rank's chunks into a committed checkpoint.
 
-    dest: Path
+    Built once every rank's per-rank entries are known; ``nbytes`` is its one result.
+    """
+
+    job: SaveJob
     tmp: Path
-    entries: list[Entry]
-    ranks: list[list[Entry]]
-    metadata: Any
-    overwrite: bool
+    tree: Tree
     created: float
+    world: int
+    blobs: list[ByteEntry]  # the values for stock readers, planned (rank 0)
+    base: incremental.Base | None
+    idents: dict[str, trust.Ident | None]  # by DCP key
     nbytes: int = 0
-    root: dict[str, Any] | None = None  # the root's batch size and names
-    blobs: list[ByteEntry] = field(default_factory=list)  # values for stock readers (rank 0)
-    base: incremental.Base | None = None  # an incremental save's base
-    idents: dict[str, trust.Ident | None] | None = None  # by DCP key, when incremental
-    world: int = 1
 
-    def commit(self, results: list[WriteResult]) -> None:
+    def finish(self, results: list[WriteResult], blobs: tuple[ByteEntry, ...]) -> int:
         chunks: dict[str, list[Chunk]] = {}
         # every rank writes its file, unless an incremental save found nothing to write
-        sizes = {} if self.idents is not None else {shard_name(r): 0 for r in range(self.world)}
+        incremental_save = self.job.options.base is not None  # the same on every rank
+        sizes = {} if incremental_save else {shard_name(r): 0 for r in range(self.world)}
         for wr in results:
-            chunks.setdefault(wr.index.fqn, []).append(wr.storage_data)
             c = wr.storage_data
+            chunks.setdefault(wr.index.fqn, []).append(c)
             sizes[c.file] = max(sizes.get(c.file, 0), c.offset + c.length)  # blobs tile it
-        for group in tensor_groups(self.entries, self.ranks):
-            for e in group:
-                if e.alias is None:
-                    e.chunks[:] = sorted(chunks.get(e.fqn, []), key=lambda c: c.offsets)
-        manifest = Manifest(self.created, self.metadata, {}, self.entries, self.ranks, self.root)
-        manifest.dcp_bytes = self.blobs
+        for b in blobs:
+            sizes[b.file] = max(sizes.get(b.file, 0), b.offset + b.length)
+        written = Written(
+            {k: tuple(v) for k, v in chunks.items()}, blobs, incremental.reused_info(self.tmp)
+        )
+        prepared = self.job.prepared
+        assert prepared is not None
         try:
             # Shard files not in this directory were written by ranks that do not share
             # its file system, each into a directory of its own (a part).
             elsewhere = {n: size for n, size in sizes.items() if not (self.tmp / n).exists()}
-            self.nbytes, _ = finalize(
+            nbytes, _ = finalize(
                 self.tmp,
-                self.dest,
-                manifest,
-                overwrite=self.overwrite,
-                file_info=incremental.reused_info(self.tmp),
+                self.job.dest,
+                self.tree,
+                written,
+                created=self.created,
+                metadata=prepared.metadata,
+                metadata_bytes=prepared.metadata_bytes,
+                overwrite=self.job.options.overwrite,
                 elsewhere=elsewhere,
             )
         except CheckpointError:  # e.g. CheckpointExists, itself an OSError
             raise
         except OSError as e:
-            raise os_error(e, self.dest) from e
+            raise os_error(e, self.job.dest) from e
+        return nbytes
 
 
 def save_planned(
-    dest: Path,
-    plan: Plan | None,
-    metadata: Any,
-    overwrite: bool,
-    tensors: Sequence[torch.Tensor],
-    error: BaseException | None,
-    *,
-    timeout: float | None = None,
-    base: incremental.Base | None = None,
-    idents: Sequence[trust.Ident | None] | None = None,
+    job: SaveJob, tensors: Sequence[torch.Tensor], *, timeout: float | None = None
 ) -> CheckpointInfo:
     """The multi-rank write of a planned save: every rank calls it; one checkpoint commits.
 
-    ``error`` is this rank's planning failure (then ``plan`` is None): the ranks
-    agree on it first, so all of them fail together. ``tensors`` are what fills
-    ``plan.targets`` (the sources, DTensors included, or their staged copies).
+    A rank's planning failure (``job.error``) is agreed on first, so all of them fail
+    together. ``tensors`` are what fills the plan's targets (the sources, DTensors
+    included, or their staged copies).
     """
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     t0 = time.perf_counter()
+    dest = job.dest
     group = checkpoint_group(timeout)
     rank = dist.get_rank()
-    agree(error, group, f"save {dest}")
-    assert plan is not None
+    agree(job.error, group, f"save {dest}")
+    plan = job.plan
     tmp_name = durable.tmp_sibling(dest).name if rank == 0 else ""
     tmp_name = all_gather_bytes(tmp_name.encode(), group)[0].decode()
     tmp = dest.parent / tmp_name
-    error = None
+    error: BaseException | None = None
     try:
         if rank == 0:
             durable.make_dirs(dest.parent)
@@ -198,7 +199,7 @@ def save_planned(
         error = os_error(e, dest) if isinstance(e, OSError) else e
     agree(error, group, f"save {dest}")
     try:
-        own = rank != 0 and _own_part(tmp)
+        own = rank != 0 and _own_part(tmp, job.options.parts)
     except BaseException as e:
         error, own = os_error(e, dest) if isinstance(e, OSError) else e, False
     try:
@@ -209,19 +210,23 @@ def save_planned(
         raise
     mine = codec.encode([e.to_plain() for e in plan.local])
     gathered = all_gather_bytes(mine, group)
-    locals_ = [
-        parse_planned(codec.decode(b), f"rank {r}'s entries") for r, b in enumerate(gathered)
+    ranks = [
+        tuple(parse_planned(codec.decode(b), f"rank {r}'s entries")) for r, b in enumerate(gathered)
     ]
-    locals_[rank] = plan.local
-    job = _SaveJob(dest, tmp, plan.entries, locals_, metadata, overwrite, time.time())
-    job.root = plan.root
-    if rank == 0:
-        job.blobs = byte_entries(plan)
-    if idents is not None and not own:  # a rank's own part has no base to share with
-        job.base = base
-        job.idents = {e.fqn: i for e, i in zip(plan.targets, idents, strict=True)}
-    job.world = dist.get_world_size(group)
-    writer = _ChunkWriter(tmp, job)
+    ranks[rank] = plan.local
+    world = dist.get_world_size(group)
+    idents = dict(zip((e.fqn for e in plan.targets), job.idents, strict=True))
+    commit_job = _Commit(
+        job,
+        tmp,
+        Tree(plan.entries, tuple(ranks), plan.root),
+        time.time(),
+        world,
+        byte_entries(plan, snapshot=job.snapshot) if rank == 0 else [],
+        None if own else job.base,  # a rank's own part has no base to share with
+        idents,
+    )
+    writer = _ChunkWriter(tmp, job, commit_job)
     state_dict = {e.fqn: t for e, t in zip(plan.targets, tensors, strict=True)}
     try:
         with gc_paused():
@@ -241,52 +246,33 @@ def save_planned(
         except OSError as e:
             commit.remove_tree(tmp)
             raise os_error(e, dest) from e
-    sizes = all_gather_bytes(str(job.nbytes).encode(), group)
-    if idents is not None:
-        trust.remember(dest, writer.seen, writer.rank)
+    sizes = all_gather_bytes(str(commit_job.nbytes).encode(), group)
+    job.options.trust.remember(dest, writer.seen, writer.rank)
+    assert job.prepared is not None
     return CheckpointInfo(
         path=dest,
         nbytes=int(sizes[0].decode() or 0),
         tensor_bytes=sum(t.numel() * t.element_size() for t in plan.sources),
         num_tensors=len(plan.sources),
         num_values=plan.num_values,
-        created=job.created,
+        created=commit_job.created,
         duration=time.perf_counter() - t0,
-        metadata=metadata,
+        metadata=job.prepared.metadata,
     )
 
 
-#: Roots whose checkpoints may be split across the ranks' own file systems (a remote
-#: tier completes them): see :func:`allow_parts`.
-_PART_ROOTS: set[Path] = set()
-
-
-def allow_parts(root: Path, allowed: bool = True) -> None:
-    """Let saves under ``root`` keep each rank's shard files on that rank's own disk.
-
-    Only a remote tier, which uploads every rank's files and commits them as one
-    checkpoint, makes such a split checkpoint whole; without one, a rank that does
-    not see the coordinator's directory fails the save.
-    """
-    key = Path(os.path.abspath(root))
-    if allowed:
-        _PART_ROOTS.add(key)
-    else:
-        _PART_ROOTS.discard(key)
-
-
-def _own_part(tmp: Path) -> bool:
+def _own_part(tmp: Path, parts: bool) -> bool:
     """Create ``tmp`` here if this rank does not see the coordinator's: True if it did.
 
     Ranks that share no file system with the coordinator (one local root per
-    machine, under a remote tier) each keep their shard files in a directory of
-    their own, renamed to the checkpoint's name once the coordinator committed: a
-    *part* of the checkpoint, without manifest or marker, which no reader takes for
-    a checkpoint.
+    machine, under a remote tier: ``SaveOptions.parts``) each keep their shard files
+    in a directory of their own, renamed to the checkpoint's name once the
+    coordinator committed: a *part* of the checkpoint, without manifest or marker,
+    which no reader takes for a checkpoint.
     """
     if tmp.is_dir():
         return False
-    if Path(os.path.abspath(tmp.parent)) not in _PART_ROOTS:
+    if not parts:
         raise CheckpointError(
             f"{tmp.parent}: rank {dist.get_rank()} does not see the directory rank 0 "
             "created there: a multi-rank save needs one directory shared by every rank, "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 from tensordict import TensorDictBase
 
 from functional_ckpt._src import codec
+from functional_ckpt._src.codec.table import container_budget
 from functional_ckpt._src.distributed.topology import is_dtensor as is_dtensor
 from functional_ckpt._src.format import dcp_values as dcpbytes
 from functional_ckpt._src.format import naming
@@ -29,16 +30,15 @@ from functional_ckpt._src.format.manifest import (
     NodeEntry,
     PerRankEntry,
     TensorEntry,
+    Tree,
     ValueEntry,
     shape_problem,
 )
-from functional_ckpt._src.paths import PathLike as PathLike
+from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.save.options import DEFAULT_PER_RANK
 from functional_ckpt._src.state.tree import as_state, iter_leaves, node_record
 from functional_ckpt._src.storage import commit
 from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
-
-#: Top-level subtrees that differ between ranks and are stored once per rank.
-DEFAULT_PER_RANK = ("rng", "loader")
 
 
 def _where(path: KeyPath) -> str:
@@ -141,29 +141,33 @@ def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """The flattened state ready to be written: manifest entries and tensors.
+    """The flattened state ready to be written: a value, never changed once made.
 
     ``entries`` is the shared tree, with a per-rank placeholder where a per-rank
     subtree stands; ``local`` holds this rank's per-rank entries. ``sources`` are
-    the tensors to write and ``targets`` the entry each one fills (its chunks
-    are filled in by the backend that writes them).
+    the tensors to write and ``targets`` the entry each one fills (the write stage
+    reports their chunks, see :class:`~..format.manifest.Written`). Every value is
+    encoded already (``ValueEntry.encoded``).
     """
 
-    entries: list[Entry] = field(default_factory=list)
-    local: list[Entry] = field(default_factory=list)
-    sources: list[torch.Tensor] = field(default_factory=list)
-    targets: list[TensorEntry] = field(default_factory=list)
+    entries: tuple[Entry, ...]
+    local: tuple[Entry, ...]
+    sources: tuple[torch.Tensor, ...]
+    targets: tuple[TensorEntry, ...]
     num_values: int = 0
-    optimizers: dict[KeyPath, list[str]] = field(default_factory=dict)  # parameter names
+    optimizers: Mapping[KeyPath, list[str]] = field(default_factory=dict)  # parameter names
     root: dict[str, Any] | None = None  # the root's batch size and names, if batched
     has_dtensor: bool = False  # a DTensor's shards are written collectively
-    checked: bool = False  # values and metadata passed check_encodable, no bytearray among them
 
     @property
     def keys(self) -> list[KeyPath]:
         return [t.path for t in self.targets]
+
+    def tree(self) -> Tree:
+        """The tree of a save by this process alone (its per-rank entries are rank 0's)."""
+        return Tree(self.entries, (self.local,), self.root)
 
 
 def plan_save(
@@ -172,31 +176,40 @@ def plan_save(
     per_rank: Sequence[str] = DEFAULT_PER_RANK,
     rank: int = 0,
 ) -> Plan:
-    """Flatten a state into manifest entries and the tensors to write."""
+    """Flatten a state into manifest entries and the tensors to write, in one walk.
+
+    Every check a reader would make of the tree is made here (key paths, tensors,
+    values, the manifest's size and decode budget), naming the key at fault.
+    """
     td = as_state(state)
-    plan = Plan(root=node_record(td))
+    entries: list[Entry] = []
+    local: list[Entry] = []
+    sources: list[torch.Tensor] = []
+    targets: list[TensorEntry] = []
+    optimizers: dict[KeyPath, list[str]] = {}
     fqns: dict[str, KeyPath] = {}
     seen: dict[tuple[Any, ...], TensorEntry] = {}
+    budget = _Budget()
     roots = set(per_rank)
+    has_dtensor = False
     for leaf in iter_leaves(td):
         path = leaf.path
         check_path(path)
-        local = path[0] in roots
+        mine = path[0] in roots
         entry: Entry
-        if local and len(path) == 1:
-            plan.entries.append(PerRankEntry(path))
+        if mine and len(path) == 1:
+            entries.append(PerRankEntry(path))
         if leaf.kind == "node":
             entry = NodeEntry(path, leaf.value or None)
         elif leaf.kind == "value":
-            entry = ValueEntry(path, leaf.value)
-            plan.num_values += 1
+            entry = ValueEntry(path, leaf.value, budget.encode(path, leaf.value))
             named = dcpbytes.optimizer_names(path, leaf.value)
-            if named is not None and not local:
-                plan.optimizers[named[0]] = named[1]
+            if named is not None and not mine:
+                optimizers[named[0]] = named[1]
         else:
             t: torch.Tensor = leaf.value
             check_tensor(t, path)
-            fqn = rank_fqn(rank, path) if local else fqn_of(path)
+            fqn = rank_fqn(rank, path) if mine else fqn_of(path)
             other = fqns.get(fqn)
             if other is not None:
                 raise UnsupportedValue(
@@ -204,34 +217,47 @@ def plan_save(
                     f"same DCP key {fqn!r}; rename one of them"
                 )
             fqns[fqn] = path
-            entry = TensorEntry(path, fqn, t.dtype, tuple(t.shape), bool(t.requires_grad))
-            if local:
-                entry.dcp_path = (fqn.partition(".")[0], *path)
+            dcp_path = (fqn.partition(".")[0], *path) if mine else None
             key = _alias_key(t)
-            if key is None and is_dtensor(t):
-                plan.has_dtensor = True
+            has_dtensor = has_dtensor or (key is None and is_dtensor(t))
             src = seen.get(key) if key is not None else None
-            if src is not None and (src.path[0] in roots) == local:
-                entry.alias = src.path
-                entry.chunks = src.chunks  # one list: filled once, seen through both
-            else:
+            alias = src.path if src is not None and (src.path[0] in roots) == mine else None
+            entry = TensorEntry(
+                path, fqn, t.dtype, tuple(t.shape), bool(t.requires_grad), (), alias, dcp_path
+            )
+            if alias is None:
                 if key is not None:
                     seen[key] = entry
-                plan.sources.append(resolved(t))
-                plan.targets.append(entry)
-        (plan.local if local else plan.entries).append(entry)
-    if plan.optimizers:
-        _name_optimizer_state(plan, fqns)
-    plan.checked = not check_values(plan.entries + plan.local)
-    return plan
+                sources.append(resolved(t))
+                targets.append(entry)
+        (local if mine else entries).append(entry)
+        budget.add(entry)
+    budget.check(entries + local)
+    if optimizers:
+        named_entries = _name_optimizer_state(entries, optimizers, fqns)
+        entries = [named_entries.get(e.path, e) for e in entries]
+        targets = [named_entries.get(e.path, e) for e in targets]
+    return Plan(
+        tuple(entries),
+        tuple(local),
+        tuple(sources),
+        tuple(targets),
+        budget.values,
+        optimizers,
+        node_record(td),
+        has_dtensor,
+    )
 
 
-def _name_optimizer_state(plan: Plan, fqns: dict[str, KeyPath]) -> None:
+def _name_optimizer_state(
+    entries: Sequence[Entry], optimizers: Mapping[KeyPath, list[str]], fqns: dict[str, KeyPath]
+) -> dict[KeyPath, TensorEntry]:
     """DCP keys of optimizer state by parameter name, as ``get_state_dict`` gives them."""
-    for entry in plan.entries:
+    renamed: dict[KeyPath, TensorEntry] = {}
+    for entry in entries:
         if not isinstance(entry, TensorEntry):
             continue
-        named = dcpbytes.dcp_path(entry.path, plan.optimizers)
+        named = dcpbytes.dcp_path(entry.path, optimizers)
         if named is None:
             continue
         fqn = fqn_of(named)
@@ -240,13 +266,22 @@ def _name_optimizer_state(plan: Plan, fqns: dict[str, KeyPath]) -> None:
             continue  # the name is taken: this tensor keeps its positional key
         del fqns[entry.fqn]
         fqns[fqn] = entry.path
-        entry.fqn, entry.dcp_path = fqn, named
+        renamed[entry.path] = replace(entry, fqn=fqn, dcp_path=named)
+    return renamed
 
 
-def byte_entries(plan: Plan) -> list[dcpbytes.ByteEntry]:
-    """The shared values of a plan as DCP byte entries, for stock readers."""
-    values = [(e.path, e.value) for e in plan.entries if isinstance(e, ValueEntry)]
-    taken = {e.fqn for e in plan.entries + plan.local if isinstance(e, TensorEntry)}
+def byte_entries(plan: Plan, *, snapshot: bool = False) -> list[dcpbytes.ByteEntry]:
+    """The shared values of a plan as DCP byte entries, for stock readers.
+
+    ``snapshot`` takes each value as the plan encoded it (an asynchronous save, whose
+    caller may have changed the live values since); else the values themselves.
+    """
+    values = [
+        (e.path, codec.decode(e.encoded) if snapshot and e.encoded is not None else e.value)
+        for e in plan.entries
+        if isinstance(e, ValueEntry)
+    ]
+    taken = {e.fqn for e in (*plan.entries, *plan.local) if isinstance(e, TensorEntry)}
     return dcpbytes.plan_bytes(values, taken, plan.optimizers)
 
 
@@ -267,33 +302,56 @@ def _entry_overhead(e: Entry) -> int:
     return n
 
 
-def check_values(entries: list[Entry]) -> bool:
-    """Fail before any byte is written if a value cannot be stored exactly.
+class _Budget:
+    """What a reader will accept of one manifest, counted while the plan is made.
 
-    That includes the reader's budgets: the whole manifest must stay within
-    ``LIMITS.manifest_bytes`` and the decode budget of containers. Returns
-    whether a value holds a bytearray (see :func:`codec.check_encodable`).
+    Each value is encoded once (the bytes the manifest will hold); all together must
+    stay within ``LIMITS.manifest_bytes`` and the decoder's budget of containers.
     """
-    held = [e for e in entries if isinstance(e, ValueEntry)]
-    room = LIMITS.manifest_bytes - sum(_entry_overhead(e) for e in entries)
-    try:
-        return codec.check_encodable(
-            [e.value for e in held], where="the state's values", max_bytes=room
-        )
-    except UnsupportedValue as exc:
-        for e in held:  # name the leaf at fault, if one is
-            codec.check_encodable(e.value, where=_where(e.path))
-        # Only together are the values too large for a reader: name the largest.
-        biggest = max(held, key=lambda e: len(codec.encode(e.value)), default=None)
-        if biggest is None:
+
+    def __init__(self) -> None:
+        self.values = 0
+        self.value_bytes = 0
+        self.containers = 0
+        self.overhead = 0
+        self.largest: tuple[int, KeyPath] = (-1, ())
+
+    def encode(self, path: KeyPath, value: Any) -> bytes:
+        data, containers = codec.encode_counted(value, where=_where(path))
+        self.values += 1
+        self.value_bytes += len(data)
+        self.containers += containers
+        self.largest = max(self.largest, (len(data), path))
+        return data
+
+    def add(self, entry: Entry) -> None:
+        self.overhead += _entry_overhead(entry)
+
+    def check(self, entries: Sequence[Entry]) -> None:
+        room = LIMITS.manifest_bytes - self.overhead
+        if room < 0:
             raise UnsupportedValue(
                 f"state: its {len(entries)} entries need more than the {LIMITS.manifest_bytes} "
                 "manifest bytes a reader accepts; save it in parts"
-            ) from None
-        raise UnsupportedValue(
-            f"{_where(biggest.path)} is the largest value of a state that a reader "
-            f"would refuse: {exc}; store bulk data as tensors"
-        ) from None
+            )
+        free = LIMITS.decode_free_containers // 2  # the other half: the entries' own
+        budget = container_budget(self.value_bytes, free)
+        problem = None
+        if self.value_bytes > room:
+            problem = (
+                f"the values encode to {self.value_bytes} bytes, more than the {room} the "
+                "manifest has room for"
+            )
+        elif self.containers > budget:
+            problem = (
+                f"{self.containers} containers in {self.value_bytes} encoded bytes exceed the "
+                f"decode budget ({budget})"
+            )
+        if problem is not None:
+            raise UnsupportedValue(
+                f"{_where(self.largest[1])} is the largest value of a state that a reader "
+                f"would refuse: {problem}; store bulk data as tensors"
+            )
 
 
 def check_destination(path: Path, overwrite: bool) -> None:
@@ -324,6 +382,17 @@ def auto_metadata() -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A save checked and planned, nothing written: where, what, and the metadata
+    (with its encoding, made once)."""
+
+    dest: Path
+    plan: Plan
+    metadata: dict[str, Any]
+    metadata_bytes: bytes
+
+
 def prepare_save(
     path: PathLike,
     state: TensorDictBase | Mapping[str, Any],
@@ -333,13 +402,11 @@ def prepare_save(
     per_rank: Sequence[str] = DEFAULT_PER_RANK,
     rank: int = 0,
     check_path: bool = True,
-) -> tuple[Path, Plan, dict[str, Any]]:
+) -> Prepared:
     """Everything a save checks before writing a byte: destination, metadata, tree."""
     dest = Path(path)
     if check_path:
         check_destination(dest, overwrite)
     meta = {**auto_metadata(), **dict(metadata or {})}
-    meta_has_bytearray = codec.check_encodable(meta, where="metadata")
-    plan = plan_save(state, per_rank=per_rank, rank=rank)
-    plan.checked = plan.checked and not meta_has_bytearray
-    return dest, plan, meta
+    meta_bytes = codec.encode(meta, where="metadata")
+    return Prepared(dest, plan_save(state, per_rank=per_rank, rank=rank), meta, meta_bytes)

@@ -26,7 +26,7 @@ from functional_ckpt._src.distributed.topology import is_dtensor
 from functional_ckpt._src.format.blobs import byte_view
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.keys import format_path
-from functional_ckpt._src.format.manifest import TensorEntry
+from functional_ckpt._src.format.manifest import TensorEntry, Written
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt.errors import CheckpointError, ModifiedDuringSave
 
@@ -107,9 +107,6 @@ class Stager:
         event.synchronize()
 
 
-DEFAULT_STAGER = Stager()
-
-
 class PendingSave:
     """A save running in the background.
 
@@ -184,24 +181,20 @@ class PendingSave:
         self._staged.set()
 
 
-def _written_crc(entry: TensorEntry) -> int:
-    """The CRC32 the writer recorded for the bytes of a (single-chunk) tensor entry."""
-    return entry.chunks[0].crc32
-
-
-def _version_guard(
+def version_guard(
     sources: Sequence[torch.Tensor],
     keys: Sequence[tuple[str, ...]],
     written: Sequence[torch.Tensor],
     targets: Sequence[TensorEntry],
-) -> tuple[Any, Any]:
+) -> tuple[Callable[[int], None], Callable[[Written], None]]:
     """Hooks that refuse the commit of a state changed while it was written.
 
     Version counters catch every in-place operation on a tensor or its views, but
     not writes through ``.data`` (its own counter) or through numpy (none). So
     right before the commit every written tensor is checksummed again and
-    compared with the CRC32 recorded for the bytes in the file: a tensor whose
-    bytes differ now from what was checksummed was changed after its write began.
+    compared with the CRC32 the write stage reported for the bytes in the file: a
+    tensor whose bytes differ now from what was checksummed was changed after its
+    write began.
     """
     versions = [t._version for t in sources]
     modified: list[int] = []
@@ -210,12 +203,12 @@ def _version_guard(
         if sources[i]._version != versions[i]:
             modified.append(i)
 
-    def check() -> None:
+    def check(result: Written) -> None:
         late = [i for i, t in enumerate(sources) if t._version != versions[i]]
         changed = [
             i
             for i, (t, entry) in enumerate(zip(written, targets, strict=True))
-            if crc32(byte_view(t)) != _written_crc(entry)
+            if crc32(byte_view(t)) != result.chunks[entry.fqn][0].crc32
         ]
         bad = sorted(set(modified) | set(late) | set(changed))
         if bad:

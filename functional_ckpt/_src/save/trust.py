@@ -1,63 +1,128 @@
-"""What this process knows of the checkpoints it committed.
+"""What this process knows of the checkpoints it committed (an incremental save's trust).
 
-An incremental save may trust a base's data file to hold what its manifest says
-only if this process wrote (or compared) that very file; and a tensor whose
-version counter moved since this process saved the base is known to have changed
-without a checksum pass.
+An incremental save may trust a base's data file to hold what its manifest says only
+if this process wrote (or compared) that very file and it is still the file it left
+(same device, inode, size and modification time); any other base file is read and
+compared byte for byte first. And a tensor whose version counter moved since this
+process saved the base is known to have changed without a checksum pass.
+
+A :class:`TrustMemory` is a value its owner passes to its saves: a manager owns one
+for its root; ``fc.save`` and ``fc.save_async`` use :data:`PROCESS_TRUST`, fed by
+every save they commit, so ``fc.save(a, s)`` then ``fc.save(b, s, base=a)`` costs no
+byte comparison. The memory only spares work: what it trusts was written by this very
+process, and every byte it lets a save share is still covered by its CRC32.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import stat
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from functional_ckpt._src.storage import checkpoint, opener
+import torch
+
+from functional_ckpt._src.format.naming import parse_shard
+from functional_ckpt._src.storage import committed, opener
 from functional_ckpt.errors import CheckpointError
 
 #: A chunk's identity across saves: the tensor's DCP key and the box's offsets.
 Key = tuple[str, tuple[int, ...]]
 #: Where a source tensor's bytes live and its version counter, when it was saved.
 Ident = tuple[int, int]
-
 #: One data file as this process left it: device, inode, size, modification time.
 FileIdent = tuple[int, int, int, int]
+#: One committed checkpoint: its directory's device and inode, its manifest's CRC32 and
+#: size (an inode alone may be reused once a checkpoint is deleted).
+CheckpointIdent = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)
-class _Memory:
-    """What this process knows of a checkpoint it committed: the version counters
-    of what it saved, and the data files it wrote or checked, as it left them."""
+class Recollection:
+    """What a memory holds of one checkpoint: the version counters of what was saved
+    there, and the data files this process wrote or checked, as it left them."""
 
-    seen: dict[Key, Ident]
-    files: dict[str, FileIdent]
+    seen: Mapping[Key, Ident]
+    files: Mapping[str, FileIdent]
 
-
-_SEEN: OrderedDict[tuple[int, ...], _Memory] = OrderedDict()
-
-_SEEN_LOCK = threading.Lock()
-
-#: Checkpoints whose version counters a process remembers.
-_SEEN_MAX = 8
+    def trusted(self, dir_fd: int) -> set[str]:
+        """The remembered files that are still the files this process left."""
+        return {n for n, fid in self.files.items() if file_ident(dir_fd, n) == fid}
 
 
-def _identity(dir_fd: int, path: Path) -> tuple[int, ...]:
-    """One committed checkpoint: its directory's inode and its marker's manifest CRC32
-    and size (an inode alone may be reused once a checkpoint is deleted)."""
+class TrustMemory:
+    """The last few checkpoints this process committed, thread-safe (saves commit on
+    background threads)."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self._known: OrderedDict[CheckpointIdent, Recollection] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, dest: Path, seen: Mapping[Key, Ident], rank: int = 0) -> None:
+        """After a commit: what the checkpoint at ``dest`` holds, and the data files of
+        ``rank`` there (this process wrote them, or checked the reused ones)."""
+        try:
+            dir_fd = opener.open_directory(dest)
+        except (CheckpointError, OSError):
+            return
+        try:
+            key = identity(dir_fd, dest)
+            files = {}
+            for n in os.listdir(dir_fd):
+                shard = parse_shard(n)
+                fid = file_ident(dir_fd, n) if shard is not None and shard[0] == rank else None
+                if fid is not None:
+                    files[n] = fid
+        finally:
+            os.close(dir_fd)
+        with self._lock:
+            self._known[key] = Recollection(dict(seen), files)
+            self._known.move_to_end(key)
+            while len(self._known) > self.capacity:
+                self._known.popitem(last=False)
+
+    def clear(self) -> None:
+        """Forget every checkpoint (what is trusted is then compared byte for byte)."""
+        with self._lock:
+            self._known.clear()
+
+    def recall(self, dir_fd: int, path: Path) -> Recollection | None:
+        """What this memory holds of the checkpoint held open as ``dir_fd``."""
+        key = identity(dir_fd, path)
+        with self._lock:
+            return self._known.get(key)
+
+
+#: The memory of ``fc.save`` and ``fc.save_async`` (a manager brings its own).
+PROCESS_TRUST = TrustMemory()
+
+
+def ident(t: torch.Tensor) -> Ident | None:
+    """Where a tensor's bytes are and its version counter; None if it has none."""
+    try:
+        shard = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard
+        return (int(shard.data_ptr()), int(t._version))
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def identity(dir_fd: int, path: Path) -> CheckpointIdent:
+    """The identity of the committed checkpoint held open as ``dir_fd``."""
     held = os.fstat(dir_fd)
     try:
-        marker = checkpoint.read_marker(dir_fd, path)
+        marker = committed.read_marker(dir_fd, path)
         crc, size = int(marker["manifest_crc32"]), int(marker["manifest_size"])
     except (CheckpointError, OSError, KeyError, TypeError, ValueError):
         crc = size = -1
     return (held.st_dev, held.st_ino, crc, size)
 
 
-def _file_ident(dir_fd: int, name: str) -> FileIdent | None:
+def file_ident(dir_fd: int, name: str) -> FileIdent | None:
+    """A regular file of the directory held open as ``dir_fd``, as it is now."""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
@@ -65,27 +130,3 @@ def _file_ident(dir_fd: int, name: str) -> FileIdent | None:
     if not stat.S_ISREG(st.st_mode):
         return None
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def remember(dest: Path, seen: dict[Key, Ident], rank: int = 0) -> None:
-    """After a commit: which bytes and versions the checkpoint at ``dest`` holds, and
-    the data files of ``rank`` (this process wrote them, or checked the reused ones)."""
-    try:
-        dir_fd = opener.open_directory(dest)
-    except (CheckpointError, OSError):
-        return
-    try:
-        key = _identity(dir_fd, dest)
-        own = re.compile(rf"__{rank}_\d+\.distcp")
-        files = {
-            n: fid
-            for n in os.listdir(dir_fd)
-            if own.fullmatch(n) and (fid := _file_ident(dir_fd, n)) is not None
-        }
-    finally:
-        os.close(dir_fd)
-    with _SEEN_LOCK:
-        _SEEN[key] = _Memory(seen, files)
-        _SEEN.move_to_end(key)
-        while len(_SEEN) > _SEEN_MAX:
-            _SEEN.popitem(last=False)

@@ -13,6 +13,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from functional_ckpt._src.format.blobs import blob_template, byte_view
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import Chunk
-from functional_ckpt._src.storage import checkpoint
+from functional_ckpt._src.storage import committed, durable
 from functional_ckpt._src.storage.durable import write_all
 from functional_ckpt.errors import (
     CheckpointError,
@@ -83,23 +84,26 @@ def _crc_chunks(view: memoryview, start: int = 0) -> int:
 def write_shard(
     path: Path,
     tensors: Iterable[torch.Tensor],
-    chunks: Sequence[Chunk],
+    offsets: Sequence[tuple[int, ...]] | None = None,
     *,
     after_each: Callable[[int], None] | None = None,
     background: list[Future[None]] | None = None,
     blobs: Sequence[ByteEntry] = (),
-) -> None:
+) -> tuple[list[Chunk], list[ByteEntry]]:
     """Write tensors (contiguous, on CPU) as DCP blobs into a new file, fsynced.
 
-    Tensor ``i`` holds the bytes of ``chunks[i]``, whose location and checksums
-    are filled in here. ``blobs`` (values as DCP byte entries) follow the
-    tensors; their location and CRC32 are filled in too. ``after_each(i)`` runs
-    once tensor ``i`` is fully written (version checks of unstaged saves hook in
-    here). With ``background``, the fsync runs on :func:`sync_pool` and its
+    Tensor ``i`` is the box at ``offsets[i]`` of its global tensor (a whole tensor
+    without ``offsets``). ``blobs`` (values as DCP byte entries) follow the
+    tensors. Returns where every tensor and value landed, with its checksums:
+    the chunks in ``tensors``' order and the located byte entries. ``after_each(i)``
+    runs once tensor ``i`` is fully written (version checks of unstaged saves hook
+    in here). With ``background``, the fsync runs on :func:`sync_pool` and its
     future is appended there: the file is durable once that future is done.
     """
     name = path.name
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    chunks: list[Chunk] = []
+    located: list[ByteEntry] = []
+    fd = durable.open_new(path)
     try:
         pending = bytearray()
         pos = 0
@@ -131,21 +135,22 @@ def write_shard(
                 tail = tpl.patch(crc)
                 write_all(fd, tail)
             length = len(tpl.head) + tpl.nbytes + len(tail)
-            c = chunks[i]
-            c.file = name
-            c.offset = pos
-            c.length = length
-            c.data_offset = pos + len(tpl.head)
-            c.nbytes = tpl.nbytes
-            c.crc32 = crc
-            c.hcrc32 = crc32(tail, tpl.head_crc)
+            shape = tuple(t.shape)
+            box = (0,) * len(shape) if offsets is None else offsets[i]
+            hcrc = crc32(tail, tpl.head_crc)
+            chunks.append(
+                Chunk(box, shape, name, pos, length, pos + len(tpl.head), tpl.nbytes, crc, hcrc)
+            )
             pos += length
             if after_each is not None:
                 after_each(i)
         for b in blobs:
-            b.file, b.offset, b.length, b.crc32 = name, pos, len(b.data), crc32(b.data)
+            n = len(b.data)
+            located.append(
+                replace(b, data=b"", file=name, offset=pos, length=n, crc32=crc32(b.data))
+            )
             pending += b.data
-            pos += len(b.data)
+            pos += n
         if pending:
             write_all(fd, pending)
     except BaseException:
@@ -155,6 +160,7 @@ def write_shard(
         fsync_and_close(fd)
     else:
         background.append(sync_pool().submit(fsync_and_close, fd))
+    return chunks, located
 
 
 def read_into(fd: int, offset: int, dest: memoryview) -> int:
@@ -275,7 +281,7 @@ def crc_range(fd: int, offset: int, length: int, start: int = 0) -> tuple[int, i
 
 
 def read_chunk(
-    root: checkpoint.Checkpoint, chunk: Chunk, dtype: torch.dtype, what: str
+    root: committed.Checkpoint, chunk: Chunk, dtype: torch.dtype, what: str
 ) -> torch.Tensor:
     """One stored chunk as a new tensor, every byte checked."""
     data = torch.empty(chunk.sizes, dtype=dtype)

@@ -20,8 +20,8 @@ from functional_ckpt._src.format.keys import format_path
 from functional_ckpt._src.format.manifest import Chunk, TensorEntry
 from functional_ckpt._src.format.view import groups_of, parse_checkpoint
 from functional_ckpt._src.paths import PathLike
-from functional_ckpt._src.storage import checkpoint, opener, shards
-from functional_ckpt._src.storage.checkpoint import classify_metadata
+from functional_ckpt._src.storage import committed, opener, shards
+from functional_ckpt._src.storage.committed import classify_metadata
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
 
 
@@ -63,7 +63,7 @@ def verify(path: PathLike) -> VerifyReport:
     report = VerifyReport(src, True, [])
     failed: list[tuple[str, CheckpointError]] = []
     try:  # CheckpointNotFound / IncompleteCheckpoint propagate
-        ck = checkpoint.open_checkpoint(src, problems=failed)
+        ck = committed.open_checkpoint(src, problems=failed)
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.ok = False
         report.problems.append(Problem(naming.MANIFEST, str(err)))
@@ -75,7 +75,7 @@ def verify(path: PathLike) -> VerifyReport:
 
 
 def _verify_open(
-    ck: checkpoint.Checkpoint, failed: list[tuple[str, CheckpointError]], report: VerifyReport
+    ck: committed.Checkpoint, failed: list[tuple[str, CheckpointError]], report: VerifyReport
 ) -> None:
     src, manifest = ck.path, ck.manifest
     try:
@@ -88,7 +88,7 @@ def _verify_open(
     report.problems += [Problem(name, str(err)) for name, err in failed]
     files = manifest["files"]
     listed = set(files) | {naming.MANIFEST, naming.COMMIT_MARKER}
-    for child in checkpoint.iter_names(ck.dir_fd):
+    for child in committed.iter_names(ck.dir_fd):
         if child not in listed:
             report.problems.append(Problem(child, "unexpected file in the checkpoint"))
     _verify_metadata(ck, groups_of(shared, parsed), blobs, report)
@@ -106,7 +106,7 @@ def _verify_open(
 
 
 def _verify_metadata(
-    ck: checkpoint.Checkpoint,
+    ck: committed.Checkpoint,
     groups: list[list[TensorEntry]],
     blobs: list[ByteEntry],
     report: VerifyReport,
@@ -149,7 +149,7 @@ def _verify_metadata(
 
 
 def _verify_file(
-    ck: checkpoint.Checkpoint,
+    ck: committed.Checkpoint,
     name: str,
     chunks: list[tuple[int, tuple[str, Chunk | ByteEntry]]],
     parsed: Any,

@@ -274,7 +274,7 @@ def train_managed(directory: Path, schedule: Schedule, crash_at: int | None, eve
             pid=os.getpid(),
             resumed_from=mgr.restored_step,
             restore_s=time.perf_counter() - t0,
-            async_save=mgr.async_save,
+            async_save=True,
         )
         while step < schedule.steps:
             t = time.perf_counter()

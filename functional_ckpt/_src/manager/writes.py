@@ -1,0 +1,169 @@
+"""A manager's writes: one save in flight, its buffers and trust, exports, removals.
+
+Everything a :class:`~.manager.CheckpointManager` writes goes through one
+:class:`Writes`: at most one checkpoint save in flight (synchronous or off the
+training thread), the staging buffers it reuses, the trust memory its incremental
+saves share (:mod:`..save.trust`), the uploads held while a save stages, the export
+off the training thread and the removal of pruned checkpoints. It decides nothing:
+the manager says what to write and when.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tensordict import TensorDictBase
+
+from functional_ckpt._src.export.exports import BackgroundExport, run_export, snapshot
+from functional_ckpt._src.export.safetensors import Export
+from functional_ckpt._src.format.naming import parse_step
+from functional_ckpt._src.manager.decisions import gathered
+from functional_ckpt._src.manager.options import AsyncSave
+from functional_ckpt._src.policy import Event
+from functional_ckpt._src.remote.tier import RemoteTier
+from functional_ckpt._src.root.delete import remove_all
+from functional_ckpt._src.root.view import RootView
+from functional_ckpt._src.save.api import run_save, start_save
+from functional_ckpt._src.save.info import CheckpointInfo
+from functional_ckpt._src.save.options import SaveOptions
+from functional_ckpt._src.save.staging import PendingSave, Stager
+from functional_ckpt._src.save.trust import TrustMemory
+
+State = TensorDictBase | Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class WriteSettings:
+    """How a manager writes: ``per_rank`` subtrees, off the training thread or not,
+    each save on the previous one (``incremental``), and whether ranks keep parts."""
+
+    per_rank: tuple[str, ...]
+    async_save: AsyncSave | None
+    incremental: bool
+    distributed: bool
+    coordinator: bool
+
+
+class Writes:
+    """A manager's writes (see the module docstring)."""
+
+    def __init__(self, view: RootView, plan: WriteSettings, remote: RemoteTier | None) -> None:
+        self.view = view
+        self.plan = plan
+        self.remote = remote
+        self.pending: PendingSave | None = None
+        self.stager = Stager()
+        self.trust = TrustMemory()
+        self.exports = BackgroundExport()
+        self._removal: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, path: Path, state: State, metadata: Mapping[str, Any]) -> CheckpointInfo | None:
+        """The one place a checkpoint is written; None while an async save runs.
+
+        An existing directory for the same step is replaced atomically: the newer
+        save of a step supersedes the older one.
+        """
+        options = SaveOptions(
+            metadata=metadata,
+            overwrite=path.exists(),
+            per_rank=self.plan.per_rank,
+            base=self._base_for(path) if self.plan.incremental else None,
+            base_required=False,  # the previous checkpoint may have been moved aside
+            trust=self.trust,
+            parts=self.remote is not None and self.remote.parts,
+        )
+        remote = self.remote
+        held = remote is not None  # uploads stand still while the state is staged
+        if remote is not None:
+            remote.hold_uploads()
+        try:
+            mode = self.plan.async_save
+            if mode is not None:
+                self.pending = start_save(path, state, options, mode.staging, self.stager)
+                if remote is not None:
+                    self.pending.when_staged(remote.release_uploads)
+                    held = False
+                return None
+            return run_save(path, state, options)
+        finally:
+            if held and remote is not None:
+                remote.release_uploads()
+
+    def _base_for(self, path: Path) -> Path | None:
+        """The base of an incremental save: the newest other committed checkpoint."""
+        others = [s for s in self.view.steps() if self.view.path(s) != path]
+        return self.view.path(max(others)) if others else None
+
+    def wait(self) -> CheckpointInfo | None:
+        """The save in flight, committed (or its error raised); None if there was none."""
+        pending, self.pending = self.pending, None
+        return None if pending is None else pending.result()
+
+    def wait_staged(self) -> None:
+        """Until the state may be mutated again (with ``staging="none"``: committed)."""
+        if self.pending is None:
+            return
+        mode = self.plan.async_save
+        if mode is not None and mode.staging == "none":
+            self.pending.result()
+        else:
+            self.pending.wait_staged()
+
+    def finished(self) -> bool:
+        """Whether the save in flight is done (its outcome not collected yet)."""
+        return self.pending is not None and self.pending.done()
+
+    def busy_steps(self) -> set[int]:
+        """Steps retention must not delete now: a save or an export is using them."""
+        busy = set()
+        if self.pending is not None:
+            step = parse_step(self.pending.path.name)
+            busy |= {step} if step is not None else set()
+        if self.exports.step is not None:
+            busy.add(self.exports.step)
+        return busy
+
+    # ------------------------------------------------------------------ exports
+
+    def export(self, state: State, export: Export, event: Event) -> Path | None:
+        """Write the export of ``event`` now, on this thread."""
+        if self.plan.distributed:
+            # Every rank takes part in gathering the sharded weights; rank 0 writes them.
+            state = gathered(state, export.select)
+            if not self.plan.coordinator:
+                return None
+        return run_export(state, self.view.root, export, event.step, event.metrics or {})
+
+    def export_in_background(self, state: State, export: Export, event: Event, saved: bool) -> None:
+        """Export from the committed checkpoint of this step, or from a copy taken now."""
+        self.exports.join()  # one export in flight; a failed one surfaces here
+        pending = self.pending if saved else None
+        source: State | Path = self.view.path(event.step) if saved else snapshot(state, export)
+        failure = None if pending is None else pending.exception
+        self.exports.start(source, self.view.root, export, event.step, event.metrics or {}, failure)
+
+    # ------------------------------------------------------------------ removals
+
+    def remove(self, trash: list[Path]) -> None:
+        """Remove checkpoints already out of sight; off the training thread when saves are."""
+        if self.plan.async_save is not None and trash:
+            # Out of sight already; unlinking gigabytes need not stall the training loop.
+            # close() waits for it; what a crash leaves, the next writer removes at open.
+            self.join_removals()
+            self._removal = threading.Thread(
+                target=remove_all, args=(trash,), name="fc-prune", daemon=True
+            )
+            self._removal.start()
+        else:
+            remove_all(trash)
+
+    def join_removals(self) -> None:
+        if self._removal is not None:
+            self._removal.join()
+            self._removal = None

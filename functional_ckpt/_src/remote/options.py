@@ -1,0 +1,59 @@
+"""``Remote``: a manager's remote tier, as one option value (``CheckpointManager(remote=...)``).
+
+Built and checked where the user writes it; the manager opens it on its root. Its
+storage options may hold credentials: they are never shown in a message or a repr.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all
+
+if TYPE_CHECKING:
+    from functional_ckpt._src.remote.tier import RemoteTier
+
+
+@dataclass(frozen=True)
+class Remote:
+    """Copy every committed checkpoint to ``url`` (any fsspec URL) in the background.
+
+    ``keep`` is the remote tier's own retention (default: keep everything);
+    ``storage_options`` go to fsspec (credentials, endpoint, client settings); with
+    ``prune_unuploaded`` the local retention may delete a checkpoint whose upload has
+    not committed yet (by default it waits for the upload). See docs/tiered.md.
+    """
+
+    url: str
+    keep: RetentionPolicy = field(default_factory=keep_all)
+    storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
+    prune_unuploaded: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str):
+            raise TypeError(f"Remote(url={self.url!r}): expected an fsspec URL string")
+        if not isinstance(self.keep, RetentionPolicy):
+            raise TypeError(f"Remote(keep={self.keep!r}): not a RetentionPolicy")
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise TypeError(
+                f"Remote(storage_options=<{type(self.storage_options).__name__}>): expected a "
+                "mapping of fsspec options (its values are not shown: they may be credentials)"
+            )
+        if not isinstance(self.prune_unuploaded, bool):
+            raise TypeError(f"Remote(prune_unuploaded={self.prune_unuploaded!r}): expected a bool")
+
+    def open(self, root: Path, *, writer: bool) -> RemoteTier:
+        """The tier of the manager of ``root`` (its endpoint is checked now)."""
+        from functional_ckpt._src.remote.tier import RemoteTier
+
+        return RemoteTier(
+            root,
+            self.url,
+            keep=self.keep,
+            storage_options=self.storage_options,
+            prune_unuploaded=self.prune_unuploaded,
+            writer=writer,
+        )

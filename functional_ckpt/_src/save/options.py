@@ -1,0 +1,67 @@
+"""How a save is made: its options, built and checked once where the call comes in.
+
+``fc.save``, ``fc.save_async`` and a manager's saves all describe a save with one
+:class:`SaveOptions` value that every stage below reads; nothing is restated or
+changed on the way, and no module-level setting changes how a save behaves.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.save.trust import PROCESS_TRUST, TrustMemory
+
+#: Top-level subtrees that differ between ranks and are stored once per rank.
+DEFAULT_PER_RANK = ("rng", "loader")
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """One save's options.
+
+    ``base``: share unchanged bytes with this committed checkpoint (an incremental
+    save); an unreadable base is an error when ``base_required`` (``fc.save``) and
+    means a full save otherwise (a manager: its previous checkpoint may have been
+    moved aside meanwhile). ``trust``: the memory of what this process committed
+    (:mod:`.trust`), fed by this save. ``parts``: under ``torch.distributed``, a rank
+    that does not see the coordinator's directory keeps its shard files in a
+    directory of its own (a remote tier makes such a split checkpoint whole).
+    """
+
+    metadata: Mapping[str, Any] | None = None
+    overwrite: bool = False
+    per_rank: tuple[str, ...] = DEFAULT_PER_RANK
+    base: Path | None = None
+    base_required: bool = True
+    trust: TrustMemory = field(default=PROCESS_TRUST, compare=False, repr=False)
+    parts: bool = False
+
+
+def save_options(
+    *,
+    metadata: Mapping[str, Any] | None,
+    overwrite: bool,
+    per_rank: Sequence[str],
+    base: PathLike | None,
+    what: str,
+) -> SaveOptions:
+    """The options of a public call (``what`` names it in errors), every argument checked."""
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise TypeError(f"{what}(metadata={metadata!r}): expected a mapping of plain values")
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"{what}(overwrite={overwrite!r}): expected True or False")
+    if isinstance(per_rank, str) or not all(isinstance(k, str) for k in per_rank):
+        raise TypeError(f"{what}(per_rank={per_rank!r}): expected a sequence of top-level keys")
+    if base is not None and not isinstance(base, str | os.PathLike):
+        raise TypeError(f"{what}(base={base!r}): expected the path of a committed checkpoint")
+    return SaveOptions(
+        metadata=metadata,
+        overwrite=overwrite,
+        per_rank=tuple(per_rank),
+        base=None if base is None else Path(base),
+    )
