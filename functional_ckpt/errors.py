@@ -84,6 +84,28 @@ class NotRecorded(CheckpointError, LookupError):
     """A replay was asked for a step that the recording does not hold."""
 
 
+class RankFailed(CheckpointError):
+    """Other ranks failed a step every rank must pass; ``failures`` says who and how.
+
+    Raised on the ranks that did not fail themselves (a rank that failed raises its
+    own error, so an ``except`` for its type works where the failure happened, with a
+    note naming every failing rank). ``failures`` maps each failing rank to its
+    error's type name and message: what a healthy rank needs to report the job's
+    failure without reading every rank's log.
+    """
+
+    def __init__(self, what: str, failures: dict[int, tuple[str, str]]) -> None:
+        self.what = what
+        self.failures = dict(sorted(failures.items()))
+        told = "; ".join(
+            f"rank {r} failed: {kind}: {msg}" for r, (kind, msg) in self.failures.items()
+        )
+        super().__init__(f"{what}: {told}; nothing was committed")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.what, self.failures))
+
+
 class CheckpointWarning(UserWarning):
     """A checkpoint was skipped or a stored policy state was discarded."""
 
@@ -130,6 +152,7 @@ __all__ = [
     "NotARecording",
     "NotRecorded",
     "PolicyError",
+    "RankFailed",
     "RemoteAccessDenied",
     "RemoteBucketMissing",
     "RemoteError",

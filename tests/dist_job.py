@@ -241,6 +241,37 @@ def main() -> None:
             os._exit(3)
         print("no error", flush=True)
         os._exit(0)
+    elif mode == "ranks-fail":
+        import json
+
+        from functional_ckpt._src.storage import shards
+
+        original = shards.write_shard
+        faults: dict[int, BaseException] = {
+            1: fc.errors.UnsupportedValue("rank one cannot store this"),
+            2: OSError(28, "No space left on device"),
+        }
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            if rank in faults:
+                raise faults[rank]
+            return original(*args, **kwargs)
+
+        shards.write_shard = failing
+        mesh = init_device_mesh("cpu", (world,))
+        try:
+            fc.save(root / "ck", shard_state(mesh, rank))
+        except fc.CheckpointError as e:
+            told = {
+                "type": type(e).__name__,
+                "str": str(e),
+                "notes": getattr(e, "__notes__", []),
+                "failures": {str(r): list(f) for r, f in getattr(e, "failures", {}).items()},
+            }
+            (root / f"error.{rank}.json").write_text(json.dumps(told))
+        except OSError as e:
+            told = {"type": type(e).__name__, "notes": getattr(e, "__notes__", [])}
+            (root / f"error.{rank}.json").write_text(json.dumps(told))
     dist.barrier()  # nobody tears down connections while a peer still uses them
     dist.destroy_process_group()
 

@@ -166,3 +166,49 @@ def test_manager_decisions_agree_and_async_saves_work_across_ranks(tmp_path: Pat
     assert torch.equal(next(iter(load_file(str(export)).values())), full_tensors()["w"])
     run_ok(2, "async-save", str(tmp_path))
     assert fc.verify(tmp_path / "ck").ok
+
+
+def test_every_failing_rank_is_named_with_its_error_type(tmp_path: Path) -> None:
+    """Two ranks fail differently: the healthy rank's RankFailed names both, with types."""
+    import json
+
+    run_ok(3, "ranks-fail", str(tmp_path))
+    told = {r: json.loads((tmp_path / f"error.{r}.json").read_text()) for r in range(3)}
+    assert told[0]["type"] == "RankFailed"
+    failures = told[0]["failures"]
+    assert sorted(failures) == ["1", "2"]
+    assert failures["1"] == ["UnsupportedValue", "rank one cannot store this"]
+    # the disk error arrives as the project's own, naming the checkpoint and the cause
+    assert failures["2"][0] == "CheckpointError"
+    assert "no space left" in failures["2"][1] and "ck" in failures["2"][1]
+    assert "rank 1 failed: UnsupportedValue: rank one" in told[0]["str"]
+    assert "rank 2 failed: CheckpointError:" in told[0]["str"]
+    # a failing rank raises its own error (catchable by type), noting the other failure
+    assert told[1]["type"] == "UnsupportedValue"
+    assert any("rank 2 failed: CheckpointError" in n for n in told[1]["notes"])
+    assert told[2]["type"] == "CheckpointError"
+    assert any("rank 1 failed: UnsupportedValue" in n for n in told[2]["notes"])
+    assert not (tmp_path / "ck").exists()
+
+
+def test_rank_failed_without_a_process_group() -> None:
+    """The agreement rule itself: healthy ranks get every failure, failing ranks their own."""
+    import pickle
+
+    from functional_ckpt._src.distributed.groups import _fail
+
+    told = {3: ("TemplateMismatch", "no key 'w'"), 1: ("CorruptCheckpoint", "bad crc")}
+    with pytest.raises(fc.errors.RankFailed) as caught:
+        _fail(None, "restore ck", told)
+    assert list(caught.value.failures) == [1, 3]  # ordered by rank
+    assert str(caught.value) == (
+        "restore ck: rank 1 failed: CorruptCheckpoint: bad crc; "
+        "rank 3 failed: TemplateMismatch: no key 'w'; nothing was committed"
+    )
+    again = pickle.loads(pickle.dumps(caught.value))
+    assert again.failures == caught.value.failures and str(again) == str(caught.value)
+    mine = fc.errors.TemplateMismatch("no key 'w'")
+    with pytest.raises(fc.errors.TemplateMismatch) as own:
+        _fail(mine, "restore ck", told)
+    assert own.value is mine and "rank 1 failed: CorruptCheckpoint" in own.value.__notes__[0]
+    _fail(None, "restore ck", {})  # nobody failed: no error

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from functional_ckpt._src.distributed.topology import topology
-from functional_ckpt.errors import CheckpointError
+from functional_ckpt.errors import CheckpointError, RankFailed
 
 #: Seconds a rank waits for the others in a checkpoint collective before failing.
 DEFAULT_TIMEOUT = float(os.environ.get("FUNCTIONAL_CKPT_TIMEOUT", "600"))
@@ -72,34 +72,59 @@ def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
 
 
 def agree(error: BaseException | None, group: Any, what: str) -> None:
-    """Make every rank fail together when any rank failed a local step."""
+    """Make every rank fail together when any rank failed a local step.
+
+    A rank that failed raises its own error (noting every failing rank); the others
+    raise :class:`RankFailed` with each failing rank's error type and message.
+    """
     try:
-        reports = all_gather_bytes(b"" if error is None else _describe(error).encode(), group)
+        reports = all_gather_bytes(b"" if error is None else _report(error), group)
     except Exception as e:  # a rank died or timed out
         raise CheckpointError(
             f"{what}: another rank did not answer ({e}); nothing committed"
         ) from e
-    failed = [(r, m.decode(errors="replace")) for r, m in enumerate(reports) if m]
+    failures = {r: _parse(m) for r, m in enumerate(reports) if m}
+    _fail(error, what, failures)
+
+
+def _fail(error: BaseException | None, what: str, failures: dict[int, tuple[str, str]]) -> None:
+    if not failures:
+        if error is not None:
+            raise error
+        return
+    everyone = RankFailed(what, failures)
     if error is not None:
+        if len(failures) > 1:
+            error.add_note(str(everyone))
         raise error
-    if failed:
-        r, msg = failed[0]
-        raise CheckpointError(f"{what}: rank {r} failed: {msg}; nothing was committed")
+    raise everyone
 
 
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
+def _report(e: BaseException) -> bytes:
+    kind = type(e).__name__.encode()
+    return kind + b"\0" + str(e).encode(errors="replace")
 
 
-def _unwrap(e: BaseException, what: str) -> CheckpointError:
-    """DCP wraps rank failures in CheckpointException; name the first real cause."""
+def _parse(report: bytes) -> tuple[str, str]:
+    kind, _, message = report.partition(b"\0")
+    return kind.decode(errors="replace"), message.decode(errors="replace")
+
+
+def _unwrap(e: BaseException, what: str) -> BaseException:
+    """DCP wraps rank failures in CheckpointException: raise ours the same way."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
-        rank, wrapped = sorted(failures.items())[0]
-        cause = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
-        if isinstance(cause, CheckpointError):
-            return cause
-        return CheckpointError(f"{what}: rank {rank} failed: {cause!r}; nothing was committed")
+        causes = {int(r): (w[0] if isinstance(w, tuple) and w else w) for r, w in failures.items()}
+        told = {
+            r: (type(c).__name__, str(c)) if isinstance(c, BaseException) else ("Error", repr(c))
+            for r, c in causes.items()
+        }
+        mine = causes.get(topology().rank)
+        if isinstance(mine, CheckpointError):
+            if len(told) > 1:
+                mine.add_note(str(RankFailed(what, told)))
+            return mine
+        return RankFailed(what, told)
     if isinstance(e, CheckpointError):
         return e
-    return CheckpointError(f"{what}: {_describe(e)}; nothing was committed")
+    return CheckpointError(f"{what}: {type(e).__name__}: {e}; nothing was committed")
