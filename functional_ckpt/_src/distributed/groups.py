@@ -11,7 +11,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import uuid
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,6 +71,33 @@ def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
     out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(out, buf, group=group)
     return [bytes(t[: int(s.item())].numpy()) for t, s in zip(out, sizes, strict=True)]
+
+
+def all_gather_values(value: Any, group: Any) -> list[Any]:
+    """Every rank's ``value`` (anything the exact codec stores), without pickling."""
+    from functional_ckpt._src import codec
+
+    return [codec.decode(b) for b in all_gather_bytes(codec.encode(value), group)]
+
+
+def one_directory(path: Path, group: Any) -> bool:
+    """Whether every rank's ``path`` is the coordinator's directory (one shared file system).
+
+    The coordinator creates a probe file of a name all ranks agree on; each rank
+    looks for it.
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    token = all_gather_values(uuid.uuid4().hex, group)[0]
+    probe = path / f".fc-probe-{token}"
+    first = topology().coordinator
+    if first:
+        probe.touch()
+    all_gather_bytes(b"", group)  # the probe exists before anyone looks
+    seen = all(all_gather_values(probe.exists(), group))
+    if first:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    return seen
 
 
 def agree(error: BaseException | None, group: Any, what: str) -> None:

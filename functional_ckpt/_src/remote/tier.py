@@ -30,24 +30,22 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-from functional_ckpt._src import codec
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.header import header_of
-from functional_ckpt._src.format.kind import is_committed
 from functional_ckpt._src.format.naming import BRANCHES_DIR, step_name
 from functional_ckpt._src.policy.retention import CheckpointRecord, RetentionPolicy, plan_deletions
 from functional_ckpt._src.remote import protocol
-from functional_ckpt._src.remote.fetch import download, remove_downloads
+from functional_ckpt._src.remote.fetch import remove_downloads
+from functional_ckpt._src.remote.resume import Found, RemoteResume
 from functional_ckpt._src.remote.store import Store, public_url
 from functional_ckpt._src.remote.uploader import Worker, failure, read_status, retried, write_status
-from functional_ckpt._src.root.delete import delete, quarantine, remove_all
+from functional_ckpt._src.root.delete import delete, remove_all
 from functional_ckpt._src.root.listing import StepInfo, committed_steps, read_info, step_dirs
 from functional_ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
     IncompleteCheckpoint,
-    RemoteError,
     RemoteVanished,
     RemoteWarning,
     UnsafeCheckpoint,
@@ -56,7 +54,6 @@ from functional_ckpt.errors import (
 __all__ = ["LEASE", "RemoteTier", "read_status"]
 
 T = TypeVar("T")
-Found = tuple[StepInfo, T] | None
 
 #: The object beside the checkpoints naming the manager that writes the remote root:
 #: the one that began writing there last. A manager takes it before its first upload
@@ -115,17 +112,21 @@ class RemoteTier:
             self._group = checkpoint_group(timeout, purpose="upload")
             agree(error, self._group, f"remote {self.url}")
             if writer:
-                self.shared = self._shared_root()
+                from functional_ckpt._src.distributed.groups import one_directory
+
+                self.shared = one_directory(root, self._group)
         self._lock = threading.Lock()
         self.failures: dict[int, CheckpointError] = {}
         self._unreported: list[CheckpointError] = []
         self._committed: set[int] = set()  # steps committed remotely (as last seen)
         self._dropped: set[int] = set()  # local steps the remote retention does not keep
         self._uploading: int | None = None
-        self._bad: set[int] = set()  # remote steps found damaged by this process
         self._records: dict[int, CheckpointRecord] = {}
         self._same: dict[int, bytes] = {}  # local steps whose remote copy has their marker
         self._worker: Worker | None = None
+        self._resume = RemoteResume(
+            self.store, root, self.url, shared=self.shared, listed=self._listed
+        )
         if writer:
             if self.coordinator or not self.shared:
                 remove_downloads(root)
@@ -242,120 +243,18 @@ class RemoteTier:
         *,
         writer: bool,
     ) -> Found[T]:
-        """The newest checkpoint of either tier, downloaded first when only the remote has it.
+        """The newest checkpoint of either tier (see :class:`~.resume.RemoteResume`).
 
-        ``local`` is the local resume (newest readable, damage moved aside);
-        ``read_step`` restores one local step. A remote checkpoint newer than every
-        readable local one is downloaded into the root, verified, and read from
-        there; a damaged one is reported and the previous remote one tried. A
-        read-only manager reads its local root only.
+        A read-only manager reads its local root only.
         """
         if not writer:
             return local()
-        if self.world > 1:
-            return self._restore_agreed(local_steps, read_step)
-        fetched: set[int] = set()
-        found: Found[T] = None
-        for _ in range(8):
-            good = self._fetch_newer(max(local_steps(), default=None), fetched)
-            found = local()  # damaged local copies are moved aside here
-            best = max((s for s in good if s not in self._bad), default=None)
-            if best is None or (found is not None and found[0].step >= best):
-                return found
-            if best in fetched:
-                self._bad.add(best)  # downloaded, then found unreadable locally: not again
-        return found
+        return self._resume.latest(local, local_steps, read_step)
 
-    def _remote_good(self, newest_local: int | None) -> list[int]:
-        """Committed remote steps not found damaged, newest first; warns if unlisted."""
-        try:
-            listing = retried(self.store.listing)
-        except RemoteError as err:
-            if newest_local is None:
-                raise
-            warnings.warn(
-                f"{err}; resuming from the local tier (step {newest_local}), which may be "
-                "older than the newest remote checkpoint",
-                RemoteWarning,
-                stacklevel=5,
-            )
-            return []
+    def _listed(self, committed: set[int]) -> None:
+        """A resume listed the remote root: what is committed there now."""
         with self._lock:
-            self._committed = {s for s, r in listing.items() if r.committed}
-        return sorted((s for s in self._committed if s not in self._bad), reverse=True)
-
-    def _fetch_newer(self, newest_local: int | None, fetched: set[int]) -> list[int]:
-        """Download the newest good remote step newer than ``newest_local``.
-
-        Returns the good remote steps (empty if the remote could not be listed).
-        """
-        good = self._remote_good(newest_local)
-        for step in good:
-            if newest_local is not None and step <= newest_local:
-                break
-            there = self.root / step_name(step)
-            if there.is_dir() and not is_committed(there):
-                quarantine(self.root, there)  # never committed (a download a crash cut short)
-            if there.exists() and step not in fetched:
-                continue  # a local directory there is unreadable: the local resume decides
-            try:
-                if step not in fetched:
-                    download(self.store, step, self.root)
-                    fetched.add(step)
-                break
-            except _DAMAGE as err:
-                self._bad.add(step)
-                warnings.warn(
-                    f"{self.store.where(step)}: remote checkpoint of step {step} is unusable "
-                    f"({type(err).__name__}: {err}); falling back to the previous one",
-                    RemoteWarning,
-                    stacklevel=5,
-                )
-        return good
-
-    def _restore_agreed(
-        self,
-        local_steps: Callable[[], list[int]],
-        read_step: Callable[[int], tuple[StepInfo, T]],
-    ) -> Found[T]:
-        """Every rank restores one step: the newest every rank has locally, or the remote's.
-
-        On the training thread, so on the manager's group (uploads use their own).
-        """
-        from functional_ckpt._src.distributed.groups import agree, checkpoint_group
-
-        group = checkpoint_group(purpose="control")
-        mine = [s for s in local_steps() if self._whole(s)]
-        everyone = [set(s) for s in self._gather(mine, group)]
-        common = set.intersection(*everyone)
-        error: BaseException | None = None
-        remote: list[int] = []
-        if self.coordinator:
-            try:
-                remote = self._remote_good(max(common, default=None))
-            except BaseException as e:
-                error = e
-        agree(error, group, f"restore from {self.url}")
-        remote = self._share(remote, group)
-        target = max([*common, *remote], default=None)
-        if target is None:
-            return None
-        try:
-            if target not in mine and (self.coordinator or not self.shared):
-                download(self.store, target, self.root, replace=True)  # over a part
-        except BaseException as e:
-            error = e
-        agree(error, group, f"download {self.store.where(target)}")
-        return read_step(target)
-
-    def _whole(self, step: int) -> bool:
-        """Whether the local ``step_N`` holds every file its manifest lists (not split)."""
-        path = self.root / step_name(step)
-        try:
-            sizes = protocol.expected_sizes(path)
-            return all((path / n).stat().st_size == size for n, size in sizes.items())
-        except (CheckpointError, OSError, KeyError, TypeError, ValueError):
-            return False
+            self._committed = committed
 
     # ------------------------------------------------------------------ collectives
 
@@ -363,28 +262,13 @@ class RemoteTier:
         """Every rank's ``value`` (on the uploads' group unless told otherwise)."""
         if self.world == 1:
             return [value]
-        from functional_ckpt._src.distributed.groups import all_gather_bytes
+        from functional_ckpt._src.distributed.groups import all_gather_values
 
-        encoded = codec.encode(value)
-        return [codec.decode(b) for b in all_gather_bytes(encoded, group or self._group)]
+        return all_gather_values(value, group or self._group)
 
     def _share(self, value: Any, group: Any = None) -> Any:
         """The coordinator's ``value``, on every rank."""
         return self._gather(value if self.coordinator else None, group)[0]
-
-    def _shared_root(self) -> bool:
-        """Whether every rank's root is the coordinator's directory (one shared file system)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        token = self._share(uuid.uuid4().hex if self.coordinator else None)
-        probe = self.root / f".fc-probe-{token}"
-        if self.coordinator:
-            probe.touch()
-        self._gather(None)  # the probe exists before anyone looks
-        seen = all(self._gather(probe.exists()))
-        if self.coordinator:
-            with contextlib.suppress(OSError):
-                probe.unlink()
-        return seen
 
     # ------------------------------------------------------------------ worker thread
 
