@@ -58,7 +58,7 @@ import functional_ckpt as fc
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import keys, naming
 from functional_ckpt._src.format.checksum import crc32
-from functional_ckpt._src.format.limits import LIMITS
+from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CheckpointError, ModifiedDuringSave, UnsupportedValue
 
 P = 2**61 - 1  # hash(k * P) == hash(0)

@@ -138,10 +138,10 @@ def files_of(path: Path) -> list[Path]:
 def fc_upload(store: Store, step: int, local: Path) -> None:
     """What one upload round does for one checkpoint on one rank."""
     sizes = protocol.expected_sizes(local)
-    present = protocol.begin(store, step, local)
+    present = protocol.begin_upload(store, step, local)
     names = [n for n in os.listdir(local) if n not in ("COMMITTED", "manifest.msgpack")]
     protocol.put_part(store, step, local, names, present or {})
-    protocol.commit(store, step, local, sizes)
+    protocol.commit_upload(store, step, local, sizes)
 
 
 def s3fs_put(store: Store, prefix: str, local: Path) -> None:

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from functional_ckpt._src.recording.recorder import Recorder
     from functional_ckpt._src.recording.replay import Replay
     from functional_ckpt._src.restore.api import restore
-    from functional_ckpt._src.restore.inspect import inspect
+    from functional_ckpt._src.restore.contents import inspect
     from functional_ckpt._src.save.api import save, save_async
     from functional_ckpt._src.state.capture import apply, capture
     from functional_ckpt._src.state.tree import to_python
@@ -70,7 +70,7 @@ _WHERE = {
     "every_steps": "functional_ckpt._src.policy.leaves",
     "export_safetensors": "functional_ckpt._src.export.safetensors",
     "fork": "functional_ckpt._src.manager.fork",
-    "inspect": "functional_ckpt._src.restore.inspect",
+    "inspect": "functional_ckpt._src.restore.contents",
     "keep_best": "functional_ckpt._src.policy.retention",
     "keep_every": "functional_ckpt._src.policy.retention",
     "keep_last": "functional_ckpt._src.policy.retention",

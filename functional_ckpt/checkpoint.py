@@ -2,14 +2,12 @@
 
 ``fc.save`` returns a :class:`CheckpointInfo`; ``fc.save_async`` a :class:`PendingSave`
 and it stages into a :class:`Stager`'s reusable buffers; ``fc.inspect`` returns a
-:class:`CheckpointSummary` of :class:`TensorSpec` leaves; ``fc.verify`` a
+:class:`CheckpointSummary` of :class:`TensorSpec` leaves in :class:`Node` sub-trees; ``fc.verify`` a
 :class:`VerifyReport` of :class:`Problem` lines. :func:`remove` deletes one checkpoint
 directory so that no crash leaves a readable half of it.
 """
 
-from __future__ import annotations
-
-from functional_ckpt._src.restore.summary import CheckpointSummary, TensorSpec
+from functional_ckpt._src.restore.summary import CheckpointSummary, Node, TensorSpec
 from functional_ckpt._src.root.delete import remove_checkpoint as remove
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.staging import PendingSave, Stager
@@ -18,6 +16,7 @@ from functional_ckpt._src.storage.verify import Problem, VerifyReport
 __all__ = [
     "CheckpointInfo",
     "CheckpointSummary",
+    "Node",
     "PendingSave",
     "Problem",
     "Stager",

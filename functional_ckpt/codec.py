@@ -4,8 +4,6 @@ Dataclasses, NamedTuples and Enums are stored as tagged plain data (never a pick
 once their class is registered; see docs/format.md for the tags and the rules.
 """
 
-from __future__ import annotations
-
 from functional_ckpt._src.codec import register
 
 __all__ = ["register"]

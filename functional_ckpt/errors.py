@@ -5,8 +5,6 @@ anything at that path, was it finished, is it damaged, does it fit my state, or 
 it hostile. Messages always name the offending path, file or key.
 """
 
-from __future__ import annotations
-
 
 class CheckpointError(Exception):
     """Base class of every error raised by functional_ckpt."""

@@ -9,8 +9,6 @@ checkpoint; ``maybe_save`` returns a :class:`SaveResult`, carrying a
 a rule returns to. See docs/manager.md.
 """
 
-from __future__ import annotations
-
 from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.manager.manager import CheckpointManager
 from functional_ckpt._src.manager.options import AsyncSave

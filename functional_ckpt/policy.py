@@ -7,8 +7,6 @@ at the top level (``fc.every_steps`` …); here are the rest, the protocol, the
 rollback rule ``on_degrade`` and :func:`policy_from_spec`. See docs/policies.md.
 """
 
-from __future__ import annotations
-
 from functional_ckpt._src.policy import (
     Event,
     PolicySpec,

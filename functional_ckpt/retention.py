@@ -5,8 +5,6 @@ A retention policy maps the checkpoints that exist to the set of steps to keep;
 newest checkpoint and protected steps are never deleted. See docs/policies.md.
 """
 
-from __future__ import annotations
-
 from functional_ckpt._src.policy.retention import (
     CheckpointLike,
     CheckpointRecord,

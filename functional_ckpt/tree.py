@@ -5,8 +5,6 @@ with non-string keys become sub-TensorDicts that record their kind and keys, so
 ``fc.to_python(fc.tree.from_python(x)) == x`` with every type kept.
 """
 
-from __future__ import annotations
-
 from functional_ckpt._src.state.tree import from_python
 
 __all__ = ["from_python"]

@@ -64,3 +64,31 @@ def test_no_top_level_name_is_a_submodule() -> None:
 
     for name in fc.__all__:
         assert not isinstance(getattr(fc, name), types.ModuleType), name
+
+
+#: The public namespaces beside the top level (and the integrations, imported by name).
+NAMESPACES = ["checkpoint", "codec", "errors", "manager", "policy", "retention", "tree"]
+
+
+def test_the_namespaces_are_the_same_in_the_package_the_docs_and_here() -> None:
+    import re
+    from pathlib import Path
+
+    assert sorted(fc._NAMESPACES) == NAMESPACES
+    assert fc.__doc__ is not None
+    in_docstring = re.findall(r"^\* ``fc\.(\w+)``", fc.__doc__, re.M)
+    assert sorted(in_docstring) == NAMESPACES
+    api = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    in_docs = re.findall(r"^\| `fc\.(\w+)` \|", api, re.M)
+    assert sorted(in_docs) == NAMESPACES
+    assert "functional_ckpt.integrations.<client>" in fc.__doc__
+    assert "functional_ckpt.integrations.<client>" in api
+
+
+def test_each_namespace_shows_exactly_its_all() -> None:
+    for name in NAMESPACES:
+        module = getattr(fc, name)
+        shown = {n for n in vars(module) if not n.startswith("_")}
+        assert shown == set(module.__all__), name
+        for item in module.__all__:
+            assert getattr(module, item) is not None, (name, item)

@@ -25,7 +25,7 @@ from functional_ckpt._src import cli
 from functional_ckpt._src.cli import listing, ui
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.restore.diff import same_value, tensor_delta
-from functional_ckpt._src.restore.read import open_checkpoint
+from functional_ckpt._src.restore.read import vetted_view
 from tests.forge import resign
 
 KEEP = fc.keep_last(2) | fc.keep_best(1, "val_loss", mode="min")
@@ -67,7 +67,7 @@ def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, 
 
 def corrupt_tensor_data(ckpt: Path, key: tuple[str, ...] = ("model", "2.weight")) -> None:
     """Flip one byte of ``key``'s tensor data (not of a blob header) in its shard file."""
-    chunk = open_checkpoint(ckpt).tensors[key].chunks[0]
+    chunk = vetted_view(ckpt).tensors[key].chunks[0]
     with open(ckpt / chunk.file, "r+b") as f:
         f.seek(chunk.data_offset + chunk.nbytes // 2)
         byte = f.read(1)[0]

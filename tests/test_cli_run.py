@@ -17,7 +17,7 @@ import pytest
 
 import functional_ckpt as fc
 from functional_ckpt._src import cli
-from functional_ckpt._src.cli.run import Attempt, Checkpoint, exit_status, outcome_text
+from functional_ckpt._src.cli.run import Attempt, Resumable, exit_status, outcome_text
 from functional_ckpt._src.format.naming import step_name
 
 REPO = Path(__file__).resolve().parent.parent
@@ -253,10 +253,10 @@ def test_root_that_is_a_checkpoint_is_refused(
 
 def test_time_lost_counts_work_since_the_last_checkpoint() -> None:
     a = Attempt(1, started=100.0, resumed_from=None, ended=160.0, returncode=-9)
-    a.reached, a.waited = Checkpoint(10, time=150.0), 2.0
+    a.reached, a.waited = Resumable(10, time=150.0), 2.0
     assert a.lost(root_known=True) == 12.0  # 10 s after the save began, plus the pause
     assert a.lost(root_known=False) == 62.0  # without a root: the whole attempt
-    a.reached = Checkpoint(10, time=90.0)  # saved before this attempt began: nothing kept
+    a.reached = Resumable(10, time=90.0)  # saved before this attempt began: nothing kept
     a.resumed_from = a.reached
     assert a.lost(root_known=True) == 62.0
     assert exit_status(-15) == 143 and outcome_text(-15) == "SIGTERM"

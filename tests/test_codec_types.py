@@ -24,7 +24,7 @@ import torch
 import functional_ckpt as fc
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
-from functional_ckpt._src.format.limits import LIMITS
+from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.storage import commit
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint, UnsupportedValue
 

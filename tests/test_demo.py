@@ -48,7 +48,7 @@ def test_demo_reports_bit_identical(
     assert "\033[" not in out
 
 
-def attempt(events: Path) -> demo.Attempt:
+def attempt(events: Path) -> demo.ChildLog:
     tail = demo.EventTail(events)
     tail.poll()
     return demo.read_attempt(tail.events, 0)

@@ -170,3 +170,241 @@ def test_each_client_is_imported_by_its_integration_only() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------- layer order
+
+#: The stages of the data flow, lowest first (docs/architecture.md). A module imports
+#: modules of its own stage and of the stages before it, never of a later one: the
+#: format knows nothing of saving, saving nothing of the manager.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("errors", ("functional_ckpt.errors",)),
+    (
+        "base",
+        (
+            "functional_ckpt._src",
+            "functional_ckpt._src.paths",
+            "functional_ckpt._src.text",
+            "functional_ckpt._src.version",
+            "functional_ckpt._src.limits",
+        ),
+    ),
+    ("codec", ("functional_ckpt._src.codec",)),
+    ("format", ("functional_ckpt._src.format",)),
+    ("storage", ("functional_ckpt._src.storage",)),
+    ("state", ("functional_ckpt._src.state",)),
+    ("distributed", ("functional_ckpt._src.distributed",)),
+    ("policy", ("functional_ckpt._src.policy",)),
+    ("save", ("functional_ckpt._src.save",)),
+    ("restore", ("functional_ckpt._src.restore",)),
+    ("root", ("functional_ckpt._src.root",)),
+    ("export", ("functional_ckpt._src.export",)),
+    ("remote", ("functional_ckpt._src.remote",)),
+    ("recording", ("functional_ckpt._src.recording",)),
+    ("manager", ("functional_ckpt._src.manager",)),
+    ("integrations", ("functional_ckpt.integrations",)),
+    (
+        "public",
+        (
+            "functional_ckpt",
+            "functional_ckpt.checkpoint",
+            "functional_ckpt.codec",
+            "functional_ckpt.manager",
+            "functional_ckpt.policy",
+            "functional_ckpt.retention",
+            "functional_ckpt.tree",
+        ),
+    ),
+    ("cli", ("functional_ckpt._src.cli",)),
+    ("entry point", ("functional_ckpt.__main__",)),
+]
+
+
+def layer_of(module: str, layers: list[tuple[str, tuple[str, ...]]] = LAYERS) -> int:
+    """The index of the stage holding ``module`` (the longest matching prefix wins)."""
+    best, length = -1, -1
+    for i, (_, prefixes) in enumerate(layers):
+        for prefix in prefixes:
+            exact_only = prefix in ("functional_ckpt", "functional_ckpt._src")
+            hit = module == prefix or (not exact_only and module.startswith(prefix + "."))
+            if hit and len(prefix) > length:
+                best, length = i, len(prefix)
+    return best
+
+
+def upward_imports(
+    graph: dict[str, set[str]], layers: list[tuple[str, tuple[str, ...]]] = LAYERS
+) -> list[str]:
+    """Every import of a later stage, as 'module (stage) -> module (stage)'."""
+    out = []
+    for module, deps in sorted(graph.items()):
+        mine = layer_of(module, layers)
+        for dep in sorted(deps):
+            theirs = layer_of(dep, layers)
+            if theirs > mine:
+                out.append(f"{module} ({layers[mine][0]}) -> {dep} ({layers[theirs][0]})")
+    return out
+
+
+def test_every_module_belongs_to_one_stage() -> None:
+    assert [m for m in MODULES if layer_of(m) < 0] == []
+
+
+def test_imports_go_only_down_the_data_flow() -> None:
+    graph = {m: imports_of(m) for m in MODULES}
+    assert upward_imports(graph) == []
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    graph = {
+        "functional_ckpt._src.format.manifest": {"functional_ckpt._src.save.plan"},
+        "functional_ckpt._src.save.plan": {"functional_ckpt._src.format.manifest"},
+        "functional_ckpt.errors": set(),
+    }
+    assert upward_imports(graph) == [
+        "functional_ckpt._src.format.manifest (format) -> functional_ckpt._src.save.plan (save)"
+    ]
+    assert layer_of("functional_ckpt._src.cli.demo.job") == layer_of("functional_ckpt._src.cli")
+    assert layer_of("functional_ckpt._src") != layer_of("functional_ckpt._src.save")
+
+
+# ---------------------------------------------------------------------------- names
+
+#: Names several modules define on purpose, with the same meaning in each.
+SHARED_NAMES = {"main"}  # each runnable module's entry function
+
+
+def top_level_names(path: Path) -> set[str]:
+    """Public names a module defines itself (functions, classes, assignments)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {n for n in names if not n.startswith("_") and n != "T"}
+
+
+def test_each_implementation_name_has_one_meaning() -> None:
+    """No two modules of the implementation define the same public name."""
+    where: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        if module.startswith("functional_ckpt._src"):
+            for name in top_level_names(path):
+                where.setdefault(name, []).append(module)
+    twice = {n: ms for n, ms in where.items() if len(ms) > 1 and n not in SHARED_NAMES}
+    assert twice == {}
+
+
+def test_no_module_is_named_after_a_standard_library_module() -> None:
+    clash = [m for m in MODULES if m.rpartition(".")[2] in sys.stdlib_module_names]
+    assert clash == []
+
+
+# ---------------------------------------------------------------------------- module state
+
+#: Module-level state the package keeps, each a cache or pool that changes no result,
+#: or a registry the user fills on purpose. Anything else a function changes at
+#: module level is behaviour at a distance.
+KNOWN_STATE = {
+    "functional_ckpt._src.codec.tagged": {"TAGGED", "_BY_TAG"},  # fc.codec.register
+    "functional_ckpt._src.distributed.groups": {"_GROUPS"},  # a gloo group per world
+    "functional_ckpt._src.format.blobs": {"_TEMPLATES"},  # encoded byte-entry templates
+    "functional_ckpt._src.format.dcp_metadata": {"_LAST"},  # the last .metadata derived
+    "functional_ckpt._src.format.dcp_values": {"_CACHE"},  # decoded stock-DCP values
+    "functional_ckpt._src.storage.shards": {"_POOL", "_POOL_LOCK", "_SYNC_POOL"},  # threads
+    "functional_ckpt._src.save.trust": {"PROCESS_TRUST"},  # what this process committed
+}
+
+_MUTATORS = {
+    "add", "append", "clear", "discard", "extend", "insert", "move_to_end", "pop",
+    "popitem", "remove", "setdefault", "update",
+}  # fmt: skip
+
+
+def _frozen(cls: ast.ClassDef) -> bool:
+    """A ``@dataclass(frozen=True)``: its instances are values, not state."""
+    return any(
+        isinstance(d, ast.Call) and any(k.arg == "frozen" for k in d.keywords)
+        for d in cls.decorator_list
+    )
+
+
+def module_state(path: Path) -> set[str]:
+    """Module-level names a function of the module rebinds or mutates, and module-level
+    instances of the package's own classes."""
+    tree = ast.parse(path.read_text(), str(path))
+    top: set[str] = set()
+    classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and not _frozen(n)}
+    found: set[str] = set()
+    for node in tree.body:
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets, value = list(node.targets), node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        names = {t.id for t in targets if isinstance(t, ast.Name)}
+        top |= names
+        if (
+            names
+            and isinstance(value, ast.Call)
+            and isinstance(value.func, ast.Name)
+            and value.func.id in classes
+        ):
+            found |= names
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Global):
+                found |= set(n.names)
+            elif isinstance(n, ast.Assign | ast.AugAssign | ast.Delete):
+                targets = list(n.targets) if isinstance(n, ast.Assign | ast.Delete) else [n.target]
+                for t in targets:
+                    if (
+                        isinstance(t, ast.Subscript)
+                        and isinstance(t.value, ast.Name)
+                        and t.value.id in top
+                    ):
+                        found.add(t.value.id)
+            elif (
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and n.func.attr in _MUTATORS
+                and isinstance(n.func.value, ast.Name)
+                and n.func.value.id in top
+            ):
+                found.add(n.func.value.id)
+    return found
+
+
+def test_no_module_level_state_beyond_the_documented_caches() -> None:
+    state = {m: module_state(p) for m, p in MODULES.items()}
+    assert {m: s for m, s in state.items() if s} == KNOWN_STATE
+
+
+def test_the_state_check_sees_a_global_flag(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text(
+        "_SEEN = set()\nFLAG = False\nclass Memo: ...\nMEMO = Memo()\nTABLE = {'a': 1}\n"
+        "@dataclass(frozen=True)\nclass Box: ...\nBOX = Box()\n"
+        "def f(x):\n    global FLAG\n    FLAG = True\n    _SEEN.add(x)\n    return TABLE['a']\n"
+    )
+    assert module_state(src) == {"FLAG", "MEMO", "_SEEN"}
+
+
+def test_the_architecture_page_has_a_line_for_every_module() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    missing = []
+    for module, path in MODULES.items():
+        parts = module.split(".")
+        if parts[:2] != ["functional_ckpt", "_src"] or path.name == "__init__.py":
+            continue
+        if parts[2] in ("cli",):  # one line for the command, one for its demo
+            continue
+        where = "/".join(parts[2:]) if len(parts) > 3 else f"_src/{parts[2]}"
+        if f"`{where}`" not in page:
+            missing.append(where)
+    assert missing == []

@@ -26,7 +26,7 @@ import functional_ckpt as fc
 from functional_ckpt._src import cli
 from functional_ckpt._src.cli import ui
 from functional_ckpt._src.format import naming
-from functional_ckpt._src.restore.read import open_checkpoint
+from functional_ckpt._src.restore.read import vetted_view
 from functional_ckpt._src.save import incremental
 from functional_ckpt._src.storage import committed, usage
 
@@ -122,7 +122,7 @@ def test_base_deleted_then_incremental_restores_bit_identically(
 
 
 def corrupt(path: Path, key: tuple[str, ...]) -> None:
-    chunk = open_checkpoint(path).tensors[key].chunks[0]
+    chunk = vetted_view(path).tensors[key].chunks[0]
     with open(path / chunk.file, "r+b") as f:
         f.seek(chunk.data_offset + 7)
         byte = f.read(1)[0]

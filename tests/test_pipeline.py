@@ -13,7 +13,7 @@ import torch
 import functional_ckpt as fc
 from functional_ckpt._src.distributed.topology import Topology, topology
 from functional_ckpt._src.format.manifest import Chunk, TensorEntry
-from functional_ckpt._src.restore.read import open_checkpoint as view
+from functional_ckpt._src.restore.read import vetted_view as view
 from functional_ckpt._src.save import api as save
 from functional_ckpt._src.save import backends, plan
 from functional_ckpt._src.save.info import CheckpointInfo
@@ -113,7 +113,9 @@ def test_metadata_of_a_repeated_layout_is_reused_only_while_equal(tmp_path: Path
         manifest = codec.decode((tmp_path / name / naming.MANIFEST).read_bytes())
         groups = parsed_groups(manifest, tmp_path / name)
         assert raw == dcp_metadata.derive(groups)
-        assert raw == pickle.dumps(dcp_metadata.build(groups), protocol=dcp_metadata.PROTOCOL)
+        assert raw == pickle.dumps(
+            dcp_metadata.metadata_for(groups), protocol=dcp_metadata.PROTOCOL
+        )
         derived.append(raw)
     assert derived[0] == derived[1] != derived[2]
     assert pickle.loads(derived[2]).state_dict_metadata["w"].size == torch.Size([4])

@@ -350,7 +350,7 @@ def test_a_forged_index_pointing_past_the_data_is_corrupt(tmp_path: Path) -> Non
 
     from functional_ckpt._src import codec
     from functional_ckpt._src.format.checksum import crc32
-    from functional_ckpt._src.recording.layout import FRAME, LOC, MARKER
+    from functional_ckpt._src.recording.layout import FRAME, LOC, RECORDING_MARKER
 
     rec = tmp_path / "rec"
     with fc.Recorder(rec) as recorder:
@@ -363,9 +363,9 @@ def test_a_forged_index_pointing_past_the_data_is_corrupt(tmp_path: Path) -> Non
     body = codec.encode(frame)
     index = FRAME.pack(len(body)) + body
     (rec / INDEX).write_bytes(index)
-    marker = codec.decode((rec / MARKER).read_bytes())
+    marker = codec.decode((rec / RECORDING_MARKER).read_bytes())
     marker.update(index_size=len(index), index_crc32=crc32(index))
-    (rec / MARKER).write_bytes(codec.encode(marker))
+    (rec / RECORDING_MARKER).write_bytes(codec.encode(marker))
     with pytest.raises(CorruptCheckpoint, match=r"index\.bin: a record points beyond"):
         fc.Replay(rec)
 

@@ -1,4 +1,4 @@
-"""functional_ckpt.root.remove_checkpoint: the public crash-safe delete of one checkpoint."""
+"""fc.checkpoint.remove: the public crash-safe delete of one checkpoint."""
 
 from __future__ import annotations
 

@@ -23,10 +23,10 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from functional_ckpt._src import codec
-from functional_ckpt._src.format import coverage, keys, limits, naming, view
+from functional_ckpt._src import codec, limits
+from functional_ckpt._src.format import coverage, keys, naming, view
 from functional_ckpt._src.format.checksum import crc32
-from functional_ckpt._src.format.limits import LIMITS
+from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.save import plan, staging
 from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import (
@@ -375,7 +375,7 @@ def parse_chunks(tmp_path: Path, shape: list[int], boxes: list[tuple[list[int], 
             }
         ],
     }
-    return view.parse(raw, tmp_path)
+    return view.parse_manifest(raw, tmp_path)
 
 
 def test_real_layouts_cover_their_tensor(tmp_path: Path) -> None:

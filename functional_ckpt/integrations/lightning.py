@@ -7,7 +7,7 @@ from one. Lightning's checkpoint dict is saved as it is: hyper-parameters holdin
 paths, namespaces, enums, datetimes or (registered) dataclasses round-trip as
 tagged plain data. Loading rebuilds the dict from the manifest alone (no
 template, nothing unpickled). Pruned checkpoints are removed through
-:func:`functional_ckpt.root.remove_checkpoint`, crash-safely.
+:func:`functional_ckpt.checkpoint.remove`, crash-safely.
 
 With ``async_save=True`` a save returns once the tensors are staged (copied), the
 write and commit run in the background, and ``teardown`` (end of ``fit``) waits

@@ -1,4 +1,4 @@
-"""The ``fckpt`` command line (``main``); the demo it runs lives in :mod:`functional_ckpt.cli.demo`.
+"""The ``fckpt`` command line (``main``); the demo it runs lives in :mod:`.demo`.
 
 Nothing in the library imports this package.
 """

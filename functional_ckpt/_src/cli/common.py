@@ -1,6 +1,6 @@
 """What every ``fckpt`` command shares: its two outcomes besides success, and finding checkpoints.
 
-The layout of a root (names, statuses, summaries) is :mod:`functional_ckpt.root`'s;
+The layout of a root (names, statuses, summaries) is :mod:`functional_ckpt._src.root`'s;
 this only adds the command line's wording.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from functional_ckpt._src.cli.ui import PROG, UI
 from functional_ckpt._src.format.kind import Kind, classify
-from functional_ckpt._src.root.listing import Entry, newest_summary, scan
+from functional_ckpt._src.root.listing import RootEntry, newest_summary, root_entries
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
 __all__ = [
@@ -86,7 +86,7 @@ def require_exists(path: Path) -> None:
         raise CheckpointNotFound(f"{path}: no such file or directory")
 
 
-def scan_root(root: Path) -> list[Entry]:
+def scan_root(root: Path) -> list[RootEntry]:
     """Every checkpoint-related directory directly under ``root``, by step then name."""
     require_exists(root)
     if not root.is_dir():
@@ -95,7 +95,7 @@ def scan_root(root: Path) -> list[Entry]:
         raise UsageError(
             f"{root}: is a checkpoint, not a directory of checkpoints; try '{PROG} inspect {root}'"
         )
-    return scan(root)
+    return root_entries(root)
 
 
 def newest_checkpoint(root: Path) -> Path:

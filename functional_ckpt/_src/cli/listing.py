@@ -29,7 +29,7 @@ from functional_ckpt._src.format.header import MANAGER_KEY
 from functional_ckpt._src.format.naming import BRANCHES_DIR
 from functional_ckpt._src.policy.retention import retention_from_spec, union_parts
 from functional_ckpt._src.recording import is_recording
-from functional_ckpt._src.root.listing import Entry, kept_by
+from functional_ckpt._src.root.listing import RootEntry, kept_by
 from functional_ckpt._src.root.rollback import branches
 from functional_ckpt._src.storage.usage import dir_size, disk_bytes, shared_bytes
 from functional_ckpt.errors import RetentionError
@@ -55,7 +55,7 @@ def retention_parts(spec: object) -> list[tuple[str, fc.retention.RetentionPolic
     return [(repr(part), part) for part in union_parts(policy)]
 
 
-def recorded_retention(rows: Sequence[Entry]) -> object | None:
+def recorded_retention(rows: Sequence[RootEntry]) -> object | None:
     """The spec of the retention policy the newest checkpoint says its writer used.
 
     A manager records it under ``metadata["manager"]["keep"]``.
@@ -70,7 +70,7 @@ def recorded_retention(rows: Sequence[Entry]) -> object | None:
     return None
 
 
-def _records(rows: Sequence[Entry]) -> list[fc.retention.CheckpointRecord]:
+def _records(rows: Sequence[RootEntry]) -> list[fc.retention.CheckpointRecord]:
     return [
         fc.retention.CheckpointRecord(r.step, r.time or 0.0, r.metrics)
         for r in rows
@@ -114,7 +114,7 @@ def _status_style(status: str) -> str:
     return {"ok": "ok", "intact": "ok", "damaged": "bad", "quarantined": "bad"}.get(status, "warn")
 
 
-def _verify_rows(rows: Sequence[Entry], ui: UI) -> None:
+def _verify_rows(rows: Sequence[RootEntry], ui: UI) -> None:
     """Replace ``ok`` by ``intact`` or ``damaged`` after re-reading every byte."""
     todo = [r for r in rows if r.status == "ok"]
     with ui.progress("verifying", sum(r.size for r in todo)) as bar:
@@ -216,7 +216,7 @@ def _print_exports(exports: Sequence[ExportInfo], ui: UI) -> None:
     ui.table(head, cells, [["", "", "dim", "", "", "dim"]] * len(cells))
 
 
-def _row_json(row: Entry, kept: list[str]) -> dict[str, Any]:
+def _row_json(row: RootEntry, kept: list[str]) -> dict[str, Any]:
     return {
         "name": row.name,
         "path": str(row.path),
@@ -232,7 +232,7 @@ def _row_json(row: Entry, kept: list[str]) -> dict[str, Any]:
 
 
 def _print_ls(
-    rows: Sequence[Entry],
+    rows: Sequence[RootEntry],
     kept: Mapping[str, list[str]],
     parts: Sequence[tuple[str, Any]] | None,
     source: str,

@@ -2,7 +2,7 @@
 
 Every subcommand is a thin layer over the public functions (``fc.inspect``,
 ``fc.verify``, ``fc.restore``, ``fc.export_safetensors``, ``fc.retention.plan_deletions``,
-``CheckpointManager.delete``) and :mod:`functional_ckpt.root`: the command line
+``CheckpointManager.delete``) and :mod:`functional_ckpt._src.root`: the command line
 adds presentation, never new checkpoint logic. Conventions:
 
 * results go to stdout, progress bars and errors to stderr; progress bars only

@@ -36,10 +36,10 @@ __all__ = [
     "ATTEMPT_ENV",
     "QUICK_SECONDS",
     "Attempt",
-    "Checkpoint",
+    "Resumable",
     "cmd_run",
     "exit_status",
-    "newest_checkpoint",
+    "resumable",
     "outcome_text",
 ]
 
@@ -55,7 +55,7 @@ GRACE_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
-class Checkpoint:
+class Resumable:
     """The newest committed, readable checkpoint of a root: its step and save time."""
 
     step: int
@@ -68,10 +68,10 @@ class Attempt:
 
     number: int
     started: float
-    resumed_from: Checkpoint | None = None
+    resumed_from: Resumable | None = None
     ended: float = 0.0
     returncode: int = 0
-    reached: Checkpoint | None = None
+    reached: Resumable | None = None
     stopped: bool = False  # a stop signal was passed on during this attempt
     waited: float = 0.0  # backoff after it
 
@@ -100,13 +100,13 @@ class Attempt:
         return work + self.waited
 
 
-def newest_checkpoint(root: Path) -> Checkpoint | None:
+def resumable(root: Path) -> Resumable | None:
     """The newest checkpoint a job resuming from ``root`` would find; None if none (yet)."""
     try:
         newest = newest_summary(root)
     except (CheckpointError, OSError):
         return None  # unreadable right now: nothing to report
-    return None if newest is None else Checkpoint(newest.step, newest.time or None)
+    return None if newest is None else Resumable(newest.step, newest.time or None)
 
 
 def exit_status(returncode: int) -> int:
@@ -123,7 +123,7 @@ def outcome_text(returncode: int) -> str:
         return f"signal {-returncode}"
 
 
-def _step_text(ckpt: Checkpoint | None) -> str:
+def _step_text(ckpt: Resumable | None) -> str:
     return "-" if ckpt is None else str(ckpt.step)
 
 
@@ -215,8 +215,8 @@ class _Supervisor:
     def say(self, text: str) -> None:
         print(f"{PROG} run: {text}", file=self.ui.err, flush=True)
 
-    def newest(self) -> Checkpoint | None:
-        return None if self.opts.root is None else newest_checkpoint(self.opts.root)
+    def newest(self) -> Resumable | None:
+        return None if self.opts.root is None else resumable(self.opts.root)
 
     def launch(self, number: int) -> Attempt:
         attempt = Attempt(number, time.time(), resumed_from=self.newest())

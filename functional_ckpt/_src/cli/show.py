@@ -27,9 +27,10 @@ from functional_ckpt._src.cli.ui import PROG, UI, human
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath
 from functional_ckpt._src.recording import is_recording
 from functional_ckpt._src.restore.diff import diff_checkpoints
-from functional_ckpt._src.restore.summary import CheckpointSummary, Node, TensorSpec, short_repr
+from functional_ckpt._src.restore.summary import CheckpointSummary, Node, TensorSpec
 from functional_ckpt._src.root.listing import entry_of
 from functional_ckpt._src.storage.usage import dir_size
+from functional_ckpt._src.text import short_repr
 
 __all__ = ["cmd_diff", "cmd_export", "cmd_inspect", "jsonable", "parse_dtype"]
 
@@ -41,7 +42,7 @@ def _dtype_text(dtype: torch.dtype) -> str:
 
 
 @dataclass(frozen=True)
-class Entry:
+class Row:
     """One row of a flattened summary tree: a node, a tensor spec or a plain value."""
 
     path: KeyPath
@@ -52,15 +53,15 @@ class Entry:
         return "/".join(self.path)
 
 
-def flatten_tree(tree: Mapping[str, Any], prefix: KeyPath = ()) -> Iterator[Entry]:
+def flatten_tree(tree: Mapping[str, Any], prefix: KeyPath = ()) -> Iterator[Row]:
     for key, item in tree.items():
         path = (*prefix, str(key))
-        yield Entry(path, item)
+        yield Row(path, item)
         if isinstance(item, Node):
             yield from flatten_tree(item, path)
 
 
-def filter_entries(entries: Sequence[Entry], prefix: str | None) -> list[Entry]:
+def filter_entries(entries: Sequence[Row], prefix: str | None) -> list[Row]:
     """Entries whose ``a/b/c`` key starts with ``prefix``, plus their ancestors for context."""
     if not prefix:
         return list(entries)
@@ -82,7 +83,7 @@ def _container_kind(node: Node) -> str:
     return ""
 
 
-def _entry_line(entry: Entry, ui: UI, width: int) -> str:
+def _entry_line(entry: Row, ui: UI, width: int) -> str:
     """One tree row; leaf names are padded to ``width`` so their specs line up."""
     indent = "  " * len(entry.path)
     name = entry.path[-1]
@@ -96,7 +97,7 @@ def _entry_line(entry: Entry, ui: UI, width: int) -> str:
     return f"{indent}{name.ljust(width)}  = {short_repr(item)}"
 
 
-def _tree_lines(entries: Sequence[Entry], ui: UI) -> list[str]:
+def _tree_lines(entries: Sequence[Row], ui: UI) -> list[str]:
     shown = [e for e in entries if e.path[-1] != NODE_KEY]
     widths: dict[KeyPath, int] = {}
     for e in shown:
@@ -139,7 +140,7 @@ def jsonable(value: Any) -> Any:
     return repr(value)
 
 
-def _entry_json(entry: Entry) -> dict[str, Any]:
+def _entry_json(entry: Row) -> dict[str, Any]:
     item = entry.item
     if isinstance(item, Node):
         return {"key": entry.key, "path": list(entry.path), "kind": "node"}
@@ -204,7 +205,7 @@ def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
     return 0
 
 
-def _inspect_lines(summary: CheckpointSummary, entries: Sequence[Entry], ui: UI) -> list[str]:
+def _inspect_lines(summary: CheckpointSummary, entries: Sequence[Row], ui: UI) -> list[str]:
     kind = "stock DCP checkpoint" if summary.foreign else f"format v{summary.format_version}"
     lines = [
         ui.paint(str(summary.path), "head"),

@@ -27,7 +27,7 @@ from functional_ckpt._src.format.naming import parse_step, step_name
 from functional_ckpt._src.remote.fetch import download
 from functional_ckpt._src.remote.store import Store
 from functional_ckpt._src.remote.uploader import read_status
-from functional_ckpt._src.root.listing import Entry
+from functional_ckpt._src.root.listing import RootEntry
 from functional_ckpt._src.storage.verify import verify
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
@@ -71,7 +71,7 @@ def fetched(url: str, *, check: bool) -> Iterator[Path]:
 # --------------------------------------------------------------------------- ls
 
 
-def tier_rows(root: Path, rows: Sequence[Entry]) -> tuple[str, list[dict[str, Any]]] | None:
+def tier_rows(root: Path, rows: Sequence[RootEntry]) -> tuple[str, list[dict[str, Any]]] | None:
     """(remote URL, one row per step: tier and note) for a root with a remote tier."""
     status = read_status(root)
     url = status.get("url")

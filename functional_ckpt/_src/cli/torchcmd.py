@@ -1,6 +1,6 @@
 """``fckpt import`` and ``fckpt export --format torch``: in and out of ``torch.save`` files.
 
-The conversions are :mod:`functional_ckpt.torchfile`'s; this adds the flags and
+The conversions are :mod:`functional_ckpt._src.export.torch_save`'s; this adds the flags and
 the report.
 """
 

@@ -49,7 +49,7 @@ driven by the data (dtypes and devices are matched against fixed tables or
 parsed and re-checked for a canonical spelling), every declared length is capped
 by the bytes actually present before anything is allocated, and nesting is
 bounded without Python recursion. Its limits come from
-:data:`functional_ckpt.limits.LIMITS`, which ``encode`` enforces too:
+:data:`functional_ckpt._src.limits.LIMITS`, which ``encode`` enforces too:
 
 * every decode may build at most one container per
   ``decode_bytes_per_container`` input bytes (beyond ``decode_free_containers``),

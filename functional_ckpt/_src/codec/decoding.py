@@ -33,7 +33,7 @@ from functional_ckpt._src.codec.table import (
     type_name,
 )
 from functional_ckpt._src.codec.tagged import TAGGED, _BadFields, by_tag, unknown_tag_problem
-from functional_ckpt._src.format.limits import LIMITS
+from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
 
 __all__ = ["check_hashes", "decode"]

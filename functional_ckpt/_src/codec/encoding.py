@@ -38,12 +38,12 @@ from functional_ckpt._src.codec.table import (
     container_budget,
     dtype_code,
     flood,
-    short_repr,
     torch_size_problem,
     type_name,
 )
 from functional_ckpt._src.codec.tagged import TAGGED, unregistered_problem
-from functional_ckpt._src.format.limits import LIMITS
+from functional_ckpt._src.limits import LIMITS
+from functional_ckpt._src.text import short_repr
 from functional_ckpt.errors import CheckpointError, UnsupportedValue
 
 __all__ = ["check_encodable", "encode", "encode_checked"]

@@ -27,9 +27,9 @@ from functional_ckpt._src.codec.table import (
     EXT_TORCH_DTYPE,
     TORCH_DTYPES,
     dtype_code,
-    short_repr,
 )
-from functional_ckpt._src.format.limits import LIMITS
+from functional_ckpt._src.limits import LIMITS
+from functional_ckpt._src.text import short_repr
 
 __all__ = ["LEAF_DECODERS", "_Corrupt"]
 

@@ -14,7 +14,7 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from functional_ckpt._src.format.limits import LIMITS
+from functional_ckpt._src.limits import LIMITS
 
 EXT_TUPLE: Final = 1
 EXT_SET: Final = 2
@@ -30,7 +30,7 @@ EXT_TORCH_DTYPE: Final = 20
 EXT_TORCH_DEVICE: Final = 21
 
 MAX_ENCODE_DEPTH: Final = LIMITS.encode_depth
-"""Deepest container nesting ``encode`` accepts (see :class:`~functional_ckpt.limits.Limits`)."""
+"""Deepest container nesting ``encode`` accepts (see :class:`~.limits.Limits`)."""
 
 _NoneType = type(None)
 _OrderedDict = collections.OrderedDict
@@ -94,14 +94,6 @@ def type_name(t: type) -> str:
     if t.__module__ == "builtins":
         return t.__qualname__
     return f"{t.__module__}.{t.__qualname__}"
-
-
-def short_repr(obj: object, limit: int = 40) -> str:
-    try:
-        text = repr(obj)
-    except Exception:
-        text = f"<{type_name(type(obj))}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def torch_size_problem(dims: Iterable[object]) -> str | None:

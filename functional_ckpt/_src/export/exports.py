@@ -5,7 +5,7 @@ records in its safetensors header which step it is and the metrics of that
 event, so an export's own retention policy (``Export.keep``) can choose among
 exports exactly as ``keep`` chooses among checkpoints, without any file beside
 the ones ``transformers`` reads. Deleting an export is crash-safe like deleting a
-checkpoint (out of sight first, see :func:`functional_ckpt.root.delete`).
+checkpoint (out of sight first, see :func:`functional_ckpt._src.root.delete.delete`).
 
 An export that runs off the training thread reads either the committed
 checkpoint of its step or a :func:`snapshot` of the selected tensors, taken on

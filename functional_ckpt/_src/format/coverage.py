@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from functional_ckpt._src.format.limits import LIMITS
+from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 
 

@@ -44,7 +44,9 @@ def _dcp_version() -> str | None:
     return getattr(filesystem, "CURRENT_DCP_VERSION", None)
 
 
-def build(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] = ()) -> Metadata:
+def metadata_for(
+    groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] = ()
+) -> Metadata:
     """The DCP ``Metadata`` describing a manifest's tensors (shared, then per rank).
 
     ``groups`` comes from :func:`manifest.tensor_groups` (a manifest being
@@ -123,7 +125,7 @@ def derive(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] =
     last = _LAST
     if last is not None and last[0] == key:
         return last[1]
-    data = pickle.dumps(build(groups, blobs), protocol=PROTOCOL)
+    data = pickle.dumps(metadata_for(groups, blobs), protocol=PROTOCOL)
     _LAST = (key, data)
     return data
 
@@ -154,7 +156,9 @@ def _layout(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry])
 def derive_from_manifest(manifest: dict[str, Any], root: Path = Path(".")) -> bytes:
     """:func:`derive` of a decoded manifest (validated here; ``root`` names it in errors)."""
     once = parse_checkpoint(manifest, root)
-    return derive(once.groups(), dcpbytes.parse(manifest, once.shared.file_sizes, root))
+    return derive(
+        once.groups(), dcpbytes.parse_byte_entries(manifest, once.shared.file_sizes, root)
+    )
 
 
 def _chunk_view(md: Metadata) -> dict[str, Any]:

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath
-from functional_ckpt._src.format.limits import LIMITS
 from functional_ckpt._src.format.naming import DCP_METADATA
+from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint
 
 #: A DCP object path: dict keys are strings, list indices ints (``planner_data``).
@@ -251,7 +251,7 @@ def plan_bytes(
 # --------------------------------------------------------------------------- parsing
 
 
-def parse(
+def parse_byte_entries(
     manifest: Mapping[str, Any], file_sizes: Mapping[str, int], root: Path
 ) -> list[ByteEntry]:
     """The manifest's byte entries, each field checked (an older manifest has none)."""

@@ -20,11 +20,11 @@ from functional_ckpt._src import codec
 from functional_ckpt._src.format.coverage import numel
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.keys import KeyPath
-from functional_ckpt._src.format.limits import LIMITS
 from functional_ckpt._src.format.naming import (
     FORMAT_NAME,
     FORMAT_VERSION,
 )
+from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint
 
 

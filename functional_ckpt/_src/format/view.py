@@ -16,7 +16,6 @@ from typing import Any
 
 from functional_ckpt._src.format.coverage import check_coverage, numel
 from functional_ckpt._src.format.keys import KeyPath, format_path
-from functional_ckpt._src.format.limits import LIMITS
 from functional_ckpt._src.format.manifest import (
     Chunk,
     Entry,
@@ -31,6 +30,7 @@ from functional_ckpt._src.format.naming import (
     DCP_METADATA,
     safe_member,
 )
+from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 
 
@@ -93,7 +93,7 @@ def rank_entries(manifest: dict[str, Any], src: str) -> list[list[Any]]:
     return [r["entries"] for r in ranks]
 
 
-def parse(manifest: dict[str, Any], root: Path, *, rank: int | None = 0) -> ParsedManifest:
+def parse_manifest(manifest: dict[str, Any], root: Path, *, rank: int | None = 0) -> ParsedManifest:
     """Validate a decoded manifest against ``root`` and view it from ``rank``.
 
     ``rank`` selects whose per-rank subtrees are spliced in; None leaves them out.
@@ -219,7 +219,7 @@ def parse_planned(plain: object, where: str) -> list[Entry]:
 
 
 def parsed_groups(manifest: dict[str, Any], root: Path) -> list[list[TensorEntry]]:
-    """:func:`tensor_groups` of a decoded manifest, every entry validated by :func:`parse`."""
+    """:func:`tensor_groups` of a decoded manifest, each entry validated."""
     return parse_checkpoint(manifest, root).groups()
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from functional_ckpt._src.manager.decisions import coordinator_decides
+from functional_ckpt._src.manager.collective import coordinator_decides
 from functional_ckpt._src.manager.rollback_rule import Watch
 from functional_ckpt._src.policy import Event, PolicyState, SavePolicy
 

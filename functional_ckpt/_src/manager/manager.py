@@ -6,7 +6,7 @@ save policy's state through ``maybe_save`` events, writes through the save pipel
 reads the newest checkpoint that is actually readable (:mod:`..root.resume`: a damaged
 one is reported and moved aside, never silently replaced by a fresh start). What each
 checkpoint records of the run is :mod:`.provenance`'s; the rollback rule is
-:mod:`.rollback_rule`'s; the decisions all ranks share are :mod:`.decisions`'; the
+:mod:`.rollback_rule`'s; the decisions all ranks share are :mod:`.collective`'; the
 root's steps and records are its :class:`~..root.view.RootView`'s.
 """
 
@@ -19,14 +19,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict
 
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.format.header import record_of
 from functional_ckpt._src.format.naming import parse_step
+from functional_ckpt._src.manager.collective import prepare_groups
 from functional_ckpt._src.manager.decide import decide
-from functional_ckpt._src.manager.decisions import prepare_groups
 from functional_ckpt._src.manager.options import (
     AsyncSave,
     async_option,
@@ -59,11 +59,10 @@ from functional_ckpt._src.root.rollback import Newer
 from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.options import DEFAULT_PER_RANK
+from functional_ckpt._src.state.tree import State
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
 __all__ = ["CheckpointManager"]
-
-State = TensorDictBase | Mapping[str, Any]
 
 
 class CheckpointManager:

@@ -16,12 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tensordict import TensorDictBase
-
 from functional_ckpt._src.export.exports import BackgroundExport, run_export, snapshot
 from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.format.naming import parse_step
-from functional_ckpt._src.manager.decisions import gathered
+from functional_ckpt._src.manager.collective import gathered
 from functional_ckpt._src.manager.options import AsyncSave
 from functional_ckpt._src.policy import Event
 from functional_ckpt._src.remote.tier import RemoteTier
@@ -32,8 +30,7 @@ from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.options import SaveOptions
 from functional_ckpt._src.save.staging import PendingSave, Stager
 from functional_ckpt._src.save.trust import TrustMemory
-
-State = TensorDictBase | Mapping[str, Any]
+from functional_ckpt._src.state.tree import State
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,10 @@ import numpy as np
 from functional_ckpt._src import codec
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.kind import Kind, classify
-from functional_ckpt._src.format.limits import LIMITS
 from functional_ckpt._src.format.manifest import Entry, TensorEntry, ValueEntry
 from functional_ckpt._src.format.naming import RECORDING_HEADER
 from functional_ckpt._src.format.view import node_info, parse_planned
+from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.storage import opener
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, NotARecording
 
@@ -44,7 +44,7 @@ __all__ = [
     "HEADER",
     "INDEX",
     "LOC",
-    "MARKER",
+    "RECORDING_MARKER",
     "MAX_STEP",
     "VERSION",
     "Committed",
@@ -59,7 +59,7 @@ FORMAT = "functional_ckpt.recording"
 VERSION = 1
 HEADER = RECORDING_HEADER
 INDEX = "index.bin"
-MARKER = "RECORDED"
+RECORDING_MARKER = "RECORDED"
 #: A leaf's location in the data: segment number, CRC32, byte offset, byte count.
 LOC = np.dtype([("seg", "<u4"), ("crc", "<u4"), ("off", "<u8"), ("n", "<u8")])
 FRAME = struct.Struct("<I")
@@ -145,11 +145,11 @@ def open_recording(path: Path, what: str) -> int:
     return dir_fd
 
 
-def read_marker(dir_fd: int, path: Path) -> dict[str, Any] | None:
+def read_recording_marker(dir_fd: int, path: Path) -> dict[str, Any] | None:
     """The decoded marker, or None before the first commit."""
-    where = path / MARKER
+    where = path / RECORDING_MARKER
     try:
-        fd = opener.open_member(dir_fd, MARKER, where, what="commit marker")
+        fd = opener.open_member(dir_fd, RECORDING_MARKER, where, what="commit marker")
     except FileNotFoundError:
         return None
     try:
@@ -230,7 +230,7 @@ def read_committed(path: Path, what: str) -> tuple[int, Committed]:
     """Open and vet a recording once: (its directory descriptor, what is committed)."""
     dir_fd = open_recording(path, what)
     try:
-        marker = read_marker(dir_fd, path)
+        marker = read_recording_marker(dir_fd, path)
         if marker is None:
             raise NotARecording(f"{what}: {path} is a recording with nothing committed yet")
         raw, header_bytes = _read(dir_fd, path, HEADER, marker["header_size"], "header")

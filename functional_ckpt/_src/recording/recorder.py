@@ -4,7 +4,7 @@ The loop's cost per record is one copy of the state's tensors into a staging slo
 (a few reused buffers) and the encoding of its plain values; a background thread
 compares the slot with the previous record's, appends only the leaves that
 changed to the current data segment, and commits periodically and at ``close``
-(see :mod:`functional_ckpt.recording.layout` for the files and the commit
+(see :mod:`functional_ckpt._src.recording.layout` for the files and the commit
 protocol). A crash loses at most the records after the last commit.
 """
 
@@ -38,8 +38,8 @@ from functional_ckpt._src.recording.layout import (
     HEADER,
     INDEX,
     LOC,
-    MARKER,
     MAX_STEP,
+    RECORDING_MARKER,
     VERSION,
     segment_name,
 )
@@ -404,7 +404,9 @@ class Recorder:
             "header_crc32": crc32(self._header),
             "segments": list(self._segments),
         }
-        durable.replace_durably(self.path / MARKER, codec.encode(marker, where="recording marker"))
+        durable.replace_durably(
+            self.path / RECORDING_MARKER, codec.encode(marker, where="recording marker")
+        )
         self.committed += len(steps)
         self._pending.clear()
 

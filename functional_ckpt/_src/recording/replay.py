@@ -1,7 +1,7 @@
 """``Replay``: read any committed record of a recording back as a new state.
 
 A replay opens and vets the recording once (marker, header, index: see
-:mod:`functional_ckpt.recording.layout`), then reads each record's leaves from
+:mod:`functional_ckpt._src.recording.layout`), then reads each record's leaves from
 the data segments, every leaf checked against its CRC32. ``replay[step]`` is a
 new locked TensorDict, exactly the state recorded at ``step`` (batch sizes, dtypes,
 plain values and all), so a loop can be re-run from it: with the random

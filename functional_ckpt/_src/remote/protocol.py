@@ -34,9 +34,9 @@ from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import RemoteError
 
 __all__ = [
-    "begin",
+    "begin_upload",
     "check_lease",
-    "commit",
+    "commit_upload",
     "copy_step",
     "expected_sizes",
     "owner",
@@ -60,7 +60,7 @@ def expected_sizes(local: Path) -> dict[str, int]:
     return sizes
 
 
-def begin(store: Store, step: int, local: Path) -> dict[str, int] | None:
+def begin_upload(store: Store, step: int, local: Path) -> dict[str, int] | None:
     """Ready the remote directory of ``step`` for the checkpoint at ``local``.
 
     Returns None if the remote copy is already committed (same marker), else the
@@ -91,7 +91,7 @@ def put_part(
     """Upload ``names`` from ``local`` (those not already ``present`` at their size); confirm all.
 
     Returns the bytes sent. Objects go up in parallel, through the store's own
-    bulk ``put`` (run by the helper process of :mod:`~functional_ckpt.remote.mover`
+    bulk ``put`` (run by the helper process of :mod:`~functional_ckpt._src.remote.mover`
     where there is one).
     """
     sizes = {name: os.stat(local / name).st_size for name in names}
@@ -104,7 +104,7 @@ def put_part(
     return sum(sizes[n] for n in todo)
 
 
-def commit(store: Store, step: int, local: Path, sizes: dict[str, int]) -> None:
+def commit_upload(store: Store, step: int, local: Path, sizes: dict[str, int]) -> None:
     """Write the marker once every object of ``sizes`` is confirmed; then confirm it."""
     _confirm(store, step, sizes)
     marker = (local / naming.COMMIT_MARKER).read_bytes()

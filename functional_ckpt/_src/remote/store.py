@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.checksum import crc32
-from functional_ckpt._src.format.limits import LIMITS
 from functional_ckpt._src.format.naming import parse_step, step_name
+from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.remote.mover import Mover, _MovedFailure, facts_of, reaches
 from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import (

@@ -1,10 +1,10 @@
 """The remote tier of a manager's root: uploads, per-tier retention, resumes from remote.
 
 Every checkpoint commits locally first; an upload round then runs on a
-background worker (:mod:`~functional_ckpt.remote.uploader`): the coordinator
+background worker (:mod:`~functional_ckpt._src.remote.uploader`): the coordinator
 lists the remote root, picks the local checkpoints the remote retention keeps
 and that are not committed remotely yet, and each is committed there by the
-object-store protocol (:mod:`~functional_ckpt.remote.protocol`), every rank
+object-store protocol (:mod:`~functional_ckpt._src.remote.protocol`), every rank
 uploading the files it wrote. A local checkpoint is protected from local
 retention until its remote copy is committed (unless ``prune_unuploaded``).
 
@@ -154,7 +154,7 @@ class RemoteTier:
 
         The helper process that moves their bytes is stopped, so the copy of the
         state the training loop waits for has the cores to itself (see
-        :mod:`~functional_ckpt.remote.mover`); stores without one are not held.
+        :mod:`~functional_ckpt._src.remote.mover`); stores without one are not held.
         """
         self.store.pause_uploads()
 
@@ -383,7 +383,7 @@ class RemoteTier:
         try:
             if self.coordinator:
                 sizes = protocol.expected_sizes(local)
-                present = retried(lambda: protocol.begin(self.store, step, local))
+                present = retried(lambda: protocol.begin_upload(self.store, step, local))
         except BaseException as e:
             error = e
         try:
@@ -409,7 +409,7 @@ class RemoteTier:
 
             def commit() -> None:
                 self._held()  # a root taken over meanwhile gets no marker from here
-                retried(lambda: protocol.commit(self.store, step, local, sizes))
+                retried(lambda: protocol.commit_upload(self.store, step, local, sizes))
 
             self._together(f"commit {self.store.where(step)}", commit, here=self.coordinator)
         except BaseException as err:

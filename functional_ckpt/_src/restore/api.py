@@ -12,9 +12,7 @@ a restore is decided once, from the directory and the template.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -32,10 +30,8 @@ from functional_ckpt._src.restore.backends import (
 from functional_ckpt._src.restore.read import rebuild
 from functional_ckpt._src.restore.template import Reshard
 from functional_ckpt._src.state.gc_pause import gc_paused
-from functional_ckpt._src.state.tree import as_state
+from functional_ckpt._src.state.tree import State, as_state
 from functional_ckpt.errors import CheckpointError
-
-State = TensorDictBase | Mapping[str, Any]
 
 
 def is_stock_dcp(path: Path) -> bool:

@@ -18,8 +18,8 @@ import torch
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.manifest import dtype_name
 from functional_ckpt._src.restore.api import restore
-from functional_ckpt._src.restore.summary import short_repr
 from functional_ckpt._src.state.tree import iter_leaves
+from functional_ckpt._src.text import short_repr
 
 __all__ = ["DiffEntry", "DiffResult", "diff_checkpoints", "same_value", "tensor_delta"]
 

@@ -54,7 +54,7 @@ class _ManifestReader(StorageReader):
             self.dtypes[e.fqn] = e.dtype
             for c in e.chunks:
                 self.chunks[MetadataIndex(e.fqn, torch.Size(c.offsets))] = c
-        return dcp_metadata.build([entries])
+        return dcp_metadata.metadata_for([entries])
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *a: Any, **k: Any

@@ -21,7 +21,7 @@ from functional_ckpt._src.format import blobs
 from functional_ckpt._src.format.coverage import numel
 from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.format.manifest import Chunk, TensorEntry, element_size
-from functional_ckpt._src.format.view import ParsedManifest, parse
+from functional_ckpt._src.format.view import ParsedManifest, parse_manifest
 from functional_ckpt._src.state.tree import Leaf, unflatten
 from functional_ckpt._src.storage import committed, shards
 from functional_ckpt._src.storage.committed import open_vetted
@@ -32,10 +32,10 @@ from functional_ckpt.errors import (
 CPU = torch.device("cpu")
 
 
-def open_checkpoint(path: Path, *, rank: int | None = 0) -> ParsedManifest:
+def vetted_view(path: Path, *, rank: int | None = 0) -> ParsedManifest:
     """Authenticate and validate a committed checkpoint, seen from ``rank``."""
     with open_vetted(path) as ck:
-        return parse(ck.manifest, path, rank=rank)
+        return parse_manifest(ck.manifest, path, rank=rank)
 
 
 @dataclass
@@ -163,7 +163,7 @@ def read_targets(src: committed.Checkpoint, targets: list[Target]) -> None:
                 tg.dest.copy_(tg.buf)
 
 
-def build(
+def read_tree(
     src: committed.Checkpoint,
     parsed: ParsedManifest,
     selected: list[tuple[KeyPath, str]],

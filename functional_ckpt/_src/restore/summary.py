@@ -15,8 +15,9 @@ import torch
 
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.manifest import dtype_name
+from functional_ckpt._src.text import clip, short_repr
 
-__all__ = ["CheckpointSummary", "Node", "TensorSpec", "insert", "short_repr"]
+__all__ = ["CheckpointSummary", "Node", "TensorSpec", "insert"]
 
 
 @dataclass(frozen=True)
@@ -77,44 +78,10 @@ class CheckpointSummary:
                     walk(v, indent + "  ")
                 else:
                     text = str(v) if isinstance(v, TensorSpec | str) else short_repr(v)
-                    lines.append(f"{indent}{k}: {_clip(text, 100)}")
+                    lines.append(f"{indent}{k}: {clip(text, 100)}")
 
         walk(self.tree, "  ")
         return "\n".join(lines)
-
-
-def _clip(text: str, limit: int) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _big_int(n: int) -> str:
-    """An int too long for ``repr`` (Python's 4300-digit limit), shown by size and hex head."""
-    digits = int(n.bit_length() * 0.30103) + 1
-    return f"<int of about {digits} digits, {hex(n)[:18]}...>"
-
-
-def short_repr(value: Any, limit: int = 80) -> str:
-    """``repr`` on one line, at most ``limit`` characters; never raises.
-
-    Checkpoints hold exact values of any size: an int past the interpreter's
-    digit limit, or an object whose ``repr`` fails, is described instead.
-    """
-    try:
-        text = repr(value)
-    except (ValueError, RecursionError):
-        text = _describe(value)
-    except Exception as err:
-        text = f"<{type(value).__name__}: repr failed ({type(err).__name__})>"
-    return _clip(text, limit)
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, int):
-        return _big_int(value)
-    if isinstance(value, list | tuple | set | frozenset | dict):
-        return f"<{type(value).__name__} of {len(value)} items>"
-    return f"<{type(value).__name__}>"
 
 
 def insert(tree: dict[str, Any], path: KeyPath, value: Any) -> None:

@@ -17,7 +17,7 @@ from tensordict import TensorDict, TensorDictBase
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.format.manifest import dtype_name
 from functional_ckpt._src.format.view import ParsedCheckpoint, ParsedManifest
-from functional_ckpt._src.restore.read import build
+from functional_ckpt._src.restore.read import read_tree
 from functional_ckpt._src.state.tree import Leaf, as_state, iter_leaves, node_record, unflatten
 from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import (
@@ -163,7 +163,7 @@ def resharded_per_rank(
     for r in range(parsed.world_size):
         one = parsed.view(r)
         sel = [(p, k) for p, k in one.order if p[0] in roots]
-        saved.append(build(src, one, sel, {}, True))
+        saved.append(read_tree(src, one, sel, {}, True))
     return as_state(reshard(saved, rank, world))
 
 

@@ -107,7 +107,7 @@ class Summaries:
             self._cache.pop(step, None)
 
 
-def identity(path: Path) -> tuple[int, tuple[int, int, int] | None] | None:
+def dir_identity(path: Path) -> tuple[int, tuple[int, int, int] | None] | None:
     """(directory inode, marker stamp), or None if gone: did a writer swap it under us?"""
     try:
         ino = os.stat(path).st_ino
@@ -120,7 +120,7 @@ def identity(path: Path) -> tuple[int, tuple[int, int, int] | None] | None:
 
 
 @dataclass
-class Entry:
+class RootEntry:
     """One checkpoint-related directory of a root, whatever state it is in.
 
     ``status``: ``ok`` (committed, manifest readable), ``damaged`` (committed, manifest
@@ -149,13 +149,13 @@ def _one_line(err: BaseException) -> str:
     return text or type(err).__name__
 
 
-def _committed_entry(path: Path) -> Entry:
+def _committed_entry(path: Path) -> RootEntry:
     name = path.name
     canonical = parse_step(name) is not None
     try:
         manifest = committed.read_manifest(path)
     except (CheckpointError, OSError, ValueError, RecursionError, MemoryError) as err:
-        return Entry(
+        return RootEntry(
             name,
             path,
             step_in_name(name),
@@ -168,7 +168,7 @@ def _committed_entry(path: Path) -> Entry:
     step = step_in_name(name)
     if step is None:
         step = head.record.step
-    return Entry(
+    return RootEntry(
         name,
         path,
         step,
@@ -181,13 +181,13 @@ def _committed_entry(path: Path) -> Entry:
     )
 
 
-def entry_of(path: Path) -> Entry | None:
+def entry_of(path: Path) -> RootEntry | None:
     """The entry for one directory of a root, or None if it is not checkpoint-related."""
     kind = classify(path)
     name, step = path.name, step_in_name(path.name)
     if kind is Kind.QUARANTINED:
         detail = "found unreadable by a manager and moved aside"
-        return Entry(name, path, step, "quarantined", size=dir_size(path), detail=detail)
+        return RootEntry(name, path, step, "quarantined", size=dir_size(path), detail=detail)
     if kind is Kind.TEMPORARY:
         deleting = naming.TRASH_INFIX in name
         status = "deleting" if deleting else "uncommitted"
@@ -197,11 +197,11 @@ def entry_of(path: Path) -> Entry | None:
             detail = "a deletion in progress (or interrupted)"
         else:
             detail = "a save in progress, or one a crash interrupted"
-        return Entry(name, path, step, status, size=dir_size(path), detail=detail)
+        return RootEntry(name, path, step, status, size=dir_size(path), detail=detail)
     if kind is Kind.COMMITTED:
         return _committed_entry(path)
     if kind is Kind.UNCOMMITTED:
-        return Entry(
+        return RootEntry(
             name,
             path,
             step,
@@ -211,11 +211,11 @@ def entry_of(path: Path) -> Entry | None:
             detail="never committed: the COMMITTED marker is missing",
         )
     if kind is Kind.STOCK_DCP:
-        return Entry(name, path, step, "foreign", size=dir_size(path), detail=kind.value)
+        return RootEntry(name, path, step, "foreign", size=dir_size(path), detail=kind.value)
     return None
 
 
-def scan(root: Path) -> list[Entry]:
+def root_entries(root: Path) -> list[RootEntry]:
     """Every checkpoint-related directory directly under ``root``, by step then name."""
     try:
         names = sorted(os.listdir(root))

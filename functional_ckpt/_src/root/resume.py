@@ -3,7 +3,7 @@
 A resume must never silently start over, and must never lose a checkpoint: a
 damaged one (corrupt bytes, missing files, a torn manifest) is reported with a
 :class:`~functional_ckpt.errors.CheckpointWarning` and skipped in favour of the
-previous one; a writer moves it aside (:func:`functional_ckpt.root.quarantine`,
+previous one; a writer moves it aside (:func:`functional_ckpt._src.root.delete.quarantine`,
 never deleted), a reader only remembers not to pick it again. A template or
 argument that does not fit is the caller's error and raises at once. If
 checkpoints exist but none is readable, or the only ones were moved aside
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from functional_ckpt._src.root.delete import quarantine
-from functional_ckpt._src.root.listing import StepInfo, identity, quarantined, read_info
+from functional_ckpt._src.root.listing import StepInfo, dir_identity, quarantined, read_info
 from functional_ckpt.errors import CheckpointError, CheckpointWarning, is_damage
 
 __all__ = ["check_order", "newest_readable"]
@@ -97,7 +97,7 @@ def _try_candidates(
     stacklevel: int,
 ) -> tuple[StepInfo, T] | None:
     for step, path in sorted(candidates, reverse=True):
-        before = identity(path)
+        before = dir_identity(path)
         if before is not None and (step, before[0]) in bad:
             continue  # found damaged already, on an earlier listing
         try:
@@ -106,7 +106,7 @@ def _try_candidates(
         except Exception as err:
             if not is_damage(err):
                 raise  # the template or an argument is wrong, not the checkpoint
-            if before is None or identity(path) != before:
+            if before is None or dir_identity(path) != before:
                 raise _Vanished from None  # pruned or replaced by the writer we follow: list again
             failures.append(f"  {path}: {err}")
             # Two frames deeper than newest_readable: this function and _reject.

@@ -36,7 +36,7 @@ from functional_ckpt.errors import CheckpointError, CheckpointExists
 __all__ = [
     "BRANCHES_DIR",
     "INTENT_FILE",
-    "Plan",
+    "RollbackPlan",
     "begin",
     "branches",
     "check_request",
@@ -53,7 +53,7 @@ Newer = Literal["branch", "delete"]
 
 
 @dataclass(frozen=True)
-class Plan:
+class RollbackPlan:
     """One rollback: move ``names`` (``step_N`` directory names) out of the trunk."""
 
     to_step: int
@@ -65,10 +65,10 @@ class Plan:
         return json.dumps(asdict(self), sort_keys=True).encode()
 
     @staticmethod
-    def decode(raw: bytes, where: Path) -> Plan:
+    def decode(raw: bytes, where: Path) -> RollbackPlan:
         try:
             data = json.loads(raw)
-            plan = Plan(
+            plan = RollbackPlan(
                 to_step=int(data["to_step"]),
                 names=[str(n) for n in data["names"]],
                 newer=data["newer"],
@@ -129,7 +129,7 @@ def run(
     if newer_steps:
         if newer == "branch":
             name = new_branch(root, branch, newer_steps[-1], to_step)
-        plan = Plan(to_step, [step_name(s) for s in newer_steps], newer, name)
+        plan = RollbackPlan(to_step, [step_name(s) for s in newer_steps], newer, name)
         begin(root, plan)
         finish(root)
     done = {"time": time.time(), "to_step": to_step, "newer_steps": newer_steps, "branch": name}
@@ -155,7 +155,7 @@ def new_branch(root: Path, name: str | None, from_step: int, to_step: int) -> st
     return candidate
 
 
-def begin(root: Path, plan: Plan) -> None:
+def begin(root: Path, plan: RollbackPlan) -> None:
     """Record ``plan`` durably; nothing has moved yet, and from here on it will finish."""
     intent = root / INTENT_FILE
     if intent.exists():
@@ -163,7 +163,7 @@ def begin(root: Path, plan: Plan) -> None:
     durable.replace_durably(intent, plan.encode())
 
 
-def finish(root: Path) -> Plan | None:
+def finish(root: Path) -> RollbackPlan | None:
     """Complete the rollback recorded in ``root``, if any; the caller holds the lock."""
     intent = root / INTENT_FILE
     for name in os.listdir(root):  # a plan a crash cut short before it was recorded
@@ -173,7 +173,7 @@ def finish(root: Path) -> Plan | None:
         raw = intent.read_bytes()
     except FileNotFoundError:
         return None
-    plan = Plan.decode(raw, intent)
+    plan = RollbackPlan.decode(raw, intent)
     if plan.newer == "branch":
         assert plan.branch is not None
         target = root / BRANCHES_DIR / plan.branch

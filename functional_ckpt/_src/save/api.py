@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase
 
 from functional_ckpt._src.distributed.topology import is_dtensor, topology
 from functional_ckpt._src.paths import PathLike
@@ -32,9 +31,8 @@ from functional_ckpt._src.save.plan import host_copy, prepare_save
 from functional_ckpt._src.save.staging import PendingSave, Stager, Staging
 from functional_ckpt._src.save.trust import ident
 from functional_ckpt._src.state.gc_pause import gc_paused
+from functional_ckpt._src.state.tree import State
 from functional_ckpt.errors import CheckpointError
-
-State = TensorDictBase | Mapping[str, Any]
 
 
 def plan_job(path: PathLike, state: State, options: SaveOptions, *, snapshot: bool) -> SaveJob:

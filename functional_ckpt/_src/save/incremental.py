@@ -123,7 +123,7 @@ def open_base(options: SaveOptions) -> Base | None:
                     for c in e.chunks:
                         chunks[(e.fqn, c.offsets)] = BaseChunk(e.dtype, c)
         held = dict(parsed.shared.file_sizes)
-        for b in dcpbytes.parse(ck.manifest, held, path):
+        for b in dcpbytes.parse_byte_entries(ck.manifest, held, path):
             held[b.file] -= b.length
         memory = options.trust.recall(ck.dir_fd, path)
         sizes = dict(parsed.shared.file_sizes)
@@ -188,7 +188,7 @@ def _crc(t: torch.Tensor) -> int:
     return crc
 
 
-def decide(
+def unchanged_chunks(
     base: Base | None,
     keys: Sequence[Key],
     tensors: Sequence[torch.Tensor],
@@ -333,7 +333,7 @@ def write_rank(
     base every chunk is written.
     """
     background: list[Future[None]] = [] if syncing is None else syncing
-    reused = place(base, decide(base, keys, tensors, idents), tmp, rank, background)
+    reused = place(base, unchanged_chunks(base, keys, tensors, idents), tmp, rank, background)
     todo = [i for i, c in enumerate(reused) if c is None]
     if after_each is not None:
         for i, c in enumerate(reused):

@@ -24,7 +24,6 @@ from functional_ckpt._src.distributed.topology import is_dtensor as is_dtensor
 from functional_ckpt._src.format import dcp_values as dcpbytes
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.keys import KeyPath, format_path, fqn_of, rank_fqn
-from functional_ckpt._src.format.limits import LIMITS
 from functional_ckpt._src.format.manifest import (
     Entry,
     NodeEntry,
@@ -34,6 +33,7 @@ from functional_ckpt._src.format.manifest import (
     ValueEntry,
     shape_problem,
 )
+from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.save.options import DEFAULT_PER_RANK
 from functional_ckpt._src.state.tree import as_state, iter_leaves, node_record

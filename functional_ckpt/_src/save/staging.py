@@ -1,6 +1,6 @@
 """The staging stage of the save pipeline, and the handle of a background save.
 
-``save_async`` (:mod:`functional_ckpt.pipeline.save`) checks everything a save
+``save_async`` (:mod:`functional_ckpt._src.save.api`) checks everything a save
 checks, then hands the flattened state to one background thread that stages it
 and writes it through the same backend as :func:`functional_ckpt.save`. Staging
 copies into buffers a :class:`Stager` allocates once and reuses while shapes stay

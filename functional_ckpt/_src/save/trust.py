@@ -70,7 +70,7 @@ class TrustMemory:
         except (CheckpointError, OSError):
             return
         try:
-            key = identity(dir_fd, dest)
+            key = checkpoint_ident(dir_fd, dest)
             files = {}
             for n in os.listdir(dir_fd):
                 shard = parse_shard(n)
@@ -92,7 +92,7 @@ class TrustMemory:
 
     def recall(self, dir_fd: int, path: Path) -> Recollection | None:
         """What this memory holds of the checkpoint held open as ``dir_fd``."""
-        key = identity(dir_fd, path)
+        key = checkpoint_ident(dir_fd, path)
         with self._lock:
             return self._known.get(key)
 
@@ -110,7 +110,7 @@ def ident(t: torch.Tensor) -> Ident | None:
         return None
 
 
-def identity(dir_fd: int, path: Path) -> CheckpointIdent:
+def checkpoint_ident(dir_fd: int, path: Path) -> CheckpointIdent:
     """The identity of the committed checkpoint held open as ``dir_fd``."""
     held = os.fstat(dir_fd)
     try:

@@ -14,15 +14,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_tensorclass
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
-from functional_ckpt._src.format.limits import LIMITS
+from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import UnsafeCheckpoint, UnsupportedValue
+
+#: What the package accepts as a state: a TensorDict or a (nested) mapping of leaves.
+State: TypeAlias = TensorDictBase | Mapping[str, Any]
 
 
 def _contains_tensor(value: object) -> bool:
@@ -230,7 +233,7 @@ def iter_leaves(td: TensorDictBase, prefix: KeyPath = ()) -> Iterator[Leaf]:
             )
 
 
-def as_state(value: TensorDictBase | Mapping[str, Any]) -> TensorDictBase:
+def as_state(value: State) -> TensorDictBase:
     """Accept a TensorDict (of any batch size) or a plain mapping wherever a state is expected."""
     if isinstance(value, TensorDictBase):
         return value

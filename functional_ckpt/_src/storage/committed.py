@@ -19,7 +19,6 @@ from typing import Any
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming, unpickler
 from functional_ckpt._src.format.checksum import crc32
-from functional_ckpt._src.format.limits import LIMITS
 from functional_ckpt._src.format.naming import (
     COMMIT_MARKER,
     DCP_METADATA,
@@ -28,6 +27,7 @@ from functional_ckpt._src.format.naming import (
     MANIFEST,
     safe_member,
 )
+from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.storage import opener
 from functional_ckpt._src.storage.opener import exists_at, open_directory, open_member, read_exact
 from functional_ckpt.errors import (
@@ -279,7 +279,7 @@ def classify_metadata(ck: Checkpoint) -> CheckpointError:
     size = ck.sizes.get(naming.DCP_METADATA, 0)
     if fd is not None and size <= CLASSIFY_LIMIT:
         try:
-            hostile = unpickler.scan(opener.read_exact(fd, size, where), where)
+            hostile = unpickler.scan_pickle(opener.read_exact(fd, size, where), where)
         except CheckpointError:
             hostile = None
         if hostile is not None:

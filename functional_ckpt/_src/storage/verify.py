@@ -81,7 +81,7 @@ def _verify_open(
     try:
         once = parse_checkpoint(manifest, src)
         shared, parsed = once.shared, once.all_views()
-        blobs = dcpbytes.parse(manifest, shared.file_sizes, src)
+        blobs = dcpbytes.parse_byte_entries(manifest, shared.file_sizes, src)
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.problems.append(Problem(naming.MANIFEST, str(err)))
         return
@@ -142,7 +142,7 @@ def _verify_metadata(
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.problems.append(Problem(name, str(err)))
         return
-    for diff in dcp_metadata.compare(found, dcp_metadata.build(groups, blobs)):
+    for diff in dcp_metadata.compare(found, dcp_metadata.metadata_for(groups, blobs)):
         report.problems.append(
             Problem(name, f"disagrees with the manifest (stock dcp.load would misread): {diff}")
         )

@@ -21,7 +21,7 @@ from functional_ckpt._src.cli.demo.report import (
     sparkline,
 )
 from functional_ckpt._src.cli.demo.run import (
-    Attempt,
+    ChildLog,
     DemoResult,
     EventTail,
     default_crash_at,
@@ -33,7 +33,7 @@ from functional_ckpt._src.cli.demo.run import (
 __all__ = [
     "DEFAULT_STEPS",
     "SPARKS",
-    "Attempt",
+    "ChildLog",
     "DemoError",
     "DemoResult",
     "EventTail",

@@ -45,7 +45,7 @@ import functional_ckpt as fc
 DEFAULT_STEPS = 2400
 #: Fraction of the steps after which the first training process is killed.
 CRASH_FRACTION = 0.4
-MARKER = "fckpt-demo.json"
+DEMO_MARKER = "fckpt-demo.json"
 RUN_DIR, REF_DIR, LOG_DIR = "run", "reference", "logs"
 CKPT_DIR = "checkpoints"
 EVENTS = "events.jsonl"

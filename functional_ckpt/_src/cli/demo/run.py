@@ -21,9 +21,9 @@ from functional_ckpt._src.cli.demo.job import (
     CKPT_DIR,
     CRASH_FRACTION,
     DEFAULT_STEPS,
+    DEMO_MARKER,
     EVENTS,
     LOG_DIR,
-    MARKER,
     REF_DIR,
     RUN_DIR,
     DemoError,
@@ -32,13 +32,13 @@ from functional_ckpt._src.cli.demo.job import (
 )
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.restore.diff import diff_checkpoints
-from functional_ckpt._src.root.listing import kept_by, scan
+from functional_ckpt._src.root.listing import kept_by, root_entries
 
 # --------------------------------------------------------------------------- parent
 
 
 @dataclass
-class Attempt:
+class ChildLog:
     """What one child process did, read back from its event log."""
 
     returncode: int
@@ -53,9 +53,9 @@ class Attempt:
     last_step: int = 0
 
 
-def read_attempt(events: Sequence[Mapping[str, Any]], returncode: int) -> Attempt:
+def read_attempt(events: Sequence[Mapping[str, Any]], returncode: int) -> ChildLog:
     """Fold the events of one process into an :class:`Attempt`."""
-    att = Attempt(returncode)
+    att = ChildLog(returncode)
     for ev in events:
         kind = ev.get("event")
         if kind == "start":
@@ -113,7 +113,7 @@ class Child:
     tail: EventTail
     log: Path
 
-    def wait(self, progress: Any | None = None) -> Attempt:
+    def wait(self, progress: Any | None = None) -> ChildLog:
         """Wait for the process, feeding ``progress.update(step)`` while it runs."""
         while self.proc.poll() is None:
             step = self.tail.poll()
@@ -165,9 +165,9 @@ class DemoResult:
     root: Path
     schedule: Schedule
     crash_at: int
-    first: Attempt
-    second: Attempt
-    reference: Attempt
+    first: ChildLog
+    second: ChildLog
+    reference: ChildLog
     in_flight: list[str]
     kept: list[int]
     kept_by: dict[int, list[str]]
@@ -190,7 +190,7 @@ def prepare_root(root: Path) -> None:
     if root.exists() and not root.is_dir():
         raise ValueError(f"{root}: exists and is not a directory")
     if root.is_dir() and any(root.iterdir()):
-        if not (root / MARKER).is_file():
+        if not (root / DEMO_MARKER).is_file():
             raise ValueError(
                 f"{root}: is not empty and not an earlier demo directory; pass a new --root"
             )
@@ -202,7 +202,7 @@ def prepare_root(root: Path) -> None:
                 target.unlink()
     root.mkdir(parents=True, exist_ok=True)
     (root / LOG_DIR).mkdir()
-    (root / MARKER).write_text(json.dumps({"created": time.time()}) + "\n")
+    (root / DEMO_MARKER).write_text(json.dumps({"created": time.time()}) + "\n")
 
 
 def default_crash_at(steps: int) -> int:
@@ -271,7 +271,7 @@ def run_demo(
     )
 
 
-def _watch(child: Child, label: str, total: int, progress: ProgressFactory | None) -> Attempt:
+def _watch(child: Child, label: str, total: int, progress: ProgressFactory | None) -> ChildLog:
     if progress is None:
         return child.wait()
     bar = progress(label, total)
@@ -284,7 +284,7 @@ def _watch(child: Child, label: str, total: int, progress: ProgressFactory | Non
 def _in_flight(ckpt_dir: Path) -> list[str]:
     """Temporary directories a killed save left behind (invisible to every reader)."""
     try:
-        return [e.name for e in scan(ckpt_dir) if naming.TMP_INFIX in e.name]
+        return [e.name for e in root_entries(ckpt_dir) if naming.TMP_INFIX in e.name]
     except fc.errors.CheckpointNotFound:
         return []
 
@@ -292,7 +292,7 @@ def _in_flight(ckpt_dir: Path) -> list[str]:
 # --------------------------------------------------------------------------- compare
 
 
-def _compare_losses(first: Attempt, second: Attempt, reference: Attempt) -> tuple[bool, int]:
+def _compare_losses(first: ChildLog, second: ChildLog, reference: ChildLog) -> tuple[bool, int]:
     """Every loss either run process logged equals the reference's, bit for bit.
 
     The steps between the checkpoint resumed from and the crash were computed twice
@@ -310,9 +310,9 @@ def _compare(
     root: Path,
     schedule: Schedule,
     crash_at: int,
-    first: Attempt,
-    second: Attempt,
-    reference: Attempt,
+    first: ChildLog,
+    second: ChildLog,
+    reference: ChildLog,
     in_flight: list[str],
     wall_s: float,
 ) -> DemoResult:

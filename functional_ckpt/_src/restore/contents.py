@@ -13,7 +13,7 @@ from functional_ckpt._src.format.header import header_of
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.restore.api import is_stock_dcp
-from functional_ckpt._src.restore.read import open_checkpoint
+from functional_ckpt._src.restore.read import vetted_view
 from functional_ckpt._src.restore.stock_dcp import read_stock_metadata
 from functional_ckpt._src.restore.summary import (
     CheckpointSummary,
@@ -74,7 +74,7 @@ def inspect(path: PathLike) -> CheckpointSummary:
 
         summary: CheckpointSummary = inspect_dcp(src)
         return summary
-    parsed = open_checkpoint(src)
+    parsed = vetted_view(src)
     tree: dict[str, Any] = node_of(parsed.root)
     tensor_bytes = 0
     for p, kind in parsed.order:
