@@ -5,6 +5,8 @@ anything at that path, was it finished, is it damaged, does it fit my state, or 
 it hostile. Messages always name the offending path, file or key.
 """
 
+import errno as _errno
+
 
 class CheckpointError(Exception):
     """Base class of every error raised by functional_ckpt."""
@@ -126,6 +128,9 @@ DAMAGE: tuple[type[CheckpointError], ...] = (
 )
 
 
+_RESOURCES = frozenset({_errno.EMFILE, _errno.ENFILE, _errno.ENOMEM, _errno.ENOSPC})
+
+
 def is_damage(err: BaseException) -> bool:
     """Is ``err`` about the checkpoint (skip it) rather than the caller (raise it)?
 
@@ -134,7 +139,8 @@ def is_damage(err: BaseException) -> bool:
     """
     if isinstance(err, CheckpointError):
         return isinstance(err, DAMAGE)
-    return isinstance(err, OSError)
+    # the machine running out (descriptors, memory, disk) says nothing of the checkpoint
+    return isinstance(err, OSError) and err.errno not in _RESOURCES
 
 
 __all__ = [

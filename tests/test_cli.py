@@ -682,3 +682,52 @@ def test_ls_tells_a_committed_leftover_from_a_half_written_one(
     with pytest.warns(UserWarning, match="recovered"), fc.CheckpointManager(copy) as mgr:
         assert mgr.latest_step() == 60  # the complete one came back, the half one is gone
     assert not (copy / f"{step_name(70)}.tmp-0123456789ab").exists()
+
+
+#: A key name that would move the cursor, clear the screen, set the window title,
+#: return to the line start and flip the text direction if written raw.
+HOSTILE_KEY = "k\x1b[2J\x1b]0;pwned\x07\rX\u202e\x9b31m\nline"
+_RAW = ["\x1b", "\x07", "\r", "\x9b", "\u202e"]
+
+
+def _terminal_safe(text: str, *, ours: bool = False) -> bool:
+    """No character a terminal acts on; with ``ours``, our own colour codes allowed."""
+    import re
+
+    if ours:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # SGR colour sequences we write
+    return not any(c in text for c in _RAW)
+
+
+def test_no_command_writes_control_characters_from_a_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: ``fckpt inspect`` wrote key names raw, so a checkpoint could rewrite
+    what the user sees. Every command, plain and in colour, escapes them."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    fc.save(one, {HOSTILE_KEY: torch.zeros(2), "v": {HOSTILE_KEY: HOSTILE_KEY}})
+    fc.save(two, {HOSTILE_KEY: torch.ones(2), "v": {HOSTILE_KEY: 1}}, metadata={HOSTILE_KEY: 1})
+    commands = [
+        ["inspect", str(one)],
+        ["inspect", str(two)],
+        ["inspect", str(two), "--json"],
+        ["diff", str(one), str(two)],
+        ["verify", str(one)],
+        ["export", str(one), str(tmp_path / "out")],
+    ]
+    for colour in (False, True):
+        monkeypatch.setattr(ui.UI, "__init__", _forced(ui.UI.__init__, colour))
+        for argv in commands:
+            _, out, err = run(argv, capsys)
+            assert _terminal_safe(out, ours=colour) and _terminal_safe(err), (argv, out, err)
+            assert out or err
+    _, out, _ = run(["inspect", str(one)], capsys)
+    assert "k\\x1b[2J" in out  # escaped, not dropped: the key stays recognisable
+
+
+def _forced(init: Any, colour: bool) -> Any:
+    def forced(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["colour"] = colour
+        init(self, *args, **kwargs)
+
+    return forced

@@ -214,6 +214,22 @@ def test_stock_values_that_are_not_plain_still_need_allow_pickle(tmp_path: Path)
     assert back["tags"] == {"a", "b"} and back["lr"] == 0.5
 
 
+def test_a_stock_value_that_floods_a_hash_table_is_not_plain(tmp_path: Path) -> None:
+    """A pickled value of a stock checkpoint goes through the same hash-flood bound as
+    ``.metadata``: a dict of keys k * (2**61 - 1) (all hash to 0) is plain data by type,
+    but building it costs quadratic time, so it is not read without allow_pickle."""
+    flooded = (dict.fromkeys((k * (2**61 - 1) for k in range(1, 400)), 0),)
+    few = (dict.fromkeys((k * (2**61 - 1) for k in range(1, 9)), 0),)
+    sd = {"w": torch.ones(2), "v": flooded, "few": few, "lr": 0.5}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    like = {"w": torch.zeros(2), "v": (), "few": (), "lr": 0.0}
+    with pytest.raises(fc.errors.UnsafeCheckpoint, match="allow_pickle") as err:
+        fc.restore(tmp_path / "d", like)
+    assert "'v'" in str(err.value) and "'few'" not in str(err.value)
+    back = fc.restore(tmp_path / "d", {"w": torch.zeros(2), "few": (), "lr": 0.0}, partial=True)
+    assert back["few"] == few and back["lr"] == 0.5
+
+
 def test_a_stock_value_that_expands_beyond_its_bytes_is_not_plain(tmp_path: Path) -> None:
     """A pickle of a few hundred bytes can share one list at every level: 2**31 elements
     once walked. Taken for plain data it would hang whatever walks the restored state."""

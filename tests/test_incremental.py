@@ -392,3 +392,25 @@ def test_the_manager_owns_its_trust_memory(tmp_path: Path) -> None:
     with one, two:
         assert one._writes.trust is not two._writes.trust
         assert one._writes.trust is not PROCESS_TRUST
+
+
+def test_the_bytes_a_reused_file_holds_for_its_base_only_are_neither_read_nor_checked(
+    tmp_path: Path,
+) -> None:
+    """What docs/format.md says of the coverage, shown: a byte flipped in a reused file,
+    inside the base's tensor that changed since, changes neither fc.verify nor the
+    restored state (this checkpoint never names, reads or checks those bytes)."""
+    state = make_state()
+    fc.save(tmp_path / "a", state)
+    old = vetted_view(tmp_path / "a").tensors[("model", "head")].chunks[0]
+    train(state, 1)
+    fc.save(tmp_path / "b", state, base=tmp_path / "a")
+    assert files_of(tmp_path / "b")["__0_1.distcp"]["reused"] and old.file == "__0_0.distcp"
+    shutil.rmtree(tmp_path / "a")
+    with open(tmp_path / "b" / "__0_1.distcp", "r+b") as f:  # the base's old head
+        f.seek(old.data_offset + old.nbytes // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0xFF]))
+    assert fc.verify(tmp_path / "b").ok
+    assert_same(fc.restore(tmp_path / "b"), state)

@@ -164,6 +164,59 @@ def test_a_corrupted_remote_object_is_detected_and_the_previous_one_used(
         assert mgr.steps() == [1]  # the damaged copy never became a local checkpoint
 
 
+def _hostile_remote_step(tmp_path: Path, mem: str, edit: Any) -> None:
+    """Replace remote step 2's manifest by an edited one, its marker re-signed."""
+    import shutil
+
+    from tests.forge import resign
+
+    local = tmp_path / "a" / "step_000000002"
+    forged = tmp_path / "forged"
+    shutil.copytree(local, forged)
+    resign(forged, edit)
+    fs = fsspec.filesystem("memory")
+    base = mem.removeprefix("memory://") + "/step_000000002/"
+    for name in ("manifest.msgpack", "COMMITTED"):
+        fs.pipe_file(base + name, (forged / name).read_bytes())
+
+
+def _marker_size(tmp_path: Path) -> int:
+    return (tmp_path / "a" / "step_000000002" / "COMMITTED").stat().st_size
+
+
+@pytest.mark.parametrize("attack", ["lists COMMITTED", "an integer file name", "files not a map"])
+def test_a_hostile_remote_manifest_is_damage_and_the_previous_step_is_used(
+    tmp_path: Path, mem: str, attack: str
+) -> None:
+    """Regression: a re-signed remote manifest listing ``COMMITTED`` or an integer file
+    name made a fresh machine's restore_latest raise FileExistsError or KeyError('7')
+    although remote step 1 was intact."""
+    with fc.CheckpointManager(tmp_path / "a", remote=fc.manager.Remote(mem)) as mgr:
+        for step in (1, 2):
+            mgr.maybe_save(_state(step), step=step)
+    size = _marker_size(tmp_path)
+
+    def edit(m: dict[str, Any]) -> None:
+        if attack == "lists COMMITTED":
+            m["files"]["COMMITTED"] = {"size": size, "crc32": 0}
+        elif attack == "an integer file name":  # and an object of that name beside it
+            name = next(n for n in m["files"] if n.endswith(".distcp"))
+            m["files"][7] = m["files"][name]
+            fs = fsspec.filesystem("memory")
+            remote = mem.removeprefix("memory://") + "/step_000000002/"
+            fs.pipe_file(remote + "7", fs.cat_file(remote + name))
+        else:
+            m["files"] = [1, 2]
+
+    _hostile_remote_step(tmp_path, mem, edit)
+    with fc.CheckpointManager(tmp_path / "b", remote=fc.manager.Remote(mem)) as mgr:
+        with pytest.warns(RemoteWarning, match="step 2 is unusable"):
+            got = mgr.restore_latest()
+        assert got is not None and mgr.restored_step == 1
+        assert torch.equal(got["w"], _state(1)["w"])
+        assert mgr.steps() == [1]
+
+
 def test_a_damaged_local_checkpoint_falls_back_to_its_remote_copy(tmp_path: Path, mem: str) -> None:
     root = tmp_path / "ckpt"
     with fc.CheckpointManager(root, remote=fc.manager.Remote(mem)) as mgr:
@@ -225,6 +278,12 @@ def test_store_faults_raise_clear_errors_at_open(
     with pytest.raises(RemoteUnreachable, match=r"did not answer.*endpoint"):
         fc.CheckpointManager(tmp_path / "a", remote=fc.manager.Remote(url, storage_options=options))
     fc.CheckpointManager(tmp_path / "a").close()  # the lock was released
+    # regression: a token in the endpoint's query string appeared in the message in full
+    options["client_kwargs"]["endpoint_url"] = dead + "/?token=SEKRET-TOKEN"
+    with pytest.raises(RemoteUnreachable, match=r"did not answer") as unreachable:
+        fc.CheckpointManager(tmp_path / "a", remote=fc.manager.Remote(url, storage_options=options))
+    assert "SEKRET" not in str(unreachable.value)
+    assert "SEKRET" not in "".join(str(a) for a in unreachable.value.args)
     with pytest.raises(RemoteBucketMissing, match=r"no-such-bucket/x: the bucket does not exist"):
         fc.CheckpointManager(
             tmp_path / "a",
@@ -247,7 +306,7 @@ def stuck(*a, **k):  # every object is up, the marker is next: die here
     print("OBJECTS-UPLOADED", flush=True)
     time.sleep(600)
 
-protocol.commit = stuck
+protocol.commit_upload = stuck
 options = {{"client_kwargs": {{"endpoint_url": "{endpoint}"}}}}
 remote = fc.manager.Remote(sys.argv[2], storage_options=options)
 mgr = fc.CheckpointManager(sys.argv[1], remote=remote)
@@ -559,3 +618,13 @@ def test_a_local_checkpoint_is_uploaded_over_another_of_its_step(tmp_path: Path,
         mgr.maybe_save(_state(30), step=3)  # prunes the local step 2: it is on the remote
     got = fc.restore(download(Store(mem), 2, tmp_path / "fresh"))
     assert torch.equal(got["w"], _state(20)["w"])
+
+
+def test_no_url_secret_is_ever_shown() -> None:
+    from functional_ckpt._src.remote.store import public_url, redact
+
+    assert public_url("s3://bucket/run") == "s3://bucket/run"
+    assert public_url("ftp://me:pw@host/run") == "ftp://me@host/run"
+    assert public_url("https://host/run?X-Amz-Signature=abc&token=t#frag") == "https://host/run?..."
+    said = redact('Could not connect to "http://u:pw@10.0.0.1:9000/?token=SEKRET": refused')
+    assert "SEKRET" not in said and "pw" not in said and "http://u@10.0.0.1:9000/?..." in said

@@ -68,3 +68,51 @@ def test_sigkill_at_random_step_resumes_bit_identically(
     a = fc.restore(reference / "final")
     b = fc.restore(tmp_path / "final")
     assert_exact(fc.to_python(a), fc.to_python(b))
+
+
+_NO_DESCRIPTORS = """
+import os, sys, torch
+import functional_ckpt as fc
+root = sys.argv[1]
+with fc.CheckpointManager(root) as m:
+    m.maybe_save({"w": torch.zeros(4)}, step=1)
+m = fc.CheckpointManager(root)
+fds = []
+try:
+    while True:
+        fds.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+try:
+    m.restore_latest()
+    print("RESULT no error")
+except fc.CheckpointError as e:
+    print("RESULT", type(e).__name__, e)
+except OSError as e:
+    print("RESULT raw", e)
+finally:
+    for fd in fds:
+        os.close(fd)
+"""
+
+
+def test_running_out_of_file_descriptors_is_said_and_damages_nothing(tmp_path: Path) -> None:
+    """Regression: with no free descriptors restore_latest raised a raw OSError; it must
+    say what ran out, and never take the checkpoint for damage (moving it aside)."""
+    import resource
+
+    def few() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    root = tmp_path / "root"
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_DESCRIPTORS, str(root)],
+        capture_output=True,
+        text=True,
+        preexec_fn=few,
+        check=True,
+    ).stdout
+    line = next(ln for ln in out.splitlines() if ln.startswith("RESULT"))
+    assert line.startswith("RESULT CheckpointError") and "file descriptors" in line, out
+    assert sorted(p.name for p in root.iterdir()) == [".lock", "step_000000001"]
+    assert fc.verify(root / "step_000000001").ok

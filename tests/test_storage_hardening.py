@@ -722,3 +722,56 @@ def test_crc_range_checksums_exactly_the_bytes_of_the_range(
         assert (crc, n) == (zlib.crc32(data[-10:]), 10)
     finally:
         os.close(fd)
+
+
+#: Integer keys that all hash to 0 (CPython reduces ints modulo 2**61 - 1): a dict or
+#: set built from them costs quadratic time.
+FLOOD = [k * (2**61 - 1) for k in range(1, 400)]
+
+
+def _flood_pickles() -> dict[str, bytes]:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    md = Metadata(state_dict_metadata={})
+    md.state_dict_metadata = dict.fromkeys(FLOOD)  # type: ignore[assignment]
+    return {
+        **{
+            f"dict, protocol {p}": pickle.dumps(dict.fromkeys(FLOOD, 0), protocol=p)
+            for p in range(6)
+        },
+        "set (ADDITEMS)": pickle.dumps(set(FLOOD), protocol=4),
+        "frozenset (FROZENSET)": pickle.dumps(frozenset(FLOOD), protocol=4),
+        "one SETITEM per key": b"\x80\x02}"
+        + b"".join(pickle.dumps(k, protocol=2)[2:-1] + b"Ns" for k in FLOOD)
+        + b".",
+        "inside Metadata": pickle.dumps(md, protocol=2),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_flood_pickles()))
+def test_a_hash_flood_in_a_metadata_pickle_is_refused(tmp_path: Path, name: str) -> None:
+    """Keys sharing one hash are refused as the msgpack decoder refuses them, whatever
+    opcodes build the table (before this, 30,000 such keys took longer than 12 s)."""
+    raw = _flood_pickles()[name]
+    with pytest.raises(fc.errors.UnsafeCheckpoint, match="share one hash value"):
+        unpickler.load_foreign(raw, tmp_path / ".metadata")
+    stock = tmp_path / "stock"
+    stock.mkdir()
+    (stock / naming.DCP_METADATA).write_bytes(raw)
+    with pytest.raises(fc.errors.UnsafeCheckpoint, match="share one hash value"):
+        fc.inspect(stock)
+    ours = tmp_path / "ours"
+    fc.save(ours, make_state(1.0))
+    install_metadata(ours, raw)
+    report = fc.verify(ours)
+    assert not report.ok and any("hash" in str(p) for p in report.problems)
+
+
+def test_a_few_colliding_keys_are_still_read(tmp_path: Path) -> None:
+    """The bound is the msgpack decoder's: up to LIMITS.equal_hashes keys may collide."""
+    from functional_ckpt._src.limits import LIMITS
+
+    keys = FLOOD[: LIMITS.equal_hashes]
+    raw = pickle.dumps(dict.fromkeys(keys, 0), protocol=2)
+    got = unpickler.RestrictedUnpickler(raw).load()
+    assert got == dict.fromkeys(keys, 0)

@@ -505,3 +505,25 @@ def test_fault_classes_find_nothing_wrong(tmp_path: Path) -> None:
     assert [r["name"] for r in report["results"]] == classes
     for r in report["results"]:
         assert r["trials"] > 0 and r["wrong"] == 0 and r["raw"] == 0, r
+
+
+@pytest.mark.parametrize("order", ["value after the tensor", "value before the tensor"])
+def test_a_key_under_a_leaf_is_refused(tmp_path: Path, order: str) -> None:
+    """Regression: a re-signed manifest with a value entry at ``a/z`` under the tensor
+    ``a`` was accepted, and the tensor silently disappeared from the restored state."""
+    from tests.forge import resign
+
+    path = tmp_path / "ck"
+    fc.save(path, {"a": torch.arange(3.0), "b": 1})
+
+    def edit(m: dict[str, Any]) -> None:
+        hidden = {"kind": "value", "path": ["a", "z"], "value": 5}
+        at = next(i for i, e in enumerate(m["entries"]) if e["path"] == ["a"])
+        m["entries"].insert(at + 1 if order == "value after the tensor" else at, hidden)
+
+    resign(path, edit)
+    with pytest.raises(fc.errors.CorruptCheckpoint, match="under"):
+        fc.restore(path)
+    with pytest.raises(fc.errors.CorruptCheckpoint, match="under"):
+        fc.inspect(path)
+    assert not fc.verify(path).ok

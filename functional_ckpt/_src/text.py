@@ -2,14 +2,16 @@
 
 A checkpoint's values and names come from a file that may be hostile or merely
 huge; whatever the package prints or puts in an error message about them goes
-through here.
+through here. :func:`printable` is the one escape of text for a terminal: a key
+name holding cursor movements, a line erase, a window title or a right-to-left
+override must not rewrite what the user sees.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["clip", "short_repr"]
+__all__ = ["clip", "printable", "printable_lines", "short_repr"]
 
 
 def clip(text: str, limit: int) -> str:
@@ -45,3 +47,29 @@ def _describe(value: Any) -> str:
     if isinstance(value, list | tuple | set | frozenset | dict):
         return f"<{type(value).__name__} of {len(value)} items>"
     return f"<{type(value).__name__}>"
+
+
+def _escape(ch: str) -> str:
+    code = ord(ch)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on escaped (``\\x1b``, ``\\u202e``).
+
+    Control characters (C0, C1, DEL), line and paragraph separators, and format
+    characters such as bidirectional overrides are written as Python escapes;
+    a backslash is left alone, so the escape is for eyes, not for parsing back.
+    """
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
+
+
+def printable_lines(text: str) -> str:
+    """:func:`printable` of each line: the line breaks of ``text`` are kept."""
+    if text.isprintable():
+        return text
+    return "\n".join(printable(line) for line in text.split("\n"))

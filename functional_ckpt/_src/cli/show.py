@@ -30,7 +30,7 @@ from functional_ckpt._src.restore.diff import diff_checkpoints
 from functional_ckpt._src.restore.summary import CheckpointSummary, Node, TensorSpec
 from functional_ckpt._src.root.listing import entry_of
 from functional_ckpt._src.storage.usage import dir_size
-from functional_ckpt._src.text import short_repr
+from functional_ckpt._src.text import printable, short_repr
 
 __all__ = ["cmd_diff", "cmd_export", "cmd_inspect", "jsonable", "parse_dtype"]
 
@@ -86,7 +86,7 @@ def _container_kind(node: Node) -> str:
 def _entry_line(entry: Row, ui: UI, width: int) -> str:
     """One tree row; leaf names are padded to ``width`` so their specs line up."""
     indent = "  " * len(entry.path)
-    name = entry.path[-1]
+    name = printable(entry.path[-1])
     item = entry.item
     if isinstance(item, Node):
         return f"{indent}{ui.paint(name + '/', 'key')}{ui.paint(_container_kind(item), 'dim')}"
@@ -102,7 +102,8 @@ def _tree_lines(entries: Sequence[Row], ui: UI) -> list[str]:
     widths: dict[KeyPath, int] = {}
     for e in shown:
         if not isinstance(e.item, Node):
-            widths[e.path[:-1]] = min(40, max(widths.get(e.path[:-1], 0), len(e.path[-1])))
+            width = len(printable(e.path[-1]))
+            widths[e.path[:-1]] = min(40, max(widths.get(e.path[:-1], 0), width))
     return [_entry_line(e, ui, widths.get(e.path[:-1], 0)) for e in shown]
 
 
@@ -112,10 +113,10 @@ def _metadata_lines(meta: Any, ui: UI) -> list[str]:
     lines = [ui.paint("metadata", "head")]
     for key, value in meta.items():
         if isinstance(value, dict) and value:
-            lines.append(f"  {key}:")
-            lines += [f"    {k} = {short_repr(v, 100)}" for k, v in value.items()]
+            lines.append(f"  {printable(str(key))}:")
+            lines += [f"    {printable(str(k))} = {short_repr(v, 100)}" for k, v in value.items()]
         else:
-            lines.append(f"  {key} = {short_repr(value, 100)}")
+            lines.append(f"  {printable(str(key))} = {short_repr(value, 100)}")
     return lines
 
 

@@ -30,6 +30,8 @@ from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
+from functional_ckpt._src.text import printable_lines
+
 __all__ = ["PROG", "Progress", "UI", "human"]
 
 PROG = "fckpt"
@@ -172,10 +174,16 @@ class UI:
         return Style.parse(name).render(text) if self.colour and name else text
 
     def print(self, text: str = "") -> None:
-        print(text, file=self.out, flush=True)
+        """One line (or several) of output; plain output is escaped for the terminal.
+
+        Coloured output carries this module's own escape sequences, so there the
+        callers escape what came from a checkpoint (:func:`printable`) as they
+        format it; plain output is escaped here as well, whatever the caller did.
+        """
+        print(text if self.colour else printable_lines(text), file=self.out, flush=True)
 
     def error(self, message: str) -> None:
-        print(f"{PROG}: error: {message}", file=self.err, flush=True)
+        print(f"{PROG}: error: {printable_lines(message)}", file=self.err, flush=True)
 
     def progress(self, label: str, total: int, unit: str = "B") -> Progress:
         return Progress(self.err, label, total, unit, enabled=self.show_progress, out=self.out)

@@ -5,7 +5,7 @@ Stock DCP checkpoints have no manifest, so their ``.metadata`` must be parsed:
 vetted one by one. It resolves only DCP's metadata classes and a few plain types,
 builds objects only of those classes, sets attributes only on instances it
 created itself (never on a class, function, module or shared singleton), and
-checks the type of every field of the result. :func:`scan` reads a pickle's
+checks the type of every field of the result. :func:`scan_pickle` reads a pickle's
 opcodes statically to tell a hostile file from a damaged one.
 """
 
@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 
 #: Largest foreign ``.metadata`` parsed (the pure-Python unpickler is slow and hostile
@@ -109,6 +110,8 @@ class RestrictedUnpickler(pickle._Unpickler):
     def __init__(self, data: bytes) -> None:
         super().__init__(io.BytesIO(data))
         self._fresh: dict[int, Any] = {}  # objects this load created (kept alive)
+        # per hash table being filled: the table (kept alive) and its keys' hash counts
+        self._hashes: dict[int, tuple[Any, collections.Counter[int]]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         obj = ALLOWED.get((module, name))
@@ -193,15 +196,48 @@ class RestrictedUnpickler(pickle._Unpickler):
             raise CorruptCheckpoint("malformed pickle (no object before a mark)")
         return self.metastack[-1][-1]
 
+    def _count(self, table: Any, keys: list[Any]) -> None:
+        """Refuse keys that would flood ``table``, however many opcodes fill it.
+
+        The bound is the msgpack decoder's (``LIMITS.equal_hashes`` keys per hash
+        value), counted over every key the table ever receives, in linear time.
+        """
+        held = self._hashes.get(id(table))
+        if held is None:
+            held = self._hashes[id(table)] = (table, collections.Counter())
+        counts = held[1]
+        for key in keys:
+            try:
+                h = hash(key)
+            except TypeError:
+                raise CorruptCheckpoint("malformed pickle (an unhashable key)") from None
+            counts[h] += 1
+            if counts[h] > LIMITS.equal_hashes:
+                raise UnsafeCheckpoint(
+                    f"{counts[h]} keys share one hash value "
+                    f"(at most {LIMITS.equal_hashes} may): a hash flood"
+                )
+
     def load_setitem(self) -> None:
         if len(self.stack) < 3:
             raise CorruptCheckpoint("malformed pickle (stack underflow)")
         self._container(self.stack[-3], (dict, collections.OrderedDict))
+        self._count(self.stack[-3], [self.stack[-2]])
         super().load_setitem()  # type: ignore[misc]
 
     def load_setitems(self) -> None:
-        self._container(self._marked(), (dict, collections.OrderedDict))
+        table = self._marked()
+        self._container(table, (dict, collections.OrderedDict))
+        self._count(table, self.stack[::2])
         super().load_setitems()  # type: ignore[misc]
+
+    def load_dict(self) -> None:
+        self._count(object(), self.stack[::2])  # a new table from the marked items
+        super().load_dict()  # type: ignore[misc]
+
+    def load_frozenset(self) -> None:
+        self._count(object(), self.stack)
+        super().load_frozenset()  # type: ignore[misc]
 
     def load_append(self) -> None:
         if len(self.stack) < 2:
@@ -214,7 +250,9 @@ class RestrictedUnpickler(pickle._Unpickler):
         super().load_appends()  # type: ignore[misc]
 
     def load_additems(self) -> None:
-        self._container(self._marked(), (set,))
+        table = self._marked()
+        self._container(table, (set,))
+        self._count(table, self.stack)
         super().load_additems()  # type: ignore[misc]
 
     def load_inst(self) -> None:
@@ -236,6 +274,8 @@ class RestrictedUnpickler(pickle._Unpickler):
     dispatch[pickle.APPEND[0]] = load_append
     dispatch[pickle.APPENDS[0]] = load_appends
     dispatch[pickle.ADDITEMS[0]] = load_additems
+    dispatch[pickle.DICT[0]] = load_dict
+    dispatch[pickle.FROZENSET[0]] = load_frozenset
     dispatch[pickle.INST[0]] = load_inst
     dispatch[pickle.OBJ[0]] = load_obj
     for _op in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
@@ -382,7 +422,7 @@ def load_foreign(raw: bytes, source: Path) -> Metadata:
         raise CorruptCheckpoint(f"{source}: {e}") from None
 
 
-def scan(raw: bytes, source: Path) -> UnsafeCheckpoint | None:
+def scan_pickle(raw: bytes, source: Path) -> UnsafeCheckpoint | None:
     """Does a pickle name anything outside the allow-list? Read statically, never run.
 
     Tells a hostile ``.metadata`` from a merely damaged one without unpickling it.

@@ -26,10 +26,7 @@ from functional_ckpt._src.format.manifest import (
     element_size,
     shape_problem,
 )
-from functional_ckpt._src.format.naming import (
-    DCP_METADATA,
-    safe_member,
-)
+from functional_ckpt._src.format.naming import COMMIT_MARKER, DCP_METADATA, MANIFEST, safe_member
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 
@@ -54,6 +51,7 @@ class ParsedManifest:
     per_rank_roots: list[KeyPath] = field(default_factory=list)
     file_sizes: dict[str, int] = field(default_factory=dict)
     planned: bool = False  # entries of a save in progress: no chunk is written yet
+    inner: set[KeyPath] = field(default_factory=set)  # every proper prefix of an entry's path
 
     @property
     def metadata(self) -> Any:
@@ -70,7 +68,8 @@ def _files(manifest: dict[str, Any], root: Path, src: str) -> dict[str, int]:
     """The file table: safe names and recorded sizes.
 
     The files themselves were opened and checked against it (regular files of
-    these sizes) when the checkpoint was opened (``format.open_checkpoint``).
+    these sizes) when the checkpoint was opened (``storage/committed``). The marker
+    and the manifest are never files of the table: a table naming them is forged.
     """
     files = manifest.get("files")
     if not isinstance(files, dict):
@@ -78,6 +77,8 @@ def _files(manifest: dict[str, Any], root: Path, src: str) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for name, info in files.items():
         safe_member(root, name)
+        if name in (COMMIT_MARKER, MANIFEST):
+            raise CorruptCheckpoint(f"{src}: the file table lists {name!r}, which it may not")
         if not isinstance(info, dict):
             raise CorruptCheckpoint(f"{src}: bad entry for file {name!r}")
         sizes[name] = _int(info.get("size"), src, f"size of {name!r}")
@@ -148,6 +149,7 @@ class ParsedCheckpoint:
             values=dict(base.values),
             nodes=set(base.nodes),
             node_info=dict(base.node_info),
+            inner=set(base.inner),
         )
         if rank >= len(self.ranks):
             out.order = list(base.order)
@@ -250,6 +252,15 @@ def _add(out: ParsedManifest, e: object, where: str) -> None:
     if path in out.tensors or path in out.values or path in out.nodes:
         raise CorruptCheckpoint(f"{where}: duplicate key {format_path(path)}")
     kind = e.get("kind")
+    # a leaf has nothing under it: a key under a tensor or a value would hide it
+    for i in range(1, len(path)):
+        if path[:i] in out.tensors or path[:i] in out.values:
+            raise CorruptCheckpoint(
+                f"{where}: key {format_path(path)} lies under the leaf {format_path(path[:i])}"
+            )
+    if kind in ("tensor", "value") and path in out.inner:
+        raise CorruptCheckpoint(f"{where}: the leaf {format_path(path)} has keys under it")
+    out.inner.update(path[:i] for i in range(1, len(path)))
     if kind == "node":
         out.nodes.add(path)
         info = node_info(e, where)

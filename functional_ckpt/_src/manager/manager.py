@@ -1,13 +1,11 @@
 """CheckpointManager: policies, retention, resume and locking around ``save``/``restore``.
 
-The manager holds no checkpointing logic of its own (DESIGN principle 1). It threads a
-save policy's state through ``maybe_save`` events, writes through the save pipeline
-(:mod:`.writes`), prunes with :func:`~..policy.retention.plan_deletions`, and on resume
-reads the newest checkpoint that is actually readable (:mod:`..root.resume`: a damaged
-one is reported and moved aside, never silently replaced by a fresh start). What each
-checkpoint records of the run is :mod:`.provenance`'s; the rollback rule is
-:mod:`.rollback_rule`'s; the decisions all ranks share are :mod:`.collective`'; the
-root's steps and records are its :class:`~..root.view.RootView`'s.
+No checkpointing logic of its own: it threads a save policy's state through
+``maybe_save`` events, writes through :mod:`.writes`, prunes by retention, and resumes
+from the newest readable checkpoint (:mod:`..root.resume`: damage is reported and moved
+aside, never silently replaced by a fresh start). Provenance is :mod:`.provenance`'s,
+the rollback rule :mod:`.rollback_rule`'s, what all ranks do together
+:mod:`.collective`'s, the root's steps and records its :class:`~..root.view.RootView`'s.
 """
 
 from __future__ import annotations
@@ -60,6 +58,7 @@ from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.options import DEFAULT_PER_RANK
 from functional_ckpt._src.state.tree import State
+from functional_ckpt._src.storage.os_failure import machine_errors
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
 __all__ = ["CheckpointManager"]
@@ -427,11 +426,14 @@ class CheckpointManager:
             self.view.found_unreadable(damaged)
             return found
 
-        if self.remote is None:
-            found = local()
-        else:  # the newest of both tiers; only the remote has it: downloaded, verified first
-            one = lambda step: (self.info(step), read(self.path(step)))  # noqa: E731
-            found = self.remote.restore_latest(local, self.steps, one, writer=not self.read_only)
+        with machine_errors(self.root, "resuming"):  # what ran out, if anything did
+            if self.remote is None:
+                found = local()
+            else:  # the newest of both tiers; only the remote has it: downloaded, verified
+                one = lambda step: (self.info(step), read(self.path(step)))  # noqa: E731
+                found = self.remote.restore_latest(
+                    local, self.steps, one, writer=not self.read_only
+                )
         if found is None:
             return None
         info, state = found

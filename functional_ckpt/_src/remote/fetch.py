@@ -21,10 +21,11 @@ from pathlib import Path
 
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import step_name
+from functional_ckpt._src.format.view import parse_checkpoint
 from functional_ckpt._src.remote.store import Store
 from functional_ckpt._src.storage import commit, durable
 from functional_ckpt._src.storage.verify import verify
-from functional_ckpt.errors import CorruptCheckpoint, RemoteVanished
+from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, RemoteVanished
 
 __all__ = ["DOWNLOAD_PREFIX", "download", "remove_downloads"]
 
@@ -42,12 +43,26 @@ def download(
     ``check=False`` leaves the verification to the caller (``fckpt verify`` reports
     every problem instead of the first). ``replace=True`` replaces what is at
     ``into/step_N`` (a rank's part of that checkpoint: the download supersedes it).
+
+    Whatever a hostile remote manifest holds, the failure is a ``CheckpointError``
+    (damage of that remote checkpoint, or the local disk's), never a raw exception.
     """
+    try:
+        return _download(store, step, into, check=check, replace=replace)
+    except (CheckpointError, OSError):
+        raise
+    except Exception as e:  # anything a forged manifest could still provoke
+        raise CorruptCheckpoint(
+            f"{store.where(step)}: damaged remote checkpoint ({type(e).__name__}: {e})"
+        ) from e
+
+
+def _download(store: Store, step: int, into: Path, *, check: bool, replace: bool) -> Path:
     marker, manifest = store.manifest(step)
-    files = manifest["files"]
-    names = [str(n) for n in files]
-    for name in names:
-        naming.safe_member(Path(step_name(step)), name)  # plain file names only
+    # the one validation of a manifest, before any object is fetched: file names,
+    # sizes, entries (a forged table naming the marker or a number is refused here)
+    sizes = parse_checkpoint(manifest, Path(store.where(step))).shared.file_sizes
+    names = list(sizes)
     found = store.objects(step)
     missing = [n for n in [*names, naming.MANIFEST] if n not in found]
     if missing:
@@ -56,7 +71,7 @@ def download(
             "checkpoint: it is being deleted (or was damaged)"
         )
     for name in names:  # no object is downloaded past the size the manifest records
-        size = files[name].get("size") if isinstance(files[name], dict) else None
+        size = sizes[name]
         if found[name] != size:
             raise CorruptCheckpoint(
                 f"{store.where(step, name)}: {found[name]} bytes, the manifest records {size}; "

@@ -29,8 +29,9 @@ from pathlib import Path
 
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import parse_shard
+from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.remote.store import Store
-from functional_ckpt._src.storage import committed
+from functional_ckpt._src.storage import committed, opener
 from functional_ckpt.errors import RemoteError
 
 __all__ = [
@@ -60,6 +61,13 @@ def expected_sizes(local: Path) -> dict[str, int]:
     return sizes
 
 
+def local_marker(local: Path) -> bytes:
+    """The commit marker of the local checkpoint ``local``, through the safe opener."""
+    return opener.read_file(
+        local / naming.COMMIT_MARKER, limit=LIMITS.marker_bytes, what="commit marker"
+    )
+
+
 def begin_upload(store: Store, step: int, local: Path) -> dict[str, int] | None:
     """Ready the remote directory of ``step`` for the checkpoint at ``local``.
 
@@ -67,8 +75,10 @@ def begin_upload(store: Store, step: int, local: Path) -> dict[str, int] | None:
     objects already uploaded for this very checkpoint (name -> size), which an
     interrupted upload need not send again.
     """
-    marker = (local / naming.COMMIT_MARKER).read_bytes()
-    manifest = (local / naming.MANIFEST).read_bytes()
+    marker = local_marker(local)
+    manifest = opener.read_file(
+        local / naming.MANIFEST, limit=LIMITS.manifest_bytes, what="manifest"
+    )
     objects = store.objects(step)
     if naming.COMMIT_MARKER in objects:
         if store.read(step, naming.COMMIT_MARKER) == marker:
@@ -107,7 +117,7 @@ def put_part(
 def commit_upload(store: Store, step: int, local: Path, sizes: dict[str, int]) -> None:
     """Write the marker once every object of ``sizes`` is confirmed; then confirm it."""
     _confirm(store, step, sizes)
-    marker = (local / naming.COMMIT_MARKER).read_bytes()
+    marker = local_marker(local)
     store.write(step, naming.COMMIT_MARKER, marker)
     _confirm(store, step, {naming.COMMIT_MARKER: len(marker)})
 

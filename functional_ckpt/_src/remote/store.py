@@ -10,6 +10,7 @@ a remote is used.
 from __future__ import annotations
 
 import errno
+import re
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -45,20 +46,20 @@ def remote_error(err: BaseException, where: str) -> CheckpointError:
     if isinstance(err, CheckpointError):
         return err
     facts = err.facts if isinstance(err, _MovedFailure) else facts_of(err)
-    names, number, text = set(facts["names"]), facts["errno"], str(facts["text"])
+    names, number = set(facts["names"]), facts["errno"]
+    text, message = redact(str(facts["text"])), redact(str(facts["message"]))
     if "PermissionError" in names:
         return RemoteAccessDenied(
             f"{where}: the object store refused access ({text}); check the credentials "
             "(environment, ~/.aws, storage_options=) and the bucket's permissions"
         )
-    if "FileNotFoundError" in names and _missing_bucket(str(facts["message"])):
+    if "FileNotFoundError" in names and _missing_bucket(message):
         return RemoteBucketMissing(
-            f"{where}: the bucket does not exist ({facts['message']}); create it, or fix the "
-            "remote URL"
+            f"{where}: the bucket does not exist ({message}); create it, or fix the remote URL"
         )
     if "FileNotFoundError" in names:
         return RemoteVanished(
-            f"{where}: the object is gone ({facts['message']}); it was deleted while it was read"
+            f"{where}: the object is gone ({message}); it was deleted while it was read"
         )
     lowered = " ".join(n.lower() for n in names)
     refused = "OSError" in names and number in (errno.ECONNREFUSED, errno.EHOSTUNREACH)
@@ -71,20 +72,35 @@ def remote_error(err: BaseException, where: str) -> CheckpointError:
 
 
 def public_url(url: str) -> str:
-    """``url`` without the password of its user part (``ftp://user@host/…``).
+    """``url`` without its secrets: the password of its user part and its query string.
 
-    A URL may carry a password (ftp, sftp, http); it is never written to the
-    status file nor put in a message. (Credentials belong in the environment or
-    in ``storage_options``, which are never written or shown either.)
+    A URL may carry a password (``ftp://user:pw@host/…``) or a token in its query
+    (``https://host/?token=…``, a presigned endpoint); neither is ever written to the
+    status file nor put in a message. (Credentials belong in the environment or in
+    ``storage_options``, which are never written or shown either.)
     """
     try:
         parts = urllib.parse.urlsplit(url)
-        if parts.password is None:
-            return url
+        password = parts.password
     except ValueError:
         return url
-    user, host = parts.netloc.rsplit("@", 1)
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user.split(':', 1)[0]}@{host}"))
+    if password is None and not parts.query and not parts.fragment:
+        return url
+    netloc = parts.netloc
+    if password is not None:
+        user, host = netloc.rsplit("@", 1)
+        netloc = f"{user.split(':', 1)[0]}@{host}"
+    query = "..." if parts.query else ""
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query, fragment=""))
+
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
+def redact(text: str) -> str:
+    """``text`` with every URL in it made public (:func:`public_url`): what a store's own
+    error message says about an endpoint is shown without its secrets."""
+    return _URL.sub(lambda m: public_url(m.group(0)), text)
 
 
 def _missing_bucket(message: str, path: str = "") -> bool:

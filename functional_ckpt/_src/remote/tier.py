@@ -345,8 +345,8 @@ class RemoteTier:
         out = set()
         for step in sorted(committed & local.keys()):
             try:
-                mine = (local[step] / naming.COMMIT_MARKER).read_bytes()
-            except OSError:
+                mine = protocol.local_marker(local[step])
+            except (OSError, CheckpointError):
                 continue
             if self._same.get(step) == mine:
                 continue

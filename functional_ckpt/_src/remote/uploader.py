@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from functional_ckpt._src.storage import durable
+from functional_ckpt._src.storage import durable, opener
 from functional_ckpt.errors import (
     CheckpointError,
     RemoteAccessDenied,
@@ -142,12 +142,17 @@ def write_status(root: Path, doc: dict[str, Any]) -> None:
         )
 
 
+#: Largest status file read back (it lists steps and failure messages: a few KiB).
+_STATUS_LIMIT = 4 << 20
+
+
 def read_status(root: Path) -> dict[str, Any]:
     """What the last writer recorded about the remote tier of ``root``; {} if nothing."""
     try:
-        doc = json.loads((root / STATUS_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
+        raw = opener.read_file(root / STATUS_FILE, limit=_STATUS_LIMIT, what="remote status file")
+        doc = json.loads(raw)
+    except (OSError, ValueError, RecursionError, CheckpointError):
+        return {}  # missing, special, oversized or garbled: nothing known
     return doc if isinstance(doc, dict) else {}
 
 

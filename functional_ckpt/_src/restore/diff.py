@@ -19,7 +19,7 @@ from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.manifest import dtype_name
 from functional_ckpt._src.restore.api import restore
 from functional_ckpt._src.state.tree import iter_leaves
-from functional_ckpt._src.text import short_repr
+from functional_ckpt._src.text import printable, short_repr
 
 __all__ = ["DiffEntry", "DiffResult", "diff_checkpoints", "same_value", "tensor_delta"]
 
@@ -39,7 +39,7 @@ class DiffEntry:
 
     def __str__(self) -> str:
         sign = {"added": "+", "removed": "-", "same": "="}.get(self.kind, "~")
-        return f"{sign} {self.kind:<7} {'/'.join(self.key)}  {self.detail}".rstrip()
+        return f"{sign} {self.kind:<7} {printable('/'.join(self.key))}  {self.detail}".rstrip()
 
 
 @dataclass

@@ -39,9 +39,16 @@ def delete(root: Path, paths: Iterable[Path]) -> list[Path]:
     see it and a half-removed directory never carries a checkpoint's name; then its
     marker is unlinked, so a crash before the (slow) removal leaves an uncommitted
     leftover that the next writer deletes rather than recovers.
+
+    A step that is a symbolic link is not this root's checkpoint but a name for one
+    somewhere else: only the link is removed, and nothing is done through it.
     """
     trash: list[Path] = []
     for path in paths:
+        if path.is_symlink():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # the link only: what it points to is not ours
+            continue
         aside = durable.tmp_sibling(path, naming.TRASH_INFIX)
         try:
             os.rename(path, aside)
@@ -79,6 +86,11 @@ def remove_checkpoint(path: str | os.PathLike[str], *, missing_ok: bool = False)
         if missing_ok:
             return
         raise CheckpointNotFound(f"{path}: no such checkpoint to remove")
+    if path.is_symlink():
+        raise CheckpointError(
+            f"{path}: a symbolic link, not a checkpoint directory; neither it nor what it "
+            "points to is removed (remove the link itself if that is what you meant)"
+        )
     found = classify(path)
     if found not in commit.CHECKPOINTS or not holds_only_its_own(path, found):
         raise CheckpointError(

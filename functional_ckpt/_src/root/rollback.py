@@ -30,7 +30,7 @@ from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.kind import is_committed
 from functional_ckpt._src.format.naming import BRANCHES_DIR, EXPORTS_DIR, parse_step, step_name
-from functional_ckpt._src.storage import commit, durable
+from functional_ckpt._src.storage import commit, durable, opener
 from functional_ckpt.errors import CheckpointError, CheckpointExists
 
 __all__ = [
@@ -163,6 +163,10 @@ def begin(root: Path, plan: RollbackPlan) -> None:
     durable.replace_durably(intent, plan.encode())
 
 
+#: Largest rollback intent read back (the names of the steps it moves).
+_INTENT_LIMIT = 64 << 20
+
+
 def finish(root: Path) -> RollbackPlan | None:
     """Complete the rollback recorded in ``root``, if any; the caller holds the lock."""
     intent = root / INTENT_FILE
@@ -170,7 +174,7 @@ def finish(root: Path) -> RollbackPlan | None:
         if name.startswith(INTENT_FILE + naming.TMP_INFIX):
             os.unlink(root / name)
     try:
-        raw = intent.read_bytes()
+        raw = opener.read_file(intent, limit=_INTENT_LIMIT, what="rollback intent")
     except FileNotFoundError:
         return None
     plan = RollbackPlan.decode(raw, intent)

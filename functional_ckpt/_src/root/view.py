@@ -8,19 +8,44 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.format.naming import BRANCHES_DIR, step_name
 from functional_ckpt._src.policy.retention import best_steps
 from functional_ckpt._src.root import rollback
 from functional_ckpt._src.root.listing import StepInfo, Summaries, committed_steps, step_dirs
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
-__all__ = ["RootView"]
+__all__ = ["RootView", "check_root"]
+
+
+def check_root(root: Path) -> None:
+    """Refuse a root that is itself a checkpoint, or lies inside one, or is a file.
+
+    A manager writes its lock and its steps into its root: given a checkpoint (a
+    slip for its parent), it would write into a committed checkpoint, which would
+    then fail verification and could no longer be replaced by its writer.
+    """
+    found = classify(root, by_name=False)
+    if found is Kind.NOT_A_DIRECTORY:
+        raise CheckpointError(f"{root}: a file, not a directory of checkpoints")
+    if found.checkpoint:
+        raise CheckpointError(
+            f"{root}: is {found.value}, not a directory of checkpoints; a manager would "
+            f"write into it. Did you mean its parent, {root.parent}?"
+        )
+    parent = classify(root.parent, by_name=False)
+    if parent.checkpoint and found in (Kind.MISSING, Kind.EMPTY):
+        raise CheckpointError(
+            f"{root}: inside {parent.value} ({root.parent}); a manager would write into "
+            f"it. Did you mean {root.parent.parent}?"
+        )
 
 
 class RootView:
     """The committed checkpoints of ``root``, minus those found unreadable here."""
 
     def __init__(self, root: Path) -> None:
+        check_root(root)
         self.root = root
         self._bad: set[tuple[int, int]] = set()  # (step, dir inode) found unreadable
         self._summaries = Summaries()

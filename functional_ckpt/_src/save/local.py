@@ -10,7 +10,6 @@ directory. Single-process saves and the coordinator of a multi-rank save share i
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,21 +28,13 @@ from functional_ckpt._src.save.job import Hooks, SaveJob
 from functional_ckpt._src.save.plan import byte_entries
 from functional_ckpt._src.save.trust import Ident, Key
 from functional_ckpt._src.storage import commit, durable, shards
+from functional_ckpt._src.storage.os_failure import os_failure
 from functional_ckpt.errors import CheckpointError
 
 
 def os_error(e: OSError, where: Path) -> CheckpointError:
     """A failed save's ``OSError`` as the :class:`CheckpointError` that says what ran out."""
-    if e.errno == errno.ENOSPC:
-        return CheckpointError(f"{where}: no space left on the device while saving ({e})")
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return CheckpointError(f"{where}: permission denied while saving ({e})")
-    if e.errno in (errno.EMFILE, errno.ENFILE):
-        return CheckpointError(
-            f"{where}: this process ran out of file descriptors while saving ({e}); "
-            "raise the limit (ulimit -n) or close files"
-        )
-    return CheckpointError(f"{where}: saving failed: {e}")
+    return os_failure(e, where, "saving")
 
 
 def finalize(

@@ -83,7 +83,12 @@ def remove_tree(path: Path) -> None:
     """Delete a checkpoint-like directory so that no crash leaves it looking valid.
 
     The marker goes first (it is what makes a directory a checkpoint), then the rest.
+    A symbolic link is removed itself: nothing is ever deleted through one.
     """
+    if path.is_symlink():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
     with contextlib.suppress(OSError):
         os.unlink(path / COMMIT_MARKER)
     shutil.rmtree(path, ignore_errors=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.naming import is_temporary_name
+from functional_ckpt._src.storage.os_failure import os_failure, ran_out
 from functional_ckpt.errors import (
     CheckpointNotFound,
     CorruptCheckpoint,
@@ -82,6 +83,25 @@ def open_member(
     return fd
 
 
+def read_file(path: Path, *, limit: int, what: str = "file") -> bytes:
+    """The whole of a small file kept beside checkpoints (a state file, an intent, a
+    marker), through :func:`open_member`: no link followed, no blocking, at most
+    ``limit`` bytes. ``FileNotFoundError`` is left to the caller.
+    """
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = open_member(dir_fd, path.name, path, what=what)
+    finally:
+        os.close(dir_fd)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CorruptCheckpoint(f"{path}: {size} bytes, more than a {what} may hold ({limit})")
+        return read_exact(fd, size, path)
+    finally:
+        os.close(fd)
+
+
 def read_exact(fd: int, size: int, where: Path) -> bytes:
     """All ``size`` bytes of an opened file (its size was checked when it was opened)."""
     parts: list[bytes] = []
@@ -130,4 +150,6 @@ def open_directory(path: Path) -> int:
     except NotADirectoryError:
         raise CheckpointNotFound(f"{path}: not a checkpoint directory (it is a file)") from None
     except OSError as e:
+        if ran_out(e):
+            raise os_failure(e, path, "reading") from e
         raise CheckpointNotFound(f"{path}: cannot open the checkpoint directory: {e}") from None

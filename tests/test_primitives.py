@@ -1,0 +1,119 @@
+"""The safe primitives are the only way: no module reads or deletes a file around them.
+
+Files of checkpoints are read through ``storage/opener`` (no link followed, no
+blocking on a FIFO, regular files of a bounded size), written through
+``storage/durable`` and deleted through ``root/delete`` and ``storage/commit``
+(nothing deleted through a link, a checkpoint's marker first). This test reads
+every module's source and lists each direct file read, open or delete outside the
+storage stage; each one left is here with the reason it is not a checkpoint's
+file. A new one fails the test until it goes through a primitive or is argued here.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "functional_ckpt"
+
+#: (module path, call) -> how many, and why each is not a way around a primitive.
+ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
+    ("_src/cli/demo/job.py", "open"): (1, "the demo's own event log"),
+    ("_src/cli/demo/run.py", "open"): (2, "the demo's own event log and child log"),
+    ("_src/cli/demo/run.py", "shutil.rmtree"): (1, "the demo's own scratch directory"),
+    ("_src/cli/demo/run.py", "target.unlink"): (1, "the demo's own scratch file"),
+    ("_src/cli/demo/run.py", "self.log.read_text"): (1, "the demo's own child log"),
+    ("_src/cli/main.py", "os.open"): (1, "/dev/null in place of a closed stdout"),
+    ("_src/cli/run.py", "open"): (1, "/proc/<pid>/stat of the supervised child"),
+    ("_src/distributed/groups.py", "probe.unlink"): (1, "the probe file this rank made"),
+    ("_src/export/files.py", "path.read_bytes"): (1, "a side file the user names (extra_files)"),
+    ("_src/export/safetensors.py", "os.open"): (1, "fsync of a file this export wrote"),
+    ("_src/export/torch_save.py", "os.open"): (1, "a new file (O_EXCL | O_NOFOLLOW)"),
+    ("_src/export/torch_save.py", "os.unlink"): (2, "this writer's own temporary file"),
+    ("_src/recording/recorder.py", "os.open"): (1, "the recording's directory (O_NOFOLLOW)"),
+    ("_src/remote/fetch.py", "shutil.rmtree"): (2, "this download's private directory"),
+    ("_src/remote/fetch.py", "os.open"): (1, "fsync of a downloaded file (O_NOFOLLOW)"),
+    ("_src/root/delete.py", "os.unlink"): (2, "the primitive: a marker, or a link itself"),
+    ("_src/root/leftovers.py", "os.unlink"): (1, "a temporary file (not a directory) of a crash"),
+    ("_src/root/listing.py", "os.open"): (1, "a step directory (O_NOFOLLOW), read by committed"),
+    ("_src/root/lock.py", "os.open"): (1, "the lock file"),
+    ("_src/root/rollback.py", "os.unlink"): (2, "the rollback's own intent file"),
+    ("_src/save/incremental.py", "dst.unlink"): (1, "a link this save just made, swapped"),
+    ("_src/save/incremental.py", "os.open"): (1, "a new file (O_EXCL) in this save's directory"),
+    ("integrations/lightning.py", "target.unlink"): (1, "a link Lightning asks to remove"),
+}
+
+_ATTRS = {"read_text", "read_bytes", "unlink", "rmtree", "remove", "rmdir", "open"}
+
+
+def direct_file_calls(source: str) -> Counter[str]:
+    """Each builtin ``open``, ``os.open``/``remove``/``rmdir``/``unlink``, ``rmtree``,
+    ``Path.read_text``/``read_bytes``/``unlink`` in ``source``."""
+    found: Counter[str] = Counter()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id == "open":
+            found["open"] += 1
+        elif isinstance(f, ast.Attribute) and f.attr in _ATTRS:
+            base = ast.unparse(f.value)
+            if f.attr in ("remove", "open", "rmdir") and base not in ("os", "io", "builtins"):
+                continue  # list.remove, a store's open, ...
+            found[f"{base}.{f.attr}"] += 1
+    return found
+
+
+def test_no_module_reads_or_deletes_around_the_primitives() -> None:
+    seen: dict[tuple[str, str], int] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith("_src/storage/"):
+            continue  # the primitives themselves
+        for call, n in direct_file_calls(path.read_text()).items():
+            seen[(rel, call)] = n
+    assert seen == {k: n for k, (n, _) in ALLOWED.items()}
+
+
+def test_the_scan_sees_a_read_around_the_opener() -> None:
+    src = (
+        "def f(p):\n    import shutil\n    x = p.read_text()\n"
+        "    shutil.rmtree(p)\n    [].remove(1)\n"
+    )
+    assert direct_file_calls(src) == Counter({"p.read_text": 1, "shutil.rmtree": 1})
+
+
+def test_a_special_file_in_place_of_the_remote_status_is_not_followed(tmp_path: Path) -> None:
+    """Regression: ``fckpt ls ROOT`` hung when ``ROOT/.remote.json`` was a FIFO (and
+    followed a symlink there to ``/dev/zero``): it was read with ``Path.read_text``."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    import functional_ckpt as fc
+    from functional_ckpt._src.remote.uploader import STATUS_FILE, read_status
+
+    for kind in ("fifo", "link to /dev/zero", "huge"):
+        root = tmp_path / kind.replace(" ", "_").replace("/", "")
+        with fc.CheckpointManager(root) as mgr:
+            mgr.maybe_save({"w": torch.zeros(2)}, step=1)
+        status = root / STATUS_FILE
+        if kind == "fifo":
+            os.mkfifo(status)
+        elif kind == "huge":
+            with open(status, "wb") as f:
+                f.truncate(64 << 20)
+        else:
+            os.symlink("/dev/zero", status)
+        assert read_status(root) == {}
+        done = subprocess.run(
+            [sys.executable, "-m", "functional_ckpt", "ls", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=300,  # a guard against the hang this test is about, not a speed limit
+        )
+        assert done.returncode == 0, done.stderr
+        assert "step_000000001" in done.stdout
