@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath
 from functional_ckpt._src.format.naming import DCP_METADATA
 from functional_ckpt._src.limits import LIMITS
@@ -60,6 +61,11 @@ class ByteEntry:
     offset: int = 0
     length: int = 0
     crc32: int = 0
+
+    def located(self, file: str, offset: int) -> ByteEntry:
+        """This entry as written at ``offset`` of ``file`` (its data dropped, its CRC32
+        kept): what the shard writer returns, one per value, so built directly."""
+        return ByteEntry(self.fqn, self.path, b"", file, offset, len(self.data), crc32(self.data))
 
     def to_plain(self) -> dict[str, Any]:
         return {

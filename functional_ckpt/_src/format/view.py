@@ -253,14 +253,16 @@ def _add(out: ParsedManifest, e: object, where: str) -> None:
         raise CorruptCheckpoint(f"{where}: duplicate key {format_path(path)}")
     kind = e.get("kind")
     # a leaf has nothing under it: a key under a tensor or a value would hide it
-    for i in range(1, len(path)):
-        if path[:i] in out.tensors or path[:i] in out.values:
-            raise CorruptCheckpoint(
-                f"{where}: key {format_path(path)} lies under the leaf {format_path(path[:i])}"
-            )
+    parent = path[:-1]
+    if parent and parent not in out.inner:  # first key seen below ``parent``
+        for i in range(1, len(path)):
+            if path[:i] in out.tensors or path[:i] in out.values:
+                raise CorruptCheckpoint(
+                    f"{where}: key {format_path(path)} lies under the leaf {format_path(path[:i])}"
+                )
+        out.inner.update(path[:i] for i in range(1, len(path)))
     if kind in ("tensor", "value") and path in out.inner:
         raise CorruptCheckpoint(f"{where}: the leaf {format_path(path)} has keys under it")
-    out.inner.update(path[:i] for i in range(1, len(path)))
     if kind == "node":
         out.nodes.add(path)
         info = node_info(e, where)
@@ -336,7 +338,7 @@ def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: 
             raise CorruptCheckpoint(f"{where}: a planned tensor carries chunks")
         return entry
     size = element_size(dtype)
-    entry = replace(entry, chunks=tuple(_chunk(c, entry, size, out, where) for c in chunks))
+    entry = entry.with_chunks(tuple(_chunk(c, entry, size, out, where) for c in chunks))
     if sum(numel(c.sizes) for c in entry.chunks) != numel(shape) or (
         numel(shape) and not entry.chunks
     ):

@@ -226,8 +226,7 @@ def place(
             if _bring(base, name, size, tmp / new, syncing):
                 names[name] = new
     return [
-        None if c is None or c.file not in names else dataclasses.replace(c, file=names[c.file])
-        for c in reused
+        None if c is None or c.file not in names else c._replace(file=names[c.file]) for c in reused
     ]
 
 

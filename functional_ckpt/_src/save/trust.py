@@ -101,11 +101,15 @@ class TrustMemory:
 PROCESS_TRUST = TrustMemory()
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def ident(t: torch.Tensor) -> Ident | None:
     """Where a tensor's bytes are and its version counter; None if it has none."""
     try:
-        shard = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard
-        return (int(shard.data_ptr()), int(t._version))
+        plain = type(t) in _PLAIN  # most tensors: no attribute lookup that fails
+        shard = t if plain or not hasattr(t, "to_local") else t.to_local()  # a DTensor's shard
+        return (shard.data_ptr(), t._version)
     except (RuntimeError, AttributeError):
         return None
 

@@ -13,7 +13,6 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -146,9 +145,7 @@ def write_shard(
                 after_each(i)
         for b in blobs:
             n = len(b.data)
-            located.append(
-                replace(b, data=b"", file=name, offset=pos, length=n, crc32=crc32(b.data))
-            )
+            located.append(b.located(name, pos))
             pending += b.data
             pos += n
         if pending:
