@@ -13,7 +13,10 @@ files, unpickler attacks, derived ``.metadata``, overwrite scope and races, read
 fuzzing), manager roots (lock-file links, template errors, ``fckpt`` on odd
 manifests) and, from ``benchmarks/faults_values.py`` (also runnable on its own),
 values and manifests (decoder budgets, view bits, limits, chunk coverage, unstaged
-saves). ``--scenarios`` picks some.
+saves) and, from ``benchmarks/faults_trust.py``, the third attack suite's classes
+(hash floods in every decoder, symlinked steps under every destructive operation,
+wrong manager roots, hostile remote manifests on resume, terminal control
+characters, special state files). ``--scenarios`` picks some.
 
 Every trial uses real files, real ``SIGKILL``s of real processes and real mounts.
 Crash children are ``os.fork()``ed from this process after torch is imported (a
@@ -2553,6 +2556,17 @@ SCENARIOS: dict[str, Callable[[Scale, Path, int], Result]] = {
     **{
         f"values-{k}": (lambda s, b, seed, k=k: scenario_values(k, s, b, seed))
         for k in VALUE_CLASSES
+    },
+    **{
+        k: (lambda s, b, seed, k=k: _sibling("faults_trust").SCENARIOS[k](s, b, seed))
+        for k in (
+            "trust-floods",
+            "trust-links",
+            "trust-roots",
+            "trust-remote",
+            "trust-terminal",
+            "trust-state-files",
+        )
     },
 }
 

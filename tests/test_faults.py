@@ -488,3 +488,22 @@ def test_inspect_of_a_non_numeric_save_time(ckpt: Path) -> None:
     assert fc.inspect(ckpt).created is None
     code, out, err = faults._cli(["inspect", str(ckpt)])
     assert (code, err) == (0, "") and "saved -" in out
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "trust-floods",
+        "trust-links",
+        "trust-roots",
+        "trust-remote",
+        "trust-terminal",
+        "trust-state-files",
+    ],
+)
+def test_trust_classes(key: str) -> None:
+    """The third attack suite's classes: nothing lost, no raw exception, no hang, every
+    hostile input refused (benchmarks/faults_trust.py)."""
+    res = run(key)
+    assert res.trials > 0 and res.other == 0, res.problems
+    assert res.detected == res.corruptions, res.problems

@@ -86,6 +86,20 @@ def restore(
     contents are unspecified.
     """
     check_like_or_out(like, out, "fc.restore")
+    with gc_paused():  # the manifest's parse and the template's walk make many objects
+        return _restore(path, like, out, device, partial, cast, allow_pickle, reshard)
+
+
+def _restore(
+    path: PathLike,
+    like: State | None,
+    out: State | None,
+    device: str | torch.device | None,
+    partial: bool,
+    cast: bool,
+    allow_pickle: bool,
+    reshard: Reshard | None,
+) -> TensorDict:
     chosen = out if out is not None else like
     template = None if chosen is None else as_state(chosen)
     req = Request(
@@ -99,9 +113,8 @@ def restore(
     src = Path(path)
     opened = read_backend(src, template).open(src)
     try:
-        with gc_paused():
-            match = opened.match(template, req)
-            leaves = opened.read(match, req)
-            return rebuild(leaves, match.root, src)
+        match = opened.match(template, req)
+        leaves = opened.read(match, req)
+        return rebuild(leaves, match.root, src)
     finally:
         opened.close()

@@ -22,7 +22,7 @@ import dataclasses
 import errno
 import os
 import stat
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +40,7 @@ from functional_ckpt._src.format.manifest import Chunk
 from functional_ckpt._src.format.naming import parse_shard, shard_name
 from functional_ckpt._src.format.view import parse_checkpoint
 from functional_ckpt._src.save.options import SaveOptions
-from functional_ckpt._src.save.trust import Ident, Key
+from functional_ckpt._src.save.trust import Ident, Key, Seen
 from functional_ckpt._src.storage import committed, opener, shards
 from functional_ckpt.errors import CheckpointError
 
@@ -71,7 +71,7 @@ class Base:
     chunks: dict[Key, BaseChunk]
     sizes: dict[str, int]
     tensor_bytes: dict[str, int]
-    seen: Mapping[Key, Ident]  # what this process saved there, if it wrote it
+    seen: Seen  # what this process saved there, if it wrote it
     trusted: set[str] = dataclasses.field(default_factory=set)  # files this process wrote
     fds: dict[str, int] = dataclasses.field(default_factory=dict)  # files opened to compare
 
@@ -128,7 +128,7 @@ def open_base(options: SaveOptions) -> Base | None:
         memory = options.trust.recall(ck.dir_fd, path)
         sizes = dict(parsed.shared.file_sizes)
         if memory is None:
-            return Base(ck, chunks, sizes, held, {})
+            return Base(ck, chunks, sizes, held, Seen((), ()))
         return Base(ck, chunks, sizes, held, memory.seen, memory.trusted(ck.dir_fd))
     except CheckpointError as err:
         ck.close()

@@ -26,7 +26,7 @@ from functional_ckpt._src.save import incremental
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.job import Hooks, SaveJob
 from functional_ckpt._src.save.plan import byte_entries
-from functional_ckpt._src.save.trust import Ident, Key
+from functional_ckpt._src.save.trust import Ident, Key, Seen
 from functional_ckpt._src.storage import commit, durable, shards
 from functional_ckpt._src.storage.os_failure import os_failure
 from functional_ckpt.errors import CheckpointError
@@ -109,9 +109,9 @@ def chunk_keys(job: SaveJob) -> list[Key]:
     return [(e.fqn, (0,) * len(e.shape)) for e in job.prepared.plan.targets]
 
 
-def remembered(keys: Sequence[Key], idents: Sequence[Ident | None]) -> dict[Key, Ident]:
+def remembered(keys: Sequence[Key], idents: Sequence[Ident | None]) -> Seen:
     """What a trust memory keeps of a commit: each chunk's tensor identity and version."""
-    return {k: i for k, i in zip(keys, idents, strict=True) if i is not None}
+    return Seen(keys, idents)
 
 
 def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> CheckpointInfo:

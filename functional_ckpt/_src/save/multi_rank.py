@@ -61,7 +61,7 @@ class _ChunkWriter(StorageWriter):
         self.job = job
         self.commit_job = commit_job
         self.rank = 0
-        self.seen: dict[trust.Key, trust.Ident] = {}  # what this rank's commit remembers
+        self.seen = trust.Seen((), ())  # what this rank's commit remembers
         self.blobs: list[ByteEntry] = []  # the values for stock readers, located (rank 0)
 
     def reset(self, checkpoint_id: Any = None) -> None:

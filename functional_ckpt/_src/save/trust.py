@@ -19,7 +19,7 @@ import os
 import stat
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,12 +40,33 @@ FileIdent = tuple[int, int, int, int]
 CheckpointIdent = tuple[int, int, int, int]
 
 
+class Seen:
+    """Each saved chunk's tensor identity and version, as one save left them.
+
+    Kept as the save's own key and identity sequences: a save that is never used as a
+    base (most are) builds no table; the first lookup builds it.
+    """
+
+    def __init__(self, keys: Sequence[Key], idents: Sequence[Ident | None]) -> None:
+        self._keys, self._idents = tuple(keys), tuple(idents)
+        self._table: dict[Key, Ident] | None = None
+        self._lock = threading.Lock()
+
+    def get(self, key: Key) -> Ident | None:
+        with self._lock:
+            if self._table is None:
+                pairs = zip(self._keys, self._idents, strict=True)
+                self._table = {k: i for k, i in pairs if i is not None}
+        return self._table.get(key)
+
+
+
 @dataclass(frozen=True)
 class Recollection:
     """What a memory holds of one checkpoint: the version counters of what was saved
     there, and the data files this process wrote or checked, as it left them."""
 
-    seen: Mapping[Key, Ident]
+    seen: Seen
     files: Mapping[str, FileIdent]
 
     def trusted(self, dir_fd: int) -> set[str]:
@@ -62,7 +83,7 @@ class TrustMemory:
         self._known: OrderedDict[CheckpointIdent, Recollection] = OrderedDict()
         self._lock = threading.Lock()
 
-    def remember(self, dest: Path, seen: Mapping[Key, Ident], rank: int = 0) -> None:
+    def remember(self, dest: Path, seen: Seen, rank: int = 0) -> None:
         """After a commit: what the checkpoint at ``dest`` holds, and the data files of
         ``rank`` there (this process wrote them, or checked the reused ones)."""
         try:
@@ -80,7 +101,7 @@ class TrustMemory:
         finally:
             os.close(dir_fd)
         with self._lock:
-            self._known[key] = Recollection(dict(seen), files)
+            self._known[key] = Recollection(seen, files)
             self._known.move_to_end(key)
             while len(self._known) > self.capacity:
                 self._known.popitem(last=False)
