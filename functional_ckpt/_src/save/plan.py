@@ -296,7 +296,8 @@ def _entry_overhead(e: Entry) -> int:
     The constants are the encoded sizes of the fixed fields with every integer at
     its widest (a tensor entry with one chunk: 202 bytes), plus wide list headers.
     """
-    n = 48 + sum(_text_bytes(k) for k in e.path)
+    keys = "".join(e.path)  # the keys' bounds summed: 5 bytes of header each
+    n = 48 + 5 * len(e.path) + (len(keys) if keys.isascii() else 4 * len(keys))
     if isinstance(e, TensorEntry):
         n += 202 + 16 + _text_bytes(e.fqn) + 27 * len(e.shape)
     return n

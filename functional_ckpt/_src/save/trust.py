@@ -60,7 +60,6 @@ class Seen:
         return self._table.get(key)
 
 
-
 @dataclass(frozen=True)
 class Recollection:
     """What a memory holds of one checkpoint: the version counters of what was saved
