@@ -2559,14 +2559,7 @@ SCENARIOS: dict[str, Callable[[Scale, Path, int], Result]] = {
     },
     **{
         k: (lambda s, b, seed, k=k: _sibling("faults_trust").SCENARIOS[k](s, b, seed))
-        for k in (
-            "trust-floods",
-            "trust-links",
-            "trust-roots",
-            "trust-remote",
-            "trust-terminal",
-            "trust-state-files",
-        )
+        for k in _sibling("faults_trust").SCENARIOS
     },
 }
 

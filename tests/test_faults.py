@@ -490,20 +490,15 @@ def test_inspect_of_a_non_numeric_save_time(ckpt: Path) -> None:
     assert (code, err) == (0, "") and "saved -" in out
 
 
-@pytest.mark.parametrize(
-    "key",
-    [
-        "trust-floods",
-        "trust-links",
-        "trust-roots",
-        "trust-remote",
-        "trust-terminal",
-        "trust-state-files",
-    ],
-)
+@pytest.mark.parametrize("key", [k for k in faults.SCENARIOS if k.startswith("trust-")])
 def test_trust_classes(key: str) -> None:
     """The third attack suite's classes: nothing lost, no raw exception, no hang, every
     hostile input refused (benchmarks/faults_trust.py)."""
+    assert key.startswith("trust-")
     res = run(key)
     assert res.trials > 0 and res.other == 0, res.problems
     assert res.detected == res.corruptions, res.problems
+
+
+def test_the_trust_classes_are_registered() -> None:
+    assert len([k for k in faults.SCENARIOS if k.startswith("trust-")]) == 6

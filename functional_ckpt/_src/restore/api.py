@@ -87,34 +87,21 @@ def restore(
     """
     check_like_or_out(like, out, "fc.restore")
     with gc_paused():  # the manifest's parse and the template's walk make many objects
-        return _restore(path, like, out, device, partial, cast, allow_pickle, reshard)
-
-
-def _restore(
-    path: PathLike,
-    like: State | None,
-    out: State | None,
-    device: str | torch.device | None,
-    partial: bool,
-    cast: bool,
-    allow_pickle: bool,
-    reshard: Reshard | None,
-) -> TensorDict:
-    chosen = out if out is not None else like
-    template = None if chosen is None else as_state(chosen)
-    req = Request(
-        partial=partial,
-        cast=cast,
-        allow_pickle=allow_pickle,
-        reshard=reshard,
-        inplace=out is not None,
-        device=torch.device("cpu" if device is None else device),
-    )
-    src = Path(path)
-    opened = read_backend(src, template).open(src)
-    try:
-        match = opened.match(template, req)
-        leaves = opened.read(match, req)
-        return rebuild(leaves, match.root, src)
-    finally:
-        opened.close()
+        chosen = out if out is not None else like
+        template = None if chosen is None else as_state(chosen)
+        req = Request(
+            partial=partial,
+            cast=cast,
+            allow_pickle=allow_pickle,
+            reshard=reshard,
+            inplace=out is not None,
+            device=torch.device("cpu" if device is None else device),
+        )
+        src = Path(path)
+        opened = read_backend(src, template).open(src)
+        try:
+            match = opened.match(template, req)
+            leaves = opened.read(match, req)
+            return rebuild(leaves, match.root, src)
+        finally:
+            opened.close()

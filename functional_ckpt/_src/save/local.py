@@ -32,11 +32,6 @@ from functional_ckpt._src.storage.os_failure import os_failure
 from functional_ckpt.errors import CheckpointError
 
 
-def os_error(e: OSError, where: Path) -> CheckpointError:
-    """A failed save's ``OSError`` as the :class:`CheckpointError` that says what ran out."""
-    return os_failure(e, where, "saving")
-
-
 def finalize(
     tmp: Path,
     dest: Path,
@@ -165,7 +160,7 @@ def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> 
         raise
     except OSError as e:
         commit.remove_tree(tmp)
-        raise os_error(e, dest) from e
+        raise os_failure(e, dest, "saving") from e
     except BaseException:
         commit.remove_tree(tmp)
         raise

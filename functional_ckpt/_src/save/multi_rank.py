@@ -41,10 +41,11 @@ from functional_ckpt._src.format.view import parse_planned
 from functional_ckpt._src.save import incremental, trust
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.job import SaveJob
-from functional_ckpt._src.save.local import finalize, os_error, remembered
+from functional_ckpt._src.save.local import finalize, remembered
 from functional_ckpt._src.save.plan import byte_entries, host_copy
 from functional_ckpt._src.state.gc_pause import gc_paused
 from functional_ckpt._src.storage import commit, durable
+from functional_ckpt._src.storage.os_failure import os_failure
 from functional_ckpt.errors import CheckpointError
 
 
@@ -91,7 +92,7 @@ class _ChunkWriter(StorageWriter):
                 self.tmp, self.rank, self.commit_job.base, keys, tensors, chunk_idents, blobs=blobs
             )
         except OSError as e:
-            raise os_error(e, self.job.dest) from e
+            raise os_failure(e, self.job.dest, "saving") from e
         self.seen = remembered(keys, chunk_idents)
         results = [
             WriteResult(index=item.index, size_in_bytes=c.length, storage_data=c)
@@ -165,7 +166,7 @@ class _Commit:
         except CheckpointError:  # e.g. CheckpointExists, itself an OSError
             raise
         except OSError as e:
-            raise os_error(e, self.job.dest) from e
+            raise os_failure(e, self.job.dest, "saving") from e
         return nbytes
 
 
@@ -196,12 +197,12 @@ def save_planned(
             durable.make_dirs(dest.parent)
             tmp.mkdir()
     except BaseException as e:
-        error = os_error(e, dest) if isinstance(e, OSError) else e
+        error = os_failure(e, dest, "saving") if isinstance(e, OSError) else e
     agree(error, group, f"save {dest}")
     try:
         own = rank != 0 and _own_part(tmp, job.options.parts)
     except BaseException as e:
-        error, own = os_error(e, dest) if isinstance(e, OSError) else e, False
+        error, own = os_failure(e, dest, "saving") if isinstance(e, OSError) else e, False
     try:
         agree(error, group, f"save {dest}")
     except BaseException:
@@ -245,7 +246,7 @@ def save_planned(
             commit.commit_checkpoint(tmp, dest, overwrite=True, replaces=commit.PARTS)
         except OSError as e:
             commit.remove_tree(tmp)
-            raise os_error(e, dest) from e
+            raise os_failure(e, dest, "saving") from e
     sizes = all_gather_bytes(str(commit_job.nbytes).encode(), group)
     job.options.trust.remember(dest, writer.seen, writer.rank)
     assert job.prepared is not None

@@ -50,13 +50,11 @@ class Seen:
     def __init__(self, keys: Sequence[Key], idents: Sequence[Ident | None]) -> None:
         self._keys, self._idents = tuple(keys), tuple(idents)
         self._table: dict[Key, Ident] | None = None
-        self._lock = threading.Lock()
 
     def get(self, key: Key) -> Ident | None:
-        with self._lock:
-            if self._table is None:
-                pairs = zip(self._keys, self._idents, strict=True)
-                self._table = {k: i for k, i in pairs if i is not None}
+        if self._table is None:  # two threads racing here build the same table
+            pairs = zip(self._keys, self._idents, strict=True)
+            self._table = {k: i for k, i in pairs if i is not None}
         return self._table.get(key)
 
 

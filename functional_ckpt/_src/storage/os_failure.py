@@ -15,14 +15,11 @@ from pathlib import Path
 
 from functional_ckpt.errors import _RESOURCES, CheckpointError
 
-#: Errors of the machine's resources, never of a checkpoint's bytes (the set
-#: ``fc.errors.is_damage`` leaves out).
-RESOURCES = _RESOURCES
-
 
 def ran_out(e: BaseException) -> bool:
-    """Whether ``e`` is the machine running out of something (see :data:`RESOURCES`)."""
-    return isinstance(e, OSError) and e.errno in RESOURCES
+    """Whether ``e`` is the machine running out of something: descriptors, memory, disk
+    (the errors ``fc.errors.is_damage`` never takes for damage)."""
+    return isinstance(e, OSError) and e.errno in _RESOURCES
 
 
 def os_failure(e: OSError, where: Path, doing: str) -> CheckpointError:
