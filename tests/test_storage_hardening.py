@@ -577,6 +577,59 @@ def test_reader_racing_overwrite_never_sees_corruption(tmp_path: Path) -> None:
     assert reads >= 10 and replaced <= reads
 
 
+def test_a_listing_of_the_replaced_directory_is_not_taken_for_stock_dcp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: a reader that listed the old directory while its deletion was half
+    done (marker and manifest gone, ``.metadata`` left) took it for a stock DCP
+    checkpoint and refused it ("pass a template"); it must read the new checkpoint."""
+    from functional_ckpt._src.format import kind
+
+    path = tmp_path / "ck"
+    fc.save(path, make_state(1.0))
+    real_entries = kind._entries
+    raced = []
+
+    def listing_during_the_deletion(p: Path) -> dict[str, bool]:
+        entries = real_entries(p)
+        if p == path and not raced:
+            raced.append(p)
+            fc.save(path, make_state(2.0), overwrite=True)
+            return {
+                n: f for n, f in entries.items() if n not in (naming.COMMIT_MARKER, naming.MANIFEST)
+            }
+        return entries
+
+    monkeypatch.setattr(kind, "_entries", listing_during_the_deletion)
+    state = fc.restore(path)
+    assert raced
+    check_state(state, 2.0)
+
+
+def test_no_half_deleted_checkpoint_looks_readable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every state a deletion passes through is uncommitted, a part or empty: never a
+    checkpoint, nor a stock DCP one (whatever order the directory lists its files in)."""
+    from functional_ckpt._src.format.kind import Kind, classify
+
+    path = tmp_path / "ck"
+    fc.save(path, make_state(1.0))
+    assert (path / naming.DCP_METADATA).exists()
+    seen: list[Kind] = []
+    real_unlink = os.unlink
+
+    def unlink(p: Any, *, dir_fd: int | None = None) -> None:
+        real_unlink(p, dir_fd=dir_fd)
+        seen.append(classify(path))
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    commit.remove_tree(path)
+    monkeypatch.undo()
+    assert not path.exists()
+    assert seen and not {Kind.COMMITTED, Kind.STOCK_DCP} & set(seen), seen
+
+
 # --------------------------------------------------------------------------- overwrite scope
 
 

@@ -23,6 +23,7 @@ from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.kind import Kind, classify, holds_only_its_own
 from functional_ckpt._src.format.naming import (
     COMMIT_MARKER,
+    DCP_METADATA,
     FORMAT_NAME,
     FORMAT_VERSION,
     TRASH_INFIX,
@@ -82,15 +83,18 @@ def write_commit_marker(tmp: Path, manifest_bytes: bytes) -> None:
 def remove_tree(path: Path) -> None:
     """Delete a checkpoint-like directory so that no crash leaves it looking valid.
 
-    The marker goes first (it is what makes a directory a checkpoint), then the rest.
-    A symbolic link is removed itself: nothing is ever deleted through one.
+    The marker goes first (it is what makes a directory a checkpoint), then the
+    ``.metadata`` (without it, what is left can no longer pass for a stock DCP
+    checkpoint to a reader that lists it half-deleted), then the rest. A symbolic
+    link is removed itself: nothing is ever deleted through one.
     """
     if path.is_symlink():
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         return
-    with contextlib.suppress(OSError):
-        os.unlink(path / COMMIT_MARKER)
+    for name in (COMMIT_MARKER, DCP_METADATA):
+        with contextlib.suppress(OSError):
+            os.unlink(path / name)
     shutil.rmtree(path, ignore_errors=True)
 
 
