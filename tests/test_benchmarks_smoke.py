@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from tests.patience import HANG
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "save_restore.py"
 
@@ -36,7 +38,6 @@ RESTORE_TOOLS = {
 }
 
 
-@pytest.mark.timeout(300)
 def test_save_restore_quick_run(tmp_path: Path) -> None:
     out = tmp_path / "save_restore.json"
     env = {
@@ -58,7 +59,7 @@ def test_save_restore_quick_run(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -79,7 +80,6 @@ def test_save_restore_quick_run(tmp_path: Path) -> None:
     assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())
 
 
-@pytest.mark.timeout(180)
 def test_distributed_quick_run(tmp_path: Path) -> None:
     """benchmarks/distributed.py launches its 2 gloo ranks and writes its table and JSON."""
     out = tmp_path / "distributed.json"
@@ -99,13 +99,13 @@ def test_distributed_quick_run(tmp_path: Path) -> None:
             "--dir",
             str(tmp_path / "d"),
             "--timeout",
-            "150",
+            str(HANG),
         ],
         cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
-        timeout=170,
+        timeout=HANG,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -149,7 +149,7 @@ def _run_benchmark(script: str, tmp_path: Path, *extra: str) -> dict[str, Any]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -167,7 +167,6 @@ ASYNC_TOOLS = {
 }
 
 
-@pytest.mark.timeout(120)
 def test_async_stall_quick_run(tmp_path: Path) -> None:
     data = _run_benchmark("async_stall.py", tmp_path)
     assert data["config"]["reps"] == 2
@@ -183,7 +182,6 @@ def test_async_stall_quick_run(tmp_path: Path) -> None:
     assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["auto", "save_async"])
 def test_train_overhead_quick_run(tmp_path: Path, mode: str) -> None:
     data = _run_benchmark("train_overhead.py", tmp_path, "--mode", mode)
@@ -200,7 +198,6 @@ def test_train_overhead_quick_run(tmp_path: Path, mode: str) -> None:
         assert not config["manager_async"]
 
 
-@pytest.mark.timeout(120)
 def test_incremental_quick_run(tmp_path: Path) -> None:
     data = _run_benchmark("incremental.py", tmp_path)
     assert data["config"]["reps"] == 2 and data["config"]["trained"] == 2
@@ -222,7 +219,6 @@ def test_incremental_quick_run(tmp_path: Path) -> None:
     assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}
 
 
-@pytest.mark.timeout(120)
 def test_record_quick_run(tmp_path: Path) -> None:
     data = _run_benchmark("record.py", tmp_path)
     result = data["result"]
@@ -232,7 +228,6 @@ def test_record_quick_run(tmp_path: Path) -> None:
     assert [t["result"] in {"PASS", "FAIL"} for t in data["targets"]] == [True] * 3
 
 
-@pytest.mark.timeout(120)
 def test_tiered_quick_run(tmp_path: Path) -> None:
     data = _run_benchmark("tiered.py", tmp_path)
     assert data["config"]["reps"] == 1

@@ -27,6 +27,7 @@ from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.restore.diff import same_value, tensor_delta
 from functional_ckpt._src.restore.read import vetted_view
 from tests.forge import resign
+from tests.patience import HANG
 
 KEEP = fc.keep_last(2) | fc.keep_best(1, "val_loss", mode="min")
 VAL_LOSSES = {10: 0.9, 20: 0.5, 30: 0.7, 40: 0.8, 50: 0.6}
@@ -578,7 +579,7 @@ def fckpt(*argv: str) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "functional_ckpt", *argv],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG,
         env=env,
     )
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.patience import HANG
+
 pytest.importorskip("jax", reason="the bench extra (jax[cpu]) is not installed")
 pytest.importorskip(
     "orbax.checkpoint", reason="the bench extra (orbax-checkpoint) is not installed"
@@ -22,7 +24,6 @@ pytest.importorskip(
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.timeout(300)
 def test_compare_orbax_quick_run(tmp_path: Path) -> None:
     out = tmp_path / "orbax.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), env_path()])}
@@ -41,7 +42,7 @@ def test_compare_orbax_quick_run(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=HANG,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -12,6 +12,7 @@ import pytest
 import functional_ckpt as fc
 from functional_ckpt._src import cli
 from functional_ckpt._src.cli import demo
+from tests.patience import HANG
 
 STEPS, CRASH_AT = 40, 17
 FCKPT = [sys.executable, "-m", "functional_ckpt"]
@@ -26,7 +27,7 @@ def demo_run(
         [*FCKPT, "demo", "--root", str(root), "--steps", str(STEPS), "--crash-at", str(CRASH_AT)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG,
         env={**os.environ, "NO_COLOR": "1"},
     )
     return root, proc
@@ -41,11 +42,14 @@ def test_demo_reports_bit_identical(
     assert f"killed at step {CRASH_AT} (exit -9, SIGKILL)" in out
     assert "IDENTICAL: the crashed and resumed run is, bit for bit" in out
     assert f"per-step losses      {STEPS}/{STEPS} bit-identical" in out
-    assert "final parameters     7 tensors (4.4 MB): bit-identical" in out
+    assert "final parameters     7 tensors (1.1 MB): bit-identical" in out
     assert "full training state  bit-identical" in out
     assert "(async)" in out  # the manager has async saves: the demo uses them
     assert "blocked on saves" in out and "saves started" in out
     assert "\033[" not in out
+    # Not a terminal: plain progress lines, the first one as each phase starts.
+    for label, total in ((f"run until SIGKILL at {CRASH_AT}", CRASH_AT), ("resumed run", STEPS)):
+        assert f"      {label}: step 0/{total}" in out, out
 
 
 def attempt(events: Path) -> demo.ChildLog:
@@ -108,6 +112,21 @@ def test_demo_bad_arguments(
     assert code == 2
     assert err.startswith("fckpt: error: ") and fragment in err and err.count("\n") == 1
     assert not (tmp_path / "r").exists()
+
+
+def test_heartbeat_prints_a_line_at_most_every_few_seconds() -> None:
+    now = [100.0]
+    lines: list[str] = []
+    beat = demo.Heartbeat("resumed run", 50, lines.append, every=5.0, clock=lambda: now[0])
+    for t, step in ((100.0, 0), (101.0, 3), (104.9, 9), (105.0, 10), (109.0, 20), (111.0, 30)):
+        now[0] = t
+        beat.update(step)
+    beat.close()
+    assert lines == [
+        "      resumed run: step 0/50",
+        "      resumed run: step 10/50",
+        "      resumed run: step 30/50",
+    ]
 
 
 def test_sparkline_marks_crash_and_resume() -> None:

@@ -14,6 +14,7 @@ import torch
 import functional_ckpt as fc
 from functional_ckpt._src.storage import committed
 from tests.exact import assert_exact
+from tests.patience import HANG
 
 JOB = Path(__file__).with_name("dist_job.py")
 REPO = JOB.parent.parent
@@ -26,7 +27,7 @@ def free_port() -> int:
 
 
 def launch(
-    world: int, *args: str, timeout: float = 240, env: dict[str, str] | None = None
+    world: int, *args: str, timeout: float = HANG, env: dict[str, str] | None = None
 ) -> list[subprocess.Popen[str]]:
     port = str(free_port())
     procs = []
@@ -55,7 +56,7 @@ def launch(
 
 
 def wait_all(
-    procs: list[subprocess.Popen[str]], timeout: float = 240
+    procs: list[subprocess.Popen[str]], timeout: float = HANG
 ) -> list[tuple[int, str, str]]:
     out = []
     for p in procs:
@@ -86,7 +87,7 @@ def test_fsdp2_sigkill_of_one_rank_resumes_bit_identically(tmp_path: Path) -> No
     run_ok(2, "train", str(ref), "10")
     procs = launch(2, "train", str(run), "10", "1", "7")
     rank1 = procs[1]
-    rank1.wait(timeout=240)
+    rank1.wait(timeout=HANG)
     assert rank1.returncode == -9  # SIGKILLed mid-run
     procs[0].kill()  # the job is dead; the scheduler takes the survivor down too
     wait_all(procs)
@@ -132,7 +133,7 @@ def test_reshard_4_to_2_and_1_and_1_to_2(tmp_path: Path) -> None:
 
 def test_a_rank_killed_during_save_commits_nothing(tmp_path: Path) -> None:
     procs = launch(2, "kill-in-save", str(tmp_path), env={"FUNCTIONAL_CKPT_TIMEOUT": "30"})
-    results = wait_all(procs, timeout=120)
+    results = wait_all(procs, timeout=HANG)
     assert results[1][0] == -9
     rc, out, err = results[0]
     assert rc == 3, out + err[-2000:]

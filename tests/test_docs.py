@@ -1,8 +1,10 @@
 """Run the Python examples of the documentation.
 
 Every fenced code block tagged ``python`` in README.md and in every page of docs/
-is executed. The blocks of one page run in order, in one namespace, inside a
-temporary working directory, so checkpoints written by the examples land there.
+is executed, with warnings as errors (an example that warns teaches the warning;
+only what a dependency warns about its own internals is let through).
+The blocks of one page run in order, in one namespace, inside a temporary working
+directory, so checkpoints written by the examples land there.
 
 A block that cannot run here says why, in the block: ``# doctest: skip (reason)``.
 A skip without a reason, or a ``python-skip`` fence, fails the test.
@@ -28,10 +30,13 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.patience import HANG
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -40,6 +45,10 @@ SKIP_MARK = "# doctest: skip"
 _SKIP_WITH_REASON = re.compile(r"# doctest: skip \(([^()\s][^()]*)\)")
 _RANKS = re.compile(r"^<!-- doctest: ranks=(\d+) -->$", re.MULTILINE)
 _REQUIRES = re.compile(r"^<!-- doctest: requires=([\w.,]+) -->$", re.MULTILINE)
+
+#: Warnings attributed to these packages' own frames are shown, not raised; a warning
+#: attributed to an example (or to functional_ckpt) fails the page.
+_DEPENDENCIES = r"(torch|transformers|lightning|lightning_fabric|accelerate|torchdata)(\.|$)"
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 
@@ -116,7 +125,12 @@ def run_page(path: Path) -> None:
         # Pad with blank lines so tracebacks show the line number in the Markdown file.
         code = compile("\n" * (block.line - 1) + block.source, str(path), "exec", dont_inherit=True)
         try:
-            exec(code, namespace)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # an example that warns teaches the warning
+                # ... but what a dependency says about its own internals (torch's DCP
+                # warns on every single-process call) is not the example's doing.
+                warnings.filterwarnings("default", module=_DEPENDENCIES)
+                exec(code, namespace)
         except Exception as e:
             raise PageError(
                 f"{path.name}: the example at line {block.line} raised:\n{traceback.format_exc()}"
@@ -157,6 +171,18 @@ def test_fence_parser() -> None:
     assert ranks(text) == 1 and ranks(text + "\n<!-- doctest: ranks=2 -->\n") == 2
 
 
+def test_an_example_that_warns_fails_its_page(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("```python\nimport warnings\nwarnings.warn('careless', UserWarning)\n```\n")
+    with pytest.raises(PageError, match="careless"):
+        run_page(page)
+    page.write_text(
+        "```python\nimport torch\nx = torch.ones(2, requires_grad=True)\ny = float(x.sum())\n```\n"
+    )
+    with pytest.raises(PageError, match="requires_grad"):
+        run_page(page)  # torch warns, but the example is at fault (its frame)
+
+
 def test_every_page_is_covered() -> None:
     assert "README.md" in PAGES and "docs/guide.md" in PAGES and "docs/distributed.md" in PAGES
     assert len(PAGES) == 1 + len(list(DOCS.glob("*.md")))
@@ -178,7 +204,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_ranks(path: Path, world: int, timeout: float = 240, grace: float = 20) -> None:
+def run_ranks(path: Path, world: int, timeout: float = HANG, grace: float = 60) -> None:
     """Run a page's examples as ``torchrun --nproc_per_node=world`` would, in the cwd.
 
     When one rank fails, the others get ``grace`` seconds to fail too (they usually
@@ -197,7 +223,7 @@ def run_ranks(path: Path, world: int, timeout: float = 240, grace: float = 20) -
                 "WORLD_SIZE": str(world),
                 "LOCAL_WORLD_SIZE": str(world),
                 "OMP_NUM_THREADS": "1",
-                "FUNCTIONAL_CKPT_TIMEOUT": "60",
+                "FUNCTIONAL_CKPT_TIMEOUT": "600",
                 "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
             }
             with open(Path(logs) / f"{rank}.log", "w") as log:

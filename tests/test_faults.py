@@ -35,6 +35,7 @@ import functional_ckpt as fc
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.storage import commit, committed, durable, shards
+from tests.patience import HANG
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "faults.py"
@@ -214,7 +215,7 @@ def test_cli_table_and_json(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=HANG,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -247,7 +248,7 @@ def mount(tmp_path: Path) -> Iterator[Path]:
 
 def in_child(fn: Any, extra_mem: int = 768 << 20) -> Any:
     """Run ``fn`` in a forked child with a memory limit; its JSON-able result."""
-    out = faults.run_forked(fn, timeout=60, mem_limit=faults.vm_size() + extra_mem)
+    out = faults.run_forked(fn, timeout=HANG, mem_limit=faults.vm_size() + extra_mem)
     assert out != {"hang": True}, "the child hung"
     return out
 
@@ -306,7 +307,7 @@ def test_forked_child_can_save(tmp_path: Path) -> None:
             fc.save(tmp_path / "child", big)
         finally:
             os._exit(0)
-    deadline = time.monotonic() + 5  # a save of 4 MiB takes ~0.05 s
+    deadline = time.monotonic() + HANG  # a save of 4 MiB takes ~0.05 s
     while time.monotonic() < deadline:
         if os.waitpid(pid, os.WNOHANG)[0]:
             break

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import functional_ckpt as fc
 from tests.exact import assert_exact
+from tests.patience import HANG
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "functional_loop.py"
 ARGS = ["--steps", "150", "--every", "10"]
@@ -20,7 +21,7 @@ def command(root: Path, *extra: str) -> list[str]:
 
 
 def finish(root: Path) -> str:
-    proc = subprocess.run(command(root), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(command(root), capture_output=True, text=True, timeout=HANG)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -43,7 +44,7 @@ def test_functional_loop_killed_and_resumed_is_bit_identical(tmp_path: Path) -> 
         os.kill(victim.pid, signal.SIGKILL)
     finally:
         victim.kill()
-        victim.wait(timeout=60)
+        victim.wait(timeout=HANG)
     assert victim.returncode == -signal.SIGKILL
     assert not (run / "final").exists()  # it really died mid-run
 

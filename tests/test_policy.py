@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from functional_ckpt._src.policy import (
     run_policy,
 )
 from functional_ckpt.errors import CheckpointError, PolicyError
+from tests.patience import HANG, eventually
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -344,9 +344,7 @@ def test_on_signal_chains_previous_python_handler_and_uninstalls() -> None:
         assert repr(p) == "on_signal(signal.SIGUSR1)"
         assert run_policy(p, steps(1)) == [False]
         os.kill(os.getpid(), signal.SIGUSR1)
-        deadline = time.monotonic() + 5
-        while not calls and time.monotonic() < deadline:
-            time.sleep(0.001)
+        eventually(lambda: calls, "the signal handler", poll=0.001)
         assert calls == [signal.SIGUSR1]
         # The flag makes the next event save, once.
         assert run_policy(p, steps(2, 3)) == [True, False]
@@ -393,7 +391,7 @@ def test_on_signal_does_not_run_sig_dfl() -> None:
         """
     )
     out = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=HANG
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "survived"

@@ -15,6 +15,8 @@ import ast
 from collections import Counter
 from pathlib import Path
 
+from tests.patience import HANG
+
 PACKAGE = Path(__file__).resolve().parent.parent / "functional_ckpt"
 
 #: (module path, call) -> how many, and why each is not a way around a primitive.
@@ -113,7 +115,7 @@ def test_a_special_file_in_place_of_the_remote_status_is_not_followed(tmp_path: 
             [sys.executable, "-m", "functional_ckpt", "ls", str(root)],
             capture_output=True,
             text=True,
-            timeout=300,  # a guard against the hang this test is about, not a speed limit
+            timeout=HANG,  # a guard against the hang this test is about, not a speed limit
         )
         assert done.returncode == 0, done.stderr
         assert "step_000000001" in done.stdout

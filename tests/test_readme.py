@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 import torch
 
 import functional_ckpt as fc
@@ -94,3 +96,21 @@ def test_readme_manager_loop_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyP
     latest = second["mgr"].latest_step()
     assert latest > saved[-1]  # the resumed run went on saving
     assert fc.restore(second["mgr"].path(latest))["loader", "pos"] == latest + 1
+
+
+def test_one_install_story() -> None:
+    """Every page installs torch pinned before the project (a loose torch pulls a CUDA
+    build), and the guide lists exactly the dependencies of pyproject.toml."""
+    repo = README.parent
+    pages = [README, *sorted((repo / "docs").glob("*.md"))]
+    for page in pages:
+        for line in page.read_text(encoding="utf-8").splitlines():
+            if "pip install" in line and "-e ." in line.replace("'.[", "."):
+                assert "pip install torch==" in line, f"{page.name}: {line.strip()}"
+    deps = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!\[ ]", d, maxsplit=1)[0] for d in deps}
+    guide = (repo / "docs" / "guide.md").read_text(encoding="utf-8")
+    sentence = guide[guide.index("The dependencies are") :].split(", exactly the")[0]
+    assert set(re.findall(r"`([\w-]+)`", sentence)) == names
+    ci = (repo / ".ci" / "run").read_text()
+    assert "pip install torch==2.13.0 && pip install -e '.[test]' && python -m pytest -q" in ci

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from functional_ckpt.errors import (
     NotRecorded,
     TemplateMismatch,
 )
+from tests.patience import HANG, eventually
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -154,7 +154,7 @@ def test_sigkill_loses_only_what_was_not_committed(tmp_path: Path) -> None:
         """
     )
     proc = subprocess.run(
-        [sys.executable, "-c", child], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", child], capture_output=True, text=True, timeout=HANG, check=False
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert "committed 20" in proc.stdout
@@ -258,9 +258,7 @@ def test_commits_happen_by_time_while_the_recorder_runs(tmp_path: Path) -> None:
     with fc.Recorder(tmp_path / "rec", commit_every=1000, commit_secs=0.05) as recorder:
         for step in range(3):
             recorder.record({"w": torch.full((4,), float(step))}, step=step)
-        deadline = time.monotonic() + 30
-        while recorder.committed < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        eventually(lambda: recorder.committed >= 3, "three commits by time")
         with fc.Replay(tmp_path / "rec") as replay:  # a reader next to the running writer
             assert replay.steps == [0, 1, 2]
             assert torch.equal(replay[2]["w"], torch.full((4,), 2.0))

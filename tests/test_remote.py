@@ -38,6 +38,7 @@ from functional_ckpt.errors import (
     UploadFailed,
 )
 from tests.exact import assert_exact
+from tests.patience import HANG
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -437,7 +438,7 @@ def _two_ranks(base: Path, url: str, endpoint: str) -> list[tuple[int, str, str]
     out = []
     for p in procs:
         try:
-            stdout, stderr = p.communicate(timeout=120)
+            stdout, stderr = p.communicate(timeout=HANG)
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()

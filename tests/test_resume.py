@@ -11,6 +11,7 @@ import pytest
 
 import functional_ckpt as fc
 from tests.exact import assert_exact
+from tests.patience import HANG
 
 SCRIPT = Path(__file__).with_name("training.py")
 STEPS = 40
@@ -30,7 +31,7 @@ def run(root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG,
     )
 
 

@@ -22,6 +22,7 @@ import functional_ckpt as fc
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.root import rollback
 from tests.exact import assert_exact as _assert_exact
+from tests.patience import HANG
 
 REPO = Path(__file__).resolve().parent.parent
 LOSSES = {1: 0.9, 2: 0.7, 3: 0.5, 4: 0.6, 5: 0.8}
@@ -183,7 +184,7 @@ def test_sigkill_during_rollback_then_reopen(tmp_path: Path, newer: str, kill_at
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG,
     )
     if kill_at == 99:
         assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ import functional_ckpt as fc
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import dcp_metadata, naming, unpickler
 from functional_ckpt._src.storage import commit
+from tests.patience import HANG
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -406,7 +406,7 @@ def test_attack_would_work_without_the_vetting(tmp_path: Path) -> None:
         """
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120
+        [sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=HANG
     )
     assert out.stdout.split() == ["Metadata", "True"], out.stderr[-2000:]
 
@@ -487,7 +487,7 @@ def test_special_file_never_hangs(tmp_path: Path, name: str, kind: str) -> None:
         capture_output=True,
         text=True,
         env=ENV,
-        timeout=120,
+        timeout=HANG,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
@@ -505,7 +505,7 @@ def test_special_file_never_hangs(tmp_path: Path, name: str, kind: str) -> None:
         capture_output=True,
         text=True,
         env=ENV,
-        timeout=120,
+        timeout=HANG,
     )
     assert cli.returncode in (1, 2), cli.stdout + cli.stderr
     assert "Traceback" not in cli.stderr and name in cli.stdout + cli.stderr
@@ -523,7 +523,7 @@ def test_stock_dcp_with_a_fifo_never_hangs(tmp_path: Path) -> None:
         "    except fc.CheckpointError as e: print(type(e).__name__, e)\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(d)], capture_output=True, text=True, env=ENV, timeout=120
+        [sys.executable, "-c", code, str(d)], capture_output=True, text=True, env=ENV, timeout=HANG
     )
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 2 and all(ln.startswith("UnsafeCheckpoint") for ln in lines), proc
@@ -551,9 +551,9 @@ def test_reader_racing_overwrite_never_sees_corruption(tmp_path: Path) -> None:
     t = threading.Thread(target=writer)
     t.start()
     reads = replaced = 0
-    deadline = time.monotonic() + 3.0
     try:
-        while time.monotonic() < deadline:
+        while reads < 60:  # about 2,000 reads race the writer's swaps on an idle machine
+            assert t.is_alive(), errors
             try:
                 state = fc.restore(path)
             except fc.errors.CheckpointNotFound as e:
@@ -574,7 +574,7 @@ def test_reader_racing_overwrite_never_sees_corruption(tmp_path: Path) -> None:
         stop.set()
         t.join()
     assert not errors, errors
-    assert reads >= 10 and replaced <= reads
+    assert replaced <= reads
 
 
 def test_a_listing_of_the_replaced_directory_is_not_taken_for_stock_dcp(
@@ -717,7 +717,7 @@ def test_cli_export_overwrite_keeps_a_source_tree(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         env=ENV,
-        timeout=120,
+        timeout=HANG,
     )
     assert proc.returncode != 0
     assert (src / "main.py").read_text() == "print(1)\n"

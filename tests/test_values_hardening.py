@@ -35,6 +35,7 @@ from functional_ckpt.errors import (
     UnsafeCheckpoint,
     UnsupportedValue,
 )
+from tests.patience import HANG
 
 P = 2**61 - 1  # hash(k * P) == hash(0) for every int k
 
@@ -484,7 +485,6 @@ def test_a_metric_too_large_for_a_float_is_refused_by_name(tmp_path: Path) -> No
 # --------------------------------------------------------------------------- the fault classes
 
 
-@pytest.mark.timeout(300)
 def test_fault_classes_find_nothing_wrong(tmp_path: Path) -> None:
     repo = Path(__file__).resolve().parent.parent
     script = repo / "benchmarks" / "faults_values.py"
@@ -498,7 +498,7 @@ def test_fault_classes_find_nothing_wrong(tmp_path: Path) -> None:
         [sys.executable, str(script), "--quick", "--json", str(out), "--classes", *classes],
         check=True,
         capture_output=True,
-        timeout=280,
+        timeout=HANG,
         env=env,
     )
     report = json.loads(out.read_text())

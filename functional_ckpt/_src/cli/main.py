@@ -41,7 +41,9 @@ def cmd_demo(args: argparse.Namespace, ui: UI) -> int:
 
     root = Path(args.root) if args.root else demo.default_root()
 
-    def progress(label: str, total: int) -> Progress:
+    def progress(label: str, total: int) -> Progress | demo.Heartbeat:
+        if not ui.show_progress:  # a log: a plain line every few seconds, no bar
+            return demo.Heartbeat(label, total, ui.print)
         return ui.progress(label, total, unit="steps").start()
 
     ui.print(f"fckpt demo: train, SIGKILL, resume, compare; working in {root}")

@@ -49,7 +49,7 @@ DEMO_MARKER = "fckpt-demo.json"
 RUN_DIR, REF_DIR, LOG_DIR = "run", "reference", "logs"
 CKPT_DIR = "checkpoints"
 EVENTS = "events.jsonl"
-IN_DIM, HIDDEN, CLASSES = 32, 1024, 8
+IN_DIM, HIDDEN, CLASSES = 32, 512, 8
 TRAIN_SAMPLES, VAL_SAMPLES, BATCH = 16384, 1024, 64
 DATA_SEED, INIT_SEED = 1234, 0
 

@@ -104,6 +104,33 @@ class EventTail:
 ProgressFactory = Callable[[str, int], Any]
 
 
+class Heartbeat:
+    """Progress as plain lines, at most one per ``every`` seconds, for output that is
+    not a terminal: a CI log or ``fckpt demo > log`` shows the demo is alive and
+    where it is without the redraws of a bar."""
+
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        say: Callable[[str], None],
+        every: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.label, self.total, self.say, self.every, self.clock = label, total, say, every, clock
+        self._last: float | None = None
+
+    def update(self, done: int) -> None:
+        now = self.clock()
+        if self._last is not None and now - self._last < self.every:
+            return
+        self._last = now
+        self.say(f"      {self.label}: step {done}/{self.total}")
+
+    def close(self) -> None:
+        """Nothing to take away: every line stays in the log."""
+
+
 @dataclass
 class Child:
     """A training subprocess and the tail of its event log."""
