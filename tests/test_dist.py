@@ -139,7 +139,7 @@ def test_a_rank_killed_during_save_commits_nothing(tmp_path: Path) -> None:
     assert rc == 3, out + err[-2000:]
     assert "raised after" in out and "nothing" in out
     seconds = float(out.split("raised after ")[1].split("s:")[0])
-    assert seconds < 60
+    assert seconds < 300  # the configured 30 s, not the 600 s default and not a hang
     assert not (tmp_path / "ck").exists()
 
 
