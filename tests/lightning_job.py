@@ -37,13 +37,13 @@ class Tiny(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(root: Path, steps: int, ckpt: str | None = None) -> L.Trainer:
+def fit(root: Path, steps: int, ckpt: str | None = None, *, async_save: bool = True) -> L.Trainer:
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
     trainer = L.Trainer(
         max_steps=steps,
-        plugins=[FunctionalCheckpointIO(async_save=True)],
+        plugins=[FunctionalCheckpointIO(async_save=async_save)],
         callbacks=[
             ModelCheckpoint(dirpath=root, every_n_train_steps=4, save_top_k=-1, save_last=True)
         ],

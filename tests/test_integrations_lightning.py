@@ -35,6 +35,7 @@ from functional_ckpt.errors import CheckpointError
 from functional_ckpt.integrations.lightning import FunctionalCheckpointIO
 
 STEPS_PER_EPOCH = 8
+JOB = Path(__file__).with_name("lightning_job.py")
 
 
 @codec.register
@@ -198,6 +199,50 @@ def test_async_failures_surface_and_bad_arguments_are_refused(
         io.load_checkpoint(tmp_path / "x", map_location=lambda s, loc: s)
 
 
+def lightning_job() -> Any:
+    spec = importlib.util.spec_from_file_location("lightning_job", JOB)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_last_is_committed_before_each_checkpoint_of_its_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    order: list[tuple[str, str | None]] = []
+    real_save = fc_lightning.save
+
+    def spy(path: Path, state: Any, **kwargs: Any) -> CheckpointInfo:
+        base = kwargs.get("base")
+        order.append((Path(path).name, None if base is None else Path(base).name))
+        return real_save(path, state, **kwargs)
+
+    monkeypatch.setattr(fc_lightning, "save", spy)
+    lightning_job().fit(tmp_path, 12, async_save=async_save)
+    assert order == [
+        ("epoch=0-step=4.ckpt", None),  # the run's first: no last checkpoint yet
+        ("last.ckpt", None),
+        ("last.ckpt", None),  # step 8's state, before its own checkpoint
+        ("epoch=0-step=8.ckpt", "last.ckpt"),  # sharing last.ckpt's files
+        ("last.ckpt", None),  # as Lightning asks
+        ("last.ckpt", None),
+        ("epoch=1-step=12.ckpt", "last.ckpt"),
+        ("last.ckpt", None),
+    ]
+    step = {
+        p.name: FunctionalCheckpointIO().load_checkpoint(p)["global_step"]
+        for p in tmp_path.iterdir()
+    }
+    assert step == {
+        "epoch=0-step=4.ckpt": 4,
+        "epoch=0-step=8.ckpt": 8,
+        "epoch=1-step=12.ckpt": 12,
+        "last.ckpt": 12,
+    }
+
+
 def test_sigkill_during_an_async_save_leaves_last_current_and_no_leftover(
     tmp_path: Path,
 ) -> None:
@@ -230,11 +275,7 @@ def test_sigkill_during_an_async_save_leaves_last_current_and_no_leftover(
     )
     os.rename(fc.save(tmp_path / "b", {"w": 2}).path, root / "spare.ckpt.tmp-0123456789ab")
 
-    spec = importlib.util.spec_from_file_location("lightning_job", job)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    trainer = module.fit(root, 12, ckpt="last")  # resumes from last.ckpt, saves again
+    trainer = lightning_job().fit(root, 12, ckpt="last")  # resumes from last.ckpt, saves again
     assert trainer.global_step == 12
     assert not any(p.exists() for p in leftovers)  # the killed save's copy is gone
     assert (root / "notes.ckpt.tmp-0123456789ab" / "notes.txt").read_text() == "mine"
