@@ -283,3 +283,19 @@ def test_sigkill_during_an_async_save_leaves_last_current_and_no_leftover(
     assert (root / "epoch=0-step=4.ckpt.trash-0123456789ab" / naming.COMMIT_MARKER).is_file()
     assert fc.to_python(fc.restore(root / "spare.ckpt")) == {"w": 2}
     assert step(root / "last.ckpt") == 12
+
+
+def test_async_saves_refuse_what_save_would_at_the_call(tmp_path: Path) -> None:
+    io = FunctionalCheckpointIO(async_save=True)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "taken")
+    with pytest.raises(fc.errors.UnsupportedValue, match=r"state\['hp'\]"):
+        io.save_checkpoint({"w": torch.zeros(2), "hp": object()}, tmp_path / "a")
+    assert not io._jobs and not (tmp_path / "a").exists()
+    w = torch.zeros(2)
+    io.save_checkpoint({"w": w}, tmp_path / "a")
+    w.add_(1)  # training goes on: the save holds the values of the call
+    io.teardown()
+    assert torch.equal(fc.restore(tmp_path / "a")["w"], torch.zeros(2))

@@ -41,6 +41,7 @@ from functional_ckpt._src.root.delete import remove_checkpoint
 from functional_ckpt._src.root.leftovers import recover_beside
 from functional_ckpt._src.save.api import save
 from functional_ckpt._src.save.info import CheckpointInfo
+from functional_ckpt._src.save.plan import check_destination, prepare_save
 from functional_ckpt._src.save.staging import PendingSave, run_in_background
 from functional_ckpt._src.state.tree import to_python
 from functional_ckpt.errors import CheckpointError
@@ -149,6 +150,10 @@ class FunctionalCheckpointIO(CheckpointIO):
             _write(paths, checkpoint)
             return
         staged = _staged(checkpoint)
+        # What the write would refuse is refused now, not later on its thread.
+        for p in paths[:-1]:
+            check_destination(p, overwrite=True)
+        prepare_save(target, staged, None, overwrite=True)
         before = self._jobs[-1][1] if self._jobs else None
 
         def write(pending: PendingSave) -> CheckpointInfo:
@@ -181,7 +186,7 @@ class FunctionalCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         target = Path(path)
-        self._drain()  # a queued save may share its files
+        self._wait(target)  # and any queued save sharing its files: they write it first
         if target.is_symlink():  # ``save_last="link"``: the checkpoint it names stays
             target.unlink()
             return
