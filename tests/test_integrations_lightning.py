@@ -220,7 +220,7 @@ def test_last_is_committed_before_each_checkpoint_of_its_step(
         return real_save(path, state, **kwargs)
 
     monkeypatch.setattr(fc_lightning, "save", spy)
-    lightning_job().fit(tmp_path, 12, async_save=async_save)
+    trainer = lightning_job().fit(tmp_path, 12, async_save=async_save)
     assert order == [
         ("epoch=0-step=4.ckpt", None),  # the run's first: no last checkpoint yet
         ("last.ckpt", None),
@@ -231,11 +231,15 @@ def test_last_is_committed_before_each_checkpoint_of_its_step(
         ("epoch=1-step=12.ckpt", "last.ckpt"),
         ("last.ckpt", None),
     ]
+    trainer.save_checkpoint(tmp_path / "manual.ckpt")  # not ModelCheckpoint's: no last follows
+    trainer.strategy.checkpoint_io.teardown()
+    assert order[8:] == [("manual.ckpt", None)]
     step = {
         p.name: FunctionalCheckpointIO().load_checkpoint(p)["global_step"]
         for p in tmp_path.iterdir()
     }
     assert step == {
+        "manual.ckpt": 12,
         "epoch=0-step=4.ckpt": 4,
         "epoch=0-step=8.ckpt": 8,
         "epoch=1-step=12.ckpt": 12,

@@ -13,8 +13,8 @@ With ``async_save=True`` a save returns once the tensors are copied, the writes
 and commits run in the background in call order, and ``teardown`` (end of
 ``fit``) waits for them; a background failure is raised by the next call.
 
-``last.ckpt`` never lags a committed checkpoint: a checkpoint saved while
-``ModelCheckpoint`` keeps a last checkpoint (its state names it) is committed
+``last.ckpt`` never lags a committed checkpoint: a checkpoint ``ModelCheckpoint``
+saves while it keeps a last one (its state in the dict names both) is committed
 there first, then at its own path sharing the same files, so a crash between the
 two leaves ``last.ckpt`` at least as new as every checkpoint beside it (a run's
 very first checkpoint excepted: no last one is known yet). The first save into a
@@ -80,22 +80,32 @@ def _staged(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return copy.deepcopy(checkpoint, memo=tensors)
 
 
+_MODEL_CHECKPOINT_KEYS = ("last_model_path", "best_model_path", "best_k_models")
+
+
 def _last_to_follow(
     checkpoint: dict[str, Any], target: Path, queued: Callable[[Path], bool]
 ) -> Path | None:
     """The last checkpoint Lightning saves right after ``target``, if the dict names one.
 
-    ``ModelCheckpoint`` records its last checkpoint (``last_model_path``) in the
-    state it saves and writes it after the others of the same step. Only a
-    checkpoint beside ``target`` that this format wrote (committed, or ``queued``
-    to be) counts: a symbolic link (``save_last="link"``) is Lightning's to update.
+    ``ModelCheckpoint`` records in the state it saves the checkpoint it is saving
+    (``best_model_path``, or one of ``best_k_models``) and its last checkpoint
+    (``last_model_path``), and writes the last one right after. Only a checkpoint
+    beside ``target`` that this format wrote (committed, or ``queued`` to be)
+    counts: a symbolic link (``save_last="link"``) is Lightning's to update, and a
+    save of anyone else (``trainer.save_checkpoint``) is followed by none.
     """
     callbacks = checkpoint.get("callbacks")
     if not isinstance(callbacks, dict):
         return None
     for state in callbacks.values():
-        last = state.get("last_model_path") if isinstance(state, dict) else None
+        if not isinstance(state, dict):
+            continue
+        last, best, top = (state.get(k) for k in _MODEL_CHECKPOINT_KEYS)
+        saving = [best, *top] if isinstance(top, dict) else [best]
         if not isinstance(last, str) or not last:
+            continue
+        if not any(isinstance(p, str) and p and Path(p) == target for p in saving):
             continue
         path = Path(last)
         if path == target or path.parent != target.parent:
