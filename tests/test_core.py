@@ -373,3 +373,26 @@ def test_plain_dict_like_fits_a_captured_module(tmp_path: Path) -> None:
     got = fc.restore(tmp_path / "plain", captured_like)
     fc.apply(got, model=model, rng=False)
     assert torch.equal(model.weight.detach(), torch.ones(2, 2))
+
+
+def test_a_restored_state_is_locked_throughout_and_clone_or_unlock_makes_it_writable(
+    tmp_path: Path,
+) -> None:
+    # What the guide promises an environment that writes into its restored state.
+    fc.save(tmp_path / "c", {"env": {"obs": torch.zeros(2), "inner": {"t": torch.ones(1)}}})
+    state = fc.restore(tmp_path / "c")
+    assert state.is_locked and state["env"].is_locked and state["env", "inner"].is_locked
+    state["env", "obs"].add_(1.0)  # in place: allowed
+    with pytest.raises(RuntimeError, match="locked"):
+        state["env", "obs"] = torch.zeros(2)
+    writable = state.clone()
+    assert not any(td.is_locked for td in (writable, writable["env"], writable["env", "inner"]))
+    writable["env", "inner", "u"] = torch.zeros(1)
+    assert "u" not in state["env", "inner"].keys()
+    with state.unlock_():
+        state["env", "inner", "u"] = torch.zeros(1)
+    assert state.is_locked and state["env", "inner"].is_locked
+    state.unlock_()
+    assert not state["env", "inner"].is_locked
+    state["env", "obs"] = torch.full((2,), 3.0)
+    assert fc.restore(tmp_path / "c")["env", "obs"].sum() == 0  # the checkpoint is not touched

@@ -11,17 +11,28 @@ ended, loss for loss and bit for bit.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 import functional_ckpt as fc
 import functional_ckpt.integrations.hf as fc_hf
 from functional_ckpt._src.format import naming
-from functional_ckpt.integrations.hf import FunctionalTrainer, load_trainer_checkpoint
+from functional_ckpt.integrations.hf import (
+    FunctionalTrainer,
+    is_stock_checkpoint,
+    load_trainer_checkpoint,
+)
 
 OUR_FILES = {naming.COMMIT_MARKER, naming.MANIFEST, naming.DCP_METADATA}
 
@@ -37,7 +48,9 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-def trainer(out: Path, init_seed: int, stop: int | None = None) -> FunctionalTrainer:
+def trainer(
+    out: Path, init_seed: int, stop: int | None = None, cls: type[Trainer] = FunctionalTrainer
+) -> Any:
     torch.manual_seed(init_seed)
     model = GPT2LMHeadModel(
         GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
@@ -57,7 +70,7 @@ def trainer(out: Path, init_seed: int, stop: int | None = None) -> FunctionalTra
         report_to=[],
         disable_tqdm=True,
     )
-    return FunctionalTrainer(
+    return cls(
         model=model,
         args=args,
         train_dataset=[{"input_ids": r, "labels": r} for r in rows],
@@ -65,7 +78,7 @@ def trainer(out: Path, init_seed: int, stop: int | None = None) -> FunctionalTra
     )
 
 
-def losses(t: FunctionalTrainer) -> list[float]:
+def losses(t: Trainer) -> list[float]:
     return [h["loss"] for h in t.state.log_history if "loss" in h]
 
 
@@ -138,3 +151,57 @@ def test_best_model_at_end_and_weights_only_checkpoints(tmp_path: Path) -> None:
     assert not torch.equal(best["model"]["lm_head.weight"], last["model"]["lm_head.weight"])
     with pytest.raises(fc.CheckpointError, match="save_only_model"):
         trainer(tmp_path / "best", init_seed=0).train(resume_from_checkpoint=True)
+
+
+def test_a_stock_trainer_run_continues_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    full = trainer(tmp_path / "full", init_seed=0, cls=Trainer)
+    full.train()
+    out = tmp_path / "run"
+    trainer(out, init_seed=0, stop=4, cls=Trainer).train()  # the stock Trainer's files
+    stock = out / "checkpoint-4"
+    assert {"optimizer.pt", "rng_state.pth", "trainer_state.json"} <= set(os.listdir(stock))
+    assert is_stock_checkpoint(stock) and not is_stock_checkpoint(tmp_path / "full")
+
+    loads: list[object] = []
+    real_load = torch.load
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        loads.append(kwargs.get("weights_only"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    resumed = trainer(out, init_seed=1)  # other initial weights: all come from checkpoint-4
+    resumed.train(resume_from_checkpoint=True)
+    monkeypatch.undo()
+    assert loads and all(w is True for w in loads)  # nothing unpickled but plain data
+
+    # As a stock resume: every loss, weight and optimizer moment of the uninterrupted run.
+    assert resumed.state.global_step == full.state.global_step == 10
+    assert losses(resumed) == losses(full)
+    for (name, a), (_, b) in zip(
+        full.model.state_dict().items(), resumed.model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    for a, b in zip(
+        full.optimizer.state_dict()["state"].values(),
+        resumed.optimizer.state_dict()["state"].values(),
+        strict=True,
+    ):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed.lr_scheduler.state_dict() == full.lr_scheduler.state_dict()
+
+    # Its checkpoints are of this format; save_total_limit=2 counts those, and the
+    # stock one it went on from is left as the stock Trainer wrote it.
+    assert sorted(os.listdir(out)) == ["checkpoint-10", "checkpoint-4", "checkpoint-8"]
+    assert fc.verify(out / "checkpoint-10").ok and is_stock_checkpoint(stock)
+    with pytest.raises(fc.CheckpointError, match=r"stock transformers Trainer.*resume_from"):
+        load_trainer_checkpoint(stock)
+
+    # One that cannot go on exactly is refused, naming what is missing.
+    partial = tmp_path / "partial" / "checkpoint-4"
+    shutil.copytree(stock, partial)
+    (partial / "optimizer.pt").unlink()
+    with pytest.raises(fc.CheckpointError, match=r"stock transformers Trainer.*optimizer\.pt"):
+        trainer(tmp_path / "partial", init_seed=0).train(resume_from_checkpoint=True)

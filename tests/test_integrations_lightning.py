@@ -11,7 +11,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import importlib.util
 import os
+import signal
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,11 +31,11 @@ import functional_ckpt.integrations.lightning as fc_lightning
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.save.info import CheckpointInfo
-from functional_ckpt._src.save.staging import PendingSave, run_in_background
 from functional_ckpt.errors import CheckpointError
 from functional_ckpt.integrations.lightning import FunctionalCheckpointIO
 
 STEPS_PER_EPOCH = 8
+JOB = Path(__file__).with_name("lightning_job.py")
 
 
 @codec.register
@@ -163,21 +167,20 @@ def test_fit_prune_and_resume_bit_identically(
 def test_async_failures_surface_and_bad_arguments_are_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def disk_full(pending: PendingSave) -> CheckpointInfo:
+    def disk_full(path: Path, state: Any, **kwargs: Any) -> CheckpointInfo:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(
-        fc_lightning, "save_async", lambda path, state, **kw: run_in_background(path, disk_full)
-    )
+    monkeypatch.setattr(fc_lightning, "save", disk_full)  # on the background thread
     io = FunctionalCheckpointIO(async_save=True)
     io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "a")
     with pytest.raises(OSError, match="No space left"):
         io.teardown()
     io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "b")
-    io._pending[tmp_path / "b"].exception()
+    io._jobs[-1][1].exception()
     with pytest.raises(OSError, match="No space left"):  # the next call raises it
         io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "c")
     io.teardown()
+    monkeypatch.undo()
 
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("not a checkpoint")
@@ -194,3 +197,109 @@ def test_async_failures_surface_and_bad_arguments_are_refused(
         io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "x", storage_options={"a": 1})
     with pytest.raises(CheckpointError, match="map_location"):
         io.load_checkpoint(tmp_path / "x", map_location=lambda s, loc: s)
+
+
+def lightning_job() -> Any:
+    spec = importlib.util.spec_from_file_location("lightning_job", JOB)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_last_is_committed_before_each_checkpoint_of_its_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    order: list[tuple[str, str | None]] = []
+    real_save = fc_lightning.save
+
+    def spy(path: Path, state: Any, **kwargs: Any) -> CheckpointInfo:
+        base = kwargs.get("base")
+        order.append((Path(path).name, None if base is None else Path(base).name))
+        return real_save(path, state, **kwargs)
+
+    monkeypatch.setattr(fc_lightning, "save", spy)
+    trainer = lightning_job().fit(tmp_path, 12, async_save=async_save)
+    assert order == [
+        ("epoch=0-step=4.ckpt", None),  # the run's first: no last checkpoint yet
+        ("last.ckpt", None),
+        ("last.ckpt", None),  # step 8's state, before its own checkpoint
+        ("epoch=0-step=8.ckpt", "last.ckpt"),  # sharing last.ckpt's files
+        ("last.ckpt", None),  # as Lightning asks
+        ("last.ckpt", None),
+        ("epoch=1-step=12.ckpt", "last.ckpt"),
+        ("last.ckpt", None),
+    ]
+    trainer.save_checkpoint(tmp_path / "manual.ckpt")  # not ModelCheckpoint's: no last follows
+    trainer.strategy.checkpoint_io.teardown()
+    assert order[8:] == [("manual.ckpt", None)]
+    step = {
+        p.name: FunctionalCheckpointIO().load_checkpoint(p)["global_step"]
+        for p in tmp_path.iterdir()
+    }
+    assert step == {
+        "manual.ckpt": 12,
+        "epoch=0-step=4.ckpt": 4,
+        "epoch=0-step=8.ckpt": 8,
+        "epoch=1-step=12.ckpt": 12,
+        "last.ckpt": 12,
+    }
+
+
+def test_sigkill_during_an_async_save_leaves_last_current_and_no_leftover(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "ckpts"
+    job = Path(__file__).with_name("lightning_job.py")
+    env = {**os.environ, "PYTHONPATH": str(job.parent.parent)}
+    proc = subprocess.Popen([sys.executable, str(job), str(root)], stdout=subprocess.PIPE, env=env)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == b"ready"  # inside the save of step 8
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    def step(path: Path) -> int:
+        return int(FunctionalCheckpointIO().load_checkpoint(path)["global_step"])
+
+    leftovers = [p for p in root.iterdir() if naming.is_temporary_name(p.name)]
+    assert [naming.base_name(p.name) for p in leftovers] == ["last.ckpt"]
+    committed = [p for p in root.iterdir() if (p / naming.COMMIT_MARKER).is_file()]
+    assert root / "last.ckpt" in committed
+    # Whatever the kill interrupted, last.ckpt is as new as every committed checkpoint.
+    assert max(step(p) for p in committed) == step(root / "last.ckpt")
+
+    # Files of others that merely look like leftovers are never touched.
+    (root / "notes.ckpt.tmp-0123456789ab").mkdir()
+    (root / "notes.ckpt.tmp-0123456789ab" / "notes.txt").write_text("mine")
+    (root / "link.ckpt.tmp-0123456789ab").symlink_to(root / "last.ckpt")
+    # Committed leftovers are never deleted: kept where the name is taken, else put back.
+    os.rename(
+        fc.save(tmp_path / "a", {"w": 1}).path, root / "epoch=0-step=4.ckpt.trash-0123456789ab"
+    )
+    os.rename(fc.save(tmp_path / "b", {"w": 2}).path, root / "spare.ckpt.tmp-0123456789ab")
+
+    trainer = lightning_job().fit(root, 12, ckpt="last")  # resumes from last.ckpt, saves again
+    assert trainer.global_step == 12
+    assert not any(p.exists() for p in leftovers)  # the killed save's copy is gone
+    assert (root / "notes.ckpt.tmp-0123456789ab" / "notes.txt").read_text() == "mine"
+    assert (root / "link.ckpt.tmp-0123456789ab").is_symlink()
+    assert (root / "epoch=0-step=4.ckpt.trash-0123456789ab" / naming.COMMIT_MARKER).is_file()
+    assert fc.to_python(fc.restore(root / "spare.ckpt")) == {"w": 2}
+    assert step(root / "last.ckpt") == 12
+
+
+def test_async_saves_refuse_what_save_would_at_the_call(tmp_path: Path) -> None:
+    io = FunctionalCheckpointIO(async_save=True)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "taken")
+    with pytest.raises(fc.errors.UnsupportedValue, match=r"state\['hp'\]"):
+        io.save_checkpoint({"w": torch.zeros(2), "hp": object()}, tmp_path / "a")
+    assert not io._jobs and not (tmp_path / "a").exists()
+    w = torch.zeros(2)
+    io.save_checkpoint({"w": w}, tmp_path / "a")
+    w.add_(1)  # training goes on: the save holds the values of the call
+    io.teardown()
+    assert torch.equal(fc.restore(tmp_path / "a")["w"], torch.zeros(2))

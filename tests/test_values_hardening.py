@@ -527,3 +527,28 @@ def test_a_key_under_a_leaf_is_refused(tmp_path: Path, order: str) -> None:
     with pytest.raises(fc.errors.CorruptCheckpoint, match="under"):
         fc.inspect(path)
     assert not fc.verify(path).ok
+
+
+def test_a_tensorclass_is_refused_with_the_way_to_store_it(tmp_path: Path) -> None:
+    from tensordict import tensorclass
+
+    @tensorclass
+    class Obs:
+        x: torch.Tensor
+        step: int
+
+    obs = Obs(x=torch.arange(6.0).reshape(3, 2), step=4, batch_size=[3])
+    advice = r"Obs is a tensorclass.*obj\.to_tensordict\(\).*Obs\.from_tensordict"
+    # Not "a dataclass that is not registered; register it": registering cannot help.
+    for state, where in (({"obs": obs}, r"\['obs'\]"), ({"obs": [obs]}, r"\['obs'\]\[0\]")):
+        with pytest.raises(UnsupportedValue, match=rf"state{where}.*{advice}"):
+            fc.save(tmp_path / "c", state)
+    with pytest.raises(UnsupportedValue, match=rf"register\(.*Obs\): .*{advice}"):
+        codec.register(Obs)
+    assert not (tmp_path / "c").exists()
+
+    # What the message says works, batch size included.
+    fc.save(tmp_path / "c", {"obs": obs.to_tensordict()})
+    back = Obs.from_tensordict(fc.restore(tmp_path / "c")["obs"])
+    assert isinstance(back, Obs) and back.batch_size == (3,) and back.step == 4
+    assert torch.equal(back.x, obs.x)

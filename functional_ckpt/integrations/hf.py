@@ -14,6 +14,14 @@ batches already trained and restores the generators after doing so, exactly as
 for its own checkpoints, so the resumed run is bit-identical to an uninterrupted
 one. Only the loading steps are replaced, and they read this format.
 
+A run the stock ``Trainer`` started continues the same way: given one of its
+``checkpoint-N`` directories (``model.safetensors`` or ``pytorch_model.bin``,
+``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json``),
+the Trainer's own loaders read it, which unpickle nothing
+(``torch.load(weights_only=True)``, safetensors), so the run goes on exactly as a
+stock resume would; its later checkpoints are of this format. One that lacks a
+file needed to go on exactly is refused, naming it.
+
 Single process only (one CPU or GPU); DeepSpeed, FSDP and multi-process runs are
 refused.
 """
@@ -24,6 +32,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +43,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from functional_ckpt._src.distributed.topology import topology
+from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.restore.api import restore
 from functional_ckpt._src.root.delete import remove_checkpoint
 from functional_ckpt._src.save.api import save
@@ -46,13 +56,64 @@ if TYPE_CHECKING:
 else:
     _Base = object
 
-__all__ = ["FunctionalTrainer", "FunctionalTrainerMixin", "load_trainer_checkpoint"]
+__all__ = [
+    "FunctionalTrainer",
+    "FunctionalTrainerMixin",
+    "is_stock_checkpoint",
+    "load_trainer_checkpoint",
+]
 
 _RESUME_KEYS = ("optimizer", "scheduler", "rng")
+
+#: What the stock ``Trainer`` writes into a ``checkpoint-N`` that a run goes on from.
+_STOCK_STATE = "trainer_state.json"
+_STOCK_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+_STOCK_RESUME = ("optimizer.pt", "scheduler.pt", "rng_state.pth")
+
+
+def _regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def is_stock_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a ``checkpoint-N`` of the stock ``Trainer`` (none of this format).
+
+    Its ``trainer_state.json`` is what the stock Trainer always writes there; a
+    directory of this format never holds one.
+    """
+    path = Path(path)
+    return classify(path) in (Kind.EXPORT, Kind.OTHER) and _regular(path / _STOCK_STATE)
+
+
+def _check_stock(path: Path) -> None:
+    """Refuse a stock checkpoint that lacks a file the run needs to go on exactly."""
+    missing = [] if any(_regular(path / n) for n in _STOCK_WEIGHTS) else [_STOCK_WEIGHTS[0]]
+    missing += [n for n in _STOCK_RESUME if not _regular(path / n)]
+    if missing:
+        raise CheckpointError(
+            f"{path}: a checkpoint of the stock transformers Trainer (it has {_STOCK_STATE}) "
+            f"without {', '.join(missing)}, so training cannot go on from it as it would have "
+            "(saved with save_only_model=True, or by several processes?); load its weights with "
+            "from_pretrained and start a new run, or continue from a checkpoint that has them"
+        )
 
 
 def load_trainer_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A ``checkpoint-N`` directory as plain data: model, trainer_state, optimizer, ..."""
+    if is_stock_checkpoint(path):
+        raise CheckpointError(
+            f"{path}: a checkpoint of the stock transformers Trainer, not of this format; "
+            "continue from it with FunctionalTrainer.train(resume_from_checkpoint=...), or "
+            "load its weights with from_pretrained"
+        )
     loaded = to_python(restore(Path(path)))
     missing = [k for k in ("model", "trainer_state") if k not in loaded]
     if missing:
@@ -79,6 +140,7 @@ class FunctionalTrainerMixin(_Base):
     """Mix in before ``Trainer`` or a subclass: ``class T(FunctionalTrainerMixin, Trainer)``."""
 
     _fc_resume: dict[str, Any] | None = None
+    _fc_stock = False  # resuming from a stock checkpoint: the Trainer's own loaders read it
 
     # ------------------------------------------------------------------ saving
 
@@ -120,7 +182,9 @@ class FunctionalTrainerMixin(_Base):
         limit = self.args.save_total_limit
         if limit is None or limit <= 0:
             return
-        paths = _checkpoints(run_dir)
+        # A stock checkpoint (the run began with the stock Trainer) is not this
+        # format's to delete: only the checkpoints written here are counted.
+        paths = [p for p in _checkpoints(run_dir) if not is_stock_checkpoint(p)]
         if len(paths) <= limit:
             return
         protected = {paths[-1]}
@@ -159,7 +223,8 @@ class FunctionalTrainerMixin(_Base):
 
         ``True`` picks the newest ``checkpoint-N`` of ``output_dir``. The Trainer
         reads its own state from a JSON file: it is written into a temporary
-        directory for the duration of the call, never beside the checkpoint.
+        directory for the duration of the call, never beside the checkpoint. A
+        stock Trainer's checkpoint is handed to the Trainer's own loaders.
         """
         if resume_from_checkpoint is None or resume_from_checkpoint is False:
             return super().train(None, trial, ignore_keys_for_eval, **kwargs)
@@ -171,6 +236,15 @@ class FunctionalTrainerMixin(_Base):
                 )
             resume_from_checkpoint = found[-1]
         self._fc_check_supported()
+        if is_stock_checkpoint(resume_from_checkpoint):
+            _check_stock(Path(resume_from_checkpoint))
+            self._fc_stock = True
+            try:
+                return super().train(
+                    os.fspath(resume_from_checkpoint), trial, ignore_keys_for_eval, **kwargs
+                )
+            finally:
+                self._fc_stock = False
         loaded = load_trainer_checkpoint(resume_from_checkpoint)
         missing = [k for k in _RESUME_KEYS if k not in loaded]
         if missing:
@@ -201,15 +275,22 @@ class FunctionalTrainerMixin(_Base):
         best = self.state.best_model_checkpoint
         if best is None:
             return
+        if is_stock_checkpoint(best):
+            super()._load_best_model()
+            return
         model: Any = self.model
         model.load_state_dict(load_trainer_checkpoint(best)["model"])
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if self._fc_stock:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return
         target: Any = self.model if model is None else model
         target.load_state_dict(self._fc_loaded()["model"])
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None:
+        if checkpoint is None or self._fc_stock:
+            super()._load_optimizer_and_scheduler(checkpoint)
             return
         loaded = self._fc_loaded()
         optimizer: Any = self.optimizer
@@ -218,6 +299,9 @@ class FunctionalTrainerMixin(_Base):
         scheduler.load_state_dict(loaded["scheduler"])
 
     def _load_scaler(self, checkpoint: str | None) -> None:
+        if self._fc_stock:
+            super()._load_scaler(checkpoint)
+            return
         scaler = getattr(self.accelerator, "scaler", None)
         if checkpoint is not None and scaler is not None and "scaler" in self._fc_loaded():
             scaler.load_state_dict(self._fc_loaded()["scaler"])
@@ -225,7 +309,8 @@ class FunctionalTrainerMixin(_Base):
     def _load_rng_state(self, checkpoint: str | None) -> None:
         # Called by the Trainer after it has skipped the trained batches: from here
         # on, every draw is the one the uninterrupted run made.
-        if checkpoint is None:
+        if checkpoint is None or self._fc_stock:
+            super()._load_rng_state(checkpoint)
             return
         rng = self._fc_loaded()["rng"]
         if "cuda" in rng and not torch.cuda.is_available():

@@ -9,15 +9,25 @@ tagged plain data. Loading rebuilds the dict from the manifest alone (no
 template, nothing unpickled). Pruned checkpoints are removed through
 :func:`functional_ckpt.checkpoint.remove`, crash-safely.
 
-With ``async_save=True`` a save returns once the tensors are staged (copied), the
-write and commit run in the background, and ``teardown`` (end of ``fit``) waits
-for them; a background failure is raised by the next call.
+With ``async_save=True`` a save returns once the tensors are copied, the writes
+and commits run in the background in call order, and ``teardown`` (end of
+``fit``) waits for them; a background failure is raised by the next call.
+
+``last.ckpt`` never lags a committed checkpoint: a checkpoint ``ModelCheckpoint``
+saves while it keeps a last one (its state in the dict names both) is committed
+there first, then at its own path sharing the same files, so a crash between the
+two leaves ``last.ckpt`` at least as new as every checkpoint beside it (a run's
+very first checkpoint excepted: no last one is known yet). The first save into a
+directory removes what killed saves of this format left there (uncommitted
+``NAME.tmp-<id>`` directories) and recovers committed ones whose name is free; no
+other file, and no committed checkpoint, is ever deleted.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +35,14 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from functional_ckpt._src.distributed.topology import topology
+from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.restore.api import restore
 from functional_ckpt._src.root.delete import remove_checkpoint
-from functional_ckpt._src.save.api import save, save_async
-from functional_ckpt._src.save.staging import PendingSave
+from functional_ckpt._src.root.leftovers import recover_beside
+from functional_ckpt._src.save.api import save
+from functional_ckpt._src.save.info import CheckpointInfo
+from functional_ckpt._src.save.plan import check_destination, prepare_save
+from functional_ckpt._src.save.staging import PendingSave, run_in_background
 from functional_ckpt._src.state.tree import to_python
 from functional_ckpt.errors import CheckpointError
 
@@ -45,23 +59,68 @@ def _device(map_location: Any) -> torch.device | str | None:
     )
 
 
-def _detached(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """A copy of the dict's containers and values that shares its tensors.
+def _staged(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the dict, its tensors copied to the host, for a write that comes later.
 
-    An async save encodes plain values when it writes, after Lightning may have
-    changed objects the dict refers to (hyper-parameters, callback state).
+    The background write runs after training has changed the weights in place and
+    Lightning the objects the dict refers to (hyper-parameters, callback state).
+    A tensor reached twice (tied weights) is copied once.
     """
     tensors: dict[int, Any] = {}
     stack: list[Any] = [checkpoint]
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
-            tensors[id(item)] = item
+            if id(item) not in tensors:
+                tensors[id(item)] = item.detach().to("cpu", copy=True)
         elif isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, list | tuple):
             stack.extend(item)
     return copy.deepcopy(checkpoint, memo=tensors)
+
+
+_MODEL_CHECKPOINT_KEYS = ("last_model_path", "best_model_path", "best_k_models")
+
+
+def _last_to_follow(
+    checkpoint: dict[str, Any], target: Path, queued: Callable[[Path], bool]
+) -> Path | None:
+    """The last checkpoint Lightning saves right after ``target``, if the dict names one.
+
+    ``ModelCheckpoint`` records in the state it saves the checkpoint it is saving
+    (``best_model_path``, or one of ``best_k_models``) and its last checkpoint
+    (``last_model_path``), and writes the last one right after. Only a checkpoint
+    beside ``target`` that this format wrote (committed, or ``queued`` to be)
+    counts: a symbolic link (``save_last="link"``) is Lightning's to update, and a
+    save of anyone else (``trainer.save_checkpoint``) is followed by none.
+    """
+    callbacks = checkpoint.get("callbacks")
+    if not isinstance(callbacks, dict):
+        return None
+    for state in callbacks.values():
+        if not isinstance(state, dict):
+            continue
+        last, best, top = (state.get(k) for k in _MODEL_CHECKPOINT_KEYS)
+        saving = [best, *top] if isinstance(top, dict) else [best]
+        if not isinstance(last, str) or not last:
+            continue
+        if not any(isinstance(p, str) and p and Path(p) == target for p in saving):
+            continue
+        path = Path(last)
+        if path == target or path.parent != target.parent:
+            continue
+        if queued(path) or classify(path) is Kind.COMMITTED:
+            return path
+    return None
+
+
+def _write(paths: list[Path], checkpoint: dict[str, Any]) -> CheckpointInfo:
+    """Commit ``checkpoint`` at each path in order, sharing the first one's files."""
+    info = save(paths[0], checkpoint, overwrite=True)
+    for path in paths[1:]:
+        info = save(path, checkpoint, overwrite=True, base=paths[0])
+    return info
 
 
 class FunctionalCheckpointIO(CheckpointIO):
@@ -75,7 +134,8 @@ class FunctionalCheckpointIO(CheckpointIO):
     def __init__(self, *, async_save: bool = False) -> None:
         super().__init__()
         self.async_save = async_save
-        self._pending: dict[Path, PendingSave] = {}
+        self._jobs: list[tuple[frozenset[Path], PendingSave]] = []  # in call order
+        self._cleaned: set[Path] = set()
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any = None
@@ -93,13 +153,33 @@ class FunctionalCheckpointIO(CheckpointIO):
             )
         target = Path(path)
         self._reap()
-        self._wait(target)  # two saves to one path commit in call order
+        self._clean(target.parent)
+        last = _last_to_follow(checkpoint, target, self._queued)
+        paths = [target] if last is None else [last, target]
         if not self.async_save:
-            save(target, checkpoint, overwrite=True)
+            _write(paths, checkpoint)
             return
-        pending = save_async(target, _detached(checkpoint), overwrite=True)
-        self._pending[target] = pending
-        pending.wait_staged()
+        staged = _staged(checkpoint)
+        # What the write would refuse is refused now, not later on its thread.
+        for p in paths[:-1]:
+            check_destination(p, overwrite=True)
+        prepare_save(target, staged, None, overwrite=True)
+        before = self._jobs[-1][1] if self._jobs else None
+
+        def write(pending: PendingSave) -> CheckpointInfo:
+            if before is not None:
+                before.exception()  # commits in call order; its failure is its own
+            return _write(paths, staged)
+
+        self._jobs.append((frozenset(paths), run_in_background(target, write)))
+
+    def _clean(self, directory: Path) -> None:
+        """Once per directory, before the first save into it: what killed saves left."""
+        if directory in self._cleaned:
+            return
+        self._drain()  # none of this plugin's own saves is in flight there
+        recover_beside(directory, stacklevel=4)
+        self._cleaned.add(directory)
 
     def load_checkpoint(
         self,
@@ -116,7 +196,7 @@ class FunctionalCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         target = Path(path)
-        self._wait(target)
+        self._wait(target)  # and any queued save sharing its files: they write it first
         if target.is_symlink():  # ``save_last="link"``: the checkpoint it names stays
             target.unlink()
             return
@@ -124,19 +204,29 @@ class FunctionalCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         """Wait for every background save; raise the first failure."""
-        pending, self._pending = self._pending, {}
-        errors = [e for p in pending.values() if (e := p.exception()) is not None]
+        jobs, self._jobs = self._jobs, []
+        errors = [e for _, p in jobs if (e := p.exception()) is not None]
         if errors:
             raise errors[0]
 
+    def _queued(self, path: Path) -> bool:
+        return any(path in paths for paths, _ in self._jobs)
+
     def _wait(self, path: Path) -> None:
-        pending = self._pending.pop(path, None)
-        if pending is not None:
-            pending.result()
+        """Wait for the saves up to the last one that writes ``path``."""
+        for paths, pending in reversed(self._jobs):
+            if path in paths:
+                pending.exception()
+                break
+        self._reap()
+
+    def _drain(self) -> None:
+        if self._jobs:
+            self._jobs[-1][1].exception()
+        self._reap()
 
     def _reap(self) -> None:
-        """Forget finished saves; a failed one is raised now rather than never."""
-        for path, pending in list(self._pending.items()):
-            if pending.done():
-                del self._pending[path]
-                pending.result()
+        """Forget finished saves (they finish in call order); a failed one is raised now."""
+        while self._jobs and self._jobs[0][1].done():
+            _, pending = self._jobs.pop(0)
+            pending.result()

@@ -16,6 +16,7 @@ import dataclasses
 import datetime as dt
 import enum
 import pathlib
+import sys
 import zoneinfo
 from collections.abc import Callable
 from typing import Any, Final, NamedTuple
@@ -265,6 +266,8 @@ def register(cls: type, name: str | None = None) -> type:
     """
     if not isinstance(cls, type):
         raise UnsupportedValue(f"register() needs a class, got {cls!r:.80}")
+    if _is_tensorclass(cls):
+        raise UnsupportedValue(f"register({cls.__qualname__}): {_tensorclass_advice(cls)}")
     tag = f"{cls.__module__}.{cls.__qualname__}" if name is None else name
     if type(tag) is not str or not 0 < len(tag) <= _MAX_TAG_LEN or not tag.isprintable():
         raise UnsupportedValue(f"register({cls.__qualname__}): invalid name {tag!r:.80}")
@@ -296,8 +299,29 @@ def register(cls: type, name: str | None = None) -> type:
     return cls
 
 
+def _is_tensorclass(cls: type) -> bool:
+    """A tensordict ``@tensorclass``: a dataclass by its looks, a tree of tensors in fact.
+
+    Only when tensordict is loaded can a class be one, so plain-value code never
+    imports it.
+    """
+    tensordict = sys.modules.get("tensordict")
+    return tensordict is not None and bool(tensordict.is_tensorclass(cls))
+
+
+def _tensorclass_advice(cls: type) -> str:
+    return (
+        f"{cls.__module__}.{cls.__qualname__} is a tensorclass: its tensors belong in the "
+        "tensor tree, which a registered class (stored as plain values) cannot hold; store "
+        "obj.to_tensordict() instead (it keeps the batch size and names) and rebuild after "
+        f"restoring with {cls.__qualname__}.from_tensordict(state[...])"
+    )
+
+
 def unregistered_problem(cls: type) -> str | None:
     """Why an instance of ``cls`` is refused, when it is a kind users can register."""
+    if _is_tensorclass(cls):
+        return _tensorclass_advice(cls)
     if dataclasses.is_dataclass(cls):
         kind = " dataclass"
     elif _is_namedtuple(cls):

@@ -75,6 +75,15 @@ def is_temporary_name(name: str) -> bool:
     return TMP_INFIX in name or TRASH_INFIX in name
 
 
+_TEMPORARY_RE = re.compile(r"(.+)(?:\.tmp-|\.trash-)[0-9a-f]{12}")
+
+
+def temporary_base(name: str) -> str | None:
+    """``NAME`` of exactly ``NAME.tmp-<id>`` or ``NAME.trash-<id>`` as this project names them."""
+    m = _TEMPORARY_RE.fullmatch(name)
+    return None if m is None or is_temporary_name(m.group(1)) else m.group(1)
+
+
 def base_name(name: str) -> str:
     """``step_N`` of ``step_N.tmp-…``, ``step_N.trash-…`` or ``step_N.corrupt-…``."""
     for infix in _INFIXES:

@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.kind import Kind, classify, holds_only_its_own
 from functional_ckpt._src.format.naming import (
     EXPORTS_DIR,
     QUARANTINE_INFIX,
@@ -85,13 +86,61 @@ def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
             else:
                 commit.remove_tree(path)
                 changed = True
+    recovered = _put_back(root, groups, stacklevel=stacklevel + 1)
+    if changed:
+        durable.fsync_dir(root)
+    return recovered
+
+
+def recover_beside(directory: Path, *, stacklevel: int = 2) -> list[Path]:
+    """:func:`recover_leftovers` for checkpoints named freely in a directory of other files.
+
+    A directory that is no root (Lightning's checkpoint directory, say) holds files
+    of others too, so only what a save or deletion of this project leaves is
+    touched: a directory named ``<name>.tmp-<id>`` or ``<name>.trash-<id>`` that
+    holds a checkpoint's files and nothing else (never a link, a plain file, or a
+    directory holding anything more). Uncommitted ones are deleted; committed ones
+    are recovered or kept exactly as a root's are. Safe only while no other process
+    saves into ``directory``.
+    """
+    groups: dict[str, list[Path]] = {}
+    changed = False
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for entry in entries:
+        base = naming.temporary_base(entry.name)
+        if base is None:
+            continue
+        path = Path(entry.path)
+        kind = classify(path, by_name=False)
+        if kind not in _LEFTOVERS or not holds_only_its_own(path, kind):
+            continue  # not what a save of this project leaves: someone else's
+        if kind is Kind.COMMITTED:
+            groups.setdefault(base, []).append(path)
+        else:
+            commit.remove_tree(path)
+            changed = True
+    recovered = _put_back(directory, groups, stacklevel=stacklevel + 1)
+    if changed:
+        durable.fsync_dir(directory)
+    return recovered
+
+
+#: What a killed save or deletion leaves, from its first file to its marker.
+_LEFTOVERS = frozenset({Kind.EMPTY, Kind.PART, Kind.STOCK_DCP, Kind.UNCOMMITTED, Kind.COMMITTED})
+
+
+def _put_back(parent: Path, groups: dict[str, list[Path]], *, stacklevel: int) -> list[Path]:
+    """Rename the newest committed leftover of each free name back; warn about the rest."""
     recovered: list[Path] = []
     for base, paths in sorted(groups.items()):
-        final = root / base
+        final = parent / base
         paths.sort(key=lambda p: (_created(p), naming.TMP_INFIX in p.name), reverse=True)
         if not os.path.lexists(final):
             os.rename(paths[0], final)
-            durable.fsync_dir(root)
+            durable.fsync_dir(parent)
             recovered.append(final)
             warnings.warn(
                 f"{final}: recovered from {paths[0].name}, a committed checkpoint an interrupted "
@@ -108,6 +157,4 @@ def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
                 LeftoverWarning,
                 stacklevel=stacklevel,
             )
-    if changed:
-        durable.fsync_dir(root)
     return recovered
