@@ -849,3 +849,41 @@ def test_a_malformed_alias_is_damage_and_the_manager_falls_back(tmp_path: Path) 
     with fc.CheckpointManager(tmp_path) as mgr, pytest.warns(CheckpointWarning, match="alias"):
         restored = mgr.restore_latest()
     assert restored is not None and mgr.restored_step == 1 and restored["same"] is restored["w"]
+
+
+# --------------------------------------------------------------------------- epochs
+
+
+@pytest.mark.parametrize("counting", ["completed", "current"])
+def test_every_epochs_saves_and_exports_the_end_of_each_epoch_the_last_included(
+    tmp_path: Path, counting: str
+) -> None:
+    """The documented loop: ``epoch_end=True`` on the step that finishes an epoch gives
+    the state at the end of each epoch, the last one included, whether the loop holds
+    0-based completed epochs or the 1-based current one."""
+    steps_per_epoch, epochs = 4, 3
+    numbering = range(epochs) if counting == "completed" else range(1, epochs + 1)
+    export = fc.manager.Export(fc.every_epochs(1), select="model")
+    with fc.CheckpointManager(tmp_path / "a", save=fc.every_epochs(1), export=export) as mgr:
+        step = 0
+        for epoch in numbering:
+            for batch in range(steps_per_epoch):
+                step += 1
+                state = {"model": {"w": torch.full((2,), float(step))}}
+                last = batch == steps_per_epoch - 1
+                mgr.maybe_save(state, step=step, epoch=epoch, epoch_end=last)
+        mgr.wait_exports()
+        assert mgr.steps() == [4, 8, 12]
+        assert [mgr.info(s).epoch for s in mgr.steps()] == list(numbering)
+        assert fc.restore(mgr.path(12))["model"]["w"].tolist() == [12.0, 12.0]
+    exported = sorted(p.name for p in (tmp_path / "a" / naming.EXPORTS_DIR).iterdir())
+    assert exported == [step_name(4), step_name(8), step_name(12)]
+    # One event per epoch after its last step instead: the same checkpoints.
+    with fc.CheckpointManager(tmp_path / "b", save=fc.every_epochs(1)) as mgr:
+        step = 0
+        for epoch in numbering:
+            for _ in range(steps_per_epoch):
+                step += 1
+                mgr.maybe_save(small_state(step), step=step, epoch=epoch)
+            mgr.maybe_save(small_state(step), step=step, epoch=epoch, epoch_end=True)
+        assert mgr.steps() == [4, 8, 12]
