@@ -887,3 +887,32 @@ def test_every_epochs_saves_and_exports_the_end_of_each_epoch_the_last_included(
                 mgr.maybe_save(small_state(step), step=step, epoch=epoch)
             mgr.maybe_save(small_state(step), step=step, epoch=epoch, epoch_end=True)
         assert mgr.steps() == [4, 8, 12]
+
+
+def test_each_commit_is_reported_to_a_supervisor_that_asks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fckpt run`` names a file in FCKPT_PROGRESS; the manager writes its newest committed
+    step there after each commit (durably: a whole file renamed into place)."""
+    import json
+
+    from functional_ckpt._src.storage.progress import PROGRESS_ENV, read_progress
+
+    progress = tmp_path / "progress.json"
+    monkeypatch.setenv(PROGRESS_ENV, str(progress))
+    with fc.CheckpointManager(tmp_path / "root", save=fc.every_steps(2)) as mgr:
+        mgr.maybe_save(small_state(1), step=1)
+        assert not progress.exists()  # nothing committed yet
+        for step in (2, 3, 4):
+            mgr.maybe_save(small_state(step), step=step)
+        assert json.loads(progress.read_text())["step"] == 4
+    with fc.CheckpointManager(tmp_path / "async", async_save=True) as mgr:
+        mgr.maybe_save(small_state(7), step=7)
+    reported = read_progress(progress)
+    assert reported is not None and reported.step == 7
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("progress")] == [progress.name]
+    monkeypatch.delenv(PROGRESS_ENV)
+    progress.unlink()
+    with fc.CheckpointManager(tmp_path / "alone") as mgr:
+        mgr.maybe_save(small_state(1), step=1)
+    assert not progress.exists()  # no supervisor asked

@@ -28,7 +28,6 @@ from functional_ckpt._src.policy.config import (
     check_keys,
     check_str,
     config_error,
-    is_mapping,
     is_sequence,
     policy_from_config,
     policy_to_config,
@@ -59,8 +58,7 @@ REMOTE_KEYS = ("url", "keep", "storage_options", "prune_unuploaded")
 
 def _plain(value: object, path: str) -> Any:
     """Mappings and sequences (a DictConfig's too) as dicts and lists, all the way down."""
-    if is_mapping(value):
-        assert isinstance(value, Mapping)
+    if isinstance(value, Mapping):
         out: dict[str, Any] = {}
         for k, v in value.items():
             if not isinstance(k, str):
@@ -68,7 +66,6 @@ def _plain(value: object, path: str) -> Any:
             out[k] = _plain(v, at_key(path, k))
         return out
     if is_sequence(value):
-        assert isinstance(value, Sequence)
         return [_plain(v, at_key(path, i)) for i, v in enumerate(value)]
     return value
 
@@ -78,7 +75,6 @@ def _names(value: object, path: str) -> str | list[str]:
     if isinstance(value, str):
         return check_str(value, path)
     if is_sequence(value) and value:
-        assert isinstance(value, Sequence)
         return [check_str(v, at_key(path, i)) for i, v in enumerate(value)]
     raise config_error(path, "a string or a non-empty list of strings", value)
 
@@ -122,7 +118,7 @@ def _export(value: object, path: str) -> Export:
         args["max_shard_size"] = size
     for key in ("config", "extra_files", "rename"):
         if given.get(key) is not None:
-            if not is_mapping(given[key]):
+            if not isinstance(given[key], Mapping):
                 raise config_error(at_key(path, key), "a mapping", given[key])
             args[key] = _plain(given[key], at_key(path, key))
     if "keep" in given:
@@ -144,7 +140,7 @@ def _remote(value: object, path: str) -> Remote:
         args["keep"] = retention_from_config(given["keep"], at_key(path, "keep"))
     if given.get("storage_options") is not None:
         options = given["storage_options"]
-        if not is_mapping(options):  # its values are never shown: they may be credentials
+        if not isinstance(options, Mapping):  # its values are never shown: they may be credentials
             raise ConfigError(f"{at_key(path, 'storage_options')}: expected a mapping")
         args["storage_options"] = _plain(options, at_key(path, "storage_options"))
     if "prune_unuploaded" in given:
@@ -168,7 +164,7 @@ def manager_arguments(cfg: object) -> tuple[str, dict[str, Any], Relaunch | None
     if given.get("rollback") is not None:
         kwargs["rollback"] = policy_from_config(given["rollback"], "rollback")
     if given.get("metadata") is not None:
-        if not is_mapping(given["metadata"]):
+        if not isinstance(given["metadata"], Mapping):
             raise config_error("metadata", "a mapping", given["metadata"])
         kwargs["metadata"] = _plain(given["metadata"], "metadata")
     for key in ("read_only", "incremental"):
@@ -191,7 +187,7 @@ def manager_arguments(cfg: object) -> tuple[str, dict[str, Any], Relaunch | None
 
 def _data(value: object, path: str) -> Any:
     """A field of an export as plain data, or a ConfigError saying why it is none."""
-    if value is None or is_mapping(value):
+    if value is None or isinstance(value, Mapping):
         return _plain(value, path)
     to_dict = getattr(value, "to_dict", None)
     if callable(to_dict):  # a transformers config: its fields
@@ -219,7 +215,7 @@ def _export_config(export: Export) -> dict[str, Any]:
             files[name] = item if isinstance(item, str) else _data(item, where)
         out["extra_files"] = files
     if export.rename is not None:
-        if not is_mapping(export.rename):
+        if not isinstance(export.rename, Mapping):
             raise ConfigError("export.rename: a function has no configuration form; use a mapping")
         out["rename"] = _plain(export.rename, "export.rename")
     return out

@@ -23,7 +23,7 @@ import math
 import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from functional_ckpt._src.policy.base import AllOf, AnyOf, Not, SavePolicy
 from functional_ckpt._src.policy.degrade import TARGETS, on_degrade
@@ -61,7 +61,6 @@ __all__ = [
     "check_number",
     "check_str",
     "config_error",
-    "is_mapping",
     "is_sequence",
     "kind_args",
     "policy_from_config",
@@ -84,11 +83,8 @@ def at_key(path: str, key: str | int) -> str:
     return f"{path}.{key}" if path else key
 
 
-def is_mapping(value: object) -> bool:
-    return isinstance(value, Mapping)
-
-
-def is_sequence(value: object) -> bool:
+def is_sequence(value: object) -> TypeGuard[Sequence[Any]]:
+    """A list in a config (a ``ListConfig`` too), never a string."""
     return isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
 
 
@@ -103,9 +99,8 @@ def config_error(path: str, what: str, value: object) -> ConfigError:
 
 def check_keys(value: object, path: str, known: Sequence[str], what: str) -> dict[str, Any]:
     """``value`` as a dict with str keys, each one of ``known``."""
-    if not is_mapping(value):
+    if not isinstance(value, Mapping):
         raise config_error(path, f"a mapping of {what}", value)
-    assert isinstance(value, Mapping)
     out: dict[str, Any] = {}
     for key, item in value.items():
         if key not in known:
@@ -130,18 +125,17 @@ def check_str(value: object, path: str) -> str:
 
 
 def _int(value: object, path: str, *, positive: bool = False) -> int:
-    ok = isinstance(value, int) and not isinstance(value, bool)
-    if not ok or (positive and value <= 0):  # type: ignore[operator]
-        raise config_error(path, "a positive int" if positive else "an int", value)
-    assert isinstance(value, int)
-    return value
+    if isinstance(value, int) and not isinstance(value, bool) and (value > 0 or not positive):
+        return value
+    raise config_error(path, "a positive int" if positive else "an int", value)
 
 
 def check_number(value: object, path: str, *, positive: bool = False) -> float:
     """A finite number (``positive``: > 0, else >= 0)."""
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if ok and math.isfinite(value) and (value > 0 if positive else value >= 0):  # type: ignore[arg-type,operator]
-        return float(value)  # type: ignore[arg-type]
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+        if math.isfinite(number) and (number > 0 if positive else number >= 0):
+            return number
     raise config_error(path, "a positive number" if positive else "a number >= 0", value)
 
 
@@ -168,7 +162,6 @@ def _target(value: object, path: str) -> str:
 def _steps(value: object, path: str) -> list[int]:
     if not is_sequence(value):
         raise config_error(path, "a list of steps", value)
-    assert isinstance(value, Sequence)
     return [_int(v, at_key(path, i)) for i, v in enumerate(value)]
 
 
@@ -250,8 +243,7 @@ def _one_key(value: object, path: str, known: Sequence[str], what: str) -> tuple
     """The name and value of ``"name"`` or ``{"name": value}``."""
     if isinstance(value, str):
         name, args = value, None
-    elif is_mapping(value):
-        assert isinstance(value, Mapping)
+    elif isinstance(value, Mapping):
         if len(value) != 1:
             hint = " (to combine policies use {'any': [...]} or {'all': [...]})"
             raise ConfigError(
@@ -274,7 +266,7 @@ def kind_args(kind: _Kind, args: object, path: str) -> dict[str, Any]:
     names = [p.name for p in params]
     if args is None:
         given: dict[str, Any] = {}
-    elif is_mapping(args):
+    elif isinstance(args, Mapping):
         given = check_keys(args, path, names, "arguments")
     elif params:
         given = {params[0].name: args}  # the shorthand: the first argument alone
@@ -283,7 +275,7 @@ def kind_args(kind: _Kind, args: object, path: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for p in params:
         if p.name in given:
-            where = path if not is_mapping(args) else at_key(path, p.name)
+            where = at_key(path, p.name) if isinstance(args, Mapping) else path
             out[p.name] = p.check(given[p.name], where)
         elif p.required:
             raise ConfigError(f"{at_key(path, p.name)}: required (arguments: {', '.join(names)})")
@@ -311,7 +303,6 @@ def policy_from_config(value: object, path: str = "save") -> SavePolicy:
     if name in ("any", "all"):
         if not is_sequence(args) or not args:
             raise config_error(here, "a non-empty list of policies", args)
-        assert isinstance(args, Sequence)
         children = [policy_from_config(c, at_key(here, i)) for i, c in enumerate(args)]
         if len(children) == 1:
             return children[0]
@@ -359,7 +350,6 @@ def retention_from_config(value: object, path: str = "keep") -> RetentionPolicy:
     A bad value raises :class:`ConfigError` naming its key.
     """
     if is_sequence(value):
-        assert isinstance(value, Sequence)
         if not value:
             raise config_error(path, "a non-empty list of retention policies", value)
         parts = [retention_from_config(v, at_key(path, i)) for i, v in enumerate(value)]
