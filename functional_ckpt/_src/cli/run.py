@@ -100,9 +100,10 @@ class Attempt:
     def lost(self, root_known: bool) -> float:
         """Work to redo after this attempt plus the pause before the next one.
 
-        With a root, the work since the newest checkpoint this attempt saved (its
-        save time; the saved state is the one at that moment), or all of it if it
-        saved none; without one, all of a failed attempt (an upper bound).
+        With the job's steps known (a root read, or the steps the job reported), the
+        work since the newest checkpoint this attempt saved (its save time; the saved
+        state is the one at that moment), or all of it if it saved none; without
+        them, all of a failed attempt (an upper bound).
         """
         if not self.failed:
             return self.waited

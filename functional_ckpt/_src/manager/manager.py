@@ -397,7 +397,7 @@ class CheckpointManager:
             self.remote.committed()  # uploaded in the background
         if self._coordinator:
             if step is not None:
-                report_progress(step)  # to a supervising ``fckpt run``, if there is one
+                report_progress(step, info.created)  # to a supervising ``fckpt run``
             self._prune(protected={step} if step is not None else set())
 
     # ------------------------------------------------------------------ deleting

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,22 +25,23 @@ PROGRESS_ENV = "FCKPT_PROGRESS"
 _LIMIT = 4096
 
 
-def report_progress(step: int) -> None:
-    """Record ``step`` as the newest committed one, if a supervisor asked for it.
+def report_progress(step: int, saved_at: float) -> None:
+    """Record ``step`` (saved at Unix time ``saved_at``) as the newest committed one, if
+    a supervisor asked for it: what it reads from a root, without reading the root.
 
     Best effort: a supervisor's file that cannot be written never fails a save.
     """
     target = os.environ.get(PROGRESS_ENV)
     if not target:
         return
-    data = json.dumps({"step": int(step), "time": time.time()}).encode()
+    data = json.dumps({"step": int(step), "time": float(saved_at)}).encode()
     with contextlib.suppress(OSError):
         replace_durably(Path(target), data)
 
 
 @dataclass(frozen=True)
 class ReportedStep:
-    """The newest committed step a job reported, and when it did (Unix time)."""
+    """The newest committed step a job reported, and when it was saved (Unix time)."""
 
     step: int
     time: float
