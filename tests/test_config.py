@@ -316,6 +316,8 @@ def test_defaults_and_any_mapping(tmp_path: Path) -> None:
 
 
 def test_keyword_arguments_replace_the_configs(tmp_path: Path) -> None:
+    with fc.CheckpointManager.from_config({"keep": {"keep_last": 1}}, root=tmp_path / "r") as mgr:
+        assert mgr.config()["root"] == str(tmp_path / "r")  # the root from the caller
     now = [0.0]
     cfg = {"root": str(tmp_path / "ignored"), "save": {"every_secs": 10}}
     with fc.CheckpointManager.from_config(cfg, root=tmp_path / "a", clock=lambda: now[0]) as mgr:

@@ -150,12 +150,15 @@ def _remote(value: object, path: str) -> Remote:
     return Remote(**args)
 
 
-def manager_arguments(cfg: object) -> tuple[str, dict[str, Any], Relaunch | None]:
-    """The root, the constructor's keyword arguments and the ``run`` block of ``cfg``."""
+def manager_arguments(
+    cfg: object, *, root_given: bool = False
+) -> tuple[str | None, dict[str, Any], Relaunch | None]:
+    """The root, the constructor's keyword arguments and the ``run`` block of ``cfg``
+    (``root_given``: the caller has the root, the config need not)."""
     given = check_keys(cfg, "config", MANAGER_KEYS, "keys")
-    if "root" not in given:
+    if "root" not in given and not root_given:
         raise ConfigError("root: required (the directory of the run's checkpoints)")
-    root = check_str(given["root"], "root")
+    root = check_str(given["root"], "root") if "root" in given else None
     kwargs: dict[str, Any] = {}
     if given.get("save") is not None:
         kwargs["save"] = policy_from_config(given["save"], "save")

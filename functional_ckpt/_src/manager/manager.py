@@ -157,7 +157,7 @@ class CheckpointManager:
         ``config`` object). The ``run`` block is ``fckpt run``'s and is kept for
         :meth:`config`.
         """
-        root, args, run = manager_arguments(cfg)
+        root, args, run = manager_arguments(cfg, root_given="root" in kwargs)
         args.update(kwargs)
         mgr = cls(args.pop("root", root), **args)
         mgr._relaunch = run
