@@ -367,7 +367,7 @@ def _add_run(subs: Any) -> None:
         "the file named in FCKPT_PROGRESS), and a job whose --stall-limit consecutive\n"
         "failures end at the same checkpoint is stopped early (a job that reports no\n"
         "steps: the same quick failure). --config takes the options from a config\n"
-        "file's run block (and --root from its root); flags win over it.\n"
+        "file's run block; flags win over it.\n"
         "CMD sees FCKPT_RUN_ATTEMPT=1, 2, ...\n"
         "Exit status: the last attempt's (128+N for a death by signal N).",
         "  fckpt run --retries 3 -- python train.py --config c.yaml\n"

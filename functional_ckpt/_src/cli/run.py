@@ -437,8 +437,12 @@ def _document(path: Path) -> Any:
         raise UsageError(f"--config {path}: not valid YAML ({one_line(exc)})") from None
 
 
-def _config(path: Path, key: str | None) -> tuple[Relaunch, Path | None]:
-    """The ``run`` block and ``root`` of a manager's config (under ``key``, dotted)."""
+def _config(path: Path, key: str | None) -> Relaunch:
+    """The ``run`` block of a manager's config (under ``key``, dotted).
+
+    Its ``root`` is not read: the job may be given another one, and it reports the
+    steps of the one it uses.
+    """
     cfg = _document(path)
     parts = key.split(".") if key else []
     for i, part in enumerate(parts):
@@ -453,8 +457,7 @@ def _config(path: Path, key: str | None) -> tuple[Relaunch, Path | None]:
         )
     except ConfigError as exc:
         raise UsageError(f"--config {path}: {exc}") from None
-    root = given.get("root")
-    return relaunch, Path(root) if isinstance(root, str) and root else None
+    return relaunch
 
 
 def _options(args: argparse.Namespace) -> _Options:
@@ -463,9 +466,9 @@ def _options(args: argparse.Namespace) -> _Options:
         command = command[1:]
     if not command:
         raise UsageError("no command to run; put it after '--': fckpt run -- python train.py")
-    relaunch, config_root = Relaunch(), None
+    relaunch = Relaunch()
     if args.config:
-        relaunch, config_root = _config(Path(args.config), args.config_key)
+        relaunch = _config(Path(args.config), args.config_key)
     elif args.config_key:
         raise UsageError("--config-key names a key of --config FILE; give --config too")
     # The command line wins over the config file, which wins over the defaults.
@@ -473,7 +476,7 @@ def _options(args: argparse.Namespace) -> _Options:
     backoff = relaunch.backoff if args.backoff is None else args.backoff
     max_backoff = relaunch.max_backoff if args.max_backoff is None else args.max_backoff
     stall_limit = relaunch.stall_limit if args.stall_limit is None else args.stall_limit
-    root = Path(args.root) if args.root else config_root
+    root = Path(args.root) if args.root else None
     if root is not None and is_checkpoint_dir(root):
         raise UsageError(
             f"--root {root}: is a checkpoint; give the directory of checkpoints that holds it"
