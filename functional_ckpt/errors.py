@@ -76,6 +76,10 @@ class RetentionError(CheckpointError, ValueError):
     """A retention spec that does not describe a retention policy."""
 
 
+class ConfigError(CheckpointError, ValueError):
+    """Configuration (plain data) that describes no manager or policy; names the key path."""
+
+
 class NotARecording(CheckpointError):
     """The path given as a recording is not one (missing, a checkpoint, anything else)."""
 
@@ -148,6 +152,7 @@ __all__ = [
     "CheckpointExists",
     "CheckpointNotFound",
     "CheckpointWarning",
+    "ConfigError",
     "CorruptCheckpoint",
     "DAMAGE",
     "IncompleteCheckpoint",

@@ -6,6 +6,7 @@ one-line Python command; pauses between attempts are a tenth of a second.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -256,3 +257,109 @@ def test_time_lost_counts_work_since_the_last_checkpoint() -> None:
     assert a.lost(root_known=True) == 62.0
     assert exit_status(-15) == 143 and outcome_text(-15) == "SIGTERM"
     assert outcome_text(3) == "exit 3"
+
+
+# ------------------------------------------------------------- progress without a root
+
+
+def test_a_job_crashing_later_each_time_gets_every_retry_without_a_root(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Its manager reports each commit through FCKPT_PROGRESS: progress, so relaunched."""
+    root = tmp_path / "ckpt"
+    fails = ["--fail=1:exit:17", "--fail=2:exit:23", "--fail=3:exit:29"]
+    job = [*JOB, str(root), "--steps=40", "--save-every=5"]
+    code, _, err = fckpt_run(capfd, "--retries=3", "--backoff=0.1", "--", *job, *fails)
+    assert code == 0, err
+    assert log_lines(root) == [
+        "attempt 1: from 0, failed at 17",
+        "attempt 2: from 15, failed at 23",
+        "attempt 3: from 20, failed at 29",
+        "attempt 4: from 25, finished",
+    ]
+    assert "stopping early" not in err
+    assert "checkpoint step none -> 15" in err and "checkpoint step 15 -> 20" in err
+    assert "checkpoint step 25 -> 40" in err and "4 attempts, 3 relaunches" in err
+    # Failing every time, later each time: relaunched --retries times, then its status.
+    root = tmp_path / "again"
+    job = [*JOB, str(root), "--steps=40", "--save-every=5"]
+    code, _, err = fckpt_run(
+        capfd, "--retries=3", "--backoff=0.1", "--", *job, *fails, "--fail=4:exit:35"
+    )
+    assert code == 1
+    assert len(log_lines(root)) == 4 and "no retries left" in err and "stopping early" not in err
+
+
+def test_the_same_failure_without_progress_stops_early_without_a_root(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "ckpt"
+    job = [*JOB, str(root), "--steps=30", "--save-every=5", "--fail=*:exit:7"]
+    code, _, err = fckpt_run(capfd, "--retries=5", "--backoff=0.1", "--", *job)
+    assert code == 1
+    assert log_lines(root) == ["attempt 1: from 0, failed at 7", "attempt 2: from 5, failed at 7"]
+    assert "stopping early: attempts 1 and 2 both failed at step 5 (no checkpoint saved" in err
+    assert "attempt 3" not in err
+
+
+# --------------------------------------------------------------------------- --config
+
+
+def test_retries_and_backoff_come_from_the_config(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "ckpt.json"
+    run = {"retries": 2, "backoff": 0.1, "max_backoff": 0.2, "stall_limit": 0}
+    cfg.write_text(json.dumps({"root": str(tmp_path / "r"), "run": run}))
+    code, _, err = fckpt_run(capfd, f"--config={cfg}", "--", *FAIL)
+    assert code == 1
+    assert "attempt 3 ended: exit 1" in err and "attempt 4" not in err and "no retries left" in err
+    pauses = [
+        line.rsplit("relaunching in ", 1)[1]
+        for line in err.splitlines()
+        if "relaunching in" in line
+    ]
+    assert pauses == ["0.1 s", "0.2 s"]
+    # A flag on the command line wins over the file.
+    code, _, err = fckpt_run(capfd, f"--config={cfg}", "--retries=0", "--", *FAIL)
+    assert "attempt 1 ended: exit 1" in err and "attempt 2" not in err
+
+
+def test_a_yaml_config_block_of_a_larger_file(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("yaml")
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(
+        "model: {layers: 2}\n"
+        "trainer:\n"
+        "  checkpoint:\n"
+        "    save: {every_steps: 5}\n"
+        "    run: {retries: 1, backoff: 0.1, stall_limit: 0}\n"
+    )
+    code, _, err = fckpt_run(
+        capfd, f"--config={cfg}", "--config-key=trainer.checkpoint", "--", *FAIL
+    )
+    assert code == 1
+    assert "attempt 2 ended: exit 1" in err and "attempt 3" not in err
+
+
+@pytest.mark.parametrize(
+    ("document", "fragment"),
+    [
+        ({"run": {"retry": 3}}, "run.retry: unknown option; known: retries, backoff"),
+        ({"retries": 3}, "config.retries: unknown key; known: root, save"),
+        ({"run": {"retries": "3"}}, "run.retries: expected an int, got '3'"),
+    ],
+)
+def test_a_bad_config_is_one_line_naming_its_key(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], document: dict[str, object], fragment: str
+) -> None:
+    cfg = tmp_path / "ckpt.json"
+    cfg.write_text(json.dumps(document))
+    code, _, err = fckpt_run(capfd, f"--config={cfg}", "--", "true")
+    assert code == 2
+    errors = [line for line in err.splitlines() if line.startswith("fckpt: error:")]
+    assert len(errors) == 1 and fragment in errors[0], err
+    code, _, err = fckpt_run(capfd, f"--config={tmp_path / 'missing.json'}", "--", "true")
+    assert code == 2 and "no such file" in err

@@ -846,3 +846,70 @@ def test_a_malformed_alias_is_damage_and_the_manager_falls_back(tmp_path: Path) 
     with fc.CheckpointManager(tmp_path) as mgr, pytest.warns(CheckpointWarning, match="alias"):
         restored = mgr.restore_latest()
     assert restored is not None and mgr.restored_step == 1 and restored["same"] is restored["w"]
+
+
+# --------------------------------------------------------------------------- epochs
+
+
+@pytest.mark.parametrize("counting", ["completed", "current"])
+def test_every_epochs_saves_and_exports_the_end_of_each_epoch_the_last_included(
+    tmp_path: Path, counting: str
+) -> None:
+    """The documented loop: ``epoch_end=True`` on the step that finishes an epoch gives
+    the state at the end of each epoch, the last one included, whether the loop holds
+    0-based completed epochs or the 1-based current one."""
+    steps_per_epoch, epochs = 4, 3
+    numbering = range(epochs) if counting == "completed" else range(1, epochs + 1)
+    export = fc.manager.Export(fc.every_epochs(1), select="model")
+    with fc.CheckpointManager(tmp_path / "a", save=fc.every_epochs(1), export=export) as mgr:
+        step = 0
+        for epoch in numbering:
+            for batch in range(steps_per_epoch):
+                step += 1
+                state = {"model": {"w": torch.full((2,), float(step))}}
+                last = batch == steps_per_epoch - 1
+                mgr.maybe_save(state, step=step, epoch=epoch, epoch_end=last)
+        mgr.wait_exports()
+        assert mgr.steps() == [4, 8, 12]
+        assert [mgr.info(s).epoch for s in mgr.steps()] == list(numbering)
+        assert fc.restore(mgr.path(12))["model"]["w"].tolist() == [12.0, 12.0]
+    exported = sorted(p.name for p in (tmp_path / "a" / naming.EXPORTS_DIR).iterdir())
+    assert exported == [step_name(4), step_name(8), step_name(12)]
+    # One event per epoch after its last step instead: the same checkpoints.
+    with fc.CheckpointManager(tmp_path / "b", save=fc.every_epochs(1)) as mgr:
+        step = 0
+        for epoch in numbering:
+            for _ in range(steps_per_epoch):
+                step += 1
+                mgr.maybe_save(small_state(step), step=step, epoch=epoch)
+            mgr.maybe_save(small_state(step), step=step, epoch=epoch, epoch_end=True)
+        assert mgr.steps() == [4, 8, 12]
+
+
+def test_each_commit_is_reported_to_a_supervisor_that_asks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fckpt run`` names a file in FCKPT_PROGRESS; the manager writes its newest committed
+    step there after each commit (durably: a whole file renamed into place)."""
+    import json
+
+    from functional_ckpt._src.storage.progress import PROGRESS_ENV, read_progress
+
+    progress = tmp_path / "progress.json"
+    monkeypatch.setenv(PROGRESS_ENV, str(progress))
+    with fc.CheckpointManager(tmp_path / "root", save=fc.every_steps(2)) as mgr:
+        mgr.maybe_save(small_state(1), step=1)
+        assert not progress.exists()  # nothing committed yet
+        for step in (2, 3, 4):
+            mgr.maybe_save(small_state(step), step=step)
+        assert json.loads(progress.read_text())["step"] == 4
+    with fc.CheckpointManager(tmp_path / "async", async_save=True) as mgr:
+        mgr.maybe_save(small_state(7), step=7)
+    reported = read_progress(progress)
+    assert reported is not None and reported.step == 7
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("progress")] == [progress.name]
+    monkeypatch.delenv(PROGRESS_ENV)
+    progress.unlink()
+    with fc.CheckpointManager(tmp_path / "alone") as mgr:
+        mgr.maybe_save(small_state(1), step=1)
+    assert not progress.exists()  # no supervisor asked

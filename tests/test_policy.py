@@ -79,34 +79,43 @@ def test_every_steps_repeated_step_fires_once() -> None:
 
 
 def test_every_epochs_table() -> None:
-    epochs = [0, 0, 1, 1, 2, 2, None, 3, 4, 4, 5, 6]
-    events = [Event(step=i, epoch=e) for i, e in enumerate(epochs)]
-    assert run_policy(every_epochs(2), events) == [
-        False, False, False, False, True, False, False, False, True, False, False, True,
-    ]  # fmt: skip
-    assert run_policy(every_epochs(1), events) == [
-        False, False, True, False, True, False, False, True, True, False, True, True,
-    ]  # fmt: skip
-    # One event per finished epoch, counted from 1.
-    ends = [Event(step=10 * e, epoch=e) for e in (1, 2, 3, 4)]
-    assert run_policy(every_epochs(1), ends) == [True] * 4
-    assert run_policy(every_epochs(2), ends) == [False, True, False, True]
-    # A jump over a multiple does not save; going down then up again does.
-    jumps = [Event(step=i, epoch=e) for i, e in enumerate([1, 3, 2, 4, 2, 4])]
-    assert run_policy(every_epochs(2), jumps) == [False, False, False, True, False, True]
+    # Three epochs of four steps, per-step events; the last step of each marks its end.
+    events = [Event(step=s, epoch=(s - 1) // 4, epoch_end=s % 4 == 0) for s in range(1, 13)]
+    assert fired_at(every_epochs(1), events) == [4, 8, 12]
+    assert fired_at(every_epochs(2), events) == [8]
+    # One event per finished epoch, however the loop numbers them: the epoch is not read.
+    for first in (0, 1, 7):
+        ends = [Event(step=10 * e, epoch=first + e, epoch_end=True) for e in range(1, 5)]
+        assert run_policy(every_epochs(1), ends) == [True] * 4
+        assert run_policy(every_epochs(2), ends) == [False, True, False, True]
+    # Events without an end never save, whatever their epoch.
+    assert run_policy(every_epochs(1), [Event(i, epoch=i) for i in range(5)]) == [False] * 5
 
 
-def test_every_epochs_ignores_events_without_epoch() -> None:
-    policy = every_epochs(1)
+def test_every_epochs_counts_an_end_sent_twice_once() -> None:
+    policy = every_epochs(2)
     state = policy.init()
-    _, state = policy.should_save(state, Event(step=1, epoch=3))
-    saved, after = policy.should_save(state, Event(step=2))
-    assert not saved and after == state
-    # Restored mid-epoch: no second save for the same epoch.
-    assert run_policy(policy, [Event(5, epoch=3), Event(6, epoch=4)], roundtrip(state)) == [
+    # The end of epoch 1, twice for the same step: counted once, no save (1 is not even).
+    for _ in range(2):
+        saved, state = policy.should_save(state, Event(step=4, epoch_end=True))
+        assert not saved
+    # The second end: saves; sent again after the save it does not save twice.
+    assert policy.decide(state, Event(step=8, epoch_end=True))
+    state = policy.update(state, Event(step=8, epoch_end=True), False)  # outvoted by &
+    assert policy.decide(state, Event(step=8, epoch_end=True))  # still owed at that step
+    state = policy.update(state, Event(step=8, epoch_end=True), True)
+    assert not policy.decide(state, Event(step=8, epoch_end=True))
+    # A state stored with a checkpoint goes on counting after a restore.
+    assert run_policy(
+        policy, [Event(12, epoch_end=True), Event(16, epoch_end=True)], roundtrip(state)
+    ) == [
         False,
         True,
     ]
+    # The state of the former epoch-number policy starts the count over.
+    assert run_policy(
+        every_epochs(1), [Event(3, epoch_end=True)], {"last_epoch": 2, "owed": False}
+    ) == [True]
 
 
 def test_at_steps_table() -> None:
@@ -184,8 +193,8 @@ def test_combination_tables() -> None:
     assert fired_at(q, events) == [0, 1, 5, 6, 10]
 
     r = every_epochs(2) | on_final()
-    ev = [Event(i, epoch=i // 2, is_final=i == 6) for i in range(7)]
-    assert fired_at(r, ev) == [4, 6]
+    ev = [Event(i, epoch=i // 2, epoch_end=i % 2 == 1, is_final=i == 6) for i in range(7)]
+    assert fired_at(r, ev) == [3, 6]
 
     s = (every_steps(2) | at_steps([3])) & ~on_final()
     ev = [Event(i, is_final=i == 4) for i in range(6)]
@@ -528,6 +537,7 @@ def event_streams(draw: st.DrawFn) -> list[Event]:
             metrics=metrics,
             is_final=i == n - 1 and draw(st.booleans()),
             time=now,
+            epoch_end=draw(st.sampled_from([False, False, True])),
         )
         out.append(event)
     return out

@@ -364,33 +364,37 @@ def _add_run(subs: Any) -> None:
         "up to --retries times, pausing --backoff seconds, doubled after each failure\n"
         "(up to --max-backoff). Never after success. SIGTERM, SIGINT and SIGHUP are\n"
         "passed on to CMD's whole process group (an on_signal policy saves) and then\n"
-        "CMD is not started again. With --root, each attempt's resumed and reached\n"
-        "checkpoint steps are reported, and a job whose --stall-limit consecutive\n"
-        "failures end at the same checkpoint is stopped early (without --root: the same\n"
-        "quick failure). CMD sees FCKPT_RUN_ATTEMPT=1, 2, ...\n"
+        "CMD is not started again. Each attempt's resumed and reached checkpoint steps\n"
+        "are reported (read from --root, or reported by CMD's CheckpointManager through\n"
+        "the file named in FCKPT_PROGRESS), and a job whose --stall-limit consecutive\n"
+        "failures end at the same checkpoint is stopped early (a job that reports no\n"
+        "steps: the same quick failure). --config takes the options from a config\n"
+        "file's run block; flags win over it.\n"
+        "CMD sees FCKPT_RUN_ATTEMPT=1, 2, ...\n"
         "Exit status: the last attempt's (128+N for a death by signal N).",
         "  fckpt run --retries 3 -- python train.py --config c.yaml\n"
         "  fckpt run --retries 5 --root runs/exp1 -- torchrun --nproc-per-node 8 train.py\n"
-        "  fckpt run --backoff 30 --max-backoff 600 --stall-limit 0 -- ./train.sh\n",
+        "  fckpt run --backoff 30 --max-backoff 600 --stall-limit 0 -- ./train.sh\n"
+        "  fckpt run --config ckpt.yaml -- python train.py --config ckpt.yaml\n",
     )
     p.add_argument(
         "--retries",
         type=_non_negative,
-        default=3,
+        default=None,
         metavar="N",
         help="relaunches after a failure (default: 3)",
     )
     p.add_argument(
         "--backoff",
         type=_seconds,
-        default=1.0,
+        default=None,
         metavar="SECONDS",
         help="pause before the first relaunch, doubled after each failure (default: 1)",
     )
     p.add_argument(
         "--max-backoff",
         type=_seconds,
-        default=60.0,
+        default=None,
         metavar="SECONDS",
         help="longest pause (default: 60)",
     )
@@ -402,9 +406,19 @@ def _add_run(subs: Any) -> None:
     p.add_argument(
         "--stall-limit",
         type=_non_negative,
-        default=2,
+        default=None,
         metavar="K",
         help="stop after K >= 2 failures in a row at the same place (default: 2; 0: never)",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a manager's config (JSON or YAML): relaunch options from its run block",
+    )
+    p.add_argument(
+        "--config-key",
+        metavar="KEY",
+        help="where in --config FILE the manager's config is (dotted: trainer.checkpoint)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...")
     p.set_defaults(func=cmd_run)

@@ -5,21 +5,25 @@ waits, and on a non-zero exit or a death by signal starts it again (after a
 growing pause), so the job resumes from its newest checkpoint. A SIGTERM, SIGINT
 or SIGHUP sent to the supervisor is passed to the whole group (so a job with an
 ``on_signal`` policy saves, and ``torchrun``'s workers hear it too) and means
-"stop": the command is not started again. With ``--root`` the supervisor also
-reads the checkpoint root between attempts (read only) to report the step each
-attempt resumed from and reached, and to tell a job that makes progress from one
-that fails at the same place every time, which it stops instead of burning every
-retry.
+"stop": the command is not started again. Between attempts the supervisor learns
+the job's newest committed step, from the checkpoint root (``--root``, read only)
+or from the progress file a job's ``CheckpointManager`` writes after each commit
+(named in ``FCKPT_PROGRESS``), to report the step each attempt resumed from and
+reached, and to tell a job that makes progress (relaunched as often as asked) from
+one that fails at the same place every time (stopped instead of burning every
+retry). ``--config`` takes the relaunch options from a config file's ``run`` block.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shlex
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -27,10 +31,19 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from functional_ckpt._src.cli.common import UsageError, is_checkpoint_dir
+from functional_ckpt._src.cli.common import UsageError, is_checkpoint_dir, one_line
 from functional_ckpt._src.cli.ui import PROG, UI
+from functional_ckpt._src.policy.config import (
+    MANAGER_KEYS,
+    Relaunch,
+    at_key,
+    check_keys,
+    relaunch_from_config,
+)
 from functional_ckpt._src.root.listing import newest_summary
-from functional_ckpt.errors import CheckpointError
+from functional_ckpt._src.storage.opener import read_file
+from functional_ckpt._src.storage.progress import PROGRESS_ENV, read_progress
+from functional_ckpt.errors import CheckpointError, ConfigError
 
 __all__ = [
     "ATTEMPT_ENV",
@@ -45,11 +58,12 @@ __all__ = [
 
 #: Set in the command's environment: the attempt number, 1 for the first launch.
 ATTEMPT_ENV = "FCKPT_RUN_ATTEMPT"
-#: Without ``--root``, a failure this soon after launch counts as "failed the same way".
+#: Without steps to compare, a failure this soon after launch counts as "failed the same way".
 QUICK_SECONDS = 60.0
 #: Signals that mean "stop": passed to the command's group, then no relaunch.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _POLL = 0.05
+_CONFIG_LIMIT = 1 << 20
 #: How long processes a failed command left behind get between SIGTERM and SIGKILL.
 GRACE_SECONDS = 10.0
 
@@ -86,9 +100,10 @@ class Attempt:
     def lost(self, root_known: bool) -> float:
         """Work to redo after this attempt plus the pause before the next one.
 
-        With a root, the work since the newest checkpoint this attempt saved (its
-        save time; the saved state is the one at that moment), or all of it if it
-        saved none; without one, all of a failed attempt (an upper bound).
+        With the job's steps known (a root read, or the steps the job reported), the
+        work since the newest checkpoint this attempt saved (its save time; the saved
+        state is the one at that moment), or all of it if it saved none; without
+        them, all of a failed attempt (an upper bound).
         """
         if not self.failed:
             return self.waited
@@ -205,9 +220,10 @@ class _Options:
 
 
 class _Supervisor:
-    def __init__(self, opts: _Options, ui: UI) -> None:
+    def __init__(self, opts: _Options, ui: UI, progress: Path) -> None:
         self.opts = opts
         self.ui = ui
+        self.progress = progress  # where a managed job reports its newest committed step
         self.attempts: list[Attempt] = []
         self.signals = _Signals()
         self.gave_up = ""
@@ -216,20 +232,28 @@ class _Supervisor:
         print(f"{PROG} run: {text}", file=self.ui.err, flush=True)
 
     def newest(self) -> Resumable | None:
-        return None if self.opts.root is None else resumable(self.opts.root)
+        if self.opts.root is not None:
+            return resumable(self.opts.root)
+        reported = read_progress(self.progress)
+        return None if reported is None else Resumable(reported.step, reported.time)
+
+    @property
+    def sees_steps(self) -> bool:
+        """Whether the job's steps are known: a root is read, or the job reports them."""
+        return self.opts.root is not None or any(a.reached is not None for a in self.attempts)
 
     def launch(self, number: int) -> Attempt:
         attempt = Attempt(number, time.time(), resumed_from=self.newest())
         total = self.opts.retries + 1
         where = ""
-        if self.opts.root is not None:
+        if self.sees_steps:
             where = (
                 f", resuming from step {attempt.resumed_from.step}"
                 if attempt.resumed_from
                 else ", no checkpoint yet"
             )
         self.say(f"attempt {number} of {total}: {shlex.join(self.opts.command)}{where}")
-        env = {**os.environ, ATTEMPT_ENV: str(number)}
+        env = {**os.environ, ATTEMPT_ENV: str(number), PROGRESS_ENV: str(self.progress)}
         try:
             # A session of its own: the whole job (torchrun's workers too) is one group to
             # signal, and a terminal's Ctrl-C reaches only us, who pass it on once.
@@ -282,7 +306,7 @@ class _Supervisor:
             return ""
         numbers = " and ".join([", ".join(str(a.number) for a in last[:-1]), str(last[-1].number)])
         every = "both" if limit == 2 else "all"
-        if self.opts.root is not None:
+        if self.sees_steps:
             steps = {a.reached.step if a.reached else None for a in last}
             if len(steps) != 1:
                 return ""
@@ -302,7 +326,7 @@ class _Supervisor:
         )
 
     def progressed(self, attempt: Attempt) -> bool:
-        if self.opts.root is not None:
+        if self.sees_steps:
             return attempt.reached is not None and attempt.reached != attempt.resumed_from
         return attempt.ran >= QUICK_SECONDS
 
@@ -325,7 +349,7 @@ class _Supervisor:
                 attempt = self.launch(number)
                 outcome = outcome_text(attempt.returncode)
                 steps = ""
-                if self.opts.root is not None:
+                if self.sees_steps:
                     before, after = attempt.resumed_from, attempt.reached
                     steps = (
                         f", checkpoint step {before.step if before else 'none'} -> "
@@ -359,7 +383,7 @@ class _Supervisor:
     def summary(self) -> None:
         if not self.attempts:
             return
-        root_known = self.opts.root is not None
+        root_known = self.sees_steps
         head = ["ATTEMPT", "RESULT", "RAN"]
         if root_known:
             head += ["RESUMED FROM", "REACHED"]
@@ -388,32 +412,92 @@ class _Supervisor:
 # --------------------------------------------------------------------------- command
 
 
+def _document(path: Path) -> Any:
+    """The parsed config file: JSON, or YAML (``.yaml``/``.yml``, needs PyYAML)."""
+    try:
+        text = read_file(path, limit=_CONFIG_LIMIT, what="config file").decode()
+    except FileNotFoundError:
+        raise UsageError(f"--config {path}: no such file") from None
+    except (OSError, CheckpointError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--config {path}: cannot read it ({exc})") from None
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise UsageError(f"--config {path}: not valid JSON ({exc})") from None
+    try:
+        import yaml  # type: ignore[import-untyped, unused-ignore]
+    except ImportError:
+        raise UsageError(
+            f"--config {path}: reading YAML needs PyYAML (pip install pyyaml); or give JSON"
+        ) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise UsageError(f"--config {path}: not valid YAML ({one_line(exc)})") from None
+
+
+def _config(path: Path, key: str | None) -> Relaunch:
+    """The ``run`` block of a manager's config (under ``key``, dotted).
+
+    Its ``root`` is not read: the job may be given another one, and it reports the
+    steps of the one it uses.
+    """
+    cfg = _document(path)
+    parts = key.split(".") if key else []
+    for i, part in enumerate(parts):
+        if not isinstance(cfg, dict) or part not in cfg:
+            raise UsageError(f"--config {path}: no key {'.'.join(parts[: i + 1])!r} in it")
+        cfg = cfg[part]
+    try:
+        given = check_keys(cfg, key or "config", MANAGER_KEYS, "keys")
+        run = given.get("run")
+        relaunch = (
+            Relaunch() if run is None else relaunch_from_config(run, at_key(key or "", "run"))
+        )
+    except ConfigError as exc:
+        raise UsageError(f"--config {path}: {exc}") from None
+    return relaunch
+
+
 def _options(args: argparse.Namespace) -> _Options:
     command: Sequence[str] = args.command
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         raise UsageError("no command to run; put it after '--': fckpt run -- python train.py")
+    relaunch = Relaunch()
+    if args.config:
+        relaunch = _config(Path(args.config), args.config_key)
+    elif args.config_key:
+        raise UsageError("--config-key names a key of --config FILE; give --config too")
+    # The command line wins over the config file, which wins over the defaults.
+    retries = relaunch.retries if args.retries is None else args.retries
+    backoff = relaunch.backoff if args.backoff is None else args.backoff
+    max_backoff = relaunch.max_backoff if args.max_backoff is None else args.max_backoff
+    stall_limit = relaunch.stall_limit if args.stall_limit is None else args.stall_limit
     root = Path(args.root) if args.root else None
     if root is not None and is_checkpoint_dir(root):
         raise UsageError(
             f"--root {root}: is a checkpoint; give the directory of checkpoints that holds it"
         )
-    if args.stall_limit == 1:
+    if stall_limit == 1:
         raise UsageError(
             "--stall-limit 1: give 2 or more (failures in a row at the same place), or 0 for never"
         )
-    if args.backoff < 0 or args.max_backoff < 0:
+    if backoff < 0 or max_backoff < 0:
         raise UsageError("--backoff and --max-backoff must be >= 0 seconds")
     return _Options(
         command=list(command),
-        retries=args.retries,
-        backoff=args.backoff,
-        max_backoff=max(args.max_backoff, args.backoff),
-        stall_limit=args.stall_limit,
+        retries=retries,
+        backoff=backoff,
+        max_backoff=max(max_backoff, backoff),
+        stall_limit=stall_limit,
         root=root,
     )
 
 
 def cmd_run(args: argparse.Namespace, ui: UI) -> int:
-    return _Supervisor(_options(args), ui).supervise()
+    opts = _options(args)
+    with tempfile.TemporaryDirectory(prefix="fckpt-run-") as scratch:
+        return _Supervisor(opts, ui, Path(scratch) / "progress.json").supervise()

@@ -24,6 +24,7 @@ from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.format.header import record_of
 from functional_ckpt._src.format.naming import parse_step
 from functional_ckpt._src.manager.collective import prepare_groups
+from functional_ckpt._src.manager.config import config_of, manager_arguments
 from functional_ckpt._src.manager.decide import decide
 from functional_ckpt._src.manager.options import (
     AsyncSave,
@@ -43,6 +44,7 @@ from functional_ckpt._src.manager.rollback_rule import SaveResult, Watch, roll_b
 from functional_ckpt._src.manager.writes import Writes, WriteSettings
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy import Event, PolicyState, SavePolicy, every_steps
+from functional_ckpt._src.policy.config import Relaunch
 from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all, plan_deletions
 from functional_ckpt._src.remote.options import Remote
 from functional_ckpt._src.restore.api import check_like_or_out, restore
@@ -59,6 +61,7 @@ from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.options import DEFAULT_PER_RANK
 from functional_ckpt._src.state.tree import State
 from functional_ckpt._src.storage.os_failure import machine_errors
+from functional_ckpt._src.storage.progress import report_progress
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
 __all__ = ["CheckpointManager"]
@@ -140,6 +143,49 @@ class CheckpointManager:
                 self._lock.release()
             raise
         self._writes = Writes(self.view, settings, self.remote)
+        self._remote_option = remote
+        self._relaunch: Relaunch | None = None  # the ``run`` block of from_config's config
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any], **kwargs: Any) -> CheckpointManager:
+        """The manager that configuration ``cfg`` (plain data: a dict, parsed YAML or JSON,
+        a ``DictConfig``) describes; see docs/manager.md, "Configuration as data".
+
+        Every key is checked first, so a bad one raises :class:`~..errors.ConfigError`
+        naming it before anything is opened. ``kwargs`` are constructor arguments that
+        replace the config's (what is no data: ``clock``, an ``Export`` with a live
+        ``config`` object). The ``run`` block is ``fckpt run``'s and is kept for
+        :meth:`config`.
+        """
+        root, args, run = manager_arguments(cfg, root_given="root" in kwargs)
+        args.update(kwargs)
+        mgr = cls(args.pop("root", root), **args)
+        mgr._relaunch = run
+        return mgr
+
+    def config(self) -> dict[str, Any]:
+        """This manager's configuration, every value spelled: plain data (for YAML, JSON
+        or a checkpoint's metadata) from which :meth:`from_config` builds it again.
+
+        A remote tier's ``storage_options`` are left out (they may be credentials);
+        what has no plain form (a policy defined outside this package, a ``rename``
+        function) raises :class:`~..errors.ConfigError`.
+        """
+        plan = self._writes.plan
+        return config_of(
+            root=str(self.root),
+            save=self.save_policy,
+            keep=self.keep,
+            metadata=self.metadata,
+            read_only=self.read_only,
+            async_save=plan.async_save,
+            incremental=plan.incremental,
+            export=self.export,
+            remote=self._remote_option,
+            rollback=self._watch.rule,
+            per_rank=plan.per_rank,
+            run=self._relaunch,
+        )
 
     def _open_writer(self) -> None:
         # Leftovers of crashed writers are recovered (warning at the CheckpointManager call).
@@ -266,16 +312,18 @@ class CheckpointManager:
         epoch: int | None = None,
         metrics: Mapping[str, Any] | None = None,
         is_final: bool = False,
+        epoch_end: bool = False,
         force: bool = False,
     ) -> SaveResult:
         """Build the event, ask the policies, save, commit their states with it, then prune.
 
         Returns whether a checkpoint was written (``force=True`` saves whatever the
-        policy says). An export due on the same event is written first (off the
-        training thread with ``async_save``, from this step's checkpoint or a copy of
-        its tensors). Policy states advance only once the writes they describe
-        succeeded. A rollback rule that fires returns the state it went back to in
-        ``.rollback``.
+        policy says). ``epoch_end=True`` marks the step that finishes an epoch, where
+        ``every_epochs`` saves; ``epoch`` is only recorded. An export due on the same
+        event is written first (off the training thread with ``async_save``, from this
+        step's checkpoint or a copy of its tensors). Policy states advance only once
+        the writes they describe succeeded. A rollback rule that fires returns the
+        state it went back to in ``.rollback``.
         """
         self._check_open("maybe_save", writing=True)
         if self.remote is not None:
@@ -290,6 +338,7 @@ class CheckpointManager:
             metrics=plain_metrics(metrics, "maybe_save"),
             is_final=is_final,
             time=self.running_time(),
+            epoch_end=epoch_end,
         )
         if event.step < 0:
             raise ValueError(f"maybe_save(step={step!r}): steps must be >= 0")
@@ -347,6 +396,8 @@ class CheckpointManager:
         if self.remote is not None:
             self.remote.committed()  # uploaded in the background
         if self._coordinator:
+            if step is not None:
+                report_progress(step, info.created)  # to a supervising ``fckpt run``
             self._prune(protected={step} if step is not None else set())
 
     # ------------------------------------------------------------------ deleting

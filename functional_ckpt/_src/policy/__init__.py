@@ -36,6 +36,10 @@ from functional_ckpt._src.policy.base import (
     SavePolicy,
     run_policy,
 )
+from functional_ckpt._src.policy.config import (
+    policy_from_config,
+    policy_to_config,
+)
 from functional_ckpt._src.policy.degrade import on_degrade
 from functional_ckpt._src.policy.leaves import (
     always,
@@ -66,6 +70,8 @@ __all__ = [
     "on_final",
     "on_improve",
     "on_signal",
+    "policy_from_config",
     "policy_from_spec",
+    "policy_to_config",
     "run_policy",
 ]

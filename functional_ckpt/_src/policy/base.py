@@ -49,11 +49,13 @@ PolicySpec: TypeAlias = dict[str, Any]
 class Event:
     """One point in training at which the caller asks "should I save now?".
 
-    ``step`` is required because every policy can at least count steps; ``epoch``,
-    ``metrics`` and ``time`` are needed only by the policies that read them.
-    ``time`` is *running* time in seconds (the manager supplies it, continued across
-    restarts; a loop driving policies by hand passes its own). ``is_final`` marks the
-    last event of a run (see :func:`on_final`).
+    ``step`` is required because every policy can at least count steps; ``metrics``
+    and ``time`` are needed only by the policies that read them. ``time`` is
+    *running* time in seconds (the manager supplies it, continued across restarts; a
+    loop driving policies by hand passes its own). ``is_final`` marks the last event
+    of a run (see :func:`on_final`), ``epoch_end`` the event of the step that
+    finishes an epoch (see :func:`every_epochs`). ``epoch`` is the loop's own epoch
+    number, whichever way it counts: recorded with a checkpoint, read by no policy.
     """
 
     step: int
@@ -61,6 +63,7 @@ class Event:
     metrics: Mapping[str, float] | None = None
     is_final: bool = False
     time: float | None = None
+    epoch_end: bool = False
 
     def __post_init__(self) -> None:
         # Accept numpy/torch integer scalars (anything with __index__) but store a plain
@@ -72,6 +75,8 @@ class Event:
             raise TypeError(f"Event(metrics={self.metrics!r}): metrics must be a mapping or None")
         if not isinstance(self.is_final, bool):
             raise TypeError(f"Event(is_final={self.is_final!r}): is_final must be a bool")
+        if not isinstance(self.epoch_end, bool):
+            raise TypeError(f"Event(epoch_end={self.epoch_end!r}): epoch_end must be a bool")
         if self.time is not None:
             if isinstance(self.time, bool) or not isinstance(self.time, int | float):
                 raise TypeError(f"Event(time={self.time!r}): time must be a number of seconds")

@@ -145,30 +145,29 @@ class _EveryEpochs(SavePolicy):
         self.n = n
 
     def init(self) -> PolicyState:
-        # A run starts in epoch 0, so entering epoch 0 is not an advance and never saves.
-        return {"last_epoch": 0, "owed": False}
+        return {"ended": 0, "end_step": None, "saved": False}
 
-    def _fields(self, state: PolicyState) -> tuple[int, bool]:
-        fields = checked_state(self, state, ["last_epoch", "owed"])
-        return fields["last_epoch"], bool(fields["owed"])
+    def _fields(self, state: PolicyState) -> tuple[int, int | None, bool]:
+        if isinstance(state, dict) and set(state) == {"last_epoch", "owed"}:
+            state = self.init()  # the state of the former epoch-counter policy: counts anew
+        fields = checked_state(self, state, ["ended", "end_step", "saved"])
+        return int(fields["ended"]), fields["end_step"], bool(fields["saved"])
 
     def decide(self, state: PolicyState, event: Event) -> bool:
-        last, owed = self._fields(state)
-        epoch = event.epoch
-        if epoch is None:
+        ended, end_step, saved = self._fields(state)
+        if not event.epoch_end:
             return False
-        return (epoch > last and epoch % self.n == 0) or (epoch == last and owed)
+        if event.step == end_step:  # the same end again: saves if it has not yet
+            return not saved and ended % self.n == 0
+        return (ended + 1) % self.n == 0
 
     def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
-        last, owed = self._fields(state)
-        epoch = event.epoch
-        if epoch is None:
-            return state
-        if epoch > last:
-            owed = epoch % self.n == 0
-        elif epoch < last:
-            owed = False
-        return {"last_epoch": epoch, "owed": owed and not saved}
+        ended, end_step, saved_then = self._fields(state)
+        if not event.epoch_end:
+            return {"ended": ended, "end_step": end_step, "saved": saved_then}
+        if event.step == end_step:
+            return {"ended": ended, "end_step": end_step, "saved": saved_then or saved}
+        return {"ended": ended + 1, "end_step": event.step, "saved": saved}
 
     @property
     def spec(self) -> PolicySpec:
@@ -179,15 +178,14 @@ class _EveryEpochs(SavePolicy):
 
 
 def every_epochs(n: int) -> SavePolicy:
-    """Save once on entering each epoch that is a positive multiple of ``n``.
+    """Save at the end of every ``n``-th epoch: on the events marked ``epoch_end=True``.
 
-    Votes yes when ``event.epoch`` is higher than the epoch of the previous event
-    that had one (initially 0) and ``epoch % n == 0``, and keeps voting yes during
-    that epoch until a save actually happens (inside ``&`` the other side may say
-    no at first). Events with ``epoch=None`` are ignored and leave the state as it
-    is. Works both for per-step events and for one event per finished epoch counted
-    from 1. A jump over a multiple (epoch 1 to 3 with ``n=2``) does not save; an
-    epoch that goes down is recorded, so counting up again saves again.
+    The loop says where an epoch ends (``maybe_save(..., epoch_end=True)`` with the
+    step that finishes it), so the state saved is the one at the end of the epoch,
+    the last epoch's included, however the loop numbers its epochs: ``event.epoch``
+    is not read. The state counts the epoch ends, so a restored run goes on counting
+    where its checkpoint was; an end sent twice for one step counts once (and saves
+    then if the first one did not).
     """
     return _EveryEpochs(positive_int(n, "n", f"every_epochs(n={n!r})"))
 
@@ -272,8 +270,8 @@ class _EverySecs(SavePolicy):
         return f"every_secs({self.secs!r})"
 
 
-def every_secs(s: float) -> SavePolicy:
-    """Save once at least ``s`` seconds of running time passed since the last save.
+def every_secs(secs: float) -> SavePolicy:
+    """Save once at least ``secs`` seconds of running time passed since the last save.
 
     Time is ``event.time``, the running time of the run in seconds (the manager
     counts it across restarts, excluding downtime); an event without it is an error.
@@ -281,12 +279,12 @@ def every_secs(s: float) -> SavePolicy:
     or any other in the same combination, restarts it. Time that goes backwards
     restarts the timer there, so it never adds time.
     """
-    call = f"every_secs(s={s!r})"
-    if isinstance(s, bool) or not isinstance(s, int | float):
-        raise TypeError(f"{call}: s must be a number of seconds")
-    if not (math.isfinite(s) and s > 0):
-        raise ValueError(f"{call}: s must be a positive, finite number of seconds")
-    return _EverySecs(float(s))
+    call = f"every_secs(secs={secs!r})"
+    if isinstance(secs, bool) or not isinstance(secs, int | float):
+        raise TypeError(f"{call}: secs must be a number of seconds")
+    if not (math.isfinite(secs) and secs > 0):
+        raise ValueError(f"{call}: secs must be a positive, finite number of seconds")
+    return _EverySecs(float(secs))
 
 
 # ---------------------------------------------------------------------------------------

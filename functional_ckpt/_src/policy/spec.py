@@ -1,41 +1,22 @@
-"""Policy specs: a save policy as plain data (kind and arguments), and back.
+"""Policy specs: the record of a save policy a checkpoint keeps (kind and arguments).
 
 A stored policy state is handed back only to the policy of the same spec, and the
 ``fckpt`` command shows and rebuilds policies from specs without running any code.
+A spec spells every argument, so it names one policy exactly whatever later
+defaults become; it is read through the table of the configuration form
+(:mod:`.config`), which is what people write.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from functional_ckpt._src.policy.base import AllOf, AnyOf, Not, SavePolicy
-from functional_ckpt._src.policy.degrade import on_degrade
-from functional_ckpt._src.policy.leaves import (
-    always,
-    at_steps,
-    every_epochs,
-    every_secs,
-    every_steps,
-    never,
-    on_final,
-    on_improve,
-)
-from functional_ckpt._src.policy.signals import on_signal
-from functional_ckpt.errors import PolicyError
+from functional_ckpt._src.policy.config import SAVE_KINDS, kind_args
+from functional_ckpt.errors import ConfigError, PolicyError
 
 __all__ = ["policy_from_spec"]
-
-
-def _spec_args(spec: Mapping[str, Any], names: Iterable[str]) -> list[Any]:
-    wanted = set(names)
-    given = set(spec) - {"kind"}
-    if given != wanted:
-        raise PolicyError(
-            f"policy spec {dict(spec)!r}: expected the arguments {sorted(wanted)}, got "
-            f"{sorted(given)}"
-        )
-    return [spec[n] for n in names]
 
 
 def policy_from_spec(spec: Mapping[str, Any]) -> SavePolicy:
@@ -48,37 +29,30 @@ def policy_from_spec(spec: Mapping[str, Any]) -> SavePolicy:
     if not isinstance(spec, Mapping) or not isinstance(spec.get("kind"), str):
         raise PolicyError(f"policy spec {spec!r}: expected a dict with a str 'kind'")
     kind = spec["kind"]
+    given = set(spec) - {"kind"}
+    if kind in ("any", "all", "not"):
+        wanted = {"child"} if kind == "not" else {"children"}
+    elif kind in SAVE_KINDS:
+        wanted = {p.in_spec for p in SAVE_KINDS[kind][1]}
+    else:
+        raise PolicyError(f"policy spec {dict(spec)!r}: unknown kind {kind!r}")
+    if given != wanted:
+        raise PolicyError(
+            f"policy spec {dict(spec)!r}: expected the arguments {sorted(wanted)}, got "
+            f"{sorted(given)}"
+        )
+    if kind == "not":
+        return Not(policy_from_spec(spec["child"]))
+    if kind in ("any", "all"):
+        children = spec["children"]
+        if not isinstance(children, list) or len(children) < 2:
+            raise PolicyError(f"policy spec {dict(spec)!r}: needs a list of >= 2 children")
+        built = [policy_from_spec(c) for c in children]
+        return AnyOf(built) if kind == "any" else AllOf(built)
+    make, params = SAVE_KINDS[kind]
     try:
-        if kind in ("any", "all"):
-            (children,) = _spec_args(spec, ["children"])
-            if not isinstance(children, list) or len(children) < 2:
-                raise PolicyError(f"policy spec {dict(spec)!r}: needs a list of >= 2 children")
-            built = [policy_from_spec(c) for c in children]
-            return AnyOf(built) if kind == "any" else AllOf(built)
-        if kind == "not":
-            (child,) = _spec_args(spec, ["child"])
-            return Not(policy_from_spec(child))
-        simple: dict[str, Any] = {"always": always, "never": never, "on_final": on_final}
-        if kind in simple:
-            _spec_args(spec, [])
-            made: SavePolicy = simple[kind]()
-            return made
-        if kind == "every_steps":
-            return every_steps(*_spec_args(spec, ["n", "offset"]))
-        if kind == "every_epochs":
-            return every_epochs(*_spec_args(spec, ["n"]))
-        if kind == "at_steps":
-            return at_steps(*_spec_args(spec, ["steps"]))
-        if kind == "every_secs":
-            return every_secs(*_spec_args(spec, ["s"]))
-        if kind == "on_improve":
-            return on_improve(*_spec_args(spec, ["metric", "mode", "min_delta"]))
-        if kind == "on_degrade":
-            return on_degrade(*_spec_args(spec, ["metric", "mode", "drop", "patience", "to"]))
-        if kind == "on_signal":
-            return on_signal(*_spec_args(spec, ["signum"]))
-    except PolicyError:
-        raise
-    except (TypeError, ValueError) as exc:
+        args = kind_args(SAVE_KINDS[kind], {p.name: spec[p.in_spec] for p in params}, kind)
+        made: SavePolicy = make(**args)
+    except (ConfigError, TypeError, ValueError) as exc:
         raise PolicyError(f"policy spec {dict(spec)!r}: {exc}") from None
-    raise PolicyError(f"policy spec {dict(spec)!r}: unknown kind {kind!r}")
+    return made

@@ -1,0 +1,269 @@
+"""A manager as configuration: the plain-data form of every ``CheckpointManager`` argument.
+
+``CheckpointManager.from_config(cfg)`` reads it and ``mgr.config()`` writes it: the
+keys are the constructor's arguments, the policies in the form of
+:mod:`..policy.config`, the option objects (``Export``, ``Remote``, ``AsyncSave``) as
+mappings of their fields, and a ``run`` block for ``fckpt run`` (how to relaunch the
+job). Any ``Mapping``/``Sequence`` will do, an OmegaConf ``DictConfig`` as it comes;
+a bad key is refused with its path and the names known there, before anything is
+opened. What is no plain data (a callable ``rename``, a clock, credentials) never
+goes into a written configuration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from functional_ckpt._src.export.safetensors import Export, parse_size
+from functional_ckpt._src.manager.options import AsyncSave
+from functional_ckpt._src.policy import SavePolicy
+from functional_ckpt._src.policy.config import (
+    MANAGER_KEYS,
+    Relaunch,
+    at_key,
+    check_bool,
+    check_keys,
+    check_str,
+    config_error,
+    is_sequence,
+    policy_from_config,
+    policy_to_config,
+    relaunch_from_config,
+    relaunch_to_config,
+    retention_from_config,
+    retention_to_config,
+)
+from functional_ckpt._src.policy.retention import RetentionPolicy
+from functional_ckpt._src.remote.options import Remote
+from functional_ckpt.errors import ConfigError
+
+__all__ = ["EXPORT_KEYS", "REMOTE_KEYS", "config_of", "manager_arguments"]
+
+EXPORT_KEYS = (
+    "policy",
+    "select",
+    "dtype",
+    "max_shard_size",
+    "config",
+    "extra_files",
+    "strip_prefix",
+    "rename",
+    "keep",
+)
+REMOTE_KEYS = ("url", "keep", "storage_options", "prune_unuploaded")
+
+
+def _plain(value: object, path: str) -> Any:
+    """Mappings and sequences (a DictConfig's too) as dicts and lists, all the way down."""
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise config_error(at_key(path, str(k)), "string keys", k)
+            out[k] = _plain(v, at_key(path, k))
+        return out
+    if is_sequence(value):
+        return [_plain(v, at_key(path, i)) for i, v in enumerate(value)]
+    return value
+
+
+def _names(value: object, path: str) -> str | list[str]:
+    """A key, or a list of keys (``select``, ``strip_prefix``)."""
+    if isinstance(value, str):
+        return check_str(value, path)
+    if is_sequence(value) and value:
+        return [check_str(v, at_key(path, i)) for i, v in enumerate(value)]
+    raise config_error(path, "a string or a non-empty list of strings", value)
+
+
+def _dtype(value: object, path: str) -> torch.dtype:
+    name = value.removeprefix("torch.") if isinstance(value, str) else None
+    dtype = getattr(torch, name, None) if name else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise config_error(path, "a floating-point dtype such as 'bfloat16'", value)
+    return dtype
+
+
+def _async(value: object, path: str) -> bool | AsyncSave:
+    if isinstance(value, bool):
+        return value
+    given = check_keys(value, path, ("staging",), "options")
+    staging = given.get("staging", "copy")
+    if staging not in ("copy", "none"):
+        raise config_error(at_key(path, "staging"), "'copy' or 'none'", staging)
+    return AsyncSave(staging=staging)
+
+
+def _export(value: object, path: str) -> Export:
+    given = check_keys(value, path, EXPORT_KEYS, "fields")
+    if "policy" not in given:
+        raise ConfigError(f"{at_key(path, 'policy')}: required (when to export)")
+    args: dict[str, Any] = {"policy": policy_from_config(given["policy"], at_key(path, "policy"))}
+    for key in ("select", "strip_prefix"):
+        if given.get(key) is not None:
+            args[key] = _names(given[key], at_key(path, key))
+    if given.get("dtype") is not None:
+        args["dtype"] = _dtype(given["dtype"], at_key(path, "dtype"))
+    if "max_shard_size" in given:
+        size = given["max_shard_size"]
+        try:
+            parse_size(size)
+        except (TypeError, ValueError):
+            raise config_error(
+                at_key(path, "max_shard_size"), "a number of bytes or a size such as '5GB'", size
+            ) from None
+        args["max_shard_size"] = size
+    for key in ("config", "extra_files", "rename"):
+        if given.get(key) is not None:
+            if not isinstance(given[key], Mapping):
+                raise config_error(at_key(path, key), "a mapping", given[key])
+            args[key] = _plain(given[key], at_key(path, key))
+    if "keep" in given:
+        args["keep"] = retention_from_config(given["keep"], at_key(path, "keep"))
+    try:
+        return Export(**args)
+    except (TypeError, ValueError) as exc:  # what Export checks beyond the keys
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def _remote(value: object, path: str) -> Remote:
+    given = (
+        {"url": value} if isinstance(value, str) else check_keys(value, path, REMOTE_KEYS, "fields")
+    )
+    if "url" not in given:
+        raise ConfigError(f"{at_key(path, 'url')}: required (an fsspec URL)")
+    args: dict[str, Any] = {"url": check_str(given["url"], at_key(path, "url"))}
+    if "keep" in given:
+        args["keep"] = retention_from_config(given["keep"], at_key(path, "keep"))
+    if given.get("storage_options") is not None:
+        options = given["storage_options"]
+        if not isinstance(options, Mapping):  # its values are never shown: they may be credentials
+            raise ConfigError(f"{at_key(path, 'storage_options')}: expected a mapping")
+        args["storage_options"] = _plain(options, at_key(path, "storage_options"))
+    if "prune_unuploaded" in given:
+        args["prune_unuploaded"] = check_bool(
+            given["prune_unuploaded"], at_key(path, "prune_unuploaded")
+        )
+    return Remote(**args)
+
+
+def manager_arguments(
+    cfg: object, *, root_given: bool = False
+) -> tuple[str | None, dict[str, Any], Relaunch | None]:
+    """The root, the constructor's keyword arguments and the ``run`` block of ``cfg``
+    (``root_given``: the caller has the root, the config need not)."""
+    given = check_keys(cfg, "config", MANAGER_KEYS, "keys")
+    if "root" not in given and not root_given:
+        raise ConfigError("root: required (the directory of the run's checkpoints)")
+    root = check_str(given["root"], "root") if "root" in given else None
+    kwargs: dict[str, Any] = {}
+    if given.get("save") is not None:
+        kwargs["save"] = policy_from_config(given["save"], "save")
+    if given.get("keep") is not None:
+        kwargs["keep"] = retention_from_config(given["keep"], "keep")
+    if given.get("rollback") is not None:
+        kwargs["rollback"] = policy_from_config(given["rollback"], "rollback")
+    if given.get("metadata") is not None:
+        if not isinstance(given["metadata"], Mapping):
+            raise config_error("metadata", "a mapping", given["metadata"])
+        kwargs["metadata"] = _plain(given["metadata"], "metadata")
+    for key in ("read_only", "incremental"):
+        if key in given:
+            kwargs[key] = check_bool(given[key], key)
+    if "async_save" in given:
+        kwargs["async_save"] = _async(given["async_save"], "async_save")
+    if given.get("export") is not None:
+        kwargs["export"] = _export(given["export"], "export")
+    if given.get("remote") is not None:
+        kwargs["remote"] = _remote(given["remote"], "remote")
+    if "per_rank" in given:
+        per_rank = given["per_rank"]
+        if not is_sequence(per_rank):
+            raise config_error("per_rank", "a list of top-level keys", per_rank)
+        kwargs["per_rank"] = [check_str(k, at_key("per_rank", i)) for i, k in enumerate(per_rank)]
+    run = relaunch_from_config(given["run"]) if given.get("run") is not None else None
+    return root, kwargs, run
+
+
+def _data(value: object, path: str) -> Any:
+    """A field of an export as plain data, or a ConfigError saying why it is none."""
+    if value is None or isinstance(value, Mapping):
+        return _plain(value, path)
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict):  # a transformers config: its fields
+        return _plain(to_dict(), path)
+    raise ConfigError(f"{path}: a {type(value).__name__} has no configuration form")
+
+
+def _export_config(export: Export) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "policy": policy_to_config(export.policy),
+        "select": export.select if isinstance(export.select, str) else list(export.select),
+        "dtype": None if export.dtype is None else str(export.dtype).removeprefix("torch."),
+        "max_shard_size": export.max_shard_size,
+        "keep": retention_to_config(export.keep),
+    }
+    if export.strip_prefix is not None:
+        strip = export.strip_prefix
+        out["strip_prefix"] = strip if isinstance(strip, str) else list(strip)
+    if export.config is not None:
+        out["config"] = _data(export.config, "export.config")
+    if export.extra_files is not None:
+        files: dict[str, Any] = {}
+        for name, item in export.extra_files.items():
+            where = f"export.extra_files[{name!r}]"
+            files[name] = item if isinstance(item, str) else _data(item, where)
+        out["extra_files"] = files
+    if export.rename is not None:
+        if not isinstance(export.rename, Mapping):
+            raise ConfigError("export.rename: a function has no configuration form; use a mapping")
+        out["rename"] = _plain(export.rename, "export.rename")
+    return out
+
+
+def config_of(
+    *,
+    root: str,
+    save: SavePolicy,
+    keep: RetentionPolicy,
+    metadata: Mapping[str, Any],
+    read_only: bool,
+    async_save: AsyncSave | None,
+    incremental: bool,
+    export: Export | None,
+    remote: Remote | None,
+    rollback: SavePolicy | None,
+    per_rank: Sequence[str],
+    run: Relaunch | None,
+) -> dict[str, Any]:
+    """A manager's configuration, every value spelled; ``manager_arguments`` reads it back.
+
+    A remote tier's ``storage_options`` are left out: they may hold credentials, and a
+    configuration is written where anyone may read it (a checkpoint's metadata).
+    """
+    out: dict[str, Any] = {
+        "root": root,
+        "save": policy_to_config(save),
+        "keep": retention_to_config(keep),
+        "metadata": _plain(metadata, "metadata"),
+        "read_only": read_only,
+        "async_save": False if async_save is None else {"staging": async_save.staging},
+        "incremental": incremental,
+        "per_rank": list(per_rank),
+    }
+    if export is not None:
+        out["export"] = _export_config(export)
+    if remote is not None:
+        out["remote"] = {
+            "url": remote.url,
+            "keep": retention_to_config(remote.keep),
+            "prune_unuploaded": remote.prune_unuploaded,
+        }
+    if rollback is not None:
+        out["rollback"] = policy_to_config(rollback)
+    if run is not None:
+        out["run"] = relaunch_to_config(run)
+    return out

@@ -1,0 +1,430 @@
+"""Policies as configuration: the plain-data form people write in YAML, JSON or a dict.
+
+A policy is one key, its name, whose value holds its arguments: a mapping of them
+(``{"every_steps": {"n": 500, "offset": 0}}``), the first argument alone
+(``{"every_steps": 500}``, ``{"on_improve": "val_loss"}``), or nothing for a policy
+whose arguments all have defaults (``"on_final"``, ``{"on_final": {}}``).
+Combinations are ``{"any": [...]}``, ``{"all": [...]}`` and ``{"not": ...}``; a list
+of retention policies is their union. Any ``Mapping`` and ``Sequence`` will do (an
+OmegaConf ``DictConfig`` as it comes), and a bad value is refused with the path of
+its key and the names that would have been known there, so a typo in a config file
+is found where it is, before anything runs.
+
+The keys of a manager's configuration and its ``run`` block (how ``fckpt run``
+relaunches the job) are here too, so the command line reads them without loading
+the manager. This is the one form for writing a policy as data. A policy's ``spec`` is what a
+checkpoint records to recognise its own state (every argument spelled, nothing
+defaulted); it is read back with ``policy_from_spec``, built on the same table.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+
+from functional_ckpt._src.policy.base import AllOf, AnyOf, Not, SavePolicy
+from functional_ckpt._src.policy.degrade import TARGETS, on_degrade
+from functional_ckpt._src.policy.leaves import (
+    always,
+    at_steps,
+    every_epochs,
+    every_secs,
+    every_steps,
+    never,
+    on_final,
+    on_improve,
+)
+from functional_ckpt._src.policy.retention import (
+    RetentionPolicy,
+    keep_all,
+    keep_best,
+    keep_every,
+    keep_last,
+    keep_within,
+    union_parts,
+)
+from functional_ckpt._src.policy.signals import on_signal
+from functional_ckpt.errors import ConfigError
+
+__all__ = [
+    "MANAGER_KEYS",
+    "RELAUNCH_KEYS",
+    "Param",
+    "Relaunch",
+    "SAVE_KINDS",
+    "at_key",
+    "check_bool",
+    "check_keys",
+    "check_number",
+    "check_str",
+    "config_error",
+    "is_sequence",
+    "kind_args",
+    "policy_from_config",
+    "policy_to_config",
+    "relaunch_from_config",
+    "relaunch_to_config",
+    "retention_from_config",
+    "retention_to_config",
+]
+
+
+# ---------------------------------------------------------------------------------------
+# Reading plain data, with the path of the key in every message
+
+
+def at_key(path: str, key: str | int) -> str:
+    """``path`` one level down: ``save.any`` + 1 is ``save.any[1]``."""
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def is_sequence(value: object) -> TypeGuard[Sequence[Any]]:
+    """A list in a config (a ``ListConfig`` too), never a string."""
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def config_error(path: str, what: str, value: object) -> ConfigError:
+    return ConfigError(f"{path}: expected {what}, got {_shown(value)}")
+
+
+def check_keys(value: object, path: str, known: Sequence[str], what: str) -> dict[str, Any]:
+    """``value`` as a dict with str keys, each one of ``known``."""
+    if not isinstance(value, Mapping):
+        raise config_error(path, f"a mapping of {what}", value)
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        if key not in known:
+            raise ConfigError(
+                f"{at_key(path, str(key))}: unknown {what[:-1] if what.endswith('s') else what}"
+                f"; known: {', '.join(known)}"
+            )
+        out[str(key)] = item
+    return out
+
+
+def check_bool(value: object, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise config_error(path, "true or false", value)
+    return value
+
+
+def check_str(value: object, path: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise config_error(path, "a non-empty string", value)
+    return value
+
+
+def _int(value: object, path: str, *, positive: bool = False) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and (value > 0 or not positive):
+        return value
+    raise config_error(path, "a positive int" if positive else "an int", value)
+
+
+def check_number(value: object, path: str, *, positive: bool = False) -> float:
+    """A finite number (``positive``: > 0, else >= 0)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+        if math.isfinite(number) and (number > 0 if positive else number >= 0):
+            return number
+    raise config_error(path, "a positive number" if positive else "a number >= 0", value)
+
+
+def _positive_int(value: object, path: str) -> int:
+    return _int(value, path, positive=True)
+
+
+def _positive_number(value: object, path: str) -> float:
+    return check_number(value, path, positive=True)
+
+
+def _mode(value: object, path: str) -> str:
+    if value not in ("min", "max"):
+        raise config_error(path, "'min' or 'max'", value)
+    return str(value)
+
+
+def _target(value: object, path: str) -> str:
+    if value not in TARGETS:
+        raise config_error(path, " or ".join(repr(t) for t in TARGETS), value)
+    return str(value)
+
+
+def _steps(value: object, path: str) -> list[int]:
+    if not is_sequence(value):
+        raise config_error(path, "a list of steps", value)
+    return [_int(v, at_key(path, i)) for i, v in enumerate(value)]
+
+
+def _signal(value: object, path: str) -> int:
+    """A signal by name (``"SIGTERM"``, ``"TERM"``) or number."""
+    if isinstance(value, str):
+        name = value.upper() if value.upper().startswith("SIG") else f"SIG{value.upper()}"
+        if name in signal.Signals.__members__:
+            return int(signal.Signals[name])
+    elif isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return int(signal.Signals(value))
+        except ValueError:
+            pass
+    raise config_error(path, "a signal name such as 'SIGTERM', or its number", value)
+
+
+# ---------------------------------------------------------------------------------------
+# The table: each policy's name, constructor and arguments
+
+
+@dataclass(frozen=True)
+class Param:
+    """One argument: its name in a config (and the constructor's keyword), its check,
+    whether it must be given, and its key in the policy's spec when that differs."""
+
+    name: str
+    check: Callable[[object, str], Any]
+    required: bool = False
+    spec_key: str | None = None
+
+    @property
+    def in_spec(self) -> str:
+        return self.spec_key or self.name
+
+
+_Kind = tuple[Callable[..., Any], tuple[Param, ...]]
+
+#: Every save policy (and rollback rule) a config can name, with its arguments.
+SAVE_KINDS: dict[str, _Kind] = {
+    "always": (always, ()),
+    "never": (never, ()),
+    "on_final": (on_final, ()),
+    "every_steps": (every_steps, (Param("n", _positive_int, True), Param("offset", _int))),
+    "every_epochs": (every_epochs, (Param("n", _positive_int, True),)),
+    "at_steps": (at_steps, (Param("steps", _steps, True),)),
+    "every_secs": (every_secs, (Param("secs", _positive_number, True, spec_key="s"),)),
+    "on_improve": (
+        on_improve,
+        (Param("metric", check_str, True), Param("mode", _mode), Param("min_delta", check_number)),
+    ),
+    "on_degrade": (
+        on_degrade,
+        (
+            Param("metric", check_str, True),
+            Param("mode", _mode),
+            Param("drop", check_number),
+            Param("patience", _positive_int),
+            Param("to", _target),
+        ),
+    ),
+    "on_signal": (on_signal, (Param("signum", _signal),)),
+}
+_COMBINATORS = ("any", "all", "not")
+
+_KEEP_KINDS: dict[str, _Kind] = {
+    "keep_all": (keep_all, ()),
+    "keep_last": (keep_last, (Param("n", _positive_int, True),)),
+    "keep_best": (
+        keep_best,
+        (Param("k", _positive_int, True), Param("metric", check_str, True), Param("mode", _mode)),
+    ),
+    "keep_every": (keep_every, (Param("steps", _positive_int, True),)),
+    "keep_within": (keep_within, (Param("secs", check_number, True),)),
+}
+
+
+def _one_key(value: object, path: str, known: Sequence[str], what: str) -> tuple[str, object]:
+    """The name and value of ``"name"`` or ``{"name": value}``."""
+    if isinstance(value, str):
+        name, args = value, None
+    elif isinstance(value, Mapping):
+        if len(value) != 1:
+            hint = " (to combine policies use {'any': [...]} or {'all': [...]})"
+            raise ConfigError(
+                f"{path}: expected one {what} name as the only key, got "
+                f"{sorted(str(k) for k in value) or 'none'}{hint if len(value) > 1 else ''}"
+            )
+        ((name, args),) = value.items()
+    else:
+        raise config_error(
+            path, f"a {what} (a name, or a mapping of one name to its arguments)", value
+        )
+    if name not in known:
+        raise ConfigError(f"{path}: unknown {what} {_shown(name)}; known: {', '.join(known)}")
+    return str(name), args
+
+
+def kind_args(kind: _Kind, args: object, path: str) -> dict[str, Any]:
+    """The checked keyword arguments of ``args``: a mapping, the first one alone, or none."""
+    _, params = kind
+    names = [p.name for p in params]
+    if args is None:
+        given: dict[str, Any] = {}
+    elif isinstance(args, Mapping):
+        given = check_keys(args, path, names, "arguments")
+    elif params:
+        given = {params[0].name: args}  # the shorthand: the first argument alone
+    else:
+        raise config_error(path, "no arguments (an empty mapping or nothing)", args)
+    out: dict[str, Any] = {}
+    for p in params:
+        if p.name in given:
+            where = at_key(path, p.name) if isinstance(args, Mapping) else path
+            out[p.name] = p.check(given[p.name], where)
+        elif p.required:
+            raise ConfigError(f"{at_key(path, p.name)}: required (arguments: {', '.join(names)})")
+    return out
+
+
+def _build(kind: _Kind, args: dict[str, Any], path: str) -> Any:
+    make, _ = kind
+    try:
+        return make(**args)
+    except (TypeError, ValueError) as exc:  # what the constructor checks beyond the table
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def policy_from_config(value: object, path: str = "save") -> SavePolicy:
+    """The save policy (or rollback rule) that configuration ``value`` describes.
+
+    ``path`` names ``value``'s key in messages. Building an ``on_signal`` installs its
+    handler, as calling :func:`on_signal` does. A bad value raises :class:`ConfigError`.
+    """
+    name, args = _one_key(value, path, [*_COMBINATORS, *SAVE_KINDS], "policy")
+    here = at_key(path, name)
+    if name == "not":
+        return Not(policy_from_config(args, here))
+    if name in ("any", "all"):
+        if not is_sequence(args) or not args:
+            raise config_error(here, "a non-empty list of policies", args)
+        children = [policy_from_config(c, at_key(here, i)) for i, c in enumerate(args)]
+        if len(children) == 1:
+            return children[0]
+        return AnyOf(children) if name == "any" else AllOf(children)
+    kind = SAVE_KINDS[name]
+    made: SavePolicy = _build(kind, kind_args(kind, args, here), here)
+    return made
+
+
+def _spec_to_config(spec: Mapping[str, Any], kinds: Mapping[str, _Kind], what: str) -> Any:
+    kind = spec.get("kind")
+    if not isinstance(kind, str) or kind not in kinds:
+        raise ConfigError(
+            f"{spec.get('repr', kind)}: a {what} defined outside functional_ckpt has no "
+            "configuration form"
+        )
+    params = kinds[kind][1]
+    if not params:
+        return kind
+    args = {p.name: spec[p.in_spec] for p in params}
+    if kind == "on_signal":
+        args["signum"] = signal.Signals(args["signum"]).name
+    return {kind: args}
+
+
+def policy_to_config(policy: SavePolicy) -> Any:
+    """``policy`` in configuration form, every argument spelled:
+    :func:`policy_from_config` of it builds an equal policy. A policy defined
+    outside this package raises :class:`ConfigError` (it has no such form)."""
+    return _save_spec_to_config(policy.spec)
+
+
+def _save_spec_to_config(spec: Mapping[str, Any]) -> Any:
+    kind = spec.get("kind")
+    if kind in ("any", "all"):
+        return {kind: [_save_spec_to_config(c) for c in spec["children"]]}
+    if kind == "not":
+        return {"not": _save_spec_to_config(spec["child"])}
+    return _spec_to_config(spec, SAVE_KINDS, "save policy")
+
+
+def retention_from_config(value: object, path: str = "keep") -> RetentionPolicy:
+    """The retention policy that configuration ``value`` describes (a list: the union).
+
+    A bad value raises :class:`ConfigError` naming its key.
+    """
+    if is_sequence(value):
+        if not value:
+            raise config_error(path, "a non-empty list of retention policies", value)
+        parts = [retention_from_config(v, at_key(path, i)) for i, v in enumerate(value)]
+        out = parts[0]
+        for p in parts[1:]:
+            out = out | p
+        return out
+    name, args = _one_key(value, path, list(_KEEP_KINDS), "retention policy")
+    here = at_key(path, name)
+    kind = _KEEP_KINDS[name]
+    made: RetentionPolicy = _build(kind, kind_args(kind, args, here), here)
+    return made
+
+
+def retention_to_config(policy: RetentionPolicy) -> Any:
+    """``policy`` in configuration form (a union as a list), every argument spelled."""
+    parts = [_spec_to_config(p.spec, _KEEP_KINDS, "retention policy") for p in union_parts(policy)]
+    return parts[0] if len(parts) == 1 else parts
+
+
+# ---------------------------------------------------------------------------------------
+# A manager's configuration: its keys, and the ``run`` block ``fckpt run`` reads
+
+#: The keys of a manager's configuration: its constructor's arguments, and ``run``
+#: (read here, below the manager, so that ``fckpt run`` checks them without torch).
+MANAGER_KEYS = (
+    "root",
+    "save",
+    "keep",
+    "metadata",
+    "read_only",
+    "async_save",
+    "incremental",
+    "export",
+    "remote",
+    "rollback",
+    "per_rank",
+    "run",
+)
+
+
+@dataclass(frozen=True)
+class Relaunch:
+    """How ``fckpt run`` relaunches a failed job: the ``run`` block of a config.
+
+    ``retries`` relaunches after failures, pausing ``backoff`` seconds, doubled after
+    each failure up to ``max_backoff``; ``stall_limit`` failures in a row without
+    progress stop it early (0: never). The command line overrides each.
+    """
+
+    retries: int = 3
+    backoff: float = 1.0
+    max_backoff: float = 60.0
+    stall_limit: int = 2
+
+
+RELAUNCH_KEYS = ("retries", "backoff", "max_backoff", "stall_limit")
+
+
+def relaunch_from_config(value: object, path: str = "run") -> Relaunch:
+    """The ``run`` block: any of ``retries``, ``backoff``, ``max_backoff``, ``stall_limit``."""
+    given = check_keys(value, path, RELAUNCH_KEYS, "options")
+    out: dict[str, Any] = {}
+    for key in ("retries", "stall_limit"):
+        if key in given:
+            out[key] = _int(given[key], at_key(path, key))
+            if out[key] < 0:
+                raise config_error(at_key(path, key), "an int >= 0", given[key])
+    if out.get("stall_limit") == 1:
+        raise config_error(at_key(path, "stall_limit"), "0 (never) or 2 or more", 1)
+    for key in ("backoff", "max_backoff"):
+        if key in given:
+            out[key] = check_number(given[key], at_key(path, key))
+    return Relaunch(**out)
+
+
+def relaunch_to_config(relaunch: Relaunch) -> dict[str, Any]:
+    return {key: getattr(relaunch, key) for key in RELAUNCH_KEYS}

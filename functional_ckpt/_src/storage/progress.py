@@ -1,0 +1,59 @@
+"""The progress file: how a managed job tells ``fckpt run`` its newest committed step.
+
+The supervisor names a file in the job's environment (:data:`PROGRESS_ENV`); after
+each commit the job's manager replaces it, durably, with the step it committed. So
+a supervisor that reads no checkpoint root still tells a job that crashes later each
+time (progress: relaunch as asked) from one that fails at the same place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from functional_ckpt._src.storage.durable import replace_durably
+from functional_ckpt._src.storage.opener import read_file
+from functional_ckpt.errors import CheckpointError
+
+__all__ = ["PROGRESS_ENV", "ReportedStep", "read_progress", "report_progress"]
+
+#: Set by ``fckpt run`` in the job's environment: the file the job reports progress to.
+PROGRESS_ENV = "FCKPT_PROGRESS"
+_LIMIT = 4096
+
+
+def report_progress(step: int, saved_at: float) -> None:
+    """Record ``step`` (saved at Unix time ``saved_at``) as the newest committed one, if
+    a supervisor asked for it: what it reads from a root, without reading the root.
+
+    Best effort: a supervisor's file that cannot be written never fails a save.
+    """
+    target = os.environ.get(PROGRESS_ENV)
+    if not target:
+        return
+    data = json.dumps({"step": int(step), "time": float(saved_at)}).encode()
+    with contextlib.suppress(OSError):
+        replace_durably(Path(target), data)
+
+
+@dataclass(frozen=True)
+class ReportedStep:
+    """The newest committed step a job reported, and when it was saved (Unix time)."""
+
+    step: int
+    time: float
+
+
+def read_progress(path: Path) -> ReportedStep | None:
+    """What the job reported last; None if nothing (yet) or nothing readable."""
+    try:
+        raw = json.loads(read_file(path, limit=_LIMIT, what="progress file"))
+    except (OSError, ValueError, CheckpointError):
+        return None
+    step, when = (raw.get("step"), raw.get("time")) if isinstance(raw, dict) else (None, None)
+    if not isinstance(step, int) or isinstance(step, bool) or not isinstance(when, int | float):
+        return None
+    return ReportedStep(step, float(when))
