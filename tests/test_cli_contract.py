@@ -329,6 +329,9 @@ def _commands(path: str, ckpt: str, out: str) -> dict[str, list[str]]:
         "export --config": ["export", ckpt, f"{out}-cfg", "--config", path],
         "import": ["import", path, f"{out}-imp"],
         "import --json": ["import", path, f"{out}-imp2", "--json"],
+        "export to it": ["export", ckpt, path],
+        "export --format torch to it": ["export", ckpt, path, "--format", "torch"],
+        "import to it": ["import", f"{out}-given.pt", path],
         "prune": ["prune", path, "--keep-last", "1", "--dry-run"],
         "demo --root": ["demo", "--root", path, "--steps", "4"],
     }
@@ -361,6 +364,7 @@ def junk_results(
     ckpt = str(root / step_name(10))
     jobs, keys = [], []
     for name in JUNK:
+        torch.save({"w": torch.ones(2)}, base / "out" / f"{name}-given.pt")
         for command, argv in _commands(str(junk[name]), ckpt, str(base / "out" / name)).items():
             if command == "demo --root" and name == "empty-dir":
                 continue  # an empty directory is where a demo may run: that is no junk
@@ -396,3 +400,4 @@ def test_junk_input_is_a_one_line_error(
     lines = r["err"].splitlines()
     assert len(lines) == 1 and lines[0].startswith("fckpt: error: "), shown
     assert r["path"] in lines[0], shown
+    assert "overwrite=True" not in lines[0], shown  # the shell's spelling: --overwrite

@@ -7,6 +7,8 @@ the report.
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import functional_ckpt as fc
@@ -23,10 +25,23 @@ from functional_ckpt._src.export.torch_save import WEIGHTS_KEY, export_torch, im
 __all__ = ["cmd_export_any", "cmd_import"]
 
 
+@contextlib.contextmanager
+def flag_spelling() -> Iterator[None]:
+    """The library's ``overwrite=True`` advice, as the flag a shell user passes."""
+    try:
+        yield
+    except fc.errors.CheckpointError as e:
+        text = str(e)
+        if "overwrite=True" not in text:
+            raise
+        raise type(e)(text.replace("overwrite=True", "--overwrite")) from None  # same status
+
+
 def cmd_import(args: argparse.Namespace, ui: UI) -> int:
     src, out = Path(args.file), Path(args.out)
     require_exists(src)
-    info = import_torch(src, out, overwrite=args.overwrite)
+    with flag_spelling():
+        info = import_torch(src, out, overwrite=args.overwrite)
     summary = fc.inspect(info.path)
     bare = list(summary.tree) == [WEIGHTS_KEY]
     if args.json:
@@ -60,9 +75,10 @@ def _export_torch(args: argparse.Namespace, ui: UI) -> int:
     select = None if args.full else tuple(k for k in args.select.split("/") if k)
     if select == ():
         raise UsageError(f"--select {args.select!r}: expected a key such as 'model'")
-    converted = export_torch(
-        src, out, select=select, dtype=parse_dtype(args.dtype), overwrite=args.overwrite
-    )
+    with flag_spelling():
+        converted = export_torch(
+            src, out, select=select, dtype=parse_dtype(args.dtype), overwrite=args.overwrite
+        )
     what = "the full state" if select is None else "/".join(select)
     if args.json:
         key = None if select is None else "/".join(select)
