@@ -24,7 +24,6 @@ from functional_ckpt._src.cli.common import (
 )
 from functional_ckpt._src.cli.recording import inspect_recording
 from functional_ckpt._src.cli.ui import PROG, UI, human
-from functional_ckpt._src.export.files import model_files
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath
 from functional_ckpt._src.recording import is_recording
 from functional_ckpt._src.restore.diff import diff_checkpoints
@@ -354,6 +353,8 @@ def cmd_export(args: argparse.Namespace, ui: UI) -> int:
     extra: dict[str, bytes] = {}
     left_out: list[str] = []
     if args.config is not None:
+        from functional_ckpt._src.export.files import model_files  # torch: only when exporting
+
         config, extra, left_out = model_files(Path(args.config))
     read, write = _selected_bytes(fc.inspect(src), select, dtype)
     with ui.progress("exporting", read + write) as bar:
