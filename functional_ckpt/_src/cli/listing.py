@@ -37,13 +37,7 @@ from functional_ckpt._src.root.rollback import branches
 from functional_ckpt._src.storage.usage import dir_size, disk_bytes, shared_bytes
 from functional_ckpt.errors import RetentionError
 
-__all__ = [
-    "cmd_ls",
-    "cmd_prune",
-    "cmd_verify",
-    "retention_parts",
-    "verify_one",
-]
+__all__ = ["cmd_ls", "cmd_prune", "cmd_verify", "retention_parts", "verify_one"]
 
 #: Statuses of a committed checkpoint (``intact`` once ``--verify`` re-read it).
 COMMITTED = ("ok", "damaged", "intact")
@@ -130,8 +124,9 @@ def _verify_rows(rows: Sequence[RootEntry], ui: UI) -> None:
         for row in todo:
             result = verify_one(row.path)
             row.status = "intact" if result.ok else "damaged"
-            if not result.ok:
-                row.detail = f"{len(result.problems)} problems: {result.problems[0]}"
+            row.detail = (
+                "" if result.ok else f"{len(result.problems)} problems: {result.problems[0]}"
+            )
             bar.advance(row.size)
 
 
