@@ -247,7 +247,9 @@ def _add_export(subs: Any) -> None:
         "With --format torch, write them as one torch.save file OUT (a state_dict that\n"
         "model.load_state_dict takes), or with --full the whole state; the file loads\n"
         "with torch.load(weights_only=True). OUT appears atomically: complete or not at\n"
-        "all. PATH may be a root: its newest checkpoint is exported.",
+        "all. PATH may be a root: its newest checkpoint is exported. With --config, the\n"
+        "config.json and side files of a model directory go with the weights, so that\n"
+        "from_pretrained(OUT) loads it.",
         "  fckpt export runs/exp1/step_000001000 weights/\n"
         "  fckpt export runs/exp1 weights/ --dtype bfloat16 --max-shard-size 2GB\n"
         "  fckpt export ckpt ema/ --select ema/model --overwrite\n"

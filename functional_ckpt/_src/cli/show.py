@@ -366,7 +366,7 @@ def cmd_export(args: argparse.Namespace, ui: UI) -> int:
                 dtype=dtype,
                 max_shard_size=args.max_shard_size,
                 overwrite=args.overwrite,
-                config=config or None,
+                config=config,
                 extra_files=extra,
             )
         except fc.errors.CheckpointExists as e:  # created meanwhile: the flag, not the argument
