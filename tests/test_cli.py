@@ -154,7 +154,7 @@ def test_ls_json_and_unusual_entries(copy: Path, capsys: pytest.CaptureFixture[s
     corrupt = copy / step_name(40)
     (corrupt / "manifest.msgpack").write_bytes(b"torn")
     code, out, _ = run(["ls", str(copy), "--json"], capsys)
-    assert code == 0
+    assert code == 1  # a damaged checkpoint is listed, and the status says so
     rows = {r["name"]: r for r in json.loads(out)}
     assert rows[step_name(50)]["status"] == "ok"
     assert rows[step_name(50)]["metrics"] == {"val_loss": 0.6}
@@ -166,7 +166,7 @@ def test_ls_json_and_unusual_entries(copy: Path, capsys: pytest.CaptureFixture[s
 def test_ls_verify_finds_damaged_data(copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
     corrupt_tensor_data(copy / step_name(40))
     code, out, _ = run(["ls", str(copy), "--verify"], capsys)
-    assert code == 0
+    assert code == 1  # damage found: the status verify gives
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("step_")}
     assert " damaged " in rows[step_name(40)]
     assert " intact " in rows[step_name(50)]
@@ -661,8 +661,8 @@ def test_an_unsafe_checkpoint_exits_1(tmp_path: Path, capsys: pytest.CaptureFixt
     manifest.symlink_to(tmp_path / "elsewhere")  # a manifest that is a link: refused, unsafe
     for argv in (["inspect", str(tmp_path / "c")], ["ls", str(tmp_path)]):
         code, out, err = run(argv, capsys)
-        if argv[0] == "ls":  # listing reports it as damaged and goes on
-            assert code == 0 and "damaged" in out and "symbolic link" in out, out
+        if argv[0] == "ls":  # listing reports it as damaged, goes on, and exits 1
+            assert code == 1 and "damaged" in out and "symbolic link" in out, out
             continue
         assert code == 1, err
         assert_one_line_error(err, "symbolic link")

@@ -176,7 +176,7 @@ def test_verify_root_reports_each_checkpoint_as_it_goes(
     seen: list[str] = []
     real = listing.verify_one
 
-    def spy(path: Path) -> tuple[bool, list[str], str]:
+    def spy(path: Path) -> listing.Verified:
         seen.append(out.getvalue())  # what was printed before this checkpoint is read
         return real(path)
 

@@ -224,3 +224,108 @@ def test_manager_exports_load_are_pruned_and_run_off_the_training_thread(
         out = exporting.export_path(tmp_path, step)
         assert transformers.GenerationConfig.from_pretrained(out).max_new_tokens == 3
         assert_bit_exact(logits(load(out)), snapshots[step])
+
+
+# --------------------------------------------------------------------------- fckpt export --config
+
+
+def _model_dir(path: Path, model: Any) -> Path:
+    """A model directory as a user has one: save_pretrained's output and a tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    model.save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    fast.save_pretrained(path)
+    (path / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    (path / "pytorch_model.bin").write_bytes(b"old weights")
+    (path / "onnx").mkdir()
+    return path
+
+
+def _fckpt(*argv: str) -> tuple[int, str, str]:
+    import contextlib
+    import io
+
+    from functional_ckpt._src import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_cli_export_with_a_model_directory_loads_with_from_pretrained(tmp_path: Path) -> None:
+    model = tiny_gpt2()
+    base = _model_dir(tmp_path / "base", model)
+    with torch.no_grad():  # trained since: the export must hold the checkpoint's weights
+        for p in model.parameters():
+            p.add_(0.5)
+    fc.save(tmp_path / "ckpt", fc.capture(model=model))
+    out = tmp_path / "hf"
+    code, text, err = _fckpt("export", str(tmp_path / "ckpt"), str(out), "--config", str(base))
+    assert code == 0, err
+    names = {p.name for p in out.iterdir()}
+    assert names == {
+        CONFIG_FILE,
+        EXPORT_WEIGHTS,
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
+    assert "not taken from" in text and "pytorch_model.bin" in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = transformers.AutoModel.from_pretrained(out)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    want = model.state_dict()
+    got = loaded.state_dict()
+    assert got and all(torch.equal(t, want[f"transformer.{k}"]) for k, t in got.items())
+    assert_bit_exact(logits(load(out)), logits(model))
+    assert tokenizer("a b")["input_ids"] == [1, 2]
+
+    code, _, err = _fckpt("export", str(tmp_path / "ckpt"), str(out), "--config", str(base))
+    assert code == 2 and "--overwrite" in err  # never replaced unasked
+    code, text, err = _fckpt(
+        "export", str(tmp_path / "ckpt"), str(out), "--config", str(base / CONFIG_FILE),
+        "--dtype", "bf16", "--overwrite", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    doc = json.loads(text)
+    assert doc["config"] == str(base / CONFIG_FILE) and doc["left_out"] == []
+    assert json.loads((out / CONFIG_FILE).read_text())["dtype"] == "bfloat16"
+    assert (out / "tokenizer.json").is_file()  # kept from the export it replaced
+
+
+def test_cli_export_config_never_follows_links_or_reads_special_files(tmp_path: Path) -> None:
+    import os
+
+    fc.save(tmp_path / "ckpt", fc.capture(model=torch.nn.Linear(2, 2)))
+    secret = tmp_path / "secret"
+    secret.write_text('{"not": "yours"}')
+    cases: dict[str, tuple[Path, str]] = {}
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / CONFIG_FILE).write_text("{}")
+    os.symlink(secret, linked / "tokenizer.json")
+    cases["a link inside"] = (linked, "symbolic link")
+    fifo_dir = tmp_path / "fifo_dir"
+    fifo_dir.mkdir()
+    (fifo_dir / CONFIG_FILE).write_text("{}")
+    os.mkfifo(fifo_dir / "vocab.txt")
+    cases["a FIFO inside"] = (fifo_dir, "a FIFO")
+    os.symlink(secret, tmp_path / "config_link.json")
+    cases["a linked config"] = (tmp_path / "config_link.json", "symbolic link")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    cases["a config that is no object"] = (tmp_path / "list.json", "not a JSON config")
+    (tmp_path / "none").mkdir()
+    cases["no config.json"] = (tmp_path / "none", "holds no config.json")
+    for i, (what, (config, fragment)) in enumerate(cases.items()):
+        out = tmp_path / f"out{i}"
+        code, text, err = _fckpt(
+            "export", str(tmp_path / "ckpt"), str(out), "--config", str(config)
+        )
+        assert code == 2 and text == "", what
+        assert err.count("\n") == 1 and fragment in err and str(config) in err, (what, err)
+        assert not out.exists(), what

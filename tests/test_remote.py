@@ -385,6 +385,11 @@ def test_fckpt_ls_shows_the_tiers_and_verify_inspect_take_remote_urls(
     assert cli.main(["verify", mem]) == 1
     out = capsys.readouterr().out
     assert f"DAMAGED  {mem}/step_000000002" in out and "1 of 2 checkpoints damaged" in out
+    assert cli.main(["verify", mem, "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["path"] == mem and doc["intact"] == 1 and doc["damaged"] == 1
+    statuses = {c["path"]: c["status"] for c in doc["checkpoints"]}
+    assert statuses == {f"{mem}/step_000000002": "damaged", f"{mem}/step_000000003": "intact"}
 
 
 def test_two_ranks_with_their_own_local_roots_commit_on_one_remote(

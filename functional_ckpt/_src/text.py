@@ -11,13 +11,28 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["clip", "printable", "printable_lines", "short_repr"]
+__all__ = ["clip", "joined_lines", "printable", "printable_lines", "short_repr"]
 
 
 def clip(text: str, limit: int) -> str:
     """``text`` on one line (runs of whitespace made one space), at most ``limit`` long."""
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def joined_lines(text: str) -> str:
+    """A multi-line message as one line: a line that introduces a list (ends with
+    ``:``) runs on into it, other lines are set apart by ``;``.
+
+    Errors list their findings one per line; on one line ``damaged tensor data:;
+    ('model', 'w')...`` would read as an empty finding.
+    """
+    out = ""
+    for line in (part.strip() for part in text.splitlines()):
+        if not line:
+            continue
+        out += line if not out else (" " if out.endswith(":") else "; ") + line
+    return out
 
 
 def _big_int(n: int) -> str:

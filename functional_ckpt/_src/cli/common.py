@@ -6,23 +6,31 @@ this only adds the command line's wording.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from functional_ckpt._src.cli.ui import PROG, UI
+from functional_ckpt._src.cli.ui import PROG, UI, human
 from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.root.listing import RootEntry, newest_summary, root_entries
+from functional_ckpt._src.text import joined_lines
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
 __all__ = [
     "Declined",
     "UsageError",
+    "Verified",
     "is_checkpoint_dir",
+    "is_damaged",
     "newest_checkpoint",
     "one_line",
+    "print_json",
     "print_verified",
+    "verify_json",
     "require_exists",
     "scan_root",
     "time_text",
@@ -46,8 +54,7 @@ def one_line(err: BaseException) -> str:
         and not isinstance(err, CheckpointError)
     ):
         return f"{err.filename}: {err.strerror}"
-    text = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
-    return text or type(err).__name__
+    return joined_lines(str(err)) or type(err).__name__
 
 
 def time_text(t: float | None) -> str:
@@ -110,24 +117,63 @@ def newest_checkpoint(root: Path) -> Path:
     return newest.path
 
 
-def print_verified(
-    ui: UI,
-    emit: Callable[[str], None],
-    where: object,
-    result: tuple[bool, Sequence[str], str],
-    quiet: bool,
-) -> bool:
-    """``fckpt verify``'s lines for one checkpoint, local or remote alike; True if damaged.
+@dataclass(frozen=True)
+class Verified:
+    """One checkpoint's verdict, local or remote alike: what ``verify`` prints per checkpoint."""
 
-    ``result`` is (intact, problem lines, summary); ``emit`` prints a line (above a
-    progress bar when one runs).
+    where: str
+    ok: bool
+    problems: tuple[str, ...] = ()
+    files_checked: int = 0
+    bytes_checked: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.where,
+            "status": "intact" if self.ok else "damaged",
+            "problems": list(self.problems),
+            "files_checked": self.files_checked,
+            "bytes_checked": self.bytes_checked,
+        }
+
+
+def is_damaged(row: RootEntry) -> bool:
+    """Does listing alone find ``row`` damaged: an unreadable manifest, or a ``step_N``
+    directory (a real name, not a save in progress) that lost its commit marker?"""
+    return row.status == "damaged" or (row.status == "uncommitted" and row.canonical)
+
+
+def print_json(ui: UI, doc: Any) -> None:
+    """The one JSON document of a ``--json`` run: nothing else goes to stdout."""
+    ui.print(json.dumps(doc, indent=2))
+
+
+def verify_json(
+    target: str, results: Sequence[Verified], skipped: Sequence[dict[str, Any]] = ()
+) -> dict[str, Any]:
+    """``verify --json``'s document, for a local path and a remote URL alike."""
+    bad = sum(not r.ok for r in results)
+    return {
+        "path": target,
+        "ok": not bad,
+        "intact": len(results) - bad,
+        "damaged": bad,
+        "skipped": len(skipped),
+        "checkpoints": [r.to_json() for r in results] + list(skipped),
+    }
+
+
+def print_verified(ui: UI, emit: Callable[[str], None], result: Verified, quiet: bool) -> bool:
+    """``fckpt verify``'s lines for one checkpoint; True if damaged.
+
+    ``emit`` prints a line (above a progress bar when one runs).
     """
-    ok, problems, what = result
-    if ok:
+    if result.ok:
         if not quiet:
-            emit(f"{ui.paint('OK', 'ok')}       {where}  ({what})")
+            what = f"{result.files_checked} files, {human(result.bytes_checked)}"
+            emit(f"{ui.paint('OK', 'ok')}       {result.where}  ({what})")
         return False
-    emit(f"{ui.paint('DAMAGED', 'bad')}  {where}")
-    for line in problems:
+    emit(f"{ui.paint('DAMAGED', 'bad')}  {result.where}")
+    for line in result.problems:
         emit(f"  {line}")
     return True

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -14,12 +13,16 @@ from functional_ckpt._src.cli import tiers
 from functional_ckpt._src.cli.common import (
     Declined,
     UsageError,
+    Verified,
     is_checkpoint_dir,
+    is_damaged,
     one_line,
+    print_json,
     print_verified,
     require_exists,
     scan_root,
     time_text,
+    verify_json,
 )
 from functional_ckpt._src.cli.recording import ls_recording
 from functional_ckpt._src.cli.ui import PROG, UI, human
@@ -119,13 +122,16 @@ def _verify_rows(rows: Sequence[RootEntry], ui: UI) -> None:
     todo = [r for r in rows if r.status == "ok"]
     with ui.progress("verifying", sum(r.size for r in todo)) as bar:
         for row in todo:
-            ok, problems, _ = verify_one(row.path)
-            row.status = "intact" if ok else "damaged"
-            row.detail = "" if ok else f"{len(problems)} problems: {problems[0]}"
+            result = verify_one(row.path)
+            row.status = "intact" if result.ok else "damaged"
+            row.detail = (
+                "" if result.ok else f"{len(result.problems)} problems: {result.problems[0]}"
+            )
             bar.advance(row.size)
 
 
 def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
+    """List a root; exit status 1 when a checkpoint in it is damaged (``--verify`` or not)."""
     if tiers.is_url(args.root):
         return tiers.ls_remote(args, ui)
     root = Path(args.root)
@@ -152,16 +158,15 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
     if args.json:
         doc = [_row_json(r, why.get(r.name, [])) for r in rows]
         doc += [_export_json(e) for e in exports] + branched + (remote[1] if remote else [])
-        ui.print(json.dumps(doc, indent=2))
-        return 0
-    if not rows and not exports and not branched:
+        print_json(ui, doc)
+    elif not rows and not exports and not branched:
         ui.print(f"{root}: no checkpoints")
-        return 0
-    _print_ls(rows, why, parts, source, ui)
-    _print_exports(exports, ui)
-    _print_branches(branched, ui)
-    tiers.print_tiers(remote, ui)
-    return 0
+    else:
+        _print_ls(rows, why, parts, source, ui)
+        _print_exports(exports, ui)
+        _print_branches(branched, ui)
+        tiers.print_tiers(remote, ui)
+    return 1 if any(is_damaged(r) for r in rows) else 0
 
 
 def _branch_json(root: Path, name: str, steps: list[int]) -> dict[str, Any]:
@@ -275,31 +280,41 @@ def _print_ls(
 # --------------------------------------------------------------------------- verify
 
 
-def verify_one(path: Path) -> tuple[bool, list[str], str]:
-    """(intact, problem lines, summary) for one checkpoint; damage never raises."""
+def _problem(path: Path, err: BaseException) -> str:
+    """``path: message``, without naming the path twice when the message starts with it."""
+    text = one_line(err)
+    return text if text.startswith(f"{path}: ") else f"{path}: {text}"
+
+
+def verify_one(path: Path) -> Verified:
+    """The verdict on one checkpoint; damage never raises."""
     try:
         report = fc.verify(path)
     except (fc.errors.CorruptCheckpoint, fc.errors.UnsafeCheckpoint) as err:
-        return False, [f"{path}: {one_line(err)}"], ""
+        return Verified(str(path), False, (_problem(path, err),))
     except fc.errors.IncompleteCheckpoint as err:
         if naming.is_temporary_name(path.name):
             raise
-        return False, [f"{path}: {one_line(err)}"], ""
+        return Verified(str(path), False, (_problem(path, err),))
     lines = [f"{path / p.where if _is_file(path, p.where) else path}: {p}" for p in report.problems]
-    return report.ok, lines, f"{report.files_checked} files, {human(report.bytes_checked)}"
+    return Verified(str(path), report.ok, tuple(lines), report.files_checked, report.bytes_checked)
 
 
 def _is_file(path: Path, where: str) -> bool:
     return "/" not in where and (path / where).exists()
 
 
-def _verify_targets(target: Path) -> tuple[list[Path], list[str], list[Path]]:
+def _verify_targets(target: Path) -> tuple[list[Path], list[Verified], list[Path]]:
     """Checkpoints to verify under ``target``, damage found by listing alone, stock DCP dirs."""
     if is_checkpoint_dir(target) or not target.is_dir():
         return [target], [], []
     rows = scan_root(target)
     paths = [r.path for r in rows if r.status in COMMITTED]
-    broken = [f"{r.path}: {r.detail}" for r in rows if r.status == "uncommitted" and r.canonical]
+    broken = [
+        Verified(str(r.path), False, (f"{r.path}: {r.detail}",))
+        for r in rows
+        if r.status == "uncommitted" and is_damaged(r)
+    ]
     stock = [r.path for r in rows if r.status == "foreign"]
     if not paths and not broken and not stock:
         raise fc.errors.CheckpointNotFound(f"{target}: no checkpoints to verify here")
@@ -312,11 +327,12 @@ def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
     target = Path(args.path)
     require_exists(target)
     paths, broken, stock = _verify_targets(target)
-    bad = len(broken)
-    for line in broken:
-        ui.print(f"{ui.paint('DAMAGED', 'bad')}  {line}")
+    results = list(broken)
+    emit = (lambda line: None) if args.json else ui.print
+    for result in broken:  # found by listing alone: one line each
+        emit(f"{ui.paint('DAMAGED', 'bad')}  {result.problems[0]}")
     for path in stock:
-        ui.print(
+        emit(
             f"{ui.paint('SKIPPED', 'warn')}  {path}: a stock torch.distributed.checkpoint "
             "directory records no checksums; it cannot be verified"
         )
@@ -324,8 +340,23 @@ def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
         for path in paths:  # each result as soon as it is known
             result = verify_one(path)
             bar.advance(dir_size(path))
-            bad += print_verified(ui, bar.print, path, result, args.quiet)
-    total = len(paths) + len(broken)
+            results.append(result)
+            print_verified(ui, emit if args.json else bar.print, result, args.quiet)
+    bad = sum(not r.ok for r in results)
+    if args.json:
+        skipped = [
+            {
+                "path": str(p),
+                "status": "skipped",
+                "problems": [],
+                "files_checked": 0,
+                "bytes_checked": 0,
+            }
+            for p in stock
+        ]
+        print_json(ui, verify_json(str(target), results, skipped))
+        return 1 if bad else 0
+    total = len(results)
     unverified = f"; {len(stock)} stock DCP not verifiable" if stock else ""
     if bad:
         ui.print(f"{bad} of {total} checkpoints damaged{unverified}")
@@ -342,29 +373,52 @@ def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
 
 def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
     root = Path(args.root)
+    if args.json and not (args.yes or args.dry_run):
+        raise UsageError("--json: pass --yes or --dry-run too (a JSON run cannot ask)")
     rows = scan_root(root)
     parts = policy_from_flags(args)
     assert parts is not None  # --keep-last is required
     policy = _union(parts)
     infos = fc.CheckpointManager(root, read_only=True).infos()
-    if not infos:
-        ui.print(f"{root}: no committed checkpoints; nothing to prune")
-        return 0
-    plan = fc.retention.plan_deletions(policy, infos)
+    plan = fc.retention.plan_deletions(policy, infos) if infos else []
     kept = kept_by(parts, infos)
     sizes = {r.step: r.size for r in rows if r.canonical}
-    for info in infos:
-        doomed = info.step in plan
-        label = ui.paint("delete", "bad") if doomed else ui.paint("keep  ", "ok")
-        why = "" if doomed else f"  ({', '.join(kept[info.step])})"
-        ui.print(f"{label}  {info.path.name}  {human(sizes.get(info.step, info.size))}{why}")
-    freed = sum(sizes.get(s, 0) for s in plan)
-    if not plan:
-        ui.print(f"nothing to delete: the policy {policy!r} keeps all {len(infos)} checkpoints")
+    doc: dict[str, Any] = {
+        "root": str(root),
+        "policy": repr(policy),
+        "dry_run": bool(args.dry_run),
+        "checkpoints": [
+            {
+                "name": info.path.name,
+                "path": str(info.path),
+                "step": info.step,
+                "action": "delete" if info.step in plan else "keep",
+                "size": sizes.get(info.step, info.size),
+                "kept_by": [] if info.step in plan else kept[info.step],
+            }
+            for info in infos
+        ],
+        "deleted": [],
+        "freed": 0,
+    }
+    if not infos and not args.json:
+        ui.print(f"{root}: no committed checkpoints; nothing to prune")
         return 0
+    if not args.json:
+        for info in infos:
+            doomed = info.step in plan
+            label = ui.paint("delete", "bad") if doomed else ui.paint("keep  ", "ok")
+            why = "" if doomed else f"  ({', '.join(kept[info.step])})"
+            ui.print(f"{label}  {info.path.name}  {human(sizes.get(info.step, info.size))}{why}")
+    freed = sum(sizes.get(s, 0) for s in plan)
     question = f"delete {len(plan)} of {len(infos)} checkpoints ({human(freed)})?"
-    if args.dry_run:
-        ui.print(f"dry run: would {question[:-1]}")
+    if not plan or args.dry_run:
+        if args.json:
+            print_json(ui, doc)
+        elif not plan:
+            ui.print(f"nothing to delete: the policy {policy!r} keeps all {len(infos)} checkpoints")
+        else:
+            ui.print(f"dry run: would {question[:-1]}")
         return 0
     if not args.yes:
         if not ui.interactive():
@@ -375,9 +429,11 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
         if not ui.confirm(question[0].upper() + question[1:]):
             raise Declined("nothing deleted")
     deleted = _delete(root, policy, set(plan))
-    ui.print(
-        f"deleted {len(deleted)} checkpoints, freed {human(sum(sizes.get(s, 0) for s in deleted))}"
-    )
+    freed = sum(sizes.get(s, 0) for s in deleted)
+    if args.json:
+        print_json(ui, {**doc, "deleted": deleted, "freed": freed})
+        return 0
+    ui.print(f"deleted {len(deleted)} checkpoints, freed {human(freed)}")
     return 0
 
 

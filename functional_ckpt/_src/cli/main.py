@@ -11,7 +11,9 @@ adds presentation, never new checkpoint logic. Conventions:
 * exit status 0: done and all good; 1: the answer is "no" (a checkpoint is
   damaged or unsafe, the demo's runs differ, a prune was declined); 2: bad input
   (missing path, not a checkpoint, wrong flags), reported as one line
-  ``fckpt: error: <message>`` without a traceback.
+  ``fckpt: error: <message>`` without a traceback, whatever the input file holds;
+* ``--json`` (every command that prints a table or a report) makes stdout one
+  JSON document and nothing else; errors and exit statuses stay as they are.
 """
 
 from __future__ import annotations
@@ -22,14 +24,17 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import functional_ckpt as fc
-from functional_ckpt._src.cli.common import Declined, UsageError, one_line
+from functional_ckpt._src.cli.common import Declined, UsageError, one_line, print_json
 from functional_ckpt._src.cli.listing import cmd_ls, cmd_prune, cmd_verify
 from functional_ckpt._src.cli.show import cmd_diff, cmd_inspect
 from functional_ckpt._src.cli.ui import PROG, UI, Progress
 from functional_ckpt._src.export.safetensors import parse_size
+
+if TYPE_CHECKING:
+    from functional_ckpt._src.cli.demo.run import DemoResult
 
 __all__ = ["build_parser", "main"]
 
@@ -41,17 +46,43 @@ def cmd_demo(args: argparse.Namespace, ui: UI) -> int:
 
     root = Path(args.root) if args.root else demo.default_root()
 
+    say = ui.note if args.json else ui.print  # with --json, stdout holds only the document
+
     def progress(label: str, total: int) -> Progress | demo.Heartbeat:
         if not ui.show_progress:  # a log: a plain line every few seconds, no bar
-            return demo.Heartbeat(label, total, ui.print)
+            return demo.Heartbeat(label, total, say)
         return ui.progress(label, total, unit="steps").start()
 
-    ui.print(f"fckpt demo: train, SIGKILL, resume, compare; working in {root}")
-    result = demo.run_demo(root, args.steps, args.crash_at, progress=progress, say=ui.print)
+    say(f"fckpt demo: train, SIGKILL, resume, compare; working in {root}")
+    result = demo.run_demo(root, args.steps, args.crash_at, progress=progress, say=say)
     result.plot = demo.plot(result)
-    ui.print("")
-    ui.print(demo.format_report(result, ui.paint, ui.ascii_only))
+    if args.json:
+        print_json(ui, _demo_json(result))
+    else:
+        ui.print("")
+        ui.print(demo.format_report(result, ui.paint, ui.ascii_only))
     return 0 if result.identical else 1
+
+
+def _demo_json(result: DemoResult) -> dict[str, Any]:
+    """``demo --json``: the verdict and the numbers the report is made of."""
+    return {
+        "root": str(result.root),
+        "identical": result.identical,
+        "losses_identical": result.losses_identical,
+        "state_diff": list(result.state_diff),
+        "steps": result.schedule.steps,
+        "crash_at": result.crash_at,
+        "killed_at": result.first.last_step,
+        "resumed_from": result.second.resumed_from,
+        "finished_at": result.second.last_step,
+        "replayed": result.replayed,
+        "kept": list(result.kept),
+        "kept_by": {str(k): v for k, v in result.kept_by.items()},
+        "in_flight": list(result.in_flight),
+        "wall_s": result.wall_s,
+        "plot": None if result.plot is None else str(result.plot),
+    }
 
 
 # --------------------------------------------------------------------------- parser
@@ -175,10 +206,12 @@ def _add_verify(subs: Any) -> None:
         "checkpoint under it. Prints one line per damaged file or key.\n"
         "Exit status: 0 all intact, 1 damage found, 2 bad input.",
         "  fckpt verify runs/exp1/step_000001000\n"
-        "  fckpt verify runs/exp1 --quiet || echo 'damaged!'\n",
+        "  fckpt verify runs/exp1 --quiet || echo 'damaged!'\n"
+        "  fckpt verify runs/exp1 --json | jq '.checkpoints[].status'\n",
     )
     p.add_argument("path", help="a checkpoint directory, or a root of checkpoints")
     p.add_argument("-q", "--quiet", action="store_true", help="print only damage and the total")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(func=cmd_verify)
 
 
@@ -192,7 +225,8 @@ def _add_diff(subs: Any) -> None:
         "maximum absolute difference (or nothing, if bit-identical). Both checkpoints\n"
         "are read in full.",
         "  fckpt diff runs/exp1/step_000001000 runs/exp1/step_000002000\n"
-        "  fckpt diff a/step_000000100 b/step_000000100 --exit-code && echo identical\n",
+        "  fckpt diff a/step_000000100 b/step_000000100 --exit-code && echo identical\n"
+        "  fckpt diff a/step_000000100 b/step_000000100 --json | jq '.entries[].key'\n",
     )
     p.add_argument("a", help="the first checkpoint")
     p.add_argument("b", help="the second checkpoint")
@@ -200,6 +234,7 @@ def _add_diff(subs: Any) -> None:
     p.add_argument(
         "--exit-code", action="store_true", help="exit with status 1 when the checkpoints differ"
     )
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(func=cmd_diff)
 
 
@@ -215,10 +250,13 @@ def _add_export(subs: Any) -> None:
         "With --format torch, write them as one torch.save file OUT (a state_dict that\n"
         "model.load_state_dict takes), or with --full the whole state; the file loads\n"
         "with torch.load(weights_only=True). OUT appears atomically: complete or not at\n"
-        "all. PATH may be a root: its newest checkpoint is exported.",
+        "all. PATH may be a root: its newest checkpoint is exported. With --config, the\n"
+        "config.json and side files of a model directory go with the weights, so that\n"
+        "from_pretrained(OUT) loads it.",
         "  fckpt export runs/exp1/step_000001000 weights/\n"
         "  fckpt export runs/exp1 weights/ --dtype bfloat16 --max-shard-size 2GB\n"
         "  fckpt export ckpt ema/ --select ema/model --overwrite\n"
+        "  fckpt export runs/exp1 hf/ --config base_model/   # loads with from_pretrained\n"
         "  fckpt export runs/exp1 model.pt --format torch\n"
         "  fckpt export runs/exp1 full.pt --format torch --full\n",
     )
@@ -252,7 +290,14 @@ def _add_export(subs: Any) -> None:
         metavar="SIZE",
         help="largest safetensors shard, e.g. 500MB, 5GB (or 5G), 2GiB (default: 5GB)",
     )
+    p.add_argument(
+        "--config",
+        metavar="DIR_OR_FILE",
+        help="config.json to write beside the weights; a model directory (save_pretrained's "
+        "output) also gives its tokenizer files, generation_config.json and other side files",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace OUT atomically")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(func=cmd_export_any)
 
 
@@ -277,6 +322,7 @@ def _add_import(subs: Any) -> None:
         "out", help="the checkpoint directory to write (must not exist unless --overwrite)"
     )
     p.add_argument("--overwrite", action="store_true", help="replace OUT atomically")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(func=cmd_import)
 
 
@@ -297,6 +343,9 @@ def _add_prune(subs: Any) -> None:
     _add_policy_flags(p, required=True)
     p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
     p.add_argument("-n", "--dry-run", action="store_true", help="show the plan, delete nothing")
+    p.add_argument(
+        "--json", action="store_true", help="print JSON for scripts (with --yes or --dry-run)"
+    )
     p.set_defaults(func=cmd_prune)
 
 
@@ -329,6 +378,9 @@ def _add_demo(subs: Any) -> None:
         type=_positive,
         metavar="STEP",
         help="step after which the first process is killed (default: 40%% of --steps)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the verdict as JSON (progress on stderr)"
     )
     p.set_defaults(func=cmd_demo)
 
@@ -440,7 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
         "  fckpt prune runs/exp1 --keep-last 3 --keep-best 2 --metric val_loss\n"
         "  fckpt run --retries 3 --root runs/exp1 -- python train.py\n\n"
         "exit status: 0 ok, 1 damage found / not identical / declined, 2 bad input\n"
-        "'fckpt COMMAND --help' shows each command's options. NO_COLOR=1 disables colours.",
+        "--json: one JSON document on stdout (ls, inspect, verify, diff, export, import,\n"
+        "prune, demo). 'fckpt COMMAND --help' shows each command's options. NO_COLOR=1\n"
+        "disables colours.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {fc.__version__}")
@@ -480,8 +534,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Declined as e:
         ui.error(one_line(e))
         return 1
-    except (fc.errors.CorruptCheckpoint, fc.errors.UnsafeCheckpoint, DemoError) as e:
-        ui.error(one_line(e))  # the answer is "no": the checkpoint is damaged or hostile
+    except (
+        fc.errors.CorruptCheckpoint,
+        fc.errors.UnsafeCheckpoint,
+        fc.errors.IncompleteCheckpoint,
+        DemoError,
+    ) as e:
+        ui.error(one_line(e))  # the answer is "no": damaged, never committed, or hostile
         return 1
     except BrokenPipeError:
         with contextlib.suppress(OSError):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from functional_ckpt._src.cli import tiers
 from functional_ckpt._src.cli.common import (
     UsageError,
     newest_checkpoint,
+    print_json,
     refuse_stock_dcp,
     require_exists,
     time_text,
@@ -32,7 +32,7 @@ from functional_ckpt._src.root.listing import entry_of
 from functional_ckpt._src.storage.usage import dir_size
 from functional_ckpt._src.text import printable, short_repr
 
-__all__ = ["cmd_diff", "cmd_export", "cmd_inspect", "jsonable", "parse_dtype"]
+__all__ = ["cmd_diff", "cmd_export", "cmd_inspect", "export_json", "jsonable", "parse_dtype"]
 
 # --------------------------------------------------------------------------- inspect
 
@@ -199,7 +199,7 @@ def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
             "metadata": jsonable(summary.metadata),
             "entries": [_entry_json(e) for e in entries],
         }
-        ui.print(json.dumps(doc, indent=2))
+        print_json(ui, doc)
         return 0
     for line in _inspect_lines(summary, entries, ui):
         ui.print(line)
@@ -251,13 +251,33 @@ def cmd_diff(args: argparse.Namespace, ui: UI) -> int:
             bar.update(done[0], force=True)
 
         result = diff_checkpoints(a, b, progress)
-    ui.print(f"{ui.paint('A', 'head')} {a}\n{ui.paint('B', 'head')} {b}")
     shown = result.entries if args.all else result.changes
-    for entry in shown:
-        ui.print(ui.paint(str(entry), _DIFF_STYLE.get(entry.kind, "warn")))
     counts: dict[str, int] = {}
     for e in result.entries:
         counts[e.kind] = counts.get(e.kind, 0) + 1
+    differ = 1 if args.exit_code and result.changes else 0
+    if args.json:
+        doc = {
+            "a": str(a),
+            "b": str(b),
+            "identical": not result.changes,
+            "counts": counts,
+            "entries": [
+                {
+                    "kind": e.kind,
+                    "key": "/".join(e.key),
+                    "path": list(e.key),
+                    "detail": e.detail,
+                    "nbytes": e.nbytes,
+                }
+                for e in shown
+            ],
+        }
+        print_json(ui, doc)
+        return differ
+    ui.print(f"{ui.paint('A', 'head')} {a}\n{ui.paint('B', 'head')} {b}")
+    for entry in shown:
+        ui.print(ui.paint(str(entry), _DIFF_STYLE.get(entry.kind, "warn")))
     order = ("added", "removed", "kind", "shape", "dtype", "value", "tensor", "same")
     names = {
         "kind": "kind changed",
@@ -270,7 +290,7 @@ def cmd_diff(args: argparse.Namespace, ui: UI) -> int:
     ui.print(", ".join(f"{counts[k]} {names.get(k, k)}" for k in order if counts.get(k)))
     if not result.changes:
         ui.print("the checkpoints hold identical states")
-    return 1 if args.exit_code and result.changes else 0
+    return differ
 
 
 # --------------------------------------------------------------------------- export
@@ -329,6 +349,13 @@ def cmd_export(args: argparse.Namespace, ui: UI) -> int:
     select = tuple(k for k in args.select.split("/") if k)
     if not select:
         raise UsageError(f"--select {args.select!r}: expected a key such as 'model'")
+    config: dict[str, Any] | None = None
+    extra: dict[str, bytes] = {}
+    left_out: list[str] = []
+    if args.config is not None:
+        from functional_ckpt._src.export.files import model_files  # torch: only when exporting
+
+        config, extra, left_out = model_files(Path(args.config))
     read, write = _selected_bytes(fc.inspect(src), select, dtype)
     with ui.progress("exporting", read + write) as bar:
         try:
@@ -339,12 +366,34 @@ def cmd_export(args: argparse.Namespace, ui: UI) -> int:
                 dtype=dtype,
                 max_shard_size=args.max_shard_size,
                 overwrite=args.overwrite,
+                config=config,
+                extra_files=extra,
             )
         except fc.errors.CheckpointExists as e:  # created meanwhile: the flag, not the argument
             raise UsageError(str(e).replace("overwrite=True", "--overwrite")) from None
         bar.update(read + write, force=True)
     files = sorted(p for p in out.iterdir() if p.is_file())
+    side = {} if args.config is None else {"config": args.config, "left_out": left_out}
+    if args.json:
+        print_json(ui, export_json(src, out, "safetensors", "/".join(select), files, **side))
+        return 0
     ui.print(f"exported {'/'.join(select)} of {src} to {out}:")
     for f in files:
         ui.print(f"  {f.name}  {human(f.stat().st_size)}")
+    if left_out:
+        ui.print(f"not taken from {args.config}: {', '.join(left_out)} (weights, hidden, folders)")
     return 0
+
+
+def export_json(
+    src: Path, out: Path, form: str, select: str | None, files: Sequence[Path], **more: Any
+) -> dict[str, Any]:
+    """``export --json``'s document, for both formats: what was written where."""
+    return {
+        "path": str(src),
+        "out": str(out),
+        "format": form,
+        "select": select,
+        "files": [{"name": f.name, "size": f.stat().st_size} for f in files],
+        **more,
+    }

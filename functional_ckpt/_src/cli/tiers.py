@@ -20,7 +20,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from functional_ckpt._src.cli.common import UsageError, one_line, print_verified, time_text
+from functional_ckpt._src.cli.common import (
+    UsageError,
+    Verified,
+    one_line,
+    print_json,
+    print_verified,
+    time_text,
+    verify_json,
+)
 from functional_ckpt._src.cli.ui import UI, human
 from functional_ckpt._src.format.header import header_of
 from functional_ckpt._src.format.naming import parse_step, step_name
@@ -132,7 +140,7 @@ def ls_remote(args: argparse.Namespace, ui: UI) -> int:
         status = "ok" if entry.committed else "partial"
         rows.append({"step": step, "status": status, "time": created, "size": size})
     if args.json:
-        ui.print(json.dumps(rows, indent=2))
+        print_json(ui, rows)
         return 0
     if not rows:
         ui.print(f"{args.root}: no checkpoints")
@@ -169,18 +177,25 @@ def verify_remote(args: argparse.Namespace, ui: UI) -> int:
     )
     if not steps:
         raise CheckpointNotFound(f"{args.path}: no committed checkpoints to verify here")
-    bad = 0
+    results: list[Verified] = []
     for s in steps:
         where = store.where(s)
         with tempfile.TemporaryDirectory(prefix="fckpt-") as tmp:
             try:
                 report = verify(download(store, s, Path(tmp), check=False))
-                problems = [f"{where}/{p}" for p in report.problems]
-                what = f"{report.files_checked} files, {human(report.bytes_checked)}"
-                result = (report.ok, problems, what)
+                problems = tuple(f"{where}/{p}" for p in report.problems)
+                result = Verified(
+                    where, report.ok, problems, report.files_checked, report.bytes_checked
+                )
             except CheckpointError as err:
-                result = (False, [f"{where}: {one_line(err)}"], "")
-        bad += print_verified(ui, ui.print, where, result, args.quiet)
+                result = Verified(where, False, (f"{where}: {one_line(err)}",))
+        results.append(result)
+        if not args.json:
+            print_verified(ui, ui.print, result, args.quiet)
+    bad = sum(not r.ok for r in results)
+    if args.json:
+        print_json(ui, verify_json(args.path, results))
+        return 1 if bad else 0
     if bad:
         ui.print(f"{bad} of {len(steps)} checkpoints damaged")
         return 1

@@ -182,6 +182,10 @@ class UI:
         """
         print(text if self.colour else printable_lines(text), file=self.out, flush=True)
 
+    def note(self, text: str) -> None:
+        """A line about the run, not its result: stderr, so stdout stays the result alone."""
+        print(printable_lines(text), file=self.err, flush=True)
+
     def error(self, message: str) -> None:
         print(f"{PROG}: error: {printable_lines(message)}", file=self.err, flush=True)
 

@@ -21,6 +21,22 @@ from functional_ckpt._src.storage import opener
 from functional_ckpt.errors import CheckpointError
 
 CONFIG_FILE = "config.json"
+#: Largest side file taken from a model directory: a tokenizer.json of a large
+#: vocabulary is tens of MB; past this it is weights or something else entirely.
+SIDE_FILE_BYTES = 1 << 30
+#: What a model directory holds that is weights, not a side file (in any framework).
+_WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".h5",
+    ".msgpack",
+    ".gguf",
+    ".onnx",
+    ".index.json",
+)
 
 ExtraFile = bytes | str | os.PathLike[str] | Mapping[str, Any] | Any
 
@@ -151,3 +167,87 @@ def header_metadata(path: Path) -> dict[str, str]:
     with safe_open(str(first_weight_file(path)), framework="pt") as f:
         meta = f.metadata()
     return dict(meta or {})
+
+
+def _plain_kind(mode: int) -> str | None:
+    """Why a directory entry is no file to copy, or None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        return "a symbolic link (links are not followed; copy the file it points to)"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "not a regular file"
+
+
+def _read_side_file(path: Path) -> bytes:
+    try:
+        return opener.read_file(path, limit=SIDE_FILE_BYTES, what="side file")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file") from None
+    except CheckpointError as e:  # swapped for a link or a FIFO after it was listed
+        raise CheckpointError(f"{path}: not copied: {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror or e})") from None
+
+
+def _config_of(data: bytes, where: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{where}: not a JSON config ({e})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{where}: not a JSON config (a {type(config).__name__})")
+    return config
+
+
+def model_files(source: Path) -> tuple[dict[str, Any], dict[str, bytes], list[str]]:
+    """(config, other side files, names left out) of a model directory or a config file.
+
+    A directory (``save_pretrained``'s output, a model repository) gives its
+    ``config.json`` and every other regular file beside it: tokenizer files,
+    ``generation_config.json``, a README; its own weights, hidden files and
+    subdirectories are left out. A file is the config itself. Nothing is read
+    through a link, nor from a FIFO or device: a link in a model directory may
+    point anywhere, and its target would land in the export.
+    """
+    try:
+        mode = os.lstat(source).st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{source}: no such file or directory") from None
+    except OSError as e:
+        raise CheckpointError(f"{source}: cannot read it ({e.strerror or e})") from None
+    if not stat.S_ISDIR(mode):
+        why = _plain_kind(mode)
+        if why is not None:
+            raise CheckpointError(f"{source}: {why}; expected a config.json or a model directory")
+        return _config_of(_read_side_file(source), source), {}, []
+    try:
+        names = sorted(os.listdir(source))
+    except OSError as e:
+        raise CheckpointError(f"{source}: cannot list it ({e.strerror or e})") from None
+    if CONFIG_FILE not in names:
+        raise CheckpointError(
+            f"{source}: holds no {CONFIG_FILE}; pass the directory save_pretrained wrote, "
+            "or the config file itself"
+        )
+    config: dict[str, Any] = {}
+    files: dict[str, bytes] = {}
+    left_out: list[str] = []
+    for name in names:
+        where = source / name
+        kind = os.lstat(where).st_mode
+        if name.startswith(".") or stat.S_ISDIR(kind) or name.endswith(_WEIGHT_SUFFIXES):
+            left_out.append(name)
+            continue
+        why = _plain_kind(kind)
+        if why is not None:
+            raise CheckpointError(f"{where}: {why}; not copied into the export")
+        data = _read_side_file(where)
+        if name == CONFIG_FILE:
+            config = _config_of(data, where)
+        else:
+            files[name] = data
+    return config, files, left_out

@@ -23,6 +23,8 @@ import contextlib
 import os
 import pickle
 import stat
+import struct
+import warnings
 import zipfile
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -90,7 +92,11 @@ def load_torch_file(path: PathLike) -> Any:
     try:
         # mmap: tensors are read from the page cache as fc.save copies them, not first
         # into memory; the legacy (non-zip) format cannot be mapped.
-        return torch.load(src, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(src))
+        with warnings.catch_warnings():  # bytes that are no pickle: an error follows
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(
+                src, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(src)
+            )
     except pickle.UnpicklingError as exc:
         text = str(exc)
         reason = _refusal_reason(text)
@@ -106,6 +112,21 @@ def load_torch_file(path: PathLike) -> Any:
     except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile) as exc:
         raise CheckpointError(
             f"{src}: not a readable torch.save file ({_first_line(str(exc))})"
+        ) from None
+    except (
+        LookupError,
+        TypeError,
+        AttributeError,
+        AssertionError,
+        struct.error,
+        MemoryError,
+        RecursionError,
+    ) as exc:
+        # Bytes that are no pickle at all (a text file, an HTML page) send the
+        # unpickler through opcodes it then trips over: a memo index, a stack slot.
+        raise CheckpointError(
+            f"{src}: not a torch.save file (its bytes do not decode as one: "
+            f"{type(exc).__name__} {_first_line(str(exc))})"
         ) from None
 
 

@@ -25,6 +25,7 @@ from functional_ckpt._src.format.naming import (
 )
 from functional_ckpt._src.storage import committed
 from functional_ckpt._src.storage.usage import dir_size
+from functional_ckpt._src.text import joined_lines
 from functional_ckpt.errors import (
     CheckpointError,
     CheckpointNotFound,
@@ -145,8 +146,7 @@ class RootEntry:
 
 
 def _one_line(err: BaseException) -> str:
-    text = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
-    return text or type(err).__name__
+    return joined_lines(str(err)) or type(err).__name__
 
 
 def _committed_entry(path: Path) -> RootEntry:
