@@ -28,6 +28,7 @@ import functional_ckpt as fc
 from functional_ckpt._src import cli
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.restore.read import vetted_view
+from tests.patience import HANG
 
 HERE = Path(__file__).resolve().parent
 
@@ -377,7 +378,7 @@ def junk_results(
         check=True,
         env=env,
         stdin=subprocess.DEVNULL,
-        timeout=300,  # a guard against a hang (a FIFO opened blocking), not a speed limit
+        timeout=HANG,  # a guard against a hang (a FIFO opened blocking), not a speed limit
     )
     results = json.loads((base / "r").read_text())
     return {key: {**r, "path": str(junk[key[0]])} for key, r in zip(keys, results, strict=True)}
