@@ -26,19 +26,75 @@ from typing import Any, NoReturn
 
 import functional_ckpt as fc
 from functional_ckpt._src.cli.common import Declined, UsageError, one_line
-from functional_ckpt._src.cli.listing import cmd_ls, cmd_prune, cmd_verify
-from functional_ckpt._src.cli.show import cmd_diff, cmd_inspect
 from functional_ckpt._src.cli.ui import PROG, UI, Progress
-from functional_ckpt._src.export.safetensors import parse_size
 
 __all__ = ["build_parser", "main"]
 
-# --------------------------------------------------------------------------- demo
+# --------------------------------------------------------------------------- commands
+# Each command's module is imported when that command runs, never to build the
+# parser: ``fckpt --help`` and the commands that read no tensor start without
+# torch and the modules of the commands not run.
+
+
+def _ls(args: argparse.Namespace, ui: UI) -> int:
+    from functional_ckpt._src.cli.listing import cmd_ls
+
+    return cmd_ls(args, ui)
+
+
+def _verify(args: argparse.Namespace, ui: UI) -> int:
+    from functional_ckpt._src.cli.listing import cmd_verify
+
+    return cmd_verify(args, ui)
+
+
+def _prune(args: argparse.Namespace, ui: UI) -> int:
+    from functional_ckpt._src.cli.listing import cmd_prune
+
+    return cmd_prune(args, ui)
+
+
+def _inspect(args: argparse.Namespace, ui: UI) -> int:
+    from functional_ckpt._src.cli.show import cmd_inspect
+
+    return cmd_inspect(args, ui)
+
+
+def _diff(args: argparse.Namespace, ui: UI) -> int:
+    from functional_ckpt._src.cli.show import cmd_diff
+
+    return cmd_diff(args, ui)
+
+
+def _export(args: argparse.Namespace, ui: UI) -> int:
+    from functional_ckpt._src.cli.torchcmd import cmd_export_any
+
+    return cmd_export_any(args, ui)
+
+
+def _import(args: argparse.Namespace, ui: UI) -> int:
+    from functional_ckpt._src.cli.torchcmd import cmd_import
+
+    return cmd_import(args, ui)
+
+
+def _run(args: argparse.Namespace, ui: UI) -> int:
+    from functional_ckpt._src.cli.run import cmd_run
+
+    return cmd_run(args, ui)
 
 
 def cmd_demo(args: argparse.Namespace, ui: UI) -> int:
     from functional_ckpt._src.cli import demo
 
+    try:
+        return _demo(demo, args, ui)
+    except demo.DemoError as e:
+        ui.error(one_line(e))  # the answer is "no": the demo's runs could not be compared
+        return 1
+
+
+def _demo(demo: Any, args: argparse.Namespace, ui: UI) -> int:
     root = Path(args.root) if args.root else demo.default_root()
 
     def progress(label: str, total: int) -> Progress:
@@ -64,6 +120,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _size(text: str) -> str:
     """A shard size as ``export_safetensors`` takes it, checked while parsing the flags."""
+    from functional_ckpt._src.export.safetensors import parse_size
+
     try:
         parse_size(text)
     except ValueError:
@@ -139,7 +197,7 @@ def _add_ls(subs: Any) -> None:
     p.add_argument("--verify", action="store_true", help="re-read every byte (slow)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     _add_policy_flags(p, required=False)
-    p.set_defaults(func=cmd_ls)
+    p.set_defaults(func=_ls)
 
 
 def _add_inspect(subs: Any) -> None:
@@ -161,7 +219,7 @@ def _add_inspect(subs: Any) -> None:
         help="only keys starting with PREFIX, nested keys joined by '/' (model/0.weight)",
     )
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
-    p.set_defaults(func=cmd_inspect)
+    p.set_defaults(func=_inspect)
 
 
 def _add_verify(subs: Any) -> None:
@@ -177,7 +235,7 @@ def _add_verify(subs: Any) -> None:
     )
     p.add_argument("path", help="a checkpoint directory, or a root of checkpoints")
     p.add_argument("-q", "--quiet", action="store_true", help="print only damage and the total")
-    p.set_defaults(func=cmd_verify)
+    p.set_defaults(func=_verify)
 
 
 def _add_diff(subs: Any) -> None:
@@ -198,12 +256,10 @@ def _add_diff(subs: Any) -> None:
     p.add_argument(
         "--exit-code", action="store_true", help="exit with status 1 when the checkpoints differ"
     )
-    p.set_defaults(func=cmd_diff)
+    p.set_defaults(func=_diff)
 
 
 def _add_export(subs: Any) -> None:
-    from functional_ckpt._src.cli.torchcmd import cmd_export_any
-
     p = _sub(
         subs,
         "export",
@@ -251,12 +307,10 @@ def _add_export(subs: Any) -> None:
         help="largest safetensors shard, e.g. 500MB, 5GB (or 5G), 2GiB (default: 5GB)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace OUT atomically")
-    p.set_defaults(func=cmd_export_any)
+    p.set_defaults(func=_export)
 
 
 def _add_import(subs: Any) -> None:
-    from functional_ckpt._src.cli.torchcmd import cmd_import
-
     p = _sub(
         subs,
         "import",
@@ -275,7 +329,7 @@ def _add_import(subs: Any) -> None:
         "out", help="the checkpoint directory to write (must not exist unless --overwrite)"
     )
     p.add_argument("--overwrite", action="store_true", help="replace OUT atomically")
-    p.set_defaults(func=cmd_import)
+    p.set_defaults(func=_import)
 
 
 def _add_prune(subs: Any) -> None:
@@ -295,7 +349,7 @@ def _add_prune(subs: Any) -> None:
     _add_policy_flags(p, required=True)
     p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
     p.add_argument("-n", "--dry-run", action="store_true", help="show the plan, delete nothing")
-    p.set_defaults(func=cmd_prune)
+    p.set_defaults(func=_prune)
 
 
 def _add_demo(subs: Any) -> None:
@@ -352,8 +406,6 @@ def _seconds(text: str) -> float:
 
 
 def _add_run(subs: Any) -> None:
-    from functional_ckpt._src.cli.run import cmd_run
-
     p = _sub(
         subs,
         "run",
@@ -405,7 +457,7 @@ def _add_run(subs: Any) -> None:
         help="stop after K >= 2 failures in a row at the same place (default: 2; 0: never)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...")
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=_run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -449,8 +501,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``fckpt`` and ``python -m functional_ckpt``; returns the exit status."""
-    from functional_ckpt._src.cli.demo import DemoError
-
     ui = UI()
     try:
         args = build_parser().parse_args(argv)
@@ -464,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Declined as e:
         ui.error(one_line(e))
         return 1
-    except (fc.errors.CorruptCheckpoint, fc.errors.UnsafeCheckpoint, DemoError) as e:
+    except (fc.errors.CorruptCheckpoint, fc.errors.UnsafeCheckpoint) as e:
         ui.error(one_line(e))  # the answer is "no": the checkpoint is damaged or hostile
         return 1
     except BrokenPipeError:

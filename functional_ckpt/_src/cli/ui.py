@@ -5,6 +5,9 @@ stdout and no ``NO_COLOR`` (https://no-color.org) or ``TERM=dumb``; progress nee
 a terminal on stderr, so ``fckpt verify ROOT > log`` still shows progress while
 the log stays plain. Output on a non-terminal is plain, stable text (scripts
 parse it): tables are never wrapped or truncated and carry no trailing spaces.
+
+``rich`` is imported only where a bar, a table or a colour is drawn: a command
+that prints plain lines (``--help``, ``--version``) starts without it.
 """
 
 from __future__ import annotations
@@ -14,23 +17,12 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import IO, Any
-
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    MofNCompleteColumn,
-    TaskProgressColumn,
-    TextColumn,
-    TimeRemainingColumn,
-)
-from rich.progress import Progress as RichProgress
-from rich.style import Style
-from rich.table import Table
-from rich.text import Text
+from typing import IO, TYPE_CHECKING, Any
 
 from functional_ckpt._src.text import printable_lines
+
+if TYPE_CHECKING:
+    from rich.progress import Progress as RichProgress
 
 __all__ = ["PROG", "Progress", "UI", "human"]
 
@@ -86,6 +78,17 @@ class Progress:
         self._bar: RichProgress | None = None
         self._task: Any = None
         if enabled:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                MofNCompleteColumn,
+                TaskProgressColumn,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+            from rich.progress import Progress as RichProgress
+
             amount = DownloadColumn(binary_units=True) if unit == "B" else MofNCompleteColumn()
             self._bar = RichProgress(
                 TextColumn("{task.description}"),
@@ -132,6 +135,8 @@ class Progress:
     def print(self, text: str) -> None:
         """A result line on stdout while the bar runs: above the bar when both share a terminal."""
         if self._bar is not None and self._task is not None and _isatty(self.out):
+            from rich.text import Text
+
             self._bar.console.print(Text.from_ansi(text), soft_wrap=True, highlight=False)
         else:
             print(text, file=self.out, flush=True)
@@ -171,7 +176,11 @@ class UI:
     def paint(self, text: str, style: str) -> str:
         """``text`` in the style's colours when colours are on, else unchanged."""
         name = _STYLES.get(style)
-        return Style.parse(name).render(text) if self.colour and name else text
+        if not (self.colour and name):
+            return text
+        from rich.style import Style
+
+        return Style.parse(name).render(text)
 
     def print(self, text: str = "") -> None:
         """One line (or several) of output; plain output is escaped for the terminal.
@@ -190,6 +199,10 @@ class UI:
 
     def table(self, head: Sequence[str], rows: Sequence[Sequence[str]], styles: Any) -> None:
         """Print a table: aligned columns, ``head`` bold, ``styles[i][j]`` per cell."""
+        from rich.console import Console
+        from rich.table import Table
+        from rich.text import Text
+
         table = Table(box=None, pad_edge=False, padding=(0, 2, 0, 0), show_edge=False)
         for name in head:
             table.add_column(Text(name, style="bold" if self.colour else ""), no_wrap=True)
