@@ -12,7 +12,8 @@ checkpoint of its step or a :func:`snapshot` of the selected tensors, taken on
 the training thread: never the live tensors that the next optimizer step changes.
 
 Listing exports (``fckpt ls``) reads their directories and headers only: torch,
-tensordict and the writer are imported by the functions that copy or write.
+tensordict, the writer and the deleter are imported by the functions that copy,
+write or delete.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from functional_ckpt._src.export.files import header_metadata
 from functional_ckpt._src.format.header import metrics_of, save_time
 from functional_ckpt._src.format.naming import EXPORTS_DIR, step_name
 from functional_ckpt._src.policy.retention import plan_deletions
-from functional_ckpt._src.root.delete import delete, remove_all
 from functional_ckpt._src.root.listing import step_dirs
 from functional_ckpt._src.storage.usage import dir_size
 from functional_ckpt.errors import CheckpointError
@@ -123,6 +123,8 @@ def export_infos(root: Path) -> list[ExportInfo]:
 
 def prune_exports(root: Path, export: Export) -> list[int]:
     """Delete the exports ``export.keep`` does not keep (never the newest one)."""
+    from functional_ckpt._src.root.delete import delete, remove_all
+
     infos = export_infos(root)
     doomed = plan_deletions(export.keep, infos)
     if doomed:
