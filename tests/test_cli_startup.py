@@ -4,11 +4,13 @@ Each case runs the real entry point (``python -m functional_ckpt``) in a fresh
 process, which then reports the modules it loaded: ``--help``, ``--version`` and
 ``ls`` must load neither torch nor tensordict, and numpy only to rebuild a numpy
 value a manifest holds (the RNG states ``fc.capture`` records). Their output is
-checked as well: starting lighter must not change what they say.
+checked as well: starting lighter must not change what they say, and the plain
+tables printed without ``rich`` are laid out exactly as ``rich`` lays them out.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -18,8 +20,11 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import functional_ckpt as fc
+from functional_ckpt._src.cli import ui
 from functional_ckpt._src.format.naming import step_name
 
 #: Runs the entry point as ``python -m functional_ckpt`` does, then names the heavy
@@ -130,3 +135,37 @@ def test_verify_loads_no_tensordict(plain_root: Path, managed_root: Path) -> Non
         code, out, loaded = fckpt("verify", str(root))
         assert code == 0 and out.splitlines()[-1] == f"{n} checkpoints intact"
         assert "tensordict" not in loaded
+
+
+def _printed_table(head: list[str], rows: list[list[str]], *, plain: bool) -> str:
+    out = io.StringIO()
+    styles = [["dim"] * len(head) for _ in rows]
+    with pytest.MonkeyPatch.context() as mp:
+        if not plain:  # the layout rich makes of the same table
+            mp.setattr(ui, "_plain_cells", lambda *_: False)
+        ui.UI(out=out, colour=False).table(head, rows, styles)
+    return out.getvalue()
+
+
+_CELL = st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 6).flatmap(
+        lambda n: st.tuples(
+            st.lists(_CELL, min_size=n, max_size=n),
+            st.lists(st.lists(_CELL, min_size=n, max_size=n), max_size=6),
+        )
+    )
+)
+def test_a_plain_table_is_laid_out_as_rich_lays_it_out(table: tuple[list[str], Any]) -> None:
+    head, rows = table
+    assert _printed_table(head, rows, plain=True) == _printed_table(head, rows, plain=False)
+
+
+def test_a_table_of_other_text_is_left_to_rich() -> None:
+    rows = [["step_1", "ok"], ["wide \u5b57", "\x1b[31mred"]]
+    assert not ui._plain_cells(["A", "B"], rows, [["", ""]] * 2)
+    assert ui._plain_cells(["A", "B"], rows[:1], [["", ""]])
+    assert not ui._plain_cells(["A", "B"], [["x"]], [[""]])  # a short row: rich decides

@@ -6,8 +6,8 @@ a terminal on stderr, so ``fckpt verify ROOT > log`` still shows progress while
 the log stays plain. Output on a non-terminal is plain, stable text (scripts
 parse it): tables are never wrapped or truncated and carry no trailing spaces.
 
-``rich`` is imported only where a bar, a table or a colour is drawn: a command
-that prints plain lines (``--help``, ``--version``) starts without it.
+``rich`` is imported only where a bar, a colour or a table of other than plain
+ASCII text is drawn: plain output (``--help``, ``ls`` into a pipe) starts without it.
 """
 
 from __future__ import annotations
@@ -55,6 +55,33 @@ def human(n: float) -> str:
             return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def _plain_cells(head: Sequence[str], rows: Sequence[Sequence[str]], styles: Any) -> bool:
+    """Every cell printable ASCII, one per column (and a style for each): then ``rich``
+    would lay the table out exactly as :func:`_plain_table` does."""
+    width = len(head)
+    if (
+        not width
+        or len(rows) != len(styles)
+        or any(len(r) != width or len(s) != width for r, s in zip(rows, styles, strict=True))
+    ):
+        return False
+    return all(c.isascii() and c.isprintable() for row in (head, *rows) for c in row)
+
+
+def _plain_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """The lines ``rich`` prints for a plain table of printable ASCII cells: each column
+    as wide as its widest cell, two spaces between columns, no trailing spaces.
+
+    Plain output (pipes, scripts) is most of what ``fckpt ls`` prints, and this
+    spares it importing ``rich`` and laying the table out cell by cell.
+    """
+    widths = [max(len(c) for c in column) for column in zip(head, *rows, strict=True)]
+    return [
+        "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+        for cells in (head, *rows)
+    ]
 
 
 class Progress:
@@ -199,6 +226,10 @@ class UI:
 
     def table(self, head: Sequence[str], rows: Sequence[Sequence[str]], styles: Any) -> None:
         """Print a table: aligned columns, ``head`` bold, ``styles[i][j]`` per cell."""
+        if not self.colour and _plain_cells(head, rows, styles):
+            for line in _plain_table(head, rows):
+                self.print(line)
+            return
         from rich.console import Console
         from rich.table import Table
         from rich.text import Text
