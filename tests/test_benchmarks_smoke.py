@@ -237,3 +237,15 @@ def test_tiered_quick_run(tmp_path: Path) -> None:
         assert len(r["times_s"]) == 1 and r["median_s"] > 0
     assert len(data["targets"]) == 3
     assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}
+
+
+@pytest.mark.timeout(300)
+def test_cli_startup_quick_run(tmp_path: Path) -> None:
+    data = _run_benchmark("cli_startup.py", tmp_path)
+    assert data["config"]["reps"] == 2 and data["config"]["checkpoints"] == 5
+    rows = {r["command"]: r for r in data["rows"]}
+    assert set(rows) == {"python -c pass", "fckpt --help", "fckpt ls ROOT"}
+    for r in rows.values():
+        assert len(r["times_s"]) == 2 and r["median_s"] > 0 and r["ratio"] > 0
+    assert len(data["targets"]) == 2
+    assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}

@@ -24,14 +24,13 @@ from functional_ckpt._src.cli.common import (
     time_text,
     verify_json,
 )
-from functional_ckpt._src.cli.recording import ls_recording
 from functional_ckpt._src.cli.ui import PROG, UI, human
 from functional_ckpt._src.export.exports import ExportInfo, export_infos
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.header import MANAGER_KEY
+from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.format.naming import BRANCHES_DIR
 from functional_ckpt._src.policy.retention import retention_from_spec, union_parts
-from functional_ckpt._src.recording import is_recording
 from functional_ckpt._src.root.listing import RootEntry, kept_by
 from functional_ckpt._src.root.rollback import branches
 from functional_ckpt._src.storage.usage import dir_size, disk_bytes, shared_bytes
@@ -135,7 +134,9 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
     if tiers.is_url(args.root):
         return tiers.ls_remote(args, ui)
     root = Path(args.root)
-    if is_recording(root):
+    if classify(root) is Kind.RECORDING:
+        from functional_ckpt._src.cli.recording import ls_recording  # numpy and torch
+
         return ls_recording(args, ui)
     rows = scan_root(root)
     if args.verify:

@@ -28,27 +28,83 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import functional_ckpt as fc
 from functional_ckpt._src.cli.common import Declined, UsageError, one_line, print_json
-from functional_ckpt._src.cli.listing import cmd_ls, cmd_prune, cmd_verify
-from functional_ckpt._src.cli.show import cmd_diff, cmd_inspect
-from functional_ckpt._src.cli.ui import PROG, UI, Progress
-from functional_ckpt._src.export.safetensors import parse_size
+from functional_ckpt._src.cli.ui import PROG, UI
 
 if TYPE_CHECKING:
     from functional_ckpt._src.cli.demo.run import DemoResult
 
 __all__ = ["build_parser", "main"]
 
-# --------------------------------------------------------------------------- demo
+# --------------------------------------------------------------------------- commands
+# Each command's module is imported when that command runs, never to build the
+# parser: ``fckpt --help`` and the commands that read no tensor start without
+# torch and the modules of the commands not run.
+
+
+def _ls(args: argparse.Namespace, ui: UI) -> int:
+    from functional_ckpt._src.cli.listing import cmd_ls
+
+    return cmd_ls(args, ui)
+
+
+def _verify(args: argparse.Namespace, ui: UI) -> int:
+    from functional_ckpt._src.cli.listing import cmd_verify
+
+    return cmd_verify(args, ui)
+
+
+def _prune(args: argparse.Namespace, ui: UI) -> int:
+    from functional_ckpt._src.cli.listing import cmd_prune
+
+    return cmd_prune(args, ui)
+
+
+def _inspect(args: argparse.Namespace, ui: UI) -> int:
+    from functional_ckpt._src.cli.show import cmd_inspect
+
+    return cmd_inspect(args, ui)
+
+
+def _diff(args: argparse.Namespace, ui: UI) -> int:
+    from functional_ckpt._src.cli.show import cmd_diff
+
+    return cmd_diff(args, ui)
+
+
+def _export(args: argparse.Namespace, ui: UI) -> int:
+    from functional_ckpt._src.cli.torchcmd import cmd_export_any
+
+    return cmd_export_any(args, ui)
+
+
+def _import(args: argparse.Namespace, ui: UI) -> int:
+    from functional_ckpt._src.cli.torchcmd import cmd_import
+
+    return cmd_import(args, ui)
+
+
+def _run(args: argparse.Namespace, ui: UI) -> int:
+    from functional_ckpt._src.cli.run import cmd_run
+
+    return cmd_run(args, ui)
 
 
 def cmd_demo(args: argparse.Namespace, ui: UI) -> int:
     from functional_ckpt._src.cli import demo
 
+    try:
+        return _demo(demo, args, ui)
+    except demo.DemoError as e:
+        ui.error(one_line(e))  # the answer is "no": the demo's runs could not be compared
+        return 1
+
+
+def _demo(demo: Any, args: argparse.Namespace, ui: UI) -> int:
     root = Path(args.root) if args.root else demo.default_root()
 
     say = ui.note if args.json else ui.print  # with --json, stdout holds only the document
 
-    def progress(label: str, total: int) -> Progress | demo.Heartbeat:
+    def progress(label: str, total: int) -> Any:  # a Progress bar or a demo.Heartbeat
         if not ui.show_progress:  # a log: a plain line every few seconds, no bar
             return demo.Heartbeat(label, total, say)
         return ui.progress(label, total, unit="steps").start()
@@ -97,6 +153,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _size(text: str) -> str:
     """A shard size as ``export_safetensors`` takes it, checked while parsing the flags."""
+    from functional_ckpt._src.export.safetensors import parse_size
+
     try:
         parse_size(text)
     except ValueError:
@@ -172,7 +230,7 @@ def _add_ls(subs: Any) -> None:
     p.add_argument("--verify", action="store_true", help="re-read every byte (slow)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     _add_policy_flags(p, required=False)
-    p.set_defaults(func=cmd_ls)
+    p.set_defaults(func=_ls)
 
 
 def _add_inspect(subs: Any) -> None:
@@ -194,7 +252,7 @@ def _add_inspect(subs: Any) -> None:
         help="only keys starting with PREFIX, nested keys joined by '/' (model/0.weight)",
     )
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
-    p.set_defaults(func=cmd_inspect)
+    p.set_defaults(func=_inspect)
 
 
 def _add_verify(subs: Any) -> None:
@@ -212,7 +270,7 @@ def _add_verify(subs: Any) -> None:
     p.add_argument("path", help="a checkpoint directory, or a root of checkpoints")
     p.add_argument("-q", "--quiet", action="store_true", help="print only damage and the total")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
-    p.set_defaults(func=cmd_verify)
+    p.set_defaults(func=_verify)
 
 
 def _add_diff(subs: Any) -> None:
@@ -235,12 +293,10 @@ def _add_diff(subs: Any) -> None:
         "--exit-code", action="store_true", help="exit with status 1 when the checkpoints differ"
     )
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
-    p.set_defaults(func=cmd_diff)
+    p.set_defaults(func=_diff)
 
 
 def _add_export(subs: Any) -> None:
-    from functional_ckpt._src.cli.torchcmd import cmd_export_any
-
     p = _sub(
         subs,
         "export",
@@ -298,12 +354,10 @@ def _add_export(subs: Any) -> None:
     )
     p.add_argument("--overwrite", action="store_true", help="replace OUT atomically")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
-    p.set_defaults(func=cmd_export_any)
+    p.set_defaults(func=_export)
 
 
 def _add_import(subs: Any) -> None:
-    from functional_ckpt._src.cli.torchcmd import cmd_import
-
     p = _sub(
         subs,
         "import",
@@ -323,7 +377,7 @@ def _add_import(subs: Any) -> None:
     )
     p.add_argument("--overwrite", action="store_true", help="replace OUT atomically")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
-    p.set_defaults(func=cmd_import)
+    p.set_defaults(func=_import)
 
 
 def _add_prune(subs: Any) -> None:
@@ -346,7 +400,7 @@ def _add_prune(subs: Any) -> None:
     p.add_argument(
         "--json", action="store_true", help="print JSON for scripts (with --yes or --dry-run)"
     )
-    p.set_defaults(func=cmd_prune)
+    p.set_defaults(func=_prune)
 
 
 def _add_demo(subs: Any) -> None:
@@ -406,8 +460,6 @@ def _seconds(text: str) -> float:
 
 
 def _add_run(subs: Any) -> None:
-    from functional_ckpt._src.cli.run import cmd_run
-
     p = _sub(
         subs,
         "run",
@@ -473,7 +525,7 @@ def _add_run(subs: Any) -> None:
         help="where in --config FILE the manager's config is (dotted: trainer.checkpoint)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...")
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=_run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -519,8 +571,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``fckpt`` and ``python -m functional_ckpt``; returns the exit status."""
-    from functional_ckpt._src.cli.demo import DemoError
-
     ui = UI()
     try:
         args = build_parser().parse_args(argv)
@@ -538,7 +588,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         fc.errors.CorruptCheckpoint,
         fc.errors.UnsafeCheckpoint,
         fc.errors.IncompleteCheckpoint,
-        DemoError,
     ) as e:
         ui.error(one_line(e))  # the answer is "no": damaged, never committed, or hostile
         return 1

@@ -7,6 +7,9 @@
 checkpoint (downloaded into a temporary directory first). Credentials and
 endpoints come from the environment (``AWS_*`` for s3fs), or from
 ``FCKPT_STORAGE_OPTIONS``, a JSON object of fsspec storage options.
+
+The remote tier's reading side (the store, downloads, ``fc.verify``) is imported
+when a URL is given: ``fckpt ls ROOT`` of a local root reads only its status file.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import os
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from functional_ckpt._src.cli.common import (
     UsageError,
@@ -32,12 +35,12 @@ from functional_ckpt._src.cli.common import (
 from functional_ckpt._src.cli.ui import UI, human
 from functional_ckpt._src.format.header import header_of
 from functional_ckpt._src.format.naming import parse_step, step_name
-from functional_ckpt._src.remote.fetch import download
-from functional_ckpt._src.remote.store import Store
 from functional_ckpt._src.remote.uploader import read_status
 from functional_ckpt._src.root.listing import RootEntry
-from functional_ckpt._src.storage.verify import verify
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
+
+if TYPE_CHECKING:
+    from functional_ckpt._src.remote.store import Store
 
 __all__ = ["fetched", "is_url", "ls_remote", "print_tiers", "tier_rows", "verify_remote"]
 
@@ -49,6 +52,8 @@ def is_url(text: str) -> bool:
 
 
 def open_store(url: str) -> Store:
+    from functional_ckpt._src.remote.store import Store
+
     raw = os.environ.get(OPTIONS_ENV)
     try:
         options = json.loads(raw) if raw else {}
@@ -72,6 +77,8 @@ def fetched(url: str, *, check: bool) -> Iterator[Path]:
     root, step = split_step(url)
     if step is None:
         raise UsageError(f"{url}: name one checkpoint (…/step_000000100), see 'fckpt ls {url}'")
+    from functional_ckpt._src.remote.fetch import download
+
     with tempfile.TemporaryDirectory(prefix="fckpt-") as tmp:
         yield download(open_store(root), step, Path(tmp), check=check)
 
@@ -170,6 +177,9 @@ def ls_remote(args: argparse.Namespace, ui: UI) -> int:
 
 def verify_remote(args: argparse.Namespace, ui: UI) -> int:
     """``fckpt verify URL``: download each checkpoint and check every byte."""
+    from functional_ckpt._src.remote.fetch import download
+    from functional_ckpt._src.storage.verify import verify
+
     root, step = split_step(args.path)
     store = open_store(root)
     steps = (

@@ -5,6 +5,9 @@ stdout and no ``NO_COLOR`` (https://no-color.org) or ``TERM=dumb``; progress nee
 a terminal on stderr, so ``fckpt verify ROOT > log`` still shows progress while
 the log stays plain. Output on a non-terminal is plain, stable text (scripts
 parse it): tables are never wrapped or truncated and carry no trailing spaces.
+
+``rich`` is imported only where a bar, a colour or a table of other than plain
+ASCII text is drawn: plain output (``--help``, ``ls`` into a pipe) starts without it.
 """
 
 from __future__ import annotations
@@ -14,23 +17,12 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import IO, Any
-
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    MofNCompleteColumn,
-    TaskProgressColumn,
-    TextColumn,
-    TimeRemainingColumn,
-)
-from rich.progress import Progress as RichProgress
-from rich.style import Style
-from rich.table import Table
-from rich.text import Text
+from typing import IO, TYPE_CHECKING, Any
 
 from functional_ckpt._src.text import printable_lines
+
+if TYPE_CHECKING:
+    from rich.progress import Progress as RichProgress
 
 __all__ = ["PROG", "Progress", "UI", "human"]
 
@@ -65,6 +57,33 @@ def human(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _plain_cells(head: Sequence[str], rows: Sequence[Sequence[str]], styles: Any) -> bool:
+    """Every cell printable ASCII, one per column (and a style for each): then ``rich``
+    would lay the table out exactly as :func:`_plain_table` does."""
+    width = len(head)
+    if (
+        not width
+        or len(rows) != len(styles)
+        or any(len(r) != width or len(s) != width for r, s in zip(rows, styles, strict=True))
+    ):
+        return False
+    return all(c.isascii() and c.isprintable() for row in (head, *rows) for c in row)
+
+
+def _plain_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """The lines ``rich`` prints for a plain table of printable ASCII cells: each column
+    as wide as its widest cell, two spaces between columns, no trailing spaces.
+
+    Plain output (pipes, scripts) is most of what ``fckpt ls`` prints, and this
+    spares it importing ``rich`` and laying the table out cell by cell.
+    """
+    widths = [max(len(c) for c in column) for column in zip(head, *rows, strict=True)]
+    return [
+        "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+        for cells in (head, *rows)
+    ]
+
+
 class Progress:
     """A transient ``rich`` progress bar on a terminal; nothing at all otherwise.
 
@@ -86,6 +105,17 @@ class Progress:
         self._bar: RichProgress | None = None
         self._task: Any = None
         if enabled:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                MofNCompleteColumn,
+                TaskProgressColumn,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+            from rich.progress import Progress as RichProgress
+
             amount = DownloadColumn(binary_units=True) if unit == "B" else MofNCompleteColumn()
             self._bar = RichProgress(
                 TextColumn("{task.description}"),
@@ -132,6 +162,8 @@ class Progress:
     def print(self, text: str) -> None:
         """A result line on stdout while the bar runs: above the bar when both share a terminal."""
         if self._bar is not None and self._task is not None and _isatty(self.out):
+            from rich.text import Text
+
             self._bar.console.print(Text.from_ansi(text), soft_wrap=True, highlight=False)
         else:
             print(text, file=self.out, flush=True)
@@ -171,7 +203,11 @@ class UI:
     def paint(self, text: str, style: str) -> str:
         """``text`` in the style's colours when colours are on, else unchanged."""
         name = _STYLES.get(style)
-        return Style.parse(name).render(text) if self.colour and name else text
+        if not (self.colour and name):
+            return text
+        from rich.style import Style
+
+        return Style.parse(name).render(text)
 
     def print(self, text: str = "") -> None:
         """One line (or several) of output; plain output is escaped for the terminal.
@@ -194,6 +230,14 @@ class UI:
 
     def table(self, head: Sequence[str], rows: Sequence[Sequence[str]], styles: Any) -> None:
         """Print a table: aligned columns, ``head`` bold, ``styles[i][j]`` per cell."""
+        if not self.colour and _plain_cells(head, rows, styles):
+            for line in _plain_table(head, rows):
+                self.print(line)
+            return
+        from rich.console import Console
+        from rich.table import Table
+        from rich.text import Text
+
         table = Table(box=None, pad_edge=False, padding=(0, 2, 0, 0), show_edge=False)
         for name in head:
             table.add_column(Text(name, style="bold" if self.colour else ""), no_wrap=True)

@@ -65,18 +65,17 @@ ext codes), ``encoding`` (scan, then pack), ``decoding`` (the unpacker's hooks,
 budgets, hash-flood and depth checks), ``leaves`` (each leaf ext's payload) and
 ``tagged`` (paths, datetimes, namespaces and registered classes as tagged plain
 data; :func:`register` adds a user's dataclass, NamedTuple or Enum).
+
+``encoding`` (which needs numpy and torch to tell their types apart) is imported
+when one of its functions is first named: readers of manifests only decode.
 """
 
 from __future__ import annotations
 
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from functional_ckpt._src.codec.decoding import check_hashes, decode
-from functional_ckpt._src.codec.encoding import _default as _default
-from functional_ckpt._src.codec.encoding import (
-    check_encodable,
-    encode,
-    encode_checked,
-    encode_counted,
-)
 from functional_ckpt._src.codec.table import (
     EXT_BIGINT,
     EXT_BYTEARRAY,
@@ -93,6 +92,18 @@ from functional_ckpt._src.codec.table import (
     MAX_ENCODE_DEPTH,
 )
 from functional_ckpt._src.codec.tagged import register
+
+if TYPE_CHECKING:
+    from functional_ckpt._src.codec.encoding import _default as _default
+    from functional_ckpt._src.codec.encoding import (
+        check_encodable,
+        encode,
+        encode_checked,
+        encode_counted,
+    )
+
+#: The names of ``encoding``, imported on first use.
+_ENCODING = frozenset({"_default", "check_encodable", "encode", "encode_checked", "encode_counted"})
 
 __all__ = [
     "EXT_BIGINT",
@@ -116,3 +127,11 @@ __all__ = [
     "encode_counted",
     "register",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _ENCODING:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module("functional_ckpt._src.codec.encoding"), name)
+    globals()[name] = value  # looked up once; the next access finds it directly
+    return value

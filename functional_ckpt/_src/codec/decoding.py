@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any, Final
 
 import msgpack
-import torch
 
 from functional_ckpt._src.codec.leaves import LEAF_DECODERS, _Corrupt
 from functional_ckpt._src.codec.table import (
@@ -26,8 +25,8 @@ from functional_ckpt._src.codec.table import (
     EXT_TAGGED,
     EXT_TORCH_SIZE,
     EXT_TUPLE,
-    LEAVES,
     container_budget,
+    decoded_leaves,
     flood,
     torch_size_problem,
     type_name,
@@ -113,6 +112,8 @@ def _build_torch_size(items: list[Any]) -> object:
     problem = torch_size_problem(items)
     if problem is not None:
         raise _Corrupt(problem)
+    import torch  # a torch.Size was encoded: the value needs torch
+
     return torch.Size(items)
 
 
@@ -232,7 +233,7 @@ def _check_decoded(value: object, max_depth: int) -> None:
     ``ext_hook``; a stray container marker is also only visible here.
     Iterative, so hostile depth cannot reach Python's recursion limit.
     """
-    leaves = LEAVES
+    leaves = decoded_leaves()
     containers = CONTAINERS
     t = type(value)
     if t not in containers:

@@ -6,18 +6,20 @@ declared sizes are checked against the bytes actually present before anything is
 allocated, and dtypes and devices are matched against fixed tables or re-checked
 for a canonical spelling: nothing is imported or looked up by a name the data
 chose.
+
+numpy and torch are imported by the decoders of their own types, when a value
+of one of them is met: a manifest of plain values decodes without either.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgpack
-import numpy as np
-import torch
 
+from functional_ckpt._src.codec import table
 from functional_ckpt._src.codec.table import (
     EXT_BIGINT,
     EXT_BYTEARRAY,
@@ -25,11 +27,13 @@ from functional_ckpt._src.codec.table import (
     EXT_NUMPY_SCALAR,
     EXT_TORCH_DEVICE,
     EXT_TORCH_DTYPE,
-    TORCH_DTYPES,
     dtype_code,
 )
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.text import short_repr
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["LEAF_DECODERS", "_Corrupt"]
 
@@ -43,6 +47,8 @@ class _Corrupt(Exception):
 def _parse_dtype(code: object) -> np.dtype[Any]:
     if type(code) is not str or not code or len(code) > 32 or not code.isascii():
         raise _Corrupt(f"invalid numpy dtype code {code!r}")
+    import numpy as np
+
     try:
         dt = np.dtype(code)
     except Exception:
@@ -101,6 +107,8 @@ def _decode_ndarray(payload: bytes) -> object:
             f"numpy array of shape {tuple(shape)} and dtype {code} needs {declared} bytes "
             f"but {len(raw)} are present"
         )
+    import numpy as np
+
     try:
         arr = np.frombuffer(raw, dtype=dt).reshape(shape).copy()
     except Exception as exc:
@@ -113,6 +121,8 @@ def _decode_numpy_scalar(payload: bytes) -> object:
     if len(header) != 2:
         raise _Corrupt("malformed numpy scalar payload")
     code, body = header
+    import numpy as np
+
     if code == "U":
         if type(body) is not str:
             raise _Corrupt("numpy str_ scalar without a str value")
@@ -132,7 +142,7 @@ def _decode_numpy_scalar(payload: bytes) -> object:
 
 def _decode_torch_dtype(payload: bytes) -> object:
     try:
-        return TORCH_DTYPES[payload.decode("ascii")]
+        return table.TORCH_DTYPES[payload.decode("ascii")]
     except (KeyError, UnicodeDecodeError):
         raise _Corrupt(f"unknown torch dtype {short_repr(payload)}") from None
 
@@ -140,6 +150,8 @@ def _decode_torch_dtype(payload: bytes) -> object:
 def _decode_torch_device(payload: bytes) -> object:
     if len(payload) > _MAX_DEVICE_LEN:
         raise _Corrupt("torch device name too long")
+    import torch
+
     try:
         text = payload.decode("ascii")
         device = torch.device(text)

@@ -3,18 +3,27 @@
 The ext codes are part of the format (see :mod:`functional_ckpt.codec`); the
 type tables say which values come back exactly, and both the encoder and the
 decoder check against the same tables, so what one writes the other accepts.
+
+The tables naming numpy and torch types (:data:`NUMPY_SCALAR_TYPES`,
+:data:`TORCH_DTYPES`, :data:`LEAVES`) are built on first use: a reader of a
+manifest (``fckpt ls``, ``inspect``, ``verify``) needs neither library unless a
+value it decodes is one of theirs, and :func:`decoded_leaves` says which types a
+decode may have returned without importing either.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
+import sys
 from collections.abc import Iterable
-from typing import Any, Final
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any, Final
 
 from functional_ckpt._src.limits import LIMITS
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 EXT_TUPLE: Final = 1
 EXT_SET: Final = 2
@@ -42,19 +51,75 @@ NATIVE_LEAVES: Final[frozenset[type]] = frozenset({_NoneType, bool, int, float, 
 
 CONTAINERS: Final[frozenset[type]] = frozenset({list, tuple, dict, _OrderedDict, set, frozenset})
 
-NUMPY_SCALAR_TYPES: Final[frozenset[type]] = frozenset(
-    t for t in set(np.sctypeDict.values()) if t is not np.object_ and t is not np.void
-)
+NUMPY_SCALAR_TYPES: frozenset[type]  # built on first use (``__getattr__``)
+TORCH_DTYPES: dict[str, torch.dtype]  # built on first use
+LEAVES: frozenset[type]  # built on first use
 
-TORCH_DTYPES: Final[dict[str, torch.dtype]] = {
-    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+
+def _numpy_scalar_types() -> frozenset[type]:
+    import numpy as np
+
+    return frozenset(
+        t for t in set(np.sctypeDict.values()) if t is not np.object_ and t is not np.void
+    )
+
+
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {
+        str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+    }
+
+
+def _numpy_leaves() -> frozenset[type]:
+    import numpy as np
+
+    return _numpy_scalar_types() | {np.ndarray}
+
+
+def _torch_leaves() -> frozenset[type]:
+    import torch
+
+    return frozenset({torch.dtype, torch.device, torch.Size})
+
+
+def _leaves() -> frozenset[type]:
+    return NATIVE_LEAVES | {bytearray} | _numpy_leaves() | _torch_leaves()
+
+
+_LAZY: Final = {
+    "NUMPY_SCALAR_TYPES": _numpy_scalar_types,
+    "TORCH_DTYPES": _torch_dtypes,
+    "LEAVES": _leaves,
 }
 
-LEAVES: Final[frozenset[type]] = (
-    NATIVE_LEAVES
-    | NUMPY_SCALAR_TYPES
-    | {bytearray, np.ndarray, torch.dtype, torch.device, torch.Size}
-)
+
+def __getattr__(name: str) -> Any:
+    """The numpy and torch tables, built (and their library imported) when first named."""
+    build = _LAZY.get(name)
+    if build is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = build()  # built once; the next lookup finds it directly
+    return value
+
+
+@functools.cache
+def _leaves_with(numpy: bool, torch: bool) -> frozenset[type]:
+    found = NATIVE_LEAVES | {bytearray}
+    if numpy:
+        found |= _numpy_leaves()
+    if torch:
+        found |= _torch_leaves()
+    return found
+
+
+def decoded_leaves() -> frozenset[type]:
+    """The leaf types a decode may have returned: :data:`LEAVES`, less the numpy or torch
+    types while that library is not loaded (no value of its types can exist then)."""
+    modules = sys.modules
+    return _leaves_with("numpy" in modules, "torch" in modules)
+
 
 SUPPORTED_TEXT: Final = (
     "None, bool, int, float, str, bytes, bytearray, list, tuple, dict, "
@@ -81,6 +146,8 @@ def dtype_code(dt: np.dtype[Any]) -> str | None:
     if dt.subdtype is not None or dt.itemsize == 0:
         return None
     code = dt.str[0] + dt.char if kind in _CHAR_KINDS else dt.str
+    import numpy as np
+
     try:
         back = np.dtype(code)
     except (TypeError, ValueError):  # pragma: no cover - defensive

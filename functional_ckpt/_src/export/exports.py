@@ -10,6 +10,10 @@ checkpoint (out of sight first, see :func:`functional_ckpt._src.root.delete.dele
 An export that runs off the training thread reads either the committed
 checkpoint of its step or a :func:`snapshot` of the selected tensors, taken on
 the training thread: never the live tensors that the next optimizer step changes.
+
+Listing exports (``fckpt ls``) reads their directories and headers only: torch,
+tensordict, the writer and the deleter are imported by the functions that copy,
+write or delete.
 """
 
 from __future__ import annotations
@@ -22,21 +26,21 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
-from tensordict import TensorDictBase
+from typing import TYPE_CHECKING, Any
 
 from functional_ckpt._src.export.files import header_metadata
-from functional_ckpt._src.export.safetensors import Export, _select_path, write_export
 from functional_ckpt._src.format.header import metrics_of, save_time
 from functional_ckpt._src.format.naming import EXPORTS_DIR, step_name
 from functional_ckpt._src.policy.retention import plan_deletions
-from functional_ckpt._src.root.delete import delete, remove_all
 from functional_ckpt._src.root.listing import step_dirs
-from functional_ckpt._src.state.tree import as_state, iter_leaves
 from functional_ckpt._src.storage.usage import dir_size
 from functional_ckpt.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+    from tensordict import TensorDictBase
+
+    from functional_ckpt._src.export.safetensors import Export
 
 __all__ = [
     "HEADER_KEY",
@@ -119,6 +123,8 @@ def export_infos(root: Path) -> list[ExportInfo]:
 
 def prune_exports(root: Path, export: Export) -> list[int]:
     """Delete the exports ``export.keep`` does not keep (never the newest one)."""
+    from functional_ckpt._src.root.delete import delete, remove_all
+
     infos = export_infos(root)
     doomed = plan_deletions(export.keep, infos)
     if doomed:
@@ -133,6 +139,12 @@ def snapshot(state: TensorDictBase | Mapping[str, Any], export: Export) -> dict[
     Tied weights stay tied (one copy per distinct view), so the export drops the
     alias exactly as it would from the live state.
     """
+    import torch
+    from tensordict import TensorDictBase
+
+    from functional_ckpt._src.export.safetensors import _select_path
+    from functional_ckpt._src.state.tree import as_state, iter_leaves
+
     path = _select_path(export.select)
     node: Any = as_state(state)
     for key in path:
@@ -174,6 +186,8 @@ def run_export(
     metrics: Mapping[str, float],
 ) -> Path:
     """Write the export of ``step`` from ``source`` (replacing one of the same step), prune."""
+    from functional_ckpt._src.export.safetensors import write_export
+
     out = write_export(
         source,
         export_path(root, step),

@@ -12,13 +12,14 @@ import os
 import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from functional_ckpt._src.format.naming import EXPORT_INDEX, EXPORT_WEIGHTS, is_export_weights
 from functional_ckpt._src.storage import opener
 from functional_ckpt.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 CONFIG_FILE = "config.json"
 #: Largest side file taken from a model directory: a tokenizer.json of a large

@@ -14,12 +14,13 @@ import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 _LOCAL_SIG = b"PK\x03\x04"
 
@@ -38,6 +39,8 @@ def byte_view(t: torch.Tensor) -> memoryview:
     try:  # dtypes numpy knows: one call, no reshaping views
         array: Any = flat.numpy()
     except TypeError:  # bfloat16, float8, ...: reinterpret as bytes first
+        import torch
+
         array = flat.reshape(-1).view(torch.uint8).numpy()
     return memoryview(array).cast("B")
 
@@ -85,6 +88,8 @@ class BlobTemplate:
 
 
 def _build_template(dtype: torch.dtype, shape: tuple[int, ...]) -> BlobTemplate:
+    import torch
+
     sink = _SparseWriter()
     with torch.serialization.skip_data():
         torch.save(torch.empty(shape, dtype=dtype), sink)  # type: ignore[arg-type]

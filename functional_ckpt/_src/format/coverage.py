@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 
@@ -55,6 +53,8 @@ def check_coverage(
             f"{what} ({len(boxes)}) cut the tensor into {cells} pieces (at most "
             f"{LIMITS.coverage_cells} can be checked); not a layout any writer produces"
         )
+    import numpy as np  # only for several boxes: a single-rank tensor is one
+
     index = [{v: j for j, v in enumerate(b)} for b in cuts]
     grid = np.zeros([len(b) - 1 for b in cuts], dtype=np.bool_)
     for offsets, sizes in boxes:

@@ -25,8 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath
 from functional_ckpt._src.format.naming import DCP_METADATA
@@ -192,6 +190,8 @@ def _saved(value: Any) -> bytes:
     key = (type(value), repr(value))
     got = _CACHE.get(key)
     if got is None:
+        import torch  # writing: a reader of byte entries never runs torch.save
+
         buf = io.BytesIO()
         torch.save(value, buf)
         got = _CACHE[key] = buf.getvalue()

@@ -11,10 +11,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import msgpack
-import torch
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.format.coverage import numel
@@ -27,12 +26,17 @@ from functional_ckpt._src.format.naming import (
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint
 
+if TYPE_CHECKING:
+    import torch
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 def dtype_from_name(name: object, where: str) -> torch.dtype:
+    import torch
+
     dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
     if not isinstance(dtype, torch.dtype):
         raise CorruptCheckpoint(f"{where}: unknown dtype {name!r}")

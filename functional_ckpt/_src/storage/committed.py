@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from functional_ckpt._src import codec
-from functional_ckpt._src.format import naming, unpickler
+from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.naming import (
     COMMIT_MARKER,
@@ -272,8 +272,11 @@ def classify_metadata(ck: Checkpoint) -> CheckpointError:
     """A ``.metadata`` that fails its checksum: hostile, or merely damaged?
 
     Its opcodes are read statically (nothing is unpickled): naming anything but
-    DCP's metadata classes makes it hostile.
+    DCP's metadata classes makes it hostile. The allow-list holds torch's classes, so
+    torch is imported here, for a damaged file only.
     """
+    from functional_ckpt._src.format import unpickler
+
     where = ck.path / naming.DCP_METADATA
     fd = ck.fds.get(naming.DCP_METADATA)
     size = ck.sizes.get(naming.DCP_METADATA, 0)

@@ -14,8 +14,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from functional_ckpt._src.format.blobs import blob_template, byte_view
 from functional_ckpt._src.format.checksum import crc32
@@ -27,6 +26,9 @@ from functional_ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 #: Tensors below this size are assembled in memory and written in batches.
 SMALL_TENSOR = 1 << 20
@@ -281,6 +283,8 @@ def read_chunk(
     root: committed.Checkpoint, chunk: Chunk, dtype: torch.dtype, what: str
 ) -> torch.Tensor:
     """One stored chunk as a new tensor, every byte checked."""
+    import torch
+
     data = torch.empty(chunk.sizes, dtype=dtype)
     if chunk.nbytes:
         res = read_tensors(root.fd(chunk.file), [(chunk, byte_view(data))])[0]

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from functional_ckpt._src.format import dcp_metadata, naming, unpickler
 from functional_ckpt._src.format import dcp_values as dcpbytes
+from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.keys import format_path
@@ -129,6 +129,8 @@ def _verify_metadata(
     if crc32(raw) != info.get("crc32"):
         report.problems.append(Problem(name, str(classify_metadata(ck))))
         return
+    from functional_ckpt._src.format import dcp_metadata, unpickler  # DCP's classes: torch
+
     try:
         expected = dcp_metadata.derive(groups, blobs)
     except Exception as err:  # a manifest that parse accepted but that cannot describe DCP

@@ -21,6 +21,9 @@ The children run ``python -m functional_ckpt._src.cli.demo train ...`` single-th
 with deterministic algorithms, because multi-threaded reductions may sum in a
 different order from one process to the next and break bit-identity for reasons
 that have nothing to do with checkpointing.
+
+torch and numpy are imported by the functions that train: the ``fckpt`` parser
+reads this module's defaults without them.
 """
 
 from __future__ import annotations
@@ -35,12 +38,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
-
-import numpy as np
-import torch
+from typing import IO, TYPE_CHECKING, Any
 
 import functional_ckpt as fc
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_STEPS = 2400
 #: Fraction of the steps after which the first training process is killed.
@@ -126,6 +129,8 @@ class ShuffleLoader:
         self.epoch, self.pos = 0, 0
 
     def _order(self) -> torch.Tensor:
+        import torch
+
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         return torch.randperm(len(self.data), generator=g)
 
@@ -148,6 +153,8 @@ def make_data() -> tuple[torch.Tensor, torch.Tensor]:
 
     Drawn from a private generator: every process builds the very same data set.
     """
+    import torch
+
     g = torch.Generator().manual_seed(DATA_SEED)
     n = TRAIN_SAMPLES + VAL_SAMPLES
     w1 = torch.randn(IN_DIM, 64, generator=g) / math.sqrt(IN_DIM)
@@ -162,6 +169,9 @@ class Job:
     """Model, optimizer, LR schedule, loader and validation set of the demo."""
 
     def __init__(self, schedule: Schedule) -> None:
+        import numpy as np
+        import torch
+
         torch.manual_seed(INIT_SEED)
         np.random.seed(INIT_SEED)
         random.seed(INIT_SEED)  # unused by the step, but captured: it must match too
@@ -188,6 +198,9 @@ class Job:
 
     def train_step(self) -> float:
         """One step; dropout and input noise use torch's RNG, a scale jitter numpy's."""
+        import numpy as np
+        import torch
+
         x, y = self.loader.next_batch()
         x = x * float(np.random.uniform(0.9, 1.1)) + 0.05 * torch.randn_like(x)
         loss = torch.nn.functional.cross_entropy(self.model(x), y)
@@ -199,6 +212,8 @@ class Job:
 
     def evaluate(self) -> float:
         """Validation loss without dropout; draws nothing from any RNG."""
+        import torch
+
         self.model.eval()
         with torch.no_grad():
             loss = torch.nn.functional.cross_entropy(self.model(self.val_x), self.val_y)
@@ -322,6 +337,8 @@ def child_main(argv: Sequence[str]) -> int:
     ap.add_argument("--reference", action="store_true")
     ap.add_argument("--events", type=Path, required=True, help="JSON-lines log to append to")
     args = ap.parse_args(argv)
+    import torch
+
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     args.directory.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,6 @@ from functional_ckpt._src.cli.demo.job import (
     Schedule,
 )
 from functional_ckpt._src.format import naming
-from functional_ckpt._src.restore.diff import diff_checkpoints
 from functional_ckpt._src.root.listing import kept_by, root_entries
 
 # --------------------------------------------------------------------------- parent
@@ -343,6 +342,8 @@ def _compare(
     in_flight: list[str],
     wall_s: float,
 ) -> DemoResult:
+    from functional_ckpt._src.restore.diff import diff_checkpoints  # reads tensors: torch
+
     losses_identical, replayed = _compare_losses(first, second, reference)
     mgr = fc.CheckpointManager(root / RUN_DIR / CKPT_DIR, read_only=True)
     infos = mgr.infos()

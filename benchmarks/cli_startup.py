@@ -1,0 +1,196 @@
+"""How fast the ``fckpt`` command line answers, against starting Python itself.
+
+What is compared, in one run (each command in a fresh process, as a shell runs it):
+
+``python -c pass``
+    the interpreter's own start: the baseline every ratio is taken against;
+``fckpt --help``
+    ``python -m functional_ckpt --help``: the parser, without any command's work;
+``fckpt ls ROOT``
+    ``python -m functional_ckpt ls ROOT`` of a root of ``--checkpoints`` committed
+    checkpoints (a small model, AdamW and the RNG states, each from
+    ``fc.capture``, saved by a ``CheckpointManager`` with metrics), which this script
+    writes first into a scratch directory and removes at the end.
+
+Every command runs once untimed (so the page cache and the bytecode caches are
+warm), then ``--reps`` times, interleaved; medians are reported. Targets, on the
+medians:
+
+* ``fckpt --help`` <= 3x ``python -c pass``;
+* ``fckpt ls ROOT`` <= 6x ``python -c pass``.
+
+Usage::
+
+    python benchmarks/cli_startup.py [--quick] [--reps N] [--checkpoints N] [--dir DIR]
+                                     [--json PATH] [--strict]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    REPO_ROOT,
+    Table,
+    add_run_args,
+    bench_parser,
+    environment,
+    finish,
+    fmt_ratio,
+    fmt_seconds,
+    median,
+    ratio,
+    remove_path,
+    render_targets,
+    rotate,
+    scratch_dir,
+    verdict,
+)
+
+BASELINE = "python -c pass"
+HELP = "fckpt --help"
+LS = "fckpt ls ROOT"
+
+#: The most each command may take, as a multiple of the baseline.
+LIMITS = {HELP: 3.0, LS: 6.0}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = bench_parser(__doc__)
+    p.add_argument("--quick", action="store_true", help="2 repetitions of a 5-checkpoint root")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default: 15)")
+    p.add_argument(
+        "--checkpoints", type=int, default=None, help="checkpoints in the root (default: 20)"
+    )
+    add_run_args(p, "cli_startup")
+    args = p.parse_args(argv)
+    if args.reps is None:
+        args.reps = 2 if args.quick else 15
+    if args.checkpoints is None:
+        args.checkpoints = 5 if args.quick else 20
+    return args
+
+
+def make_root(root: Path, n: int) -> None:
+    """``n`` checkpoints as a training loop leaves them (the manager records its policy)."""
+    import torch
+
+    import functional_ckpt as fc
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with fc.CheckpointManager(root, save=fc.every_steps(1), keep=fc.retention.keep_all()) as mgr:
+        for step in range(1, n + 1):
+            model(torch.randn(4, 64)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            state = fc.capture(model=model, optimizer=opt, step=step)
+            mgr.maybe_save(state, step=step, metrics={"loss": 1.0 / step})
+
+
+def commands(root: Path) -> dict[str, list[str]]:
+    fckpt = [sys.executable, "-m", "functional_ckpt"]
+    return {
+        BASELINE: [sys.executable, "-c", "pass"],
+        HELP: [*fckpt, "--help"],
+        LS: [*fckpt, "ls", str(root)],
+    }
+
+
+def run_once(argv: list[str], env: dict[str, str]) -> float:
+    """Seconds from start to exit of one fresh process (its output discarded)."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr[-2000:]!r}")
+    return seconds
+
+
+def measure(root: Path, reps: int) -> dict[str, list[float]]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        "NO_COLOR": "1",
+    }
+    argvs = commands(root)
+    for argv in argvs.values():  # warm the page cache and the bytecode caches
+        run_once(argv, env)
+    times: dict[str, list[float]] = {name: [] for name in argvs}
+    for rep in range(reps):
+        for name in rotate(list(argvs), rep):
+            times[name].append(run_once(argvs[name], env))
+    return times
+
+
+def evaluate(medians: dict[str, float]) -> list[dict[str, Any]]:
+    targets = []
+    for name, limit in LIMITS.items():
+        value = ratio(medians[name], medians[BASELINE])
+        targets.append(
+            {
+                "target": f"{name} <= {limit:g}x {BASELINE}",
+                "value": value,
+                "limit": limit,
+                "result": verdict(value, limit),
+            }
+        )
+    return targets
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    workdir = scratch_dir(args.dir)
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    root = workdir / "root"
+    try:
+        make_root(root, args.checkpoints)
+        times = measure(root, args.reps)
+    finally:
+        remove_path(workdir)
+    medians = {name: median(ts) for name, ts in times.items()}
+    rows = [
+        {
+            "command": name,
+            "times_s": ts,
+            "median_s": medians[name],
+            "ratio": ratio(medians[name], medians[BASELINE]),
+        }
+        for name, ts in times.items()
+    ]
+    targets = evaluate(medians)
+    print(
+        f"\nfckpt start-up benchmark ({started}): {args.reps} repetitions, medians; "
+        f"a root of {args.checkpoints} checkpoints; python {sys.version.split()[0]}."
+    )
+    table = Table(["command", "median", f"vs {BASELINE}"])
+    for r in rows:
+        table.add(r["command"], fmt_seconds(r["median_s"]), fmt_ratio(r["ratio"]))
+    print("\n" + table.render())
+    print("\n" + render_targets(targets))
+    payload = {
+        "benchmark": "cli_startup",
+        "started": started,
+        "config": {
+            "reps": args.reps,
+            "quick": args.quick,
+            "checkpoints": args.checkpoints,
+            "dir": str(args.dir),
+        },
+        "environment": environment(),
+        "rows": rows,
+        "targets": targets,
+    }
+    return finish(args, payload)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
