@@ -64,12 +64,13 @@ The package holds one concept per module: ``table`` (what is encodable and the
 ext codes), ``encoding`` (scan, then pack), ``decoding`` (the unpacker's hooks,
 budgets, hash-flood and depth checks), ``leaves`` (each leaf ext's payload) and
 ``tagged`` (paths, datetimes, namespaces and registered classes as tagged plain
-data; :func:`register` adds a user's dataclass, NamedTuple or Enum).
+data; :func:`register` adds a user's dataclass, NamedTuple or Enum, and
+:class:`Unregistered` stands for one whose class a reader has not registered).
 """
 
 from __future__ import annotations
 
-from functional_ckpt._src.codec.decoding import check_hashes, decode
+from functional_ckpt._src.codec.decoding import check_hashes, decode, find_unregistered
 from functional_ckpt._src.codec.encoding import _default as _default
 from functional_ckpt._src.codec.encoding import (
     check_encodable,
@@ -92,7 +93,7 @@ from functional_ckpt._src.codec.table import (
     EXT_TUPLE,
     MAX_ENCODE_DEPTH,
 )
-from functional_ckpt._src.codec.tagged import register
+from functional_ckpt._src.codec.tagged import Unregistered, register, unknown_tag_problem
 
 __all__ = [
     "EXT_BIGINT",
@@ -108,11 +109,14 @@ __all__ = [
     "EXT_TORCH_SIZE",
     "EXT_TUPLE",
     "MAX_ENCODE_DEPTH",
+    "Unregistered",
     "check_encodable",
     "check_hashes",
     "decode",
     "encode",
     "encode_checked",
     "encode_counted",
+    "find_unregistered",
     "register",
+    "unknown_tag_problem",
 ]
