@@ -424,6 +424,25 @@ def test_a_class_of_the_main_script_is_named_after_its_module(
     assert named(types.ModuleType("__main__")) == "__main__.Cfg"  # -c, a REPL
 
 
+def test_a_script_imported_by_its_name_too_shares_its_tags(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import types
+
+    script = types.ModuleType("__main__")
+    script.__file__ = "/runs/exp/twin_script.py"
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    run = enum.Enum("TwinMode", "A B", module="__main__")  # type: ignore[misc]
+    imported = enum.Enum("TwinMode", "A B", module="twin_script")  # type: ignore[misc]
+    codec.register(run)
+    codec.register(imported)  # `import twin_script` from within the script: no conflict
+    assert codec.encode(imported.A) == codec.encode(run.A)
+    assert codec.decode(codec.encode(imported.A)) is run.A
+    other = enum.Enum("TwinMode", "A B", module="elsewhere")  # type: ignore[misc]
+    with pytest.raises(fc.errors.UnsupportedValue, match="already taken"):
+        codec.register(other, name="twin_script.TwinMode")
+
+
 def test_register_takes_a_name_and_aliases() -> None:
     @codec.register(name="tests.unreg.Renamed", aliases=["tests.unreg.Old"])
     class Renamed(enum.Enum):

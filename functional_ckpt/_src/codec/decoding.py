@@ -141,15 +141,17 @@ class _Hooks:
     :meth:`pairs_hook`, so the count is exact and a budget overrun stops the parse
     after at most ``budget`` containers were built, whatever the input declares.
     Maps get their pairs, not a dict, so their keys are vetted for a hash flood
-    before any hash table is built.
+    before any hash table is built. Every ext passes through :meth:`ext_hook`,
+    which keeps an unknown tag as a placeholder only if ``unregistered`` is a set.
     """
 
-    __slots__ = ("budget", "count", "few")
+    __slots__ = ("budget", "count", "few", "unregistered")
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, unregistered: set[str] | None) -> None:
         self.budget = budget
         self.count = 0
         self.few = LIMITS.equal_hashes  # maps this small cannot flood
+        self.unregistered = unregistered  # None: an unknown tag is refused
 
     def _over(self) -> _Unsafe:
         return _Unsafe(
@@ -172,6 +174,19 @@ class _Hooks:
             except Exception as exc:  # e.g. an unhashable set member or key
                 raise _Corrupt(f"cannot rebuild {marker.name}: {exc}") from None
         return lst
+
+    def ext_hook(self, code: int, payload: bytes) -> object:
+        if code == EXT_TAGGED:
+            return _tagged_marker(payload, self.unregistered)
+        marker = _MARKERS.get(code)
+        if marker is not None:
+            if payload:
+                raise _Corrupt(f"{marker.name} marker with a payload")
+            return marker
+        decoder = LEAF_DECODERS.get(code)
+        if decoder is None:
+            raise _Corrupt(f"unknown ext code {code}")
+        return decoder(payload)
 
     def pairs_hook(self, pairs: list[tuple[Any, Any]]) -> object:
         self.count += 1
@@ -213,20 +228,6 @@ def _tagged_marker(payload: bytes, unregistered: set[str] | None) -> _Marker:
             raise _Corrupt(f"tagged value {tag!r}: {exc}") from None
 
     return _Marker(f"tagged value {tag!r}", build)
-
-
-def _ext_hook(code: int, payload: bytes, unregistered: set[str] | None = None) -> object:
-    if code == EXT_TAGGED:
-        return _tagged_marker(payload, unregistered)
-    marker = _MARKERS.get(code)
-    if marker is not None:
-        if payload:
-            raise _Corrupt(f"{marker.name} marker with a payload")
-        return marker
-    decoder = LEAF_DECODERS.get(code)
-    if decoder is None:
-        raise _Corrupt(f"unknown ext code {code}")
-    return decoder(payload)
 
 
 def _stray(t: type) -> _Corrupt:
@@ -363,7 +364,7 @@ def decode(
     # Building many containers at once triggers full cyclic-GC passes over the
     # whole process heap (msgpack's own advice is to pause GC); nothing built
     # here can form a cycle, so the pause loses nothing.
-    hooks = _Hooks(container_budget(n, LIMITS.decode_free_containers))
+    hooks = _Hooks(container_budget(n, LIMITS.decode_free_containers), unregistered)
     pause_gc = n >= _GC_PAUSE_BYTES and gc.isenabled()
     if pause_gc:
         gc.disable()
@@ -374,9 +375,7 @@ def decode(
             use_list=True,
             strict_map_key=False,
             unicode_errors="surrogatepass",
-            ext_hook=_ext_hook
-            if unregistered is None
-            else partial(_ext_hook, unregistered=unregistered),
+            ext_hook=hooks.ext_hook,
             list_hook=hooks.list_hook,
             object_pairs_hook=hooks.pairs_hook,
             max_str_len=n,

@@ -290,6 +290,22 @@ def _script_module(module: str) -> str:
     return module
 
 
+def _twins(a: type, b: type) -> bool:
+    """Are ``a`` and ``b`` one class of the main script, run and also imported by name?
+
+    A script that is imported by its module name as well (``import train`` from
+    within ``python train.py``) defines each class twice; both are the same
+    source, so they share one tag instead of failing at import.
+    """
+    if a.__qualname__ != b.__qualname__:
+        return False
+    if a.__module__ in _SCRIPT_MODULES and b.__module__ not in _SCRIPT_MODULES:
+        return _script_module(a.__module__) == b.__module__
+    if b.__module__ in _SCRIPT_MODULES and a.__module__ not in _SCRIPT_MODULES:
+        return _script_module(b.__module__) == a.__module__
+    return False
+
+
 def default_name(cls: type) -> str:
     """The tag of ``cls`` registered without ``name=``: its module and qualified name."""
     module = cls.__module__
@@ -363,12 +379,14 @@ def register(
         raise UnsupportedValue(f"{what}: already registered under the name {old.tag!r}")
     for t in (tag, *old_names):
         taken = _BY_TAG.get(t)
-        if taken is not None and taken.cls is not cls:
+        if taken is not None and taken.cls is not cls and not _twins(taken.cls, cls):
             raise UnsupportedValue(
                 f"{what}: the name {t!r} is already taken by "
                 f"{taken.cls.__module__}.{taken.cls.__qualname__}; pass another name"
             )
-    if old is None:
+    if old is None and tag in _BY_TAG:
+        TAGGED[cls] = entry  # the script's twin: saved under its name, read as the first
+    elif old is None:
         _add(entry)
         legacy = f"__main__.{cls.__qualname__}"
         if name is None and cls.__module__ in _SCRIPT_MODULES and legacy not in _BY_TAG:
