@@ -11,6 +11,7 @@ named after its module; old ``__main__`` names still read).
 
 from __future__ import annotations
 
+import copy
 import enum
 import json
 import os
@@ -399,6 +400,8 @@ def test_a_placeholder_is_read_only_hashable_and_never_saved(tmp_path: Path) -> 
     )
     assert repr(codec.Unregistered("x.P", [1, "a"])) == "x.P(1, 'a')"
     assert repr(codec.Unregistered("x.F", 5)) == "x.F(5)"
+    q = codec.Unregistered("x.C", {"a": [1]})
+    assert copy.deepcopy(q) == q and copy.deepcopy(q).fields is not q.fields
     with pytest.raises(fc.errors.UnsupportedValue, match=r"placeholder.*register the class"):
         fc.save(tmp_path / "ck", {"hp": {"v": p}})
 

@@ -514,6 +514,9 @@ class Unregistered:
     def __delattr__(self, name: str) -> None:
         raise AttributeError(f"{type(self).__name__} is read-only")
 
+    def __reduce__(self) -> tuple[type[Unregistered], tuple[str, object]]:
+        return (Unregistered, (self._tag, self._fields))  # copies despite read-only slots
+
     def __eq__(self, other: object) -> bool:
         if type(other) is not Unregistered:
             return NotImplemented
