@@ -119,7 +119,7 @@ def restore(
 def restore_for_viewing(path: PathLike) -> TensorDict:
     """The whole state, values of unregistered classes kept as ``Unregistered`` placeholders.
 
-    For readers that only show or compare (``fc.diff``, the command line): they
+    For readers that only show or compare (a diff, the command line): they
     must not need the code that wrote the checkpoint, and nothing they return is
     restored into a training state.
     """
