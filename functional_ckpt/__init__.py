@@ -10,7 +10,8 @@ user names lives in one of a few public namespaces:
 * ``fc.manager``: ``CheckpointManager``, its option objects and what it reports;
 * ``fc.checkpoint``: what the functions on one checkpoint return, ``Stager``, ``remove``;
 * ``fc.tree``: ``from_python``, the inverse of ``fc.to_python``;
-* ``fc.codec``: ``register``, for the dataclasses, NamedTuples and Enums a state holds;
+* ``fc.codec``: ``register``, for the dataclasses, NamedTuples and Enums a state holds,
+  and ``Unregistered``, what a reader without their class sees;
 * ``functional_ckpt.integrations.<client>``: Lightning, Hugging Face, accelerate, torchdata.
 
 Everything else (``functional_ckpt._src``) is the implementation. Names are imported

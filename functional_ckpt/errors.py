@@ -36,6 +36,15 @@ class UnsafeCheckpoint(CheckpointError):
     """The checkpoint tries something a loader must never do (code, path escape, bombs)."""
 
 
+class UnregisteredType(CheckpointError):
+    """A restored value is of a class this process has not registered (``fc.codec.register``).
+
+    Not damage: the checkpoint is sound and names the class by its tag, and nothing
+    is ever imported from a checkpoint, so the restoring program must register the
+    class; the message names the tag, the key path and the line to add.
+    """
+
+
 class UnsupportedValue(CheckpointError, TypeError):
     """A leaf of the state has a type the exact codec cannot store."""
 
@@ -170,6 +179,7 @@ __all__ = [
     "RemoteWarning",
     "RetentionError",
     "TemplateMismatch",
+    "UnregisteredType",
     "UnsafeCheckpoint",
     "UnsupportedValue",
     "UploadFailed",

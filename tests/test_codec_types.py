@@ -26,7 +26,7 @@ from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.storage import commit
-from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint, UnsupportedValue
+from functional_ckpt.errors import CorruptCheckpoint, UnsupportedValue
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,13 +217,16 @@ def edit_raw(path: Path, old: bytes, new: bytes) -> None:
 def test_a_forged_unknown_tag_is_refused_and_never_imported(tmp_path: Path) -> None:
     fc.save(tmp_path / "ck", {"hp": {"mode": Mode.A}})
     edit_raw(tmp_path / "ck", b"tests.Mode", b"os.system_")
-    with pytest.raises(UnsafeCheckpoint) as info:
+    with pytest.raises(fc.errors.UnregisteredType) as info:
         fc.restore(tmp_path / "ck")
     msg = str(info.value)
     assert "unknown tagged type 'os.system_'" in msg
-    assert "functional_ckpt.codec.register(TheClass, name='os.system_')" in msg
-    report = fc.verify(tmp_path / "ck")
-    assert not report.ok and "os.system_" in str(report)
+    assert "functional_ckpt.codec.register(system_, name='os.system_')" in msg
+    # a tag nobody registered is no damage: verify and inspect need no class
+    assert not fc.errors.is_damage(info.value)
+    assert fc.verify(tmp_path / "ck").ok
+    shown = fc.inspect(tmp_path / "ck").tree["hp"]["mode"]
+    assert shown == fc.codec.Unregistered("os.system_", "A") and repr(shown) == "os.system_.A"
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,12 @@ from functional_ckpt._src.cli.ui import PROG, UI, human
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath
 from functional_ckpt._src.recording import is_recording
 from functional_ckpt._src.restore.diff import diff_checkpoints
-from functional_ckpt._src.restore.summary import CheckpointSummary, Node, TensorSpec
+from functional_ckpt._src.restore.summary import (
+    CheckpointSummary,
+    Node,
+    TensorSpec,
+    unregistered_note,
+)
 from functional_ckpt._src.root.listing import entry_of
 from functional_ckpt._src.storage.usage import dir_size
 from functional_ckpt._src.text import printable, short_repr
@@ -197,6 +202,7 @@ def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
             "shared_bytes": summary.shared_bytes,
             "added_bytes": summary.added_bytes,
             "metadata": jsonable(summary.metadata),
+            "unregistered": list(summary.unregistered),
             "entries": [_entry_json(e) for e in entries],
         }
         print_json(ui, doc)
@@ -223,6 +229,8 @@ def _inspect_lines(summary: CheckpointSummary, entries: Sequence[Row], ui: UI) -
     lines += _metadata_lines(summary.metadata, ui)
     lines.append(ui.paint("tree", "head"))
     lines += _tree_lines(entries, ui)
+    if summary.unregistered:
+        lines.append(ui.paint(unregistered_note(summary.unregistered), "warn"))
     return lines
 
 

@@ -64,7 +64,8 @@ The package holds one concept per module: ``table`` (what is encodable and the
 ext codes), ``encoding`` (scan, then pack), ``decoding`` (the unpacker's hooks,
 budgets, hash-flood and depth checks), ``leaves`` (each leaf ext's payload) and
 ``tagged`` (paths, datetimes, namespaces and registered classes as tagged plain
-data; :func:`register` adds a user's dataclass, NamedTuple or Enum).
+data; :func:`register` adds a user's dataclass, NamedTuple or Enum, and
+:class:`Unregistered` stands for one whose class a reader has not registered).
 
 ``encoding`` (which needs numpy and torch to tell their types apart) is imported
 when one of its functions is first named: readers of manifests only decode.
@@ -75,7 +76,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from functional_ckpt._src.codec.decoding import check_hashes, decode
+from functional_ckpt._src.codec.decoding import check_hashes, decode, find_unregistered
 from functional_ckpt._src.codec.table import (
     EXT_BIGINT,
     EXT_BYTEARRAY,
@@ -91,7 +92,7 @@ from functional_ckpt._src.codec.table import (
     EXT_TUPLE,
     MAX_ENCODE_DEPTH,
 )
-from functional_ckpt._src.codec.tagged import register
+from functional_ckpt._src.codec.tagged import Unregistered, register, unknown_tag_problem
 
 if TYPE_CHECKING:
     from functional_ckpt._src.codec.encoding import _default as _default
@@ -119,13 +120,16 @@ __all__ = [
     "EXT_TORCH_SIZE",
     "EXT_TUPLE",
     "MAX_ENCODE_DEPTH",
+    "Unregistered",
     "check_encodable",
     "check_hashes",
     "decode",
     "encode",
     "encode_checked",
     "encode_counted",
+    "find_unregistered",
     "register",
+    "unknown_tag_problem",
 ]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import gc
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Final
 
 import msgpack
@@ -31,11 +32,19 @@ from functional_ckpt._src.codec.table import (
     torch_size_problem,
     type_name,
 )
-from functional_ckpt._src.codec.tagged import TAGGED, _BadFields, by_tag, unknown_tag_problem
+from functional_ckpt._src.codec.tagged import (
+    TAGGED,
+    Unregistered,
+    _BadFields,
+    by_tag,
+    placeholder,
+    tag_problem,
+    unknown_tag_problem,
+)
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
 
-__all__ = ["check_hashes", "decode"]
+__all__ = ["check_hashes", "decode", "find_unregistered"]
 
 _MSGPACK_STACK_LIMIT: Final = 1024  # the C unpacker's fixed parse stack
 _GC_PAUSE_BYTES: Final = 256 * 1024
@@ -133,15 +142,17 @@ class _Hooks:
     :meth:`pairs_hook`, so the count is exact and a budget overrun stops the parse
     after at most ``budget`` containers were built, whatever the input declares.
     Maps get their pairs, not a dict, so their keys are vetted for a hash flood
-    before any hash table is built.
+    before any hash table is built. Every ext passes through :meth:`ext_hook`,
+    which keeps an unknown tag as a placeholder only if ``unregistered`` is a set.
     """
 
-    __slots__ = ("budget", "count", "few")
+    __slots__ = ("budget", "count", "few", "unregistered")
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, unregistered: set[str] | None) -> None:
         self.budget = budget
         self.count = 0
         self.few = LIMITS.equal_hashes  # maps this small cannot flood
+        self.unregistered = unregistered  # None: an unknown tag is refused
 
     def _over(self) -> _Unsafe:
         return _Unsafe(
@@ -165,6 +176,19 @@ class _Hooks:
                 raise _Corrupt(f"cannot rebuild {marker.name}: {exc}") from None
         return lst
 
+    def ext_hook(self, code: int, payload: bytes) -> object:
+        if code == EXT_TAGGED:
+            return _tagged_marker(payload, self.unregistered)
+        marker = _MARKERS.get(code)
+        if marker is not None:
+            if payload:
+                raise _Corrupt(f"{marker.name} marker with a payload")
+            return marker
+        decoder = LEAF_DECODERS.get(code)
+        if decoder is None:
+            raise _Corrupt(f"unknown ext code {code}")
+        return decoder(payload)
+
     def pairs_hook(self, pairs: list[tuple[Any, Any]]) -> object:
         self.count += 1
         if self.count > self.budget:
@@ -174,39 +198,37 @@ class _Hooks:
         return dict(pairs)
 
 
-def _tagged_marker(payload: bytes) -> _Marker:
-    """The marker of a tagged value: the tag is looked up in the table, never imported."""
+def _tagged_marker(payload: bytes, unregistered: set[str] | None) -> _Marker:
+    """The marker of a tagged value: the tag is looked up in the table, never imported.
+
+    An unknown tag is refused, or with ``unregistered`` kept as a placeholder
+    (its tag added to that set) once its fields are well formed.
+    """
     try:
         tag = payload.decode("utf-8")
     except UnicodeDecodeError:
         raise _Corrupt(f"tagged value with an invalid tag {payload[:80]!r}") from None
     entry = by_tag(tag)
     if entry is None:
-        raise _Unsafe(unknown_tag_problem(tag[:256]))
+        if unregistered is None:
+            raise _Unsafe(unknown_tag_problem(tag[:256]))
+        problem = tag_problem(tag)
+        if problem is not None:
+            raise _Corrupt(f"tagged value with {problem}: {tag[:80]!r}")
+        unregistered.add(tag)
+        rebuild: Callable[[Any], object] = partial(placeholder, tag)
+    else:
+        rebuild = entry.build
 
     def build(items: list[Any]) -> object:
         if len(items) != 1:
             raise _Corrupt(f"tagged value {tag!r} with {len(items)} fields entries instead of 1")
         try:
-            return entry.build(items[0])
+            return rebuild(items[0])
         except _BadFields as exc:
             raise _Corrupt(f"tagged value {tag!r}: {exc}") from None
 
     return _Marker(f"tagged value {tag!r}", build)
-
-
-def _ext_hook(code: int, payload: bytes) -> object:
-    if code == EXT_TAGGED:
-        return _tagged_marker(payload)
-    marker = _MARKERS.get(code)
-    if marker is not None:
-        if payload:
-            raise _Corrupt(f"{marker.name} marker with a payload")
-        return marker
-    decoder = LEAF_DECODERS.get(code)
-    if decoder is None:
-        raise _Corrupt(f"unknown ext code {code}")
-    return decoder(payload)
 
 
 def _stray(t: type) -> _Corrupt:
@@ -221,8 +243,39 @@ def _tagged_fields(t: type, value: object) -> object:
     """The fields below a rebuilt tagged value, walked like any container's children."""
     entry = TAGGED.get(t)
     if entry is None:
+        if t is Unregistered:
+            return value.fields  # type: ignore[attr-defined]
         raise _stray(t)
     return entry.fields(value)
+
+
+def find_unregistered(value: object) -> Unregistered | None:
+    """The first placeholder in a decoded value (which ``decode`` bounded in depth), if any.
+
+    Breadth first, in the order the value holds its items, so a message names the
+    placeholder a reader sees first.
+    """
+    leaves = decoded_leaves()
+    todo = [value]
+    i = 0
+    while i < len(todo):
+        obj = todo[i]
+        i += 1
+        t = type(obj)
+        if t is Unregistered:
+            return obj  # type: ignore[return-value]
+        if t in leaves:
+            continue
+        if t is dict or t is _OrderedDict:
+            todo += obj.keys()  # type: ignore[attr-defined]
+            todo += obj.values()  # type: ignore[attr-defined]
+        elif t in CONTAINERS:
+            todo += obj  # type: ignore[arg-type]
+        else:
+            entry = TAGGED.get(t)
+            if entry is not None:
+                todo.append(entry.fields(obj))
+    return None
 
 
 def _check_decoded(value: object, max_depth: int) -> None:
@@ -266,9 +319,19 @@ def _check_decoded(value: object, max_depth: int) -> None:
 
 
 def decode(
-    data: bytes | memoryview, *, source: str = "data", max_depth: int = LIMITS.decode_depth
+    data: bytes | memoryview,
+    *,
+    source: str = "data",
+    max_depth: int = LIMITS.decode_depth,
+    unregistered: set[str] | None = None,
 ) -> object:
     """Rebuild exactly the value ``encode`` was given, treating ``data`` as hostile.
+
+    A tagged value whose tag no class is registered under is refused, unless
+    ``unregistered`` is given: then it comes back as an ``Unregistered``
+    placeholder (its tag added to the set), so a reader that only looks needs
+    no user code; its fields are decoded and bounded like any other value, and
+    fields no registered class could have (or an impossible tag) stay damage.
 
     ``data`` may come from a damaged disk or an attacker, so decoding never runs
     code, never recurses in Python, stays linear in ``len(data)`` (no hash
@@ -284,7 +347,8 @@ def decode(
             shape) that does not match the bytes actually present. Size bombs
             land here too, because from the bytes alone they are
             indistinguishable from truncation or a flipped length bit.
-        UnsafeCheckpoint: the bytes are well formed but nest containers deeper
+        UnsafeCheckpoint: a tag no class is registered under (without
+            ``unregistered``). Or the bytes are well formed but nest containers deeper
             than ``max_depth`` (or than msgpack's fixed parse stack of 1024), a
             depth bomb aimed at whatever walks the value next; or they hold more
             containers than the decode budget allows (a memory bomb), or keys or
@@ -301,7 +365,7 @@ def decode(
     # Building many containers at once triggers full cyclic-GC passes over the
     # whole process heap (msgpack's own advice is to pause GC); nothing built
     # here can form a cycle, so the pause loses nothing.
-    hooks = _Hooks(container_budget(n, LIMITS.decode_free_containers))
+    hooks = _Hooks(container_budget(n, LIMITS.decode_free_containers), unregistered)
     pause_gc = n >= _GC_PAUSE_BYTES and gc.isenabled()
     if pause_gc:
         gc.disable()
@@ -312,7 +376,7 @@ def decode(
             use_list=True,
             strict_map_key=False,
             unicode_errors="surrogatepass",
-            ext_hook=_ext_hook,
+            ext_hook=hooks.ext_hook,
             list_hook=hooks.list_hook,
             object_pairs_hook=hooks.pairs_hook,
             max_str_len=n,

@@ -41,7 +41,12 @@ from functional_ckpt._src.codec.table import (
     torch_size_problem,
     type_name,
 )
-from functional_ckpt._src.codec.tagged import TAGGED, unregistered_problem
+from functional_ckpt._src.codec.tagged import (
+    TAGGED,
+    Unregistered,
+    placeholder_problem,
+    unregistered_problem,
+)
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.text import short_repr
 from functional_ckpt.errors import CheckpointError, UnsupportedValue
@@ -162,6 +167,8 @@ def _leaf_problem(obj: object, t: type) -> str | None:
             f"{type_name(t)} is not supported here; tensors belong in the tensor tree, "
             "not among plain values"
         )
+    if t is Unregistered:
+        return placeholder_problem(obj)  # type: ignore[arg-type]
     registrable = unregistered_problem(t)
     if registrable is not None:
         return registrable

@@ -345,7 +345,7 @@ def decode_small(raw: bytes, where: str) -> dict[str, Any]:
     """A marker or manifest decoded by the exact codec (never pickle)."""
     if len(raw) > committed.MAX_MANIFEST_BYTES:
         raise CorruptCheckpoint(f"{where}: {len(raw)} bytes, more than a manifest may hold")
-    value = codec.decode(raw, source=where)
+    value = codec.decode(raw, source=where, unregistered=set())  # a placeholder is no damage
     if not isinstance(value, dict):
         raise CorruptCheckpoint(f"{where}: not a msgpack map")
     return value

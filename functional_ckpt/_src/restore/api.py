@@ -104,6 +104,40 @@ def restore(
     contents are unspecified.
     """
     check_like_or_out(like, out, "fc.restore")
+    return _restore(
+        path,
+        like,
+        out=out,
+        device=device,
+        partial=partial,
+        cast=cast,
+        allow_pickle=allow_pickle,
+        reshard=reshard,
+    )
+
+
+def restore_for_viewing(path: PathLike) -> TensorDict:
+    """The whole state, values of unregistered classes kept as ``Unregistered`` placeholders.
+
+    For readers that only show or compare (a diff, the command line): they
+    must not need the code that wrote the checkpoint, and nothing they return is
+    restored into a training state.
+    """
+    return _restore(path, None, placeholders=True)
+
+
+def _restore(
+    path: PathLike,
+    like: State | None,
+    *,
+    out: State | None = None,
+    device: torch.device | str | None = None,
+    partial: bool = False,
+    cast: bool = False,
+    allow_pickle: bool = False,
+    reshard: Reshard | None = None,
+    placeholders: bool = False,
+) -> TensorDict:
     with gc_paused():  # the manifest's parse and the template's walk make many objects
         chosen = out if out is not None else like
         template = None if chosen is None else as_state(chosen)
@@ -114,6 +148,7 @@ def restore(
             reshard=reshard,
             inplace=out is not None,
             device=torch.device("cpu" if device is None else device),
+            placeholders=placeholders,
         )
         src = Path(path)
         opened = read_backend(src, template).open(src)

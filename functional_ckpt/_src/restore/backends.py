@@ -40,6 +40,7 @@ class Request:
     reshard: Reshard | None = None
     inplace: bool = False
     device: torch.device = CPU
+    placeholders: bool = False  # keep values of unregistered classes (readers that only look)
 
 
 @dataclass
@@ -106,6 +107,7 @@ class _Manifested:
             match.fresh,
             inplace=req.inplace,
             device=req.device,
+            placeholders=req.placeholders,
         )
         return leaves + match.extra
 

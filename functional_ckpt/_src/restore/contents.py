@@ -11,9 +11,9 @@ import torch
 
 from functional_ckpt._src.format.header import header_of
 from functional_ckpt._src.format.keys import KeyPath
+from functional_ckpt._src.format.view import parse_manifest
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.restore.api import is_stock_dcp
-from functional_ckpt._src.restore.read import vetted_view
 from functional_ckpt._src.restore.stock_dcp import read_stock_metadata
 from functional_ckpt._src.restore.summary import (
     CheckpointSummary,
@@ -22,6 +22,7 @@ from functional_ckpt._src.restore.summary import (
     insert,
     node_of,
 )
+from functional_ckpt._src.storage.committed import open_vetted
 from functional_ckpt._src.storage.usage import sharing
 
 
@@ -67,14 +68,21 @@ def inspect_dcp(root: Path) -> CheckpointSummary:
 
 
 def inspect(path: PathLike) -> CheckpointSummary:
-    """Describe a checkpoint without reading any tensor data."""
+    """Describe a checkpoint without reading any tensor data.
+
+    Needs none of the code that wrote it: a value of a class this process has not
+    registered is shown as an ``fc.codec.Unregistered`` placeholder, and
+    ``summary.unregistered`` lists their tags (``fc.restore`` refuses them).
+    """
     src = Path(path)
     if is_stock_dcp(src):
         pass
 
         summary: CheckpointSummary = inspect_dcp(src)
         return summary
-    parsed = vetted_view(src)
+    with open_vetted(src) as ck:
+        parsed = parse_manifest(ck.manifest, src)
+        unregistered = tuple(sorted(ck.unregistered))
     tree: dict[str, Any] = node_of(parsed.root)
     tensor_bytes = 0
     for p, kind in parsed.order:
@@ -102,4 +110,5 @@ def inspect(path: PathLike) -> CheckpointSummary:
         world_size=parsed.world_size,
         shared_bytes=shared,
         added_bytes=added,
+        unregistered=unregistered,
     )

@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from functional_ckpt._src.codec import Unregistered
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.manifest import dtype_name
-from functional_ckpt._src.restore.api import restore
+from functional_ckpt._src.restore.api import restore_for_viewing
 from functional_ckpt._src.state.tree import iter_leaves
 from functional_ckpt._src.text import printable, short_repr
 
@@ -58,7 +59,7 @@ class DiffResult:
 
 
 def _leaves(path: Path) -> dict[KeyPath, tuple[str, Any]]:
-    state = restore(path)
+    state = restore_for_viewing(path)  # comparing needs no registered class
     return {
         leaf.path: (leaf.kind, leaf.value) for leaf in iter_leaves(state) if leaf.kind != "node"
     }
@@ -76,6 +77,8 @@ def same_value(a: Any, b: Any) -> bool:
         return list(a) == list(b) and all(same_value(a[k], b[k]) for k in a)
     if isinstance(a, np.ndarray):
         return bool(a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes())
+    if isinstance(a, Unregistered):
+        return a.tag == b.tag and same_value(a.fields, b.fields)
     try:
         return bool(a == b)
     except (TypeError, ValueError):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from functional_ckpt._src import codec
 from functional_ckpt._src.format import blobs
 from functional_ckpt._src.format.coverage import numel
 from functional_ckpt._src.format.keys import KeyPath, format_path
@@ -25,9 +26,8 @@ from functional_ckpt._src.format.view import ParsedManifest, parse_manifest
 from functional_ckpt._src.state.tree import Leaf, unflatten
 from functional_ckpt._src.storage import committed, shards
 from functional_ckpt._src.storage.committed import open_vetted
-from functional_ckpt.errors import (
-    CorruptCheckpoint,
-)
+from functional_ckpt._src.text import short_repr
+from functional_ckpt.errors import CorruptCheckpoint, UnregisteredType
 
 CPU = torch.device("cpu")
 
@@ -195,11 +195,14 @@ def read_leaves(
     *,
     inplace: bool = False,
     device: torch.device = CPU,
+    placeholders: bool = False,
 ) -> list[Leaf]:
     """Read the selected entries into leaves, in the manifest's order.
 
     ``wanted`` maps key paths to template leaves: their dtype and device shape the
-    result, and with ``inplace`` their storage receives it.
+    result, and with ``inplace`` their storage receives it. A value of a class this
+    process has not registered is refused unless ``placeholders`` (a reader that
+    only looks) keeps it as it was read.
     """
     targets: dict[KeyPath, Target] = {}
     aliases: list[TensorEntry] = []
@@ -216,6 +219,8 @@ def read_leaves(
         for e in aliases:
             assert e.alias is not None
             results[e.path] = _tied(results[e.alias], wanted.get(e.path), inplace, device)
+    if src.unregistered and not placeholders:
+        refuse_unregistered(src.path, parsed, selected)
     leaves: list[Leaf] = []
     for p, kind in selected:
         if kind == "node":
@@ -233,6 +238,27 @@ def read_leaves(
                 t.requires_grad_(True)
             leaves.append(Leaf(p, "tensor", t))
     return leaves
+
+
+def refuse_unregistered(
+    src: Path, parsed: ParsedManifest, selected: list[tuple[KeyPath, str]]
+) -> None:
+    """Refuse to restore a placeholder for a class this process has not registered.
+
+    A placeholder in a training state would only fail later, far from the cause
+    (or be saved over the real value), so the restore stops here and says which
+    class to register; ``fc.inspect`` shows such values as they are.
+    """
+    for p, kind in selected:
+        if kind != "value":
+            continue
+        found = codec.find_unregistered(parsed.values[p])
+        if found is not None:
+            raise UnregisteredType(
+                f"{src}: {format_path(p)} holds {short_repr(found, 120)}; "
+                f"{codec.unknown_tag_problem(found.tag)}; or restore with a like= "
+                "that leaves this key out (fc.inspect shows it without the class)"
+            )
 
 
 def _tied(

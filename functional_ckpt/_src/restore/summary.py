@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 
+from functional_ckpt._src.codec.tagged import registration_line
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.manifest import dtype_name
-from functional_ckpt._src.text import clip, short_repr
+from functional_ckpt._src.text import clip, printable, short_repr
 
-__all__ = ["CheckpointSummary", "Node", "TensorSpec", "insert"]
+__all__ = ["CheckpointSummary", "Node", "TensorSpec", "insert", "unregistered_note"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class CheckpointSummary:
     world_size: int = 1  # ranks that wrote it; per-rank subtrees shown are rank 0's
     shared_bytes: int = 0  # in data files also linked into another checkpoint
     added_bytes: int | None = None  # what its save wrote (the rest it reused from a base)
+    unregistered: tuple[str, ...] = ()  # tags of the values shown as fc.codec.Unregistered
 
     def __str__(self) -> str:
         lines = [
@@ -81,7 +83,21 @@ class CheckpointSummary:
                     lines.append(f"{indent}{k}: {clip(text, 100)}")
 
         walk(self.tree, "  ")
+        if self.unregistered:
+            lines.append(unregistered_note(self.unregistered))
         return "\n".join(lines)
+
+
+def unregistered_note(tags: tuple[str, ...]) -> str:
+    """Which classes this process lacks, and the lines that let ``fc.restore`` rebuild them."""
+    lines = [
+        "not registered in this process, so shown by tag and fields (fc.restore of "
+        "these values needs each class registered where it is defined):"
+    ]
+    lines += [f"  {printable(registration_line(t))}" for t in tags[:5]]
+    if len(tags) > 5:
+        lines.append(f"  and {len(tags) - 5} more")
+    return "\n".join(lines)
 
 
 def insert(tree: dict[str, Any], path: KeyPath, value: Any) -> None:

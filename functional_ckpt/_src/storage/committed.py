@@ -95,8 +95,15 @@ def read_marker(dir_fd: int, path: Path) -> dict[str, Any]:
     return marker
 
 
-def read_manifest_at(dir_fd: int, path: Path, marker: dict[str, Any]) -> dict[str, Any]:
-    """Read and authenticate the manifest against its marker."""
+def read_manifest_at(
+    dir_fd: int, path: Path, marker: dict[str, Any], unregistered: set[str] | None = None
+) -> dict[str, Any]:
+    """Read and authenticate the manifest against its marker.
+
+    A value whose class this process has not registered is a sound part of the
+    checkpoint, so it is kept as an ``Unregistered`` placeholder (its tag added to
+    ``unregistered``) for the restore to refuse if it selects it.
+    """
     expected = marker.get("manifest_size")
     limit = expected if type(expected) is int and 0 <= expected <= MAX_MANIFEST_BYTES else 0
     raw = _read_small(dir_fd, path, MANIFEST, limit, "manifest")
@@ -105,7 +112,8 @@ def read_manifest_at(dir_fd: int, path: Path, marker: dict[str, Any]) -> dict[st
             f"{path / MANIFEST}: the manifest does not match its checksum in {COMMIT_MARKER} "
             f"({len(raw)} bytes); the checkpoint is damaged"
         )
-    manifest = codec.decode(raw, source=str(path / MANIFEST))
+    tags = set() if unregistered is None else unregistered
+    manifest = codec.decode(raw, source=str(path / MANIFEST), unregistered=tags)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise CorruptCheckpoint(f"{path / MANIFEST}: not a functional_ckpt manifest")
     version = manifest.get("version")
@@ -131,6 +139,7 @@ class Checkpoint:
     manifest: dict[str, Any]
     fds: dict[str, int] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
+    unregistered: frozenset[str] = frozenset()  # tags of placeholders among the values
 
     def fd(self, name: str) -> int:
         try:
@@ -221,7 +230,9 @@ def open_checkpoint(
         try:
             marker = read_marker(dir_fd, path)
             had_marker = True
-            ck.manifest = read_manifest_at(dir_fd, path, marker)
+            tags: set[str] = set()
+            ck.manifest = read_manifest_at(dir_fd, path, marker, tags)
+            ck.unregistered = frozenset(tags)
             if members:
                 open_members(ck, None if problems is None else found)
             if found and _replaced(path, dir_fd, had_marker):
