@@ -190,10 +190,10 @@ def test_demo_json_keeps_progress_off_stdout(
     monkeypatch.setattr(demo, "run_demo", fake_run_demo)
     out, err = io.StringIO(), io.StringIO()
     args = cli.build_parser().parse_args(["demo", "--root", str(tmp_path / "d"), "--json"])
-    with pytest.raises(demo.DemoError):
-        cmd_demo(args, UI(out=out, err=err, env={}))
+    assert cmd_demo(args, UI(out=out, err=err, env={})) == 1  # the demo failed: status 1
     assert out.getvalue() == ""
     assert "working in" in err.getvalue() and "[1/3] training" in err.getvalue()
+    assert "stopped here" in err.getvalue()
 
 
 # --------------------------------------------------------------------------- exit statuses

@@ -18,6 +18,7 @@ import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import msgpack
 import pytest
@@ -119,3 +120,26 @@ def test_readers_refuse_or_restore_within_budget(
         report = fc.verify(path)
         assert not report.ok, f"{target}/{data[:1]!r}: verify found nothing"
     shutil.rmtree(path.parent, ignore_errors=True)
+
+
+@pytest.mark.parametrize("ranks", ["missing", "empty"])
+def test_a_manifest_without_rank_views_is_reported_not_raised(
+    pristine: Path, tmp_path: Path, ranks: str
+) -> None:
+    """Found by the fuzzer: a re-signed manifest whose per-rank table was renamed away
+    made fc.verify fail with an IndexError instead of reporting."""
+    from tests.forge import resign
+
+    path = tmp_path / "ck"
+    shutil.copytree(pristine, path)
+
+    def edit(m: dict[str, Any]) -> None:
+        if ranks == "missing":
+            m["sanks"] = m.pop("ranks")
+        else:
+            m["ranks"] = []
+
+    resign(path, edit)
+    faults.fuzz_one(path, True, budget_s=TIME_BUDGET_S)
+    report = fc.verify(path)
+    assert isinstance(report.ok, bool)

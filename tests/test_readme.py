@@ -45,12 +45,12 @@ def job(n: int) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
 
-    def train_forward_backward(batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+    def train_forward_backward(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
-        return loss.item()
+        return loss  # as the README's own: a tensor that requires grad
 
     return {
         "model": model,

@@ -132,8 +132,9 @@ class ParsedCheckpoint:
         return got
 
     def all_views(self) -> list[ParsedManifest]:
-        """Every saving rank's view, in rank order."""
-        return [self.view(r) for r in range(len(self.ranks))]
+        """Every saving rank's view, in rank order: ``world_size`` of them (one, the
+        shared tree, for a manifest without per-rank tables)."""
+        return [self.view(r) for r in range(self.world_size)]
 
     def groups(self) -> list[list[TensorEntry]]:
         """:func:`tensor_groups` of this manifest (shared, then each rank's own)."""
