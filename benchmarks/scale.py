@@ -22,7 +22,7 @@ fc, coordinator
   rank's written chunks (``multi_rank.merge_results``; the chunks are what each
   rank's shard writer reports: one per shard of every sharded tensor, replicated
   tensors spread over the ranks as DCP's planner spreads them), DCP's global
-  planning as ``fc.save`` runs it (``DefaultSavePlanner.create_global_plan``),
+  planning as ``fc.save`` runs it (``multi_rank._Planner``: the deduplication),
   then ``manifest.assemble``, ``dcp_metadata.derive`` and ``Manifest.encode``:
   everything ``finalize`` computes before it writes. A second save of the same
   layout is timed too (``derive`` keeps the last ``.metadata``).
