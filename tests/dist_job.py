@@ -11,11 +11,13 @@ Modes:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +135,103 @@ def train(root: Path, steps: int, crash_rank: int, crash_at: int) -> None:
     fc.save(root / "final", final, overwrite=True)
 
 
+SCALE_MODEL = dict(layers=1, hidden=64, mlp=128, vocab=256)  # dims 0 divide by 8
+
+
+def scale_state(mesh: Any, rank: int, *, zeros: bool = False) -> dict[str, Any]:
+    """benchmarks/scale.py's state made real: DTensors sharded on dim 0 over ``mesh``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import scale
+
+    def tensor(key: str, shape: tuple[int, ...], sharded: bool) -> torch.Tensor:
+        g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+        full = torch.zeros(shape) if zeros else torch.randn(shape, generator=g)
+        if not sharded:
+            return full
+        t = distribute_tensor(full, mesh, [Shard(0)])
+        return t.requires_grad_(True) if key.startswith("model/") else t
+
+    rng = torch.Generator().manual_seed(rank).get_state()
+    return scale.full_state(scale.Model(**SCALE_MODEL), rank, tensor, rng)
+
+
+def counting_helpers(counts: dict[str, int]) -> None:
+    """Count what this rank's checkpoint collectives send and receive, at the helpers.
+
+    An input tensor counts as sent, every output tensor it fills as received (its
+    own slot included): the accounting benchmarks/scale.py predicts.
+    """
+    from functional_ckpt._src.distributed import groups
+
+    def size(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    all_gather, all_reduce, gather, broadcast = (
+        groups._all_gather,
+        groups._all_reduce_max,
+        groups._gather,
+        groups._broadcast,
+    )
+
+    def add(sent: int, received: int) -> None:
+        counts["sent"] += sent
+        counts["received"] += received
+        counts["calls"] += 1
+
+    def all_gather_(out: list[torch.Tensor], t: torch.Tensor, group: Any) -> None:
+        add(size(t), sum(size(o) for o in out))
+        all_gather(out, t, group)
+
+    def all_reduce_(t: torch.Tensor, group: Any) -> None:
+        add(size(t), size(t))
+        all_reduce(t, group)
+
+    def gather_(t: torch.Tensor, out: list[torch.Tensor] | None, dst: int, group: Any) -> None:
+        add(size(t), sum(size(o) for o in out or ()))
+        gather(t, out, dst, group)
+
+    def broadcast_(t: torch.Tensor, src: int, group: Any) -> None:
+        mine = dist.get_rank(group) == src
+        add(size(t) if mine else 0, 0 if mine else size(t))
+        broadcast(t, src, group)
+
+    groups._all_gather, groups._all_reduce_max = all_gather_, all_reduce_
+    groups._gather, groups._broadcast = gather_, broadcast_
+
+
+def traffic_run(root: Path, rank: int, world: int) -> None:
+    """Save the scale benchmark's state, counting each rank's bytes, unless a
+    checkpoint is there already; then restore it on this world, bit-exact."""
+    from functional_ckpt._src.state.tree import as_state, iter_leaves
+
+    mesh = init_device_mesh("cpu", (world,))
+    counts = {"sent": 0, "received": 0, "calls": 0}
+    counting_helpers(counts)
+    dest = root / "ck"
+    told: dict[str, Any] = {}
+    if not dest.exists():
+        info = fc.save(dest, scale_state(mesh, rank))
+        told["save"] = dict(counts)
+        told["nbytes"] = info.nbytes
+    counts.update(sent=0, received=0, calls=0)
+    back = fc.restore(
+        dest, scale_state(mesh, rank, zeros=True), reshard=lambda saved, r, w: saved[r % len(saved)]
+    )
+    told["restore"] = dict(counts)
+    got = {leaf.path: leaf.value for leaf in iter_leaves(back)}
+    checked = 0
+    for leaf in iter_leaves(as_state(scale_state(mesh, rank))):
+        if leaf.kind == "tensor" and leaf.path[0] != "rng":
+            a, b = got[leaf.path], leaf.value
+            a = a.full_tensor() if hasattr(a, "full_tensor") else a
+            b = b.full_tensor() if hasattr(b, "full_tensor") else b
+            assert a.dtype == b.dtype, leaf.path
+            assert a.detach().numpy().tobytes() == b.detach().numpy().tobytes(), leaf.path
+            checked += 1
+    told["checked"] = checked
+    (root / f"traffic.{world}.{rank}.json").write_text(json.dumps(told))
+
+
 def main() -> None:
     mode, root = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")
@@ -212,6 +311,8 @@ def main() -> None:
         assert torch.equal(back["w"].full_tensor(), expect)
         assert torch.equal(back["r"].full_tensor(), full_tensors()["w"] * 2)
         assert back["loader", "pos"] == rank * 100
+    elif mode == "traffic":
+        traffic_run(root, rank, world)
     elif mode == "async-save":
         mesh = init_device_mesh("cpu", (world,))
         state = shard_state(mesh, rank)

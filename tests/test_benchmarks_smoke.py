@@ -239,7 +239,6 @@ def test_tiered_quick_run(tmp_path: Path) -> None:
     assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}
 
 
-@pytest.mark.timeout(300)
 def test_cli_startup_quick_run(tmp_path: Path) -> None:
     data = _run_benchmark("cli_startup.py", tmp_path)
     assert data["config"]["reps"] == 2 and data["config"]["checkpoints"] == 5
@@ -249,3 +248,18 @@ def test_cli_startup_quick_run(tmp_path: Path) -> None:
         assert len(r["times_s"]) == 2 and r["median_s"] > 0 and r["ratio"] > 0
     assert len(data["targets"]) == 2
     assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}
+
+
+def test_scale_quick_run(tmp_path: Path) -> None:
+    data = _run_benchmark("scale.py", tmp_path)
+    rows = data["rows"]
+    assert [r["ranks"] for r in rows] == [8, 64] and data["config"]["quick"]
+    for r in rows:
+        assert r["chunks"] > r["tensors"] and r["manifest_bytes"] > 0
+        assert r["fc_coordinator_s"] > 0 and r["dcp_coordinator_s"] > 0
+        assert r["fc_restore_rank_peak"] > 0 and r["manifest_decoded_peak"] > 0
+    # bytes are not timings: only the coordinator receives every rank's entries
+    small, large = (r["bytes"]["fc_helpers"] for r in rows)
+    assert small["other"]["received"] == large["other"]["received"]
+    assert large["coordinator"]["received"] > 4 * small["coordinator"]["received"]
+    assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL", "SKIP"}

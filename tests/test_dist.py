@@ -213,3 +213,35 @@ def test_rank_failed_without_a_process_group() -> None:
         _fail(mine, "restore ck", told)
     assert own.value is mine and "rank 1 failed: CorruptCheckpoint" in own.value.__notes__[0]
     _fail(None, "restore ck", {})  # nobody failed: no error
+
+
+def test_eight_ranks_save_and_restore_onto_8_and_3_and_move_the_bytes_predicted(
+    tmp_path: Path,
+) -> None:
+    """benchmarks/scale.py's state saved by 8 real ranks: every rank's bytes through
+    the checkpoint collectives are what the benchmark's simulation predicts for N=8,
+    and the checkpoint restores bit-exact on 8 and on 3 ranks."""
+    import json
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import scale
+
+    from tests.dist_job import SCALE_MODEL
+
+    run_ok(8, "traffic", str(tmp_path))
+    run_ok(3, "traffic", str(tmp_path))
+    told = [json.loads((tmp_path / f"traffic.8.{r}.json").read_text()) for r in range(8)]
+    world = scale.simulate(scale.Model(**SCALE_MODEL), 8)
+    predicted = scale.predict_helpers(8, world.payloads, "ck", told[0]["nbytes"])
+    for rank, (got, want) in enumerate(zip(told, predicted, strict=True)):
+        assert got["save"]["sent"] == want.sent, (rank, got["save"], want)
+        assert got["save"]["received"] == want.received, (rank, got["save"], want)
+    # the coordinator alone receives every rank's entries; the others the same few bytes
+    assert told[0]["save"]["received"] > 8 * told[1]["save"]["received"]
+    assert len({t["save"]["received"] for t in told[1:]}) == 1
+    for world_size in (8, 3):
+        for rank in range(world_size):
+            back = json.loads((tmp_path / f"traffic.{world_size}.{rank}.json").read_text())
+            assert back["checked"] == len(world.plan.targets) - 1  # every tensor but rng
+            assert back["restore"]["calls"] >= 1
+    assert fc.verify(tmp_path / "ck").ok

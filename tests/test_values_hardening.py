@@ -238,6 +238,20 @@ def test_values_too_large_for_a_manifest_are_refused_before_writing(
     assert nothing_written(tmp_path / "c")
 
 
+def test_a_manifest_grown_past_the_limit_by_its_chunks_is_never_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A multi-rank save's chunks (one per rank of every sharded tensor) are known only
+    # to its coordinator, after the plan passed: the commit refuses what a reader would.
+    from functional_ckpt._src.save import local
+
+    monkeypatch.setattr(local, "LIMITS", dataclasses.replace(LIMITS, manifest_bytes=4000))
+    state = {f"t{i}": torch.ones(1) for i in range(40)}  # within the plan's bound
+    with pytest.raises(UnsupportedValue, match="more than the 4000 a reader accepts"):
+        fc.save(tmp_path / "c" / "s", state)
+    assert nothing_written(tmp_path / "c")
+
+
 def test_values_dense_in_containers_are_refused_at_save(tmp_path: Path) -> None:
     state = {"t": torch.ones(1), "lists": [[] for _ in range(200_000)]}
     with pytest.raises(UnsupportedValue, match="decode budget"):

@@ -4,6 +4,11 @@ All checkpoint collectives run on dedicated gloo groups with a timeout, so they
 never interleave with training collectives and a dead rank makes the others fail
 with a clear error instead of hanging. When any rank fails a local step, every
 rank fails together (:func:`agree`).
+
+What only the coordinator needs travels only to it (:func:`gather_bytes`), and what
+only it knows travels once from it (:func:`broadcast_bytes`): a rank other than the
+coordinator then receives the same few bytes whatever the world size, and the
+coordinator alone receives one payload per rank (docs/scale.md).
 """
 
 from __future__ import annotations
@@ -58,19 +63,84 @@ def _release_groups() -> None:
                 dist.destroy_process_group(group)
 
 
+# Every checkpoint collective passes through these four, so a run can count what
+# each rank sends and receives (tests/dist_job.py) and a simulation can predict it
+# (benchmarks/scale.py).
+
+
+def _all_gather(out: list[torch.Tensor], t: torch.Tensor, group: Any) -> None:
+    dist.all_gather(out, t, group=group)
+
+
+def _all_reduce_max(t: torch.Tensor, group: Any) -> None:
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+
+
+def _gather(t: torch.Tensor, out: list[torch.Tensor] | None, dst: int, group: Any) -> None:
+    dist.gather(t, out, dst=dist.get_global_rank(group, dst), group=group)
+
+
+def _broadcast(t: torch.Tensor, src: int, group: Any) -> None:
+    dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
+
+
 def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
     """Every rank's ``data``, without pickling (length-prefixed byte tensors)."""
     world = dist.get_world_size(group)
     size = torch.tensor([len(data)], dtype=torch.int64)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
+    _all_gather(sizes, size, group)
     longest = max(int(s.item()) for s in sizes)
     buf = torch.zeros(longest, dtype=torch.uint8)
     if data:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(out, buf, group=group)
+    _all_gather(out, buf, group)
     return [bytes(t[: int(s.item())].numpy()) for t, s in zip(out, sizes, strict=True)]
+
+
+def _longest(n: int, group: Any) -> int:
+    """The largest ``n`` of any rank (what every rank pads its payload to)."""
+    size = torch.tensor([n], dtype=torch.int64)
+    _all_reduce_max(size, group)
+    return int(size.item())
+
+
+def gather_bytes(data: bytes, group: Any, dst: int = 0) -> list[bytes] | None:
+    """Every rank's ``data`` on rank ``dst`` of ``group`` (None on the others).
+
+    Each rank learns only the longest payload (to pad to it), so a rank other than
+    ``dst`` receives eight bytes whatever the world size.
+    """
+    longest = _longest(len(data), group)
+    buf = torch.zeros(8 + longest, dtype=torch.uint8)
+    buf[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+    if data:
+        buf[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = None
+    if dist.get_rank(group) == dst:
+        world = dist.get_world_size(group)
+        out = [torch.zeros(8 + longest, dtype=torch.uint8) for _ in range(world)]
+    _gather(buf, out, dst, group)
+    if out is None:
+        return None
+    got = [bytes(t.numpy()) for t in out]
+    return [g[8 : 8 + int.from_bytes(g[:8], "little")] for g in got]
+
+
+def broadcast_bytes(data: bytes, group: Any, src: int = 0) -> bytes:
+    """Rank ``src``'s ``data`` on every rank of ``group`` (the others pass anything)."""
+    mine = dist.get_rank(group) == src
+    size = torch.tensor([len(data) if mine else 0], dtype=torch.int64)
+    _broadcast(size, src, group)
+    n = int(size.item())
+    if n == 0:
+        return b""
+    buf = torch.zeros(n, dtype=torch.uint8)
+    if mine:
+        buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    _broadcast(buf, src, group)
+    return data if mine else bytes(buf.numpy())
 
 
 def all_gather_values(value: Any, group: Any) -> list[Any]:
@@ -106,8 +176,9 @@ def agree(error: BaseException | None, group: Any, what: str) -> None:
     A rank that failed raises its own error (noting every failing rank); the others
     raise :class:`RankFailed` with each failing rank's error type and message.
     """
-    try:
-        reports = all_gather_bytes(b"" if error is None else _report(error), group)
+    mine = b"" if error is None else _report(error)
+    try:  # one integer when every rank succeeded: nobody has anything to report
+        reports = all_gather_bytes(mine, group) if _longest(len(mine), group) else []
     except Exception as e:  # a rank died or timed out
         raise CheckpointError(
             f"{what}: another rank did not answer ({e}); nothing committed"

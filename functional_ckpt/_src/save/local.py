@@ -22,6 +22,7 @@ import torch
 from functional_ckpt._src.format import dcp_metadata, naming
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.manifest import Tree, Written, assemble
+from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.save import incremental
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.job import Hooks, SaveJob
@@ -29,7 +30,7 @@ from functional_ckpt._src.save.plan import byte_entries
 from functional_ckpt._src.save.trust import Ident, Key, Seen
 from functional_ckpt._src.storage import commit, durable, shards
 from functional_ckpt._src.storage.os_failure import os_failure
-from functional_ckpt.errors import CheckpointError
+from functional_ckpt.errors import CheckpointError, UnsupportedValue
 
 
 def finalize(
@@ -75,6 +76,7 @@ def finalize(
             files.setdefault(name, {"size": size})
         manifest = dataclasses.replace(manifest, files=files)
         manifest_bytes = manifest.encode()
+        _check_size(dest, manifest_bytes, len(tree.ranks))
         durable.write_new(tmp / naming.MANIFEST, manifest_bytes)
     finally:
         for fut in syncing:  # every file durable (or its error raised) before going on
@@ -85,6 +87,22 @@ def finalize(
     commit.commit_checkpoint(tmp, dest, overwrite=overwrite)
     total = sum(f["size"] for f in files.values()) + len(manifest_bytes)
     return total, len(manifest_bytes)
+
+
+def _check_size(dest: Path, manifest_bytes: bytes, world: int) -> None:
+    """Refuse to commit a manifest its reader would refuse for its size.
+
+    The plan bounds a manifest with one chunk per tensor; a multi-rank save adds one
+    chunk per rank of every sharded tensor, so only the coordinator, with every
+    rank's chunks, knows the final size (docs/scale.md).
+    """
+    if len(manifest_bytes) > LIMITS.manifest_bytes:
+        raise UnsupportedValue(
+            f"{dest}: the manifest of this save would be {len(manifest_bytes)} bytes, more "
+            f"than the {LIMITS.manifest_bytes} a reader accepts ({world} ranks, one chunk "
+            "per rank of every sharded tensor); nothing was committed: save the state in "
+            "parts (e.g. model and optimizer apart)"
+        )
 
 
 def _write_file(path: Path, data: bytes, syncing: list[Future[None]]) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import (
     SavePlan,
@@ -28,21 +29,17 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from functional_ckpt._src import codec
-from functional_ckpt._src.distributed.groups import (
-    _unwrap,
-    agree,
-    all_gather_bytes,
-    checkpoint_group,
-)
+from functional_ckpt._src.distributed import groups
+from functional_ckpt._src.distributed.groups import _unwrap, checkpoint_group
 from functional_ckpt._src.format.dcp_values import ByteEntry
-from functional_ckpt._src.format.manifest import Chunk, Tree, Written
+from functional_ckpt._src.format.manifest import Chunk, Entry, Tree, Written
 from functional_ckpt._src.format.naming import shard_name
 from functional_ckpt._src.format.view import parse_planned
 from functional_ckpt._src.save import incremental, trust
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.job import SaveJob
 from functional_ckpt._src.save.local import finalize, remembered
-from functional_ckpt._src.save.plan import byte_entries, host_copy
+from functional_ckpt._src.save.plan import Plan, byte_entries, host_copy
 from functional_ckpt._src.state.gc_pause import gc_paused
 from functional_ckpt._src.storage import commit, durable
 from functional_ckpt._src.storage.os_failure import os_failure
@@ -133,19 +130,12 @@ class _Commit:
     nbytes: int = 0
 
     def finish(self, results: list[WriteResult], blobs: tuple[ByteEntry, ...]) -> int:
-        chunks: dict[str, list[Chunk]] = {}
         # every rank writes its file, unless an incremental save found nothing to write
         incremental_save = self.job.options.base is not None  # the same on every rank
-        sizes = {} if incremental_save else {shard_name(r): 0 for r in range(self.world)}
-        for wr in results:
-            c = wr.storage_data
-            chunks.setdefault(wr.index.fqn, []).append(c)
-            sizes[c.file] = max(sizes.get(c.file, 0), c.offset + c.length)  # blobs tile it
-        for b in blobs:
-            sizes[b.file] = max(sizes.get(b.file, 0), b.offset + b.length)
-        written = Written(
-            {k: tuple(v) for k, v in chunks.items()}, blobs, incremental.reused_info(self.tmp)
+        chunks, sizes = merge_results(
+            [(wr.index.fqn, wr.storage_data) for wr in results], blobs, self.world, incremental_save
         )
+        written = Written(chunks, blobs, incremental.reused_info(self.tmp))
         prepared = self.job.prepared
         assert prepared is not None
         try:
@@ -170,6 +160,57 @@ class _Commit:
         return nbytes
 
 
+class _Planner(DefaultSavePlanner):
+    """DCP's save planner, deciding only who writes what.
+
+    Of DCP's global step this writer needs the deduplication alone (which rank
+    writes each replicated tensor). DCP's global ``Metadata`` (every rank's chunk of
+    every tensor, validated chunk by chunk) is never read: the coordinator derives
+    ``.metadata`` from the manifest, and the manifest's chunks are checked when it
+    is read. So it is not built, and the empty one handed to DCP keeps a rank's
+    share of DCP's closing broadcast the same size whatever the world size.
+    """
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        plans = self._dedup_save_plans(all_plans)
+        self.global_plan = plans
+        self.metadata = Metadata(state_dict_metadata={})
+        return plans, self.metadata
+
+
+def local_entries(plan: Plan) -> bytes:
+    """A rank's per-rank entries as it sends them to the coordinator."""
+    return codec.encode([e.to_plain() for e in plan.local])
+
+
+def gathered_entries(gathered: Sequence[bytes]) -> tuple[tuple[Entry, ...], ...]:
+    """Every rank's per-rank entries, as the coordinator receives them, validated."""
+    return tuple(
+        tuple(parse_planned(codec.decode(b), f"rank {r}'s entries")) for r, b in enumerate(gathered)
+    )
+
+
+def merge_results(
+    results: Sequence[tuple[str, Chunk]],
+    blobs: Sequence[ByteEntry],
+    world: int,
+    incremental_save: bool,
+) -> tuple[dict[str, tuple[Chunk, ...]], dict[str, int]]:
+    """Every rank's written chunks by DCP key, and each shard file's size.
+
+    Pure, so the coordinator's share of a save can be measured for any world size
+    without a process group (benchmarks/scale.py).
+    """
+    chunks: dict[str, list[Chunk]] = {}
+    sizes = {} if incremental_save else {shard_name(r): 0 for r in range(world)}
+    for fqn, c in results:
+        chunks.setdefault(fqn, []).append(c)
+        sizes[c.file] = max(sizes.get(c.file, 0), c.offset + c.length)  # blobs tile it
+    for b in blobs:
+        sizes[b.file] = max(sizes.get(b.file, 0), b.offset + b.length)
+    return {k: tuple(v) for k, v in chunks.items()}, sizes
+
+
 def save_planned(
     job: SaveJob, tensors: Sequence[torch.Tensor], *, timeout: float | None = None
 ) -> CheckpointInfo:
@@ -179,17 +220,16 @@ def save_planned(
     together. ``tensors`` are what fills the plan's targets (the sources, DTensors
     included, or their staged copies).
     """
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     t0 = time.perf_counter()
     dest = job.dest
     group = checkpoint_group(timeout)
     rank = dist.get_rank()
-    agree(job.error, group, f"save {dest}")
+    groups.agree(job.error, group, f"save {dest}")
     plan = job.plan
     tmp_name = durable.tmp_sibling(dest).name if rank == 0 else ""
-    tmp_name = all_gather_bytes(tmp_name.encode(), group)[0].decode()
+    tmp_name = groups.broadcast_bytes(tmp_name.encode(), group).decode()
     tmp = dest.parent / tmp_name
     error: BaseException | None = None
     try:
@@ -198,29 +238,29 @@ def save_planned(
             tmp.mkdir()
     except BaseException as e:
         error = os_failure(e, dest, "saving") if isinstance(e, OSError) else e
-    agree(error, group, f"save {dest}")
+    groups.agree(error, group, f"save {dest}")
     try:
         own = rank != 0 and _own_part(tmp, job.options.parts)
     except BaseException as e:
         error, own = os_failure(e, dest, "saving") if isinstance(e, OSError) else e, False
     try:
-        agree(error, group, f"save {dest}")
+        groups.agree(error, group, f"save {dest}")
     except BaseException:
         if rank == 0 or own:
             commit.remove_tree(tmp)
         raise
-    mine = codec.encode([e.to_plain() for e in plan.local])
-    gathered = all_gather_bytes(mine, group)
-    ranks = [
-        tuple(parse_planned(codec.decode(b), f"rank {r}'s entries")) for r, b in enumerate(gathered)
-    ]
-    ranks[rank] = plan.local
+    # only the coordinator builds the manifest: only it receives every rank's entries
+    gathered = groups.gather_bytes(local_entries(plan), group)
+    ranks: tuple[tuple[Entry, ...], ...] = ()
+    if gathered is not None:
+        ranks = gathered_entries(gathered)
+        ranks = (*ranks[:rank], plan.local, *ranks[rank + 1 :])
     world = dist.get_world_size(group)
     idents = dict(zip((e.fqn for e in plan.targets), job.idents, strict=True))
     commit_job = _Commit(
         job,
         tmp,
-        Tree(plan.entries, tuple(ranks), plan.root),
+        Tree(plan.entries, ranks, plan.root),
         time.time(),
         world,
         byte_entries(plan, snapshot=job.snapshot) if rank == 0 else [],
@@ -234,7 +274,7 @@ def save_planned(
             dcp_save(
                 state_dict,
                 storage_writer=writer,
-                planner=DefaultSavePlanner(),
+                planner=_Planner(),
                 process_group=group,
             )
     except BaseException as e:
@@ -247,12 +287,12 @@ def save_planned(
         except OSError as e:
             commit.remove_tree(tmp)
             raise os_failure(e, dest, "saving") from e
-    sizes = all_gather_bytes(str(commit_job.nbytes).encode(), group)
+    nbytes = groups.broadcast_bytes(str(commit_job.nbytes).encode(), group)
     job.options.trust.remember(dest, writer.seen, writer.rank)
     assert job.prepared is not None
     return CheckpointInfo(
         path=dest,
-        nbytes=int(sizes[0].decode() or 0),
+        nbytes=int(nbytes.decode() or 0),
         tensor_bytes=sum(t.numel() * t.element_size() for t in plan.sources),
         num_tensors=len(plan.sources),
         num_values=plan.num_values,

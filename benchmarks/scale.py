@@ -1,0 +1,815 @@
+"""Coordination at 8..4096 ranks, simulated: fc.save / fc.restore against stock DCP.
+
+A multi-rank save spends most of its time writing bytes, but around the writes
+every rank plans, the coordinator merges every rank's plan and writes the
+manifest and DCP's ``.metadata``, and on restore every rank reads them back. Those
+costs grow with the number of ranks; this script measures them for world sizes
+no machine here can launch, by running the project's own code for every simulated
+rank, without a process group:
+
+model
+  A decoder of ``--layers`` layers (hidden 4096, MLP 16384, vocabulary 32768), every
+  weight a DTensor sharded on dim 0 across the N ranks (as FSDP2's ``fully_shard``
+  leaves it), AdamW's two moments beside each (sharded the same way) and its
+  replicated 0-d ``step``; a few replicated values (hyperparameters, the step);
+  each rank's own ``rng`` and ``loader`` state. Tensors are stride-0 views: no
+  tensor byte is allocated, planning never reads one.
+fc, one rank
+  ``plan_save`` of the whole state and the encoding of its per-rank entries
+  (``multi_rank.local_entries``): what each rank does before it sends anything.
+fc, coordinator
+  Decoding every rank's entries (``multi_rank.gathered_entries``), merging every
+  rank's written chunks (``multi_rank.merge_results``; the chunks are what each
+  rank's shard writer reports: one per shard of every sharded tensor, replicated
+  tensors spread over the ranks as DCP's planner spreads them), DCP's global
+  planning as ``fc.save`` runs it (``multi_rank._Planner``: the deduplication),
+  then ``manifest.assemble``, ``dcp_metadata.derive`` and ``Manifest.encode``:
+  everything ``finalize`` computes before it writes. A second save of the same
+  layout is timed too (``derive`` keeps the last ``.metadata``).
+fc, one rank's restore
+  Decoding the manifest, ``parse_checkpoint`` and the rank's view, the DCP
+  ``Metadata`` its reader serves (``dcp_metadata.metadata_for``) and DCP's load
+  planning for the rank's shards (``create_read_items_for_chunk_list``, what
+  ``DefaultLoadPlanner`` calls per tensor).
+stock DCP
+  The same plans through ``DefaultSavePlanner.create_global_plan`` and the
+  ``Metadata`` that ``FileSystemWriter.finish`` pickles; one rank's load:
+  unpickling ``.metadata`` and the same load planning.
+
+Bytes each rank sends and receives are predicted from the payloads (what the
+project's collective helpers in ``distributed/groups`` move, counted the way
+tests/test_dist.py counts a real 8-rank run, and DCP's own object collectives, from
+the pickles ``torch.distributed`` would send). Peak memory is ``tracemalloc``'s
+peak above the start of each phase (a second, separate run of it).
+
+Targets (one run): coordinator time and bytes received from N=256 to N=4096 at
+most 20x; bytes a non-coordinator rank receives in a save constant in N; at
+N=1024 the coordinator's time <= 0.3x DCP's planning and metadata, one rank's
+restore planning <= 0.3x DCP's and under 1 s, its peak memory <= 0.2x the decoded
+manifest; a cached second save's coordinator time <= 0.3x the first.
+
+Usage::
+
+    python benchmarks/scale.py [--quick] [--ranks 8,64,256] [--layers L] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import pickle
+import sys
+import time
+import tracemalloc
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    REPO_ROOT,
+    MiB,
+    Table,
+    add_run_args,
+    bench_parser,
+    environment,
+    finish,
+    fmt_ratio,
+    fmt_seconds,
+    ratio,
+    render_targets,
+    verdict,
+)
+
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+DEFAULT_RANKS = (8, 64, 256, 1024, 4096)
+QUICK_RANKS = (8, 64)
+HEADER = 64  # bytes of blob header before a chunk's raw bytes (what the layout reserves)
+PER_RANK = ("rng", "loader")
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True)
+class Model:
+    """A decoder's parameter shapes; every dimension 0 divides by every simulated N."""
+
+    layers: int = 4
+    hidden: int = 4096
+    mlp: int = 16384
+    vocab: int = 32768
+
+    def params(self) -> list[tuple[str, tuple[int, ...]]]:
+        h, m = self.hidden, self.mlp
+        out: list[tuple[str, tuple[int, ...]]] = [("embed", (self.vocab, h))]
+        for i in range(self.layers):
+            p = f"layer{i}_"
+            out += [(p + n, (h, h)) for n in ("q", "k", "v", "o")]
+            out += [(p + "gate", (m, h)), (p + "up", (m, h)), (p + "down", (h, m))]
+            out += [(p + "norm1", (h,)), (p + "norm2", (h,))]
+        return [*out, ("norm", (h,)), ("head", (self.vocab, h))]
+
+
+def _placeholder(shape: Sequence[int], dtype: Any = None) -> Any:
+    """A tensor of ``shape`` holding one element (a stride-0 view): planning reads none."""
+    import torch
+
+    one = torch.empty((), dtype=dtype or torch.float32)
+    return one.expand(*shape) if shape else one
+
+
+def per_rank_state(rank: int, rng: Any = None) -> dict[str, Any]:
+    """One rank's own state: its generator's state (``rng``, else a placeholder of its
+    shape) and its data position."""
+    import torch
+
+    return {
+        "rng": {"torch": _placeholder((5056,), torch.uint8) if rng is None else rng, "seed": rank},
+        "loader": {"pos": rank * 100, "seed": rank, "epoch": 3},
+    }
+
+
+#: Makes one tensor of the state: (its key, global shape, sharded on dim 0?) -> tensor.
+MakeTensor = Callable[[str, tuple[int, ...], bool], Any]
+
+
+def _placeholders(key: str, shape: tuple[int, ...], sharded: bool) -> Any:
+    t = _placeholder(shape)
+    return t.requires_grad_(True) if key.startswith("model/") else t
+
+
+def full_state(
+    model: Model, rank: int, tensor: MakeTensor = _placeholders, rng: Any = None
+) -> dict[str, Any]:
+    """The state one rank passes to ``fc.save`` (shapes global, as a DTensor reports).
+
+    ``tensor`` makes each tensor (placeholders here; DTensors in tests/dist_job.py,
+    which saves this same state for real).
+    """
+    params = model.params()
+    weights = {n: tensor(f"model/{n}", s, True) for n, s in params}
+    opt_state = {
+        n: {
+            "step": tensor(f"optim/{n}/step", (), False),
+            "exp_avg": tensor(f"optim/{n}/exp_avg", s, True),
+            "exp_avg_sq": tensor(f"optim/{n}/exp_avg_sq", s, True),
+        }
+        for n, s in params
+    }
+    groups = [
+        {
+            "lr": 3e-4,
+            "betas": [0.9, 0.95],
+            "eps": 1e-8,
+            "weight_decay": 0.1,
+            "params": [n for n, _ in params],
+        }
+    ]
+    return {
+        "model": weights,
+        "optim": {"state": opt_state, "param_groups": groups},
+        "step": 1000,
+        **per_rank_state(rank, rng),
+    }
+
+
+# --------------------------------------------------------------------------- one world
+
+
+@dataclass
+class World:
+    """Everything the simulated ranks of one world size planned and wrote."""
+
+    n: int
+    plan: Any  # rank 0's Plan (the shared entries are every rank's)
+    payloads: list[bytes]  # each rank's per-rank entries as sent to the coordinator
+    locals_: list[tuple[Any, ...]]  # each rank's per-rank entries
+    local_targets: list[tuple[Any, ...]]  # each rank's per-rank tensors
+    results: list[list[tuple[str, Any]]]  # each rank's written chunks, by DCP key
+    blobs: tuple[Any, ...]  # the values as DCP byte entries, located (rank 0)
+    dcp_plans: list[Any]  # each rank's DCP SavePlan (stock DCP's local_step)
+    dcp_results: list[list[Any]]  # each rank's DCP WriteResults
+    plan_s: float  # one rank's fc planning time
+
+
+def _sharded(entry: Any, n: int) -> bool:
+    return len(entry.shape) > 0 and entry.shape[0] % n == 0 and entry.path[0] not in PER_RANK
+
+
+def _chunk(entry: Any, rank: int, n: int, cursor: int, sharded: bool) -> Any:
+    """The chunk a rank's shard writer reports for its part of ``entry``."""
+    from functional_ckpt._src.format.manifest import Chunk
+    from functional_ckpt._src.format.naming import shard_name
+
+    shape = tuple(entry.shape)
+    sizes, offsets = shape, (0,) * len(shape)
+    if sharded:
+        sizes = (shape[0] // n, *shape[1:])
+        offsets = (rank * sizes[0], *offsets[1:])
+    count = 1
+    for d in sizes:
+        count *= d
+    nbytes = count * entry.dtype.itemsize
+    seed = f"{entry.fqn}/{rank}".encode()
+    return Chunk(
+        offsets,
+        sizes,
+        shard_name(rank),
+        cursor,
+        HEADER + nbytes,
+        cursor + HEADER,
+        nbytes,
+        zlib.crc32(seed),
+        zlib.crc32(seed[::-1]),
+    )
+
+
+def simulate(model: Model, n: int) -> World:
+    """Plan every rank of an ``n``-rank save and say what each rank's writer reports."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import (
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
+    from torch.distributed.checkpoint.planner_helpers import (
+        _create_write_item_for_bytesio,
+        _create_write_item_for_tensor,
+    )
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from functional_ckpt._src.save import multi_rank
+    from functional_ckpt._src.save.plan import byte_entries, plan_save
+
+    t0 = time.perf_counter()
+    plan = plan_save(full_state(model, 0), per_rank=PER_RANK, rank=0)
+    mine = multi_rank.local_entries(plan)
+    plan_s = time.perf_counter() - t0
+    shared = [t for t in plan.targets if t.path[0] not in PER_RANK]
+    planned_blobs = byte_entries(plan)
+    props = {}
+    for t in shared:
+        props[t.fqn] = TensorProperties(dtype=t.dtype, requires_grad=t.requires_grad)
+
+    payloads, locals_, local_targets = (
+        [mine],
+        [plan.local],
+        [tuple(t for t in plan.targets if t.path[0] in PER_RANK)],
+    )
+    for r in range(1, n):
+        p = plan_save(per_rank_state(r), per_rank=PER_RANK, rank=r)
+        payloads.append(multi_rank.local_entries(p))
+        locals_.append(p.local)
+        local_targets.append(p.targets)
+
+    results: list[list[tuple[str, Any]]] = [[] for _ in range(n)]
+    cursors = [0] * n
+    replicated = 0
+    for t in shared:
+        if _sharded(t, n):
+            owners = range(n)
+        else:  # DCP's planner writes a replicated tensor once, spreading them over ranks
+            owners = range(replicated % n, replicated % n + 1)
+            replicated += 1
+        for r in owners:
+            c = _chunk(t, r, n, cursors[r], _sharded(t, n))
+            cursors[r] += c.length
+            results[r].append((t.fqn, c))
+    for r in range(n):  # every rank writes its own per-rank tensors
+        for t in local_targets[r]:
+            c = _chunk(t, r, n, cursors[r], False)
+            cursors[r] += c.length
+            results[r].append((t.fqn, c))
+    blobs = []
+    for b in planned_blobs:
+        blobs.append(b.located(results[0][0][1].file, cursors[0]))
+        cursors[0] += len(b.data)
+
+    # stock DCP's local plans: what DefaultSavePlanner.create_local_plan makes of each
+    # rank's state dict (DTensor shards, replicated tensors, values as byte items)
+    dcp_plans, dcp_results = [], []
+    for r in range(n):
+        its: list[Any] = []
+        for t in shared:
+            if _sharded(t, n):
+                rows = t.shape[0] // n
+                off = torch.Size((r * rows, *([0] * (len(t.shape) - 1))))
+                its.append(
+                    WriteItem(
+                        index=MetadataIndex(t.fqn, off),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(
+                                offsets=off, sizes=torch.Size((rows, *t.shape[1:]))
+                            ),
+                            properties=props[t.fqn],
+                            size=torch.Size(t.shape),
+                        ),
+                    )
+                )
+            else:
+                its.append(_create_write_item_for_tensor(t.fqn, torch.empty(t.shape)))
+        for t in local_targets[r]:
+            its.append(_create_write_item_for_tensor(t.fqn, torch.empty(t.shape, dtype=t.dtype)))
+        its += [_create_write_item_for_bytesio(b.fqn, b"") for b in planned_blobs]
+        dcp_plans.append(SavePlan(its, planner_data={it.index.fqn: () for it in its}))
+    for r in range(n):
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        dcp_results.append(
+            [
+                WriteResult(
+                    index=MetadataIndex(fqn, torch.Size(c.offsets)),
+                    size_in_bytes=c.length,
+                    storage_data=_StorageInfo(c.file, c.offset, c.length),
+                )
+                for fqn, c in results[r]
+            ]
+        )
+    for b in blobs:
+        dcp_results[0].append(
+            WriteResult(
+                index=MetadataIndex(b.fqn),
+                size_in_bytes=b.length,
+                storage_data=_StorageInfo(b.file, b.offset, b.length),
+            )
+        )
+    return World(
+        n,
+        plan,
+        payloads,
+        locals_,
+        local_targets,
+        results,
+        tuple(blobs),
+        dcp_plans,
+        dcp_results,
+        plan_s,
+    )
+
+
+# --------------------------------------------------------------------------- the phases
+
+
+def fc_coordinator(world: World) -> tuple[bytes, bytes]:
+    """The coordinator's share of ``fc.save`` after the writes: (manifest, .metadata)."""
+    from functional_ckpt._src import codec
+    from functional_ckpt._src.format import dcp_metadata, naming
+    from functional_ckpt._src.format.checksum import crc32
+    from functional_ckpt._src.format.manifest import Tree, Written, assemble
+    from functional_ckpt._src.save import multi_rank
+
+    plan = world.plan
+    ranks = multi_rank.gathered_entries(world.payloads)
+    ranks = (plan.local, *ranks[1:])
+    dcp_global(world, multi_rank._Planner)  # DCP's planning inside fc.save
+    flat = [x for r in world.results for x in r]
+    chunks, sizes = multi_rank.merge_results(flat, world.blobs, world.n, False)
+    tree = Tree(plan.entries, ranks, plan.root)
+    meta = {"note": "scale"}
+    manifest = assemble(
+        tree,
+        Written(chunks, world.blobs),
+        {},
+        created=0.0,
+        metadata=meta,
+        metadata_bytes=codec.encode(meta),
+    )
+    md = dcp_metadata.derive(manifest.tensor_groups(), manifest.dcp_bytes)
+    files: dict[str, dict[str, Any]] = {naming.DCP_METADATA: {"size": len(md), "crc32": crc32(md)}}
+    files.update({name: {"size": size} for name, size in sorted(sizes.items())})
+    return replace(manifest, files=files).encode(), md
+
+
+def dcp_global(world: World, planner_type: Any = None) -> tuple[list[Any], Any]:
+    """DCP's coordinator planning (dedup, global plan, metadata, validation)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    planner = (planner_type or DefaultSavePlanner)()
+    return planner.create_global_plan(list(world.dcp_plans))  # type: ignore[no-any-return]
+
+
+def dcp_coordinator(world: World, tmp: Path) -> tuple[bytes, list[Any], Any]:
+    """Stock DCP's coordinator: global planning, then the ``.metadata`` its writer
+    pickles; with the global plans and ``Metadata`` (what DCP sends back to the ranks)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    plans, metadata = dcp_global(world)
+    tmp.mkdir(parents=True, exist_ok=True)
+    writer = FileSystemWriter(tmp, sync_files=False)
+    writer.finish(metadata, world.dcp_results)
+    return (tmp / ".metadata").read_bytes(), plans, metadata
+
+
+def _local_chunks(world: World, rank: int) -> dict[str, Any]:
+    """What one rank's DTensor templates ask for: its own shard of every sharded tensor."""
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    n = world.n
+    out = {}
+    for t in world.plan.targets:
+        if t.path[0] in PER_RANK:
+            continue
+        if _sharded(t, n):
+            rows = t.shape[0] // n
+            out[t.fqn] = ChunkStorageMetadata(
+                offsets=torch.Size((rank * rows, *([0] * (len(t.shape) - 1)))),
+                sizes=torch.Size((rows, *t.shape[1:])),
+            )
+        else:
+            out[t.fqn] = ChunkStorageMetadata(
+                offsets=torch.Size([0] * len(t.shape)), sizes=torch.Size(t.shape)
+            )
+    return out
+
+
+def fc_restore(manifest_bytes: bytes, wanted: dict[str, Any], rank: int) -> int:
+    """One rank's restore planning: decode, validate, its view, DCP's read items."""
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    from functional_ckpt._src import codec
+    from functional_ckpt._src.format import dcp_metadata
+    from functional_ckpt._src.format.view import parse_checkpoint
+
+    manifest = codec.decode(manifest_bytes, source="manifest")
+    assert isinstance(manifest, dict)
+    view = parse_checkpoint(manifest, Path("ckpt")).view(rank)
+    md = dcp_metadata.metadata_for([list(view.tensors.values())])
+    reads = 0
+    for fqn, chunk in wanted.items():
+        reads += len(create_read_items_for_chunk_list(fqn, md.state_dict_metadata[fqn], [chunk]))
+    return reads
+
+
+def dcp_restore(metadata_bytes: bytes, wanted: dict[str, Any]) -> int:
+    """Stock DCP's load on one rank: ``.metadata`` unpickled, then its read items."""
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    md = pickle.loads(metadata_bytes)
+    reads = 0
+    for fqn, chunk in wanted.items():
+        reads += len(create_read_items_for_chunk_list(fqn, md.state_dict_metadata[fqn], [chunk]))
+    return reads
+
+
+# --------------------------------------------------------------------------- bytes
+
+
+@dataclass
+class Traffic:
+    """Bytes one rank sends and receives, by the helpers' accounting: an input tensor
+    counts as sent, every output tensor it fills as received (its own slot included)."""
+
+    sent: int = 0
+    received: int = 0
+
+    def add(self, sent: int, received: int) -> None:
+        self.sent += sent
+        self.received += received
+
+    def as_dict(self) -> dict[str, int]:
+        return {"sent": self.sent, "received": self.received}
+
+
+def predict_helpers(n: int, payloads: Sequence[bytes], dest: str, nbytes: int) -> list[Traffic]:
+    """:func:`helper_traffic` of a save to a checkpoint named ``dest`` of ``nbytes`` bytes.
+
+    The coordinator's directory name is what ``durable.tmp_sibling`` makes of
+    ``dest``; the size is sent as decimal text.
+    """
+    from functional_ckpt._src.storage import durable
+
+    name = len(durable.tmp_sibling(Path(dest)).name.encode())
+    return helper_traffic(n, [len(p) for p in payloads], name, len(str(nbytes)))
+
+
+def helper_traffic(
+    n: int, payloads: Sequence[int], tmp_name: int, nbytes_text: int
+) -> list[Traffic]:
+    """What ``multi_rank.save_planned`` moves through ``distributed/groups`` on each rank.
+
+    Three agreements (one 8-byte maximum each when every rank succeeds), the
+    coordinator's directory name and checkpoint size broadcast, every rank's
+    per-rank entries gathered on the coordinator (padded to the longest).
+    """
+    out = [Traffic() for _ in range(n)]
+    longest = max(payloads)
+    for r, t in enumerate(out):
+        for _ in range(3):  # agree: the longest report (0)
+            t.add(8, 8)
+        for size in (tmp_name, nbytes_text):  # broadcast: length, then bytes
+            t.add(8 + size, 0) if r == 0 else t.add(0, 8 + size)
+        t.add(8, 8)  # gather: the longest payload
+        t.add(8 + longest, n * (8 + longest) if r == 0 else 0)
+    return out
+
+
+def helper_traffic_before(
+    n: int, payloads: Sequence[int], tmp_name: int, nbytes_text: int
+) -> list[Traffic]:
+    """The same save as it was: every exchange an all-gather of every rank's bytes."""
+    out = [Traffic() for _ in range(n)]
+    longest = max(payloads)
+    for t in out:
+        for size in (0, 0, 0, tmp_name, longest, nbytes_text):
+            t.add(8 + size, n * (8 + size))
+    return out
+
+
+def _pickled(obj: Any) -> int:
+    return len(pickle.dumps(obj))
+
+
+def dcp_traffic(world: World, global_plans: Sequence[Any], broadcast: Any) -> list[Traffic]:
+    """DCP's own object collectives in a save (``_DistWrapper``): local plans gathered
+    (sizes all-gathered first), global plans scattered, write results gathered, the
+    finish step's result (the global ``Metadata``) broadcast."""
+    n = world.n
+    out = [Traffic() for _ in range(n)]
+    plan_sizes = [_pickled(p) for p in world.dcp_plans]
+    result_sizes = [_pickled(r) for r in world.dcp_results]
+    scattered = max(_pickled(p) for p in global_plans)
+    final = _pickled(broadcast)
+    for sizes in (plan_sizes, result_sizes):  # gather_object
+        longest = max(sizes)
+        for r, t in enumerate(out):
+            t.add(8, 8 * n)
+            t.add(longest, n * longest if r == 0 else 0)
+    for r, t in enumerate(out):  # scatter_object_list, broadcast_object_list
+        if r == 0:
+            t.add(8 + n * scattered + 8 * n + 8 + final, 0)
+        else:
+            t.add(0, 8 + scattered + 8 + 8 + final)
+    return out
+
+
+def summed(*parts: Sequence[Traffic]) -> list[Traffic]:
+    out = [Traffic() for _ in parts[0]]
+    for part in parts:
+        for t, p in zip(out, part, strict=True):
+            t.add(p.sent, p.received)
+    return out
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """``fn``'s time with the collector paused, as ``fc.save`` pauses it around a save."""
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
+    finally:
+        gc.enable()
+
+
+def peak(fn: Callable[[], Any]) -> int:
+    """Peak bytes ``tracemalloc`` sees ``fn`` allocate above what was held before."""
+    gc.disable()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        fn()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+        gc.enable()
+
+
+def measure(model: Model, n: int, tmp: Path, memory: bool) -> dict[str, Any]:
+    """Every phase of one world size: times, sizes, predicted bytes, peaks (``memory``)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from functional_ckpt._src import codec
+    from functional_ckpt._src.format import dcp_metadata
+
+    dcp_metadata._LAST = None  # a first save: nothing derived yet
+    world = simulate(model, n)
+    fc_s, (manifest, md) = timed(lambda: fc_coordinator(world))
+    fc_again_s, _ = timed(lambda: fc_coordinator(world))  # the same layout again
+    dcp_s, (dcp_md, plans, stock_md) = timed(lambda: dcp_coordinator(world, tmp))
+    rank = 1 % n
+    wanted = _local_chunks(world, rank)
+    fc_restore_s, fc_reads = timed(lambda: fc_restore(manifest, wanted, rank))
+    dcp_restore_s, dcp_reads = timed(lambda: dcp_restore(dcp_md, wanted))
+    assert fc_reads == dcp_reads, (fc_reads, dcp_reads)
+    decode_s, _ = timed(lambda: codec.decode(manifest))
+    row: dict[str, Any] = {
+        "ranks": n,
+        "tensors": len(world.plan.targets),
+        "chunks": sum(len(r) for r in world.results),
+        "manifest_bytes": len(manifest),
+        "fc_metadata_bytes": len(md),
+        "dcp_metadata_bytes": len(dcp_md),
+        "fc_rank_plan_s": world.plan_s,
+        "fc_coordinator_s": fc_s,
+        "fc_coordinator_again_s": fc_again_s,
+        "dcp_coordinator_s": dcp_s,
+        "fc_restore_rank_s": fc_restore_s,
+        "dcp_restore_rank_s": dcp_restore_s,
+        "manifest_decode_s": decode_s,
+    }
+    name = len(b"checkpoint.tmp-0123456789abcdef")
+    size_text = len(str(len(manifest) + sum(c.length for r in world.results for _, c in r)))
+    lens = [len(p) for p in world.payloads]
+    ours = helper_traffic(n, lens, name, size_text)
+    before = helper_traffic_before(n, lens, name, size_text)
+    fc_dcp = dcp_traffic(world, plans, Metadata(state_dict_metadata={}))
+    stock = dcp_traffic(world, plans, stock_md)
+    fc_total = summed(ours, fc_dcp)
+    row["bytes"] = {
+        "fc_helpers": {"coordinator": ours[0].as_dict(), "other": ours[-1].as_dict()},
+        "fc_helpers_before": {"coordinator": before[0].as_dict(), "other": before[-1].as_dict()},
+        "fc_total": {"coordinator": fc_total[0].as_dict(), "other": fc_total[-1].as_dict()},
+        "dcp": {"coordinator": stock[0].as_dict(), "other": stock[-1].as_dict()},
+    }
+    row["payload_bytes"] = lens[:2]
+    if memory:
+        row["fc_restore_rank_peak"] = peak(lambda: fc_restore(manifest, wanted, rank))
+        row["dcp_restore_rank_peak"] = peak(lambda: dcp_restore(dcp_md, wanted))
+        row["manifest_decoded_peak"] = peak(lambda: codec.decode(manifest))
+        row["fc_coordinator_peak"] = peak(lambda: fc_coordinator(world))
+        row["dcp_coordinator_peak"] = peak(lambda: dcp_coordinator(world, tmp))
+    return row
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _kib(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / MiB:.1f} MiB" if n >= 10 * MiB else f"{n / 1024:.1f} KiB"
+
+
+def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    by = {r["ranks"]: r for r in rows}
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, value: float | None, limit: float, unit: str = "") -> None:
+        t: dict[str, Any] = {"target": name, "value": value, "limit": limit}
+        t["result"] = verdict(value, limit)
+        if unit:
+            t["unit"] = unit
+        out.append(t)
+
+    lo, hi = by.get(256), by.get(4096)
+    add(
+        "coordinator time N=4096 / N=256",
+        ratio(hi["fc_coordinator_s"], lo["fc_coordinator_s"]) if lo and hi else None,
+        20.0,
+    )
+    add(
+        "coordinator bytes received N=4096 / N=256",
+        ratio(
+            hi["bytes"]["fc_total"]["coordinator"]["received"],
+            lo["bytes"]["fc_total"]["coordinator"]["received"],
+        )
+        if lo and hi
+        else None,
+        20.0,
+    )
+    first, last = rows[0], rows[-1]
+    add(
+        f"other rank's bytes received in a save, N={last['ranks']} / N={first['ranks']}",
+        ratio(
+            last["bytes"]["fc_total"]["other"]["received"],
+            first["bytes"]["fc_total"]["other"]["received"],
+        ),
+        1.0,
+    )
+    k = by.get(1024)
+    add(
+        "coordinator time / DCP planning+metadata, N=1024",
+        ratio(k["fc_coordinator_s"], k["dcp_coordinator_s"]) if k else None,
+        0.3,
+    )
+    add(
+        "one rank's restore planning / DCP's, N=1024",
+        ratio(k["fc_restore_rank_s"], k["dcp_restore_rank_s"]) if k else None,
+        0.3,
+    )
+    add("one rank's restore planning, N=1024", k["fc_restore_rank_s"] if k else None, 1.0, "s")
+    add(
+        "restore peak memory / decoded manifest, N=1024",
+        ratio(k.get("fc_restore_rank_peak"), k.get("manifest_decoded_peak")) if k else None,
+        0.2,
+    )
+    add(
+        f"second save's coordinator / first, N={last['ranks']}",
+        ratio(last["fc_coordinator_again_s"], last["fc_coordinator_s"]),
+        0.3,
+    )
+    return out
+
+
+def render(result: dict[str, Any]) -> str:
+    cfg = result["config"]
+    head = (
+        f"coordination at scale (simulated ranks, one process): {cfg['layers']}-layer decoder, "
+        f"{result['rows'][0]['tensors']} tensors with AdamW state; times of one run"
+    )
+    t1 = Table(
+        ["ranks", "chunks", "manifest", ".metadata", "coord fc", "coord again", "coord dcp",
+         "fc/dcp", "restore fc", "restore dcp", "fc/dcp", "peak fc", "peak dcp", "decoded"]
+    )  # fmt: skip
+    for r in result["rows"]:
+        t1.add(
+            r["ranks"],
+            r["chunks"],
+            _kib(r["manifest_bytes"]),
+            _kib(r["dcp_metadata_bytes"]),
+            fmt_seconds(r["fc_coordinator_s"]),
+            fmt_seconds(r["fc_coordinator_again_s"]),
+            fmt_seconds(r["dcp_coordinator_s"]),
+            fmt_ratio(ratio(r["fc_coordinator_s"], r["dcp_coordinator_s"])),
+            fmt_seconds(r["fc_restore_rank_s"]),
+            fmt_seconds(r["dcp_restore_rank_s"]),
+            fmt_ratio(ratio(r["fc_restore_rank_s"], r["dcp_restore_rank_s"])),
+            _kib(r.get("fc_restore_rank_peak")),
+            _kib(r.get("dcp_restore_rank_peak")),
+            _kib(r.get("manifest_decoded_peak")),
+        )
+    t2 = Table(
+        ["ranks", "helpers: coord recv", "other recv", "other recv (before)",
+         "fc total: coord recv", "other recv", "dcp: coord recv", "other recv"]
+    )  # fmt: skip
+    for r in result["rows"]:
+        b = r["bytes"]
+        t2.add(
+            r["ranks"],
+            _kib(b["fc_helpers"]["coordinator"]["received"]),
+            _kib(b["fc_helpers"]["other"]["received"]),
+            _kib(b["fc_helpers_before"]["other"]["received"]),
+            _kib(b["fc_total"]["coordinator"]["received"]),
+            _kib(b["fc_total"]["other"]["received"]),
+            _kib(b["dcp"]["coordinator"]["received"]),
+            _kib(b["dcp"]["other"]["received"]),
+        )
+    return "\n".join(
+        [head, "", t1.render(), "", "bytes received in one save", t2.render(), "",
+         render_targets(result["targets"])]
+    )  # fmt: skip
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = bench_parser(__doc__)
+    p.add_argument("--quick", action="store_true", help=f"N in {QUICK_RANKS}, 2 layers")
+    p.add_argument("--ranks", type=str, default=None, help="comma-separated world sizes")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 4)")
+    p.add_argument(
+        "--memory-up-to",
+        type=int,
+        default=1024,
+        help="measure peak memory (tracemalloc, slow) up to this many ranks (default 1024)",
+    )
+    add_run_args(p, "scale", strict="a target")
+    args = p.parse_args(argv)
+    if args.ranks:
+        args.ranks = tuple(int(x) for x in args.ranks.split(","))
+    else:
+        args.ranks = QUICK_RANKS if args.quick else DEFAULT_RANKS
+    args.layers = args.layers if args.layers is not None else (2 if args.quick else 4)
+    if any(n < 1 or 4096 % n for n in args.ranks):
+        p.error("--ranks: each world size must divide 4096")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import tempfile
+
+    args = parse_args(argv)
+    model = Model(layers=args.layers)
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.dir if args.dir.exists() else None) as d:
+        for n in args.ranks:
+            t0 = time.perf_counter()
+            rows.append(measure(model, n, Path(d) / f"dcp{n}", memory=n <= args.memory_up_to))
+            gc.collect()
+            print(f"N={n}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    result = {
+        "benchmark": "scale",
+        "config": {"layers": args.layers, "ranks": list(args.ranks), "quick": args.quick},
+        "environment": environment(),
+        "rows": rows,
+    }
+    result["targets"] = targets(rows)
+    print(render(result))
+    return finish(args, result)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
