@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 import functional_ckpt as fc
 from functional_ckpt._src.cli import ui
 from functional_ckpt._src.format.naming import step_name
+from tests.patience import HANG
 
 #: Runs the entry point as ``python -m functional_ckpt`` does, then names the heavy
 #: top-level packages it loaded (on stderr, after the command's own output).
@@ -48,7 +49,7 @@ def fckpt(*argv: str) -> tuple[int, str, set[str]]:
         [sys.executable, "-c", _WRAPPER, *argv],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG,
         check=False,
         env={**os.environ, "NO_COLOR": "1"},
     )

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.patience import HANG
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def run(*cmd: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=HANG)
 
 
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is not installed")
