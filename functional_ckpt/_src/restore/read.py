@@ -7,9 +7,6 @@ in-place restore (``out=``) reads into the given tensors.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,10 +15,10 @@ import torch
 from tensordict import TensorDict
 
 from functional_ckpt._src.format import blobs
-from functional_ckpt._src.format.coverage import numel
 from functional_ckpt._src.format.keys import KeyPath, format_path
-from functional_ckpt._src.format.manifest import Chunk, TensorEntry, element_size
+from functional_ckpt._src.format.manifest import Chunk, TensorEntry
 from functional_ckpt._src.format.view import ParsedManifest, parse_manifest
+from functional_ckpt._src.state.memory import host_empty
 from functional_ckpt._src.state.tree import Leaf, unflatten
 from functional_ckpt._src.storage import committed, shards
 from functional_ckpt._src.storage.committed import open_vetted
@@ -46,52 +43,6 @@ class Target:
     dest: torch.Tensor
     buf: torch.Tensor  # dest itself when possible, else a staging tensor of the saved dtype
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-
-
-#: Host tensors from this size on are allocated with their pages faulted in up front.
-PREFAULT_BYTES = 4 << 20
-
-#: ``madvise`` advice that faults a whole range in with one call (Linux 5.14+).
-MADV_POPULATE_WRITE = 23
-
-
-def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A new CPU tensor whose pages are already faulted in.
-
-    A restore writes every byte of its new tensors once; faulting fresh memory in
-    4 KiB at a time while reading costs more than the read itself (far more under
-    virtualisation), and one ``MADV_POPULATE_WRITE`` call over the tensor's own
-    allocation does the same work with one trap (Linux only; on older kernels the
-    advice fails and the read faults the pages in). The tensor is an ordinary one
-    from torch's allocator. Huge pages are deliberately not asked for: with the
-    common ``defrag=madvise`` setting the kernel would compact memory synchronously,
-    evicting the very page cache being read.
-    """
-    tensor = torch.empty(shape, dtype=dtype)
-    nbytes = numel(shape) * element_size(dtype)
-    if nbytes >= PREFAULT_BYTES and _MADVISE is not None:
-        start = (tensor.data_ptr() + _PAGE - 1) & ~(_PAGE - 1)
-        end = (tensor.data_ptr() + nbytes) & ~(_PAGE - 1)
-        if end > start:
-            _MADVISE(start, end - start, MADV_POPULATE_WRITE)  # best effort: -1 is harmless
-    return tensor
-
-
-def _libc_madvise() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _libc_madvise()
-
-_PAGE = mmap.PAGESIZE
 
 
 def materialize(
