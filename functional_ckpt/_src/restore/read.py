@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from functional_ckpt._src.format import blobs
 from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.format.manifest import Chunk, TensorEntry
 from functional_ckpt._src.format.view import ParsedManifest, parse_manifest
@@ -42,6 +41,7 @@ class Target:
     entry: TensorEntry
     dest: torch.Tensor
     buf: torch.Tensor  # dest itself when possible, else a staging tensor of the saved dtype
+    staged: bool = False  # buf is a staging tensor, copied into dest once read
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
@@ -59,8 +59,9 @@ def materialize(
         direct = (
             target.device.type == "cpu" and target.dtype == entry.dtype and target.is_contiguous()
         )
-        buf = target.detach() if direct else torch.empty(entry.shape, dtype=entry.dtype)
-        return Target(entry, target, buf)
+        if direct:
+            return Target(entry, target, target.detach())
+        return Target(entry, target, host_empty(entry.shape, entry.dtype), True)
     dtype = entry.dtype if target is None else target.dtype
     where = device if target is None or target.is_meta else target.device
     direct = where.type == "cpu" and dtype == entry.dtype
@@ -69,8 +70,9 @@ def materialize(
         if direct
         else torch.empty(entry.shape, dtype=dtype, device=where)
     )
-    buf = dest if direct else torch.empty(entry.shape, dtype=entry.dtype)
-    return Target(entry, dest, buf)
+    if direct:
+        return Target(entry, dest, dest)
+    return Target(entry, dest, host_empty(entry.shape, entry.dtype), True)
 
 
 def _region(buf: torch.Tensor, chunk: Chunk) -> torch.Tensor:
@@ -84,10 +86,15 @@ def read_targets(src: committed.Checkpoint, targets: list[Target]) -> None:
     """Read every chunk of every target, checking CRC32s; one error lists all damage."""
     by_file: dict[str, list[tuple[Target, Chunk, torch.Tensor]]] = {}
     for tg in targets:
-        for chunk in tg.entry.chunks:
+        chunks = tg.entry.chunks
+        if len(chunks) == 1 and chunks[0].whole:  # the common case, in one step
+            if chunks[0].nbytes:
+                by_file.setdefault(chunks[0].file, []).append((tg, chunks[0], tg.buf))
+            continue
+        for chunk in chunks:
             if not chunk.nbytes:
                 continue
-            if len(tg.entry.chunks) == 1 and chunk.whole:
+            if len(chunks) == 1 and chunk.whole:
                 land = tg.buf
             else:
                 region = _region(tg.buf, chunk)
@@ -99,7 +106,7 @@ def read_targets(src: committed.Checkpoint, targets: list[Target]) -> None:
             by_file.setdefault(chunk.file, []).append((tg, chunk, land))
     bad: list[str] = []
     for name, group in by_file.items():
-        jobs = [(c, blobs.byte_view(land)) for _, c, land in group]
+        jobs: list[shards.ReadJob] = [(c, land) for _, c, land in group]
         results = shards.read_tensors(src.fd(name), jobs)
         for (tg, _, _), res in zip(group, results, strict=True):
             if res is not None:
@@ -110,7 +117,7 @@ def read_targets(src: committed.Checkpoint, targets: list[Target]) -> None:
         for tg in targets:
             for region, land in tg.copies:
                 region.copy_(land)
-            if tg.buf.numel() and tg.buf.data_ptr() != tg.dest.data_ptr():
+            if tg.staged:
                 tg.dest.copy_(tg.buf)
 
 
