@@ -9,13 +9,15 @@ the 2 MiB-aligned interior of a large allocation is advised, before anything
 touches it, and then the whole of it is faulted in with one call.
 
 Huge pages are not always cheaper. Under a hypervisor that takes back free memory
-(a virtio balloon reporting free pages, which Linux does in blocks of exactly
-2 MiB), a huge page is served from memory the host has discarded and costs one
-host fault per 4 KiB all the same, several times slower than the small pages a
-busy guest reuses. So the default asks for huge pages only where the kernel
-offers them (``enabled`` is ``always`` or ``madvise``) and no free-page reporting
-is active; :data:`HUGE_PAGES_ENV` decides otherwise (``1`` always, ``0`` never).
-Every fallback is silent: advice the kernel refuses leaves ordinary memory.
+(a virtio balloon reporting free pages, which Linux does in blocks of 2 MiB and
+more), a huge page is served from memory the host has discarded and must fault in
+again: measured five times slower than the small pages a busy guest reuses. So the
+default asks for huge pages only where the kernel offers them (``enabled`` is
+``always`` or ``madvise``) and no free-page reporting is active;
+:data:`HUGE_PAGES_ENV` decides otherwise (``1`` always, ``0`` never, for instance
+where memory is short and ``defrag`` would make the kernel compact memory to find
+huge pages). Every fallback is silent: advice the kernel refuses leaves ordinary
+memory.
 """
 
 from __future__ import annotations
