@@ -15,7 +15,12 @@ restore (warm page cache: each restore reads the files its tool has just written
   *raw read* of the bytes into the template (the floor of an in-place restore) and
   into newly allocated tensors (the floor of a restore that returns new tensors:
   the kernel must hand out and zero the new pages, which on a virtual machine can
-  cost more than the read itself).
+  cost more than the read itself), and into new tensors whose memory is advised for
+  transparent huge pages (the floor where 2 MiB pages are cheaper; the report says
+  whether this kernel offers them and whether fc asks for them by default here);
+  ``safetensors.load_file`` is also timed with every page of every tensor touched
+  after loading (its plain row maps the file and reads nothing yet). The ratios of
+  fc's rows to their floors are printed under the table.
 
 Two states: *big* (16 x 64 MiB float32, 1 GiB: bandwidth-bound) and *small*
 (10,000 x 1 KiB float32 plus 1,000 plain Python values: per-tensor overhead-bound;
@@ -106,6 +111,8 @@ ST_LOAD = "safetensors.load_file"
 DCP_LOAD = "dcp.load(template)"
 RAW_READ = "raw read into template"
 RAW_READ_NEW = "raw read into new tensors"
+RAW_READ_HUGE = "raw read into new huge-page tensors"
+ST_LOAD_TOUCHED = "safetensors.load_file + touch"
 CRC = f"crc32 ({CRC_BACKEND}) of tensor bytes"
 
 
@@ -239,6 +246,22 @@ def safetensors_load(src: Path, w: Workload, template: dict[str, Any]) -> Any:
     return load_file(str(src))
 
 
+def touch_pages(t: torch.Tensor) -> int:
+    """Read one byte of every 4 KiB page of ``t`` (what using a lazily loaded tensor costs)."""
+    flat = t.detach().reshape(-1).view(torch.uint8)
+    return int(flat[::4096].sum()) if flat.numel() else 0
+
+
+def safetensors_load_touched(src: Path, w: Workload, template: dict[str, Any]) -> Any:
+    """``load_file`` and then every page of every tensor touched: the cost of using it."""
+    from safetensors.torch import load_file
+
+    out = load_file(str(src))
+    for t in out.values():
+        touch_pages(t)
+    return out
+
+
 def dcp_load(src: Path, w: Workload, template: dict[str, Any]) -> Any:
     import_dcp().load(template, checkpoint_id=src, no_dist=True)
     return template
@@ -254,6 +277,74 @@ def raw_read_new(src: Path, w: Workload, template: dict[str, Any]) -> Any:
     fresh = {k: torch.empty_like(t) for k, t in w.tensors.items()}
     read_views(src, (byte_view(t) for t in fresh.values()))
     return fresh
+
+
+def raw_read_huge(src: Path, w: Workload, template: dict[str, Any]) -> Any:
+    """The floor of a restore into new tensors where the kernel gives huge pages.
+
+    Tensors from ``PREFAULT_BYTES`` on are advised for huge pages, whatever the
+    machine's default (see :func:`memory_facts` for what this machine offers).
+    """
+    from functional_ckpt._src.state.allocation import host_empty
+
+    fresh = {k: host_empty(tuple(t.shape), t.dtype, huge=True) for k, t in w.tensors.items()}
+    read_views(src, (byte_view(t) for t in fresh.values()))
+    return fresh
+
+
+def memory_facts() -> dict[str, Any]:
+    """What the huge-page floor measured here, and what fc does by default."""
+    import_fc()
+    from functional_ckpt._src.state import memory
+
+    enabled = memory.THP_ENABLED.read_text().strip() if memory.THP_ENABLED.exists() else None
+    return {
+        "thp_enabled": enabled,
+        "thp_offered": memory.thp_offered(),
+        "free_page_reporting": memory.free_pages_reported(),
+        "fc_huge_pages_default": memory.huge_pages_default(),
+        "switch": f"{memory.HUGE_PAGES_ENV}={os.environ.get(memory.HUGE_PAGES_ENV, '')}",
+    }
+
+
+def describe_memory(facts: dict[str, Any]) -> str:
+    if not facts["thp_offered"]:
+        floor = (
+            f"the kernel offers no transparent huge pages (enabled: {facts['thp_enabled']}), "
+            f"so '{RAW_READ_HUGE}' measured 4 KiB pages, the same floor as '{RAW_READ_NEW}'"
+        )
+    else:
+        floor = f"'{RAW_READ_HUGE}' measured 2 MiB pages (enabled: {facts['thp_enabled']})"
+    if facts["free_page_reporting"]:
+        floor += (
+            "; a virtio balloon reports free 2 MiB blocks to the host, so huge pages come "
+            "from memory the host discarded"
+        )
+    mode = "asks for huge pages" if facts["fc_huge_pages_default"] else "uses 4 KiB pages"
+    return f"memory: {floor}; fc by default {mode} ({facts['switch'] or 'switch unset'})"
+
+
+#: (state, numerator, floor) ratios printed beside the table.
+FLOORS = [
+    ("save", FC_SAVE, RAW_SAVE),
+    ("restore", FC_RESTORE_LIKE, RAW_READ_NEW),
+    ("restore", FC_RESTORE_LIKE, RAW_READ_HUGE),
+    ("restore", FC_RESTORE, RAW_READ_NEW),
+    ("restore", FC_RESTORE_OUT, RAW_READ),
+    ("restore", ST_LOAD_TOUCHED, RAW_READ_NEW),
+]
+
+
+def floor_lines_from_rows(rows: list[dict[str, Any]]) -> list[str]:
+    """Each fc row (and safetensors with its pages touched) over the floor it is judged by."""
+    med = {(r["state"], r["op"], r["tool"]): r["median_s"] for r in rows}
+    out = []
+    for state in dict.fromkeys(r["state"] for r in rows):
+        for op, num, den in FLOORS:
+            value = ratio(med.get((state, op, num)), med.get((state, op, den)))
+            if value is not None:
+                out.append(f"{state}: {num} / {den} = {value:.2f}x")
+    return out
 
 
 Restorer = Callable[[Path, Workload, dict[str, Any]], Any]
@@ -303,7 +394,10 @@ def tools() -> list[Tool]:
             ST_SAVE,
             safetensors_save,
             "model.safetensors",
-            [Restore(ST_LOAD, safetensors_load, _st_load_note)],
+            [
+                Restore(ST_LOAD, safetensors_load, _st_load_note),
+                Restore(ST_LOAD_TOUCHED, safetensors_load_touched, _st_note),
+            ],
             _st_note,
         ),
         Tool(DCP_SAVE, dcp_save, "dcp", [Restore(DCP_LOAD, dcp_load)]),
@@ -311,7 +405,11 @@ def tools() -> list[Tool]:
             RAW_SAVE,
             raw_save,
             "raw.bin",
-            [Restore(RAW_READ, raw_read), Restore(RAW_READ_NEW, raw_read_new)],
+            [
+                Restore(RAW_READ, raw_read),
+                Restore(RAW_READ_NEW, raw_read_new),
+                Restore(RAW_READ_HUGE, raw_read_huge),
+            ],
         ),
     ]
 
@@ -719,6 +817,10 @@ def print_report(
     for w in workloads.values():
         print(f"  {w.name}: {w.label} ({w.nbytes / MiB:.1f} MiB of tensor data)")
     print("\n" + render_results(rows, workloads))
+    print("\nagainst the floors (medians of this run):")
+    for line in floor_lines_from_rows(rows):
+        print("  " + line)
+    print("  " + describe_memory(memory_facts()))
     if rss:
         print("\n" + render_rss(rss, workloads["big"].nbytes))
     print(
@@ -764,6 +866,8 @@ def make_payload(
         "rows": rows,
         "peak_rss": rss,
         "targets": targets,
+        "memory": memory_facts(),
+        "floors": floor_lines_from_rows(rows),
     }
 
 

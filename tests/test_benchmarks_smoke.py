@@ -35,6 +35,8 @@ RESTORE_TOOLS = {
     "dcp.load(template)",
     "raw read into template",
     "raw read into new tensors",
+    "raw read into new huge-page tensors",
+    "safetensors.load_file + touch",
 }
 
 
@@ -76,6 +78,9 @@ def test_save_restore_quick_run(tmp_path: Path) -> None:
 
     assert set(data["peak_rss"]) == {"fc.restore(like)", "fc.restore(out=)", "dcp.load(template)"}
     assert len(data["targets"]) == 12
+    assert set(data["memory"]) >= {"thp_offered", "free_page_reporting", "fc_huge_pages_default"}
+    huge = "fc.restore(like) / raw read into new huge-page tensors"
+    assert any(huge in f for f in data["floors"])
     assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}
     assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())
 

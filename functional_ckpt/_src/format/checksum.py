@@ -8,20 +8,22 @@ the disk is fast; zlib is the fallback where ISA-L is not installed.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+
+#: ``crc32(data, value=0) -> int`` over any buffer; the library function itself (a
+#: wrapper would cost more than checksumming a small tensor's bytes).
+crc32: Callable[..., int]
 
 try:
     from isal.isal_zlib import crc32 as _isal_crc32
 
-    def crc32(data: Any, value: int = 0) -> int:
-        return int(_isal_crc32(data, value))
+    crc32 = _isal_crc32
 
     BACKEND = "isal"
 except ImportError:  # pragma: no cover - depends on the platform
     import zlib
 
-    def crc32(data: Any, value: int = 0) -> int:
-        return zlib.crc32(data, value)
+    crc32 = zlib.crc32
 
     BACKEND = "zlib"
 

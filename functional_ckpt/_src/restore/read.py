@@ -7,9 +7,6 @@ in-place restore (``out=``) reads into the given tensors.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,11 +15,10 @@ import torch
 from tensordict import TensorDict
 
 from functional_ckpt._src import codec
-from functional_ckpt._src.format import blobs
-from functional_ckpt._src.format.coverage import numel
 from functional_ckpt._src.format.keys import KeyPath, format_path
-from functional_ckpt._src.format.manifest import Chunk, TensorEntry, element_size
+from functional_ckpt._src.format.manifest import Chunk, TensorEntry
 from functional_ckpt._src.format.view import ParsedManifest, parse_manifest
+from functional_ckpt._src.state.allocation import host_empty
 from functional_ckpt._src.state.tree import Leaf, unflatten
 from functional_ckpt._src.storage import committed, shards
 from functional_ckpt._src.storage.committed import open_vetted
@@ -45,53 +41,8 @@ class Target:
     entry: TensorEntry
     dest: torch.Tensor
     buf: torch.Tensor  # dest itself when possible, else a staging tensor of the saved dtype
+    staged: bool = False  # buf is a staging tensor, copied into dest once read
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-
-
-#: Host tensors from this size on are allocated with their pages faulted in up front.
-PREFAULT_BYTES = 4 << 20
-
-#: ``madvise`` advice that faults a whole range in with one call (Linux 5.14+).
-MADV_POPULATE_WRITE = 23
-
-
-def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A new CPU tensor whose pages are already faulted in.
-
-    A restore writes every byte of its new tensors once; faulting fresh memory in
-    4 KiB at a time while reading costs more than the read itself (far more under
-    virtualisation), and one ``MADV_POPULATE_WRITE`` call over the tensor's own
-    allocation does the same work with one trap (Linux only; on older kernels the
-    advice fails and the read faults the pages in). The tensor is an ordinary one
-    from torch's allocator. Huge pages are deliberately not asked for: with the
-    common ``defrag=madvise`` setting the kernel would compact memory synchronously,
-    evicting the very page cache being read.
-    """
-    tensor = torch.empty(shape, dtype=dtype)
-    nbytes = numel(shape) * element_size(dtype)
-    if nbytes >= PREFAULT_BYTES and _MADVISE is not None:
-        start = (tensor.data_ptr() + _PAGE - 1) & ~(_PAGE - 1)
-        end = (tensor.data_ptr() + nbytes) & ~(_PAGE - 1)
-        if end > start:
-            _MADVISE(start, end - start, MADV_POPULATE_WRITE)  # best effort: -1 is harmless
-    return tensor
-
-
-def _libc_madvise() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _libc_madvise()
-
-_PAGE = mmap.PAGESIZE
 
 
 def materialize(
@@ -108,8 +59,9 @@ def materialize(
         direct = (
             target.device.type == "cpu" and target.dtype == entry.dtype and target.is_contiguous()
         )
-        buf = target.detach() if direct else torch.empty(entry.shape, dtype=entry.dtype)
-        return Target(entry, target, buf)
+        if direct:
+            return Target(entry, target, target.detach())
+        return Target(entry, target, host_empty(entry.shape, entry.dtype), True)
     dtype = entry.dtype if target is None else target.dtype
     where = device if target is None or target.is_meta else target.device
     direct = where.type == "cpu" and dtype == entry.dtype
@@ -118,8 +70,9 @@ def materialize(
         if direct
         else torch.empty(entry.shape, dtype=dtype, device=where)
     )
-    buf = dest if direct else torch.empty(entry.shape, dtype=entry.dtype)
-    return Target(entry, dest, buf)
+    if direct:
+        return Target(entry, dest, dest)
+    return Target(entry, dest, host_empty(entry.shape, entry.dtype), True)
 
 
 def _region(buf: torch.Tensor, chunk: Chunk) -> torch.Tensor:
@@ -133,10 +86,15 @@ def read_targets(src: committed.Checkpoint, targets: list[Target]) -> None:
     """Read every chunk of every target, checking CRC32s; one error lists all damage."""
     by_file: dict[str, list[tuple[Target, Chunk, torch.Tensor]]] = {}
     for tg in targets:
-        for chunk in tg.entry.chunks:
+        chunks = tg.entry.chunks
+        if len(chunks) == 1 and chunks[0].whole:  # the common case, in one step
+            if chunks[0].nbytes:
+                by_file.setdefault(chunks[0].file, []).append((tg, chunks[0], tg.buf))
+            continue
+        for chunk in chunks:
             if not chunk.nbytes:
                 continue
-            if len(tg.entry.chunks) == 1 and chunk.whole:
+            if len(chunks) == 1 and chunk.whole:
                 land = tg.buf
             else:
                 region = _region(tg.buf, chunk)
@@ -148,7 +106,7 @@ def read_targets(src: committed.Checkpoint, targets: list[Target]) -> None:
             by_file.setdefault(chunk.file, []).append((tg, chunk, land))
     bad: list[str] = []
     for name, group in by_file.items():
-        jobs = [(c, blobs.byte_view(land)) for _, c, land in group]
+        jobs: list[shards.ReadJob] = [(c, land) for _, c, land in group]
         results = shards.read_tensors(src.fd(name), jobs)
         for (tg, _, _), res in zip(group, results, strict=True):
             if res is not None:
@@ -159,7 +117,7 @@ def read_targets(src: committed.Checkpoint, targets: list[Target]) -> None:
         for tg in targets:
             for region, land in tg.copies:
                 region.copy_(land)
-            if tg.buf.numel() and tg.buf.data_ptr() != tg.dest.data_ptr():
+            if tg.staged:
                 tg.dest.copy_(tg.buf)
 
 

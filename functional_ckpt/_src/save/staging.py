@@ -28,6 +28,7 @@ from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.keys import format_path
 from functional_ckpt._src.format.manifest import TensorEntry, Written
 from functional_ckpt._src.save.info import CheckpointInfo
+from functional_ckpt._src.state.allocation import host_empty
 from functional_ckpt.errors import CheckpointError, ModifiedDuringSave
 
 Staging = Literal["copy", "none"]
@@ -81,7 +82,10 @@ class Stager:
         layout = [(t.shape, t.dtype, t.device.type == "cuda") for t in tensors]
         if layout != self._layout:
             self._buffers = [
-                torch.empty(shape, dtype=dtype, pin_memory=cuda) for shape, dtype, cuda in layout
+                torch.empty(shape, dtype=dtype, pin_memory=True)
+                if cuda
+                else host_empty(shape, dtype)
+                for shape, dtype, cuda in layout
             ]
             self._layout = layout
             self.allocations += 1

@@ -9,12 +9,13 @@ checks every byte against its CRC32 on the way.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from functional_ckpt._src.format.blobs import blob_template, byte_view
 from functional_ckpt._src.format.checksum import crc32
@@ -174,25 +175,68 @@ def read_into(fd: int, offset: int, dest: memoryview) -> int:
     return done
 
 
+class Addressed(Protocol):
+    """A contiguous CPU tensor as a landing place: its bytes start at ``data_ptr()``."""
+
+    def data_ptr(self) -> int: ...
+
+    def numel(self) -> int: ...
+
+    def element_size(self) -> int: ...
+
+    def is_contiguous(self) -> bool: ...
+
+
+#: Where one blob's raw bytes land: a buffer, or a contiguous CPU tensor (its own bytes).
+Landing = memoryview | Addressed
+
 #: One blob to read: the chunk it holds and where its raw bytes land (exactly their size).
-ReadJob = tuple[Chunk, memoryview]
+ReadJob = tuple[Chunk, Landing]
 
 #: Small blobs that lie together in the file are read with one call of this size.
 READ_WINDOW = 8 << 20
 
 
+def _landing_view(dest: Landing) -> memoryview:
+    """``dest`` as a writable buffer of exactly its bytes."""
+    if isinstance(dest, memoryview):
+        return dest
+    n = _landing_size(dest)
+    if not n:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * n).from_address(dest.data_ptr())).cast("B")
+
+
+def _landing_size(dest: Landing) -> int:
+    if isinstance(dest, memoryview):
+        return dest.nbytes
+    if not dest.is_contiguous():
+        raise CheckpointError("internal: a tensor landing place must be contiguous")
+    return dest.numel() * dest.element_size()
+
+
 def read_tensors(fd: int, jobs: Sequence[ReadJob]) -> list[str | None]:
     """Read blobs from one opened file into their destinations, checking every byte.
 
-    Returns, per job, None when the blob arrived intact, else what is wrong.
-    Small blobs are read in large windows; large ones straight into place while
-    the previous one is checksummed in the background. ``fd`` stays open (it is
-    the checkpoint's, opened safely; positional reads let threads share it).
+    Returns, per job, None when the blob arrived intact, else what is wrong: each
+    blob is checked on its own, so one damaged blob in a run read together names
+    only itself. Runs of small blobs are read with one call into one reused
+    window and copied to their places once checked; large ones straight into
+    place while the previous one is checksummed in the background. ``fd`` stays
+    open (it is the checkpoint's, opened safely; positional reads let threads
+    share it).
     """
     results: list[str | None] = [None] * len(jobs)
+    for chunk, dest in jobs:
+        if _landing_size(dest) != chunk.nbytes:
+            raise CheckpointError(
+                f"internal: landing place of {_landing_size(dest)} bytes for a blob of "
+                f"{chunk.nbytes}"
+            )
     pool = checksum_pool()
     order = sorted(range(len(jobs)), key=lambda k: jobs[k][0].offset)
     futures: list[tuple[int, Future[int]]] = []
+    window: bytearray | None = None
     i = 0
     while i < len(order):
         job = jobs[order[i]][0]
@@ -208,9 +252,15 @@ def read_tensors(fd: int, jobs: Sequence[ReadJob]) -> list[str | None]:
                 break
             end = max(end, nxt.offset + nxt.length)
             j += 1
-        window = os.pread(fd, end - job.offset, job.offset)
+        if window is None or len(window) < end - job.offset:
+            window = bytearray(min(READ_WINDOW, max(end - job.offset, 1 << 16)))
+        view = memoryview(window)[: end - job.offset]
+        got = view[: read_into(fd, job.offset, view)]
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(window))
         for k in order[i:j]:
-            results[k] = _check_small(jobs[k], memoryview(window), job.offset)
+            results[k] = _check_small(jobs[k], got, job.offset, addr)
+        got.release()
+        view.release()
         i = j
     for k, fut in futures:
         if fut.result() != jobs[k][0].crc32 and results[k] is None:
@@ -218,27 +268,31 @@ def read_tensors(fd: int, jobs: Sequence[ReadJob]) -> list[str | None]:
     return results
 
 
-def _check_small(job: ReadJob, window: memoryview, base: int) -> str | None:
+def _check_small(job: ReadJob, window: memoryview, base: int, addr: int) -> str | None:
     chunk, dest = job
     start = chunk.offset - base
     if start + chunk.length > len(window):
         return f"only {max(0, len(window) - start)} of {chunk.length} bytes"
     data_at = chunk.data_offset - base
-    data = window[data_at : data_at + len(dest)]
-    head = window[start:data_at]
-    tail = window[data_at + len(dest) : start + chunk.length]
-    if crc32(tail, crc32(head)) != chunk.hcrc32:
+    n = chunk.nbytes
+    if crc32(window[data_at + n : start + chunk.length], crc32(window[start:data_at])) != (
+        chunk.hcrc32
+    ):
         return "blob headers fail their checksum"
-    if crc32(data) != chunk.crc32:
+    if crc32(window[data_at : data_at + n]) != chunk.crc32:
         return "checksum mismatch"
-    dest[:] = data
+    if isinstance(dest, memoryview):
+        dest[:] = window[data_at : data_at + n]
+    elif n:
+        ctypes.memmove(dest.data_ptr(), addr + data_at, n)
     return None
 
 
 def _read_large(
     fd: int, job: ReadJob, pool: ThreadPoolExecutor, futures: list[tuple[int, Future[int]]], k: int
 ) -> str | None:
-    chunk, dest = job
+    chunk, landing = job
+    dest = _landing_view(landing)
     n = read_into(fd, chunk.data_offset, dest)
     if n != len(dest):
         return f"only {n} of {len(dest)} bytes"
@@ -287,7 +341,7 @@ def read_chunk(
 
     data = torch.empty(chunk.sizes, dtype=dtype)
     if chunk.nbytes:
-        res = read_tensors(root.fd(chunk.file), [(chunk, byte_view(data))])[0]
+        res = read_tensors(root.fd(chunk.file), [(chunk, data)])[0]
         if res is not None:
             raise CorruptCheckpoint(
                 f"{root.path}: damaged tensor data for {what!r} in {chunk.file}: {res}"

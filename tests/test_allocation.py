@@ -1,0 +1,180 @@
+"""New host tensors (``state/allocation``): huge pages where cheaper, ordinary tensors always.
+
+The decision reads the kernel's switch and the balloon's features through paths
+and an explicit switch value, so every fallback is tested with files of our own,
+never by changing the module. Freeing and the pages' flags are checked in a child
+process, whose memory map holds nothing else of ours.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import functional_ckpt as fc
+from functional_ckpt._src.state.allocation import (
+    HUGE_PAGES_ENV,
+    PREFAULT_BYTES,
+    free_pages_reported,
+    host_empty,
+    huge_pages_default,
+    thp_offered,
+)
+from tests.patience import HANG
+
+LINUX = sys.platform.startswith("linux")
+
+
+def _thp(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "enabled"
+    p.write_text(text + "\n")
+    return p
+
+
+def _balloon(tmp_path: Path, device: str, features: str) -> Path:
+    root = tmp_path / "devices"
+    dev = root / "virtio0"
+    dev.mkdir(parents=True)
+    (dev / "device").write_text(device + "\n")
+    (dev / "features").write_text(features + "\n")
+    return root
+
+
+def test_huge_pages_are_offered_only_by_always_or_madvise(tmp_path: Path) -> None:
+    for i, (text, offered) in enumerate(
+        [
+            ("always [madvise] never", True),
+            ("[always] madvise never", True),
+            ("always madvise [never]", False),
+        ]
+    ):
+        (tmp_path / str(i)).mkdir()
+        assert thp_offered(_thp(tmp_path / str(i), text)) is offered
+    assert not thp_offered(tmp_path / "missing")
+
+
+def test_a_reporting_balloon_is_seen_and_nothing_else_counts(tmp_path: Path) -> None:
+    assert free_pages_reported(_balloon(tmp_path / "a", "0x0005", "01100101" + "0" * 56))
+    assert not free_pages_reported(_balloon(tmp_path / "b", "0x0005", "01100001" + "0" * 56))
+    assert not free_pages_reported(_balloon(tmp_path / "c", "0x0002", "01100101" + "0" * 56))
+    assert not free_pages_reported(_balloon(tmp_path / "d", "junk", "1"))
+    assert not free_pages_reported(tmp_path / "none")
+
+
+def test_the_default_follows_the_switch_then_the_kernel(tmp_path: Path) -> None:
+    offered = _thp(tmp_path, "always [madvise] never")
+    never = tmp_path / "never"
+    never.write_text("always madvise [never]\n")
+    quiet = tmp_path / "no-devices"
+    reporting = _balloon(tmp_path / "r", "0x0005", "00000100")
+    assert huge_pages_default("0", enabled=offered, devices=quiet) is False
+    assert huge_pages_default("off", enabled=offered, devices=quiet) is False
+    assert huge_pages_default("1", enabled=never, devices=reporting) is True
+    assert huge_pages_default("", enabled=never, devices=quiet) is False
+    assert huge_pages_default("auto", enabled=offered, devices=reporting) is False
+    assert huge_pages_default("auto", enabled=offered, devices=quiet) is LINUX
+
+
+@pytest.mark.parametrize("huge", [True, False])
+def test_new_tensors_are_ordinary_and_independent(huge: bool) -> None:
+    n = 3 * PREFAULT_BYTES // 4
+    a = host_empty((n,), torch.float32, huge=huge)
+    b = host_empty((n,), torch.float32, huge=huge)
+    assert a.shape == (n,) and a.dtype == torch.float32 and a.is_contiguous()
+    a.fill_(1.0)
+    b.fill_(2.0)
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    assert bool((a == 1.0).all()) and bool((b == 2.0).all())
+    a.resize_(2 * n)  # an ordinary, resizable storage
+    assert a.shape == (2 * n,) and bool((a[:n] == 1.0).all())
+    small = host_empty((3, 4), torch.bfloat16, huge=huge)
+    assert small.shape == (3, 4) and small.dtype == torch.bfloat16
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from functional_ckpt._src.state.allocation import host_empty
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    def flags(ptr):
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+        inside = False
+        for line in lines:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+        return []
+
+    huge = sys.argv[1] == "1"
+    before = rss()
+    ts = [host_empty((64 << 20,), torch.uint8, huge=huge) for _ in range(3)]
+    for t in ts:
+        t.fill_(7)
+    mid = (ts[0].data_ptr() + (32 << 20)) & ~((2 << 20) - 1)
+    held = rss()
+    vm = flags(mid)
+    del ts, t
+    after = rss()
+    print(json.dumps({"before": before, "held": held, "after": after, "flags": vm}))
+    """
+)
+
+
+def _child(huge: bool) -> dict[str, object]:
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, "1" if huge else "0"],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+        check=True,
+    )
+    result: dict[str, object] = json.loads(out.stdout)
+    return result
+
+
+@pytest.mark.skipif(not LINUX, reason="/proc and madvise are Linux's")
+@pytest.mark.parametrize("huge", [True, False])
+def test_dropping_the_tensors_returns_their_memory(huge: bool) -> None:
+    got = _child(huge)
+    before, held, after = (int(str(got[k])) for k in ("before", "held", "after"))
+    size = 3 * (64 << 20)
+    assert held - before >= size * 0.9
+    assert held - after >= size * 0.9
+    flags = got["flags"]
+    assert isinstance(flags, list)
+    assert ("hg" in flags) == (huge and thp_offered())  # advised only when asked, and offered
+
+
+def test_restores_are_bit_identical_with_and_without_huge_pages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gen = torch.Generator().manual_seed(3)
+    state = {
+        "big": torch.randn(3 << 20, generator=gen),  # 12 MiB
+        "mid": torch.randint(0, 255, (5 << 20,), dtype=torch.uint8, generator=gen),
+        "odd": torch.randn(1000, 1037, generator=gen).to(torch.bfloat16),
+        "small": torch.arange(10),
+    }
+    fc.save(tmp_path / "ck", state)
+    like = {k: torch.empty_like(v, device="meta") for k, v in state.items()}
+    for value in ("1", "0"):
+        monkeypatch.setenv(HUGE_PAGES_ENV, value)
+        for got in (fc.restore(tmp_path / "ck", like), fc.restore(tmp_path / "ck")):
+            for k, v in state.items():
+                assert torch.equal(got[k], v), (value, k)
+                assert got[k].dtype == v.dtype
