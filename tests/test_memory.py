@@ -248,6 +248,9 @@ def test_saves_every_step_into_ram_and_restores_from_there(tmp_path: Path) -> No
         state = mgr.restore_latest()
         assert state is not None and mgr.restored_step == 7 and state["step"] == 7
         assert torch.equal(state["w"], small_state(7)["w"])
+        with fc.CheckpointManager(root, read_only=True, memory=fc.manager.Memory()) as ro:
+            assert ro.memory is None  # a reader follows the disk and remote tiers only
+            assert ro.restore_latest() is not None and ro.restored_step == 5
         mgr.close()
     assert not folder.exists()
     assert fc.CheckpointManager(root, read_only=True).steps() == [5]

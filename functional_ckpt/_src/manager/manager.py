@@ -145,10 +145,11 @@ class CheckpointManager:
         self.remote = None
         try:
             self.remote = None if remote is None else remote.open(self.root, writer=not read_only)
+            # A reader follows the disk and remote tiers: the folder in RAM is the writer's.
             self.memory = (
                 None
-                if memory is None
-                else MemoryTier(memory, self.root, settings, writer=not read_only)
+                if memory is None or read_only
+                else MemoryTier(memory, self.root, settings, writer=True)
             )
         except BaseException:  # the manager was not made: its lock goes
             if self.remote is not None:

@@ -97,7 +97,6 @@ class MemoryTier:
         self._lock: WriterLock | None = None
         self._previous: dict[int, Any] = {}  # each handled signal's handler before ours
         self._installed = False
-        self._promoted: Path | None = None
         self._check_apart()
         if writer:
             self._open()
@@ -355,21 +354,26 @@ class MemoryTier:
     def promote(self, within: float) -> Path | None:
         """Copy the newest checkpoint of the tier to the disk root, unless the disk already
         holds a step as new; gives up after ``within`` seconds. Returns the new checkpoint."""
-        steps = self.steps()
+        disk = max(committed_steps(self.root), default=-1)
+        steps = [s for s in self.steps() if s > disk]
         if not steps:
             return None
         step = steps[-1]
-        disk = committed_steps(self.root)
         dest = self.root / step_name(step)
-        if (disk and max(disk) >= step) or os.path.lexists(dest):
+        if os.path.lexists(dest):
             return None
         failed: list[BaseException] = []
 
         def copy() -> None:
-            try:
-                ram.copy_checkpoint(self.view.path(step), dest)
-            except BaseException as e:
-                failed.append(e)
+            nonlocal step, dest
+            for step in reversed(steps):  # the newest, or the next if it went meanwhile
+                dest = self.root / step_name(step)
+                try:
+                    ram.copy_checkpoint(self.view.path(step), dest)
+                    failed.clear()
+                    return
+                except BaseException as e:
+                    failed.append(e)
 
         worker = threading.Thread(target=copy, name="fc-promote", daemon=True)
         worker.start()
@@ -383,7 +387,6 @@ class MemoryTier:
                 stacklevel=2,
             )
             return None
-        self._promoted = dest
         return dest
 
     def _install(self) -> None:
