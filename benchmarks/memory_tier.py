@@ -16,7 +16,9 @@ resume
   same root, whose disk tier holds the same step (its files dropped from the page
   cache first where the OS allows, as after a restart).
 
-Medians are reported with their ratios (memory loop / plain loop, memory resume /
+Each pair runs back to back, in the order A B, then B A; the loop's compute runs on
+one thread (``torch.set_num_threads(1)``), the saves beside it. Medians are
+reported with their ratios (memory loop / plain loop, memory resume /
 disk resume). Targets: a memory save every step costs <= 1.5x the loop without
 checkpoints; resuming from memory takes <= 1.0x resuming from disk.
 
@@ -53,6 +55,7 @@ from _common import (
     median,
     ratio,
     remove_path,
+    rotate,
     scratch_dir,
     settle,
     timed,
@@ -128,7 +131,7 @@ def drop_cache(root: Path) -> None:
 
 
 def resumes(
-    fc: Any, state: dict[str, torch.Tensor], root: Path, folder: Path | None
+    fc: Any, state: dict[str, torch.Tensor], root: Path, folder: Path | None, disk_first: bool
 ) -> tuple[float, float]:
     """(seconds to resume from memory, from disk) of the same step."""
     like = {k: torch.empty_like(v) for k, v in state.items()}
@@ -136,12 +139,25 @@ def resumes(
     with fc.CheckpointManager(root, save=fc.policy.always(), memory=tier) as mgr:
         mgr.maybe_save(state, step=1)  # the same step in both tiers
         settle()
-        t_memory, got = timed(lambda: mgr.restore_latest(like=like))
-        assert got is not None and mgr.restored_step == 1
-        drop_cache(root)
-        with fc.CheckpointManager(root, read_only=True) as ro:
-            t_disk, got = timed(lambda: ro.restore_latest(like=like))
-            assert got is not None and ro.restored_step == 1
+
+        def from_memory() -> float:
+            seconds, got = timed(lambda: mgr.restore_latest(like=like))
+            assert got is not None and mgr.restored_step == 1
+            return seconds
+
+        def from_disk() -> float:
+            drop_cache(root)
+            with fc.CheckpointManager(root, read_only=True) as ro:
+                seconds, got = timed(lambda: ro.restore_latest(like=like))
+                assert got is not None and ro.restored_step == 1
+            return seconds
+
+        if disk_first:
+            t_disk = from_disk()
+            t_memory = from_memory()
+        else:
+            t_memory = from_memory()
+            t_disk = from_disk()
     return t_memory, t_disk
 
 
@@ -162,6 +178,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     fc = import_fc()
+    torch.set_num_threads(1)  # the loop's compute on one core, the saves beside it
     size = args.size or (16 * MiB if args.quick else 256 * MiB)
     steps = args.steps or (10 if args.quick else 30)
     reps = args.reps or (1 if args.quick else 3)
@@ -178,13 +195,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for k in range(reps):
             print(f"repetition {k + 1}/{reps}", file=sys.stderr, flush=True)
             folder = None if args.memory_dir is None else args.memory_dir / f"tier-{k}"
-            times[PLAIN].append(timed(lambda: plain_loop(state, work, steps, args.compute))[0])
             root = workdir / f"loop-{k}"
-            times[MEMORY].append(
-                timed(partial(memory_loop, fc, state, work, steps, args.compute, root, folder))[0]
-            )
+            plain = partial(plain_loop, state, work, steps, args.compute)
+            memory = partial(memory_loop, fc, state, work, steps, args.compute, root, folder)
+            for label, fn in rotate([(PLAIN, plain), (MEMORY, memory)], k):  # A B, then B A
+                times[label].append(timed(fn)[0])
             remove_path(root)
-            t_memory, t_disk = resumes(fc, state, workdir / f"resume-{k}", folder)
+            t_memory, t_disk = resumes(fc, state, workdir / f"resume-{k}", folder, k % 2 == 1)
             times[FROM_MEMORY].append(t_memory)
             times[FROM_DISK].append(t_disk)
             remove_path(workdir / f"resume-{k}")

@@ -444,3 +444,19 @@ def mgr_event(step: int) -> Any:
     from functional_ckpt._src.policy import Event
 
     return Event(step=step)
+
+
+def test_refused_under_torch_distributed_for_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from functional_ckpt._src.distributed.topology import Topology
+    from functional_ckpt._src.manager import memory_tier
+
+    monkeypatch.setattr(memory_tier, "topology", lambda: Topology(rank=0, world=2))
+    with fc.CheckpointManager(tmp_path / "probe") as probe:
+        settings = probe._writes.plan
+    with pytest.raises(fc.CheckpointError, match=r"not under torch\.distributed"):
+        memory_tier.MemoryTier(
+            fc.manager.Memory(path=tmp_path / "mem"), tmp_path / "root", settings, writer=True
+        )
+    assert not (tmp_path / "mem").exists()

@@ -303,8 +303,9 @@ class CheckpointManager:
         policy says). An export due on the same event is written first (off the
         training thread with ``async_save``, from this step's checkpoint or a copy of
         its tensors). Policy states advance only once the writes they describe
-        succeeded. A rollback rule that fires returns the state it went back to in
-        ``.rollback``.
+        succeeded. A memory tier saves on its own policy, after the disk tier (and
+        only the disk tier's save counts in the result). A rollback rule that fires
+        returns the state it went back to in ``.rollback``.
         """
         self._check_open("maybe_save", writing=True)
         if self.remote is not None:

@@ -98,9 +98,9 @@ class MemoryTier:
         self._previous: dict[int, Any] = {}  # each handled signal's handler before ours
         self._installed = False
         self._check_apart()
+        self.view = RootView(self.folder)  # refuses a folder that is itself a checkpoint
         if writer:
             self._open()
-        self.view = RootView(self.folder)
         self.writes = Writes(
             self.view,
             WriteSettings(
