@@ -460,3 +460,34 @@ def test_refused_under_torch_distributed_for_now(
             fc.manager.Memory(path=tmp_path / "mem"), tmp_path / "root", settings, writer=True
         )
     assert not (tmp_path / "mem").exists()
+
+
+def test_beside_a_remote_tier_the_newest_of_all_three_is_restored(tmp_path: Path) -> None:
+    pytest.importorskip("fsspec")
+    url = f"memory://bucket/{tmp_path.name}"
+    root, memory = tmp_path / "root", tmp_path / "mem"
+
+    def manager(at: Path) -> fc.CheckpointManager:
+        return fc.CheckpointManager(
+            at,
+            save=fc.every_steps(2),
+            keep=fc.keep_last(1),
+            remote=fc.manager.Remote(url),
+            memory=fc.manager.Memory(path=memory),
+        )
+
+    with manager(root) as mgr:
+        for s in (1, 2, 3):
+            mgr.maybe_save(small_state(s), step=s)
+            mgr.wait_staged()
+        mgr.wait()
+        assert mgr.remote is not None and mgr.remote.wait()
+        state = mgr.restore_latest()  # memory: 3; disk and remote: 2
+        assert state is not None and mgr.restored_step == 3
+        for s in (4, 5, 6):
+            mgr.maybe_save(small_state(s), step=s, force=s == 6)
+        mgr.wait()
+        mgr.remote.wait()
+    with manager(tmp_path / "fresh") as mgr:  # another machine: an empty disk, no folder
+        state = mgr.restore_latest()
+        assert state is not None and mgr.restored_step == 6  # from the remote tier
