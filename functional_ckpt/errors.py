@@ -131,6 +131,10 @@ class RemoteWarning(CheckpointWarning):
     """A background upload failed (the local checkpoint is intact; training goes on)."""
 
 
+class MemoryWarning(CheckpointWarning):
+    """A memory-tier save, read or promotion failed (the disk tier is intact; training goes on)."""
+
+
 #: What a checkpoint's own bytes can raise: only these say it is damaged (and only damage
 #: moves a checkpoint aside; a bad template or argument is the caller's error).
 DAMAGE: tuple[type[CheckpointError], ...] = (
@@ -166,6 +170,7 @@ __all__ = [
     "DAMAGE",
     "IncompleteCheckpoint",
     "LeftoverWarning",
+    "MemoryWarning",
     "ModifiedDuringSave",
     "NotARecording",
     "NotRecorded",

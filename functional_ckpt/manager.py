@@ -2,15 +2,16 @@
 
 :class:`CheckpointManager` (also ``fc.CheckpointManager``) saves on a policy, keeps
 on a retention policy and resumes from the newest good checkpoint. :class:`Export`
-configures its Hugging Face exports, :class:`Remote` its remote tier and
-:class:`AsyncSave` its saves off the training thread; :class:`StepInfo` describes one managed
-checkpoint; ``maybe_save`` returns a :class:`SaveResult`, carrying a
-:class:`Rollback` when a rollback rule fired; :func:`choose_target` is the step such
-a rule returns to. See docs/manager.md.
+configures its Hugging Face exports, :class:`Remote` its remote tier, :class:`Memory`
+its memory tier and :class:`AsyncSave` its saves off the training thread;
+:class:`StepInfo` describes one managed checkpoint; ``maybe_save`` returns a
+:class:`SaveResult`, carrying a :class:`Rollback` when a rollback rule fired;
+:func:`choose_target` is the step such a rule returns to. See docs/manager.md.
 """
 
 from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.manager.manager import CheckpointManager
+from functional_ckpt._src.manager.memory import Memory
 from functional_ckpt._src.manager.options import AsyncSave
 from functional_ckpt._src.manager.rollback_rule import Rollback, SaveResult, choose_target
 from functional_ckpt._src.remote.options import Remote
@@ -20,6 +21,7 @@ __all__ = [
     "AsyncSave",
     "CheckpointManager",
     "Export",
+    "Memory",
     "Remote",
     "Rollback",
     "SaveResult",

@@ -64,10 +64,10 @@ def install_kill_point(point: str, after: int) -> None:
     if point == "marker":
         original_marker = commit.write_commit_marker
 
-        def marker(tmp: Path, manifest_bytes: bytes) -> None:
+        def marker(tmp: Path, manifest_bytes: bytes, **kwargs: Any) -> None:
             if due():
                 _die()
-            original_marker(tmp, manifest_bytes)
+            original_marker(tmp, manifest_bytes, **kwargs)
 
         commit.write_commit_marker = marker  # type: ignore[assignment]
     elif point == "commit":
@@ -128,6 +128,44 @@ def run(
                 metrics={"loss": loss},
                 is_final=step == steps,
             )
+
+
+def run_memory(
+    root: str,
+    memory: str,
+    steps: int = 24,
+    disk_every: int = 10,
+    die_at: int | None = None,
+    keep: int = 2,
+) -> None:
+    """Train to ``steps`` with a memory tier at ``memory`` (a save every step) above a disk
+    tier saving every ``disk_every`` steps and at the end; resume from whatever the tiers
+    hold. With ``die_at`` the job SIGKILLs itself once that step's memory save committed."""
+    torch.set_num_threads(1)
+    objs = build()
+    model, opt, sched, loader = objs
+    disk = fc.every_steps(disk_every) | fc.on_final()
+    tier = fc.manager.Memory(path=memory, keep=keep)
+    with fc.CheckpointManager(root, save=disk, keep=fc.keep_last(2), memory=tier) as mgr:
+        restored = mgr.restore_latest(like=live_state(objs, 0))
+        step = 0
+        if restored is not None:
+            fc.apply(restored, model=model, optimizer=opt, scheduler=sched, loader=loader)
+            step = int(restored["step"])
+            print(f"resumed {step}", flush=True)
+        while step < steps:
+            mgr.wait_staged()  # the memory save copies the state off the training thread
+            loss = train_step(model, opt, sched, loader)
+            step += 1
+            mgr.maybe_save(
+                live_state(objs, step),
+                step=step,
+                metrics={"loss": loss},
+                is_final=step == steps,
+            )
+            if step == die_at:
+                mgr.wait()
+                _die()
 
 
 def hold(root: str) -> None:

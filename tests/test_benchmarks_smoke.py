@@ -268,3 +268,14 @@ def test_scale_quick_run(tmp_path: Path) -> None:
     assert small["other"]["received"] == large["other"]["received"]
     assert large["coordinator"]["received"] > 4 * small["coordinator"]["received"]
     assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL", "SKIP"}
+
+
+def test_memory_tier_quick_run(tmp_path: Path) -> None:
+    data = _run_benchmark("memory_tier.py", tmp_path, "--memory-dir", str(tmp_path / "ram"))
+    assert data["config"]["reps"] == 1
+    ops = [r["op"] for r in data["rows"]]
+    assert len(ops) == 4 and {op.split(":")[0] for op in ops} == {"loop", "resume"}
+    for r in data["rows"]:
+        assert len(r["times_s"]) == 1 and r["median_s"] > 0 and r["ratio"] > 0
+    assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}
+    assert not (tmp_path / "ram").exists() or not list((tmp_path / "ram").iterdir())

@@ -156,17 +156,20 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
     exports = export_infos(root)
     branched = [_branch_json(root, name, steps) for name, steps in branches(root).items()]
     remote = tiers.tier_rows(root, rows)  # where each step lives, with a remote tier
+    memory = tiers.memory_rows(root)  # the checkpoints in RAM, with a memory tier
     if args.json:
         doc = [_row_json(r, why.get(r.name, [])) for r in rows]
         doc += [_export_json(e) for e in exports] + branched + (remote[1] if remote else [])
+        doc += memory[1] if memory else []
         print_json(ui, doc)
-    elif not rows and not exports and not branched:
+    elif not rows and not exports and not branched and not (memory and memory[1]):
         ui.print(f"{root}: no checkpoints")
     else:
         _print_ls(rows, why, parts, source, ui)
         _print_exports(exports, ui)
         _print_branches(branched, ui)
         tiers.print_tiers(remote, ui)
+        tiers.print_memory(memory, ui)
     return 1 if any(is_damaged(r) for r in rows) else 0
 
 

@@ -1,10 +1,12 @@
-"""The remote tier on the command line: which tier holds each step, remote URLs as arguments.
+"""The tiers on the command line: which tier holds each step, remote URLs as arguments.
 
 ``fckpt ls ROOT`` adds, for a root whose manager uploads to a remote (recorded in
 ``ROOT/.remote.json``), where each step lives: ``local``, ``remote``, ``both``,
 ``uploading``, or ``local`` with the upload's failure. ``fckpt ls URL``,
 ``fckpt verify URL`` and ``fckpt inspect URL/step_N`` read a remote root or
-checkpoint (downloaded into a temporary directory first). Credentials and
+checkpoint (downloaded into a temporary directory first). For a root whose
+manager has a memory tier (recorded in ``ROOT/.memory.json``), ``fckpt ls ROOT``
+lists the checkpoints in that folder too, and whether its run is still open. Credentials and
 endpoints come from the environment (``AWS_*`` for s3fs), or from
 ``FCKPT_STORAGE_OPTIONS``, a JSON object of fsspec storage options.
 
@@ -18,6 +20,7 @@ import argparse
 import contextlib
 import json
 import os
+import socket
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -36,13 +39,24 @@ from functional_ckpt._src.cli.ui import UI, human
 from functional_ckpt._src.format.header import header_of
 from functional_ckpt._src.format.naming import parse_step, step_name
 from functional_ckpt._src.remote.uploader import read_status
-from functional_ckpt._src.root.listing import RootEntry
+from functional_ckpt._src.root.listing import RootEntry, committed_steps
+from functional_ckpt._src.storage.ram import read_memory_status
+from functional_ckpt._src.storage.usage import dir_size
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
 if TYPE_CHECKING:
     from functional_ckpt._src.remote.store import Store
 
-__all__ = ["fetched", "is_url", "ls_remote", "print_tiers", "tier_rows", "verify_remote"]
+__all__ = [
+    "fetched",
+    "is_url",
+    "ls_remote",
+    "memory_rows",
+    "print_memory",
+    "print_tiers",
+    "tier_rows",
+    "verify_remote",
+]
 
 OPTIONS_ENV = "FCKPT_STORAGE_OPTIONS"
 
@@ -131,6 +145,48 @@ def print_tiers(found: tuple[str, list[dict[str, Any]]] | None, ui: UI) -> None:
     cells = [["-" if r["step"] is None else str(r["step"]), r["tier"], r["note"]] for r in rows]
     styles = [["", "bad" if "failed" in r["note"] else "", "dim"] for r in rows]
     ui.table(["STEP", "TIER", "NOTE"], cells, styles)
+
+
+def memory_rows(root: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """(the memory tier's status, one row per checkpoint in its folder) for a root with one."""
+    status = read_memory_status(root)
+    folder = status.get("path")
+    if not isinstance(folder, str):
+        return None
+    out = []
+    for step, path in sorted(committed_steps(Path(folder)).items()):
+        out.append({"kind": "memory", "step": step, "path": str(path), "size": dir_size(path)})
+    return status, out
+
+
+def _alive(status: dict[str, Any]) -> bool:
+    """Whether the process that recorded ``status`` still runs (unknown on another host)."""
+    pid = status.get("pid")
+    if status.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def print_memory(found: tuple[dict[str, Any], list[dict[str, Any]]] | None, ui: UI) -> None:
+    if found is None:
+        return
+    status, rows = found
+    run = "closed"
+    if status.get("open"):
+        pid = status.get("pid")
+        run = f"open by pid {pid}" if _alive(status) else f"left by pid {pid}, no longer running"
+    ui.print(f"\n{ui.paint('memory tier', 'head')} ({status.get('path')}, {run})")
+    if not rows:
+        ui.print("  no checkpoints (a closed manager removes its memory tier)")
+        return
+    cells = [[step_name(r["step"]), str(r["step"]), human(r["size"])] for r in rows]
+    ui.table(["CHECKPOINT", "STEP", "SIZE"], cells, [["", "", ""]] * len(rows))
 
 
 def ls_remote(args: argparse.Namespace, ui: UI) -> int:

@@ -10,6 +10,7 @@ the rollback rule :mod:`.rollback_rule`'s, what all ranks do together
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +27,8 @@ from functional_ckpt._src.format.naming import parse_step
 from functional_ckpt._src.manager.collective import prepare_groups
 from functional_ckpt._src.manager.config import config_of, manager_arguments
 from functional_ckpt._src.manager.decide import decide
+from functional_ckpt._src.manager.memory import Memory
+from functional_ckpt._src.manager.memory_tier import MemoryTier
 from functional_ckpt._src.manager.options import (
     AsyncSave,
     async_option,
@@ -75,7 +78,8 @@ class CheckpointManager:
     every checkpoint beside the automatic keys. One option value per concern:
     ``async_save`` (True or ``fc.manager.AsyncSave``), ``incremental`` (each save on
     the previous one, unchanged bytes shared), ``export`` (``fc.manager.Export``),
-    ``remote`` (``fc.manager.Remote``), ``rollback`` (a rule such as
+    ``remote`` (``fc.manager.Remote``), ``memory`` (``fc.manager.Memory``: a tier in
+    RAM above the root, saved on its own policy), ``rollback`` (a rule such as
     ``fc.policy.on_degrade``), ``per_rank`` (the subtrees stored per rank). A writing
     manager locks ``root``, recovers or removes what crashes left and finishes an
     interrupted rollback at open; ``read_only=True`` never deletes or renames
@@ -95,6 +99,7 @@ class CheckpointManager:
         incremental: bool = False,
         export: Export | None = None,
         remote: Remote | None = None,
+        memory: Memory | None = None,
         rollback: SavePolicy | None = None,
         per_rank: Sequence[str] = DEFAULT_PER_RANK,
         clock: Callable[[], float] = time.monotonic,
@@ -106,6 +111,10 @@ class CheckpointManager:
         if remote is not None and not isinstance(remote, Remote):
             raise TypeError(
                 f"CheckpointManager(remote={remote!r}): expected fc.manager.Remote(url, ...)"
+            )
+        if memory is not None and not isinstance(memory, Memory):
+            raise TypeError(
+                f"CheckpointManager(memory={memory!r}): expected fc.manager.Memory(...)"
             )
         self.read_only = bool(read_only)
         self.save_policy = every_steps(1) if save is None else save
@@ -136,9 +145,18 @@ class CheckpointManager:
             self._run.git = git_commit(self._run.cwd)  # before the lock: no child inherits it
             if self._coordinator:
                 self._open_writer()  # one lock per job: the coordinator's
+        self.remote = None
         try:
             self.remote = None if remote is None else remote.open(self.root, writer=not read_only)
+            # A reader follows the disk and remote tiers: the folder in RAM is the writer's.
+            self.memory = (
+                None
+                if memory is None or read_only
+                else MemoryTier(memory, self.root, settings, writer=True)
+            )
         except BaseException:  # the manager was not made: its lock goes
+            if self.remote is not None:
+                self.remote.close()
             if self._lock is not None:
                 self._lock.release()
             raise
@@ -256,6 +274,8 @@ class CheckpointManager:
             try:
                 self.wait()
             finally:
+                if self.memory is not None:
+                    self.memory.close()  # its folder goes: RAM is not held past the run
                 self._writes.exports.join()
                 if self.remote is not None:
                     self.remote.close()  # the uploads asked for finish, then what they
@@ -271,8 +291,15 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until every save started so far is committed; raise if one failed.
 
-        The retention policy runs once the save it follows has committed.
+        The retention policy runs once the save it follows has committed. A failed
+        memory-tier save is reported as a ``MemoryWarning`` instead.
         """
+        if self.memory is not None:
+            self.memory.wait()
+        self._wait_disk()
+
+    def _wait_disk(self) -> None:
+        """The disk tier's save in flight, committed (its error raised), then retention."""
         info = self._writes.wait()
         if info is not None:
             self._after_commit(info)
@@ -284,6 +311,8 @@ class CheckpointManager:
         returns at once. With ``staging="none"`` it waits for the whole write.
         """
         self._writes.wait_staged()
+        if self.memory is not None:
+            self.memory.wait_staged()
 
     def wait_exports(self) -> None:
         """Block until the export running in the background is written; raise if it failed."""
@@ -322,14 +351,15 @@ class CheckpointManager:
         ``every_epochs`` saves; ``epoch`` is only recorded. An export due on the same
         event is written first (off the training thread with ``async_save``, from this
         step's checkpoint or a copy of its tensors). Policy states advance only once
-        the writes they describe succeeded. A rollback rule that fires returns the
-        state it went back to in ``.rollback``.
+        the writes they describe succeeded. A memory tier saves on its own policy, after
+        the disk tier (and only the disk tier's save counts in the result). A rollback
+        rule that fires returns the state it went back to in ``.rollback``.
         """
         self._check_open("maybe_save", writing=True)
         if self.remote is not None:
             self.remote.check()  # a failed upload is reported here, as a RemoteWarning
         if self._writes.finished():
-            self.wait()  # a background failure surfaces here, at the next call
+            self._wait_disk()  # a background failure surfaces here, at the next call
         if self._writes.exports.finished():
             self._writes.exports.join()
         event = Event(
@@ -352,7 +382,7 @@ class CheckpointManager:
         policy_state, export_state, rule_state = d.policy_state, d.export_state, d.rule_state
         self._watch.next = rule_state
         if saved:
-            self.wait()  # at most one save in flight; the previous one must have committed
+            self._wait_disk()  # at most one save in flight; the previous one must have committed
             check_order(self.root, event.step, self.latest_step())  # before any write
         background = exported and self._writes.plan.async_save is not None
         background = background and not self._distributed
@@ -361,6 +391,9 @@ class CheckpointManager:
             self._writes.export(state, export, event)
         if saved:
             self._save_checkpoint(state, event, policy_state, export_state)
+        if self.memory is not None and self.memory.decide(event):
+            metadata = lambda: self._metadata(event, policy_state, export_state)  # noqa: E731
+            self.memory.save(state, event.step, metadata)
         if background:
             assert export is not None
             self._writes.export_in_background(state, export, event, saved)
@@ -369,7 +402,7 @@ class CheckpointManager:
         self._watch.state = rule_state
         if not rolls:
             return SaveResult(saved)
-        self.wait()  # the checkpoint of this very event commits first: it goes to the branch
+        self._wait_disk()  # the checkpoint of this very event commits first: it goes to the branch
         roll = lambda to, why: self._rollback(to, state, "branch", None, why)  # noqa: E731
         return roll_back(self._watch, event, saved, self.infos(), self.root, roll)
 
@@ -377,15 +410,22 @@ class CheckpointManager:
         """Seconds this run has been running: carried over by restores, downtime excluded."""
         return self._running()
 
-    def _save_checkpoint(
-        self, state: State, event: Event, policy_state: PolicyState, export_state: PolicyState
-    ) -> None:
+    def _metadata(
+        self, event: Event, policy_state: PolicyState, export_state: PolicyState
+    ) -> dict[str, Any]:
+        """What a checkpoint of ``event`` records, in whichever tier it is written: the
+        policy states after the event, so a resume from any tier continues them alike."""
         export = None if self.export is None else self.export.policy
         record = manager_record(
             event, self.save_policy, policy_state, self.keep, export, export_state
         )
         record.update(self._watch.entry())
-        metadata = self._run.metadata(record, self.metadata)
+        return self._run.metadata(record, self.metadata)
+
+    def _save_checkpoint(
+        self, state: State, event: Event, policy_state: PolicyState, export_state: PolicyState
+    ) -> None:
+        metadata = self._metadata(event, policy_state, export_state)
         info = self._writes.save(self.path(event.step), state, metadata)
         if info is not None:
             self._after_commit(info)
@@ -418,6 +458,8 @@ class CheckpointManager:
         if not self.path(step).is_dir():
             raise CheckpointNotFound(f"{self.path(step)}: no checkpoint for step {step}")
         self._delete([step])
+        if self.memory is not None:
+            self.memory.drop(step)  # or a resume would still find it there
 
     def _delete(self, steps: list[int]) -> None:
         """Crash-safely: out of sight first (:func:`~..root.delete.delete`), then removed."""
@@ -456,7 +498,10 @@ class CheckpointManager:
     ) -> TensorDict | None:
         """Restore the newest readable checkpoint; None only if the root holds none.
 
-        Unreadable checkpoints (corrupt bytes, missing files, torn manifest) are
+        With a memory tier its newest readable step comes first, unless the disk or
+        remote tier holds a newer one; a damaged one there is reported as a
+        ``MemoryWarning`` and the next tier tried. Unreadable checkpoints (corrupt
+        bytes, missing files, torn manifest) are
         reported with a ``CheckpointWarning`` and skipped; a writing manager moves them
         aside to ``step_N.corrupt-…`` (never deletes them). A template that does not
         fit raises at once (a bug in the caller, not damage). If checkpoints exist but
@@ -478,9 +523,11 @@ class CheckpointManager:
             return found
 
         with machine_errors(self.root, "resuming"):  # what ran out, if anything did
-            if self.remote is None:
+            found = None if self.memory is None else self._from_memory(read)
+            if found is None and self.remote is None:
                 found = local()
-            else:  # the newest of both tiers; only the remote has it: downloaded, verified
+            elif found is None and self.remote is not None:
+                # The newest of both tiers; only the remote has it: downloaded, verified.
                 one = lambda step: (self.info(step), read(self.path(step)))  # noqa: E731
                 found = self.remote.restore_latest(
                     local, self.steps, one, writer=not self.read_only
@@ -490,6 +537,17 @@ class CheckpointManager:
         info, state = found
         self._adopt(info)
         return state
+
+    def _from_memory(
+        self, read: Callable[[Path], TensorDict]
+    ) -> tuple[StepInfo, TensorDict] | None:
+        """The memory tier's newest readable step, if no other tier holds a newer one."""
+        assert self.memory is not None
+        others = self.steps()
+        if self.remote is not None:
+            with contextlib.suppress(CheckpointError):  # the remote resume reports it
+                others = others + self.remote.steps()
+        return self.memory.newest(read, max(others, default=None), stacklevel=4)
 
     def rollback(
         self,
@@ -523,6 +581,8 @@ class CheckpointManager:
         rollback.check_request(newer, branch, reason)
         self.wait()  # a save in flight commits first: it may be one of the newer steps
         state = self.restore(step, like)  # raises, moving nothing, if step is unusable
+        if self.memory is not None:
+            self.memory.drop_newer(step)
         doomed = sorted(s for s, _ in self.view.candidates() if s > step)
         if self.remote is not None and self._coordinator:  # the remote trunk first (tiered.md)
             remote = self.remote.newer_than(step)

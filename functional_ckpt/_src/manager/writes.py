@@ -36,13 +36,15 @@ from functional_ckpt._src.state.tree import State
 @dataclass(frozen=True)
 class WriteSettings:
     """How a manager writes: ``per_rank`` subtrees, off the training thread or not,
-    each save on the previous one (``incremental``), and whether ranks keep parts."""
+    each save on the previous one (``incremental``), whether ranks keep parts, and
+    whether what is written must survive a power loss (not a memory tier's saves)."""
 
     per_rank: tuple[str, ...]
     async_save: AsyncSave | None
     incremental: bool
     distributed: bool
     coordinator: bool
+    durable: bool = True
 
 
 class Writes:
@@ -74,6 +76,7 @@ class Writes:
             base_required=False,  # the previous checkpoint may have been moved aside
             trust=self.trust,
             parts=self.remote is not None and self.remote.parts,
+            durable=self.plan.durable,
         )
         remote = self.remote
         held = remote is not None  # uploads stand still while the state is staged

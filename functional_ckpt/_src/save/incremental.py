@@ -206,6 +206,7 @@ def place(
     tmp: Path,
     rank: int,
     syncing: list[Future[None]],
+    sync: bool = True,
 ) -> list[Chunk | None]:
     """Bring the base files the reused chunks lie in into ``tmp``; repoint the chunks.
 
@@ -223,14 +224,16 @@ def place(
         size = base.sizes.get(name, 0)
         if size and live >= MIN_LIVE * base.tensor_bytes.get(name, size):
             new = shard_name(rank, n)
-            if _bring(base, name, size, tmp / new, syncing):
+            if _bring(base, name, size, tmp / new, syncing, sync):
                 names[name] = new
     return [
         None if c is None or c.file not in names else c._replace(file=names[c.file]) for c in reused
     ]
 
 
-def _bring(base: Base, name: str, size: int, dst: Path, syncing: list[Future[None]]) -> bool:
+def _bring(
+    base: Base, name: str, size: int, dst: Path, syncing: list[Future[None]], sync: bool
+) -> bool:
     """Hard-link (else copy) the base's file ``name`` to ``dst``; False if it is gone."""
     dir_fd = base.ck.dir_fd
     try:
@@ -247,7 +250,7 @@ def _bring(base: Base, name: str, size: int, dst: Path, syncing: list[Future[Non
     except OSError as e:
         if e.errno not in _NO_LINK:
             return False
-        return _copy(base, name, size, dst, syncing)
+        return _copy(base, name, size, dst, syncing, sync)
     now = os.stat(dst, follow_symlinks=False)
     if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):  # swapped between stat and link
         dst.unlink()
@@ -255,7 +258,9 @@ def _bring(base: Base, name: str, size: int, dst: Path, syncing: list[Future[Non
     return True
 
 
-def _copy(base: Base, name: str, size: int, dst: Path, syncing: list[Future[None]]) -> bool:
+def _copy(
+    base: Base, name: str, size: int, dst: Path, syncing: list[Future[None]], sync: bool
+) -> bool:
     """Copy a base file whole (where links are impossible); its fsync joins ``syncing``."""
     try:
         src = opener.open_member(base.ck.dir_fd, name, base.path / name, size=size)
@@ -269,7 +274,10 @@ def _copy(base: Base, name: str, size: int, dst: Path, syncing: list[Future[None
         except BaseException:
             os.close(out)
             raise
-        syncing.append(shards.sync_pool().submit(shards.fsync_and_close, out))
+        if sync:
+            syncing.append(shards.sync_pool().submit(shards.fsync_and_close, out))
+        else:
+            os.close(out)
     finally:
         os.close(src)
     return True
@@ -322,6 +330,7 @@ def write_rank(
     after_each: Callable[[int], None] | None = None,
     syncing: list[Future[None]] | None = None,
     blobs: Sequence[ByteEntry] = (),
+    sync: bool = True,
 ) -> tuple[list[Chunk], list[ByteEntry]]:
     """Write one rank's chunks into ``tmp``: unchanged ones from the base, the rest anew.
 
@@ -329,10 +338,10 @@ def write_rank(
     chunk of every tensor (the base's, repointed to the linked file, or the one just
     written), in ``tensors``' order, and the located ``blobs`` (values as DCP byte
     entries: small, always written anew, into the rank's own data file). Without a
-    base every chunk is written.
+    base every chunk is written. Without ``sync`` no file is fsynced (a memory tier).
     """
     background: list[Future[None]] = [] if syncing is None else syncing
-    reused = place(base, unchanged_chunks(base, keys, tensors, idents), tmp, rank, background)
+    reused = place(base, unchanged_chunks(base, keys, tensors, idents), tmp, rank, background, sync)
     todo = [i for i, c in enumerate(reused) if c is None]
     if after_each is not None:
         for i, c in enumerate(reused):
@@ -348,6 +357,7 @@ def write_rank(
             after_each=each,
             background=background if syncing is not None else None,
             blobs=blobs,
+            sync=sync,
         )
         for i, c in zip(todo, fresh, strict=True):
             reused[i] = c

@@ -46,6 +46,7 @@ def finalize(
     before_commit: Callable[[], None] | None = None,
     syncing: list[Future[None]] | None = None,
     elsewhere: Mapping[str, int] | None = None,
+    sync: bool = True,
 ) -> tuple[int, int]:
     """Write ``.metadata``, the manifest and the marker into ``tmp``; commit as ``dest``.
 
@@ -56,7 +57,9 @@ def finalize(
     fsynced at their final size, and every fsync has finished, before the marker is
     written and the directory is fsynced and renamed. ``elsewhere`` names the shard
     files (with their sizes) that other ranks wrote into directories of their own,
-    when the ranks share no file system. Returns (bytes on disk, manifest bytes).
+    when the ranks share no file system. Without ``sync`` nothing is fsynced: the
+    commit is as atomic, durable only as far as the file system is (a memory tier).
+    Returns (bytes on disk, manifest bytes).
     """
     syncing = [] if syncing is None else syncing
     try:
@@ -64,7 +67,7 @@ def finalize(
             tree, written, {}, created=created, metadata=metadata, metadata_bytes=metadata_bytes
         )
         md_bytes = dcp_metadata.derive(manifest.tensor_groups(), manifest.dcp_bytes)
-        _write_file(tmp / naming.DCP_METADATA, md_bytes, syncing)
+        _write_file(tmp / naming.DCP_METADATA, md_bytes, syncing, sync)
         files: dict[str, dict[str, Any]] = {}
         for name in sorted(os.listdir(tmp)):
             if name == naming.DCP_METADATA:
@@ -77,14 +80,14 @@ def finalize(
         manifest = dataclasses.replace(manifest, files=files)
         manifest_bytes = manifest.encode()
         _check_size(dest, manifest_bytes, len(tree.ranks))
-        durable.write_new(tmp / naming.MANIFEST, manifest_bytes)
+        durable.write_new(tmp / naming.MANIFEST, manifest_bytes, sync=sync)
     finally:
         for fut in syncing:  # every file durable (or its error raised) before going on
             fut.result()
     if before_commit is not None:
         before_commit()
-    commit.write_commit_marker(tmp, manifest_bytes)
-    commit.commit_checkpoint(tmp, dest, overwrite=overwrite)
+    commit.write_commit_marker(tmp, manifest_bytes, sync=sync)
+    commit.commit_checkpoint(tmp, dest, overwrite=overwrite, sync=sync)
     total = sum(f["size"] for f in files.values()) + len(manifest_bytes)
     return total, len(manifest_bytes)
 
@@ -105,7 +108,7 @@ def _check_size(dest: Path, manifest_bytes: bytes, world: int) -> None:
         )
 
 
-def _write_file(path: Path, data: bytes, syncing: list[Future[None]]) -> None:
+def _write_file(path: Path, data: bytes, syncing: list[Future[None]], sync: bool) -> None:
     """Write a new file whole; its fsync runs in the background (appended to ``syncing``)."""
     fd = durable.open_new(path)
     try:
@@ -113,6 +116,9 @@ def _write_file(path: Path, data: bytes, syncing: list[Future[None]]) -> None:
     except BaseException:
         os.close(fd)
         raise
+    if not sync:
+        os.close(fd)
+        return
     syncing.append(shards.sync_pool().submit(shards.fsync_and_close, fd))
 
 
@@ -157,6 +163,7 @@ def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> 
             after_each=hooks.after_each,
             syncing=syncing,
             blobs=blobs,
+            sync=job.options.durable,
         )
         by_fqn = {e.fqn: (c,) for e, c in zip(plan.targets, chunks, strict=True)}
         written = Written(by_fqn, tuple(located), incremental.reused_info(tmp))
@@ -172,6 +179,7 @@ def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> 
             overwrite=job.options.overwrite,
             before_commit=None if check is None else (lambda: check(written)),
             syncing=syncing,
+            sync=job.options.durable,
         )
     except CheckpointError:  # e.g. CheckpointExists, itself an OSError
         commit.remove_tree(tmp)

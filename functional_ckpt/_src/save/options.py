@@ -31,6 +31,8 @@ class SaveOptions:
     (:mod:`.trust`), fed by this save. ``parts``: under ``torch.distributed``, a rank
     that does not see the coordinator's directory keeps its shard files in a
     directory of its own (a remote tier makes such a split checkpoint whole).
+    ``durable=False``: no fsync anywhere (a manager's memory tier, whose folder a
+    power loss empties anyway); the commit stays as atomic for every reader.
     """
 
     metadata: Mapping[str, Any] | None = None
@@ -40,6 +42,7 @@ class SaveOptions:
     base_required: bool = True
     trust: TrustMemory = field(default=PROCESS_TRUST, compare=False, repr=False)
     parts: bool = False
+    durable: bool = True
 
 
 def save_options(

@@ -68,7 +68,11 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def write_commit_marker(tmp: Path, manifest_bytes: bytes) -> None:
+def _no_fsync(path: Path) -> None:
+    """Where a commit need not survive a power loss (a memory tier's)."""
+
+
+def write_commit_marker(tmp: Path, manifest_bytes: bytes, *, sync: bool = True) -> None:
     marker = codec.encode(
         {
             "format": FORMAT_NAME,
@@ -77,7 +81,7 @@ def write_commit_marker(tmp: Path, manifest_bytes: bytes) -> None:
             "manifest_crc32": crc32(manifest_bytes),
         }
     )
-    write_new(tmp / COMMIT_MARKER, marker)
+    write_new(tmp / COMMIT_MARKER, marker, sync=sync)
 
 
 def remove_tree(path: Path) -> None:
@@ -118,6 +122,7 @@ def commit_checkpoint(
     *,
     overwrite: bool,
     replaces: frozenset[Kind] = CHECKPOINTS,
+    sync: bool = True,
 ) -> None:
     """Make a fully written ``tmp`` directory visible as ``final``, atomically.
 
@@ -126,9 +131,11 @@ def commit_checkpoint(
     one is moved aside for the shortest possible moment and put back on failure).
     Only a directory of ``replaces`` holding nothing but its own files (or an
     empty one) is ever replaced (:func:`check_replaceable`, checked again here,
-    right before the exchange).
+    right before the exchange). Without ``sync`` nothing is fsynced: the commit is
+    atomic for every reader, durable only as far as the file system is (a memory tier).
     """
-    fsync_dir(tmp)
+    fsync = fsync_dir if sync else _no_fsync
+    fsync(tmp)
     parent = final.parent
     if final.exists() or final.is_symlink():
         if not overwrite:
@@ -137,7 +144,7 @@ def commit_checkpoint(
             )
         check_replaceable(final, replaces)
         if _exchange(tmp, final):
-            fsync_dir(parent)
+            fsync(parent)
             remove_tree(tmp)  # tmp now holds the old checkpoint
             return
         aside = tmp_sibling(final, TRASH_INFIX)
@@ -147,11 +154,11 @@ def commit_checkpoint(
         except BaseException:
             os.rename(aside, final)
             raise
-        fsync_dir(parent)
+        fsync(parent)
         remove_tree(aside)
         return
     os.rename(tmp, final)
-    fsync_dir(parent)
+    fsync(parent)
 
 
 def check_replaceable(path: Path, kinds: frozenset[Kind] = CHECKPOINTS) -> None:

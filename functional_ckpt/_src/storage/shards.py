@@ -91,6 +91,7 @@ def write_shard(
     after_each: Callable[[int], None] | None = None,
     background: list[Future[None]] | None = None,
     blobs: Sequence[ByteEntry] = (),
+    sync: bool = True,
 ) -> tuple[list[Chunk], list[ByteEntry]]:
     """Write tensors (contiguous, on CPU) as DCP blobs into a new file, fsynced.
 
@@ -100,7 +101,8 @@ def write_shard(
     the chunks in ``tensors``' order and the located byte entries. ``after_each(i)``
     runs once tensor ``i`` is fully written (version checks of unstaged saves hook
     in here). With ``background``, the fsync runs on :func:`sync_pool` and its
-    future is appended there: the file is durable once that future is done.
+    future is appended there: the file is durable once that future is done. Without
+    ``sync`` the file is only closed (a memory tier's save: a power loss loses it anyway).
     """
     name = path.name
     chunks: list[Chunk] = []
@@ -156,7 +158,9 @@ def write_shard(
     except BaseException:
         os.close(fd)
         raise
-    if background is None:
+    if not sync:
+        os.close(fd)
+    elif background is None:
         fsync_and_close(fd)
     else:
         background.append(sync_pool().submit(fsync_and_close, fd))

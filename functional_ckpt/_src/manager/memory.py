@@ -1,0 +1,83 @@
+"""``Memory``: a manager's memory tier, as one option value (``CheckpointManager(memory=...)``).
+
+Built and checked where the user writes it; the manager opens it on its root
+(:class:`~.memory_tier.MemoryTier`). Plain fields only, so that a configuration file can
+describe it as well as code.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+
+from functional_ckpt._src.policy import SavePolicy, every_steps
+
+__all__ = ["Memory"]
+
+
+def _every_step() -> SavePolicy:
+    return every_steps(1)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Checkpoint into RAM on a policy of its own (default: every step), above the disk tier.
+
+    The tier is a folder in RAM (``path``; by default one per root under
+    ``/dev/shm``) holding the newest ``keep`` (1 or 2) checkpoints in the ordinary
+    format, saved off the training thread, each on the previous one, without fsync:
+    it survives a crash of the process, not a power loss or a reboot.
+    ``restore_latest`` takes its newest step when no other tier has a newer one.
+    ``budget`` caps the RAM it may use: bytes, or a fraction of the memory available
+    when the manager opens. On a signal of ``promote_on`` (default SIGTERM) its
+    newest checkpoint is copied to the disk tier, for at most ``promote_within``
+    seconds, before the signal takes its course. See docs/tiered.md.
+    """
+
+    path: str | os.PathLike[str] | None = None
+    save: SavePolicy = field(default_factory=_every_step)
+    keep: int = 2
+    budget: int | float = 0.5
+    promote_on: tuple[int, ...] = (int(signal.SIGTERM),)
+    promote_within: float = 60.0
+    async_save: bool = True
+    incremental: bool = True
+
+    def __post_init__(self) -> None:
+        if self.path is not None and not isinstance(self.path, str | os.PathLike):
+            raise TypeError(f"Memory(path={self.path!r}): expected a directory path or None")
+        if not isinstance(self.save, SavePolicy):
+            raise TypeError(f"Memory(save={self.save!r}): not a SavePolicy")
+        if isinstance(self.keep, bool) or self.keep not in (1, 2):
+            raise ValueError(
+                f"Memory(keep={self.keep!r}): expected 1 or 2 (the newest checkpoints held)"
+            )
+        budget = self.budget
+        if isinstance(budget, bool) or not isinstance(budget, int | float):
+            raise TypeError(
+                f"Memory(budget={budget!r}): expected bytes (an int) or a fraction of the "
+                "available memory (a float in (0, 1])"
+            )
+        if isinstance(budget, int) and budget <= 0:
+            raise ValueError(f"Memory(budget={budget!r}): a byte budget must be > 0")
+        if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+            raise ValueError(
+                f"Memory(budget={budget!r}): a fraction of the available memory must be in (0, 1]"
+            )
+        if not isinstance(self.promote_on, tuple) or not all(
+            isinstance(s, int) and not isinstance(s, bool) for s in self.promote_on
+        ):
+            raise TypeError(
+                f"Memory(promote_on={self.promote_on!r}): expected a tuple of signal numbers"
+            )
+        valid = set(signal.valid_signals())
+        for s in self.promote_on:
+            if s not in valid or s in (signal.SIGKILL, signal.SIGSTOP):
+                raise ValueError(f"Memory(promote_on={self.promote_on!r}): {s} cannot be handled")
+        within = self.promote_within
+        if isinstance(within, bool) or not isinstance(within, int | float) or not within > 0:
+            raise ValueError(f"Memory(promote_within={within!r}): expected a number of seconds > 0")
+        for name in ("async_save", "incremental"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Memory({name}={getattr(self, name)!r}): expected a bool")

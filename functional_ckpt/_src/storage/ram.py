@@ -1,0 +1,143 @@
+"""The files of a manager's memory tier: how much RAM there is, promotion, emptying it.
+
+A memory tier is a folder in RAM (``/dev/shm``) holding ordinary checkpoints. Its
+budget is measured against what the machine can still give it; its newest
+checkpoint is *promoted* to the disk tier by a copy that is durable before it is
+visible (every file fsynced, the marker last, the directory renamed into place);
+its folder is emptied when its manager closes, so RAM is not held past the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from functional_ckpt._src.format.naming import COMMIT_MARKER
+from functional_ckpt._src.storage import commit, durable, opener
+from functional_ckpt.errors import CheckpointError
+
+#: In a disk root: where its memory tier is and whether its manager is open (``fckpt ls``).
+MEMORY_STATUS = ".memory.json"
+_STATUS_LIMIT = 1 << 16
+
+#: Bytes copied per call while promoting (the kernel copies where it can).
+_COPY_BLOCK = 64 << 20
+
+#: Where the kernel cannot copy between these files: copied through memory instead.
+_NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP)
+
+
+def read_memory_status(root: Path) -> dict[str, Any]:
+    """What the last writer of ``root`` recorded about its memory tier; {} if nothing."""
+    try:
+        doc = json.loads(opener.read_file(root / MEMORY_STATUS, limit=_STATUS_LIMIT, what="status"))
+    except (OSError, ValueError, RecursionError, CheckpointError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _mem_available() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def available_bytes(folder: Path) -> int:
+    """Bytes the folder can still take: its file system's free space, at most the memory
+    the machine has available (a tmpfs larger than the RAM left would swap or be killed)."""
+    st = os.statvfs(folder)
+    free = st.f_bavail * st.f_frsize
+    ram = _mem_available()
+    return free if ram is None else min(free, ram)
+
+
+def held_bytes(folder: Path) -> int:
+    """Bytes of the files under ``folder`` (each inode once: incremental saves share files)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                st = os.stat(os.path.join(dirpath, name), follow_symlinks=False)
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_size
+    return total
+
+
+def copy_checkpoint(src: Path, dest: Path) -> None:
+    """Copy the committed checkpoint ``src`` to the free name ``dest``, durably.
+
+    Every file but the marker is copied and fsynced, then the marker: a crash midway
+    leaves an uncommitted temporary that the next writer of ``dest``'s root deletes.
+    Nothing is followed through a link on either side.
+    """
+    tmp = durable.tmp_sibling(dest)
+    durable.make_dirs(dest.parent)
+    dir_fd = opener.open_directory(src)
+    try:
+        tmp.mkdir()
+        names = sorted(n for n in os.listdir(dir_fd) if n != COMMIT_MARKER)
+        for name in [*names, COMMIT_MARKER]:
+            _copy_file(dir_fd, src / name, tmp / name)
+        commit.commit_checkpoint(tmp, dest, overwrite=False)
+    except BaseException:
+        commit.remove_tree(tmp)
+        raise
+    finally:
+        os.close(dir_fd)
+
+
+def _copy_file(dir_fd: int, src: Path, dst: Path) -> None:
+    fd = opener.open_member(dir_fd, src.name, src)
+    try:
+        out = durable.open_new(dst)
+        try:
+            size = os.fstat(fd).st_size
+            done = 0
+            kernel = True
+            while done < size:
+                if kernel:
+                    try:
+                        n = os.copy_file_range(fd, out, min(_COPY_BLOCK, size - done), done, done)
+                    except OSError as e:
+                        if e.errno not in _NO_KERNEL_COPY:
+                            raise
+                        kernel = False
+                        continue
+                else:
+                    block = os.pread(fd, min(_COPY_BLOCK, size - done), done)
+                    n = len(block) and os.pwrite(out, block, done)
+                if n == 0:
+                    raise OSError(errno.EIO, f"{src}: shorter than it was a moment ago")
+                done += n
+            os.fsync(out)
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
+
+
+def remove_folder(folder: Path, own: Iterable[str]) -> None:
+    """Remove the entries ``own`` of ``folder`` (checkpoints first, then the tier's files),
+    then the folder itself if nothing else is left in it (anything else is the user's)."""
+    for name in own:
+        path = folder / name
+        if path.is_dir() and not path.is_symlink():
+            commit.remove_tree(path)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)

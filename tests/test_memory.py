@@ -1,0 +1,493 @@
+"""The memory tier: checkpoints in RAM every step, so that a crash costs one step.
+
+Real processes are killed for real: a SIGKILLed run resumes from the memory tier and
+ends bit-identical to an uninterrupted run; a SIGTERMed one leaves its newest memory
+checkpoint on disk. The rest is the tier's hygiene: its budget, its folder's lock,
+what a crashed run left there, a damaged memory checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import functional_ckpt as fc
+from functional_ckpt._src import cli
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.naming import parse_step, step_name
+from functional_ckpt._src.manager.memory_tier import MARK_FILE
+from functional_ckpt._src.storage.ram import MEMORY_STATUS
+from functional_ckpt.errors import LeftoverWarning, MemoryWarning
+from tests import manager_job
+from tests.exact import assert_exact
+from tests.patience import HANG, eventually
+
+STEPS = 24
+DISK_EVERY = 10
+
+
+def small_state(step: int) -> dict[str, Any]:
+    return {"w": torch.full((64, 16), float(step)), "b": torch.arange(5) + step, "step": step}
+
+
+def committed(folder: Path) -> list[int]:
+    if not folder.is_dir():
+        return []
+    steps = (parse_step(p.name) for p in folder.iterdir())
+    return sorted(
+        s
+        for s in steps
+        if s is not None and (folder / step_name(s) / naming.COMMIT_MARKER).exists()
+    )
+
+
+def corrupt(path: Path) -> None:
+    """Flip one byte in the middle of the checkpoint's largest data file."""
+    data = max(
+        (p for p in path.iterdir() if p.name.startswith("__")), key=lambda p: p.stat().st_size
+    )
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    os.chmod(data, 0o644)
+    data.write_bytes(bytes(raw))
+
+
+# --------------------------------------------------------------------------- processes
+
+
+@pytest.fixture(scope="module")
+def ctx() -> mp.context.ForkServerContext:
+    """A forkserver that has imported torch and functional_ckpt once for all runs."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["tests.manager_job", *manager_job.PRELOAD])
+    return context
+
+
+def start(ctx: mp.context.ForkServerContext, root: Path, memory: Path, **kwargs: Any) -> Any:
+    proc = ctx.Process(target=manager_job.run_memory, args=(str(root), str(memory)), kwargs=kwargs)
+    proc.start()
+    return proc
+
+
+def finish(proc: Any) -> int:
+    proc.join(HANG)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        raise AssertionError("the job hung")
+    code: int = proc.exitcode
+    return code
+
+
+@contextlib.contextmanager
+def running(ctx: mp.context.ForkServerContext, root: Path, memory: Path) -> Iterator[Any]:
+    """A job training for ever, once its memory tier holds a checkpoint; killed on exit."""
+    proc = start(ctx, root, memory, steps=10**6, disk_every=10**6)
+    try:
+        eventually(lambda: committed(memory), "a memory checkpoint", alive=proc.is_alive)
+        yield proc
+    finally:
+        proc.kill()
+        proc.join()
+
+
+@pytest.fixture(scope="module")
+def reference(ctx: mp.context.ForkServerContext, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The final state of an uninterrupted run with a memory tier."""
+    base = tmp_path_factory.mktemp("reference")
+    assert finish(start(ctx, base / "root", base / "mem", steps=STEPS)) == 0
+    assert not (base / "mem").exists()  # close() removed the tier's folder
+    return fc.restore(base / "root" / step_name(STEPS))
+
+
+def check_final(root: Path, reference: Any) -> None:
+    final = fc.restore(root / step_name(STEPS))
+    assert_exact(fc.to_python(final), fc.to_python(reference))
+
+
+def test_sigkill_resumes_from_the_memory_tier_bit_identically(
+    ctx: mp.context.ForkServerContext,
+    reference: Any,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    assert finish(start(ctx, root, memory, steps=STEPS, die_at=13)) == -signal.SIGKILL
+    assert committed(root) == [10]  # the disk tier saves every 10 steps
+    assert committed(memory) == [12, 13]  # the memory tier every step, the newest two
+    assert fc.verify(memory / step_name(13)).ok  # the ordinary format, checksummed
+    assert cli.main(["ls", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert f"memory tier ({memory}, left by pid" in out, out
+    assert step_name(12) in out and step_name(13) in out
+    assert cli.main(["ls", "--json", str(root)]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out) if r.get("kind") == "memory"]
+    assert [r["step"] for r in rows] == [12, 13]
+    with fc.CheckpointManager(root, read_only=True) as ro, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = ro.restore_latest(like=None)
+        assert state is not None and ro.restored_step == 10  # a reader sees the disk only
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        manager_job.run_memory(str(root), str(memory), steps=STEPS)  # resumes at 13
+    check_final(root, reference)
+    assert not memory.exists()
+
+
+def test_sigkill_at_random_moments_resumes_bit_identically(
+    ctx: mp.context.ForkServerContext, reference: Any, tmp_path: Path
+) -> None:
+    """Each run is killed at a random moment after its memory tier reached a random
+    step: mostly inside the next memory save (the job saves one every step)."""
+    rng = random.Random(20261202)
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    kills = 0
+    newest = 0
+    while newest < STEPS - 4:
+        target = rng.randint(newest + 1, newest + 4)
+        proc = start(ctx, root, memory, steps=STEPS)
+
+        def reached(target: int = target, proc: Any = proc) -> bool:
+            return max(committed(memory), default=0) >= target or not proc.is_alive()
+
+        eventually(reached, f"memory step {target}")
+        time.sleep(rng.uniform(0.0, 0.05))
+        proc.kill()
+        code = finish(proc)
+        if code == 0:
+            break
+        assert code == -signal.SIGKILL
+        kills += 1
+        for folder in (root, memory):
+            for step in committed(folder):
+                assert fc.verify(folder / step_name(step)).ok
+        newest = max(committed(memory), default=newest)
+    assert finish(start(ctx, root, memory, steps=STEPS)) == 0
+    assert kills >= 3
+    check_final(root, reference)
+
+
+def test_sigterm_promotes_the_newest_memory_checkpoint_to_disk(
+    ctx: mp.context.ForkServerContext, tmp_path: Path
+) -> None:
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    with running(ctx, root, memory) as proc:
+        assert committed(root) == []  # the disk tier never saves on its own here
+        proc.terminate()  # SIGTERM
+        assert finish(proc) == -signal.SIGTERM  # promoted, then the signal took its course
+    on_disk = committed(root)
+    assert len(on_disk) == 1, on_disk
+    step = on_disk[0]
+    assert step >= 1 and step in committed(memory)
+    assert fc.verify(root / step_name(step)).ok
+    assert_exact(
+        fc.to_python(fc.restore(root / step_name(step))),
+        fc.to_python(fc.restore(memory / step_name(step))),
+    )
+    leftovers = [p.name for p in root.iterdir() if naming.is_temporary_name(p.name)]
+    assert not leftovers, leftovers
+
+
+def test_a_second_run_is_refused_on_a_folder_in_use(
+    ctx: mp.context.ForkServerContext, tmp_path: Path
+) -> None:
+    memory = tmp_path / "mem"
+    with running(ctx, tmp_path / "root", memory) as proc:
+        with pytest.raises(fc.CheckpointError) as err:
+            fc.CheckpointManager(tmp_path / "other", memory=fc.manager.Memory(path=memory))
+        message = str(err.value)
+        assert str(memory) in message and f"pid {proc.pid}" in message, message
+        with fc.CheckpointManager(tmp_path / "other") as other:  # its disk lock was released
+            assert other.steps() == []
+
+
+def test_a_damaged_memory_checkpoint_falls_back_to_disk(
+    ctx: mp.context.ForkServerContext, reference: Any, tmp_path: Path
+) -> None:
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    assert finish(start(ctx, root, memory, steps=STEPS, die_at=13)) == -signal.SIGKILL
+    for step in committed(memory):
+        corrupt(memory / step_name(step))
+    with pytest.warns(MemoryWarning, match="unreadable") as caught:
+        manager_job.run_memory(str(root), str(memory), steps=STEPS)  # resumes at 10
+    told = " ".join(str(w.message) for w in caught)
+    assert step_name(12) in told and step_name(13) in told, told
+    check_final(root, reference)
+
+
+# --------------------------------------------------------------------------- one process
+
+
+def test_saves_every_step_into_ram_and_restores_from_there(tmp_path: Path) -> None:
+    """The default folder is under /dev/shm, one per root; it goes when the manager closes."""
+    root = tmp_path / "root"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mgr = fc.CheckpointManager(root, save=fc.every_steps(5), memory=fc.manager.Memory())
+        assert mgr.memory is not None
+        folder = mgr.memory.folder
+        assert folder.parent == Path("/dev/shm") and folder.is_dir()
+        for s in range(1, 8):
+            mgr.maybe_save(small_state(s), step=s)
+            mgr.wait_staged()
+        mgr.wait()
+        assert mgr.steps() == [5] and mgr.memory.steps() == [6, 7]
+        assert fc.verify(folder / step_name(7)).ok
+        state = mgr.restore_latest()
+        assert state is not None and mgr.restored_step == 7 and state["step"] == 7
+        assert torch.equal(state["w"], small_state(7)["w"])
+        with fc.CheckpointManager(root, read_only=True, memory=fc.manager.Memory()) as ro:
+            assert ro.memory is None  # a reader follows the disk and remote tiers only
+            assert ro.restore_latest() is not None and ro.restored_step == 5
+        mgr.close()
+    assert not folder.exists()
+    assert fc.CheckpointManager(root, read_only=True).steps() == [5]
+
+
+def test_keep_one_holds_a_single_checkpoint(tmp_path: Path) -> None:
+    tier = fc.manager.Memory(path=tmp_path / "mem", keep=1, async_save=False)
+    with fc.CheckpointManager(tmp_path / "root", save=fc.policy.never(), memory=tier) as mgr:
+        for s in range(1, 5):
+            mgr.maybe_save(small_state(s), step=s)
+            assert committed(tmp_path / "mem") == [s]
+
+
+def test_the_memory_tier_has_its_own_policy(tmp_path: Path) -> None:
+    tier = fc.manager.Memory(path=tmp_path / "mem", save=fc.every_steps(2))
+    with fc.CheckpointManager(tmp_path / "root", save=fc.every_steps(3), memory=tier) as mgr:
+        for s in range(1, 8):
+            mgr.maybe_save(small_state(s), step=s)
+            mgr.wait_staged()
+        mgr.wait()
+        assert mgr.steps() == [3, 6] and committed(tmp_path / "mem") == [4, 6]
+
+
+def test_a_budget_too_small_for_two_checkpoints_is_refused(tmp_path: Path) -> None:
+    size = 64 * 16 * 4 + 5 * 8
+    tier = fc.manager.Memory(path=tmp_path / "mem", budget=size + 100)  # one fits, two do not
+    with fc.CheckpointManager(tmp_path / "root", memory=tier) as mgr:
+        with pytest.raises(fc.CheckpointError, match=r"Memory\(budget=") as err:
+            mgr.maybe_save(small_state(1), step=1)
+        assert "2 checkpoint(s)" in str(err.value) and str(tmp_path / "mem") in str(err.value)
+        assert committed(tmp_path / "mem") == []  # refused before anything was written
+    one = fc.manager.Memory(path=tmp_path / "mem", budget=size + 100, keep=1)
+    with fc.CheckpointManager(tmp_path / "root2", memory=one) as mgr:
+        mgr.maybe_save(small_state(1), step=1)
+
+
+def test_a_budget_beyond_the_memory_there_is_refused_at_open(tmp_path: Path) -> None:
+    tier = fc.manager.Memory(path=tmp_path / "mem", budget=1 << 62)
+    with pytest.raises(fc.CheckpointError, match=r"Memory\(budget=\d+\): .* can take at most"):
+        fc.CheckpointManager(tmp_path / "root", memory=tier)
+    with fc.CheckpointManager(tmp_path / "root") as mgr:  # the refused manager let go of it
+        assert mgr.steps() == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("keep", 3, "keep=3"),
+        ("keep", True, "keep=True"),
+        ("budget", 0, "budget=0"),
+        ("budget", 1.5, "budget=1.5"),
+        ("budget", "1G", "budget='1G'"),
+        ("save", "every step", "save='every step'"),
+        ("path", 3, "path=3"),
+        ("promote_on", (signal.SIGKILL,), "promote_on="),
+        ("promote_within", 0, "promote_within=0"),
+        ("async_save", 1, "async_save=1"),
+    ],
+)
+def test_bad_options_name_the_argument(field: str, value: Any, match: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=match.replace("(", r"\(")):
+        fc.manager.Memory(**{field: value})
+
+
+def test_a_manager_refuses_what_is_not_a_memory_option(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="memory='/dev/shm'"):
+        fc.CheckpointManager(tmp_path, memory="/dev/shm")  # type: ignore[arg-type]
+
+
+def test_a_folder_inside_the_root_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(fc.CheckpointError, match="must be apart"):
+        fc.CheckpointManager(tmp_path, memory=fc.manager.Memory(path=tmp_path / "ram"))
+
+
+def test_leftovers_of_a_crashed_run_are_recovered_or_removed(tmp_path: Path) -> None:
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    with fc.CheckpointManager(root, memory=fc.manager.Memory(path=memory, async_save=False)) as mgr:
+        mgr.maybe_save(small_state(1), step=1)
+        mgr.maybe_save(small_state(2), step=2)
+        # As a crash leaves them: the newest moved out of sight mid-replacement, and an
+        # unfinished save.
+        os.rename(memory / step_name(2), memory / f"{step_name(2)}{naming.TMP_INFIX}abc")
+        (memory / f"{step_name(3)}{naming.TMP_INFIX}def").mkdir()
+        mgr.memory._lock.release()  # type: ignore[union-attr]  # as the kernel does for the dead
+        mgr.memory._lock = None  # type: ignore[union-attr]
+    with pytest.warns(LeftoverWarning, match="recovered"):
+        mgr = fc.CheckpointManager(root, memory=fc.manager.Memory(path=memory))
+    with mgr:
+        names = sorted(os.listdir(memory))
+        assert names == [".lock", MARK_FILE, step_name(1), step_name(2)], names
+        state = mgr.restore_latest()
+        assert state is not None and mgr.restored_step == 2
+
+
+def test_a_folder_left_by_another_root_is_emptied_not_resumed(tmp_path: Path) -> None:
+    memory = tmp_path / "mem"
+    with fc.CheckpointManager(tmp_path / "a", memory=fc.manager.Memory(path=memory)) as mgr:
+        mgr.maybe_save(small_state(1), step=1)
+        mgr.wait()
+        mgr.memory._lock.release()  # type: ignore[union-attr]  # a crash: the folder stays
+        mgr.memory._lock = None  # type: ignore[union-attr]
+    assert committed(memory) == [1]
+    with pytest.warns(LeftoverWarning, match="of another root"):
+        mgr = fc.CheckpointManager(tmp_path / "b", memory=fc.manager.Memory(path=memory))
+    with mgr:
+        assert committed(memory) == [] and mgr.restore_latest() is None
+
+
+def test_a_failed_memory_save_warns_and_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from functional_ckpt._src.storage import shards
+
+    real = shards.write_shard
+
+    def full(path: Path, *args: Any, **kwargs: Any) -> Any:
+        if path.parent.parent == tmp_path / "ram":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shards, "write_shard", full)
+    tier = fc.manager.Memory(path=tmp_path / "ram")
+    with fc.CheckpointManager(tmp_path / "root", memory=tier) as mgr:
+        mgr.maybe_save(small_state(1), step=1)
+        with pytest.warns(MemoryWarning, match="step 1 failed"):
+            mgr.maybe_save(small_state(2), step=2)  # the failure of step 1 surfaces here
+        with pytest.warns(MemoryWarning, match="step 2 failed"):
+            mgr.wait()
+        assert mgr.steps() == [1, 2]  # the disk tier is unaffected
+        monkeypatch.setattr(shards, "write_shard", real)
+        mgr.maybe_save(small_state(3), step=3)
+        mgr.wait()
+        assert committed(tmp_path / "ram") == [3]
+
+
+def test_rollback_and_delete_reach_the_memory_tier(tmp_path: Path) -> None:
+    tier = fc.manager.Memory(path=tmp_path / "mem", async_save=False)
+    with fc.CheckpointManager(tmp_path / "root", save=fc.every_steps(2), memory=tier) as mgr:
+        for s in range(1, 6):
+            mgr.maybe_save(small_state(s), step=s)
+        assert committed(tmp_path / "mem") == [4, 5]
+        mgr.rollback(2, newer="delete")
+        assert committed(tmp_path / "mem") == []  # 4 and 5 are no longer the run's
+        mgr.maybe_save(small_state(3), step=3, force=True)
+        assert committed(tmp_path / "mem") == [3]
+        mgr.delete(3)
+        assert committed(tmp_path / "mem") == []
+        assert mgr.restore_latest() is not None and mgr.restored_step == 2
+
+
+def test_the_root_records_where_its_memory_tier_is(tmp_path: Path) -> None:
+    tier = fc.manager.Memory(path=tmp_path / "mem")
+    with fc.CheckpointManager(tmp_path / "root", memory=tier):
+        doc = json.loads((tmp_path / "root" / MEMORY_STATUS).read_text())
+        assert doc["path"] == str(tmp_path / "mem") and doc["open"] is True
+    doc = json.loads((tmp_path / "root" / MEMORY_STATUS).read_text())
+    assert doc["open"] is False
+
+
+@pytest.mark.parametrize("policy_first", [True, False])
+def test_sigterm_beside_on_signal_promotes_and_the_run_goes_on(
+    tmp_path: Path, policy_first: bool
+) -> None:
+    """With ``fc.on_signal`` handling SIGTERM too (installed before the manager or after
+    it) the run is not ended: the newest memory checkpoint is on disk at once, and the
+    policy saves the next event."""
+    original = signal.getsignal(signal.SIGTERM)
+    root = tmp_path / "root"
+    tier = fc.manager.Memory(path=tmp_path / "mem", async_save=False)
+    try:
+        preempted = fc.on_signal(signal.SIGTERM) if policy_first else None
+        disk = preempted if preempted is not None else fc.policy.never()
+        with fc.CheckpointManager(root, save=disk, memory=tier) as mgr:
+            later = None if policy_first else fc.on_signal(signal.SIGTERM)
+            for s in (1, 2, 3):
+                mgr.maybe_save(small_state(s), step=s)
+            assert mgr.steps() == []
+            os.kill(os.getpid(), signal.SIGTERM)  # handled at once, on this thread
+            assert mgr.steps() == [3]  # promoted, and this process still runs
+            assert fc.verify(root / step_name(3)).ok
+            mgr.maybe_save(small_state(4), step=4)
+            assert mgr.steps() == ([3, 4] if policy_first else [3])
+            assert later is None or later.decide(None, mgr_event(4))
+    finally:
+        signal.signal(signal.SIGTERM, original)
+
+
+def mgr_event(step: int) -> Any:
+    from functional_ckpt._src.policy import Event
+
+    return Event(step=step)
+
+
+def test_refused_under_torch_distributed_for_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from functional_ckpt._src.distributed.topology import Topology
+    from functional_ckpt._src.manager import memory_tier
+
+    monkeypatch.setattr(memory_tier, "topology", lambda: Topology(rank=0, world=2))
+    with fc.CheckpointManager(tmp_path / "probe") as probe:
+        settings = probe._writes.plan
+    with pytest.raises(fc.CheckpointError, match=r"not under torch\.distributed"):
+        memory_tier.MemoryTier(
+            fc.manager.Memory(path=tmp_path / "mem"), tmp_path / "root", settings, writer=True
+        )
+    assert not (tmp_path / "mem").exists()
+
+
+def test_beside_a_remote_tier_the_newest_of_all_three_is_restored(tmp_path: Path) -> None:
+    pytest.importorskip("fsspec")
+    url = f"memory://bucket/{tmp_path.name}"
+    root, memory = tmp_path / "root", tmp_path / "mem"
+
+    def manager(at: Path) -> fc.CheckpointManager:
+        return fc.CheckpointManager(
+            at,
+            save=fc.every_steps(2),
+            keep=fc.keep_last(1),
+            remote=fc.manager.Remote(url),
+            memory=fc.manager.Memory(path=memory),
+        )
+
+    with manager(root) as mgr:
+        for s in (1, 2, 3):
+            mgr.maybe_save(small_state(s), step=s)
+            mgr.wait_staged()
+        mgr.wait()
+        assert mgr.remote is not None and mgr.remote.wait()
+        state = mgr.restore_latest()  # memory: 3; disk and remote: 2
+        assert state is not None and mgr.restored_step == 3
+        for s in (4, 5, 6):
+            mgr.maybe_save(small_state(s), step=s, force=s == 6)
+        mgr.wait()
+        mgr.remote.wait()
+    with manager(tmp_path / "fresh") as mgr:  # another machine: an empty disk, no folder
+        state = mgr.restore_latest()
+        assert state is not None and mgr.restored_step == 6  # from the remote tier
