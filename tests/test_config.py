@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -354,7 +355,7 @@ def test_a_remote_tier_as_data_keeps_its_credentials_out(tmp_path: Path) -> None
         ({}, "root: required"),
         ({"root": "r", "sav": {"every_steps": 1}},
          "config.sav: unknown key; known: root, save, keep, metadata, read_only, async_save, "
-         "incremental, export, remote, rollback, per_rank, run"),
+         "incremental, export, remote, memory, rollback, per_rank, run"),
         ({"root": "r", "save": {"any": [{"every_steps": 1}, {"every_secs": "x"}]}},
          "save.any[1].every_secs: expected a positive number, got 'x'"),
         ({"root": "r", "keep": {"keep_last": "3"}},
@@ -457,3 +458,43 @@ def test_the_example_yaml_file_is_the_dict_and_its_training_runs(tmp_path: Path)
     assert sorted(p.name for p in (root / EXPORTS_DIR).iterdir()) == [step_name(80), step_name(120)]
     info = fc.CheckpointManager(root, read_only=True).info(120)
     assert info.metadata["config"] == _example_dict()
+
+
+def test_a_memory_tier_as_data(tmp_path: Path) -> None:
+    """The memory tier is configured like the other tiers, and written back whole."""
+    ram = tmp_path / "ram"
+    cfg = {
+        "root": str(tmp_path / "run"),
+        "memory": {
+            "path": str(ram),
+            "save": {"every_steps": 2},
+            "keep": 1,
+            "budget": 0.25,
+            "promote_on": ["SIGTERM", "usr1"],
+            "promote_within": 30,
+        },
+    }
+    with fc.CheckpointManager.from_config(cfg) as mgr:
+        option = mgr._memory_option
+        assert option is not None and option.keep == 1 and option.budget == 0.25
+        assert option.promote_on == (int(signal.SIGTERM), int(signal.SIGUSR1))
+        written = mgr.config()["memory"]
+    assert written == {
+        "path": str(ram),
+        "save": policy_to_config(policy_from_config({"every_steps": 2})),
+        "keep": 1,
+        "budget": 0.25,
+        "promote_on": ["SIGTERM", "SIGUSR1"],
+        "promote_within": 30,
+        "async_save": True,
+        "incremental": True,
+    }
+    with fc.CheckpointManager.from_config({**cfg, "memory": written}) as again:
+        assert again.config()["memory"] == written
+    for bad, fragment in (
+        ({"keep": 3}, "memory: Memory(keep=3): expected 1 or 2"),
+        ({"promote_on": ["SIGNOPE"]}, "memory.promote_on[0]: expected a signal name"),
+        ({"sizes": 1}, "memory.sizes: unknown field"),
+    ):
+        with pytest.raises(fc.errors.ConfigError, match=re.escape(fragment)):
+            fc.CheckpointManager.from_config({"root": str(tmp_path / "x"), "memory": bad})

@@ -12,12 +12,14 @@ goes into a written configuration.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from functional_ckpt._src.export.safetensors import Export, parse_size
+from functional_ckpt._src.manager.memory import Memory
 from functional_ckpt._src.manager.options import AsyncSave
 from functional_ckpt._src.policy import SavePolicy
 from functional_ckpt._src.policy.config import (
@@ -35,12 +37,13 @@ from functional_ckpt._src.policy.config import (
     relaunch_to_config,
     retention_from_config,
     retention_to_config,
+    signal_number,
 )
 from functional_ckpt._src.policy.retention import RetentionPolicy
 from functional_ckpt._src.remote.options import Remote
 from functional_ckpt.errors import ConfigError
 
-__all__ = ["EXPORT_KEYS", "REMOTE_KEYS", "config_of", "manager_arguments"]
+__all__ = ["EXPORT_KEYS", "MEMORY_KEYS", "REMOTE_KEYS", "config_of", "manager_arguments"]
 
 EXPORT_KEYS = (
     "policy",
@@ -54,6 +57,16 @@ EXPORT_KEYS = (
     "keep",
 )
 REMOTE_KEYS = ("url", "keep", "storage_options", "prune_unuploaded")
+MEMORY_KEYS = (
+    "path",
+    "save",
+    "keep",
+    "budget",
+    "promote_on",
+    "promote_within",
+    "async_save",
+    "incremental",
+)
 
 
 def _plain(value: object, path: str) -> Any:
@@ -150,6 +163,33 @@ def _remote(value: object, path: str) -> Remote:
     return Remote(**args)
 
 
+def _memory(value: object, path: str) -> Memory:
+    given = {} if value is True else check_keys(value, path, MEMORY_KEYS, "fields")
+    args: dict[str, Any] = {}
+    if given.get("path") is not None:
+        args["path"] = check_str(given["path"], at_key(path, "path"))
+    if given.get("save") is not None:
+        args["save"] = policy_from_config(given["save"], at_key(path, "save"))
+    for key in ("async_save", "incremental"):
+        if key in given:
+            args[key] = check_bool(given[key], at_key(path, key))
+    if "promote_on" in given:
+        signals = given["promote_on"]
+        where = at_key(path, "promote_on")
+        if not is_sequence(signals):
+            raise config_error(where, "a list of signals (names or numbers)", signals)
+        args["promote_on"] = tuple(
+            signal_number(s, at_key(where, i)) for i, s in enumerate(signals)
+        )
+    for key in ("keep", "budget", "promote_within"):
+        if key in given:
+            args[key] = given[key]  # checked by Memory itself, which names the field
+    try:
+        return Memory(**args)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
 def manager_arguments(
     cfg: object, *, root_given: bool = False
 ) -> tuple[str | None, dict[str, Any], Relaunch | None]:
@@ -179,6 +219,8 @@ def manager_arguments(
         kwargs["export"] = _export(given["export"], "export")
     if given.get("remote") is not None:
         kwargs["remote"] = _remote(given["remote"], "remote")
+    if given.get("memory") not in (None, False):
+        kwargs["memory"] = _memory(given["memory"], "memory")
     if "per_rank" in given:
         per_rank = given["per_rank"]
         if not is_sequence(per_rank):
@@ -235,6 +277,7 @@ def config_of(
     incremental: bool,
     export: Export | None,
     remote: Remote | None,
+    memory: Memory | None,
     rollback: SavePolicy | None,
     per_rank: Sequence[str],
     run: Relaunch | None,
@@ -261,6 +304,17 @@ def config_of(
             "url": remote.url,
             "keep": retention_to_config(remote.keep),
             "prune_unuploaded": remote.prune_unuploaded,
+        }
+    if memory is not None:
+        out["memory"] = {
+            "path": None if memory.path is None else str(memory.path),
+            "save": policy_to_config(memory.save),
+            "keep": memory.keep,
+            "budget": memory.budget,
+            "promote_on": [signal.Signals(s).name for s in memory.promote_on],
+            "promote_within": memory.promote_within,
+            "async_save": memory.async_save,
+            "incremental": memory.incremental,
         }
     if rollback is not None:
         out["rollback"] = policy_to_config(rollback)

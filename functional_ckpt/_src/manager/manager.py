@@ -162,6 +162,7 @@ class CheckpointManager:
             raise
         self._writes = Writes(self.view, settings, self.remote)
         self._remote_option = remote
+        self._memory_option = memory
         self._relaunch: Relaunch | None = None  # the ``run`` block of from_config's config
 
     @classmethod
@@ -200,6 +201,7 @@ class CheckpointManager:
             incremental=plan.incremental,
             export=self.export,
             remote=self._remote_option,
+            memory=self._memory_option,
             rollback=self._watch.rule,
             per_rank=plan.per_rank,
             run=self._relaunch,

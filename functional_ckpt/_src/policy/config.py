@@ -69,6 +69,7 @@ __all__ = [
     "relaunch_to_config",
     "retention_from_config",
     "retention_to_config",
+    "signal_number",
 ]
 
 
@@ -165,7 +166,7 @@ def _steps(value: object, path: str) -> list[int]:
     return [_int(v, at_key(path, i)) for i, v in enumerate(value)]
 
 
-def _signal(value: object, path: str) -> int:
+def signal_number(value: object, path: str) -> int:
     """A signal by name (``"SIGTERM"``, ``"TERM"``) or number."""
     if isinstance(value, str):
         name = value.upper() if value.upper().startswith("SIG") else f"SIG{value.upper()}"
@@ -223,7 +224,7 @@ SAVE_KINDS: dict[str, _Kind] = {
             Param("to", _target),
         ),
     ),
-    "on_signal": (on_signal, (Param("signum", _signal),)),
+    "on_signal": (on_signal, (Param("signum", signal_number),)),
 }
 _COMBINATORS = ("any", "all", "not")
 
@@ -385,6 +386,7 @@ MANAGER_KEYS = (
     "incremental",
     "export",
     "remote",
+    "memory",
     "rollback",
     "per_rank",
     "run",
