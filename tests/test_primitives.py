@@ -123,3 +123,53 @@ def test_a_special_file_in_place_of_the_remote_status_is_not_followed(tmp_path: 
         )
         assert done.returncode == 0, done.stderr
         assert "step_000000001" in done.stdout
+
+
+def test_json_state_files_are_read_through_one_bounded_reader() -> None:
+    """Every JSON document read from a file goes through ``storage/opener.read_state``
+    (or a reader that names why it differs): no module decodes what it read itself."""
+    decoded: dict[str, int] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and ast.unparse(node.func) == "json.loads"
+                and node.args
+                and "read_file" in ast.unparse(node.args[0])
+            ):
+                decoded[rel] = decoded.get(rel, 0) + 1
+    assert decoded == {"_src/storage/opener.py": 1}
+
+
+def test_every_state_reader_takes_a_hostile_file_for_nothing_known(tmp_path: Path) -> None:
+    """A FIFO, a link, a huge file or JSON nested past the recursion limit in place of
+    any state file: the reader says nothing is known, at once, for each of them."""
+    import os
+
+    from functional_ckpt._src.remote.uploader import STATUS_FILE, read_status
+    from functional_ckpt._src.storage.progress import read_progress
+    from functional_ckpt._src.storage.ram import MEMORY_STATUS, read_memory_status
+
+    readers = {
+        STATUS_FILE: lambda d: read_status(d) == {},
+        MEMORY_STATUS: lambda d: read_memory_status(d) == {},
+        "progress.json": lambda d: read_progress(d / "progress.json") is None,
+    }
+    for i, kind in enumerate(("fifo", "link", "huge", "deep", "not json")):
+        for name, nothing_known in readers.items():
+            d = tmp_path / f"{i}-{name}"
+            d.mkdir()
+            target = d / name
+            if kind == "fifo":
+                os.mkfifo(target)
+            elif kind == "link":
+                os.symlink("/dev/zero", target)
+            elif kind == "huge":
+                with open(target, "wb") as f:
+                    f.truncate(64 << 20)
+            elif kind == "deep":
+                target.write_text("[" * 200_000 + "]" * 200_000)
+            else:
+                target.write_bytes(b"\x00\xffnot json")
+            assert nothing_known(d), (kind, name)

@@ -50,6 +50,12 @@ class Limits:
     marker_bytes: int = 64 << 10
     """Largest commit marker (it holds a few fixed fields)."""
 
+    state_file_bytes: int = 4 << 20
+    """Largest JSON state file kept beside checkpoints (the remote tier's status, the
+    memory tier's status and mark, a job's progress): a few KiB of steps and
+    messages. JSON cannot flood a hash table (its keys are strings, whose hashes
+    are salted per process), so its size bound is its cost bound."""
+
     encode_depth: int = 500
     """Deepest nesting of a non-tensor value a save accepts: below msgpack's packer
     recursion limit (511) and below ``decode_depth``, so whatever encodes decodes."""

@@ -47,7 +47,6 @@ T = TypeVar("T")
 
 #: In the tier's folder: the disk root it belongs to (its path and identity).
 MARK_FILE = ".memory-tier.json"
-_MARK_LIMIT = 1 << 16
 
 
 def default_folder(root: Path) -> Path:
@@ -148,12 +147,7 @@ class MemoryTier:
     def _adopt_folder(self) -> None:
         mark = self.folder / MARK_FILE
         mine = _identity(self.root)
-        try:
-            theirs = json.loads(opener.read_file(mark, limit=_MARK_LIMIT, what="tier mark"))
-        except FileNotFoundError:
-            theirs = None
-        except (OSError, ValueError, RecursionError, CheckpointError):
-            theirs = {}
+        theirs = opener.read_state(mark, "memory tier mark")
         stale = committed_steps(self.folder)
         if theirs != mine and stale:
             warnings.warn(

@@ -142,18 +142,10 @@ def write_status(root: Path, doc: dict[str, Any]) -> None:
         )
 
 
-#: Largest status file read back (it lists steps and failure messages: a few KiB).
-_STATUS_LIMIT = 4 << 20
-
-
 def read_status(root: Path) -> dict[str, Any]:
     """What the last writer recorded about the remote tier of ``root``; {} if nothing."""
-    try:
-        raw = opener.read_file(root / STATUS_FILE, limit=_STATUS_LIMIT, what="remote status file")
-        doc = json.loads(raw)
-    except (OSError, ValueError, RecursionError, CheckpointError):
-        return {}  # missing, special, oversized or garbled: nothing known
-    return doc if isinstance(doc, dict) else {}
+    doc = opener.read_state(root / STATUS_FILE, "remote status file")
+    return doc if isinstance(doc, dict) else {}  # missing, special, oversized, garbled
 
 
 def failure(step: int, err: BaseException, url: str) -> CheckpointError:

@@ -8,14 +8,17 @@ regular file of the recorded size before a byte is read.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 from pathlib import Path
 
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.naming import is_temporary_name
+from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.storage.os_failure import os_failure, ran_out
 from functional_ckpt.errors import (
+    CheckpointError,
     CheckpointNotFound,
     CorruptCheckpoint,
     IncompleteCheckpoint,
@@ -100,6 +103,18 @@ def read_file(path: Path, *, limit: int, what: str = "file") -> bytes:
         return read_exact(fd, size, path)
     finally:
         os.close(fd)
+
+
+def read_state(path: Path, what: str) -> object | None:
+    """The JSON document of a state file kept beside checkpoints, or None when there
+    is none to trust: missing, a link, special, oversized (``LIMITS.state_file_bytes``),
+    unreadable or not JSON. A state file only informs (what a tier did, how far a job
+    got); whoever reads it decides what "nothing known" means."""
+    try:
+        doc: object = json.loads(read_file(path, limit=LIMITS.state_file_bytes, what=what))
+        return doc
+    except (OSError, ValueError, RecursionError, CheckpointError):
+        return None
 
 
 def read_exact(fd: int, size: int, where: Path) -> bytes:

@@ -15,14 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from functional_ckpt._src.storage.durable import replace_durably
-from functional_ckpt._src.storage.opener import read_file
-from functional_ckpt.errors import CheckpointError
+from functional_ckpt._src.storage.opener import read_state
 
 __all__ = ["PROGRESS_ENV", "ReportedStep", "read_progress", "report_progress"]
 
 #: Set by ``fckpt run`` in the job's environment: the file the job reports progress to.
 PROGRESS_ENV = "FCKPT_PROGRESS"
-_LIMIT = 4096
 
 
 def report_progress(step: int, saved_at: float) -> None:
@@ -49,10 +47,7 @@ class ReportedStep:
 
 def read_progress(path: Path) -> ReportedStep | None:
     """What the job reported last; None if nothing (yet) or nothing readable."""
-    try:
-        raw = json.loads(read_file(path, limit=_LIMIT, what="progress file"))
-    except (OSError, ValueError, CheckpointError):
-        return None
+    raw = read_state(path, "progress file")
     step, when = (raw.get("step"), raw.get("time")) if isinstance(raw, dict) else (None, None)
     if not isinstance(step, int) or isinstance(step, bool) or not isinstance(when, int | float):
         return None

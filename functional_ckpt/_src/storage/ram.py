@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,11 +18,9 @@ from typing import Any
 
 from functional_ckpt._src.format.naming import COMMIT_MARKER
 from functional_ckpt._src.storage import commit, durable, opener
-from functional_ckpt.errors import CheckpointError
 
 #: In a disk root: where its memory tier is and whether its manager is open (``fckpt ls``).
 MEMORY_STATUS = ".memory.json"
-_STATUS_LIMIT = 1 << 16
 
 #: Bytes copied per call while promoting (the kernel copies where it can).
 _COPY_BLOCK = 64 << 20
@@ -34,10 +31,7 @@ _NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP)
 
 def read_memory_status(root: Path) -> dict[str, Any]:
     """What the last writer of ``root`` recorded about its memory tier; {} if nothing."""
-    try:
-        doc = json.loads(opener.read_file(root / MEMORY_STATUS, limit=_STATUS_LIMIT, what="status"))
-    except (OSError, ValueError, RecursionError, CheckpointError):
-        return {}
+    doc = opener.read_state(root / MEMORY_STATUS, "memory tier status")
     return doc if isinstance(doc, dict) else {}
 
 
