@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 #: Seconds after which a subprocess or a waited-for condition is taken for hung.
 HANG = 1800.0
@@ -29,3 +30,15 @@ def eventually(
         assert alive(), f"{what}: what it waited for died first"
         assert time.monotonic() < deadline, f"{what}: still not so after {HANG:.0f} s (hung?)"
         time.sleep(poll)
+
+
+def finished(proc: Any) -> int:
+    """The exit code of a ``multiprocessing`` child, once it ends; killed and failed if
+    it runs :data:`HANG` seconds."""
+    proc.join(HANG)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        raise AssertionError("the job hung")
+    code: int = proc.exitcode
+    return code

@@ -35,7 +35,7 @@ from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import CheckpointWarning
 from tests import manager_job
 from tests.exact import assert_exact
-from tests.patience import HANG, eventually
+from tests.patience import eventually, finished
 
 REPO = Path(__file__).resolve().parent.parent
 JOB = Path(__file__).with_name("manager_job.py")
@@ -464,16 +464,6 @@ def start(ctx: mp.context.ForkServerContext, root: Path, **kwargs: Any) -> Any:
     return proc
 
 
-def finish(proc: Any, timeout: float = HANG) -> int:
-    proc.join(timeout)
-    if proc.exitcode is None:
-        proc.kill()
-        proc.join()
-        raise AssertionError("the job hung")
-    code: int = proc.exitcode
-    return code
-
-
 @contextlib.contextmanager
 def holder(root: Path) -> Iterator[subprocess.Popen[str]]:
     """A real script process holding the writer lock of ``root`` until killed."""
@@ -554,9 +544,9 @@ def reference(
     ctx: mp.context.ForkServerContext, tmp_path_factory: pytest.TempPathFactory
 ) -> Reference:
     roots = [tmp_path_factory.mktemp("reference"), tmp_path_factory.mktemp("reference")]
-    assert finish(start(ctx, roots[0], steps=STEPS)) == 0  # also warms the forkserver up
+    assert finished(start(ctx, roots[0], steps=STEPS)) == 0  # also warms the forkserver up
     t0 = time.monotonic()
-    assert finish(start(ctx, roots[1], steps=STEPS)) == 0
+    assert finished(start(ctx, roots[1], steps=STEPS)) == 0
     seconds = time.monotonic() - t0
     states = [fc.restore(r / step_name(STEPS)) for r in roots]
     assert_exact(fc.to_python(states[0]), fc.to_python(states[1]))  # the job is deterministic
@@ -604,7 +594,7 @@ def test_sigkill_at_random_moments_resumes_bit_identically(
             if attempt < 8:  # then let it finish, however slow the machine
                 time.sleep(rng.uniform(0.02, longest))
                 proc.kill()
-            code = finish(proc)
+            code = finished(proc)
             if code == 0:
                 break
             assert code == -signal.SIGKILL
@@ -628,12 +618,12 @@ def test_sigkill_inside_commit_and_prune_resumes_bit_identically(
     after: int,
 ) -> None:
     proc = start(ctx, tmp_path, steps=STEPS, kill_point=point, kill_after=after)
-    assert finish(proc) == -signal.SIGKILL
+    assert finished(proc) == -signal.SIGKILL
     names = [p.name for p in tmp_path.iterdir()]
     if point in ("marker", "prune"):
         assert any(naming.is_temporary_name(n) for n in names), names  # crashed mid-protocol
     check_after_crash(tmp_path)
-    assert finish(start(ctx, tmp_path, steps=STEPS)) == 0
+    assert finished(start(ctx, tmp_path, steps=STEPS)) == 0
     check_final(tmp_path, reference)
 
 

@@ -32,7 +32,7 @@ from functional_ckpt._src.storage.ram import MEMORY_STATUS
 from functional_ckpt.errors import LeftoverWarning, MemoryWarning
 from tests import manager_job
 from tests.exact import assert_exact
-from tests.patience import HANG, eventually
+from tests.patience import eventually, finished
 
 STEPS = 24
 DISK_EVERY = 10
@@ -81,16 +81,6 @@ def start(ctx: mp.context.ForkServerContext, root: Path, memory: Path, **kwargs:
     return proc
 
 
-def finish(proc: Any) -> int:
-    proc.join(HANG)
-    if proc.exitcode is None:
-        proc.kill()
-        proc.join()
-        raise AssertionError("the job hung")
-    code: int = proc.exitcode
-    return code
-
-
 @contextlib.contextmanager
 def running(ctx: mp.context.ForkServerContext, root: Path, memory: Path) -> Iterator[Any]:
     """A job training for ever, once its memory tier holds a checkpoint; killed on exit."""
@@ -107,7 +97,7 @@ def running(ctx: mp.context.ForkServerContext, root: Path, memory: Path) -> Iter
 def reference(ctx: mp.context.ForkServerContext, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The final state of an uninterrupted run with a memory tier."""
     base = tmp_path_factory.mktemp("reference")
-    assert finish(start(ctx, base / "root", base / "mem", steps=STEPS)) == 0
+    assert finished(start(ctx, base / "root", base / "mem", steps=STEPS)) == 0
     assert not (base / "mem").exists()  # close() removed the tier's folder
     return fc.restore(base / "root" / step_name(STEPS))
 
@@ -124,7 +114,7 @@ def test_sigkill_resumes_from_the_memory_tier_bit_identically(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     root, memory = tmp_path / "root", tmp_path / "mem"
-    assert finish(start(ctx, root, memory, steps=STEPS, die_at=13)) == -signal.SIGKILL
+    assert finished(start(ctx, root, memory, steps=STEPS, die_at=13)) == -signal.SIGKILL
     assert committed(root) == [10]  # the disk tier saves every 10 steps
     assert committed(memory) == [12, 13]  # the memory tier every step, the newest two
     assert fc.verify(memory / step_name(13)).ok  # the ordinary format, checksummed
@@ -165,7 +155,7 @@ def test_sigkill_at_random_moments_resumes_bit_identically(
         eventually(reached, f"memory step {target}")
         time.sleep(rng.uniform(0.0, 0.05))
         proc.kill()
-        code = finish(proc)
+        code = finished(proc)
         if code == 0:
             break
         assert code == -signal.SIGKILL
@@ -174,7 +164,7 @@ def test_sigkill_at_random_moments_resumes_bit_identically(
             for step in committed(folder):
                 assert fc.verify(folder / step_name(step)).ok
         newest = max(committed(memory), default=newest)
-    assert finish(start(ctx, root, memory, steps=STEPS)) == 0
+    assert finished(start(ctx, root, memory, steps=STEPS)) == 0
     assert kills >= 3
     check_final(root, reference)
 
@@ -186,7 +176,7 @@ def test_sigterm_promotes_the_newest_memory_checkpoint_to_disk(
     with running(ctx, root, memory) as proc:
         assert committed(root) == []  # the disk tier never saves on its own here
         proc.terminate()  # SIGTERM
-        assert finish(proc) == -signal.SIGTERM  # promoted, then the signal took its course
+        assert finished(proc) == -signal.SIGTERM  # promoted, then the signal took its course
     on_disk = committed(root)
     assert len(on_disk) == 1, on_disk
     step = on_disk[0]
@@ -217,7 +207,7 @@ def test_a_damaged_memory_checkpoint_falls_back_to_disk(
     ctx: mp.context.ForkServerContext, reference: Any, tmp_path: Path
 ) -> None:
     root, memory = tmp_path / "root", tmp_path / "mem"
-    assert finish(start(ctx, root, memory, steps=STEPS, die_at=13)) == -signal.SIGKILL
+    assert finished(start(ctx, root, memory, steps=STEPS, die_at=13)) == -signal.SIGKILL
     for step in committed(memory):
         corrupt(memory / step_name(step))
     with pytest.warns(MemoryWarning, match="unreadable") as caught:
