@@ -295,15 +295,15 @@ def raw_read_huge(src: Path, w: Workload, template: dict[str, Any]) -> Any:
 def memory_facts() -> dict[str, Any]:
     """What the huge-page floor measured here, and what fc does by default."""
     import_fc()
-    from functional_ckpt._src.state import memory
+    from functional_ckpt._src.state import allocation
 
-    enabled = memory.THP_ENABLED.read_text().strip() if memory.THP_ENABLED.exists() else None
+    enabled = allocation.THP_ENABLED.read_text().strip() if allocation.THP_ENABLED.exists() else None
     return {
         "thp_enabled": enabled,
-        "thp_offered": memory.thp_offered(),
-        "free_page_reporting": memory.free_pages_reported(),
-        "fc_huge_pages_default": memory.huge_pages_default(),
-        "switch": f"{memory.HUGE_PAGES_ENV}={os.environ.get(memory.HUGE_PAGES_ENV, '')}",
+        "thp_offered": allocation.thp_offered(),
+        "free_page_reporting": allocation.free_pages_reported(),
+        "fc_huge_pages_default": allocation.huge_pages_default(),
+        "switch": f"{allocation.HUGE_PAGES_ENV}={os.environ.get(allocation.HUGE_PAGES_ENV, '')}",
     }
 
 

@@ -19,7 +19,15 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import functional_ckpt._src.cli.main  # noqa: F401  (imported once, before the forks)
+# Imported once, before the forks: each command then costs a fork, not an interpreter's
+# imports (torch's included: most commands on a checkpoint read tensors or dtypes).
+import torch  # noqa: F401
+
+import functional_ckpt._src.cli.listing
+import functional_ckpt._src.cli.main
+import functional_ckpt._src.cli.show
+import functional_ckpt._src.cli.torchcmd
+import functional_ckpt._src.restore.api  # noqa: F401
 
 
 def _child(argv: list[str], out: int, err: int) -> None:

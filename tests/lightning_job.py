@@ -63,7 +63,7 @@ def main() -> None:
     marker = commit.write_commit_marker
     lasts: list[Path] = []
 
-    def stop_at_second_last(tmp: Path, manifest_bytes: bytes) -> None:
+    def stop_at_second_last(tmp: Path, manifest_bytes: bytes, **kwargs: Any) -> None:
         if naming.base_name(tmp.name) == "last.ckpt":
             lasts.append(tmp)
             if len(lasts) == 2:
@@ -73,7 +73,7 @@ def main() -> None:
                         t.join()
                 print("ready", flush=True)
                 threading.Event().wait()
-        marker(tmp, manifest_bytes)
+        marker(tmp, manifest_bytes, **kwargs)
 
     commit.write_commit_marker = stop_at_second_last  # type: ignore[assignment]
     fit(root, 12)
