@@ -297,7 +297,9 @@ def memory_facts() -> dict[str, Any]:
     import_fc()
     from functional_ckpt._src.state import allocation
 
-    enabled = allocation.THP_ENABLED.read_text().strip() if allocation.THP_ENABLED.exists() else None
+    enabled = (
+        allocation.THP_ENABLED.read_text().strip() if allocation.THP_ENABLED.exists() else None
+    )
     return {
         "thp_enabled": enabled,
         "thp_offered": allocation.thp_offered(),
