@@ -176,11 +176,7 @@ def _plain_kind(mode: int) -> str | None:
         return None
     if stat.S_ISLNK(mode):
         return "a symbolic link (links are not followed; copy the file it points to)"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    return "not a regular file"
+    return opener.file_kind(mode)
 
 
 def _read_side_file(path: Path) -> bytes:

@@ -28,7 +28,8 @@ from functional_ckpt.errors import (
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a directory entry of ``mode`` is, in words (for an error naming it)."""
     if stat.S_ISDIR(mode):
         return "a directory"
     if stat.S_ISFIFO(mode):
@@ -47,7 +48,7 @@ def _check_mode(mode: int, where: Path, what: str) -> None:
         raise UnsafeCheckpoint(f"{where}: checkpoint files may not be symbolic links ({what})")
     if not stat.S_ISREG(mode):
         raise UnsafeCheckpoint(
-            f"{where}: the {what} is {_kind(mode)}, not a regular file; the checkpoint is "
+            f"{where}: the {what} is {file_kind(mode)}, not a regular file; the checkpoint is "
             "damaged or hostile (a special file would block or mislead a reader)"
         )
 
