@@ -361,13 +361,14 @@ def simulate(model: Model, n: int) -> World:
 # --------------------------------------------------------------------------- the phases
 
 
-def fc_coordinator(world: World) -> tuple[bytes, bytes]:
-    """The coordinator's share of ``fc.save`` after the writes: (manifest, .metadata)."""
+def fc_coordinator(world: World) -> tuple[bytes, list[bytes], bytes]:
+    """The coordinator's share of ``fc.save`` after the writes: (the manifest's index,
+    its per-rank parts, .metadata)."""
     from functional_ckpt._src import codec
     from functional_ckpt._src.format import dcp_metadata, naming
     from functional_ckpt._src.format.checksum import crc32
     from functional_ckpt._src.format.manifest import Tree, Written, assemble
-    from functional_ckpt._src.save import multi_rank
+    from functional_ckpt._src.save import local, multi_rank
 
     plan = world.plan
     ranks = multi_rank.gathered_entries(world.payloads)
@@ -386,9 +387,11 @@ def fc_coordinator(world: World) -> tuple[bytes, bytes]:
         metadata_bytes=codec.encode(meta),
     )
     md = dcp_metadata.derive(manifest.tensor_groups(), manifest.dcp_bytes)
+    parts = local.encode_parts(manifest, Path("ckpt"))
     files: dict[str, dict[str, Any]] = {naming.DCP_METADATA: {"size": len(md), "crc32": crc32(md)}}
     files.update({name: {"size": size} for name, size in sorted(sizes.items())})
-    return replace(manifest, files=files).encode(), md
+    files.update({name: {"size": len(data), "crc32": crc32(data)} for name, data in parts})
+    return replace(manifest, files=files).encode(), [data for _, data in parts], md
 
 
 def dcp_global(world: World, planner_type: Any = None) -> tuple[list[Any], Any]:
@@ -434,17 +437,29 @@ def _local_chunks(world: World, rank: int) -> dict[str, Any]:
     return out
 
 
-def fc_restore(manifest_bytes: bytes, wanted: dict[str, Any], rank: int) -> int:
-    """One rank's restore planning: decode, validate, its view, DCP's read items."""
+def fc_restore(index: bytes, parts: Sequence[bytes], wanted: dict[str, Any], rank: int) -> int:
+    """One rank's restore planning: decode and validate the index, its view, the parts
+    its shards meet (authenticated, decoded, validated), DCP's read items."""
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
     from functional_ckpt._src import codec
-    from functional_ckpt._src.format import dcp_metadata
+    from functional_ckpt._src.format import dcp_metadata, naming
     from functional_ckpt._src.format.view import parse_checkpoint
+    from functional_ckpt._src.restore.dtensor import parts_meeting
 
-    manifest = codec.decode(manifest_bytes, source="manifest")
+    manifest = codec.decode(index, source="manifest")
     assert isinstance(manifest, dict)
-    view = parse_checkpoint(manifest, Path("ckpt")).view(rank)
+
+    def load(r: int) -> Any:  # what storage/committed.read_part does, from memory
+        raw = parts[r]
+        assert zlib.crc32(raw) == manifest["files"][naming.part_name(r)]["crc32"]
+        return codec.decode(raw, source=naming.part_name(r))
+
+    once = parse_checkpoint(manifest, Path("ckpt"), parts=load if parts else None)
+    view = once.view(rank, parts=())
+    path_of = {e.fqn: p for p, e in view.tensors.items()}
+    boxes = [(path_of[fqn], (tuple(c.offsets), tuple(c.sizes))) for fqn, c in wanted.items()]
+    view = once.filled(view, parts_meeting(view, boxes))
     md = dcp_metadata.metadata_for([list(view.tensors.values())])
     reads = 0
     for fqn, chunk in wanted.items():
@@ -598,20 +613,26 @@ def measure(model: Model, n: int, tmp: Path, memory: bool) -> dict[str, Any]:
 
     dcp_metadata._LAST = None  # a first save: nothing derived yet
     world = simulate(model, n)
-    fc_s, (manifest, md) = timed(lambda: fc_coordinator(world))
+    fc_s, (manifest, parts, md) = timed(lambda: fc_coordinator(world))
     fc_again_s, _ = timed(lambda: fc_coordinator(world))  # the same layout again
     dcp_s, (dcp_md, plans, stock_md) = timed(lambda: dcp_coordinator(world, tmp))
     rank = 1 % n
     wanted = _local_chunks(world, rank)
-    fc_restore_s, fc_reads = timed(lambda: fc_restore(manifest, wanted, rank))
+    fc_restore_s, fc_reads = timed(lambda: fc_restore(manifest, parts, wanted, rank))
     dcp_restore_s, dcp_reads = timed(lambda: dcp_restore(dcp_md, wanted))
     assert fc_reads == dcp_reads, (fc_reads, dcp_reads)
-    decode_s, _ = timed(lambda: codec.decode(manifest))
+
+    def decode_all() -> list[Any]:  # the whole manifest decoded: the index and every part
+        return [codec.decode(manifest), *(codec.decode(p) for p in parts)]
+
+    decode_s, _ = timed(decode_all)
     row: dict[str, Any] = {
         "ranks": n,
         "tensors": len(world.plan.targets),
         "chunks": sum(len(r) for r in world.results),
         "manifest_bytes": len(manifest),
+        "parts_bytes": sum(len(p) for p in parts),
+        "largest_part_bytes": max((len(p) for p in parts), default=0),
         "fc_metadata_bytes": len(md),
         "dcp_metadata_bytes": len(dcp_md),
         "fc_rank_plan_s": world.plan_s,
@@ -623,7 +644,8 @@ def measure(model: Model, n: int, tmp: Path, memory: bool) -> dict[str, Any]:
         "manifest_decode_s": decode_s,
     }
     name = len(b"checkpoint.tmp-0123456789abcdef")
-    size_text = len(str(len(manifest) + sum(c.length for r in world.results for _, c in r)))
+    on_disk = len(manifest) + sum(len(p) for p in parts)
+    size_text = len(str(on_disk + sum(c.length for r in world.results for _, c in r)))
     lens = [len(p) for p in world.payloads]
     ours = helper_traffic(n, lens, name, size_text)
     before = helper_traffic_before(n, lens, name, size_text)
@@ -638,9 +660,9 @@ def measure(model: Model, n: int, tmp: Path, memory: bool) -> dict[str, Any]:
     }
     row["payload_bytes"] = lens[:2]
     if memory:
-        row["fc_restore_rank_peak"] = peak(lambda: fc_restore(manifest, wanted, rank))
+        row["fc_restore_rank_peak"] = peak(lambda: fc_restore(manifest, parts, wanted, rank))
         row["dcp_restore_rank_peak"] = peak(lambda: dcp_restore(dcp_md, wanted))
-        row["manifest_decoded_peak"] = peak(lambda: codec.decode(manifest))
+        row["manifest_decoded_peak"] = peak(decode_all)
         row["fc_coordinator_peak"] = peak(lambda: fc_coordinator(world))
         row["dcp_coordinator_peak"] = peak(lambda: dcp_coordinator(world, tmp))
     return row
@@ -723,7 +745,7 @@ def render(result: dict[str, Any]) -> str:
         f"{result['rows'][0]['tensors']} tensors with AdamW state; times of one run"
     )
     t1 = Table(
-        ["ranks", "chunks", "manifest", ".metadata", "coord fc", "coord again", "coord dcp",
+        ["ranks", "chunks", "index", "parts", ".metadata", "coord fc", "coord again", "coord dcp",
          "fc/dcp", "restore fc", "restore dcp", "fc/dcp", "peak fc", "peak dcp", "decoded"]
     )  # fmt: skip
     for r in result["rows"]:
@@ -731,6 +753,7 @@ def render(result: dict[str, Any]) -> str:
             r["ranks"],
             r["chunks"],
             _kib(r["manifest_bytes"]),
+            _kib(r["parts_bytes"]),
             _kib(r["dcp_metadata_bytes"]),
             fmt_seconds(r["fc_coordinator_s"]),
             fmt_seconds(r["fc_coordinator_again_s"]),

@@ -43,6 +43,13 @@ def full_tensors() -> dict[str, torch.Tensor]:
     }
 
 
+def chunk_files(path: Path) -> set[str]:
+    """The data files a checkpoint's tensor chunks lie in (a split manifest's parts read)."""
+    with committed.open_checkpoint(path) as ck:
+        groups = committed.parsed(ck).groups()
+    return {c.file for group in groups for e in group for c in e.chunks}
+
+
 def shard_state(mesh: Any, rank: int) -> dict[str, Any]:
     full = full_tensors()
     return {
@@ -298,8 +305,7 @@ def main() -> None:
         pending.result()
         dist.barrier()
         if rank == 0:
-            manifest = committed.read_manifest(root / "b")
-            files = {c["file"] for e in manifest["entries"] for c in e.get("chunks", ())}
+            files = chunk_files(root / "b")
             written = {n for n in files if n.endswith("_0.distcp")}
             assert written == {f"__{world - 1}_0.distcp"}, written  # only its shard changed
             shutil.rmtree(root / "a")

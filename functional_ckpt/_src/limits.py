@@ -47,6 +47,11 @@ class Limits:
     anything bigger is a value that belongs in a tensor. Read whole into memory,
     so the bound is also what one read of a hostile file can cost."""
 
+    manifest_part_bytes: int = 64 << 20
+    """Largest part of a split manifest (one rank's per-rank entries and its chunk of
+    every sharded tensor: about 50 bytes per tensor plus its values). Read whole by
+    the ranks that need it, so the bound is what one hostile part can cost."""
+
     marker_bytes: int = 64 << 10
     """Largest commit marker (it holds a few fixed fields)."""
 

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 from functional_ckpt._src.format import dcp_values as dcpbytes
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import TensorEntry
-from functional_ckpt._src.format.view import parse_checkpoint
+from functional_ckpt._src.format.view import PartLoader, parse_checkpoint
 
 #: The pickle protocol of the derived file (what ``pickle.dump`` writes by default).
 PROTOCOL = 4
@@ -153,9 +153,12 @@ def _layout(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry])
     )
 
 
-def derive_from_manifest(manifest: dict[str, Any], root: Path = Path(".")) -> bytes:
-    """:func:`derive` of a decoded manifest (validated here; ``root`` names it in errors)."""
-    once = parse_checkpoint(manifest, root)
+def derive_from_manifest(
+    manifest: dict[str, Any], root: Path = Path("."), parts: PartLoader | None = None
+) -> bytes:
+    """:func:`derive` of a decoded manifest (validated here; ``root`` names it in errors;
+    ``parts`` reads a split manifest's parts)."""
+    once = parse_checkpoint(manifest, root, parts=parts)
     return derive(
         once.groups(), dcpbytes.parse_byte_entries(manifest, once.shared.file_sizes, root)
     )

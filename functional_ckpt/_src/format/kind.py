@@ -25,6 +25,7 @@ from functional_ckpt._src.format.naming import (
     RECORDING_HEADER,
     is_shard_file,
     is_temporary_name,
+    parse_part,
 )
 
 
@@ -125,7 +126,11 @@ def _member(kind: Kind, name: str, regular: bool) -> bool:
     if not regular:
         return False  # a link or a directory inside is never ours to drop
     if kind in (Kind.COMMITTED, Kind.UNCOMMITTED):
-        return name in (COMMIT_MARKER, MANIFEST, DCP_METADATA) or is_shard_file(name)
+        return (
+            name in (COMMIT_MARKER, MANIFEST, DCP_METADATA)
+            or is_shard_file(name)
+            or parse_part(name) is not None
+        )
     if kind in (Kind.STOCK_DCP, Kind.PART):
         return name == DCP_METADATA or is_shard_file(name)
     return kind is Kind.EXPORT  # an export's side files (config, tokenizer) are plain files

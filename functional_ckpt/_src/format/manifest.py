@@ -16,12 +16,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import msgpack
 
 from functional_ckpt._src import codec
+from functional_ckpt._src.format import parts as split_rule
 from functional_ckpt._src.format.coverage import numel
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.naming import (
     FORMAT_NAME,
-    FORMAT_VERSION,
+    ONE_MANIFEST_VERSION,
+    PARTS_VERSION,
 )
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint
@@ -225,6 +227,16 @@ class Manifest:
     root: dict[str, Any] | None = None  # the root TensorDict's batch size and names
     dcp_bytes: tuple[ByteEntry, ...] = ()  # values as stock DCP byte entries
     metadata_bytes: bytes | None = field(default=None, repr=False)  # ``metadata``, encoded
+    split: Mapping[KeyPath, int] = field(default_factory=dict)  # evenly split tensors: dim
+
+    @property
+    def parted(self) -> bool:
+        """Written as an index and one part per rank (a multi-rank save)."""
+        return len(self.ranks) > 1
+
+    @property
+    def version(self) -> int:
+        return PARTS_VERSION if self.parted else ONE_MANIFEST_VERSION
 
     def to_plain(self) -> dict[str, Any]:
         out = self._head()
@@ -237,7 +249,7 @@ class Manifest:
         splices in as they were encoded)."""
         out: dict[str, Any] = {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": self.version,
             "created": self.created,
             "world_size": max(1, len(self.ranks)),
             "byteorder": sys.byteorder,
@@ -246,6 +258,8 @@ class Manifest:
         if self.root:
             out["root"] = self.root
         out["dcp_bytes"] = [b.to_plain() for b in self.dcp_bytes]
+        if self.parted:
+            out["parts"] = len(self.ranks)
         return out
 
     def tensor_groups(self) -> list[list[TensorEntry]]:
@@ -256,12 +270,33 @@ class Manifest:
         """The manifest's bytes: the values and the metadata as they were encoded when
         the save was planned, spliced into the rest (plain data, packed once)."""
         head = self._head()
+        if self.parted:  # the index: the shared tree; each rank's entries lie in its part
+            parts = [_map_header(len(head) + 2), _elements(_flat(head))]
+            parts += [_pack("metadata"), self.metadata_bytes or codec.encode(self.metadata)]
+            parts += [_pack("entries"), _entries(self.entries, self.split)]
+            return b"".join(parts)
         parts = [_map_header(len(head) + 3), _elements(_flat(head))]
         parts += [_pack("metadata"), self.metadata_bytes or codec.encode(self.metadata)]
         parts += [_pack("entries"), _entries(self.entries)]
         parts += [_pack("ranks"), _array_header(len(self.ranks))]
         for rank in self.ranks:
             parts += [_map_header(1), _pack("entries"), _entries(rank)]
+        return b"".join(parts)
+
+    def split_entries(self) -> list[TensorEntry]:
+        """The evenly split tensors, in the index's order: the order of every part's rows."""
+        split = self.split
+        return [e for e in self.entries if type(e) is TensorEntry and e.path in split]
+
+    def encode_part(self, rank: int, split: Sequence[TensorEntry] | None = None) -> bytes:
+        """Part ``rank`` of a split manifest: that rank's per-rank entries and its
+        chunk of every evenly split tensor (``split``: :meth:`split_entries`)."""
+        tensors = self.split_entries() if split is None else split
+        rows = [split_rule.row(e.chunks[rank]) for e in tensors]
+        head = {"format": FORMAT_NAME, "version": self.version, "part": rank}
+        parts = [_map_header(len(head) + 2), _elements(_flat(head))]
+        parts += [_pack("entries"), _entries(self.ranks[rank])]
+        parts += [_pack("chunks"), _pack(rows)]
         return b"".join(parts)
 
 
@@ -312,7 +347,20 @@ def assemble(
         tree.root,
         dcp_bytes=written.blobs,
         metadata_bytes=metadata_bytes,
+        split=even_splits(shared, len(ranks)) if len(ranks) > 1 else {},
     )
+
+
+def even_splits(entries: Sequence[Entry], world: int) -> dict[KeyPath, int]:
+    """The tensors of ``entries`` whose chunks are the even split of one dimension
+    across ``world`` ranks, with that dimension: their boxes need not be stored."""
+    out: dict[KeyPath, int] = {}
+    for e in entries:
+        if type(e) is TensorEntry and e.alias is None and len(e.chunks) == world:
+            dim = split_rule.split_dim(e.shape, [(c.offsets, c.sizes) for c in e.chunks], world)
+            if dim is not None:
+                out[e.path] = dim
+    return out
 
 
 # --------------------------------------------------------------------------- encoding
@@ -345,8 +393,17 @@ def _elements(items: list[Any]) -> bytes:
     return packed[len(head) :]
 
 
-def _entries(entries: Sequence[Entry]) -> bytes:
-    """An array of entries: runs of plain ones packed at once, values spliced in."""
+def _plain_split(e: TensorEntry, dim: int) -> dict[str, Any]:
+    """An evenly split tensor as the index holds it: its rule instead of its chunks."""
+    out = e.with_chunks(()).to_plain()
+    del out["chunks"]
+    out["split"] = dim
+    return out
+
+
+def _entries(entries: Sequence[Entry], split: Mapping[KeyPath, int] | None = None) -> bytes:
+    """An array of entries: runs of plain ones packed at once, values spliced in
+    (``split``: tensors written with their rule instead of their chunks)."""
     parts = [_array_header(len(entries))]
     run: list[Any] = []
     for e in entries:
@@ -356,6 +413,9 @@ def _entries(entries: Sequence[Entry]) -> bytes:
                 run = []
             head = _pack({"path": list(e.path), "kind": "value", "value": None})
             parts += [head[:-1], e.encoded or codec.encode(e.value)]  # the nil, replaced
+        elif split and e.path in split:
+            assert type(e) is TensorEntry
+            run.append(_plain_split(e, split[e.path]))
         else:
             run.append(e.to_plain())
     if run:

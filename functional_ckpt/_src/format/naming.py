@@ -16,7 +16,12 @@ from functional_ckpt.errors import UnsafeCheckpoint
 # --------------------------------------------------------------------------- a checkpoint
 
 FORMAT_NAME = "functional_ckpt"
-FORMAT_VERSION = 1
+#: The highest format version this code reads. A save writes the lowest version that
+#: describes its checkpoint: 1 for one manifest, ``PARTS_VERSION`` for a manifest
+#: split into an index and per-rank parts (multi-rank saves).
+FORMAT_VERSION = 2
+ONE_MANIFEST_VERSION = 1
+PARTS_VERSION = 2
 MANIFEST = "manifest.msgpack"
 COMMIT_MARKER = "COMMITTED"
 DCP_METADATA = ".metadata"
@@ -35,6 +40,21 @@ def parse_shard(name: str) -> tuple[int, int] | None:
     """``(rank, n)`` of a shard file name this project writes, else None."""
     m = _SHARD_RE.fullmatch(name)
     return None if m is None else (int(m.group(1)), int(m.group(2)))
+
+
+#: ``manifest.part-<rank>.msgpack``: rank ``rank``'s part of a split manifest.
+_PART_RE = re.compile(r"manifest\.part-(\d{5,9})\.msgpack")
+
+
+def part_name(rank: int) -> str:
+    """The file of ``rank``'s manifest part (its per-rank entries and chunks)."""
+    return f"manifest.part-{rank:05d}.msgpack"
+
+
+def parse_part(name: str) -> int | None:
+    """The rank of a manifest part's file name, else None."""
+    m = _PART_RE.fullmatch(name)
+    return None if m is None or part_name(int(m.group(1))) != name else int(m.group(1))
 
 
 def is_shard_file(name: str) -> bool:

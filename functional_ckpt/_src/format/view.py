@@ -9,11 +9,12 @@ spliced in) is derived from that one validation.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from functional_ckpt._src.format import parts as split_rule
 from functional_ckpt._src.format.coverage import check_coverage, numel
 from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.format.manifest import (
@@ -26,7 +27,13 @@ from functional_ckpt._src.format.manifest import (
     element_size,
     shape_problem,
 )
-from functional_ckpt._src.format.naming import COMMIT_MARKER, DCP_METADATA, MANIFEST, safe_member
+from functional_ckpt._src.format.naming import (
+    COMMIT_MARKER,
+    DCP_METADATA,
+    MANIFEST,
+    part_name,
+    safe_member,
+)
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 
@@ -52,6 +59,8 @@ class ParsedManifest:
     file_sizes: dict[str, int] = field(default_factory=dict)
     planned: bool = False  # entries of a save in progress: no chunk is written yet
     inner: set[KeyPath] = field(default_factory=set)  # every proper prefix of an entry's path
+    parts: int = 0  # per-rank parts of a split manifest (0: one manifest)
+    split: dict[KeyPath, int] = field(default_factory=dict)  # evenly split tensors: their dim
 
     @property
     def metadata(self) -> Any:
@@ -94,14 +103,33 @@ def rank_entries(manifest: dict[str, Any], src: str) -> list[list[Any]]:
     return [r["entries"] for r in ranks]
 
 
-def parse_manifest(manifest: dict[str, Any], root: Path, *, rank: int | None = 0) -> ParsedManifest:
+def parse_manifest(
+    manifest: dict[str, Any],
+    root: Path,
+    *,
+    rank: int | None = 0,
+    parts: PartLoader | None = None,
+) -> ParsedManifest:
     """Validate a decoded manifest against ``root`` and view it from ``rank``.
 
     ``rank`` selects whose per-rank subtrees are spliced in; None leaves them out.
     A caller that needs more than one rank's view parses once with
     :func:`parse_checkpoint` and asks it for each view.
     """
-    return parse_checkpoint(manifest, root).view(rank)
+    return parse_checkpoint(manifest, root, parts=parts).view(rank)
+
+
+#: Reads, authenticates and decodes part ``rank`` of a split manifest.
+PartLoader = Callable[[int], Any]
+
+
+@dataclass
+class _Part:
+    """One rank's part of a split manifest, validated: its per-rank entries, as
+    decoded, and its chunk of every evenly split tensor."""
+
+    entries: list[Any]
+    chunks: dict[KeyPath, Chunk]
 
 
 @dataclass
@@ -109,27 +137,96 @@ class ParsedCheckpoint:
     """A manifest validated once: the shared tree, and every rank's view derived from it.
 
     The shared entries are checked once; each rank's per-rank entries are checked
-    the first time that rank's view is asked for.
+    the first time that rank's view is asked for. A split manifest's parts are read
+    (``load_part``) and checked the first time a view needs them: a rank's own part
+    for its per-rank entries, and the parts whose chunks it reads.
     """
 
     shared: ParsedManifest  # the view of ``rank=None``: per-rank subtrees left out
-    ranks: list[list[Any]]  # each rank's per-rank entries, as decoded
+    ranks: list[list[Any]]  # each rank's per-rank entries, as decoded (one manifest)
     markers: list[tuple[int, KeyPath]]  # where in ``shared.order`` each per-rank subtree stands
     src: str
     views: dict[int, ParsedManifest] = field(default_factory=dict)
+    load_part: PartLoader | None = None
+    loaded: dict[int, _Part] = field(default_factory=dict)
+    sparse: dict[int | None, ParsedManifest] = field(default_factory=dict)  # split chunks left out
+    complete: bool = False  # every split tensor of ``shared`` holds its chunks
 
     @property
     def world_size(self) -> int:
         return self.shared.world_size
 
-    def view(self, rank: int | None) -> ParsedManifest:
-        """The tree as ``rank`` sees it (None: without any per-rank subtree)."""
+    def view(self, rank: int | None, parts: Iterable[int] | None = None) -> ParsedManifest:
+        """The tree as ``rank`` sees it (None: without any per-rank subtree).
+
+        With ``parts``, the evenly split tensors of a split manifest hold only the
+        chunks of those parts (the ones a rank's shards meet), and no other part is
+        read; without, they hold every chunk.
+        """
+        if parts is not None:
+            return self.filled(self._sparse(rank), parts)
+        self._complete()
         if rank is None:
             return self.shared
         got = self.views.get(rank)
         if got is None:
             got = self.views[rank] = self._view(rank)
         return got
+
+    def filled(self, view: ParsedManifest, parts: Iterable[int]) -> ParsedManifest:
+        """``view`` with its evenly split tensors holding the chunks of ``parts``."""
+        split = self.shared.split
+        if not split:
+            return view
+        loaded = [self.part(r).chunks for r in sorted(set(parts)) if 0 <= r < self.world_size]
+        tensors = dict(view.tensors)
+        for p in split:
+            tensors[p] = tensors[p].with_chunks(tuple(got[p] for got in loaded))
+        for p, e in view.tensors.items():
+            if e.alias is not None and e.alias in split:
+                tensors[p] = e.with_chunks(tensors[e.alias].chunks)
+        return replace(view, tensors=tensors)
+
+    def part(self, rank: int) -> _Part:
+        """Part ``rank`` of a split manifest, read and validated once."""
+        got = self.loaded.get(rank)
+        if got is None:
+            got = self.loaded[rank] = self._read_part(rank)
+        return got
+
+    def _sparse(self, rank: int | None) -> ParsedManifest:
+        if rank is None or self.complete:
+            base = self.shared if rank is None else self.view(rank)
+            return base
+        got = self.sparse.get(rank)
+        if got is None:
+            got = self.sparse[rank] = self._view(rank)
+        return got
+
+    def _complete(self) -> None:
+        """Give every split tensor of the shared tree all its chunks (every part read)."""
+        if self.complete or not self.shared.split:
+            self.complete = True
+            return
+        # every part's chunk is the rule's box: together they cover each tensor once
+        whole = self.filled(self.shared, range(self.world_size))
+        self.shared.tensors.update(whole.tensors)
+        self.complete = True
+
+    def _read_part(self, rank: int) -> _Part:
+        name = part_name(rank)
+        where = f"{Path(self.src).parent / name}"
+        if self.load_part is None:
+            raise CorruptCheckpoint(f"{where}: this reader was given no way to read it")
+        if name not in self.shared.file_sizes:
+            raise CorruptCheckpoint(f"{self.src}: the file table does not list {name}")
+        return validated_part(self.load_part(rank), rank, self.shared, where)
+
+    def _rank_entries(self, rank: int) -> list[Any] | None:
+        """``rank``'s per-rank entries, as decoded (None: beyond the saving world)."""
+        if self.shared.parts:
+            return self.part(rank).entries if rank < self.shared.parts else None
+        return self.ranks[rank] if rank < len(self.ranks) else None
 
     def all_views(self) -> list[ParsedManifest]:
         """Every saving rank's view, in rank order: ``world_size`` of them (one, the
@@ -151,27 +248,42 @@ class ParsedCheckpoint:
             nodes=set(base.nodes),
             node_info=dict(base.node_info),
             inner=set(base.inner),
+            split=dict(base.split),
         )
-        if rank >= len(self.ranks):
+        mine = self._rank_entries(rank)
+        if mine is None:
             out.order = list(base.order)
             return out
+        src = (
+            f"{Path(self.src).parent / part_name(rank)}"
+            if base.parts
+            else f"{self.src} rank {rank}"
+        )
         prev = 0
         for pos, path in self.markers:
             out.order += base.order[prev:pos]
             prev = pos
-            for j, sub in enumerate(self.ranks[rank]):
-                wsub = f"{self.src} rank {rank} entry {j}"
+            for j, sub in enumerate(mine):
+                wsub = f"{src} entry {j}"
                 p = _path(sub, wsub) if isinstance(sub, dict) else ()
                 if p[: len(path)] == path:
                     _add(out, sub, wsub)
         out.order += base.order[prev:]
+        if len(out.split) != len(base.split):
+            raise CorruptCheckpoint(f"{src}: a per-rank tensor declares a split")
         return out
 
 
-def parse_checkpoint(manifest: dict[str, Any], root: Path) -> ParsedCheckpoint:
-    """Validate a decoded manifest against the directory ``root`` it came from, once."""
+def parse_checkpoint(
+    manifest: dict[str, Any], root: Path, *, parts: PartLoader | None = None
+) -> ParsedCheckpoint:
+    """Validate a decoded manifest against the directory ``root`` it came from, once.
+
+    ``parts`` reads a split manifest's parts, when a view needs them.
+    """
     src = str(root / "manifest.msgpack")
     out = ParsedManifest(manifest)
+    out.parts = _parts_count(manifest, src)
     order = manifest.get("byteorder", "little")
     if order != sys.byteorder:
         raise CorruptCheckpoint(
@@ -185,8 +297,8 @@ def parse_checkpoint(manifest: dict[str, Any], root: Path) -> ParsedCheckpoint:
     entries = manifest.get("entries")
     if not isinstance(entries, list):
         raise CorruptCheckpoint(f"{src}: missing entries")
-    ranks = rank_entries(manifest, src)
-    out.world_size = max(1, len(ranks))
+    ranks = [] if out.parts else rank_entries(manifest, src)
+    out.world_size = out.parts or max(1, len(ranks))
     markers: list[tuple[int, KeyPath]] = []
     for i, e in enumerate(entries):
         where = f"{src} entry {i}"
@@ -196,7 +308,46 @@ def parse_checkpoint(manifest: dict[str, Any], root: Path) -> ParsedCheckpoint:
             markers.append((len(out.order), path))
             continue
         _add(out, e, where)
-    return ParsedCheckpoint(out, ranks, markers, src)
+    return ParsedCheckpoint(out, ranks, markers, src, load_part=parts)
+
+
+def _parts_count(manifest: dict[str, Any], src: str) -> int:
+    """How many per-rank parts a split manifest has (0: one manifest)."""
+    n = manifest.get("parts", 0)
+    if n == 0:
+        return 0
+    if type(n) is not int or not 2 <= n <= LIMITS.chunks_per_tensor:
+        raise CorruptCheckpoint(f"{src}: invalid number of manifest parts {n!r}")
+    return n
+
+
+def validated_part(raw: object, rank: int, shared: ParsedManifest, where: str) -> _Part:
+    """Validate part ``rank`` of a split manifest (decoded) against its index's tree.
+
+    It holds one row per evenly split tensor, in the index's order: that chunk's
+    box follows from the rule, the rest is checked as any chunk is.
+    """
+    if not isinstance(raw, dict) or raw.get("part") != rank:
+        raise CorruptCheckpoint(f"{where}: not part {rank} of this manifest")
+    entries = raw.get("entries")
+    rows = raw.get("chunks")
+    split = shared.split
+    if not isinstance(entries, list):
+        raise CorruptCheckpoint(f"{where}: missing per-rank entries")
+    if not isinstance(rows, list) or len(rows) != len(split):
+        raise CorruptCheckpoint(
+            f"{where}: {len(rows) if isinstance(rows, list) else 'no'} chunk rows for "
+            f"{len(split)} split tensors"
+        )
+    chunks: dict[KeyPath, Chunk] = {}
+    for i, (values, (p, dim)) in enumerate(zip(rows, split.items(), strict=True)):
+        entry = shared.tensors[p]
+        box = split_rule.split_box(entry.shape, dim, shared.parts, rank)
+        plain = split_rule.row_plain(values, box)
+        if plain is None:
+            raise CorruptCheckpoint(f"{where}: invalid chunk row {i} ({format_path(p)})")
+        chunks[p] = _chunk(plain, entry, element_size(entry.dtype), shared, f"{where} row {i}")
+    return _Part(entries, chunks)
 
 
 def parse_planned(plain: object, where: str) -> list[Entry]:
@@ -331,6 +482,16 @@ def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: 
         if src.dtype != dtype or src.shape != shape:
             raise CorruptCheckpoint(f"{where}: alias spec differs from its target")
         return replace(entry, alias=src.path, chunks=src.chunks)
+    if "split" in e and not out.planned:
+        dim = e["split"]
+        if (
+            type(dim) is not int
+            or not out.parts
+            or not split_rule.is_even_split(shape, dim, out.parts)
+        ):
+            raise CorruptCheckpoint(f"{where}: invalid split {dim!r} of {format_path(path)}")
+        out.split[path] = dim
+        return entry
     chunks = e.get("chunks")
     if not isinstance(chunks, list) or len(chunks) > LIMITS.chunks_per_tensor:
         raise CorruptCheckpoint(f"{where}: invalid chunk list")

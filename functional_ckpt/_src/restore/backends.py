@@ -11,7 +11,7 @@ load planner (:class:`PlannerBackend`), which also reads from the manifest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,7 +20,7 @@ from tensordict import TensorDictBase
 
 from functional_ckpt._src.distributed.topology import Topology
 from functional_ckpt._src.format.keys import KeyPath
-from functional_ckpt._src.format.view import ParsedCheckpoint, ParsedManifest, parse_checkpoint
+from functional_ckpt._src.format.view import ParsedCheckpoint, ParsedManifest
 from functional_ckpt._src.restore.read import CPU, read_leaves
 from functional_ckpt._src.restore.stock_dcp import StockFiles, StockMatch, match_dcp, read_dcp
 from functional_ckpt._src.restore.template import Reshard, rank_view, select
@@ -77,11 +77,14 @@ class ReadBackend(Protocol):
 class _Manifested:
     """A checkpoint of this format: opened, vetted and its manifest parsed, once."""
 
-    def __init__(self, ck: committed.Checkpoint, topo: Topology) -> None:
+    def __init__(self, ck: committed.Checkpoint, topo: Topology, *, sparse: bool = False) -> None:
         self.ck = ck
         self.path = ck.path
         self.topo = topo
-        self.parsed: ParsedCheckpoint = parse_checkpoint(ck.manifest, ck.path)
+        self.parsed: ParsedCheckpoint = committed.parsed(ck)
+        # a collective restore matches without the split tensors' chunks, then reads
+        # the parts its shards meet (``_Planned.read``)
+        self.sparse = sparse
 
     def match(self, template: TensorDictBase | None, req: Request) -> Match:
         view = rank_view(
@@ -92,6 +95,7 @@ class _Manifested:
             reshard=req.reshard,
             rank=self.topo.rank,
             world=self.topo.world,
+            parts=frozenset() if self.sparse else None,
         )
         selected, wanted = select(view.parsed, view.template, partial=req.partial, cast=req.cast)
         extra = [] if view.mine is None else list(iter_leaves(view.mine))
@@ -180,7 +184,7 @@ class _Planned:
         self.inner: _Manifested | None = None
         self.error: BaseException | None = None
         try:
-            self.inner = _Manifested(open_vetted(path), topo)
+            self.inner = _Manifested(open_vetted(path), topo, sparse=True)
         except BaseException as e:
             self.error = e
 
@@ -199,9 +203,12 @@ class _Planned:
         return got
 
     def read(self, match: Match, req: Request) -> list[Leaf]:
-        from functional_ckpt._src.restore.dtensor import read_sharded
+        from functional_ckpt._src.restore.dtensor import parts_needed, read_sharded
 
         assert self.inner is not None and match.parsed is not None
+        needed = parts_needed(match.parsed, match.selected, match.wanted)
+        match = replace(match, parsed=self.inner.parsed.filled(match.parsed, needed))
+        assert match.parsed is not None
         sharded = read_sharded(
             self.inner.ck, match.parsed, match.wanted, self.group, inplace=req.inplace
         )

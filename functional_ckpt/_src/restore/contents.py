@@ -11,7 +11,6 @@ import torch
 
 from functional_ckpt._src.format.header import header_of
 from functional_ckpt._src.format.keys import KeyPath
-from functional_ckpt._src.format.view import parse_manifest
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.restore.api import is_stock_dcp
 from functional_ckpt._src.restore.stock_dcp import read_stock_metadata
@@ -22,6 +21,7 @@ from functional_ckpt._src.restore.summary import (
     insert,
     node_of,
 )
+from functional_ckpt._src.storage import committed
 from functional_ckpt._src.storage.committed import open_vetted
 from functional_ckpt._src.storage.usage import sharing
 
@@ -81,7 +81,7 @@ def inspect(path: PathLike) -> CheckpointSummary:
         summary: CheckpointSummary = inspect_dcp(src)
         return summary
     with open_vetted(src) as ck:
-        parsed = parse_manifest(ck.manifest, src)
+        parsed = committed.parsed(ck).view(0, parts=())  # specs only: no chunk is read
         unregistered = tuple(sorted(ck.unregistered))
     tree: dict[str, Any] = node_of(parsed.root)
     tensor_bytes = 0

@@ -7,7 +7,7 @@ every byte checked.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from torch.futures import Future
 
 from functional_ckpt._src.distributed.groups import _unwrap
 from functional_ckpt._src.distributed.topology import is_dtensor
-from functional_ckpt._src.format import dcp_metadata
+from functional_ckpt._src.format import dcp_metadata, parts
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.manifest import Chunk
 from functional_ckpt._src.format.view import ParsedManifest
@@ -95,6 +95,54 @@ class _ManifestReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
+
+
+def parts_needed(
+    parsed: ParsedManifest,
+    selected: Sequence[tuple[KeyPath, str]],
+    wanted: Mapping[KeyPath, torch.Tensor],
+) -> set[int]:
+    """The parts of a split manifest whose chunks this rank reads: those its DTensor
+    shards of evenly split tensors meet, or every part when one such tensor is read
+    whole (a template leaf that is no DTensor, or none)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    boxes: list[tuple[KeyPath, parts.Box | None]] = []
+    for p, kind in selected:
+        like = wanted.get(p)
+        if kind != "tensor":
+            continue
+        if like is None or not is_dtensor(like):
+            boxes.append((p, None))
+            continue
+        sizes, offsets = compute_local_shape_and_global_offset(
+            like.shape,
+            like.device_mesh,  # type: ignore[attr-defined]
+            like.placements,  # type: ignore[attr-defined]
+        )
+        boxes.append((p, (tuple(offsets), tuple(sizes))))
+    return parts_meeting(parsed, boxes)
+
+
+def parts_meeting(
+    parsed: ParsedManifest, boxes: Sequence[tuple[KeyPath, parts.Box | None]]
+) -> set[int]:
+    """The parts holding the chunks of split tensors that these boxes of them meet
+    (a box of None: the whole tensor)."""
+    split, n = parsed.split, parsed.parts
+    need: set[int] = set()
+    for p, box in boxes:
+        e = parsed.tensors.get(p)
+        source = None if e is None else (e.alias or p)
+        if e is None or source not in split:
+            continue
+        if box is None:
+            return set(range(n))
+        offsets, sizes = box
+        if all(sizes):
+            dim = split[source]
+            need.update(parts.overlapping(e.shape[dim], n, offsets[dim], sizes[dim]))
+    return need
 
 
 def read_sharded(

@@ -17,7 +17,7 @@ from tensordict import TensorDict
 from functional_ckpt._src import codec
 from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.format.manifest import Chunk, TensorEntry
-from functional_ckpt._src.format.view import ParsedManifest, parse_manifest
+from functional_ckpt._src.format.view import ParsedManifest
 from functional_ckpt._src.state.allocation import host_empty
 from functional_ckpt._src.state.tree import Leaf, unflatten
 from functional_ckpt._src.storage import committed, shards
@@ -31,7 +31,7 @@ CPU = torch.device("cpu")
 def vetted_view(path: Path, *, rank: int | None = 0) -> ParsedManifest:
     """Authenticate and validate a committed checkpoint, seen from ``rank``."""
     with open_vetted(path) as ck:
-        return parse_manifest(ck.manifest, path, rank=rank)
+        return committed.parsed(ck).view(rank)
 
 
 @dataclass

@@ -126,14 +126,17 @@ def rank_view(
     reshard: Reshard | None,
     rank: int,
     world: int,
+    parts: frozenset[int] | None = None,
 ) -> RankView:
     """Pick this rank's per-rank state, or map it with ``reshard`` on a new world size.
 
     Without ``reshard`` a different world size refuses per-rank state the caller
     asks for (explicitly by the template, or implicitly by a template-free, full
-    restore). Every view comes from the one parse ``parsed``.
+    restore). Every view comes from the one parse ``parsed``; ``parts`` limits the
+    chunks of a split manifest's evenly split tensors to those parts' (none: every
+    chunk), so that only the parts a rank reads are read.
     """
-    mine_parsed = parsed.view(rank)
+    mine_parsed = parsed.view(rank, parts)
     if mine_parsed.world_size == world or not mine_parsed.per_rank_roots:
         return RankView(mine_parsed, template)  # the common case
     saved_world = parsed.shared
@@ -161,7 +164,7 @@ def resharded_per_rank(
     roots = {r[0] for r in parsed.shared.per_rank_roots}
     saved = []
     for r in range(parsed.world_size):
-        one = parsed.view(r)
+        one = parsed.view(r, ())  # per-rank entries only: no split tensor is read
         sel = [(p, k) for p, k in one.order if p[0] in roots]
         saved.append(read_tree(src, one, sel, {}, True))
     return as_state(reshard(saved, rank, world))

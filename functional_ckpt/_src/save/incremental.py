@@ -38,7 +38,6 @@ from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import Chunk
 from functional_ckpt._src.format.naming import parse_shard, shard_name
-from functional_ckpt._src.format.view import parse_checkpoint
 from functional_ckpt._src.save.options import SaveOptions
 from functional_ckpt._src.save.trust import Ident, Key, Seen
 from functional_ckpt._src.storage import committed, opener, shards
@@ -115,7 +114,7 @@ def open_base(options: SaveOptions) -> Base | None:
             "pass a committed checkpoint of this format, or base=None for a full save"
         ) from err
     try:
-        parsed = parse_checkpoint(ck.manifest, path)
+        parsed = committed.parsed(ck)
         chunks: dict[Key, BaseChunk] = {}
         for group in parsed.groups():
             for e in group:

@@ -21,7 +21,7 @@ import torch
 
 from functional_ckpt._src.format import dcp_metadata, naming
 from functional_ckpt._src.format.checksum import crc32
-from functional_ckpt._src.format.manifest import Tree, Written, assemble
+from functional_ckpt._src.format.manifest import Manifest, Tree, Written, assemble
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.save import incremental
 from functional_ckpt._src.save.info import CheckpointInfo
@@ -68,10 +68,12 @@ def finalize(
         )
         md_bytes = dcp_metadata.derive(manifest.tensor_groups(), manifest.dcp_bytes)
         _write_file(tmp / naming.DCP_METADATA, md_bytes, syncing, sync)
+        checked = {naming.DCP_METADATA: {"size": len(md_bytes), "crc32": crc32(md_bytes)}}
+        checked.update(_write_parts(tmp, dest, manifest, syncing, sync))
         files: dict[str, dict[str, Any]] = {}
         for name in sorted(os.listdir(tmp)):
-            if name == naming.DCP_METADATA:
-                files[name] = {"size": len(md_bytes), "crc32": crc32(md_bytes)}
+            if name in checked:
+                files[name] = checked[name]
             else:
                 files[name] = {"size": (tmp / name).stat().st_size}
             files[name].update(written.file_info.get(name, {}))
@@ -86,10 +88,44 @@ def finalize(
             fut.result()
     if before_commit is not None:
         before_commit()
-    commit.write_commit_marker(tmp, manifest_bytes, sync=sync)
+    commit.write_commit_marker(tmp, manifest_bytes, version=manifest.version, sync=sync)
     commit.commit_checkpoint(tmp, dest, overwrite=overwrite, sync=sync)
     total = sum(f["size"] for f in files.values()) + len(manifest_bytes)
     return total, len(manifest_bytes)
+
+
+def _write_parts(
+    tmp: Path, dest: Path, manifest: Manifest, syncing: list[Future[None]], sync: bool
+) -> dict[str, dict[str, Any]]:
+    """Write each rank's manifest part (a multi-rank save); their ``files`` records.
+
+    Each part is bounded like the manifest (``LIMITS.manifest_part_bytes``) and
+    checksummed in the index, which the marker authenticates.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for name, data in encode_parts(manifest, dest):
+        _write_file(tmp / name, data, syncing, sync)
+        out[name] = {"size": len(data), "crc32": crc32(data)}
+    return out
+
+
+def encode_parts(manifest: Manifest, dest: Path) -> list[tuple[str, bytes]]:
+    """Every part of a split manifest (none for one manifest), each within its limit."""
+    if not manifest.parted:
+        return []
+    split = manifest.split_entries()
+    out: list[tuple[str, bytes]] = []
+    for rank in range(len(manifest.ranks)):
+        data = manifest.encode_part(rank, split)
+        name = naming.part_name(rank)
+        if len(data) > LIMITS.manifest_part_bytes:
+            raise UnsupportedValue(
+                f"{dest}: {name}, rank {rank}'s part of the manifest, would be {len(data)} "
+                f"bytes, more than the {LIMITS.manifest_part_bytes} a reader accepts; "
+                "nothing was committed: keep less per-rank state"
+            )
+        out.append((name, data))
+    return out
 
 
 def _check_size(dest: Path, manifest_bytes: bytes, world: int) -> None:

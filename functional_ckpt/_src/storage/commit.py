@@ -25,7 +25,7 @@ from functional_ckpt._src.format.naming import (
     COMMIT_MARKER,
     DCP_METADATA,
     FORMAT_NAME,
-    FORMAT_VERSION,
+    ONE_MANIFEST_VERSION,
     TRASH_INFIX,
 )
 from functional_ckpt._src.storage.durable import fsync_dir, tmp_sibling, write_new
@@ -72,11 +72,14 @@ def _no_fsync(path: Path) -> None:
     """Where a commit need not survive a power loss (a memory tier's)."""
 
 
-def write_commit_marker(tmp: Path, manifest_bytes: bytes, *, sync: bool = True) -> None:
+def write_commit_marker(
+    tmp: Path, manifest_bytes: bytes, *, version: int = ONE_MANIFEST_VERSION, sync: bool = True
+) -> None:
+    """The marker of a manifest written with format ``version`` (the manifest's own)."""
     marker = codec.encode(
         {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": version,
             "manifest_size": len(manifest_bytes),
             "manifest_crc32": crc32(manifest_bytes),
         }

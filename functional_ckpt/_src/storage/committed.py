@@ -27,6 +27,7 @@ from functional_ckpt._src.format.naming import (
     MANIFEST,
     safe_member,
 )
+from functional_ckpt._src.format.view import ParsedCheckpoint, parse_checkpoint
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.storage import opener
 from functional_ckpt._src.storage.opener import exists_at, open_directory, open_member, read_exact
@@ -311,6 +312,52 @@ def metadata_intact(ck: Checkpoint) -> bool:
     if size is None or size != info.get("size"):
         return False
     return opener.crc32_fd(ck.fd(naming.DCP_METADATA), size) == info.get("crc32")
+
+
+def read_part(ck: Checkpoint, rank: int) -> Any:
+    """Part ``rank`` of a split manifest, authenticated and decoded.
+
+    The index (which the marker authenticates) records each part's size and CRC32;
+    the file was opened at that size with the others, and is read whole only here,
+    within ``LIMITS.manifest_part_bytes``.
+    """
+    name = naming.part_name(rank)
+    where = ck.path / name
+    files = ck.manifest.get("files")
+    info = files.get(name) if isinstance(files, dict) else None
+    if not isinstance(info, dict):
+        raise CorruptCheckpoint(f"{ck.path / MANIFEST}: the file table does not list {name}")
+    size = ck.sizes.get(name, info.get("size"))
+    limit = LIMITS.manifest_part_bytes
+    if type(size) is not int or not 0 <= size <= limit:
+        raise CorruptCheckpoint(
+            f"{where}: the manifest part is {size!r} bytes, not a size up to the {limit} "
+            "a reader accepts"
+        )
+    held = ck.fds.get(name)
+    fd = open_member(ck.dir_fd, name, where, size=size) if held is None else held
+    try:
+        raw = opener.read_exact(fd, size, where)
+    finally:
+        if held is None:
+            os.close(fd)
+    if crc32(raw) != info.get("crc32"):
+        raise CorruptCheckpoint(
+            f"{where}: rank {rank}'s part of the manifest does not match its checksum in "
+            f"{MANIFEST}; the checkpoint is damaged"
+        )
+    tags: set[str] = set()
+    part = codec.decode(raw, source=str(where), unregistered=tags)
+    if not isinstance(part, dict) or part.get("format") != FORMAT_NAME:
+        raise CorruptCheckpoint(f"{where}: not a part of a functional_ckpt manifest")
+    if tags:
+        ck.unregistered = ck.unregistered | frozenset(tags)
+    return part
+
+
+def parsed(ck: Checkpoint) -> ParsedCheckpoint:
+    """The manifest of an opened checkpoint, validated once; its parts read as views need them."""
+    return parse_checkpoint(ck.manifest, ck.path, parts=lambda rank: read_part(ck, rank))
 
 
 def open_vetted(path: Path) -> Checkpoint:

@@ -18,7 +18,7 @@ from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.keys import format_path
 from functional_ckpt._src.format.manifest import Chunk, TensorEntry
-from functional_ckpt._src.format.view import groups_of, parse_checkpoint
+from functional_ckpt._src.format.view import groups_of
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.storage import committed, opener, shards
 from functional_ckpt._src.storage.committed import classify_metadata
@@ -79,7 +79,7 @@ def _verify_open(
 ) -> None:
     src, manifest = ck.path, ck.manifest
     try:
-        once = parse_checkpoint(manifest, src)
+        once = committed.parsed(ck)
         shared, parsed = once.shared, once.all_views()
         blobs = dcpbytes.parse_byte_entries(manifest, shared.file_sizes, src)
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
@@ -101,7 +101,7 @@ def _verify_open(
     for b in blobs:
         by_file.setdefault(b.file, {})[b.offset] = (f"DCP byte entry {b.fqn!r}", b)
     for name in files:
-        if name != naming.DCP_METADATA and name in ck.fds:
+        if name != naming.DCP_METADATA and naming.parse_part(name) is None and name in ck.fds:
             _verify_file(ck, name, sorted(by_file.get(name, {}).items()), parsed[0], report)
 
 

@@ -1,0 +1,92 @@
+"""A split manifest: the sharding rule that places each rank's chunk, and a part's rows.
+
+A multi-rank save writes one manifest *index* (the tree, the shared entries, every
+tensor's dtype and shape) and one *part* per saving rank (its per-rank entries and
+its chunk of every sharded tensor). A sharded tensor whose chunks are the even split
+of one dimension across the ranks (FSDP2's ``Shard(dim)``, ``torch.chunk``'s rule)
+records only that dimension in the index: the box of part ``r``'s chunk follows from
+the shape, so a part stores only where the bytes are and their checksums, and a
+restoring rank reads the parts whose boxes meet its own shards, never every rank's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+#: The fields of a chunk a part row holds, in order (the box follows from the rule).
+ROW_FIELDS = ("file", "offset", "length", "data_offset", "nbytes", "crc32", "hcrc32")
+
+
+def split_size(extent: int, parts: int) -> int:
+    """The length of every chunk but the last along a split dimension (``torch.chunk``)."""
+    return -(-extent // parts)
+
+
+def is_even_split(shape: Sequence[int], dim: int, parts: int) -> bool:
+    """Does the rule give ``parts`` non-empty chunks of ``shape`` along ``dim``?"""
+    if not 0 <= dim < len(shape) or parts < 2:
+        return False
+    step = split_size(shape[dim], parts)
+    return step * (parts - 1) < shape[dim]
+
+
+def split_box(shape: Sequence[int], dim: int, parts: int, index: int) -> Box:
+    """The box of chunk ``index`` when ``shape`` is split evenly along ``dim``."""
+    step = split_size(shape[dim], parts)
+    start = step * index
+    offsets = [0] * len(shape)
+    sizes = list(shape)
+    offsets[dim] = start
+    sizes[dim] = min(step, shape[dim] - start)
+    return tuple(offsets), tuple(sizes)
+
+
+def split_dim(shape: Sequence[int], boxes: Sequence[Box], parts: int) -> int | None:
+    """The dimension along which ``boxes`` (sorted by offsets) are the even split of
+    ``shape`` into ``parts`` chunks, each box chunk ``i`` of the rule; else None."""
+    if len(boxes) != parts or parts < 2 or not shape:
+        return None
+    first = boxes[0][1]
+    dim = next((d for d, (a, b) in enumerate(zip(first, shape, strict=True)) if a != b), None)
+    if dim is None or not is_even_split(shape, dim, parts):
+        return None
+    for i, box in enumerate(boxes):
+        if box != split_box(shape, dim, parts, i):
+            return None
+    return dim
+
+
+def overlapping(extent: int, parts: int, start: int, length: int) -> range:
+    """The chunks of a dimension of ``extent`` split in ``parts`` that meet
+    ``[start, start + length)``."""
+    if length <= 0:
+        return range(0)
+    step = split_size(extent, parts)
+    return range(min(parts, start // step), min(parts, -(-(start + length) // step)))
+
+
+def row(chunk: Any) -> list[Any]:
+    """A chunk as a part row: :data:`ROW_FIELDS` of it, in order."""
+    return [
+        chunk.file,
+        chunk.offset,
+        chunk.length,
+        chunk.data_offset,
+        chunk.nbytes,
+        chunk.crc32,
+        chunk.hcrc32,
+    ]
+
+
+def row_plain(values: object, box: Box) -> dict[str, Any] | None:
+    """A part row with its box, as a chunk's plain map (validated by the one chunk
+    parser, :mod:`.view`); None if it is not a row."""
+    if not isinstance(values, list) or len(values) != len(ROW_FIELDS):
+        return None
+    out: dict[str, Any] = dict(zip(ROW_FIELDS, values, strict=True))
+    out["offsets"] = list(box[0])
+    out["sizes"] = list(box[1])
+    return out
