@@ -206,6 +206,11 @@ def counting_helpers(counts: dict[str, int]) -> None:
     groups._gather, groups._broadcast = gather_, broadcast_
 
 
+def per_rank_of(saved: list[Any], rank: int, world: int) -> Any:
+    """A resharded run's per-rank state: the saving rank of the same number, wrapped."""
+    return saved[rank % len(saved)]
+
+
 def traffic_run(root: Path, rank: int, world: int) -> None:
     """Save the scale benchmark's state, counting each rank's bytes, unless a
     checkpoint is there already; then restore it on this world, bit-exact."""
@@ -221,10 +226,18 @@ def traffic_run(root: Path, rank: int, world: int) -> None:
         told["save"] = dict(counts)
         told["nbytes"] = info.nbytes
     counts.update(sent=0, received=0, calls=0)
-    back = fc.restore(
-        dest, scale_state(mesh, rank, zeros=True), reshard=lambda saved, r, w: saved[r % len(saved)]
-    )
+    read: set[int] = set()  # the manifest parts this rank reads
+    read_part = committed.read_part
+
+    def counting(ck: committed.Checkpoint, part: int) -> Any:
+        read.add(part)
+        return read_part(ck, part)
+
+    committed.read_part = counting  # type: ignore[assignment]
+    back = fc.restore(dest, scale_state(mesh, rank, zeros=True), reshard=per_rank_of)
+    committed.read_part = read_part  # type: ignore[assignment]
     told["restore"] = dict(counts)
+    told["parts_read"] = sorted(read)
     got = {leaf.path: leaf.value for leaf in iter_leaves(back)}
     checked = 0
     for leaf in iter_leaves(as_state(scale_state(mesh, rank))):

@@ -246,4 +246,8 @@ def test_eight_ranks_save_and_restore_onto_8_and_3_and_move_the_bytes_predicted(
             back = json.loads((tmp_path / f"traffic.{world_size}.{rank}.json").read_text())
             assert back["checked"] == len(world.plan.targets) - 1  # every tensor but rng
             assert back["restore"]["calls"] >= 1
+            if world_size == 8:  # the manifest's index and this rank's own part, no other
+                assert back["parts_read"] == [rank], back["parts_read"]
+            else:  # reshard= maps every saving rank's per-rank state: all eight parts
+                assert back["parts_read"] == list(range(8))
     assert fc.verify(tmp_path / "ck").ok

@@ -1,0 +1,186 @@
+"""A multi-rank checkpoint's manifest in parts: an index and one part per rank.
+
+A real 2-rank gloo save writes the checkpoint once; each test copies it and reads
+it, damages it or forges it, as an attacker or a bug could.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import functional_ckpt as fc
+from functional_ckpt._src import codec
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.checksum import crc32
+from functional_ckpt._src.format.manifest import Manifest
+from functional_ckpt._src.limits import LIMITS
+from functional_ckpt._src.save import local
+from functional_ckpt._src.storage import committed
+from tests.dist_job import full_tensors
+from tests.forge import resign
+from tests.test_dist import run_ok
+
+PART0, PART1 = naming.part_name(0), naming.part_name(1)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("parts")
+    run_ok(2, "shard-save", str(root))  # w: Shard(0), e: Shard(1), r: replicated
+    return root / "w2"
+
+
+@pytest.fixture
+def ck(saved: Path, tmp_path: Path) -> Path:
+    shutil.copytree(saved, tmp_path / "w2")
+    return tmp_path / "w2"
+
+
+def test_an_index_with_each_ranks_part_beside_it(ck: Path) -> None:
+    assert {PART0, PART1} <= {p.name for p in ck.iterdir()}
+    index = committed.read_manifest(ck)
+    assert index["version"] == naming.PARTS_VERSION and index["parts"] == 2
+    assert "ranks" not in index  # each rank's per-rank entries lie in its part
+    marker = codec.decode((ck / naming.COMMIT_MARKER).read_bytes())
+    assert marker["version"] == naming.PARTS_VERSION
+    by_path = {tuple(e["path"]): e for e in index["entries"]}
+    assert by_path[("w",)]["split"] == 0 and "chunks" not in by_path[("w",)]
+    assert by_path[("e",)]["split"] == 1 and "chunks" not in by_path[("e",)]
+    assert len(by_path[("r",)]["chunks"]) == 1  # replicated: written once, in the index
+    for name in (PART0, PART1):
+        raw = (ck / name).read_bytes()
+        assert index["files"][name] == {"size": len(raw), "crc32": crc32(raw)}
+    part = codec.decode((ck / PART1).read_bytes())
+    assert part["part"] == 1 and len(part["chunks"]) == 2  # a row for w, one for e
+    assert {tuple(e["path"]) for e in part["entries"]} >= {("loader", "pos")}
+    assert fc.verify(ck).ok
+    assert fc.inspect(ck).world_size == 2
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_every_reader_sees_the_whole_checkpoint(ck: Path) -> None:
+    full = full_tensors()
+    back = fc.restore(ck, partial=True)
+    assert torch.equal(back["w"], full["w"]) and torch.equal(back["e"], full["e"])
+    assert torch.equal(back["r"], full["w"] * 2)
+    # stock DCP reads the same checkpoint through its one global .metadata
+    import torch.distributed.checkpoint as dcp
+
+    into = {"w": torch.zeros(10, 6), "e": torch.zeros(5, 3, 2, dtype=torch.bfloat16)}
+    dcp.load(into, checkpoint_id=str(ck), no_dist=True)
+    assert torch.equal(into["w"], full["w"]) and torch.equal(into["e"], full["e"])
+
+
+def test_a_view_reads_only_the_parts_it_is_asked_for(
+    ck: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    read: list[int] = []
+    original = committed.read_part
+
+    def counting(held: committed.Checkpoint, rank: int) -> object:
+        read.append(rank)
+        return original(held, rank)
+
+    monkeypatch.setattr(committed, "read_part", counting)
+    with committed.open_vetted(ck) as held:
+        once = committed.parsed(held)
+        mine = once.view(1, parts=[1])
+        assert read == [1]  # its per-rank entries and its chunks: one part
+        (w,) = mine.tensors[("w",)].chunks
+        assert (w.offsets, w.sizes) == ((5, 0), (5, 6)) and w.file == naming.shard_name(1)
+        assert mine.values[("loader", "pos")] == 100
+        assert once.view(0, parts=()).tensors[("e",)].chunks == ()
+        whole = once.view(0)
+        assert sorted(set(read)) == [0, 1]
+        assert [c.offsets for c in whole.tensors[("e",)].chunks] == [(0, 0, 0), (0, 2, 0)]
+
+
+def test_a_damaged_part_is_named(ck: Path) -> None:
+    raw = bytearray((ck / PART1).read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    (ck / PART1).write_bytes(bytes(raw))
+    with pytest.raises(
+        fc.errors.CorruptCheckpoint, match=r"manifest\.part-00001\.msgpack.*checksum"
+    ):
+        fc.restore(ck, partial=True)
+    report = fc.verify(ck)
+    assert not report.ok and any(PART1 in str(p) for p in report.problems), report.problems
+
+
+def test_a_part_beyond_the_readers_limit_is_refused_before_it_is_read(
+    ck: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    size = (ck / PART0).stat().st_size
+    monkeypatch.setattr(
+        committed, "LIMITS", dataclasses.replace(LIMITS, manifest_part_bytes=size - 1)
+    )
+    with pytest.raises(fc.errors.CorruptCheckpoint, match=rf"{PART0}.*{size} bytes.*{size - 1}"):
+        fc.restore(ck, partial=True)
+
+
+def test_a_part_missing_from_the_file_table_is_refused(ck: Path) -> None:
+    resign(ck, lambda m: m["files"].pop(PART1))
+    with pytest.raises(fc.errors.CorruptCheckpoint, match=f"does not list {PART1}"):
+        fc.restore(ck, partial=True)
+
+
+def test_a_forged_part_is_refused_by_name(ck: Path) -> None:
+    """A part re-signed in the index with a row too few: its count, and its name."""
+    part = codec.decode((ck / PART1).read_bytes())
+    part["chunks"] = part["chunks"][:1]
+    raw = codec.encode(part)
+    (ck / PART1).write_bytes(raw)
+    resign(ck, lambda m: m["files"].update({PART1: {"size": len(raw), "crc32": crc32(raw)}}))
+    with pytest.raises(fc.errors.CorruptCheckpoint, match=f"{PART1}: 1 chunk rows for 2 split"):
+        fc.restore(ck, partial=True)
+
+
+def test_a_forged_row_is_checked_as_any_chunk(ck: Path) -> None:
+    """A row pointing past the end of its data file: refused before a byte is read."""
+    part = codec.decode((ck / PART1).read_bytes())
+    part["chunks"][0][2] = 1 << 40  # its blob's length
+    raw = codec.encode(part)
+    (ck / PART1).write_bytes(raw)
+    resign(ck, lambda m: m["files"].update({PART1: {"size": len(raw), "crc32": crc32(raw)}}))
+    with pytest.raises(fc.errors.UnsafeCheckpoint, match=f"{PART1} row 0: 'w' declares bytes"):
+        fc.restore(ck, partial=True)
+
+
+def test_a_split_that_is_not_the_rule_is_refused(ck: Path) -> None:
+    def edit(m: dict[str, object]) -> None:
+        for e in m["entries"]:  # type: ignore[attr-defined]
+            if e["path"] == ["w"]:
+                e["split"] = 5  # w has two dimensions
+
+    resign(ck, edit)
+    with pytest.raises(fc.errors.CorruptCheckpoint, match="invalid split 5 of 'w'"):
+        fc.restore(ck, partial=True)
+
+
+def test_a_single_process_checkpoint_is_one_manifest_of_version_1(tmp_path: Path) -> None:
+    """What an older reader reads: no parts, and the version it knows."""
+    fc.save(tmp_path / "one", {"w": torch.ones(3), "rng": {"seed": 1}})
+    assert not [p for p in (tmp_path / "one").iterdir() if naming.parse_part(p.name) is not None]
+    assert committed.read_manifest(tmp_path / "one")["version"] == naming.ONE_MANIFEST_VERSION
+    marker = codec.decode((tmp_path / "one" / naming.COMMIT_MARKER).read_bytes())
+    assert marker["version"] == naming.ONE_MANIFEST_VERSION
+
+
+def test_a_save_refuses_a_part_beyond_the_readers_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    manifest = Manifest(0.0, {}, {}, (), ((), ()))  # two ranks, nothing in them
+    assert [name for name, _ in local.encode_parts(manifest, Path("ck"))] == [PART0, PART1]
+    monkeypatch.setattr(local, "LIMITS", dataclasses.replace(LIMITS, manifest_part_bytes=8))
+    with pytest.raises(fc.errors.UnsupportedValue, match=f"{PART0}, rank 0's part"):
+        local.encode_parts(manifest, Path("ck"))
+
+
+def test_part_names_are_exact() -> None:
+    assert naming.part_name(7) == "manifest.part-00007.msgpack"
+    assert naming.parse_part("manifest.part-00007.msgpack") == 7
+    assert naming.parse_part("manifest.part-7.msgpack") is None
+    assert naming.parse_part("manifest.part-000007.msgpack") is None
