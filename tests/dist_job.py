@@ -7,6 +7,7 @@ Modes:
   plain-restore ROOT                      restore a single-process checkpoint into DTensors
   kill-in-save ROOT                       the last rank dies while writing its shard
   incremental ROOT                        incremental saves, one rank's shard changed
+  plan-cache ROOT                         the same layout saved again, then changed layouts
 """
 
 from __future__ import annotations
@@ -252,6 +253,53 @@ def traffic_run(root: Path, rank: int, world: int) -> None:
     (root / f"traffic.{world}.{rank}.json").write_text(json.dumps(told))
 
 
+def plan_cache_run(root: Path, rank: int, world: int) -> None:
+    """Save one layout twice (the second reuses the plan: every rank sends an empty
+    one, the coordinator deduplicates nothing), then layouts with other shapes and
+    other keys: each saves its own plan and restores bit-exact."""
+    from functional_ckpt._src.save import multi_rank
+
+    sent: list[bool] = []  # per save: did this rank send its full local plan?
+    dedups = [0]
+    create_local, dedup = (
+        multi_rank._Planner.create_local_plan,
+        multi_rank._Planner._dedup_save_plans,
+    )
+
+    def local(self: Any) -> Any:
+        plan = create_local(self)
+        sent.append(plan.usable)
+        return plan
+
+    def counted(self: Any, plans: Any) -> Any:
+        dedups[0] += 1
+        return dedup(self, plans)
+
+    multi_rank._Planner.create_local_plan = local  # type: ignore[method-assign]
+    multi_rank._Planner._dedup_save_plans = counted  # type: ignore[method-assign]
+    mesh = init_device_mesh("cpu", (world,))
+    states = [shard_state(mesh, rank), shard_state(mesh, rank)]
+    states[1]["b"] = states[1]["b"] + 1  # new values, same layout
+    states[1]["step"] = 12
+    wider = full_tensors()["w"].repeat(1, 2)  # other shapes: w is 10 x 12
+    states.append({**shard_state(mesh, rank), "w": distribute_tensor(wider, mesh, [Shard(0)])})
+    states.append({**states[2], "extra": torch.arange(4.0)})  # another key
+    told: dict[str, Any] = {"sent": sent, "dedups": []}
+    for i, state in enumerate(states):
+        fc.save(root / f"s{i}", state)
+        told["dedups"].append(dedups[0])
+        back = fc.restore(root / f"s{i}", state)
+        for key, want in state.items():
+            got = back[key]
+            if isinstance(want, torch.Tensor):
+                got = got.full_tensor() if hasattr(got, "full_tensor") else got
+                want = want.full_tensor() if hasattr(want, "full_tensor") else want
+                assert got.shape == want.shape and torch.equal(got, want), (i, key)
+            elif key != "loader":
+                assert got == want, (i, key)
+    (root / f"plan-cache.{rank}.json").write_text(json.dumps(told))
+
+
 def main() -> None:
     mode, root = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")
@@ -330,6 +378,8 @@ def main() -> None:
         assert torch.equal(back["w"].full_tensor(), expect)
         assert torch.equal(back["r"].full_tensor(), full_tensors()["w"] * 2)
         assert back["loader", "pos"] == rank * 100
+    elif mode == "plan-cache":
+        plan_cache_run(root, rank, world)
     elif mode == "traffic":
         traffic_run(root, rank, world)
     elif mode == "async-save":

@@ -251,3 +251,21 @@ def test_eight_ranks_save_and_restore_onto_8_and_3_and_move_the_bytes_predicted(
             else:  # reshard= maps every saving rank's per-rank state: all eight parts
                 assert back["parts_read"] == list(range(8))
     assert fc.verify(tmp_path / "ck").ok
+
+
+def test_a_layout_saved_again_reuses_its_plan_and_a_changed_one_never_does(
+    tmp_path: Path,
+) -> None:
+    """The same layout with new values: every rank sends an empty plan and the
+    coordinator deduplicates nothing; other shapes, then another key: full plans,
+    planned again, each checkpoint restored bit-exact (in the job)."""
+    import json
+
+    run_ok(2, "plan-cache", str(tmp_path))
+    for rank in range(2):
+        told = json.loads((tmp_path / f"plan-cache.{rank}.json").read_text())
+        assert told["sent"] == [True, False, True, True], told
+    coordinator = json.loads((tmp_path / "plan-cache.0.json").read_text())
+    assert coordinator["dedups"] == [1, 1, 2, 3]  # the second save planned nothing
+    for i in range(4):
+        assert fc.verify(tmp_path / f"s{i}").ok

@@ -100,6 +100,19 @@ def test_a_view_reads_only_the_parts_it_is_asked_for(
         assert [c.offsets for c in whole.tensors[("e",)].chunks] == [(0, 0, 0), (0, 2, 0)]
 
 
+def test_a_view_of_some_parts_describes_to_dcp_only_what_it_holds(ck: Path) -> None:
+    """Rank 0's view holds w's first chunk alone, at the origin: not the whole of w,
+    and not to be mistaken for r's one chunk (the same dtype and shape, all of r)."""
+    from functional_ckpt._src.format import dcp_metadata
+
+    with committed.open_vetted(ck) as held:
+        mine = committed.parsed(held).view(0, parts=[0])
+    md = dcp_metadata.metadata_for([list(mine.tensors.values())])
+    w, r = md.state_dict_metadata["w"], md.state_dict_metadata["r"]
+    assert [tuple(c.sizes) for c in w.chunks] == [(5, 6)]  # type: ignore[union-attr]
+    assert [tuple(c.sizes) for c in r.chunks] == [(10, 6)]  # type: ignore[union-attr]
+
+
 def test_a_damaged_part_is_named(ck: Path) -> None:
     raw = bytearray((ck / PART1).read_bytes())
     raw[len(raw) // 2] ^= 0xFF

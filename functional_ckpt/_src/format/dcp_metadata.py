@@ -79,7 +79,9 @@ def metadata_for(
         prop = props.get(dtype)
         if prop is None:
             prop = props[dtype] = TensorProperties(dtype=dtype)
-        whole = len(chunks) == 1 and chunks[0].whole
+        # one chunk at the origin of a tensor's own shape (a view of some parts of a
+        # split manifest holds one chunk at the origin that is not the whole tensor)
+        whole = len(chunks) == 1 and chunks[0].whole and chunks[0].sizes == shape
         md = single.get((dtype, shape)) if whole else None
         if md is None:
             md = TensorStorageMetadata(

@@ -87,22 +87,20 @@ def read_targets(src: committed.Checkpoint, targets: list[Target]) -> None:
     by_file: dict[str, list[tuple[Target, Chunk, torch.Tensor]]] = {}
     for tg in targets:
         chunks = tg.entry.chunks
-        if len(chunks) == 1 and chunks[0].whole:  # the common case, in one step
+        whole = len(chunks) == 1 and chunks[0].whole and chunks[0].sizes == tg.entry.shape
+        if whole:  # the common case, in one step
             if chunks[0].nbytes:
                 by_file.setdefault(chunks[0].file, []).append((tg, chunks[0], tg.buf))
             continue
         for chunk in chunks:
             if not chunk.nbytes:
                 continue
-            if len(chunks) == 1 and chunk.whole:
-                land = tg.buf
+            region = _region(tg.buf, chunk)
+            if region.is_contiguous():
+                land = region
             else:
-                region = _region(tg.buf, chunk)
-                if region.is_contiguous():
-                    land = region
-                else:
-                    land = torch.empty(chunk.sizes, dtype=tg.entry.dtype)
-                    tg.copies.append((region, land))
+                land = torch.empty(chunk.sizes, dtype=tg.entry.dtype)
+                tg.copies.append((region, land))
             by_file.setdefault(chunk.file, []).append((tg, chunk, land))
     bad: list[str] = []
     for name, group in by_file.items():

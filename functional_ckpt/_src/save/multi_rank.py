@@ -11,7 +11,8 @@ its data durable.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
     WriteItemType,
 )
+from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -161,7 +163,7 @@ class _Commit:
 
 
 class _Planner(DefaultSavePlanner):
-    """DCP's save planner, deciding only who writes what.
+    """DCP's save planner, deciding only who writes what, and once per layout.
 
     Of DCP's global step this writer needs the deduplication alone (which rank
     writes each replicated tensor). DCP's global ``Metadata`` (every rank's chunk of
@@ -169,13 +171,68 @@ class _Planner(DefaultSavePlanner):
     ``.metadata`` from the manifest, and the manifest's chunks are checked when it
     is read. So it is not built, and the empty one handed to DCP keeps a rank's
     share of DCP's closing broadcast the same size whatever the world size.
+
+    A training loop saves one layout again and again, so DCP's plan caching is on:
+    a rank whose local plan equals its last one (same keys, shapes, dtypes, boxes)
+    sends an empty plan instead, and when every rank did, the coordinator reuses the
+    last global plan without deduplicating again (:func:`global_plans`). ``key``
+    names the cache: the checkpoint group's ranks, so that a plan is never reused
+    by another world.
     """
 
+    def __init__(self, key: str) -> None:
+        super().__init__(enable_plan_caching=True)
+        self._cached_plans_key = key
+
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        plans = self._dedup_save_plans(all_plans)
+        delta, plans = global_plans(self._cached_plans_key, all_plans, self._dedup_save_plans)
         self.global_plan = plans
         self.metadata = Metadata(state_dict_metadata={})
-        return plans, self.metadata
+        return delta, self.metadata
+
+
+def plan_key(ranks: Sequence[int]) -> str:
+    """The plan cache's key for a checkpoint group of these global ranks."""
+    return f"functional_ckpt/{len(ranks)}/{zlib.crc32(repr(tuple(ranks)).encode()):08x}"
+
+
+def global_plans(
+    key: str, all_plans: list[SavePlan], dedup: Callable[[list[SavePlan]], list[SavePlan]]
+) -> tuple[list[SavePlan], list[SavePlan]]:
+    """The global plans (what each rank is sent, and in full) for ranks' local plans.
+
+    An empty, unusable local plan means "the same as my last": it is replaced by
+    the plan cached for that rank. When no rank's plan changed, the last global
+    plans are reused whole and every rank is sent an empty one (it reuses its own);
+    otherwise the merged plans are deduplicated again and only the plans that
+    changed are sent. A rank that claims a cached plan the coordinator does not hold
+    (another world, a cache lost) is an error, never a stale plan.
+    """
+    cached = SavePlanner._cached_all_plans.get(key)
+    unchanged = [not p.usable for p in all_plans]
+    if any(unchanged) and (cached is None or len(cached) != len(all_plans)):
+        raise CheckpointError(
+            "a rank reused a save plan this coordinator does not hold; save again"
+        )
+    last = SavePlanner._cached_global_plan.get(key)
+    if cached is not None and all(unchanged) and last is not None:
+        return [SavePlan([], usable=False)] * len(all_plans), last
+    merged = (
+        all_plans
+        if cached is None
+        else [c if same else p for c, p, same in zip(cached, all_plans, unchanged, strict=True)]
+    )
+    plans = dedup(merged)
+    if last is not None and len(last) == len(plans):
+        delta = [
+            SavePlan([], usable=False) if _compare_save_plans(old, new) else new
+            for old, new in zip(last, plans, strict=True)
+        ]
+    else:
+        delta = plans
+    SavePlanner._cached_all_plans[key] = merged
+    SavePlanner._cached_global_plan[key] = plans
+    return delta, plans
 
 
 def local_entries(plan: Plan) -> bytes:
@@ -216,9 +273,10 @@ def save_planned(
 ) -> CheckpointInfo:
     """The multi-rank write of a planned save: every rank calls it; one checkpoint commits.
 
-    A rank's planning failure (``job.error``) is agreed on first, so all of them fail
-    together. ``tensors`` are what fills the plan's targets (the sources, DTensors
-    included, or their staged copies).
+    A rank's planning failure (``job.error``) is agreed on with the coordinator's
+    directory (one round: the coordinator makes it only when it planned, and removes
+    it when another rank did not), so all of them fail together. ``tensors`` are what
+    fills the plan's targets (the sources, DTensors included, or their staged copies).
     """
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -226,19 +284,29 @@ def save_planned(
     dest = job.dest
     group = checkpoint_group(timeout)
     rank = dist.get_rank()
-    groups.agree(job.error, group, f"save {dest}")
-    plan = job.plan
-    tmp_name = durable.tmp_sibling(dest).name if rank == 0 else ""
+    error: BaseException | None = job.error
+    tmp_name = ""
+    try:
+        tmp_name = durable.tmp_sibling(dest).name if rank == 0 else ""
+    except BaseException as e:  # told with the agreement below, never left unsent
+        error = error or e
     tmp_name = groups.broadcast_bytes(tmp_name.encode(), group).decode()
     tmp = dest.parent / tmp_name
-    error: BaseException | None = None
+    made = False
     try:
-        if rank == 0:
+        if rank == 0 and error is None:
             durable.make_dirs(dest.parent)
             tmp.mkdir()
+            made = True
     except BaseException as e:
         error = os_failure(e, dest, "saving") if isinstance(e, OSError) else e
-    groups.agree(error, group, f"save {dest}")
+    try:
+        groups.agree(error, group, f"save {dest}")
+    except BaseException:
+        if made:
+            commit.remove_tree(tmp)
+        raise
+    plan = job.plan
     try:
         own = rank != 0 and _own_part(tmp, job.options.parts)
     except BaseException as e:
@@ -274,7 +342,7 @@ def save_planned(
             dcp_save(
                 state_dict,
                 storage_writer=writer,
-                planner=_Planner(),
+                planner=_Planner(plan_key(dist.get_process_group_ranks(group))),
                 process_group=group,
             )
     except BaseException as e:
