@@ -197,3 +197,33 @@ def test_part_names_are_exact() -> None:
     assert naming.parse_part("manifest.part-00007.msgpack") == 7
     assert naming.parse_part("manifest.part-7.msgpack") is None
     assert naming.parse_part("manifest.part-000007.msgpack") is None
+
+
+def test_a_row_is_a_chunk_without_its_box() -> None:
+    from functional_ckpt._src.format import parts
+    from functional_ckpt._src.format.manifest import Chunk
+
+    assert Chunk._fields[2:] == parts.ROW_FIELDS
+    c = Chunk((5, 0), (5, 6), "__1_0.distcp", 64, 300, 128, 120, 7, 9)
+    assert parts.row(c) == ["__1_0.distcp", 64, 300, 128, 120, 7, 9]
+    plain = parts.row_plain(parts.row(c), ((5, 0), (5, 6)))
+    assert (
+        plain is not None
+        and Chunk(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in plain.items()}) == c
+    )
+
+
+def test_the_even_split_is_torch_chunks() -> None:
+    from functional_ckpt._src.format import parts
+
+    for extent, n in ((10, 2), (10, 4), (4096, 1024), (7, 3), (1000, 7)):
+        t = torch.arange(extent)
+        got = [parts.split_box((extent, 2), 0, n, i) for i in range(n)]
+        want = [((int(c[0]), 0), (len(c), 2)) for c in t.chunk(n)]
+        assert (len(want) == n) == parts.is_even_split((extent, 2), 0, n)
+        if len(want) == n:
+            assert got == want
+            assert parts.split_dim((extent, 2), got, n) == 0
+            assert list(parts.overlapping(extent, n, 0, extent)) == list(range(n))
+    assert parts.split_dim((10, 6), [((0, 0), (5, 6)), ((5, 0), (4, 6))], 2) is None
+    assert list(parts.overlapping(10, 4, 3, 4)) == [1, 2]  # rows 3..6 of chunks of 3

@@ -65,10 +65,12 @@ def metadata_for(
         return strings.setdefault(text, text)
 
     def size_of(dims: Sequence[int]) -> torch.Size:
-        key = tuple(int(d) for d in dims)
-        got = sizes.get(key)
+        got = sizes.get(dims) if type(dims) is tuple else None  # chunks hold tuples of ints
         if got is None:
-            got = sizes[key] = torch.Size(key)
+            key = tuple(int(d) for d in dims)
+            got = sizes.get(key)
+            if got is None:
+                got = sizes[key] = torch.Size(key)
         return got
 
     state_md: dict[str, Any] = {}

@@ -69,16 +69,9 @@ def overlapping(extent: int, parts: int, start: int, length: int) -> range:
 
 
 def row(chunk: Any) -> list[Any]:
-    """A chunk as a part row: :data:`ROW_FIELDS` of it, in order."""
-    return [
-        chunk.file,
-        chunk.offset,
-        chunk.length,
-        chunk.data_offset,
-        chunk.nbytes,
-        chunk.crc32,
-        chunk.hcrc32,
-    ]
+    """A chunk as a part row: :data:`ROW_FIELDS` of it, in order (a chunk's fields
+    after its box)."""
+    return list(chunk[2:])
 
 
 def row_plain(values: object, box: Box) -> dict[str, Any] | None:
