@@ -91,3 +91,16 @@ def test_a_plan_is_never_reused_by_another_world() -> None:
         with pytest.raises(fc.errors.CheckpointError, match="does not hold"):
             multi_rank.global_plans(key, [UNCHANGED] * n, dedup)
     assert dedup.calls == 1
+
+
+def test_a_failed_save_forgets_its_plans() -> None:
+    """After "does not hold", every rank drops its plans: the next save plans afresh."""
+    key, dedup = multi_rank.plan_key(range(4)), Counting()
+    with pytest.raises(fc.errors.CheckpointError, match="does not hold"):
+        multi_rank.global_plans(key, [UNCHANGED] * 4, dedup)
+    multi_rank.global_plans(key, local_plans(4), dedup)
+    SavePlanner._cached_save_plan[key] = local_plans(4)[0]  # what a rank keeps
+    multi_rank.forget_plans(key)
+    assert key not in SavePlanner._cached_all_plans and key not in SavePlanner._cached_save_plan
+    with pytest.raises(fc.errors.CheckpointError, match="does not hold"):
+        multi_rank.global_plans(key, [UNCHANGED] * 4, dedup)

@@ -196,6 +196,19 @@ def plan_key(ranks: Sequence[int]) -> str:
     return f"functional_ckpt/{len(ranks)}/{zlib.crc32(repr(tuple(ranks)).encode()):08x}"
 
 
+def forget_plans(key: str) -> None:
+    """Drop every plan cached under ``key`` on this rank (a save that failed: what
+    the coordinator and this rank hold may no longer agree)."""
+    for cache in (
+        SavePlanner._cached_save_plan,
+        SavePlanner._cached_final_save_plan,
+        SavePlanner._cached_all_plans,
+        SavePlanner._cached_global_plan,
+        SavePlanner._cached_metadata,
+    ):
+        cache.pop(key, None)
+
+
 def global_plans(
     key: str, all_plans: list[SavePlan], dedup: Callable[[list[SavePlan]], list[SavePlan]]
 ) -> tuple[list[SavePlan], list[SavePlan]]:
@@ -206,7 +219,9 @@ def global_plans(
     plans are reused whole and every rank is sent an empty one (it reuses its own);
     otherwise the merged plans are deduplicated again and only the plans that
     changed are sent. A rank that claims a cached plan the coordinator does not hold
-    (another world, a cache lost) is an error, never a stale plan.
+    (another world, a cache lost) is an error, never a stale plan; the failed save
+    makes every rank forget its plans (:func:`forget_plans`), so the next one plans
+    afresh.
     """
     cached = SavePlanner._cached_all_plans.get(key)
     unchanged = [not p.usable for p in all_plans]
@@ -337,15 +352,12 @@ def save_planned(
     )
     writer = _ChunkWriter(tmp, job, commit_job)
     state_dict = {e.fqn: t for e, t in zip(plan.targets, tensors, strict=True)}
+    key = plan_key(dist.get_process_group_ranks(group))
     try:
         with gc_paused():
-            dcp_save(
-                state_dict,
-                storage_writer=writer,
-                planner=_Planner(plan_key(dist.get_process_group_ranks(group))),
-                process_group=group,
-            )
+            dcp_save(state_dict, storage_writer=writer, planner=_Planner(key), process_group=group)
     except BaseException as e:
+        forget_plans(key)  # the next save plans afresh on every rank
         if rank == 0 or own:
             commit.remove_tree(tmp)
         raise _unwrap(e, f"save {dest}") from e
