@@ -23,13 +23,17 @@ fc, coordinator
   rank's shard writer reports: one per shard of every sharded tensor, replicated
   tensors spread over the ranks as DCP's planner spreads them), DCP's global
   planning as ``fc.save`` runs it (``multi_rank._Planner``: the deduplication),
-  then ``manifest.assemble``, ``dcp_metadata.derive`` and ``Manifest.encode``:
-  everything ``finalize`` computes before it writes. A second save of the same
-  layout is timed too (``derive`` keeps the last ``.metadata``).
+  then ``manifest.assemble``, ``dcp_metadata.derive``, ``local.encode_parts`` and
+  ``Manifest.encode`` (the manifest's index): everything ``finalize`` computes
+  before it writes. A second save of the same layout is timed too: every rank sends
+  the empty plan that says "unchanged", so the global plan is reused, and
+  ``derive`` keeps the last ``.metadata``.
 fc, one rank's restore
-  Decoding the manifest, ``parse_checkpoint`` and the rank's view, the DCP
-  ``Metadata`` its reader serves (``dcp_metadata.metadata_for``) and DCP's load
-  planning for the rank's shards (``create_read_items_for_chunk_list``, what
+  Decoding the manifest's index, ``parse_checkpoint`` and the rank's view without
+  the sharded chunks, the parts its shards meet (``dtensor.parts_meeting``: its
+  own), their CRC32 and decoding, the view filled from them, the DCP ``Metadata``
+  its reader serves (``dcp_metadata.metadata_for``) and DCP's load planning for
+  the rank's shards (``create_read_items_for_chunk_list``, what
   ``DefaultLoadPlanner`` calls per tensor).
 stock DCP
   The same plans through ``DefaultSavePlanner.create_global_plan`` and the
