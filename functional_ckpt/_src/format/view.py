@@ -196,8 +196,7 @@ class ParsedCheckpoint:
 
     def _sparse(self, rank: int | None) -> ParsedManifest:
         if rank is None or self.complete:
-            base = self.shared if rank is None else self.view(rank)
-            return base
+            return self.shared if rank is None else self.view(rank)
         got = self.sparse.get(rank)
         if got is None:
             got = self.sparse[rank] = self._view(rank)
