@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from functional_ckpt._src.codec import table
-from functional_ckpt._src.codec.tagged import registration_line
+from functional_ckpt._src.codec.registration import registration_line
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.manifest import dtype_name, torch_dtype
 from functional_ckpt._src.text import clip, printable, short_repr
