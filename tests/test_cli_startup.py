@@ -181,6 +181,9 @@ def test_verify_of_a_two_rank_checkpoint_loads_no_tensor_library(two_ranks: Path
     assert code == 0 and loaded == set()
     doc = json.loads(out)
     assert (doc["ok"], doc["intact"], doc["checkpoints"][0]["problems"]) == (True, 1, [])
+    # both ranks' shard files and the .metadata derived from both ranks' entries
+    assert (two_ranks / naming.DCP_METADATA).is_file()
+    assert doc["checkpoints"][0]["files_checked"] == 3
 
 
 def test_verify_finds_a_misleading_dcp_metadata_without_torch(
