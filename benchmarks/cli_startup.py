@@ -10,14 +10,21 @@ What is compared, in one run (each command in a fresh process, as a shell runs i
     ``python -m functional_ckpt ls ROOT`` of a root of ``--checkpoints`` committed
     checkpoints (a small model, AdamW and the RNG states, each from
     ``fc.capture``, saved by a ``CheckpointManager`` with metrics), which this script
-    writes first into a scratch directory and removes at the end.
+    writes first into a scratch directory and removes at the end;
+``fckpt inspect CKPT``
+    ``python -m functional_ckpt inspect`` of the newest checkpoint of that root (its
+    manifest read and validated; numpy loads to rebuild the RNG states' arrays);
+``fckpt verify CKPT``
+    ``python -m functional_ckpt verify`` of the same checkpoint: every byte re-read
+    and checked, and its ``.metadata`` compared with the manifest.
 
 Every command runs once untimed (so the page cache and the bytecode caches are
 warm), then ``--reps`` times, interleaved; medians are reported. Targets, on the
 medians:
 
 * ``fckpt --help`` <= 3x ``python -c pass``;
-* ``fckpt ls ROOT`` <= 6x ``python -c pass``.
+* ``fckpt ls ROOT``, ``fckpt inspect CKPT`` and ``fckpt verify CKPT`` each <= 6x
+  ``python -c pass`` (none loads torch; before, inspect and verify did).
 
 Usage::
 
@@ -57,9 +64,11 @@ from _common import (
 BASELINE = "python -c pass"
 HELP = "fckpt --help"
 LS = "fckpt ls ROOT"
+INSPECT = "fckpt inspect CKPT"
+VERIFY = "fckpt verify CKPT"
 
 #: The most each command may take, as a multiple of the baseline.
-LIMITS = {HELP: 3.0, LS: 6.0}
+LIMITS = {HELP: 3.0, LS: 6.0, INSPECT: 6.0, VERIFY: 6.0}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -97,11 +106,16 @@ def make_root(root: Path, n: int) -> None:
 
 
 def commands(root: Path) -> dict[str, list[str]]:
+    from functional_ckpt._src.format.naming import parse_step
+
     fckpt = [sys.executable, "-m", "functional_ckpt"]
+    newest = max(p for p in root.iterdir() if parse_step(p.name) is not None)
     return {
         BASELINE: [sys.executable, "-c", "pass"],
         HELP: [*fckpt, "--help"],
         LS: [*fckpt, "ls", str(root)],
+        INSPECT: [*fckpt, "inspect", str(newest)],
+        VERIFY: [*fckpt, "verify", str(newest)],
     }
 
 

@@ -248,10 +248,16 @@ def test_cli_startup_quick_run(tmp_path: Path) -> None:
     data = _run_benchmark("cli_startup.py", tmp_path)
     assert data["config"]["reps"] == 2 and data["config"]["checkpoints"] == 5
     rows = {r["command"]: r for r in data["rows"]}
-    assert set(rows) == {"python -c pass", "fckpt --help", "fckpt ls ROOT"}
+    assert set(rows) == {
+        "python -c pass",
+        "fckpt --help",
+        "fckpt ls ROOT",
+        "fckpt inspect CKPT",
+        "fckpt verify CKPT",
+    }
     for r in rows.values():
         assert len(r["times_s"]) == 2 and r["median_s"] > 0 and r["ratio"] > 0
-    assert len(data["targets"]) == 2
+    assert len(data["targets"]) == 4
     assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}
 
 

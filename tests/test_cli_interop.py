@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 import functional_ckpt as fc
 from functional_ckpt._src import cli
 from functional_ckpt._src.cli import listing, show
-from functional_ckpt._src.cli.main import build_parser
+from functional_ckpt._src.cli.parser import build_parser
 from functional_ckpt._src.cli.ui import UI
 from functional_ckpt._src.export.safetensors import parse_size
 from functional_ckpt._src.format.naming import EXPORT_INDEX, EXPORT_WEIGHTS, step_name

@@ -2,8 +2,10 @@
 
 Each case runs the real entry point (``python -m functional_ckpt``) in a fresh
 process, which then reports the modules it loaded: ``--help``, ``--version`` and
-``ls`` must load neither torch nor tensordict, and numpy only to rebuild a numpy
-value a manifest holds (the RNG states ``fc.capture`` records). Their output is
+``ls``, ``inspect`` and ``verify`` must load neither torch nor tensordict, and
+numpy only to rebuild a numpy value a manifest holds (the RNG states
+``fc.capture`` records); ``verify`` still finds a ``.metadata`` that disagrees with
+the manifest. Their output is
 checked as well: starting lighter must not change what they say, and the plain
 tables printed without ``rich`` are laid out exactly as ``rich`` lays them out.
 """
@@ -13,8 +15,12 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
+import re
+import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +31,11 @@ from hypothesis import strategies as st
 
 import functional_ckpt as fc
 from functional_ckpt._src.cli import ui
+from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import step_name
+from tests.forge import resign
 from tests.patience import HANG
+from tests.test_dist import run_ok
 
 #: Runs the entry point as ``python -m functional_ckpt`` does, then names the heavy
 #: top-level packages it loaded (on stderr, after the command's own output).
@@ -130,12 +139,73 @@ def test_ls_of_a_manager_root_loads_neither_torch_nor_tensordict(managed_root: P
     assert loaded <= {"numpy"}  # the RNG states fc.capture records are numpy arrays
 
 
-def test_verify_loads_no_tensordict(plain_root: Path, managed_root: Path) -> None:
-    # torch builds the DCP metadata that .metadata is compared with; tensordict is not needed
-    for root, n in ((plain_root, 3), (managed_root, 2)):
+def test_verify_loads_no_tensor_library(plain_root: Path, managed_root: Path) -> None:
+    for root, n, allowed in ((plain_root, 3, set()), (managed_root, 2, {"numpy"})):
         code, out, loaded = fckpt("verify", str(root))
         assert code == 0 and out.splitlines()[-1] == f"{n} checkpoints intact"
-        assert "tensordict" not in loaded
+        assert loaded <= allowed
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint two gloo ranks saved: DTensors sharded on different dimensions, a
+    replicated one, a plain tensor, values and each rank's own subtree (``loader``)."""
+    root = tmp_path_factory.mktemp("startup") / "dist"
+    run_ok(2, "shard-save", str(root))
+    return root / "w2"
+
+
+def test_inspect_of_a_two_rank_checkpoint_loads_no_tensor_library(two_ranks: Path) -> None:
+    code, out, loaded = fckpt("inspect", str(two_ranks))
+    assert code == 0 and loaded == set()
+    assert "written by 2 ranks" in out.splitlines()[1]
+    specs = dict(re.findall(r"^  (\w+) +(\w+\[[\d, ]*\])  ", out, re.M))
+    assert specs == {"w": "float32[10, 6]", "e": "bfloat16[5, 3, 2]", "r": "float32[10, 6]"} | {
+        "b": "int64[7]"
+    }
+    code, out, loaded = fckpt("inspect", str(two_ranks), "--json")
+    assert code == 0 and loaded == set()
+    doc = json.loads(out)
+    by_key = {e["key"]: e for e in doc["entries"]}
+    assert (by_key["e"]["dtype"], by_key["e"]["shape"], by_key["e"]["nbytes"]) == (
+        "bfloat16",
+        [5, 3, 2],
+        60,
+    )
+    assert by_key["loader/pos"]["value"] == 0 and by_key["step"]["value"] == 11  # rank 0's view
+    assert doc["world_size"] == 2 and doc["num_tensors"] == 4
+
+
+def test_verify_of_a_two_rank_checkpoint_loads_no_tensor_library(two_ranks: Path) -> None:
+    code, out, loaded = fckpt("verify", str(two_ranks), "--json")
+    assert code == 0 and loaded == set()
+    doc = json.loads(out)
+    assert (doc["ok"], doc["intact"], doc["checkpoints"][0]["problems"]) == (True, 1, [])
+    # both ranks' shard files and the .metadata derived from both ranks' entries
+    assert (two_ranks / naming.DCP_METADATA).is_file()
+    assert doc["checkpoints"][0]["files_checked"] == 3
+
+
+def test_verify_finds_a_misleading_dcp_metadata_without_torch(
+    plain_root: Path, tmp_path: Path
+) -> None:
+    """A ``.metadata`` (re-signed) that would send stock ``dcp.load`` to other bytes."""
+    bad = tmp_path / "bad"
+    shutil.copytree(plain_root / step_name(3), bad)
+    md = pickle.loads((bad / naming.DCP_METADATA).read_bytes())
+    info = md.storage_data[next(k for k in md.storage_data if k.fqn == "model.w")]
+    info.length += 1
+    raw = pickle.dumps(md, protocol=2)
+    (bad / naming.DCP_METADATA).write_bytes(raw)
+
+    def edit(m: dict[str, Any]) -> None:
+        m["files"][naming.DCP_METADATA] = {"size": len(raw), "crc32": zlib.crc32(raw)}
+
+    resign(bad, edit)
+    code, out, loaded = fckpt("verify", str(bad))
+    assert code == 1 and loaded == set()
+    assert "disagrees with the manifest" in out and "'model.w' at (0, 0)" in out
+    assert f"{info.length}, None) where the manifest says" in out
 
 
 def _printed_table(head: list[str], rows: list[list[str]], *, plain: bool) -> str:

@@ -282,3 +282,16 @@ def test_budgets_and_hash_floods_still_apply() -> None:
     bomb = argparse.Namespace(x=[[]] * (LIMITS.decode_free_containers * 2))  # fields are counted
     with pytest.raises(UnsupportedValue, match="decode budget"):
         codec.encode(bomb)
+
+
+def test_the_dtype_table_is_torchs() -> None:
+    """The one table of dtypes (read without torch) names every torch dtype, sized as torch
+    sizes it, and torch's other names for them; a torch that adds one fails here."""
+    from functional_ckpt._src.codec import table
+
+    dtypes = {n: d for n in dir(torch) if isinstance(d := getattr(torch, n), torch.dtype)}
+    canonical = {n: d for n, d in dtypes.items() if str(d) == f"torch.{n}"}
+    assert dict(table.DTYPE_SIZES) == {n: d.itemsize for n, d in canonical.items()}
+    aliases = {n: str(d).removeprefix("torch.") for n, d in dtypes.items() if n not in canonical}
+    assert dict(table.DTYPE_ALIASES) == aliases
+    assert canonical == table.TORCH_DTYPES

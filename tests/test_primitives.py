@@ -27,7 +27,7 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("_src/cli/demo/run.py", "target.unlink"): (1, "the demo's own scratch file"),
     ("_src/cli/demo/run.py", "self.log.read_text"): (1, "the demo's own child log"),
     ("_src/cli/main.py", "os.open"): (1, "/dev/null in place of a closed stdout"),
-    ("_src/cli/run.py", "open"): (1, "/proc/<pid>/stat of the supervised child"),
+    ("_src/cli/process_group.py", "open"): (1, "/proc/<pid>/stat of the supervised child"),
     ("_src/distributed/groups.py", "probe.unlink"): (1, "the probe file this rank made"),
     ("_src/export/files.py", "path.read_bytes"): (1, "a side file the user names (extra_files)"),
     ("_src/export/safetensors.py", "os.open"): (1, "fsync of a file this export wrote"),

@@ -208,6 +208,8 @@ def test_our_readers_never_unpickle(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(pickle, "loads", refuse)
     monkeypatch.setattr(pickle, "load", refuse)
     monkeypatch.setattr(pickle, "Unpickler", refuse)
+    # verify reads .metadata through the vetted unpickler only (into plain stand-ins)
+    assert fc.verify(path).ok
     monkeypatch.setattr(pickle, "_Unpickler", refuse)
     check_state(fc.restore(path), 3.0)
     assert fc.inspect(path).num_tensors == 3
@@ -369,6 +371,85 @@ def test_unpickler_attack_changes_nothing(tmp_path: Path, name: str) -> None:
     assert _snapshot() == before
     assert (pathlib.PosixPath("/a") / "b") == pathlib.PosixPath("/a/b")
     assert copyreg is not None and collections.OrderedDict is not None
+
+
+def _torch_allowed() -> dict[tuple[str, str], Any]:
+    """The globals a ``.metadata`` may name, as torch itself has them."""
+    import torch.serialization
+    from torch.distributed.checkpoint import metadata as dcp
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    found: dict[tuple[str, str], Any] = {}
+    for cls in (
+        dcp.Metadata,
+        dcp.TensorStorageMetadata,
+        dcp.BytesStorageMetadata,
+        dcp.ChunkStorageMetadata,
+        dcp.TensorProperties,
+        dcp.MetadataIndex,
+        dcp.StorageMeta,
+        dcp._MEM_FORMAT_ENCODING,
+    ):
+        found[("torch.distributed.checkpoint.metadata", cls.__name__)] = cls
+    found[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+    found[("torch", "Size")] = torch.Size
+    found[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    found[("collections", "OrderedDict")] = collections.OrderedDict
+    for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
+        found[("pathlib", name)] = getattr(pathlib, name)
+        found[("pathlib._local", name)] = getattr(pathlib, name)
+    for name in dir(torch):
+        obj = getattr(torch, name, None)
+        if isinstance(obj, torch.dtype | torch.layout | torch.memory_format):
+            found[("torch", name)] = obj
+    return found
+
+
+def test_the_stand_ins_allow_exactly_what_torch_has() -> None:
+    from functional_ckpt._src.format import dcp_standins as sd
+
+    real = _torch_allowed()
+    assert set(unpickler.ALLOWED) == set(real)
+    kinds = {torch.dtype: sd.DType, torch.layout: sd.Layout, torch.memory_format: sd.MemoryFormat}
+    for key, obj in real.items():
+        standin = unpickler.ALLOWED[key]
+        if type(obj) in kinds:
+            assert type(standin) is kinds[type(obj)], key
+            assert repr(standin) == str(obj), key  # torch.float is torch.float32
+        elif isinstance(obj, type) and key[0].startswith("torch."):
+            assert standin.__name__ == obj.__name__, key
+    members = {m.name: m.value for m in unpickler._MEM_FORMAT_ENCODING}
+    assert members == {m.name: m.value for m in real[(sd.DCP_MODULE, "_MEM_FORMAT_ENCODING")]}
+
+
+def test_the_stand_ins_have_dcps_fields_and_defaults() -> None:
+    import dataclasses
+
+    from functional_ckpt._src.format import dcp_standins as sd
+
+    real = _torch_allowed()
+    for cls in sd.DATA_CLASSES:
+        module = sd.STORAGE_MODULE if cls.__name__ == "_StorageInfo" else sd.DCP_MODULE
+        dcp_cls = real[(module, cls.__name__)]
+        assert tuple(f.name for f in dataclasses.fields(dcp_cls)) == cls.FIELDS
+        for name in cls.FIELDS:  # a missing field reads as it does on DCP's class
+            here, there = vars(cls).get(name, KeyError), vars(dcp_cls).get(name, KeyError)
+            assert repr(here) == repr(there), (cls.__name__, name)
+
+
+def test_a_stock_reader_gets_dcps_own_metadata(tmp_path: Path) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    fc.save(tmp_path / "ours", make_state(1.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"a": torch.arange(6.0), "n": 3}, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    for path in (tmp_path / "ours", tmp_path / "d"):
+        raw = (path / naming.DCP_METADATA).read_bytes()
+        got = unpickler.load_foreign(raw, path / naming.DCP_METADATA)
+        assert type(got) is Metadata and got == pickle.loads(raw)  # field for field
 
 
 def test_extension_codes_are_refused_even_when_cached() -> None:

@@ -418,7 +418,7 @@ def test_a_class_of_the_main_script_is_named_after_its_module(
 ) -> None:
     import types
 
-    from functional_ckpt._src.codec.tagged import default_name
+    from functional_ckpt._src.codec.registration import default_name
 
     def named(main: types.ModuleType) -> str:
         monkeypatch.setitem(sys.modules, "__main__", main)

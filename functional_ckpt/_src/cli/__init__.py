@@ -3,6 +3,7 @@
 Nothing in the library imports this package.
 """
 
-from functional_ckpt._src.cli.main import build_parser, main
+from functional_ckpt._src.cli.main import main
+from functional_ckpt._src.cli.parser import build_parser
 
 __all__ = ["build_parser", "main"]

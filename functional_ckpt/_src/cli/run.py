@@ -12,220 +12,57 @@ or from the progress file a job's ``CheckpointManager`` writes after each commit
 reached, and to tell a job that makes progress (relaunched as often as asked) from
 one that fails at the same place every time (stopped instead of burning every
 retry). ``--config`` takes the relaunch options from a config file's ``run`` block.
+
+This module is the supervisor's loop; what it was asked (:mod:`.run_options`),
+each attempt's record (:mod:`.attempts`) and the command's process group
+(:mod:`.process_group`) are modules of their own.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shlex
 import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
-from typing import Any
 
-from functional_ckpt._src.cli.common import UsageError, is_checkpoint_dir, one_line
-from functional_ckpt._src.cli.ui import PROG, UI
-from functional_ckpt._src.policy.config import (
-    MANAGER_KEYS,
-    Relaunch,
-    at_key,
-    check_keys,
-    relaunch_from_config,
+from functional_ckpt._src.cli.attempts import (
+    Attempt,
+    Resumable,
+    duration_text,
+    exit_status,
+    outcome_text,
+    resumable,
+    step_text,
 )
-from functional_ckpt._src.root.listing import newest_summary
-from functional_ckpt._src.storage.opener import read_file
+from functional_ckpt._src.cli.common import UsageError
+from functional_ckpt._src.cli.process_group import StopSignals, group_alive
+from functional_ckpt._src.cli.run_options import RunOptions, run_options
+from functional_ckpt._src.cli.ui import PROG, UI
 from functional_ckpt._src.storage.progress import PROGRESS_ENV, read_progress
-from functional_ckpt.errors import CheckpointError, ConfigError
 
-__all__ = [
-    "ATTEMPT_ENV",
-    "QUICK_SECONDS",
-    "Attempt",
-    "Resumable",
-    "cmd_run",
-    "exit_status",
-    "resumable",
-    "outcome_text",
-]
+__all__ = ["ATTEMPT_ENV", "QUICK_SECONDS", "cmd_run"]
 
 #: Set in the command's environment: the attempt number, 1 for the first launch.
 ATTEMPT_ENV = "FCKPT_RUN_ATTEMPT"
 #: Without steps to compare, a failure this soon after launch counts as "failed the same way".
 QUICK_SECONDS = 60.0
-#: Signals that mean "stop": passed to the command's group, then no relaunch.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _POLL = 0.05
-_CONFIG_LIMIT = 1 << 20
 #: How long processes a failed command left behind get between SIGTERM and SIGKILL.
 GRACE_SECONDS = 10.0
 
 
-@dataclass(frozen=True)
-class Resumable:
-    """The newest committed, readable checkpoint of a root: its step and save time."""
-
-    step: int
-    time: float | None
-
-
-@dataclass
-class Attempt:
-    """One launch of the command and how it ended."""
-
-    number: int
-    started: float
-    resumed_from: Resumable | None = None
-    ended: float = 0.0
-    returncode: int = 0
-    reached: Resumable | None = None
-    stopped: bool = False  # a stop signal was passed on during this attempt
-    waited: float = 0.0  # backoff after it
-
-    @property
-    def ran(self) -> float:
-        return max(0.0, self.ended - self.started)
-
-    @property
-    def failed(self) -> bool:
-        return self.returncode != 0
-
-    def lost(self, root_known: bool) -> float:
-        """Work to redo after this attempt plus the pause before the next one.
-
-        With the job's steps known (a root read, or the steps the job reported), the
-        work since the newest checkpoint this attempt saved (its save time; the saved
-        state is the one at that moment), or all of it if it saved none; without
-        them, all of a failed attempt (an upper bound).
-        """
-        if not self.failed:
-            return self.waited
-        work = self.ran
-        if root_known and self.reached is not None and self.reached.time is not None:
-            saved_here = self.reached != self.resumed_from and self.reached.time >= self.started
-            if saved_here:
-                work = max(0.0, self.ended - self.reached.time)
-        return work + self.waited
-
-
-def resumable(root: Path) -> Resumable | None:
-    """The newest checkpoint a job resuming from ``root`` would find; None if none (yet)."""
-    try:
-        newest = newest_summary(root)
-    except (CheckpointError, OSError):
-        return None  # unreadable right now: nothing to report
-    return None if newest is None else Resumable(newest.step, newest.time or None)
-
-
-def exit_status(returncode: int) -> int:
-    """A child's return code as a shell reports it: 128 + N for a death by signal N."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def outcome_text(returncode: int) -> str:
-    if returncode >= 0:
-        return f"exit {returncode}"
-    try:
-        return signal.Signals(-returncode).name
-    except ValueError:
-        return f"signal {-returncode}"
-
-
-def _step_text(ckpt: Resumable | None) -> str:
-    return "-" if ckpt is None else str(ckpt.step)
-
-
-def _seconds(t: float) -> str:
-    if t < 60:
-        return f"{t:.1f} s"
-    if t < 3600:
-        return f"{t / 60:.1f} min"
-    return f"{t / 3600:.2f} h"
-
-
-# --------------------------------------------------------------------------- signals
-
-
-def _group_alive(group: int) -> bool:
-    """Whether a live (not zombie) process is left in process group ``group``."""
-    try:
-        names = os.listdir("/proc")
-    except OSError:  # no procfs: ask the kernel (zombies count there)
-        try:
-            os.killpg(group, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == group:
-            return True
-    return False
-
-
-class _Signals:
-    """Passes stop signals to the running command's group and remembers that one came."""
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self.group: int | None = None  # the process group of the running command
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received = signum
-        self.forward(signum)
-
-    def forward(self, signum: int) -> None:
-        if self.group is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.group, signum)
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[_Signals]:
-        for sig in STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        try:
-            yield self
-        finally:
-            for signum, previous in self._previous.items():
-                signal.signal(signum, previous)
-
-
-# --------------------------------------------------------------------------- supervisor
-
-
-@dataclass
-class _Options:
-    command: list[str]
-    retries: int
-    backoff: float
-    max_backoff: float
-    stall_limit: int
-    root: Path | None
-
-
 class _Supervisor:
-    def __init__(self, opts: _Options, ui: UI, progress: Path) -> None:
+    def __init__(self, opts: RunOptions, ui: UI, progress: Path) -> None:
         self.opts = opts
         self.ui = ui
         self.progress = progress  # where a managed job reports its newest committed step
         self.attempts: list[Attempt] = []
-        self.signals = _Signals()
+        self.signals = StopSignals()
         self.gave_up = ""
 
     def say(self, text: str) -> None:
@@ -281,7 +118,7 @@ class _Supervisor:
         After a stop signal the stragglers (a launcher's workers still saving) are
         waited for; after a failure they get SIGTERM, ``GRACE_SECONDS``, then SIGKILL.
         """
-        if not _group_alive(group):
+        if not group_alive(group):
             return
         if self.signals.received is None:
             self.say(
@@ -290,7 +127,7 @@ class _Supervisor:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(group, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_SECONDS
-        while _group_alive(group):
+        while group_alive(group):
             if self.signals.received is None and time.monotonic() > deadline:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(group, signal.SIGKILL)
@@ -355,7 +192,9 @@ class _Supervisor:
                         f", checkpoint step {before.step if before else 'none'} -> "
                         f"{after.step if after else 'none'}"
                     )
-                done = f"attempt {number} ended: {outcome} after {_seconds(attempt.ran)}{steps}"
+                done = (
+                    f"attempt {number} ended: {outcome} after {duration_text(attempt.ran)}{steps}"
+                )
                 if attempt.stopped:
                     name = signal.Signals(self.signals.received or signal.SIGTERM).name
                     self.say(f"{done}; {name} was passed on to it: not relaunching")
@@ -372,7 +211,7 @@ class _Supervisor:
                     break
                 if self.progressed(attempt):
                     delay = self.opts.backoff
-                self.say(f"{done}; relaunching in {_seconds(delay)}")
+                self.say(f"{done}; relaunching in {duration_text(delay)}")
                 attempt.waited = self.pause(delay)
                 delay = min(delay * 2, self.opts.max_backoff)
         self.summary()
@@ -390,10 +229,10 @@ class _Supervisor:
         head.append("LOST")
         rows, styles = [], []
         for a in self.attempts:
-            cells = [str(a.number), outcome_text(a.returncode), _seconds(a.ran)]
+            cells = [str(a.number), outcome_text(a.returncode), duration_text(a.ran)]
             if root_known:
-                cells += [_step_text(a.resumed_from), _step_text(a.reached)]
-            cells.append(_seconds(a.lost(root_known)))
+                cells += [step_text(a.resumed_from), step_text(a.reached)]
+            cells.append(duration_text(a.lost(root_known)))
             rows.append(cells)
             style = "ok" if not a.failed else ("warn" if a.stopped else "bad")
             styles.append([""] + [style] + [""] * (len(cells) - 2))
@@ -404,100 +243,12 @@ class _Supervisor:
         relaunches = f", {n - 1} relaunch{'es' if n != 2 else ''}" if n > 1 else ""
         basis = "work since the last checkpoint" if root_known else "failed attempts"
         self.say(
-            f"{n} attempt{'s' if n != 1 else ''}{relaunches}; time lost {_seconds(lost)} "
+            f"{n} attempt{'s' if n != 1 else ''}{relaunches}; time lost {duration_text(lost)} "
             f"({basis} and pauses); exit status {exit_status(self.attempts[-1].returncode)}"
         )
 
 
-# --------------------------------------------------------------------------- command
-
-
-def _document(path: Path) -> Any:
-    """The parsed config file: JSON, or YAML (``.yaml``/``.yml``, needs PyYAML)."""
-    try:
-        text = read_file(path, limit=_CONFIG_LIMIT, what="config file").decode()
-    except FileNotFoundError:
-        raise UsageError(f"--config {path}: no such file") from None
-    except (OSError, CheckpointError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--config {path}: cannot read it ({exc})") from None
-    if path.suffix.lower() not in (".yaml", ".yml"):
-        try:
-            return json.loads(text)
-        except ValueError as exc:
-            raise UsageError(f"--config {path}: not valid JSON ({exc})") from None
-    try:
-        import yaml  # type: ignore[import-untyped, unused-ignore]
-    except ImportError:
-        raise UsageError(
-            f"--config {path}: reading YAML needs PyYAML (pip install pyyaml); or give JSON"
-        ) from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise UsageError(f"--config {path}: not valid YAML ({one_line(exc)})") from None
-
-
-def _config(path: Path, key: str | None) -> Relaunch:
-    """The ``run`` block of a manager's config (under ``key``, dotted).
-
-    Its ``root`` is not read: the job may be given another one, and it reports the
-    steps of the one it uses.
-    """
-    cfg = _document(path)
-    parts = key.split(".") if key else []
-    for i, part in enumerate(parts):
-        if not isinstance(cfg, dict) or part not in cfg:
-            raise UsageError(f"--config {path}: no key {'.'.join(parts[: i + 1])!r} in it")
-        cfg = cfg[part]
-    try:
-        given = check_keys(cfg, key or "config", MANAGER_KEYS, "keys")
-        run = given.get("run")
-        relaunch = (
-            Relaunch() if run is None else relaunch_from_config(run, at_key(key or "", "run"))
-        )
-    except ConfigError as exc:
-        raise UsageError(f"--config {path}: {exc}") from None
-    return relaunch
-
-
-def _options(args: argparse.Namespace) -> _Options:
-    command: Sequence[str] = args.command
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        raise UsageError("no command to run; put it after '--': fckpt run -- python train.py")
-    relaunch = Relaunch()
-    if args.config:
-        relaunch = _config(Path(args.config), args.config_key)
-    elif args.config_key:
-        raise UsageError("--config-key names a key of --config FILE; give --config too")
-    # The command line wins over the config file, which wins over the defaults.
-    retries = relaunch.retries if args.retries is None else args.retries
-    backoff = relaunch.backoff if args.backoff is None else args.backoff
-    max_backoff = relaunch.max_backoff if args.max_backoff is None else args.max_backoff
-    stall_limit = relaunch.stall_limit if args.stall_limit is None else args.stall_limit
-    root = Path(args.root) if args.root else None
-    if root is not None and is_checkpoint_dir(root):
-        raise UsageError(
-            f"--root {root}: is a checkpoint; give the directory of checkpoints that holds it"
-        )
-    if stall_limit == 1:
-        raise UsageError(
-            "--stall-limit 1: give 2 or more (failures in a row at the same place), or 0 for never"
-        )
-    if backoff < 0 or max_backoff < 0:
-        raise UsageError("--backoff and --max-backoff must be >= 0 seconds")
-    return _Options(
-        command=list(command),
-        retries=retries,
-        backoff=backoff,
-        max_backoff=max(max_backoff, backoff),
-        stall_limit=stall_limit,
-        root=root,
-    )
-
-
 def cmd_run(args: argparse.Namespace, ui: UI) -> int:
-    opts = _options(args)
+    opts = run_options(args)
     with tempfile.TemporaryDirectory(prefix="fckpt-run-") as scratch:
         return _Supervisor(opts, ui, Path(scratch) / "progress.json").supervise()

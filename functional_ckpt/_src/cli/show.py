@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 import functional_ckpt as fc
 from functional_ckpt._src.cli import tiers
@@ -22,11 +20,9 @@ from functional_ckpt._src.cli.common import (
     require_exists,
     time_text,
 )
-from functional_ckpt._src.cli.recording import inspect_recording
 from functional_ckpt._src.cli.ui import PROG, UI, human
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath
-from functional_ckpt._src.recording import is_recording
-from functional_ckpt._src.restore.diff import diff_checkpoints
+from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.restore.summary import (
     CheckpointSummary,
     Node,
@@ -37,13 +33,13 @@ from functional_ckpt._src.root.listing import entry_of
 from functional_ckpt._src.storage.usage import dir_size
 from functional_ckpt._src.text import printable, short_repr
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["cmd_diff", "cmd_export", "cmd_inspect", "export_json", "jsonable", "parse_dtype"]
 
 # --------------------------------------------------------------------------- inspect
-
-
-def _dtype_text(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+# (reads manifests only: torch and numpy are not imported for it)
 
 
 @dataclass(frozen=True)
@@ -96,7 +92,7 @@ def _entry_line(entry: Row, ui: UI, width: int) -> str:
     if isinstance(item, Node):
         return f"{indent}{ui.paint(name + '/', 'key')}{ui.paint(_container_kind(item), 'dim')}"
     if isinstance(item, TensorSpec):
-        spec = f"{_dtype_text(item.dtype)}{list(item.shape)}"
+        spec = f"{item.dtype_name}{list(item.shape)}"
         size = ui.paint(human(item.nbytes), "dim")
         return f"{indent}{name.ljust(width)}  {ui.paint(spec, 'dtype')}  {size}"
     return f"{indent}{name.ljust(width)}  = {short_repr(item)}"
@@ -139,9 +135,10 @@ def jsonable(value: Any) -> Any:
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):
         return [jsonable(v) for v in value]
-    if isinstance(value, np.ndarray):
+    np = sys.modules.get("numpy")  # not loaded: no value is one of its types
+    if np is not None and isinstance(value, np.ndarray):
         return {"ndarray": value.tolist(), "dtype": str(value.dtype)}
-    if isinstance(value, np.generic):
+    if np is not None and isinstance(value, np.generic):
         return jsonable(value.item())
     return repr(value)
 
@@ -155,7 +152,7 @@ def _entry_json(entry: Row) -> dict[str, Any]:
             "key": entry.key,
             "path": list(entry.path),
             "kind": "tensor",
-            "dtype": _dtype_text(item.dtype),
+            "dtype": item.dtype_name,
             "shape": list(item.shape),
             "nbytes": item.nbytes,
         }
@@ -181,7 +178,9 @@ def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
         with tiers.fetched(args.path, check=False) as local:
             return cmd_inspect(argparse.Namespace(**{**vars(args), "path": str(local)}), ui)
     path = Path(args.path)
-    if is_recording(path):
+    if classify(path) is Kind.RECORDING:
+        from functional_ckpt._src.cli.recording import inspect_recording
+
         return inspect_recording(args, ui)
     summary = _inspect(path)
     entries = filter_entries(list(flatten_tree(summary.tree)), args.key)
@@ -241,6 +240,8 @@ _DIFF_STYLE = {"added": "ok", "removed": "bad", "same": "dim"}
 
 
 def cmd_diff(args: argparse.Namespace, ui: UI) -> int:
+    from functional_ckpt._src.restore.diff import diff_checkpoints  # tensors: torch
+
     a, b = Path(args.a), Path(args.b)
     for p in (a, b):
         require_exists(p)
@@ -304,11 +305,7 @@ def cmd_diff(args: argparse.Namespace, ui: UI) -> int:
 # --------------------------------------------------------------------------- export
 
 
-_FLOAT_DTYPES = {
-    name: dt
-    for name in ("float16", "bfloat16", "float32", "float64", "half", "float", "double")
-    if isinstance(dt := getattr(torch, name, None), torch.dtype)
-}
+_FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64", "half", "float", "double")
 #: The short spellings of training scripts and model cards.
 _ALIASES = {
     "bf16": "bfloat16",
@@ -325,10 +322,13 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     if name is None:
         return None
     key = name.strip().lower().removeprefix("torch.")
-    dtype = _FLOAT_DTYPES.get(_ALIASES.get(key, key))
-    if dtype is None:
+    key = _ALIASES.get(key, key)
+    if key not in _FLOAT_DTYPES:
         names = ", ".join(sorted(_FLOAT_DTYPES)) + " (or bf16, fp16, fp32, fp64)"
         raise UsageError(f"--dtype {name}: expected one of {names}")
+    import torch
+
+    dtype: torch.dtype = getattr(torch, key)
     return dtype
 
 

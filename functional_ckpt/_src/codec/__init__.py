@@ -62,10 +62,11 @@ bounded without Python recursion. Its limits come from
 
 The package holds one concept per module: ``table`` (what is encodable and the
 ext codes), ``encoding`` (scan, then pack), ``decoding`` (the unpacker's hooks,
-budgets, hash-flood and depth checks), ``leaves`` (each leaf ext's payload) and
-``tagged`` (paths, datetimes, namespaces and registered classes as tagged plain
-data; :func:`register` adds a user's dataclass, NamedTuple or Enum, and
-:class:`Unregistered` stands for one whose class a reader has not registered).
+budgets, hash-flood and depth checks), ``leaves`` (each leaf ext's payload),
+``tagged`` (the table of tagged plain data, with paths, datetimes and namespaces),
+``registration`` (:func:`register` adds a user's dataclass, NamedTuple or Enum to
+it) and ``placeholder`` (:class:`Unregistered` stands for one whose class a
+reader has not registered).
 
 ``encoding`` (which needs numpy and torch to tell their types apart) is imported
 when one of its functions is first named: readers of manifests only decode.
@@ -77,6 +78,8 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from functional_ckpt._src.codec.decoding import check_hashes, decode, find_unregistered
+from functional_ckpt._src.codec.placeholder import Unregistered
+from functional_ckpt._src.codec.registration import register, unknown_tag_problem
 from functional_ckpt._src.codec.table import (
     EXT_BIGINT,
     EXT_BYTEARRAY,
@@ -92,7 +95,6 @@ from functional_ckpt._src.codec.table import (
     EXT_TUPLE,
     MAX_ENCODE_DEPTH,
 )
-from functional_ckpt._src.codec.tagged import Unregistered, register, unknown_tag_problem
 
 if TYPE_CHECKING:
     from functional_ckpt._src.codec.encoding import _default as _default

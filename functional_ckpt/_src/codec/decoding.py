@@ -18,6 +18,8 @@ from typing import Any, Final
 import msgpack
 
 from functional_ckpt._src.codec.leaves import LEAF_DECODERS, _Corrupt
+from functional_ckpt._src.codec.placeholder import Unregistered, placeholder
+from functional_ckpt._src.codec.registration import tag_problem, unknown_tag_problem
 from functional_ckpt._src.codec.table import (
     CONTAINERS,
     EXT_FROZENSET,
@@ -32,15 +34,7 @@ from functional_ckpt._src.codec.table import (
     torch_size_problem,
     type_name,
 )
-from functional_ckpt._src.codec.tagged import (
-    TAGGED,
-    Unregistered,
-    _BadFields,
-    by_tag,
-    placeholder,
-    tag_problem,
-    unknown_tag_problem,
-)
+from functional_ckpt._src.codec.tagged import TAGGED, _BadFields, by_tag
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
 

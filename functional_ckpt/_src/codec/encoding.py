@@ -16,6 +16,8 @@ import msgpack
 import numpy as np
 import torch
 
+from functional_ckpt._src.codec.placeholder import Unregistered, placeholder_problem
+from functional_ckpt._src.codec.registration import unregistered_problem
 from functional_ckpt._src.codec.table import (
     CONTAINERS,
     EXT_BIGINT,
@@ -41,12 +43,7 @@ from functional_ckpt._src.codec.table import (
     torch_size_problem,
     type_name,
 )
-from functional_ckpt._src.codec.tagged import (
-    TAGGED,
-    Unregistered,
-    placeholder_problem,
-    unregistered_problem,
-)
+from functional_ckpt._src.codec.tagged import TAGGED
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.text import short_repr
 from functional_ckpt.errors import CheckpointError, UnsupportedValue

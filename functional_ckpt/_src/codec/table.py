@@ -16,7 +16,8 @@ from __future__ import annotations
 import collections
 import functools
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final
 
 from functional_ckpt._src.limits import LIMITS
@@ -51,8 +52,37 @@ NATIVE_LEAVES: Final[frozenset[type]] = frozenset({_NoneType, bool, int, float, 
 
 CONTAINERS: Final[frozenset[type]] = frozenset({list, tuple, dict, _OrderedDict, set, frozenset})
 
+#: Every torch dtype the format knows, by name (``str(dtype)`` without ``torch.``), with
+#: its element size in bytes: the one table of dtypes. A manifest names its tensors'
+#: dtypes, and what reads a manifest (``fckpt inspect``, ``verify``) needs their sizes
+#: but not torch; :data:`TORCH_DTYPES` (names to ``torch.dtype``) is built from it
+#: where a tensor is made. ``tests/test_codec_types.py`` checks it against torch.
+DTYPE_SIZES: Final[Mapping[str, int]] = MappingProxyType(
+    {
+        "bfloat16": 2, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1,
+        "bool": 1, "complex128": 16, "complex32": 4, "complex64": 8, "float16": 2,
+        "float32": 4, "float4_e2m1fn_x2": 1, "float64": 8, "float8_e4m3fn": 1,
+        "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+        "int1": 1, "int2": 1, "int3": 1, "int4": 1, "int5": 1, "int6": 1, "int7": 1,
+        "int8": 1, "int16": 2, "int32": 4, "int64": 8, "qint32": 4, "qint8": 1,
+        "quint2x4": 1, "quint4x2": 1, "quint8": 1, "uint1": 1, "uint2": 1, "uint3": 1,
+        "uint4": 1, "uint5": 1, "uint6": 1, "uint7": 1, "uint8": 1, "uint16": 2,
+        "uint32": 4, "uint64": 8,
+    }
+)  # fmt: skip
+
+#: torch's other names of dtypes (``torch.float`` is ``torch.float32``), which a
+#: hand-made file may use.
+DTYPE_ALIASES: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "bit": "uint1", "cdouble": "complex128", "cfloat": "complex64", "chalf": "complex32",
+        "double": "float64", "float": "float32", "half": "float16", "int": "int32",
+        "long": "int64", "short": "int16",
+    }
+)  # fmt: skip
+
 NUMPY_SCALAR_TYPES: frozenset[type]  # built on first use (``__getattr__``)
-TORCH_DTYPES: dict[str, torch.dtype]  # built on first use
+TORCH_DTYPES: dict[str, torch.dtype]  # built on first use, from DTYPE_SIZES
 LEAVES: frozenset[type]  # built on first use
 
 
@@ -67,9 +97,7 @@ def _numpy_scalar_types() -> frozenset[type]:
 def _torch_dtypes() -> dict[str, torch.dtype]:
     import torch
 
-    return {
-        str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
-    }
+    return {n: d for n in DTYPE_SIZES if isinstance(d := getattr(torch, n, None), torch.dtype)}
 
 
 def _numpy_leaves() -> frozenset[type]:

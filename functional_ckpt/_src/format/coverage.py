@@ -7,6 +7,7 @@ This check is the one place that decides, for any number of boxes.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from functional_ckpt._src.limits import LIMITS
@@ -33,7 +34,8 @@ def check_coverage(
     Boxes fill the cells they span; a cell filled twice is an overlap, and the
     element counts then guarantee that no cell is left empty. Each cell is
     inspected at most twice, so the check is linear in the grid, which for real
-    layouts (shards of a device mesh) has one cell per box.
+    layouts (shards of a device mesh) has one cell per box. The grid is a
+    ``bytearray`` filled a row at a time, so reading a manifest needs no numpy.
 
     Raises:
         CorruptCheckpoint: two boxes overlap.
@@ -53,19 +55,22 @@ def check_coverage(
             f"{what} ({len(boxes)}) cut the tensor into {cells} pieces (at most "
             f"{LIMITS.coverage_cells} can be checked); not a layout any writer produces"
         )
-    import numpy as np  # only for several boxes: a single-rank tensor is one
-
     index = [{v: j for j, v in enumerate(b)} for b in cuts]
-    grid = np.zeros([len(b) - 1 for b in cuts], dtype=np.bool_)
+    counts = [len(b) - 1 for b in cuts]
+    strides = [numel(counts[i + 1 :]) for i in range(len(counts))]
+    grid = bytearray(cells)  # one byte per cell, C order: filled or not
+    filled = b"\x01"
     for offsets, sizes in boxes:
-        view = grid[
-            tuple(
-                slice(index[i][o], index[i][o + s])
-                for i, (o, s) in enumerate(zip(offsets, sizes, strict=True))
-            )
+        spans = [
+            range(index[i][o], index[i][o + s])
+            for i, (o, s) in enumerate(zip(offsets, sizes, strict=True))
         ]
-        if view.any():
-            raise CorruptCheckpoint(
-                f"{what} overlap at offsets {list(offsets)}; the checkpoint is damaged"
-            )
-        view[...] = True
+        lead, last = (spans[:-1], spans[-1]) if spans else ([], range(1))
+        for cell in itertools.product(*lead):  # each row of the box along the last dimension
+            start = sum(j * k for j, k in zip(cell, strides, strict=False)) + last.start
+            end = start + len(last)
+            if grid.find(filled, start, end) != -1:
+                raise CorruptCheckpoint(
+                    f"{what} overlap at offsets {list(offsets)}; the checkpoint is damaged"
+                )
+            grid[start:end] = filled * (end - start)

@@ -4,10 +4,10 @@ Stock ``torch.distributed.checkpoint`` finds tensors (and values stored as byte
 entries, see :mod:`.dcp_values`) through ``.metadata``, a pickle of its
 ``Metadata``. For the project's own checkpoints it is a derived file: one
 function (:func:`derive`) computes its exact bytes from the manifest's tensor and
-byte entries, the writer stores them, and ``fc.verify`` recomputes them and
-compares, so the project's readers never unpickle it. Bytes may honestly differ
-when another torch version wrote them; only then is the file parsed (by
-:mod:`.unpickler`) and compared field by field (:func:`compare`).
+byte entries, and the writer stores them. The project's readers never read it;
+``fc.verify`` checks it without torch: parsed by the hardened unpickler into
+plain stand-ins and compared field by field with the manifest
+(:mod:`.dcp_compare`).
 """
 
 from __future__ import annotations
@@ -166,53 +166,3 @@ def derive_from_manifest(
     return derive(
         once.groups(), dcpbytes.parse_byte_entries(manifest, once.shared.file_sizes, root)
     )
-
-
-def _chunk_view(md: Metadata) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for fqn, smd in md.state_dict_metadata.items():
-        if isinstance(smd, TensorStorageMetadata):
-            out[fqn] = (
-                smd.properties.dtype,
-                tuple(smd.size),
-                sorted((tuple(c.offsets), tuple(c.sizes)) for c in smd.chunks),
-            )
-        else:
-            out[fqn] = "bytes"
-    return out
-
-
-def _storage_view(md: Metadata) -> dict[tuple[str, Any], Any]:
-    data = md.storage_data if isinstance(md.storage_data, dict) else {}
-    return {
-        (k.fqn, None if k.offset is None else tuple(k.offset)): (
-            v.relative_path,
-            v.offset,
-            v.length,
-            v.transform_descriptors,
-        )
-        for k, v in data.items()
-    }
-
-
-def compare(found: Metadata, expected: Metadata, limit: int = 20) -> list[str]:
-    """Every way ``found`` would make stock DCP read differently from the manifest."""
-    problems: list[str] = []
-    a, b = _chunk_view(found), _chunk_view(expected)
-    for fqn in sorted(set(a) | set(b)):
-        if fqn not in b:
-            problems.append(f"tensor {fqn!r} is not in the manifest")
-        elif fqn not in a:
-            problems.append(f"tensor {fqn!r} of the manifest is missing")
-        elif a[fqn] != b[fqn]:
-            problems.append(f"tensor {fqn!r}: {a[fqn]} where the manifest says {b[fqn]}")
-    sa, sb = _storage_view(found), _storage_view(expected)
-    for key in sorted(set(sa) | set(sb), key=repr):
-        if sa.get(key) != sb.get(key):
-            problems.append(
-                f"storage of {key[0]!r} at {key[1]}: {sa.get(key)} where the manifest says "
-                f"{sb.get(key)}"
-            )
-    if found.planner_data != expected.planner_data:
-        problems.append("planner data (key paths) differ from the manifest")
-    return problems[:limit]

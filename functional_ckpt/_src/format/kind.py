@@ -143,3 +143,30 @@ def holds_only_its_own(path: Path, kind: Kind) -> bool:
     (a notes file, a subdirectory, a link) means it is more than that, and is kept.
     """
     return all(_member(kind, n, regular) for n, regular in _entries(path).items())
+
+
+def is_stock_dcp(path: Path) -> bool:
+    """A directory written by stock ``torch.distributed.checkpoint`` (no manifest).
+
+    Decided from directory entries alone (nothing is opened). A reader follows a
+    link the caller named as the checkpoint's path; nothing inside it is followed.
+    The listing counts only if the same directory stayed at the path while it was
+    read: one a writer replaced meanwhile (``overwrite=True``) may have been listed
+    half-deleted, so the path is looked at again.
+    """
+    real = Path(os.path.realpath(path))
+    for _ in range(3):
+        before = _identity(real)
+        if classify(real) is not Kind.STOCK_DCP:
+            return False
+        if before is not None and _identity(real) == before:
+            return True
+    return False  # replaced on every look: the manifest reader reports the race
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import msgpack
 
 from functional_ckpt._src import codec
+from functional_ckpt._src.codec import table
 from functional_ckpt._src.format import parts as split_rule
 from functional_ckpt._src.format.coverage import numel
 from functional_ckpt._src.format.dcp_values import ByteEntry
@@ -36,17 +37,30 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_from_name(name: object, where: str) -> torch.dtype:
-    import torch
+def checked_dtype_name(name: object, where: str) -> str:
+    """The name a manifest gives a dtype, if the format knows it (torch's other names
+    of a dtype, such as ``float``, stand for its own)."""
+    if isinstance(name, str):
+        name = table.DTYPE_ALIASES.get(name, name)
+        if name in table.DTYPE_SIZES:
+            return name
+    raise CorruptCheckpoint(f"{where}: unknown dtype {name!r}")
 
-    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
-    if not isinstance(dtype, torch.dtype):
-        raise CorruptCheckpoint(f"{where}: unknown dtype {name!r}")
-    return dtype
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The ``torch.dtype`` of a checked name: made where a tensor is (torch is imported then)."""
+    try:
+        return table.TORCH_DTYPES[name]
+    except KeyError:
+        import torch
+
+        raise CorruptCheckpoint(
+            f"dtype {name!r} is not known to this torch ({torch.__version__})"
+        ) from None
 
 
-def element_size(dtype: torch.dtype) -> int:
-    return dtype.itemsize
+def element_size(name: str) -> int:
+    return table.DTYPE_SIZES[name]
 
 
 class Chunk(NamedTuple):
@@ -91,12 +105,14 @@ class TensorEntry:
     """A tensor of the tree: its spec, DCP key and chunks (or the tensor it aliases).
 
     A save plans it without chunks; the manifest holds it with the chunks the write
-    stage reported (an alias with its target's, for DCP's ``.metadata``).
+    stage reported (an alias with its target's, for DCP's ``.metadata``). The dtype
+    is held by name, so that what reads a manifest needs no torch; :attr:`dtype`
+    makes the ``torch.dtype`` where a tensor is built.
     """
 
     path: KeyPath
     fqn: str
-    dtype: torch.dtype
+    dtype_name: str
     shape: tuple[int, ...]
     requires_grad: bool
     chunks: tuple[Chunk, ...] = ()
@@ -105,8 +121,12 @@ class TensorEntry:
     kind: ClassVar[str] = "tensor"
 
     @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype_name)
+
+    @property
     def spec(self) -> str:
-        return f"{dtype_name(self.dtype)}{list(self.shape)}"
+        return f"{self.dtype_name}{list(self.shape)}"
 
     def with_chunks(self, chunks: tuple[Chunk, ...]) -> TensorEntry:
         """This entry holding ``chunks`` (``dataclasses.replace`` costs several times
@@ -114,7 +134,7 @@ class TensorEntry:
         return TensorEntry(
             self.path,
             self.fqn,
-            self.dtype,
+            self.dtype_name,
             self.shape,
             self.requires_grad,
             chunks,
@@ -124,14 +144,14 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        return numel(self.shape) * element_size(self.dtype)
+        return numel(self.shape) * element_size(self.dtype_name)
 
     def to_plain(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "path": list(self.path),
             "kind": "tensor",
             "fqn": self.fqn,
-            "dtype": dtype_name(self.dtype),
+            "dtype": self.dtype_name,
             "shape": list(self.shape),
             "requires_grad": self.requires_grad,
         }
@@ -430,8 +450,8 @@ def tensor_groups(
     return [[e for e in group if isinstance(e, TensorEntry)] for group in [entries, *ranks]]
 
 
-def shape_problem(shape: Sequence[int], dtype: torch.dtype) -> str | None:
-    """Why a tensor of this shape and dtype lies beyond the format's limits, or None."""
+def shape_problem(shape: Sequence[int], dtype: str) -> str | None:
+    """Why a tensor of this shape and dtype (its name) lies beyond the format's limits, or None."""
     if len(shape) > LIMITS.tensor_ndim:
         return f"{len(shape)} dimensions (the format allows at most {LIMITS.tensor_ndim})"
     extent = LIMITS.tensor_extent
@@ -439,7 +459,7 @@ def shape_problem(shape: Sequence[int], dtype: torch.dtype) -> str | None:
         return f"a dimension of {max(shape)} (each must be below 2**{extent.bit_length() - 1})"
     if numel(shape) * element_size(dtype) >= extent:
         return (
-            f"shape {list(shape)} of {dtype_name(dtype)} "
+            f"shape {list(shape)} of {dtype} "
             f"(the element count times the element size must be below "
             f"2**{extent.bit_length() - 1})"
         )

@@ -1,30 +1,32 @@
-"""The hardened reader of ``.metadata`` files the project did not derive itself.
+"""The hardened reader of ``.metadata`` files: a stock checkpoint's, or one being verified.
 
-Stock DCP checkpoints have no manifest, so their ``.metadata`` must be parsed:
-:func:`load_foreign` does it with a pure-Python unpickler whose opcodes are
-vetted one by one. It resolves only DCP's metadata classes and a few plain types,
-builds objects only of those classes, sets attributes only on instances it
-created itself (never on a class, function, module or shared singleton), and
-checks the type of every field of the result. :func:`scan_pickle` reads a pickle's
-opcodes statically to tell a hostile file from a damaged one.
+Stock DCP checkpoints have no manifest, so their ``.metadata`` must be parsed, and
+``fc.verify`` parses ours to compare it with the manifest. A pure-Python unpickler
+whose opcodes are vetted one by one does it: it resolves only the names of DCP's
+metadata classes and a few plain types, to plain stand-ins (:mod:`.dcp_standins`:
+no torch is imported, and no torch object is within its reach), builds objects
+only of those classes, sets attributes only on instances it created itself (never
+on a class, function, module or shared singleton), and checks the type of every
+field of the result (:func:`load_standins`). :func:`load_foreign` then makes DCP's
+own objects of the checked fields for a stock checkpoint's reader.
+:func:`scan_pickle` reads a pickle's opcodes statically to tell a hostile file
+from a damaged one.
 """
 
 from __future__ import annotations
 
 import collections
 import io
-import pathlib
 import pickle
 import pickletools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-import torch.serialization
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
+from functional_ckpt._src.format import dcp_standins as sd
+from functional_ckpt._src.format.dcp_standins import (
     _MEM_FORMAT_ENCODING,
+    ALLOWED,
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -32,63 +34,23 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
+    _StorageInfo,
 )
-
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata as DcpMetadata
 
 #: Largest foreign ``.metadata`` parsed (the pure-Python unpickler is slow and hostile
 #: files are bounded by it).
 MAX_BYTES = 1 << 30
 
-
-def _classes() -> dict[tuple[str, str], Any]:
-    found: dict[tuple[str, str], Any] = {}
-    md = "torch.distributed.checkpoint.metadata"
-    for cls in (
-        Metadata,
-        TensorStorageMetadata,
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        TensorProperties,
-        MetadataIndex,
-        StorageMeta,
-        _MEM_FORMAT_ENCODING,
-    ):
-        found[(md, cls.__name__)] = cls
-    found[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
-    found[("torch", "Size")] = torch.Size
-    found[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-    found[("collections", "OrderedDict")] = collections.OrderedDict
-    for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
-        found[("pathlib", name)] = getattr(pathlib, name)
-        found[("pathlib._local", name)] = getattr(pathlib, name)
-    for name in dir(torch):
-        obj = getattr(torch, name, None)
-        if isinstance(obj, torch.dtype | torch.layout | torch.memory_format):
-            found[("torch", name)] = obj
-    return found
-
-
-ALLOWED: dict[tuple[str, str], Any] = _classes()
-
 #: Classes whose instances the unpickler may create and fill (``NEWOBJ`` + ``BUILD``).
-_DATA_CLASSES: dict[type, tuple[str, ...]] = {
-    Metadata: ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"),
-    TensorStorageMetadata: ("properties", "size", "chunks"),
-    BytesStorageMetadata: (),
-    ChunkStorageMetadata: ("offsets", "sizes"),
-    TensorProperties: (),  # state is DCP's 5-tuple, checked by _properties
-    MetadataIndex: ("fqn", "offset", "index"),
-    StorageMeta: ("checkpoint_id", "save_id", "load_id", "modules"),
-    _StorageInfo: ("relative_path", "offset", "length", "transform_descriptors"),
-}
+_DATA_CLASSES: dict[type, tuple[str, ...]] = {cls: cls.FIELDS for cls in sd.DATA_CLASSES}
+_DATA_CLASSES[TensorProperties] = ()  # state is DCP's 5-tuple, checked by _properties
 
-_PATHS = tuple(
-    getattr(pathlib, n) for n in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
-)
-
-_SET_PROPERTIES = TensorProperties.__setstate__
+_PATHS = sd.PATHS
 
 
 def _refuse(what: str) -> UnsafeCheckpoint:
@@ -152,13 +114,13 @@ class RestrictedUnpickler(pickle._Unpickler):
     def load_reduce(self) -> None:
         args = self.stack.pop()
         func = self.stack[-1]
-        if func is torch.Size and isinstance(args, tuple) and len(args) == 1:
+        if func is sd.Size and isinstance(args, tuple) and len(args) == 1:
             dims = args[0]
             if not _plain_ints(dims):
                 raise _refuse("a torch.Size of non-integers")
-            value: Any = torch.Size(dims)
-        elif func is torch.serialization._get_layout and args in (("torch.strided",),):
-            value = torch.strided
+            value: Any = sd.Size(dims)
+        elif func is sd._get_layout and args in (("torch.strided",),):
+            value = sd.STRIDED
         elif func is _MEM_FORMAT_ENCODING and _plain_ints(args) and len(args) == 1:
             value = _MEM_FORMAT_ENCODING(args[0])
         elif func is collections.OrderedDict and args == ():
@@ -178,7 +140,7 @@ class RestrictedUnpickler(pickle._Unpickler):
             raise _refuse(f"to set attributes on {getattr(inst, '__name__', cls.__name__)}")
         if cls is TensorProperties:
             _properties(state)
-            _SET_PROPERTIES(inst, state)  # type: ignore[no-untyped-call]
+            inst.__setstate__(state)
             return
         fields = _DATA_CLASSES[cls]
         if not isinstance(state, dict) or not all(type(k) is str and k in fields for k in state):
@@ -287,8 +249,8 @@ def _properties(state: Any) -> None:
     if not (
         isinstance(state, tuple)
         and len(state) == 5
-        and isinstance(state[0], torch.dtype)
-        and isinstance(state[1], torch.layout)
+        and type(state[0]) is sd.DType
+        and type(state[1]) is sd.Layout
         and type(state[2]) is bool
         and isinstance(state[3], _MEM_FORMAT_ENCODING)
         and type(state[4]) is bool
@@ -303,6 +265,8 @@ def _bad(where: str) -> CorruptCheckpoint:
 def _check_fields(obj: Any, cls: type, where: str) -> None:
     if type(obj) is not cls:
         raise _bad(f"{where} is a {type(obj).__name__}, not a {cls.__name__}")
+    if cls is TensorProperties and "dtype" not in vars(obj):
+        raise _bad(f"{where} has no state")
     if cls is not TensorProperties and set(vars(obj)) - set(_DATA_CLASSES[cls]):
         raise _bad(f"{where} has unexpected attributes")
     for name in _DATA_CLASSES[cls]:
@@ -312,7 +276,7 @@ def _check_fields(obj: Any, cls: type, where: str) -> None:
 
 
 def _size(v: Any, where: str) -> None:
-    if type(v) is not torch.Size or not all(type(d) is int and d >= 0 for d in v):
+    if type(v) is not sd.Size or not all(type(d) is int and d >= 0 for d in v):
         raise _bad(f"{where} is not a size")
 
 
@@ -337,7 +301,7 @@ def is_plain(v: Any, depth: int = 0, seen: set[int] | None = None) -> bool:
 
 
 def check(md: Any) -> Metadata:
-    """The loaded object, if it is exactly DCP metadata of plain fields."""
+    """The loaded object, if it is exactly DCP metadata (as stand-ins) of plain fields."""
     _check_fields(md, Metadata, "the root")
     sdm = md.state_dict_metadata
     if type(sdm) not in (dict, collections.OrderedDict):
@@ -352,10 +316,11 @@ def check(md: Any) -> Metadata:
         if type(smd.properties) is not TensorProperties:
             raise _bad(f"{fqn}: properties")
         p = smd.properties
+        _check_fields(p, TensorProperties, f"{fqn}: properties")
         if not (
-            isinstance(p.dtype, torch.dtype)
-            and isinstance(p.layout, torch.layout)
-            and isinstance(p.memory_format, torch.memory_format)
+            type(p.dtype) is sd.DType
+            and type(p.layout) is sd.Layout
+            and type(p.memory_format) is sd.MemoryFormat
         ):
             raise _bad(f"{fqn}: properties")
         _size(smd.size, f"{fqn}: size")
@@ -371,7 +336,7 @@ def check(md: Any) -> Metadata:
             raise _bad("storage_data is not a dict")
         for k, v in storage.items():
             _check_fields(k, MetadataIndex, "a storage key")
-            if type(k.fqn) is not str or not (k.offset is None or type(k.offset) is torch.Size):
+            if type(k.fqn) is not str or not (k.offset is None or type(k.offset) is sd.Size):
                 raise _bad("a storage key")
             _check_fields(v, _StorageInfo, f"storage of {k.fqn!r}")
             if not (
@@ -404,8 +369,9 @@ def check(md: Any) -> Metadata:
     return md  # type: ignore[no-any-return]
 
 
-def load_foreign(raw: bytes, source: Path) -> Metadata:
-    """Parse a ``.metadata`` we did not derive ourselves, running nothing in it."""
+def load_standins(raw: bytes, source: Path) -> Metadata:
+    """Parse a ``.metadata``, running nothing in it: DCP's ``Metadata`` as plain stand-ins
+    (:mod:`.dcp_standins`), every field checked; torch is not needed."""
     if len(raw) > MAX_BYTES:
         raise CorruptCheckpoint(f"{source}: {len(raw)} bytes of DCP metadata is more than allowed")
     try:
@@ -420,6 +386,57 @@ def load_foreign(raw: bytes, source: Path) -> Metadata:
         return check(md)
     except CorruptCheckpoint as e:
         raise CorruptCheckpoint(f"{source}: {e}") from None
+
+
+def load_foreign(raw: bytes, source: Path) -> DcpMetadata:
+    """Parse a ``.metadata`` we did not derive ourselves into DCP's own ``Metadata``.
+
+    It is read and checked as stand-ins first (:func:`load_standins`); DCP's objects
+    are then made from the checked fields by their constructors, so nothing in the
+    file reaches a torch object before it is vetted.
+    """
+    return to_dcp(load_standins(raw, source))
+
+
+def to_dcp(md: Metadata) -> DcpMetadata:
+    """DCP's ``Metadata`` holding what the checked stand-ins ``md`` hold."""
+    import torch
+    from torch.distributed.checkpoint import metadata as dcp
+    from torch.distributed.checkpoint.filesystem import _StorageInfo as DcpStorageInfo
+
+    def size(v: Any) -> torch.Size:
+        return torch.Size(v)
+
+    def tensor(smd: Any) -> Any:
+        if type(smd) is BytesStorageMetadata:
+            return dcp.BytesStorageMetadata()
+        p = smd.properties
+        props = dcp.TensorProperties(
+            dtype=getattr(torch, p.dtype.name),
+            layout=getattr(torch, p.layout.name),
+            requires_grad=p.requires_grad,
+            memory_format=getattr(torch, p.memory_format.name),
+            pin_memory=p.pin_memory,
+        )
+        chunks = [dcp.ChunkStorageMetadata(size(c.offsets), size(c.sizes)) for c in smd.chunks]
+        return dcp.TensorStorageMetadata(props, size(smd.size), chunks)
+
+    sdm = md.state_dict_metadata
+    state = type(sdm)((fqn, tensor(smd)) for fqn, smd in sdm.items())
+    storage = md.storage_data
+    if storage is not None:
+        storage = type(storage)(
+            (
+                dcp.MetadataIndex(k.fqn, k.offset, k.index),
+                DcpStorageInfo(v.relative_path, v.offset, v.length, v.transform_descriptors),
+            )
+            for k, v in storage.items()
+        )
+    sm = md.storage_meta
+    meta = None
+    if sm is not None:
+        meta = dcp.StorageMeta(sm.checkpoint_id, sm.save_id, sm.load_id, sm.modules)
+    return dcp.Metadata(state, md.planner_data, storage, meta, md.version)
 
 
 def scan_pickle(raw: bytes, source: Path) -> UnsafeCheckpoint | None:

@@ -23,7 +23,7 @@ from functional_ckpt._src.format.manifest import (
     NodeEntry,
     TensorEntry,
     ValueEntry,
-    dtype_from_name,
+    checked_dtype_name,
     element_size,
     shape_problem,
 )
@@ -345,7 +345,7 @@ def validated_part(raw: object, rank: int, shared: ParsedManifest, where: str) -
         plain = split_rule.row_plain(values, box)
         if plain is None:
             raise CorruptCheckpoint(f"{where}: invalid chunk row {i} ({format_path(p)})")
-        chunks[p] = _chunk(plain, entry, element_size(entry.dtype), shared, f"{where} row {i}")
+        chunks[p] = _chunk(plain, entry, element_size(entry.dtype_name), shared, f"{where} row {i}")
     return _Part(entries, chunks)
 
 
@@ -451,7 +451,7 @@ def node_info(e: dict[str, Any], where: str) -> dict[str, Any] | None:
 
 
 def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: str) -> TensorEntry:
-    dtype = dtype_from_name(e.get("dtype"), where)
+    dtype = checked_dtype_name(e.get("dtype"), where)
     shape_raw = e.get("shape")
     if not isinstance(shape_raw, list) or len(shape_raw) > LIMITS.tensor_ndim:
         raise CorruptCheckpoint(f"{where}: invalid shape {shape_raw!r}")
@@ -478,7 +478,7 @@ def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: 
         src = out.tensors.get(tuple(target)) if is_path else None
         if src is None or src.alias is not None:
             raise CorruptCheckpoint(f"{where}: alias of an unknown tensor {target!r}")
-        if src.dtype != dtype or src.shape != shape:
+        if src.dtype_name != dtype or src.shape != shape:
             raise CorruptCheckpoint(f"{where}: alias spec differs from its target")
         return replace(entry, alias=src.path, chunks=src.chunks)
     if "split" in e and not out.planned:

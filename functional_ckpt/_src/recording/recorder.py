@@ -29,7 +29,13 @@ from functional_ckpt._src import codec
 from functional_ckpt._src.format.blobs import byte_view
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.keys import format_path, fqn_of
-from functional_ckpt._src.format.manifest import Entry, NodeEntry, TensorEntry, ValueEntry
+from functional_ckpt._src.format.manifest import (
+    Entry,
+    NodeEntry,
+    TensorEntry,
+    ValueEntry,
+    dtype_name,
+)
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy.base import as_int, positive_int
 from functional_ckpt._src.recording.layout import (
@@ -221,7 +227,9 @@ class Recorder:
                 pin = pin or (t.is_cuda and torch.cuda.is_available())
                 shape = tuple(t.shape)
                 grad = bool(t.requires_grad)
-                entries.append(TensorEntry(leaf.path, fqn_of(leaf.path), t.dtype, shape, grad))
+                entries.append(
+                    TensorEntry(leaf.path, fqn_of(leaf.path), dtype_name(t.dtype), shape, grad)
+                )
         specs = [e for e in entries if isinstance(e, TensorEntry)]
         self._kinds = [e.kind for e in entries if e.kind != "node"]
         header = {

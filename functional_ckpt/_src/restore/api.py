@@ -11,14 +11,13 @@ a restore is decided once, from the directory and the template.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from functional_ckpt._src.distributed.topology import has_dtensor, topology
-from functional_ckpt._src.format.kind import Kind, classify
+from functional_ckpt._src.format.kind import is_stock_dcp
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.restore.backends import (
     ManifestBackend,
@@ -32,33 +31,6 @@ from functional_ckpt._src.restore.template import Reshard
 from functional_ckpt._src.state.gc_pause import gc_paused
 from functional_ckpt._src.state.tree import State, as_state
 from functional_ckpt.errors import CheckpointError
-
-
-def is_stock_dcp(path: Path) -> bool:
-    """A directory written by stock ``torch.distributed.checkpoint`` (no manifest).
-
-    Decided from directory entries alone (nothing is opened). A reader follows a
-    link the caller named as the checkpoint's path; nothing inside it is followed.
-    The listing counts only if the same directory stayed at the path while it was
-    read: one a writer replaced meanwhile (``overwrite=True``) may have been listed
-    half-deleted, so the path is looked at again.
-    """
-    real = Path(os.path.realpath(path))
-    for _ in range(3):
-        before = _identity(real)
-        if classify(real) is not Kind.STOCK_DCP:
-            return False
-        if before is not None and _identity(real) == before:
-            return True
-    return False  # replaced on every look: the manifest reader reports the race
-
-
-def _identity(path: Path) -> tuple[int, int] | None:
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
 
 
 def read_backend(path: Path, template: TensorDictBase | None) -> ReadBackend:

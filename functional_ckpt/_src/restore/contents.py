@@ -7,13 +7,10 @@ import stat
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from functional_ckpt._src.format.header import header_of
 from functional_ckpt._src.format.keys import KeyPath
+from functional_ckpt._src.format.kind import is_stock_dcp
 from functional_ckpt._src.paths import PathLike
-from functional_ckpt._src.restore.api import is_stock_dcp
-from functional_ckpt._src.restore.stock_dcp import read_stock_metadata
 from functional_ckpt._src.restore.summary import (
     CheckpointSummary,
     Node,
@@ -27,8 +24,11 @@ from functional_ckpt._src.storage.usage import sharing
 
 
 def inspect_dcp(root: Path) -> CheckpointSummary:
-    """Describe a stock DCP checkpoint from its metadata alone."""
+    """Describe a stock DCP checkpoint from its metadata alone (DCP's classes: torch)."""
+    import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from functional_ckpt._src.restore.stock_dcp import read_stock_metadata
 
     md = read_stock_metadata(root)
     planner: Any = md.planner_data if isinstance(md.planner_data, dict) else {}
@@ -93,7 +93,7 @@ def inspect(path: PathLike) -> CheckpointSummary:
         else:
             e = parsed.tensors[p]
             tensor_bytes += e.nbytes if e.alias is None else 0
-            insert(tree, p, TensorSpec(e.dtype, e.shape, e.nbytes))
+            insert(tree, p, TensorSpec(e.dtype_name, e.shape, e.nbytes))
     raw = parsed.raw
     shared, added = sharing(src, raw.get("files"))
     head = header_of(raw)  # re-signed manifests lie: only sane values count

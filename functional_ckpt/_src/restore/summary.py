@@ -9,26 +9,49 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from functional_ckpt._src.codec.tagged import registration_line
+from functional_ckpt._src.codec import table
+from functional_ckpt._src.codec.registration import registration_line
 from functional_ckpt._src.format.keys import KeyPath
-from functional_ckpt._src.format.manifest import dtype_name
+from functional_ckpt._src.format.manifest import dtype_name, torch_dtype
 from functional_ckpt._src.text import clip, printable, short_repr
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CheckpointSummary", "Node", "TensorSpec", "insert", "unregistered_note"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TensorSpec:
-    dtype: torch.dtype
+    """A tensor as a checkpoint records it: dtype, shape and size in bytes.
+
+    The dtype is held by name (``dtype_name``), so that describing a checkpoint
+    needs no torch; ``dtype`` is the ``torch.dtype``, made when asked for.
+    """
+
+    dtype_name: str
     shape: tuple[int, ...]
     nbytes: int
 
+    def __init__(self, dtype: torch.dtype | str, shape: tuple[int, ...], nbytes: int) -> None:
+        if isinstance(dtype, str):
+            name = table.DTYPE_ALIASES.get(dtype, dtype)
+            if name not in table.DTYPE_SIZES:
+                raise ValueError(f"TensorSpec: unknown dtype {dtype!r}")
+        else:
+            name = dtype_name(dtype)
+        object.__setattr__(self, "dtype_name", name)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "nbytes", nbytes)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype_name)
+
     def __str__(self) -> str:
-        return f"{dtype_name(self.dtype)}{list(self.shape)} ({self.nbytes} B)"
+        return f"{self.dtype_name}{list(self.shape)} ({self.nbytes} B)"
 
 
 class Node(dict[str, Any]):

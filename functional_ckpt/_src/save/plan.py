@@ -31,6 +31,7 @@ from functional_ckpt._src.format.manifest import (
     TensorEntry,
     Tree,
     ValueEntry,
+    dtype_name,
     shape_problem,
 )
 from functional_ckpt._src.limits import LIMITS
@@ -87,7 +88,7 @@ def check_tensor(t: torch.Tensor, path: KeyPath) -> None:
         and (numel or all(d < extent for d in t.shape))
     ):
         return  # the common case, without building the message
-    problem = shape_problem(tuple(t.shape), t.dtype)
+    problem = shape_problem(tuple(t.shape), dtype_name(t.dtype))
     if problem is not None:
         raise UnsupportedValue(
             f"{where}: a tensor of {problem} lies beyond the format's limits and could "
@@ -223,7 +224,14 @@ def plan_save(
             src = seen.get(key) if key is not None else None
             alias = src.path if src is not None and (src.path[0] in roots) == mine else None
             entry = TensorEntry(
-                path, fqn, t.dtype, tuple(t.shape), bool(t.requires_grad), (), alias, dcp_path
+                path,
+                fqn,
+                dtype_name(t.dtype),
+                tuple(t.shape),
+                bool(t.requires_grad),
+                (),
+                alias,
+                dcp_path,
             )
             if alias is None:
                 if key is not None:

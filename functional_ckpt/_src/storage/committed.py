@@ -284,8 +284,7 @@ def classify_metadata(ck: Checkpoint) -> CheckpointError:
     """A ``.metadata`` that fails its checksum: hostile, or merely damaged?
 
     Its opcodes are read statically (nothing is unpickled): naming anything but
-    DCP's metadata classes makes it hostile. The allow-list holds torch's classes, so
-    torch is imported here, for a damaged file only.
+    DCP's metadata classes makes it hostile.
     """
     from functional_ckpt._src.format import unpickler
 

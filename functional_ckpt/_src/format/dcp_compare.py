@@ -1,0 +1,95 @@
+"""Does a ``.metadata`` say what the manifest says? Compared field by field, without torch.
+
+``fc.verify`` must find a ``.metadata`` that would make stock ``dcp.load`` read other
+bytes, or other tensors, than the manifest describes. Comparing the file's bytes
+with a fresh derivation (:func:`.dcp_metadata.derive`) would need torch, and is not
+sound on its own either: the bytes depend on the torch that wrote them (its DCP
+classes, their fields, its DCP version), so an honest file from another torch
+differs. The sound check is the one that matters to ``dcp.load``: the file is
+parsed by the hardened unpickler into plain stand-ins (:mod:`.dcp_standins`, no
+torch), and everything ``dcp.load`` finds tensors and values by (each key's kind,
+dtype, shape and chunks; where each chunk's or value's bytes lie; the key paths
+of ``planner_data``) is compared with what the manifest's entries say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from functional_ckpt._src.format.dcp_standins import DType, TensorStorageMetadata
+from functional_ckpt._src.format.dcp_values import ByteEntry
+from functional_ckpt._src.format.manifest import TensorEntry
+
+#: A ``.metadata`` as ``dcp.load`` uses it: per key (dtype, shape, chunk boxes) or
+#: ``"bytes"``; per stored piece (key, offsets) its (file, offset, length, transforms);
+#: the key paths.
+View = tuple[dict[str, Any], dict[tuple[str, Any], Any], Any]
+
+
+def manifest_view(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] = ()) -> View:
+    """What the ``.metadata`` derived from these entries says (as
+    :func:`.dcp_metadata.metadata_for` builds it: later entries of a key win)."""
+    chunks: dict[str, Any] = {}
+    storage: dict[tuple[str, Any], Any] = {}
+    planner: dict[str, Any] = {}
+    for e in (e for group in groups for e in group):
+        boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in e.chunks)
+        chunks[e.fqn] = (DType(e.dtype_name), tuple(e.shape), boxes)
+        planner[e.fqn] = tuple(e.path if e.dcp_path is None else e.dcp_path)
+        for c in e.chunks:
+            storage[(e.fqn, tuple(c.offsets))] = (c.file, c.offset, c.length, None)
+    for b in blobs:
+        chunks[b.fqn] = "bytes"
+        planner[b.fqn] = tuple(b.path)
+        storage[(b.fqn, None)] = (b.file, b.offset, b.length, None)
+    return chunks, storage, planner
+
+
+def file_view(md: Any) -> View:
+    """What a parsed ``.metadata`` (``unpickler.load_standins``) says."""
+    chunks: dict[str, Any] = {}
+    for fqn, smd in md.state_dict_metadata.items():
+        if type(smd) is TensorStorageMetadata:
+            chunks[fqn] = (
+                smd.properties.dtype,
+                tuple(smd.size),
+                sorted((tuple(c.offsets), tuple(c.sizes)) for c in smd.chunks),
+            )
+        else:
+            chunks[fqn] = "bytes"
+    data = md.storage_data if isinstance(md.storage_data, dict) else {}
+    storage = {
+        (k.fqn, None if k.offset is None else tuple(k.offset)): (
+            v.relative_path,
+            v.offset,
+            v.length,
+            v.transform_descriptors,
+        )
+        for k, v in data.items()
+    }
+    return chunks, storage, md.planner_data
+
+
+def compare(found: View, expected: View, limit: int = 20) -> list[str]:
+    """Every way the file (``found``) would make stock DCP read differently from the
+    manifest (``expected``), at most ``limit`` of them."""
+    problems: list[str] = []
+    a, b = found[0], expected[0]
+    for fqn in sorted(set(a) | set(b)):
+        if fqn not in b:
+            problems.append(f"tensor {fqn!r} is not in the manifest")
+        elif fqn not in a:
+            problems.append(f"tensor {fqn!r} of the manifest is missing")
+        elif a[fqn] != b[fqn]:
+            problems.append(f"tensor {fqn!r}: {a[fqn]} where the manifest says {b[fqn]}")
+    sa, sb = found[1], expected[1]
+    for key in sorted(set(sa) | set(sb), key=repr):
+        if sa.get(key) != sb.get(key):
+            problems.append(
+                f"storage of {key[0]!r} at {key[1]}: {sa.get(key)} where the manifest says "
+                f"{sb.get(key)}"
+            )
+    if found[2] != expected[2]:
+        problems.append("planner data (key paths) differ from the manifest")
+    return problems[:limit]
