@@ -224,7 +224,7 @@ def save_planned(
 
     t0 = time.perf_counter()
     dest = job.dest
-    group = checkpoint_group(timeout)
+    group = checkpoint_group(timeout, purpose=job.options.group)
     rank = dist.get_rank()
     groups.agree(job.error, group, f"save {dest}")
     plan = job.plan

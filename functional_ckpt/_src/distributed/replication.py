@@ -1,0 +1,124 @@
+"""Files sent between ranks on a checkpoint group: the bytes of the memory tier's replicas.
+
+A transfer is a list of moves that every rank knows alike (who sends which file,
+of which size, to whom). Each rank carries out its own moves in the list's order,
+one piece at a time, with blocking sends and receives on a dedicated gloo group:
+since every rank walks the same order, the first move not yet done always has
+both its ranks at it, so no set of moves can wait on itself in a cycle. Moves
+between other ranks run at the same time.
+
+A source file is opened through the one opener and mapped, so its pages are sent
+in place (no copy through Python); what arrives is written into a new file (never
+through a link). What moves, and where it lands, is the memory tier's to decide
+(``manager/memory_replicas``): this module only carries bytes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from functional_ckpt._src.storage import durable, opener
+from functional_ckpt.errors import CheckpointError
+
+__all__ = ["PIECE", "Move", "transfer"]
+
+#: Bytes per send: large enough to run at the group's speed, small enough to bound
+#: the receiving buffer.
+PIECE = 64 << 20
+
+
+@dataclass(frozen=True)
+class Move:
+    """Rank ``src`` of the group sends its file ``name`` (``size`` bytes) to rank ``dst``."""
+
+    src: int
+    dst: int
+    name: str
+    size: int
+
+
+def transfer(
+    moves: Sequence[Move],
+    source: Callable[[Move], Path],
+    target: Callable[[Move], Path],
+    group: Any,
+) -> int:
+    """Carry out this rank's ``moves``: read from the directory ``source(move)``, write
+    into ``target(move)``. Every rank of ``group`` calls it with the same list.
+    Returns the bytes this rank sent or received."""
+    rank = dist.get_rank(group)
+    moved = 0
+    buf: torch.Tensor | None = None
+    for tag, move in enumerate(moves):
+        if move.src == move.dst:
+            continue
+        if move.src == rank:
+            _send(source(move) / move.name, move, tag, group)
+            moved += move.size
+        elif move.dst == rank:
+            buf = _receive(target(move) / move.name, move, tag, group, buf)
+            moved += move.size
+    return moved
+
+
+def _send(path: Path, move: Move, tag: int, group: Any) -> None:
+    """Send exactly ``move.size`` bytes (zeros past a file that shrank, so the receiver is
+    never left waiting: its checksums reject them, and this rank reports the error)."""
+    dst = dist.get_global_rank(group, move.dst)
+    dir_fd = opener.open_directory(path.parent)
+    try:
+        fd = opener.open_member(dir_fd, path.name, path)
+    finally:
+        os.close(dir_fd)
+    try:
+        size = os.fstat(fd).st_size
+        have = min(size, move.size)
+        view = mmap.mmap(fd, have, access=mmap.ACCESS_COPY) if have else None
+        try:
+            for offset in range(0, move.size, PIECE):
+                n = min(PIECE, move.size - offset)
+                if view is not None and offset + n <= have:
+                    piece = torch.frombuffer(view, dtype=torch.uint8, count=n, offset=offset)
+                else:  # past what the file holds now
+                    piece = torch.zeros(n, dtype=torch.uint8)
+                    k = max(0, have - offset)
+                    if k and view is not None:
+                        piece[:k] = torch.frombuffer(
+                            view, dtype=torch.uint8, count=k, offset=offset
+                        )
+                dist.send(piece, dst=dst, group=group, tag=tag)
+                del piece  # the map can close only once no tensor shares it
+        finally:
+            if view is not None:
+                view.close()
+    finally:
+        os.close(fd)
+    if size != move.size:
+        raise CheckpointError(f"{path}: {size} bytes, not the {move.size} bytes sent for it")
+
+
+def _receive(
+    path: Path, move: Move, tag: int, group: Any, buf: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Receive ``move.size`` bytes into the new file ``path``; the buffer is reused."""
+    src = dist.get_global_rank(group, move.src)
+    fd = durable.open_new(path)
+    try:
+        for offset in range(0, move.size, PIECE):
+            n = min(PIECE, move.size - offset)
+            if buf is None or buf.numel() < n:
+                buf = torch.empty(min(PIECE, move.size), dtype=torch.uint8)
+            piece = buf[:n]
+            dist.recv(piece, src=src, group=group, tag=tag)
+            durable.write_all(fd, piece.numpy().data)
+    finally:
+        os.close(fd)
+    return buf
