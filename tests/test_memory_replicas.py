@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 import functional_ckpt as fc
+from functional_ckpt._src import cli
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.manager.memory_replicas import STAGING, holders_of, layout_of
 from tests.patience import HANG
@@ -142,7 +143,7 @@ def test_holders_are_the_same_local_rank_on_the_next_nodes() -> None:
 
 
 def test_a_lost_node_resumes_from_the_replicas_bit_identically(
-    tmp_path: Path, reference: list[str]
+    tmp_path: Path, reference: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     runs = two_nodes(tmp_path, "--die-at", "7")
     assert [code for code, _ in runs] == [-signal.SIGKILL] * WORLD
@@ -151,6 +152,12 @@ def test_a_lost_node_resumes_from_the_replicas_bit_identically(
     for folder in (mem_a, mem_b):  # each node's folder: normal, complete checkpoints
         assert fc.verify(folder / step_name(7)).ok
     assert committed(tmp_path / "root") == [5]
+    assert cli.main(["ls", "--json", str(tmp_path / "root")]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out) if r.get("kind") == "memory"]
+    assert [(r["step"], r["replicas"], r["whole"]) for r in rows] == [(6, 2, True), (7, 2, True)]
+    assert cli.main(["ls", str(tmp_path / "root")]) == 0
+    out = capsys.readouterr().out
+    assert "REPLICAS" in out and "2 confirmed" in out, out
     shutil.rmtree(mem_b)  # node b is lost, and its RAM with it
     runs = two_nodes(tmp_path)
     got = resumed(runs)

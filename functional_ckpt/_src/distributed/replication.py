@@ -8,9 +8,10 @@ both its ranks at it, so no set of moves can wait on itself in a cycle. Moves
 between other ranks run at the same time.
 
 A source file is opened through the one opener and mapped, so its pages are sent
-in place (no copy through Python); what arrives is written into a new file (never
-through a link). What moves, and where it lands, is the memory tier's to decide
-(``manager/memory_replicas``): this module only carries bytes.
+in place (no copy through Python); what arrives is received straight into a new
+file's shared map (never through a link). What moves, and where it lands, is the
+memory tier's to decide (``manager/memory_replicas``): this module only carries
+bytes.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from functional_ckpt.errors import CheckpointError
 
 __all__ = ["PIECE", "Move", "transfer"]
 
-#: Bytes per send: large enough to run at the group's speed, small enough to bound
-#: the receiving buffer.
+#: Bytes per send: large enough to run at the group's speed, small enough that a
+#: piece's pages are touched while still cached.
 PIECE = 64 << 20
 
 
@@ -56,7 +57,6 @@ def transfer(
     Returns the bytes this rank sent or received."""
     rank = dist.get_rank(group)
     moved = 0
-    buf: torch.Tensor | None = None
     for tag, move in enumerate(moves):
         if move.src == move.dst:
             continue
@@ -64,7 +64,7 @@ def transfer(
             _send(source(move) / move.name, move, tag, group)
             moved += move.size
         elif move.dst == rank:
-            buf = _receive(target(move) / move.name, move, tag, group, buf)
+            _receive(target(move) / move.name, move, tag, group)
             moved += move.size
     return moved
 
@@ -105,20 +105,23 @@ def _send(path: Path, move: Move, tag: int, group: Any) -> None:
         raise CheckpointError(f"{path}: {size} bytes, not the {move.size} bytes sent for it")
 
 
-def _receive(
-    path: Path, move: Move, tag: int, group: Any, buf: torch.Tensor | None
-) -> torch.Tensor | None:
-    """Receive ``move.size`` bytes into the new file ``path``; the buffer is reused."""
+def _receive(path: Path, move: Move, tag: int, group: Any) -> None:
+    """Receive ``move.size`` bytes into the new file ``path``, straight into its pages
+    (a shared map of it: no copy through a buffer)."""
     src = dist.get_global_rank(group, move.src)
-    fd = durable.open_new(path)
+    fd = durable.open_new(path, mapped=True)
     try:
-        for offset in range(0, move.size, PIECE):
-            n = min(PIECE, move.size - offset)
-            if buf is None or buf.numel() < n:
-                buf = torch.empty(min(PIECE, move.size), dtype=torch.uint8)
-            piece = buf[:n]
-            dist.recv(piece, src=src, group=group, tag=tag)
-            durable.write_all(fd, piece.numpy().data)
+        if move.size == 0:
+            return
+        os.ftruncate(fd, move.size)
+        view = mmap.mmap(fd, move.size)
+        try:
+            for offset in range(0, move.size, PIECE):
+                n = min(PIECE, move.size - offset)
+                piece = torch.frombuffer(view, dtype=torch.uint8, count=n, offset=offset)
+                dist.recv(piece, src=src, group=group, tag=tag)
+                del piece  # the map can close only once no tensor shares it
+        finally:
+            view.close()
     finally:
         os.close(fd)
-    return buf

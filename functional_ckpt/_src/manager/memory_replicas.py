@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from functional_ckpt._src import codec
 from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.replication import Move, transfer
 from functional_ckpt._src.distributed.topology import topology
@@ -44,7 +45,7 @@ from functional_ckpt._src.format.naming import (
     step_name,
 )
 from functional_ckpt._src.root.listing import committed_steps
-from functional_ckpt._src.storage import commit, committed, durable, opener
+from functional_ckpt._src.storage import commit, durable, opener, ram
 from functional_ckpt._src.storage.verify import verify
 from functional_ckpt.errors import CheckpointError, MemoryWarning
 
@@ -190,8 +191,10 @@ class Replicas:
         except Exception as e:
             error, size = e, -1
         groups.agree(error, self.group, what)
-        small = [groups.broadcast_bytes(b if self.rank == 0 else b"", self.group) for b in
-                 (small or [b""] * len(_SMALL))]  # fmt: skip
+        packed = codec.encode(small) if self.rank == 0 else b""
+        got = codec.decode(groups.broadcast_bytes(packed, self.group))
+        assert isinstance(got, list) and len(got) == len(_SMALL)
+        small = [bytes(b) for b in got]
         sizes = groups.all_gather_values(size, self.group)
         moves = self._moves(sizes)
         try:
@@ -202,16 +205,14 @@ class Replicas:
         except Exception as e:
             error = e
         groups.agree(error, self.group, what)  # every part and every replica is in place
-        try:
-            if self.keeper:
-                if not (staging / COMMIT_MARKER).exists():
-                    durable.write_new(staging / COMMIT_MARKER, small[2], sync=False)
-                commit.commit_checkpoint(
-                    staging, self.folder / step_name(step), overwrite=True, sync=False
-                )
-        except Exception as e:
-            error = e
-        groups.agree(error, self.group, what)
+        # Committed: each keeper makes it visible (a folder that fails to lacks the step,
+        # which the others hold; its rank reports it).
+        if self.keeper:
+            if not (staging / COMMIT_MARKER).exists():
+                durable.write_new(staging / COMMIT_MARKER, small[2], sync=False)
+            commit.commit_checkpoint(
+                staging, self.folder / step_name(step), overwrite=True, sync=False
+            )
 
     def _moves(self, sizes: Sequence[int]) -> list[Move]:
         """Each rank's shard file to each of its holders' folders (once per folder)."""
@@ -227,13 +228,10 @@ class Replicas:
                     moves.append(Move(r, h, shard_name(r), size))
         return moves
 
-    def complete(self, path: Path) -> bool:
+    @staticmethod
+    def complete(path: Path) -> bool:
         """Whether the folder's checkpoint ``path`` holds every file its manifest lists."""
-        try:
-            need = _needed(path)
-        except CheckpointError:
-            return False
-        return _present(path, need) == set(need)
+        return ram.holds_every_file(path)
 
     # ------------------------------------------------------------------ resuming
 
@@ -286,8 +284,10 @@ class Replicas:
         out: list[list[Any]] = []
         for step, path in committed_steps(self.folder).items():
             with contextlib.suppress(CheckpointError, OSError):
-                need = _needed(path)
-                out.append([step, need, sorted(_present(path, need) | {MANIFEST, COMMIT_MARKER})])
+                need = ram.listed_files(path)
+                out.append(
+                    [step, need, sorted(ram.present_files(path, need) | {MANIFEST, COMMIT_MARKER})]
+                )
         return out
 
     def _good(self, step: int) -> set[str]:
@@ -295,13 +295,13 @@ class Replicas:
         path = self.folder / step_name(step)
         try:
             report = verify(path)
-            need = _needed(path)
+            need = ram.listed_files(path)
         except (CheckpointError, OSError):
             return set()
         bad = {p.file for p in report.problems}
         if None in bad or MANIFEST in bad:
             return set()
-        return (_present(path, need) | {MANIFEST, COMMIT_MARKER}) - {b for b in bad if b}
+        return (ram.present_files(path, need) | {MANIFEST, COMMIT_MARKER}) - {b for b in bad if b}
 
     def _reassemble(
         self, step: int, need: dict[str, int], wanted: set[str], good: dict[int, set[str]]
@@ -310,19 +310,24 @@ class Replicas:
         lay = self.layout
         final = self.folder / step_name(step)
         build = self.staging(step)
+        members = {f: [r for r, g in enumerate(lay.folders) if g == f] for f in set(lay.folders)}
         moves: list[Move] = []
         for k in lay.keepers():
-            lacking = sorted(wanted - good[lay.folders[k]], key=lambda n: (n == COMMIT_MARKER, n))
+            f = lay.folders[k]
+            lacking = sorted(wanted - good[f], key=lambda n: (n == COMMIT_MARKER, n))
             for i, name in enumerate(lacking):
-                have = [f for f in sorted(good) if name in good[f]]  # spread over the holders
-                src = lay.folders.index(have[(k + i) % len(have)])  # that folder's keeper
-                moves.append(Move(src, k, name, need.get(name, -1)))
-        mine = [m for m in moves if m.dst == self.rank]
-        here = good.get(lay.folders[self.rank], set())
+                have = [g for g in sorted(good) if name in good[g]]  # spread over the holders
+                src = members[have[(k + i) % len(have)]]  # and over the ranks of both folders
+                dst = members[f]
+                moves.append(Move(src[i % len(src)], dst[i % len(dst)], name, need.get(name, -1)))
+        mine = lay.folders[self.rank]
+        ours = [m for m in moves if lay.folders[m.dst] == mine]
+        here = good.get(mine, set())
+        what = f"memory-tier step {step}"
         error: BaseException | None = None
         small: dict[str, int] = {}
         try:
-            if mine:
+            if ours and self.keeper:
                 self.clear_staging()
                 durable.make_dirs(build)
                 for name in sorted(here - {COMMIT_MARKER}):
@@ -330,22 +335,8 @@ class Replicas:
             small = {m.name: _size(final / m.name) for m in moves if m.src == self.rank}
         except Exception as e:
             error = e
-        groups.agree(error, self.group, f"memory-tier step {step}")
-        told = groups.all_gather_values(small, self.group)
-        sized = [
-            Move(m.src, m.dst, m.name, m.size if m.size >= 0 else told[m.src][m.name])
-            for m in moves
-        ]
         try:
-            transfer(sized, lambda m: final, lambda m: build, self.group)
-            if mine:
-                if COMMIT_MARKER in here:  # the marker last, as at every commit
-                    os.link(final / COMMIT_MARKER, build / COMMIT_MARKER, follow_symlinks=False)
-                commit.commit_checkpoint(build, final, overwrite=True, sync=False)
-        except Exception as e:
-            error = e
-        try:
-            groups.agree(error, self.group, f"memory-tier step {step}")
+            self._fetch(moves, small, error, final, build, what, commit_here=bool(ours))
         except CheckpointError as e:
             warnings.warn(
                 f"{self.folder}: memory-tier step {step} could not be reassembled ({e}); "
@@ -354,9 +345,41 @@ class Replicas:
                 stacklevel=5,
             )
             return False
-        ours = [m for m in moves if lay.folders[m.dst] == lay.folders[self.rank]]
         self.resumed = {"step": step, "fetched": {m.name: m.src for m in ours}}
         return True
+
+    def _fetch(
+        self,
+        moves: list[Move],
+        sizes: dict[str, int],
+        error: BaseException | None,
+        final: Path,
+        build: Path,
+        what: str,
+        *,
+        commit_here: bool,
+    ) -> None:
+        """The moves of a reassembly, then each keeper's commit; every rank fails together."""
+        groups.agree(error, self.group, what)
+        told = groups.all_gather_values(sizes, self.group)
+        sized = [
+            Move(m.src, m.dst, m.name, m.size if m.size >= 0 else told[m.src][m.name])
+            for m in moves
+        ]
+        try:
+            transfer(sized, lambda m: final, lambda m: build, self.group)
+        except Exception as e:
+            error = e
+        groups.agree(error, self.group, what)  # every folder has all it lacked
+        try:
+            if commit_here and self.keeper:
+                if (final / COMMIT_MARKER).exists() and not (build / COMMIT_MARKER).exists():
+                    # the marker last, as at every commit
+                    os.link(final / COMMIT_MARKER, build / COMMIT_MARKER, follow_symlinks=False)
+                commit.commit_checkpoint(build, final, overwrite=True, sync=False)
+        except Exception as e:
+            error = e
+        groups.agree(error, self.group, what)
 
 
 def _size(path: Path) -> int:
@@ -365,24 +388,6 @@ def _size(path: Path) -> int:
 
 def _read(path: Path) -> bytes:
     return opener.read_file(path, limit=1 << 36, what="memory-tier file")
-
-
-def _needed(path: Path) -> dict[str, int]:
-    """The files the manifest of the checkpoint ``path`` lists, with their sizes."""
-    files = committed.read_manifest(path).get("files")
-    if not isinstance(files, dict):
-        raise CheckpointError(f"{path}: the manifest lists no files")
-    return {str(n): int(i["size"]) for n, i in files.items() if isinstance(i, dict)}
-
-
-def _present(path: Path, need: dict[str, int]) -> set[str]:
-    """The listed files that are in ``path`` at their recorded size."""
-    out = set()
-    for name, size in need.items():
-        with contextlib.suppress(OSError):
-            if os.stat(path / name, follow_symlinks=False).st_size == size:
-                out.add(name)
-    return out
 
 
 def _holding(

@@ -238,7 +238,7 @@ class MemoryTier:
             self._lock.release()
             self._lock = None
 
-    def _write_status(self, *, open_: bool, replicated: list[int] | None = None) -> None:
+    def _write_status(self, *, open_: bool) -> None:
         if topology().rank != 0:
             return  # one status per job: the coordinator's
         doc: dict[str, Any] = {
@@ -253,7 +253,6 @@ class MemoryTier:
             lay = self.replicas.layout
             doc["replicas"] = lay.replicas
             doc["domains"] = len(set(lay.domains))
-            doc["replicated"] = replicated or []
         with contextlib.suppress(OSError):
             durable.replace_durably(self.root / ram.MEMORY_STATUS, json.dumps(doc).encode())
 
@@ -337,7 +336,6 @@ class MemoryTier:
             self.replicas.replicate(step, error)
             if self.keeper:
                 self._prune()
-                self._write_status(open_=True, replicated=self.steps())
         except BaseException as e:
             self._round_error = e
 
