@@ -107,8 +107,7 @@ def worker(base: Path, memory: Path, size: int, reps: int) -> dict[str, Any]:
             rep.clear_staging()
         dist.barrier()
         mem.writes.save(rep.staging(step), state, {})
-        nbytes = os.stat(rep.staging(step) / shard_name(rank)).st_size
-        dist.barrier()
+        dist.barrier()  # every part renamed into place (a part's rank renames it)
         t0 = time.perf_counter()
         rep.replicate(step, None)
         out["replicate"].append(_slowest(time.perf_counter() - t0))
@@ -118,6 +117,7 @@ def worker(base: Path, memory: Path, size: int, reps: int) -> dict[str, Any]:
         moves = rep._moves(
             [os.stat(folder / step_name(step) / shard_name(r)).st_size for r in range(WORLD)]
         )
+        nbytes = os.stat(folder / step_name(step) / shard_name(rank)).st_size
         bufs = {m.src: torch.empty(m.size, dtype=torch.uint8) for m in moves if m.dst == rank}
         src = torch.ones(nbytes, dtype=torch.uint8)
         dist.barrier()
@@ -142,9 +142,7 @@ def worker(base: Path, memory: Path, size: int, reps: int) -> dict[str, Any]:
         if rank == 2:  # node b is lost, and its RAM with it
             shutil.rmtree(folder)
         dist.barrier()
-        mgr = fc.CheckpointManager(
-            root, save=fc.policy.always(), keep=fc.keep_last(1), memory=tier
-        )
+        mgr = fc.CheckpointManager(root, save=fc.policy.always(), keep=fc.keep_last(1), memory=tier)
         mem = mgr.memory
         assert mem is not None and mem.replicas is not None
         dist.barrier()

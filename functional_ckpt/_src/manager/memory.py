@@ -1,8 +1,8 @@
 """``Memory``: a manager's memory tier, as one option value (``CheckpointManager(memory=...)``).
 
 Built and checked where the user writes it; the manager opens it on its root
-(:class:`~.memory_tier.MemoryTier`). Plain fields only, so that a configuration file can
-describe it as well as code.
+(:class:`~.memory_tier.MemoryTier`). Plain fields, so that a configuration file can
+describe it as well as code, but for ``domain`` (a function; its default needs none).
 """
 
 from __future__ import annotations
