@@ -93,7 +93,7 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (world,))
     size = int(os.environ.get("DOMAIN_SIZE", "0"))
     domain = (lambda r: r // size) if size else None
-    node = "ab"[rank // 2]
+    node = "ab"[rank // int(os.environ.get("LOCAL_WORLD_SIZE", "2"))]
     if args.die_in_round is not None and rank == args.die_rank:
         from functional_ckpt._src.manager import memory_replicas
 
@@ -115,7 +115,9 @@ def main() -> None:
         warnings.simplefilter("always")
         assert mgr.memory is not None and mgr.memory.replicas is not None
         state = initial(mesh, rank)
-        restored = mgr.restore_latest(like=initial(mesh, rank))
+        # Onto another world size, each rank takes over the per-rank state of its number.
+        keep_mine = None if world == 4 else (lambda saved, r, w: saved[r])
+        restored = mgr.restore_latest(like=initial(mesh, rank), reshard=keep_mine)
         if restored is not None:
             state = plain(restored)
         report = mgr.memory.replicas.resumed

@@ -51,13 +51,15 @@ def _env(**extra: str) -> dict[str, str]:
     }
 
 
-def two_nodes(base: Path, *args: str, wait_for: int | None = None) -> list[tuple[int, str]]:
-    """The job on four ranks, two per node as torchrun on two machines starts them.
+def two_nodes(
+    base: Path, *args: str, wait_for: int | None = None, world: int = WORLD
+) -> list[tuple[int, str]]:
+    """The job on ``world`` ranks, half per node as torchrun on two machines starts them.
 
     With ``wait_for``, once that rank has ended the others are SIGKILLed (they wait for
     it in a collective): the whole job is lost, as when a node dies mid-step.
     """
-    port = _port()
+    port, per_node = _port(), world // 2
     procs = [
         subprocess.Popen(
             [sys.executable, str(JOB), str(base), str(STEPS), *args],
@@ -65,16 +67,16 @@ def two_nodes(base: Path, *args: str, wait_for: int | None = None) -> list[tuple
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=port,
                 RANK=str(rank),
-                WORLD_SIZE=str(WORLD),
-                LOCAL_RANK=str(rank % 2),
-                LOCAL_WORLD_SIZE="2",
-                GROUP_RANK=str(rank // 2),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(rank % per_node),
+                LOCAL_WORLD_SIZE=str(per_node),
+                GROUP_RANK=str(rank // per_node),
             ),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for rank in range(WORLD)
+        for rank in range(world)
     ]
     try:
         if wait_for is not None:
@@ -217,3 +219,15 @@ def corrupt_file(path: Path) -> None:
     raw[len(raw) // 2] ^= 0xFF
     os.chmod(path, 0o644)
     path.write_bytes(bytes(raw))
+
+
+def test_another_world_size_says_so_and_resumes_from_the_disk_tier(tmp_path: Path) -> None:
+    runs = two_nodes(tmp_path, "--die-at", "7")
+    assert [code for code, _ in runs] == [-signal.SIGKILL] * WORLD
+    runs = two_nodes(tmp_path, world=2)  # the job comes back on half the ranks
+    got = resumed(runs)
+    assert [g[0] for g in got] == [5, 5], got  # the disk tier reshards; the memory tier cannot
+    told = " ".join(got[0][2])
+    assert "saved by 4 ranks and this run has 2" in told and "disk tier" in told, told
+    for code, out in runs:
+        assert code == 0 and lines(out, "FINAL"), out[-3000:]
