@@ -205,8 +205,8 @@ class Replicas:
         except Exception as e:
             error = e
         groups.agree(error, self.group, what)  # every part and every replica is in place
-        # Committed: each keeper makes it visible (a folder that fails to lacks the step,
-        # which the others hold; its rank reports it).
+        # Committed: each keeper makes it visible (a folder whose rename fails lacks the
+        # step, which the other folders hold; its rank reports it).
         if self.keeper:
             if not (staging / COMMIT_MARKER).exists():
                 durable.write_new(staging / COMMIT_MARKER, small[2], sync=False)
