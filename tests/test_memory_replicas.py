@@ -25,7 +25,7 @@ import pytest
 import functional_ckpt as fc
 from functional_ckpt._src import cli
 from functional_ckpt._src.format.naming import step_name
-from functional_ckpt._src.manager.memory_replicas import STAGING, holders_of, layout_of
+from functional_ckpt._src.manager.memory_replicas import holders_of, layout_of
 from tests.patience import HANG
 from tests.test_memory import committed
 
@@ -182,7 +182,6 @@ def test_a_kill_inside_a_replication_commits_that_step_nowhere(
         # step 3 written, never replicated (1 made room for it: keep=2 counts it)
         assert committed(folder) == [2], folder
         assert not (folder / step_name(3)).exists()
-    assert (tmp_path / "mem-a" / STAGING / step_name(3) / "manifest.msgpack").exists()
     assert committed(tmp_path / "root") == []
     runs = two_nodes(tmp_path)
     assert [g[0] for g in resumed(runs)] == [2] * WORLD
