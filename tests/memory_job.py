@@ -7,17 +7,20 @@ Each node has its memory folder ``BASE/mem-<node>``; the disk root ``BASE/root``
 shared. The state is a weight sharded over the ranks, updated every step from a
 per-rank generator whose state is saved too (``rng``), and a per-rank loader position.
 
-    python tests/memory_job.py BASE STEPS [--die-at N] [--die-in-round N --die-rank R]
+    python tests/memory_job.py BASE STEPS [--die-at N]
+                               [--die-in-round N | --full-in-round N] [--die-rank R]
 
 ``--die-at N``: every rank SIGKILLs itself once the memory step N is committed.
 ``--die-in-round N``: rank R SIGKILLs itself as the replication of its N-th memory
-save starts (its part written, no replica sent). Each rank prints ``RESUMED`` (the step
+save starts (its part written, no replica sent). ``--full-in-round N``: rank R
+finds no room for the replica it receives in its N-th round. Each rank prints ``RESUMED`` (the step
 and what its folder fetched) and ``FINAL`` (a digest of its final state).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
@@ -85,6 +88,7 @@ def main() -> None:
     ap.add_argument("--die-at", type=int)
     ap.add_argument("--die-in-round", type=int)
     ap.add_argument("--die-rank", type=int, default=2)
+    ap.add_argument("--full-in-round", type=int)
     args = ap.parse_args()
     base = Path(args.base)
     torch.set_num_threads(1)
@@ -106,6 +110,19 @@ def main() -> None:
             return real(*a, **k)
 
         memory_replicas.transfer = dying  # type: ignore[assignment]
+    if args.full_in_round is not None and rank == args.die_rank:
+        from functional_ckpt._src.storage import durable
+
+        real_open, opened = durable.open_new, [0]
+
+        def full(path: Path, *, mapped: bool = False) -> int:
+            if mapped:  # a replica received (only the replication maps what it writes)
+                opened[0] += 1
+                if opened[0] == args.full_in_round:
+                    raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            return real_open(path, mapped=mapped)
+
+        durable.open_new = full  # type: ignore[assignment]
     tier = fc.manager.Memory(path=base / f"mem-{node}", promote_on=(), domain=domain)
     disk = fc.every_steps(DISK_EVERY) | fc.on_final()
     with (

@@ -144,6 +144,32 @@ def test_holders_are_the_same_local_rank_on_the_next_nodes() -> None:
         layout_of([1, 1, 2, 2], [0, 0, 2, 2], 3)
 
 
+def test_a_folder_another_rank_makes_meanwhile_is_taken_as_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ranks of a node make their shared folder at once: one of them finds it gone
+    from "missing" to "there" between two looks, which is no error."""
+    from functional_ckpt._src.storage import durable
+
+    folder = tmp_path / "mem-a"
+    real, looks = Path.is_dir, [0]
+
+    def racing(self: Path) -> bool:
+        if self == folder:
+            looks[0] += 1
+            if looks[0] == 1:  # the first look: not there yet; then another rank makes it
+                folder.mkdir()
+                return False
+        return real(self)
+
+    monkeypatch.setattr(Path, "is_dir", racing)
+    durable.make_dirs(folder)
+    assert real(folder) and looks[0] >= 2
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(NotADirectoryError):
+        durable.make_dirs(tmp_path / "file")
+
+
 def test_a_lost_node_resumes_from_the_replicas_bit_identically(
     tmp_path: Path, reference: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -186,6 +212,20 @@ def test_a_kill_inside_a_replication_commits_that_step_nowhere(
     runs = two_nodes(tmp_path)
     assert [g[0] for g in resumed(runs)] == [2] * WORLD
     assert finals(runs) == reference
+
+
+def test_a_failed_replication_warns_every_rank_and_training_goes_on(
+    tmp_path: Path, reference: list[str]
+) -> None:
+    """Rank 0 has no room for rank 2's replica of step 3: the step is committed nowhere,
+    every rank reports it, the disk tier and the next rounds are unaffected."""
+    runs = two_nodes(tmp_path, "--full-in-round", "3", "--die-rank", "0")
+    assert finals(runs) == reference
+    for _, out in runs:
+        told = " ".join(json.loads(lines(out, "WARNINGS")[0]))
+        assert "memory-tier checkpoint of step 3 failed" in told, told
+        assert "step 2 failed" not in told and "step 4 failed" not in told, told
+    assert committed(tmp_path / "root") == [10, 12]
 
 
 def test_a_damaged_replica_is_refetched_or_the_disk_tier_used(

@@ -54,74 +54,98 @@ def transfer(
 ) -> int:
     """Carry out this rank's ``moves``: read from the directory ``source(move)``, write
     into ``target(move)``. Every rank of ``group`` calls it with the same list.
-    Returns the bytes this rank sent or received."""
+    Returns the bytes this rank sent or received; a file that could not be read or
+    written raises (the first such error) once every move is done, so only a dead
+    rank can keep another waiting (for the group's timeout)."""
     rank = dist.get_rank(group)
     moved = 0
+    failed: list[BaseException] = []
     for tag, move in enumerate(moves):
-        if move.src == move.dst:
+        if move.src == move.dst or rank not in (move.src, move.dst):
             continue
-        if move.src == rank:
-            _send(source(move) / move.name, move, tag, group)
+        try:  # a local failure still moves every byte: the others' moves wait on them
+            if move.src == rank:
+                _send(source(move) / move.name, move, tag, group)
+            else:
+                _receive(target(move) / move.name, move, tag, group)
             moved += move.size
-        elif move.dst == rank:
-            _receive(target(move) / move.name, move, tag, group)
-            moved += move.size
+        except (OSError, CheckpointError) as e:
+            failed.append(e)
+    if failed:
+        raise failed[0]
     return moved
 
 
 def _send(path: Path, move: Move, tag: int, group: Any) -> None:
-    """Send exactly ``move.size`` bytes (zeros past a file that shrank, so the receiver is
-    never left waiting: its checksums reject them, and this rank reports the error)."""
+    """Send exactly ``move.size`` bytes, whatever happens here (zeros in place of what
+    cannot be read), so the receiver is never left waiting: its checksums reject such
+    bytes, and this rank reports the error."""
     dst = dist.get_global_rank(group, move.dst)
-    dir_fd = opener.open_directory(path.parent)
+    fd, view, size, failure = -1, None, -1, None
     try:
-        fd = opener.open_member(dir_fd, path.name, path)
-    finally:
-        os.close(dir_fd)
-    try:
-        size = os.fstat(fd).st_size
-        have = min(size, move.size)
-        view = mmap.mmap(fd, have, access=mmap.ACCESS_COPY) if have else None
+        dir_fd = opener.open_directory(path.parent)
         try:
-            for offset in range(0, move.size, PIECE):
-                n = min(PIECE, move.size - offset)
-                if view is not None and offset + n <= have:
-                    piece = torch.frombuffer(view, dtype=torch.uint8, count=n, offset=offset)
-                else:  # past what the file holds now
-                    piece = torch.zeros(n, dtype=torch.uint8)
-                    k = max(0, have - offset)
-                    if k and view is not None:
-                        piece[:k] = torch.frombuffer(
-                            view, dtype=torch.uint8, count=k, offset=offset
-                        )
-                dist.send(piece, dst=dst, group=group, tag=tag)
-                del piece  # the map can close only once no tensor shares it
+            fd = opener.open_member(dir_fd, path.name, path)
         finally:
-            if view is not None:
-                view.close()
+            os.close(dir_fd)
+        size = os.fstat(fd).st_size
+        if min(size, move.size):  # private (torch takes writable buffers only), not copied
+            view = mmap.mmap(fd, min(size, move.size), access=mmap.ACCESS_COPY)
+    except OSError as e:
+        failure = e
+    have = 0 if view is None else len(view)
+    try:
+        for offset in range(0, move.size, PIECE):
+            n = min(PIECE, move.size - offset)
+            if view is not None and offset + n <= have:
+                piece = torch.frombuffer(view, dtype=torch.uint8, count=n, offset=offset)
+            else:  # past what the file holds (or all of it, if it cannot be read)
+                piece = torch.zeros(n, dtype=torch.uint8)
+                k = max(0, have - offset)
+                if k and view is not None:
+                    piece[:k] = torch.frombuffer(view, dtype=torch.uint8, count=k, offset=offset)
+            dist.send(piece, dst=dst, group=group, tag=tag)
+            del piece  # the map can close only once no tensor shares it
     finally:
-        os.close(fd)
+        if view is not None:
+            view.close()
+        if fd >= 0:
+            os.close(fd)
+    if failure is not None:
+        raise failure
     if size != move.size:
         raise CheckpointError(f"{path}: {size} bytes, not the {move.size} bytes sent for it")
 
 
 def _receive(path: Path, move: Move, tag: int, group: Any) -> None:
     """Receive ``move.size`` bytes into the new file ``path``, straight into its pages
-    (a shared map of it: no copy through a buffer)."""
+    (a shared map of it: no copy through a buffer). Its space is reserved first (a full
+    RAM file system is an error here, not a SIGBUS later); what cannot be written is
+    still received, into a scratch buffer, so the sender is never left waiting."""
     src = dist.get_global_rank(group, move.src)
-    fd = durable.open_new(path, mapped=True)
+    fd, view, failure = -1, None, None
     try:
-        if move.size == 0:
-            return
-        os.ftruncate(fd, move.size)
-        view = mmap.mmap(fd, move.size)
-        try:
-            for offset in range(0, move.size, PIECE):
-                n = min(PIECE, move.size - offset)
+        fd = durable.open_new(path, mapped=True)
+        if move.size:
+            os.posix_fallocate(fd, 0, move.size)
+            view = mmap.mmap(fd, move.size)
+    except OSError as e:
+        failure = e
+    scratch: torch.Tensor | None = None
+    try:
+        for offset in range(0, move.size, PIECE):
+            n = min(PIECE, move.size - offset)
+            if view is not None:
                 piece = torch.frombuffer(view, dtype=torch.uint8, count=n, offset=offset)
-                dist.recv(piece, src=src, group=group, tag=tag)
-                del piece  # the map can close only once no tensor shares it
-        finally:
-            view.close()
+            else:
+                scratch = torch.empty(n, dtype=torch.uint8) if scratch is None else scratch
+                piece = scratch[:n]
+            dist.recv(piece, src=src, group=group, tag=tag)
+            del piece  # the map can close only once no tensor shares it
     finally:
-        os.close(fd)
+        if view is not None:
+            view.close()
+        if fd >= 0:
+            os.close(fd)
+    if failure is not None:
+        raise failure

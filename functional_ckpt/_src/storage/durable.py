@@ -89,6 +89,8 @@ def make_dirs(path: Path) -> None:
     probe = path
     while not probe.is_dir():
         if probe.exists() or probe.is_symlink():
+            if probe.is_dir():
+                break  # another process made it just now (ranks sharing a node's folder)
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(probe))
         missing.append(probe)
         if probe.parent == probe:
