@@ -16,17 +16,30 @@ resume
   same root, whose disk tier holds the same step (its files dropped from the page
   cache first where the OS allows, as after a restart).
 
+replication (four ranks as two nodes of two, ``benchmarks/_replication.py``)
+  *memory tier*: phase 2 of a memory-tier save: each rank's shard file (a quarter
+  of ``--size``) sent to its holder on the other node and committed in every
+  folder; *plain gloo*: the same bytes between the same ranks, one ``dist.send``
+  per file into buffers allocated beforehand (the floor);
+  *resume from replicas*: node b's folder deleted (a lost node), ``restore_latest``
+  (node b's shards fetched from node a, every byte checked); *resume from disk*:
+  ``restore_latest`` of the same step from the disk tier.
+
 Each pair runs back to back, in the order A B, then B A; the loop's compute runs on
 one thread (``torch.set_num_threads(1)``), the saves beside it. Medians are
 reported with their ratios (memory loop / plain loop, memory resume /
-disk resume). Targets: a memory save every step costs <= 1.5x the loop without
-checkpoints; resuming from memory takes <= 1.0x resuming from disk.
+disk resume, plain gloo time / replication time as a throughput ratio, resume
+from replicas / from disk). Targets: a memory save every step costs <= 1.5x the
+loop without checkpoints; resuming from memory takes <= 1.0x resuming from disk;
+replication runs at >= 0.8x the throughput of plain gloo sends; resuming a lost
+node from replicas takes <= 0.5x resuming it from disk. ``--no-replication``
+leaves the four-rank rows out.
 
 Usage::
 
     python benchmarks/memory_tier.py [--quick] [--size BYTES] [--steps N] [--reps N]
                                      [--dir DIR] [--memory-dir DIR] [--json PATH]
-                                     [--allow-tmpfs] [--strict]
+                                     [--allow-tmpfs] [--strict] [--no-replication]
 """
 
 from __future__ import annotations
@@ -50,6 +63,7 @@ from _common import (
     check_not_tmpfs,
     environment,
     finish,
+    fmt_rate,
     fmt_ratio,
     fmt_seconds,
     median,
@@ -65,6 +79,8 @@ from _common import (
 TENSORS = 8
 PLAIN, MEMORY = "loop: no checkpoints", "loop: memory tier every step"
 FROM_DISK, FROM_MEMORY = "resume: from disk", "resume: from memory"
+GLOO, REPLICATE = "replication: plain gloo sends", "replication: memory tier"
+LOST_DISK, LOST_REPLICAS = "lost node: resume from disk", "lost node: resume from replicas"
 
 
 def import_fc() -> types.ModuleType:
@@ -171,6 +187,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--memory-dir", type=Path, default=None, help="the tier's folder (default: /dev/shm)"
     )
+    p.add_argument(
+        "--no-replication", action="store_true", help="leave out the four-rank replication rows"
+    )
     add_run_args(p, "memory_tier")
     return p.parse_args(argv)
 
@@ -205,11 +224,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             times[FROM_MEMORY].append(t_memory)
             times[FROM_DISK].append(t_disk)
             remove_path(workdir / f"resume-{k}")
+        replicated = None
+        if not args.no_replication:
+            print("replication: four ranks", file=sys.stderr, flush=True)
+            from _replication import launch
+
+            ram = args.memory_dir if args.memory_dir is not None else Path("/dev/shm")
+            shm = ram / f"fckpt-bench-{os.getpid()}"
+            try:
+                reports = launch(workdir / "replication", shm, size, max(reps, 3))
+            finally:
+                remove_path(shm)
+            replicated = reports[0]  # every rank reports the slowest rank's times
+            times[GLOO], times[REPLICATE] = replicated["plain"], replicated["replicate"]
+            times[LOST_DISK], times[LOST_REPLICAS] = (
+                replicated["from_disk"],
+                replicated["from_replicas"],
+            )
     finally:
         remove_path(workdir)
 
     med = {label: median(v) for label, v in times.items()}
     base = {PLAIN: PLAIN, MEMORY: PLAIN, FROM_DISK: FROM_DISK, FROM_MEMORY: FROM_DISK}
+    base |= {GLOO: GLOO, REPLICATE: GLOO, LOST_DISK: LOST_DISK, LOST_REPLICAS: LOST_DISK}
     rows = [
         {
             "op": label,
@@ -224,6 +261,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("memory tier every step <= 1.5x no checkpoints", by[MEMORY]["ratio"], 1.5),
         ("resume from memory <= 1.0x from disk", by[FROM_MEMORY]["ratio"], 1.0),
     ]
+    if replicated is not None:
+        throughput = ratio(med[GLOO], med[REPLICATE])  # the same bytes: times inverted
+        by[REPLICATE]["throughput_ratio"] = throughput
+        by[REPLICATE]["bytes"] = replicated["bytes"]
+        by[LOST_REPLICAS]["fetched"] = reports[2]["fetched"]
+        # >= 0.8x the throughput is <= 1.25x the time
+        slower = None if throughput is None else 1.0 / throughput
+        targets += [
+            ("replication >= 0.8x the throughput of plain gloo (time <= 1.25x)", slower, 1.25),
+            ("lost node: resume from replicas <= 0.5x from disk", by[LOST_REPLICAS]["ratio"], 0.5),
+        ]
     checks = [
         {"target": name, "value": value, "limit": limit, "result": verdict(value, limit)}
         for name, value, limit in targets
@@ -231,6 +279,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = Table(["OP", "MEDIAN", "RATIO"])
     for r in rows:
         table.add(r["op"], fmt_seconds(r["median_s"]), fmt_ratio(r["ratio"]))
+    if replicated is not None:
+        table.add(
+            "replication: throughput vs plain gloo",
+            fmt_rate(replicated["bytes"], med[REPLICATE]),
+            fmt_ratio(by[REPLICATE]["throughput_ratio"]),
+        )
     print(
         f"state: {TENSORS} x {size // TENSORS / MiB:.1f} MiB float32 ({size / MiB:.0f} MiB); "
         f"{steps} steps of {args.compute} matmuls; {reps} repetitions; disk {args.dir} on {fstype}"

@@ -280,8 +280,13 @@ def test_memory_tier_quick_run(tmp_path: Path) -> None:
     data = _run_benchmark("memory_tier.py", tmp_path, "--memory-dir", str(tmp_path / "ram"))
     assert data["config"]["reps"] == 1
     ops = [r["op"] for r in data["rows"]]
-    assert len(ops) == 4 and {op.split(":")[0] for op in ops} == {"loop", "resume"}
+    kinds = {op.split(":")[0] for op in ops}
+    assert len(ops) == 8 and kinds == {"loop", "resume", "replication", "lost node"}
     for r in data["rows"]:
-        assert len(r["times_s"]) == 1 and r["median_s"] > 0 and r["ratio"] > 0
+        assert len(r["times_s"]) >= 1 and r["median_s"] > 0 and r["ratio"] > 0
+    by = {r["op"]: r for r in data["rows"]}
+    assert by["replication: memory tier"]["throughput_ratio"] > 0
+    fetched = by["lost node: resume from replicas"]["fetched"]  # node b's, from node a
+    assert "__2_0.distcp" in fetched and set(fetched.values()) <= {0, 1}
     assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}
     assert not (tmp_path / "ram").exists() or not list((tmp_path / "ram").iterdir())

@@ -472,6 +472,7 @@ def test_a_memory_tier_as_data(tmp_path: Path) -> None:
             "budget": 0.25,
             "promote_on": ["SIGTERM", "usr1"],
             "promote_within": 30,
+            "replicas": 1,
         },
     }
     with fc.CheckpointManager.from_config(cfg) as mgr:
@@ -488,6 +489,7 @@ def test_a_memory_tier_as_data(tmp_path: Path) -> None:
         "promote_within": 30,
         "async_save": True,
         "incremental": True,
+        "replicas": 1,
     }
     with fc.CheckpointManager.from_config({**cfg, "memory": written}) as again:
         assert again.config()["memory"] == written
@@ -495,6 +497,13 @@ def test_a_memory_tier_as_data(tmp_path: Path) -> None:
         ({"keep": 3}, "memory: Memory(keep=3): expected 1 or 2"),
         ({"promote_on": ["SIGNOPE"]}, "memory.promote_on[0]: expected a signal name"),
         ({"sizes": 1}, "memory.sizes: unknown field"),
+        ({"replicas": 0}, "memory: Memory(replicas=0): expected a number of copies"),
     ):
         with pytest.raises(fc.errors.ConfigError, match=re.escape(fragment)):
             fc.CheckpointManager.from_config({"root": str(tmp_path / "x"), "memory": bad})
+    placed = fc.manager.Memory(path=ram, domain=lambda rank: rank // 8)
+    with (
+        fc.CheckpointManager(tmp_path / "run2", memory=placed) as mgr,
+        pytest.raises(fc.errors.ConfigError, match=r"memory\.domain=.*no plain form"),
+    ):
+        mgr.config()

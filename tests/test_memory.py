@@ -298,6 +298,9 @@ def test_a_budget_beyond_the_memory_there_is_refused_at_open(tmp_path: Path) -> 
         ("promote_on", (signal.SIGKILL,), "promote_on="),
         ("promote_within", 0, "promote_within=0"),
         ("async_save", 1, "async_save=1"),
+        ("replicas", 0, "replicas=0"),
+        ("replicas", True, "replicas=True"),
+        ("domain", 3, "domain=3"),
     ],
 )
 def test_bad_options_name_the_argument(field: str, value: Any, match: str) -> None:
@@ -436,20 +439,14 @@ def mgr_event(step: int) -> Any:
     return Event(step=step)
 
 
-def test_refused_under_torch_distributed_for_now(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from functional_ckpt._src.distributed.topology import Topology
-    from functional_ckpt._src.manager import memory_tier
-
-    monkeypatch.setattr(memory_tier, "topology", lambda: Topology(rank=0, world=2))
-    with fc.CheckpointManager(tmp_path / "probe") as probe:
-        settings = probe._writes.plan
-    with pytest.raises(fc.CheckpointError, match=r"not under torch\.distributed"):
-        memory_tier.MemoryTier(
-            fc.manager.Memory(path=tmp_path / "mem"), tmp_path / "root", settings, writer=True
-        )
+def test_replicas_in_one_process_are_refused(tmp_path: Path) -> None:
+    """One process is one failure domain: its replicas would die with it."""
+    tier = fc.manager.Memory(path=tmp_path / "mem", replicas=2)
+    with pytest.raises(fc.CheckpointError, match=r"Memory\(replicas=2\): one process is one"):
+        fc.CheckpointManager(tmp_path / "root", memory=tier)
     assert not (tmp_path / "mem").exists()
+    with fc.CheckpointManager(tmp_path / "root", memory=fc.manager.Memory(replicas=1)) as mgr:
+        assert mgr.memory is not None and mgr.memory.replicas is None
 
 
 def test_beside_a_remote_tier_the_newest_of_all_three_is_restored(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ from functional_ckpt._src.format.header import header_of
 from functional_ckpt._src.format.naming import parse_step, step_name
 from functional_ckpt._src.remote.uploader import read_status
 from functional_ckpt._src.root.listing import RootEntry, committed_steps
-from functional_ckpt._src.storage.ram import read_memory_status
+from functional_ckpt._src.storage.ram import holds_every_file, read_memory_status
 from functional_ckpt._src.storage.usage import dir_size
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
@@ -154,8 +154,12 @@ def memory_rows(root: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | Non
     if not isinstance(folder, str):
         return None
     out = []
+    replicas = status.get("replicas")
     for step, path in sorted(committed_steps(Path(folder)).items()):
-        out.append({"kind": "memory", "step": step, "path": str(path), "size": dir_size(path)})
+        row = {"kind": "memory", "step": step, "path": str(path), "size": dir_size(path)}
+        if isinstance(replicas, int):  # committed only once every replica was confirmed
+            row |= {"replicas": replicas, "whole": holds_every_file(path)}
+        out.append(row)
     return status, out
 
 
@@ -186,7 +190,12 @@ def print_memory(found: tuple[dict[str, Any], list[dict[str, Any]]] | None, ui: 
         ui.print("  no checkpoints (a closed manager removes its memory tier)")
         return
     cells = [[step_name(r["step"]), str(r["step"]), human(r["size"])] for r in rows]
-    ui.table(["CHECKPOINT", "STEP", "SIZE"], cells, [["", "", ""]] * len(rows))
+    head = ["CHECKPOINT", "STEP", "SIZE"]
+    if "replicas" in rows[0]:
+        head += ["REPLICAS", "HERE"]
+        for cell, r in zip(cells, rows, strict=True):
+            cell += [f"{r['replicas']} confirmed", "whole" if r["whole"] else "parts"]
+    ui.table(head, cells, [[""] * len(head)] * len(rows))
 
 
 def ls_remote(args: argparse.Namespace, ui: UI) -> int:

@@ -66,6 +66,7 @@ MEMORY_KEYS = (
     "promote_within",
     "async_save",
     "incremental",
+    "replicas",
 )
 
 
@@ -181,7 +182,7 @@ def _memory(value: object, path: str) -> Memory:
         args["promote_on"] = tuple(
             signal_number(s, at_key(where, i)) for i, s in enumerate(signals)
         )
-    for key in ("keep", "budget", "promote_within"):
+    for key in ("keep", "budget", "promote_within", "replicas"):
         if key in given:
             args[key] = given[key]  # checked by Memory itself, which names the field
     try:
@@ -306,6 +307,11 @@ def config_of(
             "prune_unuploaded": remote.prune_unuploaded,
         }
     if memory is not None:
+        if memory.domain is not None:
+            raise ConfigError(
+                f"memory.domain={memory.domain!r}: a function has no plain form; leave it out "
+                "(the default domains are the nodes, from LOCAL_RANK) or build the manager in code"
+            )
         out["memory"] = {
             "path": None if memory.path is None else str(memory.path),
             "save": policy_to_config(memory.save),
@@ -315,6 +321,7 @@ def config_of(
             "promote_within": memory.promote_within,
             "async_save": memory.async_save,
             "incremental": memory.incremental,
+            "replicas": memory.replicas,
         }
     if rollback is not None:
         out["rollback"] = policy_to_config(rollback)

@@ -1,14 +1,15 @@
 """``Memory``: a manager's memory tier, as one option value (``CheckpointManager(memory=...)``).
 
 Built and checked where the user writes it; the manager opens it on its root
-(:class:`~.memory_tier.MemoryTier`). Plain fields only, so that a configuration file can
-describe it as well as code.
+(:class:`~.memory_tier.MemoryTier`). Plain fields, so that a configuration file can
+describe it as well as code, but for ``domain`` (a function; its default needs none).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from functional_ckpt._src.policy import SavePolicy, every_steps
@@ -32,7 +33,14 @@ class Memory:
     ``budget`` caps the RAM it may use: bytes, or a fraction of the memory available
     when the manager opens. On a signal of ``promote_on`` (default SIGTERM) its
     newest checkpoint is copied to the disk tier, for at most ``promote_within``
-    seconds, before the signal takes its course. See docs/tiered.md.
+    seconds, before the signal takes its course.
+
+    Under ``torch.distributed`` each node has a folder of its own (the default one is
+    per machine), and each rank's shard files are also held in the folders of
+    ``replicas - 1`` other failure domains (default: 2 where there are at least two
+    domains, else 1), so that a lost node's part is still in RAM elsewhere. A
+    domain is a node (from ``LOCAL_RANK``), or what ``domain(rank)`` returns (an
+    int or a str, the same on every rank). See docs/tiered.md.
     """
 
     path: str | os.PathLike[str] | None = None
@@ -43,6 +51,8 @@ class Memory:
     promote_within: float = 60.0
     async_save: bool = True
     incremental: bool = True
+    replicas: int | None = None
+    domain: Callable[[int], int | str] | None = None
 
     def __post_init__(self) -> None:
         if self.path is not None and not isinstance(self.path, str | os.PathLike):
@@ -78,6 +88,19 @@ class Memory:
         within = self.promote_within
         if isinstance(within, bool) or not isinstance(within, int | float) or not within > 0:
             raise ValueError(f"Memory(promote_within={within!r}): expected a number of seconds > 0")
+        replicas = self.replicas
+        if replicas is not None and (
+            isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1
+        ):
+            raise ValueError(
+                f"Memory(replicas={replicas!r}): expected a number of copies >= 1 (or None: "
+                "2 where there are two failure domains or more)"
+            )
+        if self.domain is not None and not callable(self.domain):
+            raise TypeError(
+                f"Memory(domain={self.domain!r}): expected a function of a rank, returning its "
+                "failure domain (an int or a str)"
+            )
         for name in ("async_save", "incremental"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Memory({name}={getattr(self, name)!r}): expected a bool")

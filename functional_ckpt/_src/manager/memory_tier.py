@@ -7,7 +7,9 @@ It is locked like a disk root (one writer per folder), marked with the disk root
 it belongs to (a folder left by another root's run is emptied, never resumed
 from), holds the newest ``keep`` checkpoints, and is removed when its manager
 closes. Its failures never stop training: they are reported as
-:class:`~functional_ckpt.errors.MemoryWarning`, and the disk tier goes on.
+:class:`~functional_ckpt.errors.MemoryWarning`, and the disk tier goes on. Under
+``torch.distributed`` each node's folder also holds replicas of other nodes' parts
+(:mod:`.memory_replicas`); the lowest rank of a folder keeps it.
 """
 
 from __future__ import annotations
@@ -16,18 +18,20 @@ import contextlib
 import hashlib
 import json
 import os
-import signal
 import socket
 import threading
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import FrameType
 from typing import Any, TypeVar
 
+from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.topology import topology
-from functional_ckpt._src.format.naming import base_name, parse_step, step_name
+from functional_ckpt._src.format.naming import base_name, parse_step
+from functional_ckpt._src.manager.collective import coordinator_decides
 from functional_ckpt._src.manager.memory import Memory
+from functional_ckpt._src.manager.memory_promote import OnSignals, promote_newest
+from functional_ckpt._src.manager.memory_replicas import STAGING, Replicas
 from functional_ckpt._src.manager.options import AsyncSave
 from functional_ckpt._src.manager.writes import Writes, WriteSettings
 from functional_ckpt._src.policy import Event, PolicyState
@@ -81,34 +85,55 @@ class MemoryTier:
     def __init__(
         self, option: Memory, root: Path, settings: WriteSettings, *, writer: bool
     ) -> None:
-        if topology().world > 1:
-            raise CheckpointError(
-                f"CheckpointManager({root}, memory=...): the memory tier runs in one process "
-                "only for now (not under torch.distributed); leave memory=None there"
-            )
         self.option = option
         self.root = root
         self.folder = Path(option.path) if option.path is not None else default_folder(root)
+        topo = topology()
+        self.replicas: Replicas | None = None
+        if topo.distributed:
+            self.replicas = Replicas.open(self.folder, option.replicas, option.domain)
+        elif option.replicas not in (None, 1):
+            raise CheckpointError(
+                f"Memory(replicas={option.replicas}): one process is one failure domain; "
+                "replicas live on ranks of other nodes (torch.distributed)"
+            )
         self.writer = writer
+        self.keeper = self.replicas is None or self.replicas.keeper
+        self._round: threading.Thread | None = None  # a replication off the training thread
+        self._round_step = -1
+        self._round_error: BaseException | None = None
         self.policy_state: PolicyState = option.save.init()
         self.budget = 0
         self._checked = False
         self._lock: WriterLock | None = None
-        self._previous: dict[int, Any] = {}  # each handled signal's handler before ours
-        self._installed = False
+        self._signals = OnSignals(option.promote_on, lambda: self.promote(option.promote_within))
         self._check_apart()
         self.view = RootView(self.folder)  # refuses a folder that is itself a checkpoint
-        if writer:
-            self._open()
+        error: BaseException | None = None
+        try:
+            if writer and self.keeper:
+                self._open()
+                if self.replicas is not None:
+                    self.replicas.clear_staging()
+            elif self.replicas is not None:
+                self.budget = self._resolve_budget()
+        except BaseException as e:
+            error = e
+        if self.replicas is not None:
+            groups.agree(error, self.replicas.group, f"memory tier {self.folder}")
+        elif error is not None:
+            raise error
         self.writes = Writes(
             self.view,
             WriteSettings(
                 settings.per_rank,
                 AsyncSave() if option.async_save else None,
-                option.incremental,
-                distributed=False,
-                coordinator=True,
+                option.incremental and not topo.distributed,  # a part has no base
+                distributed=topo.distributed,
+                coordinator=topo.coordinator,
                 durable=False,
+                parts=topo.distributed,
+                group="memory",
             ),
             None,
         )
@@ -138,7 +163,7 @@ class MemoryTier:
             self._adopt_folder()
             self.budget = self._resolve_budget()
             self._write_status(open_=True)
-            self._install()
+            self._signals.install()
         except BaseException:
             self._lock.release()
             self._lock = None
@@ -192,14 +217,14 @@ class MemoryTier:
     def close(self) -> None:
         """Wait for the save in flight, then remove the folder: its RAM is not held past the run."""
         self.wait(stacklevel=4)
-        self._uninstall()
+        self._signals.uninstall()
         if self._lock is None:
             return
         try:
             own = [
                 e.name
                 for e in os.scandir(self.folder)
-                if parse_step(base_name(e.name)) is not None or e.name == MARK_FILE
+                if parse_step(base_name(e.name)) is not None or e.name in (MARK_FILE, STAGING)
             ]
             ram.remove_folder(self.folder, [*sorted(own), LOCK_FILE])
             self._write_status(open_=False)
@@ -214,7 +239,9 @@ class MemoryTier:
             self._lock = None
 
     def _write_status(self, *, open_: bool) -> None:
-        doc = {
+        if topology().rank != 0:
+            return  # one status per job: the coordinator's
+        doc: dict[str, Any] = {
             "path": str(self.folder),
             "open": open_,
             "pid": os.getpid(),
@@ -222,6 +249,10 @@ class MemoryTier:
             "keep": self.option.keep,
             "budget": self.budget,
         }
+        if self.replicas is not None:
+            lay = self.replicas.layout
+            doc["replicas"] = lay.replicas
+            doc["domains"] = len(set(lay.domains))
         with contextlib.suppress(OSError):
             durable.replace_durably(self.root / ram.MEMORY_STATUS, json.dumps(doc).encode())
 
@@ -236,8 +267,11 @@ class MemoryTier:
         of the memory tier is not made up later)."""
         policy = self.option.save
         due = policy.decide(self.policy_state, event)
-        self.policy_state = policy.update(self.policy_state, event, due)
-        return due
+        state = policy.update(self.policy_state, event, due)
+        if self.replicas is not None:  # every rank saves, or none: the coordinator decides
+            due, state = coordinator_decides((due, state))
+        self.policy_state = state
+        return bool(due)
 
     def save(self, state: State, step: int, metadata: Callable[[], Mapping[str, Any]]) -> None:
         """Start the checkpoint of ``step`` (off the training thread by default).
@@ -247,6 +281,9 @@ class MemoryTier:
         """
         self.wait(stacklevel=4)
         self.check_budget(state)
+        if self.replicas is not None:
+            self._save_replicated(state, step, metadata)
+            return
         try:
             self._make_room(step)
             info = self.writes.save(self.view.path(step), state, metadata())
@@ -255,6 +292,52 @@ class MemoryTier:
             return
         if info is not None:
             self._prune()
+
+    def _save_replicated(
+        self, state: State, step: int, metadata: Callable[[], Mapping[str, Any]]
+    ) -> None:
+        """Phase 1 on this thread (staged, written by DCP off it), phase 2 after it."""
+        replicas = self.replicas
+        assert replicas is not None
+        error: BaseException | None = None
+        try:
+            if self.keeper:
+                self._make_room(step)
+                replicas.clear_staging()
+        except Exception as e:
+            error = e
+        try:
+            groups.agree(error, replicas.group, f"memory-tier step {step}")
+            self.writes.save(replicas.staging(step), state, metadata())
+        except Exception as err:
+            self._fail(step, err, stacklevel=5)
+            return
+        pending = self.writes.pending
+        self._round_step = step
+        if pending is None:  # a synchronous save: its replication too
+            self._replicate(step, None)
+            self.wait(stacklevel=5)
+            return
+        self._round = threading.Thread(
+            target=self._replicate, args=(step, pending), name="fc-replicate", daemon=True
+        )
+        self._round.start()
+
+    def _replicate(self, step: int, pending: Any) -> None:
+        """Phase 2 (see :mod:`.memory_replicas`), then the keeper's retention."""
+        assert self.replicas is not None
+        error: BaseException | None = None
+        try:
+            if pending is not None:
+                pending.result()
+        except BaseException as e:
+            error = e
+        try:
+            self.replicas.replicate(step, error)
+            if self.keeper:
+                self._prune()
+        except BaseException as e:
+            self._round_error = e
 
     def _make_room(self, step: int) -> None:
         steps = self.steps()
@@ -278,6 +361,15 @@ class MemoryTier:
 
     def wait(self, stacklevel: int = 3) -> None:
         """Collect the save in flight: retention if it committed, a warning if it failed."""
+        if self.replicas is not None:
+            if self._round is not None:
+                self._round.join()
+                self._round = None
+            self.writes.pending = None
+            error, self._round_error = self._round_error, None
+            if error is not None:
+                self._fail(self._round_step, error, stacklevel=stacklevel + 1)
+            return
         pending = self.writes.pending
         try:
             info: CheckpointInfo | None = self.writes.wait()
@@ -300,12 +392,14 @@ class MemoryTier:
     def drop_newer(self, step: int) -> None:
         """A rollback to ``step``: the tier's newer checkpoints are no longer the run's."""
         self.wait()
-        self._delete([s for s in self.steps() if s > step])
+        if self.keeper:
+            self._delete([s for s in self.steps() if s > step])
 
     def drop(self, step: int) -> None:
         """The manager deleted ``step``: its copy here goes too."""
         self.wait()
-        self._delete([s for s in self.steps() if s == step])
+        if self.keeper:
+            self._delete([s for s in self.steps() if s == step])
 
     # ------------------------------------------------------------------ restoring
 
@@ -318,6 +412,8 @@ class MemoryTier:
         (a cache holds nothing worth keeping aside); the previous one is tried.
         """
         self.wait(stacklevel=stacklevel + 1)
+        if self.replicas is not None:
+            return self._newest_replicated(read, at_least, stacklevel + 1)
         for step in sorted(self.steps(), reverse=True):
             if at_least is not None and step < at_least:
                 break
@@ -343,72 +439,44 @@ class MemoryTier:
             return info, state
         return None
 
+    def _newest_replicated(
+        self, read: Callable[[Path], T], at_least: int | None, stacklevel: int
+    ) -> tuple[StepInfo, T] | None:
+        """Every rank: the agreed step, reassembled in each folder, then read by all."""
+        assert self.replicas is not None
+        step = self.replicas.resume(at_least, topology().world)
+        if step is None:
+            return None
+        path = self.view.path(step)
+        error: BaseException | None = None
+        found: tuple[StepInfo, T] | None = None
+        try:
+            found = read_info(path, step), read(path)
+        except Exception as err:
+            error = err
+        try:
+            groups.agree(error, self.replicas.group, f"restore {path}")
+        except Exception as err:
+            if error is not None and not is_damage(error):
+                raise
+            warnings.warn(
+                f"{path}: memory-tier checkpoint of step {step} is unreadable "
+                f"({type(err).__name__}: {err}); falling back to the next tier",
+                MemoryWarning,
+                stacklevel=stacklevel,
+            )
+            return None
+        return found
+
     # ------------------------------------------------------------------ preemption
 
     def promote(self, within: float) -> Path | None:
         """Copy the newest checkpoint of the tier to the disk root, unless the disk already
         holds a step as new; gives up after ``within`` seconds. Returns the new checkpoint."""
+        if self.replicas is not None and topology().rank != 0:
+            return None  # one copy to the disk tier per job: the coordinator's
         disk = max(committed_steps(self.root), default=-1)
         steps = [s for s in self.steps() if s > disk]
-        if not steps:
-            return None
-        step = steps[-1]
-        dest = self.root / step_name(step)
-        if os.path.lexists(dest):
-            return None
-        failed: list[BaseException] = []
-
-        def copy() -> None:
-            nonlocal step, dest
-            for step in reversed(steps):  # the newest, or the next if it went meanwhile
-                dest = self.root / step_name(step)
-                try:
-                    ram.copy_checkpoint(self.view.path(step), dest)
-                    failed.clear()
-                    return
-                except BaseException as e:
-                    failed.append(e)
-
-        worker = threading.Thread(target=copy, name="fc-promote", daemon=True)
-        worker.start()
-        worker.join(within)
-        if worker.is_alive() or failed:
-            why = f"not done within {within} s" if not failed else f"{failed[0]}"
-            warnings.warn(
-                f"{self.folder}: promoting step {step} to {self.root} failed ({why}); the "
-                "disk tier keeps its own newest checkpoint",
-                MemoryWarning,
-                stacklevel=2,
-            )
-            return None
-        return dest
-
-    def _install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # signals reach the main thread only: promote() stays available
-        for signum in self.option.promote_on:
-            self._previous[signum] = signal.signal(signum, self._handle)
-        self._installed = True
-
-    def _uninstall(self) -> None:
-        if not self._installed or threading.current_thread() is not threading.main_thread():
-            return
-        self._installed = False  # a later handler chaining to ours now just passes it on
-        for signum, previous in self._previous.items():
-            if signal.getsignal(signum) == self._handle:
-                signal.signal(signum, signal.SIG_DFL if previous is None else previous)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        """Promote, then let the signal do what it did before (by default: end the process).
-
-        A handler installed on top of this one (``fc.on_signal``, say) owns what the
-        signal does: reached through its chain, this one promotes and ends nothing.
-        """
-        if self._installed:
-            self.promote(self.option.promote_within)
-        previous = self._previous.get(signum)
-        if callable(previous):
-            previous(signum, frame)
-        elif previous != signal.SIG_IGN and signal.getsignal(signum) == self._handle:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        if self.replicas is not None:  # a folder may hold only some ranks' files
+            steps = [s for s in steps if self.replicas.complete(self.view.path(s))]
+        return promote_newest(self.folder, self.root, [self.view.path(s) for s in steps], within)

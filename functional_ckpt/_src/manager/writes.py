@@ -37,7 +37,8 @@ from functional_ckpt._src.state.tree import State
 class WriteSettings:
     """How a manager writes: ``per_rank`` subtrees, off the training thread or not,
     each save on the previous one (``incremental``), whether ranks keep parts, and
-    whether what is written must survive a power loss (not a memory tier's saves)."""
+    whether what is written must survive a power loss (not a memory tier's saves), and
+    the checkpoint group of its collectives."""
 
     per_rank: tuple[str, ...]
     async_save: AsyncSave | None
@@ -45,6 +46,8 @@ class WriteSettings:
     distributed: bool
     coordinator: bool
     durable: bool = True
+    parts: bool = False
+    group: str = "save"
 
 
 class Writes:
@@ -75,8 +78,9 @@ class Writes:
             base=self._base_for(path) if self.plan.incremental else None,
             base_required=False,  # the previous checkpoint may have been moved aside
             trust=self.trust,
-            parts=self.remote is not None and self.remote.parts,
+            parts=self.plan.parts or (self.remote is not None and self.remote.parts),
             durable=self.plan.durable,
+            group=self.plan.group,
         )
         remote = self.remote
         held = remote is not None  # uploads stand still while the state is staged

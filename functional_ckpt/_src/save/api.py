@@ -130,7 +130,7 @@ def start_save(
 
             # Creating the group is a collective on the default group: not on a thread
             # that could race training.
-            checkpoint_group()
+            checkpoint_group(purpose=options.group)
         return stages.run_in_background(job.dest, _work(job, staging, stager))
 
 

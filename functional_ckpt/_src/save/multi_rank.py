@@ -297,7 +297,7 @@ def save_planned(
 
     t0 = time.perf_counter()
     dest = job.dest
-    group = checkpoint_group(timeout)
+    group = checkpoint_group(timeout, purpose=job.options.group)
     rank = dist.get_rank()
     error: BaseException | None = job.error
     tmp_name = ""

@@ -33,6 +33,8 @@ class SaveOptions:
     directory of its own (a remote tier makes such a split checkpoint whole).
     ``durable=False``: no fsync anywhere (a manager's memory tier, whose folder a
     power loss empties anyway); the commit stays as atomic for every reader.
+    ``group``: the checkpoint group its collectives run on (a memory tier's saves run
+    beside the disk tier's, each on a group of its own).
     """
 
     metadata: Mapping[str, Any] | None = None
@@ -43,6 +45,7 @@ class SaveOptions:
     trust: TrustMemory = field(default=PROCESS_TRUST, compare=False, repr=False)
     parts: bool = False
     durable: bool = True
+    group: str = "save"
 
 
 def save_options(

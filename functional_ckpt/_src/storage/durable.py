@@ -45,9 +45,12 @@ def write_all(fd: int, data: memoryview | bytes | bytearray) -> None:
         view = view[n:]
 
 
-def open_new(path: Path) -> int:
-    """A new file at ``path`` for writing; refuses an existing file or a link there."""
-    return os.open(path, NEW_FILE, 0o644)
+def open_new(path: Path, *, mapped: bool = False) -> int:
+    """A new file at ``path`` for writing; refuses an existing file or a link there.
+
+    ``mapped``: readable too, as a file filled through a shared memory map must be."""
+    flags = (NEW_FILE & ~os.O_WRONLY) | os.O_RDWR if mapped else NEW_FILE
+    return os.open(path, flags, 0o644)
 
 
 def write_new(path: Path, data: bytes, *, sync: bool = True) -> None:
@@ -86,6 +89,8 @@ def make_dirs(path: Path) -> None:
     probe = path
     while not probe.is_dir():
         if probe.exists() or probe.is_symlink():
+            if probe.is_dir():
+                break  # another process made it just now (ranks sharing a node's folder)
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(probe))
         missing.append(probe)
         if probe.parent == probe:

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from functional_ckpt._src.format.naming import COMMIT_MARKER
-from functional_ckpt._src.storage import commit, durable, opener
+from functional_ckpt._src.storage import commit, committed, durable, opener
+from functional_ckpt.errors import CheckpointError
 
 #: In a disk root: where its memory tier is and whether its manager is open (``fckpt ls``).
 MEMORY_STATUS = ".memory.json"
@@ -68,6 +69,34 @@ def held_bytes(folder: Path) -> int:
                     seen.add((st.st_dev, st.st_ino))
                     total += st.st_size
     return total
+
+
+def listed_files(path: Path) -> dict[str, int]:
+    """The files the manifest of the committed checkpoint ``path`` lists, with their sizes."""
+    files = committed.read_manifest(path).get("files")
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{path}: the manifest lists no files")
+    return {str(n): int(i["size"]) for n, i in files.items() if isinstance(i, dict)}
+
+
+def present_files(path: Path, listed: dict[str, int]) -> set[str]:
+    """The ``listed`` files that are in ``path`` at their recorded size."""
+    out = set()
+    for name, size in listed.items():
+        with contextlib.suppress(OSError):
+            if os.stat(path / name, follow_symlinks=False).st_size == size:
+                out.add(name)
+    return out
+
+
+def holds_every_file(path: Path) -> bool:
+    """Whether a memory tier's checkpoint ``path`` is whole on this node: a node's folder
+    may hold only its ranks' parts and the replicas it keeps for others."""
+    try:
+        listed = listed_files(path)
+    except (CheckpointError, OSError):
+        return False
+    return present_files(path, listed) == set(listed)
 
 
 def copy_checkpoint(src: Path, dest: Path) -> None:

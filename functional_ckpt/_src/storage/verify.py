@@ -29,6 +29,7 @@ from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeChe
 class Problem:
     where: str  # a file name or a key path
     detail: str
+    file: str | None = None  # the file at fault, where one is (a replica's holder refetches it)
 
     def __str__(self) -> str:
         return f"{self.where}: {self.detail}"
@@ -66,7 +67,7 @@ def verify(path: PathLike) -> VerifyReport:
         ck = committed.open_checkpoint(src, problems=failed)
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.ok = False
-        report.problems.append(Problem(naming.MANIFEST, str(err)))
+        report.problems.append(Problem(naming.MANIFEST, str(err), naming.MANIFEST))
         return report
     with ck:
         _verify_open(ck, failed, report)
@@ -83,14 +84,14 @@ def _verify_open(
         shared, parsed = once.shared, once.all_views()
         blobs = dcpbytes.parse_byte_entries(manifest, shared.file_sizes, src)
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
-        report.problems.append(Problem(naming.MANIFEST, str(err)))
+        report.problems.append(Problem(naming.MANIFEST, str(err), naming.MANIFEST))
         return
-    report.problems += [Problem(name, str(err)) for name, err in failed]
+    report.problems += [Problem(name, str(err), name) for name, err in failed]
     files = manifest["files"]
     listed = set(files) | {naming.MANIFEST, naming.COMMIT_MARKER}
     for child in committed.iter_names(ck.dir_fd):
         if child not in listed:
-            report.problems.append(Problem(child, "unexpected file in the checkpoint"))
+            report.problems.append(Problem(child, "unexpected file in the checkpoint", child))
     _verify_metadata(ck, groups_of(shared, parsed), blobs, report)
     by_file: dict[str, dict[int, tuple[str, Chunk | ByteEntry]]] = {}
     for one in parsed:
@@ -121,23 +122,25 @@ def _verify_metadata(
         return  # already reported: missing, wrong size or not a regular file
     where = ck.path / name
     if ck.sizes[name] != info.get("size"):
-        report.problems.append(Problem(name, str(classify_metadata(ck))))
+        report.problems.append(Problem(name, str(classify_metadata(ck)), name))
         return
     raw = opener.read_exact(ck.fds[name], ck.sizes[name], where)
     report.files_checked += 1
     report.bytes_checked += len(raw)
     if crc32(raw) != info.get("crc32"):
-        report.problems.append(Problem(name, str(classify_metadata(ck))))
+        report.problems.append(Problem(name, str(classify_metadata(ck)), name))
         return
     try:
         found = unpickler.load_standins(raw, where)
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
-        report.problems.append(Problem(name, str(err)))
+        report.problems.append(Problem(name, str(err), name))
         return
     expected = dcp_compare.manifest_view(groups, blobs)
     for diff in dcp_compare.compare(dcp_compare.file_view(found), expected):
         report.problems.append(
-            Problem(name, f"disagrees with the manifest (stock dcp.load would misread): {diff}")
+            Problem(
+                name, f"disagrees with the manifest (stock dcp.load would misread): {diff}", name
+            )
         )
 
 
@@ -160,12 +163,14 @@ def _verify_file(
     gaps = isinstance(info, dict) and info.get("reused") is True
     for _, (key, c) in chunks:
         if c.offset != pos and not (gaps and c.offset > pos):
-            report.problems.append(Problem(name, f"bytes {pos}..{c.offset} are not accounted for"))
+            report.problems.append(
+                Problem(name, f"bytes {pos}..{c.offset} are not accounted for", name)
+            )
         if isinstance(c, ByteEntry):  # a value's bytes for stock readers: one checksum
             crc, n = shards.crc_range(fd, c.offset, c.length)
             report.bytes_checked += n
             if crc != c.crc32:
-                report.problems.append(Problem(key, f"bytes in {name} fail their checksum"))
+                report.problems.append(Problem(key, f"bytes in {name} fail their checksum", name))
             pos = c.offset + c.length
             continue
         hcrc, n1 = shards.crc_range(fd, c.offset, c.data_offset - c.offset)
@@ -174,11 +179,13 @@ def _verify_file(
         hcrc, n3 = shards.crc_range(fd, end, c.offset + c.length - end, hcrc)
         report.bytes_checked += n1 + n2 + n3
         if crc != c.crc32:
-            report.problems.append(Problem(key, f"tensor data in {name} fails its checksum"))
+            report.problems.append(Problem(key, f"tensor data in {name} fails its checksum", name))
         if hcrc != c.hcrc32:
-            report.problems.append(Problem(key, f"blob headers in {name} fail their checksum"))
+            report.problems.append(
+                Problem(key, f"blob headers in {name} fail their checksum", name)
+            )
         pos = c.offset + c.length
     if pos != parsed.file_sizes[name] and not (gaps and pos < parsed.file_sizes[name]):
         report.problems.append(
-            Problem(name, f"bytes {pos}..{parsed.file_sizes[name]} are not accounted for")
+            Problem(name, f"bytes {pos}..{parsed.file_sizes[name]} are not accounted for", name)
         )

@@ -1,0 +1,185 @@
+"""The memory tier's replication across nodes, for ``benchmarks/memory_tier.py``.
+
+Four ranks as two nodes of two (``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` as torchrun on
+two machines sets them), each node with its memory folder, on one shared disk root.
+The state is ``size`` bytes of float32 sharded over the ranks (a DTensor), so each
+rank's shard file is a quarter of it. Measured, ``reps`` times:
+
+replication
+  *memory tier*: phase 2 of a memory-tier save (every rank's shard file sent to its
+  holder on the other node, the coordinator's manifest to every folder, agreed on,
+  committed in each folder), the part already written;
+  *plain gloo*: the same bytes sent between the same ranks with one ``dist.send`` per
+  file, in the same order, into buffers allocated beforehand (the floor).
+resume after a lost node
+  *from replicas*: node b's folder deleted, ``restore_latest`` of a new manager (node
+  b's shards fetched from node a, every byte checked, then read);
+  *from disk*: ``restore_latest`` of a read-only manager of the root, the same step
+  (its files dropped from the page cache first where the OS allows).
+
+Each rank reports its times; a row's time is the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+WORLD = 4
+
+
+def launch(base: Path, memory: Path, size: int, reps: int) -> list[dict[str, Any]]:
+    """Run the four ranks; each rank's JSON report."""
+    from _common import free_port
+
+    port = str(free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(base), str(memory), str(size), str(reps)],
+            env={
+                **env,
+                "RANK": str(r),
+                "WORLD_SIZE": str(WORLD),
+                "LOCAL_RANK": str(r % 2),
+                "LOCAL_WORLD_SIZE": "2",
+            },
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]
+    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        if p.returncode != 0:
+            raise RuntimeError(f"a replication rank failed ({p.returncode}): {out[-2000:]}")
+    return [json.loads(out.strip().splitlines()[-1]) for out in outs]
+
+
+def _slowest(seconds: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def worker(base: Path, memory: Path, size: int, reps: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import functional_ckpt as fc
+    from functional_ckpt._src.distributed.groups import checkpoint_group
+    from functional_ckpt._src.format.naming import shard_name, step_name
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    full = torch.randn(WORLD * 64, max(1, size // 4 // (WORLD * 64)))
+    state = {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": 0}
+    node = "ab"[rank // 2]
+    folder = memory / f"mem-{node}"
+    root = base / "root"
+    out: dict[str, Any] = {"replicate": [], "plain": [], "from_replicas": [], "from_disk": []}
+    tier = fc.manager.Memory(path=folder, async_save=False, promote_on=(), keep=1)
+    mgr = fc.CheckpointManager(root, save=fc.policy.always(), keep=fc.keep_last(1), memory=tier)
+    mem = mgr.memory
+    assert mem is not None and mem.replicas is not None
+    rep = mem.replicas
+    plain_group = checkpoint_group(purpose="bench-plain")
+    like = {"w": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)]), "step": 0}
+    for k in range(reps):
+        step = k + 1
+        # Phase 1 (the part written), then phase 2 timed alone.
+        if mem.keeper:
+            mem._make_room(step)
+            rep.clear_staging()
+        dist.barrier()
+        mem.writes.save(rep.staging(step), state, {})
+        dist.barrier()  # every part renamed into place (a part's rank renames it)
+        t0 = time.perf_counter()
+        rep.replicate(step, None)
+        out["replicate"].append(_slowest(time.perf_counter() - t0))
+        if mem.keeper:
+            mem._prune()
+        # The floor: the same bytes between the same ranks, one send per file.
+        moves = rep._moves(
+            [os.stat(folder / step_name(step) / shard_name(r)).st_size for r in range(WORLD)]
+        )
+        nbytes = os.stat(folder / step_name(step) / shard_name(rank)).st_size
+        bufs = {m.src: torch.empty(m.size, dtype=torch.uint8) for m in moves if m.dst == rank}
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for tag, m in enumerate(moves):
+            if m.src == rank:
+                dist.send(src, dst=m.dst, group=plain_group, tag=tag)
+            elif m.dst == rank:
+                dist.recv(bufs[m.src], src=m.src, group=plain_group, tag=tag)
+        out["plain"].append(_slowest(time.perf_counter() - t0))
+        out["bytes"] = sum(m.size for m in moves)
+    # The disk tier holds the newest step too: the manager saves it there every time.
+    mgr.maybe_save(state, step=reps + 1)
+    for k in range(reps):
+        if mem._lock is not None:  # as a crash leaves it: no close, the lock let go
+            mem._lock.release()
+            mem._lock = None
+        if mgr._lock is not None:
+            mgr._lock.release()
+            mgr._lock = None
+        dist.barrier()
+        if rank == 2:  # node b is lost, and its RAM with it
+            shutil.rmtree(folder)
+        dist.barrier()
+        mgr = fc.CheckpointManager(root, save=fc.policy.always(), keep=fc.keep_last(1), memory=tier)
+        mem = mgr.memory
+        assert mem is not None and mem.replicas is not None
+        dist.barrier()
+        t0 = time.perf_counter()
+        got = mgr.restore_latest(like=like)
+        out["from_replicas"].append(_slowest(time.perf_counter() - t0))
+        assert got is not None and mgr.restored_step == reps + 1, mgr.restored_step
+        out["fetched"] = mem.replicas.resumed.get("fetched", {})
+        _drop_cache(root)
+        dist.barrier()
+        with fc.CheckpointManager(root, read_only=True) as ro:
+            t0 = time.perf_counter()
+            got = ro.restore_latest(like=like)
+            out["from_disk"].append(_slowest(time.perf_counter() - t0))
+            assert got is not None and ro.restored_step == reps + 1
+        _ = k
+    mgr.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def _drop_cache(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except (OSError, AttributeError):
+                pass
+            finally:
+                os.close(fd)
+
+
+if __name__ == "__main__":
+    report = worker(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    print(json.dumps(report), flush=True)
