@@ -204,7 +204,9 @@ def iter_leaves(td: TensorDictBase, prefix: KeyPath = ()) -> Iterator[Leaf]:
     """
     for key, item in td.items():
         path = (*prefix, key)
-        if isinstance(item, NonTensorData):
+        if type(item) is torch.Tensor:  # most leaves: no abstract-class checks
+            yield Leaf(path, "tensor", item)
+        elif isinstance(item, NonTensorData):
             yield Leaf(path, "value", item.data)
         elif isinstance(item, NonTensorStack):
             raise UnsupportedValue(

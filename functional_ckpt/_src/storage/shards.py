@@ -252,7 +252,7 @@ def read_tensors(fd: int, jobs: Sequence[ReadJob]) -> list[str | None]:
                 f"{chunk.nbytes}"
             )
     pool = checksum_pool()
-    order = sorted(range(len(jobs)), key=lambda k: jobs[k][0].offset)
+    order = sorted(range(len(jobs)), key=[c.offset for c, _ in jobs].__getitem__)
     futures: list[tuple[int, Future[int]]] = []
     window: bytearray | None = None
     i = 0
