@@ -6,9 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tensordict import TensorDictBase
+import torch
+from tensordict import NonTensorStack, TensorDictBase
 
-from functional_ckpt._src.state.tree import as_state, iter_leaves
+from functional_ckpt._src.state.tree import as_state
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,13 @@ def is_dtensor(t: object) -> bool:
 
 def has_dtensor(state: TensorDictBase | Mapping[str, Any]) -> bool:
     """Whether any leaf of ``state`` is a DTensor (its shards are read and written collectively)."""
-    return any(
-        leaf.kind == "tensor" and is_dtensor(leaf.value) for leaf in iter_leaves(as_state(state))
-    )
+    # A walk of the values alone (no leaf records): it runs before every restore.
+    todo = [as_state(state)]
+    while todo:
+        for item in todo.pop().values():
+            if isinstance(item, torch.Tensor):
+                if is_dtensor(item):
+                    return True
+            elif isinstance(item, TensorDictBase) and not isinstance(item, NonTensorStack):
+                todo.append(item)
+    return False

@@ -413,6 +413,19 @@ def _elements(items: list[Any]) -> bytes:
     return packed[len(head) :]
 
 
+def _pack_path(path: KeyPath) -> bytes:
+    """A key path as :func:`_pack` packs it (a string that is no valid UTF-8 by itself,
+    a lone surrogate, takes the checked way)."""
+    try:
+        return bytes(_PACKER.pack(list(path)))
+    except UnicodeEncodeError:
+        return _pack(list(path))
+
+
+_VALUE_HEAD = _map_header(3) + _pack("path")
+_VALUE_KIND = _pack("kind") + _pack("value") + _pack("value")
+
+
 def _plain_split(e: TensorEntry, dim: int) -> dict[str, Any]:
     """An evenly split tensor as the index holds it: its rule instead of its chunks."""
     out = e.with_chunks(()).to_plain()
@@ -431,8 +444,11 @@ def _entries(entries: Sequence[Entry], split: Mapping[KeyPath, int] | None = Non
             if run:
                 parts.append(_elements(run))
                 run = []
-            head = _pack({"path": list(e.path), "kind": "value", "value": None})
-            parts += [head[:-1], e.encoded or codec.encode(e.value)]  # the nil, replaced
+            # {"path": ..., "kind": "value", "value": <the encoded value>}: the fixed
+            # keys packed once, the path by the module's packer (a thousand values
+            # cost a thousand packer calls, not a thousand checked encodes)
+            parts += [_VALUE_HEAD, _pack_path(e.path), _VALUE_KIND]
+            parts.append(e.encoded or codec.encode(e.value))
         elif split and e.path in split:
             assert type(e) is TensorEntry
             run.append(_plain_split(e, split[e.path]))

@@ -386,6 +386,12 @@ def groups_of(shared: ParsedManifest, ranks: Sequence[ParsedManifest]) -> list[l
 
 def _path(e: dict[str, Any], where: str) -> KeyPath:
     p = e.get("path")
+    if type(p) is list and 0 < len(p) <= LIMITS.key_depth:  # in line, the common case
+        for k in p:
+            if type(k) is not str:
+                break
+        else:
+            return tuple(p)
     if (
         not isinstance(p, list)
         or not p
@@ -455,13 +461,22 @@ def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: 
     shape_raw = e.get("shape")
     if not isinstance(shape_raw, list) or len(shape_raw) > LIMITS.tensor_ndim:
         raise CorruptCheckpoint(f"{where}: invalid shape {shape_raw!r}")
-    shape = tuple(_int(d, where, "dimension") for d in shape_raw)
-    if shape_problem(shape, dtype) is not None:
+    n = size = element_size(dtype)
+    extent = LIMITS.tensor_extent
+    big = False
+    for d in shape_raw:  # in line: a manifest holds tens of thousands of shapes
+        if type(d) is not int or d < 0:
+            _int(d, where, "dimension")
+        big = big or d >= extent
+        n *= d
+    shape = tuple(shape_raw)
+    if (big or n >= extent) and shape_problem(shape, dtype) is not None:
         raise UnsafeCheckpoint(f"{where}: {format_path(path)} declares an impossible shape")
     fqn = e.get("fqn")
     if not isinstance(fqn, str):
         raise CorruptCheckpoint(f"{where}: invalid DCP key {fqn!r}")
-    entry = TensorEntry(path, fqn, dtype, shape, bool(e.get("requires_grad", False)))
+    grad = bool(e.get("requires_grad", False))
+    dcp_path = None
     if "dcp_path" in e:
         dp = e["dcp_path"]
         if (
@@ -471,7 +486,7 @@ def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: 
             or ".".join(dp) != fqn
         ):
             raise CorruptCheckpoint(f"{where}: invalid DCP key path {dp!r}")
-        entry = replace(entry, dcp_path=tuple(dp))
+        dcp_path = tuple(dp)
     if "alias" in e:
         target = e["alias"]
         is_path = isinstance(target, list) and all(isinstance(k, str) for k in target)
@@ -480,7 +495,7 @@ def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: 
             raise CorruptCheckpoint(f"{where}: alias of an unknown tensor {target!r}")
         if src.dtype_name != dtype or src.shape != shape:
             raise CorruptCheckpoint(f"{where}: alias spec differs from its target")
-        return replace(entry, alias=src.path, chunks=src.chunks)
+        return TensorEntry(path, fqn, dtype, shape, grad, src.chunks, src.path, dcp_path)
     if "split" in e and not out.planned:
         dim = e["split"]
         if (
@@ -490,15 +505,23 @@ def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: 
         ):
             raise CorruptCheckpoint(f"{where}: invalid split {dim!r} of {format_path(path)}")
         out.split[path] = dim
-        return entry
+        return TensorEntry(path, fqn, dtype, shape, grad, (), None, dcp_path)
     chunks = e.get("chunks")
     if not isinstance(chunks, list) or len(chunks) > LIMITS.chunks_per_tensor:
         raise CorruptCheckpoint(f"{where}: invalid chunk list")
     if out.planned:
         if chunks:
             raise CorruptCheckpoint(f"{where}: a planned tensor carries chunks")
-        return entry
-    size = element_size(dtype)
+        return TensorEntry(path, fqn, dtype, shape, grad, (), None, dcp_path)
+    if len(chunks) == 1:  # the common case: one chunk, which then covers the tensor
+        one = _chunk_in_line(chunks[0], shape, size, out.file_sizes)
+        if one is not None:  # its bytes are its box's: as many as the tensor's, or a hole
+            if one.nbytes != n:
+                raise CorruptCheckpoint(
+                    f"{where}: chunks of {format_path(path)} do not cover the tensor"
+                )
+            return TensorEntry(path, fqn, dtype, shape, grad, (one,), None, dcp_path)
+    entry = TensorEntry(path, fqn, dtype, shape, grad, (), None, dcp_path)
     entry = entry.with_chunks(tuple(_chunk(c, entry, size, out, where) for c in chunks))
     if sum(numel(c.sizes) for c in entry.chunks) != numel(shape) or (
         numel(shape) and not entry.chunks
@@ -511,6 +534,74 @@ def _tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: 
 
 
 def _chunk(c: object, entry: TensorEntry, size: int, out: ParsedManifest, where: str) -> Chunk:
+    """A chunk record checked; a record that passes every check in line is built at
+    once, any other goes through :func:`_checked_chunk`, which names what is wrong."""
+    got = _chunk_in_line(c, entry.shape, size, out.file_sizes)
+    return _checked_chunk(c, entry, size, out, where) if got is None else got
+
+
+def _chunk_in_line(
+    c: object, shape: tuple[int, ...], size: int, file_sizes: dict[str, int]
+) -> Chunk | None:
+    """The chunk of a record that passes every check of :func:`_checked_chunk`, else None.
+
+    Tens of thousands of chunks are checked in one loop here, without a call per
+    field; a record this refuses is judged (and named) by :func:`_checked_chunk`.
+    """
+    if type(c) is dict:
+        offsets = c.get("offsets")
+        sizes = c.get("sizes")
+        file = c.get("file")
+        fields = (
+            c.get("offset", -1),
+            c.get("length", -1),
+            c.get("data_offset", -1),
+            c.get("nbytes", -1),
+            c.get("crc32", -1),
+            c.get("hcrc32", -1),
+        )
+        if (
+            type(offsets) is list
+            and type(sizes) is list
+            and len(offsets) == len(shape) == len(sizes)
+            and type(file) is str
+            and file != DCP_METADATA
+            and file in file_sizes
+        ):
+            ok = True
+            expected = size
+            for o, s, d in zip(offsets, sizes, shape, strict=True):
+                if type(o) is not int or type(s) is not int or o < 0 or s < 0 or o + s > d:
+                    ok = False
+                    break
+                expected *= s
+            for v in fields:
+                if type(v) is not int or v < 0:
+                    ok = False
+            offset, length, data_offset, nbytes, crc, hcrc = fields
+            if (
+                ok
+                and nbytes == expected
+                and offset <= data_offset
+                and data_offset + nbytes <= offset + length <= file_sizes[file]
+            ):
+                return Chunk(
+                    tuple(offsets),
+                    tuple(sizes),
+                    file,
+                    offset,
+                    length,
+                    data_offset,
+                    nbytes,
+                    crc,
+                    hcrc,
+                )
+    return None
+
+
+def _checked_chunk(
+    c: object, entry: TensorEntry, size: int, out: ParsedManifest, where: str
+) -> Chunk:
     if not isinstance(c, dict):
         raise CorruptCheckpoint(f"{where}: invalid chunk")
     offsets = c.get("offsets")

@@ -127,6 +127,10 @@ def _restore(
         try:
             match = opened.match(template, req)
             leaves = opened.read(match, req)
-            return rebuild(leaves, match.root, src)
+            result = rebuild(leaves, match.root, src)
         finally:
             opened.close()
+        # Freed while collection is paused, the manifest's and the template's many
+        # small objects are never walked by the collection that re-enabling triggers.
+        del opened, match, leaves, template
+    return result

@@ -34,7 +34,7 @@ def vetted_view(path: Path, *, rank: int | None = 0) -> ParsedManifest:
         return committed.parsed(ck).view(rank)
 
 
-@dataclass
+@dataclass(slots=True)
 class Target:
     """Where one saved tensor goes: the tensor returned, and the bytes' landing place."""
 
@@ -55,6 +55,9 @@ def materialize(
     directly when it is host memory of the saved dtype. Only ``inplace`` restores
     (``out=``) land in the template's own tensors.
     """
+    if not inplace and target is not None and target.is_cpu and target.dtype == entry.dtype:
+        dest = host_empty(entry.shape, entry.dtype)  # the common case, decided at once
+        return Target(entry, dest, dest)
     if inplace and target is not None and not target.is_meta:
         direct = (
             target.device.type == "cpu" and target.dtype == entry.dtype and target.is_contiguous()

@@ -58,7 +58,7 @@ def select(
         elif kind == "tensor":
             e = parsed.tensors[p]
             t: torch.Tensor = leaf.value
-            if tuple(t.shape) != e.shape:
+            if t.shape != e.shape:  # a torch.Size is a tuple
                 problems.append(
                     f"  {format_path(p)}: saved {e.spec}, template "
                     f"{dtype_name(t.dtype)}{list(t.shape)} (shape differs)"
@@ -80,9 +80,14 @@ def select(
         # for that subtree all the same.
         return p[-1] == NODE_KEY and (len(p) == 1 or p[:-1] in tleaves)
 
-    selected = [(p, k) for p, k in parsed.order if wanted(p)]
+    selected: list[tuple[KeyPath, str]] = []
+    extra: list[KeyPath] = []
+    for p, k in parsed.order:  # each saved entry asked once
+        if p in tleaves or wanted(p):
+            selected.append((p, k))
+        else:
+            extra.append(p)
     if not partial:
-        extra = [p for p, _ in parsed.order if not wanted(p)]
         problems += [
             f"  {format_path(p)}: in the checkpoint but not in the template (pass partial=True "
             "to restore a subset)"

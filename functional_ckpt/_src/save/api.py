@@ -29,7 +29,7 @@ from functional_ckpt._src.save.job import Hooks, SaveJob
 from functional_ckpt._src.save.options import DEFAULT_PER_RANK, SaveOptions, save_options
 from functional_ckpt._src.save.plan import host_copy, prepare_save
 from functional_ckpt._src.save.staging import PendingSave, Stager, Staging
-from functional_ckpt._src.save.trust import ident
+from functional_ckpt._src.save.trust import idents
 from functional_ckpt._src.state.gc_pause import gc_paused
 from functional_ckpt._src.state.tree import State
 from functional_ckpt.errors import CheckpointError
@@ -67,7 +67,7 @@ def plan_job(path: PathLike, state: State, options: SaveOptions, *, snapshot: bo
         topo,
         topo.distributed or plan.has_dtensor,
         base=base,
-        idents=tuple(ident(t) for t in plan.sources),
+        idents=idents(plan.sources),
         snapshot=snapshot,
     )
 

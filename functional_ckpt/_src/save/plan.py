@@ -63,21 +63,21 @@ def check_tensor(t: torch.Tensor, path: KeyPath) -> None:
     Runs before anything else looks at the tensor (its alias key needs a data
     pointer, which sparse, nested and meta tensors do not have).
     """
-    where = _where(path)
+    # The key path is formatted only for a message: a state has thousands of tensors.
     if t.is_meta:
-        raise UnsupportedValue(f"{where}: meta tensors hold no data and cannot be saved")
+        raise UnsupportedValue(f"{_where(path)}: meta tensors hold no data and cannot be saved")
     if t.is_nested:
         raise UnsupportedValue(
-            f"{where}: nested tensors are not supported; save their components "
+            f"{_where(path)}: nested tensors are not supported; save their components "
             "(e.g. t.unbind()) as separate tensors"
         )
     if t.layout != torch.strided:
         raise UnsupportedValue(
-            f"{where}: {t.layout} tensors are not supported; convert to dense (t.to_dense())"
+            f"{_where(path)}: {t.layout} tensors are not supported; convert to dense (t.to_dense())"
         )
     if t.is_quantized:
         raise UnsupportedValue(
-            f"{where}: quantized tensors are not supported; save t.int_repr() and the "
+            f"{_where(path)}: quantized tensors are not supported; save t.int_repr() and the "
             "quantization parameters instead"
         )
     extent = LIMITS.tensor_extent
@@ -91,7 +91,7 @@ def check_tensor(t: torch.Tensor, path: KeyPath) -> None:
     problem = shape_problem(tuple(t.shape), dtype_name(t.dtype))
     if problem is not None:
         raise UnsupportedValue(
-            f"{where}: a tensor of {problem} lies beyond the format's limits and could "
+            f"{_where(path)}: a tensor of {problem} lies beyond the format's limits and could "
             "not be loaded back"
         )
 

@@ -132,6 +132,21 @@ def ident(t: torch.Tensor) -> Ident | None:
         return None
 
 
+def idents(tensors: Sequence[torch.Tensor]) -> tuple[Ident | None, ...]:
+    """:func:`ident` of each tensor, in one loop (a save has thousands)."""
+    out: list[Ident | None] = []
+    add = out.append
+    for t in tensors:
+        if type(t) in _PLAIN:
+            try:
+                add((t.data_ptr(), t._version))
+                continue
+            except RuntimeError:
+                pass
+        add(ident(t))
+    return tuple(out)
+
+
 def checkpoint_ident(dir_fd: int, path: Path) -> CheckpointIdent:
     """The identity of the committed checkpoint held open as ``dir_fd``."""
     held = os.fstat(dir_fd)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from functional_ckpt._src.format.blobs import blob_template, byte_view
+from functional_ckpt._src.format.blobs import BlobTemplate, blob_template, byte_view
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import Chunk
@@ -42,6 +43,9 @@ CHUNK = 32 << 20
 
 #: Bytes read per step when checksumming a file range (the buffer stays in cache).
 CRC_BLOCK = 4 << 20
+
+#: A blob's CRC32 written into its zip records (as ``BlobTemplate.patch`` does).
+_pack_crc = struct.Struct("<I").pack_into
 
 _POOL: ThreadPoolExecutor | None = None
 
@@ -112,8 +116,16 @@ def write_shard(
         pending = bytearray()
         pos = 0
         pool = checksum_pool()
+        # The templates of this file's (dtype, shape)s, without the shared cache's lock
+        # per tensor: a state of many tensors has few distinct specs.
+        templates: dict[tuple[torch.dtype, tuple[int, ...]], BlobTemplate] = {}
         for i, t in enumerate(tensors):
-            tpl = blob_template(t.dtype, tuple(t.shape))
+            shape = tuple(t.shape)
+            spec = (t.dtype, shape)
+            found = templates.get(spec)
+            if found is None:
+                found = templates[spec] = blob_template(t.dtype, shape)
+            tpl = found
             data = byte_view(t)
             if len(data) != tpl.nbytes:
                 raise CheckpointError(
@@ -121,10 +133,13 @@ def write_shard(
                 )
             if tpl.nbytes < SMALL_TENSOR:
                 crc = crc32(data)
-                tail = tpl.patch(crc)
                 pending += tpl.head
                 pending += data
-                pending += tail
+                at = len(pending)
+                pending += tpl.tail  # its CRC32 fields patched in place
+                for p in tpl.crc_positions:
+                    _pack_crc(pending, at + p, crc)
+                tail: bytes | bytearray = pending[at:]
                 if len(pending) >= WRITE_BATCH:
                     write_all(fd, pending)
                     pending.clear()
@@ -139,7 +154,6 @@ def write_shard(
                 tail = tpl.patch(crc)
                 write_all(fd, tail)
             length = len(tpl.head) + tpl.nbytes + len(tail)
-            shape = tuple(t.shape)
             box = (0,) * len(shape) if offsets is None else offsets[i]
             hcrc = crc32(tail, tpl.head_crc)
             chunks.append(
@@ -238,7 +252,7 @@ def read_tensors(fd: int, jobs: Sequence[ReadJob]) -> list[str | None]:
                 f"{chunk.nbytes}"
             )
     pool = checksum_pool()
-    order = sorted(range(len(jobs)), key=lambda k: jobs[k][0].offset)
+    order = sorted(range(len(jobs)), key=[c.offset for c, _ in jobs].__getitem__)
     futures: list[tuple[int, Future[int]]] = []
     window: bytearray | None = None
     i = 0
