@@ -422,8 +422,10 @@ def _pack_path(path: KeyPath) -> bytes:
         return _pack(list(path))
 
 
-_VALUE_HEAD = _map_header(3) + _pack("path")
-_VALUE_KIND = _pack("kind") + _pack("value") + _pack("value")
+# Fixed strings packed by msgpack itself: the codec's tables (numpy, torch) are built
+# on first use, and importing this module must not build them.
+_VALUE_HEAD = _map_header(3) + bytes(_PACKER.pack("path"))
+_VALUE_KIND = b"".join(bytes(_PACKER.pack(s)) for s in ("kind", "value", "value"))
 
 
 def _plain_split(e: TensorEntry, dim: int) -> dict[str, Any]:
