@@ -13,7 +13,7 @@ from tensordict import TensorDict
 
 import functional_ckpt as fc
 from functional_ckpt._src.distributed.topology import Topology
-from functional_ckpt._src.format import manifest, view
+from functional_ckpt._src.format import entries, manifest, view
 from functional_ckpt._src.restore import api as restore_pipeline
 
 
@@ -30,7 +30,7 @@ def saved_state() -> dict[str, Any]:
 def validations(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
     """How often each tensor entry, and the file table, were validated."""
     seen: Counter[str] = Counter()
-    tensor_entry, files = view._tensor_entry, view._files
+    tensor_entry, files = entries.tensor_entry, view._files
 
     def count_entry(path: Any, e: Any, out: Any, where: str) -> Any:
         seen[".".join(path)] += 1
@@ -40,7 +40,7 @@ def validations(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
         seen["<file table>"] += 1
         return files(*args)
 
-    monkeypatch.setattr(view, "_tensor_entry", count_entry)
+    monkeypatch.setattr(entries, "tensor_entry", count_entry)
     monkeypatch.setattr(view, "_files", count_files)
     yield seen
 

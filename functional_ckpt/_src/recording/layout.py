@@ -31,10 +31,11 @@ import numpy as np
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.format.checksum import crc32
+from functional_ckpt._src.format.entries import node_info
 from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.format.manifest import Entry, TensorEntry, ValueEntry
 from functional_ckpt._src.format.naming import RECORDING_HEADER
-from functional_ckpt._src.format.view import node_info, parse_planned
+from functional_ckpt._src.format.view import parse_planned
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.storage import opener
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, NotARecording

@@ -19,8 +19,9 @@ import torch
 from tensordict import TensorDictBase
 
 from functional_ckpt._src.distributed.topology import Topology
+from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import KeyPath
-from functional_ckpt._src.format.view import ParsedCheckpoint, ParsedManifest
+from functional_ckpt._src.format.view import ParsedCheckpoint
 from functional_ckpt._src.restore.read import CPU, read_leaves
 from functional_ckpt._src.restore.stock_dcp import StockFiles, StockMatch, match_dcp, read_dcp
 from functional_ckpt._src.restore.template import Reshard, rank_view, select

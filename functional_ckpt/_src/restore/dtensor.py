@@ -22,9 +22,9 @@ from torch.futures import Future
 from functional_ckpt._src.distributed.groups import _unwrap
 from functional_ckpt._src.distributed.topology import is_dtensor
 from functional_ckpt._src.format import dcp_metadata, parts
+from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.manifest import Chunk
-from functional_ckpt._src.format.view import ParsedManifest
 from functional_ckpt._src.storage import committed
 from functional_ckpt._src.storage.shards import read_chunk
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint

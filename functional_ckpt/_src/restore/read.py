@@ -15,9 +15,9 @@ import torch
 from tensordict import TensorDict
 
 from functional_ckpt._src import codec
+from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.format.manifest import Chunk, TensorEntry
-from functional_ckpt._src.format.view import ParsedManifest
 from functional_ckpt._src.state.allocation import host_empty
 from functional_ckpt._src.state.tree import Leaf, unflatten
 from functional_ckpt._src.storage import committed, shards

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.format.manifest import dtype_name
-from functional_ckpt._src.format.view import ParsedCheckpoint, ParsedManifest
+from functional_ckpt._src.format.view import ParsedCheckpoint
 from functional_ckpt._src.restore.read import read_tree
 from functional_ckpt._src.state.tree import Leaf, as_state, iter_leaves, node_record, unflatten
 from functional_ckpt._src.storage import committed
