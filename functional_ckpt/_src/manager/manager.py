@@ -10,7 +10,6 @@ the rollback rule :mod:`.rollback_rule`'s, what all ranks do together
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -18,11 +17,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from tensordict import TensorDict
-
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.export.safetensors import Export
-from functional_ckpt._src.format.header import record_of
 from functional_ckpt._src.format.naming import parse_step
 from functional_ckpt._src.manager.collective import prepare_groups
 from functional_ckpt._src.manager.config import config_of, manager_arguments
@@ -41,8 +37,8 @@ from functional_ckpt._src.manager.provenance import (
     check_metadata,
     git_commit,
     manager_record,
-    stored_state,
 )
+from functional_ckpt._src.manager.reading import ReadSide
 from functional_ckpt._src.manager.rollback_rule import SaveResult, Watch, roll_back
 from functional_ckpt._src.manager.writes import Writes, WriteSettings
 from functional_ckpt._src.paths import PathLike
@@ -50,27 +46,23 @@ from functional_ckpt._src.policy import Event, PolicyState, SavePolicy, every_st
 from functional_ckpt._src.policy.config import Relaunch
 from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all, plan_deletions
 from functional_ckpt._src.remote.options import Remote
-from functional_ckpt._src.restore.api import check_like_or_out, restore
-from functional_ckpt._src.restore.template import Reshard
 from functional_ckpt._src.root import rollback
 from functional_ckpt._src.root.delete import delete
 from functional_ckpt._src.root.leftovers import open_writer
 from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt._src.root.lock import WriterLock
-from functional_ckpt._src.root.resume import check_order, newest_readable
-from functional_ckpt._src.root.rollback import Newer
+from functional_ckpt._src.root.resume import check_order
 from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.options import DEFAULT_PER_RANK
 from functional_ckpt._src.state.tree import State
-from functional_ckpt._src.storage.os_failure import machine_errors
 from functional_ckpt._src.storage.progress import report_progress
-from functional_ckpt.errors import CheckpointError, CheckpointNotFound
+from functional_ckpt.errors import CheckpointNotFound
 
 __all__ = ["CheckpointManager"]
 
 
-class CheckpointManager:
+class CheckpointManager(ReadSide):
     """Save on a policy, keep on a retention policy, resume from the newest good checkpoint.
 
     ``save`` defaults to ``every_steps(1)`` and ``keep`` to ``keep_all()``: a manager
@@ -329,12 +321,6 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ saving
 
-    def _check_open(self, what: str, *, writing: bool) -> None:
-        if self._closed:
-            raise CheckpointError(f"{self.root}: {what}: the manager is closed")
-        if writing and self.read_only:
-            raise CheckpointError(f"{self.root}: {what}: this manager is read-only")
-
     def maybe_save(
         self,
         state: State,
@@ -468,145 +454,3 @@ class CheckpointManager:
         trash = delete(self.root, [self.path(step) for step in steps])
         self.view.forget(steps)
         self._writes.remove(trash)
-
-    # ------------------------------------------------------------------ restoring
-
-    def restore(
-        self,
-        step: int,
-        like: State | None = None,
-        *,
-        out: State | None = None,
-        reshard: Reshard | None = None,
-    ) -> TensorDict:
-        """Restore one step (no fallback) and continue the policies from it.
-
-        ``like``, ``out`` and ``reshard`` are those of :func:`functional_ckpt.restore`.
-        """
-        check_like_or_out(like, out, "CheckpointManager.restore")
-        self._check_open("restore", writing=False)
-        path = self.path(step)
-        info = self.info(step)
-        state = restore(path, like, out=out, reshard=reshard)
-        self._adopt(info)
-        return state
-
-    def restore_latest(
-        self,
-        like: State | None = None,
-        *,
-        out: State | None = None,
-        reshard: Reshard | None = None,
-    ) -> TensorDict | None:
-        """Restore the newest readable checkpoint; None only if the root holds none.
-
-        With a memory tier its newest readable step comes first, unless the disk or
-        remote tier holds a newer one; a damaged one there is reported as a
-        ``MemoryWarning`` and the next tier tried. Unreadable checkpoints (corrupt
-        bytes, missing files, torn manifest) are
-        reported with a ``CheckpointWarning`` and skipped; a writing manager moves them
-        aside to ``step_N.corrupt-…`` (never deletes them). A template that does not
-        fit raises at once (a bug in the caller, not damage). If checkpoints exist but
-        none is readable this raises rather than letting the run silently start over.
-        ``like``/``out`` are those of :func:`functional_ckpt.restore`.
-        """
-        check_like_or_out(like, out, "CheckpointManager.restore_latest")
-        self._check_open("restore_latest", writing=False)
-
-        def read(path: Path) -> TensorDict:
-            return restore(path, like, out=out, reshard=reshard)
-
-        def local() -> tuple[StepInfo, TensorDict] | None:
-            aside, depth = not self.read_only and self._coordinator, 3 if self.remote is None else 5
-            found, damaged = newest_readable(
-                self.root, self.view.candidates, read, move_aside=aside, stacklevel=depth
-            )
-            self.view.found_unreadable(damaged)
-            return found
-
-        with machine_errors(self.root, "resuming"):  # what ran out, if anything did
-            found = None if self.memory is None else self._from_memory(read)
-            if found is None and self.remote is None:
-                found = local()
-            elif found is None and self.remote is not None:
-                # The newest of both tiers; only the remote has it: downloaded, verified.
-                one = lambda step: (self.info(step), read(self.path(step)))  # noqa: E731
-                found = self.remote.restore_latest(
-                    local, self.steps, one, writer=not self.read_only
-                )
-        if found is None:
-            return None
-        info, state = found
-        self._adopt(info)
-        return state
-
-    def _from_memory(
-        self, read: Callable[[Path], TensorDict]
-    ) -> tuple[StepInfo, TensorDict] | None:
-        """The memory tier's newest readable step, if no other tier holds a newer one."""
-        assert self.memory is not None
-        others = self.steps()
-        if self.remote is not None:
-            with contextlib.suppress(CheckpointError):  # the remote resume reports it
-                others = others + self.remote.steps()
-        return self.memory.newest(read, max(others, default=None), stacklevel=4)
-
-    def rollback(
-        self,
-        step: int,
-        like: State | None = None,
-        *,
-        newer: Newer = "branch",
-        branch: str | None = None,
-        reason: Mapping[str, Any] | None = None,
-    ) -> TensorDict:
-        """Continue the run from the older kept checkpoint ``step``, in this root.
-
-        Restores ``step`` like :meth:`restore`, then moves every newer checkpoint out of
-        the trunk: to ``root/branches/<branch>/`` (``newer="branch"``) or deleted
-        (``newer="delete"``); nothing moves if the restore fails, and a crash leaves
-        the rollback not started or finished by the next writer. Later checkpoints
-        record it under ``metadata["rollbacks"]`` (with ``reason``). See docs/manager.md.
-        """
-        return self._rollback(step, like, newer, branch, reason)[0]
-
-    def _rollback(
-        self,
-        step: int,
-        like: State | None,
-        newer: Newer,
-        branch: str | None,
-        reason: Mapping[str, Any] | None,
-    ) -> tuple[TensorDict, str | None]:
-        """:meth:`rollback`, and the branch the newer checkpoints went to (or None)."""
-        self._check_open("rollback", writing=True)
-        rollback.check_request(newer, branch, reason)
-        self.wait()  # a save in flight commits first: it may be one of the newer steps
-        state = self.restore(step, like)  # raises, moving nothing, if step is unusable
-        if self.memory is not None:
-            self.memory.drop_newer(step)
-        doomed = sorted(s for s, _ in self.view.candidates() if s > step)
-        if self.remote is not None and self._coordinator:  # the remote trunk first (tiered.md)
-            remote = self.remote.newer_than(step)
-            if remote and newer == "branch":
-                branch = rollback.new_branch(self.root, branch, max(remote + doomed), step)
-            self.remote.set_aside(remote, branch if newer == "branch" else None)
-        if not (doomed or reason) or not self._coordinator:
-            return state, None
-        done = rollback.run(self.root, step, doomed, newer, branch, reason)
-        self._run.rollbacks.append(done)
-        self.view.forget(doomed)
-        return state, done.get("branch")
-
-    def _adopt(self, info: StepInfo) -> None:
-        """Continue the run from the restored checkpoint: policy states and running time."""
-        self._restored_step = info.step
-        if self.read_only:
-            return  # a follower never saves: its policies are irrelevant
-        self._run.resume(info.metadata)
-        record = record_of(info.metadata)
-        self._policy_state = stored_state(self.save_policy, record.raw, "save", info.path)
-        self._watch.resume(record.raw, info.path)
-        if self.export is not None:
-            self._export_state = stored_state(self.export.policy, record.raw, "export", info.path)
-        self._running.resume(record.running_time)
