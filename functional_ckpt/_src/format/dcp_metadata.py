@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from functional_ckpt._src.format import dcp_pickle
 from functional_ckpt._src.format import dcp_values as dcpbytes
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import TensorEntry
@@ -120,6 +121,9 @@ def metadata_for(
 def derive(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] = ()) -> bytes:
     """The exact bytes of ``.metadata`` for a manifest: a pickle stock ``dcp.load`` reads.
 
+    Written opcode by opcode (:mod:`.dcp_pickle`): it unpickles to what
+    :func:`metadata_for` builds, field for field, without building it.
+
     A training loop saves the same layout again and again, and the bytes depend
     only on the layout (never on tensor values or checksums), so the last result
     is kept and returned while the layout stays equal field for field.
@@ -129,7 +133,10 @@ def derive(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] =
     last = _LAST
     if last is not None and last[0] == key:
         return last[1]
-    data = pickle.dumps(metadata_for(groups, blobs), protocol=PROTOCOL)
+    if dcp_pickle.supported():
+        data = dcp_pickle.write(groups, blobs, _dcp_version())
+    else:  # a torch that pickles its classes otherwise: its own pickle of its objects
+        data = pickle.dumps(metadata_for(groups, blobs), protocol=PROTOCOL)
     _LAST = (key, data)
     return data
 
