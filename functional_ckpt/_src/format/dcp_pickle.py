@@ -97,9 +97,12 @@ def _embedded(obj: Any) -> bytes:
     return body
 
 
+_SMALL = [pickle.BININT1 + bytes((v,)) for v in range(0x100)]
+
+
 def _int(v: int) -> bytes:
     if 0 <= v < 0x100:
-        return pickle.BININT1 + bytes((v,))
+        return _SMALL[v]
     if 0 <= v < 0x10000:
         return pickle.BININT2 + _PACK_H(v)
     if -0x80000000 <= v < 0x80000000:
@@ -123,6 +126,7 @@ class _Memo:
     def __init__(self) -> None:
         self.count = 0
         self.known: dict[Any, bytes] = {}
+        self.sizes: dict[tuple[int, ...], bytes] = {}
 
     def _new(self, key: Any, opcodes: bytes) -> bytes:
         self.known[key] = _get(self.count)
@@ -141,21 +145,23 @@ class _Memo:
         return self._new(text, head + data)
 
     def size(self, dims: Sequence[int]) -> bytes:
-        key = ("size", dims if type(dims) is tuple else tuple(int(d) for d in dims))
-        got = self.known.get(key)
+        """A ``torch.Size``: ``torch.Size((dims...))`` as its reduction pickles it."""
+        key = dims if type(dims) is tuple else tuple(int(d) for d in dims)
+        got = self.sizes.get(key)
         if got is not None:
             return got
-        ints = b"".join(_int(d) for d in key[1])
-        n = len(key[1])
+        ints = b"".join([_int(d) for d in key])
+        n = len(key)
         if n == 0:
             items = pickle.EMPTY_TUPLE
         elif n <= 3:
             items = ints + (pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3)[n - 1]
         else:
             items = pickle.MARK + ints + pickle.TUPLE
-        return self._new(
-            key, self.obj("torch.Size", _torch_size) + items + pickle.TUPLE1 + pickle.REDUCE
-        )
+        opcodes = self.obj("torch.Size", _torch_size) + items + pickle.TUPLE1 + pickle.REDUCE
+        self.sizes[key] = _get(self.count)
+        self.count += 1
+        return opcodes + pickle.MEMOIZE
 
     def obj(self, key: Any, make: Callable[[], Any]) -> bytes:
         """A small object shared by many (a class, a dtype's properties, a version)."""
