@@ -276,11 +276,28 @@ def write(
     k_fqn, k_index, k_offset, k_length = s("fqn"), s("index"), s("offset"), s("length")
     index_pre = index_cls + new + state + k_fqn
     info_pre = info_cls + new + state + s("relative_path")
+    in_file: dict[str, bytes] = {}  # a file's name known: its _StorageInfo's first opcodes
     for e in entries:
-        fqn = s(e.fqn)
+        head = index_pre + s(e.fqn) + k_index
         for i, c in enumerate(e.chunks):
-            put(index_pre + fqn + k_index + _int(i) + k_offset + size(c.offsets) + end)
-            put(info_pre + s(c.file) + k_offset + _int(c.offset) + k_length + _int(c.length) + end)
+            info = in_file.get(c.file)
+            if info is None:  # the file's name placed here first: memoised in this piece
+                piece = head + _int(i) + k_offset + size(c.offsets) + end + info_pre
+                put(piece + s(c.file) + k_offset + _int(c.offset) + k_length + _int(c.length) + end)
+                in_file[c.file] = info_pre + s(c.file) + k_offset
+                continue
+            put(
+                head
+                + _int(i)
+                + k_offset
+                + size(c.offsets)
+                + end
+                + info
+                + _int(c.offset)
+                + k_length
+                + _int(c.length)
+                + end
+            )
     for b in blobs:
         put(index_pre + s(b.fqn) + k_index + pickle.NONE + end)
         put(info_pre + s(b.file) + k_offset + _int(b.offset) + k_length + _int(b.length) + end)
