@@ -157,3 +157,15 @@ def test_a_saved_checkpoint_is_read_by_stock_dcp_and_verified(tmp_path: Path) ->
 
     dcp.load(back, checkpoint_id=tmp_path / "c", no_dist=True)
     assert torch.equal(back["w"], state["w"]) and int(back["s"]) == 3
+
+
+def test_a_torch_that_pickles_its_classes_otherwise_gets_its_own_pickle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    groups, blobs = _LAYOUTS["two ranks sharded"]
+    monkeypatch.setattr(dcp_pickle, "supported", lambda: False)
+    dcp_metadata._LAST = None
+    data = dcp_metadata.derive(groups, blobs)
+    want = dcp_metadata.metadata_for(groups, blobs)
+    assert data == pickle.dumps(want, protocol=dcp_metadata.PROTOCOL)
+    dcp_metadata._LAST = None

@@ -4,7 +4,9 @@ Stock ``torch.distributed.checkpoint`` finds tensors (and values stored as byte
 entries, see :mod:`.dcp_values`) through ``.metadata``, a pickle of its
 ``Metadata``. For the project's own checkpoints it is a derived file: one
 function (:func:`derive`) computes its exact bytes from the manifest's tensor and
-byte entries, and the writer stores them. The project's readers never read it;
+byte entries (written as pickle opcodes by :mod:`.dcp_pickle`, which unpickle to
+what :func:`metadata_for` builds), and the writer stores them. A restoring rank's
+reader serves the objects themselves (:func:`metadata_for`). The project's readers never read it;
 ``fc.verify`` checks it without torch: parsed by the hardened unpickler into
 plain stand-ins and compared field by field with the manifest
 (:mod:`.dcp_compare`).
