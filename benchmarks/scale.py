@@ -766,7 +766,7 @@ def render(result: dict[str, Any]) -> str:
             r["chunks"],
             _kib(r["manifest_bytes"]),
             _kib(r["parts_bytes"]),
-            _kib(r["dcp_metadata_bytes"]),
+            _kib(r["fc_metadata_bytes"]),
             fmt_seconds(r["fc_coordinator_s"]),
             fmt_seconds(r["fc_coordinator_again_s"]),
             fmt_seconds(r["dcp_coordinator_s"]),

@@ -4,7 +4,9 @@ Stock ``torch.distributed.checkpoint`` finds tensors (and values stored as byte
 entries, see :mod:`.dcp_values`) through ``.metadata``, a pickle of its
 ``Metadata``. For the project's own checkpoints it is a derived file: one
 function (:func:`derive`) computes its exact bytes from the manifest's tensor and
-byte entries, and the writer stores them. The project's readers never read it;
+byte entries (written as pickle opcodes by :mod:`.dcp_pickle`, which unpickle to
+what :func:`metadata_for` builds), and the writer stores them. A restoring rank's
+reader serves the objects themselves (:func:`metadata_for`). The project's readers never read it;
 ``fc.verify`` checks it without torch: parsed by the hardened unpickler into
 plain stand-ins and compared field by field with the manifest
 (:mod:`.dcp_compare`).
@@ -29,6 +31,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from functional_ckpt._src.format import dcp_pickle
 from functional_ckpt._src.format import dcp_values as dcpbytes
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import TensorEntry
@@ -120,6 +123,9 @@ def metadata_for(
 def derive(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] = ()) -> bytes:
     """The exact bytes of ``.metadata`` for a manifest: a pickle stock ``dcp.load`` reads.
 
+    Written opcode by opcode (:mod:`.dcp_pickle`): it unpickles to what
+    :func:`metadata_for` builds, field for field, without building it.
+
     A training loop saves the same layout again and again, and the bytes depend
     only on the layout (never on tensor values or checksums), so the last result
     is kept and returned while the layout stays equal field for field.
@@ -129,7 +135,10 @@ def derive(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] =
     last = _LAST
     if last is not None and last[0] == key:
         return last[1]
-    data = pickle.dumps(metadata_for(groups, blobs), protocol=PROTOCOL)
+    if dcp_pickle.supported():
+        data = dcp_pickle.write(groups, blobs, _dcp_version())
+    else:  # a torch that pickles its classes otherwise: its own pickle of its objects
+        data = pickle.dumps(metadata_for(groups, blobs), protocol=PROTOCOL)
     _LAST = (key, data)
     return data
 

@@ -37,7 +37,7 @@ from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import Chunk, Entry, Tree, Written
 from functional_ckpt._src.format.naming import shard_name
 from functional_ckpt._src.format.view import parse_planned
-from functional_ckpt._src.save import incremental, trust
+from functional_ckpt._src.save import dedup, incremental, trust
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.job import SaveJob
 from functional_ckpt._src.save.local import finalize, remembered
@@ -183,6 +183,9 @@ class _Planner(DefaultSavePlanner):
     def __init__(self, key: str) -> None:
         super().__init__(enable_plan_caching=True)
         self._cached_plans_key = key
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        return dedup.dedup_save_plans(all_plans, self.dedup_save_to_lowest_rank)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         delta, plans = global_plans(self._cached_plans_key, all_plans, self._dedup_save_plans)

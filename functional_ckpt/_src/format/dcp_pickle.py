@@ -1,0 +1,332 @@
+"""The bytes of DCP's ``.metadata`` written as pickle opcodes, without DCP's objects.
+
+A save's ``.metadata`` holds every rank's chunk of every sharded tensor: at a
+thousand ranks over a hundred thousand chunks. Building DCP's objects for each
+(``ChunkStorageMetadata``, ``torch.Size``, ``MetadataIndex``, ``_StorageInfo``) and
+pickling them was most of the coordinator's work; here each chunk's objects are
+written straight as the opcodes ``pickle`` itself would write for them (a class
+reference memoised once per class, equal strings and sizes memoised once, each
+object a fixed run of opcodes around its few numbers).
+
+What stock ``pickle.load`` makes of these bytes is equal field for field to the
+``Metadata`` that :func:`.dcp_metadata.metadata_for` builds; the bytes themselves
+are not torch's own (no frames, sizes memoised by value, strings and classes in
+another order). Nothing needs them to be: DCP reads the file with ``pickle.load``,
+and ``fc.verify`` parses it and compares its fields with the manifest
+(:mod:`.dcp_compare`), never its bytes. The protocol is 4, what torch's writer uses.
+
+The opcodes follow how the installed torch reduces its classes; :func:`supported`
+checks that on sample objects, and where a torch reduces them otherwise the
+objects are built and pickled as before.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import functools
+import io
+import pickle
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from functional_ckpt._src.format.dcp_values import ByteEntry
+from functional_ckpt._src.format.manifest import TensorEntry
+
+#: Each class's pickled state, as this writer emits it (keys in torch's order).
+_STATE_KEYS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "ChunkStorageMetadata": (("offsets", "sizes"),),
+    "MetadataIndex": (("fqn", "index", "offset"), ("fqn", "index")),
+    "_StorageInfo": (("relative_path", "offset", "length"),),
+    "TensorStorageMetadata": (("properties", "size", "chunks"),),
+    "Metadata": (
+        ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"),
+    ),
+}
+
+_PACK_I = struct.Struct("<I").pack
+_PACK_H = struct.Struct("<H").pack
+_PACK_i = struct.Struct("<i").pack
+
+
+def supported() -> bool:
+    """Whether the installed torch pickles DCP's metadata as this writer emits it."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    size = torch.Size([0])
+    samples: list[tuple[str, Any]] = [
+        ("ChunkStorageMetadata", ChunkStorageMetadata(offsets=size, sizes=size)),
+        ("MetadataIndex", MetadataIndex("a", size, 0)),
+        ("MetadataIndex", MetadataIndex("a")),
+        ("_StorageInfo", _StorageInfo("f", 0, 1)),
+        ("TensorStorageMetadata", TensorStorageMetadata(TensorProperties(), size, [])),
+        ("Metadata", Metadata(state_dict_metadata={}, planner_data={}, storage_data={})),
+    ]
+    if size.__reduce_ex__(4) != (torch.Size, ((0,),)):
+        return False
+    for name, obj in samples:
+        got = obj.__reduce_ex__(4)
+        if len(got) < 3 or got[0] is not copyreg.__newobj__ or got[1] != (type(obj),):  # type: ignore[attr-defined]
+            return False
+        if any(x is not None for x in got[3:]):
+            return False
+        state = got[2]
+        if type(state) is not dict or tuple(state) not in _STATE_KEYS[name]:
+            return False
+    return True
+
+
+def _embedded(obj: Any) -> bytes:
+    """The opcodes making ``obj`` with nothing memoised (placed anywhere in a pickle)."""
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=4)
+    pickler.fast = True  # no memo: the opcodes refer to nothing outside themselves
+    pickler.dump(obj)
+    data = buf.getvalue()
+    body = data[2:-1]  # PROTO 4 ... STOP
+    if body[:1] == pickle.FRAME:
+        body = body[9:]
+    return body
+
+
+_SMALL = [pickle.BININT1 + bytes((v,)) for v in range(0x100)]
+
+
+def _int(v: int) -> bytes:
+    if 0 <= v < 0x100:
+        return _SMALL[v]
+    if 0 <= v < 0x10000:
+        return pickle.BININT2 + _PACK_H(v)
+    if -0x80000000 <= v < 0x80000000:
+        return pickle.BININT + _PACK_i(v)
+    data = pickle.encode_long(v)
+    return pickle.LONG1 + bytes((len(data),)) + data
+
+
+def _get(i: int) -> bytes:
+    return pickle.BINGET + bytes((i,)) if i < 0x100 else pickle.LONG_BINGET + _PACK_I(i)
+
+
+class _Memo:
+    """A pickle's memo as it is written: each value's opcodes, in the order they are placed.
+
+    Every method returns the opcodes that push a value: the first time the value
+    itself followed by ``MEMOIZE``, later a ``GET``; the caller places the returned
+    bytes before asking for the next value, so the memo's indices follow the file.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.known: dict[Any, bytes] = {}
+        self.sizes: dict[tuple[int, ...], bytes] = {}
+
+    def _new(self, key: Any, opcodes: bytes) -> bytes:
+        self.known[key] = _get(self.count)
+        self.count += 1
+        return opcodes + pickle.MEMOIZE
+
+    def string(self, text: str) -> bytes:
+        got = self.known.get(text)
+        if got is not None:
+            return got
+        data = text.encode("utf-8", "surrogatepass")
+        n = len(data)
+        head = (
+            pickle.SHORT_BINUNICODE + bytes((n,)) if n < 0x100 else pickle.BINUNICODE + _PACK_I(n)
+        )
+        return self._new(text, head + data)
+
+    def size(self, dims: Sequence[int]) -> bytes:
+        """A ``torch.Size``: ``torch.Size((dims...))`` as its reduction pickles it."""
+        key = dims if type(dims) is tuple else tuple(int(d) for d in dims)
+        got = self.sizes.get(key)
+        if got is not None:
+            return got
+        ints = b"".join([_int(d) for d in key])
+        n = len(key)
+        if n == 0:
+            items = pickle.EMPTY_TUPLE
+        elif n <= 3:
+            items = ints + (pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3)[n - 1]
+        else:
+            items = pickle.MARK + ints + pickle.TUPLE
+        opcodes = self.obj("torch.Size", _torch_size) + items + pickle.TUPLE1 + pickle.REDUCE
+        self.sizes[key] = _get(self.count)
+        self.count += 1
+        return opcodes + pickle.MEMOIZE
+
+    def obj(self, key: Any, make: Callable[[], Any]) -> bytes:
+        """A small object shared by many (a class, a dtype's properties, a version)."""
+        got = self.known.get(("obj", key))
+        if got is not None:
+            return got
+        return self._new(("obj", key), _embedded(make()))
+
+
+def _torch_size() -> Any:
+    import torch
+
+    return torch.Size
+
+
+def _dcp(name: str) -> Callable[[], Any]:
+    def cls() -> Any:
+        from torch.distributed.checkpoint import filesystem, metadata
+
+        return getattr(filesystem if name == "_StorageInfo" else metadata, name)
+
+    return cls
+
+
+def write(
+    groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry], version: str | None
+) -> bytes:
+    """The pickle of what :func:`.dcp_metadata.metadata_for` builds, written directly.
+
+    Three passes over the entries (the tensors' metadata, the planner's key paths,
+    where each chunk lies), in the order ``Metadata`` pickles its fields.
+    """
+    m = _Memo()
+    s, size, obj = m.string, m.size, m.obj
+    out: list[bytes] = [pickle.PROTO + b"\x04"]
+    put = out.append
+    # every class and field name memoised up front (pushed, then dropped), so that
+    # the run of opcodes of each chunk's objects is the same few ``GET``s
+    put(pickle.MARK)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "_StorageInfo",
+    ):
+        put(obj(name, _dcp(name)))
+    put(obj("BytesStorageMetadata", _bytes_md) + obj("torch.Size", _torch_size))
+    for name in _FIELDS:
+        put(s(name))
+    put(pickle.POP_MARK)
+    md_cls, tensor_cls, chunk_cls, index_cls, info_cls = (
+        obj(n, _dcp(n))
+        for n in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "MetadataIndex",
+            "_StorageInfo",
+        )
+    )
+    value = obj("BytesStorageMetadata", _bytes_md)
+    new = pickle.EMPTY_TUPLE + pickle.NEWOBJ
+    state = pickle.EMPTY_DICT + pickle.MARK
+    end = pickle.SETITEMS + pickle.BUILD
+    chunk_pre, k_sizes = chunk_cls + new + state + s("offsets"), s("sizes")
+    tensor_pre = tensor_cls + new
+    k_props, k_size, k_chunks = s("properties"), s("size"), s("chunks")
+    entries = [e for group in groups for e in group]
+
+    put(md_cls + new + state + s("state_dict_metadata") + pickle.EMPTY_DICT + pickle.MARK)
+    whole_md: dict[tuple[str, tuple[int, ...]], bytes] = {}
+    for e in entries:
+        chunks, shape = e.chunks, e.shape
+        put(s(e.fqn))
+        # one chunk at the origin of a tensor's own shape is shared by equal tensors
+        whole = len(chunks) == 1 and chunks[0].whole and chunks[0].sizes == shape
+        if whole:
+            got = whole_md.get((e.dtype_name, tuple(shape)))
+            if got is not None:
+                put(got)
+                continue
+            put(tensor_pre + pickle.MEMOIZE)
+            whole_md[(e.dtype_name, tuple(shape))] = _get(m.count)
+            m.count += 1
+        else:
+            put(tensor_pre)
+        dtype = e.dtype
+        put(state + k_props + obj(("props", dtype), functools.partial(_properties, dtype)))
+        put(k_size + size(shape) + k_chunks + pickle.EMPTY_LIST)
+        if chunks:
+            put(pickle.MARK)
+            for c in chunks:
+                put(chunk_pre + size(c.offsets) + k_sizes + size(c.sizes) + end)
+            put(pickle.APPENDS)
+        put(end)
+    for b in blobs:
+        put(s(b.fqn) + value)
+
+    def key(k: Any) -> bytes:
+        t = type(k)
+        return s(k) if t is str else _int(k) if t is int else _embedded(k)
+
+    put(pickle.SETITEMS + s("planner_data") + pickle.EMPTY_DICT + pickle.MARK)
+    for e in entries:
+        path = e.path if e.dcp_path is None else e.dcp_path
+        put(s(e.fqn) + _tuple([key(k) for k in path]))
+    for b in blobs:
+        put(s(b.fqn) + _tuple([key(k) for k in b.path]))
+
+    put(pickle.SETITEMS + s("storage_data") + pickle.EMPTY_DICT + pickle.MARK)
+    k_fqn, k_index, k_offset, k_length = s("fqn"), s("index"), s("offset"), s("length")
+    index_pre = index_cls + new + state + k_fqn
+    info_pre = info_cls + new + state + s("relative_path")
+    in_file: dict[str, bytes] = {}  # a file's name known: its _StorageInfo's first opcodes
+    for e in entries:
+        head = index_pre + s(e.fqn) + k_index
+        for i, c in enumerate(e.chunks):
+            info = in_file.get(c.file)
+            if info is None:  # the file's name placed here first: memoised in this piece
+                piece = head + _int(i) + k_offset + size(c.offsets) + end + info_pre
+                put(piece + s(c.file) + k_offset + _int(c.offset) + k_length + _int(c.length) + end)
+                in_file[c.file] = info_pre + s(c.file) + k_offset
+                continue
+            put(
+                head
+                + _int(i)
+                + k_offset
+                + size(c.offsets)
+                + end
+                + info
+                + _int(c.offset)
+                + k_length
+                + _int(c.length)
+                + end
+            )
+    for b in blobs:
+        put(index_pre + s(b.fqn) + k_index + pickle.NONE + end)
+        put(info_pre + s(b.file) + k_offset + _int(b.offset) + k_length + _int(b.length) + end)
+    put(pickle.SETITEMS + s("storage_meta") + pickle.NONE + s("version"))
+    put(pickle.NONE if version is None else s(version))
+    put(end + pickle.STOP)
+    return b"".join(out)
+
+
+#: The field names of DCP's classes, memoised before any object.
+_FIELDS = sorted({k for keys in _STATE_KEYS.values() for kk in keys for k in kk})
+
+
+def _tuple(items: list[bytes]) -> bytes:
+    n = len(items)
+    if n == 0:
+        return pickle.EMPTY_TUPLE
+    if n <= 3:
+        return b"".join(items) + (pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3)[n - 1]
+    return pickle.MARK + b"".join(items) + pickle.TUPLE
+
+
+def _properties(dtype: Any) -> Any:
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    return TensorProperties(dtype=dtype)
+
+
+def _bytes_md() -> Any:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    return BytesStorageMetadata()
