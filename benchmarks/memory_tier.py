@@ -21,7 +21,9 @@ resume
   newest step; *from disk*: ``restore_latest(like)`` of a read-only manager of the
   same root, whose disk tier holds the same step, with the page cache dropped first
   (``/proc/sys/vm/drop_caches`` where this process may write it, else each file's
-  pages through ``posix_fadvise``; the output says which), as after a restart.
+  pages through ``posix_fadvise``; the output says which), as after a restart;
+  *resume floor*: tensors like the state's allocated and filled by a plain copy
+  (what any resume into new tensors pays before it reads a checkpoint).
 
 replication (four ranks as two nodes of two, ``benchmarks/_replication.py``)
   *memory tier*: phase 2 of a memory-tier save: each rank's shard file (a quarter
@@ -93,6 +95,7 @@ from _common import (
 
 TENSORS = 8
 COPY, BLOCKING = "copy: plain torch copy of the state", "blocking per save (memory tier)"
+FRESH = "resume floor: fresh tensors filled by a copy"
 PLAIN, MEMORY = "loop: no checkpoints", "loop: memory tier every step"
 FROM_DISK, FROM_MEMORY = "resume: from disk", "resume: from memory"
 GLOO, REPLICATE = "replication: plain gloo sends", "replication: memory tier"
@@ -133,6 +136,17 @@ def plain_copy(state: dict[str, torch.Tensor], into: dict[str, torch.Tensor]) ->
         for k, t in state.items():
             into[k].copy_(t)
     return time.perf_counter() - start
+
+
+def fresh_copy(state: dict[str, torch.Tensor]) -> float:
+    """Seconds to allocate tensors like the state's and fill them by a plain copy: what
+    any resume into new tensors pays before it reads a byte of a checkpoint."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = {k: torch.empty_like(t).copy_(t) for k, t in state.items()}
+    seconds = time.perf_counter() - start
+    del out
+    return seconds
 
 
 def calibrate(work: torch.Tensor, copy_s: float, factor: float = 30.0) -> int:
@@ -282,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plain_copy(state, into)
     first_copy = median([plain_copy(state, into) for _ in range(5)])
     matmuls = args.compute if args.compute is not None else calibrate(work, first_copy)
-    labels = (COPY, BLOCKING, PLAIN, MEMORY, FROM_MEMORY, FROM_DISK)
+    labels = (COPY, BLOCKING, PLAIN, MEMORY, FRESH, FROM_MEMORY, FROM_DISK)
     times: dict[str, list[float]] = {k: [] for k in labels}
     cpu_s: dict[str, list[float]] = {PLAIN: [], MEMORY: []}  # the process's, all threads
     dropped = ""
@@ -307,6 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             t_memory, t_disk, dropped = resumes(
                 fc, state, workdir / f"resume-{k}", folder, k % 2 == 1
             )
+            times[FRESH].append(fresh_copy(state))
             times[FROM_MEMORY].append(t_memory)
             times[FROM_DISK].append(t_disk)
             remove_path(workdir / f"resume-{k}")
@@ -332,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     med = {label: median(v) for label, v in times.items()}
     base = {COPY: COPY, BLOCKING: COPY, PLAIN: PLAIN, MEMORY: PLAIN}
-    base |= {FROM_DISK: FROM_DISK, FROM_MEMORY: FROM_DISK}
+    base |= {FROM_DISK: FROM_DISK, FROM_MEMORY: FROM_DISK, FRESH: FROM_DISK}
     base |= {GLOO: GLOO, REPLICATE: GLOO, LOST_DISK: LOST_DISK, LOST_REPLICAS: LOST_DISK}
     rows = [
         {
