@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -252,6 +253,41 @@ def test_keep_one_holds_a_single_checkpoint(tmp_path: Path) -> None:
         for s in range(1, 5):
             mgr.maybe_save(small_state(s), step=s)
             assert committed(tmp_path / "mem") == [s]
+
+
+def test_a_pruned_step_is_removed_off_the_training_thread_before_the_next_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Freeing a checkpoint's RAM takes as long as copying it: not on the training thread,
+    and done before the next save writes a file (the folder stays within ``keep``)."""
+    from functional_ckpt._src.manager import writes
+    from functional_ckpt._src.storage import shards
+
+    events: list[tuple[str, str]] = []
+    remove_all, write_shard = writes.remove_all, shards.write_shard
+
+    def removing(paths: Any) -> None:
+        remove_all(paths)
+        events.append(("removed", threading.current_thread().name))
+
+    def writing(*args: Any, **kwargs: Any) -> Any:
+        events.append(("write", threading.current_thread().name))
+        return write_shard(*args, **kwargs)
+
+    monkeypatch.setattr(writes, "remove_all", removing)
+    monkeypatch.setattr(shards, "write_shard", writing)
+    folder = tmp_path / "mem"
+    tier = fc.manager.Memory(path=folder, keep=1)
+    with fc.CheckpointManager(tmp_path / "root", save=fc.policy.never(), memory=tier) as mgr:
+        for s in range(1, 5):
+            mgr.maybe_save(small_state(s), step=s)
+            mgr.wait()
+            assert committed(folder) == [s]
+    main = threading.main_thread().name
+    removals = [i for i, (what, _) in enumerate(events) if what == "removed"]
+    assert len(removals) == 3 and all(events[i][1] != main for i in removals)
+    for i in removals:  # the save that pruned it wrote only after the removal
+        assert [w for w, _ in events[i + 1 : i + 2]] == ["write"]
 
 
 def test_the_memory_tier_has_its_own_policy(tmp_path: Path) -> None:

@@ -217,6 +217,7 @@ class MemoryTier:
     def close(self) -> None:
         """Wait for the save in flight, then remove the folder: its RAM is not held past the run."""
         self.wait(stacklevel=4)
+        self.writes.join_removals()
         self._signals.uninstall()
         if self._lock is None:
             return
@@ -351,9 +352,15 @@ class MemoryTier:
         self._delete(steps[: -self.option.keep])
 
     def _delete(self, steps: list[int]) -> None:
+        """Out of sight now; the files (freeing their RAM takes as long as a copy of
+        them) are removed off the training thread, and the next save's write waits."""
         if steps:
-            remove_all(delete(self.folder, [self.view.path(s) for s in steps]))
+            trash = delete(self.folder, [self.view.path(s) for s in steps])
             self.view.forget(steps)
+            if self.replicas is None:
+                self.writes.remove(trash)
+            else:
+                remove_all(trash)
 
     def wait_staged(self) -> None:
         with contextlib.suppress(Exception):  # a failure is reported by the next wait()

@@ -89,7 +89,11 @@ class Writes:
         try:
             mode = self.plan.async_save
             if mode is not None:
-                self.pending = start_save(path, state, options, mode.staging, self.stager)
+                # A write that must not outgrow its RAM waits for the pruning before it.
+                ready = None if self.plan.durable else self.removed
+                self.pending = start_save(
+                    path, state, options, mode.staging, self.stager, before_write=ready
+                )
                 if remote is not None:
                     self.pending.when_staged(remote.release_uploads)
                     held = False
@@ -166,6 +170,13 @@ class Writes:
             self._removal.start()
         else:
             remove_all(trash)
+
+    def removed(self) -> None:
+        """Until the removal in flight is done (from any thread; collected by
+        :meth:`join_removals`)."""
+        removal = self._removal
+        if removal is not None:
+            removal.join()
 
     def join_removals(self) -> None:
         if self._removal is not None:

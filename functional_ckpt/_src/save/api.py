@@ -113,9 +113,19 @@ def save(
 
 
 def start_save(
-    path: PathLike, state: State, options: SaveOptions, staging: Staging, stager: Stager
+    path: PathLike,
+    state: State,
+    options: SaveOptions,
+    staging: Staging,
+    stager: Stager,
+    *,
+    before_write: Callable[[], None] | None = None,
 ) -> PendingSave:
-    """An asynchronous save with the given options (``fc.save_async``, a manager's)."""
+    """An asynchronous save with the given options (``fc.save_async``, a manager's).
+
+    ``before_write`` runs on the save's thread once the state is staged, before any
+    file is written (a memory tier waits there for the RAM its pruning frees).
+    """
     if staging not in ("copy", "none"):
         raise ValueError(f"save_async(staging={staging!r}): expected 'copy' or 'none'")
     job = plan_job(path, state, options, snapshot=True)
@@ -131,7 +141,7 @@ def start_save(
             # Creating the group is a collective on the default group: not on a thread
             # that could race training.
             checkpoint_group(purpose=options.group)
-        return stages.run_in_background(job.dest, _work(job, staging, stager))
+        return stages.run_in_background(job.dest, _work(job, staging, stager, before_write))
 
 
 def save_async(
@@ -169,9 +179,12 @@ def save_async(
     return start_save(path, state, options, staging, Stager() if stager is None else stager)
 
 
-def _work(job: SaveJob, mode: Staging, stager: Stager) -> Callable[[PendingSave], CheckpointInfo]:
+def _work(
+    job: SaveJob, mode: Staging, stager: Stager, before_write: Callable[[], None] | None
+) -> Callable[[PendingSave], CheckpointInfo]:
     """The background half of an async save: stage, then write through the backend."""
     backend = backend_for(job)
+    ready = before_write if before_write is not None else _nothing
     sources: Sequence[torch.Tensor] = () if job.prepared is None else job.plan.sources
     if mode == "none":
         plan = job.plan
@@ -180,6 +193,7 @@ def _work(job: SaveJob, mode: Staging, stager: Stager) -> Callable[[PendingSave]
 
         def unstaged(pending: PendingSave) -> CheckpointInfo:
             pending._mark_staged()
+            ready()
             with incremental.closing(job.base):
                 return backend.write(job, tensors, Hooks(after_each, check))
 
@@ -196,6 +210,7 @@ def _work(job: SaveJob, mode: Staging, stager: Stager) -> Callable[[PendingSave]
         try:
             copies = stager.stage(local)
             pending._mark_staged()
+            ready()
             if job.distributed:
                 copies = [stages.rewrap(t, c) for t, c in zip(sources, copies, strict=True)]
             return backend.write(job, copies, Hooks())
@@ -203,6 +218,10 @@ def _work(job: SaveJob, mode: Staging, stager: Stager) -> Callable[[PendingSave]
             stager.release()
 
     return staged
+
+
+def _nothing() -> None:
+    return None
 
 
 __all__ = ["plan_job", "run_save", "save", "save_async", "start_save"]
