@@ -281,7 +281,15 @@ def test_memory_tier_quick_run(tmp_path: Path) -> None:
     assert data["config"]["reps"] == 1
     ops = [r["op"] for r in data["rows"]]
     kinds = {op.split(":")[0] for op in ops}
-    assert len(ops) == 8 and kinds == {"loop", "resume", "replication", "lost node"}
+    assert len(ops) == 11 and kinds == {
+        "copy",
+        "blocking per save (memory tier)",
+        "loop",
+        "resume floor",
+        "resume",
+        "replication",
+        "lost node",
+    }
     for r in data["rows"]:
         assert len(r["times_s"]) >= 1 and r["median_s"] > 0 and r["ratio"] > 0
     by = {r["op"]: r for r in data["rows"]}
