@@ -151,7 +151,9 @@ def worker(base: Path, memory: Path, size: int, reps: int) -> dict[str, Any]:
         out["from_replicas"].append(_slowest(time.perf_counter() - t0))
         assert got is not None and mgr.restored_step == reps + 1, mgr.restored_step
         out["fetched"] = mem.replicas.resumed.get("fetched", {})
-        _drop_cache(root)
+        from _common import drop_cache
+
+        drop_cache(root)  # as the disk tier's resume after a restart would find it
         dist.barrier()
         with fc.CheckpointManager(root, read_only=True) as ro:
             t0 = time.perf_counter()
@@ -163,21 +165,6 @@ def worker(base: Path, memory: Path, size: int, reps: int) -> dict[str, Any]:
     dist.barrier()
     dist.destroy_process_group()
     return out
-
-
-def _drop_cache(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            try:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            except (OSError, AttributeError):
-                pass
-            finally:
-                os.close(fd)
 
 
 if __name__ == "__main__":

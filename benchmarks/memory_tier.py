@@ -78,6 +78,7 @@ from _common import (
     add_run_args,
     bench_parser,
     check_not_tmpfs,
+    drop_cache,
     environment,
     finish,
     fmt_rate,
@@ -193,34 +194,6 @@ def memory_loop(
             mgr.maybe_save(state, step=step)
             held = clock() - start
         mgr.wait()
-
-
-def drop_cache(root: Path) -> str:
-    """Drop the files under ``root`` from the page cache, as after a restart; says how.
-
-    The whole page cache where this process may write ``/proc/sys/vm/drop_caches``
-    (root), else each file's pages by ``posix_fadvise`` (which the kernel may keep).
-    """
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return "drop_caches"
-    except OSError:
-        pass
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            try:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            except (OSError, AttributeError):
-                pass
-            finally:
-                os.close(fd)
-    return "fadvise (drop_caches not allowed)"
 
 
 def resumes(

@@ -107,14 +107,19 @@ def _send(path: Path, move: Move, tag: int, group: Any) -> None:
             dist.send(piece, dst=dst, group=group, tag=tag)
             del piece  # the map can close only once no tensor shares it
     finally:
-        if view is not None:
-            view.close()
-        if fd >= 0:
-            os.close(fd)
+        _close(view, fd)
     if failure is not None:
         raise failure
     if size != move.size:
         raise CheckpointError(f"{path}: {size} bytes, not the {move.size} bytes sent for it")
+
+
+def _close(view: mmap.mmap | None, fd: int) -> None:
+    """A file's map, then the file (the pieces sent or received from it are gone)."""
+    if view is not None:
+        view.close()
+    if fd >= 0:
+        os.close(fd)
 
 
 def _receive(path: Path, move: Move, tag: int, group: Any) -> None:
@@ -143,9 +148,6 @@ def _receive(path: Path, move: Move, tag: int, group: Any) -> None:
             dist.recv(piece, src=src, group=group, tag=tag)
             del piece  # the map can close only once no tensor shares it
     finally:
-        if view is not None:
-            view.close()
-        if fd >= 0:
-            os.close(fd)
+        _close(view, fd)
     if failure is not None:
         raise failure
