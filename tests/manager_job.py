@@ -137,10 +137,13 @@ def run_memory(
     disk_every: int = 10,
     die_at: int | None = None,
     keep: int = 2,
+    step_time: float = 0.0,
 ) -> None:
     """Train to ``steps`` with a memory tier at ``memory`` (a save every step) above a disk
     tier saving every ``disk_every`` steps and at the end; resume from whatever the tiers
-    hold. With ``die_at`` the job SIGKILLs itself once that step's memory save committed."""
+    hold. With ``die_at`` the job SIGKILLs itself once that step's memory save committed.
+    ``step_time``: seconds more each step computes (a real step outlasts its save, so that
+    a kill lands beside a save in flight rather than after the run's end)."""
     torch.set_num_threads(1)
     objs = build()
     model, opt, sched, loader = objs
@@ -156,6 +159,7 @@ def run_memory(
         while step < steps:
             mgr.wait_staged()  # the memory save copies the state off the training thread
             loss = train_step(model, opt, sched, loader)
+            time.sleep(step_time)
             step += 1
             mgr.maybe_save(
                 live_state(objs, step),

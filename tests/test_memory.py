@@ -148,7 +148,9 @@ def test_sigkill_at_random_moments_resumes_bit_identically(
     newest = 0
     while newest < STEPS - 4:
         target = rng.randint(newest + 1, newest + 4)
-        proc = start(ctx, root, memory, steps=STEPS)
+        # A step of 20 ms: the run outlasts the kill's random delay (at most 50 ms) by
+        # at least four steps, however fast the saves are.
+        proc = start(ctx, root, memory, steps=STEPS, step_time=0.02)
 
         def reached(target: int = target, proc: Any = proc) -> bool:
             return max(committed(memory), default=0) >= target or not proc.is_alive()
