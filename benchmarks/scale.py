@@ -190,7 +190,8 @@ class World:
 
     n: int
     plan: Any  # rank 0's Plan (the shared entries are every rank's)
-    payloads: list[bytes]  # each rank's per-rank entries as sent to the coordinator
+    payloads: list[bytes]  # what each rank sends the coordinator: entries, item keys
+    payloads_again: list[bytes]  # the same in a second save of the layout ("unchanged")
     locals_: list[tuple[Any, ...]]  # each rank's per-rank entries
     local_targets: list[tuple[Any, ...]]  # each rank's per-rank tensors
     results: list[list[tuple[str, Any]]]  # each rank's written chunks, by DCP key
@@ -252,12 +253,11 @@ def simulate(model: Model, n: int) -> World:
     )
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from functional_ckpt._src.save import multi_rank
+    from functional_ckpt._src.save import dedup, multi_rank
     from functional_ckpt._src.save.plan import byte_entries, plan_save
 
     t0 = time.perf_counter()
     plan = plan_save(full_state(model, 0), per_rank=PER_RANK, rank=0)
-    mine = multi_rank.local_entries(plan)
     plan_s = time.perf_counter() - t0
     shared = [t for t in plan.targets if t.path[0] not in PER_RANK]
     planned_blobs = byte_entries(plan)
@@ -265,14 +265,14 @@ def simulate(model: Model, n: int) -> World:
     for t in shared:
         props[t.fqn] = TensorProperties(dtype=t.dtype, requires_grad=t.requires_grad)
 
-    payloads, locals_, local_targets = (
-        [mine],
+    rank_plans = [plan]
+    locals_, local_targets = (
         [plan.local],
         [tuple(t for t in plan.targets if t.path[0] in PER_RANK)],
     )
     for r in range(1, n):
         p = plan_save(per_rank_state(r), per_rank=PER_RANK, rank=r)
-        payloads.append(multi_rank.local_entries(p))
+        rank_plans.append(p)
         locals_.append(p.local)
         local_targets.append(p.targets)
 
@@ -327,6 +327,18 @@ def simulate(model: Model, n: int) -> World:
             its.append(_create_write_item_for_tensor(t.fqn, torch.empty(t.shape, dtype=t.dtype)))
         its += [_create_write_item_for_bytesio(b.fqn, b"") for b in planned_blobs]
         dcp_plans.append(SavePlan(its, planner_data={it.index.fqn: () for it in its}))
+    # what each rank sends the coordinator in fc.save: its per-rank entries and the
+    # keys of its write items (the tensors alone: fc.save writes values itself)
+    t0 = time.perf_counter()
+    payloads = [
+        multi_rank.rank_payload(
+            p,
+            dedup.item_keys(SavePlan([it for it in d.items if it.type != WriteItemType.BYTE_IO])),
+        )
+        for p, d in zip(rank_plans, dcp_plans, strict=True)
+    ]
+    plan_s += (time.perf_counter() - t0) / n
+    payloads_again = [multi_rank.rank_payload(p, None) for p in rank_plans]
     for r in range(n):
         from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -352,6 +364,7 @@ def simulate(model: Model, n: int) -> World:
         n,
         plan,
         payloads,
+        payloads_again,
         locals_,
         local_targets,
         results,
@@ -366,11 +379,9 @@ def simulate(model: Model, n: int) -> World:
 
 
 def fc_coordinator(world: World, again: bool = False) -> tuple[bytes, list[bytes], bytes]:
-    """The coordinator's share of ``fc.save`` after the writes: (the manifest's index,
-    its per-rank parts, .metadata). ``again``: a save of the layout saved last, where
-    every rank's local plan is the empty one that says "unchanged"."""
-    from torch.distributed.checkpoint.planner import SavePlan
-
+    """The coordinator's share of ``fc.save``: (the manifest's index, its per-rank
+    parts, .metadata). ``again``: a save of the layout saved last, where every rank
+    sent "unchanged" instead of its keys."""
     from functional_ckpt._src import codec
     from functional_ckpt._src.format import dcp_metadata, naming
     from functional_ckpt._src.format.checksum import crc32
@@ -378,11 +389,10 @@ def fc_coordinator(world: World, again: bool = False) -> tuple[bytes, list[bytes
     from functional_ckpt._src.save import local, multi_rank
 
     plan = world.plan
-    ranks = multi_rank.gathered_entries(world.payloads)
-    ranks = (plan.local, *ranks[1:])
     key = multi_rank.plan_key(range(world.n))
-    local_plans = [SavePlan([], usable=False)] * world.n if again else list(world.dcp_plans)
-    multi_rank._Planner(key).create_global_plan(local_plans)  # DCP's planning inside fc.save
+    payloads = world.payloads_again if again else world.payloads
+    failures, ranks, _ = multi_rank.coordinate(payloads, plan.local, multi_rank.PLANS.get(key))
+    assert not failures
     flat = [x for r in world.results for x in r]
     chunks, sizes = multi_rank.merge_results(flat, world.blobs, world.n, False)
     tree = Tree(plan.entries, ranks, plan.root)
@@ -506,48 +516,73 @@ class Traffic:
         return {"sent": self.sent, "received": self.received}
 
 
-def predict_helpers(n: int, payloads: Sequence[bytes], dest: str, nbytes: int) -> list[Traffic]:
-    """:func:`helper_traffic` of a save to a checkpoint named ``dest`` of ``nbytes`` bytes.
+def predict_helpers(world: World, dest: str, nbytes: int) -> list[Traffic]:
+    """:func:`helper_traffic` of the simulated ranks' save to a checkpoint named
+    ``dest`` of ``nbytes`` bytes: every message built by the functions ``fc.save``
+    builds it with.
 
     The coordinator's directory name is what ``durable.tmp_sibling`` makes of
-    ``dest``; the size is sent as decimal text.
+    ``dest``; the coordinator's replies are what its step makes of the payloads
+    (with no plan cached: a first save).
     """
+    from functional_ckpt._src.save import exchange, multi_rank
     from functional_ckpt._src.storage import durable
 
     name = len(durable.tmp_sibling(Path(dest)).name.encode())
-    return helper_traffic(n, [len(p) for p in payloads], name, len(str(nbytes)))
+    _, _, drops = multi_rank.coordinate(world.payloads, world.plan.local, exchange.PlanCache())
+    replies = [len(multi_rank.reply({}, None if d is None else list(d))) for d in drops]
+    written = [len(multi_rank.written_payload(r)) for r in world.results]
+    final = len(multi_rank.reply({}, nbytes))
+    return helper_traffic(world.n, [len(p) for p in world.payloads], name, replies, written, final)
 
 
 def helper_traffic(
-    n: int, payloads: Sequence[int], tmp_name: int, nbytes_text: int
+    n: int,
+    payloads: Sequence[int],
+    tmp_name: int,
+    replies: Sequence[int],
+    written: Sequence[int],
+    final: int,
 ) -> list[Traffic]:
     """What ``multi_rank.save_planned`` moves through ``distributed/groups`` on each rank.
 
     Two agreements (one 8-byte maximum each when every rank succeeds), the
-    coordinator's directory name and checkpoint size broadcast, every rank's
-    per-rank entries gathered on the coordinator (padded to the longest).
+    coordinator's directory name broadcast; every rank's entries and item keys
+    gathered on the coordinator, its drops scattered back, its written chunks
+    gathered, the coordinator's verdict broadcast (each gather and scatter padded
+    to the longest message, whose length every rank learns first).
     """
     out = [Traffic() for _ in range(n)]
-    longest = max(payloads)
     for r, t in enumerate(out):
         for _ in range(2):  # agree: the longest report (0)
             t.add(8, 8)
-        for size in (tmp_name, nbytes_text):  # broadcast: length, then bytes
+        for size in (tmp_name, final):  # broadcast: length, then bytes
             t.add(8 + size, 0) if r == 0 else t.add(0, 8 + size)
-        t.add(8, 8)  # gather: the longest payload
-        t.add(8 + longest, n * (8 + longest) if r == 0 else 0)
+        for sizes in (payloads, written):  # gather: the longest, then each padded
+            longest = max(sizes)
+            t.add(8, 8)
+            t.add(8 + longest, n * (8 + longest) if r == 0 else 0)
+        longest = max(replies)  # scatter: the longest (broadcast), then one each
+        t.add(8, 0) if r == 0 else t.add(0, 8)
+        t.add(n * (8 + longest) if r == 0 else 0, 8 + longest)
     return out
 
 
-def helper_traffic_before(
+def helper_traffic_dcp_save(
     n: int, payloads: Sequence[int], tmp_name: int, nbytes_text: int
 ) -> list[Traffic]:
-    """The same save as it was: every exchange an all-gather of every rank's bytes."""
+    """The helpers' share of the same save as it was, around ``dcp.save`` (whose own
+    collectives :func:`dcp_traffic` counts): two agreements, the directory name and
+    the size broadcast, the entries gathered."""
     out = [Traffic() for _ in range(n)]
     longest = max(payloads)
-    for t in out:
-        for size in (0, 0, 0, tmp_name, longest, nbytes_text):
-            t.add(8 + size, n * (8 + size))
+    for r, t in enumerate(out):
+        for _ in range(2):
+            t.add(8, 8)
+        for size in (tmp_name, nbytes_text):
+            t.add(8 + size, 0) if r == 0 else t.add(0, 8 + size)
+        t.add(8, 8)
+        t.add(8 + longest, n * (8 + longest) if r == 0 else 0)
     return out
 
 
@@ -616,14 +651,13 @@ def peak(fn: Callable[[], Any]) -> int:
 def measure(model: Model, n: int, tmp: Path, memory: bool) -> dict[str, Any]:
     """Every phase of one world size: times, sizes, predicted bytes, peaks (``memory``)."""
     from torch.distributed.checkpoint.metadata import Metadata
-    from torch.distributed.checkpoint.planner import SavePlanner
 
     from functional_ckpt._src import codec
     from functional_ckpt._src.format import dcp_metadata
+    from functional_ckpt._src.save import multi_rank
 
     dcp_metadata._LAST = None  # a first save: nothing derived yet, no plan cached
-    SavePlanner._cached_all_plans.clear()
-    SavePlanner._cached_global_plan.clear()
+    multi_rank.forget_plans(multi_rank.plan_key(range(n)))
     world = simulate(model, n)
     fc_s, (manifest, parts, md) = timed(lambda: fc_coordinator(world))
     fc_again_s, _ = timed(lambda: fc_coordinator(world, again=True))  # the same layout again
@@ -655,19 +689,19 @@ def measure(model: Model, n: int, tmp: Path, memory: bool) -> dict[str, Any]:
         "dcp_restore_rank_s": dcp_restore_s,
         "manifest_decode_s": decode_s,
     }
-    name = len(b"checkpoint.tmp-0123456789abcdef")
     on_disk = len(manifest) + sum(len(p) for p in parts)
-    size_text = len(str(on_disk + sum(c.length for r in world.results for _, c in r)))
+    nbytes = on_disk + sum(c.length for r in world.results for _, c in r)
+    ours = predict_helpers(world, "checkpoint", nbytes)
     lens = [len(p) for p in world.payloads]
-    ours = helper_traffic(n, lens, name, size_text)
-    before = helper_traffic_before(n, lens, name, size_text)
-    fc_dcp = dcp_traffic(world, plans, Metadata(state_dict_metadata={}))
+    name = len(b"checkpoint.tmp-0123456789abcdef")
+    before = summed(
+        helper_traffic_dcp_save(n, lens, name, len(str(nbytes))),
+        dcp_traffic(world, plans, Metadata(state_dict_metadata={})),
+    )
     stock = dcp_traffic(world, plans, stock_md)
-    fc_total = summed(ours, fc_dcp)
     row["bytes"] = {
-        "fc_helpers": {"coordinator": ours[0].as_dict(), "other": ours[-1].as_dict()},
-        "fc_helpers_before": {"coordinator": before[0].as_dict(), "other": before[-1].as_dict()},
-        "fc_total": {"coordinator": fc_total[0].as_dict(), "other": fc_total[-1].as_dict()},
+        "fc": {"coordinator": ours[0].as_dict(), "other": ours[-1].as_dict()},
+        "fc_over_dcp_save": {"coordinator": before[0].as_dict(), "other": before[-1].as_dict()},
         "dcp": {"coordinator": stock[0].as_dict(), "other": stock[-1].as_dict()},
     }
     row["payload_bytes"] = lens[:2]
@@ -709,8 +743,8 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     add(
         "coordinator bytes received N=4096 / N=256",
         ratio(
-            hi["bytes"]["fc_total"]["coordinator"]["received"],
-            lo["bytes"]["fc_total"]["coordinator"]["received"],
+            hi["bytes"]["fc"]["coordinator"]["received"],
+            lo["bytes"]["fc"]["coordinator"]["received"],
         )
         if lo and hi
         else None,
@@ -720,8 +754,8 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     add(
         f"other rank's bytes received in a save, N={last['ranks']} / N={first['ranks']}",
         ratio(
-            last["bytes"]["fc_total"]["other"]["received"],
-            first["bytes"]["fc_total"]["other"]["received"],
+            last["bytes"]["fc"]["other"]["received"],
+            first["bytes"]["fc"]["other"]["received"],
         ),
         1.0,
     )
@@ -779,18 +813,17 @@ def render(result: dict[str, Any]) -> str:
             _kib(r.get("manifest_decoded_peak")),
         )
     t2 = Table(
-        ["ranks", "helpers: coord recv", "other recv", "other recv (before)",
-         "fc total: coord recv", "other recv", "dcp: coord recv", "other recv"]
+        ["ranks", "fc: coord recv", "other recv", "as it was (dcp.save): coord recv",
+         "other recv", "dcp: coord recv", "other recv"]
     )  # fmt: skip
     for r in result["rows"]:
         b = r["bytes"]
         t2.add(
             r["ranks"],
-            _kib(b["fc_helpers"]["coordinator"]["received"]),
-            _kib(b["fc_helpers"]["other"]["received"]),
-            _kib(b["fc_helpers_before"]["other"]["received"]),
-            _kib(b["fc_total"]["coordinator"]["received"]),
-            _kib(b["fc_total"]["other"]["received"]),
+            _kib(b["fc"]["coordinator"]["received"]),
+            _kib(b["fc"]["other"]["received"]),
+            _kib(b["fc_over_dcp_save"]["coordinator"]["received"]),
+            _kib(b["fc_over_dcp_save"]["other"]["received"]),
             _kib(b["dcp"]["coordinator"]["received"]),
             _kib(b["dcp"]["other"]["received"]),
         )

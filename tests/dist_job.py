@@ -174,11 +174,12 @@ def counting_helpers(counts: dict[str, int]) -> None:
     def size(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
-    all_gather, all_reduce, gather, broadcast = (
+    all_gather, all_reduce, gather, broadcast, scatter = (
         groups._all_gather,
         groups._all_reduce_max,
         groups._gather,
         groups._broadcast,
+        groups._scatter,
     )
 
     def add(sent: int, received: int) -> None:
@@ -203,8 +204,12 @@ def counting_helpers(counts: dict[str, int]) -> None:
         add(size(t) if mine else 0, 0 if mine else size(t))
         broadcast(t, src, group)
 
+    def scatter_(t: torch.Tensor, parts: list[torch.Tensor] | None, src: int, group: Any) -> None:
+        add(sum(size(p) for p in parts or ()), size(t))
+        scatter(t, parts, src, group)
+
     groups._all_gather, groups._all_reduce_max = all_gather_, all_reduce_
-    groups._gather, groups._broadcast = gather_, broadcast_
+    groups._gather, groups._broadcast, groups._scatter = gather_, broadcast_, scatter_
 
 
 def per_rank_of(saved: list[Any], rank: int, world: int) -> Any:
@@ -257,26 +262,25 @@ def plan_cache_run(root: Path, rank: int, world: int) -> None:
     """Save one layout twice (the second reuses the plan: every rank sends an empty
     one, the coordinator deduplicates nothing), then layouts with other shapes and
     other keys: each saves its own plan and restores bit-exact."""
-    from functional_ckpt._src.save import multi_rank
+    from functional_ckpt._src.save import dedup, exchange, multi_rank
 
     sent: list[bool] = []  # per save: did this rank send its full local plan?
     dedups = [0]
-    create_local, dedup = (
-        multi_rank._Planner.create_local_plan,
-        multi_rank._Planner._dedup_save_plans,
-    )
+    payload, step = multi_rank.rank_payload, exchange.global_step
 
-    def local(self: Any) -> Any:
-        plan = create_local(self)
-        sent.append(plan.usable)
-        return plan
+    def counted_payload(plan: Any, keys: Any, error: Any = None) -> bytes:
+        sent.append(keys is not None)
+        return payload(plan, keys, error)
 
-    def counted(self: Any, plans: Any) -> Any:
-        dedups[0] += 1
-        return dedup(self, plans)
+    def counted_step(cache: Any, told: Any, dedup_: Any = dedup.dedup_keys) -> Any:
+        def counting(plans: Any) -> Any:
+            dedups[0] += 1
+            return dedup_(plans)
 
-    multi_rank._Planner.create_local_plan = local  # type: ignore[method-assign]
-    multi_rank._Planner._dedup_save_plans = counted  # type: ignore[method-assign]
+        return step(cache, told, counting)
+
+    multi_rank.rank_payload = counted_payload  # type: ignore[assignment]
+    exchange.global_step = counted_step  # type: ignore[assignment]
     mesh = init_device_mesh("cpu", (world,))
     states = [shard_state(mesh, rank), shard_state(mesh, rank)]
     states[1]["b"] = states[1]["b"] + 1  # new values, same layout

@@ -234,7 +234,7 @@ def test_eight_ranks_save_and_restore_onto_8_and_3_and_move_the_bytes_predicted(
     run_ok(3, "traffic", str(tmp_path))
     told = [json.loads((tmp_path / f"traffic.8.{r}.json").read_text()) for r in range(8)]
     world = scale.simulate(scale.Model(**SCALE_MODEL), 8)
-    predicted = scale.predict_helpers(8, world.payloads, "ck", told[0]["nbytes"])
+    predicted = scale.predict_helpers(world, "ck", told[0]["nbytes"])
     for rank, (got, want) in enumerate(zip(told, predicted, strict=True)):
         assert got["save"]["sent"] == want.sent, (rank, got["save"], want)
         assert got["save"]["received"] == want.received, (rank, got["save"], want)

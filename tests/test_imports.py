@@ -316,6 +316,7 @@ KNOWN_STATE = {
     "functional_ckpt._src.format.dcp_values": {"_CACHE"},  # decoded stock-DCP values
     "functional_ckpt._src.storage.shards": {"_POOL", "_POOL_LOCK", "_SYNC_POOL"},  # threads
     "functional_ckpt._src.save.trust": {"PROCESS_TRUST"},  # what this process committed
+    "functional_ckpt._src.save.multi_rank": {"PLANS"},  # the last save plans, per group
 }
 
 _MUTATORS = {
@@ -338,6 +339,13 @@ def module_state(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(), str(path))
     top: set[str] = set()
     classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and not _frozen(n)}
+    package_modules = {  # modules of the package imported by name: their classes count too
+        a.asname or a.name
+        for n in tree.body
+        if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("functional_ckpt")
+        for a in n.names
+        if a.name[:1].islower()
+    }
     found: set[str] = set()
     for node in tree.body:
         targets: list[ast.expr] = []
@@ -347,13 +355,15 @@ def module_state(path: Path) -> set[str]:
             targets, value = [node.target], node.value
         names = {t.id for t in targets if isinstance(t, ast.Name)}
         top |= names
-        if (
-            names
-            and isinstance(value, ast.Call)
-            and isinstance(value.func, ast.Name)
-            and value.func.id in classes
-        ):
-            found |= names
+        if names and isinstance(value, ast.Call):
+            f = value.func
+            if (isinstance(f, ast.Name) and f.id in classes) or (
+                isinstance(f, ast.Attribute)
+                and isinstance(f.value, ast.Name)
+                and f.value.id in package_modules
+                and f.attr[:1].isupper()
+            ):
+                found |= names
     for fn in ast.walk(tree):
         if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
             continue
@@ -391,8 +401,10 @@ def test_the_state_check_sees_a_global_flag(tmp_path: Path) -> None:
         "_SEEN = set()\nFLAG = False\nclass Memo: ...\nMEMO = Memo()\nTABLE = {'a': 1}\n"
         "@dataclass(frozen=True)\nclass Box: ...\nBOX = Box()\n"
         "def f(x):\n    global FLAG\n    FLAG = True\n    _SEEN.add(x)\n    return TABLE['a']\n"
+        "from functional_ckpt._src.save import exchange\nCACHES = exchange.PlanCaches()\n"
+        "import msgpack\nPACKER = msgpack.Packer()\n"
     )
-    assert module_state(src) == {"FLAG", "MEMO", "_SEEN"}
+    assert module_state(src) == {"CACHES", "FLAG", "MEMO", "_SEEN"}
 
 
 def test_the_architecture_page_has_a_line_for_every_module() -> None:

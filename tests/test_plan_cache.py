@@ -2,105 +2,127 @@
 plan is reused only for the world and the layout it was made for.
 
 The local plans are the ones DCP's planner makes of benchmarks/scale.py's state on
-every simulated rank (the same plans the coordinator of a real save receives).
+every simulated rank (the same plans whose keys the coordinator of a real save
+receives).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 import functional_ckpt as fc
-from functional_ckpt._src.save import multi_rank
+from functional_ckpt._src.save import dedup, exchange, multi_rank
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import scale
 
 MODEL = scale.Model(layers=1, hidden=64, mlp=128, vocab=256)
-UNCHANGED = SavePlan([], usable=False)
-
-
-@pytest.fixture(autouse=True)
-def empty_cache() -> Iterator[None]:
-    """Each test starts with no plan cached (the caches are DCP's, per process)."""
-    saved = dict(SavePlanner._cached_all_plans), dict(SavePlanner._cached_global_plan)
-    SavePlanner._cached_all_plans.clear()
-    SavePlanner._cached_global_plan.clear()
-    yield
-    SavePlanner._cached_all_plans.clear()
-    SavePlanner._cached_global_plan.clear()
-    SavePlanner._cached_all_plans.update(saved[0])
-    SavePlanner._cached_global_plan.update(saved[1])
+Keys = tuple[dedup.ItemKey, ...]
 
 
 class Counting:
-    """DCP's deduplication, counting its calls."""
+    """The coordinator's deduplication, counting its calls."""
 
     def __init__(self) -> None:
         self.calls = 0
 
-    def __call__(self, plans: list[SavePlan]) -> list[SavePlan]:
-        from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
-
+    def __call__(self, plans: Sequence[Sequence[dedup.ItemKey]]) -> list[dedup.Drops]:
         self.calls += 1
-        return dedup_save_plans(plans)
+        return dedup.dedup_keys(plans)
 
 
-def owners(plans: list[SavePlan]) -> list[set[str]]:
-    return [{it.index.fqn for it in p.items} for p in plans]
+def owners(keys: Sequence[Keys], drops: Sequence[dedup.Drops]) -> list[set[str]]:
+    """The names each rank writes: its keys without its drops."""
+    return [
+        {k[0] for i, k in enumerate(ks) if i not in set(d)}
+        for ks, d in zip(keys, drops, strict=True)
+    ]
 
 
-def local_plans(n: int) -> list[Any]:
-    return list(scale.simulate(MODEL, n).dcp_plans)
+def local_keys(n: int, model: scale.Model = MODEL) -> list[Keys | None]:
+    return [dedup.item_keys(p) for p in scale.simulate(model, n).dcp_plans]
 
 
 def test_a_layout_saved_again_is_not_planned_again() -> None:
-    key, dedup = multi_rank.plan_key(range(4)), Counting()
-    first_delta, first = multi_rank.global_plans(key, local_plans(4), dedup)
-    assert dedup.calls == 1 and first_delta == first
-    delta, again = multi_rank.global_plans(key, [UNCHANGED] * 4, dedup)
-    assert dedup.calls == 1  # every rank said "unchanged": nothing planned
-    assert again is first and all(not p.usable for p in delta)
+    cache, count = exchange.PlanCache(), Counting()
+    first = exchange.global_step(cache, local_keys(4), count)
+    assert count.calls == 1 and all(d is not None for d in first)  # each told its drops
+    again = exchange.global_step(cache, [None] * 4, count)
+    assert count.calls == 1  # every rank said "unchanged": nothing planned
+    assert again == [None] * 4  # every rank writes its last plan
 
 
 def test_a_rank_whose_layout_changed_is_planned_again_with_the_others() -> None:
-    key, dedup = multi_rank.plan_key(range(4)), Counting()
-    first = local_plans(4)
-    multi_rank.global_plans(key, first, dedup)
-    other = scale.simulate(scale.Model(layers=2, hidden=64, mlp=128, vocab=256), 4).dcp_plans
-    changed = [UNCHANGED, other[1], UNCHANGED, UNCHANGED]  # rank 1 has new keys
-    delta, plans = multi_rank.global_plans(key, changed, dedup)
-    assert dedup.calls == 2
-    merged = [first[0], other[1], first[2], first[3]]  # the cached plans, rank 1's new one
-    assert set().union(*owners(plans)) == set().union(*owners(merged))
-    assert any("layer1" in fqn for fqn in owners(plans)[1])  # its new keys are planned
-    assert delta[1].usable  # the rank whose plan changed is sent its new plan
+    cache, count = exchange.PlanCache(), Counting()
+    first = local_keys(4)
+    exchange.global_step(cache, first, count)
+    other = local_keys(4, scale.Model(layers=2, hidden=64, mlp=128, vocab=256))
+    changed = [None, other[1], None, None]  # rank 1 has new keys
+    delta = exchange.global_step(cache, changed, count)
+    assert count.calls == 2
+    merged = [first[0], other[1], first[2], first[3]]  # the cached keys, rank 1's new ones
+    assert cache.keys == merged and cache.drops is not None
+    written = owners(merged, cache.drops)  # type: ignore[arg-type]
+    assert set().union(*written) == {k[0] for ks in merged for k in ks or ()}
+    assert any("layer1" in fqn for fqn in written[1])  # its new keys are planned
+    assert delta[1] is not None  # the rank whose plan changed is sent its drops
 
 
 def test_a_plan_is_never_reused_by_another_world() -> None:
-    dedup = Counting()
-    multi_rank.global_plans(multi_rank.plan_key(range(4)), local_plans(4), dedup)
+    caches, count = exchange.PlanCaches(), Counting()
+    exchange.global_step(caches.get(multi_rank.plan_key(range(4))), local_keys(4), count)
     assert multi_rank.plan_key(range(3)) != multi_rank.plan_key(range(4))
     assert multi_rank.plan_key([0, 1, 2, 4]) != multi_rank.plan_key(range(4))
     for key, n in ((multi_rank.plan_key(range(3)), 3), (multi_rank.plan_key(range(4)), 3)):
         with pytest.raises(fc.errors.CheckpointError, match="does not hold"):
-            multi_rank.global_plans(key, [UNCHANGED] * n, dedup)
-    assert dedup.calls == 1
+            exchange.global_step(caches.get(key), [None] * n, count)
+    assert count.calls == 1
 
 
 def test_a_failed_save_forgets_its_plans() -> None:
     """After "does not hold", every rank drops its plans: the next save plans afresh."""
-    key, dedup = multi_rank.plan_key(range(4)), Counting()
-    with pytest.raises(fc.errors.CheckpointError, match="does not hold"):
-        multi_rank.global_plans(key, [UNCHANGED] * 4, dedup)
-    multi_rank.global_plans(key, local_plans(4), dedup)
-    SavePlanner._cached_save_plan[key] = local_plans(4)[0]  # what a rank keeps
+    key, count = multi_rank.plan_key(range(4)), Counting()
     multi_rank.forget_plans(key)
-    assert key not in SavePlanner._cached_all_plans and key not in SavePlanner._cached_save_plan
     with pytest.raises(fc.errors.CheckpointError, match="does not hold"):
-        multi_rank.global_plans(key, [UNCHANGED] * 4, dedup)
+        exchange.global_step(multi_rank.PLANS.get(key), [None] * 4, count)
+    exchange.global_step(multi_rank.PLANS.get(key), local_keys(4), count)
+    multi_rank.PLANS.get(key).local = scale.simulate(MODEL, 4).dcp_plans[0]  # what a rank keeps
+    multi_rank.forget_plans(key)
+    assert key not in multi_rank.PLANS.by_key
+    with pytest.raises(fc.errors.CheckpointError, match="does not hold"):
+        exchange.global_step(multi_rank.PLANS.get(key), [None] * 4, count)
+    multi_rank.forget_plans(key)
+
+
+def test_keys_and_results_travel_and_bad_ones_name_the_rank() -> None:
+    """What a rank sends is read back exactly; anything else fails naming the rank."""
+    from functional_ckpt._src.format.manifest import Chunk
+
+    keys = local_keys(2)[1]
+    assert keys is not None
+    assert exchange.parse_keys(exchange.keys_payload(keys), 1) == keys
+    assert exchange.parse_keys(None, 1) is None
+    for bad in ([["w", [0], -1]], [["w", [-1], 4]], [[1, None, 4]], "x", [["w", None]]):
+        with pytest.raises(fc.errors.CheckpointError, match="rank 3 sent an invalid"):
+            exchange.parse_keys(bad, 3)
+    written = [("w", Chunk((0, 4), (2, 4), "shard-00001.data", 0, 96, 64, 32, 7, 9))]
+    assert exchange.parse_results(exchange.results_payload(written), 1) == written
+    sent = exchange.results_payload(written)
+    for bad_results in (
+        [["w", "f", sent[0][2][:-1]]],  # not whole integers
+        [["w", "f", sent[0][2][:-8]]],  # a box of half a dimension
+        [["w", "f", sent[0][2][:8]]],  # fewer numbers than a chunk has
+        [["w", 3, sent[0][2]]],
+        [["w", "f"]],
+        {"w": 1},
+    ):
+        with pytest.raises(fc.errors.CheckpointError, match="rank 5 reported invalid"):
+            exchange.parse_results(bad_results, 5)
+    assert exchange.parse_drops([0, 2], 3) == (0, 2)
+    for bad_drops in ([3], [-1], ["0"], None):
+        with pytest.raises(fc.errors.CheckpointError, match="coordinator sent an invalid"):
+            exchange.parse_drops(bad_drops, 3)

@@ -173,3 +173,55 @@ def test_every_state_reader_takes_a_hostile_file_for_nothing_known(tmp_path: Pat
             else:
                 target.write_bytes(b"\x00\xffnot json")
             assert nothing_known(d), (kind, name)
+
+
+#: Collectives called on ``torch.distributed`` outside ``distributed/groups`` (the
+#: helpers every checkpoint collective passes through, counted by tests/dist_job.py
+#: and predicted by benchmarks/scale.py), with why each may.
+COLLECTIVES_ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
+    ("_src/distributed/replication.py", "dist.send"): (1, "a replica's bytes, point to point"),
+    ("_src/distributed/replication.py", "dist.recv"): (1, "a replica's bytes, point to point"),
+}
+
+_COLLECTIVE_NAMES = {
+    "all_gather", "all_gather_object", "all_gather_into_tensor", "all_reduce", "barrier",
+    "broadcast", "broadcast_object_list", "gather", "gather_object", "irecv", "isend",
+    "recv", "reduce", "reduce_scatter", "scatter", "scatter_object_list", "send",
+}  # fmt: skip
+
+
+def direct_collectives(source: str) -> Counter[str]:
+    """Each ``dist.<collective>(...)`` in ``source``, and every use of ``dcp.save``'s
+    module (whose rounds all-gather one size per rank: docs/scale.md)."""
+    found: Counter[str] = Counter()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if f.attr in _COLLECTIVE_NAMES and ast.unparse(f.value) in (
+                "dist",
+                "torch.distributed",
+            ):
+                found[f"dist.{f.attr}"] += 1
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").endswith("state_dict_saver"):
+            found["state_dict_saver"] += 1
+    return found
+
+
+def test_no_module_runs_a_collective_around_the_helpers() -> None:
+    seen: dict[tuple[str, str], int] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel == "_src/distributed/groups.py":
+            continue  # the helpers themselves
+        for call, n in direct_collectives(path.read_text()).items():
+            seen[(rel, call)] = n
+    assert seen == {k: n for k, (n, _) in COLLECTIVES_ALLOWED.items()}
+
+
+def test_the_collective_scan_sees_an_object_gather_and_dcp_save() -> None:
+    src = (
+        "import torch.distributed as dist\n"
+        "from torch.distributed.checkpoint.state_dict_saver import save\n"
+        "def f(x, g):\n    dist.gather_object(x, None, 0, g)\n    [].gather(1)\n"
+    )
+    assert direct_collectives(src) == Counter({"dist.gather_object": 1, "state_dict_saver": 1})

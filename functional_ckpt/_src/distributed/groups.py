@@ -63,7 +63,7 @@ def _release_groups() -> None:
                 dist.destroy_process_group(group)
 
 
-# Every checkpoint collective passes through these four, so a run can count what
+# Every checkpoint collective passes through these five, so a run can count what
 # each rank sends and receives (tests/dist_job.py) and a simulation can predict it
 # (benchmarks/scale.py).
 
@@ -82,6 +82,10 @@ def _gather(t: torch.Tensor, out: list[torch.Tensor] | None, dst: int, group: An
 
 def _broadcast(t: torch.Tensor, src: int, group: Any) -> None:
     dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
+
+
+def _scatter(t: torch.Tensor, parts: list[torch.Tensor] | None, src: int, group: Any) -> None:
+    dist.scatter(t, parts, src=dist.get_global_rank(group, src), group=group)
 
 
 def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
@@ -143,6 +147,35 @@ def broadcast_bytes(data: bytes, group: Any, src: int = 0) -> bytes:
     return data if mine else bytes(buf.numpy())
 
 
+def scatter_bytes(parts: list[bytes] | None, group: Any, src: int = 0) -> bytes:
+    """Rank ``src``'s ``parts[r]`` on each rank ``r`` of ``group`` (the others pass None).
+
+    Every rank learns the longest part (to pad to it) and receives its own: the
+    same bytes whatever the world size, unlike torch's ``scatter_object_list``.
+    """
+    mine = dist.get_rank(group) == src
+    if mine and (parts is None or len(parts) != dist.get_world_size(group)):
+        raise ValueError("scatter_bytes: the source passes one part per rank")
+    longest = max(len(p) for p in parts) if mine and parts else 0
+    size = torch.tensor([longest], dtype=torch.int64)
+    _broadcast(size, src, group)
+    longest = int(size.item())
+    bufs = None
+    if mine:
+        assert parts is not None
+        bufs = []
+        for p in parts:
+            buf = torch.zeros(8 + longest, dtype=torch.uint8)
+            buf[:8] = torch.frombuffer(bytearray(len(p).to_bytes(8, "little")), dtype=torch.uint8)
+            if p:
+                buf[8 : 8 + len(p)] = torch.frombuffer(bytearray(p), dtype=torch.uint8)
+            bufs.append(buf)
+    out = torch.zeros(8 + longest, dtype=torch.uint8)
+    _scatter(out, bufs, src, group)
+    got = bytes(out.numpy())
+    return got[8 : 8 + int.from_bytes(got[:8], "little")]
+
+
 def all_gather_values(value: Any, group: Any) -> list[Any]:
     """Every rank's ``value`` (anything the exact codec stores), without pickling."""
     from functional_ckpt._src import codec
@@ -198,6 +231,16 @@ def _fail(error: BaseException | None, what: str, failures: dict[int, tuple[str,
             error.add_note(str(everyone))
         raise error
     raise everyone
+
+
+def report(error: BaseException | None) -> bytes:
+    """A rank's failure as it travels to the others (b"" for none): :func:`raise_failures`."""
+    return b"" if error is None else _report(error)
+
+
+def raise_failures(error: BaseException | None, what: str, reports: dict[int, bytes]) -> None:
+    """Fail as :func:`agree` does, given every rank's :func:`report` by rank."""
+    _fail(error, what, {r: _parse(m) for r, m in reports.items() if m})
 
 
 def _report(e: BaseException) -> bytes:

@@ -1,38 +1,63 @@
-"""DCP's deduplication of the ranks' save plans, without hashing DCP's keys.
+"""DCP's deduplication of the ranks' save plans, on keys, without DCP's slow hash.
 
-The coordinator of a sharded save receives one write item per chunk of every
-rank: at a thousand ranks over a hundred thousand. DCP's ``dedup_save_plans``
-keys its tables by ``MetadataIndex``, whose hash is a Python method, called
-several times per item; this is the same algorithm keyed by the same fields
-(its name and offset: what ``MetadataIndex`` compares), so its result is DCP's
-own, plan for plan and item for item, in the same order.
+The coordinator of a sharded save meets one write item per chunk of every rank:
+at a thousand ranks over a hundred thousand. DCP's ``dedup_save_plans`` keys its
+tables by ``MetadataIndex``, whose hash is a Python method called several times
+per item, and needs whole plans; this is the same algorithm on each item's key
+(its name and offset: what ``MetadataIndex`` compares, and the bytes DCP balances
+by), so a rank sends the coordinator its keys alone (:mod:`.exchange`) and the
+result is DCP's own, plan for plan and item for item, in the same order.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from torch.distributed.checkpoint.planner import SavePlan
 
+#: One write item as the coordinator sees it: its DCP name, its offset in the
+#: global tensor (None for a value) and the bytes DCP's balancing counts for it.
+ItemKey = tuple[str, tuple[int, ...] | None, int]
+#: The positions of a rank's write items that another rank writes instead.
+Drops = tuple[int, ...]
 
-def dedup_save_plans(
-    all_plans: list[SavePlan], save_to_lowest_rank: bool = False
-) -> list[SavePlan]:
-    """What ``torch.distributed.checkpoint._dedup_save_plans.dedup_save_plans`` returns.
 
-    Each item written by several ranks is kept by one: the lowest rank, or the one
-    whose plan holds the fewest bytes so far (items in the order DCP visits them).
-    """
+def item_keys(plan: SavePlan) -> tuple[ItemKey, ...]:
+    """The keys of a local plan's items, in its order."""
     import torch
 
-    where: dict[Any, Any] = {}  # key -> the plan holding it, or the set of them
-    item_of: dict[Any, Any] = {}
-    for p, plan in enumerate(all_plans):
-        for item in plan.items:
-            index = item.index
-            key = (index.fqn, index.offset)
+    widths: dict[Any, int] = {}
+    out: list[ItemKey] = []
+    for item in plan.items:
+        data = item.tensor_data
+        if data is None:
+            nbytes = 1
+        else:
+            dtype = data.properties.dtype
+            width = widths.get(dtype)
+            if width is None:
+                width = widths[dtype] = torch._utils._element_size(dtype)  # type: ignore[no-untyped-call]
+            nbytes = math.prod(data.size) * width or 1  # DCP counts the whole tensor
+        offset = item.index.offset
+        out.append((item.index.fqn, None if offset is None else tuple(offset), nbytes))
+    return tuple(out)
+
+
+def dedup_keys(plans: Sequence[Sequence[ItemKey]], lowest: bool = False) -> list[Drops]:
+    """Which items each rank drops so that every item is written once.
+
+    DCP's deduplication (``_dedup_save_plans``), on keys: an item planned by several
+    ranks is kept by the lowest rank (``lowest``) or by the one whose plan holds the
+    fewest bytes so far, visiting items in the order DCP visits them.
+    """
+    where: dict[tuple[str, Any], Any] = {}  # (name, offset) -> the rank holding it, or the set
+    nbytes_of: dict[tuple[str, Any], int] = {}
+    for p, keys in enumerate(plans):
+        for fqn, offset, nbytes in keys:
+            key = (fqn, offset)
             got = where.get(key)
             if got is None:
                 where[key] = p
@@ -44,37 +69,38 @@ def dedup_save_plans(
                 where[key] = held
             else:
                 got.add(p)
-            item_of[key] = item
-    sizes = [0] * len(all_plans)
-    element: dict[Any, int] = {}
-    dropped: dict[int, set[Any]] = {}
+            nbytes_of[key] = nbytes
+    sizes = [0] * len(plans)
+    dropped: dict[int, set[tuple[str, Any]]] = {}
     for key, held in where.items():
         if type(held) is int:
             chosen = held
-        elif save_to_lowest_rank:
+        elif lowest:
             chosen = min(held)
         else:
             chosen = min(held, key=sizes.__getitem__)
-        data = item_of[key].tensor_data
-        if data is None:
-            nbytes = 1
-        else:
-            dtype = data.properties.dtype
-            width = element.get(dtype)
-            if width is None:
-                width = element[dtype] = torch._utils._element_size(dtype)  # type: ignore[no-untyped-call]
-            nbytes = math.prod(data.size) * width or 1
-        sizes[chosen] += nbytes
+        sizes[chosen] += nbytes_of[key]
         if type(held) is not int:
             for p in held - {chosen}:
                 dropped.setdefault(p, set()).add(key)
-    out = []
-    for p, plan in enumerate(all_plans):
+    out: list[Drops] = []
+    for p, keys in enumerate(plans):
         gone = dropped.get(p)
-        items = (
-            list(plan.items)
-            if not gone
-            else [i for i in plan.items if (i.index.fqn, i.index.offset) not in gone]
-        )
-        out.append(dataclasses.replace(plan, items=items))
+        out.append(() if not gone else tuple(i for i, k in enumerate(keys) if (k[0], k[1]) in gone))
     return out
+
+
+def kept(plan: SavePlan, drops: Drops) -> SavePlan:
+    """``plan`` without the items at ``drops``."""
+    if not drops:
+        return dataclasses.replace(plan, items=list(plan.items))
+    gone = set(drops)
+    return dataclasses.replace(plan, items=[it for i, it in enumerate(plan.items) if i not in gone])
+
+
+def dedup_save_plans(
+    all_plans: list[SavePlan], save_to_lowest_rank: bool = False
+) -> list[SavePlan]:
+    """What ``torch.distributed.checkpoint._dedup_save_plans.dedup_save_plans`` returns."""
+    drops = dedup_keys([item_keys(p) for p in all_plans], save_to_lowest_rank)
+    return [kept(p, d) for p, d in zip(all_plans, drops, strict=True)]

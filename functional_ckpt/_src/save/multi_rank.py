@@ -1,11 +1,12 @@
-"""A save every rank takes part in, through DCP's planners.
+"""A save every rank takes part in, planned by DCP's planner.
 
 Every rank calls ``fc.save`` with its own state. DCP's planner decides who writes
 what (sharded DTensor leaves by their owners, replicated tensors once, spread
-across ranks); the storage writer here puts the chunks into each rank's shard file
-with the same blob layout and CRC32s as a single-process save. The coordinator
-commits only inside DCP's ``finish`` step, which runs after every rank reported
-its data durable.
+across ranks); each rank puts its chunks into its shard file with the same blob
+layout and CRC32s as a single-process save. The coordinator commits only after
+every rank reported its data durable. The rounds between them are the project's
+own (:mod:`.exchange`), not ``dcp.save``'s, so that a rank other than the
+coordinator moves the same bytes whatever the world size.
 """
 
 from __future__ import annotations
@@ -19,16 +20,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import (
-    SavePlan,
-    SavePlanner,
-    WriteItemType,
-)
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
-from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
-from torch.futures import Future
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.distributed import groups
@@ -37,7 +30,7 @@ from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import Chunk, Entry, Tree, Written
 from functional_ckpt._src.format.naming import shard_name
 from functional_ckpt._src.format.view import parse_planned
-from functional_ckpt._src.save import dedup, incremental, trust
+from functional_ckpt._src.save import dedup, exchange, incremental, trust
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.job import SaveJob
 from functional_ckpt._src.save.local import finalize, remembered
@@ -48,95 +41,30 @@ from functional_ckpt._src.storage.os_failure import os_failure
 from functional_ckpt.errors import CheckpointError
 
 
-class _ChunkWriter(StorageWriter):
-    """DCP storage writer that writes this project's blobs and commits on the coordinator.
-
-    ``write_data`` returns, through DCP, the chunks each rank wrote; the coordinator's
-    ``finish`` makes the manifest from the planned tree and those chunks.
-    """
-
-    def __init__(self, tmp: Path, job: SaveJob, commit_job: _Commit) -> None:
-        super().__init__()
-        self.tmp = tmp
-        self.job = job
-        self.commit_job = commit_job
-        self.rank = 0
-        self.seen = trust.Seen((), ())  # what this rank's commit remembers
-        self.blobs: list[ByteEntry] = []  # the values for stock readers, located (rank 0)
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        pass
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.rank = int(kwargs.get("rank", dist.get_rank()))
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        items = [it for it in plan.items if it.type != WriteItemType.BYTE_IO]
-        tensors = [host_copy(planner.resolve_data(it)) for it in items]  # type: ignore[arg-type]
-        keys: list[trust.Key] = []
-        for item in items:
-            assert item.tensor_data is not None
-            keys.append((item.index.fqn, tuple(item.tensor_data.chunk.offsets)))
-        idents = self.commit_job.idents
-        chunk_idents = [idents.get(it.index.fqn) for it in items]
-        blobs = self.commit_job.blobs if self.rank == 0 else []
-        try:  # each rank decides for its own chunks what its base already holds
-            chunks, self.blobs = incremental.write_rank(
-                self.tmp, self.rank, self.commit_job.base, keys, tensors, chunk_idents, blobs=blobs
-            )
-        except OSError as e:
-            raise os_failure(e, self.job.dest, "saving") from e
-        self.seen = remembered(keys, chunk_idents)
-        results = [
-            WriteResult(index=item.index, size_in_bytes=c.length, storage_data=c)
-            for item, c in zip(items, chunks, strict=True)
-        ]
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        self.commit_job.nbytes = self.commit_job.finish(
-            [wr for group in results for wr in group], tuple(self.blobs)
-        )
-
-    def storage_meta(self) -> Any:
-        return None
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return False
-
-
-@dataclass
+@dataclass(frozen=True)
 class _Commit:
-    """What the coordinator needs to turn every rank's chunks into a committed checkpoint.
-
-    Built once every rank's per-rank entries are known; ``nbytes`` is its one result.
-    """
+    """What the coordinator needs to turn every rank's chunks into a committed checkpoint,
+    and what each rank writes with."""
 
     job: SaveJob
     tmp: Path
-    tree: Tree
     created: float
     world: int
     blobs: list[ByteEntry]  # the values for stock readers, planned (rank 0)
     base: incremental.Base | None
     idents: dict[str, trust.Ident | None]  # by DCP key
-    nbytes: int = 0
 
-    def finish(self, results: list[WriteResult], blobs: tuple[ByteEntry, ...]) -> int:
+    def finish(
+        self,
+        ranks: tuple[tuple[Entry, ...], ...],
+        results: list[tuple[str, Chunk]],
+        blobs: tuple[ByteEntry, ...],
+    ) -> int:
+        """Commit the checkpoint (the coordinator): its size in bytes."""
+        plan = self.job.plan
         # every rank writes its file, unless an incremental save found nothing to write
         incremental_save = self.job.options.base is not None  # the same on every rank
-        chunks, sizes = merge_results(
-            [(wr.index.fqn, wr.storage_data) for wr in results], blobs, self.world, incremental_save
-        )
+        chunks, sizes = merge_results(results, blobs, self.world, incremental_save)
         written = Written(chunks, blobs, incremental.reused_info(self.tmp))
         prepared = self.job.prepared
         assert prepared is not None
@@ -147,7 +75,7 @@ class _Commit:
             nbytes, _ = finalize(
                 self.tmp,
                 self.job.dest,
-                self.tree,
+                Tree(plan.entries, ranks, plan.root),
                 written,
                 created=self.created,
                 metadata=prepared.metadata,
@@ -162,95 +90,19 @@ class _Commit:
         return nbytes
 
 
-class _Planner(DefaultSavePlanner):
-    """DCP's save planner, deciding only who writes what, and once per layout.
-
-    Of DCP's global step this writer needs the deduplication alone (which rank
-    writes each replicated tensor). DCP's global ``Metadata`` (every rank's chunk of
-    every tensor, validated chunk by chunk) is never read: the coordinator derives
-    ``.metadata`` from the manifest, and the manifest's chunks are checked when it
-    is read. So it is not built, and the empty one handed to DCP keeps a rank's
-    share of DCP's closing broadcast the same size whatever the world size.
-
-    A training loop saves one layout again and again, so DCP's plan caching is on:
-    a rank whose local plan equals its last one (same keys, shapes, dtypes, boxes)
-    sends an empty plan instead, and when every rank did, the coordinator reuses the
-    last global plan without deduplicating again (:func:`global_plans`). ``key``
-    names the cache: the checkpoint group's ranks, so that a plan is never reused
-    by another world.
-    """
-
-    def __init__(self, key: str) -> None:
-        super().__init__(enable_plan_caching=True)
-        self._cached_plans_key = key
-
-    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
-        return dedup.dedup_save_plans(all_plans, self.dedup_save_to_lowest_rank)
-
-    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        delta, plans = global_plans(self._cached_plans_key, all_plans, self._dedup_save_plans)
-        self.global_plan = plans
-        self.metadata = Metadata(state_dict_metadata={})
-        return delta, self.metadata
-
-
 def plan_key(ranks: Sequence[int]) -> str:
     """The plan cache's key for a checkpoint group of these global ranks."""
     return f"functional_ckpt/{len(ranks)}/{zlib.crc32(repr(tuple(ranks)).encode()):08x}"
 
 
+#: This process's plan caches (a cache, never a decision: :class:`exchange.PlanCache`).
+PLANS = exchange.PlanCaches()
+
+
 def forget_plans(key: str) -> None:
     """Drop every plan cached under ``key`` on this rank (a save that failed: what
     the coordinator and this rank hold may no longer agree)."""
-    for cache in (
-        SavePlanner._cached_save_plan,
-        SavePlanner._cached_final_save_plan,
-        SavePlanner._cached_all_plans,
-        SavePlanner._cached_global_plan,
-        SavePlanner._cached_metadata,
-    ):
-        cache.pop(key, None)
-
-
-def global_plans(
-    key: str, all_plans: list[SavePlan], dedup: Callable[[list[SavePlan]], list[SavePlan]]
-) -> tuple[list[SavePlan], list[SavePlan]]:
-    """The global plans (what each rank is sent, and in full) for ranks' local plans.
-
-    An empty, unusable local plan means "the same as my last": it is replaced by
-    the plan cached for that rank. When no rank's plan changed, the last global
-    plans are reused whole and every rank is sent an empty one (it reuses its own);
-    otherwise the merged plans are deduplicated again and only the plans that
-    changed are sent. A rank that claims a cached plan the coordinator does not hold
-    (another world, a cache lost) is an error, never a stale plan; the failed save
-    makes every rank forget its plans (:func:`forget_plans`), so the next one plans
-    afresh.
-    """
-    cached = SavePlanner._cached_all_plans.get(key)
-    unchanged = [not p.usable for p in all_plans]
-    if any(unchanged) and (cached is None or len(cached) != len(all_plans)):
-        raise CheckpointError(
-            "a rank reused a save plan this coordinator does not hold; save again"
-        )
-    last = SavePlanner._cached_global_plan.get(key)
-    if cached is not None and all(unchanged) and last is not None:
-        return [SavePlan([], usable=False)] * len(all_plans), last
-    merged = (
-        all_plans
-        if cached is None
-        else [c if same else p for c, p, same in zip(cached, all_plans, unchanged, strict=True)]
-    )
-    plans = dedup(merged)
-    if last is not None and len(last) == len(plans):
-        delta = [
-            SavePlan([], usable=False) if _compare_save_plans(old, new) else new
-            for old, new in zip(last, plans, strict=True)
-        ]
-    else:
-        delta = plans
-    SavePlanner._cached_all_plans[key] = merged
-    SavePlanner._cached_global_plan[key] = plans
-    return delta, plans
+    PLANS.forget(key)
 
 
 def local_entries(plan: Plan) -> bytes:
@@ -296,8 +148,6 @@ def save_planned(
     it when another rank did not), so all of them fail together. ``tensors`` are what
     fills the plan's targets (the sources, DTensors included, or their staged copies).
     """
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
     t0 = time.perf_counter()
     dest = job.dest
     group = checkpoint_group(timeout, purpose=job.options.group)
@@ -335,47 +185,39 @@ def save_planned(
         if rank == 0 or own:
             commit.remove_tree(tmp)
         raise
-    # only the coordinator builds the manifest: only it receives every rank's entries
-    gathered = groups.gather_bytes(local_entries(plan), group)
-    ranks: tuple[tuple[Entry, ...], ...] = ()
-    if gathered is not None:
-        ranks = gathered_entries(gathered)
-        ranks = (*ranks[:rank], plan.local, *ranks[rank + 1 :])
     world = dist.get_world_size(group)
     idents = dict(zip((e.fqn for e in plan.targets), job.idents, strict=True))
     commit_job = _Commit(
         job,
         tmp,
-        Tree(plan.entries, ranks, plan.root),
         time.time(),
         world,
         byte_entries(plan, snapshot=job.snapshot) if rank == 0 else [],
         None if own else job.base,  # a rank's own part has no base to share with
         idents,
     )
-    writer = _ChunkWriter(tmp, job, commit_job)
-    state_dict = {e.fqn: t for e, t in zip(plan.targets, tensors, strict=True)}
     key = plan_key(dist.get_process_group_ranks(group))
+    state_dict = {e.fqn: t for e, t in zip(plan.targets, tensors, strict=True)}
+    what = f"save {dest}"
     try:
         with gc_paused():
-            dcp_save(state_dict, storage_writer=writer, planner=_Planner(key), process_group=group)
+            nbytes, seen = _rounds(commit_job, state_dict, PLANS.get(key), group, what)
     except BaseException as e:
         forget_plans(key)  # the next save plans afresh on every rank
         if rank == 0 or own:
             commit.remove_tree(tmp)
-        raise _unwrap(e, f"save {dest}") from e
+        raise e if isinstance(e, CheckpointError) else _unwrap(e, what) from e
     if own:  # this rank's part of a checkpoint committed on the coordinator's file system
         try:
             commit.commit_checkpoint(tmp, dest, overwrite=True, replaces=commit.PARTS)
         except OSError as e:
             commit.remove_tree(tmp)
             raise os_failure(e, dest, "saving") from e
-    nbytes = groups.broadcast_bytes(str(commit_job.nbytes).encode(), group)
-    job.options.trust.remember(dest, writer.seen, writer.rank)
+    job.options.trust.remember(dest, seen, rank)
     assert job.prepared is not None
     return CheckpointInfo(
         path=dest,
-        nbytes=int(nbytes.decode() or 0),
+        nbytes=nbytes,
         tensor_bytes=sum(t.numel() * t.element_size() for t in plan.sources),
         num_tensors=len(plan.sources),
         num_values=plan.num_values,
@@ -383,6 +225,192 @@ def save_planned(
         duration=time.perf_counter() - t0,
         metadata=job.prepared.metadata,
     )
+
+
+def rank_payload(
+    plan: Plan, keys: tuple[dedup.ItemKey, ...] | None, error: BaseException | None = None
+) -> bytes:
+    """What a rank sends the coordinator before writing: its per-rank entries and its
+    write items' keys (None: the plan it wrote last time), or its failure."""
+    if error is not None:
+        return codec.encode([groups.report(error), None, None])
+    return codec.encode([b"", [e.to_plain() for e in plan.local], exchange.keys_payload(keys)])
+
+
+def written_payload(
+    written: Sequence[tuple[str, Chunk]], error: BaseException | None = None
+) -> bytes:
+    """What a rank sends the coordinator after writing: its chunks, or its failure."""
+    if error is not None:
+        return codec.encode([groups.report(error), None])
+    return codec.encode([b"", exchange.results_payload(written)])
+
+
+def reply(failures: dict[int, bytes], value: Any) -> bytes:
+    """What the coordinator sends after a step: every failure, or the step's result."""
+    return codec.encode([[[r, m] for r, m in sorted(failures.items())], value])
+
+
+def parse_reply(data: bytes) -> tuple[dict[int, bytes], Any]:
+    """:func:`reply` read back: (every failing rank's report, the result)."""
+    told = codec.decode(data)
+    if not isinstance(told, list) or len(told) != 2 or not isinstance(told[0], list):
+        raise CheckpointError("the coordinator sent an invalid reply")
+    return {int(r): bytes(m) for r, m in told[0]}, told[1]
+
+
+def coordinate(
+    gathered: Sequence[bytes], mine: tuple[Entry, ...], cache: exchange.PlanCache
+) -> tuple[dict[int, bytes], tuple[tuple[Entry, ...], ...], list[dedup.Drops | None]]:
+    """The coordinator's step before the writes, on every rank's :func:`rank_payload`:
+    (the failures, every rank's per-rank entries, each rank's drops).
+
+    Pure, so it can be measured for any world size without a process group
+    (benchmarks/scale.py). ``mine`` is the coordinator's own entries (not decoded
+    again).
+    """
+    failures: dict[int, bytes] = {}
+    entries: list[tuple[Entry, ...]] = []
+    keys: list[tuple[dedup.ItemKey, ...] | None] = []
+    for r, data in enumerate(gathered):
+        told = codec.decode(data)
+        if not isinstance(told, list) or len(told) != 3:
+            raise CheckpointError(f"rank {r} sent an invalid save plan")
+        report, local, k = told
+        if report:
+            failures[r] = bytes(report)
+            continue
+        entries.append(mine if r == 0 else tuple(parse_planned(local, f"rank {r}'s entries")))
+        keys.append(exchange.parse_keys(k, r))
+    if failures:
+        return failures, (), []
+    return {}, tuple(entries), exchange.global_step(cache, keys)
+
+
+def _rounds(
+    job: _Commit,
+    state_dict: dict[str, Any],
+    cache: exchange.PlanCache,
+    group: Any,
+    what: str,
+) -> tuple[int, trust.Seen]:
+    """Plan, write and commit with the other ranks: four exchanges, each a gather to
+    the coordinator or one message from it, so a rank other than the coordinator
+    moves the same bytes whatever the world size. Returns the checkpoint's size and
+    what this rank wrote (its commit's trust). Every rank fails together
+    (:func:`groups.raise_failures`).
+    """
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    rank = dist.get_rank(group)
+    planner = DefaultSavePlanner()
+    local: SavePlan | None = None
+    same = False
+    error: BaseException | None = None
+    try:  # DCP's planner decides who writes what: sharded leaves by their owners
+        planner.set_up_planner(state_dict, None, rank == 0)
+        local = planner.create_local_plan()
+        same = (
+            cache.local is not None
+            and cache.final is not None
+            and _compare_save_plans(local, cache.local)
+        )
+        payload = rank_payload(job.job.plan, None if same else dedup.item_keys(local))
+    except BaseException as e:
+        error, payload = e, rank_payload(job.job.plan, None, e)
+    gathered = _exchange(what, groups.gather_bytes, payload, group)
+    replies: list[bytes] | None = None
+    ranks: tuple[tuple[Entry, ...], ...] = ()
+    if gathered is not None:
+        try:
+            failures, ranks, drops = coordinate(gathered, job.job.plan.local, cache)
+            if failures:
+                replies = [reply(failures, None)] * len(gathered)
+            else:
+                replies = [reply({}, None if d is None else list(d)) for d in drops]
+        except BaseException as e:
+            replies = [reply({0: groups.report(e)}, None)] * len(gathered)
+            error = error or e
+    failures, told = parse_reply(_exchange(what, groups.scatter_bytes, replies, group))
+    groups.raise_failures(error, what, failures)
+    assert local is not None
+    written: list[tuple[str, Chunk]] = []
+    located: list[ByteEntry] = []
+    seen = trust.Seen((), ())
+    try:
+        if told is None:
+            if not same:
+                raise CheckpointError("the coordinator reused a save plan this rank did not")
+            assert cache.final is not None
+            final = cache.final
+        else:
+            final = dedup.kept(local, exchange.parse_drops(told, len(local.items)))
+        written, located, seen = _write(job, final, planner, rank)
+        cache.local, cache.final = local, final
+        payload = written_payload(written)
+    except BaseException as e:
+        error, payload = e, written_payload([], e)
+    gathered = _exchange(what, groups.gather_bytes, payload, group)
+    result = b""
+    nbytes = 0
+    if gathered is not None:
+        failures = {}
+        results: list[tuple[str, Chunk]] = []
+        try:
+            for r, data in enumerate(gathered):
+                if r == 0:  # its own, not decoded again
+                    results += written
+                    continue
+                sent = codec.decode(data)
+                if not isinstance(sent, list) or len(sent) != 2:
+                    raise CheckpointError(f"rank {r} reported invalid written chunks")
+                if sent[0]:
+                    failures[r] = bytes(sent[0])
+                else:
+                    results += exchange.parse_results(sent[1], r)
+            if error is not None:
+                failures[0] = groups.report(error)
+            if not failures:
+                nbytes = job.finish(ranks, results, tuple(located))
+        except BaseException as e:
+            failures[0] = groups.report(e)
+            error = error or e
+        result = reply(failures, nbytes)
+    failures, told = parse_reply(_exchange(what, groups.broadcast_bytes, result, group))
+    groups.raise_failures(error, what, failures)
+    return int(told), seen
+
+
+def _exchange(what: str, collective: Callable[..., Any], data: Any, group: Any) -> Any:
+    """One of the save's collectives; a rank that does not answer fails it clearly."""
+    try:
+        return collective(data, group)
+    except Exception as e:  # a rank died or timed out
+        raise CheckpointError(
+            f"{what}: another rank did not answer ({e}); nothing committed"
+        ) from e
+
+
+def _write(
+    job: _Commit, plan: SavePlan, planner: Any, rank: int
+) -> tuple[list[tuple[str, Chunk]], list[ByteEntry], trust.Seen]:
+    """Write this rank's share of the final plan: its chunks by DCP key, the values
+    as located (the coordinator's), and its commit's trust."""
+    items = [it for it in plan.items if it.type != WriteItemType.BYTE_IO]
+    tensors = [host_copy(planner.resolve_data(it)) for it in items]
+    keys: list[trust.Key] = []
+    for item in items:
+        assert item.tensor_data is not None
+        keys.append((item.index.fqn, tuple(item.tensor_data.chunk.offsets)))
+    chunk_idents = [job.idents.get(it.index.fqn) for it in items]
+    try:  # each rank decides for its own chunks what its base already holds
+        chunks, located = incremental.write_rank(
+            job.tmp, rank, job.base, keys, tensors, chunk_idents, blobs=job.blobs
+        )
+    except OSError as e:
+        raise os_failure(e, job.job.dest, "saving") from e
+    written = [(it.index.fqn, c) for it, c in zip(items, chunks, strict=True)]
+    return written, located, remembered(keys, chunk_idents)
 
 
 def _own_part(tmp: Path, parts: bool) -> bool:

@@ -1,0 +1,169 @@
+"""What the ranks of a multi-rank save tell the coordinator, and what it tells each back.
+
+DCP's ``dcp.save`` moves whole pickled plans with torch's object collectives,
+whose every call all-gathers one size per rank first: each rank then receives
+eight bytes per rank of the world, twice per save. A save here moves only what
+the coordinator decides with, as the project's own codec, through gathers and
+scatters: each rank sends the keys of its write items (name, offset, bytes) and
+receives the positions of those it must not write (another rank writes them).
+So a rank other than the coordinator receives the same bytes whatever the world
+size (docs/scale.md).
+
+The functions here are pure, so the coordinator's share can be measured for any
+world size without a process group (benchmarks/scale.py).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.checkpoint.planner import SavePlan
+
+from functional_ckpt._src.format.manifest import Chunk
+from functional_ckpt._src.save.dedup import Drops, ItemKey, dedup_keys
+from functional_ckpt.errors import CheckpointError
+
+
+@dataclass
+class PlanCache:
+    """The last plans of one checkpoint group, so that a layout saved again is not
+    planned again (DCP's plan caching, for the exchange here).
+
+    A rank keeps its last local plan and what it wrote of it; the coordinator keeps
+    every rank's keys and drops. A cache never decides anything on its own: a rank
+    claims "unchanged" only for a plan equal to its last one, and a coordinator
+    that does not hold every claimed plan fails the save (:func:`global_step`).
+    """
+
+    local: SavePlan | None = None
+    final: SavePlan | None = None
+    keys: list[tuple[ItemKey, ...]] | None = None
+    drops: list[Drops] | None = None
+
+
+@dataclass
+class PlanCaches:
+    """Every checkpoint group's :class:`PlanCache` in this process, by plan key."""
+
+    by_key: dict[str, PlanCache] = field(default_factory=dict)
+
+    def get(self, key: str) -> PlanCache:
+        return self.by_key.setdefault(key, PlanCache())
+
+    def forget(self, key: str) -> None:
+        """Drop a group's plans (a save that failed: ranks may no longer agree)."""
+        self.by_key.pop(key, None)
+
+
+def global_step(
+    cache: PlanCache,
+    sent: Sequence[tuple[ItemKey, ...] | None],
+    dedup: Callable[[Sequence[Sequence[ItemKey]]], list[Drops]] = dedup_keys,
+) -> list[Drops | None]:
+    """The coordinator's step: each rank's drops, or None for "write your last plan".
+
+    ``sent[r]`` is rank ``r``'s keys, or None where its plan equals its last one.
+    When no rank's plan changed, nothing is deduplicated and every rank writes its
+    last plan; otherwise the merged keys are deduplicated again and a rank whose
+    plan and drops are both unchanged is told so. A rank that claims a plan this
+    coordinator does not hold (another world, a cache lost) fails the save.
+    """
+    unchanged = [s is None for s in sent]
+    if any(unchanged) and (cache.keys is None or len(cache.keys) != len(sent)):
+        raise CheckpointError(
+            "a rank reused a save plan this coordinator does not hold; save again"
+        )
+    if all(unchanged) and cache.drops is not None:
+        return [None] * len(sent)
+    held = cache.keys if cache.keys is not None else [()] * len(sent)
+    merged = [c if s is None else s for c, s in zip(held, sent, strict=True)]
+    drops = dedup(merged)
+    last = cache.drops if cache.drops is not None and len(cache.drops) == len(sent) else None
+    out: list[Drops | None] = [
+        None if same and last is not None and last[r] == d else d
+        for r, (d, same) in enumerate(zip(drops, unchanged, strict=True))
+    ]
+    cache.keys, cache.drops = merged, drops
+    return out
+
+
+# ------------------------------------------------------------------ on the wire
+
+
+def keys_payload(keys: tuple[ItemKey, ...] | None) -> Any:
+    """A rank's keys as plain data (None: unchanged)."""
+    if keys is None:
+        return None
+    return [[f, None if o is None else list(o), n] for f, o, n in keys]
+
+
+def parse_keys(plain: Any, rank: int) -> tuple[ItemKey, ...] | None:
+    """What :func:`keys_payload` made, checked: a rank's keys or None."""
+    if plain is None:
+        return None
+    bad = CheckpointError(f"rank {rank} sent an invalid save plan")
+    if not isinstance(plain, list):
+        raise bad
+    out: list[ItemKey] = []
+    for k in plain:
+        if not isinstance(k, list) or len(k) != 3:
+            raise bad
+        fqn, offset, nbytes = k
+        if type(fqn) is not str or type(nbytes) is not int or nbytes < 0:
+            raise bad
+        if offset is not None:
+            if not isinstance(offset, list) or any(type(v) is not int or v < 0 for v in offset):
+                raise bad
+            offset = tuple(offset)
+        out.append((fqn, offset, nbytes))
+    return tuple(out)
+
+
+def parse_drops(plain: Any, n_items: int) -> Drops:
+    """A rank's drops as the coordinator sent them, checked against its plan's length."""
+    if not isinstance(plain, list) or any(
+        type(i) is not int or not 0 <= i < n_items for i in plain
+    ):
+        raise CheckpointError("the coordinator sent an invalid save plan")
+    return tuple(plain)
+
+
+def results_payload(written: Sequence[tuple[str, Chunk]]) -> Any:
+    """A rank's written chunks (its DCP key and where the bytes went) as plain data.
+
+    The numbers travel as fixed-width integers, so a message's size depends on the
+    layout alone, never on the checksums and offsets it carries (benchmarks/scale.py
+    predicts it exactly).
+    """
+    out = []
+    for fqn, c in written:
+        fields = (*c.offsets, *c.sizes, *c[3:])
+        out.append([fqn, c.file, struct.pack(f"<{len(fields)}Q", *fields)])
+    return out
+
+
+def parse_results(plain: Any, rank: int) -> list[tuple[str, Chunk]]:
+    """What :func:`results_payload` made, checked."""
+    bad = CheckpointError(f"rank {rank} reported invalid written chunks")
+    if not isinstance(plain, list):
+        raise bad
+    out: list[tuple[str, Chunk]] = []
+    for r in plain:
+        if not isinstance(r, list) or len(r) != 3:
+            raise bad
+        fqn, file, packed = r
+        if type(fqn) is not str or type(file) is not str or type(packed) is not bytes:
+            raise bad
+        count, rest = divmod(len(packed), 8)
+        dims, odd = divmod(count - _FIELDS, 2)
+        if rest or odd or dims < 0:
+            raise bad
+        v = struct.unpack(f"<{count}Q", packed)
+        out.append((fqn, Chunk(v[:dims], v[dims : 2 * dims], file, *v[2 * dims :])))
+    return out
+
+
+_FIELDS = 6  # a chunk's numbers besides its box: offset, length, data offset, bytes, CRCs
