@@ -126,3 +126,21 @@ def test_keys_and_results_travel_and_bad_ones_name_the_rank() -> None:
     for bad_drops in ([3], [-1], ["0"], None):
         with pytest.raises(fc.errors.CheckpointError, match="coordinator sent an invalid"):
             exchange.parse_drops(bad_drops, 3)
+
+
+def test_merged_results_give_each_file_its_largest_end_in_any_order() -> None:
+    """Each rank's chunks arrive as a run of its own file, but any order merges the
+    same: every key's chunks in arrival order, every file as long as its last blob."""
+    from functional_ckpt._src.format.manifest import Chunk
+
+    def c(file: str, offset: int, length: int, row: int) -> Chunk:
+        return Chunk((row, 0), (1, 4), file, offset, length, offset + 8, 16, 1, 2)
+
+    a, b = "__0_0.distcp", "__1_0.distcp"
+    results = [("w", c(a, 0, 24, 0)), ("v", c(a, 24, 24, 0)), ("w", c(b, 0, 24, 1))]
+    results += [("v", c(a, 48, 10, 1)), ("w", c(b, 24, 4, 2))]  # back to a, then b again
+    chunks, sizes = multi_rank.merge_results(results, (), 3, False)
+    assert sizes == {a: 58, b: 28, "__2_0.distcp": 0}
+    assert [x.offsets for x in chunks["w"]] == [(0, 0), (1, 0), (2, 0)]
+    assert [x.file for x in chunks["v"]] == [a, a]
+    assert multi_rank.merge_results(results, (), 3, True)[1] == {a: 58, b: 28}

@@ -158,7 +158,7 @@ def _layout(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry])
                 e.dcp_path,
                 e.dtype,
                 e.shape,
-                tuple((c.offsets, c.sizes, c.file, c.offset, c.length) for c in e.chunks),
+                tuple(c[:5] for c in e.chunks),  # offsets, sizes, file, offset, length
             )
             for e in group
         )

@@ -8,6 +8,7 @@ after validating a manifest read back.
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -320,6 +321,9 @@ class Manifest:
         return b"".join(parts)
 
 
+_BOX_OFFSETS = operator.itemgetter(0)  # a chunk's offsets (Chunk is a named tuple)
+
+
 def with_chunks(tree: Tree, written: Written) -> tuple[tuple[Entry, ...], ...]:
     """The tree's entry groups (shared, then each rank's) with the chunks written.
 
@@ -337,7 +341,7 @@ def with_chunks(tree: Tree, written: Written) -> tuple[tuple[Entry, ...], ...]:
                 if e.alias is None:
                     found = tuple(chunks_of(e.fqn, ()))
                     if len(found) > 1:
-                        found = tuple(sorted(found, key=lambda c: c.offsets))
+                        found = tuple(sorted(found, key=_BOX_OFFSETS))
                     by_path[e.path] = found
                 else:
                     found = by_path[e.alias]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,11 +129,22 @@ def merge_results(
     Pure, so the coordinator's share of a save can be measured for any world size
     without a process group (benchmarks/scale.py).
     """
-    chunks: dict[str, list[Chunk]] = {}
+    chunks: defaultdict[str, list[Chunk]] = defaultdict(list)
     sizes = {} if incremental_save else {shard_name(r): 0 for r in range(world)}
+    # a thousand-rank save merges half a million chunks, each rank's in one run of
+    # its own file: a file's size is kept in locals while its run lasts
+    file, end = None, 0
     for fqn, c in results:
-        chunks.setdefault(fqn, []).append(c)
-        sizes[c.file] = max(sizes.get(c.file, 0), c.offset + c.length)  # blobs tile it
+        chunks[fqn].append(c)
+        if c[2] != file:
+            if file is not None:
+                sizes[file] = end
+            file = c[2]
+            end = sizes.get(file, 0)
+        if c[3] + c[4] > end:  # offset + length: the blobs tile the file
+            end = c[3] + c[4]
+    if file is not None:
+        sizes[file] = end
     for b in blobs:
         sizes[b.file] = max(sizes.get(b.file, 0), b.offset + b.length)
     return {k: tuple(v) for k, v in chunks.items()}, sizes
