@@ -209,6 +209,7 @@ def test_a_row_is_a_chunk_without_its_box() -> None:
     assert Chunk._fields[:5] == ("offsets", "sizes", "file", "offset", "length")
     c = Chunk((5, 0), (5, 6), "__1_0.distcp", 64, 300, 128, 120, 7, 9)
     assert parts.row(c) == ["__1_0.distcp", 64, 300, 128, 120, 7, 9]
+    assert parts.rows([c, c]) == [parts.row(c), parts.row(c)]
     plain = parts.row_plain(parts.row(c), ((5, 0), (5, 6)))
     assert (
         plain is not None

@@ -313,7 +313,7 @@ class Manifest:
         """Part ``rank`` of a split manifest: that rank's per-rank entries and its
         chunk of every evenly split tensor (``split``: :meth:`split_entries`)."""
         tensors = self.split_entries() if split is None else split
-        rows = [split_rule.row(e.chunks[rank]) for e in tensors]
+        rows = split_rule.rows([e.chunks[rank] for e in tensors])
         head = {"format": FORMAT_NAME, "version": self.version, "part": rank}
         parts = [_map_header(len(head) + 2), _elements(_flat(head))]
         parts += [_pack("entries"), _entries(self.ranks[rank])]
@@ -381,7 +381,7 @@ def even_splits(entries: Sequence[Entry], world: int) -> dict[KeyPath, int]:
     out: dict[KeyPath, int] = {}
     for e in entries:
         if type(e) is TensorEntry and e.alias is None and len(e.chunks) == world:
-            dim = split_rule.split_dim(e.shape, [(c.offsets, c.sizes) for c in e.chunks], world)
+            dim = split_rule.split_dim(e.shape, e.chunks, world)  # chunks start with the box
             if dim is not None:
                 out[e.path] = dim
     return out

@@ -44,7 +44,7 @@ def split_box(shape: Sequence[int], dim: int, parts: int, index: int) -> Box:
     return tuple(offsets), tuple(sizes)
 
 
-def split_dim(shape: Sequence[int], boxes: Sequence[Box], parts: int) -> int | None:
+def split_dim(shape: Sequence[int], boxes: Sequence[Any], parts: int) -> int | None:
     """The dimension along which ``boxes`` (sorted by offsets) are the even split of
     ``shape`` into ``parts`` chunks, each box chunk ``i`` of the rule; else None."""
     if len(boxes) != parts or parts < 2 or not shape:
@@ -53,20 +53,18 @@ def split_dim(shape: Sequence[int], boxes: Sequence[Box], parts: int) -> int | N
     dim = next((d for d, (a, b) in enumerate(zip(first, shape, strict=True)) if a != b), None)
     if dim is None or not is_even_split(shape, dim, parts):
         return None
-    # box i == split_box(shape, dim, parts, i) for every i, compared a field at a time
-    # (a sharded tensor of a thousand-rank save has a thousand boxes)
+    # box i == split_box(shape, dim, parts, i) for every i, compared as lists (a
+    # sharded tensor of a thousand-rank save has a thousand boxes)
     step = split_size(shape[dim], parts)
-    if [b[0][dim] for b in boxes] != list(range(0, step * parts, step)):
-        return None
     whole = tuple(shape)
-    middle = (*whole[:dim], step, *whole[dim + 1 :])
-    last = (*whole[:dim], shape[dim] - step * (parts - 1), *whole[dim + 1 :])
-    before, after = (0,) * dim, (0,) * (len(whole) - dim - 1)
-    for i, (offsets, sizes) in enumerate(boxes):
-        if sizes != (middle if i < parts - 1 else last):
-            return None
-        if offsets[:dim] != before or offsets[dim + 1 :] != after:
-            return None
+    before, after = whole[:dim], whole[dim + 1 :]
+    middle, last = (*before, step, *after), (*before, shape[dim] - step * (parts - 1), *after)
+    sizes = [b[1] for b in boxes]  # a box, or a chunk: its offsets and sizes come first
+    if sizes[-1] != last or sizes.count(middle) != parts - 1 + (middle == last):
+        return None
+    zeros, tail = (0,) * dim, (0,) * len(after)
+    if [b[0] for b in boxes] != [(*zeros, o, *tail) for o in range(0, step * parts, step)]:
+        return None
     return dim
 
 
@@ -83,6 +81,12 @@ def row(chunk: Any) -> list[Any]:
     """A chunk as a part row: :data:`ROW_FIELDS` of it, in order (a chunk's fields
     after its box)."""
     return list(chunk[2:])
+
+
+def rows(chunks: Sequence[Any]) -> list[list[Any]]:
+    """:func:`row` of each chunk (a part of a thousand-rank save has a row per sharded
+    tensor, and a thousand parts are encoded at once)."""
+    return [list(c[2:]) for c in chunks]
 
 
 def row_plain(values: object, box: Box) -> dict[str, Any] | None:
