@@ -241,6 +241,9 @@ def test_eight_ranks_save_and_restore_onto_8_and_3_and_move_the_bytes_predicted(
     # the coordinator alone receives every rank's entries; the others the same few bytes
     assert told[0]["save"]["received"] > 8 * told[1]["save"]["received"]
     assert len({t["save"]["received"] for t in told[1:]}) == 1
+    # a restore moves the same few bytes on every rank: each plans and reads its own
+    assert len({t["restore"]["received"] for t in told}) == 1
+    assert told[0]["restore"]["received"] < 256, told[0]["restore"]
     for world_size in (8, 3):
         for rank in range(world_size):
             back = json.loads((tmp_path / f"traffic.{world_size}.{rank}.json").read_text())

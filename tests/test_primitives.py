@@ -192,7 +192,8 @@ _COLLECTIVE_NAMES = {
 
 def direct_collectives(source: str) -> Counter[str]:
     """Each ``dist.<collective>(...)`` in ``source``, and every use of ``dcp.save``'s
-    module (whose rounds all-gather one size per rank: docs/scale.md)."""
+    or ``dcp.load``'s module (whose rounds all-gather one size per rank:
+    docs/scale.md)."""
     found: Counter[str] = Counter()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
@@ -202,8 +203,10 @@ def direct_collectives(source: str) -> Counter[str]:
                 "torch.distributed",
             ):
                 found[f"dist.{f.attr}"] += 1
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").endswith("state_dict_saver"):
-            found["state_dict_saver"] += 1
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").endswith(
+            ("state_dict_saver", "state_dict_loader")
+        ):
+            found[(node.module or "").rsplit(".", 1)[-1]] += 1
     return found
 
 
@@ -222,6 +225,9 @@ def test_the_collective_scan_sees_an_object_gather_and_dcp_save() -> None:
     src = (
         "import torch.distributed as dist\n"
         "from torch.distributed.checkpoint.state_dict_saver import save\n"
+        "from torch.distributed.checkpoint.state_dict_loader import load\n"
         "def f(x, g):\n    dist.gather_object(x, None, 0, g)\n    [].gather(1)\n"
     )
-    assert direct_collectives(src) == Counter({"dist.gather_object": 1, "state_dict_saver": 1})
+    assert direct_collectives(src) == Counter(
+        {"dist.gather_object": 1, "state_dict_saver": 1, "state_dict_loader": 1}
+    )

@@ -253,21 +253,9 @@ def _parse(report: bytes) -> tuple[str, str]:
     return kind.decode(errors="replace"), message.decode(errors="replace")
 
 
-def _unwrap(e: BaseException, what: str) -> BaseException:
-    """DCP wraps rank failures in CheckpointException: raise ours the same way."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        causes = {int(r): (w[0] if isinstance(w, tuple) and w else w) for r, w in failures.items()}
-        told = {
-            r: (type(c).__name__, str(c)) if isinstance(c, BaseException) else ("Error", repr(c))
-            for r, c in causes.items()
-        }
-        mine = causes.get(topology().rank)
-        if isinstance(mine, CheckpointError):
-            if len(told) > 1:
-                mine.add_note(str(RankFailed(what, told)))
-            return mine
-        return RankFailed(what, told)
-    if isinstance(e, CheckpointError):
+def as_checkpoint_error(e: BaseException, what: str, suffix: str = "") -> BaseException:
+    """A failure as a collective step raises it: the project's errors (and interrupts)
+    as they are, anything else as a :class:`CheckpointError` naming the step."""
+    if isinstance(e, CheckpointError) or not isinstance(e, Exception):
         return e
-    return CheckpointError(f"{what}: {type(e).__name__}: {e}; nothing was committed")
+    return CheckpointError(f"{what}: {type(e).__name__}: {e}{suffix}")

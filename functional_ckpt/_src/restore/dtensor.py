@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
@@ -19,7 +20,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from functional_ckpt._src.distributed.groups import _unwrap
+from functional_ckpt._src.distributed import groups
+from functional_ckpt._src.distributed.groups import as_checkpoint_error
 from functional_ckpt._src.distributed.topology import is_dtensor
 from functional_ckpt._src.format import dcp_metadata, parts
 from functional_ckpt._src.format.entries import ParsedManifest
@@ -159,21 +161,28 @@ def read_sharded(
     or in the template's own DTensors when ``inplace``. Every rank calls it.
     """
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     sharded = {p: t if inplace else _fresh_dtensor(t) for p, t in wanted.items() if is_dtensor(t)}
     state_dict = {parsed.tensors[p].fqn: t for p, t in sharded.items()}
-    if not all(t.dtype == parsed.tensors[p].dtype for p, t in sharded.items()):
-        raise CheckpointError(f"{ck.path}: cast=True is not supported for DTensor leaves")
+    what = f"restore {ck.path}"
+    error: BaseException | None = None
     try:
-        dcp_load(
-            state_dict,
-            storage_reader=_ManifestReader(ck, parsed),
-            planner=DefaultLoadPlanner(),
-            process_group=group,
-        )
+        if not all(t.dtype == parsed.tensors[p].dtype for p, t in sharded.items()):
+            raise CheckpointError(f"{ck.path}: cast=True is not supported for DTensor leaves")
+        # DCP's load step needs no coordinator (its global plan is the local plans
+        # unchanged), so each rank plans and reads its own shards here, without
+        # dcp.load's object collectives (one size per rank all-gathered, twice)
+        reader, planner = _ManifestReader(ck, parsed), DefaultLoadPlanner()
+        metadata = reader.read_metadata()
+        coordinator = dist.get_rank(group) == 0
+        planner.set_up_planner(state_dict, metadata, coordinator)
+        reader.set_up_storage_reader(metadata, coordinator)
+        plan = reader.prepare_local_plan(planner.create_local_plan())
+        (plan,) = reader.prepare_global_plan(planner.create_global_plan([plan]))
+        reader.read_data(planner.finish_plan(plan), planner).wait()
     except BaseException as e:
-        raise _unwrap(e, f"restore {ck.path}") from e
+        error = as_checkpoint_error(e, what)
+    groups.agree(error, group, what)  # every rank read its shards, or all fail
     for p, t in sharded.items():
         if not inplace and wanted[p].requires_grad and t.is_floating_point():
             t.requires_grad_(True)

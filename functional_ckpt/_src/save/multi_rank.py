@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.distributed import groups
-from functional_ckpt._src.distributed.groups import _unwrap, checkpoint_group
+from functional_ckpt._src.distributed.groups import as_checkpoint_error, checkpoint_group
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import Chunk, Entry, Tree, Written
 from functional_ckpt._src.format.naming import shard_name
@@ -218,7 +218,7 @@ def save_planned(
         forget_plans(key)  # the next save plans afresh on every rank
         if rank == 0 or own:
             commit.remove_tree(tmp)
-        raise e if isinstance(e, CheckpointError) else _unwrap(e, what) from e
+        raise as_checkpoint_error(e, what, "; nothing was committed") from e
     if own:  # this rank's part of a checkpoint committed on the coordinator's file system
         try:
             commit.commit_checkpoint(tmp, dest, overwrite=True, replaces=commit.PARTS)
