@@ -77,6 +77,8 @@ def test_a_plan_is_never_reused_by_another_world() -> None:
     exchange.global_step(caches.get(multi_rank.plan_key(range(4))), local_keys(4), count)
     assert multi_rank.plan_key(range(3)) != multi_rank.plan_key(range(4))
     assert multi_rank.plan_key([0, 1, 2, 4]) != multi_rank.plan_key(range(4))
+    # the memory tier's group of the same ranks keeps plans of its own
+    assert multi_rank.plan_key(range(4), "memory") != multi_rank.plan_key(range(4))
     for key, n in ((multi_rank.plan_key(range(3)), 3), (multi_rank.plan_key(range(4)), 3)):
         with pytest.raises(fc.errors.CheckpointError, match="does not hold"):
             exchange.global_step(caches.get(key), [None] * n, count)

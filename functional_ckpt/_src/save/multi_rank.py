@@ -91,9 +91,15 @@ class _Commit:
         return nbytes
 
 
-def plan_key(ranks: Sequence[int]) -> str:
-    """The plan cache's key for a checkpoint group of these global ranks."""
-    return f"functional_ckpt/{len(ranks)}/{zlib.crc32(repr(tuple(ranks)).encode()):08x}"
+def plan_key(ranks: Sequence[int], purpose: str = "save") -> str:
+    """The plan cache's key for a checkpoint group of these global ranks.
+
+    ``purpose`` names the group (the disk tier's saves, the memory tier's): two
+    groups of the same ranks save on threads of their own, and one's failure (which
+    forgets its plans) must not make the other's in-flight save fail.
+    """
+    ranks_crc = zlib.crc32(repr(tuple(ranks)).encode())
+    return f"functional_ckpt/{purpose}/{len(ranks)}/{ranks_crc:08x}"
 
 
 #: This process's plan caches (a cache, never a decision: :class:`exchange.PlanCache`).
@@ -208,7 +214,7 @@ def save_planned(
         None if own else job.base,  # a rank's own part has no base to share with
         idents,
     )
-    key = plan_key(dist.get_process_group_ranks(group))
+    key = plan_key(dist.get_process_group_ranks(group), job.options.group)
     state_dict = {e.fqn: t for e, t in zip(plan.targets, tensors, strict=True)}
     what = f"save {dest}"
     try:
