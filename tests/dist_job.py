@@ -415,6 +415,33 @@ def main() -> None:
             os._exit(3)
         print("no error", flush=True)
         os._exit(0)
+    elif mode == "unprintable-fail":
+        import json
+
+        from functional_ckpt._src.storage import shards
+
+        class Unprintable(Exception):
+            def __str__(self) -> str:
+                raise AttributeError("no message")
+
+        original = shards.write_shard
+
+        def unprintable(*args: Any, **kwargs: Any) -> Any:
+            if rank == 1:
+                raise Unprintable()
+            return original(*args, **kwargs)
+
+        shards.write_shard = unprintable
+        mesh = init_device_mesh("cpu", (world,))
+        try:
+            fc.save(root / "ck", shard_state(mesh, rank))
+        except fc.CheckpointError as e:
+            told = {
+                "type": type(e).__name__,
+                "str": str(e),
+                "failures": {str(r): list(f) for r, f in getattr(e, "failures", {}).items()},
+            }
+            (root / f"error.{rank}.json").write_text(json.dumps(told))
     elif mode == "ranks-fail":
         import json
 

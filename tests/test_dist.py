@@ -194,6 +194,24 @@ def test_every_failing_rank_is_named_with_its_error_type(tmp_path: Path) -> None
     assert not (tmp_path / "ck").exists()
 
 
+def test_a_failure_whose_message_cannot_be_made_fails_every_rank_together(
+    tmp_path: Path,
+) -> None:
+    """Regression: a rank whose error's ``__str__`` raised could not report it, left
+    the save's exchanges and made the others wait out the timeout ("did not
+    answer"). Now rank 0 learns rank 1's failure by type, and nothing is left."""
+    import json
+
+    run_ok(2, "unprintable-fail", str(tmp_path))
+    told = {r: json.loads((tmp_path / f"error.{r}.json").read_text()) for r in range(2)}
+    assert told[0]["type"] == "RankFailed", told[0]
+    assert told[0]["failures"]["1"][0] == "Unprintable"
+    assert "could not be made" in told[0]["failures"]["1"][1]
+    assert "did not answer" not in told[0]["str"] and "did not answer" not in told[1]["str"]
+    assert told[1]["type"] == "CheckpointError" and "Unprintable" in told[1]["str"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["error.0.json", "error.1.json"]
+
+
 def test_rank_failed_without_a_process_group() -> None:
     """The agreement rule itself: healthy ranks get every failure, failing ranks their own."""
     import pickle

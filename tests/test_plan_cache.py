@@ -111,13 +111,13 @@ def test_keys_and_results_travel_and_bad_ones_name_the_rank() -> None:
     for bad in ([["w", [0], -1]], [["w", [-1], 4]], [[1, None, 4]], "x", [["w", None]]):
         with pytest.raises(fc.errors.CheckpointError, match="rank 3 sent an invalid"):
             exchange.parse_keys(bad, 3)
-    written = [("w", Chunk((0, 4), (2, 4), "shard-00001.data", 0, 96, 64, 32, 7, 9))]
+    written = [("w", Chunk((0, 4), (2, 4), "__1_0.distcp", 0, 96, 64, 32, 7, 9))]
     assert exchange.parse_results(exchange.results_payload(written), 1) == written
     sent = exchange.results_payload(written)
     for bad_results in (
-        [["w", "f", sent[0][2][:-1]]],  # not whole integers
-        [["w", "f", sent[0][2][:-8]]],  # a box of half a dimension
-        [["w", "f", sent[0][2][:8]]],  # fewer numbers than a chunk has
+        [["w", "__1_0.distcp", sent[0][2][:-1]]],  # not whole integers
+        [["w", "__1_0.distcp", sent[0][2][:-8]]],  # a box of half a dimension
+        [["w", "__1_0.distcp", sent[0][2][:8]]],  # fewer numbers than a chunk has
         [["w", 3, sent[0][2]]],
         [["w", "f"]],
         {"w": 1},
@@ -146,3 +146,42 @@ def test_merged_results_give_each_file_its_largest_end_in_any_order() -> None:
     assert [x.offsets for x in chunks["w"]] == [(0, 0), (1, 0), (2, 0)]
     assert [x.file for x in chunks["v"]] == [a, a]
     assert multi_rank.merge_results(results, (), 3, True)[1] == {a: 58, b: 28}
+
+
+def test_messages_that_cannot_be_read_fail_as_checkpoint_errors() -> None:
+    """What a peer sends is checked before it is used: a report that is no bytes, a
+    reply that is no list of (rank, report) pairs, a chunk outside a shard file."""
+    from functional_ckpt._src import codec
+    from functional_ckpt._src.format.manifest import Chunk
+
+    ok = codec.encode([b"", [], []])
+    for report in ("text", 7, [300], 10**3, True):
+        with pytest.raises(fc.errors.CheckpointError, match="rank 1 sent an invalid"):
+            multi_rank.coordinate(
+                [ok, codec.encode([report, None, None])], (), exchange.PlanCache()
+            )
+    for told in ([[[1]], None], [[[1, "x"]], None], [[["a", b"x"]], None], [[[1, b""]], 3], "x"):
+        with pytest.raises(fc.errors.CheckpointError, match="invalid reply"):
+            multi_rank.parse_reply(codec.encode(told))
+    with pytest.raises(fc.errors.CheckpointError, match="invalid reply"):
+        multi_rank.parse_reply(b"\xc1")  # no msgpack at all
+    assert multi_rank.parse_reply(multi_rank.reply({2: b"E\0m"}, None)) == ({2: b"E\0m"}, None)
+    for name in ("../x", "/etc/passwd", "manifest.msgpack"):
+        sent = exchange.results_payload([("w", Chunk((0,), (2,), name, 0, 9, 1, 8, 3, 4))])
+        with pytest.raises(fc.errors.CheckpointError, match="not a shard file"):
+            exchange.parse_results(sent, 2)
+
+
+def test_a_failure_whose_message_cannot_be_made_is_still_reported() -> None:
+    """A rank that cannot say why it failed would skip the next exchange and leave
+    every other rank waiting out the timeout: its report is made anyway."""
+    from functional_ckpt._src.distributed import groups
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise AttributeError("no message")
+
+    told = groups.report(Unprintable())
+    assert told.startswith(b"Unprintable\0") and b"could not be made" in told
+    assert multi_rank.written_payload([], Unprintable())
+    assert multi_rank.rank_payload(None, None, Unprintable())  # type: ignore[arg-type]

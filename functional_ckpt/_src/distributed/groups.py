@@ -244,8 +244,16 @@ def raise_failures(error: BaseException | None, what: str, reports: dict[int, by
 
 
 def _report(e: BaseException) -> bytes:
-    kind = type(e).__name__.encode()
-    return kind + b"\0" + str(e).encode(errors="replace")
+    """Never raises: a rank that cannot say why it failed would skip the next
+    collective and leave the others waiting out the timeout."""
+    return type(e).__name__.encode(errors="replace") + b"\0" + _message(e).encode(errors="replace")
+
+
+def _message(e: BaseException) -> str:
+    try:
+        return str(e)
+    except BaseException:  # a user's __str__ that raises
+        return f"(a {type(e).__name__} whose message could not be made)"
 
 
 def _parse(report: bytes) -> tuple[str, str]:
@@ -258,4 +266,4 @@ def as_checkpoint_error(e: BaseException, what: str, suffix: str = "") -> BaseEx
     as they are, anything else as a :class:`CheckpointError` naming the step."""
     if isinstance(e, CheckpointError) or not isinstance(e, Exception):
         return e
-    return CheckpointError(f"{what}: {type(e).__name__}: {e}{suffix}")
+    return CheckpointError(f"{what}: {type(e).__name__}: {_message(e)}{suffix}")

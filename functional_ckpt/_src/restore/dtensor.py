@@ -162,11 +162,14 @@ def read_sharded(
     """
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    sharded = {p: t if inplace else _fresh_dtensor(t) for p, t in wanted.items() if is_dtensor(t)}
-    state_dict = {parsed.tensors[p].fqn: t for p, t in sharded.items()}
     what = f"restore {ck.path}"
     error: BaseException | None = None
-    try:
+    sharded: dict[KeyPath, torch.Tensor] = {}
+    try:  # every step a rank can fail in is agreed on below, so none waits for it
+        sharded = {
+            p: t if inplace else _fresh_dtensor(t) for p, t in wanted.items() if is_dtensor(t)
+        }
+        state_dict = {parsed.tensors[p].fqn: t for p, t in sharded.items()}
         if not all(t.dtype == parsed.tensors[p].dtype for p, t in sharded.items()):
             raise CheckpointError(f"{ck.path}: cast=True is not supported for DTensor leaves")
         # DCP's load step needs no coordinator (its global plan is the local plans

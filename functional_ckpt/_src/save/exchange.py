@@ -23,6 +23,7 @@ from typing import Any
 from torch.distributed.checkpoint.planner import SavePlan
 
 from functional_ckpt._src.format.manifest import Chunk
+from functional_ckpt._src.format.naming import parse_shard
 from functional_ckpt._src.save.dedup import Drops, ItemKey, dedup_keys
 from functional_ckpt.errors import CheckpointError
 
@@ -157,6 +158,8 @@ def parse_results(plain: Any, rank: int) -> list[tuple[str, Chunk]]:
         fqn, file, packed = r
         if type(fqn) is not str or type(file) is not str or type(packed) is not bytes:
             raise bad
+        if parse_shard(file) is None:  # a shard file of this checkpoint, never a path
+            raise CheckpointError(f"rank {rank} reported a chunk in {file!r}, not a shard file")
         count, rest = divmod(len(packed), 8)
         dims, odd = divmod(count - _FIELDS, 2)
         if rest or odd or dims < 0:

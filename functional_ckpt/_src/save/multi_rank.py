@@ -204,22 +204,22 @@ def save_planned(
             commit.remove_tree(tmp)
         raise
     world = dist.get_world_size(group)
-    idents = dict(zip((e.fqn for e in plan.targets), job.idents, strict=True))
-    commit_job = _Commit(
-        job,
-        tmp,
-        time.time(),
-        world,
-        byte_entries(plan, snapshot=job.snapshot) if rank == 0 else [],
-        None if own else job.base,  # a rank's own part has no base to share with
-        idents,
-    )
     key = plan_key(dist.get_process_group_ranks(group), job.options.group)
-    state_dict = {e.fqn: t for e, t in zip(plan.targets, tensors, strict=True)}
     what = f"save {dest}"
+    blobs: list[ByteEntry] = []
+    state_dict: dict[str, Any] = {}
+    idents: dict[str, trust.Ident | None] = {}
+    try:  # a failure here travels with the first exchange, never left unsent
+        idents = dict(zip((e.fqn for e in plan.targets), job.idents, strict=True))
+        blobs = byte_entries(plan, snapshot=job.snapshot) if rank == 0 else []
+        state_dict = {e.fqn: t for e, t in zip(plan.targets, tensors, strict=True)}
+    except BaseException as e:
+        error = e
+    # a rank's own part has no base to share with
+    commit_job = _Commit(job, tmp, time.time(), world, blobs, None if own else job.base, idents)
     try:
         with gc_paused():
-            nbytes, seen = _rounds(commit_job, state_dict, PLANS.get(key), group, what)
+            nbytes, seen = _rounds(commit_job, state_dict, PLANS.get(key), group, what, error)
     except BaseException as e:
         forget_plans(key)  # the next save plans afresh on every rank
         if rank == 0 or own:
@@ -271,10 +271,22 @@ def reply(failures: dict[int, bytes], value: Any) -> bytes:
 
 def parse_reply(data: bytes) -> tuple[dict[int, bytes], Any]:
     """:func:`reply` read back: (every failing rank's report, the result)."""
-    told = codec.decode(data)
+    bad = CheckpointError("the coordinator sent an invalid reply")
+    try:
+        told = codec.decode(data)
+    except CheckpointError:
+        raise bad from None
     if not isinstance(told, list) or len(told) != 2 or not isinstance(told[0], list):
-        raise CheckpointError("the coordinator sent an invalid reply")
-    return {int(r): bytes(m) for r, m in told[0]}, told[1]
+        raise bad
+    failures: dict[int, bytes] = {}
+    for pair in told[0]:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise bad
+        r, m = pair
+        if type(r) is not int or type(m) is not bytes or not m:
+            raise bad
+        failures[r] = m
+    return failures, told[1]
 
 
 def coordinate(
@@ -295,8 +307,10 @@ def coordinate(
         if not isinstance(told, list) or len(told) != 3:
             raise CheckpointError(f"rank {r} sent an invalid save plan")
         report, local, k = told
+        if type(report) is not bytes:
+            raise CheckpointError(f"rank {r} sent an invalid save plan")
         if report:
-            failures[r] = bytes(report)
+            failures[r] = report
             continue
         entries.append(mine if r == 0 else tuple(parse_planned(local, f"rank {r}'s entries")))
         keys.append(exchange.parse_keys(k, r))
@@ -311,12 +325,15 @@ def _rounds(
     cache: exchange.PlanCache,
     group: Any,
     what: str,
+    error: BaseException | None = None,
 ) -> tuple[int, trust.Seen]:
     """Plan, write and commit with the other ranks: four exchanges, each a gather to
     the coordinator or one message from it, so a rank other than the coordinator
     moves the same bytes whatever the world size. Returns the checkpoint's size and
     what this rank wrote (its commit's trust). Every rank fails together
-    (:func:`groups.raise_failures`).
+    (:func:`groups.raise_failures`): whatever fails on a rank (``error``: before
+    the rounds) is sent in the next exchange, and every rank takes part in each
+    exchange until all of them know.
     """
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -324,8 +341,9 @@ def _rounds(
     planner = DefaultSavePlanner()
     local: SavePlan | None = None
     same = False
-    error: BaseException | None = None
     try:  # DCP's planner decides who writes what: sharded leaves by their owners
+        if error is not None:
+            raise error
         planner.set_up_planner(state_dict, None, rank == 0)
         local = planner.create_local_plan()
         same = (
@@ -336,9 +354,10 @@ def _rounds(
         payload = rank_payload(job.job.plan, None if same else dedup.item_keys(local))
     except BaseException as e:
         error, payload = e, rank_payload(job.job.plan, None, e)
-    gathered = _exchange(what, groups.gather_bytes, payload, group)
+    gathered = _exchange(what, groups.gather_bytes, payload, group)  # 1
     replies: list[bytes] | None = None
     ranks: tuple[tuple[Entry, ...], ...] = ()
+    failures: dict[int, bytes] = {}
     if gathered is not None:
         try:
             failures, ranks, drops = coordinate(gathered, job.job.plan.local, cache)
@@ -349,13 +368,21 @@ def _rounds(
         except BaseException as e:
             replies = [reply({0: groups.report(e)}, None)] * len(gathered)
             error = error or e
-    failures, told = parse_reply(_exchange(what, groups.scatter_bytes, replies, group))
-    groups.raise_failures(error, what, failures)
-    assert local is not None
+    told: Any = None
+    failures = {}
+    data = _exchange(what, groups.scatter_bytes, replies, group)
+    try:  # a reply this rank cannot read is its failure, told in the next exchange
+        failures, told = parse_reply(data)
+    except CheckpointError as e:
+        error = error or e
+    groups.raise_failures(error if failures else None, what, failures)  # known to all
     written: list[tuple[str, Chunk]] = []
     located: list[ByteEntry] = []
     seen = trust.Seen((), ())
     try:
+        if error is not None:
+            raise error
+        assert local is not None
         if told is None:
             if not same:
                 raise CheckpointError("the coordinator reused a save plan this rank did not")
@@ -368,11 +395,11 @@ def _rounds(
         payload = written_payload(written)
     except BaseException as e:
         error, payload = e, written_payload([], e)
-    gathered = _exchange(what, groups.gather_bytes, payload, group)
+    gathered = _exchange(what, groups.gather_bytes, payload, group)  # 2
     result = b""
     nbytes = 0
     if gathered is not None:
-        failures = {}
+        failures.clear()  # none, or this function raised above
         results: list[tuple[str, Chunk]] = []
         try:
             for r, data in enumerate(gathered):
@@ -380,10 +407,10 @@ def _rounds(
                     results += written
                     continue
                 sent = codec.decode(data)
-                if not isinstance(sent, list) or len(sent) != 2:
+                if not isinstance(sent, list) or len(sent) != 2 or type(sent[0]) is not bytes:
                     raise CheckpointError(f"rank {r} reported invalid written chunks")
                 if sent[0]:
-                    failures[r] = bytes(sent[0])
+                    failures[r] = sent[0]
                 else:
                     results += exchange.parse_results(sent[1], r)
             if error is not None:
