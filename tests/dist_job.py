@@ -314,6 +314,19 @@ def main() -> None:
     elif mode == "shard-save":
         mesh = init_device_mesh("cpu", (world,))
         fc.save(root / f"w{world}", shard_state(mesh, rank))
+    elif mode == "damaged-part-restore":
+        import json
+
+        mesh = init_device_mesh("cpu", (world,))
+        try:
+            fc.restore(root / f"w{world}", shard_template(mesh), reshard=positions)
+        except fc.CheckpointError as e:
+            told = {
+                "type": type(e).__name__,
+                "str": str(e),
+                "failures": {str(r): list(f) for r, f in getattr(e, "failures", {}).items()},
+            }
+            (root / f"error.{rank}.json").write_text(json.dumps(told))
     elif mode == "shard-restore":
         mesh = init_device_mesh("cpu", (world,))
         for saved in sorted(root.glob("w*")):

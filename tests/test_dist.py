@@ -212,6 +212,28 @@ def test_a_failure_whose_message_cannot_be_made_fails_every_rank_together(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["error.0.json", "error.1.json"]
 
 
+def test_a_part_damaged_on_one_rank_fails_every_rank_together(tmp_path: Path) -> None:
+    """A restoring rank whose own manifest part is damaged (only it reads that part)
+    fails with the part named, and every other rank at once, naming that rank and
+    its error: no rank waits out the timeout."""
+    import json
+
+    run_ok(2, "shard-save", str(tmp_path))
+    (part,) = (tmp_path / "w2").glob("manifest.part-*1.msgpack")
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    for rc, _, err in wait_all(
+        launch(2, "damaged-part-restore", str(tmp_path), env={"FUNCTIONAL_CKPT_TIMEOUT": "120"})
+    ):
+        assert rc == 0, err[-3000:]
+    told = {r: json.loads((tmp_path / f"error.{r}.json").read_text()) for r in range(2)}
+    assert told[0]["type"] == "RankFailed", told[0]
+    assert told[0]["failures"]["1"][0] == "CorruptCheckpoint", told[0]
+    assert told[1]["type"] == "CorruptCheckpoint" and part.name in told[1]["str"], told[1]
+    assert "did not answer" not in told[0]["str"]
+
+
 def test_rank_failed_without_a_process_group() -> None:
     """The agreement rule itself: healthy ranks get every failure, failing ranks their own."""
     import pickle

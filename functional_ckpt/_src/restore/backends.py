@@ -207,11 +207,15 @@ class _Planned:
         from functional_ckpt._src.restore.dtensor import parts_needed, read_sharded
 
         assert self.inner is not None and match.parsed is not None
-        needed = parts_needed(match.parsed, match.selected, match.wanted)
-        match = replace(match, parsed=self.inner.parsed.filled(match.parsed, needed))
+        error: BaseException | None = None
+        try:  # each rank reads the parts its shards meet: one may fail where others do not
+            needed = parts_needed(match.parsed, match.selected, match.wanted)
+            match = replace(match, parsed=self.inner.parsed.filled(match.parsed, needed))
+        except BaseException as e:
+            error = e  # agreed on with the reads, so no rank waits for this one
         assert match.parsed is not None
         sharded = read_sharded(
-            self.inner.ck, match.parsed, match.wanted, self.group, inplace=req.inplace
+            self.inner.ck, match.parsed, match.wanted, self.group, inplace=req.inplace, error=error
         )
         rest = Match(
             match.root,

@@ -154,18 +154,21 @@ def read_sharded(
     group: Any,
     *,
     inplace: bool,
+    error: BaseException | None = None,
 ) -> dict[KeyPath, torch.Tensor]:
     """The DTensor leaves of ``wanted``, read collectively through DCP's load planner.
 
     The shards land in new DTensors on each template leaf's mesh and placements,
-    or in the template's own DTensors when ``inplace``. Every rank calls it.
+    or in the template's own DTensors when ``inplace``. Every rank calls it, with
+    ``error`` when a step before it failed on this rank (every rank then fails).
     """
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     what = f"restore {ck.path}"
-    error: BaseException | None = None
     sharded: dict[KeyPath, torch.Tensor] = {}
     try:  # every step a rank can fail in is agreed on below, so none waits for it
+        if error is not None:
+            raise error
         sharded = {
             p: t if inplace else _fresh_dtensor(t) for p, t in wanted.items() if is_dtensor(t)
         }
