@@ -47,6 +47,7 @@ def initial(mesh: Any, rank: int) -> dict[str, Any]:
     full = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32) / 7
     return {
         "w": distribute_tensor(full, mesh, [Shard(0)]),
+        "frozen": distribute_tensor(full.flip(0) + 1, mesh, [Shard(0)]),  # never trained
         "step": 0,
         "rng": {"gen": gen.get_state()},
         "loader": {"pos": rank},
@@ -59,6 +60,7 @@ def train(state: dict[str, Any], mesh: Any) -> dict[str, Any]:
     local = state["w"].to_local() * 0.999 + torch.randn(state["w"].to_local().shape, generator=gen)
     return {
         "w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False),
+        "frozen": state["frozen"],
         "step": int(state["step"]) + 1,
         "rng": {"gen": gen.get_state()},
         "loader": {"pos": int(state["loader"]["pos"]) + 4},
@@ -68,6 +70,7 @@ def train(state: dict[str, Any], mesh: Any) -> dict[str, Any]:
 def digest(state: dict[str, Any]) -> str:
     local = state["w"].to_local().contiguous()
     crc = zlib.crc32(local.numpy().tobytes())
+    crc = zlib.crc32(state["frozen"].to_local().contiguous().numpy().tobytes(), crc)
     crc = zlib.crc32(state["rng"]["gen"].numpy().tobytes(), crc)
     return f"{crc:08x}-{state['step']}-{state['loader']['pos']}"
 
@@ -75,6 +78,7 @@ def digest(state: dict[str, Any]) -> str:
 def plain(state: Any) -> dict[str, Any]:
     return {
         "w": state["w"],
+        "frozen": state["frozen"],
         "step": int(state["step"]),
         "rng": {"gen": state["rng"]["gen"]},
         "loader": {"pos": int(state["loader"]["pos"])},
@@ -123,6 +127,24 @@ def main() -> None:
             return real_open(path, mapped=mapped)
 
         durable.open_new = full  # type: ignore[assignment]
+    from functional_ckpt._src.save import incremental
+
+    # per memory-tier save of this rank: how many of its chunks were not written again
+    unchanged, write_rank, reused = incremental.unchanged_chunks, incremental.write_rank, []
+    memory_save = [False]
+
+    def counting(*a: Any, **k: Any) -> Any:
+        found = unchanged(*a, **k)
+        if memory_save[0]:
+            reused.append(sum(c is not None for c in found))
+        return found
+
+    def writing(tmp: Path, *a: Any, **k: Any) -> Any:
+        memory_save[0] = tmp.is_relative_to(base / f"mem-{node}")
+        return write_rank(tmp, *a, **k)
+
+    incremental.unchanged_chunks = counting  # type: ignore[assignment]
+    incremental.write_rank = writing  # type: ignore[assignment]
     tier = fc.manager.Memory(path=base / f"mem-{node}", promote_on=(), domain=domain)
     disk = fc.every_steps(DISK_EVERY) | fc.on_final()
     with (
@@ -150,6 +172,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
         mgr.wait()
         print("FINAL", digest(state), flush=True)
+        print("REUSED", json.dumps(reused), flush=True)
         print("WARNINGS", json.dumps([str(w.message) for w in seen]), flush=True)
     dist.destroy_process_group()
 

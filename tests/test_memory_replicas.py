@@ -170,6 +170,17 @@ def test_a_folder_another_rank_makes_meanwhile_is_taken_as_made(
         durable.make_dirs(tmp_path / "file")
 
 
+def test_memory_tier_saves_across_nodes_are_incremental(tmp_path: Path) -> None:
+    """Every rank, in either node's folder, writes only what changed: its chunk of
+    the frozen tensor is taken from the last step its own folder holds."""
+    runs = two_nodes(tmp_path)
+    finals(runs)
+    for rank, (_, out) in enumerate(runs):
+        reused = json.loads(lines(out, "REUSED")[0])
+        assert len(reused) >= STEPS - 1, (rank, reused)
+        assert reused[0] == 0 and all(n == 1 for n in reused[1:]), (rank, reused)
+
+
 def test_a_lost_node_resumes_from_the_replicas_bit_identically(
     tmp_path: Path, reference: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:

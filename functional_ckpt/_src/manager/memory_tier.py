@@ -128,7 +128,7 @@ class MemoryTier:
             WriteSettings(
                 settings.per_rank,
                 AsyncSave() if option.async_save else None,
-                option.incremental and not topo.distributed,  # a part has no base
+                option.incremental,  # a rank's base: the last step its own folder holds
                 distributed=topo.distributed,
                 coordinator=topo.coordinator,
                 durable=False,

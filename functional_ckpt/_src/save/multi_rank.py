@@ -215,8 +215,10 @@ def save_planned(
         state_dict = {e.fqn: t for e, t in zip(plan.targets, tensors, strict=True)}
     except BaseException as e:
         error = e
-    # a rank's own part has no base to share with
-    commit_job = _Commit(job, tmp, time.time(), world, blobs, None if own else job.base, idents)
+    # A rank with a part of its own (a folder or root of its machine) has a base when
+    # its last step there is a checkpoint (a replicated memory tier's folder: the
+    # coordinator's manifest beside this rank's files); a bare part opens as none.
+    commit_job = _Commit(job, tmp, time.time(), world, blobs, job.base, idents)
     try:
         with gc_paused():
             nbytes, seen = _rounds(commit_job, state_dict, PLANS.get(key), group, what, error)
