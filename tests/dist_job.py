@@ -304,6 +304,38 @@ def plan_cache_run(root: Path, rank: int, world: int) -> None:
     (root / f"plan-cache.{rank}.json").write_text(json.dumps(told))
 
 
+def write_error(root: Path, rank: int, e: BaseException) -> None:
+    """What this rank raised, as ``error.<rank>.json`` (its type, text, notes, and
+    every failing rank's error where it names them)."""
+    told = {
+        "type": type(e).__name__,
+        "str": str(e),
+        "notes": getattr(e, "__notes__", []),
+        "failures": {str(r): list(f) for r, f in getattr(e, "failures", {}).items()},
+    }
+    (root / f"error.{rank}.json").write_text(json.dumps(told))
+
+
+def failing_save(root: Path, rank: int, world: int, faults: dict[int, BaseException]) -> None:
+    """A save in which each rank of ``faults`` fails to write its shard file with its
+    error; what each rank raised is written by :func:`write_error`."""
+    from functional_ckpt._src.storage import shards
+
+    original = shards.write_shard
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        if rank in faults:
+            raise faults[rank]
+        return original(*args, **kwargs)
+
+    shards.write_shard = failing
+    mesh = init_device_mesh("cpu", (world,))
+    try:
+        fc.save(root / "ck", shard_state(mesh, rank))
+    except (fc.CheckpointError, OSError) as e:
+        write_error(root, rank, e)
+
+
 def main() -> None:
     mode, root = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")
@@ -315,18 +347,11 @@ def main() -> None:
         mesh = init_device_mesh("cpu", (world,))
         fc.save(root / f"w{world}", shard_state(mesh, rank))
     elif mode == "damaged-part-restore":
-        import json
-
         mesh = init_device_mesh("cpu", (world,))
         try:
             fc.restore(root / f"w{world}", shard_template(mesh), reshard=positions)
         except fc.CheckpointError as e:
-            told = {
-                "type": type(e).__name__,
-                "str": str(e),
-                "failures": {str(r): list(f) for r, f in getattr(e, "failures", {}).items()},
-            }
-            (root / f"error.{rank}.json").write_text(json.dumps(told))
+            write_error(root, rank, e)
     elif mode == "shard-restore":
         mesh = init_device_mesh("cpu", (world,))
         for saved in sorted(root.glob("w*")):
@@ -429,63 +454,22 @@ def main() -> None:
         print("no error", flush=True)
         os._exit(0)
     elif mode == "unprintable-fail":
-        import json
-
-        from functional_ckpt._src.storage import shards
 
         class Unprintable(Exception):
             def __str__(self) -> str:
                 raise AttributeError("no message")
 
-        original = shards.write_shard
-
-        def unprintable(*args: Any, **kwargs: Any) -> Any:
-            if rank == 1:
-                raise Unprintable()
-            return original(*args, **kwargs)
-
-        shards.write_shard = unprintable
-        mesh = init_device_mesh("cpu", (world,))
-        try:
-            fc.save(root / "ck", shard_state(mesh, rank))
-        except fc.CheckpointError as e:
-            told = {
-                "type": type(e).__name__,
-                "str": str(e),
-                "failures": {str(r): list(f) for r, f in getattr(e, "failures", {}).items()},
-            }
-            (root / f"error.{rank}.json").write_text(json.dumps(told))
+        failing_save(root, rank, world, {1: Unprintable()})
     elif mode == "ranks-fail":
-        import json
-
-        from functional_ckpt._src.storage import shards
-
-        original = shards.write_shard
-        faults: dict[int, BaseException] = {
-            1: fc.errors.UnsupportedValue("rank one cannot store this"),
-            2: OSError(28, "No space left on device"),
-        }
-
-        def failing(*args: Any, **kwargs: Any) -> Any:
-            if rank in faults:
-                raise faults[rank]
-            return original(*args, **kwargs)
-
-        shards.write_shard = failing
-        mesh = init_device_mesh("cpu", (world,))
-        try:
-            fc.save(root / "ck", shard_state(mesh, rank))
-        except fc.CheckpointError as e:
-            told = {
-                "type": type(e).__name__,
-                "str": str(e),
-                "notes": getattr(e, "__notes__", []),
-                "failures": {str(r): list(f) for r, f in getattr(e, "failures", {}).items()},
-            }
-            (root / f"error.{rank}.json").write_text(json.dumps(told))
-        except OSError as e:
-            told = {"type": type(e).__name__, "notes": getattr(e, "__notes__", [])}
-            (root / f"error.{rank}.json").write_text(json.dumps(told))
+        failing_save(
+            root,
+            rank,
+            world,
+            {
+                1: fc.errors.UnsupportedValue("rank one cannot store this"),
+                2: OSError(28, "No space left on device"),
+            },
+        )
     dist.barrier()  # nobody tears down connections while a peer still uses them
     dist.destroy_process_group()
 
