@@ -93,17 +93,25 @@ def two_nodes(
 
 def torchrun(base: Path, *args: str) -> list[tuple[int, str]]:
     """The job under one ``torchrun --nproc_per_node=4``: the domains come from
-    ``Memory(domain=...)`` (ranks 0, 1 and 2, 3)."""
-    log = base / "torchrun-logs"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
-        "--master_port", _port(), "--log_dir", str(log), "--redirects", "3",
-        str(JOB), str(base), str(STEPS), *args,
-    ]  # fmt: skip
-    done = subprocess.run(
-        cmd, env=_env(DOMAIN_SIZE="2"), capture_output=True, text=True, timeout=HANG
-    )
-    outs = sorted(log.rglob("stdout.log"), key=lambda p: int(p.parent.name))
+    ``Memory(domain=...)`` (ranks 0, 1 and 2, 3).
+
+    The port is free when chosen but torchrun binds it later: when another process
+    took it meanwhile (no rank started: EADDRINUSE), the job is launched again on
+    another port.
+    """
+    for attempt in range(5):
+        log = base / f"torchrun-logs-{attempt}"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
+            "--master_port", _port(), "--log_dir", str(log), "--redirects", "3",
+            str(JOB), str(base), str(STEPS), *args,
+        ]  # fmt: skip
+        done = subprocess.run(
+            cmd, env=_env(DOMAIN_SIZE="2"), capture_output=True, text=True, timeout=HANG
+        )
+        outs = sorted(log.rglob("stdout.log"), key=lambda p: int(p.parent.name))
+        if outs or "EADDRINUSE" not in done.stderr:
+            break
     assert len(outs) == WORLD, (done.stdout, done.stderr[-3000:])
     return [(done.returncode, p.read_text()) for p in outs]
 
