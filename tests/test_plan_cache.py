@@ -113,6 +113,9 @@ def test_keys_and_results_travel_and_bad_ones_name_the_rank() -> None:
             exchange.parse_keys(bad, 3)
     written = [("w", Chunk((0, 4), (2, 4), "__1_0.distcp", 0, 96, 64, 32, 7, 9))]
     assert exchange.parse_results(exchange.results_payload(written), 1) == written
+    assert multi_rank.parse_written(multi_rank.written_payload(written), 1) == (b"", written)
+    with pytest.raises(fc.errors.CheckpointError, match="rank 4 reported invalid"):
+        multi_rank.parse_written(b"\x92\xa1x\xc0", 4)  # ["x", None]: no report bytes
     sent = exchange.results_payload(written)
     for bad_results in (
         [["w", "__1_0.distcp", sent[0][2][:-1]]],  # not whole integers
@@ -183,5 +186,6 @@ def test_a_failure_whose_message_cannot_be_made_is_still_reported() -> None:
 
     told = groups.report(Unprintable())
     assert told.startswith(b"Unprintable\0") and b"could not be made" in told
-    assert multi_rank.written_payload([], Unprintable())
+    report, chunks = multi_rank.parse_written(multi_rank.written_payload([], Unprintable()), 1)
+    assert report.startswith(b"Unprintable\0") and chunks == []
     assert multi_rank.rank_payload(None, None, Unprintable())  # type: ignore[arg-type]

@@ -266,6 +266,17 @@ def written_payload(
     return codec.encode([b"", exchange.results_payload(written)])
 
 
+def parse_written(data: bytes, rank: int) -> tuple[bytes, list[tuple[str, Chunk]]]:
+    """:func:`written_payload` of ``rank`` read back: (its failure's report, or b"";
+    its chunks, checked)."""
+    sent = codec.decode(data)
+    if not isinstance(sent, list) or len(sent) != 2 or type(sent[0]) is not bytes:
+        raise CheckpointError(f"rank {rank} reported invalid written chunks")
+    if sent[0]:
+        return sent[0], []
+    return b"", exchange.parse_results(sent[1], rank)
+
+
 def reply(failures: dict[int, bytes], value: Any) -> bytes:
     """What the coordinator sends after a step: every failure, or the step's result."""
     return codec.encode([[[r, m] for r, m in sorted(failures.items())], value])
@@ -408,13 +419,10 @@ def _rounds(
                 if r == 0:  # its own, not decoded again
                     results += written
                     continue
-                sent = codec.decode(data)
-                if not isinstance(sent, list) or len(sent) != 2 or type(sent[0]) is not bytes:
-                    raise CheckpointError(f"rank {r} reported invalid written chunks")
-                if sent[0]:
-                    failures[r] = sent[0]
-                else:
-                    results += exchange.parse_results(sent[1], r)
+                report, chunks = parse_written(data, r)
+                if report:
+                    failures[r] = report
+                results += chunks
             if error is not None:
                 failures[0] = groups.report(error)
             if not failures:
