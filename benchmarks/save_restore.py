@@ -624,7 +624,7 @@ TARGETS = [
         "big",
         ("restore", FC_RESTORE_LIKE),
         ("restore", DCP_LOAD),
-        0.5,
+        0.3,
     ),
     Target(
         "restore: peak RSS above like / state size (fc, like: the new state)",
@@ -647,7 +647,29 @@ TARGETS = [
         None,
         0.05,
     ),
+    Target(
+        "restore: fc.restore(like) / fc.restore(out=)",
+        "big",
+        ("restore", FC_RESTORE_LIKE),
+        ("restore", FC_RESTORE_OUT),
+        1.3,
+    ),
     Target("checksum: crc32 time / fc.save time", "big", ("checksum", CRC), ("save", FC_SAVE), 0.1),
+    Target("save: fc.save / raw write+fsync", "small", ("save", FC_SAVE), ("save", RAW_SAVE), 1.5),
+    Target(
+        "restore: fc.restore(like) / raw read into new tensors",
+        "small",
+        ("restore", FC_RESTORE_LIKE),
+        ("restore", RAW_READ_NEW),
+        2.0,
+    ),
+    Target(
+        "restore: fc.restore(like) / safetensors.load_file + touch",
+        "small",
+        ("restore", FC_RESTORE_LIKE),
+        ("restore", ST_LOAD_TOUCHED),
+        1.0,
+    ),
     Target("save: fc.save / dcp.save", "small", ("save", FC_SAVE), ("save", DCP_SAVE), 0.3),
     Target("save: fc.save / torch.save", "small", ("save", FC_SAVE), ("save", TORCH_SAVE), 1.0),
     Target(
