@@ -77,7 +77,7 @@ def test_save_restore_quick_run(tmp_path: Path) -> None:
         assert r["median_s"] > 0
 
     assert set(data["peak_rss"]) == {"fc.restore(like)", "fc.restore(out=)", "dcp.load(template)"}
-    assert len(data["targets"]) == 12
+    assert len(data["targets"]) == 16
     assert set(data["memory"]) >= {"thp_offered", "free_page_reporting", "fc_huge_pages_default"}
     huge = "fc.restore(like) / raw read into new huge-page tensors"
     assert any(huge in f for f in data["floors"])
