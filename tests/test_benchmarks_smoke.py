@@ -78,6 +78,13 @@ def test_save_restore_quick_run(tmp_path: Path) -> None:
 
     assert set(data["peak_rss"]) == {"fc.restore(like)", "fc.restore(out=)", "dcp.load(template)"}
     assert len(data["targets"]) == 16
+    names = {(t["state"], t["target"]) for t in data["targets"]}
+    assert {
+        ("big", "restore: fc.restore(like) / fc.restore(out=)"),
+        ("small", "save: fc.save / raw write+fsync"),
+        ("small", "restore: fc.restore(like) / raw read into new tensors"),
+        ("small", "restore: fc.restore(like) / safetensors.load_file + touch"),
+    } <= names
     assert set(data["memory"]) >= {"thp_offered", "free_page_reporting", "fc_huge_pages_default"}
     huge = "fc.restore(like) / raw read into new huge-page tensors"
     assert any(huge in f for f in data["floors"])
