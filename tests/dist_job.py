@@ -6,6 +6,8 @@ Modes:
   shard-restore ROOT                      restore it into differently sharded templates
   plain-restore ROOT                      restore a single-process checkpoint into DTensors
   kill-in-save ROOT                       the last rank dies while writing its shard
+  kill-after-commit ROOT                  each rank in a folder of its own (parts); the
+                                          coordinator dies right after its commit
   incremental ROOT                        incremental saves, one rank's shard changed
   plan-cache ROOT                         the same layout saved again, then changed layouts
 """
@@ -336,6 +338,35 @@ def failing_save(root: Path, rank: int, world: int, faults: dict[int, BaseExcept
         write_error(root, rank, e)
 
 
+def kill_after_commit(root: Path, rank: int) -> None:
+    """Step 1 saved whole; in step 2's save rank 0 dies between its commit and the
+    verdict it owes the others, who cannot know whether the step committed."""
+    from functional_ckpt._src.save import multi_rank
+    from functional_ckpt._src.save.api import run_save
+    from functional_ckpt._src.save.options import SaveOptions
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    own = root / f"r{rank}"  # no file system shared with the coordinator
+    run_save(own / "step_1", shard_state(mesh, rank), SaveOptions(parts=True))
+    print("SAVED 1", flush=True)
+    real = multi_rank._Commit.finish
+
+    def finish_and_die(self: Any, *args: Any) -> int:
+        nbytes = real(self, *args)
+        os.kill(os.getpid(), signal.SIGKILL)  # committed: the verdict never leaves
+        return nbytes
+
+    if rank == 0:
+        multi_rank._Commit.finish = finish_and_die  # type: ignore[method-assign]
+    try:
+        run_save(own / "step_2", shard_state(mesh, rank), SaveOptions(parts=True))
+    except fc.CheckpointError as e:
+        print(f"RAISED {e}", flush=True)
+        os._exit(3)
+    print("no error", flush=True)
+    os._exit(0)
+
+
 def main() -> None:
     mode, root = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")
@@ -453,6 +484,8 @@ def main() -> None:
             os._exit(3)
         print("no error", flush=True)
         os._exit(0)
+    elif mode == "kill-after-commit":
+        kill_after_commit(root, rank)
     elif mode == "unprintable-fail":
 
         class Unprintable(Exception):

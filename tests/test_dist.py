@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -12,7 +13,10 @@ import pytest
 import torch
 
 import functional_ckpt as fc
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.storage import committed
+from tests.dist_job import full_tensors
 from tests.exact import assert_exact
 from tests.patience import HANG
 
@@ -141,6 +145,36 @@ def test_a_rank_killed_during_save_commits_nothing(tmp_path: Path) -> None:
     seconds = float(out.split("raised after ")[1].split("s:")[0])
     assert seconds < 300  # the configured 30 s, not the 600 s default and not a hang
     assert not (tmp_path / "ck").exists()
+
+
+def test_a_coordinator_killed_after_its_commit_leaves_the_other_ranks_parts_kept(
+    tmp_path: Path,
+) -> None:
+    """Ranks that keep parts (no file system shared with the coordinator) and never hear
+    the verdict cannot know whether the step committed: each keeps its part, which
+    alone is never a checkpoint, so a checkpoint the coordinator did commit is whole."""
+    results = wait_all(
+        launch(2, "kill-after-commit", str(tmp_path), env={"FUNCTIONAL_CKPT_TIMEOUT": "30"})
+    )
+    assert results[0][0] == -9, results[0][2][-3000:]
+    rc, out, err = results[1]
+    assert rc == 3, out + err[-3000:]
+    assert "SAVED 1" in out
+    told = out.split("RAISED ", 1)[1]
+    assert "nothing committed" not in told, told
+    assert "may have committed" in told and "kept" in told and "step_2" in told, told
+    coordinator, part = tmp_path / "r0" / "step_2", tmp_path / "r1" / "step_2"
+    assert classify(coordinator) is Kind.COMMITTED
+    assert sorted(p.name for p in part.iterdir()) == [naming.shard_name(1)]
+    assert fc.CheckpointManager(tmp_path / "r1", read_only=True).steps() == []  # a part only
+    lacking = fc.verify(coordinator)  # the coordinator's copy lacks rank 1's file
+    assert not lacking.ok and naming.shard_name(1) in str(lacking), str(lacking)
+    shutil.copy2(part / naming.shard_name(1), coordinator)  # what a remote tier does
+    assert fc.verify(coordinator).ok
+    full = full_tensors()
+    like = {k: torch.empty_like(full[k]) for k in ("w", "e")}
+    back = fc.restore(coordinator, like, partial=True)  # one process: no per-rank state
+    assert torch.equal(back["w"], full["w"]) and torch.equal(back["e"], full["e"])
 
 
 def test_incremental_saves_across_ranks_share_each_ranks_unchanged_shards(tmp_path: Path) -> None:

@@ -222,17 +222,21 @@ def save_planned(
     try:
         with gc_paused():
             nbytes, seen = _rounds(commit_job, state_dict, PLANS.get(key), group, what, error)
+    except VerdictLost as e:
+        forget_plans(key)
+        if own:
+            _keep_part(tmp, dest)
+            raise CheckpointError(
+                f"{e}; this rank's part is kept at {dest}, no checkpoint on its own"
+            ) from e
+        raise
     except BaseException as e:
         forget_plans(key)  # the next save plans afresh on every rank
         if rank == 0 or own:
             commit.remove_tree(tmp)
         raise as_checkpoint_error(e, what, "; nothing was committed") from e
     if own:  # this rank's part of a checkpoint committed on the coordinator's file system
-        try:
-            commit.commit_checkpoint(tmp, dest, overwrite=True, replaces=commit.PARTS)
-        except OSError as e:
-            commit.remove_tree(tmp)
-            raise os_failure(e, dest, "saving") from e
+        _keep_part(tmp, dest)
     job.options.trust.remember(dest, seen, rank)
     assert job.prepared is not None
     return CheckpointInfo(
@@ -431,9 +435,35 @@ def _rounds(
             failures[0] = groups.report(e)
             error = error or e
         result = reply(failures, nbytes)
-    failures, told = parse_reply(_exchange(what, groups.broadcast_bytes, result, group))
+    try:
+        verdict = groups.broadcast_bytes(result, group)
+    except Exception as e:  # the coordinator died, or a rank that should hear it did
+        committed = gathered is not None and not failures
+        raise VerdictLost(what, e, committed=committed) from e
+    failures, told = parse_reply(verdict)
     groups.raise_failures(error, what, failures)
     return int(told), seen
+
+
+class VerdictLost(CheckpointError):
+    """The last exchange of a save failed: every rank had written, and only the
+    coordinator knows whether it committed (it has, when ``committed``).
+
+    Not "nothing committed": a rank that keeps a part keeps it then, because a part
+    alone is never read as a checkpoint and the coordinator's checkpoint, if it
+    committed, needs it.
+    """
+
+    def __init__(self, what: str, cause: BaseException, *, committed: bool) -> None:
+        if committed:
+            text = f"{what}: committed, but another rank did not take the verdict ({cause})"
+        else:
+            text = (
+                f"{what}: the coordinator did not confirm the commit ({cause}); "
+                "it may have committed"
+            )
+        super().__init__(text)
+        self.committed = committed
 
 
 def _exchange(what: str, collective: Callable[..., Any], data: Any, group: Any) -> Any:
@@ -466,6 +496,16 @@ def _write(
         raise os_failure(e, job.job.dest, "saving") from e
     written = [(it.index.fqn, c) for it, c in zip(items, chunks, strict=True)]
     return written, located, remembered(keys, chunk_idents)
+
+
+def _keep_part(tmp: Path, dest: Path) -> None:
+    """Rename this rank's part to the checkpoint's name (replacing an older part or
+    checkpoint there), or remove it when that fails."""
+    try:
+        commit.commit_checkpoint(tmp, dest, overwrite=True, replaces=commit.PARTS)
+    except OSError as e:
+        commit.remove_tree(tmp)
+        raise os_failure(e, dest, "saving") from e
 
 
 def _own_part(tmp: Path, parts: bool) -> bool:
