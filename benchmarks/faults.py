@@ -874,11 +874,21 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+def _signed_version(raw: bytes) -> int:
+    """The version an attacker signs ``raw`` with: the one it says, so that only what
+    it holds is tested (1 for bytes that do not decode to a manifest)."""
+    try:
+        version = codec.decode(raw).get("version")  # type: ignore[union-attr]
+    except Exception:
+        return 1
+    return version if type(version) is int and version >= 1 else 1
+
+
 def resign(path: Path, raw: bytes) -> None:
     """Install ``raw`` as the manifest and sign it, as an attacker owning the files would."""
     (path / naming.MANIFEST).write_bytes(raw)
     os.unlink(path / naming.COMMIT_MARKER)
-    commit.write_commit_marker(path, raw)
+    commit.write_commit_marker(path, raw, version=_signed_version(raw))
 
 
 def edit_manifest(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
@@ -1847,7 +1857,7 @@ def fuzz_mutate(path: Path, target: str, kind: str, pos: int, data: bytes) -> bo
         return False
     if name == naming.MANIFEST:
         os.unlink(path / naming.COMMIT_MARKER)
-        commit.write_commit_marker(path, bytes(raw))
+        commit.write_commit_marker(path, bytes(raw), version=_signed_version(bytes(raw)))
     else:
         try:
             m = codec.decode((path / naming.MANIFEST).read_bytes())

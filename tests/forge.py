@@ -23,4 +23,14 @@ def resign(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     raw = codec.encode(manifest)
     (path / naming.MANIFEST).write_bytes(raw)
     os.unlink(path / naming.COMMIT_MARKER)
-    commit.write_commit_marker(path, raw)
+    commit.write_commit_marker(path, raw, version=manifest["version"])
+
+
+def sign(path: Path, raw: bytes) -> None:
+    """Write a commit marker for ``raw`` (already the manifest of ``path``), with the
+    version the manifest says (1 for bytes that decode to no manifest)."""
+    try:
+        version = codec.decode(raw).get("version", 1)  # type: ignore[union-attr]
+    except Exception:
+        version = 1
+    commit.write_commit_marker(path, raw, version=version if type(version) is int else 1)

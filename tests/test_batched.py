@@ -12,7 +12,8 @@ from tensordict import NonTensorData, TensorDict, tensorclass
 import functional_ckpt as fc
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
-from functional_ckpt._src.storage import commit, committed, durable
+from functional_ckpt._src.storage import committed, durable
+from tests import forge
 from tests.exact import assert_exact
 
 NUM_ENVS = 4
@@ -111,7 +112,7 @@ def _rewrite_manifest(path: Path, edit: Any) -> None:
     (path / naming.MANIFEST).unlink()
     (path / naming.COMMIT_MARKER).unlink()
     durable.write_new(path / naming.MANIFEST, data)
-    commit.write_commit_marker(path, data)
+    forge.sign(path, data)
 
 
 def test_manifest_without_batch_sizes_reads_as_unbatched(tmp_path: Path) -> None:

@@ -25,8 +25,8 @@ import functional_ckpt as fc
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.limits import LIMITS
-from functional_ckpt._src.storage import commit
 from functional_ckpt.errors import CorruptCheckpoint, UnsupportedValue
+from tests import forge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +211,7 @@ def edit_raw(path: Path, old: bytes, new: bytes) -> None:
     raw = raw.replace(old, new)
     (path / naming.MANIFEST).write_bytes(raw)
     os.unlink(path / naming.COMMIT_MARKER)
-    commit.write_commit_marker(path, raw)
+    forge.sign(path, raw)
 
 
 def test_a_forged_unknown_tag_is_refused_and_never_imported(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import torch
 import functional_ckpt as fc
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
-from functional_ckpt._src.storage import commit
+from tests import forge
 
 MARKER_FILE = Path("/tmp/functional_ckpt_pwned")
 
@@ -38,7 +38,7 @@ def rewrite_manifest(path: Path, edit: Any) -> None:
     raw = codec.encode(manifest)
     (path / naming.MANIFEST).write_bytes(raw)
     os.unlink(path / naming.COMMIT_MARKER)
-    commit.write_commit_marker(path, raw)
+    forge.sign(path, raw)
 
 
 @pytest.fixture(autouse=True)
@@ -129,7 +129,7 @@ def test_deeply_nested_manifest_value(tmp_path: Path) -> None:
     raw = b"\x91" * 100_000 + b"\xc0"  # 100k nested one-element arrays
     (path / naming.MANIFEST).write_bytes(raw)
     os.unlink(path / naming.COMMIT_MARKER)
-    commit.write_commit_marker(path, raw)
+    forge.sign(path, raw)
     with pytest.raises((fc.errors.UnsafeCheckpoint, fc.errors.CorruptCheckpoint)):
         fc.restore(path)
 

@@ -27,6 +27,7 @@ import functional_ckpt as fc
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import dcp_metadata, naming, unpickler
 from functional_ckpt._src.storage import commit
+from tests import forge
 from tests.patience import HANG
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,7 +57,7 @@ def resign(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     raw = codec.encode(manifest)
     (path / naming.MANIFEST).write_bytes(raw)
     os.unlink(path / naming.COMMIT_MARKER)
-    commit.write_commit_marker(path, raw)
+    forge.sign(path, raw)
 
 
 def install_metadata(path: Path, raw: bytes) -> None:

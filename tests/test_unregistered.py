@@ -28,7 +28,7 @@ from functional_ckpt._src import cli, codec
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.limits import LIMITS
-from functional_ckpt._src.storage import commit
+from tests import forge
 
 CFGMOD = '''
 """Config classes in an importable module, registered at import."""
@@ -312,7 +312,7 @@ def _forge_value(ck: Path, fields_raw: bytes, tag: bytes) -> None:
     raw = raw.replace(sentinel, b"\x92" + marker + fields_raw)
     (ck / naming.MANIFEST).write_bytes(raw)
     os.unlink(ck / naming.COMMIT_MARKER)
-    commit.write_commit_marker(ck, raw)
+    forge.sign(ck, raw)
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ import functional_ckpt as fc
 from functional_ckpt._src import codec, limits
 from functional_ckpt._src.format import coverage, keys, naming, view
 from functional_ckpt._src.format.checksum import crc32
+from functional_ckpt._src.format.manifest import TABLE_MIN_ROWS
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.save import plan, staging
 from functional_ckpt._src.storage import committed
@@ -246,7 +247,8 @@ def test_a_manifest_grown_past_the_limit_by_its_chunks_is_never_committed(
     from functional_ckpt._src.save import local
 
     monkeypatch.setattr(local, "LIMITS", dataclasses.replace(LIMITS, manifest_bytes=4000))
-    state = {f"t{i}": torch.ones(1) for i in range(40)}  # within the plan's bound
+    # within the plan's bound; fewer than a tensor table's rows, so one map per chunk
+    state = {f"t{i}": torch.ones(1) for i in range(TABLE_MIN_ROWS - 1)}
     with pytest.raises(UnsupportedValue, match="more than the 4000 a reader accepts"):
         fc.save(tmp_path / "c" / "s", state)
     assert nothing_written(tmp_path / "c")
@@ -322,8 +324,8 @@ def test_int_keyed_nodes_refuse_a_flood_at_save_and_at_load(tmp_path: Path) -> N
     fc.save(tmp_path / "c", {"d": {i: torch.ones(1) for i in range(100)}})
 
     def flood(raw: dict[str, Any]) -> None:
-        for e in raw["entries"]:
-            if e["path"][-1] == keys.NODE_KEY:
+        for e in raw["entries"]:  # the 100 tensors lie in a table, without "path"
+            if e.get("path", [None])[-1] == keys.NODE_KEY:
                 e["value"]["keys"] = FLOOD[:100]
 
     rewrite_manifest(tmp_path / "c", flood)

@@ -29,6 +29,7 @@ __all__ = [
     "ParsedManifest",
     "add_entry",
     "checked_chunk",
+    "claim",
     "checked_int",
     "entry_path",
     "node_info",
@@ -89,14 +90,11 @@ def entry_path(e: dict[str, Any], where: str) -> KeyPath:
     return tuple(p)
 
 
-def add_entry(out: ParsedManifest, e: object, where: str) -> None:
-    if not isinstance(e, dict):
-        raise CorruptCheckpoint(f"{where}: not a mapping")
-    path = entry_path(e, where)
+def claim(out: ParsedManifest, path: KeyPath, leaf: bool, where: str) -> None:
+    """Take ``path`` for a new entry (a ``leaf``: a tensor or a value): no other entry
+    has it, and no leaf hides keys under it."""
     if path in out.tensors or path in out.values or path in out.nodes:
         raise CorruptCheckpoint(f"{where}: duplicate key {format_path(path)}")
-    kind = e.get("kind")
-    # a leaf has nothing under it: a key under a tensor or a value would hide it
     parent = path[:-1]
     if parent and parent not in out.inner:  # first key seen below ``parent``
         for i in range(1, len(path)):
@@ -105,8 +103,16 @@ def add_entry(out: ParsedManifest, e: object, where: str) -> None:
                     f"{where}: key {format_path(path)} lies under the leaf {format_path(path[:i])}"
                 )
         out.inner.update(path[:i] for i in range(1, len(path)))
-    if kind in ("tensor", "value") and path in out.inner:
+    if leaf and path in out.inner:
         raise CorruptCheckpoint(f"{where}: the leaf {format_path(path)} has keys under it")
+
+
+def add_entry(out: ParsedManifest, e: object, where: str) -> None:
+    if not isinstance(e, dict):
+        raise CorruptCheckpoint(f"{where}: not a mapping")
+    path = entry_path(e, where)
+    kind = e.get("kind")
+    claim(out, path, kind in ("tensor", "value"), where)
     if kind == "node":
         out.nodes.add(path)
         info = node_info(e, where)

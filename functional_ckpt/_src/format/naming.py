@@ -18,10 +18,12 @@ from functional_ckpt.errors import UnsafeCheckpoint
 FORMAT_NAME = "functional_ckpt"
 #: The highest format version this code reads. A save writes the lowest version that
 #: describes its checkpoint: 1 for one manifest, ``PARTS_VERSION`` for a manifest
-#: split into an index and per-rank parts (multi-rank saves).
-FORMAT_VERSION = 2
+#: split into an index and per-rank parts (multi-rank saves), ``TABLES_VERSION`` for
+#: one whose entries hold tensor tables (many plain tensors as columns), split or not.
+FORMAT_VERSION = 3
 ONE_MANIFEST_VERSION = 1
 PARTS_VERSION = 2
+TABLES_VERSION = 3
 MANIFEST = "manifest.msgpack"
 COMMIT_MARKER = "COMMITTED"
 DCP_METADATA = ".metadata"

@@ -38,6 +38,7 @@ from functional_ckpt._src.format.naming import (
     part_name,
     safe_member,
 )
+from functional_ckpt._src.format.tables import add_table, is_table
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint
 
@@ -274,6 +275,9 @@ def parse_checkpoint(
             path = entry_path(e, where)
             out.per_rank_roots.append(path)
             markers.append((len(out.order), path))
+            continue
+        if is_table(e):  # many plain tensors at once (a rank's own entries hold none)
+            add_table(out, e, where)
             continue
         add_entry(out, e, where)
     return ParsedCheckpoint(out, ranks, markers, src, load_part=parts)

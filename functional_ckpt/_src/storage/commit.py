@@ -25,7 +25,6 @@ from functional_ckpt._src.format.naming import (
     COMMIT_MARKER,
     DCP_METADATA,
     FORMAT_NAME,
-    ONE_MANIFEST_VERSION,
     TRASH_INFIX,
 )
 from functional_ckpt._src.storage.durable import fsync_dir, tmp_sibling, write_new
@@ -73,7 +72,7 @@ def _no_fsync(path: Path) -> None:
 
 
 def write_commit_marker(
-    tmp: Path, manifest_bytes: bytes, *, version: int = ONE_MANIFEST_VERSION, sync: bool = True
+    tmp: Path, manifest_bytes: bytes, *, version: int, sync: bool = True
 ) -> None:
     """The marker of a manifest written with format ``version`` (the manifest's own)."""
     marker = codec.encode(

@@ -123,6 +123,11 @@ def read_manifest_at(
             f"{path / MANIFEST}: format version {version!r} is newer than this reader's "
             f"({FORMAT_VERSION}); upgrade functional_ckpt to read it"
         )
+    if version != marker.get("version"):  # one save writes both with one version
+        raise CorruptCheckpoint(
+            f"{path / MANIFEST}: format version {version!r}, but {COMMIT_MARKER} says "
+            f"{marker.get('version')!r}; the checkpoint is damaged"
+        )
     return manifest
 
 
