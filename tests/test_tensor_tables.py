@@ -17,7 +17,7 @@ import torch
 
 import functional_ckpt as fc
 from functional_ckpt._src.format import naming
-from functional_ckpt._src.format.manifest import TABLE_KIND, TABLE_MIN_ROWS
+from functional_ckpt._src.format.table_rows import TABLE_KIND, TABLE_MIN_ROWS
 from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 from tests.exact import assert_exact

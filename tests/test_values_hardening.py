@@ -26,7 +26,7 @@ import functional_ckpt as fc
 from functional_ckpt._src import codec, limits
 from functional_ckpt._src.format import coverage, keys, naming, view
 from functional_ckpt._src.format.checksum import crc32
-from functional_ckpt._src.format.manifest import TABLE_MIN_ROWS
+from functional_ckpt._src.format.table_rows import TABLE_MIN_ROWS
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.save import plan, staging
 from functional_ckpt._src.storage import committed

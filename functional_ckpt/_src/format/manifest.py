@@ -19,7 +19,6 @@ import msgpack
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.codec import table
-from functional_ckpt._src.format import columns
 from functional_ckpt._src.format import parts as split_rule
 from functional_ckpt._src.format.coverage import numel
 from functional_ckpt._src.format.dcp_values import ByteEntry
@@ -30,6 +29,7 @@ from functional_ckpt._src.format.naming import (
     PARTS_VERSION,
     TABLES_VERSION,
 )
+from functional_ckpt._src.format.table_rows import table_plain, table_runs
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint
 
@@ -442,90 +442,6 @@ def _plain_split(e: TensorEntry, dim: int) -> dict[str, Any]:
     del out["chunks"]
     out["split"] = dim
     return out
-
-
-#: What a tensor table's ``kind`` says (:mod:`.tables` reads it back).
-TABLE_KIND = "tensors"
-
-#: The fewest entries in a row that a save writes as a table: below, a table saves
-#: little, and the manifest keeps the version older readers know.
-TABLE_MIN_ROWS = 32
-
-
-def _row_file(e: Entry, split: Mapping[KeyPath, int] | None) -> str | None:
-    """The file of a tensor a table can hold (one whole chunk, no alias, no DCP path
-    of its own, not split), "" for a node without batch size, else None."""
-    if type(e) is NodeEntry:
-        return "" if e.info is None else None
-    if type(e) is not TensorEntry or e.alias is not None or e.dcp_path is not None:
-        return None
-    if len(e.chunks) != 1 or (split and e.path in split):
-        return None
-    c = e.chunks[0]
-    if c.sizes != e.shape or any(c.offsets):
-        return None
-    return c.file
-
-
-def table_runs(
-    entries: Sequence[Entry], split: Mapping[KeyPath, int] | None = None
-) -> list[tuple[int, int]]:
-    """``(start, end)`` of every run of at least :data:`TABLE_MIN_ROWS` entries in a
-    row that a tensor table holds: plain tensors whose chunks lie in one file, and the
-    nodes between them (an optimizer's state is a node per parameter)."""
-    runs: list[tuple[int, int]] = []
-    start, file, tensors = 0, "", 0  # the run's first entry, its file, its tensors
-    for i, e in enumerate((*entries, None)):
-        got = None if e is None else _row_file(e, split)
-        if got == "":  # a node joins any run
-            continue
-        if got is not None and (not file or got == file):
-            file, tensors = got, tensors + 1
-            continue
-        if tensors and i - start >= TABLE_MIN_ROWS:  # the run ends before entry i
-            runs.append((start, i))
-        if got is None:
-            start, file, tensors = i + 1, "", 0
-        else:  # a tensor of another file starts a run of its own
-            start, file, tensors = i, got, 1
-    return runs
-
-
-def table_plain(run: Sequence[Entry]) -> dict[str, Any]:
-    """Plain tensor and node entries as one table: each field of every row in one column."""
-    keys: list[str] = []
-    path_len: list[int] = []
-    names: dict[str, int] = {}
-    dtype: list[int] = []
-    ndim: list[int] = []
-    dims: list[int] = []
-    tensors = [e for e in run if type(e) is TensorEntry]
-    chunks = [e.chunks[0] for e in tensors]
-    for e in run:
-        keys += e.path
-        path_len.append(len(e.path))
-    for e in tensors:
-        dtype.append(names.setdefault(e.dtype_name, len(names)))
-        ndim.append(len(e.shape))
-        dims += e.shape
-    return {
-        "kind": TABLE_KIND,
-        "file": chunks[0].file,
-        "keys": keys,
-        "path_len": columns.pack(path_len, 2),
-        "is_node": bytes(type(e) is NodeEntry for e in run),
-        "fqn": [e.fqn for e in tensors],
-        "dtypes": list(names),
-        "dtype": columns.pack(dtype, 1),
-        "ndim": columns.pack(ndim, 1),
-        "shape": columns.pack(dims, 8),
-        "requires_grad": bytes(e.requires_grad for e in tensors),
-        "offset": columns.pack([c.offset for c in chunks], 8),
-        "length": columns.pack([c.length for c in chunks], 8),
-        "data_offset": columns.pack([c.data_offset for c in chunks], 8),
-        "crc32": columns.pack([c.crc32 for c in chunks], 4),
-        "hcrc32": columns.pack([c.hcrc32 for c in chunks], 4),
-    }
 
 
 def _entries(

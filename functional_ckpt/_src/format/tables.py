@@ -1,7 +1,7 @@
 """A tensor table read back: many plain tensor entries, each field a column, checked in bulk.
 
 A save writes runs of tensors that each have one whole chunk in the same file as
-one table (:func:`..manifest.table_plain`) rather than one map per tensor and per
+one table (:func:`.table_rows.table_plain`) rather than one map per tensor and per
 chunk: a manifest of ten thousand small tensors then decodes as a few byte strings,
 not a hundred thousand containers. Every row is held to the checks of a tensor entry
 of its own (:mod:`.entries`): its key path claimed once, its dtype known, its shape
@@ -16,7 +16,6 @@ from functional_ckpt._src.format import columns
 from functional_ckpt._src.format.entries import ParsedManifest, claim
 from functional_ckpt._src.format.keys import format_path
 from functional_ckpt._src.format.manifest import (
-    TABLE_KIND,
     Chunk,
     TensorEntry,
     checked_dtype_name,
@@ -24,6 +23,7 @@ from functional_ckpt._src.format.manifest import (
     shape_problem,
 )
 from functional_ckpt._src.format.naming import DCP_METADATA
+from functional_ckpt._src.format.table_rows import TABLE_KIND
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 
