@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -85,7 +84,7 @@ def test_the_backend_gets_staged_copies_and_the_plan_stays_a_value(
     assert isinstance(target, TensorEntry) and target.chunks == ()
     backends.LocalBackend().write(job, [w], Hooks())
     assert job.plan.targets == (target,) and target.chunks == ()  # the plan is never changed
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):  # an entry is immutable
         target.chunks = ()  # type: ignore[misc]
     (chunk,) = view(tmp_path / "other").tensors[("w",)].chunks  # what the write reported
     assert isinstance(chunk, Chunk) and chunk.file == "__0_0.distcp" and chunk.nbytes == 16

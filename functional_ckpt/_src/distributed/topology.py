@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-from tensordict import NonTensorStack, TensorDictBase
-
-from functional_ckpt._src.state.tree import as_state
 
 
 @dataclass(frozen=True)
@@ -42,17 +35,3 @@ def topology() -> Topology:
 
 def is_dtensor(t: object) -> bool:
     return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor")
-
-
-def has_dtensor(state: TensorDictBase | Mapping[str, Any]) -> bool:
-    """Whether any leaf of ``state`` is a DTensor (its shards are read and written collectively)."""
-    # A walk of the values alone (no leaf records): it runs before every restore.
-    todo = [as_state(state)]
-    while todo:
-        for item in todo.pop().values():
-            if isinstance(item, torch.Tensor):
-                if is_dtensor(item):
-                    return True
-            elif isinstance(item, TensorDictBase) and not isinstance(item, NonTensorStack):
-                todo.append(item)
-    return False

@@ -58,7 +58,7 @@ def is_table(e: object) -> bool:
 
 
 def _strings(raw: object, what: str, where: str) -> list[str]:
-    if type(raw) is not list or not all(type(k) is str for k in raw):
+    if type(raw) is not list or not set(map(type, raw)) <= {str}:
         raise CorruptCheckpoint(f"{where}: invalid {what}")
     return raw
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict
 
-from functional_ckpt._src.distributed.topology import has_dtensor, topology
+from functional_ckpt._src.distributed.topology import is_dtensor, topology
 from functional_ckpt._src.format.kind import is_stock_dcp
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.restore.backends import (
@@ -27,18 +27,18 @@ from functional_ckpt._src.restore.backends import (
     StockDcpBackend,
 )
 from functional_ckpt._src.restore.read import rebuild
-from functional_ckpt._src.restore.template import Reshard
+from functional_ckpt._src.restore.template import Reshard, Template
 from functional_ckpt._src.state.gc_pause import gc_paused
-from functional_ckpt._src.state.tree import State, as_state
+from functional_ckpt._src.state.tree import State
 from functional_ckpt.errors import CheckpointError
 
 
-def read_backend(path: Path, template: TensorDictBase | None) -> ReadBackend:
+def read_backend(path: Path, template: Template | None) -> ReadBackend:
     """The backend that serves a restore of ``path`` into ``template``."""
     if is_stock_dcp(path):
         return StockDcpBackend()
     topo = topology()
-    if template is not None and has_dtensor(template):
+    if template is not None and any(is_dtensor(lf.value) for lf in template.leaves):
         return PlannerBackend(topo)
     return ManifestBackend(topo)
 
@@ -112,7 +112,7 @@ def _restore(
 ) -> TensorDict:
     with gc_paused():  # the manifest's parse and the template's walk make many objects
         chosen = out if out is not None else like
-        template = None if chosen is None else as_state(chosen)
+        template = None if chosen is None else Template.of(chosen)
         req = Request(
             partial=partial,
             cast=cast,

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from tensordict import TensorDictBase
 
 from functional_ckpt._src.distributed.topology import Topology
 from functional_ckpt._src.format.entries import ParsedManifest
@@ -24,7 +23,7 @@ from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.view import ParsedCheckpoint
 from functional_ckpt._src.restore.read import CPU, read_leaves
 from functional_ckpt._src.restore.stock_dcp import StockFiles, StockMatch, match_dcp, read_dcp
-from functional_ckpt._src.restore.template import Reshard, rank_view, select
+from functional_ckpt._src.restore.template import Reshard, Template, rank_view, select
 from functional_ckpt._src.state.tree import Leaf, iter_leaves
 from functional_ckpt._src.storage import committed
 from functional_ckpt._src.storage.committed import open_vetted
@@ -62,7 +61,7 @@ class Opened(Protocol):
 
     path: Path
 
-    def match(self, template: TensorDictBase | None, req: Request) -> Match: ...
+    def match(self, template: Template | None, req: Request) -> Match: ...
 
     def read(self, match: Match, req: Request) -> list[Leaf]: ...
 
@@ -87,7 +86,7 @@ class _Manifested:
         # the parts its shards meet (``_Planned.read``)
         self.sparse = sparse
 
-    def match(self, template: TensorDictBase | None, req: Request) -> Match:
+    def match(self, template: Template | None, req: Request) -> Match:
         view = rank_view(
             self.ck,
             self.parsed,
@@ -141,7 +140,7 @@ class _Stock:
         self.path = files.root
         self.md = files.metadata()
 
-    def match(self, template: TensorDictBase | None, req: Request) -> Match:
+    def match(self, template: Template | None, req: Request) -> Match:
         stock = match_dcp(
             self.files,
             self.md,
@@ -189,7 +188,7 @@ class _Planned:
         except BaseException as e:
             self.error = e
 
-    def match(self, template: TensorDictBase | None, req: Request) -> Match:
+    def match(self, template: Template | None, req: Request) -> Match:
         from functional_ckpt._src.distributed.groups import agree
 
         got: Match | None = None

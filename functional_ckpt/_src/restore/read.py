@@ -17,8 +17,8 @@ from tensordict import TensorDict
 from functional_ckpt._src import codec
 from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import KeyPath, format_path
-from functional_ckpt._src.format.manifest import Chunk, TensorEntry
-from functional_ckpt._src.state.allocation import host_empty
+from functional_ckpt._src.format.manifest import Chunk, TensorEntry, torch_dtype
+from functional_ckpt._src.state.allocation import PREFAULT_BYTES, host_empty
 from functional_ckpt._src.state.tree import Leaf, unflatten
 from functional_ckpt._src.storage import committed, shards
 from functional_ckpt._src.storage.committed import open_vetted
@@ -34,48 +34,83 @@ def vetted_view(path: Path, *, rank: int | None = 0) -> ParsedManifest:
         return committed.parsed(ck).view(rank)
 
 
-@dataclass(slots=True)
-class Target:
-    """Where one saved tensor goes: the tensor returned, and the bytes' landing place."""
+#: Bytes read from a file: the tensor they belong to, the chunk, where they land.
+_Job = tuple[KeyPath, Chunk, torch.Tensor]
 
-    entry: TensorEntry
-    dest: torch.Tensor
-    buf: torch.Tensor  # dest itself when possible, else a staging tensor of the saved dtype
-    staged: bool = False  # buf is a staging tensor, copied into dest once read
+
+@dataclass(slots=True)
+class Reads:
+    """The reads of one restore, by file, and the copies to make once they are checked.
+
+    Each tensor is planned on its own (:meth:`add`), and every file is then read
+    with one call per run of its blobs (:meth:`run`), so that the per-tensor cost
+    of a state of many small tensors is one allocation and one check.
+    """
+
+    by_file: dict[str, list[_Job]] = field(default_factory=dict)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
+    def add(
+        self,
+        entry: TensorEntry,
+        target: torch.Tensor | None,
+        *,
+        inplace: bool,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Plan the reads of ``entry``; returns the tensor its bytes end up in.
 
-def materialize(
-    entry: TensorEntry, target: torch.Tensor | None, *, inplace: bool, device: torch.device
-) -> Target:
-    """Decide where a tensor's bytes land.
+        A new tensor is allocated with the template leaf's dtype on its device
+        (``device`` for ``meta`` leaves and leaves without a template), and the
+        bytes land in it directly when it is host memory of the saved dtype. Only
+        ``inplace`` restores (``out=``) land in the template's own tensors.
+        """
+        saved = entry.dtype
+        chunks = entry.chunks
+        if inplace and target is not None and not target.is_meta:
+            dest = target
+            direct = target.is_cpu and target.dtype == saved and target.is_contiguous()
+            buf = target.detach() if direct else host_empty(entry.shape, saved)
+        else:
+            dtype = saved if target is None else target.dtype
+            where = device if target is None or target.is_meta else target.device
+            direct = where.type == "cpu" and dtype == saved
+            if direct:
+                dest = buf = host_empty(entry.shape, saved)
+            else:
+                dest = torch.empty(entry.shape, dtype=dtype, device=where)
+                buf = host_empty(entry.shape, saved)
+        if len(chunks) == 1 and chunks[0].sizes == entry.shape and chunks[0].whole:
+            if chunks[0].nbytes:  # the common case, in one step
+                self.by_file.setdefault(chunks[0].file, []).append((entry.path, chunks[0], buf))
+        else:
+            for chunk in chunks:
+                if not chunk.nbytes:
+                    continue
+                region = _region(buf, chunk)
+                if region.is_contiguous():
+                    land = region
+                else:
+                    land = torch.empty(chunk.sizes, dtype=saved)
+                    self.copies.append((region, land))
+                self.by_file.setdefault(chunk.file, []).append((entry.path, chunk, land))
+        if not direct:
+            self.copies.append((dest, buf))
+        return dest
 
-    A new tensor is allocated with the template leaf's dtype on its device (``device``
-    for ``meta`` leaves and leaves without a template), and the bytes land in it
-    directly when it is host memory of the saved dtype. Only ``inplace`` restores
-    (``out=``) land in the template's own tensors.
-    """
-    if not inplace and target is not None and target.is_cpu and target.dtype == entry.dtype:
-        dest = host_empty(entry.shape, entry.dtype)  # the common case, decided at once
-        return Target(entry, dest, dest)
-    if inplace and target is not None and not target.is_meta:
-        direct = (
-            target.device.type == "cpu" and target.dtype == entry.dtype and target.is_contiguous()
-        )
-        if direct:
-            return Target(entry, target, target.detach())
-        return Target(entry, target, host_empty(entry.shape, entry.dtype), True)
-    dtype = entry.dtype if target is None else target.dtype
-    where = device if target is None or target.is_meta else target.device
-    direct = where.type == "cpu" and dtype == entry.dtype
-    dest = (
-        host_empty(entry.shape, dtype)
-        if direct
-        else torch.empty(entry.shape, dtype=dtype, device=where)
-    )
-    if direct:
-        return Target(entry, dest, dest)
-    return Target(entry, dest, host_empty(entry.shape, entry.dtype), True)
+    def run(self, src: committed.Checkpoint) -> None:
+        """Read and check every planned blob; one error lists all damage."""
+        bad: list[str] = []
+        for name, group in self.by_file.items():
+            results = shards.read_tensors(src.fd(name), [(c, land) for _, c, land in group])
+            for (path, _, _), res in zip(group, results, strict=True):
+                if res is not None:
+                    bad.append(f"  {format_path(path)} in {name}: {res}")
+        if bad:
+            raise CorruptCheckpoint(f"{src.path}: damaged tensor data:\n" + "\n".join(bad))
+        with torch.no_grad():
+            for region, land in self.copies:
+                region.copy_(land)
 
 
 def _region(buf: torch.Tensor, chunk: Chunk) -> torch.Tensor:
@@ -83,43 +118,6 @@ def _region(buf: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
         region = region.narrow(dim, off, size)
     return region
-
-
-def read_targets(src: committed.Checkpoint, targets: list[Target]) -> None:
-    """Read every chunk of every target, checking CRC32s; one error lists all damage."""
-    by_file: dict[str, list[tuple[Target, Chunk, torch.Tensor]]] = {}
-    for tg in targets:
-        chunks = tg.entry.chunks
-        whole = len(chunks) == 1 and chunks[0].whole and chunks[0].sizes == tg.entry.shape
-        if whole:  # the common case, in one step
-            if chunks[0].nbytes:
-                by_file.setdefault(chunks[0].file, []).append((tg, chunks[0], tg.buf))
-            continue
-        for chunk in chunks:
-            if not chunk.nbytes:
-                continue
-            region = _region(tg.buf, chunk)
-            if region.is_contiguous():
-                land = region
-            else:
-                land = torch.empty(chunk.sizes, dtype=tg.entry.dtype)
-                tg.copies.append((region, land))
-            by_file.setdefault(chunk.file, []).append((tg, chunk, land))
-    bad: list[str] = []
-    for name, group in by_file.items():
-        jobs: list[shards.ReadJob] = [(c, land) for _, c, land in group]
-        results = shards.read_tensors(src.fd(name), jobs)
-        for (tg, _, _), res in zip(group, results, strict=True):
-            if res is not None:
-                bad.append(f"  {format_path(tg.entry.path)} in {name}: {res}")
-    if bad:
-        raise CorruptCheckpoint(f"{src.path}: damaged tensor data:\n" + "\n".join(bad))
-    with torch.no_grad():
-        for tg in targets:
-            for region, land in tg.copies:
-                region.copy_(land)
-            if tg.staged:
-                tg.dest.copy_(tg.buf)
 
 
 def read_tree(
@@ -163,40 +161,72 @@ def read_leaves(
     process has not registered is refused unless ``placeholders`` (a reader that
     only looks) keeps it as it was read.
     """
-    targets: dict[KeyPath, Target] = {}
-    aliases: list[TensorEntry] = []
+    reads = Reads()
+    empty, by_file, on_host = torch.empty, reads.by_file, device.type == "cpu"
+    tensors = parsed.tensors
     chosen = {p for p, k in selected if k == "tensor"}
-    for p in chosen:
-        e = parsed.tensors[p]
-        if e.alias is not None and e.alias in chosen:
-            aliases.append(e)
-        else:
-            targets[p] = materialize(e, wanted.get(p), inplace=inplace, device=device)
-    read_targets(src, list(targets.values()))
-    results = {p: tg.dest for p, tg in targets.items()}
-    with torch.no_grad():
-        for e in aliases:
-            assert e.alias is not None
-            results[e.path] = _tied(results[e.alias], wanted.get(e.path), inplace, device)
-    if src.unregistered and not placeholders:
-        refuse_unregistered(src.path, parsed, selected)
+    results: dict[KeyPath, torch.Tensor] = {}
+    aliases: list[tuple[int, TensorEntry]] = []  # (place in leaves, entry): made once read
     leaves: list[Leaf] = []
-    for p, kind in selected:
+    for p, kind in selected:  # one pass: the leaves are made as their reads are planned
         if kind == "node":
             leaves.append(Leaf(p, "node", parsed.node_info.get(p)))
         elif kind == "value":
             leaves.append(Leaf(p, "value", parsed.values[p]))
         else:
-            t = results[p]
+            e = tensors[p]
+            if e.alias is not None and e.alias in chosen:
+                aliases.append((len(leaves), e))
+                leaves.append(Leaf(p, "tensor", None))
+                continue
             like = wanted.get(p)
-            if like is not None and not inplace:
-                grad = like.requires_grad
+            chunks = e.chunks
+            c = chunks[0] if len(chunks) == 1 else None
+            if (  # the common case, decided at once: a new small host tensor from one blob
+                c is not None
+                and not inplace
+                and c.nbytes < PREFAULT_BYTES
+                and (
+                    on_host
+                    if like is None
+                    else like.dtype is torch_dtype(e.dtype_name) and like.is_cpu
+                )
+                and c.sizes == e.shape
+                and not any(c.offsets)
+            ):
+                t = results[p] = empty(e.shape, dtype=torch_dtype(e.dtype_name))
+                if c.nbytes:
+                    by_file.setdefault(c.file, []).append((p, c, t))
             else:
-                grad = fresh and parsed.tensors[p].requires_grad
-            if grad and not t.requires_grad and (t.is_floating_point() or t.is_complex()):
-                t.requires_grad_(True)
+                t = results[p] = reads.add(e, like, inplace=inplace, device=device)
+            if like is not None and not inplace:
+                if like.requires_grad:
+                    _with_grad(t, e, like, fresh, inplace)
+            elif fresh and e.requires_grad:
+                _with_grad(t, e, like, fresh, inplace)
             leaves.append(Leaf(p, "tensor", t))
+    reads.run(src)
+    with torch.no_grad():
+        for i, e in aliases:
+            assert e.alias is not None
+            like = wanted.get(e.path)
+            t = _tied(results[e.alias], like, inplace, device)
+            leaves[i] = Leaf(e.path, "tensor", t)
+    for i, e in aliases:
+        _with_grad(leaves[i].value, e, wanted.get(e.path), fresh, inplace)
+    if src.unregistered and not placeholders:
+        refuse_unregistered(src.path, parsed, selected)
     return leaves
+
+
+def _with_grad(
+    t: torch.Tensor, e: TensorEntry, like: torch.Tensor | None, fresh: bool, inplace: bool
+) -> torch.Tensor:
+    """``t``, requiring grad as ``like`` does (as saved, without a template)."""
+    grad = like.requires_grad if like is not None and not inplace else fresh and e.requires_grad
+    if grad and not t.requires_grad and (t.is_floating_point() or t.is_complex()):
+        t.requires_grad_(True)
+    return t
 
 
 def refuse_unregistered(

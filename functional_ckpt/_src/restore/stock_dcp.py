@@ -14,20 +14,19 @@ from __future__ import annotations
 import io
 import os
 import zipfile
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase
 
 from functional_ckpt._src.format import dcp_values as dcpbytes
 from functional_ckpt._src.format import naming, unpickler
 from functional_ckpt._src.format.dcp_values import DcpPath
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.format.manifest import dtype_name
-from functional_ckpt._src.state.tree import Leaf, as_state, from_python, iter_leaves, node_record
+from functional_ckpt._src.restore.template import Template
+from functional_ckpt._src.state.tree import Leaf, from_python, iter_leaves
 from functional_ckpt._src.storage import opener
 from functional_ckpt.errors import (
     CheckpointError,
@@ -205,7 +204,7 @@ class StockMatch:
 def match_dcp(
     files: StockFiles,
     md: Any,
-    template: TensorDictBase | Mapping[str, Any] | None,
+    template: Template | None,
     *,
     partial: bool,
     cast: bool,
@@ -227,7 +226,7 @@ def match_dcp(
     saved: dict[str, Any] = md.state_dict_metadata
     storage: dict[Any, Any] = md.storage_data if isinstance(md.storage_data, dict) else {}
     planner: dict[str, Any] = md.planner_data if isinstance(md.planner_data, dict) else {}
-    match = StockMatch([], storage, node_record(as_state(template)))
+    match = StockMatch([], storage, template.root)
     problems: list[str] = []
     pickled: list[str] = []
     used: set[str] = set()
@@ -240,7 +239,7 @@ def match_dcp(
         elif not allow_pickle:
             pickled.append(where)
 
-    leaves = list(iter_leaves(as_state(template)))
+    leaves = template.leaves
     parents = {leaf.path[:-1] for leaf in leaves}
     for leaf in leaves:
         where = _where(leaf.path)

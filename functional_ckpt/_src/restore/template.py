@@ -19,7 +19,7 @@ from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.format.manifest import dtype_name
 from functional_ckpt._src.format.view import ParsedCheckpoint
 from functional_ckpt._src.restore.read import read_tree
-from functional_ckpt._src.state.tree import Leaf, as_state, iter_leaves, node_record, unflatten
+from functional_ckpt._src.state.tree import Leaf, as_state, leaves_of, root_record
 from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import (
     TemplateMismatch,
@@ -28,13 +28,30 @@ from functional_ckpt.errors import (
 Reshard = Callable[[list[TensorDict], int, int], Any]
 
 
-def _template_leaves(template: TensorDictBase | Mapping[str, Any]) -> dict[KeyPath, Leaf]:
-    return {leaf.path: leaf for leaf in iter_leaves(as_state(template))}
+@dataclass(frozen=True)
+class Template:
+    """``like`` or ``out`` as a restore uses it: its leaves, walked once, and its root's record.
+
+    A restore only matches and reads by key path, so the template is never rebuilt
+    as a tree: a ``state_dict`` of plain containers is walked as it is.
+    """
+
+    leaves: list[Leaf]
+    root: dict[str, Any] | None = None
+
+    @classmethod
+    def of(cls, state: TensorDictBase | Mapping[str, Any]) -> Template:
+        return cls(leaves_of(state), root_record(state))
+
+    def without(self, roots: list[KeyPath]) -> Template:
+        """The template minus the subtrees under ``roots``' first keys (per-rank state)."""
+        names = {r[0] for r in roots}
+        return Template([lf for lf in self.leaves if lf.path[0] not in names], self.root)
 
 
 def select(
     parsed: ParsedManifest,
-    template: TensorDictBase | Mapping[str, Any] | None,
+    template: Template | None,
     *,
     partial: bool,
     cast: bool,
@@ -42,12 +59,18 @@ def select(
     """Match saved entries to the template; every mismatch is listed in one error."""
     if template is None:
         return parsed.order, {}
-    tleaves = _template_leaves(template)
-    children: set[KeyPath] = {p[:-1] for p in tleaves}
-    fill = [p for p, leaf in tleaves.items() if leaf.kind == "node" and p not in children]
+    leaves = template.leaves
+    tleaves = {leaf.path: leaf for leaf in leaves}
+    # the empty nodes, filled from the checkpoint: a node's children follow it at once
+    fill = [
+        lf.path
+        for i, lf in enumerate(leaves)
+        if lf.kind == "node" and (i + 1 == len(leaves) or leaves[i + 1].path[:-1] != lf.path)
+    ]
     problems: list[str] = []
     targets: dict[KeyPath, torch.Tensor] = {}
     saved_kinds = dict(parsed.order)
+    tensors = parsed.tensors
     for p, leaf in tleaves.items():
         kind = saved_kinds.get(p)
         if kind is None and p[-1] == NODE_KEY:
@@ -57,7 +80,7 @@ def select(
         elif kind != leaf.kind:
             problems.append(f"  {format_path(p)}: saved as a {kind}, template has a {leaf.kind}")
         elif kind == "tensor":
-            e = parsed.tensors[p]
+            e = tensors[p]
             t: torch.Tensor = leaf.value
             if t.shape != e.shape:  # a torch.Size is a tuple
                 problems.append(
@@ -119,14 +142,14 @@ class RankView:
     """A checkpoint as this rank restores it: what it shares, and its own per-rank part."""
 
     parsed: ParsedManifest
-    template: TensorDictBase | None
+    template: Template | None
     mine: TensorDict | None = None  # per-rank subtrees mapped by ``reshard``
 
 
 def rank_view(
     src: committed.Checkpoint,
     parsed: ParsedCheckpoint,
-    template: TensorDictBase | None,
+    template: Template | None,
     *,
     partial: bool,
     reshard: Reshard | None,
@@ -149,13 +172,11 @@ def rank_view(
     roots = saved_world.per_rank_roots
     if reshard is not None:
         mine = resharded_per_rank(src, parsed, reshard, rank, world)
-        return RankView(
-            saved_world, None if template is None else without_roots(template, roots), mine
-        )
+        return RankView(saved_world, None if template is None else template.without(roots), mine)
     if template is None and not partial:
         per_rank_check(saved_world, [(r, "node") for r in roots], world)
     if template is not None:
-        per_rank_check(saved_world, [(lf.path, lf.kind) for lf in iter_leaves(template)], world)
+        per_rank_check(saved_world, [(lf.path, lf.kind) for lf in template.leaves], world)
     return RankView(saved_world, template)
 
 
@@ -174,10 +195,3 @@ def resharded_per_rank(
         sel = [(p, k) for p, k in one.order if p[0] in roots]
         saved.append(read_tree(src, one, sel, {}, True))
     return as_state(reshard(saved, rank, world))
-
-
-def without_roots(template: TensorDictBase, roots: list[KeyPath]) -> TensorDict:
-    """The template minus the per-rank subtrees (they come from ``reshard``)."""
-    names = {r[0] for r in roots}
-    kept = [leaf for leaf in iter_leaves(template) if leaf.path[0] not in names]
-    return unflatten(kept, node_record(template))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,10 @@ from functional_ckpt._src.format.manifest import (
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.save.options import DEFAULT_PER_RANK
-from functional_ckpt._src.state.tree import as_state, iter_leaves, node_record
+from functional_ckpt._src.state.tree import (
+    leaves_of,
+    root_record,
+)
 from functional_ckpt._src.storage import commit
 from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
 
@@ -182,7 +185,6 @@ def plan_save(
     Every check a reader would make of the tree is made here (key paths, tensors,
     values, the manifest's size and decode budget), naming the key at fault.
     """
-    td = as_state(state)
     entries: list[Entry] = []
     local: list[Entry] = []
     sources: list[torch.Tensor] = []
@@ -193,7 +195,7 @@ def plan_save(
     budget = _Budget()
     roots = set(per_rank)
     has_dtensor = False
-    for leaf in iter_leaves(td):
+    for leaf in leaves_of(state):
         path = leaf.path
         check_path(path)
         mine = path[0] in roots
@@ -252,7 +254,7 @@ def plan_save(
         tuple(targets),
         budget.values,
         optimizers,
-        node_record(td),
+        root_record(state),
         has_dtensor,
     )
 
@@ -274,7 +276,7 @@ def _name_optimizer_state(
             continue  # the name is taken: this tensor keeps its positional key
         del fqns[entry.fqn]
         fqns[fqn] = entry.path
-        renamed[entry.path] = replace(entry, fqn=fqn, dcp_path=named)
+        renamed[entry.path] = entry._replace(fqn=fqn, dcp_path=named)
     return renamed
 
 

@@ -66,6 +66,81 @@ def from_python(
     """
     if isinstance(value, TensorDictBase):
         return value
+    record, items = _node_items(value, path, _active)
+    _active = _active | {id(value)}
+    # Gathered first and made one TensorDict: a ``set`` per key costs ten times more.
+    out: dict[str, Any] = {}
+    if record is not None:
+        out[NODE_KEY] = _leaf(record, (*path, NODE_KEY))
+    for name, v in items:
+        if isinstance(v, torch.Tensor):
+            out[name] = v
+        elif _is_subtree(v):
+            out[name] = from_python(v, (*path, name), _active)
+        else:
+            out[name] = _leaf(v, (*path, name))
+    return TensorDict(out, batch_size=[])
+
+
+def leaves_of(value: State) -> list[Leaf]:
+    """``list(iter_leaves(as_state(value)))``, without building the TensorDict.
+
+    A restore only walks its template's leaves; for a template of plain Python
+    containers (a ``state_dict``) making it a TensorDict first costs more than
+    the walk.
+    """
+    if isinstance(value, TensorDictBase):
+        return list(iter_leaves(value))
+    if not isinstance(value, Mapping):
+        return list(iter_leaves(as_state(value)))  # refused there, with its reason
+    out: list[Leaf] = []
+    _python_leaves(dict(value), (), frozenset(), out)
+    return out
+
+
+def root_record(value: State) -> dict[str, Any] | None:
+    """The :func:`node_record` of ``as_state(value)``'s root, without building it."""
+    return node_record(value) if isinstance(value, TensorDictBase) else None
+
+
+def _python_leaves(value: Any, path: KeyPath, _active: frozenset[int], out: list[Leaf]) -> None:
+    """Append the leaves of ``from_python(value, path)``, in :func:`iter_leaves`'s order."""
+    record, items = _node_items(value, path, _active)
+    _active = _active | {id(value)}
+    if record is not None:
+        out.append(Leaf((*path, NODE_KEY), "value", record))
+    for name, v in items:
+        p = (*path, name)
+        if isinstance(v, torch.Tensor):
+            out.append(Leaf(p, "tensor", v))
+        elif isinstance(v, TensorDictBase):
+            out.append(Leaf(p, "node", node_record(v)))
+            out.extend(iter_leaves(v, p))
+        elif _is_subtree(v):
+            out.append(Leaf(p, "node", None))
+            _python_leaves(v, p, _active, out)
+        else:
+            out.append(Leaf(p, "value", v))
+
+
+def _is_subtree(v: object) -> bool:
+    """Whether a container's item becomes a node of the tree (else a single leaf)."""
+    return (
+        isinstance(v, TensorDictBase)
+        or (type(v) is dict and all(type(k) is str for k in v))
+        or _contains_tensor(v)
+    )
+
+
+def _node_items(
+    value: Any, path: KeyPath, _active: frozenset[int]
+) -> tuple[dict[str, Any] | None, list[tuple[str, Any]]]:
+    """A Python container as a node: its record (None for a plain dict) and named items.
+
+    Every rule of :func:`from_python` about which containers a tree may hold is
+    here, so that a TensorDict built from ``value`` and the leaves walked from it
+    agree.
+    """
     if id(value) in _active:
         raise UnsupportedValue(
             f"state[{format_path(path)}]: the container contains itself; a state must be a tree"
@@ -75,9 +150,7 @@ def from_python(
             f"state[{format_path(path[:8])} ...]: nested {len(path)} levels deep; the format "
             f"allows key paths of at most {LIMITS.key_depth} keys"
         )
-    _active = _active | {id(value)}
-    # Gathered first and made one TensorDict: a ``set`` per key costs ten times more.
-    out: dict[str, Any] = {}
+    record: dict[str, Any] | None = None
     if isinstance(value, dict) and all(type(k) is str for k in value):
         if NODE_KEY in value:
             raise UnsupportedValue(
@@ -86,17 +159,17 @@ def from_python(
         items: list[tuple[str, Any]] = list(value.items())
         if type(value) is OrderedDict:
             # a module's state_dict: keep its type and its per-module version metadata
-            record: dict[str, Any] = {"kind": "OrderedDict"}
+            record = {"kind": "OrderedDict"}
             meta = getattr(value, "_metadata", None)
             if meta is not None:
                 record["metadata"] = meta
-            out[NODE_KEY] = _leaf(record, (*path, NODE_KEY))
         elif type(value) is not dict:
             raise UnsupportedValue(
                 f"state[{format_path(path)}]: {type(value).__name__} is not supported "
                 "(only dict and OrderedDict mappings keep their type)"
             )
-    elif type(value) in (list, tuple) or isinstance(value, dict):
+        return record, items
+    if type(value) in (list, tuple) or isinstance(value, dict):
         if isinstance(value, dict):
             keys = list(value.keys())
             names = [k if type(k) is str else repr(k) for k in keys]
@@ -116,26 +189,11 @@ def from_python(
         record = {"kind": kind}
         if keys is not None:
             record["keys"] = keys
-        out[NODE_KEY] = _leaf(record, (*path, NODE_KEY))
         vals = value.values() if isinstance(value, dict) else value
-        items = list(zip(names, vals, strict=True))
-    else:
-        raise UnsupportedValue(
-            f"state[{format_path(path)}]: expected a dict, list or tuple, "
-            f"got {type(value).__name__}"
-        )
-    for name, v in items:
-        if isinstance(v, torch.Tensor):
-            out[name] = v
-        elif (
-            isinstance(v, TensorDictBase)
-            or (type(v) is dict and all(type(k) is str for k in v))
-            or _contains_tensor(v)
-        ):
-            out[name] = from_python(v, (*path, name), _active)
-        else:
-            out[name] = _leaf(v, (*path, name))
-    return TensorDict(out, batch_size=[])
+        return record, list(zip(names, vals, strict=True))
+    raise UnsupportedValue(
+        f"state[{format_path(path)}]: expected a dict, list or tuple, got {type(value).__name__}"
+    )
 
 
 def to_python(value: Any) -> Any:
