@@ -155,3 +155,19 @@ def test_a_template_free_restore_takes_requires_grad_from_the_checkpoint(tmp_pat
     assert not got["small", "p0"].requires_grad
     assert torch.equal(got["half"], saved["half"])
     assert got["tied_b"].data_ptr() == got["tied_a"].data_ptr()
+
+
+def test_an_in_place_restore_lands_in_the_given_tensors_on_every_path(tmp_path: Path) -> None:
+    saved = _saved()
+    fc.save(tmp_path / "c", saved)
+    out = _template(saved)
+    out["ints"] = torch.zeros(7, dtype=torch.int64)
+    strided = torch.zeros(2 * 10)[::2]  # not contiguous: read through a staging tensor
+    out["small"]["p2"] = strided
+    got = fc.restore(tmp_path / "c", out=out, cast=True)
+    for k, v in saved["small"].items():
+        assert got["small", k].data_ptr() == out["small"][k].data_ptr()
+        assert torch.equal(out["small"][k], v)
+    assert torch.equal(strided, saved["small"]["p2"])
+    assert torch.equal(out["big"], saved["big"]) and torch.equal(out["ints"], saved["ints"])
+    assert torch.equal(out["half"], saved["half"].float())

@@ -122,13 +122,19 @@ def add_table(out: ParsedManifest, t: dict[str, Any], where: str) -> None:
             order.append((path, "node"))
             continue
         nd, d, g, fqn, off, ln, doff, c, h = next(tensor_rows)
-        shape = (dims[j],) if nd == 1 else tuple(dims[j : j + nd])
+        if nd == 1:  # most tensors of a table: biases, norms, optimizer moments
+            x = dims[j]
+            shape: tuple[int, ...] = (x,)
+            nbytes = sizes[d] * x
+            big = x >= extent
+        else:
+            shape = tuple(dims[j : j + nd])
+            nbytes = sizes[d]
+            big = False
+            for x in shape:
+                big = big or x >= extent
+                nbytes *= x
         j += nd
-        nbytes = sizes[d]
-        big = False
-        for x in shape:
-            big = big or x >= extent
-            nbytes *= x
         if (big or nbytes >= extent) and shape_problem(shape, names[d]) is not None:
             raise UnsafeCheckpoint(
                 f"{where} row {i}: {format_path(path)} declares an impossible shape"

@@ -38,7 +38,10 @@ def read_backend(path: Path, template: Template | None) -> ReadBackend:
     if is_stock_dcp(path):
         return StockDcpBackend()
     topo = topology()
-    if template is not None and any(is_dtensor(lf.value) for lf in template.leaves):
+    plain = torch.Tensor
+    if template is not None and any(
+        type(lf.value) is not plain and is_dtensor(lf.value) for lf in template.leaves
+    ):
         return PlannerBackend(topo)
     return ManifestBackend(topo)
 

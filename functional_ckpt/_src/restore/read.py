@@ -164,7 +164,7 @@ def read_leaves(
     reads = Reads()
     empty, by_file, on_host = torch.empty, reads.by_file, device.type == "cpu"
     tensors = parsed.tensors
-    chosen = {p for p, k in selected if k == "tensor"}
+    chosen: set[KeyPath] | None = None  # the tensors read: made when a tie is met
     results: dict[KeyPath, torch.Tensor] = {}
     aliases: list[tuple[int, TensorEntry]] = []  # (place in leaves, entry): made once read
     leaves: list[Leaf] = []
@@ -175,30 +175,31 @@ def read_leaves(
             leaves.append(Leaf(p, "value", parsed.values[p]))
         else:
             e = tensors[p]
-            if e.alias is not None and e.alias in chosen:
-                aliases.append((len(leaves), e))
-                leaves.append(Leaf(p, "tensor", None))
-                continue
+            if e.alias is not None:
+                if chosen is None:
+                    chosen = {q for q, k in selected if k == "tensor"}
+                if e.alias in chosen:
+                    aliases.append((len(leaves), e))
+                    leaves.append(Leaf(p, "tensor", None))
+                    continue
             like = wanted.get(p)
             chunks = e.chunks
             c = chunks[0] if len(chunks) == 1 else None
-            if (  # the common case, decided at once: a new small host tensor from one blob
-                c is not None
-                and not inplace
-                and c.nbytes < PREFAULT_BYTES
-                and (
-                    on_host
-                    if like is None
-                    else like.dtype is torch_dtype(e.dtype_name) and like.is_cpu
-                )
-                and c.sizes == e.shape
-                and not any(c.offsets)
-            ):
-                t = results[p] = empty(e.shape, dtype=torch_dtype(e.dtype_name))
-                if c.nbytes:
+            dt = torch_dtype(e.dtype_name)
+            t = None
+            if (  # the common case, decided at once: a small host tensor read from one blob
+                c is not None and c.nbytes < PREFAULT_BYTES and c.sizes == e.shape
+            ) and not any(c.offsets):
+                if not inplace:  # a new tensor
+                    if on_host if like is None else like.dtype is dt and like.is_cpu:
+                        t = empty(e.shape, dtype=dt)
+                elif like is not None and like.dtype is dt and like.is_cpu:  # out='s own
+                    t = like if like.is_contiguous() else None
+                if t is not None and c.nbytes:
                     by_file.setdefault(c.file, []).append((p, c, t))
-            else:
-                t = results[p] = reads.add(e, like, inplace=inplace, device=device)
+            if t is None:
+                t = reads.add(e, like, inplace=inplace, device=device)
+            results[p] = t
             if like is not None and not inplace:
                 if like.requires_grad:
                     _with_grad(t, e, like, fresh, inplace)
