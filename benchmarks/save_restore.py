@@ -6,7 +6,10 @@ save
   ``fc.save``; ``torch.save`` + flush + fsync (file and directory);
   ``safetensors.torch.save_file`` + fsync; stock ``torch.distributed.checkpoint.save``
   (default ``FileSystemWriter``, which fsyncs); and a *raw write+fsync* of the same
-  tensor bytes into one file -- the floor no checkpoint format can beat.
+  tensor bytes into one file -- the floor no checkpoint format can beat -- and a raw
+  write+fsync of as many bytes, in as many files, as ``fc.save`` writes (the floor of
+  any DCP-compatible layout, whose every tensor is framed as a small ``torch.save``
+  archive).
 restore (warm page cache: each restore reads the files its tool has just written)
   ``fc.restore(path, like)`` (pure: a new state in new tensors, ``like`` untouched),
   ``fc.restore(path, out=template)`` (in place, into preallocated tensors) and
@@ -54,6 +57,7 @@ import argparse
 import contextlib
 import gc
 import importlib
+import itertools
 import json
 import os
 import sys
@@ -90,6 +94,7 @@ from _common import (
     scratch_dir,
     settle,
     timed,
+    write_all,
     write_views_durably,
 )
 
@@ -103,6 +108,7 @@ TORCH_SAVE = "torch.save+fsync"
 ST_SAVE = "safetensors.save_file+fsync"
 DCP_SAVE = "dcp.save"
 RAW_SAVE = "raw write+fsync"
+RAW_SAVE_FC = "raw write+fsync of fc's file sizes"
 FC_RESTORE_LIKE = "fc.restore(like)"
 FC_RESTORE_OUT = "fc.restore(out=)"
 FC_RESTORE = "fc.restore()"
@@ -144,6 +150,8 @@ class Workload:
     label: str
     tensors: dict[str, torch.Tensor]
     values: dict[str, Any] = field(default_factory=dict)
+    #: The sizes of the files fc.save writes for this state (measured once, untimed).
+    fc_files: dict[str, int] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -222,6 +230,42 @@ def dcp_save(dest: Path, w: Workload) -> None:
 
 def raw_save(dest: Path, w: Workload) -> None:
     write_views_durably(dest, (byte_view(t) for t in w.tensors.values()))
+
+
+def raw_save_fc_sizes(dest: Path, w: Workload) -> None:
+    """As many bytes, in as many files, as fc.save writes, each fsynced, then the directory.
+
+    The floor of a save in any DCP-compatible layout: each tensor of a DCP file is a
+    small ``torch.save`` archive (about 1.7 KiB of framing around a 1 KiB tensor), and
+    the manifest and DCP's ``.metadata`` are files of their own.
+    """
+    dest.mkdir()
+    views = [byte_view(t) for t in w.tensors.values()]
+    for name, size in w.fc_files.items():
+        fd = os.open(dest / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            left = size
+            for v in itertools.cycle(views):
+                if left <= 0:
+                    break
+                part = v[:left]
+                write_all(fd, part)
+                left -= len(part)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fsync_dir(dest)
+    fsync_dir(dest.parent)
+
+
+def fc_file_sizes(w: Workload, workdir: Path) -> dict[str, int]:
+    """The files fc.save writes for ``w`` and their sizes (one untimed save)."""
+    dest = workdir / f"{w.name}-fc-sizes"
+    remove_path(dest)
+    fc_save(dest, w)
+    sizes = {p.name: p.stat().st_size for p in sorted(dest.iterdir()) if p.is_file()}
+    remove_path(dest)
+    return sizes
 
 
 def fc_restore_like(src: Path, w: Workload, template: dict[str, Any]) -> Any:
@@ -329,6 +373,7 @@ def describe_memory(facts: dict[str, Any]) -> str:
 #: (state, numerator, floor) ratios printed beside the table.
 FLOORS = [
     ("save", FC_SAVE, RAW_SAVE),
+    ("save", FC_SAVE, RAW_SAVE_FC),
     ("restore", FC_RESTORE_LIKE, RAW_READ_NEW),
     ("restore", FC_RESTORE_LIKE, RAW_READ_HUGE),
     ("restore", FC_RESTORE, RAW_READ_NEW),
@@ -403,6 +448,7 @@ def tools() -> list[Tool]:
             _st_note,
         ),
         Tool(DCP_SAVE, dcp_save, "dcp", [Restore(DCP_LOAD, dcp_load)]),
+        Tool(RAW_SAVE_FC, raw_save_fc_sizes, "raw-fc-sizes", []),
         Tool(
             RAW_SAVE,
             raw_save,
@@ -536,12 +582,14 @@ def rotated(items: Sequence[Tool], k: int) -> list[Tool]:
 def warm_up(opts: Options) -> None:
     """One untimed pass of every tool over a tiny state: lazy imports, caches, pools."""
     tiny = small_workload(4, 256, 4)
+    tiny.fc_files = fc_file_sizes(tiny, opts.workdir)
     for tool in tools():
         run_tool(tool, tiny, tiny.template(), opts, Results())
 
 
 def run_workload(w: Workload, opts: Options, res: Results, log: Callable[[str], None]) -> None:
     template = w.template()
+    w.fc_files = fc_file_sizes(w, opts.workdir)
     all_tools = tools()
     for rep in range(opts.reps):
         log(f"  {w.name}: repetition {rep + 1}/{opts.reps}")

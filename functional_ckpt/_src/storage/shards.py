@@ -15,6 +15,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from ctypes import string_at
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -126,12 +127,11 @@ def write_shard(
             if found is None:
                 found = templates[spec] = blob_template(t.dtype, shape)
             tpl = found
-            data = byte_view(t)
-            if len(data) != tpl.nbytes:
-                raise CheckpointError(
-                    f"internal: tensor {i} has {len(data)} bytes, expected {tpl.nbytes}"
-                )
             if tpl.nbytes < SMALL_TENSOR:
+                if not (t.is_cpu and t.is_contiguous()):
+                    raise CheckpointError(f"internal: tensor {i} is not contiguous host memory")
+                data: bytes | memoryview = string_at(t.data_ptr(), tpl.nbytes)  # one copy of a
+                # few bytes costs less than a view of them
                 crc = crc32(data)
                 pending += tpl.head
                 pending += data
@@ -144,6 +144,11 @@ def write_shard(
                     write_all(fd, pending)
                     pending.clear()
             else:
+                data = byte_view(t)
+                if len(data) != tpl.nbytes:
+                    raise CheckpointError(
+                        f"internal: tensor {i} has {len(data)} bytes, expected {tpl.nbytes}"
+                    )
                 if pending:
                     write_all(fd, pending)
                     pending.clear()
