@@ -156,9 +156,9 @@ def _layout(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry])
                 e.fqn,
                 e.path,
                 e.dcp_path,
-                e.dtype,
+                e.dtype_name,
                 e.shape,
-                tuple(c[:5] for c in e.chunks),  # offsets, sizes, file, offset, length
+                tuple([c[:5] for c in e.chunks]),  # offsets, sizes, file, offset, length
             )
             for e in group
         )

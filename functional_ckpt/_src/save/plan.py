@@ -117,7 +117,7 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
 
     The result may still require grad; whoever reads its bytes detaches it.
     """
-    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+    if t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
         return t  # the common case, without a new tensor object
     t = resolved(t.detach())
     if t.device.type != "cpu":
@@ -132,7 +132,7 @@ def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     it: where they start, their shape and strides, their dtype, and the lazy
     conjugate and negative bits.
     """
-    if t.is_meta or t.numel() == 0 or is_dtensor(t):
+    if t.is_meta or t.numel() == 0 or (type(t) is not torch.Tensor and is_dtensor(t)):
         return None
     return (
         t.device,
