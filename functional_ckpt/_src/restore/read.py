@@ -65,8 +65,26 @@ class Reads:
         bytes land in it directly when it is host memory of the saved dtype. Only
         ``inplace`` restores (``out=``) land in the template's own tensors.
         """
-        saved = entry.dtype
         chunks = entry.chunks
+        c = chunks[0] if len(chunks) == 1 else None
+        saved = torch_dtype(entry.dtype_name)
+        if (  # the common case, decided at once: a small host tensor read from one blob
+            c is not None and c.nbytes < PREFAULT_BYTES and c.sizes == entry.shape
+        ) and not any(c.offsets):
+            t = None
+            if not inplace:  # a new tensor
+                if (
+                    device.type == "cpu"
+                    if target is None
+                    else target.dtype is saved and target.is_cpu
+                ):
+                    t = torch.empty(entry.shape, dtype=saved)
+            elif target is not None and target.dtype is saved and target.is_cpu:  # out='s own
+                t = target if target.is_contiguous() else None
+            if t is not None:
+                if c.nbytes:
+                    self.by_file.setdefault(c.file, []).append((entry.path, c, t))
+                return t
         if inplace and target is not None and not target.is_meta:
             dest = target
             direct = target.is_cpu and target.dtype == saved and target.is_contiguous()
@@ -162,7 +180,6 @@ def read_leaves(
     only looks) keeps it as it was read.
     """
     reads = Reads()
-    empty, by_file, on_host = torch.empty, reads.by_file, device.type == "cpu"
     tensors = parsed.tensors
     chosen: set[KeyPath] | None = None  # the tensors read: made when a tie is met
     results: dict[KeyPath, torch.Tensor] = {}
@@ -183,28 +200,13 @@ def read_leaves(
                     leaves.append(Leaf(p, "tensor", None))
                     continue
             like = wanted.get(p)
-            chunks = e.chunks
-            c = chunks[0] if len(chunks) == 1 else None
-            dt = torch_dtype(e.dtype_name)
-            t = None
-            if (  # the common case, decided at once: a small host tensor read from one blob
-                c is not None and c.nbytes < PREFAULT_BYTES and c.sizes == e.shape
-            ) and not any(c.offsets):
-                if not inplace:  # a new tensor
-                    if on_host if like is None else like.dtype is dt and like.is_cpu:
-                        t = empty(e.shape, dtype=dt)
-                elif like is not None and like.dtype is dt and like.is_cpu:  # out='s own
-                    t = like if like.is_contiguous() else None
-                if t is not None and c.nbytes:
-                    by_file.setdefault(c.file, []).append((p, c, t))
-            if t is None:
-                t = reads.add(e, like, inplace=inplace, device=device)
-            results[p] = t
-            if like is not None and not inplace:
-                if like.requires_grad:
-                    _with_grad(t, e, like, fresh, inplace)
-            elif fresh and e.requires_grad:
-                _with_grad(t, e, like, fresh, inplace)
+            t = results[p] = reads.add(e, like, inplace=inplace, device=device)
+            if (
+                like.requires_grad
+                if like is not None and not inplace
+                else fresh and e.requires_grad
+            ):
+                _require_grad(t)
             leaves.append(Leaf(p, "tensor", t))
     reads.run(src)
     with torch.no_grad():
@@ -214,20 +216,19 @@ def read_leaves(
             t = _tied(results[e.alias], like, inplace, device)
             leaves[i] = Leaf(e.path, "tensor", t)
     for i, e in aliases:
-        _with_grad(leaves[i].value, e, wanted.get(e.path), fresh, inplace)
+        like = wanted.get(e.path)
+        if like.requires_grad if like is not None and not inplace else fresh and e.requires_grad:
+            _require_grad(leaves[i].value)
     if src.unregistered and not placeholders:
         refuse_unregistered(src.path, parsed, selected)
     return leaves
 
 
-def _with_grad(
-    t: torch.Tensor, e: TensorEntry, like: torch.Tensor | None, fresh: bool, inplace: bool
-) -> torch.Tensor:
-    """``t``, requiring grad as ``like`` does (as saved, without a template)."""
-    grad = like.requires_grad if like is not None and not inplace else fresh and e.requires_grad
-    if grad and not t.requires_grad and (t.is_floating_point() or t.is_complex()):
+def _require_grad(t: torch.Tensor) -> None:
+    """Make ``t`` require grad, as its template leaf (or the saved tensor) did, where its
+    dtype can."""
+    if not t.requires_grad and (t.is_floating_point() or t.is_complex()):
         t.requires_grad_(True)
-    return t
 
 
 def refuse_unregistered(
