@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from functional_ckpt._src.distributed.topology import is_dtensor, topology
+from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format.kind import is_stock_dcp
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.restore.backends import (
@@ -38,10 +38,7 @@ def read_backend(path: Path, template: Template | None) -> ReadBackend:
     if is_stock_dcp(path):
         return StockDcpBackend()
     topo = topology()
-    plain = torch.Tensor
-    if template is not None and any(
-        type(lf.value) is not plain and is_dtensor(lf.value) for lf in template.leaves
-    ):
+    if template is not None and template.has_dtensor:
         return PlannerBackend(topo)
     return ManifestBackend(topo)
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from functional_ckpt._src.distributed.topology import is_dtensor
 from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.format.manifest import dtype_name
@@ -42,6 +43,11 @@ class Template:
     @classmethod
     def of(cls, state: TensorDictBase | Mapping[str, Any]) -> Template:
         return cls(leaves_of(state), root_record(state))
+
+    @property
+    def has_dtensor(self) -> bool:
+        """Whether a leaf is a DTensor (its shards are read collectively)."""
+        return any(lf.kind == "tensor" and is_dtensor(lf.value) for lf in self.leaves)
 
     def without(self, roots: list[KeyPath]) -> Template:
         """The template minus the subtrees under ``roots``' first keys (per-rank state)."""

@@ -250,7 +250,7 @@ def read_tensors(fd: int, jobs: Sequence[ReadJob]) -> list[str | None]:
     """
     results: list[str | None] = [None] * len(jobs)
     for chunk, dest in jobs:
-        if (dest.nbytes if type(dest) is memoryview else _landing_size(dest)) != chunk.nbytes:
+        if _landing_size(dest) != chunk.nbytes:
             raise CheckpointError(
                 f"internal: landing place of {_landing_size(dest)} bytes for a blob of "
                 f"{chunk.nbytes}"
