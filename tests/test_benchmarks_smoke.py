@@ -306,5 +306,8 @@ def test_memory_tier_quick_run(tmp_path: Path) -> None:
     assert by["replication: memory tier"]["throughput_ratio"] > 0
     fetched = by["lost node: resume from replicas"]["fetched"]  # node b's, from node a
     assert "__2_0.distcp" in fetched and set(fetched.values()) <= {0, 1}
-    assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}
+    for t in data["targets"]:  # the loop's target is judged only where a step took >= 20x
+        # a copy, which a busy machine may not give: then it is skipped, never failed
+        conditional = t["target"].startswith("where one training step")
+        assert t["result"] in {"PASS", "FAIL"} or (conditional and t["result"] == "SKIP")
     assert not (tmp_path / "ram").exists() or not list((tmp_path / "ram").iterdir())
