@@ -236,7 +236,7 @@ def raw_save_fc_sizes(dest: Path, w: Workload) -> None:
     """As many bytes, in as many files, as fc.save writes, each fsynced, then the directory.
 
     The floor of a save in any DCP-compatible layout: each tensor of a DCP file is a
-    small ``torch.save`` archive (about 1.7 KiB of framing around a 1 KiB tensor), and
+    small ``torch.save`` archive (about 1.5 KB of framing around a 1 KiB tensor), and
     the manifest and DCP's ``.metadata`` are files of their own.
     """
     dest.mkdir()
