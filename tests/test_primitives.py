@@ -7,6 +7,8 @@ blocking on a FIFO, regular files of a bounded size), written through
 every module's source and lists each direct file read, open or delete outside the
 storage stage; each one left is here with the reason it is not a checkpoint's
 file. A new one fails the test until it goes through a primitive or is argued here.
+Likewise a state's leaves are walked through ``state/tree.leaves_of``, never by
+building its TensorDict first.
 """
 
 from __future__ import annotations
@@ -231,3 +233,36 @@ def test_the_collective_scan_sees_an_object_gather_and_dcp_save() -> None:
     assert direct_collectives(src) == Counter(
         {"dist.gather_object": 1, "state_dict_saver": 1, "state_dict_loader": 1}
     )
+
+
+def state_walks_around_leaves_of(source: str) -> int:
+    """Each ``iter_leaves(as_state(x))``: a state's leaves walked by building its tree
+    first, which ``state/tree.leaves_of`` gives without the TensorDict."""
+    n = 0
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "iter_leaves"
+            and node.args
+            and isinstance(node.args[0], ast.Call)
+            and isinstance(node.args[0].func, ast.Name)
+            and node.args[0].func.id == "as_state"
+        ):
+            n += 1
+    return n
+
+
+def test_a_state_is_walked_only_through_leaves_of() -> None:
+    seen = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        n = state_walks_around_leaves_of(path.read_text())
+        if n:
+            seen[rel] = n
+    assert seen == {"_src/state/tree.py": 1}  # leaves_of's own refusal of a non-mapping
+
+
+def test_the_walk_scan_sees_a_tree_built_to_be_walked() -> None:
+    src = "def f(s):\n    return [x for x in iter_leaves(as_state(s))] + list(iter_leaves(s))\n"
+    assert state_walks_around_leaves_of(src) == 1

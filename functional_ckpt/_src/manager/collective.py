@@ -14,7 +14,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.distributed.topology import is_dtensor
-from functional_ckpt._src.state.tree import Leaf, as_state, iter_leaves, unflatten
+from functional_ckpt._src.state.tree import Leaf, leaves_of, unflatten
 
 __all__ = ["coordinator_decides", "gathered", "prepare_groups"]
 
@@ -39,7 +39,7 @@ def gathered(state: TensorDictBase | Mapping[str, Any], select: str | Sequence[s
     """
     prefix = (select,) if isinstance(select, str) else tuple(select)
     leaves = []
-    for leaf in iter_leaves(as_state(state)):
+    for leaf in leaves_of(state):
         if leaf.path[: len(prefix)] != prefix and leaf.path != prefix[: len(leaf.path)]:
             continue
         value = leaf.value

@@ -41,7 +41,7 @@ from functional_ckpt._src.root.listing import StepInfo, committed_steps, read_in
 from functional_ckpt._src.root.lock import LOCK_FILE, WriterLock
 from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
-from functional_ckpt._src.state.tree import State, as_state, iter_leaves
+from functional_ckpt._src.state.tree import State, leaves_of
 from functional_ckpt._src.storage import durable, opener, ram
 from functional_ckpt.errors import CheckpointError, LeftoverWarning, MemoryWarning, is_damage
 
@@ -74,7 +74,7 @@ def state_bytes(state: State) -> int:
     """The tensor bytes of ``state`` (what one checkpoint of it holds, values aside)."""
     return sum(
         leaf.value.numel() * leaf.value.element_size()
-        for leaf in iter_leaves(as_state(state))
+        for leaf in leaves_of(state)
         if leaf.kind == "tensor"
     )
 

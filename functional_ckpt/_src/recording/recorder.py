@@ -49,7 +49,11 @@ from functional_ckpt._src.recording.layout import (
     VERSION,
     segment_name,
 )
-from functional_ckpt._src.state.tree import Leaf, as_state, iter_leaves, node_record
+from functional_ckpt._src.state.tree import (
+    Leaf,
+    leaves_of,
+    root_record,
+)
 from functional_ckpt._src.storage import durable
 from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
 
@@ -175,15 +179,14 @@ class Recorder:
         self._count = step + 1
         if step % self.every:
             return False
-        td = as_state(state)
-        leaves = list(iter_leaves(td))
+        leaves = leaves_of(state)
         values = [
             codec.encode(leaf.value, where=f"Recorder.record: state[{format_path(leaf.path)}]")
             for leaf in leaves
             if leaf.kind == "value"
         ]
         if self._layout is None:
-            self._start(td, leaves)
+            self._start(root_record(state), leaves)
         elif [_signature(leaf) for leaf in leaves] != self._layout:
             self._refuse_layout(leaves)
         tensors = [leaf.value for leaf in leaves if leaf.kind == "tensor"]
@@ -207,7 +210,7 @@ class Recorder:
             except queue.Empty:
                 self._raise_failure()
 
-    def _start(self, td: TensorDictBase, leaves: list[Leaf]) -> None:
+    def _start(self, root: dict[str, Any] | None, leaves: list[Leaf]) -> None:
         """The first record: the layout, the header, the staging slots, the writer."""
         entries: list[Entry] = []
         pin = False
@@ -238,7 +241,7 @@ class Recorder:
             "created": time.time(),
             "every": self.every,
             "metadata": self.metadata,
-            "root": node_record(td),
+            "root": root,
             "layout": [e.to_plain() for e in entries],
         }
         self._header = codec.encode(header, where="Recorder: the recording's header")

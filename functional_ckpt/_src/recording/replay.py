@@ -33,7 +33,7 @@ from functional_ckpt._src.recording.layout import (
     read_committed,
     segment_name,
 )
-from functional_ckpt._src.state.tree import Leaf, as_state, iter_leaves, unflatten
+from functional_ckpt._src.state.tree import Leaf, leaves_of, unflatten
 from functional_ckpt._src.storage.shards import read_into
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, NotRecorded, TemplateMismatch
 
@@ -153,7 +153,7 @@ class Replay:
     def _devices(self, like: Any, what: str) -> dict[KeyPath, torch.device]:
         """Each tensor's device in ``like``, which must fit the recording's layout."""
         mine = {e.path: e for e in self._rec.leaves if isinstance(e, TensorEntry)}
-        theirs = {x.path: x.value for x in iter_leaves(as_state(like)) if x.kind == "tensor"}
+        theirs = {x.path: x.value for x in leaves_of(like) if x.kind == "tensor"}
         for path in mine.keys() - theirs.keys() or theirs.keys() - mine.keys():
             side = "missing from like" if path in mine else "not in the recording"
             raise TemplateMismatch(f"{what}: like[{format_path(path)}] is {side}")
