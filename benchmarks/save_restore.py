@@ -94,7 +94,7 @@ from _common import (
     scratch_dir,
     settle,
     timed,
-    write_all,
+    write_views,
     write_views_durably,
 )
 
@@ -242,15 +242,16 @@ def raw_save_fc_sizes(dest: Path, w: Workload) -> None:
     dest.mkdir()
     views = [byte_view(t) for t in w.tensors.values()]
     for name, size in w.fc_files.items():
+        parts = []
+        left = size
+        for v in itertools.cycle(views):
+            if left <= 0:
+                break
+            parts.append(v[:left])
+            left -= len(parts[-1])
         fd = os.open(dest / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            left = size
-            for v in itertools.cycle(views):
-                if left <= 0:
-                    break
-                part = v[:left]
-                write_all(fd, part)
-                left -= len(part)
+            write_views(fd, parts)
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -1,17 +1,27 @@
 """The bytes of one tensor as stock DCP stores it: a ``torch.save`` zip blob.
 
 Stock ``torch.distributed.checkpoint`` stores every tensor as a ``torch.save`` zip
-blob inside a shard file. Running ``torch.save`` once per tensor is what makes DCP
-slow on many small tensors, so the zip around an empty tensor of each distinct
-(dtype, shape) is built once (``torch.save`` with ``skip_data``) and every tensor
-of that shape is that template with its raw bytes in the data record and the
-CRC32 fields patched (:class:`BlobTemplate`).
+blob inside a shard file, and its reader hands each blob to ``torch.load``. Running
+``torch.save`` once per tensor is what makes DCP slow on many small tensors, so the
+zip of each distinct (dtype, shape) is built once and every tensor of that shape is
+that template with its raw bytes in the data record and the CRC32 fields patched
+(:class:`BlobTemplate`).
+
+The template holds only the records ``torch.load`` reads: the pickle, the version
+and the data (and the byte order on a big-endian machine, where the reader's
+default, little-endian, would be wrong). ``torch.save``'s own zip adds four more
+records and pads the data to 64 bytes: about 1.5 KB around every tensor, more than
+a 1 KiB tensor itself. The compact one is about 0.5 KB. A tensor of 2 GiB or more
+keeps ``torch.save``'s framing, whose zip64 fields its size needs.
 """
 
 from __future__ import annotations
 
+import io
 import struct
+import sys
 import threading
+import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,7 +38,23 @@ _CENTRAL_SIG = b"PK\x01\x02"
 
 _DESCRIPTOR_SIG = b"PK\x07\x08"
 
+_END_SIG = b"PK\x05\x06"
+
 _DATA_RECORD_SUFFIX = b"/data/0"
+
+_PREFIX = "archive/"  # the record prefix ``torch.save`` gives a stream
+
+_COMPACT_LIMIT = 1 << 31  # below this, no size or offset of the blob needs zip64
+
+_DATE = (1 << 5) | 1  # 1980-01-01, the zip epoch, in MS-DOS date format
+
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")
+
+_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
+
+_DESCRIPTOR = struct.Struct("<4sIII")
+
+_END = struct.Struct("<4sHHHHIIH")
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -87,7 +113,8 @@ class BlobTemplate:
         return bytes(tail)
 
 
-def _build_template(dtype: torch.dtype, shape: tuple[int, ...]) -> BlobTemplate:
+def _torch_save_image(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytearray, int]:
+    """``torch.save``'s zip of an empty tensor of this spec, its data left as zeros."""
     import torch
 
     sink = _SparseWriter()
@@ -97,6 +124,58 @@ def _build_template(dtype: torch.dtype, shape: tuple[int, ...]) -> BlobTemplate:
     for off, data in sink.parts:
         image[off : off + len(data)] = data
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return image, nbytes
+
+
+def _build_template(dtype: torch.dtype, shape: tuple[int, ...]) -> BlobTemplate:
+    image, nbytes = _torch_save_image(dtype, shape)
+    if nbytes < _COMPACT_LIMIT:
+        return _compact_template(image, nbytes)
+    return _torch_save_template(image, nbytes)
+
+
+def _compact_template(image: bytearray, nbytes: int) -> BlobTemplate:
+    """The records ``torch.load`` reads, taken from ``torch.save``'s zip, framed anew.
+
+    The small records carry their CRC32 in their headers; the data record, whose
+    CRC32 is known only once the tensor's bytes are, is followed by a data
+    descriptor, as ``torch.save`` writes it, so that everything before the bytes is
+    the same for every tensor of the spec.
+    """
+    with zipfile.ZipFile(io.BytesIO(bytes(image))) as z:
+        records = [(_PREFIX + "data.pkl", z.read(_PREFIX + "data.pkl"))]
+        records.append((_PREFIX + "version", z.read(_PREFIX + "version")))
+    if sys.byteorder != "little":
+        records.append((_PREFIX + "byteorder", sys.byteorder.encode()))
+    head = bytearray()
+    central = bytearray()
+
+    def entry(name: bytes, flags: int, crc: int, size: int) -> None:
+        fields = (20, 20, flags, 0, 0, _DATE, crc, size, size, len(name), 0, 0, 0, 0, 0)
+        central.extend(_CENTRAL.pack(_CENTRAL_SIG, *fields, len(head)) + name)
+
+    for name, data in records:
+        crc = crc32(data)
+        entry(name.encode(), 0, crc, len(data))
+        head += _LOCAL.pack(_LOCAL_SIG, 20, 0, 0, 0, _DATE, crc, len(data), len(data), len(name), 0)
+        head += name.encode() + data
+    data_name = (_PREFIX + "data/0").encode()
+    data_crc_at = len(central) + 16
+    entry(data_name, 0x8, 0, nbytes)
+    head += _LOCAL.pack(_LOCAL_SIG, 20, 0x8, 0, 0, _DATE, 0, 0, 0, len(data_name), 0)
+    head += data_name
+    tail = bytearray(_DESCRIPTOR.pack(_DESCRIPTOR_SIG, 0, nbytes, nbytes))
+    data_crc_at += len(tail)
+    cd_offset = len(head) + nbytes + len(tail)
+    n = len(records) + 1
+    tail += central
+    tail += _END.pack(_END_SIG, 0, 0, n, n, len(central), cd_offset, 0)
+    positions = (4, data_crc_at) if nbytes else ()  # CRC32 of no bytes is 0, as written
+    return BlobTemplate(bytes(head), bytes(tail), nbytes, positions, crc32(bytes(head)))
+
+
+def _torch_save_template(image: bytearray, nbytes: int) -> BlobTemplate:
+    """``torch.save``'s own zip (zip64 where the size needs it), bytes left out."""
     start = -1
     i = image.find(_LOCAL_SIG)
     while i >= 0:

@@ -125,15 +125,13 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
     """Identity of a tensor's values: two leaves with the same key are one tensor.
 
     Everything that makes two views of the same bytes read differently is part of
     it: where they start, their shape and strides, their dtype, and the lazy
     conjugate and negative bits.
     """
-    if t.is_meta or t.numel() == 0 or (type(t) is not torch.Tensor and is_dtensor(t)):
-        return None
     return (
         t.device,
         t.data_ptr(),
@@ -143,6 +141,37 @@ def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
         t.is_conj(),
         t.is_neg(),
     )
+
+
+def _may_alias(t: torch.Tensor) -> bool:
+    """Whether ``t`` has bytes of its own that another leaf could share (a DTensor's
+    shards and an empty tensor's nothing are never shared)."""
+    return not t.is_meta and t.numel() != 0 and (type(t) is torch.Tensor or not is_dtensor(t))
+
+
+class _Aliases:
+    """The leaves seen so far, by the address their bytes start at.
+
+    Most leaves start at an address no other leaf does; the full identity
+    (:func:`_alias_key`) is computed only for those that share one.
+    """
+
+    def __init__(self) -> None:
+        self._by_ptr: dict[int, list[tuple[torch.Tensor, TensorEntry]]] = {}
+
+    def find(self, t: torch.Tensor, ptr: int) -> TensorEntry | None:
+        """The newest entry seen with ``t``'s identity, if any."""
+        seen = self._by_ptr.get(ptr)
+        if seen is None:
+            return None
+        key = _alias_key(t)
+        for other, entry in reversed(seen):
+            if _alias_key(other) == key:
+                return entry
+        return None
+
+    def add(self, t: torch.Tensor, ptr: int, entry: TensorEntry) -> None:
+        self._by_ptr.setdefault(ptr, []).append((t, entry))
 
 
 @dataclass(frozen=True)
@@ -191,7 +220,7 @@ def plan_save(
     targets: list[TensorEntry] = []
     optimizers: dict[KeyPath, list[str]] = {}
     fqns: dict[str, KeyPath] = {}
-    seen: dict[tuple[Any, ...], TensorEntry] = {}
+    aliases = _Aliases()
     budget = _Budget()
     roots = set(per_rank)
     has_dtensor = False
@@ -221,9 +250,9 @@ def plan_save(
                 )
             fqns[fqn] = path
             dcp_path = (fqn.partition(".")[0], *path) if mine else None
-            key = _alias_key(t)
-            has_dtensor = has_dtensor or (key is None and is_dtensor(t))
-            src = seen.get(key) if key is not None else None
+            ptr = t.data_ptr() if _may_alias(t) else None
+            has_dtensor = has_dtensor or (ptr is None and is_dtensor(t))
+            src = aliases.find(t, ptr) if ptr is not None else None
             alias = src.path if src is not None and (src.path[0] in roots) == mine else None
             entry = TensorEntry(
                 path,
@@ -236,8 +265,8 @@ def plan_save(
                 dcp_path,
             )
             if alias is None:
-                if key is not None:
-                    seen[key] = entry
+                if ptr is not None:
+                    aliases.add(t, ptr, entry)
                 sources.append(resolved(t))
                 targets.append(entry)
         (local if mine else entries).append(entry)
