@@ -90,8 +90,8 @@ def test_the_torch_save_framing_path_builds_loadable_blobs() -> None:
     """The framing a tensor of 2 GiB or more gets, built for small specs."""
     for dtype, shape in SPECS:
         t = _tensor(dtype, shape)
-        image, nbytes = blobs._torch_save_image(dtype, shape)
-        tpl = blobs._torch_save_template(image, nbytes)
+        sink, nbytes = blobs._saved_empty(dtype, shape)
+        tpl = blobs._torch_save_template(blobs._torch_save_image(sink), nbytes)
         blob = _blob(tpl, t)
         with zipfile.ZipFile(io.BytesIO(blob)) as z:
             assert z.testzip() is None
@@ -151,3 +151,19 @@ def test_a_damaged_byte_in_the_compact_framing_is_found(tmp_path: Path) -> None:
     assert "__0_0.distcp" in str(report) and "float64-1" in str(report), str(report)
     with pytest.raises(CorruptCheckpoint, match="float64-1"):
         fc.restore(tmp_path / "c", like=state)
+
+
+def test_a_large_specs_template_is_built_without_a_buffer_of_its_size() -> None:
+    """The records are read from what ``torch.save`` wrote, the data gap never filled."""
+    import tracemalloc
+
+    shape = (3, 1 << 26)  # 192 MiB of uint8, a spec no other test builds
+    blobs._TEMPLATES.pop((torch.uint8, shape), None)
+    tracemalloc.start()
+    try:
+        tpl = blobs.blob_template(torch.uint8, shape)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    assert tpl.nbytes == 3 << 26 and len(tpl.head) + len(tpl.tail) < 600

@@ -113,28 +113,73 @@ class BlobTemplate:
         return bytes(tail)
 
 
-def _torch_save_image(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytearray, int]:
-    """``torch.save``'s zip of an empty tensor of this spec, its data left as zeros."""
+class _SparseImage(io.RawIOBase):
+    """What a :class:`_SparseWriter` kept, read back as a file: zeros in the gap.
+
+    Lets ``zipfile`` read the small records without a tensor-sized buffer.
+    """
+
+    def __init__(self, sink: _SparseWriter) -> None:
+        super().__init__()
+        self._parts = sink.parts
+        self._size = sink.pos
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, off: int, whence: int = 0) -> int:
+        base = 0 if whence == 0 else self._pos if whence == 1 else self._size
+        self._pos = max(0, base + off)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        out = memoryview(b).cast("B")
+        n = max(0, min(len(out), self._size - self._pos))
+        out[:n] = bytes(n)
+        start, end = self._pos, self._pos + n
+        for off, data in self._parts:  # in write order: a later write wins
+            lo, hi = max(off, start), min(off + len(data), end)
+            if lo < hi:
+                out[lo - start : hi - start] = data[lo - off : hi - off]
+        self._pos = end
+        return n
+
+
+def _saved_empty(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[_SparseWriter, int]:
+    """What ``torch.save`` writes for an empty tensor of this spec (the data left out),
+    and the spec's size in bytes."""
     import torch
 
     sink = _SparseWriter()
     with torch.serialization.skip_data():
         torch.save(torch.empty(shape, dtype=dtype), sink)  # type: ignore[arg-type]
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return sink, nbytes
+
+
+def _torch_save_image(sink: _SparseWriter) -> bytearray:
+    """``torch.save``'s whole zip, its data as zeros."""
     image = bytearray(sink.pos)
     for off, data in sink.parts:
         image[off : off + len(data)] = data
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    return image, nbytes
+    return image
 
 
 def _build_template(dtype: torch.dtype, shape: tuple[int, ...]) -> BlobTemplate:
-    image, nbytes = _torch_save_image(dtype, shape)
+    sink, nbytes = _saved_empty(dtype, shape)
     if nbytes < _COMPACT_LIMIT:
-        return _compact_template(image, nbytes)
-    return _torch_save_template(image, nbytes)
+        return _compact_template(sink, nbytes)
+    return _torch_save_template(_torch_save_image(sink), nbytes)
 
 
-def _compact_template(image: bytearray, nbytes: int) -> BlobTemplate:
+def _compact_template(sink: _SparseWriter, nbytes: int) -> BlobTemplate:
     """The records ``torch.load`` reads, taken from ``torch.save``'s zip, framed anew.
 
     The small records carry their CRC32 in their headers; the data record, whose
@@ -142,7 +187,7 @@ def _compact_template(image: bytearray, nbytes: int) -> BlobTemplate:
     descriptor, as ``torch.save`` writes it, so that everything before the bytes is
     the same for every tensor of the spec.
     """
-    with zipfile.ZipFile(io.BytesIO(bytes(image))) as z:
+    with zipfile.ZipFile(_SparseImage(sink)) as z:
         records = [(_PREFIX + "data.pkl", z.read(_PREFIX + "data.pkl"))]
         records.append((_PREFIX + "version", z.read(_PREFIX + "version")))
     if sys.byteorder != "little":
