@@ -6,7 +6,8 @@ save
   ``fc.save``; ``torch.save`` + flush + fsync (file and directory);
   ``safetensors.torch.save_file`` + fsync; stock ``torch.distributed.checkpoint.save``
   (default ``FileSystemWriter``, which fsyncs); and a *raw write+fsync* of the same
-  tensor bytes into one file -- the floor no checkpoint format can beat -- and a raw
+  tensor bytes into one file, one ``writev`` per 1,024 tensors -- the floor no
+  checkpoint format can beat -- and a raw
   write+fsync of as many bytes, in as many files, as ``fc.save`` writes (the floor of
   any DCP-compatible layout, whose every tensor is framed as a small ``torch.save``
   archive).
@@ -15,7 +16,8 @@ restore (warm page cache: each restore reads the files its tool has just written
   ``fc.restore(path, out=template)`` (in place, into preallocated tensors) and
   ``fc.restore(path)`` (no ``like``); ``torch.load`` (``weights_only=True``);
   ``safetensors.torch.load_file``; ``dcp.load`` into preallocated tensors; and a
-  *raw read* of the bytes into the template (the floor of an in-place restore) and
+  *raw read* of the bytes (one ``preadv`` per 1,024 tensors) into the template (the
+  floor of an in-place restore) and
   into newly allocated tensors (the floor of a restore that returns new tensors:
   the kernel must hand out and zero the new pages, which on a virtual machine can
   cost more than the read itself), and into new tensors whose memory is advised for
@@ -236,8 +238,8 @@ def raw_save_fc_sizes(dest: Path, w: Workload) -> None:
     """As many bytes, in as many files, as fc.save writes, each fsynced, then the directory.
 
     The floor of a save in any DCP-compatible layout: each tensor of a DCP file is a
-    small ``torch.save`` archive (about 1.5 KB of framing around a 1 KiB tensor), and
-    the manifest and DCP's ``.metadata`` are files of their own.
+    small ``torch.save`` zip archive (fc's keeps about 0.5 KB of framing around a
+    1 KiB tensor), and the manifest and DCP's ``.metadata`` are files of their own.
     """
     dest.mkdir()
     views = [byte_view(t) for t in w.tensors.values()]
