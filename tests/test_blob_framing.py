@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 import functional_ckpt as fc
 from functional_ckpt._src.format import blobs
 from functional_ckpt._src.format.checksum import crc32
-from functional_ckpt.errors import CorruptCheckpoint
+from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
 SPECS = [
     (torch.float32, (256,)),
@@ -167,3 +167,22 @@ def test_a_large_specs_template_is_built_without_a_buffer_of_its_size() -> None:
         tracemalloc.stop()
     assert peak < 1 << 20, peak
     assert tpl.nbytes == 3 << 26 and len(tpl.head) + len(tpl.tail) < 600
+
+
+def test_a_torch_save_zip_of_another_layout_is_a_clear_error() -> None:
+    """Records are found by name whatever their prefix; missing ones are named."""
+    for names, ok in (
+        (("other/data.pkl", "other/version", "other/data/0"), True),
+        (("other/data.pkl", "other/.data/version", "other/data/0"), True),
+        (("other/data.pkl", "other/data/0"), False),
+    ):
+        sink = blobs._SparseWriter()
+        with zipfile.ZipFile(sink, "w") as z:  # type: ignore[arg-type]
+            for n in names:
+                z.writestr(n, b"3\n")
+        if ok:
+            tpl = blobs._compact_template(sink, 4)
+            assert b"archive/data.pkl" in tpl.head
+        else:
+            with pytest.raises(CheckpointError, match=r"other/data\.pkl"):
+                blobs._compact_template(sink, 4)

@@ -42,7 +42,7 @@ _END_SIG = b"PK\x05\x06"
 
 _DATA_RECORD_SUFFIX = b"/data/0"
 
-_PREFIX = "archive/"  # the record prefix ``torch.save`` gives a stream
+_PREFIX = "archive/"  # the record prefix of fc's blobs, the one ``torch.save`` gives a stream
 
 _COMPACT_LIMIT = 1 << 31  # below this, no size or offset of the blob needs zip64
 
@@ -188,8 +188,14 @@ def _compact_template(sink: _SparseWriter, nbytes: int) -> BlobTemplate:
     the same for every tensor of the spec.
     """
     with zipfile.ZipFile(_SparseImage(sink)) as z:
-        records = [(_PREFIX + "data.pkl", z.read(_PREFIX + "data.pkl"))]
-        records.append((_PREFIX + "version", z.read(_PREFIX + "version")))
+        names = z.namelist()
+        pickles = [n for n in names if n.endswith("/data.pkl")]
+        prefix = pickles[0][: -len("data.pkl")] if len(pickles) == 1 else ""
+        versions = [v for v in ("version", ".data/version") if prefix + v in names]
+        if not prefix or not versions:
+            raise CheckpointError(f"unexpected torch.save zip layout (records {names})")
+        records = [(_PREFIX + "data.pkl", z.read(pickles[0]))]
+        records.append((_PREFIX + versions[0], z.read(prefix + versions[0])))
     if sys.byteorder != "little":
         records.append((_PREFIX + "byteorder", sys.byteorder.encode()))
     head = bytearray()
