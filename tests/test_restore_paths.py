@@ -171,3 +171,35 @@ def test_an_in_place_restore_lands_in_the_given_tensors_on_every_path(tmp_path: 
     assert torch.equal(strided, saved["small"]["p2"])
     assert torch.equal(out["big"], saved["big"]) and torch.equal(out["ints"], saved["ints"])
     assert torch.equal(out["half"], saved["half"].float())
+
+
+def test_views_at_one_address_are_told_apart_once_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Leaves that start at the same address are aliases only with the same identity,
+    and each leaf's identity is computed at most once (never per pair of leaves)."""
+    from functional_ckpt._src.save import plan as plan_mod
+
+    calls = 0
+    original = plan_mod._alias_key
+
+    def counted(t: torch.Tensor) -> tuple[Any, ...]:
+        nonlocal calls
+        calls += 1
+        return original(t)
+
+    monkeypatch.setattr(plan_mod, "_alias_key", counted)
+    buf = torch.arange(400, dtype=torch.float32)
+    state: dict[str, Any] = {f"v{k:03d}": buf[: k + 1] for k in range(300)}
+    state["same"] = buf[:7]  # the same view as v006: one tensor
+    state["alone"] = torch.ones(3)
+    plan = plan_mod.plan_save(state)
+    assert calls <= 2 * 301, calls
+    aliases = {e.path: e.alias for e in plan.entries if isinstance(e, plan_mod.TensorEntry)}
+    assert aliases[("same",)] == ("v006",)
+    assert all(aliases[(f"v{k:03d}",)] is None for k in range(300))
+    assert len(plan.sources) == 301
+    fc.save(tmp_path / "c", state)
+    back = fc.restore(tmp_path / "c")
+    for k, v in state.items():
+        assert torch.equal(back[k], v), k

@@ -152,26 +152,30 @@ def _may_alias(t: torch.Tensor) -> bool:
 class _Aliases:
     """The leaves seen so far, by the address their bytes start at.
 
-    Most leaves start at an address no other leaf does; the full identity
-    (:func:`_alias_key`) is computed only for those that share one.
+    Most leaves start at an address no other leaf does: the first leaf at an
+    address is kept as it is, and the full identity (:func:`_alias_key`) is
+    computed only once a second leaf starts there, once per leaf.
     """
 
     def __init__(self) -> None:
-        self._by_ptr: dict[int, list[tuple[torch.Tensor, TensorEntry]]] = {}
+        self._first: dict[int, tuple[torch.Tensor, TensorEntry] | None] = {}
+        self._keyed: dict[tuple[Any, ...], TensorEntry] = {}
 
     def find(self, t: torch.Tensor, ptr: int) -> TensorEntry | None:
         """The newest entry seen with ``t``'s identity, if any."""
-        seen = self._by_ptr.get(ptr)
-        if seen is None:
+        if ptr not in self._first:
             return None
-        key = _alias_key(t)
-        for other, entry in reversed(seen):
-            if _alias_key(other) == key:
-                return entry
-        return None
+        first = self._first[ptr]
+        if first is not None:  # a second leaf at this address: key the first one now
+            self._keyed.setdefault(_alias_key(first[0]), first[1])
+            self._first[ptr] = None
+        return self._keyed.get(_alias_key(t))
 
     def add(self, t: torch.Tensor, ptr: int, entry: TensorEntry) -> None:
-        self._by_ptr.setdefault(ptr, []).append((t, entry))
+        if ptr in self._first:
+            self._keyed[_alias_key(t)] = entry
+        else:
+            self._first[ptr] = (t, entry)
 
 
 @dataclass(frozen=True)
