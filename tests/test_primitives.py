@@ -44,7 +44,6 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("_src/root/lock.py", "os.open"): (1, "the lock file"),
     ("_src/root/rollback.py", "os.unlink"): (2, "the rollback's own intent file"),
     ("_src/save/incremental.py", "dst.unlink"): (1, "a link this save just made, swapped"),
-    ("_src/save/incremental.py", "os.open"): (1, "a new file (O_EXCL) in this save's directory"),
     ("_src/state/allocation.py", "os.open"): (
         1,
         "kernel attributes under /sys (huge pages, balloon)",

@@ -40,7 +40,7 @@ from functional_ckpt._src.format.manifest import Chunk
 from functional_ckpt._src.format.naming import parse_shard, shard_name
 from functional_ckpt._src.save.options import SaveOptions
 from functional_ckpt._src.save.trust import Ident, Key, Seen
-from functional_ckpt._src.storage import committed, opener, shards
+from functional_ckpt._src.storage import committed, durable, opener, shards
 from functional_ckpt.errors import CheckpointError
 
 #: A base data file is shared only while at least this fraction of its bytes is
@@ -266,9 +266,9 @@ def _copy(
     except (OSError, CheckpointError):
         return False
     try:
-        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        out = durable.open_new(dst)
         try:
-            if _copy_range(src, out, size) != size:
+            if durable.copy_range(src, out, size, writeback=sync) != size:
                 raise CheckpointError(f"{base.path / name}: shorter than its recorded size")
         except BaseException:
             os.close(out)
@@ -280,28 +280,6 @@ def _copy(
     finally:
         os.close(src)
     return True
-
-
-def _copy_range(src: int, out: int, size: int) -> int:
-    """Copy ``size`` bytes between files (in the kernel where it can); returns bytes copied."""
-    done = 0
-    kernel = True
-    while done < size:
-        if kernel:
-            try:
-                n = os.copy_file_range(src, out, size - done, done, done)
-            except OSError as e:
-                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                    raise
-                kernel = False  # across file systems on older kernels: copy through memory
-                continue
-        else:
-            block = os.pread(src, min(shards.CHUNK, size - done), done)
-            n = len(block) and os.pwrite(out, block, done)
-        if n == 0:
-            break
-        done += n
-    return done
 
 
 def reused_info(directory: Path) -> dict[str, dict[str, Any]]:

@@ -23,12 +23,6 @@ from functional_ckpt.errors import CheckpointError
 #: In a disk root: where its memory tier is and whether its manager is open (``fckpt ls``).
 MEMORY_STATUS = ".memory.json"
 
-#: Bytes copied per call while promoting (the kernel copies where it can).
-_COPY_BLOCK = 64 << 20
-
-#: Where the kernel cannot copy between these files: copied through memory instead.
-_NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP)
-
 
 def read_memory_status(root: Path) -> dict[str, Any]:
     """What the last writer of ``root`` recorded about its memory tier; {} if nothing."""
@@ -128,23 +122,8 @@ def _copy_file(dir_fd: int, src: Path, dst: Path) -> None:
         out = durable.open_new(dst)
         try:
             size = os.fstat(fd).st_size
-            done = 0
-            kernel = True
-            while done < size:
-                if kernel:
-                    try:
-                        n = os.copy_file_range(fd, out, min(_COPY_BLOCK, size - done), done, done)
-                    except OSError as e:
-                        if e.errno not in _NO_KERNEL_COPY:
-                            raise
-                        kernel = False
-                        continue
-                else:
-                    block = os.pread(fd, min(_COPY_BLOCK, size - done), done)
-                    n = len(block) and os.pwrite(out, block, done)
-                if n == 0:
-                    raise OSError(errno.EIO, f"{src}: shorter than it was a moment ago")
-                done += n
+            if durable.copy_range(fd, out, size, writeback=True) != size:
+                raise OSError(errno.EIO, f"{src}: shorter than it was a moment ago")
             os.fsync(out)
         finally:
             os.close(out)

@@ -24,7 +24,6 @@ from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import Chunk
 from functional_ckpt._src.storage import committed, durable
-from functional_ckpt._src.storage.durable import write_all
 from functional_ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -115,7 +114,8 @@ def write_shard(
     fd = durable.open_new(path)
     try:
         pending = bytearray()
-        pos = 0
+        pos = 0  # where the next blob starts
+        out = durable.Appender(fd, sync=sync)
         pool = checksum_pool()
         # The templates of this file's (dtype, shape)s, without the shared cache's lock
         # per tensor: a state of many tensors has few distinct specs.
@@ -141,7 +141,7 @@ def write_shard(
                     _pack_crc(pending, at + p, crc)
                 tail: bytes | bytearray = pending[at:]
                 if len(pending) >= WRITE_BATCH:
-                    write_all(fd, pending)
+                    out.write(pending)
                     pending.clear()
             else:
                 data = byte_view(t)
@@ -149,15 +149,15 @@ def write_shard(
                     raise CheckpointError(
                         f"internal: tensor {i} has {len(data)} bytes, expected {tpl.nbytes}"
                     )
-                if pending:
-                    write_all(fd, pending)
-                    pending.clear()
+                pending += tpl.head
+                out.write(pending)
+                pending.clear()
                 fut: Future[int] = pool.submit(_crc_chunks, data)
-                write_all(fd, tpl.head)
-                write_all(fd, data)
+                for off in range(0, len(data), durable.COPY_BLOCK):  # the disk starts on
+                    out.write(data[off : off + durable.COPY_BLOCK])  # each block at once
                 crc = fut.result()
                 tail = tpl.patch(crc)
-                write_all(fd, tail)
+                pending += tail  # written with what follows
             length = len(tpl.head) + tpl.nbytes + len(tail)
             box = (0,) * len(shape) if offsets is None else offsets[i]
             hcrc = crc32(tail, tpl.head_crc)
@@ -173,7 +173,7 @@ def write_shard(
             pending += b.data
             pos += n
         if pending:
-            write_all(fd, pending)
+            out.write(pending)
     except BaseException:
         os.close(fd)
         raise
