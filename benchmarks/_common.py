@@ -166,8 +166,12 @@ def write_views(fd: int, views: Iterable[memoryview], *, writeback: bool = False
     size = 0
     for view in views:
         if writeback:
-            for off in range(0, len(view), WRITEBACK_BLOCK):
-                piece = view[off : off + WRITEBACK_BLOCK]
+            pieces = (
+                [view]
+                if len(view) <= WRITEBACK_BLOCK
+                else [view[o : o + WRITEBACK_BLOCK] for o in range(0, len(view), WRITEBACK_BLOCK)]
+            )
+            for piece in pieces:
                 batch.append(piece)
                 size += len(piece)
                 if size >= WRITEBACK_BLOCK or len(batch) == IOV_MAX:
