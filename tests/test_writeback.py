@@ -198,13 +198,26 @@ def test_files_are_copied_and_handed_to_the_disk_only_through_durable() -> None:
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr in (
-                "copy_file_range",
-                "sync_file_range",
-                "sendfile",
-            ):
-                found.append((rel, node.attr))
+            name = node.attr if isinstance(node, ast.Attribute) else None
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                name = node.value  # a libc call loaded by name (native.libc_function)
+            if name in ("copy_file_range", "sync_file_range", "sendfile"):
+                found.append((rel, name))
     assert sorted(found) == [
         ("_src/storage/durable.py", "copy_file_range"),
         ("_src/storage/durable.py", "sync_file_range"),
     ]
+
+
+def test_a_libc_call_is_loaded_with_its_signature_or_is_none() -> None:
+    import ctypes
+    import sys
+
+    from functional_ckpt._src.native import libc_function
+
+    getpid = libc_function("getpid", [])
+    if sys.platform.startswith("linux"):
+        assert getpid is not None and getpid() == os.getpid()
+    else:
+        assert getpid is None
+    assert libc_function("no_such_call_in_any_libc", [ctypes.c_int]) is None

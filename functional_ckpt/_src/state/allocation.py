@@ -25,11 +25,11 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import sys
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from functional_ckpt._src.native import libc_function
 
 #: Environment switch: ``0`` never asks for huge pages, ``1`` always, unset/``auto`` decides.
 HUGE_PAGES_ENV = "FUNCTIONAL_CKPT_HUGE_PAGES"
@@ -58,19 +58,7 @@ _BALLOON_F_REPORTING = 5  # feature bit: the guest reports free pages to the hos
 _PAGE = mmap.PAGESIZE
 
 
-def _libc_madvise() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _libc_madvise()
+_MADVISE = libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 
 
 def _small_text(path: Path) -> str:

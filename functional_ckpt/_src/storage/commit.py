@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.format.checksum import crc32
@@ -27,27 +25,15 @@ from functional_ckpt._src.format.naming import (
     FORMAT_NAME,
     TRASH_INFIX,
 )
+from functional_ckpt._src.native import libc_function
 from functional_ckpt._src.storage.durable import fsync_dir, tmp_sibling, write_new
 from functional_ckpt.errors import (
     CheckpointExists,
 )
 
-
-def _renameat2_exchange() -> Any:
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return None
-    try:
-        libc = ctypes.CDLL(libc_name, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_RENAMEAT2 = _renameat2_exchange()
+_RENAMEAT2 = libc_function(
+    "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+)
 
 _AT_FDCWD = -100
 

@@ -19,12 +19,11 @@ import contextlib
 import ctypes
 import errno
 import os
-import sys
 import uuid
 from pathlib import Path
-from typing import Any
 
 from functional_ckpt._src.format.naming import TMP_INFIX
+from functional_ckpt._src.native import libc_function
 
 #: Flags of every new file: created here, never an existing one, never through a link.
 NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -39,19 +38,9 @@ NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP)
 _SYNC_FILE_RANGE_WRITE = 2  # start writing out the range's dirty pages; do not wait
 
 
-def _libc_sync_file_range() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _libc_sync_file_range()
+_SYNC_FILE_RANGE = libc_function(
+    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+)
 
 
 def start_writeback(fd: int, offset: int, length: int) -> bool:
