@@ -173,7 +173,7 @@ def test_small_blobs_batched_on_save_are_the_template_bytes(tmp_path: Path) -> N
         for i in range(9)
     ]
     path = tmp_path / "shard.distcp"
-    chunks, _ = write_shard(path, tensors)
+    chunks = write_shard(path, tensors).chunks
     data = path.read_bytes()
     assert len(data) == sum(c.length for c in chunks)
     for t, c in zip(tensors, chunks, strict=True):

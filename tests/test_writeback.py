@@ -83,7 +83,7 @@ def test_a_synced_shard_is_handed_to_the_disk_a_block_at_a_time(
         *[torch.randn(5000) for _ in range(100)],  # 2 MB of small ones, in batches
     ]
     path = tmp_path / "__0_0.distcp"
-    chunks, _ = shards.write_shard(path, tensors)
+    chunks = shards.write_shard(path, tensors).chunks
     size = path.stat().st_size
     handed = _covered(calls)
     assert 0 <= size - handed < 256 << 10  # only the last partial block is the fsync's

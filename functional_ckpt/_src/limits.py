@@ -52,6 +52,11 @@ class Limits:
     every sharded tensor: about 50 bytes per tensor plus its values). Read whole by
     the ranks that need it, so the bound is what one hostile part can cost."""
 
+    segment_bytes: int = 16 << 20
+    """Longest byte range of a shard file that one run checksum covers: a reader
+    reads a whole segment into memory to check it. A writer's segments are a few
+    MiB (its write batches)."""
+
     marker_bytes: int = 64 << 10
     """Largest commit marker (it holds a few fixed fields)."""
 

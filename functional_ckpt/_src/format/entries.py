@@ -22,6 +22,7 @@ from functional_ckpt._src.format.manifest import (
     shape_problem,
 )
 from functional_ckpt._src.format.naming import DCP_METADATA
+from functional_ckpt._src.format.segments import Segment
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 
@@ -56,6 +57,7 @@ class ParsedManifest:
     root: dict[str, Any] | None = None  # the root's batch size and names, if batched
     per_rank_roots: list[KeyPath] = field(default_factory=list)
     file_sizes: dict[str, int] = field(default_factory=dict)
+    segments: dict[str, tuple[Segment, ...]] = field(default_factory=dict)  # run checksums
     planned: bool = False  # entries of a save in progress: no chunk is written yet
     inner: set[KeyPath] = field(default_factory=set)  # every proper prefix of an entry's path
     parts: int = 0  # per-rank parts of a split manifest (0: one manifest)

@@ -38,13 +38,17 @@ from functional_ckpt._src.format.naming import (
     part_name,
     safe_member,
 )
+from functional_ckpt._src.format.segments import FIELD as SEGMENTS
+from functional_ckpt._src.format.segments import Segment, parse_segments
 from functional_ckpt._src.format.tables import add_table, is_table
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint
 
 
-def _files(manifest: dict[str, Any], root: Path, src: str) -> dict[str, int]:
-    """The file table: safe names and recorded sizes.
+def _files(
+    manifest: dict[str, Any], root: Path, src: str
+) -> tuple[dict[str, int], dict[str, tuple[Segment, ...]]]:
+    """The file table: safe names, recorded sizes and run checksums (where recorded).
 
     The files themselves were opened and checked against it (regular files of
     these sizes) when the checkpoint was opened (``storage/committed``). The marker
@@ -54,6 +58,7 @@ def _files(manifest: dict[str, Any], root: Path, src: str) -> dict[str, int]:
     if not isinstance(files, dict):
         raise CorruptCheckpoint(f"{src}: missing file table")
     sizes: dict[str, int] = {}
+    runs: dict[str, tuple[Segment, ...]] = {}
     for name, info in files.items():
         safe_member(root, name)
         if name in (COMMIT_MARKER, MANIFEST):
@@ -61,7 +66,9 @@ def _files(manifest: dict[str, Any], root: Path, src: str) -> dict[str, int]:
         if not isinstance(info, dict):
             raise CorruptCheckpoint(f"{src}: bad entry for file {name!r}")
         sizes[name] = checked_int(info.get("size"), src, f"size of {name!r}")
-    return sizes
+        if SEGMENTS in info:
+            runs[name] = parse_segments(info[SEGMENTS], sizes[name], f"{src} file {name!r}")
+    return sizes, runs
 
 
 def rank_entries(manifest: dict[str, Any], src: str) -> list[list[Any]]:
@@ -258,7 +265,7 @@ def parse_checkpoint(
         raise CorruptCheckpoint(
             f"{src}: tensor bytes are {order}-endian; this machine is {sys.byteorder}-endian"
         )
-    out.file_sizes = _files(manifest, root, src)
+    out.file_sizes, out.segments = _files(manifest, root, src)
     root_record = manifest.get("root", {})
     if not isinstance(root_record, dict):
         raise CorruptCheckpoint(f"{src}: invalid root record")

@@ -7,6 +7,7 @@ in-place restore (``out=``) reads into the given tensors.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,9 +16,11 @@ import torch
 from tensordict import TensorDict
 
 from functional_ckpt._src import codec
+from functional_ckpt._src.codec import table
 from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.format.manifest import Chunk, TensorEntry, torch_dtype
+from functional_ckpt._src.format.segments import Segment
 from functional_ckpt._src.state.allocation import PREFAULT_BYTES, host_empty
 from functional_ckpt._src.state.tree import Leaf, unflatten
 from functional_ckpt._src.storage import committed, shards
@@ -26,6 +29,10 @@ from functional_ckpt._src.text import short_repr
 from functional_ckpt.errors import CorruptCheckpoint, UnregisteredType
 
 CPU = torch.device("cpu")
+_STRIDED = torch.strided
+
+#: Dtypes by name, looked up once per tensor (an unknown name goes through ``torch_dtype``).
+_DTYPES = table.TORCH_DTYPES
 
 
 def vetted_view(path: Path, *, rank: int | None = 0) -> ParsedManifest:
@@ -34,8 +41,12 @@ def vetted_view(path: Path, *, rank: int | None = 0) -> ParsedManifest:
         return committed.parsed(ck).view(rank)
 
 
-#: Bytes read from a file: the tensor they belong to, the chunk, where they land.
-_Job = tuple[KeyPath, Chunk, torch.Tensor]
+@dataclass(slots=True)
+class _FileReads:
+    """The blobs read from one file: where each lands, and whose tensor it is."""
+
+    jobs: list[shards.ReadJob] = field(default_factory=list)
+    paths: list[KeyPath] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -47,14 +58,20 @@ class Reads:
     of a state of many small tensors is one allocation and one check.
     """
 
-    by_file: dict[str, list[_Job]] = field(default_factory=dict)
+    by_file: dict[str, _FileReads] = field(default_factory=dict)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def _read(self, path: KeyPath, chunk: Chunk, land: shards.Landing) -> None:
+        found = self.by_file.get(chunk.file)
+        if found is None:
+            found = self.by_file[chunk.file] = _FileReads()
+        found.jobs.append((chunk, land))
+        found.paths.append(path)
 
     def add(
         self,
         entry: TensorEntry,
         target: torch.Tensor | None,
-        *,
         inplace: bool,
         device: torch.device,
     ) -> torch.Tensor:
@@ -67,23 +84,27 @@ class Reads:
         """
         chunks = entry.chunks
         c = chunks[0] if len(chunks) == 1 else None
-        saved = torch_dtype(entry.dtype_name)
+        saved = _DTYPES.get(entry.dtype_name) or torch_dtype(entry.dtype_name)
         if (  # the common case, decided at once: a small host tensor read from one blob
             c is not None and c.nbytes < PREFAULT_BYTES and c.sizes == entry.shape
         ) and not any(c.offsets):
             t = None
             if not inplace:  # a new tensor
-                if (
-                    device.type == "cpu"
-                    if target is None
-                    else target.dtype is saved and target.is_cpu
-                ):
-                    t = torch.empty(entry.shape, dtype=saved)
+                if target is None:
+                    if device.type == "cpu":
+                        t = torch.empty(entry.shape, dtype=saved)
+                elif target.dtype is saved and target.is_cpu and target.shape == entry.shape:
+                    plain = (  # made like the template: half the cost of torch.empty
+                        type(target) is torch.Tensor
+                        and target.layout is _STRIDED
+                        and target.is_contiguous()
+                    )
+                    t = torch.empty_like(target) if plain else torch.empty(entry.shape, dtype=saved)
             elif target is not None and target.dtype is saved and target.is_cpu:  # out='s own
                 t = target if target.is_contiguous() else None
             if t is not None:
                 if c.nbytes:
-                    self.by_file.setdefault(c.file, []).append((entry.path, c, t))
+                    self._read(entry.path, c, t)
                 return t
         if inplace and target is not None and not target.is_meta:
             dest = target
@@ -100,7 +121,7 @@ class Reads:
                 buf = host_empty(entry.shape, saved)
         if len(chunks) == 1 and chunks[0].sizes == entry.shape and chunks[0].whole:
             if chunks[0].nbytes:  # the common case, in one step
-                self.by_file.setdefault(chunks[0].file, []).append((entry.path, chunks[0], buf))
+                self._read(entry.path, chunks[0], buf)
         else:
             for chunk in chunks:
                 if not chunk.nbytes:
@@ -111,17 +132,18 @@ class Reads:
                 else:
                     land = torch.empty(chunk.sizes, dtype=saved)
                     self.copies.append((region, land))
-                self.by_file.setdefault(chunk.file, []).append((entry.path, chunk, land))
+                self._read(entry.path, chunk, land)
         if not direct:
             self.copies.append((dest, buf))
         return dest
 
-    def run(self, src: committed.Checkpoint) -> None:
-        """Read and check every planned blob; one error lists all damage."""
+    def run(self, src: committed.Checkpoint, segments: Mapping[str, Sequence[Segment]]) -> None:
+        """Read and check every planned blob (a run at a time where the files record
+        ``segments``); one error lists all damage."""
         bad: list[str] = []
         for name, group in self.by_file.items():
-            results = shards.read_tensors(src.fd(name), [(c, land) for _, c, land in group])
-            for (path, _, _), res in zip(group, results, strict=True):
+            results = shards.read_tensors(src.fd(name), group.jobs, segments.get(name, ()))
+            for path, res in zip(group.paths, results, strict=True):
                 if res is not None:
                     bad.append(f"  {format_path(path)} in {name}: {res}")
         if bad:
@@ -200,7 +222,7 @@ def read_leaves(
                     leaves.append(Leaf(p, "tensor", None))
                     continue
             like = wanted.get(p)
-            t = results[p] = reads.add(e, like, inplace=inplace, device=device)
+            t = results[p] = reads.add(e, like, inplace, device)
             if (
                 like.requires_grad
                 if like is not None and not inplace
@@ -208,7 +230,7 @@ def read_leaves(
             ):
                 _require_grad(t)
             leaves.append(Leaf(p, "tensor", t))
-    reads.run(src)
+    reads.run(src, parsed.segments)
     with torch.no_grad():
         for i, e in aliases:
             assert e.alias is not None

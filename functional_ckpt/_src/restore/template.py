@@ -17,7 +17,7 @@ from tensordict import TensorDict, TensorDictBase
 from functional_ckpt._src.distributed.topology import is_dtensor
 from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
-from functional_ckpt._src.format.manifest import dtype_name
+from functional_ckpt._src.format.manifest import TensorEntry, dtype_name
 from functional_ckpt._src.format.view import ParsedCheckpoint
 from functional_ckpt._src.restore.read import read_tree
 from functional_ckpt._src.state.tree import Leaf, as_state, leaves_of, root_record
@@ -47,7 +47,11 @@ class Template:
     @property
     def has_dtensor(self) -> bool:
         """Whether a leaf is a DTensor (its shards are read collectively)."""
-        return any(lf.kind == "tensor" and is_dtensor(lf.value) for lf in self.leaves)
+        plain = torch.Tensor  # most leaves: checked by their type alone
+        return any(
+            lf.kind == "tensor" and type(lf.value) is not plain and is_dtensor(lf.value)
+            for lf in self.leaves
+        )
 
     def without(self, roots: list[KeyPath]) -> Template:
         """The template minus the subtrees under ``roots``' first keys (per-rank state)."""
@@ -66,6 +70,23 @@ def select(
     if template is None:
         return parsed.order, {}
     leaves = template.leaves
+    problems: list[str] = []
+    targets: dict[KeyPath, torch.Tensor] = {}
+    tensors = parsed.tensors
+    if [lf[:2] for lf in leaves] == parsed.order:  # the common case: the tree that was saved
+        for p, what, t in leaves:
+            if what != "tensor":
+                continue
+            e = tensors[p]
+            if t.shape == e.shape and t.dtype == e.dtype:
+                targets[p] = t
+            else:
+                _match_tensor(p, e, t, cast, problems, targets)
+        if problems:
+            raise TemplateMismatch(
+                "the checkpoint does not fit the template:\n" + "\n".join(problems)
+            )
+        return list(parsed.order), targets
     tleaves = {leaf.path: leaf for leaf in leaves}
     # the empty nodes, filled from the checkpoint: a node's children follow it at once
     fill = [
@@ -73,10 +94,7 @@ def select(
         for i, lf in enumerate(leaves)
         if lf.kind == "node" and (i + 1 == len(leaves) or leaves[i + 1].path[:-1] != lf.path)
     ]
-    problems: list[str] = []
-    targets: dict[KeyPath, torch.Tensor] = {}
     saved_kinds = dict(parsed.order)
-    tensors = parsed.tensors
     for p, leaf in tleaves.items():
         kind = saved_kinds.get(p)
         if kind is None and p[-1] == NODE_KEY:
@@ -86,21 +104,7 @@ def select(
         elif kind != leaf.kind:
             problems.append(f"  {format_path(p)}: saved as a {kind}, template has a {leaf.kind}")
         elif kind == "tensor":
-            e = tensors[p]
-            t: torch.Tensor = leaf.value
-            if t.shape != e.shape:  # a torch.Size is a tuple
-                problems.append(
-                    f"  {format_path(p)}: saved {e.spec}, template "
-                    f"{dtype_name(t.dtype)}{list(t.shape)} (shape differs)"
-                )
-            elif t.dtype != e.dtype and not cast:
-                problems.append(
-                    f"  {format_path(p)}: saved {e.spec}, template "
-                    f"{dtype_name(t.dtype)}{list(t.shape)} "
-                    "(dtype differs; pass cast=True to convert)"
-                )
-            else:
-                targets[p] = t
+            _match_tensor(p, tensors[p], leaf.value, cast, problems, targets)
 
     def wanted(p: KeyPath) -> bool:
         if p in tleaves or any(p[: len(f)] == f for f in fill):
@@ -128,6 +132,30 @@ def select(
     if problems:
         raise TemplateMismatch("the checkpoint does not fit the template:\n" + "\n".join(problems))
     return selected, targets
+
+
+def _match_tensor(
+    p: KeyPath,
+    e: TensorEntry,
+    t: torch.Tensor,
+    cast: bool,
+    problems: list[str],
+    targets: dict[KeyPath, torch.Tensor],
+) -> None:
+    """Take template leaf ``t`` as the target of saved tensor ``e``, or say why not."""
+    if t.shape != e.shape:  # a torch.Size is a tuple
+        problems.append(
+            f"  {format_path(p)}: saved {e.spec}, template "
+            f"{dtype_name(t.dtype)}{list(t.shape)} (shape differs)"
+        )
+    elif t.dtype != e.dtype and not cast:
+        problems.append(
+            f"  {format_path(p)}: saved {e.spec}, template "
+            f"{dtype_name(t.dtype)}{list(t.shape)} "
+            "(dtype differs; pass cast=True to convert)"
+        )
+    else:
+        targets[p] = t
 
 
 def per_rank_check(parsed: ParsedManifest, selected: list[tuple[KeyPath, str]], world: int) -> None:

@@ -38,6 +38,7 @@ from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import Chunk
 from functional_ckpt._src.format.naming import parse_shard, shard_name
+from functional_ckpt._src.format.segments import Segment
 from functional_ckpt._src.save.options import SaveOptions
 from functional_ckpt._src.save.trust import Ident, Key, Seen
 from functional_ckpt._src.storage import committed, durable, opener, shards
@@ -308,13 +309,14 @@ def write_rank(
     syncing: list[Future[None]] | None = None,
     blobs: Sequence[ByteEntry] = (),
     sync: bool = True,
-) -> tuple[list[Chunk], list[ByteEntry]]:
+) -> tuple[list[Chunk], list[ByteEntry], dict[str, list[Segment]]]:
     """Write one rank's chunks into ``tmp``: unchanged ones from the base, the rest anew.
 
     ``keys[i]`` names tensor ``i``'s chunk (its DCP key and box offsets). Returns the
     chunk of every tensor (the base's, repointed to the linked file, or the one just
-    written), in ``tensors``' order, and the located ``blobs`` (values as DCP byte
-    entries: small, always written anew, into the rank's own data file). Without a
+    written), in ``tensors``' order, the located ``blobs`` (values as DCP byte
+    entries: small, always written anew, into the rank's own data file), and the
+    run checksums of the file written anew (:mod:`..format.segments`). Without a
     base every chunk is written. Without ``sync`` no file is fsynced (a memory tier).
     """
     background: list[Future[None]] = [] if syncing is None else syncing
@@ -325,10 +327,12 @@ def write_rank(
             if c is not None:
                 after_each(i)
     located: list[ByteEntry] = []
+    segments: dict[str, list[Segment]] = {}
     if todo or base is None or blobs:
         each = None if after_each is None else (lambda j: after_each(todo[j]))
-        fresh, located = shards.write_shard(
-            tmp / shard_name(rank),
+        name = shard_name(rank)
+        fresh, located, segments[name] = shards.write_shard(
+            tmp / name,
             [tensors[i] for i in todo],
             [keys[i][1] for i in todo],
             after_each=each,
@@ -341,7 +345,7 @@ def write_rank(
     if syncing is None:
         for fut in background:
             fut.result()
-    return [c for c in reused if c is not None], located
+    return [c for c in reused if c is not None], located, segments
 
 
 def closing(base: Base | None) -> contextlib.AbstractContextManager[Any]:

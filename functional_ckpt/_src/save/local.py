@@ -22,6 +22,7 @@ import torch
 from functional_ckpt._src.format import dcp_metadata, naming
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.manifest import Manifest, Tree, Written, assemble
+from functional_ckpt._src.format.segments import FIELD, pack_segments
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.save import incremental
 from functional_ckpt._src.save.info import CheckpointInfo
@@ -189,7 +190,7 @@ def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> 
         tmp.mkdir()
         syncing: list[Future[None]] = []
         blobs = byte_entries(plan, snapshot=job.snapshot)
-        chunks, located = incremental.write_rank(
+        chunks, located, segments = incremental.write_rank(
             tmp,
             0,
             job.base,
@@ -202,7 +203,11 @@ def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> 
             sync=job.options.durable,
         )
         by_fqn = {e.fqn: (c,) for e, c in zip(plan.targets, chunks, strict=True)}
-        written = Written(by_fqn, tuple(located), incremental.reused_info(tmp))
+        info = incremental.reused_info(tmp)
+        for name, runs in segments.items():
+            if runs:
+                info.setdefault(name, {})[FIELD] = pack_segments(runs)
+        written = Written(by_fqn, tuple(located), info)
         check = hooks.before_commit
         nbytes, _ = finalize(
             tmp,

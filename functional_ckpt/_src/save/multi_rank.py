@@ -489,7 +489,9 @@ def _write(
         keys.append((item.index.fqn, tuple(item.tensor_data.chunk.offsets)))
     chunk_idents = [job.idents.get(it.index.fqn) for it in items]
     try:  # each rank decides for its own chunks what its base already holds
-        chunks, located = incremental.write_rank(
+        # Run checksums stay with the rank that wrote them: the file table records
+        # none of a multi-rank save (its readers check every blob on its own).
+        chunks, located, _ = incremental.write_rank(
             job.tmp, rank, job.base, keys, tensors, chunk_idents, blobs=job.blobs
         )
     except OSError as e:

@@ -17,12 +17,14 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from ctypes import string_at
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from functional_ckpt._src.format.blobs import BlobTemplate, blob_template, byte_view
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import Chunk
+from functional_ckpt._src.format.segments import Segment
+from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.storage import committed, durable
 from functional_ckpt.errors import (
     CheckpointError,
@@ -96,13 +98,14 @@ def write_shard(
     background: list[Future[None]] | None = None,
     blobs: Sequence[ByteEntry] = (),
     sync: bool = True,
-) -> tuple[list[Chunk], list[ByteEntry]]:
+) -> Shard:
     """Write tensors (contiguous, on CPU) as DCP blobs into a new file, fsynced.
 
     Tensor ``i`` is the box at ``offsets[i]`` of its global tensor (a whole tensor
     without ``offsets``). ``blobs`` (values as DCP byte entries) follow the
     tensors. Returns where every tensor and value landed, with its checksums:
-    the chunks in ``tensors``' order and the located byte entries. ``after_each(i)``
+    the chunks in ``tensors``' order, the located byte entries, and the run
+    checksum of every batch of small blobs written together. ``after_each(i)``
     runs once tensor ``i`` is fully written (version checks of unstaged saves hook
     in here). With ``background``, the fsync runs on :func:`sync_pool` and its
     future is appended there: the file is durable once that future is done. Without
@@ -111,10 +114,13 @@ def write_shard(
     name = path.name
     chunks: list[Chunk] = []
     located: list[ByteEntry] = []
+    segments: list[Segment] = []
     fd = durable.open_new(path)
     try:
         pending = bytearray()
         pos = 0  # where the next blob starts
+        start = 0  # where ``pending`` starts; it holds small blobs from ``small`` on
+        small = -1
         out = durable.Appender(fd, sync=sync)
         pool = checksum_pool()
         # The templates of this file's (dtype, shape)s, without the shared cache's lock
@@ -133,6 +139,8 @@ def write_shard(
                 data: bytes | memoryview = string_at(t.data_ptr(), tpl.nbytes)  # one copy of a
                 # few bytes costs less than a view of them
                 crc = crc32(data)
+                if small < 0:
+                    small = len(pending)
                 pending += tpl.head
                 pending += data
                 at = len(pending)
@@ -141,7 +149,8 @@ def write_shard(
                     _pack_crc(pending, at + p, crc)
                 tail: bytes | bytearray = pending[at:]
                 if len(pending) >= WRITE_BATCH:
-                    out.write(pending)
+                    _flush(out, pending, start, small, segments)
+                    start, small = out.end, -1
                     pending.clear()
             else:
                 data = byte_view(t)
@@ -150,7 +159,8 @@ def write_shard(
                         f"internal: tensor {i} has {len(data)} bytes, expected {tpl.nbytes}"
                     )
                 pending += tpl.head
-                out.write(pending)
+                _flush(out, pending, start, small, segments)
+                start, small = out.end, -1
                 pending.clear()
                 fut: Future[int] = pool.submit(_crc_chunks, data)
                 for off in range(0, len(data), durable.COPY_BLOCK):  # the disk starts on
@@ -158,6 +168,7 @@ def write_shard(
                 crc = fut.result()
                 tail = tpl.patch(crc)
                 pending += tail  # written with what follows
+                start = out.end
             length = len(tpl.head) + tpl.nbytes + len(tail)
             box = (0,) * len(shape) if offsets is None else offsets[i]
             hcrc = crc32(tail, tpl.head_crc)
@@ -173,7 +184,7 @@ def write_shard(
             pending += b.data
             pos += n
         if pending:
-            out.write(pending)
+            _flush(out, pending, start, small, segments)
     except BaseException:
         os.close(fd)
         raise
@@ -183,7 +194,27 @@ def write_shard(
         fsync_and_close(fd)
     else:
         background.append(sync_pool().submit(fsync_and_close, fd))
-    return chunks, located
+    return Shard(chunks, located, segments)
+
+
+class Shard(NamedTuple):
+    """What :func:`write_shard` wrote: tensors' chunks, values' entries, run checksums."""
+
+    chunks: list[Chunk]
+    located: list[ByteEntry]
+    segments: list[Segment]
+
+
+def _flush(
+    out: durable.Appender, pending: bytearray, start: int, small: int, segments: list[Segment]
+) -> None:
+    """Write ``pending`` (file bytes from ``start``); the small blobs in it, from ``small``
+    on, become one segment with their run checksum."""
+    if 0 <= small < len(pending) and len(pending) - small <= LIMITS.segment_bytes:
+        run = memoryview(pending)[small:]
+        segments.append(Segment(start + small, len(run), crc32(run)))
+        run.release()
+    out.write(pending)
 
 
 def read_into(fd: int, offset: int, dest: memoryview) -> int:
@@ -218,6 +249,9 @@ ReadJob = tuple[Chunk, Landing]
 #: Small blobs that lie together in the file are read with one call of this size.
 READ_WINDOW = 8 << 20
 
+#: A run of blobs read with one call skips at most this many bytes between two of them.
+READ_GAP = 64 << 10
+
 
 def _landing_view(dest: Landing) -> memoryview:
     """``dest`` as a writable buffer of exactly its bytes."""
@@ -237,16 +271,20 @@ def _landing_size(dest: Landing) -> int:
     return dest.nbytes
 
 
-def read_tensors(fd: int, jobs: Sequence[ReadJob]) -> list[str | None]:
+def read_tensors(
+    fd: int, jobs: Sequence[ReadJob], segments: Sequence[Segment] = ()
+) -> list[str | None]:
     """Read blobs from one opened file into their destinations, checking every byte.
 
-    Returns, per job, None when the blob arrived intact, else what is wrong: each
-    blob is checked on its own, so one damaged blob in a run read together names
-    only itself. Runs of small blobs are read with one call into one reused
-    window and copied to their places once checked; large ones straight into
-    place while the previous one is checksummed in the background. ``fd`` stays
-    open (it is the checkpoint's, opened safely; positional reads let threads
-    share it).
+    Returns, per job, None when the blob arrived intact, else what is wrong: one
+    damaged blob in a run read together names only itself. Runs of small blobs are
+    read with one call into one reused window and copied to their places once
+    checked: a run that fills most of one of the file's ``segments`` is read as
+    that segment and checked with its one run checksum, and only where that fails
+    is each blob checked on its own (:mod:`..format.segments`); other runs are
+    checked blob by blob. Large blobs go straight into place while the previous
+    one is checksummed in the background. ``fd`` stays open (it is the
+    checkpoint's, opened safely; positional reads let threads share it).
     """
     results: list[str | None] = [None] * len(jobs)
     for chunk, dest in jobs:
@@ -257,6 +295,8 @@ def read_tensors(fd: int, jobs: Sequence[ReadJob]) -> list[str | None]:
             )
     pool = checksum_pool()
     order = sorted(range(len(jobs)), key=[c.offset for c, _ in jobs].__getitem__)
+    if segments:
+        order = _read_segments(fd, jobs, order, segments, results)
     futures: list[tuple[int, Future[int]]] = []
     window: bytearray | None = None
     i = 0
@@ -270,7 +310,11 @@ def read_tensors(fd: int, jobs: Sequence[ReadJob]) -> list[str | None]:
         end = job.offset + job.length
         while j < len(order):
             nxt = jobs[order[j]][0]
-            if nxt.length >= SMALL_TENSOR or nxt.offset + nxt.length - job.offset > READ_WINDOW:
+            if (
+                nxt.length >= SMALL_TENSOR
+                or nxt.offset + nxt.length - job.offset > READ_WINDOW
+                or nxt.offset - end > READ_GAP  # bytes nobody wants: a new run
+            ):
                 break
             end = max(end, nxt.offset + nxt.length)
             j += 1
@@ -287,6 +331,68 @@ def read_tensors(fd: int, jobs: Sequence[ReadJob]) -> list[str | None]:
         if fut.result() != jobs[k][0].crc32 and results[k] is None:
             results[k] = "checksum mismatch"
     return results
+
+
+def _read_segments(
+    fd: int,
+    jobs: Sequence[ReadJob],
+    order: list[int],
+    segments: Sequence[Segment],
+    results: list[str | None],
+) -> list[int]:
+    """Read the small blobs that lie in ``segments`` segment by segment; returns the
+    rest (``order`` is the jobs in file order, and so is what is returned).
+
+    A segment is read whole only when the blobs wanted from it fill at least half
+    of it: a restore of a few tensors reads just those.
+    """
+    left: list[int] = []
+    window: bytearray | None = None
+    i, n = 0, len(order)
+    for seg in segments:
+        while i < n and jobs[order[i]][0].offset < seg.offset:
+            left.append(order[i])
+            i += 1
+        j, used, end = i, 0, seg.offset + seg.length
+        while j < n:
+            c = jobs[order[j]][0]
+            if c.offset + c.length > end or c.length >= SMALL_TENSOR:
+                break
+            used += c.length
+            j += 1
+        if 2 * used < seg.length:  # sparse (or nothing wanted here): blob by blob
+            left += order[i:j]
+            i = j
+            continue
+        if window is None or len(window) < seg.length:
+            window = bytearray(seg.length)
+        view = memoryview(window)[: seg.length]
+        got = view[: read_into(fd, seg.offset, view)]
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(window))
+        if len(got) == seg.length and crc32(got) == seg.crc32:
+            _place_run(jobs, order[i:j], got, seg.offset, addr)
+        else:  # damage somewhere in the segment: each blob names its own
+            _check_run(jobs, order[i:j], got, seg.offset, addr, results)
+        got.release()
+        view.release()
+        i = j
+    left += order[i:]
+    return left
+
+
+def _place_run(
+    jobs: Sequence[ReadJob], run: list[int], window: memoryview, base: int, addr: int
+) -> None:
+    """Copy the data of blobs ``run`` of ``jobs``, read and checked together into
+    ``window`` (the file from ``base``; its memory at ``addr``), to their places."""
+    memmove = ctypes.memmove
+    for k in run:
+        chunk, dest = jobs[k]
+        at = chunk.data_offset - base
+        if type(dest) is memoryview:
+            dest[:] = window[at : at + chunk.nbytes]
+        elif chunk.nbytes:
+            memmove(dest.data_ptr(), addr + at, chunk.nbytes)
 
 
 def _check_run(

@@ -151,13 +151,17 @@ def _verify_file(
     parsed: Any,
     report: VerifyReport,
 ) -> None:
-    """Every byte of a shard file belongs to exactly one blob whose checksums hold.
+    """Every byte of a shard file belongs to exactly one blob whose checksums hold,
+    and every run checksum the file table records holds.
 
     A file reused from a base (incremental saves) may also hold blobs this
-    checkpoint no longer uses: gaps are expected there, overlaps are not.
+    checkpoint no longer uses: gaps are expected there, overlaps are not. A run
+    checksum is reported only where every blob in its range holds (a damaged blob
+    is reported once, by its key).
     """
     report.files_checked += 1
     pos = 0
+    damaged: list[tuple[int, int]] = []  # the byte ranges of blobs found damaged
     fd = ck.fds[name]
     info = parsed.raw.get("files", {}).get(name)
     gaps = isinstance(info, dict) and info.get("reused") is True
@@ -171,6 +175,7 @@ def _verify_file(
             report.bytes_checked += n
             if crc != c.crc32:
                 report.problems.append(Problem(key, f"bytes in {name} fail their checksum", name))
+                damaged.append((c.offset, c.offset + c.length))
             pos = c.offset + c.length
             continue
         hcrc, n1 = shards.crc_range(fd, c.offset, c.data_offset - c.offset)
@@ -184,8 +189,16 @@ def _verify_file(
             report.problems.append(
                 Problem(key, f"blob headers in {name} fail their checksum", name)
             )
+        if crc != c.crc32 or hcrc != c.hcrc32:
+            damaged.append((c.offset, c.offset + c.length))
         pos = c.offset + c.length
     if pos != parsed.file_sizes[name] and not (gaps and pos < parsed.file_sizes[name]):
         report.problems.append(
             Problem(name, f"bytes {pos}..{parsed.file_sizes[name]} are not accounted for", name)
         )
+    for seg in parsed.segments.get(name, ()):
+        crc, _ = shards.crc_range(fd, seg.offset, seg.length)  # bytes counted above
+        if crc != seg.crc32 and not any(a < seg.end and seg.offset < b for a, b in damaged):
+            report.problems.append(
+                Problem(name, f"bytes {seg.offset}..{seg.end} fail their run checksum", name)
+            )
