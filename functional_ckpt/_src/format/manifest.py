@@ -138,16 +138,8 @@ class TensorEntry(NamedTuple):
 
     def with_chunks(self, chunks: tuple[Chunk, ...]) -> TensorEntry:
         """This entry holding ``chunks``."""
-        return TensorEntry(
-            self.path,
-            self.fqn,
-            self.dtype_name,
-            self.shape,
-            self.requires_grad,
-            chunks,
-            self.alias,
-            self.dcp_path,
-        )
+        # a save and a restore make one per tensor: without the named tuple's __new__
+        return tuple.__new__(TensorEntry, (*self[:5], chunks, *self[6:]))
 
     @property
     def nbytes(self) -> int:

@@ -104,6 +104,7 @@ def add_table(out: ParsedManifest, t: dict[str, Any], where: str) -> None:
         strict=True,
     )
     extent = LIMITS.tensor_extent
+    new = tuple.__new__  # a chunk and an entry per row: made without their __new__
     tensors, values, nodes, inner, order = out.tensors, out.values, out.nodes, out.inner, out.order
     k = j = 0
     for i, (p, node) in enumerate(zip(path_len, is_node, strict=True)):
@@ -144,6 +145,6 @@ def add_table(out: ParsedManifest, t: dict[str, Any], where: str) -> None:
                 f"{where} row {i}: {format_path(path)} declares bytes beyond the end of "
                 f"{file} ({fsize} bytes)"
             )
-        chunk = Chunk(_ZEROS[nd], shape, file, off, ln, doff, nbytes, c, h)
-        tensors[path] = TensorEntry(path, fqn, names[d], shape, g == 1, (chunk,))
+        chunk = new(Chunk, (_ZEROS[nd], shape, file, off, ln, doff, nbytes, c, h))
+        tensors[path] = new(TensorEntry, (path, fqn, names[d], shape, g == 1, (chunk,), None, None))
         order.append((path, "tensor"))

@@ -207,11 +207,12 @@ def read_leaves(
     results: dict[KeyPath, torch.Tensor] = {}
     aliases: list[tuple[int, TensorEntry]] = []  # (place in leaves, entry): made once read
     leaves: list[Leaf] = []
+    new = tuple.__new__  # a leaf per entry: made without Leaf's __new__
     for p, kind in selected:  # one pass: the leaves are made as their reads are planned
         if kind == "node":
             leaves.append(Leaf(p, "node", parsed.node_info.get(p)))
         elif kind == "value":
-            leaves.append(Leaf(p, "value", parsed.values[p]))
+            leaves.append(new(Leaf, (p, "value", parsed.values[p])))
         else:
             e = tensors[p]
             if e.alias is not None:
@@ -229,7 +230,7 @@ def read_leaves(
                 else fresh and e.requires_grad
             ):
                 _require_grad(t)
-            leaves.append(Leaf(p, "tensor", t))
+            leaves.append(new(Leaf, (p, "tensor", t)))
     reads.run(src, parsed.segments)
     with torch.no_grad():
         for i, e in aliases:

@@ -228,6 +228,7 @@ def plan_save(
     budget = _Budget()
     roots = set(per_rank)
     has_dtensor = False
+    new = tuple.__new__
     for leaf in leaves_of(state):
         path = leaf.path
         check_path(path)
@@ -258,15 +259,18 @@ def plan_save(
             has_dtensor = has_dtensor or (ptr is None and is_dtensor(t))
             src = aliases.find(t, ptr) if ptr is not None else None
             alias = src.path if src is not None and (src.path[0] in roots) == mine else None
-            entry = TensorEntry(
-                path,
-                fqn,
-                dtype_name(t.dtype),
-                tuple(t.shape),
-                bool(t.requires_grad),
-                (),
-                alias,
-                dcp_path,
+            entry = new(  # one per tensor: made without the named tuple's __new__
+                TensorEntry,
+                (
+                    path,
+                    fqn,
+                    dtype_name(t.dtype),
+                    tuple(t.shape),
+                    bool(t.requires_grad),
+                    (),
+                    alias,
+                    dcp_path,
+                ),
             )
             if alias is None:
                 if ptr is not None:

@@ -109,10 +109,11 @@ def _python_leaves(value: Any, path: KeyPath, _active: frozenset[int], out: list
     _active = _active | {id(value)}
     if record is not None:
         out.append(Leaf((*path, NODE_KEY), "value", record))
+    new, tensor = tuple.__new__, torch.Tensor  # a leaf per item: made without Leaf's __new__
     for name, v in items:
         p = (*path, name)
-        if isinstance(v, torch.Tensor):
-            out.append(Leaf(p, "tensor", v))
+        if isinstance(v, tensor):
+            out.append(new(Leaf, (p, "tensor", v)))
         elif isinstance(v, TensorDictBase):
             out.append(Leaf(p, "node", node_record(v)))
             out.extend(iter_leaves(v, p))
@@ -120,7 +121,7 @@ def _python_leaves(value: Any, path: KeyPath, _active: frozenset[int], out: list
             out.append(Leaf(p, "node", None))
             _python_leaves(v, p, _active, out)
         else:
-            out.append(Leaf(p, "value", v))
+            out.append(new(Leaf, (p, "value", v)))
 
 
 def _is_subtree(v: object) -> bool:

@@ -126,6 +126,7 @@ def write_shard(
         # The templates of this file's (dtype, shape)s, without the shared cache's lock
         # per tensor: a state of many tensors has few distinct specs.
         templates: dict[tuple[torch.dtype, tuple[int, ...]], BlobTemplate] = {}
+        new = tuple.__new__
         for i, t in enumerate(tensors):
             shape = tuple(t.shape)
             spec = (t.dtype, shape)
@@ -172,8 +173,11 @@ def write_shard(
             length = len(tpl.head) + tpl.nbytes + len(tail)
             box = (0,) * len(shape) if offsets is None else offsets[i]
             hcrc = crc32(tail, tpl.head_crc)
-            chunks.append(
-                Chunk(box, shape, name, pos, length, pos + len(tpl.head), tpl.nbytes, crc, hcrc)
+            chunks.append(  # one per tensor: made without the named tuple's __new__
+                new(
+                    Chunk,
+                    (box, shape, name, pos, length, pos + len(tpl.head), tpl.nbytes, crc, hcrc),
+                )
             )
             pos += length
             if after_each is not None:
