@@ -26,6 +26,7 @@ from functional_ckpt._src.state.allocation import (
     huge_pages_default,
     thp_offered,
 )
+from functional_ckpt.errors import CorruptCheckpoint
 from tests.patience import HANG
 
 LINUX = sys.platform.startswith("linux")
@@ -178,3 +179,86 @@ def test_restores_are_bit_identical_with_and_without_huge_pages(
             for k, v in state.items():
                 assert torch.equal(got[k], v), (value, k)
                 assert got[k].dtype == v.dtype
+
+
+_PREFAULT_CHILD = textwrap.dedent(
+    """
+    import json
+    import torch
+    from functional_ckpt._src.state.allocation import Prefaulter, host_empty
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    ts = [host_empty((64 << 20,), torch.uint8, fault=False) for _ in range(3)]
+    before = rss()  # advised, not faulted in: nothing resident yet
+    faults = Prefaulter(ts, block=4 << 20)
+    faults.ready(ts[2].data_ptr(), 64 << 20)  # the last byte of the last one
+    ready = rss()
+    faults.close()
+    faults.ready(12345, 1)  # a tensor it was not given: ready at once
+    stopped = Prefaulter(ts, block=1 << 12)
+    stopped.close()  # stops between blocks: nothing runs on once it returns
+    print(json.dumps({"before": before, "ready": ready}))
+    """
+)
+
+
+@pytest.mark.skipif(not LINUX, reason="/proc and madvise are Linux's")
+def test_a_prefaulter_has_the_pages_in_before_it_says_ready() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _PREFAULT_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+        check=True,
+    )
+    got = json.loads(out.stdout)
+    assert got["ready"] - got["before"] >= 3 * (64 << 20) * 0.9
+
+
+def test_restores_into_new_memory_faulted_in_beside_the_reads_are_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Large new tensors are read a block at a time while a thread faults them in; with
+    madvise missing (an old libc) the thread does nothing and the reads fault as usual."""
+    from functional_ckpt._src.state import allocation
+
+    gen = torch.Generator().manual_seed(5)
+    state = {f"w{i}": torch.randn((5 << 20) + 3 * i, generator=gen) for i in range(4)}
+    state["small"] = torch.arange(7)
+    state["half"] = torch.randn(3 << 20, generator=gen).half()
+    fc.save(tmp_path / "ck", state)
+    like = {k: torch.empty_like(v, device="meta") for k, v in state.items()}
+    closed: list[int] = []
+    real_close = allocation.Prefaulter.close
+
+    def close(self: allocation.Prefaulter) -> None:
+        closed.append(len(self._ranges))
+        real_close(self)
+
+    monkeypatch.setattr(allocation.Prefaulter, "close", close)
+    for madvise in (allocation._MADVISE, None):
+        monkeypatch.setattr(allocation, "_MADVISE", madvise)
+        out = {k: torch.full_like(v, 9) for k, v in state.items()}
+        for got in (
+            fc.restore(tmp_path / "ck", like),
+            fc.restore(tmp_path / "ck"),
+            fc.restore(tmp_path / "ck", like={k: v.double() for k, v in state.items()}, cast=True),
+            fc.restore(tmp_path / "ck", out=out),
+        ):
+            for k, v in state.items():
+                assert torch.equal(got[k].to(v.dtype), v), k
+    assert closed and all(n == 5 for n in closed[:2])  # every new large tensor, in read order
+    # a damaged large blob: the restore fails, and the thread is stopped all the same
+    from functional_ckpt._src.restore.read import vetted_view
+
+    chunk = vetted_view(tmp_path / "ck").tensors[("w2",)].chunks[0]
+    with open(tmp_path / "ck" / chunk.file, "r+b") as f:
+        f.seek(chunk.data_offset + (3 << 20))
+        f.write(b"\xff\xff")
+    closed.clear()
+    with pytest.raises(CorruptCheckpoint, match="'w2'"):
+        fc.restore(tmp_path / "ck", like)
+    assert closed == [5]

@@ -36,6 +36,7 @@ RESTORE_TOOLS = {
     "raw read into template",
     "raw read into new tensors",
     "raw read into new huge-page tensors",
+    "new tensors' pages alone (nothing read)",
     "safetensors.load_file + touch",
 }
 

@@ -188,6 +188,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "functional_ckpt._src.version",
             "functional_ckpt._src.limits",
             "functional_ckpt._src.native",
+            "functional_ckpt._src.threads",
         ),
     ),
     ("codec", ("functional_ckpt._src.codec",)),
@@ -315,7 +316,6 @@ KNOWN_STATE = {
     "functional_ckpt._src.format.blobs": {"_TEMPLATES"},  # encoded byte-entry templates
     "functional_ckpt._src.format.dcp_metadata": {"_LAST"},  # the last .metadata derived
     "functional_ckpt._src.format.dcp_values": {"_CACHE"},  # decoded stock-DCP values
-    "functional_ckpt._src.storage.shards": {"_POOL", "_POOL_LOCK", "_SYNC_POOL"},  # threads
     "functional_ckpt._src.save.trust": {"PROCESS_TRUST"},  # what this process committed
     "functional_ckpt._src.save.multi_rank": {"PLANS"},  # the last save plans, per group
 }

@@ -21,7 +21,7 @@ from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.format.manifest import Chunk, TensorEntry, torch_dtype
 from functional_ckpt._src.format.segments import Segment
-from functional_ckpt._src.state.allocation import PREFAULT_BYTES, host_empty
+from functional_ckpt._src.state.allocation import PREFAULT_BYTES, Prefaulter, host_empty
 from functional_ckpt._src.state.tree import Leaf, unflatten
 from functional_ckpt._src.storage import committed, shards
 from functional_ckpt._src.storage.committed import open_vetted
@@ -60,6 +60,9 @@ class Reads:
 
     by_file: dict[str, _FileReads] = field(default_factory=dict)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: New large tensors read whole from one blob (its file and offset): their pages
+    #: are faulted in beside the reads (:class:`~..state.allocation.Prefaulter`).
+    fresh: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
 
     def _read(self, path: KeyPath, chunk: Chunk, land: shards.Landing) -> None:
         found = self.by_file.get(chunk.file)
@@ -106,22 +109,27 @@ class Reads:
                 if c.nbytes:
                     self._read(entry.path, c, t)
                 return t
+        whole = len(chunks) == 1 and chunks[0].sizes == entry.shape and chunks[0].whole
+        made = True  # ``buf`` is new memory
         if inplace and target is not None and not target.is_meta:
             dest = target
             direct = target.is_cpu and target.dtype == saved and target.is_contiguous()
-            buf = target.detach() if direct else host_empty(entry.shape, saved)
+            made = not direct
+            buf = target.detach() if direct else host_empty(entry.shape, saved, fault=not whole)
         else:
             dtype = saved if target is None else target.dtype
             where = device if target is None or target.is_meta else target.device
             direct = where.type == "cpu" and dtype == saved
             if direct:
-                dest = buf = host_empty(entry.shape, saved)
+                dest = buf = host_empty(entry.shape, saved, fault=not whole)
             else:
                 dest = torch.empty(entry.shape, dtype=dtype, device=where)
-                buf = host_empty(entry.shape, saved)
-        if len(chunks) == 1 and chunks[0].sizes == entry.shape and chunks[0].whole:
+                buf = host_empty(entry.shape, saved, fault=not whole)
+        if whole:
             if chunks[0].nbytes:  # the common case, in one step
                 self._read(entry.path, chunks[0], buf)
+                if made and chunks[0].nbytes >= PREFAULT_BYTES:
+                    self.fresh.append((chunks[0].file, chunks[0].offset, buf))
         else:
             for chunk in chunks:
                 if not chunk.nbytes:
@@ -141,11 +149,20 @@ class Reads:
         """Read and check every planned blob (a run at a time where the files record
         ``segments``); one error lists all damage."""
         bad: list[str] = []
-        for name, group in self.by_file.items():
-            results = shards.read_tensors(src.fd(name), group.jobs, segments.get(name, ()))
-            for path, res in zip(group.paths, results, strict=True):
-                if res is not None:
-                    bad.append(f"  {format_path(path)} in {name}: {res}")
+        files = {name: i for i, name in enumerate(self.by_file)}
+        in_order = sorted(self.fresh, key=lambda f: (files[f[0]], f[1]))  # as they are read
+        faults = Prefaulter([t for _, _, t in in_order]) if in_order else None
+        ready = None if faults is None else faults.ready
+        try:
+            for name, group in self.by_file.items():
+                fd, runs = src.fd(name), segments.get(name, ())
+                results = shards.read_tensors(fd, group.jobs, runs, ready=ready)
+                for path, res in zip(group.paths, results, strict=True):
+                    if res is not None:
+                        bad.append(f"  {format_path(path)} in {name}: {res}")
+        finally:
+            if faults is not None:
+                faults.close()
         if bad:
             raise CorruptCheckpoint(f"{src.path}: damaged tensor data:\n" + "\n".join(bad))
         with torch.no_grad():

@@ -6,7 +6,10 @@ read copies into it, which costs several times the copy itself; memory advised
 for transparent huge pages takes one fault per 2 MiB instead. The tensors stay
 ordinary ones from torch's allocator (freed, resized and shared as usual): only
 the 2 MiB-aligned interior of a large allocation is advised, before anything
-touches it, and then the whole of it is faulted in with one call.
+touches it, and then the whole of it is faulted in with one call. A restore has the
+faulting done by a background thread (:class:`Prefaulter`), a block ahead of the
+reads that fill the memory, so that the kernel zeroes new pages on one core while
+the other copies bytes into the pages already there.
 
 Huge pages are not always cheaper. Under a hypervisor that takes back free memory
 (a virtio balloon reporting free pages, which Linux does in blocks of 2 MiB and
@@ -25,11 +28,15 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
 from functional_ckpt._src.native import libc_function
+from functional_ckpt._src.threads import BackgroundThread
 
 #: Environment switch: ``0`` never asks for huge pages, ``1`` always, unset/``auto`` decides.
 HUGE_PAGES_ENV = "FUNCTIONAL_CKPT_HUGE_PAGES"
@@ -112,13 +119,13 @@ def huge_pages_default(
     return _MADVISE is not None and thp_offered(enabled) and not free_pages_reported(devices)
 
 
-def advise_fresh(tensor: torch.Tensor, *, huge: bool) -> bool:
+def advise_fresh(tensor: torch.Tensor, *, huge: bool, fault: bool = True) -> bool:
     """Advise a new CPU tensor's untouched memory; True if huge pages were accepted.
 
     ``huge`` asks for huge pages on the 2 MiB-aligned interior (the partial pages at
-    either end stay small); then the whole page-aligned range is faulted in with
-    one call. Either advice may be refused (old kernel, THP compiled out): the
-    memory is then ordinary and faults in as it is written.
+    either end stay small); then (``fault``) the whole page-aligned range is faulted
+    in with one call. Either advice may be refused (old kernel, THP compiled out):
+    the memory is then ordinary and faults in as it is written.
     """
     if _MADVISE is None:
         return False
@@ -129,22 +136,97 @@ def advise_fresh(tensor: torch.Tensor, *, huge: bool) -> bool:
         lo = (ptr + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
         hi = end & ~(HUGE_PAGE - 1)
         accepted = hi > lo and _MADVISE(lo, hi - lo, MADV_HUGEPAGE) == 0
-    lo = (ptr + _PAGE - 1) & ~(_PAGE - 1)
-    hi = end & ~(_PAGE - 1)
-    if hi > lo:
-        _MADVISE(lo, hi - lo, MADV_POPULATE_WRITE)  # best effort: -1 is harmless
+    if fault:
+        populate(ptr, end - ptr)
     return accepted
 
 
+def populate(ptr: int, length: int) -> None:
+    """Fault in the whole pages of ``length`` bytes from address ``ptr``, with one call.
+
+    Best effort (-1 is harmless: an old kernel, or memory already gone). Pages
+    already there keep their bytes: only missing ones are made.
+    """
+    if _MADVISE is None:
+        return
+    lo = (ptr + _PAGE - 1) & ~(_PAGE - 1)
+    hi = (ptr + length) & ~(_PAGE - 1)
+    if hi > lo:
+        _MADVISE(lo, hi - lo, MADV_POPULATE_WRITE)
+
+
 def host_empty(
-    shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, *, huge: bool | None = None
+    shape: tuple[int, ...] | torch.Size,
+    dtype: torch.dtype,
+    *,
+    huge: bool | None = None,
+    fault: bool = True,
 ) -> torch.Tensor:
     """A new CPU tensor about to be written once in full (by a read or a copy).
 
-    Large ones get their pages advised and faulted in up front (see the module's
-    docstring); ``huge`` overrides :func:`huge_pages_default`.
+    Large ones get their pages advised and (``fault``) faulted in up front (see the
+    module's docstring); ``huge`` overrides :func:`huge_pages_default`. Without
+    ``fault`` the caller has them faulted in (a :class:`Prefaulter`).
     """
     tensor = torch.empty(shape, dtype=dtype)
     if tensor.numel() * tensor.itemsize >= PREFAULT_BYTES:
-        advise_fresh(tensor, huge=huge_pages_default() if huge is None else huge)
+        advise_fresh(tensor, huge=huge_pages_default() if huge is None else huge, fault=fault)
     return tensor
+
+
+#: Bytes a :class:`Prefaulter` faults in per call, and a reader waits for at a time.
+FAULT_BLOCK = 8 << 20
+
+_FAULTS = BackgroundThread("fc-fault")
+
+
+class Prefaulter:
+    """New tensors' pages faulted in by a background thread, in the order they are read.
+
+    The thread runs ahead of the reader: :meth:`ready` returns once the first
+    ``end`` bytes of a tensor are faulted in, so a read copies into pages that are
+    there while the kernel makes the next ones on the other core (``madvise`` and
+    ``preadv`` both run without the GIL). A tensor it was not given is ready at
+    once. :meth:`close` stops the thread before the tensors may be freed.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], block: int = FAULT_BLOCK) -> None:
+        self._ranges = [(t.data_ptr(), t.numel() * t.itemsize) for t in tensors]
+        self._index = {ptr: i for i, (ptr, _) in enumerate(self._ranges)}
+        self._block = block
+        self._progress = (0, 0)  # (tensor, bytes of it faulted in); past the last: done
+        self._cond = threading.Condition()
+        self._stop = False
+        self._future: Future[None] | None = (
+            _FAULTS.pool().submit(self._run) if self._ranges else None
+        )
+
+    def _run(self) -> None:
+        try:
+            for i, (ptr, n) in enumerate(self._ranges):
+                for off in range(0, n, self._block):
+                    if self._stop:
+                        return
+                    step = min(self._block, n - off)
+                    populate(ptr + off, step)
+                    with self._cond:
+                        self._progress = (i, off + step)
+                        self._cond.notify_all()
+        finally:
+            with self._cond:
+                self._progress = (len(self._ranges), 0)
+                self._cond.notify_all()
+
+    def ready(self, tensor_ptr: int, end: int) -> None:
+        """Return once the first ``end`` bytes of the tensor at ``tensor_ptr`` are in."""
+        i = self._index.get(tensor_ptr)
+        if i is None:
+            return
+        with self._cond:
+            self._cond.wait_for(lambda: self._progress >= (i, end) or self._progress[0] > i)
+
+    def close(self) -> None:
+        """Stop faulting in and wait for the thread (it never touches freed memory)."""
+        self._stop = True
+        if self._future is not None:
+            self._future.result()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from ctypes import string_at
@@ -26,6 +25,7 @@ from functional_ckpt._src.format.manifest import Chunk
 from functional_ckpt._src.format.segments import Segment
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.storage import committed, durable
+from functional_ckpt._src.threads import BackgroundThread
 from functional_ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -49,30 +49,18 @@ CRC_BLOCK = 4 << 20
 #: A blob's CRC32 written into its zip records (as ``BlobTemplate.patch`` does).
 _pack_crc = struct.Struct("<I").pack_into
 
-_POOL: ThreadPoolExecutor | None = None
-
-_POOL_LOCK = threading.Lock()
+_CRC = BackgroundThread("fc-crc")
+_FSYNC = BackgroundThread("fc-fsync")
 
 
 def checksum_pool() -> ThreadPoolExecutor:
     """One background thread that checksums while the caller does I/O."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(1, thread_name_prefix="fc-crc")
-        return _POOL
-
-
-_SYNC_POOL: ThreadPoolExecutor | None = None
+    return _CRC.pool()
 
 
 def sync_pool() -> ThreadPoolExecutor:
     """One background thread that fsyncs files while the caller computes (fsync drops the GIL)."""
-    global _SYNC_POOL
-    with _POOL_LOCK:
-        if _SYNC_POOL is None:
-            _SYNC_POOL = ThreadPoolExecutor(1, thread_name_prefix="fc-fsync")
-        return _SYNC_POOL
+    return _FSYNC.pool()
 
 
 def fsync_and_close(fd: int) -> None:
@@ -253,6 +241,13 @@ ReadJob = tuple[Chunk, Landing]
 #: Small blobs that lie together in the file are read with one call of this size.
 READ_WINDOW = 8 << 20
 
+#: A large blob read into memory being faulted in is read a block of this size at a time.
+READ_BLOCK = 8 << 20
+
+#: ``ready(address, end)``: returns once the first ``end`` bytes of the destination
+#: starting at ``address`` may be written.
+Ready = Callable[[int, int], None]
+
 #: A run of blobs read with one call skips at most this many bytes between two of them.
 READ_GAP = 64 << 10
 
@@ -276,7 +271,11 @@ def _landing_size(dest: Landing) -> int:
 
 
 def read_tensors(
-    fd: int, jobs: Sequence[ReadJob], segments: Sequence[Segment] = ()
+    fd: int,
+    jobs: Sequence[ReadJob],
+    segments: Sequence[Segment] = (),
+    *,
+    ready: Ready | None = None,
 ) -> list[str | None]:
     """Read blobs from one opened file into their destinations, checking every byte.
 
@@ -287,8 +286,10 @@ def read_tensors(
     that segment and checked with its one run checksum, and only where that fails
     is each blob checked on its own (:mod:`..format.segments`); other runs are
     checked blob by blob. Large blobs go straight into place while the previous
-    one is checksummed in the background. ``fd`` stays open (it is the
-    checkpoint's, opened safely; positional reads let threads share it).
+    one is checksummed in the background, a block at a time, each once
+    ``ready(address, end)`` says the destination's first ``end`` bytes may be
+    written (new memory being faulted in beside the read). ``fd`` stays open (it
+    is the checkpoint's, opened safely; positional reads let threads share it).
     """
     results: list[str | None] = [None] * len(jobs)
     for chunk, dest in jobs:
@@ -307,7 +308,7 @@ def read_tensors(
     while i < len(order):
         job = jobs[order[i]][0]
         if job.length >= SMALL_TENSOR:
-            results[order[i]] = _read_large(fd, jobs[order[i]], pool, futures, order[i])
+            results[order[i]] = _read_large(fd, jobs[order[i]], pool, futures, order[i], ready)
             i += 1
             continue
         j = i + 1
@@ -431,11 +432,27 @@ def _check_run(
 
 
 def _read_large(
-    fd: int, job: ReadJob, pool: ThreadPoolExecutor, futures: list[tuple[int, Future[int]]], k: int
+    fd: int,
+    job: ReadJob,
+    pool: ThreadPoolExecutor,
+    futures: list[tuple[int, Future[int]]],
+    k: int,
+    ready: Ready | None,
 ) -> str | None:
     chunk, landing = job
     dest = _landing_view(landing)
-    n = read_into(fd, chunk.data_offset, dest)
+    if ready is None:
+        n = read_into(fd, chunk.data_offset, dest)
+    else:
+        base, n = ctypes.addressof(ctypes.c_char.from_buffer(dest)), 0
+        for off in range(0, len(dest), READ_BLOCK):
+            block = dest[off : off + READ_BLOCK]
+            ready(base, off + len(block))
+            got = read_into(fd, chunk.data_offset + off, block)
+            block.release()
+            n += got
+            if got < READ_BLOCK:
+                break
     if n != len(dest):
         return f"only {n} of {len(dest)} bytes"
     futures.append((k, pool.submit(_crc_chunks, dest)))
@@ -445,15 +462,6 @@ def _read_large(
     if crc32(tail, crc32(head)) != chunk.hcrc32:
         return "blob headers fail their checksum"
     return None
-
-
-def _reset_after_fork() -> None:
-    global _POOL, _POOL_LOCK, _SYNC_POOL
-    _POOL = _SYNC_POOL = None
-    _POOL_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def crc_range(fd: int, offset: int, length: int, start: int = 0) -> tuple[int, int]:

@@ -1,0 +1,36 @@
+"""The package's background threads: one per purpose, made on first use.
+
+Each is a single thread, because its work is ordered (checksums beside a
+write, fsyncs beside the next computation, page faults ahead of the reads that fill
+the pages) and because the work it takes off the caller runs without the GIL
+(``crc32`` of large buffers, ``fsync``, ``madvise``). A child made by ``fork`` has
+none of its parent's threads: each is made anew there on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+__all__ = ["BackgroundThread"]
+
+
+class BackgroundThread:
+    """A single background thread, named ``name``, started on first use."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._forget)
+
+    def pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix=self.name)
+            return self._pool
+
+    def _forget(self) -> None:
+        self._pool = None
+        self._lock = threading.Lock()
