@@ -26,6 +26,20 @@ def resign(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     commit.write_commit_marker(path, raw, version=manifest["version"])
 
 
+def flip(ck: Path, key: str, *, header: bool = False) -> None:
+    """Damage one byte of top-level tensor ``key``'s blob: in its data, or its framing."""
+    from functional_ckpt._src.restore.read import vetted_view
+
+    chunk = vetted_view(ck).tensors[(key,)].chunks[0]
+    at = chunk.offset if header else chunk.data_offset + chunk.nbytes // 2
+    fd = os.open(ck / chunk.file, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, at)
+        os.pwrite(fd, bytes([byte[0] ^ 0x5A]), at)
+    finally:
+        os.close(fd)
+
+
 def sign(path: Path, raw: bytes) -> None:
     """Write a commit marker for ``raw`` (already the manifest of ``path``), with the
     version the manifest says (1 for bytes that decode to no manifest)."""

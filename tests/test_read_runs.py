@@ -17,6 +17,7 @@ import functional_ckpt as fc
 from functional_ckpt._src.restore.read import vetted_view
 from functional_ckpt._src.storage.shards import read_tensors
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
+from tests.forge import flip
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -26,17 +27,6 @@ def _state() -> dict[str, torch.Tensor]:
     state["big"] = torch.randn(1 << 19, generator=gen)  # 2 MiB: read on its own
     state["empty"] = torch.zeros(0, 3)
     return state
-
-
-def _flip(ck: Path, key: str, *, header: bool = False) -> None:
-    chunk = vetted_view(ck).tensors[(key,)].chunks[0]
-    at = chunk.offset if header else chunk.data_offset + chunk.nbytes // 2
-    fd = os.open(ck / chunk.file, os.O_RDWR)
-    try:
-        byte = os.pread(fd, 1, at)
-        os.pwrite(fd, bytes([byte[0] ^ 0x5A]), at)
-    finally:
-        os.close(fd)
 
 
 def test_a_run_of_small_blobs_comes_back_bit_identical(tmp_path: Path) -> None:
@@ -61,9 +51,9 @@ def test_damage_in_the_middle_of_a_run_names_only_the_damaged_keys(
     state = _state()
     ck = tmp_path / "ck"
     fc.save(ck, state)
-    _flip(ck, "t17")
-    _flip(ck, "t18", header=True)
-    _flip(ck, "big")
+    flip(ck, "t17")
+    flip(ck, "t18", header=True)
+    flip(ck, "big")
     like = {k: v.to("meta") for k, v in state.items()}
     with pytest.raises(CorruptCheckpoint) as info:
         if mode == "like":

@@ -8,7 +8,6 @@ writers, multi-rank saves) reads exactly as before.
 
 from __future__ import annotations
 
-import os
 import zlib
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.restore.read import vetted_view
 from functional_ckpt._src.storage import shards
 from functional_ckpt.errors import CorruptCheckpoint
-from tests.forge import resign
+from tests.forge import flip, resign
 
 SHARD = shard_name(0)
 
@@ -41,17 +40,6 @@ def _state() -> dict[str, Any]:
 
 def _segments(ck: Path) -> tuple[Segment, ...]:
     return vetted_view(ck).segments[SHARD]
-
-
-def _flip(ck: Path, key: str, *, header: bool = False) -> None:
-    chunk = vetted_view(ck).tensors[(key,)].chunks[0]
-    at = chunk.offset + 3 if header else chunk.data_offset + chunk.nbytes // 2
-    fd = os.open(ck / chunk.file, os.O_RDWR)
-    try:
-        byte = os.pread(fd, 1, at)
-        os.pwrite(fd, bytes([byte[0] ^ 0x5A]), at)
-    finally:
-        os.close(fd)
 
 
 def _assert_exact(got: Any, state: dict[str, Any]) -> None:
@@ -108,8 +96,8 @@ def test_damage_inside_a_segment_names_only_the_damaged_tensors(
 ) -> None:
     ck = _copy(saved[0], tmp_path / "ck")
     state = saved[1]
-    _flip(ck, "a1500")  # the middle of the first segment
-    _flip(ck, "b0999", header=True)  # the middle of another
+    flip(ck, "a1500")  # the middle of the first segment
+    flip(ck, "b0999", header=True)  # the middle of another
     tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     with pytest.raises(CorruptCheckpoint) as info:
         if mode == "like":
@@ -155,7 +143,7 @@ def test_a_checkpoint_without_run_checksums_reads_and_checks_as_before(
     _assert_exact(fc.restore(ck, saved[1]), saved[1])
     _assert_exact(fc.restore(ck), saved[1])
     assert fc.verify(ck).ok
-    _flip(ck, "a0007")
+    flip(ck, "a0007")
     with pytest.raises(CorruptCheckpoint, match=r"'a0007'.*checksum mismatch"):
         fc.restore(ck, saved[1])
 
