@@ -375,7 +375,7 @@ def _read_segments(
         got = view[: read_into(fd, seg.offset, view)]
         addr = ctypes.addressof(ctypes.c_char.from_buffer(window))
         if len(got) == seg.length and crc32(got) == seg.crc32:
-            _place_run(jobs, order[i:j], got, seg.offset, addr)
+            _place_run(jobs, order[i:j], got, seg.offset, addr, results)
         else:  # damage somewhere in the segment: each blob names its own
             _check_run(jobs, order[i:j], got, seg.offset, addr, results)
         got.release()
@@ -386,18 +386,31 @@ def _read_segments(
 
 
 def _place_run(
-    jobs: Sequence[ReadJob], run: list[int], window: memoryview, base: int, addr: int
+    jobs: Sequence[ReadJob],
+    run: list[int],
+    window: memoryview,
+    base: int,
+    addr: int,
+    results: list[str | None],
 ) -> None:
-    """Copy the data of blobs ``run`` of ``jobs``, read and checked together into
-    ``window`` (the file from ``base``; its memory at ``addr``), to their places."""
-    memmove = ctypes.memmove
+    """Check the data of blobs ``run`` of ``jobs``, read into ``window`` as one segment
+    whose run checksum held (the file from ``base``; its memory at ``addr``), against
+    each blob's own checksum, and copy it to its place.
+
+    The run checksum stands for the blobs' framing; a tensor's bytes are always
+    held to their own ``crc32``, so a record that points them elsewhere (or a run
+    checksum made over damaged bytes) is still caught."""
+    crc, memmove = crc32, ctypes.memmove
     for k in run:
         chunk, dest = jobs[k]
         at = chunk.data_offset - base
-        if type(dest) is memoryview:
-            dest[:] = window[at : at + chunk.nbytes]
-        elif chunk.nbytes:
-            memmove(dest.data_ptr(), addr + at, chunk.nbytes)
+        end = at + chunk.nbytes
+        if crc(window[at:end]) != chunk.crc32:
+            results[k] = "checksum mismatch"
+        elif type(dest) is memoryview:
+            dest[:] = window[at:end]
+        elif end > at:
+            memmove(dest.data_ptr(), addr + at, end - at)
 
 
 def _check_run(
