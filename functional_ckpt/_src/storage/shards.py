@@ -147,8 +147,8 @@ def write_shard(
                     raise CheckpointError(
                         f"internal: tensor {i} has {len(data)} bytes, expected {tpl.nbytes}"
                     )
-                pending += tpl.head
-                _flush(out, pending, start, small, segments)
+                pending += tpl.head  # after the segment: it is the large blob's
+                _flush(out, pending, start, small, segments, len(tpl.head))
                 start, small = out.end, -1
                 pending.clear()
                 fut: Future[int] = pool.submit(_crc_chunks, data)
@@ -198,12 +198,18 @@ class Shard(NamedTuple):
 
 
 def _flush(
-    out: durable.Appender, pending: bytearray, start: int, small: int, segments: list[Segment]
+    out: durable.Appender,
+    pending: bytearray,
+    start: int,
+    small: int,
+    segments: list[Segment],
+    after: int = 0,
 ) -> None:
     """Write ``pending`` (file bytes from ``start``); the small blobs in it, from ``small``
-    on, become one segment with their run checksum."""
-    if 0 <= small < len(pending) and len(pending) - small <= LIMITS.segment_bytes:
-        run = memoryview(pending)[small:]
+    on and before its last ``after`` bytes, become one segment with their run checksum."""
+    end = len(pending) - after
+    if 0 <= small < end and end - small <= LIMITS.segment_bytes:
+        run = memoryview(pending)[small:end]
         segments.append(Segment(start + small, len(run), crc32(run)))
         run.release()
     out.write(pending)
