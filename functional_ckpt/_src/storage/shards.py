@@ -381,7 +381,7 @@ def _read_segments(
         got = view[: read_into(fd, seg.offset, view)]
         addr = ctypes.addressof(ctypes.c_char.from_buffer(window))
         if len(got) == seg.length and crc32(got) == seg.crc32:
-            _place_run(jobs, order[i:j], got, seg.offset, addr, results)
+            _check_run(jobs, order[i:j], got, seg.offset, addr, results, framing=False)
         else:  # damage somewhere in the segment: each blob names its own
             _check_run(jobs, order[i:j], got, seg.offset, addr, results)
         got.release()
@@ -391,34 +391,6 @@ def _read_segments(
     return left
 
 
-def _place_run(
-    jobs: Sequence[ReadJob],
-    run: list[int],
-    window: memoryview,
-    base: int,
-    addr: int,
-    results: list[str | None],
-) -> None:
-    """Check the data of blobs ``run`` of ``jobs``, read into ``window`` as one segment
-    whose run checksum held (the file from ``base``; its memory at ``addr``), against
-    each blob's own checksum, and copy it to its place.
-
-    The run checksum stands for the blobs' framing; a tensor's bytes are always
-    held to their own ``crc32``, so a record that points them elsewhere (or a run
-    checksum made over damaged bytes) is still caught."""
-    crc, memmove = crc32, ctypes.memmove
-    for k in run:
-        chunk, dest = jobs[k]
-        at = chunk.data_offset - base
-        end = at + chunk.nbytes
-        if crc(window[at:end]) != chunk.crc32:
-            results[k] = "checksum mismatch"
-        elif type(dest) is memoryview:
-            dest[:] = window[at:end]
-        elif end > at:
-            memmove(dest.data_ptr(), addr + at, end - at)
-
-
 def _check_run(
     jobs: Sequence[ReadJob],
     run: list[int],
@@ -426,10 +398,17 @@ def _check_run(
     base: int,
     addr: int,
     results: list[str | None],
+    *,
+    framing: bool = True,
 ) -> None:
     """Check the blobs ``run`` of ``jobs`` read together into ``window`` (the file from
     ``base``; its memory at ``addr``), each on its own, and copy the intact ones to
-    their places: one loop, since a state of many small tensors pays it per tensor."""
+    their places: one loop, since a state of many small tensors pays it per tensor.
+
+    Without ``framing`` the blobs' framing was checked already (the run checksum of
+    the segment ``window`` holds); a tensor's bytes are always held to their own
+    ``crc32``, so a record that points them elsewhere (or a run checksum made over
+    damaged bytes) is still caught."""
     crc, memmove, size = crc32, ctypes.memmove, len(window)
     for k in run:
         chunk, dest = jobs[k]
@@ -440,7 +419,7 @@ def _check_run(
             continue
         data_at = chunk.data_offset - base
         data_end = data_at + chunk.nbytes
-        if crc(window[data_end:end], crc(window[start:data_at])) != chunk.hcrc32:
+        if framing and crc(window[data_end:end], crc(window[start:data_at])) != chunk.hcrc32:
             results[k] = "blob headers fail their checksum"
         elif crc(window[data_at:data_end]) != chunk.crc32:
             results[k] = "checksum mismatch"
