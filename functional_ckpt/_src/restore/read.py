@@ -16,7 +16,6 @@ import torch
 from tensordict import TensorDict
 
 from functional_ckpt._src import codec
-from functional_ckpt._src.codec import table
 from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.format.manifest import Chunk, TensorEntry, torch_dtype
@@ -30,9 +29,6 @@ from functional_ckpt.errors import CorruptCheckpoint, UnregisteredType
 
 CPU = torch.device("cpu")
 _STRIDED = torch.strided
-
-#: Dtypes by name, looked up once per tensor (an unknown name goes through ``torch_dtype``).
-_DTYPES = table.TORCH_DTYPES
 
 
 def vetted_view(path: Path, *, rank: int | None = 0) -> ParsedManifest:
@@ -87,7 +83,7 @@ class Reads:
         """
         chunks = entry.chunks
         c = chunks[0] if len(chunks) == 1 else None
-        saved = _DTYPES.get(entry.dtype_name) or torch_dtype(entry.dtype_name)
+        saved = torch_dtype(entry.dtype_name)
         if (  # the common case, decided at once: a small host tensor read from one blob
             c is not None and c.nbytes < PREFAULT_BYTES and c.sizes == entry.shape
         ) and not any(c.offsets):

@@ -47,11 +47,7 @@ class Template:
     @property
     def has_dtensor(self) -> bool:
         """Whether a leaf is a DTensor (its shards are read collectively)."""
-        plain = torch.Tensor  # most leaves: checked by their type alone
-        return any(
-            lf.kind == "tensor" and type(lf.value) is not plain and is_dtensor(lf.value)
-            for lf in self.leaves
-        )
+        return any(lf.kind == "tensor" and is_dtensor(lf.value) for lf in self.leaves)
 
     def without(self, roots: list[KeyPath]) -> Template:
         """The template minus the subtrees under ``roots``' first keys (per-rank state)."""
@@ -75,13 +71,8 @@ def select(
     tensors = parsed.tensors
     if [lf[:2] for lf in leaves] == parsed.order:  # the common case: the tree that was saved
         for p, what, t in leaves:
-            if what != "tensor":
-                continue
-            e = tensors[p]
-            if t.shape == e.shape and t.dtype == e.dtype:
-                targets[p] = t
-            else:
-                _match_tensor(p, e, t, cast, problems, targets)
+            if what == "tensor":
+                _match_tensor(p, tensors[p], t, cast, problems, targets)
         if problems:
             raise TemplateMismatch(
                 "the checkpoint does not fit the template:\n" + "\n".join(problems)

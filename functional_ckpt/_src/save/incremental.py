@@ -309,15 +309,16 @@ def write_rank(
     syncing: list[Future[None]] | None = None,
     blobs: Sequence[ByteEntry] = (),
     sync: bool = True,
-) -> tuple[list[Chunk], list[ByteEntry], dict[str, list[Segment]]]:
+) -> tuple[list[Chunk], list[ByteEntry], list[Segment]]:
     """Write one rank's chunks into ``tmp``: unchanged ones from the base, the rest anew.
 
     ``keys[i]`` names tensor ``i``'s chunk (its DCP key and box offsets). Returns the
     chunk of every tensor (the base's, repointed to the linked file, or the one just
     written), in ``tensors``' order, the located ``blobs`` (values as DCP byte
     entries: small, always written anew, into the rank's own data file), and the
-    run checksums of the file written anew (:mod:`..format.segments`). Without a
-    base every chunk is written. Without ``sync`` no file is fsynced (a memory tier).
+    run checksums of its file written anew, ``shard_name(rank)``
+    (:mod:`..format.segments`). Without a base every chunk is written. Without
+    ``sync`` no file is fsynced (a memory tier).
     """
     background: list[Future[None]] = [] if syncing is None else syncing
     reused = place(base, unchanged_chunks(base, keys, tensors, idents), tmp, rank, background, sync)
@@ -327,12 +328,11 @@ def write_rank(
             if c is not None:
                 after_each(i)
     located: list[ByteEntry] = []
-    segments: dict[str, list[Segment]] = {}
+    segments: list[Segment] = []
     if todo or base is None or blobs:
         each = None if after_each is None else (lambda j: after_each(todo[j]))
-        name = shard_name(rank)
-        fresh, located, segments[name] = shards.write_shard(
-            tmp / name,
+        fresh, located, segments = shards.write_shard(
+            tmp / shard_name(rank),
             [tensors[i] for i in todo],
             [keys[i][1] for i in todo],
             after_each=each,

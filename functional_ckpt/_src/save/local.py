@@ -204,9 +204,8 @@ def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> 
         )
         by_fqn = {e.fqn: (c,) for e, c in zip(plan.targets, chunks, strict=True)}
         info = incremental.reused_info(tmp)
-        for name, runs in segments.items():
-            if runs:
-                info.setdefault(name, {})[FIELD] = pack_segments(runs)
+        if segments:
+            info.setdefault(naming.shard_name(0), {})[FIELD] = pack_segments(segments)
         written = Written(by_fqn, tuple(located), info)
         check = hooks.before_commit
         nbytes, _ = finalize(
