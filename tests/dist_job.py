@@ -467,6 +467,14 @@ def main() -> None:
     elif mode == "async-save":
         mesh = init_device_mesh("cpu", (world,))
         state = shard_state(mesh, rank)
+        for mode in ("write", "none"):  # the live tensors cannot be read past the rounds
+            try:
+                fc.save_async(root / mode, state, staging=mode)  # type: ignore[arg-type]
+            except fc.CheckpointError as e:
+                assert f"staging={mode!r}" in str(e) and "torch.distributed" in str(e), e
+            else:
+                raise AssertionError(f"staging={mode!r} was accepted under torch.distributed")
+            assert not (root / mode).exists()
         pending = fc.save_async(root / "ck", state)
         pending.wait_staged()
         state["w"].to_local().add_(100.0)  # after staging: must not reach the checkpoint

@@ -20,9 +20,10 @@ def big_state(n: int = 40, numel: int = 1 << 20) -> dict[str, Any]:
     return {"w": {f"t{i}": torch.full((numel,), float(i)) for i in range(n)}, "step": 1}
 
 
-def test_mutation_after_wait_staged_is_not_in_the_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("staging", ["copy", "write"])
+def test_mutation_after_wait_staged_is_not_in_the_checkpoint(tmp_path: Path, staging: str) -> None:
     state = big_state()
-    pending = fc.save_async(tmp_path / "ck", state)
+    pending = fc.save_async(tmp_path / "ck", state, staging=staging)  # type: ignore[arg-type]
     pending.wait_staged()
     for t in state["w"].values():
         t.add_(1000.0)  # the loop's optimizer step
@@ -73,8 +74,52 @@ def test_bad_input_raises_at_the_call(tmp_path: Path) -> None:
         fc.save_async(tmp_path / "ck", {"a": torch.zeros(1)})
     with pytest.raises(fc.errors.UnsupportedValue, match="'bad'"):
         fc.save_async(tmp_path / "x", {"bad": object()})
-    with pytest.raises(ValueError, match="staging"):
+    with pytest.raises(ValueError, match=r"staging='maybe'\): expected one of 'copy', 'write'"):
         fc.save_async(tmp_path / "y", {"a": torch.zeros(1)}, staging="maybe")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"AsyncSave\(staging='maybe'\): expected one of"):
+        fc.manager.AsyncSave("maybe")  # type: ignore[arg-type]
+
+
+def test_staging_write_copies_nothing_and_is_staged_once_the_files_hold_every_byte(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """``write`` reads the live tensors into the files: no buffers, and staged only once
+    the last byte is written and checksummed (never while the write still reads)."""
+    state = big_state(8)
+    stager = fc.checkpoint.Stager()
+    seen: list[bool] = []
+    original = shards.write_shard
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        seen.append(pending_box[0]._staged.is_set())  # not staged while tensors are read
+        return out
+
+    pending_box: list[Any] = []
+    monkeypatch.setattr(shards, "write_shard", watched)
+    started = fc.save_async(tmp_path / "ck", state, staging="write", stager=stager)
+    pending_box.append(started)
+    started.wait_staged()
+    assert seen == [False]
+    for t in state["w"].values():
+        t.zero_()
+    started.result()
+    assert stager.allocations == 0 and stager.nbytes == 0
+    back = fc.restore(tmp_path / "ck")
+    assert all(bool((back["w", f"t{i}"] == float(i)).all()) for i in range(8))
+    assert fc.verify(tmp_path / "ck").ok
+
+
+def test_staging_write_failure_still_releases_the_caller(tmp_path: Path, monkeypatch: Any) -> None:
+    def disk_full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shards, "write_shard", disk_full)
+    pending = fc.save_async(tmp_path / "ck", big_state(2), staging="write")
+    pending.wait_staged()  # a failed write is staged too: the caller goes on
+    with pytest.raises(fc.CheckpointError, match="no space left"):
+        pending.result()
+    assert os.listdir(tmp_path) == []
 
 
 def test_staging_buffers_are_reused_and_memory_stays_flat(tmp_path: Path) -> None:
@@ -151,10 +196,14 @@ def test_manager_async_close_raises_a_pending_failure(tmp_path: Path, monkeypatc
         mgr.close()
 
 
-def test_manager_wait_staged_then_mutate(tmp_path: Path) -> None:
+@pytest.mark.parametrize("staging", ["copy", "write"])
+def test_manager_wait_staged_then_mutate(tmp_path: Path, staging: str) -> None:
     state = big_state(8)
     with fc.CheckpointManager(
-        tmp_path / "run", fc.every_steps(2), fc.keep_last(2), async_save=True
+        tmp_path / "run",
+        fc.every_steps(2),
+        fc.keep_last(2),
+        async_save=fc.manager.AsyncSave(staging),  # type: ignore[arg-type]
     ) as mgr:
         for step in range(1, 9):
             mgr.maybe_save(state, step=step)

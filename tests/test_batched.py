@@ -58,7 +58,7 @@ def test_batched_env_state_round_trips(tmp_path: Path) -> None:
     assert fc.verify(tmp_path / "ck").ok
 
 
-@pytest.mark.parametrize("staging", ["copy", "none"])
+@pytest.mark.parametrize("staging", ["copy", "write", "none"])
 def test_batched_env_state_saved_async(tmp_path: Path, staging: str) -> None:
     state = env_state()
     fc.save_async(tmp_path / "ck", state, staging=staging).result()  # type: ignore[arg-type]

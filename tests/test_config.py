@@ -362,7 +362,7 @@ def test_a_remote_tier_as_data_keeps_its_credentials_out(tmp_path: Path) -> None
          "keep.keep_last: expected a positive int, got '3'"),
         ({"root": "r", "read_only": "yes"}, "read_only: expected true or false, got 'yes'"),
         ({"root": "r", "async_save": {"staging": "copies"}},
-         "async_save.staging: expected 'copy' or 'none', got 'copies'"),
+         "async_save.staging: expected 'copy' or 'write' or 'none', got 'copies'"),
         ({"root": "r", "export": {"select": "model"}}, "export.policy: required"),
         ({"root": "r", "export": {"policy": "always", "dtype": "int8"}},
          "export.dtype: expected a floating-point dtype such as 'bfloat16', got 'int8'"),

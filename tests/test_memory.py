@@ -249,6 +249,27 @@ def test_saves_every_step_into_ram_and_restores_from_there(tmp_path: Path) -> No
     assert fc.CheckpointManager(root, read_only=True).steps() == [5]
 
 
+def test_a_memory_save_is_one_copy_into_ram_and_staged_once_there(tmp_path: Path) -> None:
+    """The tier writes the live tensors straight into its files (no staging buffers);
+    the loop's in-place update right after ``wait_staged`` reaches no checkpoint."""
+    state = {"w": {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(8)}, "step": 0}
+    tier = fc.manager.Memory(path=tmp_path / "mem", keep=2)
+    with fc.CheckpointManager(tmp_path / "root", save=fc.policy.never(), memory=tier) as mgr:
+        assert mgr.memory is not None
+        for s in range(1, 6):
+            state["step"] = s
+            mgr.maybe_save(state, step=s)
+            mgr.wait_staged()
+            for t in state["w"].values():
+                t.add_(1.0)  # the optimizer step
+        mgr.wait()
+        assert mgr.memory.writes.stager.allocations == 0
+        assert mgr.memory.steps() == [4, 5]
+        back = fc.restore(mgr.memory.view.path(5))
+        assert back["step"] == 5
+        assert all(bool((back["w", f"t{i}"] == float(i + 4)).all()) for i in range(8))
+
+
 def test_keep_one_holds_a_single_checkpoint(tmp_path: Path) -> None:
     tier = fc.manager.Memory(path=tmp_path / "mem", keep=1, async_save=False)
     with fc.CheckpointManager(tmp_path / "root", save=fc.policy.never(), memory=tier) as mgr:

@@ -26,7 +26,7 @@ def test_topology_without_a_process_group() -> None:
     assert not topo.distributed and topo.coordinator
 
 
-@pytest.mark.parametrize("mode", ["save", "copy", "none"])
+@pytest.mark.parametrize("mode", ["save", "copy", "write", "none"])
 def test_every_save_flattens_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:

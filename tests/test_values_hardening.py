@@ -74,7 +74,7 @@ def complex_tensor() -> torch.Tensor:
     return torch.complex(torch.arange(6.0), torch.arange(6.0) + 10).reshape(2, 3)
 
 
-@pytest.mark.parametrize("mode", ["sync", "copy", "none"])
+@pytest.mark.parametrize("mode", ["sync", "copy", "write", "none"])
 def test_conj_view_and_its_base_keep_their_own_values(tmp_path: Path, mode: str) -> None:
     z = complex_tensor()
     state = {"z": z, "z_conj": z.conj(), "imag_neg": z.conj().imag}

@@ -41,6 +41,7 @@ from functional_ckpt._src.policy.config import (
 )
 from functional_ckpt._src.policy.retention import RetentionPolicy
 from functional_ckpt._src.remote.options import Remote
+from functional_ckpt._src.save.staging import STAGINGS
 from functional_ckpt.errors import ConfigError
 
 __all__ = ["EXPORT_KEYS", "MEMORY_KEYS", "REMOTE_KEYS", "config_of", "manager_arguments"]
@@ -106,8 +107,8 @@ def _async(value: object, path: str) -> bool | AsyncSave:
         return value
     given = check_keys(value, path, ("staging",), "options")
     staging = given.get("staging", "copy")
-    if staging not in ("copy", "none"):
-        raise config_error(at_key(path, "staging"), "'copy' or 'none'", staging)
+    if staging not in STAGINGS:
+        raise config_error(at_key(path, "staging"), " or ".join(map(repr, STAGINGS)), staging)
     return AsyncSave(staging=staging)
 
 

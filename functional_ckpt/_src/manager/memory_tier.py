@@ -127,7 +127,9 @@ class MemoryTier:
             self.view,
             WriteSettings(
                 settings.per_rank,
-                AsyncSave() if option.async_save else None,
+                # one copy per save, straight into the tier's RAM; across ranks, the
+                # replication round needs the staged copies
+                (AsyncSave("copy" if topo.distributed else "write") if option.async_save else None),
                 option.incremental,  # a rank's base: the last step its own folder holds
                 distributed=topo.distributed,
                 coordinator=topo.coordinator,

@@ -13,7 +13,7 @@ from typing import Any
 from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.policy import SavePolicy
 from functional_ckpt._src.policy.retention import RetentionPolicy
-from functional_ckpt._src.save.staging import Staging
+from functional_ckpt._src.save.staging import Staging, check_staging
 from functional_ckpt.errors import UnsupportedValue
 
 __all__ = ["AsyncSave", "check_policies", "plain_metrics"]
@@ -24,7 +24,9 @@ class AsyncSave:
     """Save off the training thread (``CheckpointManager(async_save=AsyncSave(...))``).
 
     ``staging="copy"`` (default): ``maybe_save`` returns once the state's tensors are
-    copied into the manager's reusable buffers; ``"none"``: nothing is copied, the
+    copied into the manager's reusable buffers; ``"write"``: once they are written
+    straight into the checkpoint's files (one copy, no buffers: for files in RAM);
+    ``"none"``: nothing is copied, the
     loop must not change tensors in place until the save commits (a functional loop
     never does; a violation refuses the checkpoint). ``async_save=True`` is
     ``AsyncSave()``.
@@ -33,8 +35,7 @@ class AsyncSave:
     staging: Staging = "copy"
 
     def __post_init__(self) -> None:
-        if self.staging not in ("copy", "none"):
-            raise ValueError(f"AsyncSave(staging={self.staging!r}): expected 'copy' or 'none'")
+        check_staging(self.staging, "AsyncSave")
 
 
 def async_option(value: object) -> AsyncSave | None:

@@ -126,15 +126,14 @@ def start_save(
     ``before_write`` runs on the save's thread once the state is staged, before any
     file is written (a memory tier waits there for the RAM its pruning frees).
     """
-    if staging not in ("copy", "none"):
-        raise ValueError(f"save_async(staging={staging!r}): expected 'copy' or 'none'")
+    staging = stages.check_staging(staging, "save_async")
     job = plan_job(path, state, options, snapshot=True)
     with incremental.closing_on_error(job.base):
         if job.distributed:
-            if staging == "none":
+            if staging != "copy":
                 raise CheckpointError(
-                    "save_async(staging='none') is not supported under torch.distributed; "
-                    "use staging='copy'"
+                    f"save_async(staging={staging!r}) is not supported under "
+                    "torch.distributed; use staging='copy'"
                 )
             from functional_ckpt._src.distributed.groups import checkpoint_group
 
@@ -165,11 +164,13 @@ def save_async(
     ``staging="copy"`` (default): tensors are copied into buffers first;
     ``wait_staged()`` returns after the copy. A ``stager`` (``fc.checkpoint.Stager``)
     keeps those buffers from one save to the next; without one, each save allocates
-    its own. ``staging="none"``: no copy; the caller must not modify the state's
-    tensors in place until ``result()`` returns, and a violation is detected and the
-    checkpoint refused. ``base`` as for :func:`functional_ckpt.save`: unchanged
-    chunks are shared with the base, decided on the bytes being committed (the
-    staged copies).
+    its own. ``staging="write"``: no copy; the live tensors are written straight into
+    the files and ``wait_staged()`` returns once every byte is there (best where the
+    files are in RAM: one copy per save, no buffers). ``staging="none"``: no copy; the
+    caller must not modify the state's tensors in place until ``result()`` returns, and a
+    violation is detected and the checkpoint refused. ``base`` as for
+    :func:`functional_ckpt.save`: unchanged chunks are shared with the base, decided on
+    the bytes being committed (the staged copies).
     """
     options = save_options(
         metadata=metadata, overwrite=overwrite, per_rank=per_rank, base=base, what="fc.save_async"
@@ -198,6 +199,16 @@ def _work(
                 return backend.write(job, tensors, Hooks(after_each, check))
 
         return unstaged
+
+    if mode == "write":
+
+        def written(pending: PendingSave) -> CheckpointInfo:
+            ready()
+            tensors = [host_copy(t) for t in sources]  # only the off-CPU or scattered copied
+            with incremental.closing(job.base):
+                return backend.write(job, tensors, Hooks(read=pending._mark_staged))
+
+        return written
 
     local = [t.to_local() if is_dtensor(t) else t for t in sources]  # type: ignore[attr-defined]
 

@@ -44,8 +44,10 @@ class SaveJob:
 
 @dataclass(frozen=True)
 class Hooks:
-    """Calls into a running write: ``after_each(i)`` once tensor ``i`` is written, and
+    """Calls into a running write: ``after_each(i)`` once tensor ``i`` is written,
+    ``read()`` once no tensor is read any more (the caller may change them), and
     ``before_commit(written)`` (which may raise to refuse the commit) right before it."""
 
     after_each: Callable[[int], None] | None = None
     before_commit: Callable[[Written], None] | None = None
+    read: Callable[[], None] | None = None

@@ -6,6 +6,9 @@ and writes it through the same backend as :func:`functional_ckpt.save`. Staging
 copies into buffers a :class:`Stager` allocates once and reuses while shapes stay
 the same (pinned host memory and non-blocking copies on a side stream for CUDA
 tensors), so host memory stays flat over any number of saves. With
+``staging="write"`` nothing is copied first: the writer reads the live tensors
+straight into the files, and the save counts as staged once every byte is there
+(one copy per save where the files are in RAM, and no buffers). With
 ``staging="none"`` nothing is copied: the writer reads the live tensors and
 refuses to commit if any of them changed while it read them (tensor version
 counters, and a second checksum of every tensor right before the commit, which
@@ -18,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast, get_args
 
 import torch
 
@@ -31,7 +34,22 @@ from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.state.allocation import host_empty
 from functional_ckpt.errors import CheckpointError, ModifiedDuringSave
 
-Staging = Literal["copy", "none"]
+#: How an asynchronous save reads the state (see :func:`functional_ckpt.save_async`):
+#: ``copy`` into reusable buffers, then write those; ``write`` the live tensors straight
+#: into the files, staged once every byte is in them; ``none``: write the live tensors
+#: while the caller goes on, refusing the commit if they changed.
+Staging = Literal["copy", "write", "none"]
+
+#: The modes, in the order error messages list them.
+STAGINGS: tuple[str, ...] = get_args(Staging)
+
+
+def check_staging(value: object, call: str) -> Staging:
+    """``value`` as a staging mode; a ValueError naming ``call``'s argument if it is not."""
+    if value not in STAGINGS:
+        listed = ", ".join(repr(m) for m in STAGINGS)
+        raise ValueError(f"{call}(staging={value!r}): expected one of {listed}")
+    return cast(Staging, value)
 
 
 class Stager:
