@@ -13,8 +13,9 @@ per-rank generator whose state is saved too (``rng``), and a per-rank loader pos
 ``--die-at N``: every rank SIGKILLs itself once the memory step N is committed.
 ``--die-in-round N``: rank R SIGKILLs itself as the replication of its N-th memory
 save starts (its part written, no replica sent). ``--full-in-round N``: rank R
-finds no room for the replica it receives in its N-th round. Each rank prints ``RESUMED`` (the step
-and what its folder fetched) and ``FINAL`` (a digest of its final state).
+finds no room for the replica it receives in its N-th round. Each rank prints ``RESUMED``
+(the step, what its folder fetched, the warnings, and how many copies were checked
+whole before the read) and ``FINAL`` (a digest of its final state).
 """
 
 from __future__ import annotations
@@ -127,6 +128,16 @@ def main() -> None:
             return real_open(path, mapped=mapped)
 
         durable.open_new = full  # type: ignore[assignment]
+    from functional_ckpt._src.manager import memory_replicas as replicas_module
+
+    # how many memory-tier copies were checked byte for byte before a read
+    real_verify, verified = replicas_module.verify, [0]
+
+    def counted_verify(*a: Any, **k: Any) -> Any:
+        verified[0] += 1
+        return real_verify(*a, **k)
+
+    replicas_module.verify = counted_verify  # type: ignore[assignment]
     from functional_ckpt._src.save import incremental
 
     # per memory-tier save of this rank: how many of its chunks were not written again
@@ -161,7 +172,7 @@ def main() -> None:
             state = plain(restored)
         report = mgr.memory.replicas.resumed
         told = [f"{w.category.__name__}: {w.message}" for w in seen]
-        print("RESUMED", json.dumps([mgr.restored_step, report, told]), flush=True)
+        print("RESUMED", json.dumps([mgr.restored_step, report, told, verified[0]]), flush=True)
         while state["step"] < args.steps:
             mgr.wait_staged()
             state = train(state, mesh)

@@ -213,6 +213,10 @@ def test_a_lost_node_resumes_from_the_replicas_bit_identically(
     assert fetched and set(fetched.values()) <= {0, 1}, got
     assert {"__2_0.distcp", "__3_0.distcp", "manifest.msgpack"} <= set(fetched), fetched
     assert got[0][1]["fetched"] == {}  # node a had it all
+    # Nothing was checked twice: the read checks every byte it takes, and each copy
+    # node b received was read, there or at its source.
+    assert [g[3] for g in got] == [0] * WORLD, got
+    assert not any(g[2] for g in got), got
     assert finals(runs) == reference
 
 
@@ -259,6 +263,9 @@ def test_a_damaged_replica_is_refetched_or_the_disk_tier_used(
     got = resumed(runs)
     assert [g[0] for g in got] == [7] * WORLD, got
     assert got[0][1]["fetched"] == {"__0_0.distcp": 2}, got
+    # the read found the damage; then every copy was checked and an intact one taken
+    assert "__0_0.distcp" in got[0][2][0] and "every copy is checked" in got[0][2][0], got
+    assert got[0][3] == 1 and got[2][3] == 1, got  # each keeper checked its folder once
     assert fc.verify(mem_a / step_name(7)).ok  # repaired
     # Node b is lost and node a's copies of rank 2's file are damaged: no intact copy
     # of step 8 is left anywhere, nor of 7: the disk tier's step 5 is used.

@@ -241,9 +241,16 @@ class Replicas:
 
     # ------------------------------------------------------------------ resuming
 
-    def resume(self, at_least: int | None, world: int) -> int | None:
+    def resume(self, at_least: int | None, world: int, *, verified: bool) -> int | None:
         """Every rank: the newest step not older than ``at_least`` (any rank's) that is
-        complete somewhere, reassembled in every folder; None if there is none."""
+        complete somewhere, gathered into every folder; None if there is none.
+
+        Unverified (a resume's first try), every file present at its recorded size
+        counts: the read that follows checks every byte it takes, and each copy a folder
+        received was read, here or at its source. ``verified`` (after a read found
+        damage) first checks every byte of every copy and takes each file from an
+        intact one.
+        """
         held = self._held() if self.keeper else []
         reports = groups.all_gather_values(held, self.group)
         floors = groups.all_gather_values(-1 if at_least is None else at_least, self.group)
@@ -267,23 +274,40 @@ class Replicas:
             wanted = set(need) | {MANIFEST, COMMIT_MARKER}
             if not wanted <= set().union(*holding.values()):
                 continue  # some rank's part is nowhere now (its node and its holders lost)
-            mine = self.layout.folders[self.rank]
-            good_here = self._good(step) if self.keeper and mine in holding else set()
-            goods = groups.all_gather_values(sorted(good_here), self.group)
-            good = {self.layout.folders[k]: set(goods[k]) for k in self.layout.keepers()}
-            missing = wanted - set().union(*good.values())
-            if missing:
+            if verified:
+                good = self._intact(step, holding)
+                missing = wanted - set().union(*good.values())
+                if missing:
+                    warnings.warn(
+                        f"{self.folder}: memory-tier step {step}: no intact copy of "
+                        f"{sorted(missing)} on any rank (checksums fail); trying an older step",
+                        MemoryWarning,
+                        stacklevel=4,
+                    )
+                    continue
+            else:
+                good = {f: holding.get(f, set()) for f in set(self.layout.folders)}
+            try:
+                fetched = self._reassemble(step, need, wanted, good)
+            except CheckpointError as e:
                 warnings.warn(
-                    f"{self.folder}: memory-tier step {step}: no intact copy of "
-                    f"{sorted(missing)} on any rank (checksums fail); trying an older step",
+                    f"{self.folder}: memory-tier step {step} could not be gathered ({e}); "
+                    "falling back to the disk tier",
                     MemoryWarning,
                     stacklevel=4,
                 )
-                continue
-            if self._reassemble(step, need, wanted, good):
-                return int(step)
-            return None
+                return None
+            self.resumed = {"step": step, "fetched": fetched}
+            return int(step)
         return None
+
+    def _intact(self, step: int, holding: dict[int, set[str]]) -> dict[int, set[str]]:
+        """Each folder's files of ``step`` whose every byte passes its checksums (every
+        rank: each keeper checks its own folder)."""
+        mine = self.layout.folders[self.rank]
+        good_here = self._good(step) if self.keeper and mine in holding else set()
+        goods = groups.all_gather_values(sorted(good_here), self.group)
+        return {self.layout.folders[k]: set(goods[k]) for k in self.layout.keepers()}
 
     def _held(self) -> list[list[Any]]:
         """The keeper's committed steps: ``[step, {file: size}, [files present]]`` each."""
@@ -311,8 +335,10 @@ class Replicas:
 
     def _reassemble(
         self, step: int, need: dict[str, int], wanted: set[str], good: dict[int, set[str]]
-    ) -> bool:
-        """Each folder gets what it lacks of ``step`` from the folders that hold it intact."""
+    ) -> dict[str, int]:
+        """Each folder gets what it lacks of ``step`` from the folders that hold it
+        (``good``); returns what this rank's folder fetched and from whom. Every rank
+        raises together if any rank failed."""
         lay = self.layout
         final = self.folder / step_name(step)
         build = self.staging(step)
@@ -341,18 +367,8 @@ class Replicas:
             small = {m.name: _size(final / m.name) for m in moves if m.src == self.rank}
         except Exception as e:
             error = e
-        try:
-            self._fetch(moves, small, error, final, build, what, commit_here=bool(ours))
-        except CheckpointError as e:
-            warnings.warn(
-                f"{self.folder}: memory-tier step {step} could not be reassembled ({e}); "
-                "falling back to the disk tier",
-                MemoryWarning,
-                stacklevel=5,
-            )
-            return False
-        self.resumed = {"step": step, "fetched": {m.name: m.src for m in ours}}
-        return True
+        self._fetch(moves, small, error, final, build, what, commit_here=bool(ours))
+        return {m.name: m.src for m in ours}
 
     def _fetch(
         self,

@@ -43,7 +43,13 @@ from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.state.tree import State, leaves_of
 from functional_ckpt._src.storage import durable, opener, ram
-from functional_ckpt.errors import CheckpointError, LeftoverWarning, MemoryWarning, is_damage
+from functional_ckpt.errors import (
+    CheckpointError,
+    LeftoverWarning,
+    MemoryWarning,
+    RankFailed,
+    is_damage,
+)
 
 __all__ = ["MARK_FILE", "MemoryTier", "default_folder"]
 
@@ -451,31 +457,54 @@ class MemoryTier:
     def _newest_replicated(
         self, read: Callable[[Path], T], at_least: int | None, stacklevel: int
     ) -> tuple[StepInfo, T] | None:
-        """Every rank: the agreed step, reassembled in each folder, then read by all."""
+        """Every rank: the agreed step, gathered into each folder, then read by all.
+
+        The first try takes every copy as it is (the read checks every byte it
+        takes); a read that finds damage is tried once more with every copy checked
+        first, each file taken from an intact one.
+        """
         assert self.replicas is not None
-        step = self.replicas.resume(at_least, topology().world)
-        if step is None:
-            return None
-        path = self.view.path(step)
+        for verified in (False, True):
+            step = self.replicas.resume(at_least, topology().world, verified=verified)
+            if step is None:
+                return None
+            path = self.view.path(step)
+            found, damage = self._read_together(path, step, read)
+            if found is not None:
+                return found
+            again = (
+                "every copy is checked and the step gathered again"
+                if not verified
+                else ("falling back to the next tier")
+            )
+            warnings.warn(
+                f"{path}: memory-tier checkpoint of step {step} is unreadable ({damage}); " + again,
+                MemoryWarning,
+                stacklevel=stacklevel,
+            )
+        return None
+
+    def _read_together(
+        self, path: Path, step: int, read: Callable[[Path], T]
+    ) -> tuple[tuple[StepInfo, T] | None, str]:
+        """Every rank reads ``step``: what it read, or (every rank alike) None and what
+        the damage was. Any rank's error other than damage raises on every rank."""
+        assert self.replicas is not None
+        group = self.replicas.group
         error: BaseException | None = None
         found: tuple[StepInfo, T] | None = None
         try:
             found = read_info(path, step), read(path)
         except Exception as err:
             error = err
-        try:
-            groups.agree(error, self.replicas.group, f"restore {path}")
-        except Exception as err:
-            if error is not None and not is_damage(error):
-                raise
-            warnings.warn(
-                f"{path}: memory-tier checkpoint of step {step} is unreadable "
-                f"({type(err).__name__}: {err}); falling back to the next tier",
-                MemoryWarning,
-                stacklevel=stacklevel,
-            )
-            return None
-        return found
+        kind = 0 if error is None else 1 if is_damage(error) or isinstance(error, RankFailed) else 2
+        told = groups.all_gather_values([kind, "" if error is None else str(error)], group)
+        if any(k == 2 for k, _ in told):
+            groups.agree(error if kind == 2 else None, group, f"restore {path}")
+        bad = [f"rank {r}: {msg}" for r, (k, msg) in enumerate(told) if k == 1]
+        if bad:
+            return None, "; ".join(bad)
+        return found, ""
 
     # ------------------------------------------------------------------ preemption
 
