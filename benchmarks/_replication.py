@@ -16,6 +16,10 @@ resume after a lost node
   b's shards fetched from node a, every byte checked, then read);
   *from disk*: ``restore_latest`` of a read-only manager of the root, the same step
   (its files dropped from the page cache first where the OS allows).
+  *floor*: what any resume of the lost node pays on this machine, the sum of two
+  parts measured on their own: the files node b lacks sent by plain gloo from node
+  a's ranks, the same moves in the same order, into buffers allocated beforehand;
+  and every rank's new tensors like its shard filled by a plain copy.
 
 Each rank reports its times; a row's time is the slowest rank's.
 """
@@ -91,7 +95,14 @@ def worker(base: Path, memory: Path, size: int, reps: int) -> dict[str, Any]:
     node = "ab"[rank // 2]
     folder = memory / f"mem-{node}"
     root = base / "root"
-    out: dict[str, Any] = {"replicate": [], "plain": [], "from_replicas": [], "from_disk": []}
+    out: dict[str, Any] = {
+        "replicate": [],
+        "plain": [],
+        "from_replicas": [],
+        "from_disk": [],
+        "lost_plain": [],
+        "fill": [],
+    }
     tier = fc.manager.Memory(path=folder, async_save=False, promote_on=(), keep=1)
     mgr = fc.CheckpointManager(root, save=fc.policy.always(), keep=fc.keep_last(1), memory=tier)
     mem = mgr.memory
@@ -161,6 +172,31 @@ def worker(base: Path, memory: Path, size: int, reps: int) -> dict[str, Any]:
             out["from_disk"].append(_slowest(time.perf_counter() - t0))
             assert got is not None and ro.restored_step == reps + 1
         _ = k
+    # The floor of a lost node's resume: node b's files by plain gloo, then a plain fill
+    # of new tensors like each rank's shard (each part on its own, slowest rank each).
+    sizes = [os.stat(root / step_name(reps + 1) / shard_name(r)).st_size for r in range(WORLD)]
+    lost = [(r % 2, 2 + r % 2, n) for r, n in enumerate(sizes)]  # node a's ranks to node b's
+    shard = state["w"].to_local()
+    for _ in range(reps):
+        into = {
+            i: torch.empty(n, dtype=torch.uint8) for i, (_, d, n) in enumerate(lost) if d == rank
+        }
+        src = torch.ones(max(sizes), dtype=torch.uint8)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for tag, (s, d, n) in enumerate(lost):
+            if s == rank:
+                dist.send(src[:n], dst=d, group=plain_group, tag=tag)
+            elif d == rank:
+                dist.recv(into[tag], src=s, group=plain_group, tag=tag)
+        out["lost_plain"].append(_slowest(time.perf_counter() - t0))
+        del into
+        dist.barrier()
+        t0 = time.perf_counter()
+        fresh = torch.empty_like(shard)
+        fresh.copy_(shard)
+        out["fill"].append(_slowest(time.perf_counter() - t0))
+        del fresh
     mgr.close()
     dist.barrier()
     dist.destroy_process_group()

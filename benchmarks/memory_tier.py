@@ -32,7 +32,10 @@ replication (four ranks as two nodes of two, ``benchmarks/_replication.py``)
   per file into buffers allocated beforehand (the floor);
   *resume from replicas*: node b's folder deleted (a lost node), ``restore_latest``
   (node b's shards fetched from node a, every byte checked); *resume from disk*:
-  ``restore_latest`` of the same step from the disk tier.
+  ``restore_latest`` of the same step from the disk tier; *floor*: node b's files sent
+  by plain gloo into buffers allocated beforehand, plus every rank's new tensors filled
+  by a plain copy (each part timed on its own: what any resume of a lost node pays
+  here before it checks a byte).
 
 Each pair runs back to back, in the order A B, then B A; the loop's compute runs on
 one thread (``torch.set_num_threads(1)``), the saves beside it. Medians are
@@ -101,6 +104,7 @@ PLAIN, MEMORY = "loop: no checkpoints", "loop: memory tier every step"
 FROM_DISK, FROM_MEMORY = "resume: from disk", "resume: from memory"
 GLOO, REPLICATE = "replication: plain gloo sends", "replication: memory tier"
 LOST_DISK, LOST_REPLICAS = "lost node: resume from disk", "lost node: resume from replicas"
+LOST_FLOOR = "lost node: floor (its files by plain gloo + fill)"
 
 
 def import_fc() -> types.ModuleType:
@@ -315,6 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 replicated["from_disk"],
                 replicated["from_replicas"],
             )
+            times[LOST_FLOOR] = [
+                a + b for a, b in zip(replicated["lost_plain"], replicated["fill"], strict=True)
+            ]
     finally:
         remove_path(workdir)
 
@@ -322,6 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = {COPY: COPY, BLOCKING: COPY, PLAIN: PLAIN, MEMORY: PLAIN}
     base |= {FROM_DISK: FROM_DISK, FROM_MEMORY: FROM_DISK, FRESH: FROM_DISK}
     base |= {GLOO: GLOO, REPLICATE: GLOO, LOST_DISK: LOST_DISK, LOST_REPLICAS: LOST_DISK}
+    base |= {LOST_FLOOR: LOST_DISK}
     rows = [
         {
             "op": label,

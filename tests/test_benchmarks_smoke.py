@@ -292,7 +292,7 @@ def test_memory_tier_quick_run(tmp_path: Path) -> None:
     assert data["config"]["reps"] == 1
     ops = [r["op"] for r in data["rows"]]
     kinds = {op.split(":")[0] for op in ops}
-    assert len(ops) == 11 and kinds == {
+    assert len(ops) == 12 and kinds == {
         "copy",
         "blocking per save (memory tier)",
         "loop",
@@ -305,6 +305,8 @@ def test_memory_tier_quick_run(tmp_path: Path) -> None:
         assert len(r["times_s"]) >= 1 and r["median_s"] > 0 and r["ratio"] > 0
     by = {r["op"]: r for r in data["rows"]}
     assert by["replication: memory tier"]["throughput_ratio"] > 0
+    floor = by["lost node: floor (its files by plain gloo + fill)"]
+    assert floor["median_s"] > 0 and floor["ratio"] > 0
     fetched = by["lost node: resume from replicas"]["fetched"]  # node b's, from node a
     assert "__2_0.distcp" in fetched and set(fetched.values()) <= {0, 1}
     for t in data["targets"]:  # the loop's target is judged only where a step took >= 20x
