@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -402,6 +402,36 @@ def main() -> None:
                 else sum(range(0, saved_world * 100, 100)) // world
             )
             assert back["loader", "pos"] == expect, (back["loader", "pos"], expect)
+    elif mode == "same-shard-restore":
+        # Onto the placements that saved it: every shard is read straight into its new
+        # DTensor (no buffer), and ``like`` is left as it was.
+        from functional_ckpt._src.restore import dtensor
+
+        real, straight = dtensor.read_chunk, []
+
+        def recorded(*a: Any, **k: Any) -> Any:
+            straight.append(k.get("out") is not None)
+            return real(*a, **k)
+
+        dtensor.read_chunk = recorded  # type: ignore[assignment]
+        mesh = init_device_mesh("cpu", (world,))
+        like = {
+            k: distribute_tensor(torch.zeros_like(v.full_tensor()), mesh, v.placements)
+            if isinstance(v, DTensor)
+            else v
+            for k, v in shard_state(mesh, rank).items()
+        }
+        try:
+            back = fc.restore(root / f"w{world}", like)
+        except fc.CheckpointError as e:
+            write_error(root, rank, e)
+            return
+        check_restored(back, rank, world)
+        assert straight and all(straight), straight
+        assert not any(like[k].to_local().any() for k in ("w", "e", "r"))
+        for k in ("w", "e", "r"):
+            assert back[k].placements == like[k].placements
+            assert back[k].to_local().data_ptr() != like[k].to_local().data_ptr()
     elif mode == "plain-restore":
         mesh = init_device_mesh("cpu", (world,))
         back = fc.restore(root / "w1", shard_template(mesh), reshard=positions)

@@ -26,11 +26,13 @@ def resign(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     commit.write_commit_marker(path, raw, version=manifest["version"])
 
 
-def flip(ck: Path, key: str, *, header: bool = False) -> None:
-    """Damage one byte of top-level tensor ``key``'s blob: in its data, or its framing."""
+def flip(ck: Path, key: str, *, header: bool = False, file: str | None = None) -> None:
+    """Damage one byte of top-level tensor ``key``'s blob (its first chunk, or its chunk
+    in ``file``): in its data, or its framing."""
     from functional_ckpt._src.restore.read import vetted_view
 
-    chunk = vetted_view(ck).tensors[(key,)].chunks[0]
+    chunks = vetted_view(ck).tensors[(key,)].chunks
+    chunk = next(c for c in chunks if file in (None, c.file))
     at = chunk.offset if header else chunk.data_offset + chunk.nbytes // 2
     fd = os.open(ck / chunk.file, os.O_RDWR)
     try:

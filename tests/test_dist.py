@@ -246,6 +246,29 @@ def test_a_failure_whose_message_cannot_be_made_fails_every_rank_together(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["error.0.json", "error.1.json"]
 
 
+def test_a_shard_read_straight_into_its_dtensor_still_checks_every_byte(tmp_path: Path) -> None:
+    """A rank reads its saved shard straight into its new DTensor's memory; a byte
+    flipped in that shard's data is still found, named by file, on every rank."""
+    import json
+
+    from tests.forge import flip
+
+    run_ok(2, "shard-save", str(tmp_path))
+    run_ok(2, "same-shard-restore", str(tmp_path))  # exact, and every shard read straight
+    assert not list(tmp_path.glob("error.*"))
+    shard = tmp_path / "w2" / "__1_0.distcp"
+    flip(tmp_path / "w2", "w", file=shard.name)
+    for rc, _, err in wait_all(
+        launch(2, "same-shard-restore", str(tmp_path), env={"FUNCTIONAL_CKPT_TIMEOUT": "120"})
+    ):
+        assert rc == 0, err[-3000:]
+    told = {r: json.loads((tmp_path / f"error.{r}.json").read_text()) for r in range(2)}
+    assert told[1]["type"] == "CorruptCheckpoint", told[1]
+    assert "'w'" in told[1]["str"] and shard.name in told[1]["str"], told[1]
+    assert told[0]["type"] == "RankFailed", told
+    assert told[0]["failures"]["1"][0] == "CorruptCheckpoint", told
+
+
 def test_a_part_damaged_on_one_rank_fails_every_rank_together(tmp_path: Path) -> None:
     """A restoring rank whose own manifest part is damaged (only it reads that part)
     fails with the part named, and every other rank at once, naming that rank and

@@ -80,6 +80,12 @@ class _ManifestReader(StorageReader):
             dtype = self.dtypes.get(fqn)
             if dtype is None:
                 raise CorruptCheckpoint(f"{self.root.path}: no tensor {fqn!r}")
+            if len(reqs) == 1:  # the common case: the shard is the chunk saved
+                whole = _whole_target(chunk, reqs[0], planner, dtype)
+                if whole is not None:
+                    read_chunk(self.root, chunk, dtype, fqn, out=whole)
+                    planner.commit_tensor(reqs[0], whole)
+                    continue
             data = read_chunk(self.root, chunk, dtype, fqn)
             for req in reqs:
                 piece = data
@@ -97,6 +103,18 @@ class _ManifestReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
+
+
+def _whole_target(
+    chunk: Chunk, req: Any, planner: LoadPlanner, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """Where ``req`` lands, if it is the whole of ``chunk`` and its bytes can be read
+    straight into it (contiguous CPU memory of the saved dtype): no buffer, no copy."""
+    if any(req.storage_offsets) or tuple(req.lengths) != tuple(chunk.sizes):
+        return None
+    target: torch.Tensor = planner.resolve_tensor(req).detach()
+    usable = target.is_cpu and target.dtype == dtype and target.is_contiguous()
+    return target if usable and tuple(target.shape) == tuple(chunk.sizes) else None
 
 
 def parts_needed(

@@ -482,12 +482,18 @@ def crc_range(fd: int, offset: int, length: int, start: int = 0) -> tuple[int, i
 
 
 def read_chunk(
-    root: committed.Checkpoint, chunk: Chunk, dtype: torch.dtype, what: str
+    root: committed.Checkpoint,
+    chunk: Chunk,
+    dtype: torch.dtype,
+    what: str,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One stored chunk as a new tensor, every byte checked."""
+    """One stored chunk as a new tensor, or read straight into ``out`` (contiguous CPU
+    memory of its dtype and shape), every byte checked."""
     import torch
 
-    data = torch.empty(chunk.sizes, dtype=dtype)
+    data = torch.empty(chunk.sizes, dtype=dtype) if out is None else out
     if chunk.nbytes:
         res = read_tensors(root.fd(chunk.file), [(chunk, data)])[0]
         if res is not None:
