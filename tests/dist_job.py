@@ -550,6 +550,19 @@ def main() -> None:
                 2: OSError(28, "No space left on device"),
             },
         )
+    elif mode == "agree-values":
+        from functional_ckpt._src.distributed.groups import agree_values, checkpoint_group
+
+        group = checkpoint_group(purpose="control")
+        got = agree_values(None, {"rank": rank}, group, "round one")
+        assert got == [{"rank": r} for r in range(world)], got
+        error = fc.errors.CorruptCheckpoint(f"rank {rank} found damage") if rank == 1 else None
+        try:
+            agree_values(error, rank, group, "round two")
+        except fc.CheckpointError as e:
+            write_error(root, rank, e)
+        else:
+            raise AssertionError("round two passed with a failing rank")
     dist.barrier()  # nobody tears down connections while a peer still uses them
     dist.destroy_process_group()
 

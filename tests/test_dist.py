@@ -246,6 +246,20 @@ def test_a_failure_whose_message_cannot_be_made_fails_every_rank_together(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["error.0.json", "error.1.json"]
 
 
+def test_agree_values_gives_every_value_or_fails_every_rank_together(tmp_path: Path) -> None:
+    """One round that is both an agreement and a gather: the values when every rank
+    passed; otherwise the failing rank's own error, and RankFailed naming it elsewhere."""
+    import json
+
+    run_ok(3, "agree-values", str(tmp_path))
+    told = {r: json.loads((tmp_path / f"error.{r}.json").read_text()) for r in range(3)}
+    assert told[1]["type"] == "CorruptCheckpoint" and "rank 1 found" in told[1]["str"]
+    for r in (0, 2):
+        assert told[r]["type"] == "RankFailed", told[r]
+        assert told[r]["failures"] == {"1": ["CorruptCheckpoint", "rank 1 found damage"]}
+        assert "round two: rank 1 failed" in told[r]["str"]
+
+
 def test_a_shard_read_straight_into_its_dtensor_still_checks_every_byte(tmp_path: Path) -> None:
     """A rank reads its saved shard straight into its new DTensor's memory; a byte
     flipped in that shard's data is still found, named by file, on every rank."""

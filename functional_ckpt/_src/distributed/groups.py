@@ -220,6 +220,19 @@ def agree(error: BaseException | None, group: Any, what: str) -> None:
     _fail(error, what, failures)
 
 
+def agree_values(error: BaseException | None, value: Any, group: Any, what: str) -> list[Any]:
+    """Every rank's ``value`` once no rank failed, in one round (:func:`agree` and
+    :func:`all_gather_values` in one); otherwise every rank fails together as there."""
+    try:
+        told = all_gather_values([report(error), None if error is not None else value], group)
+    except Exception as e:  # a rank died or timed out
+        raise CheckpointError(
+            f"{what}: another rank did not answer ({e}); nothing committed"
+        ) from e
+    raise_failures(error, what, {r: bytes(t[0]) for r, t in enumerate(told)})
+    return [t[1] for t in told]
+
+
 def _fail(error: BaseException | None, what: str, failures: dict[int, tuple[str, str]]) -> None:
     if not failures:
         if error is not None:

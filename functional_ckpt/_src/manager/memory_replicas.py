@@ -154,8 +154,7 @@ class Replicas:
             mine = [[socket.gethostname(), st.st_dev, st.st_ino], where]
         except Exception as e:
             error = e
-        groups.agree(error, group, f"memory tier {folder}")
-        every = groups.all_gather_values(mine, group)
+        every = groups.agree_values(error, mine, group, f"memory tier {folder}")
         lay = layout_of([e[0] for e in every], [e[1] for e in every], replicas)
         return cls(folder, rank, lay, group)
 
@@ -187,21 +186,22 @@ class Replicas:
         """
         what = f"memory-tier step {step}"
         staging = self.staging(step)
-        groups.agree(error, self.group, what)
+        groups.agree(error, self.group, what)  # and the coordinator committed phase 1
         small: list[list[Any]] = []
+        size = -1
         try:
             if self.rank == 0:
                 small = [[n, _read(staging / n)] for n in _coordinator_files(staging)]
             own = staging / shard_name(self.rank)
-            size = os.stat(own, follow_symlinks=False).st_size if os.path.lexists(own) else -1
+            if os.path.lexists(own):
+                size = os.stat(own, follow_symlinks=False).st_size
         except Exception as e:
-            error, size = e, -1
-        groups.agree(error, self.group, what)
+            error = e
+        sizes = [int(n) for n in groups.agree_values(error, size, self.group, what)]
         packed = codec.encode(small) if self.rank == 0 else b""
         got = codec.decode(groups.broadcast_bytes(packed, self.group))
         assert isinstance(got, list) and got and got[-1][0] == COMMIT_MARKER
         files = [(str(n), bytes(b)) for n, b in got]
-        sizes = groups.all_gather_values(size, self.group)
         moves = self._moves(sizes)
         try:
             if self.keeper and self.layout.folders[self.rank] != self.layout.folders[0]:
@@ -382,8 +382,7 @@ class Replicas:
         commit_here: bool,
     ) -> None:
         """The moves of a reassembly, then each keeper's commit; every rank fails together."""
-        groups.agree(error, self.group, what)
-        told = groups.all_gather_values(sizes, self.group)
+        told = groups.agree_values(error, sizes, self.group, what)
         sized = [
             Move(m.src, m.dst, m.name, m.size if m.size >= 0 else told[m.src][m.name])
             for m in moves

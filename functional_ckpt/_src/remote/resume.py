@@ -144,6 +144,7 @@ class RemoteResume:
         """
         from functional_ckpt._src.distributed.groups import (
             agree,
+            agree_values,
             all_gather_values,
             checkpoint_group,
         )
@@ -159,8 +160,10 @@ class RemoteResume:
                 remote = self._good(max(common, default=None))
             except BaseException as e:
                 error = e
-        agree(error, group, f"restore from {self.url}")
-        remote = all_gather_values(remote if self.coordinator else None, group)[0]
+        told = agree_values(
+            error, remote if self.coordinator else None, group, f"restore from {self.url}"
+        )
+        remote = told[0]
         target = max([*common, *remote], default=None)
         if target is None:
             return None
