@@ -202,7 +202,7 @@ def test_manager_decisions_agree_and_async_saves_work_across_ranks(tmp_path: Pat
     export = tmp_path / "run" / "exports" / "step_000000002" / "model.safetensors"
     assert torch.equal(next(iter(load_file(str(export)).values())), full_tensors()["w"])
     run_ok(2, "async-save", str(tmp_path))
-    assert fc.verify(tmp_path / "ck").ok
+    assert fc.verify(tmp_path / "copy").ok and fc.verify(tmp_path / "write").ok
 
 
 def test_every_failing_rank_is_named_with_its_error_type(tmp_path: Path) -> None:

@@ -133,9 +133,7 @@ class MemoryTier:
             self.view,
             WriteSettings(
                 settings.per_rank,
-                # one copy per save, straight into the tier's RAM; across ranks, the
-                # replication round needs the staged copies
-                (AsyncSave("copy" if topo.distributed else "write") if option.async_save else None),
+                AsyncSave("write") if option.async_save else None,  # one copy, into RAM
                 option.incremental,  # a rank's base: the last step its own folder holds
                 distributed=topo.distributed,
                 coordinator=topo.coordinator,

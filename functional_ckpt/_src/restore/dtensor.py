@@ -28,7 +28,7 @@ from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.manifest import Chunk
 from functional_ckpt._src.storage import committed
-from functional_ckpt._src.storage.shards import read_chunk
+from functional_ckpt._src.storage.shards import lands_raw, read_chunk
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
 
@@ -109,12 +109,12 @@ def _whole_target(
     chunk: Chunk, req: Any, planner: LoadPlanner, dtype: torch.dtype
 ) -> torch.Tensor | None:
     """Where ``req`` lands, if it is the whole of ``chunk`` and its bytes can be read
-    straight into it (contiguous CPU memory of the saved dtype): no buffer, no copy."""
+    straight into it (:func:`~..storage.shards.lands_raw`): no buffer, no copy."""
     if any(req.storage_offsets) or tuple(req.lengths) != tuple(chunk.sizes):
         return None
     target: torch.Tensor = planner.resolve_tensor(req).detach()
-    usable = target.is_cpu and target.dtype == dtype and target.is_contiguous()
-    return target if usable and tuple(target.shape) == tuple(chunk.sizes) else None
+    usable = lands_raw(target, dtype) and tuple(target.shape) == tuple(chunk.sizes)
+    return target if usable else None
 
 
 def parts_needed(

@@ -99,8 +99,8 @@ class Reads:
                         and target.is_contiguous()
                     )
                     t = torch.empty_like(target) if plain else torch.empty(entry.shape, dtype=saved)
-            elif target is not None and target.dtype is saved and target.is_cpu:  # out='s own
-                t = target if target.is_contiguous() else None
+            elif target is not None and shards.lands_raw(target, saved):  # out='s own
+                t = target
             if t is not None:
                 if c.nbytes:
                     self._read(entry.path, c, t)
@@ -109,7 +109,7 @@ class Reads:
         made = True  # ``buf`` is new memory
         if inplace and target is not None and not target.is_meta:
             dest = target
-            direct = target.is_cpu and target.dtype == saved and target.is_contiguous()
+            direct = shards.lands_raw(target, saved)
             made = not direct
             buf = target.detach() if direct else host_empty(entry.shape, saved, fault=not whole)
         else:

@@ -130,10 +130,10 @@ def start_save(
     job = plan_job(path, state, options, snapshot=True)
     with incremental.closing_on_error(job.base):
         if job.distributed:
-            if staging != "copy":
+            if staging == "none":
                 raise CheckpointError(
-                    f"save_async(staging={staging!r}) is not supported under "
-                    "torch.distributed; use staging='copy'"
+                    "save_async(staging='none') is not supported under torch.distributed; "
+                    "use staging='copy' or 'write'"
                 )
             from functional_ckpt._src.distributed.groups import checkpoint_group
 
@@ -166,7 +166,8 @@ def save_async(
     keeps those buffers from one save to the next; without one, each save allocates
     its own. ``staging="write"``: no copy; the live tensors are written straight into
     the files and ``wait_staged()`` returns once every byte is there (best where the
-    files are in RAM: one copy per save, no buffers). ``staging="none"``: no copy; the
+    files are in RAM: one copy per save, no buffers; under ``torch.distributed`` once
+    this rank's file is written). ``staging="none"``: no copy; the
     caller must not modify the state's tensors in place until ``result()`` returns, and a
     violation is detected and the checkpoint refused. ``base`` as for
     :func:`functional_ckpt.save`: unchanged chunks are shared with the base, decided on
@@ -204,7 +205,8 @@ def _work(
 
         def written(pending: PendingSave) -> CheckpointInfo:
             ready()
-            tensors = [host_copy(t) for t in sources]  # only the off-CPU or scattered copied
+            # only the off-CPU or scattered copied (each rank's writes copy their own)
+            tensors = list(sources) if job.distributed else [host_copy(t) for t in sources]
             with incremental.closing(job.base):
                 return backend.write(job, tensors, Hooks(read=pending._mark_staged))
 

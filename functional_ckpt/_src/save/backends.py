@@ -41,7 +41,7 @@ class DistributedBackend:
     def write(self, job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> CheckpointInfo:
         from functional_ckpt._src.save.multi_rank import save_planned
 
-        return save_planned(job, tensors, timeout=self.timeout)
+        return save_planned(job, tensors, timeout=self.timeout, read=hooks.read)
 
 
 def backend_for(job: SaveJob) -> Backend:

@@ -54,6 +54,7 @@ class _Commit:
     blobs: list[ByteEntry]  # the values for stock readers, planned (rank 0)
     base: incremental.Base | None
     idents: dict[str, trust.Ident | None]  # by DCP key
+    read: Callable[[], None] | None = None  # once this rank read every tensor it writes
 
     def finish(
         self,
@@ -157,14 +158,19 @@ def merge_results(
 
 
 def save_planned(
-    job: SaveJob, tensors: Sequence[torch.Tensor], *, timeout: float | None = None
+    job: SaveJob,
+    tensors: Sequence[torch.Tensor],
+    *,
+    timeout: float | None = None,
+    read: Callable[[], None] | None = None,
 ) -> CheckpointInfo:
     """The multi-rank write of a planned save: every rank calls it; one checkpoint commits.
 
     A rank's planning failure (``job.error``) is agreed on with the coordinator's
     directory (one round: the coordinator makes it only when it planned, and removes
     it when another rank did not), so all of them fail together. ``tensors`` are what
-    fills the plan's targets (the sources, DTensors included, or their staged copies).
+    fills the plan's targets (the sources, DTensors included, or their staged copies);
+    ``read()`` is called once this rank no longer reads them (its shard file written).
     """
     t0 = time.perf_counter()
     dest = job.dest
@@ -218,7 +224,7 @@ def save_planned(
     # A rank with a part of its own (a folder or root of its machine) has a base when
     # its last step there is a checkpoint (a replicated memory tier's folder: the
     # coordinator's manifest beside this rank's files); a bare part opens as none.
-    commit_job = _Commit(job, tmp, time.time(), world, blobs, job.base, idents)
+    commit_job = _Commit(job, tmp, time.time(), world, blobs, job.base, idents, read)
     try:
         with gc_paused():
             nbytes, seen = _rounds(commit_job, state_dict, PLANS.get(key), group, what, error)
@@ -496,6 +502,8 @@ def _write(
         )
     except OSError as e:
         raise os_failure(e, job.job.dest, "saving") from e
+    if job.read is not None:
+        job.read()
     written = [(it.index.fqn, c) for it, c in zip(items, chunks, strict=True)]
     return written, located, remembered(keys, chunk_idents)
 

@@ -241,6 +241,14 @@ class Addressed(Protocol):
 #: Where one blob's raw bytes land: a buffer, or a contiguous CPU tensor (its own bytes).
 Landing = memoryview | Addressed
 
+
+def lands_raw(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a stored blob of ``dtype`` may be read straight into ``t``: contiguous host
+    memory of that dtype whose bytes are its values (no lazy conjugate or negation
+    bit, under which the same bytes would read back as other values)."""
+    return t.is_cpu and t.dtype == dtype and t.is_contiguous() and not (t.is_conj() or t.is_neg())
+
+
 #: One blob to read: the chunk it holds and where its raw bytes land (exactly their size).
 ReadJob = tuple[Chunk, Landing]
 
