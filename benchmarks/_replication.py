@@ -10,7 +10,9 @@ replication
   holder on the other node, the coordinator's manifest to every folder, agreed on,
   committed in each folder), the part already written;
   *plain gloo*: the same bytes sent between the same ranks with one ``dist.send`` per
-  file, in the same order, into buffers allocated beforehand (the floor).
+  file, in the same order, into buffers allocated beforehand (the floor); *into new
+  files*: the same sends, each received straight into a new file of the receiver's
+  folder in RAM, as a replica must land.
 resume after a lost node
   *from replicas*: node b's folder deleted, ``restore_latest`` of a new manager (node
   b's shards fetched from node a, every byte checked, then read);
@@ -75,6 +77,25 @@ def _slowest(seconds: float) -> float:
     return float(t.item())
 
 
+def _recv_into_new_file(path: Path, size: int, src: int, group: Any, tag: int) -> None:
+    """Receive ``size`` bytes straight into the pages of a new file (a shared map of it)."""
+    import mmap
+
+    import torch
+    import torch.distributed as dist
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        view = mmap.mmap(fd, size)
+        piece = torch.frombuffer(view, dtype=torch.uint8)
+        dist.recv(piece, src=src, group=group, tag=tag)
+        del piece
+        view.close()
+    finally:
+        os.close(fd)
+
+
 def worker(base: Path, memory: Path, size: int, reps: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -100,6 +121,7 @@ def worker(base: Path, memory: Path, size: int, reps: int) -> dict[str, Any]:
         "plain": [],
         "from_replicas": [],
         "from_disk": [],
+        "into_files": [],
         "lost_plain": [],
         "fill": [],
     }
@@ -140,6 +162,20 @@ def worker(base: Path, memory: Path, size: int, reps: int) -> dict[str, Any]:
                 dist.recv(bufs[m.src], src=m.src, group=plain_group, tag=tag)
         out["plain"].append(_slowest(time.perf_counter() - t0))
         out["bytes"] = sum(m.size for m in moves)
+        del bufs
+        # The same sends, each landing in a new file of the receiver's folder in RAM
+        # (where a replica must be): the file's pages are new, as a replica's are.
+        into = folder / f".bench-into-{rank}"
+        into.mkdir(exist_ok=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for tag, m in enumerate(moves):
+            if m.src == rank:
+                dist.send(src, dst=m.dst, group=plain_group, tag=tag)
+            elif m.dst == rank:
+                _recv_into_new_file(into / shard_name(m.src), m.size, m.src, plain_group, tag)
+        out["into_files"].append(_slowest(time.perf_counter() - t0))
+        shutil.rmtree(into)
     # The disk tier holds the newest step too: the manager saves it there every time.
     mgr.maybe_save(state, step=reps + 1)
     for k in range(reps):

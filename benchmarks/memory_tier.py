@@ -29,7 +29,9 @@ replication (four ranks as two nodes of two, ``benchmarks/_replication.py``)
   *memory tier*: phase 2 of a memory-tier save: each rank's shard file (a quarter
   of ``--size``) sent to its holder on the other node and committed in every
   folder; *plain gloo*: the same bytes between the same ranks, one ``dist.send``
-  per file into buffers allocated beforehand (the floor);
+  per file into buffers allocated beforehand (the floor); *plain gloo into new
+  files in RAM*: the same sends, each received straight into a new file in the
+  receiver's folder (what landing a replica in RAM costs, with nothing else);
   *resume from replicas*: node b's folder deleted (a lost node), ``restore_latest``
   (node b's shards fetched from node a, every byte checked); *resume from disk*:
   ``restore_latest`` of the same step from the disk tier; *floor*: node b's files sent
@@ -103,6 +105,7 @@ FRESH = "resume floor: fresh tensors filled by a copy"
 PLAIN, MEMORY = "loop: no checkpoints", "loop: memory tier every step"
 FROM_DISK, FROM_MEMORY = "resume: from disk", "resume: from memory"
 GLOO, REPLICATE = "replication: plain gloo sends", "replication: memory tier"
+INTO_FILES = "replication: plain gloo into new files in RAM"
 LOST_DISK, LOST_REPLICAS = "lost node: resume from disk", "lost node: resume from replicas"
 LOST_FLOOR = "lost node: floor (its files by plain gloo + fill)"
 
@@ -315,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 remove_path(shm)
             replicated = reports[0]  # every rank reports the slowest rank's times
             times[GLOO], times[REPLICATE] = replicated["plain"], replicated["replicate"]
+            times[INTO_FILES] = replicated["into_files"]
             times[LOST_DISK], times[LOST_REPLICAS] = (
                 replicated["from_disk"],
                 replicated["from_replicas"],
@@ -329,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = {COPY: COPY, BLOCKING: COPY, PLAIN: PLAIN, MEMORY: PLAIN}
     base |= {FROM_DISK: FROM_DISK, FROM_MEMORY: FROM_DISK, FRESH: FROM_DISK}
     base |= {GLOO: GLOO, REPLICATE: GLOO, LOST_DISK: LOST_DISK, LOST_REPLICAS: LOST_DISK}
-    base |= {LOST_FLOOR: LOST_DISK}
+    base |= {LOST_FLOOR: LOST_DISK, INTO_FILES: GLOO}
     rows = [
         {
             "op": label,

@@ -292,7 +292,7 @@ def test_memory_tier_quick_run(tmp_path: Path) -> None:
     assert data["config"]["reps"] == 1
     ops = [r["op"] for r in data["rows"]]
     kinds = {op.split(":")[0] for op in ops}
-    assert len(ops) == 12 and kinds == {
+    assert len(ops) == 13 and kinds == {
         "copy",
         "blocking per save (memory tier)",
         "loop",
