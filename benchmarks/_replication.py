@@ -77,6 +77,21 @@ def _slowest(seconds: float) -> float:
     return float(t.item())
 
 
+def _plain_sends(moves: Any, rank: int, src: Any, receive: Any, group: Any) -> float:
+    """The slowest rank's time for ``moves`` by plain sends of ``src``, each received by
+    ``receive(move, tag)``."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    for tag, m in enumerate(moves):
+        if m.src == rank:
+            dist.send(src[: m.size], dst=m.dst, group=group, tag=tag)
+        elif m.dst == rank:
+            receive(m, tag)
+    return _slowest(time.perf_counter() - t0)
+
+
 def _recv_into_new_file(path: Path, size: int, src: int, group: Any, tag: int) -> None:
     """Receive ``size`` bytes straight into the pages of a new file (a shared map of it)."""
     import mmap
@@ -105,6 +120,7 @@ def worker(base: Path, memory: Path, size: int, reps: int) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import functional_ckpt as fc
     from functional_ckpt._src.distributed.groups import checkpoint_group
+    from functional_ckpt._src.distributed.replication import Move
     from functional_ckpt._src.format.naming import shard_name, step_name
 
     torch.set_num_threads(1)
@@ -153,28 +169,23 @@ def worker(base: Path, memory: Path, size: int, reps: int) -> dict[str, Any]:
         nbytes = os.stat(folder / step_name(step) / shard_name(rank)).st_size
         bufs = {m.src: torch.empty(m.size, dtype=torch.uint8) for m in moves if m.dst == rank}
         src = torch.ones(nbytes, dtype=torch.uint8)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for tag, m in enumerate(moves):
-            if m.src == rank:
-                dist.send(src, dst=m.dst, group=plain_group, tag=tag)
-            elif m.dst == rank:
-                dist.recv(bufs[m.src], src=m.src, group=plain_group, tag=tag)
-        out["plain"].append(_slowest(time.perf_counter() - t0))
+
+        def into_buffer(m: Any, tag: int, bufs: dict[int, Any] = bufs) -> None:
+            dist.recv(bufs[m.src], src=m.src, group=plain_group, tag=tag)
+
+        out["plain"].append(_plain_sends(moves, rank, src, into_buffer, plain_group))
+        del into_buffer
         out["bytes"] = sum(m.size for m in moves)
         del bufs
         # The same sends, each landing in a new file of the receiver's folder in RAM
         # (where a replica must be): the file's pages are new, as a replica's are.
         into = folder / f".bench-into-{rank}"
         into.mkdir(exist_ok=True)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for tag, m in enumerate(moves):
-            if m.src == rank:
-                dist.send(src, dst=m.dst, group=plain_group, tag=tag)
-            elif m.dst == rank:
-                _recv_into_new_file(into / shard_name(m.src), m.size, m.src, plain_group, tag)
-        out["into_files"].append(_slowest(time.perf_counter() - t0))
+
+        def into_file(m: Any, tag: int, into: Path = into) -> None:
+            _recv_into_new_file(into / shard_name(m.src), m.size, m.src, plain_group, tag)
+
+        out["into_files"].append(_plain_sends(moves, rank, src, into_file, plain_group))
         shutil.rmtree(into)
     # The disk tier holds the newest step too: the manager saves it there every time.
     mgr.maybe_save(state, step=reps + 1)
@@ -211,22 +222,19 @@ def worker(base: Path, memory: Path, size: int, reps: int) -> dict[str, Any]:
     # The floor of a lost node's resume: node b's files by plain gloo, then a plain fill
     # of new tensors like each rank's shard (each part on its own, slowest rank each).
     sizes = [os.stat(root / step_name(reps + 1) / shard_name(r)).st_size for r in range(WORLD)]
-    lost = [(r % 2, 2 + r % 2, n) for r, n in enumerate(sizes)]  # node a's ranks to node b's
+    # node a's ranks to node b's
+    lost = [Move(r % 2, 2 + r % 2, shard_name(r), n) for r, n in enumerate(sizes)]
     shard = state["w"].to_local()
+    src = torch.ones(max(sizes), dtype=torch.uint8)
     for _ in range(reps):
-        into = {
-            i: torch.empty(n, dtype=torch.uint8) for i, (_, d, n) in enumerate(lost) if d == rank
-        }
-        src = torch.ones(max(sizes), dtype=torch.uint8)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for tag, (s, d, n) in enumerate(lost):
-            if s == rank:
-                dist.send(src[:n], dst=d, group=plain_group, tag=tag)
-            elif d == rank:
-                dist.recv(into[tag], src=s, group=plain_group, tag=tag)
-        out["lost_plain"].append(_slowest(time.perf_counter() - t0))
-        del into
+        into = {t: torch.empty(m.size, dtype=torch.uint8) for t, m in enumerate(lost)
+                if m.dst == rank}  # fmt: skip
+
+        def into_buffer(m: Any, tag: int, into: dict[int, Any] = into) -> None:
+            dist.recv(into[tag], src=m.src, group=plain_group, tag=tag)
+
+        out["lost_plain"].append(_plain_sends(lost, rank, src, into_buffer, plain_group))
+        del into, into_buffer
         dist.barrier()
         t0 = time.perf_counter()
         fresh = torch.empty_like(shard)

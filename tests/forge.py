@@ -16,6 +16,25 @@ from functional_ckpt._src.format import naming
 from functional_ckpt._src.storage import commit, committed
 
 
+def restore_in(mode: str, ck: Path, like: Any) -> Any:
+    """Restore ``ck`` in one of the three modes: ``like`` (new tensors like ``like``'s),
+    ``none`` (the tree from the manifest), ``out`` (into new tensors like ``like``'s)."""
+    import torch
+
+    import functional_ckpt as fc
+
+    if mode == "like":
+        return fc.restore(ck, like)
+    if mode == "none":
+        return fc.restore(ck)
+    assert mode == "out", mode
+    into = {
+        k: torch.empty_like(v, device="cpu") if isinstance(v, torch.Tensor) else v
+        for k, v in like.items()
+    }
+    return fc.restore(ck, out=into)
+
+
 def resign(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     """Apply ``edit`` to the decoded manifest of ``path``, write it back, re-sign the marker."""
     manifest = committed.read_manifest(path)

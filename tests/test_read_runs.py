@@ -17,7 +17,7 @@ import functional_ckpt as fc
 from functional_ckpt._src.restore.read import vetted_view
 from functional_ckpt._src.storage.shards import read_tensors
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
-from tests.forge import flip
+from tests.forge import flip, restore_in
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -56,12 +56,7 @@ def test_damage_in_the_middle_of_a_run_names_only_the_damaged_keys(
     flip(ck, "big")
     like = {k: v.to("meta") for k, v in state.items()}
     with pytest.raises(CorruptCheckpoint) as info:
-        if mode == "like":
-            fc.restore(ck, like)
-        elif mode == "none":
-            fc.restore(ck)
-        else:
-            fc.restore(ck, out={k: torch.empty_like(v) for k, v in state.items()})
+        restore_in(mode, ck, like)
     msg = str(info.value)
     assert "'t17'" in msg and "checksum mismatch" in msg
     assert "'t18'" in msg and "blob headers fail their checksum" in msg

@@ -23,7 +23,7 @@ from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.restore.read import vetted_view
 from functional_ckpt._src.storage import shards
 from functional_ckpt.errors import CorruptCheckpoint
-from tests.forge import flip, resign
+from tests.forge import flip, resign, restore_in
 
 SHARD = shard_name(0)
 
@@ -98,12 +98,7 @@ def test_damage_inside_a_segment_names_only_the_damaged_tensors(
     flip(ck, "b0999", header=True)  # the middle of another
     tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     with pytest.raises(CorruptCheckpoint) as info:
-        if mode == "like":
-            fc.restore(ck, state)
-        elif mode == "none":
-            fc.restore(ck)
-        else:
-            fc.restore(ck, out={**state, **{k: torch.empty_like(v) for k, v in tensors.items()}})
+        restore_in(mode, ck, state)
     msg = str(info.value)
     assert "'a1500'" in msg and "checksum mismatch" in msg
     assert "'b0999'" in msg and "blob headers fail their checksum" in msg

@@ -17,15 +17,18 @@ import atexit
 import contextlib
 import os
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt.errors import CheckpointError, RankFailed
+
+T = TypeVar("T")
 
 #: Seconds a rank waits for the others in a checkpoint collective before failing.
 DEFAULT_TIMEOUT = float(os.environ.get("FUNCTIONAL_CKPT_TIMEOUT", "600"))
@@ -210,25 +213,31 @@ def agree(error: BaseException | None, group: Any, what: str) -> None:
     raise :class:`RankFailed` with each failing rank's error type and message.
     """
     mine = b"" if error is None else _report(error)
-    try:  # one integer when every rank succeeded: nobody has anything to report
-        reports = all_gather_bytes(mine, group) if _longest(len(mine), group) else []
-    except Exception as e:  # a rank died or timed out
+
+    def reports(mine: bytes, group: Any) -> list[bytes]:
+        # one integer when every rank succeeded: nobody has anything to report
+        return all_gather_bytes(mine, group) if _longest(len(mine), group) else []
+
+    failures = {r: _parse(m) for r, m in enumerate(answered(what, reports, mine, group)) if m}
+    _fail(error, what, failures)
+
+
+def answered(what: str, collective: Callable[[Any, Any], T], data: Any, group: Any) -> T:
+    """``collective(data, group)``; a rank that died or timed out fails it as a
+    :class:`CheckpointError` saying so, never as gloo's own error."""
+    try:
+        return collective(data, group)
+    except Exception as e:
         raise CheckpointError(
             f"{what}: another rank did not answer ({e}); nothing committed"
         ) from e
-    failures = {r: _parse(m) for r, m in enumerate(reports) if m}
-    _fail(error, what, failures)
 
 
 def agree_values(error: BaseException | None, value: Any, group: Any, what: str) -> list[Any]:
     """Every rank's ``value`` once no rank failed, in one round (:func:`agree` and
     :func:`all_gather_values` in one); otherwise every rank fails together as there."""
-    try:
-        told = all_gather_values([report(error), None if error is not None else value], group)
-    except Exception as e:  # a rank died or timed out
-        raise CheckpointError(
-            f"{what}: another rank did not answer ({e}); nothing committed"
-        ) from e
+    mine = [report(error), None if error is not None else value]
+    told = answered(what, all_gather_values, mine, group)
     raise_failures(error, what, {r: bytes(t[0]) for r, t in enumerate(told)})
     return [t[1] for t in told]
 

@@ -57,6 +57,13 @@ _DESCRIPTOR = struct.Struct("<4sIII")
 _END = struct.Struct("<4sHHHHIIH")
 
 
+def plain_bytes(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory holds exactly its values, in order: contiguous host memory
+    without a lazy conjugate or negation bit (under which the same bytes mean other
+    values). Only such a tensor's bytes are written as they are, or read into as they are."""
+    return t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg())
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy (writable)."""
     if t.numel() == 0:

@@ -470,13 +470,13 @@ class MemoryTier:
             found, damage = self._read_together(path, step, read)
             if found is not None:
                 return found
-            again = (
-                "every copy is checked and the step gathered again"
-                if not verified
-                else ("falling back to the next tier")
+            then = (
+                "falling back to the next tier"
+                if verified
+                else "every copy is checked and the step gathered again"
             )
             warnings.warn(
-                f"{path}: memory-tier checkpoint of step {step} is unreadable ({damage}); " + again,
+                f"{path}: memory-tier checkpoint of step {step} is unreadable ({damage}); {then}",
                 MemoryWarning,
                 stacklevel=stacklevel,
             )
@@ -495,11 +495,15 @@ class MemoryTier:
             found = read_info(path, step), read(path)
         except Exception as err:
             error = err
-        kind = 0 if error is None else 1 if is_damage(error) or isinstance(error, RankFailed) else 2
-        told = groups.all_gather_values([kind, "" if error is None else str(error)], group)
-        if any(k == 2 for k, _ in told):
-            groups.agree(error if kind == 2 else None, group, f"restore {path}")
-        bad = [f"rank {r}: {msg}" for r, (k, msg) in enumerate(told) if k == 1]
+        # Each rank's outcome: read, found damage (or was told of it), or failed otherwise.
+        damaged = error is not None and (is_damage(error) or isinstance(error, RankFailed))
+        failed = error is not None and not damaged
+        told = groups.all_gather_values(
+            [damaged, failed, "" if error is None else str(error)], group
+        )
+        if any(f for _, f, _ in told):
+            groups.agree(error if failed else None, group, f"restore {path}")
+        bad = [f"rank {r}: {msg}" for r, (d, _, msg) in enumerate(told) if d]
         if bad:
             return None, "; ".join(bad)
         return found, ""

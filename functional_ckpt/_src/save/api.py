@@ -167,11 +167,11 @@ def save_async(
     its own. ``staging="write"``: no copy; the live tensors are written straight into
     the files and ``wait_staged()`` returns once every byte is there (best where the
     files are in RAM: one copy per save, no buffers; under ``torch.distributed`` once
-    this rank's file is written). ``staging="none"``: no copy; the
-    caller must not modify the state's tensors in place until ``result()`` returns, and a
-    violation is detected and the checkpoint refused. ``base`` as for
-    :func:`functional_ckpt.save`: unchanged chunks are shared with the base, decided on
-    the bytes being committed (the staged copies).
+    this rank's file is written). ``staging="none"``: no copy; the caller must not
+    modify the state's tensors in place until ``result()`` returns, and a violation is
+    detected and the checkpoint refused. ``base`` as for :func:`functional_ckpt.save`:
+    unchanged chunks are shared with the base, decided on the bytes being committed
+    (the staged copies).
     """
     options = save_options(
         metadata=metadata, overwrite=overwrite, per_rank=per_rank, base=base, what="fc.save_async"

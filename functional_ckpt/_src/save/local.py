@@ -177,8 +177,7 @@ def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> 
     themselves, or staged copies), each contiguous and on the CPU. Chunks unchanged
     since the job's base are taken from it (:mod:`.incremental`). ``hooks.after_each(i)``
     runs once tensor ``i`` is written, ``hooks.read()`` once all of them are;
-    ``hooks.before_commit(written)`` may raise to
-    refuse the commit.
+    ``hooks.before_commit(written)`` may raise to refuse the commit.
     """
     assert job.prepared is not None
     prepared, plan, dest = job.prepared, job.prepared.plan, job.dest

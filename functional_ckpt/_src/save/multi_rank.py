@@ -377,7 +377,7 @@ def _rounds(
         payload = rank_payload(job.job.plan, None if same else dedup.item_keys(local))
     except BaseException as e:
         error, payload = e, rank_payload(job.job.plan, None, e)
-    gathered = _exchange(what, groups.gather_bytes, payload, group)  # 1
+    gathered = groups.answered(what, groups.gather_bytes, payload, group)  # 1
     replies: list[bytes] | None = None
     ranks: tuple[tuple[Entry, ...], ...] = ()
     failures: dict[int, bytes] = {}
@@ -393,7 +393,7 @@ def _rounds(
             error = error or e
     told: Any = None
     failures = {}
-    data = _exchange(what, groups.scatter_bytes, replies, group)
+    data = groups.answered(what, groups.scatter_bytes, replies, group)
     try:  # a reply this rank cannot read is its failure, told in the next exchange
         failures, told = parse_reply(data)
     except CheckpointError as e:
@@ -418,7 +418,7 @@ def _rounds(
         payload = written_payload(written)
     except BaseException as e:
         error, payload = e, written_payload([], e)
-    gathered = _exchange(what, groups.gather_bytes, payload, group)  # 2
+    gathered = groups.answered(what, groups.gather_bytes, payload, group)  # 2
     result = b""
     nbytes = 0
     if gathered is not None:
@@ -470,16 +470,6 @@ class VerdictLost(CheckpointError):
             )
         super().__init__(text)
         self.committed = committed
-
-
-def _exchange(what: str, collective: Callable[..., Any], data: Any, group: Any) -> Any:
-    """One of the save's collectives; a rank that does not answer fails it clearly."""
-    try:
-        return collective(data, group)
-    except Exception as e:  # a rank died or timed out
-        raise CheckpointError(
-            f"{what}: another rank did not answer ({e}); nothing committed"
-        ) from e
 
 
 def _write(

@@ -23,6 +23,7 @@ from functional_ckpt._src.codec.table import container_budget
 from functional_ckpt._src.distributed.topology import is_dtensor as is_dtensor
 from functional_ckpt._src.format import dcp_values as dcpbytes
 from functional_ckpt._src.format import naming
+from functional_ckpt._src.format.blobs import plain_bytes
 from functional_ckpt._src.format.keys import KeyPath, format_path, fqn_of, rank_fqn
 from functional_ckpt._src.format.manifest import (
     Entry,
@@ -117,7 +118,7 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
 
     The result may still require grad; whoever reads its bytes detaches it.
     """
-    if t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+    if plain_bytes(t):
         return t  # the common case, without a new tensor object
     t = resolved(t.detach())
     if t.device.type != "cpu":
