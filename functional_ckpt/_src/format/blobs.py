@@ -64,6 +64,12 @@ def plain_bytes(t: torch.Tensor) -> bool:
     return t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg())
 
 
+def lands_raw(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a stored blob of ``dtype`` may be read straight into ``t``: memory of that
+    dtype that holds exactly its values (:func:`plain_bytes`)."""
+    return t.dtype == dtype and plain_bytes(t)
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy (writable)."""
     if t.numel() == 0:

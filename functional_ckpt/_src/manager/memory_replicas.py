@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.distributed import groups
@@ -48,9 +48,11 @@ from functional_ckpt._src.format.naming import (
 from functional_ckpt._src.root.listing import committed_steps
 from functional_ckpt._src.storage import commit, durable, opener, ram
 from functional_ckpt._src.storage.verify import verify
-from functional_ckpt.errors import CheckpointError, MemoryWarning
+from functional_ckpt.errors import CheckpointError, MemoryWarning, RankFailed, is_damage
 
 __all__ = ["STAGING", "ReplicaLayout", "Replicas", "holders_of", "layout_of"]
+
+T = TypeVar("T")
 
 #: In each folder: where a step is written and replicated before it is committed.
 STAGING = ".replicating"
@@ -300,6 +302,28 @@ class Replicas:
             self.resumed = {"step": step, "fetched": fetched}
             return int(step)
         return None
+
+    def read_together(self, path: Path, read: Callable[[Path], T]) -> tuple[T | None, str]:
+        """Every rank reads the gathered checkpoint ``path``: what it read, or (every rank
+        alike) None and what the damage was. Any rank's error other than damage raises on
+        every rank."""
+        error: BaseException | None = None
+        found: T | None = None
+        try:
+            found = read(path)
+        except Exception as err:
+            error = err
+        # Each rank's outcome: read, found damage (or was told of it), or failed otherwise.
+        damaged = error is not None and (is_damage(error) or isinstance(error, RankFailed))
+        failed = error is not None and not damaged
+        said = "" if error is None else str(error)
+        told = groups.all_gather_values([damaged, failed, said], self.group)
+        if any(f for _, f, _ in told):
+            groups.agree(error if failed else None, self.group, f"restore {path}")
+        bad = [f"rank {r}: {msg}" for r, (d, _, msg) in enumerate(told) if d]
+        if bad:
+            return None, "; ".join(bad)
+        return found, ""
 
     def _intact(self, step: int, holding: dict[int, set[str]]) -> dict[int, set[str]]:
         """Each folder's files of ``step`` whose every byte passes its checksums (every

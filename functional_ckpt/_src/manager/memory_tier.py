@@ -22,6 +22,7 @@ import socket
 import threading
 import warnings
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,13 +44,7 @@ from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.state.tree import State, leaves_of
 from functional_ckpt._src.storage import durable, opener, ram
-from functional_ckpt.errors import (
-    CheckpointError,
-    LeftoverWarning,
-    MemoryWarning,
-    RankFailed,
-    is_damage,
-)
+from functional_ckpt.errors import CheckpointError, LeftoverWarning, MemoryWarning, is_damage
 
 __all__ = ["MARK_FILE", "MemoryTier", "default_folder"]
 
@@ -467,7 +462,7 @@ class MemoryTier:
             if step is None:
                 return None
             path = self.view.path(step)
-            found, damage = self._read_together(path, step, read)
+            found, damage = self.replicas.read_together(path, partial(_with_info, read, step))
             if found is not None:
                 return found
             then = (
@@ -482,32 +477,6 @@ class MemoryTier:
             )
         return None
 
-    def _read_together(
-        self, path: Path, step: int, read: Callable[[Path], T]
-    ) -> tuple[tuple[StepInfo, T] | None, str]:
-        """Every rank reads ``step``: what it read, or (every rank alike) None and what
-        the damage was. Any rank's error other than damage raises on every rank."""
-        assert self.replicas is not None
-        group = self.replicas.group
-        error: BaseException | None = None
-        found: tuple[StepInfo, T] | None = None
-        try:
-            found = read_info(path, step), read(path)
-        except Exception as err:
-            error = err
-        # Each rank's outcome: read, found damage (or was told of it), or failed otherwise.
-        damaged = error is not None and (is_damage(error) or isinstance(error, RankFailed))
-        failed = error is not None and not damaged
-        told = groups.all_gather_values(
-            [damaged, failed, "" if error is None else str(error)], group
-        )
-        if any(f for _, f, _ in told):
-            groups.agree(error if failed else None, group, f"restore {path}")
-        bad = [f"rank {r}: {msg}" for r, (d, _, msg) in enumerate(told) if d]
-        if bad:
-            return None, "; ".join(bad)
-        return found, ""
-
     # ------------------------------------------------------------------ preemption
 
     def promote(self, within: float) -> Path | None:
@@ -520,3 +489,8 @@ class MemoryTier:
         if self.replicas is not None:  # a folder may hold only some ranks' files
             steps = [s for s in steps if self.replicas.complete(self.view.path(s))]
         return promote_newest(self.folder, self.root, [self.view.path(s) for s in steps], within)
+
+
+def _with_info(read: Callable[[Path], T], step: int, path: Path) -> tuple[StepInfo, T]:
+    """``read(path)`` with the step's info, as :meth:`MemoryTier.newest` returns it."""
+    return read_info(path, step), read(path)

@@ -24,11 +24,12 @@ from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.groups import as_checkpoint_error
 from functional_ckpt._src.distributed.topology import is_dtensor
 from functional_ckpt._src.format import dcp_metadata, parts
+from functional_ckpt._src.format.blobs import lands_raw
 from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.manifest import Chunk
 from functional_ckpt._src.storage import committed
-from functional_ckpt._src.storage.shards import lands_raw, read_chunk
+from functional_ckpt._src.storage.shards import read_chunk
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
 
@@ -109,7 +110,7 @@ def _whole_target(
     chunk: Chunk, req: Any, planner: LoadPlanner, dtype: torch.dtype
 ) -> torch.Tensor | None:
     """Where ``req`` lands, if it is the whole of ``chunk`` and its bytes can be read
-    straight into it (:func:`~..storage.shards.lands_raw`): no buffer, no copy."""
+    straight into it (:func:`~..format.blobs.lands_raw`): no buffer, no copy."""
     if any(req.storage_offsets) or tuple(req.lengths) != tuple(chunk.sizes):
         return None
     target: torch.Tensor = planner.resolve_tensor(req).detach()

@@ -16,6 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from functional_ckpt._src import codec
+from functional_ckpt._src.format.blobs import lands_raw
 from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.format.manifest import Chunk, TensorEntry, torch_dtype
@@ -99,7 +100,7 @@ class Reads:
                         and target.is_contiguous()
                     )
                     t = torch.empty_like(target) if plain else torch.empty(entry.shape, dtype=saved)
-            elif target is not None and shards.lands_raw(target, saved):  # out='s own
+            elif target is not None and lands_raw(target, saved):  # out='s own
                 t = target
             if t is not None:
                 if c.nbytes:
@@ -109,7 +110,7 @@ class Reads:
         made = True  # ``buf`` is new memory
         if inplace and target is not None and not target.is_meta:
             dest = target
-            direct = shards.lands_raw(target, saved)
+            direct = lands_raw(target, saved)
             made = not direct
             buf = target.detach() if direct else host_empty(entry.shape, saved, fault=not whole)
         else:

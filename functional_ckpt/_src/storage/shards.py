@@ -18,7 +18,7 @@ from ctypes import string_at
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from functional_ckpt._src.format.blobs import BlobTemplate, blob_template, byte_view, plain_bytes
+from functional_ckpt._src.format.blobs import BlobTemplate, blob_template, byte_view
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import Chunk
@@ -240,12 +240,6 @@ class Addressed(Protocol):
 
 #: Where one blob's raw bytes land: a buffer, or a contiguous CPU tensor (its own bytes).
 Landing = memoryview | Addressed
-
-
-def lands_raw(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether a stored blob of ``dtype`` may be read straight into ``t``: memory of that
-    dtype that holds exactly its values (:func:`~..format.blobs.plain_bytes`)."""
-    return t.dtype == dtype and plain_bytes(t)
 
 
 #: One blob to read: the chunk it holds and where its raw bytes land (exactly their size).
