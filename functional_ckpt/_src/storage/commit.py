@@ -60,7 +60,15 @@ def _no_fsync(path: Path) -> None:
 def write_commit_marker(
     tmp: Path, manifest_bytes: bytes, *, version: int, sync: bool = True
 ) -> None:
-    """The marker of a manifest written with format ``version`` (the manifest's own)."""
+    """The marker of a manifest written with format ``version`` (the manifest's own).
+
+    The directory is fsynced first: until then the entries of the files written
+    before may be lost while the marker's own reaches the disk, and a leftover
+    holding a whole marker and manifest but not every file would be recovered as
+    a checkpoint (``tests/test_crash_states.py``).
+    """
+    if sync:
+        fsync_dir(tmp)
     marker = codec.encode(
         {
             "format": FORMAT_NAME,
@@ -75,18 +83,24 @@ def write_commit_marker(
 def remove_tree(path: Path) -> None:
     """Delete a checkpoint-like directory so that no crash leaves it looking valid.
 
-    The marker goes first (it is what makes a directory a checkpoint), then the
-    ``.metadata`` (without it, what is left can no longer pass for a stock DCP
-    checkpoint to a reader that lists it half-deleted), then the rest. A symbolic
-    link is removed itself: nothing is ever deleted through one.
+    The marker goes first (it is what makes a directory a checkpoint), and its
+    removal is made durable (an fsync of the directory) before anything else goes:
+    else a crash may keep the marker and lose another file, and the leftover
+    recovery would put a torn checkpoint back (``tests/test_crash_states.py``).
+    Then the ``.metadata`` (without it, what is left can no longer pass for a stock
+    DCP checkpoint to a reader that lists it half-deleted), then the rest. A
+    symbolic link is removed itself: nothing is ever deleted through one.
     """
     if path.is_symlink():
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         return
-    for name in (COMMIT_MARKER, DCP_METADATA):
-        with contextlib.suppress(OSError):
-            os.unlink(path / name)
+    with contextlib.suppress(OSError):
+        os.unlink(path / COMMIT_MARKER)
+    with contextlib.suppress(OSError):
+        fsync_dir(path)
+    with contextlib.suppress(OSError):
+        os.unlink(path / DCP_METADATA)
     shutil.rmtree(path, ignore_errors=True)
 
 

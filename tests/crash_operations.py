@@ -1,0 +1,125 @@
+"""The operations whose crash states are explored, each on a root of committed steps.
+
+Each builds a manager root with steps 1 and 2 (through a ``CheckpointManager``, as
+training would), then records one operation on it: a manager's save, a pruning save
+(``keep_last``), a deletion (``root/delete``), an overwrite (with and without the
+atomic exchange), an incremental save (hard links to its base) and a safetensors
+export. ``python -m tests.crash_operations`` explores all of them and prints the
+counts that docs/reliability.md quotes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import functional_ckpt as fc
+from functional_ckpt._src.storage import commit
+from tests.crash_explorer import Report, explore
+from tests.crash_record import Recorder
+
+
+def state(version: int) -> dict[str, Any]:
+    """A small training state; ``frozen`` never changes (an incremental save links it)."""
+    return {
+        "model": {"w": torch.full((8, 8), float(version)), "frozen": torch.arange(256.0)},
+        "optimizer": {"m": torch.full((8,), float(version))},
+        "step": version,
+        "note": f"version {version}",
+    }
+
+
+@contextlib.contextmanager
+def no_exchange() -> Iterator[None]:
+    """As on a file system without ``renameat2(RENAME_EXCHANGE)`` (NFS, FUSE, macOS)."""
+    real = commit._RENAMEAT2
+    commit._RENAMEAT2 = None
+    try:
+        yield
+    finally:
+        commit._RENAMEAT2 = real
+
+
+def _save(mgr: fc.CheckpointManager) -> None:
+    mgr.maybe_save(state(3), step=3, force=True)
+
+
+def _delete(mgr: fc.CheckpointManager) -> None:
+    mgr.delete(1)
+
+
+def _overwrite(mgr: fc.CheckpointManager) -> None:
+    fc.save(mgr.path(2), state(5), overwrite=True)
+
+
+def _overwrite_no_exchange(mgr: fc.CheckpointManager) -> None:
+    with no_exchange():
+        _overwrite(mgr)
+
+
+def _incremental(mgr: fc.CheckpointManager) -> None:
+    fc.save(mgr.path(3), state(3), base=mgr.path(2))
+
+
+def _export(mgr: fc.CheckpointManager) -> None:
+    fc.export_safetensors(state(2), mgr.root / "exports" / "step_000000002")
+
+
+#: name -> (keep_last of the manager or None, the operation)
+OPERATIONS: dict[str, tuple[int | None, Callable[[fc.CheckpointManager], None]]] = {
+    "save (manager)": (None, _save),
+    "pruning save (keep_last=2)": (2, _save),
+    "delete (root/delete)": (None, _delete),
+    "overwrite (RENAME_EXCHANGE)": (None, _overwrite),
+    "overwrite (two renames)": (None, _overwrite_no_exchange),
+    "incremental save (hard links)": (None, _incremental),
+    "safetensors export": (None, _export),
+}
+
+
+def record(base: Path, name: str) -> Recorder:
+    """Build a root of steps 1 and 2 under ``base`` and record operation ``name`` on it."""
+    keep, operation = OPERATIONS[name]
+    root = base / "root"
+    policy = fc.keep_last(keep) if keep else None
+    with fc.CheckpointManager(root, keep=policy) as mgr:
+        for step in (1, 2):
+            mgr.maybe_save(state(step), step=step, force=True)
+        with Recorder(root) as rec:
+            operation(mgr)
+    return rec
+
+
+def run(name: str, base: Path, *, seed: int = 0) -> tuple[Recorder, Report]:
+    """Record ``name`` and explore its crash states in ``base`` (which must be empty)."""
+    rec = record(base, name)
+    memory = Path("/dev/shm")  # the checks fsync a lot: in memory where it exists
+    with (
+        tempfile.TemporaryDirectory(dir=memory if memory.is_dir() else base) as scratch,
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore", fc.errors.LeftoverWarning)  # recovery is expected
+        return rec, explore(name, rec, Path(scratch), seed=seed)
+
+
+def main() -> int:
+    failed = 0
+    for name in OPERATIONS:
+        with tempfile.TemporaryDirectory() as tmp:
+            _, report = run(name, Path(tmp))
+        print(report.line())
+        for failure in report.failures[:1]:
+            print(failure)
+        failed += bool(report.failures)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

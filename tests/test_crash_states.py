@@ -1,0 +1,97 @@
+"""Power loss at every point of a save, a prune, an overwrite, an incremental save and
+an export: every crash state the file system may leave keeps the commit protocol's
+promises (``tests/crash_explorer.py`` says which states and which promises).
+
+The explorer must also be able to fail: a commit broken on purpose is caught, and a
+write the recording cannot see refuses the recording instead of passing unchecked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.storage import commit
+from tests.crash_operations import OPERATIONS, record, run
+from tests.crash_record import Recorder, RecordingGap
+
+
+@pytest.mark.parametrize("name", list(OPERATIONS))
+def test_every_crash_state_keeps_what_was_committed(tmp_path: Path, name: str) -> None:
+    rec, report = run(name, tmp_path)
+    print(report.line())
+    assert report.distinct > len(rec.ops) // 2, report.line()  # it explored, not just ran
+    assert not report.failures, f"{report.line()}\n\n" + "\n\n".join(report.failures[:3])
+
+
+def _texts(rec: Recorder) -> list[str]:
+    return [op.text for op in rec.ops]
+
+
+@pytest.mark.parametrize("name", ["save (manager)", "incremental save (hard links)"])
+def test_the_marker_is_created_only_once_every_other_entry_is_durable(
+    tmp_path: Path, name: str
+) -> None:
+    """Else a crash keeps the marker's entry and loses a shard's, and the leftover
+    recovery renames the torn temporary directory into place as a checkpoint."""
+    texts = _texts(record(tmp_path, name))
+    marker = next(i for i, t in enumerate(texts) if t.startswith("create(") and "COMMITTED" in t)
+    tmp = texts[marker][len("create(") :].split("/")[0]
+    last_entry = max(
+        i
+        for i, t in enumerate(texts[:marker])
+        if f"{tmp}/" in t and "(" in t and t.split("(")[0] in ("create", "link")
+    )
+    assert f"fsync({tmp})" in texts[last_entry:marker], "\n".join(texts)
+
+
+def test_a_deletion_makes_the_marker_unlink_durable_before_removing_the_rest(
+    tmp_path: Path,
+) -> None:
+    """Else a crash keeps the marker and loses a shard, and the leftover recovery renames
+    the half-deleted checkpoint back into place."""
+    texts = _texts(record(tmp_path, "delete (root/delete)"))
+    gone = next(i for i, t in enumerate(texts) if t.startswith("unlink(") and "COMMITTED" in t)
+    trash = texts[gone][len("unlink(") :].split("/")[0]
+    rest = next(i for i, t in enumerate(texts) if i > gone and t.startswith(("unlink(", "rmdir(")))
+    assert f"fsync({trash})" in texts[gone:rest], "\n".join(texts)
+
+
+def _marker_not_fsynced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The marker renamed into place before its bytes are durable."""
+    real = commit.write_commit_marker
+
+    def unsynced(*args: Any, **kwargs: Any) -> None:
+        real(*args, **{**kwargs, "sync": False})
+
+    monkeypatch.setattr(commit, "write_commit_marker", unsynced)
+
+
+def _no_directory_fsync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The temporary directory renamed before its entries are durable, the parent never
+    fsynced: the rename and the new files may be lost, or the rename kept without them."""
+    monkeypatch.setattr(commit, "fsync_dir", lambda path: None)
+
+
+@pytest.mark.parametrize("breaking", [_marker_not_fsynced, _no_directory_fsync])
+def test_a_broken_commit_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, breaking: object
+) -> None:
+    assert callable(breaking)
+    breaking(monkeypatch)
+    _, report = run("save (manager)", tmp_path)
+    print(report.line())
+    assert report.failures, "a commit that is not durable passed the explorer"
+    first = report.failures[0]
+    assert "step_000000003" in first and "crash after op" in first
+    assert "rename(" in first and "fsync(" in first  # the operation sequence is printed
+
+
+def test_a_write_the_recording_cannot_see_refuses_the_recording(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    with pytest.raises(RecordingGap, match="do not rebuild"), Recorder(root):
+        (root / naming.COMMIT_MARKER).write_bytes(b"written around the os module")
