@@ -3,14 +3,16 @@
 Each builds a manager root with steps 1 and 2 (through a ``CheckpointManager``, as
 training would), then records one operation on it: a manager's save, a pruning save
 (``keep_last``), a deletion (``root/delete``), an overwrite (with and without the
-atomic exchange), an incremental save (hard links to its base) and a safetensors
-export. ``python -m tests.crash_operations`` explores all of them and prints the
-counts that docs/reliability.md quotes.
+atomic exchange), an incremental save (hard links to its base, or copies where no
+link can be made) and a safetensors export. ``python -m tests.crash_operations``
+explores all of them and prints the counts that docs/reliability.md quotes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import sys
 import tempfile
 import warnings
@@ -68,6 +70,20 @@ def _incremental(mgr: fc.CheckpointManager) -> None:
     fc.save(mgr.path(3), state(3), base=mgr.path(2))
 
 
+def _incremental_copies(mgr: fc.CheckpointManager) -> None:
+    """As across file systems: no hard link, the base's file copied (``copy_file_range``)."""
+    real = os.link
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EXDEV, "cross-device link")
+
+    os.link = refuse
+    try:
+        _incremental(mgr)
+    finally:
+        os.link = real
+
+
 def _export(mgr: fc.CheckpointManager) -> None:
     fc.export_safetensors(state(2), mgr.root / "exports" / "step_000000002")
 
@@ -80,6 +96,7 @@ OPERATIONS: dict[str, tuple[int | None, Callable[[fc.CheckpointManager], None]]]
     "overwrite (RENAME_EXCHANGE)": (None, _overwrite),
     "overwrite (two renames)": (None, _overwrite_no_exchange),
     "incremental save (hard links)": (None, _incremental),
+    "incremental save (copies)": (None, _incremental_copies),
     "safetensors export": (None, _export),
 }
 

@@ -231,7 +231,8 @@ class Recorder:
             now = f.read()
         if now != self.live.data.get(ino, b""):
             name = self._name(ino)
-            self._add(Op("truncate", f"truncate({name}, 0) [observed {why}]", ino=ino))
+            if self.live.data.get(ino):
+                self._add(Op("truncate", f"truncate({name}, 0) [observed {why}]", ino=ino))
             self._add(
                 Op(
                     "write",
