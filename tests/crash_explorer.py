@@ -35,13 +35,14 @@ from pathlib import Path
 import functional_ckpt as fc
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.root import listing
-from tests.crash_record import DATA, META, Op, Recorder, Tree, scan
+from tests.crash_record import Recorder
+from tests.crash_tree import DATA, META, Op, Tree, scan
 
 #: A name that holds nothing.
 ABSENT: tuple[tuple[str, str, str], ...] = (("", "absent", ""),)
 
 #: Choices of one prefix enumerated whole up to this many; beyond, this many sampled.
-PER_PREFIX = 24
+PER_PREFIX = 64
 
 #: The four contents of a file with bytes not yet fsynced.
 SYNCED, FULL, TORN, ZEROS = range(4)
