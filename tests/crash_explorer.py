@@ -245,6 +245,9 @@ class Oracle:
             for rel in _guarded(tree):
                 self.names[rel] = {_shape(before, rel), _shape(after, rel)}
         self.after = {rel: _shape(after, rel) for rel in self.names}
+        # checkpoints the operation keeps, wherever it moves them (a rollback's branch)
+        now = {_shape(after, rel) for rel in _guarded(after)}
+        self.kept = {_shape(before, rel) for rel in _guarded(before)} & now
         self._readable: dict[tuple[tuple[str, str, str], ...], str | None] = {}
 
     def check(self, root: Path, *, returned: bool = False) -> list[str]:
@@ -290,6 +293,8 @@ class Oracle:
             for rel in _guarded(tree)
             if rel not in self.names
         ]
+        if recovered and self.kept - {_shape(tree, rel) for rel in _guarded(tree)}:
+            out.append("a checkpoint the operation keeps (or moves) is nowhere to be found")
         return out
 
     def _read(self, path: Path, shape: tuple[tuple[str, str, str], ...]) -> str | None:

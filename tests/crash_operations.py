@@ -4,7 +4,8 @@ Each builds a manager root with steps 1 and 2 (through a ``CheckpointManager``, 
 training would), then records one operation on it: a manager's save, a pruning save
 (``keep_last``), a deletion (``root/delete``), an overwrite (with and without the
 atomic exchange), an incremental save (hard links to its base, or copies where no
-link can be made) and a safetensors export. ``python -m tests.crash_operations``
+link can be made), a safetensors export and a rollback (the newer step moved to a
+branch, or deleted). ``python -m tests.crash_operations``
 explores all of them and prints the counts that docs/reliability.md quotes.
 """
 
@@ -88,6 +89,14 @@ def _export(mgr: fc.CheckpointManager) -> None:
     fc.export_safetensors(state(2), mgr.root / "exports" / "step_000000002")
 
 
+def _rollback_branch(mgr: fc.CheckpointManager) -> None:
+    mgr.rollback(1)  # step 2 goes to a branch
+
+
+def _rollback_delete(mgr: fc.CheckpointManager) -> None:
+    mgr.rollback(1, newer="delete")
+
+
 #: name -> (keep_last of the manager or None, the operation)
 OPERATIONS: dict[str, tuple[int | None, Callable[[fc.CheckpointManager], None]]] = {
     "save (manager)": (None, _save),
@@ -98,6 +107,8 @@ OPERATIONS: dict[str, tuple[int | None, Callable[[fc.CheckpointManager], None]]]
     "incremental save (hard links)": (None, _incremental),
     "incremental save (copies)": (None, _incremental_copies),
     "safetensors export": (None, _export),
+    "rollback (newer steps to a branch)": (None, _rollback_branch),
+    "rollback (newer steps deleted)": (None, _rollback_delete),
 }
 
 

@@ -8,15 +8,19 @@ write the recording cannot see refuses the recording instead of passing unchecke
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import functional_ckpt as fc
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.storage import commit
-from tests.crash_operations import OPERATIONS, record, run
+from tests.crash_explorer import Oracle
+from tests.crash_operations import OPERATIONS, record, run, state
 from tests.crash_record import Recorder, RecordingGap
+from tests.crash_tree import scan
 
 
 @pytest.mark.parametrize("name", list(OPERATIONS))
@@ -95,3 +99,20 @@ def test_a_write_the_recording_cannot_see_refuses_the_recording(tmp_path: Path) 
     root.mkdir()
     with pytest.raises(RecordingGap, match="do not rebuild"), Recorder(root):
         (root / naming.COMMIT_MARKER).write_bytes(b"written around the os module")
+
+
+def test_a_checkpoint_moved_and_lost_is_caught(tmp_path: Path) -> None:
+    """Each name alone may be empty before or after a move; the checkpoint may not be
+    gone from both."""
+    root = tmp_path / "root"
+    with fc.CheckpointManager(root) as mgr:
+        for step in (1, 2):
+            mgr.maybe_save(state(step), step=step, force=True)
+    before = scan(root)
+    (root / "branches" / "b").mkdir(parents=True)
+    moved = root / "branches" / "b" / "step_000000002"
+    (root / "step_000000002").rename(moved)
+    oracle = Oracle(before, scan(root))
+    assert oracle.check(root) == []
+    shutil.rmtree(moved)
+    assert any("nowhere" in p for p in oracle.check(root))
