@@ -1,11 +1,11 @@
 """The operations whose crash states are explored, each on a root of committed steps.
 
 Each builds a manager root with steps 1 and 2 (through a ``CheckpointManager``, as
-training would), then records one operation on it: a manager's save, a pruning save
-(``keep_last``), a deletion (``root/delete``), an overwrite (with and without the
-atomic exchange), an incremental save (hard links to its base, or copies where no
-link can be made), a safetensors export and a rollback (the newer step moved to a
-branch, or deleted). ``python -m tests.crash_operations``
+training would), then records one operation on it: a manager's save (sync or
+async), a pruning save (``keep_last``), a deletion (``root/delete``), an overwrite
+(with and without the atomic exchange), an incremental save (hard links to its
+base, or copies where no link can be made), a safetensors export and a rollback
+(the newer step moved to a branch, or deleted). ``python -m tests.crash_operations``
 explores all of them and prints the counts that docs/reliability.md quotes.
 """
 
@@ -97,29 +97,35 @@ def _rollback_delete(mgr: fc.CheckpointManager) -> None:
     mgr.rollback(1, newer="delete")
 
 
-#: name -> (keep_last of the manager or None, the operation)
-OPERATIONS: dict[str, tuple[int | None, Callable[[fc.CheckpointManager], None]]] = {
-    "save (manager)": (None, _save),
-    "pruning save (keep_last=2)": (2, _save),
-    "delete (root/delete)": (None, _delete),
-    "overwrite (RENAME_EXCHANGE)": (None, _overwrite),
-    "overwrite (two renames)": (None, _overwrite_no_exchange),
-    "incremental save (hard links)": (None, _incremental),
-    "incremental save (copies)": (None, _incremental_copies),
-    "safetensors export": (None, _export),
-    "rollback (newer steps to a branch)": (None, _rollback_branch),
-    "rollback (newer steps deleted)": (None, _rollback_delete),
+def _save_async(mgr: fc.CheckpointManager) -> None:
+    _save(mgr)
+    mgr.wait()
+
+
+#: name -> (the manager's keyword arguments, the operation)
+OPERATIONS: dict[str, tuple[dict[str, Any], Callable[[fc.CheckpointManager], None]]] = {
+    "save (manager)": ({}, _save),
+    "async save (manager, async_save=True)": ({"async_save": True}, _save_async),
+    "pruning save (keep_last=2)": ({"keep": fc.keep_last(2)}, _save),
+    "delete (root/delete)": ({}, _delete),
+    "overwrite (RENAME_EXCHANGE)": ({}, _overwrite),
+    "overwrite (two renames)": ({}, _overwrite_no_exchange),
+    "incremental save (hard links)": ({}, _incremental),
+    "incremental save (copies)": ({}, _incremental_copies),
+    "safetensors export": ({}, _export),
+    "rollback (newer steps to a branch)": ({}, _rollback_branch),
+    "rollback (newer steps deleted)": ({}, _rollback_delete),
 }
 
 
 def record(base: Path, name: str) -> Recorder:
     """Build a root of steps 1 and 2 under ``base`` and record operation ``name`` on it."""
-    keep, operation = OPERATIONS[name]
+    options, operation = OPERATIONS[name]
     root = base / "root"
-    policy = fc.keep_last(keep) if keep else None
-    with fc.CheckpointManager(root, keep=policy) as mgr:
+    with fc.CheckpointManager(root, **options) as mgr:
         for step in (1, 2):
             mgr.maybe_save(state(step), step=step, force=True)
+        mgr.wait()  # an async save committed before the recording starts
         with Recorder(root) as rec:
             operation(mgr)
     return rec
