@@ -63,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (fc.CheckpointError, OSError, ValueError, TypeError, ArithmeticError) as e:
         ui.error(one_line(e))
         return 2
+    except (RecursionError, MemoryError) as e:  # the input nests or grows beyond any bound
+        ui.error(f"the input is too deeply nested or too large ({type(e).__name__})")
+        return 2
     except KeyboardInterrupt:
         ui.error("interrupted")
         return 130

@@ -9,13 +9,13 @@ job; the flags given to ``fckpt run`` win over it.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from functional_ckpt._src.cli.common import UsageError, is_checkpoint_dir, one_line
+from functional_ckpt._src.codec import documents
 from functional_ckpt._src.policy.config import (
     MANAGER_KEYS,
     Relaunch,
@@ -29,6 +29,7 @@ from functional_ckpt.errors import CheckpointError, ConfigError
 __all__ = ["RunOptions", "run_options"]
 
 _CONFIG_LIMIT = 1 << 20
+_YAML = (".yaml", ".yml")
 
 
 @dataclass
@@ -46,26 +47,19 @@ class RunOptions:
 def _document(path: Path) -> Any:
     """The parsed config file: JSON, or YAML (``.yaml``/``.yml``, needs PyYAML)."""
     try:
-        text = read_file(path, limit=_CONFIG_LIMIT, what="config file").decode()
+        text = read_file(path, limit=_CONFIG_LIMIT, what="config file")
     except FileNotFoundError:
         raise UsageError(f"--config {path}: no such file") from None
-    except (OSError, CheckpointError, UnicodeDecodeError) as exc:
+    except (OSError, CheckpointError) as exc:
         raise UsageError(f"--config {path}: cannot read it ({exc})") from None
-    if path.suffix.lower() not in (".yaml", ".yml"):
-        try:
-            return json.loads(text)
-        except ValueError as exc:
-            raise UsageError(f"--config {path}: not valid JSON ({exc})") from None
     try:
-        import yaml  # type: ignore[import-untyped, unused-ignore]
+        return documents.load(text, f"--config {path}", yaml=path.suffix.lower() in _YAML)
     except ImportError:
         raise UsageError(
             f"--config {path}: reading YAML needs PyYAML (pip install pyyaml); or give JSON"
         ) from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise UsageError(f"--config {path}: not valid YAML ({one_line(exc)})") from None
+    except ConfigError as exc:
+        raise UsageError(one_line(exc)) from None
 
 
 def _config(path: Path, key: str | None) -> Relaunch:

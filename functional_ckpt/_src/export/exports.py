@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from functional_ckpt._src.codec import documents
 from functional_ckpt._src.export.files import header_metadata
 from functional_ckpt._src.format.header import metrics_of, save_time
 from functional_ckpt._src.format.naming import EXPORTS_DIR, step_name
@@ -86,7 +87,7 @@ def header(step: int, metrics: Mapping[str, float], now: float) -> dict[str, str
 def _recorded(path: Path) -> tuple[float | None, dict[str, float]]:
     """(time, metrics) an export recorded; (None, {}) when it recorded nothing usable."""
     try:
-        record = json.loads(header_metadata(path).get(HEADER_KEY, "{}"))
+        record = documents.load(header_metadata(path).get(HEADER_KEY, "{}"), str(path))
     except (CheckpointError, OSError, ValueError, RuntimeError):
         return None, {}
     if not isinstance(record, dict):

@@ -14,9 +14,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from functional_ckpt._src.codec import documents
 from functional_ckpt._src.format.naming import EXPORT_INDEX, EXPORT_WEIGHTS, is_export_weights
 from functional_ckpt._src.storage import opener
-from functional_ckpt.errors import CheckpointError
+from functional_ckpt.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -192,8 +193,8 @@ def _read_side_file(path: Path) -> bytes:
 
 def _config_of(data: bytes, where: Path) -> dict[str, Any]:
     try:
-        config = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as e:
+        config = documents.load(data, str(where))
+    except ConfigError as e:
         raise CheckpointError(f"{where}: not a JSON config ({e})") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{where}: not a JSON config (a {type(config).__name__})")

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from functional_ckpt._src.codec import documents
 from functional_ckpt._src.export.safetensors import Export, parse_size
 from functional_ckpt._src.manager.memory import Memory
 from functional_ckpt._src.manager.options import AsyncSave
@@ -72,16 +73,23 @@ MEMORY_KEYS = (
 
 
 def _plain(value: object, path: str) -> Any:
-    """Mappings and sequences (a DictConfig's too) as dicts and lists, all the way down."""
+    """Mappings and sequences (a DictConfig's too) as dicts and lists, all the way down;
+    bounded first, as an untrusted document (parsed YAML shares an aliased node, which
+    a copy would expand once per reference)."""
+    documents.check_bounded(value, path)
+    return _copy(value, path)
+
+
+def _copy(value: object, path: str) -> Any:
     if isinstance(value, Mapping):
         out: dict[str, Any] = {}
         for k, v in value.items():
             if not isinstance(k, str):
                 raise config_error(at_key(path, str(k)), "string keys", k)
-            out[k] = _plain(v, at_key(path, k))
+            out[k] = _copy(v, at_key(path, k))
         return out
     if is_sequence(value):
-        return [_plain(v, at_key(path, i)) for i, v in enumerate(value)]
+        return [_copy(v, at_key(path, i)) for i, v in enumerate(value)]
     return value
 
 
@@ -197,6 +205,7 @@ def manager_arguments(
 ) -> tuple[str | None, dict[str, Any], Relaunch | None]:
     """The root, the constructor's keyword arguments and the ``run`` block of ``cfg``
     (``root_given``: the caller has the root, the config need not)."""
+    documents.check_bounded(cfg, "config")
     given = check_keys(cfg, "config", MANAGER_KEYS, "keys")
     if "root" not in given and not root_given:
         raise ConfigError("root: required (the directory of the run's checkpoints)")

@@ -22,11 +22,11 @@ A crash at any point leaves no marker, or the marker of a complete checkpoint.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from functional_ckpt._src.codec import documents
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import parse_shard
 from functional_ckpt._src.limits import LIMITS
@@ -155,7 +155,7 @@ def check_lease(store: Store, name: str, found: bytes | None, mine: bytes) -> No
     if found == mine:
         return
     try:
-        other = json.loads(found or b"{}")
+        other = documents.load(found or b"{}", name)
         who = f"pid {int(other['pid'])} on {str(other['host'])[:64]!r}"
     except (ValueError, TypeError, KeyError):
         who = "an unknown writer"

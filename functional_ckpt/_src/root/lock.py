@@ -16,6 +16,7 @@ import stat
 import time
 from pathlib import Path
 
+from functional_ckpt._src.codec import documents
 from functional_ckpt.errors import CheckpointError
 
 __all__ = ["LOCK_FILE", "LOCK_GRACE_S", "WriterLock"]
@@ -118,7 +119,7 @@ class WriterLock:
 
 def _holder_text(fd: int, path: Path) -> str:
     try:
-        info = json.loads(os.pread(fd, 4096, 0))
+        info = documents.load(os.pread(fd, 4096, 0), str(path))
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info["since"])))
         return f"pid {info['pid']} on {info['hostname']} since {since}; see {path}"
     except (OSError, ValueError, KeyError, TypeError, OverflowError):

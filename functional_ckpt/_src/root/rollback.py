@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from functional_ckpt._src import codec
+from functional_ckpt._src.codec import documents
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.kind import is_committed
 from functional_ckpt._src.format.naming import BRANCHES_DIR, EXPORTS_DIR, parse_step, step_name
@@ -67,7 +68,7 @@ class RollbackPlan:
     @staticmethod
     def decode(raw: bytes, where: Path) -> RollbackPlan:
         try:
-            data = json.loads(raw)
+            data = documents.load(raw, str(where))
             plan = RollbackPlan(
                 to_step=int(data["to_step"]),
                 names=[str(n) for n in data["names"]],

@@ -61,6 +61,15 @@ def check_path(path: KeyPath) -> None:
         )
 
 
+#: Sub-byte dtypes (``uint1``..``uint7``, ``int1``..``int7``): torch has names for
+#: them but no storage it can copy or serialise, so they cannot be written.
+_SUB_BYTE: frozenset[torch.dtype] = frozenset(
+    d
+    for n in (f"{sign}int{bits}" for sign in ("u", "") for bits in range(1, 8))
+    if isinstance(d := getattr(torch, n, None), torch.dtype)
+)
+
+
 def check_tensor(t: torch.Tensor, path: KeyPath) -> None:
     """Refuse, before anything is written, a tensor the format cannot store or load back.
 
@@ -78,6 +87,11 @@ def check_tensor(t: torch.Tensor, path: KeyPath) -> None:
     if t.layout != torch.strided:
         raise UnsupportedValue(
             f"{_where(path)}: {t.layout} tensors are not supported; convert to dense (t.to_dense())"
+        )
+    if t.dtype in _SUB_BYTE:
+        raise UnsupportedValue(
+            f"{_where(path)}: {t.dtype} tensors are not supported (torch cannot copy or "
+            "serialise sub-byte dtypes); save t.view(torch.uint8) and view it back after restore"
         )
     if t.is_quantized:
         raise UnsupportedValue(

@@ -8,11 +8,11 @@ regular file of the recorded size before a byte is read.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
 from pathlib import Path
 
+from functional_ckpt._src.codec import documents
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.naming import is_temporary_name
 from functional_ckpt._src.limits import LIMITS
@@ -109,12 +109,15 @@ def read_file(path: Path, *, limit: int, what: str = "file") -> bytes:
 def read_state(path: Path, what: str) -> object | None:
     """The JSON document of a state file kept beside checkpoints, or None when there
     is none to trust: missing, a link, special, oversized (``LIMITS.state_file_bytes``),
-    unreadable or not JSON. A state file only informs (what a tier did, how far a job
+    unreadable, not JSON, or deeper or larger expanded than the decoder allows
+    (``codec/documents``). A state file only informs (what a tier did, how far a job
     got); whoever reads it decides what "nothing known" means."""
     try:
-        doc: object = json.loads(read_file(path, limit=LIMITS.state_file_bytes, what=what))
+        doc: object = documents.load(
+            read_file(path, limit=LIMITS.state_file_bytes, what=what), str(path)
+        )
         return doc
-    except (OSError, ValueError, RecursionError, CheckpointError):
+    except (OSError, CheckpointError):
         return None
 
 
