@@ -356,8 +356,9 @@ def test_oversized_manifest_is_not_read(ckpt: Path) -> None:
 
 
 def test_oversized_metadata_is_not_read(ckpt: Path) -> None:
-    restore, _ = _sparse_probe(ckpt, naming.DCP_METADATA)
-    assert restore == "CorruptCheckpoint"
+    """A restore never reads ``.metadata`` (it is for stock readers); verify reports it."""
+    assert _sparse_probe(ckpt, naming.DCP_METADATA) == ["ok", "ok"]
+    assert not fc.verify(ckpt).ok
 
 
 def test_writer_on_read_only_root(mount: Path) -> None:
@@ -411,7 +412,7 @@ def test_restore_racing_prune(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_restore_pruned_before_opening(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Pruned before its files could be opened: not found (never "corrupt")."""
-    original = committed.open_members
+    original = committed.Checkpoint.open_file
 
     def pruned_first(ck: Any, *args: Any) -> Any:
         aside = durable.tmp_sibling(ckpt, naming.TRASH_INFIX)
@@ -420,7 +421,7 @@ def test_restore_pruned_before_opening(ckpt: Path, monkeypatch: pytest.MonkeyPat
             commit.remove_tree(aside)
         return original(ck, *args)
 
-    monkeypatch.setattr(committed, "open_members", pruned_first)
+    monkeypatch.setattr(committed.Checkpoint, "open_file", pruned_first)
     with pytest.raises(fc.errors.CheckpointNotFound):
         fc.restore(ckpt)
 

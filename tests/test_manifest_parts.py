@@ -126,6 +126,17 @@ def test_a_damaged_part_is_named(ck: Path) -> None:
     assert not report.ok and any(PART1 in str(p) for p in report.problems), report.problems
 
 
+def test_a_deleted_part_is_reported_as_a_missing_file(ck: Path) -> None:
+    """``fc.verify`` reports a deleted part like any missing file (it raised the
+    opener's ``FileNotFoundError``); a restore names it too."""
+    (ck / PART1).unlink()
+    report = fc.verify(ck)
+    assert not report.ok
+    assert any(p.where == PART1 and "missing" in p.detail for p in report.problems), report
+    with pytest.raises(fc.errors.CorruptCheckpoint, match=rf"{PART1}: file is missing"):
+        fc.restore(ck, partial=True)
+
+
 def test_a_part_beyond_the_readers_limit_is_refused_before_it_is_read(
     ck: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import resource
 import shutil
 from pathlib import Path
@@ -51,12 +52,11 @@ def no_marker() -> Any:
 def test_hostile_dcp_metadata_in_our_checkpoint(tmp_path: Path) -> None:
     path = make(tmp_path)
     (path / ".metadata").write_bytes(pickle.dumps(Hostile()))
-    with pytest.raises(fc.errors.UnsafeCheckpoint, match=r"posix\.system|os\.system"):
-        fc.restore(path)
-    with pytest.raises(fc.errors.UnsafeCheckpoint):
-        fc.inspect(path)
+    fc.restore(path)  # for stock readers: never read by ours (no tensor comes from it)
+    fc.inspect(path)
     report = fc.verify(path)
     assert not report.ok and any(".metadata" in str(p) for p in report.problems)
+    assert any(re.search(r"posix\.system|os\.system", str(p)) for p in report.problems)
 
 
 def test_hostile_dcp_metadata_in_stock_checkpoint(tmp_path: Path) -> None:

@@ -573,10 +573,15 @@ def test_special_file_never_hangs(tmp_path: Path, name: str, kind: str) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
+    unread = name == naming.DCP_METADATA  # for stock readers: only verify reads it
     for what in ("restore", "inspect", "verify", "manager"):
         kind_, msg = out[what]
-        if what == "manager" and kind_ == "ok":
-            continue  # fell back: nothing else to restore
+        if kind_ == "ok" and (
+            what == "manager"  # fell back: nothing else to restore
+            or (unread and what != "verify")
+            or (what == "inspect" and name not in (naming.MANIFEST, naming.COMMIT_MARKER))
+        ):
+            continue  # never read: inspect reads the marker and the manifest alone
         assert kind_ in ("UnsafeCheckpoint", "CorruptCheckpoint", "CheckpointError", "reported"), (
             what,
             out[what],
@@ -589,8 +594,10 @@ def test_special_file_never_hangs(tmp_path: Path, name: str, kind: str) -> None:
         env=ENV,
         timeout=HANG,
     )
-    assert cli.returncode in (1, 2), cli.stdout + cli.stderr
-    assert "Traceback" not in cli.stderr and name in cli.stdout + cli.stderr
+    assert "Traceback" not in cli.stderr
+    if name in (naming.MANIFEST, naming.COMMIT_MARKER):
+        assert cli.returncode in (1, 2), cli.stdout + cli.stderr
+        assert name in cli.stdout + cli.stderr
 
 
 def test_stock_dcp_with_a_fifo_never_hangs(tmp_path: Path) -> None:

@@ -76,7 +76,21 @@ class _ManifestReader(StorageReader):
             chunk = self.chunks[req.storage_index]
             by_chunk.setdefault(id(chunk), (chunk, []))[1].append(req)
         ordered = sorted(by_chunk.values(), key=lambda cr: (cr[0].file, cr[0].data_offset))
+        try:
+            self._read(ordered, planner)
+        finally:
+            self.root.release_all()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read(self, ordered: list[tuple[Chunk, list[Any]]], planner: LoadPlanner) -> None:
+        """Read the chunks, file after file: each file is closed once its reads are done."""
+        last = None
         for chunk, reqs in ordered:
+            if last is not None and chunk.file != last:
+                self.root.release(last)
+            last = chunk.file
             fqn = reqs[0].storage_index.fqn
             dtype = self.dtypes.get(fqn)
             if dtype is None:
@@ -97,9 +111,6 @@ class _ManifestReader(StorageReader):
                 target = planner.resolve_tensor(req).detach()
                 target.copy_(piece)
                 planner.commit_tensor(req, target)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:

@@ -151,9 +151,13 @@ class Reads:
         faults = Prefaulter([t for _, _, t in in_order]) if in_order else None
         ready = None if faults is None else faults.ready
         try:
-            for name, group in self.by_file.items():
-                fd, runs = src.fd(name), segments.get(name, ())
-                results = shards.read_tensors(fd, group.jobs, runs, ready=ready)
+            for name, group in self.by_file.items():  # a file at a time, closed once read
+                try:
+                    results = shards.read_tensors(
+                        src.fd(name), group.jobs, segments.get(name, ()), ready=ready
+                    )
+                finally:
+                    src.release(name)
                 for path, res in zip(group.paths, results, strict=True):
                     if res is not None:
                         bad.append(f"  {format_path(path)} in {name}: {res}")

@@ -31,6 +31,7 @@ from functional_ckpt._src.format.view import ParsedCheckpoint, parse_checkpoint
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.storage import opener
 from functional_ckpt._src.storage.opener import exists_at, open_directory, open_member, read_exact
+from functional_ckpt._src.storage.os_failure import os_failure, ran_out
 from functional_ckpt.errors import (
     CheckpointError,
     CheckpointNotFound,
@@ -131,35 +132,83 @@ def read_manifest_at(
     return manifest
 
 
+#: The most descriptors of its files a held checkpoint keeps open at once (beside its
+#: directory's): a restore reads file after file, so a handful serves any world size.
+MAX_OPEN = 8
+
+
 @dataclass
 class Checkpoint:
-    """A committed checkpoint held open: its manifest and every file it lists.
+    """A committed checkpoint held open: its directory, its authenticated manifest,
+    and the files being read.
 
-    All files were opened through one directory descriptor before any tensor byte
-    is read, so a reader sees one consistent checkpoint even if the path is
-    replaced (``overwrite=True``) or pruned meanwhile. Close it (or use ``with``).
+    A file is opened when it is first read (:meth:`fd`), through the one directory
+    descriptor, checked against its recorded size, and closed once its reads are
+    done (:meth:`release`), never more than :data:`MAX_OPEN` at once: a reader
+    touches only the files it reads, whatever the world size and ``ulimit -n``.
+    The directory descriptor keeps the checkpoint the one that was authenticated
+    even if the path is renamed away (``overwrite=True``); a file found deleted
+    meanwhile (a prune) is reported as ``CheckpointNotFound``, never as damage.
+    Close it (or use ``with``).
     """
 
     path: Path
     dir_fd: int
     manifest: dict[str, Any]
-    fds: dict[str, int] = field(default_factory=dict)
-    sizes: dict[str, int] = field(default_factory=dict)
+    fds: dict[str, int] = field(default_factory=dict)  # open now, least recently used first
+    sizes: dict[str, int] = field(default_factory=dict)  # of every file opened so far
     unregistered: frozenset[str] = frozenset()  # tags of placeholders among the values
 
     def fd(self, name: str) -> int:
-        try:
-            return self.fds[name]
-        except KeyError:
-            raise CorruptCheckpoint(
-                f"{self.path}: {name!r} is not a file of this checkpoint"
-            ) from None
+        """A descriptor of file ``name`` of this checkpoint, opened if it is not."""
+        fd = self.fds.pop(name, None)
+        if fd is None:
+            fd = self.open_file(name)
+            while len(self.fds) >= MAX_OPEN:
+                self.release(next(iter(self.fds)))
+        self.fds[name] = fd
+        return fd
 
-    def close(self) -> None:
-        for fd in self.fds.values():
+    def release(self, name: str) -> None:
+        """Close file ``name``, its reads done (it is opened again if read again)."""
+        fd = self.fds.pop(name, None)
+        if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self.fds.clear()
+
+    def release_all(self) -> None:
+        """Close every file held open (the directory stays held)."""
+        for name in list(self.fds):
+            self.release(name)
+
+    def open_file(self, name: str) -> int:
+        """Open file ``name`` as the file table records it (a new descriptor, the
+        caller's to close); every failure a :class:`CheckpointError` naming it."""
+        files = self.manifest.get("files")
+        info = files.get(name) if isinstance(files, dict) else None
+        if not isinstance(info, dict):
+            raise CorruptCheckpoint(f"{self.path}: {name!r} is not a file of this checkpoint")
+        member = safe_member(self.path, name)
+        size = info.get("size")
+        if type(size) is not int or size < 0:
+            raise CorruptCheckpoint(f"{self.path / MANIFEST}: bad entry for file {name!r}")
+        # A derived file's size is checked with its checksum, to tell hostile from damaged.
+        derived = name == DCP_METADATA
+        try:
+            fd = open_member(self.dir_fd, name, member, size=None if derived else size)
+        except FileNotFoundError:
+            if _replaced(self.path, self.dir_fd, True):
+                raise _gone(self.path) from None
+            raise CorruptCheckpoint(f"{member}: file is missing from the checkpoint") from None
+        except OSError as e:
+            if ran_out(e):
+                raise os_failure(e, member, "reading") from e
+            raise CheckpointError(f"{member}: cannot read the checkpoint file: {e}") from e
+        self.sizes[name] = os.fstat(fd).st_size if derived else size
+        return fd
+
+    def close(self) -> None:
+        self.release_all()
         if self.dir_fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self.dir_fd)
@@ -172,34 +221,32 @@ class Checkpoint:
         self.close()
 
 
-def open_members(ck: Checkpoint, problems: list[tuple[str, CheckpointError]] | None = None) -> None:
-    """Open every file the manifest lists, checked against its recorded size.
+def _gone(path: Path) -> CheckpointNotFound:
+    return CheckpointNotFound(
+        f"{path}: the checkpoint was replaced or deleted while it was being read "
+        "(a writer overwrote or pruned it); read it again"
+    )
 
-    With ``problems`` each file that fails is recorded there (and left out)
-    instead of raising, so a verifier can report them all.
+
+def check_members(
+    ck: Checkpoint, problems: list[tuple[str, CheckpointError]] | None = None
+) -> None:
+    """Check that every file the manifest lists opens at its recorded size, one at a
+    time (none is left open).
+
+    With ``problems`` each file that fails is recorded there instead of raising,
+    so a verifier can report them all.
     """
     files = ck.manifest.get("files")
     if not isinstance(files, dict):
         raise CorruptCheckpoint(f"{ck.path / MANIFEST}: missing file table")
-    for name, info in files.items():
-        member = safe_member(ck.path, name)
-        size = info.get("size") if isinstance(info, dict) else None
-        if type(size) is not int or size < 0:
-            raise CorruptCheckpoint(f"{ck.path / MANIFEST}: bad entry for file {name!r}")
-        # A derived file's size is checked with its checksum, to tell hostile from damaged.
-        derived = name == DCP_METADATA
+    for name in files:
         try:
-            try:
-                fd = open_member(ck.dir_fd, name, member, size=None if derived else size)
-            except FileNotFoundError:
-                raise CorruptCheckpoint(f"{member}: file is missing from the checkpoint") from None
+            os.close(ck.open_file(name))
         except CheckpointError as err:
-            if problems is None:
+            if problems is None or isinstance(err, CheckpointNotFound):
                 raise
             problems.append((name, err))
-            continue
-        ck.fds[name] = fd
-        ck.sizes[name] = os.fstat(fd).st_size if derived else size
 
 
 def _replaced(path: Path, dir_fd: int, had_marker: bool) -> bool:
@@ -217,16 +264,18 @@ def _replaced(path: Path, dir_fd: int, had_marker: bool) -> bool:
 def open_checkpoint(
     path: Path,
     *,
-    members: bool = True,
+    members: bool = False,
     problems: list[tuple[str, CheckpointError]] | None = None,
 ) -> Checkpoint:
-    """Open a committed checkpoint: marker, manifest and (``members``) every listed file.
+    """Open a committed checkpoint: its marker and manifest, authenticated; its files
+    are opened as they are read (:meth:`Checkpoint.fd`).
 
-    If the directory is replaced or deleted before all its files are open (a
-    writer's ``overwrite=True`` or a prune), this starts once more from what is
-    at ``path`` now; a second race is reported as ``CheckpointNotFound``, never as
-    damage. With ``problems``, files that cannot be opened are listed there
-    instead of raising (see :func:`open_members`).
+    With ``members`` (or ``problems``) every listed file is checked to open at its
+    recorded size first (:func:`check_members`), files that cannot be listed in
+    ``problems`` instead of raising. If the directory is replaced or deleted
+    meanwhile (a writer's ``overwrite=True`` or a prune), this starts once more
+    from what is at ``path`` now; a second race is reported as
+    ``CheckpointNotFound``, never as damage.
     """
     for attempt in (0, 1):
         dir_fd = open_directory(path)
@@ -239,8 +288,8 @@ def open_checkpoint(
             tags: set[str] = set()
             ck.manifest = read_manifest_at(dir_fd, path, marker, tags)
             ck.unregistered = frozenset(tags)
-            if members:
-                open_members(ck, None if problems is None else found)
+            if members or problems is not None:
+                check_members(ck, None if problems is None else found)
             if found and _replaced(path, dir_fd, had_marker):
                 raise found[0][1]
             if problems is not None:
@@ -254,10 +303,7 @@ def open_checkpoint(
                     raise
                 raise CheckpointError(f"{path}: cannot read the checkpoint: {err}") from err
             if attempt:
-                raise CheckpointNotFound(
-                    f"{path}: the checkpoint was replaced or deleted while it was being read "
-                    "(a writer overwrote or pruned it); read it again"
-                ) from err
+                raise _gone(path) from err
     raise AssertionError("unreachable")
 
 
@@ -272,7 +318,7 @@ def check_committed(path: Path) -> dict[str, Any]:
 
 def read_manifest(path: Path) -> dict[str, Any]:
     """Read and authenticate the manifest of a committed checkpoint."""
-    with open_checkpoint(path, members=False) as ck:
+    with open_checkpoint(path) as ck:
         return ck.manifest
 
 
@@ -294,36 +340,26 @@ def classify_metadata(ck: Checkpoint) -> CheckpointError:
     from functional_ckpt._src.format import unpickler
 
     where = ck.path / naming.DCP_METADATA
-    fd = ck.fds.get(naming.DCP_METADATA)
     size = ck.sizes.get(naming.DCP_METADATA, 0)
-    if fd is not None and size <= CLASSIFY_LIMIT:
+    if naming.DCP_METADATA in ck.sizes and size <= CLASSIFY_LIMIT:
         try:
-            hostile = unpickler.scan_pickle(opener.read_exact(fd, size, where), where)
+            raw = opener.read_exact(ck.fd(naming.DCP_METADATA), size, where)
+            hostile = unpickler.scan_pickle(raw, where)
         except CheckpointError:
             hostile = None
+        finally:
+            ck.release(naming.DCP_METADATA)
         if hostile is not None:
             return hostile
     return CorruptCheckpoint(f"{where}: does not match the checksum in the manifest")
-
-
-def metadata_intact(ck: Checkpoint) -> bool:
-    """Does ``.metadata`` have the size and CRC32 the manifest recorded (if it records one)?"""
-    files = ck.manifest.get("files")
-    info = files.get(naming.DCP_METADATA) if isinstance(files, dict) else None
-    if not isinstance(info, dict):
-        return True
-    size = ck.sizes.get(naming.DCP_METADATA)
-    if size is None or size != info.get("size"):
-        return False
-    return opener.crc32_fd(ck.fd(naming.DCP_METADATA), size) == info.get("crc32")
 
 
 def read_part(ck: Checkpoint, rank: int) -> Any:
     """Part ``rank`` of a split manifest, authenticated and decoded.
 
     The index (which the marker authenticates) records each part's size and CRC32;
-    the file was opened at that size with the others, and is read whole only here,
-    within ``LIMITS.manifest_part_bytes``.
+    the file is opened at that size, read whole within ``LIMITS.manifest_part_bytes``
+    and closed.
     """
     name = naming.part_name(rank)
     where = ck.path / name
@@ -331,20 +367,17 @@ def read_part(ck: Checkpoint, rank: int) -> Any:
     info = files.get(name) if isinstance(files, dict) else None
     if not isinstance(info, dict):
         raise CorruptCheckpoint(f"{ck.path / MANIFEST}: the file table does not list {name}")
-    size = ck.sizes.get(name, info.get("size"))
+    size = info.get("size")
     limit = LIMITS.manifest_part_bytes
     if type(size) is not int or not 0 <= size <= limit:
         raise CorruptCheckpoint(
             f"{where}: the manifest part is {size!r} bytes, not a size up to the {limit} "
             "a reader accepts"
         )
-    held = ck.fds.get(name)
-    fd = open_member(ck.dir_fd, name, where, size=size) if held is None else held
     try:
-        raw = opener.read_exact(fd, size, where)
+        raw = opener.read_exact(ck.fd(name), size, where)
     finally:
-        if held is None:
-            os.close(fd)
+        ck.release(name)
     if crc32(raw) != info.get("crc32"):
         raise CorruptCheckpoint(
             f"{where}: rank {rank}'s part of the manifest does not match its checksum in "
@@ -365,18 +398,11 @@ def parsed(ck: Checkpoint) -> ParsedCheckpoint:
 
 
 def open_vetted(path: Path) -> Checkpoint:
-    """Open a committed checkpoint and vet it once: marker, manifest, every file, ``.metadata``.
+    """Open a committed checkpoint for reading: its marker and manifest authenticated,
+    each other file opened, checked and closed as it is read (:meth:`Checkpoint.fd`).
 
-    ``.metadata`` is derived from the manifest and never read by our readers; it
-    is checked against the size and checksum the manifest recorded, so damage to
-    it (which would mislead stock ``dcp.load``) is still reported. Close the
-    result (or use ``with``); read every tensor through it.
+    ``.metadata`` is not read: it is derived from the manifest for stock readers,
+    checked by ``fc.verify`` and by the save that wrote it. Close the result (or
+    use ``with``); read every tensor through it.
     """
-    ck = open_checkpoint(path)
-    try:
-        if not metadata_intact(ck):
-            raise classify_metadata(ck)
-    except BaseException:
-        ck.close()
-        raise
-    return ck
+    return open_checkpoint(path)

@@ -79,6 +79,8 @@ def _verify_open(
     ck: committed.Checkpoint, failed: list[tuple[str, CheckpointError]], report: VerifyReport
 ) -> None:
     src, manifest = ck.path, ck.manifest
+    report.problems += [Problem(name, str(err), name) for name, err in failed]
+    unread = {name for name, _ in failed}  # missing, wrong size or not a regular file
     try:
         once = committed.parsed(ck)
         shared, parsed = once.shared, once.all_views()
@@ -86,13 +88,13 @@ def _verify_open(
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.problems.append(Problem(naming.MANIFEST, str(err), naming.MANIFEST))
         return
-    report.problems += [Problem(name, str(err), name) for name, err in failed]
     files = manifest["files"]
     listed = set(files) | {naming.MANIFEST, naming.COMMIT_MARKER}
     for child in committed.iter_names(ck.dir_fd):
         if child not in listed:
             report.problems.append(Problem(child, "unexpected file in the checkpoint", child))
-    _verify_metadata(ck, groups_of(shared, parsed), blobs, report)
+    if naming.DCP_METADATA not in unread:
+        _verify_metadata(ck, groups_of(shared, parsed), blobs, report)
     by_file: dict[str, dict[int, tuple[str, Chunk | ByteEntry]]] = {}
     for one in parsed:
         for e in one.tensors.values():
@@ -102,8 +104,11 @@ def _verify_open(
     for b in blobs:
         by_file.setdefault(b.file, {})[b.offset] = (f"DCP byte entry {b.fqn!r}", b)
     for name in files:
-        if name != naming.DCP_METADATA and naming.parse_part(name) is None and name in ck.fds:
-            _verify_file(ck, name, sorted(by_file.get(name, {}).items()), parsed[0], report)
+        if name != naming.DCP_METADATA and naming.parse_part(name) is None and name not in unread:
+            try:  # a file at a time, closed once checked
+                _verify_file(ck, name, sorted(by_file.get(name, {}).items()), parsed[0], report)
+            finally:
+                ck.release(name)
 
 
 def _verify_metadata(
@@ -118,13 +123,14 @@ def _verify_metadata(
     if not isinstance(info, dict):
         report.problems.append(Problem(name, "not recorded in the manifest"))
         return
-    if name not in ck.fds:
-        return  # already reported: missing, wrong size or not a regular file
     where = ck.path / name
     if ck.sizes[name] != info.get("size"):
         report.problems.append(Problem(name, str(classify_metadata(ck)), name))
         return
-    raw = opener.read_exact(ck.fds[name], ck.sizes[name], where)
+    try:
+        raw = opener.read_exact(ck.fd(name), ck.sizes[name], where)
+    finally:
+        ck.release(name)
     report.files_checked += 1
     report.bytes_checked += len(raw)
     if crc32(raw) != info.get("crc32"):
@@ -162,7 +168,7 @@ def _verify_file(
     report.files_checked += 1
     pos = 0
     damaged: list[tuple[int, int]] = []  # the byte ranges of blobs found damaged
-    fd = ck.fds[name]
+    fd = ck.fd(name)
     info = parsed.raw.get("files", {}).get(name)
     gaps = isinstance(info, dict) and info.get("reused") is True
     for _, (key, c) in chunks:
