@@ -13,6 +13,7 @@ user names lives in one of a few public namespaces:
 * ``fc.codec``: ``register``, for the dataclasses, NamedTuples and Enums a state holds,
   and ``Unregistered``, what a reader without their class sees;
 * ``functional_ckpt.integrations.<client>``: Lightning, Hugging Face, accelerate, torchdata.
+* ``functional_ckpt.dcp``: ``Writer``, ``Reader``: ``dcp.save``/``dcp.load`` in this format.
 
 Everything else (``functional_ckpt._src``) is the implementation. Names are imported
 on first use, so ``import functional_ckpt`` (and the ``fckpt`` command) loads no

@@ -1,0 +1,141 @@
+"""A DCP ``StorageReader`` of this project's checkpoints.
+
+``dcp.load(sd, storage_reader=Reader(path))`` reads any checkpoint of this format.
+
+DCP learns what is stored from ``Metadata`` derived from the authenticated
+manifest (:func:`~..format.dcp_metadata.metadata_for`, the one derivation), so
+``.metadata`` is never unpickled. Tensor chunks are served with every byte
+checked against the manifest's CRC32s (DCP's planner still maps saved chunks
+onto the caller's shards, any world size); a value's bytes are checked against
+their CRC32 before DCP's planner reads them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from functional_ckpt._src.format import dcp_metadata
+from functional_ckpt._src.format import dcp_values as dcpbytes
+from functional_ckpt._src.format.checksum import crc32
+from functional_ckpt._src.format.dcp_values import ByteEntry
+from functional_ckpt._src.restore.dtensor import _ManifestReader
+from functional_ckpt._src.storage import committed
+from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
+
+
+class Reader(StorageReader):
+    """Where ``dcp.load`` reads a checkpoint of this format (``path`` or ``checkpoint_id=``).
+
+    The checkpoint is opened and vetted once per load (marker, manifest, every
+    file); damage is raised as ``CorruptCheckpoint`` naming the file and key.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        super().__init__()
+        self.path = None if path is None else Path(path)
+        self._tensors: _ManifestReader | None = None
+        self._values: dict[str, ByteEntry] = {}
+        self._metadata: Metadata | None = None
+
+    @property
+    def checkpoint_id(self) -> Path | None:
+        return self.path
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._close()
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._open()
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self._open()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self._open()
+        tensors = self._tensors
+        assert tensors is not None
+        try:
+            wanted = []
+            for req in plan.items:
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, io.BytesIO(self._value_bytes(req.storage_index)))
+                else:
+                    wanted.append(req)
+            tensors.read_data(LoadPlan(wanted), planner).wait()
+        finally:
+            self._close()
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # chosen by name, never guessed from a path
+
+    def _open(self) -> Metadata:
+        """Open and vet the checkpoint (once per load); its ``Metadata``, derived."""
+        if self._tensors is not None and self._metadata is not None:
+            return self._metadata
+        if self.path is None:
+            raise CheckpointError(
+                "functional_ckpt.dcp.Reader: no checkpoint path; pass Reader(path) "
+                "or dcp.load(..., checkpoint_id=path)"
+            )
+        ck = committed.open_vetted(self.path)
+        try:
+            parsed = committed.parsed(ck)
+            groups = parsed.groups()
+            values = dcpbytes.parse_byte_entries(ck.manifest, parsed.shared.file_sizes, ck.path)
+            reader = _ManifestReader(ck, parsed.shared)
+            for e in (e for group in groups for e in group):  # later entries win, as in DCP
+                reader.dtypes[e.fqn] = e.dtype
+                for c in e.chunks:
+                    reader.chunks[MetadataIndex(e.fqn, torch.Size(c.offsets))] = c
+            self._metadata = dcp_metadata.metadata_for(groups, values)
+        except BaseException:
+            ck.close()
+            raise
+        self._tensors = reader
+        self._values = {b.fqn: b for b in values}
+        return self._metadata
+
+    def _value_bytes(self, index: MetadataIndex) -> bytes:
+        """A value's stored ``torch.save`` bytes, checked against their CRC32."""
+        tensors = self._tensors
+        assert tensors is not None
+        ck = tensors.root
+        entry = self._values.get(index.fqn)
+        if entry is None:
+            raise CorruptCheckpoint(f"{ck.path}: no value {index.fqn!r}")
+        data = os.pread(ck.fd(entry.file), entry.length, entry.offset)
+        if len(data) != entry.length or crc32(data) != entry.crc32:
+            raise CorruptCheckpoint(
+                f"{ck.path}: damaged value {index.fqn!r} in {entry.file} "
+                f"(bytes {entry.offset}..{entry.offset + entry.length}: checksum mismatch)"
+            )
+        return data
+
+    def _close(self) -> None:
+        if self._tensors is not None:
+            self._tensors.root.close()
+        self._tensors = None
+        self._metadata = None

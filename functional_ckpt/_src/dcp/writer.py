@@ -1,0 +1,125 @@
+"""A DCP ``StorageWriter`` whose checkpoints are this project's.
+
+``dcp.save(sd, storage_writer=Writer(path))`` commits a checkpoint of this format.
+
+DCP's own planning still runs (its planner flattens the state, dedups replicated
+tensors, builds its ``Metadata``), but the bytes are written by ``fc.save``: the
+one writer that keeps the commit protocol (temporary sibling, every file fsynced,
+marker last, atomic rename, ``overwrite=False`` unless asked), a CRC32 for every
+byte and the manifest. So what ``dcp.save`` leaves behind is an ordinary
+checkpoint of this format: ``fc.restore``, ``fc.verify``, ``fckpt`` and stock
+``dcp.load`` all read it, and there is no second writer to keep in step.
+
+``write_data`` is where DCP hands over the (possibly staged) state on every
+rank at once, so the save happens there, as one collective ``fc.save`` of the
+planner's state unflattened to the tree the caller passed; ``finish`` has
+nothing left to do. Non-tensor values are encoded exactly by the codec or
+refused, naming the key: nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from functional_ckpt._src.save.api import save
+from functional_ckpt._src.save.info import CheckpointInfo
+from functional_ckpt.errors import CheckpointError
+
+
+class Writer(StorageWriter):
+    """Where ``dcp.save`` / ``dcp.async_save`` write a checkpoint of this format.
+
+    ``path`` (or DCP's ``checkpoint_id=``) names the checkpoint directory; an
+    existing one is replaced only with ``overwrite=True``; ``metadata`` is stored
+    in the manifest as ``fc.save`` stores it. Under ``torch.distributed`` create
+    it on every rank (as ``dcp.save`` is called on every rank): its checkpoint
+    group is made there, on the calling thread, not on a saving thread.
+    ``info`` is what the last save returned on this process.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        overwrite: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.path = None if path is None else Path(path)
+        self.overwrite = overwrite
+        self.metadata = None if metadata is None else dict(metadata)
+        self.info: CheckpointInfo | None = None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            from functional_ckpt._src.distributed.groups import checkpoint_group
+
+            checkpoint_group()
+
+    @property
+    def checkpoint_id(self) -> Path | None:
+        return self.path
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.path is None:
+            raise CheckpointError(
+                "functional_ckpt.dcp.Writer: no checkpoint path; pass Writer(path) "
+                "or dcp.save(..., checkpoint_id=path)"
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        assert self.path is not None  # set_up_storage_writer checked it
+        self.info = save(
+            self.path,
+            planned_state(planner),
+            overwrite=self.overwrite,
+            metadata=self.metadata,
+            per_rank=(),
+        )
+        done: Future[list[WriteResult]] = Future()
+        done.set_result([])
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Nothing: ``write_data``'s save committed the checkpoint on every rank."""
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # chosen by name, never guessed from a path
+
+
+def planned_state(planner: SavePlanner) -> dict[str, Any]:
+    """The state DCP's planner holds, as the nested tree the caller passed to ``dcp.save``.
+
+    DCP's default planner flattens the state (``mappings`` leads each flat key back to
+    its path); a planner holding no ``state_dict`` is refused by name.
+    """
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
+    flat = getattr(planner, "state_dict", None)
+    if not isinstance(flat, Mapping):
+        raise CheckpointError(
+            f"functional_ckpt.dcp.Writer: the planner {type(planner).__name__} holds no "
+            "state_dict; use DefaultSavePlanner (or a subclass of it)"
+        )
+    mappings = getattr(planner, "mappings", None)
+    if getattr(planner, "flatten_state_dict", False) and mappings:
+        return dict(unflatten_state_dict(dict(flat), mappings))
+    return dict(flat)
