@@ -187,6 +187,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "functional_ckpt._src.text",
             "functional_ckpt._src.version",
             "functional_ckpt._src.limits",
+            "functional_ckpt._src.log",
             "functional_ckpt._src.native",
             "functional_ckpt._src.threads",
         ),

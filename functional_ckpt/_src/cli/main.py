@@ -22,6 +22,7 @@ function (:mod:`.commands`) and turns every outcome into the exit status above.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -39,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ui = UI()
     try:
         args = build_parser().parse_args(argv)
+        if args.verbose:
+            _log_to_stderr(logging.INFO if args.verbose == 1 else logging.DEBUG)
         status: int = args.func(args, ui)
         return status
     except SystemExit as e:  # --help, --version
@@ -69,6 +72,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         ui.error("interrupted")
         return 130
+
+
+def _log_to_stderr(level: int) -> None:
+    """``-v``: the library's records (the ``functional_ckpt`` logger) on stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("fckpt: %(name)s: %(message)s"))
+    log = logging.getLogger("functional_ckpt")
+    log.addHandler(handler)
+    log.setLevel(level)
 
 
 if __name__ == "__main__":

@@ -346,6 +346,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {fc.__version__}")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="log what the library does to stderr (-v: each save, restore, commit, "
+        "delete...; -vv: also each phase's time)",
+    )
     subs = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
     for add in (
         _add_ls,

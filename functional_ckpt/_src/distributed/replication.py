@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from functional_ckpt._src.log import done, logger
 from functional_ckpt._src.storage import durable, opener
 from functional_ckpt.errors import CheckpointError
 
@@ -57,7 +59,7 @@ def transfer(
     Returns the bytes this rank sent or received; a file that could not be read or
     written raises (the first such error) once every move is done, so only a dead
     rank can keep another waiting (for the group's timeout)."""
-    rank = dist.get_rank(group)
+    rank, t0 = dist.get_rank(group), time.perf_counter()
     moved = 0
     failed: list[BaseException] = []
     for tag, move in enumerate(moves):
@@ -73,7 +75,13 @@ def transfer(
             failed.append(e)
     if failed:
         raise failed[0]
+    mine = [target(m) for m in moves if m.dst == rank and m.src != m.dst]
+    if mine:  # a record where the bytes landed: the replica's folder
+        done(_LOG, "replicated", mine[0], seconds=time.perf_counter() - t0, nbytes=moved, to="into")
     return moved
+
+
+_LOG = logger("distributed")
 
 
 def _send(path: Path, move: Move, tag: int, group: Any) -> None:

@@ -19,8 +19,10 @@ rename), so a reader never sees a partial one.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,7 @@ from functional_ckpt._src.export.files import (
 from functional_ckpt._src.export.names import Rename, check_rename, map_names, prefixes
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.format.naming import EXPORT_INDEX, EXPORT_WEIGHTS
+from functional_ckpt._src.log import done, logger
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy import SavePolicy
 from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all
@@ -352,7 +355,7 @@ def write_export(
     header: Mapping[str, str] | None = None,
 ) -> Path:
     """:func:`export_safetensors`, plus ``header``: more safetensors header metadata."""
-    out = Path(out_dir)
+    out, t0 = Path(out_dir), time.perf_counter()
     path = _select_path(select)
     _check_dtype(dtype)
     limit = parse_size(max_shard_size)
@@ -378,4 +381,10 @@ def write_export(
     except BaseException:
         commit.remove_tree(tmp)
         raise
+    if _LOG.isEnabledFor(logging.INFO):
+        nbytes = sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(out))
+        done(_LOG, "exported", out, seconds=time.perf_counter() - t0, nbytes=nbytes)
     return out
+
+
+_LOG = logger("export")

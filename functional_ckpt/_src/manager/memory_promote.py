@@ -11,12 +11,15 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import warnings
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from functional_ckpt._src.format.naming import parse_step
+from functional_ckpt._src.log import done as finished
+from functional_ckpt._src.log import logger, warn
 from functional_ckpt._src.storage import ram
 from functional_ckpt.errors import MemoryWarning
 
@@ -46,18 +49,24 @@ def promote_newest(folder: Path, root: Path, paths: Sequence[Path], within: floa
                 failed.append(e)
 
     worker = threading.Thread(target=copy, name="fc-promote", daemon=True)
+    t0 = time.perf_counter()
     worker.start()
     worker.join(within)
     if worker.is_alive() or failed or not done:
         why = f"not done within {within} s" if not failed else f"{failed[0]}"
-        warnings.warn(
+        warn(
             f"{folder}: promoting {steps[-1].name} to {root} failed ({why}); the "
             "disk tier keeps its own newest checkpoint",
             MemoryWarning,
             stacklevel=3,
         )
         return None
+    step = parse_step(done[0].name)
+    finished(_LOG, "promoted", done[0], seconds=time.perf_counter() - t0, step=step)
     return done[0]
+
+
+_LOG = logger("manager")
 
 
 class OnSignals:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,7 @@ from functional_ckpt._src.format.naming import (
     shard_name,
     step_name,
 )
+from functional_ckpt._src.log import warn
 from functional_ckpt._src.root.listing import committed_steps
 from functional_ckpt._src.storage import commit, durable, opener, ram
 from functional_ckpt._src.storage.verify import verify
@@ -264,7 +264,7 @@ class Replicas:
             need, holding = _holding(step, reports, self.layout)
             saved = {r for n in need if (p := parse_shard(n)) is not None for r in [p[0]]}
             if saved and saved != set(range(world)):
-                warnings.warn(
+                warn(
                     f"{self.folder}: memory-tier step {step} was saved by "
                     f"{max(saved) + 1} ranks and this run has {world}: the memory tier "
                     "resumes only onto the world size that saved it; falling back to the "
@@ -280,7 +280,7 @@ class Replicas:
                 good = self._intact(step, holding)
                 missing = wanted - set().union(*good.values())
                 if missing:
-                    warnings.warn(
+                    warn(
                         f"{self.folder}: memory-tier step {step}: no intact copy of "
                         f"{sorted(missing)} on any rank (checksums fail); trying an older step",
                         MemoryWarning,
@@ -292,7 +292,7 @@ class Replicas:
             try:
                 fetched = self._reassemble(step, need, wanted, good)
             except CheckpointError as e:
-                warnings.warn(
+                warn(
                     f"{self.folder}: memory-tier step {step} could not be gathered ({e}); "
                     "falling back to the disk tier",
                     MemoryWarning,

@@ -20,7 +20,6 @@ import json
 import os
 import socket
 import threading
-import warnings
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any, TypeVar
 from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format.naming import base_name, parse_step
+from functional_ckpt._src.log import warn
 from functional_ckpt._src.manager.collective import coordinator_decides
 from functional_ckpt._src.manager.memory import Memory
 from functional_ckpt._src.manager.memory_promote import OnSignals, promote_newest
@@ -176,7 +176,7 @@ class MemoryTier:
         theirs = opener.read_state(mark, "memory tier mark")
         stale = committed_steps(self.folder)
         if theirs != mine and stale:
-            warnings.warn(
+            warn(
                 f"{self.folder}: {len(stale)} memory-tier checkpoint(s) of another root "
                 f"({theirs.get('root', 'unknown') if isinstance(theirs, dict) else 'unknown'}) "
                 f"removed; this folder now holds the memory tier of {self.root}",
@@ -231,7 +231,7 @@ class MemoryTier:
             ram.remove_folder(self.folder, [*sorted(own), LOCK_FILE])
             self._write_status(open_=False)
         except OSError as e:
-            warnings.warn(
+            warn(
                 f"{self.folder}: the memory tier could not be removed ({e})",
                 MemoryWarning,
                 stacklevel=4,
@@ -390,7 +390,7 @@ class MemoryTier:
 
     def _fail(self, step: int, err: BaseException, stacklevel: int) -> None:
         """Report a failed save (``stacklevel`` counted from this function)."""
-        warnings.warn(
+        warn(
             f"{self.folder}: the memory-tier checkpoint of step {step} failed "
             f"({type(err).__name__}: {err}); training goes on, the disk tier is unaffected",
             MemoryWarning,
@@ -437,7 +437,7 @@ class MemoryTier:
                     with contextlib.suppress(OSError):
                         self._delete([step])
                         gone = "; removed"
-                warnings.warn(
+                warn(
                     f"{path}: memory-tier checkpoint of step {step} is unreadable "
                     f"({type(err).__name__}: {err}){gone}; falling back to the next tier",
                     MemoryWarning,
@@ -470,7 +470,7 @@ class MemoryTier:
                 if verified
                 else "every copy is checked and the step gathered again"
             )
-            warnings.warn(
+            warn(
                 f"{path}: memory-tier checkpoint of step {step} is unreadable ({damage}); {then}",
                 MemoryWarning,
                 stacklevel=stacklevel,

@@ -10,6 +10,7 @@ works on; the attributes below are its.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from tensordict import TensorDict
 
 from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.format.header import record_of
+from functional_ckpt._src.log import done, logger
 from functional_ckpt._src.manager.memory_tier import MemoryTier
 from functional_ckpt._src.manager.provenance import Provenance, RunningTime, stored_state
 from functional_ckpt._src.manager.rollback_rule import Watch
@@ -109,6 +111,7 @@ class ReadSide:
         def read(path: Path) -> TensorDict:
             return restore(path, like, out=out, reshard=reshard)
 
+        t0 = time.perf_counter()
         found = newest_in_tiers(
             self.view,
             self.memory,
@@ -118,9 +121,15 @@ class ReadSide:
             coordinator=self._coordinator,
         )
         if found is None:
+            _LOG.info(
+                "no checkpoint in %s: starting fresh", self.root, extra={"path": str(self.root)}
+            )
             return None
         info, state = found
         self._adopt(info)
+        done(
+            _LOG, "resumed", info.path, seconds=time.perf_counter() - t0, step=info.step, to="from"
+        )
         return state
 
     def rollback(
@@ -182,3 +191,6 @@ class ReadSide:
         if self.export is not None:
             self._export_state = stored_state(self.export.policy, record.raw, "export", info.path)
         self._running.resume(record.running_time)
+
+
+_LOG = logger("manager")

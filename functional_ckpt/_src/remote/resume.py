@@ -9,7 +9,6 @@ every rank holds whole locally, or the coordinator's newest good remote one.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -17,6 +16,7 @@ from typing import TypeVar
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format.kind import is_committed
 from functional_ckpt._src.format.naming import step_name
+from functional_ckpt._src.log import warn
 from functional_ckpt._src.remote import protocol
 from functional_ckpt._src.remote.fetch import download
 from functional_ckpt._src.remote.store import Store
@@ -93,7 +93,7 @@ class RemoteResume:
         except RemoteError as err:
             if newest_local is None:
                 raise
-            warnings.warn(
+            warn(
                 f"{err}; resuming from the local tier (step {newest_local}), which may be "
                 "older than the newest remote checkpoint",
                 RemoteWarning,
@@ -125,7 +125,7 @@ class RemoteResume:
                 break
             except _DAMAGE as err:
                 self.bad.add(step)
-                warnings.warn(
+                warn(
                     f"{self.store.where(step)}: remote checkpoint of step {step} is unusable "
                     f"({type(err).__name__}: {err}); falling back to the previous one",
                     RemoteWarning,

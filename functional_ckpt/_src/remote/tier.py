@@ -24,7 +24,6 @@ import socket
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -34,6 +33,7 @@ from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.header import header_of
 from functional_ckpt._src.format.naming import BRANCHES_DIR, step_name
+from functional_ckpt._src.log import done, logger, warn
 from functional_ckpt._src.policy.retention import CheckpointRecord, RetentionPolicy, plan_deletions
 from functional_ckpt._src.remote import protocol
 from functional_ckpt._src.remote.fetch import remove_downloads
@@ -166,7 +166,7 @@ class RemoteTier:
         with self._lock:
             new, self._unreported = self._unreported, []
         for err in new:
-            warnings.warn(str(err), RemoteWarning, stacklevel=3)
+            warn(str(err), RemoteWarning, stacklevel=3)
 
     def protected(self, local_steps: list[int]) -> set[int]:
         """Local steps retention must not delete yet: their remote copy is not committed."""
@@ -375,7 +375,7 @@ class RemoteTier:
         """One checkpoint, by the object-store commit protocol, every rank its own files."""
         from functional_ckpt._src.distributed.groups import agree
 
-        local = self.root / step_name(step)
+        local, t0 = self.root / step_name(step), time.perf_counter()
         self._set_uploading(step)
         error: BaseException | None = None
         present: dict[str, int] | None = {}
@@ -416,6 +416,11 @@ class RemoteTier:
             self._fail(step, err)
             return
         self._done(step)
+        if self.coordinator:
+            seconds, nbytes = time.perf_counter() - t0, sum(sizes.values())
+            done(
+                _LOG, "uploaded", self.store.where(step), seconds=seconds, nbytes=nbytes, step=step
+            )
 
     def _together(self, what: str, action: Callable[[], object], here: bool = True) -> None:
         """``action`` (on this rank if ``here``), then every rank raises if any rank's
@@ -496,3 +501,6 @@ class RemoteTier:
                 "failed": {str(s): str(e) for s, e in sorted(self.failures.items())},
             }
         write_status(self.root, doc)
+
+
+_LOG = logger("remote")

@@ -11,6 +11,8 @@ a restore is decided once, from the directory and the template.
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 import torch
@@ -18,6 +20,8 @@ from tensordict import TensorDict
 
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format.kind import is_stock_dcp
+from functional_ckpt._src.format.naming import parse_step
+from functional_ckpt._src.log import done, logger, phase
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.restore.backends import (
     ManifestBackend,
@@ -31,6 +35,8 @@ from functional_ckpt._src.restore.template import Reshard, Template
 from functional_ckpt._src.state.gc_pause import gc_paused
 from functional_ckpt._src.state.tree import State
 from functional_ckpt.errors import CheckpointError
+
+_LOG = logger("restore")
 
 
 def read_backend(path: Path, template: Template | None) -> ReadBackend:
@@ -122,14 +128,29 @@ def _restore(
             device=torch.device("cpu" if device is None else device),
             placeholders=placeholders,
         )
-        src = Path(path)
-        opened = read_backend(src, template).open(src)
+        src, t0 = Path(path), time.perf_counter()
+        with phase(_LOG, "open", src):
+            opened = read_backend(src, template).open(src)
         try:
-            match = opened.match(template, req)
-            leaves = opened.read(match, req)
+            with phase(_LOG, "match", src):
+                match = opened.match(template, req)
+            with phase(_LOG, "read", src):
+                leaves = opened.read(match, req)
             result = rebuild(leaves, match.root, src)
         finally:
             opened.close()
+        if _LOG.isEnabledFor(logging.INFO):
+            nbytes = sum(v.nbytes for _, kind, v in leaves if kind == "tensor")
+            seconds = time.perf_counter() - t0
+            done(
+                _LOG,
+                "restored",
+                src,
+                seconds=seconds,
+                nbytes=nbytes,
+                step=parse_step(src.name),
+                to="from",
+            )
         # Freed while collection is paused, the manifest's and the template's many
         # small objects are never walked by the collection that re-enabling triggers.
         del opened, match, leaves, template

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -16,7 +17,9 @@ from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.kind import classify, holds_only_its_own
 from functional_ckpt._src.format.naming import (
     QUARANTINE_INFIX,
+    parse_step,
 )
+from functional_ckpt._src.log import done, logger
 from functional_ckpt._src.storage import commit, durable
 from functional_ckpt.errors import (
     CheckpointError,
@@ -44,6 +47,7 @@ def delete(root: Path, paths: Iterable[Path]) -> list[Path]:
     somewhere else: only the link is removed, and nothing is done through it.
     """
     trash: list[Path] = []
+    t0 = time.perf_counter()
     for path in paths:
         if path.is_symlink():
             with contextlib.suppress(FileNotFoundError):
@@ -60,7 +64,14 @@ def delete(root: Path, paths: Iterable[Path]) -> list[Path]:
         for aside in trash:
             with contextlib.suppress(OSError):
                 os.unlink(aside / naming.COMMIT_MARKER)
+    seconds = time.perf_counter() - t0
+    for aside in trash:  # what retention prunes, a memory tier drops, a user removes
+        step = parse_step(aside.name.partition(naming.TRASH_INFIX)[0])
+        done(_LOG, "deleted", root, seconds=seconds, step=step, to="from")
     return trash
+
+
+_LOG = logger("root")
 
 
 def remove_all(paths: Iterable[Path]) -> None:

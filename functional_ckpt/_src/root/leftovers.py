@@ -9,7 +9,6 @@ lock, which :func:`open_writer` takes first.
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 from functional_ckpt._src.format import naming
@@ -20,6 +19,7 @@ from functional_ckpt._src.format.naming import (
     base_name,
     parse_step,
 )
+from functional_ckpt._src.log import warn
 from functional_ckpt._src.root.listing import _committed, _created
 from functional_ckpt._src.root.lock import WriterLock
 from functional_ckpt._src.storage import commit, durable
@@ -142,7 +142,7 @@ def _put_back(parent: Path, groups: dict[str, list[Path]], *, stacklevel: int) -
             os.rename(paths[0], final)
             durable.fsync_dir(parent)
             recovered.append(final)
-            warnings.warn(
+            warn(
                 f"{final}: recovered from {paths[0].name}, a committed checkpoint an interrupted "
                 "save or deletion left behind",
                 LeftoverWarning,
@@ -150,7 +150,7 @@ def _put_back(parent: Path, groups: dict[str, list[Path]], *, stacklevel: int) -
             )
             paths = paths[1:]
         for path in paths:
-            warnings.warn(
+            warn(
                 f"{path}: a committed checkpoint left behind by an interrupted save or deletion "
                 f"while {final.name} exists; kept (never deleted automatically). Inspect it "
                 "and delete it by hand if it is not needed",

@@ -15,11 +15,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
+from functional_ckpt._src.log import warn
 from functional_ckpt._src.root.delete import quarantine
 from functional_ckpt._src.root.listing import StepInfo, dir_identity, quarantined, read_info
 from functional_ckpt.errors import CheckpointError, CheckpointWarning, is_damage
@@ -137,7 +137,7 @@ def _reject(
     if not moved:
         with contextlib.suppress(OSError):
             bad.add((step, os.stat(path).st_ino))
-    warnings.warn(
+    warn(
         f"{path}: checkpoint of step {step} is unreadable ({type(err).__name__}: {err})"
         f"{moved}; falling back to the previous checkpoint",
         CheckpointWarning,

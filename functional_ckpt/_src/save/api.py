@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from functional_ckpt._src.distributed.topology import is_dtensor, topology
+from functional_ckpt._src.log import logger, phase
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.save import incremental
 from functional_ckpt._src.save import staging as stages
@@ -33,6 +34,8 @@ from functional_ckpt._src.save.trust import idents
 from functional_ckpt._src.state.gc_pause import gc_paused
 from functional_ckpt._src.state.tree import State
 from functional_ckpt.errors import CheckpointError
+
+_LOG = logger("save")
 
 
 def plan_job(path: PathLike, state: State, options: SaveOptions, *, snapshot: bool) -> SaveJob:
@@ -75,8 +78,9 @@ def plan_job(path: PathLike, state: State, options: SaveOptions, *, snapshot: bo
 def run_save(path: PathLike, state: State, options: SaveOptions) -> CheckpointInfo:
     """A synchronous save with the given options (``fc.save``, a manager's saves)."""
     with gc_paused():
-        job = plan_job(path, state, options, snapshot=False)
-        with incremental.closing(job.base):
+        with phase(_LOG, "plan", path):
+            job = plan_job(path, state, options, snapshot=False)
+        with incremental.closing(job.base), phase(_LOG, "write and commit", path):
             sources = () if job.prepared is None else job.plan.sources
             # Distributed writers copy what DCP's planner hands them; locally, only
             # device tensors and non-contiguous views are copied to the host.

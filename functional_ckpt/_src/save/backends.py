@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+from functional_ckpt._src.format.naming import parse_step
+from functional_ckpt._src.log import done, logger
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.job import Hooks, SaveJob
 from functional_ckpt._src.save.local import write_local
@@ -29,7 +31,7 @@ class LocalBackend:
     """One process writes its shard file (and links a base's) and commits."""
 
     def write(self, job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> CheckpointInfo:
-        return write_local(job, tensors, hooks)
+        return saved(write_local(job, tensors, hooks))
 
 
 class DistributedBackend:
@@ -41,7 +43,18 @@ class DistributedBackend:
     def write(self, job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> CheckpointInfo:
         from functional_ckpt._src.save.multi_rank import save_planned
 
-        return save_planned(job, tensors, timeout=self.timeout, read=hooks.read)
+        info = save_planned(job, tensors, timeout=self.timeout, read=hooks.read)
+        return saved(info) if job.topology.coordinator else info
+
+
+def saved(info: CheckpointInfo) -> CheckpointInfo:
+    """The INFO record of a finished save, on ``functional_ckpt.save``."""
+    step = parse_step(info.path.name)
+    done(_LOG, "saved", info.path, seconds=info.duration, nbytes=info.nbytes, step=step)
+    return info
+
+
+_LOG = logger("save")
 
 
 def backend_for(job: SaveJob) -> Backend:

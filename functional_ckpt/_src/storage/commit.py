@@ -14,6 +14,7 @@ import ctypes
 import errno
 import os
 import shutil
+import time
 from pathlib import Path
 
 from functional_ckpt._src import codec
@@ -24,7 +25,9 @@ from functional_ckpt._src.format.naming import (
     DCP_METADATA,
     FORMAT_NAME,
     TRASH_INFIX,
+    parse_step,
 )
+from functional_ckpt._src.log import done, logger
 from functional_ckpt._src.native import libc_function
 from functional_ckpt._src.storage.durable import fsync_dir, tmp_sibling, write_new
 from functional_ckpt.errors import (
@@ -136,6 +139,18 @@ def commit_checkpoint(
     right before the exchange). Without ``sync`` nothing is fsynced: the commit is
     atomic for every reader, durable only as far as the file system is (a memory tier).
     """
+    t0 = time.perf_counter()
+    _replace(tmp, final, overwrite, replaces, sync)
+    seconds = time.perf_counter() - t0
+    done(_LOG, "committed", final, seconds=seconds, step=parse_step(final.name), to="as")
+
+
+_LOG = logger("storage")
+
+
+def _replace(
+    tmp: Path, final: Path, overwrite: bool, replaces: frozenset[Kind], sync: bool
+) -> None:
     fsync = fsync_dir if sync else _no_fsync
     fsync(tmp)
     parent = final.parent
