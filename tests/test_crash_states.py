@@ -1,6 +1,7 @@
-"""Power loss at every point of a save, a prune, an overwrite, an incremental save and
-an export: every crash state the file system may leave keeps the commit protocol's
-promises (``tests/crash_explorer.py`` says which states and which promises).
+"""Power loss at every point of a save, a prune, an overwrite, an incremental save, an
+export and a rollback (``tests/crash_operations.py``): every crash state the file
+system may leave keeps the commit protocol's promises (``tests/crash_explorer.py``
+says which states and which promises).
 
 The explorer must also be able to fail: a commit broken on purpose is caught, and a
 write the recording cannot see refuses the recording instead of passing unchecked.
@@ -9,6 +10,7 @@ write the recording cannot see refuses the recording instead of passing unchecke
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from functional_ckpt._src.storage import commit
 from tests.crash_explorer import Oracle
 from tests.crash_operations import OPERATIONS, record, run, state
 from tests.crash_record import Recorder, RecordingGap
-from tests.crash_tree import scan
+from tests.crash_tree import META, Op, scan
 
 
 @pytest.mark.parametrize("name", list(OPERATIONS))
@@ -31,8 +33,13 @@ def test_every_crash_state_keeps_what_was_committed(tmp_path: Path, name: str) -
     assert not report.failures, f"{report.line()}\n\n" + "\n\n".join(report.failures[:3])
 
 
-def _texts(rec: Recorder) -> list[str]:
-    return [op.text for op in rec.ops]
+def _fsynced_between(rec: Recorder, directory: int, start: int, end: int) -> bool:
+    return any(op.kind == "fsync" and op.ino == directory for op in rec.ops[start:end])
+
+
+def _in(directory: int) -> Callable[[Op], bool]:
+    """Whether an op changes an entry of ``directory``."""
+    return lambda op: op.kind in META and any(d == directory for d, _, _ in op.changes)
 
 
 @pytest.mark.parametrize("name", ["save (manager)", "incremental save (hard links)"])
@@ -41,15 +48,13 @@ def test_the_marker_is_created_only_once_every_other_entry_is_durable(
 ) -> None:
     """Else a crash keeps the marker's entry and loses a shard's, and the leftover
     recovery renames the torn temporary directory into place as a checkpoint."""
-    texts = _texts(record(tmp_path, name))
-    marker = next(i for i, t in enumerate(texts) if t.startswith("create(") and "COMMITTED" in t)
-    tmp = texts[marker][len("create(") :].split("/")[0]
-    last_entry = max(
-        i
-        for i, t in enumerate(texts[:marker])
-        if f"{tmp}/" in t and "(" in t and t.split("(")[0] in ("create", "link")
+    rec = record(tmp_path, name)
+    marker = next(
+        i for i, op in enumerate(rec.ops) if op.kind == "create" and op.changes[0][1] == "COMMITTED"
     )
-    assert f"fsync({tmp})" in texts[last_entry:marker], "\n".join(texts)
+    tmp = rec.ops[marker].changes[0][0]
+    last = max(i for i, op in enumerate(rec.ops[:marker]) if _in(tmp)(op))
+    assert _fsynced_between(rec, tmp, last, marker), "\n".join(op.text for op in rec.ops)
 
 
 def test_a_deletion_makes_the_marker_unlink_durable_before_removing_the_rest(
@@ -57,11 +62,13 @@ def test_a_deletion_makes_the_marker_unlink_durable_before_removing_the_rest(
 ) -> None:
     """Else a crash keeps the marker and loses a shard, and the leftover recovery renames
     the half-deleted checkpoint back into place."""
-    texts = _texts(record(tmp_path, "delete (root/delete)"))
-    gone = next(i for i, t in enumerate(texts) if t.startswith("unlink(") and "COMMITTED" in t)
-    trash = texts[gone][len("unlink(") :].split("/")[0]
-    rest = next(i for i, t in enumerate(texts) if i > gone and t.startswith(("unlink(", "rmdir(")))
-    assert f"fsync({trash})" in texts[gone:rest], "\n".join(texts)
+    rec = record(tmp_path, "delete (root/delete)")
+    gone = next(
+        i for i, op in enumerate(rec.ops) if op.kind == "unlink" and op.changes[0][1] == "COMMITTED"
+    )
+    trash = rec.ops[gone].changes[0][0]
+    rest = next(i for i, op in enumerate(rec.ops) if i > gone and _in(trash)(op))
+    assert _fsynced_between(rec, trash, gone, rest), "\n".join(op.text for op in rec.ops)
 
 
 def _marker_not_fsynced(monkeypatch: pytest.MonkeyPatch) -> None:
