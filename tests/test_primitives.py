@@ -17,6 +17,8 @@ import ast
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from tests.patience import HANG
 
 PACKAGE = Path(__file__).resolve().parent.parent / "functional_ckpt"
@@ -34,6 +36,8 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("_src/export/files.py", "path.read_bytes"): (1, "a side file the user names (extra_files)"),
     ("_src/export/safetensors.py", "os.open"): (1, "fsync of a file this export wrote"),
     ("_src/export/torch_save.py", "os.open"): (1, "a new file (O_EXCL | O_NOFOLLOW)"),
+    ("_src/export/torch_save.py", "torch.load"): (1, "a torch.save file the user names, no root's"),
+    ("_src/export/torch_save.py", "zipfile.is_zipfile"): (1, "the same file, checked regular"),
     ("_src/export/torch_save.py", "os.unlink"): (2, "this writer's own temporary file"),
     ("_src/recording/recorder.py", "os.open"): (1, "the recording's directory (O_NOFOLLOW)"),
     ("_src/remote/fetch.py", "shutil.rmtree"): (2, "this download's private directory"),
@@ -53,6 +57,13 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
 
 _ATTRS = {"read_text", "read_bytes", "unlink", "rmtree", "remove", "rmdir", "open"}
 
+#: Library functions that open a path themselves, with a plain ``open`` (following
+#: links, blocking on a FIFO): a file under a root read by any of them goes around
+#: the opener.
+_OPENING = {"safe_open", "load_file", "safetensors.torch.load_file", "torch.load", "np.load"}
+_OPENING |= {"numpy.load", "np.fromfile", "np.memmap", "zipfile.is_zipfile"}
+_OPENING |= {"tarfile.open", "codecs.open", "Image.open"}
+
 
 def direct_file_calls(source: str) -> Counter[str]:
     """Each builtin ``open``, ``os.open``/``remove``/``rmdir``/``unlink``, ``rmtree``,
@@ -64,6 +75,10 @@ def direct_file_calls(source: str) -> Counter[str]:
         f = node.func
         if isinstance(f, ast.Name) and f.id == "open":
             found["open"] += 1
+        elif ast.unparse(f) in _OPENING:
+            if node.args and ast.unparse(node.args[0]).startswith("io.BytesIO("):
+                continue  # bytes already read
+            found[ast.unparse(f)] += 1
         elif isinstance(f, ast.Attribute) and f.attr in _ATTRS:
             base = ast.unparse(f.value)
             if f.attr in ("remove", "open", "rmdir") and base not in ("os", "io", "builtins"):
@@ -89,6 +104,10 @@ def test_the_scan_sees_a_read_around_the_opener() -> None:
         "    shutil.rmtree(p)\n    [].remove(1)\n"
     )
     assert direct_file_calls(src) == Counter({"p.read_text": 1, "shutil.rmtree": 1})
+    src = "from safetensors import safe_open\nwith safe_open(str(p), 'pt') as f:\n    pass\n"
+    assert direct_file_calls(src + "x = torch.load(p)\n") == Counter(
+        {"safe_open": 1, "torch.load": 1}
+    )
 
 
 def test_a_special_file_in_place_of_the_remote_status_is_not_followed(tmp_path: Path) -> None:
@@ -266,3 +285,60 @@ def test_a_state_is_walked_only_through_leaves_of() -> None:
 def test_the_walk_scan_sees_a_tree_built_to_be_walked() -> None:
     src = "def f(s):\n    return [x for x in iter_leaves(as_state(s))] + list(iter_leaves(s))\n"
     assert state_walks_around_leaves_of(src) == 1
+
+
+def test_a_fifo_named_like_an_exports_weights_hangs_no_reader(tmp_path: Path) -> None:
+    """Regression: a FIFO at ``ROOT/exports/step_N/model.safetensors`` hung ``fckpt ls ROOT``
+    forever, and the training process at its next export: the header was read with
+    ``safetensors.safe_open``, a plain ``open`` that follows links and blocks."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    import functional_ckpt as fc
+    from functional_ckpt._src.export.files import header_metadata
+
+    root = tmp_path / "root"
+    with fc.CheckpointManager(root, save=fc.every_steps(1)) as mgr:
+        mgr.maybe_save({"w": torch.zeros(2)}, step=1)
+    for kind in ("fifo", "link"):
+        export = root / "exports" / f"step_00000000{5 if kind == 'fifo' else 6}"
+        export.mkdir(parents=True)
+        if kind == "fifo":
+            os.mkfifo(export / "model.safetensors")
+        else:
+            os.symlink("/dev/zero", export / "model.safetensors")
+        if kind == "link":  # a FIFO is read in the children below: it hung the reader
+            with pytest.raises(fc.CheckpointError, match=r"model\.safetensors"):
+                header_metadata(export)
+    for argv in (
+        ["-m", "functional_ckpt", "ls", str(root)],
+        [
+            "-c",
+            "import sys, torch, functional_ckpt as fc\n"
+            "from functional_ckpt.manager import Export\n"
+            "export = Export(policy=fc.every_steps(1), keep=fc.keep_last(1))\n"
+            "with fc.CheckpointManager(sys.argv[1], save=fc.every_steps(1), export=export) as m:\n"
+            "    m.maybe_save({'model': {'w': torch.zeros(2)}}, step=7)\n",
+            str(root),
+        ],
+    ):
+        done = subprocess.run(
+            [sys.executable, *argv],
+            capture_output=True,
+            text=True,
+            timeout=HANG,  # a guard against the hang this test is about, not a speed limit
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert (
+        "step_000000001"
+        in subprocess.run(
+            [sys.executable, "-m", "functional_ckpt", "ls", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=HANG,
+        ).stdout
+    )
+    assert (root / "exports" / "step_000000007" / "model.safetensors").is_file()

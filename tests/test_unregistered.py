@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -386,15 +387,20 @@ def test_placeholders_keep_the_decoders_bounds() -> None:
         deep = [deep]
     with pytest.raises(fc.errors.UnsafeCheckpoint, match="nesting deeper"):
         codec.decode(_raw(_tagged(b"x.Deep", deep)), unregistered=set())
-    # placeholders as map keys: a hash flood of them is refused like any other
+    # placeholders as map keys hash by identity: fields of equal hashes cannot flood
     zero = [i * (2**61 - 1) for i in range(8)]  # ints whose hash is 0
-    keys = [_tagged(b"x.K", [a, b]) for a in zero for b in zero]  # 64 equal hashes
+    keys = [_tagged(b"x.K", [a, b]) for a in zero for b in zero]  # 64 equal field hashes
     flood = b"\xde" + len(keys).to_bytes(2, "big") + b"".join(_raw(k) + b"\x01" for k in keys)
+    assert len(codec.decode(flood, unregistered=set())) == 64  # type: ignore[arg-type]
+    plain = [[a, b] for a in zero for b in zero]  # beside them, tuples still may not
+    data = _raw(
+        [
+            msgpack.ExtType(codec.EXT_SET, b""),
+            *([msgpack.ExtType(codec.EXT_TUPLE, b""), *k] for k in plain),
+        ]
+    )
     with pytest.raises(fc.errors.UnsafeCheckpoint, match="hash flood"):
-        codec.decode(flood, unregistered=set())
-    fine = keys[: LIMITS.equal_hashes]
-    few = b"\xde" + len(fine).to_bytes(2, "big") + b"".join(_raw(k) + b"\x01" for k in fine)
-    assert len(codec.decode(few, unregistered=set())) == LIMITS.equal_hashes
+        codec.decode(data, unregistered=set())
 
 
 def test_a_placeholder_is_read_only_hashable_and_never_saved(tmp_path: Path) -> None:
@@ -474,3 +480,92 @@ def test_register_takes_a_name_and_aliases() -> None:
         codec.register(Other, aliases="tests.unreg.Y")
     with pytest.raises(fc.errors.UnsupportedValue, match="invalid alias"):
         codec.register(Other, aliases=["bad\nname"])
+
+
+# ------------------------------------------------------- identity hashing, read without class
+
+IDENT = '''
+"""Instances of a class hashed by identity (its fields hold a list) in a set and as keys."""
+import dataclasses
+import sys
+
+import torch
+
+import functional_ckpt as fc
+
+
+@fc.codec.register
+@dataclasses.dataclass(eq=False)
+class Node:
+    name: str
+    tags: list
+
+
+with fc.CheckpointManager(sys.argv[1], save=fc.every_steps(1)) as mgr:
+    for step in (1, 2):
+        a, b = Node("a", [1]), Node("a", [1])  # equal fields, two members
+        hp = {"nodes": {a, b}, "by_node": {a: 1, b: 2}, "pairs": frozenset({(a, 1), (b, 1)})}
+        mgr.maybe_save({"w": torch.full((2,), float(step)), "hp": hp}, step=step)
+'''
+
+
+@pytest.fixture(scope="module")
+def ident(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``root/``: two checkpoints of ``ident.Node`` members, saved by a script; ``elsewhere/``."""
+    base = tmp_path_factory.mktemp("identity")
+    (base / "ident.py").write_text(textwrap.dedent(IDENT))
+    ok(python("ident.py", str(base / "root"), cwd=base))
+    (base / "elsewhere").mkdir()
+    return base
+
+
+def test_identity_hashed_members_verify_without_their_class(ident: Path) -> None:
+    """Regression: placeholders hashed by fields made the set unhashable (a list field), so
+    ``fc.verify``, ``fckpt verify`` and ``fckpt ls`` called honest checkpoints DAMAGED."""
+    root = ident / "root"
+    assert fc.verify(root / step_name(2)).ok
+    proc = fckpt("verify", str(root), cwd=ident / "elsewhere")
+    assert "2 checkpoints intact" in ok(proc) and "DAMAGED" not in proc.stdout
+    listing = ok(fckpt("ls", str(root), cwd=ident / "elsewhere"))
+    assert "damaged" not in listing and listing.count(" ok ") == 2, listing
+
+
+def test_identity_hashed_members_never_collapse_in_inspect(ident: Path) -> None:
+    hp = fc.inspect(ident / "root" / step_name(1)).tree["hp"]
+    assert len(hp["nodes"]) == 2 and len(hp["by_node"]) == 2 and len(hp["pairs"]) == 2
+    assert sorted(hp["by_node"].values()) == [1, 2]
+    assert {repr(n) for n in hp["nodes"]} == {"ident.Node(name='a', tags=[1])"}
+    assert all(n.by_identity for n in hp["nodes"])
+    out = ok(fckpt("diff", *(str(ident / "root" / step_name(s)) for s in (1, 2)), cwd=ident))
+    assert "hp/" not in out  # same contents: only the tensor differs
+
+
+def test_a_writing_manager_without_the_class_moves_nothing_aside(ident: Path) -> None:
+    """The severe outcome: a writing manager in a program that has not registered the class
+    renamed every such checkpoint aside as damaged and then refused to resume."""
+    root = ident / "root"
+    before = sorted(p.name for p in root.iterdir())
+    with fc.CheckpointManager(root) as mgr:
+        with pytest.raises(fc.errors.UnregisteredType, match=r"ident\.Node"):
+            mgr.restore_latest()
+        assert mgr.latest_step() == 2
+    assert sorted(p.name for p in root.iterdir()) == before
+    assert not any(".corrupt-" in name for name in before)
+
+
+def test_placeholders_in_a_keys_place_compare_by_identity() -> None:
+    same = _tagged(b"x.Node", {"tags": [1]})
+    data = _raw([msgpack.ExtType(codec.EXT_SET, b""), same, same])
+    with pytest.raises(fc.errors.UnsafeCheckpoint, match="unknown tagged type"):
+        codec.decode(data)
+    members: Any = codec.decode(data, unregistered=set())
+    assert len(members) == 2 and all(m.by_identity for m in members)
+    pair = [msgpack.ExtType(codec.EXT_TUPLE, b""), same, 1]  # inside a tuple in a key's place
+    pairs: Any = codec.decode(
+        _raw([msgpack.ExtType(codec.EXT_FROZENSET, b""), pair, pair]), unregistered=set()
+    )
+    assert len(pairs) == 2
+    alone = codec.decode(_raw([same]), unregistered=set())
+    assert alone == [codec.Unregistered("x.Node", {"tags": [1]})]  # elsewhere: by fields
+    twin = copy.deepcopy(members)
+    assert len(twin) == 2

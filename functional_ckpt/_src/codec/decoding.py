@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any, Final
 
@@ -61,6 +61,24 @@ class _Marker:
 
 class _Unsafe(Exception):
     """Internal: resource limit exceeded, re-raised as UnsafeCheckpoint."""
+
+
+def _as_keys(keys: Iterable[Any]) -> None:
+    """Make the placeholders among ``keys`` (or inside a tuple there) compare by identity,
+    before a hash table is built of them (see :mod:`.placeholder`)."""
+    stack = list(keys)
+    while stack:
+        k = stack.pop()
+        t = type(k)
+        if t is Unregistered:
+            k.key_of()
+        elif t is tuple:
+            stack.extend(k)
+
+
+#: The containers whose members (every one, or every other for an OrderedDict's
+#: flat key-value list) a hash table is built of.
+_KEYED: Final = {"set": slice(None), "frozenset": slice(None), "OrderedDict": slice(None, None, 2)}
 
 
 def _build_tuple(items: list[Any]) -> object:
@@ -162,6 +180,8 @@ class _Hooks:
         if lst and type(lst[0]) is _Marker:
             marker = lst[0]
             del lst[0]
+            if self.unregistered is not None and marker.name in _KEYED:
+                _as_keys(lst[_KEYED[marker.name]])
             try:
                 return marker.build(lst)
             except (_Corrupt, _Unsafe):
@@ -187,6 +207,8 @@ class _Hooks:
         self.count += 1
         if self.count > self.budget:
             raise self._over()
+        if self.unregistered is not None:
+            _as_keys(k for k, _ in pairs)
         if len(pairs) > self.few:
             _refuse_flood([k for k, _ in pairs], "map key")
         return dict(pairs)

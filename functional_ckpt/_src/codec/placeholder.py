@@ -6,9 +6,19 @@ an :class:`Unregistered` placeholder, so checkpoints can be inspected and
 verified without the code that wrote them; ``fc.restore`` refuses a placeholder,
 because a training state silently holding one instead of its class would fail
 far from the cause.
+
+Without the class a reader cannot know how its instances compared: by fields
+(a frozen dataclass) or by identity (``@dataclass(eq=False)``, whose fields may
+hold lists). A placeholder in a key's place (a set or frozenset member, a dict or
+OrderedDict key, or inside a tuple there) therefore compares and hashes by
+identity: the members the writer had stay as many, whatever their fields, and
+none is unhashable. Everywhere else a placeholder compares by tag and fields.
 """
 
 from __future__ import annotations
+
+from functools import partial
+from typing import Any
 
 from functional_ckpt._src.codec.tagged import _BadFields
 
@@ -45,20 +55,23 @@ class Unregistered:
     ``fields`` are the decoded fields as stored: a dataclass's map of field names
     to values, a NamedTuple's list of values, an Enum's member name (or the int
     of a combination of ``Flag`` members). Read-only, compared and hashed by tag
-    and fields, and never saved; ``fc.restore`` raises ``UnregisteredType``
-    instead of returning one.
+    and fields (by identity where it was read in a key's place: see the module),
+    and never saved; ``fc.restore`` raises ``UnregisteredType`` instead of
+    returning one.
     """
 
-    __slots__ = ("_fields", "_hash", "_tag")
+    __slots__ = ("_by_identity", "_fields", "_hash", "_tag")
 
     _tag: str
     _fields: object
     _hash: int | None
+    _by_identity: bool
 
-    def __init__(self, tag: str, fields: object) -> None:
+    def __init__(self, tag: str, fields: object, *, by_identity: bool = False) -> None:
         object.__setattr__(self, "_tag", tag)
         object.__setattr__(self, "_fields", fields)
-        object.__setattr__(self, "_hash", None)
+        object.__setattr__(self, "_hash", object.__hash__(self) if by_identity else None)
+        object.__setattr__(self, "_by_identity", by_identity)
 
     @property
     def tag(self) -> str:
@@ -69,18 +82,31 @@ class Unregistered:
     def fields(self) -> object:
         return self._fields
 
+    @property
+    def by_identity(self) -> bool:
+        """Whether it compares and hashes by identity: it was read in a key's place."""
+        return self._by_identity
+
+    def key_of(self) -> None:
+        """Compare and hash by identity from now on (the decoder, before it is a key)."""
+        if self._hash is None:
+            object.__setattr__(self, "_hash", object.__hash__(self))
+        object.__setattr__(self, "_by_identity", True)
+
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"{type(self).__name__} is read-only")
 
     def __delattr__(self, name: str) -> None:
         raise AttributeError(f"{type(self).__name__} is read-only")
 
-    def __reduce__(self) -> tuple[type[Unregistered], tuple[str, object]]:
-        return (Unregistered, (self._tag, self._fields))  # copies despite read-only slots
+    def __reduce__(self) -> tuple[Any, ...]:  # copies despite read-only slots
+        return (partial(Unregistered, by_identity=self._by_identity), (self._tag, self._fields))
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not Unregistered:
             return NotImplemented
+        if self._by_identity or other._by_identity:
+            return self is other
         return self._tag == other._tag and self._fields == other._fields
 
     def __hash__(self) -> int:

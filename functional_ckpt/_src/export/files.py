@@ -152,6 +152,10 @@ def carried_over(out: Path, given: Mapping[str, bytes]) -> dict[str, bytes]:
     return kept
 
 
+#: Largest safetensors header read (the bound the safetensors library itself sets).
+HEADER_BYTES = 100_000_000
+
+
 def first_weight_file(path: Path) -> Path:
     """The file holding an export's header metadata: the single file or the first shard."""
     if (path / EXPORT_WEIGHTS).is_file():
@@ -163,12 +167,33 @@ def first_weight_file(path: Path) -> Path:
 
 
 def header_metadata(path: Path) -> dict[str, str]:
-    """The safetensors header metadata of an export (``{"format": "pt", ...}``)."""
-    from safetensors import safe_open
+    """The safetensors header metadata of an export (``{"format": "pt", ...}``).
 
-    with safe_open(str(first_weight_file(path)), framework="pt") as f:
-        meta = f.metadata()
-    return dict(meta or {})
+    Read through ``storage/opener`` like every file under a root (a FIFO or a link
+    in place of the weights would hang or mislead a plain ``open``), the header's
+    declared length checked against the file and ``HEADER_BYTES``, and its JSON
+    through the bounded loader.
+    """
+    weights = first_weight_file(path)
+    dir_fd = opener.open_directory(weights.parent)
+    try:
+        fd = opener.open_member(dir_fd, weights.name, weights, what="export's weights")
+    finally:
+        os.close(dir_fd)
+    try:
+        size = os.fstat(fd).st_size
+        declared = int.from_bytes(os.pread(fd, 8, 0).ljust(8, b"\xff"), "little")
+        if declared > min(size - 8, HEADER_BYTES):
+            raise CheckpointError(f"{weights}: not a safetensors file (its header is cut off)")
+        header = documents.load(os.pread(fd, declared, 8), str(weights))
+    except (OSError, ConfigError) as e:
+        raise CheckpointError(f"{weights}: not a readable safetensors file ({e})") from None
+    finally:
+        os.close(fd)
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict):
+        return {}
+    return {k: v for k, v in meta.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def _plain_kind(mode: int) -> str | None:
