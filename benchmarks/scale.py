@@ -50,7 +50,10 @@ Targets (one run): coordinator time and bytes received from N=256 to N=4096 at
 most 20x; bytes a non-coordinator rank receives in a save constant in N; at
 N=1024 the coordinator's time <= 0.3x DCP's planning and metadata, one rank's
 restore planning <= 0.3x DCP's and under 1 s, its peak memory <= 0.2x the decoded
-manifest; a cached second save's coordinator time <= 0.3x the first.
+manifest; a cached second save's coordinator time <= 0.3x the first; the files a
+restoring rank opens and the bytes it reads besides its tensors' (the marker, the
+index, the parts it reads, from the reads it plans: the files
+``committed.Checkpoint`` opens) within 1.25x from N=256 to N=4096.
 
 Usage::
 
@@ -456,9 +459,18 @@ def _local_chunks(world: World, rank: int) -> dict[str, Any]:
     return out
 
 
-def fc_restore(index: bytes, parts: Sequence[bytes], wanted: dict[str, Any], rank: int) -> int:
+def fc_restore(
+    index: bytes,
+    parts: Sequence[bytes],
+    wanted: dict[str, Any],
+    rank: int,
+    opened: set[str] | None = None,
+) -> int:
     """One rank's restore planning: decode and validate the index, its view, the parts
-    its shards meet (authenticated, decoded, validated), DCP's read items."""
+    its shards meet (authenticated, decoded, validated), DCP's read items. ``opened``
+    receives the files it reads: the parts read, the data files of the chunks its
+    shards meet (``committed.Checkpoint`` opens exactly these, with the marker and
+    the index; tests/test_open_files.py counts them on real files)."""
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
     from functional_ckpt._src import codec
@@ -471,6 +483,8 @@ def fc_restore(index: bytes, parts: Sequence[bytes], wanted: dict[str, Any], ran
 
     def load(r: int) -> Any:  # what storage/committed.read_part does, from memory
         raw = parts[r]
+        if opened is not None:
+            opened.add(naming.part_name(r))
         assert zlib.crc32(raw) == manifest["files"][naming.part_name(r)]["crc32"]
         return codec.decode(raw, source=naming.part_name(r))
 
@@ -482,7 +496,11 @@ def fc_restore(index: bytes, parts: Sequence[bytes], wanted: dict[str, Any], ran
     md = dcp_metadata.metadata_for([list(view.tensors.values())])
     reads = 0
     for fqn, chunk in wanted.items():
-        reads += len(create_read_items_for_chunk_list(fqn, md.state_dict_metadata[fqn], [chunk]))
+        items = create_read_items_for_chunk_list(fqn, md.state_dict_metadata[fqn], [chunk])
+        reads += len(items)
+        if opened is not None:
+            chunks = view.tensors[path_of[fqn]].chunks
+            opened.update(chunks[it.storage_index.index].file for it in items)
     return reads
 
 
@@ -653,7 +671,7 @@ def measure(model: Model, n: int, tmp: Path, memory: bool) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import Metadata
 
     from functional_ckpt._src import codec
-    from functional_ckpt._src.format import dcp_metadata
+    from functional_ckpt._src.format import dcp_metadata, naming
     from functional_ckpt._src.save import multi_rank
 
     dcp_metadata._LAST = None  # a first save: nothing derived yet, no plan cached
@@ -667,6 +685,19 @@ def measure(model: Model, n: int, tmp: Path, memory: bool) -> dict[str, Any]:
     fc_restore_s, fc_reads = timed(lambda: fc_restore(manifest, parts, wanted, rank))
     dcp_restore_s, dcp_reads = timed(lambda: dcp_restore(dcp_md, wanted))
     assert fc_reads == dcp_reads, (fc_reads, dcp_reads)
+    opened: set[str] = set()  # besides the marker and the index
+    fc_restore(manifest, parts, wanted, rank, opened)
+    read = [parts[r] for r in map(naming.parse_part, opened) if r is not None]
+    marker = len(  # the commit marker's bytes (commit.write_commit_marker)
+        codec.encode(
+            {
+                "format": naming.FORMAT_NAME,
+                "version": naming.PARTS_VERSION,
+                "manifest_size": len(manifest),
+                "manifest_crc32": zlib.crc32(manifest),
+            }
+        )
+    )
 
     def decode_all() -> list[Any]:  # the whole manifest decoded: the index and every part
         return [codec.decode(manifest), *(codec.decode(p) for p in parts)]
@@ -688,6 +719,12 @@ def measure(model: Model, n: int, tmp: Path, memory: bool) -> dict[str, Any]:
         "fc_restore_rank_s": fc_restore_s,
         "dcp_restore_rank_s": dcp_restore_s,
         "manifest_decode_s": decode_s,
+        # what one restoring rank opens and reads besides its tensors' bytes
+        "rank_files_opened": 2 + len(opened),
+        "rank_bytes_read": marker + len(manifest) + sum(map(len, read)),
+        # before: every file opened (every part and data file, .metadata), .metadata read
+        "rank_files_opened_before": 3 + len(parts) + n,
+        "rank_bytes_read_before": marker + len(manifest) + sum(map(len, read)) + len(md),
     }
     on_disk = len(manifest) + sum(len(p) for p in parts)
     nbytes = on_disk + sum(c.length for r in world.results for _, c in r)
@@ -781,6 +818,12 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         ratio(last["fc_coordinator_again_s"], last["fc_coordinator_s"]),
         0.3,
     )
+    for what in ("files_opened", "bytes_read"):
+        add(
+            f"a restoring rank's {what.replace('_', ' ')} (no tensor bytes), N=4096 / N=256",
+            ratio(hi[f"rank_{what}"], lo[f"rank_{what}"]) if lo and hi else None,
+            1.25,
+        )
     return out
 
 
@@ -827,8 +870,19 @@ def render(result: dict[str, Any]) -> str:
             _kib(b["dcp"]["coordinator"]["received"]),
             _kib(b["dcp"]["other"]["received"]),
         )
+    t3 = Table(["ranks", "files opened", "before", "bytes read", "before"])
+    for r in result["rows"]:
+        t3.add(
+            r["ranks"],
+            r["rank_files_opened"],
+            r["rank_files_opened_before"],
+            _kib(r["rank_bytes_read"]),
+            _kib(r["rank_bytes_read_before"]),
+        )
     return "\n".join(
         [head, "", t1.render(), "", "bytes received in one save", t2.render(), "",
+         "one restoring rank: files it opens and what it reads of them, besides its "
+         "tensors' bytes (before: every file opened, .metadata read whole)", t3.render(), "",
          render_targets(result["targets"])]
     )  # fmt: skip
 

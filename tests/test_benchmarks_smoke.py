@@ -285,6 +285,10 @@ def test_scale_quick_run(tmp_path: Path) -> None:
     was_small, was_large = (r["bytes"]["fc_over_dcp_save"] for r in rows)
     assert was_large["other"]["received"] > was_small["other"]["received"]
     assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL", "SKIP"}
+    # a restoring rank opens the marker, the index, its part and its data files only
+    for r in rows:
+        assert 4 <= r["rank_files_opened"] < r["rank_files_opened_before"]
+        assert r["rank_bytes_read"] < r["rank_bytes_read_before"]
 
 
 def test_memory_tier_quick_run(tmp_path: Path) -> None:

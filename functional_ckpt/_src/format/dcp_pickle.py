@@ -25,6 +25,7 @@ from __future__ import annotations
 import copyreg
 import functools
 import io
+import operator
 import pickle
 import struct
 from collections.abc import Callable, Sequence
@@ -96,6 +97,8 @@ def _embedded(obj: Any) -> bytes:
         body = body[9:]
     return body
 
+
+_box = operator.itemgetter(0, 1)  # a Chunk's (offsets, sizes)
 
 _SMALL = [pickle.BININT1 + bytes((v,)) for v in range(0x100)]
 
@@ -234,6 +237,7 @@ def write(
 
     put(md_cls + new + state + s("state_dict_metadata") + pickle.EMPTY_DICT + pickle.MARK)
     whole_md: dict[tuple[str, tuple[int, ...]], bytes] = {}
+    layouts: dict[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], bytes] = {}
     for e in entries:
         chunks, shape = e.chunks, e.shape
         put(s(e.fqn))
@@ -252,11 +256,23 @@ def write(
         dtype = e.dtype
         put(state + k_props + obj(("props", dtype), functools.partial(_properties, dtype)))
         put(k_size + size(shape) + k_chunks + pickle.EMPTY_LIST)
-        if chunks:
-            put(pickle.MARK)
-            for c in chunks:
-                put(chunk_pre + size(c.offsets) + k_sizes + size(c.sizes) + end)
-            put(pickle.APPENDS)
+        if chunks:  # the chunks' boxes of a layout met before: the same GETs, made once
+            layout = tuple(map(_box, chunks))
+            got = layouts.get(layout)
+            if got is None:
+                put(pickle.MARK)
+                for c in chunks:
+                    put(chunk_pre + size(c.offsets) + k_sizes + size(c.sizes) + end)
+                put(pickle.APPENDS)
+                got = layouts[layout] = b"".join(
+                    [
+                        pickle.MARK,
+                        *[chunk_pre + size(o) + k_sizes + size(z) + end for o, z in layout],
+                        pickle.APPENDS,
+                    ]
+                )
+            else:
+                put(got)
         put(end)
     for b in blobs:
         put(s(b.fqn) + value)
@@ -277,27 +293,35 @@ def write(
     index_pre = index_cls + new + state + k_fqn
     info_pre = info_cls + new + state + s("relative_path")
     in_file: dict[str, bytes] = {}  # a file's name known: its _StorageInfo's first opcodes
+    # Every fqn and box is memoised by now (above): an index's opcodes after its fqn
+    # depend on the chunk's place and box alone (the same for a layout met before),
+    # and a blob's tail on its length.
+    places: dict[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], list[bytes]] = {}
+    tails: dict[int, bytes] = {}
+    extend = out.extend
     for e in entries:
+        if not e.chunks:
+            continue
         head = index_pre + s(e.fqn) + k_index
-        for i, c in enumerate(e.chunks):
+        layout = tuple(map(_box, e.chunks))
+        at_place = places.get(layout)
+        if at_place is None:
+            at_place = places[layout] = [
+                _int(i) + k_offset + size(o) + end for i, (o, _) in enumerate(layout)
+            ]
+        for place, c in zip(at_place, e.chunks, strict=True):
             info = in_file.get(c.file)
             if info is None:  # the file's name placed here first: memoised in this piece
-                piece = head + _int(i) + k_offset + size(c.offsets) + end + info_pre
-                put(piece + s(c.file) + k_offset + _int(c.offset) + k_length + _int(c.length) + end)
+                piece = head + place + info_pre + s(c.file) + k_offset
+                put(piece + _int(c.offset) + k_length + _int(c.length) + end)
                 in_file[c.file] = info_pre + s(c.file) + k_offset
                 continue
-            put(
-                head
-                + _int(i)
-                + k_offset
-                + size(c.offsets)
-                + end
-                + info
-                + _int(c.offset)
-                + k_length
-                + _int(c.length)
-                + end
-            )
+            tail = tails.get(c.length)
+            if tail is None:
+                tail = tails[c.length] = k_length + _int(c.length) + end
+            v = c.offset
+            at = pickle.BININT + _PACK_i(v) if 0x10000 <= v < 0x80000000 else _int(v)
+            extend((head, place, info, at, tail))
     for b in blobs:
         put(index_pre + s(b.fqn) + k_index + pickle.NONE + end)
         put(info_pre + s(b.file) + k_offset + _int(b.offset) + k_length + _int(b.length) + end)
