@@ -18,6 +18,12 @@ What is compared, in one run, on the same disk, with every save made durable:
     (pinned memory, shared memory and non-blocking copies need an accelerator and
     are off). *Stall*: from the call until ``staging_completion`` is done.
 
+peers (``benchmarks/_peers.py``)
+    ``torch_checkpointing``'s ``CheckpointManager`` with its async saver (a writer
+    process, shared-memory staging), durable through its hooks and as shipped; *stall*:
+    from the call until its ``lock()`` is free (the capture is done). Stock
+    ``dcp.async_save`` in ``PROCESS`` mode on a one-rank gloo group.
+
 For the async variants the run also reports *commit*: from the call until the
 checkpoint is durable (``result()``; DCP's ``upload_completion``).
 
@@ -30,7 +36,8 @@ reported, with targets checked as ratios within the run:
 * stall(copy) <= 1.3x the plain copy;
 * stall(copy) <= 0.15x sync ``fc.save``;
 * stall(none) <= 5 ms on the 1 GiB state;
-* stall(copy) <= stock ``dcp.async_save``'s stall.
+* stall(copy) <= stock ``dcp.async_save``'s stall (thread and process mode) and
+  ``torch_checkpointing``'s.
 
 Usage::
 
@@ -50,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _peers
 import torch
 from _common import (
     REPO_ROOT,
@@ -86,6 +94,7 @@ FC_NONE = 'fc.save_async(staging="none")'
 COPY = "plain copy (dst.copy_(src))"
 FC_SYNC = "fc.save (sync)"
 DCP_ASYNC = "dcp.async_save(DefaultStager)"
+TC_ASYNC, TC_ASYNC_PLAIN, DCP_PROCESS = _peers.TC_ASYNC, _peers.TC_ASYNC_PLAIN, _peers.DCP_PROCESS
 
 NOTES = {
     FC_COPY: "reused fc.checkpoint.Stager; stall = call -> wait_staged()",
@@ -93,6 +102,9 @@ NOTES = {
     COPY: "preallocated buffers; no disk",
     FC_SYNC: "stall = the whole durable save",
     DCP_ASYNC: "reused DefaultStager; stall = call -> staging_completion",
+    TC_ASYNC: "reused CheckpointManager (writer process); stall = call -> lock() free",
+    TC_ASYNC_PLAIN: "as above, without the fsync hooks: not durable",
+    DCP_PROCESS: "writer process, reused DefaultStager; stall = call -> staging_completion",
 }
 
 
@@ -158,10 +170,25 @@ class Runner:
             COPY: self.plain_copy,
             FC_SYNC: self.fc_sync,
             DCP_ASYNC: self.dcp_async,
+            **self.peers(),
         }
+
+    def peers(self) -> dict[str, Callable[[Path], Timing]]:
+        """torch_checkpointing's async saves (where installed) and DCP's process mode."""
+        tools: dict[str, Callable[[Path], Timing]] = {DCP_PROCESS: self.dcp_process}
+        if _peers.available():
+            tools[TC_ASYNC] = lambda dest: Timing(*_peers.tc_async(dest, self.w.tensors))
+            tools[TC_ASYNC_PLAIN] = lambda dest: Timing(
+                *_peers.tc_async(dest, self.w.tensors, durable=False)
+            )
+        return tools
+
+    def dcp_process(self, dest: Path) -> Timing:
+        return Timing(*_peers.dcp_process(dest, dict(self.w.tensors)))
 
     def close(self) -> None:
         self.dcp_stager.close()
+        _peers.close()
 
     def _fc_async(self, dest: Path, staging: Staging) -> Timing:
         t0 = time.perf_counter()
@@ -247,8 +274,8 @@ def run_workload(w: Workload, workdir: Path, reps: int, res: Results) -> None:
     try:
         tools = runner.tools()
         log(f"{w.name}: {w.label}: warm-up (allocates the staging buffers)")
-        for label in (FC_COPY, FC_NONE, COPY, DCP_ASYNC):
-            runner.run(label, tools[label])
+        for label in (FC_COPY, FC_NONE, COPY, DCP_ASYNC, *runner.peers()):
+            runner.run(label, tools[label])  # the peers' writer processes start here
         allocations = runner.stager.allocations
         for rep in range(reps):
             log(f"  {w.name}: repetition {rep + 1}/{reps}")
@@ -280,6 +307,8 @@ TARGETS = [
             Target("stall(copy) / plain copy", state, FC_COPY, COPY, 1.3),
             Target("stall(copy) / sync fc.save", state, FC_COPY, FC_SYNC, 0.15),
             Target("stall(copy) / dcp.async_save stall", state, FC_COPY, DCP_ASYNC, 1.0),
+            Target("stall(copy) / dcp.async_save(PROCESS) stall", state, FC_COPY, DCP_PROCESS, 1.0),
+            Target(f"stall(copy) / {TC_ASYNC} stall", state, FC_COPY, TC_ASYNC, 1.0),
         )
     ),
     Target('stall(staging="none") at 1 GiB', "big", FC_NONE, None, 0.005),
@@ -309,7 +338,16 @@ def result_rows(res: Results, workloads: dict[str, Workload]) -> list[dict[str, 
     for w in workloads.values():
         copy = res.med_stall(w.name, COPY)
         sync = res.med_stall(w.name, FC_SYNC)
-        for label in (FC_COPY, FC_NONE, COPY, FC_SYNC, DCP_ASYNC):
+        for label in (
+            FC_COPY,
+            FC_NONE,
+            COPY,
+            FC_SYNC,
+            DCP_ASYNC,
+            DCP_PROCESS,
+            TC_ASYNC,
+            TC_ASYNC_PLAIN,
+        ):
             stall = res.med_stall(w.name, label)
             if stall is None:
                 continue

@@ -27,6 +27,13 @@ restore (warm page cache: each restore reads the files its tool has just written
   after loading (its plain row maps the file and reads nothing yet). The ratios of
   fc's rows to their floors are printed under the table.
 
+peers (where ``torch_checkpointing`` is installed: the ``bench`` extra)
+  ``torch_checkpointing``'s ``CheckpointManager`` with its sync saver, made durable
+  through its ``pre_finalize_callback``/``finalize_callback`` hooks, and also as
+  shipped (no fsync); its ``load(into=template)`` (in place) and ``load()`` (new
+  tensors); see ``benchmarks/_peers.py``. And ``dcp.save``/``dcp.load`` through this
+  package's ``functional_ckpt.dcp.Writer``/``Reader`` (what DCP's storage seam costs).
+
 Two states: *big* (16 x 64 MiB float32, 1 GiB: bandwidth-bound) and *small*
 (10,000 x 1 KiB float32 plus 1,000 plain Python values: per-tensor overhead-bound;
 safetensors stores only the tensors there). Why these tools: functional_ckpt writes
@@ -73,6 +80,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _peers
 import torch
 from _common import (
     REPO_ROOT,
@@ -102,6 +110,7 @@ from _common import (
     write_views,
     write_views_durably,
 )
+from _peers import TC_LOAD_INTO, TC_LOAD_NEW, TC_SAVE, TC_SAVE_PLAIN
 
 from functional_ckpt._src.format.checksum import BACKEND as CRC_BACKEND
 from functional_ckpt._src.format.checksum import crc32 as fc_crc32
@@ -127,6 +136,8 @@ RAW_READ_HUGE = "raw read into new huge-page tensors"
 NEW_PAGES = "new tensors' pages alone (nothing read)"
 ST_LOAD_TOUCHED = "safetensors.load_file + touch"
 CRC = f"crc32 ({CRC_BACKEND}) of tensor bytes"
+DCP_FC_SAVE = "dcp.save(storage_writer=fc.dcp.Writer)"
+DCP_FC_LOAD = "dcp.load(storage_reader=fc.dcp.Reader)"
 
 
 def import_fc() -> types.ModuleType:
@@ -235,6 +246,21 @@ def dcp_save(dest: Path, w: Workload) -> None:
     import_dcp().save(w.state(), checkpoint_id=dest, no_dist=True)
 
 
+def dcp_fc_save(dest: Path, w: Workload) -> None:
+    import_fc()
+    from functional_ckpt.dcp import Writer
+
+    import_dcp().save(w.state(), storage_writer=Writer(dest), no_dist=True)
+
+
+def tc_save(dest: Path, w: Workload) -> None:
+    _peers.tc_save(dest, w.state())
+
+
+def tc_save_plain(dest: Path, w: Workload) -> None:
+    _peers.tc_save(dest, w.state(), durable=False)
+
+
 def raw_save(dest: Path, w: Workload) -> None:
     write_views_durably(dest, (byte_view(t) for t in w.tensors.values()))
 
@@ -322,6 +348,21 @@ def safetensors_load_touched(src: Path, w: Workload, template: dict[str, Any]) -
 def dcp_load(src: Path, w: Workload, template: dict[str, Any]) -> Any:
     import_dcp().load(template, checkpoint_id=src, no_dist=True)
     return template
+
+
+def dcp_fc_load(src: Path, w: Workload, template: dict[str, Any]) -> Any:
+    from functional_ckpt.dcp import Reader
+
+    import_dcp().load(template, storage_reader=Reader(src), no_dist=True)
+    return template
+
+
+def tc_load_into(src: Path, w: Workload, template: dict[str, Any]) -> Any:
+    return _peers.tc_load_into(src, template)
+
+
+def tc_load_new(src: Path, w: Workload, template: dict[str, Any]) -> Any:
+    return _peers.tc_load_new(src)
 
 
 def raw_read(src: Path, w: Workload, template: dict[str, Any]) -> Any:
@@ -472,6 +513,8 @@ def tools() -> list[Tool]:
             _st_note,
         ),
         Tool(DCP_SAVE, dcp_save, "dcp", [Restore(DCP_LOAD, dcp_load)]),
+        Tool(DCP_FC_SAVE, dcp_fc_save, "dcp-fc", [Restore(DCP_FC_LOAD, dcp_fc_load)]),
+        *peer_tools(),
         Tool(RAW_SAVE_FC, raw_save_fc_sizes, "raw-fc-sizes", []),
         Tool(RAW_SAVE_LATE, raw_save_late, "raw-late.bin", []),
         Tool(
@@ -486,6 +529,14 @@ def tools() -> list[Tool]:
             ],
         ),
     ]
+
+
+def peer_tools() -> list[Tool]:
+    """torch_checkpointing's rows, where it is installed (the ``bench`` extra)."""
+    if not _peers.available():
+        return []
+    loads = [Restore(TC_LOAD_INTO, tc_load_into), Restore(TC_LOAD_NEW, tc_load_new)]
+    return [Tool(TC_SAVE, tc_save, "tc", loads), Tool(TC_SAVE_PLAIN, tc_save_plain, "tc-plain", [])]
 
 
 # --------------------------------------------------------------------------- checks
@@ -634,6 +685,8 @@ def rss_child(tool: str, path: Path, spec: dict[str, int]) -> dict[str, Any]:
     fc = import_fc()
     dcp = import_dcp()
     importlib.import_module("torch.distributed.checkpoint.filesystem")  # before the baseline
+    if tool.startswith("tc-"):
+        _peers.manager(asynchronous=False, durable=True)  # imported before the baseline too
     template = {k: torch.zeros(n, dtype=torch.float32) for k, n in spec.items()}
 
     kept: list[Any] = []
@@ -643,6 +696,10 @@ def rss_child(tool: str, path: Path, spec: dict[str, int]) -> dict[str, Any]:
             kept.append(fc.restore(path, template))  # the result counts: it is the state
         elif tool == "fc-out":
             kept.append(fc.restore(path, out=template))
+        elif tool == "tc-into":
+            kept.append(_peers.tc_load_into(path, template))
+        elif tool == "tc-new":
+            kept.append(_peers.tc_load_new(path))
         else:
             dcp.load(template, checkpoint_id=path, no_dist=True)
 
@@ -657,6 +714,11 @@ def measure_peak_rss(w: Workload, opts: Options, log: Callable[[str], None]) -> 
         ("fc-like", fc_save, FC_RESTORE_LIKE),
         ("fc-out", fc_save, FC_RESTORE_OUT),
         ("dcp", dcp_save, DCP_LOAD),
+        *(
+            (("tc-into", tc_save, TC_LOAD_INTO), ("tc-new", tc_save, TC_LOAD_NEW))
+            if _peers.available()
+            else ()
+        ),
     )
     for tool, save, label in runs:
         dest = opts.workdir / f"rss-{tool}"
@@ -764,6 +826,15 @@ TARGETS = [
     Target(
         "checksum: crc32 time / fc.save time", "small", ("checksum", CRC), ("save", FC_SAVE), 0.1
     ),
+    *(
+        Target(f"{op}: {fc_label} / {peer}", state, (op, fc_label), (op, peer), 1.0)
+        for state in ("big", "small")
+        for op, fc_label, peer in (
+            ("save", FC_SAVE, TC_SAVE),
+            ("restore", FC_RESTORE_LIKE, TC_LOAD_NEW),
+            ("restore", FC_RESTORE_OUT, TC_LOAD_INTO),
+        )
+    ),
 ]
 
 
@@ -868,7 +939,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="skip the informational fc.save run with crc32 stubbed out",
     )
     add_run_args(p, "save_restore")
-    p.add_argument("--rss-child", choices=["fc-like", "fc-out", "dcp"], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--rss-child",
+        choices=["fc-like", "fc-out", "dcp", "tc-into", "tc-new"],
+        help=argparse.SUPPRESS,
+    )
     p.add_argument("--rss-path", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--rss-spec", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -996,6 +1071,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if opts.do_restore and "big" in workloads:
             rss = measure_peak_rss(workloads["big"], opts, log)
     finally:
+        _peers.close()
         remove_path(workdir)
     rows = result_rows(res, workloads)
     targets = evaluate(res, rss)

@@ -1,0 +1,193 @@
+"""Lossless compression of real training state: zstd levels, plain and byte-grouped.
+
+A small transformer (token embedding, ``--layers`` encoder layers of width
+``--width``, a tied output head) trains ``--steps`` steps of next-token prediction
+on a fixed random corpus with AdamW, so its weights and the optimizer's two
+moments hold what a real run holds (not the initial random draws). Then each part
+of the state is compressed alone and the whole state together:
+
+* fp32 weights; the same weights cast to bf16 (what a mixed-precision run or an
+  export keeps); AdamW's ``exp_avg`` and ``exp_avg_sq`` (fp32);
+* *plain*: the tensors' bytes as they are stored (what DCP's ``stream.zstd/1``
+  transform compresses, so stock ``dcp.load`` reads it back with ``zstandard``);
+* *grouped*: each element's bytes regrouped by position (all first bytes, then all
+  second bytes, ...), so the exponent bytes, which repeat, sit together (the idea
+  of ZipNN and DFloat11). Stock DCP has no such transform: only a reader of this
+  project's format could undo it.
+
+For each zstd level: the ratio (raw bytes / compressed bytes) and the throughput
+of one core (compress, decompress; MB/s of raw bytes, one thread, best of
+``--reps``). Needs ``zstandard`` (the ``zstd`` or ``bench`` extra).
+
+Usage::
+
+    python benchmarks/compression.py [--quick] [--steps N] [--levels 1,3,9]
+                                     [--reps N] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import DEFAULT_RESULTS, Table, bench_parser, environment, finish
+
+WEIGHTS, WEIGHTS_BF16, EXP_AVG, EXP_AVG_SQ, WHOLE = (
+    "weights fp32",
+    "weights bf16",
+    "AdamW exp_avg",
+    "AdamW exp_avg_sq",
+    "whole state (fp32 weights + moments)",
+)
+
+
+def train(width: int, layers: int, steps: int, vocab: int = 512, seq: int = 64) -> Any:
+    """A trained model and its AdamW optimizer."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True)
+    body = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+    embed = torch.nn.Embedding(vocab, width)
+    model = torch.nn.ModuleDict({"embed": embed, "body": body})
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
+    corpus = torch.randint(0, vocab, (256, seq + 1), generator=torch.Generator().manual_seed(1))
+    corpus[:, 1::2] = (corpus[:, 0:-1:2] * 7 + 3) % vocab  # something to learn
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(seq)
+    for step in range(steps):
+        batch = corpus[(step * 16) % 256 :][:16]
+        h = body(embed(batch[:, :-1]), mask=mask, is_causal=True)
+        logits = h @ embed.weight.T
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, vocab), batch[:, 1:].reshape(-1)
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model, opt, float(loss)
+
+
+def parts(model: Any, opt: Any) -> dict[str, bytes]:
+    """Each part of the state as the bytes a checkpoint stores (tensors concatenated)."""
+
+    def raw(ts: list[torch.Tensor]) -> bytes:
+        return b"".join(t.detach().contiguous().view(torch.uint8).numpy().tobytes() for t in ts)
+
+    params = list(model.parameters())
+    out = {
+        WEIGHTS: raw(params),
+        WEIGHTS_BF16: raw([p.to(torch.bfloat16) for p in params]),
+        EXP_AVG: raw([opt.state[p]["exp_avg"] for p in params]),
+        EXP_AVG_SQ: raw([opt.state[p]["exp_avg_sq"] for p in params]),
+    }
+    out[WHOLE] = out[WEIGHTS] + out[EXP_AVG] + out[EXP_AVG_SQ]
+    return out
+
+
+def grouped(data: bytes, width: int) -> bytes:
+    """Bytes regrouped by their position in each ``width``-byte element."""
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(-1, width)
+    return t.T.contiguous().numpy().tobytes()
+
+
+def measure(data: bytes, level: int, reps: int) -> dict[str, float]:
+    import zstandard
+
+    cctx = zstandard.ZstdCompressor(level=level, threads=0)
+    dctx = zstandard.ZstdDecompressor()
+    best_c = best_d = float("inf")
+    packed = b""
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        packed = cctx.compress(data)
+        best_c = min(best_c, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        back = dctx.decompress(packed)
+        best_d = min(best_d, time.perf_counter() - t0)
+        assert back == data
+    mb = len(data) / 1e6
+    return {
+        "ratio": len(data) / len(packed),
+        "compress_mb_s": mb / best_c,
+        "decompress_mb_s": mb / best_d,
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = bench_parser(__doc__)
+    p.add_argument("--quick", action="store_true", help="a tiny model, a few steps")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 300)")
+    p.add_argument("--width", type=int, default=None, help="model width (default 256)")
+    p.add_argument("--layers", type=int, default=None, help="encoder layers (default 4)")
+    p.add_argument("--levels", default="1,3,9,19", help="zstd levels, comma-separated")
+    p.add_argument("--reps", type=int, default=3, help="timings per measurement (best kept)")
+    p.add_argument("--json", type=Path, default=DEFAULT_RESULTS / "compression.json")
+    p.add_argument("--strict", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        import zstandard
+    except ImportError:
+        print("compression.py needs zstandard: pip install 'functional-ckpt[zstd]'")
+        return 0
+    steps = args.steps if args.steps is not None else (5 if args.quick else 300)
+    width = args.width or (64 if args.quick else 256)
+    layers = args.layers or (1 if args.quick else 4)
+    levels = [int(x) for x in args.levels.split(",")]
+    torch.set_num_threads(1)
+    model, opt, loss = train(width, layers, steps)
+    state = parts(model, opt)
+    rows = []
+    for name, data in state.items():
+        size = 2 if name == WEIGHTS_BF16 else 4
+        for variant, payload in (("plain", data), ("grouped", grouped(data, size))):
+            for level in levels:
+                m = measure(payload, level, args.reps)
+                rows.append(
+                    {"part": name, "bytes": len(data), "variant": variant, "level": level, **m}
+                )
+                print(
+                    f"{name} {variant} zstd-{level}: {m['ratio']:.3f}x", file=sys.stderr, flush=True
+                )
+    table = Table(["part", "MB", "variant", "level", "ratio", "compress MB/s", "decompress MB/s"])
+    for r in rows:
+        table.add(
+            r["part"],
+            f"{r['bytes'] / 1e6:.1f}",
+            r["variant"],
+            r["level"],
+            f"{r['ratio']:.3f}x",
+            f"{r['compress_mb_s']:.0f}",
+            f"{r['decompress_mb_s']:.0f}",
+        )
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"\nzstd {zstandard.ZSTD_VERSION}, a trained transformer: {params / 1e6:.2f}M params, "
+        f"{steps} AdamW steps (final loss {loss:.3f}); one thread; best of {args.reps}.\n"
+    )
+    print(table.render())
+    payload = {
+        "benchmark": "compression",
+        "config": {
+            "steps": steps,
+            "width": width,
+            "layers": layers,
+            "levels": levels,
+            "params": params,
+            "final_loss": loss,
+        },
+        "environment": environment(),
+        "rows": rows,
+        "targets": [],
+    }
+    return finish(args, payload)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
