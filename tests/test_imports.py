@@ -321,6 +321,7 @@ KNOWN_STATE = {
     "functional_ckpt._src.format.dcp_values": {"_CACHE"},  # decoded stock-DCP values
     "functional_ckpt._src.save.trust": {"PROCESS_TRUST"},  # what this process committed
     "functional_ckpt._src.save.multi_rank": {"PLANS"},  # the last save plans, per group
+    "functional_ckpt._src.save.staging": {"_RUNNING", "_UNREAD"},  # saves exit must finish
 }
 
 _MUTATORS = {

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
 
-__all__ = ["BackgroundThread"]
+__all__ = ["BackgroundThread", "wait_quietly"]
 
 
 class BackgroundThread:
@@ -34,3 +35,14 @@ class BackgroundThread:
     def _forget(self) -> None:
         self._pool = None
         self._lock = threading.Lock()
+
+
+def wait_quietly(fut: Future[Any]) -> None:
+    """Until ``fut`` has finished, whatever interrupts the wait (its outcome dropped):
+    a background job reading memory must be done before that memory's owner unwinds."""
+    while True:
+        try:
+            wait([fut])
+            return
+        except BaseException:  # Ctrl-C again: still wait, then unwind
+            continue

@@ -116,17 +116,22 @@ def _status_style(status: str) -> str:
     return {"ok": "ok", "intact": "ok", "damaged": "bad", "quarantined": "bad"}.get(status, "warn")
 
 
-def _verify_rows(rows: Sequence[RootEntry], ui: UI) -> None:
-    """Replace ``ok`` by ``intact`` or ``damaged`` after re-reading every byte."""
+def _verify_rows(root: Path, rows: list[RootEntry], ui: UI) -> list[RootEntry]:
+    """Replace ``ok`` by ``intact`` or ``damaged`` after re-reading every byte; the rows
+    still there (a checkpoint pruned meanwhile is dropped, not taken for damage)."""
     todo = [r for r in rows if r.status == "ok"]
     with ui.progress("verifying", sum(r.size for r in todo)) as bar:
         for row in todo:
-            result = verify_one(row.path)
+            result = verify_listed(root, row.path)
+            if result is None:
+                rows = [r for r in rows if r is not row]
+                continue
             row.status = "intact" if result.ok else "damaged"
             row.detail = (
                 "" if result.ok else f"{len(result.problems)} problems: {result.problems[0]}"
             )
             bar.advance(row.size)
+    return rows
 
 
 def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
@@ -140,7 +145,7 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
         return ls_recording(args, ui)
     rows = scan_root(root)
     if args.verify:
-        _verify_rows(rows, ui)
+        rows = _verify_rows(root, rows, ui)
     source = "flags"
     parts = policy_from_flags(args)
     if parts is None:
@@ -304,14 +309,31 @@ def verify_one(path: Path) -> Verified:
     return Verified(str(path), report.ok, tuple(lines), report.files_checked, report.bytes_checked)
 
 
+def verify_listed(root: Path, path: Path) -> Verified | None:
+    """:func:`verify_one` for a checkpoint listed under ``root``; None if it was pruned
+    since the listing (a live root: its trainer prunes while this reads). A verdict
+    other than intact is taken only once ``root`` is listed again with it still there."""
+    try:
+        result = verify_one(path)
+    except fc.CheckpointError:
+        result = None
+    if result is not None and result.ok:
+        return result
+    if path not in [r.path for r in scan_root(root) if r.status in COMMITTED]:
+        return None
+    return verify_one(path) if result is None else result
+
+
 def _is_file(path: Path, where: str) -> bool:
     return "/" not in where and (path / where).exists()
 
 
-def _verify_targets(target: Path) -> tuple[list[Path], list[Verified], list[Path]]:
-    """Checkpoints to verify under ``target``, damage found by listing alone, stock DCP dirs."""
+def _verify_targets(target: Path) -> tuple[list[Path], list[Verified], list[Path], bool]:
+    """Checkpoints to verify under ``target``, damage found by listing alone, stock DCP
+    dirs, and whether they were listed (``target`` is a root, whose checkpoints may be
+    pruned meanwhile)."""
     if is_checkpoint_dir(target) or not target.is_dir():
-        return [target], [], []
+        return [target], [], [], False
     rows = scan_root(target)
     paths = [r.path for r in rows if r.status in COMMITTED]
     broken = [
@@ -322,7 +344,7 @@ def _verify_targets(target: Path) -> tuple[list[Path], list[Verified], list[Path
     stock = [r.path for r in rows if r.status == "foreign"]
     if not paths and not broken and not stock:
         raise fc.errors.CheckpointNotFound(f"{target}: no checkpoints to verify here")
-    return paths, broken, stock
+    return paths, broken, stock, True
 
 
 def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
@@ -330,7 +352,7 @@ def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
         return tiers.verify_remote(args, ui)
     target = Path(args.path)
     require_exists(target)
-    paths, broken, stock = _verify_targets(target)
+    paths, broken, stock, listed = _verify_targets(target)
     results = list(broken)
     emit = (lambda line: None) if args.json else ui.print
     for result in broken:  # found by listing alone: one line each
@@ -342,8 +364,12 @@ def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
         )
     with ui.progress("verifying", sum(dir_size(p) for p in paths)) as bar:
         for path in paths:  # each result as soon as it is known
-            result = verify_one(path)
-            bar.advance(dir_size(path))
+            size = dir_size(path)
+            found = verify_listed(target, path) if listed else verify_one(path)
+            bar.advance(size)
+            if found is None:  # pruned since the listing
+                continue
+            result = found
             results.append(result)
             print_verified(ui, emit if args.json else bar.print, result, args.quiet)
     bad = sum(not r.ok for r in results)

@@ -17,6 +17,7 @@ keeps ``torch.save``'s framing, whose zip64 fields its size needs.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import struct
 import sys
@@ -71,16 +72,18 @@ def lands_raw(t: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without a copy (writable)."""
-    if t.numel() == 0:
-        return memoryview(b"")
-    flat = t.detach()
-    try:  # dtypes numpy knows: one call, no reshaping views
-        array: Any = flat.numpy()
-    except TypeError:  # bfloat16, float8, ...: reinterpret as bytes first
-        import torch
+    """The raw bytes of a contiguous CPU tensor, without a copy (writable).
 
-        array = flat.reshape(-1).view(torch.uint8).numpy()
+    A view of the address, not ``t.numpy()``: numpy marks the storage as never
+    resizable again (a save must leave the state as it found it), and its view
+    would not follow a resize anyway. The view keeps ``t`` alive, not its memory:
+    a storage resized or freed meanwhile is the reader's to detect
+    (:mod:`..storage.live`)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    array = (ctypes.c_char * n).from_address(t.data_ptr())
+    array._tensor = t  # type: ignore[attr-defined]  # the view holds the tensor
     return memoryview(array).cast("B")
 
 

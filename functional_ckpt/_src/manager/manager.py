@@ -277,8 +277,14 @@ class CheckpointManager(ReadSide):
                         self._prune(set())
         finally:
             self._writes.join_removals()
-            self._closed = True
-            if self._lock is not None:
+            # Interrupted while a save runs, the lock is released only once it has
+            # finished (a second writer would take its files for leftovers), and a
+            # second close() waits for it again.
+            running = self._writes.running()
+            self._closed = running is None
+            if self._lock is not None and running is not None:
+                running.when_finished(self._lock.release)
+            elif self._lock is not None:
                 self._lock.release()
                 self._lock = None
 

@@ -109,9 +109,23 @@ class Writes:
         return self.view.path(max(others)) if others else None
 
     def wait(self) -> CheckpointInfo | None:
-        """The save in flight, committed (or its error raised); None if there was none."""
-        pending, self.pending = self.pending, None
-        return None if pending is None else pending.result()
+        """The save in flight, committed (or its error raised); None if there was none.
+
+        Interrupted while it runs (Ctrl-C), the save stays the one in flight: nobody
+        may take it for finished (release the writer lock under it, or forget it)."""
+        pending = self.pending
+        if pending is None:
+            return None
+        try:
+            return pending.result()
+        finally:
+            if pending.done():
+                self.pending = None
+
+    def running(self) -> PendingSave | None:
+        """The save in flight, if it has not finished."""
+        pending = self.pending
+        return None if pending is None or pending.done() else pending
 
     def wait_staged(self) -> None:
         """Until the state may be mutated again (with ``staging="none"``: committed)."""

@@ -195,13 +195,21 @@ def _work(
     if mode == "none":
         plan = job.plan
         tensors = [host_copy(t) for t in sources]  # only contiguous host tensors stay live
-        after_each, check = stages.version_guard(sources, plan.keys, tensors, plan.targets)
+        guard = stages.version_guard(sources, plan.keys, tensors, plan.targets)
+        after_each, check, moved = guard
 
         def unstaged(pending: PendingSave) -> CheckpointInfo:
             pending._mark_staged()
             ready()
             with incremental.closing(job.base):
-                return backend.write(job, tensors, Hooks(after_each, check))
+                try:
+                    return backend.write(job, tensors, Hooks(after_each, check, live=True))
+                except Exception as e:  # a read of memory freed meanwhile, say
+                    try:
+                        moved()
+                    except CheckpointError as refused:
+                        raise refused from e
+                    raise
 
         return unstaged
 

@@ -309,6 +309,7 @@ def write_rank(
     syncing: list[Future[None]] | None = None,
     blobs: Sequence[ByteEntry] = (),
     sync: bool = True,
+    live: bool = False,
 ) -> tuple[list[Chunk], list[ByteEntry], list[Segment]]:
     """Write one rank's chunks into ``tmp``: unchanged ones from the base, the rest anew.
 
@@ -318,7 +319,7 @@ def write_rank(
     entries: small, always written anew, into the rank's own data file), and the
     run checksums of its file written anew, ``shard_name(rank)``
     (:mod:`..format.segments`). Without a base every chunk is written. Without
-    ``sync`` no file is fsynced (a memory tier).
+    ``sync`` no file is fsynced (a memory tier). ``live`` as for :func:`.shards.write_shard`.
     """
     background: list[Future[None]] = [] if syncing is None else syncing
     reused = place(base, unchanged_chunks(base, keys, tensors, idents), tmp, rank, background, sync)
@@ -339,6 +340,7 @@ def write_rank(
             background=background if syncing is not None else None,
             blobs=blobs,
             sync=sync,
+            live=live,
         )
         for i, c in zip(todo, fresh, strict=True):
             reused[i] = c

@@ -201,6 +201,7 @@ def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> 
             syncing=syncing,
             blobs=blobs,
             sync=job.options.durable,
+            live=hooks.live,
         )
         if hooks.read is not None:
             hooks.read()

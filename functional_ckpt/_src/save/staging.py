@@ -17,8 +17,13 @@ also sees writes through ``.data`` and numpy).
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures.thread  # noqa: F401 (its exit hook is registered first: runs after ours)
+import os
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast, get_args
@@ -27,11 +32,11 @@ import torch
 
 from functional_ckpt._src.distributed.topology import is_dtensor
 from functional_ckpt._src.format.blobs import byte_view
-from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.keys import format_path
 from functional_ckpt._src.format.manifest import TensorEntry, Written
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.state.allocation import host_empty
+from functional_ckpt._src.storage.live import LiveReader
 from functional_ckpt.errors import CheckpointError, ModifiedDuringSave
 
 #: How an asynchronous save reads the state (see :func:`functional_ckpt.save_async`):
@@ -146,6 +151,7 @@ class PendingSave:
         self.staged_after: float | None = None  # seconds from the call to staged
         self._thread: threading.Thread | None = None
         self._on_staged: list[Callable[[], object]] | None = []  # None once called
+        self._on_finished: list[Callable[[], object]] | None = []  # None once called
         self._callbacks = threading.Lock()
 
     def when_staged(self, fn: Callable[[], object]) -> None:
@@ -153,6 +159,14 @@ class PendingSave:
         with self._callbacks:
             if self._on_staged is not None:
                 self._on_staged.append(fn)
+                return
+        fn()
+
+    def when_finished(self, fn: Callable[[], object]) -> None:
+        """Call ``fn()`` once the save has finished, committed or not (now, if it has)."""
+        with self._callbacks:
+            if self._on_finished is not None:
+                self._on_finished.append(fn)
                 return
         fn()
 
@@ -165,6 +179,7 @@ class PendingSave:
         """Wait for the commit; raise the background error if the save failed."""
         if not self._finished.wait(timeout):
             raise TimeoutError(f"{self.path}: the save did not finish within {timeout} s")
+        _UNREAD.discard(self)
         if self._error is not None:
             raise self._error
         assert self._info is not None
@@ -176,6 +191,7 @@ class PendingSave:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if not self._finished.wait(timeout):
             raise TimeoutError(f"{self.path}: the save did not finish within {timeout} s")
+        _UNREAD.discard(self)
         return self._error
 
     def _run(self, work: Any) -> None:
@@ -183,9 +199,18 @@ class PendingSave:
             self._info = work()
         except BaseException as e:  # surfaced through result(), never only logged
             self._error = e
+            _UNREAD.add(self)  # until result() or exception() reads it; printed at exit
         finally:
             self._mark_staged()
+            with self._callbacks:
+                callbacks, self._on_finished = self._on_finished or [], None
+            for fn in callbacks:  # before anyone sees it done (a writer lock released)
+                try:
+                    fn()
+                except Exception:  # a callback's failure is not the save's
+                    continue
             self._finished.set()
+            _RUNNING.discard(self)
 
     def _mark_staged(self) -> None:
         """The callbacks run before ``wait_staged`` returns: what they undo (the uploads
@@ -208,7 +233,7 @@ def version_guard(
     keys: Sequence[tuple[str, ...]],
     written: Sequence[torch.Tensor],
     targets: Sequence[TensorEntry],
-) -> tuple[Callable[[int], None], Callable[[Written], None]]:
+) -> tuple[Callable[[int], None], Callable[[Written], None], Callable[[], None]]:
     """Hooks that refuse the commit of a state changed while it was written.
 
     Version counters catch every in-place operation on a tensor or its views, but
@@ -216,37 +241,99 @@ def version_guard(
     right before the commit every written tensor is checksummed again and
     compared with the CRC32 the write stage reported for the bytes in the file: a
     tensor whose bytes differ now from what was checksummed was changed after its
-    write began.
+    write began. A storage resized or freed meanwhile moves (its address or size
+    changes): checked after each tensor's write, before the second checksum, and by
+    the third hook (``moved()``), which raises for a write that failed meanwhile.
     """
     versions = [t._version for t in sources]
+    places = [_place(t) for t in sources]
     modified: list[int] = []
 
     def after_each(i: int) -> None:
-        if sources[i]._version != versions[i]:
+        if sources[i]._version != versions[i] or _place(sources[i]) != places[i]:
             modified.append(i)
 
+    def refuse(bad: Sequence[int]) -> None:
+        names = ", ".join(format_path(keys[i]) for i in bad[:20])
+        more = f" and {len(bad) - 20} more" if len(bad) > 20 else ""
+        raise ModifiedDuringSave(
+            f"tensors changed in place (or were resized or freed) during a staging='none' "
+            f"save, so the checkpoint was not committed: {names}{more}; use staging='copy' "
+            "or stop mutating the state until result() returns"
+        )
+
+    def moved() -> None:
+        bad = [i for i, t in enumerate(sources) if _place(t) != places[i]]
+        if bad:
+            refuse(bad)
+
     def check(result: Written) -> None:
+        moved()  # before the memory is read again
         late = [i for i, t in enumerate(sources) if t._version != versions[i]]
-        changed = [
-            i
-            for i, (t, entry) in enumerate(zip(written, targets, strict=True))
-            if crc32(byte_view(t)) != result.chunks[entry.fqn][0].crc32
-        ]
+        reader = LiveReader()
+        try:
+            changed = [
+                i
+                for i, (t, entry) in enumerate(zip(written, targets, strict=True))
+                if reader.crc(byte_view(t)) != result.chunks[entry.fqn][0].crc32
+            ]
+        finally:
+            reader.close()
         bad = sorted(set(modified) | set(late) | set(changed))
         if bad:
-            names = ", ".join(format_path(keys[i]) for i in bad[:20])
-            more = f" and {len(bad) - 20} more" if len(bad) > 20 else ""
-            raise ModifiedDuringSave(
-                f"tensors changed in place during a staging='none' save, so the checkpoint "
-                f"was not committed: {names}{more}; use staging='copy' or stop mutating "
-                "the state until result() returns"
-            )
+            refuse(bad)
 
-    return after_each, check
+    return after_each, check, moved
+
+
+def _place(t: torch.Tensor) -> tuple[int, int, int]:
+    """Where ``t``'s bytes are: its address, its storage's and that storage's size."""
+    storage = t.untyped_storage()
+    return t.data_ptr(), storage.data_ptr(), storage.nbytes()
+
+
+#: Saves started and not finished: the process does not end before they do.
+_RUNNING: set[PendingSave] = set()
+
+#: Failed saves whose error nobody has read yet: printed at exit, which then fails.
+_UNREAD: set[PendingSave] = set()
+
+
+def _finish_saves() -> None:
+    """At exit: wait for every running save, then print each failure nobody read."""
+    while _RUNNING:
+        for pending in list(_RUNNING):
+            pending._finished.wait()
+    for pending in list(_UNREAD):
+        error = pending._error
+        assert error is not None
+        sys.stderr.write(
+            f"functional_ckpt: the background save to {pending.path} failed and was not "
+            "committed; the error was never read (result() or exception()):\n"
+            + "".join(traceback.format_exception(error))
+        )
+
+
+def _fail_exit() -> None:
+    """The last word at exit: a failed save nobody read makes the exit status 1."""
+    if _UNREAD:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+# The interpreter calls the hooks ``threading._register_atexit`` holds in reverse order,
+# before it joins non-daemon threads, and ``concurrent.futures`` stops its pools (which
+# a save checksums and fsyncs on) in one of them: registered after it (imported at the
+# top of this module), ours runs first and waits for every running save while those
+# pools still take work.
+threading._register_atexit(_finish_saves)  # type: ignore[attr-defined]
+atexit.register(_fail_exit)
 
 
 def run_in_background(dest: Path, work: Callable[[PendingSave], CheckpointInfo]) -> PendingSave:
-    """Run ``work`` on its own (non-daemon: exit waits for it) thread."""
+    """Run ``work`` on its own thread; the process does not end before it does, and
+    a failure nobody reads is printed at exit and fails the exit status."""
     pending = PendingSave(dest)
     thread = threading.Thread(
         target=pending._run,
@@ -255,6 +342,7 @@ def run_in_background(dest: Path, work: Callable[[PendingSave], CheckpointInfo])
         daemon=False,
     )
     pending._thread = thread
+    _RUNNING.add(pending)
     thread.start()
     return pending
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from functional_ckpt._src.native import libc_function
-from functional_ckpt._src.threads import BackgroundThread
+from functional_ckpt._src.threads import BackgroundThread, wait_quietly
 
 #: Environment switch: ``0`` never asks for huge pages, ``1`` always, unset/``auto`` decides.
 HUGE_PAGES_ENV = "FUNCTIONAL_CKPT_HUGE_PAGES"
@@ -229,4 +229,4 @@ class Prefaulter:
         """Stop faulting in and wait for the thread (it never touches freed memory)."""
         self._stop = True
         if self._future is not None:
-            self._future.result()
+            wait_quietly(self._future)  # even when interrupted: it reads the tensors

@@ -25,7 +25,8 @@ from functional_ckpt._src.format.manifest import Chunk
 from functional_ckpt._src.format.segments import Segment
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.storage import committed, durable
-from functional_ckpt._src.threads import BackgroundThread
+from functional_ckpt._src.storage.live import LiveReader
+from functional_ckpt._src.threads import BackgroundThread, wait_quietly
 from functional_ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -86,6 +87,7 @@ def write_shard(
     background: list[Future[None]] | None = None,
     blobs: Sequence[ByteEntry] = (),
     sync: bool = True,
+    live: bool = False,
 ) -> Shard:
     """Write tensors (contiguous, on CPU) as DCP blobs into a new file, fsynced.
 
@@ -98,12 +100,17 @@ def write_shard(
     in here). With ``background``, the fsync runs on :func:`sync_pool` and its
     future is appended there: the file is durable once that future is done. Without
     ``sync`` the file is only closed (a memory tier's save: a power loss loses it anyway).
+    ``live``: the tensors are the caller's, who may free them meanwhile (an unstaged
+    save), so they are read only through the kernel (:mod:`.live`). The checksum
+    thread is done with a tensor before this returns or raises.
     """
     name = path.name
     chunks: list[Chunk] = []
     located: list[ByteEntry] = []
     segments: list[Segment] = []
     fd = durable.open_new(path)
+    fut: Future[int] | None = None
+    readers = (LiveReader(), LiveReader()) if live else None  # this thread's, the pool's
     try:
         pending = bytearray()
         pos = 0  # where the next blob starts
@@ -125,8 +132,11 @@ def write_shard(
             if tpl.nbytes < SMALL_TENSOR:
                 if not (t.is_cpu and t.is_contiguous()):
                     raise CheckpointError(f"internal: tensor {i} is not contiguous host memory")
-                data: bytes | memoryview = string_at(t.data_ptr(), tpl.nbytes)  # one copy of a
-                # few bytes costs less than a view of them
+                data: bytes | memoryview = (  # one copy of a few bytes costs less than a view
+                    string_at(t.data_ptr(), tpl.nbytes)
+                    if readers is None
+                    else readers[0].copy(byte_view(t))
+                )
                 crc = crc32(data)
                 if small < 0:
                     small = len(pending)
@@ -151,10 +161,11 @@ def write_shard(
                 _flush(out, pending, start, small, segments, len(tpl.head))
                 start, small = out.end, -1
                 pending.clear()
-                fut: Future[int] = pool.submit(_crc_chunks, data)
+                crc_of = _crc_chunks if readers is None else readers[1].crc
+                fut = pool.submit(crc_of, data)
                 for off in range(0, len(data), durable.COPY_BLOCK):  # the disk starts on
                     out.write(data[off : off + durable.COPY_BLOCK])  # each block at once
-                crc = fut.result()
+                crc, fut = fut.result(), None
                 tail = tpl.patch(crc)
                 pending += tail  # written with what follows
                 start = out.end
@@ -179,7 +190,13 @@ def write_shard(
             _flush(out, pending, start, small, segments)
     except BaseException:
         os.close(fd)
+        if fut is not None:  # the checksum thread reads the tensor: let it finish first
+            wait_quietly(fut)
         raise
+    finally:
+        if readers is not None:  # the pool is done with its reader (waited for above)
+            for r in readers:
+                r.close()
     if not sync:
         os.close(fd)
     elif background is None:
@@ -310,38 +327,43 @@ def read_tensors(
     if segments:
         order = _read_segments(fd, jobs, order, segments, results)
     futures: list[tuple[int, Future[int]]] = []
-    window: bytearray | None = None
-    i = 0
-    while i < len(order):
-        job = jobs[order[i]][0]
-        if job.length >= SMALL_TENSOR:
-            results[order[i]] = _read_large(fd, jobs[order[i]], pool, futures, order[i], ready)
-            i += 1
-            continue
-        j = i + 1
-        end = job.offset + job.length
-        while j < len(order):
-            nxt = jobs[order[j]][0]
-            if (
-                nxt.length >= SMALL_TENSOR
-                or nxt.offset + nxt.length - job.offset > READ_WINDOW
-                or nxt.offset - end > READ_GAP  # bytes nobody wants: a new run
-            ):
-                break
-            end = max(end, nxt.offset + nxt.length)
-            j += 1
-        if window is None or len(window) < end - job.offset:
-            window = bytearray(min(READ_WINDOW, max(end - job.offset, 1 << 16)))
-        view = memoryview(window)[: end - job.offset]
-        got = view[: read_into(fd, job.offset, view)]
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(window))
-        _check_run(jobs, order[i:j], got, job.offset, addr, results)
-        got.release()
-        view.release()
-        i = j
-    for k, fut in futures:
-        if fut.result() != jobs[k][0].crc32 and results[k] is None:
-            results[k] = "checksum mismatch"
+    try:
+        window: bytearray | None = None
+        i = 0
+        while i < len(order):
+            job = jobs[order[i]][0]
+            if job.length >= SMALL_TENSOR:
+                results[order[i]] = _read_large(fd, jobs[order[i]], pool, futures, order[i], ready)
+                i += 1
+                continue
+            j = i + 1
+            end = job.offset + job.length
+            while j < len(order):
+                nxt = jobs[order[j]][0]
+                if (
+                    nxt.length >= SMALL_TENSOR
+                    or nxt.offset + nxt.length - job.offset > READ_WINDOW
+                    or nxt.offset - end > READ_GAP  # bytes nobody wants: a new run
+                ):
+                    break
+                end = max(end, nxt.offset + nxt.length)
+                j += 1
+            if window is None or len(window) < end - job.offset:
+                window = bytearray(min(READ_WINDOW, max(end - job.offset, 1 << 16)))
+            view = memoryview(window)[: end - job.offset]
+            got = view[: read_into(fd, job.offset, view)]
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(window))
+            _check_run(jobs, order[i:j], got, job.offset, addr, results)
+            got.release()
+            view.release()
+            i = j
+        for k, fut in futures:
+            if fut.result() != jobs[k][0].crc32 and results[k] is None:
+                results[k] = "checksum mismatch"
+    except BaseException:  # the checksum thread reads the destinations: done first
+        for _, fut in futures:
+            wait_quietly(fut)
+        raise
     return results
 
 

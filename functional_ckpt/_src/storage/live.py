@@ -1,0 +1,80 @@
+"""Reading memory its owner may free at any moment: an unstaged save's live tensors.
+
+With ``staging="none"`` the caller goes on while its tensors are written, and may
+break its promise by resizing or freeing a storage (``untyped_storage().resize_(0)``
+is how FSDP frees parameters). Freed large memory is unmapped, and a plain read of
+it (``crc32`` of a view, a ``memmove``) kills the process. The kernel does not: a
+``write`` from an unmapped address fails with ``EFAULT``. So live memory is only
+ever read by the kernel: written into the shard file directly, and for checksums
+and small copies first written into a private in-memory file (``memfd``) whose
+pages are then read. A failed read raises :class:`Freed`; the save checks every
+tensor's address and size afterwards in any case (memory freed and reused reads
+without a fault, but not at the same address and size).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+
+from functional_ckpt._src.format.checksum import crc32
+
+__all__ = ["BLOCK", "Freed", "LiveReader", "freed"]
+
+#: Bytes moved through the private file per call (its size, too).
+BLOCK = 4 << 20
+
+
+class Freed(OSError):
+    """Live memory could not be read: freed (or resized away) while a save read it."""
+
+
+def freed(error: BaseException) -> bool:
+    """Whether ``error`` is a read of memory that is no longer there (``EFAULT``)."""
+    return isinstance(error, OSError) and error.errno == errno.EFAULT
+
+
+class LiveReader:
+    """Checksums and copies of live memory, read by the kernel into a private file.
+
+    One per thread that reads (its buffer is reused); :meth:`close` frees it.
+    """
+
+    def __init__(self) -> None:
+        self._fd = os.memfd_create("fc-live", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, BLOCK)
+        self._map = mmap.mmap(self._fd, BLOCK, prot=mmap.PROT_READ)
+        self._view = memoryview(self._map)
+
+    def _fill(self, view: memoryview) -> memoryview:
+        """Up to :data:`BLOCK` bytes of ``view``, copied into the private file."""
+        n = min(len(view), BLOCK)
+        done = 0
+        while done < n:
+            try:
+                got = os.pwrite(self._fd, view[done:n], done)
+            except OSError as e:
+                if freed(e):
+                    raise Freed(errno.EFAULT, "live memory was freed during the read") from None
+                raise
+            done += got
+        return self._view[:n]
+
+    def crc(self, view: memoryview, start: int = 0) -> int:
+        """CRC32 of ``view`` (live memory), continuing ``start``."""
+        crc = start
+        for off in range(0, len(view), BLOCK):
+            crc = crc32(self._fill(view[off : off + BLOCK]), crc)
+        return crc
+
+    def copy(self, view: memoryview) -> bytes:
+        """The bytes of ``view`` (live memory, at most :data:`BLOCK`)."""
+        if len(view) > BLOCK:
+            raise ValueError(f"internal: {len(view)} bytes copied at once, at most {BLOCK}")
+        return bytes(self._fill(view))
+
+    def close(self) -> None:
+        self._view.release()
+        self._map.close()
+        os.close(self._fd)
