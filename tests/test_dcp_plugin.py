@@ -129,3 +129,15 @@ def test_a_value_that_needs_pickle_is_refused_by_key(tmp_path: Path) -> None:
 def test_no_path_is_refused() -> None:
     with pytest.raises(BaseException, match="no checkpoint path"):
         dcp.save({"step": 1}, storage_writer=Writer(), no_dist=True)
+
+
+def test_a_manager_adopts_a_root_written_through_the_seam(tmp_path: Path) -> None:
+    from functional_ckpt._src.format.naming import step_name
+
+    for step in (1, 2):
+        dest = tmp_path / step_name(step)
+        dcp.save({**_state(), "step": step}, storage_writer=Writer(dest), no_dist=True)
+    with fc.CheckpointManager(tmp_path) as mgr:
+        assert mgr.steps() == [1, 2]
+        latest = mgr.restore_latest(like=fc.tree.from_python(_zeroed()))
+    assert latest is not None and fc.to_python(latest)["step"] == 2
