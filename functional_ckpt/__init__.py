@@ -22,6 +22,12 @@ tensor library until something needs one.
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
@@ -120,11 +126,55 @@ __all__ = [
 ]
 
 
+#: Held while a name's module is imported on first use (seconds: torch comes with it).
+#: A fork waits for it (``os.register_at_fork``): a child forked in the middle of an
+#: import would inherit the import's locks held by a thread it does not have, and hang
+#: in its own first call.
+_LOADING = threading.RLock()
+os.register_at_fork(
+    before=_LOADING.acquire, after_in_parent=_LOADING.release, after_in_child=_LOADING.release
+)
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Signals with a Python handler (Ctrl-C's, a timeout's SIGALRM) handled once the
+    block is done: an exception a handler raises in the middle of importing torch
+    leaves it half-imported for the rest of the process. Only the main thread runs
+    handlers (and may set them); elsewhere nothing is deferred, nor needs to be."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    saved = {}
+    for sig in signal.valid_signals():
+        handler = signal.getsignal(sig)
+        if callable(handler):
+            saved[sig] = handler
+            signal.signal(sig, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        for signum in caught:  # as if it came now: its handler runs (and may raise) here
+            signal.raise_signal(signum)
+
+
+def _load(module: str) -> Any:
+    """``module``, imported whole: not torn by a signal, nor by a fork meanwhile."""
+    found = sys.modules.get(module)
+    if found is not None and getattr(found.__spec__, "_initializing", False) is False:
+        return found
+    with _LOADING, _signals_deferred():
+        return import_module(module)
+
+
 def __getattr__(name: str) -> Any:
     if name in _WHERE:
-        value = getattr(import_module(_WHERE[name]), name)
+        value = getattr(_load(_WHERE[name]), name)
     elif name in _NAMESPACES:
-        value = import_module(f"{__name__}.{name}")
+        value = _load(f"{__name__}.{name}")
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value  # looked up once; the next access finds it directly
