@@ -539,14 +539,19 @@ def predict_helpers(world: World, dest: str, nbytes: int) -> list[Traffic]:
     ``dest`` of ``nbytes`` bytes: every message built by the functions ``fc.save``
     builds it with.
 
-    The coordinator's directory name is what ``durable.tmp_sibling`` makes of
-    ``dest``; the coordinator's replies are what its step makes of the payloads
-    (with no plan cached: a first save).
+    The coordinator's first message is its directory name, what ``durable.tmp_sibling``
+    makes of ``dest``, with the arguments of ``fc.save(dest, state)``; the
+    coordinator's replies are what its step makes of the payloads (with no plan
+    cached: a first save).
     """
+    from functional_ckpt._src.distributed.topology import topology
     from functional_ckpt._src.save import exchange, multi_rank
+    from functional_ckpt._src.save.job import SaveJob
+    from functional_ckpt._src.save.options import SaveOptions
     from functional_ckpt._src.storage import durable
 
-    name = len(durable.tmp_sibling(Path(dest)).name.encode())
+    job = SaveJob(Path(dest), None, SaveOptions(), topology(), True)
+    name = len(exchange.first_round(durable.tmp_sibling(Path(dest)).name, job))
     _, _, drops = multi_rank.coordinate(world.payloads, world.plan.local, exchange.PlanCache())
     replies = [len(multi_rank.reply({}, None if d is None else list(d))) for d in drops]
     written = [len(multi_rank.written_payload(r)) for r in world.results]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import functional_ckpt as fc
+from functional_ckpt._src import codec
 from functional_ckpt._src.save import dedup, exchange, multi_rank
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -113,7 +114,12 @@ def test_keys_and_results_travel_and_bad_ones_name_the_rank() -> None:
             exchange.parse_keys(bad, 3)
     written = [("w", Chunk((0, 4), (2, 4), "__1_0.distcp", 0, 96, 64, 32, 7, 9))]
     assert exchange.parse_results(exchange.results_payload(written), 1) == written
-    assert multi_rank.parse_written(multi_rank.written_payload(written), 1) == (b"", written)
+    assert multi_rank.parse_written(multi_rank.written_payload(written), 1) == (b"", written, {})
+    part = {"__1_0.distcp": 96, "__1_1.distcp": 8}  # the files of a part of its own
+    assert multi_rank.parse_written(multi_rank.written_payload(written, part=part), 1)[2] == part
+    for bad_part in ({"__0_0.distcp": 1}, {"../x": 1}, {"__1_0.distcp": -1}, ["__1_0.distcp"]):
+        with pytest.raises(fc.errors.CheckpointError, match="rank 1 reported invalid files"):
+            multi_rank.parse_written(codec.encode([b"", [], bad_part]), 1)
     with pytest.raises(fc.errors.CheckpointError, match="rank 4 reported invalid"):
         multi_rank.parse_written(b"\x92\xa1x\xc0", 4)  # ["x", None]: no report bytes
     sent = exchange.results_payload(written)
@@ -186,6 +192,33 @@ def test_a_failure_whose_message_cannot_be_made_is_still_reported() -> None:
 
     told = groups.report(Unprintable())
     assert told.startswith(b"Unprintable\0") and b"could not be made" in told
-    report, chunks = multi_rank.parse_written(multi_rank.written_payload([], Unprintable()), 1)
+    report, chunks, _ = multi_rank.parse_written(multi_rank.written_payload([], Unprintable()), 1)
     assert report.startswith(b"Unprintable\0") and chunks == []
     assert multi_rank.rank_payload(None, None, Unprintable())  # type: ignore[arg-type]
+
+
+def test_the_first_round_carries_the_arguments_and_is_checked() -> None:
+    """The coordinator's directory name and arguments, read back; anything else sent
+    as them is the coordinator's invalid round, never a path to write under."""
+    from functional_ckpt._src.distributed.topology import topology
+    from functional_ckpt._src.save.job import SaveJob
+    from functional_ckpt._src.save.options import SaveOptions
+
+    job = SaveJob(Path("r/ck"), None, SaveOptions(base=Path("r/prev")), topology(), True)
+    sent = exchange.first_round("ck.tmp-0123456789ab", job)
+    name, args = exchange.parse_first_round(sent)
+    assert name == "ck.tmp-0123456789ab" and args == exchange.arguments(job)
+    assert args["path"] == "ck" and args["base"] == "prev" and args["staging"] is None
+    assert exchange.parse_first_round(b"") == ("", None)
+    assert exchange.disagreement(job, args, 1, "save r/ck") is None
+    other = SaveJob(Path("elsewhere/ck"), None, SaveOptions(), topology(), True)
+    told = exchange.disagreement(other, args, 1, "save elsewhere/ck")
+    assert told is not None and "disagree on base: rank 0 passed 'prev', rank 1 None" in str(told)
+    for bad in ("../ck.tmp-0123456789ab", "ck", 3):
+        with pytest.raises(fc.errors.CheckpointError, match="invalid first round"):
+            exchange.parse_first_round(codec.encode([bad, {}]))
+    with pytest.raises(fc.errors.CheckpointError, match="invalid first round"):
+        exchange.parse_first_round(b"\xff")
+    sizes = {"__0_0.distcp": 4, "__1_0.distcp": 0, "__1_1.distcp": 8}
+    present = {"__0_0.distcp"}.__contains__
+    assert exchange.unreported(sizes, present, {"__1_1.distcp": 8}) == ["__1_0.distcp"]

@@ -38,7 +38,14 @@ from functional_ckpt.errors import CheckpointError
 _LOG = logger("save")
 
 
-def plan_job(path: PathLike, state: State, options: SaveOptions, *, snapshot: bool) -> SaveJob:
+def plan_job(
+    path: PathLike,
+    state: State,
+    options: SaveOptions,
+    *,
+    snapshot: bool,
+    staging: str | None = None,
+) -> SaveJob:
     """Check and plan a save once: destination, metadata, every leaf, the base.
 
     A single process raises what it finds; a rank of a distributed save keeps it in
@@ -61,7 +68,7 @@ def plan_job(path: PathLike, state: State, options: SaveOptions, *, snapshot: bo
     except BaseException as e:
         if not topo.distributed:
             raise
-        return SaveJob(Path(path), None, options, topo, True, e)
+        return SaveJob(Path(path), None, options, topo, True, e, staging=staging)
     plan = prepared.plan
     return SaveJob(
         prepared.dest,
@@ -72,6 +79,7 @@ def plan_job(path: PathLike, state: State, options: SaveOptions, *, snapshot: bo
         base=base,
         idents=idents(plan.sources),
         snapshot=snapshot,
+        staging=staging,
     )
 
 
@@ -131,7 +139,7 @@ def start_save(
     file is written (a memory tier waits there for the RAM its pruning frees).
     """
     staging = stages.check_staging(staging, "save_async")
-    job = plan_job(path, state, options, snapshot=True)
+    job = plan_job(path, state, options, snapshot=True, staging=staging)
     with incremental.closing_on_error(job.base):
         if job.distributed:
             if staging == "none":

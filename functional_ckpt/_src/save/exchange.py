@@ -22,9 +22,11 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import SavePlan
 
+from functional_ckpt._src import codec
 from functional_ckpt._src.format.manifest import Chunk
-from functional_ckpt._src.format.naming import parse_shard
+from functional_ckpt._src.format.naming import parse_shard, temporary_base
 from functional_ckpt._src.save.dedup import Drops, ItemKey, dedup_keys
+from functional_ckpt._src.save.job import SaveJob
 from functional_ckpt.errors import CheckpointError
 
 
@@ -170,3 +172,80 @@ def parse_results(plain: Any, rank: int) -> list[tuple[str, Chunk]]:
 
 
 _FIELDS = 6  # a chunk's numbers besides its box: offset, length, data offset, bytes, CRCs
+
+
+# ------------------------------------------------------------------ the first round
+
+
+def arguments(job: SaveJob) -> dict[str, Any]:
+    """What every rank of a save must pass alike, by argument, as it is compared.
+
+    The destination by its name (its directory is the one the coordinator's
+    temporary directory is seen in, however each rank spells it), the base by its
+    name (none under parts: each rank's base is the last checkpoint its own root
+    holds), the staging mode (None: ``fc.save``), and what shapes the files.
+    """
+    o = job.options
+    told: dict[str, Any] = {"path": job.dest.name}
+    if not o.parts:
+        told["base"] = None if o.base is None else o.base.name
+    told.update(
+        overwrite=o.overwrite,
+        staging=job.staging,
+        per_rank=list(o.per_rank),
+        parts=o.parts,
+        durable=o.durable,
+    )
+    return told
+
+
+def first_round(tmp_name: str, job: SaveJob) -> bytes:
+    """What the coordinator broadcasts first: its temporary directory's name and its
+    :func:`arguments` (nothing, when it could not name the directory: it failed)."""
+    return codec.encode([tmp_name, arguments(job)]) if tmp_name else b""
+
+
+def parse_first_round(data: bytes) -> tuple[str, dict[str, Any] | None]:
+    """:func:`first_round` read back: ("", None) for nothing sent."""
+    if not data:
+        return "", None
+    bad = CheckpointError("the coordinator sent an invalid first round of a save")
+    try:
+        told = codec.decode(data)
+    except CheckpointError:
+        raise bad from None
+    if not isinstance(told, list) or len(told) != 2:
+        raise bad
+    name, args = told
+    if type(name) is not str or "/" in name or temporary_base(name) is None:
+        raise bad
+    if not isinstance(args, dict):
+        raise bad
+    return name, args
+
+
+def disagreement(
+    job: SaveJob, coordinator: dict[str, Any], rank: int, what: str
+) -> CheckpointError | None:
+    """This rank's arguments against the coordinator's: the first that differs, as the
+    error that fails the save on every rank (None when all agree)."""
+    for name, mine in arguments(job).items():
+        theirs = coordinator.get(name, _ABSENT)
+        if theirs != mine:
+            shown = "(none)" if theirs is _ABSENT else repr(theirs)
+            return CheckpointError(
+                f"{what}: the ranks disagree on {name}: rank 0 passed {shown}, rank {rank} "
+                f"{mine!r}; every rank of a save must pass the same {name}"
+            )
+    return None
+
+
+_ABSENT = object()
+
+
+def unreported(
+    sizes: dict[str, int], present: Callable[[str], bool], reported: dict[str, int]
+) -> list[str]:
+    """The shard files a commit needs that are neither in the coordinator's directory
+    nor reported written into a part of their rank's own."""
+    return sorted(n for n in sizes if n not in reported and not present(n))

@@ -23,7 +23,8 @@ class SaveJob:
     once instead. ``base`` is an incremental save's base, held open; ``idents`` the
     sources' identities and version counters when planned; ``snapshot``: the values
     for stock readers come from the plan's encodings (an asynchronous save, whose
-    caller may change the live values before the write).
+    caller may change the live values before the write). ``staging``: an
+    asynchronous save's staging mode (None: a synchronous one).
     """
 
     dest: Path
@@ -35,6 +36,7 @@ class SaveJob:
     base: Base | None = None
     idents: tuple[Ident | None, ...] = ()
     snapshot: bool = False
+    staging: str | None = None
 
     @property
     def plan(self) -> Plan:

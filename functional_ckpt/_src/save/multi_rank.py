@@ -11,6 +11,7 @@ coordinator moves the same bytes whatever the world size.
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from collections import defaultdict
@@ -29,7 +30,7 @@ from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.groups import as_checkpoint_error, checkpoint_group
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import Chunk, Entry, Tree, Written
-from functional_ckpt._src.format.naming import shard_name
+from functional_ckpt._src.format.naming import parse_shard, shard_name
 from functional_ckpt._src.format.view import parse_planned
 from functional_ckpt._src.save import dedup, exchange, incremental, trust
 from functional_ckpt._src.save.info import CheckpointInfo
@@ -61,8 +62,10 @@ class _Commit:
         ranks: tuple[tuple[Entry, ...], ...],
         results: list[tuple[str, Chunk]],
         blobs: tuple[ByteEntry, ...],
+        elsewhere: dict[str, int],
     ) -> int:
-        """Commit the checkpoint (the coordinator): its size in bytes."""
+        """Commit the checkpoint (the coordinator): its size in bytes. ``elsewhere``: the
+        shard files ranks reported writing into parts of their own, with their sizes."""
         plan = self.job.plan
         # every rank writes its file, unless an incremental save found nothing to write
         incremental_save = self.job.options.base is not None  # the same on every rank
@@ -71,9 +74,14 @@ class _Commit:
         prepared = self.job.prepared
         assert prepared is not None
         try:
-            # Shard files not in this directory were written by ranks that do not share
-            # its file system, each into a directory of its own (a part).
-            elsewhere = {n: size for n, size in sizes.items() if not (self.tmp / n).exists()}
+            # A shard file not in this directory is one a rank that does not share its
+            # file system reported writing into a directory of its own (a part), or an error.
+            missing = exchange.unreported(sizes, lambda n: (self.tmp / n).exists(), elsewhere)
+            if missing:
+                raise CheckpointError(
+                    f"{self.job.dest}: shard file {', '.join(missing)} is missing at the commit "
+                    "and no rank reported writing it elsewhere; nothing was committed"
+                )
             nbytes, _ = finalize(
                 self.tmp,
                 self.job.dest,
@@ -177,12 +185,20 @@ def save_planned(
     group = checkpoint_group(timeout, purpose=job.options.group)
     rank = dist.get_rank()
     error: BaseException | None = job.error
-    tmp_name = ""
-    try:
-        tmp_name = durable.tmp_sibling(dest).name if rank == 0 else ""
+    what = f"save {dest}"
+    first = b""
+    try:  # the directory's name and the arguments every rank must pass alike
+        first = exchange.first_round(durable.tmp_sibling(dest).name, job) if rank == 0 else b""
     except BaseException as e:  # told with the agreement below, never left unsent
         error = error or e
-    tmp_name = groups.broadcast_bytes(tmp_name.encode(), group).decode()
+    told = groups.answered(what, groups.broadcast_bytes, first, group)
+    tmp_name, coordinator = "", None
+    try:  # a rank that passed other arguments fails the save on every rank, in the next round
+        tmp_name, coordinator = exchange.parse_first_round(told)
+        if rank != 0 and coordinator is not None:
+            error = error or exchange.disagreement(job, coordinator, rank, what)
+    except CheckpointError as e:
+        error = error or e
     tmp = dest.parent / tmp_name
     made = False
     try:
@@ -193,7 +209,7 @@ def save_planned(
     except BaseException as e:
         error = os_failure(e, dest, "saving") if isinstance(e, OSError) else e
     try:
-        groups.agree(error, group, f"save {dest}")
+        groups.agree(error, group, what)
     except BaseException:
         if made:
             commit.remove_tree(tmp)
@@ -204,14 +220,13 @@ def save_planned(
     except BaseException as e:
         error, own = os_failure(e, dest, "saving") if isinstance(e, OSError) else e, False
     try:
-        groups.agree(error, group, f"save {dest}")
+        groups.agree(error, group, what)
     except BaseException:
         if rank == 0 or own:
             commit.remove_tree(tmp)
         raise
     world = dist.get_world_size(group)
     key = plan_key(dist.get_process_group_ranks(group), job.options.group)
-    what = f"save {dest}"
     blobs: list[ByteEntry] = []
     state_dict: dict[str, Any] = {}
     idents: dict[str, trust.Ident | None] = {}
@@ -268,23 +283,35 @@ def rank_payload(
 
 
 def written_payload(
-    written: Sequence[tuple[str, Chunk]], error: BaseException | None = None
+    written: Sequence[tuple[str, Chunk]],
+    error: BaseException | None = None,
+    part: dict[str, int] | None = None,
 ) -> bytes:
-    """What a rank sends the coordinator after writing: its chunks, or its failure."""
+    """What a rank sends the coordinator after writing: its chunks and, where ranks may
+    keep parts of their own, its shard files with their sizes; or its failure."""
     if error is not None:
-        return codec.encode([groups.report(error), None])
-    return codec.encode([b"", exchange.results_payload(written)])
+        return codec.encode([groups.report(error), None, None])
+    return codec.encode([b"", exchange.results_payload(written), part])
 
 
-def parse_written(data: bytes, rank: int) -> tuple[bytes, list[tuple[str, Chunk]]]:
+def parse_written(data: bytes, rank: int) -> tuple[bytes, list[tuple[str, Chunk]], dict[str, int]]:
     """:func:`written_payload` of ``rank`` read back: (its failure's report, or b"";
-    its chunks, checked)."""
+    its chunks; the files of its own part), checked."""
     sent = codec.decode(data)
-    if not isinstance(sent, list) or len(sent) != 2 or type(sent[0]) is not bytes:
+    if not isinstance(sent, list) or len(sent) != 3 or type(sent[0]) is not bytes:
         raise CheckpointError(f"rank {rank} reported invalid written chunks")
     if sent[0]:
-        return sent[0], []
-    return b"", exchange.parse_results(sent[1], rank)
+        return sent[0], [], {}
+    part = sent[2] if sent[2] is not None else {}
+    if not isinstance(part, dict) or any(
+        type(n) is not str
+        or type(size) is not int
+        or size < 0
+        or (parse_shard(n) or (-1,))[0] != rank
+        for n, size in part.items()
+    ):
+        raise CheckpointError(f"rank {rank} reported invalid files of its own")
+    return b"", exchange.parse_results(sent[1], rank), part
 
 
 def reply(failures: dict[int, bytes], value: Any) -> bytes:
@@ -415,7 +442,9 @@ def _rounds(
             final = dedup.kept(local, exchange.parse_drops(told, len(local.items)))
         written, located, seen = _write(job, final, planner, rank)
         cache.local, cache.final = local, final
-        payload = written_payload(written)
+        # where ranks may not share the coordinator's file system, each says what it wrote
+        mine = _own_files(job.tmp, rank) if job.job.options.parts else None
+        payload = written_payload(written, part=mine)
     except BaseException as e:
         error, payload = e, written_payload([], e)
     gathered = groups.answered(what, groups.gather_bytes, payload, group)  # 2
@@ -424,19 +453,21 @@ def _rounds(
     if gathered is not None:
         failures.clear()  # none, or this function raised above
         results: list[tuple[str, Chunk]] = []
+        elsewhere: dict[str, int] = {}
         try:
             for r, data in enumerate(gathered):
                 if r == 0:  # its own, not decoded again
                     results += written
                     continue
-                report, chunks = parse_written(data, r)
+                report, chunks, part = parse_written(data, r)
                 if report:
                     failures[r] = report
                 results += chunks
+                elsewhere.update(part)
             if error is not None:
                 failures[0] = groups.report(error)
             if not failures:
-                nbytes = job.finish(ranks, results, tuple(located))
+                nbytes = job.finish(ranks, results, tuple(located), elsewhere)
         except BaseException as e:
             failures[0] = groups.report(e)
             error = error or e
@@ -506,6 +537,16 @@ def _keep_part(tmp: Path, dest: Path) -> None:
     except OSError as e:
         commit.remove_tree(tmp)
         raise os_failure(e, dest, "saving") from e
+
+
+def _own_files(tmp: Path, rank: int) -> dict[str, int]:
+    """This rank's shard files in ``tmp`` (a part, possibly shared with the other ranks
+    of its machine), with their sizes: what it reports having written."""
+    return {
+        n: os.stat(tmp / n, follow_symlinks=False).st_size
+        for n in sorted(os.listdir(tmp))
+        if (parse_shard(n) or (-1,))[0] == rank
+    }
 
 
 def _own_part(tmp: Path, parts: bool) -> bool:

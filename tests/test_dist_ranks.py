@@ -1,0 +1,105 @@
+"""What the ranks of a save must agree on, with real processes on gloo (tests/ranks_job.py).
+
+The arguments that shape the checkpoint (its name, the base, ``overwrite``, the
+staging mode, ``per_rank``) are compared with the coordinator's in a save's first
+round: a rank that differs fails every rank, naming the argument and the ranks,
+and nothing is committed. A shard file missing at the commit is an error unless
+its rank reported writing it into a part of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import functional_ckpt as fc
+from tests.test_dist import free_port, wait_all
+
+JOB = Path(__file__).with_name("ranks_job.py")
+
+
+def run(root: Path, mode: str, *args: str) -> list[Any]:
+    """Both ranks of ``mode``; what each raised (or "ok")."""
+    for rc, _, err in wait_all(launch(mode, root, *args)):
+        assert rc == 0, err[-3000:]
+    return [json.loads((root / f"error.{r}.json").read_text()) for r in range(2)]
+
+
+def launch(mode: str, root: Path, *args: str) -> list[subprocess.Popen[str]]:
+    port = str(free_port())
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+        "WORLD_SIZE": "2",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(JOB.parent.parent),
+        "FUNCTIONAL_CKPT_TIMEOUT": "60",  # a rank that is gone fails the other within this
+    }
+    return [
+        subprocess.Popen(
+            [sys.executable, str(JOB), mode, str(root), *args],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+
+
+def assert_refused(told: list[Any], *words: str) -> None:
+    """Every rank raised, and every rank's error names the argument and both ranks."""
+    for r, t in enumerate(told):
+        assert t != "ok", f"rank {r} saved"
+        text = t["str"] + " ".join(t["notes"])
+        for w in (*words, "rank 0", "rank 1"):
+            assert w in text, (r, w, t)
+
+
+@pytest.mark.parametrize("variant", ["save", "async"])
+def test_ranks_saving_to_different_paths_are_refused(tmp_path: Path, variant: str) -> None:
+    told = run(tmp_path, "two-paths", variant)
+    assert_refused(told, "path", "'b'", "'c'")
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["error.0.json", "error.1.json"]
+
+
+def test_a_base_given_on_one_rank_only_is_refused(tmp_path: Path) -> None:
+    """Was: rank 1 linked the base's file and wrote no shard of its own; rank 0 took
+    the missing file for one written elsewhere and committed a checkpoint that could
+    not be restored."""
+    told = run(tmp_path, "base-one-rank")
+    assert_refused(told, "base")
+    assert not (tmp_path / "b").exists()
+    assert fc.verify(tmp_path / "a").ok
+
+
+@pytest.mark.parametrize(
+    ("mode", "word"), [("overwrite", "overwrite"), ("staging", "staging"), ("per-rank", "per_rank")]
+)
+def test_overwrite_staging_and_per_rank_must_agree(tmp_path: Path, mode: str, word: str) -> None:
+    assert_refused(run(tmp_path, mode), word)
+    if mode == "overwrite":
+        assert fc.verify(tmp_path / "a").ok  # the checkpoint there is kept
+    else:
+        assert not (tmp_path / "a").exists()
+
+
+def test_a_shard_file_missing_at_commit_is_an_error(tmp_path: Path) -> None:
+    """A file no rank reported writing into a part of its own is not "elsewhere"."""
+    told = run(tmp_path, "file-gone")
+    for r, t in enumerate(told):
+        assert t != "ok", f"rank {r} saved"
+        assert "__1_0.distcp" in t["str"] + " ".join(t["notes"]), t
+    assert not (tmp_path / "a").exists()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", "-p", "no:xdist"]))
