@@ -142,6 +142,9 @@ def cli_page(run: dict[str, Any]) -> list[str]:
     out += ["| command | median | against `python -c pass` |", "| --- | --- | --- |"]
     for r in run["rows"]:
         out.append(f"| `{r['command']}` | {seconds(r['median_s'])} | {r['ratio']:.2f}x |")
+    out += ["", "| target | measured | result |", "| --- | --- | --- |"]
+    for t in run.get("targets", []):
+        out.append(f"| {t['target']} | {t['value']:.2f}x | {t['result']} |")
     return [*out, ""]
 
 
