@@ -296,10 +296,13 @@ def test_cli_startup_quick_run(tmp_path: Path) -> None:
         "fckpt ls ROOT",
         "fckpt inspect CKPT",
         "fckpt verify CKPT",
+        "torch.save DICT",
+        "fc.save DICT",
     }
     for r in rows.values():
         assert len(r["times_s"]) == 2 and r["median_s"] > 0 and r["ratio"] > 0
-    assert len(data["targets"]) == 4
+    assert len(data["targets"]) == 5
+    assert data["targets"][-1]["target"] == "fc.save DICT <= 2x torch.save DICT"
     assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}
 
 

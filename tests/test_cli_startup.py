@@ -1,4 +1,5 @@
-"""``fckpt`` starts without the tensor libraries when the command reads no tensor.
+"""``fckpt`` starts without the tensor libraries when the command reads no tensor,
+and ``fc.save`` of a plain dict without tensordict (whose import pulls in ``torch._dynamo``).
 
 Each case runs the real entry point (``python -m functional_ckpt``) in a fresh
 process, which then reports the modules it loaded: ``--help``, ``--version`` and
@@ -114,6 +115,56 @@ def test_help_loads_no_tensor_library(argv: list[str]) -> None:
     if not argv:
         assert all(c in out for c in ("ls", "inspect", "verify", "export", "prune", "demo"))
     assert loaded == set()
+
+
+def test_help_loads_neither_the_listing_nor_the_manifest() -> None:
+    """``fckpt --help`` prints the parser: nothing that reads a checkpoint is loaded."""
+    code = (
+        "import runpy, sys\n"
+        "try:\n"
+        "    runpy.run_module('functional_ckpt', run_name='__main__', alter_sys=True)\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith('functional_ckpt.')), file=sys.stderr)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "--help"], capture_output=True, text=True, timeout=HANG
+    )
+    loaded = set(json.loads(proc.stderr.strip().splitlines()[-1].replace("'", '"')))
+    assert "functional_ckpt._src.cli.parser" in loaded
+    heavy = {
+        "functional_ckpt._src.root.listing",
+        "functional_ckpt._src.storage.committed",
+        "functional_ckpt._src.format.manifest",
+        "functional_ckpt._src.format.view",
+        "functional_ckpt._src.codec",
+    }
+    assert loaded & heavy == set()
+
+
+def test_a_save_of_a_plain_dict_loads_no_tensordict(tmp_path: Path) -> None:
+    """The first ``fc.save`` of a job that keeps its state in dicts; a TensorDict saved
+    by the same process afterwards is still one (tensordict loads once it is used)."""
+    code = (
+        "import sys, torch, functional_ckpt as fc\n"
+        "state = {'model': {'w': torch.ones(3)}, 'step': 3, 'opt': {'state': {0: {'m': "
+        "torch.zeros(2)}}, 'param_groups': [{'lr': 0.1, 'params': [0]}]}}\n"
+        "fc.save(sys.argv[1] + '/a', state)\n"
+        "print('tensordict' in sys.modules, 'torch._dynamo' in sys.modules)\n"
+        "from tensordict import TensorDict\n"
+        "fc.save(sys.argv[1] + '/b', TensorDict({'x': torch.ones(2, 3)}, batch_size=[2]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+        check=True,
+    )
+    assert proc.stdout.split() == ["False", "False"]
+    a = fc.restore(tmp_path / "a")
+    assert a["opt", "state", "0", "m"].shape == (2,) and fc.to_python(a)["opt"]["state"][0]
+    assert fc.restore(tmp_path / "b").batch_size == (2,)
 
 
 def test_ls_of_plain_states_loads_no_tensor_library(plain_root: Path) -> None:

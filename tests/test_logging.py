@@ -167,3 +167,17 @@ def test_warn_counts_its_stacklevel_as_warnings_does() -> None:
     lines = Path(__file__).read_text().splitlines()
     assert seen[0].filename == __file__
     assert lines[seen[0].lineno - 1].endswith("caller()  # the line the warning names")
+
+
+def test_an_upload_logs_its_bytes(
+    tmp_path: Path, mem: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="functional_ckpt")
+    with fc.CheckpointManager(tmp_path, remote=fc.manager.Remote(mem)) as mgr:
+        mgr.maybe_save(_state(4), step=4)
+        assert mgr.remote is not None and mgr.remote.wait()
+    [uploaded] = _records(caplog, "uploaded step 4: ")
+    local = tmp_path / step_name(4)
+    size = sum(f.stat().st_size for f in local.iterdir() if f.name != "COMMITTED")  # its data
+    assert uploaded.name == "functional_ckpt.remote" and uploaded.bytes == size  # type: ignore[attr-defined]
+    assert uploaded.path == f"{mem}/{step_name(4)}"  # type: ignore[attr-defined]

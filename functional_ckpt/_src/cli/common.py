@@ -12,13 +12,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from functional_ckpt._src.cli.ui import PROG, UI, human
 from functional_ckpt._src.format.kind import Kind, classify
-from functional_ckpt._src.root.listing import RootEntry, newest_summary, root_entries
 from functional_ckpt._src.text import joined_lines
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
+
+if TYPE_CHECKING:  # the listing (manifest views, the codec) loads once a command reads a root
+    from functional_ckpt._src.root.listing import RootEntry
 
 __all__ = [
     "Declined",
@@ -102,6 +104,8 @@ def scan_root(root: Path) -> list[RootEntry]:
         raise UsageError(
             f"{root}: is a checkpoint, not a directory of checkpoints; try '{PROG} inspect {root}'"
         )
+    from functional_ckpt._src.root.listing import root_entries
+
     return root_entries(root)
 
 
@@ -111,6 +115,8 @@ def newest_checkpoint(root: Path) -> Path:
     if is_checkpoint_dir(root):
         return root
     scan_root(root)  # refuses what is no root of checkpoints
+    from functional_ckpt._src.root.listing import newest_summary
+
     newest = newest_summary(root)
     if newest is None:
         raise CheckpointNotFound(f"{root}: no committed checkpoint here")

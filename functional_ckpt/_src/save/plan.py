@@ -13,10 +13,9 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from tensordict import TensorDictBase
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.codec.table import container_budget
@@ -44,6 +43,9 @@ from functional_ckpt._src.state.tree import (
 )
 from functional_ckpt._src.storage import commit
 from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
+
+if TYPE_CHECKING:  # tensordict loads only where a state is one (seconds: torch._dynamo)
+    from tensordict import TensorDictBase
 
 
 def _where(path: KeyPath) -> str:

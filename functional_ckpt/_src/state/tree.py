@@ -7,24 +7,42 @@ cannot express (lists, tuples, dicts with int keys, such as an optimizer's
 :data:`NODE_KEY`, recording the original container kind and keys. That record is
 ordinary data, so save and restore need no special case for it; only
 :func:`from_python` and :func:`to_python` read it.
+
+``tensordict`` is imported only where a TensorDict is made or was given: importing
+it pulls in ``torch._dynamo`` (seconds), and a save of plain dicts needs neither
+(:func:`is_tensordict`: no value is a TensorDict before tensordict is loaded).
 """
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple, TypeAlias
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_tensorclass
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import UnsafeCheckpoint, UnsupportedValue
 
+if TYPE_CHECKING:
+    from tensordict import NonTensorData, TensorDict, TensorDictBase
+
 #: What the package accepts as a state: a TensorDict or a (nested) mapping of leaves.
-State: TypeAlias = TensorDictBase | Mapping[str, Any]
+State: TypeAlias = "TensorDictBase | Mapping[str, Any]"
+
+
+def is_tensordict(value: object) -> bool:
+    """``isinstance(value, TensorDictBase)``, without importing tensordict for it."""
+    td = sys.modules.get("tensordict")
+    return td is not None and isinstance(value, td.TensorDictBase)
+
+
+def _is_tensorclass(value: object) -> bool:
+    td = sys.modules.get("tensordict")
+    return td is not None and bool(td.is_tensorclass(value))
 
 
 def _contains_tensor(value: object) -> bool:
@@ -35,7 +53,7 @@ def _contains_tensor(value: object) -> bool:
     seen: set[int] = set()
     while stack:
         item = stack.pop()
-        if isinstance(item, torch.Tensor | TensorDictBase):
+        if isinstance(item, torch.Tensor) or is_tensordict(item):
             return True
         if isinstance(item, dict | list | tuple):
             if id(item) in seen:
@@ -47,6 +65,8 @@ def _contains_tensor(value: object) -> bool:
 
 def _leaf(value: object, path: KeyPath) -> NonTensorData:
     # Values are checked by the codec when saved, where the key path is known too.
+    from tensordict import NonTensorData
+
     return NonTensorData(data=value, batch_size=[])
 
 
@@ -64,8 +84,10 @@ def from_python(
     that contains itself has no tree form and is refused, as is a tree deeper than
     the format's key paths, before Python's recursion limit is reached.
     """
-    if isinstance(value, TensorDictBase):
-        return value
+    from tensordict import TensorDict
+
+    if is_tensordict(value):
+        return value  # type: ignore[return-value]
     record, items = _node_items(value, path, _active)
     _active = _active | {id(value)}
     # Gathered first and made one TensorDict: a ``set`` per key costs ten times more.
@@ -89,8 +111,8 @@ def leaves_of(value: State) -> list[Leaf]:
     containers (a ``state_dict``) making it a TensorDict first costs more than
     the walk.
     """
-    if isinstance(value, TensorDictBase):
-        return list(iter_leaves(value))
+    if is_tensordict(value):
+        return list(iter_leaves(value))  # type: ignore[arg-type]
     if not isinstance(value, Mapping):
         return list(iter_leaves(as_state(value)))  # refused there, with its reason
     out: list[Leaf] = []
@@ -100,7 +122,7 @@ def leaves_of(value: State) -> list[Leaf]:
 
 def root_record(value: State) -> dict[str, Any] | None:
     """The :func:`node_record` of ``as_state(value)``'s root, without building it."""
-    return node_record(value) if isinstance(value, TensorDictBase) else None
+    return node_record(value) if is_tensordict(value) else None  # type: ignore[arg-type]
 
 
 def _python_leaves(value: Any, path: KeyPath, _active: frozenset[int], out: list[Leaf]) -> None:
@@ -114,7 +136,7 @@ def _python_leaves(value: Any, path: KeyPath, _active: frozenset[int], out: list
         p = (*path, name)
         if isinstance(v, tensor):
             out.append(new(Leaf, (p, "tensor", v)))
-        elif isinstance(v, TensorDictBase):
+        elif is_tensordict(v):
             out.append(Leaf(p, "node", node_record(v)))
             out.extend(iter_leaves(v, p))
         elif _is_subtree(v):
@@ -127,8 +149,8 @@ def _python_leaves(value: Any, path: KeyPath, _active: frozenset[int], out: list
 def _is_subtree(v: object) -> bool:
     """Whether a container's item becomes a node of the tree (else a single leaf)."""
     return (
-        isinstance(v, TensorDictBase)
-        or (type(v) is dict and all(type(k) is str for k in v))
+        (type(v) is dict and all(type(k) is str for k in v))
+        or is_tensordict(v)
         or _contains_tensor(v)
     )
 
@@ -199,16 +221,19 @@ def _node_items(
 
 def to_python(value: Any) -> Any:
     """Turn a (sub-)TensorDict built by :func:`from_python` back into Python containers."""
-    if isinstance(value, NonTensorData):
+    td = sys.modules.get("tensordict")
+    if td is None:  # nothing is a TensorDict yet
+        return value
+    if isinstance(value, td.NonTensorData):
         return value.data
-    if not isinstance(value, TensorDictBase):
+    if not isinstance(value, td.TensorDictBase):
         return value
     record = None
     out: dict[str, Any] = {}
     for key in value.keys():
         item = value.get(key)
         if key == NODE_KEY:
-            record = item.data if isinstance(item, NonTensorData) else item
+            record = item.data if isinstance(item, td.NonTensorData) else item
             continue
         out[key] = to_python(item)
     if record is None:
@@ -261,6 +286,8 @@ def iter_leaves(td: TensorDictBase, prefix: KeyPath = ()) -> Iterator[Leaf]:
     Nodes are yielded before their children so that an unflatten can rebuild
     empty sub-trees too; a node's value is its :func:`node_record`.
     """
+    from tensordict import NonTensorData, NonTensorStack, TensorDictBase, is_tensorclass
+
     for key, item in td.items():
         path = (*prefix, key)
         if type(item) is torch.Tensor:  # most leaves: no abstract-class checks
@@ -291,11 +318,11 @@ def iter_leaves(td: TensorDictBase, prefix: KeyPath = ()) -> Iterator[Leaf]:
 
 def as_state(value: State) -> TensorDictBase:
     """Accept a TensorDict (of any batch size) or a plain mapping wherever a state is expected."""
-    if isinstance(value, TensorDictBase):
-        return value
+    if is_tensordict(value):
+        return value  # type: ignore[return-value]
     if isinstance(value, Mapping):
         return from_python(dict(value))
-    if is_tensorclass(value):
+    if _is_tensorclass(value):
         raise UnsupportedValue(
             f"state: tensorclass {type(value).__name__} is not supported; pass "
             "state.to_tensordict()"
@@ -310,6 +337,8 @@ def unflatten(leaves: list[Leaf], root: Mapping[str, Any] | None = None) -> Tens
     Each node's entries are gathered first and the node made once, children
     before their parents (a ``set`` per key costs ten times more).
     """
+    from tensordict import NonTensorData
+
     kids: dict[KeyPath, dict[str, Any]] = {(): {}}
     records: dict[KeyPath, Mapping[str, Any] | None] = {(): root}
     made: list[KeyPath] = []  # the nodes below the root, parents before children
@@ -348,6 +377,8 @@ def unflatten(leaves: list[Leaf], root: Mapping[str, Any] | None = None) -> Tens
 def new_node(record: Mapping[str, Any] | None, entries: dict[str, Any] | None = None) -> TensorDict:
     """A TensorDict of ``entries`` (none: empty) with the batch size and names of a
     :func:`node_record`."""
+    from tensordict import TensorDict
+
     if not record:
         return TensorDict(entries or {}, batch_size=[])
     return TensorDict(entries or {}, batch_size=record["batch_size"], names=record.get("names"))
