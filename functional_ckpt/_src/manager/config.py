@@ -32,11 +32,9 @@ from functional_ckpt._src.policy.config import (
     config_error,
     is_sequence,
     policy_from_config,
-    policy_to_config,
     relaunch_from_config,
     relaunch_to_config,
     retention_from_config,
-    retention_to_config,
     signal_number,
 )
 from functional_ckpt._src.policy.retention import RetentionPolicy
@@ -244,11 +242,11 @@ def _data(value: object, path: str) -> Any:
 
 def _export_config(export: Export) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "policy": policy_to_config(export.policy),
+        "policy": export.policy.spec,
         "select": export.select if isinstance(export.select, str) else list(export.select),
         "dtype": None if export.dtype is None else str(export.dtype).removeprefix("torch."),
         "max_shard_size": export.max_shard_size,
-        "keep": retention_to_config(export.keep),
+        "keep": export.keep.spec,
     }
     if export.strip_prefix is not None:
         strip = export.strip_prefix
@@ -291,8 +289,8 @@ def config_of(
     """
     out: dict[str, Any] = {
         "root": root,
-        "save": policy_to_config(save),
-        "keep": retention_to_config(keep),
+        "save": save.spec,
+        "keep": keep.spec,
         "metadata": _plain(metadata, "metadata"),
         "read_only": read_only,
         "async_save": False if async_save is None else {"staging": async_save.staging},
@@ -304,7 +302,7 @@ def config_of(
     if remote is not None:
         out["remote"] = {
             "url": remote.url,
-            "keep": retention_to_config(remote.keep),
+            "keep": remote.keep.spec,
             "prune_unuploaded": remote.prune_unuploaded,
         }
     if memory is not None:
@@ -315,7 +313,7 @@ def config_of(
             )
         out["memory"] = {
             "path": None if memory.path is None else str(memory.path),
-            "save": policy_to_config(memory.save),
+            "save": memory.save.spec,
             "keep": memory.keep,
             "budget": memory.budget,
             "promote_on": [signal.Signals(s).name for s in memory.promote_on],
@@ -325,7 +323,7 @@ def config_of(
             "replicas": memory.replicas,
         }
     if rollback is not None:
-        out["rollback"] = policy_to_config(rollback)
+        out["rollback"] = rollback.spec
     if run is not None:
         out["run"] = relaunch_to_config(run)
     return out
