@@ -218,7 +218,7 @@ def test_bad_retention_names_its_key(cfg: Any, message: str) -> None:
     assert str(caught.value).startswith(message), str(caught.value)
 
 
-def test_a_policy_from_outside_has_no_config_form() -> None:
+def test_a_policy_from_outside_has_no_config_form(tmp_path: Path) -> None:
     class Mine(fc.policy.SavePolicy):
         def init(self) -> None:
             return None
@@ -231,6 +231,11 @@ def test_a_policy_from_outside_has_no_config_form() -> None:
 
     with pytest.raises(ConfigError, match="defined outside functional_ckpt"):
         policy_from_config((every_steps(1) | Mine()).spec)
+    with (
+        fc.CheckpointManager(tmp_path, save=every_steps(1) | Mine()) as mgr,
+        pytest.raises(ConfigError, match=r"^save: .*defined outside functional_ckpt"),
+    ):
+        mgr.config()
 
 
 # --------------------------------------------------------------------------- the manager

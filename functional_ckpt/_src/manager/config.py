@@ -240,13 +240,30 @@ def _data(value: object, path: str) -> Any:
     raise ConfigError(f"{path}: a {type(value).__name__} has no configuration form")
 
 
+def _spec(policy: SavePolicy | RetentionPolicy, path: str) -> Any:
+    """``policy.spec``, or a ConfigError if part of it was defined outside this package
+    (recorded by type and repr, it has no configuration form)."""
+
+    def outside(spec: object) -> bool:
+        if isinstance(spec, dict):
+            return "custom" in spec or any(outside(v) for v in spec.values())
+        return isinstance(spec, list) and any(outside(v) for v in spec)
+
+    if outside(policy.spec):
+        raise ConfigError(
+            f"{path}: {policy!r} holds a policy defined outside functional_ckpt; it has no "
+            "configuration form"
+        )
+    return policy.spec
+
+
 def _export_config(export: Export) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "policy": export.policy.spec,
+        "policy": _spec(export.policy, "export.policy"),
         "select": export.select if isinstance(export.select, str) else list(export.select),
         "dtype": None if export.dtype is None else str(export.dtype).removeprefix("torch."),
         "max_shard_size": export.max_shard_size,
-        "keep": export.keep.spec,
+        "keep": _spec(export.keep, "export.keep"),
     }
     if export.strip_prefix is not None:
         strip = export.strip_prefix
@@ -289,8 +306,8 @@ def config_of(
     """
     out: dict[str, Any] = {
         "root": root,
-        "save": save.spec,
-        "keep": keep.spec,
+        "save": _spec(save, "save"),
+        "keep": _spec(keep, "keep"),
         "metadata": _plain(metadata, "metadata"),
         "read_only": read_only,
         "async_save": False if async_save is None else {"staging": async_save.staging},
@@ -302,7 +319,7 @@ def config_of(
     if remote is not None:
         out["remote"] = {
             "url": remote.url,
-            "keep": remote.keep.spec,
+            "keep": _spec(remote.keep, "remote.keep"),
             "prune_unuploaded": remote.prune_unuploaded,
         }
     if memory is not None:
@@ -313,7 +330,7 @@ def config_of(
             )
         out["memory"] = {
             "path": None if memory.path is None else str(memory.path),
-            "save": memory.save.spec,
+            "save": _spec(memory.save, "memory.save"),
             "keep": memory.keep,
             "budget": memory.budget,
             "promote_on": [signal.Signals(s).name for s in memory.promote_on],
@@ -323,7 +340,7 @@ def config_of(
             "replicas": memory.replicas,
         }
     if rollback is not None:
-        out["rollback"] = rollback.spec
+        out["rollback"] = _spec(rollback, "rollback")
     if run is not None:
         out["run"] = relaunch_to_config(run)
     return out
