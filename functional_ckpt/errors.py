@@ -81,10 +81,6 @@ class PolicyError(CheckpointError, ValueError):
     """A save policy was given a state, event or spec it cannot use."""
 
 
-class RetentionError(CheckpointError, ValueError):
-    """A retention spec that does not describe a retention policy."""
-
-
 class ConfigError(CheckpointError, ValueError):
     """Configuration (plain data) that describes no manager or policy; names the key path."""
 
@@ -182,7 +178,6 @@ __all__ = [
     "RemoteUnreachable",
     "RemoteVanished",
     "RemoteWarning",
-    "RetentionError",
     "TemplateMismatch",
     "UnregisteredType",
     "UnsafeCheckpoint",

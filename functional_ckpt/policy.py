@@ -4,9 +4,9 @@ A policy is a value made of pure functions, like an optax gradient transformatio
 ``state = policy.init()``, then per event ``policy.decide(state, event)`` and
 ``policy.update(state, event, saved)``. The leaf policies most runs need are also
 at the top level (``fc.every_steps`` …); here are the rest, the protocol, the
-rollback rule ``on_degrade``, :func:`policy_from_config` and :func:`policy_to_config`
-(a policy as configuration, the form a config file holds) and :func:`policy_from_spec`
-(a policy from the record a checkpoint keeps). See docs/policies.md.
+rollback rule ``on_degrade``, :func:`policy_from_config`,
+which reads a policy's one plain-data form (``policy.spec``: what a config file holds
+and a checkpoint records). See docs/policies.md.
 """
 
 from functional_ckpt._src.policy import (
@@ -26,8 +26,6 @@ from functional_ckpt._src.policy import (
     on_improve,
     on_signal,
     policy_from_config,
-    policy_from_spec,
-    policy_to_config,
     run_policy,
 )
 
@@ -48,7 +46,5 @@ __all__ = [
     "on_improve",
     "on_signal",
     "policy_from_config",
-    "policy_from_spec",
-    "policy_to_config",
     "run_policy",
 ]

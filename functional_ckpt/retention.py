@@ -3,11 +3,11 @@
 A retention policy maps the checkpoints that exist to the set of steps to keep;
 ``|`` is union. :func:`plan_deletions` adds the two rules no policy overrides: the
 newest checkpoint and protected steps are never deleted. :func:`retention_from_config`
-and :func:`retention_to_config` read and write a policy as configuration (a list is
-the union). See docs/policies.md.
+reads a policy's one plain-data form, ``policy.spec`` (a list is the union). See
+docs/policies.md.
 """
 
-from functional_ckpt._src.policy.config import retention_from_config, retention_to_config
+from functional_ckpt._src.policy.config import retention_from_config
 from functional_ckpt._src.policy.retention import (
     CheckpointLike,
     CheckpointRecord,
@@ -19,7 +19,6 @@ from functional_ckpt._src.policy.retention import (
     keep_last,
     keep_within,
     plan_deletions,
-    retention_from_spec,
 )
 
 __all__ = [
@@ -34,6 +33,4 @@ __all__ = [
     "keep_within",
     "plan_deletions",
     "retention_from_config",
-    "retention_from_spec",
-    "retention_to_config",
 ]

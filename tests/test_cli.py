@@ -538,6 +538,16 @@ def test_retention_parts_rebuild_only_keep_specs() -> None:
     assert [label for label, _ in parts] == ["keep_last(3)", "keep_best(2, 'val_loss', mode='max')"]
     records = [fc.retention.CheckpointRecord(s, 0.0, {"val_loss": float(s)}) for s in range(1, 7)]
     assert listing.kept_by(parts, records)[6] == [parts[0][0], parts[1][0], "latest"]
+    older = {  # a spec as manifests written before it was the configuration form hold it
+        "kind": "union",
+        "children": [
+            {"kind": "keep_last", "n": 3},
+            {"kind": "keep_best", "k": 2, "metric": "val_loss", "mode": "max"},
+        ],
+    }
+    assert [label for label, _ in listing.retention_parts(older) or []] == [
+        label for label, _ in parts
+    ]
     for bad in (
         "__import__('os').system('echo hi')",
         "keep_last(3)",  # a repr is text, not a spec

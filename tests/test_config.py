@@ -37,8 +37,6 @@ from functional_ckpt.policy import (
     on_improve,
     on_signal,
     policy_from_config,
-    policy_from_spec,
-    policy_to_config,
 )
 from functional_ckpt.retention import (
     keep_all,
@@ -47,7 +45,6 @@ from functional_ckpt.retention import (
     keep_last,
     keep_within,
     retention_from_config,
-    retention_to_config,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -121,7 +118,7 @@ def test_short_and_full_forms_build_the_same_policies() -> None:
         built = policy_from_config(cfg)
         assert repr(built) == repr(expected) and built.spec == expected.spec, cfg
         assert policy_from_config(wrap(cfg)).spec == expected.spec, cfg  # any Mapping
-        written = policy_to_config(built)
+        written = built.spec
         assert policy_from_config(written).spec == expected.spec
         assert codec.decode(codec.encode(written)) == written  # plain data
         assert json.loads(json.dumps(written)) == written
@@ -131,13 +128,12 @@ def test_signals_by_name_or_number() -> None:
     for value in ("SIGUSR1", "usr1", int(signal.SIGUSR1)):
         p = policy_from_config({"on_signal": value})
         try:
-            assert p.spec == {"kind": "on_signal", "signum": int(signal.SIGUSR1)}
-            assert policy_to_config(p) == {"on_signal": {"signum": "SIGUSR1"}}
+            assert p.spec == {"on_signal": {"signum": "SIGUSR1"}}
         finally:
             p.uninstall()  # type: ignore[attr-defined]
     p = on_signal()
     try:
-        assert policy_to_config(p) == {"on_signal": {"signum": "SIGTERM"}}
+        assert p.spec == {"on_signal": {"signum": "SIGTERM"}}
     finally:
         p.uninstall()
 
@@ -145,13 +141,13 @@ def test_signals_by_name_or_number() -> None:
 def test_every_config_is_the_spelled_out_spec() -> None:
     """The full form holds what the spec holds (every argument), under readable names."""
     p = every_steps(5, offset=1) | every_secs(60) & ~at_steps([3])
-    assert policy_to_config(p) == {
+    assert p.spec == {
         "any": [
             {"every_steps": {"n": 5, "offset": 1}},
             {"all": [{"every_secs": {"secs": 60.0}}, {"not": {"at_steps": {"steps": [3]}}}]},
         ]
     }
-    assert policy_from_spec(p.spec).spec == p.spec  # specs still read, strictly
+    assert policy_from_config(p.spec).spec == p.spec
 
 
 def test_retention_forms() -> None:
@@ -170,7 +166,7 @@ def test_retention_forms() -> None:
         built = retention_from_config(cfg)
         assert repr(built) == repr(expected) and built.spec == expected.spec, cfg
         assert retention_from_config(wrap(cfg)).spec == expected.spec
-        assert retention_from_config(retention_to_config(built)).spec == expected.spec
+        assert retention_from_config(built.spec).spec == expected.spec
 
 
 @pytest.mark.parametrize(
@@ -222,7 +218,7 @@ def test_bad_retention_names_its_key(cfg: Any, message: str) -> None:
     assert str(caught.value).startswith(message), str(caught.value)
 
 
-def test_a_policy_from_outside_has_no_config_form() -> None:
+def test_a_policy_from_outside_has_no_config_form(tmp_path: Path) -> None:
     class Mine(fc.policy.SavePolicy):
         def init(self) -> None:
             return None
@@ -234,7 +230,12 @@ def test_a_policy_from_outside_has_no_config_form() -> None:
             return None
 
     with pytest.raises(ConfigError, match="defined outside functional_ckpt"):
-        policy_to_config(every_steps(1) | Mine())
+        policy_from_config((every_steps(1) | Mine()).spec)
+    with (
+        fc.CheckpointManager(tmp_path, save=every_steps(1) | Mine()) as mgr,
+        pytest.raises(ConfigError, match=r"^save: .*defined outside functional_ckpt"),
+    ):
+        mgr.config()
 
 
 # --------------------------------------------------------------------------- the manager
@@ -278,7 +279,7 @@ def test_a_manager_from_its_config_and_back(tmp_path: Path) -> None:
         mgr.wait_exports()
         assert mgr.steps() == [2, 4]
     assert written["root"] == str(tmp_path / "run")
-    assert written["save"] == policy_to_config(policy_from_config(FULL["save"]))
+    assert written["save"] == policy_from_config(FULL["save"]).spec
     assert written["async_save"] == {"staging": "copy"} and written["incremental"] is True
     assert written["export"]["dtype"] == "bfloat16"
     assert written["export"]["keep"] == {"keep_last": {"n": 2}}
@@ -482,7 +483,7 @@ def test_a_memory_tier_as_data(tmp_path: Path) -> None:
         written = mgr.config()["memory"]
     assert written == {
         "path": str(ram),
-        "save": policy_to_config(policy_from_config({"every_steps": 2})),
+        "save": policy_from_config({"every_steps": 2}).spec,
         "keep": 1,
         "budget": 0.25,
         "promote_on": ["SIGTERM", "SIGUSR1"],

@@ -19,7 +19,7 @@ import torch
 import functional_ckpt as fc
 from functional_ckpt._src import cli
 from functional_ckpt._src.manager.rollback_rule import SaveResult, choose_target
-from functional_ckpt._src.policy import Event, on_degrade, policy_from_spec, run_policy
+from functional_ckpt._src.policy import Event, on_degrade, policy_from_config, run_policy
 from functional_ckpt._src.root.listing import StepInfo
 
 
@@ -55,7 +55,7 @@ def test_best_is_the_best_value_saved_and_nan_is_degraded() -> None:
 def test_spec_repr_and_composition() -> None:
     rule = on_degrade("reward", mode="max", drop=0.25, patience=2, to="last_good")
     assert repr(rule) == "on_degrade('reward', mode='max', drop=0.25, patience=2, to='last_good')"
-    assert repr(policy_from_spec(rule.spec)) == repr(rule)
+    assert repr(policy_from_config(rule.spec)) == repr(rule)
     both = rule & ~fc.at_steps([3])  # never at step 3
     state, votes = both.init(), []
     for e in events([10.0, 1.0, 1.0, 1.0]):

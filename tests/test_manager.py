@@ -226,6 +226,30 @@ def test_every_secs_and_on_improve_through_the_manager(tmp_path: Path) -> None:
     assert record["save"]["state"] == [{"since": 50.0}, {"best": 0.41}]
 
 
+def test_a_state_stored_with_an_older_spec_is_handed_back(tmp_path: Path) -> None:
+    """Manifests written before a spec was the configuration form hold ``{"kind": ...}``
+    specs: their states still go back to the same policy, and only to it."""
+    from functional_ckpt._src.manager.provenance import stored_state
+
+    policy = fc.every_steps(3) | fc.on_improve("loss")
+    older = {
+        "kind": "any",
+        "children": [
+            {"kind": "every_steps", "n": 3, "offset": 0},
+            {"kind": "on_improve", "metric": "loss", "mode": "min", "min_delta": 0.0},
+        ],
+    }
+    state = [{"last_saved_step": 3}, {"best": 0.5}]
+    record = {"save": {"spec": older, "state": state}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert stored_state(policy, record, "save", tmp_path) == state
+    with pytest.warns(CheckpointWarning, match="starts fresh"):
+        assert stored_state(fc.every_steps(4), record, "save", tmp_path) == {
+            "last_saved_step": None
+        }
+
+
 def test_on_improve_remembers_best_after_reopen(tmp_path: Path) -> None:
     with fc.CheckpointManager(tmp_path, save=fc.on_improve("loss")) as mgr:
         got = [mgr.maybe_save(small_state(s), step=s, metrics={"loss": v}) for s, v in

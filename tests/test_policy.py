@@ -34,10 +34,11 @@ from functional_ckpt._src.policy import (
     on_final,
     on_improve,
     on_signal,
-    policy_from_spec,
+    policy_from_config,
     run_policy,
 )
-from functional_ckpt.errors import CheckpointError, PolicyError
+from functional_ckpt._src.policy.config import stored_spec
+from functional_ckpt.errors import CheckpointError, ConfigError, PolicyError
 from tests.patience import HANG, eventually
 
 REPO = Path(__file__).resolve().parents[1]
@@ -567,7 +568,7 @@ def leaf_states(policy: SavePolicy, state: PolicyState) -> list[tuple[str, str]]
     out: list[tuple[str, str]] = []
 
     def walk(p: SavePolicy, s: PolicyState) -> None:
-        kind = p.spec["kind"]
+        kind = p.spec if isinstance(p.spec, str) else next(iter(p.spec))
         if kind in ("any", "all"):
             assert isinstance(s, list)
             for child, child_state in zip(p.children, s, strict=True):  # type: ignore[attr-defined]
@@ -657,7 +658,7 @@ def test_decisions_depend_only_on_state_and_event(
 ) -> None:
     """Any (state, event) pair reached in a run gives the same decision when asked again,
     asked of a copy of the state, or asked of the policy rebuilt from its spec."""
-    rebuilt = policy_from_spec(p.spec)
+    rebuilt = policy_from_config(p.spec)
     assert rebuilt.spec == p.spec and repr(rebuilt) == repr(p)
     state = p.init()
     for event in stream:
@@ -704,7 +705,7 @@ def test_state_is_plain_data_and_round_trips(
     # the uninterrupted run.
     cut = data.draw(st.integers(0, len(stream)))
     state = states[cut - 1] if cut else p.init()
-    resumed = policy_from_spec(codec.decode(codec.encode(p.spec)))
+    resumed = policy_from_config(codec.decode(codec.encode(p.spec)))
     assert run_policy(resumed, stream[cut:], codec.decode(codec.encode(state))) == expected[cut:]
 
 
@@ -713,6 +714,49 @@ def test_specs_rebuild_every_policy_and_reject_foreign_ones() -> None:
         "acc", mode="max", min_delta=0.5
     )
     assert p.spec == {
+        "any": [
+            {
+                "all": [
+                    {
+                        "any": [
+                            {"every_steps": {"n": 5, "offset": 1}},
+                            {"every_secs": {"secs": 60.0}},
+                        ]
+                    },
+                    {"not": {"at_steps": {"steps": [1, 3]}}},
+                ]
+            },
+            {"on_improve": {"metric": "acc", "mode": "max", "min_delta": 0.5}},
+        ]
+    }
+    assert repr(policy_from_config(p.spec)) == repr(p)
+    for spec in ({"every_steps": {"n": 5, "offset": 0}}, {"every_epochs": {"n": 2}}):
+        assert policy_from_config(spec).spec == spec
+    for name in ("on_final", "always", "never"):
+        assert policy_from_config(name).spec == name
+    for bad in (
+        None,
+        "every_steps(5)",
+        {"os.system": {"cmd": "true"}},
+        {"kind": "os.system", "cmd": "true"},
+        {"every_steps": {"n": 5, "offset": 0, "x": 1}},
+        {"kind": "every_steps", "n": 5},
+        {"every_steps": {"n": 0, "offset": 0}},
+        {"any": []},
+        {"not": {"nope": {}}},
+        {"custom": {"type": "Mine", "repr": "Mine()"}},
+    ):
+        with pytest.raises(ConfigError):
+            policy_from_config(bad)
+
+
+def test_specs_of_older_manifests_still_read() -> None:
+    """Manifests written before a spec was the configuration form hold
+    ``{"kind": name, **arguments}``: read as the same policy, its state handed back."""
+    p = (every_steps(5, offset=1) | every_secs(60)) & ~at_steps([3, 1]) | on_improve(
+        "acc", mode="max", min_delta=0.5
+    )
+    older = {
         "kind": "any",
         "children": [
             {
@@ -731,7 +775,7 @@ def test_specs_rebuild_every_policy_and_reject_foreign_ones() -> None:
             {"kind": "on_improve", "metric": "acc", "mode": "max", "min_delta": 0.5},
         ],
     }
-    assert repr(policy_from_spec(p.spec)) == repr(p)
+    assert stored_spec(older) == p.spec
     for spec in (
         {"kind": "every_steps", "n": 5, "offset": 0},
         {"kind": "every_epochs", "n": 2},
@@ -739,18 +783,16 @@ def test_specs_rebuild_every_policy_and_reject_foreign_ones() -> None:
         {"kind": "always"},
         {"kind": "never"},
     ):
-        assert policy_from_spec(spec).spec == spec
-    for bad in (
-        None,
-        "every_steps(5)",
-        {"kind": "os.system", "cmd": "true"},
-        {"kind": "every_steps", "n": 5},
-        {"kind": "every_steps", "n": 0, "offset": 0},
-        {"kind": "any", "children": [{"kind": "always"}]},
-        {"kind": "not", "child": {"kind": "nope"}},
-    ):
-        with pytest.raises(PolicyError):
-            policy_from_spec(bad)  # type: ignore[arg-type]
+        assert stored_spec(policy_from_config(stored_spec(spec)).spec) == stored_spec(spec)
+    sig = on_signal(signal.SIGUSR1)
+    try:
+        assert stored_spec({"kind": "on_signal", "signum": int(signal.SIGUSR1)}) == sig.spec
+    finally:
+        sig.uninstall()
+    custom = {"kind": "custom", "type": "Mine", "repr": "Mine()"}
+    assert stored_spec(custom) == {"custom": {"type": "Mine", "repr": "Mine()"}}
+    for same in (None, "always", {"every_steps": {"n": 5, "offset": 0}}, [1]):
+        assert stored_spec(same) == same
 
 
 @settings(max_examples=100, deadline=None)

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from functional_ckpt._src.policy.config import retention_from_config, stored_spec
 from functional_ckpt._src.policy.retention import (
     CheckpointLike,
     CheckpointRecord,
-    RetentionError,
     RetentionPolicy,
     best_steps,
     keep_all,
@@ -23,9 +23,9 @@ from functional_ckpt._src.policy.retention import (
     keep_last,
     keep_within,
     plan_deletions,
-    retention_from_spec,
     union_parts,
 )
+from functional_ckpt.errors import ConfigError
 
 NOW = 1_700_000_000.0
 
@@ -294,7 +294,7 @@ def test_spec_rebuilds_the_same_policy(
 
     spec = codec.decode(codec.encode(policy.spec))  # as stored in a manifest
     assert spec == policy.spec
-    rebuilt = retention_from_spec(spec)
+    rebuilt = retention_from_config(spec)
     assert repr(rebuilt) == repr(policy) and rebuilt.spec == policy.spec
     if not any("keep_within" in repr(p) for p in union_parts(policy)):
         assert rebuilt.select(checkpoints) == policy.select(checkpoints)
@@ -303,7 +303,14 @@ def test_spec_rebuilds_the_same_policy(
 
 def test_retention_spec_table_and_rejects() -> None:
     p = keep_last(3) | keep_best(2, "loss", mode="max") | keep_every(steps=10) | keep_within(5)
-    assert p.spec == {
+    assert p.spec == [
+        {"keep_last": {"n": 3}},
+        {"keep_best": {"k": 2, "metric": "loss", "mode": "max"}},
+        {"keep_every": {"steps": 10}},
+        {"keep_within": {"secs": 5.0}},
+    ]
+    assert keep_all().spec == "keep_all"
+    older = {  # as manifests written before a spec was the configuration form hold it
         "kind": "union",
         "children": [
             {"kind": "keep_last", "n": 3},
@@ -312,20 +319,22 @@ def test_retention_spec_table_and_rejects() -> None:
             {"kind": "keep_within", "secs": 5.0},
         ],
     }
-    assert keep_all().spec == {"kind": "keep_all"}
+    assert stored_spec(older) == p.spec and stored_spec({"kind": "keep_all"}) == "keep_all"
     for bad in (
         None,
         "keep_last(3)",
-        {"kind": "keep_last"},
-        {"kind": "keep_last", "n": 0},
-        {"kind": "keep_last", "n": 3, "extra": 1},
-        {"kind": "keep_within", "secs": 1.0, "clock": "time.time"},
-        {"kind": "__import__", "name": "os"},
-        {"kind": "union", "children": [{"kind": "keep_all"}]},
-        {"kind": "union", "children": [{"kind": "keep_all"}, {"kind": "nope"}]},
+        {"keep_last": None},
+        {"keep_last": {"n": 0}},
+        {"keep_last": {"n": 3, "extra": 1}},
+        {"keep_within": {"secs": 1.0, "clock": "time.time"}},
+        {"__import__": {"name": "os"}},
+        [],
+        ["keep_all", {"nope": {}}],
+        {"custom": {"type": "Mine", "repr": "Mine()"}},
+        {"kind": "keep_last", "n": 3},
     ):
-        with pytest.raises(RetentionError):
-            retention_from_spec(bad)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError):
+            retention_from_config(bad)
 
 
 @settings(max_examples=200, deadline=None)

@@ -8,6 +8,8 @@ without torch and without the modules of the commands not run.
 from __future__ import annotations
 
 import argparse
+import importlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -15,59 +17,19 @@ from functional_ckpt._src.cli.common import one_line, print_json
 from functional_ckpt._src.cli.ui import UI
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from functional_ckpt._src.cli.demo.run import DemoResult
 
 __all__ = ["RUNNERS", "cmd_demo"]
 
 
-def _ls(args: argparse.Namespace, ui: UI) -> int:
-    from functional_ckpt._src.cli.listing import cmd_ls
+def _lazy(module: str, name: str) -> Callable[[argparse.Namespace, UI], int]:
+    """The function ``name`` of the command module ``module``, imported when it runs."""
 
-    return cmd_ls(args, ui)
+    def run(args: argparse.Namespace, ui: UI) -> int:
+        command = getattr(importlib.import_module(f"functional_ckpt._src.cli.{module}"), name)
+        return int(command(args, ui))
 
-
-def _verify(args: argparse.Namespace, ui: UI) -> int:
-    from functional_ckpt._src.cli.listing import cmd_verify
-
-    return cmd_verify(args, ui)
-
-
-def _prune(args: argparse.Namespace, ui: UI) -> int:
-    from functional_ckpt._src.cli.listing import cmd_prune
-
-    return cmd_prune(args, ui)
-
-
-def _inspect(args: argparse.Namespace, ui: UI) -> int:
-    from functional_ckpt._src.cli.show import cmd_inspect
-
-    return cmd_inspect(args, ui)
-
-
-def _diff(args: argparse.Namespace, ui: UI) -> int:
-    from functional_ckpt._src.cli.show import cmd_diff
-
-    return cmd_diff(args, ui)
-
-
-def _export(args: argparse.Namespace, ui: UI) -> int:
-    from functional_ckpt._src.cli.torchcmd import cmd_export_any
-
-    return cmd_export_any(args, ui)
-
-
-def _import(args: argparse.Namespace, ui: UI) -> int:
-    from functional_ckpt._src.cli.torchcmd import cmd_import
-
-    return cmd_import(args, ui)
-
-
-def _run(args: argparse.Namespace, ui: UI) -> int:
-    from functional_ckpt._src.cli.run import cmd_run
-
-    return cmd_run(args, ui)
+    return run
 
 
 def cmd_demo(args: argparse.Namespace, ui: UI) -> int:
@@ -124,13 +86,13 @@ def _demo_json(result: DemoResult) -> dict[str, Any]:
 
 #: The function that runs each command, by the command's name.
 RUNNERS: Final[dict[str, Callable[[argparse.Namespace, UI], int]]] = {
-    "ls": _ls,
-    "verify": _verify,
-    "prune": _prune,
-    "inspect": _inspect,
-    "diff": _diff,
-    "export": _export,
-    "import": _import,
-    "run": _run,
+    "ls": _lazy("listing", "cmd_ls"),
+    "verify": _lazy("listing", "cmd_verify"),
+    "prune": _lazy("listing", "cmd_prune"),
+    "inspect": _lazy("show", "cmd_inspect"),
+    "diff": _lazy("show", "cmd_diff"),
+    "export": _lazy("torchcmd", "cmd_export_any"),
+    "import": _lazy("torchcmd", "cmd_import"),
+    "run": _lazy("run", "cmd_run"),
     "demo": cmd_demo,
 }

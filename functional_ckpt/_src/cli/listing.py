@@ -30,11 +30,12 @@ from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.header import MANAGER_KEY
 from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.format.naming import BRANCHES_DIR
-from functional_ckpt._src.policy.retention import retention_from_spec, union_parts
+from functional_ckpt._src.policy.config import retention_from_config, stored_spec
+from functional_ckpt._src.policy.retention import union_parts
 from functional_ckpt._src.root.listing import RootEntry, kept_by
 from functional_ckpt._src.root.rollback import branches
 from functional_ckpt._src.storage.usage import dir_size, disk_bytes, shared_bytes
-from functional_ckpt.errors import RetentionError
+from functional_ckpt.errors import ConfigError
 
 __all__ = ["cmd_ls", "cmd_prune", "cmd_verify", "retention_parts", "verify_one"]
 
@@ -47,12 +48,12 @@ COMMITTED = ("ok", "damaged", "intact")
 def retention_parts(spec: object) -> list[tuple[str, fc.retention.RetentionPolicy]] | None:
     """Rebuild a recorded retention policy from its spec, one part per ``|`` operand.
 
-    A spec is plain data (kind and arguments) and only the ``keep_*`` kinds exist,
-    so nothing read from a checkpoint can run; None for anything else.
+    A spec is plain data (the configuration form) and only the ``keep_*`` kinds
+    exist, so nothing read from a checkpoint can run; None for anything else.
     """
     try:
-        policy = retention_from_spec(spec)  # type: ignore[arg-type]
-    except RetentionError:
+        policy = retention_from_config(stored_spec(spec))
+    except ConfigError:
         return None
     return [(repr(part), part) for part in union_parts(policy)]
 
@@ -66,8 +67,8 @@ def recorded_retention(rows: Sequence[RootEntry]) -> object | None:
         if row.status not in ("ok", "intact"):  # "intact": re-read by --verify
             continue
         record = row.metadata.get(MANAGER_KEY)
-        spec = record.get("keep") if isinstance(record, dict) else None
-        if isinstance(spec, dict):
+        spec: object = record.get("keep") if isinstance(record, dict) else None
+        if spec is not None:
             return spec
     return None
 

@@ -187,9 +187,9 @@ def run_export(
     metrics: Mapping[str, float],
 ) -> Path:
     """Write the export of ``step`` from ``source`` (replacing one of the same step), prune."""
-    from functional_ckpt._src.export.safetensors import write_export
+    from functional_ckpt._src.export.safetensors import export_safetensors
 
-    out = write_export(
+    out = export_safetensors(
         source,
         export_path(root, step),
         select=export.select,

@@ -303,6 +303,7 @@ def export_safetensors(
     extra_files: Mapping[str, ExtraFile] | None = None,
     strip_prefix: str | Sequence[str] | None = None,
     rename: Rename | None = None,
+    header: Mapping[str, str] | None = None,
 ) -> Path:
     """Write the tensors under ``select`` as Hugging Face safetensors into ``out_dir``.
 
@@ -324,37 +325,9 @@ def export_safetensors(
     export (or an empty directory) is replaced atomically: its weights go, and
     every other file in it (config, tokenizer files, a README) is carried over
     into the new export unless this call writes a file of that name. Anything
-    else is refused and left intact. Returns ``out_dir``.
+    else is refused and left intact. ``header`` adds safetensors header metadata (a
+    manager records the step and metrics there). Returns ``out_dir``.
     """
-    return write_export(
-        state_or_checkpoint_path,
-        out_dir,
-        select=select,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        overwrite=overwrite,
-        config=config,
-        extra_files=extra_files,
-        strip_prefix=strip_prefix,
-        rename=rename,
-    )
-
-
-def write_export(
-    source: TensorDictBase | Mapping[str, Any] | PathLike,
-    out_dir: PathLike,
-    *,
-    select: str | Sequence[str] = "model",
-    dtype: torch.dtype | None = None,
-    max_shard_size: int | str = "5GB",
-    overwrite: bool = False,
-    config: Any = None,
-    extra_files: Mapping[str, ExtraFile] | None = None,
-    strip_prefix: str | Sequence[str] | None = None,
-    rename: Rename | None = None,
-    header: Mapping[str, str] | None = None,
-) -> Path:
-    """:func:`export_safetensors`, plus ``header``: more safetensors header metadata."""
     out, t0 = Path(out_dir), time.perf_counter()
     path = _select_path(select)
     _check_dtype(dtype)
@@ -365,7 +338,7 @@ def write_export(
         if not overwrite:
             raise CheckpointExists(f"{out}: already exists; pass overwrite=True to replace it")
         commit.check_replaceable(out, commit.EXPORTS)
-    tensors = _collect(_load(source, path), path)
+    tensors = _collect(_load(state_or_checkpoint_path, path), path)
     tensors = _dedupe(map_names(tensors, strip_prefix, rename))
     shards = _plan_shards(tensors, limit, dtype)
     durable.make_dirs(out.parent)

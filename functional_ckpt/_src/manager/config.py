@@ -33,11 +33,9 @@ from functional_ckpt._src.policy.config import (
     config_error,
     is_sequence,
     policy_from_config,
-    policy_to_config,
     relaunch_from_config,
     relaunch_to_config,
     retention_from_config,
-    retention_to_config,
     signal_number,
 )
 from functional_ckpt._src.policy.retention import RetentionPolicy
@@ -251,13 +249,30 @@ def _data(value: object, path: str) -> Any:
     raise ConfigError(f"{path}: a {type(value).__name__} has no configuration form")
 
 
+def _spec(policy: SavePolicy | RetentionPolicy, path: str) -> Any:
+    """``policy.spec``, or a ConfigError if part of it was defined outside this package
+    (recorded by type and repr, it has no configuration form)."""
+
+    def outside(spec: object) -> bool:
+        if isinstance(spec, dict):
+            return "custom" in spec or any(outside(v) for v in spec.values())
+        return isinstance(spec, list) and any(outside(v) for v in spec)
+
+    if outside(policy.spec):
+        raise ConfigError(
+            f"{path}: {policy!r} holds a policy defined outside functional_ckpt; it has no "
+            "configuration form"
+        )
+    return policy.spec
+
+
 def _export_config(export: Export) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "policy": policy_to_config(export.policy),
+        "policy": _spec(export.policy, "export.policy"),
         "select": export.select if isinstance(export.select, str) else list(export.select),
         "dtype": None if export.dtype is None else str(export.dtype).removeprefix("torch."),
         "max_shard_size": export.max_shard_size,
-        "keep": retention_to_config(export.keep),
+        "keep": _spec(export.keep, "export.keep"),
     }
     if export.strip_prefix is not None:
         strip = export.strip_prefix
@@ -300,8 +315,8 @@ def config_of(
     """
     out: dict[str, Any] = {
         "root": root,
-        "save": policy_to_config(save),
-        "keep": retention_to_config(keep),
+        "save": _spec(save, "save"),
+        "keep": _spec(keep, "keep"),
         "metadata": _plain(metadata, "metadata"),
         "read_only": read_only,
         "async_save": False if async_save is None else {"staging": async_save.staging},
@@ -313,7 +328,7 @@ def config_of(
     if remote is not None:
         out["remote"] = {
             "url": remote.url,
-            "keep": retention_to_config(remote.keep),
+            "keep": _spec(remote.keep, "remote.keep"),
             "prune_unuploaded": remote.prune_unuploaded,
         }
     if memory is not None:
@@ -324,7 +339,7 @@ def config_of(
             )
         out["memory"] = {
             "path": None if memory.path is None else str(memory.path),
-            "save": policy_to_config(memory.save),
+            "save": _spec(memory.save, "memory.save"),
             "keep": memory.keep,
             "budget": memory.budget,
             "promote_on": [signal.Signals(s).name for s in memory.promote_on],
@@ -334,7 +349,7 @@ def config_of(
             "replicas": memory.replicas,
         }
     if rollback is not None:
-        out["rollback"] = policy_to_config(rollback)
+        out["rollback"] = _spec(rollback, "rollback")
     if run is not None:
         out["run"] = relaunch_to_config(run)
     return out

@@ -25,6 +25,7 @@ from functional_ckpt._src import codec
 from functional_ckpt._src.format.header import MANAGER_KEY
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy import Event, PolicyState, SavePolicy
+from functional_ckpt._src.policy.config import stored_spec
 from functional_ckpt._src.policy.retention import RetentionPolicy
 from functional_ckpt.errors import CheckpointWarning
 
@@ -181,7 +182,7 @@ def stored_state(
     if stored is None and not any(k in record for k in ("policy_state", "export_policy_state")):
         return policy.init()  # written by fc.save or a fork: a new run's policies
     spec = policy.spec
-    if isinstance(stored, dict) and stored.get("spec") == spec and "state" in stored:
+    if isinstance(stored, dict) and stored_spec(stored.get("spec")) == spec and "state" in stored:
         state: PolicyState = stored["state"]
         return state
     old = stored.get("spec") if isinstance(stored, dict) else None

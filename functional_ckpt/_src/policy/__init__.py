@@ -19,7 +19,8 @@ move every leaf through the very same states.
 Time comes in through the event (``Event(step, time=running_seconds)``); no policy
 reads a clock, so equal inputs give equal decisions and a restart is exact. The
 state is plain data (it goes through msgpack unchanged) and every policy has a
-plain-data :attr:`~SavePolicy.spec` that :func:`policy_from_spec` rebuilds it from:
+plain-data :attr:`~SavePolicy.spec`, its configuration form, that
+:func:`policy_from_config` rebuilds it from:
 a stored state is only ever handed back to the policy of the same spec.
 
 The one deliberate exception to purity is :func:`on_signal`, whose "a signal
@@ -36,10 +37,7 @@ from functional_ckpt._src.policy.base import (
     SavePolicy,
     run_policy,
 )
-from functional_ckpt._src.policy.config import (
-    policy_from_config,
-    policy_to_config,
-)
+from functional_ckpt._src.policy.config import policy_from_config
 from functional_ckpt._src.policy.degrade import on_degrade
 from functional_ckpt._src.policy.leaves import (
     always,
@@ -52,7 +50,6 @@ from functional_ckpt._src.policy.leaves import (
     on_improve,
 )
 from functional_ckpt._src.policy.signals import SignalPolicy, on_signal
-from functional_ckpt._src.policy.spec import policy_from_spec
 
 __all__ = [
     "Event",
@@ -71,7 +68,5 @@ __all__ = [
     "on_improve",
     "on_signal",
     "policy_from_config",
-    "policy_from_spec",
-    "policy_to_config",
     "run_policy",
 ]

@@ -27,6 +27,7 @@ __all__ = [
     "SavePolicy",
     "as_int",
     "checked_state",
+    "custom_spec",
     "metric_value",
     "no_state",
     "positive_int",
@@ -41,8 +42,9 @@ PolicyState: TypeAlias = (
 Lists, never tuples (msgpack reads tuples back as lists); dict keys are strings.
 """
 
-PolicySpec: TypeAlias = dict[str, Any]
-"""``{"kind": name, **arguments}``, nested for combinators; plain data like a state."""
+PolicySpec: TypeAlias = str | dict[str, Any] | list[Any]
+"""A policy in configuration form, every argument spelled (``{"every_steps": {"n": 5,
+"offset": 0}}``, ``"on_final"``, ``{"any": [...]}``, a list for a retention union)."""
 
 
 @dataclass(frozen=True)
@@ -107,12 +109,13 @@ class SavePolicy(ABC):
 
     @property
     def spec(self) -> PolicySpec:
-        """Kind and arguments as plain data; :func:`policy_from_spec` rebuilds the policy.
+        """The policy as plain data: its configuration form with every argument spelled,
+        which :func:`.policy_from_config` rebuilds it from and a checkpoint records.
 
         A policy defined outside this package describes itself by type and repr, which
         is enough to tell whether a stored state is its own, but cannot be rebuilt.
         """
-        return {"kind": "custom", "type": type(self).__qualname__, "repr": repr(self)}
+        return custom_spec(self)
 
     def should_save(self, state: PolicyState, event: Event) -> tuple[bool, PolicyState]:
         """``(save?, new_state)`` for a policy that decides alone: its vote is the outcome."""
@@ -135,6 +138,11 @@ class SavePolicy(ABC):
 
 # ---------------------------------------------------------------------------------------
 # Helpers
+
+
+def custom_spec(policy: object) -> PolicySpec:
+    """The spec of a policy defined outside this package: its type and repr."""
+    return {"custom": {"type": type(policy).__qualname__, "repr": repr(policy)}}
 
 
 def as_int(value: object, what: str) -> int:
@@ -242,7 +250,7 @@ class _Combinator(SavePolicy):
 
     @property
     def spec(self) -> PolicySpec:
-        return {"kind": self._kind, "children": [c.spec for c in self.children]}
+        return {self._kind: [c.spec for c in self.children]}
 
     def __repr__(self) -> str:
         return f" {self._symbol} ".join(_wrap(c, type(self)) for c in self.children)
@@ -285,7 +293,7 @@ class Not(SavePolicy):
 
     @property
     def spec(self) -> PolicySpec:
-        return {"kind": "not", "child": self.child.spec}
+        return {"not": self.child.spec}
 
     def __invert__(self) -> SavePolicy:
         return self.child  # ~~p is p, state shape included.

@@ -12,9 +12,8 @@ is found where it is, before anything runs.
 
 The keys of a manager's configuration and its ``run`` block (how ``fckpt run``
 relaunches the job) are here too, so the command line reads them without loading
-the manager. This is the one form for writing a policy as data. A policy's ``spec`` is what a
-checkpoint records to recognise its own state (every argument spelled, nothing
-defaulted); it is read back with ``policy_from_spec``, built on the same table.
+the manager. This is the one form of a policy as data: a policy's ``spec`` is it,
+every argument spelled, and what a checkpoint records to recognise its own state.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ from functional_ckpt._src.policy.retention import (
     keep_every,
     keep_last,
     keep_within,
-    union_parts,
 )
 from functional_ckpt._src.policy.signals import on_signal
 from functional_ckpt.errors import ConfigError
@@ -62,14 +60,12 @@ __all__ = [
     "check_str",
     "config_error",
     "is_sequence",
-    "kind_args",
     "policy_from_config",
-    "policy_to_config",
     "relaunch_from_config",
     "relaunch_to_config",
     "retention_from_config",
-    "retention_to_config",
     "signal_number",
+    "stored_spec",
 ]
 
 
@@ -187,16 +183,11 @@ def signal_number(value: object, path: str) -> int:
 @dataclass(frozen=True)
 class Param:
     """One argument: its name in a config (and the constructor's keyword), its check,
-    whether it must be given, and its key in the policy's spec when that differs."""
+    and whether it must be given."""
 
     name: str
     check: Callable[[object, str], Any]
     required: bool = False
-    spec_key: str | None = None
-
-    @property
-    def in_spec(self) -> str:
-        return self.spec_key or self.name
 
 
 _Kind = tuple[Callable[..., Any], tuple[Param, ...]]
@@ -209,7 +200,7 @@ SAVE_KINDS: dict[str, _Kind] = {
     "every_steps": (every_steps, (Param("n", _positive_int, True), Param("offset", _int))),
     "every_epochs": (every_epochs, (Param("n", _positive_int, True),)),
     "at_steps": (at_steps, (Param("steps", _steps, True),)),
-    "every_secs": (every_secs, (Param("secs", _positive_number, True, spec_key="s"),)),
+    "every_secs": (every_secs, (Param("secs", _positive_number, True),)),
     "on_improve": (
         on_improve,
         (Param("metric", check_str, True), Param("mode", _mode), Param("min_delta", check_number)),
@@ -255,6 +246,11 @@ def _one_key(value: object, path: str, known: Sequence[str], what: str) -> tuple
     else:
         raise config_error(
             path, f"a {what} (a name, or a mapping of one name to its arguments)", value
+        )
+    if name == "custom":  # the spec of a policy defined outside (base.custom_spec)
+        raise ConfigError(
+            f"{path}: {_shown(args)} is a {what} defined outside functional_ckpt; it has no "
+            "configuration form"
         )
     if name not in known:
         raise ConfigError(f"{path}: unknown {what} {_shown(name)}; known: {', '.join(known)}")
@@ -313,38 +309,6 @@ def policy_from_config(value: object, path: str = "save") -> SavePolicy:
     return made
 
 
-def _spec_to_config(spec: Mapping[str, Any], kinds: Mapping[str, _Kind], what: str) -> Any:
-    kind = spec.get("kind")
-    if not isinstance(kind, str) or kind not in kinds:
-        raise ConfigError(
-            f"{spec.get('repr', kind)}: a {what} defined outside functional_ckpt has no "
-            "configuration form"
-        )
-    params = kinds[kind][1]
-    if not params:
-        return kind
-    args = {p.name: spec[p.in_spec] for p in params}
-    if kind == "on_signal":
-        args["signum"] = signal.Signals(args["signum"]).name
-    return {kind: args}
-
-
-def policy_to_config(policy: SavePolicy) -> Any:
-    """``policy`` in configuration form, every argument spelled:
-    :func:`policy_from_config` of it builds an equal policy. A policy defined
-    outside this package raises :class:`ConfigError` (it has no such form)."""
-    return _save_spec_to_config(policy.spec)
-
-
-def _save_spec_to_config(spec: Mapping[str, Any]) -> Any:
-    kind = spec.get("kind")
-    if kind in ("any", "all"):
-        return {kind: [_save_spec_to_config(c) for c in spec["children"]]}
-    if kind == "not":
-        return {"not": _save_spec_to_config(spec["child"])}
-    return _spec_to_config(spec, SAVE_KINDS, "save policy")
-
-
 def retention_from_config(value: object, path: str = "keep") -> RetentionPolicy:
     """The retention policy that configuration ``value`` describes (a list: the union).
 
@@ -365,10 +329,25 @@ def retention_from_config(value: object, path: str = "keep") -> RetentionPolicy:
     return made
 
 
-def retention_to_config(policy: RetentionPolicy) -> Any:
-    """``policy`` in configuration form (a union as a list), every argument spelled."""
-    parts = [_spec_to_config(p.spec, _KEEP_KINDS, "retention policy") for p in union_parts(policy)]
-    return parts[0] if len(parts) == 1 else parts
+def stored_spec(spec: object) -> object:
+    """A spec read from a manifest, in the configuration form: manifests written before
+    policies had one form hold ``{"kind": name, **arguments}`` (``children`` of
+    ``any``/``all``/``union``, ``child`` of ``not``, ``s`` for ``every_secs``'s
+    seconds, a signal's number), which is turned into it; any other value is as it is.
+    """
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("kind"), str):
+        return spec
+    kind, args = spec["kind"], {str(k): v for k, v in spec.items() if k != "kind"}
+    if kind in ("any", "all", "union") and is_sequence(args.get("children")):
+        children = [stored_spec(c) for c in args["children"]]
+        return children if kind == "union" else {kind: children}
+    if kind == "not":
+        return {"not": stored_spec(args.get("child"))}
+    if kind == "every_secs" and "s" in args:
+        args = {"secs": args["s"]}
+    if kind == "on_signal" and args.get("signum") in signal.Signals._value2member_map_:
+        args["signum"] = signal.Signals(args["signum"]).name
+    return {kind: args} if args else kind
 
 
 # ---------------------------------------------------------------------------------------

@@ -79,14 +79,8 @@ class OnDegrade(SavePolicy):
 
     @property
     def spec(self) -> PolicySpec:
-        return {
-            "kind": "on_degrade",
-            "metric": self.metric,
-            "mode": self.mode,
-            "drop": self.drop,
-            "patience": self.patience,
-            "to": self.to,
-        }
+        args = {"metric": self.metric, "mode": self.mode, "drop": self.drop}
+        return {"on_degrade": {**args, "patience": self.patience, "to": self.to}}
 
     def __repr__(self) -> str:
         args = [repr(self.metric)]

@@ -52,7 +52,7 @@ class _Stateless(SavePolicy):
 
     @property
     def spec(self) -> PolicySpec:
-        return {"kind": self._name}
+        return self._name
 
     def __repr__(self) -> str:
         return f"{self._name}()"
@@ -117,7 +117,7 @@ class _EverySteps(SavePolicy):
 
     @property
     def spec(self) -> PolicySpec:
-        return {"kind": "every_steps", "n": self.n, "offset": self.offset}
+        return {"every_steps": {"n": self.n, "offset": self.offset}}
 
     def __repr__(self) -> str:
         extra = f", offset={self.offset}" if self.offset else ""
@@ -171,7 +171,7 @@ class _EveryEpochs(SavePolicy):
 
     @property
     def spec(self) -> PolicySpec:
-        return {"kind": "every_epochs", "n": self.n}
+        return {"every_epochs": {"n": self.n}}
 
     def __repr__(self) -> str:
         return f"every_epochs({self.n})"
@@ -209,7 +209,7 @@ class _AtSteps(SavePolicy):
 
     @property
     def spec(self) -> PolicySpec:
-        return {"kind": "at_steps", "steps": sorted(self.steps)}
+        return {"at_steps": {"steps": sorted(self.steps)}}
 
     def __repr__(self) -> str:
         return f"at_steps({sorted(self.steps)!r})"
@@ -264,7 +264,7 @@ class _EverySecs(SavePolicy):
 
     @property
     def spec(self) -> PolicySpec:
-        return {"kind": "every_secs", "s": self.secs}
+        return {"every_secs": {"secs": self.secs}}
 
     def __repr__(self) -> str:
         return f"every_secs({self.secs!r})"
@@ -324,12 +324,8 @@ class _OnImprove(SavePolicy):
 
     @property
     def spec(self) -> PolicySpec:
-        return {
-            "kind": "on_improve",
-            "metric": self.metric,
-            "mode": self.mode,
-            "min_delta": self.min_delta,
-        }
+        args = {"metric": self.metric, "mode": self.mode, "min_delta": self.min_delta}
+        return {"on_improve": args}
 
     def __repr__(self) -> str:
         extra = "" if self.mode == "min" else f", mode={self.mode!r}"

@@ -8,9 +8,9 @@ Deleting is the manager's job, so that planning stays easy to test and to dry-ru
 
 Policies combine with ``|`` (union: keep what any of them keeps), which is the only
 combinator retention needs: "keep the last 3 and the best 2 and one per 10k steps".
-Every policy has a plain-data :attr:`~RetentionPolicy.spec` (kind and arguments) that
-:func:`retention_from_spec` rebuilds it from, so a checkpoint can record the policy
-its writer used without storing code or parsing text.
+Every policy has a plain-data :attr:`~RetentionPolicy.spec`, its configuration form,
+which :func:`.retention_from_config` rebuilds it from, so a checkpoint can record the
+policy its writer used without storing code or parsing text.
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-from functional_ckpt._src.policy.base import positive_int
-from functional_ckpt.errors import RetentionError
+from functional_ckpt._src.policy.base import PolicySpec, custom_spec, positive_int
 
 __all__ = [
     "CheckpointLike",
@@ -36,7 +35,6 @@ __all__ = [
     "keep_last",
     "keep_within",
     "plan_deletions",
-    "retention_from_spec",
     "union_parts",
 ]
 
@@ -78,13 +76,14 @@ class RetentionPolicy(ABC):
         """``select`` without the input checks, so unions check only once."""
 
     @property
-    def spec(self) -> dict[str, Any]:
-        """Kind and arguments as plain data; :func:`retention_from_spec` rebuilds it.
+    def spec(self) -> PolicySpec:
+        """The policy in configuration form, every argument spelled (a union: a list);
+        :func:`.retention_from_config` rebuilds it.
 
         A policy defined outside this module describes itself by type and repr; such a
         spec is recorded but cannot be rebuilt.
         """
-        return {"kind": "custom", "type": type(self).__qualname__, "repr": repr(self)}
+        return custom_spec(self)
 
     def __or__(self, other: object) -> RetentionPolicy:
         if not isinstance(other, RetentionPolicy):
@@ -117,8 +116,8 @@ class _Union(RetentionPolicy):
         return keep
 
     @property
-    def spec(self) -> dict[str, Any]:
-        return {"kind": "union", "children": [c.spec for c in self.children]}
+    def spec(self) -> PolicySpec:
+        return [c.spec for c in self.children]
 
     def __repr__(self) -> str:
         return " | ".join(repr(c) for c in self.children)
@@ -129,8 +128,8 @@ class _KeepAll(RetentionPolicy):
         return {c.step for c in checkpoints}
 
     @property
-    def spec(self) -> dict[str, Any]:
-        return {"kind": "keep_all"}
+    def spec(self) -> PolicySpec:
+        return "keep_all"
 
     def __repr__(self) -> str:
         return "keep_all()"
@@ -149,8 +148,8 @@ class _KeepLast(RetentionPolicy):
         return set(sorted((c.step for c in checkpoints), reverse=True)[: self.n])
 
     @property
-    def spec(self) -> dict[str, Any]:
-        return {"kind": "keep_last", "n": self.n}
+    def spec(self) -> PolicySpec:
+        return {"keep_last": {"n": self.n}}
 
     def __repr__(self) -> str:
         return f"keep_last({self.n})"
@@ -171,8 +170,8 @@ class _KeepBest(RetentionPolicy):
         return set(best_steps(checkpoints, self.metric, self.mode)[: self.k])
 
     @property
-    def spec(self) -> dict[str, Any]:
-        return {"kind": "keep_best", "k": self.k, "metric": self.metric, "mode": self.mode}
+    def spec(self) -> PolicySpec:
+        return {"keep_best": {"k": self.k, "metric": self.metric, "mode": self.mode}}
 
     def __repr__(self) -> str:
         extra = "" if self.mode == "min" else f", mode={self.mode!r}"
@@ -226,8 +225,8 @@ class _KeepEvery(RetentionPolicy):
         return {c.step for c in checkpoints if c.step % self.steps == 0}
 
     @property
-    def spec(self) -> dict[str, Any]:
-        return {"kind": "keep_every", "steps": self.steps}
+    def spec(self) -> PolicySpec:
+        return {"keep_every": {"steps": self.steps}}
 
     def __repr__(self) -> str:
         return f"keep_every(steps={self.steps})"
@@ -248,9 +247,9 @@ class _KeepWithin(RetentionPolicy):
         return {c.step for c in checkpoints if c.time >= cutoff}
 
     @property
-    def spec(self) -> dict[str, Any]:
+    def spec(self) -> PolicySpec:
         # The clock is how "now" is read, not what the policy is.
-        return {"kind": "keep_within", "secs": self.secs}
+        return {"keep_within": {"secs": self.secs}}
 
     def __repr__(self) -> str:
         return f"keep_within({self.secs!r})"
@@ -275,42 +274,6 @@ def keep_within(secs: float, clock: Callable[[], float] = time.time) -> Retentio
 def union_parts(policy: RetentionPolicy) -> tuple[RetentionPolicy, ...]:
     """The operands of ``a | b | ...`` (a policy that is no union is its only part)."""
     return policy.children if isinstance(policy, _Union) else (policy,)
-
-
-def retention_from_spec(spec: Mapping[str, Any]) -> RetentionPolicy:
-    """Rebuild a retention policy from its :attr:`~RetentionPolicy.spec` (plain data).
-
-    Only the ``keep_*`` kinds and their union exist; anything else raises
-    :class:`RetentionError`, so a spec read from a checkpoint never runs code.
-    """
-    if not isinstance(spec, Mapping) or not isinstance(spec.get("kind"), str):
-        raise RetentionError(f"retention spec {spec!r}: expected a dict with a str 'kind'")
-    kind = spec["kind"]
-    args = {k: v for k, v in spec.items() if k != "kind"}
-    makers: dict[str, Callable[..., RetentionPolicy]] = {
-        "keep_all": keep_all,
-        "keep_best": keep_best,
-        "keep_every": keep_every,
-        "keep_last": keep_last,
-        "keep_within": keep_within,
-    }
-    try:
-        if kind == "union":
-            children = args.pop("children", None)
-            if args or not isinstance(children, list) or len(children) < 2:
-                raise RetentionError(
-                    f"retention spec {dict(spec)!r}: a union needs only 'children', a list "
-                    "of >= 2 specs"
-                )
-            return _Union(retention_from_spec(c) for c in children)
-        make = makers.get(kind)
-        if make is None or "clock" in args:
-            raise RetentionError(f"retention spec {dict(spec)!r}: unknown kind {kind!r}")
-        return make(**args)
-    except RetentionError:
-        raise
-    except (TypeError, ValueError) as exc:
-        raise RetentionError(f"retention spec {dict(spec)!r}: {exc}") from None
 
 
 def plan_deletions(

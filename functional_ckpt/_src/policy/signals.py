@@ -76,7 +76,7 @@ class SignalPolicy(SavePolicy):
 
     @property
     def spec(self) -> PolicySpec:
-        return {"kind": "on_signal", "signum": int(self.signum)}
+        return {"on_signal": {"signum": self.signum.name}}
 
     def __repr__(self) -> str:
         return f"on_signal(signal.{self.signum.name})"

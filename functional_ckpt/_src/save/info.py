@@ -6,9 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from functional_ckpt._src.distributed.topology import is_dtensor as is_dtensor
-from functional_ckpt._src.paths import PathLike as PathLike
-
 
 @dataclass(frozen=True)
 class CheckpointInfo:
