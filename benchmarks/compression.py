@@ -31,11 +31,10 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-from _common import DEFAULT_RESULTS, Table, bench_parser, environment, finish
+from _common import Table, add_run_args, bench_parser, environment, finish
 
 WEIGHTS, WEIGHTS_BF16, EXP_AVG, EXP_AVG_SQ, WHOLE = (
     "weights fp32",
@@ -119,13 +118,12 @@ def measure(data: bytes, level: int, reps: int) -> dict[str, float]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = bench_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="a tiny model, a few steps")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default 300)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 200)")
     p.add_argument("--width", type=int, default=None, help="model width (default 256)")
     p.add_argument("--layers", type=int, default=None, help="encoder layers (default 4)")
     p.add_argument("--levels", default="1,3,9,19", help="zstd levels, comma-separated")
     p.add_argument("--reps", type=int, default=3, help="timings per measurement (best kept)")
-    p.add_argument("--json", type=Path, default=DEFAULT_RESULTS / "compression.json")
-    p.add_argument("--strict", action="store_true", help=argparse.SUPPRESS)
+    add_run_args(p, "compression")  # --dir and --allow-tmpfs too: nothing is written there
     return p.parse_args(argv)
 
 
@@ -136,12 +134,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         print("compression.py needs zstandard: pip install 'functional-ckpt[zstd]'")
         return 0
-    steps = args.steps if args.steps is not None else (5 if args.quick else 300)
+    steps = args.steps if args.steps is not None else (5 if args.quick else 200)
     width = args.width or (64 if args.quick else 256)
     layers = args.layers or (1 if args.quick else 4)
     levels = [int(x) for x in args.levels.split(",")]
-    torch.set_num_threads(1)
     model, opt, loss = train(width, layers, steps)
+    torch.set_num_threads(1)  # the throughputs are one core's
     state = parts(model, opt)
     rows = []
     for name, data in state.items():

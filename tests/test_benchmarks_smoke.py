@@ -355,3 +355,11 @@ def test_memory_tier_quick_run(tmp_path: Path) -> None:
         conditional = t["target"].startswith("where one training step")
         assert t["result"] in {"PASS", "FAIL"} or (conditional and t["result"] == "SKIP")
     assert not (tmp_path / "ram").exists() or not list((tmp_path / "ram").iterdir())
+
+
+def test_compression_quick_run(tmp_path: Path) -> None:
+    pytest.importorskip("zstandard")
+    data = _run_benchmark("compression.py", tmp_path, "--levels", "1,3", "--reps", "1")
+    got = {(r["part"], r["variant"], r["level"]) for r in data["rows"]}
+    assert len(got) == 5 * 2 * 2  # parts x (plain, grouped) x levels
+    assert all(r["ratio"] > 1.0 and r["compress_mb_s"] > 0 for r in data["rows"])
