@@ -52,6 +52,20 @@ ENDINGS = {
         "while True:\n    time.sleep(1)\n",
         -signal.SIGINT,
     ),
+    "SIGTERM with a handler that exits": (
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))\n"
+        'fc.save_async(root + "/ck", state)\n'
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "while True:\n    time.sleep(1)\n",
+        143,
+    ),
+    "a fork child exits meanwhile": (
+        'pending = fc.save_async(root + "/ck", state)\n'
+        "pid = os.fork()\n"
+        "if pid == 0:\n    sys.exit(0)  # through the interpreter's exit: no save of its own\n"
+        "assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0\n",
+        0,
+    ),
     "unclosed async manager": (
         'mgr = fc.CheckpointManager(root + "/run", async_save=True)\n'
         "mgr.maybe_save(state, step=7, force=True)\n",
@@ -70,6 +84,25 @@ def run_child(tmp_path: Path, body: str, **env: str) -> subprocess.CompletedProc
         timeout=HANG,
         env={**os.environ, **env},
     )
+
+
+def test_sigterm_without_a_handler_commits_nothing_and_the_next_writer_cleans_up(
+    tmp_path: Path,
+) -> None:
+    body = (
+        "os.makedirs(root + '/run')\n"
+        'fc.save_async(root + "/run/step_000000007", state)\n'
+        "while not [n for n in os.listdir(root + '/run') if '.tmp-' in n]:\n"
+        "    time.sleep(0.01)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "while True:\n    time.sleep(1)\n"
+    )
+    proc = run_child(tmp_path, body)
+    assert proc.returncode == -signal.SIGTERM  # killed at once, as by SIGKILL
+    assert [p.name for p in (tmp_path / "run").iterdir() if ".tmp-" in p.name]
+    with fc.CheckpointManager(tmp_path / "run") as mgr:  # a writer removes the leftover
+        assert mgr.steps() == []
+    assert [p.name for p in (tmp_path / "run").iterdir() if ".tmp-" in p.name] == []
 
 
 def committed(tmp_path: Path, ending: str) -> Path:

@@ -331,6 +331,15 @@ threading._register_atexit(_finish_saves)  # type: ignore[attr-defined]
 atexit.register(_fail_exit)
 
 
+def _forget_in_child() -> None:
+    """A child made by fork has none of its parent's threads: the saves are the parent's."""
+    _RUNNING.clear()
+    _UNREAD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def run_in_background(dest: Path, work: Callable[[PendingSave], CheckpointInfo]) -> PendingSave:
     """Run ``work`` on its own thread; the process does not end before it does, and
     a failure nobody reads is printed at exit and fails the exit status."""
