@@ -4,7 +4,8 @@ The arguments that shape the checkpoint (its name, the base, ``overwrite``, the
 staging mode, ``per_rank``) are compared with the coordinator's in a save's first
 round: a rank that differs fails every rank, naming the argument and the ranks,
 and nothing is committed. A shard file missing at the commit is an error unless
-its rank reported writing it into a part of its own.
+its rank reported writing it into a part of its own. A rank gone before the first
+round makes the others raise the project's error, never gloo's.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import functional_ckpt as fc
 from tests.test_dist import free_port, wait_all
@@ -98,6 +100,21 @@ def test_a_shard_file_missing_at_commit_is_an_error(tmp_path: Path) -> None:
     for r, t in enumerate(told):
         assert t != "ok", f"rank {r} saved"
         assert "__1_0.distcp" in t["str"] + " ".join(t["notes"]), t
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("variant", ["save", "async", "restore"])
+def test_a_rank_gone_before_the_first_round_is_the_projects_error(
+    tmp_path: Path, variant: str
+) -> None:
+    """Was: gloo's raw RuntimeError from the first exchange (the temporary
+    directory's name), outside the rounds that say another rank did not answer."""
+    fc.save(tmp_path / "solo", {"x": torch.arange(3.0)})
+    results = wait_all(launch("gone-first", tmp_path, variant))
+    assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:]
+    told = json.loads((tmp_path / "error.0.json").read_text())
+    assert told != "ok" and told["type"] == "CheckpointError", told
+    assert "did not answer" in told["str"], told
     assert not (tmp_path / "a").exists()
 
 

@@ -66,29 +66,54 @@ def _release_groups() -> None:
                 dist.destroy_process_group(group)
 
 
+class Unanswered(CheckpointError):
+    """A checkpoint collective failed because another rank did not answer: it died,
+    closed its connections, or stayed silent past the group's timeout."""
+
+
+def _collective(op: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
+    """Run one ``torch.distributed`` collective. Every collective of the package runs
+    here (tests/test_primitives.py), so a lost peer is always :class:`Unanswered`,
+    never gloo's own error, whichever round it interrupts."""
+    try:
+        op(*args, **kwargs)
+    except Exception as e:
+        raise Unanswered(f"another rank did not answer ({type(e).__name__}: {e})") from e
+
+
 # Every checkpoint collective passes through these five, so a run can count what
 # each rank sends and receives (tests/dist_job.py) and a simulation can predict it
 # (benchmarks/scale.py).
 
 
 def _all_gather(out: list[torch.Tensor], t: torch.Tensor, group: Any) -> None:
-    dist.all_gather(out, t, group=group)
+    _collective(dist.all_gather, out, t, group=group)
 
 
 def _all_reduce_max(t: torch.Tensor, group: Any) -> None:
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    _collective(dist.all_reduce, t, op=dist.ReduceOp.MAX, group=group)
 
 
 def _gather(t: torch.Tensor, out: list[torch.Tensor] | None, dst: int, group: Any) -> None:
-    dist.gather(t, out, dst=dist.get_global_rank(group, dst), group=group)
+    _collective(dist.gather, t, out, dst=dist.get_global_rank(group, dst), group=group)
 
 
 def _broadcast(t: torch.Tensor, src: int, group: Any) -> None:
-    dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
+    _collective(dist.broadcast, t, src=dist.get_global_rank(group, src), group=group)
 
 
 def _scatter(t: torch.Tensor, parts: list[torch.Tensor] | None, src: int, group: Any) -> None:
-    dist.scatter(t, parts, src=dist.get_global_rank(group, src), group=group)
+    _collective(dist.scatter, t, parts, src=dist.get_global_rank(group, src), group=group)
+
+
+def send(t: torch.Tensor, dst: int, group: Any, tag: int) -> None:
+    """``t`` to rank ``dst`` of ``group``, point to point (a replica's bytes)."""
+    _collective(dist.send, t, dst=dist.get_global_rank(group, dst), group=group, tag=tag)
+
+
+def recv(t: torch.Tensor, src: int, group: Any, tag: int) -> None:
+    """Into ``t`` from rank ``src`` of ``group`` (what :func:`send` sent)."""
+    _collective(dist.recv, t, src=dist.get_global_rank(group, src), group=group, tag=tag)
 
 
 def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
@@ -224,9 +249,11 @@ def agree(error: BaseException | None, group: Any, what: str) -> None:
 
 def answered(what: str, collective: Callable[[Any, Any], T], data: Any, group: Any) -> T:
     """``collective(data, group)``; a rank that died or timed out fails it as a
-    :class:`CheckpointError` saying so, never as gloo's own error."""
+    :class:`CheckpointError` saying so and naming ``what``."""
     try:
         return collective(data, group)
+    except Unanswered as e:
+        raise CheckpointError(f"{what}: {e}; nothing committed") from e
     except Exception as e:
         raise CheckpointError(
             f"{what}: another rank did not answer ({e}); nothing committed"

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.log import done, logger
 from functional_ckpt._src.storage import durable, opener
 from functional_ckpt.errors import CheckpointError
@@ -71,6 +72,8 @@ def transfer(
             else:
                 _receive(target(move) / move.name, move, tag, group)
             moved += move.size
+        except groups.Unanswered:  # a peer is gone: no later move can finish either
+            raise
         except (OSError, CheckpointError) as e:
             failed.append(e)
     if failed:
@@ -88,7 +91,6 @@ def _send(path: Path, move: Move, tag: int, group: Any) -> None:
     """Send exactly ``move.size`` bytes, whatever happens here (zeros in place of what
     cannot be read), so the receiver is never left waiting: its checksums reject such
     bytes, and this rank reports the error."""
-    dst = dist.get_global_rank(group, move.dst)
     fd, view, size, failure = -1, None, -1, None
     try:
         dir_fd = opener.open_directory(path.parent)
@@ -112,7 +114,7 @@ def _send(path: Path, move: Move, tag: int, group: Any) -> None:
                 k = max(0, have - offset)
                 if k and view is not None:
                     piece[:k] = torch.frombuffer(view, dtype=torch.uint8, count=k, offset=offset)
-            dist.send(piece, dst=dst, group=group, tag=tag)
+            groups.send(piece, move.dst, group, tag)
             del piece  # the map can close only once no tensor shares it
     finally:
         _close(view, fd)
@@ -135,7 +137,6 @@ def _receive(path: Path, move: Move, tag: int, group: Any) -> None:
     (a shared map of it: no copy through a buffer). Its space is reserved first (a full
     RAM file system is an error here, not a SIGBUS later); what cannot be written is
     still received, into a scratch buffer, so the sender is never left waiting."""
-    src = dist.get_global_rank(group, move.src)
     fd, view, failure = -1, None, None
     try:
         fd = durable.open_new(path, mapped=True)
@@ -153,7 +154,7 @@ def _receive(path: Path, move: Move, tag: int, group: Any) -> None:
             else:
                 scratch = torch.empty(n, dtype=torch.uint8) if scratch is None else scratch
                 piece = scratch[:n]
-            dist.recv(piece, src=src, group=group, tag=tag)
+            groups.recv(piece, move.src, group, tag)
             del piece  # the map can close only once no tensor shares it
     finally:
         _close(view, fd)

@@ -51,7 +51,8 @@ def plan_job(
     A single process raises what it finds; a rank of a distributed save keeps it in
     the job, for the backend to fail every rank together. The base is opened and
     vetted here, and the sources' version counters are read now, before anything can
-    stage or write them.
+    stage or write them. ``staging``: an asynchronous save's mode (the ranks of a
+    save agree on it).
     """
     topo = topology()
     try:

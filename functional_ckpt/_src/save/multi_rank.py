@@ -174,7 +174,9 @@ def save_planned(
 ) -> CheckpointInfo:
     """The multi-rank write of a planned save: every rank calls it; one checkpoint commits.
 
-    A rank's planning failure (``job.error``) is agreed on with the coordinator's
+    The first round carries the coordinator's directory name and its arguments
+    (:func:`exchange.arguments`): a rank that passed others fails with the next. A
+    rank's planning failure (``job.error``) is agreed on with the coordinator's
     directory (one round: the coordinator makes it only when it planned, and removes
     it when another rank did not), so all of them fail together. ``tensors`` are what
     fills the plan's targets (the sources, DTensors included, or their staged copies);
