@@ -45,6 +45,7 @@ from functional_ckpt._src.format.naming import (
     shard_name,
     step_name,
 )
+from functional_ckpt._src.manager.memory_folder import own_folder
 from functional_ckpt._src.root.listing import committed_steps
 from functional_ckpt._src.storage import commit, durable, opener, ram
 from functional_ckpt._src.storage.verify import verify
@@ -136,16 +137,22 @@ class Replicas:
 
     @classmethod
     def open(
-        cls, folder: Path, replicas: int | None, domain: Callable[[int], int | str] | None
+        cls,
+        folder: Path,
+        replicas: int | None,
+        domain: Callable[[int], int | str] | None,
+        *,
+        private: bool,
     ) -> Replicas:
-        """Every rank, on the training thread, in the same order (groups are made here)."""
+        """Every rank, on the training thread, in the same order (groups are made here);
+        each makes the folder or checks it is its own (``private``: see :func:`own_folder`)."""
         rank = topology().rank
         group = groups.checkpoint_group(purpose="replicate")
         groups.checkpoint_group(purpose="memory")  # the tier's saves (beside the disk's)
         error: BaseException | None = None
         mine: list[Any] = []
         try:
-            durable.make_dirs(folder)
+            own_folder(folder, private=private)
             st = os.stat(folder)
             where = domain(rank) if domain is not None else _default_domain(rank)
             if isinstance(where, bool) or not isinstance(where, int | str):

@@ -1,0 +1,216 @@
+"""A run's lineage across tiers: which checkpoint a resume takes, and whose it is.
+
+Every checkpoint a manager commits records its root's run; a resume takes the
+newest intact step of that run in any tier, walking down past damage, and never a
+checkpoint of another run. Crashes are real (a child process SIGKILLs itself).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import functional_ckpt as fc
+from functional_ckpt._src.format.naming import step_name
+from functional_ckpt._src.root.run import RUN_FILE, read_run
+from functional_ckpt.errors import CheckpointWarning, MemoryWarning
+from tests.exact import assert_exact
+from tests.forge import flip
+from tests.patience import finished
+
+
+def state(step: int) -> dict[str, Any]:
+    return {"w": torch.full((32, 8), float(step)), "b": torch.arange(4) + step, "step": step}
+
+
+def job(root: str, memory: str | None, die_at: int, disk_every: int, memory_every: int) -> None:
+    """Save steps 1.. on both tiers' policies; SIGKILL once ``die_at`` is saved."""
+    tier = fc.manager.Memory(
+        path=memory, save=fc.every_steps(memory_every), async_save=False, promote_on=()
+    )
+    mgr = fc.CheckpointManager(root, save=fc.every_steps(disk_every), memory=tier)
+    restored = mgr.restore_latest(like=state(0))
+    step = 0 if restored is None else int(restored["step"])
+    while step < die_at:
+        step += 1
+        mgr.maybe_save(state(step), step=step)
+    mgr.wait()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killed(
+    root: Path, memory: Path | None, die_at: int, disk_every: int, memory_every: int
+) -> None:
+    args = (str(root), None if memory is None else str(memory), die_at, disk_every, memory_every)
+    proc = mp.get_context("fork").Process(target=job, args=args)
+    proc.start()
+    assert finished(proc) == -signal.SIGKILL
+
+
+def committed(folder: Path) -> list[int]:
+    return fc.CheckpointManager(folder, read_only=True).steps() if folder.is_dir() else []
+
+
+def resumed(root: Path, memory: Path | None, disk_every: int = 4) -> tuple[int | None, Any]:
+    tier = fc.manager.Memory(path=memory, promote_on=())
+    with fc.CheckpointManager(root, save=fc.every_steps(disk_every), memory=tier) as mgr:
+        got = mgr.restore_latest(like=state(0))
+        return mgr.restored_step, got
+
+
+def exact(got: Any, step: int) -> None:
+    want = state(step)
+    assert_exact({k: fc.to_python(got)[k] for k in want}, fc.to_python(want))
+
+
+def default_folder_of(root: Path) -> Path:
+    run = read_run(root)
+    assert run is not None
+    return Path("/dev/shm") / f"fckpt-{os.getuid()}-{run.secret}"
+
+
+def test_a_damaged_newest_disk_step_does_not_hide_a_newer_memory_step(tmp_path: Path) -> None:
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    killed(root, memory, die_at=8, disk_every=4, memory_every=3)
+    assert committed(root) == [4, 8] and committed(memory) == [3, 6]
+    flip(root / step_name(8), "w")
+    with pytest.warns(CheckpointWarning, match="step 8 is unreadable"):
+        step, got = resumed(root, memory)
+    assert step == 6  # not the older disk step 4
+    exact(got, 6)
+
+
+def test_an_intact_newer_disk_step_wins_over_the_memory_tier(tmp_path: Path) -> None:
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    killed(root, memory, die_at=8, disk_every=4, memory_every=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step, got = resumed(root, memory)
+    assert step == 8
+    exact(got, 8)
+
+
+def test_a_run_killed_before_its_first_disk_save_resumes_from_ram(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    killed(root, None, die_at=5, disk_every=100, memory_every=1)
+    folder = default_folder_of(root)
+    try:
+        assert committed(root) == [] and committed(folder) == [4, 5]
+        st = os.lstat(folder)  # the default folder: this user's, private, not a link
+        assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
+        assert st.st_uid == os.getuid()
+        assert stat.S_IMODE(os.stat(root / RUN_FILE).st_mode) == 0o600
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            step, got = resumed(root, None, disk_every=100)
+        assert step == 5
+        exact(got, 5)
+        info = fc.CheckpointManager(folder, read_only=True).info(5) if folder.exists() else None
+        assert info is None  # a clean exit removed the tier's folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_root_emptied_by_hand_starts_a_new_run(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    killed(root, None, die_at=3, disk_every=100, memory_every=1)
+    old = default_folder_of(root)
+    try:
+        assert committed(old) == [2, 3]
+        subprocess.run("rm -rf ckpt/*", shell=True, cwd=tmp_path, check=True)
+        with pytest.warns(MemoryWarning, match=r"steps \[2, 3\]\) of an earlier run"):
+            step, got = resumed(root, None, disk_every=100)
+        assert step is None and got is None  # not the old run's RAM step
+        assert committed(old) == [2, 3]  # reported, never removed
+        assert default_folder_of(root) != old
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def test_every_checkpoint_records_its_run_and_parent(tmp_path: Path) -> None:
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    killed(root, memory, die_at=4, disk_every=2, memory_every=1)
+    run = read_run(root)
+    assert run is not None
+    first = fc.CheckpointManager(root, read_only=True).info(2).metadata["run"]
+    assert first == {"id": run.id, "parent": None}
+    tier = fc.manager.Memory(path=memory, promote_on=())
+    with fc.CheckpointManager(root, save=fc.every_steps(2), memory=tier) as mgr:
+        mgr.restore_latest(like=state(0))
+        assert mgr.restored_step == 4
+        mgr.maybe_save(state(6), step=6)
+    meta = fc.CheckpointManager(root, read_only=True).info(6).metadata["run"]
+    assert meta["id"] == run.id and meta["parent"]["step"] == 4
+    assert meta["parent"]["run"] == run.id and isinstance(meta["parent"]["manifest_crc32"], int)
+    assert json.loads((root / RUN_FILE).read_text())["run"] == run.id
+
+
+# --------------------------------------------------------------------------- crash means crash
+
+
+def test_an_exception_leaving_the_manager_keeps_the_memory_tier(tmp_path: Path) -> None:
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    tier = fc.manager.Memory(path=memory, async_save=False, promote_on=())
+    manager = fc.CheckpointManager(root, save=fc.every_steps(10), memory=tier)
+    with pytest.raises(RuntimeError, match="a crash"), manager as mgr:
+        for step in (1, 2, 3):
+            mgr.maybe_save(state(step), step=step)
+        raise RuntimeError("a crash")
+    assert committed(memory) == [2, 3] and committed(root) == []  # kept, nothing promoted
+    step, got = resumed(root, memory, disk_every=10)
+    assert step == 3
+    exact(got, 3)
+    assert not memory.exists()  # a clean exit removes it
+
+
+def test_an_exception_promotes_where_a_signal_would(tmp_path: Path) -> None:
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    tier = fc.manager.Memory(path=memory, async_save=False)  # promote_on=(SIGTERM,)
+    manager = fc.CheckpointManager(root, save=fc.every_steps(10), memory=tier)
+    with pytest.raises(RuntimeError, match="a crash"), manager as mgr:
+        for step in (1, 2, 3):
+            mgr.maybe_save(state(step), step=step)
+        raise RuntimeError("a crash")
+    assert committed(root) == [3] and committed(memory) == [2, 3]
+    exact(fc.restore(root / step_name(3)), 3)
+    shutil.rmtree(memory)
+
+
+def test_a_promotion_waits_for_the_disk_save_of_the_same_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from functional_ckpt._src.storage import shards
+
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    real, release = shards.write_shard, threading.Event()
+
+    def slow(path: Path, *args: Any, **kwargs: Any) -> Any:
+        if path.parent.parent == root:
+            release.wait()  # the disk save of step 2 is still being written
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shards, "write_shard", slow)
+    tier = fc.manager.Memory(path=memory, async_save=False)
+    with fc.CheckpointManager(root, save=fc.every_steps(2), async_save=True, memory=tier) as mgr:
+        mgr.maybe_save(state(1), step=1)
+        mgr.maybe_save(state(2), step=2)  # on both tiers; the disk's off the training thread
+        threading.Timer(0.5, release.set).start()
+        assert mgr.memory is not None and mgr.memory.promote(60.0) is None  # the disk has it
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            mgr.maybe_save(state(3), step=3)
+            mgr.maybe_save(state(4), step=4)  # no CheckpointExists from the save of step 2
+    assert committed(root) == [2, 4]
+    exact(fc.restore(root / step_name(2)), 2)
