@@ -214,3 +214,95 @@ def test_a_promotion_waits_for_the_disk_save_of_the_same_step(
             mgr.maybe_save(state(4), step=4)  # no CheckpointExists from the save of step 2
     assert committed(root) == [2, 4]
     exact(fc.restore(root / step_name(2)), 2)
+
+
+# --------------------------------------------------------------------------- a planted folder
+
+NOBODY = 65534
+
+
+def as_another_user(action: Any) -> None:
+    """Run ``action()`` in a forked child that has become another local user."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            action()
+            code = 0
+        except BaseException as e:
+            print(f"as another user: {type(e).__name__}: {e}", flush=True)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a second user needs root to become")
+
+
+@pytest.fixture
+def shared_tmp() -> Any:
+    """A directory both users reach (pytest's own is this user's only)."""
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="fckpt-two-users-"))
+    os.chmod(base, 0o777)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@needs_root
+def test_a_default_folder_planted_by_another_user_is_never_used(shared_tmp: Path) -> None:
+    tmp_path = shared_tmp
+    root = tmp_path / "root"
+    killed(root, None, die_at=2, disk_every=100, memory_every=1)
+    mine = default_folder_of(root)
+    shutil.rmtree(mine)  # the machine restarted: /dev/shm is empty, the name known
+    planted = tmp_path / "planted"
+
+    fc.save(planted, fc.capture(**state(99)))  # weights of another user's choosing
+
+    def plant() -> None:  # where this run's folder would be
+        mine.mkdir(mode=0o777)
+        shutil.copytree(planted, mine / step_name(99))
+
+    try:
+        as_another_user(plant)
+        assert os.stat(mine).st_uid == NOBODY
+        with pytest.warns(MemoryWarning, match="belongs to another user"):
+            step, got = resumed(root, None, disk_every=100)
+        assert step is None and got is None  # never the planted weights; the job starts
+        assert default_folder_of(root) != mine and committed(mine) == [99]  # left alone
+    finally:
+        shutil.rmtree(mine, ignore_errors=True)
+
+
+@needs_root
+def test_an_explicit_folder_of_another_user_or_open_to_others_is_refused(
+    shared_tmp: Path,
+) -> None:
+    tmp_path = shared_tmp
+    theirs = tmp_path / "theirs"
+    as_another_user(lambda: theirs.mkdir(mode=0o700))
+    with pytest.raises(fc.CheckpointError, match="belongs to another user"):
+        fc.CheckpointManager(tmp_path / "a", memory=fc.manager.Memory(path=theirs))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(fc.CheckpointError, match="open to other users"):
+        fc.CheckpointManager(tmp_path / "b", memory=fc.manager.Memory(path=shared))
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(fc.CheckpointError, match="is a link"):
+        fc.CheckpointManager(tmp_path / "c", memory=fc.manager.Memory(path=tmp_path / "link"))
+    with fc.CheckpointManager(tmp_path / "d", memory=fc.manager.Memory(path=tmp_path / "m")):
+        assert stat.S_IMODE(os.stat(tmp_path / "m").st_mode) == 0o700
+
+
+def test_a_folder_inside_or_around_a_root_is_refused(tmp_path: Path) -> None:
+    with fc.CheckpointManager(tmp_path / "other"):
+        pass  # a root of another run
+    for folder in (tmp_path / "other" / "ram", tmp_path):
+        with pytest.raises(fc.CheckpointError, match="apart from the disk root"):
+            fc.CheckpointManager(tmp_path / "r", memory=fc.manager.Memory(path=folder))
