@@ -35,13 +35,24 @@ def state(step: int) -> dict[str, Any]:
     return {"w": torch.full((32, 8), float(step)), "b": torch.arange(4) + step, "step": step}
 
 
-def job(root: str, memory: str | None, die_at: int, disk_every: int, memory_every: int) -> None:
-    """Save steps 1.. on both tiers' policies; SIGKILL once ``die_at`` is saved."""
+def job(
+    root: str,
+    memory: str | None,
+    die_at: int,
+    disk_every: int,
+    memory_every: int,
+    report: str | None = None,
+) -> None:
+    """Save steps 1.. on both tiers' policies; SIGKILL once ``die_at`` is saved. With
+    ``report``, what the resume read is written there first (``torch.save``)."""
+    warnings.simplefilter("ignore")
     tier = fc.manager.Memory(
         path=memory, save=fc.every_steps(memory_every), async_save=False, promote_on=()
     )
     mgr = fc.CheckpointManager(root, save=fc.every_steps(disk_every), memory=tier)
     restored = mgr.restore_latest(like=state(0))
+    if report is not None:
+        torch.save(None if restored is None else fc.to_python(restored), report)
     step = 0 if restored is None else int(restored["step"])
     while step < die_at:
         step += 1
@@ -51,9 +62,21 @@ def job(root: str, memory: str | None, die_at: int, disk_every: int, memory_ever
 
 
 def killed(
-    root: Path, memory: Path | None, die_at: int, disk_every: int, memory_every: int
+    root: Path,
+    memory: Path | None,
+    die_at: int,
+    disk_every: int,
+    memory_every: int,
+    report: Path | None = None,
 ) -> None:
-    args = (str(root), None if memory is None else str(memory), die_at, disk_every, memory_every)
+    args = (
+        str(root),
+        None if memory is None else str(memory),
+        die_at,
+        disk_every,
+        memory_every,
+        None if report is None else str(report),
+    )
     proc = mp.get_context("fork").Process(target=job, args=args)
     proc.start()
     assert finished(proc) == -signal.SIGKILL
@@ -155,6 +178,26 @@ def test_every_checkpoint_records_its_run_and_parent(tmp_path: Path) -> None:
     assert meta["id"] == run.id and meta["parent"]["step"] == 4
     assert meta["parent"]["run"] == run.id and isinstance(meta["parent"]["manifest_crc32"], int)
     assert json.loads((root / RUN_FILE).read_text())["run"] == run.id
+
+
+def test_fckpt_ls_says_which_run_each_memory_checkpoint_is_of(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from functional_ckpt._src import cli
+
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    killed(root, memory, die_at=2, disk_every=10, memory_every=1)
+    run = read_run(root)
+    assert run is not None
+    assert cli.main(["ls", "--json", str(root)]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out) if r.get("kind") == "memory"]
+    assert [(r["step"], r["run"], r["this_run"]) for r in rows] == [
+        (1, run.id, True),
+        (2, run.id, True),
+    ]
+    assert cli.main(["ls", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "RUN" in out and run.id[:8] in out and "another run" not in out
 
 
 # --------------------------------------------------------------------------- crash means crash
@@ -306,3 +349,100 @@ def test_a_folder_inside_or_around_a_root_is_refused(tmp_path: Path) -> None:
     for folder in (tmp_path / "other" / "ram", tmp_path):
         with pytest.raises(fc.CheckpointError, match="apart from the disk root"):
             fc.CheckpointManager(tmp_path / "r", memory=fc.manager.Memory(path=folder))
+
+
+def test_the_memory_tier_keeps_by_a_retention_policy(tmp_path: Path) -> None:
+    tier = fc.manager.Memory(path=tmp_path / "mem", keep=fc.keep_last(1), async_save=False)
+    assert tier.held == 1 and fc.manager.Memory(keep=2).held == 2
+    with fc.CheckpointManager(tmp_path / "root", save=fc.every_steps(10), memory=tier) as mgr:
+        for step in (1, 2, 3):
+            mgr.maybe_save(state(step), step=step)
+        assert mgr.memory is not None and mgr.memory.steps() == [3]
+    with pytest.raises(ValueError, match=r"Memory\(keep=keep_best.*keep_last\(1\)"):
+        fc.manager.Memory(keep=fc.keep_best(1, "loss"))
+    with pytest.raises(ValueError, match=r"Memory\(keep=keep_last\(3\)\)"):
+        fc.manager.Memory(keep=fc.keep_last(3))
+
+
+# --------------------------------------------------------------------------- the property
+
+
+class Model:
+    """What each tier holds of one root's run, as the rules say: ``{step: intact}``."""
+
+    def __init__(self, disk_every: int, memory_every: int) -> None:
+        self.disk_every, self.memory_every = disk_every, memory_every
+        self.disk: dict[int, bool] = {}
+        self.memory: dict[int, bool] = {}
+
+    def resume(self) -> int | None:
+        """The step a resume takes, walking past damage as it does (damage it meets goes:
+        removed from the memory tier, moved aside on disk)."""
+        found = None
+        for step in sorted(self.memory, reverse=True):
+            if self.memory[step]:
+                found = step
+                break
+            del self.memory[step]
+        for step in sorted(self.disk, reverse=True):
+            if found is not None and step <= found:
+                break
+            if self.disk[step]:
+                return step
+            del self.disk[step]
+        return found
+
+    def run(self, die_at: int) -> int | None:
+        start = self.resume()
+        for step in range((start or 0) + 1, die_at + 1):
+            if step % self.disk_every == 0:
+                self.disk[step] = True
+            if step % self.memory_every == 0:
+                older = sorted(s for s in self.memory if s < step)
+                self.memory = {s: self.memory[s] for s in older[-1:]}  # keep=2 counts the new
+                self.memory[step] = True
+        return start
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_resume_takes_the_newest_intact_step_of_this_run(tmp_path: Path, seed: int) -> None:
+    """Random saves, kills, damaged checkpoints and wiped roots: every relaunch resumes
+    the newest intact state of this run, bit for bit, whichever tier holds it."""
+    import random
+
+    rng = random.Random(seed)
+    root = tmp_path / "ckpt"
+    model = Model(disk_every=rng.choice([3, 4, 5]), memory_every=rng.choice([1, 2]))
+    folders: set[Path] = set()
+    step = 0
+    try:
+        for launch in range(6):
+            report = tmp_path / f"resumed-{launch}.pt"
+            step += rng.randint(1, 6)
+            want = model.run(step)
+            killed(root, None, step, model.disk_every, model.memory_every, report)
+            folders.add(default_folder_of(root))
+            got = torch.load(report, weights_only=False)
+            if want is None:
+                assert got is None, (launch, got)
+            else:
+                assert got is not None and got["step"] == want, (launch, want, got)
+                exact(got, want)
+            step = max([step, *model.disk, *model.memory])
+            assert sorted(model.disk) == committed(root), (launch, model.disk)
+            assert sorted(model.memory) == committed(default_folder_of(root)), model.memory
+            what = rng.random()
+            if what < 0.2:  # the root emptied by hand: a new run
+                subprocess.run("rm -rf ckpt/*", shell=True, cwd=tmp_path, check=True)
+                model.disk, model.memory = {}, {}
+                step = 0
+            elif what < 0.7:  # one checkpoint damaged, never the last intact one
+                tiers = [(model.disk, root), (model.memory, default_folder_of(root))]
+                kept = [(t, f, s) for t, f in tiers for s, ok in t.items() if ok]
+                if len(kept) > 1:
+                    tier, folder, victim = rng.choice(kept)
+                    flip(folder / step_name(victim), "w")
+                    tier[victim] = False
+    finally:
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -143,7 +143,7 @@ class MemoryTier:
         )
 
     def __repr__(self) -> str:
-        return f"MemoryTier({str(self.folder)!r}, keep={self.option.keep})"
+        return f"MemoryTier({str(self.folder)!r}, keep={self.option.held})"
 
     # ------------------------------------------------------------------ open and close
 
@@ -191,11 +191,11 @@ class MemoryTier:
     def _over_budget(self, state: State) -> OverBudget | None:
         """Why this save does not fit the budget (``keep`` checkpoints of this very state:
         a state grows, Adam's moments appear at its first step); None if it fits."""
-        need = self.option.keep * state_bytes(state)
+        need = self.option.held * state_bytes(state)
         if need <= self.budget:
             return None
         return OverBudget(
-            f"Memory(budget={self.option.budget!r}): {self.option.keep} checkpoint(s) of "
+            f"Memory(budget={self.option.budget!r}): {self.option.held} checkpoint(s) of "
             f"this state need {need} bytes in {self.folder}, more than the budget of "
             f"{self.budget} bytes; the memory tier skips every save that does not fit (said "
             "once). Raise budget=, lower keep= (1 holds one checkpoint), or leave it out"
@@ -254,7 +254,7 @@ class MemoryTier:
             "open": open_,
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "keep": self.option.keep,
+            "keep": self.option.held,
             "budget": self.budget,
         }
         if self.replicas is not None:
@@ -355,7 +355,7 @@ class MemoryTier:
         steps = self.steps()
         newer = [s for s in steps if s > step]  # a run that went back (rollback, older resume)
         older = sorted(s for s in steps if s < step)
-        kept = older[-(self.option.keep - 1) :] if self.option.keep > 1 else []
+        kept = older[-(self.option.held - 1) :] if self.option.held > 1 else []
         self._delete(newer + [s for s in older if s not in kept])
 
     def _prune(self) -> None:
@@ -364,7 +364,7 @@ class MemoryTier:
         steps = self.steps()
         if steps and topology().rank == 0:
             report_progress(steps[-1], time.time())
-        self._delete(steps[: -self.option.keep])
+        self._delete(steps[: -self.option.held])
 
     def _delete(self, steps: list[int]) -> None:
         """Out of sight now; the files (freeing their RAM takes as long as a copy of
