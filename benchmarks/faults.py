@@ -2253,7 +2253,7 @@ def _rollback_trial(base: Path, i: int, rng: random.Random, res: Result) -> None
     for w in caught:
         if _damage_warning(w.category):
             res.problem("damaged", f"{label}: {w.message}", column="torn")
-    leftovers = [n.name for n in root.iterdir() if n.name not in (".lock", "branches")]
+    leftovers = [n.name for n in root.iterdir() if n.name not in (".lock", "branches", "run.json")]
     leftovers = [n for n in leftovers if parse_step(n) is None]
     if leftovers:
         res.problem("leftover", f"{label}: {leftovers} left in the root")

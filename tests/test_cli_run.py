@@ -363,3 +363,21 @@ def test_a_bad_config_is_one_line_naming_its_key(
     assert len(errors) == 1 and fragment in errors[0], err
     code, _, err = fckpt_run(capfd, f"--config={tmp_path / 'missing.json'}", "--", "true")
     assert code == 2 and "no such file" in err
+
+
+def test_a_job_resuming_further_from_ram_each_time_makes_progress(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    root, memory = tmp_path / "ckpt", tmp_path / "mem"
+    job = [*JOB, str(root), "--steps=12", "--save-every=100", f"--memory={memory}"]
+    argv = ["--retries=5", "--backoff=0.1", "--stall-limit=2", f"--root={root}", "--"]
+    code, _, err = fckpt_run(capfd, *argv, *job, "--die-after=3")
+    assert code == 0, err  # never declared stuck: each attempt got 3 steps further in RAM
+    assert log_lines(root) == [
+        "attempt 1: from 0, killed at 3",
+        "attempt 2: from 3, killed at 6",
+        "attempt 3: from 6, killed at 9",
+        "attempt 4: from 9, killed at 12",
+        "attempt 5: from 12, finished",
+    ]
+    assert "stopping early" not in err

@@ -495,7 +495,7 @@ def test_a_memory_tier_as_data(tmp_path: Path) -> None:
     with fc.CheckpointManager.from_config({**cfg, "memory": written}) as again:
         assert again.config()["memory"] == written
     for bad, fragment in (
-        ({"keep": 3}, "memory: Memory(keep=3): expected 1 or 2"),
+        ({"keep": 3}, "memory: Memory(keep=3): expected fc.keep_last(1) or fc.keep_last(2)"),
         ({"promote_on": ["SIGNOPE"]}, "memory.promote_on[0]: expected a signal name"),
         ({"sizes": 1}, "memory.sizes: unknown field"),
         ({"replicas": 0}, "memory: Memory(replicas=0): expected a number of copies"),

@@ -76,7 +76,7 @@ def test_policy_decides_and_retention_prunes(tmp_path: Path) -> None:
         assert mgr.steps() == [8, 10]
         assert mgr.latest_step() == 10
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == [".lock", "step_000000008", "step_000000010"]  # no trash left
+    assert names == [".lock", "run.json", "step_000000008", "step_000000010"]  # no trash left
 
 
 def test_force_and_final(tmp_path: Path) -> None:

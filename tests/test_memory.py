@@ -323,14 +323,20 @@ def test_the_memory_tier_has_its_own_policy(tmp_path: Path) -> None:
         assert mgr.steps() == [3, 6] and committed(tmp_path / "mem") == [4, 6]
 
 
-def test_a_budget_too_small_for_two_checkpoints_is_refused(tmp_path: Path) -> None:
+def test_a_save_over_the_budget_is_skipped_and_said_once(tmp_path: Path) -> None:
     size = 64 * 16 * 4 + 5 * 8
-    tier = fc.manager.Memory(path=tmp_path / "mem", budget=size + 100)  # one fits, two do not
+    tier = fc.manager.Memory(path=tmp_path / "mem", budget=2 * size + 100, async_save=False)
+    grown = lambda s: {**small_state(s), "m": torch.zeros(64, 16)}  # noqa: E731  # Adam's moments
     with fc.CheckpointManager(tmp_path / "root", memory=tier) as mgr:
-        with pytest.raises(fc.CheckpointError, match=r"Memory\(budget=") as err:
-            mgr.maybe_save(small_state(1), step=1)
-        assert "2 checkpoint(s)" in str(err.value) and str(tmp_path / "mem") in str(err.value)
-        assert committed(tmp_path / "mem") == []  # refused before anything was written
+        mgr.maybe_save(small_state(1), step=1)  # two of these fit
+        assert committed(tmp_path / "mem") == [1]
+        with pytest.warns(MemoryWarning, match=r"Memory\(budget=") as said:
+            mgr.maybe_save(grown(2), step=2)
+            mgr.maybe_save(grown(3), step=3)
+        assert len(said) == 1 and "2 checkpoint(s)" in str(said[0].message)
+        assert str(tmp_path / "mem") in str(said[0].message)
+        assert committed(tmp_path / "mem") == [1]  # skipped before anything was written
+        assert mgr.steps() == [1, 2, 3]  # the disk tier goes on
     one = fc.manager.Memory(path=tmp_path / "mem", budget=size + 100, keep=1)
     with fc.CheckpointManager(tmp_path / "root2", memory=one) as mgr:
         mgr.maybe_save(small_state(1), step=1)
@@ -397,7 +403,7 @@ def test_leftovers_of_a_crashed_run_are_recovered_or_removed(tmp_path: Path) -> 
         assert state is not None and mgr.restored_step == 2
 
 
-def test_a_folder_left_by_another_root_is_emptied_not_resumed(tmp_path: Path) -> None:
+def test_a_folder_left_by_another_root_is_refused_never_emptied(tmp_path: Path) -> None:
     memory = tmp_path / "mem"
     with fc.CheckpointManager(tmp_path / "a", memory=fc.manager.Memory(path=memory)) as mgr:
         mgr.maybe_save(small_state(1), step=1)
@@ -405,10 +411,15 @@ def test_a_folder_left_by_another_root_is_emptied_not_resumed(tmp_path: Path) ->
         mgr.memory._lock.release()  # type: ignore[union-attr]  # a crash: the folder stays
         mgr.memory._lock = None  # type: ignore[union-attr]
     assert committed(memory) == [1]
-    with pytest.warns(LeftoverWarning, match="of another root"):
-        mgr = fc.CheckpointManager(tmp_path / "b", memory=fc.manager.Memory(path=memory))
-    with mgr:
-        assert committed(memory) == [] and mgr.restore_latest() is None
+    with pytest.raises(
+        fc.errors.CheckpointError, match=r"holds checkpoints \(steps \[1\]\) of run"
+    ):
+        fc.CheckpointManager(tmp_path / "b", memory=fc.manager.Memory(path=memory))
+    assert committed(memory) == [1]  # another run's: left as it is
+    with fc.CheckpointManager(
+        tmp_path / "b", memory=fc.manager.Memory(path=tmp_path / "m2")
+    ) as mgr:
+        assert mgr.restore_latest() is None
 
 
 def test_a_failed_memory_save_warns_and_training_goes_on(

@@ -296,3 +296,25 @@ def test_another_world_size_says_so_and_resumes_from_the_disk_tier(tmp_path: Pat
     assert "saved by 4 ranks and this run has 2" in told and "disk tier" in told, told
     for code, out in runs:
         assert code == 0 and lines(out, "FINAL"), out[-3000:]
+
+
+def test_two_histories_sharing_a_step_are_never_mixed(tmp_path: Path) -> None:
+    runs = two_nodes(tmp_path, "--die-at", "7")
+    assert [code for code, _ in runs] == [-signal.SIGKILL] * WORLD
+    mem_a, mem_b = tmp_path / "mem-a", tmp_path / "mem-b"
+    old_b = tmp_path / "old-b"
+    shutil.copytree(mem_b, old_b, symlinks=True)  # node b's RAM, as it was
+    shutil.rmtree(mem_a)
+    shutil.rmtree(mem_b)  # a relaunch elsewhere: from the disk's step 5, another step 7
+    runs = two_nodes(tmp_path, "--die-at", "7")
+    assert [code for code, _ in runs] == [-signal.SIGKILL] * WORLD
+    assert [g[0] for g in resumed(runs)] == [5] * WORLD
+    assert committed(mem_a) == committed(old_b) == [6, 7]
+    shutil.rmtree(mem_b)
+    old_b.rename(mem_b)  # the old node came back with its RAM
+    runs = two_nodes(tmp_path)
+    for code, out in runs:  # every rank refuses, naming the conflict; none resumes a mix
+        assert code != 0 and "memory-tier step 7 is held as two different checkpoints" in out, out[
+            -3000:
+        ]
+        assert not lines(out, "RESUMED"), out[-3000:]

@@ -115,5 +115,5 @@ def test_running_out_of_file_descriptors_is_said_and_damages_nothing(tmp_path: P
     ).stdout
     line = next(ln for ln in out.splitlines() if ln.startswith("RESULT"))
     assert line.startswith("RESULT CheckpointError") and "file descriptors" in line, out
-    assert sorted(p.name for p in root.iterdir()) == [".lock", "step_000000001"]
+    assert sorted(p.name for p in root.iterdir()) == [".lock", "run.json", "step_000000001"]
     assert fc.verify(root / "step_000000001").ok

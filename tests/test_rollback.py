@@ -67,8 +67,8 @@ def test_rollback_keeps_newer_steps_on_a_branch_and_continues(tmp_path: Path) ->
         (event,) = mgr.info(4).metadata["rollbacks"]  # the run's history says so
         assert event["to_step"] == 3 and event["newer_steps"] == [4, 5]
         assert event["branch"] == "diverged" and "rollbacks" not in mgr.info(3).metadata
-    assert names(tmp_path) == [".lock", "branches", step_name(1), step_name(2), step_name(3),
-                               step_name(4)]  # fmt: skip
+    assert names(tmp_path) == [".lock", "branches", "run.json", step_name(1), step_name(2),
+                               step_name(3), step_name(4)]  # fmt: skip
     # The branch is a root of its own; readers of the trunk never see it as latest.
     assert fc.CheckpointManager(tmp_path, read_only=True).latest_step() == 4
     branch = fc.CheckpointManager(tmp_path / "branches" / "diverged", read_only=True)
@@ -83,7 +83,8 @@ def test_rollback_can_delete_the_newer_steps(tmp_path: Path) -> None:
         assert_exact(mgr.rollback(2, newer="delete"), small_state(2))
         assert mgr.steps() == [1, 2] and mgr.branches() == {}
         assert mgr.rollback(2) is not None and mgr.steps() == [1, 2]  # nothing newer: no-op
-    assert names(tmp_path) == [".lock", step_name(1), step_name(2)]  # no trash, no record
+    # no trash, no record (run.json is the root's run)
+    assert names(tmp_path) == [".lock", "run.json", step_name(1), step_name(2)]
 
 
 def test_rollback_default_branch_names_are_distinct(tmp_path: Path) -> None:

@@ -69,10 +69,14 @@ class _Supervisor:
         print(f"{PROG} run: {text}", file=self.ui.err, flush=True)
 
     def newest(self) -> Resumable | None:
-        if self.opts.root is not None:
-            return resumable(self.opts.root)
+        """The newest step a relaunch resumes from: the root's, or a newer one the job
+        reported (a memory tier's commits are reported too, never written to the root)."""
         reported = read_progress(self.progress)
-        return None if reported is None else Resumable(reported.step, reported.time)
+        told = None if reported is None else Resumable(reported.step, reported.time)
+        found = None if self.opts.root is None else resumable(self.opts.root)
+        if found is None or (told is not None and told.step > found.step):
+            return told
+        return found
 
     @property
     def sees_steps(self) -> bool:

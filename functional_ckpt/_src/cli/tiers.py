@@ -38,8 +38,10 @@ from functional_ckpt._src.cli.common import (
 from functional_ckpt._src.cli.ui import UI, human
 from functional_ckpt._src.format.header import header_of
 from functional_ckpt._src.format.naming import parse_step, step_name
+from functional_ckpt._src.manager.provenance import run_of
 from functional_ckpt._src.remote.uploader import read_status
-from functional_ckpt._src.root.listing import RootEntry, committed_steps
+from functional_ckpt._src.root.listing import RootEntry, committed_steps, read_info
+from functional_ckpt._src.root.run import read_run
 from functional_ckpt._src.storage.ram import holds_every_file, read_memory_status
 from functional_ckpt._src.storage.usage import dir_size
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
@@ -155,8 +157,12 @@ def memory_rows(root: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | Non
         return None
     out = []
     replicas = status.get("replicas")
+    this = read_run(root)
     for step, path in sorted(committed_steps(Path(folder)).items()):
         row = {"kind": "memory", "step": step, "path": str(path), "size": dir_size(path)}
+        with contextlib.suppress(CheckpointError, OSError):
+            run = run_of(read_info(path, step).metadata)  # which run each checkpoint is of
+            row |= {"run": run, "this_run": this is not None and run == this.id}
         if isinstance(replicas, int):  # committed only once every replica was confirmed
             row |= {"replicas": replicas, "whole": holds_every_file(path)}
         out.append(row)
@@ -189,8 +195,16 @@ def print_memory(found: tuple[dict[str, Any], list[dict[str, Any]]] | None, ui: 
     if not rows:
         ui.print("  no checkpoints (a closed manager removes its memory tier)")
         return
-    cells = [[step_name(r["step"]), str(r["step"]), human(r["size"])] for r in rows]
-    head = ["CHECKPOINT", "STEP", "SIZE"]
+    cells = [
+        [
+            step_name(r["step"]),
+            str(r["step"]),
+            human(r["size"]),
+            str(r.get("run"))[:8] + ("" if r.get("this_run") else " (another run)"),
+        ]
+        for r in rows
+    ]
+    head = ["CHECKPOINT", "STEP", "SIZE", "RUN"]
     if "replicas" in rows[0]:
         head += ["REPLICAS", "HERE"]
         for cell, r in zip(cells, rows, strict=True):

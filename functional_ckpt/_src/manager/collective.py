@@ -14,9 +14,10 @@ from tensordict import TensorDict, TensorDictBase
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.distributed.topology import is_dtensor
+from functional_ckpt._src.root.run import Run
 from functional_ckpt._src.state.tree import Leaf, leaves_of, unflatten
 
-__all__ = ["coordinator_decides", "gathered", "prepare_groups"]
+__all__ = ["coordinator_decides", "gathered", "prepare_groups", "share_run"]
 
 
 def prepare_groups() -> None:
@@ -63,3 +64,11 @@ def coordinator_decides(decision: tuple[Any, ...]) -> tuple[Any, ...]:
     chosen = codec.decode(all_gather_bytes(payload, group)[0])
     assert isinstance(chosen, list)
     return tuple(chosen)
+
+
+def share_run(run: tuple[Run, bool] | None) -> tuple[Run, bool]:
+    """Every rank adopts the run the coordinator found (or made) in the root."""
+    rid, secret, made = coordinator_decides(
+        (run[0].id, run[0].secret, run[1]) if run is not None else ("", "", False)
+    )
+    return Run(str(rid), str(secret)), bool(made)

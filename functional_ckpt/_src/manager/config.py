@@ -340,7 +340,7 @@ def config_of(
         out["memory"] = {
             "path": None if memory.path is None else str(memory.path),
             "save": _spec(memory.save, "memory.save"),
-            "keep": memory.keep,
+            "keep": memory.held,  # keep_last(n), as its int shorthand
             "budget": memory.budget,
             "promote_on": [signal.Signals(s).name for s in memory.promote_on],
             "promote_within": memory.promote_within,

@@ -20,7 +20,7 @@ from typing import Any
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.format.naming import parse_step
-from functional_ckpt._src.manager.collective import prepare_groups
+from functional_ckpt._src.manager.collective import prepare_groups, share_run
 from functional_ckpt._src.manager.config import config_of, manager_arguments
 from functional_ckpt._src.manager.decide import decide
 from functional_ckpt._src.manager.memory import Memory
@@ -52,6 +52,7 @@ from functional_ckpt._src.root.leftovers import open_writer
 from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt._src.root.lock import WriterLock
 from functional_ckpt._src.root.resume import check_order
+from functional_ckpt._src.root.run import Run, open_run
 from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.options import DEFAULT_PER_RANK
@@ -133,18 +134,23 @@ class CheckpointManager(ReadSide):
         self._lock: WriterLock | None = None
         self._closed = False
         self._run = Provenance(os.getcwd())
+        run: tuple[Run, bool] | None = None
         if not self.read_only:
             self._run.git = git_commit(self._run.cwd)  # before the lock: no child inherits it
             if self._coordinator:
-                self._open_writer()  # one lock per job: the coordinator's
+                run = self._open_writer()  # one lock per job: the coordinator's
+            if self._distributed:
+                run = share_run(run)
+            assert run is not None
+            self._run.run = run[0].id
         self.remote = None
         try:
             self.remote = None if remote is None else remote.open(self.root, writer=not read_only)
             # A reader follows the disk and remote tiers: the folder in RAM is the writer's.
             self.memory = (
                 None
-                if memory is None or read_only
-                else MemoryTier(memory, self.root, settings, writer=True)
+                if memory is None or run is None
+                else MemoryTier(memory, self.root, settings, run=run[0], made=run[1])
             )
         except BaseException:  # the manager was not made: its lock goes
             if self.remote is not None:
@@ -153,6 +159,8 @@ class CheckpointManager(ReadSide):
                 self._lock.release()
             raise
         self._writes = Writes(self.view, settings, self.remote)
+        if self.memory is not None:
+            self.memory.settle = lambda within: (p := self._writes.pending) and p.exception(within)
         self._remote_option = remote
         self._memory_option = memory
         self._relaunch: Relaunch | None = None  # the ``run`` block of from_config's config
@@ -199,11 +207,13 @@ class CheckpointManager(ReadSide):
             run=self._relaunch,
         )
 
-    def _open_writer(self) -> None:
+    def _open_writer(self) -> tuple[Run, bool]:
+        """Lock the root, finish what crashes left, and say which run it holds (made now?)."""
         # Leftovers of crashed writers are recovered (warning at the CheckpointManager call).
         self._lock = open_writer(self.root, stacklevel=4)
         try:
             rollback.finish(self.root)  # a rollback a crash interrupted completes now
+            return open_run(self.root)
         except BaseException:
             self._lock.release()
             raise
@@ -258,10 +268,14 @@ class CheckpointManager(ReadSide):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        self._close(crashed=exc_type is not None)
 
     def close(self) -> None:
-        """Wait for pending work and release the lock; idempotent."""
+        """Wait for pending work and release the lock; idempotent. The memory tier's
+        folder goes too (an exception leaving the ``with`` block keeps it)."""
+        self._close(crashed=False)
+
+    def _close(self, *, crashed: bool) -> None:
         if self._closed:
             return
         try:
@@ -269,7 +283,7 @@ class CheckpointManager(ReadSide):
                 self.wait()
             finally:
                 if self.memory is not None:
-                    self.memory.close()  # its folder goes: RAM is not held past the run
+                    self.memory.close(crashed=crashed)  # RAM is not held past a clean run
                 self._writes.exports.join()
                 if self.remote is not None:
                     self.remote.close()  # the uploads asked for finish, then what they

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from functional_ckpt._src.policy import SavePolicy, every_steps
+from functional_ckpt._src.policy.retention import RetentionPolicy
 
 __all__ = ["Memory"]
 
@@ -26,7 +27,8 @@ class Memory:
     """Checkpoint into RAM on a policy of its own (default: every step), above the disk tier.
 
     The tier is a folder in RAM (``path``; by default one per root under
-    ``/dev/shm``) holding the newest ``keep`` (1 or 2) checkpoints in the ordinary
+    ``/dev/shm``) holding the newest ``keep`` (``keep_last(1)`` or ``keep_last(2)``;
+    a bare 1 or 2 is short for them) checkpoints in the ordinary
     format, saved off the training thread, each on the previous one, without fsync:
     it survives a crash of the process, not a power loss or a reboot.
     ``restore_latest`` takes its newest step when no other tier has a newer one.
@@ -45,7 +47,7 @@ class Memory:
 
     path: str | os.PathLike[str] | None = None
     save: SavePolicy = field(default_factory=_every_step)
-    keep: int = 2
+    keep: int | RetentionPolicy = 2
     budget: int | float = 0.5
     promote_on: tuple[int, ...] = (int(signal.SIGTERM),)
     promote_within: float = 60.0
@@ -54,14 +56,25 @@ class Memory:
     replicas: int | None = None
     domain: Callable[[int], int | str] | None = None
 
+    @property
+    def held(self) -> int:
+        """How many checkpoints the tier holds (0 where ``keep`` says no count)."""
+        keep = self.keep
+        if isinstance(keep, RetentionPolicy):
+            spec = keep.spec
+            n = spec.get("n") if spec.get("kind") == "keep_last" else None
+            return n if isinstance(n, int) else 0
+        return keep if isinstance(keep, int) and not isinstance(keep, bool) else 0
+
     def __post_init__(self) -> None:
         if self.path is not None and not isinstance(self.path, str | os.PathLike):
             raise TypeError(f"Memory(path={self.path!r}): expected a directory path or None")
         if not isinstance(self.save, SavePolicy):
             raise TypeError(f"Memory(save={self.save!r}): not a SavePolicy")
-        if isinstance(self.keep, bool) or self.keep not in (1, 2):
+        if self.held not in (1, 2):
             raise ValueError(
-                f"Memory(keep={self.keep!r}): expected 1 or 2 (the newest checkpoints held)"
+                f"Memory(keep={self.keep!r}): expected fc.keep_last(1) or fc.keep_last(2) "
+                "(the newest checkpoints held; a bare 1 or 2 is short for them)"
             )
         budget = self.budget
         if isinstance(budget, bool) or not isinstance(budget, int | float):

@@ -45,8 +45,10 @@ from functional_ckpt._src.format.naming import (
     step_name,
 )
 from functional_ckpt._src.log import warn
+from functional_ckpt._src.manager.memory_folder import own_folder
 from functional_ckpt._src.root.listing import committed_steps
 from functional_ckpt._src.storage import commit, durable, opener, ram
+from functional_ckpt._src.storage.committed import check_committed
 from functional_ckpt._src.storage.verify import verify
 from functional_ckpt.errors import CheckpointError, MemoryWarning, RankFailed, is_damage
 
@@ -136,16 +138,22 @@ class Replicas:
 
     @classmethod
     def open(
-        cls, folder: Path, replicas: int | None, domain: Callable[[int], int | str] | None
+        cls,
+        folder: Path,
+        replicas: int | None,
+        domain: Callable[[int], int | str] | None,
+        *,
+        private: bool,
     ) -> Replicas:
-        """Every rank, on the training thread, in the same order (groups are made here)."""
+        """Every rank, on the training thread, in the same order (groups are made here);
+        each makes the folder or checks it is its own (``private``: see :func:`own_folder`)."""
         rank = topology().rank
         group = groups.checkpoint_group(purpose="replicate")
         groups.checkpoint_group(purpose="memory")  # the tier's saves (beside the disk's)
         error: BaseException | None = None
         mine: list[Any] = []
         try:
-            durable.make_dirs(folder)
+            own_folder(folder, private=private)
             st = os.stat(folder)
             where = domain(rank) if domain is not None else _default_domain(rank)
             if isinstance(where, bool) or not isinstance(where, int | str):
@@ -257,10 +265,11 @@ class Replicas:
         reports = groups.all_gather_values(held, self.group)
         floors = groups.all_gather_values(-1 if at_least is None else at_least, self.group)
         floor = max(floors)
-        steps = sorted({s for rep in reports for s, _, _ in rep}, reverse=True)
+        steps = sorted({s for rep in reports for s, *_ in rep}, reverse=True)
         for step in steps:
             if step < floor:
                 break
+            _one_history(step, reports, self.layout, self.folder)
             need, holding = _holding(step, reports, self.layout)
             saved = {r for n in need if (p := parse_shard(n)) is not None for r in [p[0]]}
             if saved and saved != set(range(world)):
@@ -334,14 +343,14 @@ class Replicas:
         return {self.layout.folders[k]: set(goods[k]) for k in self.layout.keepers()}
 
     def _held(self) -> list[list[Any]]:
-        """The keeper's committed steps: ``[step, {file: size}, [files present]]`` each."""
+        """The keeper's committed steps: ``[step, {file: size}, [files present], manifest
+        checksum]`` each (copies are of one checkpoint only when their checksums agree)."""
         out: list[list[Any]] = []
         for step, path in committed_steps(self.folder).items():
             with contextlib.suppress(CheckpointError, OSError):
                 need = ram.listed_files(path)
-                out.append(
-                    [step, need, sorted(ram.present_files(path, need) | {MANIFEST, COMMIT_MARKER})]
-                )
+                have = sorted(ram.present_files(path, need) | {MANIFEST, COMMIT_MARKER})
+                out.append([step, need, have, check_committed(path)["manifest_crc32"]])
         return out
 
     def _good(self, step: int) -> set[str]:
@@ -443,10 +452,32 @@ def _holding(
     need: dict[str, int] | None = None
     holding: dict[int, set[str]] = {}
     for r, rep in enumerate(reports):
-        for s, files, have in rep:
+        for s, files, have, _ in rep:
             if s != step:
                 continue
             need = dict(files) if need is None else need
             if dict(files) == need:
                 holding[lay.folders[r]] = set(have)
     return need or {}, holding
+
+
+def _one_history(
+    step: int, reports: Sequence[Sequence[Sequence[Any]]], lay: ReplicaLayout, folder: Path
+) -> None:
+    """Raise (every rank alike: the reports are everyone's) where the folders hold two
+    checkpoints of ``step``: two histories that share a step number are never mixed."""
+    sums: dict[int, list[int]] = {}
+    for r, rep in enumerate(reports):
+        for s, _, _, crc in rep:
+            if s == step:
+                sums.setdefault(int(crc), []).append(lay.folders[r])
+    if len(sums) > 1:
+        told = "; ".join(
+            f"manifest crc32 {c:#010x} in the folders of ranks {f}" for c, f in sums.items()
+        )
+        raise CheckpointError(
+            f"{folder}: memory-tier step {step} is held as two different checkpoints "
+            f"({told}): two histories of this run share the step (a node came back with "
+            "the RAM of an older attempt). Refusing to mix them; remove the stale "
+            "folder's checkpoints, or the memory tier's folders to resume from the disk"
+        )

@@ -3,10 +3,10 @@
 Its folder is a root of its own, written through the manager's own write path
 (:class:`~.writes.Writes`) with durability off: the same files, manifest, checksums
 and commit protocol, but no fsync, since a power loss empties the folder anyway.
-It is locked like a disk root (one writer per folder), marked with the disk root
-it belongs to (a folder left by another root's run is emptied, never resumed
-from), holds the newest ``keep`` checkpoints, and is removed when its manager
-closes. Its failures never stop training: they are reported as
+It is locked like a disk root (one writer per folder), marked with the run it
+belongs to (:mod:`.memory_folder`: a folder of another run is refused, never
+emptied nor resumed from), holds the newest ``keep`` checkpoints, and is removed
+when its manager closes. Its failures never stop training: they are reported as
 :class:`~functional_ckpt.errors.MemoryWarning`, and the disk tier goes on. Under
 ``torch.distributed`` each node's folder also holds replicas of other nodes' parts
 (:mod:`.memory_replicas`); the lowest rank of a folder keeps it.
@@ -15,11 +15,11 @@ closes. Its failures never stop training: they are reported as
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -31,44 +31,39 @@ from functional_ckpt._src.format.naming import base_name, parse_step
 from functional_ckpt._src.log import warn
 from functional_ckpt._src.manager.collective import coordinator_decides
 from functional_ckpt._src.manager.memory import Memory
+from functional_ckpt._src.manager.memory_folder import (
+    MARK_FILE,
+    adopt,
+    check_apart,
+    default_folder,
+    own_folder,
+    report_others,
+)
 from functional_ckpt._src.manager.memory_promote import OnSignals, promote_newest
 from functional_ckpt._src.manager.memory_replicas import STAGING, Replicas
 from functional_ckpt._src.manager.options import AsyncSave
+from functional_ckpt._src.manager.provenance import run_of
 from functional_ckpt._src.manager.writes import Writes, WriteSettings
 from functional_ckpt._src.policy import Event, PolicyState
 from functional_ckpt._src.root.delete import delete, remove_all
 from functional_ckpt._src.root.leftovers import open_writer
 from functional_ckpt._src.root.listing import StepInfo, committed_steps, read_info
 from functional_ckpt._src.root.lock import LOCK_FILE, WriterLock
+from functional_ckpt._src.root.run import Run, open_run
 from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.state.tree import State, leaves_of
-from functional_ckpt._src.storage import durable, opener, ram
-from functional_ckpt.errors import CheckpointError, LeftoverWarning, MemoryWarning, is_damage
+from functional_ckpt._src.storage import durable, ram
+from functional_ckpt._src.storage.progress import report_progress
+from functional_ckpt.errors import CheckpointError, MemoryWarning, RankFailed, is_damage
 
-__all__ = ["MARK_FILE", "MemoryTier", "default_folder"]
+__all__ = ["MARK_FILE", "MemoryTier"]
 
 T = TypeVar("T")
 
-#: In the tier's folder: the disk root it belongs to (its path and identity).
-MARK_FILE = ".memory-tier.json"
 
-
-def default_folder(root: Path) -> Path:
-    """One folder per root and user under ``/dev/shm``: a restarted run finds it again."""
-    shm = Path("/dev/shm")
-    if not shm.is_dir():
-        raise CheckpointError(
-            f"CheckpointManager({root}, memory=fc.manager.Memory()): this machine has no "
-            "/dev/shm; give the tier a folder in RAM with Memory(path=...)"
-        )
-    digest = hashlib.sha256(os.fsencode(os.path.realpath(root))).hexdigest()[:16]
-    return shm / f"fckpt-{os.getuid()}-{digest}"
-
-
-def _identity(root: Path) -> dict[str, Any]:
-    st = os.stat(root)
-    return {"root": os.path.realpath(root), "dev": st.st_dev, "ino": st.st_ino}
+class OverBudget(CheckpointError):
+    """A memory-tier save that would not fit the tier's budget (it is skipped)."""
 
 
 def state_bytes(state: State) -> int:
@@ -84,35 +79,43 @@ class MemoryTier:
     """The folder in RAM above one manager's root (see the module docstring)."""
 
     def __init__(
-        self, option: Memory, root: Path, settings: WriteSettings, *, writer: bool
+        self, option: Memory, root: Path, settings: WriteSettings, *, run: Run, made: bool
     ) -> None:
         self.option = option
         self.root = root
-        self.folder = Path(option.path) if option.path is not None else default_folder(root)
+        self.run = run
+        self.folder = Path(option.path) if option.path is not None else default_folder(root, run)
+        if option.path is not None:
+            check_apart(self.folder, root)
         topo = topology()
         self.replicas: Replicas | None = None
         if topo.distributed:
-            self.replicas = Replicas.open(self.folder, option.replicas, option.domain)
+            self.replicas = Replicas.open(
+                self.folder, option.replicas, option.domain, private=option.path is None
+            )
         elif option.replicas not in (None, 1):
             raise CheckpointError(
                 f"Memory(replicas={option.replicas}): one process is one failure domain; "
                 "replicas live on ranks of other nodes (torch.distributed)"
             )
-        self.writer = writer
         self.keeper = self.replicas is None or self.replicas.keeper
         self._round: threading.Thread | None = None  # a replication off the training thread
         self._round_step = -1
         self._round_error: BaseException | None = None
         self.policy_state: PolicyState = option.save.init()
         self.budget = 0
-        self._checked = False
+        self._said_over = False
         self._lock: WriterLock | None = None
         self._signals = OnSignals(option.promote_on, lambda: self.promote(option.promote_within))
-        self._check_apart()
+        #: Waits (at most the seconds given) for the disk tier's save in flight: one writer
+        #: per step, so a promotion never takes the name that save is about to commit.
+        self.settle: Callable[[float], object] = lambda within: None
+        if option.path is None and made and topo.coordinator:
+            report_others(root, run, stacklevel=5)
         self.view = RootView(self.folder)  # refuses a folder that is itself a checkpoint
         error: BaseException | None = None
         try:
-            if writer and self.keeper:
+            if self.keeper:
                 self._open()
                 if self.replicas is not None:
                     self.replicas.clear_staging()
@@ -140,28 +143,29 @@ class MemoryTier:
         )
 
     def __repr__(self) -> str:
-        return f"MemoryTier({str(self.folder)!r}, keep={self.option.keep})"
-
-    def _check_apart(self) -> None:
-        """The folder and the disk root must not hold one another (retention of one
-        would delete the other's checkpoints)."""
-        a, b = os.path.realpath(self.folder), os.path.realpath(self.root)
-        if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep):
-            raise CheckpointError(
-                f"Memory(path={str(self.folder)!r}): the disk root {self.root} and the memory "
-                "tier's folder must be apart (neither inside the other)"
-            )
+        return f"MemoryTier({str(self.folder)!r}, keep={self.option.held})"
 
     # ------------------------------------------------------------------ open and close
 
     def _open(self) -> None:
-        """Lock the folder, drop what is not this root's, check the budget, handle signals."""
+        """Own and lock the folder (this run's only), check the budget, handle signals."""
+        try:
+            own_folder(self.folder, private=self.option.path is None)
+        except CheckpointError as e:
+            if self.option.path is not None or self.replicas is not None:
+                raise
+            # Planted where this run's secret name pointed: a new secret, a new folder.
+            warn(f"{e}; it is left alone, a new one used", MemoryWarning, stacklevel=6)
+            self.run = open_run(self.root, new_secret=True)[0]
+            self.folder = default_folder(self.root, self.run)
+            self.view = RootView(self.folder)
+            own_folder(self.folder, private=True)
         try:
             self._lock = open_writer(self.folder, stacklevel=6)
         except CheckpointError as e:
             raise CheckpointError(f"Memory(path={str(self.folder)!r}): {e}") from None
         try:
-            self._adopt_folder()
+            adopt(self.folder, self.root, self.run)
             self.budget = self._resolve_budget()
             self._write_status(open_=True)
             self._signals.install()
@@ -169,23 +173,6 @@ class MemoryTier:
             self._lock.release()
             self._lock = None
             raise
-
-    def _adopt_folder(self) -> None:
-        mark = self.folder / MARK_FILE
-        mine = _identity(self.root)
-        theirs = opener.read_state(mark, "memory tier mark")
-        stale = committed_steps(self.folder)
-        if theirs != mine and stale:
-            warn(
-                f"{self.folder}: {len(stale)} memory-tier checkpoint(s) of another root "
-                f"({theirs.get('root', 'unknown') if isinstance(theirs, dict) else 'unknown'}) "
-                f"removed; this folder now holds the memory tier of {self.root}",
-                LeftoverWarning,
-                stacklevel=7,
-            )
-            remove_all(delete(self.folder, list(stale.values())))
-        if theirs != mine:
-            durable.replace_durably(mark, json.dumps(mine).encode(), sync=False)
 
     def _resolve_budget(self) -> int:
         held = ram.held_bytes(self.folder)  # a crashed run's checkpoints: pruned at the next save
@@ -201,26 +188,45 @@ class MemoryTier:
             )
         return budget
 
-    def check_budget(self, state: State) -> None:
-        """Refuse, before anything is written, a state whose ``keep`` checkpoints do not fit."""
-        if self._checked:
-            return
-        need = self.option.keep * state_bytes(state)
-        if need > self.budget:
-            raise CheckpointError(
-                f"Memory(budget={self.option.budget!r}): {self.option.keep} checkpoint(s) of "
-                f"this state need {need} bytes in {self.folder}, more than the budget of "
-                f"{self.budget} bytes; raise budget=, lower keep= (1 holds one checkpoint), "
-                "or leave the memory tier out"
-            )
-        self._checked = True
+    def _over_budget(self, state: State) -> OverBudget | None:
+        """Why this save does not fit the budget (``keep`` checkpoints of this very state:
+        a state grows, Adam's moments appear at its first step); None if it fits."""
+        need = self.option.held * state_bytes(state)
+        if need <= self.budget:
+            return None
+        return OverBudget(
+            f"Memory(budget={self.option.budget!r}): {self.option.held} checkpoint(s) of "
+            f"this state need {need} bytes in {self.folder}, more than the budget of "
+            f"{self.budget} bytes; the memory tier skips every save that does not fit (said "
+            "once). Raise budget=, lower keep= (1 holds one checkpoint), or leave it out"
+        )
 
-    def close(self) -> None:
-        """Wait for the save in flight, then remove the folder: its RAM is not held past the run."""
+    def _skipped(self, err: BaseException, stacklevel: int) -> bool:
+        """Whether ``err`` is a save over the budget (any rank's): skipped, said once."""
+        if isinstance(err, RankFailed):
+            over = any(kind == OverBudget.__name__ for kind, _ in err.failures.values())
+        else:
+            over = isinstance(err, OverBudget)
+        if over and not self._said_over:
+            self._said_over = True
+            warn(str(err), MemoryWarning, stacklevel=stacklevel)
+        return over
+
+    def close(self, *, crashed: bool = False) -> None:
+        """Wait for the save in flight, then remove the folder: its RAM is not held past the
+        run. After a crash (an exception leaving the manager) the folder stays for the
+        restart, its newest step promoted to the disk first where a signal would have."""
         self.wait(stacklevel=4)
         self.writes.join_removals()
         self._signals.uninstall()
+        if crashed and self.option.promote_on:
+            self.promote(self.option.promote_within)
         if self._lock is None:
+            return
+        if crashed:
+            self._write_status(open_=False)
+            self._lock.release()
+            self._lock = None
             return
         try:
             own = [
@@ -248,7 +254,7 @@ class MemoryTier:
             "open": open_,
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "keep": self.option.keep,
+            "keep": self.option.held,
             "budget": self.budget,
         }
         if self.replicas is not None:
@@ -282,9 +288,12 @@ class MemoryTier:
         never holds more than ``keep`` checkpoints (counting the one being written).
         """
         self.wait(stacklevel=4)
-        self.check_budget(state)
         if self.replicas is not None:
             self._save_replicated(state, step, metadata)
+            return
+        over = self._over_budget(state)
+        if over is not None:
+            self._skipped(over, stacklevel=4)
             return
         try:
             self._make_room(step)
@@ -301,9 +310,9 @@ class MemoryTier:
         """Phase 1 on this thread (staged, written by DCP off it), phase 2 after it."""
         replicas = self.replicas
         assert replicas is not None
-        error: BaseException | None = None
+        error: BaseException | None = self._over_budget(state)
         try:
-            if self.keeper:
+            if self.keeper and error is None:
                 self._make_room(step)
                 replicas.clear_staging()
         except Exception as e:
@@ -312,7 +321,8 @@ class MemoryTier:
             groups.agree(error, replicas.group, f"memory-tier step {step}")
             self.writes.save(replicas.staging(step), state, metadata())
         except Exception as err:
-            self._fail(step, err, stacklevel=5)
+            if not self._skipped(err, stacklevel=5):
+                self._fail(step, err, stacklevel=5)
             return
         pending = self.writes.pending
         self._round_step = step
@@ -345,12 +355,16 @@ class MemoryTier:
         steps = self.steps()
         newer = [s for s in steps if s > step]  # a run that went back (rollback, older resume)
         older = sorted(s for s in steps if s < step)
-        kept = older[-(self.option.keep - 1) :] if self.option.keep > 1 else []
+        kept = older[-(self.option.held - 1) :] if self.option.held > 1 else []
         self._delete(newer + [s for s in older if s not in kept])
 
     def _prune(self) -> None:
+        """After a commit: retention, and the newest step told to a supervising ``fckpt
+        run`` (a job resuming a little further from RAM each time makes progress)."""
         steps = self.steps()
-        self._delete(steps[: -self.option.keep])
+        if steps and topology().rank == 0:
+            report_progress(steps[-1], time.time())
+        self._delete(steps[: -self.option.held])
 
     def _delete(self, steps: list[int]) -> None:
         """Out of sight now; the files (freeing their RAM takes as long as a copy of
@@ -428,15 +442,22 @@ class MemoryTier:
             path = self.view.path(step)
             try:
                 info = read_info(path, step)
+                if run_of(info.metadata) != self.run.id:  # written by hand, or planted
+                    warn(
+                        f"{path}: memory-tier checkpoint of step {step} is not of this run "
+                        f"({self.run.id}); left as it is, not resumed",
+                        MemoryWarning,
+                        stacklevel=stacklevel,
+                    )
+                    continue
                 state = read(path)
             except Exception as err:
                 if not is_damage(err):
                     raise
                 gone = ""
-                if self.writer:
-                    with contextlib.suppress(OSError):
-                        self._delete([step])
-                        gone = "; removed"
+                with contextlib.suppress(OSError):
+                    self._delete([step])
+                    gone = "; removed"
                 warn(
                     f"{path}: memory-tier checkpoint of step {step} is unreadable "
                     f"({type(err).__name__}: {err}){gone}; falling back to the next tier",
@@ -484,6 +505,7 @@ class MemoryTier:
         holds a step as new; gives up after ``within`` seconds. Returns the new checkpoint."""
         if self.replicas is not None and topology().rank != 0:
             return None  # one copy to the disk tier per job: the coordinator's
+        self.settle(within)
         disk = max(committed_steps(self.root), default=-1)
         steps = [s for s in self.steps() if s > disk]
         if self.replicas is not None:  # a folder may hold only some ranks' files

@@ -36,6 +36,7 @@ __all__ = [
     "check_metadata",
     "git_commit",
     "manager_record",
+    "run_of",
     "stored_state",
 ]
 
@@ -51,6 +52,7 @@ AUTO_KEYS = frozenset(
         "git_commit",
         "cwd",
         "rollbacks",
+        "run",
     }
 )
 _GIT_TIMEOUT_S = 2.0
@@ -94,12 +96,17 @@ class Provenance:
 
     ``lineage`` is the ``"forked_from"`` record of a forked run, ``rollbacks`` the
     run's rollbacks, oldest first; both continue from a restored checkpoint.
+    ``run`` is the root's run id (:mod:`..root.run`) and ``parent`` the checkpoint
+    this run continued from (its run, step and manifest checksum), recorded in
+    every checkpoint as ``"run"``: the lineage a resume keeps to.
     """
 
     cwd: str
     git: str | None = None
     lineage: dict[str, Any] | None = None
     rollbacks: list[Any] = field(default_factory=list)
+    run: str | None = None
+    parent: dict[str, Any] | None = None
 
     def metadata(self, record: Mapping[str, Any], user: Mapping[str, Any]) -> dict[str, Any]:
         """Automatic keys, then the user's metadata, then the manager's record."""
@@ -114,6 +121,8 @@ class Provenance:
             auto["forked_from"] = self.lineage  # every checkpoint of a fork says so
         if self.rollbacks:
             auto["rollbacks"] = list(self.rollbacks)  # and of a run that rolled back
+        if self.run is not None:
+            auto["run"] = {"id": self.run, "parent": self.parent}
         return {**auto, **user, MANAGER_KEY: dict(record)}
 
     def resume(self, metadata: Mapping[str, Any]) -> None:
@@ -122,6 +131,17 @@ class Provenance:
         self.lineage = lineage if isinstance(lineage, dict) else None
         rollbacks = metadata.get("rollbacks")
         self.rollbacks = list(rollbacks) if isinstance(rollbacks, list) else []
+
+    def continued_from(self, step: int, metadata: Mapping[str, Any], checksum: Any) -> None:
+        """The parent of this run's next checkpoints: the one of ``step`` just restored."""
+        self.parent = {"run": run_of(metadata), "step": step, "manifest_crc32": checksum}
+
+
+def run_of(metadata: Mapping[str, Any]) -> str | None:
+    """The run id a checkpoint's metadata records (None for one saved outside a manager)."""
+    run = metadata.get("run")
+    rid = run.get("id") if isinstance(run, dict) else None
+    return rid if isinstance(rid, str) else None
 
 
 def manager_record(

@@ -10,6 +10,7 @@ works on; the attributes below are its.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,6 +34,7 @@ from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt._src.root.rollback import Newer
 from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.state.tree import State
+from functional_ckpt._src.storage.committed import check_committed
 from functional_ckpt.errors import CheckpointError
 
 __all__ = ["ReadSide"]
@@ -185,6 +187,10 @@ class ReadSide:
         if self.read_only:
             return  # a follower never saves: its policies are irrelevant
         self._run.resume(info.metadata)
+        checksum = None
+        with contextlib.suppress(CheckpointError, OSError):
+            checksum = check_committed(info.path).get("manifest_crc32")
+        self._run.continued_from(info.step, info.metadata, checksum)
         record = record_of(info.metadata)
         self._policy_state = stored_state(self.save_policy, record.raw, "save", info.path)
         self._watch.resume(record.raw, info.path)

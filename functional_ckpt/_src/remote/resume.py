@@ -60,18 +60,22 @@ class RemoteResume:
         topo = topology()
         self.world, self.coordinator = topo.world, topo.coordinator
         self.bad: set[int] = set()  # remote steps found damaged by this process
+        self.above: int | None = None  # the step a faster tier holds, while resuming
 
     def latest(
         self,
         local: Callable[[], Found[T]],
         local_steps: Callable[[], list[int]],
         read_step: Callable[[int], tuple[StepInfo, T]],
+        above: int | None = None,
     ) -> Found[T]:
         """The newest checkpoint of either tier, downloaded first when only the remote has it.
 
         ``local`` is the local resume (newest readable, damage moved aside);
-        ``read_step`` restores one local step.
+        ``read_step`` restores one local step. Only steps newer than ``above`` count
+        (a faster tier holds that one).
         """
+        self.above = above
         if self.world > 1:
             return self._agreed(local_steps, read_step)
         fetched: set[int] = set()
@@ -91,18 +95,21 @@ class RemoteResume:
         try:
             listing = retried(self.store.listing)
         except RemoteError as err:
-            if newest_local is None:
+            if newest_local is None and self.above is None:
                 raise
             warn(
-                f"{err}; resuming from the local tier (step {newest_local}), which may be "
-                "older than the newest remote checkpoint",
+                f"{err}; resuming from the local or memory tier (step "
+                f"{max(s for s in (newest_local, self.above) if s is not None)}), which may "
+                "be older than the newest remote checkpoint",
                 RemoteWarning,
                 stacklevel=6,
             )
             return []
         committed = {s for s, r in listing.items() if r.committed}
         self._listed(committed)
-        return sorted((s for s in committed if s not in self.bad), reverse=True)
+        above = self.above
+        newer = (s for s in committed if s not in self.bad and (above is None or s > above))
+        return sorted(newer, reverse=True)
 
     def _fetch_newer(self, newest_local: int | None, fetched: set[int]) -> list[int]:
         """Download the newest good remote step newer than ``newest_local``.

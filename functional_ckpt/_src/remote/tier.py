@@ -242,14 +242,15 @@ class RemoteTier:
         read_step: Callable[[int], tuple[StepInfo, T]],
         *,
         writer: bool,
+        above: int | None = None,
     ) -> Found[T]:
-        """The newest checkpoint of either tier (see :class:`~.resume.RemoteResume`).
-
-        A read-only manager reads its local root only.
+        """The newest checkpoint of either tier newer than ``above`` (another tier holds
+        that one), see :class:`~.resume.RemoteResume`. A read-only manager reads its
+        local root only.
         """
         if not writer:
             return local()
-        return self._resume.latest(local, local_steps, read_step)
+        return self._resume.latest(local, local_steps, read_step, above)
 
     def _listed(self, committed: set[int]) -> None:
         """A resume listed the remote root: what is committed there now."""

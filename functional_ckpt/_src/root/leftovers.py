@@ -22,6 +22,7 @@ from functional_ckpt._src.format.naming import (
 from functional_ckpt._src.log import warn
 from functional_ckpt._src.root.listing import _committed, _created
 from functional_ckpt._src.root.lock import WriterLock
+from functional_ckpt._src.root.run import RUN_FILE
 from functional_ckpt._src.storage import commit, durable
 from functional_ckpt.errors import (
     CheckpointError,
@@ -60,7 +61,8 @@ def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
     free, the newest committed leftover (by save time, a save over a deletion on a
     tie) is renamed back to it; committed leftovers that cannot be renamed back stay
     where they are, with a :class:`LeftoverWarning`. Only names derived from
-    ``step_N`` are touched; anything else in the root is the user's. Safe only
+    ``step_N`` (and the run record's temporaries) are touched; anything else in the
+    root is the user's. Safe only
     under the writer lock. Temporaries under ``exports/`` are deleted (an export
     can always be written again from its checkpoint).
     """
@@ -75,8 +77,8 @@ def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
             base = base_name(entry.name)
             if not naming.is_temporary_name(entry.name) or QUARANTINE_INFIX in entry.name:
                 continue
-            if parse_step(base) is None:
-                continue
+            if parse_step(base) is None and (parent, base) != (root, RUN_FILE):
+                continue  # the user's, but for a run record's temporary
             path = Path(entry.path)
             if not entry.is_dir(follow_symlinks=False):
                 os.unlink(path)

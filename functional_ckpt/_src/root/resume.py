@@ -43,6 +43,7 @@ def newest_readable(
     *,
     move_aside: bool,
     stacklevel: int = 2,
+    elsewhere: bool = False,
 ) -> tuple[tuple[StepInfo, T] | None, set[tuple[int, int]]]:
     """Read the newest of ``candidates()`` that is readable, and say what was damaged.
 
@@ -52,7 +53,8 @@ def newest_readable(
     ``(step, path)`` and is called again when a checkpoint vanishes or is replaced
     while it is read (a follower racing the writer's prune). ``read`` reads one
     checkpoint. A damaged one is moved aside when ``move_aside``. ``stacklevel`` is
-    that of the warnings, counted as if this function issued them.
+    that of the warnings, counted as if this function issued them. ``elsewhere``:
+    another tier holds an older intact step, so none readable here is no error.
 
     Raises:
         CheckpointError: checkpoints exist but none is readable, or the only ones
@@ -70,7 +72,7 @@ def newest_readable(
             continue
     else:
         raise CheckpointError(f"{root}: checkpoints kept vanishing while restoring")
-    if result is not None:
+    if result is not None or elsewhere:
         return result, bad
     if failures:
         raise CheckpointError(

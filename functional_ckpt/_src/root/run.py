@@ -1,0 +1,64 @@
+"""The run a root holds: a random id made when the first writer opens it, kept in the root.
+
+Every checkpoint a manager commits records this id (and the checkpoint it
+continued from), so that a tier outside the root (the folder in RAM) is resumed
+only when it holds this run's checkpoints. The record is a plain file named
+without a leading dot, so that emptying a root by hand (``rm -rf ckpt/*``) starts
+a new run there: a checkpoint of the old one, still in RAM, is then another
+run's. It also names the memory tier's folder by a secret of its own (the file is
+readable by its owner only), so no other user can predict that folder's name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from functional_ckpt._src.storage import durable, opener
+
+__all__ = ["RUN_FILE", "Run", "open_run", "read_run"]
+
+#: In a root: its run's id and the secret naming its memory tier's folder.
+RUN_FILE = "run.json"
+
+
+@dataclass(frozen=True)
+class Run:
+    """A root's run: ``id`` recorded in every checkpoint; ``secret`` names its RAM folder."""
+
+    id: str
+    secret: str
+
+
+def read_run(root: Path) -> Run | None:
+    """The run recorded in ``root``; None where none is (or none to trust)."""
+    doc = opener.read_state(root / RUN_FILE, "run record")
+    if not isinstance(doc, dict):
+        return None
+    rid, secret = doc.get("run"), doc.get("secret")
+    if not (isinstance(rid, str) and rid and isinstance(secret, str) and secret):
+        return None
+    return Run(rid, secret)
+
+
+def open_run(root: Path, *, new_secret: bool = False) -> tuple[Run, bool]:
+    """The run of ``root`` (a writer's, under its lock), made and recorded if there is
+    none; and whether it was made now. ``new_secret`` keeps the id, draws a new secret."""
+    run = read_run(root)
+    made = run is None
+    if run is None or new_secret:
+        run = Run(secrets.token_hex(16) if run is None else run.id, secrets.token_hex(16))
+        record(root, run)
+    return run, made
+
+
+def record(root: Path, run: Run) -> None:
+    """Write ``run`` into ``root`` crash-safely, readable by its owner only."""
+    path = root / RUN_FILE
+    durable.replace_durably(path, json.dumps({"run": run.id, "secret": run.secret}).encode())
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o600)

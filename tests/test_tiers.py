@@ -1,0 +1,448 @@
+"""A run's lineage across tiers: which checkpoint a resume takes, and whose it is.
+
+Every checkpoint a manager commits records its root's run; a resume takes the
+newest intact step of that run in any tier, walking down past damage, and never a
+checkpoint of another run. Crashes are real (a child process SIGKILLs itself).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import functional_ckpt as fc
+from functional_ckpt._src.format.naming import step_name
+from functional_ckpt._src.root.run import RUN_FILE, read_run
+from functional_ckpt.errors import CheckpointWarning, MemoryWarning
+from tests.exact import assert_exact
+from tests.forge import flip
+from tests.patience import finished
+
+
+def state(step: int) -> dict[str, Any]:
+    return {"w": torch.full((32, 8), float(step)), "b": torch.arange(4) + step, "step": step}
+
+
+def job(
+    root: str,
+    memory: str | None,
+    die_at: int,
+    disk_every: int,
+    memory_every: int,
+    report: str | None = None,
+) -> None:
+    """Save steps 1.. on both tiers' policies; SIGKILL once ``die_at`` is saved. With
+    ``report``, what the resume read is written there first (``torch.save``)."""
+    warnings.simplefilter("ignore")
+    tier = fc.manager.Memory(
+        path=memory, save=fc.every_steps(memory_every), async_save=False, promote_on=()
+    )
+    mgr = fc.CheckpointManager(root, save=fc.every_steps(disk_every), memory=tier)
+    restored = mgr.restore_latest(like=state(0))
+    if report is not None:
+        torch.save(None if restored is None else fc.to_python(restored), report)
+    step = 0 if restored is None else int(restored["step"])
+    while step < die_at:
+        step += 1
+        mgr.maybe_save(state(step), step=step)
+    mgr.wait()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killed(
+    root: Path,
+    memory: Path | None,
+    die_at: int,
+    disk_every: int,
+    memory_every: int,
+    report: Path | None = None,
+) -> None:
+    args = (
+        str(root),
+        None if memory is None else str(memory),
+        die_at,
+        disk_every,
+        memory_every,
+        None if report is None else str(report),
+    )
+    proc = mp.get_context("fork").Process(target=job, args=args)
+    proc.start()
+    assert finished(proc) == -signal.SIGKILL
+
+
+def committed(folder: Path) -> list[int]:
+    return fc.CheckpointManager(folder, read_only=True).steps() if folder.is_dir() else []
+
+
+def resumed(root: Path, memory: Path | None, disk_every: int = 4) -> tuple[int | None, Any]:
+    tier = fc.manager.Memory(path=memory, promote_on=())
+    with fc.CheckpointManager(root, save=fc.every_steps(disk_every), memory=tier) as mgr:
+        got = mgr.restore_latest(like=state(0))
+        return mgr.restored_step, got
+
+
+def exact(got: Any, step: int) -> None:
+    want = state(step)
+    assert_exact({k: fc.to_python(got)[k] for k in want}, fc.to_python(want))
+
+
+def default_folder_of(root: Path) -> Path:
+    run = read_run(root)
+    assert run is not None
+    return Path("/dev/shm") / f"fckpt-{os.getuid()}-{run.secret}"
+
+
+def test_a_damaged_newest_disk_step_does_not_hide_a_newer_memory_step(tmp_path: Path) -> None:
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    killed(root, memory, die_at=8, disk_every=4, memory_every=3)
+    assert committed(root) == [4, 8] and committed(memory) == [3, 6]
+    flip(root / step_name(8), "w")
+    with pytest.warns(CheckpointWarning, match="step 8 is unreadable"):
+        step, got = resumed(root, memory)
+    assert step == 6  # not the older disk step 4
+    exact(got, 6)
+
+
+def test_an_intact_newer_disk_step_wins_over_the_memory_tier(tmp_path: Path) -> None:
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    killed(root, memory, die_at=8, disk_every=4, memory_every=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step, got = resumed(root, memory)
+    assert step == 8
+    exact(got, 8)
+
+
+def test_a_run_killed_before_its_first_disk_save_resumes_from_ram(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    killed(root, None, die_at=5, disk_every=100, memory_every=1)
+    folder = default_folder_of(root)
+    try:
+        assert committed(root) == [] and committed(folder) == [4, 5]
+        st = os.lstat(folder)  # the default folder: this user's, private, not a link
+        assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
+        assert st.st_uid == os.getuid()
+        assert stat.S_IMODE(os.stat(root / RUN_FILE).st_mode) == 0o600
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            step, got = resumed(root, None, disk_every=100)
+        assert step == 5
+        exact(got, 5)
+        info = fc.CheckpointManager(folder, read_only=True).info(5) if folder.exists() else None
+        assert info is None  # a clean exit removed the tier's folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_root_emptied_by_hand_starts_a_new_run(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    killed(root, None, die_at=3, disk_every=100, memory_every=1)
+    old = default_folder_of(root)
+    try:
+        assert committed(old) == [2, 3]
+        subprocess.run("rm -rf ckpt/*", shell=True, cwd=tmp_path, check=True)
+        with pytest.warns(MemoryWarning, match=r"steps \[2, 3\]\) of an earlier run"):
+            step, got = resumed(root, None, disk_every=100)
+        assert step is None and got is None  # not the old run's RAM step
+        assert committed(old) == [2, 3]  # reported, never removed
+        assert default_folder_of(root) != old
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def test_every_checkpoint_records_its_run_and_parent(tmp_path: Path) -> None:
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    killed(root, memory, die_at=4, disk_every=2, memory_every=1)
+    run = read_run(root)
+    assert run is not None
+    first = fc.CheckpointManager(root, read_only=True).info(2).metadata["run"]
+    assert first == {"id": run.id, "parent": None}
+    tier = fc.manager.Memory(path=memory, promote_on=())
+    with fc.CheckpointManager(root, save=fc.every_steps(2), memory=tier) as mgr:
+        mgr.restore_latest(like=state(0))
+        assert mgr.restored_step == 4
+        mgr.maybe_save(state(6), step=6)
+    meta = fc.CheckpointManager(root, read_only=True).info(6).metadata["run"]
+    assert meta["id"] == run.id and meta["parent"]["step"] == 4
+    assert meta["parent"]["run"] == run.id and isinstance(meta["parent"]["manifest_crc32"], int)
+    assert json.loads((root / RUN_FILE).read_text())["run"] == run.id
+
+
+def test_fckpt_ls_says_which_run_each_memory_checkpoint_is_of(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from functional_ckpt._src import cli
+
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    killed(root, memory, die_at=2, disk_every=10, memory_every=1)
+    run = read_run(root)
+    assert run is not None
+    assert cli.main(["ls", "--json", str(root)]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out) if r.get("kind") == "memory"]
+    assert [(r["step"], r["run"], r["this_run"]) for r in rows] == [
+        (1, run.id, True),
+        (2, run.id, True),
+    ]
+    assert cli.main(["ls", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "RUN" in out and run.id[:8] in out and "another run" not in out
+
+
+# --------------------------------------------------------------------------- crash means crash
+
+
+def test_an_exception_leaving_the_manager_keeps_the_memory_tier(tmp_path: Path) -> None:
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    tier = fc.manager.Memory(path=memory, async_save=False, promote_on=())
+    manager = fc.CheckpointManager(root, save=fc.every_steps(10), memory=tier)
+    with pytest.raises(RuntimeError, match="a crash"), manager as mgr:
+        for step in (1, 2, 3):
+            mgr.maybe_save(state(step), step=step)
+        raise RuntimeError("a crash")
+    assert committed(memory) == [2, 3] and committed(root) == []  # kept, nothing promoted
+    step, got = resumed(root, memory, disk_every=10)
+    assert step == 3
+    exact(got, 3)
+    assert not memory.exists()  # a clean exit removes it
+
+
+def test_an_exception_promotes_where_a_signal_would(tmp_path: Path) -> None:
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    tier = fc.manager.Memory(path=memory, async_save=False)  # promote_on=(SIGTERM,)
+    manager = fc.CheckpointManager(root, save=fc.every_steps(10), memory=tier)
+    with pytest.raises(RuntimeError, match="a crash"), manager as mgr:
+        for step in (1, 2, 3):
+            mgr.maybe_save(state(step), step=step)
+        raise RuntimeError("a crash")
+    assert committed(root) == [3] and committed(memory) == [2, 3]
+    exact(fc.restore(root / step_name(3)), 3)
+    shutil.rmtree(memory)
+
+
+def test_a_promotion_waits_for_the_disk_save_of_the_same_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from functional_ckpt._src.storage import shards
+
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    real, release = shards.write_shard, threading.Event()
+
+    def slow(path: Path, *args: Any, **kwargs: Any) -> Any:
+        if path.parent.parent == root:
+            release.wait()  # the disk save of step 2 is still being written
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shards, "write_shard", slow)
+    tier = fc.manager.Memory(path=memory, async_save=False)
+    with fc.CheckpointManager(root, save=fc.every_steps(2), async_save=True, memory=tier) as mgr:
+        mgr.maybe_save(state(1), step=1)
+        mgr.maybe_save(state(2), step=2)  # on both tiers; the disk's off the training thread
+        threading.Timer(0.5, release.set).start()
+        assert mgr.memory is not None and mgr.memory.promote(60.0) is None  # the disk has it
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            mgr.maybe_save(state(3), step=3)
+            mgr.maybe_save(state(4), step=4)  # no CheckpointExists from the save of step 2
+    assert committed(root) == [2, 4]
+    exact(fc.restore(root / step_name(2)), 2)
+
+
+# --------------------------------------------------------------------------- a planted folder
+
+NOBODY = 65534
+
+
+def as_another_user(action: Any) -> None:
+    """Run ``action()`` in a forked child that has become another local user."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            action()
+            code = 0
+        except BaseException as e:
+            print(f"as another user: {type(e).__name__}: {e}", flush=True)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a second user needs root to become")
+
+
+@pytest.fixture
+def shared_tmp() -> Any:
+    """A directory both users reach (pytest's own is this user's only)."""
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="fckpt-two-users-"))
+    os.chmod(base, 0o777)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@needs_root
+def test_a_default_folder_planted_by_another_user_is_never_used(shared_tmp: Path) -> None:
+    tmp_path = shared_tmp
+    root = tmp_path / "root"
+    killed(root, None, die_at=2, disk_every=100, memory_every=1)
+    mine = default_folder_of(root)
+    shutil.rmtree(mine)  # the machine restarted: /dev/shm is empty, the name known
+    planted = tmp_path / "planted"
+
+    fc.save(planted, fc.capture(**state(99)))  # weights of another user's choosing
+
+    def plant() -> None:  # where this run's folder would be
+        mine.mkdir(mode=0o777)
+        shutil.copytree(planted, mine / step_name(99))
+
+    try:
+        as_another_user(plant)
+        assert os.stat(mine).st_uid == NOBODY
+        with pytest.warns(MemoryWarning, match="belongs to another user"):
+            step, got = resumed(root, None, disk_every=100)
+        assert step is None and got is None  # never the planted weights; the job starts
+        assert default_folder_of(root) != mine and committed(mine) == [99]  # left alone
+    finally:
+        shutil.rmtree(mine, ignore_errors=True)
+
+
+@needs_root
+def test_an_explicit_folder_of_another_user_or_open_to_others_is_refused(
+    shared_tmp: Path,
+) -> None:
+    tmp_path = shared_tmp
+    theirs = tmp_path / "theirs"
+    as_another_user(lambda: theirs.mkdir(mode=0o700))
+    with pytest.raises(fc.CheckpointError, match="belongs to another user"):
+        fc.CheckpointManager(tmp_path / "a", memory=fc.manager.Memory(path=theirs))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(fc.CheckpointError, match="open to other users"):
+        fc.CheckpointManager(tmp_path / "b", memory=fc.manager.Memory(path=shared))
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(fc.CheckpointError, match="is a link"):
+        fc.CheckpointManager(tmp_path / "c", memory=fc.manager.Memory(path=tmp_path / "link"))
+    with fc.CheckpointManager(tmp_path / "d", memory=fc.manager.Memory(path=tmp_path / "m")):
+        assert stat.S_IMODE(os.stat(tmp_path / "m").st_mode) == 0o700
+
+
+def test_a_folder_inside_or_around_a_root_is_refused(tmp_path: Path) -> None:
+    with fc.CheckpointManager(tmp_path / "other"):
+        pass  # a root of another run
+    for folder in (tmp_path / "other" / "ram", tmp_path):
+        with pytest.raises(fc.CheckpointError, match="apart from the disk root"):
+            fc.CheckpointManager(tmp_path / "r", memory=fc.manager.Memory(path=folder))
+
+
+def test_the_memory_tier_keeps_by_a_retention_policy(tmp_path: Path) -> None:
+    tier = fc.manager.Memory(path=tmp_path / "mem", keep=fc.keep_last(1), async_save=False)
+    assert tier.held == 1 and fc.manager.Memory(keep=2).held == 2
+    with fc.CheckpointManager(tmp_path / "root", save=fc.every_steps(10), memory=tier) as mgr:
+        for step in (1, 2, 3):
+            mgr.maybe_save(state(step), step=step)
+        assert mgr.memory is not None and mgr.memory.steps() == [3]
+    with pytest.raises(ValueError, match=r"Memory\(keep=keep_best.*keep_last\(1\)"):
+        fc.manager.Memory(keep=fc.keep_best(1, "loss"))
+    with pytest.raises(ValueError, match=r"Memory\(keep=keep_last\(3\)\)"):
+        fc.manager.Memory(keep=fc.keep_last(3))
+
+
+# --------------------------------------------------------------------------- the property
+
+
+class Model:
+    """What each tier holds of one root's run, as the rules say: ``{step: intact}``."""
+
+    def __init__(self, disk_every: int, memory_every: int) -> None:
+        self.disk_every, self.memory_every = disk_every, memory_every
+        self.disk: dict[int, bool] = {}
+        self.memory: dict[int, bool] = {}
+
+    def resume(self) -> int | None:
+        """The step a resume takes, walking past damage as it does (damage it meets goes:
+        removed from the memory tier, moved aside on disk)."""
+        found = None
+        for step in sorted(self.memory, reverse=True):
+            if self.memory[step]:
+                found = step
+                break
+            del self.memory[step]
+        for step in sorted(self.disk, reverse=True):
+            if found is not None and step <= found:
+                break
+            if self.disk[step]:
+                return step
+            del self.disk[step]
+        return found
+
+    def run(self, die_at: int) -> int | None:
+        start = self.resume()
+        for step in range((start or 0) + 1, die_at + 1):
+            if step % self.disk_every == 0:
+                self.disk[step] = True
+            if step % self.memory_every == 0:
+                older = sorted(s for s in self.memory if s < step)
+                self.memory = {s: self.memory[s] for s in older[-1:]}  # keep=2 counts the new
+                self.memory[step] = True
+        return start
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_resume_takes_the_newest_intact_step_of_this_run(tmp_path: Path, seed: int) -> None:
+    """Random saves, kills, damaged checkpoints and wiped roots: every relaunch resumes
+    the newest intact state of this run, bit for bit, whichever tier holds it."""
+    import random
+
+    rng = random.Random(seed)
+    root = tmp_path / "ckpt"
+    model = Model(disk_every=rng.choice([3, 4, 5]), memory_every=rng.choice([1, 2]))
+    folders: set[Path] = set()
+    step = 0
+    try:
+        for launch in range(6):
+            report = tmp_path / f"resumed-{launch}.pt"
+            step += rng.randint(1, 6)
+            want = model.run(step)
+            killed(root, None, step, model.disk_every, model.memory_every, report)
+            folders.add(default_folder_of(root))
+            got = torch.load(report, weights_only=False)
+            if want is None:
+                assert got is None, (launch, got)
+            else:
+                assert got is not None and got["step"] == want, (launch, want, got)
+                exact(got, want)
+            step = max([step, *model.disk, *model.memory])
+            assert sorted(model.disk) == committed(root), (launch, model.disk)
+            assert sorted(model.memory) == committed(default_folder_of(root)), model.memory
+            what = rng.random()
+            if what < 0.2:  # the root emptied by hand: a new run
+                subprocess.run("rm -rf ckpt/*", shell=True, cwd=tmp_path, check=True)
+                model.disk, model.memory = {}, {}
+                step = 0
+            elif what < 0.7:  # one checkpoint damaged, never the last intact one
+                tiers = [(model.disk, root), (model.memory, default_folder_of(root))]
+                kept = [(t, f, s) for t, f in tiers for s, ok in t.items() if ok]
+                if len(kept) > 1:
+                    tier, folder, victim = rng.choice(kept)
+                    flip(folder / step_name(victim), "w")
+                    tier[victim] = False
+    finally:
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
