@@ -50,7 +50,10 @@ with open("/proc/self/status") as f:
     vm = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
 cap = vm + (int(sys.argv[1]) << 20)
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def status(key):  # this process's own (getrusage's maxrss may be its parent's, from fork)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key))
+base = status("VmRSS:")
 out = {}
 try:
 """
@@ -58,7 +61,7 @@ try:
 _EPILOGUE = """\
 except BaseException as e:
     out["raised"] = f"{type(e).__name__}: {e}"
-out["grew_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+out["grew_mib"] = (status("VmHWM:") - base) / 1024
 print(json.dumps(out))
 """
 

@@ -347,6 +347,57 @@ def test_empty_container_bomb_is_refused_within_a_memory_budget() -> None:
         assert peak < 32 * len(data), peak / len(data)
 
 
+_READ_BOMB = """\
+import sys
+import functional_ckpt as fc
+from functional_ckpt._src.restore import api  # everything a read imports, before the baseline
+fc.restore, fc.verify
+def status(key):  # this process's own (getrusage's maxrss may be its parent's, from fork)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key))
+base = status("VmRSS:")
+out = []
+try:
+    fc.restore(sys.argv[1])
+    out.append("restored")
+except fc.CheckpointError as e:
+    out.append(type(e).__name__ + ": " + str(e))
+report = fc.verify(sys.argv[1])
+out.append("verify ok" if report.ok else "verify not ok: " + str(report))
+grew = (status("VmHWM:") - base) / 1024
+print(grew)
+print("\\n".join(out))
+"""
+
+
+@pytest.mark.parametrize("cell", [b"\x80", b"\x90", b"\x91\x00"], ids=["maps", "arrays", "ones"])
+def test_a_hostile_4_mib_manifest_is_refused_in_under_64_mib(tmp_path: Path, cell: bytes) -> None:
+    """Regression: 4 MiB of empty maps inside a real, re-signed manifest was refused only
+    after the decoder built about a million containers (one per 4 bytes): peak RSS +77 MB.
+    The budget is one per 8 bytes: refused by ``restore`` and ``verify`` within 64 MiB,
+    measured in a child process (peak RSS above its baseline; no timing)."""
+    path = tmp_path / "c"
+    fc.save(path, {"t": torch.ones(1)})
+    raw = codec.decode((path / naming.MANIFEST).read_bytes())
+    assert isinstance(raw, dict)
+    raw["metadata"]["bomb"] = b"bomb goes here"
+    n = (4 << 20) // len(cell)
+    bomb = b"\xdd" + struct.pack(">I", n) + cell * n
+    write_signed(path, codec.encode(raw).replace(msgpack.packb(b"bomb goes here"), bomb))
+    done = subprocess.run(
+        [sys.executable, "-c", _READ_BOMB, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+    )
+    assert done.returncode == 0, done.stderr
+    grew, outcome = done.stdout.split("\n", 1)
+    restored, verified = outcome.split("\nverify ", 1)
+    assert restored.startswith("UnsafeCheckpoint: ") and "memory bomb" in restored, outcome
+    assert verified.startswith("not ok") and "memory bomb" in verified, outcome
+    assert float(grew) < 64, f"peak RSS grew by {grew} MiB"
+
+
 def test_the_container_budget_matches_between_encode_and_decode() -> None:
     free = LIMITS.decode_free_containers
     fits: list[list[int]] = [[] for _ in range(free)]

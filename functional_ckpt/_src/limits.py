@@ -74,11 +74,12 @@ class Limits:
     """Deepest nesting a reader accepts; well inside msgpack's fixed parse stack
     (1024) and Python's recursion limit for whatever walks the value next."""
 
-    decode_bytes_per_container: int = 4
+    decode_bytes_per_container: int = 8
     """Decode budget: at most one container (list, dict, tuple, set...) per this many
     input bytes, beyond ``decode_free_containers``. An empty map is one byte on disk
-    and about 70 bytes in memory; the budget caps that amplification near 20x while
-    leaving room for any real manifest (about one container per 30 bytes)."""
+    and about 70 bytes in memory (a one-item list about 80); the budget caps that
+    amplification near 10x, so a hostile 4 MiB manifest is refused within 64 MiB,
+    while leaving room for any real manifest (about one container per 30 bytes)."""
 
     decode_free_containers: int = 1 << 16
     """Containers every decode may build whatever its size, so small values never
