@@ -66,7 +66,7 @@ def train(width: int, layers: int, steps: int, vocab: int = 512, seq: int = 64) 
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return model, opt, float(loss)
+    return model, opt, float(loss.detach())
 
 
 def parts(model: Any, opt: Any) -> dict[str, bytes]:
