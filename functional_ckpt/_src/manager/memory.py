@@ -62,8 +62,9 @@ class Memory:
         keep = self.keep
         if isinstance(keep, RetentionPolicy):
             spec = keep.spec
-            n = spec.get("n") if spec.get("kind") == "keep_last" else None
-            return n if isinstance(n, int) else 0
+            args = spec.get("keep_last") if isinstance(spec, dict) else None
+            n = args.get("n") if isinstance(args, dict) else None
+            return n if isinstance(n, int) and not isinstance(n, bool) else 0
         return keep if isinstance(keep, int) and not isinstance(keep, bool) else 0
 
     def __post_init__(self) -> None:
