@@ -11,6 +11,7 @@ measured (no timing).
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import subprocess
 import sys
@@ -18,6 +19,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from functional_ckpt._src.codec import documents
 from functional_ckpt._src.limits import LIMITS
@@ -192,3 +195,44 @@ def test_every_document_is_parsed_by_the_one_bounded_loader() -> None:
 def test_the_parser_scan_sees_a_load_around_the_loader() -> None:
     src = "import json, yaml\nx = json.loads(b)\ny = yaml.safe_load(t)\nz = json.dumps(x)\n"
     assert parser_calls(src) == {"json.loads": 1, "yaml.safe_load": 1}
+
+
+# --------------------------------------------------------------------------- fuzzing
+
+_OPEN = {"json": ("[", "]"), "yaml": ("[", "]"), "map": ('{"k": ', "}")}
+
+
+@st.composite
+def _configs(draw: st.DrawFn) -> tuple[str, bool]:
+    """Deep, aliased, wide or broken configs, JSON or YAML: a "billion laughs" of random
+    fan-out and depth, nesting of random depth (closed or not), or random text."""
+    kind = draw(st.sampled_from(["laughs", "deep", "text"]))
+    if kind == "laughs":
+        fan, depth = draw(st.integers(2, 12)), draw(st.integers(1, 12))
+        lines = [f"a0: &a0 [{', '.join(['lol'] * fan)}]"]
+        for i in range(1, depth + 1):
+            lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * fan) + "]")
+        return "root: r\nmetadata:\n" + "".join(f"  {line}\n" for line in lines), True
+    if kind == "deep":
+        opening, closing = _OPEN[draw(st.sampled_from(sorted(_OPEN)))]
+        n = draw(st.integers(1, 200_000))
+        closed = draw(st.booleans())
+        return opening * n + "1" + (closing * n if closed else ""), draw(st.booleans())
+    return draw(st.text(max_size=200)), draw(st.booleans())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_configs())
+def test_fuzzed_configs_load_or_are_refused_in_one_error(config: tuple[str, bool]) -> None:
+    """Every drawn config is a document within the budgets or a ``ConfigError``; a manager
+    given what loaded checks it the same way (nothing else is raised)."""
+    from functional_ckpt._src.manager.config import manager_arguments
+
+    text, yaml = config
+    try:
+        doc = documents.load(text, "c", yaml=yaml)
+    except ConfigError:
+        return
+    documents.check_bounded(doc, "c")
+    with contextlib.suppress(ConfigError):
+        manager_arguments(doc, root_given=True)
