@@ -22,6 +22,7 @@ tensor library until something needs one.
 
 from __future__ import annotations
 
+import logging  # noqa: F401  (before the fork hook below: see _LOADING)
 import os
 import signal
 import sys
@@ -129,7 +130,9 @@ __all__ = [
 #: Held while a name's module is imported on first use (seconds: torch comes with it).
 #: A fork waits for it (``os.register_at_fork``): a child forked in the middle of an
 #: import would inherit the import's locks held by a thread it does not have, and hang
-#: in its own first call.
+#: in its own first call. Hooks run newest first before a fork: ``logging`` is imported
+#: above so that its hook (which takes logging's lock, and the import needs that lock)
+#: runs after this one has waited, not before.
 _LOADING = threading.RLock()
 os.register_at_fork(
     before=_LOADING.acquire, after_in_parent=_LOADING.release, after_in_child=_LOADING.release

@@ -20,8 +20,9 @@ import torch
 import functional_ckpt as fc
 from tests.patience import HANG
 
-#: The child's prologue: a save whose shard file is opened only once the interpreter
-#: has begun to shut down (``threading._SHUTTING_DOWN``), however the script ends.
+#: The child's prologue: a save whose files in its temporary directory are opened only
+#: once the interpreter has begun to shut down (``threading._SHUTTING_DOWN``), however
+#: the script ends.
 PROLOGUE = """
 import os, signal, sys, threading, time
 import torch
@@ -31,6 +32,8 @@ from functional_ckpt._src.storage import durable
 opened = durable.open_new
 
 def open_at_exit(path, **kw):
+    if ".tmp-" not in os.path.basename(os.path.dirname(str(path))):
+        return opened(path, **kw)  # not a checkpoint's file (a root's run record)
     while not threading._SHUTTING_DOWN:
         time.sleep(0.01)
     if os.environ.get("FC_TEST_FAIL"):
