@@ -124,7 +124,13 @@ def check_durable_commit(spy: FsyncSpy, dest: Path, created: list[Path]) -> None
         if f.name != naming.COMMIT_MARKER:
             assert at < marker_created, f"{f.name} fsynced only after the marker was written"
     marker_synced = spy.index("fsync", lambda n, _: n == str(tmp / naming.COMMIT_MARKER))
-    dir_synced = spy.index("fsync", lambda n, s: n == str(tmp) and s == -1)
+    dir_syncs = [
+        i for i, (k, n, s) in enumerate(spy.events) if k == "fsync" and n == str(tmp) and s == -1
+    ]
+    # the files' entries are durable before the marker's is made, and the marker's
+    # before the rename
+    assert any(i < marker_created for i in dir_syncs), "directory not fsynced before the marker"
+    dir_synced = min(i for i in dir_syncs if i > marker_synced)
     renamed = spy.index("renamed", lambda n, _: n == str(dest.absolute()))
     parent_synced = max(
         i

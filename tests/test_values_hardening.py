@@ -117,15 +117,15 @@ def _mutate_during_write(monkeypatch: pytest.MonkeyPatch, mutate: Any, at: int) 
     """Run ``mutate`` on the writing thread once tensor ``at`` is written."""
     original = staging.version_guard
 
-    def guard(*args: Any) -> tuple[Any, Any]:
-        after_each, check = original(*args)
+    def guard(*args: Any) -> tuple[Any, Any, Any]:
+        after_each, check, moved = original(*args)
 
         def hook(i: int) -> None:
             after_each(i)
             if i == at:
                 mutate()
 
-        return hook, check
+        return hook, check, moved
 
     monkeypatch.setattr(staging, "version_guard", guard)
 
