@@ -97,3 +97,69 @@ def test_a_save_leaves_every_tensor_resizable(tmp_path: Path, how: str) -> None:
         fc.save_async(tmp_path / "ck", state, staging=how).result()  # type: ignore[arg-type]
     assert fc.verify(tmp_path / "ck").ok
     assert resizable(state["big"]) and resizable(state["small"])
+
+
+#: The child: an incremental ``staging="none"`` save of a 64 MiB tensor equal to the
+#: base's (written by another process, so its bytes are compared too), held after the
+#: first block of its checksum (``at="crc"``) or of its byte comparison with the base's
+#: file (``at="compare"``) while the storage is freed or grown.
+BASE_CHILD = """
+import os, sys, threading, torch
+import functional_ckpt as fc
+from functional_ckpt._src.save import incremental
+from functional_ckpt._src.storage import live, shards
+
+how, at, root = sys.argv[1], sys.argv[2], sys.argv[3]
+reached, go = threading.Event(), threading.Event()
+crc32, read_into = incremental.crc32, shards.read_into
+
+def hold():
+    if not reached.is_set():
+        reached.set()
+        go.wait()
+
+def held_crc(data, start=0):
+    crc = crc32(data, start)
+    if at == "crc" and len(data) >= 1 << 20:
+        hold()
+    return crc
+
+def held_read(fd, offset, dest):
+    got = read_into(fd, offset, dest)
+    if at == "compare":
+        hold()
+    return got
+
+incremental.crc32 = live.crc32 = held_crc
+shards.read_into = held_read
+t = torch.ones(1 << 24)
+pending = fc.save_async(root + "/ck", {"w": t}, staging="none", base=root + "/base")
+reached.wait()
+try:
+    if how == "free":
+        t.untyped_storage().resize_(0)
+    else:
+        t.resize_(2 * t.numel())
+finally:
+    go.set()
+error = pending.exception()
+print(type(error).__name__, os.path.exists(root + "/ck"), flush=True)
+"""
+
+
+@pytest.mark.parametrize("at", ["crc", "compare"])
+@pytest.mark.parametrize("how", ["free", "grow"])
+def test_a_storage_resized_while_compared_with_the_base_is_refused(
+    tmp_path: Path, how: str, at: str
+) -> None:
+    fc.save(tmp_path / "base", {"w": torch.ones(1 << 24)})
+    script = tmp_path / "child.py"
+    script.write_text(BASE_CHILD)
+    proc = subprocess.run(
+        [sys.executable, str(script), how, at, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+    )
+    assert proc.returncode == 0, proc.stderr  # no crash, and the resize itself worked
+    assert proc.stdout.split() == ["ModifiedDuringSave", "False"]

@@ -12,7 +12,9 @@ the base recorded the same key, box and dtype and the CRC32 of the bytes being
 saved equals the CRC32 the base recorded. The base's file is trusted to hold
 those bytes only when this process committed that very file (:mod:`.trust`);
 any other base file is read and compared byte for byte first, so a damaged or
-foreign base never puts its bytes into a new checkpoint.
+foreign base never puts its bytes into a new checkpoint. An unstaged save's
+tensors are the caller's, who may free them meanwhile: they are read only through
+:class:`~..storage.live.LiveReader` then (a freed one raises, never crashes).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from functional_ckpt._src.format.segments import Segment
 from functional_ckpt._src.save.options import SaveOptions
 from functional_ckpt._src.save.trust import Ident, Key, Seen
 from functional_ckpt._src.storage import committed, durable, opener, shards
+from functional_ckpt._src.storage.live import BLOCK, Freed, LiveReader
 from functional_ckpt.errors import CheckpointError
 
 #: A base data file is shared only while at least this fraction of its bytes is
@@ -142,7 +145,9 @@ def open_base(options: SaveOptions) -> Base | None:
         raise
 
 
-def _unchanged(base: Base, key: Key, t: torch.Tensor, known: Ident | None) -> Chunk | None:
+def _unchanged(
+    base: Base, key: Key, t: torch.Tensor, known: Ident | None, reader: LiveReader | None
+) -> Chunk | None:
     """The base's chunk for ``key`` if ``t`` (contiguous, on the CPU) holds its bytes."""
     got = base.chunks.get(key)
     if got is None or got.dtype != t.dtype or got.chunk.sizes != tuple(t.shape):
@@ -152,16 +157,16 @@ def _unchanged(base: Base, key: Key, t: torch.Tensor, known: Ident | None) -> Ch
     seen = base.seen.get(key)
     if seen is not None and known is not None and seen[0] == known[0] and seen[1] != known[1]:
         return None  # written in place since the base: changed, no checksum pass needed
-    if _crc(t) != got.chunk.crc32:
+    if _crc(t, reader) != got.chunk.crc32:
         return None
-    if got.chunk.file not in base.trusted and not _stored_equals(base, got.chunk, t):
+    if got.chunk.file not in base.trusted and not _stored_equals(base, got.chunk, t, reader):
         return None  # the base's file does not hold what its manifest says: not shared
     return got.chunk
 
 
-def _stored_equals(base: Base, chunk: Chunk, t: torch.Tensor) -> bool:
+def _stored_equals(base: Base, chunk: Chunk, t: torch.Tensor, reader: LiveReader | None) -> bool:
     """Whether the base's blob for ``chunk`` is intact and holds exactly ``t``'s bytes."""
-    view = np.frombuffer(byte_view(t), dtype=np.uint8)
+    view = byte_view(t)
     try:
         fd = base.open(chunk.file)
         head = os.pread(fd, chunk.data_offset - chunk.offset, chunk.offset)
@@ -169,19 +174,26 @@ def _stored_equals(base: Base, chunk: Chunk, t: torch.Tensor) -> bool:
         tail = os.pread(fd, chunk.offset + chunk.length - end, end)
         if len(view) != chunk.nbytes or crc32(tail, crc32(head)) != chunk.hcrc32:
             return False
-        buf = np.empty(min(shards.CHUNK, len(view)), dtype=np.uint8)
+        buf = np.empty(min(BLOCK if reader else shards.CHUNK, len(view)), dtype=np.uint8)
         for off in range(0, len(view), len(buf)):
             part = buf[: min(len(buf), len(view) - off)]
             got = shards.read_into(fd, chunk.data_offset + off, part.data)
-            if got != len(part) or not np.array_equal(part, view[off : off + len(part)]):
+            mine = view[off : off + len(part)]
+            if reader is not None:
+                mine = memoryview(reader.copy(mine))
+            if got != len(part) or not np.array_equal(part, np.frombuffer(mine, np.uint8)):
                 return False
+    except Freed:
+        raise  # the caller's memory, not the base: the save fails
     except (OSError, CheckpointError, KeyError, ValueError):
         return False
     return True
 
 
-def _crc(t: torch.Tensor) -> int:
+def _crc(t: torch.Tensor, reader: LiveReader | None) -> int:
     view = byte_view(t)
+    if reader is not None:
+        return reader.crc(view)
     crc = 0
     for off in range(0, len(view), shards.CHUNK):
         crc = crc32(view[off : off + shards.CHUNK], crc)
@@ -193,11 +205,22 @@ def unchanged_chunks(
     keys: Sequence[Key],
     tensors: Sequence[torch.Tensor],
     idents: Sequence[Ident | None],
+    live: bool = False,
 ) -> list[Chunk | None]:
-    """For each chunk to save, the base chunk holding the same bytes, or None."""
+    """For each chunk to save, the base chunk holding the same bytes, or None.
+
+    ``live``: the tensors are the caller's, read only through the kernel (a
+    :class:`~..storage.live.Freed` raised for memory freed meanwhile)."""
     if base is None:
         return [None] * len(keys)
-    return [_unchanged(base, k, t, i) for k, t, i in zip(keys, tensors, idents, strict=True)]
+    reader = LiveReader() if live else None
+    try:
+        return [
+            _unchanged(base, k, t, i, reader) for k, t, i in zip(keys, tensors, idents, strict=True)
+        ]
+    finally:
+        if reader is not None:
+            reader.close()
 
 
 def place(
@@ -322,7 +345,9 @@ def write_rank(
     ``sync`` no file is fsynced (a memory tier). ``live`` as for :func:`.shards.write_shard`.
     """
     background: list[Future[None]] = [] if syncing is None else syncing
-    reused = place(base, unchanged_chunks(base, keys, tensors, idents), tmp, rank, background, sync)
+    reused = place(
+        base, unchanged_chunks(base, keys, tensors, idents, live), tmp, rank, background, sync
+    )
     todo = [i for i, c in enumerate(reused) if c is None]
     if after_each is not None:
         for i, c in enumerate(reused):
