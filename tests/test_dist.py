@@ -31,8 +31,13 @@ def free_port() -> int:
 
 
 def launch(
-    world: int, *args: str, timeout: float = HANG, env: dict[str, str] | None = None
+    world: int,
+    *args: str,
+    timeout: float = HANG,
+    env: dict[str, str] | None = None,
+    job: Path = JOB,
 ) -> list[subprocess.Popen[str]]:
+    """``job`` (a script of tests/) on ``world`` gloo ranks on this machine."""
     port = str(free_port())
     procs = []
     for rank in range(world):
@@ -49,7 +54,7 @@ def launch(
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(JOB), *args],
+                [sys.executable, str(job), *args],
                 env=penv,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

@@ -11,7 +11,6 @@ round makes the others raise the project's error, never gloo's.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,8 @@ import pytest
 import torch
 
 import functional_ckpt as fc
-from tests.test_dist import free_port, wait_all
+from tests.test_dist import launch as on_ranks
+from tests.test_dist import wait_all
 
 JOB = Path(__file__).with_name("ranks_job.py")
 
@@ -34,26 +34,9 @@ def run(root: Path, mode: str, *args: str) -> list[Any]:
 
 
 def launch(mode: str, root: Path, *args: str) -> list[subprocess.Popen[str]]:
-    port = str(free_port())
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": port,
-        "WORLD_SIZE": "2",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(JOB.parent.parent),
-        "FUNCTIONAL_CKPT_TIMEOUT": "60",  # a rank that is gone fails the other within this
-    }
-    return [
-        subprocess.Popen(
-            [sys.executable, str(JOB), mode, str(root), *args],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
+    # a rank that is gone fails the other within FUNCTIONAL_CKPT_TIMEOUT
+    env = {"FUNCTIONAL_CKPT_TIMEOUT": "60"}
+    return on_ranks(2, mode, str(root), *args, env=env, job=JOB)
 
 
 def assert_refused(told: list[Any], *words: str) -> None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,11 +25,10 @@ from functional_ckpt._src.restore.read import vetted_view
 from functional_ckpt._src.storage import committed
 from tests.open_files_job import LIMIT, expected
 from tests.patience import HANG
-from tests.test_dist import free_port, run_ok
+from tests.test_dist import launch, run_ok
 
 COUNT = 100  # tensors, and about as many files
 JOB = Path(__file__).with_name("open_files_job.py")
-REPO = JOB.parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -146,30 +143,8 @@ def test_each_restoring_rank_opens_its_own_part_and_never_metadata(tmp_path: Pat
 
 def _launch(world: int, *args: str) -> list[str]:
     """Run open_files_job.py on ``world`` gloo ranks; each rank's output."""
-    port = str(free_port())
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(REPO),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(JOB), *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
     outs = []
-    for p in procs:
+    for p in launch(world, *args, job=JOB):
         out, err = p.communicate(timeout=HANG)
         assert p.returncode == 0, err[-3000:]
         outs.append(out.strip())
