@@ -1,10 +1,6 @@
-"""The limits of the format, in one table that both save and load read.
-
-A reader refuses what lies beyond these bounds, because past them a file is far
-more likely hostile or damaged than real. A writer refuses the same things before
-it writes a byte, naming the key at fault, so a save can never commit a checkpoint
-that its own loader would then refuse (and a manager would then quarantine).
-"""
+"""The limits of the format, in one table that both save and load read: past them a
+file is far more likely hostile or damaged than real, and a writer refuses what
+its own loader would refuse, naming the key, before it writes a byte."""
 
 from __future__ import annotations
 
@@ -23,9 +19,8 @@ class Limits:
     keeps every walk of a hostile tree short and every path printable."""
 
     tensor_ndim: int = 64
-    """Most dimensions of a tensor (or numpy array value). numpy's own limit
-    (NPY_MAXDIMS) and far beyond any real layout; torch allocates per-dimension
-    metadata before any data, so a reader bounds it first."""
+    """Most dimensions of a tensor or array: numpy's own limit (NPY_MAXDIMS); torch
+    allocates per-dimension metadata before any data."""
 
     tensor_extent: int = 1 << 62
     """Exclusive bound of any dimension, of any tensor's element count times its
@@ -36,35 +31,27 @@ class Limits:
     """Most stored chunks (shards) of one tensor: far more ranks than any job has."""
 
     coverage_cells: int = 1 << 22
-    """Most cells of the grid that the distinct chunk boundaries of one tensor cut it
-    into, when a reader checks that the chunks cover every element exactly once.
-    Real layouts (row or column shards, 2-D meshes) make grids of a few thousand
-    cells; the bound keeps that check near-linear on hostile boxes."""
+    """Most cells of the grid one tensor's chunk boundaries cut it into, when a reader
+    checks they cover every element once: real layouts make a few thousand."""
 
     manifest_bytes: int = 256 << 20
-    """Largest manifest. A manifest costs about 150 bytes per tensor plus the
-    encoded non-tensor values, so 256 MiB is a million tensors and large values;
-    anything bigger is a value that belongs in a tensor. Read whole into memory,
-    so the bound is also what one read of a hostile file can cost."""
+    """Largest manifest: about 150 bytes per tensor, so a million tensors and large
+    values; read whole, so also what one hostile file can cost."""
 
     manifest_part_bytes: int = 64 << 20
-    """Largest part of a split manifest (one rank's per-rank entries and its chunk of
-    every sharded tensor: about 50 bytes per tensor plus its values). Read whole by
-    the ranks that need it, so the bound is what one hostile part can cost."""
+    """Largest part of a split manifest (one rank's entries and chunks, about 50 bytes
+    per tensor): read whole, so what one hostile part can cost."""
 
     segment_bytes: int = 16 << 20
-    """Longest byte range of a shard file that one run checksum covers: a reader
-    reads a whole segment into memory to check it. A writer's segments are a few
-    MiB (its write batches)."""
+    """Longest byte range one run checksum covers, read whole to check it (a writer's
+    segments are its write batches, a few MiB)."""
 
     marker_bytes: int = 64 << 10
     """Largest commit marker (it holds a few fixed fields)."""
 
     state_file_bytes: int = 4 << 20
-    """Largest JSON state file kept beside checkpoints (the remote tier's status, the
-    memory tier's status and mark, a job's progress): a few KiB of steps and
-    messages. JSON cannot flood a hash table (its keys are strings, whose hashes
-    are salted per process), so its size bound is its cost bound."""
+    """Largest JSON state file beside checkpoints (tiers' status, a job's progress): a
+    few KiB. Its str keys' hashes are salted, so its size bounds its cost."""
 
     encode_depth: int = 500
     """Deepest nesting of a non-tensor value a save accepts: below msgpack's packer
@@ -75,20 +62,17 @@ class Limits:
     (1024) and Python's recursion limit for whatever walks the value next."""
 
     decode_bytes_per_container: int = 8
-    """Decode budget: at most one container (list, dict, tuple, set...) per this many
-    input bytes, beyond ``decode_free_containers``. An empty map is one byte on disk
-    and about 70 bytes in memory (a one-item list about 80); the budget caps that
-    amplification near 10x, so a hostile 4 MiB manifest is refused within 64 MiB,
-    while leaving room for any real manifest (about one container per 30 bytes)."""
+    """At most one container per this many input bytes beyond ``decode_free_containers``:
+    an empty map is one byte on disk and about 70 in memory, so this caps the
+    amplification near 10x; real manifests hold about one per 30 bytes."""
 
     decode_free_containers: int = 1 << 16
     """Containers every decode may build whatever its size, so small values never
     meet the per-byte budget."""
 
     equal_hashes: int = 32
-    """Most keys of one map, or members of one set, that may share a hash value.
-    Equal hashes make building a hash table quadratic (a flood); real data meets
-    a handful of accidental collisions at most."""
+    """Most keys of one map or set sharing a hash value: more make building its table
+    quadratic (a flood); real data meets a handful."""
 
 
 #: The limits every reader and writer of this version uses.

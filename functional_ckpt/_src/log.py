@@ -1,17 +1,12 @@
 """The package's log records, on ``logging.getLogger("functional_ckpt")`` and its children.
 
 A job that runs for days wants a line per save, restore, commit, prune, export,
-upload, replication, promotion and resume decision in its own log, and a warning
-whenever a fallback is taken, without writing them itself. Each stage logs on a
-child (``functional_ckpt.save``, ``functional_ckpt.restore`` …), so an application
-can turn one up or down; the numbers travel as ``extra`` fields (``step``,
-``bytes``, ``seconds``, ``throughput``, ``path``) for a structured handler.
-
-Nothing is printed unless the application configures logging: the package logger
-holds a ``NullHandler``, so Python's last-resort handler never prints its warnings.
-Nothing is computed either: every function returns before building a message when
-no handler would see the record (a save of small tensors must not pay for its log).
-"""
+upload, replication, promotion and resume decision, and a warning per fallback,
+without writing them itself. Each stage logs on a child (``functional_ckpt.save``
+...), the numbers as ``extra`` fields (``step``, ``bytes``, ``seconds``,
+``throughput``, ``path``). The package logger holds a ``NullHandler``, so nothing is
+printed unless the application configures logging, and nothing is formatted while
+no handler would see the record."""
 
 from __future__ import annotations
 
@@ -62,23 +57,9 @@ def done(
     amount = "" if nbytes is None else f"{size(nbytes)} "
     rate = nbytes / seconds if nbytes is not None and seconds > 0 else None
     speed = "" if rate is None else f" ({size(rate)}/s)"
-    log.info(
-        "%s: %sin %.3g s%s %s %s",
-        what,
-        amount,
-        seconds,
-        speed,
-        to,
-        path,
-        extra={
-            "step": step,
-            "bytes": nbytes,
-            "seconds": seconds,
-            "throughput": rate,
-            "path": str(path),
-        },
-        stacklevel=2,
-    )
+    fields = {"step": step, "bytes": nbytes, "seconds": seconds, "throughput": rate}
+    args = (what, amount, seconds, speed, to, path)
+    log.info("%s: %sin %.3g s%s %s %s", *args, extra={**fields, "path": str(path)}, stacklevel=2)
 
 
 def warn(message: str, category: type[Warning], *, stacklevel: int) -> None:

@@ -1,11 +1,6 @@
-"""Text made from untrusted values: one line, bounded, never raising.
-
-A checkpoint's values and names come from a file that may be hostile or merely
-huge; whatever the package prints or puts in an error message about them goes
-through here. :func:`printable` is the one escape of text for a terminal: a key
-name holding cursor movements, a line erase, a window title or a right-to-left
-override must not rewrite what the user sees.
-"""
+"""Text made from untrusted values: one line, bounded, never raising. :func:`printable`
+is the one escape of text for a terminal: a key holding cursor movements or a
+right-to-left override must not rewrite what the user sees."""
 
 from __future__ import annotations
 
@@ -21,12 +16,8 @@ def clip(text: str, limit: int) -> str:
 
 
 def joined_lines(text: str) -> str:
-    """A multi-line message as one line: a line that introduces a list (ends with
-    ``:``) runs on into it, other lines are set apart by ``;``.
-
-    Errors list their findings one per line; on one line ``damaged tensor data:;
-    ('model', 'w')...`` would read as an empty finding.
-    """
+    """A multi-line message as one line: a line ending with ``:`` runs on into the list it
+    introduces (``damaged:; ...`` would read as an empty finding), others join by ``;``."""
     out = ""
     for line in (part.strip() for part in text.splitlines()):
         if not line:
@@ -35,18 +26,9 @@ def joined_lines(text: str) -> str:
     return out
 
 
-def _big_int(n: int) -> str:
-    """An int too long for ``repr`` (Python's 4300-digit limit), shown by size and hex head."""
-    digits = int(n.bit_length() * 0.30103) + 1
-    return f"<int of about {digits} digits, {hex(n)[:18]}...>"
-
-
 def short_repr(value: Any, limit: int = 80) -> str:
-    """``repr`` on one line, at most ``limit`` characters; never raises.
-
-    Checkpoints hold exact values of any size: an int past the interpreter's
-    digit limit, or an object whose ``repr`` fails, is described instead.
-    """
+    """``repr`` on one line, at most ``limit`` characters; never raises (a huge int, or
+    an object whose ``repr`` fails, is described instead)."""
     try:
         text = repr(value)
     except (ValueError, RecursionError):
@@ -57,8 +39,9 @@ def short_repr(value: Any, limit: int = 80) -> str:
 
 
 def _describe(value: Any) -> str:
-    if isinstance(value, int):
-        return _big_int(value)
+    if isinstance(value, int):  # past Python's 4300-digit repr limit
+        digits = int(value.bit_length() * 0.30103) + 1
+        return f"<int of about {digits} digits, {hex(value)[:18]}...>"
     if isinstance(value, list | tuple | set | frozenset | dict):
         return f"<{type(value).__name__} of {len(value)} items>"
     return f"<{type(value).__name__}>"
@@ -72,12 +55,8 @@ def _escape(ch: str) -> str:
 
 
 def printable(text: str) -> str:
-    """``text`` with every character a terminal would act on escaped (``\\x1b``, ``\\u202e``).
-
-    Control characters (C0, C1, DEL), line and paragraph separators, and format
-    characters such as bidirectional overrides are written as Python escapes;
-    a backslash is left alone, so the escape is for eyes, not for parsing back.
-    """
+    """``text`` with every character a terminal would act on (controls, separators,
+    bidirectional overrides) as a Python escape, for eyes, not for parsing back."""
     if text.isprintable():
         return text
     return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)

@@ -1,11 +1,6 @@
-"""The package's background threads: one per purpose, made on first use.
-
-Each is a single thread, because its work is ordered (checksums beside a
-write, fsyncs beside the next computation, page faults ahead of the reads that fill
-the pages) and because the work it takes off the caller runs without the GIL
-(``crc32`` of large buffers, ``fsync``, ``madvise``). A child made by ``fork`` has
-none of its parent's threads: each is made anew there on first use.
-"""
+"""The package's background threads: one per purpose, made on first use (and anew in
+a forked child). One thread each, because the work is ordered (checksums beside a
+write, fsyncs, page faults ahead of reads) and runs without the GIL."""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """accelerate without its pickles: capture and apply what ``accelerator.prepare`` returned.
 
-``accelerator.save_state`` writes the optimizer, scheduler, sampler and random
-states as pickles (``optimizer.bin``, ``random_states_0.pkl``, ...). These two
-functions are ``fc.capture``/``fc.apply`` for prepared objects instead: the model
-is unwrapped (DDP, ``torch.compile``), so its names do not depend on how it was
-wrapped; the gradient scaler of fp16 mixed precision and the accelerator's step
-counter (gradient accumulation) are included. Save the result with ``fc.save``
-or a ``CheckpointManager``. A prepared loader resumes mid-epoch through
-:func:`iter_resumed` (build it from torchdata's ``StatefulDataLoader`` with
-``DataLoaderConfiguration(use_stateful_dataloader=True)``, so it has a state).
-"""
+``fc.capture``/``fc.apply`` for prepared objects instead of ``save_state``'s
+pickles: the model unwrapped (DDP, ``torch.compile``), so its names do not depend
+on the wrapping, plus the fp16 gradient scaler and the accelerator's step counter.
+A prepared torchdata ``StatefulDataLoader`` resumes mid-epoch through
+:func:`iter_resumed`."""
 
 from __future__ import annotations
 
@@ -75,11 +70,8 @@ def iter_resumed(
     rng: bool = True,
     **objects: Any,
 ) -> Iterator[Any]:
-    """:func:`apply`, and the prepared ``loader``'s iterator resumed where the state was taken.
-
-    The random generators are restored once the loader has drawn its seeds (see
-    :func:`functional_ckpt.integrations.torchdata.iter_resumed`).
-    """
+    """:func:`apply`, and the prepared ``loader``'s iterator resumed where the state was
+    taken (see :func:`functional_ckpt.integrations.torchdata.iter_resumed`)."""
     step = _step(state)
     iterator = torchdata.iter_resumed(
         state, loader, rng=rng, **_objects(accelerator, model, objects)

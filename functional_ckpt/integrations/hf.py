@@ -1,30 +1,13 @@
 """Hugging Face ``Trainer`` checkpoints in this format, resumed through ``train()`` itself.
 
-:class:`FunctionalTrainerMixin` replaces what the Trainer writes at each save step
-(``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``,
-``training_args.bin``, ``trainer_state.json``) with one checkpoint directory of this
-format, ``output_dir/checkpoint-N``: model, optimizer, scheduler, gradient scaler,
-every random generator and the trainer state (global step, epoch, log history,
-callback states). Nothing is pickled. ``save_steps``, ``save_strategy`` and
-``save_total_limit`` keep their meaning; pruning is crash-safe.
-
-Resuming is the Trainer's own path, ``trainer.train(resume_from_checkpoint=...)``
-(a path, or ``True`` for the newest ``checkpoint-N``): the Trainer skips the
-batches already trained and restores the generators after doing so, exactly as
-for its own checkpoints, so the resumed run is bit-identical to an uninterrupted
-one. Only the loading steps are replaced, and they read this format.
-
-A run the stock ``Trainer`` started continues the same way: given one of its
-``checkpoint-N`` directories (``model.safetensors`` or ``pytorch_model.bin``,
-``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json``),
-the Trainer's own loaders read it, which unpickle nothing
-(``torch.load(weights_only=True)``, safetensors), so the run goes on exactly as a
-stock resume would; its later checkpoints are of this format. One that lacks a
-file needed to go on exactly is refused, naming it.
-
-Single process only (one CPU or GPU); DeepSpeed, FSDP and multi-process runs are
-refused.
-"""
+:class:`FunctionalTrainerMixin` writes each save step as one checkpoint of this
+format, ``output_dir/checkpoint-N`` (model, optimizer, scheduler, scaler, every
+random generator, the trainer state), nothing pickled; ``save_steps``,
+``save_strategy`` and ``save_total_limit`` keep their meaning. Resuming is the
+Trainer's own ``train(resume_from_checkpoint=...)``, only its loading steps replaced,
+so the resumed run is bit-identical. A stock ``Trainer``'s ``checkpoint-N`` is read
+by its own loaders (which unpickle nothing) and the run goes on in this format; one
+lacking a file needed to go on exactly is refused. Single process only."""
 
 from __future__ import annotations
 
@@ -56,22 +39,15 @@ if TYPE_CHECKING:
 else:
     _Base = object
 
-__all__ = [
-    "FunctionalTrainer",
-    "FunctionalTrainerMixin",
-    "is_stock_checkpoint",
-    "load_trainer_checkpoint",
-]
+__all__ = ["FunctionalTrainer", "FunctionalTrainerMixin", "is_stock_checkpoint"]
+__all__ += ["load_trainer_checkpoint"]
 
 _RESUME_KEYS = ("optimizer", "scheduler", "rng")
 
 #: What the stock ``Trainer`` writes into a ``checkpoint-N`` that a run goes on from.
 _STOCK_STATE = "trainer_state.json"
-_STOCK_WEIGHTS = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
+_STOCK_WEIGHTS = tuple(
+    n + s for n in ("model.safetensors", "pytorch_model.bin") for s in ("", ".index.json")
 )
 _STOCK_RESUME = ("optimizer.pt", "scheduler.pt", "rng_state.pth")
 
@@ -84,11 +60,8 @@ def _regular(path: Path) -> bool:
 
 
 def is_stock_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a ``checkpoint-N`` of the stock ``Trainer`` (none of this format).
-
-    Its ``trainer_state.json`` is what the stock Trainer always writes there; a
-    directory of this format never holds one.
-    """
+    """Whether ``path`` is a ``checkpoint-N`` of the stock ``Trainer``: it holds the
+    ``trainer_state.json`` the stock Trainer always writes, which this format never does."""
     path = Path(path)
     return classify(path) in (Kind.EXPORT, Kind.OTHER) and _regular(path / _STOCK_STATE)
 
@@ -142,8 +115,6 @@ class FunctionalTrainerMixin(_Base):
     _fc_resume: dict[str, Any] | None = None
     _fc_stock = False  # resuming from a stock checkpoint: the Trainer's own loaders read it
 
-    # ------------------------------------------------------------------ saving
-
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         self._fc_check_supported()
         if self.hp_search_backend is None and trial is None:
@@ -182,8 +153,7 @@ class FunctionalTrainerMixin(_Base):
         limit = self.args.save_total_limit
         if limit is None or limit <= 0:
             return
-        # A stock checkpoint (the run began with the stock Trainer) is not this
-        # format's to delete: only the checkpoints written here are counted.
+        # only the checkpoints written here count: a stock one is not this format's
         paths = [p for p in _checkpoints(run_dir) if not is_stock_checkpoint(p)]
         if len(paths) <= limit:
             return
@@ -210,8 +180,6 @@ class FunctionalTrainerMixin(_Base):
                 "for those runs"
             )
 
-    # ------------------------------------------------------------------ resuming
-
     def train(
         self,
         resume_from_checkpoint: str | os.PathLike[str] | bool | None = None,
@@ -219,13 +187,9 @@ class FunctionalTrainerMixin(_Base):
         ignore_keys_for_eval: list[str] | None = None,
         **kwargs: Any,
     ) -> Any:
-        """``Trainer.train``; ``resume_from_checkpoint`` names a checkpoint of this format.
-
-        ``True`` picks the newest ``checkpoint-N`` of ``output_dir``. The Trainer
-        reads its own state from a JSON file: it is written into a temporary
-        directory for the duration of the call, never beside the checkpoint. A
-        stock Trainer's checkpoint is handed to the Trainer's own loaders.
-        """
+        """``Trainer.train`` from a checkpoint of this format (``True``: the newest of
+        ``output_dir``); the state JSON the Trainer reads goes to a temporary
+        directory, never beside the checkpoint."""
         if resume_from_checkpoint is None or resume_from_checkpoint is False:
             return super().train(None, trial, ignore_keys_for_eval, **kwargs)
         if resume_from_checkpoint is True:
@@ -292,11 +256,9 @@ class FunctionalTrainerMixin(_Base):
         if checkpoint is None or self._fc_stock:
             super()._load_optimizer_and_scheduler(checkpoint)
             return
-        loaded = self._fc_loaded()
-        optimizer: Any = self.optimizer
-        scheduler: Any = self.lr_scheduler
-        optimizer.load_state_dict(loaded["optimizer"])
-        scheduler.load_state_dict(loaded["scheduler"])
+        objects: Any = {"optimizer": self.optimizer, "scheduler": self.lr_scheduler}
+        for name, obj in objects.items():
+            obj.load_state_dict(self._fc_loaded()[name])
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         if self._fc_stock:

@@ -1,27 +1,16 @@
 """Lightning checkpoints in this format: a ``CheckpointIO`` on ``fc.save``/``fc.restore``.
 
-``Trainer(plugins=[FunctionalCheckpointIO()])`` makes every checkpoint Lightning
-writes (``ModelCheckpoint``, ``trainer.save_checkpoint``) a directory in this
-project's format instead of a pickle, and ``trainer.fit(ckpt_path=...)`` resume
-from one. Lightning's checkpoint dict is saved as it is: hyper-parameters holding
-paths, namespaces, enums, datetimes or (registered) dataclasses round-trip as
-tagged plain data. Loading rebuilds the dict from the manifest alone (no
-template, nothing unpickled). Pruned checkpoints are removed through
-:func:`functional_ckpt.checkpoint.remove`, crash-safely.
+``Trainer(plugins=[FunctionalCheckpointIO()])`` writes every checkpoint Lightning
+saves as a directory of this format (its dict as it is, hyper-parameters as tagged
+plain data), ``fit(ckpt_path=...)`` reads it back from the manifest alone, and
+pruning is crash-safe. ``async_save=True`` writes and commits in the background
+in call order; ``teardown`` waits, and a failure is raised by the next call.
 
-With ``async_save=True`` a save returns once the tensors are copied, the writes
-and commits run in the background in call order, and ``teardown`` (end of
-``fit``) waits for them; a background failure is raised by the next call.
-
-``last.ckpt`` never lags a committed checkpoint: a checkpoint ``ModelCheckpoint``
-saves while it keeps a last one (its state in the dict names both) is committed
-there first, then at its own path sharing the same files, so a crash between the
-two leaves ``last.ckpt`` at least as new as every checkpoint beside it (a run's
-very first checkpoint excepted: no last one is known yet). The first save into a
-directory removes what killed saves of this format left there (uncommitted
-``NAME.tmp-<id>`` directories) and recovers committed ones whose name is free; no
-other file, and no committed checkpoint, is ever deleted.
-"""
+``last.ckpt`` never lags a committed checkpoint: one ``ModelCheckpoint`` saves
+while it keeps a last one is committed there first, then at its own path sharing
+the files. The first save into a directory removes what killed saves of this
+format left there and recovers committed ones whose name is free; nothing else
+is ever deleted."""
 
 from __future__ import annotations
 
@@ -60,12 +49,8 @@ def _device(map_location: Any) -> torch.device | str | None:
 
 
 def _staged(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """A copy of the dict, its tensors copied to the host, for a write that comes later.
-
-    The background write runs after training has changed the weights in place and
-    Lightning the objects the dict refers to (hyper-parameters, callback state).
-    A tensor reached twice (tied weights) is copied once.
-    """
+    """A copy of the dict, its tensors copied to the host once each, for a background
+    write that runs after training and Lightning changed what the dict refers to."""
     tensors: dict[int, Any] = {}
     stack: list[Any] = [checkpoint]
     while stack:
@@ -86,15 +71,9 @@ _MODEL_CHECKPOINT_KEYS = ("last_model_path", "best_model_path", "best_k_models")
 def _last_to_follow(
     checkpoint: dict[str, Any], target: Path, queued: Callable[[Path], bool]
 ) -> Path | None:
-    """The last checkpoint Lightning saves right after ``target``, if the dict names one.
-
-    ``ModelCheckpoint`` records in the state it saves the checkpoint it is saving
-    (``best_model_path``, or one of ``best_k_models``) and its last checkpoint
-    (``last_model_path``), and writes the last one right after. Only a checkpoint
-    beside ``target`` that this format wrote (committed, or ``queued`` to be)
-    counts: a symbolic link (``save_last="link"``) is Lightning's to update, and a
-    save of anyone else (``trainer.save_checkpoint``) is followed by none.
-    """
+    """The last checkpoint ``ModelCheckpoint`` saves right after ``target``, when the
+    dict names ``target`` as best (or top-k) and a last one beside it that this
+    format wrote (committed, or ``queued``); never a link (``save_last="link"``)."""
     callbacks = checkpoint.get("callbacks")
     if not isinstance(callbacks, dict):
         return None
@@ -124,12 +103,9 @@ def _write(paths: list[Path], checkpoint: dict[str, Any]) -> CheckpointInfo:
 
 
 class FunctionalCheckpointIO(CheckpointIO):
-    """Lightning ``CheckpointIO`` writing and reading this project's checkpoint format.
-
-    Each checkpoint is a directory at the path Lightning chooses (``…/epoch=0-step=8.ckpt``).
-    ``async_save=True`` overlaps the write with training; staging copies the
-    tensors first, so training may go on at once.
-    """
+    """Lightning ``CheckpointIO`` writing and reading this project's checkpoint format, a
+    directory at the path Lightning chooses; ``async_save=True`` overlaps the write
+    with training."""
 
     def __init__(self, *, async_save: bool = False) -> None:
         super().__init__()
@@ -182,10 +158,7 @@ class FunctionalCheckpointIO(CheckpointIO):
         self._cleaned.add(directory)
 
     def load_checkpoint(
-        self,
-        path: str | os.PathLike[str],
-        map_location: Any = None,
-        weights_only: bool | None = None,
+        self, path: str | os.PathLike[str], map_location: Any = None, weights_only: Any = None
     ) -> dict[str, Any]:
         """The checkpoint dict as Lightning wrote it; never unpickled, whatever ``weights_only``."""
         target = Path(path)

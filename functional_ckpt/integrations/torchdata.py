@@ -1,13 +1,9 @@
 """torchdata's ``StatefulDataLoader``: resume mid-epoch, random draws included.
 
-Creating a loader's iterator draws from the global torch generator (the
-sampler's seed, the workers' base seed). A resumed run that restores the
-generators and *then* calls ``iter(loader)`` has taken one draw more than the
-uninterrupted run at the same step, and every later ``torch.randn``, dropout
-mask or augmentation differs. The order that resumes exactly is: load the
-loader's state, create the iterator, restore the generators last. That is what
-:func:`iter_resumed` does.
-"""
+Creating a loader's iterator draws from the global generator (sampler and worker
+seeds), so restoring the generators *before* ``iter(loader)`` takes one draw more
+than the uninterrupted run. :func:`iter_resumed` loads the loader's state, creates
+the iterator, then restores the generators."""
 
 from __future__ import annotations
 
@@ -27,15 +23,9 @@ __all__ = ["iter_resumed"]
 def iter_resumed(
     state: TensorDictBase, loader: Any, *, rng: bool = True, **objects: Any
 ) -> Iterator[Any]:
-    """Apply ``state`` to ``loader`` and ``objects``, and return the loader's resumed iterator.
-
-    ``objects`` are what :func:`functional_ckpt.apply` takes (``model=``,
-    ``optimizer=``, ...). The random generators are restored after the iterator
-    is created, so the next batch and the next random draw are those the
-    uninterrupted run saw after the step the state was captured at. Iterate the
-    returned iterator to finish the interrupted epoch, then ``loader`` as usual.
-    ``rng=False`` leaves the generators alone (a state captured without them).
-    """
+    """Apply ``state`` to ``loader`` and ``objects`` (as :func:`functional_ckpt.apply`), and
+    return the loader's resumed iterator: the next batch and random draw are the
+    uninterrupted run's. ``rng=False`` leaves the generators alone."""
     if rng and "rng" not in state.keys():
         raise TemplateMismatch(
             "iter_resumed: the state has no 'rng' entry (captured with rng=False?); pass "

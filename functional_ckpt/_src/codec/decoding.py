@@ -1,11 +1,9 @@
 """Decoding: hostile bytes back to exactly the value that was encoded.
 
-All the checks a reader needs live here: the unpacker's hooks rebuild tagged
-containers inside the one C-level parse and count them against the decode
-budget, map keys and set members are vetted for a hash flood before a table is
-built, every leaf payload is parsed against the bytes present, and the result is
-walked once more for depth and stray types.
-"""
+The unpacker's hooks rebuild marked containers inside the one C-level parse and
+count them against the decode budget, map keys and set members are vetted for a
+hash flood before a table is built, every leaf payload is parsed against the bytes
+present, and the result is walked once more for depth and stray types."""
 
 from __future__ import annotations
 
@@ -13,28 +11,22 @@ import collections
 import gc
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import msgpack
 
+from functional_ckpt._src.codec import table
 from functional_ckpt._src.codec.leaves import LEAF_DECODERS, _Corrupt
-from functional_ckpt._src.codec.placeholder import Unregistered, placeholder
 from functional_ckpt._src.codec.registration import tag_problem, unknown_tag_problem
 from functional_ckpt._src.codec.table import (
     CONTAINERS,
-    EXT_FROZENSET,
-    EXT_ORDERED_DICT,
-    EXT_SET,
-    EXT_TAGGED,
-    EXT_TORCH_SIZE,
-    EXT_TUPLE,
     container_budget,
     decoded_leaves,
     flood,
     torch_size_problem,
     type_name,
 )
-from functional_ckpt._src.codec.tagged import TAGGED, _BadFields, by_tag
+from functional_ckpt._src.codec.tagged import TAGGED, Unregistered, _BadFields, by_tag, placeholder
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
 
@@ -46,17 +38,11 @@ _GC_PAUSE_BYTES: Final = 256 * 1024
 _OrderedDict = collections.OrderedDict
 
 
-class _Marker:
+class _Marker(NamedTuple):
     """Stands in, during one parse, for the ext that opens a container array."""
 
-    __slots__ = ("build", "name")
-
-    def __init__(self, name: str, build: Callable[[list[Any]], object]) -> None:
-        self.name = name
-        self.build = build
-
-    def __repr__(self) -> str:
-        return f"<{self.name} marker>"
+    name: str
+    build: Callable[[list[Any]], object]
 
 
 class _Unsafe(Exception):
@@ -81,10 +67,6 @@ def _as_keys(keys: Iterable[Any]) -> None:
 _KEYED: Final = {"set": slice(None), "frozenset": slice(None), "OrderedDict": slice(None, None, 2)}
 
 
-def _build_tuple(items: list[Any]) -> object:
-    return tuple(items)
-
-
 def _refuse_flood(keys: list[Any], what: str) -> None:
     """Refuse, before a hash table is built, keys whose hashes would make it quadratic."""
     if len(keys) <= LIMITS.equal_hashes:
@@ -98,27 +80,17 @@ def _refuse_flood(keys: list[Any], what: str) -> None:
 
 
 def check_hashes(keys: list[Any], *, where: str) -> None:
-    """Refuse keys read from a checkpoint that would flood a hash table built from them.
-
-    For hash tables built after decoding (for example from a list of dict keys).
-
-    Raises:
-        UnsafeCheckpoint: more keys than ``LIMITS.equal_hashes`` share one hash value.
-    """
+    """``UnsafeCheckpoint`` if keys read from a checkpoint (a table built after decoding)
+    would flood a hash table: more than ``LIMITS.equal_hashes`` share one hash."""
     try:
         _refuse_flood(keys, "key")
     except _Unsafe as exc:
         raise UnsafeCheckpoint(f"{where}: {exc}") from None
 
 
-def _build_set(items: list[Any]) -> object:
+def _set_of(kind: type[set[Any]] | type[frozenset[Any]], items: list[Any]) -> object:
     _refuse_flood(items, "set member")
-    return set(items)
-
-
-def _build_frozenset(items: list[Any]) -> object:
-    _refuse_flood(items, "set member")
-    return frozenset(items)
+    return kind(items)
 
 
 def _build_ordered_dict(items: list[Any]) -> object:
@@ -139,24 +111,18 @@ def _build_torch_size(items: list[Any]) -> object:
 
 
 _MARKERS: Final[dict[int, _Marker]] = {
-    EXT_TUPLE: _Marker("tuple", _build_tuple),
-    EXT_SET: _Marker("set", _build_set),
-    EXT_FROZENSET: _Marker("frozenset", _build_frozenset),
-    EXT_ORDERED_DICT: _Marker("OrderedDict", _build_ordered_dict),
-    EXT_TORCH_SIZE: _Marker("torch.Size", _build_torch_size),
+    table.EXT_TUPLE: _Marker("tuple", tuple),
+    table.EXT_SET: _Marker("set", partial(_set_of, set)),
+    table.EXT_FROZENSET: _Marker("frozenset", partial(_set_of, frozenset)),
+    table.EXT_ORDERED_DICT: _Marker("OrderedDict", _build_ordered_dict),
+    table.EXT_TORCH_SIZE: _Marker("torch.Size", _build_torch_size),
 }
 
 
 class _Hooks:
-    """The unpacker's hooks for one decode: containers are counted as they finish.
-
-    Every array passes through :meth:`list_hook` and every map through
-    :meth:`pairs_hook`, so the count is exact and a budget overrun stops the parse
-    after at most ``budget`` containers were built, whatever the input declares.
-    Maps get their pairs, not a dict, so their keys are vetted for a hash flood
-    before any hash table is built. Every ext passes through :meth:`ext_hook`,
-    which keeps an unknown tag as a placeholder only if ``unregistered`` is a set.
-    """
+    """The unpacker's hooks for one decode: every array and map is counted as it
+    finishes, so an overrun stops the parse after ``budget`` containers whatever the
+    input declares; maps get their pairs, vetted for a flood before any table."""
 
     __slots__ = ("budget", "count", "few", "unregistered")
 
@@ -191,7 +157,7 @@ class _Hooks:
         return lst
 
     def ext_hook(self, code: int, payload: bytes) -> object:
-        if code == EXT_TAGGED:
+        if code == table.EXT_TAGGED:
             return _tagged_marker(payload, self.unregistered)
         marker = _MARKERS.get(code)
         if marker is not None:
@@ -215,11 +181,8 @@ class _Hooks:
 
 
 def _tagged_marker(payload: bytes, unregistered: set[str] | None) -> _Marker:
-    """The marker of a tagged value: the tag is looked up in the table, never imported.
-
-    An unknown tag is refused, or with ``unregistered`` kept as a placeholder
-    (its tag added to that set) once its fields are well formed.
-    """
+    """The marker of a tagged value, its tag looked up in the table, never imported; an
+    unknown one refused, or kept as a placeholder (added to ``unregistered``)."""
     try:
         tag = payload.decode("utf-8")
     except UnicodeDecodeError:
@@ -266,11 +229,8 @@ def _tagged_fields(t: type, value: object) -> object:
 
 
 def find_unregistered(value: object) -> Unregistered | None:
-    """The first placeholder in a decoded value (which ``decode`` bounded in depth), if any.
-
-    Breadth first, in the order the value holds its items, so a message names the
-    placeholder a reader sees first.
-    """
+    """The first placeholder in a decoded value, breadth first in the order it holds its
+    items (the one a reader sees first)."""
     leaves = decoded_leaves()
     todo = [value]
     i = 0
@@ -295,13 +255,8 @@ def find_unregistered(value: object) -> Unregistered | None:
 
 
 def _check_decoded(value: object, max_depth: int) -> None:
-    """Bound the nesting and make sure only supported types came out.
-
-    The unpacker cannot be told a depth limit (only its fixed 1024-level parse
-    stack), and it turns ext -1 into a msgpack Timestamp without consulting
-    ``ext_hook``; a stray container marker is also only visible here.
-    Iterative, so hostile depth cannot reach Python's recursion limit.
-    """
+    """Bound the nesting (the unpacker takes no depth limit) and refuse stray types (a
+    Timestamp, from ext -1 without ``ext_hook``; a misplaced marker). Iterative."""
     leaves = decoded_leaves()
     containers = CONTAINERS
     t = type(value)
@@ -309,8 +264,7 @@ def _check_decoded(value: object, max_depth: int) -> None:
         if t not in leaves:
             _check_decoded([_tagged_fields(t, value)], max_depth)
         return
-    # Level by level rather than a stack of (node, depth) pairs: no per-node
-    # allocation, which matters for manifests with tens of thousands of dicts.
+    # level by level: no per-node allocation (manifests hold tens of thousands of dicts)
     level_nodes: list[Any] = [value]
     level = 1
     while level_nodes:
@@ -341,34 +295,15 @@ def decode(
     max_depth: int = LIMITS.decode_depth,
     unregistered: set[str] | None = None,
 ) -> object:
-    """Rebuild exactly the value ``encode`` was given, treating ``data`` as hostile.
+    """Rebuild exactly the value ``encode`` was given, treating ``data`` as hostile: no
+    code run, no Python recursion, linear time, containers within the budget.
 
-    A tagged value whose tag no class is registered under is refused, unless
-    ``unregistered`` is given: then it comes back as an ``Unregistered``
-    placeholder (its tag added to the set), so a reader that only looks needs
-    no user code; its fields are decoded and bounded like any other value, and
-    fields no registered class could have (or an impossible tag) stay damage.
-
-    ``data`` may come from a damaged disk or an attacker, so decoding never runs
-    code, never recurses in Python, stays linear in ``len(data)`` (no hash
-    flood), and holds at most about 20 times ``len(data)`` in containers (the
-    decode budget) plus what msgpack's fixed 1024-level parse stack costs.
-
-    Errors are split by what the caller should conclude:
-
-    Raises:
-        CorruptCheckpoint: the bytes are not a valid encoding: truncated,
-            trailing bytes, invalid UTF-8, unknown ext codes, malformed ext
-            payloads, and any declared length (array, map, string, ndarray
-            shape) that does not match the bytes actually present. Size bombs
-            land here too, because from the bytes alone they are
-            indistinguishable from truncation or a flipped length bit.
-        UnsafeCheckpoint: a tag no class is registered under (without
-            ``unregistered``). Or the bytes are well formed but nest containers deeper
-            than ``max_depth`` (or than msgpack's fixed parse stack of 1024), a
-            depth bomb aimed at whatever walks the value next; or they hold more
-            containers than the decode budget allows (a memory bomb), or keys or
-            set members sharing one hash value beyond the limit (a hash flood).
+    An unregistered tag is refused unless ``unregistered`` is a set: then it comes
+    back as an ``Unregistered`` placeholder (its tag added), so a reader that only
+    looks needs no user code. ``CorruptCheckpoint``: not a valid encoding (cut
+    off, trailing bytes, a length the bytes do not hold: a size bomb looks the
+    same). ``UnsafeCheckpoint``: an unregistered tag, or well formed but deeper
+    than ``max_depth``, more containers than the budget, or a hash flood.
     """
     if isinstance(data, memoryview):
         if not data.c_contiguous:
@@ -378,9 +313,7 @@ def decode(
         n = len(data)
     else:
         raise TypeError(f"decode() needs bytes or memoryview, not {type_name(type(data))}")
-    # Building many containers at once triggers full cyclic-GC passes over the
-    # whole process heap (msgpack's own advice is to pause GC); nothing built
-    # here can form a cycle, so the pause loses nothing.
+    # many new containers trigger full GC passes over the heap; nothing here makes a cycle
     hooks = _Hooks(container_budget(n, LIMITS.decode_free_containers), unregistered)
     pause_gc = n >= _GC_PAUSE_BYTES and gc.isenabled()
     if pause_gc:

@@ -1,20 +1,13 @@
 """Untrusted JSON and YAML documents, bounded before anything expands them.
 
-Config files (``fckpt run --config``), a manager's configuration and the JSON
-state files kept beside checkpoints are plain data that someone else wrote. They
-get the msgpack decoder's budgets (:class:`~..limits.Limits`): nesting at most
-``decode_depth`` deep; at most one container per ``decode_bytes_per_container``
-bytes of text beyond ``decode_free_containers``; and an expanded size (one per
-node, plus the characters of every string) at most the text's length beyond the
-same allowance. A node reached twice (a YAML alias, one object placed twice in a
-dict) counts every time it is reached, because whatever walks the document next
-(a copy, a manifest's encoder) expands it: a 420-byte "billion laughs" is refused
-after a few thousand steps instead of growing to gigabytes.
-
-The walk keeps one iterator per level, never recursion, and a YAML text is
-first read as a stream of events, stopping at the first level too deep, before
-PyYAML's (recursive) composer sees it.
-"""
+Config files, a manager's configuration and the JSON state files beside
+checkpoints were written by someone else, so they get the msgpack decoder's
+budgets (:class:`~..limits.Limits`): depth, containers per byte of text, and an
+expanded size (nodes plus string characters) within the text's length. A node
+reached twice (a YAML alias) counts each time, because whatever walks the document
+next expands it: a 420-byte "billion laughs" is refused after a few thousand
+steps. The walk never recurses, and YAML is first read as events, stopping at the
+first level too deep, before PyYAML's recursive composer sees it."""
 
 from __future__ import annotations
 
@@ -95,12 +88,8 @@ def check_bounded(doc: object, where: str, text_bytes: int | None = None) -> Non
 
 
 def load(text: bytes | str, where: str, *, yaml: bool = False) -> Any:
-    """The document a JSON (or, with ``yaml``, YAML) text holds, checked by :func:`check_bounded`.
-
-    Raises :class:`~..errors.ConfigError` naming ``where`` for text that is not
-    valid, nests too deep or expands beyond the budgets; ``ImportError`` when
-    YAML is asked for and PyYAML is missing.
-    """
+    """The document a JSON (or, with ``yaml``, YAML) text holds, checked by :func:`check_bounded`;
+    a :class:`~..errors.ConfigError` naming ``where`` for any bad text."""
     if isinstance(text, bytes):
         try:
             text = text.decode()

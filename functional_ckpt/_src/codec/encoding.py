@@ -1,37 +1,25 @@
 """Encoding: refuse what would not come back exactly, then pack.
 
-Every value is scanned before a byte is packed, because msgpack's C packer
-would quietly write a bytearray as bytes or a subclass as its base type; the
-scan also counts the containers a reader will build, so nothing is written that
-a reader's budgets would refuse.
-"""
+Every value is scanned before a byte is packed, because msgpack's C packer would
+quietly write a bytearray as bytes or a subclass as its base type; the scan also
+counts the containers a reader will build, so nothing is written that a reader's
+budgets would refuse."""
 
 from __future__ import annotations
 
 import collections
 import itertools
+from functools import partial
 from typing import Any, Final, cast
 
 import msgpack
 import numpy as np
 import torch
 
-from functional_ckpt._src.codec.placeholder import Unregistered, placeholder_problem
+from functional_ckpt._src.codec import table
 from functional_ckpt._src.codec.registration import unregistered_problem
 from functional_ckpt._src.codec.table import (
     CONTAINERS,
-    EXT_BIGINT,
-    EXT_BYTEARRAY,
-    EXT_FROZENSET,
-    EXT_NDARRAY,
-    EXT_NUMPY_SCALAR,
-    EXT_ORDERED_DICT,
-    EXT_SET,
-    EXT_TAGGED,
-    EXT_TORCH_DEVICE,
-    EXT_TORCH_DTYPE,
-    EXT_TORCH_SIZE,
-    EXT_TUPLE,
     LEAVES,
     MAX_ENCODE_DEPTH,
     NATIVE_LEAVES,
@@ -43,7 +31,7 @@ from functional_ckpt._src.codec.table import (
     torch_size_problem,
     type_name,
 )
-from functional_ckpt._src.codec.tagged import TAGGED
+from functional_ckpt._src.codec.tagged import TAGGED, Unregistered, placeholder_problem
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.text import short_repr
 from functional_ckpt.errors import CheckpointError, UnsupportedValue
@@ -53,97 +41,83 @@ __all__ = ["check_encodable", "encode", "encode_checked"]
 _OrderedDict = collections.OrderedDict
 
 
+_packb: Final = partial(msgpack.packb, use_bin_type=True, use_single_float=False, strict_types=True)
+
+
 def _pack_payload(obj: object) -> bytes:
-    return msgpack.packb(
-        obj,
-        use_bin_type=True,
-        use_single_float=False,
-        strict_types=True,
-        unicode_errors="surrogatepass",  # np.str_ may hold lone surrogates
-    )
+    return _packb(obj, unicode_errors="surrogatepass")  # np.str_ may hold them
 
 
 def _encode_bigint(n: int) -> msgpack.ExtType:
-    return msgpack.ExtType(EXT_BIGINT, n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True))
+    return msgpack.ExtType(
+        table.EXT_BIGINT, n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+    )
 
 
 def _encode_ndarray(a: np.ndarray[Any, Any]) -> msgpack.ExtType:
     code = dtype_code(a.dtype)
     if code is None:  # pragma: no cover - _scan refuses these first
         raise UnsupportedValue(f"unsupported numpy dtype {a.dtype!r}")
-    return msgpack.ExtType(EXT_NDARRAY, _pack_payload([code, list(a.shape), a.tobytes()]))
+    return msgpack.ExtType(table.EXT_NDARRAY, _pack_payload([code, list(a.shape), a.tobytes()]))
 
 
 def _encode_numpy_scalar(x: np.generic) -> msgpack.ExtType:
-    # Text scalars lose trailing NULs through an array (and np.str_("") has a
-    # zero itemsize), so they travel as their Python value under a bare kind.
+    # Text scalars lose trailing NULs through an array or numpy's __str__ (and
+    # np.str_("") has a zero itemsize), so they travel as their Python value.
     t = type(x)
     if t is np.str_:
-        # str() would go through numpy's __str__, which drops trailing NULs.
-        return msgpack.ExtType(EXT_NUMPY_SCALAR, _pack_payload(["U", str.__str__(x)]))
+        return msgpack.ExtType(table.EXT_NUMPY_SCALAR, _pack_payload(["U", str.__str__(x)]))
     if t is np.bytes_:
         payload = _pack_payload(["S", bytes(memoryview(cast(bytes, x)))])
-        return msgpack.ExtType(EXT_NUMPY_SCALAR, payload)
+        return msgpack.ExtType(table.EXT_NUMPY_SCALAR, payload)
     code = dtype_code(x.dtype)
     if code is None:  # pragma: no cover - _scan refuses these first
         raise UnsupportedValue(f"unsupported numpy scalar {type(x).__name__}")
-    return msgpack.ExtType(EXT_NUMPY_SCALAR, _pack_payload([code, x.tobytes()]))
+    return msgpack.ExtType(table.EXT_NUMPY_SCALAR, _pack_payload([code, x.tobytes()]))
 
 
-_TUPLE_EXT: Final = msgpack.ExtType(EXT_TUPLE, b"")
-_SET_EXT: Final = msgpack.ExtType(EXT_SET, b"")
-_FROZENSET_EXT: Final = msgpack.ExtType(EXT_FROZENSET, b"")
-_ORDERED_DICT_EXT: Final = msgpack.ExtType(EXT_ORDERED_DICT, b"")
-_TORCH_SIZE_EXT: Final = msgpack.ExtType(EXT_TORCH_SIZE, b"")
+_MARKERS: Final = {
+    t: msgpack.ExtType(code, b"")
+    for t, code in (
+        (tuple, table.EXT_TUPLE),
+        (set, table.EXT_SET),
+        (frozenset, table.EXT_FROZENSET),
+    )
+} | {torch.Size: msgpack.ExtType(table.EXT_TORCH_SIZE, b"")}
+_ORDERED_DICT_EXT: Final = msgpack.ExtType(table.EXT_ORDERED_DICT, b"")
 
 
 def _default(obj: Any) -> object:
     """The C packer's fallback for every type it does not write natively."""
     t = type(obj)
-    if t is tuple:
-        return [_TUPLE_EXT, *obj]
+    marker = _MARKERS.get(t)
+    if marker is not None:
+        return [marker, *obj]
     if t is int:  # outside the 64-bit range msgpack handles
         return _encode_bigint(obj)
     if t is np.ndarray:
         return _encode_ndarray(obj)
     if t in NUMPY_SCALAR_TYPES:
         return _encode_numpy_scalar(obj)
-    if t is set:
-        return [_SET_EXT, *obj]
-    if t is frozenset:
-        return [_FROZENSET_EXT, *obj]
     if t is _OrderedDict:
         return [_ORDERED_DICT_EXT, *itertools.chain.from_iterable(obj.items())]
-    if t is torch.Size:
-        return [_TORCH_SIZE_EXT, *obj]
     entry = TAGGED.get(t)
     if entry is not None:
         # A bytearray among the fields would be packed as bin; swap it for its ext.
-        marker = msgpack.ExtType(EXT_TAGGED, entry.tag.encode("utf-8"))
+        marker = msgpack.ExtType(table.EXT_TAGGED, entry.tag.encode("utf-8"))
         return [marker, _wrap_bytearrays(entry.fields(obj))]
     if t is torch.dtype:
-        return msgpack.ExtType(EXT_TORCH_DTYPE, str(obj).removeprefix("torch.").encode("ascii"))
+        return msgpack.ExtType(
+            table.EXT_TORCH_DTYPE, str(obj).removeprefix("torch.").encode("ascii")
+        )
     if t is torch.device:
-        return msgpack.ExtType(EXT_TORCH_DEVICE, str(obj).encode("ascii"))
-    # Unreachable after _scan, except for the ExtTypes we insert ourselves,
-    # which the packer handles natively.
+        return msgpack.ExtType(table.EXT_TORCH_DEVICE, str(obj).encode("ascii"))
+    # unreachable after _scan (the packer writes the ExtTypes inserted here natively)
     raise UnsupportedValue(f"unsupported type {type_name(t)}")  # pragma: no cover
 
 
-_BASES_OF_SUBCLASSES: Final = (
-    bool,
-    int,
-    float,
-    str,
-    bytes,
-    bytearray,
-    list,
-    tuple,
-    dict,
-    set,
-    frozenset,
-    np.ndarray,
-)
+_BASES_OF_SUBCLASSES: Final = (bool, int, float, str, bytes, bytearray, list, tuple, dict, set)
+_BASES_OF_SUBCLASSES_MORE: Final = (frozenset, np.ndarray)
 
 
 def _leaf_problem(obj: object, t: type) -> str | None:
@@ -171,7 +145,7 @@ def _leaf_problem(obj: object, t: type) -> str | None:
         return registrable
     if isinstance(obj, np.generic):
         return f"unsupported numpy scalar type {type_name(t)} (supported: {SUPPORTED_TEXT})"
-    for base in _BASES_OF_SUBCLASSES:
+    for base in (*_BASES_OF_SUBCLASSES, *_BASES_OF_SUBCLASSES_MORE):
         if isinstance(obj, base):
             return (
                 f"unsupported type {type_name(t)}, a subclass of {type_name(base)} "
@@ -205,16 +179,19 @@ def _path(node: _Node | None, where: str) -> str:
     return where + "".join(parts)
 
 
-def _scan(value: object, where: str) -> tuple[bool, int]:
-    """Refuse anything that would not come back exactly.
+def _level(node: _Node, where: str) -> int:
+    """The nesting level of ``node``'s children, refused beyond ``MAX_ENCODE_DEPTH``."""
+    if node[1] >= MAX_ENCODE_DEPTH:
+        raise UnsupportedValue(
+            f"{_path(node, where)}: nested deeper than {MAX_ENCODE_DEPTH} containers"
+        )
+    return node[1] + 1
 
-    Returns whether bytearrays occur and how many containers ``decode`` will
-    build, for its budget. Must run before packing: the C packer would happily
-    write a bytearray or a memoryview as bin (which reads back as bytes) and a
-    stray ExtType or Timestamp as itself. Iterative, so a deep value cannot
-    exhaust the Python stack, and labels are kept as raw keys so paths are only
-    formatted on error.
-    """
+
+def _scan(value: object, where: str) -> tuple[bool, int]:
+    """Refuse anything that would not come back exactly; return whether bytearrays
+    occur and how many containers ``decode`` will build. Iterative (no deep Python
+    stack); labels are kept raw, so paths are formatted on error only."""
     native = NATIVE_LEAVES
     has_bytearray = False
     containers = 0
@@ -228,11 +205,7 @@ def _scan(value: object, where: str) -> tuple[bool, int]:
         t = type(obj)
         if t is dict or t is list or t is tuple or t in CONTAINERS:
             containers += 1
-            level = node[1] + 1
-            if level > MAX_ENCODE_DEPTH:
-                raise UnsupportedValue(
-                    f"{_path(node, where)}: nested deeper than {MAX_ENCODE_DEPTH} containers"
-                )
+            level = _level(node, where)
             if t is not list and t is not tuple and len(obj) > equal_hashes:
                 shared = flood(obj)
                 if shared > equal_hashes:
@@ -259,11 +232,7 @@ def _scan(value: object, where: str) -> tuple[bool, int]:
         elif t in TAGGED:
             # Written as [marker, fields]: one array, then the fields as any other value.
             containers += 1
-            level = node[1] + 1
-            if level > MAX_ENCODE_DEPTH:
-                raise UnsupportedValue(
-                    f"{_path(node, where)}: nested deeper than {MAX_ENCODE_DEPTH} containers"
-                )
+            level = _level(node, where)
             try:
                 fields = TAGGED[t].fields(obj)
             except UnsupportedValue as exc:
@@ -295,15 +264,11 @@ _REBUILT: Final[frozenset[type]] = frozenset({list, tuple, dict, _OrderedDict})
 
 
 def _wrap_bytearrays(value: Any) -> Any:
-    """Copy the containers above each bytearray, swapping it for its ext.
-
-    Needed because the packer never offers a bytearray to ``default``. Only
-    lists, tuples and dict values can hold one (it is unhashable). Iterative
-    like _scan: containers are copied into mutable shells top-down, then
-    frozen bottom-up, so the Python stack depth does not grow with nesting.
-    """
+    """Copy the containers above each bytearray (lists, tuples, dict values), swapping
+    it for its ext, which the packer never offers to ``default``. Iterative: shells
+    copied top-down, then frozen bottom-up."""
     if type(value) is bytearray:
-        return msgpack.ExtType(EXT_BYTEARRAY, bytes(value))
+        return msgpack.ExtType(table.EXT_BYTEARRAY, bytes(value))
     if type(value) not in _REBUILT:
         return value
     # Each shell: (type, keys or None, child values, parent shell index, slot).
@@ -313,7 +278,7 @@ def _wrap_bytearrays(value: Any) -> Any:
         obj, parent, slot = stack.pop()
         t = type(obj)
         if t is bytearray:
-            shells[parent][2][slot] = msgpack.ExtType(EXT_BYTEARRAY, bytes(obj))
+            shells[parent][2][slot] = msgpack.ExtType(table.EXT_BYTEARRAY, bytes(obj))
             continue
         if t is dict or t is _OrderedDict:
             keys: list[Any] | None = list(obj.keys())
@@ -338,23 +303,9 @@ def _wrap_bytearrays(value: Any) -> Any:
 def _pack(value: object, where: str) -> bytes:
     try:
         try:
-            return msgpack.packb(
-                value,
-                default=_default,
-                use_bin_type=True,
-                use_single_float=False,
-                strict_types=True,
-            )
-        except UnicodeEncodeError:
-            # Lone surrogates are valid Python strings; carry them exactly.
-            return msgpack.packb(
-                value,
-                default=_default,
-                use_bin_type=True,
-                use_single_float=False,
-                strict_types=True,
-                unicode_errors="surrogatepass",
-            )
+            return _packb(value, default=_default)
+        except UnicodeEncodeError:  # lone surrogates are valid Python strings: kept exactly
+            return msgpack.packb(value, default=_default, unicode_errors="surrogatepass")
     except CheckpointError:
         raise
     except (ValueError, TypeError, OverflowError) as exc:
@@ -362,20 +313,10 @@ def _pack(value: object, where: str) -> bytes:
 
 
 def check_encodable(value: object, *, where: str = "value", max_bytes: int | None = None) -> bool:
-    """Refuse, before any work is written, a value that ``encode`` would refuse.
-
-    Lets a save fail fast, naming the offending leaf, instead of after tensors
-    have already been written. Returns whether ``value`` holds a bytearray (when
-    it does not, :func:`encode_checked` may encode it, or plain data built around
-    it, without scanning it again).
-
-    Also refuses what a reader's budgets would refuse: too many containers for
-    the encoded size and, with ``max_bytes``, an encoding longer than that.
-
-    Raises:
-        UnsupportedValue: naming the location inside ``value`` (prefixed by
-            ``where``) of the first leaf that cannot round-trip exactly.
-    """
+    """Refuse, before any tensor is written, a value that ``encode`` or a reader's budgets
+    would refuse (too many containers, or longer than ``max_bytes``), naming the leaf.
+    Returns whether it holds a bytearray (if not, :func:`encode_checked` may encode
+    it without a second scan)."""
     has_bytearray, containers = _scan(value, where)
     # Parts of one manifest are checked on their own, so each gets a quarter of the
     # free containers; only a value dense in containers needs its encoded size.
@@ -393,14 +334,9 @@ def check_encodable(value: object, *, where: str = "value", max_bytes: int | Non
 
 
 def encode_checked(value: object, *, where: str = "value") -> bytes:
-    """:func:`encode` of plain data (str, int, bool, float, None, lists, dicts with str
-    keys) around parts that each passed :func:`check_encodable` without a bytearray.
-
-    Nothing is scanned again: the parts were, and the plain data around them adds
-    at most a few levels of nesting (``encode_depth`` leaves room below the
-    packer's and the reader's limits) and many bytes per container (so the
-    reader's container budget holds for the whole when it held for each part).
-    """
+    """:func:`encode` of plain data around parts that each passed :func:`check_encodable`
+    without a bytearray: not scanned again, since plain data adds a few levels
+    (within the limits' headroom) and many bytes per container."""
     return _pack(value, where)
 
 
@@ -417,16 +353,8 @@ def encode_counted(value: object, *, where: str = "value") -> tuple[bytes, int]:
 
 
 def encode(value: object, *, where: str = "value") -> bytes:
-    """Serialise a non-tensor value so that ``decode`` returns an identical one.
-
-    Identical means same type at every level (tuples stay tuples, int keys stay
-    ints, numpy scalars stay numpy scalars) and same bits (``-0.0``, NaN
-    payloads, byte order of arrays). Subclasses of supported types are refused
-    rather than quietly converted, because a conversion is exactly the kind of
-    silent change a bit-identical resume cannot afford.
-
-    Raises:
-        UnsupportedValue: naming the location inside ``value`` (prefixed by
-            ``where``), e.g. ``value['env'][3]: unsupported type Foo (...)``.
+    """Serialise a non-tensor value so that ``decode`` returns an identical one: same
+    type at every level and same bits; subclasses are refused, never converted.
+    ``UnsupportedValue`` names the location, e.g. ``value['env'][3]: unsupported type``.
     """
     return encode_counted(value, where=where)[0]

@@ -1,15 +1,8 @@
-"""Decoding the payload of each leaf ext, checked against the bytes present.
-
-Big ints, bytearrays, numpy arrays and scalars, torch dtypes and devices carry
-their value inside the ext. Each payload is parsed without exts of its own, its
-declared sizes are checked against the bytes actually present before anything is
-allocated, and dtypes and devices are matched against fixed tables or re-checked
-for a canonical spelling: nothing is imported or looked up by a name the data
-chose.
-
-numpy and torch are imported by the decoders of their own types, when a value
-of one of them is met: a manifest of plain values decodes without either.
-"""
+"""Decoding the payload of each leaf ext (big ints, bytearrays, numpy arrays and
+scalars, torch dtypes and devices): parsed without exts of its own, its sizes
+checked against the bytes present before anything is allocated, dtypes and
+devices matched against fixed tables or re-checked for a canonical spelling.
+numpy and torch are imported only when a value of theirs is met."""
 
 from __future__ import annotations
 
@@ -20,15 +13,7 @@ from typing import TYPE_CHECKING, Any, Final
 import msgpack
 
 from functional_ckpt._src.codec import table
-from functional_ckpt._src.codec.table import (
-    EXT_BIGINT,
-    EXT_BYTEARRAY,
-    EXT_NDARRAY,
-    EXT_NUMPY_SCALAR,
-    EXT_TORCH_DEVICE,
-    EXT_TORCH_DTYPE,
-    dtype_code,
-)
+from functional_ckpt._src.codec.table import dtype_code
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.text import short_repr
 
@@ -168,15 +153,11 @@ def _decode_bigint(payload: bytes) -> object:
     return int.from_bytes(payload, "little", signed=True)
 
 
-def _decode_bytearray(payload: bytes) -> object:
-    return bytearray(payload)
-
-
 LEAF_DECODERS: Final[dict[int, Callable[[bytes], object]]] = {
-    EXT_BIGINT: _decode_bigint,
-    EXT_BYTEARRAY: _decode_bytearray,
-    EXT_NDARRAY: _decode_ndarray,
-    EXT_NUMPY_SCALAR: _decode_numpy_scalar,
-    EXT_TORCH_DTYPE: _decode_torch_dtype,
-    EXT_TORCH_DEVICE: _decode_torch_device,
+    table.EXT_BIGINT: _decode_bigint,
+    table.EXT_BYTEARRAY: bytearray,
+    table.EXT_NDARRAY: _decode_ndarray,
+    table.EXT_NUMPY_SCALAR: _decode_numpy_scalar,
+    table.EXT_TORCH_DTYPE: _decode_torch_dtype,
+    table.EXT_TORCH_DEVICE: _decode_torch_device,
 }

@@ -1,13 +1,6 @@
-"""Users' classes in the tagged table: :func:`register`, its naming rule, and what
-to say when a class or a tag is not registered.
-
-A dataclass, NamedTuple or Enum of the user's is stored by a tag chosen once, at
-registration, and rebuilt only from the class registered under it in the reading
-process. How a class is named (its module and qualified name; a main script's
-classes by the script's module name) and what a reader is told when a class it
-meets is unregistered live together here, so the name a save writes and the line
-a message suggests always agree.
-"""
+"""Users' classes in the tagged table: :func:`register`, its naming rule, and what to
+say when a class or tag is not registered, together so that the name a save writes
+and the line a message suggests always agree."""
 
 from __future__ import annotations
 
@@ -29,14 +22,8 @@ from functional_ckpt._src.codec.tagged import (
 )
 from functional_ckpt.errors import UnsupportedValue
 
-__all__ = [
-    "default_name",
-    "register",
-    "registration_line",
-    "tag_problem",
-    "unknown_tag_problem",
-    "unregistered_problem",
-]
+__all__ = ["default_name", "register", "registration_line", "tag_problem"]
+__all__ += ["unknown_tag_problem", "unregistered_problem"]
 
 _MAX_TAG_LEN: Final = 256
 
@@ -97,23 +84,12 @@ def _enum_entry(tag: str, cls: type[enum.Enum]) -> TaggedType:
     return TaggedType(tag, cls, fields, build)
 
 
-def _how_to_register(cls: type) -> str:
-    return f"functional_ckpt.codec.register({cls.__qualname__})"
-
-
 _SCRIPT_MODULES: Final = ("__main__", "__mp_main__")
 
 
 def _script_module(module: str) -> str:
-    """The module a class of the program's main script is importable from.
-
-    ``__main__`` names whatever program runs (and ``__mp_main__`` the same script
-    in a spawned worker), so a tag naming it would change with how the script is
-    started and never match the class imported by another program: the script's
-    own module name is used instead (``-m`` gives it; ``python train.py`` is
-    importable as ``train``). A main without a script file (an interactive
-    session, ``python -c``) has no other name.
-    """
+    """The module a class of the main script is importable from (``train`` for ``python
+    train.py`` or ``-m train``): ``__main__`` would name whatever program runs."""
     main = sys.modules.get(module)
     spec = getattr(main, "__spec__", None)
     name = getattr(spec, "name", None)
@@ -128,12 +104,8 @@ def _script_module(module: str) -> str:
 
 
 def _twins(a: type, b: type) -> bool:
-    """Are ``a`` and ``b`` one class of the main script, run and also imported by name?
-
-    A script that is imported by its module name as well (``import train`` from
-    within ``python train.py``) defines each class twice; both are the same
-    source, so they share one tag instead of failing at import.
-    """
+    """One class of the main script, run and also imported by name (``import train``
+    within ``python train.py``): the same source, so one tag."""
     if a.__qualname__ != b.__qualname__:
         return False
     if a.__module__ in _SCRIPT_MODULES and b.__module__ not in _SCRIPT_MODULES:
@@ -169,20 +141,13 @@ def register(
 ) -> _T | Callable[[_T], _T]:
     """Let instances of ``cls`` (a dataclass, NamedTuple or Enum) be saved and restored.
 
-    The class is stored by name only, as the tag ``name`` with its fields as plain
-    values; a reader rebuilds it only if the same class is registered under the
-    same tag in the restoring process, so register at import time of the module
-    that defines it. The default name is ``module.qualname``, where a class of the
-    main script takes the script's module name (``train.Cfg`` for ``python
-    train.py`` or ``python -m train``) and also reads the ``__main__.Cfg`` of
-    older checkpoints; pass ``name=`` to keep a name when the class moves.
-    ``aliases`` are older names the class was saved under: read, never written
-    (registering a class again with more aliases adds them). Returns ``cls``, so
-    it also works as a class decorator (``@register(name=...)`` too).
-
-    Raises:
-        UnsupportedValue: ``cls`` is none of the supported kinds, or the tag, an
-            alias or the class is already registered differently.
+    Stored as the tag ``name`` with plain fields, rebuilt only where the same class
+    is registered under that tag (register where it is defined). The default name
+    is ``module.qualname``, a main script's module name for ``__main__`` (also
+    reading older ``__main__.Cfg`` tags); ``name=`` keeps a name when the class
+    moves; ``aliases`` are older names, read, never written. Returns ``cls``, so it
+    is a decorator too. Raises ``UnsupportedValue`` for another kind of class, or a
+    tag, alias or class already registered differently.
     """
     if cls is None:
         chosen, more = name, tuple(aliases)
@@ -237,11 +202,8 @@ def register(
 
 
 def _is_tensorclass(cls: type) -> bool:
-    """A tensordict ``@tensorclass``: a dataclass by its looks, a tree of tensors in fact.
-
-    Only when tensordict is loaded can a class be one, so plain-value code never
-    imports it.
-    """
+    """A tensordict ``@tensorclass`` (a dataclass by its looks, a tree of tensors in fact);
+    only a loaded tensordict makes one, so it is never imported here."""
     tensordict = sys.modules.get("tensordict")
     return tensordict is not None and bool(tensordict.is_tensorclass(cls))
 
@@ -269,7 +231,8 @@ def unregistered_problem(cls: type) -> str | None:
         return None
     return (
         f"{cls.__module__}.{cls.__qualname__} is a{kind} that is not registered; "
-        f"register it once (e.g. where it is defined) with `{_how_to_register(cls)}` "
+        f"register it once (e.g. where it is defined) with "
+        f"`functional_ckpt.codec.register({cls.__qualname__})` "
         "to store it as tagged plain data"
     )
 

@@ -1,22 +1,14 @@
-"""What the codec can store and how each type is tagged on disk.
-
-The ext codes are part of the format (see :mod:`functional_ckpt.codec`); the
-type tables say which values come back exactly, and both the encoder and the
-decoder check against the same tables, so what one writes the other accepts.
-
-The tables naming numpy and torch types (:data:`NUMPY_SCALAR_TYPES`,
-:data:`TORCH_DTYPES`, :data:`LEAVES`) are built on first use: a reader of a
-manifest (``fckpt ls``, ``inspect``, ``verify``) needs neither library unless a
-value it decodes is one of theirs, and :func:`decoded_leaves` says which types a
-decode may have returned without importing either.
-"""
+"""What the codec can store and how each type is tagged on disk: the ext codes (part
+of the format) and the type tables the encoder and the decoder both check, so what
+one writes the other accepts. The numpy and torch tables are built on first use: a
+reader of manifests needs neither library unless a value it decodes is theirs."""
 
 from __future__ import annotations
 
 import collections
 import functools
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final
 
@@ -52,11 +44,9 @@ NATIVE_LEAVES: Final[frozenset[type]] = frozenset({_NoneType, bool, int, float, 
 
 CONTAINERS: Final[frozenset[type]] = frozenset({list, tuple, dict, _OrderedDict, set, frozenset})
 
-#: Every torch dtype the format knows, by name (``str(dtype)`` without ``torch.``), with
-#: its element size in bytes: the one table of dtypes. A manifest names its tensors'
-#: dtypes, and what reads a manifest (``fckpt inspect``, ``verify``) needs their sizes
-#: but not torch; :data:`TORCH_DTYPES` (names to ``torch.dtype``) is built from it
-#: where a tensor is made. ``tests/test_codec_types.py`` checks it against torch.
+#: Every torch dtype the format knows by name, with its element size: the one table of
+#: dtypes, read without torch (``inspect``, ``verify``); :data:`TORCH_DTYPES` is built
+#: from it where a tensor is made. ``tests/test_codec_types.py`` checks it against torch.
 DTYPE_SIZES: Final[Mapping[str, int]] = MappingProxyType(
     {
         "bfloat16": 2, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1,
@@ -112,14 +102,20 @@ def _torch_leaves() -> frozenset[type]:
     return frozenset({torch.dtype, torch.device, torch.Size})
 
 
-def _leaves() -> frozenset[type]:
-    return NATIVE_LEAVES | {bytearray} | _numpy_leaves() | _torch_leaves()
+@functools.cache
+def _leaves_with(numpy: bool, torch: bool) -> frozenset[type]:
+    found = NATIVE_LEAVES | {bytearray}
+    if numpy:
+        found |= _numpy_leaves()
+    if torch:
+        found |= _torch_leaves()
+    return found
 
 
-_LAZY: Final = {
+_LAZY: Final[dict[str, Callable[[], object]]] = {
     "NUMPY_SCALAR_TYPES": _numpy_scalar_types,
     "TORCH_DTYPES": _torch_dtypes,
-    "LEAVES": _leaves,
+    "LEAVES": lambda: _leaves_with(True, True),
 }
 
 
@@ -130,16 +126,6 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = globals()[name] = build()  # built once; the next lookup finds it directly
     return value
-
-
-@functools.cache
-def _leaves_with(numpy: bool, torch: bool) -> frozenset[type]:
-    found = NATIVE_LEAVES | {bytearray}
-    if numpy:
-        found |= _numpy_leaves()
-    if torch:
-        found |= _torch_leaves()
-    return found
 
 
 def decoded_leaves() -> frozenset[type]:
@@ -162,12 +148,9 @@ _CHAR_KINDS: Final = frozenset("biufc")
 
 
 def dtype_code(dt: np.dtype[Any]) -> str | None:
-    """Spell a dtype so that parsing it gives back the same dtype *class*.
-
-    ``dtype.str`` alone is not enough: ``longlong`` and ``int64`` share ``<i8``
-    but are different scalar types, so fixed-size numeric kinds use byte order
-    plus type character instead. Returns None for dtypes we cannot store exactly.
-    """
+    """Spell a dtype so that parsing it gives back the same dtype *class* (``longlong``
+    and ``int64`` share ``<i8``: numeric kinds use byte order plus type character);
+    None for dtypes not stored exactly."""
     kind = dt.kind
     if kind not in _ARRAY_KINDS or dt.hasobject or dt.fields is not None:
         return None

@@ -1,19 +1,11 @@
 """Tagged plain data: the table of tagged types, and the standard library's types in it.
 
-Hyper-parameters routinely hold paths, datetimes, enums, namespaces, dataclasses
-and named tuples, and a resume must give them back with their class. They are
-stored as a (tag, fields) pair whose fields are ordinary codec values, and rebuilt
-only through this table: the standard library's types below (paths, datetimes
-with their time zones, ``argparse.Namespace``), plus the classes a user registers
-(:mod:`.registration`). A tag read from a checkpoint is a key into the table,
-never a module or class name to import, so a hostile checkpoint can at most build
-a class the program already chose to trust, from fields that are checked against
-that class. A tag nobody registered is kept as a placeholder by a reader that only
-looks (:mod:`.placeholder`).
-
-The table is the codec's one piece of module state that changes on purpose: only
-the functions here fill it.
-"""
+Paths, datetimes, namespaces and users' registered classes (:mod:`.registration`)
+are stored as (tag, fields), the fields ordinary codec values, and rebuilt only
+through this table: a tag read from a checkpoint is a key into it, never a name to
+import, so a hostile checkpoint can at most build a class the program chose to
+trust, from fields checked against it. The table is the codec's one piece of module
+state that changes on purpose: only the functions here fill it."""
 
 from __future__ import annotations
 
@@ -22,19 +14,13 @@ import datetime as dt
 import pathlib
 import zoneinfo
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 from functional_ckpt.errors import UnsupportedValue
 
-__all__ = [
-    "TAGGED",
-    "_BadFields",
-    "TaggedType",
-    "add",
-    "add_class",
-    "add_name",
-    "by_tag",
-]
+__all__ = ["TAGGED", "_BadFields", "TaggedType", "Unregistered", "add", "add_class", "add_name"]
+__all__ += ["by_tag", "placeholder", "placeholder_problem"]
 
 
 class TaggedType(NamedTuple):
@@ -60,14 +46,10 @@ def by_tag(tag: str) -> TaggedType | None:
     return _BY_TAG.get(tag)
 
 
-def _add(entry: TaggedType) -> None:
-    TAGGED[entry.cls] = entry
-    _BY_TAG[entry.tag] = entry
-
-
 def add(entry: TaggedType) -> None:
     """Store ``entry``'s class under its tag, and read that tag as it."""
-    _add(entry)
+    TAGGED[entry.cls] = entry
+    _BY_TAG[entry.tag] = entry
 
 
 def add_class(entry: TaggedType) -> None:
@@ -130,17 +112,7 @@ def _tz_build(fields: object) -> dt.tzinfo | None:
 
 
 def _datetime_fields(v: dt.datetime) -> object:
-    return [
-        v.year,
-        v.month,
-        v.day,
-        v.hour,
-        v.minute,
-        v.second,
-        v.microsecond,
-        v.fold,
-        _tz_fields(v.tzinfo),
-    ]
+    return [v.year, v.month, v.day, *_time_fields(v.timetz())]
 
 
 def _datetime_build(f: object) -> object:
@@ -150,7 +122,7 @@ def _datetime_build(f: object) -> object:
     return dt.datetime(y, mo, d, h, mi, s, us, tzinfo=_tz_build(f[8]), fold=fold)
 
 
-def _time_fields(v: dt.time) -> object:
+def _time_fields(v: dt.time) -> list[object]:
     return [v.hour, v.minute, v.second, v.microsecond, v.fold, _tz_fields(v.tzinfo)]
 
 
@@ -176,15 +148,11 @@ def _namespace_build(f: object) -> object:
     return argparse.Namespace(**f)
 
 
-for _cls in (
-    pathlib.PurePosixPath,
-    pathlib.PosixPath,
-    pathlib.PureWindowsPath,
-    pathlib.WindowsPath,
-):
-    _add(_path_entry(_cls))
-_add(TaggedType("datetime.datetime", dt.datetime, _datetime_fields, _datetime_build))
-_add(
+for _cls in (pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath):
+    add(_path_entry(_cls))
+add(_path_entry(pathlib.WindowsPath))
+add(TaggedType("datetime.datetime", dt.datetime, _datetime_fields, _datetime_build))
+add(
     TaggedType(
         "datetime.date",
         dt.date,
@@ -192,8 +160,8 @@ _add(
         lambda f: dt.date(*_ints(f, 3, "date")),
     )
 )
-_add(TaggedType("datetime.time", dt.time, _time_fields, _time_build))
-_add(
+add(TaggedType("datetime.time", dt.time, _time_fields, _time_build))
+add(
     TaggedType(
         "datetime.timedelta",
         dt.timedelta,
@@ -201,6 +169,126 @@ _add(
         lambda f: dt.timedelta(*_ints(f, 3, "timedelta")),
     )
 )
-_add(
-    TaggedType("argparse.Namespace", argparse.Namespace, lambda v: dict(vars(v)), _namespace_build)
-)
+add(TaggedType("argparse.Namespace", argparse.Namespace, lambda v: dict(vars(v)), _namespace_build))
+
+
+# --- the placeholder of a tag this process has not registered ------------------------
+#
+# An unknown tag is not damage: a reader that only looks (``fc.inspect``, ``fc.verify``,
+# the command line) keeps it as an :class:`Unregistered`; ``fc.restore`` refuses one,
+# since a state holding it would fail far from the cause. Without the class nobody
+# knows whether its instances compared by fields or by identity, so one in a key's
+# place (a set member, a dict key, a tuple there) compares and hashes by identity:
+# the writer's members stay as many and none is unhashable.
+
+
+def placeholder_problem(value: Unregistered) -> str:
+    return (
+        f"{value.tag} is an fc.codec.Unregistered placeholder (read without its class), "
+        "which is never saved: register the class and fc.restore the value to save it"
+    )
+
+
+def _fields_problem(fields: object) -> str | None:
+    """Why ``fields`` fit no class ``register`` accepts, or None."""
+    t = type(fields)
+    if t is dict:
+        if all(type(k) is str for k in fields):  # type: ignore[attr-defined]
+            return None
+        return "a map of fields with a key that is not a str"
+    if t is list or t is str or t is int:
+        return None
+    return (
+        f"fields of type {t.__name__}, which no registered class has (a dataclass "
+        "has a map, a NamedTuple a list, an Enum a member name or int)"
+    )
+
+
+class Unregistered:
+    """A tagged value whose class this process has not registered: its tag and fields.
+
+    ``fields`` are as stored: a dataclass's map, a NamedTuple's list, an Enum's
+    member name (or a ``Flag`` combination's int). Read-only, compared by tag and
+    fields (by identity in a key's place), never saved.
+    """
+
+    __slots__ = ("_by_identity", "_fields", "_hash", "_tag")
+
+    _tag: str
+    _fields: object
+    _hash: int | None
+    _by_identity: bool
+
+    def __init__(self, tag: str, fields: object, *, by_identity: bool = False) -> None:
+        object.__setattr__(self, "_tag", tag)
+        object.__setattr__(self, "_fields", fields)
+        object.__setattr__(self, "_hash", object.__hash__(self) if by_identity else None)
+        object.__setattr__(self, "_by_identity", by_identity)
+
+    @property
+    def tag(self) -> str:
+        """The name the class was registered under when the value was saved."""
+        return self._tag
+
+    @property
+    def fields(self) -> object:
+        return self._fields
+
+    @property
+    def by_identity(self) -> bool:
+        """Whether it compares and hashes by identity: it was read in a key's place."""
+        return self._by_identity
+
+    def key_of(self) -> None:
+        """Compare and hash by identity from now on (the decoder, before it is a key)."""
+        if self._hash is None:
+            object.__setattr__(self, "_hash", object.__hash__(self))
+        object.__setattr__(self, "_by_identity", True)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} is read-only")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is read-only")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # copies despite read-only slots
+        return (partial(Unregistered, by_identity=self._by_identity), (self._tag, self._fields))
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not Unregistered:
+            return NotImplemented
+        if self._by_identity or other._by_identity:
+            return self is other
+        return self._tag == other._tag and self._fields == other._fields
+
+    def __hash__(self) -> int:
+        h = self._hash
+        if h is None:
+            f = self._fields
+            key: object = frozenset(f.items()) if type(f) is dict else f
+            h = hash((self._tag, tuple(key) if type(key) is list else key))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __repr__(self) -> str:
+        tag, f = self._tag, self._fields
+        if type(f) is dict:
+            inner = ", ".join(
+                f"{k}={v!r}" if type(k) is str and k.isidentifier() else f"**{{{k!r}: {v!r}}}"
+                for k, v in f.items()
+            )
+        elif type(f) is list:
+            inner = ", ".join(repr(v) for v in f)
+        elif type(f) is str and f.isidentifier():
+            return f"{tag}.{f}"
+        else:
+            inner = repr(f)
+        return f"{tag}({inner})"
+
+
+def placeholder(tag: str, fields: object) -> Unregistered:
+    """The placeholder of an unknown tag; ``_BadFields`` if no registered class fits."""
+    problem = _fields_problem(fields)
+    if problem is not None:
+        raise _BadFields(problem)
+    return Unregistered(tag, fields)

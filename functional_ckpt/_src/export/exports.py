@@ -1,20 +1,10 @@
 """A root's exports: where they live, what they record, their retention, their snapshots.
 
-A manager writes each export to ``root/exports/step_N`` (:func:`export_path`) and
-records in its safetensors header which step it is and the metrics of that
-event, so an export's own retention policy (``Export.keep``) can choose among
-exports exactly as ``keep`` chooses among checkpoints, without any file beside
-the ones ``transformers`` reads. Deleting an export is crash-safe like deleting a
-checkpoint (out of sight first, see :func:`functional_ckpt._src.root.delete.delete`).
-
-An export that runs off the training thread reads either the committed
-checkpoint of its step or a :func:`snapshot` of the selected tensors, taken on
-the training thread: never the live tensors that the next optimizer step changes.
-
-Listing exports (``fckpt ls``) reads their directories and headers only: torch,
-tensordict, the writer and the deleter are imported by the functions that copy,
-write or delete.
-"""
+Each export (``root/exports/step_N``) records its step and metrics in its
+safetensors header, so ``Export.keep`` chooses among exports as ``keep`` does among
+checkpoints with no file beside those ``transformers`` reads. An export off the
+training thread reads the committed checkpoint or a :func:`snapshot`, never the
+live tensors the next step changes. Listing reads directories and headers only."""
 
 from __future__ import annotations
 
@@ -43,16 +33,8 @@ if TYPE_CHECKING:
 
     from functional_ckpt._src.export.safetensors import Export
 
-__all__ = [
-    "HEADER_KEY",
-    "BackgroundExport",
-    "ExportInfo",
-    "export_infos",
-    "export_path",
-    "prune_exports",
-    "run_export",
-    "snapshot",
-]
+__all__ = ["HEADER_KEY", "BackgroundExport", "ExportInfo", "export_infos", "export_path"]
+__all__ += ["prune_exports", "run_export", "snapshot"]
 
 #: Key of the safetensors header metadata holding the manager's record of an export.
 HEADER_KEY = "functional_ckpt"
@@ -64,11 +46,7 @@ def export_path(root: Path, step: int) -> Path:
 
 @dataclass(frozen=True)
 class ExportInfo:
-    """One export of a root, as its retention policy and ``fckpt ls`` see it.
-
-    ``time`` is when the export was written (the recorded time, else the
-    directory's modification time); ``files`` are every file in it.
-    """
+    """One export as its retention and ``fckpt ls`` see it (``time``: recorded, else mtime)."""
 
     step: int
     path: Path
@@ -135,11 +113,8 @@ def prune_exports(root: Path, export: Export) -> list[int]:
 
 
 def snapshot(state: TensorDictBase | Mapping[str, Any], export: Export) -> dict[str, Any]:
-    """A copy of the tensors ``export`` selects, as a state that ``select`` still finds.
-
-    Tied weights stay tied (one copy per distinct view), so the export drops the
-    alias exactly as it would from the live state.
-    """
+    """A copy of the tensors ``export`` selects, as a state that ``select`` still finds;
+    tied weights stay tied (one copy per view)."""
     import torch
     from tensordict import TensorDictBase
 
@@ -189,18 +164,11 @@ def run_export(
     """Write the export of ``step`` from ``source`` (replacing one of the same step), prune."""
     from functional_ckpt._src.export.safetensors import export_safetensors
 
+    fields = ("select", "dtype", "max_shard_size", "config", "extra_files", "strip_prefix")
+    options = {f: getattr(export, f) for f in (*fields, "rename")}
+    stamp = header(step, metrics, time.time())
     out = export_safetensors(
-        source,
-        export_path(root, step),
-        select=export.select,
-        dtype=export.dtype,
-        max_shard_size=export.max_shard_size,
-        overwrite=True,
-        config=export.config,
-        extra_files=export.extra_files,
-        strip_prefix=export.strip_prefix,
-        rename=export.rename,
-        header=header(step, metrics, time.time()),
+        source, export_path(root, step), overwrite=True, header=stamp, **options
     )
     prune_exports(root, export)
     return out
@@ -208,10 +176,7 @@ def run_export(
 
 class BackgroundExport:
     """At most one export off the training thread; a failure surfaces at the next :meth:`join`.
-
-    ``step`` is the step of the export in flight (None when there is none): its
-    checkpoint may be what the export reads, so retention must not delete it.
-    """
+    ``step``, the export in flight's, names a checkpoint retention must not delete."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
@@ -227,11 +192,8 @@ class BackgroundExport:
         metrics: Mapping[str, float],
         save_failure: Callable[[], BaseException | None] | None = None,
     ) -> None:
-        """Export ``source`` (a snapshot, or the checkpoint a save in flight commits).
-
-        ``save_failure`` is that save's error once it is done: when it failed,
-        there is nothing to read and the save's own error is what surfaces.
-        """
+        """Export ``source``: a snapshot, or the checkpoint a save in flight commits
+        (``save_failure``, its error once done: when it failed, nothing is read)."""
         self.join()
         self.step = step
 

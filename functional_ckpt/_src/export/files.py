@@ -1,9 +1,5 @@
 """An export directory: its weight files, its side files (config, tokenizer), and
-recognising one.
-
-An export replaces only an export: what makes a directory one is decided here,
-and so is what an overwrite carries over (everything but the old weights).
-"""
+what an overwrite carries over (everything but the old weights)."""
 
 from __future__ import annotations
 
@@ -27,7 +23,7 @@ CONFIG_FILE = "config.json"
 #: vocabulary is tens of MB; past this it is weights or something else entirely.
 SIDE_FILE_BYTES = 1 << 30
 #: What a model directory holds that is weights, not a side file (in any framework).
-_WEIGHT_SUFFIXES = (
+_WEIGHT_SUFFIXES: tuple[str, ...] = (
     ".safetensors",
     ".bin",
     ".pt",
@@ -36,9 +32,8 @@ _WEIGHT_SUFFIXES = (
     ".h5",
     ".msgpack",
     ".gguf",
-    ".onnx",
-    ".index.json",
 )
+_WEIGHT_SUFFIXES += (".onnx", ".index.json")
 
 ExtraFile = bytes | str | os.PathLike[str] | Mapping[str, Any] | Any
 
@@ -117,13 +112,7 @@ def side_files(
     if not isinstance(extra_files, Mapping):
         raise TypeError(f"extra_files={extra_files!r}: expected a mapping of file name to data")
     for name, value in extra_files.items():
-        if (
-            not isinstance(name, str)
-            or name in ("", ".", "..")
-            or "/" in name
-            or "\\" in name
-            or "\0" in name
-        ):
+        if not isinstance(name, str) or name in ("", ".", "..") or {"/", "\\", "\0"} & set(name):
             raise ValueError(f"extra_files: {name!r} is not a plain file name")
         if is_weight_file(name):
             raise ValueError(f"extra_files: {name!r} is a name the weights use")
@@ -156,25 +145,15 @@ def carried_over(out: Path, given: Mapping[str, bytes]) -> dict[str, bytes]:
 HEADER_BYTES = 100_000_000
 
 
-def first_weight_file(path: Path) -> Path:
-    """The file holding an export's header metadata: the single file or the first shard."""
-    if (path / EXPORT_WEIGHTS).is_file():
-        return path / EXPORT_WEIGHTS
-    shards = sorted(n for n in os.listdir(path) if is_export_weights(n))
-    if not shards:
-        raise CheckpointError(f"{path}: holds no model*.safetensors file")
-    return path / shards[0]
-
-
 def header_metadata(path: Path) -> dict[str, str]:
-    """The safetensors header metadata of an export (``{"format": "pt", ...}``).
-
-    Read through ``storage/opener`` like every file under a root (a FIFO or a link
-    in place of the weights would hang or mislead a plain ``open``), the header's
-    declared length checked against the file and ``HEADER_BYTES``, and its JSON
-    through the bounded loader.
-    """
-    weights = first_weight_file(path)
+    """The safetensors header metadata of an export (``{"format": "pt", ...}``), read
+    through ``storage/opener``, its length bounded and its JSON by the bounded loader."""
+    weights = path / EXPORT_WEIGHTS  # the single file, or the first shard
+    if not weights.is_file():
+        shards = sorted(n for n in os.listdir(path) if is_export_weights(n))
+        if not shards:
+            raise CheckpointError(f"{path}: holds no model*.safetensors file")
+        weights = path / shards[0]
     dir_fd = opener.open_directory(weights.parent)
     try:
         fd = opener.open_member(dir_fd, weights.name, weights, what="export's weights")
@@ -229,12 +208,10 @@ def _config_of(data: bytes, where: Path) -> dict[str, Any]:
 def model_files(source: Path) -> tuple[dict[str, Any], dict[str, bytes], list[str]]:
     """(config, other side files, names left out) of a model directory or a config file.
 
-    A directory (``save_pretrained``'s output, a model repository) gives its
-    ``config.json`` and every other regular file beside it: tokenizer files,
-    ``generation_config.json``, a README; its own weights, hidden files and
-    subdirectories are left out. A file is the config itself. Nothing is read
-    through a link, nor from a FIFO or device: a link in a model directory may
-    point anywhere, and its target would land in the export.
+    A directory gives its ``config.json`` and every other regular file beside it
+    (tokenizer, generation config, README), not its weights, hidden files or
+    subdirectories. Nothing is read through a link (its target would land in the
+    export), a FIFO or a device.
     """
     try:
         mode = os.lstat(source).st_mode

@@ -1,20 +1,11 @@
 """Weights-only safetensors exports in the Hugging Face layout.
 
-Full checkpoints are for resuming; an export is for everything else (evaluation,
-serving, sharing): just the model's tensors, in the format other tools load
-without functional_ckpt. The layout is the one ``transformers`` writes and reads:
-
-* ``model.safetensors`` when everything fits in one shard, else
-* ``model-00001-of-0000K.safetensors`` … plus ``model.safetensors.index.json``
-  (``{"metadata": {"total_size": N}, "weight_map": {name: file}}``).
-
-Tensor names are the key path under ``select`` joined with ``"."``, i.e. the
-model's ``state_dict`` names. Safetensors refuses tensors that share memory, so
-tied weights (two names, one tensor) keep the first name in state order and drop
-the alias, as ``transformers`` does; tensors that merely overlap in one storage
-are copied. An export directory appears atomically (temporary sibling, fsync,
-rename), so a reader never sees a partial one.
-"""
+An export is for evaluation, serving and sharing: the model's tensors, loadable
+without functional_ckpt, in the layout ``transformers`` writes (``model.safetensors``,
+or ``model-0000i-of-0000K.safetensors`` shards and ``model.safetensors.index.json``).
+Names are the ``state_dict`` names under ``select``. Safetensors refuses shared
+memory, so a tied weight keeps its first name (as ``transformers`` does) and
+tensors that merely overlap are copied. The directory appears atomically."""
 
 from __future__ import annotations
 
@@ -23,7 +14,8 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,13 +23,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from functional_ckpt._src.export.files import (
-    CONFIG_FILE,
-    ExtraFile,
-    carried_over,
-    side_files,
-)
-from functional_ckpt._src.export.names import Rename, check_rename, map_names, prefixes
+from functional_ckpt._src.export.files import CONFIG_FILE, ExtraFile, carried_over, side_files
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.format.naming import EXPORT_INDEX, EXPORT_WEIGHTS
 from functional_ckpt._src.log import done, logger
@@ -50,42 +36,23 @@ from functional_ckpt._src.storage import commit, durable
 from functional_ckpt.errors import (
     CheckpointError,
     CheckpointExists,
+    CheckpointWarning,
     TemplateMismatch,
 )
 
-__all__ = [
-    "CONFIG_FILE",
-    "Export",
-    "export_safetensors",
-    "parse_size",
-]
+__all__ = ["CONFIG_FILE", "Export", "export_safetensors", "parse_size"]
 
-#: Prefixes that wrappers add to every name; transformers finds no weight under them.
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "m": 10**6,
-    "g": 10**9,
-    "t": 10**12,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
+#: Decimal units are powers of 1000, binary ones (KiB ...) of 1024, as in transformers.
+_UNITS = {"": 1, "b": 1} | {
+    u + s: base**i
+    for i, u in enumerate("kmgt", 1)
+    for s, base in (("", 1000), ("b", 1000), ("ib", 1024))
 }
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes in ``size``: an int, or ``"5GB"``, ``"500MB"``, ``"1.5GiB"`` (case-insensitive).
-
-    Decimal units (KB, MB, GB, TB, and the short K, M, G, T) are powers of 1000
-    and binary ones (KiB …) of 1024, as in ``transformers``' ``max_shard_size``.
-    """
+    """Bytes in ``size``: an int, or ``"5GB"``, ``"500MB"``, ``"1.5GiB"`` (case-insensitive)."""
     if isinstance(size, bool):
         raise TypeError(f"max_shard_size={size!r}: expected an int or a string like '5GB'")
     if isinstance(size, int):
@@ -106,15 +73,94 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def _select_path(select: str | Sequence[str]) -> KeyPath:
-    """``"model"`` or ``("policy", "model")``: the subtree holding the weights.
+#: Prefixes wrappers add to every name, where ``from_pretrained`` would find no weight.
+WRAPPER_PREFIXES = {"_orig_mod.": "torch.compile", "module.": "DDP or DataParallel"}
 
-    A string is one key, never split on dots (state_dict names contain dots).
-    """
-    if isinstance(select, str):
-        path: KeyPath = (select,)
-    else:
-        path = tuple(select)
+Rename = Mapping[str, str] | Callable[[str], str]
+
+
+def prefixes(strip_prefix: str | Sequence[str] | None) -> tuple[str, ...]:
+    if strip_prefix is None:
+        return ()
+    prefixes = (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix)
+    if not all(isinstance(p, str) and p for p in prefixes):
+        raise TypeError(
+            f"strip_prefix={strip_prefix!r}: expected a prefix such as '_orig_mod.' or a "
+            "sequence of them"
+        )
+    return prefixes
+
+
+def check_rename(rename: Rename | None) -> None:
+    if rename is None or callable(rename):
+        return
+    if not isinstance(rename, Mapping) or not all(
+        isinstance(k, str) and k and isinstance(v, str) for k, v in rename.items()
+    ):
+        raise TypeError(
+            f"rename={rename!r}: expected a mapping of name prefixes to their replacement "
+            "(e.g. {'model.': ''}) or a function of one name"
+        )
+
+
+def new_name(name: str, strip: tuple[str, ...], rename: Rename | None) -> str:
+    """``name`` without the wrapper prefixes in ``strip``, then renamed."""
+    left = list(strip)  # each prefix once: "model." of a wrapper, not HF's own "model."
+    while hit := next((p for p in left if name.startswith(p)), None):
+        name = name[len(hit) :]
+        left.remove(hit)
+    if callable(rename):
+        new = rename(name)
+        if not isinstance(new, str):
+            raise TypeError(f"rename({name!r}) returned {new!r}, not a str")
+        return new
+    if rename:
+        hits = [old for old in rename if name.startswith(old)]
+        if hits:
+            old = max(hits, key=len)  # the longest prefix is the most specific rule
+            return rename[old] + name[len(old) :]
+    return name
+
+
+def map_names(
+    tensors: dict[str, torch.Tensor],
+    strip_prefix: str | Sequence[str] | None,
+    rename: Rename | None,
+) -> dict[str, torch.Tensor]:
+    """Names as ``from_pretrained`` should see them; two tensors never get one name."""
+    strip = prefixes(strip_prefix)
+    check_rename(rename)
+    out: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    for name, t in tensors.items():
+        new = new_name(name, strip, rename)
+        if not new:
+            raise CheckpointError(f"export: the tensor {name!r} would get an empty name")
+        if new in origin:
+            raise CheckpointError(
+                f"export: the tensors {origin[new]!r} and {name!r} would both be named {new!r}; "
+                "check strip_prefix= and rename="
+            )
+        origin[new] = name
+        out[new] = t
+    names = list(out)
+    for prefix, by in WRAPPER_PREFIXES.items():
+        wrapped = [n for n in names if n.startswith(prefix) or f".{prefix}" in n]
+        everywhere = len(wrapped) == len(names)
+        if wrapped and (prefix == "_orig_mod." or everywhere):
+            warnings.warn(
+                f"export: tensor names such as {wrapped[0]!r} carry the prefix {prefix!r} "
+                f"that {by} adds; transformers would not find these weights and would "
+                f"initialise them at random. Pass strip_prefix={prefix!r} (or rename=)",
+                CheckpointWarning,
+                stacklevel=4,
+            )
+    return out
+
+
+def _select_path(select: str | Sequence[str]) -> KeyPath:
+    """``"model"`` or ``("policy", "model")``; a string is one key, never split on dots."""
+    path: KeyPath = (select,) if isinstance(select, str) else tuple(select)
     if not path or not all(isinstance(k, str) and k for k in path):
         raise ValueError(f"select={select!r}: expected a key or a non-empty sequence of keys")
     return path
@@ -124,13 +170,10 @@ def _select_path(select: str | Sequence[str]) -> KeyPath:
 class Export:
     """An export on its own save policy, for ``CheckpointManager(..., export=...)``.
 
-    ``dtype`` converts floating-point tensors only (integer buffers such as
-    position ids keep their type). ``max_shard_size`` bounds each file's tensor
-    bytes; a single tensor larger than it gets a file of its own. ``config``,
-    ``extra_files``, ``strip_prefix`` and ``rename`` are those of
-    :func:`export_safetensors`. ``keep`` is the exports' own retention policy
-    (default: keep all), applied to ``root/exports`` after each export; the newest
-    export is never deleted.
+    ``dtype`` converts floating-point tensors only; ``max_shard_size`` bounds each
+    file (a larger tensor gets a file of its own); the next four fields are those
+    of :func:`export_safetensors`. ``keep`` is the exports' own retention (the
+    newest export is never deleted).
     """
 
     policy: SavePolicy
@@ -257,14 +300,6 @@ def _prepared(
 # --------------------------------------------------------------------------- write
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_shards(
     tmp: Path,
     shards: list[list[str]],
@@ -282,7 +317,11 @@ def _write_shards(
         shard = dict(_prepared(names, tensors, dtype))  # one shard in memory at a time
         meta = {**header, "format": "pt"} if i == 1 else {"format": "pt"}
         save_file(shard, str(tmp / file), metadata=meta)
-        _fsync_file(tmp / file)
+        fd = os.open(tmp / file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         total += sum(t.numel() * t.element_size() for t in shard.values())
         weight_map.update(dict.fromkeys(names, file))
         del shard
@@ -305,28 +344,17 @@ def export_safetensors(
     rename: Rename | None = None,
     header: Mapping[str, str] | None = None,
 ) -> Path:
-    """Write the tensors under ``select`` as Hugging Face safetensors into ``out_dir``.
+    """Write the tensors under ``select`` of a state, or of a checkpoint (only that
+    subtree is read), as Hugging Face safetensors into ``out_dir``; returns it.
 
-    The source is a state (TensorDict or dict) or the path of a checkpoint, of
-    which only the selected subtree is read. ``config`` (a transformers
-    ``PretrainedConfig``, or a dict) becomes ``config.json``; ``extra_files`` maps
-    more file names to their content: bytes, str (the text), a ``pathlib.Path``
-    (a file to copy), a dict (JSON) or an object with ``to_json_string()`` such as
-    a ``GenerationConfig``. With those, ``AutoModelForCausalLM.from_pretrained(out_dir)``
-    works as it does on ``save_pretrained``'s output.
-
-    Names are the state_dict names; ``strip_prefix`` removes wrapper prefixes
-    (``"_orig_mod."``, ``"module."``, a LightningModule attribute such as
-    ``"model."``) wherever they lead a name, then ``rename`` maps a prefix to
-    another (``{"backbone.": "model."}``; the longest matching prefix wins) or is a
-    function of the name. A warning says when names still look wrapped.
-
-    ``out_dir`` appears complete or not at all. With ``overwrite`` a previous
-    export (or an empty directory) is replaced atomically: its weights go, and
-    every other file in it (config, tokenizer files, a README) is carried over
-    into the new export unless this call writes a file of that name. Anything
-    else is refused and left intact. ``header`` adds safetensors header metadata (a
-    manager records the step and metrics there). Returns ``out_dir``.
+    ``config`` (a ``PretrainedConfig`` or dict) becomes ``config.json``;
+    ``extra_files`` maps file names to bytes, text, a ``pathlib.Path`` to copy, a
+    dict (JSON) or an object with ``to_json_string()``, so that ``from_pretrained``
+    loads ``out_dir``. ``strip_prefix`` removes wrapper prefixes (``"_orig_mod."``,
+    ``"module."``) leading a name, then ``rename`` maps a prefix (the longest
+    wins) or is a function of the name. With ``overwrite`` only an export (or an
+    empty directory) is replaced, atomically, its side files carried over unless
+    written anew. ``header`` adds safetensors header metadata.
     """
     out, t0 = Path(out_dir), time.perf_counter()
     path = _select_path(select)

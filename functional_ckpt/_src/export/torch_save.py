@@ -1,21 +1,11 @@
-"""Bridges to ``torch.save`` files (``.pt``/``.pth``): import one as a checkpoint, export one.
+"""``torch.save`` files (``.pt``/``.pth``) in and out, never running code from one.
 
-Users arrive with ``.pt`` files and leave with them. Both directions keep the
-package's promise of never running code from a file: a ``.pt`` file is read with
-``torch.load(weights_only=True)``, which builds only tensors and plain containers
-and refuses a pickle that names anything else, and an export holds only what that
-reader accepts, so the file it writes loads with ``weights_only=True`` too.
-
-* import: a bare ``state_dict`` (a mapping of tensors only) becomes the state's
-  ``model`` subtree, the layout ``fc.capture(model=...)`` gives; any other mapping
-  (a training checkpoint: Lightning's ``{"state_dict", "optimizer_states",
-  "epoch", ...}``, nested dicts of tensors and values) is the state as it is.
-* export: the tensors under ``select`` by their dotted ``state_dict`` names (what
-  ``model.load_state_dict`` takes), or the whole state as nested Python
-  containers (``full``; numpy values, which that reader cannot build, become
-  tensors and Python numbers). The file appears atomically: written under a
-  temporary name, fsynced, renamed, its directory fsynced.
-"""
+A file is read with ``torch.load(weights_only=True)``, and an export holds only
+what that reader builds, so it loads that way too. On import a bare
+``state_dict`` becomes the ``model`` subtree (``fc.capture(model=...)``'s layout)
+and any other mapping is the state as it is. An export is the weights under
+``select`` by ``state_dict`` name, or the whole state as Python containers
+(numpy values become tensors and numbers), written atomically."""
 
 from __future__ import annotations
 
@@ -56,31 +46,20 @@ WEIGHTS_KEY = "model"
 
 #: Leaf types ``torch.load(weights_only=True)`` rebuilds (exact types: a subclass is
 #: pickled by its class name, which that reader refuses).
-_PLAIN_LEAVES = (
-    type(None),
-    bool,
-    int,
-    float,
-    complex,
-    str,
-    bytes,
-    bytearray,
-    torch.Size,
-    torch.dtype,
-    torch.device,
-)
+_PLAIN_LEAVES: tuple[type, ...] = (type(None), bool, int, float, complex, str, bytes, bytearray)
+_PLAIN_LEAVES += (torch.Size, torch.dtype, torch.device)
+#: What the unpickler trips over in bytes that are no pickle (a memo index, a stack slot).
+_GARBLED: tuple[type[BaseException], ...] = (LookupError, TypeError, AttributeError)
+_GARBLED += (AssertionError, struct.error, MemoryError, RecursionError)
 
 
 # --------------------------------------------------------------------------- import
 
 
 def load_torch_file(path: PathLike) -> Any:
-    """What a ``torch.save`` file holds, read with ``weights_only=True`` (no code runs).
-
-    A pickle that names a function or class outside torch's safe set raises
-    :class:`UnsafeCheckpoint` and nothing of it runs; a file that is not a
-    ``torch.save`` file raises :class:`CheckpointError`.
-    """
+    """What a ``torch.save`` file holds, read with ``weights_only=True``: a pickle naming
+    anything outside torch's safe set raises :class:`UnsafeCheckpoint`, other bytes
+    :class:`CheckpointError`."""
     src = Path(path)
     try:
         mode = os.stat(src).st_mode
@@ -113,17 +92,7 @@ def load_torch_file(path: PathLike) -> Any:
         raise CheckpointError(
             f"{src}: not a readable torch.save file ({_first_line(str(exc))})"
         ) from None
-    except (
-        LookupError,
-        TypeError,
-        AttributeError,
-        AssertionError,
-        struct.error,
-        MemoryError,
-        RecursionError,
-    ) as exc:
-        # Bytes that are no pickle at all (a text file, an HTML page) send the
-        # unpickler through opcodes it then trips over: a memo index, a stack slot.
+    except _GARBLED as exc:
         raise CheckpointError(
             f"{src}: not a torch.save file (its bytes do not decode as one: "
             f"{type(exc).__name__} {_first_line(str(exc))})"
@@ -153,44 +122,31 @@ def is_bare_state_dict(obj: Any) -> bool:
     )
 
 
-def state_of(obj: Any, src: Path) -> Mapping[str, Any]:
-    """The state an imported object becomes (see the module's docstring)."""
+def import_torch(src: PathLike, out: PathLike, *, overwrite: bool = False) -> CheckpointInfo:
+    """Read a ``torch.save`` file safely and write what it holds as a checkpoint at ``out``."""
+    path = Path(src)
+    obj = load_torch_file(path)
     if is_bare_state_dict(obj):
-        return {WEIGHTS_KEY: obj}
+        obj = {WEIGHTS_KEY: obj}
     if not isinstance(obj, Mapping):
         raise CheckpointError(
-            f"{src}: holds a {type(obj).__name__}, not a state_dict or a checkpoint dict; "
+            f"{path}: holds a {type(obj).__name__}, not a state_dict or a checkpoint dict; "
             "load it with torch.load, put it in a dict and save that with fc.save"
         )
     bad = [k for k in obj if not isinstance(k, str)]
     if bad:
         raise CheckpointError(
-            f"{src}: the top-level keys must be strings to become a state; found {bad[0]!r}"
+            f"{path}: the top-level keys must be strings to become a state; found {bad[0]!r}"
         )
-    return obj
-
-
-def import_torch(src: PathLike, out: PathLike, *, overwrite: bool = False) -> CheckpointInfo:
-    """Read a ``torch.save`` file safely and write what it holds as a checkpoint at ``out``."""
-    path = Path(src)
-    state = state_of(load_torch_file(path), path)
-    return save(
-        out,
-        state,
-        metadata={"imported": {"from": str(path), "format": "torch"}},
-        overwrite=overwrite,
-    )
+    imported = {"imported": {"from": str(path), "format": "torch"}}
+    return save(out, obj, metadata=imported, overwrite=overwrite)
 
 
 # --------------------------------------------------------------------------- export
 
 
 def _weights(source: PathLike, select: KeyPath, dtype: torch.dtype | None) -> dict[str, Any]:
-    """The tensors under ``select`` by dotted name: what ``load_state_dict`` takes.
-
-    A subtree captured from a module comes back as its ``OrderedDict`` with
-    ``_metadata`` (the per-module versions ``load_state_dict`` consults).
-    """
+    """What ``load_state_dict`` takes: a captured module's ``OrderedDict`` keeps ``_metadata``."""
     state = _load(source, select)
     tensors = _collect(state, select)
     node: Any = state
@@ -210,12 +166,9 @@ def _weights(source: PathLike, select: KeyPath, dtype: torch.dtype | None) -> di
 
 
 def loadable(value: Any, path: KeyPath = (), converted: list[KeyPath] | None = None) -> Any:
-    """``value`` as something ``torch.load(weights_only=True)`` reads back exactly.
-
-    That reader builds no numpy objects, so numpy arrays become tensors of the same
-    dtype and bytes and numpy scalars become Python numbers (their paths are added
-    to ``converted``); any other value it cannot build (a path, a datetime, a
-    dataclass...) raises :class:`CheckpointError` naming its key path.
+    """``value`` as ``torch.load(weights_only=True)`` reads it back exactly: numpy values
+    become tensors and numbers (their paths added to ``converted``); anything else
+    it cannot build raises :class:`CheckpointError` naming its key path.
     """
     import numpy as np
 
@@ -277,21 +230,14 @@ def write_torch_file(obj: Any, out: Path, *, overwrite: bool) -> Path:
         else:
             os.link(tmp, out)  # fails if out appeared meanwhile: nothing is replaced
             os.unlink(tmp)
-    except FileExistsError:
-        _remove(tmp)
-        raise CheckpointExists(
-            f"{out}: already exists; pass overwrite=True to replace it"
-        ) from None
-    except BaseException:
-        _remove(tmp)
+    except BaseException as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(e, FileExistsError):
+            raise CheckpointExists(f"{out}: already exists; pass overwrite=True") from None
         raise
     durable.fsync_dir(out.parent)
     return out
-
-
-def _remove(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 def export_torch(
@@ -302,12 +248,9 @@ def export_torch(
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
 ) -> list[KeyPath]:
-    """Write a checkpoint's weights (``select``) or whole state (``select=None``) as a
-    ``torch.save`` file that ``torch.load(weights_only=True)`` reads back bit-exactly.
-
-    ``dtype`` converts floating-point weights; the whole state is exported as saved,
-    except that numpy values become tensors and Python numbers (see :func:`loadable`).
-    Only the selected subtree is read. Returns the key paths of the converted values.
+    """Write a checkpoint's weights (``select``; ``dtype`` converts floating ones) or
+    whole state (``select=None``, see :func:`loadable`) as a ``torch.save`` file that
+    ``weights_only=True`` reads back bit-exactly; returns the converted key paths.
     """
     dest = Path(out)
     obj: Any

@@ -16,31 +16,14 @@ from typing import Any, TypeAlias
 
 from functional_ckpt.errors import PolicyError
 
-__all__ = [
-    "AllOf",
-    "AnyOf",
-    "Event",
-    "Not",
-    "PolicyError",
-    "PolicySpec",
-    "PolicyState",
-    "SavePolicy",
-    "as_int",
-    "checked_state",
-    "custom_spec",
-    "metric_value",
-    "no_state",
-    "positive_int",
-    "run_policy",
-]
+__all__ = ["AllOf", "AnyOf", "Event", "Not", "PolicyError", "PolicySpec", "PolicyState"]
+__all__ += ["SavePolicy", "as_int", "checked_state", "custom_spec", "metric_value", "no_state"]
+__all__ += ["positive_int", "run_policy"]
 
 PolicyState: TypeAlias = (
     "bool | int | float | str | list[PolicyState] | dict[str, PolicyState] | None"
 )
-"""Plain data only: it is written into msgpack manifests and must round-trip exactly.
-
-Lists, never tuples (msgpack reads tuples back as lists); dict keys are strings.
-"""
+"""Plain data that round-trips through msgpack exactly: lists, never tuples; str keys."""
 
 PolicySpec: TypeAlias = str | dict[str, Any] | list[Any]
 """A policy in configuration form, every argument spelled (``{"every_steps": {"n": 5,
@@ -51,13 +34,9 @@ PolicySpec: TypeAlias = str | dict[str, Any] | list[Any]
 class Event:
     """One point in training at which the caller asks "should I save now?".
 
-    ``step`` is required because every policy can at least count steps; ``metrics``
-    and ``time`` are needed only by the policies that read them. ``time`` is
-    *running* time in seconds (the manager supplies it, continued across restarts; a
-    loop driving policies by hand passes its own). ``is_final`` marks the last event
-    of a run (see :func:`on_final`), ``epoch_end`` the event of the step that
-    finishes an epoch (see :func:`every_epochs`). ``epoch`` is the loop's own epoch
-    number, whichever way it counts: recorded with a checkpoint, read by no policy.
+    ``time`` is *running* seconds (the manager's continue across restarts);
+    ``is_final`` marks a run's last event, ``epoch_end`` the step that ends an
+    epoch. ``epoch`` is the loop's own count: recorded, read by no policy.
     """
 
     step: int
@@ -68,17 +47,15 @@ class Event:
     epoch_end: bool = False
 
     def __post_init__(self) -> None:
-        # Accept numpy/torch integer scalars (anything with __index__) but store a plain
-        # int, so that nothing non-plain can leak into a policy state.
+        # numpy/torch integer scalars stored as plain ints: nothing else leaks into a state
         object.__setattr__(self, "step", as_int(self.step, "Event(step=...)"))
         if self.epoch is not None:
             object.__setattr__(self, "epoch", as_int(self.epoch, "Event(epoch=...)"))
         if self.metrics is not None and not isinstance(self.metrics, Mapping):
             raise TypeError(f"Event(metrics={self.metrics!r}): metrics must be a mapping or None")
-        if not isinstance(self.is_final, bool):
-            raise TypeError(f"Event(is_final={self.is_final!r}): is_final must be a bool")
-        if not isinstance(self.epoch_end, bool):
-            raise TypeError(f"Event(epoch_end={self.epoch_end!r}): epoch_end must be a bool")
+        for name in ("is_final", "epoch_end"):
+            if not isinstance(value := getattr(self, name), bool):
+                raise TypeError(f"Event({name}={value!r}): {name} must be a bool")
         if self.time is not None:
             if isinstance(self.time, bool) or not isinstance(self.time, int | float):
                 raise TypeError(f"Event(time={self.time!r}): time must be a number of seconds")
@@ -90,9 +67,8 @@ class Event:
 class SavePolicy(ABC):
     """Decides, event by event, whether to save; pure apart from :func:`on_signal`.
 
-    Subclasses implement :meth:`init`, :meth:`decide`, :meth:`update` and
-    :attr:`spec`. Neither ``decide`` nor ``update`` mutates the state it is given,
-    so a caller can keep an old state (e.g. the one stored with a checkpoint).
+    ``decide`` and ``update`` never mutate the state given, so a caller can keep an
+    old one (the one stored with a checkpoint).
     """
 
     @abstractmethod
@@ -109,12 +85,9 @@ class SavePolicy(ABC):
 
     @property
     def spec(self) -> PolicySpec:
-        """The policy as plain data: its configuration form with every argument spelled,
-        which :func:`.policy_from_config` rebuilds it from and a checkpoint records.
-
-        A policy defined outside this package describes itself by type and repr, which
-        is enough to tell whether a stored state is its own, but cannot be rebuilt.
-        """
+        """Its configuration form, every argument spelled (:func:`.policy_from_config`
+        rebuilds it, a checkpoint records it). One defined outside this package gives
+        its type and repr: enough to recognise its stored state, not to rebuild it."""
         return custom_spec(self)
 
     def should_save(self, state: PolicyState, event: Event) -> tuple[bool, PolicyState]:
@@ -136,10 +109,6 @@ class SavePolicy(ABC):
         return Not(self)
 
 
-# ---------------------------------------------------------------------------------------
-# Helpers
-
-
 def custom_spec(policy: object) -> PolicySpec:
     """The spec of a policy defined outside this package: its type and repr."""
     return {"custom": {"type": type(policy).__qualname__, "repr": repr(policy)}}
@@ -154,34 +123,30 @@ def as_int(value: object, what: str) -> int:
         raise TypeError(f"{what}: expected an int, got {type(value).__name__} {value!r}") from None
 
 
-def positive_int(value: object, name: str, call: str) -> int:
+def positive_int(value: object, name: str, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{call}: {name} must be a positive int, got {value!r}")
+        raise ValueError(f"{what}: {name} must be a positive int, got {value!r}")
     return value
 
 
 def checked_state(policy: SavePolicy, state: PolicyState, keys: Iterable[str]) -> dict[str, Any]:
-    """Check that a (possibly restored) state has this policy's shape, and return it.
-
-    A state that does not fit was written under a different policy; failing loudly
-    beats silently misreading it.
-    """
+    """A restored state of this policy's shape; one written under another policy fails."""
     expected = set(keys)
     if not isinstance(state, dict) or set(state) != expected:
-        raise PolicyError(
-            f"{policy!r}: state={state!r} does not fit this policy (expected a dict with "
-            f"keys {sorted(expected)}); was it saved under a different policy? "
-            "Use policy.init() to start over."
-        )
+        raise misfit(policy, state, f"a dict with keys {sorted(expected)}")
     return state
 
 
 def no_state(policy: SavePolicy, state: PolicyState) -> None:
     if state is not None:
-        raise PolicyError(
-            f"{policy!r}: state={state!r} does not fit this stateless policy (expected "
-            "None); was it saved under a different policy? Use policy.init() to start over."
-        )
+        raise misfit(policy, state, "None")
+
+
+def misfit(policy: SavePolicy, state: PolicyState, expected: str) -> PolicyError:
+    return PolicyError(
+        f"{policy!r}: state={state!r} does not fit this policy (expected {expected}); "
+        "was it saved under a different policy? Use policy.init() to start over."
+    )
 
 
 def metric_value(event: Event, name: str) -> float | None:
@@ -190,10 +155,6 @@ def metric_value(event: Event, name: str) -> float | None:
         return None
     value = float(event.metrics[name])
     return None if math.isnan(value) else value
-
-
-# ---------------------------------------------------------------------------------------
-# Combinators
 
 
 def _flatten(kind: type[AnyOf | AllOf], children: Iterable[SavePolicy]) -> list[SavePolicy]:
@@ -218,7 +179,7 @@ def _wrap(policy: SavePolicy, inside: type[SavePolicy]) -> str:
 
 
 class _Combinator(SavePolicy):
-    """Shared machinery of Any and All: a list state, one entry per child."""
+    """Any and All: a list state, one entry per child."""
 
     _symbol = ""
     _kind = ""
@@ -231,11 +192,7 @@ class _Combinator(SavePolicy):
 
     def _states(self, state: PolicyState) -> list[PolicyState]:
         if not isinstance(state, list) or len(state) != len(self.children):
-            raise PolicyError(
-                f"{self!r}: state={state!r} does not fit this policy (expected a list of "
-                f"{len(self.children)} child states); was it saved under a different "
-                "policy? Use policy.init() to start over."
-            )
+            raise misfit(self, state, f"a list of {len(self.children)} child states")
         return state
 
     def _votes(self, state: PolicyState, event: Event) -> list[bool]:
@@ -302,18 +259,10 @@ class Not(SavePolicy):
         return f"~{_wrap(self.child, Not)}"
 
 
-# ---------------------------------------------------------------------------------------
-# Driving a policy by hand
-
-
 def run_policy(
     policy: SavePolicy, events: Iterable[Event], state: PolicyState = None
 ) -> list[bool]:
-    """Feed ``events`` through ``policy`` and return its decisions, for docs and tests.
-
-    ``state=None`` means ``policy.init()``; pass a restored state to continue a run.
-    (A stateless policy's state is also None, which init() returns anyway.)
-    """
+    """``policy``'s decisions on ``events``, from ``state`` (None: ``policy.init()``)."""
     current = policy.init() if state is None else state
     decisions: list[bool] = []
     for event in events:

@@ -1,20 +1,13 @@
 """Policies as configuration: the plain-data form people write in YAML, JSON or a dict.
 
-A policy is one key, its name, whose value holds its arguments: a mapping of them
-(``{"every_steps": {"n": 500, "offset": 0}}``), the first argument alone
-(``{"every_steps": 500}``, ``{"on_improve": "val_loss"}``), or nothing for a policy
-whose arguments all have defaults (``"on_final"``, ``{"on_final": {}}``).
-Combinations are ``{"any": [...]}``, ``{"all": [...]}`` and ``{"not": ...}``; a list
-of retention policies is their union. Any ``Mapping`` and ``Sequence`` will do (an
-OmegaConf ``DictConfig`` as it comes), and a bad value is refused with the path of
-its key and the names that would have been known there, so a typo in a config file
-is found where it is, before anything runs.
-
-The keys of a manager's configuration and its ``run`` block (how ``fckpt run``
-relaunches the job) are here too, so the command line reads them without loading
-the manager. This is the one form of a policy as data: a policy's ``spec`` is it,
-every argument spelled, and what a checkpoint records to recognise its own state.
-"""
+A policy is one key, its name, holding its arguments: a mapping
+(``{"every_steps": {"n": 500}}``), the first argument alone (``{"every_steps": 500}``)
+or nothing (``"on_final"``). Combinations are ``{"any": [...]}``, ``{"all": [...]}``
+and ``{"not": ...}``; a list of retention policies is their union. Any ``Mapping`` or
+``Sequence`` will do (an OmegaConf ``DictConfig``), and a bad value is refused naming
+its key and what is known there. A policy's ``spec`` is this form. A manager
+config's keys and its ``run`` block live here too, so ``fckpt run`` reads them
+without loading the manager."""
 
 from __future__ import annotations
 
@@ -24,53 +17,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+from functional_ckpt._src.policy import leaves, retention
 from functional_ckpt._src.policy.base import AllOf, AnyOf, Not, SavePolicy
 from functional_ckpt._src.policy.degrade import TARGETS, on_degrade
-from functional_ckpt._src.policy.leaves import (
-    always,
-    at_steps,
-    every_epochs,
-    every_secs,
-    every_steps,
-    never,
-    on_final,
-    on_improve,
-)
-from functional_ckpt._src.policy.retention import (
-    RetentionPolicy,
-    keep_all,
-    keep_best,
-    keep_every,
-    keep_last,
-    keep_within,
-)
+from functional_ckpt._src.policy.retention import RetentionPolicy
 from functional_ckpt._src.policy.signals import on_signal
 from functional_ckpt.errors import ConfigError
 
-__all__ = [
-    "MANAGER_KEYS",
-    "RELAUNCH_KEYS",
-    "Param",
-    "Relaunch",
-    "SAVE_KINDS",
-    "at_key",
-    "check_bool",
-    "check_keys",
-    "check_number",
-    "check_str",
-    "config_error",
-    "is_sequence",
-    "policy_from_config",
-    "relaunch_from_config",
-    "relaunch_to_config",
-    "retention_from_config",
-    "signal_number",
-    "stored_spec",
-]
-
-
-# ---------------------------------------------------------------------------------------
-# Reading plain data, with the path of the key in every message
+__all__ = ["MANAGER_KEYS", "RELAUNCH_KEYS", "Param", "Relaunch", "SAVE_KINDS", "at_key"]
+__all__ += ["check_bool", "check_keys", "check_number", "check_str", "config_error"]
+__all__ += ["is_sequence", "policy_from_config", "relaunch_from_config", "relaunch_to_config"]
+__all__ += ["retention_from_config", "signal_number", "stored_spec"]
 
 
 def at_key(path: str, key: str | int) -> str:
@@ -140,20 +97,16 @@ def _positive_int(value: object, path: str) -> int:
     return _int(value, path, positive=True)
 
 
-def _positive_number(value: object, path: str) -> float:
-    return check_number(value, path, positive=True)
+def _one_of(*choices: str) -> Callable[[object, str], str]:
+    def check(value: object, path: str) -> str:
+        if value not in choices:
+            raise config_error(path, " or ".join(repr(c) for c in choices), value)
+        return str(value)
+
+    return check
 
 
-def _mode(value: object, path: str) -> str:
-    if value not in ("min", "max"):
-        raise config_error(path, "'min' or 'max'", value)
-    return str(value)
-
-
-def _target(value: object, path: str) -> str:
-    if value not in TARGETS:
-        raise config_error(path, " or ".join(repr(t) for t in TARGETS), value)
-    return str(value)
+_mode, _target = _one_of("min", "max"), _one_of(*TARGETS)
 
 
 def _steps(value: object, path: str) -> list[int]:
@@ -176,14 +129,9 @@ def signal_number(value: object, path: str) -> int:
     raise config_error(path, "a signal name such as 'SIGTERM', or its number", value)
 
 
-# ---------------------------------------------------------------------------------------
-# The table: each policy's name, constructor and arguments
-
-
 @dataclass(frozen=True)
 class Param:
-    """One argument: its name in a config (and the constructor's keyword), its check,
-    and whether it must be given."""
+    """One argument: its name (the constructor's keyword), its check, if it is required."""
 
     name: str
     check: Callable[[object, str], Any]
@@ -194,15 +142,18 @@ _Kind = tuple[Callable[..., Any], tuple[Param, ...]]
 
 #: Every save policy (and rollback rule) a config can name, with its arguments.
 SAVE_KINDS: dict[str, _Kind] = {
-    "always": (always, ()),
-    "never": (never, ()),
-    "on_final": (on_final, ()),
-    "every_steps": (every_steps, (Param("n", _positive_int, True), Param("offset", _int))),
-    "every_epochs": (every_epochs, (Param("n", _positive_int, True),)),
-    "at_steps": (at_steps, (Param("steps", _steps, True),)),
-    "every_secs": (every_secs, (Param("secs", _positive_number, True),)),
+    "always": (leaves.always, ()),
+    "never": (leaves.never, ()),
+    "on_final": (leaves.on_final, ()),
+    "every_steps": (leaves.every_steps, (Param("n", _positive_int, True), Param("offset", _int))),
+    "every_epochs": (leaves.every_epochs, (Param("n", _positive_int, True),)),
+    "at_steps": (leaves.at_steps, (Param("steps", _steps, True),)),
+    "every_secs": (
+        leaves.every_secs,
+        (Param("secs", lambda v, p: check_number(v, p, positive=True), True),),
+    ),
     "on_improve": (
-        on_improve,
+        leaves.on_improve,
         (Param("metric", check_str, True), Param("mode", _mode), Param("min_delta", check_number)),
     ),
     "on_degrade": (
@@ -220,14 +171,14 @@ SAVE_KINDS: dict[str, _Kind] = {
 _COMBINATORS = ("any", "all", "not")
 
 _KEEP_KINDS: dict[str, _Kind] = {
-    "keep_all": (keep_all, ()),
-    "keep_last": (keep_last, (Param("n", _positive_int, True),)),
+    "keep_all": (retention.keep_all, ()),
+    "keep_last": (retention.keep_last, (Param("n", _positive_int, True),)),
     "keep_best": (
-        keep_best,
+        retention.keep_best,
         (Param("k", _positive_int, True), Param("metric", check_str, True), Param("mode", _mode)),
     ),
-    "keep_every": (keep_every, (Param("steps", _positive_int, True),)),
-    "keep_within": (keep_within, (Param("secs", check_number, True),)),
+    "keep_every": (retention.keep_every, (Param("steps", _positive_int, True),)),
+    "keep_within": (retention.keep_within, (Param("secs", check_number, True),)),
 }
 
 
@@ -330,11 +281,8 @@ def retention_from_config(value: object, path: str = "keep") -> RetentionPolicy:
 
 
 def stored_spec(spec: object) -> object:
-    """A spec read from a manifest, in the configuration form: manifests written before
-    policies had one form hold ``{"kind": name, **arguments}`` (``children`` of
-    ``any``/``all``/``union``, ``child`` of ``not``, ``s`` for ``every_secs``'s
-    seconds, a signal's number), which is turned into it; any other value is as it is.
-    """
+    """A spec read from a manifest in the configuration form; older manifests hold
+    ``{"kind": name, **arguments}`` (``children``, ``child``, ``s``, a signal's number)."""
     if not isinstance(spec, Mapping) or not isinstance(spec.get("kind"), str):
         return spec
     kind, args = spec["kind"], {str(k): v for k, v in spec.items() if k != "kind"}
@@ -350,12 +298,8 @@ def stored_spec(spec: object) -> object:
     return {kind: args} if args else kind
 
 
-# ---------------------------------------------------------------------------------------
-# A manager's configuration: its keys, and the ``run`` block ``fckpt run`` reads
-
-#: The keys of a manager's configuration: its constructor's arguments, and ``run``
-#: (read here, below the manager, so that ``fckpt run`` checks them without torch).
-MANAGER_KEYS = (
+#: The keys of a manager's configuration: its constructor's arguments, and ``run``.
+MANAGER_KEYS: tuple[str, ...] = (
     "root",
     "save",
     "keep",
@@ -363,23 +307,15 @@ MANAGER_KEYS = (
     "read_only",
     "async_save",
     "incremental",
-    "export",
-    "remote",
-    "memory",
-    "rollback",
-    "per_rank",
-    "run",
 )
+MANAGER_KEYS += ("export", "remote", "memory", "rollback", "per_rank", "run")
 
 
 @dataclass(frozen=True)
 class Relaunch:
-    """How ``fckpt run`` relaunches a failed job: the ``run`` block of a config.
-
-    ``retries`` relaunches after failures, pausing ``backoff`` seconds, doubled after
-    each failure up to ``max_backoff``; ``stall_limit`` failures in a row without
-    progress stop it early (0: never). The command line overrides each.
-    """
+    """How ``fckpt run`` relaunches a failed job (a config's ``run`` block): ``retries``
+    times, pausing ``backoff`` seconds doubled up to ``max_backoff``; ``stall_limit``
+    failures in a row without progress stop it (0: never)."""
 
     retries: int = 3
     backoff: float = 1.0

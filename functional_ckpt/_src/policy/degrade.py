@@ -1,13 +1,9 @@
 """``on_degrade``: a metric that fell too far below its best, for long enough.
 
-A rollback rule for :class:`~functional_ckpt.manager.CheckpointManager`
-(``rollback=``): its vote means "the run degraded, go back". It is a policy like
-the save policies (pure ``decide``/``update`` over a plain-data state, a spec,
-``|``/``&``/``~``), so it composes with them and its state is stored with every
-checkpoint and continues after a restart. Its ``update`` learns, like every
-policy's, whether a checkpoint was saved on the event, which keeps ``best`` the
-best value *saved*: the level a rollback can return to.
-"""
+A rollback rule for ``CheckpointManager(rollback=...)``: a policy like the save
+policies, so it composes with them and its state is stored with every checkpoint.
+Its ``update`` learns whether a checkpoint was saved, which keeps ``best`` the best
+value *saved*: the level a rollback can return to."""
 
 from __future__ import annotations
 
@@ -97,14 +93,10 @@ def on_degrade(
 ) -> SavePolicy:
     """Vote yes once ``metrics[metric]`` was degraded on ``patience`` evaluations in a row.
 
-    An evaluation (an event carrying the metric) is *degraded* when its value is
-    worse than ``best`` by more than ``drop`` times ``abs(best)`` (``mode="max"``:
-    lower, ``"min"``: higher), or is NaN. ``best`` is the best value among events
-    on which a checkpoint was saved (the state's ``"best"``), ``"bad"`` counts the
-    degraded evaluations in a row; a good one resets it, events without the metric
-    leave it alone. ``to`` says where a manager rolls back to: ``"best"``, the kept
-    checkpoint with the best value, or ``"last_good"``, the newest kept one that is
-    not degraded (less work lost).
+    A value is *degraded* when NaN or worse than the best saved value by more than
+    ``drop * abs(best)``; a good one resets the count, an event without the metric
+    leaves it. ``to``: roll back to the ``"best"`` kept checkpoint, or the newest
+    kept one not degraded (``"last_good"``, less work lost).
     """
     if not isinstance(metric, str):
         raise TypeError(f"on_degrade(metric={metric!r}): metric must be a str")

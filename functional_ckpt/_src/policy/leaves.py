@@ -1,13 +1,9 @@
-"""The leaf save policies: constant, step, epoch, running-time and metric policies.
-
-Each is a pure value: configuration in the object, everything that changes over a
-run in the ``PolicyState`` it returns from ``init`` and ``update``.
-"""
+"""The leaf save policies: constant, step, epoch, running-time and metric policies."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from functional_ckpt._src.policy.base import (
     Event,
@@ -21,20 +17,13 @@ from functional_ckpt._src.policy.base import (
     positive_int,
 )
 
-__all__ = [
-    "always",
-    "at_steps",
-    "every_epochs",
-    "every_secs",
-    "every_steps",
-    "never",
-    "on_final",
-    "on_improve",
-]
+__all__ = ["always", "at_steps", "every_epochs", "every_secs", "every_steps", "never"]
+__all__ += ["on_final", "on_improve"]
 
 
 class _Stateless(SavePolicy):
-    _name = ""
+    def __init__(self, name: str, vote: Callable[[Event], bool]) -> None:
+        self._name, self._vote = name, vote
 
     def init(self) -> PolicyState:
         return None
@@ -42,9 +31,6 @@ class _Stateless(SavePolicy):
     def decide(self, state: PolicyState, event: Event) -> bool:
         no_state(self, state)
         return self._vote(event)
-
-    def _vote(self, event: Event) -> bool:
-        raise NotImplementedError
 
     def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
         no_state(self, state)
@@ -58,44 +44,19 @@ class _Stateless(SavePolicy):
         return f"{self._name}()"
 
 
-class _Always(_Stateless):
-    _name = "always"
-
-    def _vote(self, event: Event) -> bool:
-        return True
-
-
-class _Never(_Stateless):
-    _name = "never"
-
-    def _vote(self, event: Event) -> bool:
-        return False
-
-
-class _OnFinal(_Stateless):
-    _name = "on_final"
-
-    def _vote(self, event: Event) -> bool:
-        return event.is_final
-
-
 def always() -> SavePolicy:
     """Save on every event (useful in tests and as the neutral element of ``&``)."""
-    return _Always()
+    return _Stateless("always", lambda event: True)
 
 
 def never() -> SavePolicy:
     """Never save (the neutral element of ``|``)."""
-    return _Never()
+    return _Stateless("never", lambda event: False)
 
 
 def on_final() -> SavePolicy:
     """Save on every event with ``is_final=True`` (the end of a run)."""
-    return _OnFinal()
-
-
-# ---------------------------------------------------------------------------------------
-# Step and epoch counting
+    return _Stateless("on_final", lambda event: event.is_final)
 
 
 class _EverySteps(SavePolicy):
@@ -125,14 +86,9 @@ class _EverySteps(SavePolicy):
 
 
 def every_steps(n: int, offset: int = 0) -> SavePolicy:
-    """Save at steps ``offset, offset + n, offset + 2n, ...``.
-
-    Votes yes when ``step >= offset``, ``(step - offset) % n == 0`` and no save
-    happened at this very step last time, so an event repeated for the same step (a
-    retried iteration, a second call at the end of a step) saves only once. Steps
-    need not increase: after the step counter is rolled back it fires again at the
-    next matching step. With the default offset it fires at step 0 if you send an
-    event for step 0; pass ``offset=n`` to skip that save.
+    """Save at steps ``offset, offset + n, offset + 2n, ...`` (step 0 too: ``offset=n``
+    skips it); an event repeated for the step just saved saves once, and after a
+    rollback of the step counter it fires again at the next matching step.
     """
     n = positive_int(n, "n", f"every_steps(n={n!r})")
     if isinstance(offset, bool) or not isinstance(offset, int):
@@ -178,14 +134,9 @@ class _EveryEpochs(SavePolicy):
 
 
 def every_epochs(n: int) -> SavePolicy:
-    """Save at the end of every ``n``-th epoch: on the events marked ``epoch_end=True``.
-
-    The loop says where an epoch ends (``maybe_save(..., epoch_end=True)`` with the
-    step that finishes it), so the state saved is the one at the end of the epoch,
-    the last epoch's included, however the loop numbers its epochs: ``event.epoch``
-    is not read. The state counts the epoch ends, so a restored run goes on counting
-    where its checkpoint was; an end sent twice for one step counts once (and saves
-    then if the first one did not).
+    """Save at the end of every ``n``-th epoch: on the events marked ``epoch_end=True``
+    (``event.epoch`` is not read). The state counts the ends, so a restored run goes
+    on counting; an end sent twice for one step counts once.
     """
     return _EveryEpochs(positive_int(n, "n", f"every_epochs(n={n!r})"))
 
@@ -216,11 +167,8 @@ class _AtSteps(SavePolicy):
 
 
 def at_steps(steps: Iterable[int]) -> SavePolicy:
-    """Save at each of the given steps, once each (a step already saved is skipped).
-
-    The state remembers at which of them a save happened, so a run restored from a
-    checkpoint does not save again at a listed step it has passed.
-    """
+    """Save at each of the given steps, once each: the state remembers the steps saved,
+    so a restored run does not save again at one it has passed."""
     try:
         items = list(steps)
     except TypeError:
@@ -229,10 +177,6 @@ def at_steps(steps: Iterable[int]) -> SavePolicy:
         if isinstance(s, bool) or not isinstance(s, int):
             raise TypeError(f"at_steps(steps={steps!r}): steps must be ints, got {s!r}")
     return _AtSteps(frozenset(items))
-
-
-# ---------------------------------------------------------------------------------------
-# Running time
 
 
 class _EverySecs(SavePolicy):
@@ -271,24 +215,16 @@ class _EverySecs(SavePolicy):
 
 
 def every_secs(secs: float) -> SavePolicy:
-    """Save once at least ``secs`` seconds of running time passed since the last save.
-
-    Time is ``event.time``, the running time of the run in seconds (the manager
-    counts it across restarts, excluding downtime); an event without it is an error.
-    The first event only starts the timer (``since``); a save, made by this policy
-    or any other in the same combination, restarts it. Time that goes backwards
-    restarts the timer there, so it never adds time.
+    """Save once ``secs`` seconds of running time (``event.time``, required) passed since
+    the last save. The first event starts the timer; any save restarts it, and so
+    does time that goes backwards.
     """
-    call = f"every_secs(secs={secs!r})"
+    what = f"every_secs(secs={secs!r})"
     if isinstance(secs, bool) or not isinstance(secs, int | float):
-        raise TypeError(f"{call}: secs must be a number of seconds")
+        raise TypeError(f"{what}: secs must be a number of seconds")
     if not (math.isfinite(secs) and secs > 0):
-        raise ValueError(f"{call}: secs must be a positive, finite number of seconds")
+        raise ValueError(f"{what}: secs must be a positive, finite number of seconds")
     return _EverySecs(float(secs))
-
-
-# ---------------------------------------------------------------------------------------
-# Metrics
 
 
 class _OnImprove(SavePolicy):
@@ -337,12 +273,9 @@ class _OnImprove(SavePolicy):
 def on_improve(metric: str, mode: str = "min", min_delta: float = 0.0) -> SavePolicy:
     """Save when ``metrics[metric]`` beats the best saved value by more than ``min_delta``.
 
-    The first value seen votes yes. ``best`` is the best value among the events on
-    which a save actually happened (whichever policy caused it), so a slow
-    improvement of less than ``min_delta`` per event still saves once it adds up,
-    and a vote outvoted by ``&`` leaves ``best`` alone. Events without the metric
-    and NaN values are ignored; infinities compare normally. ``best`` lives in the
-    state, so a restored run keeps comparing against it.
+    The first value votes yes. ``best`` counts only events on which a save happened,
+    so slow improvements add up and an outvoted vote changes nothing; a missing
+    metric or NaN is ignored.
     """
     if not isinstance(metric, str):
         raise TypeError(f"on_improve(metric={metric!r}): metric must be a str")

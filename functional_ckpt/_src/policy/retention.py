@@ -1,17 +1,9 @@
 """Retention policies: pure decisions about *which* checkpoints to keep.
 
-A retention policy looks at the checkpoints that exist and returns the set of steps
-to keep; it never touches the disk. :func:`plan_deletions` turns that answer into a
-list of steps to delete, adding the two safety rules no policy may override: the
-newest checkpoint and any protected step (e.g. one being written) are never deleted.
-Deleting is the manager's job, so that planning stays easy to test and to dry-run.
-
-Policies combine with ``|`` (union: keep what any of them keeps), which is the only
-combinator retention needs: "keep the last 3 and the best 2 and one per 10k steps".
-Every policy has a plain-data :attr:`~RetentionPolicy.spec`, its configuration form,
-which :func:`.retention_from_config` rebuilds it from, so a checkpoint can record the
-policy its writer used without storing code or parsing text.
-"""
+A policy returns the steps to keep and never touches the disk; :func:`plan_deletions`
+adds the rules no policy overrides (the newest and protected steps stay), and the
+manager deletes. ``|`` (union) is the one combinator retention needs. A policy's
+:attr:`~RetentionPolicy.spec` is its configuration form, which a checkpoint records."""
 
 from __future__ import annotations
 
@@ -24,19 +16,8 @@ from typing import Protocol
 
 from functional_ckpt._src.policy.base import PolicySpec, custom_spec, positive_int
 
-__all__ = [
-    "CheckpointLike",
-    "CheckpointRecord",
-    "RetentionPolicy",
-    "best_steps",
-    "keep_all",
-    "keep_best",
-    "keep_every",
-    "keep_last",
-    "keep_within",
-    "plan_deletions",
-    "union_parts",
-]
+__all__ = ["CheckpointLike", "CheckpointRecord", "RetentionPolicy", "best_steps", "keep_all"]
+__all__ += ["keep_best", "keep_every", "keep_last", "keep_within", "plan_deletions", "union_parts"]
 
 
 class CheckpointLike(Protocol):
@@ -68,7 +49,13 @@ class RetentionPolicy(ABC):
 
     def select(self, checkpoints: Sequence[CheckpointLike]) -> set[int]:
         """Return the steps of ``checkpoints`` to keep (a subset of their steps)."""
-        _check_unique(checkpoints)
+        steps = [c.step for c in checkpoints]
+        if len(set(steps)) != len(steps):
+            twice = next(s for s in steps if steps.count(s) > 1)
+            raise ValueError(
+                f"checkpoints: step {twice} appears more than once; each checkpoint "
+                "must have a distinct step"
+            )
         return self._select(checkpoints)
 
     @abstractmethod
@@ -77,12 +64,8 @@ class RetentionPolicy(ABC):
 
     @property
     def spec(self) -> PolicySpec:
-        """The policy in configuration form, every argument spelled (a union: a list);
-        :func:`.retention_from_config` rebuilds it.
-
-        A policy defined outside this module describes itself by type and repr; such a
-        spec is recorded but cannot be rebuilt.
-        """
+        """Its configuration form (a union: a list), which :func:`.retention_from_config`
+        rebuilds; one defined outside this package gives its type and repr."""
         return custom_spec(self)
 
     def __or__(self, other: object) -> RetentionPolicy:
@@ -92,17 +75,6 @@ class RetentionPolicy(ABC):
         for p in (self, other):
             children.extend(p.children if isinstance(p, _Union) else [p])
         return _Union(children)
-
-
-def _check_unique(checkpoints: Sequence[CheckpointLike]) -> None:
-    seen: set[int] = set()
-    for c in checkpoints:
-        if c.step in seen:
-            raise ValueError(
-                f"checkpoints: step {c.step} appears more than once; each checkpoint "
-                "must have a distinct step"
-            )
-        seen.add(c.step)
 
 
 class _Union(RetentionPolicy):
@@ -123,74 +95,51 @@ class _Union(RetentionPolicy):
         return " | ".join(repr(c) for c in self.children)
 
 
-class _KeepAll(RetentionPolicy):
+class _Keep(RetentionPolicy):
+    """A leaf policy: its spec, its repr and what it keeps."""
+
+    def __init__(
+        self, spec: PolicySpec, text: str, keep: Callable[[Sequence[CheckpointLike]], set[int]]
+    ) -> None:
+        self._spec, self._text, self._keep = spec, text, keep
+
     def _select(self, checkpoints: Sequence[CheckpointLike]) -> set[int]:
-        return {c.step for c in checkpoints}
+        return self._keep(checkpoints)
 
     @property
     def spec(self) -> PolicySpec:
-        return "keep_all"
+        return self._spec
 
     def __repr__(self) -> str:
-        return "keep_all()"
+        return self._text
 
 
 def keep_all() -> RetentionPolicy:
     """Keep every checkpoint (disables garbage collection)."""
-    return _KeepAll()
-
-
-class _KeepLast(RetentionPolicy):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def _select(self, checkpoints: Sequence[CheckpointLike]) -> set[int]:
-        return set(sorted((c.step for c in checkpoints), reverse=True)[: self.n])
-
-    @property
-    def spec(self) -> PolicySpec:
-        return {"keep_last": {"n": self.n}}
-
-    def __repr__(self) -> str:
-        return f"keep_last({self.n})"
+    return _Keep("keep_all", "keep_all()", lambda cs: {c.step for c in cs})
 
 
 def keep_last(n: int) -> RetentionPolicy:
     """Keep the ``n`` checkpoints with the highest steps (newest by step, not by time)."""
-    return _KeepLast(positive_int(n, "n", f"keep_last(n={n!r})"))
+    n = positive_int(n, "n", f"keep_last(n={n!r})")
+    return _Keep(
+        {"keep_last": {"n": n}},
+        f"keep_last({n})",
+        lambda cs: set(sorted((c.step for c in cs), reverse=True)[:n]),
+    )
 
 
-class _KeepBest(RetentionPolicy):
-    def __init__(self, k: int, metric: str, mode: str) -> None:
-        self.k = k
-        self.metric = metric
-        self.mode = mode
-
-    def _select(self, checkpoints: Sequence[CheckpointLike]) -> set[int]:
-        return set(best_steps(checkpoints, self.metric, self.mode)[: self.k])
-
-    @property
-    def spec(self) -> PolicySpec:
-        return {"keep_best": {"k": self.k, "metric": self.metric, "mode": self.mode}}
-
-    def __repr__(self) -> str:
-        extra = "" if self.mode == "min" else f", mode={self.mode!r}"
-        return f"keep_best({self.k}, {self.metric!r}{extra})"
-
-
-def _check_mode(mode: object, call: str) -> str:
+def _check_mode(mode: object, what: str) -> str:
     if mode not in ("min", "max"):
-        raise ValueError(f"{call}(mode={mode!r}): mode must be 'min' or 'max'")
+        raise ValueError(f"{what}(mode={mode!r}): mode must be 'min' or 'max'")
     return str(mode)
 
 
 def best_steps(checkpoints: Iterable[CheckpointLike], metric: str, mode: str = "min") -> list[int]:
     """Steps ranked best first by ``metrics[metric]``: the one definition of "best".
 
-    ``mode="min"`` ranks the lowest values first, ``"max"`` the highest. Checkpoints
-    without the metric, or with NaN, are not ranked. Ties go to the newer (higher)
-    step, the one a resume would rather start from. ``keep_best`` keeps a prefix of
-    this list and the manager's ``best_step`` is its head.
+    A missing metric or NaN is not ranked; ties go to the newer step, the one a
+    resume would rather start from.
     """
     sign = 1.0 if _check_mode(mode, "best_steps") == "min" else -1.0
     candidates: list[tuple[float, int]] = []
@@ -204,71 +153,47 @@ def best_steps(checkpoints: Iterable[CheckpointLike], metric: str, mode: str = "
 
 
 def keep_best(k: int, metric: str, mode: str = "min") -> RetentionPolicy:
-    """Keep the ``k`` checkpoints with the best ``metrics[metric]``.
-
-    ``mode="min"`` keeps the lowest values, ``"max"`` the highest. Checkpoints without
-    the metric, or with NaN, are not candidates (so fewer than ``k`` may be kept).
-    Ties are broken in favour of the newer (higher) step, which is the one a resume
-    would rather start from.
-    """
+    """Keep the ``k`` checkpoints with the best ``metrics[metric]`` (lowest for
+    ``mode="min"``) as :func:`best_steps` ranks them; fewer where values are missing."""
     k = positive_int(k, "k", f"keep_best(k={k!r})")
     if not isinstance(metric, str):
         raise TypeError(f"keep_best(metric={metric!r}): metric must be a str")
-    return _KeepBest(k, metric, _check_mode(mode, "keep_best"))
-
-
-class _KeepEvery(RetentionPolicy):
-    def __init__(self, steps: int) -> None:
-        self.steps = steps
-
-    def _select(self, checkpoints: Sequence[CheckpointLike]) -> set[int]:
-        return {c.step for c in checkpoints if c.step % self.steps == 0}
-
-    @property
-    def spec(self) -> PolicySpec:
-        return {"keep_every": {"steps": self.steps}}
-
-    def __repr__(self) -> str:
-        return f"keep_every(steps={self.steps})"
+    mode = _check_mode(mode, "keep_best")
+    return _Keep(
+        {"keep_best": {"k": k, "metric": metric, "mode": mode}},
+        f"keep_best({k}, {metric!r}{'' if mode == 'min' else f', mode={mode!r}'})",
+        lambda cs: set(best_steps(cs, metric, mode)[:k]),
+    )
 
 
 def keep_every(steps: int) -> RetentionPolicy:
     """Keep checkpoints whose step is a multiple of ``steps`` (sparse long-term history)."""
-    return _KeepEvery(positive_int(steps, "steps", f"keep_every(steps={steps!r})"))
-
-
-class _KeepWithin(RetentionPolicy):
-    def __init__(self, secs: float, clock: Callable[[], float]) -> None:
-        self.secs = secs
-        self.clock = clock
-
-    def _select(self, checkpoints: Sequence[CheckpointLike]) -> set[int]:
-        cutoff = float(self.clock()) - self.secs
-        return {c.step for c in checkpoints if c.time >= cutoff}
-
-    @property
-    def spec(self) -> PolicySpec:
-        # The clock is how "now" is read, not what the policy is.
-        return {"keep_within": {"secs": self.secs}}
-
-    def __repr__(self) -> str:
-        return f"keep_within({self.secs!r})"
+    n = positive_int(steps, "steps", f"keep_every(steps={steps!r})")
+    return _Keep(
+        {"keep_every": {"steps": n}},
+        f"keep_every(steps={n})",
+        lambda cs: {c.step for c in cs if c.step % n == 0},
+    )
 
 
 def keep_within(secs: float, clock: Callable[[], float] = time.time) -> RetentionPolicy:
-    """Keep checkpoints committed at most ``secs`` seconds ago (``time >= now - secs``).
-
-    ``clock`` must use the same origin as the checkpoints' ``time`` (Unix time by
-    default); it is read once per :meth:`~RetentionPolicy.select`.
-    """
-    call = f"keep_within(secs={secs!r})"
+    """Keep checkpoints committed at most ``secs`` seconds ago by ``clock``, which has
+    the origin of the checkpoints' ``time`` (Unix time by default)."""
+    what = f"keep_within(secs={secs!r})"
     if isinstance(secs, bool) or not isinstance(secs, int | float):
-        raise TypeError(f"{call}: secs must be a number of seconds")
+        raise TypeError(f"{what}: secs must be a number of seconds")
     if math.isnan(secs) or secs < 0:
-        raise ValueError(f"{call}: secs must be >= 0")
+        raise ValueError(f"{what}: secs must be >= 0")
     if not callable(clock):
         raise TypeError(f"keep_within(clock={clock!r}): clock must be callable")
-    return _KeepWithin(float(secs), clock)
+    secs = float(secs)
+
+    def within(checkpoints: Sequence[CheckpointLike]) -> set[int]:
+        cutoff = float(clock()) - secs  # read once per select
+        return {c.step for c in checkpoints if c.time >= cutoff}
+
+    # the spec holds no clock: it is how "now" is read, not what the policy is
+    return _Keep({"keep_within": {"secs": secs}}, f"keep_within({secs!r})", within)
 
 
 def union_parts(policy: RetentionPolicy) -> tuple[RetentionPolicy, ...]:
@@ -282,13 +207,9 @@ def plan_deletions(
     *,
     protected: Iterable[int] = (),
 ) -> list[int]:
-    """Return the steps to delete, ascending: all that ``policy`` does not keep, except
-    the newest checkpoint (highest step) and any step in ``protected``.
-
-    The newest checkpoint is always kept because it is the one a crash would resume
-    from, whatever a policy like ``keep_best`` thinks of its metrics; ``protected``
-    covers checkpoints the caller is still writing or reading.
-    """
+    """The steps to delete, ascending: all that ``policy`` does not keep, except the
+    newest (what a crash resumes from, whatever its metrics) and ``protected`` ones
+    (still being written or read)."""
     if not isinstance(policy, RetentionPolicy):
         raise TypeError(f"plan_deletions(policy={policy!r}): policy must be a RetentionPolicy")
     if not checkpoints:

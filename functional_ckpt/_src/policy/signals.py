@@ -1,8 +1,5 @@
-"""``on_signal``: save at the next event after a signal, the one impure policy.
-
-Its "a signal arrived" flag is process state: a signal is an event of this process,
-not of the run, and must not be replayed after a restore.
-"""
+"""``on_signal``: save at the next event after a signal, the one impure policy: a
+signal is an event of this process, not of the run, never replayed after a restore."""
 
 from __future__ import annotations
 
@@ -33,12 +30,10 @@ class SignalPolicy(SavePolicy):
         self._installed = True
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        # After uninstall() we may still sit inside a later handler's chain; then we
-        # only pass the signal on.
+        # uninstalled but still in a later handler's chain: only pass the signal on
         if self._installed:
             self._pending = True
-        previous = self._previous
-        # SIG_DFL / SIG_IGN are not callable; None means a handler set outside Python.
+        previous = self._previous  # SIG_DFL, SIG_IGN, None (set outside Python): not called
         if callable(previous):
             previous(signum, frame)
 
@@ -47,11 +42,8 @@ class SignalPolicy(SavePolicy):
         self._pending = True
 
     def uninstall(self) -> None:
-        """Stop handling the signal and restore the previous handler; idempotent.
-
-        If another handler was installed on top of ours in the meantime, it is left in
-        place (it may chain to us, and we then just pass the signal on).
-        """
+        """Stop handling the signal and restore the previous handler, unless another was
+        installed on top (it may chain to this one, which then passes it on)."""
         if not self._installed:
             return
         _require_main_thread(f"{self!r}.uninstall()")
@@ -93,14 +85,10 @@ def _require_main_thread(what: str) -> None:
 def on_signal(signum: int = signal.SIGTERM) -> SignalPolicy:
     """Save at the next event after ``signum`` arrives (e.g. a preemption notice).
 
-    Installs a handler when called, which must happen in the main thread. The handler
-    sets a flag and then calls the previous handler if that was a Python callable. If
-    the previous handler was ``SIG_DFL`` it is *not* invoked: for SIGTERM that would
-    kill the process before it can save, and preemption notices come with a grace
-    period meant for exactly that save. Your loop should therefore exit on its own
-    after the final save. The flag is process state (not in ``PolicyState``); the next
-    event's vote consumes it. Use ``.trigger()`` to raise the flag by hand and
-    ``.uninstall()`` to restore the previous handler.
+    Installs a handler (in the main thread) that sets a flag, consumed by the next
+    vote, and calls a previous Python handler; ``SIG_DFL`` is *not* invoked (it would
+    kill the process before the save the grace period is for), so the loop exits on
+    its own after the final save. ``.trigger()`` raises the flag by hand.
     """
     try:
         sig = signal.Signals(signum)

@@ -1,13 +1,8 @@
 """Record and replay: many small records of one state, for analysis and re-runs.
 
-:class:`Recorder` appends a state (a simulation's TensorDict with a batch size,
-actions, observations, random generators) every k steps, cheaply: unchanged
-leaves are shared with the previous record, writes happen off the loop's thread,
-and commits are periodic, so a crash loses at most the records after the last
-one. :class:`Replay` reads any committed record back as a new state, or a range
-in order. The format (``layout``) is its own, append-only and optimised for many
-tiny records; checkpoints are not involved.
-"""
+:class:`Recorder` appends a state every k steps cheaply (unchanged leaves shared,
+writes off the loop's thread, periodic commits); :class:`Replay` reads any committed
+record back as a new state. The append-only format is its own, not a checkpoint's."""
 
 from __future__ import annotations
 

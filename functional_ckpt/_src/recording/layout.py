@@ -1,23 +1,10 @@
-"""A recording on disk: its files, its commit marker, and reading them back safely.
+"""A recording on disk (docs/simulation.md): its files, its commit marker, and reading
+them back safely.
 
-A recording is a directory of many small records of one state tree::
-
-    rec/
-      recording.msgpack   the header, written once: the tree (manifest entries), every, metadata
-      data-000000.bin     append-only segments: the bytes of each leaf that changed
-      index.bin           append-only frames, one per commit: the steps and, for every
-                          record, each leaf's (segment, offset, nbytes, crc32)
-      RECORDED            replaced atomically at each commit: how many records, the
-                          committed sizes of the index and segments, their checksums
-
-A leaf that did not change since the previous record is not written again: its
-location is the previous one. A commit fsyncs the data, appends the frame to the
-index and fsyncs it, then replaces the marker (written to a temporary sibling,
-fsynced, renamed, the directory fsynced). A reader trusts nothing beyond the
-marker: bytes past the committed sizes are a crash's leftovers and are ignored,
-and every byte within them is checked (the index against the marker's CRC, each
-leaf against its own).
-"""
+The header is written once; data segments and the index (one frame per commit) are
+append-only; the marker ``RECORDED``, replaced atomically at each commit, holds the
+committed sizes and checksums. A reader trusts nothing beyond the marker: bytes past
+the committed sizes are a crash's leftovers, and every byte within them is checked."""
 
 from __future__ import annotations
 
@@ -40,21 +27,9 @@ from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.storage import opener
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, NotARecording
 
-__all__ = [
-    "FORMAT",
-    "HEADER",
-    "INDEX",
-    "LOC",
-    "RECORDING_MARKER",
-    "MAX_STEP",
-    "VERSION",
-    "Committed",
-    "NotARecording",
-    "is_recording",
-    "open_at_least",
-    "read_committed",
-    "segment_name",
-]
+__all__ = ["FORMAT", "HEADER", "INDEX", "LOC", "RECORDING_MARKER", "MAX_STEP", "VERSION"]
+__all__ += ["Committed", "NotARecording", "is_recording", "open_at_least", "read_committed"]
+__all__ += ["segment_name"]
 
 FORMAT = "functional_ckpt.recording"
 VERSION = 1
@@ -77,11 +52,6 @@ def segment_name(i: int) -> str:
 def is_recording(path: Path) -> bool:
     """Looks like a recording (committed or not yet): it has a header."""
     return classify(path) is Kind.RECORDING
-
-
-def stored_leaves(entries: list[Entry]) -> list[TensorEntry | ValueEntry]:
-    """The entries whose bytes every record stores, in tree order."""
-    return [e for e in entries if isinstance(e, TensorEntry | ValueEntry)]
 
 
 @dataclass
@@ -238,7 +208,7 @@ def read_committed(path: Path, what: str) -> tuple[int, Committed]:
         if crc32(raw) != marker["header_crc32"] or header_bytes != len(raw):
             raise CorruptCheckpoint(f"{path / HEADER}: does not match its commit marker")
         header, entries = parse_header(raw, path / HEADER)
-        leaves = stored_leaves(entries)
+        leaves = [e for e in entries if isinstance(e, TensorEntry | ValueEntry)]  # stored
         index, index_bytes = _read(dir_fd, path, INDEX, marker["index_size"], "index")
         if crc32(index) != marker["index_crc32"]:
             raise CorruptCheckpoint(f"{path / INDEX}: does not match its commit marker")

@@ -1,12 +1,9 @@
 """``Recorder``: append a small state to a recording every k steps, off the loop's thread.
 
-The loop's cost per record is one copy of the state's tensors into a staging slot
-(a few reused buffers) and the encoding of its plain values; a background thread
-compares the slot with the previous record's, appends only the leaves that
-changed to the current data segment, and commits periodically and at ``close``
-(see :mod:`functional_ckpt._src.recording.layout` for the files and the commit
-protocol). A crash loses at most the records after the last commit.
-"""
+The loop pays one copy of the tensors into a reused staging slot and the encoding
+of the plain values; a background thread appends only the leaves that changed
+since the previous record and commits periodically and at ``close``, so a crash
+loses at most the records after the last commit."""
 
 from __future__ import annotations
 
@@ -18,7 +15,6 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -49,11 +45,7 @@ from functional_ckpt._src.recording.layout import (
     VERSION,
     segment_name,
 )
-from functional_ckpt._src.state.tree import (
-    Leaf,
-    leaves_of,
-    root_record,
-)
+from functional_ckpt._src.state.tree import Leaf, leaves_of, root_record
 from functional_ckpt._src.storage import durable
 from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
 
@@ -97,15 +89,13 @@ class _Slot:
 
 
 class Recorder:
-    """Record a state every ``every`` steps into the new recording ``path``.
+    """Record a state every ``every`` steps into the new recording ``path`` (absent or
+    an empty directory: a recording is never appended to or overwritten).
 
-    ``record(state, step=...)`` stages the state and returns; the writing happens
-    in the background, committed every ``commit_every`` records or
-    ``commit_secs`` seconds, on :meth:`commit` and on :meth:`close`. The first
-    record fixes the layout (keys, dtypes, shapes, batch sizes): a later record
-    that differs is refused (start a new recording). ``path`` must not exist or be
-    an empty directory: a recording is never appended to or overwritten. A
-    failure in the background is raised by the next call. Not thread-safe.
+    ``record`` stages the state and returns; the background writer commits every
+    ``commit_every`` records or ``commit_secs`` seconds, on :meth:`commit` and on
+    :meth:`close`, and its failure is raised by the next call. The first record
+    fixes the layout (keys, dtypes, shapes, batch sizes). Not thread-safe.
     """
 
     def __init__(
@@ -156,13 +146,9 @@ class Recorder:
         self._header = b""
         self._last_commit = time.monotonic()
 
-    # ------------------------------------------------------------------ the loop's side
-
     def record(self, state: TensorDictBase | Mapping[str, Any], *, step: int | None = None) -> bool:
-        """Stage ``state`` as the record of ``step`` (default: the count of calls so far).
-
-        Returns whether it was recorded (``step % every == 0``). Steps must increase.
-        """
+        """Stage ``state`` as the record of ``step`` (default: the count of calls so far);
+        returns whether it was recorded (``step % every == 0``). Steps must increase."""
         self._check_open("record")
         if step is None:
             step = self._count
@@ -235,15 +221,9 @@ class Recorder:
                 )
         specs = [e for e in entries if isinstance(e, TensorEntry)]
         self._kinds = [e.kind for e in entries if e.kind != "node"]
-        header = {
-            "format": FORMAT,
-            "version": VERSION,
-            "created": time.time(),
-            "every": self.every,
-            "metadata": self.metadata,
-            "root": root,
-            "layout": [e.to_plain() for e in entries],
-        }
+        layout = [e.to_plain() for e in entries]
+        header = {"format": FORMAT, "version": VERSION, "created": time.time()}
+        header |= {"every": self.every, "metadata": self.metadata, "root": root, "layout": layout}
         self._header = codec.encode(header, where="Recorder: the recording's header")
         durable.replace_durably(self.path / HEADER, self._header)
         for _ in range(self._slots_wanted):
@@ -295,12 +275,7 @@ class Recorder:
     def __enter__(self) -> Recorder:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()  # what was recorded up to a failure is what one wants to look at
 
     def __repr__(self) -> str:
@@ -318,8 +293,6 @@ class Recorder:
                 f"{self.path}: writing the recording failed ({failure!r}); the "
                 f"{self.committed} records committed before it are safe, later ones are lost"
             ) from failure
-
-    # ------------------------------------------------------------------ the writer thread
 
     def _run(self) -> None:
         while True:
@@ -405,16 +378,10 @@ class Recorder:
         os.fsync(self._index_fd)
         self._index_size += len(blob)
         self._index_crc = crc32(blob, self._index_crc)
-        marker = {
-            "format": FORMAT,
-            "version": VERSION,
-            "records": self.committed + len(steps),
-            "index_size": self._index_size,
-            "index_crc32": self._index_crc,
-            "header_size": len(self._header),
-            "header_crc32": crc32(self._header),
-            "segments": list(self._segments),
-        }
+        marker = {"format": FORMAT, "version": VERSION, "records": self.committed + len(steps)}
+        marker |= {"index_size": self._index_size, "index_crc32": self._index_crc}
+        marker |= {"header_size": len(self._header), "header_crc32": crc32(self._header)}
+        marker["segments"] = list(self._segments)
         durable.replace_durably(
             self.path / RECORDING_MARKER, codec.encode(marker, where="recording marker")
         )
@@ -429,11 +396,8 @@ class Recorder:
 
 
 def _claim(path: Path) -> int:
-    """The directory of a new recording, locked (``flock``) for this recorder's lifetime.
-
-    Found empty while the lock is held, so two recorders never write one path
-    (the second would replace the first's header): the second is refused.
-    """
+    """The directory of a new recording, locked (``flock``) for this recorder's lifetime
+    and found empty under the lock: a second recorder on one path is refused."""
     where = f"Recorder(path={str(path)!r})"
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:

@@ -1,20 +1,14 @@
 """``Replay``: read any committed record of a recording back as a new state.
 
-A replay opens and vets the recording once (marker, header, index: see
-:mod:`functional_ckpt._src.recording.layout`), then reads each record's leaves from
-the data segments, every leaf checked against its CRC32. ``replay[step]`` is a
-new locked TensorDict, exactly the state recorded at ``step`` (batch sizes, dtypes,
-plain values and all), so a loop can be re-run from it: with the random
-generators in the state (``fc.capture(..., rng=True)``), ``fc.apply`` puts them
-back and the re-run draws the same numbers.
-"""
+The recording is vetted once on opening; each leaf read is checked against its
+CRC32. ``replay[step]`` is exactly the state recorded at ``step``, so a loop can be
+re-run from it (``fc.apply`` puts the random generators back)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -41,14 +35,9 @@ __all__ = ["NotRecorded", "Replay"]
 
 
 class Replay:
-    """The committed records of the recording at ``path``, by step.
-
-    ``replay[step]`` (or :meth:`restore` with ``like=``) returns a new state;
-    :meth:`items` iterates over a range of steps in order; ``len``, ``in`` and
-    :attr:`steps` say what is there. Records written after the last commit (a
-    crash's leftovers) are not part of it. Holds the files open until
-    :meth:`close` (or the end of a ``with`` block).
-    """
+    """The committed records of the recording at ``path``, by step: ``replay[step]`` (or
+    :meth:`restore` with ``like=``) is a new state, :meth:`items` a range in order.
+    Holds the files open until :meth:`close` (or the end of a ``with`` block)."""
 
     def __init__(self, path: PathLike) -> None:
         self.path = Path(path)
@@ -97,12 +86,8 @@ class Replay:
     def restore(
         self, step: int, like: TensorDictBase | Mapping[str, Any] | None = None
     ) -> TensorDict:
-        """The state recorded at ``step``, as new tensors.
-
-        ``like`` (optional, never written) must have the recording's tensors at the
-        same keys, dtypes and shapes; each comes back on its ``like`` tensor's device
-        (a ``meta`` one on the CPU).
-        """
+        """The state recorded at ``step``, as new tensors, each on the device of its
+        ``like`` tensor (which must match keys, dtypes and shapes; ``meta``: the CPU)."""
         what = f"Replay({str(self.path)!r})[{step!r}]"
         if self._dir_fd < 0:
             raise CheckpointError(f"{what}: the replay is closed")
@@ -201,12 +186,7 @@ class Replay:
     def __enter__(self) -> Replay:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

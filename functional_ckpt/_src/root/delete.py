@@ -1,9 +1,6 @@
-"""Deleting checkpoints so that no crash leaves half of one readable.
-
-A checkpoint is renamed out of sight first (its name is free at once), its marker
-unlinked, and only then are its files removed; a damaged one is moved aside
-(quarantined), never deleted.
-"""
+"""Deleting checkpoints so that no crash leaves half of one readable: renamed out of
+sight first (the name is free at once), the marker unlinked, then the files
+removed; a damaged one is moved aside (quarantined), never deleted."""
 
 from __future__ import annotations
 
@@ -15,16 +12,10 @@ from pathlib import Path
 
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.kind import classify, holds_only_its_own
-from functional_ckpt._src.format.naming import (
-    QUARANTINE_INFIX,
-    parse_step,
-)
+from functional_ckpt._src.format.naming import QUARANTINE_INFIX, parse_step
 from functional_ckpt._src.log import done, logger
 from functional_ckpt._src.storage import commit, durable
-from functional_ckpt.errors import (
-    CheckpointError,
-    CheckpointNotFound,
-)
+from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
 
 def quarantine(root: Path, path: Path) -> Path:
@@ -38,13 +29,9 @@ def quarantine(root: Path, path: Path) -> Path:
 def delete(root: Path, paths: Iterable[Path]) -> list[Path]:
     """Take checkpoints out of sight crash-safely; returns the trash left to remove.
 
-    Each is renamed to ``step_N.trash-<id>`` and the root fsynced, so no reader can
-    see it and a half-removed directory never carries a checkpoint's name; then its
-    marker is unlinked, so a crash before the (slow) removal leaves an uncommitted
-    leftover that the next writer deletes rather than recovers.
-
-    A step that is a symbolic link is not this root's checkpoint but a name for one
-    somewhere else: only the link is removed, and nothing is done through it.
+    Each is renamed to ``step_N.trash-<id>`` and the root fsynced, then its marker is
+    unlinked, so a crash before the (slow) removal leaves an uncommitted leftover the
+    next writer deletes. A symbolic link is not this root's: only the link goes.
     """
     trash: list[Path] = []
     t0 = time.perf_counter()
@@ -80,17 +67,10 @@ def remove_all(paths: Iterable[Path]) -> None:
 
 
 def remove_checkpoint(path: str | os.PathLike[str], *, missing_ok: bool = False) -> None:
-    """Delete one checkpoint directory so that no crash leaves a half of it readable.
-
-    It is renamed to ``NAME.trash-<id>`` (its name is free at once) and its marker
-    unlinked before the files go, so a crash at any point leaves either the whole
-    checkpoint or an uncommitted leftover, never a damaged checkpoint. Anything but
-    a checkpoint (committed or not, ours or stock DCP) is refused and left intact.
-    A checkpoint inside a manager's root is the manager's to prune.
-
-    Raises:
-        CheckpointNotFound: nothing at ``path`` (unless ``missing_ok``).
-        CheckpointError: ``path`` is not a checkpoint directory.
+    """Delete one checkpoint directory so that no crash leaves half of it readable (as
+    :func:`delete` does); anything but a checkpoint (committed or not, ours or stock
+    DCP) raises ``CheckpointError`` and is left intact, nothing at ``path``
+    ``CheckpointNotFound`` (unless ``missing_ok``).
     """
     path = Path(path)
     if not os.path.lexists(path):

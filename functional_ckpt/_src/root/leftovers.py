@@ -1,10 +1,8 @@
 """What crashed writers leave in a root: recovered if committed, removed if not.
 
-Leftovers of a crash are *recovered*, never lost: a committed leftover whose name
-is free is renamed back (the newest one wins), and only uncommitted ones are
-deleted. Nothing committed is ever deleted by cleanup. Safe only under the writer
-lock, which :func:`open_writer` takes first.
-"""
+A committed leftover whose name is free is renamed back (the newest wins); only
+uncommitted ones are deleted, and nothing committed ever is. Safe only under the
+writer lock, which :func:`open_writer` takes first."""
 
 from __future__ import annotations
 
@@ -13,30 +11,18 @@ from pathlib import Path
 
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.kind import Kind, classify, holds_only_its_own
-from functional_ckpt._src.format.naming import (
-    EXPORTS_DIR,
-    QUARANTINE_INFIX,
-    base_name,
-    parse_step,
-)
+from functional_ckpt._src.format.naming import EXPORTS_DIR, QUARANTINE_INFIX, base_name, parse_step
 from functional_ckpt._src.log import warn
 from functional_ckpt._src.root.listing import _committed, _created
 from functional_ckpt._src.root.lock import WriterLock
 from functional_ckpt._src.root.run import RUN_FILE
 from functional_ckpt._src.storage import commit, durable
-from functional_ckpt.errors import (
-    CheckpointError,
-    LeftoverWarning,
-)
+from functional_ckpt.errors import CheckpointError, LeftoverWarning
 
 
 def open_writer(root: Path, *, stacklevel: int = 2) -> WriterLock:
-    """Become the one writer of ``root``: create it, lock it, recover what crashes left.
-
-    Recovering leftovers is safe only under the lock: no other writer can be
-    mid-save (see :func:`recover_leftovers`, whose warnings point ``stacklevel``
-    frames up from this call).
-    """
+    """Become the one writer of ``root``: create it, lock it, then (safe only under the
+    lock) recover what crashes left; warnings point ``stacklevel`` frames up."""
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"{root}: the checkpoint root is a file, not a directory")
     try:
@@ -55,16 +41,12 @@ def open_writer(root: Path, *, stacklevel: int = 2) -> WriterLock:
 def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
     """Recover or remove what crashed writers left in ``root``; returns what was recovered.
 
-    For every ``step_N.tmp-*`` / ``step_N.trash-*``: an uncommitted one is deleted. A
-    committed one is a whole checkpoint (an overwrite interrupted between its two
-    renames leaves the old one as trash and the new one as tmp): if ``step_N`` is
-    free, the newest committed leftover (by save time, a save over a deletion on a
-    tie) is renamed back to it; committed leftovers that cannot be renamed back stay
-    where they are, with a :class:`LeftoverWarning`. Only names derived from
-    ``step_N`` (and the run record's temporaries) are touched; anything else in the
-    root is the user's. Safe only
-    under the writer lock. Temporaries under ``exports/`` are deleted (an export
-    can always be written again from its checkpoint).
+    Of every ``step_N.tmp-*`` / ``step_N.trash-*``, an uncommitted one is deleted; a
+    committed one is whole (an interrupted overwrite leaves old as trash, new as
+    tmp): the newest (by save time; a save over a deletion on a tie) is renamed back
+    to a free ``step_N``, the rest stay with a :class:`LeftoverWarning`. Only names
+    derived from ``step_N`` and the run record's are touched; temporaries under
+    ``exports/`` are deleted (an export can be written again).
     """
     groups: dict[str, list[Path]] = {}
     changed = False
@@ -88,23 +70,14 @@ def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
             else:
                 commit.remove_tree(path)
                 changed = True
-    recovered = _put_back(root, groups, stacklevel=stacklevel + 1)
-    if changed:
-        durable.fsync_dir(root)
-    return recovered
+    return _put_back(root, groups, changed, stacklevel=stacklevel + 1)
 
 
 def recover_beside(directory: Path, *, stacklevel: int = 2) -> list[Path]:
-    """:func:`recover_leftovers` for checkpoints named freely in a directory of other files.
-
-    A directory that is no root (Lightning's checkpoint directory, say) holds files
-    of others too, so only what a save or deletion of this project leaves is
-    touched: a directory named ``<name>.tmp-<id>`` or ``<name>.trash-<id>`` that
-    holds a checkpoint's files and nothing else (never a link, a plain file, or a
-    directory holding anything more). Uncommitted ones are deleted; committed ones
-    are recovered or kept exactly as a root's are. Safe only while no other process
-    saves into ``directory``.
-    """
+    """:func:`recover_leftovers` for checkpoints named freely in a directory of other
+    files (Lightning's): only a ``<name>.tmp-<id>`` / ``<name>.trash-<id>`` directory
+    holding a checkpoint's files and nothing else is touched. Safe only while no
+    other process saves into ``directory``."""
     groups: dict[str, list[Path]] = {}
     changed = False
     try:
@@ -124,18 +97,18 @@ def recover_beside(directory: Path, *, stacklevel: int = 2) -> list[Path]:
         else:
             commit.remove_tree(path)
             changed = True
-    recovered = _put_back(directory, groups, stacklevel=stacklevel + 1)
-    if changed:
-        durable.fsync_dir(directory)
-    return recovered
+    return _put_back(directory, groups, changed, stacklevel=stacklevel + 1)
 
 
 #: What a killed save or deletion leaves, from its first file to its marker.
 _LEFTOVERS = frozenset({Kind.EMPTY, Kind.PART, Kind.STOCK_DCP, Kind.UNCOMMITTED, Kind.COMMITTED})
 
 
-def _put_back(parent: Path, groups: dict[str, list[Path]], *, stacklevel: int) -> list[Path]:
-    """Rename the newest committed leftover of each free name back; warn about the rest."""
+def _put_back(
+    parent: Path, groups: dict[str, list[Path]], changed: bool, *, stacklevel: int
+) -> list[Path]:
+    """Rename the newest committed leftover of each free name back; warn about the rest
+    (``changed``: leftovers were removed, the directory is fsynced too)."""
     recovered: list[Path] = []
     for base, paths in sorted(groups.items()):
         final = parent / base
@@ -159,4 +132,6 @@ def _put_back(parent: Path, groups: dict[str, list[Path]], *, stacklevel: int) -
                 LeftoverWarning,
                 stacklevel=stacklevel,
             )
+    if changed:
+        durable.fsync_dir(parent)
     return recovered

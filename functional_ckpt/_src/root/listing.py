@@ -1,10 +1,8 @@
 """What a root of checkpoints holds: every step directory, its status and its summary.
 
-A *root* is a directory holding ``step_N`` checkpoints (names in
-:mod:`..format.naming`). The manager, the remote tier and the ``fckpt`` command
-read a root the same way: a checkpoint is listed by its canonical name, counts
-once it is committed, and is summarised from its manifest alone.
-"""
+The manager, the remote tier and ``fckpt`` read a root the same way: a checkpoint
+is listed by its canonical ``step_N`` name, counts once committed, and is
+summarised from its manifest alone."""
 
 from __future__ import annotations
 
@@ -18,29 +16,18 @@ from typing import Any, Protocol
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.header import header_of
 from functional_ckpt._src.format.kind import Kind, classify, is_committed
-from functional_ckpt._src.format.naming import (
-    QUARANTINE_INFIX,
-    parse_step,
-    step_in_name,
-)
+from functional_ckpt._src.format.naming import QUARANTINE_INFIX, parse_step, step_in_name
 from functional_ckpt._src.storage import committed
 from functional_ckpt._src.storage.usage import dir_size
 from functional_ckpt._src.text import joined_lines
-from functional_ckpt.errors import (
-    CheckpointError,
-    CheckpointNotFound,
-)
+from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
 
 @dataclass(frozen=True)
 class StepInfo:
-    """One managed checkpoint, as retention policies and users see it.
-
-    ``time`` is when the save started (Unix seconds, the manifest's ``created``;
-    0.0 when it is missing or not a sane time); ``size`` counts every file in the
-    directory. ``metadata`` is everything the checkpoint recorded, automatic keys
-    and the user's alike.
-    """
+    """One managed checkpoint, as retention policies and users see it: ``time`` is when
+    the save started (0.0 if unknown), ``size`` counts every file, ``metadata`` is all
+    it recorded."""
 
     step: int
     path: Path
@@ -53,39 +40,26 @@ class StepInfo:
 
 
 def read_info(path: Path, step: int) -> StepInfo:
-    """The summary of one committed checkpoint; raises only if its manifest is unreadable.
-
-    Whatever the manifest holds (a manager's record or odd user metadata), the
-    summary is well formed: fields of the wrong type are left out, never fatal.
-    """
+    """The summary of one committed checkpoint; raises only if its manifest is unreadable
+    (fields of the wrong type are left out, never fatal)."""
     head = header_of(committed.read_manifest(path))
+    record, when = head.record, 0.0 if head.created is None else head.created
+    size = dir_size(path)
     return StepInfo(
-        step=step,
-        path=path,
-        time=0.0 if head.created is None else head.created,
-        metrics=head.record.metrics,
-        epoch=head.record.epoch,
-        is_final=head.record.is_final,
-        size=dir_size(path),
-        metadata=head.metadata,
+        step, path, when, record.metrics, record.epoch, record.is_final, size, head.metadata
     )
 
 
 def stamp(path: Path) -> tuple[int, int, int]:
-    """Identity of a committed checkpoint (its marker), to cache manifest reads.
-
-    Raises ``FileNotFoundError`` when ``path`` holds no committed checkpoint.
-    """
+    """Identity of a committed checkpoint (its marker), to cache manifest reads;
+    ``FileNotFoundError`` when there is none."""
     st = os.stat(path / naming.COMMIT_MARKER)
     return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 class Summaries:
-    """:func:`read_info` of committed checkpoints, read again only when one changed.
-
-    A checkpoint is known by its marker's :func:`stamp`, so a step saved again (or
-    replaced by another writer) is read afresh.
-    """
+    """:func:`read_info` of committed checkpoints, read again only when one's marker
+    :func:`stamp` changed (a step saved again, or replaced by another writer)."""
 
     def __init__(self) -> None:
         self._cache: dict[int, tuple[tuple[int, int, int], StepInfo]] = {}
@@ -145,40 +119,17 @@ class RootEntry:
         return self.status in ("ok", "damaged")
 
 
-def _one_line(err: BaseException) -> str:
-    return joined_lines(str(err)) or type(err).__name__
-
-
 def _committed_entry(path: Path) -> RootEntry:
-    name = path.name
+    name, step, size = path.name, step_in_name(path.name), dir_size(path)
     canonical = parse_step(name) is not None
     try:
-        manifest = committed.read_manifest(path)
+        head = header_of(committed.read_manifest(path))
     except (CheckpointError, OSError, ValueError, RecursionError, MemoryError) as err:
-        return RootEntry(
-            name,
-            path,
-            step_in_name(name),
-            "damaged",
-            canonical=canonical,
-            size=dir_size(path),
-            detail=_one_line(err),
-        )
-    head = header_of(manifest)
-    step = step_in_name(name)
-    if step is None:
-        step = head.record.step
-    return RootEntry(
-        name,
-        path,
-        step,
-        "ok",
-        canonical=canonical,
-        time=head.created,
-        size=dir_size(path),
-        metrics=dict(head.record.metrics),
-        metadata=dict(head.metadata),
-    )
+        detail = joined_lines(str(err)) or type(err).__name__
+        return RootEntry(name, path, step, "damaged", canonical, size=size, detail=detail)
+    step = head.record.step if step is None else step
+    metrics, metadata = dict(head.record.metrics), dict(head.metadata)
+    return RootEntry(name, path, step, "ok", canonical, head.created, size, metrics, metadata)
 
 
 def entry_of(path: Path) -> RootEntry | None:
@@ -201,14 +152,10 @@ def entry_of(path: Path) -> RootEntry | None:
     if kind is Kind.COMMITTED:
         return _committed_entry(path)
     if kind is Kind.UNCOMMITTED:
+        detail = "never committed: the COMMITTED marker is missing"
+        canonical = parse_step(name) is not None
         return RootEntry(
-            name,
-            path,
-            step,
-            "uncommitted",
-            canonical=parse_step(name) is not None,
-            size=dir_size(path),
-            detail="never committed: the COMMITTED marker is missing",
+            name, path, step, "uncommitted", canonical, size=dir_size(path), detail=detail
         )
     if kind is Kind.STOCK_DCP:
         return RootEntry(name, path, step, "foreign", size=dir_size(path), detail=kind.value)
@@ -243,22 +190,16 @@ def step_dirs(root: Path) -> Iterator[tuple[int, Path, int]]:
 
 
 def committed_steps(root: Path, exclude: Container[tuple[int, int]] = ()) -> dict[int, Path]:
-    """Every committed checkpoint of ``root`` by step, ascending: the canonical ``step_N``
-    directories that carry a marker, less the ``(step, inode)`` pairs in ``exclude``.
-
-    This is what "the checkpoints of a root" means to every reader (the manager, the
-    remote tier, the command line); its last one is the newest committed checkpoint.
-    """
+    """Every committed checkpoint of ``root`` by step, ascending (canonical ``step_N``
+    directories with a marker, less the ``(step, inode)`` pairs in ``exclude``): what
+    "the checkpoints of a root" means to every reader."""
     found = {s: p for s, p, inode in step_dirs(root) if (s, inode) not in exclude}
     return {s: found[s] for s in sorted(found) if is_committed(found[s])}
 
 
 def newest_summary(root: Path) -> StepInfo | None:
-    """The newest committed checkpoint of ``root`` whose manifest reads; None if none does.
-
-    What a job resuming from ``root`` would find, short of reading its tensors (which
-    only a resume does, moving damage aside: :mod:`.resume`).
-    """
+    """The newest committed checkpoint of ``root`` whose manifest reads (what a resume
+    would find, short of reading its tensors: :mod:`.resume`); None if none does."""
     for step, path in reversed(committed_steps(root).items()):
         try:
             return read_info(path, step)
@@ -299,12 +240,8 @@ def kept_by(
 
 
 def _leftover_manifest(path: Path) -> dict[str, Any] | None:
-    """The manifest of a leftover directory if its marker is whole and vouches for it.
-
-    A marker file alone proves nothing: a save killed while writing it leaves an
-    empty or cut one in its temporary directory, which must not come back as a
-    checkpoint.
-    """
+    """The manifest of a leftover directory if its marker is whole and vouches for it
+    (a save killed while writing the marker leaves an empty or cut one)."""
     try:
         dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:

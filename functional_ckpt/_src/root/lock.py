@@ -73,13 +73,9 @@ def _open_lock_file(root: Path, path: Path) -> int:
 class WriterLock:
     """An exclusive ``flock`` on ``root/.lock`` for the lifetime of a writer.
 
-    ``flock`` rather than an O_EXCL lock file because the kernel drops it when the
-    holder dies, however it dies: a SIGKILLed trainer leaves no lock to clean up.
-    The file's content (pid, host, start time) is only for the error message; the
-    file itself is never removed, since unlinking a locked file lets a second
-    process lock a fresh inode of the same name. The file is opened without
-    following links, so a planted ``.lock`` symlink cannot make the writer
-    truncate another file.
+    The content (pid, host, start time) is for the error message only; the file is
+    never removed (a second process could lock a fresh inode of the name) and is
+    opened without following links (a planted link cannot make it truncate a file).
     """
 
     def __init__(self, root: Path) -> None:
@@ -101,11 +97,6 @@ class WriterLock:
         info = {"pid": os.getpid(), "hostname": socket.gethostname(), "since": time.time()}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
-
-    def holder_text(self) -> str:
-        if self.fd is None:
-            return f"holder unknown; see {self.path}"
-        return _holder_text(self.fd, self.path)
 
     def release(self) -> None:
         if self.fd is not None:

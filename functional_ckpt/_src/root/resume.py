@@ -1,14 +1,10 @@
 """Which checkpoint a run resumes from: the newest one that is actually readable.
 
-A resume must never silently start over, and must never lose a checkpoint: a
-damaged one (corrupt bytes, missing files, a torn manifest) is reported with a
-:class:`~functional_ckpt.errors.CheckpointWarning` and skipped in favour of the
-previous one; a writer moves it aside (:func:`functional_ckpt._src.root.delete.quarantine`,
-never deleted), a reader only remembers not to pick it again. A template or
-argument that does not fit is the caller's error and raises at once. If
-checkpoints exist but none is readable, or the only ones were moved aside
-earlier, the resume raises rather than returning "nothing to resume from".
-"""
+A resume never silently starts over and never loses a checkpoint: a damaged one is
+reported with a :class:`~functional_ckpt.errors.CheckpointWarning` and skipped for
+the previous one; a writer moves it aside (never deletes it), a reader remembers
+not to pick it again. A template or argument that does not fit raises at once, and
+checkpoints that exist but none readable raise rather than "nothing to resume"."""
 
 from __future__ import annotations
 
@@ -45,20 +41,13 @@ def newest_readable(
     stacklevel: int = 2,
     elsewhere: bool = False,
 ) -> tuple[tuple[StepInfo, T] | None, set[tuple[int, int]]]:
-    """Read the newest of ``candidates()`` that is readable, and say what was damaged.
+    """Read the newest of ``candidates()`` (``(step, path)``, listed again when one
+    vanishes while read) that ``read`` reads; returns (its summary and what ``read``
+    made of it, or None; the ``(step, inode)`` of each damaged one left in place).
 
-    Returns (the step's summary and what ``read`` made of it, or None when there is
-    nothing to resume from; the ``(step, inode)`` of every damaged checkpoint left in
-    place, for the caller to leave out of its next candidates). ``candidates`` lists
-    ``(step, path)`` and is called again when a checkpoint vanishes or is replaced
-    while it is read (a follower racing the writer's prune). ``read`` reads one
-    checkpoint. A damaged one is moved aside when ``move_aside``. ``stacklevel`` is
-    that of the warnings, counted as if this function issued them. ``elsewhere``:
-    another tier holds an older intact step, so none readable here is no error.
-
-    Raises:
-        CheckpointError: checkpoints exist but none is readable, or the only ones
-            were found damaged earlier and moved aside.
+    A damaged one is moved aside when ``move_aside``; ``stacklevel`` is the warnings'
+    as if issued here. ``elsewhere``: another tier holds an older intact step, so
+    none readable here is no error; otherwise that raises ``CheckpointError``.
     """
     failures: list[str] = []
     bad: set[tuple[int, int]] = set()
@@ -111,40 +100,23 @@ def _try_candidates(
             if before is None or dir_identity(path) != before:
                 raise _Vanished from None  # pruned or replaced by the writer we follow: list again
             failures.append(f"  {path}: {err}")
-            # Two frames deeper than newest_readable: this function and _reject.
-            _reject(root, step, path, err, move_aside, bad, stacklevel + 2)
+            moved = ""  # warned about, and never picked again
+            missing = isinstance(err, OSError) and err.errno == errno.ENOENT
+            if move_aside and (isinstance(err, CheckpointError) or missing):
+                with contextlib.suppress(OSError):
+                    moved = f"; moved aside to {quarantine(root, path).name} (not deleted)"
+            if not moved:
+                with contextlib.suppress(OSError):
+                    bad.add((step, os.stat(path).st_ino))
+            warn(
+                f"{path}: checkpoint of step {step} is unreadable ({type(err).__name__}: {err})"
+                f"{moved}; falling back to the previous checkpoint",
+                CheckpointWarning,
+                stacklevel=stacklevel + 1,  # one frame deeper than newest_readable
+            )
             continue
         return info, state
     return None
-
-
-def _reject(
-    root: Path,
-    step: int,
-    path: Path,
-    err: BaseException,
-    move_aside: bool,
-    bad: set[tuple[int, int]],
-    stacklevel: int,
-) -> None:
-    """Warn about an unreadable checkpoint and make sure it is not picked again."""
-    moved = ""
-    damaged = isinstance(err, CheckpointError) or (
-        isinstance(err, OSError) and err.errno == errno.ENOENT
-    )
-    if move_aside and damaged:
-        with contextlib.suppress(OSError):
-            aside = quarantine(root, path)
-            moved = f"; moved aside to {aside.name} (not deleted)"
-    if not moved:
-        with contextlib.suppress(OSError):
-            bad.add((step, os.stat(path).st_ino))
-    warn(
-        f"{path}: checkpoint of step {step} is unreadable ({type(err).__name__}: {err})"
-        f"{moved}; falling back to the previous checkpoint",
-        CheckpointWarning,
-        stacklevel=stacklevel,
-    )
 
 
 def check_order(root: Path, step: int, latest: int | None) -> None:

@@ -1,19 +1,12 @@
 """Rolling a root back to an older step: the newer checkpoints move aside, crash-safely.
 
-A rollback is a list of directory moves. Before the first move, the whole plan (the
-target step, the steps to move, where to) is written durably to ``root/.rollback``;
-each move is one atomic ``rename`` followed by an ``fsync`` of the directories it
-changed; the plan is removed last. A writer that opens the root and finds a plan
-finishes it (every move is idempotent: a step already moved is skipped). So after
-any crash the rollback has either not started (no plan on disk, nothing moved) or
-completes at the next open; no checkpoint is ever lost on the way. Steps move in
-ascending order, so the trunk's latest step stays the old one until the last move
-and then is the target: a reader never sees a latest step in between.
-
-Newer checkpoints either go to a *branch*, ``root/branches/<name>/step_N`` (itself
-a valid root that any manager or ``fc.restore`` can read, never the trunk's
-latest), or are deleted (renamed out of sight first, like every deletion).
-"""
+The whole plan is written durably to ``root/.rollback`` before the first move; each
+move is one atomic ``rename`` with its directories fsynced; the plan is removed
+last, and a writer that finds one finishes it (moves are idempotent). So after any
+crash the rollback has not started or completes at the next open, and nothing is
+lost. Steps move in ascending order, so readers never see a latest step in between.
+Newer checkpoints go to a *branch*, ``root/branches/<name>/step_N`` (itself a valid
+root), or are deleted (out of sight first, like every deletion)."""
 
 from __future__ import annotations
 
@@ -34,17 +27,8 @@ from functional_ckpt._src.format.naming import BRANCHES_DIR, EXPORTS_DIR, parse_
 from functional_ckpt._src.storage import commit, durable, opener
 from functional_ckpt.errors import CheckpointError, CheckpointExists
 
-__all__ = [
-    "BRANCHES_DIR",
-    "INTENT_FILE",
-    "RollbackPlan",
-    "begin",
-    "branches",
-    "check_request",
-    "finish",
-    "new_branch",
-    "run",
-]
+__all__ = ["BRANCHES_DIR", "INTENT_FILE", "RollbackPlan", "begin", "branches", "check_request"]
+__all__ += ["finish", "new_branch", "run"]
 
 #: The durable record of a rollback in progress.
 INTENT_FILE = ".rollback"
@@ -69,12 +53,9 @@ class RollbackPlan:
     def decode(raw: bytes, where: Path) -> RollbackPlan:
         try:
             data = documents.load(raw, str(where))
-            plan = RollbackPlan(
-                to_step=int(data["to_step"]),
-                names=[str(n) for n in data["names"]],
-                newer=data["newer"],
-                branch=None if data["branch"] is None else str(data["branch"]),
-            )
+            branch = None if data["branch"] is None else str(data["branch"])
+            names = [str(n) for n in data["names"]]
+            plan = RollbackPlan(int(data["to_step"]), names, data["newer"], branch)
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(
                 f"{where}: unreadable rollback record ({exc}); it lists checkpoints to move "
@@ -121,11 +102,8 @@ def run(
     branch: str | None,
     reason: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Move ``newer_steps`` (ascending) out of the trunk; returns the record of the rollback.
-
-    The caller holds the writer lock. The record is what later checkpoints of the run
-    list under ``metadata["rollbacks"]``, with ``reason`` when given.
-    """
+    """Move ``newer_steps`` (ascending) out of the trunk, under the caller's writer lock;
+    returns the record later checkpoints list under ``metadata["rollbacks"]``."""
     name = None
     if newer_steps:
         if newer == "branch":

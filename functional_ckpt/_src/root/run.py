@@ -1,13 +1,9 @@
 """The run a root holds: a random id made when the first writer opens it, kept in the root.
 
-Every checkpoint a manager commits records this id (and the checkpoint it
-continued from), so that a tier outside the root (the folder in RAM) is resumed
-only when it holds this run's checkpoints. The record is a plain file named
-without a leading dot, so that emptying a root by hand (``rm -rf ckpt/*``) starts
-a new run there: a checkpoint of the old one, still in RAM, is then another
-run's. It also names the memory tier's folder by a secret of its own (the file is
-readable by its owner only), so no other user can predict that folder's name.
-"""
+Every checkpoint records it, so a tier outside the root (the folder in RAM) is
+resumed only when it holds this run's checkpoints. The file has no leading dot, so
+emptying a root by hand (``rm -rf ckpt/*``) starts a new run. Its secret, readable
+by the owner only, names the memory tier's folder unpredictably."""
 
 from __future__ import annotations
 
@@ -52,13 +48,8 @@ def open_run(root: Path, *, new_secret: bool = False) -> tuple[Run, bool]:
     made = run is None
     if run is None or new_secret:
         run = Run(secrets.token_hex(16) if run is None else run.id, secrets.token_hex(16))
-        record(root, run)
+        path = root / RUN_FILE  # crash-safely, readable by its owner only
+        durable.replace_durably(path, json.dumps({"run": run.id, "secret": run.secret}).encode())
+        with contextlib.suppress(OSError):
+            os.chmod(path, 0o600)
     return run, made
-
-
-def record(root: Path, run: Run) -> None:
-    """Write ``run`` into ``root`` crash-safely, readable by its owner only."""
-    path = root / RUN_FILE
-    durable.replace_durably(path, json.dumps({"run": run.id, "secret": run.secret}).encode())
-    with contextlib.suppress(OSError):
-        os.chmod(path, 0o600)

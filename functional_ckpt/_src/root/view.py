@@ -19,12 +19,9 @@ __all__ = ["RootView", "check_root"]
 
 
 def check_root(root: Path) -> None:
-    """Refuse a root that is itself a checkpoint, or lies inside one, or is a file.
-
-    A manager writes its lock and its steps into its root: given a checkpoint (a
-    slip for its parent), it would write into a committed checkpoint, which would
-    then fail verification and could no longer be replaced by its writer.
-    """
+    """Refuse a root that is a file, a checkpoint or inside one: a manager would write
+    into a committed checkpoint (a slip for its parent), which would then fail
+    verification."""
     found = classify(root, by_name=False)
     if found is Kind.NOT_A_DIRECTORY:
         raise CheckpointError(f"{root}: a file, not a directory of checkpoints")
@@ -111,11 +108,8 @@ class RootView:
         return next(iter(best_steps(self.infos(), metric, mode)), None)
 
     def branches(self) -> dict[str, list[int]]:
-        """Branches left by :meth:`rollback`, each with its committed steps.
-
-        A branch is a root of its own, ``root/branches/<name>``: open it with another
-        (read-only) manager or restore its checkpoints with ``fc.restore``.
-        """
+        """Branches left by :meth:`rollback` (roots of their own, ``root/branches/<name>``),
+        each with its committed steps."""
         return rollback.branches(self.root)
 
     def branch_root(self, name: str) -> Path:
