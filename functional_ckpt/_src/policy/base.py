@@ -18,7 +18,7 @@ from functional_ckpt.errors import PolicyError
 
 __all__ = ["AllOf", "AnyOf", "Event", "Not", "PolicyError", "PolicySpec", "PolicyState"]
 __all__ += ["SavePolicy", "as_int", "checked_state", "custom_spec", "metric_value", "no_state"]
-__all__ += ["positive_int", "run_policy"]
+__all__ += ["metric_and_mode", "finite_number", "positive_int", "run_policy"]
 
 PolicyState: TypeAlias = (
     "bool | int | float | str | list[PolicyState] | dict[str, PolicyState] | None"
@@ -121,6 +121,25 @@ def as_int(value: object, what: str) -> int:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(f"{what}: expected an int, got {type(value).__name__} {value!r}") from None
+
+
+def finite_number(value: object, name: str, what: str, *, positive: bool = False) -> float:
+    """``value`` as a finite float (``positive``: > 0, else >= 0), or an error naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what}: {name} must be a number")
+    if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        rule = "a positive, finite number" if positive else "finite and >= 0"
+        raise ValueError(f"{what}: {name} must be {rule}")
+    return float(value)
+
+
+def metric_and_mode(metric: object, mode: object, what: str) -> tuple[str, str]:
+    """A metric's name and ``"min"`` or ``"max"``, as ``what`` takes them."""
+    if not isinstance(metric, str):
+        raise TypeError(f"{what}(metric={metric!r}): metric must be a str")
+    if mode not in ("min", "max"):
+        raise ValueError(f"{what}(mode={mode!r}): mode must be 'min' or 'max'")
+    return metric, str(mode)
 
 
 def positive_int(value: object, name: str, what: str) -> int:

@@ -15,6 +15,8 @@ from functional_ckpt._src.policy.base import (
     PolicyState,
     SavePolicy,
     checked_state,
+    finite_number,
+    metric_and_mode,
     positive_int,
 )
 
@@ -98,15 +100,9 @@ def on_degrade(
     leaves it. ``to``: roll back to the ``"best"`` kept checkpoint, or the newest
     kept one not degraded (``"last_good"``, less work lost).
     """
-    if not isinstance(metric, str):
-        raise TypeError(f"on_degrade(metric={metric!r}): metric must be a str")
-    if mode not in ("min", "max"):
-        raise ValueError(f"on_degrade(mode={mode!r}): mode must be 'min' or 'max'")
-    if isinstance(drop, bool) or not isinstance(drop, int | float):
-        raise TypeError(f"on_degrade(drop={drop!r}): drop must be a number (a fraction)")
-    if not (math.isfinite(drop) and drop >= 0):
-        raise ValueError(f"on_degrade(drop={drop!r}): drop must be finite and >= 0")
+    metric, mode = metric_and_mode(metric, mode, "on_degrade")
+    drop = finite_number(drop, "drop (a fraction)", f"on_degrade(drop={drop!r})")
     patience = positive_int(patience, "patience", f"on_degrade(patience={patience!r})")
     if to not in TARGETS:
         raise ValueError(f"on_degrade(to={to!r}): to must be one of {', '.join(TARGETS)}")
-    return OnDegrade(metric, mode, float(drop), patience, to)
+    return OnDegrade(metric, mode, drop, patience, to)

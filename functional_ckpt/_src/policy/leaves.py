@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from functional_ckpt._src.policy.base import (
     Event,
@@ -12,6 +11,8 @@ from functional_ckpt._src.policy.base import (
     PolicyState,
     SavePolicy,
     checked_state,
+    finite_number,
+    metric_and_mode,
     metric_value,
     no_state,
     positive_int,
@@ -22,15 +23,15 @@ __all__ += ["on_final", "on_improve"]
 
 
 class _Stateless(SavePolicy):
-    def __init__(self, name: str, vote: Callable[[Event], bool]) -> None:
-        self._name, self._vote = name, vote
+    def __init__(self, name: str) -> None:
+        self._name = name
 
     def init(self) -> PolicyState:
         return None
 
     def decide(self, state: PolicyState, event: Event) -> bool:
         no_state(self, state)
-        return self._vote(event)
+        return self._name == "always" or (self._name == "on_final" and event.is_final)
 
     def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
         no_state(self, state)
@@ -46,17 +47,17 @@ class _Stateless(SavePolicy):
 
 def always() -> SavePolicy:
     """Save on every event (useful in tests and as the neutral element of ``&``)."""
-    return _Stateless("always", lambda event: True)
+    return _Stateless("always")
 
 
 def never() -> SavePolicy:
     """Never save (the neutral element of ``|``)."""
-    return _Stateless("never", lambda event: False)
+    return _Stateless("never")
 
 
 def on_final() -> SavePolicy:
     """Save on every event with ``is_final=True`` (the end of a run)."""
-    return _Stateless("on_final", lambda event: event.is_final)
+    return _Stateless("on_final")
 
 
 class _EverySteps(SavePolicy):
@@ -219,12 +220,7 @@ def every_secs(secs: float) -> SavePolicy:
     the last save. The first event starts the timer; any save restarts it, and so
     does time that goes backwards.
     """
-    what = f"every_secs(secs={secs!r})"
-    if isinstance(secs, bool) or not isinstance(secs, int | float):
-        raise TypeError(f"{what}: secs must be a number of seconds")
-    if not (math.isfinite(secs) and secs > 0):
-        raise ValueError(f"{what}: secs must be a positive, finite number of seconds")
-    return _EverySecs(float(secs))
+    return _EverySecs(finite_number(secs, "secs", f"every_secs(secs={secs!r})", positive=True))
 
 
 class _OnImprove(SavePolicy):
@@ -277,12 +273,6 @@ def on_improve(metric: str, mode: str = "min", min_delta: float = 0.0) -> SavePo
     so slow improvements add up and an outvoted vote changes nothing; a missing
     metric or NaN is ignored.
     """
-    if not isinstance(metric, str):
-        raise TypeError(f"on_improve(metric={metric!r}): metric must be a str")
-    if mode not in ("min", "max"):
-        raise ValueError(f"on_improve(mode={mode!r}): mode must be 'min' or 'max'")
-    if isinstance(min_delta, bool) or not isinstance(min_delta, int | float):
-        raise TypeError(f"on_improve(min_delta={min_delta!r}): min_delta must be a number")
-    if not (math.isfinite(min_delta) and min_delta >= 0):
-        raise ValueError(f"on_improve(min_delta={min_delta!r}): min_delta must be finite and >= 0")
-    return _OnImprove(metric, mode, float(min_delta))
+    metric, mode = metric_and_mode(metric, mode, "on_improve")
+    min_delta = finite_number(min_delta, "min_delta", f"on_improve(min_delta={min_delta!r})")
+    return _OnImprove(metric, mode, min_delta)

@@ -12,9 +12,9 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
-from functional_ckpt._src.policy.base import PolicySpec, custom_spec, positive_int
+from functional_ckpt._src.policy.base import PolicySpec, custom_spec, metric_and_mode, positive_int
 
 __all__ = ["CheckpointLike", "CheckpointRecord", "RetentionPolicy", "best_steps", "keep_all"]
 __all__ += ["keep_best", "keep_every", "keep_last", "keep_within", "plan_deletions", "union_parts"]
@@ -96,15 +96,28 @@ class _Union(RetentionPolicy):
 
 
 class _Keep(RetentionPolicy):
-    """A leaf policy: its spec, its repr and what it keeps."""
+    """A leaf policy: its spec (which says what it keeps), its repr and, for
+    ``keep_within``, its clock (how "now" is read, not what the policy is)."""
 
     def __init__(
-        self, spec: PolicySpec, text: str, keep: Callable[[Sequence[CheckpointLike]], set[int]]
+        self, spec: str | dict[str, Any], text: str, clock: Callable[[], float] = time.time
     ) -> None:
-        self._spec, self._text, self._keep = spec, text, keep
+        self._spec, self._text, self._clock = spec, text, clock
 
     def _select(self, checkpoints: Sequence[CheckpointLike]) -> set[int]:
-        return self._keep(checkpoints)
+        spec = self._spec
+        kind, a = (spec, {}) if isinstance(spec, str) else next(iter(spec.items()))
+        steps = [c.step for c in checkpoints]
+        if kind == "keep_last":
+            return set(sorted(steps, reverse=True)[: a["n"]])
+        if kind == "keep_best":
+            return set(best_steps(checkpoints, a["metric"], a["mode"])[: a["k"]])
+        if kind == "keep_every":
+            return {s for s in steps if s % a["steps"] == 0}
+        if kind == "keep_within":
+            cutoff = float(self._clock()) - a["secs"]  # read once per select
+            return {c.step for c in checkpoints if c.time >= cutoff}
+        return set(steps)  # keep_all
 
     @property
     def spec(self) -> PolicySpec:
@@ -116,23 +129,13 @@ class _Keep(RetentionPolicy):
 
 def keep_all() -> RetentionPolicy:
     """Keep every checkpoint (disables garbage collection)."""
-    return _Keep("keep_all", "keep_all()", lambda cs: {c.step for c in cs})
+    return _Keep("keep_all", "keep_all()")
 
 
 def keep_last(n: int) -> RetentionPolicy:
     """Keep the ``n`` checkpoints with the highest steps (newest by step, not by time)."""
     n = positive_int(n, "n", f"keep_last(n={n!r})")
-    return _Keep(
-        {"keep_last": {"n": n}},
-        f"keep_last({n})",
-        lambda cs: set(sorted((c.step for c in cs), reverse=True)[:n]),
-    )
-
-
-def _check_mode(mode: object, what: str) -> str:
-    if mode not in ("min", "max"):
-        raise ValueError(f"{what}(mode={mode!r}): mode must be 'min' or 'max'")
-    return str(mode)
+    return _Keep({"keep_last": {"n": n}}, f"keep_last({n})")
 
 
 def best_steps(checkpoints: Iterable[CheckpointLike], metric: str, mode: str = "min") -> list[int]:
@@ -141,7 +144,7 @@ def best_steps(checkpoints: Iterable[CheckpointLike], metric: str, mode: str = "
     A missing metric or NaN is not ranked; ties go to the newer step, the one a
     resume would rather start from.
     """
-    sign = 1.0 if _check_mode(mode, "best_steps") == "min" else -1.0
+    sign = 1.0 if metric_and_mode(metric, mode, "best_steps")[1] == "min" else -1.0
     candidates: list[tuple[float, int]] = []
     for c in checkpoints:
         if metric in c.metrics:
@@ -156,24 +159,17 @@ def keep_best(k: int, metric: str, mode: str = "min") -> RetentionPolicy:
     """Keep the ``k`` checkpoints with the best ``metrics[metric]`` (lowest for
     ``mode="min"``) as :func:`best_steps` ranks them; fewer where values are missing."""
     k = positive_int(k, "k", f"keep_best(k={k!r})")
-    if not isinstance(metric, str):
-        raise TypeError(f"keep_best(metric={metric!r}): metric must be a str")
-    mode = _check_mode(mode, "keep_best")
+    metric, mode = metric_and_mode(metric, mode, "keep_best")
     return _Keep(
         {"keep_best": {"k": k, "metric": metric, "mode": mode}},
         f"keep_best({k}, {metric!r}{'' if mode == 'min' else f', mode={mode!r}'})",
-        lambda cs: set(best_steps(cs, metric, mode)[:k]),
     )
 
 
 def keep_every(steps: int) -> RetentionPolicy:
     """Keep checkpoints whose step is a multiple of ``steps`` (sparse long-term history)."""
     n = positive_int(steps, "steps", f"keep_every(steps={steps!r})")
-    return _Keep(
-        {"keep_every": {"steps": n}},
-        f"keep_every(steps={n})",
-        lambda cs: {c.step for c in cs if c.step % n == 0},
-    )
+    return _Keep({"keep_every": {"steps": n}}, f"keep_every(steps={n})")
 
 
 def keep_within(secs: float, clock: Callable[[], float] = time.time) -> RetentionPolicy:
@@ -187,13 +183,7 @@ def keep_within(secs: float, clock: Callable[[], float] = time.time) -> Retentio
     if not callable(clock):
         raise TypeError(f"keep_within(clock={clock!r}): clock must be callable")
     secs = float(secs)
-
-    def within(checkpoints: Sequence[CheckpointLike]) -> set[int]:
-        cutoff = float(clock()) - secs  # read once per select
-        return {c.step for c in checkpoints if c.time >= cutoff}
-
-    # the spec holds no clock: it is how "now" is read, not what the policy is
-    return _Keep({"keep_within": {"secs": secs}}, f"keep_within({secs!r})", within)
+    return _Keep({"keep_within": {"secs": secs}}, f"keep_within({secs!r})", clock)
 
 
 def union_parts(policy: RetentionPolicy) -> tuple[RetentionPolicy, ...]:

@@ -8,7 +8,6 @@ loses at most the records after the last commit."""
 from __future__ import annotations
 
 import fcntl
-import math
 import os
 import queue
 import threading
@@ -33,7 +32,7 @@ from functional_ckpt._src.format.manifest import (
     dtype_name,
 )
 from functional_ckpt._src.paths import PathLike
-from functional_ckpt._src.policy.base import as_int, positive_int
+from functional_ckpt._src.policy.base import as_int, finite_number, positive_int
 from functional_ckpt._src.recording.layout import (
     FORMAT,
     FRAME,
@@ -111,11 +110,8 @@ class Recorder:
         self.path = Path(path)
         self.every = positive_int(every, "every", f"Recorder(every={every!r})")
         self.commit_every = positive_int(commit_every, "commit_every", "Recorder(commit_every=…)")
-        if isinstance(commit_secs, bool) or not isinstance(commit_secs, int | float):
-            raise TypeError(f"Recorder(commit_secs={commit_secs!r}): a number of seconds")
-        if not (math.isfinite(commit_secs) and commit_secs > 0):
-            raise ValueError(f"Recorder(commit_secs={commit_secs!r}): must be positive, finite")
-        self.commit_secs = float(commit_secs)
+        what = f"Recorder(commit_secs={commit_secs!r})"
+        self.commit_secs = finite_number(commit_secs, "commit_secs", what, positive=True)
         positive_int(slots, "slots", f"Recorder(slots={slots!r})")
         self._slots_wanted = max(3, slots)
         self.metadata = dict(metadata or {})
