@@ -158,9 +158,7 @@ def test_a_coordinator_killed_after_its_commit_leaves_the_other_ranks_parts_kept
     """Ranks that keep parts (no file system shared with the coordinator) and never hear
     the verdict cannot know whether the step committed: each keeps its part, which
     alone is never a checkpoint, so a checkpoint the coordinator did commit is whole."""
-    results = wait_all(
-        launch(2, "kill-after-commit", str(tmp_path), env={"FCKPT_TIMEOUT": "30"})
-    )
+    results = wait_all(launch(2, "kill-after-commit", str(tmp_path), env={"FCKPT_TIMEOUT": "30"}))
     assert results[0][0] == -9, results[0][2][-3000:]
     rc, out, err = results[1]
     assert rc == 3, out + err[-3000:]
