@@ -30,8 +30,8 @@ from functional_ckpt._src.export.exports import export_infos
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.header import MANAGER_KEY
 from functional_ckpt._src.format.kind import Kind, classify
-from functional_ckpt._src.policy.config import retention_from_config, stored_spec
-from functional_ckpt._src.policy.retention import RetentionPolicy, union_parts
+from functional_ckpt._src.policy.config import stored_spec
+from functional_ckpt._src.policy.retention import union_parts
 from functional_ckpt._src.root.listing import RootEntry, kept_by, newest_summary, root_entries
 from functional_ckpt._src.root.rollback import branches
 from functional_ckpt._src.storage.usage import dir_size, disk_bytes, shared_bytes
@@ -103,14 +103,14 @@ def is_damaged(row: RootEntry) -> bool:
 # --------------------------------------------------------------------------- retention
 
 
-def retention_parts(spec: object) -> list[tuple[str, RetentionPolicy]] | None:
+def retention_parts(spec: object) -> list[tuple[str, fc.retention.RetentionPolicy]] | None:
     """Rebuild a recorded retention policy from its spec, one part per ``|`` operand.
 
     A spec is plain data (the configuration form) and only the ``keep_*`` kinds
     exist, so nothing read from a checkpoint can run; None for anything else.
     """
     try:
-        policy = retention_from_config(stored_spec(spec))
+        policy = fc.retention.retention_from_config(stored_spec(spec))
     except ConfigError:
         return None
     return [(repr(part), part) for part in union_parts(policy)]
@@ -131,7 +131,9 @@ def recorded_retention(rows: Sequence[RootEntry]) -> object | None:
     return None
 
 
-def policy_from_flags(args: argparse.Namespace) -> list[tuple[str, RetentionPolicy]] | None:
+def policy_from_flags(
+    args: argparse.Namespace,
+) -> list[tuple[str, fc.retention.RetentionPolicy]] | None:
     """``--keep-last N [--keep-best K --metric M [--mode max]]`` as policy parts."""
     if args.keep_best is not None and not args.metric:
         raise UsageError("--keep-best needs --metric NAME")
@@ -428,7 +430,7 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
     return 0
 
 
-def _delete(root: Path, policy: RetentionPolicy, approved: set[int]) -> list[int]:
+def _delete(root: Path, policy: fc.retention.RetentionPolicy, approved: set[int]) -> list[int]:
     """Delete under the writer lock, re-planned there: only steps shown and still doomed.
 
     A trainer that saved since the plan was shown may have changed which steps the

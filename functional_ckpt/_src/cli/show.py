@@ -142,19 +142,13 @@ def jsonable(value: Any) -> Any:
 
 
 def _entry_json(entry: Row) -> dict[str, Any]:
-    item = entry.item
+    item, doc = entry.item, {"key": entry.key, "path": list(entry.path)}
     if isinstance(item, Node):
-        return {"key": entry.key, "path": list(entry.path), "kind": "node"}
+        return {**doc, "kind": "node"}
     if isinstance(item, TensorSpec):
-        return {
-            "key": entry.key,
-            "path": list(entry.path),
-            "kind": "tensor",
-            "dtype": item.dtype_name,
-            "shape": list(item.shape),
-            "nbytes": item.nbytes,
-        }
-    return {"key": entry.key, "path": list(entry.path), "kind": "value", "value": jsonable(item)}
+        spec = {"dtype": item.dtype_name, "shape": list(item.shape), "nbytes": item.nbytes}
+        return {**doc, "kind": "tensor", **spec}
+    return {**doc, "kind": "value", "value": jsonable(item)}
 
 
 def _inspect(path: Path) -> CheckpointSummary:

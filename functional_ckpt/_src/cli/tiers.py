@@ -1,18 +1,15 @@
-"""What ``fckpt ls ROOT`` shows below the checkpoints (a manager's exports, the branches
-rollbacks left, which tier holds each step), and remote URLs as arguments.
+"""What ``fckpt ls ROOT`` shows below the checkpoints, and remote URLs as arguments.
 
-``fckpt ls ROOT`` adds, for a root whose manager uploads to a remote (recorded in
-``ROOT/.remote.json``), where each step lives: ``local``, ``remote``, ``both``,
-``uploading``, or ``local`` with the upload's failure. ``fckpt ls URL``,
+Below the checkpoints: a manager's safetensors exports, the branches rollbacks
+left, where each step lives for a root whose manager uploads to a remote
+(``ROOT/.remote.json``: ``local``, ``remote``, ``both``, ``uploading``, or
+``local`` with the upload's failure) and the checkpoints of its memory tier
+(``ROOT/.memory.json``), with whether its run is still open. ``fckpt ls URL``,
 ``fckpt verify URL`` and ``fckpt inspect URL/step_N`` read a remote root or
-checkpoint (downloaded into a temporary directory first). For a root whose
-manager has a memory tier (recorded in ``ROOT/.memory.json``), ``fckpt ls ROOT``
-lists the checkpoints in that folder too, and whether its run is still open. Credentials and
+checkpoint (downloaded into a temporary directory first); credentials and
 endpoints come from the environment (``AWS_*`` for s3fs), or from
-``FCKPT_STORAGE_OPTIONS``, a JSON object of fsspec storage options.
-
-The remote tier's reading side (the store, downloads, ``fc.verify``) is imported
-when a URL is given: ``fckpt ls ROOT`` of a local root reads only its status file.
+``FCKPT_STORAGE_OPTIONS``, a JSON object of fsspec storage options. The remote
+tier's reading side is imported only when a URL is given.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any
 
 from functional_ckpt._src.text import joined_lines, printable_lines
@@ -174,12 +173,7 @@ class Progress:
     def __enter__(self) -> Progress:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def update(self, done: float, *, force: bool = False) -> None:
