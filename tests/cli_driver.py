@@ -26,7 +26,6 @@ import torch  # noqa: F401
 import functional_ckpt._src.cli.listing
 import functional_ckpt._src.cli.main
 import functional_ckpt._src.cli.show
-import functional_ckpt._src.cli.torchcmd
 import functional_ckpt._src.restore.api  # noqa: F401
 
 

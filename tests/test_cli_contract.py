@@ -180,7 +180,7 @@ def test_demo_json_keeps_progress_off_stdout(
 ) -> None:
     """The demo's progress lines go to stderr under --json (its report is test_demo's)."""
     from functional_ckpt._src.cli import demo
-    from functional_ckpt._src.cli.commands import cmd_demo
+    from functional_ckpt._src.cli.demo import cmd_demo
     from functional_ckpt._src.cli.ui import UI
 
     def fake_run_demo(root: Path, steps: int, crash_at: int | None, **kw: Any) -> Any:

@@ -17,7 +17,7 @@ import pytest
 
 import functional_ckpt as fc
 from functional_ckpt._src import cli
-from functional_ckpt._src.cli.attempts import Attempt, Resumable, exit_status, outcome_text
+from functional_ckpt._src.cli.run import Attempt, Resumable, exit_status, outcome_text
 from functional_ckpt._src.format.naming import step_name
 from tests.patience import HANG, eventually
 

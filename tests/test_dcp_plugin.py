@@ -26,7 +26,7 @@ def launch(world: int, *args: str) -> list[subprocess.Popen[str]]:
     port = str(free_port())
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     env.update(WORLD_SIZE=str(world), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    env["FUNCTIONAL_CKPT_TIMEOUT"] = "60"
+    env["FCKPT_TIMEOUT"] = "60"
     return [
         subprocess.Popen(
             [sys.executable, str(JOB), *args],

@@ -141,7 +141,7 @@ def test_reshard_4_to_2_and_1_and_1_to_2(tmp_path: Path) -> None:
 
 
 def test_a_rank_killed_during_save_commits_nothing(tmp_path: Path) -> None:
-    procs = launch(2, "kill-in-save", str(tmp_path), env={"FUNCTIONAL_CKPT_TIMEOUT": "30"})
+    procs = launch(2, "kill-in-save", str(tmp_path), env={"FCKPT_TIMEOUT": "30"})
     results = wait_all(procs, timeout=HANG)
     assert results[1][0] == -9
     rc, out, err = results[0]
@@ -158,9 +158,7 @@ def test_a_coordinator_killed_after_its_commit_leaves_the_other_ranks_parts_kept
     """Ranks that keep parts (no file system shared with the coordinator) and never hear
     the verdict cannot know whether the step committed: each keeps its part, which
     alone is never a checkpoint, so a checkpoint the coordinator did commit is whole."""
-    results = wait_all(
-        launch(2, "kill-after-commit", str(tmp_path), env={"FUNCTIONAL_CKPT_TIMEOUT": "30"})
-    )
+    results = wait_all(launch(2, "kill-after-commit", str(tmp_path), env={"FCKPT_TIMEOUT": "30"}))
     assert results[0][0] == -9, results[0][2][-3000:]
     rc, out, err = results[1]
     assert rc == 3, out + err[-3000:]
@@ -278,7 +276,7 @@ def test_a_shard_read_straight_into_its_dtensor_still_checks_every_byte(tmp_path
     shard = tmp_path / "w2" / "__1_0.distcp"
     flip(tmp_path / "w2", "w", file=shard.name)
     for rc, _, err in wait_all(
-        launch(2, "same-shard-restore", str(tmp_path), env={"FUNCTIONAL_CKPT_TIMEOUT": "120"})
+        launch(2, "same-shard-restore", str(tmp_path), env={"FCKPT_TIMEOUT": "120"})
     ):
         assert rc == 0, err[-3000:]
     told = {r: json.loads((tmp_path / f"error.{r}.json").read_text()) for r in range(2)}
@@ -300,7 +298,7 @@ def test_a_part_damaged_on_one_rank_fails_every_rank_together(tmp_path: Path) ->
     data[len(data) // 2] ^= 0xFF
     part.write_bytes(bytes(data))
     for rc, _, err in wait_all(
-        launch(2, "damaged-part-restore", str(tmp_path), env={"FUNCTIONAL_CKPT_TIMEOUT": "120"})
+        launch(2, "damaged-part-restore", str(tmp_path), env={"FCKPT_TIMEOUT": "120"})
     ):
         assert rc == 0, err[-3000:]
     told = {r: json.loads((tmp_path / f"error.{r}.json").read_text()) for r in range(2)}

@@ -34,8 +34,8 @@ def run(root: Path, mode: str, *args: str) -> list[Any]:
 
 
 def launch(mode: str, root: Path, *args: str) -> list[subprocess.Popen[str]]:
-    # a rank that is gone fails the other within FUNCTIONAL_CKPT_TIMEOUT
-    env = {"FUNCTIONAL_CKPT_TIMEOUT": "60"}
+    # a rank that is gone fails the other within FCKPT_TIMEOUT
+    env = {"FCKPT_TIMEOUT": "60"}
     return on_ranks(2, mode, str(root), *args, env=env, job=JOB)
 
 

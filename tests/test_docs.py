@@ -223,7 +223,7 @@ def run_ranks(path: Path, world: int, timeout: float = HANG, grace: float = 60) 
                 "WORLD_SIZE": str(world),
                 "LOCAL_WORLD_SIZE": str(world),
                 "OMP_NUM_THREADS": "1",
-                "FUNCTIONAL_CKPT_TIMEOUT": "600",
+                "FCKPT_TIMEOUT": "600",
                 "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
             }
             with open(Path(logs) / f"{rank}.log", "w") as log:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -425,3 +426,32 @@ def test_the_architecture_page_has_a_line_for_every_module() -> None:
         if f"`{where}`" not in page:
             missing.append(where)
     assert missing == []
+
+
+def _imported_from(prefix: str) -> set[str]:
+    """The modules outside ``prefix`` that the modules under it import."""
+    return {
+        dep
+        for module in MODULES
+        if module.startswith(prefix)
+        for dep in imports_of(module)
+        if not dep.startswith(prefix)
+    }
+
+
+def test_the_architecture_page_says_what_the_command_line_and_the_policies_import() -> None:
+    """The page's layer claims that a test can check, checked against the source."""
+    page = " ".join((ROOT / "docs" / "architecture.md").read_text().split())
+    claim = re.search(r"It imports from the stages (.*?); the policies import from (.*?)\.", page)
+    assert claim, "docs/architecture.md: the sentence naming what the command line imports"
+    stages, public = claim[1].split("of the public modules only")
+    cli = _imported_from("functional_ckpt._src.cli")
+    assert set(re.findall(r"`([\w.]+)`", stages)) == {LAYERS[layer_of(d)][0] for d in cli} - {
+        "public"
+    }
+    assert set(re.findall(r"`([\w.]+)`", public)) == {
+        d for d in cli if not d.startswith("functional_ckpt._src")
+    }
+    assert {LAYERS[layer_of(d)][0] for d in _imported_from("functional_ckpt._src.policy")} == set(
+        re.findall(r"`([\w.]+)`", claim[2])
+    )

@@ -46,7 +46,7 @@ def _env(**extra: str) -> dict[str, str]:
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(REPO),
-        "FUNCTIONAL_CKPT_TIMEOUT": str(int(HANG)),
+        "FCKPT_TIMEOUT": str(int(HANG)),
         **extra,
     }
 

@@ -432,7 +432,7 @@ def _two_ranks(base: Path, url: str, endpoint: str) -> list[tuple[int, str, str]
                 "OMP_NUM_THREADS": "1",
                 "PYTHONPATH": str(REPO),
                 "ENDPOINT": endpoint,
-                "FUNCTIONAL_CKPT_TIMEOUT": "30",  # a dead rank fails the others within this
+                "FCKPT_TIMEOUT": "30",  # a dead rank fails the others within this
             },
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -1,46 +1,104 @@
-"""``fckpt ls``, ``verify`` and ``prune``: the commands about a root of checkpoints."""
+"""``fckpt ls``, ``verify`` and ``prune``: the commands about a root of checkpoints, and
+finding the checkpoints a command is given.
+
+The layout of a root (names, statuses, summaries) is :mod:`functional_ckpt._src.root`'s;
+this adds the command line's wording.
+"""
 
 from __future__ import annotations
 
 import argparse
-import math
+import functools
+import operator
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import functional_ckpt as fc
 from functional_ckpt._src.cli import tiers
-from functional_ckpt._src.cli.common import (
+from functional_ckpt._src.cli.ui import (
+    PROG,
+    UI,
     Declined,
     UsageError,
     Verified,
-    is_checkpoint_dir,
-    is_damaged,
+    human,
     one_line,
-    print_json,
-    print_verified,
-    require_exists,
-    scan_root,
     time_text,
-    verify_json,
 )
-from functional_ckpt._src.cli.ui import PROG, UI, human
-from functional_ckpt._src.export.exports import ExportInfo, export_infos
+from functional_ckpt._src.export.exports import export_infos
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.header import MANAGER_KEY
 from functional_ckpt._src.format.kind import Kind, classify
-from functional_ckpt._src.format.naming import BRANCHES_DIR
-from functional_ckpt._src.policy.config import retention_from_config, stored_spec
+from functional_ckpt._src.policy.config import stored_spec
 from functional_ckpt._src.policy.retention import union_parts
-from functional_ckpt._src.root.listing import RootEntry, kept_by
+from functional_ckpt._src.root.listing import RootEntry, kept_by, newest_summary, root_entries
 from functional_ckpt._src.root.rollback import branches
 from functional_ckpt._src.storage.usage import dir_size, disk_bytes, shared_bytes
-from functional_ckpt.errors import ConfigError
+from functional_ckpt.errors import CheckpointNotFound, ConfigError
 
-__all__ = ["cmd_ls", "cmd_prune", "cmd_verify", "retention_parts", "verify_one"]
+__all__ = ["cmd_ls", "cmd_prune", "cmd_verify", "newest_checkpoint", "retention_parts"]
 
 #: Statuses of a committed checkpoint (``intact`` once ``--verify`` re-read it).
 COMMITTED = ("ok", "damaged", "intact")
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """Holds one checkpoint (ours, committed or not, or a stock DCP one), whatever its name."""
+    return classify(path, by_name=False) in (Kind.COMMITTED, Kind.UNCOMMITTED, Kind.STOCK_DCP)
+
+
+def refuse_stock_dcp(path: Path, command: str) -> None:
+    """Say what a stock DCP checkpoint is and what to do instead of ``command``."""
+    if classify(path) is Kind.STOCK_DCP:
+        then = (
+            "then fc.export_safetensors(state, OUT)"
+            if command == "export"
+            else f"then fc.save it and run '{PROG} {command}' on the saved copy"
+        )
+        raise UsageError(
+            f"{path}: a stock torch.distributed.checkpoint directory, not a functional_ckpt "
+            f"checkpoint: it records no tree of its values, so '{PROG} {command}' cannot read "
+            "it on its own. In Python, restore it with a template "
+            f"(state = fc.restore(path, like=fc.capture(model=model, ...))), {then}; "
+            f"'{PROG} inspect {path}' shows what it holds"
+        )
+
+
+def require_exists(path: Path) -> None:
+    if not path.exists():
+        raise CheckpointNotFound(f"{path}: no such file or directory")
+
+
+def scan_root(root: Path) -> list[RootEntry]:
+    """Every checkpoint-related directory directly under ``root``, by step then name."""
+    require_exists(root)
+    if not root.is_dir():
+        raise CheckpointNotFound(f"{root}: not a directory")
+    if is_checkpoint_dir(root):
+        raise UsageError(
+            f"{root}: is a checkpoint, not a directory of checkpoints; try '{PROG} inspect {root}'"
+        )
+    return root_entries(root)
+
+
+def newest_checkpoint(root: Path) -> Path:
+    """``root`` itself if it is a checkpoint, else its newest committed, readable one."""
+    require_exists(root)
+    if is_checkpoint_dir(root):
+        return root
+    scan_root(root)  # refuses what is no root of checkpoints
+    newest = newest_summary(root)
+    if newest is None:
+        raise CheckpointNotFound(f"{root}: no committed checkpoint here")
+    return newest.path
+
+
+def is_damaged(row: RootEntry) -> bool:
+    """Does listing alone find ``row`` damaged: an unreadable manifest, or a ``step_N``
+    directory (a real name, not a save in progress) that lost its commit marker?"""
+    return row.status == "damaged" or (row.status == "uncommitted" and row.canonical)
+
 
 # --------------------------------------------------------------------------- retention
 
@@ -52,7 +110,7 @@ def retention_parts(spec: object) -> list[tuple[str, fc.retention.RetentionPolic
     exist, so nothing read from a checkpoint can run; None for anything else.
     """
     try:
-        policy = retention_from_config(stored_spec(spec))
+        policy = fc.retention.retention_from_config(stored_spec(spec))
     except ConfigError:
         return None
     return [(repr(part), part) for part in union_parts(policy)]
@@ -73,44 +131,19 @@ def recorded_retention(rows: Sequence[RootEntry]) -> object | None:
     return None
 
 
-def _records(rows: Sequence[RootEntry]) -> list[fc.retention.CheckpointRecord]:
-    return [
-        fc.retention.CheckpointRecord(r.step, r.time or 0.0, r.metrics)
-        for r in rows
-        if r.status in ("ok", "intact") and r.canonical and r.step is not None
-    ]
-
-
 def policy_from_flags(
     args: argparse.Namespace,
 ) -> list[tuple[str, fc.retention.RetentionPolicy]] | None:
     """``--keep-last N [--keep-best K --metric M [--mode max]]`` as policy parts."""
-    parts: list[tuple[str, fc.retention.RetentionPolicy]] = []
-    if getattr(args, "keep_best", None) is not None and not getattr(args, "metric", None):
+    if args.keep_best is not None and not args.metric:
         raise UsageError("--keep-best needs --metric NAME")
-    if getattr(args, "keep_last", None) is not None:
-        policy = fc.keep_last(args.keep_last)
-        parts.append((repr(policy), policy))
-    if getattr(args, "keep_best", None) is not None:
-        policy = fc.keep_best(args.keep_best, args.metric, mode=args.mode)
-        parts.append((repr(policy), policy))
-    return parts or None
-
-
-def _union(
-    parts: Sequence[tuple[str, fc.retention.RetentionPolicy]],
-) -> fc.retention.RetentionPolicy:
-    policy = parts[0][1]
-    for _, more in parts[1:]:
-        policy = policy | more
-    return policy
+    parts = [fc.keep_last(args.keep_last)] if args.keep_last is not None else []
+    if args.keep_best is not None:
+        parts.append(fc.keep_best(args.keep_best, args.metric, mode=args.mode))
+    return [(repr(p), p) for p in parts] or None
 
 
 # --------------------------------------------------------------------------- ls
-
-
-def _metrics_text(metrics: Mapping[str, float]) -> str:
-    return " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
 
 
 def _status_style(status: str) -> str:
@@ -153,82 +186,34 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
         recorded = recorded_retention(rows)
         parts = retention_parts(recorded) if recorded is not None else None
         source = "recorded in the checkpoints"
-    records = _records(rows)
+    records = [
+        fc.retention.CheckpointRecord(r.step, r.time or 0.0, r.metrics)
+        for r in rows
+        if r.status in ("ok", "intact") and r.canonical and r.step is not None
+    ]
     kept = kept_by(parts or [], records)
     why: dict[str, list[str]] = {}
     for row in rows:
         if row.step in kept and row.canonical and row.status in ("ok", "intact"):
             why[row.name] = kept[row.step] or (["(deleted by the next prune)"] if parts else [])
     exports = export_infos(root)
-    branched = [_branch_json(root, name, steps) for name, steps in branches(root).items()]
+    branched = [tiers.branch_json(root, name, steps) for name, steps in branches(root).items()]
     remote = tiers.tier_rows(root, rows)  # where each step lives, with a remote tier
     memory = tiers.memory_rows(root)  # the checkpoints in RAM, with a memory tier
     if args.json:
         doc = [_row_json(r, why.get(r.name, [])) for r in rows]
-        doc += [_export_json(e) for e in exports] + branched + (remote[1] if remote else [])
+        doc += [tiers.export_json(e) for e in exports] + branched + (remote[1] if remote else [])
         doc += memory[1] if memory else []
-        print_json(ui, doc)
+        ui.json(doc)
     elif not rows and not exports and not branched and not (memory and memory[1]):
         ui.print(f"{root}: no checkpoints")
     else:
         _print_ls(rows, why, parts, source, ui)
-        _print_exports(exports, ui)
-        _print_branches(branched, ui)
+        tiers.print_exports(exports, ui)
+        tiers.print_branches(branched, ui)
         tiers.print_tiers(remote, ui)
         tiers.print_memory(memory, ui)
     return 1 if any(is_damaged(r) for r in rows) else 0
-
-
-def _branch_json(root: Path, name: str, steps: list[int]) -> dict[str, Any]:
-    """A branch a rollback left (a root of its own) as a row of ``ls --json``."""
-    path = root / BRANCHES_DIR / name
-    return {"kind": "branch", "name": f"{BRANCHES_DIR}/{name}", "path": str(path), "steps": steps}
-
-
-def _print_branches(rows: Sequence[dict[str, Any]], ui: UI) -> None:
-    if not rows:
-        return
-    ui.print(f"\n{ui.paint('branches', 'head')} (kept aside by rollbacks; '{PROG} ls PATH' each)")
-    cells = [[r["name"], ", ".join(map(str, r["steps"])) or "-"] for r in rows]
-    ui.table(["BRANCH", "STEPS"], cells, [["", "dim"]] * len(cells))
-
-
-def _export_json(e: ExportInfo) -> dict[str, Any]:
-    """An export as a row of ``ls --json``: ``"kind": "export"`` tells it apart."""
-    return {
-        "kind": "export",
-        "name": f"{e.path.parent.name}/{e.path.name}",
-        "path": str(e.path),
-        "step": e.step,
-        "status": "export",
-        "time": e.time,
-        "size": e.size,
-        "metrics": {k: v if math.isfinite(v) else repr(v) for k, v in e.metrics.items()},
-        "files": list(e.files),
-    }
-
-
-def _print_exports(exports: Sequence[ExportInfo], ui: UI) -> None:
-    if not exports:
-        return
-    ui.print(f"\n{ui.paint('exports', 'head')} (safetensors, under {exports[0].path.parent})")
-    cells = []
-    for e in exports:
-        side = [f for f in e.files if not f.startswith("model")]
-        weights = len(e.files) - len(side)
-        what = f"{weights} weight file{'s' if weights != 1 else ''}"
-        cells.append(
-            [
-                e.path.name,
-                str(e.step),
-                time_text(e.time),
-                human(e.size),
-                _metrics_text(e.metrics),
-                ", ".join([what, *side]),
-            ]
-        )
-    head = ["EXPORT", "STEP", "SAVED", "SIZE", "METRICS", "FILES"]
-    ui.table(head, cells, [["", "", "dim", "", "", "dim"]] * len(cells))
 
 
 def _row_json(row: RootEntry, kept: list[str]) -> dict[str, Any]:
@@ -240,7 +225,7 @@ def _row_json(row: RootEntry, kept: list[str]) -> dict[str, Any]:
         "time": row.time,
         "size": row.size,
         "shared": shared_bytes(row.path),
-        "metrics": {k: v if math.isfinite(v) else repr(v) for k, v in row.metrics.items()},
+        "metrics": tiers.metrics_json(row.metrics),
         "kept_by": kept,
         "detail": row.detail,
     }
@@ -266,7 +251,7 @@ def _print_ls(
                 human(r.size),
                 human(shared_bytes(r.path)),
                 r.status,
-                _metrics_text(r.metrics),
+                tiers.metrics_text(r.metrics),
                 why,
             ]
         )
@@ -372,31 +357,8 @@ def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
                 continue
             result = found
             results.append(result)
-            print_verified(ui, emit if args.json else bar.print, result, args.quiet)
-    bad = sum(not r.ok for r in results)
-    if args.json:
-        skipped = [
-            {
-                "path": str(p),
-                "status": "skipped",
-                "problems": [],
-                "files_checked": 0,
-                "bytes_checked": 0,
-            }
-            for p in stock
-        ]
-        print_json(ui, verify_json(str(target), results, skipped))
-        return 1 if bad else 0
-    total = len(results)
-    unverified = f"; {len(stock)} stock DCP not verifiable" if stock else ""
-    if bad:
-        ui.print(f"{bad} of {total} checkpoints damaged{unverified}")
-        return 1
-    if not total:
-        ui.print(f"no functional_ckpt checkpoint to verify{unverified}")
-        return 0
-    ui.print(f"{total} checkpoint{'s' if total != 1 else ''} intact{unverified}")
-    return 0
+            ui.verdict(emit if args.json else bar.print, result, args.quiet)
+    return ui.verified(str(target), results, args.json, stock)
 
 
 # --------------------------------------------------------------------------- prune
@@ -409,7 +371,7 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
     rows = scan_root(root)
     parts = policy_from_flags(args)
     assert parts is not None  # --keep-last is required
-    policy = _union(parts)
+    policy = functools.reduce(operator.or_, (p for _, p in parts))
     infos = fc.CheckpointManager(root, read_only=True).infos()
     plan = fc.retention.plan_deletions(policy, infos) if infos else []
     kept = kept_by(parts, infos)
@@ -445,7 +407,7 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
     question = f"delete {len(plan)} of {len(infos)} checkpoints ({human(freed)})?"
     if not plan or args.dry_run:
         if args.json:
-            print_json(ui, doc)
+            ui.json(doc)
         elif not plan:
             ui.print(f"nothing to delete: the policy {policy!r} keeps all {len(infos)} checkpoints")
         else:
@@ -462,7 +424,7 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
     deleted = _delete(root, policy, set(plan))
     freed = sum(sizes.get(s, 0) for s in deleted)
     if args.json:
-        print_json(ui, {**doc, "deleted": deleted, "freed": freed})
+        ui.json({**doc, "deleted": deleted, "freed": freed})
         return 0
     ui.print(f"deleted {len(deleted)} checkpoints, freed {human(freed)}")
     return 0

@@ -1,9 +1,8 @@
 """``fckpt``: look at, check, compare, export and prune checkpoints from the shell.
 
-Every subcommand is a thin layer over the public functions (``fc.inspect``,
-``fc.verify``, ``fc.restore``, ``fc.export_safetensors``, ``fc.retention.plan_deletions``,
-``CheckpointManager.delete``) and :mod:`functional_ckpt._src.root`: the command line
-adds presentation, never new checkpoint logic. Conventions:
+Every subcommand calls the library's functions (the public ones where one does what
+it needs: docs/architecture.md says which) and adds presentation, never new
+checkpoint logic. Conventions:
 
 * results go to stdout, progress bars and errors to stderr; progress bars only
   when stderr is a terminal, colours only when stdout is one (and ``NO_COLOR`` is
@@ -15,22 +14,22 @@ adds presentation, never new checkpoint logic. Conventions:
 * ``--json`` (every command that prints a table or a report) makes stdout one
   JSON document and nothing else; errors and exit statuses stay as they are.
 
-This module is the entry point: it parses (:mod:`.parser`), runs the command's
-function (:mod:`.commands`) and turns every outcome into the exit status above.
+This module is the entry point: it parses (:mod:`.parser`), imports and runs the
+command's function and turns every outcome into the exit status above.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import sys
 from collections.abc import Sequence
 
 import functional_ckpt as fc
-from functional_ckpt._src.cli.common import Declined, UsageError, one_line
-from functional_ckpt._src.cli.parser import build_parser
-from functional_ckpt._src.cli.ui import UI
+from functional_ckpt._src.cli.parser import COMMANDS, build_parser
+from functional_ckpt._src.cli.ui import UI, Declined, UsageError, one_line
 
 __all__ = ["main"]
 
@@ -42,8 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.verbose:
             _log_to_stderr(logging.INFO if args.verbose == 1 else logging.DEBUG)
-        status: int = args.func(args, ui)
-        return status
+        module, name = COMMANDS[args.command_name]
+        run = getattr(importlib.import_module(f"functional_ckpt._src.cli.{module}"), name)
+        return int(run(args, ui))
     except SystemExit as e:  # --help, --version
         return e.code if isinstance(e.code, int) else 0
     except UsageError as e:

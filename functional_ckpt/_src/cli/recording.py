@@ -14,8 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from functional_ckpt._src.cli.common import time_text
-from functional_ckpt._src.cli.ui import UI, human
+from functional_ckpt._src.cli.ui import UI, human, time_text
 from functional_ckpt._src.format.manifest import NodeEntry, TensorEntry
 from functional_ckpt._src.recording import Replay
 from functional_ckpt._src.recording.layout import Committed

@@ -1,51 +1,54 @@
 """``fckpt run``: relaunch a training command after a crash, never after success or a stop.
 
-A supervisor, not a scheduler: it starts the command in its own process group,
-waits, and on a non-zero exit or a death by signal starts it again (after a
-growing pause), so the job resumes from its newest checkpoint. A SIGTERM, SIGINT
-or SIGHUP sent to the supervisor is passed to the whole group (so a job with an
-``on_signal`` policy saves, and ``torchrun``'s workers hear it too) and means
-"stop": the command is not started again. Between attempts the supervisor learns
-the job's newest committed step, from the checkpoint root (``--root``, read only)
-or from the progress file a job's ``CheckpointManager`` writes after each commit
-(named in ``FCKPT_PROGRESS``), to report the step each attempt resumed from and
-reached, and to tell a job that makes progress (relaunched as often as asked) from
-one that fails at the same place every time (stopped instead of burning every
-retry). ``--config`` takes the relaunch options from a config file's ``run`` block.
-
-This module is the supervisor's loop; what it was asked (:mod:`.run_options`),
-each attempt's record (:mod:`.attempts`) and the command's process group
-(:mod:`.process_group`) are modules of their own.
+A supervisor, not a scheduler: it starts the command in a session of its own (so
+a launcher's workers, ``torchrun``'s, are one process group with it), waits, and on
+a non-zero exit or a death by signal starts it again after a growing pause, so the
+job resumes from its newest checkpoint. A SIGTERM, SIGINT or SIGHUP sent to the
+supervisor is passed to the whole group (a job with an ``on_signal`` policy saves)
+and means "stop". A relaunch waits until none of the previous attempt's processes
+is left: two copies of a job must never run at once. Between attempts the
+supervisor learns the job's newest committed step, from the checkpoint root
+(``--root``, read only) or from the progress file a job's ``CheckpointManager``
+writes after each commit (named in ``FCKPT_PROGRESS``), to report each attempt and
+to tell a job that makes progress from one that fails at the same place every time
+(stopped instead of burning every retry). A manager's config file can hold the
+relaunch options (its ``run`` block) next to the manager's own; flags win over it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import shlex
 import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
-from functional_ckpt._src.cli.attempts import (
-    Attempt,
-    Resumable,
-    duration_text,
-    exit_status,
-    outcome_text,
-    resumable,
-    step_text,
+from functional_ckpt._src.cli.listing import is_checkpoint_dir
+from functional_ckpt._src.cli.ui import PROG, UI, UsageError, one_line
+from functional_ckpt._src.codec import documents
+from functional_ckpt._src.policy.config import (
+    MANAGER_KEYS,
+    RELAUNCH_KEYS,
+    Relaunch,
+    at_key,
+    check_keys,
+    relaunch_from_config,
 )
-from functional_ckpt._src.cli.common import UsageError
-from functional_ckpt._src.cli.process_group import StopSignals, group_alive
-from functional_ckpt._src.cli.run_options import RunOptions, run_options
-from functional_ckpt._src.cli.ui import PROG, UI
+from functional_ckpt._src.root.listing import newest_summary
+from functional_ckpt._src.storage.opener import read_file
 from functional_ckpt._src.storage.progress import PROGRESS_ENV, read_progress
+from functional_ckpt.errors import CheckpointError, ConfigError
 
-__all__ = ["ATTEMPT_ENV", "QUICK_SECONDS", "cmd_run"]
+__all__ = ["ATTEMPT_ENV", "Attempt", "Resumable", "cmd_run", "exit_status", "outcome_text"]
 
 #: Set in the command's environment: the attempt number, 1 for the first launch.
 ATTEMPT_ENV = "FCKPT_RUN_ATTEMPT"
@@ -54,11 +57,236 @@ QUICK_SECONDS = 60.0
 _POLL = 0.05
 #: How long processes a failed command left behind get between SIGTERM and SIGKILL.
 GRACE_SECONDS = 10.0
+#: Signals that mean "stop": passed to the command's group, then no relaunch.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_CONFIG_LIMIT = 1 << 20
+
+# --------------------------------------------------------------------------- options
+
+
+def _document(path: Path) -> Any:
+    """The parsed config file: JSON, or YAML (``.yaml``/``.yml``, needs PyYAML)."""
+    try:
+        text = read_file(path, limit=_CONFIG_LIMIT, what="config file")
+    except FileNotFoundError:
+        raise UsageError(f"--config {path}: no such file") from None
+    except (OSError, CheckpointError) as exc:
+        raise UsageError(f"--config {path}: cannot read it ({exc})") from None
+    try:
+        return documents.load(
+            text, f"--config {path}", yaml=path.suffix.lower() in (".yaml", ".yml")
+        )
+    except ImportError:
+        raise UsageError(
+            f"--config {path}: reading YAML needs PyYAML (pip install pyyaml); or give JSON"
+        ) from None
+    except ConfigError as exc:
+        raise UsageError(one_line(exc)) from None
+
+
+def _config(path: Path, key: str | None) -> Relaunch:
+    """The ``run`` block of a manager's config (under ``key``, dotted).
+
+    Its ``root`` is not read: the job may be given another one, and it reports the
+    steps of the one it uses.
+    """
+    cfg = _document(path)
+    parts = key.split(".") if key else []
+    for i, part in enumerate(parts):
+        if not isinstance(cfg, dict) or part not in cfg:
+            raise UsageError(f"--config {path}: no key {'.'.join(parts[: i + 1])!r} in it")
+        cfg = cfg[part]
+    try:
+        given = check_keys(cfg, key or "config", MANAGER_KEYS, "keys")
+        run = given.get("run")
+        relaunch = (
+            Relaunch() if run is None else relaunch_from_config(run, at_key(key or "", "run"))
+        )
+    except ConfigError as exc:
+        raise UsageError(f"--config {path}: {exc}") from None
+    return relaunch
+
+
+def run_options(args: argparse.Namespace) -> tuple[list[str], Relaunch, Path | None]:
+    """The command, the relaunch options (flags over the config's ``run`` block over the
+    defaults) and the root, checked once before the first launch."""
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise UsageError("no command to run; put it after '--': fckpt run -- python train.py")
+    relaunch = Relaunch()
+    if args.config:
+        relaunch = _config(Path(args.config), args.config_key)
+    elif args.config_key:
+        raise UsageError("--config-key names a key of --config FILE; give --config too")
+    given = {k: getattr(args, k) for k in RELAUNCH_KEYS if getattr(args, k) is not None}
+    opts = dataclasses.replace(relaunch, **given)
+    root = Path(args.root) if args.root else None
+    if root is not None and is_checkpoint_dir(root):
+        raise UsageError(
+            f"--root {root}: is a checkpoint; give the directory of checkpoints that holds it"
+        )
+    if opts.stall_limit == 1:
+        raise UsageError(
+            "--stall-limit 1: give 2 or more (failures in a row at the same place), or 0 for never"
+        )
+    if opts.backoff < 0 or opts.max_backoff < 0:
+        raise UsageError("--backoff and --max-backoff must be >= 0 seconds")
+    return (
+        list(command),
+        dataclasses.replace(opts, max_backoff=max(opts.max_backoff, opts.backoff)),
+        root,
+    )
+
+
+# --------------------------------------------------------------------------- attempts
+
+
+@dataclass(frozen=True)
+class Resumable:
+    """The newest committed, readable checkpoint of a root: its step and save time."""
+
+    step: int
+    time: float | None
+
+
+@dataclass
+class Attempt:
+    """One launch of the command and how it ended."""
+
+    number: int
+    started: float
+    resumed_from: Resumable | None = None
+    ended: float = 0.0
+    returncode: int = 0
+    reached: Resumable | None = None
+    stopped: bool = False  # a stop signal was passed on during this attempt
+    waited: float = 0.0  # backoff after it
+
+    @property
+    def ran(self) -> float:
+        return max(0.0, self.ended - self.started)
+
+    @property
+    def failed(self) -> bool:
+        return self.returncode != 0
+
+    def lost(self, root_known: bool) -> float:
+        """Work to redo after this attempt plus the pause before the next one.
+
+        With the job's steps known (a root read, or the steps the job reported), the
+        work since the newest checkpoint this attempt saved (its save time; the saved
+        state is the one at that moment), or all of it if it saved none; without
+        them, all of a failed attempt (an upper bound).
+        """
+        if not self.failed:
+            return self.waited
+        work = self.ran
+        if root_known and self.reached is not None and self.reached.time is not None:
+            saved_here = self.reached != self.resumed_from and self.reached.time >= self.started
+            if saved_here:
+                work = max(0.0, self.ended - self.reached.time)
+        return work + self.waited
+
+
+def resumable(root: Path) -> Resumable | None:
+    """The newest checkpoint a job resuming from ``root`` would find; None if none (yet)."""
+    try:
+        newest = newest_summary(root)
+    except (CheckpointError, OSError):
+        return None  # unreadable right now: nothing to report
+    return None if newest is None else Resumable(newest.step, newest.time or None)
+
+
+def exit_status(returncode: int) -> int:
+    """A child's return code as a shell reports it: 128 + N for a death by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def outcome_text(returncode: int) -> str:
+    if returncode >= 0:
+        return f"exit {returncode}"
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+def step_text(ckpt: Resumable | None) -> str:
+    return "-" if ckpt is None else str(ckpt.step)
+
+
+def duration_text(t: float) -> str:
+    if t < 60:
+        return f"{t:.1f} s"
+    if t < 3600:
+        return f"{t / 60:.1f} min"
+    return f"{t / 3600:.2f} h"
+
+
+# --------------------------------------------------------------------------- the process group
+
+
+def group_alive(group: int) -> bool:
+    """Whether a live (not zombie) process is left in process group ``group``."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:  # no procfs: ask the kernel (zombies count there)
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == group:
+            return True
+    return False
+
+
+class StopSignals:
+    """Passes stop signals to the running command's group and remembers that one came."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.group: int | None = None  # the process group of the running command
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+        self.forward(signum)
+
+    def forward(self, signum: int) -> None:
+        if self.group is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.group, signum)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopSignals]:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        try:
+            yield self
+        finally:
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous)
+
+
+# --------------------------------------------------------------------------- the supervisor
 
 
 class _Supervisor:
-    def __init__(self, opts: RunOptions, ui: UI, progress: Path) -> None:
-        self.opts = opts
+    def __init__(
+        self, command: list[str], opts: Relaunch, root: Path | None, ui: UI, progress: Path
+    ) -> None:
+        self.command, self.opts, self.root = command, opts, root
         self.ui = ui
         self.progress = progress  # where a managed job reports its newest committed step
         self.attempts: list[Attempt] = []
@@ -73,7 +301,7 @@ class _Supervisor:
         reported (a memory tier's commits are reported too, never written to the root)."""
         reported = read_progress(self.progress)
         told = None if reported is None else Resumable(reported.step, reported.time)
-        found = None if self.opts.root is None else resumable(self.opts.root)
+        found = None if self.root is None else resumable(self.root)
         if found is None or (told is not None and told.step > found.step):
             return told
         return found
@@ -81,7 +309,7 @@ class _Supervisor:
     @property
     def sees_steps(self) -> bool:
         """Whether the job's steps are known: a root is read, or the job reports them."""
-        return self.opts.root is not None or any(a.reached is not None for a in self.attempts)
+        return self.root is not None or any(a.reached is not None for a in self.attempts)
 
     def launch(self, number: int) -> Attempt:
         attempt = Attempt(number, time.time(), resumed_from=self.newest())
@@ -93,16 +321,16 @@ class _Supervisor:
                 if attempt.resumed_from
                 else ", no checkpoint yet"
             )
-        self.say(f"attempt {number} of {total}: {shlex.join(self.opts.command)}{where}")
+        self.say(f"attempt {number} of {total}: {shlex.join(self.command)}{where}")
         env = {**os.environ, ATTEMPT_ENV: str(number), PROGRESS_ENV: str(self.progress)}
         try:
             # A session of its own: the whole job (torchrun's workers too) is one group to
             # signal, and a terminal's Ctrl-C reaches only us, who pass it on once.
-            child = subprocess.Popen(self.opts.command, env=env, start_new_session=True)
+            child = subprocess.Popen(self.command, env=env, start_new_session=True)
         except FileNotFoundError:
-            raise UsageError(f"{self.opts.command[0]}: command not found") from None
+            raise UsageError(f"{self.command[0]}: command not found") from None
         except PermissionError:
-            raise UsageError(f"{self.opts.command[0]}: permission denied") from None
+            raise UsageError(f"{self.command[0]}: permission denied") from None
         self.signals.group = child.pid
         if self.signals.received is not None:  # a stop arrived while it was starting
             self.signals.forward(self.signals.received)
@@ -253,6 +481,6 @@ class _Supervisor:
 
 
 def cmd_run(args: argparse.Namespace, ui: UI) -> int:
-    opts = run_options(args)
+    command, opts, root = run_options(args)
     with tempfile.TemporaryDirectory(prefix="fckpt-run-") as scratch:
-        return _Supervisor(opts, ui, Path(scratch) / "progress.json").supervise()
+        return _Supervisor(command, opts, root, ui, Path(scratch) / "progress.json").supervise()

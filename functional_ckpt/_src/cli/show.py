@@ -1,8 +1,13 @@
-"""``fckpt inspect``, ``diff`` and ``export``: the commands about one or two checkpoints."""
+"""``fckpt inspect``, ``diff``, ``export`` and ``import``: the commands about one or two
+checkpoints. The conversions to and from ``torch.save`` files are
+:mod:`functional_ckpt._src.export.torch_save`'s; this adds the flags and the report.
+"""
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import math
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -12,15 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import functional_ckpt as fc
 from functional_ckpt._src.cli import tiers
-from functional_ckpt._src.cli.common import (
-    UsageError,
-    newest_checkpoint,
-    print_json,
-    refuse_stock_dcp,
-    require_exists,
-    time_text,
-)
-from functional_ckpt._src.cli.ui import PROG, UI, human
+from functional_ckpt._src.cli.listing import newest_checkpoint, refuse_stock_dcp, require_exists
+from functional_ckpt._src.cli.ui import PROG, UI, UsageError, human, time_text
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath
 from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.restore.summary import (
@@ -36,7 +34,7 @@ from functional_ckpt._src.text import printable, short_repr
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["cmd_diff", "cmd_export", "cmd_inspect", "export_json", "jsonable", "parse_dtype"]
+__all__ = ["cmd_diff", "cmd_export", "cmd_import", "cmd_inspect", "jsonable", "parse_dtype"]
 
 # --------------------------------------------------------------------------- inspect
 # (reads manifests only: torch and numpy are not imported for it)
@@ -144,19 +142,13 @@ def jsonable(value: Any) -> Any:
 
 
 def _entry_json(entry: Row) -> dict[str, Any]:
-    item = entry.item
+    item, doc = entry.item, {"key": entry.key, "path": list(entry.path)}
     if isinstance(item, Node):
-        return {"key": entry.key, "path": list(entry.path), "kind": "node"}
+        return {**doc, "kind": "node"}
     if isinstance(item, TensorSpec):
-        return {
-            "key": entry.key,
-            "path": list(entry.path),
-            "kind": "tensor",
-            "dtype": item.dtype_name,
-            "shape": list(item.shape),
-            "nbytes": item.nbytes,
-        }
-    return {"key": entry.key, "path": list(entry.path), "kind": "value", "value": jsonable(item)}
+        spec = {"dtype": item.dtype_name, "shape": list(item.shape), "nbytes": item.nbytes}
+        return {**doc, "kind": "tensor", **spec}
+    return {**doc, "kind": "value", "value": jsonable(item)}
 
 
 def _inspect(path: Path) -> CheckpointSummary:
@@ -171,6 +163,14 @@ def _inspect(path: Path) -> CheckpointSummary:
                 f"see '{PROG} ls {path}' and inspect one of them"
             ) from None
         raise
+
+
+def _counts(summary: CheckpointSummary) -> dict[str, int]:
+    return {
+        "num_tensors": summary.num_tensors,
+        "num_values": summary.num_values,
+        "tensor_bytes": summary.tensor_bytes,
+    }
 
 
 def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
@@ -194,9 +194,7 @@ def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
             "created": jsonable(summary.created),
             "world_size": summary.world_size,
             "foreign": summary.foreign,
-            "num_tensors": summary.num_tensors,
-            "num_values": summary.num_values,
-            "tensor_bytes": summary.tensor_bytes,
+            **_counts(summary),
             "file_bytes": summary.file_bytes,
             "shared_bytes": summary.shared_bytes,
             "added_bytes": summary.added_bytes,
@@ -204,7 +202,7 @@ def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
             "unregistered": list(summary.unregistered),
             "entries": [_entry_json(e) for e in entries],
         }
-        print_json(ui, doc)
+        ui.json(doc)
         return 0
     for line in _inspect_lines(summary, entries, ui):
         ui.print(line)
@@ -237,6 +235,17 @@ def _inspect_lines(summary: CheckpointSummary, entries: Sequence[Row], ui: UI) -
 
 
 _DIFF_STYLE = {"added": "ok", "removed": "bad", "same": "dim"}
+#: How ``diff`` names each kind of entry in its closing count, in this order.
+_COUNTED = {
+    "added": "added",
+    "removed": "removed",
+    "kind": "kind changed",
+    "shape": "shape changed",
+    "dtype": "dtype changed",
+    "value": "value(s) changed",
+    "tensor": "tensor(s) differ",
+    "same": "identical",
+}
 
 
 def cmd_diff(args: argparse.Namespace, ui: UI) -> int:
@@ -261,42 +270,20 @@ def cmd_diff(args: argparse.Namespace, ui: UI) -> int:
 
         result = diff_checkpoints(a, b, progress)
     shown = result.entries if args.all else result.changes
-    counts: dict[str, int] = {}
-    for e in result.entries:
-        counts[e.kind] = counts.get(e.kind, 0) + 1
+    counts = dict(collections.Counter(e.kind for e in result.entries))
     differ = 1 if args.exit_code and result.changes else 0
     if args.json:
-        doc = {
-            "a": str(a),
-            "b": str(b),
-            "identical": not result.changes,
-            "counts": counts,
-            "entries": [
-                {
-                    "kind": e.kind,
-                    "key": "/".join(e.key),
-                    "path": list(e.key),
-                    "detail": e.detail,
-                    "nbytes": e.nbytes,
-                }
-                for e in shown
-            ],
-        }
-        print_json(ui, doc)
+        keys = [{"kind": e.kind, "key": "/".join(e.key), "path": list(e.key)} for e in shown]
+        rows = [
+            {**k, "detail": e.detail, "nbytes": e.nbytes} for k, e in zip(keys, shown, strict=True)
+        ]
+        doc = {"a": str(a), "b": str(b), "identical": not result.changes, "counts": counts}
+        ui.json({**doc, "entries": rows})
         return differ
     ui.print(f"{ui.paint('A', 'head')} {a}\n{ui.paint('B', 'head')} {b}")
     for entry in shown:
         ui.print(ui.paint(str(entry), _DIFF_STYLE.get(entry.kind, "warn")))
-    order = ("added", "removed", "kind", "shape", "dtype", "value", "tensor", "same")
-    names = {
-        "kind": "kind changed",
-        "shape": "shape changed",
-        "dtype": "dtype changed",
-        "value": "value(s) changed",
-        "tensor": "tensor(s) differ",
-        "same": "identical",
-    }
-    ui.print(", ".join(f"{counts[k]} {names.get(k, k)}" for k in order if counts.get(k)))
+    ui.print(", ".join(f"{counts[k]} {name}" for k, name in _COUNTED.items() if counts.get(k)))
     if not result.changes:
         ui.print("the checkpoints hold identical states")
     return differ
@@ -348,6 +335,10 @@ def _selected_bytes(
 
 
 def cmd_export(args: argparse.Namespace, ui: UI) -> int:
+    if args.format == "torch":
+        return _export_torch(args, ui)
+    if args.full:
+        raise UsageError("--full: only with --format torch (safetensors holds weights only)")
     src = newest_checkpoint(Path(args.path))
     refuse_stock_dcp(src, "export")
     out = Path(args.out)
@@ -365,25 +356,22 @@ def cmd_export(args: argparse.Namespace, ui: UI) -> int:
 
         config, extra, left_out = model_files(Path(args.config))
     read, write = _selected_bytes(fc.inspect(src), select, dtype)
-    with ui.progress("exporting", read + write) as bar:
-        try:
-            fc.export_safetensors(
-                src,
-                out,
-                select=select[0] if len(select) == 1 else select,
-                dtype=dtype,
-                max_shard_size=args.max_shard_size,
-                overwrite=args.overwrite,
-                config=config,
-                extra_files=extra,
-            )
-        except fc.errors.CheckpointExists as e:  # created meanwhile: the flag, not the argument
-            raise UsageError(str(e).replace("overwrite=True", "--overwrite")) from None
+    with ui.progress("exporting", read + write) as bar, _flag_spelling():
+        fc.export_safetensors(
+            src,
+            out,
+            select=select[0] if len(select) == 1 else select,
+            dtype=dtype,
+            max_shard_size=args.max_shard_size or "5GB",
+            overwrite=args.overwrite,
+            config=config,
+            extra_files=extra,
+        )
         bar.update(read + write, force=True)
     files = sorted(p for p in out.iterdir() if p.is_file())
     side = {} if args.config is None else {"config": args.config, "left_out": left_out}
     if args.json:
-        print_json(ui, export_json(src, out, "safetensors", "/".join(select), files, **side))
+        ui.json(_export_json(src, out, "safetensors", "/".join(select), files, **side))
         return 0
     ui.print(f"exported {'/'.join(select)} of {src} to {out}:")
     for f in files:
@@ -393,7 +381,7 @@ def cmd_export(args: argparse.Namespace, ui: UI) -> int:
     return 0
 
 
-def export_json(
+def _export_json(
     src: Path, out: Path, form: str, select: str | None, files: Sequence[Path], **more: Any
 ) -> dict[str, Any]:
     """``export --json``'s document, for both formats: what was written where."""
@@ -405,3 +393,74 @@ def export_json(
         "files": [{"name": f.name, "size": f.stat().st_size} for f in files],
         **more,
     }
+
+
+# --------------------------------------------------------------------------- torch.save files
+
+
+@contextlib.contextmanager
+def _flag_spelling() -> Iterator[None]:
+    """The library's ``overwrite=True`` advice, as the flag a shell user passes."""
+    try:
+        yield
+    except fc.errors.CheckpointError as e:
+        text = str(e)
+        if "overwrite=True" not in text:
+            raise
+        raise type(e)(text.replace("overwrite=True", "--overwrite")) from None  # same status
+
+
+def cmd_import(args: argparse.Namespace, ui: UI) -> int:
+    from functional_ckpt._src.export.torch_save import WEIGHTS_KEY, import_torch
+
+    src, out = Path(args.file), Path(args.out)
+    require_exists(src)
+    with _flag_spelling():
+        info = import_torch(src, out, overwrite=args.overwrite)
+    summary = fc.inspect(info.path)
+    bare = list(summary.tree) == [WEIGHTS_KEY]
+    if args.json:
+        layout = "state_dict" if bare else "state"
+        ui.json({"file": str(src), "path": str(info.path), "layout": layout, **_counts(summary)})
+        return 0
+    layout = f" (a state_dict: under '{WEIGHTS_KEY}')" if bare else ""
+    ui.print(
+        f"imported {src} to {info.path}{layout}: {summary.num_tensors} tensors, "
+        f"{human(summary.tensor_bytes)}"
+    )
+    return 0
+
+
+def _export_torch(args: argparse.Namespace, ui: UI) -> int:
+    from functional_ckpt._src.export.torch_save import export_torch
+
+    if args.max_shard_size is not None:
+        raise UsageError("--max-shard-size: a torch export is one file; leave it out")
+    if args.full and args.dtype:
+        raise UsageError("--dtype converts the weights; --full exports the state as saved")
+    if args.config is not None:
+        raise UsageError("--config: a torch export is one file of weights; leave it out")
+    src = newest_checkpoint(Path(args.path))
+    out = Path(args.out)
+    select = None if args.full else tuple(k for k in args.select.split("/") if k)
+    if select == ():
+        raise UsageError(f"--select {args.select!r}: expected a key such as 'model'")
+    with _flag_spelling():
+        converted = export_torch(
+            src, out, select=select, dtype=parse_dtype(args.dtype), overwrite=args.overwrite
+        )
+    what = "the full state" if select is None else "/".join(select)
+    if args.json:
+        key = None if select is None else "/".join(select)
+        conv = ["/".join(p) for p in converted]
+        ui.json(_export_json(src, out, "torch", key, [out], converted=conv))
+        return 0
+    ui.print(f"exported {what} of {src} to {out} ({human(out.stat().st_size)})")
+    if converted:
+        shown = ", ".join("/".join(p) for p in converted[:5])
+        more = f" and {len(converted) - 5} more" if len(converted) > 5 else ""
+        ui.print(
+            f"numpy values saved as tensors / Python numbers (weights_only=True reads no "
+            f"numpy): {shown}{more}"
+        )
+    return 0

@@ -1,17 +1,15 @@
-"""The tiers on the command line: which tier holds each step, remote URLs as arguments.
+"""What ``fckpt ls ROOT`` shows below the checkpoints, and remote URLs as arguments.
 
-``fckpt ls ROOT`` adds, for a root whose manager uploads to a remote (recorded in
-``ROOT/.remote.json``), where each step lives: ``local``, ``remote``, ``both``,
-``uploading``, or ``local`` with the upload's failure. ``fckpt ls URL``,
+Below the checkpoints: a manager's safetensors exports, the branches rollbacks
+left, where each step lives for a root whose manager uploads to a remote
+(``ROOT/.remote.json``: ``local``, ``remote``, ``both``, ``uploading``, or
+``local`` with the upload's failure) and the checkpoints of its memory tier
+(``ROOT/.memory.json``), with whether its run is still open. ``fckpt ls URL``,
 ``fckpt verify URL`` and ``fckpt inspect URL/step_N`` read a remote root or
-checkpoint (downloaded into a temporary directory first). For a root whose
-manager has a memory tier (recorded in ``ROOT/.memory.json``), ``fckpt ls ROOT``
-lists the checkpoints in that folder too, and whether its run is still open. Credentials and
+checkpoint (downloaded into a temporary directory first); credentials and
 endpoints come from the environment (``AWS_*`` for s3fs), or from
-``FCKPT_STORAGE_OPTIONS``, a JSON object of fsspec storage options.
-
-The remote tier's reading side (the store, downloads, ``fc.verify``) is imported
-when a URL is given: ``fckpt ls ROOT`` of a local root reads only its status file.
+``FCKPT_STORAGE_OPTIONS``, a JSON object of fsspec storage options. The remote
+tier's reading side is imported only when a URL is given.
 """
 
 from __future__ import annotations
@@ -19,25 +17,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import socket
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from functional_ckpt._src.cli.common import (
+import functional_ckpt as fc
+from functional_ckpt._src.cli.ui import (
+    PROG,
+    UI,
     UsageError,
     Verified,
+    human,
     one_line,
-    print_json,
-    print_verified,
     time_text,
-    verify_json,
 )
-from functional_ckpt._src.cli.ui import UI, human
+from functional_ckpt._src.export.exports import ExportInfo
 from functional_ckpt._src.format.header import header_of
-from functional_ckpt._src.format.naming import parse_step, step_name
+from functional_ckpt._src.format.naming import BRANCHES_DIR, parse_step, step_name
 from functional_ckpt._src.manager.provenance import run_of
 from functional_ckpt._src.remote.uploader import read_status
 from functional_ckpt._src.root.listing import RootEntry, committed_steps, read_info
@@ -212,6 +212,67 @@ def print_memory(found: tuple[dict[str, Any], list[dict[str, Any]]] | None, ui: 
     ui.table(head, cells, [[""] * len(head)] * len(rows))
 
 
+def metrics_text(metrics: Mapping[str, float]) -> str:
+    return " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
+
+
+def metrics_json(metrics: Mapping[str, float]) -> dict[str, Any]:
+    """Metrics as JSON takes them: a float that is not finite as its repr."""
+    return {k: v if math.isfinite(v) else repr(v) for k, v in metrics.items()}
+
+
+def branch_json(root: Path, name: str, steps: list[int]) -> dict[str, Any]:
+    """A branch a rollback left (a root of its own) as a row of ``ls --json``."""
+    path = root / BRANCHES_DIR / name
+    return {"kind": "branch", "name": f"{BRANCHES_DIR}/{name}", "path": str(path), "steps": steps}
+
+
+def print_branches(rows: Sequence[dict[str, Any]], ui: UI) -> None:
+    if not rows:
+        return
+    ui.print(f"\n{ui.paint('branches', 'head')} (kept aside by rollbacks; '{PROG} ls PATH' each)")
+    cells = [[r["name"], ", ".join(map(str, r["steps"])) or "-"] for r in rows]
+    ui.table(["BRANCH", "STEPS"], cells, [["", "dim"]] * len(cells))
+
+
+def export_json(e: ExportInfo) -> dict[str, Any]:
+    """An export as a row of ``ls --json``: ``"kind": "export"`` tells it apart."""
+    return {
+        "kind": "export",
+        "name": f"{e.path.parent.name}/{e.path.name}",
+        "path": str(e.path),
+        "step": e.step,
+        "status": "export",
+        "time": e.time,
+        "size": e.size,
+        "metrics": metrics_json(e.metrics),
+        "files": list(e.files),
+    }
+
+
+def print_exports(exports: Sequence[ExportInfo], ui: UI) -> None:
+    if not exports:
+        return
+    ui.print(f"\n{ui.paint('exports', 'head')} (safetensors, under {exports[0].path.parent})")
+    cells = []
+    for e in exports:
+        side = [f for f in e.files if not f.startswith("model")]
+        weights = len(e.files) - len(side)
+        what = f"{weights} weight file{'s' if weights != 1 else ''}"
+        cells.append(
+            [
+                e.path.name,
+                str(e.step),
+                time_text(e.time),
+                human(e.size),
+                metrics_text(e.metrics),
+                ", ".join([what, *side]),
+            ]
+        )
+    head = ["EXPORT", "STEP", "SAVED", "SIZE", "METRICS", "FILES"]
+    ui.table(head, cells, [["", "", "dim", "", "", "dim"]] * len(cells))
+
+
 def ls_remote(args: argparse.Namespace, ui: UI) -> int:
     """``fckpt ls URL``: the checkpoints of a remote root."""
     store = open_store(args.root)
@@ -226,26 +287,17 @@ def ls_remote(args: argparse.Namespace, ui: UI) -> int:
         status = "ok" if entry.committed else "partial"
         rows.append({"step": step, "status": status, "time": created, "size": size})
     if args.json:
-        print_json(ui, rows)
+        ui.json(rows)
         return 0
     if not rows:
         ui.print(f"{args.root}: no checkpoints")
         return 0
     cells = [
-        [
-            step_name(r["step"]),
-            str(r["step"]),
-            time_text(r["time"]),
-            human(r["size"]),
-            r["status"],
-        ]
+        [step_name(r["step"]), str(r["step"]), time_text(r["time"]), human(r["size"]), r["status"]]
         for r in rows
     ]
-    ui.table(
-        ["CHECKPOINT", "STEP", "SAVED", "SIZE", "STATUS"],
-        cells,
-        [["", "", "dim", "", ""]] * len(rows),
-    )
+    head = ["CHECKPOINT", "STEP", "SAVED", "SIZE", "STATUS"]
+    ui.table(head, cells, [["", "", "dim", "", ""]] * len(rows))
     committed = sum(r["status"] == "ok" for r in rows)
     ui.print(f"\n{committed} committed checkpoints on {args.root}")
     return 0
@@ -257,7 +309,6 @@ def ls_remote(args: argparse.Namespace, ui: UI) -> int:
 def verify_remote(args: argparse.Namespace, ui: UI) -> int:
     """``fckpt verify URL``: download each checkpoint and check every byte."""
     from functional_ckpt._src.remote.fetch import download
-    from functional_ckpt._src.storage.verify import verify
 
     root, step = split_step(args.path)
     store = open_store(root)
@@ -271,7 +322,7 @@ def verify_remote(args: argparse.Namespace, ui: UI) -> int:
         where = store.where(s)
         with tempfile.TemporaryDirectory(prefix="fckpt-") as tmp:
             try:
-                report = verify(download(store, s, Path(tmp), check=False))
+                report = fc.verify(download(store, s, Path(tmp), check=False))
                 problems = tuple(f"{where}/{p}" for p in report.problems)
                 result = Verified(
                     where, report.ok, problems, report.files_checked, report.bytes_checked
@@ -280,13 +331,5 @@ def verify_remote(args: argparse.Namespace, ui: UI) -> int:
                 result = Verified(where, False, (f"{where}: {one_line(err)}",))
         results.append(result)
         if not args.json:
-            print_verified(ui, ui.print, result, args.quiet)
-    bad = sum(not r.ok for r in results)
-    if args.json:
-        print_json(ui, verify_json(args.path, results))
-        return 1 if bad else 0
-    if bad:
-        ui.print(f"{bad} of {len(steps)} checkpoints damaged")
-        return 1
-    ui.print(f"{len(steps)} checkpoint{'s' if len(steps) != 1 else ''} intact")
-    return 0
+            ui.verdict(ui.print, result, args.quiet)
+    return ui.verified(args.path, results, args.json)

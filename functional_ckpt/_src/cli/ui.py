@@ -1,4 +1,5 @@
-"""Where ``fckpt`` output goes and how it looks: colours, tables and progress through ``rich``.
+"""Where ``fckpt`` output goes and how it looks (colours, tables and progress through
+``rich``), and the two outcomes of a command besides success.
 
 Decided once from the streams and the environment: colours need a terminal on
 stdout and no ``NO_COLOR`` (https://no-color.org) or ``TERM=dumb``; progress needs
@@ -13,20 +14,55 @@ ASCII text is drawn: plain output (``--help``, ``ls`` into a pipe) starts withou
 from __future__ import annotations
 
 import io
+import json
+import math
 import os
 import sys
+import time
 from collections.abc import Mapping, Sequence
-from types import TracebackType
+from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
-from functional_ckpt._src.text import printable_lines
+from functional_ckpt._src.text import joined_lines, printable_lines
+from functional_ckpt.errors import CheckpointError
 
 if TYPE_CHECKING:
     from rich.progress import Progress as RichProgress
 
-__all__ = ["PROG", "Progress", "UI", "human"]
+__all__ = ["PROG", "Declined", "Progress", "UI", "UsageError", "Verified", "human", "one_line"]
 
 PROG = "fckpt"
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported in one line, exit status 2."""
+
+
+class Declined(Exception):
+    """The command ran and the answer is "no" (damage found, prune declined): exit 1."""
+
+
+def one_line(err: BaseException) -> str:
+    """An exception as one line: multi-line messages joined, errno noise dropped."""
+    if (
+        isinstance(err, OSError)
+        and err.strerror
+        and err.filename
+        and not isinstance(err, CheckpointError)
+    ):
+        return f"{err.filename}: {err.strerror}"
+    return joined_lines(str(err)) or type(err).__name__
+
+
+def time_text(t: float | None) -> str:
+    """A save time for a table; "-" when unknown or not representable."""
+    if t is None or not math.isfinite(t) or t <= 0:
+        return "-"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    except (OverflowError, ValueError, OSError):
+        return "-"
+
 
 _STYLES = {
     "ok": "green",
@@ -137,12 +173,7 @@ class Progress:
     def __enter__(self) -> Progress:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def update(self, done: float, *, force: bool = False) -> None:
@@ -268,3 +299,68 @@ class UI:
         print(f"{question} [y/N] ", end="", file=self.out, flush=True)
         answer = self.stdin.readline()
         return answer.strip().lower() in ("y", "yes")
+
+    def json(self, doc: Any) -> None:
+        """The one JSON document of a ``--json`` run: nothing else goes to stdout."""
+        self.print(json.dumps(doc, indent=2))
+
+    def verdict(self, emit: Any, result: Verified, quiet: bool) -> None:
+        """``fckpt verify``'s lines for one checkpoint (``emit`` prints one, above a bar)."""
+        if result.ok:
+            if not quiet:
+                what = f"{result.files_checked} files, {human(result.bytes_checked)}"
+                emit(f"{self.paint('OK', 'ok')}       {result.where}  ({what})")
+            return
+        emit(f"{self.paint('DAMAGED', 'bad')}  {result.where}")
+        for line in result.problems:
+            emit(f"  {line}")
+
+    def verified(
+        self, target: str, results: Sequence[Verified], json: bool, stock: Any = ()
+    ) -> int:
+        """``fckpt verify``'s last line or JSON document, for a path and a URL alike;
+        the exit status: 1 if any checkpoint is damaged."""
+        bad, n = sum(not r.ok for r in results), len(results)
+        if json:
+            rows = [
+                {
+                    "path": r.where,
+                    "status": "intact" if r.ok else "damaged",
+                    "problems": list(r.problems),
+                    "files_checked": r.files_checked,
+                    "bytes_checked": r.bytes_checked,
+                }
+                for r in results
+            ]
+            rows += [
+                {
+                    "path": str(p),
+                    "status": "skipped",
+                    "problems": [],
+                    "files_checked": 0,
+                    "bytes_checked": 0,
+                }
+                for p in stock
+            ]
+            doc = {"path": target, "ok": not bad, "intact": n - bad, "damaged": bad}
+            self.json({**doc, "skipped": len(stock), "checkpoints": rows})
+        else:
+            unverified = f"; {len(stock)} stock DCP not verifiable" if stock else ""
+            if bad:
+                self.print(f"{bad} of {n} checkpoints damaged{unverified}")
+            elif not n:
+                self.print(f"no functional_ckpt checkpoint to verify{unverified}")
+            else:
+                self.print(f"{n} checkpoint{'s' if n != 1 else ''} intact{unverified}")
+        return 1 if bad else 0
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One checkpoint's verdict, local or remote alike: what ``verify`` prints per checkpoint."""
+
+    where: str
+    ok: bool
+    problems: tuple[str, ...] = ()
+    files_checked: int = 0
+    bytes_checked: int = 0

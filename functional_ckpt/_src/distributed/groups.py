@@ -31,7 +31,7 @@ from functional_ckpt.errors import CheckpointError, RankFailed
 T = TypeVar("T")
 
 #: Seconds a rank waits for the others in a checkpoint collective before failing.
-DEFAULT_TIMEOUT = float(os.environ.get("FUNCTIONAL_CKPT_TIMEOUT", "600"))
+DEFAULT_TIMEOUT = float(os.environ.get("FCKPT_TIMEOUT", "600"))
 
 _GROUPS: dict[tuple[int, int, float, str], Any] = {}
 

@@ -5,7 +5,7 @@
     -> unflatten
 
 The project's own checkpoints, stock DCP checkpoints and restores into DTensor
-templates differ only in their backend (:mod:`read_backends`); which one serves
+templates differ only in their backend (:mod:`.backends`); which one serves
 a restore is decided once, from the directory and the template.
 """
 

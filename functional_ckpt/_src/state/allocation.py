@@ -39,7 +39,7 @@ from functional_ckpt._src.native import libc_function
 from functional_ckpt._src.threads import BackgroundThread, wait_quietly
 
 #: Environment switch: ``0`` never asks for huge pages, ``1`` always, unset/``auto`` decides.
-HUGE_PAGES_ENV = "FUNCTIONAL_CKPT_HUGE_PAGES"
+HUGE_PAGES_ENV = "FCKPT_HUGE_PAGES"
 
 #: Host tensors from this size on get their pages advised and faulted in up front.
 PREFAULT_BYTES = 4 << 20

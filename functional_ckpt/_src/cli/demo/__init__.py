@@ -1,95 +1,478 @@
-"""``fckpt demo``: train, SIGKILL, resume, and prove the result is bit-identical.
+"""``fckpt demo``: spawn the training children (:mod:`.job`), watch them, compare, report.
 
-Lives at the edge: only the ``fckpt`` command loads it, and the library never
-imports it. ``job`` is what the training children run, ``run`` the parent that
-spawns, watches and compares them, ``report`` what is printed.
-
-Its names are imported on first use: the ``fckpt`` parser reads
-``job.DEFAULT_STEPS`` without loading the rest.
+Loaded only by the command; the library never imports it.
 """
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+import argparse
+import contextlib
+import importlib
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-if TYPE_CHECKING:
-    from functional_ckpt._src.cli.demo.job import (
-        DEFAULT_STEPS,
-        DemoError,
-        Job,
-        Schedule,
-        ShuffleLoader,
-        child_main,
+import functional_ckpt as fc
+from functional_ckpt._src.cli.demo import job
+from functional_ckpt._src.cli.demo.job import DemoError, Job, Schedule
+from functional_ckpt._src.cli.parser import DEFAULT_STEPS
+from functional_ckpt._src.cli.ui import UI, one_line
+from functional_ckpt._src.format import naming
+from functional_ckpt._src.root.listing import kept_by, root_entries
+
+__all__ = ["DEFAULT_STEPS", "DemoError", "Schedule", "cmd_demo", "run_demo"]
+
+SPARKS = "▁▂▃▄▅▆▇█"
+ASCII_SPARKS = "_.-=+*#@"
+
+
+@dataclass
+class ChildLog:
+    """What one child process did, read back from its event log."""
+
+    returncode: int
+    resumed_from: int | None = None
+    restore_s: float = 0.0
+    async_save: bool = False
+    losses: dict[int, str] = field(default_factory=dict)
+    saves: list[int] = field(default_factory=list)
+    blocked_s: float = 0.0
+    loop_s: float = 0.0
+    last_step: int = 0
+
+
+def read_attempt(events: Sequence[Mapping[str, Any]], returncode: int) -> ChildLog:
+    """Fold the events of one process into a :class:`ChildLog`."""
+    att = ChildLog(returncode)
+    for ev in events:
+        kind = ev.get("event")
+        if kind == "start":
+            att.resumed_from = ev.get("resumed_from")
+            att.restore_s = float(ev.get("restore_s", 0.0))
+            att.async_save = bool(ev.get("async_save"))
+            start = float(ev["t"])
+        elif kind == "step":
+            step = att.last_step = int(ev["step"])
+            att.losses[step] = str(ev["loss"])
+            if ev.get("saved"):
+                att.saves.append(step)
+            att.blocked_s += float(ev["blocked"])
+            att.loop_s = float(ev["t"]) - start
+        elif kind == "end":
+            att.blocked_s += float(ev.get("close_s", 0.0))
+            att.loop_s = float(ev["t"]) - start
+    return att
+
+
+class EventTail:
+    """Reads the complete lines appended to an event log since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._offset = path, 0
+        self.events: list[dict[str, Any]] = []
+
+    def poll(self) -> int:
+        """Read new events; return the highest step seen so far."""
+        with contextlib.suppress(FileNotFoundError), open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+            end = data.rfind(b"\n") + 1
+            self._offset += end
+            for line in data[:end].splitlines():
+                with contextlib.suppress(ValueError):
+                    self.events.append(json.loads(line))
+        return max((int(e["step"]) for e in self.events if e.get("event") == "step"), default=0)
+
+
+class Heartbeat:
+    """Progress as a plain line at most every ``every`` seconds, for output that is not
+    a terminal: a CI log shows the demo is alive without the redraws of a bar."""
+
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        say: Callable[[str], None],
+        every: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.label, self.total, self.say, self.every, self.clock = label, total, say, every, clock
+        self._last: float | None = None
+
+    def update(self, done: int) -> None:
+        now = self.clock()
+        if self._last is None or now - self._last >= self.every:
+            self._last = now
+            self.say(f"      {self.label}: step {done}/{self.total}")
+
+    def close(self) -> None:
+        """Nothing to take away: every line stays in the log."""
+
+
+@dataclass
+class Child:
+    """A training subprocess and the tail of its event log."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    tail: EventTail
+    log: Path
+
+    def wait(self, progress: Any) -> ChildLog:
+        """Wait for the process, feeding ``progress.update(step)`` while it runs."""
+        while True:
+            running = self.proc.poll() is None
+            progress.update(self.tail.poll())
+            if not running:
+                return read_attempt(self.tail.events, self.proc.returncode)
+            time.sleep(0.1)
+
+    def failure(self) -> DemoError:
+        """The last meaningful line of the child's log, as a one-line error."""
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            text = ""
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        last = lines[-1] if lines else "no output"
+        return DemoError(
+            f"the {self.name} process exited with {self.proc.returncode}: {last} (log: {self.log})"
+        )
+
+
+def spawn(name: str, directory: Path, logs: Path, steps: int, *extra: str) -> Child:
+    """A single-threaded child that imports this very package, installed or not."""
+    directory.mkdir(parents=True, exist_ok=True)
+    log, events = logs / f"{name}.log", logs / f"{name}.{job.EVENTS}"
+    cmd = [sys.executable, "-m", "functional_ckpt._src.cli.demo", "train", str(directory)]
+    cmd += ["--steps", str(steps), "--events", str(events), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    here = str(Path(__file__).resolve().parents[3])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return Child(name, proc, EventTail(events), log)
+
+
+@dataclass
+class DemoResult:
+    """Everything the report says, computed from the children's logs and the disk."""
+
+    root: Path
+    schedule: Schedule
+    crash_at: int
+    first: ChildLog
+    second: ChildLog
+    reference: ChildLog
+    in_flight: list[str]
+    kept: list[int]
+    kept_by: dict[int, list[str]]
+    losses_identical: bool
+    replayed: int
+    state_diff: list[str]
+    model_tensors: int
+    model_bytes: int
+    wall_s: float
+    plot: Path | None = None
+
+    @property
+    def identical(self) -> bool:
+        return self.losses_identical and not self.state_diff
+
+
+def prepare_root(root: Path) -> None:
+    """Use an empty or earlier demo directory; never clobber anything else."""
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"{root}: exists and is not a directory")
+    if root.is_dir() and any(root.iterdir()):
+        if not (root / job.DEMO_MARKER).is_file():
+            raise ValueError(
+                f"{root}: is not empty and not an earlier demo directory; pass a new --root"
+            )
+        for name in (job.RUN_DIR, job.REF_DIR, job.LOG_DIR, "loss.png"):
+            target = root / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    root.mkdir(parents=True, exist_ok=True)
+    (root / job.LOG_DIR).mkdir()
+    (root / job.DEMO_MARKER).write_text(json.dumps({"created": time.time()}) + "\n")
+
+
+def default_crash_at(steps: int) -> int:
+    return max(1, min(steps - 1, round(steps * job.CRASH_FRACTION)))
+
+
+def run_demo(
+    root: Path,
+    steps: int = DEFAULT_STEPS,
+    crash_at: int | None = None,
+    *,
+    progress: Callable[[str, int], Any],
+    say: Callable[[str], None] = print,
+) -> DemoResult:
+    """Run the three children and compare them (bad arguments: ValueError, exit status 2)."""
+    crash = default_crash_at(steps) if crash_at is None else crash_at
+    if steps < 2:
+        raise ValueError(f"--steps {steps}: need at least 2 steps (one before and after the crash)")
+    if not 1 <= crash < steps:
+        raise ValueError(f"--crash-at {crash}: must be between 1 and {steps - 1} (--steps - 1)")
+    from functional_ckpt._src.restore.diff import diff_checkpoints  # reads tensors: torch
+
+    prepare_root(root)
+    started = time.perf_counter()
+    logs, run_dir = root / job.LOG_DIR, root / job.RUN_DIR
+    children: list[Child] = []
+
+    def watch(child: Child, label: str, total: int, status: int = 0) -> ChildLog:
+        bar = progress(label, total)
+        try:
+            log = child.wait(bar)
+        finally:
+            bar.close()
+        if log.returncode != status:
+            raise child.failure()
+        return log
+
+    try:
+        children.append(ref := spawn("reference", root / job.REF_DIR, logs, steps, "--reference"))
+        children.append(child := spawn("run-1", run_dir, logs, steps, "--crash-at", str(crash)))
+        say(f"[1/3] training; this process SIGKILLs itself after step {crash}")
+        first = watch(child, f"run until SIGKILL at {crash}", crash, -signal.SIGKILL)
+        in_flight = _in_flight(run_dir / job.CKPT_DIR)
+        say(f"      killed at step {first.last_step} (exit {first.returncode}, SIGKILL)")
+        children.append(child := spawn("run-2", run_dir, logs, steps))
+        say("[2/3] resuming in a new process from the newest checkpoint")
+        second = watch(child, "resumed run", steps)
+        say(f"      resumed from step {second.resumed_from}, finished step {second.last_step}")
+        say("[3/3] waiting for the uninterrupted reference run")
+        reference = watch(ref, "reference run", steps)
+    finally:
+        for c in children:
+            if c.proc.poll() is None:
+                c.proc.kill()
+                c.proc.wait()
+    wall_s = time.perf_counter() - started
+    # Every loss either run logged equals the reference's, bit for bit (the steps between
+    # the checkpoint resumed from and the crash were computed twice: both copies count).
+    want = reference.losses
+    same = all(want.get(s) == v for s, v in [*first.losses.items(), *second.losses.items()])
+    full = set(first.losses) | set(second.losses) == set(want) == set(range(1, len(want) + 1))
+    schedule = Schedule.for_steps(steps)
+    mgr = fc.CheckpointManager(run_dir / job.CKPT_DIR, read_only=True)
+    infos = mgr.infos()
+    diff = diff_checkpoints(root / job.REF_DIR / "final", mgr.path(steps))
+    model = [e for e in diff.same if e.key[:1] == ("model",)]
+    return DemoResult(
+        root=root,
+        schedule=schedule,
+        crash_at=crash,
+        first=first,
+        second=second,
+        reference=reference,
+        in_flight=in_flight,
+        kept=[i.step for i in infos],
+        kept_by=kept_by(schedule.retention_parts(), infos),
+        losses_identical=same and full,
+        replayed=len(set(first.losses) & set(second.losses)),
+        state_diff=[str(e) for e in diff.changes],
+        model_tensors=len(model),
+        model_bytes=sum(e.nbytes for e in model),
+        wall_s=wall_s,
     )
-    from functional_ckpt._src.cli.demo.report import (
-        SPARKS,
-        format_report,
-        plot,
-        report_lines,
-        sparkline,
+
+
+def _in_flight(ckpt_dir: Path) -> list[str]:
+    """Temporary directories a killed save left behind (invisible to every reader)."""
+    try:
+        return [e.name for e in root_entries(ckpt_dir) if naming.TMP_INFIX in e.name]
+    except fc.errors.CheckpointNotFound:
+        return []
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _run_losses(result: DemoResult) -> list[float]:
+    """The curve the crashed-and-resumed run produced: first process, then the second."""
+    resumed = result.second.resumed_from or 0
+    merged = {s: v for s, v in result.first.losses.items() if s <= resumed}
+    merged.update(result.second.losses)
+    return [float.fromhex(merged[s]) for s in sorted(merged)]
+
+
+def sparkline(
+    values: Sequence[float], width: int, marks: Mapping[int, str], ascii_only: bool
+) -> str:
+    """Mean value per column on an 8-level (log) scale, and a second line with ``marks``
+    (1-based step -> a character placed under the column holding that step)."""
+    if not values:
+        return ""
+    levels = ASCII_SPARKS if ascii_only else SPARKS
+    width = max(1, min(width, len(values)))
+    cols = [values[i * len(values) // width : (i + 1) * len(values) // width] for i in range(width)]
+    means = [sum(c) / len(c) for c in cols if c]
+    if min(means) > 0:  # losses span decades: a log scale keeps the tail visible
+        means = [math.log(m) for m in means]
+    lo, hi = min(means), max(means)
+    span = hi - lo or 1.0
+    line = "".join(levels[min(len(levels) - 1, int((m - lo) / span * len(levels)))] for m in means)
+    under = [" "] * len(means)
+    for step, mark in marks.items():
+        under[min(len(means) - 1, max(0, (step - 1) * width // len(values)))] = mark
+    return line + "\n" + "".join(under).rstrip()
+
+
+def plot(result: DemoResult) -> Path | None:
+    """A PNG of both loss curves with the crash and the resume marked, if matplotlib is there."""
+    try:
+        plt: Any = importlib.import_module("matplotlib.pyplot")
+        ref = [float.fromhex(v) for _, v in sorted(result.reference.losses.items())]
+        run = _run_losses(result)
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.plot(range(1, len(ref) + 1), ref, lw=2.5, alpha=0.4, label="reference (never stopped)")
+        ax.plot(range(1, len(run) + 1), run, lw=0.8, label="crashed and resumed")
+        ax.axvline(result.first.last_step, color="red", ls="--", label="SIGKILL")
+        ax.axvline(result.second.resumed_from or 0, color="green", ls=":", label="resumed from")
+        ax.set(xlabel="step", ylabel="training loss", title="fckpt demo")
+        ax.legend()
+        out = result.root / "loss.png"
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        return out
+    except Exception:  # optional garnish: a broken matplotlib must not fail the demo
+        return None
+
+
+def _kept_lines(result: DemoResult) -> list[str]:
+    """One line per part of the retention policy: the steps it keeps."""
+    by_label: dict[str, list[int]] = {}
+    for step in result.kept:
+        for label in result.kept_by.get(step, []):
+            by_label.setdefault(label, []).append(step)
+    width = max((len(label) for label in by_label), default=0)
+    return [f"    {k.ljust(width)}  keeps {', '.join(map(str, v))}" for k, v in by_label.items()]
+
+
+def report_lines(
+    result: DemoResult, colour: Callable[[str, str], str], ascii_only: bool = False
+) -> list[str]:
+    """The report as lines; ``colour(text, style)`` decorates (or not) a fragment."""
+    s, first, second = result.schedule, result.first, result.second
+    resumed = second.resumed_from or 0
+    loop_s = first.loop_s + second.loop_s
+    blocked = first.blocked_s + second.blocked_s
+    saves = len(first.saves) + len(second.saves)
+    marks = {resumed or 1: "R" if ascii_only else "↺", first.last_step: "X" if ascii_only else "✗"}
+    curve = [*sparkline(_run_losses(result), 60, marks, ascii_only).splitlines(), "", ""]
+    crash = f"SIGKILLed right after step {first.last_step}; " + (
+        f"the save in flight was left as {result.in_flight[0]} (a temporary name: never "
+        "read; on resume removed, or recovered if complete)"
+        if result.in_flight
+        else "no save was in flight"
     )
-    from functional_ckpt._src.cli.demo.run import (
-        ChildLog,
-        DemoResult,
-        EventTail,
-        Heartbeat,
-        default_crash_at,
-        default_root,
-        read_attempt,
-        run_demo,
+    n = len(result.reference.losses)
+    losses = (
+        f"{n}/{n} bit-identical to the reference"
+        + (f", the {result.replayed} replayed steps too" if result.replayed else "")
+        if result.losses_identical
+        else "DIFFERENT"
     )
-
-#: Where each name lives: ``name -> module of this package``.
-_WHERE = {
-    "ChildLog": "run",
-    "DEFAULT_STEPS": "job",
-    "DemoError": "job",
-    "DemoResult": "run",
-    "EventTail": "run",
-    "Heartbeat": "run",
-    "Job": "job",
-    "SPARKS": "report",
-    "Schedule": "job",
-    "ShuffleLoader": "job",
-    "child_main": "job",
-    "default_crash_at": "run",
-    "default_root": "run",
-    "format_report": "report",
-    "plot": "report",
-    "read_attempt": "run",
-    "report_lines": "report",
-    "run_demo": "run",
-    "sparkline": "report",
-}
-
-__all__ = [
-    "DEFAULT_STEPS",
-    "SPARKS",
-    "ChildLog",
-    "DemoError",
-    "DemoResult",
-    "EventTail",
-    "Heartbeat",
-    "Job",
-    "Schedule",
-    "ShuffleLoader",
-    "child_main",
-    "default_crash_at",
-    "default_root",
-    "format_report",
-    "plot",
-    "read_attempt",
-    "report_lines",
-    "run_demo",
-    "sparkline",
-]
+    lines = [
+        f"fckpt demo report ({result.root})",
+        f"  model       MLP {job.IN_DIM}-{job.HIDDEN}-{job.HIDDEN}-{job.CLASSES}, dropout 0.1, "
+        f"AdamW, warm-up + cosine LR; {Job.param_count() / 1e6:.2f} M parameters",
+        f"  save when   {s.save_policy()!r}  ({'async' if first.async_save else 'synchronous'})",
+        f"  keep        {s.retention()!r}",
+        f"  crash       {crash}",
+        f"  resume      from step {resumed} in a new process "
+        f"({second.restore_s * 1000:.0f} ms to restore), trained to step {second.last_step}",
+        "",
+        f"  loss  {curve[0]}",
+        f"        {curve[1]}   {marks[first.last_step]} killed at {first.last_step}, "
+        f"{marks[resumed or 1]} resumed from {resumed}",
+        "",
+        f"  steps done           {s.steps} (+{result.replayed} replayed after the resume)",
+        f"  checkpoints          {saves} saves started, {saves - len(result.in_flight)} "
+        f"committed, {len(result.kept)} kept:",
+        *_kept_lines(result),
+        f"  blocked on saves     {blocked:.2f} s of {loop_s:.1f} s in the training loops "
+        f"({100 * blocked / max(loop_s, 1e-9):.1f} %)",
+        f"  final parameters     {result.model_tensors} tensors "
+        f"({result.model_bytes / 1e6:.1f} MB): "
+        + ("bit-identical" if not result.state_diff else "DIFFERENT"),
+        "  full training state  "
+        + (
+            "bit-identical (optimizer moments, LR schedule, RNGs, loader position)"
+            if not result.state_diff
+            else f"{len(result.state_diff)} differences: " + "; ".join(result.state_diff[:3])
+        ),
+        f"  per-step losses      {losses}",
+        f"  wall time            {result.wall_s:.1f} s (the reference ran alongside)",
+    ]
+    if result.plot is not None:
+        lines.append(f"  plot                 {result.plot}")
+    verdict = (
+        colour("IDENTICAL", "ok") + ": the crashed and resumed run is, bit for bit, the run that "
+        "never stopped."
+        if result.identical
+        else colour("NOT IDENTICAL", "bad") + ": see the differences above."
+    )
+    ckpts = result.root / job.RUN_DIR / job.CKPT_DIR
+    return [*lines, "", verdict, f"Look around: fckpt ls {ckpts}   fckpt verify {ckpts}"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # looked up once; the next access finds it directly
-    return value
+# --------------------------------------------------------------------------- the command
+
+
+def cmd_demo(args: argparse.Namespace, ui: UI) -> int:
+    root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="fckpt-demo-"))
+    say = ui.note if args.json else ui.print  # with --json, stdout holds only the document
+
+    def progress(label: str, total: int) -> Any:
+        if not ui.show_progress:  # a log: a plain line every few seconds, no bar
+            return Heartbeat(label, total, say)
+        return ui.progress(label, total, unit="steps").start()
+
+    say(f"fckpt demo: train, SIGKILL, resume, compare; working in {root}")
+    try:
+        result = run_demo(root, args.steps, args.crash_at, progress=progress, say=say)
+    except DemoError as e:
+        ui.error(one_line(e))  # the answer is "no": the demo's runs could not be compared
+        return 1
+    result.plot = plot(result)
+    if args.json:
+        ui.json(
+            {
+                "root": str(result.root),
+                "identical": result.identical,
+                "losses_identical": result.losses_identical,
+                "state_diff": list(result.state_diff),
+                "steps": result.schedule.steps,
+                "crash_at": result.crash_at,
+                "killed_at": result.first.last_step,
+                "resumed_from": result.second.resumed_from,
+                "finished_at": result.second.last_step,
+                "replayed": result.replayed,
+                "kept": list(result.kept),
+                "kept_by": {str(k): v for k, v in result.kept_by.items()},
+                "in_flight": list(result.in_flight),
+                "wall_s": result.wall_s,
+                "plot": None if result.plot is None else str(result.plot),
+            },
+        )
+    else:
+        ui.print("")
+        ui.print("\n".join(report_lines(result, ui.paint, ui.ascii_only)))
+    return 0 if result.identical else 1
