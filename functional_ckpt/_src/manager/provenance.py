@@ -132,7 +132,7 @@ class Provenance:
         rollbacks = metadata.get("rollbacks")
         self.rollbacks = list(rollbacks) if isinstance(rollbacks, list) else []
 
-    def continued_from(self, step: int, metadata: Mapping[str, Any], checksum: Any) -> None:
+    def continued_from(self, step: int | None, metadata: Mapping[str, Any], checksum: Any) -> None:
         """The parent of this run's next checkpoints: the one of ``step`` just restored."""
         self.parent = {"run": run_of(metadata), "step": step, "manifest_crc32": checksum}
 
