@@ -61,7 +61,7 @@ def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = No
         provenance["parent"] = meta["forked_from"]
     cwd = os.getcwd()
     run = Provenance(cwd, git_commit(cwd))  # a new run, whose parent is the source
-    run.continued_from(src_step, meta, committed.check_committed(src).get("manifest_crc32"))
+    run.continued_from(src_step, meta, src)
     with CheckpointManager(new_root, save=never(), keep=keep_all()) as mgr:
         existing = mgr.steps()
         if existing:

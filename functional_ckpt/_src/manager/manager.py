@@ -9,7 +9,6 @@ the root's steps and records its :class:`~..root.view.RootView`'s.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -71,7 +70,6 @@ from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.options import DEFAULT_PER_RANK
 from functional_ckpt._src.state.tree import State
-from functional_ckpt._src.storage.committed import check_committed
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
 __all__ = ["CheckpointManager"]
@@ -91,9 +89,8 @@ class CheckpointManager(RootView):
     manager locks ``root``, recovers or removes what crashes left and finishes an
     interrupted rollback at open; ``read_only=True`` never deletes or renames
     anything. Only the manager reads ``clock`` (the run's running time, which every
-    event carries), never a policy. Not thread-safe. See docs/manager.md. Its root's
-    queries (``steps``, ``info``, ``best_step``, ``branches``…) are :class:`RootView`'s;
-    its tiers (:mod:`.tiers`) are ``self.tiers``, fastest first.
+    event carries), never a policy. Not thread-safe. See docs/manager.md. Queries of
+    the root are :class:`RootView`'s; ``self.tiers`` are its tiers, fastest first.
     """
 
     def __init__(
@@ -207,8 +204,8 @@ class CheckpointManager(RootView):
         )
 
     def _open_writer(self) -> tuple[Run, bool]:
-        """Lock the root, finish what crashes left, and say which run it holds (made now?)."""
-        # Leftovers of crashed writers are recovered (warning at the CheckpointManager call).
+        """Lock the root, finish what crashes left (warning at the CheckpointManager call),
+        and say which run it holds (made now?)."""
         self._lock = open_writer(self.root, stacklevel=4)
         try:
             rollback.finish(self.root)  # a rollback a crash interrupted completes now
@@ -316,10 +313,7 @@ class CheckpointManager(RootView):
         if self.read_only:
             return  # a follower never saves: its policies are irrelevant
         self._run.resume(info.metadata)
-        checksum = None
-        with contextlib.suppress(CheckpointError, OSError):
-            checksum = check_committed(info.path).get("manifest_crc32")
-        self._run.continued_from(info.step, info.metadata, checksum)
+        self._run.continued_from(info.step, info.metadata, info.path)
         record = record_of(info.metadata)
         self._policy_state = stored_state(self.save_policy, record.raw, "save", info.path)
         self._watch.resume(record.raw, info.path)
@@ -332,13 +326,8 @@ class CheckpointManager(RootView):
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._close(crashed=exc_type is not None)
+    def __exit__(self, kind: type[BaseException] | None, *_: TracebackType | object) -> None:
+        self._close(crashed=kind is not None)  # a crash keeps what a tier keeps past one
 
     def close(self) -> None:
         """Wait for pending work and release the lock; idempotent. The memory tier's
@@ -371,20 +360,14 @@ class CheckpointManager(RootView):
                 self._lock = None
 
     def wait(self) -> None:
-        """Block until every save started so far is committed; raise if one failed.
-
-        The retention policy runs once the save it follows has committed. A failed
-        memory-tier save is reported as a ``MemoryWarning`` instead.
-        """
+        """Block until every save started so far is committed (retention then runs); raise
+        if one failed (a memory-tier save's failure is a ``MemoryWarning`` instead)."""
         for tier in self.tiers:
             tier.wait()
 
     def wait_staged(self) -> None:
-        """Block until the state may be mutated again (call it before the optimizer step).
-
-        With synchronous saves, or ``staging="copy"`` once the copy is done, this
-        returns at once. With ``staging="none"`` it waits for the whole write.
-        """
+        """Block until the state may be mutated again (call it before the optimizer step;
+        with ``staging="none"`` it waits for the whole write)."""
         self._writes.wait_staged()
         if self.memory is not None:
             self.memory.wait_staged()
@@ -413,14 +396,11 @@ class CheckpointManager(RootView):
     ) -> SaveResult:
         """Build the event, ask the policies, save, commit their states with it, then prune.
 
-        Returns whether a checkpoint was written (``force=True`` saves whatever the
-        policy says). ``epoch_end=True`` marks the step that finishes an epoch, where
-        ``every_epochs`` saves; ``epoch`` is only recorded. An export due on the same
-        event is written first (off the training thread with ``async_save``, from this
-        step's checkpoint or a copy of its tensors). Policy states advance only once
-        the writes they describe succeeded. A memory tier saves on its own policy, after
-        the disk tier (and only the disk tier's save counts in the result). A rollback
-        rule that fires returns the state it went back to in ``.rollback``.
+        Returns whether a disk checkpoint was written (``force=True`` saves whatever the
+        policy says; a memory tier saves on its own policy after it). ``epoch_end=True``
+        marks the step that ends an epoch; ``epoch`` is only recorded. An export due is
+        written first. Policy states advance only once the writes they describe
+        succeeded. A rollback rule that fires returns its state in ``.rollback``.
         """
         self._check_open("maybe_save", writing=True)
         if self.remote is not None:
