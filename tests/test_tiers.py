@@ -557,3 +557,19 @@ def test_fckpt_ls_of_a_remote_says_which_run_each_checkpoint_is_of(
     assert cli.main(["ls", mem]) == 0
     out = capsys.readouterr().out
     assert "RUN" in out and run.id[:8] in out
+
+
+def test_no_tier_module_decides_resume_retention_or_progress_itself() -> None:
+    """Which checkpoint a resume takes, what retention deletes and the progress told to
+    ``fckpt run`` are decided in manager/tiers.py only, over every tier alike."""
+    import functional_ckpt._src.manager as pkg
+
+    deciders = ("plan_deletions(", "newest_readable(", "report_progress(", ".select(")
+    found = {
+        (path.name, name)
+        for path in Path(pkg.__file__).parent.glob("*.py")
+        if path.name != "tiers.py"
+        for name in deciders
+        if name in path.read_text()
+    }
+    assert found == set()
