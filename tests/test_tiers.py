@@ -446,3 +446,130 @@ def test_a_resume_takes_the_newest_intact_step_of_this_run(tmp_path: Path, seed:
     finally:
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- one protocol
+
+
+class FakeTier:
+    """A fourth tier, fastest first, that only answers the tier protocol's questions."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.held, self.closed = root, {}, []  # type: ignore[var-annotated]
+
+    def put(self, step: int) -> None:
+        path = self.root / step_name(step)
+        fc.save(path, state(step), metadata={"run": {"id": "fake", "parent": None}})
+        self.held[step] = path
+
+    def steps(self) -> list[int]:
+        return sorted(self.held)
+
+    def infos(self) -> list[Any]:
+        from functional_ckpt._src.root.listing import read_info
+
+        return [read_info(self.held[s], s) for s in self.steps()]
+
+    def newest(self, read: Any, above: int | None) -> Any:
+        from functional_ckpt._src.root.listing import read_info
+
+        for step in reversed(self.steps()):
+            if above is None or step > above:
+                return read_info(self.held[step], step), read(self.held[step])
+        return None
+
+    def delete(self, steps: Any) -> None:
+        for step in steps:
+            shutil.rmtree(self.held.pop(step))
+
+    def wait(self) -> None:
+        pass
+
+    def close(self, *, crashed: bool) -> None:
+        self.closed.append(crashed)
+
+
+def test_a_tier_is_only_asked_the_protocol_and_the_manager_decides(tmp_path: Path) -> None:
+    from functional_ckpt._src.manager.tiers import retain
+
+    root, fake = tmp_path / "root", FakeTier(tmp_path / "fake")
+    with fc.CheckpointManager(root) as mgr:
+        for step in (1, 2):
+            mgr.maybe_save(state(step), step=step)
+    for step in (1, 3, 4):
+        fake.put(step)
+    mgr = fc.CheckpointManager(root)
+    mgr.tiers.insert(0, fake)  # no other change: resume, deletion and close go through it
+    back = mgr.restore_latest(like=state(0))
+    assert mgr.restored_step == 4 and back is not None
+    exact(back, 4)
+    mgr.delete(1)  # from every tier that holds it
+    assert fake.steps() == [3, 4] and mgr.steps() == [2]
+    assert retain(fake, fc.keep_last(1)) == [3] and fake.steps() == [4]  # one retention rule
+    mgr.rollback(2, like=state(0), newer="delete")  # a tier of copies drops the newer steps
+    assert fake.steps() == []
+    mgr.close()
+    assert fake.closed == [False]
+
+
+def test_a_fork_starts_a_new_run_whose_parent_is_the_forked_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from functional_ckpt._src import cli
+    from functional_ckpt._src.storage.committed import check_committed
+
+    root = tmp_path / "root"
+    with fc.CheckpointManager(root) as mgr:
+        mgr.maybe_save(state(3), step=3)
+    parent = read_run(root)
+    forked = fc.fork(root / step_name(3), tmp_path / "fork")
+    child = read_run(tmp_path / "fork")
+    assert parent is not None and child is not None and child.id != parent.id
+    meta = fc.CheckpointManager(tmp_path / "fork", read_only=True).info(3).metadata
+    crc = check_committed(root / step_name(3))["manifest_crc32"]
+    assert meta["run"] == {
+        "id": child.id,
+        "parent": {"run": parent.id, "step": 3, "manifest_crc32": crc},
+    }
+    assert forked == tmp_path / "fork" / step_name(3)
+    for where, run in ((root, parent), (tmp_path / "fork", child)):
+        assert cli.main(["ls", "--json", str(where)]) == 0
+        rows = [r for r in json.loads(capsys.readouterr().out) if "kind" not in r]
+        assert [r["run"] for r in rows] == [run.id]
+        assert cli.main(["ls", str(where)]) == 0
+        out = capsys.readouterr().out
+        assert "RUN" in out and run.id[:8] in out
+
+
+def test_fckpt_ls_of_a_remote_says_which_run_each_checkpoint_is_of(
+    tmp_path: Path, mem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from functional_ckpt._src import cli
+
+    root = tmp_path / "root"
+    with fc.CheckpointManager(root, remote=fc.manager.Remote(mem)) as mgr:
+        mgr.maybe_save(state(1), step=1)
+        assert mgr.remote is not None and mgr.remote.wait()
+    run = read_run(root)
+    assert run is not None
+    assert cli.main(["ls", "--json", mem]) == 0
+    assert [r["run"] for r in json.loads(capsys.readouterr().out)] == [run.id]
+    assert cli.main(["ls", mem]) == 0
+    out = capsys.readouterr().out
+    assert "RUN" in out and run.id[:8] in out
+
+
+def test_no_tier_module_decides_resume_retention_or_progress_itself() -> None:
+    """Which checkpoint a resume takes, what retention deletes and the progress told to
+    ``fckpt run`` are decided in manager/tiers.py only, over every tier alike."""
+    import functional_ckpt._src.manager as pkg
+
+    deciders = ("plan_deletions(", "newest_readable(", "report_progress(", ".select(")
+    found = {
+        (path.name, name)
+        for path in Path(pkg.__file__).parent.glob("*.py")
+        if path.name != "tiers.py"
+        for name in deciders
+        if name in path.read_text()
+    }
+    assert found == set()

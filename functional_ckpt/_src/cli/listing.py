@@ -30,6 +30,7 @@ from functional_ckpt._src.export.exports import export_infos
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.header import MANAGER_KEY
 from functional_ckpt._src.format.kind import Kind, classify
+from functional_ckpt._src.manager.provenance import run_of
 from functional_ckpt._src.policy.config import stored_spec
 from functional_ckpt._src.policy.retention import union_parts
 from functional_ckpt._src.root.listing import RootEntry, kept_by, newest_summary, root_entries
@@ -228,6 +229,7 @@ def _row_json(row: RootEntry, kept: list[str]) -> dict[str, Any]:
         "metrics": tiers.metrics_json(row.metrics),
         "kept_by": kept,
         "detail": row.detail,
+        "run": run_of(row.metadata),
     }
 
 
@@ -238,7 +240,7 @@ def _print_ls(
     source: str,
     ui: UI,
 ) -> None:
-    head = ["CHECKPOINT", "STEP", "SAVED", "SIZE", "SHARED", "STATUS", "METRICS", "KEPT BY"]
+    head = ["CHECKPOINT", "STEP", "SAVED", "SIZE", "SHARED", "STATUS", "RUN", "METRICS", "KEPT BY"]
     cells: list[list[str]] = []
     styles: list[list[str]] = []
     for r in rows:
@@ -251,13 +253,24 @@ def _print_ls(
                 human(r.size),
                 human(shared_bytes(r.path)),
                 r.status,
+                (run_of(r.metadata) or "-")[:8],
                 tiers.metrics_text(r.metrics),
                 why,
             ]
         )
         deleting = "deleted by" in why
         styles.append(
-            ["", "", "dim", "", "dim", _status_style(r.status), "", "bad" if deleting else "dim"]
+            [
+                "",
+                "",
+                "dim",
+                "",
+                "dim",
+                _status_style(r.status),
+                "dim",
+                "",
+                "bad" if deleting else "dim",
+            ]
         )
     ui.table(head, cells, styles)
     committed = [r for r in rows if r.status in COMMITTED]

@@ -279,13 +279,14 @@ def ls_remote(args: argparse.Namespace, ui: UI) -> int:
     listing = store.listing()
     rows: list[dict[str, Any]] = []
     for step, entry in sorted(listing.items()):
-        created: float | None = None
+        created, run = None, None
         if entry.committed:
             with contextlib.suppress(CheckpointError, ValueError):
-                created = header_of(store.manifest(step)[1]).created
+                head = header_of(store.manifest(step)[1])
+                created, run = head.created, run_of(head.metadata)
         size = sum(v for v in entry.objects.values() if v > 0)
         status = "ok" if entry.committed else "partial"
-        rows.append({"step": step, "status": status, "time": created, "size": size})
+        rows.append({"step": step, "status": status, "time": created, "size": size, "run": run})
     if args.json:
         ui.json(rows)
         return 0
@@ -293,11 +294,21 @@ def ls_remote(args: argparse.Namespace, ui: UI) -> int:
         ui.print(f"{args.root}: no checkpoints")
         return 0
     cells = [
-        [step_name(r["step"]), str(r["step"]), time_text(r["time"]), human(r["size"]), r["status"]]
+        [
+            step_name(r["step"]),
+            str(r["step"]),
+            time_text(r["time"]),
+            human(r["size"]),
+            r["status"],
+            (r["run"] or "-")[:8],
+        ]
         for r in rows
     ]
-    head = ["CHECKPOINT", "STEP", "SAVED", "SIZE", "STATUS"]
-    ui.table(head, cells, [["", "", "dim", "", ""]] * len(rows))
+    ui.table(
+        ["CHECKPOINT", "STEP", "SAVED", "SIZE", "STATUS", "RUN"],
+        cells,
+        [["", "", "dim", "", "", "dim"]] * len(rows),
+    )
     committed = sum(r["status"] == "ok" for r in rows)
     ui.print(f"\n{committed} committed checkpoints on {args.root}")
     return 0

@@ -38,7 +38,9 @@ def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = No
     copy keeps the user metadata, step, epoch and metrics of the source, gets fresh
     automatic metadata, starts its policies afresh (it is a new run), and records
     ``"forked_from": {"path", "step", "time", "hostname", "git_commit"}`` (nested
-    ``"parent"`` for forks of forks). ``new_root`` must hold no checkpoint yet.
+    ``"parent"`` for forks of forks), and starts a new run lineage: ``"run"`` holds the
+    new root's run id and, as parent, the source's run, step and manifest checksum.
+    ``new_root`` must hold no checkpoint yet.
     """
     src = Path(checkpoint_path)
     head = header_of(committed.read_manifest(src))
@@ -58,7 +60,8 @@ def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = No
     if "forked_from" in meta:
         provenance["parent"] = meta["forked_from"]
     cwd = os.getcwd()
-    run = Provenance(cwd, git_commit(cwd))  # a new run: no lineage of its own yet
+    run = Provenance(cwd, git_commit(cwd))  # a new run, whose parent is the source
+    run.continued_from(src_step, meta, src)
     with CheckpointManager(new_root, save=never(), keep=keep_all()) as mgr:
         existing = mgr.steps()
         if existing:
@@ -66,6 +69,7 @@ def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = No
                 f"{mgr.root}: already holds checkpoints (steps {existing[:5]}…); fork into "
                 "an empty root"
             )
+        run.run = mgr._run.run
         record = dict(head.record.raw)
         for key in ("save", "export", "policy_state", "export_policy_state"):
             record.pop(key, None)  # a new run: its policies start fresh

@@ -1,11 +1,10 @@
 """CheckpointManager: policies, retention, resume and locking around ``save``/``restore``.
 
 No checkpointing logic of its own: it threads a save policy's state through
-``maybe_save`` events, writes through :mod:`.writes`, prunes by retention, and resumes
-from the newest readable checkpoint (:mod:`..root.resume`: damage is reported and moved
-aside, never silently replaced by a fresh start). Provenance is :mod:`.provenance`'s,
-the rollback rule :mod:`.rollback_rule`'s, what all ranks do together
-:mod:`.collective`'s, the root's steps and records its :class:`~..root.view.RootView`'s.
+``maybe_save`` events and writes through :mod:`.writes`; which checkpoint a resume
+takes, what retention deletes and what a close keeps are :mod:`.tiers`'s, over its
+tiers. Provenance is :mod:`.provenance`'s, the rollback rule :mod:`.rollback_rule`'s,
+the root's steps and records its :class:`~..root.view.RootView`'s.
 """
 
 from __future__ import annotations
@@ -17,9 +16,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from tensordict import TensorDict
+
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.export.safetensors import Export
+from functional_ckpt._src.format.header import record_of
 from functional_ckpt._src.format.naming import parse_step
+from functional_ckpt._src.log import done, logger
 from functional_ckpt._src.manager.collective import prepare_groups, share_run
 from functional_ckpt._src.manager.config import config_of, manager_arguments
 from functional_ckpt._src.manager.decide import decide
@@ -37,33 +40,42 @@ from functional_ckpt._src.manager.provenance import (
     check_metadata,
     git_commit,
     manager_record,
+    stored_state,
 )
-from functional_ckpt._src.manager.reading import ReadSide
 from functional_ckpt._src.manager.rollback_rule import SaveResult, Watch, roll_back
+from functional_ckpt._src.manager.tiers import (
+    DiskTier,
+    Tier,
+    move_newer,
+    newest_in_tiers,
+    progress,
+    retain,
+)
 from functional_ckpt._src.manager.writes import Writes, WriteSettings
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy import Event, PolicyState, SavePolicy, every_steps
 from functional_ckpt._src.policy.config import Relaunch
-from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all, plan_deletions
+from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all
 from functional_ckpt._src.remote.options import Remote
+from functional_ckpt._src.restore.api import check_like_or_out, restore
+from functional_ckpt._src.restore.template import Reshard
 from functional_ckpt._src.root import rollback
-from functional_ckpt._src.root.delete import delete
 from functional_ckpt._src.root.leftovers import open_writer
 from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt._src.root.lock import WriterLock
 from functional_ckpt._src.root.resume import check_order
+from functional_ckpt._src.root.rollback import Newer
 from functional_ckpt._src.root.run import Run, open_run
 from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.options import DEFAULT_PER_RANK
 from functional_ckpt._src.state.tree import State
-from functional_ckpt._src.storage.progress import report_progress
-from functional_ckpt.errors import CheckpointNotFound
+from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
 __all__ = ["CheckpointManager"]
 
 
-class CheckpointManager(ReadSide):
+class CheckpointManager(RootView):
     """Save on a policy, keep on a retention policy, resume from the newest good checkpoint.
 
     ``save`` defaults to ``every_steps(1)`` and ``keep`` to ``keep_all()``: a manager
@@ -77,7 +89,8 @@ class CheckpointManager(ReadSide):
     manager locks ``root``, recovers or removes what crashes left and finishes an
     interrupted rollback at open; ``read_only=True`` never deletes or renames
     anything. Only the manager reads ``clock`` (the run's running time, which every
-    event carries), never a policy. Not thread-safe. See docs/manager.md.
+    event carries), never a policy. Not thread-safe. See docs/manager.md. Queries of
+    the root are :class:`RootView`'s; ``self.tiers`` are its tiers, fastest first.
     """
 
     def __init__(
@@ -97,18 +110,13 @@ class CheckpointManager(ReadSide):
         per_rank: Sequence[str] = DEFAULT_PER_RANK,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.view = RootView(Path(root))
-        self.root = self.view.root
+        super().__init__(Path(root))
         if not callable(clock):
             raise TypeError(f"CheckpointManager(clock={clock!r}): clock must be callable")
-        if remote is not None and not isinstance(remote, Remote):
-            raise TypeError(
-                f"CheckpointManager(remote={remote!r}): expected fc.manager.Remote(url, ...)"
-            )
-        if memory is not None and not isinstance(memory, Memory):
-            raise TypeError(
-                f"CheckpointManager(memory={memory!r}): expected fc.manager.Memory(...)"
-            )
+        for name, value, kind in (("remote", remote, Remote), ("memory", memory, Memory)):
+            if value is not None and not isinstance(value, kind):
+                what = f"{name}={value!r}): expected fc.manager.{kind.__name__}(...)"
+                raise TypeError(f"CheckpointManager({what}")
         self.read_only = bool(read_only)
         self.save_policy = every_steps(1) if save is None else save
         self.keep = keep_all() if keep is None else keep
@@ -117,20 +125,15 @@ class CheckpointManager(ReadSide):
         self.metadata = check_metadata(metadata, f"CheckpointManager({self.root})")
         topo = topology()
         self._distributed, self._coordinator = topo.distributed, topo.coordinator
-        settings = WriteSettings(
-            tuple(per_rank),
-            async_option(async_save),
-            bool(incremental),
-            self._distributed,
-            self._coordinator,
-        )
+        settings = WriteSettings(tuple(per_rank), async_option(async_save), bool(incremental),
+                                 self._distributed, self._coordinator)  # fmt: skip
         if self._distributed:
             prepare_groups()  # now, on the training thread, in the same order on every rank
         self._running = RunningTime(clock)
         self._policy_state: PolicyState = self.save_policy.init()
         self._export_state: PolicyState = export.policy.init() if export is not None else None
         self._watch = Watch(rollback)  # the rollback rule (see .rollback_rule)
-        self._restored_step: int | None = None
+        self.restored_step: int | None = None  # what the last restore returned, if any
         self._lock: WriterLock | None = None
         self._closed = False
         self._run = Provenance(os.getcwd())
@@ -158,24 +161,22 @@ class CheckpointManager(ReadSide):
             if self._lock is not None:
                 self._lock.release()
             raise
-        self._writes = Writes(self.view, settings, self.remote)
+        self._writes = Writes(self, settings, self.remote)
+        self.disk = DiskTier(self, self.remote, self._writes, self._after_commit,
+                             writer=not self.read_only, coordinator=self._coordinator)  # fmt: skip
+        self.tiers: list[Tier] = [self.disk]
         if self.memory is not None:
+            self.tiers.insert(0, self.memory)
             self.memory.settle = lambda within: (p := self._writes.pending) and p.exception(within)
+            self.memory.committed = lambda: progress(self.tiers)
         self._remote_option = remote
         self._memory_option = memory
         self._relaunch: Relaunch | None = None  # the ``run`` block of from_config's config
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], **kwargs: Any) -> CheckpointManager:
-        """The manager that configuration ``cfg`` (plain data: a dict, parsed YAML or JSON,
-        a ``DictConfig``) describes; see docs/manager.md, "Configuration as data".
-
-        Every key is checked first, so a bad one raises :class:`~..errors.ConfigError`
-        naming it before anything is opened. ``kwargs`` are constructor arguments that
-        replace the config's (what is no data: ``clock``, an ``Export`` with a live
-        ``config`` object). The ``run`` block is ``fckpt run``'s and is kept for
-        :meth:`config`.
-        """
+        """The manager that configuration ``cfg`` (plain data) describes, every key checked
+        before anything opens; ``kwargs`` replace the config's (docs/manager.md)."""
         root, args, run = manager_arguments(cfg, root_given="root" in kwargs)
         args.update(kwargs)
         mgr = cls(args.pop("root", root), **args)
@@ -183,33 +184,28 @@ class CheckpointManager(ReadSide):
         return mgr
 
     def config(self) -> dict[str, Any]:
-        """This manager's configuration, every value spelled: plain data (for YAML, JSON
-        or a checkpoint's metadata) from which :meth:`from_config` builds it again.
-
-        A remote tier's ``storage_options`` are left out (they may be credentials);
-        what has no plain form (a policy defined outside this package, a ``rename``
-        function) raises :class:`~..errors.ConfigError`.
-        """
-        plan = self._writes.plan
+        """This manager's configuration as plain data :meth:`from_config` builds it from
+        again (a remote's ``storage_options`` left out: they may be credentials)."""
+        settings = self._writes.settings
         return config_of(
             root=str(self.root),
             save=self.save_policy,
             keep=self.keep,
             metadata=self.metadata,
             read_only=self.read_only,
-            async_save=plan.async_save,
-            incremental=plan.incremental,
+            async_save=settings.async_save,
+            incremental=settings.incremental,
             export=self.export,
             remote=self._remote_option,
             memory=self._memory_option,
             rollback=self._watch.rule,
-            per_rank=plan.per_rank,
+            per_rank=settings.per_rank,
             run=self._relaunch,
         )
 
     def _open_writer(self) -> tuple[Run, bool]:
-        """Lock the root, finish what crashes left, and say which run it holds (made now?)."""
-        # Leftovers of crashed writers are recovered (warning at the CheckpointManager call).
+        """Lock the root, finish what crashes left (warning at the CheckpointManager call),
+        and say which run it holds (made now?)."""
         self._lock = open_writer(self.root, stacklevel=4)
         try:
             rollback.finish(self.root)  # a rollback a crash interrupted completes now
@@ -218,57 +214,120 @@ class CheckpointManager(ReadSide):
             self._lock.release()
             raise
 
-    # ------------------------------------------------------------------ the root
+    # ------------------------------------------------------------------ reading
 
-    def path(self, step: int) -> Path:
-        """Where the checkpoint of ``step`` lives (whether or not it exists)."""
-        return self.view.path(step)
+    def _check_open(self, what: str, *, writing: bool) -> None:
+        if self._closed:
+            raise CheckpointError(f"{self.root}: {what}: the manager is closed")
+        if writing and self.read_only:
+            raise CheckpointError(f"{self.root}: {what}: this manager is read-only")
 
-    def steps(self) -> list[int]:
-        """Steps of the committed checkpoints, ascending (half-written ones never appear)."""
-        return self.view.steps()
+    def restore(
+        self,
+        step: int,
+        like: State | None = None,
+        *,
+        out: State | None = None,
+        reshard: Reshard | None = None,
+    ) -> TensorDict:
+        """Restore one step (no fallback) and continue the policies from it.
 
-    def latest_step(self) -> int | None:
-        """The newest committed step, excluding any this manager found unreadable."""
-        return self.view.latest_step()
+        ``like``, ``out`` and ``reshard`` are those of :func:`functional_ckpt.restore`.
+        """
+        check_like_or_out(like, out, "CheckpointManager.restore")
+        self._check_open("restore", writing=False)
+        path = self.path(step)
+        info = self.info(step)
+        state = restore(path, like, out=out, reshard=reshard)
+        self._adopt(info)
+        return state
 
-    def info(self, step: int) -> StepInfo:
-        """Step, time, metrics, epoch, size and full metadata of one checkpoint."""
-        return self.view.info(step)
+    def restore_latest(
+        self,
+        like: State | None = None,
+        *,
+        out: State | None = None,
+        reshard: Reshard | None = None,
+    ) -> TensorDict | None:
+        """Restore the newest intact checkpoint of this run in any tier
+        (:func:`~.tiers.newest_in_tiers`); None only if no tier holds one.
 
-    def infos(self) -> list[StepInfo]:
-        """:meth:`info` of every readable committed checkpoint, ascending by step."""
-        return self.view.infos()
+        Damage is reported and skipped (a writer moves it aside, never deletes it); a
+        template that does not fit raises at once. If checkpoints exist but none is
+        readable this raises rather than letting the run silently start over.
+        """
+        check_like_or_out(like, out, "CheckpointManager.restore_latest")
+        self._check_open("restore_latest", writing=False)
 
-    def best_step(self, metric: str, mode: str = "min") -> int | None:
-        """The step ``keep_best(1, metric, mode)`` would keep (ties go to the newer step)."""
-        return self.view.best_step(metric, mode)
+        def read(path: Path) -> TensorDict:
+            return restore(path, like, out=out, reshard=reshard)
 
-    def branches(self) -> dict[str, list[int]]:
-        """Branches left by :meth:`rollback`, each with its committed steps (a root each)."""
-        return self.view.branches()
+        t0 = time.perf_counter()
+        found = newest_in_tiers(self.tiers, read, self.root)
+        if found is None:
+            _LOG.info(
+                "no checkpoint in %s: starting fresh", self.root, extra={"path": str(self.root)}
+            )
+            return None
+        self._adopt(found[0])
+        seconds = time.perf_counter() - t0
+        done(_LOG, "resumed", found[0].path, seconds=seconds, step=found[0].step, to="from")
+        return found[1]
 
-    def branch_root(self, name: str) -> Path:
-        """Where branch ``name`` lives (a root of its own)."""
-        return self.view.branch_root(name)
+    def rollback(
+        self,
+        step: int,
+        like: State | None = None,
+        *,
+        newer: Newer = "branch",
+        branch: str | None = None,
+        reason: Mapping[str, Any] | None = None,
+    ) -> TensorDict:
+        """Continue the run from the older kept checkpoint ``step``: restored, then every
+        newer one out of every tier's trunk (on disk to ``root/branches/<branch>/``, or
+        deleted); nothing moves if the restore fails (docs/manager.md)."""
+        return self._rollback(step, like, newer, branch, reason)[0]
 
-    @property
-    def restored_step(self) -> int | None:
-        """The step the last ``restore``/``restore_latest`` returned, if any."""
-        return self._restored_step
+    def _rollback(
+        self,
+        step: int,
+        like: State | None,
+        newer: Newer,
+        branch: str | None,
+        reason: Mapping[str, Any] | None,
+    ) -> tuple[TensorDict, str | None]:
+        """:meth:`rollback`, and the branch the newer checkpoints went to (or None)."""
+        self._check_open("rollback", writing=True)
+        rollback.check_request(newer, branch, reason)
+        self.wait()  # a save in flight commits first: it may be one of the newer steps
+        state = self.restore(step, like)  # raises, moving nothing, if step is unusable
+        done = move_newer(self.tiers, self.disk, step, newer=newer, branch=branch, reason=reason)
+        if done is None:
+            return state, None
+        self._run.rollbacks.append(done)
+        return state, done.get("branch")
+
+    def _adopt(self, info: StepInfo) -> None:
+        """Continue the run from the restored checkpoint: policy states and running time."""
+        self.restored_step = info.step
+        if self.read_only:
+            return  # a follower never saves: its policies are irrelevant
+        self._run.resume(info.metadata)
+        self._run.continued_from(info.step, info.metadata, info.path)
+        record = record_of(info.metadata)
+        self._policy_state = stored_state(self.save_policy, record.raw, "save", info.path)
+        self._watch.resume(record.raw, info.path)
+        if self.export is not None:
+            self._export_state = stored_state(self.export.policy, record.raw, "export", info.path)
+        self._running.resume(record.running_time)
 
     # ------------------------------------------------------------------ context manager
 
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._close(crashed=exc_type is not None)
+    def __exit__(self, kind: type[BaseException] | None, *_: TracebackType | object) -> None:
+        self._close(crashed=kind is not None)  # a crash keeps what a tier keeps past one
 
     def close(self) -> None:
         """Wait for pending work and release the lock; idempotent. The memory tier's
@@ -282,13 +341,11 @@ class CheckpointManager(ReadSide):
             try:
                 self.wait()
             finally:
-                if self.memory is not None:
-                    self.memory.close(crashed=crashed)  # RAM is not held past a clean run
+                for tier in self.tiers:
+                    tier.close(crashed=crashed)  # RAM is not held past a clean run
                 self._writes.exports.join()
-                if self.remote is not None:
-                    self.remote.close()  # the uploads asked for finish, then what they
-                    if self._lock is not None:  # protected from retention is pruned
-                        self._prune(set())
+                if self.remote is not None and self._lock is not None:
+                    self._prune(set())  # what the uploads protected from retention
         finally:
             self._writes.join_removals()
             # Interrupted while a save runs, the lock is released only once it has
@@ -303,27 +360,14 @@ class CheckpointManager(ReadSide):
                 self._lock = None
 
     def wait(self) -> None:
-        """Block until every save started so far is committed; raise if one failed.
-
-        The retention policy runs once the save it follows has committed. A failed
-        memory-tier save is reported as a ``MemoryWarning`` instead.
-        """
-        if self.memory is not None:
-            self.memory.wait()
-        self._wait_disk()
-
-    def _wait_disk(self) -> None:
-        """The disk tier's save in flight, committed (its error raised), then retention."""
-        info = self._writes.wait()
-        if info is not None:
-            self._after_commit(info)
+        """Block until every save started so far is committed (retention then runs); raise
+        if one failed (a memory-tier save's failure is a ``MemoryWarning`` instead)."""
+        for tier in self.tiers:
+            tier.wait()
 
     def wait_staged(self) -> None:
-        """Block until the state may be mutated again (call it before the optimizer step).
-
-        With synchronous saves, or ``staging="copy"`` once the copy is done, this
-        returns at once. With ``staging="none"`` it waits for the whole write.
-        """
+        """Block until the state may be mutated again (call it before the optimizer step;
+        with ``staging="none"`` it waits for the whole write)."""
         self._writes.wait_staged()
         if self.memory is not None:
             self.memory.wait_staged()
@@ -334,10 +378,8 @@ class CheckpointManager(ReadSide):
 
     def __repr__(self) -> str:
         mode = "read-only" if self.read_only else "writer"
-        return (
-            f"CheckpointManager({str(self.root)!r}, save={self.save_policy!r}, "
-            f"keep={self.keep!r}, {mode})"
-        )
+        where = f"{str(self.root)!r}, save={self.save_policy!r}, keep={self.keep!r}"
+        return f"CheckpointManager({where}, {mode})"
 
     # ------------------------------------------------------------------ saving
 
@@ -354,30 +396,21 @@ class CheckpointManager(ReadSide):
     ) -> SaveResult:
         """Build the event, ask the policies, save, commit their states with it, then prune.
 
-        Returns whether a checkpoint was written (``force=True`` saves whatever the
-        policy says). ``epoch_end=True`` marks the step that finishes an epoch, where
-        ``every_epochs`` saves; ``epoch`` is only recorded. An export due on the same
-        event is written first (off the training thread with ``async_save``, from this
-        step's checkpoint or a copy of its tensors). Policy states advance only once
-        the writes they describe succeeded. A memory tier saves on its own policy, after
-        the disk tier (and only the disk tier's save counts in the result). A rollback
-        rule that fires returns the state it went back to in ``.rollback``.
+        Returns whether a disk checkpoint was written (``force=True`` saves whatever the
+        policy says; a memory tier saves on its own policy after it). ``epoch_end=True``
+        marks the step that ends an epoch; ``epoch`` is only recorded. An export due is
+        written first. Policy states advance only once the writes they describe
+        succeeded. A rollback rule that fires returns its state in ``.rollback``.
         """
         self._check_open("maybe_save", writing=True)
         if self.remote is not None:
             self.remote.check()  # a failed upload is reported here, as a RemoteWarning
         if self._writes.finished():
-            self._wait_disk()  # a background failure surfaces here, at the next call
+            self.disk.wait()  # a background failure surfaces here, at the next call
         if self._writes.exports.finished():
             self._writes.exports.join()
-        event = Event(
-            step=step,
-            epoch=epoch,
-            metrics=plain_metrics(metrics, "maybe_save"),
-            is_final=is_final,
-            time=self.running_time(),
-            epoch_end=epoch_end,
-        )
+        metrics = plain_metrics(metrics, "maybe_save")
+        event = Event(step, epoch, metrics, is_final, self.running_time(), epoch_end=epoch_end)
         if event.step < 0:
             raise ValueError(f"maybe_save(step={step!r}): steps must be >= 0")
         export = self.export
@@ -390,15 +423,17 @@ class CheckpointManager(ReadSide):
         policy_state, export_state, rule_state = d.policy_state, d.export_state, d.rule_state
         self._watch.next = rule_state
         if saved:
-            self._wait_disk()  # at most one save in flight; the previous one must have committed
+            self.disk.wait()  # at most one save in flight; the previous one must have committed
             check_order(self.root, event.step, self.latest_step())  # before any write
-        background = exported and self._writes.plan.async_save is not None
+        background = exported and self._writes.settings.async_save is not None
         background = background and not self._distributed
         if exported and not background:
             assert export is not None
             self._writes.export(state, export, event)
         if saved:
-            self._save_checkpoint(state, event, policy_state, export_state)
+            record = self._metadata(event, policy_state, export_state)
+            if (info := self._writes.save(self.path(event.step), state, record)) is not None:
+                self._after_commit(info)
         if self.memory is not None and self.memory.decide(event):
             metadata = lambda: self._metadata(event, policy_state, export_state)  # noqa: E731
             self.memory.save(state, event.step, metadata)
@@ -410,7 +445,7 @@ class CheckpointManager(ReadSide):
         self._watch.state = rule_state
         if not rolls:
             return SaveResult(saved)
-        self._wait_disk()  # the checkpoint of this very event commits first: it goes to the branch
+        self.disk.wait()  # the checkpoint of this very event commits first: it goes to the branch
         roll = lambda to, why: self._rollback(to, state, "branch", None, why)  # noqa: E731
         return roll_back(self._watch, event, saved, self.infos(), self.root, roll)
 
@@ -430,22 +465,13 @@ class CheckpointManager(ReadSide):
         record.update(self._watch.entry())
         return self._run.metadata(record, self.metadata)
 
-    def _save_checkpoint(
-        self, state: State, event: Event, policy_state: PolicyState, export_state: PolicyState
-    ) -> None:
-        metadata = self._metadata(event, policy_state, export_state)
-        info = self._writes.save(self.path(event.step), state, metadata)
-        if info is not None:
-            self._after_commit(info)
-
     def _after_commit(self, info: CheckpointInfo) -> None:
         """Retention runs only after the checkpoint it protects is committed."""
         step = parse_step(info.path.name)
         if self.remote is not None:
             self.remote.committed()  # uploaded in the background
         if self._coordinator:
-            if step is not None:
-                report_progress(step, info.created)  # to a supervising ``fckpt run``
+            progress(self.tiers)  # to a supervising ``fckpt run``
             self._prune(protected={step} if step is not None else set())
 
     # ------------------------------------------------------------------ deleting
@@ -456,21 +482,17 @@ class CheckpointManager(ReadSide):
         protected = protected | self._writes.busy_steps()
         if self.remote is not None:
             protected = protected | self.remote.protected(self.steps())
-        doomed = plan_deletions(self.keep, self.infos(), protected=protected)
-        self._delete(doomed)
-        return doomed
+        return retain(self.disk, self.keep, protected)
 
     def delete(self, step: int) -> None:
-        """Delete one checkpoint, crash-safely (even the newest: you asked for it)."""
+        """Delete one checkpoint from every tier, crash-safely (even the newest: you asked)."""
         self._check_open("delete", writing=True)
         if not self.path(step).is_dir():
             raise CheckpointNotFound(f"{self.path(step)}: no checkpoint for step {step}")
-        self._delete([step])
-        if self.memory is not None:
-            self.memory.drop(step)  # or a resume would still find it there
+        self.wait()
+        for tier in self.tiers:  # or a resume would still find it in another tier
+            if step in tier.steps():
+                tier.delete([step])
 
-    def _delete(self, steps: list[int]) -> None:
-        """Crash-safely: out of sight first (:func:`~..root.delete.delete`), then removed."""
-        trash = delete(self.root, [self.path(step) for step in steps])
-        self.view.forget(steps)
-        self._writes.remove(trash)
+
+_LOG = logger("manager")

@@ -11,11 +11,15 @@ import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from functional_ckpt._src.policy import SavePolicy, every_steps
 from functional_ckpt._src.policy.retention import RetentionPolicy
+from functional_ckpt._src.state.tree import State, leaves_of
+from functional_ckpt._src.storage import ram
+from functional_ckpt.errors import CheckpointError
 
-__all__ = ["Memory"]
+__all__ = ["Memory", "OverBudget", "over_budget", "resolve_budget"]
 
 
 def _every_step() -> SavePolicy:
@@ -118,3 +122,38 @@ class Memory:
         for name in ("async_save", "incremental"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Memory({name}={getattr(self, name)!r}): expected a bool")
+
+
+class OverBudget(CheckpointError):
+    """A memory-tier save that would not fit the tier's budget (it is skipped)."""
+
+
+def resolve_budget(option: Memory, folder: Path) -> int:
+    """The tier's budget in bytes, against what ``folder`` can take now."""
+    held = ram.held_bytes(folder)  # a crashed run's checkpoints: pruned at the next save
+    room = ram.available_bytes(folder) + held
+    budget = option.budget
+    if isinstance(budget, float):
+        return int(room * budget)
+    if budget > room:
+        raise CheckpointError(
+            f"Memory(budget={budget}): {folder} can take at most {room} bytes now "
+            "(free space there, capped by the memory available); lower the budget or "
+            "give the tier a larger folder with Memory(path=...)"
+        )
+    return budget
+
+
+def over_budget(option: Memory, budget: int, folder: Path, state: State) -> OverBudget | None:
+    """Why this save does not fit ``budget`` (``keep`` checkpoints of this very state: a
+    state grows, Adam's moments appear at its first step); None if it fits."""
+    tensors = (leaf.value for leaf in leaves_of(state) if leaf.kind == "tensor")
+    need = option.held * sum(t.numel() * t.element_size() for t in tensors)
+    if need <= budget:
+        return None
+    return OverBudget(
+        f"Memory(budget={option.budget!r}): {option.held} checkpoint(s) of "
+        f"this state need {need} bytes in {folder}, more than the budget of "
+        f"{budget} bytes; the memory tier skips every save that does not fit (said "
+        "once). Raise budget=, lower keep= (1 holds one checkpoint), or leave it out"
+    )

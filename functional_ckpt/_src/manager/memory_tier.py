@@ -19,8 +19,7 @@ import json
 import os
 import socket
 import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,7 +29,7 @@ from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format.naming import base_name, parse_step
 from functional_ckpt._src.log import warn
 from functional_ckpt._src.manager.collective import coordinator_decides
-from functional_ckpt._src.manager.memory import Memory
+from functional_ckpt._src.manager.memory import Memory, OverBudget, over_budget, resolve_budget
 from functional_ckpt._src.manager.memory_folder import (
     MARK_FILE,
     adopt,
@@ -43,8 +42,10 @@ from functional_ckpt._src.manager.memory_promote import OnSignals, promote_newes
 from functional_ckpt._src.manager.memory_replicas import STAGING, Replicas
 from functional_ckpt._src.manager.options import AsyncSave
 from functional_ckpt._src.manager.provenance import run_of
+from functional_ckpt._src.manager.tiers import retain
 from functional_ckpt._src.manager.writes import Writes, WriteSettings
 from functional_ckpt._src.policy import Event, PolicyState
+from functional_ckpt._src.policy.retention import RetentionPolicy, keep_last
 from functional_ckpt._src.root.delete import delete, remove_all
 from functional_ckpt._src.root.leftovers import open_writer
 from functional_ckpt._src.root.listing import StepInfo, committed_steps, read_info
@@ -52,27 +53,13 @@ from functional_ckpt._src.root.lock import LOCK_FILE, WriterLock
 from functional_ckpt._src.root.run import Run, open_run
 from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
-from functional_ckpt._src.state.tree import State, leaves_of
+from functional_ckpt._src.state.tree import State
 from functional_ckpt._src.storage import durable, ram
-from functional_ckpt._src.storage.progress import report_progress
 from functional_ckpt.errors import CheckpointError, MemoryWarning, RankFailed, is_damage
 
 __all__ = ["MARK_FILE", "MemoryTier"]
 
 T = TypeVar("T")
-
-
-class OverBudget(CheckpointError):
-    """A memory-tier save that would not fit the tier's budget (it is skipped)."""
-
-
-def state_bytes(state: State) -> int:
-    """The tensor bytes of ``state`` (what one checkpoint of it holds, values aside)."""
-    return sum(
-        leaf.value.numel() * leaf.value.element_size()
-        for leaf in leaves_of(state)
-        if leaf.kind == "tensor"
-    )
 
 
 class MemoryTier:
@@ -110,6 +97,9 @@ class MemoryTier:
         #: Waits (at most the seconds given) for the disk tier's save in flight: one writer
         #: per step, so a promotion never takes the name that save is about to commit.
         self.settle: Callable[[float], object] = lambda within: None
+        self.committed: Callable[[], object] = lambda: None  # progress, told over all tiers
+        keep = option.keep
+        self.keep = keep if isinstance(keep, RetentionPolicy) else keep_last(option.held)
         if option.path is None and made and topo.coordinator:
             report_others(root, run, stacklevel=5)
         self.view = RootView(self.folder)  # refuses a folder that is itself a checkpoint
@@ -120,7 +110,7 @@ class MemoryTier:
                 if self.replicas is not None:
                     self.replicas.clear_staging()
             elif self.replicas is not None:
-                self.budget = self._resolve_budget()
+                self.budget = resolve_budget(self.option, self.folder)
         except BaseException as e:
             error = e
         if self.replicas is not None:
@@ -166,40 +156,13 @@ class MemoryTier:
             raise CheckpointError(f"Memory(path={str(self.folder)!r}): {e}") from None
         try:
             adopt(self.folder, self.root, self.run)
-            self.budget = self._resolve_budget()
+            self.budget = resolve_budget(self.option, self.folder)
             self._write_status(open_=True)
             self._signals.install()
         except BaseException:
             self._lock.release()
             self._lock = None
             raise
-
-    def _resolve_budget(self) -> int:
-        held = ram.held_bytes(self.folder)  # a crashed run's checkpoints: pruned at the next save
-        room = ram.available_bytes(self.folder) + held
-        budget = self.option.budget
-        if isinstance(budget, float):
-            return int(room * budget)
-        if budget > room:
-            raise CheckpointError(
-                f"Memory(budget={budget}): {self.folder} can take at most {room} bytes now "
-                "(free space there, capped by the memory available); lower the budget or "
-                "give the tier a larger folder with Memory(path=...)"
-            )
-        return budget
-
-    def _over_budget(self, state: State) -> OverBudget | None:
-        """Why this save does not fit the budget (``keep`` checkpoints of this very state:
-        a state grows, Adam's moments appear at its first step); None if it fits."""
-        need = self.option.held * state_bytes(state)
-        if need <= self.budget:
-            return None
-        return OverBudget(
-            f"Memory(budget={self.option.budget!r}): {self.option.held} checkpoint(s) of "
-            f"this state need {need} bytes in {self.folder}, more than the budget of "
-            f"{self.budget} bytes; the memory tier skips every save that does not fit (said "
-            "once). Raise budget=, lower keep= (1 holds one checkpoint), or leave it out"
-        )
 
     def _skipped(self, err: BaseException, stacklevel: int) -> bool:
         """Whether ``err`` is a save over the budget (any rank's): skipped, said once."""
@@ -223,18 +186,14 @@ class MemoryTier:
             self.promote(self.option.promote_within)
         if self._lock is None:
             return
-        if crashed:
-            self._write_status(open_=False)
-            self._lock.release()
-            self._lock = None
-            return
         try:
-            own = [
-                e.name
-                for e in os.scandir(self.folder)
-                if parse_step(base_name(e.name)) is not None or e.name in (MARK_FILE, STAGING)
-            ]
-            ram.remove_folder(self.folder, [*sorted(own), LOCK_FILE])
+            if not crashed:
+                own = [
+                    e.name
+                    for e in os.scandir(self.folder)
+                    if parse_step(base_name(e.name)) is not None or e.name in (MARK_FILE, STAGING)
+                ]
+                ram.remove_folder(self.folder, [*sorted(own), LOCK_FILE])
             self._write_status(open_=False)
         except OSError as e:
             warn(
@@ -270,6 +229,9 @@ class MemoryTier:
         """Committed steps in the tier, ascending."""
         return self.view.steps()
 
+    def infos(self) -> list[StepInfo]:
+        return self.view.infos()
+
     def decide(self, event: Event) -> bool:
         """The tier's own policy on ``event`` (its state advances at once: a missed save
         of the memory tier is not made up later)."""
@@ -291,7 +253,7 @@ class MemoryTier:
         if self.replicas is not None:
             self._save_replicated(state, step, metadata)
             return
-        over = self._over_budget(state)
+        over = over_budget(self.option, self.budget, self.folder, state)
         if over is not None:
             self._skipped(over, stacklevel=4)
             return
@@ -310,7 +272,7 @@ class MemoryTier:
         """Phase 1 on this thread (staged, written by DCP off it), phase 2 after it."""
         replicas = self.replicas
         assert replicas is not None
-        error: BaseException | None = self._over_budget(state)
+        error: BaseException | None = over_budget(self.option, self.budget, self.folder, state)
         try:
             if self.keeper and error is None:
                 self._make_room(step)
@@ -356,20 +318,19 @@ class MemoryTier:
         newer = [s for s in steps if s > step]  # a run that went back (rollback, older resume)
         older = sorted(s for s in steps if s < step)
         kept = older[-(self.option.held - 1) :] if self.option.held > 1 else []
-        self._delete(newer + [s for s in older if s not in kept])
+        self.delete(newer + [s for s in older if s not in kept])
 
     def _prune(self) -> None:
-        """After a commit: retention, and the newest step told to a supervising ``fckpt
-        run`` (a job resuming a little further from RAM each time makes progress)."""
-        steps = self.steps()
-        if steps and topology().rank == 0:
-            report_progress(steps[-1], time.time())
-        self._delete(steps[: -self.option.held])
+        """After a commit: retention (:func:`~.tiers.retain`), and progress told."""
+        retain(self, self.keep)
+        self.committed()
 
-    def _delete(self, steps: list[int]) -> None:
+    def delete(self, steps: Sequence[int]) -> None:
         """Out of sight now; the files (freeing their RAM takes as long as a copy of
-        them) are removed off the training thread, and the next save's write waits."""
-        if steps:
+        them) are removed off the training thread, and the next save's write waits.
+        Only the keeper of a shared folder deletes."""
+        if steps and self.keeper:
+            steps = list(steps)
             trash = delete(self.folder, [self.view.path(s) for s in steps])
             self.view.forget(steps)
             if self.replicas is None:
@@ -411,28 +372,17 @@ class MemoryTier:
             stacklevel=stacklevel,
         )
 
-    def drop_newer(self, step: int) -> None:
-        """A rollback to ``step``: the tier's newer checkpoints are no longer the run's."""
-        self.wait()
-        if self.keeper:
-            self._delete([s for s in self.steps() if s > step])
-
-    def drop(self, step: int) -> None:
-        """The manager deleted ``step``: its copy here goes too."""
-        self.wait()
-        if self.keeper:
-            self._delete([s for s in self.steps() if s == step])
-
     # ------------------------------------------------------------------ restoring
 
     def newest(
-        self, read: Callable[[Path], T], at_least: int | None, stacklevel: int
+        self, read: Callable[[Path], T], above: int | None, stacklevel: int = 5
     ) -> tuple[StepInfo, T] | None:
-        """The newest readable checkpoint of the tier not older than ``at_least``.
+        """The newest readable checkpoint of this run in the tier newer than ``above``.
 
         A damaged one is reported as a :class:`MemoryWarning` and removed by a writer
         (a cache holds nothing worth keeping aside); the previous one is tried.
         """
+        at_least = None if above is None else above + 1
         self.wait(stacklevel=stacklevel + 1)
         if self.replicas is not None:
             return self._newest_replicated(read, at_least, stacklevel + 1)
@@ -456,7 +406,7 @@ class MemoryTier:
                     raise
                 gone = ""
                 with contextlib.suppress(OSError):
-                    self._delete([step])
+                    self.delete([step])
                     gone = "; removed"
                 warn(
                     f"{path}: memory-tier checkpoint of step {step} is unreadable "

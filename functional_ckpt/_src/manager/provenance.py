@@ -11,6 +11,7 @@ the same spec.
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import re
 import subprocess
@@ -27,7 +28,8 @@ from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy import Event, PolicyState, SavePolicy
 from functional_ckpt._src.policy.config import stored_spec
 from functional_ckpt._src.policy.retention import RetentionPolicy
-from functional_ckpt.errors import CheckpointWarning
+from functional_ckpt._src.storage.committed import check_committed
+from functional_ckpt.errors import CheckpointError, CheckpointWarning
 
 __all__ = [
     "AUTO_KEYS",
@@ -132,8 +134,12 @@ class Provenance:
         rollbacks = metadata.get("rollbacks")
         self.rollbacks = list(rollbacks) if isinstance(rollbacks, list) else []
 
-    def continued_from(self, step: int, metadata: Mapping[str, Any], checksum: Any) -> None:
-        """The parent of this run's next checkpoints: the one of ``step`` just restored."""
+    def continued_from(self, step: int | None, metadata: Mapping[str, Any], path: Path) -> None:
+        """The parent of this run's next checkpoints: the one of ``step`` (at ``path``) just
+        restored, named by its run, step and manifest checksum."""
+        checksum = None
+        with contextlib.suppress(CheckpointError, OSError):
+            checksum = check_committed(path).get("manifest_crc32")
         self.parent = {"run": run_of(metadata), "step": step, "manifest_crc32": checksum}
 
 

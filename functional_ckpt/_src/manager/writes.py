@@ -53,9 +53,9 @@ class WriteSettings:
 class Writes:
     """A manager's writes (see the module docstring)."""
 
-    def __init__(self, view: RootView, plan: WriteSettings, remote: RemoteTier | None) -> None:
+    def __init__(self, view: RootView, settings: WriteSettings, remote: RemoteTier | None) -> None:
         self.view = view
-        self.plan = plan
+        self.settings = settings
         self.remote = remote
         self.pending: PendingSave | None = None
         self.stager = Stager()
@@ -74,23 +74,23 @@ class Writes:
         options = SaveOptions(
             metadata=metadata,
             overwrite=path.exists(),
-            per_rank=self.plan.per_rank,
-            base=self._base_for(path) if self.plan.incremental else None,
+            per_rank=self.settings.per_rank,
+            base=self._base_for(path) if self.settings.incremental else None,
             base_required=False,  # the previous checkpoint may have been moved aside
             trust=self.trust,
-            parts=self.plan.parts or (self.remote is not None and self.remote.parts),
-            durable=self.plan.durable,
-            group=self.plan.group,
+            parts=self.settings.parts or (self.remote is not None and self.remote.parts),
+            durable=self.settings.durable,
+            group=self.settings.group,
         )
         remote = self.remote
         held = remote is not None  # uploads stand still while the state is staged
         if remote is not None:
             remote.hold_uploads()
         try:
-            mode = self.plan.async_save
+            mode = self.settings.async_save
             if mode is not None:
                 # A write that must not outgrow its RAM waits for the pruning before it.
-                ready = None if self.plan.durable else self.removed
+                ready = None if self.settings.durable else self.removed
                 self.pending = start_save(
                     path, state, options, mode.staging, self.stager, before_write=ready
                 )
@@ -131,7 +131,7 @@ class Writes:
         """Until the state may be mutated again (with ``staging="none"``: committed)."""
         if self.pending is None:
             return
-        mode = self.plan.async_save
+        mode = self.settings.async_save
         if mode is not None and mode.staging == "none":
             self.pending.result()
         else:
@@ -155,10 +155,10 @@ class Writes:
 
     def export(self, state: State, export: Export, event: Event) -> Path | None:
         """Write the export of ``event`` now, on this thread."""
-        if self.plan.distributed:
+        if self.settings.distributed:
             # Every rank takes part in gathering the sharded weights; rank 0 writes them.
             state = gathered(state, export.select)
-            if not self.plan.coordinator:
+            if not self.settings.coordinator:
                 return None
         return run_export(state, self.view.root, export, event.step, event.metrics or {})
 
@@ -174,7 +174,7 @@ class Writes:
 
     def remove(self, trash: list[Path]) -> None:
         """Remove checkpoints already out of sight; off the training thread when saves are."""
-        if self.plan.async_save is not None and trash:
+        if self.settings.async_save is not None and trash:
             # Out of sight already; unlinking gigabytes need not stall the training loop.
             # close() waits for it; what a crash leaves, the next writer removes at open.
             self.join_removals()

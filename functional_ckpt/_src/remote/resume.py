@@ -102,7 +102,7 @@ class RemoteResume:
                 f"{max(s for s in (newest_local, self.above) if s is not None)}), which may "
                 "be older than the newest remote checkpoint",
                 RemoteWarning,
-                stacklevel=6,
+                stacklevel=5,
             )
             return []
         committed = {s for s, r in listing.items() if r.committed}
@@ -136,7 +136,7 @@ class RemoteResume:
                     f"{self.store.where(step)}: remote checkpoint of step {step} is unusable "
                     f"({type(err).__name__}: {err}); falling back to the previous one",
                     RemoteWarning,
-                    stacklevel=6,
+                    stacklevel=5,
                 )
         return good
 

@@ -37,11 +37,11 @@ from functional_ckpt._src.log import done, logger, warn
 from functional_ckpt._src.policy.retention import CheckpointRecord, RetentionPolicy, plan_deletions
 from functional_ckpt._src.remote import protocol
 from functional_ckpt._src.remote.fetch import remove_downloads
-from functional_ckpt._src.remote.resume import Found, RemoteResume
+from functional_ckpt._src.remote.resume import RemoteResume
 from functional_ckpt._src.remote.store import Store, public_url
 from functional_ckpt._src.remote.uploader import Worker, failure, read_status, retried, write_status
 from functional_ckpt._src.root.delete import delete, remove_all
-from functional_ckpt._src.root.listing import StepInfo, committed_steps, read_info, step_dirs
+from functional_ckpt._src.root.listing import committed_steps, read_info, step_dirs
 from functional_ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -124,7 +124,7 @@ class RemoteTier:
         self._records: dict[int, CheckpointRecord] = {}
         self._same: dict[int, bytes] = {}  # local steps whose remote copy has their marker
         self._worker: Worker | None = None
-        self._resume = RemoteResume(
+        self.resume = RemoteResume(  # its resume side (used by the manager's disk tier)
             self.store, root, self.url, shared=self.shared, listed=self._listed
         )
         if writer:
@@ -234,23 +234,6 @@ class RemoteTier:
         self._same.pop(step, None)
 
     # ------------------------------------------------------------------ restore
-
-    def restore_latest(
-        self,
-        local: Callable[[], Found[T]],
-        local_steps: Callable[[], list[int]],
-        read_step: Callable[[int], tuple[StepInfo, T]],
-        *,
-        writer: bool,
-        above: int | None = None,
-    ) -> Found[T]:
-        """The newest checkpoint of either tier newer than ``above`` (another tier holds
-        that one), see :class:`~.resume.RemoteResume`. A read-only manager reads its
-        local root only.
-        """
-        if not writer:
-            return local()
-        return self._resume.latest(local, local_steps, read_step, above)
 
     def _listed(self, committed: set[int]) -> None:
         """A resume listed the remote root: what is committed there now."""
