@@ -57,6 +57,7 @@ from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.options import DEFAULT_PER_RANK
 from functional_ckpt._src.state.tree import State
+from functional_ckpt._src.storage import zstd
 from functional_ckpt._src.storage.progress import report_progress
 from functional_ckpt.errors import CheckpointNotFound
 
@@ -73,7 +74,8 @@ class CheckpointManager(ReadSide):
     the previous one, unchanged bytes shared), ``export`` (``fc.manager.Export``),
     ``remote`` (``fc.manager.Remote``), ``memory`` (``fc.manager.Memory``: a tier in
     RAM above the root, saved on its own policy), ``rollback`` (a rule such as
-    ``fc.policy.on_degrade``), ``per_rank`` (the subtrees stored per rank). A writing
+    ``fc.policy.on_degrade``), ``per_rank`` (the subtrees stored per rank),
+    ``compression`` (as for ``fc.save``; by default the remote tier's). A writing
     manager locks ``root``, recovers or removes what crashes left and finishes an
     interrupted rollback at open; ``read_only=True`` never deletes or renames
     anything. Only the manager reads ``clock`` (the run's running time, which every
@@ -96,6 +98,7 @@ class CheckpointManager(ReadSide):
         rollback: SavePolicy | None = None,
         per_rank: Sequence[str] = DEFAULT_PER_RANK,
         clock: Callable[[], float] = time.monotonic,
+        compression: str | None = None,
     ) -> None:
         self.view = RootView(Path(root))
         self.root = self.view.root
@@ -123,6 +126,10 @@ class CheckpointManager(ReadSide):
             bool(incremental),
             self._distributed,
             self._coordinator,
+            zstd_level=zstd.level_of(
+                compression if compression is not None or remote is None else remote.compression,
+                "CheckpointManager",
+            ),
         )
         if self._distributed:
             prepare_groups()  # now, on the training thread, in the same order on every rank
