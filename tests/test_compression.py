@@ -199,9 +199,10 @@ def test_incremental_shares_unchanged_frames(tmp_path: Path) -> None:
     _same(fc.restore(plain, state), state)
 
 
-def test_async_save_compresses(tmp_path: Path) -> None:
+@pytest.mark.parametrize("staging", ["copy", "write", "none"])
+def test_async_save_compresses(tmp_path: Path, staging: Any) -> None:
     state = _state()
-    fc.save_async(tmp_path / "ck", state, compression="zstd").result()
+    fc.save_async(tmp_path / "ck", state, staging=staging, compression="zstd").result()
     assert _chunk(tmp_path / "ck", "w").zstd
     _same(fc.restore(tmp_path / "ck", state), state)
 
