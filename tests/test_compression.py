@@ -330,3 +330,18 @@ def test_a_stock_dcp_checkpoint_with_transforms_is_refused_clearly(tmp_path: Pat
     like = {"w": torch.zeros(10, 10), "step": 0}
     with pytest.raises(CheckpointError, match=r"__0_0.distcp: stored with DCP's transforms"):
         fc.restore(tmp_path / "ck", like=like, allow_pickle=True)
+
+
+def test_part_rows_carry_the_frame_flag_only_where_set() -> None:
+    from functional_ckpt._src.format import parts
+    from functional_ckpt._src.format.manifest import Chunk
+
+    plain = Chunk((0,), (2,), "__1_0.distcp", 0, 9, 1, 8, 3, 4)
+    packed = plain._replace(zstd=1)
+    assert parts.rows([plain, packed]) == [
+        ["__1_0.distcp", 0, 9, 1, 8, 3, 4],
+        ["__1_0.distcp", 0, 9, 1, 8, 3, 4, 1],
+    ]
+    box = ((0,), (2,))
+    assert parts.row_plain(parts.row(packed), box) == {**packed.to_plain()}
+    assert parts.row_plain(parts.row(plain), box) == plain.to_plain()
