@@ -187,6 +187,17 @@ def compression_page(run: dict[str, Any]) -> list[str]:
                 f"| {r['upload_s']:.3f} | {r['save_upload_s']:.3f} "
                 f"| {r['download_restore_s']:.3f} |"
             )
+        by = {r["compression"]: r for r in e2e}
+        if "none" in by and "zstd:1" in by:
+            up = by["zstd:1"]["save_upload_s"] / by["none"]["save_upload_s"]
+            down = by["zstd:1"]["download_restore_s"] / by["none"]["download_restore_s"]
+            verdict = "falls" if max(up, down) < 1 else "does not fall"
+            out += [
+                "",
+                f"Against no compression, `zstd:1` takes {up:.2f}x the time to save and "
+                f"upload and {down:.2f}x to download and restore: the end-to-end time "
+                f"{verdict}, so the remote tier leaves compression off by default.",
+            ]
     return [*out, ""]
 
 

@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from functional_ckpt._src.storage.durable import Appender
     from functional_ckpt._src.storage.live import LiveReader
 
-#: The level ``compression="zstd"`` means (benchmarks/compression.py: level 1 compresses
-#: nearly as well as 3 at about twice the speed on model state).
+#: The level ``compression="zstd"`` means (benchmarks/compression.py: on trained model
+#: state level 1 compresses within 0.5% of level 3 at 1.6-2x its speed).
 DEFAULT_LEVEL = 1
 
 
