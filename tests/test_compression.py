@@ -345,3 +345,24 @@ def test_part_rows_carry_the_frame_flag_only_where_set() -> None:
     box = ((0,), (2,))
     assert parts.row_plain(parts.row(packed), box) == {**packed.to_plain()}
     assert parts.row_plain(parts.row(plain), box) == plain.to_plain()
+
+
+@pytest.mark.parametrize(
+    "change", [{"zstd": 2}, {"zstd": -1}, {"data_offset": 1 << 20}], ids=["two", "neg", "head"]
+)
+def test_an_invalid_frame_record_is_named(tmp_path: Path, change: dict[str, int]) -> None:
+    ck = tmp_path / "ck"
+    fc.save(ck, _state(), compression="zstd")
+
+    def edit(manifest: dict[str, Any]) -> None:
+        for e in manifest["entries"]:
+            if e.get("path") == ["m"]:
+                c = e["chunks"][0]
+                c.update(
+                    {k: c["offset"] + v if k == "data_offset" else v for k, v in change.items()}
+                )
+
+    resign(ck, edit)
+    with pytest.raises(CheckpointError, match=r"'m'|invalid transform"):
+        fc.restore(ck)
+    assert not fc.verify(ck).ok
