@@ -19,18 +19,29 @@ For each zstd level: the ratio (raw bytes / compressed bytes) and the throughput
 of one core (compress, decompress; MB/s of raw bytes, one thread, best of
 ``--reps``). Needs ``zstandard`` (the ``zstd`` or ``bench`` extra).
 
+Then end to end, as the remote tier sees it: ``fc.save`` of the whole state (model
+and optimizer, fp32) into ``--dir`` with ``compression=None`` and each zstd level,
+then its files uploaded to a store throttled to ``--gbit`` Gbit/s (an fsspec
+in-memory store whose ``pipe_file``/``cat_file`` sleep ``bytes / rate``, so the link
+is simulated on top of the real save and restore); then downloaded and restored
+with ``fc.restore``. Only plain zstd (``compression="zstd"``) is what ``fc.save``
+writes, and what stock ``dcp.load`` reads.
+
 Usage::
 
     python benchmarks/compression.py [--quick] [--steps N] [--levels 1,3,9]
-                                     [--reps N] [--json PATH]
+                                     [--reps N] [--gbit G] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -115,6 +126,73 @@ def measure(data: bytes, level: int, reps: int) -> dict[str, float]:
     }
 
 
+def end_to_end(
+    state: Any, levels: list[int], gbit: float, reps: int, where: Path
+) -> list[dict[str, Any]]:
+    """Save, upload at ``gbit``; download, restore: per compression, best of ``reps``."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    import functional_ckpt as fc
+
+    rate = gbit * 1e9 / 8  # bytes per second
+
+    class Throttled(MemoryFileSystem):  # type: ignore[misc]
+        """An object store behind a link of ``rate`` bytes per second."""
+
+        def pipe_file(self, path: str, value: bytes, *a: Any, **k: Any) -> None:
+            time.sleep(len(value) / rate)
+            super().pipe_file(path, value, *a, **k)
+
+        def cat_file(self, path: str, *a: Any, **k: Any) -> bytes:
+            data: bytes = super().cat_file(path, *a, **k)
+            time.sleep(len(data) / rate)
+            return data
+
+    store = Throttled()
+    fc.save(where / "warm", state)  # the first save's one-time costs, untimed
+    shutil.rmtree(where / "warm")
+    rows = []
+    for compression in [None, *(f"zstd:{n}" for n in levels)]:
+        best: dict[str, float] = {}
+        for rep in range(reps):
+            ck, back = where / f"ck{rep}", where / f"back{rep}"
+            times = {}
+            t0 = time.perf_counter()
+            fc.save(ck, state, compression=compression)
+            times["save_s"] = time.perf_counter() - t0
+            files = sorted(p for p in ck.iterdir())
+            t0 = time.perf_counter()
+            for f in files:
+                store.pipe_file(f"/bench/{f.name}", f.read_bytes())
+            times["upload_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            back.mkdir()
+            for f in files:
+                (back / f.name).write_bytes(store.cat_file(f"/bench/{f.name}"))
+            times["download_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            fc.restore(back, like=state)
+            times["restore_s"] = time.perf_counter() - t0
+            stored = sum(f.stat().st_size for f in files)
+            shutil.rmtree(ck)
+            shutil.rmtree(back)
+            store.rm("/bench", recursive=True)
+            for k, v in times.items():
+                best[k] = min(best.get(k, v), v)
+        rows.append(
+            {
+                "compression": compression or "none",
+                "gbit": gbit,
+                "stored_mb": stored / 1e6,
+                **best,
+                "save_upload_s": best["save_s"] + best["upload_s"],
+                "download_restore_s": best["download_s"] + best["restore_s"],
+            }
+        )
+        print(f"end to end, {compression}: {rows[-1]}", file=sys.stderr, flush=True)
+    return rows
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = bench_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="a tiny model, a few steps")
@@ -123,6 +201,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="encoder layers (default 4)")
     p.add_argument("--levels", default="1,3,9,19", help="zstd levels, comma-separated")
     p.add_argument("--reps", type=int, default=3, help="timings per measurement (best kept)")
+    p.add_argument("--gbit", type=float, default=1.0, help="the simulated link, Gbit/s")
     add_run_args(p, "compression")  # --dir and --allow-tmpfs too: nothing is written there
     return p.parse_args(argv)
 
@@ -164,12 +243,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r['compress_mb_s']:.0f}",
             f"{r['decompress_mb_s']:.0f}",
         )
+    import functional_ckpt as fc
+
+    whole = fc.capture(model=model, optimizer=opt)
+    args.dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.dir) as where:
+        e2e = end_to_end(whole, levels, args.gbit, args.reps, Path(where))
+    link = Table(["compression", "stored MB", "save", "upload", "save+upload", "download+restore"])
+    for r in e2e:
+        link.add(
+            r["compression"],
+            f"{r['stored_mb']:.1f}",
+            f"{r['save_s']:.3f}",
+            f"{r['upload_s']:.3f}",
+            f"{r['save_upload_s']:.3f}",
+            f"{r['download_restore_s']:.3f}",
+        )
     params = sum(p.numel() for p in model.parameters())
     print(
         f"\nzstd {zstandard.ZSTD_VERSION}, a trained transformer: {params / 1e6:.2f}M params, "
         f"{steps} AdamW steps (final loss {loss:.3f}); one thread; best of {args.reps}.\n"
     )
     print(table.render())
+    print(f"\nEnd to end through a {args.gbit:g} Gbit/s link (seconds, best of {args.reps}):\n")
+    print(link.render())
     payload = {
         "benchmark": "compression",
         "config": {
@@ -179,7 +276,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "levels": levels,
             "params": params,
             "final_loss": loss,
+            "gbit": args.gbit,
+            "reps": args.reps,
         },
+        "end_to_end": e2e,
         "environment": environment(),
         "rows": rows,
         "targets": [],

@@ -148,6 +148,59 @@ def cli_page(run: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def compression_page(run: dict[str, Any]) -> list[str]:
+    cfg, env = run.get("config", {}), run.get("environment", {})
+    when = f" ({run['started']})" if run.get("started") else ""
+    out = [
+        "## Compression",
+        "",
+        f"`python benchmarks/compression.py`{when}: a transformer of "
+        f"{cfg.get('params', 0) / 1e6:.2f}M parameters trained {cfg.get('steps', '?')} AdamW "
+        f"steps; {env.get('cpus', '?')} CPUs, torch {env.get('torch', '?')}. Ratio is raw "
+        "bytes over compressed bytes; throughputs are one core's, in MB/s of raw bytes, "
+        'best of the repetitions. `plain` is what `compression="zstd"` writes (DCP\'s '
+        "`stream.zstd/1`, which stock `dcp.load` reads); `grouped` regroups each "
+        "element's bytes first, which no stock reader undoes (measured, not written).",
+        "",
+        "| part | MB | variant | level | ratio | compress MB/s | decompress MB/s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in run["rows"]:
+        out.append(
+            f"| {r['part']} | {r['bytes'] / 1e6:.1f} | {r['variant']} | {r['level']} "
+            f"| {r['ratio']:.3f}x | {r['compress_mb_s']:.0f} | {r['decompress_mb_s']:.0f} |"
+        )
+    e2e = run.get("end_to_end", [])
+    if e2e:
+        out += [
+            "",
+            f"End to end through a {cfg.get('gbit', 1):g} Gbit/s link (`fc.save` of the "
+            "whole state, then its files sent to an in-memory object store whose writes "
+            "and reads sleep bytes / rate; back the same way, then `fc.restore`), seconds:",
+            "",
+            "| compression | stored MB | save | upload | save + upload | download + restore |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in e2e:
+            out.append(
+                f"| {r['compression']} | {r['stored_mb']:.1f} | {r['save_s']:.3f} "
+                f"| {r['upload_s']:.3f} | {r['save_upload_s']:.3f} "
+                f"| {r['download_restore_s']:.3f} |"
+            )
+        by = {r["compression"]: r for r in e2e}
+        if "none" in by and "zstd:1" in by:
+            up = by["zstd:1"]["save_upload_s"] / by["none"]["save_upload_s"]
+            down = by["zstd:1"]["download_restore_s"] / by["none"]["download_restore_s"]
+            verdict = "falls" if max(up, down) < 1 else "does not fall"
+            out += [
+                "",
+                f"Against no compression, `zstd:1` takes {up:.2f}x the time to save and "
+                f"upload and {down:.2f}x to download and restore: the end-to-end time "
+                f"{verdict}, so the remote tier leaves compression off by default.",
+            ]
+    return [*out, ""]
+
+
 def page(results: Path) -> str:
     out = [
         "# Performance",
@@ -167,6 +220,9 @@ def page(results: Path) -> str:
     startup = load(results, "cli_startup")
     if startup is not None:
         out += cli_page(startup)
+    packed = load(results, "compression")
+    if packed is not None:
+        out += compression_page(packed)
     return "\n".join(out).rstrip("\n") + "\n"
 
 

@@ -9,6 +9,7 @@ Modes (each rank writes what it raised as ``error.<rank>.json``, or "ok"):
   file-gone ROOT               rank 1's shard file vanishes after it reported it written
   gone-first ROOT save|async|restore   rank 1 leaves before the first round (after
                                ``fc.restore`` for ``restore``); rank 0 saves
+  zstd ROOT                    both save ``a`` with ``compression="zstd"`` and restore it
 """
 
 from __future__ import annotations
@@ -113,6 +114,16 @@ def main() -> None:
         else:
             attempt(root, rank, lambda: fc.save(root / "a", s))
         os._exit(0)  # the default group's peer is gone: no orderly teardown
+    elif mode == "zstd":
+
+        def save_and_restore() -> None:  # each rank compresses its own file
+            fc.save(root / "a", s, compression="zstd")
+            got = fc.restore(root / "a", like=s)
+            full = got["w"].full_tensor()
+            if not torch.equal(full, s["w"].full_tensor()) or got["loader"]["pos"] != rank:
+                raise AssertionError(f"rank {rank} restored other values")
+
+        attempt(root, rank, save_and_restore)
     else:
         raise SystemExit(f"unknown mode {mode}")
     dist.barrier()  # both ranks have recorded what they saw

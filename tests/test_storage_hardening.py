@@ -849,9 +849,9 @@ def test_crc_range_checksums_exactly_the_bytes_of_the_range(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: int
 ) -> None:
     """``fc.verify`` stands on it: the same CRC as zlib over the same bytes, short at EOF."""
-    from functional_ckpt._src.storage import shards
+    from functional_ckpt._src.storage import verify
 
-    monkeypatch.setattr(shards, "CRC_BLOCK", block)
+    monkeypatch.setattr(verify, "CRC_BLOCK", block)
     data = os.urandom(3 * 4096 + 17)
     path = tmp_path / "f"
     path.write_bytes(data)
@@ -865,8 +865,8 @@ def test_crc_range_checksums_exactly_the_bytes_of_the_range(
             (100, 0, 0),
         ]:
             want = zlib.crc32(data[offset : offset + length], start)
-            assert shards.crc_range(fd, offset, length, start) == (want, length)
-        crc, n = shards.crc_range(fd, len(data) - 10, 100)  # past the end: what is there
+            assert verify.crc_range(fd, offset, length, start) == (want, length)
+        crc, n = verify.crc_range(fd, len(data) - 10, 100)  # past the end: what is there
         assert (crc, n) == (zlib.crc32(data[-10:]), 10)
     finally:
         os.close(fd)

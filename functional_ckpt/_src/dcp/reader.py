@@ -7,7 +7,8 @@ manifest (:func:`~..format.dcp_metadata.metadata_for`, the one derivation), so
 ``.metadata`` is never unpickled. Tensor chunks are served with every byte
 checked against the manifest's CRC32s (DCP's planner still maps saved chunks
 onto the caller's shards, any world size); a value's bytes are checked against
-their CRC32 before DCP's planner reads them.
+their CRC32, loaded with torch's restricted loader and saved anew before DCP's
+planner unpickles them (with ``weights_only=False``).
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class Reader(StorageReader):
         return self._metadata
 
     def _value_bytes(self, index: MetadataIndex) -> bytes:
-        """A value's stored ``torch.save`` bytes, checked against their CRC32."""
+        """A value's stored ``torch.save`` bytes, checked against their CRC32 and made
+        anew (:func:`~..format.dcp_values.resaved`): DCP unpickles what it is handed."""
         tensors = self._tensors
         assert tensors is not None
         ck = tensors.root
@@ -132,7 +134,7 @@ class Reader(StorageReader):
                 f"{ck.path}: damaged value {index.fqn!r} in {entry.file} "
                 f"(bytes {entry.offset}..{entry.offset + entry.length}: checksum mismatch)"
             )
-        return data
+        return dcpbytes.resaved(data, f"{ck.path}: value {index.fqn!r} in {entry.file}")
 
     def _close(self) -> None:
         if self._tensors is not None:

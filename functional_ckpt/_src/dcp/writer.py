@@ -32,6 +32,7 @@ from torch.futures import Future
 
 from functional_ckpt._src.save.api import save
 from functional_ckpt._src.save.info import CheckpointInfo
+from functional_ckpt._src.storage.zstd import level_of
 from functional_ckpt.errors import CheckpointError
 
 
@@ -40,9 +41,10 @@ class Writer(StorageWriter):
 
     ``path`` (or DCP's ``checkpoint_id=``) names the checkpoint directory; an
     existing one is replaced only with ``overwrite=True``; ``metadata`` is stored
-    in the manifest as ``fc.save`` stores it. Under ``torch.distributed`` create
-    it on every rank (as ``dcp.save`` is called on every rank): its checkpoint
-    group is made there, on the calling thread, not on a saving thread.
+    in the manifest as ``fc.save`` stores it; ``compression`` as for ``fc.save``.
+    Under ``torch.distributed`` create it on every rank (as ``dcp.save`` is called on
+    every rank): its checkpoint group is made there, on the calling thread, not on a
+    saving thread.
     ``info`` is what the last save returned on this process.
     """
 
@@ -52,8 +54,11 @@ class Writer(StorageWriter):
         *,
         overwrite: bool = False,
         metadata: Mapping[str, Any] | None = None,
+        compression: str | None = None,
     ) -> None:
         super().__init__()
+        level_of(compression, "Writer")  # a bad argument fails here, not in dcp.save
+        self.compression = compression
         self.path = None if path is None else Path(path)
         self.overwrite = overwrite
         self.metadata = None if metadata is None else dict(metadata)
@@ -92,6 +97,7 @@ class Writer(StorageWriter):
             overwrite=self.overwrite,
             metadata=self.metadata,
             per_rank=(),
+            compression=self.compression,
         )
         done: Future[list[WriteResult]] = Future()
         done.set_result([])

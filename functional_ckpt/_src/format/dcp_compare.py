@@ -19,12 +19,21 @@ from typing import Any
 
 from functional_ckpt._src.format.dcp_standins import DType, TensorStorageMetadata
 from functional_ckpt._src.format.dcp_values import ByteEntry
-from functional_ckpt._src.format.manifest import TensorEntry
+from functional_ckpt._src.format.manifest import Chunk, TensorEntry
 
 #: A ``.metadata`` as ``dcp.load`` uses it: per key (dtype, shape, chunk boxes) or
 #: ``"bytes"``; per stored piece (key, offsets) its (file, offset, length, transforms);
 #: the key paths.
 View = tuple[dict[str, Any], dict[tuple[str, Any], Any], Any]
+
+
+#: DCP's name of the transform of a chunk stored as a zstd frame (``storage/zstd``).
+ZSTD_DESCRIPTOR = "stream.zstd/1"
+
+
+def transforms(c: Chunk) -> list[str] | None:
+    """A chunk's ``_StorageInfo.transform_descriptors``: None (left out) for a plain blob."""
+    return [ZSTD_DESCRIPTOR] if c.zstd else None
 
 
 def manifest_view(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] = ()) -> View:
@@ -38,7 +47,7 @@ def manifest_view(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteE
         chunks[e.fqn] = (DType(e.dtype_name), tuple(e.shape), boxes)
         planner[e.fqn] = tuple(e.path if e.dcp_path is None else e.dcp_path)
         for c in e.chunks:
-            storage[(e.fqn, tuple(c.offsets))] = (c.file, c.offset, c.length, None)
+            storage[(e.fqn, tuple(c.offsets))] = (c.file, c.offset, c.length, transforms(c))
     for b in blobs:
         chunks[b.fqn] = "bytes"
         planner[b.fqn] = tuple(b.path)

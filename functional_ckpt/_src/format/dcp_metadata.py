@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from functional_ckpt._src.format import dcp_pickle
 from functional_ckpt._src.format import dcp_values as dcpbytes
+from functional_ckpt._src.format.dcp_compare import transforms
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import TensorEntry
 from functional_ckpt._src.format.view import PartLoader, parse_checkpoint
@@ -104,7 +105,7 @@ def metadata_for(
         planner_data[fqn] = tuple(s(k) for k in key_path)
         for i, c in enumerate(chunks):
             index = MetadataIndex(fqn, size_of(c.offsets), i)
-            storage[index] = _StorageInfo(s(c.file), c.offset, c.length)
+            storage[index] = _StorageInfo(s(c.file), c.offset, c.length, transforms(c))
     value = BytesStorageMetadata()
     for b in blobs:
         fqn = s(b.fqn)
@@ -135,7 +136,7 @@ def derive(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] =
     last = _LAST
     if last is not None and last[0] == key:
         return last[1]
-    if dcp_pickle.supported():
+    if dcp_pickle.supported() and not any(c.zstd for g in groups for e in g for c in e.chunks):
         data = dcp_pickle.write(groups, blobs, _dcp_version())
     else:  # a torch that pickles its classes otherwise: its own pickle of its objects
         data = pickle.dumps(metadata_for(groups, blobs), protocol=PROTOCOL)
@@ -158,7 +159,7 @@ def _layout(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry])
                 e.dcp_path,
                 e.dtype_name,
                 e.shape,
-                tuple([c[:5] for c in e.chunks]),  # offsets, sizes, file, offset, length
+                tuple([(*c[:5], c.zstd) for c in e.chunks]),  # box, file, offset, length
             )
             for e in group
         )

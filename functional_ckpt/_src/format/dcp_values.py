@@ -29,7 +29,7 @@ from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath
 from functional_ckpt._src.format.naming import DCP_METADATA
 from functional_ckpt._src.limits import LIMITS
-from functional_ckpt.errors import CorruptCheckpoint
+from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 
 #: A DCP object path: dict keys are strings, list indices ints (``planner_data``).
 DcpPath = tuple[str | int, ...]
@@ -252,6 +252,23 @@ def plan_bytes(
             seen.add(fqn)
             out.append(ByteEntry(fqn, sub, data))
     return [e for e in out if e.fqn not in clashes]
+
+
+def resaved(data: bytes, where: str) -> bytes:
+    """A value's stored ``torch.save`` bytes made anew: loaded by torch's restricted
+    loader (``weights_only``), held to be plain data, saved again.
+
+    Stock DCP's planner runs an unrestricted ``torch.load`` on the bytes a reader
+    hands it: handed these, it never sees a byte of the checkpoint."""
+    import torch
+
+    try:
+        value = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as err:
+        raise UnsafeCheckpoint(f"{where}: not a plain value ({type(err).__name__})") from err
+    if not _plain(value, [_MAX_ELEMENTS]):
+        raise UnsafeCheckpoint(f"{where}: not a plain value")
+    return _saved(value)
 
 
 # --------------------------------------------------------------------------- parsing

@@ -26,6 +26,9 @@ from functional_ckpt._src.format.segments import Segment
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 
+#: The most bytes a zstd frame's blob may hold before its tensor's bytes (zip records).
+ZSTD_HEAD = 1 << 16
+
 __all__ = [
     "ParsedManifest",
     "add_entry",
@@ -276,11 +279,17 @@ def _chunk_in_line(
                 if type(v) is not int or v < 0:
                     ok = False
             offset, length, data_offset, nbytes, crc, hcrc = fields
+            zstd = c.get("zstd", 0)
             if (
                 ok
                 and nbytes == expected
                 and offset <= data_offset
-                and data_offset + nbytes <= offset + length <= file_sizes[file]
+                and offset + length <= file_sizes[file]
+                and (
+                    data_offset + nbytes <= offset + length
+                    if zstd == 0
+                    else zstd == 1 and data_offset - offset <= ZSTD_HEAD
+                )
             ):
                 return Chunk(
                     tuple(offsets),
@@ -292,6 +301,7 @@ def _chunk_in_line(
                     nbytes,
                     crc,
                     hcrc,
+                    zstd,
                 )
     return None
 
@@ -327,6 +337,7 @@ def _checked_chunk(
         checked_int(c.get("nbytes"), where, "byte count"),
         checked_int(c.get("crc32"), where, "checksum"),
         checked_int(c.get("hcrc32"), where, "checksum"),
+        checked_int(c.get("zstd", 0), where, "transform"),
     )
     expected = numel(box_s) * size
     if chunk.nbytes != expected:
@@ -334,11 +345,11 @@ def _checked_chunk(
             f"{where}: {format_path(entry.path)} declares {entry.spec} chunk {list(box_s)} "
             f"({expected} bytes) but records {chunk.nbytes} bytes"
         )
+    if chunk.zstd > 1 or (chunk.zstd and chunk.data_offset - chunk.offset > ZSTD_HEAD):
+        raise CorruptCheckpoint(f"{where}: invalid zstd frame record of {format_path(entry.path)}")
     fsize = out.file_sizes[file]
-    if not (
-        chunk.offset <= chunk.data_offset
-        and chunk.data_offset + chunk.nbytes <= chunk.offset + chunk.length <= fsize
-    ):
+    raw_end = chunk.offset if chunk.zstd else chunk.data_offset + chunk.nbytes
+    if not (chunk.offset <= chunk.data_offset and raw_end <= chunk.offset + chunk.length <= fsize):
         raise UnsafeCheckpoint(
             f"{where}: {format_path(entry.path)} declares bytes beyond the end of {file} "
             f"({fsize} bytes)"

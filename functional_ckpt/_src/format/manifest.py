@@ -84,7 +84,8 @@ class Chunk(NamedTuple):
     data_offset: int = 0  # absolute offset of the raw bytes, C order of ``sizes``
     nbytes: int = 0
     crc32: int = 0  # CRC32 of the raw bytes
-    hcrc32: int = 0  # CRC32 of the blob's other bytes
+    hcrc32: int = 0  # CRC32 of the blob's other bytes (of its stored frame, when ``zstd``)
+    zstd: int = 0  # 1: stored as one zstd frame, DCP's ``stream.zstd/1`` (``storage/zstd``)
 
     @property
     def whole(self) -> bool:
@@ -101,6 +102,7 @@ class Chunk(NamedTuple):
             "nbytes": self.nbytes,
             "crc32": self.crc32,
             "hcrc32": self.hcrc32,
+            **({"zstd": 1} if self.zstd else {}),
         }
 
 

@@ -17,7 +17,7 @@ from typing import Any
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 #: The fields of a chunk a part row holds, in order (the box follows from the rule).
-ROW_FIELDS = ("file", "offset", "length", "data_offset", "nbytes", "crc32", "hcrc32")
+ROW_FIELDS = ("file", "offset", "length", "data_offset", "nbytes", "crc32", "hcrc32", "zstd")
 
 
 def split_size(extent: int, parts: int) -> int:
@@ -79,22 +79,22 @@ def overlapping(extent: int, parts: int, start: int, length: int) -> range:
 
 def row(chunk: Any) -> list[Any]:
     """A chunk as a part row: :data:`ROW_FIELDS` of it, in order (a chunk's fields
-    after its box)."""
-    return list(chunk[2:])
+    after its box; ``zstd`` only where set)."""
+    return list(chunk[2:] if chunk.zstd else chunk[2:9])
 
 
 def rows(chunks: Sequence[Any]) -> list[list[Any]]:
     """:func:`row` of each chunk (a part of a thousand-rank save has a row per sharded
     tensor, and a thousand parts are encoded at once)."""
-    return [list(c[2:]) for c in chunks]
+    return [row(c) for c in chunks]
 
 
 def row_plain(values: object, box: Box) -> dict[str, Any] | None:
     """A part row with its box, as a chunk's plain map (validated by the one chunk
     parser, :mod:`.view`); None if it is not a row."""
-    if not isinstance(values, list) or len(values) != len(ROW_FIELDS):
+    if not isinstance(values, list) or not 7 <= len(values) <= len(ROW_FIELDS):
         return None
-    out: dict[str, Any] = dict(zip(ROW_FIELDS, values, strict=True))
+    out: dict[str, Any] = dict(zip(ROW_FIELDS, values, strict=False))
     out["offsets"] = list(box[0])
     out["sizes"] = list(box[1])
     return out

@@ -38,7 +38,7 @@ def _row_file(e: _Row, split: Mapping[KeyPath, int] | None) -> str | None:
     if len(e.chunks) != 1 or (split and e.path in split):
         return None
     c = e.chunks[0]
-    if c.sizes != e.shape or any(c.offsets):
+    if c.sizes != e.shape or any(c.offsets) or c.zstd:
         return None
     return str(c.file)
 

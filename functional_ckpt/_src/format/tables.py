@@ -145,6 +145,6 @@ def add_table(out: ParsedManifest, t: dict[str, Any], where: str) -> None:
                 f"{where} row {i}: {format_path(path)} declares bytes beyond the end of "
                 f"{file} ({fsize} bytes)"
             )
-        chunk = new(Chunk, (_ZEROS[nd], shape, file, off, ln, doff, nbytes, c, h))
+        chunk = new(Chunk, (_ZEROS[nd], shape, file, off, ln, doff, nbytes, c, h, 0))
         tensors[path] = new(TensorEntry, (path, fqn, names[d], shape, g == 1, (chunk,), None, None))
         order.append((path, "tensor"))

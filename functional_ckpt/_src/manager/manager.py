@@ -70,6 +70,7 @@ from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.options import DEFAULT_PER_RANK
 from functional_ckpt._src.state.tree import State
+from functional_ckpt._src.storage import zstd
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
 __all__ = ["CheckpointManager"]
@@ -85,7 +86,8 @@ class CheckpointManager(RootView):
     the previous one, unchanged bytes shared), ``export`` (``fc.manager.Export``),
     ``remote`` (``fc.manager.Remote``), ``memory`` (``fc.manager.Memory``: a tier in
     RAM above the root, saved on its own policy), ``rollback`` (a rule such as
-    ``fc.policy.on_degrade``), ``per_rank`` (the subtrees stored per rank). A writing
+    ``fc.policy.on_degrade``), ``per_rank`` (the subtrees stored per rank),
+    ``compression`` (as for ``fc.save``; by default the remote tier's). A writing
     manager locks ``root``, recovers or removes what crashes left and finishes an
     interrupted rollback at open; ``read_only=True`` never deletes or renames
     anything. Only the manager reads ``clock`` (the run's running time, which every
@@ -109,6 +111,7 @@ class CheckpointManager(RootView):
         rollback: SavePolicy | None = None,
         per_rank: Sequence[str] = DEFAULT_PER_RANK,
         clock: Callable[[], float] = time.monotonic,
+        compression: str | None = None,
     ) -> None:
         super().__init__(Path(root))
         if not callable(clock):
@@ -125,8 +128,17 @@ class CheckpointManager(RootView):
         self.metadata = check_metadata(metadata, f"CheckpointManager({self.root})")
         topo = topology()
         self._distributed, self._coordinator = topo.distributed, topo.coordinator
-        settings = WriteSettings(tuple(per_rank), async_option(async_save), bool(incremental),
-                                 self._distributed, self._coordinator)  # fmt: skip
+        settings = WriteSettings(
+            tuple(per_rank),
+            async_option(async_save),
+            bool(incremental),
+            self._distributed,
+            self._coordinator,
+            zstd_level=zstd.level_of(
+                compression if compression is not None or remote is None else remote.compression,
+                "CheckpointManager",
+            ),
+        )
         if self._distributed:
             prepare_groups()  # now, on the training thread, in the same order on every rank
         self._running = RunningTime(clock)

@@ -48,6 +48,7 @@ class WriteSettings:
     durable: bool = True
     parts: bool = False
     group: str = "save"
+    zstd_level: int = 0  # tensors stored as zstd frames of this level (0: raw)
 
 
 class Writes:
@@ -81,6 +82,7 @@ class Writes:
             parts=self.settings.parts or (self.remote is not None and self.remote.parts),
             durable=self.settings.durable,
             group=self.settings.group,
+            zstd_level=self.settings.zstd_level,
         )
         remote = self.remote
         held = remote is not None  # uploads stand still while the state is staged

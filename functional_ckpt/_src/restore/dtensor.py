@@ -29,7 +29,7 @@ from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.manifest import Chunk
 from functional_ckpt._src.storage import committed
-from functional_ckpt._src.storage.shards import read_chunk
+from functional_ckpt._src.storage.shards import read_tensors
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
 
@@ -239,3 +239,23 @@ def _fresh_dtensor(like: Any) -> torch.Tensor:
         stride=like.stride(),
     )
     return fresh
+
+
+def read_chunk(
+    root: committed.Checkpoint,
+    chunk: Chunk,
+    dtype: torch.dtype,
+    what: str,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One stored chunk as a new tensor, or read straight into ``out`` (contiguous CPU
+    memory of its dtype and shape), every byte checked."""
+    data = torch.empty(chunk.sizes, dtype=dtype) if out is None else out
+    if chunk.nbytes:
+        res = read_tensors(root.fd(chunk.file), [(chunk, data)])[0]
+        if res is not None:
+            raise CorruptCheckpoint(
+                f"{root.path}: damaged tensor data for {what!r} in {chunk.file}: {res}"
+            )
+    return data

@@ -65,6 +65,12 @@ class StockFiles:
 
     def blob(self, info: Any) -> bytes:
         name = info.relative_path
+        if info.transform_descriptors:  # e.g. a FileSystemWriter(_extensions=[ZStandard()])
+            raise CheckpointError(
+                f"{self.root / name}: stored with DCP's transforms {info.transform_descriptors}, "
+                "which fc.restore reads in checkpoints of this format only; read this one "
+                "with dcp.load"
+            )
         fd, size = self.open(name)
         if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
             raise UnsafeCheckpoint(

@@ -109,6 +109,7 @@ def save(
     overwrite: bool = False,
     per_rank: Sequence[str] = DEFAULT_PER_RANK,
     base: PathLike | None = None,
+    compression: str | None = None,
 ) -> CheckpointInfo:
     """Write ``state`` to the directory ``path``, atomically and durably.
 
@@ -118,9 +119,16 @@ def save(
     multi-rank guide); ``per_rank`` names the top-level subtrees stored per rank.
     With ``base`` (a committed checkpoint), bytes unchanged since the base are
     not written again but shared with it; the result is still self-contained.
+    ``compression="zstd"`` (or ``"zstd:N"``, level N) stores tensors as zstd frames
+    that stock ``dcp.load`` reads too (needs ``zstandard``).
     """
     options = save_options(
-        metadata=metadata, overwrite=overwrite, per_rank=per_rank, base=base, what="fc.save"
+        metadata=metadata,
+        overwrite=overwrite,
+        per_rank=per_rank,
+        base=base,
+        what="fc.save",
+        compression=compression,
     )
     return run_save(path, state, options)
 
@@ -166,6 +174,7 @@ def save_async(
     stager: Stager | None = None,
     per_rank: Sequence[str] = DEFAULT_PER_RANK,
     base: PathLike | None = None,
+    compression: str | None = None,
 ) -> PendingSave:
     """Start saving ``state`` to ``path`` in the background.
 
@@ -184,10 +193,15 @@ def save_async(
     modify the state's tensors in place until ``result()`` returns, and a violation is
     detected and the checkpoint refused. ``base`` as for :func:`functional_ckpt.save`:
     unchanged chunks are shared with the base, decided on the bytes being committed
-    (the staged copies).
+    (the staged copies). ``compression`` as for :func:`functional_ckpt.save`.
     """
     options = save_options(
-        metadata=metadata, overwrite=overwrite, per_rank=per_rank, base=base, what="fc.save_async"
+        metadata=metadata,
+        overwrite=overwrite,
+        per_rank=per_rank,
+        base=base,
+        what="fc.save_async",
+        compression=compression,
     )
     if stager is not None and not isinstance(stager, Stager):
         raise TypeError(f"fc.save_async(stager={stager!r}): expected an fc.checkpoint.Stager")

@@ -171,7 +171,7 @@ def parse_results(plain: Any, rank: int) -> list[tuple[str, Chunk]]:
     return out
 
 
-_FIELDS = 6  # a chunk's numbers besides its box: offset, length, data offset, bytes, CRCs
+_FIELDS = 7  # a chunk's numbers besides its box: offset, length, data offset, bytes, CRCs, zstd
 
 
 # ------------------------------------------------------------------ the first round

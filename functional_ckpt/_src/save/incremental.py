@@ -43,7 +43,7 @@ from functional_ckpt._src.format.naming import parse_shard, shard_name
 from functional_ckpt._src.format.segments import Segment
 from functional_ckpt._src.save.options import SaveOptions
 from functional_ckpt._src.save.trust import Ident, Key, Seen
-from functional_ckpt._src.storage import committed, durable, opener, shards
+from functional_ckpt._src.storage import committed, durable, opener, shards, zstd
 from functional_ckpt._src.storage.live import BLOCK, Freed, LiveReader
 from functional_ckpt.errors import CheckpointError
 
@@ -169,6 +169,15 @@ def _stored_equals(base: Base, chunk: Chunk, t: torch.Tensor, reader: LiveReader
     view = byte_view(t)
     try:
         fd = base.open(chunk.file)
+        if chunk.zstd:  # decompressed (and checked) into a scratch copy, then compared
+            scratch = memoryview(np.empty(len(view), dtype=np.uint8).data)
+            if len(view) != chunk.nbytes or zstd.read_blob(fd, chunk, scratch) is not None:
+                return False
+            for off in range(0, len(view), BLOCK):
+                mine = view[off : off + BLOCK]
+                if scratch[off : off + BLOCK] != (mine if reader is None else reader.copy(mine)):
+                    return False
+            return True
         head = os.pread(fd, chunk.data_offset - chunk.offset, chunk.offset)
         end = chunk.data_offset + chunk.nbytes
         tail = os.pread(fd, chunk.offset + chunk.length - end, end)
@@ -333,6 +342,7 @@ def write_rank(
     blobs: Sequence[ByteEntry] = (),
     sync: bool = True,
     live: bool = False,
+    zstd_level: int = 0,
 ) -> tuple[list[Chunk], list[ByteEntry], list[Segment]]:
     """Write one rank's chunks into ``tmp``: unchanged ones from the base, the rest anew.
 
@@ -342,7 +352,8 @@ def write_rank(
     entries: small, always written anew, into the rank's own data file), and the
     run checksums of its file written anew, ``shard_name(rank)``
     (:mod:`..format.segments`). Without a base every chunk is written. Without
-    ``sync`` no file is fsynced (a memory tier). ``live`` as for :func:`.shards.write_shard`.
+    ``sync`` no file is fsynced (a memory tier). ``live`` and ``zstd_level`` as for
+    :func:`.shards.write_shard` (a chunk shared with the base keeps its own form).
     """
     background: list[Future[None]] = [] if syncing is None else syncing
     reused = place(
@@ -366,6 +377,7 @@ def write_rank(
             blobs=blobs,
             sync=sync,
             live=live,
+            zstd_level=zstd_level,
         )
         for i, c in zip(todo, fresh, strict=True):
             reused[i] = c

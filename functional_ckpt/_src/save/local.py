@@ -202,6 +202,7 @@ def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> 
             blobs=blobs,
             sync=job.options.durable,
             live=hooks.live,
+            zstd_level=job.options.zstd_level,
         )
         if hooks.read is not None:
             hooks.read()

@@ -521,7 +521,14 @@ def _write(
         # Run checksums stay with the rank that wrote them: the file table records
         # none of a multi-rank save (its readers check every blob on its own).
         chunks, located, _ = incremental.write_rank(
-            job.tmp, rank, job.base, keys, tensors, chunk_idents, blobs=job.blobs
+            job.tmp,
+            rank,
+            job.base,
+            keys,
+            tensors,
+            chunk_idents,
+            blobs=job.blobs,
+            zstd_level=job.job.options.zstd_level,
         )
     except OSError as e:
         raise os_failure(e, job.job.dest, "saving") from e

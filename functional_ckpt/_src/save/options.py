@@ -15,6 +15,7 @@ from typing import Any
 
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.save.trust import PROCESS_TRUST, TrustMemory
+from functional_ckpt._src.storage import zstd
 
 #: Top-level subtrees that differ between ranks and are stored once per rank.
 DEFAULT_PER_RANK = ("rng", "loader")
@@ -34,7 +35,8 @@ class SaveOptions:
     ``durable=False``: no fsync anywhere (a manager's memory tier, whose folder a
     power loss empties anyway); the commit stays as atomic for every reader.
     ``group``: the checkpoint group its collectives run on (a memory tier's saves run
-    beside the disk tier's, each on a group of its own).
+    beside the disk tier's, each on a group of its own). ``zstd_level``: tensors are
+    stored as zstd frames stock DCP reads (``compression="zstd"``, :mod:`..storage.zstd`).
     """
 
     metadata: Mapping[str, Any] | None = None
@@ -46,6 +48,7 @@ class SaveOptions:
     parts: bool = False
     durable: bool = True
     group: str = "save"
+    zstd_level: int = 0  # 0: tensors stored raw; else zstd frames of this level
 
 
 def save_options(
@@ -55,6 +58,7 @@ def save_options(
     per_rank: Sequence[str],
     base: PathLike | None,
     what: str,
+    compression: str | None = None,
 ) -> SaveOptions:
     """The options of a public call (``what`` names it in errors), every argument checked."""
     if metadata is not None and not isinstance(metadata, Mapping):
@@ -70,4 +74,5 @@ def save_options(
         overwrite=overwrite,
         per_rank=tuple(per_rank),
         base=None if base is None else Path(base),
+        zstd_level=zstd.level_of(compression, what),
     )

@@ -24,13 +24,10 @@ from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import Chunk
 from functional_ckpt._src.format.segments import Segment
 from functional_ckpt._src.limits import LIMITS
-from functional_ckpt._src.storage import committed, durable
+from functional_ckpt._src.storage import durable, zstd
 from functional_ckpt._src.storage.live import LiveReader
 from functional_ckpt._src.threads import BackgroundThread, wait_quietly
-from functional_ckpt.errors import (
-    CheckpointError,
-    CorruptCheckpoint,
-)
+from functional_ckpt.errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch
@@ -43,9 +40,6 @@ WRITE_BATCH = 8 << 20
 
 #: Large tensors are written and checksummed in chunks of this size, overlapped.
 CHUNK = 32 << 20
-
-#: Bytes read per step when checksumming a file range (the buffer stays in cache).
-CRC_BLOCK = 4 << 20
 
 #: A blob's CRC32 written into its zip records (as ``BlobTemplate.patch`` does).
 _pack_crc = struct.Struct("<I").pack_into
@@ -88,6 +82,7 @@ def write_shard(
     blobs: Sequence[ByteEntry] = (),
     sync: bool = True,
     live: bool = False,
+    zstd_level: int = 0,
 ) -> Shard:
     """Write tensors (contiguous, on CPU) as DCP blobs into a new file, fsynced.
 
@@ -102,7 +97,8 @@ def write_shard(
     ``sync`` the file is only closed (a memory tier's save: a power loss loses it anyway).
     ``live``: the tensors are the caller's, who may free them meanwhile (an unstaged
     save), so they are read only through the kernel (:mod:`.live`). The checksum
-    thread is done with a tensor before this returns or raises.
+    thread is done with a tensor before this returns or raises. ``zstd_level``: every
+    tensor blob is one zstd frame of that level (:mod:`.zstd`).
     """
     name = path.name
     chunks: list[Chunk] = []
@@ -129,6 +125,20 @@ def write_shard(
             if found is None:
                 found = templates[spec] = blob_template(t.dtype, shape)
             tpl = found
+            box = (0,) * len(shape) if offsets is None else offsets[i]
+            if zstd_level:
+                _flush(out, pending, start, small, segments)
+                pending.clear()
+                chunks.append(
+                    zstd.write_blob(
+                        out, tpl, t, zstd_level, (box, name, pos), readers[0] if readers else None
+                    )
+                )
+                pos = start = out.end
+                small = -1
+                if after_each is not None:
+                    after_each(i)
+                continue
             if tpl.nbytes < SMALL_TENSOR:
                 if not (t.is_cpu and t.is_contiguous()):
                     raise CheckpointError(f"internal: tensor {i} is not contiguous host memory")
@@ -170,12 +180,11 @@ def write_shard(
                 pending += tail  # written with what follows
                 start = out.end
             length = len(tpl.head) + tpl.nbytes + len(tail)
-            box = (0,) * len(shape) if offsets is None else offsets[i]
             hcrc = crc32(tail, tpl.head_crc)
             chunks.append(  # one per tensor: made without the named tuple's __new__
                 new(
                     Chunk,
-                    (box, shape, name, pos, length, pos + len(tpl.head), tpl.nbytes, crc, hcrc),
+                    (box, shape, name, pos, length, pos + len(tpl.head), tpl.nbytes, crc, hcrc, 0),
                 )
             )
             pos += length
@@ -324,6 +333,10 @@ def read_tensors(
             )
     pool = checksum_pool()
     order = sorted(range(len(jobs)), key=[c.offset for c, _ in jobs].__getitem__)
+    if any(c.zstd for c, _ in jobs):  # frames are decompressed one by one, in place
+        for k in (k for k in order if jobs[k][0].zstd):
+            results[k] = zstd.read_blob(fd, jobs[k][0], _landing_view(jobs[k][1]), ready)
+        order = [k for k in order if not jobs[k][0].zstd]
     if segments:
         order = _read_segments(fd, jobs, order, segments, results)
     futures: list[tuple[int, Future[int]]] = []
@@ -483,44 +496,3 @@ def _read_large(
     if crc32(tail, crc32(head)) != chunk.hcrc32:
         return "blob headers fail their checksum"
     return None
-
-
-def crc_range(fd: int, offset: int, length: int, start: int = 0) -> tuple[int, int]:
-    """CRC32 over a file range; returns (crc, bytes read).
-
-    The range is read (by :func:`read_into`) into one reused buffer: a fresh
-    buffer per read costs its page faults, several times the time of the read and
-    the checksum together.
-    """
-    view = memoryview(bytearray(min(CRC_BLOCK, max(length, 0))))
-    crc = start
-    done = 0
-    while done < length:
-        n = read_into(fd, offset + done, view[: min(CRC_BLOCK, length - done)])
-        if not n:
-            break
-        crc = crc32(view[:n], crc)
-        done += n
-    return crc, done
-
-
-def read_chunk(
-    root: committed.Checkpoint,
-    chunk: Chunk,
-    dtype: torch.dtype,
-    what: str,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One stored chunk as a new tensor, or read straight into ``out`` (contiguous CPU
-    memory of its dtype and shape), every byte checked."""
-    import torch
-
-    data = torch.empty(chunk.sizes, dtype=dtype) if out is None else out
-    if chunk.nbytes:
-        res = read_tensors(root.fd(chunk.file), [(chunk, data)])[0]
-        if res is not None:
-            raise CorruptCheckpoint(
-                f"{root.path}: damaged tensor data for {what!r} in {chunk.file}: {res}"
-            )
-    return data
