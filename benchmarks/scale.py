@@ -8,7 +8,8 @@ no machine here can launch, by running the project's own code for every simulate
 rank, without a process group:
 
 model
-  A decoder of ``--layers`` layers (hidden 4096, MLP 16384, vocabulary 32768), every
+  A decoder of ``--layers`` layers (hidden 4096, MLP 16384, vocabulary 32768; with
+  ``--full`` the llama-like layout: 32 layers of 8 weights, 1,037 tensors), every
   weight a DTensor sharded on dim 0 across the N ranks (as FSDP2's ``fully_shard``
   leaves it), AdamW's two moments beside each (sharded the same way) and its
   replicated 0-d ``step``; a few replicated values (hyperparameters, the step);
@@ -25,16 +26,18 @@ fc, coordinator
   planning as ``fc.save`` runs it (``multi_rank._Planner``: the deduplication),
   then ``manifest.assemble``, ``dcp_metadata.derive``, ``local.encode_parts`` and
   ``Manifest.encode`` (the manifest's index): everything ``finalize`` computes
-  before it writes. A second save of the same layout is timed too: every rank sends
-  the empty plan that says "unchanged", so the global plan is reused, and
-  ``derive`` keeps the last ``.metadata``.
+  before it writes, timed by function. A second save of the same layout is timed
+  too: every rank sends the empty plan that says "unchanged", so the global plan is
+  reused, and ``derive`` keeps the last ``.metadata``.
 fc, one rank's restore
   Decoding the manifest's index, ``parse_checkpoint`` and the rank's view without
   the sharded chunks, the parts its shards meet (``dtensor.parts_meeting``: its
   own), their CRC32 and decoding, the view filled from them, the DCP ``Metadata``
   its reader serves (``dcp_metadata.metadata_for``) and DCP's load planning for
   the rank's shards (``create_read_items_for_chunk_list``, what
-  ``DefaultLoadPlanner`` calls per tensor).
+  ``DefaultLoadPlanner`` calls per tensor). Then the same rank on real files
+  (:func:`restore_on_disk`): the files it opens, the bytes it reads and the most
+  descriptors it holds, counted at ``os.open``, ``os.pread`` and ``os.close``.
 stock DCP
   The same plans through ``DefaultSavePlanner.create_global_plan`` and the
   ``Metadata`` that ``FileSystemWriter.finish`` pickles; one rank's load:
@@ -43,21 +46,23 @@ stock DCP
 Bytes each rank sends and receives are predicted from the payloads (what the
 project's collective helpers in ``distributed/groups`` move, counted the way
 tests/test_dist.py counts a real 8-rank run, and DCP's own object collectives, from
-the pickles ``torch.distributed`` would send). Peak memory is ``tracemalloc``'s
-peak above the start of each phase (a second, separate run of it).
+the pickles ``torch.distributed`` would send). Times are this process's CPU time
+(``time.process_time``: a shared machine's load does not inflate them); peak
+memory is ``tracemalloc``'s peak above the start of each phase (a second,
+separate run of it).
 
 Targets (one run): coordinator time and bytes received from N=256 to N=4096 at
 most 20x; bytes a non-coordinator rank receives in a save constant in N; at
 N=1024 the coordinator's time <= 0.3x DCP's planning and metadata, one rank's
 restore planning <= 0.3x DCP's and under 1 s, its peak memory <= 0.2x the decoded
 manifest; a cached second save's coordinator time <= 0.3x the first; the files a
-restoring rank opens and the bytes it reads besides its tensors' (the marker, the
-index, the parts it reads, from the reads it plans: the files
-``committed.Checkpoint`` opens) within 1.25x from N=256 to N=4096.
+restoring rank opens and the bytes it reads besides its tensors' within 1.25x from
+N=256 to N=4096, its restore CPU within 1.5x; the coordinator's first save at
+N=4096 <= 0.5x DCP's planning and ``.metadata``.
 
 Usage::
 
-    python benchmarks/scale.py [--quick] [--ranks 8,64,256] [--layers L] [--json PATH]
+    python benchmarks/scale.py [--quick | --full] [--ranks 8,64,256] [--layers L] [--json PATH]
 """
 
 from __future__ import annotations
