@@ -33,7 +33,7 @@ import operator
 import pickle
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +52,6 @@ _STATE_KEYS: dict[str, tuple[tuple[str, ...], ...]] = {
 }
 
 _PACK_I = struct.Struct("<I").pack
-_PACK_H = struct.Struct("<H").pack
 _PACK_i = struct.Struct("<i").pack
 
 
@@ -112,8 +111,6 @@ _SMALL = [pickle.BININT1 + bytes((v,)) for v in range(0x100)]
 def _int(v: int) -> bytes:
     if 0 <= v < 0x100:
         return _SMALL[v]
-    if 0 <= v < 0x10000:
-        return pickle.BININT2 + _PACK_H(v)
     if -0x80000000 <= v < 0x80000000:
         return pickle.BININT + _PACK_i(v)
     data = pickle.encode_long(v)
@@ -160,14 +157,7 @@ class _Memo:
         got = self.sizes.get(key)
         if got is not None:
             return _get(got)
-        ints = b"".join([_int(d) for d in key])
-        n = len(key)
-        if n == 0:
-            items = pickle.EMPTY_TUPLE
-        elif n <= 3:
-            items = ints + (pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3)[n - 1]
-        else:
-            items = pickle.MARK + ints + pickle.TUPLE
+        items = _tuple([_int(d) for d in key])
         opcodes = self.obj("torch.Size", _torch_size) + items + pickle.TUPLE1 + pickle.REDUCE
         self.sizes[key] = self.count
         self.count += 1
@@ -230,24 +220,23 @@ def write(
     put(md_cls + new + state + s("state_dict_metadata") + pickle.EMPTY_DICT + pickle.MARK)
     whole_md: dict[tuple[str, tuple[int, ...]], bytes] = {}
     # a layout of chunk boxes met before (a weight and its moments, equal layers):
-    # its chunks' opcodes and the memo of each chunk's offsets, made once
-    layouts: dict[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], _Layout] = {}
-    of_entry: list[_Layout] = []
+    # its chunks' opcodes (GETs) and each chunk's offsets' memo index, made once
+    layouts: dict[Any, tuple[bytes, np.ndarray]] = {}
+    of_entry: list[np.ndarray] = []
 
     def boxes(chunks: Sequence[Chunk]) -> bytes:
-        """The opcodes of ``chunks``' boxes; their layout's kept for the next tensors."""
         layout = tuple(map(_box, chunks))
         got = layouts.get(layout)
         if got is not None:
-            of_entry.append(got)
-            return got.opcodes
-
-        def made() -> bytes:  # the first time memoises the sizes, then GETs only
-            return b"".join([chunk_pre + size(o) + k_sizes + size(z) + end for o, z in layout])
-
-        first = made()
-        got = layouts[layout] = _Layout(made(), np.array([m.sizes[o] for o, _ in layout], _MEMO))
-        of_entry.append(got)
+            of_entry.append(got[1])
+            return got[0]
+        # the first time memoises the sizes, the second is GETs only
+        first, again = (
+            b"".join([chunk_pre + size(o) + k_sizes + size(z) + end for o, z in layout])
+            for _ in "12"
+        )
+        layouts[layout] = (again, np.array([m.sizes[o] for o, _ in layout], _MEMO))
+        of_entry.append(layouts[layout][1])
         return first
 
     for e in entries:
@@ -293,7 +282,7 @@ def write(
     index_pre = index_cls + new + state + k_fqn
     info_pre = end + info_cls + new + state + s("relative_path")
     in_files: dict[tuple[str, ...], np.ndarray] = {}  # each chunk's file name, memoised
-    for e, layout in zip(entries, of_entry, strict=True):
+    for e, offsets in zip(entries, of_entry, strict=True):
         chunks = e.chunks
         if not chunks:
             continue
@@ -311,7 +300,7 @@ def write(
                 index_pre + s(e.fqn) + k_index,
                 (pickle.BININT, _indices(n)),
                 k_offset,
-                (pickle.LONG_BINGET, layout.offsets),
+                (pickle.LONG_BINGET, offsets),
                 info_pre,
                 (pickle.LONG_BINGET, files),
                 k_offset,
@@ -323,28 +312,23 @@ def write(
             )
         )
     for b in blobs:
-        put(index_pre + s(b.fqn) + k_index + pickle.NONE + end)
-        put(info_pre[len(end) :] + s(b.file) + k_offset + _int(b.offset) + k_length)
-        put(_int(b.length) + end)
+        put(index_pre + s(b.fqn) + k_index + pickle.NONE + info_pre + s(b.file) + k_offset)
+        put(_int(b.offset) + k_length + _int(b.length) + end)
     put(pickle.SETITEMS + s("storage_meta") + pickle.NONE + s("version"))
     put(pickle.NONE if version is None else s(version))
     put(end + pickle.STOP)
     return b"".join(out)
 
 
-_CLASSES = (
-    *("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata"),
-    *("MetadataIndex", "_StorageInfo"),
-)
+_CLASSES = [
+    "Metadata",
+    "TensorStorageMetadata",
+    "ChunkStorageMetadata",
+    "MetadataIndex",
+    "_StorageInfo",
+]
 _MEMO = np.dtype("<u4")  # a memo index, as LONG_BINGET takes it
 _file, _offset, _length = (operator.itemgetter(i) for i in (2, 3, 4))
-
-
-class _Layout(NamedTuple):
-    """The chunks' boxes of one layout: their objects' opcodes, each offsets' memo index."""
-
-    opcodes: bytes
-    offsets: np.ndarray
 
 
 def _transforms(entry: TensorEntry) -> bytes:
