@@ -58,23 +58,17 @@ _PACK_i = struct.Struct("<i").pack
 def supported() -> bool:
     """Whether the installed torch pickles DCP's metadata as this writer emits it."""
     import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+    from torch.distributed.checkpoint import filesystem
+    from torch.distributed.checkpoint import metadata as md
 
     size = torch.Size([0])
     samples: list[tuple[str, Any]] = [
-        ("ChunkStorageMetadata", ChunkStorageMetadata(offsets=size, sizes=size)),
-        ("MetadataIndex", MetadataIndex("a", size, 0)),
-        ("MetadataIndex", MetadataIndex("a")),
-        ("_StorageInfo", _StorageInfo("f", 0, 1)),
-        ("TensorStorageMetadata", TensorStorageMetadata(TensorProperties(), size, [])),
-        ("Metadata", Metadata(state_dict_metadata={}, planner_data={}, storage_data={})),
+        ("ChunkStorageMetadata", md.ChunkStorageMetadata(offsets=size, sizes=size)),
+        ("MetadataIndex", md.MetadataIndex("a", size, 0)),
+        ("MetadataIndex", md.MetadataIndex("a")),
+        ("_StorageInfo", filesystem._StorageInfo("f", 0, 1)),
+        ("TensorStorageMetadata", md.TensorStorageMetadata(md.TensorProperties(), size, [])),
+        ("Metadata", md.Metadata(state_dict_metadata={}, planner_data={}, storage_data={})),
     ]
     if size.__reduce_ex__(4) != (torch.Size, ((0,),)):
         return False
