@@ -8,7 +8,8 @@ no machine here can launch, by running the project's own code for every simulate
 rank, without a process group:
 
 model
-  A decoder of ``--layers`` layers (hidden 4096, MLP 16384, vocabulary 32768), every
+  A decoder of ``--layers`` layers (hidden 4096, MLP 16384, vocabulary 32768; with
+  ``--full`` the llama-like layout: 32 layers of 8 weights, 1,037 tensors), every
   weight a DTensor sharded on dim 0 across the N ranks (as FSDP2's ``fully_shard``
   leaves it), AdamW's two moments beside each (sharded the same way) and its
   replicated 0-d ``step``; a few replicated values (hyperparameters, the step);
@@ -25,16 +26,18 @@ fc, coordinator
   planning as ``fc.save`` runs it (``multi_rank._Planner``: the deduplication),
   then ``manifest.assemble``, ``dcp_metadata.derive``, ``local.encode_parts`` and
   ``Manifest.encode`` (the manifest's index): everything ``finalize`` computes
-  before it writes. A second save of the same layout is timed too: every rank sends
-  the empty plan that says "unchanged", so the global plan is reused, and
-  ``derive`` keeps the last ``.metadata``.
+  before it writes, timed by function. A second save of the same layout is timed
+  too: every rank sends the empty plan that says "unchanged", so the global plan is
+  reused, and ``derive`` keeps the last ``.metadata``.
 fc, one rank's restore
   Decoding the manifest's index, ``parse_checkpoint`` and the rank's view without
   the sharded chunks, the parts its shards meet (``dtensor.parts_meeting``: its
   own), their CRC32 and decoding, the view filled from them, the DCP ``Metadata``
   its reader serves (``dcp_metadata.metadata_for``) and DCP's load planning for
   the rank's shards (``create_read_items_for_chunk_list``, what
-  ``DefaultLoadPlanner`` calls per tensor).
+  ``DefaultLoadPlanner`` calls per tensor). Then the same rank on real files
+  (:func:`restore_on_disk`): the files it opens, the bytes it reads and the most
+  descriptors it holds, counted at ``os.open``, ``os.pread`` and ``os.close``.
 stock DCP
   The same plans through ``DefaultSavePlanner.create_global_plan`` and the
   ``Metadata`` that ``FileSystemWriter.finish`` pickles; one rank's load:
@@ -43,27 +46,31 @@ stock DCP
 Bytes each rank sends and receives are predicted from the payloads (what the
 project's collective helpers in ``distributed/groups`` move, counted the way
 tests/test_dist.py counts a real 8-rank run, and DCP's own object collectives, from
-the pickles ``torch.distributed`` would send). Peak memory is ``tracemalloc``'s
-peak above the start of each phase (a second, separate run of it).
+the pickles ``torch.distributed`` would send). Times are this process's CPU time
+(``time.process_time``: a shared machine's load does not inflate them); peak
+memory is ``tracemalloc``'s peak above the start of each phase (a second,
+separate run of it).
 
 Targets (one run): coordinator time and bytes received from N=256 to N=4096 at
 most 20x; bytes a non-coordinator rank receives in a save constant in N; at
 N=1024 the coordinator's time <= 0.3x DCP's planning and metadata, one rank's
 restore planning <= 0.3x DCP's and under 1 s, its peak memory <= 0.2x the decoded
 manifest; a cached second save's coordinator time <= 0.3x the first; the files a
-restoring rank opens and the bytes it reads besides its tensors' (the marker, the
-index, the parts it reads, from the reads it plans: the files
-``committed.Checkpoint`` opens) within 1.25x from N=256 to N=4096.
+restoring rank opens and the bytes it reads besides its tensors' within 1.25x from
+N=256 to N=4096, its restore CPU within 1.5x; the coordinator's first save at
+N=4096 <= 0.5x DCP's planning and ``.metadata``.
 
 Usage::
 
-    python benchmarks/scale.py [--quick] [--ranks 8,64,256] [--layers L] [--json PATH]
+    python benchmarks/scale.py [--quick | --full] [--ranks 8,64,256] [--layers L] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import math
 import pickle
 import sys
 import time
@@ -92,8 +99,12 @@ from _common import (
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-DEFAULT_RANKS = (8, 64, 256, 1024, 4096)
+DEFAULT_RANKS = (8, 64, 256, 1024)
 QUICK_RANKS = (8, 64)
+FULL_RANKS = (256, 512, 1024, 2048, 4096)
+#: The llama-like layout: 32 layers of 8 weights, embedding, norm and head (1,037
+#: tensors with AdamW's moments and the rng, 777 of them sharded on dim 0).
+LLAMA = {"layers": 32, "norms": 1}
 HEADER = 64  # bytes of blob header before a chunk's raw bytes (what the layout reserves)
 PER_RANK = ("rng", "loader")
 
@@ -109,6 +120,7 @@ class Model:
     hidden: int = 4096
     mlp: int = 16384
     vocab: int = 32768
+    norms: int = 2  # per layer
 
     def params(self) -> list[tuple[str, tuple[int, ...]]]:
         h, m = self.hidden, self.mlp
@@ -117,7 +129,7 @@ class Model:
             p = f"layer{i}_"
             out += [(p + n, (h, h)) for n in ("q", "k", "v", "o")]
             out += [(p + "gate", (m, h)), (p + "up", (m, h)), (p + "down", (h, m))]
-            out += [(p + "norm1", (h,)), (p + "norm2", (h,))]
+            out += [(p + f"norm{j + 1}", (h,)) for j in range(self.norms)]
         return [*out, ("norm", (h,)), ("head", (self.vocab, h))]
 
 
@@ -213,18 +225,10 @@ def _chunk(entry: Any, rank: int, n: int, cursor: int, sharded: bool) -> Any:
     from functional_ckpt._src.format.manifest import Chunk
     from functional_ckpt._src.format.naming import shard_name
 
-    shape = tuple(entry.shape)
-    sizes, offsets = shape, (0,) * len(shape)
-    if sharded:
-        sizes = (shape[0] // n, *shape[1:])
-        offsets = (rank * sizes[0], *offsets[1:])
-    count = 1
-    for d in sizes:
-        count *= d
-    nbytes = count * entry.dtype.itemsize
+    sizes, rest, nbytes = _box(tuple(entry.shape), entry.dtype.itemsize, n if sharded else 1)
     seed = f"{entry.fqn}/{rank}".encode()
     return Chunk(
-        offsets,
+        (rank * sizes[0], *rest) if sharded else (0, *rest)[: len(sizes)],
         sizes,
         shard_name(rank),
         cursor,
@@ -234,6 +238,16 @@ def _chunk(entry: Any, rank: int, n: int, cursor: int, sharded: bool) -> Any:
         zlib.crc32(seed),
         zlib.crc32(seed[::-1]),
     )
+
+
+@functools.cache
+def _box(shape: tuple[int, ...], itemsize: int, n: int) -> tuple[Any, ...]:
+    """A shard's sizes of ``shape`` split on dim 0 ``n`` ways, the zeros after its
+    first offset, its bytes."""
+    if not shape:
+        return (), (), itemsize
+    sizes = (shape[0] // n, *shape[1:])
+    return sizes, (0,) * (len(shape) - 1), math.prod(sizes) * itemsize
 
 
 def simulate(model: Model, n: int) -> World:
@@ -256,12 +270,12 @@ def simulate(model: Model, n: int) -> World:
     )
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from functional_ckpt._src.save import dedup, multi_rank
+    from functional_ckpt._src.save import dedup, exchange
     from functional_ckpt._src.save.plan import byte_entries, plan_save
 
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     plan = plan_save(full_state(model, 0), per_rank=PER_RANK, rank=0)
-    plan_s = time.perf_counter() - t0
+    plan_s = time.process_time() - t0
     shared = [t for t in plan.targets if t.path[0] not in PER_RANK]
     planned_blobs = byte_entries(plan)
     props = {}
@@ -305,50 +319,54 @@ def simulate(model: Model, n: int) -> World:
     # stock DCP's local plans: what DefaultSavePlanner.create_local_plan makes of each
     # rank's state dict (DTensor shards, replicated tensors, values as byte items)
     dcp_plans, dcp_results = [], []
+    # objects equal across tensors and ranks made once (DCP's planner never mutates them)
+    whole = {t.fqn: _create_write_item_for_tensor(t.fqn, torch.empty(t.shape)) for t in shared}
+    values = [_create_write_item_for_bytesio(b.fqn, b"") for b in planned_blobs]
+    shard_data: dict[tuple[Any, ...], Any] = {}
     for r in range(n):
         its: list[Any] = []
         for t in shared:
-            if _sharded(t, n):
+            if not _sharded(t, n):
+                its.append(whole[t.fqn])
+                continue
+            key = (t.shape, t.dtype_name, t.requires_grad, r)
+            data = shard_data.get(key)
+            if data is None:
                 rows = t.shape[0] // n
-                off = torch.Size((r * rows, *([0] * (len(t.shape) - 1))))
-                its.append(
-                    WriteItem(
-                        index=MetadataIndex(t.fqn, off),
-                        type=WriteItemType.SHARD,
-                        tensor_data=TensorWriteData(
-                            chunk=ChunkStorageMetadata(
-                                offsets=off, sizes=torch.Size((rows, *t.shape[1:]))
-                            ),
-                            properties=props[t.fqn],
-                            size=torch.Size(t.shape),
-                        ),
-                    )
+                data = shard_data[key] = TensorWriteData(
+                    chunk=ChunkStorageMetadata(
+                        offsets=torch.Size((r * rows, *([0] * (len(t.shape) - 1)))),
+                        sizes=torch.Size((rows, *t.shape[1:])),
+                    ),
+                    properties=props[t.fqn],
+                    size=torch.Size(t.shape),
                 )
-            else:
-                its.append(_create_write_item_for_tensor(t.fqn, torch.empty(t.shape)))
+            index = MetadataIndex(t.fqn, data.chunk.offsets)
+            its.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=data))
         for t in local_targets[r]:
             its.append(_create_write_item_for_tensor(t.fqn, torch.empty(t.shape, dtype=t.dtype)))
-        its += [_create_write_item_for_bytesio(b.fqn, b"") for b in planned_blobs]
+        its += values
         dcp_plans.append(SavePlan(its, planner_data={it.index.fqn: () for it in its}))
     # what each rank sends the coordinator in fc.save: its per-rank entries and the
     # keys of its write items (the tensors alone: fc.save writes values itself)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     payloads = [
-        multi_rank.rank_payload(
+        exchange.rank_payload(
             p,
             dedup.item_keys(SavePlan([it for it in d.items if it.type != WriteItemType.BYTE_IO])),
         )
         for p, d in zip(rank_plans, dcp_plans, strict=True)
     ]
-    plan_s += (time.perf_counter() - t0) / n
-    payloads_again = [multi_rank.rank_payload(p, None) for p in rank_plans]
-    for r in range(n):
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
+    plan_s += (time.process_time() - t0) / n
+    payloads_again = [exchange.rank_payload(p, None) for p in rank_plans]
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+    for r in range(n):
+        index_of = {it.index.fqn: it.index for it in dcp_plans[r].items}  # the same keys
         dcp_results.append(
             [
                 WriteResult(
-                    index=MetadataIndex(fqn, torch.Size(c.offsets)),
+                    index=index_of[fqn],
                     size_in_bytes=c.length,
                     storage_data=_StorageInfo(c.file, c.offset, c.length),
                 )
@@ -381,23 +399,36 @@ def simulate(model: Model, n: int) -> World:
 # --------------------------------------------------------------------------- the phases
 
 
-def fc_coordinator(world: World, again: bool = False) -> tuple[bytes, list[bytes], bytes]:
+def fc_coordinator(
+    world: World, again: bool = False, split: dict[str, float] | None = None
+) -> tuple[bytes, list[bytes], bytes]:
     """The coordinator's share of ``fc.save``: (the manifest's index, its per-rank
     parts, .metadata). ``again``: a save of the layout saved last, where every rank
-    sent "unchanged" instead of its keys."""
+    sent "unchanged" instead of its keys. ``split`` receives the seconds of each step
+    (by the function that runs it)."""
     from functional_ckpt._src import codec
     from functional_ckpt._src.format import dcp_metadata, naming
     from functional_ckpt._src.format.checksum import crc32
     from functional_ckpt._src.format.manifest import Tree, Written, assemble
     from functional_ckpt._src.save import local, multi_rank
 
+    times = split if split is not None else {}
+    last = [time.process_time()]
+
+    def lap(step: str) -> None:
+        now = time.process_time()
+        times[step] = times.get(step, 0.0) + now - last[0]
+        last[0] = now
+
     plan = world.plan
     key = multi_rank.plan_key(range(world.n))
     payloads = world.payloads_again if again else world.payloads
     failures, ranks, _ = multi_rank.coordinate(payloads, plan.local, multi_rank.PLANS.get(key))
     assert not failures
+    lap("multi_rank.coordinate (decode, dedup)")
     flat = [x for r in world.results for x in r]
     chunks, sizes = multi_rank.merge_results(flat, world.blobs, world.n, False)
+    lap("multi_rank.merge_results")
     tree = Tree(plan.entries, ranks, plan.root)
     meta = {"note": "scale"}
     manifest = assemble(
@@ -408,12 +439,17 @@ def fc_coordinator(world: World, again: bool = False) -> tuple[bytes, list[bytes
         metadata=meta,
         metadata_bytes=codec.encode(meta),
     )
+    lap("manifest.assemble")
     md = dcp_metadata.derive(manifest.tensor_groups(), manifest.dcp_bytes)
+    lap("dcp_metadata.derive (.metadata)")
     parts = local.encode_parts(manifest, Path("ckpt"))
+    lap("local.encode_parts")
     files: dict[str, dict[str, Any]] = {naming.DCP_METADATA: {"size": len(md), "crc32": crc32(md)}}
     files.update({name: {"size": size} for name, size in sorted(sizes.items())})
     files.update({name: {"size": len(data), "crc32": crc32(data)} for name, data in parts})
-    return replace(manifest, files=files).encode(), [data for _, data in parts], md
+    index = replace(manifest, files=files).encode()
+    lap("Manifest.encode (index)")
+    return index, [data for _, data in parts], md
 
 
 def dcp_global(world: World, planner_type: Any = None) -> tuple[list[Any], Any]:
@@ -424,15 +460,23 @@ def dcp_global(world: World, planner_type: Any = None) -> tuple[list[Any], Any]:
     return planner.create_global_plan(list(world.dcp_plans))  # type: ignore[no-any-return]
 
 
-def dcp_coordinator(world: World, tmp: Path) -> tuple[bytes, list[Any], Any]:
+def dcp_coordinator(
+    world: World, tmp: Path, split: dict[str, float] | None = None
+) -> tuple[bytes, list[Any], Any]:
     """Stock DCP's coordinator: global planning, then the ``.metadata`` its writer
-    pickles; with the global plans and ``Metadata`` (what DCP sends back to the ranks)."""
+    pickles; with the global plans and ``Metadata`` (what DCP sends back to the ranks).
+    ``split`` receives the seconds of each."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
+    t0 = time.process_time()
     plans, metadata = dcp_global(world)
+    t1 = time.process_time()
     tmp.mkdir(parents=True, exist_ok=True)
     writer = FileSystemWriter(tmp, sync_files=False)
     writer.finish(metadata, world.dcp_results)
+    if split is not None:
+        split["DefaultSavePlanner.create_global_plan"] = t1 - t0
+        split["FileSystemWriter.finish (.metadata)"] = time.process_time() - t1
     return (tmp / ".metadata").read_bytes(), plans, metadata
 
 
@@ -504,6 +548,74 @@ def fc_restore(
     return reads
 
 
+def restore_on_disk(
+    index: bytes, parts: Sequence[bytes], wanted: dict[str, Any], rank: int, where: Path
+) -> dict[str, int]:
+    """One rank's restore opening real files: the files it opens, the bytes it reads
+    besides its tensors' and the most descriptors it holds at once, counted at
+    ``os.open``/``os.close``/``os.pread``/``os.read``.
+
+    ``where`` gets the checkpoint with its marker, index and parts as written and
+    every other file (shard files, ``.metadata``) sparse at its recorded size. The
+    rank opens it as ``fc.restore`` does (``committed.open_vetted``, its view, the
+    parts its shards meet through ``read_part``) and then each data file holding a
+    chunk it reads, in file order, through ``Checkpoint.fd`` and ``release``: the
+    reads themselves are left out (the blobs are not real).
+    """
+    import os
+
+    from functional_ckpt._src import codec
+    from functional_ckpt._src.format import naming
+    from functional_ckpt._src.restore.dtensor import parts_meeting
+    from functional_ckpt._src.storage import commit, committed
+
+    where.mkdir(parents=True)
+    for name, info in codec.decode(index)["files"].items():
+        r = naming.parse_part(name)
+        with open(where / name, "wb") as f:
+            f.write(parts[r]) if r is not None else f.truncate(info["size"])
+    (where / naming.MANIFEST).write_bytes(index)
+    commit.write_commit_marker(where, index, version=naming.PARTS_VERSION, sync=False)
+    data: set[str] = set()
+    fc_restore(index, parts, wanted, rank, data)  # the files its reads plan
+    count = {"rank_files_opened": 0, "rank_bytes_read": 0, "rank_peak_descriptors": 0}
+    live: set[int] = set()
+    real = os.open, os.close, os.pread, os.read
+
+    def opened(*args: Any, **kw: Any) -> int:
+        fd = real[0](*args, **kw)
+        live.add(fd)
+        count["rank_files_opened"] += 1
+        count["rank_peak_descriptors"] = max(count["rank_peak_descriptors"], len(live))
+        return fd
+
+    def closed(fd: int) -> None:
+        live.discard(fd)
+        real[1](fd)
+
+    def read(fd: int, n: int, *at: int) -> bytes:
+        got = (real[2] if at else real[3])(fd, n, *at)
+        count["rank_bytes_read"] += len(got)
+        return got
+
+    os.open, os.close = opened, closed  # type: ignore[assignment]
+    os.pread, os.read = read, read  # type: ignore[assignment]
+    try:
+        with committed.open_vetted(where) as ck:
+            once = committed.parsed(ck)
+            view = once.view(rank, parts=())
+            path_of = {e.fqn: p for p, e in view.tensors.items()}
+            boxes = [(path_of[f], (tuple(c.offsets), tuple(c.sizes))) for f, c in wanted.items()]
+            once.filled(view, parts_meeting(view, boxes))
+            for name in sorted(n for n in data if naming.parse_part(n) is None):
+                ck.fd(name)
+                ck.release(name)
+    finally:
+        os.open, os.close, os.pread, os.read = real
+    count["rank_files_opened"] -= 1  # the directory
+    return count
+
+
 def dcp_restore(metadata_bytes: bytes, wanted: dict[str, Any]) -> int:
     """Stock DCP's load on one rank: ``.metadata`` unpickled, then its read items."""
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -553,9 +665,9 @@ def predict_helpers(world: World, dest: str, nbytes: int) -> list[Traffic]:
     job = SaveJob(Path(dest), None, SaveOptions(), topology(), True)
     name = len(exchange.first_round(durable.tmp_sibling(Path(dest)).name, job))
     _, _, drops = multi_rank.coordinate(world.payloads, world.plan.local, exchange.PlanCache())
-    replies = [len(multi_rank.reply({}, None if d is None else list(d))) for d in drops]
-    written = [len(multi_rank.written_payload(r)) for r in world.results]
-    final = len(multi_rank.reply({}, nbytes))
+    replies = [len(exchange.reply({}, None if d is None else list(d))) for d in drops]
+    written = [len(exchange.written_payload(r)) for r in world.results]
+    final = len(exchange.reply({}, nbytes))
     return helper_traffic(world.n, [len(p) for p in world.payloads], name, replies, written, final)
 
 
@@ -651,9 +763,9 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     """``fn``'s time with the collector paused, as ``fc.save`` pauses it around a save."""
     gc.disable()
     try:
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         out = fn()
-        return time.perf_counter() - t0, out
+        return time.process_time() - t0, out
     finally:
         gc.enable()
 
@@ -682,9 +794,11 @@ def measure(model: Model, n: int, tmp: Path, memory: bool) -> dict[str, Any]:
     dcp_metadata._LAST = None  # a first save: nothing derived yet, no plan cached
     multi_rank.forget_plans(multi_rank.plan_key(range(n)))
     world = simulate(model, n)
-    fc_s, (manifest, parts, md) = timed(lambda: fc_coordinator(world))
-    fc_again_s, _ = timed(lambda: fc_coordinator(world, again=True))  # the same layout again
-    dcp_s, (dcp_md, plans, stock_md) = timed(lambda: dcp_coordinator(world, tmp))
+    split: dict[str, dict[str, float]] = {"first": {}, "again": {}, "dcp": {}}
+    fc_s, (manifest, parts, md) = timed(lambda: fc_coordinator(world, False, split["first"]))
+    # the same layout again
+    fc_again_s, _ = timed(lambda: fc_coordinator(world, True, split["again"]))
+    dcp_s, (dcp_md, plans, stock_md) = timed(lambda: dcp_coordinator(world, tmp, split["dcp"]))
     rank = 1 % n
     wanted = _local_chunks(world, rank)
     fc_restore_s, fc_reads = timed(lambda: fc_restore(manifest, parts, wanted, rank))
@@ -724,9 +838,10 @@ def measure(model: Model, n: int, tmp: Path, memory: bool) -> dict[str, Any]:
         "fc_restore_rank_s": fc_restore_s,
         "dcp_restore_rank_s": dcp_restore_s,
         "manifest_decode_s": decode_s,
-        # what one restoring rank opens and reads besides its tensors' bytes
-        "rank_files_opened": 2 + len(opened),
-        "rank_bytes_read": marker + len(manifest) + sum(map(len, read)),
+        "coordinator_split_s": split,
+        # what one restoring rank opens and reads besides its tensors' bytes, and the
+        # most descriptors it holds, on real files
+        **restore_on_disk(manifest, parts, wanted, rank, tmp.parent / f"fc{n}"),
         # before: every file opened (every part and data file, .metadata), .metadata read
         "rank_files_opened_before": 3 + len(parts) + n,
         "rank_bytes_read_before": marker + len(manifest) + sum(map(len, read)) + len(md),
@@ -829,14 +944,25 @@ def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             ratio(hi[f"rank_{what}"], lo[f"rank_{what}"]) if lo and hi else None,
             1.25,
         )
+    add(
+        "one rank's restore CPU, N=4096 / N=256",
+        ratio(hi["fc_restore_rank_s"], lo["fc_restore_rank_s"]) if lo and hi else None,
+        1.5,
+    )
+    add(
+        "coordinator's first save / DCP planning+metadata, N=4096",
+        ratio(hi["fc_coordinator_s"], hi["dcp_coordinator_s"]) if hi else None,
+        0.5,
+    )
     return out
 
 
 def render(result: dict[str, Any]) -> str:
     cfg = result["config"]
     head = (
-        f"coordination at scale (simulated ranks, one process): {cfg['layers']}-layer decoder, "
-        f"{result['rows'][0]['tensors']} tensors with AdamW state; times of one run"
+        f"coordination at scale (simulated ranks, one process): {cfg['layers']}-layer decoder"
+        f"{' (llama-like)' if cfg.get('full') else ''}, {result['rows'][0]['tensors']} tensors "
+        "with AdamW state; times of one run"
     )
     t1 = Table(
         ["ranks", "chunks", "index", "parts", ".metadata", "coord fc", "coord again", "coord dcp",
@@ -875,7 +1001,7 @@ def render(result: dict[str, Any]) -> str:
             _kib(b["dcp"]["coordinator"]["received"]),
             _kib(b["dcp"]["other"]["received"]),
         )
-    t3 = Table(["ranks", "files opened", "before", "bytes read", "before"])
+    t3 = Table(["ranks", "files opened", "before", "bytes read", "before", "peak fds"])
     for r in result["rows"]:
         t3.add(
             r["ranks"],
@@ -883,33 +1009,51 @@ def render(result: dict[str, Any]) -> str:
             r["rank_files_opened_before"],
             _kib(r["rank_bytes_read"]),
             _kib(r["rank_bytes_read_before"]),
+            r["rank_peak_descriptors"],
         )
+    last = result["rows"][-1]
+    split = last["coordinator_split_s"]
+    t4 = Table(["step (function)", "first save", "again"])
+    for step, first in split["first"].items():
+        t4.add(step, fmt_seconds(first), fmt_seconds(split["again"].get(step)))
+    for step, took in split["dcp"].items():
+        t4.add(f"stock DCP: {step}", fmt_seconds(took), "-")
     return "\n".join(
         [head, "", t1.render(), "", "bytes received in one save", t2.render(), "",
          "one restoring rank: files it opens and what it reads of them, besides its "
-         "tensors' bytes (before: every file opened, .metadata read whole)", t3.render(), "",
-         render_targets(result["targets"])]
+         "tensors' bytes (before: every file opened, .metadata read whole), on real files",
+         t3.render(), "", f"the coordinator's time by function, N={last['ranks']}", t4.render(),
+         "", render_targets(result["targets"])]
     )  # fmt: skip
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = bench_parser(__doc__)
     p.add_argument("--quick", action="store_true", help=f"N in {QUICK_RANKS}, 2 layers")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help=f"the llama-like layout (32 layers of 8 weights) at N in {FULL_RANKS}",
+    )
     p.add_argument("--ranks", type=str, default=None, help="comma-separated world sizes")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 4)")
     p.add_argument(
         "--memory-up-to",
         type=int,
-        default=1024,
-        help="measure peak memory (tracemalloc, slow) up to this many ranks (default 1024)",
+        default=None,
+        help="measure peak memory (tracemalloc, slow) up to this many ranks (default 256; "
+        "none with --full)",
     )
     add_run_args(p, "scale", strict="a target")
     args = p.parse_args(argv)
     if args.ranks:
         args.ranks = tuple(int(x) for x in args.ranks.split(","))
     else:
-        args.ranks = QUICK_RANKS if args.quick else DEFAULT_RANKS
-    args.layers = args.layers if args.layers is not None else (2 if args.quick else 4)
+        args.ranks = QUICK_RANKS if args.quick else FULL_RANKS if args.full else DEFAULT_RANKS
+    if args.layers is None:
+        args.layers = 2 if args.quick else LLAMA["layers"] if args.full else 4
+    if args.memory_up_to is None:
+        args.memory_up_to = 0 if args.full else 256
     if any(n < 1 or 4096 % n for n in args.ranks):
         p.error("--ranks: each world size must divide 4096")
     return args
@@ -919,17 +1063,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     import tempfile
 
     args = parse_args(argv)
-    model = Model(layers=args.layers)
+    model = Model(**{**(LLAMA if args.full else {}), "layers": args.layers})
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir if args.dir.exists() else None) as d:
         for n in args.ranks:
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             rows.append(measure(model, n, Path(d) / f"dcp{n}", memory=n <= args.memory_up_to))
             gc.collect()
-            print(f"N={n}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            print(f"N={n}: {time.process_time() - t0:.1f} s", file=sys.stderr, flush=True)
     result = {
         "benchmark": "scale",
-        "config": {"layers": args.layers, "ranks": list(args.ranks), "quick": args.quick},
+        "config": {
+            "layers": args.layers,
+            "norms": model.norms,
+            "ranks": list(args.ranks),
+            "quick": args.quick,
+            "full": args.full,
+        },
         "environment": environment(),
         "rows": rows,
     }

@@ -264,11 +264,11 @@ def plan_cache_run(root: Path, rank: int, world: int) -> None:
     """Save one layout twice (the second reuses the plan: every rank sends an empty
     one, the coordinator deduplicates nothing), then layouts with other shapes and
     other keys: each saves its own plan and restores bit-exact."""
-    from functional_ckpt._src.save import dedup, exchange, multi_rank
+    from functional_ckpt._src.save import dedup, exchange
 
     sent: list[bool] = []  # per save: did this rank send its full local plan?
     dedups = [0]
-    payload, step = multi_rank.rank_payload, exchange.global_step
+    payload, step = exchange.rank_payload, exchange.global_step
 
     def counted_payload(plan: Any, keys: Any, error: Any = None) -> bytes:
         sent.append(keys is not None)
@@ -281,7 +281,7 @@ def plan_cache_run(root: Path, rank: int, world: int) -> None:
 
         return step(cache, told, counting)
 
-    multi_rank.rank_payload = counted_payload  # type: ignore[assignment]
+    exchange.rank_payload = counted_payload  # type: ignore[assignment]
     exchange.global_step = counted_step  # type: ignore[assignment]
     mesh = init_device_mesh("cpu", (world,))
     states = [shard_state(mesh, rank), shard_state(mesh, rank)]

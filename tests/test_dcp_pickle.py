@@ -72,6 +72,22 @@ _LAYOUTS: dict[str, tuple[list[list[TensorEntry]], list[ByteEntry]]] = {
         ],
         [],
     ),
+    "many ranks, offsets past 2 GiB": (  # memo indices past 255, LONG1 columns
+        [
+            [
+                _sharded("m.w", [1] * 300, 3, [f"__{r}_0.distcp" for r in range(300)]),
+                _entry(
+                    "m.b",
+                    (300,),
+                    [
+                        Chunk((r,), (1,), f"__{r}_0.distcp", (_BIG if r % 2 else 5) + r, 300 + r)
+                        for r in range(300)
+                    ],
+                ),
+            ]
+        ],
+        [],
+    ),
     "scalars": (
         [
             [

