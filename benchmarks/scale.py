@@ -409,11 +409,11 @@ def fc_coordinator(world: World, again: bool = False) -> tuple[bytes, list[bytes
         metadata_bytes=codec.encode(meta),
     )
     md = dcp_metadata.derive(manifest.tensor_groups(), manifest.dcp_bytes)
-    parts = local.encode_parts(manifest, Path("ckpt"))
     files: dict[str, dict[str, Any]] = {naming.DCP_METADATA: {"size": len(md), "crc32": crc32(md)}}
     files.update({name: {"size": size} for name, size in sorted(sizes.items())})
-    files.update({name: {"size": len(data), "crc32": crc32(data)} for name, data in parts})
-    return replace(manifest, files=files).encode(), [data for _, data in parts], md
+    manifest = replace(manifest, files=files)
+    parts = local.encode_parts(manifest, Path("ckpt"))  # each lists its rank's files
+    return manifest.encode(), [data for _, data in parts], md
 
 
 def dcp_global(world: World, planner_type: Any = None) -> tuple[list[Any], Any]:
@@ -485,8 +485,8 @@ def fc_restore(
         raw = parts[r]
         if opened is not None:
             opened.add(naming.part_name(r))
-        assert zlib.crc32(raw) == manifest["files"][naming.part_name(r)]["crc32"]
-        return codec.decode(raw, source=naming.part_name(r))
+        assert zlib.crc32(raw[:-4]) == int.from_bytes(raw[-4:], "little")  # it checks itself
+        return codec.decode(raw[:-4], source=naming.part_name(r))
 
     once = parse_checkpoint(manifest, Path("ckpt"), parts=load if parts else None)
     view = once.view(rank, parts=())

@@ -11,8 +11,10 @@ restoring rank reads the parts whose boxes meet its own shards, never every rank
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from functional_ckpt._src.format.naming import parse_shard
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -75,6 +77,21 @@ def overlapping(extent: int, parts: int, start: int, length: int) -> range:
         return range(0)
     step = split_size(extent, parts)
     return range(min(parts, start // step), min(parts, -(-(start + length) // step)))
+
+
+def file_tables(
+    files: Mapping[str, Mapping[str, Any]], in_index: set[str], parts: int
+) -> dict[int, dict[str, dict[str, Any]]]:
+    """The file table of the index (-1) and of each part that lists files: rank ``r``'s
+    shard files lie in part ``r``, so that a restoring rank reads the tables of the
+    index and of the parts it reads, never every rank's; the files an index chunk or
+    byte entry names (``in_index``) stay in the index."""
+    out: dict[int, dict[str, dict[str, Any]]] = {-1: {}}
+    for name, info in files.items():
+        shard = parse_shard(name)
+        owner = shard[0] if shard and shard[0] < parts and name not in in_index else -1
+        out.setdefault(owner, {})[name] = dict(info)
+    return out
 
 
 def row(chunk: Any) -> list[Any]:

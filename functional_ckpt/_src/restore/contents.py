@@ -81,7 +81,9 @@ def inspect(path: PathLike) -> CheckpointSummary:
         summary: CheckpointSummary = inspect_dcp(src)
         return summary
     with open_vetted(src) as ck:
-        parsed = committed.parsed(ck).view(0, parts=())  # specs only: no chunk is read
+        once = committed.parsed(ck)
+        parsed = once.view(0, parts=())  # specs only: no chunk is read
+        files = committed.every_file(ck, once)  # each part lists its rank's
         unregistered = tuple(sorted(ck.unregistered))
     tree: dict[str, Any] = node_of(parsed.root)
     tensor_bytes = 0
@@ -95,7 +97,7 @@ def inspect(path: PathLike) -> CheckpointSummary:
             tensor_bytes += e.nbytes if e.alias is None else 0
             insert(tree, p, TensorSpec(e.dtype_name, e.shape, e.nbytes))
     raw = parsed.raw
-    shared, added = sharing(src, raw.get("files"))
+    shared, added = sharing(src, files)
     head = header_of(raw)  # re-signed manifests lie: only sane values count
     return CheckpointSummary(
         path=src,
@@ -106,7 +108,7 @@ def inspect(path: PathLike) -> CheckpointSummary:
         num_tensors=len(parsed.tensors),
         num_values=len(parsed.values),
         tensor_bytes=tensor_bytes,
-        file_bytes=sum(parsed.file_sizes.values()),
+        file_bytes=sum(f["size"] for f in files.values()),
         world_size=parsed.world_size,
         shared_bytes=shared,
         added_bytes=added,
