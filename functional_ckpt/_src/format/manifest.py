@@ -288,8 +288,11 @@ class Manifest:
         if self.root:
             out["root"] = self.root
         out["dcp_bytes"] = [b.to_plain() for b in self.dcp_bytes]
-        if self.parted:
+        if self.parted:  # and the bytes of the files the parts list (for fc.inspect)
             out["parts"] = len(self.ranks)
+            held = [f for r, table in self.listed.items() if r >= 0 for f in table.values()]
+            reused = sum(f["size"] for f in held if f.get("reused") and not f.get("copied"))
+            out["part_files"] = {"size": sum(f["size"] for f in held), "reused": reused}
         return out
 
     def tensor_groups(self) -> list[list[TensorEntry]]:

@@ -1,15 +1,19 @@
-"""The remote tier's fetch: a rank downloads only what it reads.
+"""A multi-rank checkpoint read from one rank: what the remote tier fetches for it,
+and what ``fc.inspect`` opens.
 
 A real 3-rank gloo save (a tensor sharded over every rank, each rank's own loader
 state) is uploaded to moto's S3 server; each rank's download is
 counted object by object: the index, the files the index lists (the data files its
 replicated tensors lie in), its own part and the files that part lists, never
 another rank's part nor ``.metadata``. A download that verifies fetches everything.
+``fc.inspect`` opens the marker, the index and rank 0's part, whatever the world size,
+and sums every file's bytes as a reader of every part would.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,7 @@ from functional_ckpt._src.remote import protocol
 from functional_ckpt._src.remote.fetch import download
 from functional_ckpt._src.remote.store import Store
 from functional_ckpt._src.storage import committed
+from functional_ckpt._src.storage.usage import sharing
 from tests.forge import read_part
 from tests.test_open_files import _launch
 
@@ -79,3 +84,30 @@ def test_each_rank_fetches_its_part_and_files_alone(
     whole = download(store, 7, tmp_path / "whole")  # verified: every object
     assert sorted(got) == sorted(every)
     assert fc.verify(whole).ok
+
+
+def test_inspect_opens_the_index_and_one_part_and_sums_every_file(
+    saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ck = tmp_path / "ck"
+    shutil.copytree(saved, ck)
+    os.link(ck / naming.shard_name(2), tmp_path / "elsewhere")  # its bytes shared
+    every = committed.every_file(ck)
+    opened: list[str] = []
+    real = os.open
+
+    def counting(name: Any, *args: Any, **kwargs: Any) -> int:
+        opened.append(os.path.basename(os.fsdecode(name)))
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", counting)
+    summary = fc.inspect(ck)
+    monkeypatch.undo()
+    assert sorted(n for n in opened if n != ck.name) == sorted(
+        [naming.COMMIT_MARKER, naming.MANIFEST, naming.part_name(0)]
+    )
+    assert summary.world_size == WORLD and summary.num_tensors == 1
+    assert summary.file_bytes == sum(f["size"] for f in every.values())
+    shared, added = sharing(ck, every)
+    assert shared == (ck / naming.shard_name(2)).stat().st_size
+    assert (summary.shared_bytes, summary.added_bytes) == (shared, added)
