@@ -266,9 +266,10 @@ def test_a_row_is_a_chunk_without_its_box() -> None:
     # read by position where a thousand-rank save handles half a million chunks
     assert Chunk._fields[:5] == ("offsets", "sizes", "file", "offset", "length")
     c = Chunk((5, 0), (5, 6), "__1_0.distcp", 64, 300, 128, 120, 7, 9)
-    assert parts.row(c) == ["__1_0.distcp", 64, 300, 128, 120, 7, 9]
-    assert parts.rows([c, c]) == [parts.row(c), parts.row(c)]
-    plain = parts.row_plain(parts.row(c), ((5, 0), (5, 6)))
+    (row,) = parts.rows([c])
+    assert row == ["__1_0.distcp", 64, 300, 128, 120, 7, 9]
+    assert parts.rows([c, c]) == [row, row]
+    plain = parts.row_plain(row, ((5, 0), (5, 6)))
     assert (
         plain is not None
         and Chunk(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in plain.items()}) == c

@@ -94,15 +94,9 @@ def file_tables(
     return out
 
 
-def row(chunk: Any) -> list[Any]:
-    """A chunk as a part row: :data:`ROW_FIELDS` of it, in order (a chunk's fields
-    after its box)."""
-    return list(chunk[2:])
-
-
 def rows(chunks: Sequence[Any]) -> list[list[Any]]:
-    """:func:`row` of each chunk (a part of a thousand-rank save has a row per sharded
-    tensor, and a thousand parts are encoded at once)."""
+    """Each chunk as a part row: :data:`ROW_FIELDS` of it, in order (a chunk's fields
+    after its box)."""
     return [list(c[2:]) for c in chunks]
 
 

@@ -83,22 +83,6 @@ def rank_entries(manifest: dict[str, Any], src: str) -> list[list[Any]]:
     return [r["entries"] for r in ranks]
 
 
-def parse_manifest(
-    manifest: dict[str, Any],
-    root: Path,
-    *,
-    rank: int | None = 0,
-    parts: PartLoader | None = None,
-) -> ParsedManifest:
-    """Validate a decoded manifest against ``root`` and view it from ``rank``.
-
-    ``rank`` selects whose per-rank subtrees are spliced in; None leaves them out.
-    A caller that needs more than one rank's view parses once with
-    :func:`parse_checkpoint` and asks it for each view.
-    """
-    return parse_checkpoint(manifest, root, parts=parts).view(rank)
-
-
 #: Reads, authenticates and decodes part ``rank`` of a split manifest.
 PartLoader = Callable[[int], Any]
 
@@ -377,11 +361,6 @@ def parse_planned(plain: object, where: str) -> list[Entry]:
         else:
             entries.append(out.tensors[path])
     return entries
-
-
-def parsed_groups(manifest: dict[str, Any], root: Path) -> list[list[TensorEntry]]:
-    """:func:`tensor_groups` of a decoded manifest, each entry validated."""
-    return parse_checkpoint(manifest, root).groups()
 
 
 def groups_of(shared: ParsedManifest, ranks: Sequence[ParsedManifest]) -> list[list[TensorEntry]]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,8 +40,6 @@ from functional_ckpt.errors import (
 
 #: Upper bound on the manifest and marker sizes a reader accepts (hostile files).
 MAX_MANIFEST_BYTES = LIMITS.manifest_bytes
-
-MAX_MARKER_BYTES = LIMITS.marker_bytes
 
 _MARKER_KEYS = {"format", "version", "manifest_size", "manifest_crc32"}
 
@@ -78,7 +75,7 @@ def read_marker(dir_fd: int, path: Path) -> dict[str, Any]:
                 "it was interrupted or is still being written"
             )
         raise CheckpointNotFound(f"{path}: not a checkpoint (no {COMMIT_MARKER} or {MANIFEST})")
-    raw = _read_small(dir_fd, path, COMMIT_MARKER, MAX_MARKER_BYTES, "commit marker")
+    raw = _read_small(dir_fd, path, COMMIT_MARKER, LIMITS.marker_bytes, "commit marker")
     marker = codec.decode(raw, source=str(path / COMMIT_MARKER))
     if (
         not isinstance(marker, dict)
@@ -321,11 +318,6 @@ def read_manifest(path: Path) -> dict[str, Any]:
     """Read and authenticate the manifest of a committed checkpoint."""
     with open_checkpoint(path) as ck:
         return ck.manifest
-
-
-def iter_names(dir_fd: int) -> Iterator[str]:
-    """The names in a held directory."""
-    yield from sorted(os.listdir(dir_fd))
 
 
 #: A damaged ``.metadata`` is scanned (to tell hostile from broken) only up to this size.

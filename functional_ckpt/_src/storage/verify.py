@@ -8,6 +8,7 @@ since a ``.metadata`` that sends stock ``dcp.load`` elsewhere is damage too.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,7 +105,7 @@ def _verify_open(
     report.problems += [Problem(name, str(err), name) for name, err in more if name not in unread]
     unread |= {name for name, _ in more}
     listed = set(files) | set(parts) | {naming.MANIFEST, naming.COMMIT_MARKER}
-    for child in committed.iter_names(ck.dir_fd):
+    for child in sorted(os.listdir(ck.dir_fd)):
         if child not in listed:
             report.problems.append(Problem(child, "unexpected file in the checkpoint", child))
     if naming.DCP_METADATA not in unread:
