@@ -69,3 +69,52 @@ def sign(path: Path, raw: bytes) -> None:
     except Exception:
         version = 1
     commit.write_commit_marker(path, raw, version=version if type(version) is int else 1)
+
+
+def write_part(path: Path, rank: int, part: dict[str, Any]) -> None:
+    """Write ``part`` as part ``rank`` of the split manifest of ``path``, checksummed as
+    its version says: by the CRC32 after it (version 4), or in the re-signed index."""
+    from functional_ckpt._src.format.checksum import crc32
+
+    raw = codec.encode(part)
+    name = naming.part_name(rank)
+    if committed.read_manifest(path)["version"] >= naming.PART_FILES_VERSION:
+        (path / name).write_bytes(raw + crc32(raw).to_bytes(4, "little"))
+        return
+    (path / name).write_bytes(raw)
+    resign(path, lambda m: m["files"].update({name: {"size": len(raw), "crc32": crc32(raw)}}))
+
+
+def read_part(path: Path, rank: int) -> dict[str, Any]:
+    """Part ``rank`` of the split manifest of ``path``, decoded (its checksum left out)."""
+    raw = (path / naming.part_name(rank)).read_bytes()
+    if committed.read_manifest(path)["version"] >= naming.PART_FILES_VERSION:
+        raw = raw[:-4]
+    part = codec.decode(raw)
+    assert isinstance(part, dict)
+    return part
+
+
+def old_layout(path: Path) -> None:
+    """Rewrite a split manifest as the format's versions 2 and 3 laid it out: every
+    file in the index's table, with each part's size and CRC32; parts without files
+    and without a checksum of their own."""
+    from functional_ckpt._src.format.checksum import crc32
+    from functional_ckpt._src.format.tables import is_table
+
+    index = committed.read_manifest(path)
+    version = naming.TABLES_VERSION if any(map(is_table, index["entries"])) else 2
+    for rank in range(index["parts"]):
+        part = read_part(path, rank)
+        index["files"].update(part.pop("files"))
+        del part["created"]
+        part["version"] = version
+        (path / naming.part_name(rank)).write_bytes(codec.encode(part))
+    index["version"] = version
+    for rank in range(index["parts"]):
+        raw = (path / naming.part_name(rank)).read_bytes()
+        index["files"][naming.part_name(rank)] = {"size": len(raw), "crc32": crc32(raw)}
+    raw = codec.encode(index)
+    (path / naming.MANIFEST).write_bytes(raw)
+    os.unlink(path / naming.COMMIT_MARKER)
+    commit.write_commit_marker(path, raw, version=version)

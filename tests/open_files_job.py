@@ -10,6 +10,9 @@ a template, inspects and verifies. Prints ``ok`` when all of it held.
 Or: open_files_job.py PATH count. PATH is tests/dist_job.py's ``shard-save`` of as
 many ranks; each rank restores it onto the placements that saved it with
 ``os.open`` counted, and prints the names of the files it opened as JSON.
+
+Or: open_files_job.py PATH save. The ranks save ``sharded(world)``, its tensor
+sharded on dim 0 over every rank, and each rank's own ``loader``, at PATH.
 """
 
 from __future__ import annotations
@@ -61,10 +64,19 @@ def opened_in_restore(path: Path) -> list[str]:
     return [n for n in names if n != path.name]
 
 
+def sharded(world: int) -> torch.Tensor:
+    return torch.arange(world * 8, dtype=torch.float32).reshape(world * 2, 4)
+
+
 def main() -> None:
     path, count = Path(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo")
-    if count == "count":
+    if count == "save":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        w = distribute_tensor(sharded(dist.get_world_size()), mesh, [Shard(0)])
+        fc.save(path, {"w": w, "loader": {"pos": dist.get_rank()}})
+        dist.destroy_process_group()
+    elif count == "count":
         print(json.dumps(opened_in_restore(path)))
         dist.destroy_process_group()
     else:

@@ -343,8 +343,8 @@ def test_part_rows_carry_the_frame_flag_only_where_set() -> None:
         ["__1_0.distcp", 0, 9, 1, 8, 3, 4, 1],
     ]
     box = ((0,), (2,))
-    assert parts.row_plain(parts.row(packed), box) == {**packed.to_plain()}
-    assert parts.row_plain(parts.row(plain), box) == plain.to_plain()
+    assert parts.row_plain(parts.rows([packed])[0], box) == {**packed.to_plain()}
+    assert parts.row_plain(parts.rows([plain])[0], box) == plain.to_plain()
 
 
 @pytest.mark.parametrize(

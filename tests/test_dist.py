@@ -184,8 +184,7 @@ def test_incremental_saves_across_ranks_share_each_ranks_unchanged_shards(tmp_pa
     run_ok(2, "incremental", str(tmp_path))
     from tests.dist_job import chunk_files
 
-    manifest = committed.read_manifest(tmp_path / "c")
-    files = manifest["files"]
+    files = committed.every_file(tmp_path / "c")  # the index's table and each part's
     data = sorted(chunk_files(tmp_path / "c"))
     assert data and all(files[n].get("reused") for n in data), files  # c wrote no tensor
     own = [n for n in files if n.endswith(".distcp") and not files[n].get("reused")]

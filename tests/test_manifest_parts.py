@@ -1,12 +1,16 @@
 """A multi-rank checkpoint's manifest in parts: an index and one part per rank.
 
 A real 2-rank gloo save writes the checkpoint once; each test copies it and reads
-it, damages it or forges it, as an attacker or a bug could.
+it, damages it or forges it, as an attacker or a bug could, in the layout saves
+write now (each part lists its rank's files and checks itself) and in the one
+versions 2 and 3 wrote (every file and each part's checksum in the index), which
+readers still read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -23,7 +27,7 @@ from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.save import local
 from functional_ckpt._src.storage import committed
 from tests.dist_job import full_tensors
-from tests.forge import resign
+from tests.forge import old_layout, read_part, resign, write_part
 from tests.test_dist import run_ok
 
 PART0, PART1 = naming.part_name(0), naming.part_name(1)
@@ -36,27 +40,52 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "w2"
 
 
-@pytest.fixture
-def ck(saved: Path, tmp_path: Path) -> Path:
+@pytest.fixture(params=["now", "old"])
+def ck(saved: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Path:
     shutil.copytree(saved, tmp_path / "w2")
+    if request.param == "old":
+        old_layout(tmp_path / "w2")
+    return tmp_path / "w2"
+
+
+@pytest.fixture
+def old(saved: Path, tmp_path: Path) -> Path:
+    shutil.copytree(saved, tmp_path / "w2")
+    old_layout(tmp_path / "w2")
     return tmp_path / "w2"
 
 
 def test_an_index_with_each_ranks_part_beside_it(ck: Path) -> None:
     assert {PART0, PART1} <= {p.name for p in ck.iterdir()}
     index = committed.read_manifest(ck)
-    assert index["version"] == naming.PARTS_VERSION and index["parts"] == 2
-    assert "ranks" not in index  # each rank's per-rank entries lie in its part
     marker = codec.decode((ck / naming.COMMIT_MARKER).read_bytes())
-    assert marker["version"] == naming.PARTS_VERSION
+    if index["version"] == naming.PART_FILES_VERSION:  # each part lists its rank's files
+        assert marker["version"] == naming.PART_FILES_VERSION and index["parts"] == 2
+        # the index lists the files its own chunks and byte entries name; each part
+        # its rank's other files (here none: r and b lie in one, the values in the other)
+        named = {b["file"] for b in index["dcp_bytes"]}
+        for e in index["entries"]:
+            named.update(c["file"] for c in e.get("chunks", ()))
+        assert set(index["files"]) == {naming.DCP_METADATA, *named}
+        data = {n for n in os.listdir(ck) if naming.parse_shard(n)}
+        assert data == set(index["files"]) - {naming.DCP_METADATA}
+        for rank, name in enumerate((PART0, PART1)):
+            raw = (ck / name).read_bytes()
+            assert raw[-4:] == crc32(raw[:-4]).to_bytes(4, "little")
+            assert read_part(ck, rank)["created"] == index["created"]
+            assert read_part(ck, rank)["files"] == {}
+    else:
+        assert index["version"] == naming.PARTS_VERSION and index["parts"] == 2
+        assert marker["version"] == naming.PARTS_VERSION
+        for name in (PART0, PART1):
+            raw = (ck / name).read_bytes()
+            assert index["files"][name] == {"size": len(raw), "crc32": crc32(raw)}
+    assert "ranks" not in index  # each rank's per-rank entries lie in its part
     by_path = {tuple(e["path"]): e for e in index["entries"]}
     assert by_path[("w",)]["split"] == 0 and "chunks" not in by_path[("w",)]
     assert by_path[("e",)]["split"] == 1 and "chunks" not in by_path[("e",)]
     assert len(by_path[("r",)]["chunks"]) == 1  # replicated: written once, in the index
-    for name in (PART0, PART1):
-        raw = (ck / name).read_bytes()
-        assert index["files"][name] == {"size": len(raw), "crc32": crc32(raw)}
-    part = codec.decode((ck / PART1).read_bytes())
+    part = read_part(ck, 1)
     assert part["part"] == 1 and len(part["chunks"]) == 2  # a row for w, one for e
     assert {tuple(e["path"]) for e in part["entries"]} >= {("loader", "pos")}
     assert fc.verify(ck).ok
@@ -148,32 +177,50 @@ def test_a_part_beyond_the_readers_limit_is_refused_before_it_is_read(
         fc.restore(ck, partial=True)
 
 
-def test_a_part_missing_from_the_file_table_is_refused(ck: Path) -> None:
-    resign(ck, lambda m: m["files"].pop(PART1))
+def test_a_part_missing_from_the_file_table_is_refused(old: Path) -> None:
+    resign(old, lambda m: m["files"].pop(PART1))
     with pytest.raises(fc.errors.CorruptCheckpoint, match=f"does not list {PART1}"):
-        fc.restore(ck, partial=True)
+        fc.restore(old, partial=True)
 
 
 def test_a_forged_part_is_refused_by_name(ck: Path) -> None:
-    """A part re-signed in the index with a row too few: its count, and its name."""
-    part = codec.decode((ck / PART1).read_bytes())
+    """A part re-signed with a row too few: its count, and its name."""
+    part = read_part(ck, 1)
     part["chunks"] = part["chunks"][:1]
-    raw = codec.encode(part)
-    (ck / PART1).write_bytes(raw)
-    resign(ck, lambda m: m["files"].update({PART1: {"size": len(raw), "crc32": crc32(raw)}}))
+    write_part(ck, 1, part)
     with pytest.raises(fc.errors.CorruptCheckpoint, match=f"{PART1}: 1 chunk rows for 2 split"):
         fc.restore(ck, partial=True)
 
 
 def test_a_forged_row_is_checked_as_any_chunk(ck: Path) -> None:
     """A row pointing past the end of its data file: refused before a byte is read."""
-    part = codec.decode((ck / PART1).read_bytes())
+    part = read_part(ck, 1)
     part["chunks"][0][2] = 1 << 40  # its blob's length
-    raw = codec.encode(part)
-    (ck / PART1).write_bytes(raw)
-    resign(ck, lambda m: m["files"].update({PART1: {"size": len(raw), "crc32": crc32(raw)}}))
+    write_part(ck, 1, part)
     with pytest.raises(fc.errors.UnsafeCheckpoint, match=f"{PART1} row 0: 'w' declares bytes"):
         fc.restore(ck, partial=True)
+
+
+@pytest.mark.parametrize(
+    ("edit", "error"),
+    [
+        (lambda p: p.update(created=p["created"] + 1), "a part of another save"),
+        (lambda p: p["files"].update({naming.shard_name(0): {"size": 1}}), "only one table"),
+        (lambda p: p["files"].update({PART0: {"size": 1}}), "only one table"),
+        (lambda p: p["files"].update({"COMMITTED": {"size": 1}}), "may not"),
+    ],
+)
+def test_a_part_of_another_save_or_listing_anothers_file_is_refused(
+    saved: Path, tmp_path: Path, edit: Any, error: str
+) -> None:
+    ck = tmp_path / "w2"
+    shutil.copytree(saved, ck)
+    part = read_part(ck, 1)
+    edit(part)
+    write_part(ck, 1, part)
+    with pytest.raises(fc.errors.CorruptCheckpoint, match=f"{PART1}: .*{error}"):
+        fc.restore(ck, partial=True)
+    assert not fc.verify(ck).ok
 
 
 def test_a_split_that_is_not_the_rule_is_refused(ck: Path) -> None:
@@ -219,9 +266,10 @@ def test_a_row_is_a_chunk_without_its_box() -> None:
     # read by position where a thousand-rank save handles half a million chunks
     assert Chunk._fields[:5] == ("offsets", "sizes", "file", "offset", "length")
     c = Chunk((5, 0), (5, 6), "__1_0.distcp", 64, 300, 128, 120, 7, 9)
-    assert parts.row(c) == ["__1_0.distcp", 64, 300, 128, 120, 7, 9]
-    assert parts.rows([c, c]) == [parts.row(c), parts.row(c)]
-    plain = parts.row_plain(parts.row(c), ((5, 0), (5, 6)))
+    (row,) = parts.rows([c])
+    assert row == ["__1_0.distcp", 64, 300, 128, 120, 7, 9]
+    assert parts.rows([c, c]) == [row, row]
+    plain = parts.row_plain(row, ((5, 0), (5, 6)))
     assert (
         plain is not None
         and Chunk(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in plain.items()}) == c

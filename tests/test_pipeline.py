@@ -101,7 +101,7 @@ def test_metadata_of_a_repeated_layout_is_reused_only_while_equal(tmp_path: Path
 
     from functional_ckpt._src import codec
     from functional_ckpt._src.format import dcp_metadata, naming
-    from functional_ckpt._src.format.view import parsed_groups
+    from functional_ckpt._src.format.view import parse_checkpoint
 
     fc.save(tmp_path / "a", {"w": torch.zeros(3), "b": torch.ones(2, 2)})
     fc.save(tmp_path / "b", {"w": torch.ones(3), "b": torch.zeros(2, 2)})  # same layout
@@ -110,7 +110,7 @@ def test_metadata_of_a_repeated_layout_is_reused_only_while_equal(tmp_path: Path
     for name in "abc":
         raw = (tmp_path / name / naming.DCP_METADATA).read_bytes()
         manifest = codec.decode((tmp_path / name / naming.MANIFEST).read_bytes())
-        groups = parsed_groups(manifest, tmp_path / name)
+        groups = parse_checkpoint(manifest, tmp_path / name).groups()
         assert raw == dcp_metadata.derive(groups)
         # written as opcodes, not by pickle: the same objects, field for field
         assert pickle.loads(raw) == dcp_metadata.metadata_for(groups)

@@ -443,7 +443,7 @@ def parse_chunks(tmp_path: Path, shape: list[int], boxes: list[tuple[list[int], 
             }
         ],
     }
-    return view.parse_manifest(raw, tmp_path)
+    return view.parse_checkpoint(raw, tmp_path).view(0)
 
 
 def test_real_layouts_cover_their_tensor(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from functional_ckpt._src.codec import table
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 
@@ -74,3 +75,19 @@ def check_coverage(
                     f"{what} overlap at offsets {list(offsets)}; the checkpoint is damaged"
                 )
             grid[start:end] = filled * (end - start)
+
+
+def shape_problem(shape: Sequence[int], dtype: str) -> str | None:
+    """Why a tensor of this shape and dtype (its name) lies beyond the format's limits, or None."""
+    if len(shape) > LIMITS.tensor_ndim:
+        return f"{len(shape)} dimensions (the format allows at most {LIMITS.tensor_ndim})"
+    extent = LIMITS.tensor_extent
+    if any(d >= extent for d in shape):
+        return f"a dimension of {max(shape)} (each must be below 2**{extent.bit_length() - 1})"
+    if numel(shape) * table.DTYPE_SIZES[dtype] >= extent:
+        return (
+            f"shape {list(shape)} of {dtype} "
+            f"(the element count times the element size must be below "
+            f"2**{extent.bit_length() - 1})"
+        )
+    return None

@@ -54,7 +54,7 @@ def metadata_for(
     """The DCP ``Metadata`` describing a manifest's tensors (shared, then per rank).
 
     ``groups`` comes from :func:`manifest.tensor_groups` (a manifest being
-    written) or :func:`manifest.parsed_groups` (one being verified); ``blobs``
+    written) or :meth:`view.ParsedCheckpoint.groups` (one being verified); ``blobs``
     are its values as DCP byte entries (:mod:`dcpbytes`), after the tensors.
 
     Equal strings, sizes and properties are one object each, so the pickle is

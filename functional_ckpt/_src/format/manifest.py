@@ -20,17 +20,18 @@ import msgpack
 from functional_ckpt._src import codec
 from functional_ckpt._src.codec import table
 from functional_ckpt._src.format import parts as split_rule
+from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.coverage import numel
+from functional_ckpt._src.format.coverage import shape_problem as shape_problem
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.naming import (
     FORMAT_NAME,
     ONE_MANIFEST_VERSION,
-    PARTS_VERSION,
+    PART_FILES_VERSION,
     TABLES_VERSION,
 )
 from functional_ckpt._src.format.table_rows import table_plain, table_runs
-from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint
 
 if TYPE_CHECKING:
@@ -262,9 +263,18 @@ class Manifest:
 
     @property
     def version(self) -> int:
-        if self.tables:
-            return TABLES_VERSION
-        return PARTS_VERSION if self.parted else ONE_MANIFEST_VERSION
+        if self.parted:
+            return PART_FILES_VERSION
+        return TABLES_VERSION if self.tables else ONE_MANIFEST_VERSION
+
+    @cached_property
+    def listed(self) -> dict[int, dict[str, dict[str, Any]]]:
+        """The file tables of the index (-1) and the parts (:func:`parts.file_tables`)."""
+        named = {b.file for b in self.dcp_bytes}
+        for e in self.entries:
+            if type(e) is TensorEntry and e.alias is None and e.path not in self.split:
+                named.update(c.file for c in e.chunks)
+        return split_rule.file_tables(self.files, named, len(self.ranks) if self.parted else 0)
 
     def _head(self) -> dict[str, Any]:
         """Every field but ``metadata``, ``entries`` and ``ranks`` (which :meth:`encode`
@@ -275,13 +285,16 @@ class Manifest:
             "created": self.created,
             "world_size": max(1, len(self.ranks)),
             "byteorder": sys.byteorder,
-            "files": {name: dict(info) for name, info in self.files.items()},
+            "files": self.listed[-1],
         }
         if self.root:
             out["root"] = self.root
         out["dcp_bytes"] = [b.to_plain() for b in self.dcp_bytes]
-        if self.parted:
+        if self.parted:  # and the bytes of the files the parts list (for fc.inspect)
             out["parts"] = len(self.ranks)
+            held = [f for r, table in self.listed.items() if r >= 0 for f in table.values()]
+            reused = sum(f["size"] for f in held if f.get("reused") and not f.get("copied"))
+            out["part_files"] = {"size": sum(f["size"] for f in held), "reused": reused}
         return out
 
     def tensor_groups(self) -> list[list[TensorEntry]]:
@@ -292,34 +305,32 @@ class Manifest:
         """The manifest's bytes: the values and the metadata as they were encoded when
         the save was planned, spliced into the rest (plain data, packed once)."""
         head = self._head()
-        if self.parted:  # the index: the shared tree; each rank's entries lie in its part
-            parts = [_map_header(len(head) + 2), _elements(_flat(head))]
-            parts += [_pack("metadata"), self.metadata_bytes or codec.encode(self.metadata)]
-            parts += [_pack("entries"), _entries(self.entries, self.split, self.tables)]
-            return b"".join(parts)
-        parts = [_map_header(len(head) + 3), _elements(_flat(head))]
+        parts = [_map_header(len(head) + 2 + (not self.parted)), _elements(_flat(head))]
         parts += [_pack("metadata"), self.metadata_bytes or codec.encode(self.metadata)]
-        parts += [_pack("entries"), _entries(self.entries, None, self.tables)]
-        parts += [_pack("ranks"), _array_header(len(self.ranks))]
-        for rank in self.ranks:
-            parts += [_map_header(1), _pack("entries"), _entries(rank)]
+        parts += [_pack("entries"), _entries(self.entries, self.split, self.tables)]
+        if not self.parted:  # in an index, each rank's entries lie in its part
+            parts += [_pack("ranks"), _array_header(len(self.ranks))]
+            for rank in self.ranks:
+                parts += [_map_header(1), _pack("entries"), _entries(rank)]
         return b"".join(parts)
 
+    @cached_property
     def split_entries(self) -> list[TensorEntry]:
         """The evenly split tensors, in the index's order: the order of every part's rows."""
-        split = self.split
-        return [e for e in self.entries if type(e) is TensorEntry and e.path in split]
+        return [e for e in self.entries if type(e) is TensorEntry and e.path in self.split]
 
-    def encode_part(self, rank: int, split: Sequence[TensorEntry] | None = None) -> bytes:
-        """Part ``rank`` of a split manifest: that rank's per-rank entries and its
-        chunk of every evenly split tensor (``split``: :meth:`split_entries`)."""
-        tensors = self.split_entries() if split is None else split
-        rows = split_rule.rows([e.chunks[rank] for e in tensors])
+    def encode_part(self, rank: int) -> bytes:
+        """Part ``rank`` of a split manifest: that rank's per-rank entries, its chunk of
+        every evenly split tensor and its files, then the CRC32 of those bytes (4
+        bytes, little-endian): it checks itself."""
+        rows = split_rule.rows([e.chunks[rank] for e in self.split_entries])
         head = {"format": FORMAT_NAME, "version": self.version, "part": rank}
+        head |= {"created": self.created, "files": self.listed.get(rank, {})}
         parts = [_map_header(len(head) + 2), _elements(_flat(head))]
         parts += [_pack("entries"), _entries(self.ranks[rank])]
         parts += [_pack("chunks"), _pack(rows)]
-        return b"".join(parts)
+        body = b"".join(parts)
+        return body + crc32(body).to_bytes(4, "little")
 
 
 _BOX_OFFSETS = operator.itemgetter(0)  # a chunk's offsets (Chunk is a named tuple)
@@ -487,19 +498,3 @@ def tensor_groups(
 ) -> list[list[TensorEntry]]:
     """The tensor entries of a manifest model: the shared ones, then each rank's."""
     return [[e for e in group if isinstance(e, TensorEntry)] for group in [entries, *ranks]]
-
-
-def shape_problem(shape: Sequence[int], dtype: str) -> str | None:
-    """Why a tensor of this shape and dtype (its name) lies beyond the format's limits, or None."""
-    if len(shape) > LIMITS.tensor_ndim:
-        return f"{len(shape)} dimensions (the format allows at most {LIMITS.tensor_ndim})"
-    extent = LIMITS.tensor_extent
-    if any(d >= extent for d in shape):
-        return f"a dimension of {max(shape)} (each must be below 2**{extent.bit_length() - 1})"
-    if numel(shape) * element_size(dtype) >= extent:
-        return (
-            f"shape {list(shape)} of {dtype} "
-            f"(the element count times the element size must be below "
-            f"2**{extent.bit_length() - 1})"
-        )
-    return None

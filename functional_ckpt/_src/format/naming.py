@@ -19,11 +19,14 @@ FORMAT_NAME = "functional_ckpt"
 #: The highest format version this code reads. A save writes the lowest version that
 #: describes its checkpoint: 1 for one manifest, ``PARTS_VERSION`` for a manifest
 #: split into an index and per-rank parts (multi-rank saves), ``TABLES_VERSION`` for
-#: one whose entries hold tensor tables (many plain tensors as columns), split or not.
-FORMAT_VERSION = 3
+#: one whose entries hold tensor tables (many plain tensors as columns), split or not,
+#: ``PART_FILES_VERSION`` for a split manifest whose parts list their rank's files and
+#: check themselves (what a multi-rank save writes: the index no longer grows with N).
+FORMAT_VERSION = 4
 ONE_MANIFEST_VERSION = 1
 PARTS_VERSION = 2
 TABLES_VERSION = 3
+PART_FILES_VERSION = 4
 MANIFEST = "manifest.msgpack"
 COMMIT_MARKER = "COMMITTED"
 DCP_METADATA = ".metadata"

@@ -11,8 +11,10 @@ restoring rank reads the parts whose boxes meet its own shards, never every rank
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from functional_ckpt._src.format.naming import parse_shard
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -77,16 +79,25 @@ def overlapping(extent: int, parts: int, start: int, length: int) -> range:
     return range(min(parts, start // step), min(parts, -(-(start + length) // step)))
 
 
-def row(chunk: Any) -> list[Any]:
-    """A chunk as a part row: :data:`ROW_FIELDS` of it, in order (a chunk's fields
-    after its box; ``zstd`` only where set)."""
-    return list(chunk[2:] if chunk.zstd else chunk[2:9])
+def file_tables(
+    files: Mapping[str, Mapping[str, Any]], in_index: set[str], parts: int
+) -> dict[int, dict[str, dict[str, Any]]]:
+    """The file table of the index (-1) and of each part that lists files: rank ``r``'s
+    shard files lie in part ``r``, so that a restoring rank reads the tables of the
+    index and of the parts it reads, never every rank's; the files an index chunk or
+    byte entry names (``in_index``) stay in the index."""
+    out: dict[int, dict[str, dict[str, Any]]] = {-1: {}}
+    for name, info in files.items():
+        shard = parse_shard(name)
+        owner = shard[0] if shard and shard[0] < parts and name not in in_index else -1
+        out.setdefault(owner, {})[name] = dict(info)
+    return out
 
 
 def rows(chunks: Sequence[Any]) -> list[list[Any]]:
-    """:func:`row` of each chunk (a part of a thousand-rank save has a row per sharded
-    tensor, and a thousand parts are encoded at once)."""
-    return [row(c) for c in chunks]
+    """Each chunk as a part row: :data:`ROW_FIELDS` of it, in order (a chunk's fields
+    after its box; ``zstd`` only where set)."""
+    return [list(c[2:] if c.zstd else c[2:9]) for c in chunks]
 
 
 def row_plain(values: object, box: Box) -> dict[str, Any] | None:

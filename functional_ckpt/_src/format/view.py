@@ -34,7 +34,10 @@ from functional_ckpt._src.format.manifest import (
 )
 from functional_ckpt._src.format.naming import (
     COMMIT_MARKER,
+    DCP_METADATA,
     MANIFEST,
+    PART_FILES_VERSION,
+    parse_part,
     part_name,
     safe_member,
 )
@@ -78,22 +81,6 @@ def rank_entries(manifest: dict[str, Any], src: str) -> list[list[Any]]:
     ):
         raise CorruptCheckpoint(f"{src}: invalid per-rank table")
     return [r["entries"] for r in ranks]
-
-
-def parse_manifest(
-    manifest: dict[str, Any],
-    root: Path,
-    *,
-    rank: int | None = 0,
-    parts: PartLoader | None = None,
-) -> ParsedManifest:
-    """Validate a decoded manifest against ``root`` and view it from ``rank``.
-
-    ``rank`` selects whose per-rank subtrees are spliced in; None leaves them out.
-    A caller that needs more than one rank's view parses once with
-    :func:`parse_checkpoint` and asks it for each view.
-    """
-    return parse_checkpoint(manifest, root, parts=parts).view(rank)
 
 
 #: Reads, authenticates and decodes part ``rank`` of a split manifest.
@@ -171,6 +158,11 @@ class ParsedCheckpoint:
             got = self.loaded[rank] = self._read_part(rank)
         return got
 
+    def every_part(self) -> None:
+        """Read every part of a split manifest (their files join the file table)."""
+        for rank in range(self.shared.parts):
+            self.part(rank)
+
     def _sparse(self, rank: int | None) -> ParsedManifest:
         if rank is None or self.complete:
             return self.shared if rank is None else self.view(rank)
@@ -194,7 +186,8 @@ class ParsedCheckpoint:
         where = f"{Path(self.src).parent / name}"
         if self.load_part is None:
             raise CorruptCheckpoint(f"{where}: this reader was given no way to read it")
-        if name not in self.shared.file_sizes:
+        own = self.shared.raw.get("version", 0) >= PART_FILES_VERSION  # checks itself
+        if not own and name not in self.shared.file_sizes:
             raise CorruptCheckpoint(f"{self.src}: the file table does not list {name}")
         return validated_part(self.load_part(rank), rank, self.shared, where)
 
@@ -313,6 +306,8 @@ def validated_part(raw: object, rank: int, shared: ParsedManifest, where: str) -
     split = shared.split
     if not isinstance(entries, list):
         raise CorruptCheckpoint(f"{where}: missing per-rank entries")
+    if shared.raw.get("version", 0) >= PART_FILES_VERSION:
+        _add_files(raw, shared, where)
     if not isinstance(rows, list) or len(rows) != len(split):
         raise CorruptCheckpoint(
             f"{where}: {len(rows) if isinstance(rows, list) else 'no'} chunk rows for "
@@ -329,6 +324,21 @@ def validated_part(raw: object, rank: int, shared: ParsedManifest, where: str) -
             plain, entry, element_size(entry.dtype_name), shared, f"{where} row {i}"
         )
     return _Part(entries, chunks)
+
+
+def _add_files(part: dict[str, Any], shared: ParsedManifest, where: str) -> None:
+    """Add the files a part lists (its rank's shard files) to the checkpoint's table,
+    each listed once: no other table, the index's or another part's, may list it."""
+    if part.get("created") != shared.raw.get("created"):
+        raise CorruptCheckpoint(f"{where}: a part of another save than its index")
+    sizes, runs = _files(part, Path(where).parent, where)
+    known = shared.raw["files"]
+    for name in sizes:
+        if name in known or name == DCP_METADATA or parse_part(name) is not None:
+            raise CorruptCheckpoint(f"{where}: lists {name!r}, which only one table may list")
+    known.update(part["files"])
+    shared.file_sizes.update(sizes)
+    shared.segments.update(runs)
 
 
 def parse_planned(plain: object, where: str) -> list[Entry]:
@@ -351,11 +361,6 @@ def parse_planned(plain: object, where: str) -> list[Entry]:
         else:
             entries.append(out.tensors[path])
     return entries
-
-
-def parsed_groups(manifest: dict[str, Any], root: Path) -> list[list[TensorEntry]]:
-    """:func:`tensor_groups` of a decoded manifest, each entry validated."""
-    return parse_checkpoint(manifest, root).groups()
 
 
 def groups_of(shared: ParsedManifest, ranks: Sequence[ParsedManifest]) -> list[list[TensorEntry]]:

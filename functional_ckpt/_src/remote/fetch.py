@@ -23,7 +23,7 @@ from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.format.view import parse_checkpoint
 from functional_ckpt._src.remote.store import Store
-from functional_ckpt._src.storage import commit, durable
+from functional_ckpt._src.storage import commit, committed, durable
 from functional_ckpt._src.storage.verify import verify
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, RemoteVanished
 
@@ -34,21 +34,30 @@ DOWNLOAD_PREFIX = ".fc-download-"
 
 
 def download(
-    store: Store, step: int, into: Path, *, check: bool = True, replace: bool = False
+    store: Store,
+    step: int,
+    into: Path,
+    *,
+    check: bool = True,
+    replace: bool = False,
+    rank: int | None = None,
 ) -> Path:
     """Download and verify remote ``step``; return it committed as ``into/step_N``.
 
     ``into`` is the local root (or any directory on the same file system). An
     existing ``into/step_N`` is left alone: the caller decides it is missing first.
     ``check=False`` leaves the verification to the caller (``fckpt verify`` reports
-    every problem instead of the first). ``replace=True`` replaces what is at
-    ``into/step_N`` (a rank's part of that checkpoint: the download supersedes it).
+    every problem instead of the first); with it, ``rank`` fetches only what that
+    rank reads (the marker, the index, the files the index lists but ``.metadata``,
+    its part and the files its part lists), a copy that restores that rank alone.
+    ``replace=True`` replaces what is at ``into/step_N`` (a rank's part of that
+    checkpoint: the download supersedes it).
 
     Whatever a hostile remote manifest holds, the failure is a ``CheckpointError``
     (damage of that remote checkpoint, or the local disk's), never a raw exception.
     """
     try:
-        return _download(store, step, into, check=check, replace=replace)
+        return _download(store, step, into, check=check, replace=replace, rank=rank)
     except (CheckpointError, OSError):
         raise
     except Exception as e:  # anything a forged manifest could still provoke
@@ -57,45 +66,45 @@ def download(
         ) from e
 
 
-def _download(store: Store, step: int, into: Path, *, check: bool, replace: bool) -> Path:
+def _download(
+    store: Store, step: int, into: Path, *, check: bool, replace: bool, rank: int | None
+) -> Path:
     marker, manifest = store.manifest(step)
     # the one validation of a manifest, before any object is fetched: file names,
     # sizes, entries (a forged table naming the marker or a number is refused here)
-    sizes = parse_checkpoint(manifest, Path(store.where(step))).shared.file_sizes
-    names = list(sizes)
+    shared = parse_checkpoint(manifest, Path(store.where(step))).shared
+    whole = check or rank is None
+    sizes = {n: s for n, s in shared.file_sizes.items() if whole or n != naming.DCP_METADATA}
+    parts: list[int] = []  # parts that check themselves: the index lists none
+    if shared.raw.get("version") == naming.PART_FILES_VERSION:
+        parts = list(range(shared.parts))
+        parts = parts if whole or rank is None else parts[rank : rank + 1]
     found = store.objects(step)
-    missing = [n for n in [*names, naming.MANIFEST] if n not in found]
-    if missing:
-        raise RemoteVanished(
-            f"{store.where(step)}: {', '.join(missing[:5])} missing from a committed remote "
-            "checkpoint: it is being deleted (or was damaged)"
-        )
-    for name in names:  # no object is downloaded past the size the manifest records
-        size = sizes[name]
-        if found[name] != size:
-            raise CorruptCheckpoint(
-                f"{store.where(step, name)}: {found[name]} bytes, the manifest records {size}; "
-                "the remote checkpoint is damaged"
-            )
+    _present(store, step, found, [*sizes, *map(naming.part_name, parts), naming.MANIFEST], sizes)
     into.mkdir(parents=True, exist_ok=True)
     work = into / f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"
     tmp = work / step_name(step)
     try:
         tmp.mkdir(parents=True)
-        wanted = [*names, naming.MANIFEST]
-        store.call(
-            store.where(step),
-            store.fs.get,
-            [store.object_path(step, n) for n in wanted],
-            [str(tmp / n) for n in wanted],
-        )
+        wanted = [*sizes, *map(naming.part_name, parts), naming.MANIFEST]
+        _get(store, step, tmp, wanted)
+        durable.write_new(tmp / naming.COMMIT_MARKER, marker)
+        if parts:  # then the files the parts list (their own, not every rank's)
+            with committed.open_checkpoint(tmp) as ck:
+                once = committed.parsed(ck)
+                for r in parts:
+                    once.part(r)
+                listed = once.shared.file_sizes.items()
+                more = {n: s for n, s in listed if n not in shared.file_sizes}
+            _present(store, step, found, list(more), more)
+            _get(store, step, tmp, list(more))
+            wanted += more
         if store.objects(step).get(naming.COMMIT_MARKER) != len(marker) or (
             store.read(step, naming.COMMIT_MARKER) != marker
         ):
             raise RemoteVanished(
                 f"{store.where(step)}: deleted or replaced remotely while it was downloaded"
             )
-        durable.write_new(tmp / naming.COMMIT_MARKER, marker)
         report = verify(tmp) if check else None
         if report is not None and not report.ok:
             problems = "; ".join(str(p) for p in report.problems[:3])
@@ -109,6 +118,36 @@ def _download(store: Store, step: int, into: Path, *, check: bool, replace: bool
     # downloaded again (the remote copy is the durable one).
     threading.Thread(target=_fsync_all, args=(final, wanted), daemon=True).start()
     return final
+
+
+def _present(
+    store: Store, step: int, found: dict[str, int], names: list[str], sizes: dict[str, int]
+) -> None:
+    """Every object of ``names`` is there, those of ``sizes`` at their recorded size
+    (no object is downloaded past it)."""
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise RemoteVanished(
+            f"{store.where(step)}: {', '.join(missing[:5])} missing from a committed remote "
+            "checkpoint: it is being deleted (or was damaged)"
+        )
+    for name, size in sizes.items():
+        if found[name] != size:
+            raise CorruptCheckpoint(
+                f"{store.where(step, name)}: {found[name]} bytes, the manifest records {size}; "
+                "the remote checkpoint is damaged"
+            )
+
+
+def _get(store: Store, step: int, tmp: Path, names: list[str]) -> None:
+    """Download ``names`` into ``tmp``, in parallel (the store's bulk ``get``)."""
+    if names:
+        store.call(
+            store.where(step),
+            store.fs.get,
+            [store.object_path(step, n) for n in names],
+            [str(tmp / n) for n in names],
+        )
 
 
 def _fsync_all(path: Path, names: list[str]) -> None:

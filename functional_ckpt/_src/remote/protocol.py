@@ -55,8 +55,8 @@ def owner(name: str, world: int) -> int:
 
 def expected_sizes(local: Path) -> dict[str, int]:
     """Every object of the checkpoint at ``local`` except the marker, with its size."""
-    manifest = committed.read_manifest(local)  # authenticated by the local marker
-    sizes = {str(name): int(info["size"]) for name, info in manifest["files"].items()}
+    files = committed.every_file(local)  # authenticated by the local marker
+    sizes = {str(name): int(info["size"]) for name, info in files.items()}
     sizes[naming.MANIFEST] = (local / naming.MANIFEST).stat().st_size
     return sizes
 

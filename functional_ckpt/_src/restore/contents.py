@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 from functional_ckpt._src.format.header import header_of
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.kind import is_stock_dcp
+from functional_ckpt._src.format.naming import parse_part, parse_shard
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.restore.summary import (
     CheckpointSummary,
@@ -67,6 +69,32 @@ def inspect_dcp(root: Path) -> CheckpointSummary:
     )
 
 
+def _file_sums(src: Path, raw: dict[str, Any], parts: int) -> tuple[int, int, int]:
+    """(bytes, bytes shared, bytes added) of a checkpoint's files: those of the index's
+    table, and in a split manifest of version 4 the parts and the files they list,
+    from the index's totals and the directory (no part is read: any N costs the same)."""
+    files = dict(raw["files"])  # validated; the index's table alone
+    total = sum(f["size"] for f in files.values())
+    shared, added = sharing(src, files)
+    held = raw.get("part_files")
+    if not parts or not isinstance(held, dict):
+        return total, shared, added
+    size, reused = (
+        v if type(v) is int and v >= 0 else 0 for v in map(held.get, ("size", "reused"))
+    )
+    total, added = total + size, added + size - min(reused, size)
+    for name in os.listdir(src):
+        shard = parse_shard(name)
+        if name not in files and (parse_part(name) is not None or (shard and shard[0] < parts)):
+            with contextlib.suppress(OSError):
+                st = os.lstat(src / name)
+                if not shard:  # a part: listed nowhere, written by this save
+                    total, added = total + st.st_size, added + st.st_size
+                elif st.st_nlink > 1:
+                    shared += st.st_size
+    return total, shared, added
+
+
 def inspect(path: PathLike) -> CheckpointSummary:
     """Describe a checkpoint without reading any tensor data.
 
@@ -81,7 +109,9 @@ def inspect(path: PathLike) -> CheckpointSummary:
         summary: CheckpointSummary = inspect_dcp(src)
         return summary
     with open_vetted(src) as ck:
-        parsed = committed.parsed(ck).view(0, parts=())  # specs only: no chunk is read
+        once = committed.parsed(ck)
+        sums = _file_sums(src, ck.manifest, once.shared.parts)  # before a part adds files
+        parsed = once.view(0, parts=())  # specs only: no chunk is read
         unregistered = tuple(sorted(ck.unregistered))
     tree: dict[str, Any] = node_of(parsed.root)
     tensor_bytes = 0
@@ -95,7 +125,7 @@ def inspect(path: PathLike) -> CheckpointSummary:
             tensor_bytes += e.nbytes if e.alias is None else 0
             insert(tree, p, TensorSpec(e.dtype_name, e.shape, e.nbytes))
     raw = parsed.raw
-    shared, added = sharing(src, raw.get("files"))
+    file_bytes, shared, added = sums
     head = header_of(raw)  # re-signed manifests lie: only sane values count
     return CheckpointSummary(
         path=src,
@@ -106,7 +136,7 @@ def inspect(path: PathLike) -> CheckpointSummary:
         num_tensors=len(parsed.tensors),
         num_values=len(parsed.values),
         tensor_bytes=tensor_bytes,
-        file_bytes=sum(parsed.file_sizes.values()),
+        file_bytes=file_bytes,
         world_size=parsed.world_size,
         shared_bytes=shared,
         added_bytes=added,

@@ -69,18 +69,14 @@ def finalize(
         )
         md_bytes = dcp_metadata.derive(manifest.tensor_groups(), manifest.dcp_bytes)
         _write_file(tmp / naming.DCP_METADATA, md_bytes, syncing, sync)
-        checked = {naming.DCP_METADATA: {"size": len(md_bytes), "crc32": crc32(md_bytes)}}
-        checked.update(_write_parts(tmp, dest, manifest, syncing, sync))
-        files: dict[str, dict[str, Any]] = {}
+        files = {naming.DCP_METADATA: {"size": len(md_bytes), "crc32": crc32(md_bytes)}}
         for name in sorted(os.listdir(tmp)):
-            if name in checked:
-                files[name] = checked[name]
-            else:
-                files[name] = {"size": (tmp / name).stat().st_size}
+            files.setdefault(name, {"size": (tmp / name).stat().st_size})
             files[name].update(written.file_info.get(name, {}))
         for name, size in sorted((elsewhere or {}).items()):
             files.setdefault(name, {"size": size})
         manifest = dataclasses.replace(manifest, files=files)
+        parts = _write_parts(tmp, dest, manifest, syncing, sync)  # each lists its rank's files
         manifest_bytes = manifest.encode()
         _check_size(dest, manifest_bytes, len(tree.ranks))
         durable.write_new(tmp / naming.MANIFEST, manifest_bytes, sync=sync)
@@ -91,22 +87,22 @@ def finalize(
         before_commit()
     commit.write_commit_marker(tmp, manifest_bytes, version=manifest.version, sync=sync)
     commit.commit_checkpoint(tmp, dest, overwrite=overwrite, sync=sync)
-    total = sum(f["size"] for f in files.values()) + len(manifest_bytes)
+    total = sum(f["size"] for f in files.values()) + parts + len(manifest_bytes)
     return total, len(manifest_bytes)
 
 
 def _write_parts(
     tmp: Path, dest: Path, manifest: Manifest, syncing: list[Future[None]], sync: bool
-) -> dict[str, dict[str, Any]]:
-    """Write each rank's manifest part (a multi-rank save); their ``files`` records.
+) -> int:
+    """Write each rank's manifest part (a multi-rank save); their bytes in all.
 
     Each part is bounded like the manifest (``LIMITS.manifest_part_bytes``) and
-    checksummed in the index, which the marker authenticates.
+    checks itself (its CRC32 follows it), so the index lists none of them.
     """
-    out: dict[str, dict[str, Any]] = {}
+    out = 0
     for name, data in encode_parts(manifest, dest):
         _write_file(tmp / name, data, syncing, sync)
-        out[name] = {"size": len(data), "crc32": crc32(data)}
+        out += len(data)
     return out
 
 
@@ -114,10 +110,9 @@ def encode_parts(manifest: Manifest, dest: Path) -> list[tuple[str, bytes]]:
     """Every part of a split manifest (none for one manifest), each within its limit."""
     if not manifest.parted:
         return []
-    split = manifest.split_entries()
     out: list[tuple[str, bytes]] = []
     for rank in range(len(manifest.ranks)):
-        data = manifest.encode_part(rank, split)
+        data = manifest.encode_part(rank)
         name = naming.part_name(rank)
         if len(data) > LIMITS.manifest_part_bytes:
             raise UnsupportedValue(

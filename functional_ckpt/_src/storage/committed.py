@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,8 +40,6 @@ from functional_ckpt.errors import (
 
 #: Upper bound on the manifest and marker sizes a reader accepts (hostile files).
 MAX_MANIFEST_BYTES = LIMITS.manifest_bytes
-
-MAX_MARKER_BYTES = LIMITS.marker_bytes
 
 _MARKER_KEYS = {"format", "version", "manifest_size", "manifest_crc32"}
 
@@ -78,7 +75,7 @@ def read_marker(dir_fd: int, path: Path) -> dict[str, Any]:
                 "it was interrupted or is still being written"
             )
         raise CheckpointNotFound(f"{path}: not a checkpoint (no {COMMIT_MARKER} or {MANIFEST})")
-    raw = _read_small(dir_fd, path, COMMIT_MARKER, MAX_MARKER_BYTES, "commit marker")
+    raw = _read_small(dir_fd, path, COMMIT_MARKER, LIMITS.marker_bytes, "commit marker")
     marker = codec.decode(raw, source=str(path / COMMIT_MARKER))
     if (
         not isinstance(marker, dict)
@@ -181,11 +178,12 @@ class Checkpoint:
         for name in list(self.fds):
             self.release(name)
 
-    def open_file(self, name: str) -> int:
+    def open_file(self, name: str, *, listed: bool = True) -> int:
         """Open file ``name`` as the file table records it (a new descriptor, the
-        caller's to close); every failure a :class:`CheckpointError` naming it."""
+        caller's to close); every failure a :class:`CheckpointError` naming it.
+        ``listed=False``: a file no table lists (a part that checks itself), any size."""
         files = self.manifest.get("files")
-        info = files.get(name) if isinstance(files, dict) else None
+        info = files.get(name) if isinstance(files, dict) and listed else {"size": 0}
         if not isinstance(info, dict):
             raise CorruptCheckpoint(f"{self.path}: {name!r} is not a file of this checkpoint")
         member = safe_member(self.path, name)
@@ -193,7 +191,7 @@ class Checkpoint:
         if type(size) is not int or size < 0:
             raise CorruptCheckpoint(f"{self.path / MANIFEST}: bad entry for file {name!r}")
         # A derived file's size is checked with its checksum, to tell hostile from damaged.
-        derived = name == DCP_METADATA
+        derived = name == DCP_METADATA or not listed
         try:
             fd = open_member(self.dir_fd, name, member, size=None if derived else size)
         except FileNotFoundError:
@@ -322,11 +320,6 @@ def read_manifest(path: Path) -> dict[str, Any]:
         return ck.manifest
 
 
-def iter_names(dir_fd: int) -> Iterator[str]:
-    """The names in a held directory."""
-    yield from sorted(os.listdir(dir_fd))
-
-
 #: A damaged ``.metadata`` is scanned (to tell hostile from broken) only up to this size.
 CLASSIFY_LIMIT = 64 << 20
 
@@ -357,31 +350,41 @@ def classify_metadata(ck: Checkpoint) -> CheckpointError:
 def read_part(ck: Checkpoint, rank: int) -> Any:
     """Part ``rank`` of a split manifest, authenticated and decoded.
 
-    The index (which the marker authenticates) records each part's size and CRC32;
-    the file is opened at that size, read whole within ``LIMITS.manifest_part_bytes``
-    and closed.
+    A part of version 4 ends with the CRC32 of the rest of it; before, the index
+    (which the marker authenticates) recorded each part's size and CRC32. The file
+    is read whole within ``LIMITS.manifest_part_bytes`` and closed.
     """
     name = naming.part_name(rank)
     where = ck.path / name
     files = ck.manifest.get("files")
     info = files.get(name) if isinstance(files, dict) else None
-    if not isinstance(info, dict):
+    own = ck.manifest.get("version", 0) >= naming.PART_FILES_VERSION
+    if not own and not isinstance(info, dict):
         raise CorruptCheckpoint(f"{ck.path / MANIFEST}: the file table does not list {name}")
-    size = info.get("size")
-    limit = LIMITS.manifest_part_bytes
-    if type(size) is not int or not 0 <= size <= limit:
-        raise CorruptCheckpoint(
-            f"{where}: the manifest part is {size!r} bytes, not a size up to the {limit} "
-            "a reader accepts"
-        )
+
+    def bounded(size: object) -> int:
+        limit = LIMITS.manifest_part_bytes
+        if type(size) is not int or not 0 <= size <= limit:
+            raise CorruptCheckpoint(
+                f"{where}: the manifest part is {size!r} bytes, not a size up to the {limit} "
+                "a reader accepts"
+            )
+        return size
+
+    size = 0 if own else bounded(info.get("size"))  # type: ignore[union-attr]
+    fd = ck.open_file(name, listed=not own)
     try:
-        raw = opener.read_exact(ck.fd(name), size, where)
+        raw = opener.read_exact(fd, bounded(os.fstat(fd).st_size) if own else size, where)
     finally:
-        ck.release(name)
-    if crc32(raw) != info.get("crc32"):
+        os.close(fd)
+    if own:
+        raw, expected = raw[:-4], int.from_bytes(raw[-4:], "little")
+    else:
+        expected = info.get("crc32")  # type: ignore[union-attr]
+    if crc32(raw) != expected:
         raise CorruptCheckpoint(
-            f"{where}: rank {rank}'s part of the manifest does not match its checksum in "
-            f"{MANIFEST}; the checkpoint is damaged"
+            f"{where}: rank {rank}'s part of the manifest does not match its checksum"
+            f"{'' if own else f' in {MANIFEST}'}; the checkpoint is damaged"
         )
     tags: set[str] = set()
     part = codec.decode(raw, source=str(where), unregistered=tags)
@@ -395,6 +398,21 @@ def read_part(ck: Checkpoint, rank: int) -> Any:
 def parsed(ck: Checkpoint) -> ParsedCheckpoint:
     """The manifest of an opened checkpoint, validated once; its parts read as views need them."""
     return parse_checkpoint(ck.manifest, ck.path, parts=lambda rank: read_part(ck, rank))
+
+
+def every_file(ck: Checkpoint | Path, once: ParsedCheckpoint | None = None) -> dict[str, Any]:
+    """Every file of a committed checkpoint but the marker and the manifest, as the
+    file tables record it (every part read: what a copy of it moves); ``once``: the
+    manifest of ``ck`` already parsed."""
+    if isinstance(ck, Path):
+        with open_checkpoint(ck) as held:
+            return every_file(held)
+    once = once or parsed(ck)
+    once.every_part()
+    files = dict(ck.manifest["files"])
+    for name in map(naming.part_name, range(once.shared.parts)):
+        files.setdefault(name, {"size": ck.sizes[name]})  # a part that checks itself
+    return files
 
 
 def open_vetted(path: Path) -> Checkpoint:

@@ -67,9 +67,7 @@ def held_bytes(folder: Path) -> int:
 
 def listed_files(path: Path) -> dict[str, int]:
     """The files the manifest of the committed checkpoint ``path`` lists, with their sizes."""
-    files = committed.read_manifest(path).get("files")
-    if not isinstance(files, dict):
-        raise CheckpointError(f"{path}: the manifest lists no files")
+    files = committed.every_file(path)
     return {str(n): int(i["size"]) for n, i in files.items() if isinstance(i, dict)}
 
 

@@ -8,6 +8,7 @@ since a ``.metadata`` that sends stock ``dcp.load`` elsewhere is damage too.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,14 +84,28 @@ def _verify_open(
     unread = {name for name, _ in failed}  # missing, wrong size or not a regular file
     try:
         once = committed.parsed(ck)
+        parts = [naming.part_name(r) for r in range(once.shared.parts)]
+        bad = []
+        for rank, name in enumerate(parts):  # a part at fault is named
+            try:
+                once.part(rank)
+            except (CorruptCheckpoint, UnsafeCheckpoint) as err:
+                bad.append(Problem(name, str(err), name))
+        if bad:
+            report.problems += bad
+            return
         shared, parsed = once.shared, once.all_views()
         blobs = dcpbytes.parse_byte_entries(manifest, shared.file_sizes, src)
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.problems.append(Problem(naming.MANIFEST, str(err), naming.MANIFEST))
         return
-    files = manifest["files"]
-    listed = set(files) | {naming.MANIFEST, naming.COMMIT_MARKER}
-    for child in committed.iter_names(ck.dir_fd):
+    files = manifest["files"]  # the index's table and every part's
+    more: list[tuple[str, CheckpointError]] = []
+    committed.check_members(ck, more)  # the files the parts list, opened at their sizes
+    report.problems += [Problem(name, str(err), name) for name, err in more if name not in unread]
+    unread |= {name for name, _ in more}
+    listed = set(files) | set(parts) | {naming.MANIFEST, naming.COMMIT_MARKER}
+    for child in sorted(os.listdir(ck.dir_fd)):
         if child not in listed:
             report.problems.append(Problem(child, "unexpected file in the checkpoint", child))
     if naming.DCP_METADATA not in unread:
