@@ -807,6 +807,13 @@ TARGETS = [
         ("restore", ST_LOAD_TOUCHED),
         1.0,
     ),
+    Target(
+        "restore: fc.restore(like) / fc.restore() (matching the template costs no more)",
+        "small",
+        ("restore", FC_RESTORE_LIKE),
+        ("restore", FC_RESTORE),
+        1.0,
+    ),
     Target("save: fc.save / dcp.save", "small", ("save", FC_SAVE), ("save", DCP_SAVE), 0.3),
     Target("save: fc.save / torch.save", "small", ("save", FC_SAVE), ("save", TORCH_SAVE), 1.0),
     Target(

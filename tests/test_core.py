@@ -292,7 +292,7 @@ def test_restore_of_stock_dcp_checkpoint(tmp_path: Path) -> None:
     dcp.save(sd, checkpoint_id=str(tmp_path / "d"), no_dist=True)
     template = {"w": torch.zeros(4, 4), "nested": {"b": torch.zeros(3, dtype=torch.long)}}
     back = fc.restore(tmp_path / "d", template, partial=True)
-    assert torch.equal(back["w"], sd["w"]) and torch.equal(back["nested", "b"], sd["nested"]["b"])
+    assert torch.equal(back["w"], sd["w"]) and torch.equal(back["nested"]["b"], sd["nested"]["b"])
     assert torch.equal(template["w"], torch.zeros(4, 4))  # like= is never written
     into = fc.tree.from_python(template)
     back = fc.restore(tmp_path / "d", out=into, partial=True)
@@ -300,10 +300,10 @@ def test_restore_of_stock_dcp_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(fc.errors.UnsafeCheckpoint, match="allow_pickle"):
         fc.restore(tmp_path / "d", {**template, "obj": {"lr": 0.0, "tags": set()}})
     back = fc.restore(tmp_path / "d", {**template, "obj": {"lr": 0.0}}, partial=True)
-    assert back["obj", "lr"] == 0.1  # plain data loads without allow_pickle
+    assert back["obj"]["lr"] == 0.1  # plain data loads without allow_pickle
     like = {**template, "obj": {"lr": 0.0, "tags": set()}}
     back = fc.restore(tmp_path / "d", like, allow_pickle=True)
-    assert back["obj", "lr"] == 0.1 and back["obj", "tags"] == {"x"}
+    assert back["obj"]["lr"] == 0.1 and back["obj"]["tags"] == {"x"}
     summary = fc.inspect(tmp_path / "d")
     assert summary.foreign and summary.num_tensors == 2
 
@@ -365,7 +365,7 @@ def test_plain_dict_like_fits_a_captured_module(tmp_path: Path) -> None:
     like = {"model": {"weight": torch.zeros(2, 2), "bias": torch.zeros(2)}, "step": 0}
     got = fc.restore(tmp_path / "captured", like, partial=True)  # partial: rng is left out
     assert isinstance(fc.to_python(got["model"]), OrderedDict)
-    assert torch.equal(got["model", "weight"], model.weight.detach())
+    assert torch.equal(got["model"]["weight"], model.weight.detach())
     assert fc.to_python(got["step"]) == 3
 
     fc.save(tmp_path / "plain", {"model": {"weight": torch.ones(2, 2), "bias": torch.ones(2)}})

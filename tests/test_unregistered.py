@@ -166,7 +166,7 @@ except fc.errors.UnregisteredType as e:
     out["restore"] = str(e)
     out["damage"] = fc.errors.is_damage(e)
 like = {"model": {"weight": torch.empty(2, 3)}}
-out["weights"] = fc.restore(path, like, partial=True)["model", "weight"].tolist()
+out["weights"] = fc.restore(path, like, partial=True)["model"]["weight"].tolist()
 print(json.dumps(out))
 '''
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from tensordict import TensorDict
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.format.blobs import lands_raw
@@ -22,11 +21,14 @@ from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.format.manifest import Chunk, TensorEntry, torch_dtype
 from functional_ckpt._src.format.segments import Segment
 from functional_ckpt._src.state.allocation import PREFAULT_BYTES, Prefaulter, host_empty
-from functional_ckpt._src.state.tree import Leaf, unflatten
+from functional_ckpt._src.state.tree import Leaf, unflatten, unflatten_python
 from functional_ckpt._src.storage import committed, shards
 from functional_ckpt._src.storage.committed import open_vetted
 from functional_ckpt._src.text import short_repr
 from functional_ckpt.errors import CorruptCheckpoint, UnregisteredType
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 CPU = torch.device("cpu")
 _STRIDED = torch.strided
@@ -190,13 +192,17 @@ def read_tree(
 ) -> TensorDict:
     """Read the selected entries and rebuild their tree (see :func:`read_leaves`)."""
     leaves = read_leaves(src, parsed, selected, wanted, fresh, inplace=inplace, device=device)
-    return rebuild(leaves, parsed.root, src.path)
+    tree: TensorDict = rebuild(leaves, parsed.root, src.path)
+    return tree
 
 
-def rebuild(leaves: list[Leaf], root: dict[str, Any] | None, src: Path) -> TensorDict:
-    """The locked tree of ``leaves``; a saved tree that does not fit together is damage."""
+def rebuild(
+    leaves: list[Leaf], root: dict[str, Any] | None, src: Path, *, plain: bool = False
+) -> Any:
+    """The locked tree of ``leaves`` (``plain``: as Python containers); a saved tree that
+    does not fit together is damage."""
     try:
-        return unflatten(leaves, root)
+        return unflatten_python(leaves) if plain else unflatten(leaves, root)
     except (RuntimeError, ValueError) as e:  # batch sizes that do not fit the tensors
         raise CorruptCheckpoint(f"{src}: the saved tree does not fit together: {e}") from None
 
