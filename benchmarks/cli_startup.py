@@ -148,7 +148,7 @@ def make_root(root: Path, n: int) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with fc.CheckpointManager(root, save=fc.every_steps(1), keep=fc.retention.keep_all()) as mgr:
+    with fc.CheckpointManager(root, save=fc.every_steps(1), keep=fc.policy.keep_all()) as mgr:
         for step in range(1, n + 1):
             model(torch.randn(4, 64)).sum().backward()
             opt.step()

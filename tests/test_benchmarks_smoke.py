@@ -26,7 +26,7 @@ SAVE_TOOLS = {
     "safetensors.save_file+fsync",
     "dcp.save",
     "raw write+fsync",
-    "dcp.save(storage_writer=fc.dcp.Writer)",
+    "dcp.save(storage_writer=integrations.dcp.Writer)",
 }
 RESTORE_TOOLS = {
     "fc.restore(like)",
@@ -40,7 +40,7 @@ RESTORE_TOOLS = {
     "raw read into new huge-page tensors",
     "new tensors' pages alone (nothing read)",
     "safetensors.load_file + touch",
-    "dcp.load(storage_reader=fc.dcp.Reader)",
+    "dcp.load(storage_reader=integrations.dcp.Reader)",
 }
 #: torch_checkpointing's rows (the ``bench`` extra): present exactly where it is installed.
 PEERS = importlib.util.find_spec("torch_checkpointing") is not None

@@ -163,7 +163,7 @@ def test_a_save_of_a_plain_dict_loads_no_tensordict(tmp_path: Path) -> None:
     )
     assert proc.stdout.split() == ["False", "False"]
     a = fc.restore(tmp_path / "a")
-    assert a["opt", "state", "0", "m"].shape == (2,) and fc.to_python(a)["opt"]["state"][0]
+    assert a["opt", "state", "0", "m"].shape == (2,) and fc.codec.to_python(a)["opt"]["state"][0]
     assert fc.restore(tmp_path / "b").batch_size == (2,)
 
 

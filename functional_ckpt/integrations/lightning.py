@@ -7,7 +7,7 @@ from one. Lightning's checkpoint dict is saved as it is: hyper-parameters holdin
 paths, namespaces, enums, datetimes or (registered) dataclasses round-trip as
 tagged plain data. Loading rebuilds the dict from the manifest alone (no
 template, nothing unpickled). Pruned checkpoints are removed through
-:func:`functional_ckpt.checkpoint.remove`, crash-safely.
+:func:`functional_ckpt.manager.remove_checkpoint`, crash-safely.
 
 With ``async_save=True`` a save returns once the tensors are copied, the writes
 and commits run in the background in call order, and ``teardown`` (end of

@@ -45,7 +45,7 @@ COMMITTED = ("ok", "damaged", "intact")
 # --------------------------------------------------------------------------- retention
 
 
-def retention_parts(spec: object) -> list[tuple[str, fc.retention.RetentionPolicy]] | None:
+def retention_parts(spec: object) -> list[tuple[str, fc.policy.RetentionPolicy]] | None:
     """Rebuild a recorded retention policy from its spec, one part per ``|`` operand.
 
     A spec is plain data (the configuration form) and only the ``keep_*`` kinds
@@ -73,9 +73,9 @@ def recorded_retention(rows: Sequence[RootEntry]) -> object | None:
     return None
 
 
-def _records(rows: Sequence[RootEntry]) -> list[fc.retention.CheckpointRecord]:
+def _records(rows: Sequence[RootEntry]) -> list[fc.policy.CheckpointRecord]:
     return [
-        fc.retention.CheckpointRecord(r.step, r.time or 0.0, r.metrics)
+        fc.policy.CheckpointRecord(r.step, r.time or 0.0, r.metrics)
         for r in rows
         if r.status in ("ok", "intact") and r.canonical and r.step is not None
     ]
@@ -83,9 +83,9 @@ def _records(rows: Sequence[RootEntry]) -> list[fc.retention.CheckpointRecord]:
 
 def policy_from_flags(
     args: argparse.Namespace,
-) -> list[tuple[str, fc.retention.RetentionPolicy]] | None:
+) -> list[tuple[str, fc.policy.RetentionPolicy]] | None:
     """``--keep-last N [--keep-best K --metric M [--mode max]]`` as policy parts."""
-    parts: list[tuple[str, fc.retention.RetentionPolicy]] = []
+    parts: list[tuple[str, fc.policy.RetentionPolicy]] = []
     if getattr(args, "keep_best", None) is not None and not getattr(args, "metric", None):
         raise UsageError("--keep-best needs --metric NAME")
     if getattr(args, "keep_last", None) is not None:
@@ -98,8 +98,8 @@ def policy_from_flags(
 
 
 def _union(
-    parts: Sequence[tuple[str, fc.retention.RetentionPolicy]],
-) -> fc.retention.RetentionPolicy:
+    parts: Sequence[tuple[str, fc.policy.RetentionPolicy]],
+) -> fc.policy.RetentionPolicy:
     policy = parts[0][1]
     for _, more in parts[1:]:
         policy = policy | more
@@ -411,7 +411,7 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
     assert parts is not None  # --keep-last is required
     policy = _union(parts)
     infos = fc.CheckpointManager(root, read_only=True).infos()
-    plan = fc.retention.plan_deletions(policy, infos) if infos else []
+    plan = fc.policy.plan_deletions(policy, infos) if infos else []
     kept = kept_by(parts, infos)
     sizes = {r.step: r.size for r in rows if r.canonical}
     doc: dict[str, Any] = {
@@ -468,15 +468,15 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
     return 0
 
 
-def _delete(root: Path, policy: fc.retention.RetentionPolicy, approved: set[int]) -> list[int]:
+def _delete(root: Path, policy: fc.policy.RetentionPolicy, approved: set[int]) -> list[int]:
     """Delete under the writer lock, re-planned there: only steps shown and still doomed.
 
     A trainer that saved since the plan was shown may have changed which steps the
     policy keeps; deleting only the intersection never removes something the user
     was not shown, nor something that became worth keeping.
     """
-    with fc.CheckpointManager(root, save=fc.policy.never(), keep=fc.retention.keep_all()) as mgr:
-        doomed = [s for s in fc.retention.plan_deletions(policy, mgr.infos()) if s in approved]
+    with fc.CheckpointManager(root, save=fc.policy.never(), keep=fc.policy.keep_all()) as mgr:
+        doomed = [s for s in fc.policy.plan_deletions(policy, mgr.infos()) if s in approved]
         for step in doomed:
             mgr.delete(step)
     return doomed

@@ -1,7 +1,7 @@
 """``fckpt``: look at, check, compare, export and prune checkpoints from the shell.
 
 Every subcommand is a thin layer over the public functions (``fc.inspect``,
-``fc.verify``, ``fc.restore``, ``fc.export_safetensors``, ``fc.retention.plan_deletions``,
+``fc.verify``, ``fc.restore``, ``fc.export_safetensors``, ``fc.policy.plan_deletions``,
 ``CheckpointManager.delete``) and :mod:`functional_ckpt._src.root`: the command line
 adds presentation, never new checkpoint logic. Conventions:
 
