@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -26,9 +26,6 @@ from functional_ckpt._src.storage import committed, shards
 from functional_ckpt._src.storage.committed import open_vetted
 from functional_ckpt._src.text import short_repr
 from functional_ckpt.errors import CorruptCheckpoint, UnregisteredType
-
-if TYPE_CHECKING:
-    from tensordict import TensorDict
 
 CPU = torch.device("cpu")
 _STRIDED = torch.strided
@@ -178,22 +175,6 @@ def _region(buf: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
         region = region.narrow(dim, off, size)
     return region
-
-
-def read_tree(
-    src: committed.Checkpoint,
-    parsed: ParsedManifest,
-    selected: list[tuple[KeyPath, str]],
-    wanted: dict[KeyPath, torch.Tensor],
-    fresh: bool,
-    *,
-    inplace: bool = False,
-    device: torch.device = CPU,
-) -> TensorDict:
-    """Read the selected entries and rebuild their tree (see :func:`read_leaves`)."""
-    leaves = read_leaves(src, parsed, selected, wanted, fresh, inplace=inplace, device=device)
-    tree: TensorDict = rebuild(leaves, parsed.root, src.path)
-    return tree
 
 
 def rebuild(

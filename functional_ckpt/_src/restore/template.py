@@ -20,7 +20,7 @@ from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.format.manifest import TensorEntry, dtype_name
 from functional_ckpt._src.format.view import ParsedCheckpoint
-from functional_ckpt._src.restore.read import read_tree
+from functional_ckpt._src.restore.read import read_leaves, rebuild
 from functional_ckpt._src.state.tree import Leaf, as_state, leaves_of, root_record
 from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import TemplateMismatch
@@ -232,5 +232,5 @@ def resharded_per_rank(
     for r in range(parsed.world_size):
         one = parsed.view(r, ())  # per-rank entries only: no split tensor is read
         sel = [(p, k) for p, k in one.order if p[0] in roots]
-        saved.append(read_tree(src, one, sel, {}, True))
+        saved.append(rebuild(read_leaves(src, one, sel, {}, True), one.root, src.path))
     return as_state(reshard(saved, rank, world))
