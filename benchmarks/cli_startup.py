@@ -24,6 +24,13 @@ What is compared, in one run (each command in a fresh process, as a shell runs i
     a new process that imports functional_ckpt and ``fc.save``-s the same dict: the
     first save of a job, where the package's imports are felt (a plain dict needs no
     tensordict, whose import pulls in ``torch._dynamo``).
+``torch.save+load DICT``
+    a new process that ``torch.save``-s the dict (durably, as above) and ``torch.load``-s
+    it back (``weights_only=True``);
+``fc.save+restore DICT``
+    a new process that ``fc.save``-s the dict and ``fc.restore``-s it into a template of
+    the same plain containers: the first save and restore of a job resumed from dicts
+    (plain containers come back, and tensordict is never imported).
 
 Every command runs once untimed (so the page cache and the bytecode caches are
 warm), then ``--reps`` times, interleaved; medians are reported. Targets, on the
@@ -32,7 +39,8 @@ medians:
 * ``fckpt --help`` <= 3x ``python -c pass``;
 * ``fckpt ls ROOT``, ``fckpt inspect CKPT`` and ``fckpt verify CKPT`` each <= 6x
   ``python -c pass`` (none loads torch; before, inspect and verify did);
-* ``fc.save DICT`` <= 2x ``torch.save DICT``.
+* ``fc.save DICT`` <= 2x ``torch.save DICT``;
+* ``fc.save+restore DICT`` <= 2x ``torch.save+load DICT``.
 
 Usage::
 
@@ -76,6 +84,8 @@ INSPECT = "fckpt inspect CKPT"
 VERIFY = "fckpt verify CKPT"
 TORCH_SAVE = "torch.save DICT"
 FC_SAVE = "fc.save DICT"
+TORCH_ROUNDTRIP = "torch.save+load DICT"
+FC_ROUNDTRIP = "fc.save+restore DICT"
 
 #: The most each command may take, as a multiple of what it is measured against.
 LIMITS = {
@@ -84,6 +94,7 @@ LIMITS = {
     INSPECT: (6.0, BASELINE),
     VERIFY: (6.0, BASELINE),
     FC_SAVE: (2.0, TORCH_SAVE),
+    FC_ROUNDTRIP: (2.0, TORCH_ROUNDTRIP),
 }
 
 #: The first save of a new process: the same dict, saved by each library durably.
@@ -101,6 +112,15 @@ with open(sys.argv[1], "wb") as f:
 """
 )
 _FC_SAVE = _SAVE + "import functional_ckpt as fc\nfc.save(sys.argv[1], state, overwrite=True)\n"
+_TORCH_ROUNDTRIP = _TORCH_SAVE + "back = torch.load(sys.argv[1], weights_only=True)\n"
+_FC_ROUNDTRIP = (
+    _FC_SAVE
+    + """\
+like = {"w": torch.empty(64, 64), "b": torch.empty(64), "step": 0, "lr": 0.0}
+back = fc.restore(sys.argv[1], like)
+assert "tensordict" not in sys.modules
+"""
+)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -128,7 +148,7 @@ def make_root(root: Path, n: int) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with fc.CheckpointManager(root, save=fc.every_steps(1), keep=fc.retention.keep_all()) as mgr:
+    with fc.CheckpointManager(root, save=fc.every_steps(1), keep=fc.policy.keep_all()) as mgr:
         for step in range(1, n + 1):
             model(torch.randn(4, 64)).sum().backward()
             opt.step()
@@ -150,6 +170,8 @@ def commands(root: Path) -> dict[str, list[str]]:
         VERIFY: [*fckpt, "verify", str(newest)],
         TORCH_SAVE: [sys.executable, "-c", _TORCH_SAVE, str(root.parent / "torch.pt")],
         FC_SAVE: [sys.executable, "-c", _FC_SAVE, str(root.parent / "fc_ckpt")],
+        TORCH_ROUNDTRIP: [sys.executable, "-c", _TORCH_ROUNDTRIP, str(root.parent / "torch2.pt")],
+        FC_ROUNDTRIP: [sys.executable, "-c", _FC_ROUNDTRIP, str(root.parent / "fc_ckpt2")],
     }
 
 

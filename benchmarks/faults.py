@@ -152,7 +152,7 @@ def make_state(version: int, *, big: int = 2, small: int = 24) -> dict[str, Any]
 
 def state_version(state: Any) -> int:
     """The version a restored state claims, after checking every leaf agrees with it."""
-    version = int(fc.to_python(state["step"]))
+    version = int(fc.codec.to_python(state["step"]))
     leaves = [
         t.reshape(-1).double()
         for t in state.values(include_nested=True, leaves_only=True)
@@ -162,7 +162,7 @@ def state_version(state: Any) -> int:
     if not bool((flat == version).all()):
         wrong = flat[flat != version][0].item()
         raise AssertionError(f"a tensor holds {wrong}, expected {version} everywhere")
-    meta = fc.to_python(state["meta"])
+    meta = fc.codec.to_python(state["meta"])
     if meta != {"v": [version] * 4, "t": (version, "x")}:
         raise AssertionError(f"meta {meta!r} does not match version {version}")
     return version

@@ -12,7 +12,7 @@ the terminal, *detected* a hostile input refused as it should be. Each class:
   each read runs in a forked child with a hang guard and must be refused (or read as
   not plain) without the quadratic cost.
 * ``trust-links``: a step that is a symbolic link to another run's checkpoint, under
-  ``delete``, retention, ``rollback`` and ``fc.checkpoint.remove``: the other run's
+  ``delete``, retention, ``rollback`` and ``fc.manager.remove_checkpoint``: the other run's
   checkpoint must still verify.
 * ``trust-roots``: a manager opened on a checkpoint, stock DCP, an export, a
   recording, a file, or a directory inside a checkpoint, writing and read-only:
@@ -165,7 +165,7 @@ def scenario_links(scale: Any, base: Path, seed: int) -> Any:
             root, lambda m: [m.maybe_save(_state(s), step=s) for s in (7, 8)], keep=fc.keep_last(1)
         ),
         "rollback": lambda root, link: _with(root, lambda m: m.rollback(1)),
-        "remove": lambda root, link: fc.checkpoint.remove(link),
+        "remove": lambda root, link: fc.manager.remove_checkpoint(link),
         "resume": lambda root, link: _with(root, lambda m: m.restore_latest()),
     }
     for i, (label, act) in enumerate(actions.items()):
@@ -210,7 +210,7 @@ def scenario_roots(scale: Any, base: Path, seed: int) -> Any:
         dcp.save({"w": torch.zeros(2)}, checkpoint_id=str(stock), no_dist=True)
     export = fc.export_safetensors({"model": {"w": torch.zeros(2)}}, base / "export")
     recording = base / "recording"
-    with fc.Recorder(recording, every=1) as rec:
+    with fc.recording.Recorder(recording, every=1) as rec:
         rec.record({"w": torch.zeros(2)}, step=0)
     (base / "file").write_text("x")
     wrong = {

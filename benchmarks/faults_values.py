@@ -220,7 +220,7 @@ def decoder_complexity(base: Path, quick: bool) -> ClassResult:
 
             rewrite_manifest(path, node)
             restored = fc.restore(path)
-            convert = functools.partial(fc.to_python, restored)
+            convert = functools.partial(fc.codec.to_python, restored)
             refused(res, f"node x{n}", convert, CheckpointError, "flood")
     return res
 

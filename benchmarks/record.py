@@ -5,7 +5,7 @@ One run, on one disk. A vectorised toy environment (256 environments) carries a
 changed), half of it dynamic (positions, velocities, observations, actions:
 every byte changes every step). Each step runs the environment (a little
 compute, so the writer has the time a real loop leaves it), then calls
-``fc.Recorder.record``; the recording is committed periodically and at close.
+``fc.recording.Recorder.record``; the recording is committed periodically and at close.
 
 Measured, medians over the steps:
 
@@ -14,7 +14,7 @@ Measured, medians over the steps:
 * *bytes written*: every byte of the recording directory after ``close``, against
   the bytes that actually changed (the tensors that differ from the previous
   record, the plain values that differ);
-* *replay*: ``replay[step]`` of random recorded steps, after ``fc.Replay`` opened
+* *replay*: ``replay[step]`` of random recorded steps, after ``fc.recording.Replay`` opened
   the recording once (reported separately).
 
 Targets: stall <= 0.2 ms; bytes written <= 1.2x the changed bytes; replay of a
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     changed = 0
     prev: dict[str, torch.Tensor] = {}
     prev_step: bytes | None = None
-    with fc.Recorder(path, every=1) as recorder:
+    with fc.recording.Recorder(path, every=1) as recorder:
         for step in range(args.steps):
             t0 = time.perf_counter()
             env_step(env, w)
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     close_s = time.perf_counter() - t_close
     written = sum(p.stat().st_size for p in path.iterdir())
     t0 = time.perf_counter()
-    replay = fc.Replay(path)
+    replay = fc.recording.Replay(path)
     open_s = time.perf_counter() - t0
     rng = random.Random(1)
     picks = [rng.randrange(args.steps) for _ in range(args.replays)]

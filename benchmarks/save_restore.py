@@ -32,7 +32,7 @@ peers (where ``torch_checkpointing`` is installed: the ``bench`` extra)
   through its ``pre_finalize_callback``/``finalize_callback`` hooks, and also as
   shipped (no fsync); its ``load(into=template)`` (in place) and ``load()`` (new
   tensors); see ``benchmarks/_peers.py``. And ``dcp.save``/``dcp.load`` through this
-  package's ``functional_ckpt.dcp.Writer``/``Reader`` (what DCP's storage seam costs).
+  package's ``functional_ckpt.integrations.dcp.Writer``/``Reader`` (what DCP's storage seam costs).
 
 Two states: *big* (16 x 64 MiB float32, 1 GiB: bandwidth-bound) and *small*
 (10,000 x 1 KiB float32 plus 1,000 plain Python values: per-tensor overhead-bound;
@@ -136,8 +136,8 @@ RAW_READ_HUGE = "raw read into new huge-page tensors"
 NEW_PAGES = "new tensors' pages alone (nothing read)"
 ST_LOAD_TOUCHED = "safetensors.load_file + touch"
 CRC = f"crc32 ({CRC_BACKEND}) of tensor bytes"
-DCP_FC_SAVE = "dcp.save(storage_writer=fc.dcp.Writer)"
-DCP_FC_LOAD = "dcp.load(storage_reader=fc.dcp.Reader)"
+DCP_FC_SAVE = "dcp.save(storage_writer=integrations.dcp.Writer)"
+DCP_FC_LOAD = "dcp.load(storage_reader=integrations.dcp.Reader)"
 
 
 def import_fc() -> types.ModuleType:
@@ -248,7 +248,7 @@ def dcp_save(dest: Path, w: Workload) -> None:
 
 def dcp_fc_save(dest: Path, w: Workload) -> None:
     import_fc()
-    from functional_ckpt.dcp import Writer
+    from functional_ckpt.integrations.dcp import Writer
 
     import_dcp().save(w.state(), storage_writer=Writer(dest), no_dist=True)
 
@@ -351,7 +351,7 @@ def dcp_load(src: Path, w: Workload, template: dict[str, Any]) -> Any:
 
 
 def dcp_fc_load(src: Path, w: Workload, template: dict[str, Any]) -> Any:
-    from functional_ckpt.dcp import Reader
+    from functional_ckpt.integrations.dcp import Reader
 
     import_dcp().load(template, storage_reader=Reader(src), no_dist=True)
     return template
@@ -805,6 +805,13 @@ TARGETS = [
         "small",
         ("restore", FC_RESTORE_LIKE),
         ("restore", ST_LOAD_TOUCHED),
+        1.0,
+    ),
+    Target(
+        "restore: fc.restore(like) / fc.restore() (matching the template costs no more)",
+        "small",
+        ("restore", FC_RESTORE_LIKE),
+        ("restore", FC_RESTORE),
         1.0,
     ),
     Target("save: fc.save / dcp.save", "small", ("save", FC_SAVE), ("save", DCP_SAVE), 0.3),

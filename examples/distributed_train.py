@@ -85,12 +85,12 @@ def reshard_loader(saved: list[Any], rank: int, world: int) -> dict[str, Any]:
     ranks continue from there, each in its new slice: at most ``world - 1`` samples
     are seen twice, none is skipped. Generators: fresh and distinct per new rank.
     """
-    old = [fc.to_python(s)["loader"] for s in saved]
+    old = [fc.codec.to_python(s)["loader"] for s in saved]
     if len({s["epoch"] for s in old}) != 1:
         raise ValueError(f"ranks were in different epochs: {[s['epoch'] for s in old]}")
     start = min(s["pos"] for s in old) * len(old)
     torch.manual_seed(10_000 * (old[0]["epoch"] + 1) + 100 * start + rank)
-    rng = fc.to_python(fc.capture())["rng"]  # this process's generators, now reseeded
+    rng = fc.codec.to_python(fc.capture())["rng"]  # this process's generators, now reseeded
     loader = {"epoch": old[0]["epoch"], "pos": start // world, "rank": rank, "world": world}
     return {"loader": loader, "rng": rng}
 

@@ -5,15 +5,17 @@ restore states, the save and retention policies, the manager. Everything else a
 user names lives in one of a few public namespaces:
 
 * ``fc.errors``: every exception and warning the package raises;
-* ``fc.policy``: save policies beyond the everyday ones, their protocol, ``on_degrade``;
-* ``fc.retention``: retention policies, ``plan_deletions``, ``best_steps``;
-* ``fc.manager``: ``CheckpointManager``, its option objects and what it reports;
-* ``fc.checkpoint``: what the functions on one checkpoint return, ``Stager``, ``remove``;
-* ``fc.tree``: ``from_python``, the inverse of ``fc.to_python``;
+* ``fc.policy``: save and retention policies beyond the everyday ones, their
+  protocols, ``run_policy``, ``plan_deletions``, ``on_degrade``;
+* ``fc.manager``: ``CheckpointManager``, its option objects and what it reports,
+  ``fork``, ``remove_checkpoint``;
+* ``fc.checkpoint``: what the functions on one checkpoint return, ``Stager``;
 * ``fc.codec``: ``register``, for the dataclasses, NamedTuples and Enums a state holds,
-  and ``Unregistered``, what a reader without their class sees;
-* ``functional_ckpt.integrations.<client>``: Lightning, Hugging Face, accelerate, torchdata.
-* ``functional_ckpt.dcp``: ``Writer``, ``Reader``: ``dcp.save``/``dcp.load`` in this format.
+  ``Unregistered``, what a reader without their class sees; ``to_python`` and
+  ``from_python``, a TensorDict as plain Python and back;
+* ``fc.recording``: ``Recorder``, ``Replay``: a small state recorded every k steps;
+* ``functional_ckpt.integrations.<client>``: Lightning, Hugging Face, accelerate,
+  torchdata, and ``dcp`` (``Writer``, ``Reader``: ``dcp.save``/``dcp.load`` in this format).
 
 Everything else (``functional_ckpt._src``) is the implementation. Names are imported
 on first use, so ``import functional_ckpt`` (and the ``fckpt`` command) loads no
@@ -40,10 +42,8 @@ if TYPE_CHECKING:
     from functional_ckpt import errors as errors
     from functional_ckpt import manager as manager
     from functional_ckpt import policy as policy
-    from functional_ckpt import retention as retention
-    from functional_ckpt import tree as tree
+    from functional_ckpt import recording as recording
     from functional_ckpt._src.export.safetensors import export_safetensors
-    from functional_ckpt._src.manager.fork import fork
     from functional_ckpt._src.manager.manager import CheckpointManager
     from functional_ckpt._src.policy.leaves import (
         at_steps,
@@ -55,13 +55,10 @@ if TYPE_CHECKING:
     )
     from functional_ckpt._src.policy.retention import keep_best, keep_every, keep_last, keep_within
     from functional_ckpt._src.policy.signals import on_signal
-    from functional_ckpt._src.recording.recorder import Recorder
-    from functional_ckpt._src.recording.replay import Replay
     from functional_ckpt._src.restore.api import restore
     from functional_ckpt._src.restore.contents import inspect
     from functional_ckpt._src.save.api import save, save_async
     from functional_ckpt._src.state.capture import apply, capture
-    from functional_ckpt._src.state.tree import to_python
     from functional_ckpt._src.storage.verify import verify
     from functional_ckpt.errors import CheckpointError
 
@@ -69,8 +66,6 @@ if TYPE_CHECKING:
 _WHERE = {
     "CheckpointError": "functional_ckpt.errors",
     "CheckpointManager": "functional_ckpt._src.manager.manager",
-    "Recorder": "functional_ckpt._src.recording.recorder",
-    "Replay": "functional_ckpt._src.recording.replay",
     "apply": "functional_ckpt._src.state.capture",
     "at_steps": "functional_ckpt._src.policy.leaves",
     "capture": "functional_ckpt._src.state.capture",
@@ -78,7 +73,6 @@ _WHERE = {
     "every_secs": "functional_ckpt._src.policy.leaves",
     "every_steps": "functional_ckpt._src.policy.leaves",
     "export_safetensors": "functional_ckpt._src.export.safetensors",
-    "fork": "functional_ckpt._src.manager.fork",
     "inspect": "functional_ckpt._src.restore.contents",
     "keep_best": "functional_ckpt._src.policy.retention",
     "keep_every": "functional_ckpt._src.policy.retention",
@@ -90,18 +84,15 @@ _WHERE = {
     "restore": "functional_ckpt._src.restore.api",
     "save": "functional_ckpt._src.save.api",
     "save_async": "functional_ckpt._src.save.api",
-    "to_python": "functional_ckpt._src.state.tree",
     "verify": "functional_ckpt._src.storage.verify",
 }
 
 #: The public namespaces, each a module of its own.
-_NAMESPACES = ("checkpoint", "codec", "errors", "manager", "policy", "retention", "tree")
+_NAMESPACES = ("checkpoint", "codec", "errors", "manager", "policy", "recording")
 
 __all__ = [
     "CheckpointError",
     "CheckpointManager",
-    "Recorder",
-    "Replay",
     "__version__",
     "apply",
     "at_steps",
@@ -110,7 +101,6 @@ __all__ = [
     "every_secs",
     "every_steps",
     "export_safetensors",
-    "fork",
     "inspect",
     "keep_best",
     "keep_every",
@@ -122,7 +112,6 @@ __all__ = [
     "restore",
     "save",
     "save_async",
-    "to_python",
     "verify",
 ]
 

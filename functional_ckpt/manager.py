@@ -6,15 +6,19 @@ configures its Hugging Face exports, :class:`Remote` its remote tier, :class:`Me
 its memory tier and :class:`AsyncSave` its saves off the training thread;
 :class:`StepInfo` describes one managed checkpoint; ``maybe_save`` returns a
 :class:`SaveResult`, carrying a :class:`Rollback` when a rollback rule fired;
-:func:`choose_target` is the step such a rule returns to. See docs/manager.md.
+:func:`choose_target` is the step such a rule returns to. :func:`fork` starts a new
+run (a new root) from a checkpoint; :func:`remove_checkpoint` deletes one checkpoint
+directory so that no crash leaves a readable half of it. See docs/manager.md.
 """
 
 from functional_ckpt._src.export.safetensors import Export
+from functional_ckpt._src.manager.fork import fork
 from functional_ckpt._src.manager.manager import CheckpointManager
 from functional_ckpt._src.manager.memory import Memory
 from functional_ckpt._src.manager.options import AsyncSave
 from functional_ckpt._src.manager.rollback_rule import Rollback, SaveResult, choose_target
 from functional_ckpt._src.remote.options import Remote
+from functional_ckpt._src.root.delete import remove_checkpoint
 from functional_ckpt._src.root.listing import StepInfo
 
 __all__ = [
@@ -27,4 +31,6 @@ __all__ = [
     "SaveResult",
     "StepInfo",
     "choose_target",
+    "fork",
+    "remove_checkpoint",
 ]

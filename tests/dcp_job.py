@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import functional_ckpt as fc
-from functional_ckpt.dcp import Reader, Writer
+from functional_ckpt.integrations.dcp import Reader, Writer
 
 #: The checkpoints ``save`` writes, by how.
 SAVED = ("sync", "thread", "process", "fc")
@@ -109,7 +109,7 @@ def load(root: Path) -> None:
         readers: dict[str, Any] = {
             "stock": lambda sd, src=src: dcp.load(sd, checkpoint_id=src),
             "reader": lambda sd, src=src: dcp.load(sd, storage_reader=Reader(src)),
-            "restore": lambda sd, src=src: sd.update(fc.to_python(fc.restore(src, sd))),
+            "restore": lambda sd, src=src: sd.update(fc.codec.to_python(fc.restore(src, sd))),
         }
         for how, read in readers.items():
             if name == "fc" and how == "stock":

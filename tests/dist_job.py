@@ -401,7 +401,7 @@ def main() -> None:
                 if saved_world == world
                 else sum(range(0, saved_world * 100, 100)) // world
             )
-            assert back["loader", "pos"] == expect, (back["loader", "pos"], expect)
+            assert back["loader"]["pos"] == expect, (back["loader"]["pos"], expect)
     elif mode == "same-shard-restore":
         # Onto the placements that saved it: every shard is read straight into its new
         # DTensor (no buffer), and ``like`` is left as it was.
@@ -489,7 +489,7 @@ def main() -> None:
         expect[-(-10 // world) * (world - 1) :] += 1.0
         assert torch.equal(back["w"].full_tensor(), expect)
         assert torch.equal(back["r"].full_tensor(), full_tensors()["w"] * 2)
-        assert back["loader", "pos"] == rank * 100
+        assert back["loader"]["pos"] == rank * 100
     elif mode == "plan-cache":
         plan_cache_run(root, rank, world)
     elif mode == "traffic":

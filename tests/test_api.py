@@ -5,9 +5,9 @@ from __future__ import annotations
 import functional_ckpt as fc
 
 
-def test_the_top_level_has_at_most_25_names() -> None:
+def test_the_top_level_has_at_most_21_names() -> None:
     public = [n for n in fc.__all__ if n != "__version__"]
-    assert len(public) <= 25, public
+    assert len(public) <= 21, public
     assert len(set(public)) == len(public)
     for name in fc.__all__:
         assert hasattr(fc, name), name
@@ -18,8 +18,6 @@ def test_the_top_level_names_are_these() -> None:
         [
             "CheckpointError",
             "CheckpointManager",
-            "Recorder",
-            "Replay",
             "apply",
             "at_steps",
             "capture",
@@ -27,7 +25,6 @@ def test_the_top_level_names_are_these() -> None:
             "every_secs",
             "every_steps",
             "export_safetensors",
-            "fork",
             "inspect",
             "keep_best",
             "keep_every",
@@ -39,7 +36,6 @@ def test_the_top_level_names_are_these() -> None:
             "restore",
             "save",
             "save_async",
-            "to_python",
             "verify",
         ]
     )
@@ -50,10 +46,15 @@ def test_everything_else_is_reachable_in_its_submodule() -> None:
     assert issubclass(fc.errors.UnsupportedValue, fc.CheckpointError)
     assert fc.policy.always().spec == "always"
     assert isinstance(fc.policy.Event(step=1), fc.policy.Event)
-    assert fc.retention.keep_all().select([]) == set()
+    assert fc.policy.keep_all().select([]) == set()
     assert callable(fc.checkpoint.Stager)
     assert callable(fc.manager.Export)
-    assert callable(fc.tree.from_python)
+    assert callable(fc.codec.from_python) and callable(fc.codec.to_python)
+    assert callable(fc.recording.Recorder) and callable(fc.recording.Replay)
+    assert callable(fc.manager.fork) and callable(fc.manager.remove_checkpoint)
+    assert callable(fc.policy.run_policy) and callable(fc.policy.plan_deletions)
+    for moved in ("Recorder", "Replay", "fork", "to_python", "retention", "tree", "dcp"):
+        assert not hasattr(fc, moved), moved  # pre-1.0: no aliases for removed spellings
     assert callable(fc.checkpoint.VerifyReport)
     assert list(fc.policy.on_degrade("reward").spec) == ["on_degrade"]
     assert issubclass(fc.errors.NotRecorded, fc.CheckpointError)
@@ -67,7 +68,7 @@ def test_no_top_level_name_is_a_submodule() -> None:
 
 
 #: The public namespaces beside the top level (and the integrations, imported by name).
-NAMESPACES = ["checkpoint", "codec", "errors", "manager", "policy", "retention", "tree"]
+NAMESPACES = ["checkpoint", "codec", "errors", "manager", "policy", "recording"]
 
 
 def test_the_namespaces_are_the_same_in_the_package_the_docs_and_here() -> None:

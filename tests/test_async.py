@@ -226,6 +226,6 @@ def test_an_async_save_holds_the_values_as_they_were_at_the_call(tmp_path: Path)
     config["lr"].append(0.3)  # the loop goes on and changes its own dict
     config["name"] = "b"
     pending.result()
-    back = fc.to_python(fc.restore(tmp_path / "ck")["config"])
+    back = fc.codec.to_python(fc.restore(tmp_path / "ck")["config"])
     assert back == {"lr": [0.1, 0.2], "name": "a"}
     assert fc.verify(tmp_path / "ck").ok

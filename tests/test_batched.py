@@ -48,7 +48,7 @@ def check_same(back: TensorDict, state: TensorDict) -> None:
     assert back["env", "agents"].names == ["env", None]
     assert back["env", "task"] == "walk" and back["step"] == state["step"]
     assert back.batch_size == torch.Size([])
-    assert_exact(fc.to_python(back), fc.to_python(state))
+    assert_exact(fc.codec.to_python(back), fc.codec.to_python(state))
 
 
 def test_batched_env_state_round_trips(tmp_path: Path) -> None:
@@ -116,7 +116,7 @@ def _rewrite_manifest(path: Path, edit: Any) -> None:
 
 
 def test_manifest_without_batch_sizes_reads_as_unbatched(tmp_path: Path) -> None:
-    state = fc.tree.from_python({"env": {"obs": torch.randn(NUM_ENVS, 3)}, "n": 1})
+    state = fc.codec.from_python({"env": {"obs": torch.randn(NUM_ENVS, 3)}, "n": 1})
     fc.save(tmp_path / "ck", state)
     manifest = committed.read_manifest(tmp_path / "ck")
     assert all("batch_size" not in e for e in manifest["entries"]) and "root" not in manifest

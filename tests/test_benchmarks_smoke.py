@@ -26,7 +26,7 @@ SAVE_TOOLS = {
     "safetensors.save_file+fsync",
     "dcp.save",
     "raw write+fsync",
-    "dcp.save(storage_writer=fc.dcp.Writer)",
+    "dcp.save(storage_writer=integrations.dcp.Writer)",
 }
 RESTORE_TOOLS = {
     "fc.restore(like)",
@@ -40,7 +40,7 @@ RESTORE_TOOLS = {
     "raw read into new huge-page tensors",
     "new tensors' pages alone (nothing read)",
     "safetensors.load_file + touch",
-    "dcp.load(storage_reader=fc.dcp.Reader)",
+    "dcp.load(storage_reader=integrations.dcp.Reader)",
 }
 #: torch_checkpointing's rows (the ``bench`` extra): present exactly where it is installed.
 PEERS = importlib.util.find_spec("torch_checkpointing") is not None
@@ -90,7 +90,7 @@ def test_save_restore_quick_run(tmp_path: Path) -> None:
 
     rss = {"fc.restore(like)", "fc.restore(out=)", "dcp.load(template)"}
     assert set(data["peak_rss"]) == (rss | PEER_LOADS if PEERS else rss)
-    assert len(data["targets"]) == 22
+    assert len(data["targets"]) == 23
     for t in data["targets"]:  # the peer's targets have no value without it
         assert t["result"] in (
             ("PASS", "FAIL") if PEERS or "torch_checkpointing" not in t["target"] else ("SKIP",)
@@ -298,11 +298,14 @@ def test_cli_startup_quick_run(tmp_path: Path) -> None:
         "fckpt verify CKPT",
         "torch.save DICT",
         "fc.save DICT",
+        "torch.save+load DICT",
+        "fc.save+restore DICT",
     }
     for r in rows.values():
         assert len(r["times_s"]) == 2 and r["median_s"] > 0 and r["ratio"] > 0
-    assert len(data["targets"]) == 5
-    assert data["targets"][-1]["target"] == "fc.save DICT <= 2x torch.save DICT"
+    assert len(data["targets"]) == 6
+    assert data["targets"][-2]["target"] == "fc.save DICT <= 2x torch.save DICT"
+    assert data["targets"][-1]["target"] == "fc.save+restore DICT <= 2x torch.save+load DICT"
     assert {t["result"] for t in data["targets"]} <= {"PASS", "FAIL"}
 
 

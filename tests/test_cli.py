@@ -536,7 +536,7 @@ def test_retention_parts_rebuild_only_keep_specs() -> None:
     parts = listing.retention_parts(policy.spec)
     assert parts is not None
     assert [label for label, _ in parts] == ["keep_last(3)", "keep_best(2, 'val_loss', mode='max')"]
-    records = [fc.retention.CheckpointRecord(s, 0.0, {"val_loss": float(s)}) for s in range(1, 7)]
+    records = [fc.policy.CheckpointRecord(s, 0.0, {"val_loss": float(s)}) for s in range(1, 7)]
     assert listing.kept_by(parts, records)[6] == [parts[0][0], parts[1][0], "latest"]
     older = {  # a spec as manifests written before it was the configuration form hold it
         "kind": "union",

@@ -26,7 +26,7 @@ def pruning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
     def pruned_first(path: Any, *args: Any, **kwargs: Any) -> Any:
         while doomed:
-            fc.checkpoint.remove(doomed.pop())
+            fc.manager.remove_checkpoint(doomed.pop())
         return verify(path, *args, **kwargs)
 
     monkeypatch.setattr(fc, "verify", pruned_first)

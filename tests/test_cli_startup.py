@@ -163,8 +163,40 @@ def test_a_save_of_a_plain_dict_loads_no_tensordict(tmp_path: Path) -> None:
     )
     assert proc.stdout.split() == ["False", "False"]
     a = fc.restore(tmp_path / "a")
-    assert a["opt", "state", "0", "m"].shape == (2,) and fc.to_python(a)["opt"]["state"][0]
+    assert a["opt", "state", "0", "m"].shape == (2,) and fc.codec.to_python(a)["opt"]["state"][0]
     assert fc.restore(tmp_path / "b").batch_size == (2,)
+
+
+def test_a_restore_into_a_plain_template_loads_no_tensordict(tmp_path: Path) -> None:
+    """A job that keeps its state in dicts restores into the same plain containers
+    (an OrderedDict, int keys and tuples kept), and never loads tensordict for it."""
+    code = (
+        "import sys, torch, functional_ckpt as fc\n"
+        "from collections import OrderedDict\n"
+        "state = {'model': OrderedDict(w=torch.ones(3)), 'step': 3, 'pair': (torch.ones(1), 2),"
+        " 'opt': {'state': {0: {'m': torch.zeros(2)}}, 'param_groups': [{'lr': 0.1}]}}\n"
+        "fc.save(sys.argv[1], state)\n"
+        "like = {'model': OrderedDict(w=torch.zeros(3)), 'step': 0, 'pair': (torch.zeros(1), 0),"
+        " 'opt': {'state': {0: {'m': torch.ones(2)}}, 'param_groups': [{'lr': 1.0}]}}\n"
+        "new = fc.restore(sys.argv[1], like)\n"
+        "assert type(new) is dict and type(new['model']) is OrderedDict, new\n"
+        "assert new['step'] == 3 and type(new['pair']) is tuple and new['pair'][1] == 2, new\n"
+        "assert torch.equal(new['opt']['state'][0]['m'], torch.zeros(2)), new\n"
+        "assert new['opt']['param_groups'] == [{'lr': 0.1}], new\n"
+        "assert torch.equal(like['model']['w'], torch.zeros(3))  # the template is untouched\n"
+        "part = fc.restore(sys.argv[1], {'step': 0}, partial=True)\n"
+        "assert part == {'step': 3}, part\n"
+        "print('tensordict' in sys.modules, 'torch._dynamo' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "a")],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+        check=True,
+    )
+    assert proc.stdout.split() == ["False", "False"]
+    assert fc.restore(tmp_path / "a").is_locked  # without a template: a TensorDict
 
 
 def test_ls_of_plain_states_loads_no_tensor_library(plain_root: Path) -> None:

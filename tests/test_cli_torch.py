@@ -70,7 +70,7 @@ def test_a_state_dict_round_trips_bit_exactly(
     assert code == 0, err
     assert "under 'model'" in out
     assert list(fc.inspect(tmp_path / "ckpt").tree) == ["model"]
-    assert_exact(fc.to_python(fc.restore(tmp_path / "ckpt"))["model"], original)
+    assert_exact(fc.codec.to_python(fc.restore(tmp_path / "ckpt"))["model"], original)
 
     code, out, err = fckpt(
         capsys, "export", str(tmp_path / "ckpt"), str(tmp_path / "back.pt"), "--format=torch"
@@ -93,7 +93,7 @@ def test_a_training_checkpoint_round_trips_bit_exactly(
     code, _, err = fckpt(capsys, "import", str(tmp_path / "last.ckpt"), str(tmp_path / "ckpt"))
     assert code == 0, err
     assert set(fc.inspect(tmp_path / "ckpt").tree) == set(original)  # kept as it is
-    assert_exact(fc.to_python(fc.restore(tmp_path / "ckpt")), original)
+    assert_exact(fc.codec.to_python(fc.restore(tmp_path / "ckpt")), original)
 
     code, _, err = fckpt(
         capsys,
@@ -131,8 +131,8 @@ def test_a_captured_checkpoint_exports_and_imports_back_exactly(
     assert "numpy values saved as tensors" in out and "rng/numpy/1" in out
     code, _, err = fckpt(capsys, "import", str(tmp_path / "full.pt"), str(tmp_path / "b"))
     assert code == 0, err
-    saved = fc.to_python(fc.restore(tmp_path / "a"))
-    back = fc.to_python(fc.restore(tmp_path / "b"))
+    saved = fc.codec.to_python(fc.restore(tmp_path / "a"))
+    back = fc.codec.to_python(fc.restore(tmp_path / "b"))
     # weights_only=True builds no numpy: the numpy RNG state's array comes back as a tensor
     # of the same dtype and bytes; everything else is exactly as saved.
     key_array = saved["rng"]["numpy"][1]
@@ -213,7 +213,7 @@ def test_import_refuses_what_is_not_a_state(
     fc.save(tmp_path / "ckpt", {"keep": 1})
     code, _, err = fckpt(capsys, "import", str(tmp_path / "ok.pt"), str(tmp_path / "ckpt"))
     assert code == 2 and "exists" in one_error_line(err)
-    assert fc.to_python(fc.restore(tmp_path / "ckpt")) == {"keep": 1}  # left intact
+    assert fc.codec.to_python(fc.restore(tmp_path / "ckpt")) == {"keep": 1}  # left intact
     code, _, err = fckpt(
         capsys, "import", str(tmp_path / "ok.pt"), str(tmp_path / "ckpt"), "--overwrite"
     )

@@ -88,7 +88,7 @@ def exact(a: object, b: object) -> None:
 
 def roundtrip(tmp_path: Path, value: object) -> object:
     fc.save(tmp_path / "ck", {"v": value})
-    return fc.to_python(fc.restore(tmp_path / "ck"))["v"]
+    return fc.codec.to_python(fc.restore(tmp_path / "ck"))["v"]
 
 
 VALUES: list[object] = [
@@ -152,7 +152,7 @@ def test_a_lightning_checkpoint_dict_saves_and_restores(tmp_path: Path) -> None:
     }
     fc.save(tmp_path / "ck", ckpt)
     assert fc.verify(tmp_path / "ck").ok
-    back: Any = fc.to_python(fc.restore(tmp_path / "ck"))
+    back: Any = fc.codec.to_python(fc.restore(tmp_path / "ck"))
     for key, want in ckpt["hyper_parameters"].items():  # type: ignore[attr-defined]
         exact(back["hyper_parameters"][key], want)
     assert torch.equal(back["state_dict"]["weight"], model.weight)
@@ -246,7 +246,7 @@ def test_forged_fields_are_corrupt_never_a_type_error(
     fc.save(tmp_path / "ck", {"hp": {"v": value}})
     edit_raw(tmp_path / "ck", old, new)
     if match is None:  # any value is a valid field of a NamedTuple
-        assert fc.to_python(fc.restore(tmp_path / "ck"))["hp"]["v"] == Pair(1, None)
+        assert fc.codec.to_python(fc.restore(tmp_path / "ck"))["hp"]["v"] == Pair(1, None)
         return
     with pytest.raises(CorruptCheckpoint, match=match):
         fc.restore(tmp_path / "ck")

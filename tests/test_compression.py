@@ -241,7 +241,7 @@ def test_manager_and_remote_tier_store_frames(tmp_path: Path, mem: str) -> None:
 def test_dcp_plugin_writes_and_reads_frames(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from functional_ckpt.dcp import Reader, Writer
+    from functional_ckpt.integrations.dcp import Reader, Writer
 
     state = _state()
     sd = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
@@ -270,7 +270,7 @@ def test_the_dcp_reader_never_hands_stored_pickle_to_dcp(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from functional_ckpt.dcp import Reader
+    from functional_ckpt.integrations.dcp import Reader
 
     ck = tmp_path / "ck"
     fc.save(ck, {"w": torch.ones(2), "note": "plain"})

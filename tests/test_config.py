@@ -31,19 +31,17 @@ from functional_ckpt.policy import (
     every_epochs,
     every_secs,
     every_steps,
+    keep_all,
+    keep_best,
+    keep_every,
+    keep_last,
+    keep_within,
     never,
     on_degrade,
     on_final,
     on_improve,
     on_signal,
     policy_from_config,
-)
-from functional_ckpt.retention import (
-    keep_all,
-    keep_best,
-    keep_every,
-    keep_last,
-    keep_within,
     retention_from_config,
 )
 
@@ -151,7 +149,7 @@ def test_every_config_is_the_spelled_out_spec() -> None:
 
 
 def test_retention_forms() -> None:
-    table: list[tuple[Any, fc.retention.RetentionPolicy]] = [
+    table: list[tuple[Any, fc.policy.RetentionPolicy]] = [
         ({"keep_last": 3}, keep_last(3)),
         ({"keep_last": {"n": 3}}, keep_last(3)),
         ("keep_all", keep_all()),

@@ -84,11 +84,11 @@ def test_every_dtype_and_shape_round_trips(tmp_path: Path) -> None:
         "grad": torch.ones(3, requires_grad=True),
     }
     tree["keys"] = {"a.b": torch.ones(1), "c/d": torch.zeros(2), "ünï©ødé ✓": torch.ones(2)}
-    state = fc.tree.from_python(tree)
+    state = fc.codec.from_python(tree)
     fc.save(tmp_path / "ck", state)
     back = fc.restore(tmp_path / "ck")
     assert back.is_locked and back.batch_size == torch.Size([])
-    out = fc.to_python(back)
+    out = fc.codec.to_python(back)
     assert out["views"]["grad"].requires_grad
     tree["views"]["grad"] = tree["views"]["grad"].detach()
     out["views"]["grad"] = out["views"]["grad"].detach()
@@ -100,7 +100,7 @@ def test_optimizer_hyperparameters_keep_their_python_types(tmp_path: Path) -> No
     model, opt, sched = model_and_optimizer()
     state = fc.capture(model=model, optimizer=opt, scheduler=sched)
     fc.save(tmp_path / "ck", state)
-    back = fc.to_python(fc.restore(tmp_path / "ck"))
+    back = fc.codec.to_python(fc.restore(tmp_path / "ck"))
     group = back["optimizer"]["param_groups"][0]
     assert type(group["lr"]) is float and group["lr"] == opt.param_groups[0]["lr"]
     assert type(group["betas"]) is tuple and group["betas"] == (0.9, 0.95)
@@ -127,7 +127,7 @@ def test_capture_apply_restores_live_objects(tmp_path: Path) -> None:
     )
     back = fc.restore(tmp_path / "ck", template)  # fresh optimizer: empty state is filled
     fc.apply(back, model=model2, optimizer=opt2, scheduler=sched2)
-    assert back["step"] == 7 and fc.to_python(back["env"]) == {"pos": (1, 2)}
+    assert back["step"] == 7 and fc.codec.to_python(back["env"]) == {"pos": (1, 2)}
     assert_exact(opt2.state_dict(), opt.state_dict())
     assert_exact(model2.state_dict(), model.state_dict())
     assert sched2.state_dict() == sched.state_dict()
@@ -139,7 +139,7 @@ def test_capture_apply_restores_live_objects(tmp_path: Path) -> None:
 def test_restore_out_reads_into_its_tensors_in_place(tmp_path: Path) -> None:
     src = {"w": torch.randn(64, 64), "b": torch.randn(64)}
     fc.save(tmp_path / "ck", src)
-    template = fc.tree.from_python({"w": torch.zeros(64, 64), "b": torch.zeros(64)})
+    template = fc.codec.from_python({"w": torch.zeros(64, 64), "b": torch.zeros(64)})
     w_ptr = template["w"].data_ptr()
     back = fc.restore(tmp_path / "ck", out=template)
     assert back["w"].data_ptr() == w_ptr  # no second copy
@@ -149,14 +149,14 @@ def test_restore_out_reads_into_its_tensors_in_place(tmp_path: Path) -> None:
 def test_restore_returns_new_tensors_and_never_writes_like(tmp_path: Path) -> None:
     src = {"w": torch.randn(64, 64), "b": torch.randn(64), "step": 3}
     fc.save(tmp_path / "ck", src)
-    like = fc.tree.from_python({"w": torch.zeros(64, 64), "b": torch.zeros(64), "step": 0})
+    like = fc.codec.from_python({"w": torch.zeros(64, 64), "b": torch.zeros(64), "step": 0})
     before = like.clone()
     back = fc.restore(tmp_path / "ck", like)
     assert back["w"].data_ptr() != like["w"].data_ptr()
     assert back["b"].data_ptr() != like["b"].data_ptr()
     assert torch.equal(back["w"], src["w"]) and torch.equal(back["b"], src["b"])
     assert back["step"] == 3 and back.is_locked
-    assert_exact(fc.to_python(like), fc.to_python(before))  # untouched, bit for bit
+    assert_exact(fc.codec.to_python(like), fc.codec.to_python(before))  # untouched, bit for bit
 
 
 def test_failed_restore_leaves_the_live_model_untouched(tmp_path: Path) -> None:
@@ -181,7 +181,7 @@ def test_failed_restore_leaves_the_live_model_untouched(tmp_path: Path) -> None:
 
 def test_result_takes_each_like_leafs_dtype_device_and_grad(tmp_path: Path) -> None:
     fc.save(tmp_path / "ck", {"a": torch.tensor([1.5, 2.5]), "b": torch.arange(4), "c": 2.0})
-    like = fc.tree.from_python(
+    like = fc.codec.from_python(
         {
             "a": torch.zeros(2, dtype=torch.float64, requires_grad=True),
             "b": torch.empty(4, dtype=torch.int64, device="meta"),
@@ -292,18 +292,18 @@ def test_restore_of_stock_dcp_checkpoint(tmp_path: Path) -> None:
     dcp.save(sd, checkpoint_id=str(tmp_path / "d"), no_dist=True)
     template = {"w": torch.zeros(4, 4), "nested": {"b": torch.zeros(3, dtype=torch.long)}}
     back = fc.restore(tmp_path / "d", template, partial=True)
-    assert torch.equal(back["w"], sd["w"]) and torch.equal(back["nested", "b"], sd["nested"]["b"])
+    assert torch.equal(back["w"], sd["w"]) and torch.equal(back["nested"]["b"], sd["nested"]["b"])
     assert torch.equal(template["w"], torch.zeros(4, 4))  # like= is never written
-    into = fc.tree.from_python(template)
+    into = fc.codec.from_python(template)
     back = fc.restore(tmp_path / "d", out=into, partial=True)
     assert back["w"].data_ptr() == into["w"].data_ptr() and torch.equal(into["w"], sd["w"])
     with pytest.raises(fc.errors.UnsafeCheckpoint, match="allow_pickle"):
         fc.restore(tmp_path / "d", {**template, "obj": {"lr": 0.0, "tags": set()}})
     back = fc.restore(tmp_path / "d", {**template, "obj": {"lr": 0.0}}, partial=True)
-    assert back["obj", "lr"] == 0.1  # plain data loads without allow_pickle
+    assert back["obj"]["lr"] == 0.1  # plain data loads without allow_pickle
     like = {**template, "obj": {"lr": 0.0, "tags": set()}}
     back = fc.restore(tmp_path / "d", like, allow_pickle=True)
-    assert back["obj", "lr"] == 0.1 and back["obj", "tags"] == {"x"}
+    assert back["obj"]["lr"] == 0.1 and back["obj"]["tags"] == {"x"}
     summary = fc.inspect(tmp_path / "d")
     assert summary.foreign and summary.num_tensors == 2
 
@@ -364,9 +364,9 @@ def test_plain_dict_like_fits_a_captured_module(tmp_path: Path) -> None:
     fc.save(tmp_path / "captured", fc.capture(model=model, step=3))
     like = {"model": {"weight": torch.zeros(2, 2), "bias": torch.zeros(2)}, "step": 0}
     got = fc.restore(tmp_path / "captured", like, partial=True)  # partial: rng is left out
-    assert isinstance(fc.to_python(got["model"]), OrderedDict)
-    assert torch.equal(got["model", "weight"], model.weight.detach())
-    assert fc.to_python(got["step"]) == 3
+    assert isinstance(fc.codec.to_python(got["model"]), OrderedDict)
+    assert torch.equal(got["model"]["weight"], model.weight.detach())
+    assert fc.codec.to_python(got["step"]) == 3
 
     fc.save(tmp_path / "plain", {"model": {"weight": torch.ones(2, 2), "bias": torch.ones(2)}})
     captured_like = {"model": fc.capture(model=model)["model"]}

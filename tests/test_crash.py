@@ -26,7 +26,7 @@ def check_whole(path: Path) -> int:
     for key, t in state.items(include_nested=True, leaves_only=True):
         if isinstance(t, torch.Tensor):
             assert bool((t == float(version)).all()), f"{path} {key}: mixed versions"
-    assert fc.to_python(state["meta"]) == {"v": [version] * 10}
+    assert fc.codec.to_python(state["meta"]) == {"v": [version] * 10}
     assert fc.verify(path).ok
     return int(version)
 

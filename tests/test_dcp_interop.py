@@ -298,5 +298,5 @@ def test_partial_restore_of_a_captured_optimizer(tmp_path: Path) -> None:
     model, opt, _ = _trained()
     fc.save(tmp_path / "ck", fc.capture(model=model, optimizer=opt, rng=False))
     back = fc.restore(tmp_path / "ck", {"optimizer": {"param_groups": []}}, partial=True)
-    groups = fc.to_python(back["optimizer"])["param_groups"]
+    groups = fc.codec.to_python(back["optimizer"])["param_groups"]
     assert [g["lr"] for g in groups] == [g["lr"] for g in opt.param_groups]

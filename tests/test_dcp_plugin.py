@@ -1,5 +1,6 @@
 """DCP's storage seam under torchrun (gloo, FSDP2): dcp.save/async_save/load through
-functional_ckpt.dcp, round trips with stock DCP and fc both ways, crashes and damage."""
+functional_ckpt.integrations.dcp, round trips with stock DCP and fc both ways, crashes and
+damage."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 import functional_ckpt as fc
 from functional_ckpt._src.format.kind import Kind, classify
-from functional_ckpt.dcp import Reader, Writer
+from functional_ckpt.integrations.dcp import Reader, Writer
 from tests.patience import HANG
 from tests.test_dist import free_port, wait_all
 
@@ -98,9 +99,9 @@ def test_one_process_round_trip_and_overwrite(tmp_path: Path) -> None:
     assert back["optimizer"] == _state()["optimizer"] and back["step"] == 7
     with pytest.raises(BaseException, match="already exists"):  # DCP's CheckpointException
         dcp.save({"step": 8}, storage_writer=Writer(ck), no_dist=True)
-    assert fc.to_python(fc.restore(ck))["step"] == 7
+    assert fc.codec.to_python(fc.restore(ck))["step"] == 7
     dcp.save({"step": 8}, storage_writer=Writer(ck, overwrite=True), no_dist=True)
-    assert fc.to_python(fc.restore(ck))["step"] == 8
+    assert fc.codec.to_python(fc.restore(ck))["step"] == 8
 
 
 def test_the_reader_reports_a_flipped_byte_by_key_and_file(tmp_path: Path) -> None:
@@ -139,5 +140,5 @@ def test_a_manager_adopts_a_root_written_through_the_seam(tmp_path: Path) -> Non
         dcp.save({**_state(), "step": step}, storage_writer=Writer(dest), no_dist=True)
     with fc.CheckpointManager(tmp_path) as mgr:
         assert mgr.steps() == [1, 2]
-        latest = mgr.restore_latest(like=fc.tree.from_python(_zeroed()))
-    assert latest is not None and fc.to_python(latest)["step"] == 2
+        latest = mgr.restore_latest(like=fc.codec.from_python(_zeroed()))
+    assert latest is not None and fc.codec.to_python(latest)["step"] == 2

@@ -108,7 +108,7 @@ def test_fsdp2_sigkill_of_one_rank_resumes_bit_identically(tmp_path: Path) -> No
             assert loss == reference[step], f"rank {rank} step {step}"
     a = fc.restore(ref / "final", partial=True)
     b = fc.restore(run / "final", partial=True)
-    assert_exact(fc.to_python(a), fc.to_python(b))
+    assert_exact(fc.codec.to_python(a), fc.codec.to_python(b))
 
 
 def test_reshard_4_to_2_and_1_and_1_to_2(tmp_path: Path) -> None:

@@ -52,11 +52,13 @@ def test_functional_loop_killed_and_resumed_is_bit_identical(tmp_path: Path) -> 
     resumed = int(out.split("start at step ")[1].split()[0])
     assert 40 <= resumed < 150, out
     assert_exact(
-        fc.to_python(fc.restore(run / "final")), fc.to_python(fc.restore(reference / "final"))
+        fc.codec.to_python(fc.restore(run / "final")),
+        fc.codec.to_python(fc.restore(reference / "final")),
     )
     # Every checkpoint the resumed run wrote matches the uninterrupted run's too.
     for step in range(resumed + 10, 151, 10):
         name = f"step_{step:06d}"
         assert_exact(
-            fc.to_python(fc.restore(run / name)), fc.to_python(fc.restore(reference / name))
+            fc.codec.to_python(fc.restore(run / name)),
+            fc.codec.to_python(fc.restore(reference / name)),
         )

@@ -280,7 +280,7 @@ def test_fork_shares_the_source_files(tmp_path: Path) -> None:
     state = make_state()
     src = tmp_path / "run" / "step_000000007"
     fc.save(src, {**state, "step": 7})
-    forked = fc.fork(src, tmp_path / "fork")
+    forked = fc.manager.fork(src, tmp_path / "fork")
     assert os.stat(forked / "__0_1.distcp").st_ino == os.stat(src / "__0_0.distcp").st_ino
     # nothing changed: no tensor is written again, only the values for stock DCP readers
     manifest = committed.read_manifest(forked)

@@ -285,7 +285,7 @@ def test_sigkill_during_an_async_save_leaves_last_current_and_no_leftover(
     assert (root / "notes.ckpt.tmp-0123456789ab" / "notes.txt").read_text() == "mine"
     assert (root / "link.ckpt.tmp-0123456789ab").is_symlink()
     assert (root / "epoch=0-step=4.ckpt.trash-0123456789ab" / naming.COMMIT_MARKER).is_file()
-    assert fc.to_python(fc.restore(root / "spare.ckpt")) == {"w": 2}
+    assert fc.codec.to_python(fc.restore(root / "spare.ckpt")) == {"w": 2}
     assert step(root / "last.ckpt") == 12
 
 

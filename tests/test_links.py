@@ -74,7 +74,7 @@ def test_remove_refuses_a_link(tmp_path: Path) -> None:
     link = tmp_path / "link"
     os.symlink(other, link)
     with pytest.raises(fc.CheckpointError, match="symbolic link"):
-        fc.checkpoint.remove(link)
+        fc.manager.remove_checkpoint(link)
     assert os.path.islink(link)
     _intact(other)
 
@@ -100,7 +100,7 @@ def test_a_root_that_is_a_checkpoint_is_refused(tmp_path: Path, kind: str) -> No
     elif kind == "export":
         fc.export_safetensors({"model": {"w": torch.zeros(2)}}, wrong)
     elif kind == "recording":
-        with fc.Recorder(wrong, every=1) as rec:
+        with fc.recording.Recorder(wrong, every=1) as rec:
             rec.record({"w": torch.zeros(2)}, step=0)
     elif kind == "file":
         wrong.write_text("x")

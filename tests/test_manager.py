@@ -573,7 +573,9 @@ def reference(
     assert finished(start(ctx, roots[1], steps=STEPS)) == 0
     seconds = time.monotonic() - t0
     states = [fc.restore(r / step_name(STEPS)) for r in roots]
-    assert_exact(fc.to_python(states[0]), fc.to_python(states[1]))  # the job is deterministic
+    assert_exact(
+        fc.codec.to_python(states[0]), fc.codec.to_python(states[1])
+    )  # the job is deterministic
     return Reference(states[0], seconds)
 
 
@@ -595,7 +597,7 @@ def check_after_crash(root: Path) -> int | None:
 
 def check_final(root: Path, reference: Reference) -> None:
     final = fc.restore(root / step_name(STEPS))
-    assert_exact(fc.to_python(final), fc.to_python(reference.state))
+    assert_exact(fc.codec.to_python(final), fc.codec.to_python(reference.state))
     leftovers = [p.name for p in root.iterdir() if naming.is_temporary_name(p.name)]
     assert not leftovers, leftovers
 
@@ -659,7 +661,7 @@ def test_fork_records_provenance_and_continues(tmp_path: Path) -> None:
     with fc.CheckpointManager(a, metadata={"exp": "A"}, save=fc.on_improve("loss")) as mgr:
         for s in (1, 2, 3):
             mgr.maybe_save(small_state(s), step=s, epoch=1, metrics={"loss": 1.0 / s})
-    path = fc.fork(a / step_name(3), b)
+    path = fc.manager.fork(a / step_name(3), b)
     assert path == b / step_name(3)
     with fc.CheckpointManager(b, save=fc.on_improve("loss")) as mgr:
         info = mgr.info(3)
@@ -676,8 +678,8 @@ def test_fork_records_provenance_and_continues(tmp_path: Path) -> None:
         assert mgr.info(4).metadata["forked_from"] == prov  # later checkpoints say so too
     assert fc.CheckpointManager(a, read_only=True).steps() == [1, 2, 3]  # source untouched
     with pytest.raises(fc.errors.CheckpointExists, match="already holds"):
-        fc.fork(a / step_name(2), b)
-    c = fc.fork(b / step_name(4), tmp_path / "c", step=0)
+        fc.manager.fork(a / step_name(2), b)
+    c = fc.manager.fork(b / step_name(4), tmp_path / "c", step=0)
     prov = fc.CheckpointManager(tmp_path / "c", read_only=True).info(0).metadata["forked_from"]
     assert c.name == step_name(0) and prov["step"] == 4 and prov["parent"]["step"] == 3
 

@@ -105,7 +105,7 @@ def reference(ctx: mp.context.ForkServerContext, tmp_path_factory: pytest.TempPa
 
 def check_final(root: Path, reference: Any) -> None:
     final = fc.restore(root / step_name(STEPS))
-    assert_exact(fc.to_python(final), fc.to_python(reference))
+    assert_exact(fc.codec.to_python(final), fc.codec.to_python(reference))
 
 
 def test_sigkill_resumes_from_the_memory_tier_bit_identically(
@@ -186,8 +186,8 @@ def test_sigterm_promotes_the_newest_memory_checkpoint_to_disk(
     assert step >= 1 and step in committed(memory)
     assert fc.verify(root / step_name(step)).ok
     assert_exact(
-        fc.to_python(fc.restore(root / step_name(step))),
-        fc.to_python(fc.restore(memory / step_name(step))),
+        fc.codec.to_python(fc.restore(root / step_name(step))),
+        fc.codec.to_python(fc.restore(memory / step_name(step))),
     )
     leftovers = [p.name for p in root.iterdir() if naming.is_temporary_name(p.name)]
     assert not leftovers, leftovers

@@ -1,4 +1,4 @@
-"""Record and replay: ``fc.Recorder`` and ``fc.Replay`` on real files and processes.
+"""Record and replay: ``fc.recording.Recorder`` and ``Replay`` on real files and processes.
 
 A small vectorised environment is recorded; every committed record replays
 exactly (batch sizes, dtypes, plain values), unchanged leaves are not written
@@ -58,7 +58,7 @@ def env_state(step: int) -> dict[str, Any]:
 
 def same(a: Any, b: Any) -> bool:
     return bool(
-        (fc.to_python(a) == fc.to_python(b))
+        (fc.codec.to_python(a) == fc.codec.to_python(b))
         if not isinstance(a, torch.Tensor)
         else (a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
     )
@@ -70,17 +70,17 @@ def check_record(got: TensorDict, step: int) -> None:
     for key in ("pos", "done", "map", "empty"):
         assert same(got["env", key], want["env"][key]), key
     assert same(got["action"], want["action"])
-    assert fc.to_python(got["info"]) == want["info"]
-    assert type(fc.to_python(got["info"])["tag"]) is tuple
+    assert fc.codec.to_python(got["info"]) == want["info"]
+    assert type(fc.codec.to_python(got["info"])["tag"]) is tuple
 
 
 def test_every_committed_record_replays_exactly(tmp_path: Path) -> None:
     rec = tmp_path / "rec"
-    with fc.Recorder(rec, every=2, commit_every=4) as recorder:
+    with fc.recording.Recorder(rec, every=2, commit_every=4) as recorder:
         recorded = [recorder.record(env_state(s), step=s) for s in range(21)]
     assert recorded == [s % 2 == 0 for s in range(21)]
     assert recorder.committed == 11
-    with fc.Replay(rec) as replay:
+    with fc.recording.Replay(rec) as replay:
         assert replay.steps == list(range(0, 21, 2)) and len(replay) == 11 and 4 in replay
         for step in replay.steps[::-1]:  # any order: random access
             check_record(replay[step], step)
@@ -96,7 +96,7 @@ def test_every_committed_record_replays_exactly(tmp_path: Path) -> None:
 def test_unchanged_leaves_are_shared_not_written_again(tmp_path: Path) -> None:
     static = torch.arange(1000, dtype=torch.float32)
     moving = torch.zeros(100, dtype=torch.float32)
-    with fc.Recorder(tmp_path / "rec", commit_every=3) as recorder:
+    with fc.recording.Recorder(tmp_path / "rec", commit_every=3) as recorder:
         for step in range(10):
             if step % 3 == 0:
                 moving += 1  # changes on steps 0, 3, 6, 9 only
@@ -104,7 +104,7 @@ def test_unchanged_leaves_are_shared_not_written_again(tmp_path: Path) -> None:
     data = (tmp_path / "rec" / segment_name(0)).stat().st_size
     value = len(codec.encode(0))  # "n" changes once (0 -> 1)
     assert data == static.nbytes + 4 * moving.nbytes + 2 * value
-    with fc.Replay(tmp_path / "rec") as replay:
+    with fc.recording.Replay(tmp_path / "rec") as replay:
         added, _ = new_bytes(replay.committed)
         assert added.tolist()[:4] == [static.nbytes + moving.nbytes + value, 0, 0, moving.nbytes]
         for step in range(10):
@@ -123,11 +123,11 @@ def test_a_rerun_from_any_step_is_deterministic(tmp_path: Path) -> None:
 
     torch.manual_seed(3)
     env = TensorDict({"pos": torch.zeros(8)}, batch_size=[8])
-    with fc.Recorder(tmp_path / "rec") as recorder:
+    with fc.recording.Recorder(tmp_path / "rec") as recorder:
         for step in range(30):
             recorder.record(fc.capture(env=env, step=step), step=step)
             env = step_env(env)
-    with fc.Replay(tmp_path / "rec") as replay:
+    with fc.recording.Replay(tmp_path / "rec") as replay:
         state = replay[12]
         fc.apply(state)  # puts torch, numpy and Python generators back where step 12 had them
         env = state["env"]
@@ -144,7 +144,7 @@ def test_sigkill_loses_only_what_was_not_committed(tmp_path: Path) -> None:
         sys.path.insert(0, {str(REPO)!r})
         import functional_ckpt as fc
         from tests.test_record import env_state
-        recorder = fc.Recorder({str(rec)!r}, commit_every=1000, commit_secs=3600)
+        recorder = fc.recording.Recorder({str(rec)!r}, commit_every=1000, commit_secs=3600)
         for step in range(20):
             recorder.record(env_state(step), step=step)
         print("committed", recorder.commit(), flush=True)
@@ -158,7 +158,7 @@ def test_sigkill_loses_only_what_was_not_committed(tmp_path: Path) -> None:
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert "committed 20" in proc.stdout
-    with fc.Replay(rec) as replay:
+    with fc.recording.Replay(rec) as replay:
         assert replay.steps == list(range(20))
         for step in (0, 7, 19):
             check_record(replay[step], step)
@@ -171,7 +171,7 @@ def test_sigkill_loses_only_what_was_not_committed(tmp_path: Path) -> None:
 def test_fckpt_ls_and_inspect_understand_recordings(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with fc.Recorder(tmp_path / "rec", every=5) as recorder:
+    with fc.recording.Recorder(tmp_path / "rec", every=5) as recorder:
         for step in range(11):
             recorder.record(env_state(step), step=step)
     assert cli.main(["ls", str(tmp_path / "rec"), "--json"]) == 0
@@ -190,19 +190,19 @@ def test_fckpt_ls_and_inspect_understand_recordings(
 
 def test_bad_inputs_name_the_argument(tmp_path: Path) -> None:
     with pytest.raises(NotARecording, match=r"Replay\(path='.*nowhere'\): .*does not exist"):
-        fc.Replay(tmp_path / "nowhere")
+        fc.recording.Replay(tmp_path / "nowhere")
     fc.save(tmp_path / "ckpt", {"w": torch.ones(1)})
     with pytest.raises(NotARecording, match=r"ckpt is a checkpoint \(use fc.restore\)"):
-        fc.Replay(tmp_path / "ckpt")
+        fc.recording.Replay(tmp_path / "ckpt")
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotARecording, match=r"Replay\(path=.*file'\): .*not a checkpoint dir"):
-        fc.Replay(tmp_path / "file")
+        fc.recording.Replay(tmp_path / "file")
     with pytest.raises(CheckpointExists, match=r"Recorder\(path=.*ckpt'\): the directory is not"):
-        fc.Recorder(tmp_path / "ckpt")
+        fc.recording.Recorder(tmp_path / "ckpt")
     with pytest.raises(ValueError, match=r"Recorder\(every=0\)"):
-        fc.Recorder(tmp_path / "r0", every=0)
+        fc.recording.Recorder(tmp_path / "r0", every=0)
 
-    recorder = fc.Recorder(tmp_path / "rec")
+    recorder = fc.recording.Recorder(tmp_path / "rec")
     recorder.record(env_state(0), step=0)
     bigger = env_state(1)
     bigger["action"] = torch.zeros(5, dtype=torch.int64)
@@ -224,7 +224,7 @@ def test_bad_inputs_name_the_argument(tmp_path: Path) -> None:
     with pytest.raises(fc.CheckpointError, match="the recorder is closed"):
         recorder.record(env_state(2), step=2)
 
-    with fc.Replay(tmp_path / "rec") as replay:
+    with fc.recording.Replay(tmp_path / "rec") as replay:
         assert replay.steps == [0, 1]
         with pytest.raises(NotRecorded, match=r"\[7\]: step 7 is not recorded"):
             replay[7]
@@ -235,14 +235,14 @@ def test_bad_inputs_name_the_argument(tmp_path: Path) -> None:
 
 
 def test_damage_is_caught_where_it_is(tmp_path: Path) -> None:
-    with fc.Recorder(tmp_path / "rec") as recorder:
+    with fc.recording.Recorder(tmp_path / "rec") as recorder:
         for step in range(3):
             recorder.record({"w": torch.full((256,), float(step))}, step=step)
     segment = tmp_path / "rec" / segment_name(0)
     raw = bytearray(segment.read_bytes())
     raw[1024 + 10] ^= 0xFF  # inside step 1's tensor
     segment.write_bytes(bytes(raw))
-    with fc.Replay(tmp_path / "rec") as replay:
+    with fc.recording.Replay(tmp_path / "rec") as replay:
         assert torch.equal(replay[0]["w"], torch.zeros(256))
         with pytest.raises(CorruptCheckpoint, match=r"data-000000.bin: .*state\['w'\] at step 1"):
             replay[1]
@@ -251,15 +251,15 @@ def test_damage_is_caught_where_it_is(tmp_path: Path) -> None:
     raw[-3] ^= 0xFF
     index.write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpoint, match=r"index\.bin: does not match its commit marker"):
-        fc.Replay(tmp_path / "rec")
+        fc.recording.Replay(tmp_path / "rec")
 
 
 def test_commits_happen_by_time_while_the_recorder_runs(tmp_path: Path) -> None:
-    with fc.Recorder(tmp_path / "rec", commit_every=1000, commit_secs=0.05) as recorder:
+    with fc.recording.Recorder(tmp_path / "rec", commit_every=1000, commit_secs=0.05) as recorder:
         for step in range(3):
             recorder.record({"w": torch.full((4,), float(step))}, step=step)
         eventually(lambda: recorder.committed >= 3, "three commits by time")
-        with fc.Replay(tmp_path / "rec") as replay:  # a reader next to the running writer
+        with fc.recording.Replay(tmp_path / "rec") as replay:  # a reader next to the running writer
             assert replay.steps == [0, 1, 2]
             assert torch.equal(replay[2]["w"], torch.full((4,), 2.0))
 
@@ -267,14 +267,14 @@ def test_commits_happen_by_time_while_the_recorder_runs(tmp_path: Path) -> None:
 def test_a_failure_in_the_background_surfaces_at_the_next_call(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    recorder = fc.Recorder(tmp_path / "rec")
+    recorder = fc.recording.Recorder(tmp_path / "rec")
     recorder.record({"w": torch.zeros(4)}, step=0)
     assert recorder.commit() == 1
 
     def disk_full(self: Any, data: Any) -> Any:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(fc.Recorder, "_append", disk_full)
+    monkeypatch.setattr(fc.recording.Recorder, "_append", disk_full)
     recorder.record({"w": torch.ones(4)}, step=1)  # staged; the write fails behind it
     with pytest.raises(
         fc.CheckpointError, match=r"No space left.*the 1 records committed before it are safe"
@@ -282,7 +282,7 @@ def test_a_failure_in_the_background_surfaces_at_the_next_call(
         recorder.commit()
     with pytest.raises(fc.CheckpointError, match="No space left"):
         recorder.close()
-    with fc.Replay(tmp_path / "rec") as replay:
+    with fc.recording.Replay(tmp_path / "rec") as replay:
         assert replay.steps == [0]  # what was committed stays
 
 
@@ -293,7 +293,7 @@ def test_a_damaged_recording_raises_only_checkpoint_errors(tmp_path: Path) -> No
     import shutil
 
     src = tmp_path / "src"
-    with fc.Recorder(src, commit_every=3) as recorder:
+    with fc.recording.Recorder(src, commit_every=3) as recorder:
         for step in range(6):
             recorder.record(env_state(step), step=step)
     rng = random.Random(0)
@@ -312,7 +312,7 @@ def test_a_damaged_recording_raises_only_checkpoint_errors(tmp_path: Path) -> No
             raw += bytes(rng.randrange(256) for _ in range(rng.randint(1, 40)))
         target.write_bytes(bytes(raw))
         try:
-            with fc.Replay(copy) as replay:
+            with fc.recording.Replay(copy) as replay:
                 assert replay.steps == list(range(6))
                 for step in replay.steps:
                     check_record(replay[step], step)  # what reads back is what was recorded
@@ -322,22 +322,22 @@ def test_a_damaged_recording_raises_only_checkpoint_errors(tmp_path: Path) -> No
 
 
 def test_two_recorders_on_one_path_never_damage_each_other(tmp_path: Path) -> None:
-    first = fc.Recorder(tmp_path / "rec")
+    first = fc.recording.Recorder(tmp_path / "rec")
     with pytest.raises(CheckpointExists, match=r"Recorder\(path=.*rec'\): .*choose a new path"):
-        fc.Recorder(tmp_path / "rec")  # both found it empty: the second must not take it
+        fc.recording.Recorder(tmp_path / "rec")  # both found it empty: the second must not take it
     first.record({"w": torch.zeros(4)}, step=0)
     first.close()
-    with fc.Replay(tmp_path / "rec") as replay:
+    with fc.recording.Replay(tmp_path / "rec") as replay:
         assert replay.steps == [0] and torch.equal(replay[0]["w"], torch.zeros(4))
 
 
 def test_a_step_beyond_the_format_is_refused_when_recorded(tmp_path: Path) -> None:
-    with fc.Recorder(tmp_path / "rec") as recorder:
+    with fc.recording.Recorder(tmp_path / "rec") as recorder:
         recorder.record({"w": torch.zeros(2)}, step=1)
         with pytest.raises(fc.CheckpointError, match=r"record\(step=9223372036854775808\)"):
             recorder.record({"w": torch.ones(2)}, step=1 << 63)
         recorder.record({"w": torch.ones(2)}, step=2)
-    with fc.Replay(tmp_path / "rec") as replay:  # what was committed stays readable
+    with fc.recording.Replay(tmp_path / "rec") as replay:  # what was committed stays readable
         assert replay.steps == [1, 2]
 
 
@@ -351,7 +351,7 @@ def test_a_forged_index_pointing_past_the_data_is_corrupt(tmp_path: Path) -> Non
     from functional_ckpt._src.recording.layout import FRAME, LOC, RECORDING_MARKER
 
     rec = tmp_path / "rec"
-    with fc.Recorder(rec) as recorder:
+    with fc.recording.Recorder(rec) as recorder:
         recorder.record({"w": torch.zeros(2)}, step=0)
     raw = (rec / INDEX).read_bytes()
     frame = codec.decode(raw[FRAME.size :])
@@ -365,15 +365,15 @@ def test_a_forged_index_pointing_past_the_data_is_corrupt(tmp_path: Path) -> Non
     marker.update(index_size=len(index), index_crc32=crc32(index))
     (rec / RECORDING_MARKER).write_bytes(codec.encode(marker))
     with pytest.raises(CorruptCheckpoint, match=r"index\.bin: a record points beyond"):
-        fc.Replay(rec)
+        fc.recording.Replay(rec)
 
 
 def test_a_later_record_of_a_meta_or_sparse_tensor_is_refused(tmp_path: Path) -> None:
-    with fc.Recorder(tmp_path / "rec") as recorder:
+    with fc.recording.Recorder(tmp_path / "rec") as recorder:
         recorder.record({"w": torch.zeros(2)}, step=0)
         for step, bad in enumerate([torch.zeros(2, device="meta"), torch.zeros(2).to_sparse()]):
             with pytest.raises(fc.CheckpointError, match=r"state\['w'\] is .*the first record"):
                 recorder.record({"w": bad}, step=step + 1)
         recorder.record({"w": torch.ones(4)[::2]}, step=3)  # a strided view is fine
-    with fc.Replay(tmp_path / "rec") as replay:
+    with fc.recording.Replay(tmp_path / "rec") as replay:
         assert replay.steps == [0, 3] and torch.equal(replay[3]["w"], torch.ones(2))

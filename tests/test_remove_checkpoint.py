@@ -1,4 +1,4 @@
-"""fc.checkpoint.remove: the public crash-safe delete of one checkpoint."""
+"""fc.manager.remove_checkpoint: the public crash-safe delete of one checkpoint."""
 
 from __future__ import annotations
 

@@ -117,7 +117,7 @@ def test_every_landing_path_in_one_restore_returns_the_saved_bytes(tmp_path: Pat
     before = {k: v.clone() for k, v in like["small"].items()}
     got = fc.restore(tmp_path / "c", like, cast=True)
     for k, v in saved["small"].items():
-        assert torch.equal(got["small", k], v)
+        assert torch.equal(got["small"][k], v)
         assert like["small"][k].equal(before[k])  # the template is never written
     assert torch.equal(got["big"], saved["big"])
     assert got["half"].dtype == torch.float32
@@ -127,7 +127,7 @@ def test_every_landing_path_in_one_restore_returns_the_saved_bytes(tmp_path: Pat
     assert got["empty"].shape == (0, 4)
     assert torch.equal(got["tied_a"], saved["tied_a"])
     assert got["tied_b"].data_ptr() == got["tied_a"].data_ptr()  # the tie is kept
-    assert got["value", "lr"] == 0.1
+    assert got["value"]["lr"] == 0.1
     assert not any(t.requires_grad for t in got["small"].values())
 
 
@@ -135,7 +135,7 @@ def test_new_small_tensors_own_their_memory(tmp_path: Path) -> None:
     saved = _saved()
     fc.save(tmp_path / "c", saved)
     got = fc.restore(tmp_path / "c", _template(saved), cast=True)
-    tensors = [got["small", k] for k in saved["small"]]
+    tensors = [got["small"][k] for k in saved["small"]]
     storages = {t.untyped_storage().data_ptr() for t in tensors}
     assert len(storages) == len(tensors)  # no arena shared between tensors
     for t in tensors:
@@ -152,7 +152,7 @@ def test_a_template_free_restore_takes_requires_grad_from_the_checkpoint(tmp_pat
     fc.save(tmp_path / "c", saved)
     got = fc.restore(tmp_path / "c")
     assert got["grad"].requires_grad
-    assert not got["small", "p0"].requires_grad
+    assert not got["small"]["p0"].requires_grad
     assert torch.equal(got["half"], saved["half"])
     assert got["tied_b"].data_ptr() == got["tied_a"].data_ptr()
 
@@ -166,7 +166,7 @@ def test_an_in_place_restore_lands_in_the_given_tensors_on_every_path(tmp_path: 
     out["small"]["p2"] = strided
     got = fc.restore(tmp_path / "c", out=out, cast=True)
     for k, v in saved["small"].items():
-        assert got["small", k].data_ptr() == out["small"][k].data_ptr()
+        assert got["small"][k].data_ptr() == out["small"][k].data_ptr()
         assert torch.equal(out["small"][k], v)
     assert torch.equal(strided, saved["small"]["p2"])
     assert torch.equal(out["big"], saved["big"]) and torch.equal(out["ints"], saved["ints"])

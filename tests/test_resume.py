@@ -68,7 +68,7 @@ def test_sigkill_at_random_step_resumes_bit_identically(
 
     a = fc.restore(reference / "final")
     b = fc.restore(tmp_path / "final")
-    assert_exact(fc.to_python(a), fc.to_python(b))
+    assert_exact(fc.codec.to_python(a), fc.codec.to_python(b))
 
 
 _NO_DESCRIPTORS = """

@@ -43,7 +43,7 @@ def make_run(root: Path) -> None:
 
 
 def assert_exact(state: Any, expected: dict[str, Any]) -> None:
-    _assert_exact(fc.to_python(state), expected)
+    _assert_exact(fc.codec.to_python(state), expected)
 
 
 def names(path: Path) -> list[str]:

@@ -58,12 +58,12 @@ def trees(max_leaves: int = 20) -> st.SearchStrategy[Any]:
 def test_any_tree_round_trips_exactly(tree: dict[str, Any]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="fc-rt-"))
     try:
-        state = fc.tree.from_python(tree)
-        expected = fc.to_python(state)  # the tree as the state holds it (views stay views)
+        state = fc.codec.from_python(tree)
+        expected = fc.codec.to_python(state)  # the tree as the state holds it (views stay views)
         fc.save(tmp / "ck", state)
         back = fc.restore(tmp / "ck")
-        assert_exact(fc.to_python(back), expected)
-        assert_exact(fc.to_python(back), tree)
-        assert fc.to_python(fc.restore(tmp / "ck", state)) is not None
+        assert_exact(fc.codec.to_python(back), expected)
+        assert_exact(fc.codec.to_python(back), tree)
+        assert fc.codec.to_python(fc.restore(tmp / "ck", state)) is not None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -177,7 +177,7 @@ def test_a_segment_over_another_file_or_the_values_changes_nothing_read(tmp_path
     resign(ck, edit)
     got = fc.restore(ck)
     _exact(got, {k: v for k, v in state.items() if k != "v"})
-    assert fc.to_python(got["v"]) == [1, "two", 3.0]
+    assert fc.codec.to_python(got["v"]) == [1, "two", 3.0]
 
 
 def test_restores_with_unusual_templates_are_exact_and_never_share_memory(

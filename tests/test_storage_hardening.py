@@ -43,7 +43,7 @@ def make_state(v: float) -> dict[str, Any]:
 
 
 def check_state(state: Any, v: float) -> None:
-    assert int(fc.to_python(state["step"])) == int(v)
+    assert int(fc.codec.to_python(state["step"])) == int(v)
     for t in state.values(include_nested=True, leaves_only=True):
         if isinstance(t, torch.Tensor) and t.dim():
             assert bool((t == v).all())
@@ -655,7 +655,7 @@ def test_reader_racing_overwrite_never_sees_corruption(tmp_path: Path) -> None:
                 assert "replaced" in str(e)
                 replaced += 1
                 continue
-            v = float(fc.to_python(state["step"]))
+            v = float(fc.codec.to_python(state["step"]))
             assert v in (1.0, 2.0)
             check_state(state, v)
             reads += 1

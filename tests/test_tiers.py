@@ -52,7 +52,7 @@ def job(
     mgr = fc.CheckpointManager(root, save=fc.every_steps(disk_every), memory=tier)
     restored = mgr.restore_latest(like=state(0))
     if report is not None:
-        torch.save(None if restored is None else fc.to_python(restored), report)
+        torch.save(None if restored is None else fc.codec.to_python(restored), report)
     step = 0 if restored is None else int(restored["step"])
     while step < die_at:
         step += 1
@@ -95,7 +95,7 @@ def resumed(root: Path, memory: Path | None, disk_every: int = 4) -> tuple[int |
 
 def exact(got: Any, step: int) -> None:
     want = state(step)
-    assert_exact({k: fc.to_python(got)[k] for k in want}, fc.to_python(want))
+    assert_exact({k: fc.codec.to_python(got)[k] for k in want}, fc.codec.to_python(want))
 
 
 def default_folder_of(root: Path) -> Path:
@@ -522,7 +522,7 @@ def test_a_fork_starts_a_new_run_whose_parent_is_the_forked_checkpoint(
     with fc.CheckpointManager(root) as mgr:
         mgr.maybe_save(state(3), step=3)
     parent = read_run(root)
-    forked = fc.fork(root / step_name(3), tmp_path / "fork")
+    forked = fc.manager.fork(root / step_name(3), tmp_path / "fork")
     child = read_run(tmp_path / "fork")
     assert parent is not None and child is not None and child.id != parent.id
     meta = fc.CheckpointManager(tmp_path / "fork", read_only=True).info(3).metadata

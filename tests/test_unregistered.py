@@ -115,7 +115,7 @@ if __name__ == "__main__":
     elif sys.argv[2] == "legacy":
         fc.save(out, state(sys.modules[__name__], Mode.TRAIN, 10))
     else:  # resume: the same script restores what it saved
-        hp = fc.to_python(fc.restore(out))["hyper_parameters"]
+        hp = fc.codec.to_python(fc.restore(out))["hyper_parameters"]
         assert hp["optim"] == OptimCfg(0.01, (0.9, 0.999)) and hp["mode"] is Mode.TRAIN
         assert hp["by_mode"] == {Mode.TRAIN: Span(1, 2)}
         print("resumed", type(hp["optim"]).__module__)
@@ -131,7 +131,7 @@ from train import Mode, OptimCfg, Span
 if sys.argv[2] == "legacy":  # checkpoints that recorded the classes as __main__.X
     for cls in (OptimCfg, Mode, Span):
         fc.codec.register(cls, aliases=[f"__main__.{cls.__qualname__}"])
-hp = fc.to_python(fc.restore(sys.argv[1]))["hyper_parameters"]
+hp = fc.codec.to_python(fc.restore(sys.argv[1]))["hyper_parameters"]
 assert type(hp["optim"]) is OptimCfg and hp["optim"] == OptimCfg(0.01, (0.9, 0.999))
 assert hp["mode"] is Mode.TRAIN and hp["span"] == Span(0, 10)
 print("evaluated", OptimCfg.__module__)
@@ -166,7 +166,7 @@ except fc.errors.UnregisteredType as e:
     out["restore"] = str(e)
     out["damage"] = fc.errors.is_damage(e)
 like = {"model": {"weight": torch.empty(2, 3)}}
-out["weights"] = fc.restore(path, like, partial=True)["model", "weight"].tolist()
+out["weights"] = fc.restore(path, like, partial=True)["model"]["weight"].tolist()
 print(json.dumps(out))
 '''
 
@@ -352,7 +352,7 @@ def test_a_well_formed_unknown_tag_is_no_damage(tmp_path: Path) -> None:
     assert repr(shown) == "gone.Cfg(lr=0.5, name='x')"
     with pytest.raises(fc.errors.UnregisteredType, match=r"\('hp', 'v'\) holds gone\.Cfg"):
         fc.restore(ck)
-    assert fc.to_python(fc.restore(ck, {"step": 0}, partial=True)) == {"step": 1}
+    assert fc.codec.to_python(fc.restore(ck, {"step": 0}, partial=True)) == {"step": 1}
 
 
 # --------------------------------------------------------------------------- the codec

@@ -330,7 +330,7 @@ def test_int_keyed_nodes_refuse_a_flood_at_save_and_at_load(tmp_path: Path) -> N
 
     rewrite_manifest(tmp_path / "c", flood)
     with pytest.raises(UnsafeCheckpoint, match="hash flood"):
-        fc.to_python(fc.restore(tmp_path / "c"))
+        fc.codec.to_python(fc.restore(tmp_path / "c"))
 
 
 def test_empty_container_bomb_is_refused_within_a_memory_budget() -> None:

@@ -158,7 +158,7 @@ def test_staging_write_odd_leaves_then_mutated_keep_their_values(tmp_path: Path)
     back = fc.restore(tmp_path / "ck")
     for k, v in ref.items():
         assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
-    assert fc.to_python(back["cfg"]) == {"lr": [0.1, 0.2], "name": "a"}
+    assert fc.codec.to_python(back["cfg"]) == {"lr": [0.1, 0.2], "name": "a"}
 
 
 def test_staging_write_on_a_base_keeps_an_unchanged_tensor_mutated_after_staging(

@@ -104,14 +104,14 @@ def is_damaged(row: RootEntry) -> bool:
 # --------------------------------------------------------------------------- retention
 
 
-def retention_parts(spec: object) -> list[tuple[str, fc.retention.RetentionPolicy]] | None:
+def retention_parts(spec: object) -> list[tuple[str, fc.policy.RetentionPolicy]] | None:
     """Rebuild a recorded retention policy from its spec, one part per ``|`` operand.
 
     A spec is plain data (the configuration form) and only the ``keep_*`` kinds
     exist, so nothing read from a checkpoint can run; None for anything else.
     """
     try:
-        policy = fc.retention.retention_from_config(stored_spec(spec))
+        policy = fc.policy.retention_from_config(stored_spec(spec))
     except ConfigError:
         return None
     return [(repr(part), part) for part in union_parts(policy)]
@@ -134,7 +134,7 @@ def recorded_retention(rows: Sequence[RootEntry]) -> object | None:
 
 def policy_from_flags(
     args: argparse.Namespace,
-) -> list[tuple[str, fc.retention.RetentionPolicy]] | None:
+) -> list[tuple[str, fc.policy.RetentionPolicy]] | None:
     """``--keep-last N [--keep-best K --metric M [--mode max]]`` as policy parts."""
     if args.keep_best is not None and not args.metric:
         raise UsageError("--keep-best needs --metric NAME")
@@ -188,7 +188,7 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
         parts = retention_parts(recorded) if recorded is not None else None
         source = "recorded in the checkpoints"
     records = [
-        fc.retention.CheckpointRecord(r.step, r.time or 0.0, r.metrics)
+        fc.policy.CheckpointRecord(r.step, r.time or 0.0, r.metrics)
         for r in rows
         if r.status in ("ok", "intact") and r.canonical and r.step is not None
     ]
@@ -386,7 +386,7 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
     assert parts is not None  # --keep-last is required
     policy = functools.reduce(operator.or_, (p for _, p in parts))
     infos = fc.CheckpointManager(root, read_only=True).infos()
-    plan = fc.retention.plan_deletions(policy, infos) if infos else []
+    plan = fc.policy.plan_deletions(policy, infos) if infos else []
     kept = kept_by(parts, infos)
     sizes = {r.step: r.size for r in rows if r.canonical}
     doc: dict[str, Any] = {
@@ -443,15 +443,15 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
     return 0
 
 
-def _delete(root: Path, policy: fc.retention.RetentionPolicy, approved: set[int]) -> list[int]:
+def _delete(root: Path, policy: fc.policy.RetentionPolicy, approved: set[int]) -> list[int]:
     """Delete under the writer lock, re-planned there: only steps shown and still doomed.
 
     A trainer that saved since the plan was shown may have changed which steps the
     policy keeps; deleting only the intersection never removes something the user
     was not shown, nor something that became worth keeping.
     """
-    with fc.CheckpointManager(root, save=fc.policy.never(), keep=fc.retention.keep_all()) as mgr:
-        doomed = [s for s in fc.retention.plan_deletions(policy, mgr.infos()) if s in approved]
+    with fc.CheckpointManager(root, save=fc.policy.never(), keep=fc.policy.keep_all()) as mgr:
+        doomed = [s for s in fc.policy.plan_deletions(policy, mgr.infos()) if s in approved]
         for step in doomed:
             mgr.delete(step)
     return doomed

@@ -1,4 +1,4 @@
-"""``fckpt ls`` and ``fckpt inspect`` of a recording (``fc.Recorder``'s directory).
+"""``fckpt ls`` and ``fckpt inspect`` of a recording (``fc.recording.Recorder``'s directory).
 
 ``ls`` lists its committed records: each one's step and the bytes it added (a
 record shares every leaf that did not change with the one before). ``inspect``

@@ -98,7 +98,7 @@ class Reader(StorageReader):
             return self._metadata
         if self.path is None:
             raise CheckpointError(
-                "functional_ckpt.dcp.Reader: no checkpoint path; pass Reader(path) "
+                "functional_ckpt.integrations.dcp.Reader: no checkpoint path; pass Reader(path) "
                 "or dcp.load(..., checkpoint_id=path)"
             )
         ck = committed.open_vetted(self.path)

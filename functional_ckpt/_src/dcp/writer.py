@@ -79,7 +79,7 @@ class Writer(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self.path is None:
             raise CheckpointError(
-                "functional_ckpt.dcp.Writer: no checkpoint path; pass Writer(path) "
+                "functional_ckpt.integrations.dcp.Writer: no checkpoint path; pass Writer(path) "
                 "or dcp.save(..., checkpoint_id=path)"
             )
 
@@ -122,8 +122,8 @@ def planned_state(planner: SavePlanner) -> dict[str, Any]:
     flat = getattr(planner, "state_dict", None)
     if not isinstance(flat, Mapping):
         raise CheckpointError(
-            f"functional_ckpt.dcp.Writer: the planner {type(planner).__name__} holds no "
-            "state_dict; use DefaultSavePlanner (or a subclass of it)"
+            f"functional_ckpt.integrations.dcp.Writer: the planner {type(planner).__name__} "
+            "holds no state_dict; use DefaultSavePlanner (or a subclass of it)"
         )
     mappings = getattr(planner, "mappings", None)
     if getattr(planner, "flatten_state_dict", False) and mappings:

@@ -31,7 +31,7 @@ from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy import SavePolicy
 from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all
 from functional_ckpt._src.restore.api import restore
-from functional_ckpt._src.state.tree import as_state, iter_leaves
+from functional_ckpt._src.state.tree import as_state, from_python, iter_leaves
 from functional_ckpt._src.storage import commit, durable
 from functional_ckpt.errors import (
     CheckpointError,
@@ -218,7 +218,7 @@ def _load(source: TensorDictBase | Mapping[str, Any] | PathLike, path: KeyPath) 
         node[key] = {}
         node = node[key]
     try:
-        return restore(source, template, partial=True)
+        return restore(source, from_python(template), partial=True)
     except TemplateMismatch:
         return restore(source)  # the selection is not a subtree (e.g. one tensor)
 

@@ -155,7 +155,7 @@ def step_in_name(name: str) -> int | None:
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_INDEX = "model.safetensors.index.json"
 _EXPORT_SHARD_RE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
-#: The header every recording (``fc.Recorder``) writes first.
+#: The header every recording (``fc.recording.Recorder``) writes first.
 RECORDING_HEADER = "recording.msgpack"
 
 

@@ -79,20 +79,14 @@ __all__ = ["CheckpointManager"]
 class CheckpointManager(RootView):
     """Save on a policy, keep on a retention policy, resume from the newest good checkpoint.
 
-    ``save`` defaults to ``every_steps(1)`` and ``keep`` to ``keep_all()``: a manager
-    without policies is a plain "save each step I give you". ``metadata`` is stored in
-    every checkpoint beside the automatic keys. One option value per concern:
-    ``async_save`` (True or ``fc.manager.AsyncSave``), ``incremental`` (each save on
-    the previous one, unchanged bytes shared), ``export`` (``fc.manager.Export``),
-    ``remote`` (``fc.manager.Remote``), ``memory`` (``fc.manager.Memory``: a tier in
-    RAM above the root, saved on its own policy), ``rollback`` (a rule such as
-    ``fc.policy.on_degrade``), ``per_rank`` (the subtrees stored per rank),
-    ``compression`` (as for ``fc.save``; by default the remote tier's). A writing
-    manager locks ``root``, recovers or removes what crashes left and finishes an
-    interrupted rollback at open; ``read_only=True`` never deletes or renames
-    anything. Only the manager reads ``clock`` (the run's running time, which every
-    event carries), never a policy. Not thread-safe. See docs/manager.md. Queries of
-    the root are :class:`RootView`'s; ``self.tiers`` are its tiers, fastest first.
+    ``save`` defaults to ``every_steps(1)`` and ``keep`` to ``keep_all()``. One option
+    value per concern (docs/manager.md): ``async_save``, ``incremental``, ``export``,
+    ``remote``, ``memory`` (a tier in RAM above the root, on its own policy),
+    ``rollback``, ``per_rank``, ``compression`` (by default the remote tier's). A
+    writing manager locks ``root``, recovers or removes what crashes left and finishes
+    an interrupted rollback at open; ``read_only=True`` never deletes or renames
+    anything. Only the manager reads ``clock`` (the run's running time), never a
+    policy. Not thread-safe. ``self.tiers`` are its tiers, fastest first.
     """
 
     def __init__(
@@ -128,17 +122,11 @@ class CheckpointManager(RootView):
         self.metadata = check_metadata(metadata, f"CheckpointManager({self.root})")
         topo = topology()
         self._distributed, self._coordinator = topo.distributed, topo.coordinator
-        settings = WriteSettings(
-            tuple(per_rank),
-            async_option(async_save),
-            bool(incremental),
-            self._distributed,
-            self._coordinator,
-            zstd_level=zstd.level_of(
-                compression if compression is not None or remote is None else remote.compression,
-                "CheckpointManager",
-            ),
-        )
+        if compression is None and remote is not None:
+            compression = remote.compression  # the remote tier's, unless the manager names one
+        level = zstd.level_of(compression, "CheckpointManager")
+        settings = WriteSettings(tuple(per_rank), async_option(async_save), bool(incremental),
+                                 self._distributed, self._coordinator, zstd_level=level)  # fmt: skip
         if self._distributed:
             prepare_groups()  # now, on the training thread, in the same order on every rank
         self._running = RunningTime(clock)

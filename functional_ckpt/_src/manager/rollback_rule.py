@@ -89,7 +89,7 @@ def _leaves(rule: SavePolicy) -> Iterator[SavePolicy]:
 def choose_target(rule: OnDegrade, infos: Sequence[StepInfo]) -> int | None:
     """The kept checkpoint a rollback returns to (None if no kept one has the metric).
 
-    ``"best"``: the best value (``fc.retention.best_steps``, ties to the newer);
+    ``"best"``: the best value (``fc.policy.best_steps``, ties to the newer);
     ``"last_good"``: the newest checkpoint not degraded relative to that best.
     """
     ranked = best_steps(infos, rule.metric, rule.mode)

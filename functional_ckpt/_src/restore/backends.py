@@ -1,12 +1,11 @@
 """Read backends: where a restore's bytes come from, behind one interface.
 
-A backend opens and vets a checkpoint once (:meth:`ReadBackend.open`), matches
-the template against what it holds (:meth:`Opened.match`) and reads the matched
+:func:`open_for_restore` opens and vets a checkpoint once, the result matches the
+template against what it holds (:meth:`Opened.match`) and reads the matched
 leaves (:meth:`Opened.read`); the restore pipeline unflattens them. The
-project's own checkpoints are read from the manifest (:class:`ManifestBackend`),
-stock DCP checkpoints through their hardened ``.metadata``
-(:class:`StockDcpBackend`), and templates with DTensor leaves through DCP's
-load planner (:class:`PlannerBackend`), which also reads from the manifest.
+project's own checkpoints are read from the manifest, stock DCP checkpoints
+through their hardened ``.metadata``, and templates with DTensor leaves through
+DCP's load planner, which also reads from the manifest.
 """
 
 from __future__ import annotations
@@ -17,9 +16,10 @@ from typing import Any, Protocol
 
 import torch
 
-from functional_ckpt._src.distributed.topology import Topology
+from functional_ckpt._src.distributed.topology import Topology, topology
 from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import KeyPath
+from functional_ckpt._src.format.kind import is_stock_dcp
 from functional_ckpt._src.format.view import ParsedCheckpoint
 from functional_ckpt._src.restore.read import CPU, read_leaves
 from functional_ckpt._src.restore.stock_dcp import StockFiles, StockMatch, match_dcp, read_dcp
@@ -68,12 +68,6 @@ class Opened(Protocol):
     def close(self) -> None: ...
 
 
-class ReadBackend(Protocol):
-    """Where a restore reads from; :meth:`open` opens and vets the checkpoint once."""
-
-    def open(self, path: Path) -> Opened: ...
-
-
 class _Manifested:
     """A checkpoint of this format: opened, vetted and its manifest parsed, once."""
 
@@ -119,21 +113,6 @@ class _Manifested:
         self.ck.close()
 
 
-@dataclass
-class ManifestBackend:
-    """The project's own checkpoints, read from the manifest by this process alone."""
-
-    topo: Topology
-
-    def open(self, path: Path) -> Opened:
-        ck = open_vetted(path)
-        try:
-            return _Manifested(ck, self.topo)
-        except BaseException:
-            ck.close()
-            raise
-
-
 class _Stock:
     def __init__(self, files: StockFiles) -> None:
         self.files = files
@@ -157,18 +136,6 @@ class _Stock:
 
     def close(self) -> None:
         self.files.close()
-
-
-class StockDcpBackend:
-    """Checkpoints written by stock ``torch.distributed.checkpoint`` (no manifest)."""
-
-    def open(self, path: Path) -> Opened:
-        files = StockFiles(path)
-        try:
-            return _Stock(files)
-        except BaseException:
-            files.close()
-            raise
 
 
 class _Planned:
@@ -237,18 +204,27 @@ class _Planned:
             self.inner.close()
 
 
-@dataclass
-class PlannerBackend:
-    """Templates with DTensor leaves: DCP's load planner maps saved chunks to shards."""
-
-    topo: Topology
-    timeout: float | None = None
-
-    def open(self, path: Path) -> Opened:
+def open_for_restore(path: Path, template: Template | None) -> Opened:
+    """``path`` opened and vetted, read as its kind and ``template`` ask."""
+    if is_stock_dcp(path):
+        files = StockFiles(path)
+        try:
+            return _Stock(files)
+        except BaseException:
+            files.close()
+            raise
+    topo = topology()
+    if template is not None and template.has_dtensor:
         from functional_ckpt._src.distributed.groups import checkpoint_group
 
-        if not self.topo.initialized:
+        if not topo.initialized:
             raise CheckpointError(
                 "restoring into DTensor templates needs an initialized process group"
             )
-        return _Planned(path, self.topo, checkpoint_group(self.timeout))
+        return _Planned(path, topo, checkpoint_group())
+    ck = open_vetted(path)
+    try:
+        return _Manifested(ck, topo)
+    except BaseException:
+        ck.close()
+        raise

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tensordict import TensorDict
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.format.blobs import lands_raw
@@ -22,7 +21,7 @@ from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.format.manifest import Chunk, TensorEntry, torch_dtype
 from functional_ckpt._src.format.segments import Segment
 from functional_ckpt._src.state.allocation import PREFAULT_BYTES, Prefaulter, host_empty
-from functional_ckpt._src.state.tree import Leaf, unflatten
+from functional_ckpt._src.state.tree import Leaf, unflatten, unflatten_python
 from functional_ckpt._src.storage import committed, shards
 from functional_ckpt._src.storage.committed import open_vetted
 from functional_ckpt._src.text import short_repr
@@ -178,25 +177,13 @@ def _region(buf: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     return region
 
 
-def read_tree(
-    src: committed.Checkpoint,
-    parsed: ParsedManifest,
-    selected: list[tuple[KeyPath, str]],
-    wanted: dict[KeyPath, torch.Tensor],
-    fresh: bool,
-    *,
-    inplace: bool = False,
-    device: torch.device = CPU,
-) -> TensorDict:
-    """Read the selected entries and rebuild their tree (see :func:`read_leaves`)."""
-    leaves = read_leaves(src, parsed, selected, wanted, fresh, inplace=inplace, device=device)
-    return rebuild(leaves, parsed.root, src.path)
-
-
-def rebuild(leaves: list[Leaf], root: dict[str, Any] | None, src: Path) -> TensorDict:
-    """The locked tree of ``leaves``; a saved tree that does not fit together is damage."""
+def rebuild(
+    leaves: list[Leaf], root: dict[str, Any] | None, src: Path, *, plain: bool = False
+) -> Any:
+    """The locked tree of ``leaves`` (``plain``: as Python containers); a saved tree that
+    does not fit together is damage."""
     try:
-        return unflatten(leaves, root)
+        return unflatten_python(leaves) if plain else unflatten(leaves, root)
     except (RuntimeError, ValueError) as e:  # batch sizes that do not fit the tensors
         raise CorruptCheckpoint(f"{src}: the saved tree does not fit together: {e}") from None
 

@@ -7,26 +7,29 @@ positions) are this rank's, or mapped by ``reshard`` when the world size changed
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
 
+from functional_ckpt._src.codec.table import TORCH_DTYPES
 from functional_ckpt._src.distributed.topology import is_dtensor
 from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.format.manifest import TensorEntry, dtype_name
 from functional_ckpt._src.format.view import ParsedCheckpoint
-from functional_ckpt._src.restore.read import read_tree
+from functional_ckpt._src.restore.read import read_leaves, rebuild
 from functional_ckpt._src.state.tree import Leaf, as_state, leaves_of, root_record
 from functional_ckpt._src.storage import committed
-from functional_ckpt.errors import (
-    TemplateMismatch,
-)
+from functional_ckpt.errors import TemplateMismatch
 
-Reshard = Callable[[list[TensorDict], int, int], Any]
+if TYPE_CHECKING:
+    from tensordict import TensorDict, TensorDictBase
+
+#: ``reshard(saved, rank, world_size)``: this rank's per-rank subtrees from every saving rank's.
+Reshard = Callable[[list["TensorDict"], int, int], Any]
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ class Template:
     @property
     def has_dtensor(self) -> bool:
         """Whether a leaf is a DTensor (its shards are read collectively)."""
+        if "torch.distributed.tensor" not in sys.modules:  # no DTensor was ever made
+            return False
         return any(lf.kind == "tensor" and is_dtensor(lf.value) for lf in self.leaves)
 
     def without(self, roots: list[KeyPath]) -> Template:
@@ -69,15 +74,24 @@ def select(
     problems: list[str] = []
     targets: dict[KeyPath, torch.Tensor] = {}
     tensors = parsed.tensors
-    if [lf[:2] for lf in leaves] == parsed.order:  # the common case: the tree that was saved
-        for p, what, t in leaves:
+    if len(leaves) == len(parsed.order):  # the common case: the tree that was saved
+        for (p, what, t), (q, saved) in zip(leaves, parsed.order, strict=True):
+            if p != q or what != saved:
+                targets.clear()
+                problems.clear()
+                break
             if what == "tensor":
-                _match_tensor(p, tensors[p], t, cast, problems, targets)
-        if problems:
-            raise TemplateMismatch(
-                "the checkpoint does not fit the template:\n" + "\n".join(problems)
-            )
-        return list(parsed.order), targets
+                e = tensors[p]
+                if t.shape == e.shape and (cast or t.dtype is TORCH_DTYPES.get(e.dtype_name)):
+                    targets[p] = t
+                else:
+                    _match_tensor(p, e, t, cast, problems, targets)
+        else:
+            if problems:
+                raise TemplateMismatch(
+                    "the checkpoint does not fit the template:\n" + "\n".join(problems)
+                )
+            return list(parsed.order), targets
     tleaves = {leaf.path: leaf for leaf in leaves}
     # the empty nodes, filled from the checkpoint: a node's children follow it at once
     fill = [
@@ -218,5 +232,5 @@ def resharded_per_rank(
     for r in range(parsed.world_size):
         one = parsed.view(r, ())  # per-rank entries only: no split tensor is read
         sel = [(p, k) for p, k in one.order if p[0] in roots]
-        saved.append(read_tree(src, one, sel, {}, True))
+        saved.append(rebuild(read_leaves(src, one, sel, {}, True), one.root, src.path))
     return as_state(reshard(saved, rank, world))

@@ -1,8 +1,7 @@
-"""``fc.save`` and ``fc.save_async``: one pipeline, different staging and backends.
+"""``fc.save`` and ``fc.save_async``: one pipeline, different staging.
 
     plan once (:func:`plan_job`) -> stage (none / copy into reusable, pinned
-    buffers) -> write through a backend (local files; the distributed DCP writer)
-    -> commit
+    buffers) -> write (local files; every rank through DCP's planners) -> commit
 
 The options are checked once, where the call comes in (:mod:`.options`); the plan
 and the job are values from there on. A synchronous save stages nothing beyond a
@@ -20,13 +19,14 @@ from typing import Any
 import torch
 
 from functional_ckpt._src.distributed.topology import is_dtensor, topology
-from functional_ckpt._src.log import logger, phase
+from functional_ckpt._src.format.naming import parse_step
+from functional_ckpt._src.log import done, logger, phase
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.save import incremental
 from functional_ckpt._src.save import staging as stages
-from functional_ckpt._src.save.backends import backend_for
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.job import Hooks, SaveJob
+from functional_ckpt._src.save.local import write_local
 from functional_ckpt._src.save.options import DEFAULT_PER_RANK, SaveOptions, save_options
 from functional_ckpt._src.save.plan import host_copy, prepare_save
 from functional_ckpt._src.save.staging import PendingSave, Stager, Staging
@@ -49,7 +49,7 @@ def plan_job(
     """Check and plan a save once: destination, metadata, every leaf, the base.
 
     A single process raises what it finds; a rank of a distributed save keeps it in
-    the job, for the backend to fail every rank together. The base is opened and
+    the job, for the write to fail every rank together. The base is opened and
     vetted here, and the sources' version counters are read now, before anything can
     stage or write them. ``staging``: an asynchronous save's mode (the ranks of a
     save agree on it).
@@ -84,6 +84,25 @@ def plan_job(
     )
 
 
+def write_job(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> CheckpointInfo:
+    """Write and commit ``job`` filled by ``tensors``: this process alone (its files, a
+    base's shared), or every rank through DCP's planners, the coordinator committing.
+    A distributed save has only ``hooks.read``: its ``staging='none'`` is refused up front
+    (:func:`start_save`). The finished save is an INFO record on ``functional_ckpt.save``."""
+    if job.distributed:
+        from functional_ckpt._src.save.multi_rank import save_planned
+
+        assert hooks.after_each is None and hooks.before_commit is None, "refused up front"
+        info = save_planned(job, tensors, read=hooks.read)
+        if not job.topology.coordinator:
+            return info
+    else:
+        info = write_local(job, tensors, hooks)
+    step = parse_step(info.path.name)
+    done(_LOG, "saved", info.path, seconds=info.duration, nbytes=info.nbytes, step=step)
+    return info
+
+
 def run_save(path: PathLike, state: State, options: SaveOptions) -> CheckpointInfo:
     """A synchronous save with the given options (``fc.save``, a manager's saves)."""
     with gc_paused():
@@ -94,7 +113,7 @@ def run_save(path: PathLike, state: State, options: SaveOptions) -> CheckpointIn
             # Distributed writers copy what DCP's planner hands them; locally, only
             # device tensors and non-contiguous views are copied to the host.
             tensors = list(sources) if job.distributed else [host_copy(t) for t in sources]
-            info = backend_for(job).write(job, tensors, Hooks())
+            info = write_job(job, tensors, Hooks())
         # Freed while collection is paused, the plan's many small objects are never
         # walked by the collection that re-enabling would soon trigger.
         del job, sources, tensors
@@ -211,8 +230,7 @@ def save_async(
 def _work(
     job: SaveJob, mode: Staging, stager: Stager, before_write: Callable[[], None] | None
 ) -> Callable[[PendingSave], CheckpointInfo]:
-    """The background half of an async save: stage, then write through the backend."""
-    backend = backend_for(job)
+    """The background half of an async save: stage, then write."""
     ready = before_write if before_write is not None else _nothing
     sources: Sequence[torch.Tensor] = () if job.prepared is None else job.plan.sources
     if mode == "none":
@@ -226,7 +244,7 @@ def _work(
             ready()
             with incremental.closing(job.base):
                 try:
-                    return backend.write(job, tensors, Hooks(after_each, check, live=True))
+                    return write_job(job, tensors, Hooks(after_each, check, live=True))
                 except Exception as e:  # a read of memory freed meanwhile, say
                     try:
                         moved()
@@ -243,7 +261,7 @@ def _work(
             # only the off-CPU or scattered copied (each rank's writes copy their own)
             tensors = list(sources) if job.distributed else [host_copy(t) for t in sources]
             with incremental.closing(job.base):
-                return backend.write(job, tensors, Hooks(read=pending._mark_staged))
+                return write_job(job, tensors, Hooks(read=pending._mark_staged))
 
         return written
 
@@ -261,7 +279,7 @@ def _work(
             ready()
             if job.distributed:
                 copies = [stages.rewrap(t, c) for t, c in zip(sources, copies, strict=True)]
-            return backend.write(job, copies, Hooks())
+            return write_job(job, copies, Hooks())
         finally:
             stager.release()
 
@@ -272,4 +290,4 @@ def _nothing() -> None:
     return None
 
 
-__all__ = ["plan_job", "run_save", "save", "save_async", "start_save"]
+__all__ = ["plan_job", "run_save", "save", "save_async", "start_save", "write_job"]

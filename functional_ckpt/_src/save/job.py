@@ -18,7 +18,7 @@ from functional_ckpt._src.save.trust import Ident
 class SaveJob:
     """Everything checked, nothing written yet.
 
-    ``error`` is a distributed rank's planning failure, kept for the backend to agree
+    ``error`` is a distributed rank's planning failure, kept for the write to agree
     on with the other ranks (then ``prepared`` is None); a single process raises it at
     once instead. ``base`` is an incremental save's base, held open; ``idents`` the
     sources' identities and version counters when planned; ``snapshot``: the values

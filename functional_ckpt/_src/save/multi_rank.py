@@ -441,15 +441,9 @@ def _write(
     try:  # each rank decides for its own chunks what its base already holds
         # Run checksums stay with the rank that wrote them: the file table records
         # none of a multi-rank save (its readers check every blob on its own).
+        level = job.job.options.zstd_level
         chunks, located, _ = incremental.write_rank(
-            job.tmp,
-            rank,
-            job.base,
-            keys,
-            tensors,
-            chunk_idents,
-            blobs=job.blobs,
-            zstd_level=job.job.options.zstd_level,
+            job.tmp, rank, job.base, keys, tensors, chunk_idents, blobs=job.blobs, zstd_level=level
         )
     except OSError as e:
         raise os_failure(e, job.job.dest, "saving") from e

@@ -2,7 +2,7 @@
 
 ``save_async`` (:mod:`functional_ckpt._src.save.api`) checks everything a save
 checks, then hands the flattened state to one background thread that stages it
-and writes it through the same backend as :func:`functional_ckpt.save`. Staging
+and writes it as :func:`functional_ckpt.save` does. Staging
 copies into buffers a :class:`Stager` allocates once and reuses while shapes stay
 the same (pinned host memory and non-blocking copies on a side stream for CUDA
 tensors), so host memory stays flat over any number of saves. With

@@ -14,12 +14,7 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC while building many short-lived objects.
-
-    A state with thousands of tensors makes each generational collection walk the
-    whole heap; collections triggered by our own bookkeeping cost more than the
-    disk I/O of small tensors.
-    """
+    """No cyclic collection inside the block (it is re-enabled after, if it was on)."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 import torch
@@ -136,6 +136,8 @@ def _python_leaves(value: Any, path: KeyPath, _active: frozenset[int], out: list
         p = (*path, name)
         if isinstance(v, tensor):
             out.append(new(Leaf, (p, "tensor", v)))
+        elif type(v) in _ATOMS:
+            out.append(new(Leaf, (p, "value", v)))
         elif is_tensordict(v):
             out.append(Leaf(p, "node", node_record(v)))
             out.extend(iter_leaves(v, p))
@@ -144,6 +146,10 @@ def _python_leaves(value: Any, path: KeyPath, _active: frozenset[int], out: list
             _python_leaves(v, p, _active, out)
         else:
             out.append(new(Leaf, (p, "value", v)))
+
+
+#: Leaves that are never a subtree, told apart at once (most values of a state).
+_ATOMS = frozenset({int, float, str, bool, type(None), bytes})
 
 
 def _is_subtree(v: object) -> bool:
@@ -228,14 +234,12 @@ def to_python(value: Any) -> Any:
         return value.data
     if not isinstance(value, td.TensorDictBase):
         return value
-    record = None
-    out: dict[str, Any] = {}
-    for key in value.keys():
-        item = value.get(key)
-        if key == NODE_KEY:
-            record = item.data if isinstance(item, td.NonTensorData) else item
-            continue
-        out[key] = to_python(item)
+    return _python_node({key: to_python(value.get(key)) for key in value.keys()})
+
+
+def _python_node(out: dict[str, Any]) -> Any:
+    """The container a node's converted entries stand for, by its :data:`NODE_KEY` record."""
+    record = out.pop(NODE_KEY, None)
     if record is None:
         return out
     kind = record["kind"]
@@ -330,18 +334,14 @@ def as_state(value: State) -> TensorDictBase:
     raise UnsupportedValue(f"state: expected a TensorDict or a dict, got {type(value).__name__}")
 
 
-def unflatten(leaves: list[Leaf], root: Mapping[str, Any] | None = None) -> TensorDict:
-    """Rebuild a locked TensorDict from leaves produced by :func:`iter_leaves`.
-
-    ``root`` is the :func:`node_record` of the root (its batch size and names).
-    Each node's entries are gathered first and the node made once, children
-    before their parents (a ``set`` per key costs ten times more).
-    """
-    from tensordict import NonTensorData
-
+def _gather(
+    leaves: list[Leaf], root: Mapping[str, Any] | None, value: Callable[[Leaf, Any], Any]
+) -> tuple[dict[KeyPath, dict[str, Any]], dict[KeyPath, Any], list[KeyPath]]:
+    """Each node's entries (``value(leaf, its node's record)`` per value leaf), each node's
+    record, and the nodes below the root, parents before children."""
     kids: dict[KeyPath, dict[str, Any]] = {(): {}}
-    records: dict[KeyPath, Mapping[str, Any] | None] = {(): root}
-    made: list[KeyPath] = []  # the nodes below the root, parents before children
+    records: dict[KeyPath, Any] = {(): root}
+    made: list[KeyPath] = []
     for leaf in leaves:
         path = leaf.path
         parent = kids.get(path[:-1])
@@ -362,16 +362,39 @@ def unflatten(leaves: list[Leaf], root: Mapping[str, Any] | None = None) -> Tens
             records[path] = leaf.value
             made.append(path)
         elif leaf.kind == "value":
-            record = records[path[:-1]]
-            size = record["batch_size"] if record else []
-            parent[name] = NonTensorData(data=leaf.value, batch_size=size)
+            parent[name] = value(leaf, records[path[:-1]])
         else:
             parent[name] = leaf.value
+    return kids, records, made
+
+
+def unflatten(leaves: list[Leaf], root: Mapping[str, Any] | None = None) -> TensorDict:
+    """Rebuild a locked TensorDict from leaves produced by :func:`iter_leaves`.
+
+    ``root`` is the :func:`node_record` of the root (its batch size and names).
+    Each node's entries are gathered first and the node made once, children
+    before their parents (a ``set`` per key costs ten times more).
+    """
+    from tensordict import NonTensorData
+
+    def value(leaf: Leaf, record: Any) -> NonTensorData:
+        return NonTensorData(data=leaf.value, batch_size=record["batch_size"] if record else [])
+
+    kids, records, made = _gather(leaves, root, value)
     for path in reversed(made):
         kids[path[:-1]][path[-1]] = new_node(records[path], kids[path])
     top = new_node(root, kids[()])
     top.lock_()
     return top
+
+
+def unflatten_python(leaves: list[Leaf]) -> Any:
+    """``to_python(unflatten(leaves))``, made without a TensorDict: what a restore into a
+    template of plain containers returns (batch sizes, a TensorDict's alone, are dropped)."""
+    kids, _, made = _gather(leaves, None, lambda leaf, record: leaf.value)
+    for path in reversed(made):
+        kids[path[:-1]][path[-1]] = _python_node(kids[path])
+    return _python_node(kids[()])
 
 
 def new_node(record: Mapping[str, Any] | None, entries: dict[str, Any] | None = None) -> TensorDict:
