@@ -1,8 +1,5 @@
-"""Fixed-width unsigned integer columns: many numbers as one little-endian byte string.
-
-A manifest's tensor tables (:mod:`.tables`) hold a field of every row as one such
-column, so that a manifest of many tensors decodes as a few byte strings rather
-than one container per field, and reads back in bulk.
+"""Fixed-width unsigned integer columns: many numbers as one little-endian byte string,
+so a manifest of many tensors decodes as a few byte strings, not a container per field.
 """
 
 from __future__ import annotations
@@ -13,18 +10,8 @@ from collections.abc import Iterable
 
 from functional_ckpt.errors import CorruptCheckpoint
 
-__all__ = ["pack", "unpack"]
-
-
-def _code(width: int) -> str:
-    for code in "BHILQ":
-        if array(code).itemsize == width:
-            return code
-    raise RuntimeError(f"no array type code of {width} bytes")  # pragma: no cover
-
-
 #: The array type code of each width a column may have.
-_CODES = {w: _code(w) for w in (1, 2, 4, 8)}
+_CODES = {array(c).itemsize: c for c in "QLIHB"}
 _SWAP = sys.byteorder != "little"
 
 

@@ -1,23 +1,16 @@
 """Plain stand-ins for the classes and torch values a DCP ``.metadata`` pickle names.
 
-``.metadata`` is a pickle of DCP's ``Metadata``: its classes, ``torch.Size``, torch's
-dtypes, layouts and memory formats. The hardened unpickler (:mod:`.unpickler`)
-resolves every name it allows to the stand-ins here instead: plain classes of the
-same names, fields and class-level defaults (so a missing field reads as it would
-on DCP's class), built and checked under the same limits. Reading a ``.metadata``
-therefore needs no torch: ``fc.verify`` (and ``fckpt verify``) compares the file with
-the manifest torch-free, and a stock checkpoint's reader turns the vetted stand-ins
-into DCP's own objects only afterwards (``unpickler.load_foreign``). Nothing the
-unpickler can reach is a torch object, so no pickle can alter one.
-
-``tests/test_storage_hardening.py`` checks these against torch: the same names
-allowed, the same fields and defaults.
+The hardened unpickler (:mod:`.unpickler`) resolves every name it allows to these
+(same names, fields and class-level defaults as DCP's), so reading a ``.metadata``
+needs no torch and no pickle can reach, let alone alter, a torch object.
+``tests/test_storage_hardening.py`` checks them against torch.
 """
 
 from __future__ import annotations
 
 import collections
 import enum
+import inspect
 import pathlib
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
@@ -39,8 +32,8 @@ MEMORY_FORMATS: Final = (
 
 
 @dataclass(frozen=True, slots=True)
-class DType:
-    """``torch.<name>``, a dtype (its canonical name: ``torch.float`` is ``float32``)."""
+class _Named:
+    """``torch.<name>``: a dtype (by its canonical name), a layout or a memory format."""
 
     name: str
 
@@ -48,24 +41,16 @@ class DType:
         return f"torch.{self.name}"
 
 
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """``torch.<name>``, a tensor layout."""
-
-    name: str
-
-    def __repr__(self) -> str:
-        return f"torch.{self.name}"
+class DType(_Named):
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
-class MemoryFormat:
-    """``torch.<name>``, a memory format."""
+class Layout(_Named):
+    __slots__ = ()
 
-    name: str
 
-    def __repr__(self) -> str:
-        return f"torch.{self.name}"
+class MemoryFormat(_Named):
+    __slots__ = ()
 
 
 _DTYPES: Final = {n: DType(DTYPE_ALIASES.get(n, n)) for n in [*DTYPE_SIZES, *DTYPE_ALIASES]}
@@ -89,17 +74,13 @@ class _MEM_FORMAT_ENCODING(enum.Enum):  # DCP's name, as the pickle spells it
     TORCH_PRESERVE_FORMAT = 2
 
 
-_MEMORY_FORMAT_OF: Final = {
-    _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT: "contiguous_format",
-    _MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST: "channels_last",
-    _MEM_FORMAT_ENCODING.TORCH_PRESERVE_FORMAT: "preserve_format",
-}
-
-
 class _Record:
     """A DCP dataclass's instance: fields in ``__dict__``, compared field by field, unhashable."""
 
-    FIELDS: ClassVar[tuple[str, ...]] = ()
+    FIELDS: ClassVar[tuple[str, ...]] = ()  # its annotated fields, in DCP's order
+
+    def __init_subclass__(cls) -> None:
+        cls.FIELDS = tuple(inspect.get_annotations(cls))
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and vars(self) == vars(other)
@@ -116,7 +97,6 @@ class _Record:
 
 
 class Metadata(_Record):
-    FIELDS = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
     state_dict_metadata: Any
     planner_data: Any = None
     storage_data: Any = None
@@ -125,18 +105,16 @@ class Metadata(_Record):
 
 
 class TensorStorageMetadata(_Record):
-    FIELDS = ("properties", "size", "chunks")
     properties: Any
     size: Any
     chunks: Any
 
 
 class BytesStorageMetadata(_Record):
-    FIELDS = ()
+    pass
 
 
 class ChunkStorageMetadata(_Record):
-    FIELDS = ("offsets", "sizes")
     offsets: Any
     sizes: Any
 
@@ -144,7 +122,6 @@ class ChunkStorageMetadata(_Record):
 class TensorProperties(_Record):
     """Pickled as DCP's 5-tuple state (:meth:`set_state`), never as a dict."""
 
-    FIELDS = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
     dtype: Any
     layout: Any = STRIDED
     requires_grad: Any = False
@@ -154,13 +131,12 @@ class TensorProperties(_Record):
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         """DCP's ``__setstate__``: the memory format travels as its encoding."""
         self.dtype, self.layout, self.requires_grad, encoding, self.pin_memory = state
-        self.memory_format = _MEMORY_FORMATS[_MEMORY_FORMAT_OF[encoding]]
+        self.memory_format = _MEMORY_FORMATS[encoding.name.removeprefix("TORCH_").lower()]
 
 
 class MetadataIndex(_Record):
     """A frozen dataclass in DCP: equal and hashed by ``fqn`` and ``offset``."""
 
-    FIELDS = ("fqn", "offset", "index")
     fqn: Any
     offset: Any = None
     index: Any = None
@@ -175,7 +151,6 @@ class MetadataIndex(_Record):
 
 
 class StorageMeta(_Record):
-    FIELDS = ("checkpoint_id", "save_id", "load_id", "modules")
     checkpoint_id: Any = None
     save_id: Any = None
     load_id: Any = None
@@ -183,7 +158,6 @@ class StorageMeta(_Record):
 
 
 class _StorageInfo(_Record):  # DCP's name
-    FIELDS = ("relative_path", "offset", "length", "transform_descriptors")
     relative_path: Any
     offset: Any
     length: Any
@@ -191,28 +165,18 @@ class _StorageInfo(_Record):  # DCP's name
 
 
 def _get_layout(name: str) -> Layout:
-    """``torch.serialization._get_layout``: how a pickle spells a layout, ``"torch.strided"``.
-
-    The hardened unpickler never calls it (it knows the one argument it accepts).
-    """
+    """``torch.serialization._get_layout`` (never called: the unpickler knows its argument)."""
     return _LAYOUTS[name.removeprefix("torch.")]
 
 
 #: Classes whose instances the unpickler may create and fill (``NEWOBJ`` + ``BUILD``).
 DATA_CLASSES: Final[tuple[type[_Record], ...]] = (
-    Metadata,
-    TensorStorageMetadata,
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    TensorProperties,
-    MetadataIndex,
-    StorageMeta,
-    _StorageInfo,
-)
+    Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata,
+    TensorProperties, MetadataIndex, StorageMeta, _StorageInfo,
+)  # fmt: skip
 
-PATHS: Final = tuple(
-    getattr(pathlib, n) for n in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
-)
+_PATH_NAMES: Final = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
+PATHS: Final = tuple(getattr(pathlib, n) for n in _PATH_NAMES)
 
 
 def _allowed() -> dict[tuple[str, str], Any]:
@@ -224,7 +188,7 @@ def _allowed() -> dict[tuple[str, str], Any]:
     found[("torch", "Size")] = Size
     found[("torch.serialization", "_get_layout")] = _get_layout
     found[("collections", "OrderedDict")] = collections.OrderedDict
-    for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
+    for name in (*_PATH_NAMES, "Path"):
         found[("pathlib", name)] = getattr(pathlib, name)
         found[("pathlib._local", name)] = getattr(pathlib, name)
     for table in (_DTYPES, _LAYOUTS, _MEMORY_FORMATS):

@@ -1,13 +1,8 @@
-"""What a manifest says about its checkpoint beside the tree: a typed view, validated once.
+"""What a manifest says beside the tree (save time, metrics, the manager's record), typed.
 
-A manifest is authenticated by its marker, not trusted: anyone with write access can
-re-sign one. Every reader that wants a checkpoint's save time, metrics, epoch or the
-manager's record (the listing of a root, retention, the remote tier, ``fc.inspect``,
-the command line) reads them through :func:`header_of`, so a hostile or odd value is
-handled the same everywhere: a field of the wrong type, a bool where a number is
-expected, NaN, an infinite or overflowing number, or a time before 1970 or after the
-year 9999 is *unknown* (None or left out), never fatal and never read as something
-else (``True`` is no metric value of 1.0).
+A manifest is authenticated, not trusted (anyone may re-sign one), so every reader
+goes through :func:`header_of`: a value of the wrong type, a bool for a number, NaN,
+infinity or a time outside 1970-9999 is *unknown*, never fatal nor misread.
 """
 
 from __future__ import annotations
@@ -50,21 +45,13 @@ def metrics_of(value: object) -> dict[str, float]:
     """The ``str -> finite number`` part of a recorded metrics mapping; the rest is dropped."""
     if not isinstance(value, Mapping):
         return {}
-    out: dict[str, float] = {}
-    for k, v in value.items():
-        x = number(v)
-        if isinstance(k, str) and x is not None:
-            out[k] = x
-    return out
+    return {k: x for k, v in value.items() if isinstance(k, str) and (x := number(v)) is not None}
 
 
 @dataclass(frozen=True)
 class Record:
-    """The manager's record of a checkpoint (``metadata["manager"]``), typed.
-
-    ``raw`` is the record as stored, for the policy states it carries (each is
-    handed back only to the policy whose spec it was stored with).
-    """
+    """The manager's record of a checkpoint (``metadata["manager"]``); ``raw`` as stored,
+    for the policy states it carries."""
 
     step: int | None = None
     epoch: int | None = None
@@ -92,12 +79,8 @@ def record_of(metadata: Mapping[str, Any]) -> Record:
 
 @dataclass(frozen=True)
 class Header:
-    """A manifest's facts beside the tree: when, what the user and the manager recorded.
-
-    ``created`` is the save time (None when unknown); ``metadata`` everything the
-    checkpoint recorded (automatic keys and the user's; ``{}`` when it is no mapping);
-    ``record`` the manager's part of it; ``version`` the format version.
-    """
+    """A manifest's save time (None when unknown), ``metadata`` (``{}`` when no mapping),
+    the manager's ``record`` in it, and format ``version``."""
 
     created: float | None
     metadata: Mapping[str, Any]

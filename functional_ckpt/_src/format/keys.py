@@ -1,9 +1,4 @@
-"""Key paths: how a leaf of the state is named, in the manifest, in messages and for DCP.
-
-A key path is the tuple of keys from the root to a leaf. The manifest stores it as a
-list of strings; a message shows it the way a user indexes a TensorDict; stock DCP
-knows a tensor by its key path joined with dots (its *fqn*).
-"""
+"""Key paths (the keys from the root to a leaf): in the manifest, in messages, for DCP."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""What a path is, decided in one place: a checkpoint, a part of one, an export, a root...
+"""What a path is, decided in one place, so every reader, lister and writer agrees.
 
-Every operation that reads, lists, replaces, deletes or writes into a directory asks
-:func:`classify` first, so they all agree on what they hold: the listing of a root, the
-command line, a save that would replace a directory, a manager refusing a root that is
-itself a checkpoint. The decision reads directory entries only (``lstat``, never a
-file's bytes, never following a link): a directory *claims* to be committed when it has
-an entry named ``COMMITTED``; whether the claim holds is for the reader that opens it.
+Only directory entries are read (``lstat``, no link followed): a directory *claims*
+to be committed by its ``COMMITTED`` entry; the reader that opens it checks the claim.
 """
 
 from __future__ import annotations
@@ -90,11 +86,8 @@ def _directory_kind(path: Path, by_name: bool = True) -> Kind | None:
 
 
 def classify(path: Path, *, by_name: bool = True) -> Kind:
-    """What ``path`` is (see :class:`Kind`), from directory entries alone.
-
-    ``by_name=False`` looks past a temporary or quarantined name at what the
-    directory holds (a killed save's ``step_N.tmp-…`` holds a checkpoint's files).
-    """
+    """What ``path`` is; ``by_name=False`` looks past a temporary or quarantined name
+    at what the directory holds (a killed save's ``step_N.tmp-…``)."""
     early = _directory_kind(path, by_name)
     if early is not None:
         return early
@@ -137,22 +130,16 @@ def _member(kind: Kind, name: str, regular: bool) -> bool:
 
 
 def holds_only_its_own(path: Path, kind: Kind) -> bool:
-    """Whether every entry of the directory ``path`` (of ``kind``) is one of its own files.
-
-    Replacing such a directory loses nothing but the thing it is; anything else in it
-    (a notes file, a subdirectory, a link) means it is more than that, and is kept.
-    """
+    """Whether every entry of ``path`` (of ``kind``) is its own file: replacing it then
+    loses nothing else (a notes file, a subdirectory, a link)."""
     return all(_member(kind, n, regular) for n, regular in _entries(path).items())
 
 
 def is_stock_dcp(path: Path) -> bool:
     """A directory written by stock ``torch.distributed.checkpoint`` (no manifest).
 
-    Decided from directory entries alone (nothing is opened). A reader follows a
-    link the caller named as the checkpoint's path; nothing inside it is followed.
-    The listing counts only if the same directory stayed at the path while it was
-    read: one a writer replaced meanwhile (``overwrite=True``) may have been listed
-    half-deleted, so the path is looked at again.
+    A link the caller named is followed. The listing counts only if the same directory
+    stayed at the path meanwhile: one being replaced may be listed half-deleted.
     """
     real = Path(os.path.realpath(path))
     for _ in range(3):

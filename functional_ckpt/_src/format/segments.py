@@ -1,17 +1,9 @@
 """Run checksums: one CRC32 over a run of adjacent small blobs of a shard file.
 
-Every blob carries checksums of its own (its data's and its framing's), which a
-reader of one tensor checks. A restore of many small tensors reads them in runs,
-and checking three small checksums per tensor costs more than reading it: so the
-writer also records the CRC32 of each batch of small blobs it wrote in one go (a
-*segment*: a byte range of the file), and a reader that reads a whole segment
-checks it with one call. Only where a segment fails are its blobs checked one by
-one, which names the damaged ones. A segment is an addition: a reader that does
-not know it (or a file without it) checks every blob on its own, as before.
-
-In the manifest's file table, a shard file's record holds ``segments``: a map of
-three columns (:mod:`.columns`), ``offset`` and ``length`` of 8 bytes and
-``crc32`` of 4, one row per segment, in file order and without overlaps.
+Checking three checksums per small tensor costs more than reading it, so a reader of
+a whole *segment* checks one CRC32, and checks its blobs one by one only if it fails
+(naming the damaged ones). A file's record holds ``segments``: three columns
+(:mod:`.columns`), ``offset`` and ``length`` of 8 bytes and ``crc32`` of 4, in file order.
 """
 
 from __future__ import annotations
@@ -21,8 +13,6 @@ from typing import Any, NamedTuple
 from functional_ckpt._src.format import columns
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint
-
-__all__ = ["FIELD", "Segment", "pack_segments", "parse_segments"]
 
 #: The field of a file's record in the manifest's file table.
 FIELD = "segments"
@@ -56,11 +46,8 @@ def pack_segments(segments: list[Segment]) -> dict[str, bytes]:
 
 
 def parse_segments(raw: Any, size: int, where: str) -> tuple[Segment, ...]:
-    """The segments a file's record declares, each checked against the file's ``size``.
-
-    Anything but sorted, non-overlapping, non-empty ranges inside the file, each at
-    most ``LIMITS.segment_bytes`` long (a reader holds one in memory), is damage.
-    """
+    """The segments a file's record declares: anything but sorted, disjoint, non-empty
+    ranges inside ``size``, each at most ``LIMITS.segment_bytes``, is damage."""
     if type(raw) is not dict or set(raw) != _COLUMNS or type(raw["crc32"]) is not bytes:
         raise CorruptCheckpoint(f"{where}: invalid run checksums (segments)")
     n = len(raw["crc32"]) // 4

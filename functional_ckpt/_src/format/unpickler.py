@@ -1,16 +1,8 @@
-"""The hardened reader of ``.metadata`` files: a stock checkpoint's, or one being verified.
+"""The hardened reader of ``.metadata`` files (a stock checkpoint's, or one being verified).
 
-Stock DCP checkpoints have no manifest, so their ``.metadata`` must be parsed, and
-``fc.verify`` parses ours to compare it with the manifest. A pure-Python unpickler
-whose opcodes are vetted one by one does it: it resolves only the names of DCP's
-metadata classes and a few plain types, to plain stand-ins (:mod:`.dcp_standins`:
-no torch is imported, and no torch object is within its reach), builds objects
-only of those classes, sets attributes only on instances it created itself (never
-on a class, function, module or shared singleton), and checks the type of every
-field of the result (:func:`load_standins`). :func:`load_foreign` then makes DCP's
-own objects of the checked fields for a stock checkpoint's reader.
-:func:`scan_pickle` reads a pickle's opcodes statically to tell a hostile file
-from a damaged one.
+A pickle runs code, so a pure-Python unpickler vets every opcode: it resolves only
+DCP's metadata names, to torch-free stand-ins (:mod:`.dcp_standins`), fills only
+instances it created, and checks every field's type before DCP objects are made.
 """
 
 from __future__ import annotations
@@ -42,15 +34,15 @@ from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata as DcpMetadata
 
-#: Largest foreign ``.metadata`` parsed (the pure-Python unpickler is slow and hostile
-#: files are bounded by it).
+#: Largest foreign ``.metadata`` parsed (the pure-Python unpickler is slow).
 MAX_BYTES = 1 << 30
 
 #: Classes whose instances the unpickler may create and fill (``NEWOBJ`` + ``BUILD``).
 _DATA_CLASSES: dict[type, tuple[str, ...]] = {cls: cls.FIELDS for cls in sd.DATA_CLASSES}
 _DATA_CLASSES[TensorProperties] = ()  # state is DCP's 5-tuple, checked by _properties
 
-_PATHS = sd.PATHS
+
+_DICTS = (dict, collections.OrderedDict)
 
 
 def _refuse(what: str) -> UnsafeCheckpoint:
@@ -59,6 +51,13 @@ def _refuse(what: str) -> UnsafeCheckpoint:
 
 def _plain_ints(args: Any) -> bool:
     return isinstance(args, tuple) and all(type(a) is int for a in args)
+
+
+def _refuser(what: str) -> Callable[[Any], None]:
+    def load(self: Any) -> None:
+        raise _refuse(what)
+
+    return load
 
 
 class RestrictedUnpickler(pickle._Unpickler):
@@ -91,7 +90,7 @@ class RestrictedUnpickler(pickle._Unpickler):
             if args:
                 raise _refuse(f"arguments to {cls.__name__}.__new__")
             obj: Any = object.__new__(cls)
-        elif cls in _PATHS and all(type(a) is str for a in args):
+        elif cls in sd.PATHS and all(type(a) is str for a in args):
             obj = cls(*args)
         elif cls is collections.OrderedDict and not args:
             obj = collections.OrderedDict()
@@ -102,14 +101,11 @@ class RestrictedUnpickler(pickle._Unpickler):
 
     def load_newobj(self) -> None:
         args = self.stack.pop()
-        cls = self.stack.pop()
-        self.append(self._new(cls, args, None))
+        self.stack[-1] = self._new(self.stack[-1], args, None)
 
     def load_newobj_ex(self) -> None:
-        kwargs = self.stack.pop()
-        args = self.stack.pop()
-        cls = self.stack.pop()
-        self.append(self._new(cls, args, kwargs))
+        kwargs, args = self.stack.pop(), self.stack.pop()
+        self.stack[-1] = self._new(self.stack[-1], args, kwargs)
 
     def load_reduce(self) -> None:
         args = self.stack.pop()
@@ -126,7 +122,7 @@ class RestrictedUnpickler(pickle._Unpickler):
         elif func is collections.OrderedDict and args == ():
             value = collections.OrderedDict()
             self._fresh[id(value)] = value
-        elif func in _PATHS and all(type(a) is str for a in args):
+        elif func in sd.PATHS and all(type(a) is str for a in args):
             value = func(*args)
         else:
             raise _refuse(f"to call {getattr(func, '__name__', func)!r}")
@@ -147,11 +143,13 @@ class RestrictedUnpickler(pickle._Unpickler):
             raise _refuse(f"state {type(state).__name__} for {cls.__name__}")
         vars(inst).update(state)
 
-    def _container(self, obj: Any, kinds: tuple[type, ...]) -> None:
+    def _fill(self, obj: Any, kinds: tuple[type, ...], keys: list[Any] | None = None) -> None:
         # Every dict, list and set on the stack was made by this load's own opcodes
         # (no allowed global is one), so only the type needs checking.
         if type(obj) not in kinds:
             raise _refuse(f"to modify a {type(obj).__name__}")
+        if keys is not None:
+            self._count(obj, keys)
 
     def _marked(self) -> Any:
         if not self.metastack or not self.metastack[-1]:
@@ -159,15 +157,9 @@ class RestrictedUnpickler(pickle._Unpickler):
         return self.metastack[-1][-1]
 
     def _count(self, table: Any, keys: list[Any]) -> None:
-        """Refuse keys that would flood ``table``, however many opcodes fill it.
-
-        The bound is the msgpack decoder's (``LIMITS.equal_hashes`` keys per hash
-        value), counted over every key the table ever receives, in linear time.
-        """
-        held = self._hashes.get(id(table))
-        if held is None:
-            held = self._hashes[id(table)] = (table, collections.Counter())
-        counts = held[1]
+        """Refuse keys that would flood ``table`` (the msgpack decoder's bound), over
+        every key it ever receives."""
+        counts = self._hashes.setdefault(id(table), (table, collections.Counter()))[1]
         for key in keys:
             try:
                 h = hash(key)
@@ -183,14 +175,11 @@ class RestrictedUnpickler(pickle._Unpickler):
     def load_setitem(self) -> None:
         if len(self.stack) < 3:
             raise CorruptCheckpoint("malformed pickle (stack underflow)")
-        self._container(self.stack[-3], (dict, collections.OrderedDict))
-        self._count(self.stack[-3], [self.stack[-2]])
+        self._fill(self.stack[-3], _DICTS, [self.stack[-2]])
         super().load_setitem()  # type: ignore[misc]
 
     def load_setitems(self) -> None:
-        table = self._marked()
-        self._container(table, (dict, collections.OrderedDict))
-        self._count(table, self.stack[::2])
+        self._fill(self._marked(), _DICTS, self.stack[::2])
         super().load_setitems()  # type: ignore[misc]
 
     def load_dict(self) -> None:
@@ -204,57 +193,38 @@ class RestrictedUnpickler(pickle._Unpickler):
     def load_append(self) -> None:
         if len(self.stack) < 2:
             raise CorruptCheckpoint("malformed pickle (stack underflow)")
-        self._container(self.stack[-2], (list,))
+        self._fill(self.stack[-2], (list,))
         super().load_append()  # type: ignore[misc]
 
     def load_appends(self) -> None:
-        self._container(self._marked(), (list,))
+        self._fill(self._marked(), (list,))
         super().load_appends()  # type: ignore[misc]
 
     def load_additems(self) -> None:
-        table = self._marked()
-        self._container(table, (set,))
-        self._count(table, self.stack)
+        self._fill(self._marked(), (set,), self.stack)
         super().load_additems()  # type: ignore[misc]
 
-    def load_inst(self) -> None:
-        raise _refuse("protocol-0 instances")
+    _VETTED = (
+        "NEWOBJ NEWOBJ_EX REDUCE BUILD SETITEM SETITEMS APPEND APPENDS ADDITEMS DICT FROZENSET"
+    )
+    for _name in _VETTED.split():
+        dispatch[getattr(pickle, _name)[0]] = locals()[f"load_{_name.lower()}"]
+    # copyreg's extension cache hands back objects without asking find_class
+    for _op, _what in (
+        (pickle.INST, "protocol-0 instances"),
+        (pickle.OBJ, "protocol-1 instances"),
+        *((op, "extension codes (copyreg)") for op in (pickle.EXT1, pickle.EXT2, pickle.EXT4)),
+    ):
+        dispatch[_op[0]] = _refuser(_what)
+    del _VETTED, _name, _op, _what
 
-    def load_obj(self) -> None:
-        raise _refuse("protocol-1 instances")
 
-    def load_ext(self) -> None:
-        # copyreg's extension cache hands back objects without asking find_class
-        raise _refuse("extension codes (copyreg)")
-
-    dispatch[pickle.NEWOBJ[0]] = load_newobj
-    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
-    dispatch[pickle.REDUCE[0]] = load_reduce
-    dispatch[pickle.BUILD[0]] = load_build
-    dispatch[pickle.SETITEM[0]] = load_setitem
-    dispatch[pickle.SETITEMS[0]] = load_setitems
-    dispatch[pickle.APPEND[0]] = load_append
-    dispatch[pickle.APPENDS[0]] = load_appends
-    dispatch[pickle.ADDITEMS[0]] = load_additems
-    dispatch[pickle.DICT[0]] = load_dict
-    dispatch[pickle.FROZENSET[0]] = load_frozenset
-    dispatch[pickle.INST[0]] = load_inst
-    dispatch[pickle.OBJ[0]] = load_obj
-    for _op in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
-        dispatch[_op[0]] = load_ext
-    del _op
+_PROPERTIES = [sd.DType, sd.Layout, bool, _MEM_FORMAT_ENCODING, bool]  # DCP's state tuple
+_NAMED = [sd.DType, sd.Layout, sd.MemoryFormat]
 
 
 def _properties(state: Any) -> None:
-    if not (
-        isinstance(state, tuple)
-        and len(state) == 5
-        and type(state[0]) is sd.DType
-        and type(state[1]) is sd.Layout
-        and type(state[2]) is bool
-        and isinstance(state[3], _MEM_FORMAT_ENCODING)
-        and type(state[4]) is bool
-    ):
+    if not (isinstance(state, tuple) and [type(x) for x in state] == _PROPERTIES):
         raise _refuse("malformed TensorProperties")
 
 
@@ -271,12 +241,15 @@ def _check_fields(obj: Any, cls: type, where: str) -> None:
         raise _bad(f"{where} has unexpected attributes")
     for name in _DATA_CLASSES[cls]:
         if name not in vars(obj):
-            setattr_default = getattr(cls, name, None)
-            object.__setattr__(obj, name, setattr_default)
+            object.__setattr__(obj, name, getattr(cls, name, None))
+
+
+def _natural(v: Any) -> bool:
+    return type(v) is int and v >= 0
 
 
 def _size(v: Any, where: str) -> None:
-    if type(v) is not sd.Size or not all(type(d) is int and d >= 0 for d in v):
+    if type(v) is not sd.Size or not all(map(_natural, v)):
         raise _bad(f"{where} is not a size")
 
 
@@ -292,7 +265,7 @@ def is_plain(v: Any, depth: int = 0, seen: set[int] | None = None) -> bool:
     if type(v) in (tuple, list):
         seen.add(id(v))
         return all(is_plain(x, depth + 1, seen) for x in v)
-    if type(v) in (dict, collections.OrderedDict):
+    if type(v) in _DICTS:
         seen.add(id(v))
         return all(
             is_plain(k, depth + 1, seen) and is_plain(x, depth + 1, seen) for k, x in v.items()
@@ -304,7 +277,7 @@ def check(md: Any) -> Metadata:
     """The loaded object, if it is exactly DCP metadata (as stand-ins) of plain fields."""
     _check_fields(md, Metadata, "the root")
     sdm = md.state_dict_metadata
-    if type(sdm) not in (dict, collections.OrderedDict):
+    if type(sdm) not in _DICTS:
         raise _bad("state_dict_metadata is not a dict")
     for fqn, smd in sdm.items():
         if type(fqn) is not str:
@@ -317,11 +290,7 @@ def check(md: Any) -> Metadata:
             raise _bad(f"{fqn}: properties")
         p = smd.properties
         _check_fields(p, TensorProperties, f"{fqn}: properties")
-        if not (
-            type(p.dtype) is sd.DType
-            and type(p.layout) is sd.Layout
-            and type(p.memory_format) is sd.MemoryFormat
-        ):
+        if [type(p.dtype), type(p.layout), type(p.memory_format)] != _NAMED:
             raise _bad(f"{fqn}: properties")
         _size(smd.size, f"{fqn}: size")
         if type(smd.chunks) is not list:
@@ -332,33 +301,23 @@ def check(md: Any) -> Metadata:
             _size(c.sizes, f"{fqn}: chunk sizes")
     storage = md.storage_data
     if storage is not None:
-        if type(storage) not in (dict, collections.OrderedDict):
+        if type(storage) not in _DICTS:
             raise _bad("storage_data is not a dict")
         for k, v in storage.items():
             _check_fields(k, MetadataIndex, "a storage key")
             if type(k.fqn) is not str or not (k.offset is None or type(k.offset) is sd.Size):
                 raise _bad("a storage key")
             _check_fields(v, _StorageInfo, f"storage of {k.fqn!r}")
-            if not (
-                type(v.relative_path) is str
-                and type(v.offset) is int
-                and type(v.length) is int
-                and v.offset >= 0
-                and v.length >= 0
-                and (
-                    v.transform_descriptors is None
-                    or (
-                        type(v.transform_descriptors) in (list, tuple)
-                        and all(type(t) is str for t in v.transform_descriptors)
-                    )
-                )
-            ):
+            td = v.transform_descriptors
+            plain_td = td is None or (type(td) in (list, tuple) and all(type(t) is str for t in td))
+            ok = type(v.relative_path) is str and _natural(v.offset) and _natural(v.length)
+            if not (ok and plain_td):
                 raise _bad(f"storage of {k.fqn!r}")
     if md.storage_meta is not None:
         _check_fields(md.storage_meta, StorageMeta, "storage_meta")
         sm = md.storage_meta
         if not (
-            type(sm.checkpoint_id) in (type(None), str, *_PATHS)
+            type(sm.checkpoint_id) in (type(None), str, *sd.PATHS)
             and is_plain(sm.save_id)
             and is_plain(sm.load_id)
             and is_plain(sm.modules)
@@ -370,8 +329,7 @@ def check(md: Any) -> Metadata:
 
 
 def load_standins(raw: bytes, source: Path) -> Metadata:
-    """Parse a ``.metadata``, running nothing in it: DCP's ``Metadata`` as plain stand-ins
-    (:mod:`.dcp_standins`), every field checked; torch is not needed."""
+    """A ``.metadata`` as checked stand-ins, running nothing in it (torch-free)."""
     if len(raw) > MAX_BYTES:
         raise CorruptCheckpoint(f"{source}: {len(raw)} bytes of DCP metadata is more than allowed")
     try:
@@ -389,23 +347,14 @@ def load_standins(raw: bytes, source: Path) -> Metadata:
 
 
 def load_foreign(raw: bytes, source: Path) -> DcpMetadata:
-    """Parse a ``.metadata`` we did not derive ourselves into DCP's own ``Metadata``.
-
-    It is read and checked as stand-ins first (:func:`load_standins`); DCP's objects
-    are then made from the checked fields by their constructors, so nothing in the
-    file reaches a torch object before it is vetted.
-    """
-    return to_dcp(load_standins(raw, source))
-
-
-def to_dcp(md: Metadata) -> DcpMetadata:
-    """DCP's ``Metadata`` holding what the checked stand-ins ``md`` hold."""
+    """DCP's own ``Metadata`` of a ``.metadata``, made by DCP's constructors from the
+    checked stand-ins (:func:`load_standins`): nothing reaches torch before it is vetted."""
     import torch
     from torch.distributed.checkpoint import metadata as dcp
     from torch.distributed.checkpoint.filesystem import _StorageInfo as DcpStorageInfo
 
-    def size(v: Any) -> torch.Size:
-        return torch.Size(v)
+    md = load_standins(raw, source)
+    size = torch.Size
 
     def tensor(smd: Any) -> Any:
         if type(smd) is BytesStorageMetadata:
@@ -440,10 +389,8 @@ def to_dcp(md: Metadata) -> DcpMetadata:
 
 
 def scan_pickle(raw: bytes, source: Path) -> UnsafeCheckpoint | None:
-    """Does a pickle name anything outside the allow-list? Read statically, never run.
-
-    Tells a hostile ``.metadata`` from a merely damaged one without unpickling it.
-    """
+    """Whether a pickle names anything outside the allow-list, read statically: tells a
+    hostile ``.metadata`` from a merely damaged one."""
     recent: list[str | None] = []  # what the last opcodes pushed (strings only)
     memo: dict[int, str | None] = {}
     try:

@@ -1,9 +1,5 @@
-"""Compare two checkpoints key by key: what was added, removed or changed, and by how much.
-
-Exact by design: plain values compare by type and bits (a float 0.0 is not -0.0,
-NaN equals NaN), tensors element by element on their bytes, so "identical"
-means bit-identical.
-"""
+"""Compare two checkpoints key by key, exactly: "identical" means bit-identical (0.0 is
+not -0.0, NaN equals NaN)."""
 
 from __future__ import annotations
 
@@ -21,12 +17,6 @@ from functional_ckpt._src.format.manifest import dtype_name
 from functional_ckpt._src.restore.api import restore_for_viewing
 from functional_ckpt._src.state.tree import iter_leaves
 from functional_ckpt._src.text import printable, short_repr
-
-__all__ = ["DiffEntry", "DiffResult", "diff_checkpoints", "same_value", "tensor_delta"]
-
-
-def _dtype_text(dtype: torch.dtype) -> str:
-    return dtype_name(dtype)
 
 
 @dataclass(frozen=True)
@@ -97,12 +87,8 @@ def _element_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_delta(a: torch.Tensor, b: torch.Tensor) -> str | None:
-    """None if bit-identical, else how much they differ.
-
-    Values are compared in float64 (complex128 for complex dtypes), which holds
-    every bool, integer up to 2**53, float8/16/32 exactly; NaN against a number
-    is counted apart. Dtypes torch cannot convert get "bytes differ".
-    """
+    """None if bit-identical, else how much they differ, in float64 (or complex128), which
+    holds every float8/16/32 and integer up to 2**53 exactly; NaN against a number apart."""
     try:
         differ = (_element_bytes(a) != _element_bytes(b)).any(dim=1)
     except RuntimeError:
@@ -129,15 +115,17 @@ def tensor_delta(a: torch.Tensor, b: torch.Tensor) -> str | None:
 
 
 def _spec(value: torch.Tensor) -> str:
-    return f"{_dtype_text(value.dtype)}{list(value.shape)}"
+    return f"{dtype_name(value.dtype)}{list(value.shape)}"
+
+
+def _show(kind: str, value: Any, width: int) -> str:
+    return _spec(value) if kind == "tensor" else short_repr(value, width)
 
 
 def _diff_one(key: KeyPath, a: tuple[str, Any], b: tuple[str, Any]) -> DiffEntry:
     (ka, va), (kb, vb) = a, b
     if ka != kb:
-        left = _spec(va) if ka == "tensor" else short_repr(va, 40)
-        right = _spec(vb) if kb == "tensor" else short_repr(vb, 40)
-        return DiffEntry("kind", key, f"{ka} {left} -> {kb} {right}")
+        return DiffEntry("kind", key, f"{ka} {_show(ka, va, 40)} -> {kb} {_show(kb, vb, 40)}")
     if ka == "value":
         if same_value(va, vb):
             return DiffEntry("same", key)
@@ -156,28 +144,20 @@ def _diff_one(key: KeyPath, a: tuple[str, Any], b: tuple[str, Any]) -> DiffEntry
 def diff_checkpoints(
     a: Path, b: Path, progress: Callable[[str, Path | None], None] | None = None
 ) -> DiffResult:
-    """Compare two checkpoints leaf by leaf (both restored in full, without templates).
-
-    ``progress(stage, path)`` is called as each stage starts: ``"reading"`` each
-    checkpoint, then ``"comparing"`` (path None), then ``"done"``.
-    """
+    """Compare two checkpoints leaf by leaf (both restored in full, without templates);
+    ``progress(stage, path)`` hears ``"reading"`` each, ``"comparing"`` and ``"done"``."""
     say = progress or (lambda stage, path: None)
     say("reading", a)
     left = _leaves(a)
     say("reading", b)
     right = _leaves(b)
     say("comparing", None)
-    entries = []
-    for key, (kind, value) in right.items():
-        if key not in left:
-            what = _spec(value) if kind == "tensor" else short_repr(value, 60)
-            entries.append(DiffEntry("added", key, what))
-    for key, (kind, value) in left.items():
+    entries = [DiffEntry("added", k, _show(*v, 60)) for k, v in right.items() if k not in left]
+    for key, v in left.items():
         if key not in right:
-            what = _spec(value) if kind == "tensor" else short_repr(value, 60)
-            entries.append(DiffEntry("removed", key, what))
+            entries.append(DiffEntry("removed", key, _show(*v, 60)))
         else:
-            entries.append(_diff_one(key, left[key], right[key]))
+            entries.append(_diff_one(key, v, right[key]))
     order = {"added": 0, "removed": 1, "kind": 2, "shape": 3, "dtype": 4, "value": 5, "tensor": 6}
     entries.sort(key=lambda e: (order.get(e.kind, 7), e.key))
     say("done", None)

@@ -1,8 +1,5 @@
-"""What ``fc.inspect`` returns: a checkpoint's tree of specs and values, and how to show it.
-
-Shared by the readers of both checkpoint kinds (the project's own and stock DCP),
-so neither imports the other.
-"""
+"""What ``fc.inspect`` returns: a checkpoint's tree of specs and values, and how to show it
+(shared by the readers of both checkpoint kinds, so neither imports the other)."""
 
 from __future__ import annotations
 
@@ -20,16 +17,11 @@ from functional_ckpt._src.text import clip, printable, short_repr
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CheckpointSummary", "Node", "TensorSpec", "insert", "unregistered_note"]
-
 
 @dataclass(frozen=True, init=False)
 class TensorSpec:
-    """A tensor as a checkpoint records it: dtype, shape and size in bytes.
-
-    The dtype is held by name (``dtype_name``), so that describing a checkpoint
-    needs no torch; ``dtype`` is the ``torch.dtype``, made when asked for.
-    """
+    """A tensor as a checkpoint records it; the dtype held by name, so describing a
+    checkpoint needs no torch (``dtype`` makes the ``torch.dtype`` when asked)."""
 
     dtype_name: str
     shape: tuple[int, ...]

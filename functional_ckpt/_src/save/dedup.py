@@ -1,12 +1,8 @@
 """DCP's deduplication of the ranks' save plans, on keys, without DCP's slow hash.
 
-The coordinator of a sharded save meets one write item per chunk of every rank:
-at a thousand ranks over a hundred thousand. DCP's ``dedup_save_plans`` keys its
-tables by ``MetadataIndex``, whose hash is a Python method called several times
-per item, and needs whole plans; this is the same algorithm on each item's key
-(its name and offset: what ``MetadataIndex`` compares, and the bytes DCP balances
-by), so a rank sends the coordinator its keys alone (:mod:`.exchange`) and the
-result is DCP's own, plan for plan and item for item, in the same order.
+DCP keys its tables by ``MetadataIndex`` (a Python ``__hash__``, slow at 100k items)
+and needs whole plans; this is its algorithm on each item's name, offset and bytes,
+so ranks send keys alone (:mod:`.exchange`), with DCP's result, in DCP's order.
 """
 
 from __future__ import annotations
@@ -47,12 +43,8 @@ def item_keys(plan: SavePlan) -> tuple[ItemKey, ...]:
 
 
 def dedup_keys(plans: Sequence[Sequence[ItemKey]], lowest: bool = False) -> list[Drops]:
-    """Which items each rank drops so that every item is written once.
-
-    DCP's deduplication (``_dedup_save_plans``), on keys: an item planned by several
-    ranks is kept by the lowest rank (``lowest``) or by the one whose plan holds the
-    fewest bytes so far, visiting items in the order DCP visits them.
-    """
+    """Which items each rank drops so that every item is written once: kept by the
+    lowest rank (``lowest``) or the one holding the fewest bytes so far, as DCP does."""
     where: dict[tuple[str, Any], Any] = {}  # (name, offset) -> the rank holding it, or the set
     nbytes_of: dict[tuple[str, Any], int] = {}
     for p, keys in enumerate(plans):
@@ -62,11 +54,7 @@ def dedup_keys(plans: Sequence[Sequence[ItemKey]], lowest: bool = False) -> list
             if got is None:
                 where[key] = p
             elif type(got) is int:
-                # built as DCP builds it (added in plan order), so min() breaks ties alike
-                held = set()
-                held.add(got)
-                held.add(p)
-                where[key] = held
+                where[key] = {got, p}  # in plan order, as DCP's: min() breaks ties alike
             else:
                 got.add(p)
             nbytes_of[key] = nbytes

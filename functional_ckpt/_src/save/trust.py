@@ -1,16 +1,9 @@
 """What this process knows of the checkpoints it committed (an incremental save's trust).
 
-An incremental save may trust a base's data file to hold what its manifest says only
-if this process wrote (or compared) that very file and it is still the file it left
-(same device, inode, size and modification time); any other base file is read and
-compared byte for byte first. And a tensor whose version counter moved since this
-process saved the base is known to have changed without a checksum pass.
-
-A :class:`TrustMemory` is a value its owner passes to its saves: a manager owns one
-for its root; ``fc.save`` and ``fc.save_async`` use :data:`PROCESS_TRUST`, fed by
-every save they commit, so ``fc.save(a, s)`` then ``fc.save(b, s, base=a)`` costs no
-byte comparison. The memory only spares work: what it trusts was written by this very
-process, and every byte it lets a save share is still covered by its CRC32.
+A base's data file is trusted without a byte comparison only if this process wrote (or
+compared) it and it is still the file it left (device, inode, size, mtime); a tensor
+whose version counter moved is known changed without a checksum pass. The memory only
+spares work: every byte it lets a save share is still covered by its CRC32.
 """
 
 from __future__ import annotations
@@ -41,11 +34,8 @@ CheckpointIdent = tuple[int, int, int, int]
 
 
 class Seen:
-    """Each saved chunk's tensor identity and version, as one save left them.
-
-    Kept as the save's own key and identity sequences: a save that is never used as a
-    base (most are) builds no table; the first lookup builds it.
-    """
+    """Each saved chunk's tensor identity and version; the table is built on first lookup
+    (most saves are never a base)."""
 
     def __init__(self, keys: Sequence[Key], idents: Sequence[Ident | None]) -> None:
         self._keys, self._idents = tuple(keys), tuple(idents)
@@ -60,8 +50,7 @@ class Seen:
 
 @dataclass(frozen=True)
 class Recollection:
-    """What a memory holds of one checkpoint: the version counters of what was saved
-    there, and the data files this process wrote or checked, as it left them."""
+    """One checkpoint's saved versions, and its data files as this process left them."""
 
     seen: Seen
     files: Mapping[str, FileIdent]
@@ -72,8 +61,8 @@ class Recollection:
 
 
 class TrustMemory:
-    """The last few checkpoints this process committed, thread-safe (saves commit on
-    background threads)."""
+    """The last few checkpoints this process committed (thread-safe: saves commit in the
+    background); a manager owns one, ``fc.save`` uses :data:`PROCESS_TRUST`."""
 
     def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity
@@ -81,8 +70,7 @@ class TrustMemory:
         self._lock = threading.Lock()
 
     def remember(self, dest: Path, seen: Seen, rank: int = 0) -> None:
-        """After a commit: what the checkpoint at ``dest`` holds, and the data files of
-        ``rank`` there (this process wrote them, or checked the reused ones)."""
+        """After a commit: what ``dest`` holds, and the data files of ``rank`` there."""
         try:
             dir_fd = opener.open_directory(dest)
         except (CheckpointError, OSError):
@@ -122,28 +110,17 @@ PROCESS_TRUST = TrustMemory()
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def ident(t: torch.Tensor) -> Ident | None:
-    """Where a tensor's bytes are and its version counter; None if it has none."""
-    try:
-        plain = type(t) in _PLAIN  # most tensors: no attribute lookup that fails
-        shard = t if plain or not hasattr(t, "to_local") else t.to_local()  # a DTensor's shard
-        return (shard.data_ptr(), t._version)
-    except (RuntimeError, AttributeError):
-        return None
-
-
 def idents(tensors: Sequence[torch.Tensor]) -> tuple[Ident | None, ...]:
-    """:func:`ident` of each tensor, in one loop (a save has thousands)."""
+    """Where each tensor's bytes are (a DTensor's shard's) and its version counter; None
+    for one that has none. One loop, no failing attribute lookup: a save has thousands."""
     out: list[Ident | None] = []
     add = out.append
     for t in tensors:
-        if type(t) in _PLAIN:
-            try:
-                add((t.data_ptr(), t._version))
-                continue
-            except RuntimeError:
-                pass
-        add(ident(t))
+        try:
+            shard = t if type(t) in _PLAIN or not hasattr(t, "to_local") else t.to_local()
+            add((shard.data_ptr(), t._version))
+        except (RuntimeError, AttributeError):
+            add(None)
     return tuple(out)
 
 

@@ -1,10 +1,7 @@
-"""The commit protocol: a fully written directory becomes a checkpoint at once.
+"""The commit protocol: a fully written ``<name>.tmp-<id>/`` becomes a checkpoint at once.
 
-A checkpoint is written as ``<name>.tmp-<id>/``; every file is fsynced, the commit
-marker is written last (it records the manifest's size and checksum, so a torn or
-altered manifest is caught), the directory is fsynced, renamed into place (an
-atomic exchange when replacing one) and its parent fsynced. Only a checkpoint (or
-an empty directory) may ever be replaced.
+The marker, written last, records the manifest's size and checksum (a torn manifest is
+caught); the directory is fsynced, renamed (or exchanged) into place, its parent fsynced.
 """
 
 from __future__ import annotations
@@ -30,16 +27,13 @@ from functional_ckpt._src.format.naming import (
 from functional_ckpt._src.log import done, logger
 from functional_ckpt._src.native import libc_function
 from functional_ckpt._src.storage.durable import fsync_dir, tmp_sibling, write_new
-from functional_ckpt.errors import (
-    CheckpointExists,
-)
+from functional_ckpt.errors import CheckpointExists
 
 _RENAMEAT2 = libc_function(
     "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
 )
 
 _AT_FDCWD = -100
-
 _RENAME_EXCHANGE = 2
 
 
@@ -56,20 +50,11 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def _no_fsync(path: Path) -> None:
-    """Where a commit need not survive a power loss (a memory tier's)."""
-
-
 def write_commit_marker(
     tmp: Path, manifest_bytes: bytes, *, version: int, sync: bool = True
 ) -> None:
-    """The marker of a manifest written with format ``version`` (the manifest's own).
-
-    The directory is fsynced first: until then the entries of the files written
-    before may be lost while the marker's own reaches the disk, and a leftover
-    holding a whole marker and manifest but not every file would be recovered as
-    a checkpoint (``tests/test_crash_states.py``).
-    """
+    """The marker of a manifest of format ``version``, after an fsync of the directory
+    (else a crash may keep the marker but lose a file's entry: a torn checkpoint)."""
     if sync:
         fsync_dir(tmp)
     marker = codec.encode(
@@ -86,13 +71,9 @@ def write_commit_marker(
 def remove_tree(path: Path) -> None:
     """Delete a checkpoint-like directory so that no crash leaves it looking valid.
 
-    The marker goes first (it is what makes a directory a checkpoint), and its
-    removal is made durable (an fsync of the directory) before anything else goes:
-    else a crash may keep the marker and lose another file, and the leftover
-    recovery would put a torn checkpoint back (``tests/test_crash_states.py``).
-    Then the ``.metadata`` (without it, what is left can no longer pass for a stock
-    DCP checkpoint to a reader that lists it half-deleted), then the rest. A
-    symbolic link is removed itself: nothing is ever deleted through one.
+    The marker goes first, durably (else recovery may put a torn checkpoint back),
+    then ``.metadata`` (so no half-deleted rest passes for stock DCP), then the rest.
+    A symbolic link is removed itself, never followed.
     """
     if path.is_symlink():
         with contextlib.suppress(FileNotFoundError):
@@ -131,27 +112,12 @@ def commit_checkpoint(
 ) -> None:
     """Make a fully written ``tmp`` directory visible as ``final``, atomically.
 
-    With ``overwrite`` an existing ``final`` stays readable until the new one has
-    taken its place (an atomic exchange where the OS offers it; otherwise the old
-    one is moved aside for the shortest possible moment and put back on failure).
-    Only a directory of ``replaces`` holding nothing but its own files (or an
-    empty one) is ever replaced (:func:`check_replaceable`, checked again here,
-    right before the exchange). Without ``sync`` nothing is fsynced: the commit is
-    atomic for every reader, durable only as far as the file system is (a memory tier).
+    With ``overwrite`` an existing ``final`` (of ``replaces``, holding only its own
+    files, checked right before) stays readable until exchanged, or moved aside for a
+    moment where the OS cannot exchange. Without ``sync`` nothing is fsynced (a memory tier).
     """
     t0 = time.perf_counter()
-    _replace(tmp, final, overwrite, replaces, sync)
-    seconds = time.perf_counter() - t0
-    done(_LOG, "committed", final, seconds=seconds, step=parse_step(final.name), to="as")
-
-
-_LOG = logger("storage")
-
-
-def _replace(
-    tmp: Path, final: Path, overwrite: bool, replaces: frozenset[Kind], sync: bool
-) -> None:
-    fsync = fsync_dir if sync else _no_fsync
+    fsync = fsync_dir if sync else (lambda path: None)
     fsync(tmp)
     parent = final.parent
     if final.exists() or final.is_symlink():
@@ -163,19 +129,24 @@ def _replace(
         if _exchange(tmp, final):
             fsync(parent)
             remove_tree(tmp)  # tmp now holds the old checkpoint
-            return
-        aside = tmp_sibling(final, TRASH_INFIX)
-        os.rename(final, aside)
-        try:
-            os.rename(tmp, final)
-        except BaseException:
-            os.rename(aside, final)
-            raise
+        else:
+            aside = tmp_sibling(final, TRASH_INFIX)
+            os.rename(final, aside)
+            try:
+                os.rename(tmp, final)
+            except BaseException:
+                os.rename(aside, final)
+                raise
+            fsync(parent)
+            remove_tree(aside)
+    else:
+        os.rename(tmp, final)
         fsync(parent)
-        remove_tree(aside)
-        return
-    os.rename(tmp, final)
-    fsync(parent)
+    seconds = time.perf_counter() - t0
+    done(_LOG, "committed", final, seconds=seconds, step=parse_step(final.name), to="as")
+
+
+_LOG = logger("storage")
 
 
 def check_replaceable(path: Path, kinds: frozenset[Kind] = CHECKPOINTS) -> None:

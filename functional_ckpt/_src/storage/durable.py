@@ -1,16 +1,6 @@
-"""Durable file primitives: every byte written, fsynced, renamed into place.
-
-Every writer of the project (checkpoints, exports, recordings, rollback plans, the
-state files of the tiers) writes through these, so "durable" means the same
-everywhere: a new file is written whole and fsynced at its final size
-(:func:`write_new`); a replacement is written as a temporary sibling and renamed
-over the old one, and the rename is made durable by an fsync of the directory
-(:func:`replace_durably`); every new directory is durable in its parent
-(:func:`make_dirs`). Nothing here follows a link where the file it writes is.
-
-A large file is handed to the disk as it is written (:func:`start_writeback`), not
-all at once by the final fsync: the disk then works while the next piece is still
-being copied into the page cache. Only the fsync promises anything.
+"""Durable file primitives, so "durable" means the same for every writer: a new file is
+fsynced whole, a replacement renamed over the old one and the directory fsynced, every
+new directory durable in its parent; no link is followed where a file is written.
 """
 
 from __future__ import annotations
@@ -28,7 +18,6 @@ from functional_ckpt._src.native import libc_function
 #: Flags of every new file: created here, never an existing one, never through a link.
 NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
-
 #: Bytes copied per call, and handed to the disk per :func:`start_writeback`.
 COPY_BLOCK = 32 << 20
 
@@ -37,21 +26,16 @@ NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP)
 
 _SYNC_FILE_RANGE_WRITE = 2  # start writing out the range's dirty pages; do not wait
 
-
 _SYNC_FILE_RANGE = libc_function(
     "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 )
 
 
 def start_writeback(fd: int, offset: int, length: int) -> bool:
-    """Ask the kernel to start writing ``length`` bytes of ``fd`` from ``offset`` to disk.
+    """Ask the kernel to start writing a range of ``fd`` to disk (a hint; whether taken).
 
-    Without it the kernel writes a new file's pages when the fsync comes (or a
-    timer fires), and the disk idles while the file is copied into the page cache;
-    measured here, a 1 GiB write+fsync took 0.6-0.8x as long with the writeback
-    started every 32 MiB. It promises nothing (only fsync does) and never waits for
-    the disk. A hint: where the call does not exist or is refused (not Linux, a
-    pipe, a file system without it), nothing happens. Returns whether it was taken.
+    Else the disk idles until the fsync: a 1 GiB write+fsync took 0.6-0.8x as long
+    with the writeback started every 32 MiB. Promises nothing, never waits.
     """
     if _SYNC_FILE_RANGE is None or length <= 0:
         return False
@@ -59,12 +43,8 @@ def start_writeback(fd: int, offset: int, length: int) -> bool:
 
 
 class Appender:
-    """A new file written front to back; one to be fsynced (``sync``) is handed to the
-    disk (:func:`start_writeback`) every :data:`COPY_BLOCK` bytes.
-
-    A smaller file is left to its fsync whole: handing it over early would only
-    move the kernel's work from the thread that fsyncs to the one that writes.
-    """
+    """A new file written front to back, handed to the disk every :data:`COPY_BLOCK` bytes
+    if it will be fsynced (``sync``); a smaller one is left to its fsync whole."""
 
     __slots__ = ("end", "fd", "handed", "sync")
 
@@ -83,14 +63,9 @@ class Appender:
 
 
 def copy_range(src: int, out: int, size: int, *, writeback: bool = False) -> int:
-    """Copy the first ``size`` bytes of file ``src`` to the same place in ``out``.
-
-    The kernel copies where it can (``copy_file_range``: no bytes through this
-    process; a reflink on file systems that share extents), else the bytes go
-    through memory a block at a time. ``writeback`` hands each copied block to the
-    disk at once (:func:`start_writeback`), for a file about to be fsynced.
-    Returns the bytes copied: fewer than ``size`` when ``src`` is shorter.
-    """
+    """Copy the first ``size`` bytes of ``src`` to the same place in ``out`` (by the kernel
+    where it can: a reflink where extents are shared); the bytes copied, fewer when
+    ``src`` is shorter. ``writeback`` hands each block to the disk at once."""
     done = 0
     kernel = True
     while done < size:
@@ -137,9 +112,7 @@ def write_all(fd: int, data: memoryview | bytes | bytearray) -> None:
 
 
 def open_new(path: Path, *, mapped: bool = False) -> int:
-    """A new file at ``path`` for writing; refuses an existing file or a link there.
-
-    ``mapped``: readable too, as a file filled through a shared memory map must be."""
+    """A new file at ``path`` (never an existing one or a link); ``mapped``: readable too."""
     flags = (NEW_FILE & ~os.O_WRONLY) | os.O_RDWR if mapped else NEW_FILE
     return os.open(path, flags, 0o644)
 
@@ -156,12 +129,8 @@ def write_new(path: Path, data: bytes, *, sync: bool = True) -> None:
 
 
 def replace_durably(path: Path, data: bytes, *, sync: bool = True) -> None:
-    """Replace the file at ``path`` with ``data``, atomically: a reader sees the old
-    bytes or the new ones, never a mix, and (``sync``) a crash keeps one of them.
-
-    The bytes go to a temporary sibling first; the rename over ``path`` replaces a
-    link there by the new file, never writing through it.
-    """
+    """Replace the file at ``path`` with ``data`` atomically (a reader, and with ``sync`` a
+    crash, sees old or new bytes, never a mix); a link there is replaced, not written through."""
     tmp = tmp_sibling(path)
     try:
         write_new(tmp, data, sync=sync)

@@ -1,15 +1,9 @@
 """Reading memory its owner may free at any moment: an unstaged save's live tensors.
 
-With ``staging="none"`` the caller goes on while its tensors are written, and may
-break its promise by resizing or freeing a storage (``untyped_storage().resize_(0)``
-is how FSDP frees parameters). Freed large memory is unmapped, and a plain read of
-it (``crc32`` of a view, a ``memmove``) kills the process. The kernel does not: a
-``write`` from an unmapped address fails with ``EFAULT``. So live memory is only
-ever read by the kernel: written into the shard file directly, and for checksums
-and small copies first written into a private in-memory file (``memfd``) whose
-pages are then read. A failed read raises :class:`Freed`; the save checks every
-tensor's address and size afterwards in any case (memory freed and reused reads
-without a fault, but not at the same address and size).
+With ``staging="none"`` a caller may free a storage mid-save (FSDP's ``resize_(0)``);
+reading unmapped memory kills the process, but a kernel ``write`` from it fails with
+``EFAULT``. So live memory is read only by the kernel, into a private ``memfd`` whose
+pages are then read; a failed read raises :class:`Freed`.
 """
 
 from __future__ import annotations
@@ -19,8 +13,6 @@ import mmap
 import os
 
 from functional_ckpt._src.format.checksum import crc32
-
-__all__ = ["BLOCK", "Freed", "LiveReader", "freed"]
 
 #: Bytes moved through the private file per call (its size, too).
 BLOCK = 4 << 20
@@ -36,10 +28,7 @@ def freed(error: BaseException) -> bool:
 
 
 class LiveReader:
-    """Checksums and copies of live memory, read by the kernel into a private file.
-
-    One per thread that reads (its buffer is reused); :meth:`close` frees it.
-    """
+    """Checksums and copies of live memory, one per reading thread; :meth:`close` frees it."""
 
     def __init__(self) -> None:
         self._fd = os.memfd_create("fc-live", os.MFD_CLOEXEC)

@@ -1,9 +1,5 @@
-"""The one safe way to open a file of a checkpoint.
-
-Every file is opened without following a link and without blocking (a FIFO or a
-device in place of a file would hang a plain ``open``), and checked to be a
-regular file of the recorded size before a byte is read.
-"""
+"""The one safe way to open a file of a checkpoint: no link followed, no blocking (a FIFO
+in place of a file would hang ``open``), a regular file of the recorded size."""
 
 from __future__ import annotations
 
@@ -13,7 +9,6 @@ import stat
 from pathlib import Path
 
 from functional_ckpt._src.codec import documents
-from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.naming import is_temporary_name
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.storage.os_failure import os_failure, ran_out
@@ -28,19 +23,15 @@ from functional_ckpt.errors import (
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
+_KINDS = (
+    (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
+    (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"),
+)  # fmt: skip
+
+
 def file_kind(mode: int) -> str:
     """What a directory entry of ``mode`` is, in words (for an error naming it)."""
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    return "not a regular file"
+    return next((words for test, words in _KINDS if test(mode)), "not a regular file")
 
 
 def _check_mode(mode: int, where: Path, what: str) -> None:
@@ -56,13 +47,8 @@ def _check_mode(mode: int, where: Path, what: str) -> None:
 def open_member(
     dir_fd: int, name: str, where: Path, *, size: int | None = None, what: str = "file"
 ) -> int:
-    """Open one file of a checkpoint for reading, safely: the only way any is opened.
-
-    Never follows a link, never blocks (a FIFO or device in place of a file would
-    hang a plain ``open``), and checks that it is a regular file of the recorded
-    ``size`` before a byte is read; the returned descriptor is blocking again.
-    ``FileNotFoundError`` is left to the caller (missing or replaced?).
-    """
+    """Open one file of a checkpoint for reading (blocking again once checked);
+    ``FileNotFoundError`` is left to the caller (missing or replaced?)."""
     _check_mode(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode, where, what)
     try:
         fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
@@ -88,10 +74,8 @@ def open_member(
 
 
 def read_file(path: Path, *, limit: int, what: str = "file") -> bytes:
-    """The whole of a small file kept beside checkpoints (a state file, an intent, a
-    marker), through :func:`open_member`: no link followed, no blocking, at most
-    ``limit`` bytes. ``FileNotFoundError`` is left to the caller.
-    """
+    """The whole of a small file kept beside checkpoints (a state file, a marker), at most
+    ``limit`` bytes, through :func:`open_member`; ``FileNotFoundError`` is left to the caller."""
     dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fd = open_member(dir_fd, path.name, path, what=what)
@@ -107,18 +91,15 @@ def read_file(path: Path, *, limit: int, what: str = "file") -> bytes:
 
 
 def read_state(path: Path, what: str) -> object | None:
-    """The JSON document of a state file kept beside checkpoints, or None when there
-    is none to trust: missing, a link, special, oversized (``LIMITS.state_file_bytes``),
-    unreadable, not JSON, or deeper or larger expanded than the decoder allows
-    (``codec/documents``). A state file only informs (what a tier did, how far a job
-    got); whoever reads it decides what "nothing known" means."""
+    """The JSON document of a state file beside checkpoints, or None when there is none
+    to trust (missing, special, oversized, not JSON...): a state file only informs."""
     try:
         doc: object = documents.load(
             read_file(path, limit=LIMITS.state_file_bytes, what=what), str(path)
         )
-        return doc
     except (OSError, CheckpointError):
         return None
+    return doc
 
 
 def read_exact(fd: int, size: int, where: Path) -> bytes:
@@ -132,19 +113,6 @@ def read_exact(fd: int, size: int, where: Path) -> bytes:
         parts.append(chunk)
         done += len(chunk)
     return b"".join(parts)
-
-
-def crc32_fd(fd: int, size: int) -> int:
-    """CRC32 of the first ``size`` bytes of an opened file, read in large chunks."""
-    crc = 0
-    done = 0
-    while done < size:
-        chunk = os.pread(fd, min(size - done, 16 << 20), done)
-        if not chunk:
-            return -1  # shorter than recorded: cannot match
-        crc = crc32(chunk, crc)
-        done += len(chunk)
-    return crc
 
 
 def exists_at(dir_fd: int, name: str) -> bool:

@@ -1,10 +1,5 @@
-"""What ran out: an ``OSError`` of the machine (not of a checkpoint) as a clear error.
-
-A full disk, a read-only file system or a process out of file descriptors says
-nothing about the checkpoint being read or written: it must neither look like
-damage (a damaged checkpoint is moved aside) nor reach the caller as a bare
-``OSError`` without saying what to do.
-"""
+"""What ran out: an ``OSError`` of the machine (a full disk, no descriptors) as a clear
+error, never taken for damage (a damaged checkpoint is moved aside)."""
 
 from __future__ import annotations
 
@@ -17,14 +12,12 @@ from functional_ckpt.errors import _RESOURCES, CheckpointError
 
 
 def ran_out(e: BaseException) -> bool:
-    """Whether ``e`` is the machine running out of something: descriptors, memory, disk
-    (the errors ``fc.errors.is_damage`` never takes for damage)."""
+    """Whether ``e`` is the machine running out of descriptors, memory or disk."""
     return isinstance(e, OSError) and e.errno in _RESOURCES
 
 
 def os_failure(e: OSError, where: Path, doing: str) -> CheckpointError:
-    """A failed ``OSError`` while ``doing`` (``"saving"``, ``"reading"``) at ``where``, as
-    the :class:`CheckpointError` that says what ran out."""
+    """``e`` (while ``doing`` at ``where``) as the error that says what ran out."""
     if e.errno == errno.ENOSPC:
         return CheckpointError(f"{where}: no space left on the device while {doing} ({e})")
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):

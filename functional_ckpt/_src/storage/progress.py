@@ -1,10 +1,5 @@
-"""The progress file: how a managed job tells ``fckpt run`` its newest committed step.
-
-The supervisor names a file in the job's environment (:data:`PROGRESS_ENV`); after
-each commit the job's manager replaces it, durably, with the step it committed. So
-a supervisor that reads no checkpoint root still tells a job that crashes later each
-time (progress: relaunch as asked) from one that fails at the same place.
-"""
+"""The progress file: how a managed job tells ``fckpt run`` its newest committed step,
+so the supervisor tells a job that progresses between crashes from one that is stuck."""
 
 from __future__ import annotations
 
@@ -17,18 +12,13 @@ from pathlib import Path
 from functional_ckpt._src.storage.durable import replace_durably
 from functional_ckpt._src.storage.opener import read_state
 
-__all__ = ["PROGRESS_ENV", "ReportedStep", "read_progress", "report_progress"]
-
 #: Set by ``fckpt run`` in the job's environment: the file the job reports progress to.
 PROGRESS_ENV = "FCKPT_PROGRESS"
 
 
 def report_progress(step: int, saved_at: float) -> None:
-    """Record ``step`` (saved at Unix time ``saved_at``) as the newest committed one, if
-    a supervisor asked for it: what it reads from a root, without reading the root.
-
-    Best effort: a supervisor's file that cannot be written never fails a save.
-    """
+    """Record ``step`` (saved at ``saved_at``) for a supervisor that asked; best effort:
+    a file that cannot be written never fails a save."""
     target = os.environ.get(PROGRESS_ENV)
     if not target:
         return

@@ -1,28 +1,29 @@
-"""Disk usage of checkpoints: their bytes, and the bytes they share with others.
-
-Incremental checkpoints share data files through hard links, so a checkpoint's
-size and the bytes it adds to the disk are different numbers; both are read from
-``stat`` alone.
-"""
+"""Disk usage of checkpoints, from ``stat`` alone: incremental ones share data files
+through hard links, so their size and the bytes they add to the disk differ."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 
-def dir_size(path: Path) -> int:
-    """Bytes in the regular files directly inside ``path`` (0 if it vanished)."""
-    total = 0
+def _regular(path: Path) -> Iterator[os.stat_result]:
+    """The ``lstat`` of each regular file directly inside ``path`` (none if it vanished)."""
     with contextlib.suppress(OSError), os.scandir(path) as it:
         for entry in it:
-            if entry.is_file(follow_symlinks=False):
-                total += entry.stat(follow_symlinks=False).st_size
-    return total
+            with contextlib.suppress(OSError):
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode):
+                    yield st
+
+
+def dir_size(path: Path) -> int:
+    """Bytes in the regular files directly inside ``path`` (0 if it vanished)."""
+    return sum(st.st_size for st in _regular(path))
 
 
 def sharing(path: Path, files: Any) -> tuple[int, int]:
@@ -49,25 +50,10 @@ def sharing(path: Path, files: Any) -> tuple[int, int]:
 
 
 def shared_bytes(path: Path) -> int:
-    """Bytes of the files in ``path`` that are also linked elsewhere (stat only)."""
-    total = 0
-    with contextlib.suppress(OSError), os.scandir(path) as it:
-        for entry in it:
-            with contextlib.suppress(OSError):
-                st = entry.stat(follow_symlinks=False)
-                if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-                    total += st.st_size
-    return total
+    """Bytes of the files in ``path`` that are also linked elsewhere."""
+    return sum(st.st_size for st in _regular(path) if st.st_nlink > 1)
 
 
 def disk_bytes(paths: Sequence[Path]) -> int:
     """Bytes of the regular files directly inside ``paths``, each file counted once."""
-    seen: dict[tuple[int, int], int] = {}
-    for path in paths:
-        with contextlib.suppress(OSError), os.scandir(path) as it:
-            for entry in it:
-                with contextlib.suppress(OSError):
-                    st = entry.stat(follow_symlinks=False)
-                    if stat.S_ISREG(st.st_mode):
-                        seen[(st.st_dev, st.st_ino)] = st.st_size
-    return sum(seen.values())
+    return sum({(st.st_dev, st.st_ino): st.st_size for p in paths for st in _regular(p)}.values())
