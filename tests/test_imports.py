@@ -453,6 +453,8 @@ def test_the_architecture_page_says_what_the_command_line_and_the_policies_impor
     assert {LAYERS[layer_of(d)][0] for d in _imported_from("functional_ckpt._src.policy")} == set(
         re.findall(r"`([\w.]+)`", claim[2])
     )
+
+
 # ---------------------------------------------------------------------------- structure
 
 #: Modules over 500 lines, each being split by concept. The list only shrinks: a module

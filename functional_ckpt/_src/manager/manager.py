@@ -124,9 +124,9 @@ class CheckpointManager(RootView):
         self._distributed, self._coordinator = topo.distributed, topo.coordinator
         if compression is None and remote is not None:
             compression = remote.compression  # the remote tier's, unless the manager names one
-        level = zstd.level_of(compression, "CheckpointManager")
+        level, dist = zstd.level_of(compression, "CheckpointManager"), self._distributed
         settings = WriteSettings(tuple(per_rank), async_option(async_save), bool(incremental),
-                                 self._distributed, self._coordinator, zstd_level=level)  # fmt: skip
+                                 dist, self._coordinator, zstd_level=level)  # fmt: skip
         if self._distributed:
             prepare_groups()  # now, on the training thread, in the same order on every rank
         self._running = RunningTime(clock)
