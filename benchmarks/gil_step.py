@@ -64,7 +64,7 @@ import functional_ckpt as fc
 BASELINE = "no checkpoint"
 FC_THREAD = 'fc.save_async(staging="copy") (thread)'
 TC_PROCESS = "torch_checkpointing async (process)"
-DCP_PROCESS = "dcp.async_save(PROCESS)"
+DCP_PROCESS = _peers.DCP_PROCESS
 
 
 def python_work(n: int) -> int:

@@ -37,12 +37,15 @@ from functional_ckpt._src.format import naming
 from functional_ckpt._src.root import listing
 from tests.crash_record import Recorder
 from tests.crash_tree import DATA, META, Op, Tree, scan
+from tests.depth import FULL
 
 #: A name that holds nothing.
 ABSENT: tuple[tuple[str, str, str], ...] = (("", "absent", ""),)
 
 #: Choices of one prefix enumerated whole up to this many; beyond, this many sampled.
-PER_PREFIX = 64
+#: By default few: the two extremes and every single flip still reach every crash
+#: point, every kind of state and every file's every content (tests/depth.py).
+PER_PREFIX = 64 if FULL else 4
 
 #: The four contents of a file with bytes not yet fsynced.
 SYNCED, FULL, TORN, ZEROS = range(4)

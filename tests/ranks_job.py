@@ -10,6 +10,8 @@ Modes (each rank writes what it raised as ``error.<rank>.json``, or "ok"):
   gone-first ROOT save|async|restore   rank 1 leaves before the first round (after
                                ``fc.restore`` for ``restore``); rank 0 saves
   zstd ROOT                    both save ``a`` with ``compression="zstd"`` and restore it
+  released ROOT                rounds of checkpoint collectives; writes how many
+                               returned while gloo still held one of their tensors
 """
 
 from __future__ import annotations
@@ -101,6 +103,8 @@ def main() -> None:
         if rank == 1:
             incremental.write_rank = vanishing  # type: ignore[assignment]
         attempt(root, rank, lambda: fc.save(root / "a", s))
+    elif mode == "released":
+        released(root, rank)
     elif mode == "gone-first":
         groups.checkpoint_group()  # made together (a collective on the default group)
         if rank == 1:
@@ -127,11 +131,31 @@ def main() -> None:
     else:
         raise SystemExit(f"unknown mode {mode}")
     dist.barrier()  # both ranks have recorded what they saw
-    # no teardown of gloo's groups after a refused save: their destruction at exit can
-    # abort the process ("terminate called without an active exception") under load
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    dist.destroy_process_group()
+
+
+def released(root: Path, rank: int) -> None:
+    """Rounds of checkpoint collectives, each checked as it returns: gloo's worker
+    thread holds none of its tensors any more (else, at exit, that thread could free
+    the last one during interpreter shutdown and abort the process)."""
+    real, late, rounds = groups._collective, [], []
+
+    def checked(op: Any, /, *args: Any, **kwargs: Any) -> None:
+        flat = [t for a in args for t in (a if isinstance(a, list) else [a])]
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        held = [t._use_count() for t in tensors]
+        real(op, *args, **kwargs)
+        rounds.append(op.__name__)
+        late.extend(op.__name__ for t, n in zip(tensors, held, strict=True) if t._use_count() > n)
+
+    groups._collective = checked
+    group = groups.checkpoint_group(purpose="control")
+    for i in range(150):
+        groups.all_gather_bytes(b"x" * i, group)
+        groups.gather_bytes(b"y" * i, group)
+        groups.broadcast_bytes(b"z" * i, group)
+        groups.agree(None, group, "a round")
+    record(root, rank, {"rounds": len(rounds), "late": late})
 
 
 if __name__ == "__main__":

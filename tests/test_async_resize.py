@@ -13,65 +13,101 @@ import torch
 import functional_ckpt as fc
 from tests.patience import HANG
 
-#: The child: a 64 MiB ``staging="none"`` save held at a point of its write (``at``:
-#: before its first byte, or after its first block) while the state's storage is
-#: freed (``untyped_storage().resize_(0)``, as FSDP frees parameters) or grown.
+#: The child, one process for every case ``HOW-AT`` it is given: a 64 MiB
+#: ``staging="none"`` save held at a point of its work while the state's storage is
+#: freed (``untyped_storage().resize_(0)``, as FSDP frees parameters) or grown. ``at``:
+#: before the write's first byte, after its first block (``during``), or, saving
+#: incrementally on ``base`` (written by another process, so its bytes are compared
+#: too), after the first block of its checksum (``crc``) or of its byte comparison
+#: with the base's file (``compare``).
 CHILD = """
 import os, sys, threading, torch
 import functional_ckpt as fc
-from functional_ckpt._src.storage import durable
+from functional_ckpt._src.save import incremental
+from functional_ckpt._src.storage import durable, live, shards
 
-how, at, root = sys.argv[1], sys.argv[2], sys.argv[3]
-reached, go = threading.Event(), threading.Event()
-write_all = durable.write_all
+write_all, opened = durable.write_all, durable.open_new
+crc32, read_into = incremental.crc32, shards.read_into
 
-def held(fd, data):
-    if at == "during" and len(data) >= durable.COPY_BLOCK and not reached.is_set():
-        write_all(fd, data)
+def hold(here):
+    if at == here and not reached.is_set():
         reached.set()
         go.wait()
-        return
-    write_all(fd, data)
 
-opened = durable.open_new
+def held_write(fd, data):
+    write_all(fd, data)
+    if len(data) >= durable.COPY_BLOCK:
+        hold("during")
 
 def held_open(path, **kw):
-    if at == "before":
-        reached.set()
-        go.wait()
+    hold("before")
     return opened(path, **kw)
 
-durable.write_all, durable.open_new = held, held_open
-t = torch.ones(1 << 24)
-pending = fc.save_async(root + "/ck", {"w": t}, staging="none")
-reached.wait()
-try:
-    if how == "free":
-        t.untyped_storage().resize_(0)
-    else:
-        t.resize_(2 * t.numel())
-finally:
-    go.set()
-error = pending.exception()
-print(type(error).__name__, os.path.exists(root + "/ck"), flush=True)
+def held_crc(data, start=0):
+    crc = crc32(data, start)
+    if len(data) >= 1 << 20:
+        hold("crc")
+    return crc
+
+def held_read(fd, offset, dest):
+    got = read_into(fd, offset, dest)
+    hold("compare")
+    return got
+
+durable.write_all, durable.open_new = held_write, held_open
+incremental.crc32 = live.crc32 = held_crc
+shards.read_into = held_read
+root = sys.argv[1]
+for case in sys.argv[2:]:
+    how, at = case.split("-")
+    reached, go = threading.Event(), threading.Event()
+    t = torch.ones(1 << 24)
+    base = root + "/base" if at in ("crc", "compare") else None
+    pending = fc.save_async(root + "/" + case, {"w": t}, staging="none", base=base)
+    reached.wait()
+    try:
+        if how == "free":
+            t.untyped_storage().resize_(0)
+        else:
+            t.resize_(2 * t.numel())
+    finally:
+        go.set()
+    error = pending.exception()
+    print(case, type(error).__name__, os.path.exists(root + "/" + case), flush=True)
 """
+
+CASES = [f"{how}-{at}" for how in ("free", "grow") for at in ("before", "during", "crc", "compare")]
+
+
+@pytest.fixture(scope="module")
+def resized(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dict[str, list[str]]]:
+    """The child's status, its stderr, and what it printed of each case."""
+    root = tmp_path_factory.mktemp("resize")
+    fc.save(root / "base", {"w": torch.ones(1 << 24)})
+    script = root / "child.py"
+    script.write_text(CHILD)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(root), *CASES],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+    )
+    told = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()}
+    return proc.returncode, proc.stderr, told
+
+
+def assert_refused(resized: tuple[int, str, dict[str, list[str]]], case: str) -> None:
+    status, stderr, told = resized
+    assert status == 0, stderr  # no crash, and the resize itself worked
+    assert told[case] == ["ModifiedDuringSave", "False"]
 
 
 @pytest.mark.parametrize("at", ["before", "during"])
 @pytest.mark.parametrize("how", ["free", "grow"])
 def test_a_storage_resized_during_an_unstaged_write_is_refused(
-    tmp_path: Path, how: str, at: str
+    resized: tuple[int, str, dict[str, list[str]]], how: str, at: str
 ) -> None:
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    proc = subprocess.run(
-        [sys.executable, str(script), how, at, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=HANG,
-    )
-    assert proc.returncode == 0, proc.stderr  # no crash, and the resize itself worked
-    assert proc.stdout.split() == ["ModifiedDuringSave", "False"]
+    assert_refused(resized, f"{how}-{at}")
 
 
 def resizable(t: torch.Tensor) -> bool:
@@ -99,67 +135,9 @@ def test_a_save_leaves_every_tensor_resizable(tmp_path: Path, how: str) -> None:
     assert resizable(state["big"]) and resizable(state["small"])
 
 
-#: The child: an incremental ``staging="none"`` save of a 64 MiB tensor equal to the
-#: base's (written by another process, so its bytes are compared too), held after the
-#: first block of its checksum (``at="crc"``) or of its byte comparison with the base's
-#: file (``at="compare"``) while the storage is freed or grown.
-BASE_CHILD = """
-import os, sys, threading, torch
-import functional_ckpt as fc
-from functional_ckpt._src.save import incremental
-from functional_ckpt._src.storage import live, shards
-
-how, at, root = sys.argv[1], sys.argv[2], sys.argv[3]
-reached, go = threading.Event(), threading.Event()
-crc32, read_into = incremental.crc32, shards.read_into
-
-def hold():
-    if not reached.is_set():
-        reached.set()
-        go.wait()
-
-def held_crc(data, start=0):
-    crc = crc32(data, start)
-    if at == "crc" and len(data) >= 1 << 20:
-        hold()
-    return crc
-
-def held_read(fd, offset, dest):
-    got = read_into(fd, offset, dest)
-    if at == "compare":
-        hold()
-    return got
-
-incremental.crc32 = live.crc32 = held_crc
-shards.read_into = held_read
-t = torch.ones(1 << 24)
-pending = fc.save_async(root + "/ck", {"w": t}, staging="none", base=root + "/base")
-reached.wait()
-try:
-    if how == "free":
-        t.untyped_storage().resize_(0)
-    else:
-        t.resize_(2 * t.numel())
-finally:
-    go.set()
-error = pending.exception()
-print(type(error).__name__, os.path.exists(root + "/ck"), flush=True)
-"""
-
-
 @pytest.mark.parametrize("at", ["crc", "compare"])
 @pytest.mark.parametrize("how", ["free", "grow"])
 def test_a_storage_resized_while_compared_with_the_base_is_refused(
-    tmp_path: Path, how: str, at: str
+    resized: tuple[int, str, dict[str, list[str]]], how: str, at: str
 ) -> None:
-    fc.save(tmp_path / "base", {"w": torch.ones(1 << 24)})
-    script = tmp_path / "child.py"
-    script.write_text(BASE_CHILD)
-    proc = subprocess.run(
-        [sys.executable, str(script), how, at, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=HANG,
-    )
-    assert proc.returncode == 0, proc.stderr  # no crash, and the resize itself worked
-    assert proc.stdout.split() == ["ModifiedDuringSave", "False"]
+    assert_refused(resized, f"{how}-{at}")

@@ -103,3 +103,15 @@ def test_a_rank_gone_before_the_first_round_is_the_projects_error(
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q", "-p", "no:xdist"]))
+
+
+def test_a_collective_returns_once_gloo_has_let_go_of_its_tensors(tmp_path: Path) -> None:
+    """Was: gloo's worker thread dropped its references to a collective's tensors just
+    after the collective returned; when that happened during interpreter shutdown
+    (a loaded machine delays the thread), freeing the tensor's Python object there
+    aborted the job at exit ("terminate called without an active exception").
+    Both ranks also leave through ``dist.destroy_process_group()`` and the
+    interpreter's own shutdown (``run`` checks the exit status)."""
+    for told in run(tmp_path, "released"):
+        assert told["rounds"] >= 600, told
+        assert told["late"] == [], told

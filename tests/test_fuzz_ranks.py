@@ -24,6 +24,7 @@ from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.save import exchange
 from functional_ckpt._src.save.job import SaveJob
 from functional_ckpt._src.save.options import SaveOptions
+from tests.depth import examples
 
 _NAMES = st.sampled_from(["step_1", "step_2", "b", "c"])
 _DIRS = st.sampled_from(["root", "/mnt/root", "other"])
@@ -45,7 +46,7 @@ def jobs(draw: st.DrawFn) -> SaveJob:
     return SaveJob(dest, None, options, topology(), True, staging=staging)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(jobs(), jobs(), st.integers(1, 4095))
 def test_arguments_pass_exactly_when_equal_and_a_difference_is_named(
     first: SaveJob, other: SaveJob, rank: int
@@ -71,7 +72,7 @@ _FIRST = exchange.first_round(
 _WRITTEN = exchange.written_payload([], part={"__1_0.distcp": 12})
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     st.sampled_from([_FIRST, _WRITTEN]),
     st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)), max_size=4),

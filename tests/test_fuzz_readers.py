@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import functional_ckpt as fc
+from tests.depth import examples
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,7 +98,7 @@ def mutations(draw: st.DrawFn) -> tuple[str, str, int, bytes]:
 
 
 @settings(
-    max_examples=400,
+    max_examples=examples(400),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

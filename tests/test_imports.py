@@ -8,6 +8,7 @@ cycle hidden in a function body is still two modules that cannot be understood
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import re
 import subprocess
@@ -115,6 +116,23 @@ def test_every_module_imports(module: str) -> None:
     importlib.import_module(module)
 
 
+@functools.cache
+def fresh_interpreter() -> list[str]:
+    """What one new interpreter has loaded: the CLI's modules once the library's entry
+    points are imported, whether the CLI's import loads the demo, and the optional
+    clients once every module outside the integrations is imported (in that order)."""
+    library = sorted(m for m in MODULES if ".integrations" not in m and not m.endswith("__main__"))
+    code = (
+        "import sys, functional_ckpt, functional_ckpt.manager, functional_ckpt._src.root.listing\n"
+        "print(sorted(m for m in sys.modules if m.startswith('functional_ckpt._src.cli')))\n"
+        "import functional_ckpt._src.cli as c\nprint(c.__name__ + '.demo' in sys.modules)\n"
+        f"for m in {library!r}: __import__(m)\n"
+        f"print(sorted(c for c in {sorted(CLIENTS)!r} if c in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()
+
+
 def test_the_library_never_loads_the_cli_or_the_demo() -> None:
     library = {m: imports_of(m) for m in MODULES if not m.startswith("functional_ckpt._src.cli")}
     assert {
@@ -122,15 +140,9 @@ def test_the_library_never_loads_the_cli_or_the_demo() -> None:
         for m, deps in library.items()
         if any(d.startswith("functional_ckpt._src.cli") for d in deps)
     } == {"functional_ckpt.__main__"}
-    code = (
-        "import sys, functional_ckpt, functional_ckpt.manager, functional_ckpt._src.root.listing\n"
-        "print(sorted(m for m in sys.modules if m.startswith('functional_ckpt._src.cli')))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
-    code = "import sys, functional_ckpt._src.cli as c\nprint(c.__name__ + '.demo' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"  # only `fckpt demo` loads the demo
+    cli, demo, _ = fresh_interpreter()
+    assert cli == "[]"
+    assert demo == "False"  # only `fckpt demo` loads the demo
 
 
 #: The optional clients, and the one module allowed to import each.
@@ -164,13 +176,7 @@ def test_each_client_is_imported_by_its_integration_only() -> None:
     }
     for module, clients in importers.items():
         assert all(CLIENTS[c] == module for c in clients), (module, clients)
-    library = sorted(m for m in MODULES if ".integrations" not in m and not m.endswith("__main__"))
-    code = (
-        f"import sys\nfor m in {library!r}: __import__(m)\n"
-        f"print(sorted(c for c in {sorted(CLIENTS)!r} if c in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert fresh_interpreter()[2] == "[]"
 
 
 # ---------------------------------------------------------------------------- layer order

@@ -38,7 +38,7 @@ from functional_ckpt.errors import (
     UploadFailed,
 )
 from tests.exact import assert_exact
-from tests.patience import HANG
+from tests.test_dist import launch, wait_all
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -416,40 +416,8 @@ def test_two_ranks_with_their_own_local_roots_commit_on_one_remote(
 
 def _two_ranks(base: Path, url: str, endpoint: str) -> list[tuple[int, str, str]]:
     """tests/remote_job.py on two ranks, with the variables torchrun sets."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "remote_job.py"), str(base), url],
-            env={
-                **os.environ,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": "2",
-                "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": str(REPO),
-                "ENDPOINT": endpoint,
-                "FCKPT_TIMEOUT": "30",  # a dead rank fails the others within this
-            },
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    out = []
-    for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=HANG)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        out.append((p.returncode, stdout, stderr))
-    return out
+    env = {"ENDPOINT": endpoint, "FCKPT_TIMEOUT": "30"}  # a dead rank fails within
+    return wait_all(launch(2, str(base), url, env=env, job=REPO / "tests" / "remote_job.py"))
 
 
 def test_credentials_are_never_written_or_printed(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -74,11 +75,27 @@ class Unanswered(CheckpointError):
 def _collective(op: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
     """Run one ``torch.distributed`` collective. Every collective of the package runs
     here (tests/test_primitives.py), so a lost peer is always :class:`Unanswered`,
-    never gloo's own error, whichever round it interrupts."""
+    never gloo's own error, whichever round it interrupts.
+
+    It returns once gloo's worker thread has let go of the tensors too (it does so
+    just after the collective completes): a tensor whose last reference that thread
+    drops during interpreter shutdown frees its Python object without the GIL, and
+    the process aborts ("terminate called without an active exception")."""
+    flat = [t for a in args for t in (a if isinstance(a, list) else [a])]
+    tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+
+    def uses() -> list[int]:
+        return [t._use_count() for t in tensors]  # type: ignore[attr-defined]
+
+    held = uses()
     try:
         op(*args, **kwargs)
     except Exception as e:
         raise Unanswered(f"another rank did not answer ({type(e).__name__}: {e})") from e
+    for _ in range(20_000):  # about 2 s at most: the thread lets go within microseconds
+        if all(now <= n for now, n in zip(uses(), held, strict=True)):
+            return
+        time.sleep(0.0001)
 
 
 # Every checkpoint collective passes through these five, so a run can count what
