@@ -51,8 +51,8 @@ class Match:
     parsed: ParsedManifest | None = None
     selected: list[tuple[KeyPath, str]] = field(default_factory=list)
     wanted: dict[KeyPath, torch.Tensor] = field(default_factory=dict)
-    fresh: bool = True  # no template: requires_grad comes from the manifest
-    extra: list[Leaf] = field(default_factory=list)  # per-rank leaves mapped by ``reshard``
+    no_template: bool = True  # no template: requires_grad comes from the manifest
+    resharded: list[Leaf] = field(default_factory=list)  # per-rank leaves mapped by ``reshard``
     stock: StockMatch | None = None
 
 
@@ -102,12 +102,12 @@ class _Manifested:
             match.parsed,
             match.selected,
             match.wanted,
-            match.fresh,
+            match.no_template,
             inplace=req.inplace,
             device=req.device,
             placeholders=req.placeholders,
         )
-        return leaves + match.extra
+        return leaves + match.resharded
 
     def close(self) -> None:
         self.ck.close()
@@ -197,7 +197,7 @@ class _Planned:
                 leaves.append(Leaf(p, "tensor", sharded[p]))
             elif p in values:
                 leaves.append(values[p])
-        return leaves + match.extra
+        return leaves + match.resharded
 
     def close(self) -> None:
         if self.inner is not None:

@@ -193,7 +193,7 @@ def read_leaves(
     parsed: ParsedManifest,
     selected: list[tuple[KeyPath, str]],
     wanted: dict[KeyPath, torch.Tensor],
-    fresh: bool,
+    no_template: bool,
     *,
     inplace: bool = False,
     device: torch.device = CPU,
@@ -229,12 +229,7 @@ def read_leaves(
                     continue
             like = wanted.get(p)
             t = results[p] = reads.add(e, like, inplace, device)
-            if (
-                like.requires_grad
-                if like is not None and not inplace
-                else fresh and e.requires_grad
-            ):
-                _require_grad(t)
+            _require_grad(t, like, inplace, no_template and e.requires_grad)
             leaves.append(new(Leaf, (p, "tensor", t)))
     reads.run(src, parsed.segments)
     with torch.no_grad():
@@ -244,18 +239,17 @@ def read_leaves(
             t = _tied(results[e.alias], like, inplace, device)
             leaves[i] = Leaf(e.path, "tensor", t)
     for i, e in aliases:
-        like = wanted.get(e.path)
-        if like.requires_grad if like is not None and not inplace else fresh and e.requires_grad:
-            _require_grad(leaves[i].value)
+        _require_grad(leaves[i].value, wanted.get(e.path), inplace, no_template and e.requires_grad)
     if src.unregistered and not placeholders:
         refuse_unregistered(src.path, parsed, selected)
     return leaves
 
 
-def _require_grad(t: torch.Tensor) -> None:
-    """Make ``t`` require grad, as its template leaf (or the saved tensor) did, where its
-    dtype can."""
-    if not t.requires_grad and (t.is_floating_point() or t.is_complex()):
+def _require_grad(t: torch.Tensor, like: torch.Tensor | None, inplace: bool, saved: bool) -> None:
+    """Make ``t`` require grad as its template leaf did (without one, or ``inplace``: as
+    the saved tensor did, ``saved``), where its dtype can."""
+    wants = like.requires_grad if like is not None and not inplace else saved
+    if wants and not t.requires_grad and (t.is_floating_point() or t.is_complex()):
         t.requires_grad_(True)
 
 

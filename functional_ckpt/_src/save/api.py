@@ -87,13 +87,13 @@ def plan_job(
 def write_job(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> CheckpointInfo:
     """Write and commit ``job`` filled by ``tensors``: this process alone (its files, a
     base's shared), or every rank through DCP's planners, the coordinator committing.
-    A distributed save has only ``hooks.read``: its ``staging='none'`` is refused up front
+    A distributed save has only ``hooks.after_read``: its ``staging='none'`` is refused up front
     (:func:`start_save`). The finished save is an INFO record on ``functional_ckpt.save``."""
     if job.distributed:
         from functional_ckpt._src.save.multi_rank import save_planned
 
         assert hooks.after_each is None and hooks.before_commit is None, "refused up front"
-        info = save_planned(job, tensors, read=hooks.read)
+        info = save_planned(job, tensors, read=hooks.after_read)
         if not job.topology.coordinator:
             return info
     else:
@@ -261,7 +261,7 @@ def _work(
             # only the off-CPU or scattered copied (each rank's writes copy their own)
             tensors = list(sources) if job.distributed else [host_copy(t) for t in sources]
             with incremental.closing(job.base):
-                return write_job(job, tensors, Hooks(read=pending._mark_staged))
+                return write_job(job, tensors, Hooks(after_read=pending._mark_staged))
 
         return written
 

@@ -47,12 +47,12 @@ class SaveJob:
 @dataclass(frozen=True)
 class Hooks:
     """Calls into a running write: ``after_each(i)`` once tensor ``i`` is written,
-    ``read()`` once no tensor is read any more (the caller may change them), and
+    ``after_read()`` once no tensor is read any more (the caller may change them), and
     ``before_commit(written)`` (which may raise to refuse the commit) right before it.
     ``live``: the tensors are the caller's own, read while it goes on (``staging="none"``),
     so only ever through the kernel (:mod:`..storage.live`)."""
 
     after_each: Callable[[int], None] | None = None
     before_commit: Callable[[Written], None] | None = None
-    read: Callable[[], None] | None = None
+    after_read: Callable[[], None] | None = None
     live: bool = False

@@ -171,7 +171,7 @@ def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> 
     ``tensors`` are the bytes to write for the plan's sources (the sources
     themselves, or staged copies), each contiguous and on the CPU. Chunks unchanged
     since the job's base are taken from it (:mod:`.incremental`). ``hooks.after_each(i)``
-    runs once tensor ``i`` is written, ``hooks.read()`` once all of them are;
+    runs once tensor ``i`` is written, ``hooks.after_read()`` once all of them are;
     ``hooks.before_commit(written)`` may raise to refuse the commit.
     """
     assert job.prepared is not None
@@ -199,8 +199,8 @@ def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> 
             live=hooks.live,
             zstd_level=job.options.zstd_level,
         )
-        if hooks.read is not None:
-            hooks.read()
+        if hooks.after_read is not None:
+            hooks.after_read()
         by_fqn = {e.fqn: (c,) for e, c in zip(plan.targets, chunks, strict=True)}
         info = incremental.reused_info(tmp)
         if segments:

@@ -49,11 +49,11 @@ Staging = Literal["copy", "write", "none"]
 STAGINGS: tuple[str, ...] = get_args(Staging)
 
 
-def check_staging(value: object, call: str) -> Staging:
-    """``value`` as a staging mode; a ValueError naming ``call``'s argument if it is not."""
+def check_staging(value: object, what: str) -> Staging:
+    """``value`` as a staging mode; a ValueError naming ``what``'s argument if it is not."""
     if value not in STAGINGS:
         listed = ", ".join(repr(m) for m in STAGINGS)
-        raise ValueError(f"{call}(staging={value!r}): expected one of {listed}")
+        raise ValueError(f"{what}(staging={value!r}): expected one of {listed}")
     return cast(Staging, value)
 
 
