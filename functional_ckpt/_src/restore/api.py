@@ -103,16 +103,15 @@ def restore(
     contents are unspecified.
     """
     check_like_or_out(like, out, "fc.restore")
-    return _restore(
-        path,
-        like if out is None else out,
-        inplace=out is not None,
-        device=device,
+    req = Request(
         partial=partial,
         cast=cast,
         allow_pickle=allow_pickle,
         reshard=reshard,
+        inplace=out is not None,
+        device=torch.device("cpu" if device is None else device),
     )
+    return _restore(path, like if out is None else out, req)
 
 
 def restore_for_viewing(path: PathLike) -> Any:
@@ -122,32 +121,12 @@ def restore_for_viewing(path: PathLike) -> Any:
     must not need the code that wrote the checkpoint, and nothing they return is
     restored into a training state.
     """
-    return _restore(path, None, placeholders=True)
+    return _restore(path, None, Request(placeholders=True))
 
 
-def _restore(
-    path: PathLike,
-    chosen: State | None,
-    *,
-    inplace: bool = False,
-    device: torch.device | str | None = None,
-    partial: bool = False,
-    cast: bool = False,
-    allow_pickle: bool = False,
-    reshard: Reshard | None = None,
-    placeholders: bool = False,
-) -> Any:
+def _restore(path: PathLike, chosen: State | None, req: Request) -> Any:
     with gc_paused():  # the manifest's parse and the template's walk make many objects
         template = None if chosen is None else Template.of(chosen)
-        req = Request(
-            partial=partial,
-            cast=cast,
-            allow_pickle=allow_pickle,
-            reshard=reshard,
-            inplace=inplace,
-            device=torch.device("cpu" if device is None else device),
-            placeholders=placeholders,
-        )
         src, t0 = Path(path), time.perf_counter()
         with phase(_LOG, "open", src):
             opened = open_for_restore(src, template)
@@ -162,16 +141,8 @@ def _restore(
             opened.close()
         if _LOG.isEnabledFor(logging.INFO):
             nbytes = sum(v.nbytes for _, kind, v in leaves if kind == "tensor")
-            seconds = time.perf_counter() - t0
-            done(
-                _LOG,
-                "restored",
-                src,
-                seconds=seconds,
-                nbytes=nbytes,
-                step=parse_step(src.name),
-                to="from",
-            )
+            seconds, step = time.perf_counter() - t0, parse_step(src.name)
+            done(_LOG, "restored", src, seconds=seconds, nbytes=nbytes, step=step, to="from")
         # Freed while collection is paused, the manifest's and the template's many
         # small objects are never walked by the collection that re-enabling triggers.
         del opened, match, leaves, template

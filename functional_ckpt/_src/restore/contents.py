@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import stat
 from pathlib import Path
@@ -30,9 +31,10 @@ def inspect_dcp(root: Path) -> CheckpointSummary:
     import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from functional_ckpt._src.restore.stock_dcp import read_stock_metadata
+    from functional_ckpt._src.restore.stock_dcp import StockFiles
 
-    md = read_stock_metadata(root)
+    with StockFiles(root) as files:
+        md = files.metadata()
     planner: Any = md.planner_data if isinstance(md.planner_data, dict) else {}
     tree: dict[str, Any] = Node()
     num_tensors = num_values = tensor_bytes = 0
@@ -41,10 +43,9 @@ def inspect_dcp(root: Path) -> CheckpointSummary:
         flat = isinstance(kp, tuple | list) and kp and all(type(k) in (str, int) for k in kp)
         path: KeyPath = tuple(str(k) for k in kp) if flat else (fqn,)
         if isinstance(smd, TensorStorageMetadata):
-            n = 1
-            for d in smd.size:
-                n *= d
-            nbytes = n * torch.empty((), dtype=smd.properties.dtype).element_size()
+            nbytes = (
+                math.prod(smd.size) * torch.empty((), dtype=smd.properties.dtype).element_size()
+            )
             tensor_bytes += nbytes
             num_tensors += 1
             insert(tree, path, TensorSpec(smd.properties.dtype, tuple(smd.size), nbytes))
@@ -104,10 +105,7 @@ def inspect(path: PathLike) -> CheckpointSummary:
     """
     src = Path(path)
     if is_stock_dcp(src):
-        pass
-
-        summary: CheckpointSummary = inspect_dcp(src)
-        return summary
+        return inspect_dcp(src)
     with open_vetted(src) as ck:
         once = committed.parsed(ck)
         sums = _file_sums(src, ck.manifest, once.shared.parts)  # before a part adds files

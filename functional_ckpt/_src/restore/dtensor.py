@@ -28,6 +28,7 @@ from functional_ckpt._src.format.blobs import lands_raw
 from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.manifest import Chunk
+from functional_ckpt._src.restore.read import region
 from functional_ckpt._src.storage import committed
 from functional_ckpt._src.storage.shards import read_tensors
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
@@ -103,13 +104,8 @@ class _ManifestReader(StorageReader):
                     continue
             data = read_chunk(self.root, chunk, dtype, fqn)
             for req in reqs:
-                piece = data
-                for dim, (off, size) in enumerate(
-                    zip(req.storage_offsets, req.lengths, strict=True)
-                ):
-                    piece = piece.narrow(dim, off, size)
                 target = planner.resolve_tensor(req).detach()
-                target.copy_(piece)
+                target.copy_(region(data, req.storage_offsets, req.lengths))
                 planner.commit_tensor(req, target)
 
     @classmethod

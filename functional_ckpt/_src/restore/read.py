@@ -130,12 +130,12 @@ class Reads:
             for chunk in chunks:
                 if not chunk.nbytes:
                     continue
-                region = _region(buf, chunk)
-                if region.is_contiguous():
-                    land = region
+                part = region(buf, chunk.offsets, chunk.sizes)
+                if part.is_contiguous():
+                    land = part
                 else:
                     land = torch.empty(chunk.sizes, dtype=saved)
-                    self.copies.append((region, land))
+                    self.copies.append((part, land))
                 self._read(entry.path, chunk, land)
         if not direct:
             self.copies.append((dest, buf))
@@ -170,11 +170,11 @@ class Reads:
                 region.copy_(land)
 
 
-def _region(buf: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-    region = buf
-    for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
-        region = region.narrow(dim, off, size)
-    return region
+def region(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """The view of ``t`` at ``offsets``, of ``sizes``."""
+    for dim, (off, size) in enumerate(zip(offsets, sizes, strict=True)):
+        t = t.narrow(dim, off, size)
+    return t
 
 
 def rebuild(

@@ -25,6 +25,7 @@ from functional_ckpt._src.format import naming, unpickler
 from functional_ckpt._src.format.dcp_values import DcpPath
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.format.manifest import dtype_name
+from functional_ckpt._src.restore.read import region
 from functional_ckpt._src.restore.template import Template
 from functional_ckpt._src.state.tree import Leaf, from_python, iter_leaves
 from functional_ckpt._src.storage import opener
@@ -91,22 +92,6 @@ class StockFiles:
         self.close()
 
 
-def read_stock_metadata(root: Path) -> Any:
-    """The parsed ``.metadata`` of a stock DCP checkpoint (nothing in it runs)."""
-    with StockFiles(root) as files:
-        return files.metadata()
-
-
-def _load_tensor(blob: bytes, where: str) -> torch.Tensor:
-    try:
-        t = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CorruptCheckpoint(f"{where}: unreadable tensor blob ({e})") from None
-    if not isinstance(t, torch.Tensor):
-        raise CorruptCheckpoint(f"{where}: blob does not hold a tensor")
-    return t
-
-
 #: What :func:`load_plain` returns for a byte entry that is not plain data.
 _NOT_PLAIN: Any = object()
 
@@ -129,8 +114,9 @@ def load_plain(blob: bytes) -> Any:
     need no class to be rebuilt; the pickle is read by the restricted unpickler
     with every global refused, and its result checked to be plain data. A pickle
     may refer to one container many times: a value that, walked as the tree it
-    stands for, has more elements than :func:`_tree_budget` allows is no plain
-    data either (a few hundred bytes could otherwise stand for 2**31 elements).
+    stands for, has more elements than four per pickle byte (and some slack: a value
+    may refer to a part of itself a few times) is no plain data either (a few
+    hundred bytes could otherwise stand for 2**31 elements).
     """
     try:
         with zipfile.ZipFile(io.BytesIO(blob)) as z:
@@ -147,18 +133,9 @@ def load_plain(blob: bytes) -> Any:
         value = _PlainUnpickler(data).load()
     except (CheckpointError, zipfile.BadZipFile, RecursionError, Exception):
         return _NOT_PLAIN
-    if not unpickler.is_plain(value) or not _tree_within(value, _tree_budget(len(data))):
+    if not unpickler.is_plain(value) or not _tree_within(value, 4 * len(data) + 64):
         return _NOT_PLAIN
     return value
-
-
-def _tree_budget(pickle_bytes: int) -> int:
-    """Elements allowed in a plain value read from a pickle of ``pickle_bytes``.
-
-    Each element of a value without shared parts costs its pickle at least one
-    byte; the slack lets a value refer to a part of itself a few times.
-    """
-    return 4 * pickle_bytes + 64
 
 
 def _tree_within(value: Any, budget: int) -> bool:
@@ -328,10 +305,10 @@ def _parts(saved: dict[str, Any], planner: dict[str, Any], path: KeyPath) -> lis
     return out
 
 
-def _info(storage: dict[Any, Any], fqn: str, root: Path, where: str) -> Any:
+def _info(storage: dict[Any, Any], fqn: str, root: Path, where: str, at: Any = None) -> Any:
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    info = storage.get(MetadataIndex(fqn))
+    info = storage.get(MetadataIndex(fqn, at))
     if info is None:
         raise CorruptCheckpoint(f"{root}: no storage recorded for {where}")
     return info
@@ -352,21 +329,19 @@ def _tensor(
     files: StockFiles, match: StockMatch, fqn: str, smd: Any, dest: torch.Tensor, where: str
 ) -> None:
     """Read every chunk of a stored tensor into its place in ``dest``."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
     root = files.root
     with torch.no_grad():
         for chunk in smd.chunks:
-            info = match.storage.get(MetadataIndex(fqn, chunk.offsets))
-            if info is None:
-                raise CorruptCheckpoint(f"{root}: no storage recorded for {where}")
-            piece = _load_tensor(files.blob(info), f"{root} {where}")
+            blob = files.blob(_info(match.storage, fqn, root, where, chunk.offsets))
+            try:
+                piece = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise CorruptCheckpoint(f"{root} {where}: unreadable tensor blob ({e})") from None
+            if not isinstance(piece, torch.Tensor):
+                raise CorruptCheckpoint(f"{root} {where}: blob does not hold a tensor")
             if tuple(piece.shape) != tuple(chunk.sizes):
                 raise CorruptCheckpoint(f"{root} {where}: chunk shape differs from metadata")
-            region = dest
-            for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
-                region = region.narrow(dim, off, size)
-            region.copy_(piece)
+            region(dest, chunk.offsets, chunk.sizes).copy_(piece)
 
 
 def _set(container: Any, rel: DcpPath, value: Any) -> Any:

@@ -231,13 +231,12 @@ def _work(
     job: SaveJob, mode: Staging, stager: Stager, before_write: Callable[[], None] | None
 ) -> Callable[[PendingSave], CheckpointInfo]:
     """The background half of an async save: stage, then write."""
-    ready = before_write if before_write is not None else _nothing
+    ready: Callable[[], None] = before_write or (lambda: None)
     sources: Sequence[torch.Tensor] = () if job.prepared is None else job.plan.sources
     if mode == "none":
         plan = job.plan
         tensors = [host_copy(t) for t in sources]  # only contiguous host tensors stay live
-        guard = stages.version_guard(sources, plan.keys, tensors, plan.targets)
-        after_each, check, moved = guard
+        after_each, check, moved = stages.version_guard(sources, plan.keys, tensors, plan.targets)
 
         def unstaged(pending: PendingSave) -> CheckpointInfo:
             pending._mark_staged()
@@ -269,25 +268,18 @@ def _work(
 
     def staged(pending: PendingSave) -> CheckpointInfo:
         with incremental.closing(job.base):
-            return staged_write(pending)
-
-    def staged_write(pending: PendingSave) -> CheckpointInfo:
-        stager.acquire()
-        try:
-            copies = stager.stage(local)
-            pending._mark_staged()
-            ready()
-            if job.distributed:
-                copies = [stages.rewrap(t, c) for t, c in zip(sources, copies, strict=True)]
-            return write_job(job, copies, Hooks())
-        finally:
-            stager.release()
+            stager.acquire()
+            try:
+                copies = stager.stage(local)
+                pending._mark_staged()
+                ready()
+                if job.distributed:
+                    copies = [stages.rewrap(t, c) for t, c in zip(sources, copies, strict=True)]
+                return write_job(job, copies, Hooks())
+            finally:
+                stager.release()
 
     return staged
-
-
-def _nothing() -> None:
-    return None
 
 
 __all__ = ["plan_job", "run_save", "save", "save_async", "start_save", "write_job"]

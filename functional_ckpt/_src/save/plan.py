@@ -19,7 +19,7 @@ import torch
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.codec.table import container_budget
-from functional_ckpt._src.distributed.topology import is_dtensor as is_dtensor
+from functional_ckpt._src.distributed.topology import is_dtensor
 from functional_ckpt._src.format import dcp_values as dcpbytes
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.blobs import plain_bytes
@@ -37,10 +37,7 @@ from functional_ckpt._src.format.manifest import (
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.save.options import DEFAULT_PER_RANK
-from functional_ckpt._src.state.tree import (
-    leaves_of,
-    root_record,
-)
+from functional_ckpt._src.state.tree import leaves_of, root_record
 from functional_ckpt._src.storage import commit
 from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
 
@@ -341,11 +338,6 @@ def byte_entries(plan: Plan, *, snapshot: bool = False) -> list[dcpbytes.ByteEnt
     return dcpbytes.plan_bytes(values, taken, plan.optimizers)
 
 
-def _text_bytes(s: str) -> int:
-    """An upper bound on the encoded size of a string (header included)."""
-    return 5 + (len(s) if s.isascii() else 4 * len(s))
-
-
 def _entry_overhead(e: Entry) -> int:
     """An upper bound on the manifest bytes of an entry, its value aside.
 
@@ -354,8 +346,9 @@ def _entry_overhead(e: Entry) -> int:
     """
     keys = "".join(e.path)  # the keys' bounds summed: 5 bytes of header each
     n = 48 + 5 * len(e.path) + (len(keys) if keys.isascii() else 4 * len(keys))
-    if isinstance(e, TensorEntry):
-        n += 202 + 16 + _text_bytes(e.fqn) + 27 * len(e.shape)
+    if isinstance(e, TensorEntry):  # and the fqn's: 5 bytes of header
+        fqn = e.fqn
+        n += 202 + 16 + 5 + (len(fqn) if fqn.isascii() else 4 * len(fqn)) + 27 * len(e.shape)
     return n
 
 
@@ -427,18 +420,6 @@ def check_destination(path: Path, overwrite: bool) -> None:
         )
 
 
-def auto_metadata() -> dict[str, Any]:
-    """What every checkpoint records about where it came from."""
-    from functional_ckpt._src.version import __version__
-
-    return {
-        "hostname": socket.gethostname(),
-        "torch": str(torch.__version__),
-        "functional_ckpt": __version__,
-        "pid": os.getpid(),
-    }
-
-
 @dataclass(frozen=True)
 class Prepared:
     """A save checked and planned, nothing written: where, what, and the metadata
@@ -460,10 +441,15 @@ def prepare_save(
     rank: int = 0,
     check_path: bool = True,
 ) -> Prepared:
-    """Everything a save checks before writing a byte: destination, metadata, tree."""
+    """Everything a save checks before writing a byte: destination, metadata (where the
+    checkpoint came from, then the caller's), tree."""
+    from functional_ckpt._src.version import __version__
+
     dest = Path(path)
     if check_path:
         check_destination(dest, overwrite)
-    meta = {**auto_metadata(), **dict(metadata or {})}
+    host, pid = socket.gethostname(), os.getpid()
+    auto = {"hostname": host, "torch": str(torch.__version__), "functional_ckpt": __version__}
+    meta = {**auto, "pid": pid, **dict(metadata or {})}
     meta_bytes = codec.encode(meta, where="metadata")
     return Prepared(dest, plan_save(state, per_rank=per_rank, rank=rank), meta, meta_bytes)

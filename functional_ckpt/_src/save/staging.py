@@ -1,18 +1,9 @@
 """The staging stage of the save pipeline, and the handle of a background save.
 
-``save_async`` (:mod:`functional_ckpt._src.save.api`) checks everything a save
-checks, then hands the flattened state to one background thread that stages it
-and writes it as :func:`functional_ckpt.save` does. Staging
-copies into buffers a :class:`Stager` allocates once and reuses while shapes stay
-the same (pinned host memory and non-blocking copies on a side stream for CUDA
-tensors), so host memory stays flat over any number of saves. With
-``staging="write"`` nothing is copied first: the writer reads the live tensors
-straight into the files, and the save counts as staged once every byte is there
-(one copy per save where the files are in RAM, and no buffers). With
-``staging="none"`` nothing is copied: the writer reads the live tensors and
-refuses to commit if any of them changed while it read them (tensor version
-counters, and a second checksum of every tensor right before the commit, which
-also sees writes through ``.data`` and numpy).
+A :class:`Stager`'s buffers are allocated once and reused while shapes stay the
+same (pinned for CUDA tensors), so host memory stays flat over any number of
+saves. ``staging="none"`` refuses to commit a state changed while it was read
+(:func:`version_guard`).
 """
 
 from __future__ import annotations
@@ -177,11 +168,9 @@ class PendingSave:
 
     def result(self, timeout: float | None = None) -> CheckpointInfo:
         """Wait for the commit; raise the background error if the save failed."""
-        if not self._finished.wait(timeout):
-            raise TimeoutError(f"{self.path}: the save did not finish within {timeout} s")
-        _UNREAD.discard(self)
-        if self._error is not None:
-            raise self._error
+        error = self.exception(timeout)
+        if error is not None:
+            raise error
         assert self._info is not None
         return self._info
 
@@ -204,11 +193,7 @@ class PendingSave:
             self._mark_staged()
             with self._callbacks:
                 callbacks, self._on_finished = self._on_finished or [], None
-            for fn in callbacks:  # before anyone sees it done (a writer lock released)
-                try:
-                    fn()
-                except Exception:  # a callback's failure is not the save's
-                    continue
+            _call_all(callbacks)  # before anyone sees it done (a writer lock released)
             self._finished.set()
             _RUNNING.discard(self)
 
@@ -220,12 +205,16 @@ class PendingSave:
         if callbacks is None:
             return
         self.staged_after = time.perf_counter() - self.started
-        for fn in callbacks:
-            try:
-                fn()
-            except Exception:  # a callback's failure is not the save's
-                continue
+        _call_all(callbacks)
         self._staged.set()
+
+
+def _call_all(callbacks: list[Callable[[], object]]) -> None:
+    for fn in callbacks:
+        try:
+            fn()
+        except Exception:  # a callback's failure is not the save's
+            continue
 
 
 def version_guard(
