@@ -148,17 +148,11 @@ def _match_tensor(
     targets: dict[KeyPath, torch.Tensor],
 ) -> None:
     """Take template leaf ``t`` as the target of saved tensor ``e``, or say why not."""
+    both = f"  {format_path(p)}: saved {e.spec}, template {dtype_name(t.dtype)}{list(t.shape)}"
     if t.shape != e.shape:  # a torch.Size is a tuple
-        problems.append(
-            f"  {format_path(p)}: saved {e.spec}, template "
-            f"{dtype_name(t.dtype)}{list(t.shape)} (shape differs)"
-        )
+        problems.append(f"{both} (shape differs)")
     elif t.dtype != e.dtype and not cast:
-        problems.append(
-            f"  {format_path(p)}: saved {e.spec}, template "
-            f"{dtype_name(t.dtype)}{list(t.shape)} "
-            "(dtype differs; pass cast=True to convert)"
-        )
+        problems.append(f"{both} (dtype differs; pass cast=True to convert)")
     else:
         targets[p] = t
 
@@ -209,28 +203,17 @@ def rank_view(
         return RankView(mine_parsed, template)  # the common case
     saved_world = parsed.shared
     roots = saved_world.per_rank_roots
-    if reshard is not None:
-        mine = resharded_per_rank(src, parsed, reshard, rank, world)
+    if reshard is not None:  # every saving rank's per-rank subtrees, one TensorDict each
+        names = {r[0] for r in roots}
+        saved = []
+        for r in range(parsed.world_size):
+            one = parsed.view(r, ())  # per-rank entries only: no split tensor is read
+            sel = [(p, k) for p, k in one.order if p[0] in names]
+            saved.append(rebuild(read_leaves(src, one, sel, {}, True), one.root, src.path))
+        mine = as_state(reshard(saved, rank, world))
         return RankView(saved_world, None if template is None else template.without(roots), mine)
     if template is None and not partial:
         per_rank_check(saved_world, [(r, "node") for r in roots], world)
     if template is not None:
         per_rank_check(saved_world, [(lf.path, lf.kind) for lf in template.leaves], world)
     return RankView(saved_world, template)
-
-
-def resharded_per_rank(
-    src: committed.Checkpoint, parsed: ParsedCheckpoint, reshard: Reshard, rank: int, world: int
-) -> TensorDict:
-    """This rank's per-rank subtrees, mapped by the user from every saving rank's.
-
-    ``reshard(saved, rank, world_size)`` gets one TensorDict per saving rank with
-    its per-rank subtrees and returns this rank's.
-    """
-    roots = {r[0] for r in parsed.shared.per_rank_roots}
-    saved = []
-    for r in range(parsed.world_size):
-        one = parsed.view(r, ())  # per-rank entries only: no split tensor is read
-        sel = [(p, k) for p, k in one.order if p[0] in roots]
-        saved.append(rebuild(read_leaves(src, one, sel, {}, True), one.root, src.path))
-    return as_state(reshard(saved, rank, world))

@@ -1,11 +1,9 @@
 """Incremental saves: what did not change since a base checkpoint is not written again.
 
-A checkpoint may hold several data files. The chunks of tensors that changed go
-into the save's own shard file; the base's data files that still hold enough
-unchanged chunks are hard-linked into the new directory under names of their
-own (copied where a link is impossible), and the manifest points at them. Every
-checkpoint is self-contained: readers, ``verify``, ``fckpt`` and stock
-``dcp.load`` see ordinary data files, and deleting the base never breaks it.
+The base's data files that still hold enough unchanged chunks are hard-linked
+(else copied) into the new directory, so every checkpoint is self-contained:
+readers and stock ``dcp.load`` see ordinary data files, and deleting the base
+never breaks it.
 
 "Unchanged" is decided per chunk, never guessed: a chunk is reused only when
 the base recorded the same key, box and dtype and the CRC32 of the bytes being
@@ -125,11 +123,11 @@ def open_base(options: SaveOptions) -> Base | None:
                 if e.alias is None:
                     for c in e.chunks:
                         chunks[(e.fqn, c.offsets)] = BaseChunk(e.dtype, c)
-        held = dict(parsed.shared.file_sizes)
+        sizes = dict(parsed.shared.file_sizes)
+        held = dict(sizes)
         for b in dcpbytes.parse_byte_entries(ck.manifest, held, path):
             held[b.file] -= b.length
         memory = options.trust.recall(ck.dir_fd, path)
-        sizes = dict(parsed.shared.file_sizes)
         if memory is None:
             return Base(ck, chunks, sizes, held, Seen((), ()))
         return Base(ck, chunks, sizes, held, memory.seen, memory.trusted(ck.dir_fd))
@@ -157,7 +155,14 @@ def _unchanged(
     seen = base.seen.get(key)
     if seen is not None and known is not None and seen[0] == known[0] and seen[1] != known[1]:
         return None  # written in place since the base: changed, no checksum pass needed
-    if _crc(t, reader) != got.chunk.crc32:
+    view = byte_view(t)
+    crc = 0
+    if reader is not None:
+        crc = reader.crc(view)
+    else:
+        for off in range(0, len(view), shards.CHUNK):
+            crc = crc32(view[off : off + shards.CHUNK], crc)
+    if crc != got.chunk.crc32:
         return None
     if got.chunk.file not in base.trusted and not _stored_equals(base, got.chunk, t, reader):
         return None  # the base's file does not hold what its manifest says: not shared
@@ -197,16 +202,6 @@ def _stored_equals(base: Base, chunk: Chunk, t: torch.Tensor, reader: LiveReader
     except (OSError, CheckpointError, KeyError, ValueError):
         return False
     return True
-
-
-def _crc(t: torch.Tensor, reader: LiveReader | None) -> int:
-    view = byte_view(t)
-    if reader is not None:
-        return reader.crc(view)
-    crc = 0
-    for off in range(0, len(view), shards.CHUNK):
-        crc = crc32(view[off : off + shards.CHUNK], crc)
-    return crc
 
 
 def unchanged_chunks(
