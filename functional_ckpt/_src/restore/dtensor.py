@@ -226,15 +226,10 @@ def _fresh_dtensor(like: Any) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     local = torch.empty_like(like.to_local(), requires_grad=False)
-    fresh = DTensor.from_local(
-        local,
-        like.device_mesh,
-        like.placements,
-        run_check=False,
-        shape=like.shape,
-        stride=like.stride(),
+    mesh, placements = like.device_mesh, like.placements
+    return DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=like.shape, stride=like.stride()
     )
-    return fresh
 
 
 def read_chunk(
