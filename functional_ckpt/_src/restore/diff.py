@@ -153,11 +153,10 @@ def diff_checkpoints(
     right = _leaves(b)
     say("comparing", None)
     entries = [DiffEntry("added", k, _show(*v, 60)) for k, v in right.items() if k not in left]
-    for key, v in left.items():
-        if key not in right:
-            entries.append(DiffEntry("removed", key, _show(*v, 60)))
-        else:
-            entries.append(_diff_one(key, v, right[key]))
+    entries += [
+        _diff_one(k, v, right[k]) if k in right else DiffEntry("removed", k, _show(*v, 60))
+        for k, v in left.items()
+    ]
     order = {"added": 0, "removed": 1, "kind": 2, "shape": 3, "dtype": 4, "value": 5, "tensor": 6}
     entries.sort(key=lambda e: (order.get(e.kind, 7), e.key))
     say("done", None)
