@@ -344,7 +344,10 @@ class RemoteTier:
         from functional_ckpt._src.distributed.groups import agree
 
         local, t0 = self.root / step_name(step), time.perf_counter()
-        self._set_uploading(step)
+        with self._lock:
+            self._uploading = step
+        if self.coordinator:
+            self._write_status()
         error: BaseException | None = None
         present: dict[str, int] | None = {}
         sizes: dict[str, int] = {}
@@ -405,12 +408,6 @@ class RemoteTier:
             agree(error, self._group, what)
         elif error is not None:
             raise error
-
-    def _set_uploading(self, step: int | None) -> None:
-        with self._lock:
-            self._uploading = step
-        if self.coordinator and step is not None:
-            self._write_status()
 
     def _done(self, step: int) -> None:
         with self._lock:
