@@ -105,10 +105,9 @@ def is_damaged(row: RootEntry) -> bool:
 
 
 def retention_parts(spec: object) -> list[tuple[str, fc.policy.RetentionPolicy]] | None:
-    """Rebuild a recorded retention policy from its spec, one part per ``|`` operand.
+    """A recorded retention spec as policy parts, one per ``|`` operand; None if not one.
 
-    A spec is plain data (the configuration form) and only the ``keep_*`` kinds
-    exist, so nothing read from a checkpoint can run; None for anything else.
+    A spec is plain data of ``keep_*`` kinds only: nothing read from a checkpoint runs.
     """
     try:
         policy = fc.policy.retention_from_config(stored_spec(spec))
@@ -118,10 +117,7 @@ def retention_parts(spec: object) -> list[tuple[str, fc.policy.RetentionPolicy]]
 
 
 def recorded_retention(rows: Sequence[RootEntry]) -> object | None:
-    """The spec of the retention policy the newest checkpoint says its writer used.
-
-    A manager records it under ``metadata["manager"]["keep"]``.
-    """
+    """The retention spec the newest checkpoint's manager recorded (``manager.keep``)."""
     for row in reversed(rows):
         if row.status not in ("ok", "intact"):  # "intact": re-read by --verify
             continue
@@ -145,10 +141,6 @@ def policy_from_flags(
 
 
 # --------------------------------------------------------------------------- ls
-
-
-def _status_style(status: str) -> str:
-    return {"ok": "ok", "intact": "ok", "damaged": "bad", "quarantined": "bad"}.get(status, "warn")
 
 
 def _verify_rows(root: Path, rows: list[RootEntry], ui: UI) -> list[RootEntry]:
@@ -258,20 +250,9 @@ def _print_ls(
                 why,
             ]
         )
-        deleting = "deleted by" in why
-        styles.append(
-            [
-                "",
-                "",
-                "dim",
-                "",
-                "dim",
-                _status_style(r.status),
-                "dim",
-                "",
-                "bad" if deleting else "dim",
-            ]
-        )
+        status = {"ok": "ok", "intact": "ok", "damaged": "bad", "quarantined": "bad"}
+        bad = "bad" if "deleted by" in why else "dim"
+        styles.append(["", "", "dim", "", "dim", status.get(r.status, "warn"), "dim", "", bad])
     ui.table(head, cells, styles)
     committed = [r for r in rows if r.status in COMMITTED]
     total = disk_bytes([r.path for r in rows])  # a file shared by several counts once
@@ -304,7 +285,10 @@ def verify_one(path: Path) -> Verified:
         if naming.is_temporary_name(path.name):
             raise
         return Verified(str(path), False, (_problem(path, err),))
-    lines = [f"{path / p.where if _is_file(path, p.where) else path}: {p}" for p in report.problems]
+    lines = [
+        f"{path / p.where if '/' not in p.where and (path / p.where).exists() else path}: {p}"
+        for p in report.problems
+    ]
     return Verified(str(path), report.ok, tuple(lines), report.files_checked, report.bytes_checked)
 
 
@@ -321,10 +305,6 @@ def verify_listed(root: Path, path: Path) -> Verified | None:
     if path not in [r.path for r in scan_root(root) if r.status in COMMITTED]:
         return None
     return verify_one(path) if result is None else result
-
-
-def _is_file(path: Path, where: str) -> bool:
-    return "/" not in where and (path / where).exists()
 
 
 def _verify_targets(target: Path) -> tuple[list[Path], list[Verified], list[Path], bool]:
@@ -444,12 +424,8 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
 
 
 def _delete(root: Path, policy: fc.policy.RetentionPolicy, approved: set[int]) -> list[int]:
-    """Delete under the writer lock, re-planned there: only steps shown and still doomed.
-
-    A trainer that saved since the plan was shown may have changed which steps the
-    policy keeps; deleting only the intersection never removes something the user
-    was not shown, nor something that became worth keeping.
-    """
+    """Delete under the writer lock, re-planned there: only steps shown and still doomed
+    (a trainer that saved meanwhile may have changed what the policy keeps)."""
     with fc.CheckpointManager(root, save=fc.policy.never(), keep=fc.policy.keep_all()) as mgr:
         doomed = [s for s in fc.policy.plan_deletions(policy, mgr.infos()) if s in approved]
         for step in doomed:

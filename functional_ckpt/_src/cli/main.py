@@ -13,9 +13,6 @@ checkpoint logic. Conventions:
   ``fckpt: error: <message>`` without a traceback, whatever the input file holds;
 * ``--json`` (every command that prints a table or a report) makes stdout one
   JSON document and nothing else; errors and exit statuses stay as they are.
-
-This module is the entry point: it parses (:mod:`.parser`), imports and runs the
-command's function and turns every outcome into the exit status above.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""``fckpt``'s parser: every command's flags, help text and examples, and one table
-of which function runs each command.
+"""``fckpt``'s parser: every command's flags, help and examples, and which function runs it.
 
-Building it imports no command's module (:data:`COMMANDS` names them; ``main``
-imports one when it runs), so ``fckpt --help`` and the commands that read no
-tensor start light. Each value a flag takes is checked while the command line is
-parsed, so a bad one is a one-line usage error naming the flag.
+Building it imports no command's module, so ``fckpt --help`` starts light; a bad flag
+value is a one-line usage error naming the flag, found while parsing.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """``fckpt run``: relaunch a training command after a crash, never after success or a stop.
 
-A supervisor, not a scheduler: it starts the command in a session of its own (so
-a launcher's workers, ``torchrun``'s, are one process group with it), waits, and on
-a non-zero exit or a death by signal starts it again after a growing pause, so the
-job resumes from its newest checkpoint. A SIGTERM, SIGINT or SIGHUP sent to the
-supervisor is passed to the whole group (a job with an ``on_signal`` policy saves)
-and means "stop". A relaunch waits until none of the previous attempt's processes
-is left: two copies of a job must never run at once. Between attempts the
-supervisor learns the job's newest committed step, from the checkpoint root
-(``--root``, read only) or from the progress file a job's ``CheckpointManager``
-writes after each commit (named in ``FCKPT_PROGRESS``), to report each attempt and
-to tell a job that makes progress from one that fails at the same place every time
-(stopped instead of burning every retry). A manager's config file can hold the
-relaunch options (its ``run`` block) next to the manager's own; flags win over it.
+The command runs in a session of its own (a launcher's workers are one process group
+with it) and is started again after a growing pause on a failure, so the job resumes
+from its newest checkpoint. SIGTERM, SIGINT or SIGHUP is passed to the group and means
+"stop". A relaunch waits until no process of the previous attempt is left (two copies
+must never run at once). The newest committed step, from ``--root`` or the progress
+file named in ``FCKPT_PROGRESS``, tells a job that progresses from one that fails at
+the same place every time. A config file's ``run`` block holds defaults; flags win.
 """
 
 from __future__ import annotations
@@ -97,14 +91,10 @@ def _config(path: Path, key: str | None) -> Relaunch:
             raise UsageError(f"--config {path}: no key {'.'.join(parts[: i + 1])!r} in it")
         cfg = cfg[part]
     try:
-        given = check_keys(cfg, key or "config", MANAGER_KEYS, "keys")
-        run = given.get("run")
-        relaunch = (
-            Relaunch() if run is None else relaunch_from_config(run, at_key(key or "", "run"))
-        )
+        run = check_keys(cfg, key or "config", MANAGER_KEYS, "keys").get("run")
+        return Relaunch() if run is None else relaunch_from_config(run, at_key(key or "", "run"))
     except ConfigError as exc:
         raise UsageError(f"--config {path}: {exc}") from None
-    return relaunch
 
 
 def run_options(args: argparse.Namespace) -> tuple[list[str], Relaunch, Path | None]:
@@ -131,11 +121,8 @@ def run_options(args: argparse.Namespace) -> tuple[list[str], Relaunch, Path | N
         )
     if opts.backoff < 0 or opts.max_backoff < 0:
         raise UsageError("--backoff and --max-backoff must be >= 0 seconds")
-    return (
-        list(command),
-        dataclasses.replace(opts, max_backoff=max(opts.max_backoff, opts.backoff)),
-        root,
-    )
+    opts = dataclasses.replace(opts, max_backoff=max(opts.max_backoff, opts.backoff))
+    return list(command), opts, root
 
 
 # --------------------------------------------------------------------------- attempts
@@ -171,13 +158,8 @@ class Attempt:
         return self.returncode != 0
 
     def lost(self, root_known: bool) -> float:
-        """Work to redo after this attempt plus the pause before the next one.
-
-        With the job's steps known (a root read, or the steps the job reported), the
-        work since the newest checkpoint this attempt saved (its save time; the saved
-        state is the one at that moment), or all of it if it saved none; without
-        them, all of a failed attempt (an upper bound).
-        """
+        """Work to redo after this attempt plus the pause before the next one: the work
+        since the newest checkpoint it saved if the steps are known, else all of it."""
         if not self.failed:
             return self.waited
         work = self.ran

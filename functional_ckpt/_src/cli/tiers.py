@@ -1,15 +1,7 @@
-"""What ``fckpt ls ROOT`` shows below the checkpoints, and remote URLs as arguments.
-
-Below the checkpoints: a manager's safetensors exports, the branches rollbacks
-left, where each step lives for a root whose manager uploads to a remote
-(``ROOT/.remote.json``: ``local``, ``remote``, ``both``, ``uploading``, or
-``local`` with the upload's failure) and the checkpoints of its memory tier
-(``ROOT/.memory.json``), with whether its run is still open. ``fckpt ls URL``,
-``fckpt verify URL`` and ``fckpt inspect URL/step_N`` read a remote root or
-checkpoint (downloaded into a temporary directory first); credentials and
-endpoints come from the environment (``AWS_*`` for s3fs), or from
-``FCKPT_STORAGE_OPTIONS``, a JSON object of fsspec storage options. The remote
-tier's reading side is imported only when a URL is given.
+"""What ``fckpt ls ROOT`` shows below the checkpoints (exports, branches, where each
+step lives with a remote tier, the memory tier), and remote URLs as arguments
+(credentials from the environment or ``FCKPT_STORAGE_OPTIONS``, fsspec options as JSON).
+The remote tier's reading side is imported only when a URL is given.
 """
 
 from __future__ import annotations
@@ -26,15 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import functional_ckpt as fc
-from functional_ckpt._src.cli.ui import (
-    PROG,
-    UI,
-    UsageError,
-    Verified,
-    human,
-    one_line,
-    time_text,
-)
+from functional_ckpt._src.cli.ui import PROG, UI, UsageError, Verified, human, one_line, time_text
 from functional_ckpt._src.export.exports import ExportInfo
 from functional_ckpt._src.format.header import header_of
 from functional_ckpt._src.format.naming import BRANCHES_DIR, parse_step, step_name
@@ -195,15 +179,10 @@ def print_memory(found: tuple[dict[str, Any], list[dict[str, Any]]] | None, ui: 
     if not rows:
         ui.print("  no checkpoints (a closed manager removes its memory tier)")
         return
-    cells = [
-        [
-            step_name(r["step"]),
-            str(r["step"]),
-            human(r["size"]),
-            str(r.get("run"))[:8] + ("" if r.get("this_run") else " (another run)"),
-        ]
-        for r in rows
-    ]
+    cells = []
+    for r in rows:
+        run = str(r.get("run"))[:8] + ("" if r.get("this_run") else " (another run)")
+        cells.append([step_name(r["step"]), str(r["step"]), human(r["size"]), run])
     head = ["CHECKPOINT", "STEP", "SIZE", "RUN"]
     if "replicas" in rows[0]:
         head += ["REPLICAS", "HERE"]
@@ -259,16 +238,8 @@ def print_exports(exports: Sequence[ExportInfo], ui: UI) -> None:
         side = [f for f in e.files if not f.startswith("model")]
         weights = len(e.files) - len(side)
         what = f"{weights} weight file{'s' if weights != 1 else ''}"
-        cells.append(
-            [
-                e.path.name,
-                str(e.step),
-                time_text(e.time),
-                human(e.size),
-                metrics_text(e.metrics),
-                ", ".join([what, *side]),
-            ]
-        )
+        row = [e.path.name, str(e.step), time_text(e.time), human(e.size)]
+        cells.append([*row, metrics_text(e.metrics), ", ".join([what, *side])])
     head = ["EXPORT", "STEP", "SAVED", "SIZE", "METRICS", "FILES"]
     ui.table(head, cells, [["", "", "dim", "", "", "dim"]] * len(cells))
 
@@ -293,22 +264,14 @@ def ls_remote(args: argparse.Namespace, ui: UI) -> int:
     if not rows:
         ui.print(f"{args.root}: no checkpoints")
         return 0
-    cells = [
-        [
-            step_name(r["step"]),
-            str(r["step"]),
-            time_text(r["time"]),
-            human(r["size"]),
-            r["status"],
-            (r["run"] or "-")[:8],
-        ]
-        for r in rows
-    ]
-    ui.table(
-        ["CHECKPOINT", "STEP", "SAVED", "SIZE", "STATUS", "RUN"],
-        cells,
-        [["", "", "dim", "", "", "dim"]] * len(rows),
-    )
+    cells = []
+    for r in rows:
+        when, run = time_text(r["time"]), (r["run"] or "-")[:8]
+        cells.append(
+            [step_name(r["step"]), str(r["step"]), when, human(r["size"]), r["status"], run]
+        )
+    columns = ["CHECKPOINT", "STEP", "SAVED", "SIZE", "STATUS", "RUN"]
+    ui.table(columns, cells, [["", "", "dim", "", "", "dim"]] * len(rows))
     committed = sum(r["status"] == "ok" for r in rows)
     ui.print(f"\n{committed} committed checkpoints on {args.root}")
     return 0

@@ -1,14 +1,9 @@
-"""Where ``fckpt`` output goes and how it looks (colours, tables and progress through
-``rich``), and the two outcomes of a command besides success.
+"""Where ``fckpt`` output goes and how it looks, and the two outcomes besides success.
 
-Decided once from the streams and the environment: colours need a terminal on
-stdout and no ``NO_COLOR`` (https://no-color.org) or ``TERM=dumb``; progress needs
-a terminal on stderr, so ``fckpt verify ROOT > log`` still shows progress while
-the log stays plain. Output on a non-terminal is plain, stable text (scripts
-parse it): tables are never wrapped or truncated and carry no trailing spaces.
-
-``rich`` is imported only where a bar, a colour or a table of other than plain
-ASCII text is drawn: plain output (``--help``, ``ls`` into a pipe) starts without it.
+Colours need a terminal on stdout and no ``NO_COLOR``/``TERM=dumb``; progress needs a
+terminal on stderr, so ``fckpt verify ROOT > log`` shows progress while the log stays
+plain, stable text for scripts (tables never wrapped, no trailing spaces). ``rich`` is
+imported only to draw a bar, a colour or a non-ASCII table, so plain output starts fast.
 """
 
 from __future__ import annotations
@@ -94,8 +89,7 @@ def human(n: float) -> str:
 
 
 def _plain_cells(head: Sequence[str], rows: Sequence[Sequence[str]], styles: Any) -> bool:
-    """Every cell printable ASCII, one per column (and a style for each): then ``rich``
-    would lay the table out exactly as :func:`_plain_table` does."""
+    """Every cell printable ASCII, one per column: ``rich`` would print :func:`_plain_table`."""
     width = len(head)
     if (
         not width
@@ -107,12 +101,7 @@ def _plain_cells(head: Sequence[str], rows: Sequence[Sequence[str]], styles: Any
 
 
 def _plain_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """The lines ``rich`` prints for a plain table of printable ASCII cells: each column
-    as wide as its widest cell, two spaces between columns, no trailing spaces.
-
-    Plain output (pipes, scripts) is most of what ``fckpt ls`` prints, and this
-    spares it importing ``rich`` and laying the table out cell by cell.
-    """
+    """The lines ``rich`` prints for a plain ASCII table, without importing ``rich``."""
     widths = [max(len(c) for c in column) for column in zip(head, *rows, strict=True)]
     return [
         "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
@@ -121,11 +110,7 @@ def _plain_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str
 
 
 class Progress:
-    """A transient ``rich`` progress bar on a terminal; nothing at all otherwise.
-
-    Plain output (pipes, CI logs) gets no bar: animations only clutter a log, and
-    the command prints its result lines either way.
-    """
+    """A transient ``rich`` progress bar on a terminal; nothing otherwise (a log stays clean)."""
 
     def __init__(
         self,
@@ -241,12 +226,7 @@ class UI:
         return Style.parse(name).render(text)
 
     def print(self, text: str = "") -> None:
-        """One line (or several) of output; plain output is escaped for the terminal.
-
-        Coloured output carries this module's own escape sequences, so there the
-        callers escape what came from a checkpoint (:func:`printable`) as they
-        format it; plain output is escaped here as well, whatever the caller did.
-        """
+        """Output lines; plain output is escaped here (coloured output by its callers)."""
         print(text if self.colour else printable_lines(text), file=self.out, flush=True)
 
     def note(self, text: str) -> None:
@@ -323,24 +303,10 @@ class UI:
         bad, n = sum(not r.ok for r in results), len(results)
         if json:
             rows = [
-                {
-                    "path": r.where,
-                    "status": "intact" if r.ok else "damaged",
-                    "problems": list(r.problems),
-                    "files_checked": r.files_checked,
-                    "bytes_checked": r.bytes_checked,
-                }
-                for r in results
-            ]
-            rows += [
-                {
-                    "path": str(p),
-                    "status": "skipped",
-                    "problems": [],
-                    "files_checked": 0,
-                    "bytes_checked": 0,
-                }
-                for p in stock
+                {"path": r.where, "status": s, "problems": list(r.problems)}
+                | {"files_checked": r.files_checked, "bytes_checked": r.bytes_checked}
+                for r, s in [(r, "intact" if r.ok else "damaged") for r in results]
+                + [(Verified(str(p), False), "skipped") for p in stock]
             ]
             doc = {"path": target, "ok": not bad, "intact": n - bad, "damaged": bad}
             self.json({**doc, "skipped": len(stock), "checkpoints": rows})

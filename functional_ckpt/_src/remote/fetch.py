@@ -1,14 +1,9 @@
 """Downloading a remote checkpoint: in parallel, every byte verified, committed locally.
 
-The objects of a committed remote checkpoint are downloaded (through the store's
-bulk ``get``, in parallel) into a private directory of the local root, fsynced,
-and checked by :func:`functional_ckpt.verify` (every chunk's CRC32, the derived
-``.metadata``, the manifest against the marker) before the directory is renamed
-into place as an ordinary local checkpoint (its data flushed to disk in the
-background: the remote copy is the durable one). A damaged object is
-:class:`~functional_ckpt.errors.CorruptCheckpoint`; a checkpoint deleted or
-replaced remotely while it was read is :class:`~functional_ckpt.errors.RemoteVanished`.
-Nothing half-downloaded is ever visible.
+A private directory of the local root receives the objects, is checked by
+:func:`functional_ckpt.verify`, then renamed into place: nothing half-downloaded is
+ever visible. Damage is :class:`~functional_ckpt.errors.CorruptCheckpoint`; a copy
+deleted or replaced remotely meanwhile is :class:`~functional_ckpt.errors.RemoteVanished`.
 """
 
 from __future__ import annotations

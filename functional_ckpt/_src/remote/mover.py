@@ -1,28 +1,16 @@
 """Uploads' bytes moved by a helper process, which stands still while a save stages.
 
-An upload of a checkpoint moves as many bytes as the save wrote, through the
-Python code of the object store's client (s3fs, aiobotocore …). On the training
-process that code competes for the GIL and the cores with the training loop and
-with the copy a save makes of the state, the one part of an async save the loop
-waits for. So the bulk ``put`` of a checkpoint's files runs in a child process of
-its own (:class:`Mover`), at a lower CPU priority, and the manager stops that
-process (``SIGSTOP``) from the start of each save until the state is copied, then
-lets it go on (``SIGCONT``): the transfer is only delayed, the loop's stall is
-what it is without uploads.
+An object store's client is Python code: on the training process it competes for the
+GIL and the cores with the loop and with the state copy an async save waits for. So
+the bulk ``put`` runs in a niced child process (:class:`Mover`) that the manager
+``SIGSTOP``s from the start of each save until the state is copied: the transfer is
+only delayed, the loop's stall is what it is without uploads.
 
-The child runs this very file as a script, so it imports nothing of
-functional_ckpt (nor torch): only the standard library and fsspec. It gets the
-store's URL and ``storage_options`` through a pipe (never a file), dies with its
-parent (a killed training process leaves no upload writing on its own), and
-reports a failure as :class:`_MovedFailure`, described the way
-:func:`facts_of` describes one of this process, so that the store turns both into
-the same :class:`~functional_ckpt.errors.RemoteError`.
-
-Only stores that another process can reach take part: not ``memory://``
-(process-local) nor a local directory (a file copy takes no GIL), nor a store
-whose ``storage_options`` are not plain JSON (a botocore ``Config``, a session
-object: nothing is pickled here); for those the transfer runs in
-the calling thread.
+The child runs this file as a script (standard library and fsspec only), gets the URL
+and ``storage_options`` through a pipe (never a file), dies with its parent, and
+reports failures as :func:`facts_of` does here, so both map to the same
+:class:`~functional_ckpt.errors.RemoteError`. ``memory://``, local directories and
+options that are not plain JSON (nothing is pickled) keep the transfer in the caller.
 """
 
 from __future__ import annotations
@@ -90,9 +78,7 @@ class Mover:
 
     def __init__(self, url: str, storage_options: Mapping[str, Any]) -> None:
         self.url = url
-        # Encoded now, in the caller: options that are not plain JSON (exactly: a
-        # tuple would come back a list) leave the transfers in the calling thread
-        # (``usable`` is False), they never fail later.
+        # Options that do not round-trip through JSON leave transfers in the caller.
         options = dict(storage_options)
         try:
             encoded = json.dumps(options)
@@ -118,11 +104,8 @@ class Mover:
         return proc.pid if proc is not None and proc.poll() is None else None
 
     def start(self) -> bool:
-        """Start the helper process now (it is otherwise started by the first ``put``).
-
-        Returns whether it runs; a process that cannot start (fsspec missing in
-        it, options it cannot rebuild) is not tried again.
-        """
+        """Start the helper process now (else the first ``put`` does); whether it runs.
+        One that cannot start is not tried again."""
         with self._lock:
             return self._started()
 
@@ -166,11 +149,7 @@ class Mover:
             self._finalizer = weakref.finalize(self, _stop, proc, os.getpid())
             if self._paused:
                 _signal(proc, _SIGSTOP)
-        hello = {
-            "url": self.url,
-            "options": self._setup,
-            "path": [p for p in sys.path if p],
-        }
+        hello = {"url": self.url, "options": self._setup, "path": [p for p in sys.path if p]}
         if _ask(proc, hello, patience=self._patience()).get("ready") is not True:
             self.close()
             self._broken = True

@@ -141,9 +141,7 @@ class RemoteResume:
         return good
 
     def _agreed(
-        self,
-        local_steps: Callable[[], list[int]],
-        read_step: Callable[[int], tuple[StepInfo, T]],
+        self, local_steps: Callable[[], list[int]], read_step: Callable[[int], tuple[StepInfo, T]]
     ) -> Found[T]:
         """Every rank restores one step: the newest every rank has locally, or the remote's.
 

@@ -1,10 +1,8 @@
 """An object store reached through fsspec: its checkpoints' objects and its failures.
 
-A remote root mirrors a local one: ``<url>/step_{N:09d}/`` holds the same files
-as the local checkpoint. Every failure of the store is turned into one
-:class:`~functional_ckpt.errors.RemoteError` subclass that names the URL and
-says what to do; fsspec (and s3fs, gcsfs …) is imported only here, and only when
-a remote is used.
+``<url>/step_{N:09d}/`` holds the local checkpoint's files. Every failure becomes a
+:class:`~functional_ckpt.errors.RemoteError` that names the URL and says what to do;
+fsspec is imported only here, and only when a remote is used.
 """
 
 from __future__ import annotations
@@ -72,13 +70,8 @@ def remote_error(err: BaseException, where: str) -> CheckpointError:
 
 
 def public_url(url: str) -> str:
-    """``url`` without its secrets: the password of its user part and its query string.
-
-    A URL may carry a password (``ftp://user:pw@host/…``) or a token in its query
-    (``https://host/?token=…``, a presigned endpoint); neither is ever written to the
-    status file nor put in a message. (Credentials belong in the environment or in
-    ``storage_options``, which are never written or shown either.)
-    """
+    """``url`` without its secrets (a user's password, a query's token), as messages and
+    the status file show it."""
     try:
         parts = urllib.parse.urlsplit(url)
         password = parts.password

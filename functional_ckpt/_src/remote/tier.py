@@ -1,18 +1,11 @@
 """The remote tier of a manager's root: uploads, per-tier retention, resumes from remote.
 
-Every checkpoint commits locally first; an upload round then runs on a
-background worker (:mod:`~functional_ckpt._src.remote.uploader`): the coordinator
-lists the remote root, picks the local checkpoints the remote retention keeps
-and that are not committed remotely yet, and each is committed there by the
-object-store protocol (:mod:`~functional_ckpt._src.remote.protocol`), every rank
-uploading the files it wrote. A local checkpoint is protected from local
-retention until its remote copy is committed (unless ``prune_unuploaded``).
-
-Under ``torch.distributed`` the ranks' local roots may be one shared directory
-or one directory each. With one each, a non-coordinator rank's ``step_N`` holds
-only the shard files it wrote (a *part*: no manifest, no marker), which is never
-listed or restored as a checkpoint; it exists to be uploaded, and goes once the
-coordinator no longer keeps that step. A resume then comes from the remote tier.
+Every checkpoint commits locally first; a background upload round then commits the
+ones the remote retention keeps by :mod:`~functional_ckpt._src.remote.protocol`, each
+rank uploading the files it wrote. Local retention spares a checkpoint until its
+remote copy is committed (unless ``prune_unuploaded``). With one local root per
+rank, a non-coordinator's ``step_N`` is a *part* (its shards, no manifest, no marker):
+never listed or restored, kept only to be uploaded; a resume then comes from remote.
 """
 
 from __future__ import annotations
@@ -150,12 +143,8 @@ class RemoteTier:
             self._worker.request()
 
     def hold_uploads(self) -> None:
-        """A save begins: the uploads running stand still until ``release_uploads``.
-
-        The helper process that moves their bytes is stopped, so the copy of the
-        state the training loop waits for has the cores to itself (see
-        :mod:`~functional_ckpt._src.remote.mover`); stores without one are not held.
-        """
+        """A save begins: uploads stand still until ``release_uploads``, so the state
+        copy the loop waits for has the cores (see :mod:`~functional_ckpt._src.remote.mover`)."""
         self.store.pause_uploads()
 
     def release_uploads(self) -> None:
@@ -185,10 +174,8 @@ class RemoteTier:
         return self._worker is not None and self._worker.busy()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until every upload asked for so far has finished (or failed); report failures.
-
-        Returns False if ``timeout`` (seconds) passed first.
-        """
+        """Block until every upload asked for so far has ended; report failures.
+        False if ``timeout`` (seconds) passed first."""
         done = True if self._worker is None else self._worker.drain(timeout)
         self.check()
         return done
@@ -273,9 +260,6 @@ class RemoteTier:
         elif not self.shared:
             self._drop_parts(plan["local"])
 
-    def _local(self) -> dict[int, Path]:
-        return committed_steps(self.root)
-
     def _claim(self) -> None:
         """Before writing remotely: take the remote root (the first time), or raise if
         another manager took it since (see :data:`LEASE`)."""
@@ -291,7 +275,7 @@ class RemoteTier:
         )
 
     def _plan(self) -> dict[str, list[int]]:
-        local = self._local()
+        local = committed_steps(self.root)
         try:
             listing = retried(self.store.listing)
         except CheckpointError as err:
@@ -360,7 +344,10 @@ class RemoteTier:
         from functional_ckpt._src.distributed.groups import agree
 
         local, t0 = self.root / step_name(step), time.perf_counter()
-        self._set_uploading(step)
+        with self._lock:
+            self._uploading = step
+        if self.coordinator:
+            self._write_status()
         error: BaseException | None = None
         present: dict[str, int] | None = {}
         sizes: dict[str, int] = {}
@@ -421,12 +408,6 @@ class RemoteTier:
             agree(error, self._group, what)
         elif error is not None:
             raise error
-
-    def _set_uploading(self, step: int | None) -> None:
-        with self._lock:
-            self._uploading = step
-        if self.coordinator and step is not None:
-            self._write_status()
 
     def _done(self, step: int) -> None:
         with self._lock:

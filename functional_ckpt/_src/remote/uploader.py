@@ -1,15 +1,9 @@
 """Uploads off the training thread: one worker, retries with backoff, a status file.
 
-The training thread only asks for an upload round (after each local commit)
-and reads the outcome; the worker runs the rounds in order. Under
-``torch.distributed`` every rank runs the same rounds in the same order (each
-round is asked for by the same collective save on every rank), so the rounds'
-collectives line up on a group of their own.
-
-A failed upload never raises on the training thread: it is kept as an
-:class:`~functional_ckpt.errors.UploadFailed`, reported once by a
-:class:`~functional_ckpt.errors.RemoteWarning` at the next manager call, and
-written to ``root/.remote.json`` for ``fckpt ls``.
+Under ``torch.distributed`` every rank runs the same rounds in the same order, so
+their collectives line up. A failed upload never raises on the training thread: it
+is reported once as a :class:`~functional_ckpt.errors.RemoteWarning` at the next
+manager call and written to ``root/.remote.json`` for ``fckpt ls``.
 """
 
 from __future__ import annotations
@@ -31,16 +25,7 @@ from functional_ckpt.errors import (
     UploadFailed,
 )
 
-__all__ = [
-    "BACKOFF",
-    "RETRIES",
-    "STATUS_FILE",
-    "Worker",
-    "failure",
-    "read_status",
-    "retried",
-    "write_status",
-]
+__all__ = ["STATUS_FILE", "Worker", "failure", "read_status", "retried", "write_status"]
 
 T = TypeVar("T")
 
@@ -76,11 +61,9 @@ def retried(fn: Callable[[], T], attempts: int | None = None) -> T:
 class Worker:
     """One daemon thread that runs ``round()`` after requests, in order.
 
-    A round serves every request made before it began (each round plans from what
-    is on disk and remote then), so the requests of saves made while a round hangs
-    on a store that is down do not queue up: one more round serves them all.
-    ``coalesce=False`` runs one round per request (under ``torch.distributed``,
-    where every rank must run the same rounds for their collectives to line up).
+    A round serves every request made before it began, so saves made while a store is
+    down do not queue rounds up. ``coalesce=False`` runs one round per request (ranks
+    must run the same rounds for their collectives to line up).
     """
 
     def __init__(

@@ -470,7 +470,7 @@ def cmd_demo(args: argparse.Namespace, ui: UI) -> int:
                 "in_flight": list(result.in_flight),
                 "wall_s": result.wall_s,
                 "plot": None if result.plot is None else str(result.plot),
-            },
+            }
         )
     else:
         ui.print("")

@@ -1,25 +1,12 @@
 """``fckpt demo``: train, SIGKILL, resume, and prove the result is bit-identical.
 
-The promise of this package is that a run which crashes and resumes is *the same
-run* as one that never stopped. The demo shows it end to end on an embedded job,
-with nothing to download:
-
-1. a training process (a small MLP with dropout on a generated classification
-   task, AdamW, warm-up + cosine LR, a shuffling loader, per-step randomness from
-   torch's and numpy's generators) checkpoints with a :class:`CheckpointManager`
-   on ``every_steps | every_secs | on_improve | on_final`` and keeps
-   ``keep_last | keep_best``, with async saves;
-2. it SIGKILLs itself right after step ``--crash-at`` (a save may well be in
-   flight: it must never become visible);
-3. a new process resumes from the newest checkpoint and trains to the end;
-4. a reference process, started alongside, trains the same job without ever
-   stopping or checkpointing;
-5. the parent compares per-step losses (as exact float hex) and the final
-   states (bit for bit) and prints a report. Exit status 0 only if identical.
-
-The children run ``python -m functional_ckpt._src.cli.demo train ...`` single-threaded
-with deterministic algorithms, because multi-threaded reductions may sum in a
-different order from one process to the next and break bit-identity for reasons
+A run that crashes and resumes must be *the same run* as one that never stopped. A
+training process (MLP with dropout, AdamW, warm-up + cosine LR, a shuffling loader,
+torch and numpy randomness, async saves by a :class:`CheckpointManager`) SIGKILLs
+itself after step ``--crash-at`` (a save may be in flight) and a new process resumes;
+a reference process trains without stopping. Per-step losses (float hex) and final
+states must be bit-identical. The children are single-threaded and deterministic:
+multi-threaded reductions may sum in another order and break bit-identity for reasons
 that have nothing to do with checkpointing.
 """
 
