@@ -570,12 +570,15 @@ def restore_on_disk(
     from functional_ckpt._src.storage import commit, committed
 
     where.mkdir(parents=True)
-    for name, info in codec.decode(index)["files"].items():
-        r = naming.parse_part(name)
+    files = dict(codec.decode(index)["files"])
+    for r, data in enumerate(parts):  # each part lists its rank's files (CRC32 after it)
+        (where / naming.part_name(r)).write_bytes(data)
+        files.update(codec.decode(data[:-4])["files"])
+    for name, info in files.items():
         with open(where / name, "wb") as f:
-            f.write(parts[r]) if r is not None else f.truncate(info["size"])
+            f.truncate(info["size"])
     (where / naming.MANIFEST).write_bytes(index)
-    commit.write_commit_marker(where, index, version=naming.PARTS_VERSION, sync=False)
+    commit.write_commit_marker(where, index, version=codec.decode(index)["version"], sync=False)
     data: set[str] = set()
     fc_restore(index, parts, wanted, rank, data)  # the files its reads plan
     count = {"rank_files_opened": 0, "rank_bytes_read": 0, "rank_peak_descriptors": 0}

@@ -326,3 +326,64 @@ def test_split_dim_is_the_rule_box_for_box_for_any_damage() -> None:
             n,
             damaged,
         )
+
+
+def test_parts_are_encoded_in_bulk_as_row_by_row() -> None:
+    """A part's rows, packed at once, are the bytes the rows packed one by one give:
+    plain and compressed chunks (8 fields), integers of every width, per-rank entries,
+    each part's files and its trailing CRC32."""
+    from functional_ckpt._src.format import manifest as m
+    from functional_ckpt._src.format import parts
+    from functional_ckpt._src.format.manifest import Chunk, TensorEntry, Tree, ValueEntry, Written
+
+    world = 3
+    shapes = {"w": (9, 4), "big": (3 * 70000, 2), "bias": (4,)}
+    shared = tuple(TensorEntry(("m", k), f"m.{k}", "float32", s, False) for k, s in shapes.items())
+    per_rank = tuple(
+        (
+            ValueEntry(("rng",), r, codec.encode(r)),
+            TensorEntry(("rng_t",), f"rng_t{r}", "uint8", (5,), False),
+        )
+        for r in range(world)
+    )
+    written: dict[str, tuple[Chunk, ...]] = {}
+    for i, (k, s) in enumerate(shapes.items()):
+        step = -(-s[0] // world)
+        written[f"m.{k}"] = (
+            tuple(
+                Chunk(
+                    (r * step, *(0,) * (len(s) - 1)),
+                    (step, *s[1:]),
+                    naming.shard_name(r),
+                    offset=2**33 * i + r,  # past 2**32: msgpack's uint64
+                    length=300 + 70000 * i,
+                    data_offset=128 + r,
+                    nbytes=step * 4 * (s[1:] or (1,))[0],
+                    crc32=2**32 - 1 - r,
+                    hcrc32=r * 255,
+                    zstd=int(r == 1),
+                )
+                for r in range(world)
+            )
+            if len(s) > 1
+            else (Chunk((0,), s, naming.shard_name(0), 4, 16, 4, 16, 1, 2),)
+        )
+    for r in range(world):
+        written[f"rng_t{r}"] = (Chunk((0,), (5,), naming.shard_name(r), 7, 5, 7, 5, r, r),)
+    manifest = m.assemble(
+        Tree(shared, per_rank), Written(written), {}, created=1.5, metadata={"step": 3}
+    )
+    assert set(manifest.split) == {("m", "w"), ("m", "big")}
+    files = {naming.shard_name(r): {"size": 10**6 + r} for r in range(world)}
+    manifest = dataclasses.replace(manifest, files={**files, naming.DCP_METADATA: {"size": 9}})
+    for rank in range(world):
+        rows = parts.rows([e.chunks[rank] for e in manifest.split_entries])
+        assert [len(row) for row in rows] == [7 + (rank == 1)] * 2
+        head = {"format": naming.FORMAT_NAME, "version": manifest.version, "part": rank}
+        name = naming.shard_name(rank)  # rank 0's file holds an index chunk: listed there
+        head |= {"created": 1.5, "files": {name: files[name]} if rank else {}}
+        body = b"".join(
+            (m._map_header(len(head) + 2), m._elements(m._flat(head)), m._pack("entries"))
+        )
+        body += m._entries(manifest.ranks[rank]) + m._pack("chunks") + m._pack(rows)
+        assert manifest.encode_part(rank) == body + crc32(body).to_bytes(4, "little")

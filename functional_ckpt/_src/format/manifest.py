@@ -69,13 +69,9 @@ def element_size(name: str) -> int:
 
 
 class Chunk(NamedTuple):
-    """One stored piece of a tensor: a box of the global tensor and where its bytes are.
-
-    The shard writer returns one for every box it wrote (where the blob landed and its
-    checksums); the manifest records them, and :mod:`.view` builds them back from it.
-    A named tuple rather than a frozen dataclass: as immutable, and a save or a restore
-    makes one per tensor, at a fifth of the cost.
-    """
+    """One stored piece of a tensor: a box of the global tensor and where its bytes are
+    (and their checksums), as the shard writer reports it and :mod:`.view` rebuilds it.
+    A named tuple, not a frozen dataclass: a save or a restore makes one per tensor."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -108,15 +104,9 @@ class Chunk(NamedTuple):
 
 
 class TensorEntry(NamedTuple):
-    """A tensor of the tree: its spec, DCP key and chunks (or the tensor it aliases).
-
-    A save plans it without chunks; the manifest holds it with the chunks the write
-    stage reported (an alias with its target's, for DCP's ``.metadata``). The dtype
-    is held by name, so that what reads a manifest needs no torch; :attr:`dtype`
-    makes the ``torch.dtype`` where a tensor is built. A named tuple rather than a
-    frozen dataclass: as immutable, and a restore of many small tensors makes one
-    per tensor, at a quarter of the cost.
-    """
+    """A tensor of the tree: its spec, DCP key and chunks (an alias holds its target's,
+    for DCP's ``.metadata``). The dtype is held by name: what reads a manifest needs no
+    torch. A named tuple, not a frozen dataclass: a restore makes one per tensor."""
 
     path: KeyPath
     fqn: str
@@ -180,12 +170,8 @@ class NodeEntry:
 
 @dataclass(frozen=True, slots=True)
 class ValueEntry:
-    """A non-tensor leaf, stored exactly through the codec.
-
-    A save encodes ``value`` once, when it plans (``encoded``): the manifest holds
-    those bytes, so what is committed is the value as it was at the call, also when
-    an asynchronous save writes later.
-    """
+    """A non-tensor leaf, stored exactly through the codec: encoded once, when the save
+    plans (``encoded``), so an asynchronous save commits the value as it was at the call."""
 
     path: KeyPath
     value: Any
@@ -319,16 +305,21 @@ class Manifest:
         """The evenly split tensors, in the index's order: the order of every part's rows."""
         return [e for e in self.entries if type(e) is TensorEntry and e.path in self.split]
 
+    @cached_property
+    def _by_rank(self) -> list[tuple[Chunk, ...]]:
+        """Each rank's chunk of every evenly split tensor, transposed once for all parts."""
+        rows = list(zip(*(e.chunks for e in self.split_entries), strict=True))
+        return rows or [()] * len(self.ranks)
+
     def encode_part(self, rank: int) -> bytes:
         """Part ``rank`` of a split manifest: that rank's per-rank entries, its chunk of
         every evenly split tensor and its files, then the CRC32 of those bytes (4
         bytes, little-endian): it checks itself."""
-        rows = split_rule.rows([e.chunks[rank] for e in self.split_entries])
         head = {"format": FORMAT_NAME, "version": self.version, "part": rank}
         head |= {"created": self.created, "files": self.listed.get(rank, {})}
         parts = [_map_header(len(head) + 2), _elements(_flat(head))]
         parts += [_pack("entries"), _entries(self.ranks[rank])]
-        parts += [_pack("chunks"), _pack(rows)]
+        parts += [_pack("chunks"), _pack_rows(self._by_rank[rank])]
         body = b"".join(parts)
         return body + crc32(body).to_bytes(4, "little")
 
@@ -436,6 +427,14 @@ def _pack_path(path: KeyPath) -> bytes:
         return bytes(_PACKER.pack(list(path)))
     except UnicodeEncodeError:
         return _pack(list(path))
+
+
+def _pack_rows(chunks: Sequence[Chunk]) -> bytes:
+    """A part's rows (:func:`parts.rows`) packed by msgpack's C packer in one call (the
+    chunks' fields are the writer's ints and names); compressed ones the checked way."""
+    if any(map(operator.itemgetter(9), chunks)):  # zstd: 8 fields in its row
+        return _pack(split_rule.rows(chunks))
+    return bytes(_PACKER.pack(list(map(operator.itemgetter(slice(2, 9)), chunks))))
 
 
 # Fixed strings packed by msgpack itself: the codec's tables (numpy, torch) are built
