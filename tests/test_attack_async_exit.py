@@ -69,7 +69,6 @@ def committed(path: Path) -> bool:
 # started runs, whatever interrupts the waiting" (async.md, Failures): a SIGTERM whose
 # handler exits, or a Ctrl-C, arriving while the exit hook waits ends the process with
 # status 0 and the final save is lost (its .tmp directory left behind).
-@pytest.mark.xfail(strict=True, reason="a signal during the exit hook's wait abandons the save")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_while_the_exit_hook_waits_never_loses_the_save_silently(
     tmp_path: Path, sig: signal.Signals
