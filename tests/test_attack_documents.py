@@ -28,10 +28,9 @@ def root_with_one_step(tmp_path: Path) -> Path:
     return root
 
 
-# Broken: a directory in place of run.json gives a bare IsADirectoryError from a rename,
-# not a CheckpointError (reliability.md says the same of .lock: "a FIFO or a directory in
+# A directory in place of run.json is a CheckpointError naming it, never a bare
+# IsADirectoryError from a rename (reliability.md says the same of .lock: "a FIFO or a directory in
 # its place makes a writing manager refuse with a CheckpointError naming it").
-@pytest.mark.xfail(strict=True, reason="a directory named run.json escapes as IsADirectoryError")
 def test_a_directory_named_run_json_is_a_checkpoint_error(tmp_path: Path) -> None:
     root = root_with_one_step(tmp_path)
     (root / "run.json").unlink()

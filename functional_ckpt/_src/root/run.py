@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from functional_ckpt._src.storage import durable, opener
+from functional_ckpt.errors import CheckpointError
 
 __all__ = ["RUN_FILE", "Run", "open_run", "read_run"]
 
@@ -59,6 +60,9 @@ def open_run(root: Path, *, new_secret: bool = False) -> tuple[Run, bool]:
 def record(root: Path, run: Run) -> None:
     """Write ``run`` into ``root`` crash-safely, readable by its owner only."""
     path = root / RUN_FILE
-    durable.replace_durably(path, json.dumps({"run": run.id, "secret": run.secret}).encode())
+    try:
+        durable.replace_durably(path, json.dumps({"run": run.id, "secret": run.secret}).encode())
+    except OSError as e:  # a directory or a special file in its place: the root is not ours to fix
+        raise CheckpointError(f"{path}: cannot record the run ({e.strerror or e})") from e
     with contextlib.suppress(OSError):
         os.chmod(path, 0o600)
