@@ -33,10 +33,9 @@ def load(template: dict[str, Any], path: Path) -> dict[str, Any]:
     return template
 
 
-# Broken: "Nothing else changes" / "Non-tensor values are stored exactly by the codec"
+# "Nothing else changes" / "Non-tensor values are stored exactly by the codec"
 # (integrations.md, DCP's storage seam): bytes, bytearray, sets and devices saved through
-# Writer are missing from the Metadata Reader derives, so dcp.load cannot find them.
-@pytest.mark.xfail(strict=True, reason="Reader's Metadata leaves out bytes/set/device values")
+# Writer are in the Metadata Reader derives, so dcp.load finds them.
 @pytest.mark.parametrize(
     ("value", "empty"),
     [(b"xx", b""), (bytearray(b"yy"), bytearray()), ({1, 2}, set()), (torch.device("cpu"), None)],
