@@ -101,6 +101,8 @@ def load(text: bytes | str, where: str, *, yaml: bool = False) -> Any:
         raise ConfigError(f"{where}: nested deeper than {LIMITS.decode_depth} levels") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{where}: not valid JSON ({exc})") from None
+    except ValueError as exc:  # an integer past Python's digit limit, in JSON or YAML
+        raise ConfigError(f"{where}: {exc}") from None
     check_bounded(doc, where, len(text.encode()))
     return doc
 

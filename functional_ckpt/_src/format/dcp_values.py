@@ -169,7 +169,11 @@ def _plain(value: Any, budget: list[int], depth: int = 0) -> bool:
         return all(_plain(v, budget, depth + 1) for v in value)
     if type(value) in (dict, OrderedDict):
         return all(_plain(k, budget) and _plain(v, budget, depth + 1) for k, v in value.items())
-    return False
+    if type(value) in (bytes, bytearray):
+        return len(value) <= MAX_VALUE_BYTES
+    if type(value) is set:
+        return all(_plain(v, budget, depth + 1) for v in value)
+    return f"{type(value).__module__}.{type(value).__qualname__}" == "torch.device"
 
 
 #: Elements of one value at most (its ``torch.save`` bytes must stay small anyway).

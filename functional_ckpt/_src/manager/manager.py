@@ -491,7 +491,7 @@ class CheckpointManager(RootView):
             raise CheckpointNotFound(f"{self.path(step)}: no checkpoint for step {step}")
         self.wait()
         for tier in self.tiers:  # or a resume would still find it in another tier
-            if step in tier.steps():
+            if tier is self.disk or step in tier.steps():  # a link in the root is not a step
                 tier.delete([step])
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from functional_ckpt._src.storage import durable, opener
+from functional_ckpt.errors import CheckpointError
 
 __all__ = ["RUN_FILE", "Run", "open_run", "read_run"]
 
@@ -49,7 +50,11 @@ def open_run(root: Path, *, new_secret: bool = False) -> tuple[Run, bool]:
     if run is None or new_secret:
         run = Run(secrets.token_hex(16) if run is None else run.id, secrets.token_hex(16))
         path = root / RUN_FILE  # crash-safely, readable by its owner only
-        durable.replace_durably(path, json.dumps({"run": run.id, "secret": run.secret}).encode())
+        try:
+            data = json.dumps({"run": run.id, "secret": run.secret}).encode()
+            durable.replace_durably(path, data)
+        except OSError as e:  # a directory or a special file in its place: not ours to fix
+            raise CheckpointError(f"{path}: cannot record the run ({e.strerror or e})") from e
         with contextlib.suppress(OSError):
             os.chmod(path, 0o600)
     return run, made

@@ -289,10 +289,15 @@ _UNREAD: set[PendingSave] = set()
 
 
 def _finish_saves() -> None:
-    """At exit: wait for every running save, then print each failure nobody read."""
+    """At exit: wait for every running save, whatever interrupts the waiting (a Ctrl-C or
+    a SIGTERM handler's ``sys.exit`` here would end the process under the save), then
+    print each failure nobody read."""
     while _RUNNING:
         for pending in list(_RUNNING):
-            pending._finished.wait()
+            try:
+                pending._finished.wait()
+            except BaseException:  # the save is the obligation: wait again
+                continue
     for pending in list(_UNREAD):
         error = pending._error
         assert error is not None
