@@ -150,6 +150,27 @@ def test_stager_reallocates_when_shapes_change(tmp_path: Path) -> None:
     assert torch.equal(fc.restore(tmp_path / "b")["w"], torch.ones(5))
 
 
+def test_staging_copies_a_state_of_many_tensors_in_parallel_exactly(tmp_path: Path) -> None:
+    # Past 8 MiB the host copies are split over threads: mixed sizes and dtypes, a
+    # non-contiguous view, every byte staged before wait_staged() returns.
+    gen = torch.Generator().manual_seed(3)
+    state: dict[str, torch.Tensor] = {
+        f"w{i}": torch.randn(1 << (10 + i % 8), generator=gen) for i in range(300)
+    }
+    state["big"] = torch.randn(1 << 22, generator=gen)
+    state["half"] = torch.randn(64, 1024, generator=gen).half().t()
+    state["ints"] = torch.arange(1 << 16)
+    expected = {k: v.clone() for k, v in state.items()}
+    pending = fc.save_async(tmp_path / "ck", state)
+    pending.wait_staged()
+    for t in state.values():
+        t.zero_()
+    pending.result()
+    back = fc.restore(tmp_path / "ck")
+    for k, v in expected.items():
+        assert torch.equal(back[k], v), k
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_staging_uses_pinned_buffers(tmp_path: Path) -> None:
     state = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.arange(10, device="cuda")}

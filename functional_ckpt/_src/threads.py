@@ -1,6 +1,7 @@
 """The package's background threads: one per purpose, made on first use (and anew in
-a forked child). One thread each, because the work is ordered (checksums beside a
-write, fsyncs, page faults ahead of reads) and runs without the GIL."""
+a forked child). One thread each (the staging copies excepted), because the work is
+ordered (checksums beside a write, fsyncs, page faults ahead of reads) and runs
+without the GIL."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ __all__ = ["BackgroundThread", "wait_quietly"]
 
 
 class BackgroundThread:
-    """A single background thread, named ``name``, started on first use."""
+    """A single background thread (or ``workers`` of them), named ``name``, started on first use."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, workers: int = 1) -> None:
         self.name = name
+        self.workers = workers
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         os.register_at_fork(after_in_child=self._forget)
@@ -24,7 +26,7 @@ class BackgroundThread:
     def pool(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix=self.name)
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix=self.name)
             return self._pool
 
     def _forget(self) -> None:

@@ -142,10 +142,12 @@ def write_shard(
             if tpl.nbytes < SMALL_TENSOR:
                 if not (t.is_cpu and t.is_contiguous()):
                     raise CheckpointError(f"internal: tensor {i} is not contiguous host memory")
-                data: bytes | memoryview = (  # one copy of a few bytes costs less than a view
-                    string_at(t.data_ptr(), tpl.nbytes)
-                    if readers is None
-                    else readers[0].copy(byte_view(t))
+                data: bytes | memoryview = (  # a copy of a few bytes costs less than a view
+                    readers[0].copy(byte_view(t))
+                    if readers is not None
+                    else string_at(t.data_ptr(), tpl.nbytes)
+                    if tpl.nbytes < 4096
+                    else byte_view(t)
                 )
                 crc = crc32(data)
                 if small < 0:
