@@ -79,7 +79,11 @@ def headline(run: dict[str, Any]) -> list[str]:
         f"{r('small', 'save', 'fc.save', 'torch.save+fsync')} the time of `torch.save` "
         f"(fsynced) and {r('small', 'save', 'fc.save', 'dcp.save')} that of stock `dcp.save`;",
         f"- restoring them takes {r('small', 'restore', 'fc.restore(like)', 'dcp.load(template)')}"
-        " the time of stock `dcp.load`.",
+        " the time of stock `dcp.load`;",
+        "- against `torch_checkpointing` made durable through its hooks, saving them takes "
+        f"{r('small', 'save', 'fc.save', 'torch_checkpointing save+fsync hooks')} its time and "
+        "restoring them "
+        f"{r('small', 'restore', 'fc.restore(like)', 'torch_checkpointing load() new tensors')}.",
     ]
 
 

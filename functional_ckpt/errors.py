@@ -127,7 +127,7 @@ class RemoteWarning(CheckpointWarning):
     """A background upload failed (the local checkpoint is intact; training goes on)."""
 
 
-class MemoryWarning(CheckpointWarning):
+class MemoryTierWarning(CheckpointWarning):
     """A memory-tier save, read or promotion failed (the disk tier is intact; training goes on)."""
 
 
@@ -166,7 +166,7 @@ __all__ = [
     "DAMAGE",
     "IncompleteCheckpoint",
     "LeftoverWarning",
-    "MemoryWarning",
+    "MemoryTierWarning",
     "ModifiedDuringSave",
     "NotARecording",
     "NotRecorded",

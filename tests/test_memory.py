@@ -30,7 +30,7 @@ from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import parse_step, step_name
 from functional_ckpt._src.manager.memory_tier import MARK_FILE
 from functional_ckpt._src.storage.ram import MEMORY_STATUS
-from functional_ckpt.errors import LeftoverWarning, MemoryWarning
+from functional_ckpt.errors import LeftoverWarning, MemoryTierWarning
 from tests import manager_job
 from tests.exact import assert_exact
 from tests.patience import eventually, finished
@@ -213,7 +213,7 @@ def test_a_damaged_memory_checkpoint_falls_back_to_disk(
     assert finished(start(ctx, root, memory, steps=STEPS, die_at=13)) == -signal.SIGKILL
     for step in committed(memory):
         corrupt(memory / step_name(step))
-    with pytest.warns(MemoryWarning, match="unreadable") as caught:
+    with pytest.warns(MemoryTierWarning, match="unreadable") as caught:
         manager_job.run_memory(str(root), str(memory), steps=STEPS)  # resumes at 10
     told = " ".join(str(w.message) for w in caught)
     assert step_name(12) in told and step_name(13) in told, told
@@ -330,7 +330,7 @@ def test_a_save_over_the_budget_is_skipped_and_said_once(tmp_path: Path) -> None
     with fc.CheckpointManager(tmp_path / "root", memory=tier) as mgr:
         mgr.maybe_save(small_state(1), step=1)  # two of these fit
         assert committed(tmp_path / "mem") == [1]
-        with pytest.warns(MemoryWarning, match=r"Memory\(budget=") as said:
+        with pytest.warns(MemoryTierWarning, match=r"Memory\(budget=") as said:
             mgr.maybe_save(grown(2), step=2)
             mgr.maybe_save(grown(3), step=3)
         assert len(said) == 1 and "2 checkpoint(s)" in str(said[0].message)
@@ -440,9 +440,9 @@ def test_a_failed_memory_save_warns_and_training_goes_on(
     tier = fc.manager.Memory(path=tmp_path / "ram")
     with fc.CheckpointManager(tmp_path / "root", memory=tier) as mgr:
         mgr.maybe_save(small_state(1), step=1)
-        with pytest.warns(MemoryWarning, match="step 1 failed"):
+        with pytest.warns(MemoryTierWarning, match="step 1 failed"):
             mgr.maybe_save(small_state(2), step=2)  # the failure of step 1 surfaces here
-        with pytest.warns(MemoryWarning, match="step 2 failed"):
+        with pytest.warns(MemoryTierWarning, match="step 2 failed"):
             mgr.wait()
         assert mgr.steps() == [1, 2]  # the disk tier is unaffected
         monkeypatch.setattr(shards, "write_shard", real)

@@ -25,7 +25,7 @@ import torch
 import functional_ckpt as fc
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.root.run import RUN_FILE, read_run
-from functional_ckpt.errors import CheckpointWarning, MemoryWarning
+from functional_ckpt.errors import CheckpointWarning, MemoryTierWarning
 from tests.exact import assert_exact
 from tests.forge import flip
 from tests.patience import finished
@@ -153,7 +153,7 @@ def test_a_root_emptied_by_hand_starts_a_new_run(tmp_path: Path) -> None:
     try:
         assert committed(old) == [2, 3]
         subprocess.run("rm -rf ckpt/*", shell=True, cwd=tmp_path, check=True)
-        with pytest.warns(MemoryWarning, match=r"steps \[2, 3\]\) of an earlier run"):
+        with pytest.warns(MemoryTierWarning, match=r"steps \[2, 3\]\) of an earlier run"):
             step, got = resumed(root, None, disk_every=100)
         assert step is None and got is None  # not the old run's RAM step
         assert committed(old) == [2, 3]  # reported, never removed
@@ -314,7 +314,7 @@ def test_a_default_folder_planted_by_another_user_is_never_used(shared_tmp: Path
     try:
         as_another_user(plant)
         assert os.stat(mine).st_uid == NOBODY
-        with pytest.warns(MemoryWarning, match="belongs to another user"):
+        with pytest.warns(MemoryTierWarning, match="belongs to another user"):
             step, got = resumed(root, None, disk_every=100)
         assert step is None and got is None  # never the planted weights; the job starts
         assert default_folder_of(root) != mine and committed(mine) == [99]  # left alone

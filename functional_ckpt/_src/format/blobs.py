@@ -58,7 +58,7 @@ _DESCRIPTOR = struct.Struct("<4sIII")
 _END = struct.Struct("<4sHHHHIIH")
 
 
-def plain_bytes(t: torch.Tensor) -> bool:
+def bytes_are_values(t: torch.Tensor) -> bool:
     """Whether ``t``'s memory holds exactly its values, in order: contiguous host memory
     without a lazy conjugate or negation bit (under which the same bytes mean other
     values). Only such a tensor's bytes are written as they are, or read into as they are."""
@@ -67,8 +67,8 @@ def plain_bytes(t: torch.Tensor) -> bool:
 
 def lands_raw(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether a stored blob of ``dtype`` may be read straight into ``t``: memory of that
-    dtype that holds exactly its values (:func:`plain_bytes`)."""
-    return t.dtype == dtype and plain_bytes(t)
+    dtype that holds exactly its values (:func:`bytes_are_values`)."""
+    return t.dtype == dtype and bytes_are_values(t)
 
 
 def byte_view(t: torch.Tensor) -> memoryview:

@@ -361,7 +361,7 @@ class CheckpointManager(RootView):
 
     def wait(self) -> None:
         """Block until every save started so far is committed (retention then runs); raise
-        if one failed (a memory-tier save's failure is a ``MemoryWarning`` instead)."""
+        if one failed (a memory-tier save's failure is a ``MemoryTierWarning`` instead)."""
         for tier in self.tiers:
             tier.wait()
 

@@ -23,7 +23,7 @@ from functional_ckpt._src.log import warn
 from functional_ckpt._src.root.listing import committed_steps
 from functional_ckpt._src.root.run import RUN_FILE, Run
 from functional_ckpt._src.storage import durable, opener
-from functional_ckpt.errors import CheckpointError, MemoryWarning
+from functional_ckpt.errors import CheckpointError, MemoryTierWarning
 
 __all__ = ["MARK_FILE", "adopt", "check_apart", "default_folder", "own_folder", "report_others"]
 
@@ -125,6 +125,6 @@ def report_others(root: Path, run: Run, stacklevel: int) -> None:
                     f"of {root} ({mark.get('run')}), whose run record is gone from the root; "
                     "a new run starts and they are not resumed. Remove the folder to free "
                     "its RAM",
-                    MemoryWarning,
+                    MemoryTierWarning,
                     stacklevel=stacklevel,
                 )

@@ -21,7 +21,7 @@ from functional_ckpt._src.format.naming import parse_step
 from functional_ckpt._src.log import done as finished
 from functional_ckpt._src.log import logger, warn
 from functional_ckpt._src.storage import ram
-from functional_ckpt.errors import MemoryWarning
+from functional_ckpt.errors import MemoryTierWarning
 
 __all__ = ["OnSignals", "promote_newest"]
 
@@ -57,7 +57,7 @@ def promote_newest(folder: Path, root: Path, paths: Sequence[Path], within: floa
         warn(
             f"{folder}: promoting {steps[-1].name} to {root} failed ({why}); the "
             "disk tier keeps its own newest checkpoint",
-            MemoryWarning,
+            MemoryTierWarning,
             stacklevel=3,
         )
         return None

@@ -50,7 +50,7 @@ from functional_ckpt._src.root.listing import committed_steps
 from functional_ckpt._src.storage import commit, durable, opener, ram
 from functional_ckpt._src.storage.committed import check_committed
 from functional_ckpt._src.storage.verify import verify
-from functional_ckpt.errors import CheckpointError, MemoryWarning, RankFailed, is_damage
+from functional_ckpt.errors import CheckpointError, MemoryTierWarning, RankFailed, is_damage
 
 __all__ = ["STAGING", "ReplicaLayout", "Replicas", "holders_of", "layout_of"]
 
@@ -278,7 +278,7 @@ class Replicas:
                     f"{max(saved) + 1} ranks and this run has {world}: the memory tier "
                     "resumes only onto the world size that saved it; falling back to the "
                     "disk tier",
-                    MemoryWarning,
+                    MemoryTierWarning,
                     stacklevel=4,
                 )
                 return None
@@ -292,7 +292,7 @@ class Replicas:
                     warn(
                         f"{self.folder}: memory-tier step {step}: no intact copy of "
                         f"{sorted(missing)} on any rank (checksums fail); trying an older step",
-                        MemoryWarning,
+                        MemoryTierWarning,
                         stacklevel=4,
                     )
                     continue
@@ -304,7 +304,7 @@ class Replicas:
                 warn(
                     f"{self.folder}: memory-tier step {step} could not be gathered ({e}); "
                     "falling back to the disk tier",
-                    MemoryWarning,
+                    MemoryTierWarning,
                     stacklevel=4,
                 )
                 return None

@@ -7,7 +7,7 @@ It is locked like a disk root (one writer per folder), marked with the run it
 belongs to (:mod:`.memory_folder`: a folder of another run is refused, never
 emptied nor resumed from), holds the newest ``keep`` checkpoints, and is removed
 when its manager closes. Its failures never stop training: they are reported as
-:class:`~functional_ckpt.errors.MemoryWarning`, and the disk tier goes on. Under
+:class:`~functional_ckpt.errors.MemoryTierWarning`, and the disk tier goes on. Under
 ``torch.distributed`` each node's folder also holds replicas of other nodes' parts
 (:mod:`.memory_replicas`); the lowest rank of a folder keeps it.
 """
@@ -55,7 +55,7 @@ from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.state.tree import State
 from functional_ckpt._src.storage import durable, ram
-from functional_ckpt.errors import CheckpointError, MemoryWarning, RankFailed, is_damage
+from functional_ckpt.errors import CheckpointError, MemoryTierWarning, RankFailed, is_damage
 
 __all__ = ["MARK_FILE", "MemoryTier"]
 
@@ -145,7 +145,7 @@ class MemoryTier:
             if self.option.path is not None or self.replicas is not None:
                 raise
             # Planted where this run's secret name pointed: a new secret, a new folder.
-            warn(f"{e}; it is left alone, a new one used", MemoryWarning, stacklevel=6)
+            warn(f"{e}; it is left alone, a new one used", MemoryTierWarning, stacklevel=6)
             self.run = open_run(self.root, new_secret=True)[0]
             self.folder = default_folder(self.root, self.run)
             self.view = RootView(self.folder)
@@ -172,7 +172,7 @@ class MemoryTier:
             over = isinstance(err, OverBudget)
         if over and not self._said_over:
             self._said_over = True
-            warn(str(err), MemoryWarning, stacklevel=stacklevel)
+            warn(str(err), MemoryTierWarning, stacklevel=stacklevel)
         return over
 
     def close(self, *, crashed: bool = False) -> None:
@@ -198,7 +198,7 @@ class MemoryTier:
         except OSError as e:
             warn(
                 f"{self.folder}: the memory tier could not be removed ({e})",
-                MemoryWarning,
+                MemoryTierWarning,
                 stacklevel=4,
             )
         finally:
@@ -368,7 +368,7 @@ class MemoryTier:
         warn(
             f"{self.folder}: the memory-tier checkpoint of step {step} failed "
             f"({type(err).__name__}: {err}); training goes on, the disk tier is unaffected",
-            MemoryWarning,
+            MemoryTierWarning,
             stacklevel=stacklevel,
         )
 
@@ -379,7 +379,7 @@ class MemoryTier:
     ) -> tuple[StepInfo, T] | None:
         """The newest readable checkpoint of this run in the tier newer than ``above``.
 
-        A damaged one is reported as a :class:`MemoryWarning` and removed by a writer
+        A damaged one is reported as a :class:`MemoryTierWarning` and removed by a writer
         (a cache holds nothing worth keeping aside); the previous one is tried.
         """
         at_least = None if above is None else above + 1
@@ -396,7 +396,7 @@ class MemoryTier:
                     warn(
                         f"{path}: memory-tier checkpoint of step {step} is not of this run "
                         f"({self.run.id}); left as it is, not resumed",
-                        MemoryWarning,
+                        MemoryTierWarning,
                         stacklevel=stacklevel,
                     )
                     continue
@@ -411,7 +411,7 @@ class MemoryTier:
                 warn(
                     f"{path}: memory-tier checkpoint of step {step} is unreadable "
                     f"({type(err).__name__}: {err}){gone}; falling back to the next tier",
-                    MemoryWarning,
+                    MemoryTierWarning,
                     stacklevel=stacklevel,
                 )
                 continue
@@ -443,7 +443,7 @@ class MemoryTier:
             )
             warn(
                 f"{path}: memory-tier checkpoint of step {step} is unreadable ({damage}); {then}",
-                MemoryWarning,
+                MemoryTierWarning,
                 stacklevel=stacklevel,
             )
         return None

@@ -22,7 +22,7 @@ from functional_ckpt._src.codec.table import container_budget
 from functional_ckpt._src.distributed.topology import is_dtensor
 from functional_ckpt._src.format import dcp_values as dcpbytes
 from functional_ckpt._src.format import naming
-from functional_ckpt._src.format.blobs import plain_bytes
+from functional_ckpt._src.format.blobs import bytes_are_values
 from functional_ckpt._src.format.keys import KeyPath, format_path, fqn_of, rank_fqn
 from functional_ckpt._src.format.manifest import (
     Entry,
@@ -131,7 +131,7 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
 
     The result may still require grad; whoever reads its bytes detaches it.
     """
-    if plain_bytes(t):
+    if bytes_are_values(t):
         return t  # the common case, without a new tensor object
     t = resolved(t.detach())
     if t.device.type != "cpu":
