@@ -509,7 +509,7 @@ def test_stock_dcp_metadata_still_loads(tmp_path: Path) -> None:
         warnings.simplefilter("ignore")
         dcp.save(sd, checkpoint_id=str(tmp_path / "d"), no_dist=True)
     out = fc.restore(tmp_path / "d", {"a": torch.zeros(6), "b": {"c": torch.zeros(2, 3)}})
-    assert torch.equal(out["a"], sd["a"]) and torch.equal(out["b", "c"], sd["b"]["c"])
+    assert torch.equal(out["a"], sd["a"]) and torch.equal(out["b"]["c"], sd["b"]["c"])
     assert fc.inspect(tmp_path / "d").num_tensors == 2
 
 
