@@ -1,13 +1,22 @@
-"""Object stores for the remote tier's tests: fsspec's ``memory://`` and a real S3 server."""
+"""Object stores for the remote tier's tests: fsspec's ``memory://`` and a real S3 server;
+and Ctrl-C as a user's terminal sends it, whoever started the suite."""
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+# A suite started in the background of a script (``cmd &``, ``nohup``) inherits SIGINT
+# ignored, and so would every child process it starts: tests that send a child Ctrl-C
+# would then wait on an interrupt that never comes. A handler here is reset to the
+# default in each child at exec, where Python installs its own.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
