@@ -246,7 +246,7 @@ def traffic_run(root: Path, rank: int, world: int) -> None:
     committed.read_part = read_part  # type: ignore[assignment]
     told["restore"] = dict(counts)
     told["parts_read"] = sorted(read)
-    got = {leaf.path: leaf.value for leaf in iter_leaves(back)}
+    got = {leaf.path: leaf.value for leaf in iter_leaves(as_state(back))}
     checked = 0
     for leaf in iter_leaves(as_state(scale_state(mesh, rank))):
         if leaf.kind == "tensor" and leaf.path[0] != "rng":
