@@ -648,3 +648,10 @@ def test_ten_thousand_entries() -> None:
     out = decode(blob, source="manifest")
     assert_exact(manifest, out)
     assert len(out) == 10_000
+
+
+def test_a_lone_surrogate_keeps_its_containers_exact() -> None:
+    """A string msgpack cannot encode as UTF-8 takes the packer's second path, which
+    must keep every container's type as the first does."""
+    roundtrip(("\ud800",))
+    roundtrip({None: "\ud800", torch.Size([]): None, frozenset({torch.Size([])}): None})

@@ -305,7 +305,7 @@ def _pack(value: object, where: str) -> bytes:
         try:
             return _packb(value, default=_default)
         except UnicodeEncodeError:  # lone surrogates are valid Python strings: kept exactly
-            return msgpack.packb(value, default=_default, unicode_errors="surrogatepass")
+            return _packb(value, default=_default, unicode_errors="surrogatepass")
     except CheckpointError:
         raise
     except (ValueError, TypeError, OverflowError) as exc:
