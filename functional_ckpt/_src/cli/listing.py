@@ -23,6 +23,7 @@ from functional_ckpt._src.cli.ui import (
     UsageError,
     Verified,
     human,
+    jsonable,
     one_line,
     time_text,
 )
@@ -218,7 +219,7 @@ def _row_json(row: RootEntry, kept: list[str]) -> dict[str, Any]:
         "time": row.time,
         "size": row.size,
         "shared": shared_bytes(row.path),
-        "metrics": tiers.metrics_json(row.metrics),
+        "metrics": jsonable(row.metrics),
         "kept_by": kept,
         "detail": row.detail,
         "run": run_of(row.metadata),

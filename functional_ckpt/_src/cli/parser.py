@@ -7,6 +7,7 @@ value is a one-line usage error naming the flag, found while parsing.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import functional_ckpt as fc
@@ -32,112 +33,86 @@ DEFAULT_STEPS = 2400
 #: Each command's help: its line in ``fckpt --help``, its description, its examples.
 _HELP = {
     "ls": """list the checkpoints of a root
-List the checkpoints under ROOT: step, save time, size, status, metrics, and
-which part of the retention policy keeps each one. The policy is read from
-the checkpoints' metadata when recorded there, or taken from the flags.
-Half-written (*.tmp-*), quarantined (*.corrupt-*) and uncommitted directories
-are listed too, with their status; a manager's safetensors exports
-(ROOT/exports) below the checkpoints.
+List the checkpoints under ROOT (step, save time, size, status, metrics) and
+which part of the retention policy keeps each one: the policy recorded in the
+checkpoints, or the flags'. Half-written, quarantined and uncommitted
+directories are listed with their status, and a manager's exports below.
 examples:
-  fckpt ls runs/exp1
   fckpt ls runs/exp1 --verify                 # also re-check every checksum
   fckpt ls runs/exp1 --keep-last 2 --keep-best 1 --metric val_loss
   fckpt ls runs/exp1 --json | jq '.[].step'
 """,
     "inspect": """show what a checkpoint holds (no tensor data is read)
-Show a checkpoint's tree: every tensor's dtype, shape and size, every
-non-tensor value, and the metadata. Only the manifest is read, so this is
-instant even for huge checkpoints.
+Show a checkpoint's tree (every tensor's dtype, shape and size, every
+non-tensor value) and its metadata, from the manifest alone.
 examples:
-  fckpt inspect runs/exp1/step_000001000
   fckpt inspect runs/exp1/step_000001000 --key optimizer/param_groups
   fckpt inspect runs/exp1/step_000001000 --json | jq '.entries[].key'
 """,
     "verify": """re-check every checksum of a checkpoint or of a whole root
-Re-read every byte and check every CRC32. Given a root, verify every committed
-checkpoint under it. Prints one line per damaged file or key.
+Re-read every byte and check every CRC32, of one checkpoint or of every
+committed one under a root; one line per damaged file or key.
 Exit status: 0 all intact, 1 damage found, 2 bad input.
 examples:
-  fckpt verify runs/exp1/step_000001000
   fckpt verify runs/exp1 --quiet || echo 'damaged!'
   fckpt verify runs/exp1 --json | jq '.checkpoints[].status'
 """,
     "diff": """compare two checkpoints key by key
-Keys added (+) and removed (-) from A to B, tensors whose shape or dtype
-changed, non-tensor values that changed, and for every other tensor the
-maximum absolute difference (or nothing, if bit-identical). Both checkpoints
-are read in full.
+Keys added (+) and removed (-) from A to B, changed shapes, dtypes and values,
+and each other tensor's maximum absolute difference (nothing if bit-identical).
 examples:
   fckpt diff runs/exp1/step_000001000 runs/exp1/step_000002000
   fckpt diff a/step_000000100 b/step_000000100 --exit-code && echo identical
-  fckpt diff a/step_000000100 b/step_000000100 --json | jq '.entries[].key'
 """,
     "export": """write the weights as safetensors, or weights / full state as a torch file
-Write the tensors under --select as Hugging Face-style model.safetensors, or as
-shards plus model.safetensors.index.json when they exceed --max-shard-size.
-With --format torch, write them as one torch.save file OUT (a state_dict that
-model.load_state_dict takes), or with --full the whole state; the file loads
-with torch.load(weights_only=True). OUT appears atomically: complete or not at
-all. PATH may be a root: its newest checkpoint is exported. With --config, the
-config.json and side files of a model directory go with the weights, so that
-from_pretrained(OUT) loads it.
+Write the tensors under --select as Hugging Face-style safetensors (sharded past
+--max-shard-size), or with --format torch as one torch.save file that
+model.load_state_dict takes (--full: the whole state), loadable with
+torch.load(weights_only=True). OUT appears atomically. PATH may be a root (its
+newest checkpoint). --config adds config.json and a model directory's side
+files, so that from_pretrained(OUT) loads it.
 examples:
-  fckpt export runs/exp1/step_000001000 weights/
   fckpt export runs/exp1 weights/ --dtype bfloat16 --max-shard-size 2GB
   fckpt export ckpt ema/ --select ema/model --overwrite
   fckpt export runs/exp1 hf/ --config base_model/   # loads with from_pretrained
-  fckpt export runs/exp1 model.pt --format torch
   fckpt export runs/exp1 full.pt --format torch --full
 """,
     "import": """turn a torch.save file (.pt, .pth) into a checkpoint
-Read FILE with torch.load(weights_only=True), which refuses a pickle that
-would run code (nothing in it runs), and save what it holds as the checkpoint
-OUT with fc.save (atomically). A bare state_dict becomes the state's 'model'
-subtree; any other dict (a training checkpoint such as Lightning's) is the
-state as it is.
+Read FILE with torch.load(weights_only=True) (a pickle that would run code is
+refused) and save it as the checkpoint OUT. A bare state_dict becomes the
+state's 'model' subtree; any other dict is the state as it is.
 examples:
   fckpt import model.pt ckpt/imported
   fckpt import lightning.ckpt runs/exp1/step_000005000
-  fckpt inspect ckpt/imported
 """,
     "prune": """delete the checkpoints a retention policy does not keep
-Show which checkpoints the policy keeps and which it deletes, ask, then
-delete crash-safely (renamed out of sight first) under the root's writer
-lock. The newest checkpoint is never deleted. Without a terminal, --yes is
+Show what the policy keeps and deletes, ask, then delete crash-safely under the
+root's writer lock; never the newest checkpoint. Without a terminal, --yes is
 required.
 examples:
   fckpt prune runs/exp1 --keep-last 3 --dry-run
-  fckpt prune runs/exp1 --keep-last 3 --keep-best 2 --metric val_loss
-  fckpt prune runs/exp1 --keep-last 1 --yes
+  fckpt prune runs/exp1 --keep-last 3 --keep-best 2 --metric val_loss --yes
 """,
     "run": """run a training command, relaunching it after a crash
-Run CMD; when it fails (non-zero exit, or killed by a signal) start it again,
-up to --retries times, pausing --backoff seconds, doubled after each failure
-(up to --max-backoff). Never after success. SIGTERM, SIGINT and SIGHUP are
-passed on to CMD's whole process group (an on_signal policy saves) and then
-CMD is not started again. Each attempt's resumed and reached checkpoint steps
-are reported (read from --root, or reported by CMD's CheckpointManager through
-the file named in FCKPT_PROGRESS), and a job whose --stall-limit consecutive
-failures end at the same checkpoint is stopped early (a job that reports no
-steps: the same quick failure). --config takes the options from a config
-file's run block; flags win over it.
-CMD sees FCKPT_RUN_ATTEMPT=1, 2, ...
+Run CMD and start it again when it fails, up to --retries times, after a pause
+of --backoff seconds doubled per failure (up to --max-backoff); never after
+success. SIGTERM, SIGINT and SIGHUP go to CMD's process group, and then it is
+not started again. Each attempt's resumed and reached steps are reported (from
+--root, or from CMD's CheckpointManager via FCKPT_PROGRESS); --stall-limit
+failures in a row at the same checkpoint stop the job. --config reads the
+options from a config's run block; flags win. CMD sees FCKPT_RUN_ATTEMPT=1, 2, ...
 Exit status: the last attempt's (128+N for a death by signal N).
 examples:
-  fckpt run --retries 3 -- python train.py --config c.yaml
   fckpt run --retries 5 --root runs/exp1 -- torchrun --nproc-per-node 8 train.py
   fckpt run --backoff 30 --max-backoff 600 --stall-limit 0 -- ./train.sh
   fckpt run --config ckpt.yaml -- python train.py --config ckpt.yaml
 """,
     "demo": """train, SIGKILL, resume, and check the result is bit-identical
-Train a small model on generated data in a subprocess that checkpoints with a
-CheckpointManager (every_steps | every_secs | on_improve, keep_last | keep_best,
-async saves), SIGKILL it partway, resume it in a new process, run an
-uninterrupted reference alongside, and compare: per-step losses and final
-state must be bit-identical.
-Exit status 0 only when identical.
+Train a small model in a subprocess that checkpoints with a CheckpointManager,
+SIGKILL it partway, resume it in a new process, and compare with an
+uninterrupted reference: per-step losses and the final state must be
+bit-identical. Exit status 0 only when identical.
 examples:
-  fckpt demo
   fckpt demo --root /tmp/demo --steps 300 --crash-at 100
   fckpt ls /tmp/demo/run/checkpoints     # then look at what it left
 """,
@@ -170,26 +145,24 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
-def _number(text: str, kind: type, ok: Any, expected: str) -> Any:
-    try:
-        value = kind(text)
-    except ValueError:
-        value = None
-    if value is None or not ok(value):
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-    return value
+def _checked(kind: type, ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """An argparse ``type``: ``kind(text)`` if ``ok`` of it, else an error naming the flag."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive(text: str) -> int:
-    return int(_number(text, int, lambda v: v > 0, "a positive integer"))
-
-
-def _non_negative(text: str) -> int:
-    return int(_number(text, int, lambda v: v >= 0, "an integer >= 0"))
-
-
-def _seconds(text: str) -> float:
-    return float(_number(text, float, lambda v: 0 <= v < float("inf"), "seconds >= 0"))
+_positive = _checked(int, lambda v: v > 0, "a positive integer")
+_non_negative = _checked(int, lambda v: v >= 0, "an integer >= 0")
+_seconds = _checked(float, lambda v: 0 <= v < float("inf"), "seconds >= 0")
 
 
 def _size(text: str) -> str:

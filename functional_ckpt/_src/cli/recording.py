@@ -9,7 +9,6 @@ header and index are read.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 import numpy as np
@@ -80,7 +79,7 @@ def ls_recording(args: argparse.Namespace, ui: UI) -> int:
                 {"step": s, "new_bytes": int(b), "new_leaves": int(n)}
                 for s, b, n in zip(rec.steps.tolist(), added, leaves, strict=True)
             ]
-            ui.print(json.dumps({**_summary(rec), "rows": rows}, indent=2, default=repr))
+            ui.json({**_summary(rec), "rows": rows})
             return 0
         cells = [
             [str(s), human(int(b)), f"{int(n)}/{len(rec.leaves)}"]
@@ -109,7 +108,7 @@ def inspect_recording(args: argparse.Namespace, ui: UI) -> int:
             else:
                 entries.append({"key": key, "kind": "value"})
         if args.json:
-            ui.print(json.dumps({**doc, "entries": entries}, indent=2, default=repr))
+            ui.json({**doc, "entries": entries})
             return 0
         lines = _summary_lines(doc, ui)
         lines += [ui.paint("tree (every record)", "head")]

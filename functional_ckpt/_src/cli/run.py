@@ -170,15 +170,6 @@ class Attempt:
         return work + self.waited
 
 
-def resumable(root: Path) -> Resumable | None:
-    """The newest checkpoint a job resuming from ``root`` would find; None if none (yet)."""
-    try:
-        newest = newest_summary(root)
-    except (CheckpointError, OSError):
-        return None  # unreadable right now: nothing to report
-    return None if newest is None else Resumable(newest.step, newest.time or None)
-
-
 def exit_status(returncode: int) -> int:
     """A child's return code as a shell reports it: 128 + N for a death by signal N."""
     return 128 - returncode if returncode < 0 else returncode
@@ -191,10 +182,6 @@ def outcome_text(returncode: int) -> str:
         return signal.Signals(-returncode).name
     except ValueError:
         return f"signal {-returncode}"
-
-
-def step_text(ckpt: Resumable | None) -> str:
-    return "-" if ckpt is None else str(ckpt.step)
 
 
 def duration_text(t: float) -> str:
@@ -283,10 +270,13 @@ class _Supervisor:
         reported (a memory tier's commits are reported too, never written to the root)."""
         reported = read_progress(self.progress)
         told = None if reported is None else Resumable(reported.step, reported.time)
-        found = None if self.root is None else resumable(self.root)
-        if found is None or (told is not None and told.step > found.step):
+        try:
+            newest = None if self.root is None else newest_summary(self.root)
+        except (CheckpointError, OSError):
+            newest = None  # unreadable right now: nothing to report
+        if newest is None or (told is not None and told.step > newest.step):
             return told
-        return found
+        return Resumable(newest.step, newest.time or None)
 
     @property
     def sees_steps(self) -> bool:
@@ -445,7 +435,7 @@ class _Supervisor:
         for a in self.attempts:
             cells = [str(a.number), outcome_text(a.returncode), duration_text(a.ran)]
             if root_known:
-                cells += [step_text(a.resumed_from), step_text(a.reached)]
+                cells += ["-" if c is None else str(c.step) for c in (a.resumed_from, a.reached)]
             cells.append(duration_text(a.lost(root_known)))
             rows.append(cells)
             style = "ok" if not a.failed else ("warn" if a.stopped else "bad")

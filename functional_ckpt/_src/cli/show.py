@@ -8,17 +8,15 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import math
-import sys
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import functional_ckpt as fc
 from functional_ckpt._src.cli import tiers
 from functional_ckpt._src.cli.listing import newest_checkpoint, refuse_stock_dcp, require_exists
-from functional_ckpt._src.cli.ui import PROG, UI, UsageError, human, time_text
+from functional_ckpt._src.cli.ui import PROG, UI, UsageError, human, jsonable, time_text
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath
 from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.restore.summary import (
@@ -34,22 +32,17 @@ from functional_ckpt._src.text import printable, short_repr
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["cmd_diff", "cmd_export", "cmd_import", "cmd_inspect", "jsonable", "parse_dtype"]
+__all__ = ["cmd_diff", "cmd_export", "cmd_import", "cmd_inspect", "parse_dtype"]
 
 # --------------------------------------------------------------------------- inspect
 # (reads manifests only: torch and numpy are not imported for it)
 
 
-@dataclass(frozen=True)
-class Row:
+class Row(NamedTuple):
     """One row of a flattened summary tree: a node, a tensor spec or a plain value."""
 
     path: KeyPath
     item: Any
-
-    @property
-    def key(self) -> str:
-        return "/".join(self.path)
 
 
 def flatten_tree(tree: Mapping[str, Any], prefix: KeyPath = ()) -> Iterator[Row]:
@@ -64,7 +57,7 @@ def filter_entries(entries: Sequence[Row], prefix: str | None) -> list[Row]:
     """Entries whose ``a/b/c`` key starts with ``prefix``, plus their ancestors for context."""
     if not prefix:
         return list(entries)
-    hits = [e for e in entries if e.key.startswith(prefix)]
+    hits = [e for e in entries if "/".join(e.path).startswith(prefix)]
     wanted = {e.path for e in hits}
     for e in hits:
         wanted.update(e.path[:i] for i in range(1, len(e.path)))
@@ -119,30 +112,8 @@ def _metadata_lines(meta: Any, ui: UI) -> list[str]:
     return lines
 
 
-def jsonable(value: Any) -> Any:
-    """Plain JSON for any manifest value: exact where JSON can be, descriptive otherwise."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 53:
-        return {"int": hex(value)}  # exact; JSON readers lose big ints and repr may refuse them
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else repr(value)
-    if isinstance(value, bytes | bytearray):
-        return {"bytes": value.hex()}
-    if isinstance(value, Mapping):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple | set | frozenset):
-        return [jsonable(v) for v in value]
-    np = sys.modules.get("numpy")  # not loaded: no value is one of its types
-    if np is not None and isinstance(value, np.ndarray):
-        return {"ndarray": value.tolist(), "dtype": str(value.dtype)}
-    if np is not None and isinstance(value, np.generic):
-        return jsonable(value.item())
-    return repr(value)
-
-
 def _entry_json(entry: Row) -> dict[str, Any]:
-    item, doc = entry.item, {"key": entry.key, "path": list(entry.path)}
+    item, doc = entry.item, {"key": "/".join(entry.path), "path": list(entry.path)}
     if isinstance(item, Node):
         return {**doc, "kind": "node"}
     if isinstance(item, TensorSpec):
@@ -165,14 +136,6 @@ def _inspect(path: Path) -> CheckpointSummary:
         raise
 
 
-def _counts(summary: CheckpointSummary) -> dict[str, int]:
-    return {
-        "num_tensors": summary.num_tensors,
-        "num_values": summary.num_values,
-        "tensor_bytes": summary.tensor_bytes,
-    }
-
-
 def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
     if tiers.is_url(args.path):  # a remote checkpoint: downloaded first
         with tiers.fetched(args.path, check=False) as local:
@@ -188,21 +151,9 @@ def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
         top = ", ".join(sorted(summary.tree)) or "none"
         raise UsageError(f"{path}: no key starts with {args.key!r} (top-level keys: {top})")
     if args.json:
-        doc = {
-            "path": str(summary.path),
-            "format_version": summary.format_version,
-            "created": jsonable(summary.created),
-            "world_size": summary.world_size,
-            "foreign": summary.foreign,
-            **_counts(summary),
-            "file_bytes": summary.file_bytes,
-            "shared_bytes": summary.shared_bytes,
-            "added_bytes": summary.added_bytes,
-            "metadata": jsonable(summary.metadata),
-            "unregistered": list(summary.unregistered),
-            "entries": [_entry_json(e) for e in entries],
-        }
-        ui.json(doc)
+        fields = [f.name for f in dataclasses.fields(summary) if f.name not in ("path", "tree")]
+        doc = {"path": str(summary.path)} | {k: jsonable(getattr(summary, k)) for k in fields}
+        ui.json({**doc, "entries": [_entry_json(e) for e in entries]})
         return 0
     for line in _inspect_lines(summary, entries, ui):
         ui.print(line)
@@ -257,16 +208,12 @@ def cmd_diff(args: argparse.Namespace, ui: UI) -> int:
         refuse_stock_dcp(p, "diff")
     sizes = [dir_size(a), dir_size(b)]
     with ui.progress("reading A", sum(sizes)) as bar:
-        reads = iter(zip(("reading A", "reading B"), [0, sizes[0]], strict=True))
-        done = [0]
+        reads, done = iter([("reading A", 0), ("reading B", sizes[0])]), [0]
 
         def progress(stage: str, path: Path | None) -> None:
-            if stage == "reading":
-                label, done[0] = next(reads, (stage, done[0]))
-            else:
-                label, done[0] = stage, sum(sizes)
-            bar.describe(label)
-            bar.update(done[0], force=True)
+            whole = (stage, bar.total)
+            label, done[0] = next(reads, (stage, done[0])) if stage == "reading" else whole
+            bar.update(done[0], force=True, label=label)
 
         result = diff_checkpoints(a, b, progress)
     shown = result.entries if args.all else result.changes
@@ -294,14 +241,8 @@ def cmd_diff(args: argparse.Namespace, ui: UI) -> int:
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64", "half", "float", "double")
 #: The short spellings of training scripts and model cards.
-_ALIASES = {
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "f16": "float16",
-    "fp32": "float32",
-    "f32": "float32",
-    "fp64": "float64",
-    "f64": "float64",
+_ALIASES = {"bf16": "bfloat16"} | {
+    f"{p}{n}": f"float{n}" for p in ("f", "fp") for n in (16, 32, 64)
 }
 
 
@@ -319,80 +260,73 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     return dtype
 
 
-def _selected_bytes(
-    summary: CheckpointSummary, select: KeyPath, dtype: torch.dtype | None
-) -> tuple[int, int]:
-    """(bytes to read, bytes to write) of the tensors under ``select``, for the progress bar."""
-    entries = flatten_tree(summary.tree)
-    read = write = 0
-    for e in entries:
-        if e.path[: len(select)] == select and isinstance(e.item, TensorSpec):
-            read += e.item.nbytes
-            itemsize = dtype.itemsize if dtype and e.item.dtype.is_floating_point else None
-            numel = math.prod(e.item.shape)
-            write += numel * itemsize if itemsize else e.item.nbytes
-    return read, write
-
-
 def cmd_export(args: argparse.Namespace, ui: UI) -> int:
-    if args.format == "torch":
-        return _export_torch(args, ui)
-    if args.full:
+    torch_file = args.format == "torch"
+    if args.full and not torch_file:
         raise UsageError("--full: only with --format torch (safetensors holds weights only)")
+    for flag, given in (("--max-shard-size", args.max_shard_size), ("--config", args.config)):
+        if torch_file and given is not None:
+            raise UsageError(f"{flag}: a torch export is one file of weights; leave it out")
+    if args.full and args.dtype:
+        raise UsageError("--dtype converts the weights; --full exports the state as saved")
     src = newest_checkpoint(Path(args.path))
-    refuse_stock_dcp(src, "export")
     out = Path(args.out)
-    if (out.exists() or out.is_symlink()) and not args.overwrite:
-        raise UsageError(f"{out}: already exists; pass --overwrite to replace it")
-    dtype = parse_dtype(args.dtype)
-    select = tuple(k for k in args.select.split("/") if k)
-    if not select:
+    select = None if args.full else tuple(k for k in args.select.split("/") if k)
+    if select == ():
         raise UsageError(f"--select {args.select!r}: expected a key such as 'model'")
-    config: dict[str, Any] | None = None
-    extra: dict[str, bytes] = {}
-    left_out: list[str] = []
-    if args.config is not None:
-        from functional_ckpt._src.export.files import model_files  # torch: only when exporting
+    what = "the full state" if select is None else "/".join(select)
+    dtype = parse_dtype(args.dtype)
+    if torch_file:
+        from functional_ckpt._src.export.torch_save import export_torch
 
-        config, extra, left_out = model_files(Path(args.config))
-    read, write = _selected_bytes(fc.inspect(src), select, dtype)
-    with ui.progress("exporting", read + write) as bar, _flag_spelling():
-        fc.export_safetensors(
-            src,
-            out,
-            select=select[0] if len(select) == 1 else select,
-            dtype=dtype,
-            max_shard_size=args.max_shard_size or "5GB",
-            overwrite=args.overwrite,
-            config=config,
-            extra_files=extra,
-        )
-        bar.update(read + write, force=True)
-    files = sorted(p for p in out.iterdir() if p.is_file())
-    side = {} if args.config is None else {"config": args.config, "left_out": left_out}
+        with _flag_spelling():
+            converted = export_torch(src, out, select=select, dtype=dtype, overwrite=args.overwrite)
+        files, more = [out], {"converted": ["/".join(p) for p in converted]}
+    else:
+        refuse_stock_dcp(src, "export")
+        assert select is not None
+        config: dict[str, Any] | None = None
+        extra: dict[str, bytes] = {}
+        left_out: list[str] = []
+        if args.config is not None:
+            from functional_ckpt._src.export.files import model_files  # torch: only now
+
+            config, extra, left_out = model_files(Path(args.config))
+        with ui.progress("exporting", 0), _flag_spelling():  # a bar with no end: work shown
+            fc.export_safetensors(
+                src,
+                out,
+                select=select,
+                dtype=dtype,
+                max_shard_size=args.max_shard_size or "5GB",
+                overwrite=args.overwrite,
+                config=config,
+                extra_files=extra,
+            )
+        files = sorted(p for p in out.iterdir() if p.is_file())
+        more = {} if args.config is None else {"config": args.config, "left_out": left_out}
     if args.json:
-        ui.json(_export_json(src, out, "safetensors", "/".join(select), files, **side))
-        return 0
-    ui.print(f"exported {'/'.join(select)} of {src} to {out}:")
-    for f in files:
-        ui.print(f"  {f.name}  {human(f.stat().st_size)}")
-    if left_out:
-        ui.print(f"not taken from {args.config}: {', '.join(left_out)} (weights, hidden, folders)")
+        doc = {"path": str(src), "out": str(out), "format": args.format}
+        doc |= {"select": None if select is None else what}
+        sizes = [{"name": f.name, "size": f.stat().st_size} for f in files]
+        ui.json({**doc, "files": sizes, **more})
+    elif torch_file:
+        ui.print(f"exported {what} of {src} to {out} ({human(out.stat().st_size)})")
+        if converted:
+            shown = ", ".join(more["converted"][:5])
+            more_text = f" and {len(converted) - 5} more" if len(converted) > 5 else ""
+            ui.print(
+                f"numpy values saved as tensors / Python numbers (weights_only=True reads no "
+                f"numpy): {shown}{more_text}"
+            )
+    else:
+        ui.print(f"exported {what} of {src} to {out}:")
+        for f in files:
+            ui.print(f"  {f.name}  {human(f.stat().st_size)}")
+        if left_out:
+            skipped = ", ".join(left_out)
+            ui.print(f"not taken from {args.config}: {skipped} (weights, hidden, folders)")
     return 0
-
-
-def _export_json(
-    src: Path, out: Path, form: str, select: str | None, files: Sequence[Path], **more: Any
-) -> dict[str, Any]:
-    """``export --json``'s document, for both formats: what was written where."""
-    return {
-        "path": str(src),
-        "out": str(out),
-        "format": form,
-        "select": select,
-        "files": [{"name": f.name, "size": f.stat().st_size} for f in files],
-        **more,
-    }
 
 
 # --------------------------------------------------------------------------- torch.save files
@@ -421,46 +355,12 @@ def cmd_import(args: argparse.Namespace, ui: UI) -> int:
     bare = list(summary.tree) == [WEIGHTS_KEY]
     if args.json:
         layout = "state_dict" if bare else "state"
-        ui.json({"file": str(src), "path": str(info.path), "layout": layout, **_counts(summary)})
+        counts = {k: getattr(summary, k) for k in ("num_tensors", "num_values", "tensor_bytes")}
+        ui.json({"file": str(src), "path": str(info.path), "layout": layout, **counts})
         return 0
     layout = f" (a state_dict: under '{WEIGHTS_KEY}')" if bare else ""
     ui.print(
         f"imported {src} to {info.path}{layout}: {summary.num_tensors} tensors, "
         f"{human(summary.tensor_bytes)}"
     )
-    return 0
-
-
-def _export_torch(args: argparse.Namespace, ui: UI) -> int:
-    from functional_ckpt._src.export.torch_save import export_torch
-
-    if args.max_shard_size is not None:
-        raise UsageError("--max-shard-size: a torch export is one file; leave it out")
-    if args.full and args.dtype:
-        raise UsageError("--dtype converts the weights; --full exports the state as saved")
-    if args.config is not None:
-        raise UsageError("--config: a torch export is one file of weights; leave it out")
-    src = newest_checkpoint(Path(args.path))
-    out = Path(args.out)
-    select = None if args.full else tuple(k for k in args.select.split("/") if k)
-    if select == ():
-        raise UsageError(f"--select {args.select!r}: expected a key such as 'model'")
-    with _flag_spelling():
-        converted = export_torch(
-            src, out, select=select, dtype=parse_dtype(args.dtype), overwrite=args.overwrite
-        )
-    what = "the full state" if select is None else "/".join(select)
-    if args.json:
-        key = None if select is None else "/".join(select)
-        conv = ["/".join(p) for p in converted]
-        ui.json(_export_json(src, out, "torch", key, [out], converted=conv))
-        return 0
-    ui.print(f"exported {what} of {src} to {out} ({human(out.stat().st_size)})")
-    if converted:
-        shown = ", ".join("/".join(p) for p in converted[:5])
-        more = f" and {len(converted) - 5} more" if len(converted) > 5 else ""
-        ui.print(
-            f"numpy values saved as tensors / Python numbers (weights_only=True reads no "
-            f"numpy): {shown}{more}"
-        )
     return 0

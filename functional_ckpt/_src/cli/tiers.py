@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import socket
 import tempfile
@@ -18,7 +17,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import functional_ckpt as fc
-from functional_ckpt._src.cli.ui import PROG, UI, UsageError, Verified, human, one_line, time_text
+from functional_ckpt._src.cli.ui import (
+    PROG,
+    UI,
+    UsageError,
+    Verified,
+    human,
+    jsonable,
+    one_line,
+    time_text,
+)
 from functional_ckpt._src.export.exports import ExportInfo
 from functional_ckpt._src.format.header import header_of
 from functional_ckpt._src.format.naming import BRANCHES_DIR, parse_step, step_name
@@ -195,11 +203,6 @@ def metrics_text(metrics: Mapping[str, float]) -> str:
     return " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
 
 
-def metrics_json(metrics: Mapping[str, float]) -> dict[str, Any]:
-    """Metrics as JSON takes them: a float that is not finite as its repr."""
-    return {k: v if math.isfinite(v) else repr(v) for k, v in metrics.items()}
-
-
 def branch_json(root: Path, name: str, steps: list[int]) -> dict[str, Any]:
     """A branch a rollback left (a root of its own) as a row of ``ls --json``."""
     path = root / BRANCHES_DIR / name
@@ -224,7 +227,7 @@ def export_json(e: ExportInfo) -> dict[str, Any]:
         "status": "export",
         "time": e.time,
         "size": e.size,
-        "metrics": metrics_json(e.metrics),
+        "metrics": jsonable(e.metrics),
         "files": list(e.files),
     }
 

@@ -24,7 +24,8 @@ from functional_ckpt.errors import CheckpointError
 if TYPE_CHECKING:
     from rich.progress import Progress as RichProgress
 
-__all__ = ["PROG", "Declined", "Progress", "UI", "UsageError", "Verified", "human", "one_line"]
+__all__ = ["PROG", "Declined", "Progress", "UI", "UsageError", "Verified", "human", "jsonable"]
+__all__ += ["one_line"]
 
 PROG = "fckpt"
 
@@ -47,6 +48,28 @@ def one_line(err: BaseException) -> str:
     ):
         return f"{err.filename}: {err.strerror}"
     return joined_lines(str(err)) or type(err).__name__
+
+
+def jsonable(value: Any) -> Any:
+    """Plain JSON for any manifest value: exact where JSON can be, descriptive otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 53:
+        return {"int": hex(value)}  # exact; JSON readers lose big ints and repr may refuse them
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, bytes | bytearray):
+        return {"bytes": value.hex()}
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [jsonable(v) for v in value]
+    np = sys.modules.get("numpy")  # not loaded: no value is one of its types
+    if np is not None and isinstance(value, np.ndarray):
+        return {"ndarray": value.tolist(), "dtype": str(value.dtype)}
+    if np is not None and isinstance(value, np.generic):
+        return jsonable(value.item())
+    return repr(value)
 
 
 def time_text(t: float | None) -> str:
@@ -110,19 +133,13 @@ def _plain_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str
 
 
 class Progress:
-    """A transient ``rich`` progress bar on a terminal; nothing otherwise (a log stays clean)."""
+    """A transient ``rich`` progress bar on a terminal; nothing otherwise (a log stays clean).
+    Shown from ``with`` (or :meth:`start`) to :meth:`close`; a ``total`` of 0 has no end."""
 
     def __init__(
-        self,
-        stream: IO[str],
-        label: str,
-        total: int,
-        unit: str,
-        enabled: bool,
-        out: IO[str] | None = None,
+        self, stream: IO[str], label: str, total: int, unit: str, enabled: bool, out: Any = None
     ) -> None:
-        self.label, self.total, self.unit, self.enabled = label, max(0, total), unit, enabled
-        self.out = out if out is not None else sys.stdout
+        self.label, self.total, self.out = label, max(0, total), out or sys.stdout
         self._bar: RichProgress | None = None
         self._task: Any = None
         if enabled:
@@ -138,10 +155,9 @@ class Progress:
             from rich.progress import Progress as RichProgress
 
             amount = DownloadColumn(binary_units=True) if unit == "B" else MofNCompleteColumn()
+            columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn())
             self._bar = RichProgress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                TaskProgressColumn(),
+                *columns,
                 amount,
                 TimeRemainingColumn(),
                 console=Console(file=stream, force_terminal=True),
@@ -149,7 +165,6 @@ class Progress:
             )
 
     def start(self) -> Progress:
-        """Show the bar (``with`` does it too); ``close`` takes it away."""
         if self._bar is not None and self._task is None:
             self._bar.start()
             self._task = self._bar.add_task(self.label, total=self.total or None)
@@ -161,19 +176,19 @@ class Progress:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def update(self, done: float, *, force: bool = False) -> None:
-        """Set the amount done (``force`` draws now instead of at the next refresh)."""
+    def update(self, done: float, *, force: bool = False, label: str | None = None) -> None:
+        """Set the amount done (and what is being done); ``force`` draws now."""
         if self._bar is None or self._task is None:
             return
-        self._bar.update(self._task, completed=min(max(done, 0), self.total or done))
+        completed = min(max(done, 0), self.total or done)
+        self._bar.update(self._task, completed=completed, description=label or self.label)
+        self.label = label or self.label
         if force:
             self._bar.refresh()
 
-    def describe(self, label: str) -> None:
-        """Say what is being done now (the bar's label)."""
-        self.label = label
+    def advance(self, amount: float) -> None:
         if self._bar is not None and self._task is not None:
-            self._bar.update(self._task, description=label)
+            self._bar.advance(self._task, amount)
 
     def print(self, text: str) -> None:
         """A result line on stdout while the bar runs: above the bar when both share a terminal."""
@@ -183,10 +198,6 @@ class Progress:
             self._bar.console.print(Text.from_ansi(text), soft_wrap=True, highlight=False)
         else:
             print(text, file=self.out, flush=True)
-
-    def advance(self, amount: float) -> None:
-        if self._bar is not None and self._task is not None:
-            self._bar.advance(self._task, amount)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -282,7 +293,7 @@ class UI:
 
     def json(self, doc: Any) -> None:
         """The one JSON document of a ``--json`` run: nothing else goes to stdout."""
-        self.print(json.dumps(doc, indent=2))
+        self.print(json.dumps(doc, indent=2, default=repr))
 
     def verdict(self, emit: Any, result: Verified, quiet: bool) -> None:
         """``fckpt verify``'s lines for one checkpoint (``emit`` prints one, above a bar)."""

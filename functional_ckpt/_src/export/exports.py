@@ -118,7 +118,7 @@ def snapshot(state: TensorDictBase | Mapping[str, Any], export: Export) -> dict[
     import torch
     from tensordict import TensorDictBase
 
-    from functional_ckpt._src.export.safetensors import _select_path
+    from functional_ckpt._src.export.safetensors import _select_path, view_key
     from functional_ckpt._src.state.tree import as_state, iter_leaves
 
     path = _select_path(export.select)
@@ -130,7 +130,7 @@ def snapshot(state: TensorDictBase | Mapping[str, Any], export: Export) -> dict[
     copies: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def copy(t: torch.Tensor) -> torch.Tensor:
-        key = (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+        key = view_key(t)
         if key not in copies:
             copies[key] = t.detach().clone()
         return copies[key]

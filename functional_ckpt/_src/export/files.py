@@ -23,17 +23,8 @@ CONFIG_FILE = "config.json"
 #: vocabulary is tens of MB; past this it is weights or something else entirely.
 SIDE_FILE_BYTES = 1 << 30
 #: What a model directory holds that is weights, not a side file (in any framework).
-_WEIGHT_SUFFIXES: tuple[str, ...] = (
-    ".safetensors",
-    ".bin",
-    ".pt",
-    ".pth",
-    ".ckpt",
-    ".h5",
-    ".msgpack",
-    ".gguf",
-)
-_WEIGHT_SUFFIXES += (".onnx", ".index.json")
+_WEIGHT_SUFFIXES: tuple[str, ...] = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5")
+_WEIGHT_SUFFIXES += (".msgpack", ".gguf", ".onnx", ".index.json")
 
 ExtraFile = bytes | str | os.PathLike[str] | Mapping[str, Any] | Any
 
@@ -124,21 +115,8 @@ def side_files(
 
 def carried_over(out: Path, given: Mapping[str, bytes]) -> dict[str, bytes]:
     """Side files of the export being replaced that this export does not write anew."""
-    kept: dict[str, bytes] = {}
-    dir_fd = opener.open_directory(out)
-    try:
-        for name in sorted(os.listdir(out)):
-            if is_weight_file(name) or name in given:
-                continue
-            where = out / name
-            fd = opener.open_member(dir_fd, name, where, what="export file")
-            try:
-                kept[name] = opener.read_exact(fd, os.fstat(fd).st_size, where)
-            finally:
-                os.close(fd)
-    finally:
-        os.close(dir_fd)
-    return kept
+    names = [n for n in sorted(os.listdir(out)) if not (is_weight_file(n) or n in given)]
+    return {n: opener.read_file(out / n, limit=SIDE_FILE_BYTES, what="export file") for n in names}
 
 
 #: Largest safetensors header read (the bound the safetensors library itself sets).

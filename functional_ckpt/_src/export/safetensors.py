@@ -79,28 +79,32 @@ WRAPPER_PREFIXES = {"_orig_mod.": "torch.compile", "module.": "DDP or DataParall
 Rename = Mapping[str, str] | Callable[[str], str]
 
 
-def prefixes(strip_prefix: str | Sequence[str] | None) -> tuple[str, ...]:
-    if strip_prefix is None:
-        return ()
-    prefixes = (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix)
-    if not all(isinstance(p, str) and p for p in prefixes):
+def checked_options(
+    select: str | Sequence[str],
+    dtype: torch.dtype | None,
+    max_shard_size: int | str,
+    strip_prefix: str | Sequence[str] | None,
+    rename: Rename | None,
+) -> tuple[KeyPath, int, tuple[str, ...]]:
+    """The options an export and :class:`Export` share, checked before anything is read:
+    (the path of ``select``, the shard size in bytes, the prefixes to strip)."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype={dtype!r}: expected a floating-point torch.dtype or None")
+    strip = (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix or ())
+    if not all(isinstance(p, str) and p for p in strip):
         raise TypeError(
             f"strip_prefix={strip_prefix!r}: expected a prefix such as '_orig_mod.' or a "
             "sequence of them"
         )
-    return prefixes
-
-
-def check_rename(rename: Rename | None) -> None:
-    if rename is None or callable(rename):
-        return
-    if not isinstance(rename, Mapping) or not all(
-        isinstance(k, str) and k and isinstance(v, str) for k, v in rename.items()
+    if not (rename is None or callable(rename)) and not (
+        isinstance(rename, Mapping)
+        and all(isinstance(k, str) and k and isinstance(v, str) for k, v in rename.items())
     ):
         raise TypeError(
             f"rename={rename!r}: expected a mapping of name prefixes to their replacement "
             "(e.g. {'model.': ''}) or a function of one name"
         )
+    return _select_path(select), parse_size(max_shard_size), strip
 
 
 def new_name(name: str, strip: tuple[str, ...], rename: Rename | None) -> str:
@@ -123,13 +127,9 @@ def new_name(name: str, strip: tuple[str, ...], rename: Rename | None) -> str:
 
 
 def map_names(
-    tensors: dict[str, torch.Tensor],
-    strip_prefix: str | Sequence[str] | None,
-    rename: Rename | None,
+    tensors: dict[str, torch.Tensor], strip: tuple[str, ...], rename: Rename | None
 ) -> dict[str, torch.Tensor]:
     """Names as ``from_pretrained`` should see them; two tensors never get one name."""
-    strip = prefixes(strip_prefix)
-    check_rename(rename)
     out: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for name, t in tensors.items():
@@ -192,17 +192,9 @@ class Export:
             raise TypeError(f"Export(policy={self.policy!r}): not a SavePolicy")
         if not isinstance(self.keep, RetentionPolicy):
             raise TypeError(f"Export(keep={self.keep!r}): not a RetentionPolicy")
-        _select_path(self.select)
-        _check_dtype(self.dtype)
+        options = (self.select, self.dtype, self.max_shard_size, self.strip_prefix, self.rename)
+        object.__setattr__(self, "max_shard_bytes", checked_options(*options)[1])
         side_files(self.config, self.extra_files, None)  # fails now, not at the first export
-        prefixes(self.strip_prefix)
-        check_rename(self.rename)
-        object.__setattr__(self, "max_shard_bytes", parse_size(self.max_shard_size))
-
-
-def _check_dtype(dtype: torch.dtype | None) -> None:
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"dtype={dtype!r}: expected a floating-point torch.dtype or None")
 
 
 # --------------------------------------------------------------------------- collect
@@ -248,12 +240,17 @@ def _collect(state: TensorDictBase, path: KeyPath) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def view_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors the very same view (a tied weight under two names)."""
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
 def _dedupe(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop tied aliases: a later name for the very same tensor view is left out."""
     seen: set[tuple[Any, ...]] = set()
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        key = (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+        key = view_key(t)
         if t.numel() and key in seen:
             continue
         seen.add(key)
@@ -357,9 +354,7 @@ def export_safetensors(
     written anew. ``header`` adds safetensors header metadata.
     """
     out, t0 = Path(out_dir), time.perf_counter()
-    path = _select_path(select)
-    _check_dtype(dtype)
-    limit = parse_size(max_shard_size)
+    path, limit, strip = checked_options(select, dtype, max_shard_size, strip_prefix, rename)
     files = side_files(config, extra_files, dtype)
     replacing = out.exists() or out.is_symlink()
     if replacing:
@@ -367,7 +362,7 @@ def export_safetensors(
             raise CheckpointExists(f"{out}: already exists; pass overwrite=True to replace it")
         commit.check_replaceable(out, commit.EXPORTS)
     tensors = _collect(_load(state_or_checkpoint_path, path), path)
-    tensors = _dedupe(map_names(tensors, strip_prefix, rename))
+    tensors = _dedupe(map_names(tensors, strip, rename))
     shards = _plan_shards(tensors, limit, dtype)
     durable.make_dirs(out.parent)
     tmp = durable.tmp_sibling(out)

@@ -172,7 +172,12 @@ class Recorder:
         elif [_signature(leaf) for leaf in leaves] != self._layout:
             self._refuse_layout(leaves)
         tensors = [leaf.value for leaf in leaves if leaf.kind == "tensor"]
-        slot = self._take_slot()
+        while True:  # blocks while the writer is behind; a dead writer is reported
+            try:
+                slot = self._free.get(timeout=0.5)
+                break
+            except queue.Empty:
+                self._raise_failure()
         try:
             with torch.no_grad():
                 for view, t in zip(slot.views, tensors, strict=True):
@@ -184,13 +189,6 @@ class Recorder:
         self._last_step = step
         self._jobs.put(("record", slot))
         return True
-
-    def _take_slot(self) -> _Slot:
-        while True:  # blocks while the writer is behind; a dead writer is reported
-            try:
-                return self._free.get(timeout=0.5)
-            except queue.Empty:
-                self._raise_failure()
 
     def _start(self, root: dict[str, Any] | None, leaves: list[Leaf]) -> None:
         """The first record: the layout, the header, the staging slots, the writer."""
@@ -298,8 +296,13 @@ class Recorder:
             except queue.Empty:
                 job = ("commit", None)
             try:
-                if self._failure is None:
-                    self._do(job)
+                if self._failure is None and job[0] == "record":
+                    self._write(job[1])
+                    due = time.monotonic() - self._last_commit >= self.commit_secs
+                    if len(self._pending) >= self.commit_every or due:
+                        self._commit()
+                elif self._failure is None:
+                    self._commit()
             except BaseException as exc:  # reported by the loop's next call
                 self._failure = exc
             finally:
@@ -308,17 +311,10 @@ class Recorder:
                 if job[0] == "commit" and job[1] is not None:
                     job[1].set()
             if job[0] == "close":
-                self._release()
+                for fd in (self._seg_fd, self._index_fd):
+                    if fd >= 0:
+                        os.close(fd)
                 return
-
-    def _do(self, job: tuple[Any, ...]) -> None:
-        if job[0] == "record":
-            self._write(job[1])
-            due = time.monotonic() - self._last_commit >= self.commit_secs
-            if len(self._pending) >= self.commit_every or due:
-                self._commit()
-        else:
-            self._commit()
 
     def _write(self, slot: _Slot) -> None:
         """Append the leaves that changed since the previous record; the rest are shared."""
@@ -383,12 +379,6 @@ class Recorder:
         )
         self.committed += len(steps)
         self._pending.clear()
-
-    def _release(self) -> None:
-        for fd in (self._seg_fd, self._index_fd):
-            if fd >= 0:
-                os.close(fd)
-        self._seg_fd = self._index_fd = -1
 
 
 def _claim(path: Path) -> int:

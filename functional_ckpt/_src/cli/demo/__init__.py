@@ -119,49 +119,42 @@ class Heartbeat:
         """Nothing to take away: every line stays in the log."""
 
 
-@dataclass
 class Child:
-    """A training subprocess and the tail of its event log."""
+    """A single-threaded training subprocess that imports this very package, installed or not,
+    and the tail of its event log."""
 
-    name: str
-    proc: subprocess.Popen[bytes]
-    tail: EventTail
-    log: Path
+    def __init__(self, name: str, directory: Path, logs: Path, steps: int, *extra: str) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.name, self.log = name, logs / f"{name}.log"
+        self.tail = EventTail(logs / f"{name}.{job.EVENTS}")
+        cmd = [sys.executable, "-m", "functional_ckpt._src.cli.demo", "train", str(directory)]
+        cmd += ["--steps", str(steps), "--events", str(self.tail.path), *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        here = str(Path(__file__).resolve().parents[3])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
-    def wait(self, progress: Any) -> ChildLog:
-        """Wait for the process, feeding ``progress.update(step)`` while it runs."""
-        while True:
-            running = self.proc.poll() is None
-            progress.update(self.tail.poll())
-            if not running:
-                return read_attempt(self.tail.events, self.proc.returncode)
-            time.sleep(0.1)
-
-    def failure(self) -> DemoError:
-        """The last meaningful line of the child's log, as a one-line error."""
+    def finish(self, bar: Any, status: int = 0) -> ChildLog:
+        """Wait, feeding ``bar.update(step)``; a status other than ``status`` is a
+        :class:`DemoError` quoting the last line of the child's log."""
         try:
-            text = self.log.read_text(errors="replace")
+            while self.proc.poll() is None:
+                bar.update(self.tail.poll())
+                time.sleep(0.1)
+            bar.update(self.tail.poll())
+        finally:
+            bar.close()
+        if self.proc.returncode == status:
+            return read_attempt(self.tail.events, self.proc.returncode)
+        try:
+            lines = [ln.strip() for ln in self.log.read_text(errors="replace").splitlines()]
         except OSError:
-            text = ""
-        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-        last = lines[-1] if lines else "no output"
-        return DemoError(
+            lines = []
+        last = next((ln for ln in reversed(lines) if ln), "no output")
+        raise DemoError(
             f"the {self.name} process exited with {self.proc.returncode}: {last} (log: {self.log})"
         )
-
-
-def spawn(name: str, directory: Path, logs: Path, steps: int, *extra: str) -> Child:
-    """A single-threaded child that imports this very package, installed or not."""
-    directory.mkdir(parents=True, exist_ok=True)
-    log, events = logs / f"{name}.log", logs / f"{name}.{job.EVENTS}"
-    cmd = [sys.executable, "-m", "functional_ckpt._src.cli.demo", "train", str(directory)]
-    cmd += ["--steps", str(steps), "--events", str(events), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    here = str(Path(__file__).resolve().parents[3])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    return Child(name, proc, EventTail(events), log)
 
 
 @dataclass
@@ -234,30 +227,20 @@ def run_demo(
     started = time.perf_counter()
     logs, run_dir = root / job.LOG_DIR, root / job.RUN_DIR
     children: list[Child] = []
-
-    def watch(child: Child, label: str, total: int, status: int = 0) -> ChildLog:
-        bar = progress(label, total)
-        try:
-            log = child.wait(bar)
-        finally:
-            bar.close()
-        if log.returncode != status:
-            raise child.failure()
-        return log
-
     try:
-        children.append(ref := spawn("reference", root / job.REF_DIR, logs, steps, "--reference"))
-        children.append(child := spawn("run-1", run_dir, logs, steps, "--crash-at", str(crash)))
+        children.append(ref := Child("reference", root / job.REF_DIR, logs, steps, "--reference"))
+        children.append(child := Child("run-1", run_dir, logs, steps, "--crash-at", str(crash)))
         say(f"[1/3] training; this process SIGKILLs itself after step {crash}")
-        first = watch(child, f"run until SIGKILL at {crash}", crash, -signal.SIGKILL)
+        bar = progress(f"run until SIGKILL at {crash}", crash)
+        first = child.finish(bar, -signal.SIGKILL)
         in_flight = _in_flight(run_dir / job.CKPT_DIR)
         say(f"      killed at step {first.last_step} (exit {first.returncode}, SIGKILL)")
-        children.append(child := spawn("run-2", run_dir, logs, steps))
+        children.append(child := Child("run-2", run_dir, logs, steps))
         say("[2/3] resuming in a new process from the newest checkpoint")
-        second = watch(child, "resumed run", steps)
+        second = child.finish(progress("resumed run", steps))
         say(f"      resumed from step {second.resumed_from}, finished step {second.last_step}")
         say("[3/3] waiting for the uninterrupted reference run")
-        reference = watch(ref, "reference run", steps)
+        reference = ref.finish(progress("reference run", steps))
     finally:
         for c in children:
             if c.proc.poll() is None:

@@ -200,6 +200,12 @@ class Job:
         self.model.train()
         return float(loss.item())
 
+    def metrics(self, step: int, loss: float) -> dict[str, float] | None:
+        """Evaluated every ``eval_every`` steps and at the last one."""
+        if step % self.schedule.eval_every and step != self.schedule.steps:
+            return None
+        return {"val_loss": self.evaluate(), "loss": loss}
+
     def capture(self, step: int) -> Any:
         return fc.capture(**self._live(), step=step)
 
@@ -231,18 +237,8 @@ class EventLog:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
-    def close(self) -> None:
-        self._file.close()
 
-
-def _eval_metrics(job: Job, step: int, loss: float) -> dict[str, float] | None:
-    s = job.schedule
-    if step % s.eval_every and step != s.steps:
-        return None
-    return {"val_loss": job.evaluate(), "loss": loss}
-
-
-def train_managed(directory: Path, schedule: Schedule, crash_at: int | None, events: Path) -> None:
+def train(directory: Path, schedule: Schedule, events: Path, crash_at: int | None) -> None:
     """The run under test: resumes if it can, checkpoints on policies, maybe dies."""
     job = Job(schedule)
     log = EventLog(events)
@@ -257,25 +253,17 @@ def train_managed(directory: Path, schedule: Schedule, crash_at: int | None, eve
         t0 = time.perf_counter()
         restored = mgr.restore_latest(like=job.capture(0))
         step = job.apply(restored) if restored is not None else 0
-        log.write(
-            "start",
-            pid=os.getpid(),
-            resumed_from=mgr.restored_step,
-            restore_s=time.perf_counter() - t0,
-            async_save=True,
-        )
+        restore_s = time.perf_counter() - t0
+        log.write("start", resumed_from=mgr.restored_step, restore_s=restore_s, async_save=True)
         while step < schedule.steps:
             t = time.perf_counter()
             mgr.wait_staged()  # the step below mutates parameters in place
             blocked = time.perf_counter() - t
-            loss = job.train_step()
-            step += 1
-            metrics = _eval_metrics(job, step, loss)
-            state = job.capture(step)
+            loss, step = job.train_step(), step + 1
+            metrics, state = job.metrics(step, loss), job.capture(step)
             t = time.perf_counter()
-            saved = mgr.maybe_save(
-                state, step=step, metrics=metrics, is_final=step == schedule.steps
-            )
+            final = step == schedule.steps
+            saved = mgr.maybe_save(state, step=step, metrics=metrics, is_final=final)
             blocked += time.perf_counter() - t
             log.write("step", blocked=blocked, saved=saved, step=step, loss=loss.hex())
             if step == crash_at:
@@ -284,21 +272,19 @@ def train_managed(directory: Path, schedule: Schedule, crash_at: int | None, eve
         t = time.perf_counter()
         mgr.wait()
         log.write("end", step=step, close_s=time.perf_counter() - t)
-    log.close()
 
 
 def train_reference(directory: Path, schedule: Schedule, events: Path) -> None:
     """The same job, never stopped and never checkpointed; its final state is saved once."""
     job = Job(schedule)
     log = EventLog(events)
-    log.write("start", pid=os.getpid(), resumed_from=None, restore_s=0.0, async_save=False)
+    log.write("start", resumed_from=None, restore_s=0.0, async_save=False)
     for step in range(1, schedule.steps + 1):
         loss = job.train_step()
-        _eval_metrics(job, step, loss)  # the same work as the run under test
+        job.metrics(step, loss)  # the same work as the run under test
         log.write("step", blocked=0.0, saved=False, step=step, loss=loss.hex())
     fc.save(directory / "final", job.capture(schedule.steps), overwrite=True)
     log.write("end", step=schedule.steps, close_s=0.0)
-    log.close()
 
 
 def child_main(argv: Sequence[str]) -> int:
@@ -319,5 +305,5 @@ def child_main(argv: Sequence[str]) -> int:
     if args.reference:
         train_reference(args.directory, schedule, args.events)
     else:
-        train_managed(args.directory, schedule, args.crash_at, args.events)
+        train(args.directory, schedule, args.events, args.crash_at)
     return 0
