@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import functional_ckpt as fc
 from functional_ckpt._src.cli.parser import COMMANDS, build_parser
 from functional_ckpt._src.cli.ui import UI, Declined, UsageError, one_line
+from functional_ckpt.errors import CorruptCheckpoint, IncompleteCheckpoint, UnsafeCheckpoint
 
 __all__ = ["main"]
 
@@ -46,15 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         ui.error(one_line(e))
         return 2
-    except Declined as e:
-        ui.error(one_line(e))
-        return 1
-    except (
-        fc.errors.CorruptCheckpoint,
-        fc.errors.UnsafeCheckpoint,
-        fc.errors.IncompleteCheckpoint,
-    ) as e:
-        ui.error(one_line(e))  # the answer is "no": damaged, never committed, or hostile
+    except (Declined, CorruptCheckpoint, UnsafeCheckpoint, IncompleteCheckpoint) as e:
+        ui.error(one_line(e))  # the answer is "no": declined, damaged, hostile, never committed
         return 1
     except BrokenPipeError:
         with contextlib.suppress(OSError):

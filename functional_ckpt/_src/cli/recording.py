@@ -73,56 +73,44 @@ def _summary_lines(doc: dict[str, Any], ui: UI) -> list[str]:
 def ls_recording(args: argparse.Namespace, ui: UI) -> int:
     with Replay(args.root) as replay:
         rec = replay.committed
-        added, leaves = new_bytes(rec)
-        if args.json:
-            rows = [
-                {"step": s, "new_bytes": int(b), "new_leaves": int(n)}
-                for s, b, n in zip(rec.steps.tolist(), added, leaves, strict=True)
-            ]
-            ui.json({**_summary(rec), "rows": rows})
-            return 0
-        cells = [
-            [str(s), human(int(b)), f"{int(n)}/{len(rec.leaves)}"]
-            for s, b, n in zip(rec.steps.tolist(), added, leaves, strict=True)
-        ]
-        ui.table(["STEP", "NEW BYTES", "NEW LEAVES"], cells, [["", "", "dim"]] * len(cells))
-        for line in _summary_lines(_summary(rec), ui):
-            ui.print(line)
+    added, leaves = new_bytes(rec)
+    rows = list(zip(rec.steps.tolist(), added.tolist(), leaves.tolist(), strict=True))
+    if args.json:
+        keys = ("step", "new_bytes", "new_leaves")
+        ui.json({**_summary(rec), "rows": [dict(zip(keys, row, strict=True)) for row in rows]})
+        return 0
+    cells = [[str(s), human(b), f"{n}/{len(rec.leaves)}"] for s, b, n in rows]
+    ui.table(["STEP", "NEW BYTES", "NEW LEAVES"], cells, [["", "", "dim"]] * len(cells))
+    for line in _summary_lines(_summary(rec), ui):
+        ui.print(line)
     return 0
 
 
 def inspect_recording(args: argparse.Namespace, ui: UI) -> int:
     with Replay(args.path) as replay:
         rec = replay.committed
-        doc = _summary(rec)
-        entries: list[dict[str, Any]] = []
-        for e in rec.entries:
-            key = "/".join(e.path)
-            if args.key and not key.startswith(args.key):
-                continue
-            if isinstance(e, TensorEntry):
-                entries.append({"key": key, "kind": "tensor", "spec": e.spec, "nbytes": e.nbytes})
-            elif isinstance(e, NodeEntry):
-                batch = (e.info or {}).get("batch_size", [])
-                entries.append({"key": key, "kind": "node", "batch_size": batch})
-            else:
-                entries.append({"key": key, "kind": "value"})
-        if args.json:
-            ui.json({**doc, "entries": entries})
-            return 0
-        lines = _summary_lines(doc, ui)
-        lines += [ui.paint("tree (every record)", "head")]
-        for item in entries:
-            indent = "  " * item["key"].count("/")
-            name = item["key"].rsplit("/", 1)[-1]
-            if item["kind"] == "tensor":
-                size = ui.paint(human(item["nbytes"]), "dim")
-                lines.append(f"  {indent}{name}  {ui.paint(item['spec'], 'dtype')}  {size}")
-            elif item["kind"] == "node":
-                batch = f"  batch {item['batch_size']}" if item["batch_size"] else ""
-                lines.append(f"  {indent}{ui.paint(name + '/', 'key')}{ui.paint(batch, 'dim')}")
-            else:
-                lines.append(f"  {indent}{name}  = (a value, per record)")
-        for line in lines:
-            ui.print(line)
+    entries: list[dict[str, Any]] = []
+    lines = [*_summary_lines(_summary(rec), ui), ui.paint("tree (every record)", "head")]
+    for e in rec.entries:
+        key = "/".join(e.path)
+        if args.key and not key.startswith(args.key):
+            continue
+        indent, name = "  " * key.count("/"), key.rsplit("/", 1)[-1]
+        if isinstance(e, TensorEntry):
+            entries.append({"key": key, "kind": "tensor", "spec": e.spec, "nbytes": e.nbytes})
+            size = ui.paint(human(e.nbytes), "dim")
+            lines.append(f"  {indent}{name}  {ui.paint(e.spec, 'dtype')}  {size}")
+        elif isinstance(e, NodeEntry):
+            batch = (e.info or {}).get("batch_size", [])
+            entries.append({"key": key, "kind": "node", "batch_size": batch})
+            batch_text = ui.paint(f"  batch {batch}" if batch else "", "dim")
+            lines.append(f"  {indent}{ui.paint(name + '/', 'key')}{batch_text}")
+        else:
+            entries.append({"key": key, "kind": "value"})
+            lines.append(f"  {indent}{name}  = (a value, per record)")
+    if args.json:
+        ui.json({**_summary(rec), "entries": entries})
+        return 0
+    for line in lines:
+        ui.print(line)
     return 0
