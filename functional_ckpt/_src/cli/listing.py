@@ -27,7 +27,7 @@ from functional_ckpt._src.cli.ui import (
     one_line,
     time_text,
 )
-from functional_ckpt._src.export.exports import export_infos
+from functional_ckpt._src.export.exports import ExportInfo, export_infos
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.header import MANAGER_KEY
 from functional_ckpt._src.format.kind import Kind, classify
@@ -191,12 +191,12 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
         if row.step in kept and row.canonical and row.status in ("ok", "intact"):
             why[row.name] = kept[row.step] or (["(deleted by the next prune)"] if parts else [])
     exports = export_infos(root)
-    branched = [tiers.branch_json(root, name, steps) for name, steps in branches(root).items()]
+    branched = [_branch_json(root, name, steps) for name, steps in branches(root).items()]
     remote = tiers.tier_rows(root, rows)  # where each step lives, with a remote tier
     memory = tiers.memory_rows(root)  # the checkpoints in RAM, with a memory tier
     if args.json:
         doc = [_row_json(r, why.get(r.name, [])) for r in rows]
-        doc += [tiers.export_json(e) for e in exports] + branched + (remote[1] if remote else [])
+        doc += [_export_json(e) for e in exports] + branched + (remote[1] if remote else [])
         doc += memory[1] if memory else []
         ui.json(doc)
     elif not rows and not exports and not branched and not (memory and memory[1]):
@@ -223,6 +223,27 @@ def _row_json(row: RootEntry, kept: list[str]) -> dict[str, Any]:
         "kept_by": kept,
         "detail": row.detail,
         "run": run_of(row.metadata),
+    }
+
+
+def _branch_json(root: Path, name: str, steps: list[int]) -> dict[str, Any]:
+    """A branch a rollback left (a root of its own) as a row of ``ls --json``."""
+    where = f"{naming.BRANCHES_DIR}/{name}"
+    return {"kind": "branch", "name": where, "path": str(root / where), "steps": steps}
+
+
+def _export_json(e: ExportInfo) -> dict[str, Any]:
+    """An export as a row of ``ls --json``: ``"kind": "export"`` tells it apart."""
+    return {
+        "kind": "export",
+        "name": f"{e.path.parent.name}/{e.path.name}",
+        "path": str(e.path),
+        "step": e.step,
+        "status": "export",
+        "time": e.time,
+        "size": e.size,
+        "metrics": jsonable(e.metrics),
+        "files": list(e.files),
     }
 
 

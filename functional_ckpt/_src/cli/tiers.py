@@ -17,19 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import functional_ckpt as fc
-from functional_ckpt._src.cli.ui import (
-    PROG,
-    UI,
-    UsageError,
-    Verified,
-    human,
-    jsonable,
-    one_line,
-    time_text,
-)
+from functional_ckpt._src.cli.ui import PROG, UI, UsageError, Verified, human, one_line, time_text
 from functional_ckpt._src.export.exports import ExportInfo
 from functional_ckpt._src.format.header import header_of
-from functional_ckpt._src.format.naming import BRANCHES_DIR, parse_step, step_name
+from functional_ckpt._src.format.naming import parse_step, step_name
 from functional_ckpt._src.manager.provenance import run_of
 from functional_ckpt._src.remote.uploader import read_status
 from functional_ckpt._src.root.listing import RootEntry, committed_steps, read_info
@@ -203,33 +194,12 @@ def metrics_text(metrics: Mapping[str, float]) -> str:
     return " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
 
 
-def branch_json(root: Path, name: str, steps: list[int]) -> dict[str, Any]:
-    """A branch a rollback left (a root of its own) as a row of ``ls --json``."""
-    path = root / BRANCHES_DIR / name
-    return {"kind": "branch", "name": f"{BRANCHES_DIR}/{name}", "path": str(path), "steps": steps}
-
-
 def print_branches(rows: Sequence[dict[str, Any]], ui: UI) -> None:
     if not rows:
         return
     ui.print(f"\n{ui.paint('branches', 'head')} (kept aside by rollbacks; '{PROG} ls PATH' each)")
     cells = [[r["name"], ", ".join(map(str, r["steps"])) or "-"] for r in rows]
     ui.table(["BRANCH", "STEPS"], cells, [["", "dim"]] * len(cells))
-
-
-def export_json(e: ExportInfo) -> dict[str, Any]:
-    """An export as a row of ``ls --json``: ``"kind": "export"`` tells it apart."""
-    return {
-        "kind": "export",
-        "name": f"{e.path.parent.name}/{e.path.name}",
-        "path": str(e.path),
-        "step": e.step,
-        "status": "export",
-        "time": e.time,
-        "size": e.size,
-        "metrics": jsonable(e.metrics),
-        "files": list(e.files),
-    }
 
 
 def print_exports(exports: Sequence[ExportInfo], ui: UI) -> None:
