@@ -368,11 +368,9 @@ def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
             size = dir_size(path)
             found = verify_listed(target, path) if listed else verify_one(path)
             bar.advance(size)
-            if found is None:  # pruned since the listing
-                continue
-            result = found
-            results.append(result)
-            ui.verdict(emit if args.json else bar.print, result, args.quiet)
+            if found is not None:  # else pruned since the listing
+                results.append(found)
+                ui.verdict(emit if args.json else bar.print, found, args.quiet)
     return ui.verified(str(target), results, args.json, stock)
 
 
