@@ -64,15 +64,8 @@ def filter_entries(entries: Sequence[Row], prefix: str | None) -> list[Row]:
     return [e for e in entries if e.path in wanted]
 
 
-def _container_kind(node: Node) -> str:
-    record = node.get(NODE_KEY)
-    if isinstance(record, dict):
-        kind = record.get("kind")
-        if kind in ("list", "tuple"):
-            return f"  ({kind})"
-        if kind == "dict":
-            return "  (dict, non-str keys)"
-    return ""
+#: How ``inspect`` notes a container that is no string-keyed dict.
+_CONTAINERS = {"list": "  (list)", "tuple": "  (tuple)", "dict": "  (dict, non-str keys)"}
 
 
 def _entry_line(entry: Row, ui: UI, width: int) -> str:
@@ -81,7 +74,9 @@ def _entry_line(entry: Row, ui: UI, width: int) -> str:
     name = printable(entry.path[-1])
     item = entry.item
     if isinstance(item, Node):
-        return f"{indent}{ui.paint(name + '/', 'key')}{ui.paint(_container_kind(item), 'dim')}"
+        record = item.get(NODE_KEY)
+        kind = _CONTAINERS.get(str(record.get("kind")), "") if isinstance(record, dict) else ""
+        return f"{indent}{ui.paint(name + '/', 'key')}{ui.paint(kind, 'dim')}"
     if isinstance(item, TensorSpec):
         spec = f"{item.dtype_name}{list(item.shape)}"
         size = ui.paint(human(item.nbytes), "dim")
@@ -266,7 +261,7 @@ def cmd_export(args: argparse.Namespace, ui: UI) -> int:
         raise UsageError("--full: only with --format torch (safetensors holds weights only)")
     for flag, given in (("--max-shard-size", args.max_shard_size), ("--config", args.config)):
         if torch_file and given is not None:
-            raise UsageError(f"{flag}: a torch export is one file of weights; leave it out")
+            raise UsageError(f"{flag}: a torch export is one file; leave it out")
     if args.full and args.dtype:
         raise UsageError("--dtype converts the weights; --full exports the state as saved")
     src = newest_checkpoint(Path(args.path))

@@ -222,6 +222,7 @@ def ls_remote(args: argparse.Namespace, ui: UI) -> int:
     store = open_store(args.root)
     listing = store.listing()
     rows: list[dict[str, Any]] = []
+    cells: list[list[str]] = []
     for step, entry in sorted(listing.items()):
         created, run = None, None
         if entry.committed:
@@ -231,18 +232,15 @@ def ls_remote(args: argparse.Namespace, ui: UI) -> int:
         size = sum(v for v in entry.objects.values() if v > 0)
         status = "ok" if entry.committed else "partial"
         rows.append({"step": step, "status": status, "time": created, "size": size, "run": run})
+        cells.append(
+            [step_name(step), str(step), time_text(created), human(size), status, (run or "-")[:8]]
+        )
     if args.json:
         ui.json(rows)
         return 0
     if not rows:
         ui.print(f"{args.root}: no checkpoints")
         return 0
-    cells = []
-    for r in rows:
-        when, run = time_text(r["time"]), (r["run"] or "-")[:8]
-        cells.append(
-            [step_name(r["step"]), str(r["step"]), when, human(r["size"]), r["status"], run]
-        )
     columns = ["CHECKPOINT", "STEP", "SAVED", "SIZE", "STATUS", "RUN"]
     ui.table(columns, cells, [["", "", "dim", "", "", "dim"]] * len(rows))
     committed = sum(r["status"] == "ok" for r in rows)
