@@ -33,17 +33,7 @@ from functional_ckpt._src.format.manifest import (
 )
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy.base import as_int, finite_number, positive_int
-from functional_ckpt._src.recording.layout import (
-    FORMAT,
-    FRAME,
-    HEADER,
-    INDEX,
-    LOC,
-    MAX_STEP,
-    RECORDING_MARKER,
-    VERSION,
-    segment_name,
-)
+from functional_ckpt._src.recording import layout
 from functional_ckpt._src.state.tree import Leaf, leaves_of, root_record
 from functional_ckpt._src.storage import durable
 from functional_ckpt.errors import CheckpointError, CheckpointExists, UnsupportedValue
@@ -149,9 +139,9 @@ class Recorder:
         if step is None:
             step = self._count
         step = as_int(step, f"Recorder.record(step={step!r})")
-        if step > MAX_STEP:
+        if step > layout.MAX_STEP:
             raise CheckpointError(
-                f"Recorder.record(step={step}): a recording holds steps up to {MAX_STEP}"
+                f"Recorder.record(step={step}): a recording holds steps up to {layout.MAX_STEP}"
             )
         if step < 0 or (self._last_step is not None and step <= self._last_step):
             raise CheckpointError(
@@ -215,11 +205,11 @@ class Recorder:
                 )
         specs = [e for e in entries if isinstance(e, TensorEntry)]
         self._kinds = [e.kind for e in entries if e.kind != "node"]
-        layout = [e.to_plain() for e in entries]
-        header = {"format": FORMAT, "version": VERSION, "created": time.time()}
-        header |= {"every": self.every, "metadata": self.metadata, "root": root, "layout": layout}
+        planned = [e.to_plain() for e in entries]
+        header = {"format": layout.FORMAT, "version": layout.VERSION, "created": time.time()}
+        header |= {"every": self.every, "metadata": self.metadata, "root": root, "layout": planned}
         self._header = codec.encode(header, where="Recorder: the recording's header")
-        durable.replace_durably(self.path / HEADER, self._header)
+        durable.replace_durably(self.path / layout.HEADER, self._header)
         for _ in range(self._slots_wanted):
             self._free.put(_Slot(specs, pin))
         self._layout = [_signature(leaf) for leaf in leaves]
@@ -319,7 +309,7 @@ class Recorder:
     def _write(self, slot: _Slot) -> None:
         """Append the leaves that changed since the previous record; the rest are shared."""
         ref, prev = self._ref, self._prev
-        locs = np.empty(len(self._kinds), LOC)
+        locs = np.empty(len(self._kinds), layout.LOC)
         t = v = 0
         for i, kind in enumerate(self._kinds):
             if kind == "tensor":
@@ -346,7 +336,7 @@ class Recorder:
             if self._seg_fd >= 0:
                 os.fsync(self._seg_fd)  # complete before the next segment is begun
                 os.close(self._seg_fd)
-            self._seg_fd = durable.open_new(self.path / segment_name(len(self._segments)))
+            self._seg_fd = durable.open_new(self.path / layout.segment_name(len(self._segments)))
             self._segments.append(0)
         off = self._segments[-1]
         durable.write_all(self._seg_fd, data)
@@ -363,19 +353,20 @@ class Recorder:
         steps = [s for s, _ in self._pending]
         locs = np.stack([loc for _, loc in self._pending])
         frame = codec.encode({"steps": steps, "locs": locs.tobytes()}, where="recording index")
-        blob = FRAME.pack(len(frame)) + frame
+        blob = layout.FRAME.pack(len(frame)) + frame
         if self._index_fd < 0:
-            self._index_fd = durable.open_new(self.path / INDEX)
+            self._index_fd = durable.open_new(self.path / layout.INDEX)
         durable.write_all(self._index_fd, blob)
         os.fsync(self._index_fd)
         self._index_size += len(blob)
         self._index_crc = crc32(blob, self._index_crc)
-        marker = {"format": FORMAT, "version": VERSION, "records": self.committed + len(steps)}
+        records = self.committed + len(steps)
+        marker = {"format": layout.FORMAT, "version": layout.VERSION, "records": records}
         marker |= {"index_size": self._index_size, "index_crc32": self._index_crc}
         marker |= {"header_size": len(self._header), "header_crc32": crc32(self._header)}
         marker["segments"] = list(self._segments)
         durable.replace_durably(
-            self.path / RECORDING_MARKER, codec.encode(marker, where="recording marker")
+            self.path / layout.RECORDING_MARKER, codec.encode(marker, where="recording marker")
         )
         self.committed += len(steps)
         self._pending.clear()

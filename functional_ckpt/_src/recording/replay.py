@@ -21,12 +21,7 @@ from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.format.manifest import NodeEntry, TensorEntry, dtype_name
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy.base import as_int
-from functional_ckpt._src.recording.layout import (
-    Committed,
-    open_at_least,
-    read_committed,
-    segment_name,
-)
+from functional_ckpt._src.recording import layout
 from functional_ckpt._src.state.tree import Leaf, leaves_of, unflatten
 from functional_ckpt._src.storage.shards import read_into
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, NotRecorded, TemplateMismatch
@@ -41,12 +36,12 @@ class Replay:
 
     def __init__(self, path: PathLike) -> None:
         self.path = Path(path)
-        self._dir_fd, self._rec = read_committed(self.path, f"Replay(path={str(path)!r})")
+        self._dir_fd, self._rec = layout.read_committed(self.path, f"Replay(path={str(path)!r})")
         self._fds: dict[int, int] = {}
         self._where = {s: i for i, s in enumerate(self._rec.steps.tolist())}
 
     @property
-    def committed(self) -> Committed:
+    def committed(self) -> layout.Committed:
         """Everything the opening vetted: header, layout, steps, locations, sizes."""
         return self._rec
 
@@ -131,8 +126,8 @@ class Replay:
     ) -> None:
         if got != n or actual != crc:
             raise CorruptCheckpoint(
-                f"{self.path / segment_name(seg)}: the bytes of state[{format_path(path)}] at "
-                f"step {step} do not match their checksum (damaged recording)"
+                f"{self.path / layout.segment_name(seg)}: the bytes of state[{format_path(path)}] "
+                f"at step {step} do not match their checksum (damaged recording)"
             )
 
     def _devices(self, like: Any, what: str) -> dict[KeyPath, torch.device]:
@@ -157,7 +152,9 @@ class Replay:
         fd = self._fds.get(seg)
         if fd is None:
             size = self._rec.segments[seg]
-            fd = open_at_least(self._dir_fd, self.path, segment_name(seg), size, "data segment")
+            fd = layout.open_at_least(
+                self._dir_fd, self.path, layout.segment_name(seg), size, "data segment"
+            )
             self._fds[seg] = fd
         return fd
 
