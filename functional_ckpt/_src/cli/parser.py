@@ -34,8 +34,8 @@ DEFAULT_STEPS = 2400
 _HELP = {
     "ls": """list the checkpoints of a root
 List the checkpoints under ROOT (step, save time, size, status, metrics) and
-which part of the retention policy keeps each one: the policy recorded in the
-checkpoints, or the flags'. Half-written, quarantined and uncommitted
+which part of the retention policy (recorded in the checkpoints, or given by
+the flags) keeps each one. Half-written, quarantined and uncommitted
 directories are listed with their status, and a manager's exports below.
 examples:
   fckpt ls runs/exp1 --verify                 # also re-check every checksum
