@@ -18,12 +18,11 @@ keeps ``torch.save``'s framing, whose zip64 fields its size needs.
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
 import struct
 import sys
-import threading
 import zipfile
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -276,23 +275,7 @@ def _torch_save_template(image: bytearray, nbytes: int) -> BlobTemplate:
     return BlobTemplate(head, tail, nbytes, tuple(positions), crc32(head))
 
 
-_TEMPLATES: OrderedDict[tuple[torch.dtype, tuple[int, ...]], BlobTemplate] = OrderedDict()
-
-_TEMPLATES_LOCK = threading.Lock()
-
-_TEMPLATE_CACHE_SIZE = 8192
-
-
+@functools.lru_cache(maxsize=8192)
 def blob_template(dtype: torch.dtype, shape: tuple[int, ...]) -> BlobTemplate:
-    key = (dtype, shape)
-    with _TEMPLATES_LOCK:
-        tpl = _TEMPLATES.get(key)
-        if tpl is not None:
-            _TEMPLATES.move_to_end(key)
-            return tpl
-    tpl = _build_template(dtype, shape)
-    with _TEMPLATES_LOCK:
-        _TEMPLATES[key] = tpl
-        while len(_TEMPLATES) > _TEMPLATE_CACHE_SIZE:
-            _TEMPLATES.popitem(last=False)
-    return tpl
+    """The template of every tensor of this dtype and shape (built once: a pure function)."""
+    return _build_template(dtype, shape)
