@@ -1,15 +1,8 @@
 """DCP's ``.metadata`` of a checkpoint, derived from its manifest.
 
-Stock ``torch.distributed.checkpoint`` finds tensors (and values stored as byte
-entries, see :mod:`.dcp_values`) through ``.metadata``, a pickle of its
-``Metadata``. For the project's own checkpoints it is a derived file: one
-function (:func:`derive`) computes its exact bytes from the manifest's tensor and
-byte entries (written as pickle opcodes by :mod:`.dcp_pickle`, which unpickle to
-what :func:`metadata_for` builds), and the writer stores them. A restoring rank's
-reader serves the objects themselves (:func:`metadata_for`). The project's readers never read it;
-``fc.verify`` checks it without torch: parsed by the hardened unpickler into
-plain stand-ins and compared field by field with the manifest
-(:mod:`.dcp_compare`).
+Stock DCP finds tensors and values through ``.metadata``, a pickle of its
+``Metadata``; here it is derived from the manifest by one function (:func:`derive`).
+The project's readers never read it; ``fc.verify`` compares it with the manifest.
 """
 
 from __future__ import annotations
@@ -52,15 +45,8 @@ def _dcp_version() -> str | None:
 def metadata_for(
     groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] = ()
 ) -> Metadata:
-    """The DCP ``Metadata`` describing a manifest's tensors (shared, then per rank).
-
-    ``groups`` comes from :func:`manifest.tensor_groups` (a manifest being
-    written) or :meth:`view.ParsedCheckpoint.groups` (one being verified); ``blobs``
-    are its values as DCP byte entries (:mod:`dcpbytes`), after the tensors.
-
-    Equal strings, sizes and properties are one object each, so the pickle is
-    compact and its bytes depend only on the manifest's content.
-    """
+    """The DCP ``Metadata`` describing a manifest's tensor groups (shared, then per rank)
+    and byte entries; equal strings, sizes and properties are one object each."""
     strings: dict[str, str] = {}
     props: dict[torch.dtype, TensorProperties] = {}
     sizes: dict[tuple[int, ...], torch.Size] = {}
@@ -156,7 +142,7 @@ def _derived(layout: _Layout) -> bytes:
 
 
 def _layout(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry]) -> tuple[Any, ...]:
-    """Everything of a manifest that :func:`build` reads, as one comparable value."""
+    """Everything of a manifest that :func:`_derived` reads, as one comparable value."""
     values = tuple((b.fqn, b.path, b.file, b.offset, b.length) for b in blobs)
     return values, tuple(
         tuple(
