@@ -161,7 +161,6 @@ class PendingSave:
         self._error: BaseException | None = None
         self.started = time.perf_counter()
         self.staged_after: float | None = None  # seconds from the call to staged
-        self._thread: threading.Thread | None = None
         self._on_staged: list[Callable[[], object]] | None = []  # None once called
         self._on_finished: list[Callable[[], object]] | None = []  # None once called
         self._callbacks = threading.Lock()
@@ -357,7 +356,6 @@ def run_in_background(dest: Path, work: Callable[[PendingSave], CheckpointInfo])
         name=f"fc-save:{dest.name}",
         daemon=False,
     )
-    pending._thread = thread
     _RUNNING.add(pending)
     thread.start()
     return pending

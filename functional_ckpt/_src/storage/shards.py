@@ -115,7 +115,6 @@ def write_shard(
             box = (0,) * len(shape) if offsets is None else offsets[i]
             if zstd_level:
                 _flush(out, pending, start, small, segments)
-                pending.clear()
                 chunks.append(
                     zstd.write_blob(
                         out, tpl, t, zstd_level, (box, name, pos), readers[0] if readers else None
@@ -147,9 +146,7 @@ def write_shard(
                     _pack_crc(pending, at + p, crc)
                 tail: bytes | bytearray = pending[at:]
                 if len(pending) >= WRITE_BATCH:
-                    _flush(out, pending, start, small, segments)
-                    start, small = out.end, -1
-                    pending.clear()
+                    start, small = _flush(out, pending, start, small, segments), -1
             else:
                 data = byte_view(t)
                 if len(data) != tpl.nbytes:
@@ -157,9 +154,7 @@ def write_shard(
                         f"internal: tensor {i} has {len(data)} bytes, expected {tpl.nbytes}"
                     )
                 pending += tpl.head  # after the segment: it is the large blob's
-                _flush(out, pending, start, small, segments, len(tpl.head))
-                start, small = out.end, -1
-                pending.clear()
+                start, small = _flush(out, pending, start, small, segments, len(tpl.head)), -1
                 crc_of = crc_chunks if readers is None else readers[1].crc
                 fut = pool.submit(crc_of, data)
                 for off in range(0, len(data), durable.COPY_BLOCK):  # the disk starts on
@@ -219,15 +214,17 @@ def _flush(
     small: int,
     segments: list[Segment],
     after: int = 0,
-) -> None:
-    """Write ``pending`` (file bytes from ``start``); the small blobs in it, from ``small``
-    on and before its last ``after`` bytes, become one segment with their run checksum."""
+) -> int:
+    """Write and clear ``pending`` (file bytes from ``start``), returning the file's end;
+    its small blobs from ``small`` on, but its last ``after`` bytes, make one segment."""
     end = len(pending) - after
     if 0 <= small < end and end - small <= LIMITS.segment_bytes:
         run = memoryview(pending)[small:end]
         segments.append(Segment(start + small, len(run), crc32(run)))
         run.release()
     out.write(pending)
+    pending.clear()
+    return out.end
 
 
 def read_into(fd: int, offset: int, dest: memoryview) -> int:
