@@ -268,6 +268,13 @@ def _chunk_in_line(
     return None
 
 
+#: A chunk record's numbers, in :class:`Chunk`'s order, and their names in messages.
+_FIELDS = (
+    ("offset", "offset"), ("length", "length"), ("data_offset", "data offset"),
+    ("nbytes", "byte count"), ("crc32", "checksum"), ("hcrc32", "checksum"), ("zstd", "transform"),
+)  # fmt: skip
+
+
 def _checked_chunk(
     c: object, entry: TensorEntry, size: int, out: ParsedManifest, where: str
 ) -> Chunk:
@@ -289,18 +296,8 @@ def _checked_chunk(
     file = c.get("file")
     if not isinstance(file, str) or file not in out.file_sizes or file == DCP_METADATA:
         raise CorruptCheckpoint(f"{where}: tensor stored in an unknown file {file!r}")
-    chunk = Chunk(
-        box_o,
-        box_s,
-        file,
-        checked_int(c.get("offset"), where, "offset"),
-        checked_int(c.get("length"), where, "length"),
-        checked_int(c.get("data_offset"), where, "data offset"),
-        checked_int(c.get("nbytes"), where, "byte count"),
-        checked_int(c.get("crc32"), where, "checksum"),
-        checked_int(c.get("hcrc32"), where, "checksum"),
-        checked_int(c.get("zstd", 0), where, "transform"),
-    )
+    fields = [checked_int(c.get(k, 0 if k == "zstd" else None), where, w) for k, w in _FIELDS]
+    chunk = Chunk(box_o, box_s, file, *fields)
     expected = numel(box_s) * size
     if chunk.nbytes != expected:
         raise UnsafeCheckpoint(

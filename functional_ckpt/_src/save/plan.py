@@ -348,7 +348,6 @@ class _Budget:
             )
         free = LIMITS.decode_free_containers // 2  # the other half: the entries' own
         budget = container_budget(self.value_bytes, free)
-        problem = None
         if self.value_bytes > room:
             problem = (
                 f"the values encode to {self.value_bytes} bytes, more than the {room} the "
@@ -359,11 +358,12 @@ class _Budget:
                 f"{self.containers} containers in {self.value_bytes} encoded bytes exceed the "
                 f"decode budget ({budget})"
             )
-        if problem is not None:
-            raise UnsupportedValue(
-                f"{_where(self.largest[1])} is the largest value of a state that a reader "
-                f"would refuse: {problem}; store bulk data as tensors"
-            )
+        else:
+            return
+        raise UnsupportedValue(
+            f"{_where(self.largest[1])} is the largest value of a state that a reader "
+            f"would refuse: {problem}; store bulk data as tensors"
+        )
 
 
 def check_destination(path: Path, overwrite: bool) -> None:
