@@ -91,16 +91,9 @@ def open_base(options: SaveOptions) -> Base | None:
     path = options.base
     if path is None:
         return None
+    ck = None
     try:
         ck = committed.open_checkpoint(path, members=False)
-    except CheckpointError as err:
-        if not options.base_required:
-            return None
-        raise CheckpointError(
-            f"base={path}: cannot be used as the base of an incremental save: {err}; "
-            "pass a committed checkpoint of this format, or base=None for a full save"
-        ) from err
-    try:
         parsed = committed.parsed(ck)
         chunks: dict[Key, BaseChunk] = {}
         for group in parsed.groups():
@@ -116,16 +109,17 @@ def open_base(options: SaveOptions) -> Base | None:
         if memory is None:
             return Base(ck, chunks, sizes, held, Seen((), ()))
         return Base(ck, chunks, sizes, held, memory.seen, memory.trusted(ck.dir_fd))
-    except CheckpointError as err:
-        ck.close()
+    except BaseException as err:
+        if ck is not None:
+            ck.close()
+        if not isinstance(err, CheckpointError):
+            raise
         if not options.base_required:
             return None
         raise CheckpointError(
-            f"base={path}: cannot be used as the base of an incremental save: {err}"
+            f"base={path}: cannot be used as the base of an incremental save: {err}; "
+            "pass a committed checkpoint of this format, or base=None for a full save"
         ) from err
-    except BaseException:
-        ck.close()
-        raise
 
 
 def _unchanged(
