@@ -86,18 +86,10 @@ class Chunk(NamedTuple):
         return not any(self.offsets)
 
     def to_plain(self) -> dict[str, Any]:
-        return {
-            "offsets": list(self.offsets),
-            "sizes": list(self.sizes),
-            "file": self.file,
-            "offset": self.offset,
-            "length": self.length,
-            "data_offset": self.data_offset,
-            "nbytes": self.nbytes,
-            "crc32": self.crc32,
-            "hcrc32": self.hcrc32,
-            **({"zstd": 1} if self.zstd else {}),
-        }
+        out = self._asdict() | {"offsets": list(self.offsets), "sizes": list(self.sizes)}
+        if not self.zstd:
+            del out["zstd"]
+        return out
 
 
 class TensorEntry(NamedTuple):
