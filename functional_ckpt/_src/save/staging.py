@@ -71,14 +71,6 @@ class Stager:
             self._busy = False
             self._free.notify_all()
 
-    def clear(self) -> None:
-        """Drop the buffers (the next save reallocates them)."""
-        self.acquire()
-        try:
-            self._buffers, self._layout = [], []
-        finally:
-            self.release()
-
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers)
