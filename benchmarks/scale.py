@@ -794,7 +794,7 @@ def measure(model: Model, n: int, tmp: Path, memory: bool) -> dict[str, Any]:
     from functional_ckpt._src.format import dcp_metadata, naming
     from functional_ckpt._src.save import multi_rank
 
-    dcp_metadata._LAST = None  # a first save: nothing derived yet, no plan cached
+    dcp_metadata._derived.cache_clear()  # a first save: nothing derived yet, no plan cached
     multi_rank.forget_plans(multi_rank.plan_key(range(n)))
     world = simulate(model, n)
     split: dict[str, dict[str, float]] = {"first": {}, "again": {}, "dcp": {}}

@@ -17,14 +17,14 @@ from functional_ckpt._src.storage import durable, shards
 
 
 class SlowChecksums:
-    """``shards._crc_chunks`` that starts once the caller has begun to fail (``failing``),
+    """``shards.crc_chunks`` that starts once the caller has begun to fail (``failing``),
     then holds on until the caller either waits for it or has left ``function``."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, function: str) -> None:
         self.failing = threading.Event()
         self.outlived: bool | None = None  # whether the caller left before it finished
         caller = threading.get_ident()
-        original = shards._crc_chunks
+        original = shards.crc_chunks
 
         def crc(view: memoryview, start: int = 0) -> int:
             self.failing.wait()
@@ -41,7 +41,7 @@ class SlowChecksums:
                 time.sleep(0.001)
             return original(view, start)
 
-        monkeypatch.setattr(shards, "_crc_chunks", crc)
+        monkeypatch.setattr(shards, "crc_chunks", crc)
 
 
 def state() -> dict[str, Any]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import sys
 import zipfile
-from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -91,7 +90,7 @@ def test_the_torch_save_framing_path_builds_loadable_blobs() -> None:
     for dtype, shape in SPECS:
         t = _tensor(dtype, shape)
         sink, nbytes = blobs._saved_empty(dtype, shape)
-        tpl = blobs._torch_save_template(blobs._torch_save_image(sink), nbytes)
+        tpl = blobs._torch_save_template(sink, nbytes)
         blob = _blob(tpl, t)
         with zipfile.ZipFile(io.BytesIO(blob)) as z:
             assert z.testzip() is None
@@ -127,8 +126,9 @@ def test_checkpoints_in_either_framing_read_with_fc_and_stock_dcp(
     _check_readers(tmp_path / "compact", state)
     with monkeypatch.context() as m:  # every blob framed as torch.save frames it
         m.setattr(blobs, "_COMPACT_LIMIT", 0)
-        m.setattr(blobs, "_TEMPLATES", OrderedDict())
+        blobs.blob_template.cache_clear()
         fc.save(tmp_path / "torch-framed", state)
+    blobs.blob_template.cache_clear()  # the compact templates again
     assert (tmp_path / "torch-framed" / "__0_0.distcp").stat().st_size > (
         tmp_path / "compact" / "__0_0.distcp"
     ).stat().st_size + 600 * (len(state) - 1)
@@ -158,7 +158,7 @@ def test_a_large_specs_template_is_built_without_a_buffer_of_its_size() -> None:
     import tracemalloc
 
     shape = (3, 1 << 26)  # 192 MiB of uint8, a spec no other test builds
-    blobs._TEMPLATES.pop((torch.uint8, shape), None)
+    blobs.blob_template.cache_clear()
     tracemalloc.start()
     try:
         tpl = blobs.blob_template(torch.uint8, shape)

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt.errors import CheckpointError, RankFailed
@@ -34,8 +35,6 @@ T = TypeVar("T")
 #: Seconds a rank waits for the others in a checkpoint collective before failing.
 DEFAULT_TIMEOUT = float(os.environ.get("FCKPT_TIMEOUT", "600"))
 
-_GROUPS: dict[tuple[int, int, float, str], Any] = {}
-
 
 def checkpoint_group(timeout: float | None = None, purpose: str = "save") -> Any:
     """A dedicated gloo group for checkpoint collectives (created once per world).
@@ -43,28 +42,23 @@ def checkpoint_group(timeout: float | None = None, purpose: str = "save") -> Any
     Saves (possibly on a background thread) and a manager's decisions (on the
     training thread) use different groups, so their collectives never interleave.
     Creating a group is a collective on the default group: call it from the
-    training thread, in the same order on every rank.
+    training thread, in the same order on every rank. The groups are found again
+    by their tag in torch's own registry, which a re-initialized job empties.
     """
     seconds = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-    # keyed by the default group too: a re-initialized job gets fresh groups
-    key = (id(dist.group.WORLD), dist.get_world_size(), seconds, purpose)
-    group = _GROUPS.get(key)
+    tag, ranks = f"functional_ckpt:{purpose}:{seconds}", list(range(dist.get_world_size()))
+    group = c10d._find_pg_by_ranks_and_tag(tag, ranks)
     if group is None:
-        if not _GROUPS:
-            atexit.register(_release_groups)
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
-        _GROUPS[key] = group
+        group = c10d._new_group_with_tag(ranks, timedelta(seconds=seconds), "gloo", pg_tag=tag)
+        atexit.register(_release, group)
     return group
 
 
-def _release_groups() -> None:
-    """Tear our groups down before interpreter shutdown frees them in arbitrary order."""
-    groups = list(_GROUPS.values())
-    _GROUPS.clear()
+def _release(group: Any) -> None:
+    """Tear a group down before interpreter shutdown frees them in arbitrary order."""
     if topology().initialized:
-        for group in groups:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(group)
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(group)
 
 
 class Unanswered(CheckpointError):

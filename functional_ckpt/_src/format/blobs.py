@@ -1,29 +1,19 @@
 """The bytes of one tensor as stock DCP stores it: a ``torch.save`` zip blob.
 
-Stock ``torch.distributed.checkpoint`` stores every tensor as a ``torch.save`` zip
-blob inside a shard file, and its reader hands each blob to ``torch.load``. Running
 ``torch.save`` once per tensor is what makes DCP slow on many small tensors, so the
-zip of each distinct (dtype, shape) is built once and every tensor of that shape is
-that template with its raw bytes in the data record and the CRC32 fields patched
-(:class:`BlobTemplate`).
-
-The template holds only the records ``torch.load`` reads: the pickle, the version
-and the data (and the byte order on a big-endian machine, where the reader's
-default, little-endian, would be wrong). ``torch.save``'s own zip adds four more
-records and pads the data to 64 bytes: about 1.5 KB around every tensor, more than
-a 1 KiB tensor itself. The compact one is about 0.5 KB. A tensor of 2 GiB or more
-keeps ``torch.save``'s framing, whose zip64 fields its size needs.
+zip of each (dtype, shape) is built once and filled per tensor (:class:`BlobTemplate`).
+It holds only the records ``torch.load`` reads (about 0.5 KB, not ``torch.save``'s
+1.5 KB); a tensor of 2 GiB or more keeps ``torch.save``'s zip64 framing.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
 import struct
 import sys
-import threading
 import zipfile
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,26 +49,20 @@ _END = struct.Struct("<4sHHHHIIH")
 
 
 def bytes_are_values(t: torch.Tensor) -> bool:
-    """Whether ``t``'s memory holds exactly its values, in order: contiguous host memory
-    without a lazy conjugate or negation bit (under which the same bytes mean other
-    values). Only such a tensor's bytes are written as they are, or read into as they are."""
+    """Whether ``t``'s memory holds exactly its values, in order (contiguous host memory,
+    no lazy conjugate or negation bit): only then are its bytes written or read as they are."""
     return t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg())
 
 
 def lands_raw(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether a stored blob of ``dtype`` may be read straight into ``t``: memory of that
-    dtype that holds exactly its values (:func:`bytes_are_values`)."""
+    """Whether a stored blob of ``dtype`` may be read straight into ``t``."""
     return t.dtype == dtype and bytes_are_values(t)
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without a copy (writable).
-
-    A view of the address, not ``t.numpy()``: numpy marks the storage as never
-    resizable again (a save must leave the state as it found it), and its view
-    would not follow a resize anyway. The view keeps ``t`` alive, not its memory:
-    a storage resized or freed meanwhile is the reader's to detect
-    (:mod:`..storage.live`)."""
+    """The raw bytes of a contiguous CPU tensor, without a copy (writable). Not
+    ``t.numpy()``: numpy marks the storage never resizable again (a save must leave the
+    state as it found it). It keeps ``t`` alive, not its memory (:mod:`..storage.live`)."""
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(b"")
@@ -130,10 +114,8 @@ class BlobTemplate:
 
 
 class _SparseImage(io.RawIOBase):
-    """What a :class:`_SparseWriter` kept, read back as a file: zeros in the gap.
-
-    Lets ``zipfile`` read the small records without a tensor-sized buffer.
-    """
+    """What a :class:`_SparseWriter` kept, read back as a file with zeros in the gap
+    (``zipfile`` reads the small records without a tensor-sized buffer)."""
 
     def __init__(self, sink: _SparseWriter) -> None:
         super().__init__()
@@ -169,8 +151,7 @@ class _SparseImage(io.RawIOBase):
 
 
 def _saved_empty(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[_SparseWriter, int]:
-    """What ``torch.save`` writes for an empty tensor of this spec (the data left out),
-    and the spec's size in bytes."""
+    """What ``torch.save`` writes for this spec (the data left out), and its byte size."""
     import torch
 
     sink = _SparseWriter()
@@ -180,29 +161,16 @@ def _saved_empty(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[_SparseWri
     return sink, nbytes
 
 
-def _torch_save_image(sink: _SparseWriter) -> bytearray:
-    """``torch.save``'s whole zip, its data as zeros."""
-    image = bytearray(sink.pos)
-    for off, data in sink.parts:
-        image[off : off + len(data)] = data
-    return image
-
-
 def _build_template(dtype: torch.dtype, shape: tuple[int, ...]) -> BlobTemplate:
     sink, nbytes = _saved_empty(dtype, shape)
     if nbytes < _COMPACT_LIMIT:
         return _compact_template(sink, nbytes)
-    return _torch_save_template(_torch_save_image(sink), nbytes)
+    return _torch_save_template(sink, nbytes)
 
 
 def _compact_template(sink: _SparseWriter, nbytes: int) -> BlobTemplate:
-    """The records ``torch.load`` reads, taken from ``torch.save``'s zip, framed anew.
-
-    The small records carry their CRC32 in their headers; the data record, whose
-    CRC32 is known only once the tensor's bytes are, is followed by a data
-    descriptor, as ``torch.save`` writes it, so that everything before the bytes is
-    the same for every tensor of the spec.
-    """
+    """The records ``torch.load`` reads, taken from ``torch.save``'s zip, framed anew; the
+    data record's CRC32 follows it (a descriptor), so the head is the same for the spec."""
     with zipfile.ZipFile(_SparseImage(sink)) as z:
         names = z.namelist()
         pickles = [n for n in names if n.endswith("/data.pkl")]
@@ -241,8 +209,9 @@ def _compact_template(sink: _SparseWriter, nbytes: int) -> BlobTemplate:
     return BlobTemplate(bytes(head), bytes(tail), nbytes, positions, crc32(bytes(head)))
 
 
-def _torch_save_template(image: bytearray, nbytes: int) -> BlobTemplate:
+def _torch_save_template(sink: _SparseWriter, nbytes: int) -> BlobTemplate:
     """``torch.save``'s own zip (zip64 where the size needs it), bytes left out."""
+    image = bytearray(_SparseImage(sink).readall())
     start = -1
     i = image.find(_LOCAL_SIG)
     while i >= 0:
@@ -276,23 +245,7 @@ def _torch_save_template(image: bytearray, nbytes: int) -> BlobTemplate:
     return BlobTemplate(head, tail, nbytes, tuple(positions), crc32(head))
 
 
-_TEMPLATES: OrderedDict[tuple[torch.dtype, tuple[int, ...]], BlobTemplate] = OrderedDict()
-
-_TEMPLATES_LOCK = threading.Lock()
-
-_TEMPLATE_CACHE_SIZE = 8192
-
-
+@functools.lru_cache(maxsize=8192)
 def blob_template(dtype: torch.dtype, shape: tuple[int, ...]) -> BlobTemplate:
-    key = (dtype, shape)
-    with _TEMPLATES_LOCK:
-        tpl = _TEMPLATES.get(key)
-        if tpl is not None:
-            _TEMPLATES.move_to_end(key)
-            return tpl
-    tpl = _build_template(dtype, shape)
-    with _TEMPLATES_LOCK:
-        _TEMPLATES[key] = tpl
-        while len(_TEMPLATES) > _TEMPLATE_CACHE_SIZE:
-            _TEMPLATES.popitem(last=False)
-    return tpl
+    """The template of every tensor of this dtype and shape (built once: a pure function)."""
+    return _build_template(dtype, shape)

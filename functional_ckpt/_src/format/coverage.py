@@ -1,9 +1,5 @@
-"""Chunk coverage: the stored pieces of a tensor cover every element exactly once.
-
-A tensor saved by several ranks is a set of boxes; a reader that trusted them
-could return uninitialised memory (a hole) or pick one of two overlapping writes.
-This check is the one place that decides, for any number of boxes.
-"""
+"""Chunk coverage: the stored boxes of a tensor cover every element exactly once (a
+reader that trusted them could return a hole, or pick one of two overlapping writes)."""
 
 from __future__ import annotations
 
@@ -25,23 +21,12 @@ def numel(shape: Sequence[int]) -> int:
 def check_coverage(
     shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]], what: str
 ) -> None:
-    """Every element of a tensor of ``shape`` lies in exactly one box (offsets, sizes).
+    """Every element of a tensor of ``shape`` lies in exactly one box (offsets, sizes),
+    given boxes inside the tensor whose element counts add up to its own.
 
-    ``what`` names the boxes in messages, e.g. ``"<file> entry 3: chunks of 'w'"``.
-
-    The boxes must already lie inside the tensor, and their element counts must add
-    up to the tensor's. The distinct box boundaries of each dimension cut the
-    tensor into a grid whose cells each lie wholly inside or outside every box.
-    Boxes fill the cells they span; a cell filled twice is an overlap, and the
-    element counts then guarantee that no cell is left empty. Each cell is
-    inspected at most twice, so the check is linear in the grid, which for real
-    layouts (shards of a device mesh) has one cell per box. The grid is a
-    ``bytearray`` filled a row at a time, so reading a manifest needs no numpy.
-
-    Raises:
-        CorruptCheckpoint: two boxes overlap.
-        UnsafeCheckpoint: the boxes cut the tensor into more cells than
-            ``LIMITS.coverage_cells``.
+    The box boundaries cut the tensor into a grid (one cell per box for real layouts);
+    a cell filled twice is an overlap (CorruptCheckpoint), and the counts then leave no
+    cell empty. More cells than ``LIMITS.coverage_cells``: UnsafeCheckpoint.
     """
     boxes = [(o, s) for o, s in boxes if numel(s)]  # empty boxes cover nothing
     if len(boxes) <= 1:

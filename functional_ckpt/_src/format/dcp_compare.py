@@ -1,15 +1,9 @@
 """Does a ``.metadata`` say what the manifest says? Compared field by field, without torch.
 
-``fc.verify`` must find a ``.metadata`` that would make stock ``dcp.load`` read other
-bytes, or other tensors, than the manifest describes. Comparing the file's bytes
-with a fresh derivation (:func:`.dcp_metadata.derive`) would need torch, and is not
-sound on its own either: the bytes depend on the torch that wrote them (its DCP
-classes, their fields, its DCP version), so an honest file from another torch
-differs. The sound check is the one that matters to ``dcp.load``: the file is
-parsed by the hardened unpickler into plain stand-ins (:mod:`.dcp_standins`, no
-torch), and everything ``dcp.load`` finds tensors and values by (each key's kind,
-dtype, shape and chunks; where each chunk's or value's bytes lie; the key paths
-of ``planner_data``) is compared with what the manifest's entries say.
+Not its bytes: they depend on the torch that wrote them, so an honest file from
+another torch differs. The file is parsed into plain stand-ins (no torch) and what
+``dcp.load`` finds things by (kinds, dtypes, shapes, chunks, where bytes lie, key
+paths) is compared with the manifest's entries.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """DCP's ``.metadata`` of a checkpoint, derived from its manifest.
 
-Stock ``torch.distributed.checkpoint`` finds tensors (and values stored as byte
-entries, see :mod:`.dcp_values`) through ``.metadata``, a pickle of its
-``Metadata``. For the project's own checkpoints it is a derived file: one
-function (:func:`derive`) computes its exact bytes from the manifest's tensor and
-byte entries (written as pickle opcodes by :mod:`.dcp_pickle`, which unpickle to
-what :func:`metadata_for` builds), and the writer stores them. A restoring rank's
-reader serves the objects themselves (:func:`metadata_for`). The project's readers never read it;
-``fc.verify`` checks it without torch: parsed by the hardened unpickler into
-plain stand-ins and compared field by field with the manifest
-(:mod:`.dcp_compare`).
+Stock DCP finds tensors and values through ``.metadata``, a pickle of its
+``Metadata``; here it is derived from the manifest by one function (:func:`derive`).
+The project's readers never read it; ``fc.verify`` compares it with the manifest.
 """
 
 from __future__ import annotations
 
+import functools
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,15 +45,8 @@ def _dcp_version() -> str | None:
 def metadata_for(
     groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] = ()
 ) -> Metadata:
-    """The DCP ``Metadata`` describing a manifest's tensors (shared, then per rank).
-
-    ``groups`` comes from :func:`manifest.tensor_groups` (a manifest being
-    written) or :meth:`view.ParsedCheckpoint.groups` (one being verified); ``blobs``
-    are its values as DCP byte entries (:mod:`dcpbytes`), after the tensors.
-
-    Equal strings, sizes and properties are one object each, so the pickle is
-    compact and its bytes depend only on the manifest's content.
-    """
+    """The DCP ``Metadata`` describing a manifest's tensor groups (shared, then per rank)
+    and byte entries; equal strings, sizes and properties are one object each."""
     strings: dict[str, str] = {}
     props: dict[torch.dtype, TensorProperties] = {}
     sizes: dict[tuple[int, ...], torch.Size] = {}
@@ -125,31 +112,37 @@ def derive(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] =
     """The exact bytes of ``.metadata`` for a manifest: a pickle stock ``dcp.load`` reads.
 
     Written opcode by opcode (:mod:`.dcp_pickle`): it unpickles to what
-    :func:`metadata_for` builds, field for field, without building it.
-
-    A training loop saves the same layout again and again, and the bytes depend
-    only on the layout (never on tensor values or checksums), so the last result
-    is kept and returned while the layout stays equal field for field.
+    :func:`metadata_for` builds, field for field, without building it. The bytes
+    depend only on the layout (never on values or checksums), and a training loop
+    saves one layout again and again: the last one is kept (:func:`_derived`).
     """
-    global _LAST
-    key = _layout(groups, blobs)
-    last = _LAST
-    if last is not None and last[0] == key:
-        return last[1]
+    return _derived(_Layout(groups, blobs))
+
+
+class _Layout:
+    """A manifest's entries, equal and hashed by what :func:`_derived` reads of them."""
+
+    def __init__(self, groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry]):
+        self.groups, self.blobs, self.key = groups, blobs, _layout(groups, blobs)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Layout) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+
+@functools.lru_cache(maxsize=1)
+def _derived(layout: _Layout) -> bytes:
+    groups, blobs = layout.groups, layout.blobs
     if dcp_pickle.supported() and not any(c.zstd for g in groups for e in g for c in e.chunks):
-        data = dcp_pickle.write(groups, blobs, _dcp_version())
-    else:  # a torch that pickles its classes otherwise: its own pickle of its objects
-        data = pickle.dumps(metadata_for(groups, blobs), protocol=PROTOCOL)
-    _LAST = (key, data)
-    return data
-
-
-#: The last layout derived and its bytes (one entry: the layout of the current run).
-_LAST: tuple[tuple[Any, ...], bytes] | None = None
+        return dcp_pickle.write(groups, blobs, _dcp_version())
+    # a torch that pickles its classes otherwise: its own pickle of its objects
+    return pickle.dumps(metadata_for(groups, blobs), protocol=PROTOCOL)
 
 
 def _layout(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry]) -> tuple[Any, ...]:
-    """Everything of a manifest that :func:`build` reads, as one comparable value."""
+    """Everything of a manifest that :func:`_derived` reads, as one comparable value."""
     values = tuple((b.fqn, b.path, b.file, b.offset, b.length) for b in blobs)
     return values, tuple(
         tuple(

@@ -1,27 +1,13 @@
 """The bytes of DCP's ``.metadata`` written as pickle opcodes, without DCP's objects.
 
-A save's ``.metadata`` holds every rank's chunk of every sharded tensor: at a
-thousand ranks over a hundred thousand chunks. Building DCP's objects for each
-(``ChunkStorageMetadata``, ``torch.Size``, ``MetadataIndex``, ``_StorageInfo``) and
-pickling them was most of the coordinator's work; here each chunk's objects are
-written straight as the opcodes ``pickle`` itself would write for them (a class
-reference memoised once per class, equal strings and sizes memoised once, each
-object a fixed run of opcodes around its few numbers). Where each chunk lies is
-the bulk of the file and the same record chunk after chunk, so a tensor's records
-are written at once: the record's opcodes repeated, its five numbers (index, the
-memo of its offsets and file, offset, length) filled in as numpy columns; no
-Python runs per chunk (4x the first writer's speed at 1,024 ranks).
+At a thousand ranks ``.metadata`` holds over a hundred thousand chunks, and building
+and pickling DCP's objects for each was most of the coordinator's work. Here each
+object is the opcodes ``pickle`` would write (classes, strings and sizes memoised),
+and a tensor's chunk records are written at once as numpy columns: no Python per chunk.
 
-What stock ``pickle.load`` makes of these bytes is equal field for field to the
-``Metadata`` that :func:`.dcp_metadata.metadata_for` builds; the bytes themselves
-are not torch's own (no frames, sizes memoised by value, strings and classes in
-another order). Nothing needs them to be: DCP reads the file with ``pickle.load``,
-and ``fc.verify`` parses it and compares its fields with the manifest
-(:mod:`.dcp_compare`), never its bytes. The protocol is 4, what torch's writer uses.
-
-The opcodes follow how the installed torch reduces its classes; :func:`supported`
-checks that on sample objects, and where a torch reduces them otherwise the
-objects are built and pickled as before.
+``pickle.load`` makes of them what :func:`.dcp_metadata.metadata_for` builds, field
+for field (the bytes are not torch's own; nothing compares bytes). :func:`supported`
+checks that the installed torch reduces its classes as written here.
 """
 
 from __future__ import annotations
@@ -116,13 +102,8 @@ def _get(i: int) -> bytes:
 
 
 class _Memo:
-    """A pickle's memo as it is written: each value's opcodes, in the order they are placed.
-
-    Every method returns the opcodes that push a value: the first time the value
-    itself followed by ``MEMOIZE``, later a ``GET``; the caller places the returned
-    bytes before asking for the next value, so the memo's indices follow the file.
-    ``known`` and ``sizes`` hold each value's index.
-    """
+    """A pickle's memo as it is written: each method returns the opcodes pushing a value
+    (the value and ``MEMOIZE`` the first time, a ``GET`` after), placed in order."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -183,11 +164,8 @@ def _dcp(name: str) -> Callable[[], Any]:
 def write(
     groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry], version: str | None
 ) -> bytes:
-    """The pickle of what :func:`.dcp_metadata.metadata_for` builds, written directly.
-
-    Three passes over the entries (the tensors' metadata, the planner's key paths,
-    where each chunk lies), in the order ``Metadata`` pickles its fields.
-    """
+    """The pickle of what :func:`.dcp_metadata.metadata_for` builds, written directly
+    (three passes, in the order ``Metadata`` pickles its fields)."""
     m = _Memo()
     s, size, obj = m.string, m.size, m.obj
     out: list[bytes | bytearray] = [pickle.PROTO + b"\x04"]
@@ -301,7 +279,6 @@ def write(
                 _numbers(np.fromiter(map(_offset, chunks), np.int64, n)),
                 k_length,
                 _numbers(np.fromiter(map(_length, chunks), np.int64, n)),
-                _transforms(e),
                 end,
             )
         )
@@ -323,12 +300,6 @@ _CLASSES = [
 ]
 _MEMO = np.dtype("<u4")  # a memo index, as LONG_BINGET takes it
 _file, _offset, _length = (operator.itemgetter(i) for i in (2, 3, 4))
-
-
-def _transforms(entry: TensorEntry) -> bytes:
-    """Opcodes closing each chunk's ``_StorageInfo`` state before its end (DCP's
-    ``transform_descriptors`` go here, one for all the chunks of a tensor): none."""
-    return b""
 
 
 @functools.lru_cache(maxsize=8)

@@ -1,9 +1,7 @@
 """One manifest entry validated: a key path, a node, a value, a tensor and its chunks.
 
-Each record is checked against the checkpoint's file table before any byte is
-allocated; the common, well-formed record passes checks done in line (a manifest
-holds tens of thousands), and any other goes through the checks that name what is
-wrong with it. :mod:`.view` assembles the entries into a rank's view.
+The common, well-formed record passes checks done in line (a manifest holds tens of
+thousands); any other goes through the checks that name what is wrong with it.
 """
 
 from __future__ import annotations
@@ -29,25 +27,11 @@ from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 #: The most bytes a zstd frame's blob may hold before its tensor's bytes (zip records).
 ZSTD_HEAD = 1 << 16
 
-__all__ = [
-    "ParsedManifest",
-    "add_entry",
-    "checked_chunk",
-    "claim",
-    "checked_int",
-    "entry_path",
-    "node_info",
-    "tensor_entry",
-]
-
 
 @dataclass
 class ParsedManifest:
-    """A manifest whose entries were checked against the checkpoint's files.
-
-    ``order`` is the tree as seen by one rank: shared entries with that rank's
-    per-rank subtrees spliced in where they stood.
-    """
+    """A manifest whose entries were checked against the checkpoint's files; ``order``:
+    the tree as one rank sees it."""
 
     raw: dict[str, Any]
     rank: int = 0
@@ -85,14 +69,7 @@ def entry_path(e: dict[str, Any], where: str) -> KeyPath:
                 break
         else:
             return tuple(p)
-    if (
-        not isinstance(p, list)
-        or not p
-        or len(p) > LIMITS.key_depth
-        or not all(isinstance(k, str) for k in p)
-    ):
-        raise CorruptCheckpoint(f"{where}: invalid key path {p!r}")
-    return tuple(p)
+    raise CorruptCheckpoint(f"{where}: invalid key path {p!r}")
 
 
 def claim(out: ParsedManifest, path: KeyPath, leaf: bool, where: str) -> None:
@@ -234,8 +211,7 @@ def tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: s
 def checked_chunk(
     c: object, entry: TensorEntry, size: int, out: ParsedManifest, where: str
 ) -> Chunk:
-    """A chunk record checked; a record that passes every check in line is built at
-    once, any other goes through :func:`_checked_chunk`, which names what is wrong."""
+    """A chunk record checked: in line, else by :func:`_checked_chunk` (naming the fault)."""
     got = _chunk_in_line(c, entry.shape, size, out.file_sizes)
     return _checked_chunk(c, entry, size, out, where) if got is None else got
 
@@ -243,11 +219,8 @@ def checked_chunk(
 def _chunk_in_line(
     c: object, shape: tuple[int, ...], size: int, file_sizes: dict[str, int]
 ) -> Chunk | None:
-    """The chunk of a record that passes every check of :func:`_checked_chunk`, else None.
-
-    Tens of thousands of chunks are checked in one loop here, without a call per
-    field; a record this refuses is judged (and named) by :func:`_checked_chunk`.
-    """
+    """The chunk of a record that passes every check of :func:`_checked_chunk` (in one
+    loop, without a call per field: a manifest holds tens of thousands), else None."""
     if type(c) is dict:
         offsets = c.get("offsets")
         sizes = c.get("sizes")
@@ -278,7 +251,7 @@ def _chunk_in_line(
             for v in fields:
                 if type(v) is not int or v < 0:
                     ok = False
-            offset, length, data_offset, nbytes, crc, hcrc = fields
+            offset, length, data_offset, nbytes = fields[:4]
             zstd = c.get("zstd", 0)
             if (
                 ok
@@ -291,19 +264,15 @@ def _chunk_in_line(
                     else zstd == 1 and data_offset - offset <= ZSTD_HEAD
                 )
             ):
-                return Chunk(
-                    tuple(offsets),
-                    tuple(sizes),
-                    file,
-                    offset,
-                    length,
-                    data_offset,
-                    nbytes,
-                    crc,
-                    hcrc,
-                    zstd,
-                )
+                return Chunk(tuple(offsets), tuple(sizes), file, *fields, zstd)
     return None
+
+
+#: A chunk record's numbers, in :class:`Chunk`'s order, and their names in messages.
+_FIELDS = (
+    ("offset", "offset"), ("length", "length"), ("data_offset", "data offset"),
+    ("nbytes", "byte count"), ("crc32", "checksum"), ("hcrc32", "checksum"), ("zstd", "transform"),
+)  # fmt: skip
 
 
 def _checked_chunk(
@@ -327,18 +296,8 @@ def _checked_chunk(
     file = c.get("file")
     if not isinstance(file, str) or file not in out.file_sizes or file == DCP_METADATA:
         raise CorruptCheckpoint(f"{where}: tensor stored in an unknown file {file!r}")
-    chunk = Chunk(
-        box_o,
-        box_s,
-        file,
-        checked_int(c.get("offset"), where, "offset"),
-        checked_int(c.get("length"), where, "length"),
-        checked_int(c.get("data_offset"), where, "data offset"),
-        checked_int(c.get("nbytes"), where, "byte count"),
-        checked_int(c.get("crc32"), where, "checksum"),
-        checked_int(c.get("hcrc32"), where, "checksum"),
-        checked_int(c.get("zstd", 0), where, "transform"),
-    )
+    fields = [checked_int(c.get(k, 0 if k == "zstd" else None), where, w) for k, w in _FIELDS]
+    chunk = Chunk(box_o, box_s, file, *fields)
     expected = numel(box_s) * size
     if chunk.nbytes != expected:
         raise UnsafeCheckpoint(

@@ -136,11 +136,8 @@ def holds_only_its_own(path: Path, kind: Kind) -> bool:
 
 
 def is_stock_dcp(path: Path) -> bool:
-    """A directory written by stock ``torch.distributed.checkpoint`` (no manifest).
-
-    A link the caller named is followed. The listing counts only if the same directory
-    stayed at the path meanwhile: one being replaced may be listed half-deleted.
-    """
+    """A directory written by stock DCP (a link the caller named followed), counted only
+    if it stayed at the path meanwhile (one being replaced may list half-deleted)."""
     real = Path(os.path.realpath(path))
     for _ in range(3):
         before = _identity(real)

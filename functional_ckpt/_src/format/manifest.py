@@ -1,9 +1,7 @@
 """The manifest model: the entries a save writes and the manifest they make.
 
-The manifest is the one place that knows the tree: every node, every non-tensor
-value (exactly, through the codec), and for every tensor its spec, location and
-checksums. These classes are what a save builds and what :mod:`.view` returns
-after validating a manifest read back.
+The manifest is the one place that knows the tree (every node, value, and tensor
+spec, location and checksums); :mod:`.view` returns these classes once validated.
 """
 
 from __future__ import annotations
@@ -69,9 +67,8 @@ def element_size(name: str) -> int:
 
 
 class Chunk(NamedTuple):
-    """One stored piece of a tensor: a box of the global tensor and where its bytes are
-    (and their checksums), as the shard writer reports it and :mod:`.view` rebuilds it.
-    A named tuple, not a frozen dataclass: a save or a restore makes one per tensor."""
+    """One stored piece of a tensor: a box of the global tensor, where its bytes are and
+    their checksums (a named tuple: a save or a restore makes one per tensor)."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -89,24 +86,15 @@ class Chunk(NamedTuple):
         return not any(self.offsets)
 
     def to_plain(self) -> dict[str, Any]:
-        return {
-            "offsets": list(self.offsets),
-            "sizes": list(self.sizes),
-            "file": self.file,
-            "offset": self.offset,
-            "length": self.length,
-            "data_offset": self.data_offset,
-            "nbytes": self.nbytes,
-            "crc32": self.crc32,
-            "hcrc32": self.hcrc32,
-            **({"zstd": 1} if self.zstd else {}),
-        }
+        out = self._asdict() | {"offsets": list(self.offsets), "sizes": list(self.sizes)}
+        if not self.zstd:
+            del out["zstd"]
+        return out
 
 
 class TensorEntry(NamedTuple):
-    """A tensor of the tree: its spec, DCP key and chunks (an alias holds its target's,
-    for DCP's ``.metadata``). The dtype is held by name: what reads a manifest needs no
-    torch. A named tuple, not a frozen dataclass: a restore makes one per tensor."""
+    """A tensor of the tree: spec, DCP key and chunks (an alias holds its target's, for
+    ``.metadata``); the dtype by name, so what reads a manifest needs no torch."""
 
     path: KeyPath
     fqn: str
@@ -198,9 +186,7 @@ Entry = TensorEntry | NodeEntry | ValueEntry | PerRankEntry
 
 @dataclass(frozen=True)
 class Tree:
-    """A state's tree as a save plans it: the shared entries (a :class:`PerRankEntry`
-    where a per-rank subtree stands), every rank's per-rank entries, and the root's
-    batch size and names."""
+    """A state's tree as a save plans it: shared entries, every rank's, the root's info."""
 
     entries: tuple[Entry, ...]
     ranks: tuple[tuple[Entry, ...], ...]
@@ -209,9 +195,8 @@ class Tree:
 
 @dataclass(frozen=True)
 class Written:
-    """What a save's write stage put on disk: every tensor's chunks by DCP key, the
-    values' DCP byte entries (located), and extra fields of the file table (data
-    files reused from a base)."""
+    """What a save's write stage put on disk: chunks by DCP key, the values' byte
+    entries, and extra fields of the file table (reused files)."""
 
     chunks: Mapping[str, tuple[Chunk, ...]]
     blobs: tuple[ByteEntry, ...] = ()
@@ -220,12 +205,8 @@ class Written:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A checkpoint's manifest as a save commits it; :meth:`encode` gives its bytes.
-
-    Built once, by :func:`assemble`, from the planned tree and what the write stage
-    wrote. ``files`` maps each file name to its recorded size (and CRC32 for
-    ``.metadata``).
-    """
+    """A checkpoint's manifest as a save commits it (built by :func:`assemble`);
+    :meth:`encode` gives its bytes."""
 
     created: float
     metadata: Any
@@ -328,11 +309,8 @@ _BOX_OFFSETS = operator.itemgetter(0)  # a chunk's offsets (Chunk is a named tup
 
 
 def with_chunks(tree: Tree, written: Written) -> tuple[tuple[Entry, ...], ...]:
-    """The tree's entry groups (shared, then each rank's) with the chunks written.
-
-    An alias gets its target's chunks: stock DCP finds each key's bytes through
-    ``.metadata``, and a tie's bytes are its target's.
-    """
+    """The tree's entry groups (shared, then each rank's) with the chunks written (an
+    alias gets its target's: stock DCP finds each key's bytes through ``.metadata``)."""
     by_path: dict[KeyPath, tuple[Chunk, ...]] = {}
     groups: list[tuple[Entry, ...]] = []
     chunks_of = written.chunks.get

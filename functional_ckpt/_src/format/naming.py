@@ -1,10 +1,5 @@
-"""The names of the on-disk format: files, directories and the steps they stand for.
-
-One place spells every name a reader or writer looks for: the files of a checkpoint,
-its shard files, the infixes of its temporary, deleted and quarantined siblings, the
-``step_N`` directories of a root and what else a root holds, the files that make a
-directory an export or a recording, and which file names a manifest may list at all.
-"""
+"""The names of the on-disk format: one place spells every name a reader or writer
+looks for (files, siblings, step directories, exports, recordings)."""
 
 from __future__ import annotations
 
@@ -16,12 +11,9 @@ from functional_ckpt.errors import UnsafeCheckpoint
 # --------------------------------------------------------------------------- a checkpoint
 
 FORMAT_NAME = "functional_ckpt"
-#: The highest format version this code reads. A save writes the lowest version that
-#: describes its checkpoint: 1 for one manifest, ``PARTS_VERSION`` for a manifest
-#: split into an index and per-rank parts (multi-rank saves), ``TABLES_VERSION`` for
-#: one whose entries hold tensor tables (many plain tensors as columns), split or not,
-#: ``PART_FILES_VERSION`` for a split manifest whose parts list their rank's files and
-#: check themselves (what a multi-rank save writes: the index no longer grows with N).
+#: The highest format version this code reads; a save writes the lowest that describes
+#: its checkpoint: one manifest, split into parts, with tensor tables, parts that list
+#: their rank's files and check themselves (so the index no longer grows with N).
 FORMAT_VERSION = 4
 ONE_MANIFEST_VERSION = 1
 PARTS_VERSION = 2
@@ -68,11 +60,8 @@ def is_shard_file(name: str) -> bool:
 
 
 def safe_member(root: Path, name: object) -> Path:
-    """A file name from a manifest as a path in ``root``; anything else is refused.
-
-    Only the name is checked here; links and special files are refused when the
-    file is opened (:mod:`..storage.opener`).
-    """
+    """A file name from a manifest as a path in ``root``; anything else is refused (links
+    and special files are refused when opened: :mod:`..storage.opener`)."""
     if (
         not isinstance(name, str)
         or not name
@@ -130,12 +119,8 @@ def step_name(step: int) -> str:
 
 
 def parse_step(name: str) -> int | None:
-    """The step of a canonical checkpoint directory name, else None.
-
-    Only the exact name :func:`step_name` produces counts, so ``step_5`` next to
-    ``step_000000005`` cannot make one step appear twice, and temporary or
-    quarantined siblings (``step_….tmp-…``) never match.
-    """
+    """The step of a canonical checkpoint directory name, else None (only the exact
+    :func:`step_name`: ``step_5`` beside ``step_000000005`` is not one step twice)."""
     m = _STEP_RE.fullmatch(name)
     if m is None:
         return None

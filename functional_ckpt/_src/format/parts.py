@@ -1,12 +1,9 @@
 """A split manifest: the sharding rule that places each rank's chunk, and a part's rows.
 
-A multi-rank save writes one manifest *index* (the tree, the shared entries, every
-tensor's dtype and shape) and one *part* per saving rank (its per-rank entries and
-its chunk of every sharded tensor). A sharded tensor whose chunks are the even split
-of one dimension across the ranks (FSDP2's ``Shard(dim)``, ``torch.chunk``'s rule)
-records only that dimension in the index: the box of part ``r``'s chunk follows from
-the shape, so a part stores only where the bytes are and their checksums, and a
-restoring rank reads the parts whose boxes meet its own shards, never every rank's.
+A multi-rank save writes an *index* (the tree) and one *part* per rank. A tensor
+evenly split along one dimension (FSDP2's ``Shard(dim)``) records only that dimension:
+each part's box follows from the shape, and a restoring rank reads only the parts
+whose boxes meet its own shards.
 """
 
 from __future__ import annotations

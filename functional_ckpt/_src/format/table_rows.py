@@ -17,9 +17,6 @@ from functional_ckpt._src.format.keys import KeyPath
 #: ``kind`` and fields are read here.
 _Row = Any
 
-__all__ = ["TABLE_KIND", "TABLE_MIN_ROWS", "table_plain", "table_runs"]
-
-
 #: What a tensor table's ``kind`` says (:mod:`.tables` reads it back).
 TABLE_KIND = "tensors"
 

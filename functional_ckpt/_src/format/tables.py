@@ -1,11 +1,7 @@
 """A tensor table read back: many plain tensor entries, each field a column, checked in bulk.
 
-A save writes runs of tensors that each have one whole chunk in the same file as
-one table (:func:`.table_rows.table_plain`) rather than one map per tensor and per
-chunk: a manifest of ten thousand small tensors then decodes as a few byte strings,
-not a hundred thousand containers. Every row is held to the checks of a tensor entry
-of its own (:mod:`.entries`): its key path claimed once, its dtype known, its shape
-within the format's limits, its bytes inside its file.
+Ten thousand small tensors then decode as a few byte strings, not a hundred thousand
+containers; every row is held to the checks of a tensor entry of its own (:mod:`.entries`).
 """
 
 from __future__ import annotations
@@ -27,28 +23,10 @@ from functional_ckpt._src.format.table_rows import TABLE_KIND
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 
-__all__ = ["add_table", "is_table"]
-
-_FIELDS = frozenset(
-    {
-        "kind",
-        "file",
-        "keys",
-        "path_len",
-        "is_node",
-        "fqn",
-        "dtypes",
-        "dtype",
-        "ndim",
-        "shape",
-        "requires_grad",
-        "offset",
-        "length",
-        "data_offset",
-        "crc32",
-        "hcrc32",
-    }
-)
+_FIELDS = frozenset({
+    "kind", "file", "keys", "path_len", "is_node", "fqn", "dtypes", "dtype", "ndim", "shape",
+    "requires_grad", "offset", "length", "data_offset", "crc32", "hcrc32",
+})  # fmt: skip
 
 _ZEROS = tuple((0,) * n for n in range(LIMITS.tensor_ndim + 1))
 

@@ -1,9 +1,7 @@
 """A decoded manifest validated once, and every rank's view of it.
 
-A loader treats the manifest as untrusted input: every field is type- and
-range-checked against the checkpoint's file table before a single byte is
-allocated, and every rank's view (shared entries with its per-rank subtrees
-spliced in) is derived from that one validation.
+The manifest is untrusted input: every field is checked against the file table
+before a byte is allocated, and every rank's view derives from that one validation.
 """
 
 from __future__ import annotations
@@ -51,12 +49,8 @@ from functional_ckpt.errors import CorruptCheckpoint
 def _files(
     manifest: dict[str, Any], root: Path, src: str
 ) -> tuple[dict[str, int], dict[str, tuple[Segment, ...]]]:
-    """The file table: safe names, recorded sizes and run checksums (where recorded).
-
-    The files themselves were opened and checked against it (regular files of
-    these sizes) when the checkpoint was opened (``storage/committed``). The marker
-    and the manifest are never files of the table: a table naming them is forged.
-    """
+    """The file table: safe names, recorded sizes and run checksums (where recorded); a
+    table naming the marker or the manifest is forged."""
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise CorruptCheckpoint(f"{src}: missing file table")
@@ -89,8 +83,8 @@ PartLoader = Callable[[int], Any]
 
 @dataclass
 class _Part:
-    """One rank's part of a split manifest, validated: its per-rank entries, as
-    decoded, and its chunk of every evenly split tensor."""
+    """One rank's part of a split manifest, validated: its per-rank entries and its
+    chunk of every evenly split tensor."""
 
     entries: list[Any]
     chunks: dict[KeyPath, Chunk]
@@ -98,13 +92,8 @@ class _Part:
 
 @dataclass
 class ParsedCheckpoint:
-    """A manifest validated once: the shared tree, and every rank's view derived from it.
-
-    The shared entries are checked once; each rank's per-rank entries are checked
-    the first time that rank's view is asked for. A split manifest's parts are read
-    (``load_part``) and checked the first time a view needs them: a rank's own part
-    for its per-rank entries, and the parts whose chunks it reads.
-    """
+    """A manifest validated once: the shared tree, and every rank's view derived from it
+    (each rank's entries, and a split manifest's parts, checked when first needed)."""
 
     shared: ParsedManifest  # the view of ``rank=None``: per-rank subtrees left out
     ranks: list[list[Any]]  # each rank's per-rank entries, as decoded (one manifest)
@@ -121,12 +110,8 @@ class ParsedCheckpoint:
         return self.shared.world_size
 
     def view(self, rank: int | None, parts: Iterable[int] | None = None) -> ParsedManifest:
-        """The tree as ``rank`` sees it (None: without any per-rank subtree).
-
-        With ``parts``, the evenly split tensors of a split manifest hold only the
-        chunks of those parts (the ones a rank's shards meet), and no other part is
-        read; without, they hold every chunk.
-        """
+        """The tree as ``rank`` sees it (None: without any per-rank subtree); with
+        ``parts``, split tensors hold only those parts' chunks (no other part read)."""
         if parts is not None:
             return self.filled(self._sparse(rank), parts)
         self._complete()
@@ -198,8 +183,7 @@ class ParsedCheckpoint:
         return self.ranks[rank] if rank < len(self.ranks) else None
 
     def all_views(self) -> list[ParsedManifest]:
-        """Every saving rank's view, in rank order: ``world_size`` of them (one, the
-        shared tree, for a manifest without per-rank tables)."""
+        """Every saving rank's view, in rank order."""
         return [self.view(r) for r in range(self.world_size)]
 
     def groups(self) -> list[list[TensorEntry]]:
@@ -246,10 +230,8 @@ class ParsedCheckpoint:
 def parse_checkpoint(
     manifest: dict[str, Any], root: Path, *, parts: PartLoader | None = None
 ) -> ParsedCheckpoint:
-    """Validate a decoded manifest against the directory ``root`` it came from, once.
-
-    ``parts`` reads a split manifest's parts, when a view needs them.
-    """
+    """Validate a decoded manifest against the directory ``root`` it came from, once;
+    ``parts`` reads a split manifest's parts when a view needs them."""
     src = str(root / "manifest.msgpack")
     out = ParsedManifest(manifest)
     out.parts = _parts_count(manifest, src)
@@ -294,11 +276,8 @@ def _parts_count(manifest: dict[str, Any], src: str) -> int:
 
 
 def validated_part(raw: object, rank: int, shared: ParsedManifest, where: str) -> _Part:
-    """Validate part ``rank`` of a split manifest (decoded) against its index's tree.
-
-    It holds one row per evenly split tensor, in the index's order: that chunk's
-    box follows from the rule, the rest is checked as any chunk is.
-    """
+    """Validate part ``rank`` of a split manifest against its index's tree: one row per
+    evenly split tensor, its box following from the rule."""
     if not isinstance(raw, dict) or raw.get("part") != rank:
         raise CorruptCheckpoint(f"{where}: not part {rank} of this manifest")
     entries = raw.get("entries")
@@ -327,8 +306,7 @@ def validated_part(raw: object, rank: int, shared: ParsedManifest, where: str) -
 
 
 def _add_files(part: dict[str, Any], shared: ParsedManifest, where: str) -> None:
-    """Add the files a part lists (its rank's shard files) to the checkpoint's table,
-    each listed once: no other table, the index's or another part's, may list it."""
+    """Add the files a part lists to the checkpoint's table; no other table may list one."""
     if part.get("created") != shared.raw.get("created"):
         raise CorruptCheckpoint(f"{where}: a part of another save than its index")
     sizes, runs = _files(part, Path(where).parent, where)
@@ -342,11 +320,8 @@ def _add_files(part: dict[str, Any], shared: ParsedManifest, where: str) -> None
 
 
 def parse_planned(plain: object, where: str) -> list[Entry]:
-    """Entries of a save in progress from their plain form (``to_plain``), by the one parser.
-
-    Ranks exchange their per-rank entries before any chunk is written, so the
-    tensors carry no chunks yet; everything else is validated as on load.
-    """
+    """Entries of a save in progress (exchanged before any chunk is written) from their
+    plain form, by the one parser."""
     if not isinstance(plain, list):
         raise CorruptCheckpoint(f"{where}: not a list of entries")
     out = ParsedManifest({}, planned=True)

@@ -1,13 +1,7 @@
-"""``fc.save`` and ``fc.save_async``: one pipeline, different staging.
+"""``fc.save`` and ``fc.save_async``: one pipeline, plan -> stage -> write -> commit.
 
-    plan once (:func:`plan_job`) -> stage (none / copy into reusable, pinned
-    buffers) -> write (local files; every rank through DCP's planners) -> commit
-
-The options are checked once, where the call comes in (:mod:`.options`); the plan
-and the job are values from there on. A synchronous save stages nothing beyond a
-host copy of device tensors; an asynchronous one stages on its background thread and
-commits there. Whether the save is distributed is decided once, from the
-:mod:`topology <..distributed.topology>` and the plan.
+Options are checked once where the call comes in; the plan and the job are values
+from there on. An asynchronous save stages and commits on its background thread.
 """
 
 from __future__ import annotations
@@ -46,14 +40,9 @@ def plan_job(
     snapshot: bool,
     staging: str | None = None,
 ) -> SaveJob:
-    """Check and plan a save once: destination, metadata, every leaf, the base.
-
-    A single process raises what it finds; a rank of a distributed save keeps it in
-    the job, for the write to fail every rank together. The base is opened and
-    vetted here, and the sources' version counters are read now, before anything can
-    stage or write them. ``staging``: an asynchronous save's mode (the ranks of a
-    save agree on it).
-    """
+    """Check and plan a save once: destination, metadata, every leaf, the base (and the
+    sources' version counters, before anything stages them). A rank of a distributed
+    save keeps its failure in the job, for every rank to fail together."""
     topo = topology()
     try:
         prepared = prepare_save(
@@ -85,10 +74,8 @@ def plan_job(
 
 
 def write_job(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> CheckpointInfo:
-    """Write and commit ``job`` filled by ``tensors``: this process alone (its files, a
-    base's shared), or every rank through DCP's planners, the coordinator committing.
-    A distributed save has only ``hooks.after_read``: its ``staging='none'`` is refused up front
-    (:func:`start_save`). The finished save is an INFO record on ``functional_ckpt.save``."""
+    """Write and commit ``job`` filled by ``tensors``: this process alone, or every rank
+    (which has only ``hooks.after_read``: its ``staging='none'`` is refused up front)."""
     if job.distributed:
         from functional_ckpt._src.save.multi_rank import save_planned
 
@@ -110,8 +97,6 @@ def run_save(path: PathLike, state: State, options: SaveOptions) -> CheckpointIn
             job = plan_job(path, state, options, snapshot=False)
         with incremental.closing(job.base), phase(_LOG, "write and commit", path):
             sources = () if job.prepared is None else job.plan.sources
-            # Distributed writers copy what DCP's planner hands them; locally, only
-            # device tensors and non-contiguous views are copied to the host.
             tensors = list(sources) if job.distributed else [host_copy(t) for t in sources]
             info = write_job(job, tensors, Hooks())
         # Freed while collection is paused, the plan's many small objects are never
@@ -161,11 +146,8 @@ def start_save(
     *,
     before_write: Callable[[], None] | None = None,
 ) -> PendingSave:
-    """An asynchronous save with the given options (``fc.save_async``, a manager's).
-
-    ``before_write`` runs on the save's thread once the state is staged, before any
-    file is written (a memory tier waits there for the RAM its pruning frees).
-    """
+    """An asynchronous save (``fc.save_async``, a manager's); ``before_write`` runs on
+    its thread once staged (a memory tier waits there for the RAM pruning frees)."""
     staging = stages.check_staging(staging, "save_async")
     job = plan_job(path, state, options, snapshot=True, staging=staging)
     with incremental.closing_on_error(job.base):
@@ -177,9 +159,7 @@ def start_save(
                 )
             from functional_ckpt._src.distributed.groups import checkpoint_group
 
-            # Creating the group is a collective on the default group: not on a thread
-            # that could race training.
-            checkpoint_group(purpose=options.group)
+            checkpoint_group(purpose=options.group)  # a collective: not on the save's thread
         return stages.run_in_background(job.dest, _work(job, staging, stager, before_write))
 
 
@@ -195,24 +175,14 @@ def save_async(
     base: PathLike | None = None,
     compression: str | None = None,
 ) -> PendingSave:
-    """Start saving ``state`` to ``path`` in the background.
+    """Start saving ``state`` to ``path`` in the background (docs/api.md).
 
-    Everything that can be checked up front (destination, metadata, leaf types) is
-    checked here and raises here, and the state's plain values are encoded now (the
-    checkpoint holds them as they are at this call). The files and commit protocol
-    are those of :func:`functional_ckpt.save`.
-
-    ``staging="copy"`` (default): tensors are copied into buffers first;
-    ``wait_staged()`` returns after the copy. A ``stager`` (``fc.checkpoint.Stager``)
-    keeps those buffers from one save to the next; without one, each save allocates
-    its own. ``staging="write"``: no copy; the live tensors are written straight into
-    the files and ``wait_staged()`` returns once every byte is there (best where the
-    files are in RAM: one copy per save, no buffers; under ``torch.distributed`` once
-    this rank's file is written). ``staging="none"``: no copy; the caller must not
-    modify the state's tensors in place until ``result()`` returns, and a violation is
-    detected and the checkpoint refused. ``base`` as for :func:`functional_ckpt.save`:
-    unchanged chunks are shared with the base, decided on the bytes being committed
-    (the staged copies). ``compression`` as for :func:`functional_ckpt.save`.
+    Everything that can be checked up front is checked and raises here, and plain values
+    are encoded now. ``staging="copy"`` (default): tensors are copied into buffers first
+    (a ``stager`` keeps them from one save to the next); ``"write"``: the live tensors
+    are written straight into the files, staged once every byte is there; ``"none"``: no
+    copy, and a tensor changed in place before ``result()`` returns is detected and the
+    checkpoint refused. ``base`` and ``compression`` as for :func:`functional_ckpt.save`.
     """
     options = save_options(
         metadata=metadata,
@@ -257,7 +227,6 @@ def _work(
 
         def written(pending: PendingSave) -> CheckpointInfo:
             ready()
-            # only the off-CPU or scattered copied (each rank's writes copy their own)
             tensors = list(sources) if job.distributed else [host_copy(t) for t in sources]
             with incremental.closing(job.base):
                 return write_job(job, tensors, Hooks(after_read=pending._mark_staged))
@@ -280,6 +249,3 @@ def _work(
                 stager.release()
 
     return staged
-
-
-__all__ = ["plan_job", "run_save", "save", "save_async", "start_save", "write_job"]

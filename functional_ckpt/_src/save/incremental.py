@@ -1,18 +1,10 @@
 """Incremental saves: what did not change since a base checkpoint is not written again.
 
-The base's data files that still hold enough unchanged chunks are hard-linked
-(else copied) into the new directory, so every checkpoint is self-contained:
-readers and stock ``dcp.load`` see ordinary data files, and deleting the base
-never breaks it.
-
-"Unchanged" is decided per chunk, never guessed: a chunk is reused only when
-the base recorded the same key, box and dtype and the CRC32 of the bytes being
-saved equals the CRC32 the base recorded. The base's file is trusted to hold
-those bytes only when this process committed that very file (:mod:`.trust`);
-any other base file is read and compared byte for byte first, so a damaged or
-foreign base never puts its bytes into a new checkpoint. An unstaged save's
-tensors are the caller's, who may free them meanwhile: they are read only through
-:class:`~..storage.live.LiveReader` then (a freed one raises, never crashes).
+The base's files that still hold enough unchanged chunks are hard-linked (else
+copied) in, so every checkpoint stays self-contained. A chunk is reused only when
+key, box, dtype and CRC32 match; the base's file is trusted to hold those bytes only
+when this process committed it (:mod:`.trust`), else compared byte for byte first,
+so a damaged or foreign base never puts its bytes into a new checkpoint.
 """
 
 from __future__ import annotations
@@ -45,11 +37,8 @@ from functional_ckpt._src.storage import committed, durable, opener, shards, zst
 from functional_ckpt._src.storage.live import BLOCK, Freed, LiveReader
 from functional_ckpt.errors import CheckpointError
 
-#: A base data file is shared only while at least this fraction of its bytes is
-#: still used (the values the base holds there for stock DCP readers do not
-#: count: every save writes its own); below it, the unchanged chunks in it are
-#: written again, so that no checkpoint keeps more than about twice its live
-#: bytes alive.
+#: A base data file is shared only while at least this fraction of its tensor bytes
+#: is still used, so no checkpoint keeps more than about twice its live bytes alive.
 MIN_LIVE = 0.5
 
 
@@ -65,8 +54,7 @@ class BaseChunk:
 
 @dataclass
 class Base:
-    """A committed base held open through its directory: its chunks, file sizes and
-    the bytes of each file that are not the base's own values for stock readers."""
+    """A committed base held open: its chunks, file sizes and tensor bytes per file."""
 
     ck: committed.Checkpoint
     chunks: dict[Key, BaseChunk]
@@ -98,24 +86,14 @@ class Base:
 
 
 def open_base(options: SaveOptions) -> Base | None:
-    """Open and vet the base of a save once, before anything is written.
-
-    An unreadable base raises when ``options.base_required``; otherwise the save is a
-    full one.
-    """
+    """Open and vet the base of a save once; an unreadable one raises when
+    ``options.base_required``, else the save is a full one."""
     path = options.base
     if path is None:
         return None
+    ck = None
     try:
         ck = committed.open_checkpoint(path, members=False)
-    except CheckpointError as err:
-        if not options.base_required:
-            return None
-        raise CheckpointError(
-            f"base={path}: cannot be used as the base of an incremental save: {err}; "
-            "pass a committed checkpoint of this format, or base=None for a full save"
-        ) from err
-    try:
         parsed = committed.parsed(ck)
         chunks: dict[Key, BaseChunk] = {}
         for group in parsed.groups():
@@ -131,16 +109,17 @@ def open_base(options: SaveOptions) -> Base | None:
         if memory is None:
             return Base(ck, chunks, sizes, held, Seen((), ()))
         return Base(ck, chunks, sizes, held, memory.seen, memory.trusted(ck.dir_fd))
-    except CheckpointError as err:
-        ck.close()
+    except BaseException as err:
+        if ck is not None:
+            ck.close()
+        if not isinstance(err, CheckpointError):
+            raise
         if not options.base_required:
             return None
         raise CheckpointError(
-            f"base={path}: cannot be used as the base of an incremental save: {err}"
+            f"base={path}: cannot be used as the base of an incremental save: {err}; "
+            "pass a committed checkpoint of this format, or base=None for a full save"
         ) from err
-    except BaseException:
-        ck.close()
-        raise
 
 
 def _unchanged(
@@ -156,13 +135,7 @@ def _unchanged(
     if seen is not None and known is not None and seen[0] == known[0] and seen[1] != known[1]:
         return None  # written in place since the base: changed, no checksum pass needed
     view = byte_view(t)
-    crc = 0
-    if reader is not None:
-        crc = reader.crc(view)
-    else:
-        for off in range(0, len(view), shards.CHUNK):
-            crc = crc32(view[off : off + shards.CHUNK], crc)
-    if crc != got.chunk.crc32:
+    if (reader.crc(view) if reader else shards.crc_chunks(view)) != got.chunk.crc32:
         return None
     if got.chunk.file not in base.trusted and not _stored_equals(base, got.chunk, t, reader):
         return None  # the base's file does not hold what its manifest says: not shared
@@ -211,10 +184,8 @@ def unchanged_chunks(
     idents: Sequence[Ident | None],
     live: bool = False,
 ) -> list[Chunk | None]:
-    """For each chunk to save, the base chunk holding the same bytes, or None.
-
-    ``live``: the tensors are the caller's, read only through the kernel (a
-    :class:`~..storage.live.Freed` raised for memory freed meanwhile)."""
+    """For each chunk to save, the base chunk holding the same bytes, or None; ``live``:
+    the caller's tensors, read through the kernel (freed memory raises, never crashes)."""
     if base is None:
         return [None] * len(keys)
     reader = LiveReader() if live else None
@@ -235,11 +206,8 @@ def place(
     syncing: list[Future[None]],
     sync: bool = True,
 ) -> list[Chunk | None]:
-    """Bring the base files the reused chunks lie in into ``tmp``; repoint the chunks.
-
-    A file used below :data:`MIN_LIVE`, or one that cannot be linked or copied
-    (the base was deleted meanwhile), has its chunks written again instead.
-    """
+    """Bring the base files the reused chunks lie in into ``tmp``; repoint the chunks (a
+    file below :data:`MIN_LIVE`, or gone meanwhile, has its chunks written again)."""
     if base is None:
         return list(reused)
     used: dict[str, int] = {}
@@ -311,9 +279,8 @@ def _copy(
 
 
 def reused_info(directory: Path) -> dict[str, dict[str, Any]]:
-    """The ``files`` table marks of a save's directory: data files reused from a base,
-    and of those the ones that are copies (one link: no other checkpoint holds them),
-    whose bytes this save wrote."""
+    """The ``files`` marks of a save's directory: data files reused from a base, and which
+    of them are copies (one link: bytes this save wrote)."""
     out: dict[str, dict[str, Any]] = {}
     for n in os.listdir(directory):
         shard = parse_shard(n)
@@ -341,14 +308,8 @@ def write_rank(
 ) -> tuple[list[Chunk], list[ByteEntry], list[Segment]]:
     """Write one rank's chunks into ``tmp``: unchanged ones from the base, the rest anew.
 
-    ``keys[i]`` names tensor ``i``'s chunk (its DCP key and box offsets). Returns the
-    chunk of every tensor (the base's, repointed to the linked file, or the one just
-    written), in ``tensors``' order, the located ``blobs`` (values as DCP byte
-    entries: small, always written anew, into the rank's own data file), and the
-    run checksums of its file written anew, ``shard_name(rank)``
-    (:mod:`..format.segments`). Without a base every chunk is written. Without
-    ``sync`` no file is fsynced (a memory tier). ``live`` and ``zstd_level`` as for
-    :func:`.shards.write_shard` (a chunk shared with the base keeps its own form).
+    Returns every tensor's chunk in order, the located ``blobs`` (always written anew)
+    and the run checksums of the new file (:mod:`..format.segments`).
     """
     background: list[Future[None]] = [] if syncing is None else syncing
     reused = place(

@@ -16,16 +16,10 @@ from functional_ckpt._src.save.trust import Ident
 
 @dataclass(frozen=True)
 class SaveJob:
-    """Everything checked, nothing written yet.
-
-    ``error`` is a distributed rank's planning failure, kept for the write to agree
-    on with the other ranks (then ``prepared`` is None); a single process raises it at
-    once instead. ``base`` is an incremental save's base, held open; ``idents`` the
-    sources' identities and version counters when planned; ``snapshot``: the values
-    for stock readers come from the plan's encodings (an asynchronous save, whose
-    caller may change the live values before the write). ``staging``: an
-    asynchronous save's staging mode (None: a synchronous one).
-    """
+    """Everything checked, nothing written yet. ``error``: a distributed rank's planning
+    failure, for the write to agree on (``prepared`` is then None); ``idents``: the
+    sources' identities and versions when planned; ``snapshot``: the values for stock
+    readers from the plan's encodings; ``staging``: an async save's mode (None: sync)."""
 
     dest: Path
     prepared: Prepared | None
@@ -47,10 +41,8 @@ class SaveJob:
 @dataclass(frozen=True)
 class Hooks:
     """Calls into a running write: ``after_each(i)`` once tensor ``i`` is written,
-    ``after_read()`` once no tensor is read any more (the caller may change them), and
-    ``before_commit(written)`` (which may raise to refuse the commit) right before it.
-    ``live``: the tensors are the caller's own, read while it goes on (``staging="none"``),
-    so only ever through the kernel (:mod:`..storage.live`)."""
+    ``after_read()`` once none is read any more, ``before_commit(written)`` (may raise to
+    refuse it); ``live``: the caller's own tensors, read through the kernel."""
 
     after_each: Callable[[int], None] | None = None
     before_commit: Callable[[Written], None] | None = None

@@ -1,10 +1,8 @@
 """One process writes a planned state and commits it.
 
-The write stage returns what it wrote (:class:`~..format.manifest.Written`: every
-tensor's chunks, the values' byte entries, reused files); :func:`finalize` makes the
-manifest from the plan's tree and that result (:func:`~..format.manifest.assemble`),
-derives DCP's ``.metadata`` from it, writes both and the marker, and commits the
-directory. Single-process saves and the coordinator of a multi-rank save share it.
+:func:`finalize` (shared with a multi-rank save's coordinator) makes the manifest from
+the plan's tree and what the write stage reports, derives ``.metadata``, writes both
+and the marker, and commits the directory.
 """
 
 from __future__ import annotations
@@ -49,18 +47,13 @@ def finalize(
     elsewhere: Mapping[str, int] | None = None,
     sync: bool = True,
 ) -> tuple[int, int]:
-    """Write ``.metadata``, the manifest and the marker into ``tmp``; commit as ``dest``.
+    """Write ``.metadata``, the manifest and the marker into ``tmp``; commit as ``dest``;
+    return (bytes on disk, manifest bytes).
 
-    Every shard file in ``tmp`` must already be written (``written`` says what they
-    hold); ``syncing`` holds the fsyncs of shard files still running (they overlap
-    with deriving and encoding here). ``.metadata`` (derived from the manifest by
-    :func:`dcp_metadata.derive`), the manifest and the marker are each written and
-    fsynced at their final size, and every fsync has finished, before the marker is
-    written and the directory is fsynced and renamed. ``elsewhere`` names the shard
-    files (with their sizes) that other ranks wrote into directories of their own,
-    when the ranks share no file system. Without ``sync`` nothing is fsynced: the
-    commit is as atomic, durable only as far as the file system is (a memory tier).
-    Returns (bytes on disk, manifest bytes).
+    Every shard file is written already; ``syncing``: their fsyncs still running (they
+    overlap deriving and encoding; all finish before the marker). ``elsewhere``: shard
+    files other ranks wrote into directories of their own (no shared file system).
+    Without ``sync`` nothing is fsynced (a memory tier): as atomic, not durable.
     """
     syncing = [] if syncing is None else syncing
     try:
@@ -76,7 +69,10 @@ def finalize(
         for name, size in sorted((elsewhere or {}).items()):
             files.setdefault(name, {"size": size})
         manifest = dataclasses.replace(manifest, files=files)
-        parts = _write_parts(tmp, dest, manifest, syncing, sync)  # each lists its rank's files
+        parts = 0  # each part checks itself (a CRC32 follows it): the index lists none
+        for name, data in encode_parts(manifest, dest):
+            _write_file(tmp / name, data, syncing, sync)
+            parts += len(data)
         manifest_bytes = manifest.encode()
         _check_size(dest, manifest_bytes, len(tree.ranks))
         durable.write_new(tmp / naming.MANIFEST, manifest_bytes, sync=sync)
@@ -89,21 +85,6 @@ def finalize(
     commit.commit_checkpoint(tmp, dest, overwrite=overwrite, sync=sync)
     total = sum(f["size"] for f in files.values()) + parts + len(manifest_bytes)
     return total, len(manifest_bytes)
-
-
-def _write_parts(
-    tmp: Path, dest: Path, manifest: Manifest, syncing: list[Future[None]], sync: bool
-) -> int:
-    """Write each rank's manifest part (a multi-rank save); their bytes in all.
-
-    Each part is bounded like the manifest (``LIMITS.manifest_part_bytes``) and
-    checks itself (its CRC32 follows it), so the index lists none of them.
-    """
-    out = 0
-    for name, data in encode_parts(manifest, dest):
-        _write_file(tmp / name, data, syncing, sync)
-        out += len(data)
-    return out
 
 
 def encode_parts(manifest: Manifest, dest: Path) -> list[tuple[str, bytes]]:
@@ -125,12 +106,8 @@ def encode_parts(manifest: Manifest, dest: Path) -> list[tuple[str, bytes]]:
 
 
 def _check_size(dest: Path, manifest_bytes: bytes, world: int) -> None:
-    """Refuse to commit a manifest its reader would refuse for its size.
-
-    The plan bounds a manifest with one chunk per tensor; a multi-rank save adds one
-    chunk per rank of every sharded tensor, so only the coordinator, with every
-    rank's chunks, knows the final size (docs/scale.md).
-    """
+    """Refuse to commit a manifest its reader would refuse for its size (only the
+    coordinator, with every rank's chunks, knows it: docs/scale.md)."""
     if len(manifest_bytes) > LIMITS.manifest_bytes:
         raise UnsupportedValue(
             f"{dest}: the manifest of this save would be {len(manifest_bytes)} bytes, more "
@@ -154,32 +131,20 @@ def _write_file(path: Path, data: bytes, syncing: list[Future[None]], sync: bool
     syncing.append(shards.sync_pool().submit(shards.fsync_and_close, fd))
 
 
-def chunk_keys(job: SaveJob) -> list[Key]:
-    """Each written tensor's chunk identity: a whole tensor is the box at the origin."""
-    assert job.prepared is not None
-    return [(e.fqn, (0,) * len(e.shape)) for e in job.prepared.plan.targets]
-
-
 def remembered(keys: Sequence[Key], idents: Sequence[Ident | None]) -> Seen:
     """What a trust memory keeps of a commit: each chunk's tensor identity and version."""
     return Seen(keys, idents)
 
 
 def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> CheckpointInfo:
-    """Write a planned state from one process with the full commit protocol.
-
-    ``tensors`` are the bytes to write for the plan's sources (the sources
-    themselves, or staged copies), each contiguous and on the CPU. Chunks unchanged
-    since the job's base are taken from it (:mod:`.incremental`). ``hooks.after_each(i)``
-    runs once tensor ``i`` is written, ``hooks.after_read()`` once all of them are;
-    ``hooks.before_commit(written)`` may raise to refuse the commit.
-    """
+    """Write a planned state from one process with the full commit protocol;
+    ``tensors``: the sources' bytes (themselves or staged copies), contiguous on the CPU."""
     assert job.prepared is not None
     prepared, plan, dest = job.prepared, job.prepared.plan, job.dest
     t0 = time.perf_counter()
     created = time.time()
     tmp = durable.tmp_sibling(dest)
-    keys = chunk_keys(job)
+    keys: list[Key] = [(e.fqn, (0,) * len(e.shape)) for e in plan.targets]  # whole tensors
     try:
         durable.make_dirs(dest.parent)
         tmp.mkdir()

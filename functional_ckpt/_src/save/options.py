@@ -1,9 +1,5 @@
-"""How a save is made: its options, built and checked once where the call comes in.
-
-``fc.save``, ``fc.save_async`` and a manager's saves all describe a save with one
-:class:`SaveOptions` value that every stage below reads; nothing is restated or
-changed on the way, and no module-level setting changes how a save behaves.
-"""
+"""How a save is made: one :class:`SaveOptions` value, built and checked once where the
+call comes in, read by every stage below (no module-level setting changes a save)."""
 
 from __future__ import annotations
 
@@ -25,18 +21,12 @@ DEFAULT_PER_RANK = ("rng", "loader")
 class SaveOptions:
     """One save's options.
 
-    ``base``: share unchanged bytes with this committed checkpoint (an incremental
-    save); an unreadable base is an error when ``base_required`` (``fc.save``) and
-    means a full save otherwise (a manager: its previous checkpoint may have been
-    moved aside meanwhile). ``trust``: the memory of what this process committed
-    (:mod:`.trust`), fed by this save. ``parts``: under ``torch.distributed``, a rank
-    that does not see the coordinator's directory keeps its shard files in a
-    directory of its own (a remote tier makes such a split checkpoint whole).
-    ``durable=False``: no fsync anywhere (a manager's memory tier, whose folder a
-    power loss empties anyway); the commit stays as atomic for every reader.
-    ``group``: the checkpoint group its collectives run on (a memory tier's saves run
-    beside the disk tier's, each on a group of its own). ``zstd_level``: tensors are
-    stored as zstd frames stock DCP reads (``compression="zstd"``, :mod:`..storage.zstd`).
+    ``base``: an incremental save's base; unreadable, an error when ``base_required``
+    (``fc.save``), else a full save (a manager's base may have been moved aside).
+    ``trust``: the memory of what this process committed (:mod:`.trust`). ``parts``: a
+    rank that does not see the coordinator's directory keeps its files in its own.
+    ``durable=False``: no fsync (a memory tier), as atomic. ``group``: the checkpoint
+    group its collectives run on. ``zstd_level``: tensors stored as zstd frames.
     """
 
     metadata: Mapping[str, Any] | None = None

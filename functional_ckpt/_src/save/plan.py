@@ -1,9 +1,7 @@
 """The save plan: a state flattened once into manifest entries and the tensors to write.
 
-Entries under per-rank roots (by default the top-level ``rng`` and ``loader``
-subtrees) belong to the writing rank and are stored separately, so each rank gets
-its own generators and data position back. Everything a reader would refuse is
-refused here, before a byte is written, naming the key at fault.
+Per-rank subtrees (``rng``, ``loader``) are stored per writing rank. Everything a
+reader would refuse is refused here, before a byte is written, naming the key.
 """
 
 from __future__ import annotations
@@ -70,12 +68,8 @@ _SUB_BYTE: frozenset[torch.dtype] = frozenset(
 
 
 def check_tensor(t: torch.Tensor, path: KeyPath) -> None:
-    """Refuse, before anything is written, a tensor the format cannot store or load back.
-
-    Runs before anything else looks at the tensor (its alias key needs a data
-    pointer, which sparse, nested and meta tensors do not have).
-    """
-    # The key path is formatted only for a message: a state has thousands of tensors.
+    """Refuse a tensor the format cannot store or load back (first: sparse, nested and
+    meta tensors have no data pointer for the alias key)."""
     if t.is_meta:
         raise UnsupportedValue(f"{_where(path)}: meta tensors hold no data and cannot be saved")
     if t.is_nested:
@@ -114,11 +108,7 @@ def check_tensor(t: torch.Tensor, path: KeyPath) -> None:
 
 
 def resolved(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with a lazy conjugate or negative bit applied to its values.
-
-    Such a view shares its base's bytes but not its values; what is stored is
-    always the values.
-    """
+    """``t`` with a lazy conjugate or negative bit applied: what is stored is its values."""
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
@@ -127,10 +117,7 @@ def resolved(t: torch.Tensor) -> torch.Tensor:
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a contiguous CPU tensor: itself when it already is one, else a copy.
-
-    The result may still require grad; whoever reads its bytes detaches it.
-    """
+    """``t`` as a contiguous CPU tensor (maybe requiring grad): itself, or a copy."""
     if bytes_are_values(t):
         return t  # the common case, without a new tensor object
     t = resolved(t.detach())
@@ -140,12 +127,8 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """Identity of a tensor's values: two leaves with the same key are one tensor.
-
-    Everything that makes two views of the same bytes read differently is part of
-    it: where they start, their shape and strides, their dtype, and the lazy
-    conjugate and negative bits.
-    """
+    """Identity of a tensor's values: everything that makes two views of the same
+    bytes read differently."""
     return (t.device, t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg())
 
 
@@ -156,12 +139,8 @@ def _may_alias(t: torch.Tensor) -> bool:
 
 
 class _Aliases:
-    """The leaves seen so far, by the address their bytes start at.
-
-    Most leaves start at an address no other leaf does: the first leaf at an
-    address is kept as it is, and the full identity (:func:`_alias_key`) is
-    computed only once a second leaf starts there, once per leaf.
-    """
+    """The leaves seen so far by address; the full identity (:func:`_alias_key`) is
+    computed only once a second leaf starts at the same address (rare)."""
 
     def __init__(self) -> None:
         self._first: dict[int, tuple[torch.Tensor, TensorEntry] | None] = {}
@@ -186,14 +165,9 @@ class _Aliases:
 
 @dataclass(frozen=True)
 class Plan:
-    """The flattened state ready to be written: a value, never changed once made.
-
-    ``entries`` is the shared tree, with a per-rank placeholder where a per-rank
-    subtree stands; ``local`` holds this rank's per-rank entries. ``sources`` are
-    the tensors to write and ``targets`` the entry each one fills (the write stage
-    reports their chunks, see :class:`~..format.manifest.Written`). Every value is
-    encoded already (``ValueEntry.encoded``).
-    """
+    """The flattened state ready to be written. ``entries``: the shared tree (a
+    placeholder per per-rank subtree); ``local``: this rank's per-rank entries;
+    ``sources``: the tensors to write, each filling its ``targets`` entry."""
 
     entries: tuple[Entry, ...]
     local: tuple[Entry, ...]
@@ -219,11 +193,8 @@ def plan_save(
     per_rank: Sequence[str] = DEFAULT_PER_RANK,
     rank: int = 0,
 ) -> Plan:
-    """Flatten a state into manifest entries and the tensors to write, in one walk.
-
-    Every check a reader would make of the tree is made here (key paths, tensors,
-    values, the manifest's size and decode budget), naming the key at fault.
-    """
+    """Flatten a state into manifest entries and the tensors to write, in one walk,
+    making every check a reader would make of the tree."""
     entries: list[Entry] = []
     local: list[Entry] = []
     sources: list[torch.Tensor] = []
@@ -324,11 +295,8 @@ def _name_optimizer_state(
 
 
 def byte_entries(plan: Plan, *, snapshot: bool = False) -> list[dcpbytes.ByteEntry]:
-    """The shared values of a plan as DCP byte entries, for stock readers.
-
-    ``snapshot`` takes each value as the plan encoded it (an asynchronous save, whose
-    caller may have changed the live values since); else the values themselves.
-    """
+    """The shared values as DCP byte entries, for stock readers; ``snapshot``: as the
+    plan encoded them (an async save's caller may have changed them since)."""
     values = [
         (e.path, codec.decode(e.encoded) if snapshot and e.encoded is not None else e.value)
         for e in plan.entries
@@ -339,11 +307,8 @@ def byte_entries(plan: Plan, *, snapshot: bool = False) -> list[dcpbytes.ByteEnt
 
 
 def _entry_overhead(e: Entry) -> int:
-    """An upper bound on the manifest bytes of an entry, its value aside.
-
-    The constants are the encoded sizes of the fixed fields with every integer at
-    its widest (a tensor entry with one chunk: 202 bytes), plus wide list headers.
-    """
+    """An upper bound on the manifest bytes of an entry, its value aside (the fixed
+    fields with every integer at its widest: 202 bytes for a one-chunk tensor)."""
     keys = "".join(e.path)  # the keys' bounds summed: 5 bytes of header each
     n = 48 + 5 * len(e.path) + (len(keys) if keys.isascii() else 4 * len(keys))
     if isinstance(e, TensorEntry):  # and the fqn's: 5 bytes of header
@@ -353,11 +318,8 @@ def _entry_overhead(e: Entry) -> int:
 
 
 class _Budget:
-    """What a reader will accept of one manifest, counted while the plan is made.
-
-    Each value is encoded once (the bytes the manifest will hold); all together must
-    stay within ``LIMITS.manifest_bytes`` and the decoder's budget of containers.
-    """
+    """What a reader will accept of one manifest (its bytes and decode budget),
+    counted while the plan is made; each value is encoded once."""
 
     def __init__(self) -> None:
         self.values = 0
@@ -386,7 +348,6 @@ class _Budget:
             )
         free = LIMITS.decode_free_containers // 2  # the other half: the entries' own
         budget = container_budget(self.value_bytes, free)
-        problem = None
         if self.value_bytes > room:
             problem = (
                 f"the values encode to {self.value_bytes} bytes, more than the {room} the "
@@ -397,11 +358,12 @@ class _Budget:
                 f"{self.containers} containers in {self.value_bytes} encoded bytes exceed the "
                 f"decode budget ({budget})"
             )
-        if problem is not None:
-            raise UnsupportedValue(
-                f"{_where(self.largest[1])} is the largest value of a state that a reader "
-                f"would refuse: {problem}; store bulk data as tensors"
-            )
+        else:
+            return
+        raise UnsupportedValue(
+            f"{_where(self.largest[1])} is the largest value of a state that a reader "
+            f"would refuse: {problem}; store bulk data as tensors"
+        )
 
 
 def check_destination(path: Path, overwrite: bool) -> None:
@@ -422,8 +384,7 @@ def check_destination(path: Path, overwrite: bool) -> None:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A save checked and planned, nothing written: where, what, and the metadata
-    (with its encoding, made once)."""
+    """A save checked and planned, nothing written."""
 
     dest: Path
     plan: Plan
@@ -441,8 +402,7 @@ def prepare_save(
     rank: int = 0,
     check_path: bool = True,
 ) -> Prepared:
-    """Everything a save checks before writing a byte: destination, metadata (where the
-    checkpoint came from, then the caller's), tree."""
+    """Everything a save checks before writing a byte: destination, metadata, tree."""
     from functional_ckpt._src.version import __version__
 
     dest = Path(path)

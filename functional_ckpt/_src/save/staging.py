@@ -1,9 +1,7 @@
 """The staging stage of the save pipeline, and the handle of a background save.
 
-A :class:`Stager`'s buffers are allocated once and reused while shapes stay the
-same (pinned for CUDA tensors), so host memory stays flat over any number of
-saves. ``staging="none"`` refuses to commit a state changed while it was read
-(:func:`version_guard`).
+A :class:`Stager` reuses its buffers while shapes stay the same, so host memory
+stays flat over any number of saves.
 """
 
 from __future__ import annotations
@@ -51,13 +49,9 @@ def check_staging(value: object, what: str) -> Staging:
 
 
 class Stager:
-    """Reusable host buffers for one state layout; one save uses them at a time.
-
-    Buffers are kept while the list of (shape, dtype, device kind) stays the same
-    and reallocated otherwise. A stager is busy from :meth:`acquire` until the write
-    that read its buffers has finished, so a second save waits instead of
-    overwriting bytes that are still being written.
-    """
+    """Reusable host buffers (pinned for CUDA) for one state layout; busy from
+    :meth:`acquire` until the write that read them has finished, so a second save waits
+    instead of overwriting bytes still being written."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
@@ -77,24 +71,13 @@ class Stager:
             self._busy = False
             self._free.notify_all()
 
-    def clear(self) -> None:
-        """Drop the buffers (they are reallocated by the next save that needs them)."""
-        self.acquire()
-        try:
-            self._buffers, self._layout = [], []
-        finally:
-            self.release()
-
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers)
 
     def stage(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Copy ``tensors`` into the reusable buffers; returns the buffers.
-
-        CUDA copies are issued non-blocking on a side stream; this returns once
-        they are complete, so the sources may be modified afterwards.
-        """
+        """Copy ``tensors`` into the buffers (CUDA ones on a side stream); returns them once
+        every copy is complete, so the sources may be modified afterwards."""
         layout = [(t.shape, t.dtype, t.device.type == "cuda") for t in tensors]
         if layout != self._layout:
             self._buffers = [
@@ -159,11 +142,8 @@ def _copy_group(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 class PendingSave:
-    """A save running in the background.
-
-    ``wait_staged()`` returns once the state may be mutated again; ``result()``
-    once the checkpoint is committed (or raises why it was not).
-    """
+    """A save running in the background: ``wait_staged()`` returns once the state may be
+    mutated again, ``result()`` once it is committed (or raises why it was not)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -173,7 +153,6 @@ class PendingSave:
         self._error: BaseException | None = None
         self.started = time.perf_counter()
         self.staged_after: float | None = None  # seconds from the call to staged
-        self._thread: threading.Thread | None = None
         self._on_staged: list[Callable[[], object]] | None = []  # None once called
         self._on_finished: list[Callable[[], object]] | None = []  # None once called
         self._callbacks = threading.Lock()
@@ -256,16 +235,13 @@ def version_guard(
     written: Sequence[torch.Tensor],
     targets: Sequence[TensorEntry],
 ) -> tuple[Callable[[int], None], Callable[[Written], None], Callable[[], None]]:
-    """Hooks that refuse the commit of a state changed while it was written.
+    """Hooks that refuse the commit of a state changed while it was written:
+    ``after_each(i)``, ``check(written)`` before the commit and ``moved()``.
 
-    Version counters catch every in-place operation on a tensor or its views, but
-    not writes through ``.data`` (its own counter) or through numpy (none). So
-    right before the commit every written tensor is checksummed again and
-    compared with the CRC32 the write stage reported for the bytes in the file: a
-    tensor whose bytes differ now from what was checksummed was changed after its
-    write began. A storage resized or freed meanwhile moves (its address or size
-    changes): checked after each tensor's write, before the second checksum, and by
-    the third hook (``moved()``), which raises for a write that failed meanwhile.
+    Version counters miss writes through ``.data`` or numpy, so before the commit
+    every tensor is checksummed again against the CRC32 of the bytes in the file. A
+    storage resized or freed meanwhile moves (address or size): checked after each
+    write, before the second checksum, and by ``moved()`` for a write that failed.
     """
     versions = [t._version for t in sources]
     places = [_place(t) for t in sources]
@@ -322,9 +298,8 @@ _UNREAD: set[PendingSave] = set()
 
 
 def _finish_saves() -> None:
-    """At exit: wait for every running save, whatever interrupts the waiting (a Ctrl-C or
-    a SIGTERM handler's ``sys.exit`` here would end the process under the save), then
-    print each failure nobody read."""
+    """At exit: wait for every running save, whatever interrupts the waiting (a Ctrl-C
+    would end the process under the save), then print each failure nobody read."""
     while _RUNNING:
         for pending in list(_RUNNING):
             try:
@@ -349,11 +324,8 @@ def _fail_exit() -> None:
         os._exit(1)
 
 
-# The interpreter calls the hooks ``threading._register_atexit`` holds in reverse order,
-# before it joins non-daemon threads, and ``concurrent.futures`` stops its pools (which
-# a save checksums and fsyncs on) in one of them: registered after it (imported at the
-# top of this module), ours runs first and waits for every running save while those
-# pools still take work.
+# Registered after ``concurrent.futures``'s own hook (imported above), ours runs first:
+# every running save is waited for while the pools it checksums and fsyncs on take work.
 threading._register_atexit(_finish_saves)  # type: ignore[attr-defined]
 atexit.register(_fail_exit)
 
@@ -368,8 +340,7 @@ os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def run_in_background(dest: Path, work: Callable[[PendingSave], CheckpointInfo]) -> PendingSave:
-    """Run ``work`` on its own thread; the process does not end before it does, and
-    a failure nobody reads is printed at exit and fails the exit status."""
+    """Run ``work`` on its own thread, which the process outlives only once it is done."""
     pending = PendingSave(dest)
     thread = threading.Thread(
         target=pending._run,
@@ -377,7 +348,6 @@ def run_in_background(dest: Path, work: Callable[[PendingSave], CheckpointInfo])
         name=f"fc-save:{dest.name}",
         daemon=False,
     )
-    pending._thread = thread
     _RUNNING.add(pending)
     thread.start()
     return pending

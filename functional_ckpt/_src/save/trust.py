@@ -1,9 +1,8 @@
 """What this process knows of the checkpoints it committed (an incremental save's trust).
 
-A base's data file is trusted without a byte comparison only if this process wrote (or
-compared) it and it is still the file it left (device, inode, size, mtime); a tensor
-whose version counter moved is known changed without a checksum pass. The memory only
-spares work: every byte it lets a save share is still covered by its CRC32.
+A base's file is trusted without a byte comparison only if this process wrote it and
+it is still the file it left (device, inode, size, mtime). The memory only spares
+work: every byte it lets a save share is still covered by its CRC32.
 """
 
 from __future__ import annotations

@@ -69,12 +69,9 @@ def write_commit_marker(
 
 
 def remove_tree(path: Path) -> None:
-    """Delete a checkpoint-like directory so that no crash leaves it looking valid.
-
-    The marker goes first, durably (else recovery may put a torn checkpoint back),
-    then ``.metadata`` (so no half-deleted rest passes for stock DCP), then the rest.
-    A symbolic link is removed itself, never followed.
-    """
+    """Delete a checkpoint-like directory so that no crash leaves it looking valid: the
+    marker first, durably, then ``.metadata`` (no rest passes for stock DCP), then the
+    rest; a symbolic link is removed itself, never followed."""
     if path.is_symlink():
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -110,12 +107,9 @@ def commit_checkpoint(
     replaces: frozenset[Kind] = CHECKPOINTS,
     sync: bool = True,
 ) -> None:
-    """Make a fully written ``tmp`` directory visible as ``final``, atomically.
-
-    With ``overwrite`` an existing ``final`` (of ``replaces``, holding only its own
-    files, checked right before) stays readable until exchanged, or moved aside for a
-    moment where the OS cannot exchange. Without ``sync`` nothing is fsynced (a memory tier).
-    """
+    """Make a fully written ``tmp`` directory visible as ``final``, atomically; with
+    ``overwrite`` an existing one (of ``replaces``) stays readable until exchanged (or
+    moved aside for a moment where the OS cannot exchange)."""
     t0 = time.perf_counter()
     fsync = fsync_dir if sync else (lambda path: None)
     fsync(tmp)

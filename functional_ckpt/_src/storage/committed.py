@@ -1,10 +1,7 @@
 """A committed checkpoint held open: its marker, manifest and every file it lists.
 
-A reader accepts only a directory that carries a valid marker, authenticates the
-manifest against it, and opens every listed file up front through one directory
-descriptor (:mod:`.opener`), so it reads one consistent checkpoint even while a
-writer replaces the path. :func:`open_vetted` adds the check of the derived
-``.metadata`` against its recorded checksum.
+Everything is opened through one directory descriptor (:mod:`.opener`), so a reader
+reads one consistent checkpoint even while a writer replaces the path.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from functional_ckpt._src.format.naming import (
 from functional_ckpt._src.format.view import ParsedCheckpoint, parse_checkpoint
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.storage import opener
-from functional_ckpt._src.storage.opener import exists_at, open_directory, open_member, read_exact
+from functional_ckpt._src.storage.opener import exists_at, open_directory, open_member
 from functional_ckpt._src.storage.os_failure import os_failure, ran_out
 from functional_ckpt.errors import (
     CheckpointError,
@@ -45,20 +42,10 @@ _MARKER_KEYS = {"format", "version", "manifest_size", "manifest_crc32"}
 
 
 def _read_small(dir_fd: int, path: Path, name: str, limit: int, what: str) -> bytes:
-    where = path / name
     try:
-        fd = open_member(dir_fd, name, where, what=what)
+        return opener.read_small(dir_fd, name, path / name, limit, what)
     except FileNotFoundError:
-        raise CorruptCheckpoint(f"{where}: the {what} is missing") from None
-    try:
-        size = os.fstat(fd).st_size
-        if size > limit:
-            raise CorruptCheckpoint(
-                f"{where}: the {what} is {size} bytes, more than the {limit} recorded or allowed"
-            )
-        return read_exact(fd, size, where)
-    finally:
-        os.close(fd)
+        raise CorruptCheckpoint(f"{path / name}: the {what} is missing") from None
 
 
 def read_marker(dir_fd: int, path: Path) -> dict[str, Any]:
@@ -97,12 +84,8 @@ def read_marker(dir_fd: int, path: Path) -> dict[str, Any]:
 def read_manifest_at(
     dir_fd: int, path: Path, marker: dict[str, Any], unregistered: set[str] | None = None
 ) -> dict[str, Any]:
-    """Read and authenticate the manifest against its marker.
-
-    A value whose class this process has not registered is a sound part of the
-    checkpoint, so it is kept as an ``Unregistered`` placeholder (its tag added to
-    ``unregistered``) for the restore to refuse if it selects it.
-    """
+    """Read and authenticate the manifest against its marker; a value of an unregistered
+    class is kept as a placeholder (its tag added to ``unregistered``), not damage."""
     expected = marker.get("manifest_size")
     limit = expected if type(expected) is int and 0 <= expected <= MAX_MANIFEST_BYTES else 0
     raw = _read_small(dir_fd, path, MANIFEST, limit, "manifest")
@@ -136,18 +119,10 @@ MAX_OPEN = 8
 
 @dataclass
 class Checkpoint:
-    """A committed checkpoint held open: its directory, its authenticated manifest,
-    and the files being read.
-
-    A file is opened when it is first read (:meth:`fd`), through the one directory
-    descriptor, checked against its recorded size, and closed once its reads are
-    done (:meth:`release`), never more than :data:`MAX_OPEN` at once: a reader
-    touches only the files it reads, whatever the world size and ``ulimit -n``.
-    The directory descriptor keeps the checkpoint the one that was authenticated
-    even if the path is renamed away (``overwrite=True``); a file found deleted
-    meanwhile (a prune) is reported as ``CheckpointNotFound``, never as damage.
-    Close it (or use ``with``).
-    """
+    """A committed checkpoint held open: its directory, authenticated manifest, and the
+    files being read (opened when first read, at most :data:`MAX_OPEN` at once, so a
+    reader touches only what it reads whatever ``ulimit -n``). A file deleted meanwhile
+    (a prune) is ``CheckpointNotFound``, never damage."""
 
     path: Path
     dir_fd: int
@@ -179,9 +154,8 @@ class Checkpoint:
             self.release(name)
 
     def open_file(self, name: str, *, listed: bool = True) -> int:
-        """Open file ``name`` as the file table records it (a new descriptor, the
-        caller's to close); every failure a :class:`CheckpointError` naming it.
-        ``listed=False``: a file no table lists (a part that checks itself), any size."""
+        """Open file ``name`` at its recorded size (a new descriptor, the caller's to
+        close); ``listed=False``: a file no table lists (a part that checks itself)."""
         files = self.manifest.get("files")
         info = files.get(name) if isinstance(files, dict) and listed else {"size": 0}
         if not isinstance(info, dict):
@@ -229,12 +203,8 @@ def _gone(path: Path) -> CheckpointNotFound:
 def check_members(
     ck: Checkpoint, problems: list[tuple[str, CheckpointError]] | None = None
 ) -> None:
-    """Check that every file the manifest lists opens at its recorded size, one at a
-    time (none is left open).
-
-    With ``problems`` each file that fails is recorded there instead of raising,
-    so a verifier can report them all.
-    """
+    """Check that every listed file opens at its recorded size, one at a time; with
+    ``problems`` each failure is recorded there instead of raised."""
     files = ck.manifest.get("files")
     if not isinstance(files, dict):
         raise CorruptCheckpoint(f"{ck.path / MANIFEST}: missing file table")
@@ -265,16 +235,9 @@ def open_checkpoint(
     members: bool = False,
     problems: list[tuple[str, CheckpointError]] | None = None,
 ) -> Checkpoint:
-    """Open a committed checkpoint: its marker and manifest, authenticated; its files
-    are opened as they are read (:meth:`Checkpoint.fd`).
-
-    With ``members`` (or ``problems``) every listed file is checked to open at its
-    recorded size first (:func:`check_members`), files that cannot be listed in
-    ``problems`` instead of raising. If the directory is replaced or deleted
-    meanwhile (a writer's ``overwrite=True`` or a prune), this starts once more
-    from what is at ``path`` now; a second race is reported as
-    ``CheckpointNotFound``, never as damage.
-    """
+    """Open a committed checkpoint, its marker and manifest authenticated (with
+    ``members`` or ``problems``: :func:`check_members` too). A directory replaced
+    meanwhile is opened once more; a second race is ``CheckpointNotFound``, not damage."""
     for attempt in (0, 1):
         dir_fd = open_directory(path)
         had_marker = False
@@ -325,11 +288,8 @@ CLASSIFY_LIMIT = 64 << 20
 
 
 def classify_metadata(ck: Checkpoint) -> CheckpointError:
-    """A ``.metadata`` that fails its checksum: hostile, or merely damaged?
-
-    Its opcodes are read statically (nothing is unpickled): naming anything but
-    DCP's metadata classes makes it hostile.
-    """
+    """A ``.metadata`` that fails its checksum: hostile (naming anything but DCP's classes,
+    read statically), or merely damaged?"""
     from functional_ckpt._src.format import unpickler
 
     where = ck.path / naming.DCP_METADATA
@@ -348,12 +308,8 @@ def classify_metadata(ck: Checkpoint) -> CheckpointError:
 
 
 def read_part(ck: Checkpoint, rank: int) -> Any:
-    """Part ``rank`` of a split manifest, authenticated and decoded.
-
-    A part of version 4 ends with the CRC32 of the rest of it; before, the index
-    (which the marker authenticates) recorded each part's size and CRC32. The file
-    is read whole within ``LIMITS.manifest_part_bytes`` and closed.
-    """
+    """Part ``rank`` of a split manifest, authenticated (by its own trailing CRC32 from
+    version 4, before by the index's) and decoded."""
     name = naming.part_name(rank)
     where = ck.path / name
     files = ck.manifest.get("files")
@@ -401,9 +357,8 @@ def parsed(ck: Checkpoint) -> ParsedCheckpoint:
 
 
 def every_file(ck: Checkpoint | Path, once: ParsedCheckpoint | None = None) -> dict[str, Any]:
-    """Every file of a committed checkpoint but the marker and the manifest, as the
-    file tables record it (every part read: what a copy of it moves); ``once``: the
-    manifest of ``ck`` already parsed."""
+    """Every file of a committed checkpoint but the marker and the manifest, as the file
+    tables record it (what a copy moves); ``once``: ``ck``'s manifest, parsed."""
     if isinstance(ck, Path):
         with open_checkpoint(ck) as held:
             return every_file(held)
@@ -416,11 +371,6 @@ def every_file(ck: Checkpoint | Path, once: ParsedCheckpoint | None = None) -> d
 
 
 def open_vetted(path: Path) -> Checkpoint:
-    """Open a committed checkpoint for reading: its marker and manifest authenticated,
-    each other file opened, checked and closed as it is read (:meth:`Checkpoint.fd`).
-
-    ``.metadata`` is not read: it is derived from the manifest for stock readers,
-    checked by ``fc.verify`` and by the save that wrote it. Close the result (or
-    use ``with``); read every tensor through it.
-    """
+    """Open a committed checkpoint for reading (``.metadata``, derived for stock readers,
+    is not read: ``fc.verify`` checks it)."""
     return open_checkpoint(path)

@@ -73,21 +73,28 @@ def open_member(
     return fd
 
 
-def read_file(path: Path, *, limit: int, what: str = "file") -> bytes:
-    """The whole of a small file kept beside checkpoints (a state file, a marker), at most
-    ``limit`` bytes, through :func:`open_member`; ``FileNotFoundError`` is left to the caller."""
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fd = open_member(dir_fd, path.name, path, what=what)
-    finally:
-        os.close(dir_fd)
+def read_small(dir_fd: int, name: str, where: Path, limit: int, what: str) -> bytes:
+    """The whole of a small file (a marker, a manifest, a state file), at most ``limit``
+    bytes, through :func:`open_member`; ``FileNotFoundError`` is left to the caller."""
+    fd = open_member(dir_fd, name, where, what=what)
     try:
         size = os.fstat(fd).st_size
         if size > limit:
-            raise CorruptCheckpoint(f"{path}: {size} bytes, more than a {what} may hold ({limit})")
-        return read_exact(fd, size, path)
+            raise CorruptCheckpoint(
+                f"{where}: the {what} is {size} bytes, more than the {limit} recorded or allowed"
+            )
+        return read_exact(fd, size, where)
     finally:
         os.close(fd)
+
+
+def read_file(path: Path, *, limit: int, what: str = "file") -> bytes:
+    """:func:`read_small` of a file kept beside checkpoints."""
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return read_small(dir_fd, path.name, path, limit, what)
+    finally:
+        os.close(dir_fd)
 
 
 def read_state(path: Path, what: str) -> object | None:

@@ -1,10 +1,7 @@
 """Shard files: tensor blobs written with their checksums, and read back checked.
 
-Tensor bytes are written as DCP blobs (:mod:`..format.blobs`) into each rank's shard
-file, their CRC32 computed beside the disk write. Readers of the project's own
-checkpoints never parse the zip: the manifest gives each tensor's absolute data
-offset, so a restore reads raw bytes straight into the destination tensor and
-checks every byte against its CRC32 on the way.
+Readers never parse the zip: the manifest gives each tensor's data offset, so a
+restore reads raw bytes straight into place, checking every byte on the way.
 """
 
 from __future__ import annotations
@@ -65,7 +62,7 @@ def fsync_and_close(fd: int) -> None:
         os.close(fd)
 
 
-def _crc_chunks(view: memoryview, start: int = 0) -> int:
+def crc_chunks(view: memoryview, start: int = 0) -> int:
     crc = start
     for off in range(0, len(view), CHUNK):
         crc = crc32(view[off : off + CHUNK], crc)
@@ -84,21 +81,12 @@ def write_shard(
     live: bool = False,
     zstd_level: int = 0,
 ) -> Shard:
-    """Write tensors (contiguous, on CPU) as DCP blobs into a new file, fsynced.
+    """Write tensors (contiguous, on CPU) as DCP blobs into a new file, then the
+    ``blobs`` (values); return where each landed with its checksums.
 
-    Tensor ``i`` is the box at ``offsets[i]`` of its global tensor (a whole tensor
-    without ``offsets``). ``blobs`` (values as DCP byte entries) follow the
-    tensors. Returns where every tensor and value landed, with its checksums:
-    the chunks in ``tensors``' order, the located byte entries, and the run
-    checksum of every batch of small blobs written together. ``after_each(i)``
-    runs once tensor ``i`` is fully written (version checks of unstaged saves hook
-    in here). With ``background``, the fsync runs on :func:`sync_pool` and its
-    future is appended there: the file is durable once that future is done. Without
-    ``sync`` the file is only closed (a memory tier's save: a power loss loses it anyway).
-    ``live``: the tensors are the caller's, who may free them meanwhile (an unstaged
-    save), so they are read only through the kernel (:mod:`.live`). The checksum
-    thread is done with a tensor before this returns or raises. ``zstd_level``: every
-    tensor blob is one zstd frame of that level (:mod:`.zstd`).
+    ``background``: the fsync's future is appended there. ``live``: the caller's
+    tensors, which it may free meanwhile, read only through the kernel (:mod:`.live`).
+    The checksum thread is done with a tensor before this returns or raises.
     """
     name = path.name
     chunks: list[Chunk] = []
@@ -114,8 +102,7 @@ def write_shard(
         small = -1
         out = durable.Appender(fd, sync=sync)
         pool = checksum_pool()
-        # The templates of this file's (dtype, shape)s, without the shared cache's lock
-        # per tensor: a state of many tensors has few distinct specs.
+        # this file's templates by (dtype, shape), without a cache lookup per tensor
         templates: dict[tuple[torch.dtype, tuple[int, ...]], BlobTemplate] = {}
         new = tuple.__new__
         for i, t in enumerate(tensors):
@@ -128,7 +115,6 @@ def write_shard(
             box = (0,) * len(shape) if offsets is None else offsets[i]
             if zstd_level:
                 _flush(out, pending, start, small, segments)
-                pending.clear()
                 chunks.append(
                     zstd.write_blob(
                         out, tpl, t, zstd_level, (box, name, pos), readers[0] if readers else None
@@ -160,9 +146,7 @@ def write_shard(
                     _pack_crc(pending, at + p, crc)
                 tail: bytes | bytearray = pending[at:]
                 if len(pending) >= WRITE_BATCH:
-                    _flush(out, pending, start, small, segments)
-                    start, small = out.end, -1
-                    pending.clear()
+                    start, small = _flush(out, pending, start, small, segments), -1
             else:
                 data = byte_view(t)
                 if len(data) != tpl.nbytes:
@@ -170,10 +154,8 @@ def write_shard(
                         f"internal: tensor {i} has {len(data)} bytes, expected {tpl.nbytes}"
                     )
                 pending += tpl.head  # after the segment: it is the large blob's
-                _flush(out, pending, start, small, segments, len(tpl.head))
-                start, small = out.end, -1
-                pending.clear()
-                crc_of = _crc_chunks if readers is None else readers[1].crc
+                start, small = _flush(out, pending, start, small, segments, len(tpl.head)), -1
+                crc_of = crc_chunks if readers is None else readers[1].crc
                 fut = pool.submit(crc_of, data)
                 for off in range(0, len(data), durable.COPY_BLOCK):  # the disk starts on
                     out.write(data[off : off + durable.COPY_BLOCK])  # each block at once
@@ -232,15 +214,17 @@ def _flush(
     small: int,
     segments: list[Segment],
     after: int = 0,
-) -> None:
-    """Write ``pending`` (file bytes from ``start``); the small blobs in it, from ``small``
-    on and before its last ``after`` bytes, become one segment with their run checksum."""
+) -> int:
+    """Write and clear ``pending`` (file bytes from ``start``), returning the file's end;
+    its small blobs from ``small`` on, but its last ``after`` bytes, make one segment."""
     end = len(pending) - after
     if 0 <= small < end and end - small <= LIMITS.segment_bytes:
         run = memoryview(pending)[small:end]
         segments.append(Segment(start + small, len(run), crc32(run)))
         run.release()
     out.write(pending)
+    pending.clear()
+    return out.end
 
 
 def read_into(fd: int, offset: int, dest: memoryview) -> int:
@@ -312,19 +296,12 @@ def read_tensors(
     *,
     ready: Ready | None = None,
 ) -> list[str | None]:
-    """Read blobs from one opened file into their destinations, checking every byte.
+    """Read blobs from one opened file into their destinations, checking every byte;
+    per job None when intact, else what is wrong (one damaged blob names only itself).
 
-    Returns, per job, None when the blob arrived intact, else what is wrong: one
-    damaged blob in a run read together names only itself. Runs of small blobs are
-    read with one call into one reused window and copied to their places once
-    checked: a run that fills most of one of the file's ``segments`` is read as
-    that segment and checked with its one run checksum, and only where that fails
-    is each blob checked on its own (:mod:`..format.segments`); other runs are
-    checked blob by blob. Large blobs go straight into place while the previous
-    one is checksummed in the background, a block at a time, each once
-    ``ready(address, end)`` says the destination's first ``end`` bytes may be
-    written (new memory being faulted in beside the read). ``fd`` stays open (it
-    is the checkpoint's, opened safely; positional reads let threads share it).
+    Runs of small blobs are read with one call into a reused window (a run filling
+    most of a segment is checked by its one run checksum); large blobs go straight
+    into place, checksummed in the background, each block once ``ready`` allows.
     """
     results: list[str | None] = [None] * len(jobs)
     for chunk, dest in jobs:
@@ -343,7 +320,7 @@ def read_tensors(
         order = _read_segments(fd, jobs, order, segments, results)
     futures: list[tuple[int, Future[int]]] = []
     try:
-        window: bytearray | None = None
+        window = bytearray()
         i = 0
         while i < len(order):
             job = jobs[order[i]][0]
@@ -363,14 +340,7 @@ def read_tensors(
                     break
                 end = max(end, nxt.offset + nxt.length)
                 j += 1
-            if window is None or len(window) < end - job.offset:
-                window = bytearray(min(READ_WINDOW, max(end - job.offset, 1 << 16)))
-            view = memoryview(window)[: end - job.offset]
-            got = view[: read_into(fd, job.offset, view)]
-            addr = ctypes.addressof(ctypes.c_char.from_buffer(window))
-            _check_run(jobs, order[i:j], got, job.offset, addr, results)
-            got.release()
-            view.release()
+            window = _read_run(fd, jobs, order[i:j], job.offset, end, window, results)
             i = j
         for k, fut in futures:
             if fut.result() != jobs[k][0].crc32 and results[k] is None:
@@ -389,14 +359,10 @@ def _read_segments(
     segments: Sequence[Segment],
     results: list[str | None],
 ) -> list[int]:
-    """Read the small blobs that lie in ``segments`` segment by segment; returns the
-    rest (``order`` is the jobs in file order, and so is what is returned).
-
-    A segment is read whole only when the blobs wanted from it fill at least half
-    of it: a restore of a few tensors reads just those.
-    """
+    """Read the small blobs in ``segments`` segment by segment (only where they fill at
+    least half of it); return the rest, in file order."""
     left: list[int] = []
-    window: bytearray | None = None
+    window = bytearray()
     i, n = 0, len(order)
     for seg in segments:
         while i < n and jobs[order[i]][0].offset < seg.offset:
@@ -413,20 +379,35 @@ def _read_segments(
             left += order[i:j]
             i = j
             continue
-        if window is None or len(window) < seg.length:
-            window = bytearray(seg.length)
-        view = memoryview(window)[: seg.length]
-        got = view[: read_into(fd, seg.offset, view)]
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(window))
-        if len(got) == seg.length and crc32(got) == seg.crc32:
-            _check_run(jobs, order[i:j], got, seg.offset, addr, results, framing=False)
-        else:  # damage somewhere in the segment: each blob names its own
-            _check_run(jobs, order[i:j], got, seg.offset, addr, results)
-        got.release()
-        view.release()
+        window = _read_run(fd, jobs, order[i:j], seg.offset, end, window, results, seg.crc32)
         i = j
     left += order[i:]
     return left
+
+
+def _read_run(
+    fd: int,
+    jobs: Sequence[ReadJob],
+    run: list[int],
+    start: int,
+    end: int,
+    window: bytearray,
+    results: list[str | None],
+    run_crc: int | None = None,
+) -> bytearray:
+    """Read the file's bytes ``start..end`` into ``window`` (returned, grown as needed)
+    and check the blobs ``run`` in them; ``run_crc``: a segment's, covering the framing
+    where it holds (else each blob names its own damage)."""
+    if len(window) < end - start:
+        window = bytearray(max(end - start, 1 << 16))
+    view = memoryview(window)[: end - start]
+    got = view[: read_into(fd, start, view)]
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(window))
+    framing = run_crc is None or len(got) != end - start or crc32(got) != run_crc
+    _check_run(jobs, run, got, start, addr, results, framing=framing)
+    got.release()
+    view.release()
+    return window
 
 
 def _check_run(
@@ -439,14 +420,9 @@ def _check_run(
     *,
     framing: bool = True,
 ) -> None:
-    """Check the blobs ``run`` of ``jobs`` read together into ``window`` (the file from
-    ``base``; its memory at ``addr``), each on its own, and copy the intact ones to
-    their places: one loop, since a state of many small tensors pays it per tensor.
-
-    Without ``framing`` the blobs' framing was checked already (the run checksum of
-    the segment ``window`` holds); a tensor's bytes are always held to their own
-    ``crc32``, so a record that points them elsewhere (or a run checksum made over
-    damaged bytes) is still caught."""
+    """Check the blobs ``run`` read together into ``window`` (the file from ``base``, its
+    memory at ``addr``) and copy the intact ones to their places. Without ``framing``
+    the segment's run checksum covered the framing; the bytes always meet their CRC32."""
     crc, memmove, size = crc32, ctypes.memmove, len(window)
     for k in run:
         chunk, dest = jobs[k]
@@ -491,7 +467,7 @@ def _read_large(
                 break
     if n != len(dest):
         return f"only {n} of {len(dest)} bytes"
-    futures.append((k, pool.submit(_crc_chunks, dest)))
+    futures.append((k, pool.submit(crc_chunks, dest)))
     head = os.pread(fd, chunk.data_offset - chunk.offset, chunk.offset)
     end = chunk.data_offset + len(dest)
     tail = os.pread(fd, chunk.offset + chunk.length - end, end)

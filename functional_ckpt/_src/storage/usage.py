@@ -27,11 +27,8 @@ def dir_size(path: Path) -> int:
 
 
 def sharing(path: Path, files: Any) -> tuple[int, int]:
-    """(bytes shared with other checkpoints now, bytes this save added) of a checkpoint.
-
-    Shared: data files with more than one link (the same bytes in another
-    checkpoint). Added: every listed file the save wrote itself, copies included.
-    """
+    """(bytes shared with other checkpoints now: files of several links, bytes this save
+    added: every listed file it wrote itself, copies included) of a checkpoint."""
     shared = added = 0
     if not isinstance(files, dict):
         return 0, 0

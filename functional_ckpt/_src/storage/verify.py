@@ -1,9 +1,8 @@
 """``fc.verify``: every byte of a checkpoint re-read and checked against its checksum.
 
-Besides each blob's checksums, every byte of every data file must belong to
-exactly one blob, and ``.metadata`` must say exactly what the manifest says (it is
-parsed, without torch, and compared field by field: :mod:`..format.dcp_compare`),
-since a ``.metadata`` that sends stock ``dcp.load`` elsewhere is damage too.
+Every byte of every data file must belong to exactly one blob, and ``.metadata``
+must say field for field what the manifest says: one that sends stock ``dcp.load``
+elsewhere is damage too.
 """
 
 from __future__ import annotations
@@ -55,12 +54,7 @@ class VerifyReport:
 
 
 def verify(path: PathLike) -> VerifyReport:
-    """Recompute every checksum over every byte; raise only if ``path`` is no checkpoint.
-
-    ``.metadata`` must say field for field what the manifest says (whichever torch
-    wrote it): a ``.metadata`` that would send stock ``dcp.load`` elsewhere than
-    the manifest is damage.
-    """
+    """Recompute every checksum over every byte; raise only if ``path`` is no checkpoint."""
     src = Path(path)
     report = VerifyReport(src, True, [])
     failed: list[tuple[str, CheckpointError]] = []
@@ -158,11 +152,8 @@ def _verify_metadata(
         return
     expected = dcp_compare.manifest_view(groups, blobs)
     for diff in dcp_compare.compare(dcp_compare.file_view(found), expected):
-        report.problems.append(
-            Problem(
-                name, f"disagrees with the manifest (stock dcp.load would misread): {diff}", name
-            )
-        )
+        why = f"disagrees with the manifest (stock dcp.load would misread): {diff}"
+        report.problems.append(Problem(name, why, name))
 
 
 def _verify_file(
@@ -172,14 +163,9 @@ def _verify_file(
     parsed: Any,
     report: VerifyReport,
 ) -> None:
-    """Every byte of a shard file belongs to exactly one blob whose checksums hold,
-    and every run checksum the file table records holds.
-
-    A file reused from a base (incremental saves) may also hold blobs this
-    checkpoint no longer uses: gaps are expected there, overlaps are not. A run
-    checksum is reported only where every blob in its range holds (a damaged blob
-    is reported once, by its key).
-    """
+    """Every byte of a shard file belongs to exactly one blob whose checksums hold, and
+    every run checksum holds. A file reused from a base may have gaps (never overlaps);
+    a damaged blob is reported once, by its key, not again by its run checksum."""
     report.files_checked += 1
     pos = 0
     damaged: list[tuple[int, int]] = []  # the byte ranges of blobs found damaged
@@ -232,12 +218,8 @@ CRC_BLOCK = 4 << 20
 
 
 def crc_range(fd: int, offset: int, length: int, start: int = 0) -> tuple[int, int]:
-    """CRC32 over a file range; returns (crc, bytes read).
-
-    The range is read (by :func:`read_into`) into one reused buffer: a fresh
-    buffer per read costs its page faults, several times the time of the read and
-    the checksum together.
-    """
+    """CRC32 over a file range; returns (crc, bytes read). One reused buffer: a fresh
+    one per read costs its page faults, several times the read and checksum together."""
     view = memoryview(bytearray(min(CRC_BLOCK, max(length, 0))))
     crc = start
     done = 0

@@ -1,15 +1,9 @@
 """Tensor blobs stored as zstd frames: DCP's own ``stream.zstd/1`` transform.
 
-A compressed blob is the plain blob (:mod:`..format.blobs`: ``torch.save``'s zip)
-compressed as one zstd frame, exactly as stock DCP's ``ZStandard`` extension writes
-it, so stock ``dcp.load`` (with ``zstandard`` installed) reads it through the
-descriptor ``.metadata`` names. The frame records its content size and zstd's
-content checksum, so stock readers catch damage too.
-
-Checksums: the chunk's ``hcrc32`` covers the stored frame (``fc.verify`` never
-decompresses), ``crc32`` the tensor's own bytes, checked again once decompressed.
-A frame is decompressed a block at a time straight into its destination, and never
-beyond the bytes its entry declares: a forged frame cannot inflate past them.
+A compressed blob is the plain blob as one zstd frame, as stock DCP's ``ZStandard``
+extension writes it (stock ``dcp.load`` reads it). ``hcrc32`` covers the stored frame
+(``fc.verify`` never decompresses), ``crc32`` the tensor's bytes; a frame is never
+decompressed beyond the bytes its entry declares.
 """
 
 from __future__ import annotations
@@ -48,11 +42,8 @@ def _module() -> Any:
 
 
 def level_of(compression: object, what: str) -> int:
-    """The zstd level a ``compression=`` argument asks for, 0 for none.
-
-    ``None`` (no compression), ``"zstd"`` (:data:`DEFAULT_LEVEL`) or ``"zstd:N"`` (level N,
-    1 to 19); zstandard must be importable where compression is asked for.
-    """
+    """The zstd level of a ``compression=`` argument (None, ``"zstd"`` or ``"zstd:N"``,
+    N from 1 to 19), 0 for none; zstandard must be importable where one is asked for."""
     if compression is None:
         return 0
     if isinstance(compression, str) and compression.partition(":")[0] == "zstd":
