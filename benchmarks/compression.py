@@ -27,10 +27,17 @@ is simulated on top of the real save and restore); then downloaded and restored
 with ``fc.restore``. Only plain zstd (``compression="zstd"``) is what ``fc.save``
 writes, and what stock ``dcp.load`` reads.
 
+Last, the memory tier's replication to a peer node: the whole state's bytes streamed
+over a local socket in 4 MiB pieces through a link of ``--replication-gbit`` rates
+(the sender sleeps ``bytes / rate`` after each piece), raw or compressed piece by
+piece on one core and decompressed on the other, the three stages overlapping as a
+streamed replica would; the time until the receiver holds every byte.
+
 Usage::
 
     python benchmarks/compression.py [--quick] [--steps N] [--levels 1,3,9]
-                                     [--reps N] [--gbit G] [--json PATH]
+                                     [--reps N] [--gbit G] [--replication-gbit 1,10,25]
+                                     [--json PATH]
 """
 
 from __future__ import annotations
@@ -193,6 +200,47 @@ def end_to_end(
     return rows
 
 
+def replicate(data: bytes, level: int | None, gbit: float, piece: int = 4 << 20) -> float:
+    """Seconds to stream ``data`` to a receiving thread through a ``gbit`` link, each
+    piece compressed at ``level`` (None: raw) and decompressed on arrival."""
+    import socket
+    import struct
+    import threading
+
+    import zstandard
+
+    rate = gbit * 1e9 / 8
+    send, recv = socket.socketpair()
+    got: list[int] = []
+
+    def receive() -> None:
+        dctx = zstandard.ZstdDecompressor()
+        total = 0
+        with recv.makefile("rb") as f:
+            while head := f.read(8):
+                (n,) = struct.unpack("<Q", head)
+                body = f.read(n)
+                total += len(dctx.decompress(body)) if level is not None else len(body)
+        got.append(total)
+
+    t = threading.Thread(target=receive)
+    t0 = time.perf_counter()
+    t.start()
+    cctx = zstandard.ZstdCompressor(level=level or 1)
+    view = memoryview(data)
+    for at in range(0, len(data), piece):
+        body = view[at : at + piece]
+        wire = cctx.compress(body) if level is not None else body
+        send.sendall(struct.pack("<Q", len(wire)))
+        send.sendall(wire)
+        time.sleep(len(wire) / rate)  # the link's time for these bytes
+    send.close()
+    t.join()
+    recv.close()
+    assert got == [len(data)]
+    return time.perf_counter() - t0
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = bench_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="a tiny model, a few steps")
@@ -202,6 +250,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--levels", default="1,3,9,19", help="zstd levels, comma-separated")
     p.add_argument("--reps", type=int, default=3, help="timings per measurement (best kept)")
     p.add_argument("--gbit", type=float, default=1.0, help="the simulated link, Gbit/s")
+    p.add_argument(
+        "--replication-gbit",
+        default="1,10,25",
+        help="links between nodes for the replication rows, Gbit/s, comma-separated",
+    )
     add_run_args(p, "compression")  # --dir and --allow-tmpfs too: nothing is written there
     return p.parse_args(argv)
 
@@ -259,6 +312,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r['save_upload_s']:.3f}",
             f"{r['download_restore_s']:.3f}",
         )
+    replication = []
+    whole_bytes = state[WHOLE]
+    for gbit in (float(x) for x in args.replication_gbit.split(",")):
+        raw_s = min(replicate(whole_bytes, None, gbit) for _ in range(args.reps))
+        for level in [None, *levels[:2]]:
+            secs = (
+                raw_s
+                if level is None
+                else min(replicate(whole_bytes, level, gbit) for _ in range(args.reps))
+            )
+            replication.append(
+                {"gbit": gbit, "level": level, "seconds": secs, "vs_raw": secs / raw_s}
+            )
+            print(f"replication {gbit:g} Gbit/s zstd {level}: {secs:.3f} s", file=sys.stderr)
+    repl = Table(["link Gbit/s", "compression", "seconds", "vs raw"])
+    for r in replication:
+        name = "none" if r["level"] is None else f"zstd:{r['level']}"
+        repl.add(f"{r['gbit']:g}", name, f"{r['seconds']:.3f}", f"{r['vs_raw']:.2f}x")
     params = sum(p.numel() for p in model.parameters())
     print(
         f"\nzstd {zstandard.ZSTD_VERSION}, a trained transformer: {params / 1e6:.2f}M params, "
@@ -267,6 +338,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table.render())
     print(f"\nEnd to end through a {args.gbit:g} Gbit/s link (seconds, best of {args.reps}):\n")
     print(link.render())
+    print(
+        f"\nReplication to a peer: {len(whole_bytes) / 1e6:.1f} MB streamed in 4 MiB pieces "
+        f"(seconds, best of {args.reps}):\n"
+    )
+    print(repl.render())
     payload = {
         "benchmark": "compression",
         "config": {
@@ -280,6 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "reps": args.reps,
         },
         "end_to_end": e2e,
+        "replication": replication,
         "environment": environment(),
         "rows": rows,
         "targets": [],

@@ -260,15 +260,36 @@ class _Evil:
         return (os.mkdir, (os.environ["FC_EVIL_DIR"],))
 
 
+def _forge_value(ck: Path, key: str, data: bytes) -> None:
+    """Point ``key``'s DCP byte entry at ``data`` appended to its file, re-signed."""
+    manifest = committed.read_manifest(ck)
+    (entry,) = [b for b in manifest["dcp_bytes"] if b["fqn"] == key]
+    with open(ck / entry["file"], "ab") as f:  # the forged value after the file's end
+        at = f.tell()
+        f.write(data)
+
+    def edit(m: dict[str, Any]) -> None:
+        (b,) = [b for b in m["dcp_bytes"] if b["fqn"] == key]
+        b.update(offset=at, length=len(data), crc32=zlib.crc32(data))
+        m["files"][entry["file"]]["size"] = at + len(data)
+
+    resign(ck, edit)
+
+
+def _pickled(value: Any) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
 def test_the_dcp_reader_never_hands_stored_pickle_to_dcp(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """DCP's planner runs ``torch.load(weights_only=False)`` on every value it is handed:
-    ``Reader`` hands it bytes made anew from a value torch's restricted loader built."""
-    import io
-
+    ``Reader`` hands it bytes made from the manifest's value, never the stored ones."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
     from functional_ckpt.integrations.dcp import Reader
 
@@ -276,28 +297,42 @@ def test_the_dcp_reader_never_hands_stored_pickle_to_dcp(
     fc.save(ck, {"w": torch.ones(2), "note": "plain"})
     marker = tmp_path / "ran"
     monkeypatch.setenv("FC_EVIL_DIR", str(marker))
-    buf = io.BytesIO()
-    torch.save(_Evil(), buf)
-    evil = buf.getvalue()
-    manifest = committed.read_manifest(ck)
-    (entry,) = [b for b in manifest["dcp_bytes"] if b["fqn"] == "note"]
-    with open(ck / entry["file"], "ab") as f:  # the forged value after the file's end
-        at = f.tell()
-        f.write(evil)
-
-    def edit(m: dict[str, Any]) -> None:
-        (b,) = [b for b in m["dcp_bytes"] if b["fqn"] == "note"]
-        b.update(offset=at, length=len(evil), crc32=zlib.crc32(evil))
-        m["files"][entry["file"]]["size"] = at + len(evil)
-
-    resign(ck, edit)
+    _forge_value(ck, "note", _pickled(_Evil()))
     into: dict[str, Any] = {"w": torch.zeros(2), "note": ""}
-    with pytest.raises(CheckpointException) as err:
-        dcp.load(into, storage_reader=Reader(ck), no_dist=True)
-    assert "value 'note' in __0_0.distcp: not a plain value" in str(err.value.failures)
+    dcp.load(into, storage_reader=Reader(ck), no_dist=True)
+    assert into["note"] == "plain"
     assert not marker.exists()
     fc.save(tmp_path / "ok", {"w": torch.ones(2), "note": "plain"})
     dcp.load(into, storage_reader=Reader(tmp_path / "ok"), no_dist=True)
+    assert into["note"] == "plain"
+
+
+def test_the_dcp_reader_serves_the_manifests_value_not_the_stored_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stored value that unpickles to something else (a plain value the restricted
+    loader accepts) is never read: the authenticated manifest decides, and no stored
+    byte reaches any unpickler."""
+    import torch.distributed.checkpoint as dcp
+
+    from functional_ckpt.integrations.dcp import Reader
+
+    ck = tmp_path / "ck"
+    fc.save(ck, {"w": torch.ones(2), "note": "plain", "opt": {"lr": 0.5, "betas": (0.9, 0.99)}})
+    _forge_value(ck, "note", _pickled("forged"))
+    _forge_value(ck, "opt.lr", _pickled(9.0))
+    loaded: list[bytes] = []
+    real = torch.load
+
+    def spy(f: Any, *args: Any, **kwargs: Any) -> Any:
+        loaded.append(f.getvalue() if hasattr(f, "getvalue") else b"")
+        return real(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    into: dict[str, Any] = {"w": torch.zeros(2), "note": "", "opt": {"lr": 0.0, "betas": ()}}
+    dcp.load(into, storage_reader=Reader(ck), no_dist=True)
+    assert into["note"] == "plain" and into["opt"] == {"lr": 0.5, "betas": (0.9, 0.99)}
+    assert _pickled("forged") not in loaded and _pickled(9.0) not in loaded
     assert into["note"] == "plain"
 
 
@@ -366,3 +401,24 @@ def test_an_invalid_frame_record_is_named(tmp_path: Path, change: dict[str, int]
     with pytest.raises(CheckpointError, match=r"'m'|invalid transform"):
         fc.restore(ck)
     assert not fc.verify(ck).ok
+
+
+def test_a_value_listed_for_dcp_but_not_in_the_manifest_is_refused_by_key(
+    tmp_path: Path,
+) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from functional_ckpt.integrations.dcp import Reader
+
+    ck = tmp_path / "ck"
+    fc.save(ck, {"w": torch.ones(2), "note": "plain"})
+
+    def edit(m: dict[str, Any]) -> None:
+        (b,) = [b for b in m["dcp_bytes"] if b["fqn"] == "note"]
+        m["dcp_bytes"].append({**b, "fqn": "ghost", "path": ["ghost"]})
+
+    resign(ck, edit)
+    with pytest.raises(CheckpointException) as err:
+        dcp.load({"ghost": ""}, storage_reader=Reader(ck), no_dist=True)
+    assert "lists the value 'ghost', which the manifest does not hold" in str(err.value.failures)

@@ -360,3 +360,50 @@ def test_a_fifo_named_like_an_exports_weights_hangs_no_reader(tmp_path: Path) ->
         ).stdout
     )
     assert (root / "exports" / "step_000000007" / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------------ unpickling
+
+#: Every call that unpickles, by module, and why its bytes are not a checkpoint's own.
+UNPICKLES: dict[tuple[str, str], tuple[int, str]] = {
+    ("_src/export/torch_save.py", "torch.load"): (1, "a torch.save file the user names"),
+    ("_src/restore/stock_dcp.py", "torch.load"): (
+        2,
+        "a stock DCP checkpoint: weights_only, or pickle under the caller's allow_pickle=True",
+    ),
+    ("_src/restore/stock_dcp.py", "_PlainUnpickler"): (
+        1,
+        "a stock DCP checkpoint's values: every global refused, plain data only",
+    ),
+    ("_src/format/unpickler.py", "RestrictedUnpickler"): (1, "the restricted .metadata reader"),
+}
+
+_UNPICKLING = {"torch.load", "pickle.load", "pickle.loads", "pickle.Unpickler"}
+
+
+def unpickling_calls(source: str) -> Counter[str]:
+    """Calls in ``source`` that unpickle bytes (any ``*Unpickler`` made included)."""
+    found: Counter[str] = Counter()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name in _UNPICKLING or name.endswith("Unpickler"):
+                found[name if name in _UNPICKLING else name.rpartition(".")[2]] += 1
+    return found
+
+
+def test_no_module_unpickles_a_checkpoints_bytes_beyond_the_argued_ones() -> None:
+    """A DCP reader, a restore or a tier that unpickled a checkpoint's stored bytes
+    would hand its author code execution: only the listed calls unpickle."""
+    found = {
+        (str(p.relative_to(PACKAGE)), name): n
+        for p in sorted(PACKAGE.rglob("*.py"))
+        for name, n in unpickling_calls(p.read_text()).items()
+    }
+    assert found == {k: n for k, (n, _) in UNPICKLES.items()}
+
+
+def test_the_unpickling_scan_sees_a_stored_value_loaded() -> None:
+    src = "torch.load(io.BytesIO(data), weights_only=True)\npickle.loads(b)\nm._Mine(f).load()\n"
+    assert unpickling_calls(src) == Counter({"torch.load": 1, "pickle.loads": 1})
+    assert unpickling_calls("x = _MineUnpickler(f).load()\n") == Counter({"_MineUnpickler": 1})

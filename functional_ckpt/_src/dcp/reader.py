@@ -6,9 +6,9 @@ DCP learns what is stored from ``Metadata`` derived from the authenticated
 manifest (:func:`~..format.dcp_metadata.metadata_for`, the one derivation), so
 ``.metadata`` is never unpickled. Tensor chunks are served with every byte
 checked against the manifest's CRC32s (DCP's planner still maps saved chunks
-onto the caller's shards, any world size); a value's bytes are checked against
-their CRC32, loaded with torch's restricted loader and saved anew before DCP's
-planner unpickles them (with ``weights_only=False``).
+onto the caller's shards, any world size). DCP's planner unpickles a value's bytes
+(``weights_only=False``), so it is handed bytes made from the manifest's value, never
+bytes read from the checkpoint's files.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ from torch.futures import Future
 
 from functional_ckpt._src.format import dcp_metadata
 from functional_ckpt._src.format import dcp_values as dcpbytes
-from functional_ckpt._src.format.checksum import crc32
-from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.restore.dtensor import _ManifestReader
 from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
@@ -44,7 +42,7 @@ class Reader(StorageReader):
         super().__init__()
         self.path = None if path is None else Path(path)
         self._tensors: _ManifestReader | None = None
-        self._values: dict[str, ByteEntry] = {}
+        self._values: dict[str, bytes] = {}
         self._metadata: Metadata | None = None
 
     @property
@@ -112,29 +110,27 @@ class Reader(StorageReader):
                 for c in e.chunks:
                     reader.chunks[MetadataIndex(e.fqn, torch.Size(c.offsets))] = c
             self._metadata = dcp_metadata.metadata_for(groups, values)
+            shared = parsed.shared
+            taken = {e.fqn for group in groups for e in group}
+            self._values = dcpbytes.from_manifest(
+                [(p, shared.values[p]) for p, kind in shared.order if kind == "value"], taken
+            )
         except BaseException:
             ck.close()
             raise
         self._tensors = reader
-        self._values = {b.fqn: b for b in values}
         return self._metadata
 
     def _value_bytes(self, index: MetadataIndex) -> bytes:
-        """A value's stored ``torch.save`` bytes, checked against their CRC32 and made
-        anew (:func:`~..format.dcp_values.resaved`): DCP unpickles what it is handed."""
-        tensors = self._tensors
-        assert tensors is not None
-        ck = tensors.root
-        entry = self._values.get(index.fqn)
-        if entry is None:
-            raise CorruptCheckpoint(f"{ck.path}: no value {index.fqn!r}")
-        data = os.pread(ck.fd(entry.file), entry.length, entry.offset)
-        if len(data) != entry.length or crc32(data) != entry.crc32:
+        """A value's ``torch.save`` bytes, made from the manifest's value."""
+        data = self._values.get(index.fqn)
+        if data is None:
+            assert self._tensors is not None
             raise CorruptCheckpoint(
-                f"{ck.path}: damaged value {index.fqn!r} in {entry.file} "
-                f"(bytes {entry.offset}..{entry.offset + entry.length}: checksum mismatch)"
+                f"{self._tensors.root.path}: .metadata lists the value {index.fqn!r}, "
+                "which the manifest does not hold"
             )
-        return dcpbytes.resaved(data, f"{ck.path}: value {index.fqn!r} in {entry.file}")
+        return data
 
     def _close(self) -> None:
         if self._tensors is not None:

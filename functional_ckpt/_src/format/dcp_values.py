@@ -29,7 +29,7 @@ from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath
 from functional_ckpt._src.format.naming import DCP_METADATA
 from functional_ckpt._src.limits import LIMITS
-from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
+from functional_ckpt.errors import CorruptCheckpoint
 
 #: A DCP object path: dict keys are strings, list indices ints (``planner_data``).
 DcpPath = tuple[str | int, ...]
@@ -258,21 +258,14 @@ def plan_bytes(
     return [e for e in out if e.fqn not in clashes]
 
 
-def resaved(data: bytes, where: str) -> bytes:
-    """A value's stored ``torch.save`` bytes made anew: loaded by torch's restricted
-    loader (``weights_only``), held to be plain data, saved again.
+def from_manifest(values: Sequence[tuple[KeyPath, Any]], taken: set[str]) -> dict[str, bytes]:
+    """The ``torch.save`` bytes of a checkpoint's values by DCP key, made from the
+    manifest's (authenticated, msgpack) values exactly as a save plans them.
 
-    Stock DCP's planner runs an unrestricted ``torch.load`` on the bytes a reader
-    hands it: handed these, it never sees a byte of the checkpoint."""
-    import torch
-
-    try:
-        value = torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as err:
-        raise UnsafeCheckpoint(f"{where}: not a plain value ({type(err).__name__})") from err
-    if not _plain(value, [_MAX_ELEMENTS]):
-        raise UnsafeCheckpoint(f"{where}: not a plain value")
-    return _saved(value)
+    Stock DCP's planner unpickles what a reader hands it: made here, those bytes never
+    come from the checkpoint's files."""
+    optimizers = dict(filter(None, (optimizer_names(p, v) for p, v in values)))
+    return {e.fqn: e.data for e in plan_bytes(values, taken, optimizers)}
 
 
 # --------------------------------------------------------------------------- parsing
