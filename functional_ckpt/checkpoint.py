@@ -11,13 +11,5 @@ from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.staging import PendingSave, Stager
 from functional_ckpt._src.storage.verify import Problem, VerifyReport
 
-__all__ = [
-    "CheckpointInfo",
-    "CheckpointSummary",
-    "Node",
-    "PendingSave",
-    "Problem",
-    "Stager",
-    "TensorSpec",
-    "VerifyReport",
-]
+__all__ = ["CheckpointInfo", "CheckpointSummary", "Node", "PendingSave", "Problem", "Stager"]
+__all__ += ["TensorSpec", "VerifyReport"]

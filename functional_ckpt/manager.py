@@ -21,16 +21,5 @@ from functional_ckpt._src.remote.options import Remote
 from functional_ckpt._src.root.delete import remove_checkpoint
 from functional_ckpt._src.root.listing import StepInfo
 
-__all__ = [
-    "AsyncSave",
-    "CheckpointManager",
-    "Export",
-    "Memory",
-    "Remote",
-    "Rollback",
-    "SaveResult",
-    "StepInfo",
-    "choose_target",
-    "fork",
-    "remove_checkpoint",
-]
+__all__ = ["AsyncSave", "CheckpointManager", "Export", "Memory", "Remote", "Rollback", "SaveResult"]
+__all__ += ["StepInfo", "choose_target", "fork", "remove_checkpoint"]

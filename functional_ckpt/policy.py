@@ -46,33 +46,9 @@ from functional_ckpt._src.policy.retention import (
     plan_deletions,
 )
 
-__all__ = [
-    "CheckpointLike",
-    "CheckpointRecord",
-    "Event",
-    "PolicySpec",
-    "PolicyState",
-    "RetentionPolicy",
-    "SavePolicy",
-    "SignalPolicy",
-    "always",
-    "at_steps",
-    "best_steps",
-    "every_epochs",
-    "every_secs",
-    "every_steps",
-    "keep_all",
-    "keep_best",
-    "keep_every",
-    "keep_last",
-    "keep_within",
-    "never",
-    "on_degrade",
-    "on_final",
-    "on_improve",
-    "on_signal",
-    "plan_deletions",
-    "policy_from_config",
-    "retention_from_config",
-    "run_policy",
-]
+__all__ = ["CheckpointLike", "CheckpointRecord", "Event", "PolicySpec", "PolicyState"]
+__all__ += ["RetentionPolicy", "SavePolicy", "SignalPolicy", "always", "at_steps", "best_steps"]
+__all__ += ["every_epochs", "every_secs", "every_steps", "keep_all", "keep_best", "keep_every"]
+__all__ += ["keep_last", "keep_within", "never", "on_degrade", "on_final", "on_improve"]
+__all__ += ["on_signal", "plan_deletions", "policy_from_config", "retention_from_config"]
+__all__ += ["run_policy"]

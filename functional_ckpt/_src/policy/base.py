@@ -16,9 +16,9 @@ from typing import Any, TypeAlias
 
 from functional_ckpt.errors import PolicyError
 
-__all__ = ["AllOf", "AnyOf", "Event", "Not", "PolicyError", "PolicySpec", "PolicyState"]
-__all__ += ["SavePolicy", "as_int", "checked_state", "custom_spec", "metric_value", "no_state"]
-__all__ += ["metric_and_mode", "finite_number", "positive_int", "run_policy"]
+__all__ = ["AllOf", "AnyOf", "Event", "Leaf", "Not", "PolicyError", "PolicySpec", "PolicyState"]
+__all__ += ["SavePolicy", "as_int", "call_text", "checked_state", "custom_spec", "metric_value"]
+__all__ += ["metric_and_mode", "finite_number", "no_state", "positive_int", "run_policy"]
 
 PolicyState: TypeAlias = (
     "bool | int | float | str | list[PolicyState] | dict[str, PolicyState] | None"
@@ -112,6 +112,37 @@ class SavePolicy(ABC):
 def custom_spec(policy: object) -> PolicySpec:
     """The spec of a policy defined outside this package: its type and repr."""
     return {"custom": {"type": type(policy).__qualname__, "repr": repr(policy)}}
+
+
+def call_text(kind: str, args: Mapping[str, Any], shown: int, defaults: Iterable[Any]) -> str:
+    """The call that makes a policy: the first ``shown`` arguments by position, the rest
+    by name unless at their default (``defaults``: (name, value) pairs)."""
+    defaults = dict(defaults)
+    parts = [
+        repr(v) if i < shown else f"{k}={v!r}"
+        for i, (k, v) in enumerate(args.items())
+        if i < shown or k not in defaults or defaults[k] != v
+    ]
+    return f"{kind}({', '.join(parts)})"
+
+
+class Leaf(SavePolicy):
+    """A policy whose spec is ``{kind: {param: attribute}}`` (``kind`` alone without
+    params) and whose repr is the call that made it (see :func:`call_text`)."""
+
+    kind = ""
+    params: tuple[str, ...] = ()
+    shown = 1
+    defaults: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def spec(self) -> PolicySpec:
+        args = {p: getattr(self, p) for p in self.params}
+        return {self.kind: args} if args else self.kind
+
+    def __repr__(self) -> str:
+        args = {p: getattr(self, p) for p in self.params}
+        return call_text(self.kind, args, self.shown, self.defaults)
 
 
 def as_int(value: object, what: str) -> int:

@@ -11,7 +11,7 @@ import math
 
 from functional_ckpt._src.policy.base import (
     Event,
-    PolicySpec,
+    Leaf,
     PolicyState,
     SavePolicy,
     checked_state,
@@ -26,8 +26,11 @@ __all__ = ["TARGETS", "on_degrade"]
 TARGETS = ("best", "last_good")
 
 
-class OnDegrade(SavePolicy):
+class OnDegrade(Leaf):
     """See :func:`on_degrade`; the attributes are its arguments."""
+
+    kind, params = "on_degrade", ("metric", "mode", "drop", "patience", "to")
+    defaults = (("mode", "min"), ("to", "best"))
 
     def __init__(self, metric: str, mode: str, drop: float, patience: int, to: str) -> None:
         self.metric = metric
@@ -74,20 +77,6 @@ class OnDegrade(SavePolicy):
         if saved and not math.isnan(value) and better:
             best = value
         return {"best": best, "bad": bad}
-
-    @property
-    def spec(self) -> PolicySpec:
-        args = {"metric": self.metric, "mode": self.mode, "drop": self.drop}
-        return {"on_degrade": {**args, "patience": self.patience, "to": self.to}}
-
-    def __repr__(self) -> str:
-        args = [repr(self.metric)]
-        if self.mode != "min":
-            args.append(f"mode={self.mode!r}")
-        args += [f"drop={self.drop!r}", f"patience={self.patience}"]
-        if self.to != "best":
-            args.append(f"to={self.to!r}")
-        return f"on_degrade({', '.join(args)})"
 
 
 def on_degrade(

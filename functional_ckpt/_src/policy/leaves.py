@@ -6,8 +6,8 @@ from collections.abc import Iterable
 
 from functional_ckpt._src.policy.base import (
     Event,
+    Leaf,
     PolicyError,
-    PolicySpec,
     PolicyState,
     SavePolicy,
     checked_state,
@@ -22,27 +22,20 @@ __all__ = ["always", "at_steps", "every_epochs", "every_secs", "every_steps", "n
 __all__ += ["on_final", "on_improve"]
 
 
-class _Stateless(SavePolicy):
-    def __init__(self, name: str) -> None:
-        self._name = name
+class _Stateless(Leaf):
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
 
     def init(self) -> PolicyState:
         return None
 
     def decide(self, state: PolicyState, event: Event) -> bool:
         no_state(self, state)
-        return self._name == "always" or (self._name == "on_final" and event.is_final)
+        return self.kind == "always" or (self.kind == "on_final" and event.is_final)
 
     def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
         no_state(self, state)
         return None
-
-    @property
-    def spec(self) -> PolicySpec:
-        return self._name
-
-    def __repr__(self) -> str:
-        return f"{self._name}()"
 
 
 def always() -> SavePolicy:
@@ -60,7 +53,9 @@ def on_final() -> SavePolicy:
     return _Stateless("on_final")
 
 
-class _EverySteps(SavePolicy):
+class _EverySteps(Leaf):
+    kind, params, defaults = "every_steps", ("n", "offset"), (("offset", 0),)
+
     def __init__(self, n: int, offset: int) -> None:
         self.n = n
         self.offset = offset
@@ -77,14 +72,6 @@ class _EverySteps(SavePolicy):
         last = checked_state(self, state, ["last_saved_step"])["last_saved_step"]
         return {"last_saved_step": event.step if saved else last}
 
-    @property
-    def spec(self) -> PolicySpec:
-        return {"every_steps": {"n": self.n, "offset": self.offset}}
-
-    def __repr__(self) -> str:
-        extra = f", offset={self.offset}" if self.offset else ""
-        return f"every_steps({self.n}{extra})"
-
 
 def every_steps(n: int, offset: int = 0) -> SavePolicy:
     """Save at steps ``offset, offset + n, offset + 2n, ...`` (step 0 too: ``offset=n``
@@ -97,7 +84,9 @@ def every_steps(n: int, offset: int = 0) -> SavePolicy:
     return _EverySteps(n, offset)
 
 
-class _EveryEpochs(SavePolicy):
+class _EveryEpochs(Leaf):
+    kind, params = "every_epochs", ("n",)
+
     def __init__(self, n: int) -> None:
         self.n = n
 
@@ -126,13 +115,6 @@ class _EveryEpochs(SavePolicy):
             return {"ended": ended, "end_step": end_step, "saved": saved_then or saved}
         return {"ended": ended + 1, "end_step": event.step, "saved": saved}
 
-    @property
-    def spec(self) -> PolicySpec:
-        return {"every_epochs": {"n": self.n}}
-
-    def __repr__(self) -> str:
-        return f"every_epochs({self.n})"
-
 
 def every_epochs(n: int) -> SavePolicy:
     """Save at the end of every ``n``-th epoch: on the events marked ``epoch_end=True``
@@ -142,9 +124,11 @@ def every_epochs(n: int) -> SavePolicy:
     return _EveryEpochs(positive_int(n, "n", f"every_epochs(n={n!r})"))
 
 
-class _AtSteps(SavePolicy):
-    def __init__(self, steps: frozenset[int]) -> None:
-        self.steps = steps
+class _AtSteps(Leaf):
+    kind, params = "at_steps", ("steps",)
+
+    def __init__(self, steps: list[int]) -> None:
+        self.steps = steps  # sorted, each once
 
     def init(self) -> PolicyState:
         return {"fired": []}
@@ -159,13 +143,6 @@ class _AtSteps(SavePolicy):
             return state
         return {"fired": sorted([*fired, event.step])}
 
-    @property
-    def spec(self) -> PolicySpec:
-        return {"at_steps": {"steps": sorted(self.steps)}}
-
-    def __repr__(self) -> str:
-        return f"at_steps({sorted(self.steps)!r})"
-
 
 def at_steps(steps: Iterable[int]) -> SavePolicy:
     """Save at each of the given steps, once each: the state remembers the steps saved,
@@ -177,10 +154,12 @@ def at_steps(steps: Iterable[int]) -> SavePolicy:
     for s in items:
         if isinstance(s, bool) or not isinstance(s, int):
             raise TypeError(f"at_steps(steps={steps!r}): steps must be ints, got {s!r}")
-    return _AtSteps(frozenset(items))
+    return _AtSteps(sorted(set(items)))
 
 
-class _EverySecs(SavePolicy):
+class _EverySecs(Leaf):
+    kind, params = "every_secs", ("secs",)
+
     def __init__(self, secs: float) -> None:
         self.secs = secs
 
@@ -207,13 +186,6 @@ class _EverySecs(SavePolicy):
             return {"since": now}
         return state
 
-    @property
-    def spec(self) -> PolicySpec:
-        return {"every_secs": {"secs": self.secs}}
-
-    def __repr__(self) -> str:
-        return f"every_secs({self.secs!r})"
-
 
 def every_secs(secs: float) -> SavePolicy:
     """Save once ``secs`` seconds of running time (``event.time``, required) passed since
@@ -223,7 +195,10 @@ def every_secs(secs: float) -> SavePolicy:
     return _EverySecs(finite_number(secs, "secs", f"every_secs(secs={secs!r})", positive=True))
 
 
-class _OnImprove(SavePolicy):
+class _OnImprove(Leaf):
+    kind, params = "on_improve", ("metric", "mode", "min_delta")
+    defaults = (("mode", "min"), ("min_delta", 0.0))
+
     def __init__(self, metric: str, mode: str, min_delta: float) -> None:
         self.metric = metric
         self.mode = mode
@@ -253,17 +228,6 @@ class _OnImprove(SavePolicy):
         if best is None or (value < best if self.mode == "min" else value > best):
             return {"best": value}
         return state
-
-    @property
-    def spec(self) -> PolicySpec:
-        args = {"metric": self.metric, "mode": self.mode, "min_delta": self.min_delta}
-        return {"on_improve": args}
-
-    def __repr__(self) -> str:
-        extra = "" if self.mode == "min" else f", mode={self.mode!r}"
-        if self.min_delta:
-            extra += f", min_delta={self.min_delta!r}"
-        return f"on_improve({self.metric!r}{extra})"
 
 
 def on_improve(metric: str, mode: str = "min", min_delta: float = 0.0) -> SavePolicy:
