@@ -30,8 +30,6 @@ from functional_ckpt._src.codec.tagged import TAGGED, Unregistered, _BadFields, 
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
 
-__all__ = ["check_hashes", "decode", "find_unregistered"]
-
 _MSGPACK_STACK_LIMIT: Final = 1024  # the C unpacker's fixed parse stack
 _GC_PAUSE_BYTES: Final = 256 * 1024
 

@@ -18,8 +18,6 @@ from typing import Any
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import ConfigError
 
-__all__ = ["check_bounded", "load"]
-
 #: What an in-memory document (no text to measure) may expand to: a state file's size.
 _IN_MEMORY_BYTES = LIMITS.state_file_bytes
 

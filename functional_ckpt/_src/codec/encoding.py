@@ -36,8 +36,6 @@ from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.text import short_repr
 from functional_ckpt.errors import CheckpointError, UnsupportedValue
 
-__all__ = ["check_encodable", "encode", "encode_checked"]
-
 _OrderedDict = collections.OrderedDict
 
 

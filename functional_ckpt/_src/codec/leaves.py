@@ -20,7 +20,6 @@ from functional_ckpt._src.text import short_repr
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["LEAF_DECODERS", "_Corrupt"]
 
 _MAX_DEVICE_LEN: Final = 64
 

@@ -22,9 +22,6 @@ from functional_ckpt._src.codec.tagged import (
 )
 from functional_ckpt.errors import UnsupportedValue
 
-__all__ = ["default_name", "register", "registration_line", "tag_problem"]
-__all__ += ["unknown_tag_problem", "unregistered_problem"]
-
 _MAX_TAG_LEN: Final = 256
 
 

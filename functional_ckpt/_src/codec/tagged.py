@@ -19,9 +19,6 @@ from typing import Any, NamedTuple
 
 from functional_ckpt.errors import UnsupportedValue
 
-__all__ = ["TAGGED", "_BadFields", "TaggedType", "Unregistered", "add", "add_class", "add_name"]
-__all__ += ["by_tag", "placeholder", "placeholder_problem"]
-
 
 class TaggedType(NamedTuple):
     """How one class is taken apart into fields and rebuilt from them."""

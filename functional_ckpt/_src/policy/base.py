@@ -16,10 +16,6 @@ from typing import Any, TypeAlias
 
 from functional_ckpt.errors import PolicyError
 
-__all__ = ["AllOf", "AnyOf", "Event", "Leaf", "Not", "PolicyError", "PolicySpec", "PolicyState"]
-__all__ += ["SavePolicy", "as_int", "call_text", "checked_state", "custom_spec", "metric_value"]
-__all__ += ["metric_and_mode", "finite_number", "no_state", "positive_int", "run_policy"]
-
 PolicyState: TypeAlias = (
     "bool | int | float | str | list[PolicyState] | dict[str, PolicyState] | None"
 )
@@ -126,7 +122,7 @@ def call_text(kind: str, args: Mapping[str, Any], shown: int, defaults: Iterable
     return f"{kind}({', '.join(parts)})"
 
 
-class Leaf(SavePolicy):
+class LeafPolicy(SavePolicy):
     """A policy whose spec is ``{kind: {param: attribute}}`` (``kind`` alone without
     params) and whose repr is the call that made it (see :func:`call_text`)."""
 

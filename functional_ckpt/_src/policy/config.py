@@ -1,13 +1,8 @@
-"""Policies as configuration: the plain-data form people write in YAML, JSON or a dict.
-
-A policy is one key, its name, holding its arguments: a mapping
-(``{"every_steps": {"n": 500}}``), the first argument alone (``{"every_steps": 500}``)
-or nothing (``"on_final"``). Combinations are ``{"any": [...]}``, ``{"all": [...]}``
-and ``{"not": ...}``; a list of retention policies is their union. Any ``Mapping`` or
-``Sequence`` will do (an OmegaConf ``DictConfig``), and a bad value is refused naming
-its key and what is known there. A policy's ``spec`` is this form. A manager
-config's keys and its ``run`` block live here too, so ``fckpt run`` reads them
-without loading the manager."""
+"""Policies as configuration (YAML, JSON, a dict): one key, the policy's name, holding a
+mapping of its arguments, the first one alone, or nothing; ``any``/``all``/``not``
+combine, a list of retention policies is their union. A policy's ``spec`` is this
+form. A manager config's keys and ``run`` block live here too, so ``fckpt run`` reads
+them without loading the manager."""
 
 from __future__ import annotations
 
@@ -15,6 +10,7 @@ import math
 import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeGuard
 
 from functional_ckpt._src.policy import leaves, retention
@@ -23,11 +19,6 @@ from functional_ckpt._src.policy.degrade import TARGETS, on_degrade
 from functional_ckpt._src.policy.retention import RetentionPolicy
 from functional_ckpt._src.policy.signals import on_signal
 from functional_ckpt.errors import ConfigError
-
-__all__ = ["MANAGER_KEYS", "RELAUNCH_KEYS", "Param", "Relaunch", "SAVE_KINDS", "at_key"]
-__all__ += ["check_bool", "check_keys", "check_number", "check_str", "config_error"]
-__all__ += ["is_sequence", "policy_from_config", "relaunch_from_config", "relaunch_to_config"]
-__all__ += ["retention_from_config", "signal_number", "stored_spec"]
 
 
 def at_key(path: str, key: str | int) -> str:
@@ -93,10 +84,6 @@ def check_number(value: object, path: str, *, positive: bool = False) -> float:
     raise config_error(path, "a positive number" if positive else "a number >= 0", value)
 
 
-def _positive_int(value: object, path: str) -> int:
-    return _int(value, path, positive=True)
-
-
 def _one_of(*choices: str) -> Callable[[object, str], str]:
     def check(value: object, path: str) -> str:
         if value not in choices:
@@ -106,6 +93,7 @@ def _one_of(*choices: str) -> Callable[[object, str], str]:
     return check
 
 
+_positive_int = partial(_int, positive=True)
 _mode, _target = _one_of("min", "max"), _one_of(*TARGETS)
 
 
@@ -200,8 +188,8 @@ def _one_key(value: object, path: str, known: Sequence[str], what: str) -> tuple
         )
     if name == "custom":  # the spec of a policy defined outside (base.custom_spec)
         raise ConfigError(
-            f"{path}: {_shown(args)} is a {what} defined outside functional_ckpt; it has no "
-            "configuration form"
+            f"{path}: {_shown(args)} is a {what} defined outside functional_ckpt; "
+            "it has no configuration form"
         )
     if name not in known:
         raise ConfigError(f"{path}: unknown {what} {_shown(name)}; known: {', '.join(known)}")
@@ -299,16 +287,9 @@ def stored_spec(spec: object) -> object:
 
 
 #: The keys of a manager's configuration: its constructor's arguments, and ``run``.
-MANAGER_KEYS: tuple[str, ...] = (
-    "root",
-    "save",
-    "keep",
-    "metadata",
-    "read_only",
-    "async_save",
-    "incremental",
-)
-MANAGER_KEYS += ("export", "remote", "memory", "rollback", "per_rank", "run")
+MANAGER_KEYS: tuple[str, ...] = ("root", "save", "keep", "metadata", "read_only")
+MANAGER_KEYS += ("async_save", "incremental", "export", "remote", "memory", "rollback")
+MANAGER_KEYS += ("per_rank", "run")
 
 
 @dataclass(frozen=True)

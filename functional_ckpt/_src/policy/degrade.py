@@ -11,7 +11,7 @@ import math
 
 from functional_ckpt._src.policy.base import (
     Event,
-    Leaf,
+    LeafPolicy,
     PolicyState,
     SavePolicy,
     checked_state,
@@ -20,13 +20,11 @@ from functional_ckpt._src.policy.base import (
     positive_int,
 )
 
-__all__ = ["TARGETS", "on_degrade"]
-
 #: Which kept checkpoint a rollback returns to (see :func:`on_degrade`).
 TARGETS = ("best", "last_good")
 
 
-class OnDegrade(Leaf):
+class OnDegrade(LeafPolicy):
     """See :func:`on_degrade`; the attributes are its arguments."""
 
     kind, params = "on_degrade", ("metric", "mode", "drop", "patience", "to")

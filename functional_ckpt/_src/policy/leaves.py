@@ -6,8 +6,7 @@ from collections.abc import Iterable
 
 from functional_ckpt._src.policy.base import (
     Event,
-    Leaf,
-    PolicyError,
+    LeafPolicy,
     PolicyState,
     SavePolicy,
     checked_state,
@@ -17,12 +16,10 @@ from functional_ckpt._src.policy.base import (
     no_state,
     positive_int,
 )
-
-__all__ = ["always", "at_steps", "every_epochs", "every_secs", "every_steps", "never"]
-__all__ += ["on_final", "on_improve"]
+from functional_ckpt.errors import PolicyError
 
 
-class _Stateless(Leaf):
+class _Stateless(LeafPolicy):
     def __init__(self, kind: str) -> None:
         self.kind = kind
 
@@ -53,7 +50,7 @@ def on_final() -> SavePolicy:
     return _Stateless("on_final")
 
 
-class _EverySteps(Leaf):
+class _EverySteps(LeafPolicy):
     kind, params, defaults = "every_steps", ("n", "offset"), (("offset", 0),)
 
     def __init__(self, n: int, offset: int) -> None:
@@ -84,7 +81,7 @@ def every_steps(n: int, offset: int = 0) -> SavePolicy:
     return _EverySteps(n, offset)
 
 
-class _EveryEpochs(Leaf):
+class _EveryEpochs(LeafPolicy):
     kind, params = "every_epochs", ("n",)
 
     def __init__(self, n: int) -> None:
@@ -124,7 +121,7 @@ def every_epochs(n: int) -> SavePolicy:
     return _EveryEpochs(positive_int(n, "n", f"every_epochs(n={n!r})"))
 
 
-class _AtSteps(Leaf):
+class _AtSteps(LeafPolicy):
     kind, params = "at_steps", ("steps",)
 
     def __init__(self, steps: list[int]) -> None:
@@ -157,7 +154,7 @@ def at_steps(steps: Iterable[int]) -> SavePolicy:
     return _AtSteps(sorted(set(items)))
 
 
-class _EverySecs(Leaf):
+class _EverySecs(LeafPolicy):
     kind, params = "every_secs", ("secs",)
 
     def __init__(self, secs: float) -> None:
@@ -195,7 +192,7 @@ def every_secs(secs: float) -> SavePolicy:
     return _EverySecs(finite_number(secs, "secs", f"every_secs(secs={secs!r})", positive=True))
 
 
-class _OnImprove(Leaf):
+class _OnImprove(LeafPolicy):
     kind, params = "on_improve", ("metric", "mode", "min_delta")
     defaults = (("mode", "min"), ("min_delta", 0.0))
 

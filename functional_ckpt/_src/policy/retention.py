@@ -22,9 +22,6 @@ from functional_ckpt._src.policy.base import (
     positive_int,
 )
 
-__all__ = ["CheckpointLike", "CheckpointRecord", "RetentionPolicy", "best_steps", "keep_all"]
-__all__ += ["keep_best", "keep_every", "keep_last", "keep_within", "plan_deletions", "union_parts"]
-
 
 class CheckpointLike(Protocol):
     """What retention needs to know about a checkpoint (the manager's records fit it)."""

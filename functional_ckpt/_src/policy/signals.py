@@ -11,8 +11,6 @@ from typing import Any
 from functional_ckpt._src.policy.base import Event, PolicySpec, PolicyState, SavePolicy, no_state
 from functional_ckpt.errors import CheckpointError
 
-__all__ = ["SignalPolicy", "on_signal"]
-
 
 class SignalPolicy(SavePolicy):
     """Returned by :func:`on_signal`; adds :meth:`trigger` and :meth:`uninstall`."""

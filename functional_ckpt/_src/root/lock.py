@@ -19,8 +19,6 @@ from pathlib import Path
 from functional_ckpt._src.codec import documents
 from functional_ckpt.errors import CheckpointError
 
-__all__ = ["LOCK_FILE", "LOCK_GRACE_S", "WriterLock"]
-
 LOCK_FILE = ".lock"
 
 #: A dead writer's lock can outlive it briefly: children it forked (data loader

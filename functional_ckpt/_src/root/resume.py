@@ -20,8 +20,6 @@ from functional_ckpt._src.root.delete import quarantine
 from functional_ckpt._src.root.listing import StepInfo, dir_identity, quarantined, read_info
 from functional_ckpt.errors import CheckpointError, CheckpointWarning, is_damage
 
-__all__ = ["check_order", "newest_readable"]
-
 T = TypeVar("T")
 
 

@@ -27,9 +27,6 @@ from functional_ckpt._src.format.naming import BRANCHES_DIR, EXPORTS_DIR, parse_
 from functional_ckpt._src.storage import commit, durable, opener
 from functional_ckpt.errors import CheckpointError, CheckpointExists
 
-__all__ = ["BRANCHES_DIR", "INTENT_FILE", "RollbackPlan", "begin", "branches", "check_request"]
-__all__ += ["finish", "new_branch", "run"]
-
 #: The durable record of a rollback in progress.
 INTENT_FILE = ".rollback"
 _BRANCH_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")

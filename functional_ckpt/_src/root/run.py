@@ -17,8 +17,6 @@ from pathlib import Path
 from functional_ckpt._src.storage import durable, opener
 from functional_ckpt.errors import CheckpointError
 
-__all__ = ["RUN_FILE", "Run", "open_run", "read_run"]
-
 #: In a root: its run's id and the secret naming its memory tier's folder.
 RUN_FILE = "run.json"
 

@@ -15,8 +15,6 @@ from functional_ckpt._src.root import rollback
 from functional_ckpt._src.root.listing import StepInfo, Summaries, committed_steps, step_dirs
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
-__all__ = ["RootView", "check_root"]
-
 
 def check_root(root: Path) -> None:
     """Refuse a root that is a file, a checkpoint or inside one: a manager would write
