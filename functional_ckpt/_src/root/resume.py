@@ -1,10 +1,8 @@
 """Which checkpoint a run resumes from: the newest one that is actually readable.
 
-A resume never silently starts over and never loses a checkpoint: a damaged one is
-reported with a :class:`~functional_ckpt.errors.CheckpointWarning` and skipped for
-the previous one; a writer moves it aside (never deletes it), a reader remembers
-not to pick it again. A template or argument that does not fit raises at once, and
-checkpoints that exist but none readable raise rather than "nothing to resume"."""
+A damaged one is warned about and skipped (a writer moves it aside, a reader remembers
+it); a template or argument that does not fit raises at once, and checkpoints that
+exist but none readable raise rather than start fresh."""
 
 from __future__ import annotations
 
@@ -40,12 +38,11 @@ def newest_readable(
     elsewhere: bool = False,
 ) -> tuple[tuple[StepInfo, T] | None, set[tuple[int, int]]]:
     """Read the newest of ``candidates()`` (``(step, path)``, listed again when one
-    vanishes while read) that ``read`` reads; returns (its summary and what ``read``
-    made of it, or None; the ``(step, inode)`` of each damaged one left in place).
+    vanishes while read) that ``read`` reads: (its summary and what ``read`` made of
+    it, or None; the ``(step, inode)`` of each damaged one left in place).
 
-    A damaged one is moved aside when ``move_aside``; ``stacklevel`` is the warnings'
-    as if issued here. ``elsewhere``: another tier holds an older intact step, so
-    none readable here is no error; otherwise that raises ``CheckpointError``.
+    ``elsewhere``: another tier holds an older intact step, so none readable here is
+    no error.
     """
     failures: list[str] = []
     bad: set[tuple[int, int]] = set()

@@ -1,12 +1,9 @@
 """Rolling a root back to an older step: the newer checkpoints move aside, crash-safely.
 
-The whole plan is written durably to ``root/.rollback`` before the first move; each
-move is one atomic ``rename`` with its directories fsynced; the plan is removed
-last, and a writer that finds one finishes it (moves are idempotent). So after any
-crash the rollback has not started or completes at the next open, and nothing is
-lost. Steps move in ascending order, so readers never see a latest step in between.
-Newer checkpoints go to a *branch*, ``root/branches/<name>/step_N`` (itself a valid
-root), or are deleted (out of sight first, like every deletion)."""
+The plan is written durably to ``root/.rollback`` before the first move (one atomic
+``rename`` each, ascending) and removed last; a writer that finds one finishes it, so
+after any crash the rollback has not started or completes at the next open. Newer
+checkpoints go to a branch, ``root/branches/<name>`` (a root itself), or are deleted."""
 
 from __future__ import annotations
 
