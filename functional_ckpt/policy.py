@@ -1,17 +1,7 @@
-"""Policies: pure, composable decisions about *when* to save and *which* checkpoints to keep.
-
-A save policy is a value made of pure functions, like an optax gradient
-transformation: ``state = policy.init()``, then per event ``policy.decide(state,
-event)`` and ``policy.update(state, event, saved)``; :func:`run_policy` feeds it a list
-of events. A retention policy maps the checkpoints that exist to the steps to keep
-(``|`` is union); :func:`plan_deletions` adds the two rules no policy overrides: the
-newest checkpoint and protected steps are never deleted. The leaf policies most runs
-need are also at the top level (``fc.every_steps``, ``fc.keep_last`` …); here are the
-rest, the protocols, the rollback rule ``on_degrade``, and :func:`policy_from_config`
-and :func:`retention_from_config`, which read a policy's one plain-data form
-(``policy.spec``: what a config file holds and a checkpoint records). See
-docs/policies.md.
-"""
+"""Policies: pure, composable decisions about *when* to save and *which* checkpoints to
+keep, their protocols, :func:`run_policy`, :func:`plan_deletions`, the rollback rule
+``on_degrade``, and the readers of a policy's plain-data form (``policy.spec``).
+See docs/policies.md."""
 
 from functional_ckpt._src.policy import (
     Event,

@@ -1,8 +1,6 @@
-"""Decoding the payload of each leaf ext (big ints, bytearrays, numpy arrays and
-scalars, torch dtypes and devices): parsed without exts of its own, its sizes
-checked against the bytes present before anything is allocated, dtypes and
-devices matched against fixed tables or re-checked for a canonical spelling.
-numpy and torch are imported only when a value of theirs is met."""
+"""Decoding the payload of each leaf ext: sizes checked against the bytes present before
+anything is allocated, dtypes and devices in a canonical spelling only; numpy and
+torch are imported only when a value of theirs is met."""
 
 from __future__ import annotations
 

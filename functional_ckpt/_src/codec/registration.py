@@ -1,6 +1,5 @@
-"""Users' classes in the tagged table: :func:`register`, its naming rule, and what to
-say when a class or tag is not registered, together so that the name a save writes
-and the line a message suggests always agree."""
+"""Users' classes in the tagged table: :func:`register`, its naming rule and what to say
+when a class or tag is not registered, together so that they always agree."""
 
 from __future__ import annotations
 
@@ -136,15 +135,10 @@ def register(
 def register(
     cls: _T | None = None, name: str | None = None, *, aliases: Iterable[str] = ()
 ) -> _T | Callable[[_T], _T]:
-    """Let instances of ``cls`` (a dataclass, NamedTuple or Enum) be saved and restored.
-
-    Stored as the tag ``name`` with plain fields, rebuilt only where the same class
-    is registered under that tag (register where it is defined). The default name
-    is ``module.qualname``, a main script's module name for ``__main__`` (also
-    reading older ``__main__.Cfg`` tags); ``name=`` keeps a name when the class
-    moves; ``aliases`` are older names, read, never written. Returns ``cls``, so it
-    is a decorator too. Raises ``UnsupportedValue`` for another kind of class, or a
-    tag, alias or class already registered differently.
+    """Let instances of ``cls`` (a dataclass, NamedTuple or Enum) be saved as the tag
+    ``name`` (default ``module.qualname``, a script's module for ``__main__``) with
+    plain fields, and rebuilt where the class is registered under that tag or one of
+    its ``aliases`` (older names, read, never written). A decorator too.
     """
     if cls is None:
         chosen, more = name, tuple(aliases)

@@ -1,11 +1,7 @@
-"""Tagged plain data: the table of tagged types, and the standard library's types in it.
-
-Paths, datetimes, namespaces and users' registered classes (:mod:`.registration`)
-are stored as (tag, fields), the fields ordinary codec values, and rebuilt only
-through this table: a tag read from a checkpoint is a key into it, never a name to
-import, so a hostile checkpoint can at most build a class the program chose to
-trust, from fields checked against it. The table is the codec's one piece of module
-state that changes on purpose: only the functions here fill it."""
+"""Tagged plain data: paths, datetimes, namespaces and registered classes stored as (tag,
+fields) and rebuilt only through this table: a tag read from a checkpoint is a key,
+never a name to import, so a hostile checkpoint can at most build a class the program
+chose to trust. The table is module state on purpose; only the functions here fill it."""
 
 from __future__ import annotations
 
@@ -202,12 +198,9 @@ def _fields_problem(fields: object) -> str | None:
 
 
 class Unregistered:
-    """A tagged value whose class this process has not registered: its tag and fields.
-
-    ``fields`` are as stored: a dataclass's map, a NamedTuple's list, an Enum's
-    member name (or a ``Flag`` combination's int). Read-only, compared by tag and
-    fields (by identity in a key's place), never saved.
-    """
+    """A tagged value whose class this process has not registered: its tag and fields as
+    stored. Read-only, compared by tag and fields (by identity in a key's place), never
+    saved."""
 
     __slots__ = ("_by_identity", "_fields", "_hash", "_tag")
 

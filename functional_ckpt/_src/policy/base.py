@@ -1,9 +1,5 @@
-"""The save-policy protocol: ``Event``, ``SavePolicy``, its state, and the combinators.
-
-``|``, ``&`` and ``~`` live here with the protocol because ``SavePolicy``'s operators
-build them: a combination first combines its children's votes, then advances every
-child from the combined outcome.
-"""
+"""The save-policy protocol: ``Event``, ``SavePolicy``, its state, and the combinators
+(here because ``SavePolicy``'s ``|``, ``&`` and ``~`` build them)."""
 
 from __future__ import annotations
 
@@ -28,12 +24,8 @@ PolicySpec: TypeAlias = str | dict[str, Any] | list[Any]
 
 @dataclass(frozen=True)
 class Event:
-    """One point in training at which the caller asks "should I save now?".
-
-    ``time`` is *running* seconds (the manager's continue across restarts);
-    ``is_final`` marks a run's last event, ``epoch_end`` the step that ends an
-    epoch. ``epoch`` is the loop's own count: recorded, read by no policy.
-    """
+    """One point in training at which the caller asks "should I save now?". ``time`` is
+    *running* seconds; ``epoch`` is the loop's own count, recorded, read by no policy."""
 
     step: int
     epoch: int | None = None
@@ -61,11 +53,8 @@ class Event:
 
 
 class SavePolicy(ABC):
-    """Decides, event by event, whether to save; pure apart from :func:`on_signal`.
-
-    ``decide`` and ``update`` never mutate the state given, so a caller can keep an
-    old one (the one stored with a checkpoint).
-    """
+    """Decides, event by event, whether to save; ``decide`` and ``update`` never mutate
+    the state given, so a caller can keep an old one (the one stored with a checkpoint)."""
 
     @abstractmethod
     def init(self) -> PolicyState:
@@ -81,9 +70,8 @@ class SavePolicy(ABC):
 
     @property
     def spec(self) -> PolicySpec:
-        """Its configuration form, every argument spelled (:func:`.policy_from_config`
-        rebuilds it, a checkpoint records it). One defined outside this package gives
-        its type and repr: enough to recognise its stored state, not to rebuild it."""
+        """Its configuration form, which a checkpoint records (one defined outside this
+        package gives its type and repr: enough to recognise its state, not to rebuild it)."""
         return custom_spec(self)
 
     def should_save(self, state: PolicyState, event: Event) -> tuple[bool, PolicyState]:
@@ -227,8 +215,7 @@ def _wrap(policy: SavePolicy, inside: type[SavePolicy]) -> str:
 class _Combinator(SavePolicy):
     """Any and All: a list state, one entry per child."""
 
-    _symbol = ""
-    _kind = ""
+    _symbol, _kind = "", ""
 
     def __init__(self, children: list[SavePolicy]) -> None:
         self.children: tuple[SavePolicy, ...] = tuple(children)
@@ -241,10 +228,11 @@ class _Combinator(SavePolicy):
             raise misfit(self, state, f"a list of {len(self.children)} child states")
         return state
 
-    def _votes(self, state: PolicyState, event: Event) -> list[bool]:
+    def decide(self, state: PolicyState, event: Event) -> bool:
         # Every child votes (no short-circuit): on_signal's flag is consumed either way.
         states = self._states(state)
-        return [c.decide(s, event) for c, s in zip(self.children, states, strict=True)]
+        votes = [c.decide(s, event) for c, s in zip(self.children, states, strict=True)]
+        return any(votes) if self._kind == "any" else all(votes)
 
     def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
         # Every child advances from the combined outcome, not from its own vote.
@@ -262,21 +250,13 @@ class _Combinator(SavePolicy):
 class AnyOf(_Combinator):
     """``p | q | ...``: saves when any child votes yes."""
 
-    _symbol = "|"
-    _kind = "any"
-
-    def decide(self, state: PolicyState, event: Event) -> bool:
-        return any(self._votes(state, event))
+    _symbol, _kind = "|", "any"
 
 
 class AllOf(_Combinator):
     """``p & q & ...``: saves when every child votes yes."""
 
-    _symbol = "&"
-    _kind = "all"
-
-    def decide(self, state: PolicyState, event: Event) -> bool:
-        return all(self._votes(state, event))
+    _symbol, _kind = "&", "all"
 
 
 class Not(SavePolicy):

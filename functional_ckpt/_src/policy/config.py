@@ -227,11 +227,8 @@ def _build(kind: _Kind, args: dict[str, Any], path: str) -> Any:
 
 
 def policy_from_config(value: object, path: str = "save") -> SavePolicy:
-    """The save policy (or rollback rule) that configuration ``value`` describes.
-
-    ``path`` names ``value``'s key in messages. Building an ``on_signal`` installs its
-    handler, as calling :func:`on_signal` does. A bad value raises :class:`ConfigError`.
-    """
+    """The save policy (or rollback rule) that configuration ``value`` at ``path``
+    describes (an ``on_signal`` installs its handler); :class:`ConfigError` if bad."""
     name, args = _one_key(value, path, [*_COMBINATORS, *SAVE_KINDS], "policy")
     here = at_key(path, name)
     if name == "not":
@@ -249,10 +246,7 @@ def policy_from_config(value: object, path: str = "save") -> SavePolicy:
 
 
 def retention_from_config(value: object, path: str = "keep") -> RetentionPolicy:
-    """The retention policy that configuration ``value`` describes (a list: the union).
-
-    A bad value raises :class:`ConfigError` naming its key.
-    """
+    """The retention policy that configuration ``value`` describes (a list: the union)."""
     if is_sequence(value):
         if not value:
             raise config_error(path, "a non-empty list of retention policies", value)

@@ -1,9 +1,5 @@
-"""``on_degrade``: a metric that fell too far below its best, for long enough.
-
-A rollback rule for ``CheckpointManager(rollback=...)``: a policy like the save
-policies, so it composes with them and its state is stored with every checkpoint.
-Its ``update`` learns whether a checkpoint was saved, which keeps ``best`` the best
-value *saved*: the level a rollback can return to."""
+"""``on_degrade``: a rollback rule (a policy, so it composes and its state is stored)
+that fires when a metric fell too far below its best *saved* value, for long enough."""
 
 from __future__ import annotations
 
@@ -80,12 +76,9 @@ class OnDegrade(LeafPolicy):
 def on_degrade(
     metric: str, mode: str = "min", drop: float = 0.2, patience: int = 3, to: str = "best"
 ) -> SavePolicy:
-    """Vote yes once ``metrics[metric]`` was degraded on ``patience`` evaluations in a row.
-
-    A value is *degraded* when NaN or worse than the best saved value by more than
-    ``drop * abs(best)``; a good one resets the count, an event without the metric
-    leaves it. ``to``: roll back to the ``"best"`` kept checkpoint, or the newest
-    kept one not degraded (``"last_good"``, less work lost).
+    """Vote yes once ``metrics[metric]`` was NaN or worse than the best saved value by
+    more than ``drop * abs(best)`` on ``patience`` evaluations in a row; ``to``: roll
+    back to the ``"best"`` kept checkpoint or the newest not degraded (``"last_good"``).
     """
     metric, mode = metric_and_mode(metric, mode, "on_degrade")
     drop = finite_number(drop, "drop (a fraction)", f"on_degrade(drop={drop!r})")

@@ -71,10 +71,8 @@ class _EverySteps(LeafPolicy):
 
 
 def every_steps(n: int, offset: int = 0) -> SavePolicy:
-    """Save at steps ``offset, offset + n, offset + 2n, ...`` (step 0 too: ``offset=n``
-    skips it); an event repeated for the step just saved saves once, and after a
-    rollback of the step counter it fires again at the next matching step.
-    """
+    """Save at steps ``offset, offset + n, ...`` (step 0 too: ``offset=n`` skips it),
+    once per step, and again after a rollback of the step counter."""
     n = positive_int(n, "n", f"every_steps(n={n!r})")
     if isinstance(offset, bool) or not isinstance(offset, int):
         raise TypeError(f"every_steps(offset={offset!r}): offset must be an int")
@@ -114,10 +112,8 @@ class _EveryEpochs(LeafPolicy):
 
 
 def every_epochs(n: int) -> SavePolicy:
-    """Save at the end of every ``n``-th epoch: on the events marked ``epoch_end=True``
-    (``event.epoch`` is not read). The state counts the ends, so a restored run goes
-    on counting; an end sent twice for one step counts once.
-    """
+    """Save on every ``n``-th event marked ``epoch_end=True``; the state counts the ends
+    (an end sent twice for one step counts once), so a restored run goes on counting."""
     return _EveryEpochs(positive_int(n, "n", f"every_epochs(n={n!r})"))
 
 
@@ -186,9 +182,7 @@ class _EverySecs(LeafPolicy):
 
 def every_secs(secs: float) -> SavePolicy:
     """Save once ``secs`` seconds of running time (``event.time``, required) passed since
-    the last save. The first event starts the timer; any save restarts it, and so
-    does time that goes backwards.
-    """
+    the first event or the last save (time going backwards restarts the timer too)."""
     return _EverySecs(finite_number(secs, "secs", f"every_secs(secs={secs!r})", positive=True))
 
 
@@ -228,11 +222,8 @@ class _OnImprove(LeafPolicy):
 
 
 def on_improve(metric: str, mode: str = "min", min_delta: float = 0.0) -> SavePolicy:
-    """Save when ``metrics[metric]`` beats the best saved value by more than ``min_delta``.
-
-    The first value votes yes. ``best`` counts only events on which a save happened,
-    so slow improvements add up and an outvoted vote changes nothing; a missing
-    metric or NaN is ignored.
+    """Save when ``metrics[metric]`` beats the best *saved* value (so slow improvements
+    add up) by more than ``min_delta``; the first value votes yes, NaN or none is ignored.
     """
     metric, mode = metric_and_mode(metric, mode, "on_improve")
     min_delta = finite_number(min_delta, "min_delta", f"on_improve(min_delta={min_delta!r})")

@@ -1,9 +1,6 @@
-"""Retention policies: pure decisions about *which* checkpoints to keep.
-
-A policy returns the steps to keep and never touches the disk; :func:`plan_deletions`
-adds the rules no policy overrides (the newest and protected steps stay), and the
-manager deletes. ``|`` (union) is the one combinator retention needs. A policy's
-:attr:`~RetentionPolicy.spec` is its configuration form, which a checkpoint records."""
+"""Retention policies: pure decisions about *which* checkpoints to keep, combined by
+``|`` (union); :func:`plan_deletions` adds the rules no policy overrides, and the
+manager deletes."""
 
 from __future__ import annotations
 
@@ -141,11 +138,8 @@ def keep_last(n: int) -> RetentionPolicy:
 
 
 def best_steps(checkpoints: Iterable[CheckpointLike], metric: str, mode: str = "min") -> list[int]:
-    """Steps ranked best first by ``metrics[metric]``: the one definition of "best".
-
-    A missing metric or NaN is not ranked; ties go to the newer step, the one a
-    resume would rather start from.
-    """
+    """Steps ranked best first by ``metrics[metric]``: the one definition of "best"
+    (NaN or none is not ranked; ties go to the newer step, which a resume would pick)."""
     sign = 1.0 if metric_and_mode(metric, mode, "best_steps")[1] == "min" else -1.0
     candidates: list[tuple[float, int]] = []
     for c in checkpoints:
