@@ -46,11 +46,42 @@ def newest_readable(
     """
     failures: list[str] = []
     bad: set[tuple[int, int]] = set()
+
+    def attempt() -> tuple[StepInfo, T] | None:
+        for step, path in sorted(candidates(), reverse=True):
+            before = dir_identity(path)
+            if before is not None and (step, before[0]) in bad:
+                continue  # found damaged already, on an earlier listing
+            try:
+                info = read_info(path, step)
+                state = read(path)
+            except Exception as err:
+                if not is_damage(err):
+                    raise  # the template or an argument is wrong, not the checkpoint
+                if before is None or dir_identity(path) != before:
+                    raise _Vanished from None  # pruned or replaced by the writer we follow
+                failures.append(f"  {path}: {err}")
+                moved = ""  # warned about, and never picked again
+                missing = isinstance(err, OSError) and err.errno == errno.ENOENT
+                if move_aside and (isinstance(err, CheckpointError) or missing):
+                    with contextlib.suppress(OSError):
+                        moved = f"; moved aside to {quarantine(root, path).name} (not deleted)"
+                if not moved:
+                    with contextlib.suppress(OSError):
+                        bad.add((step, os.stat(path).st_ino))
+                warn(
+                    f"{path}: checkpoint of step {step} is unreadable ({type(err).__name__}: {err})"
+                    f"{moved}; falling back to the previous checkpoint",
+                    CheckpointWarning,
+                    stacklevel=stacklevel + 1,  # one frame deeper than newest_readable
+                )
+                continue
+            return info, state
+        return None
+
     for _ in range(_RELISTS):
         try:
-            result = _try_candidates(
-                root, candidates(), read, failures, move_aside, bad, stacklevel
-            )
+            result = attempt()
             break
         except _Vanished:
             continue
@@ -71,47 +102,6 @@ def newest_readable(
             "them to start over"
         )
     return None, bad
-
-
-def _try_candidates(
-    root: Path,
-    candidates: Iterable[tuple[int, Path]],
-    read: Callable[[Path], T],
-    failures: list[str],
-    move_aside: bool,
-    bad: set[tuple[int, int]],
-    stacklevel: int,
-) -> tuple[StepInfo, T] | None:
-    for step, path in sorted(candidates, reverse=True):
-        before = dir_identity(path)
-        if before is not None and (step, before[0]) in bad:
-            continue  # found damaged already, on an earlier listing
-        try:
-            info = read_info(path, step)
-            state = read(path)
-        except Exception as err:
-            if not is_damage(err):
-                raise  # the template or an argument is wrong, not the checkpoint
-            if before is None or dir_identity(path) != before:
-                raise _Vanished from None  # pruned or replaced by the writer we follow: list again
-            failures.append(f"  {path}: {err}")
-            moved = ""  # warned about, and never picked again
-            missing = isinstance(err, OSError) and err.errno == errno.ENOENT
-            if move_aside and (isinstance(err, CheckpointError) or missing):
-                with contextlib.suppress(OSError):
-                    moved = f"; moved aside to {quarantine(root, path).name} (not deleted)"
-            if not moved:
-                with contextlib.suppress(OSError):
-                    bad.add((step, os.stat(path).st_ino))
-            warn(
-                f"{path}: checkpoint of step {step} is unreadable ({type(err).__name__}: {err})"
-                f"{moved}; falling back to the previous checkpoint",
-                CheckpointWarning,
-                stacklevel=stacklevel + 1,  # one frame deeper than newest_readable
-            )
-            continue
-        return info, state
-    return None
 
 
 def check_order(root: Path, step: int, latest: int | None) -> None:

@@ -154,7 +154,7 @@ def finish(root: Path) -> RollbackPlan | None:
     if plan.newer == "branch":
         assert plan.branch is not None
         target = root / BRANCHES_DIR / plan.branch
-        _makedirs(target / EXPORTS_DIR, stop=root)
+        durable.make_dirs(target / EXPORTS_DIR)
         for name in plan.names:
             _move(root / name, target / name)
             _move(root / EXPORTS_DIR / name, target / EXPORTS_DIR / name)
@@ -185,18 +185,6 @@ def _move(src: Path, dst: Path) -> None:
     os.rename(src, dst)
     durable.fsync_dir(dst.parent)
     durable.fsync_dir(src.parent)
-
-
-def _makedirs(path: Path, stop: Path) -> None:
-    """``mkdir -p`` that fsyncs the parent of every directory it creates."""
-    missing: list[Path] = []
-    p = path
-    while p != stop and not p.exists():
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        d.mkdir()
-        durable.fsync_dir(d.parent)
 
 
 def branches(root: Path) -> dict[str, list[int]]:
