@@ -10,8 +10,7 @@ import math
 import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, TypeVar
 
 from functional_ckpt._src.policy import leaves, retention
 from functional_ckpt._src.policy.base import AllOf, AnyOf, Not, SavePolicy
@@ -19,6 +18,9 @@ from functional_ckpt._src.policy.degrade import TARGETS, on_degrade
 from functional_ckpt._src.policy.retention import RetentionPolicy
 from functional_ckpt._src.policy.signals import on_signal
 from functional_ckpt.errors import ConfigError
+
+_T = TypeVar("_T")
+_Check = Callable[[object, str], _T]  # a check of one value at a key path
 
 
 def at_key(path: str, key: str | int) -> str:
@@ -57,43 +59,35 @@ def check_keys(value: object, path: str, known: Sequence[str], what: str) -> dic
     return out
 
 
-def check_bool(value: object, path: str) -> bool:
-    if not isinstance(value, bool):
-        raise config_error(path, "true or false", value)
-    return value
+def _rule(what: str, ok: Callable[[Any], bool], make: Callable[[Any], _T]) -> _Check[_T]:
+    """A check of one value: ``make(value)`` if ``ok(value)``, else an error naming its path."""
 
-
-def check_str(value: object, path: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise config_error(path, "a non-empty string", value)
-    return value
-
-
-def _int(value: object, path: str, *, positive: bool = False) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and (value > 0 or not positive):
-        return value
-    raise config_error(path, "a positive int" if positive else "an int", value)
-
-
-def check_number(value: object, path: str, *, positive: bool = False) -> float:
-    """A finite number (``positive``: > 0, else >= 0)."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        number = float(value)
-        if math.isfinite(number) and (number > 0 if positive else number >= 0):
-            return number
-    raise config_error(path, "a positive number" if positive else "a number >= 0", value)
-
-
-def _one_of(*choices: str) -> Callable[[object, str], str]:
-    def check(value: object, path: str) -> str:
-        if value not in choices:
-            raise config_error(path, " or ".join(repr(c) for c in choices), value)
-        return str(value)
+    def check(value: object, path: str) -> _T:
+        if not ok(value):
+            raise config_error(path, what, value)
+        return make(value)
 
     return check
 
 
-_positive_int = partial(_int, positive=True)
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _one_of(*choices: str) -> _Check[str]:
+    return _rule(" or ".join(repr(c) for c in choices), lambda v: v in choices, str)
+
+
+check_bool = _rule("true or false", lambda v: isinstance(v, bool), bool)
+check_str = _rule("a non-empty string", lambda v: isinstance(v, str) and v != "", str)
+_int = _rule("an int", _is_int, int)
+_positive_int = _rule("a positive int", lambda v: _is_int(v) and v > 0, int)
+_number = _rule("a number >= 0", lambda v: _is_real(v) and v >= 0, float)
+_positive_number = _rule("a positive number", lambda v: _is_real(v) and v > 0, float)
 _mode, _target = _one_of("min", "max"), _one_of(*TARGETS)
 
 
@@ -117,56 +111,44 @@ def signal_number(value: object, path: str) -> int:
     raise config_error(path, "a signal name such as 'SIGTERM', or its number", value)
 
 
-@dataclass(frozen=True)
-class Param:
-    """One argument: its name (the constructor's keyword), its check, if it is required."""
-
-    name: str
-    check: Callable[[object, str], Any]
-    required: bool = False
-
-
-_Kind = tuple[Callable[..., Any], tuple[Param, ...]]
+#: A constructor, its arguments' checks by keyword, and how many of them are required.
+_Kind = tuple[Callable[..., Any], dict[str, _Check[Any]], int]
 
 #: Every save policy (and rollback rule) a config can name, with its arguments.
 SAVE_KINDS: dict[str, _Kind] = {
-    "always": (leaves.always, ()),
-    "never": (leaves.never, ()),
-    "on_final": (leaves.on_final, ()),
-    "every_steps": (leaves.every_steps, (Param("n", _positive_int, True), Param("offset", _int))),
-    "every_epochs": (leaves.every_epochs, (Param("n", _positive_int, True),)),
-    "at_steps": (leaves.at_steps, (Param("steps", _steps, True),)),
-    "every_secs": (
-        leaves.every_secs,
-        (Param("secs", lambda v, p: check_number(v, p, positive=True), True),),
-    ),
+    "always": (leaves.always, {}, 0),
+    "never": (leaves.never, {}, 0),
+    "on_final": (leaves.on_final, {}, 0),
+    "every_steps": (leaves.every_steps, {"n": _positive_int, "offset": _int}, 1),
+    "every_epochs": (leaves.every_epochs, {"n": _positive_int}, 1),
+    "at_steps": (leaves.at_steps, {"steps": _steps}, 1),
+    "every_secs": (leaves.every_secs, {"secs": _positive_number}, 1),
     "on_improve": (
         leaves.on_improve,
-        (Param("metric", check_str, True), Param("mode", _mode), Param("min_delta", check_number)),
+        {"metric": check_str, "mode": _mode, "min_delta": _number},
+        1,
     ),
     "on_degrade": (
         on_degrade,
-        (
-            Param("metric", check_str, True),
-            Param("mode", _mode),
-            Param("drop", check_number),
-            Param("patience", _positive_int),
-            Param("to", _target),
-        ),
+        {
+            "metric": check_str,
+            "mode": _mode,
+            "drop": _number,
+            "patience": _positive_int,
+            "to": _target,
+        },
+        1,
     ),
-    "on_signal": (on_signal, (Param("signum", signal_number),)),
+    "on_signal": (on_signal, {"signum": signal_number}, 0),
 }
 _COMBINATORS = ("any", "all", "not")
 
 _KEEP_KINDS: dict[str, _Kind] = {
-    "keep_all": (retention.keep_all, ()),
-    "keep_last": (retention.keep_last, (Param("n", _positive_int, True),)),
-    "keep_best": (
-        retention.keep_best,
-        (Param("k", _positive_int, True), Param("metric", check_str, True), Param("mode", _mode)),
-    ),
-    "keep_every": (retention.keep_every, (Param("steps", _positive_int, True),)),
-    "keep_within": (retention.keep_within, (Param("secs", check_number, True),)),
+    "keep_all": (retention.keep_all, {}, 0),
+    "keep_last": (retention.keep_last, {"n": _positive_int}, 1),
+    "keep_best": (retention.keep_best, {"k": _positive_int, "metric": check_str, "mode": _mode}, 2),
+    "keep_every": (retention.keep_every, {"steps": _positive_int}, 1),
+    "keep_within": (retention.keep_within, {"secs": _number}, 1),
 }
 
 
@@ -198,28 +180,28 @@ def _one_key(value: object, path: str, known: Sequence[str], what: str) -> tuple
 
 def kind_args(kind: _Kind, args: object, path: str) -> dict[str, Any]:
     """The checked keyword arguments of ``args``: a mapping, the first one alone, or none."""
-    _, params = kind
-    names = [p.name for p in params]
+    _, checks, required = kind
+    names = list(checks)
     if args is None:
         given: dict[str, Any] = {}
     elif isinstance(args, Mapping):
         given = check_keys(args, path, names, "arguments")
-    elif params:
-        given = {params[0].name: args}  # the shorthand: the first argument alone
+    elif checks:
+        given = {names[0]: args}  # the shorthand: the first argument alone
     else:
         raise config_error(path, "no arguments (an empty mapping or nothing)", args)
     out: dict[str, Any] = {}
-    for p in params:
-        if p.name in given:
-            where = at_key(path, p.name) if isinstance(args, Mapping) else path
-            out[p.name] = p.check(given[p.name], where)
-        elif p.required:
-            raise ConfigError(f"{at_key(path, p.name)}: required (arguments: {', '.join(names)})")
+    for i, (name, check) in enumerate(checks.items()):
+        if name in given:
+            where = at_key(path, name) if isinstance(args, Mapping) else path
+            out[name] = check(given[name], where)
+        elif i < required:
+            raise ConfigError(f"{at_key(path, name)}: required (arguments: {', '.join(names)})")
     return out
 
 
 def _build(kind: _Kind, args: dict[str, Any], path: str) -> Any:
-    make, _ = kind
+    make = kind[0]
     try:
         return make(**args)
     except (TypeError, ValueError) as exc:  # what the constructor checks beyond the table
@@ -314,7 +296,7 @@ def relaunch_from_config(value: object, path: str = "run") -> Relaunch:
         raise config_error(at_key(path, "stall_limit"), "0 (never) or 2 or more", 1)
     for key in ("backoff", "max_backoff"):
         if key in given:
-            out[key] = check_number(given[key], at_key(path, key))
+            out[key] = _number(given[key], at_key(path, key))
     return Relaunch(**out)
 
 
