@@ -202,38 +202,24 @@ class Unregistered:
     stored. Read-only, compared by tag and fields (by identity in a key's place), never
     saved."""
 
-    __slots__ = ("_by_identity", "_fields", "_hash", "_tag")
+    __slots__ = ("_hash", "by_identity", "fields", "tag")
 
-    _tag: str
-    _fields: object
+    tag: str  # the name the class was registered under when the value was saved
+    fields: object
     _hash: int | None
-    _by_identity: bool
+    by_identity: bool  # it was read in a key's place
 
     def __init__(self, tag: str, fields: object, *, by_identity: bool = False) -> None:
-        object.__setattr__(self, "_tag", tag)
-        object.__setattr__(self, "_fields", fields)
+        object.__setattr__(self, "tag", tag)
+        object.__setattr__(self, "fields", fields)
         object.__setattr__(self, "_hash", object.__hash__(self) if by_identity else None)
-        object.__setattr__(self, "_by_identity", by_identity)
-
-    @property
-    def tag(self) -> str:
-        """The name the class was registered under when the value was saved."""
-        return self._tag
-
-    @property
-    def fields(self) -> object:
-        return self._fields
-
-    @property
-    def by_identity(self) -> bool:
-        """Whether it compares and hashes by identity: it was read in a key's place."""
-        return self._by_identity
+        object.__setattr__(self, "by_identity", by_identity)
 
     def key_of(self) -> None:
         """Compare and hash by identity from now on (the decoder, before it is a key)."""
         if self._hash is None:
             object.__setattr__(self, "_hash", object.__hash__(self))
-        object.__setattr__(self, "_by_identity", True)
+        object.__setattr__(self, "by_identity", True)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"{type(self).__name__} is read-only")
@@ -242,26 +228,26 @@ class Unregistered:
         raise AttributeError(f"{type(self).__name__} is read-only")
 
     def __reduce__(self) -> tuple[Any, ...]:  # copies despite read-only slots
-        return (partial(Unregistered, by_identity=self._by_identity), (self._tag, self._fields))
+        return (partial(Unregistered, by_identity=self.by_identity), (self.tag, self.fields))
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not Unregistered:
             return NotImplemented
-        if self._by_identity or other._by_identity:
+        if self.by_identity or other.by_identity:
             return self is other
-        return self._tag == other._tag and self._fields == other._fields
+        return self.tag == other.tag and self.fields == other.fields
 
     def __hash__(self) -> int:
         h = self._hash
         if h is None:
-            f = self._fields
+            f = self.fields
             key: object = frozenset(f.items()) if type(f) is dict else f
-            h = hash((self._tag, tuple(key) if type(key) is list else key))
+            h = hash((self.tag, tuple(key) if type(key) is list else key))
             object.__setattr__(self, "_hash", h)
         return h
 
     def __repr__(self) -> str:
-        tag, f = self._tag, self._fields
+        tag, f = self.tag, self.fields
         if type(f) is dict:
             inner = ", ".join(
                 f"{k}={v!r}" if type(k) is str and k.isidentifier() else f"**{{{k!r}: {v!r}}}"

@@ -193,23 +193,15 @@ def metric_value(event: Event, name: str) -> float | None:
 
 def _flatten(kind: type[AnyOf | AllOf], children: Iterable[SavePolicy]) -> list[SavePolicy]:
     """Merge nested nodes of the same kind, so ``a | b | c`` is one Any with 3 children."""
-    out: list[SavePolicy] = []
-    for child in children:
-        if type(child) is kind:
-            out.extend(child.children)
-        else:
-            out.append(child)
-    return out
+    return [g for c in children for g in (c.children if type(c) is kind else (c,))]
 
 
 def _wrap(policy: SavePolicy, inside: type[SavePolicy]) -> str:
     """repr of a child, parenthesised only where Python's precedence needs it."""
-    text = repr(policy)
-    if isinstance(policy, AnyOf) and inside in (AllOf, Not):
-        return f"({text})"
-    if isinstance(policy, AllOf) and inside is Not:
-        return f"({text})"
-    return text
+    loose = isinstance(policy, AnyOf) and inside in (AllOf, Not)
+    return (
+        f"({policy!r})" if loose or (isinstance(policy, AllOf) and inside is Not) else repr(policy)
+    )
 
 
 class _Combinator(SavePolicy):

@@ -71,10 +71,7 @@ class RetentionPolicy(ABC):
     def __or__(self, other: object) -> RetentionPolicy:
         if not isinstance(other, RetentionPolicy):
             return NotImplemented
-        children: list[RetentionPolicy] = []
-        for p in (self, other):
-            children.extend(p.children if isinstance(p, _Union) else [p])
-        return _Union(children)
+        return _Union([c for p in (self, other) for c in union_parts(p)])
 
 
 class _Union(RetentionPolicy):
