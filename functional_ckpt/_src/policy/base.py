@@ -119,14 +119,15 @@ class LeafPolicy(SavePolicy):
     shown = 1
     defaults: tuple[tuple[str, Any], ...] = ()
 
+    def _args(self) -> dict[str, Any]:  # a list copied: editing a spec leaves the policy
+        return {p: list(v) if isinstance(v := getattr(self, p), list) else v for p in self.params}
+
     @property
     def spec(self) -> PolicySpec:
-        args = {p: getattr(self, p) for p in self.params}
-        return {self.kind: args} if args else self.kind
+        return {self.kind: self._args()} if self.params else self.kind
 
     def __repr__(self) -> str:
-        args = {p: getattr(self, p) for p in self.params}
-        return call_text(self.kind, args, self.shown, self.defaults)
+        return call_text(self.kind, self._args(), self.shown, self.defaults)
 
 
 def as_int(value: object, what: str) -> int:
