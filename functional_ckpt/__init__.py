@@ -1,25 +1,20 @@
 """functional_ckpt: functional, atomic, pickle-free checkpoints for PyTorch training state.
 
-The top level is the whole everyday API: capture and apply live objects, save and
-restore states, the save and retention policies, the manager. Everything else a
-user names lives in one of a few public namespaces:
+The top level is the everyday API; everything else a user names lives in a namespace:
 
 * ``fc.errors``: every exception and warning the package raises;
-* ``fc.policy``: save and retention policies beyond the everyday ones, their
-  protocols, ``run_policy``, ``plan_deletions``, ``on_degrade``;
-* ``fc.manager``: ``CheckpointManager``, its option objects and what it reports,
-  ``fork``, ``remove_checkpoint``;
+* ``fc.policy``: the other save and retention policies, their protocols, ``run_policy``,
+  ``plan_deletions``, ``on_degrade``;
+* ``fc.manager``: ``CheckpointManager``, its options and reports, ``fork``,
+  ``remove_checkpoint``;
 * ``fc.checkpoint``: what the functions on one checkpoint return, ``Stager``;
-* ``fc.codec``: ``register``, for the dataclasses, NamedTuples and Enums a state holds,
-  ``Unregistered``, what a reader without their class sees; ``to_python`` and
-  ``from_python``, a TensorDict as plain Python and back;
+* ``fc.codec``: ``register``, ``Unregistered``, ``to_python`` and ``from_python``;
 * ``fc.recording``: ``Recorder``, ``Replay``: a small state recorded every k steps;
 * ``functional_ckpt.integrations.<client>``: Lightning, Hugging Face, accelerate,
-  torchdata, and ``dcp`` (``Writer``, ``Reader``: ``dcp.save``/``dcp.load`` in this format).
+  torchdata, and ``dcp`` (``Writer``, ``Reader``).
 
-Everything else (``functional_ckpt._src``) is the implementation. Names are imported
-on first use, so ``import functional_ckpt`` (and the ``fckpt`` command) loads no
-tensor library until something needs one.
+Names are imported on first use, so ``import functional_ckpt`` (and ``fckpt``) loads
+no tensor library until something needs one.
 """
 
 from __future__ import annotations
@@ -43,85 +38,57 @@ if TYPE_CHECKING:
     from functional_ckpt import manager as manager
     from functional_ckpt import policy as policy
     from functional_ckpt import recording as recording
-    from functional_ckpt._src.export.safetensors import export_safetensors
-    from functional_ckpt._src.manager.manager import CheckpointManager
-    from functional_ckpt._src.policy.leaves import (
-        at_steps,
-        every_epochs,
-        every_secs,
-        every_steps,
-        on_final,
-        on_improve,
-    )
-    from functional_ckpt._src.policy.retention import keep_best, keep_every, keep_last, keep_within
-    from functional_ckpt._src.policy.signals import on_signal
-    from functional_ckpt._src.restore.api import restore
-    from functional_ckpt._src.restore.contents import inspect
-    from functional_ckpt._src.save.api import save, save_async
-    from functional_ckpt._src.state.capture import apply, capture
-    from functional_ckpt._src.storage.verify import verify
-    from functional_ckpt.errors import CheckpointError
+    from functional_ckpt._src.export.safetensors import export_safetensors as export_safetensors
+    from functional_ckpt._src.manager.manager import CheckpointManager as CheckpointManager
+    from functional_ckpt._src.policy.leaves import at_steps as at_steps
+    from functional_ckpt._src.policy.leaves import every_epochs as every_epochs
+    from functional_ckpt._src.policy.leaves import every_secs as every_secs
+    from functional_ckpt._src.policy.leaves import every_steps as every_steps
+    from functional_ckpt._src.policy.leaves import on_final as on_final
+    from functional_ckpt._src.policy.leaves import on_improve as on_improve
+    from functional_ckpt._src.policy.retention import keep_best as keep_best
+    from functional_ckpt._src.policy.retention import keep_every as keep_every
+    from functional_ckpt._src.policy.retention import keep_last as keep_last
+    from functional_ckpt._src.policy.retention import keep_within as keep_within
+    from functional_ckpt._src.policy.signals import on_signal as on_signal
+    from functional_ckpt._src.restore.api import restore as restore
+    from functional_ckpt._src.restore.contents import inspect as inspect
+    from functional_ckpt._src.save.api import save as save
+    from functional_ckpt._src.save.api import save_async as save_async
+    from functional_ckpt._src.state.capture import apply as apply
+    from functional_ckpt._src.state.capture import capture as capture
+    from functional_ckpt._src.storage.verify import verify as verify
+    from functional_ckpt.errors import CheckpointError as CheckpointError
 
-#: Where each public name lives: ``name -> module`` (the module itself for a namespace).
+#: Where each public name lives: ``name -> module``.
 _WHERE = {
-    "CheckpointError": "functional_ckpt.errors",
-    "CheckpointManager": "functional_ckpt._src.manager.manager",
-    "apply": "functional_ckpt._src.state.capture",
-    "at_steps": "functional_ckpt._src.policy.leaves",
-    "capture": "functional_ckpt._src.state.capture",
-    "every_epochs": "functional_ckpt._src.policy.leaves",
-    "every_secs": "functional_ckpt._src.policy.leaves",
-    "every_steps": "functional_ckpt._src.policy.leaves",
-    "export_safetensors": "functional_ckpt._src.export.safetensors",
-    "inspect": "functional_ckpt._src.restore.contents",
-    "keep_best": "functional_ckpt._src.policy.retention",
-    "keep_every": "functional_ckpt._src.policy.retention",
-    "keep_last": "functional_ckpt._src.policy.retention",
-    "keep_within": "functional_ckpt._src.policy.retention",
-    "on_final": "functional_ckpt._src.policy.leaves",
-    "on_improve": "functional_ckpt._src.policy.leaves",
-    "on_signal": "functional_ckpt._src.policy.signals",
-    "restore": "functional_ckpt._src.restore.api",
-    "save": "functional_ckpt._src.save.api",
-    "save_async": "functional_ckpt._src.save.api",
-    "verify": "functional_ckpt._src.storage.verify",
+    name: f"functional_ckpt.{module}"
+    for module, names in (
+        ("errors", "CheckpointError"),
+        ("_src.manager.manager", "CheckpointManager"),
+        ("_src.state.capture", "apply capture"),
+        ("_src.policy.leaves", "at_steps every_epochs every_secs every_steps on_final on_improve"),
+        ("_src.export.safetensors", "export_safetensors"),
+        ("_src.restore.contents", "inspect"),
+        ("_src.policy.retention", "keep_best keep_every keep_last keep_within"),
+        ("_src.policy.signals", "on_signal"),
+        ("_src.restore.api", "restore"),
+        ("_src.save.api", "save save_async"),
+        ("_src.storage.verify", "verify"),
+    )
+    for name in names.split()
 }
 
 #: The public namespaces, each a module of its own.
 _NAMESPACES = ("checkpoint", "codec", "errors", "manager", "policy", "recording")
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointManager",
-    "__version__",
-    "apply",
-    "at_steps",
-    "capture",
-    "every_epochs",
-    "every_secs",
-    "every_steps",
-    "export_safetensors",
-    "inspect",
-    "keep_best",
-    "keep_every",
-    "keep_last",
-    "keep_within",
-    "on_final",
-    "on_improve",
-    "on_signal",
-    "restore",
-    "save",
-    "save_async",
-    "verify",
-]
+__all__ = ["__version__", *sorted(_WHERE)]
 
 
-#: Held while a name's module is imported on first use (seconds: torch comes with it).
-#: A fork waits for it (``os.register_at_fork``): a child forked in the middle of an
-#: import would inherit the import's locks held by a thread it does not have, and hang
-#: in its own first call. Hooks run newest first before a fork: ``logging`` is imported
-#: above so that its hook (which takes logging's lock, and the import needs that lock)
-#: runs after this one has waited, not before.
+#: Held while a name's module is imported on first use. A fork waits for it: a child
+#: forked mid-import would inherit import locks held by a thread it lacks, and hang.
+#: ``logging`` is imported above so that its fork hook (run after this one) does not
+#: take logging's lock, which the import needs, before this one has waited.
 _LOADING = threading.RLock()
 os.register_at_fork(
     before=_LOADING.acquire, after_in_parent=_LOADING.release, after_in_child=_LOADING.release
@@ -130,10 +97,8 @@ os.register_at_fork(
 
 @contextmanager
 def _signals_deferred() -> Iterator[None]:
-    """Signals with a Python handler (Ctrl-C's, a timeout's SIGALRM) handled once the
-    block is done: an exception a handler raises in the middle of importing torch
-    leaves it half-imported for the rest of the process. Only the main thread runs
-    handlers (and may set them); elsewhere nothing is deferred, nor needs to be."""
+    """Python signal handlers run once the block is done: one raising mid-import would
+    leave torch half-imported for good. Only the main thread runs handlers."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

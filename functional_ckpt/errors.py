@@ -39,8 +39,7 @@ class UnsafeCheckpoint(CheckpointError):
 class UnregisteredType(CheckpointError):
     """A restored value is of a class this process has not registered (``fc.codec.register``).
 
-    Not damage: the checkpoint is sound and names the class by its tag, and nothing
-    is ever imported from a checkpoint, so the restoring program must register the
+    Not damage: nothing is imported from a checkpoint, so the reader must register the
     class; the message names the tag, the key path and the line to add.
     """
 
@@ -94,13 +93,10 @@ class NotRecorded(CheckpointError, LookupError):
 
 
 class RankFailed(CheckpointError):
-    """Other ranks failed a step every rank must pass; ``failures`` says who and how.
+    """Other ranks failed a step every rank must pass (a failing rank raises its own error).
 
-    Raised on the ranks that did not fail themselves (a rank that failed raises its
-    own error, so an ``except`` for its type works where the failure happened, with a
-    note naming every failing rank). ``failures`` maps each failing rank to its
-    error's type name and message: what a healthy rank needs to report the job's
-    failure without reading every rank's log.
+    ``failures`` maps each failing rank to its error's type name and message, so a
+    healthy rank can report the job's failure without reading every rank's log.
     """
 
     def __init__(self, what: str, failures: dict[int, tuple[str, str]]) -> None:
@@ -146,42 +142,11 @@ _RESOURCES = frozenset({_errno.EMFILE, _errno.ENFILE, _errno.ENOMEM, _errno.ENOS
 
 def is_damage(err: BaseException) -> bool:
     """Is ``err`` about the checkpoint (skip it) rather than the caller (raise it)?
-
-    A bad template, an unsupported value in it or a bad argument is the caller's
-    error and says nothing about the checkpoint; an I/O error reading it does.
-    """
+    A bad template or argument says nothing about the checkpoint; an I/O error does."""
     if isinstance(err, CheckpointError):
         return isinstance(err, DAMAGE)
     # the machine running out (descriptors, memory, disk) says nothing of the checkpoint
     return isinstance(err, OSError) and err.errno not in _RESOURCES
 
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointExists",
-    "CheckpointNotFound",
-    "CheckpointWarning",
-    "ConfigError",
-    "CorruptCheckpoint",
-    "DAMAGE",
-    "IncompleteCheckpoint",
-    "LeftoverWarning",
-    "MemoryTierWarning",
-    "ModifiedDuringSave",
-    "NotARecording",
-    "NotRecorded",
-    "PolicyError",
-    "RankFailed",
-    "RemoteAccessDenied",
-    "RemoteBucketMissing",
-    "RemoteError",
-    "RemoteUnreachable",
-    "RemoteVanished",
-    "RemoteWarning",
-    "TemplateMismatch",
-    "UnregisteredType",
-    "UnsafeCheckpoint",
-    "UnsupportedValue",
-    "UploadFailed",
-    "is_damage",
-]
+__all__ = [name for name in dir() if not name.startswith("_")]

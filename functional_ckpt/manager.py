@@ -1,15 +1,7 @@
-"""The manager of a root of checkpoints, what configures it and what it reports.
-
-:class:`CheckpointManager` (also ``fc.CheckpointManager``) saves on a policy, keeps
-on a retention policy and resumes from the newest good checkpoint. :class:`Export`
-configures its Hugging Face exports, :class:`Remote` its remote tier, :class:`Memory`
-its memory tier and :class:`AsyncSave` its saves off the training thread;
-:class:`StepInfo` describes one managed checkpoint; ``maybe_save`` returns a
-:class:`SaveResult`, carrying a :class:`Rollback` when a rollback rule fired;
-:func:`choose_target` is the step such a rule returns to. :func:`fork` starts a new
-run (a new root) from a checkpoint; :func:`remove_checkpoint` deletes one checkpoint
-directory so that no crash leaves a readable half of it. See docs/manager.md.
-"""
+"""The manager of a root of checkpoints, its options (:class:`Export`, :class:`Remote`,
+:class:`Memory`, :class:`AsyncSave`) and what it reports (:class:`StepInfo`,
+:class:`SaveResult`, :class:`Rollback`); :func:`fork` starts a new root from a
+checkpoint, :func:`remove_checkpoint` deletes one crash-safely. See docs/manager.md."""
 
 from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.manager.fork import fork
@@ -21,16 +13,5 @@ from functional_ckpt._src.remote.options import Remote
 from functional_ckpt._src.root.delete import remove_checkpoint
 from functional_ckpt._src.root.listing import StepInfo
 
-__all__ = [
-    "AsyncSave",
-    "CheckpointManager",
-    "Export",
-    "Memory",
-    "Remote",
-    "Rollback",
-    "SaveResult",
-    "StepInfo",
-    "choose_target",
-    "fork",
-    "remove_checkpoint",
-]
+__all__ = ["AsyncSave", "CheckpointManager", "Export", "Memory", "Remote", "Rollback", "SaveResult"]
+__all__ += ["StepInfo", "choose_target", "fork", "remove_checkpoint"]

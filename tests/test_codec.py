@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from functional_ckpt._src import codec
-from functional_ckpt._src.codec import check_encodable, decode, encode
+from functional_ckpt._src.codec import check_encodable, decode, encode, table
 from functional_ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -49,10 +49,10 @@ def ext(code: int, payload: bytes) -> msgpack.ExtType:
 
 
 def ndarray_ext(code: Any, shape: Any, raw: Any) -> msgpack.ExtType:
-    return ext(codec.EXT_NDARRAY, pack_raw([code, shape, raw]))
+    return ext(table.EXT_NDARRAY, pack_raw([code, shape, raw]))
 
 
-MARK_TUPLE = ext(codec.EXT_TUPLE, b"")
+MARK_TUPLE = ext(table.EXT_TUPLE, b"")
 
 
 # --------------------------------------------------------------------------- property
@@ -183,7 +183,7 @@ def test_sets_keep_member_types() -> None:
 def test_max_encode_depth_roundtrips_with_default_max_depth() -> None:
     for leaf in (1, bytearray(b"deep")):
         value: Any = leaf
-        for i in range(codec.MAX_ENCODE_DEPTH):
+        for i in range(table.MAX_ENCODE_DEPTH):
             value = [value] if i % 3 == 0 else (value,) if i % 3 == 1 else {"k": value}
         roundtrip(value)
 
@@ -409,7 +409,7 @@ def test_tensor_inside_tuple_and_set_like() -> None:
 
 def test_too_deep_to_encode() -> None:
     value: Any = 0
-    for _ in range(codec.MAX_ENCODE_DEPTH + 1):
+    for _ in range(table.MAX_ENCODE_DEPTH + 1):
         value = [value]
     _unsupported(value, "nested deeper than")
     very_deep: Any = 0
@@ -534,22 +534,22 @@ def test_malformed_ndarray_payloads(code: Any, shape: Any, raw: Any, fragment: s
 
 
 def test_malformed_leaf_payloads() -> None:
-    _corrupt(pack_raw(ext(codec.EXT_NDARRAY, b"\xc1")), "numpy array payload")
-    _corrupt(pack_raw(ext(codec.EXT_NDARRAY, pack_raw(["<d", [1]]))), "numpy array payload")
-    nested = pack_raw(["<d", [1], ext(codec.EXT_BIGINT, b"\x01")])
-    _corrupt(pack_raw(ext(codec.EXT_NDARRAY, nested)), "malformed numpy array payload")
-    scalar = codec.EXT_NUMPY_SCALAR
+    _corrupt(pack_raw(ext(table.EXT_NDARRAY, b"\xc1")), "numpy array payload")
+    _corrupt(pack_raw(ext(table.EXT_NDARRAY, pack_raw(["<d", [1]]))), "numpy array payload")
+    nested = pack_raw(["<d", [1], ext(table.EXT_BIGINT, b"\x01")])
+    _corrupt(pack_raw(ext(table.EXT_NDARRAY, nested)), "malformed numpy array payload")
+    scalar = table.EXT_NUMPY_SCALAR
     _corrupt(pack_raw(ext(scalar, pack_raw(["<f", b"\x00" * 8]))), "exactly 4 bytes")
     _corrupt(pack_raw(ext(scalar, pack_raw(["U", b"a"]))), "str_")
     _corrupt(pack_raw(ext(scalar, pack_raw(["S", "a"]))), "bytes_")
     _corrupt(pack_raw(ext(scalar, pack_raw(["<U1", "a"]))), "not part of the format")
     _corrupt(pack_raw(ext(scalar, pack_raw(["|V2", b"ab"]))), "not part of the format")
-    _corrupt(pack_raw(ext(codec.EXT_TORCH_DTYPE, b"os.system")), "unknown torch dtype")
-    _corrupt(pack_raw(ext(codec.EXT_TORCH_DTYPE, b"\xff")), "unknown torch dtype")
-    _corrupt(pack_raw(ext(codec.EXT_TORCH_DEVICE, b"nonsense:x")), "invalid torch device")
-    _corrupt(pack_raw(ext(codec.EXT_TORCH_DEVICE, b"cuda:00")), "device")
-    _corrupt(pack_raw(ext(codec.EXT_TORCH_DEVICE, b"c" * 100)), "too long")
-    _corrupt(pack_raw(ext(codec.EXT_BIGINT, b"")), "big int")
+    _corrupt(pack_raw(ext(table.EXT_TORCH_DTYPE, b"os.system")), "unknown torch dtype")
+    _corrupt(pack_raw(ext(table.EXT_TORCH_DTYPE, b"\xff")), "unknown torch dtype")
+    _corrupt(pack_raw(ext(table.EXT_TORCH_DEVICE, b"nonsense:x")), "invalid torch device")
+    _corrupt(pack_raw(ext(table.EXT_TORCH_DEVICE, b"cuda:00")), "device")
+    _corrupt(pack_raw(ext(table.EXT_TORCH_DEVICE, b"c" * 100)), "too long")
+    _corrupt(pack_raw(ext(table.EXT_BIGINT, b"")), "big int")
 
 
 def test_unknown_ext_codes() -> None:
@@ -577,19 +577,19 @@ def test_markers_out_of_place() -> None:
     _corrupt(pack_raw({"a": MARK_TUPLE}), "marker")
     _corrupt(pack_raw({MARK_TUPLE: 1}), "marker")
     _corrupt(pack_raw([MARK_TUPLE, MARK_TUPLE]), "marker")
-    _corrupt(pack_raw([ext(codec.EXT_SET, b""), MARK_TUPLE]), "marker")
-    _corrupt(pack_raw([ext(codec.EXT_TUPLE, b"x"), 1]), "marker with a payload")
+    _corrupt(pack_raw([ext(table.EXT_SET, b""), MARK_TUPLE]), "marker")
+    _corrupt(pack_raw([ext(table.EXT_TUPLE, b"x"), 1]), "marker with a payload")
     assert decode(pack_raw([MARK_TUPLE, [MARK_TUPLE]])) == ((),)
 
 
 def test_malformed_containers() -> None:
-    _corrupt(pack_raw([ext(codec.EXT_SET, b""), [1]]), "cannot rebuild set")
-    _corrupt(pack_raw([ext(codec.EXT_FROZENSET, b""), {}]), "cannot rebuild frozenset")
-    _corrupt(pack_raw([ext(codec.EXT_ORDERED_DICT, b""), 1]), "odd number")
-    _corrupt(pack_raw([ext(codec.EXT_ORDERED_DICT, b""), [1], 2]), "cannot rebuild")
-    _corrupt(pack_raw([ext(codec.EXT_TORCH_SIZE, b""), 1.5]), "torch.Size")
-    _corrupt(pack_raw([ext(codec.EXT_TORCH_SIZE, b""), True]), "torch.Size")
-    _corrupt(pack_raw([ext(codec.EXT_TORCH_SIZE, b""), 2**64 - 1]), "int64 range")
+    _corrupt(pack_raw([ext(table.EXT_SET, b""), [1]]), "cannot rebuild set")
+    _corrupt(pack_raw([ext(table.EXT_FROZENSET, b""), {}]), "cannot rebuild frozenset")
+    _corrupt(pack_raw([ext(table.EXT_ORDERED_DICT, b""), 1]), "odd number")
+    _corrupt(pack_raw([ext(table.EXT_ORDERED_DICT, b""), [1], 2]), "cannot rebuild")
+    _corrupt(pack_raw([ext(table.EXT_TORCH_SIZE, b""), 1.5]), "torch.Size")
+    _corrupt(pack_raw([ext(table.EXT_TORCH_SIZE, b""), True]), "torch.Size")
+    _corrupt(pack_raw([ext(table.EXT_TORCH_SIZE, b""), 2**64 - 1]), "int64 range")
     _corrupt(b"\x81\x91\x00\x00", "not a valid encoding")  # {[0]: 0}: list key
 
 

@@ -26,6 +26,7 @@ import pytest
 
 import functional_ckpt as fc
 from functional_ckpt._src import cli, codec
+from functional_ckpt._src.codec import table
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.limits import LIMITS
@@ -309,7 +310,7 @@ def _forge_value(ck: Path, fields_raw: bytes, tag: bytes) -> None:
     raw = (ck / naming.MANIFEST).read_bytes()
     sentinel = msgpack.packb("FORGE")
     assert raw.count(sentinel) == 1
-    marker = msgpack.packb(msgpack.ExtType(codec.EXT_TAGGED, tag))
+    marker = msgpack.packb(msgpack.ExtType(table.EXT_TAGGED, tag))
     raw = raw.replace(sentinel, b"\x92" + marker + fields_raw)
     (ck / naming.MANIFEST).write_bytes(raw)
     os.unlink(ck / naming.COMMIT_MARKER)
@@ -359,7 +360,7 @@ def test_a_well_formed_unknown_tag_is_no_damage(tmp_path: Path) -> None:
 
 
 def _tagged(tag: bytes, fields: object) -> list[object]:
-    return [msgpack.ExtType(codec.EXT_TAGGED, tag), fields]
+    return [msgpack.ExtType(table.EXT_TAGGED, tag), fields]
 
 
 def _raw(obj: object) -> bytes:
@@ -395,8 +396,8 @@ def test_placeholders_keep_the_decoders_bounds() -> None:
     plain = [[a, b] for a in zero for b in zero]  # beside them, tuples still may not
     data = _raw(
         [
-            msgpack.ExtType(codec.EXT_SET, b""),
-            *([msgpack.ExtType(codec.EXT_TUPLE, b""), *k] for k in plain),
+            msgpack.ExtType(table.EXT_SET, b""),
+            *([msgpack.ExtType(table.EXT_TUPLE, b""), *k] for k in plain),
         ]
     )
     with pytest.raises(fc.errors.UnsafeCheckpoint, match="hash flood"):
@@ -555,14 +556,14 @@ def test_a_writing_manager_without_the_class_moves_nothing_aside(ident: Path) ->
 
 def test_placeholders_in_a_keys_place_compare_by_identity() -> None:
     same = _tagged(b"x.Node", {"tags": [1]})
-    data = _raw([msgpack.ExtType(codec.EXT_SET, b""), same, same])
+    data = _raw([msgpack.ExtType(table.EXT_SET, b""), same, same])
     with pytest.raises(fc.errors.UnsafeCheckpoint, match="unknown tagged type"):
         codec.decode(data)
     members: Any = codec.decode(data, unregistered=set())
     assert len(members) == 2 and all(m.by_identity for m in members)
-    pair = [msgpack.ExtType(codec.EXT_TUPLE, b""), same, 1]  # inside a tuple in a key's place
+    pair = [msgpack.ExtType(table.EXT_TUPLE, b""), same, 1]  # inside a tuple in a key's place
     pairs: Any = codec.decode(
-        _raw([msgpack.ExtType(codec.EXT_FROZENSET, b""), pair, pair]), unregistered=set()
+        _raw([msgpack.ExtType(table.EXT_FROZENSET, b""), pair, pair]), unregistered=set()
     )
     assert len(pairs) == 2
     alone = codec.decode(_raw([same]), unregistered=set())

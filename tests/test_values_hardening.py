@@ -24,6 +24,7 @@ import torch
 
 import functional_ckpt as fc
 from functional_ckpt._src import codec, limits
+from functional_ckpt._src.codec import encoding, table
 from functional_ckpt._src.format import coverage, keys, naming, view
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.table_rows import TABLE_MIN_ROWS
@@ -175,7 +176,7 @@ def deep(depth: int, leaf: Any) -> dict[str, Any]:
 
 def test_one_table_of_limits() -> None:
     assert committed.MAX_MANIFEST_BYTES == LIMITS.manifest_bytes <= 1 << 28
-    assert codec.MAX_ENCODE_DEPTH == LIMITS.encode_depth < LIMITS.decode_depth
+    assert table.MAX_ENCODE_DEPTH == LIMITS.encode_depth < LIMITS.decode_depth
     for private in ("MAX_TREE_DEPTH", "MAX_DIM"):
         assert not hasattr(view, private)
     assert dataclasses.is_dataclass(limits.Limits)
@@ -271,7 +272,7 @@ def ext_array(code: int, items: list[bytes]) -> bytes:
 
 
 def packed_int(n: int) -> bytes:
-    return bytes(msgpack.packb(n, default=codec._default))
+    return bytes(msgpack.packb(n, default=encoding._default))
 
 
 FLOOD = [k * P for k in range(1, 20_001)]
@@ -283,9 +284,9 @@ def test_hash_flood_is_refused(kind: str) -> None:
     if kind == "map":
         data = b"\xdf" + struct.pack(">I", len(keys)) + b"".join(k + b"\x00" for k in keys)
     elif kind == "OrderedDict":
-        data = ext_array(codec.EXT_ORDERED_DICT, [b for k in keys for b in (k, b"\x00")])
+        data = ext_array(table.EXT_ORDERED_DICT, [b for k in keys for b in (k, b"\x00")])
     else:
-        code = codec.EXT_SET if kind == "set" else codec.EXT_FROZENSET
+        code = table.EXT_SET if kind == "set" else table.EXT_FROZENSET
         data = ext_array(code, keys)
     with pytest.raises(UnsafeCheckpoint, match="share one hash value"):
         codec.decode(data, source="m")
@@ -310,7 +311,7 @@ def test_a_flooded_manifest_is_refused_by_restore_and_verify(tmp_path: Path) -> 
 
     rewrite_manifest(tmp_path / "c", mark)
     # encode() refuses a flood (and building one is quadratic): write its bytes directly
-    flood = ext_array(codec.EXT_SET, [packed_int(k) for k in FLOOD])
+    flood = ext_array(table.EXT_SET, [packed_int(k) for k in FLOOD])
     data = (tmp_path / "c" / naming.MANIFEST).read_bytes()
     write_signed(tmp_path / "c", data.replace(msgpack.packb(placeholder), flood))
     with pytest.raises(UnsafeCheckpoint, match="hash flood"):

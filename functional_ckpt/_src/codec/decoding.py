@@ -1,9 +1,6 @@
-"""Decoding: hostile bytes back to exactly the value that was encoded.
-
-The unpacker's hooks rebuild marked containers inside the one C-level parse and
-count them against the decode budget, map keys and set members are vetted for a
-hash flood before a table is built, every leaf payload is parsed against the bytes
-present, and the result is walked once more for depth and stray types."""
+"""Decoding: hostile bytes back to exactly the value that was encoded. The unpacker's
+hooks rebuild and count containers within the one C-level parse, vet keys for a hash
+flood before a table is built; the result is walked once more for depth and strays."""
 
 from __future__ import annotations
 
@@ -30,8 +27,6 @@ from functional_ckpt._src.codec.tagged import TAGGED, Unregistered, _BadFields, 
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
 
-__all__ = ["check_hashes", "decode", "find_unregistered"]
-
 _MSGPACK_STACK_LIMIT: Final = 1024  # the C unpacker's fixed parse stack
 _GC_PAUSE_BYTES: Final = 256 * 1024
 
@@ -50,8 +45,7 @@ class _Unsafe(Exception):
 
 
 def _as_keys(keys: Iterable[Any]) -> None:
-    """Make the placeholders among ``keys`` (or inside a tuple there) compare by identity,
-    before a hash table is built of them (see :mod:`.placeholder`)."""
+    """Make the placeholders among ``keys`` (or in a tuple there) compare by identity."""
     stack = list(keys)
     while stack:
         k = stack.pop()
@@ -62,8 +56,7 @@ def _as_keys(keys: Iterable[Any]) -> None:
             stack.extend(k)
 
 
-#: The containers whose members (every one, or every other for an OrderedDict's
-#: flat key-value list) a hash table is built of.
+#: The members of each container that a hash table is built of.
 _KEYED: Final = {"set": slice(None), "frozenset": slice(None), "OrderedDict": slice(None, None, 2)}
 
 
@@ -80,8 +73,7 @@ def _refuse_flood(keys: list[Any], what: str) -> None:
 
 
 def check_hashes(keys: list[Any], *, where: str) -> None:
-    """``UnsafeCheckpoint`` if keys read from a checkpoint (a table built after decoding)
-    would flood a hash table: more than ``LIMITS.equal_hashes`` share one hash."""
+    """``UnsafeCheckpoint`` if keys read from a checkpoint would flood a hash table."""
     try:
         _refuse_flood(keys, "key")
     except _Unsafe as exc:
@@ -120,9 +112,8 @@ _MARKERS: Final[dict[int, _Marker]] = {
 
 
 class _Hooks:
-    """The unpacker's hooks for one decode: every array and map is counted as it
-    finishes, so an overrun stops the parse after ``budget`` containers whatever the
-    input declares; maps get their pairs, vetted for a flood before any table."""
+    """The unpacker's hooks for one decode: every array and map counts as it finishes,
+    so an overrun stops the parse whatever the input declares."""
 
     __slots__ = ("budget", "count", "few", "unregistered")
 
@@ -181,8 +172,8 @@ class _Hooks:
 
 
 def _tagged_marker(payload: bytes, unregistered: set[str] | None) -> _Marker:
-    """The marker of a tagged value, its tag looked up in the table, never imported; an
-    unknown one refused, or kept as a placeholder (added to ``unregistered``)."""
+    """The marker of a tagged value, its tag looked up (never imported); an unknown one
+    refused, or kept as a placeholder (added to ``unregistered``)."""
     try:
         tag = payload.decode("utf-8")
     except UnicodeDecodeError:
@@ -229,8 +220,7 @@ def _tagged_fields(t: type, value: object) -> object:
 
 
 def find_unregistered(value: object) -> Unregistered | None:
-    """The first placeholder in a decoded value, breadth first in the order it holds its
-    items (the one a reader sees first)."""
+    """The first placeholder in a decoded value, breadth first (the one a reader sees first)."""
     leaves = decoded_leaves()
     todo = [value]
     i = 0
@@ -256,7 +246,7 @@ def find_unregistered(value: object) -> Unregistered | None:
 
 def _check_decoded(value: object, max_depth: int) -> None:
     """Bound the nesting (the unpacker takes no depth limit) and refuse stray types (a
-    Timestamp, from ext -1 without ``ext_hook``; a misplaced marker). Iterative."""
+    Timestamp, from ext -1; a misplaced marker)."""
     leaves = decoded_leaves()
     containers = CONTAINERS
     t = type(value)
@@ -298,12 +288,10 @@ def decode(
     """Rebuild exactly the value ``encode`` was given, treating ``data`` as hostile: no
     code run, no Python recursion, linear time, containers within the budget.
 
-    An unregistered tag is refused unless ``unregistered`` is a set: then it comes
-    back as an ``Unregistered`` placeholder (its tag added), so a reader that only
-    looks needs no user code. ``CorruptCheckpoint``: not a valid encoding (cut
-    off, trailing bytes, a length the bytes do not hold: a size bomb looks the
-    same). ``UnsafeCheckpoint``: an unregistered tag, or well formed but deeper
-    than ``max_depth``, more containers than the budget, or a hash flood.
+    An unregistered tag is refused unless ``unregistered`` is a set: then it comes back
+    as an ``Unregistered`` placeholder (its tag added). ``CorruptCheckpoint``: not a
+    valid encoding (a size bomb looks the same); ``UnsafeCheckpoint``: an unregistered
+    tag, deeper than ``max_depth``, over the container budget, or a hash flood.
     """
     if isinstance(data, memoryview):
         if not data.c_contiguous:

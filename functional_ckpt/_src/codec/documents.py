@@ -1,13 +1,8 @@
-"""Untrusted JSON and YAML documents, bounded before anything expands them.
-
-Config files, a manager's configuration and the JSON state files beside
-checkpoints were written by someone else, so they get the msgpack decoder's
-budgets (:class:`~..limits.Limits`): depth, containers per byte of text, and an
-expanded size (nodes plus string characters) within the text's length. A node
-reached twice (a YAML alias) counts each time, because whatever walks the document
-next expands it: a 420-byte "billion laughs" is refused after a few thousand
-steps. The walk never recurses, and YAML is first read as events, stopping at the
-first level too deep, before PyYAML's recursive composer sees it."""
+"""Untrusted JSON and YAML documents (configs, state files), bounded by the decoder's
+budgets before anything expands them: depth, containers per byte, and an expanded
+size within the text's length, a YAML alias counted once per use (a 420-byte
+"billion laughs" is refused). YAML is first read as events, stopping at the first
+level too deep, before PyYAML's recursive composer sees it."""
 
 from __future__ import annotations
 
@@ -17,8 +12,6 @@ from typing import Any
 
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import ConfigError
-
-__all__ = ["check_bounded", "load"]
 
 #: What an in-memory document (no text to measure) may expand to: a state file's size.
 _IN_MEMORY_BYTES = LIMITS.state_file_bytes

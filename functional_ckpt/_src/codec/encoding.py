@@ -1,9 +1,6 @@
-"""Encoding: refuse what would not come back exactly, then pack.
-
-Every value is scanned before a byte is packed, because msgpack's C packer would
-quietly write a bytearray as bytes or a subclass as its base type; the scan also
-counts the containers a reader will build, so nothing is written that a reader's
-budgets would refuse."""
+"""Encoding: refuse what would not come back exactly, then pack. The scan comes first
+because msgpack's C packer would quietly write a bytearray as bytes or a subclass as
+its base; it also counts the containers a reader's budgets will allow."""
 
 from __future__ import annotations
 
@@ -36,8 +33,6 @@ from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.text import short_repr
 from functional_ckpt.errors import CheckpointError, UnsupportedValue
 
-__all__ = ["check_encodable", "encode", "encode_checked"]
-
 _OrderedDict = collections.OrderedDict
 
 
@@ -62,8 +57,7 @@ def _encode_ndarray(a: np.ndarray[Any, Any]) -> msgpack.ExtType:
 
 
 def _encode_numpy_scalar(x: np.generic) -> msgpack.ExtType:
-    # Text scalars lose trailing NULs through an array or numpy's __str__ (and
-    # np.str_("") has a zero itemsize), so they travel as their Python value.
+    # text scalars lose trailing NULs through an array, so they travel as Python values
     t = type(x)
     if t is np.str_:
         return msgpack.ExtType(table.EXT_NUMPY_SCALAR, _pack_payload(["U", str.__str__(x)]))
@@ -116,8 +110,7 @@ def _default(obj: Any) -> object:
     raise UnsupportedValue(f"unsupported type {type_name(t)}")  # pragma: no cover
 
 
-_BASES_OF_SUBCLASSES: Final = (bool, int, float, str, bytes, bytearray, list, tuple, dict, set)
-_BASES_OF_SUBCLASSES_MORE: Final = (frozenset, np.ndarray)
+_BASES: Final = (bool, int, float, str, bytes, bytearray, list, tuple, dict, set, frozenset)
 
 
 def _leaf_problem(obj: object, t: type) -> str | None:
@@ -145,7 +138,7 @@ def _leaf_problem(obj: object, t: type) -> str | None:
         return registrable
     if isinstance(obj, np.generic):
         return f"unsupported numpy scalar type {type_name(t)} (supported: {SUPPORTED_TEXT})"
-    for base in (*_BASES_OF_SUBCLASSES, *_BASES_OF_SUBCLASSES_MORE):
+    for base in (*_BASES, np.ndarray):
         if isinstance(obj, base):
             return (
                 f"unsupported type {type_name(t)}, a subclass of {type_name(base)} "
@@ -155,23 +148,18 @@ def _leaf_problem(obj: object, t: type) -> str | None:
     return f"unsupported type {type_name(t)} (supported: {SUPPORTED_TEXT})"
 
 
-# A node of the scan is (value, level_of_its_container, parent_node, label_kind, label).
-_ITEM: Final = 0
-_KEY: Final = 1
-_MEMBER: Final = 2
-_Node = tuple[object, int, Any, int, object]
+# A node of the scan is (value, level_of_its_container, parent_node, label_format, label).
+_ITEM: Final = "[{}]"
+_KEY: Final = "<key {}>"
+_MEMBER: Final = "<member {}>"
+_Node = tuple[object, int, Any, str, object]
 
 
 def _path(node: _Node | None, where: str) -> str:
     parts: list[str] = []
     while node is not None and node[2] is not None:
         _, _, parent, kind, label = node
-        if kind == _ITEM:
-            parts.append(f"[{short_repr(label)}]")
-        elif kind == _KEY:
-            parts.append(f"<key {short_repr(label)}>")
-        else:
-            parts.append(f"<member {short_repr(label)}>")
+        parts.append(kind.format(short_repr(label)))
         node = parent
     parts.reverse()
     if len(parts) > 16:  # a depth error would otherwise print hundreds of "[0]"
@@ -190,8 +178,7 @@ def _level(node: _Node, where: str) -> int:
 
 def _scan(value: object, where: str) -> tuple[bool, int]:
     """Refuse anything that would not come back exactly; return whether bytearrays
-    occur and how many containers ``decode`` will build. Iterative (no deep Python
-    stack); labels are kept raw, so paths are formatted on error only."""
+    occur and how many containers ``decode`` will build. Paths are formatted on error only."""
     native = NATIVE_LEAVES
     has_bytearray = False
     containers = 0
@@ -264,9 +251,8 @@ _REBUILT: Final[frozenset[type]] = frozenset({list, tuple, dict, _OrderedDict})
 
 
 def _wrap_bytearrays(value: Any) -> Any:
-    """Copy the containers above each bytearray (lists, tuples, dict values), swapping
-    it for its ext, which the packer never offers to ``default``. Iterative: shells
-    copied top-down, then frozen bottom-up."""
+    """Copy the containers above each bytearray, swapping it for its ext (the packer
+    never offers a bytearray to ``default``): shells copied top-down, built bottom-up."""
     if type(value) is bytearray:
         return msgpack.ExtType(table.EXT_BYTEARRAY, bytes(value))
     if type(value) not in _REBUILT:
@@ -313,10 +299,9 @@ def _pack(value: object, where: str) -> bytes:
 
 
 def check_encodable(value: object, *, where: str = "value", max_bytes: int | None = None) -> bool:
-    """Refuse, before any tensor is written, a value that ``encode`` or a reader's budgets
-    would refuse (too many containers, or longer than ``max_bytes``), naming the leaf.
-    Returns whether it holds a bytearray (if not, :func:`encode_checked` may encode
-    it without a second scan)."""
+    """Refuse, before any tensor is written, what ``encode`` or a reader's budgets would
+    (or longer than ``max_bytes``), naming the leaf; whether it holds a bytearray (if
+    not, :func:`encode_checked` may encode it without a second scan)."""
     has_bytearray, containers = _scan(value, where)
     # Parts of one manifest are checked on their own, so each gets a quarter of the
     # free containers; only a value dense in containers needs its encoded size.
@@ -334,15 +319,13 @@ def check_encodable(value: object, *, where: str = "value", max_bytes: int | Non
 
 
 def encode_checked(value: object, *, where: str = "value") -> bytes:
-    """:func:`encode` of plain data around parts that each passed :func:`check_encodable`
-    without a bytearray: not scanned again, since plain data adds a few levels
-    (within the limits' headroom) and many bytes per container."""
+    """:func:`encode` of plain data around parts that passed :func:`check_encodable`
+    without a bytearray: not scanned again (within the limits' headroom)."""
     return _pack(value, where)
 
 
 def encode_counted(value: object, *, where: str = "value") -> tuple[bytes, int]:
-    """:func:`encode`, and how many containers a decode of the bytes builds (for the
-    budget of a manifest that holds many encoded values)."""
+    """:func:`encode`, and how many containers a decode of the bytes builds."""
     has_bytearray, containers = _scan(value, where)
     if has_bytearray:
         value = _wrap_bytearrays(value)
@@ -353,8 +336,6 @@ def encode_counted(value: object, *, where: str = "value") -> tuple[bytes, int]:
 
 
 def encode(value: object, *, where: str = "value") -> bytes:
-    """Serialise a non-tensor value so that ``decode`` returns an identical one: same
-    type at every level and same bits; subclasses are refused, never converted.
-    ``UnsupportedValue`` names the location, e.g. ``value['env'][3]: unsupported type``.
-    """
+    """Serialise a non-tensor value so that ``decode`` returns an identical one (type
+    at every level, bits); ``UnsupportedValue`` names the location of what cannot."""
     return encode_counted(value, where=where)[0]

@@ -1,8 +1,6 @@
-"""Decoding the payload of each leaf ext (big ints, bytearrays, numpy arrays and
-scalars, torch dtypes and devices): parsed without exts of its own, its sizes
-checked against the bytes present before anything is allocated, dtypes and
-devices matched against fixed tables or re-checked for a canonical spelling.
-numpy and torch are imported only when a value of theirs is met."""
+"""Decoding the payload of each leaf ext: sizes checked against the bytes present before
+anything is allocated, dtypes and devices in a canonical spelling only; numpy and
+torch are imported only when a value of theirs is met."""
 
 from __future__ import annotations
 
@@ -20,7 +18,6 @@ from functional_ckpt._src.text import short_repr
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["LEAF_DECODERS", "_Corrupt"]
 
 _MAX_DEVICE_LEN: Final = 64
 
@@ -108,14 +105,11 @@ def _decode_numpy_scalar(payload: bytes) -> object:
     code, body = header
     import numpy as np
 
-    if code == "U":
-        if type(body) is not str:
-            raise _Corrupt("numpy str_ scalar without a str value")
-        return np.str_(body)
-    if code == "S":
-        if type(body) is not bytes:
-            raise _Corrupt("numpy bytes_ scalar without a bytes value")
-        return np.bytes_(body)
+    if code in ("U", "S"):  # text travels as its Python value (see encoding)
+        value, make = (str, np.str_) if code == "U" else (bytes, np.bytes_)
+        if type(body) is not value:
+            raise _Corrupt(f"numpy {make.__name__} scalar without a {value.__name__} value")
+        return make(body)
     dt = _parse_dtype(code)
     if dt.kind in "USV":
         raise _Corrupt(f"numpy scalar dtype {code} is not part of the format")

@@ -1,6 +1,5 @@
-"""Users' classes in the tagged table: :func:`register`, its naming rule, and what to
-say when a class or tag is not registered, together so that the name a save writes
-and the line a message suggests always agree."""
+"""Users' classes in the tagged table: :func:`register`, its naming rule and what to say
+when a class or tag is not registered, together so that they always agree."""
 
 from __future__ import annotations
 
@@ -21,9 +20,6 @@ from functional_ckpt._src.codec.tagged import (
     by_tag,
 )
 from functional_ckpt.errors import UnsupportedValue
-
-__all__ = ["default_name", "register", "registration_line", "tag_problem"]
-__all__ += ["unknown_tag_problem", "unregistered_problem"]
 
 _MAX_TAG_LEN: Final = 256
 
@@ -84,6 +80,17 @@ def _enum_entry(tag: str, cls: type[enum.Enum]) -> TaggedType:
     return TaggedType(tag, cls, fields, build)
 
 
+def _kind_of(cls: type) -> tuple[str, Callable[[str, Any], TaggedType]] | None:
+    """The kind of class ``register`` takes (" dataclass"...) and how it is tagged, or None."""
+    if dataclasses.is_dataclass(cls):
+        return " dataclass", _dataclass_entry
+    if _is_namedtuple(cls):
+        return " NamedTuple", _namedtuple_entry
+    if issubclass(cls, enum.Enum):
+        return "n Enum", _enum_entry
+    return None
+
+
 _SCRIPT_MODULES: Final = ("__main__", "__mp_main__")
 
 
@@ -139,15 +146,10 @@ def register(
 def register(
     cls: _T | None = None, name: str | None = None, *, aliases: Iterable[str] = ()
 ) -> _T | Callable[[_T], _T]:
-    """Let instances of ``cls`` (a dataclass, NamedTuple or Enum) be saved and restored.
-
-    Stored as the tag ``name`` with plain fields, rebuilt only where the same class
-    is registered under that tag (register where it is defined). The default name
-    is ``module.qualname``, a main script's module name for ``__main__`` (also
-    reading older ``__main__.Cfg`` tags); ``name=`` keeps a name when the class
-    moves; ``aliases`` are older names, read, never written. Returns ``cls``, so it
-    is a decorator too. Raises ``UnsupportedValue`` for another kind of class, or a
-    tag, alias or class already registered differently.
+    """Let instances of ``cls`` (a dataclass, NamedTuple or Enum) be saved as the tag
+    ``name`` (default ``module.qualname``, a script's module for ``__main__``) with
+    plain fields, and rebuilt where the class is registered under that tag or one of
+    its ``aliases`` (older names, read, never written). A decorator too.
     """
     if cls is None:
         chosen, more = name, tuple(aliases)
@@ -170,14 +172,10 @@ def register(
     for alias in old_names:
         if type(alias) is not str or tag_problem(alias) is not None:
             raise UnsupportedValue(f"{what}: invalid alias {alias!r:.80}")
-    if dataclasses.is_dataclass(cls):
-        entry = _dataclass_entry(tag, cls)
-    elif _is_namedtuple(cls):
-        entry = _namedtuple_entry(tag, cls)
-    elif issubclass(cls, enum.Enum):
-        entry = _enum_entry(tag, cls)
-    else:
+    kind = _kind_of(cls)
+    if kind is None:
         raise UnsupportedValue(f"{what}: only dataclasses, NamedTuples and Enums can be registered")
+    entry = kind[1](tag, cls)
     old = TAGGED.get(cls)
     if old is not None and old.tag != tag:
         raise UnsupportedValue(f"{what}: already registered under the name {old.tag!r}")
@@ -221,16 +219,11 @@ def unregistered_problem(cls: type) -> str | None:
     """Why an instance of ``cls`` is refused, when it is a kind users can register."""
     if _is_tensorclass(cls):
         return _tensorclass_advice(cls)
-    if dataclasses.is_dataclass(cls):
-        kind = " dataclass"
-    elif _is_namedtuple(cls):
-        kind = " NamedTuple"
-    elif issubclass(cls, enum.Enum):
-        kind = "n Enum"
-    else:
+    kind = _kind_of(cls)
+    if kind is None:
         return None
     return (
-        f"{cls.__module__}.{cls.__qualname__} is a{kind} that is not registered; "
+        f"{cls.__module__}.{cls.__qualname__} is a{kind[0]} that is not registered; "
         f"register it once (e.g. where it is defined) with "
         f"`functional_ckpt.codec.register({cls.__qualname__})` "
         "to store it as tagged plain data"

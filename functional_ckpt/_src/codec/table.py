@@ -1,7 +1,6 @@
-"""What the codec can store and how each type is tagged on disk: the ext codes (part
-of the format) and the type tables the encoder and the decoder both check, so what
-one writes the other accepts. The numpy and torch tables are built on first use: a
-reader of manifests needs neither library unless a value it decodes is theirs."""
+"""What the codec can store: the ext codes (part of the format) and the type tables the
+encoder and the decoder both check, so what one writes the other accepts. The numpy
+and torch tables are built on first use: a manifest reader may need neither."""
 
 from __future__ import annotations
 
@@ -37,16 +36,14 @@ MAX_ENCODE_DEPTH: Final = LIMITS.encode_depth
 _NoneType = type(None)
 _OrderedDict = collections.OrderedDict
 
-# Types the strict C packer writes natively *and* the unpacker returns with the
-# same type. bytearray is deliberately absent: msgpack packs it as bin, which
-# decodes as bytes.
+# Types the strict C packer writes natively and the unpacker returns as the same type
+# (not bytearray: msgpack packs it as bin, which decodes as bytes).
 NATIVE_LEAVES: Final[frozenset[type]] = frozenset({_NoneType, bool, int, float, str, bytes})
 
 CONTAINERS: Final[frozenset[type]] = frozenset({list, tuple, dict, _OrderedDict, set, frozenset})
 
-#: Every torch dtype the format knows by name, with its element size: the one table of
-#: dtypes, read without torch (``inspect``, ``verify``); :data:`TORCH_DTYPES` is built
-#: from it where a tensor is made. ``tests/test_codec_types.py`` checks it against torch.
+#: Every torch dtype the format knows by name, with its element size, read without torch
+#: (``inspect``, ``verify``); ``tests/test_codec_types.py`` checks it against torch.
 DTYPE_SIZES: Final[Mapping[str, int]] = MappingProxyType(
     {
         "bfloat16": 2, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1,
@@ -61,8 +58,7 @@ DTYPE_SIZES: Final[Mapping[str, int]] = MappingProxyType(
     }
 )  # fmt: skip
 
-#: torch's other names of dtypes (``torch.float`` is ``torch.float32``), which a
-#: hand-made file may use.
+#: torch's other names of dtypes (``torch.float`` is ``torch.float32``).
 DTYPE_ALIASES: Final[Mapping[str, str]] = MappingProxyType(
     {
         "bit": "uint1", "cdouble": "complex128", "cfloat": "complex64", "chalf": "complex32",
@@ -90,25 +86,17 @@ def _torch_dtypes() -> dict[str, torch.dtype]:
     return {n: d for n in DTYPE_SIZES if isinstance(d := getattr(torch, n, None), torch.dtype)}
 
 
-def _numpy_leaves() -> frozenset[type]:
-    import numpy as np
-
-    return _numpy_scalar_types() | {np.ndarray}
-
-
-def _torch_leaves() -> frozenset[type]:
-    import torch
-
-    return frozenset({torch.dtype, torch.device, torch.Size})
-
-
 @functools.cache
 def _leaves_with(numpy: bool, torch: bool) -> frozenset[type]:
     found = NATIVE_LEAVES | {bytearray}
     if numpy:
-        found |= _numpy_leaves()
+        import numpy as np
+
+        found |= _numpy_scalar_types() | {np.ndarray}
     if torch:
-        found |= _torch_leaves()
+        import torch as th
+
+        found |= {th.dtype, th.device, th.Size}
     return found
 
 
@@ -129,8 +117,7 @@ def __getattr__(name: str) -> Any:
 
 
 def decoded_leaves() -> frozenset[type]:
-    """The leaf types a decode may have returned: :data:`LEAVES`, less the numpy or torch
-    types while that library is not loaded (no value of its types can exist then)."""
+    """:data:`LEAVES`, less the numpy or torch types while that library is not loaded."""
     modules = sys.modules
     return _leaves_with("numpy" in modules, "torch" in modules)
 

@@ -1,11 +1,7 @@
-"""Tagged plain data: the table of tagged types, and the standard library's types in it.
-
-Paths, datetimes, namespaces and users' registered classes (:mod:`.registration`)
-are stored as (tag, fields), the fields ordinary codec values, and rebuilt only
-through this table: a tag read from a checkpoint is a key into it, never a name to
-import, so a hostile checkpoint can at most build a class the program chose to
-trust, from fields checked against it. The table is the codec's one piece of module
-state that changes on purpose: only the functions here fill it."""
+"""Tagged plain data: paths, datetimes, namespaces and registered classes stored as (tag,
+fields) and rebuilt only through this table: a tag read from a checkpoint is a key,
+never a name to import, so a hostile checkpoint can at most build a class the program
+chose to trust. The table is module state on purpose; only the functions here fill it."""
 
 from __future__ import annotations
 
@@ -18,9 +14,6 @@ from functools import partial
 from typing import Any, NamedTuple
 
 from functional_ckpt.errors import UnsupportedValue
-
-__all__ = ["TAGGED", "_BadFields", "TaggedType", "Unregistered", "add", "add_class", "add_name"]
-__all__ += ["by_tag", "placeholder", "placeholder_problem"]
 
 
 class TaggedType(NamedTuple):
@@ -205,45 +198,28 @@ def _fields_problem(fields: object) -> str | None:
 
 
 class Unregistered:
-    """A tagged value whose class this process has not registered: its tag and fields.
+    """A tagged value whose class this process has not registered: its tag and fields as
+    stored. Read-only, compared by tag and fields (by identity in a key's place), never
+    saved."""
 
-    ``fields`` are as stored: a dataclass's map, a NamedTuple's list, an Enum's
-    member name (or a ``Flag`` combination's int). Read-only, compared by tag and
-    fields (by identity in a key's place), never saved.
-    """
+    __slots__ = ("_hash", "by_identity", "fields", "tag")
 
-    __slots__ = ("_by_identity", "_fields", "_hash", "_tag")
-
-    _tag: str
-    _fields: object
+    tag: str  # the name the class was registered under when the value was saved
+    fields: object
     _hash: int | None
-    _by_identity: bool
+    by_identity: bool  # it was read in a key's place
 
     def __init__(self, tag: str, fields: object, *, by_identity: bool = False) -> None:
-        object.__setattr__(self, "_tag", tag)
-        object.__setattr__(self, "_fields", fields)
+        object.__setattr__(self, "tag", tag)
+        object.__setattr__(self, "fields", fields)
         object.__setattr__(self, "_hash", object.__hash__(self) if by_identity else None)
-        object.__setattr__(self, "_by_identity", by_identity)
-
-    @property
-    def tag(self) -> str:
-        """The name the class was registered under when the value was saved."""
-        return self._tag
-
-    @property
-    def fields(self) -> object:
-        return self._fields
-
-    @property
-    def by_identity(self) -> bool:
-        """Whether it compares and hashes by identity: it was read in a key's place."""
-        return self._by_identity
+        object.__setattr__(self, "by_identity", by_identity)
 
     def key_of(self) -> None:
         """Compare and hash by identity from now on (the decoder, before it is a key)."""
         if self._hash is None:
             object.__setattr__(self, "_hash", object.__hash__(self))
-        object.__setattr__(self, "_by_identity", True)
+        object.__setattr__(self, "by_identity", True)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"{type(self).__name__} is read-only")
@@ -252,26 +228,26 @@ class Unregistered:
         raise AttributeError(f"{type(self).__name__} is read-only")
 
     def __reduce__(self) -> tuple[Any, ...]:  # copies despite read-only slots
-        return (partial(Unregistered, by_identity=self._by_identity), (self._tag, self._fields))
+        return (partial(Unregistered, by_identity=self.by_identity), (self.tag, self.fields))
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not Unregistered:
             return NotImplemented
-        if self._by_identity or other._by_identity:
+        if self.by_identity or other.by_identity:
             return self is other
-        return self._tag == other._tag and self._fields == other._fields
+        return self.tag == other.tag and self.fields == other.fields
 
     def __hash__(self) -> int:
         h = self._hash
         if h is None:
-            f = self._fields
+            f = self.fields
             key: object = frozenset(f.items()) if type(f) is dict else f
-            h = hash((self._tag, tuple(key) if type(key) is list else key))
+            h = hash((self.tag, tuple(key) if type(key) is list else key))
             object.__setattr__(self, "_hash", h)
         return h
 
     def __repr__(self) -> str:
-        tag, f = self._tag, self._fields
+        tag, f = self.tag, self.fields
         if type(f) is dict:
             inner = ", ".join(
                 f"{k}={v!r}" if type(k) is str and k.isidentifier() else f"**{{{k!r}: {v!r}}}"

@@ -1,17 +1,7 @@
-"""Save policies: pure, composable decisions about *when* to checkpoint.
-
-A policy holds only configuration; what changes over a run lives in an explicit
-``PolicyState`` the caller threads through::
-
-    state = policy.init()
-    for event in events:
-        save = policy.decide(state, event)        # the vote, from (state, event) only
-        state = policy.update(state, event, save)  # what happened: did a save occur?
-
-The split makes combinators exact: ``p | q`` combines the votes, then advances
-*every* leaf from the combined outcome. Time comes in through the event, so equal
-inputs give equal decisions and a restart is exact. The one impure policy is
-:func:`on_signal`: a signal is an event of this process, not of the run."""
+"""Save policies: pure, composable decisions about *when* to checkpoint. A policy holds
+configuration only; the caller threads its ``PolicyState`` through ``decide`` (the
+vote) and ``update`` (did a save occur?), so ``p | q`` combines votes and then advances
+every leaf from the outcome, and a restart is exact. Only :func:`on_signal` is impure."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The save-policy protocol: ``Event``, ``SavePolicy``, its state, and the combinators.
-
-``|``, ``&`` and ``~`` live here with the protocol because ``SavePolicy``'s operators
-build them: a combination first combines its children's votes, then advances every
-child from the combined outcome.
-"""
+"""The save-policy protocol: ``Event``, ``SavePolicy``, its state, and the combinators
+(here because ``SavePolicy``'s ``|``, ``&`` and ``~`` build them)."""
 
 from __future__ import annotations
 
@@ -15,10 +11,6 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from functional_ckpt.errors import PolicyError
-
-__all__ = ["AllOf", "AnyOf", "Event", "Not", "PolicyError", "PolicySpec", "PolicyState"]
-__all__ += ["SavePolicy", "as_int", "checked_state", "custom_spec", "metric_value", "no_state"]
-__all__ += ["metric_and_mode", "finite_number", "positive_int", "run_policy"]
 
 PolicyState: TypeAlias = (
     "bool | int | float | str | list[PolicyState] | dict[str, PolicyState] | None"
@@ -32,12 +24,8 @@ PolicySpec: TypeAlias = str | dict[str, Any] | list[Any]
 
 @dataclass(frozen=True)
 class Event:
-    """One point in training at which the caller asks "should I save now?".
-
-    ``time`` is *running* seconds (the manager's continue across restarts);
-    ``is_final`` marks a run's last event, ``epoch_end`` the step that ends an
-    epoch. ``epoch`` is the loop's own count: recorded, read by no policy.
-    """
+    """One point in training at which the caller asks "should I save now?". ``time`` is
+    *running* seconds; ``epoch`` is the loop's own count, recorded, read by no policy."""
 
     step: int
     epoch: int | None = None
@@ -65,11 +53,8 @@ class Event:
 
 
 class SavePolicy(ABC):
-    """Decides, event by event, whether to save; pure apart from :func:`on_signal`.
-
-    ``decide`` and ``update`` never mutate the state given, so a caller can keep an
-    old one (the one stored with a checkpoint).
-    """
+    """Decides, event by event, whether to save; ``decide`` and ``update`` never mutate
+    the state given, so a caller can keep an old one (the one stored with a checkpoint)."""
 
     @abstractmethod
     def init(self) -> PolicyState:
@@ -85,9 +70,8 @@ class SavePolicy(ABC):
 
     @property
     def spec(self) -> PolicySpec:
-        """Its configuration form, every argument spelled (:func:`.policy_from_config`
-        rebuilds it, a checkpoint records it). One defined outside this package gives
-        its type and repr: enough to recognise its stored state, not to rebuild it."""
+        """Its configuration form, which a checkpoint records (one defined outside this
+        package gives its type and repr: enough to recognise its state, not to rebuild it)."""
         return custom_spec(self)
 
     def should_save(self, state: PolicyState, event: Event) -> tuple[bool, PolicyState]:
@@ -112,6 +96,38 @@ class SavePolicy(ABC):
 def custom_spec(policy: object) -> PolicySpec:
     """The spec of a policy defined outside this package: its type and repr."""
     return {"custom": {"type": type(policy).__qualname__, "repr": repr(policy)}}
+
+
+def call_text(kind: str, args: Mapping[str, Any], shown: int, defaults: Iterable[Any]) -> str:
+    """The call that makes a policy: the first ``shown`` arguments by position, the rest
+    by name unless at their default (``defaults``: (name, value) pairs)."""
+    defaults = dict(defaults)
+    parts = [
+        repr(v) if i < shown else f"{k}={v!r}"
+        for i, (k, v) in enumerate(args.items())
+        if i < shown or k not in defaults or defaults[k] != v
+    ]
+    return f"{kind}({', '.join(parts)})"
+
+
+class LeafPolicy(SavePolicy):
+    """A policy whose spec is ``{kind: {param: attribute}}`` (``kind`` alone without
+    params) and whose repr is the call that made it (see :func:`call_text`)."""
+
+    kind = ""
+    params: tuple[str, ...] = ()
+    shown = 1
+    defaults: tuple[tuple[str, Any], ...] = ()
+
+    def _args(self) -> dict[str, Any]:  # a list copied: editing a spec leaves the policy
+        return {p: list(v) if isinstance(v := getattr(self, p), list) else v for p in self.params}
+
+    @property
+    def spec(self) -> PolicySpec:
+        return {self.kind: self._args()} if self.params else self.kind
+
+    def __repr__(self) -> str:
+        return call_text(self.kind, self._args(), self.shown, self.defaults)
 
 
 def as_int(value: object, what: str) -> int:
@@ -178,30 +194,21 @@ def metric_value(event: Event, name: str) -> float | None:
 
 def _flatten(kind: type[AnyOf | AllOf], children: Iterable[SavePolicy]) -> list[SavePolicy]:
     """Merge nested nodes of the same kind, so ``a | b | c`` is one Any with 3 children."""
-    out: list[SavePolicy] = []
-    for child in children:
-        if type(child) is kind:
-            out.extend(child.children)
-        else:
-            out.append(child)
-    return out
+    return [g for c in children for g in (c.children if type(c) is kind else (c,))]
 
 
 def _wrap(policy: SavePolicy, inside: type[SavePolicy]) -> str:
     """repr of a child, parenthesised only where Python's precedence needs it."""
-    text = repr(policy)
-    if isinstance(policy, AnyOf) and inside in (AllOf, Not):
-        return f"({text})"
-    if isinstance(policy, AllOf) and inside is Not:
-        return f"({text})"
-    return text
+    loose = isinstance(policy, AnyOf) and inside in (AllOf, Not)
+    return (
+        f"({policy!r})" if loose or (isinstance(policy, AllOf) and inside is Not) else repr(policy)
+    )
 
 
 class _Combinator(SavePolicy):
     """Any and All: a list state, one entry per child."""
 
-    _symbol = ""
-    _kind = ""
+    _symbol, _kind = "", ""
 
     def __init__(self, children: list[SavePolicy]) -> None:
         self.children: tuple[SavePolicy, ...] = tuple(children)
@@ -214,10 +221,11 @@ class _Combinator(SavePolicy):
             raise misfit(self, state, f"a list of {len(self.children)} child states")
         return state
 
-    def _votes(self, state: PolicyState, event: Event) -> list[bool]:
+    def decide(self, state: PolicyState, event: Event) -> bool:
         # Every child votes (no short-circuit): on_signal's flag is consumed either way.
         states = self._states(state)
-        return [c.decide(s, event) for c, s in zip(self.children, states, strict=True)]
+        votes = [c.decide(s, event) for c, s in zip(self.children, states, strict=True)]
+        return any(votes) if self._kind == "any" else all(votes)
 
     def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
         # Every child advances from the combined outcome, not from its own vote.
@@ -235,21 +243,13 @@ class _Combinator(SavePolicy):
 class AnyOf(_Combinator):
     """``p | q | ...``: saves when any child votes yes."""
 
-    _symbol = "|"
-    _kind = "any"
-
-    def decide(self, state: PolicyState, event: Event) -> bool:
-        return any(self._votes(state, event))
+    _symbol, _kind = "|", "any"
 
 
 class AllOf(_Combinator):
     """``p & q & ...``: saves when every child votes yes."""
 
-    _symbol = "&"
-    _kind = "all"
-
-    def decide(self, state: PolicyState, event: Event) -> bool:
-        return all(self._votes(state, event))
+    _symbol, _kind = "&", "all"
 
 
 class Not(SavePolicy):

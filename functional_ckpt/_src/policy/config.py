@@ -1,13 +1,8 @@
-"""Policies as configuration: the plain-data form people write in YAML, JSON or a dict.
-
-A policy is one key, its name, holding its arguments: a mapping
-(``{"every_steps": {"n": 500}}``), the first argument alone (``{"every_steps": 500}``)
-or nothing (``"on_final"``). Combinations are ``{"any": [...]}``, ``{"all": [...]}``
-and ``{"not": ...}``; a list of retention policies is their union. Any ``Mapping`` or
-``Sequence`` will do (an OmegaConf ``DictConfig``), and a bad value is refused naming
-its key and what is known there. A policy's ``spec`` is this form. A manager
-config's keys and its ``run`` block live here too, so ``fckpt run`` reads them
-without loading the manager."""
+"""Policies as configuration (YAML, JSON, a dict): one key, the policy's name, holding a
+mapping of its arguments, the first one alone, or nothing; ``any``/``all``/``not``
+combine, a list of retention policies is their union. A policy's ``spec`` is this
+form. A manager config's keys and ``run`` block live here too, so ``fckpt run`` reads
+them without loading the manager."""
 
 from __future__ import annotations
 
@@ -15,7 +10,7 @@ import math
 import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, TypeVar
 
 from functional_ckpt._src.policy import leaves, retention
 from functional_ckpt._src.policy.base import AllOf, AnyOf, Not, SavePolicy
@@ -24,10 +19,8 @@ from functional_ckpt._src.policy.retention import RetentionPolicy
 from functional_ckpt._src.policy.signals import on_signal
 from functional_ckpt.errors import ConfigError
 
-__all__ = ["MANAGER_KEYS", "RELAUNCH_KEYS", "Param", "Relaunch", "SAVE_KINDS", "at_key"]
-__all__ += ["check_bool", "check_keys", "check_number", "check_str", "config_error"]
-__all__ += ["is_sequence", "policy_from_config", "relaunch_from_config", "relaunch_to_config"]
-__all__ += ["retention_from_config", "signal_number", "stored_spec"]
+_T = TypeVar("_T")
+_Check = Callable[[object, str], _T]  # a check of one value at a key path
 
 
 def at_key(path: str, key: str | int) -> str:
@@ -66,46 +59,35 @@ def check_keys(value: object, path: str, known: Sequence[str], what: str) -> dic
     return out
 
 
-def check_bool(value: object, path: str) -> bool:
-    if not isinstance(value, bool):
-        raise config_error(path, "true or false", value)
-    return value
+def _rule(what: str, ok: Callable[[Any], bool], make: Callable[[Any], _T]) -> _Check[_T]:
+    """A check of one value: ``make(value)`` if ``ok(value)``, else an error naming its path."""
 
-
-def check_str(value: object, path: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise config_error(path, "a non-empty string", value)
-    return value
-
-
-def _int(value: object, path: str, *, positive: bool = False) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and (value > 0 or not positive):
-        return value
-    raise config_error(path, "a positive int" if positive else "an int", value)
-
-
-def check_number(value: object, path: str, *, positive: bool = False) -> float:
-    """A finite number (``positive``: > 0, else >= 0)."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        number = float(value)
-        if math.isfinite(number) and (number > 0 if positive else number >= 0):
-            return number
-    raise config_error(path, "a positive number" if positive else "a number >= 0", value)
-
-
-def _positive_int(value: object, path: str) -> int:
-    return _int(value, path, positive=True)
-
-
-def _one_of(*choices: str) -> Callable[[object, str], str]:
-    def check(value: object, path: str) -> str:
-        if value not in choices:
-            raise config_error(path, " or ".join(repr(c) for c in choices), value)
-        return str(value)
+    def check(value: object, path: str) -> _T:
+        if not ok(value):
+            raise config_error(path, what, value)
+        return make(value)
 
     return check
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _one_of(*choices: str) -> _Check[str]:
+    return _rule(" or ".join(repr(c) for c in choices), lambda v: v in choices, str)
+
+
+check_bool = _rule("true or false", lambda v: isinstance(v, bool), bool)
+check_str = _rule("a non-empty string", lambda v: isinstance(v, str) and v != "", str)
+_int = _rule("an int", _is_int, int)
+_positive_int = _rule("a positive int", lambda v: _is_int(v) and v > 0, int)
+_number = _rule("a number >= 0", lambda v: _is_real(v) and v >= 0, float)
+_positive_number = _rule("a positive number", lambda v: _is_real(v) and v > 0, float)
 _mode, _target = _one_of("min", "max"), _one_of(*TARGETS)
 
 
@@ -129,56 +111,44 @@ def signal_number(value: object, path: str) -> int:
     raise config_error(path, "a signal name such as 'SIGTERM', or its number", value)
 
 
-@dataclass(frozen=True)
-class Param:
-    """One argument: its name (the constructor's keyword), its check, if it is required."""
-
-    name: str
-    check: Callable[[object, str], Any]
-    required: bool = False
-
-
-_Kind = tuple[Callable[..., Any], tuple[Param, ...]]
+#: A constructor, its arguments' checks by keyword, and how many of them are required.
+_Kind = tuple[Callable[..., Any], dict[str, _Check[Any]], int]
 
 #: Every save policy (and rollback rule) a config can name, with its arguments.
 SAVE_KINDS: dict[str, _Kind] = {
-    "always": (leaves.always, ()),
-    "never": (leaves.never, ()),
-    "on_final": (leaves.on_final, ()),
-    "every_steps": (leaves.every_steps, (Param("n", _positive_int, True), Param("offset", _int))),
-    "every_epochs": (leaves.every_epochs, (Param("n", _positive_int, True),)),
-    "at_steps": (leaves.at_steps, (Param("steps", _steps, True),)),
-    "every_secs": (
-        leaves.every_secs,
-        (Param("secs", lambda v, p: check_number(v, p, positive=True), True),),
-    ),
+    "always": (leaves.always, {}, 0),
+    "never": (leaves.never, {}, 0),
+    "on_final": (leaves.on_final, {}, 0),
+    "every_steps": (leaves.every_steps, {"n": _positive_int, "offset": _int}, 1),
+    "every_epochs": (leaves.every_epochs, {"n": _positive_int}, 1),
+    "at_steps": (leaves.at_steps, {"steps": _steps}, 1),
+    "every_secs": (leaves.every_secs, {"secs": _positive_number}, 1),
     "on_improve": (
         leaves.on_improve,
-        (Param("metric", check_str, True), Param("mode", _mode), Param("min_delta", check_number)),
+        {"metric": check_str, "mode": _mode, "min_delta": _number},
+        1,
     ),
     "on_degrade": (
         on_degrade,
-        (
-            Param("metric", check_str, True),
-            Param("mode", _mode),
-            Param("drop", check_number),
-            Param("patience", _positive_int),
-            Param("to", _target),
-        ),
+        {
+            "metric": check_str,
+            "mode": _mode,
+            "drop": _number,
+            "patience": _positive_int,
+            "to": _target,
+        },
+        1,
     ),
-    "on_signal": (on_signal, (Param("signum", signal_number),)),
+    "on_signal": (on_signal, {"signum": signal_number}, 0),
 }
 _COMBINATORS = ("any", "all", "not")
 
 _KEEP_KINDS: dict[str, _Kind] = {
-    "keep_all": (retention.keep_all, ()),
-    "keep_last": (retention.keep_last, (Param("n", _positive_int, True),)),
-    "keep_best": (
-        retention.keep_best,
-        (Param("k", _positive_int, True), Param("metric", check_str, True), Param("mode", _mode)),
-    ),
-    "keep_every": (retention.keep_every, (Param("steps", _positive_int, True),)),
-    "keep_within": (retention.keep_within, (Param("secs", check_number, True),)),
+    "keep_all": (retention.keep_all, {}, 0),
+    "keep_last": (retention.keep_last, {"n": _positive_int}, 1),
+    "keep_best": (retention.keep_best, {"k": _positive_int, "metric": check_str, "mode": _mode}, 2),
+    "keep_every": (retention.keep_every, {"steps": _positive_int}, 1),
+    "keep_within": (retention.keep_within, {"secs": _number}, 1),
 }
 
 
@@ -200,8 +170,8 @@ def _one_key(value: object, path: str, known: Sequence[str], what: str) -> tuple
         )
     if name == "custom":  # the spec of a policy defined outside (base.custom_spec)
         raise ConfigError(
-            f"{path}: {_shown(args)} is a {what} defined outside functional_ckpt; it has no "
-            "configuration form"
+            f"{path}: {_shown(args)} is a {what} defined outside functional_ckpt; "
+            "it has no configuration form"
         )
     if name not in known:
         raise ConfigError(f"{path}: unknown {what} {_shown(name)}; known: {', '.join(known)}")
@@ -210,28 +180,28 @@ def _one_key(value: object, path: str, known: Sequence[str], what: str) -> tuple
 
 def kind_args(kind: _Kind, args: object, path: str) -> dict[str, Any]:
     """The checked keyword arguments of ``args``: a mapping, the first one alone, or none."""
-    _, params = kind
-    names = [p.name for p in params]
+    _, checks, required = kind
+    names = list(checks)
     if args is None:
         given: dict[str, Any] = {}
     elif isinstance(args, Mapping):
         given = check_keys(args, path, names, "arguments")
-    elif params:
-        given = {params[0].name: args}  # the shorthand: the first argument alone
+    elif checks:
+        given = {names[0]: args}  # the shorthand: the first argument alone
     else:
         raise config_error(path, "no arguments (an empty mapping or nothing)", args)
     out: dict[str, Any] = {}
-    for p in params:
-        if p.name in given:
-            where = at_key(path, p.name) if isinstance(args, Mapping) else path
-            out[p.name] = p.check(given[p.name], where)
-        elif p.required:
-            raise ConfigError(f"{at_key(path, p.name)}: required (arguments: {', '.join(names)})")
+    for i, (name, check) in enumerate(checks.items()):
+        if name in given:
+            where = at_key(path, name) if isinstance(args, Mapping) else path
+            out[name] = check(given[name], where)
+        elif i < required:
+            raise ConfigError(f"{at_key(path, name)}: required (arguments: {', '.join(names)})")
     return out
 
 
 def _build(kind: _Kind, args: dict[str, Any], path: str) -> Any:
-    make, _ = kind
+    make = kind[0]
     try:
         return make(**args)
     except (TypeError, ValueError) as exc:  # what the constructor checks beyond the table
@@ -239,11 +209,8 @@ def _build(kind: _Kind, args: dict[str, Any], path: str) -> Any:
 
 
 def policy_from_config(value: object, path: str = "save") -> SavePolicy:
-    """The save policy (or rollback rule) that configuration ``value`` describes.
-
-    ``path`` names ``value``'s key in messages. Building an ``on_signal`` installs its
-    handler, as calling :func:`on_signal` does. A bad value raises :class:`ConfigError`.
-    """
+    """The save policy (or rollback rule) that configuration ``value`` at ``path``
+    describes (an ``on_signal`` installs its handler); :class:`ConfigError` if bad."""
     name, args = _one_key(value, path, [*_COMBINATORS, *SAVE_KINDS], "policy")
     here = at_key(path, name)
     if name == "not":
@@ -261,10 +228,7 @@ def policy_from_config(value: object, path: str = "save") -> SavePolicy:
 
 
 def retention_from_config(value: object, path: str = "keep") -> RetentionPolicy:
-    """The retention policy that configuration ``value`` describes (a list: the union).
-
-    A bad value raises :class:`ConfigError` naming its key.
-    """
+    """The retention policy that configuration ``value`` describes (a list: the union)."""
     if is_sequence(value):
         if not value:
             raise config_error(path, "a non-empty list of retention policies", value)
@@ -299,16 +263,9 @@ def stored_spec(spec: object) -> object:
 
 
 #: The keys of a manager's configuration: its constructor's arguments, and ``run``.
-MANAGER_KEYS: tuple[str, ...] = (
-    "root",
-    "save",
-    "keep",
-    "metadata",
-    "read_only",
-    "async_save",
-    "incremental",
-)
-MANAGER_KEYS += ("export", "remote", "memory", "rollback", "per_rank", "run")
+MANAGER_KEYS: tuple[str, ...] = ("root", "save", "keep", "metadata", "read_only")
+MANAGER_KEYS += ("async_save", "incremental", "export", "remote", "memory", "rollback")
+MANAGER_KEYS += ("per_rank", "run")
 
 
 @dataclass(frozen=True)
@@ -339,7 +296,7 @@ def relaunch_from_config(value: object, path: str = "run") -> Relaunch:
         raise config_error(at_key(path, "stall_limit"), "0 (never) or 2 or more", 1)
     for key in ("backoff", "max_backoff"):
         if key in given:
-            out[key] = check_number(given[key], at_key(path, key))
+            out[key] = _number(given[key], at_key(path, key))
     return Relaunch(**out)
 
 

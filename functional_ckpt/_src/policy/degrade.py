@@ -1,9 +1,5 @@
-"""``on_degrade``: a metric that fell too far below its best, for long enough.
-
-A rollback rule for ``CheckpointManager(rollback=...)``: a policy like the save
-policies, so it composes with them and its state is stored with every checkpoint.
-Its ``update`` learns whether a checkpoint was saved, which keeps ``best`` the best
-value *saved*: the level a rollback can return to."""
+"""``on_degrade``: a rollback rule (a policy, so it composes and its state is stored)
+that fires when a metric fell too far below its best *saved* value, for long enough."""
 
 from __future__ import annotations
 
@@ -11,7 +7,7 @@ import math
 
 from functional_ckpt._src.policy.base import (
     Event,
-    PolicySpec,
+    LeafPolicy,
     PolicyState,
     SavePolicy,
     checked_state,
@@ -20,14 +16,15 @@ from functional_ckpt._src.policy.base import (
     positive_int,
 )
 
-__all__ = ["TARGETS", "on_degrade"]
-
 #: Which kept checkpoint a rollback returns to (see :func:`on_degrade`).
 TARGETS = ("best", "last_good")
 
 
-class OnDegrade(SavePolicy):
+class OnDegrade(LeafPolicy):
     """See :func:`on_degrade`; the attributes are its arguments."""
+
+    kind, params = "on_degrade", ("metric", "mode", "drop", "patience", "to")
+    defaults = (("mode", "min"), ("to", "best"))
 
     def __init__(self, metric: str, mode: str, drop: float, patience: int, to: str) -> None:
         self.metric = metric
@@ -75,30 +72,13 @@ class OnDegrade(SavePolicy):
             best = value
         return {"best": best, "bad": bad}
 
-    @property
-    def spec(self) -> PolicySpec:
-        args = {"metric": self.metric, "mode": self.mode, "drop": self.drop}
-        return {"on_degrade": {**args, "patience": self.patience, "to": self.to}}
-
-    def __repr__(self) -> str:
-        args = [repr(self.metric)]
-        if self.mode != "min":
-            args.append(f"mode={self.mode!r}")
-        args += [f"drop={self.drop!r}", f"patience={self.patience}"]
-        if self.to != "best":
-            args.append(f"to={self.to!r}")
-        return f"on_degrade({', '.join(args)})"
-
 
 def on_degrade(
     metric: str, mode: str = "min", drop: float = 0.2, patience: int = 3, to: str = "best"
 ) -> SavePolicy:
-    """Vote yes once ``metrics[metric]`` was degraded on ``patience`` evaluations in a row.
-
-    A value is *degraded* when NaN or worse than the best saved value by more than
-    ``drop * abs(best)``; a good one resets the count, an event without the metric
-    leaves it. ``to``: roll back to the ``"best"`` kept checkpoint, or the newest
-    kept one not degraded (``"last_good"``, less work lost).
+    """Vote yes once ``metrics[metric]`` was NaN or worse than the best saved value by
+    more than ``drop * abs(best)`` on ``patience`` evaluations in a row; ``to``: roll
+    back to the ``"best"`` kept checkpoint or the newest not degraded (``"last_good"``).
     """
     metric, mode = metric_and_mode(metric, mode, "on_degrade")
     drop = finite_number(drop, "drop (a fraction)", f"on_degrade(drop={drop!r})")

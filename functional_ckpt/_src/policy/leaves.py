@@ -6,8 +6,7 @@ from collections.abc import Iterable
 
 from functional_ckpt._src.policy.base import (
     Event,
-    PolicyError,
-    PolicySpec,
+    LeafPolicy,
     PolicyState,
     SavePolicy,
     checked_state,
@@ -17,32 +16,23 @@ from functional_ckpt._src.policy.base import (
     no_state,
     positive_int,
 )
-
-__all__ = ["always", "at_steps", "every_epochs", "every_secs", "every_steps", "never"]
-__all__ += ["on_final", "on_improve"]
+from functional_ckpt.errors import PolicyError
 
 
-class _Stateless(SavePolicy):
-    def __init__(self, name: str) -> None:
-        self._name = name
+class _Stateless(LeafPolicy):
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
 
     def init(self) -> PolicyState:
         return None
 
     def decide(self, state: PolicyState, event: Event) -> bool:
         no_state(self, state)
-        return self._name == "always" or (self._name == "on_final" and event.is_final)
+        return self.kind == "always" or (self.kind == "on_final" and event.is_final)
 
     def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
         no_state(self, state)
         return None
-
-    @property
-    def spec(self) -> PolicySpec:
-        return self._name
-
-    def __repr__(self) -> str:
-        return f"{self._name}()"
 
 
 def always() -> SavePolicy:
@@ -60,7 +50,9 @@ def on_final() -> SavePolicy:
     return _Stateless("on_final")
 
 
-class _EverySteps(SavePolicy):
+class _EverySteps(LeafPolicy):
+    kind, params, defaults = "every_steps", ("n", "offset"), (("offset", 0),)
+
     def __init__(self, n: int, offset: int) -> None:
         self.n = n
         self.offset = offset
@@ -77,27 +69,19 @@ class _EverySteps(SavePolicy):
         last = checked_state(self, state, ["last_saved_step"])["last_saved_step"]
         return {"last_saved_step": event.step if saved else last}
 
-    @property
-    def spec(self) -> PolicySpec:
-        return {"every_steps": {"n": self.n, "offset": self.offset}}
-
-    def __repr__(self) -> str:
-        extra = f", offset={self.offset}" if self.offset else ""
-        return f"every_steps({self.n}{extra})"
-
 
 def every_steps(n: int, offset: int = 0) -> SavePolicy:
-    """Save at steps ``offset, offset + n, offset + 2n, ...`` (step 0 too: ``offset=n``
-    skips it); an event repeated for the step just saved saves once, and after a
-    rollback of the step counter it fires again at the next matching step.
-    """
+    """Save at steps ``offset, offset + n, ...`` (step 0 too: ``offset=n`` skips it),
+    once per step, and again after a rollback of the step counter."""
     n = positive_int(n, "n", f"every_steps(n={n!r})")
     if isinstance(offset, bool) or not isinstance(offset, int):
         raise TypeError(f"every_steps(offset={offset!r}): offset must be an int")
     return _EverySteps(n, offset)
 
 
-class _EveryEpochs(SavePolicy):
+class _EveryEpochs(LeafPolicy):
+    kind, params = "every_epochs", ("n",)
+
     def __init__(self, n: int) -> None:
         self.n = n
 
@@ -126,25 +110,18 @@ class _EveryEpochs(SavePolicy):
             return {"ended": ended, "end_step": end_step, "saved": saved_then or saved}
         return {"ended": ended + 1, "end_step": event.step, "saved": saved}
 
-    @property
-    def spec(self) -> PolicySpec:
-        return {"every_epochs": {"n": self.n}}
-
-    def __repr__(self) -> str:
-        return f"every_epochs({self.n})"
-
 
 def every_epochs(n: int) -> SavePolicy:
-    """Save at the end of every ``n``-th epoch: on the events marked ``epoch_end=True``
-    (``event.epoch`` is not read). The state counts the ends, so a restored run goes
-    on counting; an end sent twice for one step counts once.
-    """
+    """Save on every ``n``-th event marked ``epoch_end=True``; the state counts the ends
+    (an end sent twice for one step counts once), so a restored run goes on counting."""
     return _EveryEpochs(positive_int(n, "n", f"every_epochs(n={n!r})"))
 
 
-class _AtSteps(SavePolicy):
-    def __init__(self, steps: frozenset[int]) -> None:
-        self.steps = steps
+class _AtSteps(LeafPolicy):
+    kind, params = "at_steps", ("steps",)
+
+    def __init__(self, steps: list[int]) -> None:
+        self.steps = steps  # sorted, each once
 
     def init(self) -> PolicyState:
         return {"fired": []}
@@ -159,13 +136,6 @@ class _AtSteps(SavePolicy):
             return state
         return {"fired": sorted([*fired, event.step])}
 
-    @property
-    def spec(self) -> PolicySpec:
-        return {"at_steps": {"steps": sorted(self.steps)}}
-
-    def __repr__(self) -> str:
-        return f"at_steps({sorted(self.steps)!r})"
-
 
 def at_steps(steps: Iterable[int]) -> SavePolicy:
     """Save at each of the given steps, once each: the state remembers the steps saved,
@@ -177,10 +147,12 @@ def at_steps(steps: Iterable[int]) -> SavePolicy:
     for s in items:
         if isinstance(s, bool) or not isinstance(s, int):
             raise TypeError(f"at_steps(steps={steps!r}): steps must be ints, got {s!r}")
-    return _AtSteps(frozenset(items))
+    return _AtSteps(sorted(set(items)))
 
 
-class _EverySecs(SavePolicy):
+class _EverySecs(LeafPolicy):
+    kind, params = "every_secs", ("secs",)
+
     def __init__(self, secs: float) -> None:
         self.secs = secs
 
@@ -207,23 +179,17 @@ class _EverySecs(SavePolicy):
             return {"since": now}
         return state
 
-    @property
-    def spec(self) -> PolicySpec:
-        return {"every_secs": {"secs": self.secs}}
-
-    def __repr__(self) -> str:
-        return f"every_secs({self.secs!r})"
-
 
 def every_secs(secs: float) -> SavePolicy:
     """Save once ``secs`` seconds of running time (``event.time``, required) passed since
-    the last save. The first event starts the timer; any save restarts it, and so
-    does time that goes backwards.
-    """
+    the first event or the last save (time going backwards restarts the timer too)."""
     return _EverySecs(finite_number(secs, "secs", f"every_secs(secs={secs!r})", positive=True))
 
 
-class _OnImprove(SavePolicy):
+class _OnImprove(LeafPolicy):
+    kind, params = "on_improve", ("metric", "mode", "min_delta")
+    defaults = (("mode", "min"), ("min_delta", 0.0))
+
     def __init__(self, metric: str, mode: str, min_delta: float) -> None:
         self.metric = metric
         self.mode = mode
@@ -254,24 +220,10 @@ class _OnImprove(SavePolicy):
             return {"best": value}
         return state
 
-    @property
-    def spec(self) -> PolicySpec:
-        args = {"metric": self.metric, "mode": self.mode, "min_delta": self.min_delta}
-        return {"on_improve": args}
-
-    def __repr__(self) -> str:
-        extra = "" if self.mode == "min" else f", mode={self.mode!r}"
-        if self.min_delta:
-            extra += f", min_delta={self.min_delta!r}"
-        return f"on_improve({self.metric!r}{extra})"
-
 
 def on_improve(metric: str, mode: str = "min", min_delta: float = 0.0) -> SavePolicy:
-    """Save when ``metrics[metric]`` beats the best saved value by more than ``min_delta``.
-
-    The first value votes yes. ``best`` counts only events on which a save happened,
-    so slow improvements add up and an outvoted vote changes nothing; a missing
-    metric or NaN is ignored.
+    """Save when ``metrics[metric]`` beats the best *saved* value (so slow improvements
+    add up) by more than ``min_delta``; the first value votes yes, NaN or none is ignored.
     """
     metric, mode = metric_and_mode(metric, mode, "on_improve")
     min_delta = finite_number(min_delta, "min_delta", f"on_improve(min_delta={min_delta!r})")

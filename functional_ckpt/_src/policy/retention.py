@@ -1,9 +1,6 @@
-"""Retention policies: pure decisions about *which* checkpoints to keep.
-
-A policy returns the steps to keep and never touches the disk; :func:`plan_deletions`
-adds the rules no policy overrides (the newest and protected steps stay), and the
-manager deletes. ``|`` (union) is the one combinator retention needs. A policy's
-:attr:`~RetentionPolicy.spec` is its configuration form, which a checkpoint records."""
+"""Retention policies: pure decisions about *which* checkpoints to keep, combined by
+``|`` (union); :func:`plan_deletions` adds the rules no policy overrides, and the
+manager deletes."""
 
 from __future__ import annotations
 
@@ -14,10 +11,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from functional_ckpt._src.policy.base import PolicySpec, custom_spec, metric_and_mode, positive_int
-
-__all__ = ["CheckpointLike", "CheckpointRecord", "RetentionPolicy", "best_steps", "keep_all"]
-__all__ += ["keep_best", "keep_every", "keep_last", "keep_within", "plan_deletions", "union_parts"]
+from functional_ckpt._src.policy.base import (
+    PolicySpec,
+    call_text,
+    custom_spec,
+    metric_and_mode,
+    positive_int,
+)
 
 
 class CheckpointLike(Protocol):
@@ -71,10 +71,7 @@ class RetentionPolicy(ABC):
     def __or__(self, other: object) -> RetentionPolicy:
         if not isinstance(other, RetentionPolicy):
             return NotImplemented
-        children: list[RetentionPolicy] = []
-        for p in (self, other):
-            children.extend(p.children if isinstance(p, _Union) else [p])
-        return _Union(children)
+        return _Union([c for p in (self, other) for c in union_parts(p)])
 
 
 class _Union(RetentionPolicy):
@@ -96,17 +93,16 @@ class _Union(RetentionPolicy):
 
 
 class _Keep(RetentionPolicy):
-    """A leaf policy: its spec (which says what it keeps), its repr and, for
-    ``keep_within``, its clock (how "now" is read, not what the policy is)."""
+    """A leaf policy: its kind and arguments (its spec), how many of them its repr shows
+    by position and, for ``keep_within``, its clock (how "now" is read)."""
 
     def __init__(
-        self, spec: str | dict[str, Any], text: str, clock: Callable[[], float] = time.time
+        self, kind: str, shown: int = 1, clock: Callable[[], float] = time.time, **args: Any
     ) -> None:
-        self._spec, self._text, self._clock = spec, text, clock
+        self._kind, self._args, self._shown, self._clock = kind, args, shown, clock
 
     def _select(self, checkpoints: Sequence[CheckpointLike]) -> set[int]:
-        spec = self._spec
-        kind, a = (spec, {}) if isinstance(spec, str) else next(iter(spec.items()))
+        kind, a = self._kind, self._args
         steps = [c.step for c in checkpoints]
         if kind == "keep_last":
             return set(sorted(steps, reverse=True)[: a["n"]])
@@ -121,29 +117,26 @@ class _Keep(RetentionPolicy):
 
     @property
     def spec(self) -> PolicySpec:
-        return self._spec
+        return {self._kind: dict(self._args)} if self._args else self._kind
 
     def __repr__(self) -> str:
-        return self._text
+        return call_text(self._kind, self._args, self._shown, [("mode", "min")])
 
 
 def keep_all() -> RetentionPolicy:
     """Keep every checkpoint (disables garbage collection)."""
-    return _Keep("keep_all", "keep_all()")
+    return _Keep("keep_all")
 
 
 def keep_last(n: int) -> RetentionPolicy:
     """Keep the ``n`` checkpoints with the highest steps (newest by step, not by time)."""
     n = positive_int(n, "n", f"keep_last(n={n!r})")
-    return _Keep({"keep_last": {"n": n}}, f"keep_last({n})")
+    return _Keep("keep_last", n=n)
 
 
 def best_steps(checkpoints: Iterable[CheckpointLike], metric: str, mode: str = "min") -> list[int]:
-    """Steps ranked best first by ``metrics[metric]``: the one definition of "best".
-
-    A missing metric or NaN is not ranked; ties go to the newer step, the one a
-    resume would rather start from.
-    """
+    """Steps ranked best first by ``metrics[metric]``: the one definition of "best"
+    (NaN or none is not ranked; ties go to the newer step, which a resume would pick)."""
     sign = 1.0 if metric_and_mode(metric, mode, "best_steps")[1] == "min" else -1.0
     candidates: list[tuple[float, int]] = []
     for c in checkpoints:
@@ -160,16 +153,13 @@ def keep_best(k: int, metric: str, mode: str = "min") -> RetentionPolicy:
     ``mode="min"``) as :func:`best_steps` ranks them; fewer where values are missing."""
     k = positive_int(k, "k", f"keep_best(k={k!r})")
     metric, mode = metric_and_mode(metric, mode, "keep_best")
-    return _Keep(
-        {"keep_best": {"k": k, "metric": metric, "mode": mode}},
-        f"keep_best({k}, {metric!r}{'' if mode == 'min' else f', mode={mode!r}'})",
-    )
+    return _Keep("keep_best", 2, k=k, metric=metric, mode=mode)
 
 
 def keep_every(steps: int) -> RetentionPolicy:
     """Keep checkpoints whose step is a multiple of ``steps`` (sparse long-term history)."""
     n = positive_int(steps, "steps", f"keep_every(steps={steps!r})")
-    return _Keep({"keep_every": {"steps": n}}, f"keep_every(steps={n})")
+    return _Keep("keep_every", 0, steps=n)
 
 
 def keep_within(secs: float, clock: Callable[[], float] = time.time) -> RetentionPolicy:
@@ -182,8 +172,7 @@ def keep_within(secs: float, clock: Callable[[], float] = time.time) -> Retentio
         raise ValueError(f"{what}: secs must be >= 0")
     if not callable(clock):
         raise TypeError(f"keep_within(clock={clock!r}): clock must be callable")
-    secs = float(secs)
-    return _Keep({"keep_within": {"secs": secs}}, f"keep_within({secs!r})", clock)
+    return _Keep("keep_within", 1, clock, secs=float(secs))
 
 
 def union_parts(policy: RetentionPolicy) -> tuple[RetentionPolicy, ...]:

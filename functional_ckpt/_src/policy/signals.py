@@ -11,8 +11,6 @@ from typing import Any
 from functional_ckpt._src.policy.base import Event, PolicySpec, PolicyState, SavePolicy, no_state
 from functional_ckpt.errors import CheckpointError
 
-__all__ = ["SignalPolicy", "on_signal"]
-
 
 class SignalPolicy(SavePolicy):
     """Returned by :func:`on_signal`; adds :meth:`trigger` and :meth:`uninstall`."""
@@ -83,13 +81,9 @@ def _require_main_thread(what: str) -> None:
 
 
 def on_signal(signum: int = signal.SIGTERM) -> SignalPolicy:
-    """Save at the next event after ``signum`` arrives (e.g. a preemption notice).
-
-    Installs a handler (in the main thread) that sets a flag, consumed by the next
-    vote, and calls a previous Python handler; ``SIG_DFL`` is *not* invoked (it would
-    kill the process before the save the grace period is for), so the loop exits on
-    its own after the final save. ``.trigger()`` raises the flag by hand.
-    """
+    """Save at the next event after ``signum`` arrives (e.g. a preemption notice). Its
+    handler chains to a previous Python one but never to ``SIG_DFL``, which would kill
+    the process before the save the grace period is for."""
     try:
         sig = signal.Signals(signum)
     except ValueError:

@@ -1,6 +1,6 @@
 """Deleting checkpoints so that no crash leaves half of one readable: renamed out of
-sight first (the name is free at once), the marker unlinked, then the files
-removed; a damaged one is moved aside (quarantined), never deleted."""
+sight first, the marker unlinked, then the files removed; a damaged one is moved
+aside, never deleted."""
 
 from __future__ import annotations
 
@@ -27,11 +27,8 @@ def quarantine(root: Path, path: Path) -> Path:
 
 
 def delete(root: Path, paths: Iterable[Path]) -> list[Path]:
-    """Take checkpoints out of sight crash-safely; returns the trash left to remove.
-
-    Each is renamed to ``step_N.trash-<id>`` and the root fsynced, then its marker is
-    unlinked, so a crash before the (slow) removal leaves an uncommitted leftover the
-    next writer deletes. A symbolic link is not this root's: only the link goes.
+    """Take checkpoints out of sight crash-safely; returns the trash left to remove (a
+    crash before that leaves uncommitted leftovers). Of a symbolic link only the link goes.
     """
     trash: list[Path] = []
     t0 = time.perf_counter()
@@ -67,11 +64,8 @@ def remove_all(paths: Iterable[Path]) -> None:
 
 
 def remove_checkpoint(path: str | os.PathLike[str], *, missing_ok: bool = False) -> None:
-    """Delete one checkpoint directory so that no crash leaves half of it readable (as
-    :func:`delete` does); anything but a checkpoint (committed or not, ours or stock
-    DCP) raises ``CheckpointError`` and is left intact, nothing at ``path``
-    ``CheckpointNotFound`` (unless ``missing_ok``).
-    """
+    """Delete one checkpoint directory so that no crash leaves half of it readable;
+    anything but a checkpoint raises ``CheckpointError`` and is left intact."""
     path = Path(path)
     if not os.path.lexists(path):
         if missing_ok:

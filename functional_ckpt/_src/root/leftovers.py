@@ -1,8 +1,6 @@
-"""What crashed writers leave in a root: recovered if committed, removed if not.
-
-A committed leftover whose name is free is renamed back (the newest wins); only
-uncommitted ones are deleted, and nothing committed ever is. Safe only under the
-writer lock, which :func:`open_writer` takes first."""
+"""What crashed writers leave in a root: recovered if committed (the newest, to a free
+name), removed if not; nothing committed is ever deleted. Safe only under the writer
+lock, which :func:`open_writer` takes first."""
 
 from __future__ import annotations
 
@@ -21,8 +19,7 @@ from functional_ckpt.errors import CheckpointError, LeftoverWarning
 
 
 def open_writer(root: Path, *, stacklevel: int = 2) -> WriterLock:
-    """Become the one writer of ``root``: create it, lock it, then (safe only under the
-    lock) recover what crashes left; warnings point ``stacklevel`` frames up."""
+    """Become the one writer of ``root``: create it, lock it, then recover what crashes left."""
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"{root}: the checkpoint root is a file, not a directory")
     try:
@@ -41,12 +38,10 @@ def open_writer(root: Path, *, stacklevel: int = 2) -> WriterLock:
 def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
     """Recover or remove what crashed writers left in ``root``; returns what was recovered.
 
-    Of every ``step_N.tmp-*`` / ``step_N.trash-*``, an uncommitted one is deleted; a
-    committed one is whole (an interrupted overwrite leaves old as trash, new as
-    tmp): the newest (by save time; a save over a deletion on a tie) is renamed back
-    to a free ``step_N``, the rest stay with a :class:`LeftoverWarning`. Only names
-    derived from ``step_N`` and the run record's are touched; temporaries under
-    ``exports/`` are deleted (an export can be written again).
+    Of every ``step_N.tmp-*`` / ``step_N.trash-*``, an uncommitted one is deleted; of
+    the committed ones (an interrupted overwrite leaves both), the newest by save time
+    goes back to a free ``step_N``, the rest stay with a :class:`LeftoverWarning`.
+    Temporaries under ``exports/`` are deleted (an export can be written again).
     """
     groups: dict[str, list[Path]] = {}
     changed = False
@@ -74,10 +69,9 @@ def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
 
 
 def recover_beside(directory: Path, *, stacklevel: int = 2) -> list[Path]:
-    """:func:`recover_leftovers` for checkpoints named freely in a directory of other
-    files (Lightning's): only a ``<name>.tmp-<id>`` / ``<name>.trash-<id>`` directory
-    holding a checkpoint's files and nothing else is touched. Safe only while no
-    other process saves into ``directory``."""
+    """:func:`recover_leftovers` for checkpoints named freely among other files
+    (Lightning's): only a temporary directory holding nothing but a checkpoint's files
+    is touched. Safe only while no other process saves into ``directory``."""
     groups: dict[str, list[Path]] = {}
     changed = False
     try:
@@ -107,8 +101,7 @@ _LEFTOVERS = frozenset({Kind.EMPTY, Kind.PART, Kind.STOCK_DCP, Kind.UNCOMMITTED,
 def _put_back(
     parent: Path, groups: dict[str, list[Path]], changed: bool, *, stacklevel: int
 ) -> list[Path]:
-    """Rename the newest committed leftover of each free name back; warn about the rest
-    (``changed``: leftovers were removed, the directory is fsynced too)."""
+    """Rename the newest committed leftover of each free name back; warn about the rest."""
     recovered: list[Path] = []
     for base, paths in sorted(groups.items()):
         final = parent / base

@@ -1,8 +1,6 @@
-"""What a root of checkpoints holds: every step directory, its status and its summary.
-
-The manager, the remote tier and ``fckpt`` read a root the same way: a checkpoint
-is listed by its canonical ``step_N`` name, counts once committed, and is
-summarised from its manifest alone."""
+"""What a root of checkpoints holds, read the same way by the manager, the remote tier
+and ``fckpt``: a checkpoint is listed by its canonical ``step_N`` name, counts once
+committed, and is summarised from its manifest alone."""
 
 from __future__ import annotations
 
@@ -11,12 +9,13 @@ import os
 from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.header import header_of
 from functional_ckpt._src.format.kind import Kind, classify, is_committed
 from functional_ckpt._src.format.naming import QUARANTINE_INFIX, parse_step, step_in_name
+from functional_ckpt._src.policy.retention import CheckpointLike, RetentionPolicy
 from functional_ckpt._src.storage import committed
 from functional_ckpt._src.storage.usage import dir_size
 from functional_ckpt._src.text import joined_lines
@@ -40,8 +39,7 @@ class StepInfo:
 
 
 def read_info(path: Path, step: int) -> StepInfo:
-    """The summary of one committed checkpoint; raises only if its manifest is unreadable
-    (fields of the wrong type are left out, never fatal)."""
+    """The summary of one committed checkpoint; raises only if its manifest is unreadable."""
     head = header_of(committed.read_manifest(path))
     record, when = head.record, 0.0 if head.created is None else head.created
     size = dir_size(path)
@@ -51,8 +49,7 @@ def read_info(path: Path, step: int) -> StepInfo:
 
 
 def stamp(path: Path) -> tuple[int, int, int]:
-    """Identity of a committed checkpoint (its marker), to cache manifest reads;
-    ``FileNotFoundError`` when there is none."""
+    """Identity of a committed checkpoint's marker (``FileNotFoundError``: none)."""
     st = os.stat(path / naming.COMMIT_MARKER)
     return (st.st_ino, st.st_mtime_ns, st.st_size)
 
@@ -96,12 +93,9 @@ def dir_identity(path: Path) -> tuple[int, tuple[int, int, int] | None] | None:
 
 @dataclass
 class RootEntry:
-    """One checkpoint-related directory of a root, whatever state it is in.
-
-    ``status``: ``ok`` (committed, manifest readable), ``damaged`` (committed, manifest
-    unreadable), ``uncommitted``, ``quarantined``, ``deleting`` or ``foreign`` (a stock
-    DCP checkpoint). ``canonical``: the name is exactly :func:`step_name` of its step.
-    """
+    """One checkpoint-related directory of a root: ``status`` is ``ok``, ``damaged``
+    (committed, manifest unreadable), ``uncommitted``, ``quarantined``, ``deleting`` or
+    ``foreign`` (stock DCP); ``canonical``: named exactly ``step_name(step)``."""
 
     name: str
     path: Path
@@ -119,47 +113,41 @@ class RootEntry:
         return self.status in ("ok", "damaged")
 
 
-def _committed_entry(path: Path) -> RootEntry:
-    name, step, size = path.name, step_in_name(path.name), dir_size(path)
-    canonical = parse_step(name) is not None
-    try:
-        head = header_of(committed.read_manifest(path))
-    except (CheckpointError, OSError, ValueError, RecursionError, MemoryError) as err:
-        detail = joined_lines(str(err)) or type(err).__name__
-        return RootEntry(name, path, step, "damaged", canonical, size=size, detail=detail)
-    step = head.record.step if step is None else step
-    metrics, metadata = dict(head.record.metrics), dict(head.metadata)
-    return RootEntry(name, path, step, "ok", canonical, head.created, size, metrics, metadata)
-
-
 def entry_of(path: Path) -> RootEntry | None:
     """The entry for one directory of a root, or None if it is not checkpoint-related."""
     kind = classify(path)
-    name, step = path.name, step_in_name(path.name)
-    if kind is Kind.QUARANTINED:
-        detail = "found unreadable by a manager and moved aside"
-        return RootEntry(name, path, step, "quarantined", size=dir_size(path), detail=detail)
+    if kind not in _ENTRIES:
+        return None
+    name, (status, detail) = path.name, _ENTRIES[kind]
+    entry = RootEntry(name, path, step_in_name(name), status, size=dir_size(path), detail=detail)
+    entry.canonical = kind in (Kind.COMMITTED, Kind.UNCOMMITTED) and parse_step(name) is not None
     if kind is Kind.TEMPORARY:
         deleting = naming.TRASH_INFIX in name
-        status = "deleting" if deleting else "uncommitted"
+        entry.status = "deleting" if deleting else "uncommitted"
         if _committed(path):
-            detail = "complete (committed): the next writer recovers it, never deletes it"
+            entry.detail = "complete (committed): the next writer recovers it, never deletes it"
         elif deleting:
-            detail = "a deletion in progress (or interrupted)"
-        else:
-            detail = "a save in progress, or one a crash interrupted"
-        return RootEntry(name, path, step, status, size=dir_size(path), detail=detail)
-    if kind is Kind.COMMITTED:
-        return _committed_entry(path)
-    if kind is Kind.UNCOMMITTED:
-        detail = "never committed: the COMMITTED marker is missing"
-        canonical = parse_step(name) is not None
-        return RootEntry(
-            name, path, step, "uncommitted", canonical, size=dir_size(path), detail=detail
-        )
-    if kind is Kind.STOCK_DCP:
-        return RootEntry(name, path, step, "foreign", size=dir_size(path), detail=kind.value)
-    return None
+            entry.detail = "a deletion in progress (or interrupted)"
+    elif kind is Kind.COMMITTED:
+        try:
+            head = header_of(committed.read_manifest(path))
+        except (CheckpointError, OSError, ValueError, RecursionError, MemoryError) as err:
+            entry.status, entry.detail = "damaged", joined_lines(str(err)) or type(err).__name__
+            return entry
+        entry.step = head.record.step if entry.step is None else entry.step
+        entry.time, entry.metrics = head.created, dict(head.record.metrics)
+        entry.metadata = dict(head.metadata)
+    return entry
+
+
+#: The status and detail of each kind of directory a root lists.
+_ENTRIES = {
+    Kind.QUARANTINED: ("quarantined", "found unreadable by a manager and moved aside"),
+    Kind.TEMPORARY: ("uncommitted", "a save in progress, or one a crash interrupted"),
+    Kind.COMMITTED: ("ok", ""),
+    Kind.UNCOMMITTED: ("uncommitted", "never committed: the COMMITTED marker is missing"),
+    Kind.STOCK_DCP: ("foreign", Kind.STOCK_DCP.value),
+}
 
 
 def root_entries(root: Path) -> list[RootEntry]:
@@ -190,16 +178,14 @@ def step_dirs(root: Path) -> Iterator[tuple[int, Path, int]]:
 
 
 def committed_steps(root: Path, exclude: Container[tuple[int, int]] = ()) -> dict[int, Path]:
-    """Every committed checkpoint of ``root`` by step, ascending (canonical ``step_N``
-    directories with a marker, less the ``(step, inode)`` pairs in ``exclude``): what
-    "the checkpoints of a root" means to every reader."""
+    """Every committed checkpoint of ``root`` by step, ascending, less the ``(step,
+    inode)`` pairs in ``exclude``: what "the checkpoints of a root" means to every reader."""
     found = {s: p for s, p, inode in step_dirs(root) if (s, inode) not in exclude}
     return {s: found[s] for s in sorted(found) if is_committed(found[s])}
 
 
 def newest_summary(root: Path) -> StepInfo | None:
-    """The newest committed checkpoint of ``root`` whose manifest reads (what a resume
-    would find, short of reading its tensors: :mod:`.resume`); None if none does."""
+    """The newest committed checkpoint of ``root`` whose manifest reads; None if none does."""
     for step, path in reversed(committed_steps(root).items()):
         try:
             return read_info(path, step)
@@ -217,17 +203,8 @@ def quarantined(root: Path) -> list[str]:
     return sorted(n for n in names if QUARANTINE_INFIX in n and n.startswith("step_"))
 
 
-class _Record(Protocol):
-    @property
-    def step(self) -> int: ...
-
-
-class _Selects(Protocol):
-    def select(self, records: Sequence[Any]) -> Iterable[int]: ...
-
-
 def kept_by(
-    parts: Sequence[tuple[str, _Selects]], records: Sequence[_Record]
+    parts: Sequence[tuple[str, RetentionPolicy]], records: Sequence[CheckpointLike]
 ) -> dict[int, list[str]]:
     """For each step, the labels of the policy parts that keep it ("latest" keeps the newest)."""
     out: dict[int, list[str]] = {r.step: [] for r in records}
@@ -240,8 +217,7 @@ def kept_by(
 
 
 def _leftover_manifest(path: Path) -> dict[str, Any] | None:
-    """The manifest of a leftover directory if its marker is whole and vouches for it
-    (a save killed while writing the marker leaves an empty or cut one)."""
+    """The manifest of a leftover directory if its marker is whole and vouches for it."""
     try:
         dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:

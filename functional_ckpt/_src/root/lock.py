@@ -1,8 +1,5 @@
-"""One writer per root: an exclusive ``flock`` on ``root/.lock``.
-
-``flock`` rather than an O_EXCL lock file because the kernel drops it when the
-holder dies, however it dies: a crashed writer's lock is simply taken over.
-"""
+"""One writer per root: an exclusive ``flock`` on ``root/.lock``, which the kernel
+drops when the holder dies, however it dies (an O_EXCL file would outlive a crash)."""
 
 from __future__ import annotations
 
@@ -18,8 +15,6 @@ from pathlib import Path
 
 from functional_ckpt._src.codec import documents
 from functional_ckpt.errors import CheckpointError
-
-__all__ = ["LOCK_FILE", "LOCK_GRACE_S", "WriterLock"]
 
 LOCK_FILE = ".lock"
 
@@ -71,12 +66,9 @@ def _open_lock_file(root: Path, path: Path) -> int:
 
 
 class WriterLock:
-    """An exclusive ``flock`` on ``root/.lock`` for the lifetime of a writer.
-
-    The content (pid, host, start time) is for the error message only; the file is
-    never removed (a second process could lock a fresh inode of the name) and is
-    opened without following links (a planted link cannot make it truncate a file).
-    """
+    """An exclusive ``flock`` on ``root/.lock`` for the lifetime of a writer. The file
+    (pid, host, start time: for messages) is never removed, lest a second process lock
+    a fresh inode of the name, and never opened through a link."""
 
     def __init__(self, root: Path) -> None:
         self.path = root / LOCK_FILE

@@ -1,10 +1,8 @@
 """Which checkpoint a run resumes from: the newest one that is actually readable.
 
-A resume never silently starts over and never loses a checkpoint: a damaged one is
-reported with a :class:`~functional_ckpt.errors.CheckpointWarning` and skipped for
-the previous one; a writer moves it aside (never deletes it), a reader remembers
-not to pick it again. A template or argument that does not fit raises at once, and
-checkpoints that exist but none readable raise rather than "nothing to resume"."""
+A damaged one is warned about and skipped (a writer moves it aside, a reader remembers
+it); a template or argument that does not fit raises at once, and checkpoints that
+exist but none readable raise rather than start fresh."""
 
 from __future__ import annotations
 
@@ -19,8 +17,6 @@ from functional_ckpt._src.log import warn
 from functional_ckpt._src.root.delete import quarantine
 from functional_ckpt._src.root.listing import StepInfo, dir_identity, quarantined, read_info
 from functional_ckpt.errors import CheckpointError, CheckpointWarning, is_damage
-
-__all__ = ["check_order", "newest_readable"]
 
 T = TypeVar("T")
 
@@ -42,20 +38,50 @@ def newest_readable(
     elsewhere: bool = False,
 ) -> tuple[tuple[StepInfo, T] | None, set[tuple[int, int]]]:
     """Read the newest of ``candidates()`` (``(step, path)``, listed again when one
-    vanishes while read) that ``read`` reads; returns (its summary and what ``read``
-    made of it, or None; the ``(step, inode)`` of each damaged one left in place).
+    vanishes while read) that ``read`` reads: (its summary and what ``read`` made of
+    it, or None; the ``(step, inode)`` of each damaged one left in place).
 
-    A damaged one is moved aside when ``move_aside``; ``stacklevel`` is the warnings'
-    as if issued here. ``elsewhere``: another tier holds an older intact step, so
-    none readable here is no error; otherwise that raises ``CheckpointError``.
+    ``elsewhere``: another tier holds an older intact step, so none readable here is
+    no error.
     """
     failures: list[str] = []
     bad: set[tuple[int, int]] = set()
+
+    def attempt() -> tuple[StepInfo, T] | None:
+        for step, path in sorted(candidates(), reverse=True):
+            before = dir_identity(path)
+            if before is not None and (step, before[0]) in bad:
+                continue  # found damaged already, on an earlier listing
+            try:
+                info = read_info(path, step)
+                state = read(path)
+            except Exception as err:
+                if not is_damage(err):
+                    raise  # the template or an argument is wrong, not the checkpoint
+                if before is None or dir_identity(path) != before:
+                    raise _Vanished from None  # pruned or replaced by the writer we follow
+                failures.append(f"  {path}: {err}")
+                moved = ""  # warned about, and never picked again
+                missing = isinstance(err, OSError) and err.errno == errno.ENOENT
+                if move_aside and (isinstance(err, CheckpointError) or missing):
+                    with contextlib.suppress(OSError):
+                        moved = f"; moved aside to {quarantine(root, path).name} (not deleted)"
+                if not moved:
+                    with contextlib.suppress(OSError):
+                        bad.add((step, os.stat(path).st_ino))
+                warn(
+                    f"{path}: checkpoint of step {step} is unreadable ({type(err).__name__}: {err})"
+                    f"{moved}; falling back to the previous checkpoint",
+                    CheckpointWarning,
+                    stacklevel=stacklevel + 1,  # one frame deeper than newest_readable
+                )
+                continue
+            return info, state
+        return None
+
     for _ in range(_RELISTS):
         try:
-            result = _try_candidates(
-                root, candidates(), read, failures, move_aside, bad, stacklevel
-            )
+            result = attempt()
             break
         except _Vanished:
             continue
@@ -76,47 +102,6 @@ def newest_readable(
             "them to start over"
         )
     return None, bad
-
-
-def _try_candidates(
-    root: Path,
-    candidates: Iterable[tuple[int, Path]],
-    read: Callable[[Path], T],
-    failures: list[str],
-    move_aside: bool,
-    bad: set[tuple[int, int]],
-    stacklevel: int,
-) -> tuple[StepInfo, T] | None:
-    for step, path in sorted(candidates, reverse=True):
-        before = dir_identity(path)
-        if before is not None and (step, before[0]) in bad:
-            continue  # found damaged already, on an earlier listing
-        try:
-            info = read_info(path, step)
-            state = read(path)
-        except Exception as err:
-            if not is_damage(err):
-                raise  # the template or an argument is wrong, not the checkpoint
-            if before is None or dir_identity(path) != before:
-                raise _Vanished from None  # pruned or replaced by the writer we follow: list again
-            failures.append(f"  {path}: {err}")
-            moved = ""  # warned about, and never picked again
-            missing = isinstance(err, OSError) and err.errno == errno.ENOENT
-            if move_aside and (isinstance(err, CheckpointError) or missing):
-                with contextlib.suppress(OSError):
-                    moved = f"; moved aside to {quarantine(root, path).name} (not deleted)"
-            if not moved:
-                with contextlib.suppress(OSError):
-                    bad.add((step, os.stat(path).st_ino))
-            warn(
-                f"{path}: checkpoint of step {step} is unreadable ({type(err).__name__}: {err})"
-                f"{moved}; falling back to the previous checkpoint",
-                CheckpointWarning,
-                stacklevel=stacklevel + 1,  # one frame deeper than newest_readable
-            )
-            continue
-        return info, state
-    return None
 
 
 def check_order(root: Path, step: int, latest: int | None) -> None:

@@ -1,12 +1,9 @@
 """Rolling a root back to an older step: the newer checkpoints move aside, crash-safely.
 
-The whole plan is written durably to ``root/.rollback`` before the first move; each
-move is one atomic ``rename`` with its directories fsynced; the plan is removed
-last, and a writer that finds one finishes it (moves are idempotent). So after any
-crash the rollback has not started or completes at the next open, and nothing is
-lost. Steps move in ascending order, so readers never see a latest step in between.
-Newer checkpoints go to a *branch*, ``root/branches/<name>/step_N`` (itself a valid
-root), or are deleted (out of sight first, like every deletion)."""
+The plan is written durably to ``root/.rollback`` before the first move (one atomic
+``rename`` each, ascending) and removed last; a writer that finds one finishes it, so
+after any crash the rollback has not started or completes at the next open. Newer
+checkpoints go to a branch, ``root/branches/<name>`` (a root itself), or are deleted."""
 
 from __future__ import annotations
 
@@ -26,9 +23,6 @@ from functional_ckpt._src.format.kind import is_committed
 from functional_ckpt._src.format.naming import BRANCHES_DIR, EXPORTS_DIR, parse_step, step_name
 from functional_ckpt._src.storage import commit, durable, opener
 from functional_ckpt.errors import CheckpointError, CheckpointExists
-
-__all__ = ["BRANCHES_DIR", "INTENT_FILE", "RollbackPlan", "begin", "branches", "check_request"]
-__all__ += ["finish", "new_branch", "run"]
 
 #: The durable record of a rollback in progress.
 INTENT_FILE = ".rollback"
@@ -160,7 +154,7 @@ def finish(root: Path) -> RollbackPlan | None:
     if plan.newer == "branch":
         assert plan.branch is not None
         target = root / BRANCHES_DIR / plan.branch
-        _makedirs(target / EXPORTS_DIR, stop=root)
+        durable.make_dirs(target / EXPORTS_DIR)
         for name in plan.names:
             _move(root / name, target / name)
             _move(root / EXPORTS_DIR / name, target / EXPORTS_DIR / name)
@@ -191,18 +185,6 @@ def _move(src: Path, dst: Path) -> None:
     os.rename(src, dst)
     durable.fsync_dir(dst.parent)
     durable.fsync_dir(src.parent)
-
-
-def _makedirs(path: Path, stop: Path) -> None:
-    """``mkdir -p`` that fsyncs the parent of every directory it creates."""
-    missing: list[Path] = []
-    p = path
-    while p != stop and not p.exists():
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        d.mkdir()
-        durable.fsync_dir(d.parent)
 
 
 def branches(root: Path) -> dict[str, list[int]]:

@@ -1,9 +1,7 @@
-"""The run a root holds: a random id made when the first writer opens it, kept in the root.
-
-Every checkpoint records it, so a tier outside the root (the folder in RAM) is
-resumed only when it holds this run's checkpoints. The file has no leading dot, so
-emptying a root by hand (``rm -rf ckpt/*``) starts a new run. Its secret, readable
-by the owner only, names the memory tier's folder unpredictably."""
+"""The run a root holds: a random id made by its first writer and recorded in every
+checkpoint, so a tier outside the root (RAM) is resumed only when it holds this run's.
+No leading dot: ``rm -rf ckpt/*`` starts a new run. Its secret (owner-only) names the
+memory tier's folder unpredictably."""
 
 from __future__ import annotations
 
@@ -16,8 +14,6 @@ from pathlib import Path
 
 from functional_ckpt._src.storage import durable, opener
 from functional_ckpt.errors import CheckpointError
-
-__all__ = ["RUN_FILE", "Run", "open_run", "read_run"]
 
 #: In a root: its run's id and the secret naming its memory tier's folder.
 RUN_FILE = "run.json"
@@ -43,8 +39,8 @@ def read_run(root: Path) -> Run | None:
 
 
 def open_run(root: Path, *, new_secret: bool = False) -> tuple[Run, bool]:
-    """The run of ``root`` (a writer's, under its lock), made and recorded if there is
-    none; and whether it was made now. ``new_secret`` keeps the id, draws a new secret."""
+    """The run of ``root`` (under the writer's lock), made and recorded if there is none;
+    and whether it was made now. ``new_secret`` keeps the id, draws a new secret."""
     run = read_run(root)
     made = run is None
     if run is None or new_secret:

@@ -1,7 +1,5 @@
-"""What a checkpoint root holds, as a manager sees it: its steps, their records, its
-branches. Read-only queries, shared by every manager of a root; the manager adds
-writing, resuming and locking on top.
-"""
+"""A checkpoint root as a manager sees it: steps, records, branches (read-only queries;
+the manager adds writing, resuming and locking)."""
 
 from __future__ import annotations
 
@@ -15,13 +13,9 @@ from functional_ckpt._src.root import rollback
 from functional_ckpt._src.root.listing import StepInfo, Summaries, committed_steps, step_dirs
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
-__all__ = ["RootView", "check_root"]
-
 
 def check_root(root: Path) -> None:
-    """Refuse a root that is a file, a checkpoint or inside one: a manager would write
-    into a committed checkpoint (a slip for its parent), which would then fail
-    verification."""
+    """Refuse a root that is a file, a checkpoint or inside one (a slip for its parent)."""
     found = classify(root, by_name=False)
     if found is Kind.NOT_A_DIRECTORY:
         raise CheckpointError(f"{root}: a file, not a directory of checkpoints")
@@ -52,8 +46,7 @@ class RootView:
         return self.root / step_name(step)
 
     def candidates(self) -> Iterator[tuple[int, Path]]:
-        """Every canonical ``step_N`` directory not known to be unreadable (what a resume
-        tries, newest first)."""
+        """Every canonical ``step_N`` directory not known to be unreadable."""
         for step, path, inode in step_dirs(self.root):
             if (step, inode) not in self._bad:
                 yield step, path
@@ -67,8 +60,7 @@ class RootView:
         return max(self.steps(), default=None)
 
     def found_unreadable(self, damaged: set[tuple[int, int]]) -> None:
-        """Leave these ``(step, directory inode)`` out from now on (a reader found them
-        damaged and left them where they are)."""
+        """Leave these ``(step, directory inode)`` out from now on (found damaged)."""
         self._bad |= damaged
 
     def forget(self, steps: list[int]) -> None:
@@ -108,8 +100,7 @@ class RootView:
         return next(iter(best_steps(self.infos(), metric, mode)), None)
 
     def branches(self) -> dict[str, list[int]]:
-        """Branches left by :meth:`rollback` (roots of their own, ``root/branches/<name>``),
-        each with its committed steps."""
+        """Branches left by rollbacks (roots of their own), each with its committed steps."""
         return rollback.branches(self.root)
 
     def branch_root(self, name: str) -> Path:
