@@ -91,7 +91,9 @@ class _Manifested:
             world=self.topo.world,
             parts=frozenset() if self.sparse else None,
         )
-        selected, wanted = select(view.parsed, view.template, partial=req.partial, cast=req.cast)
+        selected, wanted = select(
+            view.parsed, view.template, partial=req.partial, cast=req.cast, specs=self.sparse
+        )  # read_leaves checks the tensors' specs; a collective read has DTensors it does not
         extra = [] if view.mine is None else list(iter_leaves(view.mine))
         return Match(view.parsed.root, view.parsed, selected, wanted, view.template is None, extra)
 
@@ -106,6 +108,7 @@ class _Manifested:
             inplace=req.inplace,
             device=req.device,
             placeholders=req.placeholders,
+            cast=req.cast,
         )
         return leaves + match.resharded
 

@@ -10,23 +10,24 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from functional_ckpt._src.codec.table import TORCH_DTYPES
 from functional_ckpt._src.distributed.topology import is_dtensor
 from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
-from functional_ckpt._src.format.manifest import TensorEntry, dtype_name
 from functional_ckpt._src.format.view import ParsedCheckpoint
-from functional_ckpt._src.restore.read import read_leaves, rebuild
+from functional_ckpt._src.restore.read import mismatch, read_leaves, rebuild, spec_problem
 from functional_ckpt._src.state.tree import Leaf, as_state, leaves_of, root_record
 from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import TemplateMismatch
 
 if TYPE_CHECKING:
     from tensordict import TensorDict, TensorDictBase
+
+_PATH_KIND, _VALUE = itemgetter(0, 1), itemgetter(2)
 
 #: ``reshard(saved, rank, world_size)``: this rank's per-rank subtrees from every saving rank's.
 Reshard = Callable[[list["TensorDict"], int, int], Any]
@@ -52,6 +53,9 @@ class Template:
         """Whether a leaf is a DTensor (its shards are read collectively)."""
         if "torch.distributed.tensor" not in sys.modules:  # no DTensor was ever made
             return False
+        # the leaves' types first: a set made in C, where a per-leaf test is not
+        if not any(t.__name__ == "DTensor" for t in set(map(type, map(_VALUE, self.leaves)))):
+            return False
         return any(lf.kind == "tensor" and is_dtensor(lf.value) for lf in self.leaves)
 
     def without(self, roots: list[KeyPath]) -> Template:
@@ -66,32 +70,24 @@ def select(
     *,
     partial: bool,
     cast: bool,
+    specs: bool = True,
 ) -> tuple[list[tuple[KeyPath, str]], dict[KeyPath, torch.Tensor]]:
-    """Match saved entries to the template; every mismatch is listed in one error."""
+    """Match saved entries to the template; every mismatch is listed in one error.
+
+    Without ``specs`` a template of the tree that was saved is matched by its keys
+    alone: :func:`~.read.read_leaves` checks each tensor's dtype and shape where
+    it looks at the template leaf anyway.
+    """
     if template is None:
         return parsed.order, {}
-    leaves = template.leaves
-    problems: list[str] = []
-    targets: dict[KeyPath, torch.Tensor] = {}
-    tensors = parsed.tensors
-    if len(leaves) == len(parsed.order):  # the common case: the tree that was saved
-        for (p, what, t), (q, saved) in zip(leaves, parsed.order, strict=True):
-            if p != q or what != saved:
-                targets.clear()
-                problems.clear()
-                break
-            if what == "tensor":
-                e = tensors[p]
-                if t.shape == e.shape and (cast or t.dtype is TORCH_DTYPES.get(e.dtype_name)):
-                    targets[p] = t
-                else:
-                    _match_tensor(p, e, t, cast, problems, targets)
-        else:
-            if problems:
-                raise TemplateMismatch(
-                    "the checkpoint does not fit the template:\n" + "\n".join(problems)
-                )
-            return list(parsed.order), targets
+    leaves, tensors = template.leaves, parsed.tensors
+    if len(leaves) == len(parsed.order) and list(map(_PATH_KIND, leaves)) == parsed.order:
+        targets: dict[KeyPath, torch.Tensor] = {p: t for p, k, t in leaves if k == "tensor"}
+        if specs and (
+            bad := [x for p, t in targets.items() if (x := spec_problem(tensors[p], t, cast))]
+        ):
+            raise mismatch(bad)
+        return list(parsed.order), targets
     tleaves = {leaf.path: leaf for leaf in leaves}
     # the empty nodes, filled from the checkpoint: a node's children follow it at once
     fill = [
@@ -100,6 +96,8 @@ def select(
         if lf.kind == "node" and (i + 1 == len(leaves) or leaves[i + 1].path[:-1] != lf.path)
     ]
     saved_kinds = dict(parsed.order)
+    problems: list[str] = []
+    targets = {}
     for p, leaf in tleaves.items():
         kind = saved_kinds.get(p)
         if kind is None and p[-1] == NODE_KEY:
@@ -109,7 +107,11 @@ def select(
         elif kind != leaf.kind:
             problems.append(f"  {format_path(p)}: saved as a {kind}, template has a {leaf.kind}")
         elif kind == "tensor":
-            _match_tensor(p, tensors[p], leaf.value, cast, problems, targets)
+            problem = spec_problem(tensors[p], leaf.value, cast)
+            if problem is None:
+                targets[p] = leaf.value
+            else:
+                problems.append(problem)
 
     def wanted(p: KeyPath) -> bool:
         if p in tleaves or any(p[: len(f)] == f for f in fill):
@@ -122,7 +124,7 @@ def select(
     selected: list[tuple[KeyPath, str]] = []
     extra: list[KeyPath] = []
     for p, k in parsed.order:  # each saved entry asked once
-        if p in tleaves or wanted(p):
+        if wanted(p):
             selected.append((p, k))
         else:
             extra.append(p)
@@ -135,26 +137,8 @@ def select(
         if len(extra) > 50:
             problems.append(f"  ... and {len(extra) - 50} more")
     if problems:
-        raise TemplateMismatch("the checkpoint does not fit the template:\n" + "\n".join(problems))
+        raise mismatch(problems)
     return selected, targets
-
-
-def _match_tensor(
-    p: KeyPath,
-    e: TensorEntry,
-    t: torch.Tensor,
-    cast: bool,
-    problems: list[str],
-    targets: dict[KeyPath, torch.Tensor],
-) -> None:
-    """Take template leaf ``t`` as the target of saved tensor ``e``, or say why not."""
-    both = f"  {format_path(p)}: saved {e.spec}, template {dtype_name(t.dtype)}{list(t.shape)}"
-    if t.shape != e.shape:  # a torch.Size is a tuple
-        problems.append(f"{both} (shape differs)")
-    elif t.dtype != e.dtype and not cast:
-        problems.append(f"{both} (dtype differs; pass cast=True to convert)")
-    else:
-        targets[p] = t
 
 
 def per_rank_check(parsed: ParsedManifest, selected: list[tuple[KeyPath, str]], world: int) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 import torch
@@ -53,6 +53,8 @@ def _contains_tensor(value: object) -> bool:
     seen: set[int] = set()
     while stack:
         item = stack.pop()
+        if type(item) in _ATOMS:
+            continue
         if isinstance(item, torch.Tensor) or is_tensordict(item):
             return True
         if isinstance(item, dict | list | tuple):
@@ -131,21 +133,19 @@ def _python_leaves(value: Any, path: KeyPath, _active: frozenset[int], out: list
     _active = _active | {id(value)}
     if record is not None:
         out.append(Leaf((*path, NODE_KEY), "value", record))
-    new, tensor = tuple.__new__, torch.Tensor  # a leaf per item: made without Leaf's __new__
+    new, tensor, add = tuple.__new__, torch.Tensor, out.append  # Leaf's __new__ is slower
     for name, v in items:
         p = (*path, name)
         if isinstance(v, tensor):
-            out.append(new(Leaf, (p, "tensor", v)))
-        elif type(v) in _ATOMS:
-            out.append(new(Leaf, (p, "value", v)))
+            add(new(Leaf, (p, "tensor", v)))
+        elif type(v) in _ATOMS or not _is_subtree(v):
+            add(new(Leaf, (p, "value", v)))
         elif is_tensordict(v):
-            out.append(Leaf(p, "node", node_record(v)))
+            add(Leaf(p, "node", node_record(v)))
             out.extend(iter_leaves(v, p))
-        elif _is_subtree(v):
-            out.append(Leaf(p, "node", None))
-            _python_leaves(v, p, _active, out)
         else:
-            out.append(new(Leaf, (p, "value", v)))
+            add(Leaf(p, "node", None))
+            _python_leaves(v, p, _active, out)
 
 
 #: Leaves that are never a subtree, told apart at once (most values of a state).
@@ -154,16 +154,19 @@ _ATOMS = frozenset({int, float, str, bool, type(None), bytes})
 
 def _is_subtree(v: object) -> bool:
     """Whether a container's item becomes a node of the tree (else a single leaf)."""
-    return (
-        (type(v) is dict and all(type(k) is str for k in v))
-        or is_tensordict(v)
-        or _contains_tensor(v)
-    )
+    return (type(v) is dict and _str_keys(v)) or is_tensordict(v) or _contains_tensor(v)
+
+
+def _str_keys(d: Mapping[Any, Any]) -> bool:
+    return set(map(type, d)) <= _STR  # the keys' types gathered in C: a state has many keys
+
+
+_STR = frozenset({str})
 
 
 def _node_items(
     value: Any, path: KeyPath, _active: frozenset[int]
-) -> tuple[dict[str, Any] | None, list[tuple[str, Any]]]:
+) -> tuple[dict[str, Any] | None, Iterable[tuple[str, Any]]]:
     """A Python container as a node: its record (None for a plain dict) and named items.
 
     Every rule of :func:`from_python` about which containers a tree may hold is
@@ -180,12 +183,11 @@ def _node_items(
             f"allows key paths of at most {LIMITS.key_depth} keys"
         )
     record: dict[str, Any] | None = None
-    if isinstance(value, dict) and all(type(k) is str for k in value):
+    if isinstance(value, dict) and _str_keys(value):
         if NODE_KEY in value:
             raise UnsupportedValue(
                 f"state[{format_path(path)}]: the key {NODE_KEY!r} is reserved by functional_ckpt"
             )
-        items: list[tuple[str, Any]] = list(value.items())
         if type(value) is OrderedDict:
             # a module's state_dict: keep its type and its per-module version metadata
             record = {"kind": "OrderedDict"}
@@ -197,7 +199,7 @@ def _node_items(
                 f"state[{format_path(path)}]: {type(value).__name__} is not supported "
                 "(only dict and OrderedDict mappings keep their type)"
             )
-        return record, items
+        return record, value.items()
     if type(value) in (list, tuple) or isinstance(value, dict):
         if isinstance(value, dict):
             keys = list(value.keys())
