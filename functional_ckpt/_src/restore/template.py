@@ -8,8 +8,10 @@ positions) are this rank's, or mapped by ``reshard`` when the world size changed
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from itertools import compress
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
@@ -20,48 +22,113 @@ from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.format.view import ParsedCheckpoint
 from functional_ckpt._src.restore.read import mismatch, read_leaves, rebuild, spec_problem
-from functional_ckpt._src.state.tree import Leaf, as_state, leaves_of, root_record
+from functional_ckpt._src.state.tree import (
+    ATOMS,
+    Leaf,
+    as_state,
+    is_subtree,
+    leaves_of,
+    root_record,
+)
 from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import TemplateMismatch
 
 if TYPE_CHECKING:
     from tensordict import TensorDict, TensorDictBase
 
-_PATH_KIND, _VALUE = itemgetter(0, 1), itemgetter(2)
+_PATH_KIND = itemgetter(0, 1)
 
 #: ``reshard(saved, rank, world_size)``: this rank's per-rank subtrees from every saving rank's.
 Reshard = Callable[[list["TensorDict"], int, int], Any]
 
 
-@dataclass(frozen=True)
+@dataclass
 class Template:
-    """``like`` or ``out`` as a restore uses it: its leaves, walked once, and its root's record.
+    """``like`` or ``out`` as a restore uses it: the state as given, and its root's record.
 
     A restore only matches and reads by key path, so the template is never rebuilt
-    as a tree: a ``state_dict`` of plain containers is walked as it is.
+    as a tree, and its leaves are walked only where a plain walk beside the saved
+    entries does not match it (:func:`select`).
     """
 
-    leaves: list[Leaf]
+    state: Any  # None: made from ``known`` leaves
     root: dict[str, Any] | None = None
+    known: list[Leaf] | None = None
 
     @classmethod
     def of(cls, state: TensorDictBase | Mapping[str, Any]) -> Template:
-        return cls(leaves_of(state), root_record(state))
+        return cls(state, root_record(state))
+
+    @property
+    def leaves(self) -> list[Leaf]:
+        if self.known is None:
+            self.known = leaves_of(self.state)
+        return self.known
 
     @property
     def has_dtensor(self) -> bool:
         """Whether a leaf is a DTensor (its shards are read collectively)."""
         if "torch.distributed.tensor" not in sys.modules:  # no DTensor was ever made
             return False
-        # the leaves' types first: a set made in C, where a per-leaf test is not
-        if not any(t.__name__ == "DTensor" for t in set(map(type, map(_VALUE, self.leaves)))):
+        if self.known is None and isinstance(self.state, Mapping) and _plain(self.state):
             return False
         return any(lf.kind == "tensor" and is_dtensor(lf.value) for lf in self.leaves)
 
     def without(self, roots: list[KeyPath]) -> Template:
         """The template minus the subtrees under ``roots``' first keys (per-rank state)."""
         names = {r[0] for r in roots}
-        return Template([lf for lf in self.leaves if lf.path[0] not in names], self.root)
+        return Template(None, self.root, [lf for lf in self.leaves if lf.path[0] not in names])
+
+
+def _plain(state: Mapping[str, Any]) -> bool:
+    """Whether a tree of Python containers surely holds no DTensor (nor a TensorDict,
+    that may): its values' types, gathered in C a container at a time."""
+    td = sys.modules.get("tensordict")
+    stack, seen = [state], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue  # a container that contains itself: refused by the walk
+        seen.add(id(node))
+        values = list(node.values()) if isinstance(node, Mapping) else node
+        types = set(map(type, values))
+        for t in types - _SAFE:
+            if t.__name__ == "DTensor" or (td and issubclass(t, td.TensorDictBase)):
+                return False
+        if not types.isdisjoint(_NESTED):
+            stack.extend(compress(values, map(_NESTED.__contains__, map(type, values))))
+    return True
+
+
+_NESTED = frozenset({dict, OrderedDict, list, tuple})
+_SAFE = _NESTED | ATOMS | {torch.Tensor}
+_END = ((), "")
+
+
+def _saved_tree(state: Any, order: list[tuple[KeyPath, str]]) -> dict[KeyPath, Any] | None:
+    """The tensors of a template of plain dicts that holds the tree that was saved, key
+    for key, found by one walk beside the saved entries; None where it is not such a
+    template (it is then matched leaf by leaf, and any fault named)."""
+    entries, targets = iter(order), dict[KeyPath, Any]()
+
+    def walk(node: dict[str, Any], depth: int) -> bool:
+        for name, v in node.items():
+            p, kind = next(entries, _END)
+            if len(p) != depth or p[-1] != name:
+                return False
+            if kind == "tensor":
+                if not isinstance(v, torch.Tensor):
+                    return False
+                targets[p] = v
+            elif kind == "node":
+                if type(v) is not dict or not walk(v, depth + 1):
+                    return False
+            elif name == NODE_KEY or (type(v) not in ATOMS and is_subtree(v)):
+                return False
+        return True
+
+    plain = type(state) is dict and walk(state, 1) and next(entries, None) is None
+    return targets if plain else None
 
 
 def select(
@@ -80,14 +147,18 @@ def select(
     """
     if template is None:
         return parsed.order, {}
-    leaves, tensors = template.leaves, parsed.tensors
-    if len(leaves) == len(parsed.order) and list(map(_PATH_KIND, leaves)) == parsed.order:
-        targets: dict[KeyPath, torch.Tensor] = {p: t for p, k, t in leaves if k == "tensor"}
+    tensors = parsed.tensors
+    found = None if template.known is not None else _saved_tree(template.state, parsed.order)
+    if found is None and list(map(_PATH_KIND, template.leaves)) == parsed.order:
+        found = {p: t for p, k, t in template.leaves if k == "tensor"}  # compared in C above
+    if found is not None:  # the tree that was saved
+        targets: dict[KeyPath, torch.Tensor] = found
         if specs and (
             bad := [x for p, t in targets.items() if (x := spec_problem(tensors[p], t, cast))]
         ):
             raise mismatch(bad)
-        return list(parsed.order), targets
+        return parsed.order, targets
+    leaves = template.leaves
     tleaves = {leaf.path: leaf for leaf in leaves}
     # the empty nodes, filled from the checkpoint: a node's children follow it at once
     fill = [

@@ -53,7 +53,7 @@ def _contains_tensor(value: object) -> bool:
     seen: set[int] = set()
     while stack:
         item = stack.pop()
-        if type(item) in _ATOMS:
+        if type(item) in ATOMS:
             continue
         if isinstance(item, torch.Tensor) or is_tensordict(item):
             return True
@@ -63,13 +63,6 @@ def _contains_tensor(value: object) -> bool:
             seen.add(id(item))
             stack.extend(item.values() if isinstance(item, dict) else item)
     return False
-
-
-def _leaf(value: object, path: KeyPath) -> NonTensorData:
-    # Values are checked by the codec when saved, where the key path is known too.
-    from tensordict import NonTensorData
-
-    return NonTensorData(data=value, batch_size=[])
 
 
 def from_python(
@@ -86,7 +79,7 @@ def from_python(
     that contains itself has no tree form and is refused, as is a tree deeper than
     the format's key paths, before Python's recursion limit is reached.
     """
-    from tensordict import TensorDict
+    from tensordict import NonTensorData, TensorDict
 
     if is_tensordict(value):
         return value  # type: ignore[return-value]
@@ -95,14 +88,14 @@ def from_python(
     # Gathered first and made one TensorDict: a ``set`` per key costs ten times more.
     out: dict[str, Any] = {}
     if record is not None:
-        out[NODE_KEY] = _leaf(record, (*path, NODE_KEY))
+        out[NODE_KEY] = NonTensorData(data=record, batch_size=[])
     for name, v in items:
         if isinstance(v, torch.Tensor):
             out[name] = v
-        elif _is_subtree(v):
+        elif is_subtree(v):
             out[name] = from_python(v, (*path, name), _active)
         else:
-            out[name] = _leaf(v, (*path, name))
+            out[name] = NonTensorData(data=v, batch_size=[])  # checked by the codec when saved
     return TensorDict(out, batch_size=[])
 
 
@@ -138,7 +131,7 @@ def _python_leaves(value: Any, path: KeyPath, _active: frozenset[int], out: list
         p = (*path, name)
         if isinstance(v, tensor):
             add(new(Leaf, (p, "tensor", v)))
-        elif type(v) in _ATOMS or not _is_subtree(v):
+        elif type(v) in ATOMS or not is_subtree(v):
             add(new(Leaf, (p, "value", v)))
         elif is_tensordict(v):
             add(Leaf(p, "node", node_record(v)))
@@ -149,10 +142,10 @@ def _python_leaves(value: Any, path: KeyPath, _active: frozenset[int], out: list
 
 
 #: Leaves that are never a subtree, told apart at once (most values of a state).
-_ATOMS = frozenset({int, float, str, bool, type(None), bytes})
+ATOMS = frozenset({int, float, str, bool, type(None), bytes})
 
 
-def _is_subtree(v: object) -> bool:
+def is_subtree(v: object) -> bool:
     """Whether a container's item becomes a node of the tree (else a single leaf)."""
     return (type(v) is dict and _str_keys(v)) or is_tensordict(v) or _contains_tensor(v)
 
