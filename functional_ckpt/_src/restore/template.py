@@ -11,7 +11,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from itertools import compress
+from itertools import compress, islice
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
@@ -102,7 +102,6 @@ def _plain(state: Mapping[str, Any]) -> bool:
 
 _NESTED = frozenset({dict, OrderedDict, list, tuple})
 _SAFE = _NESTED | ATOMS | {torch.Tensor}
-_END = ((), "")
 
 
 def _saved_tree(state: Any, order: list[tuple[KeyPath, str]]) -> dict[KeyPath, Any] | None:
@@ -112,8 +111,8 @@ def _saved_tree(state: Any, order: list[tuple[KeyPath, str]]) -> dict[KeyPath, A
     entries, targets = iter(order), dict[KeyPath, Any]()
 
     def walk(node: dict[str, Any], depth: int) -> bool:
-        for name, v in node.items():
-            p, kind = next(entries, _END)
+        # as many saved entries as the node has items (fewer left: ValueError, below)
+        for (name, v), (p, kind) in zip(node.items(), islice(entries, len(node)), strict=True):
             if len(p) != depth or p[-1] != name:
                 return False
             if kind == "tensor":
@@ -127,7 +126,10 @@ def _saved_tree(state: Any, order: list[tuple[KeyPath, str]]) -> dict[KeyPath, A
                 return False
         return True
 
-    plain = type(state) is dict and walk(state, 1) and next(entries, None) is None
+    try:
+        plain = type(state) is dict and walk(state, 1) and next(entries, None) is None
+    except ValueError:  # the template has more than was saved
+        return None
     return targets if plain else None
 
 

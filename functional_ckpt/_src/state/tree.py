@@ -330,18 +330,18 @@ def as_state(value: State) -> TensorDictBase:
 
 
 def _gather(
-    leaves: list[Leaf], root: Mapping[str, Any] | None, value: Callable[[Leaf, Any], Any]
+    leaves: list[Leaf], root: Mapping[str, Any] | None, wrap: Callable[[Any, Any], Any] | None
 ) -> tuple[dict[KeyPath, dict[str, Any]], dict[KeyPath, Any], list[KeyPath]]:
-    """Each node's entries (``value(leaf, its node's record)`` per value leaf), each node's
-    record, and the nodes below the root, parents before children."""
-    kids: dict[KeyPath, dict[str, Any]] = {(): {}}
+    """Each node's entries (a value as ``wrap(value, its node's record)``, or as it is),
+    each node's record, and the nodes below the root, parents before children."""
+    top: dict[str, Any] = {}
+    kids: dict[KeyPath, dict[str, Any]] = {(): top}
     records: dict[KeyPath, Any] = {(): root}
     made: list[KeyPath] = []
-    for leaf in leaves:
-        path = leaf.path
-        parent = kids.get(path[:-1])
+    for path, kind, v in leaves:
+        parent = top if len(path) == 1 else kids.get(path[:-1])
         if parent is None:  # a parent omitted by a partial restore
-            parent = kids[()]
+            parent = top
             for i in range(1, len(path)):
                 sub = path[:i]
                 if sub not in kids:
@@ -350,16 +350,13 @@ def _gather(
                     records[sub] = None
                     made.append(sub)
                 parent = kids[sub]
-        name = path[-1]
-        if leaf.kind == "node":
-            parent[name] = None
+        if kind == "node":
+            parent[path[-1]] = None
             kids[path] = {}
-            records[path] = leaf.value
+            records[path] = v
             made.append(path)
-        elif leaf.kind == "value":
-            parent[name] = value(leaf, records[path[:-1]])
         else:
-            parent[name] = leaf.value
+            parent[path[-1]] = v if wrap is None or kind != "value" else wrap(v, records[path[:-1]])
     return kids, records, made
 
 
@@ -372,8 +369,8 @@ def unflatten(leaves: list[Leaf], root: Mapping[str, Any] | None = None) -> Tens
     """
     from tensordict import NonTensorData
 
-    def value(leaf: Leaf, record: Any) -> NonTensorData:
-        return NonTensorData(data=leaf.value, batch_size=record["batch_size"] if record else [])
+    def value(v: Any, record: Any) -> NonTensorData:
+        return NonTensorData(data=v, batch_size=record["batch_size"] if record else [])
 
     kids, records, made = _gather(leaves, root, value)
     for path in reversed(made):
@@ -386,7 +383,7 @@ def unflatten(leaves: list[Leaf], root: Mapping[str, Any] | None = None) -> Tens
 def unflatten_python(leaves: list[Leaf]) -> Any:
     """``to_python(unflatten(leaves))``, made without a TensorDict: what a restore into a
     template of plain containers returns (batch sizes, a TensorDict's alone, are dropped)."""
-    kids, _, made = _gather(leaves, None, lambda leaf, record: leaf.value)
+    kids, _, made = _gather(leaves, None, None)
     for path in reversed(made):
         kids[path[:-1]][path[-1]] = _python_node(kids[path])
     return _python_node(kids[()])
