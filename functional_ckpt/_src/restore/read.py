@@ -1,9 +1,5 @@
-"""Reading matched entries: new tensors (or ``out``'s), every byte checked, the tree rebuilt.
-
-The destination of a tensor is a new tensor shaped by its template leaf (its
-dtype and device), so a restore never writes what it was given; only an explicit
-in-place restore (``out=``) reads into the given tensors.
-"""
+"""Reading matched entries into new tensors shaped by their template leaves, every byte
+checked: a restore never writes what it was given, except ``out=``'s tensors."""
 
 from __future__ import annotations
 
@@ -46,12 +42,9 @@ class _FileReads:
 
 @dataclass(slots=True)
 class Reads:
-    """The reads of one restore, by file, and the copies to make once they are checked.
-
-    Each tensor is planned on its own (:meth:`add`), and every file is then read
-    with one call per run of its blobs (:meth:`run`), so that the per-tensor cost
-    of a state of many small tensors is one allocation and one check.
-    """
+    """The reads of one restore, by file, and the copies to make once they are checked:
+    each file is read with one call per run of its blobs, so a small tensor costs one
+    allocation and one check."""
 
     by_file: dict[str, _FileReads] = field(default_factory=dict)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -76,15 +69,10 @@ class Reads:
         device: torch.device,
         cast: bool = False,
     ) -> torch.Tensor:
-        """Plan the reads of ``entry``; returns the tensor its bytes end up in.
-
-        A new tensor takes the template leaf's dtype on its device (``device`` for
-        ``meta`` leaves and none), and the bytes land in it directly when it is host
-        memory of the saved dtype. Only ``inplace`` restores (``out=``) land in the
-        template's own tensors. A template leaf of another shape (or, without
-        ``cast``, dtype) is listed in :attr:`problems`: the one look at a template
-        leaf that its read needs anyway checks it.
-        """
+        """Plan the reads of ``entry`` into a new tensor of the template leaf's dtype and
+        device (``device`` for ``meta`` leaves and none), or ``inplace`` into the leaf;
+        returns it. A leaf that does not fit is listed in :attr:`problems`: the look
+        its read takes at it anyway checks it."""
         chunks = entry.chunks
         c = chunks[0] if len(chunks) == 1 else None
         saved = torch_dtype(entry.dtype_name)
@@ -219,11 +207,9 @@ def read_leaves(
 ) -> list[Leaf]:
     """Read the selected entries into leaves, in the manifest's order.
 
-    ``wanted`` maps key paths to template leaves: their dtype and device shape the
-    result, and with ``inplace`` their storage receives it; one whose shape (or,
-    without ``cast``, dtype) differs is refused, all of them in one error, before
-    anything is read. A value of a class this process has not registered is
-    refused unless ``placeholders`` (a reader that only looks) keeps it as it was read.
+    ``wanted``: template leaves by key path, whose dtype and device (``inplace``: whose
+    storage) receive them; every one that does not fit is named in one error before
+    anything is read. Values of unregistered classes are refused unless ``placeholders``.
     """
     reads = Reads()
     tensors = parsed.tensors
@@ -280,12 +266,8 @@ def _require_grad(t: torch.Tensor, like: torch.Tensor | None, inplace: bool, sav
 def refuse_unregistered(
     src: Path, parsed: ParsedManifest, selected: list[tuple[KeyPath, str]]
 ) -> None:
-    """Refuse to restore a placeholder for a class this process has not registered.
-
-    A placeholder in a training state would only fail later, far from the cause
-    (or be saved over the real value), so the restore stops here and says which
-    class to register; ``fc.inspect`` shows such values as they are.
-    """
+    """Refuse a placeholder for an unregistered class: in a training state it would fail
+    later, far from the cause, or be saved over the real value."""
     for p, kind in selected:
         if kind != "value":
             continue

@@ -44,12 +44,8 @@ Reshard = Callable[[list["TensorDict"], int, int], Any]
 
 @dataclass
 class Template:
-    """``like`` or ``out`` as a restore uses it: the state as given, and its root's record.
-
-    A restore only matches and reads by key path, so the template is never rebuilt
-    as a tree, and its leaves are walked only where a plain walk beside the saved
-    entries does not match it (:func:`select`).
-    """
+    """``like`` or ``out`` as given, and its root's record: never rebuilt as a tree, its
+    leaves walked only where one walk beside the saved entries does not match it."""
 
     state: Any  # None: made from ``known`` leaves
     root: dict[str, Any] | None = None
@@ -247,14 +243,9 @@ def rank_view(
     world: int,
     parts: frozenset[int] | None = None,
 ) -> RankView:
-    """Pick this rank's per-rank state, or map it with ``reshard`` on a new world size.
-
-    Without ``reshard`` a different world size refuses per-rank state the caller
-    asks for (explicitly by the template, or implicitly by a template-free, full
-    restore). Every view comes from the one parse ``parsed``; ``parts`` limits the
-    chunks of a split manifest's evenly split tensors to those parts' (none: every
-    chunk), so that only the parts a rank reads are read.
-    """
+    """This rank's per-rank state, or every rank's mapped by ``reshard`` on a new world
+    size (without it, per-rank state asked for is refused there). ``parts`` limits the
+    split tensors' chunks to those parts' (none: every chunk), so only they are read."""
     mine_parsed = parsed.view(rank, parts)
     if mine_parsed.world_size == world or not mine_parsed.per_rank_roots:
         return RankView(mine_parsed, template)  # the common case

@@ -1,16 +1,10 @@
 """The state as a tree: conversion from Python containers, key paths, flattening.
 
-A training state is a locked ``TensorDict`` whose leaves are tensors or
-``NonTensorData`` holding plain Python values. Python containers that TensorDict
-cannot express (lists, tuples, dicts with int keys, such as an optimizer's
-``state``) become sub-TensorDicts that carry one extra non-tensor leaf,
-:data:`NODE_KEY`, recording the original container kind and keys. That record is
-ordinary data, so save and restore need no special case for it; only
-:func:`from_python` and :func:`to_python` read it.
-
-``tensordict`` is imported only where a TensorDict is made or was given: importing
-it pulls in ``torch._dynamo`` (seconds), and a save of plain dicts needs neither
-(:func:`is_tensordict`: no value is a TensorDict before tensordict is loaded).
+Containers TensorDict cannot express (lists, tuples, int-keyed dicts such as an
+optimizer's ``state``) become sub-TensorDicts with one extra leaf, :data:`NODE_KEY`,
+recording their kind and keys: ordinary data, so save and restore need no special case.
+``tensordict`` is imported only where a TensorDict is made or given: it pulls in
+``torch._dynamo`` (seconds), which a save of plain dicts does not need.
 """
 
 from __future__ import annotations
@@ -68,17 +62,10 @@ def _contains_tensor(value: object) -> bool:
 def from_python(
     value: Mapping[str, Any] | Any, path: KeyPath = (), _active: frozenset[int] = frozenset()
 ) -> TensorDict:
-    """Build an unlocked TensorDict from nested Python containers, exactly.
-
-    Plain dicts with string keys become sub-TensorDicts (an empty dict becomes an
-    empty node, which a restore fills from the checkpoint); lists, tuples and other
-    mappings become sub-TensorDicts with a :data:`NODE_KEY` record when they hold
-    tensors, and single, exactly stored non-tensor leaves when they do not.
-
-    ``_active`` holds the containers being converted above ``value``: a container
-    that contains itself has no tree form and is refused, as is a tree deeper than
-    the format's key paths, before Python's recursion limit is reached.
-    """
+    """Build an unlocked TensorDict from nested Python containers, exactly: other
+    containers become nodes with a :data:`NODE_KEY` record where they hold tensors,
+    single leaves where not. ``_active``: the containers above, so that one containing
+    itself is refused before Python's recursion limit is reached."""
     from tensordict import NonTensorData, TensorDict
 
     if is_tensordict(value):
@@ -100,12 +87,8 @@ def from_python(
 
 
 def leaves_of(value: State) -> list[Leaf]:
-    """``list(iter_leaves(as_state(value)))``, without building the TensorDict.
-
-    A restore only walks its template's leaves; for a template of plain Python
-    containers (a ``state_dict``) making it a TensorDict first costs more than
-    the walk.
-    """
+    """``list(iter_leaves(as_state(value)))``, without building the TensorDict (which
+    costs more than the walk)."""
     if is_tensordict(value):
         return list(iter_leaves(value))  # type: ignore[arg-type]
     if not isinstance(value, Mapping):
@@ -160,12 +143,8 @@ _STR = frozenset({str})
 def _node_items(
     value: Any, path: KeyPath, _active: frozenset[int]
 ) -> tuple[dict[str, Any] | None, Iterable[tuple[str, Any]]]:
-    """A Python container as a node: its record (None for a plain dict) and named items.
-
-    Every rule of :func:`from_python` about which containers a tree may hold is
-    here, so that a TensorDict built from ``value`` and the leaves walked from it
-    agree.
-    """
+    """A Python container as a node: its record (None for a plain dict) and named items;
+    every rule about which containers a tree may hold, so both walks agree."""
     if id(value) in _active:
         raise UnsupportedValue(
             f"state[{format_path(path)}]: the container contains itself; a state must be a tree"
@@ -361,12 +340,9 @@ def _gather(
 
 
 def unflatten(leaves: list[Leaf], root: Mapping[str, Any] | None = None) -> TensorDict:
-    """Rebuild a locked TensorDict from leaves produced by :func:`iter_leaves`.
-
-    ``root`` is the :func:`node_record` of the root (its batch size and names).
-    Each node's entries are gathered first and the node made once, children
-    before their parents (a ``set`` per key costs ten times more).
-    """
+    """Rebuild a locked TensorDict from :func:`iter_leaves`' leaves (``root``: the root's
+    :func:`node_record`), each node made once from its gathered entries (a ``set`` per
+    key costs ten times more)."""
     from tensordict import NonTensorData
 
     def value(v: Any, record: Any) -> NonTensorData:
