@@ -25,7 +25,7 @@ from functional_ckpt._src.format.blobs import lands_raw
 from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.manifest import Chunk
-from functional_ckpt._src.restore.read import region
+from functional_ckpt._src.restore.read import region, require_grad
 from functional_ckpt._src.storage import committed
 from functional_ckpt._src.storage.shards import read_tensors
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
@@ -206,8 +206,7 @@ def read_sharded(
         error = as_checkpoint_error(e, what)
     groups.agree(error, group, what)  # every rank read its shards, or all fail
     for p, t in sharded.items():
-        if not inplace and wanted[p].requires_grad and t.is_floating_point():
-            t.requires_grad_(True)
+        require_grad(t, wanted[p], inplace, False)
     return sharded
 
 

@@ -167,8 +167,11 @@ def spec_problem(e: TensorEntry, t: torch.Tensor, cast: bool) -> str | None:
     if t.shape == e.shape and (cast or t.dtype == e.dtype):
         return None
     why = "shape differs" if t.shape != e.shape else "dtype differs; pass cast=True to convert"
-    mine = f"{dtype_name(t.dtype)}{list(t.shape)}"
-    return f"  {format_path(e.path)}: saved {e.spec}, template {mine} ({why})"
+    return f"  {format_path(e.path)}: saved {e.spec}, template {tensor_spec(t)} ({why})"
+
+
+def tensor_spec(t: torch.Tensor) -> str:
+    return f"{dtype_name(t.dtype)}{list(t.shape)}"
 
 
 def mismatch(problems: list[str]) -> TemplateMismatch:
@@ -237,7 +240,7 @@ def read_leaves(
                     continue
             like = wanted.get(p)
             t = results[p] = reads.add(e, like, inplace, device, cast)
-            _require_grad(t, like, inplace, no_template and e.requires_grad)
+            require_grad(t, like, inplace, no_template and e.requires_grad)
             leaves.append(new(Leaf, (p, "tensor", t)))
     if reads.problems:
         raise mismatch(reads.problems)
@@ -249,13 +252,13 @@ def read_leaves(
             t = _tied(results[e.alias], like, inplace, device)
             leaves[i] = Leaf(e.path, "tensor", t)
     for i, e in aliases:
-        _require_grad(leaves[i].value, wanted.get(e.path), inplace, no_template and e.requires_grad)
+        require_grad(leaves[i].value, wanted.get(e.path), inplace, no_template and e.requires_grad)
     if src.unregistered and not placeholders:
         refuse_unregistered(src.path, parsed, selected)
     return leaves
 
 
-def _require_grad(t: torch.Tensor, like: torch.Tensor | None, inplace: bool, saved: bool) -> None:
+def require_grad(t: torch.Tensor, like: torch.Tensor | None, inplace: bool, saved: bool) -> None:
     """Make ``t`` require grad as its template leaf did (without one, or ``inplace``: as
     the saved tensor did, ``saved``), where its dtype can."""
     wants = like.requires_grad if like is not None and not inplace else saved

@@ -22,7 +22,7 @@ from functional_ckpt._src.format import naming, unpickler
 from functional_ckpt._src.format.dcp_values import DcpPath
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.format.manifest import dtype_name
-from functional_ckpt._src.restore.read import region
+from functional_ckpt._src.restore.read import region, require_grad
 from functional_ckpt._src.restore.template import Template
 from functional_ckpt._src.state.tree import Leaf, from_python, iter_leaves
 from functional_ckpt._src.storage import opener
@@ -384,12 +384,7 @@ def read_dcp(
                 dev = device if t.is_meta else t.device
                 dest = torch.empty(t.shape, dtype=t.dtype, device=dev)
             _tensor(files, match, item.fqn, item.smd, dest, where)
-            if (
-                dest is not t
-                and t.requires_grad
-                and (dest.is_floating_point() or dest.is_complex())
-            ):
-                dest.requires_grad_(True)
+            require_grad(dest, t, dest is t, False)
             out.append(Leaf(leaf.path, "tensor", dest))
     return out
 
