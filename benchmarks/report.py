@@ -138,6 +138,17 @@ def save_restore_page(run: dict[str, Any]) -> list[str]:
                 f"| {t.get('state', '')} | {t['target']} | {value} | {t['limit']} | {t['result']} |"
             )
         out.append("")
+    ab = run.get("template_ab")
+    if ab:
+        out += [
+            f"Restoring the {ab['state']} state into a template (`fc.restore(path, like)`) costs "
+            f"{ab['ratio']:.2f}x a restore without one (like / no template: "
+            f"{seconds(ab['like_s'])} against {seconds(ab['none_s'])} of CPU time, medians of "
+            f"{ab['reps']} alternating restores in one process"
+            + (f", {ab['measured']}" if ab.get("measured") else "")
+            + "; the wall-clock row above also counts what the machine's other work took).",
+            "",
+        ]
     return out
 
 

@@ -203,3 +203,30 @@ def test_views_at_one_address_are_told_apart_once_each(
     back = fc.restore(tmp_path / "c")
     for k, v in state.items():
         assert torch.equal(back[k], v), k
+
+
+@pytest.mark.parametrize("mode", ["like", "out"])
+def test_a_template_of_the_saved_tree_names_every_tensor_that_does_not_fit(
+    tmp_path: Path, mode: str
+) -> None:
+    """The keys match, so the template is matched by its keys alone; each tensor's
+    shape and dtype is still checked (on every landing path, ties included), all
+    named in one error, before anything is read into ``out``."""
+    saved = _saved()
+    fc.save(tmp_path / "c", saved)
+    bad = _template(saved)
+    bad["half"] = torch.zeros(6, dtype=torch.float32)  # dtype, without cast
+    bad["small"]["p3"] = torch.zeros(2)  # shape, small: read straight
+    bad["big"] = torch.zeros(5)  # shape, large: pages prepared first
+    bad["tied_b"] = torch.zeros(4)  # shape, a tie
+    bad["ints"] = torch.zeros(7, dtype=torch.int64)
+    before = {k: v.clone() for k, v in bad["small"].items()}
+    kwargs: dict[str, Any] = {"out": bad} if mode == "out" else {"like": bad}
+    with pytest.raises(fc.errors.TemplateMismatch) as e:
+        fc.restore(tmp_path / "c", **kwargs)
+    msg = str(e.value)
+    assert "'half': saved float16[6], template float32[6] (dtype differs; pass cast=True" in msg
+    assert "('small', 'p3'): saved float32[11], template float32[2] (shape differs)" in msg
+    assert "'big'" in msg and "'tied_b'" in msg and "'tied_a'" not in msg
+    for k, v in bad["small"].items():
+        assert torch.equal(v, before[k]), k  # nothing was read into the template

@@ -1,12 +1,5 @@
-"""``fc.restore``: one pipeline, whatever the kind of checkpoint.
-
-    open and vet once -> match the template (``like``/``out``, ``partial``,
-    ``cast``, ``reshard``) -> read (into new tensors, or ``out``'s) -> unflatten
-
-The project's own checkpoints, stock DCP checkpoints and restores into DTensor
-templates differ only in how they are opened (:mod:`.backends`), decided once,
-from the directory and the template.
-"""
+"""``fc.restore``: open and vet once, match the template, read, unflatten; the kinds of
+checkpoint and template differ only in how they are opened (:mod:`.backends`)."""
 
 from __future__ import annotations
 
@@ -115,12 +108,8 @@ def restore(
 
 
 def restore_for_viewing(path: PathLike) -> Any:
-    """The whole state, values of unregistered classes kept as ``Unregistered`` placeholders.
-
-    For readers that only show or compare (a diff, the command line): they
-    must not need the code that wrote the checkpoint, and nothing they return is
-    restored into a training state.
-    """
+    """The whole state, values of unregistered classes kept as ``Unregistered``
+    placeholders: for readers that only show or compare, and need not the writer's code."""
     return _restore(path, None, Request(placeholders=True))
 
 

@@ -1,12 +1,6 @@
-"""Read backends: where a restore's bytes come from, behind one interface.
-
-:func:`open_for_restore` opens and vets a checkpoint once, the result matches the
-template against what it holds (:meth:`Opened.match`) and reads the matched
-leaves (:meth:`Opened.read`); the restore pipeline unflattens them. The
-project's own checkpoints are read from the manifest, stock DCP checkpoints
-through their hardened ``.metadata``, and templates with DTensor leaves through
-DCP's load planner, which also reads from the manifest.
-"""
+"""Read backends: a checkpoint opened and vetted once, then matched and read through one
+interface, whether it is this format's, stock DCP's (its hardened ``.metadata``), or
+read into DTensor templates (DCP's load planner, serving from the manifest)."""
 
 from __future__ import annotations
 
@@ -91,7 +85,9 @@ class _Manifested:
             world=self.topo.world,
             parts=frozenset() if self.sparse else None,
         )
-        selected, wanted = select(view.parsed, view.template, partial=req.partial, cast=req.cast)
+        selected, wanted = select(
+            view.parsed, view.template, partial=req.partial, cast=req.cast, specs=self.sparse
+        )  # read_leaves checks the tensors' specs; a collective read has DTensors it does not
         extra = [] if view.mine is None else list(iter_leaves(view.mine))
         return Match(view.parsed.root, view.parsed, selected, wanted, view.template is None, extra)
 
@@ -106,6 +102,7 @@ class _Manifested:
             inplace=req.inplace,
             device=req.device,
             placeholders=req.placeholders,
+            cast=req.cast,
         )
         return leaves + match.resharded
 

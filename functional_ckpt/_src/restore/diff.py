@@ -13,8 +13,8 @@ import torch
 
 from functional_ckpt._src.codec import Unregistered
 from functional_ckpt._src.format.keys import KeyPath
-from functional_ckpt._src.format.manifest import dtype_name
 from functional_ckpt._src.restore.api import restore_for_viewing
+from functional_ckpt._src.restore.read import tensor_spec
 from functional_ckpt._src.state.tree import iter_leaves
 from functional_ckpt._src.text import printable, short_repr
 
@@ -114,12 +114,8 @@ def tensor_delta(a: torch.Tensor, b: torch.Tensor) -> str | None:
     return f"{text} ({where})"
 
 
-def _spec(value: torch.Tensor) -> str:
-    return f"{dtype_name(value.dtype)}{list(value.shape)}"
-
-
 def _show(kind: str, value: Any, width: int) -> str:
-    return _spec(value) if kind == "tensor" else short_repr(value, width)
+    return tensor_spec(value) if kind == "tensor" else short_repr(value, width)
 
 
 def _diff_one(key: KeyPath, a: tuple[str, Any], b: tuple[str, Any]) -> DiffEntry:
@@ -131,14 +127,14 @@ def _diff_one(key: KeyPath, a: tuple[str, Any], b: tuple[str, Any]) -> DiffEntry
             return DiffEntry("same", key)
         return DiffEntry("value", key, f"{short_repr(va, 60)} -> {short_repr(vb, 60)}")
     if tuple(va.shape) != tuple(vb.shape):
-        return DiffEntry("shape", key, f"{_spec(va)} -> {_spec(vb)}")
+        return DiffEntry("shape", key, f"{tensor_spec(va)} -> {tensor_spec(vb)}")
     if va.dtype != vb.dtype:
-        return DiffEntry("dtype", key, f"{_spec(va)} -> {_spec(vb)}")
+        return DiffEntry("dtype", key, f"{tensor_spec(va)} -> {tensor_spec(vb)}")
     delta = tensor_delta(va, vb)
     nbytes = va.numel() * va.element_size()
     if delta is None:
-        return DiffEntry("same", key, _spec(va), nbytes)
-    return DiffEntry("tensor", key, f"{_spec(va)}  {delta}", nbytes)
+        return DiffEntry("same", key, tensor_spec(va), nbytes)
+    return DiffEntry("tensor", key, f"{tensor_spec(va)}  {delta}", nbytes)
 
 
 def diff_checkpoints(

@@ -1,9 +1,6 @@
-"""Restores into DTensor templates: DCP's load planner maps saved chunks onto shards.
-
-Any world size: the planner asks for the pieces of saved chunks each rank's shards
-need; the storage reader here serves them from the manifest (no pickle) with
-every byte checked.
-"""
+"""Restores into DTensor templates at any world size: DCP's load planner maps saved
+chunks onto shards, and the reader here serves them from the manifest (no pickle),
+every byte checked."""
 
 from __future__ import annotations
 
@@ -28,19 +25,15 @@ from functional_ckpt._src.format.blobs import lands_raw
 from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.manifest import Chunk
-from functional_ckpt._src.restore.read import region
+from functional_ckpt._src.restore.read import region, require_grad
 from functional_ckpt._src.storage import committed
 from functional_ckpt._src.storage.shards import read_tensors
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
 
 class _ManifestReader(StorageReader):
-    """DCP storage reader serving chunks straight from our manifest and files.
-
-    Its ``Metadata`` is the one derivation of ``.metadata`` from the manifest
-    (:func:`dcp_metadata.build`), built from this rank's parsed view; the file itself
-    is never read.
-    """
+    """DCP storage reader serving chunks straight from our manifest and files; its
+    ``Metadata`` is derived from this rank's parsed view, never read from a file."""
 
     def __init__(self, root: committed.Checkpoint, parsed: ParsedManifest) -> None:
         super().__init__()
@@ -182,12 +175,9 @@ def read_sharded(
     inplace: bool,
     error: BaseException | None = None,
 ) -> dict[KeyPath, torch.Tensor]:
-    """The DTensor leaves of ``wanted``, read collectively through DCP's load planner.
-
-    The shards land in new DTensors on each template leaf's mesh and placements,
-    or in the template's own DTensors when ``inplace``. Every rank calls it, with
-    ``error`` when a step before it failed on this rank (every rank then fails).
-    """
+    """The DTensor leaves of ``wanted`` read collectively, into new DTensors on their
+    meshes (``inplace``: the template's); every rank calls it, with ``error`` when a step
+    before failed on this rank, so that every rank fails together."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     what = f"restore {ck.path}"
@@ -216,8 +206,7 @@ def read_sharded(
         error = as_checkpoint_error(e, what)
     groups.agree(error, group, what)  # every rank read its shards, or all fail
     for p, t in sharded.items():
-        if not inplace and wanted[p].requires_grad and t.is_floating_point():
-            t.requires_grad_(True)
+        require_grad(t, wanted[p], inplace, False)
     return sharded
 
 

@@ -1,9 +1,5 @@
-"""Reading matched entries: new tensors (or ``out``'s), every byte checked, the tree rebuilt.
-
-The destination of a tensor is a new tensor shaped by its template leaf (its
-dtype and device), so a restore never writes what it was given; only an explicit
-in-place restore (``out=``) reads into the given tensors.
-"""
+"""Reading matched entries into new tensors shaped by their template leaves, every byte
+checked: a restore never writes what it was given, except ``out=``'s tensors."""
 
 from __future__ import annotations
 
@@ -18,17 +14,16 @@ from functional_ckpt._src import codec
 from functional_ckpt._src.format.blobs import lands_raw
 from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import KeyPath, format_path
-from functional_ckpt._src.format.manifest import Chunk, TensorEntry, torch_dtype
+from functional_ckpt._src.format.manifest import Chunk, TensorEntry, dtype_name, torch_dtype
 from functional_ckpt._src.format.segments import Segment
 from functional_ckpt._src.state.allocation import PREFAULT_BYTES, Prefaulter, host_empty
 from functional_ckpt._src.state.tree import Leaf, unflatten, unflatten_python
 from functional_ckpt._src.storage import committed, shards
 from functional_ckpt._src.storage.committed import open_vetted
 from functional_ckpt._src.text import short_repr
-from functional_ckpt.errors import CorruptCheckpoint, UnregisteredType
+from functional_ckpt.errors import CorruptCheckpoint, TemplateMismatch, UnregisteredType
 
 CPU = torch.device("cpu")
-_STRIDED = torch.strided
 
 
 def vetted_view(path: Path, *, rank: int | None = 0) -> ParsedManifest:
@@ -47,15 +42,14 @@ class _FileReads:
 
 @dataclass(slots=True)
 class Reads:
-    """The reads of one restore, by file, and the copies to make once they are checked.
-
-    Each tensor is planned on its own (:meth:`add`), and every file is then read
-    with one call per run of its blobs (:meth:`run`), so that the per-tensor cost
-    of a state of many small tensors is one allocation and one check.
-    """
+    """The reads of one restore, by file, and the copies to make once they are checked:
+    each file is read with one call per run of its blobs, so a small tensor costs one
+    allocation and one check."""
 
     by_file: dict[str, _FileReads] = field(default_factory=dict)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: Template leaves that cannot receive their tensor (:func:`spec_problem`).
+    problems: list[str] = field(default_factory=list)
     #: New large tensors read whole from one blob (its file and offset): their pages
     #: are faulted in beside the reads (:class:`~..state.allocation.Prefaulter`).
     fresh: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
@@ -73,14 +67,12 @@ class Reads:
         target: torch.Tensor | None,
         inplace: bool,
         device: torch.device,
+        cast: bool = False,
     ) -> torch.Tensor:
-        """Plan the reads of ``entry``; returns the tensor its bytes end up in.
-
-        A new tensor is allocated with the template leaf's dtype on its device
-        (``device`` for ``meta`` leaves and leaves without a template), and the
-        bytes land in it directly when it is host memory of the saved dtype. Only
-        ``inplace`` restores (``out=``) land in the template's own tensors.
-        """
+        """Plan the reads of ``entry`` into a new tensor of the template leaf's dtype and
+        device (``device`` for ``meta`` leaves and none), or ``inplace`` into the leaf;
+        returns it. A leaf that does not fit is listed in :attr:`problems`: the look
+        its read takes at it anyway checks it."""
         chunks = entry.chunks
         c = chunks[0] if len(chunks) == 1 else None
         saved = torch_dtype(entry.dtype_name)
@@ -88,23 +80,23 @@ class Reads:
             c is not None and c.nbytes < PREFAULT_BYTES and c.sizes == entry.shape
         ) and not any(c.offsets):
             t = None
-            if not inplace:  # a new tensor
-                if target is None:
-                    if device.type == "cpu":
-                        t = torch.empty(entry.shape, dtype=saved)
-                elif target.dtype is saved and target.is_cpu and target.shape == entry.shape:
-                    plain = (  # made like the template: half the cost of torch.empty
-                        type(target) is torch.Tensor
-                        and target.layout is _STRIDED
-                        and target.is_contiguous()
-                    )
-                    t = torch.empty_like(target) if plain else torch.empty(entry.shape, dtype=saved)
-            elif target is not None and lands_raw(target, saved):  # out='s own
-                t = target
+            shape = entry.shape
+            if not inplace:  # a new host tensor
+                if (
+                    device.type == "cpu"
+                    if target is None
+                    else target.dtype is saved and target.is_cpu and target.shape == shape
+                ):  # the sizes unpacked: a tuple costs torch.empty half as much again
+                    t = torch.empty(*shape, dtype=saved) if shape else torch.empty((), dtype=saved)
+            elif target is not None and target.shape == shape and lands_raw(target, saved):
+                t = target  # out='s own
             if t is not None:
                 if c.nbytes:
                     self._read(entry.path, c, t)
                 return t
+        if target is not None and (problem := spec_problem(entry, target, cast)) is not None:
+            self.problems.append(problem)
+            return target
         whole = len(chunks) == 1 and chunks[0].sizes == entry.shape and chunks[0].whole
         made = True  # ``buf`` is new memory
         if inplace and target is not None and not target.is_meta:
@@ -170,6 +162,22 @@ class Reads:
                 region.copy_(land)
 
 
+def spec_problem(e: TensorEntry, t: torch.Tensor, cast: bool) -> str | None:
+    """Why template leaf ``t`` cannot receive the saved tensor ``e`` (None: it can)."""
+    if t.shape == e.shape and (cast or t.dtype == e.dtype):
+        return None
+    why = "shape differs" if t.shape != e.shape else "dtype differs; pass cast=True to convert"
+    return f"  {format_path(e.path)}: saved {e.spec}, template {tensor_spec(t)} ({why})"
+
+
+def tensor_spec(t: torch.Tensor) -> str:
+    return f"{dtype_name(t.dtype)}{list(t.shape)}"
+
+
+def mismatch(problems: list[str]) -> TemplateMismatch:
+    return TemplateMismatch("the checkpoint does not fit the template:\n" + "\n".join(problems))
+
+
 def region(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
     """The view of ``t`` at ``offsets``, of ``sizes``."""
     for dim, (off, size) in enumerate(zip(offsets, sizes, strict=True)):
@@ -198,13 +206,13 @@ def read_leaves(
     inplace: bool = False,
     device: torch.device = CPU,
     placeholders: bool = False,
+    cast: bool = False,
 ) -> list[Leaf]:
     """Read the selected entries into leaves, in the manifest's order.
 
-    ``wanted`` maps key paths to template leaves: their dtype and device shape the
-    result, and with ``inplace`` their storage receives it. A value of a class this
-    process has not registered is refused unless ``placeholders`` (a reader that
-    only looks) keeps it as it was read.
+    ``wanted``: template leaves by key path, whose dtype and device (``inplace``: whose
+    storage) receive them; every one that does not fit is named in one error before
+    anything is read. Values of unregistered classes are refused unless ``placeholders``.
     """
     reads = Reads()
     tensors = parsed.tensors
@@ -224,13 +232,18 @@ def read_leaves(
                 if chosen is None:
                     chosen = {q for q, k in selected if k == "tensor"}
                 if e.alias in chosen:
+                    like = wanted.get(p)
+                    if like is not None and (problem := spec_problem(e, like, cast)) is not None:
+                        reads.problems.append(problem)
                     aliases.append((len(leaves), e))
                     leaves.append(Leaf(p, "tensor", None))
                     continue
             like = wanted.get(p)
-            t = results[p] = reads.add(e, like, inplace, device)
-            _require_grad(t, like, inplace, no_template and e.requires_grad)
+            t = results[p] = reads.add(e, like, inplace, device, cast)
+            require_grad(t, like, inplace, no_template and e.requires_grad)
             leaves.append(new(Leaf, (p, "tensor", t)))
+    if reads.problems:
+        raise mismatch(reads.problems)
     reads.run(src, parsed.segments)
     with torch.no_grad():
         for i, e in aliases:
@@ -239,13 +252,13 @@ def read_leaves(
             t = _tied(results[e.alias], like, inplace, device)
             leaves[i] = Leaf(e.path, "tensor", t)
     for i, e in aliases:
-        _require_grad(leaves[i].value, wanted.get(e.path), inplace, no_template and e.requires_grad)
+        require_grad(leaves[i].value, wanted.get(e.path), inplace, no_template and e.requires_grad)
     if src.unregistered and not placeholders:
         refuse_unregistered(src.path, parsed, selected)
     return leaves
 
 
-def _require_grad(t: torch.Tensor, like: torch.Tensor | None, inplace: bool, saved: bool) -> None:
+def require_grad(t: torch.Tensor, like: torch.Tensor | None, inplace: bool, saved: bool) -> None:
     """Make ``t`` require grad as its template leaf did (without one, or ``inplace``: as
     the saved tensor did, ``saved``), where its dtype can."""
     wants = like.requires_grad if like is not None and not inplace else saved
@@ -256,12 +269,8 @@ def _require_grad(t: torch.Tensor, like: torch.Tensor | None, inplace: bool, sav
 def refuse_unregistered(
     src: Path, parsed: ParsedManifest, selected: list[tuple[KeyPath, str]]
 ) -> None:
-    """Refuse to restore a placeholder for a class this process has not registered.
-
-    A placeholder in a training state would only fail later, far from the cause
-    (or be saved over the real value), so the restore stops here and says which
-    class to register; ``fc.inspect`` shows such values as they are.
-    """
+    """Refuse a placeholder for an unregistered class: in a training state it would fail
+    later, far from the cause, or be saved over the real value."""
     for p, kind in selected:
         if kind != "value":
             continue

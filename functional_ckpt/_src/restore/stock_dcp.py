@@ -1,12 +1,9 @@
 """Reading checkpoints written by stock ``torch.distributed.checkpoint``.
 
-Such a checkpoint has no manifest: the tree comes from the caller's template, the
-tensor locations from DCP's ``.metadata`` (read by the restricted unpickler), and
-each tensor from its ``torch.save`` blob through ``torch.load(weights_only=True)``.
-Non-tensor values there are pickles: plain data (numbers, strings and containers
-of them) is read by the restricted unpickler with every global refused; any other
-value is refused unless the caller passes ``allow_pickle=True`` for a checkpoint
-it trusts.
+The tree comes from the caller's template, tensor locations from ``.metadata`` (the
+restricted unpickler), each tensor through ``torch.load(weights_only=True)``. Pickled
+values are read only as plain data, with every global refused, unless the caller
+passes ``allow_pickle=True`` for a checkpoint it trusts.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from functional_ckpt._src.format import naming, unpickler
 from functional_ckpt._src.format.dcp_values import DcpPath
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.format.manifest import dtype_name
-from functional_ckpt._src.restore.read import region
+from functional_ckpt._src.restore.read import region, require_grad
 from functional_ckpt._src.restore.template import Template
 from functional_ckpt._src.state.tree import Leaf, from_python, iter_leaves
 from functional_ckpt._src.storage import opener
@@ -107,17 +104,10 @@ class _PlainUnpickler(unpickler.RestrictedUnpickler):
 
 
 def load_plain(blob: bytes) -> Any:
-    """A byte entry's value when it is plain data, else ``_NOT_PLAIN``; nothing in it runs.
-
-    A stock byte entry is ``torch.save`` bytes: a zip whose ``data.pkl`` holds
-    the pickle. Numbers, strings, ``None`` and lists, tuples and dicts of them
-    need no class to be rebuilt; the pickle is read by the restricted unpickler
-    with every global refused, and its result checked to be plain data. A pickle
-    may refer to one container many times: a value that, walked as the tree it
-    stands for, has more elements than four per pickle byte (and some slack: a value
-    may refer to a part of itself a few times) is no plain data either (a few
-    hundred bytes could otherwise stand for 2**31 elements).
-    """
+    """A byte entry's value (a ``torch.save`` zip) when it is plain data, else
+    ``_NOT_PLAIN``; nothing in it runs (every global refused). A value that, walked as a
+    tree, has more than four elements per pickle byte is refused too: a few hundred
+    bytes referring to one container many times could stand for 2**31 elements."""
     try:
         with zipfile.ZipFile(io.BytesIO(blob)) as z:
             infos = z.infolist()
@@ -156,13 +146,9 @@ def _tree_within(value: Any, budget: int) -> bool:
 
 @dataclass
 class StockItem:
-    """One template leaf and what fills it.
-
-    A leaf is read from its own DCP entry (``fqn``), or put together from the
-    entries under it (``parts``: a value DCP stored per element, such as an
-    optimizer's ``param_groups``; or an empty template subtree, such as a fresh
-    optimizer's ``state``), or, without either, kept as the template has it.
-    """
+    """One template leaf and what fills it: its own DCP entry (``fqn``), the entries under
+    it (``parts``: a value stored per element, or an empty template subtree), or neither
+    (kept as the template has it)."""
 
     leaf: Leaf
     fqn: str | None = None
@@ -172,11 +158,8 @@ class StockItem:
 
 @dataclass
 class StockMatch:
-    """The template's leaves matched to a stock checkpoint's entries, before any tensor read.
-
-    ``items`` keeps the template's order; ``values`` holds the byte entries
-    already loaded (plain data, read safely while matching).
-    """
+    """The template's leaves (in its order) matched to a stock checkpoint's entries, and
+    the plain byte entries already loaded while matching."""
 
     items: list[StockItem]
     storage: dict[Any, Any]
@@ -194,11 +177,7 @@ def match_dcp(
     allow_pickle: bool,
 ) -> StockMatch:
     """Match the template to the stock ``.metadata`` ``md``; one error lists every mismatch.
-
-    Byte entries are loaded here: plain data (numbers, strings, containers of
-    them) through a restricted unpickler that can build nothing else; anything
-    else only with ``allow_pickle``.
-    """
+    Byte entries are loaded here, as plain data (anything else only with ``allow_pickle``)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     root = files.root
@@ -362,12 +341,8 @@ def _set(container: Any, rel: DcpPath, value: Any) -> Any:
 def read_dcp(
     files: StockFiles, match: StockMatch, *, inplace: bool, device: torch.device
 ) -> list[Leaf]:
-    """Read every matched leaf: tensors into new tensors (or the template's, ``inplace``).
-
-    A tensor lands in a new tensor of its template leaf's dtype and device
-    (``device`` for ``meta`` leaves); a filled subtree's tensors keep their saved
-    dtype. Pickled values reach here only when the caller allowed them.
-    """
+    """Read every matched leaf: tensors into new tensors of the template leaves' dtype and
+    device (``inplace``: the template's); a filled subtree's keep their saved dtype."""
     values: dict[KeyPath, Any] = {}
     for item in match.items:
         leaf = item.leaf
@@ -409,24 +384,15 @@ def read_dcp(
                 dev = device if t.is_meta else t.device
                 dest = torch.empty(t.shape, dtype=t.dtype, device=dev)
             _tensor(files, match, item.fqn, item.smd, dest, where)
-            if (
-                dest is not t
-                and t.requires_grad
-                and (dest.is_floating_point() or dest.is_complex())
-            ):
-                dest.requires_grad_(True)
+            require_grad(dest, t, dest is t, False)
             out.append(Leaf(leaf.path, "tensor", dest))
     return out
 
 
 def _positional_keys(opt: KeyPath, values: dict[KeyPath, Any], record: Any) -> None:
-    """An optimizer's ``state`` (filled from a stock checkpoint) keyed by position again.
-
-    ``optimizer.state_dict()`` keys its state by parameter position (an int) and
-    ``load_state_dict`` needs that back; DCP writes every dict key as a string,
-    and ``get_state_dict`` uses parameter names, which the template's record
-    (``fc.capture`` with a model) maps to positions. Anything else is left as read.
-    """
+    """An optimizer's ``state`` filled from a stock checkpoint keyed by parameter position
+    again, as ``load_state_dict`` needs: DCP writes string keys, or parameter names, which
+    the template's record (``fc.capture`` with a model) maps to positions."""
     state, groups = values.get((*opt, "state")), values.get((*opt, "param_groups"))
     if not (isinstance(state, dict) and isinstance(groups, list)):
         return

@@ -8,56 +8,125 @@ positions) are this rank's, or mapped by ``reshard`` when the world size changed
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from itertools import compress, islice
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from functional_ckpt._src.codec.table import TORCH_DTYPES
 from functional_ckpt._src.distributed.topology import is_dtensor
 from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
-from functional_ckpt._src.format.manifest import TensorEntry, dtype_name
 from functional_ckpt._src.format.view import ParsedCheckpoint
-from functional_ckpt._src.restore.read import read_leaves, rebuild
-from functional_ckpt._src.state.tree import Leaf, as_state, leaves_of, root_record
+from functional_ckpt._src.restore.read import mismatch, read_leaves, rebuild, spec_problem
+from functional_ckpt._src.state.tree import (
+    ATOMS,
+    Leaf,
+    as_state,
+    is_subtree,
+    leaves_of,
+    root_record,
+)
 from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import TemplateMismatch
 
 if TYPE_CHECKING:
     from tensordict import TensorDict, TensorDictBase
 
+_PATH_KIND = itemgetter(0, 1)
+
 #: ``reshard(saved, rank, world_size)``: this rank's per-rank subtrees from every saving rank's.
 Reshard = Callable[[list["TensorDict"], int, int], Any]
 
 
-@dataclass(frozen=True)
+@dataclass
 class Template:
-    """``like`` or ``out`` as a restore uses it: its leaves, walked once, and its root's record.
+    """``like`` or ``out`` as given, and its root's record: never rebuilt as a tree, its
+    leaves walked only where one walk beside the saved entries does not match it."""
 
-    A restore only matches and reads by key path, so the template is never rebuilt
-    as a tree: a ``state_dict`` of plain containers is walked as it is.
-    """
-
-    leaves: list[Leaf]
+    state: Any  # None: made from ``known`` leaves
     root: dict[str, Any] | None = None
+    known: list[Leaf] | None = None
 
     @classmethod
     def of(cls, state: TensorDictBase | Mapping[str, Any]) -> Template:
-        return cls(leaves_of(state), root_record(state))
+        return cls(state, root_record(state))
+
+    @property
+    def leaves(self) -> list[Leaf]:
+        if self.known is None:
+            self.known = leaves_of(self.state)
+        return self.known
 
     @property
     def has_dtensor(self) -> bool:
         """Whether a leaf is a DTensor (its shards are read collectively)."""
         if "torch.distributed.tensor" not in sys.modules:  # no DTensor was ever made
             return False
+        if self.known is None and isinstance(self.state, Mapping) and _plain(self.state):
+            return False
         return any(lf.kind == "tensor" and is_dtensor(lf.value) for lf in self.leaves)
 
     def without(self, roots: list[KeyPath]) -> Template:
         """The template minus the subtrees under ``roots``' first keys (per-rank state)."""
         names = {r[0] for r in roots}
-        return Template([lf for lf in self.leaves if lf.path[0] not in names], self.root)
+        return Template(None, self.root, [lf for lf in self.leaves if lf.path[0] not in names])
+
+
+def _plain(state: Mapping[str, Any]) -> bool:
+    """Whether a tree of Python containers surely holds no DTensor (nor a TensorDict,
+    that may): its values' types, gathered in C a container at a time."""
+    td = sys.modules.get("tensordict")
+    stack, seen = [state], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue  # a container that contains itself: refused by the walk
+        seen.add(id(node))
+        values = list(node.values()) if isinstance(node, Mapping) else node
+        types = set(map(type, values))
+        for t in types - _SAFE:
+            if t.__name__ == "DTensor" or (td and issubclass(t, td.TensorDictBase)):
+                return False
+        if not types.isdisjoint(_NESTED):
+            stack.extend(compress(values, map(_NESTED.__contains__, map(type, values))))
+    return True
+
+
+_NESTED = frozenset({dict, OrderedDict, list, tuple})
+_SAFE = _NESTED | ATOMS | {torch.Tensor}
+
+
+def _saved_tree(state: Any, order: list[tuple[KeyPath, str]]) -> dict[KeyPath, Any] | None:
+    """The tensors of a template of plain dicts that holds the tree that was saved, key
+    for key, found by one walk beside the saved entries; None where it is not such a
+    template (it is then matched leaf by leaf, and any fault named)."""
+    entries, targets = iter(order), dict[KeyPath, Any]()
+
+    def walk(node: dict[str, Any], depth: int) -> bool:
+        # as many saved entries as the node has items (fewer left: ValueError, below)
+        for (name, v), (p, kind) in zip(node.items(), islice(entries, len(node)), strict=True):
+            if len(p) != depth or p[-1] != name:
+                return False
+            if kind == "tensor":
+                if not isinstance(v, torch.Tensor):
+                    return False
+                targets[p] = v
+            elif kind == "node":
+                if type(v) is not dict or not walk(v, depth + 1):
+                    return False
+            elif name == NODE_KEY or (type(v) not in ATOMS and is_subtree(v)):
+                return False
+        return True
+
+    try:
+        plain = type(state) is dict and walk(state, 1) and next(entries, None) is None
+    except ValueError:  # the template has more than was saved
+        return None
+    return targets if plain else None
 
 
 def select(
@@ -66,32 +135,28 @@ def select(
     *,
     partial: bool,
     cast: bool,
+    specs: bool = True,
 ) -> tuple[list[tuple[KeyPath, str]], dict[KeyPath, torch.Tensor]]:
-    """Match saved entries to the template; every mismatch is listed in one error."""
+    """Match saved entries to the template; every mismatch is listed in one error.
+
+    Without ``specs`` a template of the tree that was saved is matched by its keys
+    alone: :func:`~.read.read_leaves` checks each tensor's dtype and shape where
+    it looks at the template leaf anyway.
+    """
     if template is None:
         return parsed.order, {}
-    leaves = template.leaves
-    problems: list[str] = []
-    targets: dict[KeyPath, torch.Tensor] = {}
     tensors = parsed.tensors
-    if len(leaves) == len(parsed.order):  # the common case: the tree that was saved
-        for (p, what, t), (q, saved) in zip(leaves, parsed.order, strict=True):
-            if p != q or what != saved:
-                targets.clear()
-                problems.clear()
-                break
-            if what == "tensor":
-                e = tensors[p]
-                if t.shape == e.shape and (cast or t.dtype is TORCH_DTYPES.get(e.dtype_name)):
-                    targets[p] = t
-                else:
-                    _match_tensor(p, e, t, cast, problems, targets)
-        else:
-            if problems:
-                raise TemplateMismatch(
-                    "the checkpoint does not fit the template:\n" + "\n".join(problems)
-                )
-            return list(parsed.order), targets
+    found = None if template.known is not None else _saved_tree(template.state, parsed.order)
+    if found is None and list(map(_PATH_KIND, template.leaves)) == parsed.order:
+        found = {p: t for p, k, t in template.leaves if k == "tensor"}  # compared in C above
+    if found is not None:  # the tree that was saved
+        targets: dict[KeyPath, torch.Tensor] = found
+        if specs and (
+            bad := [x for p, t in targets.items() if (x := spec_problem(tensors[p], t, cast))]
+        ):
+            raise mismatch(bad)
+        return parsed.order, targets
+    leaves = template.leaves
     tleaves = {leaf.path: leaf for leaf in leaves}
     # the empty nodes, filled from the checkpoint: a node's children follow it at once
     fill = [
@@ -100,6 +165,8 @@ def select(
         if lf.kind == "node" and (i + 1 == len(leaves) or leaves[i + 1].path[:-1] != lf.path)
     ]
     saved_kinds = dict(parsed.order)
+    problems: list[str] = []
+    targets = {}
     for p, leaf in tleaves.items():
         kind = saved_kinds.get(p)
         if kind is None and p[-1] == NODE_KEY:
@@ -109,7 +176,11 @@ def select(
         elif kind != leaf.kind:
             problems.append(f"  {format_path(p)}: saved as a {kind}, template has a {leaf.kind}")
         elif kind == "tensor":
-            _match_tensor(p, tensors[p], leaf.value, cast, problems, targets)
+            problem = spec_problem(tensors[p], leaf.value, cast)
+            if problem is None:
+                targets[p] = leaf.value
+            else:
+                problems.append(problem)
 
     def wanted(p: KeyPath) -> bool:
         if p in tleaves or any(p[: len(f)] == f for f in fill):
@@ -122,7 +193,7 @@ def select(
     selected: list[tuple[KeyPath, str]] = []
     extra: list[KeyPath] = []
     for p, k in parsed.order:  # each saved entry asked once
-        if p in tleaves or wanted(p):
+        if wanted(p):
             selected.append((p, k))
         else:
             extra.append(p)
@@ -135,26 +206,8 @@ def select(
         if len(extra) > 50:
             problems.append(f"  ... and {len(extra) - 50} more")
     if problems:
-        raise TemplateMismatch("the checkpoint does not fit the template:\n" + "\n".join(problems))
+        raise mismatch(problems)
     return selected, targets
-
-
-def _match_tensor(
-    p: KeyPath,
-    e: TensorEntry,
-    t: torch.Tensor,
-    cast: bool,
-    problems: list[str],
-    targets: dict[KeyPath, torch.Tensor],
-) -> None:
-    """Take template leaf ``t`` as the target of saved tensor ``e``, or say why not."""
-    both = f"  {format_path(p)}: saved {e.spec}, template {dtype_name(t.dtype)}{list(t.shape)}"
-    if t.shape != e.shape:  # a torch.Size is a tuple
-        problems.append(f"{both} (shape differs)")
-    elif t.dtype != e.dtype and not cast:
-        problems.append(f"{both} (dtype differs; pass cast=True to convert)")
-    else:
-        targets[p] = t
 
 
 def per_rank_check(parsed: ParsedManifest, selected: list[tuple[KeyPath, str]], world: int) -> None:
@@ -190,14 +243,9 @@ def rank_view(
     world: int,
     parts: frozenset[int] | None = None,
 ) -> RankView:
-    """Pick this rank's per-rank state, or map it with ``reshard`` on a new world size.
-
-    Without ``reshard`` a different world size refuses per-rank state the caller
-    asks for (explicitly by the template, or implicitly by a template-free, full
-    restore). Every view comes from the one parse ``parsed``; ``parts`` limits the
-    chunks of a split manifest's evenly split tensors to those parts' (none: every
-    chunk), so that only the parts a rank reads are read.
-    """
+    """This rank's per-rank state, or every rank's mapped by ``reshard`` on a new world
+    size (without it, per-rank state asked for is refused there). ``parts`` limits the
+    split tensors' chunks to those parts' (none: every chunk), so only they are read."""
     mine_parsed = parsed.view(rank, parts)
     if mine_parsed.world_size == world or not mine_parsed.per_rank_roots:
         return RankView(mine_parsed, template)  # the common case

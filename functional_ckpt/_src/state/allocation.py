@@ -1,26 +1,15 @@
 """New host tensors whose fresh pages cost as little as the kernel allows.
 
-A restore that returns new tensors writes every byte of them exactly once. With
-4 KiB pages the kernel faults and zeroes that memory a page at a time while the
-read copies into it, which costs several times the copy itself; memory advised
-for transparent huge pages takes one fault per 2 MiB instead. The tensors stay
-ordinary ones from torch's allocator (freed, resized and shared as usual): only
-the 2 MiB-aligned interior of a large allocation is advised, before anything
-touches it, and then the whole of it is faulted in with one call. A restore has the
-faulting done by a background thread (:class:`Prefaulter`), a block ahead of the
-reads that fill the memory, so that the kernel zeroes new pages on one core while
-the other copies bytes into the pages already there.
+Faulting and zeroing 4 KiB pages while a read fills them costs several times the
+copy; memory advised for transparent huge pages takes one fault per 2 MiB, and a
+background thread (:class:`Prefaulter`) faults it in a block ahead of the reads,
+on the other core. The tensors stay ordinary ones from torch's allocator.
 
-Huge pages are not always cheaper. Under a hypervisor that takes back free memory
-(a virtio balloon reporting free pages, which Linux does in blocks of 2 MiB and
-more), a huge page is served from memory the host has discarded and must fault in
-again: measured five times slower than the small pages a busy guest reuses. So the
-default asks for huge pages only where the kernel offers them (``enabled`` is
-``always`` or ``madvise``) and no free-page reporting is active;
-:data:`HUGE_PAGES_ENV` decides otherwise (``1`` always, ``0`` never, for instance
-where memory is short and ``defrag`` would make the kernel compact memory to find
-huge pages). Every fallback is silent: advice the kernel refuses leaves ordinary
-memory.
+Under a hypervisor whose balloon reports free pages to the host, a huge page is
+served from discarded memory (measured five times slower), so by default huge
+pages are asked for only where the kernel offers them and no such reporting is
+active; :data:`HUGE_PAGES_ENV` decides otherwise (``1`` always, ``0`` never).
+Advice the kernel refuses leaves ordinary memory.
 """
 
 from __future__ import annotations
@@ -120,13 +109,8 @@ def huge_pages_default(
 
 
 def advise_fresh(tensor: torch.Tensor, *, huge: bool, fault: bool = True) -> bool:
-    """Advise a new CPU tensor's untouched memory; True if huge pages were accepted.
-
-    ``huge`` asks for huge pages on the 2 MiB-aligned interior (the partial pages at
-    either end stay small); then (``fault``) the whole page-aligned range is faulted
-    in with one call. Either advice may be refused (old kernel, THP compiled out):
-    the memory is then ordinary and faults in as it is written.
-    """
+    """Advise a new CPU tensor's untouched memory (``huge``: its 2 MiB-aligned interior;
+    ``fault``: faulted in with one call); True if huge pages were accepted."""
     if _MADVISE is None:
         return False
     ptr = tensor.data_ptr()
@@ -142,11 +126,8 @@ def advise_fresh(tensor: torch.Tensor, *, huge: bool, fault: bool = True) -> boo
 
 
 def populate(ptr: int, length: int) -> None:
-    """Fault in the whole pages of ``length`` bytes from address ``ptr``, with one call.
-
-    Best effort (-1 is harmless: an old kernel, or memory already gone). Pages
-    already there keep their bytes: only missing ones are made.
-    """
+    """Fault in the whole pages of ``length`` bytes from ``ptr`` with one call (best
+    effort; pages already there keep their bytes)."""
     if _MADVISE is None:
         return
     lo = (ptr + _PAGE - 1) & ~(_PAGE - 1)
@@ -162,12 +143,8 @@ def host_empty(
     huge: bool | None = None,
     fault: bool = True,
 ) -> torch.Tensor:
-    """A new CPU tensor about to be written once in full (by a read or a copy).
-
-    Large ones get their pages advised and (``fault``) faulted in up front (see the
-    module's docstring); ``huge`` overrides :func:`huge_pages_default`. Without
-    ``fault`` the caller has them faulted in (a :class:`Prefaulter`).
-    """
+    """A new CPU tensor about to be written once in full; a large one advised and
+    (``fault``, else by a :class:`Prefaulter`) faulted in up front."""
     tensor = torch.empty(shape, dtype=dtype)
     if tensor.numel() * tensor.itemsize >= PREFAULT_BYTES:
         advise_fresh(tensor, huge=huge_pages_default() if huge is None else huge, fault=fault)
@@ -181,14 +158,9 @@ _FAULTS = BackgroundThread("fc-fault")
 
 
 class Prefaulter:
-    """New tensors' pages faulted in by a background thread, in the order they are read.
-
-    The thread runs ahead of the reader: :meth:`ready` returns once the first
-    ``end`` bytes of a tensor are faulted in, so a read copies into pages that are
-    there while the kernel makes the next ones on the other core (``madvise`` and
-    ``preadv`` both run without the GIL). A tensor it was not given is ready at
-    once. :meth:`close` stops the thread before the tensors may be freed.
-    """
+    """New tensors' pages faulted in by a background thread, in the order they are read,
+    so the kernel makes pages on one core while a read fills those there on the other
+    (``madvise`` and ``preadv`` both release the GIL)."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], block: int = FAULT_BLOCK) -> None:
         self._ranges = [(t.data_ptr(), t.numel() * t.itemsize) for t in tensors]

@@ -1,11 +1,9 @@
 """Capture live training objects into one state tree, and apply a tree back to them.
 
-Everything a resumed run needs to be bit-identical lives here: parameters and
-buffers, optimizer moments and hyper-parameters (floats stay float64, ``betas``
-stays a tuple), scheduler counters, every random generator the step may touch, and
-the data position. Tensors are captured by reference (no copy): saving copies them
-to disk; ``fc.restore(path, like=captured)`` returns new tensors and leaves the live
-ones alone until :func:`apply` loads the result into the objects.
+Everything a resumed run needs to be bit-identical: model, optimizer (floats stay
+float64, ``betas`` a tuple), scheduler, every random generator and the data position.
+Tensors are captured by reference; a restore leaves the live ones alone until
+:func:`apply` loads its result into the objects.
 """
 
 from __future__ import annotations
@@ -72,12 +70,8 @@ def is_sharded_module(model: Any) -> bool:
 
 
 def sharded_state_dicts(model: Any, optimizer: Any) -> tuple[Any, Any]:
-    """Model and optimizer state through DCP's ``get_state_dict`` (keys are FQNs).
-
-    DCP initializes a fresh optimizer's state with a hidden zero-gradient step so
-    that the state has its sharded shape; that is what a restore template needs,
-    but the optimizer itself must not keep it, so the hidden state is dropped.
-    """
+    """Model and optimizer state through DCP's ``get_state_dict`` (keys are FQNs); the
+    state DCP gives a fresh optimizer (for its sharded shape) is not kept by it."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     fresh = not optimizer.state

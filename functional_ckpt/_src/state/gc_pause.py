@@ -1,9 +1,5 @@
-"""The cyclic GC paused while a large tree is flattened or rebuilt.
-
-A state with thousands of tensors makes each generational collection walk the
-whole heap; collections triggered by the bookkeeping of a save or a restore cost
-more than the disk I/O of small tensors, so the pipelines pause it around that work.
-"""
+"""The cyclic GC paused while a large tree is flattened or rebuilt: with thousands of
+tensors each collection walks the whole heap, costing more than small tensors' I/O."""
 
 from __future__ import annotations
 

@@ -1,23 +1,17 @@
 """The state as a tree: conversion from Python containers, key paths, flattening.
 
-A training state is a locked ``TensorDict`` whose leaves are tensors or
-``NonTensorData`` holding plain Python values. Python containers that TensorDict
-cannot express (lists, tuples, dicts with int keys, such as an optimizer's
-``state``) become sub-TensorDicts that carry one extra non-tensor leaf,
-:data:`NODE_KEY`, recording the original container kind and keys. That record is
-ordinary data, so save and restore need no special case for it; only
-:func:`from_python` and :func:`to_python` read it.
-
-``tensordict`` is imported only where a TensorDict is made or was given: importing
-it pulls in ``torch._dynamo`` (seconds), and a save of plain dicts needs neither
-(:func:`is_tensordict`: no value is a TensorDict before tensordict is loaded).
+Containers TensorDict cannot express (lists, tuples, int-keyed dicts such as an
+optimizer's ``state``) become sub-TensorDicts with one extra leaf, :data:`NODE_KEY`,
+recording their kind and keys: ordinary data, so save and restore need no special case.
+``tensordict`` is imported only where a TensorDict is made or given: it pulls in
+``torch._dynamo`` (seconds), which a save of plain dicts does not need.
 """
 
 from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 import torch
@@ -53,6 +47,8 @@ def _contains_tensor(value: object) -> bool:
     seen: set[int] = set()
     while stack:
         item = stack.pop()
+        if type(item) in ATOMS:
+            continue
         if isinstance(item, torch.Tensor) or is_tensordict(item):
             return True
         if isinstance(item, dict | list | tuple):
@@ -63,28 +59,14 @@ def _contains_tensor(value: object) -> bool:
     return False
 
 
-def _leaf(value: object, path: KeyPath) -> NonTensorData:
-    # Values are checked by the codec when saved, where the key path is known too.
-    from tensordict import NonTensorData
-
-    return NonTensorData(data=value, batch_size=[])
-
-
 def from_python(
     value: Mapping[str, Any] | Any, path: KeyPath = (), _active: frozenset[int] = frozenset()
 ) -> TensorDict:
-    """Build an unlocked TensorDict from nested Python containers, exactly.
-
-    Plain dicts with string keys become sub-TensorDicts (an empty dict becomes an
-    empty node, which a restore fills from the checkpoint); lists, tuples and other
-    mappings become sub-TensorDicts with a :data:`NODE_KEY` record when they hold
-    tensors, and single, exactly stored non-tensor leaves when they do not.
-
-    ``_active`` holds the containers being converted above ``value``: a container
-    that contains itself has no tree form and is refused, as is a tree deeper than
-    the format's key paths, before Python's recursion limit is reached.
-    """
-    from tensordict import TensorDict
+    """Build an unlocked TensorDict from nested Python containers, exactly: other
+    containers become nodes with a :data:`NODE_KEY` record where they hold tensors,
+    single leaves where not. ``_active``: the containers above, so that one containing
+    itself is refused before Python's recursion limit is reached."""
+    from tensordict import NonTensorData, TensorDict
 
     if is_tensordict(value):
         return value  # type: ignore[return-value]
@@ -93,24 +75,20 @@ def from_python(
     # Gathered first and made one TensorDict: a ``set`` per key costs ten times more.
     out: dict[str, Any] = {}
     if record is not None:
-        out[NODE_KEY] = _leaf(record, (*path, NODE_KEY))
+        out[NODE_KEY] = NonTensorData(data=record, batch_size=[])
     for name, v in items:
         if isinstance(v, torch.Tensor):
             out[name] = v
-        elif _is_subtree(v):
+        elif is_subtree(v):
             out[name] = from_python(v, (*path, name), _active)
         else:
-            out[name] = _leaf(v, (*path, name))
+            out[name] = NonTensorData(data=v, batch_size=[])  # checked by the codec when saved
     return TensorDict(out, batch_size=[])
 
 
 def leaves_of(value: State) -> list[Leaf]:
-    """``list(iter_leaves(as_state(value)))``, without building the TensorDict.
-
-    A restore only walks its template's leaves; for a template of plain Python
-    containers (a ``state_dict``) making it a TensorDict first costs more than
-    the walk.
-    """
+    """``list(iter_leaves(as_state(value)))``, without building the TensorDict (which
+    costs more than the walk)."""
     if is_tensordict(value):
         return list(iter_leaves(value))  # type: ignore[arg-type]
     if not isinstance(value, Mapping):
@@ -131,45 +109,42 @@ def _python_leaves(value: Any, path: KeyPath, _active: frozenset[int], out: list
     _active = _active | {id(value)}
     if record is not None:
         out.append(Leaf((*path, NODE_KEY), "value", record))
-    new, tensor = tuple.__new__, torch.Tensor  # a leaf per item: made without Leaf's __new__
+    new, tensor, add = tuple.__new__, torch.Tensor, out.append  # Leaf's __new__ is slower
     for name, v in items:
         p = (*path, name)
         if isinstance(v, tensor):
-            out.append(new(Leaf, (p, "tensor", v)))
-        elif type(v) in _ATOMS:
-            out.append(new(Leaf, (p, "value", v)))
+            add(new(Leaf, (p, "tensor", v)))
+        elif type(v) in ATOMS or not is_subtree(v):
+            add(new(Leaf, (p, "value", v)))
         elif is_tensordict(v):
-            out.append(Leaf(p, "node", node_record(v)))
+            add(Leaf(p, "node", node_record(v)))
             out.extend(iter_leaves(v, p))
-        elif _is_subtree(v):
-            out.append(Leaf(p, "node", None))
-            _python_leaves(v, p, _active, out)
         else:
-            out.append(new(Leaf, (p, "value", v)))
+            add(Leaf(p, "node", None))
+            _python_leaves(v, p, _active, out)
 
 
 #: Leaves that are never a subtree, told apart at once (most values of a state).
-_ATOMS = frozenset({int, float, str, bool, type(None), bytes})
+ATOMS = frozenset({int, float, str, bool, type(None), bytes})
 
 
-def _is_subtree(v: object) -> bool:
+def is_subtree(v: object) -> bool:
     """Whether a container's item becomes a node of the tree (else a single leaf)."""
-    return (
-        (type(v) is dict and all(type(k) is str for k in v))
-        or is_tensordict(v)
-        or _contains_tensor(v)
-    )
+    return (type(v) is dict and _str_keys(v)) or is_tensordict(v) or _contains_tensor(v)
+
+
+def _str_keys(d: Mapping[Any, Any]) -> bool:
+    return set(map(type, d)) <= _STR  # the keys' types gathered in C: a state has many keys
+
+
+_STR = frozenset({str})
 
 
 def _node_items(
     value: Any, path: KeyPath, _active: frozenset[int]
-) -> tuple[dict[str, Any] | None, list[tuple[str, Any]]]:
-    """A Python container as a node: its record (None for a plain dict) and named items.
-
-    Every rule of :func:`from_python` about which containers a tree may hold is
-    here, so that a TensorDict built from ``value`` and the leaves walked from it
-    agree.
-    """
+) -> tuple[dict[str, Any] | None, Iterable[tuple[str, Any]]]:
+    """A Python container as a node: its record (None for a plain dict) and named items;
+    every rule about which containers a tree may hold, so both walks agree."""
     if id(value) in _active:
         raise UnsupportedValue(
             f"state[{format_path(path)}]: the container contains itself; a state must be a tree"
@@ -180,12 +155,11 @@ def _node_items(
             f"allows key paths of at most {LIMITS.key_depth} keys"
         )
     record: dict[str, Any] | None = None
-    if isinstance(value, dict) and all(type(k) is str for k in value):
+    if isinstance(value, dict) and _str_keys(value):
         if NODE_KEY in value:
             raise UnsupportedValue(
                 f"state[{format_path(path)}]: the key {NODE_KEY!r} is reserved by functional_ckpt"
             )
-        items: list[tuple[str, Any]] = list(value.items())
         if type(value) is OrderedDict:
             # a module's state_dict: keep its type and its per-module version metadata
             record = {"kind": "OrderedDict"}
@@ -197,7 +171,7 @@ def _node_items(
                 f"state[{format_path(path)}]: {type(value).__name__} is not supported "
                 "(only dict and OrderedDict mappings keep their type)"
             )
-        return record, items
+        return record, value.items()
     if type(value) in (list, tuple) or isinstance(value, dict):
         if isinstance(value, dict):
             keys = list(value.keys())
@@ -335,18 +309,18 @@ def as_state(value: State) -> TensorDictBase:
 
 
 def _gather(
-    leaves: list[Leaf], root: Mapping[str, Any] | None, value: Callable[[Leaf, Any], Any]
+    leaves: list[Leaf], root: Mapping[str, Any] | None, wrap: Callable[[Any, Any], Any] | None
 ) -> tuple[dict[KeyPath, dict[str, Any]], dict[KeyPath, Any], list[KeyPath]]:
-    """Each node's entries (``value(leaf, its node's record)`` per value leaf), each node's
-    record, and the nodes below the root, parents before children."""
-    kids: dict[KeyPath, dict[str, Any]] = {(): {}}
+    """Each node's entries (a value as ``wrap(value, its node's record)``, or as it is),
+    each node's record, and the nodes below the root, parents before children."""
+    top: dict[str, Any] = {}
+    kids: dict[KeyPath, dict[str, Any]] = {(): top}
     records: dict[KeyPath, Any] = {(): root}
     made: list[KeyPath] = []
-    for leaf in leaves:
-        path = leaf.path
-        parent = kids.get(path[:-1])
+    for path, kind, v in leaves:
+        parent = top if len(path) == 1 else kids.get(path[:-1])
         if parent is None:  # a parent omitted by a partial restore
-            parent = kids[()]
+            parent = top
             for i in range(1, len(path)):
                 sub = path[:i]
                 if sub not in kids:
@@ -355,30 +329,24 @@ def _gather(
                     records[sub] = None
                     made.append(sub)
                 parent = kids[sub]
-        name = path[-1]
-        if leaf.kind == "node":
-            parent[name] = None
+        if kind == "node":
+            parent[path[-1]] = None
             kids[path] = {}
-            records[path] = leaf.value
+            records[path] = v
             made.append(path)
-        elif leaf.kind == "value":
-            parent[name] = value(leaf, records[path[:-1]])
         else:
-            parent[name] = leaf.value
+            parent[path[-1]] = v if wrap is None or kind != "value" else wrap(v, records[path[:-1]])
     return kids, records, made
 
 
 def unflatten(leaves: list[Leaf], root: Mapping[str, Any] | None = None) -> TensorDict:
-    """Rebuild a locked TensorDict from leaves produced by :func:`iter_leaves`.
-
-    ``root`` is the :func:`node_record` of the root (its batch size and names).
-    Each node's entries are gathered first and the node made once, children
-    before their parents (a ``set`` per key costs ten times more).
-    """
+    """Rebuild a locked TensorDict from :func:`iter_leaves`' leaves (``root``: the root's
+    :func:`node_record`), each node made once from its gathered entries (a ``set`` per
+    key costs ten times more)."""
     from tensordict import NonTensorData
 
-    def value(leaf: Leaf, record: Any) -> NonTensorData:
-        return NonTensorData(data=leaf.value, batch_size=record["batch_size"] if record else [])
+    def value(v: Any, record: Any) -> NonTensorData:
+        return NonTensorData(data=v, batch_size=record["batch_size"] if record else [])
 
     kids, records, made = _gather(leaves, root, value)
     for path in reversed(made):
@@ -391,7 +359,7 @@ def unflatten(leaves: list[Leaf], root: Mapping[str, Any] | None = None) -> Tens
 def unflatten_python(leaves: list[Leaf]) -> Any:
     """``to_python(unflatten(leaves))``, made without a TensorDict: what a restore into a
     template of plain containers returns (batch sizes, a TensorDict's alone, are dropped)."""
-    kids, _, made = _gather(leaves, None, lambda leaf, record: leaf.value)
+    kids, _, made = _gather(leaves, None, None)
     for path in reversed(made):
         kids[path[:-1]][path[-1]] = _python_node(kids[path])
     return _python_node(kids[()])
