@@ -10,7 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,12 +41,12 @@ class Move:
 
 def transfer(
     moves: Sequence[Move],
-    source: Callable[[Move], Path],
-    target: Callable[[Move], Path],
+    source: Path,
+    target: Path,
     group: Any,
 ) -> int:
     """Carry out this rank's ``moves`` (every rank calls it with the same list), from the
-    directory ``source(move)`` into ``target(move)``; returns the bytes moved. A local
+    directory ``source`` into ``target``; returns the bytes moved. A local
     failure raises only once every move is done, so only a dead rank keeps one waiting."""
     rank, t0 = dist.get_rank(group), time.perf_counter()
     moved = 0
@@ -56,9 +56,9 @@ def transfer(
             continue
         try:  # a local failure still moves every byte: the others' moves wait on them
             if move.src == rank:
-                _send(source(move) / move.name, move, tag, group)
+                _send(source / move.name, move, tag, group)
             else:
-                _receive(target(move) / move.name, move, tag, group)
+                _receive(target / move.name, move, tag, group)
             moved += move.size
         except groups.Unanswered:  # a peer is gone: no later move can finish either
             raise
@@ -66,9 +66,8 @@ def transfer(
             failed.append(e)
     if failed:
         raise failed[0]
-    mine = [target(m) for m in moves if m.dst == rank and m.src != m.dst]
-    if mine:  # a record where the bytes landed: the replica's folder
-        done(_LOG, "replicated", mine[0], seconds=time.perf_counter() - t0, nbytes=moved, to="into")
+    if any(m.dst == rank and m.src != m.dst for m in moves):  # where the bytes landed
+        done(_LOG, "replicated", target, seconds=time.perf_counter() - t0, nbytes=moved, to="into")
     return moved
 
 

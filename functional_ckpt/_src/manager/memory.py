@@ -22,10 +22,6 @@ from functional_ckpt.errors import CheckpointError
 __all__ = ["Memory", "OverBudget", "over_budget", "resolve_budget"]
 
 
-def _every_step() -> SavePolicy:
-    return every_steps(1)
-
-
 def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -64,7 +60,7 @@ class Memory:
     """
 
     path: str | os.PathLike[str] | None = None
-    save: SavePolicy = field(default_factory=_every_step)
+    save: SavePolicy = field(default_factory=lambda: every_steps(1))
     keep: int | RetentionPolicy = 2
     budget: int | float = 0.5
     promote_on: tuple[int, ...] = (int(signal.SIGTERM),)

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from functional_ckpt._src import codec
 from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.replication import Move, transfer
 from functional_ckpt._src.distributed.topology import topology
@@ -35,7 +34,7 @@ from functional_ckpt._src.format.naming import (
 from functional_ckpt._src.log import warn
 from functional_ckpt._src.manager.memory_folder import own_folder
 from functional_ckpt._src.root.listing import StepInfo, committed_steps, read_info
-from functional_ckpt._src.storage import commit, durable, opener, ram
+from functional_ckpt._src.storage import commit, durable, ram
 from functional_ckpt._src.storage.committed import check_committed
 from functional_ckpt._src.storage.verify import verify
 from functional_ckpt.errors import CheckpointError, MemoryTierWarning, RankFailed, is_damage
@@ -165,45 +164,37 @@ class Replicas:
             for name in sorted(os.listdir(top)):
                 commit.remove_tree(top / name)
 
-    # ------------------------------------------------------------------ saving
-
     def replicate(self, step: int, error: BaseException | None) -> None:
         """Phase 2 of a save (every rank): replicas sent, agreed on, committed per folder;
         with ``error`` (this rank's phase 1 failed) nothing is committed anywhere."""
-        what = f"memory-tier step {step}"
-        staging = self.staging(step)
+        what, staging, lay = f"memory-tier step {step}", self.staging(step), self.layout
         groups.agree(error, self.group, what)  # and the coordinator committed phase 1
-        small: list[list[Any]] = []
-        size = -1
+        mine: list[Any] = [-1, []]  # this rank's shard file's size; the coordinator's files
         try:
+            if os.path.lexists(staging / shard_name(self.rank)):
+                mine[0] = _size(staging / shard_name(self.rank))
             if self.rank == 0:
-                small = [[n, _read(staging / n)] for n in _coordinator_files(staging)]
-            own = staging / shard_name(self.rank)
-            if os.path.lexists(own):
-                size = os.stat(own, follow_symlinks=False).st_size
+                mine[1] = [[n, _size(staging / n)] for n in _coordinator_files(staging)]
         except Exception as e:
             error = e
-        sizes = [int(n) for n in groups.agree_values(error, size, self.group, what)]
-        packed = codec.encode(small) if self.rank == 0 else b""
-        got = codec.decode(groups.broadcast_bytes(packed, self.group))
-        assert isinstance(got, list) and got and got[-1][0] == COMMIT_MARKER
-        files = [(str(n), bytes(b)) for n, b in got]
-        moves = self._moves(sizes)
-        try:
-            if self.keeper and self.layout.folders[self.rank] != self.layout.folders[0]:
-                for name, data in files[:-1]:
-                    durable.write_new(staging / name, data, sync=False)
-            transfer(moves, lambda m: staging, lambda m: staging, self.group)
-        except Exception as e:
-            error = e
-        groups.agree(error, self.group, what)  # every part and every replica is in place
-        # Committed: a folder whose rename fails lacks the step (the others hold it).
-        if self.keeper:
-            if not (staging / COMMIT_MARKER).exists():
-                durable.write_new(staging / COMMIT_MARKER, files[-1][1], sync=False)
+        told = groups.agree_values(error, mine, self.group, what)
+        others = [k for k in lay.keepers() if lay.folders[k] != lay.folders[0]]
+        moves = self._moves([int(t[0]) for t in told])  # then the small files, marker last
+        moves += [Move(0, k, str(n), int(size)) for k in others for n, size in told[0][1]]
+        self._transfer(moves, staging, staging, what)  # every part and replica in place
+        if self.keeper:  # a folder whose rename fails lacks the step (the others hold it)
             commit.commit_checkpoint(
                 staging, self.folder / step_name(step), overwrite=True, sync=False
             )
+
+    def _transfer(self, moves: list[Move], source: Path, target: Path, what: str) -> None:
+        """``moves`` from the directory ``source`` into ``target``; all ranks fail together."""
+        error: BaseException | None = None
+        try:
+            transfer(moves, source, target, self.group)
+        except Exception as e:
+            error = e
+        groups.agree(error, self.group, what)
 
     def _moves(self, sizes: Sequence[int]) -> list[Move]:
         """Each rank's shard file to each of its holders' folders (once per folder)."""
@@ -219,32 +210,28 @@ class Replicas:
                     moves.append(Move(r, h, shard_name(r), size))
         return moves
 
-    # ------------------------------------------------------------------ resuming
-
-    def resume(self, at_least: int | None, world: int, *, verified: bool) -> int | None:
-        """Every rank: the newest step not older than ``at_least`` (any rank's) complete
+    def resume(self, above: int | None, world: int, *, verified: bool) -> int | None:
+        """Every rank: the newest step newer than ``above`` (any rank's) complete
         somewhere, gathered into every folder; None if there is none.
 
         A first try takes every file present at its size (the read checks every byte it
         takes); ``verified`` (after a read found damage) takes each file from a copy
         whose every byte passes its checksums.
         """
-        mine = [self._held() if self.keeper else [], -1 if at_least is None else at_least]
+        mine = [self._held() if self.keeper else [], -1 if above is None else above]
         told = groups.all_gather_values(mine, self.group)
         reports, floor = [t[0] for t in told], max(t[1] for t in told)
         for step in sorted({s for rep in reports for s, *_ in rep}, reverse=True):
-            if step < floor:
+            if step <= floor:
                 break
             need, holding = _copies(step, reports, self.layout, self.folder)
             saved = {p[0] for n in need if (p := parse_shard(n)) is not None}
             if saved and saved != set(range(world)):
-                warn(
-                    f"{self.folder}: memory-tier step {step} was saved by "
-                    f"{max(saved) + 1} ranks and this run has {world}: the memory tier "
-                    "resumes only onto the world size that saved it; falling back to the "
+                self._warn(
+                    step,
+                    f"was saved by {max(saved) + 1} ranks and this run has {world}: the memory "
+                    "tier resumes only onto the world size that saved it; falling back to the "
                     "disk tier",
-                    MemoryTierWarning,
-                    stacklevel=4,
                 )
                 return None
             wanted = set(need) | {MANIFEST, COMMIT_MARKER}
@@ -257,26 +244,23 @@ class Replicas:
             )
             missing = wanted - set().union(*good.values())
             if missing:
-                warn(
-                    f"{self.folder}: memory-tier step {step}: no intact copy of "
-                    f"{sorted(missing)} on any rank (checksums fail); trying an older step",
-                    MemoryTierWarning,
-                    stacklevel=4,
+                self._warn(
+                    step,
+                    f"has no intact copy of {sorted(missing)} on any rank "
+                    "(checksums fail); trying an older step",
                 )
                 continue
             try:
                 fetched = self._reassemble(step, need, wanted, good)
             except CheckpointError as e:
-                warn(
-                    f"{self.folder}: memory-tier step {step} could not be gathered ({e}); "
-                    "falling back to the disk tier",
-                    MemoryTierWarning,
-                    stacklevel=4,
-                )
+                self._warn(step, f"could not be gathered ({e}); falling back to the disk tier")
                 return None
             self.resumed = {"step": step, "fetched": fetched}
             return int(step)
         return None
+
+    def _warn(self, step: int, why: str) -> None:
+        warn(f"{self.folder}: memory-tier step {step} {why}", MemoryTierWarning, stacklevel=5)
 
     def read_together(
         self, path: Path, step: int, read: Callable[[Path], T]
@@ -352,11 +336,7 @@ class Replicas:
             error = e
         told = groups.agree_values(error, sizes, self.group, what)
         moves = [m if m.size >= 0 else replace(m, size=told[m.src][m.name]) for m in moves]
-        try:
-            transfer(moves, lambda m: final, lambda m: build, self.group)
-        except Exception as e:
-            error = e
-        groups.agree(error, self.group, what)  # every folder has all it lacked
+        self._transfer(moves, final, build, what)  # every folder has all it lacked
         try:
             if ours and self.keeper:
                 if (final / COMMIT_MARKER).exists() and not (build / COMMIT_MARKER).exists():
@@ -370,10 +350,6 @@ class Replicas:
 
 def _size(path: Path) -> int:
     return os.stat(path, follow_symlinks=False).st_size
-
-
-def _read(path: Path) -> bytes:
-    return opener.read_file(path, limit=1 << 36, what="memory-tier file")
 
 
 def _copies(

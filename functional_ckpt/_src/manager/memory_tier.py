@@ -80,7 +80,6 @@ class MemoryTier:
         self._step = -1  # the step of the save in flight
         self._round_error: BaseException | None = None
         self.policy_state: PolicyState = option.save.init()
-        self.budget = 0
         self._said_over = False
         self._lock: WriterLock | None = None
         self._signals = OnSignals(option.promote_on, lambda: self.promote(option.promote_within))
@@ -94,10 +93,9 @@ class MemoryTier:
         self.steps, self.infos = self.view.steps, self.view.infos
         error: BaseException | None = None
         try:
+            self.budget = resolve_budget(self.option, self.folder)
             if self.keeper:
                 self._open()
-            else:
-                self.budget = resolve_budget(self.option, self.folder)
         except BaseException as e:
             error = e
         if self.replicas is not None:
@@ -136,14 +134,13 @@ class MemoryTier:
             mf.own_folder(self.folder, private=True)
 
     def _open(self) -> None:
-        """Lock the folder (this run's only), check the budget, handle signals."""
+        """Lock and mark the folder (this run's only), handle signals."""
         try:
             self._lock = open_writer(self.folder, stacklevel=6)
         except CheckpointError as e:
             raise CheckpointError(f"Memory(path={str(self.folder)!r}): {e}") from None
         try:
             mf.adopt(self.folder, self.root, self.run)
-            self.budget = resolve_budget(self.option, self.folder)
             self._write_status(open_=True)
             self._signals.install()
             if self.replicas is not None:
@@ -155,10 +152,10 @@ class MemoryTier:
 
     def _skipped(self, err: BaseException, stacklevel: int) -> bool:
         """Whether ``err`` is a save over the budget (any rank's): skipped, said once."""
-        if isinstance(err, RankFailed):
-            over = any(kind == OverBudget.__name__ for kind, _ in err.failures.values())
-        else:
-            over = isinstance(err, OverBudget)
+        over = isinstance(err, OverBudget) or (
+            isinstance(err, RankFailed)
+            and any(kind == OverBudget.__name__ for kind, _ in err.failures.values())
+        )
         if over and not self._said_over:
             self._said_over = True
             warn(str(err), MemoryTierWarning, stacklevel=stacklevel)
@@ -301,21 +298,18 @@ class MemoryTier:
 
     def wait(self, stacklevel: int = 3) -> None:
         """Collect the save in flight: retention if it committed, a warning if it failed."""
-        if self.replicas is not None:
-            if self._round is not None:
-                self._round.join()
-                self._round = None
-            self.writes.pending = None
-            error, self._round_error = self._round_error, None
-            if error is not None:
-                self._fail(self._step, error, stacklevel=stacklevel + 1)
-            return
+        if self._round is not None:  # a replication, which collected the write itself
+            self._round.join()
+            self._round = self.writes.pending = None
+        error, self._round_error = self._round_error, None
+        info: CheckpointInfo | None = None
         try:
-            info: CheckpointInfo | None = self.writes.wait()
+            info = self.writes.wait() if error is None else None
         except Exception as err:
-            self._fail(self._step, err, stacklevel=stacklevel + 1)
-            return
-        if info is not None:
+            error = err
+        if error is not None:
+            self._fail(self._step, error, stacklevel=stacklevel + 1)
+        elif info is not None:
             self._prune()
 
     def _fail(self, step: int, err: BaseException, stacklevel: int) -> None:
@@ -331,50 +325,39 @@ class MemoryTier:
     ) -> tuple[StepInfo, T] | None:
         """The newest readable checkpoint of this run newer than ``above``; a damaged one
         is reported and removed (a cache holds nothing worth keeping aside)."""
-        at_least = None if above is None else above + 1
         self.wait(stacklevel=stacklevel + 1)
         if self.replicas is not None:
-            return self._newest_replicated(read, at_least, stacklevel + 1)
-        for step in sorted(self.steps(), reverse=True):
-            if at_least is not None and step < at_least:
-                break
+            return self._newest_replicated(read, above, stacklevel + 1)
+        for step in sorted((s for s in self.steps() if above is None or s > above), reverse=True):
             path = self.view.path(step)
             try:
                 info = read_info(path, step)
-                if run_of(info.metadata) != self.run.id:  # written by hand, or planted
-                    warn(
-                        f"{path}: memory-tier checkpoint of step {step} is not of this run "
-                        f"({self.run.id}); left as it is, not resumed",
-                        MemoryTierWarning,
-                        stacklevel=stacklevel,
-                    )
-                    continue
-                state = read(path)
+                if run_of(info.metadata) == self.run.id:  # else written by hand, or planted
+                    return info, read(path)
+                why = f"is not of this run ({self.run.id}); left as it is, not resumed"
             except Exception as err:
                 if not is_damage(err):
                     raise
-                gone = ""
+                why = f"is unreadable ({type(err).__name__}: {err})"
                 with contextlib.suppress(OSError):
                     self.delete([step])
-                    gone = "; removed"
-                warn(
-                    f"{path}: memory-tier checkpoint of step {step} is unreadable "
-                    f"({type(err).__name__}: {err}){gone}; falling back to the next tier",
-                    MemoryTierWarning,
-                    stacklevel=stacklevel,
-                )
-                continue
-            return info, state
+                    why += "; removed"
+                why += "; falling back to the next tier"
+            warn(
+                f"{path}: memory-tier checkpoint of step {step} {why}",
+                MemoryTierWarning,
+                stacklevel=stacklevel,
+            )
         return None
 
     def _newest_replicated(
-        self, read: Callable[[Path], T], at_least: int | None, stacklevel: int
+        self, read: Callable[[Path], T], above: int | None, stacklevel: int
     ) -> tuple[StepInfo, T] | None:
         """Every rank: the agreed step, gathered into each folder, read by all; a read
         that finds damage is tried once more with every copy checked first."""
         assert self.replicas is not None
         for verified in (False, True):
-            step = self.replicas.resume(at_least, topology().world, verified=verified)
+            step = self.replicas.resume(above, topology().world, verified=verified)
             if step is None:
                 return None
             path = self.view.path(step)
