@@ -103,16 +103,14 @@ def report_others(root: Path, run: Run, stacklevel: int) -> None:
     never resumed nor removed."""
     real = os.path.realpath(root)
     with contextlib.suppress(OSError):
-        for entry in os.scandir(_SHM):
-            if not entry.name.startswith(f"fckpt-{os.getuid()}-"):
-                continue
-            mark: Any = opener.read_state(Path(entry.path) / MARK_FILE, "memory tier mark")
+        for path in _SHM.glob(f"fckpt-{os.getuid()}-*"):
+            mark: Any = opener.read_state(path / MARK_FILE, "memory tier mark")
             if not isinstance(mark, dict) or mark.get("root") != real or mark.get("run") == run.id:
                 continue
-            held = sorted(committed_steps(Path(entry.path)))
+            held = sorted(committed_steps(path))
             if held:
                 warn(
-                    f"{entry.path}: memory-tier checkpoints (steps {held}) of an earlier run "
+                    f"{path}: memory-tier checkpoints (steps {held}) of an earlier run "
                     f"of {root} ({mark.get('run')}), whose run record is gone from the root; "
                     "a new run starts and they are not resumed. Remove the folder to free "
                     "its RAM",

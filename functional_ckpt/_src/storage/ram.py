@@ -27,24 +27,16 @@ def read_memory_status(root: Path) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {}
 
 
-def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def available_bytes(folder: Path) -> int:
     """Bytes the folder can still take: its file system's free space, at most the memory
     the machine has available (a tmpfs larger than the RAM left would swap or be killed)."""
     st = os.statvfs(folder)
     free = st.f_bavail * st.f_frsize
-    ram = _mem_available()
-    return free if ram is None else min(free, ram)
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo", "rb") as f:
+        for line in f:
+            if line.startswith(b"MemAvailable:"):
+                return min(free, int(line.split()[1]) * 1024)
+    return free
 
 
 def files_held(path: Path) -> tuple[dict[str, int], set[str]]:
