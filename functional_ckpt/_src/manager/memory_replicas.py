@@ -262,22 +262,41 @@ class Replicas:
     def _warn(self, step: int, why: str) -> None:
         warn(f"{self.folder}: memory-tier step {step} {why}", MemoryTierWarning, stacklevel=5)
 
-    def read_together(
-        self, path: Path, step: int, read: Callable[[Path], T]
-    ) -> tuple[tuple[StepInfo, T] | None, str]:
-        """Every rank reads the gathered checkpoint ``path``: its info and what it read, or
-        (every rank alike) None and what the damage was; other errors raise everywhere."""
-        error: BaseException | None = None
-        found: tuple[StepInfo, T] | None = None
-        try:
-            found = read_info(path, step), read(path)
-        except Exception as err:
-            error = err
-        damaged = error is not None and (is_damage(error) or isinstance(error, RankFailed))
-        said = str(error) if damaged else None
-        told = groups.agree_values(None if damaged else error, said, self.group, f"restore {path}")
-        bad = [f"rank {r}: {msg}" for r, msg in enumerate(told) if msg is not None]
-        return (None, "; ".join(bad)) if bad else (found, "")
+    def newest(
+        self, read: Callable[[Path], T], above: int | None, world: int, stacklevel: int
+    ) -> tuple[StepInfo, T] | None:
+        """Every rank: the agreed step, gathered into each folder, read by all; a read that
+        finds damage (on any rank) is tried once more with every copy checked first."""
+        for verified in (False, True):
+            step = self.resume(above, world, verified=verified)
+            if step is None:
+                return None
+            path = self.folder / step_name(step)
+            error: BaseException | None = None
+            found: tuple[StepInfo, T] | None = None
+            try:
+                found = read_info(path, step), read(path)
+            except Exception as err:
+                error = err
+            damaged = error is not None and (is_damage(error) or isinstance(error, RankFailed))
+            said = str(error) if damaged else None
+            told = groups.agree_values(
+                None if damaged else error, said, self.group, f"restore {path}"
+            )
+            bad = "; ".join(f"rank {r}: {msg}" for r, msg in enumerate(told) if msg is not None)
+            if not bad:
+                return found
+            then = (
+                "falling back to the next tier"
+                if verified
+                else "every copy is checked and the step gathered again"
+            )
+            warn(
+                f"{path}: memory-tier checkpoint of step {step} is unreadable ({bad}); {then}",
+                MemoryTierWarning,
+                stacklevel=stacklevel,
+            )
+        return None
 
     def _intact(self, step: int, holding: dict[int, set[str]]) -> dict[int, set[str]]:
         """Each folder's files of ``step`` whose every byte passes its checksums (each

@@ -327,7 +327,7 @@ class MemoryTier:
         is reported and removed (a cache holds nothing worth keeping aside)."""
         self.wait(stacklevel=stacklevel + 1)
         if self.replicas is not None:
-            return self._newest_replicated(read, above, stacklevel + 1)
+            return self.replicas.newest(read, above, topology().world, stacklevel + 1)
         for step in sorted((s for s in self.steps() if above is None or s > above), reverse=True):
             path = self.view.path(step)
             try:
@@ -345,32 +345,6 @@ class MemoryTier:
                 why += "; falling back to the next tier"
             warn(
                 f"{path}: memory-tier checkpoint of step {step} {why}",
-                MemoryTierWarning,
-                stacklevel=stacklevel,
-            )
-        return None
-
-    def _newest_replicated(
-        self, read: Callable[[Path], T], above: int | None, stacklevel: int
-    ) -> tuple[StepInfo, T] | None:
-        """Every rank: the agreed step, gathered into each folder, read by all; a read
-        that finds damage is tried once more with every copy checked first."""
-        assert self.replicas is not None
-        for verified in (False, True):
-            step = self.replicas.resume(above, topology().world, verified=verified)
-            if step is None:
-                return None
-            path = self.view.path(step)
-            found, damage = self.replicas.read_together(path, step, read)
-            if found is not None:
-                return found
-            then = (
-                "falling back to the next tier"
-                if verified
-                else "every copy is checked and the step gathered again"
-            )
-            warn(
-                f"{path}: memory-tier checkpoint of step {step} is unreadable ({damage}); {then}",
                 MemoryTierWarning,
                 stacklevel=stacklevel,
             )
