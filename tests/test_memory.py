@@ -28,7 +28,7 @@ import functional_ckpt as fc
 from functional_ckpt._src import cli
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import parse_step, step_name
-from functional_ckpt._src.manager.memory_tier import MARK_FILE
+from functional_ckpt._src.manager.memory_folder import MARK_FILE
 from functional_ckpt._src.storage.ram import MEMORY_STATUS
 from functional_ckpt.errors import LeftoverWarning, MemoryTierWarning
 from tests import manager_job

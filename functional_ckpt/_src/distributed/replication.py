@@ -1,17 +1,8 @@
 """Files sent between ranks on a checkpoint group: the bytes of the memory tier's replicas.
 
-A transfer is a list of moves that every rank knows alike (who sends which file,
-of which size, to whom). Each rank carries out its own moves in the list's order,
-one piece at a time, with blocking sends and receives on a dedicated gloo group:
-since every rank walks the same order, the first move not yet done always has
-both its ranks at it, so no set of moves can wait on itself in a cycle. Moves
-between other ranks run at the same time.
-
-A source file is opened through the one opener and mapped, so its pages are sent
-in place (no copy through Python); what arrives is received straight into a new
-file's shared map (never through a link). What moves, and where it lands, is the
-memory tier's to decide (``manager/memory_replicas``): this module only carries
-bytes.
+Every rank walks the same list of moves in order, with blocking sends and receives,
+so the first move not yet done always has both its ranks at it: no cycle can wait on
+itself. Files are mapped, so pages move in place, never copied through Python.
 """
 
 from __future__ import annotations
@@ -19,7 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +25,7 @@ from functional_ckpt.errors import CheckpointError
 
 __all__ = ["PIECE", "Move", "transfer"]
 
-#: Bytes per send: large enough to run at the group's speed, small enough that a
-#: piece's pages are touched while still cached.
+#: Bytes per send: enough to run at the group's speed, few enough to stay in cache.
 PIECE = 64 << 20
 
 
@@ -51,15 +41,13 @@ class Move:
 
 def transfer(
     moves: Sequence[Move],
-    source: Callable[[Move], Path],
-    target: Callable[[Move], Path],
+    source: Path,
+    target: Path,
     group: Any,
 ) -> int:
-    """Carry out this rank's ``moves``: read from the directory ``source(move)``, write
-    into ``target(move)``. Every rank of ``group`` calls it with the same list.
-    Returns the bytes this rank sent or received; a file that could not be read or
-    written raises (the first such error) once every move is done, so only a dead
-    rank can keep another waiting (for the group's timeout)."""
+    """Carry out this rank's ``moves`` (every rank calls it with the same list), from the
+    directory ``source`` into ``target``; returns the bytes moved. A local
+    failure raises only once every move is done, so only a dead rank keeps one waiting."""
     rank, t0 = dist.get_rank(group), time.perf_counter()
     moved = 0
     failed: list[BaseException] = []
@@ -68,9 +56,9 @@ def transfer(
             continue
         try:  # a local failure still moves every byte: the others' moves wait on them
             if move.src == rank:
-                _send(source(move) / move.name, move, tag, group)
+                _send(source / move.name, move, tag, group)
             else:
-                _receive(target(move) / move.name, move, tag, group)
+                _receive(target / move.name, move, tag, group)
             moved += move.size
         except groups.Unanswered:  # a peer is gone: no later move can finish either
             raise
@@ -78,9 +66,8 @@ def transfer(
             failed.append(e)
     if failed:
         raise failed[0]
-    mine = [target(m) for m in moves if m.dst == rank and m.src != m.dst]
-    if mine:  # a record where the bytes landed: the replica's folder
-        done(_LOG, "replicated", mine[0], seconds=time.perf_counter() - t0, nbytes=moved, to="into")
+    if any(m.dst == rank and m.src != m.dst for m in moves):  # where the bytes landed
+        done(_LOG, "replicated", target, seconds=time.perf_counter() - t0, nbytes=moved, to="into")
     return moved
 
 
@@ -88,9 +75,8 @@ _LOG = logger("distributed")
 
 
 def _send(path: Path, move: Move, tag: int, group: Any) -> None:
-    """Send exactly ``move.size`` bytes, whatever happens here (zeros in place of what
-    cannot be read), so the receiver is never left waiting: its checksums reject such
-    bytes, and this rank reports the error."""
+    """Send exactly ``move.size`` bytes (zeros for what cannot be read: the receiver never
+    waits, its checksums reject them, and this rank reports the error)."""
     fd, view, size, failure = -1, None, -1, None
     try:
         dir_fd = opener.open_directory(path.parent)
@@ -103,17 +89,8 @@ def _send(path: Path, move: Move, tag: int, group: Any) -> None:
             view = mmap.mmap(fd, min(size, move.size), access=mmap.ACCESS_COPY)
     except OSError as e:
         failure = e
-    have = 0 if view is None else len(view)
     try:
-        for offset in range(0, move.size, PIECE):
-            n = min(PIECE, move.size - offset)
-            if view is not None and offset + n <= have:
-                piece = torch.frombuffer(view, dtype=torch.uint8, count=n, offset=offset)
-            else:  # past what the file holds (or all of it, if it cannot be read)
-                piece = torch.zeros(n, dtype=torch.uint8)
-                k = max(0, have - offset)
-                if k and view is not None:
-                    piece[:k] = torch.frombuffer(view, dtype=torch.uint8, count=k, offset=offset)
+        for piece in _pieces(view, move.size):
             groups.send(piece, move.dst, group, tag)
             del piece  # the map can close only once no tensor shares it
     finally:
@@ -124,8 +101,21 @@ def _send(path: Path, move: Move, tag: int, group: Any) -> None:
         raise CheckpointError(f"{path}: {size} bytes, not the {move.size} bytes sent for it")
 
 
+def _pieces(view: mmap.mmap | None, size: int) -> Iterator[torch.Tensor]:
+    """``size`` bytes of ``view`` in pieces of :data:`PIECE`, in place; zeros past its end."""
+    have = 0 if view is None else len(view)
+    for offset in range(0, size, PIECE):
+        n = min(PIECE, size - offset)
+        if view is not None and offset + n <= have:
+            yield torch.frombuffer(view, dtype=torch.uint8, count=n, offset=offset)
+            continue
+        piece = torch.zeros(n, dtype=torch.uint8)
+        if view is not None and have > offset:
+            piece[: have - offset] = torch.frombuffer(view, dtype=torch.uint8, offset=offset)
+        yield piece
+
+
 def _close(view: mmap.mmap | None, fd: int) -> None:
-    """A file's map, then the file (the pieces sent or received from it are gone)."""
     if view is not None:
         view.close()
     if fd >= 0:
@@ -133,10 +123,9 @@ def _close(view: mmap.mmap | None, fd: int) -> None:
 
 
 def _receive(path: Path, move: Move, tag: int, group: Any) -> None:
-    """Receive ``move.size`` bytes into the new file ``path``, straight into its pages
-    (a shared map of it: no copy through a buffer). Its space is reserved first (a full
-    RAM file system is an error here, not a SIGBUS later); what cannot be written is
-    still received, into a scratch buffer, so the sender is never left waiting."""
+    """Receive ``move.size`` bytes into a shared map of the new file ``path``, its space
+    reserved first (a full tmpfs is an error here, not a SIGBUS later); what cannot be
+    written is received into scratch, so the sender never waits."""
     fd, view, failure = -1, None, None
     try:
         fd = durable.open_new(path, mapped=True)
@@ -145,15 +134,8 @@ def _receive(path: Path, move: Move, tag: int, group: Any) -> None:
             view = mmap.mmap(fd, move.size)
     except OSError as e:
         failure = e
-    scratch: torch.Tensor | None = None
     try:
-        for offset in range(0, move.size, PIECE):
-            n = min(PIECE, move.size - offset)
-            if view is not None:
-                piece = torch.frombuffer(view, dtype=torch.uint8, count=n, offset=offset)
-            else:
-                scratch = torch.empty(n, dtype=torch.uint8) if scratch is None else scratch
-                piece = scratch[:n]
+        for piece in _pieces(view, move.size):
             groups.recv(piece, move.src, group, tag)
             del piece  # the map can close only once no tensor shares it
     finally:

@@ -1,13 +1,8 @@
-"""Which folder in RAM a memory tier uses, and why no one else can plant or block it.
+"""Which folder in RAM a memory tier uses, so that no other user can plant or block it.
 
-The default folder is ``/dev/shm/fckpt-<uid>-<secret>``, the secret drawn with the
-root's run and kept in the root's run record (readable by its owner only), so no
-other user can predict its name; it is made with mode 0700 and verified (a
-directory, not a link, this user's, private) every time it is opened, never
-trusted. A folder given with ``Memory(path=...)`` is accepted only when it is this
-user's, not a link and not writable by group or others. Either way the folder is
-tied to its run by its mark: a folder that holds another run's checkpoints, or
-lies inside or around a root, is refused and never emptied.
+The default is ``/dev/shm/fckpt-<uid>-<secret>``, the secret kept in the root's run
+record (its owner's only); any folder is verified (this user's, not a link, closed to
+others) each time it is opened, and tied to its run by a mark, never by a path.
 """
 
 from __future__ import annotations
@@ -43,25 +38,21 @@ def default_folder(root: Path, run: Run) -> Path:
 
 
 def own_folder(folder: Path, *, private: bool) -> None:
-    """Make ``folder`` (mode 0700) if it is missing; refuse it unless it is a directory,
-    not a link, this user's, and not writable by others (``private``: no access at all)."""
+    """Make ``folder`` (mode 0700) if missing; refuse it unless a directory of this user's,
+    not a link, not writable by others (``private``: no access at all)."""
     with contextlib.suppress(FileExistsError):
         if not private:
             durable.make_dirs(folder.parent)
         os.mkdir(folder, 0o700)
     st = os.lstat(folder)
     mask = 0o077 if private else 0o022
-    why = (
-        "is a link"
-        if stat.S_ISLNK(st.st_mode)
-        else "is not a directory"
-        if not stat.S_ISDIR(st.st_mode)
-        else f"belongs to another user (uid {st.st_uid})"
-        if st.st_uid != os.getuid()
-        else f"is open to other users (mode {stat.S_IMODE(st.st_mode):o})"
-        if st.st_mode & mask
-        else None
-    )
+    bad = [
+        (stat.S_ISLNK(st.st_mode), "is a link"),
+        (not stat.S_ISDIR(st.st_mode), "is not a directory"),
+        (st.st_uid != os.getuid(), f"belongs to another user (uid {st.st_uid})"),
+        (st.st_mode & mask, f"is open to other users (mode {stat.S_IMODE(st.st_mode):o})"),
+    ]
+    why = next((w for b, w in bad if b), None)
     if why is not None:
         raise CheckpointError(
             f"Memory(path={str(folder)!r}): the folder {why}; a memory tier's folder must be "
@@ -70,8 +61,8 @@ def own_folder(folder: Path, *, private: bool) -> None:
 
 
 def check_apart(folder: Path, root: Path) -> None:
-    """Refuse a folder inside or around the disk root, or any root (retention of one
-    would delete the other's checkpoints)."""
+    """Refuse a folder inside or around any root (retention of one would delete the
+    other's checkpoints)."""
     a, b = os.path.realpath(folder), os.path.realpath(root)
     inside = [p for p in (Path(a), *Path(a).parents) if (p / RUN_FILE).exists()]
     around: list[Path] = []
@@ -86,8 +77,8 @@ def check_apart(folder: Path, root: Path) -> None:
 
 
 def adopt(folder: Path, root: Path, run: Run) -> None:
-    """Mark ``folder`` as this run's; refuse (never empty) one holding another run's
-    checkpoints, or checkpoints of no known run."""
+    """Mark ``folder`` as this run's; refuse (never empty) one holding checkpoints of
+    another run, or of no known run."""
     mine = {"root": os.path.realpath(root), "run": run.id}
     theirs = opener.read_state(folder / MARK_FILE, "memory tier mark")
     if theirs == mine:
@@ -108,20 +99,18 @@ def adopt(folder: Path, root: Path, run: Run) -> None:
 
 
 def report_others(root: Path, run: Run, stacklevel: int) -> None:
-    """Warn about folders of this user's under ``/dev/shm`` holding an earlier run of
-    ``root`` (whose run record is gone: the root was emptied): never resumed nor removed."""
+    """Warn of this user's folders holding an earlier run of ``root`` (emptied by hand):
+    never resumed nor removed."""
     real = os.path.realpath(root)
     with contextlib.suppress(OSError):
-        for entry in os.scandir(_SHM):
-            if not entry.name.startswith(f"fckpt-{os.getuid()}-"):
-                continue
-            mark: Any = opener.read_state(Path(entry.path) / MARK_FILE, "memory tier mark")
+        for path in _SHM.glob(f"fckpt-{os.getuid()}-*"):
+            mark: Any = opener.read_state(path / MARK_FILE, "memory tier mark")
             if not isinstance(mark, dict) or mark.get("root") != real or mark.get("run") == run.id:
                 continue
-            held = sorted(committed_steps(Path(entry.path)))
+            held = sorted(committed_steps(path))
             if held:
                 warn(
-                    f"{entry.path}: memory-tier checkpoints (steps {held}) of an earlier run "
+                    f"{path}: memory-tier checkpoints (steps {held}) of an earlier run "
                     f"of {root} ({mark.get('run')}), whose run record is gone from the root; "
                     "a new run starts and they are not resumed. Remove the folder to free "
                     "its RAM",

@@ -1,24 +1,12 @@
-"""The memory tier across nodes: every rank's shard files also held in other failure domains.
+"""The memory tier across nodes: every rank's shard file also held in other failure domains.
 
-Under ``torch.distributed`` each node has a folder of its own, shared by its ranks;
-the lowest rank of a folder *keeps* it (its lock, retention and commits). A save of
-step N runs in two phases:
-
-1. every rank writes, through DCP's planners, into ``.replicating/step_N`` of its
-   folder: the coordinator's folder holds the manifest, the others their ranks'
-   parts (nothing there is a checkpoint any reader lists);
-2. off the training thread, each rank sends its shard file to its *holders* (the
-   same local rank on the next ``replicas - 1`` domains, as NVIDIA's resiliency
-   extension forms its cliques) and the coordinator its manifest, ``.metadata`` and
-   marker to every folder; once every rank confirmed its part and all its replicas
-   (:func:`~..distributed.groups.agree`), each keeper renames its directory to
-   ``step_N``.
-
-So a step committed in any folder was complete everywhere it should be; a crash
-before the agreement leaves no folder with the step. Resume takes the newest step
-whose files are all held somewhere (each checked byte for byte against the
-manifest's checksums), reassembles it in every folder from the holders of what a
-folder lacks, and only then do the ranks read it, all the same step.
+Each node's folder is kept (locked, pruned, committed) by its lowest rank. A save of
+step N is written into ``.replicating/step_N`` of each folder; then, off the training
+thread, each rank sends its shard file to its *holders* (the same local rank on the
+next ``replicas - 1`` domains) and the coordinator its small files to every folder;
+once every rank confirmed, each keeper renames it ``step_N``: a step committed
+anywhere was complete everywhere. Resume takes the newest step of one history whose
+files are all held somewhere, gathers it into every folder, and only then reads it.
 """
 
 from __future__ import annotations
@@ -27,11 +15,10 @@ import contextlib
 import os
 import socket
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from functional_ckpt._src import codec
 from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.replication import Move, transfer
 from functional_ckpt._src.distributed.topology import topology
@@ -46,8 +33,8 @@ from functional_ckpt._src.format.naming import (
 )
 from functional_ckpt._src.log import warn
 from functional_ckpt._src.manager.memory_folder import own_folder
-from functional_ckpt._src.root.listing import committed_steps
-from functional_ckpt._src.storage import commit, durable, opener, ram
+from functional_ckpt._src.root.listing import StepInfo, committed_steps, read_info
+from functional_ckpt._src.storage import commit, durable, ram
 from functional_ckpt._src.storage.committed import check_committed
 from functional_ckpt._src.storage.verify import verify
 from functional_ckpt.errors import CheckpointError, MemoryTierWarning, RankFailed, is_damage
@@ -61,8 +48,7 @@ STAGING = ".replicating"
 
 
 def _coordinator_files(staging: Path) -> list[str]:
-    """What every folder gets from the coordinator: the manifest (its index and every
-    rank's part, where it is split), ``.metadata``, and the commit marker last."""
+    """What every folder gets from the coordinator, the commit marker last."""
     parts = sorted(n for n in os.listdir(staging) if parse_part(n) is not None)
     return [MANIFEST, *parts, DCP_METADATA, COMMIT_MARKER]
 
@@ -76,17 +62,14 @@ class ReplicaLayout:
     replicas: int
     holders: tuple[tuple[int, ...], ...]  # each rank's holders, in other domains
 
-    def keeper(self, rank: int) -> int:
-        """The rank that keeps ``rank``'s folder: the lowest rank sharing it."""
-        return self.folders.index(self.folders[rank])
-
     def keepers(self) -> list[int]:
-        return sorted({self.keeper(r) for r in range(len(self.folders))})
+        """The rank that keeps each folder: the lowest rank sharing it."""
+        return sorted({self.folders.index(f) for f in self.folders})
 
 
 def holders_of(domains: Sequence[Hashable], replicas: int) -> tuple[tuple[int, ...], ...]:
     """Each rank's holders: the rank at its position in each of the next ``replicas - 1``
-    domains, in the order of their first ranks (pure, so a layout can be reasoned about)."""
+    domains, in the order of their first ranks."""
     order = list(dict.fromkeys(domains))
     members = {d: [r for r, x in enumerate(domains) if x == d] for d in order}
     out = []
@@ -117,8 +100,7 @@ def layout_of(idents: Sequence[Any], domains: Sequence[Any], replicas: int | Non
 
 
 def _default_domain(rank: int) -> int | str:
-    """The node of ``rank``: its first rank, where torchrun says (``LOCAL_RANK``), else
-    the host's name."""
+    """The node of ``rank``: its first rank (from ``LOCAL_RANK``), else the host's name."""
     local = os.environ.get("LOCAL_RANK")
     if local is not None and local.isdigit():
         return rank - int(local)
@@ -145,8 +127,7 @@ class Replicas:
         *,
         private: bool,
     ) -> Replicas:
-        """Every rank, on the training thread, in the same order (groups are made here);
-        each makes the folder or checks it is its own (``private``: see :func:`own_folder`)."""
+        """Every rank, in the same order (groups are made here); each owns the folder."""
         rank = topology().rank
         group = groups.checkpoint_group(purpose="replicate")
         groups.checkpoint_group(purpose="memory")  # the tier's saves (beside the disk's)
@@ -171,64 +152,49 @@ class Replicas:
     @property
     def keeper(self) -> bool:
         """Whether this rank keeps its folder (lock, retention, commits)."""
-        return self.layout.keeper(self.rank) == self.rank
-
-    def barrier(self) -> None:
-        groups.all_gather_bytes(b"", self.group)
+        return self.rank in self.layout.keepers()
 
     def staging(self, step: int) -> Path:
         return self.folder / STAGING / step_name(step)
 
     def clear_staging(self) -> None:
-        """The keeper removes what an unfinished round left (never committed)."""
+        """The keeper removes what an unfinished round left."""
         top = self.folder / STAGING
         if self.keeper and top.is_dir() and not top.is_symlink():
             for name in sorted(os.listdir(top)):
                 commit.remove_tree(top / name)
 
-    # ------------------------------------------------------------------ saving
-
     def replicate(self, step: int, error: BaseException | None) -> None:
-        """Phase 2 of a save (every rank): replicas sent, agreed on, committed per folder.
-
-        ``error`` is this rank's failure of phase 1: every rank then fails together,
-        and nothing is committed anywhere.
-        """
-        what = f"memory-tier step {step}"
-        staging = self.staging(step)
+        """Phase 2 of a save (every rank): replicas sent, agreed on, committed per folder;
+        with ``error`` (this rank's phase 1 failed) nothing is committed anywhere."""
+        what, staging, lay = f"memory-tier step {step}", self.staging(step), self.layout
         groups.agree(error, self.group, what)  # and the coordinator committed phase 1
-        small: list[list[Any]] = []
-        size = -1
+        mine: list[Any] = [-1, []]  # this rank's shard file's size; the coordinator's files
         try:
+            if os.path.lexists(staging / shard_name(self.rank)):
+                mine[0] = _size(staging / shard_name(self.rank))
             if self.rank == 0:
-                small = [[n, _read(staging / n)] for n in _coordinator_files(staging)]
-            own = staging / shard_name(self.rank)
-            if os.path.lexists(own):
-                size = os.stat(own, follow_symlinks=False).st_size
+                mine[1] = [[n, _size(staging / n)] for n in _coordinator_files(staging)]
         except Exception as e:
             error = e
-        sizes = [int(n) for n in groups.agree_values(error, size, self.group, what)]
-        packed = codec.encode(small) if self.rank == 0 else b""
-        got = codec.decode(groups.broadcast_bytes(packed, self.group))
-        assert isinstance(got, list) and got and got[-1][0] == COMMIT_MARKER
-        files = [(str(n), bytes(b)) for n, b in got]
-        moves = self._moves(sizes)
-        try:
-            if self.keeper and self.layout.folders[self.rank] != self.layout.folders[0]:
-                for name, data in files[:-1]:
-                    durable.write_new(staging / name, data, sync=False)
-            transfer(moves, lambda m: staging, lambda m: staging, self.group)
-        except Exception as e:
-            error = e
-        groups.agree(error, self.group, what)  # every part and every replica is in place
-        # Committed: each keeper makes it visible (a folder whose rename fails lacks the
-        # step, which the other folders hold; its rank reports it).
-        if self.keeper:
-            if not (staging / COMMIT_MARKER).exists():
-                durable.write_new(staging / COMMIT_MARKER, files[-1][1], sync=False)
+        told = groups.agree_values(error, mine, self.group, what)
+        others = [k for k in lay.keepers() if lay.folders[k] != lay.folders[0]]
+        moves = self._moves([int(t[0]) for t in told])  # then the small files, marker last
+        moves += [Move(0, k, str(n), int(size)) for k in others for n, size in told[0][1]]
+        self._transfer(moves, staging, staging, what)  # every part and replica in place
+        if self.keeper:  # a folder whose rename fails lacks the step (the others hold it)
             commit.commit_checkpoint(
                 staging, self.folder / step_name(step), overwrite=True, sync=False
             )
+
+    def _transfer(self, moves: list[Move], source: Path, target: Path, what: str) -> None:
+        """``moves`` from the directory ``source`` into ``target``; all ranks fail together."""
+        error: BaseException | None = None
+        try:
+            transfer(moves, source, target, self.group)
+        except Exception as e:
+            error = e
+        groups.agree(error, self.group, what)
 
     def _moves(self, sizes: Sequence[int]) -> list[Move]:
         """Each rank's shard file to each of its holders' folders (once per folder)."""
@@ -244,102 +210,105 @@ class Replicas:
                     moves.append(Move(r, h, shard_name(r), size))
         return moves
 
-    @staticmethod
-    def complete(path: Path) -> bool:
-        """Whether the folder's checkpoint ``path`` holds every file its manifest lists."""
-        return ram.holds_every_file(path)
+    def resume(self, above: int | None, world: int, *, verified: bool) -> int | None:
+        """Every rank: the newest step newer than ``above`` (any rank's) complete
+        somewhere, gathered into every folder; None if there is none.
 
-    # ------------------------------------------------------------------ resuming
-
-    def resume(self, at_least: int | None, world: int, *, verified: bool) -> int | None:
-        """Every rank: the newest step not older than ``at_least`` (any rank's) that is
-        complete somewhere, gathered into every folder; None if there is none.
-
-        Unverified (a resume's first try), every file present at its recorded size
-        counts: the read that follows checks every byte it takes, and each copy a folder
-        received was read, here or at its source. ``verified`` (after a read found
-        damage) first checks every byte of every copy and takes each file from an
-        intact one.
+        A first try takes every file present at its size (the read checks every byte it
+        takes); ``verified`` (after a read found damage) takes each file from a copy
+        whose every byte passes its checksums.
         """
-        held = self._held() if self.keeper else []
-        reports = groups.all_gather_values(held, self.group)
-        floors = groups.all_gather_values(-1 if at_least is None else at_least, self.group)
-        floor = max(floors)
-        steps = sorted({s for rep in reports for s, *_ in rep}, reverse=True)
-        for step in steps:
-            if step < floor:
+        mine = [self._held() if self.keeper else [], -1 if above is None else above]
+        told = groups.all_gather_values(mine, self.group)
+        reports, floor = [t[0] for t in told], max(t[1] for t in told)
+        for step in sorted({s for rep in reports for s, *_ in rep}, reverse=True):
+            if step <= floor:
                 break
-            _one_history(step, reports, self.layout, self.folder)
-            need, holding = _holding(step, reports, self.layout)
-            saved = {r for n in need if (p := parse_shard(n)) is not None for r in [p[0]]}
+            need, holding = _copies(step, reports, self.layout, self.folder)
+            saved = {p[0] for n in need if (p := parse_shard(n)) is not None}
             if saved and saved != set(range(world)):
-                warn(
-                    f"{self.folder}: memory-tier step {step} was saved by "
-                    f"{max(saved) + 1} ranks and this run has {world}: the memory tier "
-                    "resumes only onto the world size that saved it; falling back to the "
+                self._warn(
+                    step,
+                    f"was saved by {max(saved) + 1} ranks and this run has {world}: the memory "
+                    "tier resumes only onto the world size that saved it; falling back to the "
                     "disk tier",
-                    MemoryTierWarning,
-                    stacklevel=4,
                 )
                 return None
             wanted = set(need) | {MANIFEST, COMMIT_MARKER}
             if not wanted <= set().union(*holding.values()):
                 continue  # some rank's part is nowhere now (its node and its holders lost)
-            if verified:
-                good = self._intact(step, holding)
-                missing = wanted - set().union(*good.values())
-                if missing:
-                    warn(
-                        f"{self.folder}: memory-tier step {step}: no intact copy of "
-                        f"{sorted(missing)} on any rank (checksums fail); trying an older step",
-                        MemoryTierWarning,
-                        stacklevel=4,
-                    )
-                    continue
-            else:
-                good = {f: holding.get(f, set()) for f in set(self.layout.folders)}
+            good = (
+                self._intact(step, holding)
+                if verified
+                else {f: holding.get(f, set()) for f in set(self.layout.folders)}
+            )
+            missing = wanted - set().union(*good.values())
+            if missing:
+                self._warn(
+                    step,
+                    f"has no intact copy of {sorted(missing)} on any rank "
+                    "(checksums fail); trying an older step",
+                )
+                continue
             try:
                 fetched = self._reassemble(step, need, wanted, good)
             except CheckpointError as e:
-                warn(
-                    f"{self.folder}: memory-tier step {step} could not be gathered ({e}); "
-                    "falling back to the disk tier",
-                    MemoryTierWarning,
-                    stacklevel=4,
-                )
+                self._warn(step, f"could not be gathered ({e}); falling back to the disk tier")
                 return None
             self.resumed = {"step": step, "fetched": fetched}
             return int(step)
         return None
 
-    def read_together(self, path: Path, read: Callable[[Path], T]) -> tuple[T | None, str]:
-        """Every rank reads the gathered checkpoint ``path``: what it read, or (every rank
-        alike) None and what the damage was. Any rank's error other than damage raises on
-        every rank."""
-        error: BaseException | None = None
-        found: T | None = None
-        try:
-            found = read(path)
-        except Exception as err:
-            error = err
-        # Each rank's outcome: read, found damage (or was told of it), or failed otherwise.
-        damaged = error is not None and (is_damage(error) or isinstance(error, RankFailed))
-        failed = error is not None and not damaged
-        said = "" if error is None else str(error)
-        told = groups.all_gather_values([damaged, failed, said], self.group)
-        if any(f for _, f, _ in told):
-            groups.agree(error if failed else None, self.group, f"restore {path}")
-        bad = [f"rank {r}: {msg}" for r, (d, _, msg) in enumerate(told) if d]
-        if bad:
-            return None, "; ".join(bad)
-        return found, ""
+    def _warn(self, step: int, why: str) -> None:
+        warn(f"{self.folder}: memory-tier step {step} {why}", MemoryTierWarning, stacklevel=5)
+
+    def newest(
+        self, read: Callable[[Path], T], above: int | None, world: int, stacklevel: int
+    ) -> tuple[StepInfo, T] | None:
+        """Every rank: the agreed step, gathered into each folder, read by all; a read that
+        finds damage (on any rank) is tried once more with every copy checked first."""
+        for verified in (False, True):
+            step = self.resume(above, world, verified=verified)
+            if step is None:
+                return None
+            path = self.folder / step_name(step)
+            error: BaseException | None = None
+            found: tuple[StepInfo, T] | None = None
+            try:
+                found = read_info(path, step), read(path)
+            except Exception as err:
+                error = err
+            damaged = error is not None and (is_damage(error) or isinstance(error, RankFailed))
+            said = str(error) if damaged else None
+            told = groups.agree_values(
+                None if damaged else error, said, self.group, f"restore {path}"
+            )
+            bad = "; ".join(f"rank {r}: {msg}" for r, msg in enumerate(told) if msg is not None)
+            if not bad:
+                return found
+            then = (
+                "falling back to the next tier"
+                if verified
+                else "every copy is checked and the step gathered again"
+            )
+            warn(
+                f"{path}: memory-tier checkpoint of step {step} is unreadable ({bad}); {then}",
+                MemoryTierWarning,
+                stacklevel=stacklevel,
+            )
+        return None
 
     def _intact(self, step: int, holding: dict[int, set[str]]) -> dict[int, set[str]]:
-        """Each folder's files of ``step`` whose every byte passes its checksums (every
-        rank: each keeper checks its own folder)."""
-        mine = self.layout.folders[self.rank]
-        good_here = self._good(step) if self.keeper and mine in holding else set()
-        goods = groups.all_gather_values(sorted(good_here), self.group)
+        """Each folder's files of ``step`` whose every byte passes its checksums (each
+        keeper checks its own folder)."""
+        good: set[str] = set()
+        path = self.folder / step_name(step)
+        if self.keeper and self.layout.folders[self.rank] in holding:
+            with contextlib.suppress(CheckpointError, OSError):
+                bad = {p.file for p in verify(path).problems}
+                if None not in bad and MANIFEST not in bad:
+                    good = (ram.files_held(path)[1] | {MANIFEST, COMMIT_MARKER}) - bad
+        goods = groups.all_gather_values(sorted(good), self.group)
         return {self.layout.folders[k]: set(goods[k]) for k in self.layout.keepers()}
 
     def _held(self) -> list[list[Any]]:
@@ -348,33 +317,19 @@ class Replicas:
         out: list[list[Any]] = []
         for step, path in committed_steps(self.folder).items():
             with contextlib.suppress(CheckpointError, OSError):
-                need = ram.listed_files(path)
-                have = sorted(ram.present_files(path, need) | {MANIFEST, COMMIT_MARKER})
-                out.append([step, need, have, check_committed(path)["manifest_crc32"]])
+                need, have = ram.files_held(path)
+                crc = check_committed(path)["manifest_crc32"]
+                out.append([step, need, sorted(have | {MANIFEST, COMMIT_MARKER}), crc])
         return out
-
-    def _good(self, step: int) -> set[str]:
-        """The files of the folder's ``step`` whose every byte passes its checksums."""
-        path = self.folder / step_name(step)
-        try:
-            report = verify(path)
-            need = ram.listed_files(path)
-        except (CheckpointError, OSError):
-            return set()
-        bad = {p.file for p in report.problems}
-        if None in bad or MANIFEST in bad:
-            return set()
-        return (ram.present_files(path, need) | {MANIFEST, COMMIT_MARKER}) - {b for b in bad if b}
 
     def _reassemble(
         self, step: int, need: dict[str, int], wanted: set[str], good: dict[int, set[str]]
     ) -> dict[str, int]:
-        """Each folder gets what it lacks of ``step`` from the folders that hold it
-        (``good``); returns what this rank's folder fetched and from whom. Every rank
-        raises together if any rank failed."""
-        lay = self.layout
-        final = self.folder / step_name(step)
-        build = self.staging(step)
+        """Each folder gets what it lacks of ``step`` from folders holding it (``good``),
+        then its keeper commits it; returns what this rank's folder fetched from whom.
+        Every rank fails together."""
+        lay, what = self.layout, f"memory-tier step {step}"
+        final, build = self.folder / step_name(step), self.staging(step)
         members = {f: [r for r, g in enumerate(lay.folders) if g == f] for f in set(lay.folders)}
         moves: list[Move] = []
         for k in lay.keepers():
@@ -387,90 +342,50 @@ class Replicas:
                 moves.append(Move(src[i % len(src)], dst[i % len(dst)], name, need.get(name, -1)))
         mine = lay.folders[self.rank]
         ours = [m for m in moves if lay.folders[m.dst] == mine]
-        here = good.get(mine, set())
-        what = f"memory-tier step {step}"
         error: BaseException | None = None
-        small: dict[str, int] = {}
+        sizes: dict[str, int] = {}
         try:
             if ours and self.keeper:
                 self.clear_staging()
                 durable.make_dirs(build)
-                for name in sorted(here - {COMMIT_MARKER}):
+                for name in sorted(good.get(mine, set()) - {COMMIT_MARKER}):
                     os.link(final / name, build / name, follow_symlinks=False)
-            small = {m.name: _size(final / m.name) for m in moves if m.src == self.rank}
+            sizes = {m.name: _size(final / m.name) for m in moves if m.src == self.rank}
         except Exception as e:
             error = e
-        self._fetch(moves, small, error, final, build, what, commit_here=bool(ours))
-        return {m.name: m.src for m in ours}
-
-    def _fetch(
-        self,
-        moves: list[Move],
-        sizes: dict[str, int],
-        error: BaseException | None,
-        final: Path,
-        build: Path,
-        what: str,
-        *,
-        commit_here: bool,
-    ) -> None:
-        """The moves of a reassembly, then each keeper's commit; every rank fails together."""
         told = groups.agree_values(error, sizes, self.group, what)
-        sized = [
-            Move(m.src, m.dst, m.name, m.size if m.size >= 0 else told[m.src][m.name])
-            for m in moves
-        ]
+        moves = [m if m.size >= 0 else replace(m, size=told[m.src][m.name]) for m in moves]
+        self._transfer(moves, final, build, what)  # every folder has all it lacked
         try:
-            transfer(sized, lambda m: final, lambda m: build, self.group)
-        except Exception as e:
-            error = e
-        groups.agree(error, self.group, what)  # every folder has all it lacked
-        try:
-            if commit_here and self.keeper:
+            if ours and self.keeper:
                 if (final / COMMIT_MARKER).exists() and not (build / COMMIT_MARKER).exists():
-                    # the marker last, as at every commit
                     os.link(final / COMMIT_MARKER, build / COMMIT_MARKER, follow_symlinks=False)
                 commit.commit_checkpoint(build, final, overwrite=True, sync=False)
         except Exception as e:
             error = e
         groups.agree(error, self.group, what)
+        return {m.name: m.src for m in ours}
 
 
 def _size(path: Path) -> int:
     return os.stat(path, follow_symlinks=False).st_size
 
 
-def _read(path: Path) -> bytes:
-    return opener.read_file(path, limit=1 << 36, what="memory-tier file")
-
-
-def _holding(
-    step: int, reports: Sequence[Sequence[Sequence[Any]]], lay: ReplicaLayout
-) -> tuple[dict[str, int], dict[int, set[str]]]:
-    """What ``step`` needs (the first keeper's manifest) and what each folder holds of it
-    (folders whose manifest lists other files hold nothing of it)."""
-    need: dict[str, int] | None = None
-    holding: dict[int, set[str]] = {}
-    for r, rep in enumerate(reports):
-        for s, files, have, _ in rep:
-            if s != step:
-                continue
-            need = dict(files) if need is None else need
-            if dict(files) == need:
-                holding[lay.folders[r]] = set(have)
-    return need or {}, holding
-
-
-def _one_history(
+def _copies(
     step: int, reports: Sequence[Sequence[Sequence[Any]]], lay: ReplicaLayout, folder: Path
-) -> None:
-    """Raise (every rank alike: the reports are everyone's) where the folders hold two
-    checkpoints of ``step``: two histories that share a step number are never mixed."""
+) -> tuple[dict[str, int], dict[int, set[str]]]:
+    """What ``step`` needs and what each folder holds of it. Raises (every rank alike:
+    the reports are everyone's) where folders hold two different checkpoints of it: two
+    histories that share a step number are never mixed."""
+    copies = [
+        (lay.folders[r], dict(files), set(have), int(crc))
+        for r, rep in enumerate(reports)
+        for s, files, have, crc in rep
+        if s == step
+    ]
     sums: dict[int, list[int]] = {}
-    for r, rep in enumerate(reports):
-        for s, _, _, crc in rep:
-            if s == step:
-                sums.setdefault(int(crc), []).append(lay.folders[r])
+    for f, _, _, crc in copies:
+        sums.setdefault(crc, []).append(f)
     if len(sums) > 1:
         told = "; ".join(
             f"manifest crc32 {c:#010x} in the folders of ranks {f}" for c, f in sums.items()
@@ -481,3 +396,4 @@ def _one_history(
             "the RAM of an older attempt). Refusing to mix them; remove the stale "
             "folder's checkpoints, or the memory tier's folders to resume from the disk"
         )
+    return copies[0][1], {f: have for f, _, have, _ in copies}

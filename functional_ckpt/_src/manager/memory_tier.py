@@ -1,15 +1,11 @@
 """The memory tier of a manager's root: checkpoints in RAM, so that a crash costs a step.
 
-Its folder is a root of its own, written through the manager's own write path
-(:class:`~.writes.Writes`) with durability off: the same files, manifest, checksums
-and commit protocol, but no fsync, since a power loss empties the folder anyway.
-It is locked like a disk root (one writer per folder), marked with the run it
-belongs to (:mod:`.memory_folder`: a folder of another run is refused, never
-emptied nor resumed from), holds the newest ``keep`` checkpoints, and is removed
-when its manager closes. Its failures never stop training: they are reported as
-:class:`~functional_ckpt.errors.MemoryTierWarning`, and the disk tier goes on. Under
-``torch.distributed`` each node's folder also holds replicas of other nodes' parts
-(:mod:`.memory_replicas`); the lowest rank of a folder keeps it.
+Its folder is a root of its own, written through the manager's write path without
+fsync (a power loss empties it anyway), locked, marked with its run
+(:mod:`.memory_folder`), and removed when its manager closes cleanly. Its failures
+never stop training: they are :class:`~functional_ckpt.errors.MemoryTierWarning`.
+Under ``torch.distributed`` each node's folder also holds replicas of other nodes'
+parts (:mod:`.memory_replicas`).
 """
 
 from __future__ import annotations
@@ -20,7 +16,6 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,16 +23,9 @@ from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format.naming import base_name, parse_step
 from functional_ckpt._src.log import warn
+from functional_ckpt._src.manager import memory_folder as mf
 from functional_ckpt._src.manager.collective import coordinator_decides
 from functional_ckpt._src.manager.memory import Memory, OverBudget, over_budget, resolve_budget
-from functional_ckpt._src.manager.memory_folder import (
-    MARK_FILE,
-    adopt,
-    check_apart,
-    default_folder,
-    own_folder,
-    report_others,
-)
 from functional_ckpt._src.manager.memory_promote import OnSignals, promote_newest
 from functional_ckpt._src.manager.memory_replicas import STAGING, Replicas
 from functional_ckpt._src.manager.options import AsyncSave
@@ -57,7 +45,7 @@ from functional_ckpt._src.state.tree import State
 from functional_ckpt._src.storage import durable, ram
 from functional_ckpt.errors import CheckpointError, MemoryTierWarning, RankFailed, is_damage
 
-__all__ = ["MARK_FILE", "MemoryTier"]
+__all__ = ["MemoryTier"]
 
 T = TypeVar("T")
 
@@ -68,29 +56,30 @@ class MemoryTier:
     def __init__(
         self, option: Memory, root: Path, settings: WriteSettings, *, run: Run, made: bool
     ) -> None:
-        self.option = option
-        self.root = root
-        self.run = run
-        self.folder = Path(option.path) if option.path is not None else default_folder(root, run)
-        if option.path is not None:
-            check_apart(self.folder, root)
+        self.option, self.root, self.run = option, root, run
         topo = topology()
-        self.replicas: Replicas | None = None
-        if topo.distributed:
-            self.replicas = Replicas.open(
-                self.folder, option.replicas, option.domain, private=option.path is None
-            )
-        elif option.replicas not in (None, 1):
+        if option.replicas not in (None, 1) and not topo.distributed:
             raise CheckpointError(
                 f"Memory(replicas={option.replicas}): one process is one failure domain; "
                 "replicas live on ranks of other nodes (torch.distributed)"
             )
+        self.folder = Path(option.path) if option.path is not None else mf.default_folder(root, run)
+        if option.path is not None:
+            mf.check_apart(self.folder, root)
+        elif made and topo.coordinator:
+            mf.report_others(root, run, stacklevel=5)
+        self.replicas: Replicas | None = None
+        if topo.distributed:  # every rank owns the folder there
+            self.replicas = Replicas.open(
+                self.folder, option.replicas, option.domain, private=option.path is None
+            )
+        else:
+            self._own()
         self.keeper = self.replicas is None or self.replicas.keeper
         self._round: threading.Thread | None = None  # a replication off the training thread
-        self._round_step = -1
+        self._step = -1  # the step of the save in flight
         self._round_error: BaseException | None = None
         self.policy_state: PolicyState = option.save.init()
-        self.budget = 0
         self._said_over = False
         self._lock: WriterLock | None = None
         self._signals = OnSignals(option.promote_on, lambda: self.promote(option.promote_within))
@@ -100,17 +89,13 @@ class MemoryTier:
         self.committed: Callable[[], object] = lambda: None  # progress, told over all tiers
         keep = option.keep
         self.keep = keep if isinstance(keep, RetentionPolicy) else keep_last(option.held)
-        if option.path is None and made and topo.coordinator:
-            report_others(root, run, stacklevel=5)
         self.view = RootView(self.folder)  # refuses a folder that is itself a checkpoint
+        self.steps, self.infos = self.view.steps, self.view.infos
         error: BaseException | None = None
         try:
+            self.budget = resolve_budget(self.option, self.folder)
             if self.keeper:
                 self._open()
-                if self.replicas is not None:
-                    self.replicas.clear_staging()
-            elif self.replicas is not None:
-                self.budget = resolve_budget(self.option, self.folder)
         except BaseException as e:
             error = e
         if self.replicas is not None:
@@ -135,30 +120,31 @@ class MemoryTier:
     def __repr__(self) -> str:
         return f"MemoryTier({str(self.folder)!r}, keep={self.option.held})"
 
-    # ------------------------------------------------------------------ open and close
-
-    def _open(self) -> None:
-        """Own and lock the folder (this run's only), check the budget, handle signals."""
+    def _own(self) -> None:
+        """Own the folder; one planted where this run's secret name pointed is left
+        alone and a new secret, a new folder, used."""
         try:
-            own_folder(self.folder, private=self.option.path is None)
+            mf.own_folder(self.folder, private=self.option.path is None)
         except CheckpointError as e:
-            if self.option.path is not None or self.replicas is not None:
+            if self.option.path is not None:
                 raise
-            # Planted where this run's secret name pointed: a new secret, a new folder.
             warn(f"{e}; it is left alone, a new one used", MemoryTierWarning, stacklevel=6)
             self.run = open_run(self.root, new_secret=True)[0]
-            self.folder = default_folder(self.root, self.run)
-            self.view = RootView(self.folder)
-            own_folder(self.folder, private=True)
+            self.folder = mf.default_folder(self.root, self.run)
+            mf.own_folder(self.folder, private=True)
+
+    def _open(self) -> None:
+        """Lock and mark the folder (this run's only), handle signals."""
         try:
             self._lock = open_writer(self.folder, stacklevel=6)
         except CheckpointError as e:
             raise CheckpointError(f"Memory(path={str(self.folder)!r}): {e}") from None
         try:
-            adopt(self.folder, self.root, self.run)
-            self.budget = resolve_budget(self.option, self.folder)
+            mf.adopt(self.folder, self.root, self.run)
             self._write_status(open_=True)
             self._signals.install()
+            if self.replicas is not None:
+                self.replicas.clear_staging()
         except BaseException:
             self._lock.release()
             self._lock = None
@@ -166,10 +152,10 @@ class MemoryTier:
 
     def _skipped(self, err: BaseException, stacklevel: int) -> bool:
         """Whether ``err`` is a save over the budget (any rank's): skipped, said once."""
-        if isinstance(err, RankFailed):
-            over = any(kind == OverBudget.__name__ for kind, _ in err.failures.values())
-        else:
-            over = isinstance(err, OverBudget)
+        over = isinstance(err, OverBudget) or (
+            isinstance(err, RankFailed)
+            and any(kind == OverBudget.__name__ for kind, _ in err.failures.values())
+        )
         if over and not self._said_over:
             self._said_over = True
             warn(str(err), MemoryTierWarning, stacklevel=stacklevel)
@@ -189,11 +175,12 @@ class MemoryTier:
         try:
             if not crashed:
                 own = [
-                    e.name
-                    for e in os.scandir(self.folder)
-                    if parse_step(base_name(e.name)) is not None or e.name in (MARK_FILE, STAGING)
+                    n
+                    for n in sorted(os.listdir(self.folder))
+                    if parse_step(base_name(n)) is not None
                 ]
-                ram.remove_folder(self.folder, [*sorted(own), LOCK_FILE])
+                own += [mf.MARK_FILE, STAGING, LOCK_FILE]  # the lock last
+                ram.remove_folder(self.folder, own)
             self._write_status(open_=False)
         except OSError as e:
             warn(
@@ -208,29 +195,13 @@ class MemoryTier:
     def _write_status(self, *, open_: bool) -> None:
         if topology().rank != 0:
             return  # one status per job: the coordinator's
-        doc: dict[str, Any] = {
-            "path": str(self.folder),
-            "open": open_,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "keep": self.option.held,
-            "budget": self.budget,
-        }
+        doc: dict[str, Any] = {"path": str(self.folder), "open": open_, "pid": os.getpid()}
+        doc |= {"host": socket.gethostname(), "keep": self.option.held, "budget": self.budget}
         if self.replicas is not None:
             lay = self.replicas.layout
-            doc["replicas"] = lay.replicas
-            doc["domains"] = len(set(lay.domains))
+            doc |= {"replicas": lay.replicas, "domains": len(set(lay.domains))}
         with contextlib.suppress(OSError):
             durable.replace_durably(self.root / ram.MEMORY_STATUS, json.dumps(doc).encode())
-
-    # ------------------------------------------------------------------ saving
-
-    def steps(self) -> list[int]:
-        """Committed steps in the tier, ascending."""
-        return self.view.steps()
-
-    def infos(self) -> list[StepInfo]:
-        return self.view.infos()
 
     def decide(self, event: Event) -> bool:
         """The tier's own policy on ``event`` (its state advances at once: a missed save
@@ -244,53 +215,37 @@ class MemoryTier:
         return bool(due)
 
     def save(self, state: State, step: int, metadata: Callable[[], Mapping[str, Any]]) -> None:
-        """Start the checkpoint of ``step`` (off the training thread by default).
-
-        The previous one is collected first and retention makes room, so the folder
-        never holds more than ``keep`` checkpoints (counting the one being written).
-        """
+        """Start the checkpoint of ``step`` (off the training thread by default), the
+        previous one collected and room made first: at most ``keep`` in the folder."""
         self.wait(stacklevel=4)
-        if self.replicas is not None:
-            self._save_replicated(state, step, metadata)
-            return
-        over = over_budget(self.option, self.budget, self.folder, state)
-        if over is not None:
-            self._skipped(over, stacklevel=4)
-            return
-        try:
-            self._make_room(step)
-            info = self.writes.save(self.view.path(step), state, metadata())
-        except Exception as err:
-            self._fail(step, err, stacklevel=4)
-            return
-        if info is not None:
-            self._prune()
-
-    def _save_replicated(
-        self, state: State, step: int, metadata: Callable[[], Mapping[str, Any]]
-    ) -> None:
-        """Phase 1 on this thread (staged, written by DCP off it), phase 2 after it."""
-        replicas = self.replicas
-        assert replicas is not None
+        replicas, self._step = self.replicas, step
         error: BaseException | None = over_budget(self.option, self.budget, self.folder, state)
         try:
             if self.keeper and error is None:
                 self._make_room(step)
-                replicas.clear_staging()
+                if replicas is not None:
+                    replicas.clear_staging()
         except Exception as e:
             error = e
         try:
-            groups.agree(error, replicas.group, f"memory-tier step {step}")
-            self.writes.save(replicas.staging(step), state, metadata())
+            if replicas is not None:
+                groups.agree(error, replicas.group, f"memory-tier step {step}")
+            elif error is not None:
+                raise error
+            path = self.view.path(step) if replicas is None else replicas.staging(step)
+            info = self.writes.save(path, state, metadata())
         except Exception as err:
-            if not self._skipped(err, stacklevel=5):
-                self._fail(step, err, stacklevel=5)
+            if not self._skipped(err, stacklevel=4):
+                self._fail(step, err, stacklevel=4)
             return
-        pending = self.writes.pending
-        self._round_step = step
+        if replicas is None:
+            if info is not None:
+                self._prune()
+            return
+        pending = self.writes.pending  # phase 2 off this thread, as phase 1's write
         if pending is None:  # a synchronous save: its replication too
             self._replicate(step, None)
-            self.wait(stacklevel=5)
+            self.wait(stacklevel=4)
             return
         self._round = threading.Thread(
             target=self._replicate, args=(step, pending), name="fc-replicate", daemon=True
@@ -321,14 +276,13 @@ class MemoryTier:
         self.delete(newer + [s for s in older if s not in kept])
 
     def _prune(self) -> None:
-        """After a commit: retention (:func:`~.tiers.retain`), and progress told."""
+        """After a commit: retention and progress, as :mod:`.tiers` decides them."""
         retain(self, self.keep)
         self.committed()
 
     def delete(self, steps: Sequence[int]) -> None:
-        """Out of sight now; the files (freeing their RAM takes as long as a copy of
-        them) are removed off the training thread, and the next save's write waits.
-        Only the keeper of a shared folder deletes."""
+        """Out of sight now, the files removed off the training thread (freeing RAM takes
+        as long as a copy); only the keeper of a shared folder deletes."""
         if steps and self.keeper:
             steps = list(steps)
             trash = delete(self.folder, [self.view.path(s) for s in steps])
@@ -344,27 +298,21 @@ class MemoryTier:
 
     def wait(self, stacklevel: int = 3) -> None:
         """Collect the save in flight: retention if it committed, a warning if it failed."""
-        if self.replicas is not None:
-            if self._round is not None:
-                self._round.join()
-                self._round = None
-            self.writes.pending = None
-            error, self._round_error = self._round_error, None
-            if error is not None:
-                self._fail(self._round_step, error, stacklevel=stacklevel + 1)
-            return
-        pending = self.writes.pending
+        if self._round is not None:  # a replication, which collected the write itself
+            self._round.join()
+            self._round = self.writes.pending = None
+        error, self._round_error = self._round_error, None
+        info: CheckpointInfo | None = None
         try:
-            info: CheckpointInfo | None = self.writes.wait()
+            info = self.writes.wait() if error is None else None
         except Exception as err:
-            step = -1 if pending is None else parse_step(pending.path.name)
-            self._fail(-1 if step is None else step, err, stacklevel=stacklevel + 1)
-            return
-        if info is not None:
+            error = err
+        if error is not None:
+            self._fail(self._step, error, stacklevel=stacklevel + 1)
+        elif info is not None:
             self._prune()
 
     def _fail(self, step: int, err: BaseException, stacklevel: int) -> None:
-        """Report a failed save (``stacklevel`` counted from this function)."""
         warn(
             f"{self.folder}: the memory-tier checkpoint of step {step} failed "
             f"({type(err).__name__}: {err}); training goes on, the disk tier is unaffected",
@@ -372,83 +320,35 @@ class MemoryTier:
             stacklevel=stacklevel,
         )
 
-    # ------------------------------------------------------------------ restoring
-
     def newest(
         self, read: Callable[[Path], T], above: int | None, stacklevel: int = 5
     ) -> tuple[StepInfo, T] | None:
-        """The newest readable checkpoint of this run in the tier newer than ``above``.
-
-        A damaged one is reported as a :class:`MemoryTierWarning` and removed by a writer
-        (a cache holds nothing worth keeping aside); the previous one is tried.
-        """
-        at_least = None if above is None else above + 1
+        """The newest readable checkpoint of this run newer than ``above``; a damaged one
+        is reported and removed (a cache holds nothing worth keeping aside)."""
         self.wait(stacklevel=stacklevel + 1)
         if self.replicas is not None:
-            return self._newest_replicated(read, at_least, stacklevel + 1)
-        for step in sorted(self.steps(), reverse=True):
-            if at_least is not None and step < at_least:
-                break
+            return self.replicas.newest(read, above, topology().world, stacklevel + 1)
+        for step in sorted((s for s in self.steps() if above is None or s > above), reverse=True):
             path = self.view.path(step)
             try:
                 info = read_info(path, step)
-                if run_of(info.metadata) != self.run.id:  # written by hand, or planted
-                    warn(
-                        f"{path}: memory-tier checkpoint of step {step} is not of this run "
-                        f"({self.run.id}); left as it is, not resumed",
-                        MemoryTierWarning,
-                        stacklevel=stacklevel,
-                    )
-                    continue
-                state = read(path)
+                if run_of(info.metadata) == self.run.id:  # else written by hand, or planted
+                    return info, read(path)
+                why = f"is not of this run ({self.run.id}); left as it is, not resumed"
             except Exception as err:
                 if not is_damage(err):
                     raise
-                gone = ""
+                why = f"is unreadable ({type(err).__name__}: {err})"
                 with contextlib.suppress(OSError):
                     self.delete([step])
-                    gone = "; removed"
-                warn(
-                    f"{path}: memory-tier checkpoint of step {step} is unreadable "
-                    f"({type(err).__name__}: {err}){gone}; falling back to the next tier",
-                    MemoryTierWarning,
-                    stacklevel=stacklevel,
-                )
-                continue
-            return info, state
-        return None
-
-    def _newest_replicated(
-        self, read: Callable[[Path], T], at_least: int | None, stacklevel: int
-    ) -> tuple[StepInfo, T] | None:
-        """Every rank: the agreed step, gathered into each folder, then read by all.
-
-        The first try takes every copy as it is (the read checks every byte it
-        takes); a read that finds damage is tried once more with every copy checked
-        first, each file taken from an intact one.
-        """
-        assert self.replicas is not None
-        for verified in (False, True):
-            step = self.replicas.resume(at_least, topology().world, verified=verified)
-            if step is None:
-                return None
-            path = self.view.path(step)
-            found, damage = self.replicas.read_together(path, partial(_with_info, read, step))
-            if found is not None:
-                return found
-            then = (
-                "falling back to the next tier"
-                if verified
-                else "every copy is checked and the step gathered again"
-            )
+                    why += "; removed"
+                why += "; falling back to the next tier"
             warn(
-                f"{path}: memory-tier checkpoint of step {step} is unreadable ({damage}); {then}",
+                f"{path}: memory-tier checkpoint of step {step} {why}",
                 MemoryTierWarning,
                 stacklevel=stacklevel,
             )
         return None
-
-    # ------------------------------------------------------------------ preemption
 
     def promote(self, within: float) -> Path | None:
         """Copy the newest checkpoint of the tier to the disk root, unless the disk already
@@ -459,10 +359,5 @@ class MemoryTier:
         disk = max(committed_steps(self.root), default=-1)
         steps = [s for s in self.steps() if s > disk]
         if self.replicas is not None:  # a folder may hold only some ranks' files
-            steps = [s for s in steps if self.replicas.complete(self.view.path(s))]
+            steps = [s for s in steps if ram.holds_every_file(self.view.path(s))]
         return promote_newest(self.folder, self.root, [self.view.path(s) for s in steps], within)
-
-
-def _with_info(read: Callable[[Path], T], step: int, path: Path) -> tuple[StepInfo, T]:
-    """``read(path)`` with the step's info, as :meth:`MemoryTier.newest` returns it."""
-    return read_info(path, step), read(path)

@@ -1,10 +1,7 @@
 """The files of a manager's memory tier: how much RAM there is, promotion, emptying it.
 
-A memory tier is a folder in RAM (``/dev/shm``) holding ordinary checkpoints. Its
-budget is measured against what the machine can still give it; its newest
-checkpoint is *promoted* to the disk tier by a copy that is durable before it is
-visible (every file fsynced, the marker last, the directory renamed into place);
-its folder is emptied when its manager closes, so RAM is not held past the run.
+A promotion copies a checkpoint from RAM to the disk durably before visibly (every
+file fsynced, the marker last, the directory renamed into place).
 """
 
 from __future__ import annotations
@@ -30,74 +27,43 @@ def read_memory_status(root: Path) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {}
 
 
-def _mem_available() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def available_bytes(folder: Path) -> int:
     """Bytes the folder can still take: its file system's free space, at most the memory
     the machine has available (a tmpfs larger than the RAM left would swap or be killed)."""
     st = os.statvfs(folder)
     free = st.f_bavail * st.f_frsize
-    ram = _mem_available()
-    return free if ram is None else min(free, ram)
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo", "rb") as f:
+        for line in f:
+            if line.startswith(b"MemAvailable:"):
+                return min(free, int(line.split()[1]) * 1024)
+    return free
 
 
-def held_bytes(folder: Path) -> int:
-    """Bytes of the files under ``folder`` (each inode once: incremental saves share files)."""
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    for dirpath, _, files in os.walk(folder):
-        for name in files:
-            with contextlib.suppress(OSError):
-                st = os.stat(os.path.join(dirpath, name), follow_symlinks=False)
-                if (st.st_dev, st.st_ino) not in seen:
-                    seen.add((st.st_dev, st.st_ino))
-                    total += st.st_size
-    return total
-
-
-def listed_files(path: Path) -> dict[str, int]:
-    """The files the manifest of the committed checkpoint ``path`` lists, with their sizes."""
+def files_held(path: Path) -> tuple[dict[str, int], set[str]]:
+    """The files the manifest of the committed checkpoint ``path`` lists, with their sizes,
+    and those of them present at that size (a node's folder may hold only some ranks')."""
     files = committed.every_file(path)
-    return {str(n): int(i["size"]) for n, i in files.items() if isinstance(i, dict)}
-
-
-def present_files(path: Path, listed: dict[str, int]) -> set[str]:
-    """The ``listed`` files that are in ``path`` at their recorded size."""
-    out = set()
+    listed = {str(n): int(i["size"]) for n, i in files.items() if isinstance(i, dict)}
+    have = set()
     for name, size in listed.items():
         with contextlib.suppress(OSError):
             if os.stat(path / name, follow_symlinks=False).st_size == size:
-                out.add(name)
-    return out
+                have.add(name)
+    return listed, have
 
 
 def holds_every_file(path: Path) -> bool:
-    """Whether a memory tier's checkpoint ``path`` is whole on this node: a node's folder
-    may hold only its ranks' parts and the replicas it keeps for others."""
+    """Whether the memory tier's checkpoint ``path`` is whole in this folder."""
     try:
-        listed = listed_files(path)
+        listed, have = files_held(path)
     except (CheckpointError, OSError):
         return False
-    return present_files(path, listed) == set(listed)
+    return have == set(listed)
 
 
 def copy_checkpoint(src: Path, dest: Path) -> None:
-    """Copy the committed checkpoint ``src`` to the free name ``dest``, durably.
-
-    Every file but the marker is copied and fsynced, then the marker: a crash midway
-    leaves an uncommitted temporary that the next writer of ``dest``'s root deletes.
-    Nothing is followed through a link on either side.
-    """
+    """Copy the committed checkpoint ``src`` to the free name ``dest``, durably, the marker
+    last (a crash leaves a temporary the root's next writer deletes); no link followed."""
     tmp = durable.tmp_sibling(dest)
     durable.make_dirs(dest.parent)
     dir_fd = opener.open_directory(src)
@@ -130,8 +96,8 @@ def _copy_file(dir_fd: int, src: Path, dst: Path) -> None:
 
 
 def remove_folder(folder: Path, own: Iterable[str]) -> None:
-    """Remove the entries ``own`` of ``folder`` (checkpoints first, then the tier's files),
-    then the folder itself if nothing else is left in it (anything else is the user's)."""
+    """Remove the entries ``own`` of ``folder``, then the folder if nothing else (the
+    user's) is left in it."""
     for name in own:
         path = folder / name
         if path.is_dir() and not path.is_symlink():
