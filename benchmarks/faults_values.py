@@ -56,6 +56,8 @@ import torch
 
 import functional_ckpt as fc
 from functional_ckpt._src import codec
+from functional_ckpt._src.codec import encoding
+from functional_ckpt._src.codec import table as codes
 from functional_ckpt._src.format import keys, naming
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.limits import LIMITS
@@ -178,16 +180,16 @@ def _floods(n: int) -> dict[str, bytes]:
     Building the flooded container in Python would itself take quadratic time, so
     the attack is written as bytes, as a hand-made file would be.
     """
-    keys = [bytes(msgpack.packb(k * P, default=codec._default)) for k in range(1, n + 1)]
+    keys = [bytes(msgpack.packb(k * P, default=encoding._default)) for k in range(1, n + 1)]
     pairs = [b for k in keys for b in (k, b"\x00")]
     return {
         "int-keyed map": b"\xdf" + struct.pack(">I", n) + b"".join(pairs),
-        "set": _marked_array(codec.EXT_SET, keys),
-        "frozenset": _marked_array(codec.EXT_FROZENSET, keys),
-        "OrderedDict": _marked_array(codec.EXT_ORDERED_DICT, pairs),
+        "set": _marked_array(codes.EXT_SET, keys),
+        "frozenset": _marked_array(codes.EXT_FROZENSET, keys),
+        "OrderedDict": _marked_array(codes.EXT_ORDERED_DICT, pairs),
         "tuple-keyed map": b"\xdf"
         + struct.pack(">I", n)
-        + b"".join(_marked_array(codec.EXT_TUPLE, [k]) + b"\x00" for k in keys),
+        + b"".join(_marked_array(codes.EXT_TUPLE, [k]) + b"\x00" for k in keys),
     }
 
 
