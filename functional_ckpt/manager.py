@@ -2,8 +2,8 @@
 
 :class:`CheckpointManager` (also ``fc.CheckpointManager``) saves on a policy, keeps
 on a retention policy and resumes from the newest good checkpoint. :class:`Export`
-configures its Hugging Face exports, :class:`Remote` its remote tier, :class:`Memory`
-its memory tier and :class:`AsyncSave` its saves off the training thread;
+configures its Hugging Face exports, :class:`Memory`, :class:`Disk` and :class:`Remote`
+its tiers and :class:`AsyncSave` its saves off the training thread;
 :class:`StepInfo` describes one managed checkpoint; ``maybe_save`` returns a
 :class:`SaveResult`, carrying a :class:`Rollback` when a rollback rule fired;
 :func:`choose_target` is the step such a rule returns to. :func:`fork` starts a new
@@ -15,7 +15,7 @@ from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.manager.fork import fork
 from functional_ckpt._src.manager.manager import CheckpointManager
 from functional_ckpt._src.manager.memory import Memory
-from functional_ckpt._src.manager.options import AsyncSave
+from functional_ckpt._src.manager.options import AsyncSave, Disk
 from functional_ckpt._src.manager.rollback_rule import Rollback, SaveResult, choose_target
 from functional_ckpt._src.remote.options import Remote
 from functional_ckpt._src.root.delete import remove_checkpoint
@@ -24,6 +24,7 @@ from functional_ckpt._src.root.listing import StepInfo
 __all__ = [
     "AsyncSave",
     "CheckpointManager",
+    "Disk",
     "Export",
     "Memory",
     "Remote",

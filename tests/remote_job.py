@@ -52,7 +52,7 @@ def main() -> None:
         return fc.CheckpointManager(
             base / f"{name}{rank}",
             keep=fc.keep_last(1),
-            remote=fc.manager.Remote(remote, storage_options=options),
+            tiers=(fc.manager.Remote(remote, storage_options=options),),
         )
 
     try:  # without a remote tier, a save needs one directory every rank sees

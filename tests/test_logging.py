@@ -173,7 +173,7 @@ def test_an_upload_logs_its_bytes(
     tmp_path: Path, mem: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="functional_ckpt")
-    with fc.CheckpointManager(tmp_path, remote=fc.manager.Remote(mem)) as mgr:
+    with fc.CheckpointManager(tmp_path, tiers=(fc.manager.Remote(mem),)) as mgr:
         mgr.maybe_save(_state(4), step=4)
         assert mgr.remote is not None and mgr.remote.wait()
     [uploaded] = _records(caplog, "uploaded step 4: ")

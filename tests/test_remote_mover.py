@@ -89,7 +89,7 @@ def test_uploads_run_in_a_helper_process_that_every_save_holds_until_staged(
 ) -> None:
     with fc.CheckpointManager(
         tmp_path / "ckpt",
-        remote=fc.manager.Remote(bucket, storage_options=s3["options"]),
+        tiers=(fc.manager.Remote(bucket, storage_options=s3["options"]),),
         async_save=True,
     ) as mgr:
         assert mgr.remote is not None and mgr.remote.wait()
@@ -121,7 +121,7 @@ def test_a_failed_sync_save_releases_the_uploads(
     tmp_path: Path, s3: dict[str, Any], bucket: str
 ) -> None:
     with fc.CheckpointManager(
-        tmp_path / "ckpt", remote=fc.manager.Remote(bucket, storage_options=s3["options"])
+        tmp_path / "ckpt", tiers=(fc.manager.Remote(bucket, storage_options=s3["options"]),)
     ) as m:
         assert m.remote is not None and m.remote.wait()
         pid = m.remote.store.uploader_pid
@@ -139,7 +139,7 @@ import sys, time, torch
 import functional_ckpt as fc
 options = {{"client_kwargs": {{"endpoint_url": "{endpoint}"}}}}
 remote = fc.manager.Remote(sys.argv[2], storage_options=options)
-mgr = fc.CheckpointManager(sys.argv[1], remote=remote)
+mgr = fc.CheckpointManager(sys.argv[1], tiers=(remote,))
 assert mgr.remote.wait()
 mgr.remote.hold_uploads()  # killed while its helper is stopped, too
 print(mgr.remote.store.uploader_pid, flush=True)
@@ -172,7 +172,7 @@ def test_a_helper_process_killed_mid_run_is_replaced(
     tmp_path: Path, s3: dict[str, Any], bucket: str
 ) -> None:
     with fc.CheckpointManager(
-        tmp_path / "ckpt", remote=fc.manager.Remote(bucket, storage_options=s3["options"])
+        tmp_path / "ckpt", tiers=(fc.manager.Remote(bucket, storage_options=s3["options"]),)
     ) as m:
         assert m.remote is not None and m.remote.wait()
         pid = m.remote.store.uploader_pid

@@ -2,9 +2,10 @@
 
 ``CheckpointManager.from_config(cfg)`` reads it and ``mgr.config()`` writes it: the
 keys are the constructor's arguments, the policies in the form of
-:mod:`..policy.config`, the option objects (``Export``, ``Remote``, ``AsyncSave``) as
-mappings of their fields, and a ``run`` block for ``fckpt run`` (how to relaunch the
-job). Any ``Mapping``/``Sequence`` will do, an OmegaConf ``DictConfig`` as it comes;
+:mod:`..policy.config`, the option objects (``Export``, ``AsyncSave``; ``Memory``,
+``Disk``, ``Remote`` under ``tiers``, by kind) as mappings of their fields, and a
+``run`` block for ``fckpt run`` (how to relaunch the job). Any ``Mapping``/``Sequence``
+will do, an OmegaConf ``DictConfig`` as it comes;
 a bad key is refused with its path and the names known there, before anything is
 opened. What is no plain data (a callable ``rename``, a clock, credentials) never
 goes into a written configuration.
@@ -21,7 +22,7 @@ import torch
 from functional_ckpt._src.codec import documents
 from functional_ckpt._src.export.safetensors import Export, parse_size
 from functional_ckpt._src.manager.memory import Memory
-from functional_ckpt._src.manager.options import AsyncSave
+from functional_ckpt._src.manager.options import AsyncSave, Disk, TierOptions
 from functional_ckpt._src.policy import SavePolicy
 from functional_ckpt._src.policy.config import (
     MANAGER_KEYS,
@@ -43,7 +44,8 @@ from functional_ckpt._src.remote.options import Remote
 from functional_ckpt._src.save.staging import STAGINGS
 from functional_ckpt.errors import ConfigError
 
-__all__ = ["EXPORT_KEYS", "MEMORY_KEYS", "REMOTE_KEYS", "config_of", "manager_arguments"]
+__all__ = ["EXPORT_KEYS", "MEMORY_KEYS", "REMOTE_KEYS", "TIER_KEYS", "config_of"]
+__all__ += ["manager_arguments"]
 
 EXPORT_KEYS = (
     "policy",
@@ -57,6 +59,8 @@ EXPORT_KEYS = (
     "keep",
 )
 REMOTE_KEYS = ("url", "keep", "storage_options", "prune_unuploaded")
+DISK_KEYS = ("incremental", "compression")
+TIER_KEYS = ("memory", "disk", "remote")
 MEMORY_KEYS = (
     "path",
     "save",
@@ -198,6 +202,28 @@ def _memory(value: object, path: str) -> Memory:
         raise ConfigError(f"{path}: {exc}") from None
 
 
+def _disk(value: object, path: str) -> Disk:
+    given = check_keys(value, path, DISK_KEYS, "fields")
+    args: dict[str, Any] = {}
+    if "incremental" in given:
+        args["incremental"] = check_bool(given["incremental"], at_key(path, "incremental"))
+    if given.get("compression") is not None:
+        args["compression"] = check_str(given["compression"], at_key(path, "compression"))
+    try:
+        return Disk(**args)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def _tiers(value: object) -> list[Memory | Disk | Remote]:
+    given = check_keys(value, "tiers", TIER_KEYS, "tiers")
+    out: list[Memory | Disk | Remote] = []
+    for key, read in (("memory", _memory), ("disk", _disk), ("remote", _remote)):
+        if given.get(key) not in (None, False):
+            out.append(read(given[key], at_key("tiers", key)))
+    return out
+
+
 def manager_arguments(
     cfg: object, *, root_given: bool = False
 ) -> tuple[str | None, dict[str, Any], Relaunch | None]:
@@ -219,17 +245,14 @@ def manager_arguments(
         if not isinstance(given["metadata"], Mapping):
             raise config_error("metadata", "a mapping", given["metadata"])
         kwargs["metadata"] = _plain(given["metadata"], "metadata")
-    for key in ("read_only", "incremental"):
-        if key in given:
-            kwargs[key] = check_bool(given[key], key)
+    if "read_only" in given:
+        kwargs["read_only"] = check_bool(given["read_only"], "read_only")
     if "async_save" in given:
         kwargs["async_save"] = _async(given["async_save"], "async_save")
     if given.get("export") is not None:
         kwargs["export"] = _export(given["export"], "export")
-    if given.get("remote") is not None:
-        kwargs["remote"] = _remote(given["remote"], "remote")
-    if given.get("memory") not in (None, False):
-        kwargs["memory"] = _memory(given["memory"], "memory")
+    if given.get("tiers") is not None:
+        kwargs["tiers"] = _tiers(given["tiers"])
     if "per_rank" in given:
         per_rank = given["per_rank"]
         if not is_sequence(per_rank):
@@ -300,10 +323,8 @@ def config_of(
     metadata: Mapping[str, Any],
     read_only: bool,
     async_save: AsyncSave | None,
-    incremental: bool,
     export: Export | None,
-    remote: Remote | None,
-    memory: Memory | None,
+    tiers: TierOptions,
     rollback: SavePolicy | None,
     per_rank: Sequence[str],
     run: Relaunch | None,
@@ -320,26 +341,28 @@ def config_of(
         "metadata": _plain(metadata, "metadata"),
         "read_only": read_only,
         "async_save": False if async_save is None else {"staging": async_save.staging},
-        "incremental": incremental,
         "per_rank": list(per_rank),
     }
+    memory, disk, remote = tiers
+    out["tiers"] = {"disk": {"incremental": disk.incremental, "compression": disk.compression}}
     if export is not None:
         out["export"] = _export_config(export)
     if remote is not None:
-        out["remote"] = {
+        out["tiers"]["remote"] = {
             "url": remote.url,
-            "keep": _spec(remote.keep, "remote.keep"),
+            "keep": _spec(remote.keep, "tiers.remote.keep"),
             "prune_unuploaded": remote.prune_unuploaded,
         }
     if memory is not None:
         if memory.domain is not None:
             raise ConfigError(
-                f"memory.domain={memory.domain!r}: a function has no plain form; leave it out "
-                "(the default domains are the nodes, from LOCAL_RANK) or build the manager in code"
+                f"tiers.memory.domain={memory.domain!r}: a function has no plain form; leave it "
+                "out (the default domains are the nodes, from LOCAL_RANK) or build the manager "
+                "in code"
             )
-        out["memory"] = {
+        out["tiers"]["memory"] = {
             "path": None if memory.path is None else str(memory.path),
-            "save": _spec(memory.save, "memory.save"),
+            "save": _spec(memory.save, "tiers.memory.save"),
             "keep": memory.held,  # keep_last(n), as its int shorthand
             "budget": memory.budget,
             "promote_on": [signal.Signals(s).name for s in memory.promote_on],

@@ -30,9 +30,11 @@ from functional_ckpt._src.manager.memory import Memory
 from functional_ckpt._src.manager.memory_tier import MemoryTier
 from functional_ckpt._src.manager.options import (
     AsyncSave,
+    Disk,
     async_option,
     check_policies,
     plain_metrics,
+    tier_options,
 )
 from functional_ckpt._src.manager.provenance import (
     Provenance,
@@ -80,9 +82,9 @@ class CheckpointManager(RootView):
     """Save on a policy, keep on a retention policy, resume from the newest good checkpoint.
 
     ``save`` defaults to ``every_steps(1)`` and ``keep`` to ``keep_all()``. One option
-    value per concern (docs/manager.md): ``async_save``, ``incremental``, ``export``,
-    ``remote``, ``memory`` (a tier in RAM above the root, on its own policy),
-    ``rollback``, ``per_rank``, ``compression`` (by default the remote tier's). A
+    value per concern (docs/manager.md): ``async_save``, ``export``, ``tiers``
+    (``Memory``, a tier in RAM above the root on its own policy; ``Disk``, how the root
+    stores; ``Remote``, an object store behind it), ``rollback``, ``per_rank``. A
     writing manager locks ``root``, recovers or removes what crashes left and finishes
     an interrupted rollback at open; ``read_only=True`` never deletes or renames
     anything. Only the manager reads ``clock`` (the run's running time), never a
@@ -98,22 +100,16 @@ class CheckpointManager(RootView):
         metadata: Mapping[str, Any] | None = None,
         read_only: bool = False,
         async_save: bool | AsyncSave = False,
-        incremental: bool = False,
         export: Export | None = None,
-        remote: Remote | None = None,
-        memory: Memory | None = None,
+        tiers: Sequence[Memory | Disk | Remote] = (),
         rollback: SavePolicy | None = None,
         per_rank: Sequence[str] = DEFAULT_PER_RANK,
         clock: Callable[[], float] = time.monotonic,
-        compression: str | None = None,
     ) -> None:
         super().__init__(Path(root))
         if not callable(clock):
             raise TypeError(f"CheckpointManager(clock={clock!r}): clock must be callable")
-        for name, value, kind in (("remote", remote, Remote), ("memory", memory, Memory)):
-            if value is not None and not isinstance(value, kind):
-                what = f"{name}={value!r}): expected fc.manager.{kind.__name__}(...)"
-                raise TypeError(f"CheckpointManager({what}")
+        self._options = memory, disk, remote = tier_options(tiers)
         self.read_only = bool(read_only)
         self.save_policy = every_steps(1) if save is None else save
         self.keep = keep_all() if keep is None else keep
@@ -122,10 +118,8 @@ class CheckpointManager(RootView):
         self.metadata = check_metadata(metadata, f"CheckpointManager({self.root})")
         topo = topology()
         self._distributed, self._coordinator = topo.distributed, topo.coordinator
-        if compression is None and remote is not None:
-            compression = remote.compression  # the remote tier's, unless the manager names one
-        level, dist = zstd.level_of(compression, "CheckpointManager"), self._distributed
-        settings = WriteSettings(tuple(per_rank), async_option(async_save), bool(incremental),
+        level, dist = zstd.level_of(disk.compression, "Disk"), self._distributed
+        settings = WriteSettings(tuple(per_rank), async_option(async_save), disk.incremental,
                                  dist, self._coordinator, zstd_level=level)  # fmt: skip
         if self._distributed:
             prepare_groups()  # now, on the training thread, in the same order on every rank
@@ -169,8 +163,6 @@ class CheckpointManager(RootView):
             self.tiers.insert(0, self.memory)
             self.memory.settle = lambda within: (p := self._writes.pending) and p.exception(within)
             self.memory.committed = lambda: progress(self.tiers)
-        self._remote_option = remote
-        self._memory_option = memory
         self._relaunch: Relaunch | None = None  # the ``run`` block of from_config's config
 
     @classmethod
@@ -194,10 +186,8 @@ class CheckpointManager(RootView):
             metadata=self.metadata,
             read_only=self.read_only,
             async_save=settings.async_save,
-            incremental=settings.incremental,
             export=self.export,
-            remote=self._remote_option,
-            memory=self._memory_option,
+            tiers=self._options,
             rollback=self._watch.rule,
             per_rank=settings.per_rank,
             run=self._relaunch,

@@ -306,9 +306,8 @@ MANAGER_KEYS: tuple[str, ...] = (
     "metadata",
     "read_only",
     "async_save",
-    "incremental",
 )
-MANAGER_KEYS += ("export", "remote", "memory", "rollback", "per_rank", "run")
+MANAGER_KEYS += ("export", "tiers", "rollback", "per_rank", "run")
 
 
 @dataclass(frozen=True)
