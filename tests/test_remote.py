@@ -6,6 +6,7 @@ Against fsspec's in-process ``memory://`` store and a real S3-protocol server
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -78,6 +79,18 @@ def test_uploads_commit_with_the_marker_last_and_each_tier_keeps_its_own(
         assert remote[f"step_000000005/{f.name}"] == f.read_bytes()
     status = json.loads((root / ".remote.json").read_text())
     assert status["url"] == mem and status["remote"] == [3, 4, 5] and status["failed"] == {}
+
+
+def test_a_deleted_checkpoint_leaves_the_remote_tier_too(tmp_path: Path, mem: str) -> None:
+    """The remote is one of the manager's tiers: a deletion reaches it, or a resume on
+    an empty root would bring the step back."""
+    with fc.CheckpointManager(tmp_path / "a", tiers=(fc.manager.Remote(mem),)) as mgr:
+        for step in (1, 2):
+            mgr.maybe_save(_state(step), step=step)
+        mgr.delete(1)  # its upload may still run: it is waited for
+        assert mgr.steps() == [2] and mgr.remote is not None and mgr.remote.steps() == [2]
+    with fc.CheckpointManager(tmp_path / "b", tiers=(fc.manager.Remote(mem),)) as mgr:
+        assert mgr.restore_latest() is not None and mgr.restored_step == 2
 
 
 def test_a_failed_upload_is_reported_and_keeps_the_local_copy_until_one_succeeds(
@@ -406,6 +419,18 @@ def test_two_ranks_with_their_own_local_roots_commit_on_one_remote(
     assert not list((tmp_path / "plain0").iterdir())  # nothing committed, nothing left
     assert "UPLOADED [1, 2, 3]" in out0
     assert "RESUMED 3" in out0 and "RESUMED 3" in out1  # from the remote tier, bit-identically
+    # Each rank fetched what it reads: the index, the file its replicated values lie in
+    # (rank 0's), its own part and shard file; never another rank's part or shard file,
+    # nor .metadata (for stock readers and fc.verify).
+    got = [ast.literal_eval(o.split("FETCHED ", 1)[1].splitlines()[0]) for o in (out0, out1)]
+    index = ["__0_0.distcp", "manifest.msgpack"]
+    assert got[0] == [*index, "manifest.part-00000.msgpack"], got
+    assert got[1] == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "manifest.msgpack",
+        "manifest.part-00001.msgpack",
+    ]
     assert "FAILED [4]" in out0 and "upload of step 4 failed" in out0, out0  # reported, no hang
     listing = Store(url, s3["options"]).listing()
     assert sorted(s for s, r in listing.items() if r.committed) == [1, 2, 3]  # 4: no commit

@@ -96,7 +96,7 @@ def test_uploads_run_in_a_helper_process_that_every_save_holds_until_staged(
         pid = mgr.remote.store.uploader_pid
         assert pid is not None and pid != os.getpid()  # started when the manager opened
         assert _running(pid)
-        mgr.remote.hold_uploads()  # as a save does, from its start until staged
+        mgr.remote.store.pause_uploads()  # as a save does, from its start until staged
         assert _stopped(pid)
         mgr.maybe_save(_state(1), step=1, force=True)
         mgr.wait_staged()  # the save's own hold is released by now; the outer one is not
@@ -104,7 +104,7 @@ def test_uploads_run_in_a_helper_process_that_every_save_holds_until_staged(
         assert _stopped(pid)
         assert not mgr.remote.wait(timeout=1.5)  # the upload cannot finish while held
         assert mgr.remote.steps() == []
-        mgr.remote.release_uploads()
+        mgr.remote.store.resume_uploads()
         assert _running(pid)
         assert mgr.remote.wait() and mgr.remote.steps() == [1]
         mgr.maybe_save(_state(2), step=2, force=True)
@@ -141,7 +141,7 @@ options = {{"client_kwargs": {{"endpoint_url": "{endpoint}"}}}}
 remote = fc.manager.Remote(sys.argv[2], storage_options=options)
 mgr = fc.CheckpointManager(sys.argv[1], tiers=(remote,))
 assert mgr.remote.wait()
-mgr.remote.hold_uploads()  # killed while its helper is stopped, too
+mgr.remote.store.pause_uploads()  # killed while its helper is stopped, too
 print(mgr.remote.store.uploader_pid, flush=True)
 time.sleep(600)
 """

@@ -454,6 +454,8 @@ def test_a_resume_takes_the_newest_intact_step_of_this_run(tmp_path: Path, seed:
 class FakeTier:
     """A fourth tier, fastest first, that only answers the tier protocol's questions."""
 
+    durable = False
+
     def __init__(self, root: Path) -> None:
         self.root, self.held, self.closed = root, {}, []  # type: ignore[var-annotated]
 
@@ -477,6 +479,17 @@ class FakeTier:
             if above is None or step > above:
                 return read_info(self.held[step], step), read(self.held[step])
         return None
+
+    def open(self, step: int) -> Path:
+        return self.held[step]  # type: ignore[no-any-return]
+
+    def copy_in(self, source: Any, within: float) -> Path | None:
+        newer = [s for s in source.steps() if s > max(self.steps(), default=-1)]
+        if not newer:
+            return None
+        self.held[newer[-1]] = self.root / step_name(newer[-1])
+        shutil.copytree(source.open(newer[-1]), self.held[newer[-1]])
+        return self.held[newer[-1]]  # type: ignore[no-any-return]
 
     def delete(self, steps: Any) -> None:
         for step in steps:
@@ -510,6 +523,25 @@ def test_a_tier_is_only_asked_the_protocol_and_the_manager_decides(tmp_path: Pat
     assert fake.steps() == []
     mgr.close()
     assert fake.closed == [False]
+
+
+def test_a_fourth_tier_takes_part_in_promotion_with_no_other_change(tmp_path: Path) -> None:
+    from functional_ckpt._src.manager.tiers import promote
+
+    root, fake, behind = tmp_path / "root", FakeTier(tmp_path / "fake"), FakeTier(tmp_path / "b")
+    behind.durable = True  # type: ignore[misc]
+    fake.put(5)
+    with fc.CheckpointManager(root) as mgr:
+        mgr.maybe_save(state(3), step=3)
+        mgr.tiers.insert(0, fake)  # faster than the disk, not durable: promoted into it
+        assert promote(mgr.tiers, fake, 60.0) == root / step_name(5)
+        assert mgr.steps() == [3, 5] and promote(mgr.tiers, fake, 60.0) is None  # held now
+        exact(fc.restore(root / step_name(5)), 5)
+        mgr.tiers.append(behind)  # durable, behind the disk: each commit is copied in
+        mgr.maybe_save(state(7), step=7)
+        assert behind.steps() == [7]
+        exact(fc.restore(behind.open(7)), 7)
+    assert fake.closed == behind.closed == [False]
 
 
 def test_a_fork_starts_a_new_run_whose_parent_is_the_forked_checkpoint(

@@ -44,8 +44,7 @@ from functional_ckpt._src.remote.options import Remote
 from functional_ckpt._src.save.staging import STAGINGS
 from functional_ckpt.errors import ConfigError
 
-__all__ = ["EXPORT_KEYS", "MEMORY_KEYS", "REMOTE_KEYS", "TIER_KEYS", "config_of"]
-__all__ += ["manager_arguments"]
+__all__ = ["EXPORT_KEYS", "MEMORY_KEYS", "REMOTE_KEYS", "config_of", "manager_arguments"]
 
 EXPORT_KEYS = (
     "policy",
@@ -59,8 +58,6 @@ EXPORT_KEYS = (
     "keep",
 )
 REMOTE_KEYS = ("url", "keep", "storage_options", "prune_unuploaded")
-DISK_KEYS = ("incremental", "compression")
-TIER_KEYS = ("memory", "disk", "remote")
 MEMORY_KEYS = (
     "path",
     "save",
@@ -154,73 +151,49 @@ def _export(value: object, path: str) -> Export:
         raise ConfigError(f"{path}: {exc}") from None
 
 
-def _remote(value: object, path: str) -> Remote:
-    given = (
-        {"url": value} if isinstance(value, str) else check_keys(value, path, REMOTE_KEYS, "fields")
-    )
-    if "url" not in given:
-        raise ConfigError(f"{at_key(path, 'url')}: required (an fsspec URL)")
-    args: dict[str, Any] = {"url": check_str(given["url"], at_key(path, "url"))}
-    if "keep" in given:
-        args["keep"] = retention_from_config(given["keep"], at_key(path, "keep"))
-    if given.get("storage_options") is not None:
-        options = given["storage_options"]
-        if not isinstance(options, Mapping):  # its values are never shown: they may be credentials
-            raise ConfigError(f"{at_key(path, 'storage_options')}: expected a mapping")
-        args["storage_options"] = _plain(options, at_key(path, "storage_options"))
-    if "prune_unuploaded" in given:
-        args["prune_unuploaded"] = check_bool(
-            given["prune_unuploaded"], at_key(path, "prune_unuploaded")
-        )
-    return Remote(**args)
+def _signals(value: object, path: str) -> tuple[int, ...]:
+    if not is_sequence(value):
+        raise config_error(path, "a list of signals (names or numbers)", value)
+    return tuple(signal_number(s, at_key(path, i)) for i, s in enumerate(value))
 
 
-def _memory(value: object, path: str) -> Memory:
-    given = {} if value is True else check_keys(value, path, MEMORY_KEYS, "fields")
-    args: dict[str, Any] = {}
-    if given.get("path") is not None:
-        args["path"] = check_str(given["path"], at_key(path, "path"))
-    if given.get("save") is not None:
-        args["save"] = policy_from_config(given["save"], at_key(path, "save"))
-    for key in ("async_save", "incremental"):
-        if key in given:
-            args[key] = check_bool(given[key], at_key(path, key))
-    if "promote_on" in given:
-        signals = given["promote_on"]
-        where = at_key(path, "promote_on")
-        if not is_sequence(signals):
-            raise config_error(where, "a list of signals (names or numbers)", signals)
-        args["promote_on"] = tuple(
-            signal_number(s, at_key(where, i)) for i, s in enumerate(signals)
-        )
-    for key in ("keep", "budget", "promote_within", "replicas"):
-        if key in given:
-            args[key] = given[key]  # checked by Memory itself, which names the field
-    try:
-        return Memory(**args)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+def _secret(value: object, path: str) -> Any:
+    if not isinstance(value, Mapping):  # its values are never shown: they may be credentials
+        raise ConfigError(f"{path}: expected a mapping")
+    return _plain(value, path)
 
 
-def _disk(value: object, path: str) -> Disk:
-    given = check_keys(value, path, DISK_KEYS, "fields")
-    args: dict[str, Any] = {}
-    if "incremental" in given:
-        args["incremental"] = check_bool(given["incremental"], at_key(path, "incremental"))
-    if given.get("compression") is not None:
-        args["compression"] = check_str(given["compression"], at_key(path, "compression"))
-    try:
-        return Disk(**args)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+_BOOLS, _STRS = ("async_save", "incremental", "prune_unuploaded"), ("path", "url", "compression")
+_PLAIN: dict[str, Any] = {**dict.fromkeys(_BOOLS, check_bool), **dict.fromkeys(_STRS, check_str)}
+#: Each tier's option by its key, its fields, and how those not plain are read (the
+#: option itself checks the rest, naming the field).
+_TIERS: dict[str, tuple[type[Memory | Disk | Remote], tuple[str, ...], dict[str, Any]]] = {
+    "memory": (Memory, MEMORY_KEYS, {"save": policy_from_config, "promote_on": _signals}),
+    "disk": (Disk, ("incremental", "compression"), {}),
+    "remote": (Remote, REMOTE_KEYS, {"keep": retention_from_config, "storage_options": _secret}),
+}
 
 
 def _tiers(value: object) -> list[Memory | Disk | Remote]:
-    given = check_keys(value, "tiers", TIER_KEYS, "tiers")
     out: list[Memory | Disk | Remote] = []
-    for key, read in (("memory", _memory), ("disk", _disk), ("remote", _remote)):
-        if given.get(key) not in (None, False):
-            out.append(read(given[key], at_key("tiers", key)))
+    for key, given in check_keys(value, "tiers", tuple(_TIERS), "tiers").items():
+        kind, known, read = _TIERS[key]
+        path = at_key("tiers", key)
+        if given in (None, False):
+            continue
+        given = {"url": given} if key == "remote" and isinstance(given, str) else given
+        given = check_keys({} if given is True else given, path, known, "fields")
+        if key == "remote" and "url" not in given:
+            raise ConfigError(f"{at_key(path, 'url')}: required (an fsspec URL)")
+        args: dict[str, Any] = {
+            k: (read.get(k) or _PLAIN.get(k) or (lambda v, _: v))(v, at_key(path, k))
+            for k, v in given.items()
+            if v is not None
+        }
+        try:
+            out.append(kind(**args))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{path}: {exc}") from None
     return out
 
 
@@ -348,11 +321,8 @@ def config_of(
     if export is not None:
         out["export"] = _export_config(export)
     if remote is not None:
-        out["tiers"]["remote"] = {
-            "url": remote.url,
-            "keep": _spec(remote.keep, "tiers.remote.keep"),
-            "prune_unuploaded": remote.prune_unuploaded,
-        }
+        out["tiers"]["remote"] = {k: getattr(remote, k) for k in ("url", "prune_unuploaded")}
+        out["tiers"]["remote"]["keep"] = _spec(remote.keep, "tiers.remote.keep")
     if memory is not None:
         if memory.domain is not None:
             raise ConfigError(
@@ -360,16 +330,11 @@ def config_of(
                 "out (the default domains are the nodes, from LOCAL_RANK) or build the manager "
                 "in code"
             )
-        out["tiers"]["memory"] = {
+        out["tiers"]["memory"] = {k: getattr(memory, k) for k in MEMORY_KEYS} | {
             "path": None if memory.path is None else str(memory.path),
             "save": _spec(memory.save, "tiers.memory.save"),
             "keep": memory.held,  # keep_last(n), as its int shorthand
-            "budget": memory.budget,
             "promote_on": [signal.Signals(s).name for s in memory.promote_on],
-            "promote_within": memory.promote_within,
-            "async_save": memory.async_save,
-            "incremental": memory.incremental,
-            "replicas": memory.replicas,
         }
     if rollback is not None:
         out["rollback"] = _spec(rollback, "rollback")

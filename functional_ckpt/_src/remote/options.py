@@ -1,6 +1,7 @@
 """``Remote``: a manager's remote tier, as one option value (``CheckpointManager(tiers=...)``).
 
-Built and checked where the user writes it; the manager opens it on its root. Its
+Built and checked where the user writes it; the manager opens it on its root
+(:class:`~.tier.RemoteTier`). Its
 storage options may hold credentials: they are never shown in a message or a repr.
 """
 
@@ -8,13 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all
-
-if TYPE_CHECKING:
-    from functional_ckpt._src.remote.tier import RemoteTier
 
 
 @dataclass(frozen=True)
@@ -45,16 +42,3 @@ class Remote:
             )
         if not isinstance(self.prune_unuploaded, bool):
             raise TypeError(f"Remote(prune_unuploaded={self.prune_unuploaded!r}): expected a bool")
-
-    def open(self, root: Path, *, writer: bool) -> RemoteTier:
-        """The tier of the manager of ``root`` (its endpoint is checked now)."""
-        from functional_ckpt._src.remote.tier import RemoteTier
-
-        return RemoteTier(
-            root,
-            self.url,
-            keep=self.keep,
-            storage_options=self.storage_options,
-            prune_unuploaded=self.prune_unuploaded,
-            writer=writer,
-        )
