@@ -142,7 +142,7 @@ def worker(base: Path, memory: Path, size: int, reps: int) -> dict[str, Any]:
         "fill": [],
     }
     tier = fc.manager.Memory(path=folder, async_save=False, promote_on=(), keep=1)
-    mgr = fc.CheckpointManager(root, save=fc.policy.always(), keep=fc.keep_last(1), memory=tier)
+    mgr = fc.CheckpointManager(root, save=fc.policy.always(), keep=fc.keep_last(1), tiers=(tier,))
     mem = mgr.memory
     assert mem is not None and mem.replicas is not None
     rep = mem.replicas
@@ -200,7 +200,9 @@ def worker(base: Path, memory: Path, size: int, reps: int) -> dict[str, Any]:
         if rank == 2:  # node b is lost, and its RAM with it
             shutil.rmtree(folder)
         dist.barrier()
-        mgr = fc.CheckpointManager(root, save=fc.policy.always(), keep=fc.keep_last(1), memory=tier)
+        mgr = fc.CheckpointManager(
+            root, save=fc.policy.always(), keep=fc.keep_last(1), tiers=(tier,)
+        )
         mem = mgr.memory
         assert mem is not None and mem.replicas is not None
         dist.barrier()

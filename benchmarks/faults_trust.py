@@ -271,7 +271,7 @@ def scenario_remote(scale: Any, base: Path, seed: int) -> Any:
     for label, attack in attacks.items():
         url = f"memory://trust-{uuid.uuid4().hex[:8]}/run"
         local = base / f"a{res.trials}"
-        with fc.CheckpointManager(local, remote=fc.manager.Remote(url)) as mgr:
+        with fc.CheckpointManager(local, tiers=(fc.manager.Remote(url),)) as mgr:
             for s in (1, 2):
                 mgr.maybe_save(_state(float(s)), step=s)
         remote = url.removeprefix("memory://") + f"/{step_name(2)}/"
@@ -287,7 +287,7 @@ def scenario_remote(scale: Any, base: Path, seed: int) -> Any:
         try:
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
-                with fc.CheckpointManager(fresh, remote=fc.manager.Remote(url)) as mgr:
+                with fc.CheckpointManager(fresh, tiers=(fc.manager.Remote(url),)) as mgr:
                     got = mgr.restore_latest()
                     step = mgr.restored_step
             warned = any(issubclass(w.category, fc.errors.RemoteWarning) for w in seen)

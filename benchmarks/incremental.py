@@ -9,7 +9,7 @@ full save
   ``fc.save`` of the whole state (no base).
 incremental, 90% frozen
   the trained tensors change; ``fc.save(base=previous)`` where ``previous`` was
-  written by this process (the chain a ``CheckpointManager(incremental=True)``
+  written by this process (the chain a manager's ``Disk(incremental=True)``
   builds): version counters tell which tensors moved, the frozen ones are
   confirmed by CRC32 and shared with the base by hard links.
 incremental, 90% frozen, unknown base

@@ -12,7 +12,7 @@ copy
 loop
   *no checkpoints*: ``--steps`` training steps;
   *memory tier every step*: the same steps with ``CheckpointManager(save=never(),
-  memory=Memory())``: a memory save every step, off the training thread
+  tiers=(Memory(),))``: a memory save every step, off the training thread
   (``wait_staged`` after the compute, before the in-place update; ``wait`` at the
   end). *Blocking per save* is the median time the loop spends in ``maybe_save`` and
   ``wait_staged`` per step.
@@ -187,7 +187,7 @@ def memory_loop(
     seconds the loop spent in ``maybe_save`` and in the ``wait_staged`` after it."""
     tier = fc.manager.Memory(path=folder)
     clock = time.perf_counter
-    with fc.CheckpointManager(root, save=fc.policy.never(), memory=tier) as mgr:
+    with fc.CheckpointManager(root, save=fc.policy.never(), tiers=(tier,)) as mgr:
         held = 0.0
         for step in range(1, steps + 1):
             compute(work, matmuls)
@@ -209,7 +209,7 @@ def resumes(
     """(seconds to resume from memory, from disk, how the page cache was dropped)."""
     like = {k: torch.empty_like(v) for k, v in state.items()}
     tier = fc.manager.Memory(path=folder, async_save=False)
-    with fc.CheckpointManager(root, save=fc.policy.always(), memory=tier) as mgr:
+    with fc.CheckpointManager(root, save=fc.policy.always(), tiers=(tier,)) as mgr:
         mgr.maybe_save(state, step=1)  # the same step in both tiers
         settle()
 

@@ -13,7 +13,7 @@ in memory, not in temporary files on this machine's disk):
     *s3fs put*: ``S3FileSystem.put`` of the same files to another prefix.
 ``restore``
     *fc restore_latest (remote)*: ``CheckpointManager(empty root,
-    remote=...).restore_latest(like)`` (the call only, not opening the manager):
+    tiers=[Remote(...)]).restore_latest(like)`` (the call only, not opening the manager):
     listing, parallel download, ``fc.verify`` of every byte, local commit, restore;
     *s3fs get + fc.restore*: ``S3FileSystem.get`` of the same files, then
     ``fc.restore`` of them.
@@ -160,7 +160,7 @@ def train_stall(
     kwargs: dict[str, Any] = {}
     if remote is not None:
         kwargs = {
-            "remote": fc.manager.Remote(remote, keep=fc.keep_last(2), storage_options=options)
+            "tiers": [fc.manager.Remote(remote, keep=fc.keep_last(2), storage_options=options)]
         }
     mgr = fc.CheckpointManager(
         root, save=fc.every_steps(10), keep=fc.keep_last(2), async_save=True, **kwargs
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace, workdir: Path, endpoint: str) -> dict[str, lis
             """Seconds of ``restore_latest`` (opening the manager is not counted)."""
             root = workdir / f"fresh-{uuid.uuid4().hex[:6]}"
             with fc.CheckpointManager(
-                root, remote=fc.manager.Remote(remote_root, storage_options=options)
+                root, tiers=(fc.manager.Remote(remote_root, storage_options=options),)
             ) as mgr:
                 mgr.remote.wait()  # the upload round every open starts: nothing to send
                 settle()

@@ -149,7 +149,7 @@ def run_memory(
     model, opt, sched, loader = objs
     disk = fc.every_steps(disk_every) | fc.on_final()
     tier = fc.manager.Memory(path=memory, keep=keep)
-    with fc.CheckpointManager(root, save=disk, keep=fc.keep_last(2), memory=tier) as mgr:
+    with fc.CheckpointManager(root, save=disk, keep=fc.keep_last(2), tiers=(tier,)) as mgr:
         restored = mgr.restore_latest(like=live_state(objs, 0))
         step = 0
         if restored is not None:

@@ -160,7 +160,7 @@ def main() -> None:
     disk = fc.every_steps(DISK_EVERY) | fc.on_final()
     with (
         warnings.catch_warnings(record=True) as seen,
-        fc.CheckpointManager(base / "root", save=disk, keep=fc.keep_last(2), memory=tier) as mgr,
+        fc.CheckpointManager(base / "root", save=disk, keep=fc.keep_last(2), tiers=(tier,)) as mgr,
     ):
         warnings.simplefilter("always")
         assert mgr.memory is not None and mgr.memory.replicas is not None

@@ -7,8 +7,8 @@ server at ``ENDPOINT``). In order:
 0. ``fc.save`` into ``plain<R>``, without a remote tier, fails on every rank;
 1. in ``run<R>``: save steps 1-3 and wait for their uploads;
 2. restart in the same roots: every rank resumes from step 3 (rank 0's local copy
-   lacks rank 1's files, rank 1 has only its part: both download it), in
-   DTensors, bit-identically;
+   lacks rank 1's files, rank 1 has only its part: each downloads what it reads,
+   the objects it fetches printed), in DTensors, bit-identically;
 3. save step 4, during whose upload rank 1 dies: rank 0 reports the failed
    upload (no remote commit) within the collective timeout and exits.
 """
@@ -29,7 +29,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import functional_ckpt as fc
-from functional_ckpt._src.remote import protocol
+from functional_ckpt._src.remote import fetch, protocol
 
 
 def state(mesh: Any, rank: int, step: int) -> dict[str, Any]:
@@ -52,7 +52,7 @@ def main() -> None:
         return fc.CheckpointManager(
             base / f"{name}{rank}",
             keep=fc.keep_last(1),
-            remote=fc.manager.Remote(remote, storage_options=options),
+            tiers=(fc.manager.Remote(remote, storage_options=options),),
         )
 
     try:  # without a remote tier, a save needs one directory every rank sees
@@ -71,8 +71,17 @@ def main() -> None:
     # Rank 1's root holds parts (its own shard files), never a checkpoint of its own.
     print("LOCAL", fc.CheckpointManager(base / f"run{rank}", read_only=True).steps(), flush=True)
 
+    fetched: list[str] = []  # every object this rank downloads from the store
+    real_get = fetch._get
+
+    def counted(store: Any, step: int, tmp: Path, names: list[str]) -> None:
+        fetched.extend(names)
+        real_get(store, step, tmp, names)
+
+    fetch._get = counted  # type: ignore[assignment]
     mgr = manager("run")  # the job restarts on the same machines
     got = mgr.restore_latest(like=state(mesh, rank, 0))
+    print("FETCHED", sorted(fetched), flush=True)
     assert got is not None and mgr.restored_step == 3, mgr.restored_step
     assert torch.equal(got["w"].to_local(), state(mesh, rank, 3)["w"].to_local())
     assert got["loader"]["pos"] == 100 * rank + 3 and got["step"] == 3

@@ -56,10 +56,10 @@ def main() -> int:
     policy = fc.every_steps(args.save_every) | fc.on_signal(signal.SIGTERM)
     state = {"w": torch.zeros(4), "step": 0}
     log = open(f"{args.root}.log", "a")  # noqa: SIM115 (kept open until the job dies)
-    tier = None
+    tiers = []
     if args.memory:
-        tier = fc.manager.Memory(path=args.memory, async_save=False, promote_on=())
-    with fc.CheckpointManager(args.root, save=policy, memory=tier) as mgr:
+        tiers = [fc.manager.Memory(path=args.memory, async_save=False, promote_on=())]
+    with fc.CheckpointManager(args.root, save=policy, tiers=tiers) as mgr:
         restored = mgr.restore_latest(like=state)
         if restored is not None:
             state = {"w": restored["w"], "step": int(restored["step"])}

@@ -222,20 +222,21 @@ def test_flip_helper_still_damages_plain_blobs(tmp_path: Path) -> None:
 
 def test_manager_and_remote_tier_store_frames(tmp_path: Path, mem: str) -> None:
     state = _state()
-    with fc.CheckpointManager(tmp_path / "a", compression="zstd", async_save=True) as mgr:
+    disk = fc.manager.Disk(compression="zstd")
+    with fc.CheckpointManager(tmp_path / "a", tiers=(disk,), async_save=True) as mgr:
         mgr.maybe_save(state, step=1)
     assert _chunk(tmp_path / "a" / "step_000000001", "w").zstd
-    remote = fc.manager.Remote(mem, compression="zstd")
-    with fc.CheckpointManager(tmp_path / "b", remote=remote) as mgr:
+    remote = fc.manager.Remote(mem)
+    with fc.CheckpointManager(tmp_path / "b", tiers=(remote, disk)) as mgr:
         mgr.maybe_save(state, step=1)
         assert mgr.remote is not None and mgr.remote.wait()
     assert _chunk(tmp_path / "b" / "step_000000001", "w").zstd
-    with fc.CheckpointManager(tmp_path / "c", remote=remote) as mgr:  # from the remote copy
+    with fc.CheckpointManager(tmp_path / "c", tiers=(remote,)) as mgr:  # from the remote copy
         got = mgr.restore_latest(like=state)
         assert got is not None and mgr.restored_step == 1
         _same(got, state)
-    with pytest.raises(ValueError, match=r"Remote\(compression='lz4'\)"):
-        fc.manager.Remote(mem, compression="lz4")
+    with pytest.raises(ValueError, match=r"Disk\(compression='lz4'\)"):
+        fc.manager.Disk(compression="lz4")
 
 
 def test_dcp_plugin_writes_and_reads_frames(tmp_path: Path) -> None:

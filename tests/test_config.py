@@ -244,7 +244,7 @@ FULL: dict[str, Any] = {
     "metadata": {"experiment": "cfg", "lr": 0.1, "tags": ["a", "b"]},
     "read_only": False,
     "async_save": {"staging": "copy"},
-    "incremental": True,
+    "tiers": {"disk": {"incremental": True}},
     "export": {
         "policy": {"every_epochs": 1},
         "select": "model",
@@ -278,7 +278,10 @@ def test_a_manager_from_its_config_and_back(tmp_path: Path) -> None:
         assert mgr.steps() == [2, 4]
     assert written["root"] == str(tmp_path / "run")
     assert written["save"] == policy_from_config(FULL["save"]).spec
-    assert written["async_save"] == {"staging": "copy"} and written["incremental"] is True
+    assert (
+        written["async_save"] == {"staging": "copy"}
+        and written["tiers"]["disk"]["incremental"] is True
+    )
     assert written["export"]["dtype"] == "bfloat16"
     assert written["export"]["keep"] == {"keep_last": {"n": 2}}
     assert written["rollback"] == {
@@ -307,8 +310,8 @@ def test_defaults_and_any_mapping(tmp_path: Path) -> None:
             "metadata": {},
             "read_only": False,
             "async_save": False,
-            "incremental": False,
             "per_rank": ["rng", "loader"],
+            "tiers": {"disk": {"incremental": False, "compression": None}},
         }
     with fc.CheckpointManager.from_config(wrap({"root": str(tmp_path / "b"), **FULL})) as mgr:
         assert mgr.config()["export"]["rename"] == {"w": "weight"}
@@ -333,19 +336,21 @@ def test_a_remote_tier_as_data_keeps_its_credentials_out(tmp_path: Path) -> None
     secret = {"key": "AKIA-not-to-be-written"}
     cfg = {
         "root": str(tmp_path / "local"),
-        "remote": {"url": url, "keep": {"keep_last": 1}, "storage_options": secret},
+        "tiers": {"remote": {"url": url, "keep": {"keep_last": 1}, "storage_options": secret}},
     }
     with fc.CheckpointManager.from_config(cfg) as mgr:
-        assert mgr._remote_option is not None and mgr._remote_option.storage_options == secret
+        remote = mgr._options[2]
+        assert remote is not None and remote.storage_options == secret
         written = mgr.config()
-    assert written["remote"] == {
+    assert written["tiers"]["remote"] == {
         "url": url,
         "keep": {"keep_last": {"n": 1}},
         "prune_unuploaded": False,
     }
     assert "AKIA" not in json.dumps(written)
-    with fc.CheckpointManager.from_config({"root": str(tmp_path / "l2"), "remote": url}) as mgr:
-        assert mgr.config()["remote"]["url"] == url
+    cfg = {"root": str(tmp_path / "l2"), "tiers": {"remote": url}}
+    with fc.CheckpointManager.from_config(cfg) as mgr:
+        assert mgr.config()["tiers"]["remote"]["url"] == url
 
 
 @pytest.mark.parametrize(
@@ -354,7 +359,7 @@ def test_a_remote_tier_as_data_keeps_its_credentials_out(tmp_path: Path) -> None
         ({}, "root: required"),
         ({"root": "r", "sav": {"every_steps": 1}},
          "config.sav: unknown key; known: root, save, keep, metadata, read_only, async_save, "
-         "incremental, export, remote, memory, rollback, per_rank, run"),
+         "export, tiers, rollback, per_rank, run"),
         ({"root": "r", "save": {"any": [{"every_steps": 1}, {"every_secs": "x"}]}},
          "save.any[1].every_secs: expected a positive number, got 'x'"),
         ({"root": "r", "keep": {"keep_last": "3"}},
@@ -373,9 +378,12 @@ def test_a_remote_tier_as_data_keeps_its_credentials_out(tmp_path: Path) -> None
          "export.keep.keep_last: expected a positive int, got 0"),
         ({"root": "r", "export": {"policy": "always", "sellect": "model"}},
          "export.sellect: unknown field; known: policy, select, dtype"),
-        ({"root": "r", "remote": {"keep": "keep_all"}}, "remote.url: required"),
-        ({"root": "r", "remote": {"url": "s3://b", "storage_options": "secret"}},
-         "remote.storage_options: expected a mapping"),
+        ({"root": "r", "tiers": {"remote": {"keep": "keep_all"}}}, "tiers.remote.url: required"),
+        ({"root": "r", "tiers": {"remote": {"url": "s3://b", "storage_options": "secret"}}},
+         "tiers.remote.storage_options: expected a mapping"),
+        ({"root": "r", "tiers": {"disk": {"compression": "lz4"}}},
+         "tiers.disk: Disk(compression='lz4')"),
+        ({"root": "r", "tiers": {"tape": {}}}, "tiers.tape: unknown tier; known: memory, disk"),
         ({"root": "r", "per_rank": "rng"},
          "per_rank: expected a list of top-level keys, got 'rng'"),
         ({"root": "r", "run": {"retries": -1}}, "run.retries: expected an int >= 0, got -1"),
@@ -464,21 +472,23 @@ def test_a_memory_tier_as_data(tmp_path: Path) -> None:
     ram = tmp_path / "ram"
     cfg = {
         "root": str(tmp_path / "run"),
-        "memory": {
-            "path": str(ram),
-            "save": {"every_steps": 2},
-            "keep": 1,
-            "budget": 0.25,
-            "promote_on": ["SIGTERM", "usr1"],
-            "promote_within": 30,
-            "replicas": 1,
+        "tiers": {
+            "memory": {
+                "path": str(ram),
+                "save": {"every_steps": 2},
+                "keep": 1,
+                "budget": 0.25,
+                "promote_on": ["SIGTERM", "usr1"],
+                "promote_within": 30,
+                "replicas": 1,
+            }
         },
     }
     with fc.CheckpointManager.from_config(cfg) as mgr:
-        option = mgr._memory_option
+        option = mgr._options[0]
         assert option is not None and option.keep == 1 and option.budget == 0.25
         assert option.promote_on == (int(signal.SIGTERM), int(signal.SIGUSR1))
-        written = mgr.config()["memory"]
+        written = mgr.config()["tiers"]["memory"]
     assert written == {
         "path": str(ram),
         "save": policy_from_config({"every_steps": 2}).spec,
@@ -490,19 +500,21 @@ def test_a_memory_tier_as_data(tmp_path: Path) -> None:
         "incremental": True,
         "replicas": 1,
     }
-    with fc.CheckpointManager.from_config({**cfg, "memory": written}) as again:
-        assert again.config()["memory"] == written
+    with fc.CheckpointManager.from_config({**cfg, "tiers": {"memory": written}}) as again:
+        assert again.config()["tiers"]["memory"] == written
     for bad, fragment in (
-        ({"keep": 3}, "memory: Memory(keep=3): expected fc.keep_last(1) or fc.keep_last(2)"),
-        ({"promote_on": ["SIGNOPE"]}, "memory.promote_on[0]: expected a signal name"),
-        ({"sizes": 1}, "memory.sizes: unknown field"),
-        ({"replicas": 0}, "memory: Memory(replicas=0): expected a number of copies"),
+        ({"keep": 3}, "tiers.memory: Memory(keep=3): expected fc.keep_last(1) or fc.keep_last(2)"),
+        ({"promote_on": ["SIGNOPE"]}, "tiers.memory.promote_on[0]: expected a signal name"),
+        ({"sizes": 1}, "tiers.memory.sizes: unknown field"),
+        ({"replicas": 0}, "tiers.memory: Memory(replicas=0): expected a number of copies"),
     ):
         with pytest.raises(fc.errors.ConfigError, match=re.escape(fragment)):
-            fc.CheckpointManager.from_config({"root": str(tmp_path / "x"), "memory": bad})
+            fc.CheckpointManager.from_config(
+                {"root": str(tmp_path / "x"), "tiers": {"memory": bad}}
+            )
     placed = fc.manager.Memory(path=ram, domain=lambda rank: rank // 8)
     with (
-        fc.CheckpointManager(tmp_path / "run2", memory=placed) as mgr,
+        fc.CheckpointManager(tmp_path / "run2", tiers=(placed,)) as mgr,
         pytest.raises(fc.errors.ConfigError, match=r"memory\.domain=.*no plain form"),
     ):
         mgr.config()

@@ -475,3 +475,13 @@ def test_no_module_is_over_500_lines() -> None:
     long = {m for m, p in MODULES.items() if len(p.read_text().splitlines()) > 500}
     assert long - LONG_MODULES == set()  # a new long module: split it by concept
     assert LONG_MODULES - long == set()  # now short: take it off the list
+
+
+def test_the_manager_takes_at_most_eleven_parameters() -> None:
+    """One option value per concern: a new concern joins an option value (``tiers=``)."""
+    import inspect
+
+    import functional_ckpt as fc
+
+    params = list(inspect.signature(fc.CheckpointManager.__init__).parameters)[1:]
+    assert len(params) <= 11, params

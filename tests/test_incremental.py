@@ -238,7 +238,7 @@ def test_an_unusable_base_is_an_error_for_save_and_a_full_save_for_the_manager(
     with pytest.raises(TypeError, match="base="):
         fc.save(tmp_path / "x", state, base=3)  # type: ignore[arg-type]
 
-    with fc.CheckpointManager(tmp_path / "run", incremental=True) as mgr:
+    with fc.CheckpointManager(tmp_path / "run", tiers=(fc.manager.Disk(incremental=True),)) as mgr:
         mgr.maybe_save(state, step=1)
         (mgr.path(1) / "manifest.msgpack").write_bytes(b"garbage")  # damaged base
         train(state, 2)
@@ -254,7 +254,10 @@ def test_manager_chains_saves_and_retention_never_breaks_a_kept_one(
     state = make_state()
     saved: dict[int, dict[str, torch.Tensor]] = {}
     with fc.CheckpointManager(
-        tmp_path / "run", keep=fc.keep_last(2), incremental=True, async_save=async_save
+        tmp_path / "run",
+        keep=fc.keep_last(2),
+        tiers=(fc.manager.Disk(incremental=True),),
+        async_save=async_save,
     ) as mgr:
         for step in range(1, 6):
             train(state, step)
@@ -387,8 +390,8 @@ def test_a_trusted_file_changed_since_is_compared_again(
 def test_the_manager_owns_its_trust_memory(tmp_path: Path) -> None:
     from functional_ckpt._src.save.trust import PROCESS_TRUST
 
-    one = fc.CheckpointManager(tmp_path / "run", incremental=True)
-    two = fc.CheckpointManager(tmp_path / "other", incremental=True)
+    one = fc.CheckpointManager(tmp_path / "run", tiers=(fc.manager.Disk(incremental=True),))
+    two = fc.CheckpointManager(tmp_path / "other", tiers=(fc.manager.Disk(incremental=True),))
     with one, two:
         assert one._writes.trust is not two._writes.trust
         assert one._writes.trust is not PROCESS_TRUST

@@ -103,9 +103,7 @@ def test_a_damaged_checkpoint_skipped_is_a_warning_record(
 def test_a_promotion_logs_its_copy(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="functional_ckpt")
     fc.save(tmp_path / "ram" / step_name(3), _state(3))
-    dest = promote_newest(
-        tmp_path / "ram", tmp_path / "disk", [tmp_path / "ram" / step_name(3)], HANG
-    )
+    dest = promote_newest(tmp_path / "disk", [tmp_path / "ram" / step_name(3)], HANG)
     assert dest == tmp_path / "disk" / step_name(3)
     [promoted] = _records(caplog, "promoted step 3: ")
     assert promoted.name == "functional_ckpt.manager" and promoted.path == str(dest)  # type: ignore[attr-defined]
@@ -173,7 +171,7 @@ def test_an_upload_logs_its_bytes(
     tmp_path: Path, mem: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="functional_ckpt")
-    with fc.CheckpointManager(tmp_path, remote=fc.manager.Remote(mem)) as mgr:
+    with fc.CheckpointManager(tmp_path, tiers=(fc.manager.Remote(mem),)) as mgr:
         mgr.maybe_save(_state(4), step=4)
         assert mgr.remote is not None and mgr.remote.wait()
     [uploaded] = _records(caplog, "uploaded step 4: ")

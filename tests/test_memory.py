@@ -199,7 +199,7 @@ def test_a_second_run_is_refused_on_a_folder_in_use(
     memory = tmp_path / "mem"
     with running(ctx, tmp_path / "root", memory) as proc:
         with pytest.raises(fc.CheckpointError) as err:
-            fc.CheckpointManager(tmp_path / "other", memory=fc.manager.Memory(path=memory))
+            fc.CheckpointManager(tmp_path / "other", tiers=(fc.manager.Memory(path=memory),))
         message = str(err.value)
         assert str(memory) in message and f"pid {proc.pid}" in message, message
         with fc.CheckpointManager(tmp_path / "other") as other:  # its disk lock was released
@@ -228,7 +228,7 @@ def test_saves_every_step_into_ram_and_restores_from_there(tmp_path: Path) -> No
     root = tmp_path / "root"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        mgr = fc.CheckpointManager(root, save=fc.every_steps(5), memory=fc.manager.Memory())
+        mgr = fc.CheckpointManager(root, save=fc.every_steps(5), tiers=(fc.manager.Memory(),))
         assert mgr.memory is not None
         folder = mgr.memory.folder
         assert folder.parent == Path("/dev/shm") and folder.is_dir()
@@ -241,7 +241,7 @@ def test_saves_every_step_into_ram_and_restores_from_there(tmp_path: Path) -> No
         state = mgr.restore_latest()
         assert state is not None and mgr.restored_step == 7 and state["step"] == 7
         assert torch.equal(state["w"], small_state(7)["w"])
-        with fc.CheckpointManager(root, read_only=True, memory=fc.manager.Memory()) as ro:
+        with fc.CheckpointManager(root, read_only=True, tiers=(fc.manager.Memory(),)) as ro:
             assert ro.memory is None  # a reader follows the disk and remote tiers only
             assert ro.restore_latest() is not None and ro.restored_step == 5
         mgr.close()
@@ -254,7 +254,7 @@ def test_a_memory_save_is_one_copy_into_ram_and_staged_once_there(tmp_path: Path
     the loop's in-place update right after ``wait_staged`` reaches no checkpoint."""
     state = {"w": {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(8)}, "step": 0}
     tier = fc.manager.Memory(path=tmp_path / "mem", keep=2)
-    with fc.CheckpointManager(tmp_path / "root", save=fc.policy.never(), memory=tier) as mgr:
+    with fc.CheckpointManager(tmp_path / "root", save=fc.policy.never(), tiers=(tier,)) as mgr:
         assert mgr.memory is not None
         for s in range(1, 6):
             state["step"] = s
@@ -272,7 +272,7 @@ def test_a_memory_save_is_one_copy_into_ram_and_staged_once_there(tmp_path: Path
 
 def test_keep_one_holds_a_single_checkpoint(tmp_path: Path) -> None:
     tier = fc.manager.Memory(path=tmp_path / "mem", keep=1, async_save=False)
-    with fc.CheckpointManager(tmp_path / "root", save=fc.policy.never(), memory=tier) as mgr:
+    with fc.CheckpointManager(tmp_path / "root", save=fc.policy.never(), tiers=(tier,)) as mgr:
         for s in range(1, 5):
             mgr.maybe_save(small_state(s), step=s)
             assert committed(tmp_path / "mem") == [s]
@@ -301,7 +301,7 @@ def test_a_pruned_step_is_removed_off_the_training_thread_before_the_next_write(
     monkeypatch.setattr(shards, "write_shard", writing)
     folder = tmp_path / "mem"
     tier = fc.manager.Memory(path=folder, keep=1)
-    with fc.CheckpointManager(tmp_path / "root", save=fc.policy.never(), memory=tier) as mgr:
+    with fc.CheckpointManager(tmp_path / "root", save=fc.policy.never(), tiers=(tier,)) as mgr:
         for s in range(1, 5):
             mgr.maybe_save(small_state(s), step=s)
             mgr.wait()
@@ -315,7 +315,7 @@ def test_a_pruned_step_is_removed_off_the_training_thread_before_the_next_write(
 
 def test_the_memory_tier_has_its_own_policy(tmp_path: Path) -> None:
     tier = fc.manager.Memory(path=tmp_path / "mem", save=fc.every_steps(2))
-    with fc.CheckpointManager(tmp_path / "root", save=fc.every_steps(3), memory=tier) as mgr:
+    with fc.CheckpointManager(tmp_path / "root", save=fc.every_steps(3), tiers=(tier,)) as mgr:
         for s in range(1, 8):
             mgr.maybe_save(small_state(s), step=s)
             mgr.wait_staged()
@@ -327,7 +327,7 @@ def test_a_save_over_the_budget_is_skipped_and_said_once(tmp_path: Path) -> None
     size = 64 * 16 * 4 + 5 * 8
     tier = fc.manager.Memory(path=tmp_path / "mem", budget=2 * size + 100, async_save=False)
     grown = lambda s: {**small_state(s), "m": torch.zeros(64, 16)}  # noqa: E731  # Adam's moments
-    with fc.CheckpointManager(tmp_path / "root", memory=tier) as mgr:
+    with fc.CheckpointManager(tmp_path / "root", tiers=(tier,)) as mgr:
         mgr.maybe_save(small_state(1), step=1)  # two of these fit
         assert committed(tmp_path / "mem") == [1]
         with pytest.warns(MemoryTierWarning, match=r"Memory\(budget=") as said:
@@ -338,14 +338,14 @@ def test_a_save_over_the_budget_is_skipped_and_said_once(tmp_path: Path) -> None
         assert committed(tmp_path / "mem") == [1]  # skipped before anything was written
         assert mgr.steps() == [1, 2, 3]  # the disk tier goes on
     one = fc.manager.Memory(path=tmp_path / "mem", budget=size + 100, keep=1)
-    with fc.CheckpointManager(tmp_path / "root2", memory=one) as mgr:
+    with fc.CheckpointManager(tmp_path / "root2", tiers=(one,)) as mgr:
         mgr.maybe_save(small_state(1), step=1)
 
 
 def test_a_budget_beyond_the_memory_there_is_refused_at_open(tmp_path: Path) -> None:
     tier = fc.manager.Memory(path=tmp_path / "mem", budget=1 << 62)
     with pytest.raises(fc.CheckpointError, match=r"Memory\(budget=\d+\): .* can take at most"):
-        fc.CheckpointManager(tmp_path / "root", memory=tier)
+        fc.CheckpointManager(tmp_path / "root", tiers=(tier,))
     with fc.CheckpointManager(tmp_path / "root") as mgr:  # the refused manager let go of it
         assert mgr.steps() == []
 
@@ -374,18 +374,20 @@ def test_bad_options_name_the_argument(field: str, value: Any, match: str) -> No
 
 
 def test_a_manager_refuses_what_is_not_a_memory_option(tmp_path: Path) -> None:
-    with pytest.raises(TypeError, match="memory='/dev/shm'"):
-        fc.CheckpointManager(tmp_path, memory="/dev/shm")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"tiers\[0\]='/dev/shm'\): expected fc.manager.Memory"):
+        fc.CheckpointManager(tmp_path, tiers=("/dev/shm",))  # type: ignore[arg-type]
 
 
 def test_a_folder_inside_the_root_is_refused(tmp_path: Path) -> None:
     with pytest.raises(fc.CheckpointError, match="must be apart"):
-        fc.CheckpointManager(tmp_path, memory=fc.manager.Memory(path=tmp_path / "ram"))
+        fc.CheckpointManager(tmp_path, tiers=(fc.manager.Memory(path=tmp_path / "ram"),))
 
 
 def test_leftovers_of_a_crashed_run_are_recovered_or_removed(tmp_path: Path) -> None:
     root, memory = tmp_path / "root", tmp_path / "mem"
-    with fc.CheckpointManager(root, memory=fc.manager.Memory(path=memory, async_save=False)) as mgr:
+    with fc.CheckpointManager(
+        root, tiers=(fc.manager.Memory(path=memory, async_save=False),)
+    ) as mgr:
         mgr.maybe_save(small_state(1), step=1)
         mgr.maybe_save(small_state(2), step=2)
         # As a crash leaves them: the newest moved out of sight mid-replacement, and an
@@ -395,7 +397,7 @@ def test_leftovers_of_a_crashed_run_are_recovered_or_removed(tmp_path: Path) -> 
         mgr.memory._lock.release()  # type: ignore[union-attr]  # as the kernel does for the dead
         mgr.memory._lock = None  # type: ignore[union-attr]
     with pytest.warns(LeftoverWarning, match="recovered"):
-        mgr = fc.CheckpointManager(root, memory=fc.manager.Memory(path=memory))
+        mgr = fc.CheckpointManager(root, tiers=(fc.manager.Memory(path=memory),))
     with mgr:
         names = sorted(os.listdir(memory))
         assert names == [".lock", MARK_FILE, step_name(1), step_name(2)], names
@@ -405,7 +407,7 @@ def test_leftovers_of_a_crashed_run_are_recovered_or_removed(tmp_path: Path) -> 
 
 def test_a_folder_left_by_another_root_is_refused_never_emptied(tmp_path: Path) -> None:
     memory = tmp_path / "mem"
-    with fc.CheckpointManager(tmp_path / "a", memory=fc.manager.Memory(path=memory)) as mgr:
+    with fc.CheckpointManager(tmp_path / "a", tiers=(fc.manager.Memory(path=memory),)) as mgr:
         mgr.maybe_save(small_state(1), step=1)
         mgr.wait()
         mgr.memory._lock.release()  # type: ignore[union-attr]  # a crash: the folder stays
@@ -414,10 +416,10 @@ def test_a_folder_left_by_another_root_is_refused_never_emptied(tmp_path: Path) 
     with pytest.raises(
         fc.errors.CheckpointError, match=r"holds checkpoints \(steps \[1\]\) of run"
     ):
-        fc.CheckpointManager(tmp_path / "b", memory=fc.manager.Memory(path=memory))
+        fc.CheckpointManager(tmp_path / "b", tiers=(fc.manager.Memory(path=memory),))
     assert committed(memory) == [1]  # another run's: left as it is
     with fc.CheckpointManager(
-        tmp_path / "b", memory=fc.manager.Memory(path=tmp_path / "m2")
+        tmp_path / "b", tiers=(fc.manager.Memory(path=tmp_path / "m2"),)
     ) as mgr:
         assert mgr.restore_latest() is None
 
@@ -438,7 +440,7 @@ def test_a_failed_memory_save_warns_and_training_goes_on(
 
     monkeypatch.setattr(shards, "write_shard", full)
     tier = fc.manager.Memory(path=tmp_path / "ram")
-    with fc.CheckpointManager(tmp_path / "root", memory=tier) as mgr:
+    with fc.CheckpointManager(tmp_path / "root", tiers=(tier,)) as mgr:
         mgr.maybe_save(small_state(1), step=1)
         with pytest.warns(MemoryTierWarning, match="step 1 failed"):
             mgr.maybe_save(small_state(2), step=2)  # the failure of step 1 surfaces here
@@ -453,7 +455,7 @@ def test_a_failed_memory_save_warns_and_training_goes_on(
 
 def test_rollback_and_delete_reach_the_memory_tier(tmp_path: Path) -> None:
     tier = fc.manager.Memory(path=tmp_path / "mem", async_save=False)
-    with fc.CheckpointManager(tmp_path / "root", save=fc.every_steps(2), memory=tier) as mgr:
+    with fc.CheckpointManager(tmp_path / "root", save=fc.every_steps(2), tiers=(tier,)) as mgr:
         for s in range(1, 6):
             mgr.maybe_save(small_state(s), step=s)
         assert committed(tmp_path / "mem") == [4, 5]
@@ -468,7 +470,7 @@ def test_rollback_and_delete_reach_the_memory_tier(tmp_path: Path) -> None:
 
 def test_the_root_records_where_its_memory_tier_is(tmp_path: Path) -> None:
     tier = fc.manager.Memory(path=tmp_path / "mem")
-    with fc.CheckpointManager(tmp_path / "root", memory=tier):
+    with fc.CheckpointManager(tmp_path / "root", tiers=(tier,)):
         doc = json.loads((tmp_path / "root" / MEMORY_STATUS).read_text())
         assert doc["path"] == str(tmp_path / "mem") and doc["open"] is True
     doc = json.loads((tmp_path / "root" / MEMORY_STATUS).read_text())
@@ -488,7 +490,7 @@ def test_sigterm_beside_on_signal_promotes_and_the_run_goes_on(
     try:
         preempted = fc.on_signal(signal.SIGTERM) if policy_first else None
         disk = preempted if preempted is not None else fc.policy.never()
-        with fc.CheckpointManager(root, save=disk, memory=tier) as mgr:
+        with fc.CheckpointManager(root, save=disk, tiers=(tier,)) as mgr:
             later = None if policy_first else fc.on_signal(signal.SIGTERM)
             for s in (1, 2, 3):
                 mgr.maybe_save(small_state(s), step=s)
@@ -513,9 +515,9 @@ def test_replicas_in_one_process_are_refused(tmp_path: Path) -> None:
     """One process is one failure domain: its replicas would die with it."""
     tier = fc.manager.Memory(path=tmp_path / "mem", replicas=2)
     with pytest.raises(fc.CheckpointError, match=r"Memory\(replicas=2\): one process is one"):
-        fc.CheckpointManager(tmp_path / "root", memory=tier)
+        fc.CheckpointManager(tmp_path / "root", tiers=(tier,))
     assert not (tmp_path / "mem").exists()
-    with fc.CheckpointManager(tmp_path / "root", memory=fc.manager.Memory(replicas=1)) as mgr:
+    with fc.CheckpointManager(tmp_path / "root", tiers=(fc.manager.Memory(replicas=1),)) as mgr:
         assert mgr.memory is not None and mgr.memory.replicas is None
 
 
@@ -529,8 +531,7 @@ def test_beside_a_remote_tier_the_newest_of_all_three_is_restored(tmp_path: Path
             at,
             save=fc.every_steps(2),
             keep=fc.keep_last(1),
-            remote=fc.manager.Remote(url),
-            memory=fc.manager.Memory(path=memory),
+            tiers=(fc.manager.Memory(path=memory), fc.manager.Remote(url)),
         )
 
     with manager(root) as mgr:

@@ -6,6 +6,7 @@ Against fsspec's in-process ``memory://`` store and a real S3-protocol server
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -65,7 +66,7 @@ def test_uploads_commit_with_the_marker_last_and_each_tier_keeps_its_own(
 ) -> None:
     root = tmp_path / "ckpt"
     with fc.CheckpointManager(
-        root, keep=fc.keep_last(2), remote=fc.manager.Remote(mem, keep=fc.keep_last(3))
+        root, keep=fc.keep_last(2), tiers=(fc.manager.Remote(mem, keep=fc.keep_last(3)),)
     ) as mgr:
         for step in range(1, 6):
             mgr.maybe_save(_state(step), step=step)
@@ -80,6 +81,18 @@ def test_uploads_commit_with_the_marker_last_and_each_tier_keeps_its_own(
     assert status["url"] == mem and status["remote"] == [3, 4, 5] and status["failed"] == {}
 
 
+def test_a_deleted_checkpoint_leaves_the_remote_tier_too(tmp_path: Path, mem: str) -> None:
+    """The remote is one of the manager's tiers: a deletion reaches it, or a resume on
+    an empty root would bring the step back."""
+    with fc.CheckpointManager(tmp_path / "a", tiers=(fc.manager.Remote(mem),)) as mgr:
+        for step in (1, 2):
+            mgr.maybe_save(_state(step), step=step)
+        mgr.delete(1)  # its upload may still run: it is waited for
+        assert mgr.steps() == [2] and mgr.remote is not None and mgr.remote.steps() == [2]
+    with fc.CheckpointManager(tmp_path / "b", tiers=(fc.manager.Remote(mem),)) as mgr:
+        assert mgr.restore_latest() is not None and mgr.restored_step == 2
+
+
 def test_a_failed_upload_is_reported_and_keeps_the_local_copy_until_one_succeeds(
     tmp_path: Path, mem: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -90,7 +103,7 @@ def test_a_failed_upload_is_reported_and_keeps_the_local_copy_until_one_succeeds
         raise fc.errors.RemoteUnreachable(f"{mem}: the object store did not answer (test)")
 
     monkeypatch.setattr(protocol, "put_part", down)
-    mgr = fc.CheckpointManager(root, keep=fc.keep_last(1), remote=fc.manager.Remote(mem))
+    mgr = fc.CheckpointManager(root, keep=fc.keep_last(1), tiers=(fc.manager.Remote(mem),))
     assert mgr.remote is not None
     mgr.maybe_save(_state(1), step=1)
     with pytest.warns(RemoteWarning, match="upload of step 1 failed.*did not answer"):
@@ -131,13 +144,13 @@ def test_restore_on_an_empty_root_resumes_from_remote_bit_identically(
     opt.step()
     state = fc.capture(model=model, optimizer=opt, step=7, lr=1e-3)
     with fc.CheckpointManager(
-        tmp_path / "a", remote=fc.manager.Remote(url, storage_options=s3["options"])
+        tmp_path / "a", tiers=(fc.manager.Remote(url, storage_options=s3["options"]),)
     ) as mgr:
         mgr.maybe_save(state, step=7)
     # A fresh machine: an empty local root.
     fresh = tmp_path / "b"
     with fc.CheckpointManager(
-        fresh, remote=fc.manager.Remote(url, storage_options=s3["options"])
+        fresh, tiers=(fc.manager.Remote(url, storage_options=s3["options"]),)
     ) as mgr:
         got = mgr.restore_latest(like=state)
         assert got is not None and mgr.restored_step == 7 and mgr.steps() == [7]
@@ -149,7 +162,7 @@ def test_restore_on_an_empty_root_resumes_from_remote_bit_identically(
 def test_a_corrupted_remote_object_is_detected_and_the_previous_one_used(
     tmp_path: Path, mem: str
 ) -> None:
-    with fc.CheckpointManager(tmp_path / "a", remote=fc.manager.Remote(mem)) as mgr:
+    with fc.CheckpointManager(tmp_path / "a", tiers=(fc.manager.Remote(mem),)) as mgr:
         for step in (1, 2):
             mgr.maybe_save(_state(step), step=step)
     fs = fsspec.filesystem("memory")
@@ -157,7 +170,7 @@ def test_a_corrupted_remote_object_is_detected_and_the_previous_one_used(
     data = bytearray(fs.cat_file(shard))
     data[len(data) // 2] ^= 0xFF  # same size: only the checksums can tell
     fs.pipe_file(shard, bytes(data))
-    with fc.CheckpointManager(tmp_path / "b", remote=fc.manager.Remote(mem)) as mgr:
+    with fc.CheckpointManager(tmp_path / "b", tiers=(fc.manager.Remote(mem),)) as mgr:
         with pytest.warns(RemoteWarning, match="step 2 is unusable.*CorruptCheckpoint"):
             got = mgr.restore_latest()
         assert got is not None and mgr.restored_step == 1
@@ -192,7 +205,7 @@ def test_a_hostile_remote_manifest_is_damage_and_the_previous_step_is_used(
     """Regression: a re-signed remote manifest listing ``COMMITTED`` or an integer file
     name made a fresh machine's restore_latest raise FileExistsError or KeyError('7')
     although remote step 1 was intact."""
-    with fc.CheckpointManager(tmp_path / "a", remote=fc.manager.Remote(mem)) as mgr:
+    with fc.CheckpointManager(tmp_path / "a", tiers=(fc.manager.Remote(mem),)) as mgr:
         for step in (1, 2):
             mgr.maybe_save(_state(step), step=step)
     size = _marker_size(tmp_path)
@@ -210,7 +223,7 @@ def test_a_hostile_remote_manifest_is_damage_and_the_previous_step_is_used(
             m["files"] = [1, 2]
 
     _hostile_remote_step(tmp_path, mem, edit)
-    with fc.CheckpointManager(tmp_path / "b", remote=fc.manager.Remote(mem)) as mgr:
+    with fc.CheckpointManager(tmp_path / "b", tiers=(fc.manager.Remote(mem),)) as mgr:
         with pytest.warns(RemoteWarning, match="step 2 is unusable"):
             got = mgr.restore_latest()
         assert got is not None and mgr.restored_step == 1
@@ -220,7 +233,7 @@ def test_a_hostile_remote_manifest_is_damage_and_the_previous_step_is_used(
 
 def test_a_damaged_local_checkpoint_falls_back_to_its_remote_copy(tmp_path: Path, mem: str) -> None:
     root = tmp_path / "ckpt"
-    with fc.CheckpointManager(root, remote=fc.manager.Remote(mem)) as mgr:
+    with fc.CheckpointManager(root, tiers=(fc.manager.Remote(mem),)) as mgr:
         for step in (1, 2):
             mgr.maybe_save(_state(step), step=step)
     ck = root / "step_000000002"
@@ -231,7 +244,7 @@ def test_a_damaged_local_checkpoint_falls_back_to_its_remote_copy(tmp_path: Path
     data = bytearray(shard.read_bytes())
     data[chunk["data_offset"]] ^= 0xFF  # a byte of the tensor the restore reads
     shard.write_bytes(bytes(data))
-    with fc.CheckpointManager(root, remote=fc.manager.Remote(mem)) as mgr:
+    with fc.CheckpointManager(root, tiers=(fc.manager.Remote(mem),)) as mgr:
         with pytest.warns(
             fc.errors.CheckpointWarning, match=r"(?s)step 2 is unreadable.*moved aside"
         ):
@@ -244,7 +257,7 @@ def test_a_damaged_local_checkpoint_falls_back_to_its_remote_copy(tmp_path: Path
 def test_a_remote_deletion_racing_the_download_falls_back(
     tmp_path: Path, mem: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with fc.CheckpointManager(tmp_path / "a", remote=fc.manager.Remote(mem)) as mgr:
+    with fc.CheckpointManager(tmp_path / "a", tiers=(fc.manager.Remote(mem),)) as mgr:
         for step in (1, 2):
             mgr.maybe_save(_state(step), step=step)
     fs = fsspec.filesystem("memory")
@@ -256,7 +269,7 @@ def test_a_remote_deletion_racing_the_download_falls_back(
         return real_get(self, rpaths, lpaths, *a, **k)
 
     monkeypatch.setattr(type(fs), "get", racing_get)
-    with fc.CheckpointManager(tmp_path / "b", remote=fc.manager.Remote(mem)) as mgr:
+    with fc.CheckpointManager(tmp_path / "b", tiers=(fc.manager.Remote(mem),)) as mgr:
         with pytest.warns(RemoteWarning, match="step 2 is unusable.*RemoteVanished"):
             got = mgr.restore_latest()
         assert mgr.restored_step == 1 and got is not None
@@ -277,23 +290,27 @@ def test_store_faults_raise_clear_errors_at_open(
         "config_kwargs": {"retries": {"max_attempts": 1}},
     }
     with pytest.raises(RemoteUnreachable, match=r"did not answer.*endpoint"):
-        fc.CheckpointManager(tmp_path / "a", remote=fc.manager.Remote(url, storage_options=options))
+        fc.CheckpointManager(
+            tmp_path / "a", tiers=(fc.manager.Remote(url, storage_options=options),)
+        )
     fc.CheckpointManager(tmp_path / "a").close()  # the lock was released
     # regression: a token in the endpoint's query string appeared in the message in full
     options["client_kwargs"]["endpoint_url"] = dead + "/?token=SEKRET-TOKEN"
     with pytest.raises(RemoteUnreachable, match=r"did not answer") as unreachable:
-        fc.CheckpointManager(tmp_path / "a", remote=fc.manager.Remote(url, storage_options=options))
+        fc.CheckpointManager(
+            tmp_path / "a", tiers=(fc.manager.Remote(url, storage_options=options),)
+        )
     assert "SEKRET" not in str(unreachable.value)
     assert "SEKRET" not in "".join(str(a) for a in unreachable.value.args)
     with pytest.raises(RemoteBucketMissing, match=r"no-such-bucket/x: the bucket does not exist"):
         fc.CheckpointManager(
             tmp_path / "a",
-            remote=fc.manager.Remote("s3://no-such-bucket/x", storage_options=s3["options"]),
+            tiers=(fc.manager.Remote("s3://no-such-bucket/x", storage_options=s3["options"]),),
         )
     monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
     bad = {**s3["options"], "key": "wrong", "secret": "wrong", "skip_instance_cache": True}
     with pytest.raises(RemoteAccessDenied, match=r"refused access.*credentials"):
-        fc.CheckpointManager(tmp_path / "a", remote=fc.manager.Remote(url, storage_options=bad))
+        fc.CheckpointManager(tmp_path / "a", tiers=(fc.manager.Remote(url, storage_options=bad),))
     with pytest.raises(TypeError, match="remote_keep"):
         fc.CheckpointManager(tmp_path / "a", remote_keep=fc.keep_last(1))
 
@@ -310,7 +327,7 @@ def stuck(*a, **k):  # every object is up, the marker is next: die here
 protocol.commit_upload = stuck
 options = {{"client_kwargs": {{"endpoint_url": "{endpoint}"}}}}
 remote = fc.manager.Remote(sys.argv[2], storage_options=options)
-mgr = fc.CheckpointManager(sys.argv[1], remote=remote)
+mgr = fc.CheckpointManager(sys.argv[1], tiers=(remote,))
 mgr.maybe_save({{"w": torch.arange(1 << 16, dtype=torch.float32), "step": 1}}, step=1)
 time.sleep(600)
 """
@@ -339,11 +356,11 @@ def test_sigkill_during_upload_leaves_no_remote_commit_and_the_restart_finishes_
     assert not partial.committed and "__0_0.distcp" in partial.objects
     before = store.fs.info(store.object_path(1, "__0_0.distcp"))["LastModified"]
     with fc.CheckpointManager(
-        tmp_path / "fresh", remote=fc.manager.Remote(url, storage_options=s3["options"])
+        tmp_path / "fresh", tiers=(fc.manager.Remote(url, storage_options=s3["options"]),)
     ) as m:
         assert m.restore_latest() is None  # a partial upload is never a checkpoint
     with fc.CheckpointManager(
-        root, remote=fc.manager.Remote(url, storage_options=s3["options"])
+        root, tiers=(fc.manager.Remote(url, storage_options=s3["options"]),)
     ) as mgr:
         assert mgr.remote is not None and mgr.remote.wait()  # the restart resumes the upload
         assert mgr.remote.steps() == [1]
@@ -360,11 +377,11 @@ def test_fckpt_ls_shows_the_tiers_and_verify_inspect_take_remote_urls(
 ) -> None:
     root = tmp_path / "ckpt"
     with fc.CheckpointManager(
-        root, keep=fc.keep_last(1), remote=fc.manager.Remote(mem, keep=fc.keep_last(2))
+        root, keep=fc.keep_last(1), tiers=(fc.manager.Remote(mem, keep=fc.keep_last(2)),)
     ) as mgr:
         for step in (1, 2, 3):
             mgr.maybe_save(_state(step), step=step)
-    with fc.CheckpointManager(tmp_path / "other", remote=fc.manager.Remote(mem)) as other:
+    with fc.CheckpointManager(tmp_path / "other", tiers=(fc.manager.Remote(mem),)) as other:
         other.restore_latest()
     assert cli.main(["ls", str(root), "--json"]) == 0
     rows = [r for r in json.loads(capsys.readouterr().out) if r.get("kind") == "tier"]
@@ -402,6 +419,18 @@ def test_two_ranks_with_their_own_local_roots_commit_on_one_remote(
     assert not list((tmp_path / "plain0").iterdir())  # nothing committed, nothing left
     assert "UPLOADED [1, 2, 3]" in out0
     assert "RESUMED 3" in out0 and "RESUMED 3" in out1  # from the remote tier, bit-identically
+    # Each rank fetched what it reads: the index, the file its replicated values lie in
+    # (rank 0's), its own part and shard file; never another rank's part or shard file,
+    # nor .metadata (for stock readers and fc.verify).
+    got = [ast.literal_eval(o.split("FETCHED ", 1)[1].splitlines()[0]) for o in (out0, out1)]
+    index = ["__0_0.distcp", "manifest.msgpack"]
+    assert got[0] == [*index, "manifest.part-00000.msgpack"], got
+    assert got[1] == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "manifest.msgpack",
+        "manifest.part-00001.msgpack",
+    ]
     assert "FAILED [4]" in out0 and "upload of step 4 failed" in out0, out0  # reported, no hang
     listing = Store(url, s3["options"]).listing()
     assert sorted(s for s, r in listing.items() if r.committed) == [1, 2, 3]  # 4: no commit
@@ -432,7 +461,7 @@ def test_credentials_are_never_written_or_printed(
         raise fc.errors.RemoteUnreachable("the object store did not answer (test)")
 
     monkeypatch.setattr(protocol, "put_part", down)
-    mgr = fc.CheckpointManager(root, remote=fc.manager.Remote(url))
+    mgr = fc.CheckpointManager(root, tiers=(fc.manager.Remote(url),))
     mgr.maybe_save(_state(1), step=1)
     with pytest.warns(RemoteWarning) as seen:
         mgr.remote.wait()  # type: ignore[union-attr]
@@ -445,7 +474,7 @@ def test_credentials_are_never_written_or_printed(
     shown += [p.read_text() for p in root.rglob("*.json")]
     with pytest.raises(TypeError) as err:
         fc.CheckpointManager(
-            tmp_path / "b", remote=fc.manager.Remote(url, storage_options='{"secret": "SEKRET"}')
+            tmp_path / "b", tiers=(fc.manager.Remote(url, storage_options='{"secret": "SEKRET"}'),)
         )  # type: ignore[arg-type]
     shown.append(str(err.value))
     assert "user@t-" in shown[0]
@@ -457,13 +486,13 @@ def test_a_second_manager_on_the_remote_root_takes_it_over(tmp_path: Path, mem: 
     that began writing there last writes there; the other stops uploading and deleting,
     and says so."""
     stale = fc.CheckpointManager(
-        tmp_path / "old", keep=fc.keep_last(1), remote=fc.manager.Remote(mem)
+        tmp_path / "old", keep=fc.keep_last(1), tiers=(fc.manager.Remote(mem),)
     )
     stale.maybe_save(_state(1), step=1)
     assert stale.remote is not None
     stale.remote.wait()
     with fc.CheckpointManager(
-        tmp_path / "new", remote=fc.manager.Remote(mem, keep=fc.keep_last(1))
+        tmp_path / "new", tiers=(fc.manager.Remote(mem, keep=fc.keep_last(1)),)
     ) as mgr:
         mgr.maybe_save(_state(2), step=2)
         assert mgr.remote is not None and mgr.remote.wait()  # the new run has written there
@@ -476,7 +505,7 @@ def test_a_second_manager_on_the_remote_root_takes_it_over(tmp_path: Path, mem: 
         warnings.simplefilter("ignore", RemoteWarning)
         stale.close()
     assert stale.steps()[-1] == 3  # kept locally: never uploaded by the stale one
-    fresh = fc.CheckpointManager(tmp_path / "fresh", remote=fc.manager.Remote(mem))
+    fresh = fc.CheckpointManager(tmp_path / "fresh", tiers=(fc.manager.Remote(mem),))
     got = fresh.restore_latest()
     assert got is not None and torch.equal(got["w"], _state(30)["w"])
     fresh.close()
@@ -512,8 +541,8 @@ def test_a_remote_that_is_the_local_root_itself_is_refused(tmp_path: Path) -> No
     fc.CheckpointManager(root).close()
     for url in (f"file://{root}", f"file://{root}//", f"file://{tmp_path}/link"):
         with pytest.raises(fc.CheckpointError, match=r"remote=.*: the local root itself"):
-            fc.CheckpointManager(root, remote=fc.manager.Remote(url))
-    with fc.CheckpointManager(root, remote=fc.manager.Remote(f"file://{tmp_path}/remote")) as mgr:
+            fc.CheckpointManager(root, tiers=(fc.manager.Remote(url),))
+    with fc.CheckpointManager(root, tiers=(fc.manager.Remote(f"file://{tmp_path}/remote"),)) as mgr:
         mgr.maybe_save(_state(1), step=1)  # a remote beside it is fine
     assert Store(f"file://{tmp_path}/remote").listing().keys() == {1}
 
@@ -522,7 +551,7 @@ def test_a_rollback_sets_the_remote_trunk_aside_too(tmp_path: Path, mem: str) ->
     """After a rollback, a restart (here or on a fresh machine) resumes the new trunk,
     not the newer checkpoints of the old one still on the remote tier."""
     root = tmp_path / "ckpt"
-    with fc.CheckpointManager(root, remote=fc.manager.Remote(mem)) as mgr:
+    with fc.CheckpointManager(root, tiers=(fc.manager.Remote(mem),)) as mgr:
         for step in (1, 2, 3, 4):
             mgr.maybe_save(_state(step), step=step)
         assert mgr.remote is not None and mgr.remote.wait()
@@ -531,7 +560,7 @@ def test_a_rollback_sets_the_remote_trunk_aside_too(tmp_path: Path, mem: str) ->
     assert Store(mem).listing().keys() == {1, 2, 3}
     assert Store(f"{mem}/branches/old").listing().keys() == {3, 4}  # set aside, not lost
     for where in (root, tmp_path / "fresh"):
-        with fc.CheckpointManager(where, remote=fc.manager.Remote(mem)) as mgr:
+        with fc.CheckpointManager(where, tiers=(fc.manager.Remote(mem),)) as mgr:
             got = mgr.restore_latest()
             assert mgr.restored_step == 3 and torch.equal(got["w"], _state(30)["w"])  # type: ignore[index]
 
@@ -541,7 +570,7 @@ def test_a_remote_marker_or_manifest_of_the_wrong_size_is_never_read(
 ) -> None:
     """Like a local file, a remote object is checked to have its recorded size before
     a byte of it is read (an object of many GiB would be read into memory)."""
-    with fc.CheckpointManager(tmp_path / "a", remote=fc.manager.Remote(mem)) as mgr:
+    with fc.CheckpointManager(tmp_path / "a", tiers=(fc.manager.Remote(mem),)) as mgr:
         mgr.maybe_save(_state(1), step=1)
     store = Store(mem)
     read: list[str] = []
@@ -573,7 +602,7 @@ def test_a_remote_url_without_a_path_or_with_dot_dot_is_refused(
     monkeypatch.chdir(tmp_path)
     for url in ("s3://", "s3:///", "memory://", "s3://bucket/runs/../run1", "memory://a/./b"):
         with pytest.raises(ValueError, match=r"remote='.*': "):
-            fc.CheckpointManager(tmp_path / "ckpt", remote=fc.manager.Remote(url))
+            fc.CheckpointManager(tmp_path / "ckpt", tiers=(fc.manager.Remote(url),))
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # nothing written beside it
     assert Store("memory://bucket/run1//").url == "memory://bucket/run1"
 
@@ -581,11 +610,11 @@ def test_a_remote_url_without_a_path_or_with_dot_dot_is_refused(
 def test_a_local_checkpoint_is_uploaded_over_another_of_its_step(tmp_path: Path, mem: str) -> None:
     """A remote copy counts as this checkpoint's only if it is this checkpoint (same marker):
     a new run on a used prefix must not take the old run's step 2 for its own, and prune it."""
-    with fc.CheckpointManager(tmp_path / "a", remote=fc.manager.Remote(mem)) as mgr:
+    with fc.CheckpointManager(tmp_path / "a", tiers=(fc.manager.Remote(mem),)) as mgr:
         for step in (1, 2):
             mgr.maybe_save(_state(step), step=step)
     with fc.CheckpointManager(
-        tmp_path / "b", keep=fc.keep_last(1), remote=fc.manager.Remote(mem)
+        tmp_path / "b", keep=fc.keep_last(1), tiers=(fc.manager.Remote(mem),)
     ) as mgr:
         mgr.maybe_save(_state(20), step=2)
         assert mgr.remote is not None and mgr.remote.wait()

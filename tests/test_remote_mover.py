@@ -89,14 +89,14 @@ def test_uploads_run_in_a_helper_process_that_every_save_holds_until_staged(
 ) -> None:
     with fc.CheckpointManager(
         tmp_path / "ckpt",
-        remote=fc.manager.Remote(bucket, storage_options=s3["options"]),
+        tiers=(fc.manager.Remote(bucket, storage_options=s3["options"]),),
         async_save=True,
     ) as mgr:
         assert mgr.remote is not None and mgr.remote.wait()
         pid = mgr.remote.store.uploader_pid
         assert pid is not None and pid != os.getpid()  # started when the manager opened
         assert _running(pid)
-        mgr.remote.hold_uploads()  # as a save does, from its start until staged
+        mgr.remote.store.pause_uploads()  # as a save does, from its start until staged
         assert _stopped(pid)
         mgr.maybe_save(_state(1), step=1, force=True)
         mgr.wait_staged()  # the save's own hold is released by now; the outer one is not
@@ -104,7 +104,7 @@ def test_uploads_run_in_a_helper_process_that_every_save_holds_until_staged(
         assert _stopped(pid)
         assert not mgr.remote.wait(timeout=1.5)  # the upload cannot finish while held
         assert mgr.remote.steps() == []
-        mgr.remote.release_uploads()
+        mgr.remote.store.resume_uploads()
         assert _running(pid)
         assert mgr.remote.wait() and mgr.remote.steps() == [1]
         mgr.maybe_save(_state(2), step=2, force=True)
@@ -121,7 +121,7 @@ def test_a_failed_sync_save_releases_the_uploads(
     tmp_path: Path, s3: dict[str, Any], bucket: str
 ) -> None:
     with fc.CheckpointManager(
-        tmp_path / "ckpt", remote=fc.manager.Remote(bucket, storage_options=s3["options"])
+        tmp_path / "ckpt", tiers=(fc.manager.Remote(bucket, storage_options=s3["options"]),)
     ) as m:
         assert m.remote is not None and m.remote.wait()
         pid = m.remote.store.uploader_pid
@@ -139,9 +139,9 @@ import sys, time, torch
 import functional_ckpt as fc
 options = {{"client_kwargs": {{"endpoint_url": "{endpoint}"}}}}
 remote = fc.manager.Remote(sys.argv[2], storage_options=options)
-mgr = fc.CheckpointManager(sys.argv[1], remote=remote)
+mgr = fc.CheckpointManager(sys.argv[1], tiers=(remote,))
 assert mgr.remote.wait()
-mgr.remote.hold_uploads()  # killed while its helper is stopped, too
+mgr.remote.store.pause_uploads()  # killed while its helper is stopped, too
 print(mgr.remote.store.uploader_pid, flush=True)
 time.sleep(600)
 """
@@ -172,7 +172,7 @@ def test_a_helper_process_killed_mid_run_is_replaced(
     tmp_path: Path, s3: dict[str, Any], bucket: str
 ) -> None:
     with fc.CheckpointManager(
-        tmp_path / "ckpt", remote=fc.manager.Remote(bucket, storage_options=s3["options"])
+        tmp_path / "ckpt", tiers=(fc.manager.Remote(bucket, storage_options=s3["options"]),)
     ) as m:
         assert m.remote is not None and m.remote.wait()
         pid = m.remote.store.uploader_pid

@@ -49,7 +49,7 @@ def job(
     tier = fc.manager.Memory(
         path=memory, save=fc.every_steps(memory_every), async_save=False, promote_on=()
     )
-    mgr = fc.CheckpointManager(root, save=fc.every_steps(disk_every), memory=tier)
+    mgr = fc.CheckpointManager(root, save=fc.every_steps(disk_every), tiers=(tier,))
     restored = mgr.restore_latest(like=state(0))
     if report is not None:
         torch.save(None if restored is None else fc.codec.to_python(restored), report)
@@ -88,7 +88,7 @@ def committed(folder: Path) -> list[int]:
 
 def resumed(root: Path, memory: Path | None, disk_every: int = 4) -> tuple[int | None, Any]:
     tier = fc.manager.Memory(path=memory, promote_on=())
-    with fc.CheckpointManager(root, save=fc.every_steps(disk_every), memory=tier) as mgr:
+    with fc.CheckpointManager(root, save=fc.every_steps(disk_every), tiers=(tier,)) as mgr:
         got = mgr.restore_latest(like=state(0))
         return mgr.restored_step, got
 
@@ -170,7 +170,7 @@ def test_every_checkpoint_records_its_run_and_parent(tmp_path: Path) -> None:
     first = fc.CheckpointManager(root, read_only=True).info(2).metadata["run"]
     assert first == {"id": run.id, "parent": None}
     tier = fc.manager.Memory(path=memory, promote_on=())
-    with fc.CheckpointManager(root, save=fc.every_steps(2), memory=tier) as mgr:
+    with fc.CheckpointManager(root, save=fc.every_steps(2), tiers=(tier,)) as mgr:
         mgr.restore_latest(like=state(0))
         assert mgr.restored_step == 4
         mgr.maybe_save(state(6), step=6)
@@ -206,7 +206,7 @@ def test_fckpt_ls_says_which_run_each_memory_checkpoint_is_of(
 def test_an_exception_leaving_the_manager_keeps_the_memory_tier(tmp_path: Path) -> None:
     root, memory = tmp_path / "root", tmp_path / "mem"
     tier = fc.manager.Memory(path=memory, async_save=False, promote_on=())
-    manager = fc.CheckpointManager(root, save=fc.every_steps(10), memory=tier)
+    manager = fc.CheckpointManager(root, save=fc.every_steps(10), tiers=(tier,))
     with pytest.raises(RuntimeError, match="a crash"), manager as mgr:
         for step in (1, 2, 3):
             mgr.maybe_save(state(step), step=step)
@@ -221,7 +221,7 @@ def test_an_exception_leaving_the_manager_keeps_the_memory_tier(tmp_path: Path) 
 def test_an_exception_promotes_where_a_signal_would(tmp_path: Path) -> None:
     root, memory = tmp_path / "root", tmp_path / "mem"
     tier = fc.manager.Memory(path=memory, async_save=False)  # promote_on=(SIGTERM,)
-    manager = fc.CheckpointManager(root, save=fc.every_steps(10), memory=tier)
+    manager = fc.CheckpointManager(root, save=fc.every_steps(10), tiers=(tier,))
     with pytest.raises(RuntimeError, match="a crash"), manager as mgr:
         for step in (1, 2, 3):
             mgr.maybe_save(state(step), step=step)
@@ -246,7 +246,7 @@ def test_a_promotion_waits_for_the_disk_save_of_the_same_step(
 
     monkeypatch.setattr(shards, "write_shard", slow)
     tier = fc.manager.Memory(path=memory, async_save=False)
-    with fc.CheckpointManager(root, save=fc.every_steps(2), async_save=True, memory=tier) as mgr:
+    with fc.CheckpointManager(root, save=fc.every_steps(2), async_save=True, tiers=(tier,)) as mgr:
         mgr.maybe_save(state(1), step=1)
         mgr.maybe_save(state(2), step=2)  # on both tiers; the disk's off the training thread
         threading.Timer(0.5, release.set).start()
@@ -330,16 +330,16 @@ def test_an_explicit_folder_of_another_user_or_open_to_others_is_refused(
     theirs = tmp_path / "theirs"
     as_another_user(lambda: theirs.mkdir(mode=0o700))
     with pytest.raises(fc.CheckpointError, match="belongs to another user"):
-        fc.CheckpointManager(tmp_path / "a", memory=fc.manager.Memory(path=theirs))
+        fc.CheckpointManager(tmp_path / "a", tiers=(fc.manager.Memory(path=theirs),))
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
     with pytest.raises(fc.CheckpointError, match="open to other users"):
-        fc.CheckpointManager(tmp_path / "b", memory=fc.manager.Memory(path=shared))
+        fc.CheckpointManager(tmp_path / "b", tiers=(fc.manager.Memory(path=shared),))
     (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(fc.CheckpointError, match="is a link"):
-        fc.CheckpointManager(tmp_path / "c", memory=fc.manager.Memory(path=tmp_path / "link"))
-    with fc.CheckpointManager(tmp_path / "d", memory=fc.manager.Memory(path=tmp_path / "m")):
+        fc.CheckpointManager(tmp_path / "c", tiers=(fc.manager.Memory(path=tmp_path / "link"),))
+    with fc.CheckpointManager(tmp_path / "d", tiers=(fc.manager.Memory(path=tmp_path / "m"),)):
         assert stat.S_IMODE(os.stat(tmp_path / "m").st_mode) == 0o700
 
 
@@ -348,13 +348,13 @@ def test_a_folder_inside_or_around_a_root_is_refused(tmp_path: Path) -> None:
         pass  # a root of another run
     for folder in (tmp_path / "other" / "ram", tmp_path):
         with pytest.raises(fc.CheckpointError, match="apart from the disk root"):
-            fc.CheckpointManager(tmp_path / "r", memory=fc.manager.Memory(path=folder))
+            fc.CheckpointManager(tmp_path / "r", tiers=(fc.manager.Memory(path=folder),))
 
 
 def test_the_memory_tier_keeps_by_a_retention_policy(tmp_path: Path) -> None:
     tier = fc.manager.Memory(path=tmp_path / "mem", keep=fc.keep_last(1), async_save=False)
     assert tier.held == 1 and fc.manager.Memory(keep=2).held == 2
-    with fc.CheckpointManager(tmp_path / "root", save=fc.every_steps(10), memory=tier) as mgr:
+    with fc.CheckpointManager(tmp_path / "root", save=fc.every_steps(10), tiers=(tier,)) as mgr:
         for step in (1, 2, 3):
             mgr.maybe_save(state(step), step=step)
         assert mgr.memory is not None and mgr.memory.steps() == [3]
@@ -454,6 +454,8 @@ def test_a_resume_takes_the_newest_intact_step_of_this_run(tmp_path: Path, seed:
 class FakeTier:
     """A fourth tier, fastest first, that only answers the tier protocol's questions."""
 
+    durable = False
+
     def __init__(self, root: Path) -> None:
         self.root, self.held, self.closed = root, {}, []  # type: ignore[var-annotated]
 
@@ -477,6 +479,17 @@ class FakeTier:
             if above is None or step > above:
                 return read_info(self.held[step], step), read(self.held[step])
         return None
+
+    def open(self, step: int) -> Path:
+        return self.held[step]  # type: ignore[no-any-return]
+
+    def copy_in(self, source: Any, within: float) -> Path | None:
+        newer = [s for s in source.steps() if s > max(self.steps(), default=-1)]
+        if not newer:
+            return None
+        self.held[newer[-1]] = self.root / step_name(newer[-1])
+        shutil.copytree(source.open(newer[-1]), self.held[newer[-1]])
+        return self.held[newer[-1]]  # type: ignore[no-any-return]
 
     def delete(self, steps: Any) -> None:
         for step in steps:
@@ -510,6 +523,25 @@ def test_a_tier_is_only_asked_the_protocol_and_the_manager_decides(tmp_path: Pat
     assert fake.steps() == []
     mgr.close()
     assert fake.closed == [False]
+
+
+def test_a_fourth_tier_takes_part_in_promotion_with_no_other_change(tmp_path: Path) -> None:
+    from functional_ckpt._src.manager.tiers import promote
+
+    root, fake, behind = tmp_path / "root", FakeTier(tmp_path / "fake"), FakeTier(tmp_path / "b")
+    behind.durable = True  # type: ignore[misc]
+    fake.put(5)
+    with fc.CheckpointManager(root) as mgr:
+        mgr.maybe_save(state(3), step=3)
+        mgr.tiers.insert(0, fake)  # faster than the disk, not durable: promoted into it
+        assert promote(mgr.tiers, fake, 60.0) == root / step_name(5)
+        assert mgr.steps() == [3, 5] and promote(mgr.tiers, fake, 60.0) is None  # held now
+        exact(fc.restore(root / step_name(5)), 5)
+        mgr.tiers.append(behind)  # durable, behind the disk: each commit is copied in
+        mgr.maybe_save(state(7), step=7)
+        assert behind.steps() == [7]
+        exact(fc.restore(behind.open(7)), 7)
+    assert fake.closed == behind.closed == [False]
 
 
 def test_a_fork_starts_a_new_run_whose_parent_is_the_forked_checkpoint(
@@ -547,7 +579,7 @@ def test_fckpt_ls_of_a_remote_says_which_run_each_checkpoint_is_of(
     from functional_ckpt._src import cli
 
     root = tmp_path / "root"
-    with fc.CheckpointManager(root, remote=fc.manager.Remote(mem)) as mgr:
+    with fc.CheckpointManager(root, tiers=(fc.manager.Remote(mem),)) as mgr:
         mgr.maybe_save(state(1), step=1)
         assert mgr.remote is not None and mgr.remote.wait()
     run = read_run(root)

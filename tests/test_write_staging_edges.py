@@ -70,7 +70,8 @@ def test_a_one_rank_group_with_dtensors_keeps_its_memory_tier(tmp_path: Path) ->
         tier = fc.manager.Memory(path=base / "mem")
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            with fc.CheckpointManager(base / "root", save=fc.every_steps(100), memory=tier) as mgr:
+            every = fc.every_steps(100)
+            with fc.CheckpointManager(base / "root", save=every, tiers=(tier,)) as mgr:
                 for step in (1, 2):
                     mgr.maybe_save(state, step=step)
                     mgr.wait_staged()

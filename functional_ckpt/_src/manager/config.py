@@ -2,9 +2,10 @@
 
 ``CheckpointManager.from_config(cfg)`` reads it and ``mgr.config()`` writes it: the
 keys are the constructor's arguments, the policies in the form of
-:mod:`..policy.config`, the option objects (``Export``, ``Remote``, ``AsyncSave``) as
-mappings of their fields, and a ``run`` block for ``fckpt run`` (how to relaunch the
-job). Any ``Mapping``/``Sequence`` will do, an OmegaConf ``DictConfig`` as it comes;
+:mod:`..policy.config`, the option objects (``Export``, ``AsyncSave``; ``Memory``,
+``Disk``, ``Remote`` under ``tiers``, by kind) as mappings of their fields, and a
+``run`` block for ``fckpt run`` (how to relaunch the job). Any ``Mapping``/``Sequence``
+will do, an OmegaConf ``DictConfig`` as it comes;
 a bad key is refused with its path and the names known there, before anything is
 opened. What is no plain data (a callable ``rename``, a clock, credentials) never
 goes into a written configuration.
@@ -21,7 +22,7 @@ import torch
 from functional_ckpt._src.codec import documents
 from functional_ckpt._src.export.safetensors import Export, parse_size
 from functional_ckpt._src.manager.memory import Memory
-from functional_ckpt._src.manager.options import AsyncSave
+from functional_ckpt._src.manager.options import AsyncSave, Disk, TierOptions
 from functional_ckpt._src.policy import SavePolicy
 from functional_ckpt._src.policy.config import (
     MANAGER_KEYS,
@@ -150,52 +151,50 @@ def _export(value: object, path: str) -> Export:
         raise ConfigError(f"{path}: {exc}") from None
 
 
-def _remote(value: object, path: str) -> Remote:
-    given = (
-        {"url": value} if isinstance(value, str) else check_keys(value, path, REMOTE_KEYS, "fields")
-    )
-    if "url" not in given:
-        raise ConfigError(f"{at_key(path, 'url')}: required (an fsspec URL)")
-    args: dict[str, Any] = {"url": check_str(given["url"], at_key(path, "url"))}
-    if "keep" in given:
-        args["keep"] = retention_from_config(given["keep"], at_key(path, "keep"))
-    if given.get("storage_options") is not None:
-        options = given["storage_options"]
-        if not isinstance(options, Mapping):  # its values are never shown: they may be credentials
-            raise ConfigError(f"{at_key(path, 'storage_options')}: expected a mapping")
-        args["storage_options"] = _plain(options, at_key(path, "storage_options"))
-    if "prune_unuploaded" in given:
-        args["prune_unuploaded"] = check_bool(
-            given["prune_unuploaded"], at_key(path, "prune_unuploaded")
-        )
-    return Remote(**args)
+def _signals(value: object, path: str) -> tuple[int, ...]:
+    if not is_sequence(value):
+        raise config_error(path, "a list of signals (names or numbers)", value)
+    return tuple(signal_number(s, at_key(path, i)) for i, s in enumerate(value))
 
 
-def _memory(value: object, path: str) -> Memory:
-    given = {} if value is True else check_keys(value, path, MEMORY_KEYS, "fields")
-    args: dict[str, Any] = {}
-    if given.get("path") is not None:
-        args["path"] = check_str(given["path"], at_key(path, "path"))
-    if given.get("save") is not None:
-        args["save"] = policy_from_config(given["save"], at_key(path, "save"))
-    for key in ("async_save", "incremental"):
-        if key in given:
-            args[key] = check_bool(given[key], at_key(path, key))
-    if "promote_on" in given:
-        signals = given["promote_on"]
-        where = at_key(path, "promote_on")
-        if not is_sequence(signals):
-            raise config_error(where, "a list of signals (names or numbers)", signals)
-        args["promote_on"] = tuple(
-            signal_number(s, at_key(where, i)) for i, s in enumerate(signals)
-        )
-    for key in ("keep", "budget", "promote_within", "replicas"):
-        if key in given:
-            args[key] = given[key]  # checked by Memory itself, which names the field
-    try:
-        return Memory(**args)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+def _secret(value: object, path: str) -> Any:
+    if not isinstance(value, Mapping):  # its values are never shown: they may be credentials
+        raise ConfigError(f"{path}: expected a mapping")
+    return _plain(value, path)
+
+
+_BOOLS, _STRS = ("async_save", "incremental", "prune_unuploaded"), ("path", "url", "compression")
+_PLAIN: dict[str, Any] = {**dict.fromkeys(_BOOLS, check_bool), **dict.fromkeys(_STRS, check_str)}
+#: Each tier's option by its key, its fields, and how those not plain are read (the
+#: option itself checks the rest, naming the field).
+_TIERS: dict[str, tuple[type[Memory | Disk | Remote], tuple[str, ...], dict[str, Any]]] = {
+    "memory": (Memory, MEMORY_KEYS, {"save": policy_from_config, "promote_on": _signals}),
+    "disk": (Disk, ("incremental", "compression"), {}),
+    "remote": (Remote, REMOTE_KEYS, {"keep": retention_from_config, "storage_options": _secret}),
+}
+
+
+def _tiers(value: object) -> list[Memory | Disk | Remote]:
+    out: list[Memory | Disk | Remote] = []
+    for key, given in check_keys(value, "tiers", tuple(_TIERS), "tiers").items():
+        kind, known, read = _TIERS[key]
+        path = at_key("tiers", key)
+        if given in (None, False):
+            continue
+        given = {"url": given} if key == "remote" and isinstance(given, str) else given
+        given = check_keys({} if given is True else given, path, known, "fields")
+        if key == "remote" and "url" not in given:
+            raise ConfigError(f"{at_key(path, 'url')}: required (an fsspec URL)")
+        args: dict[str, Any] = {
+            k: (read.get(k) or _PLAIN.get(k) or (lambda v, _: v))(v, at_key(path, k))
+            for k, v in given.items()
+            if v is not None
+        }
+        try:
+            out.append(kind(**args))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    return out
 
 
 def manager_arguments(
@@ -219,17 +218,14 @@ def manager_arguments(
         if not isinstance(given["metadata"], Mapping):
             raise config_error("metadata", "a mapping", given["metadata"])
         kwargs["metadata"] = _plain(given["metadata"], "metadata")
-    for key in ("read_only", "incremental"):
-        if key in given:
-            kwargs[key] = check_bool(given[key], key)
+    if "read_only" in given:
+        kwargs["read_only"] = check_bool(given["read_only"], "read_only")
     if "async_save" in given:
         kwargs["async_save"] = _async(given["async_save"], "async_save")
     if given.get("export") is not None:
         kwargs["export"] = _export(given["export"], "export")
-    if given.get("remote") is not None:
-        kwargs["remote"] = _remote(given["remote"], "remote")
-    if given.get("memory") not in (None, False):
-        kwargs["memory"] = _memory(given["memory"], "memory")
+    if given.get("tiers") is not None:
+        kwargs["tiers"] = _tiers(given["tiers"])
     if "per_rank" in given:
         per_rank = given["per_rank"]
         if not is_sequence(per_rank):
@@ -300,10 +296,8 @@ def config_of(
     metadata: Mapping[str, Any],
     read_only: bool,
     async_save: AsyncSave | None,
-    incremental: bool,
     export: Export | None,
-    remote: Remote | None,
-    memory: Memory | None,
+    tiers: TierOptions,
     rollback: SavePolicy | None,
     per_rank: Sequence[str],
     run: Relaunch | None,
@@ -320,33 +314,27 @@ def config_of(
         "metadata": _plain(metadata, "metadata"),
         "read_only": read_only,
         "async_save": False if async_save is None else {"staging": async_save.staging},
-        "incremental": incremental,
         "per_rank": list(per_rank),
     }
+    memory, disk, remote = tiers
+    out["tiers"] = {"disk": {"incremental": disk.incremental, "compression": disk.compression}}
     if export is not None:
         out["export"] = _export_config(export)
     if remote is not None:
-        out["remote"] = {
-            "url": remote.url,
-            "keep": _spec(remote.keep, "remote.keep"),
-            "prune_unuploaded": remote.prune_unuploaded,
-        }
+        out["tiers"]["remote"] = {k: getattr(remote, k) for k in ("url", "prune_unuploaded")}
+        out["tiers"]["remote"]["keep"] = _spec(remote.keep, "tiers.remote.keep")
     if memory is not None:
         if memory.domain is not None:
             raise ConfigError(
-                f"memory.domain={memory.domain!r}: a function has no plain form; leave it out "
-                "(the default domains are the nodes, from LOCAL_RANK) or build the manager in code"
+                f"tiers.memory.domain={memory.domain!r}: a function has no plain form; leave it "
+                "out (the default domains are the nodes, from LOCAL_RANK) or build the manager "
+                "in code"
             )
-        out["memory"] = {
+        out["tiers"]["memory"] = {k: getattr(memory, k) for k in MEMORY_KEYS} | {
             "path": None if memory.path is None else str(memory.path),
-            "save": _spec(memory.save, "memory.save"),
+            "save": _spec(memory.save, "tiers.memory.save"),
             "keep": memory.held,  # keep_last(n), as its int shorthand
-            "budget": memory.budget,
             "promote_on": [signal.Signals(s).name for s in memory.promote_on],
-            "promote_within": memory.promote_within,
-            "async_save": memory.async_save,
-            "incremental": memory.incremental,
-            "replicas": memory.replicas,
         }
     if rollback is not None:
         out["rollback"] = _spec(rollback, "rollback")

@@ -1,10 +1,8 @@
 """CheckpointManager: policies, retention, resume and locking around ``save``/``restore``.
 
 No checkpointing logic of its own: it threads a save policy's state through
-``maybe_save`` events and writes through :mod:`.writes`; which checkpoint a resume
-takes, what retention deletes and what a close keeps are :mod:`.tiers`'s, over its
-tiers. Provenance is :mod:`.provenance`'s, the rollback rule :mod:`.rollback_rule`'s,
-the root's steps and records its :class:`~..root.view.RootView`'s.
+``maybe_save`` events and writes through :mod:`.writes`; what a resume takes, what
+retention deletes, what is promoted and what a close keeps are :mod:`.tiers`'s.
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -30,9 +29,11 @@ from functional_ckpt._src.manager.memory import Memory
 from functional_ckpt._src.manager.memory_tier import MemoryTier
 from functional_ckpt._src.manager.options import (
     AsyncSave,
+    Disk,
     async_option,
     check_policies,
     plain_metrics,
+    tier_options,
 )
 from functional_ckpt._src.manager.provenance import (
     Provenance,
@@ -49,6 +50,7 @@ from functional_ckpt._src.manager.tiers import (
     move_newer,
     newest_in_tiers,
     progress,
+    promote,
     retain,
 )
 from functional_ckpt._src.manager.writes import Writes, WriteSettings
@@ -57,6 +59,7 @@ from functional_ckpt._src.policy import Event, PolicyState, SavePolicy, every_st
 from functional_ckpt._src.policy.config import Relaunch
 from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all
 from functional_ckpt._src.remote.options import Remote
+from functional_ckpt._src.remote.tier import RemoteTier
 from functional_ckpt._src.restore.api import check_like_or_out, restore
 from functional_ckpt._src.restore.template import Reshard
 from functional_ckpt._src.root import rollback
@@ -80,13 +83,13 @@ class CheckpointManager(RootView):
     """Save on a policy, keep on a retention policy, resume from the newest good checkpoint.
 
     ``save`` defaults to ``every_steps(1)`` and ``keep`` to ``keep_all()``. One option
-    value per concern (docs/manager.md): ``async_save``, ``incremental``, ``export``,
-    ``remote``, ``memory`` (a tier in RAM above the root, on its own policy),
-    ``rollback``, ``per_rank``, ``compression`` (by default the remote tier's). A
+    value per concern (docs/manager.md): ``async_save``, ``export``, ``tiers``
+    (``Memory``, a tier in RAM above the root on its own policy; ``Disk``, how the root
+    stores; ``Remote``, an object store behind it), ``rollback``, ``per_rank``. A
     writing manager locks ``root``, recovers or removes what crashes left and finishes
     an interrupted rollback at open; ``read_only=True`` never deletes or renames
-    anything. Only the manager reads ``clock`` (the run's running time), never a
-    policy. Not thread-safe. ``self.tiers`` are its tiers, fastest first.
+    anything. Only the manager reads ``clock`` (the run's running time). Not
+    thread-safe. ``self.tiers`` are its tiers, fastest first.
     """
 
     def __init__(
@@ -98,22 +101,16 @@ class CheckpointManager(RootView):
         metadata: Mapping[str, Any] | None = None,
         read_only: bool = False,
         async_save: bool | AsyncSave = False,
-        incremental: bool = False,
         export: Export | None = None,
-        remote: Remote | None = None,
-        memory: Memory | None = None,
+        tiers: Sequence[Memory | Disk | Remote] = (),
         rollback: SavePolicy | None = None,
         per_rank: Sequence[str] = DEFAULT_PER_RANK,
         clock: Callable[[], float] = time.monotonic,
-        compression: str | None = None,
     ) -> None:
         super().__init__(Path(root))
         if not callable(clock):
             raise TypeError(f"CheckpointManager(clock={clock!r}): clock must be callable")
-        for name, value, kind in (("remote", remote, Remote), ("memory", memory, Memory)):
-            if value is not None and not isinstance(value, kind):
-                what = f"{name}={value!r}): expected fc.manager.{kind.__name__}(...)"
-                raise TypeError(f"CheckpointManager({what}")
+        self._options = memory, disk, remote = tier_options(tiers)
         self.read_only = bool(read_only)
         self.save_policy = every_steps(1) if save is None else save
         self.keep = keep_all() if keep is None else keep
@@ -122,10 +119,8 @@ class CheckpointManager(RootView):
         self.metadata = check_metadata(metadata, f"CheckpointManager({self.root})")
         topo = topology()
         self._distributed, self._coordinator = topo.distributed, topo.coordinator
-        if compression is None and remote is not None:
-            compression = remote.compression  # the remote tier's, unless the manager names one
-        level, dist = zstd.level_of(compression, "CheckpointManager"), self._distributed
-        settings = WriteSettings(tuple(per_rank), async_option(async_save), bool(incremental),
+        level, dist = zstd.level_of(disk.compression, "Disk"), self._distributed
+        settings = WriteSettings(tuple(per_rank), async_option(async_save), disk.incremental,
                                  dist, self._coordinator, zstd_level=level)  # fmt: skip
         if self._distributed:
             prepare_groups()  # now, on the training thread, in the same order on every rank
@@ -148,7 +143,8 @@ class CheckpointManager(RootView):
             self._run.run = run[0].id
         self.remote = None
         try:
-            self.remote = None if remote is None else remote.open(self.root, writer=not read_only)
+            if remote is not None:
+                self.remote = RemoteTier(self.root, remote, writer=not read_only)
             # A reader follows the disk and remote tiers: the folder in RAM is the writer's.
             self.memory = (
                 None
@@ -162,15 +158,16 @@ class CheckpointManager(RootView):
                 self._lock.release()
             raise
         self._writes = Writes(self, settings, self.remote)
-        self.disk = DiskTier(self, self.remote, self._writes, self._after_commit,
-                             writer=not self.read_only, coordinator=self._coordinator)  # fmt: skip
+        self.disk = DiskTier(self, self._writes, self._after_commit, writer=not self.read_only,
+                             coordinator=self._coordinator, remote=self.remote)  # fmt: skip
         self.tiers: list[Tier] = [self.disk]
+        if (behind := self.remote) is not None:
+            self.tiers.append(behind)
+            behind.prune = lambda: retain(behind, behind.keep)  # after each upload round
         if self.memory is not None:
             self.tiers.insert(0, self.memory)
-            self.memory.settle = lambda within: (p := self._writes.pending) and p.exception(within)
+            self.memory.promote = partial(promote, self.tiers, self.memory)
             self.memory.committed = lambda: progress(self.tiers)
-        self._remote_option = remote
-        self._memory_option = memory
         self._relaunch: Relaunch | None = None  # the ``run`` block of from_config's config
 
     @classmethod
@@ -194,10 +191,8 @@ class CheckpointManager(RootView):
             metadata=self.metadata,
             read_only=self.read_only,
             async_save=settings.async_save,
-            incremental=settings.incremental,
             export=self.export,
-            remote=self._remote_option,
-            memory=self._memory_option,
+            tiers=self._options,
             rollback=self._watch.rule,
             per_rank=settings.per_rank,
             run=self._relaunch,
@@ -301,7 +296,9 @@ class CheckpointManager(RootView):
         rollback.check_request(newer, branch, reason)
         self.wait()  # a save in flight commits first: it may be one of the newer steps
         state = self.restore(step, like)  # raises, moving nothing, if step is unusable
-        done = move_newer(self.tiers, self.disk, step, newer=newer, branch=branch, reason=reason)
+        done = move_newer(
+            self.tiers, self.disk, self.remote, step, newer=newer, branch=branch, reason=reason
+        )
         if done is None:
             return state, None
         self._run.rollbacks.append(done)
@@ -361,9 +358,11 @@ class CheckpointManager(RootView):
 
     def wait(self) -> None:
         """Block until every save started so far is committed (retention then runs); raise
-        if one failed (a memory-tier save's failure is a ``MemoryTierWarning`` instead)."""
+        if one failed (a memory-tier save's failure is a ``MemoryTierWarning`` instead).
+        Uploads go on in the background: ``mgr.remote.wait()`` waits for them."""
         for tier in self.tiers:
-            tier.wait()
+            if tier is not self.remote:
+                tier.wait()
 
     def wait_staged(self) -> None:
         """Block until the state may be mutated again (call it before the optimizer step;
@@ -468,8 +467,7 @@ class CheckpointManager(RootView):
     def _after_commit(self, info: CheckpointInfo) -> None:
         """Retention runs only after the checkpoint it protects is committed."""
         step = parse_step(info.path.name)
-        if self.remote is not None:
-            self.remote.committed()  # uploaded in the background
+        promote(self.tiers, self.disk, 0.0)  # uploaded in the background, if a tier is behind
         if self._coordinator:
             progress(self.tiers)  # to a supervising ``fckpt run``
             self._prune(protected={step} if step is not None else set())
@@ -490,6 +488,8 @@ class CheckpointManager(RootView):
         if not self.path(step).is_dir():
             raise CheckpointNotFound(f"{self.path(step)}: no checkpoint for step {step}")
         self.wait()
+        if self.remote is not None:
+            self.remote.wait()  # an upload in flight would commit the step again
         for tier in self.tiers:  # or a resume would still find it in another tier
             if tier is self.disk or step in tier.steps():  # a link in the root is not a step
                 tier.delete([step])

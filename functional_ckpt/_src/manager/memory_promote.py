@@ -1,4 +1,4 @@
-"""Promotion: the memory tier's newest checkpoint copied to the disk tier, on a signal.
+"""Promotion into the disk tier (``manager/tiers.promote``), and the signals that ask for it.
 
 A preempted job gets a signal (SIGTERM) some seconds before it is killed; in those
 seconds the newest checkpoint in RAM is copied to disk, durably
@@ -26,7 +26,7 @@ from functional_ckpt.errors import MemoryTierWarning
 __all__ = ["OnSignals", "promote_newest"]
 
 
-def promote_newest(folder: Path, root: Path, paths: Sequence[Path], within: float) -> Path | None:
+def promote_newest(root: Path, paths: Sequence[Path], within: float) -> Path | None:
     """Copy the newest of the checkpoints ``paths`` (ascending) into ``root``, or the next
     if it went meanwhile; give up after ``within`` seconds. Returns the new checkpoint."""
     if not paths:
@@ -55,10 +55,10 @@ def promote_newest(folder: Path, root: Path, paths: Sequence[Path], within: floa
     if worker.is_alive() or failed or not done:
         why = f"not done within {within} s" if not failed else f"{failed[0]}"
         warn(
-            f"{folder}: promoting {steps[-1].name} to {root} failed ({why}); the "
+            f"{steps[-1].parent}: promoting {steps[-1].name} to {root} failed ({why}); the "
             "disk tier keeps its own newest checkpoint",
             MemoryTierWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
         return None
     step = parse_step(done[0].name)

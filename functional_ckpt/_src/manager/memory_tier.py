@@ -26,7 +26,7 @@ from functional_ckpt._src.log import warn
 from functional_ckpt._src.manager import memory_folder as mf
 from functional_ckpt._src.manager.collective import coordinator_decides
 from functional_ckpt._src.manager.memory import Memory, OverBudget, over_budget, resolve_budget
-from functional_ckpt._src.manager.memory_promote import OnSignals, promote_newest
+from functional_ckpt._src.manager.memory_promote import OnSignals
 from functional_ckpt._src.manager.memory_replicas import STAGING, Replicas
 from functional_ckpt._src.manager.options import AsyncSave
 from functional_ckpt._src.manager.provenance import run_of
@@ -36,7 +36,7 @@ from functional_ckpt._src.policy import Event, PolicyState
 from functional_ckpt._src.policy.retention import RetentionPolicy, keep_last
 from functional_ckpt._src.root.delete import delete, remove_all
 from functional_ckpt._src.root.leftovers import open_writer
-from functional_ckpt._src.root.listing import StepInfo, committed_steps, read_info
+from functional_ckpt._src.root.listing import StepInfo, read_info
 from functional_ckpt._src.root.lock import LOCK_FILE, WriterLock
 from functional_ckpt._src.root.run import Run, open_run
 from functional_ckpt._src.root.view import RootView
@@ -83,9 +83,9 @@ class MemoryTier:
         self._said_over = False
         self._lock: WriterLock | None = None
         self._signals = OnSignals(option.promote_on, lambda: self.promote(option.promote_within))
-        #: Waits (at most the seconds given) for the disk tier's save in flight: one writer
-        #: per step, so a promotion never takes the name that save is about to commit.
-        self.settle: Callable[[float], object] = lambda within: None
+        #: Promotion over the manager's tiers (``manager/tiers.promote``), set by the manager.
+        self.promote: Callable[[float], Path | None] = lambda within: None
+        self.durable = False
         self.committed: Callable[[], object] = lambda: None  # progress, told over all tiers
         keep = option.keep
         self.keep = keep if isinstance(keep, RetentionPolicy) else keep_last(option.held)
@@ -350,14 +350,15 @@ class MemoryTier:
             )
         return None
 
-    def promote(self, within: float) -> Path | None:
-        """Copy the newest checkpoint of the tier to the disk root, unless the disk already
-        holds a step as new; gives up after ``within`` seconds. Returns the new checkpoint."""
-        if self.replicas is not None and topology().rank != 0:
-            return None  # one copy to the disk tier per job: the coordinator's
-        self.settle(within)
-        disk = max(committed_steps(self.root), default=-1)
-        steps = [s for s in self.steps() if s > disk]
-        if self.replicas is not None:  # a folder may hold only some ranks' files
-            steps = [s for s in steps if ram.holds_every_file(self.view.path(s))]
-        return promote_newest(self.folder, self.root, [self.view.path(s) for s in steps], within)
+    # ------------------------------------------------------------------ preemption
+
+    def open(self, step: int) -> Path:
+        """The folder's copy of ``step``, if it holds every rank's files (a folder of many
+        ranks may hold only some)."""
+        path = self.view.path(step)
+        if self.replicas is not None and not ram.holds_every_file(path):
+            raise CheckpointError(f"{path}: holds only some ranks' files of step {step}")
+        return path
+
+    def copy_in(self, source: object, within: float) -> None:
+        """Nothing is promoted into RAM: it is the fastest tier, and not durable."""

@@ -6,17 +6,20 @@ passed it, naming the argument, before anything is written.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from functional_ckpt._src.export.safetensors import Export
+from functional_ckpt._src.manager.memory import Memory
 from functional_ckpt._src.policy import SavePolicy
 from functional_ckpt._src.policy.retention import RetentionPolicy
+from functional_ckpt._src.remote.options import Remote
 from functional_ckpt._src.save.staging import Staging, check_staging
+from functional_ckpt._src.storage.zstd import level_of
 from functional_ckpt.errors import UnsupportedValue
 
-__all__ = ["AsyncSave", "check_policies", "plain_metrics"]
+__all__ = ["AsyncSave", "Disk", "TierOptions", "check_policies", "plain_metrics", "tier_options"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,43 @@ class AsyncSave:
 
     def __post_init__(self) -> None:
         check_staging(self.staging, "AsyncSave")
+
+
+@dataclass(frozen=True)
+class Disk:
+    """How the disk tier (the root) stores each checkpoint: ``incremental`` (each save on
+    the previous one, unchanged tensors referenced) and ``compression`` (as for
+    ``fc.save``; a remote tier uploads these very files). See docs/tiered.md."""
+
+    incremental: bool = False
+    compression: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.incremental, bool):
+            raise TypeError(f"Disk(incremental={self.incremental!r}): expected a bool")
+        level_of(self.compression, "Disk")
+
+
+TierOptions = tuple[Memory | None, Disk, Remote | None]
+
+
+def tier_options(tiers: Sequence[Memory | Disk | Remote]) -> TierOptions:
+    """``tiers=`` as given (any order, each kind at most once): memory, disk, remote."""
+    kinds = (Memory, Disk, Remote)
+    if isinstance(tiers, str | bytes) or not isinstance(tiers, Sequence):
+        raise TypeError(f"CheckpointManager(tiers={tiers!r}): expected a tuple of tier options")
+    found: list[Any] = [None, Disk(), None]
+    for i, option in enumerate(tiers):
+        kind = next((k for k, t in enumerate(kinds) if isinstance(option, t)), None)
+        if kind is None:
+            raise TypeError(
+                f"CheckpointManager(tiers[{i}]={option!r}): expected fc.manager.Memory(...), "
+                "fc.manager.Disk(...) or fc.manager.Remote(...)"
+            )
+        if any(isinstance(t, kinds[kind]) for t in tiers[:i]):
+            raise ValueError(f"CheckpointManager(tiers=...): two {kinds[kind].__name__} tiers")
+        found[kind] = option
+    return found[0], found[1], found[2]
 
 
 def async_option(value: object) -> AsyncSave | None:

@@ -1,36 +1,40 @@
 """The tier protocol, and each decision a manager makes over its ordered list of tiers.
 
 A tier is any place that holds committed checkpoints of a run: the folder in RAM
-(:class:`~.memory_tier.MemoryTier`), the root on disk with its object store behind
-it (:class:`DiskTier`). Each answers the few questions of :class:`Tier`; the
-manager holds them fastest first, and resume (:func:`newest_in_tiers`), retention
-(:func:`retain`), deletion, progress for ``fckpt run`` and closing are written
-once here over that list, so no tier decides any of them on its own.
+(:class:`~.memory_tier.MemoryTier`), the root on disk (:class:`DiskTier`), the
+object store behind it (:class:`~..remote.tier.RemoteTier`). Each answers the few
+questions of :class:`Tier`; the manager holds them fastest first, and resume
+(:func:`newest_in_tiers`), retention (:func:`retain`), promotion (:func:`promote`),
+deletion, progress for ``fckpt run`` and closing are written once here over that
+list, so no tier decides any of them on its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from functional_ckpt._src.distributed.topology import topology
+from functional_ckpt._src.manager.memory_promote import promote_newest
 from functional_ckpt._src.manager.writes import Writes
-from functional_ckpt._src.policy.retention import RetentionPolicy, plan_deletions
+from functional_ckpt._src.policy.retention import CheckpointLike, RetentionPolicy, plan_deletions
 from functional_ckpt._src.remote.resume import Found
 from functional_ckpt._src.remote.tier import RemoteTier
 from functional_ckpt._src.root import rollback
 from functional_ckpt._src.root.delete import delete
-from functional_ckpt._src.root.listing import StepInfo
+from functional_ckpt._src.root.listing import committed_steps
 from functional_ckpt._src.root.resume import newest_readable
 from functional_ckpt._src.root.rollback import Newer
 from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.storage.os_failure import machine_errors
 from functional_ckpt._src.storage.progress import report_progress
+from functional_ckpt.errors import CheckpointError
 
-__all__ = ["DiskTier", "Tier", "move_newer", "newest_in_tiers", "progress", "retain"]
+__all__ = ["DiskTier", "Tier", "move_newer", "newest_in_tiers", "progress", "promote", "retain"]
 
 T = TypeVar("T")
 
@@ -38,12 +42,16 @@ T = TypeVar("T")
 class Tier(Protocol):
     """What a manager asks of a tier; what the answers mean is decided here, once."""
 
+    #: Whether it outlives the machine's memory: promotion copies into the next such tier.
+    durable: bool
+
     def steps(self) -> list[int]:
         """The committed steps the tier holds, ascending."""
         ...
 
-    def infos(self) -> list[StepInfo]:
-        """:class:`StepInfo` of each readable committed checkpoint (what retention reads)."""
+    def infos(self) -> Sequence[CheckpointLike]:
+        """Step, time and metrics of each readable committed checkpoint (what retention
+        reads)."""
         ...
 
     def newest(self, read: Callable[[Path], T], above: int | None) -> Found[T]:
@@ -51,11 +59,21 @@ class Tier(Protocol):
         a damaged one is reported and set aside by the tier's own crash-safe means."""
         ...
 
+    def open(self, step: int) -> Path:
+        """The directory holding ``step`` whole, to read or copy from (fetched first where
+        it must be); ``CheckpointError`` if this tier cannot give it whole."""
+        ...
+
+    def copy_in(self, source: Tier, within: float) -> Path | None:
+        """Make the newest step of the faster ``source`` this tier lacks its own, in at most
+        ``within`` seconds; the copy made, or None (nothing newer, or in the background)."""
+        ...
+
     def delete(self, steps: Sequence[int]) -> None:
         """Remove ``steps`` crash-safely (out of sight at once)."""
         ...
 
-    def wait(self) -> None:
+    def wait(self) -> object:
         """Collect the save in flight."""
         ...
 
@@ -88,54 +106,81 @@ def retain(tier: Tier, keep: RetentionPolicy, protected: Iterable[int] = ()) -> 
     return doomed
 
 
+def promote(tiers: Sequence[Tier], source: Tier, within: float) -> Path | None:
+    """Copy the newest step of ``source`` into the next durable tier after it: the memory
+    tier's into the disk on a signal or a crash leaving the manager, the disk's into the
+    remote (an upload) after each commit. The copy made, if one was made now."""
+    after = list(tiers)[list(tiers).index(source) + 1 :]
+    target = next((t for t in after if t.durable), None)
+    return None if target is None else target.copy_in(source, within)
+
+
 def progress(tiers: Sequence[Tier]) -> None:
     """Tell a supervising ``fckpt run`` the newest step any tier holds (a job resuming a
     little further from RAM each time makes progress too)."""
-    if topology().rank == 0:
-        newest = max((s for t in tiers for s in t.steps()[-1:]), default=None)
+    if topology().rank == 0:  # the remote holds the disk's steps: not listed for this
+        held = [t.steps()[-1:] for t in tiers if not isinstance(t, RemoteTier)]
+        newest = max((s for steps in held for s in steps), default=None)
         if newest is not None:
             report_progress(newest, time.time())
 
 
 class DiskTier:
-    """The manager's root, with its remote store (if any) behind it: a resume there
-    downloads what only the remote holds, a writing coordinator moves damage aside."""
+    """The manager's root: a writing coordinator moves damage aside. With a writing
+    remote tier behind it, a job of many ranks resumes through that tier alone (a
+    rank's root may hold only its part), and none readable here is no error yet."""
 
     def __init__(
         self,
         view: RootView,
-        remote: RemoteTier | None,
         writes: Writes,
         committed: Callable[[CheckpointInfo], None],
         *,
         writer: bool,
         coordinator: bool,
+        remote: RemoteTier | None,
     ) -> None:
-        self.view, self.remote, self.writer, self.coordinator = view, remote, writer, coordinator
+        self.view, self.writer, self.coordinator = view, writer, coordinator
         self._writes, self._committed = writes, committed
         self.steps, self.infos = view.steps, view.infos
+        self._behind = remote is not None and remote.writer  # the remote may hold newer
+        self._defer = self._behind and topology().distributed
+        self.durable = True
+
+    def open(self, step: int) -> Path:
+        return self.view.path(step)
+
+    def copy_in(self, source: Tier, within: float) -> Path | None:
+        """One copy per job (the coordinator's), never over a step this root holds or
+        older, and only once the save in flight here is done: one writer per step."""
+        if not self.coordinator:
+            return None
+        pending = self._writes.pending
+        if pending is not None:
+            pending.exception(within)  # its failure is reported by the next wait()
+        newest = max(committed_steps(self.view.root), default=-1)
+        paths = []
+        for step in source.steps():
+            if step > newest:
+                with contextlib.suppress(CheckpointError):  # held only in part there
+                    paths.append(source.open(step))
+        return promote_newest(self.view.root, paths, within)
 
     def newest(self, read: Callable[[Path], T], above: int | None) -> Found[T]:
-        view, remote = self.view, self.remote
-
-        def local() -> Found[T]:
-            newer = lambda: [(s, p) for s, p in view.candidates() if above is None or s > above]  # noqa: E731
-            found, damaged = newest_readable(
-                view.root,
-                newer,
-                read,
-                move_aside=self.writer and self.coordinator,
-                stacklevel=5 if remote is None or not self.writer else 6,
-                elsewhere=above is not None,
-            )
-            view.found_unreadable(damaged)
-            return found
-
-        if remote is None or not self.writer:  # a reader follows the root alone
-            return local()
-        one = lambda step: (view.info(step), read(view.path(step)))  # noqa: E731
-        newer = lambda: [s for s in view.steps() if above is None or s > above]  # noqa: E731
-        return remote.resume.latest(local, newer, one, above)
+        if self._defer:
+            return None
+        view = self.view
+        newer = lambda: [(s, p) for s, p in view.candidates() if above is None or s > above]  # noqa: E731
+        found, damaged = newest_readable(
+            view.root,
+            newer,
+            read,
+            move_aside=self.writer and self.coordinator,
+            stacklevel=5,
+            elsewhere=above is not None or self._behind,
+        )
+        view.found_unreadable(damaged)
+        return found
 
     def delete(self, steps: Sequence[int]) -> None:
         trash = delete(self.view.root, [self.view.path(s) for s in steps])
@@ -148,13 +193,13 @@ class DiskTier:
             self._committed(info)
 
     def close(self, *, crashed: bool) -> None:
-        if self.remote is not None:
-            self.remote.close()  # the uploads asked for finish
+        pass
 
 
 def move_newer(
     tiers: Sequence[Tier],
     disk: DiskTier,
+    remote: RemoteTier | None,
     step: int,
     *,
     newer: Newer,
@@ -165,9 +210,9 @@ def move_newer(
     (docs/tiered.md): a tier of copies drops them, the disk keeps them on a branch.
     The rollback's record (None where this rank moves nothing on disk)."""
     for tier in tiers:
-        if tier is not disk:
+        if tier is not disk and tier is not remote:
             tier.delete([s for s in tier.steps() if s > step])
-    view, remote = disk.view, disk.remote
+    view = disk.view
     doomed = sorted(s for s, _ in view.candidates() if s > step)
     if remote is not None and disk.coordinator:
         gone = remote.newer_than(step)

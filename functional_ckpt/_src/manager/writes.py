@@ -87,7 +87,7 @@ class Writes:
         remote = self.remote
         held = remote is not None  # uploads stand still while the state is staged
         if remote is not None:
-            remote.hold_uploads()
+            remote.store.pause_uploads()
         try:
             mode = self.settings.async_save
             if mode is not None:
@@ -97,13 +97,13 @@ class Writes:
                     path, state, options, mode.staging, self.stager, before_write=ready
                 )
                 if remote is not None:
-                    self.pending.when_staged(remote.release_uploads)
+                    self.pending.when_staged(remote.store.resume_uploads)
                     held = False
                 return None
             return run_save(path, state, options)
         finally:
             if held and remote is not None:
-                remote.release_uploads()
+                remote.store.resume_uploads()
 
     def _base_for(self, path: Path) -> Path | None:
         """The base of an incremental save: the newest other committed checkpoint."""

@@ -264,8 +264,7 @@ def stored_spec(spec: object) -> object:
 
 #: The keys of a manager's configuration: its constructor's arguments, and ``run``.
 MANAGER_KEYS: tuple[str, ...] = ("root", "save", "keep", "metadata", "read_only")
-MANAGER_KEYS += ("async_save", "incremental", "export", "remote", "memory", "rollback")
-MANAGER_KEYS += ("per_rank", "run")
+MANAGER_KEYS += ("async_save", "export", "tiers", "rollback", "per_rank", "run")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""``Remote``: a manager's remote tier, as one option value (``CheckpointManager(remote=...)``).
+"""``Remote``: a manager's remote tier, as one option value (``CheckpointManager(tiers=...)``).
 
-Built and checked where the user writes it; the manager opens it on its root. Its
+Built and checked where the user writes it; the manager opens it on its root
+(:class:`~.tier.RemoteTier`). Its
 storage options may hold credentials: they are never shown in a message or a repr.
 """
 
@@ -8,14 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all
-from functional_ckpt._src.storage.zstd import level_of
-
-if TYPE_CHECKING:
-    from functional_ckpt._src.remote.tier import RemoteTier
 
 
 @dataclass(frozen=True)
@@ -25,16 +21,14 @@ class Remote:
     ``keep`` is the remote tier's own retention (default: keep everything);
     ``storage_options`` go to fsspec (credentials, endpoint, client settings); with
     ``prune_unuploaded`` the local retention may delete a checkpoint whose upload has
-    not committed yet (by default it waits for the upload). ``compression`` (as for
-    ``fc.save``): the tier uploads the files the manager wrote, so it is the manager's
-    unless the manager names its own. See docs/tiered.md.
+    not committed yet (by default it waits for the upload). It uploads the files the
+    disk tier wrote, compressed as ``Disk(compression=)`` says. See docs/tiered.md.
     """
 
     url: str
     keep: RetentionPolicy = field(default_factory=keep_all)
     storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
     prune_unuploaded: bool = False
-    compression: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str):
@@ -48,17 +42,3 @@ class Remote:
             )
         if not isinstance(self.prune_unuploaded, bool):
             raise TypeError(f"Remote(prune_unuploaded={self.prune_unuploaded!r}): expected a bool")
-        level_of(self.compression, "Remote")
-
-    def open(self, root: Path, *, writer: bool) -> RemoteTier:
-        """The tier of the manager of ``root`` (its endpoint is checked now)."""
-        from functional_ckpt._src.remote.tier import RemoteTier
-
-        return RemoteTier(
-            root,
-            self.url,
-            keep=self.keep,
-            storage_options=self.storage_options,
-            prune_unuploaded=self.prune_unuploaded,
-            writer=writer,
-        )

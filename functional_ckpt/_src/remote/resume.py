@@ -1,28 +1,28 @@
-"""Resuming from the remote tier: the newest checkpoint of either tier, fetched if needed.
+"""A resume's side of the remote tier: its newest good step newer than a faster tier's,
+fetched into the local root and read there (``RemoteTier.newest``).
 
-A remote checkpoint newer than every readable local one is downloaded into the
-root, verified, and read from there; a damaged one is reported as a
-:class:`~functional_ckpt.errors.RemoteWarning` and the previous remote one
-tried. Under ``torch.distributed`` every rank restores the same step: the newest
-every rank holds whole locally, or the coordinator's newest good remote one.
+A damaged remote checkpoint is reported as a :class:`RemoteWarning`, its local copy
+moved aside, and the previous one tried. Under ``torch.distributed`` every rank reads
+the same step: the newest every rank holds whole locally, or the coordinator's newest
+good remote one, which each rank fetches: only what it reads where the ranks' roots
+are their own, the whole of it once (verified) where they are one directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format.kind import is_committed
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.log import warn
-from functional_ckpt._src.remote import protocol
 from functional_ckpt._src.remote.fetch import download
-from functional_ckpt._src.remote.store import Store
 from functional_ckpt._src.remote.uploader import retried
 from functional_ckpt._src.root.delete import quarantine
-from functional_ckpt._src.root.listing import StepInfo
+from functional_ckpt._src.root.listing import StepInfo, committed_steps, quarantined, read_info
+from functional_ckpt._src.storage.ram import holds_every_file
 from functional_ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -31,7 +31,13 @@ from functional_ckpt.errors import (
     RemoteVanished,
     RemoteWarning,
     UnsafeCheckpoint,
+    is_damage,
 )
+
+#: The tier, a ``remote/tier.RemoteTier`` (not imported: that module imports this one).
+_Remote = Any
+
+__all__ = ["Found", "newest"]
 
 T = TypeVar("T")
 Found = tuple[StepInfo, T] | None
@@ -40,151 +46,94 @@ Found = tuple[StepInfo, T] | None
 _DAMAGE = (CorruptCheckpoint, UnsafeCheckpoint, IncompleteCheckpoint, RemoteVanished)
 
 
-class RemoteResume:
-    """The resume side of one manager's remote tier; remembers the steps found damaged."""
-
-    def __init__(
-        self,
-        store: Store,
-        root: Path,
-        url: str,
-        *,
-        shared: bool,
-        listed: Callable[[set[int]], None],
-    ) -> None:
-        self.store = store
-        self.root = root
-        self.url = url
-        self.shared = shared
-        self._listed = listed  # told the committed remote steps each time they are listed
-        topo = topology()
-        self.world, self.coordinator = topo.world, topo.coordinator
-        self.bad: set[int] = set()  # remote steps found damaged by this process
-        self.above: int | None = None  # the step a faster tier holds, while resuming
-
-    def latest(
-        self,
-        local: Callable[[], Found[T]],
-        local_steps: Callable[[], list[int]],
-        read_step: Callable[[int], tuple[StepInfo, T]],
-        above: int | None = None,
-    ) -> Found[T]:
-        """The newest checkpoint of either tier, downloaded first when only the remote has it.
-
-        ``local`` is the local resume (newest readable, damage moved aside);
-        ``read_step`` restores one local step. Only steps newer than ``above`` count
-        (a faster tier holds that one).
-        """
-        self.above = above
-        if self.world > 1:
-            return self._agreed(local_steps, read_step)
-        fetched: set[int] = set()
-        found: Found[T] = None
-        for _ in range(8):
-            good = self._fetch_newer(max(local_steps(), default=None), fetched)
-            found = local()  # damaged local copies are moved aside here
-            best = max((s for s in good if s not in self.bad), default=None)
-            if best is None or (found is not None and found[0].step >= best):
-                return found
-            if best in fetched:
-                self.bad.add(best)  # downloaded, then found unreadable locally: not again
-        return found
-
-    def _good(self, newest_local: int | None) -> list[int]:
-        """Committed remote steps not found damaged, newest first; warns if unlisted."""
+def newest(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Found[T]:
+    """The newest good remote step newer than ``above`` (what a faster tier holds), read;
+    None if there is none, but for a root whose only checkpoints were found damaged."""
+    if tier.world > 1:
+        return _agreed(tier, read, above)
+    root = tier.root
+    for step in _good(tier, above):
+        there = root / step_name(step)
+        if there.is_dir() and not is_committed(there):
+            quarantine(root, there)  # never committed (a download a crash cut short)
+        if there.exists():
+            continue  # unreadable locally (the disk tier said so): the previous one
         try:
-            listing = retried(self.store.listing)
-        except RemoteError as err:
-            if newest_local is None and self.above is None:
-                raise
+            path = download(tier.store, step, root)
+            return read_info(path, step), read(path)
+        except Exception as err:
+            if not isinstance(err, _DAMAGE) and not is_damage(err):
+                raise  # the template or an argument is wrong, not the checkpoint
+            tier.bad.add(step)
+            with contextlib.suppress(OSError):
+                if there.exists():
+                    quarantine(root, there)
             warn(
-                f"{err}; resuming from the local or memory tier (step "
-                f"{max(s for s in (newest_local, self.above) if s is not None)}), which may "
-                "be older than the newest remote checkpoint",
+                f"{tier.store.where(step)}: remote checkpoint of step {step} is unusable "
+                f"({type(err).__name__}: {err}); falling back to the previous one",
                 RemoteWarning,
                 stacklevel=5,
             )
-            return []
-        committed = {s for s, r in listing.items() if r.committed}
-        self._listed(committed)
-        above = self.above
-        newer = (s for s in committed if s not in self.bad and (above is None or s > above))
-        return sorted(newer, reverse=True)
-
-    def _fetch_newer(self, newest_local: int | None, fetched: set[int]) -> list[int]:
-        """Download the newest good remote step newer than ``newest_local``.
-
-        Returns the good remote steps (empty if the remote could not be listed).
-        """
-        good = self._good(newest_local)
-        for step in good:
-            if newest_local is not None and step <= newest_local:
-                break
-            there = self.root / step_name(step)
-            if there.is_dir() and not is_committed(there):
-                quarantine(self.root, there)  # never committed (a download a crash cut short)
-            if there.exists() and step not in fetched:
-                continue  # a local directory there is unreadable: the local resume decides
-            try:
-                if step not in fetched:
-                    download(self.store, step, self.root)
-                    fetched.add(step)
-                break
-            except _DAMAGE as err:
-                self.bad.add(step)
-                warn(
-                    f"{self.store.where(step)}: remote checkpoint of step {step} is unusable "
-                    f"({type(err).__name__}: {err}); falling back to the previous one",
-                    RemoteWarning,
-                    stacklevel=5,
-                )
-        return good
-
-    def _agreed(
-        self, local_steps: Callable[[], list[int]], read_step: Callable[[int], tuple[StepInfo, T]]
-    ) -> Found[T]:
-        """Every rank restores one step: the newest every rank has locally, or the remote's.
-
-        On the training thread, so on the manager's group (uploads use their own).
-        """
-        from functional_ckpt._src.distributed.groups import (
-            agree,
-            agree_values,
-            all_gather_values,
-            checkpoint_group,
+    if above is None and quarantined(root):  # only damage anywhere: never start fresh
+        raise CheckpointError(
+            f"{root}: the checkpoints here were found damaged and moved aside "
+            f"({', '.join(quarantined(root)[:5])}) and {tier.url} holds none readable; "
+            "refusing to start fresh. Move or delete them to start over"
         )
+    return None
 
-        group = checkpoint_group(purpose="control")
-        mine = [s for s in local_steps() if self._whole(s)]
-        everyone = [set(s) for s in all_gather_values(mine, group)]
-        common = set.intersection(*everyone)
-        error: BaseException | None = None
-        remote: list[int] = []
-        if self.coordinator:
-            try:
-                remote = self._good(max(common, default=None))
-            except BaseException as e:
-                error = e
-        told = agree_values(
-            error, remote if self.coordinator else None, group, f"restore from {self.url}"
+
+def _good(tier: _Remote, above: int | None) -> list[int]:
+    """Committed remote steps newer than ``above`` not found damaged, newest first; none
+    (with a warning) if the remote cannot be listed while a faster tier holds a step."""
+    try:
+        listing = retried(tier.store.listing)
+    except RemoteError as err:
+        if above is None:
+            raise
+        warn(
+            f"{err}; resuming from a faster tier (step {above}), which may be older than "
+            "the newest remote checkpoint",
+            RemoteWarning,
+            stacklevel=6,
         )
-        remote = told[0]
-        target = max([*common, *remote], default=None)
-        if target is None:
-            return None
+        return []
+    committed = tier.listed({s for s, r in listing.items() if r.committed})
+    newer = (s for s in committed if s not in tier.bad and (above is None or s > above))
+    return sorted(newer, reverse=True)
+
+
+def _agreed(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Found[T]:
+    """Every rank reads one step (see the module docstring). On the training thread, so
+    on the manager's group (uploads use their own)."""
+    from functional_ckpt._src.distributed.groups import (
+        agree,
+        agree_values,
+        all_gather_values,
+        checkpoint_group,
+    )
+
+    group = checkpoint_group(purpose="control")
+    mine = [s for s, path in committed_steps(tier.root).items() if holds_every_file(path)]
+    common = set.intersection(*(set(s) for s in all_gather_values(mine, group)))
+    error: BaseException | None = None
+    remote: list[int] = []
+    if tier.coordinator:
         try:
-            if target not in mine and (self.coordinator or not self.shared):
-                download(self.store, target, self.root, replace=True)  # over a part
+            remote = _good(tier, above)
         except BaseException as e:
             error = e
-        agree(error, group, f"download {self.store.where(target)}")
-        return read_step(target)
-
-    def _whole(self, step: int) -> bool:
-        """Whether the local ``step_N`` holds every file its manifest lists (not split)."""
-        path = self.root / step_name(step)
-        try:
-            sizes = protocol.expected_sizes(path)
-            return all((path / n).stat().st_size == size for n, size in sizes.items())
-        except (CheckpointError, OSError, KeyError, TypeError, ValueError):
-            return False
+    told = agree_values(error, remote if tier.coordinator else None, group, tier.url)
+    target = max([*(s for s in common if above is None or s > above), *told[0]], default=None)
+    if target is None:
+        return None
+    try:
+        if target not in mine and not tier.shared:  # its own root: what it reads
+            download(tier.store, target, tier.root, check=False, replace=True, rank=tier.rank)
+        elif target not in mine and tier.coordinator:  # one root: whole, once
+            download(tier.store, target, tier.root, replace=True)
+    except BaseException as e:
+        error = e
+    agree(error, group, f"download {tier.store.where(target)}")
+    path = tier.root / step_name(target)
+    return read_info(path, target), read(path)

@@ -177,7 +177,8 @@ class Store:
             self._mover.start()
 
     def pause_uploads(self) -> None:
-        """Hold the uploads running (in the helper process) until ``resume_uploads``."""
+        """Hold the uploads running (in the helper process) until ``resume_uploads``: a
+        save begins, and the state copy the loop waits for gets the cores."""
         if self._mover is not None:
             self._mover.pause()
 

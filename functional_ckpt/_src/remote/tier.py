@@ -1,11 +1,13 @@
-"""The remote tier of a manager's root: uploads, per-tier retention, resumes from remote.
+"""The remote tier of a manager's root: a tier (``manager/tiers.Tier``) behind the disk.
 
 Every checkpoint commits locally first; a background upload round then commits the
 ones the remote retention keeps by :mod:`~functional_ckpt._src.remote.protocol`, each
-rank uploading the files it wrote. Local retention spares a checkpoint until its
-remote copy is committed (unless ``prune_unuploaded``). With one local root per
-rank, a non-coordinator's ``step_N`` is a *part* (its shards, no manifest, no marker):
-never listed or restored, kept only to be uploaded; a resume then comes from remote.
+rank uploading the files it wrote, and runs the manager's retention over this tier.
+Local retention spares a checkpoint until its remote copy is committed (unless
+``prune_unuploaded``). With one local root per rank, a non-coordinator's ``step_N``
+is a *part* (its shards, no manifest, no marker): never listed or restored, kept
+only to be uploaded; a resume then comes from remote, each rank fetching only what
+it reads.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,24 +27,19 @@ from typing import Any, TypeVar
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.header import header_of
+from functional_ckpt._src.format.kind import is_committed
 from functional_ckpt._src.format.naming import BRANCHES_DIR, step_name
 from functional_ckpt._src.log import done, logger, warn
-from functional_ckpt._src.policy.retention import CheckpointRecord, RetentionPolicy, plan_deletions
-from functional_ckpt._src.remote import protocol
-from functional_ckpt._src.remote.fetch import remove_downloads
-from functional_ckpt._src.remote.resume import RemoteResume
+from functional_ckpt._src.policy.retention import CheckpointRecord
+from functional_ckpt._src.remote import protocol, resume
+from functional_ckpt._src.remote.fetch import download, remove_downloads
+from functional_ckpt._src.remote.options import Remote
+from functional_ckpt._src.remote.resume import Found
 from functional_ckpt._src.remote.store import Store, public_url
 from functional_ckpt._src.remote.uploader import Worker, failure, read_status, retried, write_status
 from functional_ckpt._src.root.delete import delete, remove_all
 from functional_ckpt._src.root.listing import committed_steps, read_info, step_dirs
-from functional_ckpt.errors import (
-    CheckpointError,
-    CorruptCheckpoint,
-    IncompleteCheckpoint,
-    RemoteVanished,
-    RemoteWarning,
-    UnsafeCheckpoint,
-)
+from functional_ckpt.errors import CheckpointError, RemoteVanished, RemoteWarning
 
 __all__ = ["LEASE", "RemoteTier", "read_status"]
 
@@ -54,26 +51,13 @@ T = TypeVar("T")
 #: job stops writing once the new one writes (a manager that only restores never takes it).
 LEASE = ".writer.json"
 
-_DAMAGE = (CorruptCheckpoint, UnsafeCheckpoint, IncompleteCheckpoint, RemoteVanished)
-
 
 class RemoteTier:
     """The object store behind one manager's root (see the module docstring)."""
 
-    def __init__(
-        self,
-        root: Path,
-        url: str,
-        *,
-        keep: RetentionPolicy,
-        storage_options: Mapping[str, Any] | None = None,
-        prune_unuploaded: bool = False,
-        writer: bool = True,
-        timeout: float | None = None,
-    ) -> None:
-        self.root = root
-        self.keep = keep
-        self.prune_unuploaded = prune_unuploaded
+    def __init__(self, root: Path, option: Remote, *, writer: bool = True) -> None:
+        self.root, self.keep, self.writer = root, option.keep, writer
+        self.prune_unuploaded, url = option.prune_unuploaded, option.url
         topo = topology()
         self.rank, self.world = topo.rank, topo.world
         self.coordinator = topo.coordinator
@@ -86,7 +70,7 @@ class RemoteTier:
         ).encode()
         self._holding = False  # whether this manager took the remote root (see LEASE)
         try:
-            self.store = Store(url, storage_options)
+            self.store = Store(url, option.storage_options)
             if getattr(self.store.fs, "local_file", False) and os.path.realpath(
                 self.store.base
             ) == os.path.realpath(root):
@@ -102,7 +86,7 @@ class RemoteTier:
         if self.world > 1:
             from functional_ckpt._src.distributed.groups import agree, checkpoint_group
 
-            self._group = checkpoint_group(timeout, purpose="upload")
+            self._group = checkpoint_group(purpose="upload")
             agree(error, self._group, f"remote {self.url}")
             if writer:
                 from functional_ckpt._src.distributed.groups import one_directory
@@ -117,9 +101,11 @@ class RemoteTier:
         self._records: dict[int, CheckpointRecord] = {}
         self._same: dict[int, bytes] = {}  # local steps whose remote copy has their marker
         self._worker: Worker | None = None
-        self.resume = RemoteResume(  # its resume side (used by the manager's disk tier)
-            self.store, root, self.url, shared=self.shared, listed=self._listed
-        )
+        self.bad: set[int] = set()  # remote steps found damaged by this process
+        self.durable = True
+        #: The manager's retention over this tier (``manager/tiers.retain``), run by the
+        #: coordinator after each upload round.
+        self.prune: Callable[[], object] = lambda: None
         if writer:
             if self.coordinator or not self.shared:
                 remove_downloads(root)
@@ -137,18 +123,16 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ training thread
 
-    def committed(self) -> None:
-        """A local checkpoint committed: run an upload round in the background."""
+    def copy_in(self, source: object, within: float) -> None:
+        """A local checkpoint committed (``source`` is the disk tier): an upload round runs
+        in the background; it uploads the disk's steps this tier's retention keeps."""
         if self._worker is not None:
             self._worker.request()
 
-    def hold_uploads(self) -> None:
-        """A save begins: uploads stand still until ``release_uploads``, so the state
-        copy the loop waits for has the cores (see :mod:`~functional_ckpt._src.remote.mover`)."""
-        self.store.pause_uploads()
-
-    def release_uploads(self) -> None:
-        self.store.resume_uploads()
+    def open(self, step: int) -> Path:
+        """The local copy of remote ``step`` (downloaded and verified first if missing)."""
+        there = self.root / step_name(step)
+        return there if is_committed(there) else download(self.store, step, self.root)
 
     def check(self) -> None:
         """Report upload failures not reported yet, once each, as :class:`RemoteWarning`."""
@@ -169,9 +153,19 @@ class RemoteTier:
         listing = retried(self.store.listing)
         return sorted(s for s, r in listing.items() if r.committed)
 
-    def uploading(self) -> bool:
-        """Whether an upload round is asked for or running."""
-        return self._worker is not None and self._worker.busy()
+    def infos(self) -> list[CheckpointRecord]:
+        """What retention reads of each remote checkpoint committed (as last listed)."""
+        with self._lock:
+            committed = sorted(self._committed)
+        return [self._record(s) for s in committed]
+
+    def delete(self, steps: Sequence[int]) -> None:
+        """Remove remote ``steps``, each marker first (no longer committed at once)."""
+        if steps:
+            self._claim()  # a root another manager writes is not this one's to change
+        for step in steps:
+            retried(partial(protocol.remove_step, self.store, step))
+            self._forget(step)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every upload asked for so far has ended; report failures.
@@ -180,8 +174,8 @@ class RemoteTier:
         self.check()
         return done
 
-    def close(self) -> None:
-        """Finish the uploads asked for, then stop the worker."""
+    def close(self, *, crashed: bool = False) -> None:
+        """Finish the uploads asked for, then stop the worker (after a crash too)."""
         if self._worker is not None:
             self._worker.drain()
             self._worker.stop()
@@ -202,16 +196,19 @@ class RemoteTier:
         Runs before the local rollback moves anything: a crash in between leaves the
         local trunk whole, and the next upload round puts its steps back remotely.
         """
-        if steps:
-            self._claim()  # a root another manager writes is not this one's to change
         for step in steps:
             if branch is not None and retried(partial(self.store.objects, step)).get(
                 naming.COMMIT_MARKER
             ):
                 dest = f"{self.store.base}/{BRANCHES_DIR}/{branch}/{step_name(step)}"
                 retried(partial(protocol.copy_step, self.store, step, dest))
-            retried(partial(protocol.remove_step, self.store, step))
-            self._forget(step)
+        self.delete(steps)
+
+    def listed(self, committed: set[int]) -> set[int]:
+        """What is committed remotely, as a listing found it just now."""
+        with self._lock:
+            self._committed = set(committed)
+        return committed
 
     def _forget(self, step: int) -> None:
         """Remote ``step`` is deleted."""
@@ -220,26 +217,20 @@ class RemoteTier:
         self._records.pop(step, None)
         self._same.pop(step, None)
 
-    # ------------------------------------------------------------------ restore
+    # ------------------------------------------------------------------ resume
 
-    def _listed(self, committed: set[int]) -> None:
-        """A resume listed the remote root: what is committed there now."""
-        with self._lock:
-            self._committed = committed
+    def newest(self, read: Callable[[Path], T], above: int | None) -> Found[T]:
+        """The newest good remote step newer than ``above``, fetched and read
+        (:func:`~.resume.newest`); only a writer fetches, a reader follows its root."""
+        return resume.newest(self, read, above) if self.writer else None
 
     # ------------------------------------------------------------------ collectives
 
-    def _gather(self, value: Any, group: Any = None) -> list[Any]:
-        """Every rank's ``value`` (on the uploads' group unless told otherwise)."""
-        if self.world == 1:
-            return [value]
+    def _share(self, value: Any) -> Any:
+        """The coordinator's ``value``, on every rank (on the uploads' group)."""
         from functional_ckpt._src.distributed.groups import all_gather_values
 
-        return all_gather_values(value, group or self._group)
-
-    def _share(self, value: Any, group: Any = None) -> Any:
-        """The coordinator's ``value``, on every rank."""
-        return self._gather(value if self.coordinator else None, group)[0]
+        return all_gather_values(value if self.coordinator else None, self._group)[0]
 
     # ------------------------------------------------------------------ worker thread
 
@@ -255,7 +246,10 @@ class RemoteTier:
         for step in plan["upload"]:
             self._upload(step)
         if self.coordinator:
-            self._prune_remote()
+            try:
+                self.prune()  # the manager's retention over this tier
+            except CheckpointError as err:
+                self._fail(max(self._committed, default=-1), err)
             self._write_status()
         elif not self.shared:
             self._drop_parts(plan["local"])
@@ -341,28 +335,21 @@ class RemoteTier:
 
     def _upload(self, step: int) -> None:
         """One checkpoint, by the object-store commit protocol, every rank its own files."""
-        from functional_ckpt._src.distributed.groups import agree
-
         local, t0 = self.root / step_name(step), time.perf_counter()
         with self._lock:
             self._uploading = step
         if self.coordinator:
             self._write_status()
-        error: BaseException | None = None
-        present: dict[str, int] | None = {}
         sizes: dict[str, int] = {}
+        begun: list[dict[str, int] | None] = [{}]  # objects there already; None: committed
+
+        def begin() -> None:
+            sizes.update(protocol.expected_sizes(local))
+            begun[0] = retried(lambda: protocol.begin_upload(self.store, step, local))
+
         try:
-            if self.coordinator:
-                sizes = protocol.expected_sizes(local)
-                present = retried(lambda: protocol.begin_upload(self.store, step, local))
-        except BaseException as e:
-            error = e
-        try:
-            if self.world > 1:
-                agree(error, self._group, f"upload {self.store.where(step)}")
-                present = self._share(present)
-            elif error is not None:
-                raise error
+            self._together(f"upload {self.store.where(step)}", begin, here=self.coordinator)
+            present = self._share(begun[0]) if self.world > 1 else begun[0]
             if present is None:
                 self._done(step)  # already committed remotely: the same checkpoint
                 return
@@ -425,27 +412,6 @@ class RemoteTier:
             if self.coordinator:
                 self.failures[step] = failed
                 self._unreported.append(failed)
-
-    def _prune_remote(self) -> None:
-        """Delete what the remote retention does not keep, marker first (never the newest)."""
-        with self._lock:
-            committed = sorted(self._committed)
-        if not committed:
-            return
-        doomed = plan_deletions(self.keep, [self._record(s) for s in committed])
-        if doomed:
-            try:
-                self._claim()
-            except CheckpointError as err:
-                self._fail(max(committed), err)
-                return
-        for step in doomed:
-            try:
-                protocol.remove_step(self.store, step)
-            except CheckpointError as err:
-                self._fail(step, err)
-                continue
-            self._forget(step)
 
     def _drop_parts(self, coordinator_steps: list[int]) -> None:
         """This rank's parts of steps the coordinator no longer keeps (crash-safely)."""

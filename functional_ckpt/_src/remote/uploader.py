@@ -84,10 +84,6 @@ class Worker:
             self._asked += 1
             self._lock.notify_all()
 
-    def busy(self) -> bool:
-        with self._lock:
-            return self._done < self._asked
-
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every round asked for so far has run; False on timeout."""
         with self._lock:
