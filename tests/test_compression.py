@@ -423,3 +423,21 @@ def test_a_value_listed_for_dcp_but_not_in_the_manifest_is_refused_by_key(
     with pytest.raises(CheckpointException) as err:
         dcp.load({"ghost": ""}, storage_reader=Reader(ck), no_dist=True)
     assert "lists the value 'ghost', which the manifest does not hold" in str(err.value.failures)
+
+
+@pytest.mark.parametrize("bad", ["zstd:", "zstd:\uff13", "zstd:\u0663", "zstd:03x", "zstd: 3"])
+def test_a_level_that_is_not_ascii_digits_is_refused_everywhere(tmp_path: Path, bad: str) -> None:
+    """``"zstd:N"`` is level N in ASCII digits: an empty level or another script's digit
+    is a mistake, refused by every entry point naming the argument."""
+    from functional_ckpt.integrations.dcp import Writer
+
+    state = {"w": torch.ones(2)}
+    with pytest.raises(ValueError, match=r"save\(compression="):
+        fc.save(tmp_path / "a", state, compression=bad)
+    with pytest.raises(ValueError, match=r"compression="):
+        fc.save_async(tmp_path / "b", state, compression=bad).result()
+    with pytest.raises(ValueError, match=r"Disk\(compression="):
+        fc.manager.Disk(compression=bad)
+    with pytest.raises(ValueError, match=r"Writer\(compression="):
+        Writer(tmp_path / "c", compression=bad)
+    assert not any(tmp_path.iterdir())

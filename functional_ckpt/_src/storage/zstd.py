@@ -47,8 +47,9 @@ def level_of(compression: object, what: str) -> int:
     if compression is None:
         return 0
     if isinstance(compression, str) and compression.partition(":")[0] == "zstd":
-        level = compression.partition(":")[2]
-        n = DEFAULT_LEVEL if not level else int(level) if level.isdigit() else -1
+        _, colon, level = compression.partition(":")
+        ascii_digits = level.isascii() and level.isdigit()
+        n = int(level) if ascii_digits else DEFAULT_LEVEL if not colon else -1
         if 1 <= n <= 19:
             _module()
             return n
