@@ -214,6 +214,8 @@ class World:
     dcp_plans: list[Any]  # each rank's DCP SavePlan (stock DCP's local_step)
     dcp_results: list[list[Any]]  # each rank's DCP WriteResults
     plan_s: float  # one rank's fc planning time
+    written: list[bytes]  # what each rank reports having written (its chunks with boxes)
+    written_again: list[bytes]  # the same in a second save (new CRC32s, no boxes)
 
 
 def _sharded(entry: Any, n: int) -> bool:
@@ -359,6 +361,14 @@ def simulate(model: Model, n: int) -> World:
     ]
     plan_s += (time.process_time() - t0) / n
     payloads_again = [exchange.rank_payload(p, None) for p in rank_plans]
+    # what each rank reports having written: the boxes too, unless it wrote its last plan
+    written = [exchange.written_payload(r) for r in results]
+    written_again = [  # new values: new CRC32s in the same layout
+        exchange.written_payload(
+            [(k, c._replace(crc32=c.crc32 ^ 0x5A5A5A)) for k, c in r], boxes=False
+        )
+        for r in results
+    ]
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     for r in range(n):
@@ -393,6 +403,8 @@ def simulate(model: Model, n: int) -> World:
         dcp_plans,
         dcp_results,
         plan_s,
+        written,
+        written_again,
     )
 
 
@@ -410,7 +422,7 @@ def fc_coordinator(
     from functional_ckpt._src.format import dcp_metadata, naming
     from functional_ckpt._src.format.checksum import crc32
     from functional_ckpt._src.format.manifest import Tree, Written, assemble
-    from functional_ckpt._src.save import local, multi_rank
+    from functional_ckpt._src.save import exchange, local, multi_rank, splice
 
     times = split if split is not None else {}
     last = [time.process_time()]
@@ -421,26 +433,30 @@ def fc_coordinator(
         last[0] = now
 
     plan = world.plan
-    key = multi_rank.plan_key(range(world.n))
+    cache = multi_rank.PLANS.get(multi_rank.plan_key(range(world.n)))
     payloads = world.payloads_again if again else world.payloads
-    failures, ranks, _ = multi_rank.coordinate(payloads, plan.local, multi_rank.PLANS.get(key))
+    failures, ranks, _ = multi_rank.coordinate(payloads, plan.local, cache)
     assert not failures
     lap("multi_rank.coordinate (decode, dedup)")
-    flat = [x for r in world.results for x in r]
-    chunks, sizes = multi_rank.merge_results(flat, world.blobs, world.n, False)
-    lap("multi_rank.merge_results")
+    sent = []
+    for r, data in enumerate(world.written_again if again else world.written):
+        sent.append(exchange.parse_written(data, r)[1])
+    lap("exchange.parse_written")
     tree = Tree(plan.entries, ranks, plan.root)
+    chunks, sizes, spliced = splice.merge(cache, sent, tree, world.blobs, False)
+    lap("splice.merge (the parts' rows)")
     meta = {"note": "scale"}
     manifest = assemble(
         tree,
-        Written(chunks, world.blobs),
+        Written(chunks, world.blobs, spliced=spliced),
         {},
         created=0.0,
         metadata=meta,
         metadata_bytes=codec.encode(meta),
     )
     lap("manifest.assemble")
-    md = dcp_metadata.derive(manifest.tensor_groups(), manifest.dcp_bytes)
+    md = spliced.dcp or dcp_metadata.derive(manifest.tensor_groups(), manifest.dcp_bytes)
+    spliced.dcp = md
     lap("dcp_metadata.derive (.metadata)")
     files: dict[str, dict[str, Any]] = {naming.DCP_METADATA: {"size": len(md), "crc32": crc32(md)}}
     files.update({name: {"size": size} for name, size in sorted(sizes.items())})
