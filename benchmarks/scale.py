@@ -811,7 +811,7 @@ def measure(model: Model, n: int, tmp: Path, memory: bool) -> dict[str, Any]:
     from functional_ckpt._src.save import multi_rank
 
     dcp_metadata._LAST = None  # a first save: nothing derived yet, no plan cached
-    multi_rank.forget_plans(multi_rank.plan_key(range(n)))
+    multi_rank.PLANS.forget(multi_rank.plan_key(range(n)))
     world = simulate(model, n)
     split: dict[str, dict[str, float]] = {"first": {}, "again": {}, "dcp": {}}
     fc_s, (manifest, parts, md) = timed(lambda: fc_coordinator(world, False, split["first"]))

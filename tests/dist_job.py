@@ -268,7 +268,7 @@ def plan_cache_run(root: Path, rank: int, world: int) -> None:
 
     sent: list[bool] = []  # per save: did this rank send its full local plan?
     dedups, merges = [0], [0]
-    payload, step, first = exchange.rank_payload, exchange.global_step, splice._first
+    payload, step, first = exchange.rank_payload, exchange.global_step, splice._recipe
 
     def counted_first(*args: Any) -> Any:  # the coordinator made every chunk
         merges[0] += 1
@@ -287,7 +287,7 @@ def plan_cache_run(root: Path, rank: int, world: int) -> None:
 
     exchange.rank_payload = counted_payload  # type: ignore[assignment]
     exchange.global_step = counted_step  # type: ignore[assignment]
-    splice._first = counted_first  # type: ignore[assignment]
+    splice._recipe = counted_first  # type: ignore[assignment]
     mesh = init_device_mesh("cpu", (world,))
     states = [shard_state(mesh, rank), shard_state(mesh, rank)]
     states[1]["b"] = states[1]["b"] + 1  # new values, same layout

@@ -92,16 +92,16 @@ def test_a_plan_is_never_reused_by_another_world() -> None:
 def test_a_failed_save_forgets_its_plans() -> None:
     """After "does not hold", every rank drops its plans: the next save plans afresh."""
     key, count = multi_rank.plan_key(range(4)), Counting()
-    multi_rank.forget_plans(key)
+    multi_rank.PLANS.forget(key)
     with pytest.raises(fc.errors.CheckpointError, match="does not hold"):
         exchange.global_step(multi_rank.PLANS.get(key), [None] * 4, count)
     exchange.global_step(multi_rank.PLANS.get(key), local_keys(4), count)
     multi_rank.PLANS.get(key).local = scale.simulate(MODEL, 4).dcp_plans[0]  # what a rank keeps
-    multi_rank.forget_plans(key)
+    multi_rank.PLANS.forget(key)
     assert key not in multi_rank.PLANS.by_key
     with pytest.raises(fc.errors.CheckpointError, match="does not hold"):
         exchange.global_step(multi_rank.PLANS.get(key), [None] * 4, count)
-    multi_rank.forget_plans(key)
+    multi_rank.PLANS.forget(key)
 
 
 def test_keys_and_results_travel_and_bad_ones_name_the_rank() -> None:
@@ -159,11 +159,15 @@ def test_merged_results_give_each_file_its_largest_end_in_any_order() -> None:
     a, b = "__0_0.distcp", "__1_0.distcp"
     results = [("w", c(a, 0, 24, 0)), ("v", c(a, 24, 24, 0)), ("w", c(b, 0, 24, 1))]
     results += [("v", c(a, 48, 10, 1)), ("w", c(b, 24, 4, 2))]  # back to a, then b again
-    chunks, sizes = splice.merge_results(results, (), 3, False)
+    sent = [exchange.parse_results(exchange.results_payload(results[:2]), 0)]
+    sent.append(exchange.parse_results(exchange.results_payload(results[2:]), 1))
+    sent.append(exchange.parse_results(exchange.results_payload([]), 2))
+    tree = Tree((), ((), (), ()))
+    chunks, sizes, _ = splice.merge(exchange.PlanCache(), sent, tree, (), False)
     assert sizes == {a: 58, b: 28, "__2_0.distcp": 0}
     assert [x.offsets for x in chunks["w"]] == [(0, 0), (1, 0), (2, 0)]
     assert [x.file for x in chunks["v"]] == [a, a]
-    assert splice.merge_results(results, (), 3, True)[1] == {a: 58, b: 28}
+    assert splice.merge(exchange.PlanCache(), sent, tree, (), True)[1] == {a: 58, b: 28}
 
 
 def test_messages_that_cannot_be_read_fail_as_checkpoint_errors() -> None:
@@ -243,7 +247,7 @@ def _saved_again(world: scale.World, renew: Any) -> tuple[bytes, list[bytes], by
 
 def _saved_afresh(world: scale.World, renew: Any) -> tuple[bytes, list[bytes], bytes]:
     """The same chunks saved by a coordinator that holds no plan (every box sent)."""
-    multi_rank.forget_plans(multi_rank.plan_key(range(world.n)))
+    multi_rank.PLANS.forget(multi_rank.plan_key(range(world.n)))
     new = [exchange.written_payload([(k, renew(c)) for k, c in r]) for r in world.results]
     return scale.fc_coordinator(dataclasses.replace(world, written=new))
 
@@ -258,15 +262,15 @@ def test_a_save_of_the_layout_saved_last_writes_what_a_first_save_writes(
     afresh, with the same result."""
     world = scale.simulate(MODEL, 4)
     firsts = Counting()
-    real = splice._first
-    monkeypatch.setattr(splice, "_first", lambda *a: (firsts.__call__([]), real(*a))[1])
+    real = splice._recipe
+    monkeypatch.setattr(splice, "_recipe", lambda *a: (firsts.__call__([]), real(*a))[1])
 
     def renew(c: Any) -> Any:
         if change == "checksums":
             return c._replace(crc32=c.crc32 ^ 0xFFFF, hcrc32=(c.hcrc32 + 77) % 2**32)
         return c._replace(length=c.length + 8, zstd=1) if c.offsets[:1] == (0,) else c
 
-    multi_rank.forget_plans(multi_rank.plan_key(range(4)))
+    multi_rank.PLANS.forget(multi_rank.plan_key(range(4)))
     first = scale.fc_coordinator(world)
     again = _saved_again(world, renew)
     assert firsts.calls == (1 if change == "checksums" else 2)
@@ -274,14 +278,14 @@ def test_a_save_of_the_layout_saved_last_writes_what_a_first_save_writes(
     assert again == afresh and again != first
     _, parts, _ = again
     assert len(parts) == 4 and all(p[:-4] and p[-4:] for p in parts)
-    multi_rank.forget_plans(multi_rank.plan_key(range(4)))
+    multi_rank.PLANS.forget(multi_rank.plan_key(range(4)))
 
 
 def test_chunks_without_boxes_from_a_plan_the_coordinator_does_not_hold_fail() -> None:
     world = scale.simulate(MODEL, 4)
     key = multi_rank.plan_key(range(4))
-    multi_rank.forget_plans(key)
+    multi_rank.PLANS.forget(key)
     sent = [exchange.parse_written(w, r)[1] for r, w in enumerate(world.written_again)]
     with pytest.raises(fc.errors.CheckpointError, match="rank 0 reported the chunks of a plan"):
         splice.merge(multi_rank.PLANS.get(key), sent, Tree(world.plan.entries, ()), (), False)
-    multi_rank.forget_plans(key)
+    multi_rank.PLANS.forget(key)

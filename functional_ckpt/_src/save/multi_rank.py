@@ -116,12 +116,6 @@ def plan_key(ranks: Sequence[int], purpose: str = "save") -> str:
 PLANS = exchange.PlanCaches()
 
 
-def forget_plans(key: str) -> None:
-    """Drop every plan cached under ``key`` on this rank (a save that failed: what
-    the coordinator and this rank hold may no longer agree)."""
-    PLANS.forget(key)
-
-
 def save_planned(
     job: SaveJob,
     tensors: Sequence[torch.Tensor],
@@ -203,7 +197,7 @@ def save_planned(
         with gc_paused():
             nbytes, seen = _rounds(commit_job, state_dict, PLANS.get(key), group, what, error)
     except VerdictLost as e:
-        forget_plans(key)
+        PLANS.forget(key)
         if own:
             _keep_part(tmp, dest)
             raise CheckpointError(
@@ -211,7 +205,7 @@ def save_planned(
             ) from e
         raise
     except BaseException as e:
-        forget_plans(key)  # the next save plans afresh on every rank
+        PLANS.forget(key)  # the next save plans afresh on every rank
         if rank == 0 or own:
             commit.remove_tree(tmp)
         raise as_checkpoint_error(e, what, "; nothing was committed") from e
