@@ -19,16 +19,17 @@ fc, one rank
   ``plan_save`` of the whole state and the encoding of its per-rank entries
   (``multi_rank.local_entries``): what each rank does before it sends anything.
 fc, coordinator
-  Decoding every rank's entries (``multi_rank.gathered_entries``), merging every
-  rank's written chunks (``multi_rank.merge_results``; the chunks are what each
-  rank's shard writer reports: one per shard of every sharded tensor, replicated
-  tensors spread over the ranks as DCP's planner spreads them), DCP's global
-  planning as ``fc.save`` runs it (``multi_rank._Planner``: the deduplication),
-  then ``manifest.assemble``, ``dcp_metadata.derive``, ``local.encode_parts`` and
-  ``Manifest.encode`` (the manifest's index): everything ``finalize`` computes
-  before it writes, timed by function. A second save of the same layout is timed
-  too: every rank sends the empty plan that says "unchanged", so the global plan is
-  reused, and ``derive`` keeps the last ``.metadata``.
+  Decoding every rank's entries and keys and DCP's deduplication on them
+  (``multi_rank.coordinate``), reading every rank's written chunks
+  (``exchange.parse_written``: what each rank's shard writer reports, one chunk per
+  shard of every sharded tensor, replicated tensors spread over the ranks as DCP's
+  planner spreads them), merging them and packing the parts' rows
+  (``splice.merge``), then ``manifest.assemble``, ``dcp_metadata.derive``,
+  ``local.encode_parts`` and ``Manifest.encode`` (the index): everything
+  ``finalize`` computes before it writes, timed by function. A second save of the
+  same layout is timed too: every rank says "unchanged" and sends its chunks' new
+  numbers without their boxes, so nothing is planned, the rows are packed from the
+  columns and ``.metadata`` is kept.
 fc, one rank's restore
   Decoding the manifest's index, ``parse_checkpoint`` and the rank's view without
   the sharded chunks, the parts its shards meet (``dtensor.parts_meeting``: its
@@ -807,10 +808,9 @@ def measure(model: Model, n: int, tmp: Path, memory: bool) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import Metadata
 
     from functional_ckpt._src import codec
-    from functional_ckpt._src.format import dcp_metadata, naming
+    from functional_ckpt._src.format import naming
     from functional_ckpt._src.save import multi_rank
 
-    dcp_metadata._LAST = None  # a first save: nothing derived yet, no plan cached
     multi_rank.PLANS.forget(multi_rank.plan_key(range(n)))
     world = simulate(model, n)
     split: dict[str, dict[str, float]] = {"first": {}, "again": {}, "dcp": {}}

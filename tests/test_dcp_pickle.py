@@ -125,7 +125,6 @@ def test_the_written_pickle_unpickles_to_the_objects_field_for_field(
 ) -> None:
     groups, blobs = _LAYOUTS[layout]
     assert dcp_pickle.supported()  # the installed torch takes the opcode path
-    dcp_metadata._LAST = None
     data = dcp_metadata.derive(groups, blobs)
     want = dcp_metadata.metadata_for(groups, blobs)
     old = pickle.dumps(want, protocol=dcp_metadata.PROTOCOL)
@@ -180,8 +179,6 @@ def test_a_torch_that_pickles_its_classes_otherwise_gets_its_own_pickle(
 ) -> None:
     groups, blobs = _LAYOUTS["two ranks sharded"]
     monkeypatch.setattr(dcp_pickle, "supported", lambda: False)
-    dcp_metadata._LAST = None
     data = dcp_metadata.derive(groups, blobs)
     want = dcp_metadata.metadata_for(groups, blobs)
     assert data == pickle.dumps(want, protocol=dcp_metadata.PROTOCOL)
-    dcp_metadata._LAST = None

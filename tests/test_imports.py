@@ -322,7 +322,6 @@ KNOWN_STATE = {
     "functional_ckpt._src.codec.tagged": {"TAGGED", "_BY_TAG"},  # fc.codec.register
     "functional_ckpt._src.distributed.groups": {"_GROUPS"},  # a gloo group per world
     "functional_ckpt._src.format.blobs": {"_TEMPLATES"},  # encoded byte-entry templates
-    "functional_ckpt._src.format.dcp_metadata": {"_LAST"},  # the last .metadata derived
     "functional_ckpt._src.format.dcp_values": {"_CACHE"},  # decoded stock-DCP values
     "functional_ckpt._src.save.trust": {"PROCESS_TRUST"},  # what this process committed
     "functional_ckpt._src.save.multi_rank": {"PLANS"},  # the last save plans, per group

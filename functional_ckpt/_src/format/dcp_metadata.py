@@ -125,46 +125,13 @@ def derive(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] =
     """The exact bytes of ``.metadata`` for a manifest: a pickle stock ``dcp.load`` reads.
 
     Written opcode by opcode (:mod:`.dcp_pickle`): it unpickles to what
-    :func:`metadata_for` builds, field for field, without building it.
-
-    A training loop saves the same layout again and again, and the bytes depend
-    only on the layout (never on tensor values or checksums), so the last result
-    is kept and returned while the layout stays equal field for field.
+    :func:`metadata_for` builds, field for field, without building it. A multi-rank
+    save of the layout saved last keeps the last bytes (``save/splice``).
     """
-    global _LAST
-    key = _layout(groups, blobs)
-    last = _LAST
-    if last is not None and last[0] == key:
-        return last[1]
     if dcp_pickle.supported() and not any(c.zstd for g in groups for e in g for c in e.chunks):
-        data = dcp_pickle.write(groups, blobs, _dcp_version())
-    else:  # a torch that pickles its classes otherwise: its own pickle of its objects
-        data = pickle.dumps(metadata_for(groups, blobs), protocol=PROTOCOL)
-    _LAST = (key, data)
-    return data
-
-
-#: The last layout derived and its bytes (one entry: the layout of the current run).
-_LAST: tuple[tuple[Any, ...], bytes] | None = None
-
-
-def _layout(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry]) -> tuple[Any, ...]:
-    """Everything of a manifest that :func:`build` reads, as one comparable value."""
-    values = tuple((b.fqn, b.path, b.file, b.offset, b.length) for b in blobs)
-    return values, tuple(
-        tuple(
-            (
-                e.fqn,
-                e.path,
-                e.dcp_path,
-                e.dtype_name,
-                e.shape,
-                tuple([(*c[:5], c.zstd) for c in e.chunks]),  # box, file, offset, length
-            )
-            for e in group
-        )
-        for group in groups
-    )
+        return dcp_pickle.write(groups, blobs, _dcp_version())
+    # a torch that pickles its classes otherwise: its own pickle of its objects
+    return pickle.dumps(metadata_for(groups, blobs), protocol=PROTOCOL)
 
 
 def derive_from_manifest(

@@ -157,12 +157,11 @@ def parse_drops(plain: Any, n_items: int) -> Drops:
 
 
 def results_payload(written: Sequence[tuple[str, Chunk]], boxes: bool = True) -> Any:
-    """A rank's written chunks as plain data: its files' names, one row of
-    :data:`packed_rows.COLUMNS` numbers a chunk (the file's index, then the chunk's fields after
-    it) and, unless ``boxes`` is false (the plan it wrote last time), each chunk's DCP
-    key and box. Fixed-width numbers: a message's size depends on the layout alone
-    (benchmarks/scale.py predicts it exactly), and the coordinator reads the rows
-    as columns, never a Python object per chunk."""
+    """A rank's written chunks as plain data: its files' names, a row of fixed-width
+    numbers a chunk (the file's index, the fields after it) and, unless it wrote its
+    last plan (``boxes`` false), each chunk's DCP key and box. Fixed width: a
+    message's size depends on the layout alone (benchmarks/scale.py predicts it),
+    and the coordinator reads columns, never a Python object per chunk."""
     files = list(dict.fromkeys(c.file for _, c in written))
     at = {f: i for i, f in enumerate(files)}
     table = np.array([(at[c.file], *c[3:]) for _, c in written], "<u8").reshape(
@@ -183,14 +182,6 @@ class Sent:
     files: list[str]
     table: np.ndarray  # (chunks, COLUMNS) unsigned: the file's index, then the numbers
     boxes: list[KeyBox] | None  # None: those of the plan it wrote last time
-
-    def chunks(self, boxes: Sequence[KeyBox] | None = None) -> list[tuple[str, Chunk]]:
-        """Its chunks by DCP key, each in ``boxes`` (its own, or those held for it)."""
-        boxes = self.boxes if boxes is None else boxes
-        assert boxes is not None
-        f = self.files
-        rows = self.table.tolist()
-        return [(k, Chunk(o, s, f[v[0]], *v[1:])) for (k, o, s), v in zip(boxes, rows, strict=True)]
 
 
 def parse_results(plain: Any, rank: int) -> Sent:

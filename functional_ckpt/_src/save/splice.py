@@ -60,7 +60,7 @@ def merge(
         incremental_save,
         [(e.fqn, e.path, e.dcp_path, e.dtype_name, e.shape) for g in (tree.entries, *tree.ranks)
          for e in g if type(e) is TensorEntry],
-        [(b.fqn, b.file, b.offset, b.length) for b in blobs],
+        [(b.fqn, b.path, b.file, b.offset, b.length) for b in blobs],
     )  # fmt: skip
     last = held.recipe
     again = (
