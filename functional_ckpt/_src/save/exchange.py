@@ -65,7 +65,7 @@ class Recipe:
     layout: np.ndarray  # each row's file, offset, length and zstd (what .metadata reads)
     order: np.ndarray  # the rows of the parts, part after part
     bounds: list[int]  # where each part's rows start in ``order``
-    rest: list[int]  # the rows the index and the per-rank entries hold
+    rest: list[tuple[int, KeyBox]]  # the rows the index and the per-rank entries hold
     spliced: Spliced  # the split, and .metadata once the save derived it
 
 

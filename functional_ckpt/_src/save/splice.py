@@ -69,36 +69,41 @@ def merge(
         and (last.key, last.names) == (key, list(names))
         and np.array_equal(last.layout, table[:, _LAYOUT])
     )
-    flat = [b for bs in boxes for b in bs]
-    if not again or last is None:
-        last = held.recipe = _recipe(flat, list(names), table, tree, len(sent), key)
-    rows = last.rest if again else range(len(flat))
+    if again and last is not None:  # only the rows the index and per-rank entries hold
+        boxed = [b for _, b in last.rest]
+        rows = table[[g for g, _ in last.rest]].tolist()
+    else:
+        boxed, rows = [b for bs in boxes for b in bs], table.tolist()
     chunks: defaultdict[str, list[Chunk]] = defaultdict(list)
-    for g, v in zip(rows, (table[last.rest] if again else table).tolist(), strict=True):
-        fqn, o, sz = flat[g]
-        chunks[fqn].append(Chunk(o, sz, last.names[v[0]], *v[1:]))
-    spliced = Spliced(last.spliced.split, pack_rows(last.names, table[last.order], last.bounds))
+    files = list(names)
+    for (fqn, o, sz), v in zip(boxed, rows, strict=True):
+        chunks[fqn].append(Chunk(o, sz, files[v[0]], *v[1:]))
+    if not again or last is None:
+        last = _recipe(boxed, chunks, files, table, tree, len(sent), key)
+    spliced = Spliced(last.spliced.split, pack_rows(files, table[last.order], last.bounds))
     if again:
         spliced.dcp = last.spliced.dcp
-    else:
-        held.recipe = dataclasses.replace(last, spliced=spliced)
+    held.recipe = dataclasses.replace(last, spliced=spliced)
     return {k: tuple(v) for k, v in chunks.items()}, sizes, spliced
 
 
 def _recipe(
-    flat: list[KeyBox], names: list[str], table: np.ndarray, tree: Tree, world: int, key: Any
+    flat: list[KeyBox],
+    chunks: dict[str, list[Chunk]],
+    names: list[str],
+    table: np.ndarray,
+    tree: Tree,
+    world: int,
+    key: Any,
 ) -> Recipe:
     """Where every row goes: part ``p`` holds chunk ``p`` of every evenly split tensor
     (in the index's order), the index and per-rank entries the rest."""
-    by_fqn: defaultdict[str, list[tuple[Any, Any]]] = defaultdict(list)
-    for fqn, o, sz in flat:
-        by_fqn[fqn].append((o, sz))
     split: dict[KeyPath, int] = {}
     row_of: dict[str, tuple[int, int, int]] = {}  # DCP key: (row, dim, split size)
     for e in tree.entries:
         if type(e) is not TensorEntry or e.alias is not None:
             continue
-        got = by_fqn.get(e.fqn, [])
+        got = chunks.get(e.fqn, [])
         dim = split_dim(e.shape, sorted(got), world) if len(got) == world > 1 else None
         if dim is not None:
             split[e.path] = dim
@@ -108,7 +113,7 @@ def _recipe(
     for g, (fqn, o, _) in enumerate(flat):
         at = row_of.get(fqn)
         if at is None:
-            rest.append(g)
+            rest.append((g, flat[g]))
         else:
             where.append((o[at[1]] // at[2] * n + at[0], g))
     order = np.array([g for _, g in sorted(where)], np.intp)
