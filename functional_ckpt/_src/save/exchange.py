@@ -1,16 +1,10 @@
 """What the ranks of a multi-rank save tell the coordinator, and what it tells each back.
 
-DCP's ``dcp.save`` moves whole pickled plans with torch's object collectives,
-whose every call all-gathers one size per rank first: each rank then receives
-eight bytes per rank of the world, twice per save. A save here moves only what
-the coordinator decides with, as the project's own codec, through gathers and
-scatters: each rank sends the keys of its write items (name, offset, bytes) and
-receives the positions of those it must not write (another rank writes them).
-So a rank other than the coordinator receives the same bytes whatever the world
-size (docs/scale.md).
-
-The functions here are pure, so the coordinator's share can be measured for any
-world size without a process group (benchmarks/scale.py).
+Gathers and scatters of the project's codec, not ``dcp.save``'s object collectives
+(each of which all-gathers one size per rank first): a rank other than the
+coordinator receives the same bytes whatever the world size (docs/scale.md). Pure,
+so the coordinator's share is measured at any world size without a process group
+(benchmarks/scale.py).
 """
 
 from __future__ import annotations
@@ -40,12 +34,10 @@ KeyBox = tuple[str, tuple[int, ...], tuple[int, ...]]  # a chunk's DCP key, offs
 @dataclass
 class PlanCache:
     """The last plans of one checkpoint group, so that a layout saved again is not
-    planned again (DCP's plan caching, for the exchange here).
-
-    A rank keeps its last local plan and what it wrote of it; the coordinator keeps
-    every rank's keys and drops. A cache never decides anything on its own: a rank
-    claims "unchanged" only for a plan equal to its last one, and a coordinator
-    that does not hold every claimed plan fails the save (:func:`global_step`).
+    planned again. A rank keeps its last local plan and what it wrote of it; the
+    coordinator every rank's keys, drops and boxes. A cache never decides: a rank
+    claims "unchanged" only for a plan equal to its last one, and a coordinator that
+    does not hold every claimed plan fails the save (:func:`global_step`).
     """
 
     local: SavePlan | None = None

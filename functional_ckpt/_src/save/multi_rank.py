@@ -1,12 +1,9 @@
 """A save every rank takes part in, planned by DCP's planner.
 
-Every rank calls ``fc.save`` with its own state. DCP's planner decides who writes
-what (sharded DTensor leaves by their owners, replicated tensors once, spread
-across ranks); each rank puts its chunks into its shard file with the same blob
-layout and CRC32s as a single-process save. The coordinator commits only after
-every rank reported its data durable. The rounds between them are the project's
-own (:mod:`.exchange`), not ``dcp.save``'s, so that a rank other than the
-coordinator moves the same bytes whatever the world size.
+DCP's planner decides who writes what (sharded DTensor leaves by their owners,
+replicated tensors once, spread across ranks); each rank writes its shard file as a
+single-process save would, and the coordinator commits once every rank reported its
+data durable. The rounds are the project's own (:mod:`.exchange`).
 """
 
 from __future__ import annotations
