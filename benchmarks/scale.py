@@ -71,6 +71,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import json
 import math
 import pickle
 import sys
@@ -803,6 +804,20 @@ def peak(fn: Callable[[], Any]) -> int:
         gc.enable()
 
 
+def measure_coordinator(model: Model, n: int) -> dict[str, Any]:
+    """The coordinator's first save and a save of the same layout, by function."""
+    from functional_ckpt._src.save import multi_rank
+
+    multi_rank.PLANS.forget(multi_rank.plan_key(range(n)))  # a first save: no plan cached
+    world = simulate(model, n)
+    split: dict[str, dict[str, float]] = {"first": {}, "again": {}}
+    first_s, _ = timed(lambda: fc_coordinator(world, False, split["first"]))
+    again_s, _ = timed(lambda: fc_coordinator(world, True, split["again"]))
+    chunks = sum(len(r) for r in world.results)
+    return {"ranks": n, "chunks": chunks, "fc_coordinator_s": first_s,
+            "fc_coordinator_again_s": again_s, "coordinator_split_s": split}  # fmt: skip
+
+
 def measure(model: Model, n: int, tmp: Path, memory: bool) -> dict[str, Any]:
     """Every phase of one world size: times, sizes, predicted bytes, peaks (``memory``)."""
     from torch.distributed.checkpoint.metadata import Metadata
@@ -1063,6 +1078,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="measure peak memory (tracemalloc, slow) up to this many ranks (default 256; "
         "none with --full)",
     )
+    p.add_argument(
+        "--coordinator",
+        action="store_true",
+        help="only the coordinator's first save and a save of the same layout, by function",
+    )
     add_run_args(p, "scale", strict="a target")
     args = p.parse_args(argv)
     if args.ranks:
@@ -1087,7 +1107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.dir if args.dir.exists() else None) as d:
         for n in args.ranks:
             t0 = time.process_time()
-            rows.append(measure(model, n, Path(d) / f"dcp{n}", memory=n <= args.memory_up_to))
+            if args.coordinator:
+                rows.append(measure_coordinator(model, n))
+            else:
+                rows.append(measure(model, n, Path(d) / f"dcp{n}", memory=n <= args.memory_up_to))
             gc.collect()
             print(f"N={n}: {time.process_time() - t0:.1f} s", file=sys.stderr, flush=True)
     result = {
@@ -1102,6 +1125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "environment": environment(),
         "rows": rows,
     }
+    if args.coordinator:
+        result["targets"] = []
+        print(json.dumps(rows, indent=1))
+        return finish(args, result)
     result["targets"] = targets(rows)
     print(render(result))
     return finish(args, result)
