@@ -19,16 +19,17 @@ fc, one rank
   ``plan_save`` of the whole state and the encoding of its per-rank entries
   (``multi_rank.local_entries``): what each rank does before it sends anything.
 fc, coordinator
-  Decoding every rank's entries (``multi_rank.gathered_entries``), merging every
-  rank's written chunks (``multi_rank.merge_results``; the chunks are what each
-  rank's shard writer reports: one per shard of every sharded tensor, replicated
-  tensors spread over the ranks as DCP's planner spreads them), DCP's global
-  planning as ``fc.save`` runs it (``multi_rank._Planner``: the deduplication),
-  then ``manifest.assemble``, ``dcp_metadata.derive``, ``local.encode_parts`` and
-  ``Manifest.encode`` (the manifest's index): everything ``finalize`` computes
-  before it writes, timed by function. A second save of the same layout is timed
-  too: every rank sends the empty plan that says "unchanged", so the global plan is
-  reused, and ``derive`` keeps the last ``.metadata``.
+  Decoding every rank's entries and keys and DCP's deduplication on them
+  (``multi_rank.coordinate``), reading every rank's written chunks
+  (``exchange.parse_written``: what each rank's shard writer reports, one chunk per
+  shard of every sharded tensor, replicated tensors spread over the ranks as DCP's
+  planner spreads them), merging them and packing the parts' rows
+  (``splice.merge``), then ``manifest.assemble``, ``dcp_metadata.derive``,
+  ``local.encode_parts`` and ``Manifest.encode`` (the index): everything
+  ``finalize`` computes before it writes, timed by function. A second save of the
+  same layout is timed too: every rank says "unchanged" and sends its chunks' new
+  numbers without their boxes, so nothing is planned, the rows are packed from the
+  columns and ``.metadata`` is kept.
 fc, one rank's restore
   Decoding the manifest's index, ``parse_checkpoint`` and the rank's view without
   the sharded chunks, the parts its shards meet (``dtensor.parts_meeting``: its
@@ -70,6 +71,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import json
 import math
 import pickle
 import sys
@@ -214,6 +216,8 @@ class World:
     dcp_plans: list[Any]  # each rank's DCP SavePlan (stock DCP's local_step)
     dcp_results: list[list[Any]]  # each rank's DCP WriteResults
     plan_s: float  # one rank's fc planning time
+    written: list[bytes]  # what each rank reports having written (its chunks with boxes)
+    written_again: list[bytes]  # the same in a second save (new CRC32s, no boxes)
 
 
 def _sharded(entry: Any, n: int) -> bool:
@@ -359,6 +363,14 @@ def simulate(model: Model, n: int) -> World:
     ]
     plan_s += (time.process_time() - t0) / n
     payloads_again = [exchange.rank_payload(p, None) for p in rank_plans]
+    # what each rank reports having written: the boxes too, unless it wrote its last plan
+    written = [exchange.written_payload(r) for r in results]
+    written_again = [  # new values: new CRC32s in the same layout
+        exchange.written_payload(
+            [(k, c._replace(crc32=c.crc32 ^ 0x5A5A5A)) for k, c in r], boxes=False
+        )
+        for r in results
+    ]
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     for r in range(n):
@@ -393,6 +405,8 @@ def simulate(model: Model, n: int) -> World:
         dcp_plans,
         dcp_results,
         plan_s,
+        written,
+        written_again,
     )
 
 
@@ -410,7 +424,7 @@ def fc_coordinator(
     from functional_ckpt._src.format import dcp_metadata, naming
     from functional_ckpt._src.format.checksum import crc32
     from functional_ckpt._src.format.manifest import Tree, Written, assemble
-    from functional_ckpt._src.save import local, multi_rank
+    from functional_ckpt._src.save import exchange, local, multi_rank, splice
 
     times = split if split is not None else {}
     last = [time.process_time()]
@@ -421,26 +435,30 @@ def fc_coordinator(
         last[0] = now
 
     plan = world.plan
-    key = multi_rank.plan_key(range(world.n))
+    cache = multi_rank.PLANS.get(multi_rank.plan_key(range(world.n)))
     payloads = world.payloads_again if again else world.payloads
-    failures, ranks, _ = multi_rank.coordinate(payloads, plan.local, multi_rank.PLANS.get(key))
+    failures, ranks, _ = multi_rank.coordinate(payloads, plan.local, cache)
     assert not failures
     lap("multi_rank.coordinate (decode, dedup)")
-    flat = [x for r in world.results for x in r]
-    chunks, sizes = multi_rank.merge_results(flat, world.blobs, world.n, False)
-    lap("multi_rank.merge_results")
+    sent = []
+    for r, data in enumerate(world.written_again if again else world.written):
+        sent.append(exchange.parse_written(data, r)[1])
+    lap("exchange.parse_written")
     tree = Tree(plan.entries, ranks, plan.root)
+    chunks, sizes, spliced = splice.merge(cache, sent, tree, world.blobs, False)
+    lap("splice.merge (the parts' rows)")
     meta = {"note": "scale"}
     manifest = assemble(
         tree,
-        Written(chunks, world.blobs),
+        Written(chunks, world.blobs, spliced=spliced),
         {},
         created=0.0,
         metadata=meta,
         metadata_bytes=codec.encode(meta),
     )
     lap("manifest.assemble")
-    md = dcp_metadata.derive(manifest.tensor_groups(), manifest.dcp_bytes)
+    md = spliced.dcp or dcp_metadata.derive(manifest.tensor_groups(), manifest.dcp_bytes)
+    spliced.dcp = md
     lap("dcp_metadata.derive (.metadata)")
     files: dict[str, dict[str, Any]] = {naming.DCP_METADATA: {"size": len(md), "crc32": crc32(md)}}
     files.update({name: {"size": size} for name, size in sorted(sizes.items())})
@@ -786,6 +804,20 @@ def peak(fn: Callable[[], Any]) -> int:
         gc.enable()
 
 
+def measure_coordinator(model: Model, n: int) -> dict[str, Any]:
+    """The coordinator's first save and a save of the same layout, by function."""
+    from functional_ckpt._src.save import multi_rank
+
+    multi_rank.PLANS.forget(multi_rank.plan_key(range(n)))  # a first save: no plan cached
+    world = simulate(model, n)
+    split: dict[str, dict[str, float]] = {"first": {}, "again": {}}
+    first_s, _ = timed(lambda: fc_coordinator(world, False, split["first"]))
+    again_s, _ = timed(lambda: fc_coordinator(world, True, split["again"]))
+    chunks = sum(len(r) for r in world.results)
+    return {"ranks": n, "chunks": chunks, "fc_coordinator_s": first_s,
+            "fc_coordinator_again_s": again_s, "coordinator_split_s": split}  # fmt: skip
+
+
 def measure(model: Model, n: int, tmp: Path, memory: bool) -> dict[str, Any]:
     """Every phase of one world size: times, sizes, predicted bytes, peaks (``memory``)."""
     from torch.distributed.checkpoint.metadata import Metadata
@@ -795,7 +827,7 @@ def measure(model: Model, n: int, tmp: Path, memory: bool) -> dict[str, Any]:
     from functional_ckpt._src.save import multi_rank
 
     dcp_metadata._derived.cache_clear()  # a first save: nothing derived yet, no plan cached
-    multi_rank.forget_plans(multi_rank.plan_key(range(n)))
+    multi_rank.PLANS.forget(multi_rank.plan_key(range(n)))
     world = simulate(model, n)
     split: dict[str, dict[str, float]] = {"first": {}, "again": {}, "dcp": {}}
     fc_s, (manifest, parts, md) = timed(lambda: fc_coordinator(world, False, split["first"]))
@@ -1047,6 +1079,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="measure peak memory (tracemalloc, slow) up to this many ranks (default 256; "
         "none with --full)",
     )
+    p.add_argument(
+        "--coordinator",
+        action="store_true",
+        help="only the coordinator's first save and a save of the same layout, by function",
+    )
     add_run_args(p, "scale", strict="a target")
     args = p.parse_args(argv)
     if args.ranks:
@@ -1071,7 +1108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.dir if args.dir.exists() else None) as d:
         for n in args.ranks:
             t0 = time.process_time()
-            rows.append(measure(model, n, Path(d) / f"dcp{n}", memory=n <= args.memory_up_to))
+            if args.coordinator:
+                rows.append(measure_coordinator(model, n))
+            else:
+                rows.append(measure(model, n, Path(d) / f"dcp{n}", memory=n <= args.memory_up_to))
             gc.collect()
             print(f"N={n}: {time.process_time() - t0:.1f} s", file=sys.stderr, flush=True)
     result = {
@@ -1086,6 +1126,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "environment": environment(),
         "rows": rows,
     }
+    if args.coordinator:
+        result["targets"] = []
+        print(json.dumps(rows, indent=1))
+        return finish(args, result)
     result["targets"] = targets(rows)
     print(render(result))
     return finish(args, result)

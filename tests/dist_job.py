@@ -264,11 +264,15 @@ def plan_cache_run(root: Path, rank: int, world: int) -> None:
     """Save one layout twice (the second reuses the plan: every rank sends an empty
     one, the coordinator deduplicates nothing), then layouts with other shapes and
     other keys: each saves its own plan and restores bit-exact."""
-    from functional_ckpt._src.save import dedup, exchange
+    from functional_ckpt._src.save import dedup, exchange, splice
 
     sent: list[bool] = []  # per save: did this rank send its full local plan?
-    dedups = [0]
-    payload, step = exchange.rank_payload, exchange.global_step
+    dedups, merges = [0], [0]
+    payload, step, first = exchange.rank_payload, exchange.global_step, splice._recipe
+
+    def counted_first(*args: Any) -> Any:  # the coordinator made every chunk
+        merges[0] += 1
+        return first(*args)
 
     def counted_payload(plan: Any, keys: Any, error: Any = None) -> bytes:
         sent.append(keys is not None)
@@ -283,6 +287,7 @@ def plan_cache_run(root: Path, rank: int, world: int) -> None:
 
     exchange.rank_payload = counted_payload  # type: ignore[assignment]
     exchange.global_step = counted_step  # type: ignore[assignment]
+    splice._recipe = counted_first  # type: ignore[assignment]
     mesh = init_device_mesh("cpu", (world,))
     states = [shard_state(mesh, rank), shard_state(mesh, rank)]
     states[1]["b"] = states[1]["b"] + 1  # new values, same layout
@@ -290,10 +295,11 @@ def plan_cache_run(root: Path, rank: int, world: int) -> None:
     wider = full_tensors()["w"].repeat(1, 2)  # other shapes: w is 10 x 12
     states.append({**shard_state(mesh, rank), "w": distribute_tensor(wider, mesh, [Shard(0)])})
     states.append({**states[2], "extra": torch.arange(4.0)})  # another key
-    told: dict[str, Any] = {"sent": sent, "dedups": []}
+    told: dict[str, Any] = {"sent": sent, "dedups": [], "merges": []}
     for i, state in enumerate(states):
         fc.save(root / f"s{i}", state)
         told["dedups"].append(dedups[0])
+        told["merges"].append(merges[0])
         back = fc.restore(root / f"s{i}", state)
         for key, want in state.items():
             got = back[key]

@@ -383,5 +383,6 @@ def test_a_layout_saved_again_reuses_its_plan_and_a_changed_one_never_does(
         assert told["sent"] == [True, False, True, True], told
     coordinator = json.loads((tmp_path / "plan-cache.0.json").read_text())
     assert coordinator["dedups"] == [1, 1, 2, 3]  # the second save planned nothing
+    assert coordinator["merges"] == [1, 1, 2, 3]  # and spliced its parts from columns
     for i in range(4):
         assert fc.verify(tmp_path / f"s{i}").ok

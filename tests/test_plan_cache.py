@@ -8,15 +8,18 @@ receives).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import functional_ckpt as fc
 from functional_ckpt._src import codec
-from functional_ckpt._src.save import dedup, exchange, multi_rank
+from functional_ckpt._src.format.manifest import Tree
+from functional_ckpt._src.save import dedup, exchange, multi_rank, splice
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import scale
@@ -89,16 +92,16 @@ def test_a_plan_is_never_reused_by_another_world() -> None:
 def test_a_failed_save_forgets_its_plans() -> None:
     """After "does not hold", every rank drops its plans: the next save plans afresh."""
     key, count = multi_rank.plan_key(range(4)), Counting()
-    multi_rank.forget_plans(key)
+    multi_rank.PLANS.forget(key)
     with pytest.raises(fc.errors.CheckpointError, match="does not hold"):
         exchange.global_step(multi_rank.PLANS.get(key), [None] * 4, count)
     exchange.global_step(multi_rank.PLANS.get(key), local_keys(4), count)
     multi_rank.PLANS.get(key).local = scale.simulate(MODEL, 4).dcp_plans[0]  # what a rank keeps
-    multi_rank.forget_plans(key)
+    multi_rank.PLANS.forget(key)
     assert key not in multi_rank.PLANS.by_key
     with pytest.raises(fc.errors.CheckpointError, match="does not hold"):
         exchange.global_step(multi_rank.PLANS.get(key), [None] * 4, count)
-    multi_rank.forget_plans(key)
+    multi_rank.PLANS.forget(key)
 
 
 def test_keys_and_results_travel_and_bad_ones_name_the_rank() -> None:
@@ -113,22 +116,34 @@ def test_keys_and_results_travel_and_bad_ones_name_the_rank() -> None:
         with pytest.raises(fc.errors.CheckpointError, match="rank 3 sent an invalid"):
             exchange.parse_keys(bad, 3)
     written = [("w", Chunk((0, 4), (2, 4), "__1_0.distcp", 0, 96, 64, 32, 7, 9))]
-    assert exchange.parse_results(exchange.results_payload(written), 1) == written
-    assert exchange.parse_written(exchange.written_payload(written), 1) == (b"", written, {})
+
+    def chunks(sent: exchange.Sent | None) -> list[tuple[str, Chunk]]:
+        assert sent is not None and sent.boxes is not None
+        rows = zip(sent.boxes, sent.table.tolist(), strict=True)
+        return [(k, Chunk(o, s, sent.files[v[0]], *v[1:])) for (k, o, s), v in rows]
+
+    assert chunks(exchange.parse_results(exchange.results_payload(written), 1)) == written
+    report, sent, none = exchange.parse_written(exchange.written_payload(written), 1)
+    assert (report, chunks(sent), none) == (b"", written, {})
     part = {"__1_0.distcp": 96, "__1_1.distcp": 8}  # the files of a part of its own
     assert exchange.parse_written(exchange.written_payload(written, part=part), 1)[2] == part
     for bad_part in ({"__0_0.distcp": 1}, {"../x": 1}, {"__1_0.distcp": -1}, ["__1_0.distcp"]):
         with pytest.raises(fc.errors.CheckpointError, match="rank 1 reported invalid files"):
-            exchange.parse_written(codec.encode([b"", [], bad_part]), 1)
+            exchange.parse_written(codec.encode([b"", [[], b"", None], bad_part]), 1)
     with pytest.raises(fc.errors.CheckpointError, match="rank 4 reported invalid"):
         exchange.parse_written(b"\x92\xa1x\xc0", 4)  # ["x", None]: no report bytes
-    sent = exchange.results_payload(written)
+    files, numbers, boxes = exchange.results_payload(written)
+    crc = bytearray(numbers)
+    crc[5 * 8 + 4] = 1  # a CRC32 of 33 bits
     for bad_results in (
-        [["w", "__1_0.distcp", sent[0][2][:-1]]],  # not whole integers
-        [["w", "__1_0.distcp", sent[0][2][:-8]]],  # a box of half a dimension
-        [["w", "__1_0.distcp", sent[0][2][:8]]],  # fewer numbers than a chunk has
-        [["w", 3, sent[0][2]]],
-        [["w", "f"]],
+        [files, numbers[:-1], boxes],  # not whole integers
+        [files, numbers, [["w", boxes[0][1][:-8]]]],  # a box of half a dimension
+        [files, numbers[:8], boxes],  # fewer numbers than a chunk has
+        [[3], numbers, boxes],
+        [[], numbers, boxes],  # a chunk in a file it does not name
+        [files, bytes(crc), boxes],
+        [files, numbers, [["w"]]],
+        [files, numbers, []],  # fewer boxes than chunks
         {"w": 1},
     ):
         with pytest.raises(fc.errors.CheckpointError, match="rank 5 reported invalid"):
@@ -150,11 +165,15 @@ def test_merged_results_give_each_file_its_largest_end_in_any_order() -> None:
     a, b = "__0_0.distcp", "__1_0.distcp"
     results = [("w", c(a, 0, 24, 0)), ("v", c(a, 24, 24, 0)), ("w", c(b, 0, 24, 1))]
     results += [("v", c(a, 48, 10, 1)), ("w", c(b, 24, 4, 2))]  # back to a, then b again
-    chunks, sizes = multi_rank.merge_results(results, (), 3, False)
+    sent = [exchange.parse_results(exchange.results_payload(results[:2]), 0)]
+    sent.append(exchange.parse_results(exchange.results_payload(results[2:]), 1))
+    sent.append(exchange.parse_results(exchange.results_payload([]), 2))
+    tree = Tree((), ((), (), ()))
+    chunks, sizes, _ = splice.merge(exchange.PlanCache(), sent, tree, (), False)
     assert sizes == {a: 58, b: 28, "__2_0.distcp": 0}
     assert [x.offsets for x in chunks["w"]] == [(0, 0), (1, 0), (2, 0)]
     assert [x.file for x in chunks["v"]] == [a, a]
-    assert multi_rank.merge_results(results, (), 3, True)[1] == {a: 58, b: 28}
+    assert splice.merge(exchange.PlanCache(), sent, tree, (), True)[1] == {a: 58, b: 28}
 
 
 def test_messages_that_cannot_be_read_fail_as_checkpoint_errors() -> None:
@@ -193,7 +212,7 @@ def test_a_failure_whose_message_cannot_be_made_is_still_reported() -> None:
     told = groups.report(Unprintable())
     assert told.startswith(b"Unprintable\0") and b"could not be made" in told
     report, chunks, _ = exchange.parse_written(exchange.written_payload([], Unprintable()), 1)
-    assert report.startswith(b"Unprintable\0") and chunks == []
+    assert report.startswith(b"Unprintable\0") and chunks is None
     assert exchange.rank_payload(None, None, Unprintable())  # type: ignore[arg-type]
 
 
@@ -222,3 +241,57 @@ def test_the_first_round_carries_the_arguments_and_is_checked() -> None:
     sizes = {"__0_0.distcp": 4, "__1_0.distcp": 0, "__1_1.distcp": 8}
     present = {"__0_0.distcp"}.__contains__
     assert exchange.unreported(sizes, present, {"__1_1.distcp": 8}) == ["__1_0.distcp"]
+
+
+def _saved_again(world: scale.World, renew: Any) -> tuple[bytes, list[bytes], bytes]:
+    """The coordinator's files for a second save of ``world``'s layout whose chunks are
+    ``renew(chunk)`` (every rank wrote its last plan: no boxes sent)."""
+    new = [[(k, renew(c)) for k, c in r] for r in world.results]
+    again = [exchange.written_payload(r, boxes=False) for r in new]
+    return scale.fc_coordinator(dataclasses.replace(world, written_again=again), again=True)
+
+
+def _saved_afresh(world: scale.World, renew: Any) -> tuple[bytes, list[bytes], bytes]:
+    """The same chunks saved by a coordinator that holds no plan (every box sent)."""
+    multi_rank.PLANS.forget(multi_rank.plan_key(range(world.n)))
+    new = [exchange.written_payload([(k, renew(c)) for k, c in r]) for r in world.results]
+    return scale.fc_coordinator(dataclasses.replace(world, written=new))
+
+
+@pytest.mark.parametrize("change", ["checksums", "lengths"])
+def test_a_save_of_the_layout_saved_last_writes_what_a_first_save_writes(
+    change: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parts' rows packed from every rank's columns (no chunk made), and
+    ``.metadata`` kept, are byte for byte what a coordinator holding no plan writes of
+    the same chunks; a layout whose lengths changed (compressed chunks) is merged
+    afresh, with the same result."""
+    world = scale.simulate(MODEL, 4)
+    firsts = Counting()
+    real = splice._recipe
+    monkeypatch.setattr(splice, "_recipe", lambda *a: (firsts.__call__([]), real(*a))[1])
+
+    def renew(c: Any) -> Any:
+        if change == "checksums":
+            return c._replace(crc32=c.crc32 ^ 0xFFFF, hcrc32=(c.hcrc32 + 77) % 2**32)
+        return c._replace(length=c.length + 8, zstd=1) if c.offsets[:1] == (0,) else c
+
+    multi_rank.PLANS.forget(multi_rank.plan_key(range(4)))
+    first = scale.fc_coordinator(world)
+    again = _saved_again(world, renew)
+    assert firsts.calls == (1 if change == "checksums" else 2)
+    afresh = _saved_afresh(world, renew)
+    assert again == afresh and again != first
+    _, parts, _ = again
+    assert len(parts) == 4 and all(p[:-4] and p[-4:] for p in parts)
+    multi_rank.PLANS.forget(multi_rank.plan_key(range(4)))
+
+
+def test_chunks_without_boxes_from_a_plan_the_coordinator_does_not_hold_fail() -> None:
+    world = scale.simulate(MODEL, 4)
+    key = multi_rank.plan_key(range(4))
+    multi_rank.PLANS.forget(key)
+    sent = [exchange.parse_written(w, r)[1] for r, w in enumerate(world.written_again)]
+    with pytest.raises(fc.errors.CheckpointError, match="rank 0 reported the chunks of a plan"):
+        splice.merge(multi_rank.PLANS.get(key), sent, Tree(world.plan.entries, ()), (), False)
+    multi_rank.PLANS.forget(key)

@@ -29,6 +29,7 @@ from functional_ckpt._src.format.naming import (
     PART_FILES_VERSION,
     TABLES_VERSION,
 )
+from functional_ckpt._src.format.packed_rows import Spliced, chunk_rows
 from functional_ckpt._src.format.table_rows import table_plain, table_runs
 from functional_ckpt.errors import CorruptCheckpoint
 
@@ -201,6 +202,7 @@ class Written:
     chunks: Mapping[str, tuple[Chunk, ...]]
     blobs: tuple[ByteEntry, ...] = ()
     file_info: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    spliced: Spliced | None = None  # a multi-rank save's parts, packed by the coordinator
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,7 @@ class Manifest:
     dcp_bytes: tuple[ByteEntry, ...] = ()  # values as stock DCP byte entries
     metadata_bytes: bytes | None = field(default=None, repr=False)  # ``metadata``, encoded
     split: Mapping[KeyPath, int] = field(default_factory=dict)  # evenly split tensors: dim
+    rows: Sequence[bytes] | None = field(default=None, repr=False)  # each part's rows, packed
 
     @property
     def parted(self) -> bool:
@@ -287,10 +290,10 @@ class Manifest:
         return [e for e in self.entries if type(e) is TensorEntry and e.path in self.split]
 
     @cached_property
-    def _by_rank(self) -> list[tuple[Chunk, ...]]:
-        """Each rank's chunk of every evenly split tensor, transposed once for all parts."""
-        rows = list(zip(*(e.chunks for e in self.split_entries), strict=True))
-        return rows or [()] * len(self.ranks)
+    def part_rows(self) -> Sequence[bytes]:
+        """Each part's rows packed (unless the coordinator packed them)."""
+        by_tensor = [e.chunks for e in self.split_entries]
+        return self.rows if self.rows is not None else chunk_rows(by_tensor, len(self.ranks))
 
     def encode_part(self, rank: int) -> bytes:
         """Part ``rank`` of a split manifest: that rank's per-rank entries, its chunk of
@@ -300,7 +303,7 @@ class Manifest:
         head |= {"created": self.created, "files": self.listed.get(rank, {})}
         parts = [_map_header(len(head) + 2), _elements(_flat(head))]
         parts += [_pack("entries"), _entries(self.ranks[rank])]
-        parts += [_pack("chunks"), _pack_rows(self._by_rank[rank])]
+        parts += [_pack("chunks"), self.part_rows[rank]]
         body = b"".join(parts)
         return body + crc32(body).to_bytes(4, "little")
 
@@ -343,6 +346,8 @@ def assemble(
 ) -> Manifest:
     """The one way a manifest is made: the planned tree, filled with what was written."""
     shared, *ranks = with_chunks(tree, written)
+    spliced = written.spliced
+    split = even_splits(shared, len(ranks)) if spliced is None and len(ranks) > 1 else {}
     return Manifest(
         created,
         metadata,
@@ -352,7 +357,8 @@ def assemble(
         tree.root,
         dcp_bytes=written.blobs,
         metadata_bytes=metadata_bytes,
-        split=even_splits(shared, len(ranks)) if len(ranks) > 1 else {},
+        split=split if spliced is None else spliced.split,
+        rows=None if spliced is None else spliced.rows,
     )
 
 
@@ -405,14 +411,6 @@ def _pack_path(path: KeyPath) -> bytes:
         return bytes(_PACKER.pack(list(path)))
     except UnicodeEncodeError:
         return _pack(list(path))
-
-
-def _pack_rows(chunks: Sequence[Chunk]) -> bytes:
-    """A part's rows (:func:`parts.rows`) packed by msgpack's C packer in one call (the
-    chunks' fields are the writer's ints and names); compressed ones the checked way."""
-    if any(map(operator.itemgetter(9), chunks)):  # zstd: 8 fields in its row
-        return _pack(split_rule.rows(chunks))
-    return bytes(_PACKER.pack(list(map(operator.itemgetter(slice(2, 9)), chunks))))
 
 
 # Fixed strings packed by msgpack itself: the codec's tables (numpy, torch) are built

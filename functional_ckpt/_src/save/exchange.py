@@ -1,16 +1,10 @@
 """What the ranks of a multi-rank save tell the coordinator, and what it tells each back.
 
-DCP's ``dcp.save`` moves whole pickled plans with torch's object collectives,
-whose every call all-gathers one size per rank first: each rank then receives
-eight bytes per rank of the world, twice per save. A save here moves only what
-the coordinator decides with, as the project's own codec, through gathers and
-scatters: each rank sends the keys of its write items (name, offset, bytes) and
-receives the positions of those it must not write (another rank writes them).
-So a rank other than the coordinator receives the same bytes whatever the world
-size (docs/scale.md).
-
-The functions here are pure, so the coordinator's share can be measured for any
-world size without a process group (benchmarks/scale.py).
+Gathers and scatters of the project's codec, not ``dcp.save``'s object collectives
+(each of which all-gathers one size per rank first): a rank other than the
+coordinator receives the same bytes whatever the world size (docs/scale.md). Pure,
+so the coordinator's share is measured at any world size without a process group
+(benchmarks/scale.py).
 """
 
 from __future__ import annotations
@@ -20,33 +14,51 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from torch.distributed.checkpoint.planner import SavePlan
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.distributed import groups
+from functional_ckpt._src.format import packed_rows
 from functional_ckpt._src.format.manifest import Chunk
 from functional_ckpt._src.format.naming import parse_shard, temporary_base
+from functional_ckpt._src.format.packed_rows import Spliced
 from functional_ckpt._src.save.dedup import Drops, ItemKey, dedup_keys
 from functional_ckpt._src.save.job import SaveJob
 from functional_ckpt._src.save.plan import Plan
 from functional_ckpt.errors import CheckpointError
 
+KeyBox = tuple[str, tuple[int, ...], tuple[int, ...]]  # a chunk's DCP key, offsets and sizes
+
 
 @dataclass
 class PlanCache:
     """The last plans of one checkpoint group, so that a layout saved again is not
-    planned again (DCP's plan caching, for the exchange here).
-
-    A rank keeps its last local plan and what it wrote of it; the coordinator keeps
-    every rank's keys and drops. A cache never decides anything on its own: a rank
-    claims "unchanged" only for a plan equal to its last one, and a coordinator
-    that does not hold every claimed plan fails the save (:func:`global_step`).
+    planned again. A rank keeps its last local plan and what it wrote of it; the
+    coordinator every rank's keys, drops and boxes. A cache never decides: a rank
+    claims "unchanged" only for a plan equal to its last one, and a coordinator that
+    does not hold every claimed plan fails the save (:func:`global_step`).
     """
 
     local: SavePlan | None = None
     final: SavePlan | None = None
     keys: list[tuple[ItemKey, ...]] | None = None
     drops: list[Drops] | None = None
+    boxes: list[list[KeyBox]] | None = None  # each rank's written chunks' boxes (coordinator)
+    recipe: Recipe | None = None  # where their rows went (``save/splice``)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Where a layout's rows went in the save that last merged it (``save/splice``)."""
+
+    key: Any  # the tree's tensors, the values' entries, incremental or not
+    names: list[str]  # the files rows name, by their number in the merged table
+    layout: np.ndarray  # each row's file, offset, length and zstd (what .metadata reads)
+    order: np.ndarray  # the rows of the parts, part after part
+    bounds: list[int]  # where each part's rows start in ``order``
+    rest: list[tuple[int, KeyBox]]  # the rows the index and the per-rank entries hold
+    spliced: Spliced  # the split, and .metadata once the save derived it
 
 
 @dataclass
@@ -136,44 +148,68 @@ def parse_drops(plain: Any, n_items: int) -> Drops:
     return tuple(plain)
 
 
-def results_payload(written: Sequence[tuple[str, Chunk]]) -> Any:
-    """A rank's written chunks (its DCP key and where the bytes went) as plain data.
+def results_payload(written: Sequence[tuple[str, Chunk]], boxes: bool = True) -> Any:
+    """A rank's written chunks as plain data: its files' names, a row of fixed-width
+    numbers a chunk (the file's index, the fields after it) and, unless it wrote its
+    last plan (``boxes`` false), each chunk's DCP key and box. Fixed width: a
+    message's size depends on the layout alone (benchmarks/scale.py predicts it),
+    and the coordinator reads columns, never a Python object per chunk."""
+    files = list(dict.fromkeys(c.file for _, c in written))
+    at = {f: i for i, f in enumerate(files)}
+    table = np.array([(at[c.file], *c[3:]) for _, c in written], "<u8").reshape(
+        -1, packed_rows.COLUMNS
+    )
+    keys = None
+    if boxes:
+        keys = [
+            [f, struct.pack(f"<{2 * len(c.offsets)}Q", *c.offsets, *c.sizes)] for f, c in written
+        ]
+    return [files, table.tobytes(), keys]
 
-    The numbers travel as fixed-width integers, so a message's size depends on the
-    layout alone, never on the checksums and offsets it carries (benchmarks/scale.py
-    predicts it exactly).
-    """
-    out = []
-    for fqn, c in written:
-        fields = (*c.offsets, *c.sizes, *c[3:])
-        out.append([fqn, c.file, struct.pack(f"<{len(fields)}Q", *fields)])
-    return out
+
+@dataclass(frozen=True)
+class Sent:
+    """A rank's written chunks as it reported them (:func:`results_payload`), checked."""
+
+    files: list[str]
+    table: np.ndarray  # (chunks, COLUMNS) unsigned: the file's index, then the numbers
+    boxes: list[KeyBox] | None  # None: those of the plan it wrote last time
 
 
-def parse_results(plain: Any, rank: int) -> list[tuple[str, Chunk]]:
+def parse_results(plain: Any, rank: int) -> Sent:
     """What :func:`results_payload` made, checked."""
     bad = CheckpointError(f"rank {rank} reported invalid written chunks")
-    if not isinstance(plain, list):
+    if not isinstance(plain, list) or len(plain) != 3:
         raise bad
-    out: list[tuple[str, Chunk]] = []
-    for r in plain:
-        if not isinstance(r, list) or len(r) != 3:
+    files, raw, keys = plain
+    if not isinstance(files, list) or any(type(f) is not str for f in files):
+        raise bad
+    for f in files:
+        if parse_shard(f) is None:  # a shard file of this checkpoint, never a path
+            raise CheckpointError(f"rank {rank} reported a chunk in {f!r}, not a shard file")
+    if type(raw) is not bytes or len(raw) % (8 * packed_rows.COLUMNS):
+        raise bad
+    table = np.frombuffer(raw, "<u8").reshape(-1, packed_rows.COLUMNS).astype(np.uint64)
+    if len(table) and (
+        int(table[:, 0].max()) >= len(files)
+        or int(table[:, 5:7].max()) > 0xFFFFFFFF  # CRC32s
+        or int(table[:, 7].max()) > 1  # zstd
+    ):
+        raise bad
+    if keys is None:
+        return Sent(files, table, None)
+    if not isinstance(keys, list) or len(keys) != len(table):
+        raise bad
+    boxes: list[KeyBox] = []
+    for k in keys:
+        if not isinstance(k, list) or len(k) != 2:
             raise bad
-        fqn, file, packed = r
-        if type(fqn) is not str or type(file) is not str or type(packed) is not bytes:
+        fqn, packed = k
+        if type(fqn) is not str or type(packed) is not bytes or len(packed) % 16:
             raise bad
-        if parse_shard(file) is None:  # a shard file of this checkpoint, never a path
-            raise CheckpointError(f"rank {rank} reported a chunk in {file!r}, not a shard file")
-        count, rest = divmod(len(packed), 8)
-        dims, odd = divmod(count - _FIELDS, 2)
-        if rest or odd or dims < 0:
-            raise bad
-        v = struct.unpack(f"<{count}Q", packed)
-        out.append((fqn, Chunk(v[:dims], v[dims : 2 * dims], file, *v[2 * dims :])))
-    return out
-
-
-_FIELDS = 7  # a chunk's numbers besides its box: offset, length, data offset, bytes, CRCs, zstd
+        v = struct.unpack(f"<{len(packed) // 8}Q", packed)
+        boxes.append((fqn, v[: len(v) // 2], v[len(v) // 2 :]))
+    return Sent(files, table, boxes)
 
 
 # ------------------------------------------------------------------ the messages
@@ -193,22 +229,24 @@ def written_payload(
     written: Sequence[tuple[str, Chunk]],
     error: BaseException | None = None,
     part: dict[str, int] | None = None,
+    boxes: bool = True,
 ) -> bytes:
-    """What a rank sends the coordinator after writing: its chunks and, where ranks may
-    keep parts of their own, its shard files with their sizes; or its failure."""
+    """What a rank sends the coordinator after writing: its chunks (without their
+    boxes, unless ``boxes``) and, where ranks may keep parts of their own, its shard
+    files with their sizes; or its failure."""
     if error is not None:
         return codec.encode([groups.report(error), None, None])
-    return codec.encode([b"", results_payload(written), part])
+    return codec.encode([b"", results_payload(written, boxes), part])
 
 
-def parse_written(data: bytes, rank: int) -> tuple[bytes, list[tuple[str, Chunk]], dict[str, int]]:
+def parse_written(data: bytes, rank: int) -> tuple[bytes, Sent | None, dict[str, int]]:
     """:func:`written_payload` of ``rank`` read back: (its failure's report, or b"";
-    its chunks; the files of its own part), checked."""
+    its chunks, None with a report; the files of its own part), checked."""
     sent = codec.decode(data)
     if not isinstance(sent, list) or len(sent) != 3 or type(sent[0]) is not bytes:
         raise CheckpointError(f"rank {rank} reported invalid written chunks")
     if sent[0]:
-        return sent[0], [], {}
+        return sent[0], None, {}
     part = sent[2] if sent[2] is not None else {}
     if not isinstance(part, dict) or any(
         type(n) is not str

@@ -60,7 +60,12 @@ def finalize(
         manifest = assemble(
             tree, written, {}, created=created, metadata=metadata, metadata_bytes=metadata_bytes
         )
-        md_bytes = dcp_metadata.derive(manifest.tensor_groups(), manifest.dcp_bytes)
+        spliced = written.spliced  # a multi-rank save of the layout saved last keeps it
+        md_bytes = spliced.dcp if spliced is not None else None
+        if md_bytes is None:
+            md_bytes = dcp_metadata.derive(manifest.tensor_groups(), manifest.dcp_bytes)
+        if spliced is not None:
+            spliced.dcp = md_bytes
         _write_file(tmp / naming.DCP_METADATA, md_bytes, syncing, sync)
         files = {naming.DCP_METADATA: {"size": len(md_bytes), "crc32": crc32(md_bytes)}}
         for name in sorted(os.listdir(tmp)):

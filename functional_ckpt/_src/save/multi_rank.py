@@ -1,12 +1,9 @@
 """A save every rank takes part in, planned by DCP's planner.
 
-Every rank calls ``fc.save`` with its own state. DCP's planner decides who writes
-what (sharded DTensor leaves by their owners, replicated tensors once, spread
-across ranks); each rank puts its chunks into its shard file with the same blob
-layout and CRC32s as a single-process save. The coordinator commits only after
-every rank reported its data durable. The rounds between them are the project's
-own (:mod:`.exchange`), not ``dcp.save``'s, so that a rank other than the
-coordinator moves the same bytes whatever the world size.
+DCP's planner decides who writes what (sharded DTensor leaves by their owners,
+replicated tensors once, spread across ranks); each rank writes its shard file as a
+single-process save would, and the coordinator commits once every rank reported its
+data durable. The rounds are the project's own (:mod:`.exchange`).
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +26,9 @@ from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.groups import as_checkpoint_error, checkpoint_group
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import Chunk, Entry, Tree, Written
-from functional_ckpt._src.format.naming import parse_shard, shard_name
+from functional_ckpt._src.format.naming import parse_shard
 from functional_ckpt._src.format.view import parse_planned
-from functional_ckpt._src.save import dedup, exchange, incremental, trust
+from functional_ckpt._src.save import dedup, exchange, incremental, splice, trust
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.job import SaveJob
 from functional_ckpt._src.save.local import finalize, remembered
@@ -60,17 +56,19 @@ class _Commit:
     def finish(
         self,
         ranks: tuple[tuple[Entry, ...], ...],
-        results: list[tuple[str, Chunk]],
+        sent: list[exchange.Sent],
         blobs: tuple[ByteEntry, ...],
         elsewhere: dict[str, int],
+        cache: exchange.PlanCache,
     ) -> int:
         """Commit the checkpoint (the coordinator): its size in bytes. ``elsewhere``: the
         shard files ranks reported writing into parts of their own, with their sizes."""
         plan = self.job.plan
+        tree = Tree(plan.entries, ranks, plan.root)
         # every rank writes its file, unless an incremental save found nothing to write
         incremental_save = self.job.options.base is not None  # the same on every rank
-        chunks, sizes = merge_results(results, blobs, self.world, incremental_save)
-        written = Written(chunks, blobs, incremental.reused_info(self.tmp))
+        chunks, sizes, spliced = splice.merge(cache, sent, tree, blobs, incremental_save)
+        written = Written(chunks, blobs, incremental.reused_info(self.tmp), spliced)
         prepared = self.job.prepared
         assert prepared is not None
         try:
@@ -85,7 +83,7 @@ class _Commit:
             nbytes, _ = finalize(
                 self.tmp,
                 self.job.dest,
-                Tree(plan.entries, ranks, plan.root),
+                tree,
                 written,
                 created=self.created,
                 metadata=prepared.metadata,
@@ -113,44 +111,6 @@ def plan_key(ranks: Sequence[int], purpose: str = "save") -> str:
 
 #: This process's plan caches (a cache, never a decision: :class:`exchange.PlanCache`).
 PLANS = exchange.PlanCaches()
-
-
-def forget_plans(key: str) -> None:
-    """Drop every plan cached under ``key`` on this rank (a save that failed: what
-    the coordinator and this rank hold may no longer agree)."""
-    PLANS.forget(key)
-
-
-def merge_results(
-    results: Sequence[tuple[str, Chunk]],
-    blobs: Sequence[ByteEntry],
-    world: int,
-    incremental_save: bool,
-) -> tuple[dict[str, tuple[Chunk, ...]], dict[str, int]]:
-    """Every rank's written chunks by DCP key, and each shard file's size.
-
-    Pure, so the coordinator's share of a save can be measured for any world size
-    without a process group (benchmarks/scale.py).
-    """
-    chunks: defaultdict[str, list[Chunk]] = defaultdict(list)
-    sizes = {} if incremental_save else {shard_name(r): 0 for r in range(world)}
-    # a thousand-rank save merges half a million chunks, each rank's in one run of
-    # its own file: a file's size is kept in locals while its run lasts
-    file, end = None, 0
-    for fqn, c in results:
-        chunks[fqn].append(c)
-        if c[2] != file:
-            if file is not None:
-                sizes[file] = end
-            file = c[2]
-            end = sizes.get(file, 0)
-        if c[3] + c[4] > end:  # offset + length: the blobs tile the file
-            end = c[3] + c[4]
-    if file is not None:
-        sizes[file] = end
-    for b in blobs:
-        sizes[b.file] = max(sizes.get(b.file, 0), b.offset + b.length)
-    return {k: tuple(v) for k, v in chunks.items()}, sizes
 
 
 def save_planned(
@@ -234,7 +194,7 @@ def save_planned(
         with gc_paused():
             nbytes, seen = _rounds(commit_job, state_dict, PLANS.get(key), group, what, error)
     except VerdictLost as e:
-        forget_plans(key)
+        PLANS.forget(key)
         if own:
             _keep_part(tmp, dest)
             raise CheckpointError(
@@ -242,7 +202,7 @@ def save_planned(
             ) from e
         raise
     except BaseException as e:
-        forget_plans(key)  # the next save plans afresh on every rank
+        PLANS.forget(key)  # the next save plans afresh on every rank
         if rank == 0 or own:
             commit.remove_tree(tmp)
         raise as_checkpoint_error(e, what, "; nothing was committed") from e
@@ -367,7 +327,7 @@ def _rounds(
         cache.local, cache.final = local, final
         # where ranks may not share the coordinator's file system, each says what it wrote
         mine = _own_files(job.tmp, rank) if job.job.options.parts else None
-        payload = exchange.written_payload(written, part=mine)
+        payload = exchange.written_payload(written, part=mine, boxes=told is not None)
     except BaseException as e:
         error, payload = e, exchange.written_payload([], e)
     gathered = groups.answered(what, groups.gather_bytes, payload, group)  # 2
@@ -375,22 +335,21 @@ def _rounds(
     nbytes = 0
     if gathered is not None:
         failures.clear()  # none, or this function raised above
-        results: list[tuple[str, Chunk]] = []
+        sent: list[exchange.Sent] = []
         elsewhere: dict[str, int] = {}
         try:
             for r, data in enumerate(gathered):
-                if r == 0:  # its own, not decoded again
-                    results += written
-                    continue
                 report, chunks, part = exchange.parse_written(data, r)
                 if report:
                     failures[r] = report
-                results += chunks
-                elsewhere.update(part)
+                if chunks is not None:
+                    sent.append(chunks)
+                if r:  # the coordinator's own files are in its directory
+                    elsewhere.update(part)
             if error is not None:
                 failures[0] = groups.report(error)
             if not failures:
-                nbytes = job.finish(ranks, results, tuple(located), elsewhere)
+                nbytes = job.finish(ranks, sent, tuple(located), elsewhere, cache)
         except BaseException as e:
             failures[0] = groups.report(e)
             error = error or e
