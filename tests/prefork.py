@@ -64,8 +64,11 @@ def _serve(sock: socket.socket) -> dict[str, Any]:
                     sock.send(f"exit {ended[0]} {os.waitstatus_to_exitcode(ended[1])}".encode())
         if sock in ready:
             msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
-            if not msg:
-                os._exit(0)  # the test process has ended
+            if not msg:  # the test process has ended: reap what has ended, leave the rest
+                with contextlib.suppress(ChildProcessError):
+                    while os.waitpid(-1, os.WNOHANG)[0]:
+                        pass
+                os._exit(0)
             pid = os.fork()
             if pid == 0:
                 signal.set_wakeup_fd(-1)
