@@ -168,12 +168,11 @@ class _Server:
         """``pid``'s exit status once it ends, waiting up to ``timeout`` (None: forever)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while pid not in self.exits:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return None
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             with self.lock:
-                if pid not in self.exits:
-                    self._read(0.05 if left is None else min(left, 0.05))
+                read = pid in self.exits or self._read(0.05 if left is None else min(left, 0.05))
+            if not read and left == 0:
+                return None
         return self.exits[pid]
 
 
@@ -250,7 +249,8 @@ class Popen:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                os.kill(self.pid, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
