@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import functional_ckpt as fc
+from tests import prefork
 from tests.patience import HANG
 
 #: The child's prologue: a save whose files in its temporary directory are opened only
@@ -80,7 +81,7 @@ ENDINGS = {
 def run_child(tmp_path: Path, body: str, **env: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(PROLOGUE) + body)
-    return subprocess.run(
+    return prefork.run(
         [sys.executable, str(script), str(tmp_path)],
         capture_output=True,
         text=True,
@@ -151,7 +152,7 @@ def test_a_failure_read_by_the_script_is_not_printed_again(tmp_path: Path) -> No
     )
     path = tmp_path / "child.py"
     path.write_text(script)
-    proc = subprocess.run(
+    proc = prefork.run(
         [sys.executable, str(path), str(tmp_path)], capture_output=True, text=True, timeout=HANG
     )
     assert proc.returncode == 0, proc.stderr

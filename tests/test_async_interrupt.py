@@ -6,7 +6,6 @@ A real child process, a real SIGINT delivered while its main thread waits in
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 import functional_ckpt as fc
+from tests import prefork
 from tests.patience import HANG
 
 CHILD = """
@@ -70,7 +70,7 @@ print("closed", flush=True)
 def test_ctrl_c_while_waiting_keeps_the_save_and_the_lock(tmp_path: Path, how: str) -> None:
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    proc = subprocess.run(
+    proc = prefork.run(
         [sys.executable, str(script), str(tmp_path / "run"), how],
         capture_output=True,
         text=True,

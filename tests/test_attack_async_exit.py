@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import functional_ckpt as fc
+from tests import prefork
 from tests.patience import HANG
 
 REPO = Path(__file__).parent.parent
@@ -49,7 +50,7 @@ state = {"w": torch.arange(1 << 16, dtype=torch.float32), "step": 7}
 def run_child(tmp_path: Path, body: str, **env: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(PROLOGUE) + textwrap.dedent(body))
-    return subprocess.run(
+    return prefork.run(
         [sys.executable, str(script), str(tmp_path)],
         capture_output=True,
         text=True,

@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 import functional_ckpt as fc
 from functional_ckpt.integrations.dcp import Reader, Writer
+from tests import prefork
 from tests.patience import HANG, eventually
 
 REPO = Path(__file__).parent.parent
@@ -146,7 +147,7 @@ dcp.save(state, storage_writer=Writer(sys.argv[1], overwrite=True), no_dist=True
 def test_a_sigkilled_overwrite_leaves_the_old_checkpoint(tmp_path: Path) -> None:
     save({"w": torch.full((1000,), 1.0), "step": 1}, tmp_path / "ck")
     (tmp_path / "child.py").write_text(textwrap.dedent(CHILD))
-    child = subprocess.Popen(
+    child = prefork.Popen(
         [sys.executable, str(tmp_path / "child.py"), str(tmp_path / "ck")],
         stdout=subprocess.PIPE,
         text=True,
@@ -184,7 +185,7 @@ def test_racing_savers_to_one_path_commit_exactly_one(tmp_path: Path) -> None:
     (tmp_path / "racer.py").write_text(textwrap.dedent(RACER))
     go = tmp_path / "go"
     racers = [
-        subprocess.Popen(
+        prefork.Popen(
             [
                 sys.executable,
                 str(tmp_path / "racer.py"),

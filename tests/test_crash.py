@@ -15,6 +15,7 @@ import torch
 
 import functional_ckpt as fc
 from functional_ckpt._src.format import naming
+from tests import prefork
 
 SCRIPT = Path(__file__).with_name("save_loop.py")
 
@@ -33,7 +34,7 @@ def check_whole(path: Path) -> int:
 
 def kill_at_random(root: Path, mode: str, delay: float) -> None:
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parent.parent)}
-    proc = subprocess.Popen(
+    proc = prefork.Popen(
         [sys.executable, str(SCRIPT), str(root), mode], stdout=subprocess.PIPE, env=env
     )
     assert proc.stdout is not None

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 import functional_ckpt as fc
 from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt.integrations.dcp import Reader, Writer
+from tests import prefork
 from tests.patience import HANG
 from tests.test_dist import free_port, wait_all
 
@@ -23,13 +24,13 @@ JOB = Path(__file__).with_name("dcp_job.py")
 REPO = JOB.parent.parent
 
 
-def launch(world: int, *args: str) -> list[subprocess.Popen[str]]:
+def launch(world: int, *args: str) -> list[prefork.Popen]:
     port = str(free_port())
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     env.update(WORLD_SIZE=str(world), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env["FCKPT_TIMEOUT"] = "60"
     return [
-        subprocess.Popen(
+        prefork.Popen(
             [sys.executable, str(JOB), *args],
             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
             stdout=subprocess.PIPE,

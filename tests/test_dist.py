@@ -16,6 +16,7 @@ import functional_ckpt as fc
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.storage import committed
+from tests import prefork
 from tests.dist_job import full_tensors
 from tests.exact import assert_exact
 from tests.patience import HANG
@@ -36,7 +37,7 @@ def launch(
     timeout: float = HANG,
     env: dict[str, str] | None = None,
     job: Path = JOB,
-) -> list[subprocess.Popen[str]]:
+) -> list[prefork.Popen]:
     """``job`` (a script of tests/) on ``world`` gloo ranks on this machine."""
     port = str(free_port())
     procs = []
@@ -53,7 +54,7 @@ def launch(
             **(env or {}),
         }
         procs.append(
-            subprocess.Popen(
+            prefork.Popen(
                 [sys.executable, str(job), *args],
                 env=penv,
                 stdout=subprocess.PIPE,
@@ -64,9 +65,7 @@ def launch(
     return procs
 
 
-def wait_all(
-    procs: list[subprocess.Popen[str]], timeout: float = HANG
-) -> list[tuple[int, str, str]]:
+def wait_all(procs: list[prefork.Popen], timeout: float = HANG) -> list[tuple[int, str, str]]:
     out = []
     for p in procs:
         try:

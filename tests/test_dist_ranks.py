@@ -11,7 +11,6 @@ round makes the others raise the project's error, never gloo's.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 import functional_ckpt as fc
+from tests import prefork
 from tests.test_dist import launch as on_ranks
 from tests.test_dist import wait_all
 
@@ -33,7 +33,7 @@ def run(root: Path, mode: str, *args: str) -> list[Any]:
     return [json.loads((root / f"error.{r}.json").read_text()) for r in range(2)]
 
 
-def launch(mode: str, root: Path, *args: str) -> list[subprocess.Popen[str]]:
+def launch(mode: str, root: Path, *args: str) -> list[prefork.Popen]:
     # a rank that is gone fails the other within FCKPT_TIMEOUT
     env = {"FCKPT_TIMEOUT": "60"}
     return on_ranks(2, mode, str(root), *args, env=env, job=JOB)

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import prefork
 from tests.patience import HANG
 
 REPO = Path(__file__).resolve().parent.parent
@@ -228,7 +229,7 @@ def run_ranks(path: Path, world: int, timeout: float = HANG, grace: float = 60) 
             }
             with open(Path(logs) / f"{rank}.log", "w") as log:
                 procs.append(
-                    subprocess.Popen(
+                    prefork.Popen(
                         [sys.executable, __file__, str(path)],
                         env=env,
                         stdout=log,

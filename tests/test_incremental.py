@@ -29,6 +29,7 @@ from functional_ckpt._src.format import naming
 from functional_ckpt._src.restore.read import vetted_view
 from functional_ckpt._src.save import incremental
 from functional_ckpt._src.storage import committed, usage
+from tests import prefork
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -314,7 +315,7 @@ def test_sigkill_during_incremental_saves_leaves_the_base_intact(tmp_path: Path)
     for trial, delay in enumerate((0.7,)):  # saves run back to back: the kill lands in one
         root = tmp_path / f"t{trial}"
         root.mkdir()
-        proc = subprocess.Popen(
+        proc = prefork.Popen(
             [sys.executable, "-c", KILLER, str(root)], stdout=subprocess.PIPE, env=env
         )
         assert proc.stdout is not None

@@ -33,7 +33,7 @@ from functional_ckpt._src.policy.retention import RetentionPolicy
 from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import CheckpointWarning
-from tests import manager_job
+from tests import manager_job, prefork
 from tests.exact import assert_exact
 from tests.patience import eventually, finished
 
@@ -782,7 +782,7 @@ with fc.CheckpointManager(root) as mgr:
 
 def test_crash_between_the_renames_of_an_overwrite_loses_nothing(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
+    proc = prefork.run(
         [sys.executable, "-c", _CRASH_BETWEEN_RENAMES, str(tmp_path)], env=env, check=False
     )
     assert proc.returncode == -signal.SIGKILL

@@ -26,6 +26,7 @@ import functional_ckpt as fc
 from functional_ckpt._src import cli
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.manager.memory_replicas import holders_of, layout_of
+from tests import prefork
 from tests.patience import HANG
 from tests.test_memory import committed
 
@@ -61,7 +62,7 @@ def two_nodes(
     """
     port, per_node = _port(), world // 2
     procs = [
-        subprocess.Popen(
+        prefork.Popen(
             [sys.executable, str(JOB), str(base), str(STEPS), *args],
             env=_env(
                 MASTER_ADDR="127.0.0.1",

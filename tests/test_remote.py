@@ -38,6 +38,7 @@ from functional_ckpt.errors import (
     RemoteWarning,
     UploadFailed,
 )
+from tests import prefork
 from tests.exact import assert_exact
 from tests.test_dist import launch, wait_all
 
@@ -339,7 +340,7 @@ def test_sigkill_during_upload_leaves_no_remote_commit_and_the_restart_finishes_
     url = bucket
     root = tmp_path / "ckpt"
     code = textwrap.dedent(_KILLED_CHILD.format(endpoint=s3["endpoint"]))
-    child = subprocess.Popen(
+    child = prefork.Popen(
         [sys.executable, "-c", code, str(root), url],
         stdout=subprocess.PIPE,
         text=True,

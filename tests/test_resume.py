@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import functional_ckpt as fc
+from tests import prefork
 from tests.exact import assert_exact
 from tests.patience import HANG
 
@@ -18,7 +19,7 @@ STEPS = 40
 
 
 def run(root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return prefork.run(
         [
             sys.executable,
             str(SCRIPT),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import warnings
@@ -21,6 +20,7 @@ import torch
 import functional_ckpt as fc
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.root import rollback
+from tests import prefork
 from tests.exact import assert_exact as _assert_exact
 from tests.patience import HANG
 
@@ -179,7 +179,7 @@ def test_sigkill_during_rollback_then_reopen(tmp_path: Path, newer: str, kill_at
     root = tmp_path / "run"
     make_run(root)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(
+    proc = prefork.run(
         [sys.executable, "-c", CHILD, str(root), str(kill_at), newer],
         cwd=REPO,
         env=env,

@@ -27,7 +27,7 @@ import functional_ckpt as fc
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import dcp_metadata, naming, unpickler
 from functional_ckpt._src.storage import commit
-from tests import forge
+from tests import forge, prefork
 from tests.patience import HANG
 
 REPO = Path(__file__).resolve().parent.parent
@@ -570,7 +570,7 @@ def test_special_file_never_hangs(tmp_path: Path, name: str, kind: str) -> None:
     path = tmp_path / "run" / "step_000000001"
     fc.save(path, make_state(1.0))
     _special(path, name, kind)
-    proc = subprocess.run(
+    proc = prefork.run(
         [sys.executable, "-c", _PROBE, str(path)],
         capture_output=True,
         text=True,
@@ -593,7 +593,7 @@ def test_special_file_never_hangs(tmp_path: Path, name: str, kind: str) -> None:
             out[what],
         )
         assert name in msg, (what, msg)
-    cli = subprocess.run(
+    cli = prefork.run(
         [sys.executable, "-m", "functional_ckpt", "inspect", str(path)],
         capture_output=True,
         text=True,
