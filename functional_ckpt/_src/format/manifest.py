@@ -29,12 +29,13 @@ from functional_ckpt._src.format.naming import (
     PART_FILES_VERSION,
     TABLES_VERSION,
 )
-from functional_ckpt._src.format.packed_rows import Spliced, chunk_rows
 from functional_ckpt._src.format.table_rows import table_plain, table_runs
 from functional_ckpt.errors import CorruptCheckpoint
 
 if TYPE_CHECKING:
     import torch
+
+    from functional_ckpt._src.format.packed_rows import Spliced  # numpy: a writer's import
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -292,8 +293,11 @@ class Manifest:
     @cached_property
     def part_rows(self) -> Sequence[bytes]:
         """Each part's rows packed (unless the coordinator packed them)."""
-        by_tensor = [e.chunks for e in self.split_entries]
-        return self.rows if self.rows is not None else chunk_rows(by_tensor, len(self.ranks))
+        if self.rows is not None:
+            return self.rows
+        from functional_ckpt._src.format.packed_rows import chunk_rows  # numpy: writing only
+
+        return chunk_rows([e.chunks for e in self.split_entries], len(self.ranks))
 
     def encode_part(self, rank: int) -> bytes:
         """Part ``rank`` of a split manifest: that rank's per-rank entries, its chunk of
