@@ -304,9 +304,11 @@ class MemoryTier:
             )
         return mine
 
-    def delete(self, steps: Sequence[int]) -> None:
+    def delete(self, steps: Sequence[int], *, damaged: bool = False) -> None:
         """Out of sight now, the files removed off the training thread (freeing RAM takes
-        as long as a copy); only the keeper of a shared folder deletes."""
+        as long as a copy); only the keeper of a shared folder deletes, and only this
+        run's checkpoints (``damaged``: one this run found unreadable)."""
+        steps = steps if damaged or not steps else self._mine(steps)
         if steps and self.keeper:
             steps = list(steps)
             trash = delete(self.folder, [self.view.path(s) for s in steps])
@@ -364,7 +366,7 @@ class MemoryTier:
                     raise
                 why = f"is unreadable ({type(err).__name__}: {err})"
                 with contextlib.suppress(OSError):
-                    self.delete([step])
+                    self.delete([step], damaged=True)
                     why += "; removed"
                 why += "; falling back to the next tier"
             warn(
