@@ -148,6 +148,29 @@ def test_another_runs_memory_checkpoint_is_left_alone(tmp_path: Path) -> None:
     assert sum("leaves them as they are" in m for m in told) == 1, told
 
 
+@pytest.mark.parametrize("how", ["renamed", "copied from another run"])
+def test_a_checkpoint_named_for_another_step_is_not_resumed_as_it(tmp_path: Path, how: str) -> None:
+    """A disk ``step_9`` recording step 6 is damage: set aside, and the intact memory
+    step 7 resumed (resumed as 9, the run would number on from a step-6 state)."""
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    killed(root, memory, die_at=7, disk_every=3, memory_every=1)
+    assert committed(root) == [3, 6] and committed(memory) == [6, 7]
+    if how == "renamed":
+        os.rename(root / step_name(6), root / step_name(9))
+    else:
+        killed(tmp_path / "rA", tmp_path / "mA", die_at=6, disk_every=3, memory_every=1)
+        shutil.copytree(tmp_path / "rA" / step_name(6), root / step_name(9))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step, got = resumed(root, memory, disk_every=3)
+    assert step == 7
+    exact(got, 7)
+    told = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+    assert any("records step 6" in m for m in told), told
+    assert not (root / step_name(9)).exists()
+    assert [n for n in os.listdir(root) if n.startswith(step_name(9) + ".corrupt-")]
+
+
 def test_a_run_killed_before_its_first_disk_save_resumes_from_ram(tmp_path: Path) -> None:
     root = tmp_path / "root"
     killed(root, None, die_at=5, disk_every=100, memory_every=1)
