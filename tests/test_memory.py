@@ -413,11 +413,14 @@ def test_a_folder_left_by_another_root_is_refused_never_emptied(tmp_path: Path) 
         mgr.memory._lock.release()  # type: ignore[union-attr]  # a crash: the folder stays
         mgr.memory._lock = None  # type: ignore[union-attr]
     assert committed(memory) == [1]
+    unfinished = memory / f"{step_name(2)}{naming.TMP_INFIX}abc"  # its save cut short
+    unfinished.mkdir()
     with pytest.raises(
         fc.errors.CheckpointError, match=r"holds checkpoints \(steps \[1\]\) of run"
     ):
         fc.CheckpointManager(tmp_path / "b", tiers=(fc.manager.Memory(path=memory),))
     assert committed(memory) == [1]  # another run's: left as it is
+    assert unfinished.is_dir()  # its leftovers too
     with fc.CheckpointManager(
         tmp_path / "b", tiers=(fc.manager.Memory(path=tmp_path / "m2"),)
     ) as mgr:

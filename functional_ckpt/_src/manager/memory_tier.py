@@ -35,7 +35,7 @@ from functional_ckpt._src.manager.writes import Writes, WriteSettings
 from functional_ckpt._src.policy import Event, PolicyState
 from functional_ckpt._src.policy.retention import RetentionPolicy, keep_last
 from functional_ckpt._src.root.delete import delete, remove_all
-from functional_ckpt._src.root.leftovers import open_writer
+from functional_ckpt._src.root.leftovers import recover_leftovers
 from functional_ckpt._src.root.listing import StepInfo, read_info
 from functional_ckpt._src.root.lock import LOCK_FILE, WriterLock
 from functional_ckpt._src.root.run import Run, open_run
@@ -134,13 +134,15 @@ class MemoryTier:
             mf.own_folder(self.folder, private=True)
 
     def _open(self) -> None:
-        """Lock and mark the folder (this run's only), handle signals."""
+        """Lock and mark the folder (this run's only), then recover what a crash of this
+        run left (never in a folder refused as another's), handle signals."""
         try:
-            self._lock = open_writer(self.folder, stacklevel=6)
+            self._lock = WriterLock(self.folder)
         except CheckpointError as e:
             raise CheckpointError(f"Memory(path={str(self.folder)!r}): {e}") from None
         try:
             mf.adopt(self.folder, self.root, self.run)
+            recover_leftovers(self.folder, stacklevel=6)
             self._write_status(open_=True)
             self._signals.install()
             if self.replicas is not None:
