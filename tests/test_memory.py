@@ -413,15 +413,40 @@ def test_a_folder_left_by_another_root_is_refused_never_emptied(tmp_path: Path) 
         mgr.memory._lock.release()  # type: ignore[union-attr]  # a crash: the folder stays
         mgr.memory._lock = None  # type: ignore[union-attr]
     assert committed(memory) == [1]
+    unfinished = memory / f"{step_name(2)}{naming.TMP_INFIX}abc"  # its save cut short
+    unfinished.mkdir()
     with pytest.raises(
         fc.errors.CheckpointError, match=r"holds checkpoints \(steps \[1\]\) of run"
     ):
         fc.CheckpointManager(tmp_path / "b", tiers=(fc.manager.Memory(path=memory),))
     assert committed(memory) == [1]  # another run's: left as it is
+    assert unfinished.is_dir()  # its leftovers too
     with fc.CheckpointManager(
         tmp_path / "b", tiers=(fc.manager.Memory(path=tmp_path / "m2"),)
     ) as mgr:
         assert mgr.restore_latest() is None
+
+
+def test_what_the_tier_did_not_write_outlives_its_saves_and_close(tmp_path: Path) -> None:
+    """A directory named like a step that is no checkpoint (the user's) is reported and
+    left: the tier deletes only this run's checkpoints and temporaries."""
+    memory = tmp_path / "mem"
+    (memory / step_name(1)).mkdir(parents=True)
+    data = memory / step_name(1) / "data.bin"
+    data.write_text("user data, not a checkpoint")
+    (memory / "notes.txt").write_text("keep me")
+    tier = fc.manager.Memory(path=memory, keep=1, async_save=False)
+    with (
+        pytest.warns(MemoryTierWarning) as caught,
+        fc.CheckpointManager(tmp_path / "root", tiers=(tier,)) as mgr,
+    ):
+        for step in (1, 2, 3):
+            mgr.maybe_save(small_state(step), step=step)
+        assert committed(memory) == [3]
+    assert data.read_text() == "user data, not a checkpoint"
+    assert sorted(os.listdir(memory)) == ["notes.txt", step_name(1)]
+    told = [str(w.message) for w in caught]
+    assert sum("not checkpoints of this run" in m for m in told) == 1, told
 
 
 def test_a_failed_memory_save_warns_and_training_goes_on(

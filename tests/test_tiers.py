@@ -125,6 +125,52 @@ def test_an_intact_newer_disk_step_wins_over_the_memory_tier(tmp_path: Path) -> 
     exact(got, 8)
 
 
+def test_another_runs_memory_checkpoint_is_left_alone(tmp_path: Path) -> None:
+    """Another run's step copied into this run's folder is reported, not resumed, and
+    outlives this run's retention and close (never deleted: not this run's)."""
+    killed(tmp_path / "rA", tmp_path / "mA", die_at=9, disk_every=100, memory_every=1)
+    killed(tmp_path / "rC", tmp_path / "mC", die_at=2, disk_every=100, memory_every=1)
+    foreign = tmp_path / "mC" / step_name(9)
+    shutil.copytree(tmp_path / "mA" / step_name(9), foreign)
+    tier = fc.manager.Memory(path=tmp_path / "mC", keep=2, async_save=False, promote_on=())
+    with (
+        pytest.warns(MemoryTierWarning, match="not of this run") as caught,
+        fc.CheckpointManager(tmp_path / "rC", save=fc.every_steps(100), tiers=(tier,)) as mgr,
+    ):
+        exact(mgr.restore_latest(like=state(0)), 2)
+        assert mgr.restored_step == 2
+        for step in (3, 4, 5):
+            mgr.maybe_save(state(step), step=step)
+            assert foreign.is_dir(), step
+    assert os.listdir(tmp_path / "mC") == [step_name(9)]  # close removed this run's only
+    exact(fc.restore(foreign), 9)
+    told = [str(w.message) for w in caught]
+    assert sum("leaves them as they are" in m for m in told) == 1, told
+
+
+@pytest.mark.parametrize("how", ["renamed", "copied from another run"])
+def test_a_checkpoint_named_for_another_step_is_not_resumed_as_it(tmp_path: Path, how: str) -> None:
+    """A disk ``step_9`` recording step 6 is damage: set aside, and the intact memory
+    step 7 resumed (resumed as 9, the run would number on from a step-6 state)."""
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    killed(root, memory, die_at=7, disk_every=3, memory_every=1)
+    assert committed(root) == [3, 6] and committed(memory) == [6, 7]
+    if how == "renamed":
+        os.rename(root / step_name(6), root / step_name(9))
+    else:
+        killed(tmp_path / "rA", tmp_path / "mA", die_at=6, disk_every=3, memory_every=1)
+        shutil.copytree(tmp_path / "rA" / step_name(6), root / step_name(9))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step, got = resumed(root, memory, disk_every=3)
+    assert step == 7
+    exact(got, 7)
+    told = [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+    assert any("records step 6" in m for m in told), told
+    assert not (root / step_name(9)).exists()
+    assert [n for n in os.listdir(root) if n.startswith(step_name(9) + ".corrupt-")]
+
+
 def test_a_run_killed_before_its_first_disk_save_resumes_from_ram(tmp_path: Path) -> None:
     root = tmp_path / "root"
     killed(root, None, die_at=5, disk_every=100, memory_every=1)

@@ -15,13 +15,13 @@ import json
 import os
 import socket
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.topology import topology
-from functional_ckpt._src.format.naming import base_name, parse_step
+from functional_ckpt._src.format.naming import base_name, is_temporary_name, parse_step
 from functional_ckpt._src.log import warn
 from functional_ckpt._src.manager import memory_folder as mf
 from functional_ckpt._src.manager.collective import coordinator_decides
@@ -35,7 +35,7 @@ from functional_ckpt._src.manager.writes import Writes, WriteSettings
 from functional_ckpt._src.policy import Event, PolicyState
 from functional_ckpt._src.policy.retention import RetentionPolicy, keep_last
 from functional_ckpt._src.root.delete import delete, remove_all
-from functional_ckpt._src.root.leftovers import open_writer
+from functional_ckpt._src.root.leftovers import recover_leftovers
 from functional_ckpt._src.root.listing import StepInfo, read_info
 from functional_ckpt._src.root.lock import LOCK_FILE, WriterLock
 from functional_ckpt._src.root.run import Run, open_run
@@ -80,7 +80,7 @@ class MemoryTier:
         self._step = -1  # the step of the save in flight
         self._round_error: BaseException | None = None
         self.policy_state: PolicyState = option.save.init()
-        self._said_over = False
+        self._said_over = self._said_others = False
         self._lock: WriterLock | None = None
         self._signals = OnSignals(option.promote_on, lambda: self.promote(option.promote_within))
         #: Promotion over the manager's tiers (``manager/tiers.promote``), set by the manager.
@@ -134,13 +134,15 @@ class MemoryTier:
             mf.own_folder(self.folder, private=True)
 
     def _open(self) -> None:
-        """Lock and mark the folder (this run's only), handle signals."""
+        """Lock and mark the folder (this run's only), then recover what a crash of this
+        run left (never in a folder refused as another's), handle signals."""
         try:
-            self._lock = open_writer(self.folder, stacklevel=6)
+            self._lock = WriterLock(self.folder)
         except CheckpointError as e:
             raise CheckpointError(f"Memory(path={str(self.folder)!r}): {e}") from None
         try:
             mf.adopt(self.folder, self.root, self.run)
+            recover_leftovers(self.folder, stacklevel=6)
             self._write_status(open_=True)
             self._signals.install()
             if self.replicas is not None:
@@ -174,11 +176,13 @@ class MemoryTier:
             return
         try:
             if not crashed:
+                names = sorted(os.listdir(self.folder))
                 own = [
                     n
-                    for n in sorted(os.listdir(self.folder))
-                    if parse_step(base_name(n)) is not None
+                    for n in names
+                    if is_temporary_name(n) and parse_step(base_name(n)) is not None
                 ]
+                own += [self.view.path(s).name for s in self._mine(parse_step(n) for n in names)]
                 own += [mf.MARK_FILE, STAGING, LOCK_FILE]  # the lock last
                 ram.remove_folder(self.folder, own)
             self._write_status(open_=False)
@@ -280,9 +284,33 @@ class MemoryTier:
         retain(self, self.keep)
         self.committed()
 
-    def delete(self, steps: Sequence[int]) -> None:
+    def _mine(self, steps: Iterable[int | None]) -> list[int]:
+        """Of ``steps``, the committed checkpoints recording this run: the only ones the
+        tier deletes (anything else in its folder is the user's, or another run's, and is
+        left alone, reported once)."""
+        mine: list[int] = []
+        others: list[int] = []
+        for step in (s for s in steps if s is not None):
+            try:
+                ok = run_of(read_info(self.view.path(step), step).metadata) == self.run.id
+            except (CheckpointError, OSError):
+                ok = False
+            (mine if ok else others).append(step)
+        if others and not self._said_others:
+            self._said_others = True
+            warn(
+                f"{self.folder}: steps {others} are not checkpoints of this run "
+                f"({self.run.id}); the memory tier leaves them as they are",
+                MemoryTierWarning,
+                stacklevel=5,
+            )
+        return mine
+
+    def delete(self, steps: Sequence[int], *, damaged: bool = False) -> None:
         """Out of sight now, the files removed off the training thread (freeing RAM takes
-        as long as a copy); only the keeper of a shared folder deletes."""
+        as long as a copy); only the keeper of a shared folder deletes, and only this
+        run's checkpoints (``damaged``: one this run found unreadable)."""
+        steps = steps if damaged or not steps else self._mine(steps)
         if steps and self.keeper:
             steps = list(steps)
             trash = delete(self.folder, [self.view.path(s) for s in steps])
@@ -340,7 +368,7 @@ class MemoryTier:
                     raise
                 why = f"is unreadable ({type(err).__name__}: {err})"
                 with contextlib.suppress(OSError):
-                    self.delete([step])
+                    self.delete([step], damaged=True)
                     why += "; removed"
                 why += "; falling back to the next tier"
             warn(

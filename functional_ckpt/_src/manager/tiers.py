@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from functional_ckpt._src.distributed.topology import topology
+from functional_ckpt._src.format.header import header_of
+from functional_ckpt._src.format.naming import parse_step
 from functional_ckpt._src.manager.memory_promote import promote_newest
 from functional_ckpt._src.manager.writes import Writes
 from functional_ckpt._src.policy.retention import CheckpointLike, RetentionPolicy, plan_deletions
@@ -30,9 +32,10 @@ from functional_ckpt._src.root.resume import newest_readable
 from functional_ckpt._src.root.rollback import Newer
 from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
+from functional_ckpt._src.storage.committed import read_manifest
 from functional_ckpt._src.storage.os_failure import machine_errors
 from functional_ckpt._src.storage.progress import report_progress
-from functional_ckpt.errors import CheckpointError
+from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
 __all__ = ["DiskTier", "Tier", "move_newer", "newest_in_tiers", "progress", "promote", "retain"]
 
@@ -89,12 +92,21 @@ def newest_in_tiers(tiers: Sequence[Tier], read: Callable[[Path], T], root: Path
     first, each for its newest intact step newer than the best found so far: a
     damaged step is passed over for the one below it, in that tier, so a damaged
     newest checkpoint never hides an intact one that came later in the run, in any
-    tier. A tie goes to the faster tier.
+    tier. A tie goes to the faster tier. A checkpoint recording another step than its
+    directory's name (renamed, or copied in) is damage: resumed as the named step, the
+    run would go on numbering from a step its state does not hold.
     """
+
+    def checked(path: Path) -> T:
+        named, recorded = parse_step(path.name), header_of(read_manifest(path)).record.step
+        if named is not None and recorded is not None and named != recorded:
+            raise CorruptCheckpoint(f"{path}: the checkpoint records step {recorded}")
+        return read(path)
+
     found: Found[T] = None
     with machine_errors(root, "resuming"):  # what ran out, if anything did
         for tier in tiers:
-            found = tier.newest(read, None if found is None else found[0].step) or found
+            found = tier.newest(checked, None if found is None else found[0].step) or found
     return found
 
 
