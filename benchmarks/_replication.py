@@ -155,7 +155,7 @@ def worker(base: Path, memory: Path, size: int, reps: int) -> dict[str, Any]:
             mem._make_room(step)
             rep.clear_staging()
         dist.barrier()
-        mem.writes.save(rep.staging(step), state, {})
+        mem.writes.save(rep.staging(step), state, {"run": {"id": mem.run.id}})
         dist.barrier()  # every part renamed into place (a part's rank renames it)
         t0 = time.perf_counter()
         rep.replicate(step, None)
