@@ -43,7 +43,6 @@ def restore(
     device: torch.device | str | None = None,
     partial: bool = False,
     cast: bool = False,
-    allow_pickle: bool = False,
     reshard: Reshard | None = None,
 ) -> TensorDict: ...
 @overload
@@ -55,7 +54,6 @@ def restore(
     device: torch.device | str | None = None,
     partial: bool = False,
     cast: bool = False,
-    allow_pickle: bool = False,
     reshard: Reshard | None = None,
 ) -> dict[str, Any]: ...
 @overload
@@ -67,7 +65,6 @@ def restore(
     device: torch.device | str | None = None,
     partial: bool = False,
     cast: bool = False,
-    allow_pickle: bool = False,
     reshard: Reshard | None = None,
 ) -> TensorDict: ...
 def restore(
@@ -78,7 +75,6 @@ def restore(
     device: torch.device | str | None = None,
     partial: bool = False,
     cast: bool = False,
-    allow_pickle: bool = False,
     reshard: Reshard | None = None,
 ) -> Any:
     """Read a checkpoint back as a new state: a locked TensorDict, or plain containers
@@ -99,7 +95,6 @@ def restore(
     req = Request(
         partial=partial,
         cast=cast,
-        allow_pickle=allow_pickle,
         reshard=reshard,
         inplace=out is not None,
         device=torch.device("cpu" if device is None else device),

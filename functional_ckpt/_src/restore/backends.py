@@ -30,7 +30,6 @@ class Request:
 
     partial: bool = False
     cast: bool = False
-    allow_pickle: bool = False
     reshard: Reshard | None = None
     inplace: bool = False
     device: torch.device = CPU
@@ -117,14 +116,7 @@ class _Stock:
         self.md = files.metadata()
 
     def match(self, template: Template | None, req: Request) -> Match:
-        stock = match_dcp(
-            self.files,
-            self.md,
-            template,
-            partial=req.partial,
-            cast=req.cast,
-            allow_pickle=req.allow_pickle,
-        )
+        stock = match_dcp(self.files, self.md, template, partial=req.partial, cast=req.cast)
         return Match(stock.root, stock=stock)
 
     def read(self, match: Match, req: Request) -> list[Leaf]:

@@ -2,8 +2,7 @@
 
 The tree comes from the caller's template, tensor locations from ``.metadata`` (the
 restricted unpickler), each tensor through ``torch.load(weights_only=True)``. Pickled
-values are read only as plain data, with every global refused, unless the caller
-passes ``allow_pickle=True`` for a checkpoint it trusts.
+values are read only as plain data, with every global refused; any other is refused.
 """
 
 from __future__ import annotations
@@ -174,10 +173,9 @@ def match_dcp(
     *,
     partial: bool,
     cast: bool,
-    allow_pickle: bool,
 ) -> StockMatch:
     """Match the template to the stock ``.metadata`` ``md``; one error lists every mismatch.
-    Byte entries are loaded here, as plain data (anything else only with ``allow_pickle``)."""
+    Byte entries are loaded here, as plain data only."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     root = files.root
@@ -198,7 +196,7 @@ def match_dcp(
         value = load_plain(blob)
         if value is not _NOT_PLAIN:
             match.values[fqn] = value
-        elif not allow_pickle:
+        else:
             pickled.append(where)
 
     leaves = template.leaves
@@ -256,8 +254,10 @@ def match_dcp(
         )
     if pickled:
         raise UnsafeCheckpoint(
-            f"{root}: these values are stored as pickles, which can run code; pass "
-            "allow_pickle=True only for a checkpoint you trust:\n  " + "\n  ".join(pickled)
+            f"{root}: these values are pickles that are not plain data, and fc.restore "
+            "never unpickles anything else (it could run code); leave them out of the "
+            "template (partial=True), or load the checkpoint once with stock dcp.load in a "
+            "process you trust and save it again with fc.save:\n  " + "\n  ".join(pickled)
         )
     return match
 
@@ -295,13 +295,6 @@ def _info(storage: dict[Any, Any], fqn: str, root: Path, where: str, at: Any = N
 
 def _where(path: KeyPath) -> str:
     return f"{format_path(path)} (DCP key {'.'.join(path)!r})"
-
-
-def _value(files: StockFiles, match: StockMatch, fqn: str, where: str) -> Any:
-    if fqn in match.values:
-        return match.values[fqn]
-    blob = files.blob(_info(match.storage, fqn, files.root, where))
-    return torch.load(io.BytesIO(blob), weights_only=False)  # allowed by the caller
 
 
 def _tensor(
@@ -355,11 +348,11 @@ def read_dcp(
                     part: Any = torch.empty(shape, dtype=dtype, device=device)
                     _tensor(files, match, fqn, smd, part, where)
                 else:
-                    part = _value(files, match, fqn, where)
+                    part = match.values[fqn]
                 got = _set(got, rel, part)
             values[leaf.path] = got
         elif item.fqn is not None and leaf.kind == "value":
-            values[leaf.path] = _value(files, match, item.fqn, where)
+            values[leaf.path] = match.values[item.fqn]
     records = {i.leaf.path[:-1]: i.leaf.value for i in match.items if i.leaf.path[-1] == NODE_KEY}
     for path in [p for p in values if p[-1] == "state"]:
         _positional_keys(path[:-1], values, records.get(path[:-1]))
