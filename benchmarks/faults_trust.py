@@ -75,7 +75,7 @@ def _outcome(fn: Callable[[], Any]) -> str:
     try:
         fn()
     except fc.errors.UnsafeCheckpoint as e:
-        return "refused" if "hash" in str(e) or "allow_pickle" in str(e) else f"unsafe: {e}"
+        return "refused" if "hash" in str(e) or "not plain data" in str(e) else f"unsafe: {e}"
     except fc.CheckpointError as e:
         return f"checkpoint-error: {type(e).__name__}: {e}"
     except Exception as e:

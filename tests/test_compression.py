@@ -365,7 +365,7 @@ def test_a_stock_dcp_checkpoint_with_transforms_is_refused_clearly(tmp_path: Pat
     dcp.save(sd, storage_writer=writer, no_dist=True)
     like = {"w": torch.zeros(10, 10), "step": 0}
     with pytest.raises(CheckpointError, match=r"__0_0.distcp: stored with DCP's transforms"):
-        fc.restore(tmp_path / "ck", like=like, allow_pickle=True)
+        fc.restore(tmp_path / "ck", like=like)
 
 
 def test_part_rows_carry_the_frame_flag_only_where_set() -> None:

@@ -197,33 +197,36 @@ def test_restore_of_stock_dcp_training_state(tmp_path: Path, form: str) -> None:
     fresh = _objects(lr=0.5, seed=1)
     m2, o2, s2 = fresh
     like = fc.capture(model=m2, optimizer=o2, scheduler=s2, step=0, rng=False)
-    back = fc.restore(tmp_path / "d", like)  # plain values need no allow_pickle
+    back = fc.restore(tmp_path / "d", like)  # plain values are read as plain data
     assert back["step"] == 7
     fc.apply(back, model=m2, optimizer=o2, scheduler=s2, rng=False)
     _assert_resumed(fresh, trained)
 
 
-def test_stock_values_that_are_not_plain_still_need_allow_pickle(tmp_path: Path) -> None:
+def test_stock_values_that_are_not_plain_are_refused(tmp_path: Path) -> None:
     sd = {"w": torch.ones(2), "tags": {"a", "b"}, "lr": 0.5}
     dcp.save(sd, checkpoint_id=str(tmp_path / "d"), no_dist=True)
     like = {"w": torch.zeros(2), "tags": set(), "lr": 0.0}
-    with pytest.raises(fc.errors.UnsafeCheckpoint, match="allow_pickle") as err:
+    with pytest.raises(fc.errors.UnsafeCheckpoint, match="not plain data") as err:
         fc.restore(tmp_path / "d", like)
     assert "'tags'" in str(err.value) and "'lr'" not in str(err.value)
-    back = fc.restore(tmp_path / "d", like, allow_pickle=True)
-    assert back["tags"] == {"a", "b"} and back["lr"] == 0.5
+    assert "dcp.load" in str(err.value) and "allow_pickle" not in str(err.value)
+    with pytest.raises(TypeError, match="allow_pickle"):  # no parameter unpickles it
+        fc.restore(tmp_path / "d", like, allow_pickle=True)  # type: ignore[call-overload]
+    back = fc.restore(tmp_path / "d", {"w": torch.zeros(2), "lr": 0.0}, partial=True)
+    assert back["lr"] == 0.5
 
 
 def test_a_stock_value_that_floods_a_hash_table_is_not_plain(tmp_path: Path) -> None:
     """A pickled value of a stock checkpoint goes through the same hash-flood bound as
     ``.metadata``: a dict of keys k * (2**61 - 1) (all hash to 0) is plain data by type,
-    but building it costs quadratic time, so it is not read without allow_pickle."""
+    but building it costs quadratic time, so it is refused."""
     flooded = (dict.fromkeys((k * (2**61 - 1) for k in range(1, 400)), 0),)
     few = (dict.fromkeys((k * (2**61 - 1) for k in range(1, 9)), 0),)
     sd = {"w": torch.ones(2), "v": flooded, "few": few, "lr": 0.5}
     dcp.save(sd, checkpoint_id=str(tmp_path / "d"), no_dist=True)
     like = {"w": torch.zeros(2), "v": (), "few": (), "lr": 0.0}
-    with pytest.raises(fc.errors.UnsafeCheckpoint, match="allow_pickle") as err:
+    with pytest.raises(fc.errors.UnsafeCheckpoint, match="not plain data") as err:
         fc.restore(tmp_path / "d", like)
     assert "'v'" in str(err.value) and "'few'" not in str(err.value)
     back = fc.restore(tmp_path / "d", {"w": torch.zeros(2), "few": (), "lr": 0.0}, partial=True)
@@ -241,7 +244,7 @@ def test_a_stock_value_that_expands_beyond_its_bytes_is_not_plain(tmp_path: Path
     sd = {"w": torch.ones(2), "v": (bomb,), "pair": [shared, shared], "lr": 0.5}
     dcp.save(sd, checkpoint_id=str(tmp_path / "d"), no_dist=True)
     like = {"w": torch.zeros(2), "v": 0, "pair": [], "lr": 0.0}
-    with pytest.raises(fc.errors.UnsafeCheckpoint, match="allow_pickle") as err:
+    with pytest.raises(fc.errors.UnsafeCheckpoint, match="not plain data") as err:
         fc.restore(tmp_path / "d", like)
     assert "'v'" in str(err.value) and "'pair'" not in str(err.value)  # modest sharing is fine
     back = fc.restore(tmp_path / "d", {"w": torch.zeros(2), "pair": [], "lr": 0.0}, partial=True)

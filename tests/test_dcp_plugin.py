@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -117,6 +118,40 @@ def test_the_reader_reports_a_flipped_byte_by_key_and_file(tmp_path: Path) -> No
     with pytest.raises(BaseException, match=r"damaged tensor data for 'model\.w'.*__0_0\.distcp"):
         dcp.load(_zeroed(), storage_reader=Reader(ck), no_dist=True)
     assert not fc.verify(ck).ok
+
+
+def test_the_reader_makes_a_values_bytes_only_when_dcp_asks_for_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A value's ``torch.save`` bytes are made from the manifest on the first request for
+    them: a load of tensors alone makes none. (Saved in another process, and values no
+    other test has, so that no bytes made before are at hand here.)"""
+    ck = tmp_path / "ck"
+    save = "import sys, torch, functional_ckpt as fc\n"
+    save += "fc.save(sys.argv[1], {'w': torch.ones(3), 'lr': 0.271828, 'n': 918273, 'x': [0.5]})"
+    done = subprocess.run(
+        [sys.executable, "-c", save, str(ck)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=HANG,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    made: list[object] = []
+    real = torch.save
+
+    def counted(obj: object, *args: Any, **kwargs: Any) -> None:
+        made.append(obj)
+        real(obj, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", counted)
+    back: dict[str, Any] = {"w": torch.zeros(3)}
+    dcp.load(back, storage_reader=Reader(ck), no_dist=True)
+    assert torch.equal(back["w"], torch.ones(3)) and made == []
+    back = {"w": torch.zeros(3), "lr": 0.0, "n": 0}
+    dcp.load(back, storage_reader=Reader(ck), no_dist=True)
+    assert back["lr"] == 0.271828 and back["n"] == 918273
+    assert sorted(map(repr, made)) == ["0.271828", "918273"]
 
 
 def test_a_value_that_needs_pickle_is_refused_by_key(tmp_path: Path) -> None:

@@ -367,10 +367,7 @@ def test_a_fifo_named_like_an_exports_weights_hangs_no_reader(tmp_path: Path) ->
 #: Every call that unpickles, by module, and why its bytes are not a checkpoint's own.
 UNPICKLES: dict[tuple[str, str], tuple[int, str]] = {
     ("_src/export/torch_save.py", "torch.load"): (1, "a torch.save file the user names"),
-    ("_src/restore/stock_dcp.py", "torch.load"): (
-        2,
-        "a stock DCP checkpoint: weights_only, or pickle under the caller's allow_pickle=True",
-    ),
+    ("_src/restore/stock_dcp.py", "torch.load"): (1, "a stock DCP checkpoint's tensors"),
     ("_src/restore/stock_dcp.py", "_PlainUnpickler"): (
         1,
         "a stock DCP checkpoint's values: every global refused, plain data only",
@@ -401,9 +398,30 @@ def test_no_module_unpickles_a_checkpoints_bytes_beyond_the_argued_ones() -> Non
         for name, n in unpickling_calls(p.read_text()).items()
     }
     assert found == {k: n for k, (n, _) in UNPICKLES.items()}
+    for p in sorted(PACKAGE.rglob("*.py")):  # each torch.load builds no arbitrary class
+        assert unsafe_loads(p.read_text()) == [], p
+
+
+def unsafe_loads(source: str) -> list[str]:
+    """``torch.load`` calls in ``source`` not passing ``weights_only=True``."""
+    return [
+        ast.unparse(node)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and ast.unparse(node.func) == "torch.load"
+        and not any(
+            k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+            for k in node.keywords
+        )
+    ]
 
 
 def test_the_unpickling_scan_sees_a_stored_value_loaded() -> None:
     src = "torch.load(io.BytesIO(data), weights_only=True)\npickle.loads(b)\nm._Mine(f).load()\n"
     assert unpickling_calls(src) == Counter({"torch.load": 1, "pickle.loads": 1})
     assert unpickling_calls("x = _MineUnpickler(f).load()\n") == Counter({"_MineUnpickler": 1})
+    assert unsafe_loads(src) == []
+    assert unsafe_loads("torch.load(f)\ntorch.load(f, weights_only=False)\n") == [
+        "torch.load(f)",
+        "torch.load(f, weights_only=False)",
+    ]

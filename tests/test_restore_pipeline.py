@@ -14,7 +14,7 @@ from tensordict import TensorDict
 import functional_ckpt as fc
 from functional_ckpt._src.distributed.topology import Topology
 from functional_ckpt._src.format import entries, manifest, view
-from functional_ckpt._src.restore import backends as restore_pipeline
+from functional_ckpt._src.restore import api as restore_pipeline
 
 
 def saved_state() -> dict[str, Any]:

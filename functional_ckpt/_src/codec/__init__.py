@@ -1,12 +1,9 @@
 """Exact, pickle-free msgpack encoding of the non-tensor values of a training state.
 
 A resumed run must be bit-identical, so every value comes back with the same type at
-every level and the same bits, and anything else is refused, never converted. The C
-packer writes msgpack's native types; the rest are ext types whose codes are part of
-the format (docs/format.md). Decoding treats its input as hostile: nothing imported
-by the data, every length capped by the bytes present, budgets from
-:data:`functional_ckpt._src.limits.LIMITS`. ``encoding`` (numpy and torch) is imported
-on first use: readers of manifests only decode."""
+every level and the same bits, and anything else is refused, never converted; the ext
+type codes are part of the format (docs/format.md). Decoding treats its input as
+hostile. ``encoding`` (numpy and torch) is imported on first use: readers only decode."""
 
 from __future__ import annotations
 

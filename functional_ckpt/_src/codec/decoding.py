@@ -15,17 +15,9 @@ import msgpack
 from functional_ckpt._src.codec import table
 from functional_ckpt._src.codec.leaves import LEAF_DECODERS, _Corrupt
 from functional_ckpt._src.codec.registration import tag_problem, unknown_tag_problem
-from functional_ckpt._src.codec.table import (
-    CONTAINERS,
-    container_budget,
-    decoded_leaves,
-    flood,
-    torch_size_problem,
-    type_name,
-)
 from functional_ckpt._src.codec.tagged import TAGGED, Unregistered, _BadFields, by_tag, placeholder
 from functional_ckpt._src.limits import LIMITS
-from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, UnsafeCheckpoint
+from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 
 _MSGPACK_STACK_LIMIT: Final = 1024  # the C unpacker's fixed parse stack
 _GC_PAUSE_BYTES: Final = 256 * 1024
@@ -64,7 +56,7 @@ def _refuse_flood(keys: list[Any], what: str) -> None:
     """Refuse, before a hash table is built, keys whose hashes would make it quadratic."""
     if len(keys) <= LIMITS.equal_hashes:
         return  # at most that many probes per insertion anyway
-    shared = flood(keys)  # an unhashable key raises TypeError: not a valid encoding
+    shared = table.flood(keys)  # an unhashable key raises TypeError: not a valid encoding
     if shared > LIMITS.equal_hashes:
         raise _Unsafe(
             f"{shared} {what}s share one hash value (at most {LIMITS.equal_hashes} may): "
@@ -94,7 +86,7 @@ def _build_ordered_dict(items: list[Any]) -> object:
 
 
 def _build_torch_size(items: list[Any]) -> object:
-    problem = torch_size_problem(items)
+    problem = table.torch_size_problem(items)
     if problem is not None:
         raise _Corrupt(problem)
     import torch  # a torch.Size was encoded: the value needs torch
@@ -206,7 +198,7 @@ def _stray(t: type) -> _Corrupt:
         return _Corrupt("container marker outside the first slot of an array")
     if t is msgpack.Timestamp:
         return _Corrupt("unknown ext code -1 (msgpack timestamp)")
-    return _Corrupt(f"unexpected decoded type {type_name(t)}")  # pragma: no cover
+    return _Corrupt(f"unexpected decoded type {table.type_name(t)}")  # pragma: no cover
 
 
 def _tagged_fields(t: type, value: object) -> object:
@@ -221,7 +213,7 @@ def _tagged_fields(t: type, value: object) -> object:
 
 def find_unregistered(value: object) -> Unregistered | None:
     """The first placeholder in a decoded value, breadth first (the one a reader sees first)."""
-    leaves = decoded_leaves()
+    leaves = table.decoded_leaves()
     todo = [value]
     i = 0
     while i < len(todo):
@@ -235,7 +227,7 @@ def find_unregistered(value: object) -> Unregistered | None:
         if t is dict or t is _OrderedDict:
             todo += obj.keys()  # type: ignore[attr-defined]
             todo += obj.values()  # type: ignore[attr-defined]
-        elif t in CONTAINERS:
+        elif t in table.CONTAINERS:
             todo += obj  # type: ignore[arg-type]
         else:
             entry = TAGGED.get(t)
@@ -247,8 +239,8 @@ def find_unregistered(value: object) -> Unregistered | None:
 def _check_decoded(value: object, max_depth: int) -> None:
     """Bound the nesting (the unpacker takes no depth limit) and refuse stray types (a
     Timestamp, from ext -1; a misplaced marker)."""
-    leaves = decoded_leaves()
-    containers = CONTAINERS
+    leaves = table.decoded_leaves()
+    containers = table.CONTAINERS
     t = type(value)
     if t not in containers:
         if t not in leaves:
@@ -286,23 +278,17 @@ def decode(
     unregistered: set[str] | None = None,
 ) -> object:
     """Rebuild exactly the value ``encode`` was given, treating ``data`` as hostile: no
-    code run, no Python recursion, linear time, containers within the budget.
-
-    An unregistered tag is refused unless ``unregistered`` is a set: then it comes back
-    as an ``Unregistered`` placeholder (its tag added). ``CorruptCheckpoint``: not a
-    valid encoding (a size bomb looks the same); ``UnsafeCheckpoint``: an unregistered
-    tag, deeper than ``max_depth``, over the container budget, or a hash flood.
-    """
-    if isinstance(data, memoryview):
-        if not data.c_contiguous:
-            data = data.tobytes()
-        n = data.nbytes if isinstance(data, memoryview) else len(data)
-    elif isinstance(data, (bytes, bytearray)):
-        n = len(data)
-    else:
-        raise TypeError(f"decode() needs bytes or memoryview, not {type_name(type(data))}")
+    code run, no Python recursion, linear time, containers within the budget. An
+    unregistered tag is refused unless ``unregistered`` is a set (then it is a placeholder,
+    its tag added). ``CorruptCheckpoint``: not a valid encoding (a size bomb looks the
+    same); ``UnsafeCheckpoint``: an unknown tag, too deep, over budget, or a hash flood."""
+    if isinstance(data, memoryview) and not data.c_contiguous:
+        data = data.tobytes()
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"decode() needs bytes or memoryview, not {table.type_name(type(data))}")
+    n = data.nbytes if isinstance(data, memoryview) else len(data)
     # many new containers trigger full GC passes over the heap; nothing here makes a cycle
-    hooks = _Hooks(container_budget(n, LIMITS.decode_free_containers), unregistered)
+    hooks = _Hooks(table.container_budget(n, LIMITS.decode_free_containers), unregistered)
     pause_gc = n >= _GC_PAUSE_BYTES and gc.isenabled()
     if pause_gc:
         gc.disable()
@@ -338,8 +324,6 @@ def decode(
     except UnicodeDecodeError as exc:
         raise CorruptCheckpoint(f"{source}: invalid UTF-8 in a string: {exc}") from None
     except MemoryError:
-        raise
-    except CheckpointError:  # pragma: no cover - hooks only raise the internal errors
         raise
     except Exception as exc:
         raise CorruptCheckpoint(

@@ -1,8 +1,7 @@
 """Untrusted JSON and YAML documents (configs, state files), bounded by the decoder's
-budgets before anything expands them: depth, containers per byte, and an expanded
-size within the text's length, a YAML alias counted once per use (a 420-byte
-"billion laughs" is refused). YAML is first read as events, stopping at the first
-level too deep, before PyYAML's recursive composer sees it."""
+budgets: depth, containers per byte, and an expanded size within the text's length, a
+YAML alias counted once per use (a 420-byte "billion laughs" is refused). YAML is read as
+events first, stopping at the first level too deep, before PyYAML's recursive composer."""
 
 from __future__ import annotations
 
@@ -38,9 +37,8 @@ def _at(where: str, path: list[object]) -> str:
 
 
 def check_bounded(doc: object, where: str, text_bytes: int | None = None) -> None:
-    """Refuse, with a :class:`~..errors.ConfigError` naming ``where`` and the key path,
-    a document deeper or larger when expanded than the budgets allow for a text of
-    ``text_bytes`` (an in-memory document: ``LIMITS.state_file_bytes``)."""
+    """Refuse (``ConfigError`` naming ``where`` and the key path) a document deeper or
+    larger when expanded than the budgets of a ``text_bytes`` text (default: a state file)."""
     n = _IN_MEMORY_BYTES if text_bytes is None else text_bytes
     budget = (
         LIMITS.decode_free_containers + n // LIMITS.decode_bytes_per_container,

@@ -15,19 +15,6 @@ import torch
 
 from functional_ckpt._src.codec import table
 from functional_ckpt._src.codec.registration import unregistered_problem
-from functional_ckpt._src.codec.table import (
-    CONTAINERS,
-    LEAVES,
-    MAX_ENCODE_DEPTH,
-    NATIVE_LEAVES,
-    NUMPY_SCALAR_TYPES,
-    SUPPORTED_TEXT,
-    container_budget,
-    dtype_code,
-    flood,
-    torch_size_problem,
-    type_name,
-)
 from functional_ckpt._src.codec.tagged import TAGGED, Unregistered, placeholder_problem
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.text import short_repr
@@ -50,9 +37,8 @@ def _encode_bigint(n: int) -> msgpack.ExtType:
 
 
 def _encode_ndarray(a: np.ndarray[Any, Any]) -> msgpack.ExtType:
-    code = dtype_code(a.dtype)
-    if code is None:  # pragma: no cover - _scan refuses these first
-        raise UnsupportedValue(f"unsupported numpy dtype {a.dtype!r}")
+    code = table.dtype_code(a.dtype)
+    assert code is not None  # _scan refuses the others first
     return msgpack.ExtType(table.EXT_NDARRAY, _pack_payload([code, list(a.shape), a.tobytes()]))
 
 
@@ -64,9 +50,8 @@ def _encode_numpy_scalar(x: np.generic) -> msgpack.ExtType:
     if t is np.bytes_:
         payload = _pack_payload(["S", bytes(memoryview(cast(bytes, x)))])
         return msgpack.ExtType(table.EXT_NUMPY_SCALAR, payload)
-    code = dtype_code(x.dtype)
-    if code is None:  # pragma: no cover - _scan refuses these first
-        raise UnsupportedValue(f"unsupported numpy scalar {type(x).__name__}")
+    code = table.dtype_code(x.dtype)
+    assert code is not None  # _scan refuses the others first
     return msgpack.ExtType(table.EXT_NUMPY_SCALAR, _pack_payload([code, x.tobytes()]))
 
 
@@ -91,7 +76,7 @@ def _default(obj: Any) -> object:
         return _encode_bigint(obj)
     if t is np.ndarray:
         return _encode_ndarray(obj)
-    if t in NUMPY_SCALAR_TYPES:
+    if t in table.NUMPY_SCALAR_TYPES:
         return _encode_numpy_scalar(obj)
     if t is _OrderedDict:
         return [_ORDERED_DICT_EXT, *itertools.chain.from_iterable(obj.items())]
@@ -107,7 +92,7 @@ def _default(obj: Any) -> object:
     if t is torch.device:
         return msgpack.ExtType(table.EXT_TORCH_DEVICE, str(obj).encode("ascii"))
     # unreachable after _scan (the packer writes the ExtTypes inserted here natively)
-    raise UnsupportedValue(f"unsupported type {type_name(t)}")  # pragma: no cover
+    raise UnsupportedValue(f"unsupported type {table.type_name(t)}")  # pragma: no cover
 
 
 _BASES: Final = (bool, int, float, str, bytes, bytearray, list, tuple, dict, set, frozenset)
@@ -115,12 +100,12 @@ _BASES: Final = (bool, int, float, str, bytes, bytearray, list, tuple, dict, set
 
 def _leaf_problem(obj: object, t: type) -> str | None:
     """Why a non-container value cannot be stored, or None if it can."""
-    if t in LEAVES:
+    if t in table.LEAVES:
         if t is torch.Size:
-            return torch_size_problem(obj)  # type: ignore[arg-type]
+            return table.torch_size_problem(obj)  # type: ignore[arg-type]
         if t is np.ndarray:
             dtype = obj.dtype  # type: ignore[attr-defined]
-            if dtype_code(dtype) is None:
+            if table.dtype_code(dtype) is None:
                 return (
                     f"numpy array with dtype {dtype!r} is not supported "
                     "(only plain bool/int/uint/float/complex/datetime/bytes/str dtypes)"
@@ -128,7 +113,7 @@ def _leaf_problem(obj: object, t: type) -> str | None:
         return None
     if isinstance(obj, torch.Tensor):
         return (
-            f"{type_name(t)} is not supported here; tensors belong in the tensor tree, "
+            f"{table.type_name(t)} is not supported here; tensors belong in the tensor tree, "
             "not among plain values"
         )
     if t is Unregistered:
@@ -137,15 +122,16 @@ def _leaf_problem(obj: object, t: type) -> str | None:
     if registrable is not None:
         return registrable
     if isinstance(obj, np.generic):
-        return f"unsupported numpy scalar type {type_name(t)} (supported: {SUPPORTED_TEXT})"
+        supported = table.SUPPORTED_TEXT
+        return f"unsupported numpy scalar type {table.type_name(t)} (supported: {supported})"
     for base in (*_BASES, np.ndarray):
         if isinstance(obj, base):
             return (
-                f"unsupported type {type_name(t)}, a subclass of {type_name(base)} "
+                f"unsupported type {table.type_name(t)}, a subclass of {table.type_name(base)} "
                 "(only exact types round-trip, so subclasses are refused rather than converted; "
-                f"supported: {SUPPORTED_TEXT})"
+                f"supported: {table.SUPPORTED_TEXT})"
             )
-    return f"unsupported type {type_name(t)} (supported: {SUPPORTED_TEXT})"
+    return f"unsupported type {table.type_name(t)} (supported: {table.SUPPORTED_TEXT})"
 
 
 # A node of the scan is (value, level_of_its_container, parent_node, label_format, label).
@@ -169,9 +155,9 @@ def _path(node: _Node | None, where: str) -> str:
 
 def _level(node: _Node, where: str) -> int:
     """The nesting level of ``node``'s children, refused beyond ``MAX_ENCODE_DEPTH``."""
-    if node[1] >= MAX_ENCODE_DEPTH:
+    if node[1] >= table.MAX_ENCODE_DEPTH:
         raise UnsupportedValue(
-            f"{_path(node, where)}: nested deeper than {MAX_ENCODE_DEPTH} containers"
+            f"{_path(node, where)}: nested deeper than {table.MAX_ENCODE_DEPTH} containers"
         )
     return node[1] + 1
 
@@ -179,7 +165,7 @@ def _level(node: _Node, where: str) -> int:
 def _scan(value: object, where: str) -> tuple[bool, int]:
     """Refuse anything that would not come back exactly; return whether bytearrays
     occur and how many containers ``decode`` will build. Paths are formatted on error only."""
-    native = NATIVE_LEAVES
+    native = table.NATIVE_LEAVES
     has_bytearray = False
     containers = 0
     equal_hashes = LIMITS.equal_hashes
@@ -190,11 +176,11 @@ def _scan(value: object, where: str) -> tuple[bool, int]:
         node = pop()
         obj: Any = node[0]
         t = type(obj)
-        if t is dict or t is list or t is tuple or t in CONTAINERS:
+        if t is dict or t is list or t is tuple or t in table.CONTAINERS:
             containers += 1
             level = _level(node, where)
             if t is not list and t is not tuple and len(obj) > equal_hashes:
-                shared = flood(obj)
+                shared = table.flood(obj)
                 if shared > equal_hashes:
                     raise UnsupportedValue(
                         f"{_path(node, where)}: {shared} keys or members share one hash value "
@@ -238,7 +224,7 @@ def _scan(value: object, where: str) -> tuple[bool, int]:
 
 
 def _check_budget(containers: int, data: bytes, free: int, where: str) -> None:
-    budget = container_budget(len(data), free)
+    budget = table.container_budget(len(data), free)
     if containers > budget:
         raise UnsupportedValue(
             f"{where}: {containers} containers in {len(data)} encoded bytes exceed the decode "
@@ -299,9 +285,8 @@ def _pack(value: object, where: str) -> bytes:
 
 
 def check_encodable(value: object, *, where: str = "value", max_bytes: int | None = None) -> bool:
-    """Refuse, before any tensor is written, what ``encode`` or a reader's budgets would
-    (or longer than ``max_bytes``), naming the leaf; whether it holds a bytearray (if
-    not, :func:`encode_checked` may encode it without a second scan)."""
+    """Refuse, naming the leaf, what ``encode`` or a reader's budgets would (or longer than
+    ``max_bytes``); whether it holds a bytearray (if not, :func:`encode_checked` may)."""
     has_bytearray, containers = _scan(value, where)
     # Parts of one manifest are checked on their own, so each gets a quarter of the
     # free containers; only a value dense in containers needs its encoded size.

@@ -92,10 +92,9 @@ def _decode_ndarray(payload: bytes) -> object:
     import numpy as np
 
     try:
-        arr = np.frombuffer(raw, dtype=dt).reshape(shape).copy()
+        return np.frombuffer(raw, dtype=dt).reshape(shape).copy()
     except Exception as exc:
         raise _Corrupt(f"invalid numpy array: {exc}") from None
-    return arr
 
 
 def _decode_numpy_scalar(payload: bytes) -> object:

@@ -10,15 +10,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any, Final, TypeVar, overload
 
-from functional_ckpt._src.codec.tagged import (
-    TAGGED,
-    TaggedType,
-    _BadFields,
-    add,
-    add_class,
-    add_name,
-    by_tag,
-)
+from functional_ckpt._src.codec import tagged
 from functional_ckpt.errors import UnsupportedValue
 
 _MAX_TAG_LEN: Final = 256
@@ -28,7 +20,7 @@ def _is_namedtuple(cls: type) -> bool:
     return issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple)
 
 
-def _dataclass_entry(tag: str, cls: type) -> TaggedType:
+def _dataclass_entry(tag: str, cls: type) -> tagged.TaggedType:
     names = [f.name for f in dataclasses.fields(cls)]
     init = [f.name for f in dataclasses.fields(cls) if f.init]
     later = [f.name for f in dataclasses.fields(cls) if not f.init]
@@ -39,27 +31,27 @@ def _dataclass_entry(tag: str, cls: type) -> TaggedType:
     def build(f: object) -> object:
         if type(f) is not dict or len(f) != len(names) or set(f) != set(names):
             keys = list(f) if type(f) is dict else f
-            raise _BadFields(f"{tag} has the fields {names}, not {keys!r:.200}")
+            raise tagged._BadFields(f"{tag} has the fields {names}, not {keys!r:.200}")
         obj = cls(**{n: f[n] for n in init})
         for n in later:
             object.__setattr__(obj, n, f[n])
         return obj
 
-    return TaggedType(tag, cls, fields, build)
+    return tagged.TaggedType(tag, cls, fields, build)
 
 
-def _namedtuple_entry(tag: str, cls: type) -> TaggedType:
+def _namedtuple_entry(tag: str, cls: type) -> tagged.TaggedType:
     names: tuple[str, ...] = cls._fields  # type: ignore[attr-defined]
 
     def build(f: object) -> object:
         if type(f) is not list or len(f) != len(names):
-            raise _BadFields(f"{tag} has {len(names)} fields {list(names)}, got {f!r:.200}")
+            raise tagged._BadFields(f"{tag} has {len(names)} fields {list(names)}, got {f!r:.200}")
         return cls._make(f)  # type: ignore[attr-defined]
 
-    return TaggedType(tag, cls, list, build)
+    return tagged.TaggedType(tag, cls, list, build)
 
 
-def _enum_entry(tag: str, cls: type[enum.Enum]) -> TaggedType:
+def _enum_entry(tag: str, cls: type[enum.Enum]) -> tagged.TaggedType:
     def fields(v: enum.Enum) -> object:
         if v._name_ is not None and cls.__members__.get(v._name_) is v:
             return v._name_
@@ -71,16 +63,16 @@ def _enum_entry(tag: str, cls: type[enum.Enum]) -> TaggedType:
         if type(f) is str:
             member = cls.__members__.get(f)
             if member is None:
-                raise _BadFields(f"{tag} has no member {f!r:.80}")
+                raise tagged._BadFields(f"{tag} has no member {f!r:.80}")
             return member
         if type(f) is int and issubclass(cls, enum.Flag):
             return cls(f)
-        raise _BadFields(f"{tag} needs a member name, got {f!r:.80}")
+        raise tagged._BadFields(f"{tag} needs a member name, got {f!r:.80}")
 
-    return TaggedType(tag, cls, fields, build)
+    return tagged.TaggedType(tag, cls, fields, build)
 
 
-def _kind_of(cls: type) -> tuple[str, Callable[[str, Any], TaggedType]] | None:
+def _kind_of(cls: type) -> tuple[str, Callable[[str, Any], tagged.TaggedType]] | None:
     """The kind of class ``register`` takes (" dataclass"...) and how it is tagged, or None."""
     if dataclasses.is_dataclass(cls):
         return " dataclass", _dataclass_entry
@@ -115,10 +107,9 @@ def _twins(a: type, b: type) -> bool:
     within ``python train.py``): the same source, so one tag."""
     if a.__qualname__ != b.__qualname__:
         return False
-    if a.__module__ in _SCRIPT_MODULES and b.__module__ not in _SCRIPT_MODULES:
-        return _script_module(a.__module__) == b.__module__
-    if b.__module__ in _SCRIPT_MODULES and a.__module__ not in _SCRIPT_MODULES:
-        return _script_module(b.__module__) == a.__module__
+    for x, y in ((a, b), (b, a)):
+        if x.__module__ in _SCRIPT_MODULES and y.__module__ not in _SCRIPT_MODULES:
+            return _script_module(x.__module__) == y.__module__
     return False
 
 
@@ -147,10 +138,9 @@ def register(
     cls: _T | None = None, name: str | None = None, *, aliases: Iterable[str] = ()
 ) -> _T | Callable[[_T], _T]:
     """Let instances of ``cls`` (a dataclass, NamedTuple or Enum) be saved as the tag
-    ``name`` (default ``module.qualname``, a script's module for ``__main__``) with
-    plain fields, and rebuilt where the class is registered under that tag or one of
-    its ``aliases`` (older names, read, never written). A decorator too.
-    """
+    ``name`` (default ``module.qualname``, a script's module for ``__main__``) with plain
+    fields, and rebuilt where the class is registered under that tag or one of its
+    ``aliases`` (older names, read, never written). A decorator too."""
     if cls is None:
         chosen, more = name, tuple(aliases)
 
@@ -161,47 +151,44 @@ def register(
     if not isinstance(cls, type):
         raise UnsupportedValue(f"register() needs a class, got {cls!r:.80}")
     what = f"register({cls.__qualname__})"
-    if _is_tensorclass(cls):
+    if is_tensorclass(cls):
         raise UnsupportedValue(f"{what}: {_tensorclass_advice(cls)}")
-    tag = default_name(cls) if name is None else name
-    if type(tag) is not str or tag_problem(tag) is not None:
-        raise UnsupportedValue(f"{what}: invalid name {tag!r:.80}")
     if isinstance(aliases, str):
         raise UnsupportedValue(f"{what}: aliases must be a list of names, not one str")
-    old_names = list(aliases)
-    for alias in old_names:
-        if type(alias) is not str or tag_problem(alias) is not None:
-            raise UnsupportedValue(f"{what}: invalid alias {alias!r:.80}")
+    tag, old_names = default_name(cls) if name is None else name, list(aliases)
+    for role, t in [("name", tag), *(("alias", alias) for alias in old_names)]:
+        if type(t) is not str or tag_problem(t) is not None:
+            raise UnsupportedValue(f"{what}: invalid {role} {t!r:.80}")
     kind = _kind_of(cls)
     if kind is None:
         raise UnsupportedValue(f"{what}: only dataclasses, NamedTuples and Enums can be registered")
     entry = kind[1](tag, cls)
-    old = TAGGED.get(cls)
+    old = tagged.TAGGED.get(cls)
     if old is not None and old.tag != tag:
         raise UnsupportedValue(f"{what}: already registered under the name {old.tag!r}")
     for t in (tag, *old_names):
-        taken = by_tag(t)
+        taken = tagged.by_tag(t)
         if taken is not None and taken.cls is not cls and not _twins(taken.cls, cls):
             raise UnsupportedValue(
                 f"{what}: the name {t!r} is already taken by "
                 f"{taken.cls.__module__}.{taken.cls.__qualname__}; pass another name"
             )
-    if old is None and by_tag(tag) is not None:
-        add_class(entry)  # the script's twin: saved under its name, read as the first
+    if old is None and tagged.by_tag(tag) is not None:
+        tagged.add_class(entry)  # the script's twin: saved under its name, read as the first
     elif old is None:
-        add(entry)
+        tagged.add(entry)
         if name is None and cls.__module__ in _SCRIPT_MODULES:
-            add_name(f"__main__.{cls.__qualname__}", entry)  # what it was recorded as before
+            tagged.add_name(f"__main__.{cls.__qualname__}", entry)  # what it was recorded as before
     else:
         entry = old  # registering twice is harmless
     for alias in old_names:
-        add_name(alias, entry)  # read only: encoding writes entry.tag
+        tagged.add_name(alias, entry)  # read only: encoding writes entry.tag
     return cls
 
 
-def _is_tensorclass(cls: type) -> bool:
-    """A tensordict ``@tensorclass`` (a dataclass by its looks, a tree of tensors in fact);
-    only a loaded tensordict makes one, so it is never imported here."""
+def is_tensorclass(cls: object) -> bool:
+    """A tensordict ``@tensorclass`` or one's instance (a dataclass by its looks, a tree of
+    tensors in fact); only a loaded tensordict makes one, so it is never imported here."""
     tensordict = sys.modules.get("tensordict")
     return tensordict is not None and bool(tensordict.is_tensorclass(cls))
 
@@ -217,7 +204,7 @@ def _tensorclass_advice(cls: type) -> str:
 
 def unregistered_problem(cls: type) -> str | None:
     """Why an instance of ``cls`` is refused, when it is a kind users can register."""
-    if _is_tensorclass(cls):
+    if is_tensorclass(cls):
         return _tensorclass_advice(cls)
     kind = _kind_of(cls)
     if kind is None:
@@ -246,10 +233,10 @@ def registration_line(tag: str) -> str:
     return f"functional_ckpt.codec.register({cls}, name={tag!r})"
 
 
-def _namesakes(tag: str) -> list[TaggedType]:
+def _namesakes(tag: str) -> list[tagged.TaggedType]:
     """Registered classes whose name ends like ``tag``: maybe the same class, renamed."""
     short = tag.rsplit(".", 1)[-1]
-    return [e for e in TAGGED.values() if e.tag.rsplit(".", 1)[-1] == short][:3]
+    return [e for e in tagged.TAGGED.values() if e.tag.rsplit(".", 1)[-1] == short][:3]
 
 
 def unknown_tag_problem(tag: str) -> str:

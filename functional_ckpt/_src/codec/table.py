@@ -135,9 +135,8 @@ _CHAR_KINDS: Final = frozenset("biufc")
 
 
 def dtype_code(dt: np.dtype[Any]) -> str | None:
-    """Spell a dtype so that parsing it gives back the same dtype *class* (``longlong``
-    and ``int64`` share ``<i8``: numeric kinds use byte order plus type character);
-    None for dtypes not stored exactly."""
+    """A dtype's spelling that parses back to the same dtype *class* (``longlong`` and
+    ``int64`` share ``<i8``, so byte order plus type character); None: not stored exactly."""
     kind = dt.kind
     if kind not in _ARRAY_KINDS or dt.hasobject or dt.fields is not None:
         return None
@@ -156,9 +155,7 @@ def dtype_code(dt: np.dtype[Any]) -> str | None:
 
 
 def type_name(t: type) -> str:
-    if t.__module__ == "builtins":
-        return t.__qualname__
-    return f"{t.__module__}.{t.__qualname__}"
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
 def torch_size_problem(dims: Iterable[object]) -> str | None:

@@ -166,13 +166,6 @@ add(TaggedType("argparse.Namespace", argparse.Namespace, lambda v: dict(vars(v))
 
 
 # --- the placeholder of a tag this process has not registered ------------------------
-#
-# An unknown tag is not damage: a reader that only looks (``fc.inspect``, ``fc.verify``,
-# the command line) keeps it as an :class:`Unregistered`; ``fc.restore`` refuses one,
-# since a state holding it would fail far from the cause. Without the class nobody
-# knows whether its instances compared by fields or by identity, so one in a key's
-# place (a set member, a dict key, a tuple there) compares and hashes by identity:
-# the writer's members stay as many and none is unhashable.
 
 
 def placeholder_problem(value: Unregistered) -> str:
@@ -199,8 +192,12 @@ def _fields_problem(fields: object) -> str | None:
 
 class Unregistered:
     """A tagged value whose class this process has not registered: its tag and fields as
-    stored. Read-only, compared by tag and fields (by identity in a key's place), never
-    saved."""
+    stored, read-only, never saved. An unknown tag is not damage: a reader that only looks
+    (``fc.inspect``, ``fc.verify``, the command line) keeps one; ``fc.restore`` refuses
+    it, as a state holding it would fail far from the cause. Compared by tag and fields,
+    but by identity in a key's place (a set member, a dict key, a tuple there): without
+    the class nobody knows which its instances used, and so the writer's members stay as
+    many and none is unhashable."""
 
     __slots__ = ("_hash", "by_identity", "fields", "tag")
 

@@ -8,25 +8,25 @@ manifest (:func:`~..format.dcp_metadata.metadata_for`, the one derivation), so
 checked against the manifest's CRC32s (DCP's planner still maps saved chunks
 onto the caller's shards, any world size). DCP's planner unpickles a value's bytes
 (``weights_only=False``), so it is handed bytes made from the manifest's value, never
-bytes read from the checkpoint's files.
+bytes read from the checkpoint's files, each made when DCP first asks for it.
 """
 
 from __future__ import annotations
 
 import io
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from functional_ckpt._src.format import dcp_metadata
 from functional_ckpt._src.format import dcp_values as dcpbytes
-from functional_ckpt._src.restore.dtensor import _ManifestReader
+from functional_ckpt._src.restore.dtensor import ManifestChunks
 from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
@@ -41,8 +41,8 @@ class Reader(StorageReader):
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         super().__init__()
         self.path = None if path is None else Path(path)
-        self._tensors: _ManifestReader | None = None
-        self._values: dict[str, bytes] = {}
+        self._tensors: ManifestChunks | None = None
+        self._values: Callable[[str], bytes | None] = lambda fqn: None
         self._metadata: Metadata | None = None
 
     @property
@@ -75,11 +75,16 @@ class Reader(StorageReader):
         try:
             wanted = []
             for req in plan.items:
-                if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(self._value_bytes(req.storage_index)))
-                else:
+                if req.type != LoadItemType.BYTE_IO:
                     wanted.append(req)
-            tensors.read_data(LoadPlan(wanted), planner).wait()
+                elif (data := self._values(req.storage_index.fqn)) is not None:
+                    planner.load_bytes(req, io.BytesIO(data))
+                else:
+                    raise CorruptCheckpoint(
+                        f"{tensors.root.path}: .metadata lists the value "
+                        f"{req.storage_index.fqn!r}, which the manifest does not hold"
+                    )
+            tensors.read_data(LoadPlan(wanted), planner)
         finally:
             self._close()
         done: Future[None] = Future()
@@ -104,33 +109,18 @@ class Reader(StorageReader):
             parsed = committed.parsed(ck)
             groups = parsed.groups()
             values = dcpbytes.parse_byte_entries(ck.manifest, parsed.shared.file_sizes, ck.path)
-            reader = _ManifestReader(ck, parsed.shared)
-            for e in (e for group in groups for e in group):  # later entries win, as in DCP
-                reader.dtypes[e.fqn] = e.dtype
-                for c in e.chunks:
-                    reader.chunks[MetadataIndex(e.fqn, torch.Size(c.offsets))] = c
+            reader = ManifestChunks(ck, (e for group in groups for e in group))
             self._metadata = dcp_metadata.metadata_for(groups, values)
             shared = parsed.shared
-            taken = {e.fqn for group in groups for e in group}
             self._values = dcpbytes.from_manifest(
-                [(p, shared.values[p]) for p, kind in shared.order if kind == "value"], taken
+                [(p, shared.values[p]) for p, kind in shared.order if kind == "value"],
+                set(reader.dtypes),
             )
         except BaseException:
             ck.close()
             raise
         self._tensors = reader
         return self._metadata
-
-    def _value_bytes(self, index: MetadataIndex) -> bytes:
-        """A value's ``torch.save`` bytes, made from the manifest's value."""
-        data = self._values.get(index.fqn)
-        if data is None:
-            assert self._tensors is not None
-            raise CorruptCheckpoint(
-                f"{self._tensors.root.path}: .metadata lists the value {index.fqn!r}, "
-                "which the manifest does not hold"
-            )
-        return data
 
     def _close(self) -> None:
         if self._tensors is not None:

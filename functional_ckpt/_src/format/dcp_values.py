@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import io
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -227,8 +227,25 @@ def plan_bytes(
     out: list[ByteEntry] = []
     seen = set(taken)
     clashes: set[str] = set()
+    for entries in _entries(values, optimizers):
+        for fqn, sub, v in entries:
+            if fqn in seen:
+                clashes.add(fqn)
+            elif len(out) < MAX_ENTRIES and (data := _small(v)) is not None:
+                seen.add(fqn)
+                out.append(ByteEntry(fqn, sub, data))
+        if len(out) >= MAX_ENTRIES:
+            break
+    return [e for e in out if e.fqn not in clashes]
+
+
+def _entries(
+    values: Sequence[tuple[KeyPath, Any]], optimizers: Mapping[KeyPath, list[str]]
+) -> Iterator[list[tuple[str, DcpPath, Any]]]:
+    """Per value (container records skipped), the (DCP key, object path, value) entries
+    DCP's flattening makes of it, parameter positions named as ``get_state_dict`` does."""
     for path, value in values:
-        if path[-1] == NODE_KEY or len(out) >= MAX_ENTRIES:
+        if path[-1] == NODE_KEY:
             continue
         base: DcpPath = dcp_path(path, optimizers) or path
         root = next((r for r in optimizers if path[: len(r)] == r), None)
@@ -236,8 +253,8 @@ def plan_bytes(
             pairs = list(flatten(base, value))
         except _TooDeep:
             continue
+        out = []
         for sub, v in pairs:
-            fqn = ".".join(map(str, sub))
             if root is not None and _is_params(sub[len(root) :]):
                 names = optimizers[root]
                 if not (isinstance(v, list) and all(type(i) is int for i in v)):
@@ -245,27 +262,42 @@ def plan_bytes(
                 if not all(0 <= i < len(names) for i in v):
                     continue
                 v = [names[i] for i in v]  # as get_state_dict names them
-            if fqn in seen:
-                clashes.add(fqn)
-                continue
-            if len(out) >= MAX_ENTRIES or not _plain(v, [_MAX_ELEMENTS]):
-                continue
-            data = _saved(v)
-            if len(data) > MAX_VALUE_BYTES:
-                continue
-            seen.add(fqn)
-            out.append(ByteEntry(fqn, sub, data))
-    return [e for e in out if e.fqn not in clashes]
+            out.append((".".join(map(str, sub)), sub, v))
+        yield out
 
 
-def from_manifest(values: Sequence[tuple[KeyPath, Any]], taken: set[str]) -> dict[str, bytes]:
-    """The ``torch.save`` bytes of a checkpoint's values by DCP key, made from the
-    manifest's (authenticated, msgpack) values exactly as a save plans them.
+def _small(value: Any) -> bytes | None:
+    """``torch.save`` bytes of ``value`` if it is small plain data (else None)."""
+    if not _plain(value, [_MAX_ELEMENTS]):
+        return None
+    data = _saved(value)
+    return data if len(data) <= MAX_VALUE_BYTES else None
+
+
+def from_manifest(
+    values: Sequence[tuple[KeyPath, Any]], taken: set[str]
+) -> Callable[[str], bytes | None]:
+    """The ``torch.save`` bytes of a checkpoint's value by DCP key (None: none), made from
+    the manifest's (authenticated, msgpack) values as a save plans them, when first asked
+    for: a load may ask for none. A key a save listed has one value a save would write
+    (the first: those before it are not, and none follows it).
 
     Stock DCP's planner unpickles what a reader hands it: made here, those bytes never
     come from the checkpoint's files."""
     optimizers = dict(filter(None, (optimizer_names(p, v) for p, v in values)))
-    return {e.fqn: e.data for e in plan_bytes(values, taken, optimizers)}
+    by_key: dict[str, list[Any]] | None = None
+
+    def value_bytes(fqn: str) -> bytes | None:
+        nonlocal by_key
+        if by_key is None:
+            by_key = {}
+            for entries in _entries(values, optimizers):
+                for key, _, v in entries:
+                    by_key.setdefault(key, []).append(v)
+        made = (_small(v) for v in ([] if fqn in taken else by_key.get(fqn, [])))
+        return next((data for data in made if data is not None), None)
+
+    return value_bytes
 
 
 # --------------------------------------------------------------------------- parsing

@@ -14,49 +14,39 @@ from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.kind import is_stock_dcp
 from functional_ckpt._src.format.naming import parse_part, parse_shard
 from functional_ckpt._src.paths import PathLike
-from functional_ckpt._src.restore.summary import (
-    CheckpointSummary,
-    Node,
-    TensorSpec,
-    insert,
-    node_of,
-)
+from functional_ckpt._src.restore import summary
 from functional_ckpt._src.storage import committed
 from functional_ckpt._src.storage.committed import open_vetted
 from functional_ckpt._src.storage.usage import sharing
 
 
-def inspect_dcp(root: Path) -> CheckpointSummary:
+def inspect_dcp(root: Path) -> summary.CheckpointSummary:
     """Describe a stock DCP checkpoint from its metadata alone (DCP's classes: torch)."""
-    import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from functional_ckpt._src.restore.stock_dcp import StockFiles
 
-    with StockFiles(root) as files:
-        md = files.metadata()
+    with contextlib.closing(StockFiles(root)) as files:
+        md = files.md
     planner: Any = md.planner_data if isinstance(md.planner_data, dict) else {}
-    tree: dict[str, Any] = Node()
+    tree: dict[str, Any] = summary.Node()
     num_tensors = num_values = tensor_bytes = 0
     for fqn, smd in md.state_dict_metadata.items():
         kp = planner.get(fqn)
         flat = isinstance(kp, tuple | list) and kp and all(type(k) in (str, int) for k in kp)
         path: KeyPath = tuple(str(k) for k in kp) if flat else (fqn,)
         if isinstance(smd, TensorStorageMetadata):
-            nbytes = (
-                math.prod(smd.size) * torch.empty((), dtype=smd.properties.dtype).element_size()
-            )
+            nbytes = math.prod(smd.size) * smd.properties.dtype.itemsize
             tensor_bytes += nbytes
             num_tensors += 1
-            insert(tree, path, TensorSpec(smd.properties.dtype, tuple(smd.size), nbytes))
+            spec = summary.TensorSpec(smd.properties.dtype, tuple(smd.size), nbytes)
+            summary.insert(tree, path, spec)
         else:
             num_values += 1
-            insert(tree, path, "<pickled value, not loaded>")
-    file_bytes = 0
-    for f in os.listdir(root):
-        st = os.lstat(root / f)
-        file_bytes += st.st_size if stat.S_ISREG(st.st_mode) else 0
-    return CheckpointSummary(
+            summary.insert(tree, path, "<pickled value, not loaded>")
+    sizes = (os.lstat(root / f) for f in os.listdir(root))
+    file_bytes = sum(st.st_size for st in sizes if stat.S_ISREG(st.st_mode))
+    return summary.CheckpointSummary(
         path=root,
         format_version=None,
         created=None,
@@ -71,9 +61,8 @@ def inspect_dcp(root: Path) -> CheckpointSummary:
 
 
 def _file_sums(src: Path, raw: dict[str, Any], parts: int) -> tuple[int, int, int]:
-    """(bytes, bytes shared, bytes added) of a checkpoint's files: those of the index's
-    table, and in a split manifest of version 4 the parts and the files they list,
-    from the index's totals and the directory (no part is read: any N costs the same)."""
+    """(bytes, bytes shared, bytes added) of a checkpoint's files, a split manifest's parts
+    and the files they list from the index's totals and the directory (no part is read)."""
     files = dict(raw["files"])  # validated; the index's table alone
     total = sum(f["size"] for f in files.values())
     shared, added = sharing(src, files)
@@ -96,13 +85,10 @@ def _file_sums(src: Path, raw: dict[str, Any], parts: int) -> tuple[int, int, in
     return total, shared, added
 
 
-def inspect(path: PathLike) -> CheckpointSummary:
-    """Describe a checkpoint without reading any tensor data.
-
-    Needs none of the code that wrote it: a value of a class this process has not
-    registered is shown as an ``fc.codec.Unregistered`` placeholder, and
-    ``summary.unregistered`` lists their tags (``fc.restore`` refuses them).
-    """
+def inspect(path: PathLike) -> summary.CheckpointSummary:
+    """Describe a checkpoint without reading any tensor data, or the code that wrote it: a
+    value of a class this process has not registered is an ``fc.codec.Unregistered``
+    placeholder, its tag in ``summary.unregistered`` (``fc.restore`` refuses them)."""
     src = Path(path)
     if is_stock_dcp(src):
         return inspect_dcp(src)
@@ -111,21 +97,21 @@ def inspect(path: PathLike) -> CheckpointSummary:
         sums = _file_sums(src, ck.manifest, once.shared.parts)  # before a part adds files
         parsed = once.view(0, parts=())  # specs only: no chunk is read
         unregistered = tuple(sorted(ck.unregistered))
-    tree: dict[str, Any] = node_of(parsed.root)
+    tree: dict[str, Any] = summary.node_of(parsed.root)
     tensor_bytes = 0
     for p, kind in parsed.order:
         if kind == "node":
-            insert(tree, p, node_of(parsed.node_info.get(p)))
+            summary.insert(tree, p, summary.node_of(parsed.node_info.get(p)))
         elif kind == "value":
-            insert(tree, p, parsed.values[p])
+            summary.insert(tree, p, parsed.values[p])
         else:
             e = parsed.tensors[p]
             tensor_bytes += e.nbytes if e.alias is None else 0
-            insert(tree, p, TensorSpec(e.dtype_name, e.shape, e.nbytes))
+            summary.insert(tree, p, summary.TensorSpec(e.dtype_name, e.shape, e.nbytes))
     raw = parsed.raw
     file_bytes, shared, added = sums
     head = header_of(raw)  # re-signed manifests lie: only sane values count
-    return CheckpointSummary(
+    return summary.CheckpointSummary(
         path=src,
         format_version=head.version,
         created=head.created,

@@ -50,9 +50,7 @@ class DiffResult:
 
 def _leaves(path: Path) -> dict[KeyPath, tuple[str, Any]]:
     state = restore_for_viewing(path)  # comparing needs no registered class
-    return {
-        leaf.path: (leaf.kind, leaf.value) for leaf in iter_leaves(state) if leaf.kind != "node"
-    }
+    return {p: (kind, v) for p, kind, v in iter_leaves(state) if kind != "node"}
 
 
 def same_value(a: Any, b: Any) -> bool:

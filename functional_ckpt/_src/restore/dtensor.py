@@ -4,18 +4,13 @@ every byte checked."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    LoadPlanner,
-)
-from torch.distributed.checkpoint.storage import StorageReader
-from torch.futures import Future
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.groups import as_checkpoint_error
@@ -24,86 +19,56 @@ from functional_ckpt._src.format import dcp_metadata, parts
 from functional_ckpt._src.format.blobs import lands_raw
 from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import KeyPath
-from functional_ckpt._src.format.manifest import Chunk
+from functional_ckpt._src.format.manifest import Chunk, TensorEntry
 from functional_ckpt._src.restore.read import region, require_grad
 from functional_ckpt._src.storage import committed
 from functional_ckpt._src.storage.shards import read_tensors
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
 
-class _ManifestReader(StorageReader):
-    """DCP storage reader serving chunks straight from our manifest and files; its
-    ``Metadata`` is derived from this rank's parsed view, never read from a file."""
+class ManifestChunks:
+    """Serves DCP's load plans with tensor chunks read from our files as the manifest's
+    ``entries`` place them (later entries win, as in ``dcp_metadata.build``)."""
 
-    def __init__(self, root: committed.Checkpoint, parsed: ParsedManifest) -> None:
-        super().__init__()
+    def __init__(self, root: committed.Checkpoint, entries: Iterable[TensorEntry]) -> None:
         self.root = root
-        self.parsed = parsed
         self.chunks: dict[MetadataIndex, Chunk] = {}
         self.dtypes: dict[str, torch.dtype] = {}
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        pass
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        entries = list(self.parsed.tensors.values())
-        for e in entries:  # later entries win, as in ``dcp_metadata.build``
+        for e in entries:
             self.dtypes[e.fqn] = e.dtype
             for c in e.chunks:
                 self.chunks[MetadataIndex(e.fqn, torch.Size(c.offsets))] = c
-        return dcp_metadata.metadata_for([entries])
 
-    def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, *a: Any, **k: Any
-    ) -> None:
-        pass
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Read the chunks, file after file: each file is closed once its reads are done."""
         by_chunk: dict[int, tuple[Chunk, list[Any]]] = {}
         for req in plan.items:
             chunk = self.chunks[req.storage_index]
             by_chunk.setdefault(id(chunk), (chunk, []))[1].append(req)
-        ordered = sorted(by_chunk.values(), key=lambda cr: (cr[0].file, cr[0].data_offset))
+        ordered = sorted(by_chunk.values(), key=lambda c: (c[0].file, c[0].data_offset))
+        last = None
         try:
-            self._read(ordered, planner)
+            for chunk, reqs in ordered:
+                if last is not None and chunk.file != last:
+                    self.root.release(last)
+                last = chunk.file
+                fqn = reqs[0].storage_index.fqn
+                dtype = self.dtypes.get(fqn)
+                if dtype is None:
+                    raise CorruptCheckpoint(f"{self.root.path}: no tensor {fqn!r}")
+                if len(reqs) == 1:  # the common case: the shard is the chunk saved
+                    whole = _whole_target(chunk, reqs[0], planner, dtype)
+                    if whole is not None:
+                        read_chunk(self.root, chunk, dtype, fqn, out=whole)
+                        planner.commit_tensor(reqs[0], whole)
+                        continue
+                data = read_chunk(self.root, chunk, dtype, fqn)
+                for req in reqs:
+                    target = planner.resolve_tensor(req).detach()
+                    target.copy_(region(data, req.storage_offsets, req.lengths))
+                    planner.commit_tensor(req, target)
         finally:
             self.root.release_all()
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
-
-    def _read(self, ordered: list[tuple[Chunk, list[Any]]], planner: LoadPlanner) -> None:
-        """Read the chunks, file after file: each file is closed once its reads are done."""
-        last = None
-        for chunk, reqs in ordered:
-            if last is not None and chunk.file != last:
-                self.root.release(last)
-            last = chunk.file
-            fqn = reqs[0].storage_index.fqn
-            dtype = self.dtypes.get(fqn)
-            if dtype is None:
-                raise CorruptCheckpoint(f"{self.root.path}: no tensor {fqn!r}")
-            if len(reqs) == 1:  # the common case: the shard is the chunk saved
-                whole = _whole_target(chunk, reqs[0], planner, dtype)
-                if whole is not None:
-                    read_chunk(self.root, chunk, dtype, fqn, out=whole)
-                    planner.commit_tensor(reqs[0], whole)
-                    continue
-            data = read_chunk(self.root, chunk, dtype, fqn)
-            for req in reqs:
-                target = planner.resolve_tensor(req).detach()
-                target.copy_(region(data, req.storage_offsets, req.lengths))
-                planner.commit_tensor(req, target)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return False
 
 
 def _whole_target(
@@ -123,9 +88,8 @@ def parts_needed(
     selected: Sequence[tuple[KeyPath, str]],
     wanted: Mapping[KeyPath, torch.Tensor],
 ) -> set[int]:
-    """The parts of a split manifest whose chunks this rank reads: those its DTensor
-    shards of evenly split tensors meet, or every part when one such tensor is read
-    whole (a template leaf that is no DTensor, or none)."""
+    """The parts of a split manifest whose chunks this rank reads: those its DTensor shards
+    of split tensors meet, or every part when one is read whole (its leaf no DTensor)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     boxes: list[tuple[KeyPath, parts.Box | None]] = []
@@ -175,9 +139,8 @@ def read_sharded(
     inplace: bool,
     error: BaseException | None = None,
 ) -> dict[KeyPath, torch.Tensor]:
-    """The DTensor leaves of ``wanted`` read collectively, into new DTensors on their
-    meshes (``inplace``: the template's); every rank calls it, with ``error`` when a step
-    before failed on this rank, so that every rank fails together."""
+    """The DTensor leaves of ``wanted`` read collectively into new DTensors (``inplace``: the
+    template's); every rank calls it, with ``error`` if it failed before, to fail together."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     what = f"restore {ck.path}"
@@ -191,17 +154,14 @@ def read_sharded(
         state_dict = {parsed.tensors[p].fqn: t for p, t in sharded.items()}
         if not all(t.dtype == parsed.tensors[p].dtype for p, t in sharded.items()):
             raise CheckpointError(f"{ck.path}: cast=True is not supported for DTensor leaves")
-        # DCP's load step needs no coordinator (its global plan is the local plans
-        # unchanged), so each rank plans and reads its own shards here, without
-        # dcp.load's object collectives (one size per rank all-gathered, twice)
-        reader, planner = _ManifestReader(ck, parsed), DefaultLoadPlanner()
-        metadata = reader.read_metadata()
-        coordinator = dist.get_rank(group) == 0
-        planner.set_up_planner(state_dict, metadata, coordinator)
-        reader.set_up_storage_reader(metadata, coordinator)
-        plan = reader.prepare_local_plan(planner.create_local_plan())
-        (plan,) = reader.prepare_global_plan(planner.create_global_plan([plan]))
-        reader.read_data(planner.finish_plan(plan), planner).wait()
+        # DCP's load needs no coordinator (its global plan is the local ones): each rank
+        # plans and reads its own shards, without dcp.load's two object all-gathers
+        entries = list(parsed.tensors.values())
+        metadata = dcp_metadata.metadata_for([entries])
+        planner = DefaultLoadPlanner()
+        planner.set_up_planner(state_dict, metadata, dist.get_rank(group) == 0)
+        (plan,) = planner.create_global_plan([planner.create_local_plan()])
+        ManifestChunks(ck, entries).read_data(planner.finish_plan(plan), planner)
     except BaseException as e:
         error = as_checkpoint_error(e, what)
     groups.agree(error, group, what)  # every rank read its shards, or all fail

@@ -33,20 +33,12 @@ def vetted_view(path: Path, *, rank: int | None = 0) -> ParsedManifest:
 
 
 @dataclass(slots=True)
-class _FileReads:
-    """The blobs read from one file: where each lands, and whose tensor it is."""
-
-    jobs: list[shards.ReadJob] = field(default_factory=list)
-    paths: list[KeyPath] = field(default_factory=list)
-
-
-@dataclass(slots=True)
 class Reads:
-    """The reads of one restore, by file, and the copies to make once they are checked:
-    each file is read with one call per run of its blobs, so a small tensor costs one
-    allocation and one check."""
+    """The reads of one restore by file (one call per run of a file's blobs: a small tensor
+    costs one allocation and one check), and the copies to make once they are checked."""
 
-    by_file: dict[str, _FileReads] = field(default_factory=dict)
+    #: Per file, its blobs (where each lands) and whose tensor each is.
+    by_file: dict[str, tuple[list[shards.ReadJob], list[KeyPath]]] = field(default_factory=dict)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     #: Template leaves that cannot receive their tensor (:func:`spec_problem`).
     problems: list[str] = field(default_factory=list)
@@ -57,9 +49,9 @@ class Reads:
     def _read(self, path: KeyPath, chunk: Chunk, land: shards.Landing) -> None:
         found = self.by_file.get(chunk.file)
         if found is None:
-            found = self.by_file[chunk.file] = _FileReads()
-        found.jobs.append((chunk, land))
-        found.paths.append(path)
+            found = self.by_file[chunk.file] = ([], [])
+        found[0].append((chunk, land))
+        found[1].append(path)
 
     def add(
         self,
@@ -71,8 +63,7 @@ class Reads:
     ) -> torch.Tensor:
         """Plan the reads of ``entry`` into a new tensor of the template leaf's dtype and
         device (``device`` for ``meta`` leaves and none), or ``inplace`` into the leaf;
-        returns it. A leaf that does not fit is listed in :attr:`problems`: the look
-        its read takes at it anyway checks it."""
+        returns it. A leaf that does not fit is listed in :attr:`problems`."""
         chunks = entry.chunks
         c = chunks[0] if len(chunks) == 1 else None
         saved = torch_dtype(entry.dtype_name)
@@ -142,14 +133,14 @@ class Reads:
         faults = Prefaulter([t for _, _, t in in_order]) if in_order else None
         ready = None if faults is None else faults.ready
         try:
-            for name, group in self.by_file.items():  # a file at a time, closed once read
+            for name, (jobs, paths) in self.by_file.items():  # a file at a time, closed once read
                 try:
                     results = shards.read_tensors(
-                        src.fd(name), group.jobs, segments.get(name, ()), ready=ready
+                        src.fd(name), jobs, segments.get(name, ()), ready=ready
                     )
                 finally:
                     src.release(name)
-                for path, res in zip(group.paths, results, strict=True):
+                for path, res in zip(paths, results, strict=True):
                     if res is not None:
                         bad.append(f"  {format_path(path)} in {name}: {res}")
         finally:
@@ -208,12 +199,10 @@ def read_leaves(
     placeholders: bool = False,
     cast: bool = False,
 ) -> list[Leaf]:
-    """Read the selected entries into leaves, in the manifest's order.
-
-    ``wanted``: template leaves by key path, whose dtype and device (``inplace``: whose
-    storage) receive them; every one that does not fit is named in one error before
-    anything is read. Values of unregistered classes are refused unless ``placeholders``.
-    """
+    """Read the selected entries into leaves, in the manifest's order, each into the dtype
+    and device (``inplace``: the storage) of its ``wanted`` template leaf; every leaf that
+    does not fit is named in one error before anything is read. Values of unregistered
+    classes are refused unless ``placeholders``."""
     reads = Reads()
     tensors = parsed.tensors
     chosen: set[KeyPath] | None = None  # the tensors read: made when a tie is met
@@ -250,9 +239,8 @@ def read_leaves(
             assert e.alias is not None
             like = wanted.get(e.path)
             t = _tied(results[e.alias], like, inplace, device)
+            require_grad(t, like, inplace, no_template and e.requires_grad)
             leaves[i] = Leaf(e.path, "tensor", t)
-    for i, e in aliases:
-        require_grad(leaves[i].value, wanted.get(e.path), inplace, no_template and e.requires_grad)
     if src.unregistered and not placeholders:
         refuse_unregistered(src.path, parsed, selected)
     return leaves

@@ -1,10 +1,7 @@
-"""Reading checkpoints written by stock ``torch.distributed.checkpoint``.
-
-The tree comes from the caller's template, tensor locations from ``.metadata`` (the
-restricted unpickler), each tensor through ``torch.load(weights_only=True)``. Pickled
-values are read only as plain data, with every global refused, unless the caller
-passes ``allow_pickle=True`` for a checkpoint it trusts.
-"""
+"""Reading checkpoints written by stock ``torch.distributed.checkpoint``: the tree from
+the caller's template, tensor locations from ``.metadata`` (the restricted unpickler),
+each tensor through ``torch.load(weights_only=True)``, pickled values only as plain data
+(every global refused); any other value is refused."""
 
 from __future__ import annotations
 
@@ -21,8 +18,8 @@ from functional_ckpt._src.format import dcp_values as dcpbytes
 from functional_ckpt._src.format import naming, unpickler
 from functional_ckpt._src.format.dcp_values import DcpPath
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
-from functional_ckpt._src.format.manifest import dtype_name
-from functional_ckpt._src.restore.read import region, require_grad
+from functional_ckpt._src.format.manifest import TensorEntry, dtype_name
+from functional_ckpt._src.restore.read import region, require_grad, spec_problem
 from functional_ckpt._src.restore.template import Template
 from functional_ckpt._src.state.tree import Leaf, from_python, iter_leaves
 from functional_ckpt._src.storage import opener
@@ -35,12 +32,19 @@ from functional_ckpt.errors import (
 
 
 class StockFiles:
-    """A stock DCP checkpoint directory held open; its files opened safely, once each."""
+    """A stock DCP checkpoint directory held open, its ``.metadata`` read; its files opened
+    safely, once each."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.dir_fd = opener.open_directory(root)
         self.fds: dict[str, tuple[int, int]] = {}  # name -> (fd, size)
+        try:
+            self.md = self._metadata()
+        except BaseException:
+            self.close()
+            raise
+        self.storage: dict[Any, Any] = self.md.storage_data or {}  # where each entry lies
 
     def open(self, name: str) -> tuple[int, int]:
         got = self.fds.get(name)
@@ -53,7 +57,7 @@ class StockFiles:
             got = self.fds[name] = (fd, os.fstat(fd).st_size)
         return got
 
-    def metadata(self) -> Any:
+    def _metadata(self) -> Any:
         """DCP's ``.metadata``, parsed by the hardened unpickler."""
         where = self.root / naming.DCP_METADATA
         fd, size = self.open(naming.DCP_METADATA)
@@ -61,7 +65,13 @@ class StockFiles:
             raise CorruptCheckpoint(f"{where}: {size} bytes of DCP metadata is more than allowed")
         return unpickler.load_foreign(opener.read_exact(fd, size, where), where)
 
-    def blob(self, info: Any) -> bytes:
+    def blob(self, fqn: str, where: str, at: Any = None) -> bytes:
+        """The stored bytes of entry ``fqn`` (of its chunk at offsets ``at``)."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        info = self.storage.get(MetadataIndex(fqn, at))
+        if info is None:
+            raise CorruptCheckpoint(f"{self.root}: no storage recorded for {where}")
         name = info.relative_path
         if info.transform_descriptors:  # e.g. a FileSystemWriter(_extensions=[ZStandard()])
             raise CheckpointError(
@@ -82,16 +92,9 @@ class StockFiles:
         self.fds.clear()
         os.close(self.dir_fd)
 
-    def __enter__(self) -> StockFiles:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 #: What :func:`load_plain` returns for a byte entry that is not plain data.
 _NOT_PLAIN: Any = object()
-
 #: Largest pickle of a byte entry that :func:`load_plain` reads.
 MAX_PLAIN_BYTES = 16 << 20
 
@@ -104,10 +107,9 @@ class _PlainUnpickler(unpickler.RestrictedUnpickler):
 
 
 def load_plain(blob: bytes) -> Any:
-    """A byte entry's value (a ``torch.save`` zip) when it is plain data, else
-    ``_NOT_PLAIN``; nothing in it runs (every global refused). A value that, walked as a
-    tree, has more than four elements per pickle byte is refused too: a few hundred
-    bytes referring to one container many times could stand for 2**31 elements."""
+    """A byte entry's value (a ``torch.save`` zip) when it is plain data, else ``_NOT_PLAIN``
+    (every global refused), and no more than four elements per pickle byte as a tree: a few
+    hundred bytes referring to one container many times could stand for 2**31 of them."""
     try:
         with zipfile.ZipFile(io.BytesIO(blob)) as z:
             infos = z.infolist()
@@ -121,7 +123,7 @@ def load_plain(blob: bytes) -> Any:
                 return _NOT_PLAIN
             data = z.read(pkl[0])
         value = _PlainUnpickler(data).load()
-    except (CheckpointError, zipfile.BadZipFile, RecursionError, Exception):
+    except Exception:  # not a zip, a global named, too deep: not plain data
         return _NOT_PLAIN
     if not unpickler.is_plain(value) or not _tree_within(value, 4 * len(data) + 64):
         return _NOT_PLAIN
@@ -147,8 +149,7 @@ def _tree_within(value: Any, budget: int) -> bool:
 @dataclass
 class StockItem:
     """One template leaf and what fills it: its own DCP entry (``fqn``), the entries under
-    it (``parts``: a value stored per element, or an empty template subtree), or neither
-    (kept as the template has it)."""
+    it (``parts``: a value stored per element, or an empty template subtree), or neither."""
 
     leaf: Leaf
     fqn: str | None = None
@@ -162,22 +163,15 @@ class StockMatch:
     the plain byte entries already loaded while matching."""
 
     items: list[StockItem]
-    storage: dict[Any, Any]
     root: dict[str, Any] | None
     values: dict[str, Any] = field(default_factory=dict)
 
 
 def match_dcp(
-    files: StockFiles,
-    md: Any,
-    template: Template | None,
-    *,
-    partial: bool,
-    cast: bool,
-    allow_pickle: bool,
+    files: StockFiles, template: Template | None, *, partial: bool, cast: bool
 ) -> StockMatch:
-    """Match the template to the stock ``.metadata`` ``md``; one error lists every mismatch.
-    Byte entries are loaded here, as plain data (anything else only with ``allow_pickle``)."""
+    """Match the template to the stock ``.metadata``; one error lists every mismatch. Byte
+    entries are loaded here, as plain data only."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     root = files.root
@@ -185,21 +179,20 @@ def match_dcp(
         raise CheckpointError(
             f"{root}: a stock DCP checkpoint has no manifest; pass a template to restore it"
         )
+    md = files.md
     saved: dict[str, Any] = md.state_dict_metadata
-    storage: dict[Any, Any] = md.storage_data if isinstance(md.storage_data, dict) else {}
     planner: dict[str, Any] = md.planner_data if isinstance(md.planner_data, dict) else {}
-    match = StockMatch([], storage, template.root)
+    match = StockMatch([], template.root)
     problems: list[str] = []
     pickled: list[str] = []
     used: set[str] = set()
 
     def value_of(fqn: str, where: str) -> None:
-        blob = files.blob(_info(storage, fqn, root, where))
-        value = load_plain(blob)
-        if value is not _NOT_PLAIN:
-            match.values[fqn] = value
-        elif not allow_pickle:
+        value = load_plain(files.blob(fqn, where))
+        if value is _NOT_PLAIN:
             pickled.append(where)
+        else:
+            match.values[fqn] = value
 
     leaves = template.leaves
     parents = {leaf.path[:-1] for leaf in leaves}
@@ -236,17 +229,12 @@ def match_dcp(
         if not isinstance(smd, TensorStorageMetadata):
             problems.append(f"  {where}: saved as a pickled value, template has a tensor")
             continue
-        t: torch.Tensor = leaf.value
-        saved_dtype = smd.properties.dtype
-        if tuple(smd.size) != tuple(t.shape):
-            problems.append(f"  {where}: saved shape {list(smd.size)}, template {list(t.shape)}")
-        elif saved_dtype != t.dtype and not cast:
-            problems.append(
-                f"  {where}: saved dtype {dtype_name(saved_dtype)}, template "
-                f"{dtype_name(t.dtype)} (pass cast=True to convert)"
-            )
-        else:
+        spec = TensorEntry(leaf.path, fqn, dtype_name(smd.properties.dtype), smd.size, False)
+        problem = spec_problem(spec, leaf.value, cast)
+        if problem is None:
             match.items.append(StockItem(leaf, fqn, smd))
+        else:
+            problems.append(problem)
     if not partial:
         extra = sorted(set(saved) - used)
         problems += [f"  DCP key {k!r}: in the checkpoint but not in the template" for k in extra]
@@ -256,18 +244,17 @@ def match_dcp(
         )
     if pickled:
         raise UnsafeCheckpoint(
-            f"{root}: these values are stored as pickles, which can run code; pass "
-            "allow_pickle=True only for a checkpoint you trust:\n  " + "\n  ".join(pickled)
+            f"{root}: these values are pickles that are not plain data, and fc.restore "
+            "never unpickles anything else (it could run code); leave them out of the "
+            "template (partial=True), or load the checkpoint once with stock dcp.load in a "
+            "process you trust and save it again with fc.save:\n  " + "\n  ".join(pickled)
         )
     return match
 
 
 def _parts(saved: dict[str, Any], planner: dict[str, Any], path: KeyPath) -> list[Any]:
-    """The entries stored under ``path``, each with its object path below it.
-
-    DCP records each entry's object path in ``planner_data`` (list indices as
-    ints); an entry without one counts as a single key below ``path``.
-    """
+    """The entries stored under ``path``, each with its object path below it (from DCP's
+    ``planner_data``, list indices as ints; without one, a single key below ``path``)."""
     prefix = ".".join(path) + "."
     out: list[tuple[DcpPath, str, Any]] = []
     for key, smd in saved.items():
@@ -284,34 +271,16 @@ def _parts(saved: dict[str, Any], planner: dict[str, Any], path: KeyPath) -> lis
     return out
 
 
-def _info(storage: dict[Any, Any], fqn: str, root: Path, where: str, at: Any = None) -> Any:
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    info = storage.get(MetadataIndex(fqn, at))
-    if info is None:
-        raise CorruptCheckpoint(f"{root}: no storage recorded for {where}")
-    return info
-
-
 def _where(path: KeyPath) -> str:
     return f"{format_path(path)} (DCP key {'.'.join(path)!r})"
 
 
-def _value(files: StockFiles, match: StockMatch, fqn: str, where: str) -> Any:
-    if fqn in match.values:
-        return match.values[fqn]
-    blob = files.blob(_info(match.storage, fqn, files.root, where))
-    return torch.load(io.BytesIO(blob), weights_only=False)  # allowed by the caller
-
-
-def _tensor(
-    files: StockFiles, match: StockMatch, fqn: str, smd: Any, dest: torch.Tensor, where: str
-) -> None:
+def _tensor(files: StockFiles, fqn: str, smd: Any, dest: torch.Tensor, where: str) -> None:
     """Read every chunk of a stored tensor into its place in ``dest``."""
     root = files.root
     with torch.no_grad():
         for chunk in smd.chunks:
-            blob = files.blob(_info(match.storage, fqn, root, where, chunk.offsets))
+            blob = files.blob(fqn, where, chunk.offsets)
             try:
                 piece = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
             except Exception as e:
@@ -346,27 +315,24 @@ def read_dcp(
     values: dict[KeyPath, Any] = {}
     for item in match.items:
         leaf = item.leaf
-        where = _where(leaf.path)
         if item.parts is not None:
             got: Any = None
             for rel, fqn, smd in item.parts:
                 if hasattr(smd, "chunks"):
-                    shape, dtype = tuple(smd.size), smd.properties.dtype
-                    part: Any = torch.empty(shape, dtype=dtype, device=device)
-                    _tensor(files, match, fqn, smd, part, where)
+                    part: Any = torch.empty(smd.size, dtype=smd.properties.dtype, device=device)
+                    _tensor(files, fqn, smd, part, _where(leaf.path))
                 else:
-                    part = _value(files, match, fqn, where)
+                    part = match.values[fqn]
                 got = _set(got, rel, part)
             values[leaf.path] = got
         elif item.fqn is not None and leaf.kind == "value":
-            values[leaf.path] = _value(files, match, item.fqn, where)
+            values[leaf.path] = match.values[item.fqn]
     records = {i.leaf.path[:-1]: i.leaf.value for i in match.items if i.leaf.path[-1] == NODE_KEY}
     for path in [p for p in values if p[-1] == "state"]:
         _positional_keys(path[:-1], values, records.get(path[:-1]))
     out: list[Leaf] = []
     for item in match.items:
         leaf = item.leaf
-        where = _where(leaf.path)
         if leaf.path in values and leaf.kind == "value":
             out.append(Leaf(leaf.path, "value", values[leaf.path]))
         elif leaf.path in values:  # an empty template subtree, filled from the checkpoint
@@ -383,16 +349,15 @@ def read_dcp(
             else:
                 dev = device if t.is_meta else t.device
                 dest = torch.empty(t.shape, dtype=t.dtype, device=dev)
-            _tensor(files, match, item.fqn, item.smd, dest, where)
+            _tensor(files, item.fqn, item.smd, dest, _where(leaf.path))
             require_grad(dest, t, dest is t, False)
             out.append(Leaf(leaf.path, "tensor", dest))
     return out
 
 
 def _positional_keys(opt: KeyPath, values: dict[KeyPath, Any], record: Any) -> None:
-    """An optimizer's ``state`` filled from a stock checkpoint keyed by parameter position
-    again, as ``load_state_dict`` needs: DCP writes string keys, or parameter names, which
-    the template's record (``fc.capture`` with a model) maps to positions."""
+    """An optimizer's ``state`` keyed by parameter position again, as ``load_state_dict``
+    needs, from DCP's string keys or parameter names (the template's record maps them)."""
     state, groups = values.get((*opt, "state")), values.get((*opt, "param_groups"))
     if not (isinstance(state, dict) and isinstance(groups, list)):
         return

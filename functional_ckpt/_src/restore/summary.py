@@ -34,9 +34,8 @@ class TensorSpec:
                 raise ValueError(f"TensorSpec: unknown dtype {dtype!r}")
         else:
             name = dtype_name(dtype)
-        object.__setattr__(self, "dtype_name", name)
-        object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "nbytes", nbytes)
+        for key, value in (("dtype_name", name), ("shape", shape), ("nbytes", nbytes)):
+            object.__setattr__(self, key, value)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -1,9 +1,6 @@
-"""Matching a checkpoint against the template: what is read, and into what.
-
-``like``/``out`` say which keys to read and each tensor's dtype and device; every
-mismatch is listed in one error. Per-rank subtrees (random generators, data
-positions) are this rank's, or mapped by ``reshard`` when the world size changed.
-"""
+"""Matching a checkpoint against the template: what is read, and into what; every
+mismatch listed in one error. Per-rank subtrees (random generators, data positions)
+are this rank's, or mapped by ``reshard`` when the world size changed."""
 
 from __future__ import annotations
 
@@ -101,9 +98,8 @@ _SAFE = _NESTED | ATOMS | {torch.Tensor}
 
 
 def _saved_tree(state: Any, order: list[tuple[KeyPath, str]]) -> dict[KeyPath, Any] | None:
-    """The tensors of a template of plain dicts that holds the tree that was saved, key
-    for key, found by one walk beside the saved entries; None where it is not such a
-    template (it is then matched leaf by leaf, and any fault named)."""
+    """The tensors of a template of plain dicts holding the saved tree key for key, by one
+    walk beside the saved entries; None otherwise (then matched leaf by leaf)."""
     entries, targets = iter(order), dict[KeyPath, Any]()
 
     def walk(node: dict[str, Any], depth: int) -> bool:
@@ -137,12 +133,9 @@ def select(
     cast: bool,
     specs: bool = True,
 ) -> tuple[list[tuple[KeyPath, str]], dict[KeyPath, torch.Tensor]]:
-    """Match saved entries to the template; every mismatch is listed in one error.
-
-    Without ``specs`` a template of the tree that was saved is matched by its keys
-    alone: :func:`~.read.read_leaves` checks each tensor's dtype and shape where
-    it looks at the template leaf anyway.
-    """
+    """Match saved entries to the template; every mismatch is listed in one error. Without
+    ``specs`` a template of the saved tree is matched by its keys alone: the read checks
+    each tensor's dtype and shape where it looks at the template leaf anyway."""
     if template is None:
         return parsed.order, {}
     tensors = parsed.tensors
@@ -185,9 +178,8 @@ def select(
     def wanted(p: KeyPath) -> bool:
         if p in tleaves or any(p[: len(f)] == f for f in fill):
             return True
-        # A container record describes how the saved subtree was built (an
-        # OrderedDict state_dict, a list); a template written as plain dicts asks
-        # for that subtree all the same.
+        # a container record says how the saved subtree was built (an OrderedDict, a
+        # list): a template written as plain dicts asks for it all the same
         return p[-1] == NODE_KEY and (len(p) == 1 or p[:-1] in tleaves)
 
     selected: list[tuple[KeyPath, str]] = []
@@ -223,15 +215,6 @@ def per_rank_check(parsed: ParsedManifest, selected: list[tuple[KeyPath, str]], 
         )
 
 
-@dataclass
-class RankView:
-    """A checkpoint as this rank restores it: what it shares, and its own per-rank part."""
-
-    parsed: ParsedManifest
-    template: Template | None
-    mine: TensorDict | None = None  # per-rank subtrees mapped by ``reshard``
-
-
 def rank_view(
     src: committed.Checkpoint,
     parsed: ParsedCheckpoint,
@@ -242,13 +225,13 @@ def rank_view(
     rank: int,
     world: int,
     parts: frozenset[int] | None = None,
-) -> RankView:
-    """This rank's per-rank state, or every rank's mapped by ``reshard`` on a new world
-    size (without it, per-rank state asked for is refused there). ``parts`` limits the
-    split tensors' chunks to those parts' (none: every chunk), so only they are read."""
+) -> tuple[ParsedManifest, Template | None, TensorDict | None]:
+    """The checkpoint as this rank restores it, its template, and the per-rank subtrees
+    ``reshard`` maps from every rank's on a new world size (without it, those asked for
+    are refused); ``parts`` limits the split tensors' chunks read to those parts'."""
     mine_parsed = parsed.view(rank, parts)
     if mine_parsed.world_size == world or not mine_parsed.per_rank_roots:
-        return RankView(mine_parsed, template)  # the common case
+        return mine_parsed, template, None  # the common case
     saved_world = parsed.shared
     roots = saved_world.per_rank_roots
     if reshard is not None:  # every saving rank's per-rank subtrees, one TensorDict each
@@ -259,9 +242,9 @@ def rank_view(
             sel = [(p, k) for p, k in one.order if p[0] in names]
             saved.append(rebuild(read_leaves(src, one, sel, {}, True), one.root, src.path))
         mine = as_state(reshard(saved, rank, world))
-        return RankView(saved_world, None if template is None else template.without(roots), mine)
+        return saved_world, None if template is None else template.without(roots), mine
     if template is None and not partial:
         per_rank_check(saved_world, [(r, "node") for r in roots], world)
     if template is not None:
         per_rank_check(saved_world, [(lf.path, lf.kind) for lf in template.leaves], world)
-    return RankView(saved_world, template)
+    return saved_world, template, None

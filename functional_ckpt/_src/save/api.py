@@ -25,8 +25,7 @@ from functional_ckpt._src.save.options import DEFAULT_PER_RANK, SaveOptions, sav
 from functional_ckpt._src.save.plan import host_copy, prepare_save
 from functional_ckpt._src.save.staging import PendingSave, Stager, Staging
 from functional_ckpt._src.save.trust import idents
-from functional_ckpt._src.state.gc_pause import gc_paused
-from functional_ckpt._src.state.tree import State
+from functional_ckpt._src.state.tree import State, gc_paused
 from functional_ckpt.errors import CheckpointError
 
 _LOG = logger("save")

@@ -33,7 +33,7 @@ from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.job import SaveJob
 from functional_ckpt._src.save.local import finalize, remembered
 from functional_ckpt._src.save.plan import byte_entries, host_copy
-from functional_ckpt._src.state.gc_pause import gc_paused
+from functional_ckpt._src.state.tree import gc_paused
 from functional_ckpt._src.storage import commit, durable
 from functional_ckpt._src.storage.os_failure import os_failure
 from functional_ckpt.errors import CheckpointError

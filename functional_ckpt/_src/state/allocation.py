@@ -1,15 +1,11 @@
 """New host tensors whose fresh pages cost as little as the kernel allows.
 
 Faulting and zeroing 4 KiB pages while a read fills them costs several times the
-copy; memory advised for transparent huge pages takes one fault per 2 MiB, and a
-background thread (:class:`Prefaulter`) faults it in a block ahead of the reads,
-on the other core. The tensors stay ordinary ones from torch's allocator.
-
-Under a hypervisor whose balloon reports free pages to the host, a huge page is
-served from discarded memory (measured five times slower), so by default huge
-pages are asked for only where the kernel offers them and no such reporting is
-active; :data:`HUGE_PAGES_ENV` decides otherwise (``1`` always, ``0`` never).
-Advice the kernel refuses leaves ordinary memory.
+copy; memory advised for transparent huge pages takes one fault per 2 MiB, and
+:class:`Prefaulter` faults it in a block ahead of the reads, on the other core. Under a
+hypervisor whose balloon reports free pages, a huge page is served from discarded memory
+(measured five times slower): by default huge pages are asked for only where the kernel
+offers them and no such reporting is active (:data:`HUGE_PAGES_ENV` decides otherwise).
 """
 
 from __future__ import annotations
@@ -29,31 +25,21 @@ from functional_ckpt._src.threads import BackgroundThread, wait_quietly
 
 #: Environment switch: ``0`` never asks for huge pages, ``1`` always, unset/``auto`` decides.
 HUGE_PAGES_ENV = "FCKPT_HUGE_PAGES"
-
 #: Host tensors from this size on get their pages advised and faulted in up front.
 PREFAULT_BYTES = 4 << 20
-
 #: The transparent huge page size of x86-64 and most arm64 kernels.
 HUGE_PAGE = 2 << 20
-
 #: ``madvise`` advice: back with transparent huge pages.
 MADV_HUGEPAGE = 14
-
 #: ``madvise`` advice that faults a whole range in with one call (Linux 5.14+).
 MADV_POPULATE_WRITE = 23
-
 #: The kernel's transparent huge page switch.
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
 #: Where virtio devices list their negotiated feature bits.
 VIRTIO_DEVICES = Path("/sys/bus/virtio/devices")
-
 _VIRTIO_BALLOON = 5  # virtio device id
 _BALLOON_F_REPORTING = 5  # feature bit: the guest reports free pages to the host
-
 _PAGE = mmap.PAGESIZE
-
-
 _MADVISE = libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 
 
@@ -61,14 +47,12 @@ def _small_text(path: Path) -> str:
     """A kernel attribute file's text; empty where it cannot be read."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        try:
+            return os.read(fd, 4096).decode("ascii", "replace")
+        finally:
+            os.close(fd)
     except OSError:
         return ""
-    try:
-        return os.read(fd, 4096).decode("ascii", "replace")
-    except OSError:
-        return ""
-    finally:
-        os.close(fd)
 
 
 def thp_offered(enabled: Path = THP_ENABLED) -> bool:
@@ -90,8 +74,7 @@ def free_pages_reported(devices: Path = VIRTIO_DEVICES) -> bool:
         except ValueError:
             continue
         bits = _small_text(dev / "features").strip()
-        reporting = len(bits) > _BALLOON_F_REPORTING and bits[_BALLOON_F_REPORTING] == "1"
-        if kind == _VIRTIO_BALLOON and reporting:
+        if kind == _VIRTIO_BALLOON and bits[_BALLOON_F_REPORTING:][:1] == "1":
             return True
     return False
 
@@ -158,9 +141,8 @@ _FAULTS = BackgroundThread("fc-fault")
 
 
 class Prefaulter:
-    """New tensors' pages faulted in by a background thread, in the order they are read,
-    so the kernel makes pages on one core while a read fills those there on the other
-    (``madvise`` and ``preadv`` both release the GIL)."""
+    """New tensors' pages faulted in by a background thread in the order they are read, on
+    one core while a read fills them on the other (``madvise`` and ``preadv`` free the GIL)."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], block: int = FAULT_BLOCK) -> None:
         self._ranges = [(t.data_ptr(), t.numel() * t.itemsize) for t in tensors]

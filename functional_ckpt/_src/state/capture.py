@@ -1,10 +1,7 @@
-"""Capture live training objects into one state tree, and apply a tree back to them.
-
-Everything a resumed run needs to be bit-identical: model, optimizer (floats stay
-float64, ``betas`` a tuple), scheduler, every random generator and the data position.
-Tensors are captured by reference; a restore leaves the live ones alone until
-:func:`apply` loads its result into the objects.
-"""
+"""Capture live training objects into one state tree, and apply a tree back to them:
+everything a resumed run needs to be bit-identical (model, optimizer, scheduler, every
+random generator, the data position). Tensors are captured by reference; a restore
+leaves the live ones alone until :func:`apply` loads its result into the objects."""
 
 from __future__ import annotations
 
@@ -63,10 +60,7 @@ def apply_rng(rng: Mapping[str, Any]) -> None:
 
 def is_sharded_module(model: Any) -> bool:
     """True for modules with DTensor parameters (FSDP2 ``fully_shard``, tensor parallel)."""
-    params = getattr(model, "parameters", None)
-    if params is None:
-        return False
-    return any(type(p).__name__ == "DTensor" for p in params())
+    return any(type(p).__name__ == "DTensor" for p in getattr(model, "parameters", list)())
 
 
 def sharded_state_dicts(model: Any, optimizer: Any) -> tuple[Any, Any]:
@@ -117,12 +111,9 @@ def capture(
     rng: bool = True,
     **extra: Any,
 ) -> TensorDict:
-    """Gather the whole training state into one locked TensorDict.
-
-    ``extra`` holds user subtrees (``env=``, ``step=``, ...): nested dicts, lists,
-    tuples, tensors, numpy arrays and plain values, or any object with
-    ``state_dict()``.
-    """
+    """Gather the whole training state into one locked TensorDict; ``extra`` holds user
+    subtrees (``env=``, ``step=``, ...): containers, tensors, numpy arrays, plain values,
+    or any object with ``state_dict()``."""
     td = TensorDict({}, batch_size=[])
     if model is not None and optimizer is not None and is_sharded_module(model):
         model_sd, optim_sd = sharded_state_dicts(model, optimizer)
@@ -144,11 +135,8 @@ def capture(
 
 
 def _record_param_names(sub: TensorDictBase, model: Any, optimizer: Any) -> None:
-    """Record the optimizer's parameter names, so stock DCP sees its state by name.
-
-    The record is container metadata (``to_python`` ignores it): the state stays
-    ``optimizer.state_dict()``; only the DCP keys follow ``get_state_dict``.
-    """
+    """Record the optimizer's parameter names, so stock DCP sees its state by name, as
+    ``get_state_dict`` keys it (a container record: the state stays its own)."""
     from functional_ckpt._src.format import dcp_values as dcpbytes
     from functional_ckpt._src.format.keys import NODE_KEY
 
@@ -158,16 +146,22 @@ def _record_param_names(sub: TensorDictBase, model: Any, optimizer: Any) -> None
         sub.set(NODE_KEY, NonTensorData(data=record, batch_size=[]))  # type: ignore[arg-type]
 
 
-def _load(name: str, obj: Any, state: TensorDictBase) -> None:
+def _entry(state: TensorDictBase, name: str, hint: str = "") -> Any:
+    """``state[name]`` as Python containers; a clear error where the state has none."""
     if name not in state.keys():
         raise TemplateMismatch(
-            f"fc.apply({name}=...): the state has no {name!r} entry (keys: {list(state.keys())})"
+            f"fc.apply({name}=...): the state has no {name!r} entry (keys: "
+            f"{list(state.keys())}){hint}"
         )
+    return to_python(state.get(name))
+
+
+def _load(name: str, obj: Any, state: TensorDictBase) -> None:
     if not isinstance(obj, Stateful):
         raise UnsupportedValue(
             f"fc.apply({name}=...): {type(obj).__name__} has no load_state_dict()"
         )
-    obj.load_state_dict(to_python(state.get(name)))
+    obj.load_state_dict(_entry(state, name))
 
 
 def apply(
@@ -179,10 +173,8 @@ def apply(
     rng: bool = True,
     **extra: Any,
 ) -> None:
-    """Write a state back into live objects (the inverse of :func:`capture`).
-
-    ``extra`` names further stateful objects (anything with ``load_state_dict``)
-    stored under the same names by :func:`capture`.
+    """Write a state back into live objects (the inverse of :func:`capture`); ``extra``
+    names further objects with ``load_state_dict``, as :func:`capture` stored them.
 
     The random generators are restored last. Creating a data loader's iterator
     draws from them (its sampler's seed), so a loop resumed mid-epoch must create
@@ -193,21 +185,10 @@ def apply(
     if model is not None and optimizer is not None and is_sharded_module(model):
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        for name in ("model", "optimizer"):
-            if name not in state.keys():
-                raise TemplateMismatch(f"fc.apply({name}=...): the state has no {name!r} entry")
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=to_python(state.get("model")),
-            optim_state_dict=to_python(state.get("optimizer")),
-        )
+        model_sd, optim_sd = _entry(state, "model"), _entry(state, "optimizer")
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         model = optimizer = None
     for name, obj in _named(model, optimizer, scheduler, loader, **extra):
         _load(name, obj, state)
     if rng:
-        if "rng" not in state.keys():
-            raise TemplateMismatch(
-                "fc.apply(rng=True): the state has no 'rng' entry; pass rng=False to skip it"
-            )
-        apply_rng(to_python(state.get("rng")))
+        apply_rng(_entry(state, "rng", "; pass rng=False to skip it"))

@@ -3,12 +3,13 @@
 Containers TensorDict cannot express (lists, tuples, int-keyed dicts such as an
 optimizer's ``state``) become sub-TensorDicts with one extra leaf, :data:`NODE_KEY`,
 recording their kind and keys: ordinary data, so save and restore need no special case.
-``tensordict`` is imported only where a TensorDict is made or given: it pulls in
-``torch._dynamo`` (seconds), which a save of plain dicts does not need.
+``tensordict`` (seconds to import) is imported only where a TensorDict is made or given.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 import torch
 
 from functional_ckpt._src import codec
+from functional_ckpt._src.codec.registration import is_tensorclass
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import UnsafeCheckpoint, UnsupportedValue
@@ -28,15 +30,23 @@ if TYPE_CHECKING:
 State: TypeAlias = "TensorDictBase | Mapping[str, Any]"
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic GC paused while a large tree is flattened or rebuilt: with thousands of
+    tensors each collection walks the whole heap, costing more than small tensors' I/O."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def is_tensordict(value: object) -> bool:
     """``isinstance(value, TensorDictBase)``, without importing tensordict for it."""
     td = sys.modules.get("tensordict")
     return td is not None and isinstance(value, td.TensorDictBase)
-
-
-def _is_tensorclass(value: object) -> bool:
-    td = sys.modules.get("tensordict")
-    return td is not None and bool(td.is_tensorclass(value))
 
 
 def _contains_tensor(value: object) -> bool:
@@ -62,10 +72,9 @@ def _contains_tensor(value: object) -> bool:
 def from_python(
     value: Mapping[str, Any] | Any, path: KeyPath = (), _active: frozenset[int] = frozenset()
 ) -> TensorDict:
-    """Build an unlocked TensorDict from nested Python containers, exactly: other
-    containers become nodes with a :data:`NODE_KEY` record where they hold tensors,
-    single leaves where not. ``_active``: the containers above, so that one containing
-    itself is refused before Python's recursion limit is reached."""
+    """An unlocked TensorDict of nested Python containers, exactly: other containers are
+    nodes with a :data:`NODE_KEY` record where they hold tensors, single leaves where not
+    (``_active``: those above, so one containing itself is refused before recursing)."""
     from tensordict import NonTensorData, TensorDict
 
     if is_tensordict(value):
@@ -89,10 +98,8 @@ def from_python(
 def leaves_of(value: State) -> list[Leaf]:
     """``list(iter_leaves(as_state(value)))``, without building the TensorDict (which
     costs more than the walk)."""
-    if is_tensordict(value):
-        return list(iter_leaves(value))  # type: ignore[arg-type]
-    if not isinstance(value, Mapping):
-        return list(iter_leaves(as_state(value)))  # refused there, with its reason
+    if is_tensordict(value) or not isinstance(value, Mapping):
+        return list(iter_leaves(as_state(value)))  # one refused there, with its reason
     out: list[Leaf] = []
     _python_leaves(dict(value), (), frozenset(), out)
     return out
@@ -172,28 +179,20 @@ def _node_items(
                 "(only dict and OrderedDict mappings keep their type)"
             )
         return record, value.items()
-    if type(value) in (list, tuple) or isinstance(value, dict):
-        if isinstance(value, dict):
-            keys = list(value.keys())
-            names = [k if type(k) is str else repr(k) for k in keys]
-            kind = "dict"
-            try:
-                codec.check_hashes(keys, where=f"state[{format_path(path)}]")
-            except UnsafeCheckpoint as exc:
-                raise UnsupportedValue(f"{exc}; a reader would refuse these keys") from None
-        else:
-            keys = None
-            names = [str(i) for i in range(len(value))]
-            kind = type(value).__name__
+    if isinstance(value, dict):
+        keys = list(value.keys())
+        names = [k if type(k) is str else repr(k) for k in keys]
+        try:
+            codec.check_hashes(keys, where=f"state[{format_path(path)}]")
+        except UnsafeCheckpoint as exc:
+            raise UnsupportedValue(f"{exc}; a reader would refuse these keys") from None
         if len(set(names)) != len(names):
             raise UnsupportedValue(
                 f"state[{format_path(path)}]: dict keys {keys!r} collide once written as strings"
             )
-        record = {"kind": kind}
-        if keys is not None:
-            record["keys"] = keys
-        vals = value.values() if isinstance(value, dict) else value
-        return record, list(zip(names, vals, strict=True))
+        return {"kind": "dict", "keys": keys}, list(zip(names, value.values(), strict=True))
+    if type(value) in (list, tuple):
+        return {"kind": type(value).__name__}, [(str(i), v) for i, v in enumerate(value)]
     raise UnsupportedValue(
         f"state[{format_path(path)}]: expected a dict, list or tuple, got {type(value).__name__}"
     )
@@ -233,11 +232,8 @@ def _python_node(out: dict[str, Any]) -> Any:
 
 
 class Leaf(NamedTuple):
-    """One entry of a flattened tree: a tensor, a plain value, or an (empty) node.
-
-    A named tuple rather than a frozen dataclass: as immutable, and a save or a
-    restore makes one per leaf, at a third of the cost.
-    """
+    """One entry of a flattened tree: a tensor, a plain value, or an (empty) node (a named
+    tuple: as immutable as a frozen dataclass, made one per leaf at a third of the cost)."""
 
     path: KeyPath
     kind: str  # "tensor" | "value" | "node"
@@ -245,10 +241,8 @@ class Leaf(NamedTuple):
 
 
 def node_record(td: TensorDictBase) -> dict[str, Any] | None:
-    """What a (sub-)TensorDict carries besides its entries: batch size and dimension names.
-
-    None for ``batch_size=[]``, so unbatched trees are recorded as before.
-    """
+    """What a (sub-)TensorDict carries besides its entries: batch size and dimension names
+    (None for ``batch_size=[]``, so unbatched trees are recorded as before)."""
     if td.batch_size == torch.Size([]):
         return None
     record: dict[str, Any] = {"batch_size": list(td.batch_size)}
@@ -259,11 +253,8 @@ def node_record(td: TensorDictBase) -> dict[str, Any] | None:
 
 
 def iter_leaves(td: TensorDictBase, prefix: KeyPath = ()) -> Iterator[Leaf]:
-    """Walk a TensorDict in insertion order, yielding every node and leaf.
-
-    Nodes are yielded before their children so that an unflatten can rebuild
-    empty sub-trees too; a node's value is its :func:`node_record`.
-    """
+    """Every node and leaf of a TensorDict in insertion order, a node (its value its
+    :func:`node_record`) before its children, so that an unflatten rebuilds empty ones."""
     from tensordict import NonTensorData, NonTensorStack, TensorDictBase, is_tensorclass
 
     for key, item in td.items():
@@ -300,7 +291,7 @@ def as_state(value: State) -> TensorDictBase:
         return value  # type: ignore[return-value]
     if isinstance(value, Mapping):
         return from_python(dict(value))
-    if _is_tensorclass(value):
+    if is_tensorclass(value):
         raise UnsupportedValue(
             f"state: tensorclass {type(value).__name__} is not supported; pass "
             "state.to_tensordict()"
@@ -340,9 +331,8 @@ def _gather(
 
 
 def unflatten(leaves: list[Leaf], root: Mapping[str, Any] | None = None) -> TensorDict:
-    """Rebuild a locked TensorDict from :func:`iter_leaves`' leaves (``root``: the root's
-    :func:`node_record`), each node made once from its gathered entries (a ``set`` per
-    key costs ten times more)."""
+    """A locked TensorDict of :func:`iter_leaves`' leaves (``root``: the root's record),
+    each node made once from its gathered entries (a ``set`` per key costs ten times more)."""
     from tensordict import NonTensorData
 
     def value(v: Any, record: Any) -> NonTensorData:
