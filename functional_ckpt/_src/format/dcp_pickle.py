@@ -108,6 +108,7 @@ class _Memo:
     def __init__(self) -> None:
         self.count = 0
         self.known: dict[Any, int] = {}
+        self.sizes: dict[tuple[int, ...], int] = {}  # apart: looked up once per chunk box
 
     def _new(self, key: Any, opcodes: bytes) -> bytes:
         self.known[key] = self.count
@@ -128,11 +129,13 @@ class _Memo:
     def size(self, dims: Sequence[int]) -> bytes:
         """A ``torch.Size``: ``torch.Size((dims...))`` as its reduction pickles it."""
         key = dims if type(dims) is tuple else tuple(int(d) for d in dims)
-        got = self.known.get(("size", key))
+        got = self.sizes.get(key)
         if got is not None:
             return _get(got)
         size = self.obj("Size", _dcp("Size")) + _tuple([_int(d) for d in key]) + pickle.TUPLE1
-        return self._new(("size", key), size + pickle.REDUCE)
+        self.sizes[key] = self.count
+        self.count += 1
+        return size + pickle.REDUCE + pickle.MEMOIZE
 
     def obj(self, key: Any, make: Callable[[], Any]) -> bytes:
         """A small object shared by many (a class, a dtype's properties, a version)."""
@@ -170,12 +173,13 @@ def write(
     put(pickle.MARK)
     for name in _CLASSES:
         put(obj(name, _dcp(name)))
-    put(obj("BytesStorageMetadata", _bytes_md) + obj("Size", _dcp("Size")))
+    bytes_md = functools.partial(_made, "BytesStorageMetadata")
+    put(obj("BytesStorageMetadata", bytes_md) + obj("Size", _dcp("Size")))
     for name in _FIELDS:
         put(s(name))
     put(pickle.POP_MARK)
     md_cls, tensor_cls, chunk_cls, index_cls, info_cls = (obj(n, _dcp(n)) for n in _CLASSES)
-    value = obj("BytesStorageMetadata", _bytes_md)
+    value = obj("BytesStorageMetadata", bytes_md)
     new = pickle.EMPTY_TUPLE + pickle.NEWOBJ
     state = pickle.EMPTY_DICT + pickle.MARK
     end = pickle.SETITEMS + pickle.BUILD
@@ -202,7 +206,7 @@ def write(
             b"".join([chunk_pre + size(o) + k_sizes + size(z) + end for o, z in layout])
             for _ in "12"
         )
-        layouts[layout] = (again, np.array([m.known[("size", o)] for o, _ in layout], _MEMO))
+        layouts[layout] = (again, np.array([m.sizes[o] for o, _ in layout], _MEMO))
         of_entry.append(layouts[layout][1])
         return first
 
@@ -223,7 +227,8 @@ def write(
         else:
             put(tensor_pre)
         dtype = e.dtype
-        put(state + k_props + obj(("props", dtype), functools.partial(_properties, dtype)))
+        props = functools.partial(_made, "TensorProperties", dtype=dtype)
+        put(state + k_props + obj(("props", dtype), props))
         put(k_size + size(shape) + k_chunks + pickle.EMPTY_LIST)
         got = boxes(chunks)
         put(pickle.MARK + got + pickle.APPENDS + end if chunks else end)
@@ -341,13 +346,6 @@ def _tuple(items: list[bytes]) -> bytes:
     return pickle.MARK + b"".join(items) + pickle.TUPLE
 
 
-def _properties(dtype: Any) -> Any:
-    from torch.distributed.checkpoint.metadata import TensorProperties
-
-    return TensorProperties(dtype=dtype)
-
-
-def _bytes_md() -> Any:
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    return BytesStorageMetadata()
+def _made(name: str, **fields: Any) -> Any:
+    """An instance of DCP's class ``name`` (made when first pickled)."""
+    return _dcp(name)()(**fields)

@@ -233,6 +233,8 @@ def tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: s
         if chunks:
             raise CorruptCheckpoint(f"{where}: a planned tensor carries chunks")
         return entry
+    if len(chunks) == 1 and (one := checked_chunk(chunks[0], entry, out, where)).nbytes == n:
+        return entry.with_chunks((one,))  # the common case: one chunk, covering the tensor
     found = tuple([checked_chunk(c, entry, out, where) for c in chunks])
     if sum([c.nbytes for c in found]) != n:  # the boxes' bytes: the tensor's, or a hole
         raise CorruptCheckpoint(f"{where}: chunks of {format_path(path)} do not cover the tensor")
@@ -263,23 +265,23 @@ def checked_chunk(c: object, entry: TensorEntry, out: ParsedManifest, where: str
     ):
         raise CorruptCheckpoint(f"{where}: chunk box does not match the tensor's rank")
     expected = DTYPE_SIZES[entry.dtype_name]
-    outside = False
     for o, s, d in zip(offsets, sizes, shape, strict=True):
-        if type(o) is not int or type(s) is not int or o < 0 or s < 0:
-            checked_int(o, where, "chunk offset")
-            checked_int(s, where, "chunk size")
-        outside = outside or o + s > d
+        if type(o) is not int or type(s) is not int or o < 0 or s < 0 or o + s > d:
+            for v in offsets:
+                checked_int(v, where, "chunk offset")
+            for v in sizes:
+                checked_int(v, where, "chunk size")
+            raise UnsafeCheckpoint(f"{where}: a chunk of {format_path(entry.path)} lies outside it")
         expected *= s
-    if outside:
-        raise UnsafeCheckpoint(f"{where}: a chunk of {format_path(entry.path)} lies outside it")
     file = c.get("file")
     if type(file) is not str or file not in out.file_sizes or file == DCP_METADATA:
         raise CorruptCheckpoint(f"{where}: tensor stored in an unknown file {file!r}")
     fields = (*map(c.get, _NUMBERS), c.get("zstd", 0))
-    for v, (_, what) in zip(fields, _FIELDS, strict=True):
-        if type(v) is not int or v < 0:
-            raise CorruptCheckpoint(f"{where}: invalid {what} {v!r}")
     offset, length, data_offset, nbytes, _, _, zstd = fields
+    for v in fields:
+        if type(v) is not int or v < 0:  # named: the first field at fault
+            for x, (_, what) in zip(fields, _FIELDS, strict=True):
+                checked_int(x, where, what)
     if nbytes != expected:
         raise UnsafeCheckpoint(
             f"{where}: {format_path(entry.path)} declares {entry.spec} chunk {sizes} "
