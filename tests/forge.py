@@ -100,7 +100,7 @@ def old_layout(path: Path) -> None:
     file in the index's table, with each part's size and CRC32; parts without files
     and without a checksum of their own."""
     from functional_ckpt._src.format.checksum import crc32
-    from functional_ckpt._src.format.tables import is_table
+    from functional_ckpt._src.format.entries import is_table
 
     index = committed.read_manifest(path)
     version = naming.TABLES_VERSION if any(map(is_table, index["entries"])) else 2

@@ -176,7 +176,7 @@ def test_a_torch_save_zip_of_another_layout_is_a_clear_error() -> None:
         (("other/data.pkl", "other/.data/version", "other/data/0"), True),
         (("other/data.pkl", "other/data/0"), False),
     ):
-        sink = blobs._SparseWriter()
+        sink = blobs._Sparse()
         with zipfile.ZipFile(sink, "w") as z:  # type: ignore[arg-type]
             for n in names:
                 z.writestr(n, b"3\n")

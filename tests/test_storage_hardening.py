@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 import functional_ckpt as fc
 from functional_ckpt._src import codec
-from functional_ckpt._src.format import dcp_metadata, naming, unpickler
+from functional_ckpt._src.format import dcp_metadata, dcp_values, naming, unpickler
+from functional_ckpt._src.format.view import parse_checkpoint
 from functional_ckpt._src.storage import commit
 from tests import forge, prefork
 from tests.patience import HANG
@@ -193,7 +194,9 @@ def test_metadata_is_derived_from_the_manifest(tmp_path: Path) -> None:
     raw = (tmp_path / "a" / naming.DCP_METADATA).read_bytes()
     manifest = codec.decode((tmp_path / "a" / naming.MANIFEST).read_bytes())
     assert isinstance(manifest, dict)
-    assert raw == dcp_metadata.derive_from_manifest(manifest)
+    once = parse_checkpoint(manifest, Path("."))
+    values = dcp_values.parse_byte_entries(manifest, once.shared.file_sizes, Path("."))
+    assert raw == dcp_metadata.derive(once.groups(), values)
     assert raw == (tmp_path / "b" / naming.DCP_METADATA).read_bytes()  # same layout, same bytes
     md = pickle.loads(raw)  # what stock DCP does with it
     assert isinstance(md, Metadata) and set(md.state_dict_metadata) == {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import struct
 import subprocess
@@ -25,7 +26,7 @@ import torch
 import functional_ckpt as fc
 from functional_ckpt._src import codec, limits
 from functional_ckpt._src.codec import encoding, table
-from functional_ckpt._src.format import coverage, keys, naming, view
+from functional_ckpt._src.format import entries, keys, naming, view
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.table_rows import TABLE_MIN_ROWS
 from functional_ckpt._src.limits import LIMITS
@@ -415,7 +416,7 @@ def test_the_container_budget_matches_between_encode_and_decode() -> None:
 
 def parse_chunks(tmp_path: Path, shape: list[int], boxes: list[tuple[list[int], list[int]]]) -> Any:
     """Parse a manifest whose one float32 tensor is stored as ``boxes`` (offsets, sizes)."""
-    size = 4 * max(1, max(coverage.numel(s) for _, s in boxes))
+    size = 4 * max(1, max(math.prod(s) for _, s in boxes))
     (tmp_path / "f").write_bytes(b"\0" * size)
     chunks = [
         {
@@ -425,7 +426,7 @@ def parse_chunks(tmp_path: Path, shape: list[int], boxes: list[tuple[list[int], 
             "offset": 0,
             "length": size,
             "data_offset": 0,
-            "nbytes": 4 * coverage.numel(s),
+            "nbytes": 4 * math.prod(s),
             "crc32": 0,
             "hcrc32": 0,
         }
@@ -478,8 +479,8 @@ def test_coverage_of_a_pathological_grid_is_bounded() -> None:
     boxes = [b for i in range(1, n) for b in (([i, 0], [1, i]), ([i, i], [1, n - i]))]
     boxes.append(([0, 0], [1, n]))
     with pytest.raises(UnsafeCheckpoint, match="pieces"):
-        coverage.check_coverage([n, n], boxes, "chunks of 'w'")
-    coverage.check_coverage([n, n], [([i, 0], [1, n]) for i in range(n)], "chunks of 'w'")
+        entries.check_coverage([n, n], boxes, "chunks of 'w'")
+    entries.check_coverage([n, n], [([i, 0], [1, n]) for i in range(n)], "chunks of 'w'")
 
 
 def test_65_overlapping_chunks_in_a_real_checkpoint(tmp_path: Path) -> None:

@@ -24,28 +24,17 @@ if TYPE_CHECKING:
     import torch
 
 _LOCAL_SIG = b"PK\x03\x04"
-
 _CENTRAL_SIG = b"PK\x01\x02"
-
 _DESCRIPTOR_SIG = b"PK\x07\x08"
-
 _END_SIG = b"PK\x05\x06"
-
-_DATA_RECORD_SUFFIX = b"/data/0"
-
-_PREFIX = "archive/"  # the record prefix of fc's blobs, the one ``torch.save`` gives a stream
-
-_COMPACT_LIMIT = 1 << 31  # below this, no size or offset of the blob needs zip64
-
-_DATE = (1 << 5) | 1  # 1980-01-01, the zip epoch, in MS-DOS date format
-
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")
-
 _CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
-
 _DESCRIPTOR = struct.Struct("<4sIII")
-
 _END = struct.Struct("<4sHHHHIIH")
+_DATA_RECORD_SUFFIX = b"/data/0"
+_PREFIX = "archive/"  # the record prefix of fc's blobs, the one ``torch.save`` gives a stream
+_COMPACT_LIMIT = 1 << 31  # below this, no size or offset of the blob needs zip64
+_DATE = (1 << 5) | 1  # 1980-01-01, the zip epoch, in MS-DOS date format
 
 
 def bytes_are_values(t: torch.Tensor) -> bool:
@@ -71,28 +60,39 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-class _SparseWriter:
-    """A seekable sink that keeps what ``torch.save`` writes, skipping the data gap."""
+class _Sparse(io.RawIOBase):
+    """A seekable file keeping only what is written (``torch.save`` skips the tensor's
+    bytes), read back with zeros in the gaps: ``zipfile`` reads the small records
+    without a tensor-sized buffer."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.parts: list[tuple[int, bytes]] = []
-        self.pos = 0
+        self.pos = self.size = 0
 
     def write(self, b: Any) -> int:
         data = bytes(memoryview(b).cast("B"))
         self.parts.append((self.pos, data))
         self.pos += len(data)
+        self.size = max(self.size, self.pos)
         return len(data)
 
     def seek(self, off: int, whence: int = 0) -> int:
-        self.pos = off if whence == 0 else self.pos + off if whence == 1 else self.pos
+        base = 0 if whence == 0 else self.pos if whence == 1 else self.size
+        self.pos = max(0, base + off)
         return self.pos
 
-    def tell(self) -> int:
-        return self.pos
-
-    def flush(self) -> None:
-        pass
+    def readinto(self, b: Any) -> int:
+        out = memoryview(b).cast("B")
+        n = max(0, min(len(out), self.size - self.pos))
+        out[:n] = bytes(n)
+        start, end = self.pos, self.pos + n
+        for off, data in self.parts:  # in write order: a later write wins
+            lo, hi = max(off, start), min(off + len(data), end)
+            if lo < hi:
+                out[lo - start : hi - start] = data[lo - off : hi - off]
+        self.pos = end
+        return n
 
 
 @dataclass(frozen=True)
@@ -113,65 +113,21 @@ class BlobTemplate:
         return bytes(tail)
 
 
-class _SparseImage(io.RawIOBase):
-    """What a :class:`_SparseWriter` kept, read back as a file with zeros in the gap
-    (``zipfile`` reads the small records without a tensor-sized buffer)."""
-
-    def __init__(self, sink: _SparseWriter) -> None:
-        super().__init__()
-        self._parts = sink.parts
-        self._size = sink.pos
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, off: int, whence: int = 0) -> int:
-        base = 0 if whence == 0 else self._pos if whence == 1 else self._size
-        self._pos = max(0, base + off)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        out = memoryview(b).cast("B")
-        n = max(0, min(len(out), self._size - self._pos))
-        out[:n] = bytes(n)
-        start, end = self._pos, self._pos + n
-        for off, data in self._parts:  # in write order: a later write wins
-            lo, hi = max(off, start), min(off + len(data), end)
-            if lo < hi:
-                out[lo - start : hi - start] = data[lo - off : hi - off]
-        self._pos = end
-        return n
-
-
-def _saved_empty(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[_SparseWriter, int]:
+def _saved_empty(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[_Sparse, int]:
     """What ``torch.save`` writes for this spec (the data left out), and its byte size."""
     import torch
 
-    sink = _SparseWriter()
+    sink = _Sparse()
     with torch.serialization.skip_data():
         torch.save(torch.empty(shape, dtype=dtype), sink)  # type: ignore[arg-type]
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     return sink, nbytes
 
 
-def _build_template(dtype: torch.dtype, shape: tuple[int, ...]) -> BlobTemplate:
-    sink, nbytes = _saved_empty(dtype, shape)
-    if nbytes < _COMPACT_LIMIT:
-        return _compact_template(sink, nbytes)
-    return _torch_save_template(sink, nbytes)
-
-
-def _compact_template(sink: _SparseWriter, nbytes: int) -> BlobTemplate:
+def _compact_template(sink: _Sparse, nbytes: int) -> BlobTemplate:
     """The records ``torch.load`` reads, taken from ``torch.save``'s zip, framed anew; the
     data record's CRC32 follows it (a descriptor), so the head is the same for the spec."""
-    with zipfile.ZipFile(_SparseImage(sink)) as z:
+    with zipfile.ZipFile(sink) as z:
         names = z.namelist()
         pickles = [n for n in names if n.endswith("/data.pkl")]
         prefix = pickles[0][: -len("data.pkl")] if len(pickles) == 1 else ""
@@ -209,9 +165,10 @@ def _compact_template(sink: _SparseWriter, nbytes: int) -> BlobTemplate:
     return BlobTemplate(bytes(head), bytes(tail), nbytes, positions, crc32(bytes(head)))
 
 
-def _torch_save_template(sink: _SparseWriter, nbytes: int) -> BlobTemplate:
+def _torch_save_template(sink: _Sparse, nbytes: int) -> BlobTemplate:
     """``torch.save``'s own zip (zip64 where the size needs it), bytes left out."""
-    image = bytearray(_SparseImage(sink).readall())
+    sink.seek(0)
+    image = bytearray(sink.readall())
     start = -1
     i = image.find(_LOCAL_SIG)
     while i >= 0:
@@ -248,4 +205,7 @@ def _torch_save_template(sink: _SparseWriter, nbytes: int) -> BlobTemplate:
 @functools.lru_cache(maxsize=8192)
 def blob_template(dtype: torch.dtype, shape: tuple[int, ...]) -> BlobTemplate:
     """The template of every tensor of this dtype and shape (built once: a pure function)."""
-    return _build_template(dtype, shape)
+    sink, nbytes = _saved_empty(dtype, shape)
+    if nbytes < _COMPACT_LIMIT:
+        return _compact_template(sink, nbytes)
+    return _torch_save_template(sink, nbytes)

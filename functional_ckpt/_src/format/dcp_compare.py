@@ -37,8 +37,7 @@ def manifest_view(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteE
     storage: dict[tuple[str, Any], Any] = {}
     planner: dict[str, Any] = {}
     for e in (e for group in groups for e in group):
-        boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in e.chunks)
-        chunks[e.fqn] = (DType(e.dtype_name), tuple(e.shape), boxes)
+        chunks[e.fqn] = (DType(e.dtype_name), tuple(e.shape), _boxes(e.chunks))
         planner[e.fqn] = tuple(e.path if e.dcp_path is None else e.dcp_path)
         for c in e.chunks:
             storage[(e.fqn, tuple(c.offsets))] = (c.file, c.offset, c.length, transforms(c))
@@ -53,25 +52,20 @@ def file_view(md: Any) -> View:
     """What a parsed ``.metadata`` (``unpickler.load_standins``) says."""
     chunks: dict[str, Any] = {}
     for fqn, smd in md.state_dict_metadata.items():
-        if type(smd) is TensorStorageMetadata:
-            chunks[fqn] = (
-                smd.properties.dtype,
-                tuple(smd.size),
-                sorted((tuple(c.offsets), tuple(c.sizes)) for c in smd.chunks),
-            )
-        else:
-            chunks[fqn] = "bytes"
-    data = md.storage_data if isinstance(md.storage_data, dict) else {}
-    storage = {
-        (k.fqn, None if k.offset is None else tuple(k.offset)): (
-            v.relative_path,
-            v.offset,
-            v.length,
-            v.transform_descriptors,
+        tensor = type(smd) is TensorStorageMetadata
+        chunks[fqn] = (
+            (smd.properties.dtype, tuple(smd.size), _boxes(smd.chunks)) if tensor else "bytes"
         )
-        for k, v in data.items()
-    }
+    data = md.storage_data if isinstance(md.storage_data, dict) else {}
+    storage: dict[tuple[str, Any], Any] = {}
+    for k, v in data.items():
+        key = (k.fqn, None if k.offset is None else tuple(k.offset))
+        storage[key] = (v.relative_path, v.offset, v.length, v.transform_descriptors)
     return chunks, storage, md.planner_data
+
+
+def _boxes(chunks: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    return sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks)
 
 
 def compare(found: View, expected: View, limit: int = 20) -> list[str]:

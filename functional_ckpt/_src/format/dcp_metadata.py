@@ -10,102 +10,70 @@ from __future__ import annotations
 import functools
 import pickle
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.serialization
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint import filesystem
+from torch.distributed.checkpoint import metadata as dcp
 
 from functional_ckpt._src.format import dcp_pickle
-from functional_ckpt._src.format import dcp_values as dcpbytes
 from functional_ckpt._src.format.dcp_compare import transforms
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import TensorEntry
-from functional_ckpt._src.format.view import PartLoader, parse_checkpoint
 
 #: The pickle protocol of the derived file (what ``pickle.dump`` writes by default).
 PROTOCOL = 4
-
-
-def _dcp_version() -> str | None:
-    from torch.distributed.checkpoint import filesystem
-
-    return getattr(filesystem, "CURRENT_DCP_VERSION", None)
+_VERSION: str | None = getattr(filesystem, "CURRENT_DCP_VERSION", None)
 
 
 def metadata_for(
     groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] = ()
-) -> Metadata:
+) -> dcp.Metadata:
     """The DCP ``Metadata`` describing a manifest's tensor groups (shared, then per rank)
     and byte entries; equal strings, sizes and properties are one object each."""
     strings: dict[str, str] = {}
-    props: dict[torch.dtype, TensorProperties] = {}
+    props: dict[torch.dtype, dcp.TensorProperties] = {}
     sizes: dict[tuple[int, ...], torch.Size] = {}
-    single: dict[tuple[torch.dtype, tuple[int, ...]], TensorStorageMetadata] = {}
+    single: dict[tuple[torch.dtype, tuple[int, ...]], dcp.TensorStorageMetadata] = {}
 
     def s(text: str) -> str:
         return strings.setdefault(text, text)
 
     def size_of(dims: Sequence[int]) -> torch.Size:
-        got = sizes.get(dims) if type(dims) is tuple else None  # chunks hold tuples of ints
+        key = dims if type(dims) is tuple else tuple(int(d) for d in dims)
+        got = sizes.get(key)
         if got is None:
-            key = tuple(int(d) for d in dims)
-            got = sizes.get(key)
-            if got is None:
-                got = sizes[key] = torch.Size(key)
+            got = sizes[key] = torch.Size(key)
         return got
 
     state_md: dict[str, Any] = {}
     planner_data: dict[str, Any] = {}
-    storage: dict[MetadataIndex, Any] = {}
+    storage: dict[dcp.MetadataIndex, Any] = {}
     for entry in (e for group in groups for e in group):
         fqn, dtype, shape, chunks = s(entry.fqn), entry.dtype, entry.shape, entry.chunks
-        prop = props.get(dtype)
-        if prop is None:
-            prop = props[dtype] = TensorProperties(dtype=dtype)
+        prop = props.get(dtype) or props.setdefault(dtype, dcp.TensorProperties(dtype=dtype))
         # one chunk at the origin of a tensor's own shape (a view of some parts of a
         # split manifest holds one chunk at the origin that is not the whole tensor)
         whole = len(chunks) == 1 and chunks[0].whole and chunks[0].sizes == shape
         md = single.get((dtype, shape)) if whole else None
         if md is None:
-            md = TensorStorageMetadata(
-                properties=prop,
-                size=size_of(shape),
-                chunks=[
-                    ChunkStorageMetadata(offsets=size_of(c.offsets), sizes=size_of(c.sizes))
-                    for c in chunks
-                ],
-            )
+            boxes = [dcp.ChunkStorageMetadata(size_of(c.offsets), size_of(c.sizes)) for c in chunks]
+            md = dcp.TensorStorageMetadata(prop, size_of(shape), boxes)
             if whole:
                 single[(dtype, shape)] = md
         state_md[fqn] = md
         key_path = entry.path if entry.dcp_path is None else entry.dcp_path
         planner_data[fqn] = tuple(s(k) for k in key_path)
         for i, c in enumerate(chunks):
-            index = MetadataIndex(fqn, size_of(c.offsets), i)
-            storage[index] = _StorageInfo(s(c.file), c.offset, c.length, transforms(c))
-    value = BytesStorageMetadata()
+            index = dcp.MetadataIndex(fqn, size_of(c.offsets), i)
+            storage[index] = filesystem._StorageInfo(s(c.file), c.offset, c.length, transforms(c))
+    value = dcp.BytesStorageMetadata()
     for b in blobs:
         fqn = s(b.fqn)
         state_md[fqn] = value
         planner_data[fqn] = tuple(s(k) if type(k) is str else k for k in b.path)
-        storage[MetadataIndex(fqn)] = _StorageInfo(s(b.file), b.offset, b.length)
-    return Metadata(
-        state_dict_metadata=state_md,
-        planner_data=planner_data,
-        storage_data=storage,
-        storage_meta=None,
-        version=_dcp_version(),
-    )
+        storage[dcp.MetadataIndex(fqn)] = filesystem._StorageInfo(s(b.file), b.offset, b.length)
+    return dcp.Metadata(state_md, planner_data, storage, None, _VERSION)
 
 
 def derive(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] = ()) -> bytes:
@@ -120,10 +88,14 @@ def derive(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] =
 
 
 class _Layout:
-    """A manifest's entries, equal and hashed by what :func:`_derived` reads of them."""
+    """A manifest's entries, equal and hashed by all that :func:`_derived` reads of them."""
 
     def __init__(self, groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry]):
-        self.groups, self.blobs, self.key = groups, blobs, _layout(groups, blobs)
+        self.groups, self.blobs = groups, blobs
+        entries = [e for g in groups for e in g]  # ``.metadata`` lists them in one run
+        values = tuple([(b.fqn, b.path, b.file, b.offset, b.length) for b in blobs])
+        tensors = [(*e[:4], e.dcp_path, *[(*c[:5], c.zstd) for c in e.chunks]) for e in entries]
+        self.key = values, tuple(tensors)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Layout) and self.key == other.key
@@ -136,36 +108,6 @@ class _Layout:
 def _derived(layout: _Layout) -> bytes:
     groups, blobs = layout.groups, layout.blobs
     if dcp_pickle.supported() and not any(c.zstd for g in groups for e in g for c in e.chunks):
-        return dcp_pickle.write(groups, blobs, _dcp_version())
+        return dcp_pickle.write(groups, blobs, _VERSION)
     # a torch that pickles its classes otherwise: its own pickle of its objects
     return pickle.dumps(metadata_for(groups, blobs), protocol=PROTOCOL)
-
-
-def _layout(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry]) -> tuple[Any, ...]:
-    """Everything of a manifest that :func:`_derived` reads, as one comparable value."""
-    values = tuple((b.fqn, b.path, b.file, b.offset, b.length) for b in blobs)
-    return values, tuple(
-        tuple(
-            (
-                e.fqn,
-                e.path,
-                e.dcp_path,
-                e.dtype_name,
-                e.shape,
-                tuple([(*c[:5], c.zstd) for c in e.chunks]),  # box, file, offset, length
-            )
-            for e in group
-        )
-        for group in groups
-    )
-
-
-def derive_from_manifest(
-    manifest: dict[str, Any], root: Path = Path("."), parts: PartLoader | None = None
-) -> bytes:
-    """:func:`derive` of a decoded manifest (validated here; ``root`` names it in errors;
-    ``parts`` reads a split manifest's parts)."""
-    once = parse_checkpoint(manifest, root, parts=parts)
-    return derive(
-        once.groups(), dcpbytes.parse_byte_entries(manifest, once.shared.file_sizes, root)
-    )

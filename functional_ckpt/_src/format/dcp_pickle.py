@@ -28,13 +28,13 @@ from functional_ckpt._src.format.manifest import Chunk, TensorEntry
 
 #: Each class's pickled state, as this writer emits it (keys in torch's order).
 _STATE_KEYS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "ChunkStorageMetadata": (("offsets", "sizes"),),
-    "MetadataIndex": (("fqn", "index", "offset"), ("fqn", "index")),
-    "_StorageInfo": (("relative_path", "offset", "length"),),
-    "TensorStorageMetadata": (("properties", "size", "chunks"),),
     "Metadata": (
         ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"),
     ),
+    "TensorStorageMetadata": (("properties", "size", "chunks"),),
+    "ChunkStorageMetadata": (("offsets", "sizes"),),
+    "MetadataIndex": (("fqn", "index", "offset"), ("fqn", "index")),
+    "_StorageInfo": (("relative_path", "offset", "length"),),
 }
 
 _PACK_I = struct.Struct("<I").pack
@@ -48,26 +48,26 @@ def supported() -> bool:
     from torch.distributed.checkpoint import metadata as md
 
     size = torch.Size([0])
-    samples: list[tuple[str, Any]] = [
-        ("ChunkStorageMetadata", md.ChunkStorageMetadata(offsets=size, sizes=size)),
-        ("MetadataIndex", md.MetadataIndex("a", size, 0)),
-        ("MetadataIndex", md.MetadataIndex("a")),
-        ("_StorageInfo", filesystem._StorageInfo("f", 0, 1)),
-        ("TensorStorageMetadata", md.TensorStorageMetadata(md.TensorProperties(), size, [])),
-        ("Metadata", md.Metadata(state_dict_metadata={}, planner_data={}, storage_data={})),
+    samples = [
+        md.ChunkStorageMetadata(offsets=size, sizes=size),
+        md.MetadataIndex("a", size, 0),
+        md.MetadataIndex("a"),
+        filesystem._StorageInfo("f", 0, 1),
+        md.TensorStorageMetadata(md.TensorProperties(), size, []),
+        md.Metadata(state_dict_metadata={}, planner_data={}, storage_data={}),
     ]
-    if size.__reduce_ex__(4) != (torch.Size, ((0,),)):
-        return False
-    for name, obj in samples:
+
+    def as_written(obj: Any) -> bool:  # copyreg.__newobj__(cls), then a dict of its fields
         got = obj.__reduce_ex__(4)
-        if len(got) < 3 or got[0] is not copyreg.__newobj__ or got[1] != (type(obj),):  # type: ignore[attr-defined]
-            return False
-        if any(x is not None for x in got[3:]):
-            return False
-        state = got[2]
-        if type(state) is not dict or tuple(state) not in _STATE_KEYS[name]:
-            return False
-    return True
+        return (
+            len(got) >= 3
+            and got[:2] == (copyreg.__newobj__, (type(obj),))  # type: ignore[attr-defined]
+            and all(x is None for x in got[3:])
+            and type(got[2]) is dict
+            and tuple(got[2]) in _STATE_KEYS[type(obj).__name__]
+        )
+
+    return size.__reduce_ex__(4) == (torch.Size, ((0,),)) and all(map(as_written, samples))
 
 
 def _embedded(obj: Any) -> bytes:
@@ -108,7 +108,7 @@ class _Memo:
     def __init__(self) -> None:
         self.count = 0
         self.known: dict[Any, int] = {}
-        self.sizes: dict[tuple[int, ...], int] = {}
+        self.sizes: dict[tuple[int, ...], int] = {}  # apart: looked up once per chunk box
 
     def _new(self, key: Any, opcodes: bytes) -> bytes:
         self.known[key] = self.count
@@ -132,11 +132,10 @@ class _Memo:
         got = self.sizes.get(key)
         if got is not None:
             return _get(got)
-        items = _tuple([_int(d) for d in key])
-        opcodes = self.obj("torch.Size", _torch_size) + items + pickle.TUPLE1 + pickle.REDUCE
+        size = self.obj("Size", _dcp("Size")) + _tuple([_int(d) for d in key]) + pickle.TUPLE1
         self.sizes[key] = self.count
         self.count += 1
-        return opcodes + pickle.MEMOIZE
+        return size + pickle.REDUCE + pickle.MEMOIZE
 
     def obj(self, key: Any, make: Callable[[], Any]) -> bytes:
         """A small object shared by many (a class, a dtype's properties, a version)."""
@@ -146,17 +145,16 @@ class _Memo:
         return self._new(("obj", key), _embedded(make()))
 
 
-def _torch_size() -> Any:
-    import torch
-
-    return torch.Size
-
-
 def _dcp(name: str) -> Callable[[], Any]:
+    """DCP's class ``name`` (``torch.Size`` for "Size"), imported when first pickled."""
+
     def cls() -> Any:
+        import torch
         from torch.distributed.checkpoint import filesystem, metadata
 
-        return getattr(filesystem if name == "_StorageInfo" else metadata, name)
+        return getattr(
+            filesystem if name == "_StorageInfo" else torch if name == "Size" else metadata, name
+        )
 
     return cls
 
@@ -175,12 +173,13 @@ def write(
     put(pickle.MARK)
     for name in _CLASSES:
         put(obj(name, _dcp(name)))
-    put(obj("BytesStorageMetadata", _bytes_md) + obj("torch.Size", _torch_size))
+    bytes_md = functools.partial(_made, "BytesStorageMetadata")
+    put(obj("BytesStorageMetadata", bytes_md) + obj("Size", _dcp("Size")))
     for name in _FIELDS:
         put(s(name))
     put(pickle.POP_MARK)
     md_cls, tensor_cls, chunk_cls, index_cls, info_cls = (obj(n, _dcp(n)) for n in _CLASSES)
-    value = obj("BytesStorageMetadata", _bytes_md)
+    value = obj("BytesStorageMetadata", bytes_md)
     new = pickle.EMPTY_TUPLE + pickle.NEWOBJ
     state = pickle.EMPTY_DICT + pickle.MARK
     end = pickle.SETITEMS + pickle.BUILD
@@ -228,13 +227,11 @@ def write(
         else:
             put(tensor_pre)
         dtype = e.dtype
-        put(state + k_props + obj(("props", dtype), functools.partial(_properties, dtype)))
+        props = functools.partial(_made, "TensorProperties", dtype=dtype)
+        put(state + k_props + obj(("props", dtype), props))
         put(k_size + size(shape) + k_chunks + pickle.EMPTY_LIST)
-        if chunks:
-            put(pickle.MARK + boxes(chunks) + pickle.APPENDS)
-        else:
-            boxes(chunks)
-        put(end)
+        got = boxes(chunks)
+        put(pickle.MARK + got + pickle.APPENDS + end if chunks else end)
     for b in blobs:
         put(s(b.fqn) + value)
 
@@ -291,13 +288,7 @@ def write(
     return b"".join(out)
 
 
-_CLASSES = [
-    "Metadata",
-    "TensorStorageMetadata",
-    "ChunkStorageMetadata",
-    "MetadataIndex",
-    "_StorageInfo",
-]
+_CLASSES = list(_STATE_KEYS)  # memoised in this order
 _MEMO = np.dtype("<u4")  # a memo index, as LONG_BINGET takes it
 _file, _offset, _length = (operator.itemgetter(i) for i in (2, 3, 4))
 
@@ -355,13 +346,6 @@ def _tuple(items: list[bytes]) -> bytes:
     return pickle.MARK + b"".join(items) + pickle.TUPLE
 
 
-def _properties(dtype: Any) -> Any:
-    from torch.distributed.checkpoint.metadata import TensorProperties
-
-    return TensorProperties(dtype=dtype)
-
-
-def _bytes_md() -> Any:
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    return BytesStorageMetadata()
+def _made(name: str, **fields: Any) -> Any:
+    """An instance of DCP's class ``name`` (made when first pickled)."""
+    return _dcp(name)()(**fields)

@@ -170,10 +170,7 @@ def _get_layout(name: str) -> Layout:
 
 
 #: Classes whose instances the unpickler may create and fill (``NEWOBJ`` + ``BUILD``).
-DATA_CLASSES: Final[tuple[type[_Record], ...]] = (
-    Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata,
-    TensorProperties, MetadataIndex, StorageMeta, _StorageInfo,
-)  # fmt: skip
+DATA_CLASSES: Final = tuple(_Record.__subclasses__())
 
 _PATH_NAMES: Final = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
 PATHS: Final = tuple(getattr(pathlib, n) for n in _PATH_NAMES)

@@ -1,4 +1,5 @@
-"""One manifest entry validated: a key path, a node, a value, a tensor and its chunks.
+"""Manifest entries validated: a key path, a node, a value, a tensor and its chunks, and
+tensor tables (many plain tensors at once, every row held to a tensor entry's checks).
 
 The common, well-formed record passes checks done in line (a manifest holds tens of
 thousands); any other goes through the checks that name what is wrong with it.
@@ -6,21 +7,20 @@ thousands); any other goes through the checks that name what is wrong with it.
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from functional_ckpt._src.codec.table import DTYPE_ALIASES, DTYPE_SIZES
+from functional_ckpt._src.format import columns
 from functional_ckpt._src.format import parts as split_rule
-from functional_ckpt._src.format.coverage import check_coverage, numel
 from functional_ckpt._src.format.keys import KeyPath, format_path
-from functional_ckpt._src.format.manifest import (
-    Chunk,
-    TensorEntry,
-    checked_dtype_name,
-    element_size,
-    shape_problem,
-)
+from functional_ckpt._src.format.manifest import Chunk, TensorEntry, shape_problem
 from functional_ckpt._src.format.naming import DCP_METADATA
 from functional_ckpt._src.format.segments import Segment
+from functional_ckpt._src.format.table_rows import NUMBERS, TABLE_KIND
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 
@@ -50,13 +50,64 @@ class ParsedManifest:
     parts: int = 0  # per-rank parts of a split manifest (0: one manifest)
     split: dict[KeyPath, int] = field(default_factory=dict)  # evenly split tensors: their dim
 
-    @property
-    def metadata(self) -> Any:
-        return self.raw.get("metadata")
+
+def check_coverage(
+    shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]], what: str
+) -> None:
+    """Every element of a tensor of ``shape`` lies in exactly one box (offsets, sizes),
+    given boxes inside the tensor whose element counts add up to its own (a reader that
+    trusted them could return a hole, or pick one of two overlapping writes).
+
+    The box boundaries cut the tensor into a grid (one cell per box for real layouts);
+    a cell filled twice is an overlap (CorruptCheckpoint), and the counts then leave no
+    cell empty. More cells than ``LIMITS.coverage_cells``: UnsafeCheckpoint.
+    """
+    boxes = [(o, s) for o, s in boxes if math.prod(s)]  # empty boxes cover nothing
+    if len(boxes) <= 1:
+        return
+    cuts = []
+    for i, dim in enumerate(shape):
+        starts = {o[i] for o, _ in boxes}
+        cuts.append(sorted({0, dim, *starts, *(o[i] + s[i] for o, s in boxes)}))
+    counts = [len(b) - 1 for b in cuts]
+    cells = math.prod(counts)
+    if cells > LIMITS.coverage_cells:
+        raise UnsafeCheckpoint(
+            f"{what} ({len(boxes)}) cut the tensor into {cells} pieces (at most "
+            f"{LIMITS.coverage_cells} can be checked); not a layout any writer produces"
+        )
+    index = [{v: j for j, v in enumerate(b)} for b in cuts]
+    strides = [math.prod(counts[i + 1 :]) for i in range(len(counts))]
+    grid = bytearray(cells)  # one byte per cell, C order: filled or not
+    filled = b"\x01"
+    for offsets, sizes in boxes:
+        spans = [
+            range(index[i][o], index[i][o + s])
+            for i, (o, s) in enumerate(zip(offsets, sizes, strict=True))
+        ]
+        lead, last = (spans[:-1], spans[-1]) if spans else ([], range(1))
+        for cell in itertools.product(*lead):  # each row of the box along the last dimension
+            start = sum(j * k for j, k in zip(cell, strides, strict=False)) + last.start
+            end = start + len(last)
+            if grid.find(filled, start, end) != -1:
+                raise CorruptCheckpoint(
+                    f"{what} overlap at offsets {list(offsets)}; the checkpoint is damaged"
+                )
+            grid[start:end] = filled * (end - start)
 
 
-def checked_int(v: object, where: str, what: str, lo: int = 0) -> int:
-    if type(v) is not int or v < lo:
+def checked_dtype_name(name: object, where: str) -> str:
+    """The name a manifest gives a dtype, if the format knows it (torch's other names
+    of a dtype, such as ``float``, stand for its own)."""
+    if isinstance(name, str):
+        name = DTYPE_ALIASES.get(name, name)
+        if name in DTYPE_SIZES:
+            return name
+    raise CorruptCheckpoint(f"{where}: unknown dtype {name!r}")
+
+
+def checked_int(v: object, where: str, what: str) -> int:
+    if type(v) is not int or v < 0:
         raise CorruptCheckpoint(f"{where}: invalid {what} {v!r}")
     return v
 
@@ -126,9 +177,7 @@ def node_info(e: dict[str, Any], where: str) -> dict[str, Any] | None:
         or not all(n is None or isinstance(n, str) for n in names)
     ):
         raise CorruptCheckpoint(f"{where}: invalid dimension names {names!r}")
-    if not dims:
-        return None
-    return {"batch_size": dims} if names is None else {"batch_size": dims, "names": names}
+    return None if not dims else {"batch_size": dims} | ({} if names is None else {"names": names})
 
 
 def tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: str) -> TensorEntry:
@@ -136,7 +185,7 @@ def tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: s
     shape_raw = e.get("shape")
     if not isinstance(shape_raw, list) or len(shape_raw) > LIMITS.tensor_ndim:
         raise CorruptCheckpoint(f"{where}: invalid shape {shape_raw!r}")
-    n = size = element_size(dtype)
+    n = DTYPE_SIZES[dtype]
     extent = LIMITS.tensor_extent
     big = False
     for d in shape_raw:  # in line: a manifest holds tens of thousands of shapes
@@ -150,18 +199,18 @@ def tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: s
     fqn = e.get("fqn")
     if not isinstance(fqn, str):
         raise CorruptCheckpoint(f"{where}: invalid DCP key {fqn!r}")
-    grad = bool(e.get("requires_grad", False))
-    dcp_path = None
+    dcp_path = e.get("dcp_path")
     if "dcp_path" in e:
-        dp = e["dcp_path"]
         if (
-            not isinstance(dp, list)
-            or not 0 < len(dp) <= LIMITS.key_depth + 1
-            or not all(isinstance(k, str) for k in dp)
-            or ".".join(dp) != fqn
+            not isinstance(dcp_path, list)
+            or not 0 < len(dcp_path) <= LIMITS.key_depth + 1
+            or not all(isinstance(k, str) for k in dcp_path)
+            or ".".join(dcp_path) != fqn
         ):
-            raise CorruptCheckpoint(f"{where}: invalid DCP key path {dp!r}")
-        dcp_path = tuple(dp)
+            raise CorruptCheckpoint(f"{where}: invalid DCP key path {dcp_path!r}")
+        dcp_path = tuple(dcp_path)
+    grad = bool(e.get("requires_grad", False))
+    entry = TensorEntry(path, fqn, dtype, shape, grad, (), None, dcp_path)
     if "alias" in e:
         target = e["alias"]
         is_path = isinstance(target, list) and all(isinstance(k, str) for k in target)
@@ -170,102 +219,29 @@ def tensor_entry(path: KeyPath, e: dict[str, Any], out: ParsedManifest, where: s
             raise CorruptCheckpoint(f"{where}: alias of an unknown tensor {target!r}")
         if src.dtype_name != dtype or src.shape != shape:
             raise CorruptCheckpoint(f"{where}: alias spec differs from its target")
-        return TensorEntry(path, fqn, dtype, shape, grad, src.chunks, src.path, dcp_path)
+        return entry._replace(chunks=src.chunks, alias=src.path)
     if "split" in e and not out.planned:
         dim = e["split"]
-        if (
-            type(dim) is not int
-            or not out.parts
-            or not split_rule.is_even_split(shape, dim, out.parts)
-        ):
+        if type(dim) is not int or not split_rule.is_even_split(shape, dim, out.parts):
             raise CorruptCheckpoint(f"{where}: invalid split {dim!r} of {format_path(path)}")
         out.split[path] = dim
-        return TensorEntry(path, fqn, dtype, shape, grad, (), None, dcp_path)
+        return entry
     chunks = e.get("chunks")
     if not isinstance(chunks, list) or len(chunks) > LIMITS.chunks_per_tensor:
         raise CorruptCheckpoint(f"{where}: invalid chunk list")
     if out.planned:
         if chunks:
             raise CorruptCheckpoint(f"{where}: a planned tensor carries chunks")
-        return TensorEntry(path, fqn, dtype, shape, grad, (), None, dcp_path)
-    if len(chunks) == 1:  # the common case: one chunk, which then covers the tensor
-        one = _chunk_in_line(chunks[0], shape, size, out.file_sizes)
-        if one is not None:  # its bytes are its box's: as many as the tensor's, or a hole
-            if one.nbytes != n:
-                raise CorruptCheckpoint(
-                    f"{where}: chunks of {format_path(path)} do not cover the tensor"
-                )
-            return TensorEntry(path, fqn, dtype, shape, grad, (one,), None, dcp_path)
-    entry = TensorEntry(path, fqn, dtype, shape, grad, (), None, dcp_path)
-    entry = entry.with_chunks(tuple(checked_chunk(c, entry, size, out, where) for c in chunks))
-    if sum(numel(c.sizes) for c in entry.chunks) != numel(shape) or (
-        numel(shape) and not entry.chunks
-    ):
+        return entry
+    if len(chunks) == 1 and (one := checked_chunk(chunks[0], entry, out, where)).nbytes == n:
+        return entry.with_chunks((one,))  # the common case: one chunk, covering the tensor
+    found = tuple([checked_chunk(c, entry, out, where) for c in chunks])
+    if sum([c.nbytes for c in found]) != n:  # the boxes' bytes: the tensor's, or a hole
         raise CorruptCheckpoint(f"{where}: chunks of {format_path(path)} do not cover the tensor")
-    if len(entry.chunks) > 1:
-        boxes = [(c.offsets, c.sizes) for c in entry.chunks]
+    if len(found) > 1:
+        boxes = [(c.offsets, c.sizes) for c in found]
         check_coverage(shape, boxes, f"{where}: chunks of {format_path(path)}")
-    return entry
-
-
-def checked_chunk(
-    c: object, entry: TensorEntry, size: int, out: ParsedManifest, where: str
-) -> Chunk:
-    """A chunk record checked: in line, else by :func:`_checked_chunk` (naming the fault)."""
-    got = _chunk_in_line(c, entry.shape, size, out.file_sizes)
-    return _checked_chunk(c, entry, size, out, where) if got is None else got
-
-
-def _chunk_in_line(
-    c: object, shape: tuple[int, ...], size: int, file_sizes: dict[str, int]
-) -> Chunk | None:
-    """The chunk of a record that passes every check of :func:`_checked_chunk` (in one
-    loop, without a call per field: a manifest holds tens of thousands), else None."""
-    if type(c) is dict:
-        offsets = c.get("offsets")
-        sizes = c.get("sizes")
-        file = c.get("file")
-        fields = (
-            c.get("offset", -1),
-            c.get("length", -1),
-            c.get("data_offset", -1),
-            c.get("nbytes", -1),
-            c.get("crc32", -1),
-            c.get("hcrc32", -1),
-        )
-        if (
-            type(offsets) is list
-            and type(sizes) is list
-            and len(offsets) == len(shape) == len(sizes)
-            and type(file) is str
-            and file != DCP_METADATA
-            and file in file_sizes
-        ):
-            ok = True
-            expected = size
-            for o, s, d in zip(offsets, sizes, shape, strict=True):
-                if type(o) is not int or type(s) is not int or o < 0 or s < 0 or o + s > d:
-                    ok = False
-                    break
-                expected *= s
-            for v in fields:
-                if type(v) is not int or v < 0:
-                    ok = False
-            offset, length, data_offset, nbytes = fields[:4]
-            zstd = c.get("zstd", 0)
-            if (
-                ok
-                and nbytes == expected
-                and offset <= data_offset
-                and offset + length <= file_sizes[file]
-                and (
-                    data_offset + nbytes <= offset + length
-                    if zstd == 0
-                    else zstd == 1 and data_offset - offset <= ZSTD_HEAD
-                )
-            ):
-                return Chunk(tuple(offsets), tuple(sizes), file, *fields, zstd)
-    return None
+    return entry.with_chunks(found)
 
 
 #: A chunk record's numbers, in :class:`Chunk`'s order, and their names in messages.
@@ -273,44 +249,148 @@ _FIELDS = (
     ("offset", "offset"), ("length", "length"), ("data_offset", "data offset"),
     ("nbytes", "byte count"), ("crc32", "checksum"), ("hcrc32", "checksum"), ("zstd", "transform"),
 )  # fmt: skip
+_NUMBERS = tuple(k for k, _ in _FIELDS[:6])  # ``zstd`` may be left out: 0
 
 
-def _checked_chunk(
-    c: object, entry: TensorEntry, size: int, out: ParsedManifest, where: str
-) -> Chunk:
-    if not isinstance(c, dict):
+def checked_chunk(c: object, entry: TensorEntry, out: ParsedManifest, where: str) -> Chunk:
+    """A chunk record checked, every fault named (in line: a manifest holds tens of
+    thousands)."""
+    if type(c) is not dict:
         raise CorruptCheckpoint(f"{where}: invalid chunk")
-    offsets = c.get("offsets")
-    sizes = c.get("sizes")
+    offsets, sizes, shape = c.get("offsets"), c.get("sizes"), entry.shape
     if (
-        not isinstance(offsets, list)
-        or not isinstance(sizes, list)
-        or len(offsets) != len(entry.shape)
-        or len(sizes) != len(entry.shape)
+        type(offsets) is not list
+        or type(sizes) is not list
+        or not len(offsets) == len(shape) == len(sizes)
     ):
         raise CorruptCheckpoint(f"{where}: chunk box does not match the tensor's rank")
-    box_o = tuple(checked_int(v, where, "chunk offset") for v in offsets)
-    box_s = tuple(checked_int(v, where, "chunk size") for v in sizes)
-    if any(o + s > d for o, s, d in zip(box_o, box_s, entry.shape, strict=True)):
-        raise UnsafeCheckpoint(f"{where}: a chunk of {format_path(entry.path)} lies outside it")
+    expected = DTYPE_SIZES[entry.dtype_name]
+    for o, s, d in zip(offsets, sizes, shape, strict=True):
+        if type(o) is not int or type(s) is not int or o < 0 or s < 0 or o + s > d:
+            for v in offsets:
+                checked_int(v, where, "chunk offset")
+            for v in sizes:
+                checked_int(v, where, "chunk size")
+            raise UnsafeCheckpoint(f"{where}: a chunk of {format_path(entry.path)} lies outside it")
+        expected *= s
     file = c.get("file")
-    if not isinstance(file, str) or file not in out.file_sizes or file == DCP_METADATA:
+    if type(file) is not str or file not in out.file_sizes or file == DCP_METADATA:
         raise CorruptCheckpoint(f"{where}: tensor stored in an unknown file {file!r}")
-    fields = [checked_int(c.get(k, 0 if k == "zstd" else None), where, w) for k, w in _FIELDS]
-    chunk = Chunk(box_o, box_s, file, *fields)
-    expected = numel(box_s) * size
-    if chunk.nbytes != expected:
+    fields = (*map(c.get, _NUMBERS), c.get("zstd", 0))
+    offset, length, data_offset, nbytes, _, _, zstd = fields
+    for v in fields:
+        if type(v) is not int or v < 0:  # named: the first field at fault
+            for x, (_, what) in zip(fields, _FIELDS, strict=True):
+                checked_int(x, where, what)
+    if nbytes != expected:
         raise UnsafeCheckpoint(
-            f"{where}: {format_path(entry.path)} declares {entry.spec} chunk {list(box_s)} "
-            f"({expected} bytes) but records {chunk.nbytes} bytes"
+            f"{where}: {format_path(entry.path)} declares {entry.spec} chunk {sizes} "
+            f"({expected} bytes) but records {nbytes} bytes"
         )
-    if chunk.zstd > 1 or (chunk.zstd and chunk.data_offset - chunk.offset > ZSTD_HEAD):
+    if zstd > 1 or (zstd and data_offset - offset > ZSTD_HEAD):
         raise CorruptCheckpoint(f"{where}: invalid zstd frame record of {format_path(entry.path)}")
     fsize = out.file_sizes[file]
-    raw_end = chunk.offset if chunk.zstd else chunk.data_offset + chunk.nbytes
-    if not (chunk.offset <= chunk.data_offset and raw_end <= chunk.offset + chunk.length <= fsize):
+    raw_end = offset if zstd else data_offset + nbytes
+    if not (offset <= data_offset and raw_end <= offset + length <= fsize):
         raise UnsafeCheckpoint(
             f"{where}: {format_path(entry.path)} declares bytes beyond the end of {file} "
             f"({fsize} bytes)"
         )
-    return chunk
+    return tuple.__new__(Chunk, (tuple(offsets), tuple(sizes), file, *fields))
+
+
+#: A tensor table's fields (``table_rows.table_plain``): many plain tensors and nodes,
+#: each field of every row a column, decoded as a few byte strings and checked in bulk.
+_TABLE_FIELDS = frozenset({
+    "kind", "file", "keys", "path_len", "is_node", "fqn", "dtypes", "dtype", "ndim", "shape",
+    "requires_grad", *(k for k, _ in NUMBERS),
+})  # fmt: skip
+
+_ZEROS = tuple((0,) * n for n in range(LIMITS.tensor_ndim + 1))
+
+
+def is_table(e: object) -> bool:
+    return type(e) is dict and e.get("kind") == TABLE_KIND
+
+
+def _strings(raw: object, what: str, where: str) -> list[str]:
+    if type(raw) is not list or not set(map(type, raw)) <= {str}:
+        raise CorruptCheckpoint(f"{where}: invalid {what}")
+    return raw
+
+
+def add_table(out: ParsedManifest, t: dict[str, Any], where: str) -> None:
+    """Add every row of table ``t`` to ``out`` (a node, or a tensor entry), in order."""
+    if out.planned or set(t) != _TABLE_FIELDS:
+        raise CorruptCheckpoint(f"{where}: invalid tensor table (fields {sorted(map(str, t))})")
+    file = t["file"]
+    if type(file) is not str or file == DCP_METADATA or file not in out.file_sizes:
+        raise CorruptCheckpoint(f"{where}: tensor table stored in an unknown file {file!r}")
+    fsize = out.file_sizes[file]
+    keys = _strings(t["keys"], "key paths", where)
+    is_node = t["is_node"]
+    if type(is_node) is not bytes or not is_node or max(is_node) > 1:
+        raise CorruptCheckpoint(f"{where}: invalid is_node column")
+    n = len(is_node)
+    path_len = columns.unpack(t["path_len"], 2, n, f"{where} path_len")
+    if sum(path_len) != len(keys) or not 0 < min(path_len) <= max(path_len) <= LIMITS.key_depth:
+        raise CorruptCheckpoint(f"{where}: invalid key path lengths")
+    fqns = _strings(t["fqn"], "DCP keys", where)
+    m = len(fqns)
+    if m != n - sum(is_node) or not m:
+        raise CorruptCheckpoint(f"{where}: {m} DCP keys for {n - sum(is_node)} tensor rows")
+    names = [checked_dtype_name(d, where) for d in _strings(t["dtypes"], "dtypes", where)]
+    sizes = [DTYPE_SIZES[d] for d in names]
+    dtype = columns.unpack(t["dtype"], 1, m, f"{where} dtype")
+    ndim = columns.unpack(t["ndim"], 1, m, f"{where} ndim")
+    grad = columns.unpack(t["requires_grad"], 1, m, f"{where} requires_grad")
+    if max(ndim) > LIMITS.tensor_ndim or max(dtype) >= len(names) or max(grad) > 1:
+        raise CorruptCheckpoint(f"{where}: invalid dtype, rank or requires_grad column")
+    dims = columns.unpack(t["shape"], 8, sum(ndim), f"{where} shape")
+    tensor_rows = zip(
+        ndim,
+        dtype,
+        grad,
+        fqns,
+        *(columns.unpack(t[k], width, m, f"{where} {k}") for k, width in NUMBERS),
+        strict=True,
+    )
+    extent = LIMITS.tensor_extent
+    new = tuple.__new__  # a chunk and an entry per row: made without their __new__
+    tensors, values, nodes, inner, order = out.tensors, out.values, out.nodes, out.inner, out.order
+    k = j = 0
+    for i, (p, node) in enumerate(zip(path_len, is_node, strict=True)):
+        path = (keys[k],) if p == 1 else tuple(keys[k : k + p])
+        k += p
+        if (
+            path in tensors
+            or path in values
+            or path in nodes
+            or (not node and path in inner)
+            or (p > 1 and path[:-1] not in inner)
+        ):  # a key taken, or the first below its parent: the whole check
+            claim(out, path, not node, f"{where} row {i}")
+        if node:
+            nodes.add(path)
+            order.append((path, "node"))
+            continue
+        nd, d, g, fqn, off, ln, doff, c, h = next(tensor_rows)
+        shape = (dims[j],) if nd == 1 else tuple(dims[j : j + nd])
+        nbytes = sizes[d]
+        big = False
+        for x in shape:
+            big = big or x >= extent
+            nbytes *= x
+        j += nd
+        if (big or nbytes >= extent) and shape_problem(shape, names[d]) is not None:
+            raise UnsafeCheckpoint(
+                f"{where} row {i}: {format_path(path)} declares an impossible shape"
+            )
+        if not (off <= doff and doff + nbytes <= off + ln <= fsize):
+            raise UnsafeCheckpoint(
+                f"{where} row {i}: {format_path(path)} declares bytes beyond the end of "
+                f"{file} ({fsize} bytes)"
+            )
+        chunk = new(Chunk, (_ZEROS[nd], shape, file, off, ln, doff, nbytes, c, h, 0))
+        tensors[path] = new(TensorEntry, (path, fqn, names[d], shape, g == 1, (chunk,), None, None))
+        order.append((path, "tensor"))

@@ -11,18 +11,7 @@ import os
 import stat
 from pathlib import Path
 
-from functional_ckpt._src.format.naming import (
-    COMMIT_MARKER,
-    DCP_METADATA,
-    EXPORT_INDEX,
-    EXPORT_WEIGHTS,
-    MANIFEST,
-    QUARANTINE_INFIX,
-    RECORDING_HEADER,
-    is_shard_file,
-    is_temporary_name,
-    parse_part,
-)
+from functional_ckpt._src.format import naming
 
 
 class Kind(enum.Enum):
@@ -45,12 +34,7 @@ class Kind(enum.Enum):
     @property
     def checkpoint(self) -> bool:
         """One checkpoint (of any kind, committed or not): nothing to nest others in."""
-        return self in _ONE_CHECKPOINT
-
-
-_ONE_CHECKPOINT = frozenset(
-    {Kind.COMMITTED, Kind.UNCOMMITTED, Kind.STOCK_DCP, Kind.PART, Kind.EXPORT, Kind.RECORDING}
-)
+        return self.name in ("COMMITTED", "UNCOMMITTED", "STOCK_DCP", "PART", "EXPORT", "RECORDING")
 
 
 def _lstat(path: Path) -> os.stat_result | None:
@@ -78,9 +62,9 @@ def _directory_kind(path: Path, by_name: bool = True) -> Kind | None:
         return Kind.LINK
     if not stat.S_ISDIR(st.st_mode):
         return Kind.NOT_A_DIRECTORY
-    if by_name and QUARANTINE_INFIX in path.name:
+    if by_name and naming.QUARANTINE_INFIX in path.name:
         return Kind.QUARANTINED
-    if by_name and is_temporary_name(path.name):
+    if by_name and naming.is_temporary_name(path.name):
         return Kind.TEMPORARY
     return None
 
@@ -94,38 +78,36 @@ def classify(path: Path, *, by_name: bool = True) -> Kind:
     names = _entries(path)
     if not names:
         return Kind.EMPTY
-    if COMMIT_MARKER in names:
+    if naming.COMMIT_MARKER in names:
         return Kind.COMMITTED
-    if MANIFEST in names:
+    if naming.MANIFEST in names:
         return Kind.UNCOMMITTED
-    if DCP_METADATA in names:
+    if naming.DCP_METADATA in names:
         return Kind.STOCK_DCP
-    if RECORDING_HEADER in names:
+    if naming.RECORDING_HEADER in names:
         return Kind.RECORDING
-    if EXPORT_WEIGHTS in names or EXPORT_INDEX in names:
+    if naming.EXPORT_WEIGHTS in names or naming.EXPORT_INDEX in names:
         return Kind.EXPORT
-    if all(is_shard_file(n) for n in names):
+    if all(naming.is_shard_file(n) for n in names):
         return Kind.PART
     return Kind.OTHER
 
 
 def is_committed(path: Path) -> bool:
     """``classify(path) is Kind.COMMITTED``, with one ``lstat`` more instead of a listing."""
-    return _directory_kind(path) is None and _lstat(path / COMMIT_MARKER) is not None
+    return _directory_kind(path) is None and _lstat(path / naming.COMMIT_MARKER) is not None
 
 
 def _member(kind: Kind, name: str, regular: bool) -> bool:
     """Whether an entry belongs to a directory of ``kind`` (what replacing it may drop)."""
     if not regular:
         return False  # a link or a directory inside is never ours to drop
+    dcp = name == naming.DCP_METADATA or naming.is_shard_file(name)
     if kind in (Kind.COMMITTED, Kind.UNCOMMITTED):
-        return (
-            name in (COMMIT_MARKER, MANIFEST, DCP_METADATA)
-            or is_shard_file(name)
-            or parse_part(name) is not None
-        )
+        own = name in (naming.COMMIT_MARKER, naming.MANIFEST) or naming.parse_part(name) is not None
+        return dcp or own
     if kind in (Kind.STOCK_DCP, Kind.PART):
-        return name == DCP_METADATA or is_shard_file(name)
+        return dcp
     return kind is Kind.EXPORT  # an export's side files (config, tokenizer) are plain files
 
 

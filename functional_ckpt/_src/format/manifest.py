@@ -6,6 +6,7 @@ spec, location and checksums); :mod:`.view` returns these classes once validated
 
 from __future__ import annotations
 
+import math
 import operator
 import sys
 from collections.abc import Mapping, Sequence
@@ -17,19 +18,13 @@ import msgpack
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.codec import table
+from functional_ckpt._src.format import naming
 from functional_ckpt._src.format import parts as split_rule
 from functional_ckpt._src.format.checksum import crc32
-from functional_ckpt._src.format.coverage import numel
-from functional_ckpt._src.format.coverage import shape_problem as shape_problem
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.keys import KeyPath
-from functional_ckpt._src.format.naming import (
-    FORMAT_NAME,
-    ONE_MANIFEST_VERSION,
-    PART_FILES_VERSION,
-    TABLES_VERSION,
-)
 from functional_ckpt._src.format.table_rows import table_plain, table_runs
+from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint
 
 if TYPE_CHECKING:
@@ -40,16 +35,6 @@ if TYPE_CHECKING:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def checked_dtype_name(name: object, where: str) -> str:
-    """The name a manifest gives a dtype, if the format knows it (torch's other names
-    of a dtype, such as ``float``, stand for its own)."""
-    if isinstance(name, str):
-        name = table.DTYPE_ALIASES.get(name, name)
-        if name in table.DTYPE_SIZES:
-            return name
-    raise CorruptCheckpoint(f"{where}: unknown dtype {name!r}")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -64,8 +49,20 @@ def torch_dtype(name: str) -> torch.dtype:
         ) from None
 
 
-def element_size(name: str) -> int:
-    return table.DTYPE_SIZES[name]
+def shape_problem(shape: Sequence[int], dtype: str) -> str | None:
+    """Why a tensor of this shape and dtype (its name) lies beyond the format's limits, or None."""
+    if len(shape) > LIMITS.tensor_ndim:
+        return f"{len(shape)} dimensions (the format allows at most {LIMITS.tensor_ndim})"
+    extent = LIMITS.tensor_extent
+    if any(d >= extent for d in shape):
+        return f"a dimension of {max(shape)} (each must be below 2**{extent.bit_length() - 1})"
+    if math.prod(shape) * table.DTYPE_SIZES[dtype] >= extent:
+        return (
+            f"shape {list(shape)} of {dtype} "
+            f"(the element count times the element size must be below "
+            f"2**{extent.bit_length() - 1})"
+        )
+    return None
 
 
 class Chunk(NamedTuple):
@@ -126,9 +123,10 @@ class TensorEntry(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        return numel(self.shape) * element_size(self.dtype_name)
+        return math.prod(self.shape) * table.DTYPE_SIZES[self.dtype_name]
 
-    def to_plain(self) -> dict[str, Any]:
+    def to_plain(self, split: int | None = None) -> dict[str, Any]:
+        """The plain entry (``split``: an evenly split tensor's dimension, for its chunks)."""
         out: dict[str, Any] = {
             "path": list(self.path),
             "kind": "tensor",
@@ -141,6 +139,8 @@ class TensorEntry(NamedTuple):
             out["dcp_path"] = list(self.dcp_path)
         if self.alias is not None:
             out["alias"] = list(self.alias)
+        elif split is not None:
+            out["split"] = split
         else:
             out["chunks"] = [c.to_plain() for c in self.chunks]
         return out
@@ -235,8 +235,8 @@ class Manifest:
     @property
     def version(self) -> int:
         if self.parted:
-            return PART_FILES_VERSION
-        return TABLES_VERSION if self.tables else ONE_MANIFEST_VERSION
+            return naming.PART_FILES_VERSION
+        return naming.TABLES_VERSION if self.tables else naming.ONE_MANIFEST_VERSION
 
     @cached_property
     def listed(self) -> dict[int, dict[str, dict[str, Any]]]:
@@ -247,11 +247,15 @@ class Manifest:
                 named.update(c.file for c in e.chunks)
         return split_rule.file_tables(self.files, named, len(self.ranks) if self.parted else 0)
 
-    def _head(self) -> dict[str, Any]:
-        """Every field but ``metadata``, ``entries`` and ``ranks`` (which :meth:`encode`
-        splices in as they were encoded)."""
-        out: dict[str, Any] = {
-            "format": FORMAT_NAME,
+    def tensor_groups(self) -> list[list[TensorEntry]]:
+        """The tensor entries: the shared ones, then each rank's (what ``.metadata`` lists)."""
+        return [[e for e in g if type(e) is TensorEntry] for g in (self.entries, *self.ranks)]
+
+    def encode(self) -> bytes:
+        """The manifest's bytes: the values and the metadata as they were encoded when
+        the save was planned, spliced into the rest (plain data, packed once)."""
+        head: dict[str, Any] = {
+            "format": naming.FORMAT_NAME,
             "version": self.version,
             "created": self.created,
             "world_size": max(1, len(self.ranks)),
@@ -259,23 +263,13 @@ class Manifest:
             "files": self.listed[-1],
         }
         if self.root:
-            out["root"] = self.root
-        out["dcp_bytes"] = [b.to_plain() for b in self.dcp_bytes]
+            head["root"] = self.root
+        head["dcp_bytes"] = [b.to_plain() for b in self.dcp_bytes]
         if self.parted:  # and the bytes of the files the parts list (for fc.inspect)
-            out["parts"] = len(self.ranks)
+            head["parts"] = len(self.ranks)
             held = [f for r, table in self.listed.items() if r >= 0 for f in table.values()]
             reused = sum(f["size"] for f in held if f.get("reused") and not f.get("copied"))
-            out["part_files"] = {"size": sum(f["size"] for f in held), "reused": reused}
-        return out
-
-    def tensor_groups(self) -> list[list[TensorEntry]]:
-        """The tensor entries: the shared ones, then each rank's (what ``.metadata`` lists)."""
-        return tensor_groups(self.entries, self.ranks)
-
-    def encode(self) -> bytes:
-        """The manifest's bytes: the values and the metadata as they were encoded when
-        the save was planned, spliced into the rest (plain data, packed once)."""
-        head = self._head()
+            head["part_files"] = {"size": sum(f["size"] for f in held), "reused": reused}
         parts = [_map_header(len(head) + 2 + (not self.parted)), _elements(_flat(head))]
         parts += [_pack("metadata"), self.metadata_bytes or codec.encode(self.metadata)]
         parts += [_pack("entries"), _entries(self.entries, self.split, self.tables)]
@@ -286,33 +280,27 @@ class Manifest:
         return b"".join(parts)
 
     @cached_property
-    def split_entries(self) -> list[TensorEntry]:
-        """The evenly split tensors, in the index's order: the order of every part's rows."""
-        return [e for e in self.entries if type(e) is TensorEntry and e.path in self.split]
-
-    @cached_property
     def part_rows(self) -> Sequence[bytes]:
-        """Each part's rows packed (unless the coordinator packed them)."""
+        """Each part's rows packed (unless the coordinator packed them), the evenly split
+        tensors in the index's order."""
         if self.rows is not None:
             return self.rows
         from functional_ckpt._src.format.packed_rows import chunk_rows  # numpy: writing only
 
-        return chunk_rows([e.chunks for e in self.split_entries], len(self.ranks))
+        split = [e.chunks for e in self.entries if type(e) is TensorEntry and e.path in self.split]
+        return chunk_rows(split, len(self.ranks))
 
     def encode_part(self, rank: int) -> bytes:
         """Part ``rank`` of a split manifest: that rank's per-rank entries, its chunk of
         every evenly split tensor and its files, then the CRC32 of those bytes (4
         bytes, little-endian): it checks itself."""
-        head = {"format": FORMAT_NAME, "version": self.version, "part": rank}
+        head = {"format": naming.FORMAT_NAME, "version": self.version, "part": rank}
         head |= {"created": self.created, "files": self.listed.get(rank, {})}
         parts = [_map_header(len(head) + 2), _elements(_flat(head))]
         parts += [_pack("entries"), _entries(self.ranks[rank])]
         parts += [_pack("chunks"), self.part_rows[rank]]
         body = b"".join(parts)
         return body + crc32(body).to_bytes(4, "little")
-
-
-_BOX_OFFSETS = operator.itemgetter(0)  # a chunk's offsets (Chunk is a named tuple)
 
 
 def with_chunks(tree: Tree, written: Written) -> tuple[tuple[Entry, ...], ...]:
@@ -329,7 +317,7 @@ def with_chunks(tree: Tree, written: Written) -> tuple[tuple[Entry, ...], ...]:
                 if e.alias is None:
                     found = tuple(chunks_of(e.fqn, ()))
                     if len(found) > 1:
-                        found = tuple(sorted(found, key=_BOX_OFFSETS))
+                        found = tuple(sorted(found, key=operator.itemgetter(0)))  # by offsets
                     by_path[e.path] = found
                 else:
                     found = by_path[e.alias]
@@ -348,10 +336,17 @@ def assemble(
     metadata: Any,
     metadata_bytes: bytes | None = None,
 ) -> Manifest:
-    """The one way a manifest is made: the planned tree, filled with what was written."""
+    """The one way a manifest is made: the planned tree, filled with what was written; a
+    tensor whose chunks are the even split of one dimension across the ranks records
+    that dimension instead of its boxes."""
     shared, *ranks = with_chunks(tree, written)
     spliced = written.spliced
-    split = even_splits(shared, len(ranks)) if spliced is None and len(ranks) > 1 else {}
+    split: dict[KeyPath, int] = {}
+    for e in shared if spliced is None and len(ranks) > 1 else ():
+        if type(e) is TensorEntry and e.alias is None:
+            dim = split_rule.split_dim(e.shape, e.chunks, len(ranks))  # chunks start with the box
+            if dim is not None:
+                split[e.path] = dim
     return Manifest(
         created,
         metadata,
@@ -364,18 +359,6 @@ def assemble(
         split=split if spliced is None else spliced.split,
         rows=None if spliced is None else spliced.rows,
     )
-
-
-def even_splits(entries: Sequence[Entry], world: int) -> dict[KeyPath, int]:
-    """The tensors of ``entries`` whose chunks are the even split of one dimension
-    across ``world`` ranks, with that dimension: their boxes need not be stored."""
-    out: dict[KeyPath, int] = {}
-    for e in entries:
-        if type(e) is TensorEntry and e.alias is None and len(e.chunks) == world:
-            dim = split_rule.split_dim(e.shape, e.chunks, world)  # chunks start with the box
-            if dim is not None:
-                out[e.path] = dim
-    return out
 
 
 # --------------------------------------------------------------------------- encoding
@@ -423,14 +406,6 @@ _VALUE_HEAD = _map_header(3) + bytes(_PACKER.pack("path"))
 _VALUE_KIND = b"".join(bytes(_PACKER.pack(s)) for s in ("kind", "value", "value"))
 
 
-def _plain_split(e: TensorEntry, dim: int) -> dict[str, Any]:
-    """An evenly split tensor as the index holds it: its rule instead of its chunks."""
-    out = e.with_chunks(()).to_plain()
-    del out["chunks"]
-    out["split"] = dim
-    return out
-
-
 def _entries(
     entries: Sequence[Entry],
     split: Mapping[KeyPath, int] | None = None,
@@ -447,33 +422,23 @@ def _entries(
         if i < end:
             continue
         stop = starts.get(i)
+        if stop is None and not isinstance(e, ValueEntry):
+            if split and e.path in split:
+                assert type(e) is TensorEntry
+                run.append(e.to_plain(split[e.path]))
+            else:
+                run.append(e.to_plain())
+            continue
+        if run:
+            parts.append(_elements(run))
+            run = []
         if stop is not None:
-            if run:
-                parts.append(_elements(run))
-                run = []
             parts.append(_pack(table_plain(entries[i:stop])))
             end = stop
-        elif isinstance(e, ValueEntry):
-            if run:
-                parts.append(_elements(run))
-                run = []
-            # {"path": ..., "kind": "value", "value": <the encoded value>}: the fixed
-            # keys packed once, the path by the module's packer (a thousand values
-            # cost a thousand packer calls, not a thousand checked encodes)
+        elif isinstance(e, ValueEntry):  # the fixed keys packed once, the path by the
+            # module's packer (a thousand values: a thousand packer calls, not checked encodes)
             parts += [_VALUE_HEAD, _pack_path(e.path), _VALUE_KIND]
             parts.append(e.encoded or codec.encode(e.value))
-        elif split and e.path in split:
-            assert type(e) is TensorEntry
-            run.append(_plain_split(e, split[e.path]))
-        else:
-            run.append(e.to_plain())
     if run:
         parts.append(_elements(run))
     return b"".join(parts)
-
-
-def tensor_groups(
-    entries: Sequence[Entry], ranks: Sequence[Sequence[Entry]]
-) -> list[list[TensorEntry]]:
-    """The tensor entries of a manifest model: the shared ones, then each rank's."""
-    return [[e for e in group if isinstance(e, TensorEntry)] for group in [entries, *ranks]]

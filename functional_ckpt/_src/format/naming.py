@@ -1,5 +1,4 @@
-"""The names of the on-disk format: one place spells every name a reader or writer
-looks for (files, siblings, step directories, exports, recordings)."""
+"""The names of the on-disk format, spelled in one place for every reader and writer."""
 
 from __future__ import annotations
 
@@ -29,12 +28,10 @@ _SHARD_RE = re.compile(r"__(\d{1,9})_(\d{1,9})\.distcp")
 
 
 def shard_name(rank: int, n: int = 0) -> str:
-    """The name of shard file ``n`` of ``rank``."""
     return f"__{rank}_{n}.distcp"
 
 
 def parse_shard(name: str) -> tuple[int, int] | None:
-    """``(rank, n)`` of a shard file name this project writes, else None."""
     m = _SHARD_RE.fullmatch(name)
     return None if m is None else (int(m.group(1)), int(m.group(2)))
 
@@ -44,12 +41,10 @@ _PART_RE = re.compile(r"manifest\.part-(\d{5,9})\.msgpack")
 
 
 def part_name(rank: int) -> str:
-    """The file of ``rank``'s manifest part (its per-rank entries and chunks)."""
     return f"manifest.part-{rank:05d}.msgpack"
 
 
 def parse_part(name: str) -> int | None:
-    """The rank of a manifest part's file name, else None."""
     m = _PART_RE.fullmatch(name)
     return None if m is None or part_name(int(m.group(1))) != name else int(m.group(1))
 
@@ -62,14 +57,7 @@ def is_shard_file(name: str) -> bool:
 def safe_member(root: Path, name: object) -> Path:
     """A file name from a manifest as a path in ``root``; anything else is refused (links
     and special files are refused when opened: :mod:`..storage.opener`)."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or name in (".", "..")
-        or "/" in name
-        or "\\" in name
-        or "\x00" in name
-    ):
+    if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
         raise UnsafeCheckpoint(f"{root}: the manifest names an unsafe file {name!r}")
     return root / name
 
@@ -122,10 +110,7 @@ def parse_step(name: str) -> int | None:
     """The step of a canonical checkpoint directory name, else None (only the exact
     :func:`step_name`: ``step_5`` beside ``step_000000005`` is not one step twice)."""
     m = _STEP_RE.fullmatch(name)
-    if m is None:
-        return None
-    step = int(m.group(1))
-    return step if step_name(step) == name else None
+    return int(m.group(1)) if m and step_name(int(m.group(1))) == name else None
 
 
 def step_in_name(name: str) -> int | None:

@@ -26,9 +26,8 @@ COLUMNS = 8
 @dataclass
 class Spliced:
     """What the coordinator of a multi-rank save packed from every rank's columns
-    (``save/splice``): the evenly split tensors (their chunks need not be in
-    :class:`Written`), each part's rows, and ``.metadata`` when it is the last save's
-    (else the save derives it and keeps it here)."""
+    (``save/splice``): the evenly split tensors, each part's rows, and ``.metadata`` (the
+    last save's, else derived by this save and kept here)."""
 
     split: Mapping[KeyPath, int]
     rows: Sequence[bytes]
@@ -87,8 +86,7 @@ def pack_rows(names: Sequence[str], table: np.ndarray, bounds: Sequence[int]) ->
     _put(buf, at[z], zstd[z], zw[z])
     out = []
     for a, b in pairwise(bounds):
-        lo = int(starts[a]) if a < b else 0
-        hi = int(ends[b - 1]) if a < b else 0
+        lo, hi = (int(starts[a]), int(ends[b - 1])) if a < b else (0, 0)
         out.append(bytes(msgpack.Packer().pack_array_header(b - a)) + buf[lo:hi].tobytes())
     return out
 

@@ -102,7 +102,4 @@ def row_plain(values: object, box: Box) -> dict[str, Any] | None:
     parser, :mod:`.view`); None if it is not a row."""
     if not isinstance(values, list) or not 7 <= len(values) <= len(ROW_FIELDS):
         return None
-    out: dict[str, Any] = dict(zip(ROW_FIELDS, values, strict=False))
-    out["offsets"] = list(box[0])
-    out["sizes"] = list(box[1])
-    return out
+    return dict(zip(ROW_FIELDS, values, strict=False)) | {"offsets": [*box[0]], "sizes": [*box[1]]}

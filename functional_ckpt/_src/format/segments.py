@@ -17,7 +17,7 @@ from functional_ckpt.errors import CorruptCheckpoint
 #: The field of a file's record in the manifest's file table.
 FIELD = "segments"
 
-_COLUMNS = frozenset({"offset", "length", "crc32"})
+_WIDTHS = {"offset": 8, "length": 8, "crc32": 4}  # a segment's fields, each a column
 
 #: A writer starts a new segment only after a full write batch or a large tensor
 #: (1 MiB and more): a file holds at most one segment per this many bytes, plus one.
@@ -38,27 +38,21 @@ class Segment(NamedTuple):
 
 def pack_segments(segments: list[Segment]) -> dict[str, bytes]:
     """The file table's record of ``segments`` (in file order)."""
-    return {
-        "offset": columns.pack((s.offset for s in segments), 8),
-        "length": columns.pack((s.length for s in segments), 8),
-        "crc32": columns.pack((s.crc32 for s in segments), 4),
-    }
+    return {k: columns.pack([getattr(s, k) for s in segments], w) for k, w in _WIDTHS.items()}
 
 
 def parse_segments(raw: Any, size: int, where: str) -> tuple[Segment, ...]:
     """The segments a file's record declares: anything but sorted, disjoint, non-empty
     ranges inside ``size``, each at most ``LIMITS.segment_bytes``, is damage."""
-    if type(raw) is not dict or set(raw) != _COLUMNS or type(raw["crc32"]) is not bytes:
+    if type(raw) is not dict or set(raw) != set(_WIDTHS) or type(raw["crc32"]) is not bytes:
         raise CorruptCheckpoint(f"{where}: invalid run checksums (segments)")
     n = len(raw["crc32"]) // 4
     if n > 1 + size // MIN_SPACING:
         raise CorruptCheckpoint(f"{where}: {n} segments in a file of {size} bytes")
-    offsets = columns.unpack(raw["offset"], 8, n, f"{where} segment offsets")
-    lengths = columns.unpack(raw["length"], 8, n, f"{where} segment lengths")
-    crcs = columns.unpack(raw["crc32"], 4, n, f"{where} segment checksums")
+    found = (columns.unpack(raw[k], w, n, f"{where} segment {k}") for k, w in _WIDTHS.items())
     out: list[Segment] = []
     pos = 0
-    for i, (off, length, crc) in enumerate(zip(offsets, lengths, crcs, strict=True)):
+    for i, (off, length, crc) in enumerate(zip(*found, strict=True)):
         if not (pos <= off and 0 < length <= LIMITS.segment_bytes and off + length <= size):
             raise CorruptCheckpoint(
                 f"{where}: segment {i} ({length} bytes at {off}) overlaps another, is empty, "

@@ -2,20 +2,18 @@
 
 A manifest's shared entries are written as tables where a run of plain tensors (one
 whole chunk each, in one file) and the bare nodes between them is long enough; the
-rows are told apart by their ``kind``, so this module needs no entry class at run time.
+rows are told apart by their ``kind`` (``format/manifest``'s entries, which import this
+module).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 from functional_ckpt._src.format import columns
 from functional_ckpt._src.format.keys import KeyPath
-
-#: A manifest entry (``format/manifest``'s, which imports this module): only its
-#: ``kind`` and fields are read here.
-_Row = Any
 
 #: What a tensor table's ``kind`` says (:mod:`.tables` reads it back).
 TABLE_KIND = "tensors"
@@ -24,24 +22,25 @@ TABLE_KIND = "tensors"
 #: little, and the manifest keeps the version older readers know.
 TABLE_MIN_ROWS = 32
 
+#: The fields of a row's chunk a table holds, last, each a column of numbers this wide.
+NUMBERS = (("offset", 8), ("length", 8), ("data_offset", 8), ("crc32", 4), ("hcrc32", 4))
 
-def _row_file(e: _Row, split: Mapping[KeyPath, int] | None) -> str | None:
+
+def _row_file(e: Any, split: Mapping[KeyPath, int] | None) -> str | None:
     """The file of a tensor a table can hold (one whole chunk, no alias, no DCP path
     of its own, not split), "" for a node without batch size, else None."""
     if e.kind == "node":
         return "" if e.info is None else None
-    if e.kind != "tensor" or e.alias is not None or e.dcp_path is not None:
-        return None
-    if len(e.chunks) != 1 or (split and e.path in split):
+    if e.kind != "tensor" or e.alias is not None or e.dcp_path is not None or len(e.chunks) != 1:
         return None
     c = e.chunks[0]
-    if c.sizes != e.shape or any(c.offsets) or c.zstd:
+    if c.sizes != e.shape or any(c.offsets) or c.zstd or (split and e.path in split):
         return None
     return str(c.file)
 
 
 def table_runs(
-    entries: Sequence[_Row], split: Mapping[KeyPath, int] | None = None
+    entries: Sequence[Any], split: Mapping[KeyPath, int] | None = None
 ) -> list[tuple[int, int]]:
     """``(start, end)`` of every run of at least :data:`TABLE_MIN_ROWS` entries in a
     row that a tensor table holds: plain tensors whose chunks lie in one file, and the
@@ -64,38 +63,22 @@ def table_runs(
     return runs
 
 
-def table_plain(run: Sequence[_Row]) -> dict[str, Any]:
+def table_plain(run: Sequence[Any]) -> dict[str, Any]:
     """Plain tensor and node entries as one table: each field of every row in one column."""
-    keys: list[str] = []
-    path_len: list[int] = []
-    names: dict[str, int] = {}
-    dtype: list[int] = []
-    ndim: list[int] = []
-    dims: list[int] = []
     tensors = [e for e in run if e.kind == "tensor"]
     chunks = [e.chunks[0] for e in tensors]
-    for e in run:
-        keys += e.path
-        path_len.append(len(e.path))
-    for e in tensors:
-        dtype.append(names.setdefault(e.dtype_name, len(names)))
-        ndim.append(len(e.shape))
-        dims += e.shape
+    names: dict[str, int] = {}  # each dtype's number, in order of first use
+    dtype = [names.setdefault(e.dtype_name, len(names)) for e in tensors]
     return {
         "kind": TABLE_KIND,
         "file": chunks[0].file,
-        "keys": keys,
-        "path_len": columns.pack(path_len, 2),
+        "keys": [k for e in run for k in e.path],
+        "path_len": columns.pack([len(e.path) for e in run], 2),
         "is_node": bytes(e.kind == "node" for e in run),
         "fqn": [e.fqn for e in tensors],
         "dtypes": list(names),
         "dtype": columns.pack(dtype, 1),
-        "ndim": columns.pack(ndim, 1),
-        "shape": columns.pack(dims, 8),
+        "ndim": columns.pack([len(e.shape) for e in tensors], 1),
+        "shape": columns.pack([d for e in tensors for d in e.shape], 8),
         "requires_grad": bytes(e.requires_grad for e in tensors),
-        "offset": columns.pack([c.offset for c in chunks], 8),
-        "length": columns.pack([c.length for c in chunks], 8),
-        "data_offset": columns.pack([c.data_offset for c in chunks], 8),
-        "crc32": columns.pack([c.crc32 for c in chunks], 4),
-        "hcrc32": columns.pack([c.hcrc32 for c in chunks], 4),
-    }
+    } | {k: columns.pack(map(attrgetter(k), chunks), width) for k, width in NUMBERS}

@@ -8,6 +8,7 @@ instances it created, and checks every field's type before DCP objects are made.
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import pickle
 import pickletools
@@ -16,18 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from functional_ckpt._src.format import dcp_standins as sd
-from functional_ckpt._src.format.dcp_standins import (
-    _MEM_FORMAT_ENCODING,
-    ALLOWED,
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-    _StorageInfo,
-)
+from functional_ckpt._src.format.dcp_standins import _MEM_FORMAT_ENCODING, ALLOWED
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 
@@ -39,7 +29,7 @@ MAX_BYTES = 1 << 30
 
 #: Classes whose instances the unpickler may create and fill (``NEWOBJ`` + ``BUILD``).
 _DATA_CLASSES: dict[type, tuple[str, ...]] = {cls: cls.FIELDS for cls in sd.DATA_CLASSES}
-_DATA_CLASSES[TensorProperties] = ()  # state is DCP's 5-tuple, checked by _properties
+_DATA_CLASSES[sd.TensorProperties] = ()  # state is DCP's 5-tuple, checked by _properties
 
 
 _DICTS = (dict, collections.OrderedDict)
@@ -53,11 +43,28 @@ def _plain_ints(args: Any) -> bool:
     return isinstance(args, tuple) and all(type(a) is int for a in args)
 
 
-def _refuser(what: str) -> Callable[[Any], None]:
-    def load(self: Any) -> None:
-        raise _refuse(what)
+def _refusing(what: str, self: Any) -> None:
+    raise _refuse(what)
 
-    return load
+
+def _filler(
+    name: str, kinds: tuple[type, ...] | None, at: int, keys: slice | None
+) -> Callable[[Any], None]:
+    """Pickle's ``load_<name>``, vetted: what it fills is one of ``kinds``, and its new
+    keys flood no table."""
+    load = getattr(pickle._Unpickler, f"load_{name.lower()}")
+
+    def vetted(self: Any) -> None:
+        if len(self.stack) < -at:
+            raise CorruptCheckpoint("malformed pickle (stack underflow)")
+        table = object() if kinds is None else self.stack[at] if at else self._marked()
+        if kinds is not None and type(table) not in kinds:
+            raise _refuse(f"to modify a {type(table).__name__}")
+        if keys is not None:
+            self._count(table, self.stack[keys])
+        load(self)
+
+    return vetted
 
 
 class RestrictedUnpickler(pickle._Unpickler):
@@ -134,7 +141,7 @@ class RestrictedUnpickler(pickle._Unpickler):
         cls = type(inst)
         if id(inst) not in self._fresh or cls not in _DATA_CLASSES:
             raise _refuse(f"to set attributes on {getattr(inst, '__name__', cls.__name__)}")
-        if cls is TensorProperties:
+        if cls is sd.TensorProperties:
             _properties(state)
             inst.__setstate__(state)
             return
@@ -142,14 +149,6 @@ class RestrictedUnpickler(pickle._Unpickler):
         if not isinstance(state, dict) or not all(type(k) is str and k in fields for k in state):
             raise _refuse(f"state {type(state).__name__} for {cls.__name__}")
         vars(inst).update(state)
-
-    def _fill(self, obj: Any, kinds: tuple[type, ...], keys: list[Any] | None = None) -> None:
-        # Every dict, list and set on the stack was made by this load's own opcodes
-        # (no allowed global is one), so only the type needs checking.
-        if type(obj) not in kinds:
-            raise _refuse(f"to modify a {type(obj).__name__}")
-        if keys is not None:
-            self._count(obj, keys)
 
     def _marked(self) -> Any:
         if not self.metastack or not self.metastack[-1]:
@@ -172,42 +171,21 @@ class RestrictedUnpickler(pickle._Unpickler):
                     f"(at most {LIMITS.equal_hashes} may): a hash flood"
                 )
 
-    def load_setitem(self) -> None:
-        if len(self.stack) < 3:
-            raise CorruptCheckpoint("malformed pickle (stack underflow)")
-        self._fill(self.stack[-3], _DICTS, [self.stack[-2]])
-        super().load_setitem()  # type: ignore[misc]
-
-    def load_setitems(self) -> None:
-        self._fill(self._marked(), _DICTS, self.stack[::2])
-        super().load_setitems()  # type: ignore[misc]
-
-    def load_dict(self) -> None:
-        self._count(object(), self.stack[::2])  # a new table from the marked items
-        super().load_dict()  # type: ignore[misc]
-
-    def load_frozenset(self) -> None:
-        self._count(object(), self.stack)
-        super().load_frozenset()  # type: ignore[misc]
-
-    def load_append(self) -> None:
-        if len(self.stack) < 2:
-            raise CorruptCheckpoint("malformed pickle (stack underflow)")
-        self._fill(self.stack[-2], (list,))
-        super().load_append()  # type: ignore[misc]
-
-    def load_appends(self) -> None:
-        self._fill(self._marked(), (list,))
-        super().load_appends()  # type: ignore[misc]
-
-    def load_additems(self) -> None:
-        self._fill(self._marked(), (set,), self.stack)
-        super().load_additems()  # type: ignore[misc]
-
-    _VETTED = (
-        "NEWOBJ NEWOBJ_EX REDUCE BUILD SETITEM SETITEMS APPEND APPENDS ADDITEMS DICT FROZENSET"
-    )
-    for _name in _VETTED.split():
+    # Each opcode that fills a container: the kinds it may fill (None: a new one), where
+    # that lies (on the stack, or 0: below the mark) and the keys it adds. Every dict,
+    # list and set on the stack was made by this load's own opcodes (no allowed global
+    # is one), so only the type needs checking.
+    for _name, _kinds, _at, _keys in (
+        ("SETITEM", _DICTS, -3, slice(-2, -1)),
+        ("SETITEMS", _DICTS, 0, slice(None, None, 2)),
+        ("DICT", None, 0, slice(None, None, 2)),
+        ("FROZENSET", None, 0, slice(None)),
+        ("APPEND", (list,), -2, None),
+        ("APPENDS", (list,), 0, None),
+        ("ADDITEMS", (set,), 0, slice(None)),
+    ):
+        dispatch[getattr(pickle, _name)[0]] = _filler(_name, _kinds, _at, _keys)
+    for _name in ("NEWOBJ", "NEWOBJ_EX", "REDUCE", "BUILD"):
         dispatch[getattr(pickle, _name)[0]] = locals()[f"load_{_name.lower()}"]
     # copyreg's extension cache hands back objects without asking find_class
     for _op, _what in (
@@ -215,8 +193,8 @@ class RestrictedUnpickler(pickle._Unpickler):
         (pickle.OBJ, "protocol-1 instances"),
         *((op, "extension codes (copyreg)") for op in (pickle.EXT1, pickle.EXT2, pickle.EXT4)),
     ):
-        dispatch[_op[0]] = _refuser(_what)
-    del _VETTED, _name, _op, _what
+        dispatch[_op[0]] = functools.partial(_refusing, _what)
+    del _name, _kinds, _at, _keys, _op, _what
 
 
 _PROPERTIES = [sd.DType, sd.Layout, bool, _MEM_FORMAT_ENCODING, bool]  # DCP's state tuple
@@ -233,12 +211,12 @@ def _bad(where: str) -> CorruptCheckpoint:
 
 
 def _check_fields(obj: Any, cls: type, where: str) -> None:
+    """``obj`` is a ``cls`` (its fields only: :meth:`RestrictedUnpickler.load_build`);
+    the fields its pickle left out take DCP's defaults."""
     if type(obj) is not cls:
         raise _bad(f"{where} is a {type(obj).__name__}, not a {cls.__name__}")
-    if cls is TensorProperties and "dtype" not in vars(obj):
+    if cls is sd.TensorProperties and "dtype" not in vars(obj):
         raise _bad(f"{where} has no state")
-    if cls is not TensorProperties and set(vars(obj)) - set(_DATA_CLASSES[cls]):
-        raise _bad(f"{where} has unexpected attributes")
     for name in _DATA_CLASSES[cls]:
         if name not in vars(obj):
             object.__setattr__(obj, name, getattr(cls, name, None))
@@ -260,75 +238,62 @@ def is_plain(v: Any, depth: int = 0, seen: set[int] | None = None) -> bool:
     if v is None or type(v) in (str, int, bool, float):
         return True
     seen = set() if seen is None else seen
-    if id(v) in seen:
-        return True
-    if type(v) in (tuple, list):
-        seen.add(id(v))
-        return all(is_plain(x, depth + 1, seen) for x in v)
-    if type(v) in _DICTS:
-        seen.add(id(v))
-        return all(
-            is_plain(k, depth + 1, seen) and is_plain(x, depth + 1, seen) for k, x in v.items()
-        )
-    return False
+    if id(v) in seen or type(v) not in (tuple, list, *_DICTS):
+        return id(v) in seen
+    seen.add(id(v))
+    items = (x for kv in v.items() for x in kv) if type(v) in _DICTS else v
+    return all(is_plain(x, depth + 1, seen) for x in items)
 
 
-def check(md: Any) -> Metadata:
+def check(md: Any) -> sd.Metadata:
     """The loaded object, if it is exactly DCP metadata (as stand-ins) of plain fields."""
-    _check_fields(md, Metadata, "the root")
+    _check_fields(md, sd.Metadata, "the root")
     sdm = md.state_dict_metadata
     if type(sdm) not in _DICTS:
         raise _bad("state_dict_metadata is not a dict")
     for fqn, smd in sdm.items():
         if type(fqn) is not str:
             raise _bad("a key is not a string")
-        if type(smd) is BytesStorageMetadata:
-            _check_fields(smd, BytesStorageMetadata, fqn)
+        if type(smd) is sd.BytesStorageMetadata:
+            _check_fields(smd, sd.BytesStorageMetadata, fqn)
             continue
-        _check_fields(smd, TensorStorageMetadata, fqn)
-        if type(smd.properties) is not TensorProperties:
-            raise _bad(f"{fqn}: properties")
+        _check_fields(smd, sd.TensorStorageMetadata, fqn)
         p = smd.properties
-        _check_fields(p, TensorProperties, f"{fqn}: properties")
+        _check_fields(p, sd.TensorProperties, f"{fqn}: properties")
         if [type(p.dtype), type(p.layout), type(p.memory_format)] != _NAMED:
             raise _bad(f"{fqn}: properties")
         _size(smd.size, f"{fqn}: size")
         if type(smd.chunks) is not list:
             raise _bad(f"{fqn}: chunks")
         for c in smd.chunks:
-            _check_fields(c, ChunkStorageMetadata, f"{fqn}: chunk")
+            _check_fields(c, sd.ChunkStorageMetadata, f"{fqn}: chunk")
             _size(c.offsets, f"{fqn}: chunk offsets")
             _size(c.sizes, f"{fqn}: chunk sizes")
     storage = md.storage_data
-    if storage is not None:
-        if type(storage) not in _DICTS:
-            raise _bad("storage_data is not a dict")
-        for k, v in storage.items():
-            _check_fields(k, MetadataIndex, "a storage key")
-            if type(k.fqn) is not str or not (k.offset is None or type(k.offset) is sd.Size):
-                raise _bad("a storage key")
-            _check_fields(v, _StorageInfo, f"storage of {k.fqn!r}")
-            td = v.transform_descriptors
-            plain_td = td is None or (type(td) in (list, tuple) and all(type(t) is str for t in td))
-            ok = type(v.relative_path) is str and _natural(v.offset) and _natural(v.length)
-            if not (ok and plain_td):
-                raise _bad(f"storage of {k.fqn!r}")
-    if md.storage_meta is not None:
-        _check_fields(md.storage_meta, StorageMeta, "storage_meta")
-        sm = md.storage_meta
-        if not (
-            type(sm.checkpoint_id) in (type(None), str, *sd.PATHS)
-            and is_plain(sm.save_id)
-            and is_plain(sm.load_id)
-            and is_plain(sm.modules)
-        ):
+    if storage is not None and type(storage) not in _DICTS:
+        raise _bad("storage_data is not a dict")
+    for k, v in (storage or {}).items():
+        _check_fields(k, sd.MetadataIndex, "a storage key")
+        if type(k.fqn) is not str or not (k.offset is None or type(k.offset) is sd.Size):
+            raise _bad("a storage key")
+        _check_fields(v, sd._StorageInfo, f"storage of {k.fqn!r}")
+        td = v.transform_descriptors
+        plain_td = td is None or (type(td) in (list, tuple) and all(type(t) is str for t in td))
+        ok = type(v.relative_path) is str and _natural(v.offset) and _natural(v.length)
+        if not (ok and plain_td):
+            raise _bad(f"storage of {k.fqn!r}")
+    sm = md.storage_meta
+    if sm is not None:
+        _check_fields(sm, sd.StorageMeta, "storage_meta")
+        ok = type(sm.checkpoint_id) in (type(None), str, *sd.PATHS)
+        if not (ok and is_plain(sm.save_id) and is_plain(sm.load_id) and is_plain(sm.modules)):
             raise _bad("storage_meta")
     if not (is_plain(md.planner_data) and type(md.version) in (str, type(None))):
         raise _bad("planner_data or version")
     return md  # type: ignore[no-any-return]
 
 
-def load_standins(raw: bytes, source: Path) -> Metadata:
+def load_standins(raw: bytes, source: Path) -> sd.Metadata:
     """A ``.metadata`` as checked stand-ins, running nothing in it (torch-free)."""
     if len(raw) > MAX_BYTES:
         raise CorruptCheckpoint(f"{source}: {len(raw)} bytes of DCP metadata is more than allowed")
@@ -350,42 +315,33 @@ def load_foreign(raw: bytes, source: Path) -> DcpMetadata:
     """DCP's own ``Metadata`` of a ``.metadata``, made by DCP's constructors from the
     checked stand-ins (:func:`load_standins`): nothing reaches torch before it is vetted."""
     import torch
+    from torch.distributed.checkpoint import filesystem
     from torch.distributed.checkpoint import metadata as dcp
-    from torch.distributed.checkpoint.filesystem import _StorageInfo as DcpStorageInfo
 
-    md = load_standins(raw, source)
-    size = torch.Size
+    made: dict[int, Any] = {}  # each object once, shared as in the pickle (no copy flood)
 
-    def tensor(smd: Any) -> Any:
-        if type(smd) is BytesStorageMetadata:
-            return dcp.BytesStorageMetadata()
-        p = smd.properties
-        props = dcp.TensorProperties(
-            dtype=getattr(torch, p.dtype.name),
-            layout=getattr(torch, p.layout.name),
-            requires_grad=p.requires_grad,
-            memory_format=getattr(torch, p.memory_format.name),
-            pin_memory=p.pin_memory,
-        )
-        chunks = [dcp.ChunkStorageMetadata(size(c.offsets), size(c.sizes)) for c in smd.chunks]
-        return dcp.TensorStorageMetadata(props, size(smd.size), chunks)
+    def real(v: Any) -> Any:
+        got = made.get(id(v))
+        if got is not None:
+            return got
+        t = type(v)
+        if t is sd.Size:
+            out: Any = torch.Size(v)
+        elif isinstance(v, sd.DType | sd.Layout | sd.MemoryFormat):
+            out = getattr(torch, v.name)
+        elif t in _DATA_CLASSES:
+            cls = getattr(filesystem if t is sd._StorageInfo else dcp, t.__name__)
+            out = cls(**{k: real(x) for k, x in vars(v).items()})
+        elif t in _DICTS:
+            out = t((real(k), real(x)) for k, x in v.items())
+        elif t is list:
+            out = [real(x) for x in v]
+        else:
+            return v
+        made[id(v)] = out
+        return out
 
-    sdm = md.state_dict_metadata
-    state = type(sdm)((fqn, tensor(smd)) for fqn, smd in sdm.items())
-    storage = md.storage_data
-    if storage is not None:
-        storage = type(storage)(
-            (
-                dcp.MetadataIndex(k.fqn, k.offset, k.index),
-                DcpStorageInfo(v.relative_path, v.offset, v.length, v.transform_descriptors),
-            )
-            for k, v in storage.items()
-        )
-    sm = md.storage_meta
-    meta = None
-    if sm is not None:
-        meta = dcp.StorageMeta(sm.checkpoint_id, sm.save_id, sm.load_id, sm.modules)
-    return dcp.Metadata(state, md.planner_data, storage, meta, md.version)
+    return real(load_standins(raw, source))  # type: ignore[no-any-return]
 
 
 def scan_pickle(raw: bytes, source: Path) -> UnsafeCheckpoint | None:
@@ -406,15 +362,10 @@ def scan_pickle(raw: bytes, source: Path) -> UnsafeCheckpoint | None:
                 recent.append(memo.get(int(str(arg))))
             elif name in ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"):
                 recent.append(str(arg))
-            elif name == "GLOBAL":
-                mod, _, attr = str(arg).partition(" ")
-                if (mod, attr) not in ALLOWED:
-                    return UnsafeCheckpoint(f"{source}: refusing to load {mod}.{attr}")
-                recent.append(None)
-            elif name == "STACK_GLOBAL":
-                module, qual = recent[-2:] if len(recent) >= 2 else (None, None)
-                if module is not None and qual is not None and (module, qual) not in ALLOWED:
-                    return UnsafeCheckpoint(f"{source}: refusing to load {module}.{qual}")
+            elif name in ("GLOBAL", "STACK_GLOBAL"):  # STACK_GLOBAL: the last two strings
+                got = str(arg).partition(" ")[::2] if name == "GLOBAL" else tuple(recent[-2:])
+                if len(got) == 2 and None not in got and got not in ALLOWED:
+                    return UnsafeCheckpoint(f"{source}: refusing to load {got[0]}.{got[1]}")
                 recent.append(None)
             else:
                 recent.append(None)

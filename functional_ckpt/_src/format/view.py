@@ -8,40 +8,27 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from copy import copy
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from functional_ckpt._src.format import naming
 from functional_ckpt._src.format import parts as split_rule
 from functional_ckpt._src.format.entries import (
     ParsedManifest,
     add_entry,
+    add_table,
     checked_chunk,
     checked_int,
     entry_path,
+    is_table,
     node_info,
 )
 from functional_ckpt._src.format.keys import KeyPath, format_path
-from functional_ckpt._src.format.manifest import (
-    Chunk,
-    Entry,
-    NodeEntry,
-    TensorEntry,
-    ValueEntry,
-    element_size,
-)
-from functional_ckpt._src.format.naming import (
-    COMMIT_MARKER,
-    DCP_METADATA,
-    MANIFEST,
-    PART_FILES_VERSION,
-    parse_part,
-    part_name,
-    safe_member,
-)
+from functional_ckpt._src.format.manifest import Chunk, Entry, NodeEntry, TensorEntry, ValueEntry
 from functional_ckpt._src.format.segments import FIELD as SEGMENTS
 from functional_ckpt._src.format.segments import Segment, parse_segments
-from functional_ckpt._src.format.tables import add_table, is_table
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint
 
@@ -57,8 +44,8 @@ def _files(
     sizes: dict[str, int] = {}
     runs: dict[str, tuple[Segment, ...]] = {}
     for name, info in files.items():
-        safe_member(root, name)
-        if name in (COMMIT_MARKER, MANIFEST):
+        naming.safe_member(root, name)
+        if name in (naming.COMMIT_MARKER, naming.MANIFEST):
             raise CorruptCheckpoint(f"{src}: the file table lists {name!r}, which it may not")
         if not isinstance(info, dict):
             raise CorruptCheckpoint(f"{src}: bad entry for file {name!r}")
@@ -68,26 +55,20 @@ def _files(
     return sizes, runs
 
 
-def rank_entries(manifest: dict[str, Any], src: str) -> list[list[Any]]:
-    ranks = manifest.get("ranks", [])
-    if not isinstance(ranks, list) or not all(
-        isinstance(r, dict) and isinstance(r.get("entries"), list) for r in ranks
-    ):
-        raise CorruptCheckpoint(f"{src}: invalid per-rank table")
-    return [r["entries"] for r in ranks]
-
-
 #: Reads, authenticates and decodes part ``rank`` of a split manifest.
 PartLoader = Callable[[int], Any]
 
 
 @dataclass
 class _Part:
-    """One rank's part of a split manifest, validated: its per-rank entries and its
-    chunk of every evenly split tensor."""
+    """A validated part: a rank's per-rank entries, its chunk of every split tensor."""
 
     entries: list[Any]
     chunks: dict[KeyPath, Chunk]
+
+
+#: What a rank's view adds to (copies of) the shared tree's.
+_GROWN = ("tensors", "values", "nodes", "node_info", "inner", "split")
 
 
 @dataclass
@@ -99,11 +80,10 @@ class ParsedCheckpoint:
     ranks: list[list[Any]]  # each rank's per-rank entries, as decoded (one manifest)
     markers: list[tuple[int, KeyPath]]  # where in ``shared.order`` each per-rank subtree stands
     src: str
-    views: dict[int, ParsedManifest] = field(default_factory=dict)
     load_part: PartLoader | None = None
     loaded: dict[int, _Part] = field(default_factory=dict)
-    sparse: dict[int | None, ParsedManifest] = field(default_factory=dict)  # split chunks left out
     complete: bool = False  # every split tensor of ``shared`` holds its chunks
+    views: dict[tuple[int, bool], ParsedManifest] = field(default_factory=dict)  # by complete
 
     @property
     def world_size(self) -> int:
@@ -112,15 +92,12 @@ class ParsedCheckpoint:
     def view(self, rank: int | None, parts: Iterable[int] | None = None) -> ParsedManifest:
         """The tree as ``rank`` sees it (None: without any per-rank subtree); with
         ``parts``, split tensors hold only those parts' chunks (no other part read)."""
-        if parts is not None:
-            return self.filled(self._sparse(rank), parts)
-        self._complete()
-        if rank is None:
-            return self.shared
-        got = self.views.get(rank)
-        if got is None:
-            got = self.views[rank] = self._view(rank)
-        return got
+        if parts is None:
+            self._complete()
+        if rank is not None and (rank, self.complete) not in self.views:
+            self.views[(rank, self.complete)] = self._view(rank)
+        got = self.shared if rank is None else self.views[(rank, self.complete)]
+        return got if parts is None else self.filled(got, parts)
 
     def filled(self, view: ParsedManifest, parts: Iterable[int]) -> ParsedManifest:
         """``view`` with its evenly split tensors holding the chunks of ``parts``."""
@@ -138,49 +115,28 @@ class ParsedCheckpoint:
 
     def part(self, rank: int) -> _Part:
         """Part ``rank`` of a split manifest, read and validated once."""
-        got = self.loaded.get(rank)
-        if got is None:
-            got = self.loaded[rank] = self._read_part(rank)
-        return got
+        if rank not in self.loaded:
+            name = naming.part_name(rank)
+            where = f"{Path(self.src).parent / name}"
+            if self.load_part is None:
+                raise CorruptCheckpoint(f"{where}: this reader was given no way to read it")
+            own = self.shared.raw.get("version", 0) >= naming.PART_FILES_VERSION  # checks itself
+            if not own and name not in self.shared.file_sizes:
+                raise CorruptCheckpoint(f"{self.src}: the file table does not list {name}")
+            self.loaded[rank] = validated_part(self.load_part(rank), rank, self.shared, where)
+        return self.loaded[rank]
 
     def every_part(self) -> None:
         """Read every part of a split manifest (their files join the file table)."""
         for rank in range(self.shared.parts):
             self.part(rank)
 
-    def _sparse(self, rank: int | None) -> ParsedManifest:
-        if rank is None or self.complete:
-            return self.shared if rank is None else self.view(rank)
-        got = self.sparse.get(rank)
-        if got is None:
-            got = self.sparse[rank] = self._view(rank)
-        return got
-
     def _complete(self) -> None:
         """Give every split tensor of the shared tree all its chunks (every part read)."""
-        if self.complete or not self.shared.split:
-            self.complete = True
-            return
-        # every part's chunk is the rule's box: together they cover each tensor once
-        whole = self.filled(self.shared, range(self.world_size))
-        self.shared.tensors.update(whole.tensors)
+        if not self.complete and self.shared.split:
+            # every part's chunk is the rule's box: together they cover each tensor once
+            self.shared.tensors.update(self.filled(self.shared, range(self.world_size)).tensors)
         self.complete = True
-
-    def _read_part(self, rank: int) -> _Part:
-        name = part_name(rank)
-        where = f"{Path(self.src).parent / name}"
-        if self.load_part is None:
-            raise CorruptCheckpoint(f"{where}: this reader was given no way to read it")
-        own = self.shared.raw.get("version", 0) >= PART_FILES_VERSION  # checks itself
-        if not own and name not in self.shared.file_sizes:
-            raise CorruptCheckpoint(f"{self.src}: the file table does not list {name}")
-        return validated_part(self.load_part(rank), rank, self.shared, where)
-
-    def _rank_entries(self, rank: int) -> list[Any] | None:
-        """``rank``'s per-rank entries, as decoded (None: beyond the saving world)."""
-        if self.shared.parts:
-            return self.part(rank).entries if rank < self.shared.parts else None
-        return self.ranks[rank] if rank < len(self.ranks) else None
 
     def all_views(self) -> list[ParsedManifest]:
         """Every saving rank's view, in rank order."""
@@ -192,26 +148,16 @@ class ParsedCheckpoint:
 
     def _view(self, rank: int) -> ParsedManifest:
         base = self.shared
-        out = replace(
-            base,
-            rank=rank,
-            order=[],
-            tensors=dict(base.tensors),
-            values=dict(base.values),
-            nodes=set(base.nodes),
-            node_info=dict(base.node_info),
-            inner=set(base.inner),
-            split=dict(base.split),
-        )
-        mine = self._rank_entries(rank)
+        out = replace(base, rank=rank, order=[], **{f: copy(getattr(base, f)) for f in _GROWN})
+        if base.parts:  # ``rank``'s per-rank entries, as decoded (None: beyond the world)
+            mine = self.part(rank).entries if rank < base.parts else None
+            src = f"{Path(self.src).parent / naming.part_name(rank)}"
+        else:
+            mine = self.ranks[rank] if rank < len(self.ranks) else None
+            src = f"{self.src} rank {rank}"
         if mine is None:
             out.order = list(base.order)
             return out
-        src = (
-            f"{Path(self.src).parent / part_name(rank)}"
-            if base.parts
-            else f"{self.src} rank {rank}"
-        )
         prev = 0
         for pos, path in self.markers:
             out.order += base.order[prev:pos]
@@ -234,7 +180,10 @@ def parse_checkpoint(
     ``parts`` reads a split manifest's parts when a view needs them."""
     src = str(root / "manifest.msgpack")
     out = ParsedManifest(manifest)
-    out.parts = _parts_count(manifest, src)
+    n = manifest.get("parts", 0)  # per-rank parts of a split manifest (0: one manifest)
+    if n != 0 and (type(n) is not int or not 2 <= n <= LIMITS.chunks_per_tensor):
+        raise CorruptCheckpoint(f"{src}: invalid number of manifest parts {n!r}")
+    out.parts = int(n)
     order = manifest.get("byteorder", "little")
     if order != sys.byteorder:
         raise CorruptCheckpoint(
@@ -248,7 +197,11 @@ def parse_checkpoint(
     entries = manifest.get("entries")
     if not isinstance(entries, list):
         raise CorruptCheckpoint(f"{src}: missing entries")
-    ranks = [] if out.parts else rank_entries(manifest, src)
+    ranks = [] if out.parts else manifest.get("ranks", [])
+    if not isinstance(ranks, list) or not all(
+        isinstance(r, dict) and isinstance(r.get("entries"), list) for r in ranks
+    ):
+        raise CorruptCheckpoint(f"{src}: invalid per-rank table")
     out.world_size = out.parts or max(1, len(ranks))
     markers: list[tuple[int, KeyPath]] = []
     for i, e in enumerate(entries):
@@ -257,22 +210,11 @@ def parse_checkpoint(
             path = entry_path(e, where)
             out.per_rank_roots.append(path)
             markers.append((len(out.order), path))
-            continue
-        if is_table(e):  # many plain tensors at once (a rank's own entries hold none)
+        elif is_table(e):  # many plain tensors at once (a rank's own entries hold none)
             add_table(out, e, where)
-            continue
-        add_entry(out, e, where)
-    return ParsedCheckpoint(out, ranks, markers, src, load_part=parts)
-
-
-def _parts_count(manifest: dict[str, Any], src: str) -> int:
-    """How many per-rank parts a split manifest has (0: one manifest)."""
-    n = manifest.get("parts", 0)
-    if n == 0:
-        return 0
-    if type(n) is not int or not 2 <= n <= LIMITS.chunks_per_tensor:
-        raise CorruptCheckpoint(f"{src}: invalid number of manifest parts {n!r}")
-    return n
+        else:
+            add_entry(out, e, where)
+    return ParsedCheckpoint(out, [r["entries"] for r in ranks], markers, src, load_part=parts)
 
 
 def validated_part(raw: object, rank: int, shared: ParsedManifest, where: str) -> _Part:
@@ -285,7 +227,7 @@ def validated_part(raw: object, rank: int, shared: ParsedManifest, where: str) -
     split = shared.split
     if not isinstance(entries, list):
         raise CorruptCheckpoint(f"{where}: missing per-rank entries")
-    if shared.raw.get("version", 0) >= PART_FILES_VERSION:
+    if shared.raw.get("version", 0) >= naming.PART_FILES_VERSION:
         _add_files(raw, shared, where)
     if not isinstance(rows, list) or len(rows) != len(split):
         raise CorruptCheckpoint(
@@ -299,9 +241,7 @@ def validated_part(raw: object, rank: int, shared: ParsedManifest, where: str) -
         plain = split_rule.row_plain(values, box)
         if plain is None:
             raise CorruptCheckpoint(f"{where}: invalid chunk row {i} ({format_path(p)})")
-        chunks[p] = checked_chunk(
-            plain, entry, element_size(entry.dtype_name), shared, f"{where} row {i}"
-        )
+        chunks[p] = checked_chunk(plain, entry, shared, f"{where} row {i}")
     return _Part(entries, chunks)
 
 
@@ -312,7 +252,7 @@ def _add_files(part: dict[str, Any], shared: ParsedManifest, where: str) -> None
     sizes, runs = _files(part, Path(where).parent, where)
     known = shared.raw["files"]
     for name in sizes:
-        if name in known or name == DCP_METADATA or parse_part(name) is not None:
+        if name in known or name == naming.DCP_METADATA or naming.parse_part(name) is not None:
             raise CorruptCheckpoint(f"{where}: lists {name!r}, which only one table may list")
     known.update(part["files"])
     shared.file_sizes.update(sizes)
@@ -327,15 +267,14 @@ def parse_planned(plain: object, where: str) -> list[Entry]:
     out = ParsedManifest({}, planned=True)
     for i, e in enumerate(plain):
         add_entry(out, e, f"{where} entry {i}")
-    entries: list[Entry] = []
-    for path, kind in out.order:
-        if kind == "node":
-            entries.append(NodeEntry(path, out.node_info.get(path)))
-        elif kind == "value":
-            entries.append(ValueEntry(path, out.values[path]))
-        else:
-            entries.append(out.tensors[path])
-    return entries
+    return [
+        NodeEntry(p, out.node_info.get(p))
+        if kind == "node"
+        else ValueEntry(p, out.values[p])
+        if kind == "value"
+        else out.tensors[p]
+        for p, kind in out.order
+    ]
 
 
 def groups_of(shared: ParsedManifest, ranks: Sequence[ParsedManifest]) -> list[list[TensorEntry]]:
