@@ -1,10 +1,8 @@
-"""``Memory``: a manager's memory tier as one option value, its fields checked where the
-user writes them (so a configuration file describes the tier as well as code); the
-folder in RAM it names, so that no other user can plant or block it.
-
-The default folder is ``/dev/shm/fckpt-<uid>-<secret>``, the secret kept in the root's
-run record (its owner's only); any folder is verified (this user's, not a link, closed
-to others) each time it is opened, and tied to its run by a mark, never by a path.
+"""``Memory``: the memory tier as one option value (checked where the user writes it, so
+a configuration file describes it as well as code), and the folder in RAM it names: by
+default ``/dev/shm/fckpt-<uid>-<secret>``, the secret in the root's owner-only run
+record; any folder verified at every open (this user's, not a link, closed to others)
+and tied to its run by a mark, never by a path, so no other user can plant or block it.
 """
 
 from __future__ import annotations
@@ -28,15 +26,7 @@ from functional_ckpt._src.state.tree import State, leaves_of
 from functional_ckpt._src.storage import durable, opener, ram, usage
 from functional_ckpt.errors import CheckpointError, MemoryTierWarning
 
-__all__ = [
-    "MARK_FILE",
-    "Memory",
-    "OverBudget",
-    "adopt",
-    "claim_folder",
-    "over_budget",
-    "resolve_budget",
-]
+__all__ = ["Memory", "OverBudget", "adopt", "claim_folder", "over_budget", "resolve_budget"]
 
 
 def _int(v: Any) -> bool:

@@ -1,11 +1,11 @@
 """The memory tier across nodes: every rank's shard file also held in other failure domains.
 
-Each node's folder is kept (locked, pruned, committed) by its lowest rank. A save of
-step N is written into ``.replicating/step_N`` of each folder, each shard file sent to
-its *holders* (the same local rank on the next ``replicas - 1`` domains), and only
-then each folder commits it: a step committed anywhere was complete everywhere.
-Resume gathers the newest step of one history into every folder, then reads it; one
-plan (:meth:`Replicas._plan`) says who sends which file to whom in both.
+A save of step N is written into ``.replicating/step_N`` of each node's folder, each
+shard file sent to its *holders* (the same local rank on the next ``replicas - 1``
+domains), and only then committed by each folder's keeper (its lowest rank): a step
+committed anywhere was complete everywhere. A resume gathers the newest step of one
+history into every folder, then reads it; one plan (:meth:`Replicas._plan`) says who
+sends which file to whom in both.
 """
 
 from __future__ import annotations

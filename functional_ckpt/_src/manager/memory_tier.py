@@ -1,11 +1,9 @@
 """The memory tier of a manager's root: checkpoints in RAM, so that a crash costs a step.
 
-Its folder (:func:`.memory.claim_folder`) is a root of its own, written without fsync (a
-power loss empties it anyway), locked, marked with its run and removed when its
-manager closes cleanly; of what it holds, only this run's checkpoints are ever
-resumed, deleted or built on. Its failures never stop training: they are
-:class:`~functional_ckpt.errors.MemoryTierWarning`. Under ``torch.distributed`` each
-node's folder also holds replicas of other nodes' parts (:mod:`.memory_replicas`).
+Its folder is a root of its own, written without fsync (a power loss empties it
+anyway), locked, marked with its run, removed when its manager closes cleanly. Its
+failures never stop training (a :class:`~functional_ckpt.errors.MemoryTierWarning`).
+Across nodes each folder also holds replicas of other nodes' parts (:mod:`.memory_replicas`).
 """
 
 from __future__ import annotations
@@ -250,9 +248,10 @@ class MemoryTier:
         error: BaseException | None = mf.over_budget(self.option, self.budget, self.folder, state)
         try:
             if self.keeper and error is None:
-                older = [s for s in self.steps() if s < step]  # and none newer: a run went back
+                steps = self.steps()
+                older = [s for s in steps if s < step]  # and none newer: a run went back
                 kept = {step, *older[len(older) + 1 - self.option.held :]}
-                self.delete([s for s in self.steps() if s not in kept])
+                self.delete([s for s in steps if s not in kept])
                 if replicas is not None:
                     replicas.clear_staging()
         except Exception as e:
