@@ -31,7 +31,7 @@ from functional_ckpt._src.format.naming import (
     step_name,
 )
 from functional_ckpt._src.log import warn
-from functional_ckpt._src.root.listing import StepInfo, committed_steps, read_info
+from functional_ckpt._src.root.listing import StepInfo, read_info
 from functional_ckpt._src.storage import commit, durable, ram
 from functional_ckpt._src.storage.committed import check_committed
 from functional_ckpt._src.storage.verify import verify
@@ -105,10 +105,12 @@ class Replicas:
         replicas: int | None,
         domain: Callable[[int], int | str] | None,
         error: BaseException | None,
+        steps: Callable[[], list[int]],
     ) -> None:
         """Every rank, in the same order (groups are made here), each with its folder
-        claimed or the ``error`` that refused it; the domain is by default the node."""
-        self.folder, self.rank = folder, topology().rank
+        claimed or the ``error`` that refused it; the domain is by default the node.
+        ``steps``: the folder's checkpoints of this run, the only ones it offers."""
+        self.folder, self.rank, self.steps = folder, topology().rank, steps
         self.group = groups.checkpoint_group(purpose="replicate")
         groups.checkpoint_group(purpose="memory")  # the tier's saves (beside the disk's)
         #: What the last resume took from where: ``{"step": N, "fetched": {file: rank}}``.
@@ -282,10 +284,11 @@ class Replicas:
         return {self.layout.folders[k]: set(goods[k]) for k in self.layout.keepers()}
 
     def _held(self) -> list[list[Any]]:
-        """The keeper's committed steps: ``[step, {file: size}, [files present], manifest
+        """The keeper's steps of this run: ``[step, {file: size}, [files present], manifest
         checksum]`` each (copies are of one checkpoint only when their checksums agree)."""
         out: list[list[Any]] = []
-        for step, path in committed_steps(self.folder).items():
+        for step in self.steps():
+            path = self.folder / step_name(step)
             with contextlib.suppress(CheckpointError, OSError):
                 need, have = ram.files_held(path)
                 out.append([step, need, sorted(have), check_committed(path)["manifest_crc32"]])

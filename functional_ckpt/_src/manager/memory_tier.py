@@ -102,7 +102,7 @@ class MemoryTier:
                 raise
             error = e
         self.replicas = (  # every rank owns the folder there, the errors agreed
-            Replicas(self.folder, option.replicas, option.domain, error)
+            Replicas(self.folder, option.replicas, option.domain, error, lambda: self.steps())
             if topo.distributed
             else None
         )
