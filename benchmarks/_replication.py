@@ -152,7 +152,7 @@ def worker(base: Path, memory: Path, size: int, reps: int) -> dict[str, Any]:
         step = k + 1
         # Phase 1 (the part written), then phase 2 timed alone.
         if mem.keeper:
-            mem._make_room(step)
+            mem.delete(mem.steps())  # keep=1: room for this step
             rep.clear_staging()
         dist.barrier()
         mem.writes.save(rep.staging(step), state, {"run": {"id": mem.run.id}})
@@ -163,9 +163,9 @@ def worker(base: Path, memory: Path, size: int, reps: int) -> dict[str, Any]:
         if mem.keeper:
             mem._prune()
         # The floor: the same bytes between the same ranks, one send per file.
-        moves = rep._moves(
-            [os.stat(folder / step_name(step) / shard_name(r)).st_size for r in range(WORLD)]
-        )
+        sizes = [os.stat(folder / step_name(step) / shard_name(r)).st_size for r in range(WORLD)]
+        holders = rep.layout.holders
+        moves = [Move(r, h, shard_name(r), n) for r, n in enumerate(sizes) for h in holders[r]]
         nbytes = os.stat(folder / step_name(step) / shard_name(rank)).st_size
         bufs = {m.src: torch.empty(m.size, dtype=torch.uint8) for m in moves if m.dst == rank}
         src = torch.ones(nbytes, dtype=torch.uint8)

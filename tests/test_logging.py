@@ -21,7 +21,7 @@ import torch
 import functional_ckpt as fc
 from functional_ckpt._src import log
 from functional_ckpt._src.format.naming import step_name
-from functional_ckpt._src.manager.memory_promote import promote_newest
+from functional_ckpt._src.storage.ram import promote_newest
 from functional_ckpt.errors import CheckpointWarning
 from tests.patience import HANG
 

@@ -28,7 +28,7 @@ import functional_ckpt as fc
 from functional_ckpt._src import cli
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import parse_step, step_name
-from functional_ckpt._src.manager.memory_folder import MARK_FILE
+from functional_ckpt._src.manager.memory import MARK_FILE
 from functional_ckpt._src.storage.ram import MEMORY_STATUS
 from functional_ckpt.errors import LeftoverWarning, MemoryTierWarning
 from tests import manager_job
@@ -447,6 +447,29 @@ def test_what_the_tier_did_not_write_outlives_its_saves_and_close(tmp_path: Path
     assert sorted(os.listdir(memory)) == ["notes.txt", step_name(1)]
     told = [str(w.message) for w in caught]
     assert sum("not checkpoints of this run" in m for m in told) == 1, told
+
+
+def test_an_incremental_save_builds_on_this_runs_checkpoints_only(tmp_path: Path) -> None:
+    """A checkpoint of no run put in the tier's folder, holding the very bytes this run
+    saves next, is never the base of its incremental save: none of its files is taken
+    into this run's checkpoint (the base is this run's, as for retention and resume)."""
+    memory = tmp_path / "mem"
+    tier = fc.manager.Memory(path=memory, async_save=False, promote_on=())
+    with fc.CheckpointManager(tmp_path / "root", save=fc.policy.never(), tiers=(tier,)) as mgr:
+        mgr.maybe_save(small_state(1), step=1)
+        foreign = memory / step_name(9)
+        fc.save(foreign, small_state(2))
+        with pytest.warns(MemoryTierWarning, match="not checkpoints of this run"):
+            mgr.maybe_save(small_state(2), step=2)
+        theirs = {os.stat(p).st_ino for p in foreign.iterdir()}
+        ours = {os.stat(p).st_ino for p in (memory / step_name(2)).iterdir()}
+        assert not theirs & ours
+        assert committed(memory) == [1, 2, 9]  # keep=2 counts this run's checkpoints
+        assert_exact(
+            fc.codec.to_python(fc.restore(memory / step_name(2))),
+            fc.codec.to_python(small_state(2)),
+        )
+    assert committed(memory) == [9] and fc.verify(foreign).ok  # not this run's: left
 
 
 def test_a_failed_memory_save_warns_and_training_goes_on(

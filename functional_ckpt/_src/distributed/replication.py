@@ -39,26 +39,17 @@ class Move:
     size: int
 
 
-def transfer(
-    moves: Sequence[Move],
-    source: Path,
-    target: Path,
-    group: Any,
-) -> int:
+def transfer(moves: Sequence[Move], source: Path, target: Path, group: Any) -> int:
     """Carry out this rank's ``moves`` (every rank calls it with the same list), from the
-    directory ``source`` into ``target``; returns the bytes moved. A local
-    failure raises only once every move is done, so only a dead rank keeps one waiting."""
-    rank, t0 = dist.get_rank(group), time.perf_counter()
-    moved = 0
+    directory ``source`` into ``target``; returns the bytes moved. A local failure
+    raises only once every move is done, so only a dead rank keeps one waiting."""
+    rank, t0, moved = dist.get_rank(group), time.perf_counter(), 0
     failed: list[BaseException] = []
     for tag, move in enumerate(moves):
         if move.src == move.dst or rank not in (move.src, move.dst):
             continue
         try:  # a local failure still moves every byte: the others' moves wait on them
-            if move.src == rank:
-                _send(source / move.name, move, tag, group)
-            else:
-                _receive(target / move.name, move, tag, group)
+            _carry(move, tag, group, source / move.name if move.src == rank else None, target)
             moved += move.size
         except groups.Unanswered:  # a peer is gone: no later move can finish either
             raise
@@ -74,31 +65,47 @@ def transfer(
 _LOG = logger("distributed")
 
 
-def _send(path: Path, move: Move, tag: int, group: Any) -> None:
-    """Send exactly ``move.size`` bytes (zeros for what cannot be read: the receiver never
-    waits, its checksums reject them, and this rank reports the error)."""
-    fd, view, size, failure = -1, None, -1, None
+def _carry(move: Move, tag: int, group: Any, sent: Path | None, target: Path) -> None:
+    """Send the file ``sent`` (None: receive ``move.name`` into ``target``), exactly
+    ``move.size`` bytes through a map of it. What cannot be read is sent as zeros (the
+    receiver's checksums reject them), what cannot be written is received into scratch:
+    neither side ever waits on the other's failure, raised once the bytes have moved.
+    A received file's space is reserved first (a full tmpfs is an error, not a SIGBUS)."""
+    fd, view = -1, None
+    failure: BaseException | None = None
     try:
-        dir_fd = opener.open_directory(path.parent)
-        try:
-            fd = opener.open_member(dir_fd, path.name, path)
-        finally:
-            os.close(dir_fd)
-        size = os.fstat(fd).st_size
-        if min(size, move.size):  # private (torch takes writable buffers only), not copied
-            view = mmap.mmap(fd, min(size, move.size), access=mmap.ACCESS_COPY)
+        if sent is not None:
+            dir_fd = opener.open_directory(sent.parent)
+            try:
+                fd = opener.open_member(dir_fd, sent.name, sent)
+            finally:
+                os.close(dir_fd)
+            size = os.fstat(fd).st_size
+            if size != move.size:
+                failure = CheckpointError(f"{sent}: {size} bytes, not the {move.size} sent for it")
+            if min(size, move.size):  # private (torch takes writable buffers only), not copied
+                view = mmap.mmap(fd, min(size, move.size), access=mmap.ACCESS_COPY)
+        else:
+            fd = durable.open_new(target / move.name, mapped=True)
+            if move.size:
+                os.posix_fallocate(fd, 0, move.size)
+                view = mmap.mmap(fd, move.size)
     except OSError as e:
         failure = e
     try:
         for piece in _pieces(view, move.size):
-            groups.send(piece, move.dst, group, tag)
+            if sent is not None:
+                groups.send(piece, move.dst, group, tag)
+            else:
+                groups.recv(piece, move.src, group, tag)
             del piece  # the map can close only once no tensor shares it
     finally:
-        _close(view, fd)
+        if view is not None:
+            view.close()
+        if fd >= 0:
+            os.close(fd)
     if failure is not None:
         raise failure
-    if size != move.size:
-        raise CheckpointError(f"{path}: {size} bytes, not the {move.size} bytes sent for it")
 
 
 def _pieces(view: mmap.mmap | None, size: int) -> Iterator[torch.Tensor]:
@@ -113,32 +120,3 @@ def _pieces(view: mmap.mmap | None, size: int) -> Iterator[torch.Tensor]:
         if view is not None and have > offset:
             piece[: have - offset] = torch.frombuffer(view, dtype=torch.uint8, offset=offset)
         yield piece
-
-
-def _close(view: mmap.mmap | None, fd: int) -> None:
-    if view is not None:
-        view.close()
-    if fd >= 0:
-        os.close(fd)
-
-
-def _receive(path: Path, move: Move, tag: int, group: Any) -> None:
-    """Receive ``move.size`` bytes into a shared map of the new file ``path``, its space
-    reserved first (a full tmpfs is an error here, not a SIGBUS later); what cannot be
-    written is received into scratch, so the sender never waits."""
-    fd, view, failure = -1, None, None
-    try:
-        fd = durable.open_new(path, mapped=True)
-        if move.size:
-            os.posix_fallocate(fd, 0, move.size)
-            view = mmap.mmap(fd, move.size)
-    except OSError as e:
-        failure = e
-    try:
-        for piece in _pieces(view, move.size):
-            groups.recv(piece, move.src, group, tag)
-            del piece  # the map can close only once no tensor shares it
-    finally:
-        _close(view, fd)
-    if failure is not None:
-        raise failure

@@ -1,25 +1,32 @@
-"""``Memory``: a manager's memory tier, as one option value (``CheckpointManager(memory=...)``).
-
-Plain fields checked where the user writes them, so that a configuration file can
-describe the tier as well as code (all but ``domain``, a function).
+"""``Memory``: the memory tier as one option value (checked where the user writes it, so
+a configuration file describes it as well as code), and the folder in RAM it names: by
+default ``/dev/shm/fckpt-<uid>-<secret>``, the secret in the root's owner-only run
+record; any folder verified at every open (this user's, not a link, closed to others)
+and tied to its run by a mark, never by a path, so no other user can plant or block it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from functional_ckpt._src.log import warn
 from functional_ckpt._src.policy import SavePolicy, every_steps
 from functional_ckpt._src.policy.retention import RetentionPolicy
+from functional_ckpt._src.root.listing import committed_steps
+from functional_ckpt._src.root.run import RUN_FILE, Run, open_run
 from functional_ckpt._src.state.tree import State, leaves_of
-from functional_ckpt._src.storage import ram, usage
-from functional_ckpt.errors import CheckpointError
+from functional_ckpt._src.storage import durable, opener, ram, usage
+from functional_ckpt.errors import CheckpointError, MemoryTierWarning
 
-__all__ = ["Memory", "OverBudget", "over_budget", "resolve_budget"]
+__all__ = ["Memory", "OverBudget", "adopt", "claim_folder", "over_budget", "resolve_budget"]
 
 
 def _int(v: Any) -> bool:
@@ -136,3 +143,119 @@ def over_budget(option: Memory, budget: int, folder: Path, state: State) -> Over
         f"{budget} bytes; the memory tier skips every save that does not fit (said "
         "once). Raise budget=, lower keep= (1 holds one checkpoint), or leave it out"
     )
+
+
+#: In the tier's folder: the root and the run it belongs to.
+MARK_FILE = ".memory-tier.json"
+_SHM = Path("/dev/shm")
+
+
+def claim_folder(
+    path: str | os.PathLike[str] | None, root: Path, run: Run, *, made: bool, retry: bool
+) -> tuple[Path, Run]:
+    """The tier's folder (made if missing), verified as :func:`_own` says, and the run as
+    it now is. An explicit ``path`` must lie apart from every root. The default one,
+    where another user planted it, is left alone and (``retry``) a new secret drawn for
+    a new one; a run ``made`` now reports the folders of an earlier run of ``root``."""
+    if path is not None:
+        _check_apart(Path(path), root)
+        _own(Path(path), private=False)
+        return Path(path), run
+    if not _SHM.is_dir():
+        raise CheckpointError(
+            f"CheckpointManager({root}, memory=fc.manager.Memory()): this machine has no "
+            "/dev/shm; give the tier a folder in RAM with Memory(path=...)"
+        )
+    if made:
+        _report_others(root, run)
+    try:
+        _own(_SHM / f"fckpt-{os.getuid()}-{run.secret}", private=True)
+    except CheckpointError as e:
+        if not retry:
+            raise
+        warn(f"{e}; it is left alone, a new one used", MemoryTierWarning, stacklevel=6)
+        run = open_run(root, new_secret=True)[0]
+        _own(_SHM / f"fckpt-{os.getuid()}-{run.secret}", private=True)
+    return _SHM / f"fckpt-{os.getuid()}-{run.secret}", run
+
+
+def _own(folder: Path, *, private: bool) -> None:
+    """Make ``folder`` (mode 0700) if missing; refuse it unless a directory of this user's,
+    not a link, not writable by others (``private``: no access at all)."""
+    with contextlib.suppress(FileExistsError):
+        if not private:
+            durable.make_dirs(folder.parent)
+        os.mkdir(folder, 0o700)
+    st = os.lstat(folder)
+    mask = 0o077 if private else 0o022
+    bad = [
+        (stat.S_ISLNK(st.st_mode), "is a link"),
+        (not stat.S_ISDIR(st.st_mode), "is not a directory"),
+        (st.st_uid != os.getuid(), f"belongs to another user (uid {st.st_uid})"),
+        (st.st_mode & mask, f"is open to other users (mode {stat.S_IMODE(st.st_mode):o})"),
+    ]
+    why = next((w for b, w in bad if b), None)
+    if why is not None:
+        raise CheckpointError(
+            f"Memory(path={str(folder)!r}): the folder {why}; a memory tier's folder must be "
+            "a directory of this user's that no other user can write (chmod go-w), not a link"
+        )
+
+
+def _check_apart(folder: Path, root: Path) -> None:
+    """Refuse a folder inside or around any root (retention of one would delete the
+    other's checkpoints)."""
+    a, b = os.path.realpath(folder), os.path.realpath(root)
+    inside = [p for p in (Path(a), *Path(a).parents) if (p / RUN_FILE).exists()]
+    around: list[Path] = []
+    with contextlib.suppress(OSError):
+        around = [Path(e.path) for e in os.scandir(a) if os.path.isfile(Path(e.path) / RUN_FILE)]
+    if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep) or inside or around:
+        raise CheckpointError(
+            f"Memory(path={str(folder)!r}): the memory tier's folder must be apart from the "
+            f"disk root {root} and from any other root ({', '.join(map(str, inside + around))}"
+            "): neither inside the other"
+        )
+
+
+def adopt(folder: Path, root: Path, run: Run) -> None:
+    """Mark ``folder`` (locked) as this run's; refuse (never empty) one holding
+    checkpoints of another run, or of no known run."""
+    mine = {"root": os.path.realpath(root), "run": run.id}
+    theirs = opener.read_state(folder / MARK_FILE, "memory tier mark")
+    if theirs == mine:
+        return
+    held = sorted(committed_steps(folder))
+    if held:
+        whose = (
+            f"run {theirs.get('run')} of {theirs.get('root')}"
+            if isinstance(theirs, dict)
+            else "no memory tier of a known run"
+        )
+        raise CheckpointError(
+            f"Memory(path={str(folder)!r}): the folder holds checkpoints (steps {held}) of "
+            f"{whose}, not of this run ({run.id} of {root}); they are left as they are. "
+            "Remove them, or give the tier another folder"
+        )
+    durable.replace_durably(folder / MARK_FILE, json.dumps(mine).encode(), sync=False)
+
+
+def _report_others(root: Path, run: Run) -> None:
+    """Warn of this user's folders holding an earlier run of ``root`` (emptied by hand):
+    never resumed nor removed."""
+    real = os.path.realpath(root)
+    with contextlib.suppress(OSError):
+        for path in _SHM.glob(f"fckpt-{os.getuid()}-*"):
+            mark: Any = opener.read_state(path / MARK_FILE, "memory tier mark")
+            if not isinstance(mark, dict) or mark.get("root") != real or mark.get("run") == run.id:
+                continue
+            held = sorted(committed_steps(path))
+            if held:
+                warn(
+                    f"{path}: memory-tier checkpoints (steps {held}) of an earlier run "
+                    f"of {root} ({mark.get('run')}), whose run record is gone from the root; "
+                    "a new run starts and they are not resumed. Remove the folder to free "
+                    "its RAM",
+                    MemoryTierWarning,
+                    stacklevel=7,
+                )

@@ -1,12 +1,11 @@
 """The memory tier across nodes: every rank's shard file also held in other failure domains.
 
-Each node's folder is kept (locked, pruned, committed) by its lowest rank. A save of
-step N is written into ``.replicating/step_N`` of each folder; then, off the training
-thread, each rank sends its shard file to its *holders* (the same local rank on the
-next ``replicas - 1`` domains) and the coordinator its small files to every folder;
-once every rank confirmed, each keeper renames it ``step_N``: a step committed
-anywhere was complete everywhere. Resume takes the newest step of one history whose
-files are all held somewhere, gathers it into every folder, and only then reads it.
+A save of step N is written into ``.replicating/step_N`` of each node's folder, each
+shard file sent to its *holders* (the same local rank on the next ``replicas - 1``
+domains), and only then committed by each folder's keeper (its lowest rank): a step
+committed anywhere was complete everywhere. A resume gathers the newest step of one
+history into every folder, then reads it; one plan (:meth:`Replicas._plan`) says who
+sends which file to whom in both.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import contextlib
 import os
 import socket
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,8 +31,7 @@ from functional_ckpt._src.format.naming import (
     step_name,
 )
 from functional_ckpt._src.log import warn
-from functional_ckpt._src.manager.memory_folder import own_folder
-from functional_ckpt._src.root.listing import StepInfo, committed_steps, read_info
+from functional_ckpt._src.root.listing import StepInfo, read_info
 from functional_ckpt._src.storage import commit, durable, ram
 from functional_ckpt._src.storage.committed import check_committed
 from functional_ckpt._src.storage.verify import verify
@@ -45,12 +43,11 @@ T = TypeVar("T")
 
 #: In each folder: where a step is written and replicated before it is committed.
 STAGING = ".replicating"
-
-
-def _coordinator_files(staging: Path) -> list[str]:
-    """What every folder gets from the coordinator, the commit marker last."""
-    parts = sorted(n for n in os.listdir(staging) if parse_part(n) is not None)
-    return [MANIFEST, *parts, DCP_METADATA, COMMIT_MARKER]
+#: What a resume does once a read found damage: first, then again.
+_AFTER_DAMAGE = (
+    "every copy is checked and the step gathered again",
+    "falling back to the next tier",
+)
 
 
 @dataclass(frozen=True)
@@ -99,55 +96,43 @@ def layout_of(idents: Sequence[Any], domains: Sequence[Any], replicas: int | Non
     return ReplicaLayout(folders, doms, wanted, holders_of(doms, wanted))
 
 
-def _default_domain(rank: int) -> int | str:
-    """The node of ``rank``: its first rank (from ``LOCAL_RANK``), else the host's name."""
-    local = os.environ.get("LOCAL_RANK")
-    if local is not None and local.isdigit():
-        return rank - int(local)
-    return socket.gethostname()
-
-
-@dataclass
 class Replicas:
     """One rank's share of a distributed memory tier (see the module docstring)."""
 
-    folder: Path
-    rank: int
-    layout: ReplicaLayout
-    group: Any
-    #: What the last resume took from where: ``{"step": N, "fetched": {file: rank}}``.
-    resumed: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def open(
-        cls,
+    def __init__(
+        self,
         folder: Path,
         replicas: int | None,
         domain: Callable[[int], int | str] | None,
-        *,
-        private: bool,
-    ) -> Replicas:
-        """Every rank, in the same order (groups are made here); each owns the folder."""
-        rank = topology().rank
-        group = groups.checkpoint_group(purpose="replicate")
+        error: BaseException | None,
+        steps: Callable[[], list[int]],
+    ) -> None:
+        """Every rank, in the same order (groups are made here), each with its folder
+        claimed or the ``error`` that refused it; the domain is by default the node.
+        ``steps``: the folder's checkpoints of this run, the only ones it offers."""
+        self.folder, self.rank, self.steps = folder, topology().rank, steps
+        self.group = groups.checkpoint_group(purpose="replicate")
         groups.checkpoint_group(purpose="memory")  # the tier's saves (beside the disk's)
-        error: BaseException | None = None
+        #: What the last resume took from where: ``{"step": N, "fetched": {file: rank}}``.
+        self.resumed: dict[str, Any] = {}
         mine: list[Any] = []
         try:
-            own_folder(folder, private=private)
-            st = os.stat(folder)
-            where = domain(rank) if domain is not None else _default_domain(rank)
+            if error is not None:
+                raise error
+            local = os.environ.get("LOCAL_RANK", "")  # the node's first rank, else its name
+            node = self.rank - int(local) if local.isdigit() else socket.gethostname()
+            where = domain(self.rank) if domain is not None else node
             if isinstance(where, bool) or not isinstance(where, int | str):
                 raise TypeError(
-                    f"Memory(domain=...): returned {where!r} for rank {rank}; expected an int "
-                    "or a str"
+                    f"Memory(domain=...): returned {where!r} for rank {self.rank}; expected "
+                    "an int or a str"
                 )
+            st = os.stat(folder)
             mine = [[socket.gethostname(), st.st_dev, st.st_ino], where]
         except Exception as e:
             error = e
-        every = groups.agree_values(error, mine, group, f"memory tier {folder}")
-        lay = layout_of([e[0] for e in every], [e[1] for e in every], replicas)
-        return cls(folder, rank, lay, group)
+        every = groups.agree_values(error, mine, self.group, f"memory tier {folder}")
+        self.layout = layout_of([e[0] for e in every], [e[1] for e in every], replicas)
 
     @property
     def keeper(self) -> bool:
@@ -169,25 +154,44 @@ class Replicas:
         with ``error`` (this rank's phase 1 failed) nothing is committed anywhere."""
         what, staging, lay = f"memory-tier step {step}", self.staging(step), self.layout
         groups.agree(error, self.group, what)  # and the coordinator committed phase 1
-        mine: list[Any] = [-1, []]  # this rank's shard file's size; the coordinator's files
+        held: dict[str, int] = {}
         try:
-            if os.path.lexists(staging / shard_name(self.rank)):
-                mine[0] = _size(staging / shard_name(self.rank))
-            if self.rank == 0:
-                mine[1] = [[n, _size(staging / n)] for n in _coordinator_files(staging)]
+            if self.keeper:
+                held = {n: os.lstat(staging / n).st_size for n in os.listdir(staging)}
         except Exception as e:
             error = e
-        told = groups.agree_values(error, mine, self.group, what)
-        others = [k for k in lay.keepers() if lay.folders[k] != lay.folders[0]]
-        moves = self._moves([int(t[0]) for t in told])  # then the small files, marker last
-        moves += [Move(0, k, str(n), int(size)) for k in others for n, size in told[0][1]]
-        self._transfer(moves, staging, staging, what)  # every part and replica in place
+        told = groups.agree_values(error, held, self.group, what)
+        have = {lay.folders[k]: told[k] for k in lay.keepers()}
+        small = {MANIFEST, DCP_METADATA, COMMIT_MARKER}  # the coordinator's, to every folder
+        small = {n for n in have[lay.folders[0]] if n in small or parse_part(n) is not None}
+        want = {f: set(small) for f in have}
+        for r, holders in enumerate(lay.holders):
+            if shard_name(r) in have[lay.folders[r]]:
+                for h in holders:
+                    want[lay.folders[h]].add(shard_name(r))
+        self._send(self._plan(want, have), staging, staging, what)
         if self.keeper:  # a folder whose rename fails lacks the step (the others hold it)
             commit.commit_checkpoint(
                 staging, self.folder / step_name(step), overwrite=True, sync=False
             )
 
-    def _transfer(self, moves: list[Move], source: Path, target: Path, what: str) -> None:
+    def _plan(self, want: dict[int, set[str]], have: dict[int, dict[str, int]]) -> list[Move]:
+        """Who sends which file to whom: each folder's files ``want``-ed that it lacks (in
+        :func:`_order`), each from a folder that ``have``-s it, spread over those folders
+        and over the ranks of both (a node's ranks share its folder)."""
+        lay, moves = self.layout, []
+        members = {f: [r for r, g in enumerate(lay.folders) if g == f] for f in set(lay.folders)}
+        for k in lay.keepers():
+            f = lay.folders[k]
+            lacking = sorted(want[f] - set(have[f]), key=_order)
+            for i, name in enumerate(lacking):
+                holding = [g for g in sorted(have) if name in have[g]]
+                src, dst = members[holding[(k + i) % len(holding)]], members[f]
+                size = have[holding[0]][name]
+                moves.append(Move(src[i % len(src)], dst[i % len(dst)], name, size))
+        return moves
+
+    def _send(self, moves: list[Move], source: Path, target: Path, what: str) -> None:
         """``moves`` from the directory ``source`` into ``target``; all ranks fail together."""
         error: BaseException | None = None
         try:
@@ -196,28 +200,11 @@ class Replicas:
             error = e
         groups.agree(error, self.group, what)
 
-    def _moves(self, sizes: Sequence[int]) -> list[Move]:
-        """Each rank's shard file to each of its holders' folders (once per folder)."""
-        lay = self.layout
-        moves = []
-        for r, size in enumerate(sizes):
-            if size < 0:
-                continue
-            done = {lay.folders[r]}
-            for h in lay.holders[r]:
-                if lay.folders[h] not in done:
-                    done.add(lay.folders[h])
-                    moves.append(Move(r, h, shard_name(r), size))
-        return moves
-
     def resume(self, above: int | None, world: int, *, verified: bool) -> int | None:
-        """Every rank: the newest step newer than ``above`` (any rank's) complete
-        somewhere, gathered into every folder; None if there is none.
-
-        A first try takes every file present at its size (the read checks every byte it
-        takes); ``verified`` (after a read found damage) takes each file from a copy
-        whose every byte passes its checksums.
-        """
+        """Every rank: the newest step newer than ``above`` (any rank's) whole somewhere,
+        gathered into every folder. Each file is taken from a copy at its size (the read
+        checks every byte), or, ``verified`` (a read found damage), one that passes its
+        checksums."""
         mine = [self._held() if self.keeper else [], -1 if above is None else above]
         told = groups.all_gather_values(mine, self.group)
         reports, floor = [t[0] for t in told], max(t[1] for t in told)
@@ -227,43 +214,33 @@ class Replicas:
             need, holding = _copies(step, reports, self.layout, self.folder)
             saved = {p[0] for n in need if (p := parse_shard(n)) is not None}
             if saved and saved != set(range(world)):
-                self._warn(
-                    step,
-                    f"was saved by {max(saved) + 1} ranks and this run has {world}: the memory "
-                    "tier resumes only onto the world size that saved it; falling back to the "
-                    "disk tier",
-                )
+                why = f"was saved by {max(saved) + 1} ranks and this run has {world}: the "
+                self._warn(step, why + "memory tier resumes only onto that world size")
                 return None
-            wanted = set(need) | {MANIFEST, COMMIT_MARKER}
-            if not wanted <= set().union(*holding.values()):
+            if not set(need) <= set().union(*holding.values()):
                 continue  # some rank's part is nowhere now (its node and its holders lost)
-            good = (
-                self._intact(step, holding)
-                if verified
-                else {f: holding.get(f, set()) for f in set(self.layout.folders)}
-            )
-            missing = wanted - set().union(*good.values())
+            good = self._intact(step, holding) if verified else holding
+            missing = set(need) - set().union(*good.values())
             if missing:
-                self._warn(
-                    step,
-                    f"has no intact copy of {sorted(missing)} on any rank "
-                    "(checksums fail); trying an older step",
-                )
+                no = f"has no intact copy of {sorted(missing)} on any rank (checksums fail)"
+                self._warn(step, no, "trying an older step")
                 continue
             try:
-                fetched = self._reassemble(step, need, wanted, good)
+                fetched = self._reassemble(step, need, good)
             except CheckpointError as e:
-                self._warn(step, f"could not be gathered ({e}); falling back to the disk tier")
+                self._warn(step, f"could not be gathered ({e})")
                 return None
             self.resumed = {"step": step, "fetched": fetched}
             return int(step)
         return None
 
-    def _warn(self, step: int, why: str) -> None:
-        warn(f"{self.folder}: memory-tier step {step} {why}", MemoryTierWarning, stacklevel=5)
+    def _warn(self, step: int, why: str, then: str = "falling back to the disk tier") -> None:
+        warn(
+            f"{self.folder}: memory-tier step {step} {why}; {then}", MemoryTierWarning, stacklevel=5
+        )
 
     def newest(
-        self, read: Callable[[Path], T], above: int | None, world: int, stacklevel: int
+        self, read: Callable[[Path], T], above: int | None, world: int
     ) -> tuple[StepInfo, T] | None:
         """Every rank: the agreed step, gathered into each folder, read by all; a read that
         finds damage (on any rank) is tried once more with every copy checked first."""
@@ -279,22 +256,17 @@ class Replicas:
             except Exception as err:
                 error = err
             damaged = error is not None and (is_damage(error) or isinstance(error, RankFailed))
-            said = str(error) if damaged else None
             told = groups.agree_values(
-                None if damaged else error, said, self.group, f"restore {path}"
+                None if damaged else error, str(error) if damaged else None, self.group, str(path)
             )
             bad = "; ".join(f"rank {r}: {msg}" for r, msg in enumerate(told) if msg is not None)
             if not bad:
                 return found
-            then = (
-                "falling back to the next tier"
-                if verified
-                else "every copy is checked and the step gathered again"
-            )
             warn(
-                f"{path}: memory-tier checkpoint of step {step} is unreadable ({bad}); {then}",
+                f"{path}: memory-tier checkpoint of step {step} is unreadable ({bad}); "
+                + _AFTER_DAMAGE[verified],
                 MemoryTierWarning,
-                stacklevel=stacklevel,
+                stacklevel=7,
             )
         return None
 
@@ -307,58 +279,47 @@ class Replicas:
             with contextlib.suppress(CheckpointError, OSError):
                 bad = {p.file for p in verify(path).problems}
                 if None not in bad and MANIFEST not in bad:
-                    good = (ram.files_held(path)[1] | {MANIFEST, COMMIT_MARKER}) - bad
+                    good = ram.files_held(path)[1] - bad
         goods = groups.all_gather_values(sorted(good), self.group)
         return {self.layout.folders[k]: set(goods[k]) for k in self.layout.keepers()}
 
     def _held(self) -> list[list[Any]]:
-        """The keeper's committed steps: ``[step, {file: size}, [files present], manifest
+        """The keeper's steps of this run: ``[step, {file: size}, [files present], manifest
         checksum]`` each (copies are of one checkpoint only when their checksums agree)."""
         out: list[list[Any]] = []
-        for step, path in committed_steps(self.folder).items():
+        for step in self.steps():
+            path = self.folder / step_name(step)
             with contextlib.suppress(CheckpointError, OSError):
                 need, have = ram.files_held(path)
-                crc = check_committed(path)["manifest_crc32"]
-                out.append([step, need, sorted(have | {MANIFEST, COMMIT_MARKER}), crc])
+                out.append([step, need, sorted(have), check_committed(path)["manifest_crc32"]])
         return out
 
     def _reassemble(
-        self, step: int, need: dict[str, int], wanted: set[str], good: dict[int, set[str]]
+        self, step: int, need: dict[str, int], good: dict[int, set[str]]
     ) -> dict[str, int]:
         """Each folder gets what it lacks of ``step`` from folders holding it (``good``),
         then its keeper commits it; returns what this rank's folder fetched from whom.
         Every rank fails together."""
-        lay, what = self.layout, f"memory-tier step {step}"
+        lay, what, mine = self.layout, f"memory-tier step {step}", self.layout.folders[self.rank]
         final, build = self.folder / step_name(step), self.staging(step)
-        members = {f: [r for r, g in enumerate(lay.folders) if g == f] for f in set(lay.folders)}
-        moves: list[Move] = []
-        for k in lay.keepers():
-            f = lay.folders[k]
-            lacking = sorted(wanted - good[f], key=lambda n: (n == COMMIT_MARKER, n))
-            for i, name in enumerate(lacking):
-                have = [g for g in sorted(good) if name in good[g]]  # spread over the holders
-                src = members[have[(k + i) % len(have)]]  # and over the ranks of both folders
-                dst = members[f]
-                moves.append(Move(src[i % len(src)], dst[i % len(dst)], name, need.get(name, -1)))
-        mine = lay.folders[self.rank]
+        have = {f: {n: need[n] for n in good.get(f, ())} for f in set(lay.folders)}
+        moves = self._plan({f: set(need) for f in have}, have)
         ours = [m for m in moves if lay.folders[m.dst] == mine]
         error: BaseException | None = None
-        sizes: dict[str, int] = {}
         try:
             if ours and self.keeper:
                 self.clear_staging()
                 durable.make_dirs(build)
-                for name in sorted(good.get(mine, set()) - {COMMIT_MARKER}):
-                    os.link(final / name, build / name, follow_symlinks=False)
-            sizes = {m.name: _size(final / m.name) for m in moves if m.src == self.rank}
+                for name in sorted(have[mine]):  # what it holds, linked in; the marker last
+                    if name != COMMIT_MARKER:
+                        os.link(final / name, build / name, follow_symlinks=False)
         except Exception as e:
             error = e
-        told = groups.agree_values(error, sizes, self.group, what)
-        moves = [m if m.size >= 0 else replace(m, size=told[m.src][m.name]) for m in moves]
-        self._transfer(moves, final, build, what)  # every folder has all it lacked
+        groups.agree(error, self.group, what)
+        self._send(moves, final, build, what)  # every folder has all it lacked
         try:
             if ours and self.keeper:
-                if (final / COMMIT_MARKER).exists() and not (build / COMMIT_MARKER).exists():
+                if COMMIT_MARKER in have[mine]:
                     os.link(final / COMMIT_MARKER, build / COMMIT_MARKER, follow_symlinks=False)
                 commit.commit_checkpoint(build, final, overwrite=True, sync=False)
         except Exception as e:
@@ -367,8 +328,10 @@ class Replicas:
         return {m.name: m.src for m in ours}
 
 
-def _size(path: Path) -> int:
-    return os.stat(path, follow_symlinks=False).st_size
+def _order(name: str) -> tuple[bool, bool, str]:
+    """Shard files first (each rank's to the rank of its number in the other folder,
+    all at once), the commit marker last."""
+    return name == COMMIT_MARKER, parse_shard(name) is None, name
 
 
 def _copies(

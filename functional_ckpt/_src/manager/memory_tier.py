@@ -1,11 +1,9 @@
 """The memory tier of a manager's root: checkpoints in RAM, so that a crash costs a step.
 
-Its folder is a root of its own, written through the manager's write path without
-fsync (a power loss empties it anyway), locked, marked with its run
-(:mod:`.memory_folder`), and removed when its manager closes cleanly. Its failures
-never stop training: they are :class:`~functional_ckpt.errors.MemoryTierWarning`.
-Under ``torch.distributed`` each node's folder also holds replicas of other nodes'
-parts (:mod:`.memory_replicas`).
+Its folder is a root of its own, written without fsync (a power loss empties it
+anyway), locked, marked with its run, removed when its manager closes cleanly. Its
+failures never stop training (a :class:`~functional_ckpt.errors.MemoryTierWarning`).
+Across nodes each folder also holds replicas of other nodes' parts (:mod:`.memory_replicas`).
 """
 
 from __future__ import annotations
@@ -13,20 +11,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
+from types import FrameType
 from typing import Any, TypeVar
 
 from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.topology import topology
-from functional_ckpt._src.format.naming import base_name, is_temporary_name, parse_step
+from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.log import warn
-from functional_ckpt._src.manager import memory_folder as mf
+from functional_ckpt._src.manager import memory as mf
 from functional_ckpt._src.manager.collective import coordinator_decides
-from functional_ckpt._src.manager.memory import Memory, OverBudget, over_budget, resolve_budget
-from functional_ckpt._src.manager.memory_promote import OnSignals
 from functional_ckpt._src.manager.memory_replicas import STAGING, Replicas
 from functional_ckpt._src.manager.options import AsyncSave
 from functional_ckpt._src.manager.provenance import run_of
@@ -36,11 +35,10 @@ from functional_ckpt._src.policy import Event, PolicyState
 from functional_ckpt._src.policy.retention import RetentionPolicy, keep_last
 from functional_ckpt._src.root.delete import delete, remove_all
 from functional_ckpt._src.root.leftovers import recover_leftovers
-from functional_ckpt._src.root.listing import StepInfo, read_info
+from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt._src.root.lock import LOCK_FILE, WriterLock
-from functional_ckpt._src.root.run import Run, open_run
+from functional_ckpt._src.root.run import Run
 from functional_ckpt._src.root.view import RootView
-from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.state.tree import State
 from functional_ckpt._src.storage import durable, ram
 from functional_ckpt.errors import CheckpointError, MemoryTierWarning, RankFailed, is_damage
@@ -50,88 +48,109 @@ __all__ = ["MemoryTier"]
 T = TypeVar("T")
 
 
+class RunView(RootView):
+    """The tier's folder as its run sees it: its steps are this run's checkpoints only, so
+    that none another run (or the user) put there is resumed, deleted or built on (the
+    base of an incremental save); those are reported once and left as they are."""
+
+    def __init__(self, folder: Path, run: str) -> None:
+        super().__init__(folder)
+        self.run, self._said = run, False
+
+    def steps(self) -> list[int]:
+        committed = super().steps()
+        mine: list[int] = []
+        others = sorted({s for s, _ in self.candidates()} - set(committed))
+        for step in committed:
+            try:
+                ours = run_of(self.info(step).metadata) == self.run
+            except (CheckpointError, OSError):
+                ours = False
+            (mine if ours else others).append(step)
+        if others and not self._said:
+            self._said = True
+            warn(
+                f"{self.root}: steps {sorted(others)} are not checkpoints of this run "
+                f"({self.run}): the memory tier leaves them as they are (a step not of this "
+                "run is never resumed, built on or deleted)",
+                MemoryTierWarning,
+                stacklevel=6,
+            )
+        return mine
+
+
 class MemoryTier:
     """The folder in RAM above one manager's root (see the module docstring)."""
 
     def __init__(
-        self, option: Memory, root: Path, settings: WriteSettings, *, run: Run, made: bool
+        self, option: mf.Memory, root: Path, settings: WriteSettings, *, run: Run, made: bool
     ) -> None:
-        self.option, self.root, self.run = option, root, run
         topo = topology()
         if option.replicas not in (None, 1) and not topo.distributed:
             raise CheckpointError(
                 f"Memory(replicas={option.replicas}): one process is one failure domain; "
                 "replicas live on ranks of other nodes (torch.distributed)"
             )
-        self.folder = Path(option.path) if option.path is not None else mf.default_folder(root, run)
-        if option.path is not None:
-            mf.check_apart(self.folder, root)
-        elif made and topo.coordinator:
-            mf.report_others(root, run, stacklevel=5)
-        self.replicas: Replicas | None = None
-        if topo.distributed:  # every rank owns the folder there
-            self.replicas = Replicas.open(
-                self.folder, option.replicas, option.domain, private=option.path is None
+        self.option, self.root, self.folder, self.run = option, root, root, run
+        error: BaseException | None = None
+        try:  # a default folder planted by another user: one process draws another
+            self.folder, self.run = mf.claim_folder(
+                option.path, root, run, made=made and topo.coordinator, retry=not topo.distributed
             )
-        else:
-            self._own()
+        except Exception as e:
+            if not topo.distributed:
+                raise
+            error = e
+        self.replicas = (  # every rank owns the folder there, the errors agreed
+            Replicas(self.folder, option.replicas, option.domain, error, lambda: self.steps())
+            if topo.distributed
+            else None
+        )
         self.keeper = self.replicas is None or self.replicas.keeper
         self._round: threading.Thread | None = None  # a replication off the training thread
-        self._step = -1  # the step of the save in flight
+        self._step = -1  # the save in flight
         self._round_error: BaseException | None = None
         self.policy_state: PolicyState = option.save.init()
-        self._said_over = self._said_others = False
+        self._said_over = False
         self._lock: WriterLock | None = None
-        self._signals = OnSignals(option.promote_on, lambda: self.promote(option.promote_within))
+        self._previous: dict[int, Any] = {}  # each signal's handler before ours
+        self._handling = False  # whether a signal of promote_on promotes
         #: Promotion over the manager's tiers (``manager/tiers.promote``), set by the manager.
         self.promote: Callable[[float], Path | None] = lambda within: None
         self.durable = False
         self.committed: Callable[[], object] = lambda: None  # progress, told over all tiers
         keep = option.keep
         self.keep = keep if isinstance(keep, RetentionPolicy) else keep_last(option.held)
-        self.view = RootView(self.folder)  # refuses a folder that is itself a checkpoint
+        self.view = RunView(self.folder, self.run.id)  # refuses a folder that is a checkpoint
         self.steps, self.infos = self.view.steps, self.view.infos
-        error: BaseException | None = None
+        error = None
         try:
-            self.budget = resolve_budget(self.option, self.folder)
+            self.budget = mf.resolve_budget(option, self.folder)
             if self.keeper:
                 self._open()
         except BaseException as e:
             error = e
-        if self.replicas is not None:
-            groups.agree(error, self.replicas.group, f"memory tier {self.folder}")
-        elif error is not None:
-            raise error
-        self.writes = Writes(
+        self._agree(error, f"memory tier {self.folder}")
+        self.writes = Writes(  # a rank's base: this run's last step its own folder holds
             self.view,
-            WriteSettings(
-                settings.per_rank,
-                AsyncSave("write") if option.async_save else None,  # one copy, into RAM
-                option.incremental,  # a rank's base: the last step its own folder holds
-                distributed=topo.distributed,
-                coordinator=topo.coordinator,
+            replace(
+                settings,
+                async_save=AsyncSave("write") if option.async_save else None,  # one copy
+                incremental=option.incremental,
                 durable=False,
-                parts=topo.distributed,
+                parts=settings.distributed,
                 group="memory",
+                zstd_level=0,
             ),
             None,
         )
 
-    def __repr__(self) -> str:
-        return f"MemoryTier({str(self.folder)!r}, keep={self.option.held})"
-
-    def _own(self) -> None:
-        """Own the folder; one planted where this run's secret name pointed is left
-        alone and a new secret, a new folder, used."""
-        try:
-            mf.own_folder(self.folder, private=self.option.path is None)
-        except CheckpointError as e:
-            if self.option.path is not None:
-                raise
-            warn(f"{e}; it is left alone, a new one used", MemoryTierWarning, stacklevel=6)
-            self.run = open_run(self.root, new_secret=True)[0]
-            self.folder = mf.default_folder(self.root, self.run)
-            mf.own_folder(self.folder, private=True)
+    def _agree(self, error: BaseException | None, what: str) -> None:
+        """Raise ``error``; across nodes, every rank fails together."""
+        if self.replicas is not None:
+            groups.agree(error, self.replicas.group, what)
+        elif error is not None:
+            raise error
 
     def _open(self) -> None:
         """Lock and mark the folder (this run's only), then recover what a crash of this
@@ -144,7 +163,11 @@ class MemoryTier:
             mf.adopt(self.folder, self.root, self.run)
             recover_leftovers(self.folder, stacklevel=6)
             self._write_status(open_=True)
-            self._signals.install()
+            if threading.current_thread() is threading.main_thread():  # where signals arrive
+                self._previous = {
+                    s: signal.signal(s, self._on_signal) for s in self.option.promote_on
+                }
+                self._handling = True
             if self.replicas is not None:
                 self.replicas.clear_staging()
         except BaseException:
@@ -152,39 +175,25 @@ class MemoryTier:
             self._lock = None
             raise
 
-    def _skipped(self, err: BaseException, stacklevel: int) -> bool:
-        """Whether ``err`` is a save over the budget (any rank's): skipped, said once."""
-        over = isinstance(err, OverBudget) or (
-            isinstance(err, RankFailed)
-            and any(kind == OverBudget.__name__ for kind, _ in err.failures.values())
-        )
-        if over and not self._said_over:
-            self._said_over = True
-            warn(str(err), MemoryTierWarning, stacklevel=stacklevel)
-        return over
-
     def close(self, *, crashed: bool = False) -> None:
         """Wait for the save in flight, then remove the folder: its RAM is not held past the
         run. After a crash (an exception leaving the manager) the folder stays for the
         restart, its newest step promoted to the disk first where a signal would have."""
         self.wait(stacklevel=4)
         self.writes.join_removals()
-        self._signals.uninstall()
+        if self._handling and threading.current_thread() is threading.main_thread():
+            self._handling = False  # a later handler chaining to ours now just passes it on
+            for signum, previous in self._previous.items():
+                if signal.getsignal(signum) == self._on_signal:
+                    signal.signal(signum, signal.SIG_DFL if previous is None else previous)
         if crashed and self.option.promote_on:
             self.promote(self.option.promote_within)
         if self._lock is None:
             return
         try:
             if not crashed:
-                names = sorted(os.listdir(self.folder))
-                own = [
-                    n
-                    for n in names
-                    if is_temporary_name(n) and parse_step(base_name(n)) is not None
-                ]
-                own += [self.view.path(s).name for s in self._mine(parse_step(n) for n in names)]
-                own += [mf.MARK_FILE, STAGING, LOCK_FILE]  # the lock last
-                ram.remove_folder(self.folder, own)
+                own = [step_name(s) for s in self.steps()]
+                ram.remove_folder(self.folder, [*own, mf.MARK_FILE, STAGING, LOCK_FILE])
             self._write_status(open_=False)
         except OSError as e:
             warn(
@@ -195,6 +204,19 @@ class MemoryTier:
         finally:
             self._lock.release()
             self._lock = None
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """Promote, then let the signal do what it did before (by default: end the process).
+        A handler installed on top of this one (``fc.on_signal``, say) owns what the signal
+        does: reached through its chain, this one promotes and ends nothing."""
+        if self._handling:
+            self.promote(self.option.promote_within)
+        previous = self._previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN and signal.getsignal(signum) == self._on_signal:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
     def _write_status(self, *, open_: bool) -> None:
         if topology().rank != 0:
@@ -223,38 +245,40 @@ class MemoryTier:
         previous one collected and room made first: at most ``keep`` in the folder."""
         self.wait(stacklevel=4)
         replicas, self._step = self.replicas, step
-        error: BaseException | None = over_budget(self.option, self.budget, self.folder, state)
+        error: BaseException | None = mf.over_budget(self.option, self.budget, self.folder, state)
         try:
             if self.keeper and error is None:
-                self._make_room(step)
+                steps = self.steps()
+                older = [s for s in steps if s < step]  # and none newer: a run went back
+                kept = {step, *older[len(older) + 1 - self.option.held :]}
+                self.delete([s for s in steps if s not in kept])
                 if replicas is not None:
                     replicas.clear_staging()
         except Exception as e:
             error = e
         try:
-            if replicas is not None:
-                groups.agree(error, replicas.group, f"memory-tier step {step}")
-            elif error is not None:
-                raise error
+            self._agree(error, f"memory-tier step {step}")
             path = self.view.path(step) if replicas is None else replicas.staging(step)
             info = self.writes.save(path, state, metadata())
         except Exception as err:
-            if not self._skipped(err, stacklevel=4):
+            kinds = dict(err.failures.values()) if isinstance(err, RankFailed) else {}
+            if not isinstance(err, mf.OverBudget) and mf.OverBudget.__name__ not in kinds:
                 self._fail(step, err, stacklevel=4)
+            elif not self._said_over:  # skipped, said once
+                self._said_over = True
+                warn(str(err), MemoryTierWarning, stacklevel=4)
             return
         if replicas is None:
             if info is not None:
                 self._prune()
             return
         pending = self.writes.pending  # phase 2 off this thread, as phase 1's write
-        if pending is None:  # a synchronous save: its replication too
-            self._replicate(step, None)
-            self.wait(stacklevel=4)
-            return
         self._round = threading.Thread(
             target=self._replicate, args=(step, pending), name="fc-replicate", daemon=True
         )
         self._round.start()
+        if pending is None:  # a synchronous save: its replication too
+            self.wait(stacklevel=4)
 
     def _replicate(self, step: int, pending: Any) -> None:
         """Phase 2 (see :mod:`.memory_replicas`), then the keeper's retention."""
@@ -272,53 +296,21 @@ class MemoryTier:
         except BaseException as e:
             self._round_error = e
 
-    def _make_room(self, step: int) -> None:
-        steps = self.steps()
-        newer = [s for s in steps if s > step]  # a run that went back (rollback, older resume)
-        older = sorted(s for s in steps if s < step)
-        kept = older[-(self.option.held - 1) :] if self.option.held > 1 else []
-        self.delete(newer + [s for s in older if s not in kept])
-
     def _prune(self) -> None:
         """After a commit: retention and progress, as :mod:`.tiers` decides them."""
         retain(self, self.keep)
         self.committed()
 
-    def _mine(self, steps: Iterable[int | None]) -> list[int]:
-        """Of ``steps``, the committed checkpoints recording this run: the only ones the
-        tier deletes (anything else in its folder is the user's, or another run's, and is
-        left alone, reported once)."""
-        mine: list[int] = []
-        others: list[int] = []
-        for step in (s for s in steps if s is not None):
-            try:
-                ok = run_of(read_info(self.view.path(step), step).metadata) == self.run.id
-            except (CheckpointError, OSError):
-                ok = False
-            (mine if ok else others).append(step)
-        if others and not self._said_others:
-            self._said_others = True
-            warn(
-                f"{self.folder}: steps {others} are not checkpoints of this run "
-                f"({self.run.id}); the memory tier leaves them as they are",
-                MemoryTierWarning,
-                stacklevel=5,
-            )
-        return mine
-
-    def delete(self, steps: Sequence[int], *, damaged: bool = False) -> None:
+    def delete(self, steps: Sequence[int]) -> None:
         """Out of sight now, the files removed off the training thread (freeing RAM takes
         as long as a copy); only the keeper of a shared folder deletes, and only this
-        run's checkpoints (``damaged``: one this run found unreadable)."""
-        steps = steps if damaged or not steps else self._mine(steps)
-        if steps and self.keeper:
-            steps = list(steps)
+        run's checkpoints."""
+        mine = set(self.steps()) if steps and self.keeper else set()
+        steps = [s for s in steps if s in mine]
+        if steps:
             trash = delete(self.folder, [self.view.path(s) for s in steps])
             self.view.forget(steps)
-            if self.replicas is None:
-                self.writes.remove(trash)
-            else:
-                remove_all(trash)
+            (self.writes.remove if self.replicas is None else remove_all)(trash)
 
     def wait_staged(self) -> None:
         with contextlib.suppress(Exception):  # a failure is reported by the next wait()
@@ -330,15 +322,13 @@ class MemoryTier:
             self._round.join()
             self._round = self.writes.pending = None
         error, self._round_error = self._round_error, None
-        info: CheckpointInfo | None = None
         try:
-            info = self.writes.wait() if error is None else None
+            if error is None and self.writes.wait() is not None:
+                self._prune()
         except Exception as err:
             error = err
         if error is not None:
             self._fail(self._step, error, stacklevel=stacklevel + 1)
-        elif info is not None:
-            self._prune()
 
     def _fail(self, step: int, err: BaseException, stacklevel: int) -> None:
         warn(
@@ -348,37 +338,30 @@ class MemoryTier:
             stacklevel=stacklevel,
         )
 
-    def newest(
-        self, read: Callable[[Path], T], above: int | None, stacklevel: int = 5
-    ) -> tuple[StepInfo, T] | None:
+    def newest(self, read: Callable[[Path], T], above: int | None) -> tuple[StepInfo, T] | None:
         """The newest readable checkpoint of this run newer than ``above``; a damaged one
         is reported and removed (a cache holds nothing worth keeping aside)."""
-        self.wait(stacklevel=stacklevel + 1)
+        self.wait(stacklevel=6)
         if self.replicas is not None:
-            return self.replicas.newest(read, above, topology().world, stacklevel + 1)
+            return self.replicas.newest(read, above, topology().world)
         for step in sorted((s for s in self.steps() if above is None or s > above), reverse=True):
             path = self.view.path(step)
             try:
-                info = read_info(path, step)
-                if run_of(info.metadata) == self.run.id:  # else written by hand, or planted
-                    return info, read(path)
-                why = f"is not of this run ({self.run.id}); left as it is, not resumed"
+                return self.view.info(step), read(path)
             except Exception as err:
                 if not is_damage(err):
                     raise
-                why = f"is unreadable ({type(err).__name__}: {err})"
-                with contextlib.suppress(OSError):
-                    self.delete([step], damaged=True)
-                    why += "; removed"
-                why += "; falling back to the next tier"
+                why = f"{type(err).__name__}: {err}"
+            with contextlib.suppress(OSError):
+                self.delete([step])
+                why += "; removed"
             warn(
-                f"{path}: memory-tier checkpoint of step {step} {why}",
+                f"{path}: memory-tier checkpoint of step {step} is unreadable ({why}); "
+                "falling back to the next tier",
                 MemoryTierWarning,
-                stacklevel=stacklevel,
+                stacklevel=5,
             )
         return None
-
-    # ------------------------------------------------------------------ preemption
 
     def open(self, step: int) -> Path:
         """The folder's copy of ``step``, if it holds every rank's files (a folder of many

@@ -20,7 +20,6 @@ from typing import Any, Protocol, TypeVar
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format.header import header_of
 from functional_ckpt._src.format.naming import parse_step
-from functional_ckpt._src.manager.memory_promote import promote_newest
 from functional_ckpt._src.manager.writes import Writes
 from functional_ckpt._src.policy.retention import CheckpointLike, RetentionPolicy, plan_deletions
 from functional_ckpt._src.remote.resume import Found
@@ -35,6 +34,7 @@ from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.storage.committed import read_manifest
 from functional_ckpt._src.storage.os_failure import machine_errors
 from functional_ckpt._src.storage.progress import report_progress
+from functional_ckpt._src.storage.ram import promote_newest
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
 __all__ = ["DiskTier", "Tier", "move_newer", "newest_in_tiers", "progress", "promote", "retain"]

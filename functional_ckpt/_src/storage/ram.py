@@ -1,21 +1,29 @@
-"""The files of a manager's memory tier: how much RAM there is, promotion, emptying it.
-
-A promotion copies a checkpoint from RAM to the disk durably before visibly (every
-file fsynced, the marker last, the directory renamed into place).
-"""
+"""The files of a manager's memory tier: how much RAM there is, what a folder holds of a
+checkpoint, promotion to disk (within a bound of time, durable before visible: a
+preempted job has some seconds after SIGTERM), emptying the folder."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import os
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from functional_ckpt._src.format.naming import COMMIT_MARKER
+from functional_ckpt._src.format.naming import (
+    COMMIT_MARKER,
+    MANIFEST,
+    base_name,
+    is_temporary_name,
+    parse_step,
+)
+from functional_ckpt._src.log import done as finished
+from functional_ckpt._src.log import logger, warn
 from functional_ckpt._src.storage import commit, committed, durable, opener
-from functional_ckpt.errors import CheckpointError
+from functional_ckpt.errors import CheckpointError, MemoryTierWarning
 
 #: In a disk root: where its memory tier is and whether its manager is open (``fckpt ls``).
 MEMORY_STATUS = ".memory.json"
@@ -40,16 +48,20 @@ def available_bytes(folder: Path) -> int:
 
 
 def files_held(path: Path) -> tuple[dict[str, int], set[str]]:
-    """The files the manifest of the committed checkpoint ``path`` lists, with their sizes,
-    and those of them present at that size (a node's folder may hold only some ranks')."""
+    """Every file of the committed checkpoint ``path`` with its size (its manifest's list,
+    the manifest and the marker), and those present at that size (a node's folder may
+    hold only some ranks')."""
     files = committed.every_file(path)
     listed = {str(n): int(i["size"]) for n, i in files.items() if isinstance(i, dict)}
-    have = set()
-    for name, size in listed.items():
-        with contextlib.suppress(OSError):
-            if os.stat(path / name, follow_symlinks=False).st_size == size:
-                have.add(name)
-    return listed, have
+    listed |= {n: os.lstat(path / n).st_size for n in (MANIFEST, COMMIT_MARKER)}
+    return listed, {n for n, size in listed.items() if _size(path / n) == size}
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return -1
 
 
 def holds_every_file(path: Path) -> bool:
@@ -61,6 +73,41 @@ def holds_every_file(path: Path) -> bool:
     return have == set(listed)
 
 
+def promote_newest(root: Path, paths: Sequence[Path], within: float) -> Path | None:
+    """Copy the newest of the checkpoints ``paths`` (ascending) into ``root``, or the next
+    if it went meanwhile; give up after ``within`` seconds. Returns the new checkpoint."""
+    if not paths or os.path.lexists(root / paths[-1].name):
+        return None
+    outcome: list[Any] = []  # the copy made first, else each failure
+
+    def copy() -> None:
+        for path in reversed(paths):
+            try:
+                copy_checkpoint(path, root / path.name)
+                outcome.insert(0, root / path.name)
+                return
+            except BaseException as e:
+                outcome.append(e)
+
+    worker = threading.Thread(target=copy, name="fc-promote", daemon=True)
+    t0 = time.perf_counter()
+    worker.start()
+    worker.join(within)
+    done = None if worker.is_alive() else outcome[0]
+    if not isinstance(done, Path):
+        why = f"not done within {within} s" if done is None else f"{done}"
+        warn(
+            f"{paths[-1].parent}: promoting {paths[-1].name} to {root} failed ({why}); the "
+            "disk tier keeps its own newest checkpoint",
+            MemoryTierWarning,
+            stacklevel=4,
+        )
+        return None
+    seconds, step = time.perf_counter() - t0, parse_step(done.name)
+    finished(logger("manager"), "promoted", done, seconds=seconds, step=step)
+    return done
+
+
 def copy_checkpoint(src: Path, dest: Path) -> None:
     """Copy the committed checkpoint ``src`` to the free name ``dest``, durably, the marker
     last (a crash leaves a temporary the root's next writer deletes); no link followed."""
@@ -69,9 +116,19 @@ def copy_checkpoint(src: Path, dest: Path) -> None:
     dir_fd = opener.open_directory(src)
     try:
         tmp.mkdir()
-        names = sorted(n for n in os.listdir(dir_fd) if n != COMMIT_MARKER)
-        for name in [*names, COMMIT_MARKER]:
-            _copy_file(dir_fd, src / name, tmp / name)
+        for name in sorted(os.listdir(dir_fd), key=lambda n: (n == COMMIT_MARKER, n)):
+            fd = opener.open_member(dir_fd, name, src / name)
+            try:
+                out = durable.open_new(tmp / name)
+                try:
+                    size = os.fstat(fd).st_size
+                    if durable.copy_range(fd, out, size, writeback=True) != size:
+                        raise OSError(errno.EIO, f"{src / name}: shorter than a moment ago")
+                    os.fsync(out)
+                finally:
+                    os.close(out)
+            finally:
+                os.close(fd)
         commit.commit_checkpoint(tmp, dest, overwrite=False)
     except BaseException:
         commit.remove_tree(tmp)
@@ -80,25 +137,12 @@ def copy_checkpoint(src: Path, dest: Path) -> None:
         os.close(dir_fd)
 
 
-def _copy_file(dir_fd: int, src: Path, dst: Path) -> None:
-    fd = opener.open_member(dir_fd, src.name, src)
-    try:
-        out = durable.open_new(dst)
-        try:
-            size = os.fstat(fd).st_size
-            if durable.copy_range(fd, out, size, writeback=True) != size:
-                raise OSError(errno.EIO, f"{src}: shorter than it was a moment ago")
-            os.fsync(out)
-        finally:
-            os.close(out)
-    finally:
-        os.close(fd)
-
-
 def remove_folder(folder: Path, own: Iterable[str]) -> None:
-    """Remove the entries ``own`` of ``folder``, then the folder if nothing else (the
-    user's) is left in it."""
-    for name in own:
+    """Remove the entries ``own`` of ``folder`` and what unfinished saves of steps left,
+    then the folder if nothing else (the user's) is left in it."""
+    temporary = (n for n in os.listdir(folder) if is_temporary_name(n))
+    left = [n for n in temporary if parse_step(base_name(n)) is not None]
+    for name in [*left, *own]:
         path = folder / name
         if path.is_dir() and not path.is_symlink():
             commit.remove_tree(path)
