@@ -19,7 +19,7 @@ __all__ = ["COMMANDS", "DEFAULT_STEPS", "build_parser"]
 COMMANDS = {
     "ls": ("listing", "cmd_ls"),
     "inspect": ("show", "cmd_inspect"),
-    "verify": ("listing", "cmd_verify"),
+    "verify": ("verify", "cmd_verify"),
     "diff": ("show", "cmd_diff"),
     "export": ("show", "cmd_export"),
     "import": ("show", "cmd_import"),
