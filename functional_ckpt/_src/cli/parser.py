@@ -178,15 +178,11 @@ def _size(text: str) -> str:
     return text
 
 
-def _raw(text: str, **kw: Any) -> dict[str, Any]:
+def _raw(text: str) -> dict[str, Any]:
     """``description`` and ``epilog`` of a help text (its examples kept as written)."""
     description, examples = text.split("examples:\n")
-    return {
-        "description": description.rstrip(),
-        "epilog": "examples:\n" + examples,
-        "formatter_class": argparse.RawDescriptionHelpFormatter,
-        **kw,
-    }
+    raw = {"description": description.rstrip(), "epilog": "examples:\n" + examples}
+    return {**raw, "formatter_class": argparse.RawDescriptionHelpFormatter}
 
 
 def _command(subs: Any, name: str) -> Any:
