@@ -26,6 +26,7 @@ import torch  # noqa: F401
 import functional_ckpt._src.cli.listing
 import functional_ckpt._src.cli.main
 import functional_ckpt._src.cli.show
+import functional_ckpt._src.cli.verify
 import functional_ckpt._src.restore.api  # noqa: F401
 
 

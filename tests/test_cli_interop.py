@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import functional_ckpt as fc
 from functional_ckpt._src import cli
-from functional_ckpt._src.cli import listing, show
+from functional_ckpt._src.cli import listing, show, verify
 from functional_ckpt._src.cli.parser import build_parser
 from functional_ckpt._src.cli.ui import UI
 from functional_ckpt._src.export.safetensors import parse_size
@@ -182,7 +182,7 @@ def test_verify_root_reports_each_checkpoint_as_it_goes(
 
     monkeypatch.setattr(listing, "verify_one", spy)
     args = build_parser().parse_args(["verify", str(root)])
-    assert listing.cmd_verify(args, UI(out=out, err=io.StringIO(), env={})) == 0
+    assert verify.cmd_verify(args, UI(out=out, err=io.StringIO(), env={})) == 0
     assert len(seen) == 2
     assert f"OK       {root / step_name(3)}" in seen[1]  # reported before step 4 was read
     text = out.getvalue()

@@ -23,7 +23,6 @@ from tensordict import TensorDict
 
 import functional_ckpt as fc
 from functional_ckpt._src import cli, codec
-from functional_ckpt._src.cli.recording import new_bytes
 from functional_ckpt._src.recording.layout import INDEX, segment_name
 from functional_ckpt.errors import (
     CheckpointExists,
@@ -105,7 +104,7 @@ def test_unchanged_leaves_are_shared_not_written_again(tmp_path: Path) -> None:
     value = len(codec.encode(0))  # "n" changes once (0 -> 1)
     assert data == static.nbytes + 4 * moving.nbytes + 2 * value
     with fc.recording.Replay(tmp_path / "rec") as replay:
-        added, _ = new_bytes(replay.committed)
+        added, _ = replay.committed.new_bytes()
         assert added.tolist()[:4] == [static.nbytes + moving.nbytes + value, 0, 0, moving.nbytes]
         for step in range(10):
             assert torch.equal(replay[step]["moving"], torch.full((100,), 1.0 + step // 3))

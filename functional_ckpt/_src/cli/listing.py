@@ -1,8 +1,8 @@
-"""``fckpt ls``, ``verify`` and ``prune``: the commands about a root of checkpoints, and
-finding the checkpoints a command is given.
-
-The layout of a root (names, statuses, summaries) is :mod:`functional_ckpt._src.root`'s;
-this adds the command line's wording.
+"""The read model every command starts from: what a path names (a root, a checkpoint,
+a recording), the damage found in a checkpoint, and a root's sections (its checkpoints,
+exports, branches, remote and memory tiers) as rows of plain data. ``fckpt ls``
+prints them (``--json``: the rows; else a table per section), ``prune`` deletes by them.
+The layout of a root is :mod:`functional_ckpt._src.root`'s; this adds the wording.
 """
 
 from __future__ import annotations
@@ -10,39 +10,38 @@ from __future__ import annotations
 import argparse
 import functools
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import functional_ckpt as fc
 from functional_ckpt._src.cli import tiers
-from functional_ckpt._src.cli.ui import (
-    PROG,
-    UI,
-    Declined,
-    UsageError,
-    Verified,
-    human,
-    jsonable,
-    one_line,
-    time_text,
-)
-from functional_ckpt._src.export.exports import ExportInfo, export_infos
-from functional_ckpt._src.format import naming
+from functional_ckpt._src.cli import ui as fmt
+from functional_ckpt._src.cli.ui import PROG, UI, Column, Declined, Section, UsageError
+from functional_ckpt._src.export.exports import export_infos
 from functional_ckpt._src.format.header import MANAGER_KEY
 from functional_ckpt._src.format.kind import Kind, classify
+from functional_ckpt._src.format.naming import BRANCHES_DIR, is_temporary_name
 from functional_ckpt._src.manager.provenance import run_of
 from functional_ckpt._src.policy.config import stored_spec
 from functional_ckpt._src.policy.retention import union_parts
 from functional_ckpt._src.root.listing import RootEntry, kept_by, newest_summary, root_entries
 from functional_ckpt._src.root.rollback import branches
-from functional_ckpt._src.storage.usage import dir_size, disk_bytes, shared_bytes
+from functional_ckpt._src.storage.usage import disk_bytes, shared_bytes
 from functional_ckpt.errors import CheckpointNotFound, ConfigError
 
-__all__ = ["cmd_ls", "cmd_prune", "cmd_verify", "newest_checkpoint", "retention_parts"]
+if TYPE_CHECKING:
+    from functional_ckpt._src.recording.layout import Committed
+
+__all__ = ["Verified", "verify_listed", "verify_one", "verify_rows"]
+__all__ += ["COMMITTED", "cmd_ls", "cmd_prune", "kept_by", "newest_checkpoint", "recording_summary"]
+__all__ += ["retention_parts", "scan_root"]
 
 #: Statuses of a committed checkpoint (``intact`` once ``--verify`` re-read it).
 COMMITTED = ("ok", "damaged", "intact")
+
+# --------------------------------------------------------------------------- what a path is
 
 
 def is_checkpoint_dir(path: Path) -> bool:
@@ -102,198 +101,33 @@ def is_damaged(row: RootEntry) -> bool:
     return row.status == "damaged" or (row.status == "uncommitted" and row.canonical)
 
 
-# --------------------------------------------------------------------------- retention
+# --------------------------------------------------------------------------- damage
 
 
-def retention_parts(spec: object) -> list[tuple[str, fc.policy.RetentionPolicy]] | None:
-    """A recorded retention spec as policy parts, one per ``|`` operand; None if not one.
+@dataclass(frozen=True)
+class Verified:
+    """One checkpoint's verdict: what ``verify`` prints of it."""
 
-    A spec is plain data of ``keep_*`` kinds only: nothing read from a checkpoint runs.
-    """
-    try:
-        policy = fc.policy.retention_from_config(stored_spec(spec))
-    except ConfigError:
-        return None
-    return [(repr(part), part) for part in union_parts(policy)]
+    where: str
+    ok: bool
+    problems: tuple[str, ...] = ()
+    files_checked: int = 0
+    bytes_checked: int = 0
 
-
-def recorded_retention(rows: Sequence[RootEntry]) -> object | None:
-    """The retention spec the newest checkpoint's manager recorded (``manager.keep``)."""
-    for row in reversed(rows):
-        if row.status not in ("ok", "intact"):  # "intact": re-read by --verify
-            continue
-        record = row.metadata.get(MANAGER_KEY)
-        spec: object = record.get("keep") if isinstance(record, dict) else None
-        if spec is not None:
-            return spec
-    return None
-
-
-def policy_from_flags(
-    args: argparse.Namespace,
-) -> list[tuple[str, fc.policy.RetentionPolicy]] | None:
-    """``--keep-last N [--keep-best K --metric M [--mode max]]`` as policy parts."""
-    if args.keep_best is not None and not args.metric:
-        raise UsageError("--keep-best needs --metric NAME")
-    parts = [fc.keep_last(args.keep_last)] if args.keep_last is not None else []
-    if args.keep_best is not None:
-        parts.append(fc.keep_best(args.keep_best, args.metric, mode=args.mode))
-    return [(repr(p), p) for p in parts] or None
-
-
-# --------------------------------------------------------------------------- ls
-
-
-def _verify_rows(root: Path, rows: list[RootEntry], ui: UI) -> list[RootEntry]:
-    """Replace ``ok`` by ``intact`` or ``damaged`` after re-reading every byte; the rows
-    still there (a checkpoint pruned meanwhile is dropped, not taken for damage)."""
-    todo = [r for r in rows if r.status == "ok"]
-    with ui.progress("verifying", sum(r.size for r in todo)) as bar:
-        for row in todo:
-            result = verify_listed(root, row.path)
-            if result is None:
-                rows = [r for r in rows if r is not row]
-                continue
-            row.status = "intact" if result.ok else "damaged"
-            row.detail = (
-                "" if result.ok else f"{len(result.problems)} problems: {result.problems[0]}"
-            )
-            bar.advance(row.size)
-    return rows
-
-
-def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
-    """List a root; exit status 1 when a checkpoint in it is damaged (``--verify`` or not)."""
-    if tiers.is_url(args.root):
-        return tiers.ls_remote(args, ui)
-    root = Path(args.root)
-    if classify(root) is Kind.RECORDING:
-        from functional_ckpt._src.cli.recording import ls_recording  # numpy and torch
-
-        return ls_recording(args, ui)
-    rows = scan_root(root)
-    if args.verify:
-        rows = _verify_rows(root, rows, ui)
-    source = "flags"
-    parts = policy_from_flags(args)
-    if parts is None:
-        recorded = recorded_retention(rows)
-        parts = retention_parts(recorded) if recorded is not None else None
-        source = "recorded in the checkpoints"
-    records = [
-        fc.policy.CheckpointRecord(r.step, r.time or 0.0, r.metrics)
-        for r in rows
-        if r.status in ("ok", "intact") and r.canonical and r.step is not None
-    ]
-    kept = kept_by(parts or [], records)
-    why: dict[str, list[str]] = {}
-    for row in rows:
-        if row.step in kept and row.canonical and row.status in ("ok", "intact"):
-            why[row.name] = kept[row.step] or (["(deleted by the next prune)"] if parts else [])
-    exports = export_infos(root)
-    branched = [_branch_json(root, name, steps) for name, steps in branches(root).items()]
-    remote = tiers.tier_rows(root, rows)  # where each step lives, with a remote tier
-    memory = tiers.memory_rows(root)  # the checkpoints in RAM, with a memory tier
-    if args.json:
-        doc = [_row_json(r, why.get(r.name, [])) for r in rows]
-        doc += [_export_json(e) for e in exports] + branched + (remote[1] if remote else [])
-        doc += memory[1] if memory else []
-        ui.json(doc)
-    elif not rows and not exports and not branched and not (memory and memory[1]):
-        ui.print(f"{root}: no checkpoints")
-    else:
-        _print_ls(rows, why, parts, source, ui)
-        tiers.print_exports(exports, ui)
-        tiers.print_branches(branched, ui)
-        tiers.print_tiers(remote, ui)
-        tiers.print_memory(memory, ui)
-    return 1 if any(is_damaged(r) for r in rows) else 0
-
-
-def _row_json(row: RootEntry, kept: list[str]) -> dict[str, Any]:
-    return {
-        "name": row.name,
-        "path": str(row.path),
-        "step": row.step,
-        "status": row.status,
-        "time": row.time,
-        "size": row.size,
-        "shared": shared_bytes(row.path),
-        "metrics": jsonable(row.metrics),
-        "kept_by": kept,
-        "detail": row.detail,
-        "run": run_of(row.metadata),
-    }
-
-
-def _branch_json(root: Path, name: str, steps: list[int]) -> dict[str, Any]:
-    """A branch a rollback left (a root of its own) as a row of ``ls --json``."""
-    where = f"{naming.BRANCHES_DIR}/{name}"
-    return {"kind": "branch", "name": where, "path": str(root / where), "steps": steps}
-
-
-def _export_json(e: ExportInfo) -> dict[str, Any]:
-    """An export as a row of ``ls --json``: ``"kind": "export"`` tells it apart."""
-    return {
-        "kind": "export",
-        "name": f"{e.path.parent.name}/{e.path.name}",
-        "path": str(e.path),
-        "step": e.step,
-        "status": "export",
-        "time": e.time,
-        "size": e.size,
-        "metrics": jsonable(e.metrics),
-        "files": list(e.files),
-    }
-
-
-def _print_ls(
-    rows: Sequence[RootEntry],
-    kept: Mapping[str, list[str]],
-    parts: Sequence[tuple[str, Any]] | None,
-    source: str,
-    ui: UI,
-) -> None:
-    head = ["CHECKPOINT", "STEP", "SAVED", "SIZE", "SHARED", "STATUS", "RUN", "METRICS", "KEPT BY"]
-    cells: list[list[str]] = []
-    styles: list[list[str]] = []
-    for r in rows:
-        why = ", ".join(kept[r.name]) if kept.get(r.name) else r.detail
-        cells.append(
-            [
-                r.name,
-                "-" if r.step is None else str(r.step),
-                time_text(r.time),
-                human(r.size),
-                human(shared_bytes(r.path)),
-                r.status,
-                (run_of(r.metadata) or "-")[:8],
-                tiers.metrics_text(r.metrics),
-                why,
-            ]
-        )
-        status = {"ok": "ok", "intact": "ok", "damaged": "bad", "quarantined": "bad"}
-        bad = "bad" if "deleted by" in why else "dim"
-        styles.append(["", "", "dim", "", "dim", status.get(r.status, "warn"), "dim", "", bad])
-    ui.table(head, cells, styles)
-    committed = [r for r in rows if r.status in COMMITTED]
-    total = disk_bytes([r.path for r in rows])  # a file shared by several counts once
-    ui.print(f"\n{len(committed)} committed checkpoints, {human(total)} in all")
-    if parts:
-        ui.print(f"retention ({source}): {' | '.join(label for label, _ in parts)}")
-    else:
-        ui.print(
-            "retention: unknown (not recorded in the checkpoints); pass --keep-last N "
-            "[--keep-best K --metric M] to see what a policy would keep"
-        )
-
-
-# --------------------------------------------------------------------------- verify
+    def print(self, emit: Callable[[str], None], ui: UI, quiet: bool) -> None:
+        if self.ok:
+            if not quiet:
+                what = f"{self.files_checked} files, {fmt.human(self.bytes_checked)}"
+                emit(f"{ui.paint('OK', 'ok')}       {self.where}  ({what})")
+            return
+        emit(f"{ui.paint('DAMAGED', 'bad')}  {self.where}")
+        for line in self.problems:
+            emit(f"  {line}")
 
 
 def _problem(path: Path, err: BaseException) -> str:
     """``path: message``, without naming the path twice when the message starts with it."""
-    text = one_line(err)
+    text = fmt.one_line(err)
     return text if text.startswith(f"{path}: ") else f"{path}: {text}"
 
 
@@ -304,7 +138,7 @@ def verify_one(path: Path) -> Verified:
     except (fc.errors.CorruptCheckpoint, fc.errors.UnsafeCheckpoint) as err:
         return Verified(str(path), False, (_problem(path, err),))
     except fc.errors.IncompleteCheckpoint as err:
-        if naming.is_temporary_name(path.name):
+        if is_temporary_name(path.name):
             raise
         return Verified(str(path), False, (_problem(path, err),))
     lines = [
@@ -329,49 +163,227 @@ def verify_listed(root: Path, path: Path) -> Verified | None:
     return verify_one(path) if result is None else result
 
 
-def _verify_targets(target: Path) -> tuple[list[Path], list[Verified], list[Path], bool]:
-    """Checkpoints to verify under ``target``, damage found by listing alone, stock DCP
-    dirs, and whether they were listed (``target`` is a root, whose checkpoints may be
-    pruned meanwhile)."""
-    if is_checkpoint_dir(target) or not target.is_dir():
-        return [target], [], [], False
-    rows = scan_root(target)
-    paths = [r.path for r in rows if r.status in COMMITTED]
-    broken = [
-        Verified(str(r.path), False, (f"{r.path}: {r.detail}",))
+def verify_rows(root: Path, rows: list[RootEntry], ui: UI) -> list[RootEntry]:
+    """``ls --verify``: ``ok`` becomes ``intact`` or ``damaged``; a checkpoint pruned
+    meanwhile is dropped, not taken for damage."""
+    todo = [r for r in rows if r.status == "ok"]
+    with ui.progress("verifying", sum(r.size for r in todo)) as bar:
+        for row in todo:
+            result = verify_listed(root, row.path)
+            if result is None:
+                rows = [r for r in rows if r is not row]
+                continue
+            row.status = "intact" if result.ok else "damaged"
+            row.detail = (
+                "" if result.ok else f"{len(result.problems)} problems: {result.problems[0]}"
+            )
+            bar.advance(row.size)
+    return rows
+
+
+# --------------------------------------------------------------------------- retention
+
+
+def retention_parts(spec: object) -> list[tuple[str, fc.policy.RetentionPolicy]] | None:
+    """A recorded retention spec as policy parts, one per ``|`` operand; None if not one.
+    A spec is plain data of ``keep_*`` kinds only: nothing read from a checkpoint runs."""
+    try:
+        policy = fc.policy.retention_from_config(stored_spec(spec))
+    except ConfigError:
+        return None
+    return [(repr(part), part) for part in union_parts(policy)]
+
+
+def recorded_retention(rows: Sequence[RootEntry]) -> object | None:
+    """The retention spec the newest checkpoint's manager recorded (``manager.keep``)."""
+    for row in reversed(rows):
+        record = row.metadata.get(MANAGER_KEY) if row.status in ("ok", "intact") else None
+        spec: object = record.get("keep") if isinstance(record, dict) else None
+        if spec is not None:
+            return spec
+    return None
+
+
+def policy_from_flags(args: argparse.Namespace) -> list[tuple[str, Any]] | None:
+    """``--keep-last N [--keep-best K --metric M [--mode max]]`` as policy parts."""
+    if args.keep_best is not None and not args.metric:
+        raise UsageError("--keep-best needs --metric NAME")
+    parts = [fc.keep_last(args.keep_last)] if args.keep_last is not None else []
+    if args.keep_best is not None:
+        parts.append(fc.keep_best(args.keep_best, args.metric, mode=args.mode))
+    return [(repr(p), p) for p in parts] or None
+
+
+# --------------------------------------------------------------------------- sections
+
+
+_STATUS_STYLE = {"ok": "ok", "intact": "ok", "damaged": "bad", "quarantined": "bad"}
+_CHECKPOINTS: list[Column] = [("CHECKPOINT", fmt.cell("name"), ""), fmt.STEP, fmt.SAVED, fmt.SIZE]
+_CHECKPOINTS += [("SHARED", lambda r: fmt.human(r["shared"]), "dim")]
+_CHECKPOINTS += [("STATUS", fmt.cell("status"), lambda r: _STATUS_STYLE.get(r["status"], "warn"))]
+METRICS: Column = ("METRICS", lambda r: fmt.metrics_text(r["metrics"]), "")
+_CHECKPOINTS += [fmt.RUN, METRICS]
+_CHECKPOINTS += [("KEPT BY", lambda r: ", ".join(r["kept_by"]) or r["detail"], lambda r: _why(r))]
+
+
+def _why(row: dict[str, Any]) -> str:
+    return "bad" if "deleted by" in (", ".join(row["kept_by"]) or row["detail"]) else "dim"
+
+
+def _checkpoints(rows: list[RootEntry], parts: Any) -> Section:
+    records = [
+        fc.policy.CheckpointRecord(r.step, r.time or 0.0, r.metrics)
         for r in rows
-        if r.status == "uncommitted" and is_damaged(r)
+        if r.status in ("ok", "intact") and r.canonical and r.step is not None
     ]
-    stock = [r.path for r in rows if r.status == "foreign"]
-    if not paths and not broken and not stock:
-        raise fc.errors.CheckpointNotFound(f"{target}: no checkpoints to verify here")
-    return paths, broken, stock, True
+    kept: dict[Any, list[str]] = kept_by(parts or [], records)
+    doomed = ["(deleted by the next prune)"] if parts else []
+    section = Section("", "", _CHECKPOINTS)
+    for r in rows:
+        wanted = r.canonical and r.status in ("ok", "intact")
+        row: dict[str, Any] = {"name": r.name, "path": str(r.path), "step": r.step}
+        row |= {"status": r.status}
+        row |= {"time": r.time, "size": r.size}
+        row |= {"shared": shared_bytes(r.path), "metrics": fmt.jsonable(r.metrics)}
+        row |= {"kept_by": (kept.get(r.step) or doomed) if wanted else [], "detail": r.detail}
+        section.rows.append({**row, "run": run_of(r.metadata)})
+    return section
 
 
-def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
-    if tiers.is_url(args.path):
-        return tiers.verify_remote(args, ui)
-    target = Path(args.path)
-    require_exists(target)
-    paths, broken, stock, listed = _verify_targets(target)
-    results = list(broken)
-    emit = (lambda line: None) if args.json else ui.print
-    for result in broken:  # found by listing alone: one line each
-        emit(f"{ui.paint('DAMAGED', 'bad')}  {result.problems[0]}")
-    for path in stock:
-        emit(
-            f"{ui.paint('SKIPPED', 'warn')}  {path}: a stock torch.distributed.checkpoint "
-            "directory records no checksums; it cannot be verified"
+def _exports(root: Path) -> Section | None:
+    exports = export_infos(root)
+    if not exports:
+        return None
+    title = f"(safetensors, under {exports[0].path.parent})"
+    columns: list[Column] = [("EXPORT", lambda r: Path(r["path"]).name, ""), fmt.STEP]
+    columns += [fmt.SAVED, fmt.SIZE, METRICS, ("FILES", _files, "dim")]
+    section = Section("exports", title, columns)
+    for e in exports:
+        row: dict[str, Any] = {"kind": "export", "name": f"{e.path.parent.name}/{e.path.name}"}
+        row["path"] = str(e.path)
+        row |= {"step": e.step, "status": "export", "time": e.time, "size": e.size}
+        section.rows.append({**row, "metrics": fmt.jsonable(e.metrics), "files": list(e.files)})
+    return section
+
+
+def _files(row: dict[str, Any]) -> str:
+    side = [f for f in row["files"] if not f.startswith("model")]
+    weights = len(row["files"]) - len(side)
+    return ", ".join([f"{weights} weight file{'s' if weights != 1 else ''}", *side])
+
+
+def _branches(root: Path) -> Section | None:
+    columns: list[Column] = [("BRANCH", fmt.cell("name"), "")]
+    columns += [("STEPS", lambda r: ", ".join(map(str, r["steps"])) or "-", "dim")]
+    section = Section("branches", f"(kept aside by rollbacks; '{PROG} ls PATH' each)", columns)
+    for name, steps in branches(root).items():
+        where = f"{BRANCHES_DIR}/{name}"
+        section.rows.append(
+            {"kind": "branch", "name": where, "path": str(root / where), "steps": steps}
         )
-    with ui.progress("verifying", sum(dir_size(p) for p in paths)) as bar:
-        for path in paths:  # each result as soon as it is known
-            size = dir_size(path)
-            found = verify_listed(target, path) if listed else verify_one(path)
-            bar.advance(size)
-            if found is not None:  # else pruned since the listing
-                results.append(found)
-                ui.verdict(emit if args.json else bar.print, found, args.quiet)
-    return ui.verified(str(target), results, args.json, stock)
+    return section if section.rows else None
+
+
+# --------------------------------------------------------------------------- ls
+
+
+def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
+    """List a root; exit status 1 when a checkpoint in it is damaged (``--verify`` or not)."""
+    if tiers.is_url(args.root):
+        return tiers.ls_remote(args, ui)
+    root = Path(args.root)
+    if classify(root) is Kind.RECORDING:
+        return _ls_recording(root, args, ui)
+    rows = scan_root(root)
+    if args.verify:
+        rows = verify_rows(root, rows, ui)
+    parts, source = policy_from_flags(args), "flags"
+    if parts is None:
+        recorded = recorded_retention(rows)
+        parts = retention_parts(recorded) if recorded is not None else None
+        source = "recorded in the checkpoints"
+    main = _checkpoints(rows, parts)
+    below = [_exports(root), _branches(root), tiers.tiers(root, rows), tiers.memory(root)]
+    shown = [s for s in below if s is not None]
+    if args.json:
+        ui.json([row for s in [main, *shown] for row in s.rows])
+    elif not rows and not any(s.rows for s in shown if s.name != "tiers"):
+        ui.print(f"{root}: no checkpoints")
+    else:
+        main.print(ui)
+        committed = sum(r.status in COMMITTED for r in rows)
+        total = disk_bytes([r.path for r in rows])  # a file shared by several counts once
+        ui.print(f"\n{committed} committed checkpoints, {fmt.human(total)} in all")
+        if parts:
+            ui.print(f"retention ({source}): {' | '.join(label for label, _ in parts)}")
+        else:
+            ui.print(
+                "retention: unknown (not recorded in the checkpoints); pass --keep-last N "
+                "[--keep-best K --metric M] to see what a policy would keep"
+            )
+        for section in shown:
+            section.print(ui)
+    return 1 if any(is_damaged(r) for r in rows) else 0
+
+
+# --------------------------------------------------------------------------- recordings
+
+
+def recording_summary(rec: Committed) -> dict[str, Any]:
+    """What ``ls`` and ``inspect`` say of a recording (only its marker, header and index read)."""
+    from functional_ckpt._src.format.manifest import TensorEntry
+
+    steps = rec.steps.tolist()
+    doc = {"path": str(rec.path), "kind": "recording", "created": rec.header.get("created")}
+    doc |= {"every": rec.header.get("every"), "records": len(steps)}
+    doc |= {"first_step": steps[0] if steps else None, "last_step": steps[-1] if steps else None}
+    doc |= {"leaves": len(rec.leaves), "data_bytes": sum(rec.segments)}
+    doc["tensor_bytes_per_record"] = sum(e.nbytes for e in rec.leaves if isinstance(e, TensorEntry))
+    doc |= {"file_bytes": rec.file_bytes, "uncommitted_bytes": rec.tail_bytes}
+    return {**doc, "metadata": rec.header.get("metadata")}
+
+
+def recording_lines(doc: dict[str, Any], ui: UI) -> list[str]:
+    span = "no records" if not doc["records"] else f"steps {doc['first_step']}..{doc['last_step']}"
+    lines = [
+        ui.paint(doc["path"], "head"),
+        f"  recording, started {fmt.time_text(doc['created'])}, every {doc['every']} steps: "
+        f"{doc['records']} committed records, {span}",
+        f"  {doc['leaves']} leaves, {fmt.human(doc['tensor_bytes_per_record'])} of tensors per "
+        f"record; {fmt.human(doc['data_bytes'])} of data written, {fmt.human(doc['file_bytes'])} "
+        "in files",
+    ]
+    if doc["uncommitted_bytes"]:
+        lines.append(
+            f"  {fmt.human(doc['uncommitted_bytes'])} past the last commit (a crash's leftovers; "
+            "not part of the recording)"
+        )
+    return lines
+
+
+def _ls_recording(path: Path, args: argparse.Namespace, ui: UI) -> int:
+    """A recording's committed records: each one's step and the bytes it added (a record
+    shares every leaf that did not change with the one before)."""
+    from functional_ckpt._src.recording.replay import Replay  # numpy and torch
+
+    with Replay(path) as replay:
+        rec = replay.committed
+    added, leaves = rec.new_bytes()
+    keys = ("step", "new_bytes", "new_leaves")
+    rows = [
+        dict(zip(keys, r, strict=True))
+        for r in zip(rec.steps.tolist(), added.tolist(), leaves.tolist(), strict=True)
+    ]
+    if args.json:
+        ui.json({**recording_summary(rec), "rows": rows})
+        return 0
+    columns: list[Column] = [fmt.STEP, ("NEW BYTES", lambda r: fmt.human(r["new_bytes"]), "")]
+    ui.rows(
+        [*columns, ("NEW LEAVES", lambda r: f"{r['new_leaves']}/{len(rec.leaves)}", "dim")], rows
+    )
+    for line in recording_lines(recording_summary(rec), ui):
+        ui.print(line)
+    return 0
 
 
 # --------------------------------------------------------------------------- prune
@@ -389,35 +401,28 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
     plan = fc.policy.plan_deletions(policy, infos) if infos else []
     kept = kept_by(parts, infos)
     sizes = {r.step: r.size for r in rows if r.canonical}
-    doc: dict[str, Any] = {
-        "root": str(root),
-        "policy": repr(policy),
-        "dry_run": bool(args.dry_run),
-        "checkpoints": [
-            {
-                "name": info.path.name,
-                "path": str(info.path),
-                "step": info.step,
-                "action": "delete" if info.step in plan else "keep",
-                "size": sizes.get(info.step, info.size),
-                "kept_by": [] if info.step in plan else kept[info.step],
-            }
-            for info in infos
-        ],
-        "deleted": [],
-        "freed": 0,
-    }
+    checkpoints: list[dict[str, Any]] = [
+        {"name": info.path.name, "path": str(info.path), "step": info.step}
+        | {"action": "delete" if info.step in plan else "keep"}
+        | {
+            "size": sizes.get(info.step, info.size),
+            "kept_by": [] if info.step in plan else kept[info.step],
+        }
+        for info in infos
+    ]
+    doc = {"root": str(root), "policy": repr(policy), "dry_run": bool(args.dry_run)}
+    doc |= {"checkpoints": checkpoints, "deleted": [], "freed": 0}
     if not infos and not args.json:
         ui.print(f"{root}: no committed checkpoints; nothing to prune")
         return 0
     if not args.json:
-        for info in infos:
-            doomed = info.step in plan
+        for c in checkpoints:
+            doomed = c["action"] == "delete"
             label = ui.paint("delete", "bad") if doomed else ui.paint("keep  ", "ok")
-            why = "" if doomed else f"  ({', '.join(kept[info.step])})"
-            ui.print(f"{label}  {info.path.name}  {human(sizes.get(info.step, info.size))}{why}")
+            why = "" if doomed else f"  ({', '.join(c['kept_by'])})"
+            ui.print(f"{label}  {c['name']}  {fmt.human(c['size'])}{why}")
     freed = sum(sizes.get(s, 0) for s in plan)
-    question = f"delete {len(plan)} of {len(infos)} checkpoints ({human(freed)})?"
+    question = f"delete {len(plan)} of {len(infos)} checkpoints ({fmt.human(freed)})?"
     if not plan or args.dry_run:
         if args.json:
             ui.json(doc)
@@ -434,20 +439,15 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
             )
         if not ui.confirm(question[0].upper() + question[1:]):
             raise Declined("nothing deleted")
-    deleted = _delete(root, policy, set(plan))
+    # Deleted under the writer lock, re-planned there: only steps shown and still doomed
+    # (a trainer that saved meanwhile may have changed what the policy keeps).
+    with fc.CheckpointManager(root, save=fc.policy.never(), keep=fc.policy.keep_all()) as mgr:
+        deleted = [s for s in fc.policy.plan_deletions(policy, mgr.infos()) if s in set(plan)]
+        for step in deleted:
+            mgr.delete(step)
     freed = sum(sizes.get(s, 0) for s in deleted)
     if args.json:
         ui.json({**doc, "deleted": deleted, "freed": freed})
-        return 0
-    ui.print(f"deleted {len(deleted)} checkpoints, freed {human(freed)}")
+    else:
+        ui.print(f"deleted {len(deleted)} checkpoints, freed {fmt.human(freed)}")
     return 0
-
-
-def _delete(root: Path, policy: fc.policy.RetentionPolicy, approved: set[int]) -> list[int]:
-    """Delete under the writer lock, re-planned there: only steps shown and still doomed
-    (a trainer that saved meanwhile may have changed what the policy keeps)."""
-    with fc.CheckpointManager(root, save=fc.policy.never(), keep=fc.policy.keep_all()) as mgr:
-        doomed = [s for s in fc.policy.plan_deletions(policy, mgr.infos()) if s in approved]
-        for step in doomed:
-            mgr.delete(step)
-    return doomed

@@ -1,18 +1,10 @@
 """``fckpt``: look at, check, compare, export and prune checkpoints from the shell.
 
-Every subcommand calls the library's functions (the public ones where one does what
-it needs: docs/architecture.md says which) and adds presentation, never new
-checkpoint logic. Conventions:
-
-* results go to stdout, progress bars and errors to stderr; progress bars only
-  when stderr is a terminal, colours only when stdout is one (and ``NO_COLOR`` is
-  unset), so piped output is plain text;
-* exit status 0: done and all good; 1: the answer is "no" (a checkpoint is
-  damaged or unsafe, the demo's runs differ, a prune was declined); 2: bad input
-  (missing path, not a checkpoint, wrong flags), reported as one line
-  ``fckpt: error: <message>`` without a traceback, whatever the input file holds;
-* ``--json`` (every command that prints a table or a report) makes stdout one
-  JSON document and nothing else; errors and exit statuses stay as they are.
+Each command is presentation over the library's functions, never new checkpoint
+logic. Results go to stdout, progress and errors to stderr (docs/cli.md). Exit
+status 0: all good; 1: the answer is "no" (damage, runs differ, prune declined);
+2: bad input, one line ``fckpt: error: <message>`` and no traceback, whatever the
+input file holds.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ __all__ = ["COMMANDS", "DEFAULT_STEPS", "build_parser"]
 COMMANDS = {
     "ls": ("listing", "cmd_ls"),
     "inspect": ("show", "cmd_inspect"),
-    "verify": ("listing", "cmd_verify"),
+    "verify": ("verify", "cmd_verify"),
     "diff": ("show", "cmd_diff"),
     "export": ("show", "cmd_export"),
     "import": ("show", "cmd_import"),
@@ -178,15 +178,11 @@ def _size(text: str) -> str:
     return text
 
 
-def _raw(text: str, **kw: Any) -> dict[str, Any]:
+def _raw(text: str) -> dict[str, Any]:
     """``description`` and ``epilog`` of a help text (its examples kept as written)."""
     description, examples = text.split("examples:\n")
-    return {
-        "description": description.rstrip(),
-        "epilog": "examples:\n" + examples,
-        "formatter_class": argparse.RawDescriptionHelpFormatter,
-        **kw,
-    }
+    raw = {"description": description.rstrip(), "epilog": "examples:\n" + examples}
+    return {**raw, "formatter_class": argparse.RawDescriptionHelpFormatter}
 
 
 def _command(subs: Any, name: str) -> Any:

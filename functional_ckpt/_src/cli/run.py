@@ -1,12 +1,10 @@
 """``fckpt run``: relaunch a training command after a crash, never after success or a stop.
 
-The command runs in a session of its own (a launcher's workers are one process group
-with it) and is started again after a growing pause on a failure, so the job resumes
-from its newest checkpoint. SIGTERM, SIGINT or SIGHUP is passed to the group and means
-"stop". A relaunch waits until no process of the previous attempt is left (two copies
-must never run at once). The newest committed step, from ``--root`` or the progress
-file named in ``FCKPT_PROGRESS``, tells a job that progresses from one that fails at
-the same place every time. A config file's ``run`` block holds defaults; flags win.
+The command runs in a process group of its own, started again after a growing pause
+on a failure and only once no process of the last attempt is left (two copies must
+never run at once). SIGTERM, SIGINT or SIGHUP is passed to the group and means "stop".
+The newest committed step (``--root``, or the job's ``FCKPT_PROGRESS`` file) tells a
+job that progresses from one that fails at the same place every time.
 """
 
 from __future__ import annotations
@@ -20,23 +18,15 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from functional_ckpt._src.cli.listing import is_checkpoint_dir
 from functional_ckpt._src.cli.ui import PROG, UI, UsageError, one_line
 from functional_ckpt._src.codec import documents
-from functional_ckpt._src.policy.config import (
-    MANAGER_KEYS,
-    RELAUNCH_KEYS,
-    Relaunch,
-    at_key,
-    check_keys,
-    relaunch_from_config,
-)
+from functional_ckpt._src.policy import config as pc
+from functional_ckpt._src.policy.config import Relaunch
 from functional_ckpt._src.root.listing import newest_summary
 from functional_ckpt._src.storage.opener import read_file
 from functional_ckpt._src.storage.progress import PROGRESS_ENV, read_progress
@@ -58,41 +48,34 @@ _CONFIG_LIMIT = 1 << 20
 # --------------------------------------------------------------------------- options
 
 
-def _document(path: Path) -> Any:
-    """The parsed config file: JSON, or YAML (``.yaml``/``.yml``, needs PyYAML)."""
+def _config(path: Path, key: str | None) -> Relaunch:
+    """The ``run`` block of a manager's config file (JSON, or YAML with PyYAML) under
+    ``key`` (dotted). Its ``root`` is not read: the job may be given another one."""
     try:
         text = read_file(path, limit=_CONFIG_LIMIT, what="config file")
-    except FileNotFoundError:
-        raise UsageError(f"--config {path}: no such file") from None
-    except (OSError, CheckpointError) as exc:
-        raise UsageError(f"--config {path}: cannot read it ({exc})") from None
-    try:
-        return documents.load(
+        cfg = documents.load(
             text, f"--config {path}", yaml=path.suffix.lower() in (".yaml", ".yml")
         )
+    except FileNotFoundError:
+        raise UsageError(f"--config {path}: no such file") from None
     except ImportError:
         raise UsageError(
             f"--config {path}: reading YAML needs PyYAML (pip install pyyaml); or give JSON"
         ) from None
     except ConfigError as exc:
         raise UsageError(one_line(exc)) from None
-
-
-def _config(path: Path, key: str | None) -> Relaunch:
-    """The ``run`` block of a manager's config (under ``key``, dotted).
-
-    Its ``root`` is not read: the job may be given another one, and it reports the
-    steps of the one it uses.
-    """
-    cfg = _document(path)
+    except (OSError, CheckpointError) as exc:
+        raise UsageError(f"--config {path}: cannot read it ({exc})") from None
     parts = key.split(".") if key else []
     for i, part in enumerate(parts):
         if not isinstance(cfg, dict) or part not in cfg:
             raise UsageError(f"--config {path}: no key {'.'.join(parts[: i + 1])!r} in it")
         cfg = cfg[part]
     try:
-        run = check_keys(cfg, key or "config", MANAGER_KEYS, "keys").get("run")
-        return Relaunch() if run is None else relaunch_from_config(run, at_key(key or "", "run"))
+        run = pc.check_keys(cfg, key or "config", pc.MANAGER_KEYS, "keys").get("run")
+        return (
+            Relaunch() if run is None else pc.relaunch_from_config(run, pc.at_key(key or "", "run"))
+        )
     except ConfigError as exc:
         raise UsageError(f"--config {path}: {exc}") from None
 
@@ -108,7 +91,7 @@ def run_options(args: argparse.Namespace) -> tuple[list[str], Relaunch, Path | N
         relaunch = _config(Path(args.config), args.config_key)
     elif args.config_key:
         raise UsageError("--config-key names a key of --config FILE; give --config too")
-    given = {k: getattr(args, k) for k in RELAUNCH_KEYS if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in pc.RELAUNCH_KEYS if getattr(args, k) is not None}
     opts = dataclasses.replace(relaunch, **given)
     root = Path(args.root) if args.root else None
     if root is not None and is_checkpoint_dir(root):
@@ -205,7 +188,7 @@ def group_alive(group: int) -> bool:
         except ProcessLookupError:
             return False
         except PermissionError:
-            return True
+            pass
         return True
     for name in names:
         if not name.isdigit():
@@ -220,13 +203,16 @@ def group_alive(group: int) -> bool:
     return False
 
 
-class StopSignals:
-    """Passes stop signals to the running command's group and remembers that one came."""
+class _Supervisor:
+    """Runs the attempts; passes stop signals to the running command's group."""
 
-    def __init__(self) -> None:
-        self.received: int | None = None
+    def __init__(self, command: list[str], opts: Relaunch, root: Path | None, ui: UI) -> None:
+        self.command, self.opts, self.root, self.ui = command, opts, root, ui
+        self.progress = Path()  # where a managed job reports its newest committed step
+        self.attempts: list[Attempt] = []
+        self.received: int | None = None  # a stop signal that came
         self.group: int | None = None  # the process group of the running command
-        self._previous: dict[int, Any] = {}
+        self.gave_up = ""
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
@@ -236,31 +222,6 @@ class StopSignals:
         if self.group is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.group, signum)
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[StopSignals]:
-        for sig in STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        try:
-            yield self
-        finally:
-            for signum, previous in self._previous.items():
-                signal.signal(signum, previous)
-
-
-# --------------------------------------------------------------------------- the supervisor
-
-
-class _Supervisor:
-    def __init__(
-        self, command: list[str], opts: Relaunch, root: Path | None, ui: UI, progress: Path
-    ) -> None:
-        self.command, self.opts, self.root = command, opts, root
-        self.ui = ui
-        self.progress = progress  # where a managed job reports its newest committed step
-        self.attempts: list[Attempt] = []
-        self.signals = StopSignals()
-        self.gave_up = ""
 
     def say(self, text: str) -> None:
         print(f"{PROG} run: {text}", file=self.ui.err, flush=True)
@@ -285,14 +246,10 @@ class _Supervisor:
 
     def launch(self, number: int) -> Attempt:
         attempt = Attempt(number, time.time(), resumed_from=self.newest())
-        total = self.opts.retries + 1
-        where = ""
+        start, where = attempt.resumed_from, ""
         if self.sees_steps:
-            where = (
-                f", resuming from step {attempt.resumed_from.step}"
-                if attempt.resumed_from
-                else ", no checkpoint yet"
-            )
+            where = f", resuming from step {start.step}" if start else ", no checkpoint yet"
+        total = self.opts.retries + 1
         self.say(f"attempt {number} of {total}: {shlex.join(self.command)}{where}")
         env = {**os.environ, ATTEMPT_ENV: str(number), PROGRESS_ENV: str(self.progress)}
         try:
@@ -303,28 +260,25 @@ class _Supervisor:
             raise UsageError(f"{self.command[0]}: command not found") from None
         except PermissionError:
             raise UsageError(f"{self.command[0]}: permission denied") from None
-        self.signals.group = child.pid
-        if self.signals.received is not None:  # a stop arrived while it was starting
-            self.signals.forward(self.signals.received)
+        self.group = child.pid
+        if self.received is not None:  # a stop arrived while it was starting
+            self.forward(self.received)
         attempt.returncode = child.wait()
         attempt.ended = time.time()
         self.clear_group(child.pid)
-        self.signals.group = None
-        attempt.stopped = self.signals.received is not None
+        self.group = None
+        attempt.stopped = self.received is not None
         attempt.reached = self.newest()
         self.attempts.append(attempt)
         return attempt
 
     def clear_group(self, group: int) -> None:
-        """Wait until no process of the command's group is left, so that two copies of
-        the job never run at once.
-
-        After a stop signal the stragglers (a launcher's workers still saving) are
-        waited for; after a failure they get SIGTERM, ``GRACE_SECONDS``, then SIGKILL.
-        """
+        """Wait until no process of the command's group is left: after a stop signal the
+        stragglers (workers still saving) are waited for; after a failure they get
+        SIGTERM, ``GRACE_SECONDS``, then SIGKILL."""
         if not group_alive(group):
             return
-        if self.signals.received is None:
+        if self.received is None:
             self.say(
                 f"the command left processes behind: SIGTERM, then SIGKILL in {GRACE_SECONDS:.0f} s"
             )
@@ -332,7 +286,7 @@ class _Supervisor:
                 os.killpg(group, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_SECONDS
         while group_alive(group):
-            if self.signals.received is None and time.monotonic() > deadline:
+            if self.received is None and time.monotonic() > deadline:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(group, signal.SIGKILL)
             time.sleep(_POLL)
@@ -375,32 +329,28 @@ class _Supervisor:
         """Sleep ``seconds`` unless a stop signal arrives; returns the time slept."""
         start = time.monotonic()
         deadline = start + seconds
-        while self.signals.received is None and (now := time.monotonic()) < deadline:
+        while self.received is None and (now := time.monotonic()) < deadline:
             time.sleep(min(_POLL, deadline - now))
         return time.monotonic() - start
 
     def supervise(self) -> int:
         delay = self.opts.backoff
-        with self.signals.installed():
+        previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+        try:
             for number in range(1, self.opts.retries + 2):
-                if self.signals.received is not None:
-                    name = signal.Signals(self.signals.received).name
+                if self.received is not None:
+                    name = signal.Signals(self.received).name
                     self.say(f"{name} received: not relaunching")
                     break
                 attempt = self.launch(number)
                 outcome = outcome_text(attempt.returncode)
-                steps = ""
+                done = f"attempt {number} ended: {outcome} after {duration_text(attempt.ran)}"
                 if self.sees_steps:
                     before, after = attempt.resumed_from, attempt.reached
-                    steps = (
-                        f", checkpoint step {before.step if before else 'none'} -> "
-                        f"{after.step if after else 'none'}"
-                    )
-                done = (
-                    f"attempt {number} ended: {outcome} after {duration_text(attempt.ran)}{steps}"
-                )
+                    done += f", checkpoint step {before.step if before else 'none'} -> "
+                    done += f"{after.step if after else 'none'}"
                 if attempt.stopped:
-                    name = signal.Signals(self.signals.received or signal.SIGTERM).name
+                    name = signal.Signals(self.received or signal.SIGTERM).name
                     self.say(f"{done}; {name} was passed on to it: not relaunching")
                     break
                 if not attempt.failed:
@@ -418,19 +368,19 @@ class _Supervisor:
                 self.say(f"{done}; relaunching in {duration_text(delay)}")
                 attempt.waited = self.pause(delay)
                 delay = min(delay * 2, self.opts.max_backoff)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         self.summary()
         if not self.attempts:
-            return 128 + (self.signals.received or signal.SIGINT)
+            return 128 + (self.received or signal.SIGINT)
         return exit_status(self.attempts[-1].returncode)
 
     def summary(self) -> None:
         if not self.attempts:
             return
         root_known = self.sees_steps
-        head = ["ATTEMPT", "RESULT", "RAN"]
-        if root_known:
-            head += ["RESUMED FROM", "REACHED"]
-        head.append("LOST")
+        head = ["ATTEMPT", "RESULT", "RAN", *(["RESUMED FROM", "REACHED"] * root_known), "LOST"]
         rows, styles = [], []
         for a in self.attempts:
             cells = [str(a.number), outcome_text(a.returncode), duration_text(a.ran)]
@@ -440,8 +390,7 @@ class _Supervisor:
             rows.append(cells)
             style = "ok" if not a.failed else ("warn" if a.stopped else "bad")
             styles.append([""] + [style] + [""] * (len(cells) - 2))
-        err_ui = UI(out=self.ui.err, err=self.ui.err, stdin=self.ui.stdin)
-        err_ui.table(head, rows, styles)
+        UI(out=self.ui.err, err=self.ui.err, stdin=self.ui.stdin).table(head, rows, styles)
         n = len(self.attempts)
         lost = sum(a.lost(root_known) for a in self.attempts)
         relaunches = f", {n - 1} relaunch{'es' if n != 2 else ''}" if n > 1 else ""
@@ -454,5 +403,7 @@ class _Supervisor:
 
 def cmd_run(args: argparse.Namespace, ui: UI) -> int:
     command, opts, root = run_options(args)
+    supervisor = _Supervisor(command, opts, root, ui)
     with tempfile.TemporaryDirectory(prefix="fckpt-run-") as scratch:
-        return _Supervisor(command, opts, root, ui, Path(scratch) / "progress.json").supervise()
+        supervisor.progress = Path(scratch) / "progress.json"
+        return supervisor.supervise()

@@ -1,5 +1,5 @@
 """``fckpt inspect``, ``diff``, ``export`` and ``import``: the commands about one or two
-checkpoints. The conversions to and from ``torch.save`` files are
+checkpoints (or a recording). The conversions to and from ``torch.save`` files are
 :mod:`functional_ckpt._src.export.torch_save`'s; this adds the flags and the report.
 """
 
@@ -9,13 +9,12 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import functional_ckpt as fc
-from functional_ckpt._src.cli import tiers
-from functional_ckpt._src.cli.listing import newest_checkpoint, refuse_stock_dcp, require_exists
+from functional_ckpt._src.cli import listing, tiers
 from functional_ckpt._src.cli.ui import PROG, UI, UsageError, human, jsonable, time_text
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath
 from functional_ckpt._src.format.kind import Kind, classify
@@ -37,42 +36,35 @@ __all__ = ["cmd_diff", "cmd_export", "cmd_import", "cmd_inspect", "parse_dtype"]
 # --------------------------------------------------------------------------- inspect
 # (reads manifests only: torch and numpy are not imported for it)
 
-
-class Row(NamedTuple):
-    """One row of a flattened summary tree: a node, a tensor spec or a plain value."""
-
-    path: KeyPath
-    item: Any
+#: One row of a summary tree: its key path and a node, a tensor spec or a plain value.
+Row = tuple[KeyPath, Any]
 
 
-def flatten_tree(tree: Mapping[str, Any], prefix: KeyPath = ()) -> Iterator[Row]:
+def _rows(tree: Mapping[str, Any], prefix: KeyPath = ()) -> Iterator[Row]:
     for key, item in tree.items():
-        path = (*prefix, str(key))
-        yield Row(path, item)
+        yield (*prefix, str(key)), item
         if isinstance(item, Node):
-            yield from flatten_tree(item, path)
+            yield from _rows(item, (*prefix, str(key)))
 
 
-def filter_entries(entries: Sequence[Row], prefix: str | None) -> list[Row]:
-    """Entries whose ``a/b/c`` key starts with ``prefix``, plus their ancestors for context."""
+def _matching(rows: list[Row], prefix: str | None) -> list[Row]:
+    """Rows whose ``a/b/c`` key starts with ``prefix``, plus their ancestors for context."""
     if not prefix:
-        return list(entries)
-    hits = [e for e in entries if "/".join(e.path).startswith(prefix)]
-    wanted = {e.path for e in hits}
-    for e in hits:
-        wanted.update(e.path[:i] for i in range(1, len(e.path)))
-    return [e for e in entries if e.path in wanted]
+        return rows
+    wanted: set[KeyPath] = set()
+    for path, _ in rows:
+        if "/".join(path).startswith(prefix):
+            wanted.update(path[:i] for i in range(1, len(path) + 1))
+    return [r for r in rows if r[0] in wanted]
 
 
 #: How ``inspect`` notes a container that is no string-keyed dict.
 _CONTAINERS = {"list": "  (list)", "tuple": "  (tuple)", "dict": "  (dict, non-str keys)"}
 
 
-def _entry_line(entry: Row, ui: UI, width: int) -> str:
+def _entry_line(path: KeyPath, item: Any, ui: UI, width: int) -> str:
     """One tree row; leaf names are padded to ``width`` so their specs line up."""
-    indent = "  " * len(entry.path)
-    name = printable(entry.path[-1])
-    item = entry.item
+    indent, name = "  " * len(path), printable(path[-1])
     if isinstance(item, Node):
         record = item.get(NODE_KEY)
         kind = _CONTAINERS.get(str(record.get("kind")), "") if isinstance(record, dict) else ""
@@ -84,14 +76,14 @@ def _entry_line(entry: Row, ui: UI, width: int) -> str:
     return f"{indent}{name.ljust(width)}  = {short_repr(item)}"
 
 
-def _tree_lines(entries: Sequence[Row], ui: UI) -> list[str]:
-    shown = [e for e in entries if e.path[-1] != NODE_KEY]
+def _tree_lines(rows: list[Row], ui: UI) -> list[str]:
+    shown = [(path, item) for path, item in rows if path[-1] != NODE_KEY]
     widths: dict[KeyPath, int] = {}
-    for e in shown:
-        if not isinstance(e.item, Node):
-            width = len(printable(e.path[-1]))
-            widths[e.path[:-1]] = min(40, max(widths.get(e.path[:-1], 0), width))
-    return [_entry_line(e, ui, widths.get(e.path[:-1], 0)) for e in shown]
+    for path, item in shown:
+        if not isinstance(item, Node):
+            width = min(40, max(widths.get(path[:-1], 0), len(printable(path[-1]))))
+            widths[path[:-1]] = width
+    return [_entry_line(path, item, ui, widths.get(path[:-1], 0)) for path, item in shown]
 
 
 def _metadata_lines(meta: Any, ui: UI) -> list[str]:
@@ -107,8 +99,8 @@ def _metadata_lines(meta: Any, ui: UI) -> list[str]:
     return lines
 
 
-def _entry_json(entry: Row) -> dict[str, Any]:
-    item, doc = entry.item, {"key": "/".join(entry.path), "path": list(entry.path)}
+def _entry_json(path: KeyPath, item: Any) -> dict[str, Any]:
+    doc = {"key": "/".join(path), "path": list(path)}
     if isinstance(item, Node):
         return {**doc, "kind": "node"}
     if isinstance(item, TensorSpec):
@@ -119,7 +111,7 @@ def _entry_json(entry: Row) -> dict[str, Any]:
 
 def _inspect(path: Path) -> CheckpointSummary:
     """``fc.inspect`` with a pointer to ``ls`` when given a directory of checkpoints."""
-    require_exists(path)
+    listing.require_exists(path)
     try:
         return fc.inspect(path)
     except fc.errors.CheckpointNotFound:
@@ -137,25 +129,23 @@ def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
             return cmd_inspect(argparse.Namespace(**{**vars(args), "path": str(local)}), ui)
     path = Path(args.path)
     if classify(path) is Kind.RECORDING:
-        from functional_ckpt._src.cli.recording import inspect_recording
-
-        return inspect_recording(args, ui)
+        return _inspect_recording(path, args, ui)
     summary = _inspect(path)
-    entries = filter_entries(list(flatten_tree(summary.tree)), args.key)
+    entries = _matching(list(_rows(summary.tree)), args.key)
     if args.key and not entries:
         top = ", ".join(sorted(summary.tree)) or "none"
         raise UsageError(f"{path}: no key starts with {args.key!r} (top-level keys: {top})")
     if args.json:
         fields = [f.name for f in dataclasses.fields(summary) if f.name not in ("path", "tree")]
         doc = {"path": str(summary.path)} | {k: jsonable(getattr(summary, k)) for k in fields}
-        ui.json({**doc, "entries": [_entry_json(e) for e in entries]})
+        ui.json({**doc, "entries": [_entry_json(*e) for e in entries]})
         return 0
     for line in _inspect_lines(summary, entries, ui):
         ui.print(line)
     return 0
 
 
-def _inspect_lines(summary: CheckpointSummary, entries: Sequence[Row], ui: UI) -> list[str]:
+def _inspect_lines(summary: CheckpointSummary, entries: list[Row], ui: UI) -> list[str]:
     kind = "stock DCP checkpoint" if summary.foreign else f"format v{summary.format_version}"
     lines = [
         ui.paint(str(summary.path), "head"),
@@ -177,21 +167,48 @@ def _inspect_lines(summary: CheckpointSummary, entries: Sequence[Row], ui: UI) -
     return lines
 
 
+def _inspect_recording(path: Path, args: argparse.Namespace, ui: UI) -> int:
+    """A recording's tree, once for all its records, and its totals."""
+    from functional_ckpt._src.format.manifest import NodeEntry, TensorEntry
+    from functional_ckpt._src.recording.replay import Replay  # numpy and torch
+
+    with Replay(path) as replay:
+        rec = replay.committed
+    doc, entries = listing.recording_summary(rec), []
+    lines = [*listing.recording_lines(doc, ui), ui.paint("tree (every record)", "head")]
+    for e in rec.entries:
+        key = "/".join(e.path)
+        if args.key and not key.startswith(args.key):
+            continue
+        indent, name = "  " * key.count("/"), key.rsplit("/", 1)[-1]
+        if isinstance(e, TensorEntry):
+            entries.append({"key": key, "kind": "tensor", "spec": e.spec, "nbytes": e.nbytes})
+            size = ui.paint(human(e.nbytes), "dim")
+            lines.append(f"  {indent}{name}  {ui.paint(e.spec, 'dtype')}  {size}")
+        elif isinstance(e, NodeEntry):
+            batch = (e.info or {}).get("batch_size", [])
+            entries.append({"key": key, "kind": "node", "batch_size": batch})
+            batch_text = ui.paint(f"  batch {batch}" if batch else "", "dim")
+            lines.append(f"  {indent}{ui.paint(name + '/', 'key')}{batch_text}")
+        else:
+            entries.append({"key": key, "kind": "value"})
+            lines.append(f"  {indent}{name}  = (a value, per record)")
+    if args.json:
+        ui.json({**doc, "entries": entries})
+    else:
+        for line in lines:
+            ui.print(line)
+    return 0
+
+
 # --------------------------------------------------------------------------- diff
 
 
 _DIFF_STYLE = {"added": "ok", "removed": "bad", "same": "dim"}
 #: How ``diff`` names each kind of entry in its closing count, in this order.
-_COUNTED = {
-    "added": "added",
-    "removed": "removed",
-    "kind": "kind changed",
-    "shape": "shape changed",
-    "dtype": "dtype changed",
-    "value": "value(s) changed",
-    "tensor": "tensor(s) differ",
-    "same": "identical",
-}
+_COUNTED = {"added": "added", "removed": "removed", "kind": "kind changed"}
+_COUNTED |= {"shape": "shape changed", "dtype": "dtype changed", "value": "value(s) changed"}
+_COUNTED |= {"tensor": "tensor(s) differ", "same": "identical"}
 
 
 def cmd_diff(args: argparse.Namespace, ui: UI) -> int:
@@ -199,8 +216,8 @@ def cmd_diff(args: argparse.Namespace, ui: UI) -> int:
 
     a, b = Path(args.a), Path(args.b)
     for p in (a, b):
-        require_exists(p)
-        refuse_stock_dcp(p, "diff")
+        listing.require_exists(p)
+        listing.refuse_stock_dcp(p, "diff")
     sizes = [dir_size(a), dir_size(b)]
     with ui.progress("reading A", sum(sizes)) as bar:
         reads, done = iter([("reading A", 0), ("reading B", sizes[0])]), [0]
@@ -215,9 +232,10 @@ def cmd_diff(args: argparse.Namespace, ui: UI) -> int:
     counts = dict(collections.Counter(e.kind for e in result.entries))
     differ = 1 if args.exit_code and result.changes else 0
     if args.json:
-        keys = [{"kind": e.kind, "key": "/".join(e.key), "path": list(e.key)} for e in shown]
         rows = [
-            {**k, "detail": e.detail, "nbytes": e.nbytes} for k, e in zip(keys, shown, strict=True)
+            {"kind": e.kind, "key": "/".join(e.key), "path": list(e.key)}
+            | {"detail": e.detail, "nbytes": e.nbytes}
+            for e in shown
         ]
         doc = {"a": str(a), "b": str(b), "identical": not result.changes, "counts": counts}
         ui.json({**doc, "entries": rows})
@@ -264,7 +282,7 @@ def cmd_export(args: argparse.Namespace, ui: UI) -> int:
             raise UsageError(f"{flag}: a torch export is one file; leave it out")
     if args.full and args.dtype:
         raise UsageError("--dtype converts the weights; --full exports the state as saved")
-    src = newest_checkpoint(Path(args.path))
+    src = listing.newest_checkpoint(Path(args.path))
     out = Path(args.out)
     select = None if args.full else tuple(k for k in args.select.split("/") if k)
     if select == ():
@@ -278,26 +296,18 @@ def cmd_export(args: argparse.Namespace, ui: UI) -> int:
             converted = export_torch(src, out, select=select, dtype=dtype, overwrite=args.overwrite)
         files, more = [out], {"converted": ["/".join(p) for p in converted]}
     else:
-        refuse_stock_dcp(src, "export")
+        listing.refuse_stock_dcp(src, "export")
         assert select is not None
-        config: dict[str, Any] | None = None
-        extra: dict[str, bytes] = {}
-        left_out: list[str] = []
+        config: tuple[Any, dict[str, bytes], list[str]] = (None, {}, [])
         if args.config is not None:
             from functional_ckpt._src.export.files import model_files  # torch: only now
 
-            config, extra, left_out = model_files(Path(args.config))
+            config = model_files(Path(args.config))
+        options: dict[str, Any] = {"select": select, "dtype": dtype, "overwrite": args.overwrite}
+        options |= {"max_shard_size": args.max_shard_size or "5GB", "config": config[0]}
         with ui.progress("exporting", 0), _flag_spelling():  # a bar with no end: work shown
-            fc.export_safetensors(
-                src,
-                out,
-                select=select,
-                dtype=dtype,
-                max_shard_size=args.max_shard_size or "5GB",
-                overwrite=args.overwrite,
-                config=config,
-                extra_files=extra,
-            )
+            fc.export_safetensors(src, out, extra_files=config[1], **options)
+        left_out = config[2]
         files = sorted(p for p in out.iterdir() if p.is_file())
         more = {} if args.config is None else {"config": args.config, "left_out": left_out}
     if args.json:
@@ -343,7 +353,7 @@ def cmd_import(args: argparse.Namespace, ui: UI) -> int:
     from functional_ckpt._src.export.torch_save import WEIGHTS_KEY, import_torch
 
     src, out = Path(args.file), Path(args.out)
-    require_exists(src)
+    listing.require_exists(src)
     with _flag_spelling():
         info = import_torch(src, out, overwrite=args.overwrite)
     summary = fc.inspect(info.path)

@@ -1,4 +1,4 @@
-"""Where ``fckpt`` output goes and how it looks, and the two outcomes besides success.
+"""Where ``fckpt`` output goes and how it looks: one table printer, one JSON emitter.
 
 Colours need a terminal on stdout and no ``NO_COLOR``/``TERM=dumb``; progress needs a
 terminal on stderr, so ``fckpt verify ROOT > log`` shows progress while the log stays
@@ -14,18 +14,16 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
 
 from functional_ckpt._src.text import joined_lines, printable_lines
 from functional_ckpt.errors import CheckpointError
 
-if TYPE_CHECKING:
-    from rich.progress import Progress as RichProgress
-
-__all__ = ["PROG", "Declined", "Progress", "UI", "UsageError", "Verified", "human", "jsonable"]
-__all__ += ["one_line"]
+__all__ = ["PROG", "RUN", "SAVED", "SIZE", "STEP", "Column", "Declined", "Progress", "Section"]
+__all__ += ["UI", "UsageError", "cell", "human", "jsonable", "metrics_text", "one_line"]
+__all__ += ["time_text"]
 
 PROG = "fckpt"
 
@@ -82,17 +80,27 @@ def time_text(t: float | None) -> str:
         return "-"
 
 
-_STYLES = {
-    "ok": "green",
-    "bad": "bold red",
-    "warn": "yellow",
-    "dim": "dim",
-    "key": "bold",
-    "dtype": "cyan",
-    "head": "bold",
-}
+def human(n: float) -> str:
+    """Bytes in binary units, short enough for a table column."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def metrics_text(metrics: Mapping[str, float]) -> str:
+    return " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
+
+
+_STYLES = {"ok": "green", "bad": "bold red", "warn": "yellow", "dim": "dim", "key": "bold"}
+_STYLES |= {"dtype": "cyan", "head": "bold"}
 #: Wide enough that no table row of any real root wraps on a non-terminal.
 _PLAIN_WIDTH = 1 << 16
+
+#: A column of a table of plain-data rows: its head, its cell of a row, its style
+#: (a name, or the style of a row).
+Column = tuple[str, Callable[[Any], str], str | Callable[[Any], str]]
 
 
 def _isatty(stream: Any) -> bool:
@@ -100,15 +108,6 @@ def _isatty(stream: Any) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError):
         return False
-
-
-def human(n: float) -> str:
-    """Bytes in binary units, short enough for a table column."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _plain_cells(head: Sequence[str], rows: Sequence[Sequence[str]], styles: Any) -> bool:
@@ -140,28 +139,19 @@ class Progress:
         self, stream: IO[str], label: str, total: int, unit: str, enabled: bool, out: Any = None
     ) -> None:
         self.label, self.total, self.out = label, max(0, total), out or sys.stdout
-        self._bar: RichProgress | None = None
+        self._bar: Any = None
         self._task: Any = None
         if enabled:
+            from rich import progress as rp
             from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                MofNCompleteColumn,
-                TaskProgressColumn,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-            from rich.progress import Progress as RichProgress
 
-            amount = DownloadColumn(binary_units=True) if unit == "B" else MofNCompleteColumn()
-            columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn())
-            self._bar = RichProgress(
-                *columns,
-                amount,
-                TimeRemainingColumn(),
-                console=Console(file=stream, force_terminal=True),
-                transient=True,
+            amount = (
+                rp.DownloadColumn(binary_units=True) if unit == "B" else rp.MofNCompleteColumn()
+            )
+            columns = (rp.TextColumn("{task.description}"), rp.BarColumn(), rp.TaskProgressColumn())
+            console = Console(file=stream, force_terminal=True)
+            self._bar = rp.Progress(
+                *columns, amount, rp.TimeRemainingColumn(), console=console, transient=True
             )
 
     def start(self) -> Progress:
@@ -178,21 +168,20 @@ class Progress:
 
     def update(self, done: float, *, force: bool = False, label: str | None = None) -> None:
         """Set the amount done (and what is being done); ``force`` draws now."""
-        if self._bar is None or self._task is None:
-            return
-        completed = min(max(done, 0), self.total or done)
-        self._bar.update(self._task, completed=completed, description=label or self.label)
-        self.label = label or self.label
-        if force:
-            self._bar.refresh()
+        if self._task is not None:
+            self.label = label or self.label
+            completed = min(max(done, 0), self.total or done)
+            self._bar.update(self._task, completed=completed, description=self.label)
+            if force:
+                self._bar.refresh()
 
     def advance(self, amount: float) -> None:
-        if self._bar is not None and self._task is not None:
+        if self._task is not None:
             self._bar.advance(self._task, amount)
 
     def print(self, text: str) -> None:
         """A result line on stdout while the bar runs: above the bar when both share a terminal."""
-        if self._bar is not None and self._task is not None and _isatty(self.out):
+        if self._task is not None and _isatty(self.out):
             from rich.text import Text
 
             self._bar.console.print(Text.from_ansi(text), soft_wrap=True, highlight=False)
@@ -202,7 +191,7 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
-            self._bar = None
+            self._bar = self._task = None
 
 
 class UI:
@@ -250,6 +239,12 @@ class UI:
     def progress(self, label: str, total: int, unit: str = "B") -> Progress:
         return Progress(self.err, label, total, unit, enabled=self.show_progress, out=self.out)
 
+    def rows(self, columns: Sequence[Column], rows: Sequence[Any]) -> None:
+        """A table with a line per row, its cells and styles given by ``columns``."""
+        cells = [[cell(r) for _, cell, _ in columns] for r in rows]
+        styles = [[s if isinstance(s, str) else s(r) for _, _, s in columns] for r in rows]
+        self.table([head for head, _, _ in columns], cells, styles)
+
     def table(self, head: Sequence[str], rows: Sequence[Sequence[str]], styles: Any) -> None:
         """Print a table: aligned columns, ``head`` bold, ``styles[i][j]`` per cell."""
         if not self.colour and _plain_cells(head, rows, styles):
@@ -260,16 +255,14 @@ class UI:
         from rich.table import Table
         from rich.text import Text
 
+        def text(cell: str, style: str) -> Text:
+            return Text(cell, style=_STYLES.get(style, "") if self.colour else "")
+
         table = Table(box=None, pad_edge=False, padding=(0, 2, 0, 0), show_edge=False)
         for name in head:
-            table.add_column(Text(name, style="bold" if self.colour else ""), no_wrap=True)
+            table.add_column(text(name, "head"), no_wrap=True)
         for cells, cell_styles in zip(rows, styles, strict=True):
-            table.add_row(
-                *(
-                    Text(c, style=_STYLES.get(s, "") if self.colour else "")
-                    for c, s in zip(cells, cell_styles, strict=True)
-                )
-            )
+            table.add_row(*(text(c, s) for c, s in zip(cells, cell_styles, strict=True)))
         buf = io.StringIO()
         console = Console(
             file=buf,
@@ -277,9 +270,8 @@ class UI:
             force_terminal=self.colour,
             no_color=not self.colour,
             color_system="standard" if self.colour else None,
-            highlight=False,
         )
-        console.print(table)
+        console.print(table, highlight=False)
         for line in buf.getvalue().splitlines():
             self.print(line.rstrip())
 
@@ -288,56 +280,37 @@ class UI:
 
     def confirm(self, question: str) -> bool:
         print(f"{question} [y/N] ", end="", file=self.out, flush=True)
-        answer = self.stdin.readline()
-        return answer.strip().lower() in ("y", "yes")
+        return self.stdin.readline().strip().lower() in ("y", "yes")
 
     def json(self, doc: Any) -> None:
         """The one JSON document of a ``--json`` run: nothing else goes to stdout."""
         self.print(json.dumps(doc, indent=2, default=repr))
 
-    def verdict(self, emit: Any, result: Verified, quiet: bool) -> None:
-        """``fckpt verify``'s lines for one checkpoint (``emit`` prints one, above a bar)."""
-        if result.ok:
-            if not quiet:
-                what = f"{result.files_checked} files, {human(result.bytes_checked)}"
-                emit(f"{self.paint('OK', 'ok')}       {result.where}  ({what})")
-            return
-        emit(f"{self.paint('DAMAGED', 'bad')}  {result.where}")
-        for line in result.problems:
-            emit(f"  {line}")
 
-    def verified(
-        self, target: str, results: Sequence[Verified], json: bool, stock: Any = ()
-    ) -> int:
-        """``fckpt verify``'s last line or JSON document, for a path and a URL alike;
-        the exit status: 1 if any checkpoint is damaged."""
-        bad, n = sum(not r.ok for r in results), len(results)
-        if json:
-            rows = [
-                {"path": r.where, "status": s, "problems": list(r.problems)}
-                | {"files_checked": r.files_checked, "bytes_checked": r.bytes_checked}
-                for r, s in [(r, "intact" if r.ok else "damaged") for r in results]
-                + [(Verified(str(p), False), "skipped") for p in stock]
-            ]
-            doc = {"path": target, "ok": not bad, "intact": n - bad, "damaged": bad}
-            self.json({**doc, "skipped": len(stock), "checkpoints": rows})
+@dataclass
+class Section:
+    """Rows of one kind as plain data (``--json`` prints them) and their table."""
+
+    name: str  # the head of its title, below another section
+    title: str
+    columns: Sequence[Column]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    empty: str = ""  # printed instead of an empty table
+
+    def print(self, ui: UI) -> None:
+        if self.name:
+            ui.print(f"\n{ui.paint(self.name, 'head')} {self.title}")
+        if self.rows or not self.empty:
+            ui.rows(self.columns, self.rows)
         else:
-            unverified = f"; {len(stock)} stock DCP not verifiable" if stock else ""
-            if bad:
-                self.print(f"{bad} of {n} checkpoints damaged{unverified}")
-            elif not n:
-                self.print(f"no functional_ckpt checkpoint to verify{unverified}")
-            else:
-                self.print(f"{n} checkpoint{'s' if n != 1 else ''} intact{unverified}")
-        return 1 if bad else 0
+            ui.print(self.empty)
 
 
-@dataclass(frozen=True)
-class Verified:
-    """One checkpoint's verdict, local or remote alike: what ``verify`` prints per checkpoint."""
+def cell(key: str) -> Callable[[Any], str]:
+    return lambda r: str(r[key])
 
-    where: str
-    ok: bool
-    problems: tuple[str, ...] = ()
-    files_checked: int = 0
-    bytes_checked: int = 0
+
+RUN: Column = ("RUN", lambda r: (r["run"] or "-")[:8], "dim")
+SAVED: Column = ("SAVED", lambda r: time_text(r["time"]), "dim")
+SIZE: Column = ("SIZE", lambda r: human(r["size"]), "")
+STEP: Column = ("STEP", lambda r: "-" if r["step"] is None else str(r["step"]), "")

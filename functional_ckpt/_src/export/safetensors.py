@@ -1,11 +1,7 @@
-"""Weights-only safetensors exports in the Hugging Face layout.
-
-An export is for evaluation, serving and sharing: the model's tensors, loadable
-without functional_ckpt, in the layout ``transformers`` writes (``model.safetensors``,
-or ``model-0000i-of-0000K.safetensors`` shards and ``model.safetensors.index.json``).
-Names are the ``state_dict`` names under ``select``. Safetensors refuses shared
-memory, so a tied weight keeps its first name (as ``transformers`` does) and
-tensors that merely overlap are copied. The directory appears atomically."""
+"""Weights-only safetensors exports in the layout ``transformers`` writes, for
+evaluation, serving and sharing without functional_ckpt. Safetensors refuses shared
+memory, so a tied weight keeps its first name (as ``transformers`` does) and tensors
+that merely overlap are copied. The directory appears atomically."""
 
 from __future__ import annotations
 
@@ -53,11 +49,10 @@ _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 
 def parse_size(size: int | str) -> int:
     """Bytes in ``size``: an int, or ``"5GB"``, ``"500MB"``, ``"1.5GiB"`` (case-insensitive)."""
-    if isinstance(size, bool):
+    if isinstance(size, bool) or not isinstance(size, int | str):
         raise TypeError(f"max_shard_size={size!r}: expected an int or a string like '5GB'")
-    if isinstance(size, int):
-        value = size
-    elif isinstance(size, str):
+    value = size if isinstance(size, int) else 0
+    if isinstance(size, str):
         m = _SIZE_RE.fullmatch(size)
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _UNITS:
@@ -66,8 +61,6 @@ def parse_size(size: int | str) -> int:
                 f"({', '.join(u.upper() for u in _UNITS if u)})"
             )
         value = int(float(m.group(1)) * _UNITS[unit])
-    else:
-        raise TypeError(f"max_shard_size={size!r}: expected an int or a string like '5GB'")
     if value <= 0:
         raise ValueError(f"max_shard_size={size!r}: must be positive")
     return value
@@ -247,15 +240,10 @@ def view_key(t: torch.Tensor) -> tuple[Any, ...]:
 
 def _dedupe(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop tied aliases: a later name for the very same tensor view is left out."""
-    seen: set[tuple[Any, ...]] = set()
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        key = view_key(t)
-        if t.numel() and key in seen:
-            continue
-        seen.add(key)
-        out[name] = t
-    return out
+    first: dict[tuple[Any, ...], str] = {}
+    return {
+        n: t for n, t in tensors.items() if not t.numel() or first.setdefault(view_key(t), n) == n
+    }
 
 
 def _out_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:

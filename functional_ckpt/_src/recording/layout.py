@@ -28,7 +28,7 @@ from functional_ckpt._src.storage import opener
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, NotARecording
 
 __all__ = ["FORMAT", "HEADER", "INDEX", "LOC", "RECORDING_MARKER", "MAX_STEP", "VERSION"]
-__all__ += ["Committed", "NotARecording", "is_recording", "open_at_least", "read_committed"]
+__all__ += ["Committed", "NotARecording", "open_at_least", "read_committed"]
 __all__ += ["segment_name"]
 
 FORMAT = "functional_ckpt.recording"
@@ -49,11 +49,6 @@ def segment_name(i: int) -> str:
     return f"data-{i:06d}.bin"
 
 
-def is_recording(path: Path) -> bool:
-    """Looks like a recording (committed or not yet): it has a header."""
-    return classify(path) is Kind.RECORDING
-
-
 @dataclass
 class Committed:
     """What a reader may use of a recording: its committed records, vetted."""
@@ -67,6 +62,16 @@ class Committed:
     segments: list[int]  # committed size of each segment
     file_bytes: int  # bytes of every file, uncommitted tails included
     tail_bytes: int  # bytes past the committed sizes (a crash's leftovers)
+
+    def new_bytes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per record: (bytes it appended, leaves it appended); the others it shares."""
+        locs, fresh = self.locs, np.ones(self.locs.shape, dtype=bool)
+        if len(locs) > 1:
+            fresh[1:] = (locs[1:]["seg"] != locs[:-1]["seg"]) | (
+                locs[1:]["off"] != locs[:-1]["off"]
+            )
+        sizes = np.where(fresh, locs["n"], 0).sum(axis=1) if len(locs) else np.zeros(0)
+        return sizes.astype(np.int64), fresh.sum(axis=1)
 
 
 def _int(value: object, where: Path, what: str) -> int:

@@ -21,16 +21,10 @@ import torch
 from tensordict import TensorDictBase
 
 from functional_ckpt._src import codec
+from functional_ckpt._src.format import manifest as mf
 from functional_ckpt._src.format.blobs import byte_view
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.keys import format_path, fqn_of
-from functional_ckpt._src.format.manifest import (
-    Entry,
-    NodeEntry,
-    TensorEntry,
-    ValueEntry,
-    dtype_name,
-)
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy.base import as_int, finite_number, positive_int
 from functional_ckpt._src.recording import layout
@@ -58,7 +52,7 @@ def _signature(leaf: Leaf) -> tuple[Any, ...]:
 class _Slot:
     """One staging buffer: every tensor leaf's bytes, and the values' encodings."""
 
-    def __init__(self, specs: list[TensorEntry], pin: bool) -> None:
+    def __init__(self, specs: list[mf.TensorEntry], pin: bool) -> None:
         offsets: list[int] = []
         padded: list[int] = []
         for e in specs:
@@ -159,8 +153,8 @@ class Recorder:
         ]
         if self._layout is None:
             self._start(root_record(state), leaves)
-        elif [_signature(leaf) for leaf in leaves] != self._layout:
-            self._refuse_layout(leaves)
+        elif (got := [_signature(leaf) for leaf in leaves]) != self._layout:
+            self._refuse_layout(got)
         tensors = [leaf.value for leaf in leaves if leaf.kind == "tensor"]
         while True:  # blocks while the writer is behind; a dead writer is reported
             try:
@@ -182,13 +176,13 @@ class Recorder:
 
     def _start(self, root: dict[str, Any] | None, leaves: list[Leaf]) -> None:
         """The first record: the layout, the header, the staging slots, the writer."""
-        entries: list[Entry] = []
+        entries: list[mf.Entry] = []
         pin = False
         for leaf in leaves:
             if leaf.kind == "node":
-                entries.append(NodeEntry(leaf.path, leaf.value))
+                entries.append(mf.NodeEntry(leaf.path, leaf.value))
             elif leaf.kind == "value":
-                entries.append(ValueEntry(leaf.path, None))
+                entries.append(mf.ValueEntry(leaf.path, None))
             else:
                 t = leaf.value
                 if t.layout != torch.strided or t.is_meta or type(t) is not torch.Tensor:
@@ -198,12 +192,9 @@ class Recorder:
                         "local tensors"
                     )
                 pin = pin or (t.is_cuda and torch.cuda.is_available())
-                shape = tuple(t.shape)
-                grad = bool(t.requires_grad)
-                entries.append(
-                    TensorEntry(leaf.path, fqn_of(leaf.path), dtype_name(t.dtype), shape, grad)
-                )
-        specs = [e for e in entries if isinstance(e, TensorEntry)]
+                spec = (mf.dtype_name(t.dtype), tuple(t.shape), bool(t.requires_grad))
+                entries.append(mf.TensorEntry(leaf.path, fqn_of(leaf.path), *spec))
+        specs = [e for e in entries if isinstance(e, mf.TensorEntry)]
         self._kinds = [e.kind for e in entries if e.kind != "node"]
         planned = [e.to_plain() for e in entries]
         header = {"format": layout.FORMAT, "version": layout.VERSION, "created": time.time()}
@@ -216,9 +207,8 @@ class Recorder:
         self._thread = threading.Thread(target=self._run, name="fc-recorder", daemon=True)
         self._thread.start()
 
-    def _refuse_layout(self, leaves: list[Leaf]) -> None:
+    def _refuse_layout(self, got: list[tuple[Any, ...]]) -> None:
         assert self._layout is not None
-        got = [_signature(leaf) for leaf in leaves]
         for old, new in zip(self._layout, got, strict=False):
             if old != new:
                 where = format_path(new[0] if new[0] == old[0] else old[0])

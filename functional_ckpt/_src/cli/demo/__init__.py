@@ -95,8 +95,8 @@ class EventTail:
 
 
 class Heartbeat:
-    """Progress as a plain line at most every ``every`` seconds, for output that is not
-    a terminal: a CI log shows the demo is alive without the redraws of a bar."""
+    """Progress as a plain line at most every ``every`` seconds where no bar is drawn
+    (a CI log shows the demo is alive)."""
 
     def __init__(
         self,
@@ -120,14 +120,13 @@ class Heartbeat:
 
 
 class Child:
-    """A single-threaded training subprocess that imports this very package, installed or not,
-    and the tail of its event log."""
+    """A training subprocess of this very package (installed or not) and its event log."""
 
     def __init__(self, name: str, directory: Path, logs: Path, steps: int, *extra: str) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.name, self.log = name, logs / f"{name}.log"
         self.tail = EventTail(logs / f"{name}.{job.EVENTS}")
-        cmd = [sys.executable, "-m", "functional_ckpt._src.cli.demo", "train", str(directory)]
+        cmd = [sys.executable, "-c", job.CHILD, str(directory)]
         cmd += ["--steps", str(steps), "--events", str(self.tail.path), *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         here = str(Path(__file__).resolve().parents[3])
@@ -257,23 +256,11 @@ def run_demo(
     infos = mgr.infos()
     diff = diff_checkpoints(root / job.REF_DIR / "final", mgr.path(steps))
     model = [e for e in diff.same if e.key[:1] == ("model",)]
-    return DemoResult(
-        root=root,
-        schedule=schedule,
-        crash_at=crash,
-        first=first,
-        second=second,
-        reference=reference,
-        in_flight=in_flight,
-        kept=[i.step for i in infos],
-        kept_by=kept_by(schedule.retention_parts(), infos),
-        losses_identical=same and full,
-        replayed=len(set(first.losses) & set(second.losses)),
-        state_diff=[str(e) for e in diff.changes],
-        model_tensors=len(model),
-        model_bytes=sum(e.nbytes for e in model),
-        wall_s=wall_s,
-    )
+    steps_kept, kept = [i.step for i in infos], kept_by(schedule.retention_parts(), infos)
+    head = (root, schedule, crash, first, second, reference, in_flight, steps_kept, kept)
+    replayed, diffs = len(set(first.losses) & set(second.losses)), [str(e) for e in diff.changes]
+    tail = (len(model), sum(e.nbytes for e in model), wall_s)
+    return DemoResult(*head, same and full, replayed, diffs, *tail)
 
 
 def _in_flight(ckpt_dir: Path) -> list[str]:
@@ -436,25 +423,14 @@ def cmd_demo(args: argparse.Namespace, ui: UI) -> int:
         return 1
     result.plot = plot(result)
     if args.json:
-        ui.json(
-            {
-                "root": str(result.root),
-                "identical": result.identical,
-                "losses_identical": result.losses_identical,
-                "state_diff": list(result.state_diff),
-                "steps": result.schedule.steps,
-                "crash_at": result.crash_at,
-                "killed_at": result.first.last_step,
-                "resumed_from": result.second.resumed_from,
-                "finished_at": result.second.last_step,
-                "replayed": result.replayed,
-                "kept": list(result.kept),
-                "kept_by": {str(k): v for k, v in result.kept_by.items()},
-                "in_flight": list(result.in_flight),
-                "wall_s": result.wall_s,
-                "plot": None if result.plot is None else str(result.plot),
-            }
-        )
+        doc = {"root": str(result.root), "identical": result.identical}
+        doc |= {k: getattr(result, k) for k in ("losses_identical", "state_diff")}
+        doc |= {"steps": result.schedule.steps, "crash_at": result.crash_at}
+        doc |= {"killed_at": result.first.last_step, "resumed_from": result.second.resumed_from}
+        doc |= {"finished_at": result.second.last_step, "replayed": result.replayed}
+        doc |= {"kept": result.kept, "kept_by": {str(k): v for k, v in result.kept_by.items()}}
+        doc |= {"in_flight": result.in_flight, "wall_s": result.wall_s}
+        ui.json({**doc, "plot": None if result.plot is None else str(result.plot)})
     else:
         ui.print("")
         ui.print("\n".join(report_lines(result, ui.paint, ui.ascii_only)))

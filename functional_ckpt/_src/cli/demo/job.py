@@ -35,6 +35,8 @@ DEMO_MARKER = "fckpt-demo.json"
 RUN_DIR, REF_DIR, LOG_DIR = "run", "reference", "logs"
 CKPT_DIR = "checkpoints"
 EVENTS = "events.jsonl"
+#: A child's program: ``python -c CHILD DIR --steps N [--crash-at S | --reference]``.
+CHILD = "import sys; from functional_ckpt._src.cli.demo.job import child_main as m; m(sys.argv[1:])"
 IN_DIM, HIDDEN, CLASSES = 32, 512, 8
 TRAIN_SAMPLES, VAL_SAMPLES, BATCH = 16384, 1024, 64
 DATA_SEED, INIT_SEED = 1234, 0
@@ -156,15 +158,10 @@ class Job:
         np.random.seed(INIT_SEED)
         random.seed(INIT_SEED)  # unused by the step, but captured: it must match too
         self.schedule = schedule
-        self.model = torch.nn.Sequential(
-            torch.nn.Linear(IN_DIM, HIDDEN),
-            torch.nn.GELU(),
-            torch.nn.Dropout(0.1),
-            torch.nn.Linear(HIDDEN, HIDDEN),
-            torch.nn.GELU(),
-            torch.nn.Dropout(0.1),
-            torch.nn.Linear(HIDDEN, CLASSES),
-        )
+        nn = torch.nn
+        block = [nn.Linear(IN_DIM, HIDDEN), nn.GELU(), nn.Dropout(0.1)]
+        block += [nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.Dropout(0.1)]
+        self.model = nn.Sequential(*block, nn.Linear(HIDDEN, CLASSES))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=2e-3, weight_decay=0.01)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule.lr_factor)
         x, y = make_data()
@@ -214,12 +211,8 @@ class Job:
         return int(state["step"])
 
     def _live(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "optimizer": self.opt,
-            "scheduler": self.sched,
-            "loader": self.loader,
-        }
+        live = {"model": self.model, "optimizer": self.opt, "scheduler": self.sched}
+        return {**live, "loader": self.loader}
 
 
 # --------------------------------------------------------------------------- children
@@ -288,8 +281,8 @@ def train_reference(directory: Path, schedule: Schedule, events: Path) -> None:
 
 
 def child_main(argv: Sequence[str]) -> int:
-    """A child: ``python -m functional_ckpt._src.cli.demo train DIR --steps N [--crash-at S]``."""
-    ap = argparse.ArgumentParser(prog="python -m functional_ckpt._src.cli.demo train")
+    """A child: ``python -c CHILD DIR --steps N [--crash-at S | --reference]``."""
+    ap = argparse.ArgumentParser(prog="fckpt demo's child")
     ap.add_argument("directory", type=Path)
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--crash-at", type=int, default=None)
