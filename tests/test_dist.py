@@ -310,11 +310,11 @@ def test_rank_failed_without_a_process_group() -> None:
     """The agreement rule itself: healthy ranks get every failure, failing ranks their own."""
     import pickle
 
-    from functional_ckpt._src.distributed.groups import _fail
+    from functional_ckpt._src.distributed.groups import raise_failures
 
-    told = {3: ("TemplateMismatch", "no key 'w'"), 1: ("CorruptCheckpoint", "bad crc")}
+    told = {3: b"TemplateMismatch\0no key 'w'", 1: b"CorruptCheckpoint\0bad crc"}
     with pytest.raises(fc.errors.RankFailed) as caught:
-        _fail(None, "restore ck", told)
+        raise_failures(None, "restore ck", told)
     assert list(caught.value.failures) == [1, 3]  # ordered by rank
     assert str(caught.value) == (
         "restore ck: rank 1 failed: CorruptCheckpoint: bad crc; "
@@ -324,9 +324,9 @@ def test_rank_failed_without_a_process_group() -> None:
     assert again.failures == caught.value.failures and str(again) == str(caught.value)
     mine = fc.errors.TemplateMismatch("no key 'w'")
     with pytest.raises(fc.errors.TemplateMismatch) as own:
-        _fail(mine, "restore ck", told)
+        raise_failures(mine, "restore ck", told)
     assert own.value is mine and "rank 1 failed: CorruptCheckpoint" in own.value.__notes__[0]
-    _fail(None, "restore ck", {})  # nobody failed: no error
+    raise_failures(None, "restore ck", {})  # nobody failed: no error
 
 
 def test_eight_ranks_save_and_restore_onto_8_and_3_and_move_the_bytes_predicted(

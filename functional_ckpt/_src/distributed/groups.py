@@ -1,15 +1,6 @@
-"""Checkpoint collectives: dedicated gloo groups, byte all-gathers, failing together.
-
-All checkpoint collectives run on dedicated gloo groups with a timeout, so they
-never interleave with training collectives and a dead rank makes the others fail
-with a clear error instead of hanging. When any rank fails a local step, every
-rank fails together (:func:`agree`).
-
-What only the coordinator needs travels only to it (:func:`gather_bytes`), and what
-only it knows travels once from it (:func:`broadcast_bytes`): a rank other than the
-coordinator then receives the same few bytes whatever the world size, and the
-coordinator alone receives one payload per rank (docs/scale.md).
-"""
+"""Checkpoint collectives on dedicated gloo groups with a timeout: never interleaved with
+training's, a dead rank fails the others clearly, and every rank fails together
+(:func:`agree`). What only the coordinator needs travels only to it (docs/scale.md)."""
 
 from __future__ import annotations
 
@@ -37,14 +28,10 @@ DEFAULT_TIMEOUT = float(os.environ.get("FCKPT_TIMEOUT", "600"))
 
 
 def checkpoint_group(timeout: float | None = None, purpose: str = "save") -> Any:
-    """A dedicated gloo group for checkpoint collectives (created once per world).
-
-    Saves (possibly on a background thread) and a manager's decisions (on the
-    training thread) use different groups, so their collectives never interleave.
-    Creating a group is a collective on the default group: call it from the
-    training thread, in the same order on every rank. The groups are found again
-    by their tag in torch's own registry, which a re-initialized job empties.
-    """
+    """A dedicated gloo group per ``purpose`` (saves on a background thread and the
+    manager's decisions never interleave). Creating one is a collective on the default
+    group: call it from the training thread, in the same order on every rank. Found
+    again by its tag in torch's registry, which a re-initialized job empties."""
     seconds = DEFAULT_TIMEOUT if timeout is None else float(timeout)
     tag, ranks = f"functional_ckpt:{purpose}:{seconds}", list(range(dist.get_world_size()))
     group = c10d._find_pg_by_ranks_and_tag(tag, ranks)
@@ -62,19 +49,13 @@ def _release(group: Any) -> None:
 
 
 class Unanswered(CheckpointError):
-    """A checkpoint collective failed because another rank did not answer: it died,
-    closed its connections, or stayed silent past the group's timeout."""
+    """Another rank did not answer a collective: it died, hung up or stayed silent too long."""
 
 
 def _collective(op: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
-    """Run one ``torch.distributed`` collective. Every collective of the package runs
-    here (tests/test_primitives.py), so a lost peer is always :class:`Unanswered`,
-    never gloo's own error, whichever round it interrupts.
-
-    It returns once gloo's worker thread has let go of the tensors too (it does so
-    just after the collective completes): a tensor whose last reference that thread
-    drops during interpreter shutdown frees its Python object without the GIL, and
-    the process aborts ("terminate called without an active exception")."""
+    """Run one collective: every one of the package runs here (tests/test_primitives.py),
+    so a lost peer is always :class:`Unanswered`. Returns once gloo's worker thread let
+    go of the tensors too: one it frees during interpreter shutdown aborts the process."""
     flat = [t for a in args for t in (a if isinstance(a, list) else [a])]
     tensors = [t for t in flat if isinstance(t, torch.Tensor)]
 
@@ -92,9 +73,8 @@ def _collective(op: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
         time.sleep(0.0001)
 
 
-# Every checkpoint collective passes through these five, so a run can count what
-# each rank sends and receives (tests/dist_job.py) and a simulation can predict it
-# (benchmarks/scale.py).
+# Every checkpoint collective passes through these five: tests/dist_job.py counts each
+# rank's traffic there, as benchmarks/scale.py predicts it.
 
 
 def _all_gather(out: list[torch.Tensor], t: torch.Tensor, group: Any) -> None:
@@ -142,6 +122,20 @@ def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
     return [bytes(t[: int(s.item())].numpy()) for t, s in zip(out, sizes, strict=True)]
 
 
+def _framed(data: bytes, width: int) -> torch.Tensor:
+    """``data`` after its 8-byte length, padded to ``8 + width`` bytes."""
+    buf = torch.zeros(8 + width, dtype=torch.uint8)
+    head = bytearray(len(data).to_bytes(8, "little"))
+    head += data
+    buf[: len(head)] = torch.frombuffer(head, dtype=torch.uint8)
+    return buf
+
+
+def _unframed(t: torch.Tensor) -> bytes:
+    got = bytes(t.numpy())
+    return got[8 : 8 + int.from_bytes(got[:8], "little")]
+
+
 def _longest(n: int, group: Any) -> int:
     """The largest ``n`` of any rank (what every rank pads its payload to)."""
     size = torch.tensor([n], dtype=torch.int64)
@@ -150,25 +144,14 @@ def _longest(n: int, group: Any) -> int:
 
 
 def gather_bytes(data: bytes, group: Any, dst: int = 0) -> list[bytes] | None:
-    """Every rank's ``data`` on rank ``dst`` of ``group`` (None on the others).
-
-    Each rank learns only the longest payload (to pad to it), so a rank other than
-    ``dst`` receives eight bytes whatever the world size.
-    """
+    """Every rank's ``data`` on rank ``dst`` (None elsewhere); the others receive eight bytes."""
     longest = _longest(len(data), group)
-    buf = torch.zeros(8 + longest, dtype=torch.uint8)
-    buf[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
-    if data:
-        buf[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     out = None
     if dist.get_rank(group) == dst:
         world = dist.get_world_size(group)
         out = [torch.zeros(8 + longest, dtype=torch.uint8) for _ in range(world)]
-    _gather(buf, out, dst, group)
-    if out is None:
-        return None
-    got = [bytes(t.numpy()) for t in out]
-    return [g[8 : 8 + int.from_bytes(g[:8], "little")] for g in got]
+    _gather(_framed(data, longest), out, dst, group)
+    return None if out is None else [_unframed(t) for t in out]
 
 
 def broadcast_bytes(data: bytes, group: Any, src: int = 0) -> bytes:
@@ -187,11 +170,8 @@ def broadcast_bytes(data: bytes, group: Any, src: int = 0) -> bytes:
 
 
 def scatter_bytes(parts: list[bytes] | None, group: Any, src: int = 0) -> bytes:
-    """Rank ``src``'s ``parts[r]`` on each rank ``r`` of ``group`` (the others pass None).
-
-    Every rank learns the longest part (to pad to it) and receives its own: the
-    same bytes whatever the world size, unlike torch's ``scatter_object_list``.
-    """
+    """Rank ``src``'s ``parts[r]`` on each rank ``r`` of ``group`` (the others pass None):
+    the longest part's size and its own, whatever the world (unlike ``scatter_object_list``)."""
     mine = dist.get_rank(group) == src
     if mine and (parts is None or len(parts) != dist.get_world_size(group)):
         raise ValueError("scatter_bytes: the source passes one part per rank")
@@ -199,20 +179,10 @@ def scatter_bytes(parts: list[bytes] | None, group: Any, src: int = 0) -> bytes:
     size = torch.tensor([longest], dtype=torch.int64)
     _broadcast(size, src, group)
     longest = int(size.item())
-    bufs = None
-    if mine:
-        assert parts is not None
-        bufs = []
-        for p in parts:
-            buf = torch.zeros(8 + longest, dtype=torch.uint8)
-            buf[:8] = torch.frombuffer(bytearray(len(p).to_bytes(8, "little")), dtype=torch.uint8)
-            if p:
-                buf[8 : 8 + len(p)] = torch.frombuffer(bytearray(p), dtype=torch.uint8)
-            bufs.append(buf)
+    bufs = [_framed(p, longest) for p in parts] if mine and parts is not None else None
     out = torch.zeros(8 + longest, dtype=torch.uint8)
     _scatter(out, bufs, src, group)
-    got = bytes(out.numpy())
-    return got[8 : 8 + int.from_bytes(got[:8], "little")]
+    return _unframed(out)
 
 
 def all_gather_values(value: Any, group: Any) -> list[Any]:
@@ -223,11 +193,7 @@ def all_gather_values(value: Any, group: Any) -> list[Any]:
 
 
 def one_directory(path: Path, group: Any) -> bool:
-    """Whether every rank's ``path`` is the coordinator's directory (one shared file system).
-
-    The coordinator creates a probe file of a name all ranks agree on; each rank
-    looks for it.
-    """
+    """Whether every rank's ``path`` is the coordinator's directory (a probe file it made)."""
     path.mkdir(parents=True, exist_ok=True)
     token = all_gather_values(uuid.uuid4().hex, group)[0]
     probe = path / f".fc-probe-{token}"
@@ -243,24 +209,18 @@ def one_directory(path: Path, group: Any) -> bool:
 
 
 def agree(error: BaseException | None, group: Any, what: str) -> None:
-    """Make every rank fail together when any rank failed a local step.
-
-    A rank that failed raises its own error (noting every failing rank); the others
-    raise :class:`RankFailed` with each failing rank's error type and message.
-    """
-    mine = b"" if error is None else _report(error)
+    """Make every rank fail together when any failed a local step (others: :class:`RankFailed`)."""
 
     def reports(mine: bytes, group: Any) -> list[bytes]:
         # one integer when every rank succeeded: nobody has anything to report
         return all_gather_bytes(mine, group) if _longest(len(mine), group) else []
 
-    failures = {r: _parse(m) for r, m in enumerate(answered(what, reports, mine, group)) if m}
-    _fail(error, what, failures)
+    told = answered(what, reports, report(error), group)
+    raise_failures(error, what, dict(enumerate(told)))
 
 
 def answered(what: str, collective: Callable[[Any, Any], T], data: Any, group: Any) -> T:
-    """``collective(data, group)``; a rank that died or timed out fails it as a
-    :class:`CheckpointError` saying so and naming ``what``."""
+    """``collective(data, group)``; a rank that died or timed out fails it, naming ``what``."""
     try:
         return collective(data, group)
     except Unanswered as e:
@@ -272,41 +232,38 @@ def answered(what: str, collective: Callable[[Any, Any], T], data: Any, group: A
 
 
 def agree_values(error: BaseException | None, value: Any, group: Any, what: str) -> list[Any]:
-    """Every rank's ``value`` once no rank failed, in one round (:func:`agree` and
-    :func:`all_gather_values` in one); otherwise every rank fails together as there."""
+    """Every rank's ``value`` in one round once none failed; else all fail as in :func:`agree`."""
     mine = [report(error), None if error is not None else value]
     told = answered(what, all_gather_values, mine, group)
     raise_failures(error, what, {r: bytes(t[0]) for r, t in enumerate(told)})
     return [t[1] for t in told]
 
 
-def _fail(error: BaseException | None, what: str, failures: dict[int, tuple[str, str]]) -> None:
+def report(error: BaseException | None) -> bytes:
+    """A rank's failure as it travels to the others (b"" for none). Never raises: a rank
+    that cannot say why it failed would leave the others waiting out the timeout."""
+    if error is None:
+        return b""
+    return f"{type(error).__name__}\0{_message(error)}".encode(errors="replace")
+
+
+def raise_failures(error: BaseException | None, what: str, reports: dict[int, bytes]) -> None:
+    """Fail as :func:`agree` does, given every rank's :func:`report` by rank."""
+    failures: dict[int, tuple[str, str]] = {}
+    for r, m in reports.items():
+        if m:
+            kind, _, message = m.partition(b"\0")
+            failures[r] = (kind.decode(errors="replace"), message.decode(errors="replace"))
     if not failures:
         if error is not None:
             raise error
         return
     everyone = RankFailed(what, failures)
-    if error is not None:
-        if len(failures) > 1:
-            error.add_note(str(everyone))
-        raise error
-    raise everyone
-
-
-def report(error: BaseException | None) -> bytes:
-    """A rank's failure as it travels to the others (b"" for none): :func:`raise_failures`."""
-    return b"" if error is None else _report(error)
-
-
-def raise_failures(error: BaseException | None, what: str, reports: dict[int, bytes]) -> None:
-    """Fail as :func:`agree` does, given every rank's :func:`report` by rank."""
-    _fail(error, what, {r: _parse(m) for r, m in reports.items() if m})
-
-
-def _report(e: BaseException) -> bytes:
-    """Never raises: a rank that cannot say why it failed would skip the next
-    collective and leave the others waiting out the timeout."""
-    return type(e).__name__.encode(errors="replace") + b"\0" + _message(e).encode(errors="replace")
+    if error is None:
+        raise everyone
+    if len(failures) > 1:
+        error.add_note(str(everyone))
+    raise error
 
 
 def _message(e: BaseException) -> str:
@@ -316,14 +273,8 @@ def _message(e: BaseException) -> str:
         return f"(a {type(e).__name__} whose message could not be made)"
 
 
-def _parse(report: bytes) -> tuple[str, str]:
-    kind, _, message = report.partition(b"\0")
-    return kind.decode(errors="replace"), message.decode(errors="replace")
-
-
 def as_checkpoint_error(e: BaseException, what: str, suffix: str = "") -> BaseException:
-    """A failure as a collective step raises it: the project's errors (and interrupts)
-    as they are, anything else as a :class:`CheckpointError` naming the step."""
+    """A step's failure: the project's errors as they are, others as a :class:`CheckpointError`."""
     if isinstance(e, CheckpointError) or not isinstance(e, Exception):
         return e
     return CheckpointError(f"{what}: {type(e).__name__}: {_message(e)}{suffix}")

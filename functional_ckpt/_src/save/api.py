@@ -1,8 +1,5 @@
 """``fc.save`` and ``fc.save_async``: one pipeline, plan -> stage -> write -> commit.
-
-Options are checked once where the call comes in; the plan and the job are values
-from there on. An asynchronous save stages and commits on its background thread.
-"""
+Options are checked once where the call comes in; from there on plan and job are values."""
 
 from __future__ import annotations
 
@@ -39,9 +36,8 @@ def plan_job(
     snapshot: bool,
     staging: str | None = None,
 ) -> SaveJob:
-    """Check and plan a save once: destination, metadata, every leaf, the base (and the
-    sources' version counters, before anything stages them). A rank of a distributed
-    save keeps its failure in the job, for every rank to fail together."""
+    """Check and plan a save once (the sources' versions before anything stages them);
+    a distributed rank keeps its failure in the job, for every rank to fail together."""
     topo = topology()
     try:
         prepared = prepare_save(
@@ -73,8 +69,7 @@ def plan_job(
 
 
 def write_job(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> CheckpointInfo:
-    """Write and commit ``job`` filled by ``tensors``: this process alone, or every rank
-    (which has only ``hooks.after_read``: its ``staging='none'`` is refused up front)."""
+    """Write and commit ``job``: this process alone, or every rank (with only ``after_read``)."""
     if job.distributed:
         from functional_ckpt._src.save.multi_rank import save_planned
 
@@ -98,9 +93,7 @@ def run_save(path: PathLike, state: State, options: SaveOptions) -> CheckpointIn
             sources = () if job.prepared is None else job.plan.sources
             tensors = list(sources) if job.distributed else [host_copy(t) for t in sources]
             info = write_job(job, tensors, Hooks())
-        # Freed while collection is paused, the plan's many small objects are never
-        # walked by the collection that re-enabling would soon trigger.
-        del job, sources, tensors
+        del job, sources, tensors  # freed unwalked by the collection re-enabling triggers
     return info
 
 
@@ -114,25 +107,14 @@ def save(
     base: PathLike | None = None,
     compression: str | None = None,
 ) -> CheckpointInfo:
-    """Write ``state`` to the directory ``path``, atomically and durably.
-
-    When this returns, the checkpoint is on disk (fsynced) and complete; before it
-    returns, ``path`` is either absent or still the previous checkpoint. Under an
-    initialized process group every rank calls it with its own state (see the
-    multi-rank guide); ``per_rank`` names the top-level subtrees stored per rank.
-    With ``base`` (a committed checkpoint), bytes unchanged since the base are
-    not written again but shared with it; the result is still self-contained.
-    ``compression="zstd"`` (or ``"zstd:N"``, level N) stores tensors as zstd frames
-    that stock ``dcp.load`` reads too (needs ``zstandard``).
+    """Write ``state`` to the directory ``path``, atomically and durably: when this returns
+    the checkpoint is complete and fsynced; before, ``path`` is absent or the previous one.
+    Under a process group every rank calls it with its own state; ``per_rank`` names the
+    top-level subtrees stored per rank. With ``base`` (a committed checkpoint), unchanged
+    bytes are shared with it, the result still self-contained. ``compression="zstd"``
+    (``"zstd:N"``: level N) stores tensors as zstd frames stock ``dcp.load`` reads too.
     """
-    options = save_options(
-        metadata=metadata,
-        overwrite=overwrite,
-        per_rank=per_rank,
-        base=base,
-        what="fc.save",
-        compression=compression,
-    )
+    options = save_options("fc.save", metadata, overwrite, per_rank, base, compression)
     return run_save(path, state, options)
 
 
@@ -145,11 +127,10 @@ def start_save(
     *,
     before_write: Callable[[], None] | None = None,
 ) -> PendingSave:
-    """An asynchronous save (``fc.save_async``, a manager's); ``before_write`` runs on
-    its thread once staged (a memory tier waits there for the RAM pruning frees)."""
+    """An asynchronous save; ``before_write`` runs on its thread once staged (a memory tier's)."""
     staging = stages.check_staging(staging, "save_async")
     job = plan_job(path, state, options, snapshot=True, staging=staging)
-    with incremental.closing_on_error(job.base):
+    try:
         if job.distributed:
             if staging == "none":
                 raise CheckpointError(
@@ -160,6 +141,10 @@ def start_save(
 
             checkpoint_group(purpose=options.group)  # a collective: not on the save's thread
         return stages.run_in_background(job.dest, _work(job, staging, stager, before_write))
+    except BaseException:  # else the save's thread closes the base
+        if job.base is not None:
+            job.base.close()
+        raise
 
 
 def save_async(
@@ -174,23 +159,13 @@ def save_async(
     base: PathLike | None = None,
     compression: str | None = None,
 ) -> PendingSave:
-    """Start saving ``state`` to ``path`` in the background (docs/api.md).
-
-    Everything that can be checked up front is checked and raises here, and plain values
-    are encoded now. ``staging="copy"`` (default): tensors are copied into buffers first
-    (a ``stager`` keeps them from one save to the next); ``"write"``: the live tensors
-    are written straight into the files, staged once every byte is there; ``"none"``: no
-    copy, and a tensor changed in place before ``result()`` returns is detected and the
-    checkpoint refused. ``base`` and ``compression`` as for :func:`functional_ckpt.save`.
+    """Start saving ``state`` to ``path`` in the background (docs/api.md); what can be
+    checked raises here, and plain values are encoded now. ``staging="copy"``: tensors are
+    copied into buffers first (a ``stager`` keeps them for the next save); ``"write"``: the
+    live tensors are written into the files, staged once all are; ``"none"``: no copy, a
+    tensor changed in place before ``result()`` returns is detected and the save refused.
     """
-    options = save_options(
-        metadata=metadata,
-        overwrite=overwrite,
-        per_rank=per_rank,
-        base=base,
-        what="fc.save_async",
-        compression=compression,
-    )
+    options = save_options("fc.save_async", metadata, overwrite, per_rank, base, compression)
     if stager is not None and not isinstance(stager, Stager):
         raise TypeError(f"fc.save_async(stager={stager!r}): expected an fc.checkpoint.Stager")
     return start_save(path, state, options, staging, Stager() if stager is None else stager)
@@ -199,18 +174,21 @@ def save_async(
 def _work(
     job: SaveJob, mode: Staging, stager: Stager, before_write: Callable[[], None] | None
 ) -> Callable[[PendingSave], CheckpointInfo]:
-    """The background half of an async save: stage, then write."""
+    """The background half of an async save: stage, then write; the base closed after."""
     ready: Callable[[], None] = before_write or (lambda: None)
     sources: Sequence[torch.Tensor] = () if job.prepared is None else job.plan.sources
-    if mode == "none":
-        plan = job.plan
-        tensors = [host_copy(t) for t in sources]  # only contiguous host tensors stay live
-        after_each, check, moved = stages.version_guard(sources, plan.keys, tensors, plan.targets)
+    if mode == "none":  # only contiguous host tensors stay live
+        tensors = [host_copy(t) for t in sources]
+        guard = stages.version_guard(sources, job.plan.keys, tensors, job.plan.targets)
+    elif mode == "copy":
+        local = [t.to_local() if is_dtensor(t) else t for t in sources]  # type: ignore[attr-defined]
 
-        def unstaged(pending: PendingSave) -> CheckpointInfo:
-            pending._mark_staged()
-            ready()
-            with incremental.closing(job.base):
+    def work(pending: PendingSave) -> CheckpointInfo:
+        with incremental.closing(job.base):
+            if mode == "none":
+                pending._mark_staged()
+                ready()
+                after_each, check, moved = guard
                 try:
                     return write_job(job, tensors, Hooks(after_each, check, live=True))
                 except Exception as e:  # a read of memory freed meanwhile, say
@@ -219,23 +197,10 @@ def _work(
                     except CheckpointError as refused:
                         raise refused from e
                     raise
-
-        return unstaged
-
-    if mode == "write":
-
-        def written(pending: PendingSave) -> CheckpointInfo:
-            ready()
-            tensors = list(sources) if job.distributed else [host_copy(t) for t in sources]
-            with incremental.closing(job.base):
-                return write_job(job, tensors, Hooks(after_read=pending._mark_staged))
-
-        return written
-
-    local = [t.to_local() if is_dtensor(t) else t for t in sources]  # type: ignore[attr-defined]
-
-    def staged(pending: PendingSave) -> CheckpointInfo:
-        with incremental.closing(job.base):
+            if mode == "write":
+                ready()
+                live = list(sources) if job.distributed else [host_copy(t) for t in sources]
+                return write_job(job, live, Hooks(after_read=pending._mark_staged))
             stager.acquire()
             try:
                 copies = stager.stage(local)
@@ -247,4 +212,4 @@ def _work(
             finally:
                 stager.release()
 
-    return staged
+    return work

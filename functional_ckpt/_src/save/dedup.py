@@ -1,9 +1,5 @@
-"""DCP's deduplication of the ranks' save plans, on keys, without DCP's slow hash.
-
-DCP keys its tables by ``MetadataIndex`` (a Python ``__hash__``, slow at 100k items)
-and needs whole plans; this is its algorithm on each item's name, offset and bytes,
-so ranks send keys alone (:mod:`.exchange`), with DCP's result, in DCP's order.
-"""
+"""DCP's deduplication of save plans, on keys alone (:mod:`.exchange`): DCP's result,
+without its ``MetadataIndex`` hash (slow at 100k items) or whole plans."""
 
 from __future__ import annotations
 
@@ -14,11 +10,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import SavePlan
 
-#: One write item as the coordinator sees it: its DCP name, its offset in the
-#: global tensor (None for a value) and the bytes DCP's balancing counts for it.
-ItemKey = tuple[str, tuple[int, ...] | None, int]
-#: The positions of a rank's write items that another rank writes instead.
-Drops = tuple[int, ...]
+ItemKey = tuple[str, tuple[int, ...] | None, int]  # DCP name, offset (None: a value), bytes
+Drops = tuple[int, ...]  # the positions of a rank's items that another rank writes instead
 
 
 def item_keys(plan: SavePlan) -> tuple[ItemKey, ...]:
@@ -43,8 +36,7 @@ def item_keys(plan: SavePlan) -> tuple[ItemKey, ...]:
 
 
 def dedup_keys(plans: Sequence[Sequence[ItemKey]], lowest: bool = False) -> list[Drops]:
-    """Which items each rank drops so that every item is written once: kept by the
-    lowest rank (``lowest``) or the one holding the fewest bytes so far, as DCP does."""
+    """Which items each rank drops so that each is written once, where DCP would keep it."""
     where: dict[tuple[str, Any], Any] = {}  # (name, offset) -> the rank holding it, or the set
     nbytes_of: dict[tuple[str, Any], int] = {}
     for p, keys in enumerate(plans):
@@ -84,11 +76,3 @@ def kept(plan: SavePlan, drops: Drops) -> SavePlan:
         return dataclasses.replace(plan, items=list(plan.items))
     gone = set(drops)
     return dataclasses.replace(plan, items=[it for i, it in enumerate(plan.items) if i not in gone])
-
-
-def dedup_save_plans(
-    all_plans: list[SavePlan], save_to_lowest_rank: bool = False
-) -> list[SavePlan]:
-    """What ``torch.distributed.checkpoint._dedup_save_plans.dedup_save_plans`` returns."""
-    drops = dedup_keys([item_keys(p) for p in all_plans], save_to_lowest_rank)
-    return [kept(p, d) for p, d in zip(all_plans, drops, strict=True)]

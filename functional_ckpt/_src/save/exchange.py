@@ -1,11 +1,6 @@
-"""What the ranks of a multi-rank save tell the coordinator, and what it tells each back.
-
-Gathers and scatters of the project's codec, not ``dcp.save``'s object collectives
-(each of which all-gathers one size per rank first): a rank other than the
-coordinator receives the same bytes whatever the world size (docs/scale.md). Pure,
-so the coordinator's share is measured at any world size without a process group
-(benchmarks/scale.py).
-"""
+"""What the ranks of a multi-rank save tell the coordinator and it tells each back, in the
+project's codec (not ``dcp.save``'s object collectives: docs/scale.md). Pure, so
+benchmarks/scale.py measures the coordinator's share without a process group."""
 
 from __future__ import annotations
 
@@ -33,11 +28,9 @@ KeyBox = tuple[str, tuple[int, ...], tuple[int, ...]]  # a chunk's DCP key, offs
 
 @dataclass
 class PlanCache:
-    """The last plans of one checkpoint group, so that a layout saved again is not
-    planned again. A rank keeps its last local plan and what it wrote of it; the
-    coordinator every rank's keys, drops and boxes. A cache never decides: a rank
-    claims "unchanged" only for a plan equal to its last one, and a coordinator that
-    does not hold every claimed plan fails the save (:func:`global_step`).
+    """The last plans of one checkpoint group: a layout saved again is not planned again.
+    A cache never decides: a rank claims "unchanged" only for a plan equal to its last,
+    and a coordinator not holding every claimed plan fails the save (:func:`global_step`).
     """
 
     local: SavePlan | None = None
@@ -81,13 +74,9 @@ def global_step(
     dedup: Callable[[Sequence[Sequence[ItemKey]]], list[Drops]] = dedup_keys,
 ) -> list[Drops | None]:
     """The coordinator's step: each rank's drops, or None for "write your last plan".
-
-    ``sent[r]`` is rank ``r``'s keys, or None where its plan equals its last one.
-    When no rank's plan changed, nothing is deduplicated and every rank writes its
-    last plan; otherwise the merged keys are deduplicated again and a rank whose
-    plan and drops are both unchanged is told so. A rank that claims a plan this
-    coordinator does not hold (another world, a cache lost) fails the save.
-    """
+    ``sent[r]``: rank ``r``'s keys, None where its plan equals its last one. Nothing is
+    deduplicated again unless a plan changed; a claimed plan this coordinator does not
+    hold (another world, a cache lost) fails the save."""
     unchanged = [s is None for s in sent]
     if any(unchanged) and (cache.keys is None or len(cache.keys) != len(sent)):
         raise CheckpointError(
@@ -105,9 +94,6 @@ def global_step(
     ]
     cache.keys, cache.drops = merged, drops
     return out
-
-
-# ------------------------------------------------------------------ on the wire
 
 
 def keys_payload(keys: tuple[ItemKey, ...] | None) -> Any:
@@ -149,11 +135,10 @@ def parse_drops(plain: Any, n_items: int) -> Drops:
 
 
 def results_payload(written: Sequence[tuple[str, Chunk]], boxes: bool = True) -> Any:
-    """A rank's written chunks as plain data: its files' names, a row of fixed-width
-    numbers a chunk (the file's index, the fields after it) and, unless it wrote its
-    last plan (``boxes`` false), each chunk's DCP key and box. Fixed width: a
-    message's size depends on the layout alone (benchmarks/scale.py predicts it),
-    and the coordinator reads columns, never a Python object per chunk."""
+    """A rank's written chunks as plain data: its files' names, a fixed-width row per
+    chunk (the file's index, the fields after it) and, with ``boxes``, each chunk's DCP
+    key and box. Fixed width: a message's size depends on the layout alone, and the
+    coordinator reads columns, never a Python object per chunk."""
     files = list(dict.fromkeys(c.file for _, c in written))
     at = {f: i for i, f in enumerate(files)}
     table = np.array([(at[c.file], *c[3:]) for _, c in written], "<u8").reshape(
@@ -212,14 +197,10 @@ def parse_results(plain: Any, rank: int) -> Sent:
     return Sent(files, table, boxes)
 
 
-# ------------------------------------------------------------------ the messages
-
-
 def rank_payload(
     plan: Plan, keys: tuple[ItemKey, ...] | None, error: BaseException | None = None
 ) -> bytes:
-    """What a rank sends the coordinator before writing: its per-rank entries and its
-    write items' keys (None: the plan it wrote last time), or its failure."""
+    """What a rank sends before writing: per-rank entries, keys (None: unchanged) or its failure."""
     if error is not None:
         return codec.encode([groups.report(error), None, None])
     return codec.encode([b"", [e.to_plain() for e in plan.local], keys_payload(keys)])
@@ -231,17 +212,14 @@ def written_payload(
     part: dict[str, int] | None = None,
     boxes: bool = True,
 ) -> bytes:
-    """What a rank sends the coordinator after writing: its chunks (without their
-    boxes, unless ``boxes``) and, where ranks may keep parts of their own, its shard
-    files with their sizes; or its failure."""
+    """What a rank sends after writing: its chunks and ``part``'s file sizes, or its failure."""
     if error is not None:
         return codec.encode([groups.report(error), None, None])
     return codec.encode([b"", results_payload(written, boxes), part])
 
 
 def parse_written(data: bytes, rank: int) -> tuple[bytes, Sent | None, dict[str, int]]:
-    """:func:`written_payload` of ``rank`` read back: (its failure's report, or b"";
-    its chunks, None with a report; the files of its own part), checked."""
+    """:func:`written_payload` of ``rank``, checked: (its report, chunks, own part's files)."""
     sent = codec.decode(data)
     if not isinstance(sent, list) or len(sent) != 3 or type(sent[0]) is not bytes:
         raise CheckpointError(f"rank {rank} reported invalid written chunks")
@@ -284,17 +262,10 @@ def parse_reply(data: bytes) -> tuple[dict[int, bytes], Any]:
     return failures, told[1]
 
 
-# ------------------------------------------------------------------ the first round
-
-
 def arguments(job: SaveJob) -> dict[str, Any]:
-    """What every rank of a save must pass alike, by argument, as it is compared.
-
-    The destination by its name (its directory is the one the coordinator's
-    temporary directory is seen in, however each rank spells it), the base by its
-    name (none under parts: each rank's base is the last checkpoint its own root
-    holds), the staging mode (None: ``fc.save``), and what shapes the files.
-    """
+    """What every rank of a save must pass alike: the destination and base by their
+    names (however each rank spells their directory; no base under parts, each rank's
+    root has its own), the staging mode (None: ``fc.save``), what shapes the files."""
     o = job.options
     told: dict[str, Any] = {"path": job.dest.name}
     if not o.parts:
@@ -310,8 +281,7 @@ def arguments(job: SaveJob) -> dict[str, Any]:
 
 
 def first_round(tmp_name: str, job: SaveJob) -> bytes:
-    """What the coordinator broadcasts first: its temporary directory's name and its
-    :func:`arguments` (nothing, when it could not name the directory: it failed)."""
+    """The coordinator's temporary directory's name and :func:`arguments` (b"": it failed)."""
     return codec.encode([tmp_name, arguments(job)]) if tmp_name else b""
 
 
@@ -337,8 +307,7 @@ def parse_first_round(data: bytes) -> tuple[str, dict[str, Any] | None]:
 def disagreement(
     job: SaveJob, coordinator: dict[str, Any], rank: int, what: str
 ) -> CheckpointError | None:
-    """This rank's arguments against the coordinator's: the first that differs, as the
-    error that fails the save on every rank (None when all agree)."""
+    """The error failing the save on every rank for an argument passed unlike the coordinator."""
     for name, mine in arguments(job).items():
         theirs = coordinator.get(name, _ABSENT)
         if theirs != mine:
@@ -356,6 +325,5 @@ _ABSENT = object()
 def unreported(
     sizes: dict[str, int], present: Callable[[str], bool], reported: dict[str, int]
 ) -> list[str]:
-    """The shard files a commit needs that are neither in the coordinator's directory
-    nor reported written into a part of their rank's own."""
+    """The shard files a commit needs that are neither ``present`` nor ``reported``."""
     return sorted(n for n in sizes if n not in reported and not present(n))

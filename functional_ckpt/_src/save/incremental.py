@@ -1,11 +1,7 @@
-"""Incremental saves: what did not change since a base checkpoint is not written again.
-
-The base's files that still hold enough unchanged chunks are hard-linked (else
-copied) in, so every checkpoint stays self-contained. A chunk is reused only when
-key, box, dtype and CRC32 match; the base's file is trusted to hold those bytes only
-when this process committed it (:mod:`.trust`), else compared byte for byte first,
-so a damaged or foreign base never puts its bytes into a new checkpoint.
-"""
+"""Incremental saves: base files holding enough unchanged chunks are hard-linked (else
+copied) in, so every checkpoint stays self-contained. A chunk is reused when key, box,
+dtype and CRC32 match and its file is one this process committed (:mod:`.trust`) or
+compared byte for byte: a damaged or foreign base never lends its bytes."""
 
 from __future__ import annotations
 
@@ -14,7 +10,7 @@ import dataclasses
 import errno
 import os
 import stat
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,32 +43,22 @@ _NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTS
 
 
 @dataclass
-class BaseChunk:
-    dtype: torch.dtype
-    chunk: Chunk
-
-
-@dataclass
 class Base:
     """A committed base held open: its chunks, file sizes and tensor bytes per file."""
 
     ck: committed.Checkpoint
-    chunks: dict[Key, BaseChunk]
+    chunks: dict[Key, tuple[torch.dtype, Chunk]]
     sizes: dict[str, int]
     tensor_bytes: dict[str, int]
     seen: Seen  # what this process saved there, if it wrote it
     trusted: set[str] = dataclasses.field(default_factory=set)  # files this process wrote
     fds: dict[str, int] = dataclasses.field(default_factory=dict)  # files opened to compare
 
-    @property
-    def path(self) -> Path:
-        return self.ck.path
-
     def open(self, name: str) -> int:
         """The base's data file ``name``, opened safely once and checked for its size."""
         fd = self.fds.get(name)
         if fd is None:
-            where = naming.safe_member(self.path, name)
+            where = naming.safe_member(self.ck.path, name)
             fd = self.fds[name] = opener.open_member(
                 self.ck.dir_fd, name, where, size=self.sizes[name]
             )
@@ -86,21 +72,21 @@ class Base:
 
 
 def open_base(options: SaveOptions) -> Base | None:
-    """Open and vet the base of a save once; an unreadable one raises when
-    ``options.base_required``, else the save is a full one."""
+    """Open and vet a save's base: unreadable, an error if ``base_required``, else None."""
     path = options.base
     if path is None:
         return None
     ck = None
     try:
-        ck = committed.open_checkpoint(path, members=False)
+        ck = committed.open_checkpoint(path)
         parsed = committed.parsed(ck)
-        chunks: dict[Key, BaseChunk] = {}
-        for group in parsed.groups():
-            for e in group:
-                if e.alias is None:
-                    for c in e.chunks:
-                        chunks[(e.fqn, c.offsets)] = BaseChunk(e.dtype, c)
+        chunks = {
+            (e.fqn, c.offsets): (e.dtype, c)
+            for group in parsed.groups()
+            for e in group
+            if e.alias is None
+            for c in e.chunks
+        }
         sizes = dict(parsed.shared.file_sizes)
         held = dict(sizes)
         for b in dcpbytes.parse_byte_entries(ck.manifest, held, path):
@@ -126,20 +112,18 @@ def _unchanged(
     base: Base, key: Key, t: torch.Tensor, known: Ident | None, reader: LiveReader | None
 ) -> Chunk | None:
     """The base's chunk for ``key`` if ``t`` (contiguous, on the CPU) holds its bytes."""
-    got = base.chunks.get(key)
-    if got is None or got.dtype != t.dtype or got.chunk.sizes != tuple(t.shape):
+    dtype, got = base.chunks.get(key, (None, None))
+    if got is None or dtype != t.dtype or got.sizes != tuple(t.shape) or got.nbytes == 0:
         return None  # a new key, box or dtype: a layout change, written in full
-    if got.chunk.nbytes == 0:
-        return None
     seen = base.seen.get(key)
     if seen is not None and known is not None and seen[0] == known[0] and seen[1] != known[1]:
         return None  # written in place since the base: changed, no checksum pass needed
     view = byte_view(t)
-    if (reader.crc(view) if reader else shards.crc_chunks(view)) != got.chunk.crc32:
+    if (reader.crc(view) if reader else shards.crc_chunks(view)) != got.crc32:
         return None
-    if got.chunk.file not in base.trusted and not _stored_equals(base, got.chunk, t, reader):
+    if got.file not in base.trusted and not _stored_equals(base, got, t, reader):
         return None  # the base's file does not hold what its manifest says: not shared
-    return got.chunk
+    return got
 
 
 def _stored_equals(base: Base, chunk: Chunk, t: torch.Tensor, reader: LiveReader | None) -> bool:
@@ -184,8 +168,7 @@ def unchanged_chunks(
     idents: Sequence[Ident | None],
     live: bool = False,
 ) -> list[Chunk | None]:
-    """For each chunk to save, the base chunk holding the same bytes, or None; ``live``:
-    the caller's tensors, read through the kernel (freed memory raises, never crashes)."""
+    """Each chunk's base chunk of the same bytes, or None; ``live``: read through the kernel."""
     if base is None:
         return [None] * len(keys)
     reader = LiveReader() if live else None
@@ -246,8 +229,7 @@ def _bring(
         if e.errno not in _NO_LINK:
             return False
         return _copy(base, name, size, dst, syncing, sync)
-    now = os.stat(dst, follow_symlinks=False)
-    if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):  # swapped between stat and link
+    if not os.path.samestat(os.stat(dst, follow_symlinks=False), st):  # swapped since the stat
         dst.unlink()
         return False
     return True
@@ -258,29 +240,26 @@ def _copy(
 ) -> bool:
     """Copy a base file whole (where links are impossible); its fsync joins ``syncing``."""
     try:
-        src = opener.open_member(base.ck.dir_fd, name, base.path / name, size=size)
+        where = base.ck.path / name
+        src = opener.open_member(base.ck.dir_fd, name, where, size=size)
     except (OSError, CheckpointError):
         return False
     try:
         out = durable.open_new(dst)
         try:
             if durable.copy_range(src, out, size, writeback=sync) != size:
-                raise CheckpointError(f"{base.path / name}: shorter than its recorded size")
+                raise CheckpointError(f"{where}: shorter than its recorded size")
         except BaseException:
             os.close(out)
             raise
-        if sync:
-            syncing.append(shards.sync_pool().submit(shards.fsync_and_close, out))
-        else:
-            os.close(out)
+        durable.close_new(out, sync, syncing)
     finally:
         os.close(src)
     return True
 
 
 def reused_info(directory: Path) -> dict[str, dict[str, Any]]:
-    """The ``files`` marks of a save's directory: data files reused from a base, and which
-    of them are copies (one link: bytes this save wrote)."""
+    """The ``files`` marks of data files reused from a base, and of copies (one link)."""
     out: dict[str, dict[str, Any]] = {}
     for n in os.listdir(directory):
         shard = parse_shard(n)
@@ -306,11 +285,8 @@ def write_rank(
     live: bool = False,
     zstd_level: int = 0,
 ) -> tuple[list[Chunk], list[ByteEntry], list[Segment]]:
-    """Write one rank's chunks into ``tmp``: unchanged ones from the base, the rest anew.
-
-    Returns every tensor's chunk in order, the located ``blobs`` (always written anew)
-    and the run checksums of the new file (:mod:`..format.segments`).
-    """
+    """Write one rank's chunks into ``tmp``, unchanged ones from the base: every tensor's
+    chunk in order, the located ``blobs`` and the new file's run checksums."""
     background: list[Future[None]] = [] if syncing is None else syncing
     reused = place(
         base, unchanged_chunks(base, keys, tensors, idents, live), tmp, rank, background, sync
@@ -346,14 +322,3 @@ def write_rank(
 def closing(base: Base | None) -> contextlib.AbstractContextManager[Any]:
     """Close the base once the save is done with it."""
     return contextlib.closing(base) if base is not None else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def closing_on_error(base: Base | None) -> Iterator[None]:
-    """Close the base if starting a background save fails (else the save closes it)."""
-    try:
-        yield
-    except BaseException:
-        if base is not None:
-            base.close()
-        raise

@@ -17,9 +17,8 @@ from functional_ckpt._src.save.trust import Ident
 @dataclass(frozen=True)
 class SaveJob:
     """Everything checked, nothing written yet. ``error``: a distributed rank's planning
-    failure, for the write to agree on (``prepared`` is then None); ``idents``: the
-    sources' identities and versions when planned; ``snapshot``: the values for stock
-    readers from the plan's encodings; ``staging``: an async save's mode (None: sync)."""
+    failure, for the write to agree on (no ``prepared`` then); ``idents``: the sources'
+    identities and versions when planned; ``staging``: an async save's mode (None: sync)."""
 
     dest: Path
     prepared: Prepared | None
@@ -40,9 +39,7 @@ class SaveJob:
 
 @dataclass(frozen=True)
 class Hooks:
-    """Calls into a running write: ``after_each(i)`` once tensor ``i`` is written,
-    ``after_read()`` once none is read any more, ``before_commit(written)`` (may raise to
-    refuse it); ``live``: the caller's own tensors, read through the kernel."""
+    """Calls into a running write; ``live``: the caller's own tensors, read through the kernel."""
 
     after_each: Callable[[int], None] | None = None
     before_commit: Callable[[Written], None] | None = None

@@ -1,9 +1,5 @@
-"""One process writes a planned state and commits it.
-
-:func:`finalize` (shared with a multi-rank save's coordinator) makes the manifest from
-the plan's tree and what the write stage reports, derives ``.metadata``, writes both
-and the marker, and commits the directory.
-"""
+"""One process writes a planned state and commits it; :func:`finalize` (a multi-rank
+save's coordinator's too) writes the manifest, ``.metadata`` and marker and commits."""
 
 from __future__ import annotations
 
@@ -26,8 +22,8 @@ from functional_ckpt._src.save import incremental
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.job import Hooks, SaveJob
 from functional_ckpt._src.save.plan import byte_entries
-from functional_ckpt._src.save.trust import Ident, Key, Seen
-from functional_ckpt._src.storage import commit, durable, shards
+from functional_ckpt._src.save.trust import Key, Seen
+from functional_ckpt._src.storage import commit, durable
 from functional_ckpt._src.storage.os_failure import os_failure
 from functional_ckpt.errors import CheckpointError, UnsupportedValue
 
@@ -46,15 +42,11 @@ def finalize(
     syncing: list[Future[None]] | None = None,
     elsewhere: Mapping[str, int] | None = None,
     sync: bool = True,
-) -> tuple[int, int]:
-    """Write ``.metadata``, the manifest and the marker into ``tmp``; commit as ``dest``;
-    return (bytes on disk, manifest bytes).
-
-    Every shard file is written already; ``syncing``: their fsyncs still running (they
-    overlap deriving and encoding; all finish before the marker). ``elsewhere``: shard
-    files other ranks wrote into directories of their own (no shared file system).
-    Without ``sync`` nothing is fsynced (a memory tier): as atomic, not durable.
-    """
+) -> int:
+    """Commit ``tmp``, its shard files written, as ``dest``; return its bytes on disk.
+    ``syncing``: their fsyncs still running (overlapping the encoding, all done before
+    the marker). ``elsewhere``: shard files ranks wrote into parts of their own.
+    Without ``sync`` nothing is fsynced (a memory tier): as atomic, not durable."""
     syncing = [] if syncing is None else syncing
     try:
         manifest = assemble(
@@ -66,7 +58,7 @@ def finalize(
             md_bytes = dcp_metadata.derive(manifest.tensor_groups(), manifest.dcp_bytes)
         if spliced is not None:
             spliced.dcp = md_bytes
-        _write_file(tmp / naming.DCP_METADATA, md_bytes, syncing, sync)
+        durable.write_new(tmp / naming.DCP_METADATA, md_bytes, sync=sync, background=syncing)
         files = {naming.DCP_METADATA: {"size": len(md_bytes), "crc32": crc32(md_bytes)}}
         for name in sorted(os.listdir(tmp)):
             files.setdefault(name, {"size": (tmp / name).stat().st_size})
@@ -76,10 +68,16 @@ def finalize(
         manifest = dataclasses.replace(manifest, files=files)
         parts = 0  # each part checks itself (a CRC32 follows it): the index lists none
         for name, data in encode_parts(manifest, dest):
-            _write_file(tmp / name, data, syncing, sync)
+            durable.write_new(tmp / name, data, sync=sync, background=syncing)
             parts += len(data)
         manifest_bytes = manifest.encode()
-        _check_size(dest, manifest_bytes, len(tree.ranks))
+        if len(manifest_bytes) > LIMITS.manifest_bytes:  # only the coordinator knows it
+            raise UnsupportedValue(
+                f"{dest}: the manifest of this save would be {len(manifest_bytes)} bytes, "
+                f"more than the {LIMITS.manifest_bytes} a reader accepts ({len(tree.ranks)} "
+                "ranks, one chunk per rank of every sharded tensor); nothing was committed: "
+                "save the state in parts (e.g. model and optimizer apart)"
+            )
         durable.write_new(tmp / naming.MANIFEST, manifest_bytes, sync=sync)
     finally:
         for fut in syncing:  # every file durable (or its error raised) before going on
@@ -88,8 +86,7 @@ def finalize(
         before_commit()
     commit.write_commit_marker(tmp, manifest_bytes, version=manifest.version, sync=sync)
     commit.commit_checkpoint(tmp, dest, overwrite=overwrite, sync=sync)
-    total = sum(f["size"] for f in files.values()) + parts + len(manifest_bytes)
-    return total, len(manifest_bytes)
+    return sum(f["size"] for f in files.values()) + parts + len(manifest_bytes)
 
 
 def encode_parts(manifest: Manifest, dest: Path) -> list[tuple[str, bytes]]:
@@ -110,40 +107,8 @@ def encode_parts(manifest: Manifest, dest: Path) -> list[tuple[str, bytes]]:
     return out
 
 
-def _check_size(dest: Path, manifest_bytes: bytes, world: int) -> None:
-    """Refuse to commit a manifest its reader would refuse for its size (only the
-    coordinator, with every rank's chunks, knows it: docs/scale.md)."""
-    if len(manifest_bytes) > LIMITS.manifest_bytes:
-        raise UnsupportedValue(
-            f"{dest}: the manifest of this save would be {len(manifest_bytes)} bytes, more "
-            f"than the {LIMITS.manifest_bytes} a reader accepts ({world} ranks, one chunk "
-            "per rank of every sharded tensor); nothing was committed: save the state in "
-            "parts (e.g. model and optimizer apart)"
-        )
-
-
-def _write_file(path: Path, data: bytes, syncing: list[Future[None]], sync: bool) -> None:
-    """Write a new file whole; its fsync runs in the background (appended to ``syncing``)."""
-    fd = durable.open_new(path)
-    try:
-        durable.write_all(fd, data)
-    except BaseException:
-        os.close(fd)
-        raise
-    if not sync:
-        os.close(fd)
-        return
-    syncing.append(shards.sync_pool().submit(shards.fsync_and_close, fd))
-
-
-def remembered(keys: Sequence[Key], idents: Sequence[Ident | None]) -> Seen:
-    """What a trust memory keeps of a commit: each chunk's tensor identity and version."""
-    return Seen(keys, idents)
-
-
 def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> CheckpointInfo:
-    """Write a planned state from one process with the full commit protocol;
-    ``tensors``: the sources' bytes (themselves or staged copies), contiguous on the CPU."""
+    """Write and commit a planned state from one process (``tensors``: contiguous, on the CPU)."""
     assert job.prepared is not None
     prepared, plan, dest = job.prepared, job.prepared.plan, job.dest
     t0 = time.perf_counter()
@@ -177,7 +142,7 @@ def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> 
             info.setdefault(naming.shard_name(0), {})[FIELD] = pack_segments(segments)
         written = Written(by_fqn, tuple(located), info)
         check = hooks.before_commit
-        nbytes, _ = finalize(
+        nbytes = finalize(
             tmp,
             dest,
             plan.tree(),
@@ -190,16 +155,12 @@ def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> 
             syncing=syncing,
             sync=job.options.durable,
         )
-    except CheckpointError:  # e.g. CheckpointExists, itself an OSError
+    except BaseException as e:
         commit.remove_tree(tmp)
+        if isinstance(e, OSError) and not isinstance(e, CheckpointError):  # CheckpointExists
+            raise os_failure(e, dest, "saving") from e
         raise
-    except OSError as e:
-        commit.remove_tree(tmp)
-        raise os_failure(e, dest, "saving") from e
-    except BaseException:
-        commit.remove_tree(tmp)
-        raise
-    job.options.trust.remember(dest, remembered(keys, job.idents))
+    job.options.trust.remember(dest, Seen(keys, job.idents))
     return CheckpointInfo(
         path=dest,
         nbytes=nbytes,

@@ -31,7 +31,7 @@ from functional_ckpt._src.format.view import parse_planned
 from functional_ckpt._src.save import dedup, exchange, incremental, splice, trust
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.job import SaveJob
-from functional_ckpt._src.save.local import finalize, remembered
+from functional_ckpt._src.save.local import finalize
 from functional_ckpt._src.save.plan import byte_entries, host_copy
 from functional_ckpt._src.state.tree import gc_paused
 from functional_ckpt._src.storage import commit, durable
@@ -80,7 +80,7 @@ class _Commit:
                     f"{self.job.dest}: shard file {', '.join(missing)} is missing at the commit "
                     "and no rank reported writing it elsewhere; nothing was committed"
                 )
-            nbytes, _ = finalize(
+            nbytes = finalize(
                 self.tmp,
                 self.job.dest,
                 tree,
@@ -409,7 +409,7 @@ def _write(
     if job.read is not None:
         job.read()
     written = [(it.index.fqn, c) for it, c in zip(items, chunks, strict=True)]
-    return written, located, remembered(keys, chunk_idents)
+    return written, located, trust.Seen(keys, chunk_idents)
 
 
 def _keep_part(tmp: Path, dest: Path) -> None:

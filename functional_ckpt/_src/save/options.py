@@ -1,5 +1,5 @@
-"""How a save is made: one :class:`SaveOptions` value, built and checked once where the
-call comes in, read by every stage below (no module-level setting changes a save)."""
+"""One :class:`SaveOptions` value, checked once where the call comes in, read by every
+stage below (no module-level setting changes a save)."""
 
 from __future__ import annotations
 
@@ -19,15 +19,10 @@ DEFAULT_PER_RANK = ("rng", "loader")
 
 @dataclass(frozen=True)
 class SaveOptions:
-    """One save's options.
-
-    ``base``: an incremental save's base; unreadable, an error when ``base_required``
+    """One save's options. An unreadable ``base`` is an error when ``base_required``
     (``fc.save``), else a full save (a manager's base may have been moved aside).
-    ``trust``: the memory of what this process committed (:mod:`.trust`). ``parts``: a
-    rank that does not see the coordinator's directory keeps its files in its own.
-    ``durable=False``: no fsync (a memory tier), as atomic. ``group``: the checkpoint
-    group its collectives run on. ``zstd_level``: tensors stored as zstd frames.
-    """
+    ``parts``: a rank that does not see the coordinator's directory keeps its files in
+    its own. ``durable=False``: no fsync (a memory tier), as atomic."""
 
     metadata: Mapping[str, Any] | None = None
     overwrite: bool = False
@@ -37,18 +32,18 @@ class SaveOptions:
     trust: TrustMemory = field(default=PROCESS_TRUST, compare=False, repr=False)
     parts: bool = False
     durable: bool = True
-    group: str = "save"
+    group: str = "save"  # the checkpoint group its collectives run on
     zstd_level: int = 0  # 0: tensors stored raw; else zstd frames of this level
 
 
 def save_options(
-    *,
+    what: str,
     metadata: Mapping[str, Any] | None,
     overwrite: bool,
     per_rank: Sequence[str],
     base: PathLike | None,
-    what: str,
-    compression: str | None = None,
+    compression: str | None,
+    /,
 ) -> SaveOptions:
     """The options of a public call (``what`` names it in errors), every argument checked."""
     if metadata is not None and not isinstance(metadata, Mapping):

@@ -1,8 +1,5 @@
 """The save plan: a state flattened once into manifest entries and the tensors to write.
-
-Per-rank subtrees (``rng``, ``loader``) are stored per writing rank. Everything a
-reader would refuse is refused here, before a byte is written, naming the key.
-"""
+Everything a reader would refuse is refused here, before a byte is written, naming the key."""
 
 from __future__ import annotations
 
@@ -49,17 +46,7 @@ def _where(path: KeyPath) -> str:
     return f"state[{format_path(path)}]"
 
 
-def check_path(path: KeyPath) -> None:
-    """Refuse a key path that a reader would refuse."""
-    if len(path) > LIMITS.key_depth:
-        raise UnsupportedValue(
-            f"{_where(path)}: the key path is {len(path)} levels deep; the format allows at "
-            f"most {LIMITS.key_depth}, so flatten this part of the state"
-        )
-
-
-#: Sub-byte dtypes (``uint1``..``uint7``, ``int1``..``int7``): torch has names for
-#: them but no storage it can copy or serialise, so they cannot be written.
+#: ``uint1``..``uint7``, ``int1``..``int7``: torch can neither copy nor serialise them.
 _SUB_BYTE: frozenset[torch.dtype] = frozenset(
     d
     for n in (f"{sign}int{bits}" for sign in ("u", "") for bits in range(1, 8))
@@ -68,8 +55,7 @@ _SUB_BYTE: frozenset[torch.dtype] = frozenset(
 
 
 def check_tensor(t: torch.Tensor, path: KeyPath) -> None:
-    """Refuse a tensor the format cannot store or load back (first: sparse, nested and
-    meta tensors have no data pointer for the alias key)."""
+    """Refuse a tensor the format cannot store or load back (before its data pointer is read)."""
     if t.is_meta:
         raise UnsupportedValue(f"{_where(path)}: meta tensors hold no data and cannot be saved")
     if t.is_nested:
@@ -127,20 +113,17 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _alias_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """Identity of a tensor's values: everything that makes two views of the same
-    bytes read differently."""
+    """Everything that makes two views of the same bytes read differently."""
     return (t.device, t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg())
 
 
 def _may_alias(t: torch.Tensor) -> bool:
-    """Whether ``t`` has bytes of its own that another leaf could share (a DTensor's
-    shards and an empty tensor's nothing are never shared)."""
+    """Whether another leaf could share ``t``'s bytes (never a DTensor's or none)."""
     return not t.is_meta and t.numel() != 0 and (type(t) is torch.Tensor or not is_dtensor(t))
 
 
 class _Aliases:
-    """The leaves seen so far by address; the full identity (:func:`_alias_key`) is
-    computed only once a second leaf starts at the same address (rare)."""
+    """Leaves by address; the full :func:`_alias_key` only for a second leaf there (rare)."""
 
     def __init__(self) -> None:
         self._first: dict[int, tuple[torch.Tensor, TensorEntry] | None] = {}
@@ -193,8 +176,7 @@ def plan_save(
     per_rank: Sequence[str] = DEFAULT_PER_RANK,
     rank: int = 0,
 ) -> Plan:
-    """Flatten a state into manifest entries and the tensors to write, in one walk,
-    making every check a reader would make of the tree."""
+    """Flatten a state into entries and tensors to write, making every check a reader would."""
     entries: list[Entry] = []
     local: list[Entry] = []
     sources: list[torch.Tensor] = []
@@ -208,7 +190,11 @@ def plan_save(
     new = tuple.__new__
     for leaf in leaves_of(state):
         path = leaf.path
-        check_path(path)
+        if len(path) > LIMITS.key_depth:
+            raise UnsupportedValue(
+                f"{_where(path)}: the key path is {len(path)} levels deep; the format allows "
+                f"at most {LIMITS.key_depth}, so flatten this part of the state"
+            )
         mine = path[0] in roots
         entry: Entry
         if mine and len(path) == 1:
@@ -236,18 +222,10 @@ def plan_save(
             has_dtensor = has_dtensor or (ptr is None and is_dtensor(t))
             src = aliases.find(t, ptr) if ptr is not None else None
             alias = src.path if src is not None and (src.path[0] in roots) == mine else None
+            grad = bool(t.requires_grad)
             entry = new(  # one per tensor: made without the named tuple's __new__
                 TensorEntry,
-                (
-                    path,
-                    fqn,
-                    dtype_name(t.dtype),
-                    tuple(t.shape),
-                    bool(t.requires_grad),
-                    (),
-                    alias,
-                    dcp_path,
-                ),
+                (path, fqn, dtype_name(t.dtype), tuple(t.shape), grad, (), alias, dcp_path),
             )
             if alias is None:
                 if ptr is not None:
@@ -255,7 +233,7 @@ def plan_save(
                 sources.append(resolved(t))
                 targets.append(entry)
         (local if mine else entries).append(entry)
-        budget.add(entry)
+        budget.overhead += _entry_overhead(entry)
     budget.check(entries + local)
     if optimizers:
         named_entries = _name_optimizer_state(entries, optimizers, fqns)
@@ -295,8 +273,7 @@ def _name_optimizer_state(
 
 
 def byte_entries(plan: Plan, *, snapshot: bool = False) -> list[dcpbytes.ByteEntry]:
-    """The shared values as DCP byte entries, for stock readers; ``snapshot``: as the
-    plan encoded them (an async save's caller may have changed them since)."""
+    """The shared values as DCP byte entries; ``snapshot``: as planned (changed since, maybe)."""
     values = [
         (e.path, codec.decode(e.encoded) if snapshot and e.encoded is not None else e.value)
         for e in plan.entries
@@ -307,8 +284,8 @@ def byte_entries(plan: Plan, *, snapshot: bool = False) -> list[dcpbytes.ByteEnt
 
 
 def _entry_overhead(e: Entry) -> int:
-    """An upper bound on the manifest bytes of an entry, its value aside (the fixed
-    fields with every integer at its widest: 202 bytes for a one-chunk tensor)."""
+    """An upper bound on an entry's manifest bytes, its value aside (every integer at
+    its widest: 202 bytes of fixed fields for a one-chunk tensor)."""
     keys = "".join(e.path)  # the keys' bounds summed: 5 bytes of header each
     n = 48 + 5 * len(e.path) + (len(keys) if keys.isascii() else 4 * len(keys))
     if isinstance(e, TensorEntry):  # and the fqn's: 5 bytes of header
@@ -318,8 +295,7 @@ def _entry_overhead(e: Entry) -> int:
 
 
 class _Budget:
-    """What a reader will accept of one manifest (its bytes and decode budget),
-    counted while the plan is made; each value is encoded once."""
+    """A manifest's bytes and decode budget, counted while planning (each value encoded once)."""
 
     def __init__(self) -> None:
         self.values = 0
@@ -335,9 +311,6 @@ class _Budget:
         self.containers += containers
         self.largest = max(self.largest, (len(data), path))
         return data
-
-    def add(self, entry: Entry) -> None:
-        self.overhead += _entry_overhead(entry)
 
     def check(self, entries: Sequence[Entry]) -> None:
         room = LIMITS.manifest_bytes - self.overhead

@@ -1,8 +1,5 @@
-"""The commit protocol: a fully written ``<name>.tmp-<id>/`` becomes a checkpoint at once.
-
-The marker, written last, records the manifest's size and checksum (a torn manifest is
-caught); the directory is fsynced, renamed (or exchanged) into place, its parent fsynced.
-"""
+"""The commit protocol: a fully written ``<name>.tmp-<id>/`` becomes a checkpoint at once;
+the marker, written last, records the manifest's size and checksum (a torn one is caught)."""
 
 from __future__ import annotations
 
@@ -41,8 +38,7 @@ def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two directories (Linux ``renameat2``); False where unsupported."""
     if _RENAMEAT2 is None:
         return False
-    rc = _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    if rc == 0:
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
@@ -57,21 +53,14 @@ def write_commit_marker(
     (else a crash may keep the marker but lose a file's entry: a torn checkpoint)."""
     if sync:
         fsync_dir(tmp)
-    marker = codec.encode(
-        {
-            "format": FORMAT_NAME,
-            "version": version,
-            "manifest_size": len(manifest_bytes),
-            "manifest_crc32": crc32(manifest_bytes),
-        }
-    )
-    write_new(tmp / COMMIT_MARKER, marker, sync=sync)
+    marker = {"format": FORMAT_NAME, "version": version, "manifest_size": len(manifest_bytes)}
+    marker["manifest_crc32"] = crc32(manifest_bytes)
+    write_new(tmp / COMMIT_MARKER, codec.encode(marker), sync=sync)
 
 
 def remove_tree(path: Path) -> None:
-    """Delete a checkpoint-like directory so that no crash leaves it looking valid: the
-    marker first, durably, then ``.metadata`` (no rest passes for stock DCP), then the
-    rest; a symbolic link is removed itself, never followed."""
+    """Delete a checkpoint-like directory so that no crash leaves it looking valid (the
+    marker first, durably, then ``.metadata``); a link is removed itself, never followed."""
     if path.is_symlink():
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -85,11 +74,9 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-#: What a checkpoint save may replace (beside an empty directory).
+#: What a save, an export and a rank's part of a split checkpoint may replace (or empty).
 CHECKPOINTS = frozenset({Kind.COMMITTED, Kind.UNCOMMITTED, Kind.STOCK_DCP})
-#: What an export may replace.
 EXPORTS = frozenset({Kind.EXPORT})
-#: What a rank's part of a split checkpoint may replace: a part, or a checkpoint.
 PARTS = CHECKPOINTS | {Kind.PART}
 
 _NOUN = {
@@ -107,9 +94,8 @@ def commit_checkpoint(
     replaces: frozenset[Kind] = CHECKPOINTS,
     sync: bool = True,
 ) -> None:
-    """Make a fully written ``tmp`` directory visible as ``final``, atomically; with
-    ``overwrite`` an existing one (of ``replaces``) stays readable until exchanged (or
-    moved aside for a moment where the OS cannot exchange)."""
+    """Make a fully written ``tmp`` visible as ``final``, atomically; with ``overwrite`` an
+    existing one (of ``replaces``) stays readable until exchanged (where the OS can)."""
     t0 = time.perf_counter()
     fsync = fsync_dir if sync else (lambda path: None)
     fsync(tmp)
@@ -144,8 +130,7 @@ _LOG = logger("storage")
 
 
 def check_replaceable(path: Path, kinds: frozenset[Kind] = CHECKPOINTS) -> None:
-    """Refuse to replace ``path`` unless it is one of ``kinds`` holding only its own files,
-    or an empty directory (the one check every writer that replaces a directory makes)."""
+    """Refuse to replace ``path`` unless empty or one of ``kinds`` holding only its own files."""
     kind = classify(path)
     if kind is Kind.EMPTY or (kind in kinds and holds_only_its_own(path, kind)):
         return

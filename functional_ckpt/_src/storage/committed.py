@@ -1,8 +1,5 @@
-"""A committed checkpoint held open: its marker, manifest and every file it lists.
-
-Everything is opened through one directory descriptor (:mod:`.opener`), so a reader
-reads one consistent checkpoint even while a writer replaces the path.
-"""
+"""A committed checkpoint held open through one directory descriptor (:mod:`.opener`):
+a reader reads one consistent checkpoint even while a writer replaces the path."""
 
 from __future__ import annotations
 
@@ -84,8 +81,7 @@ def read_marker(dir_fd: int, path: Path) -> dict[str, Any]:
 def read_manifest_at(
     dir_fd: int, path: Path, marker: dict[str, Any], unregistered: set[str] | None = None
 ) -> dict[str, Any]:
-    """Read and authenticate the manifest against its marker; a value of an unregistered
-    class is kept as a placeholder (its tag added to ``unregistered``), not damage."""
+    """Read the manifest its marker authenticates (an unregistered class's value: a placeholder)."""
     expected = marker.get("manifest_size")
     limit = expected if type(expected) is int and 0 <= expected <= MAX_MANIFEST_BYTES else 0
     raw = _read_small(dir_fd, path, MANIFEST, limit, "manifest")
@@ -99,12 +95,7 @@ def read_manifest_at(
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise CorruptCheckpoint(f"{path / MANIFEST}: not a functional_ckpt manifest")
     version = manifest.get("version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise CorruptCheckpoint(
-            f"{path / MANIFEST}: format version {version!r} is newer than this reader's "
-            f"({FORMAT_VERSION}); upgrade functional_ckpt to read it"
-        )
-    if version != marker.get("version"):  # one save writes both with one version
+    if version != marker.get("version"):  # one save writes both (read_marker bounds it)
         raise CorruptCheckpoint(
             f"{path / MANIFEST}: format version {version!r}, but {COMMIT_MARKER} says "
             f"{marker.get('version')!r}; the checkpoint is damaged"
@@ -112,17 +103,16 @@ def read_manifest_at(
     return manifest
 
 
-#: The most descriptors of its files a held checkpoint keeps open at once (beside its
-#: directory's): a restore reads file after file, so a handful serves any world size.
+#: Descriptors of its files a held checkpoint keeps open at once (a restore reads file
+#: after file: a handful serves any world size, whatever ``ulimit -n``).
 MAX_OPEN = 8
 
 
 @dataclass
 class Checkpoint:
     """A committed checkpoint held open: its directory, authenticated manifest, and the
-    files being read (opened when first read, at most :data:`MAX_OPEN` at once, so a
-    reader touches only what it reads whatever ``ulimit -n``). A file deleted meanwhile
-    (a prune) is ``CheckpointNotFound``, never damage."""
+    files being read (opened when first read). A file deleted meanwhile (a prune) is
+    ``CheckpointNotFound``, never damage."""
 
     path: Path
     dir_fd: int
@@ -200,11 +190,8 @@ def _gone(path: Path) -> CheckpointNotFound:
     )
 
 
-def check_members(
-    ck: Checkpoint, problems: list[tuple[str, CheckpointError]] | None = None
-) -> None:
-    """Check that every listed file opens at its recorded size, one at a time; with
-    ``problems`` each failure is recorded there instead of raised."""
+def check_members(ck: Checkpoint, problems: list[tuple[str, CheckpointError]]) -> None:
+    """Check that every listed file opens at its recorded size (failures into ``problems``)."""
     files = ck.manifest.get("files")
     if not isinstance(files, dict):
         raise CorruptCheckpoint(f"{ck.path / MANIFEST}: missing file table")
@@ -212,7 +199,7 @@ def check_members(
         try:
             os.close(ck.open_file(name))
         except CheckpointError as err:
-            if problems is None or isinstance(err, CheckpointNotFound):
+            if isinstance(err, CheckpointNotFound):
                 raise
             problems.append((name, err))
 
@@ -223,21 +210,17 @@ def _replaced(path: Path, dir_fd: int, had_marker: bool) -> bool:
         now = os.stat(path)
     except OSError:
         return True
-    held = os.fstat(dir_fd)
-    if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+    if not os.path.samestat(now, os.fstat(dir_fd)):
         return True
     return had_marker and not exists_at(dir_fd, COMMIT_MARKER)
 
 
 def open_checkpoint(
-    path: Path,
-    *,
-    members: bool = False,
-    problems: list[tuple[str, CheckpointError]] | None = None,
+    path: Path, *, problems: list[tuple[str, CheckpointError]] | None = None
 ) -> Checkpoint:
     """Open a committed checkpoint, its marker and manifest authenticated (with
-    ``members`` or ``problems``: :func:`check_members` too). A directory replaced
-    meanwhile is opened once more; a second race is ``CheckpointNotFound``, not damage."""
+    ``problems``: :func:`check_members` too). A directory replaced meanwhile is
+    opened once more; a second race is ``CheckpointNotFound``, not damage."""
     for attempt in (0, 1):
         dir_fd = open_directory(path)
         had_marker = False
@@ -249,11 +232,10 @@ def open_checkpoint(
             tags: set[str] = set()
             ck.manifest = read_manifest_at(dir_fd, path, marker, tags)
             ck.unregistered = frozenset(tags)
-            if members or problems is not None:
-                check_members(ck, None if problems is None else found)
-            if found and _replaced(path, dir_fd, had_marker):
-                raise found[0][1]
             if problems is not None:
+                check_members(ck, found)
+                if found and _replaced(path, dir_fd, had_marker):
+                    raise found[0][1]
                 problems += found
             return ck
         except (CheckpointError, OSError) as err:
@@ -283,13 +265,11 @@ def read_manifest(path: Path) -> dict[str, Any]:
         return ck.manifest
 
 
-#: A damaged ``.metadata`` is scanned (to tell hostile from broken) only up to this size.
-CLASSIFY_LIMIT = 64 << 20
+CLASSIFY_LIMIT = 64 << 20  # a damaged .metadata is scanned for hostility up to this size
 
 
 def classify_metadata(ck: Checkpoint) -> CheckpointError:
-    """A ``.metadata`` that fails its checksum: hostile (naming anything but DCP's classes,
-    read statically), or merely damaged?"""
+    """A ``.metadata`` failing its checksum: hostile (read statically) or merely damaged?"""
     from functional_ckpt._src.format import unpickler
 
     where = ck.path / naming.DCP_METADATA
@@ -308,8 +288,7 @@ def classify_metadata(ck: Checkpoint) -> CheckpointError:
 
 
 def read_part(ck: Checkpoint, rank: int) -> Any:
-    """Part ``rank`` of a split manifest, authenticated (by its own trailing CRC32 from
-    version 4, before by the index's) and decoded."""
+    """Part ``rank`` of a split manifest, authenticated (own CRC32; the index's before v4)."""
     name = naming.part_name(rank)
     where = ck.path / name
     files = ck.manifest.get("files")
@@ -356,21 +335,17 @@ def parsed(ck: Checkpoint) -> ParsedCheckpoint:
     return parse_checkpoint(ck.manifest, ck.path, parts=lambda rank: read_part(ck, rank))
 
 
-def every_file(ck: Checkpoint | Path, once: ParsedCheckpoint | None = None) -> dict[str, Any]:
-    """Every file of a committed checkpoint but the marker and the manifest, as the file
-    tables record it (what a copy moves); ``once``: ``ck``'s manifest, parsed."""
-    if isinstance(ck, Path):
-        with open_checkpoint(ck) as held:
-            return every_file(held)
-    once = once or parsed(ck)
-    once.every_part()
-    files = dict(ck.manifest["files"])
-    for name in map(naming.part_name, range(once.shared.parts)):
-        files.setdefault(name, {"size": ck.sizes[name]})  # a part that checks itself
-    return files
+def every_file(path: Path) -> dict[str, Any]:
+    """Every file but the marker and the manifest, as the file tables record it (a copy's)."""
+    with open_checkpoint(path) as ck:
+        once = parsed(ck)
+        once.every_part()
+        files = dict(ck.manifest["files"])
+        for name in map(naming.part_name, range(once.shared.parts)):
+            files.setdefault(name, {"size": ck.sizes[name]})  # a part that checks itself
+        return files
 
 
 def open_vetted(path: Path) -> Checkpoint:
-    """Open a committed checkpoint for reading (``.metadata``, derived for stock readers,
-    is not read: ``fc.verify`` checks it)."""
+    """Open a committed checkpoint to read (``.metadata``, derived, is ``fc.verify``'s)."""
     return open_checkpoint(path)

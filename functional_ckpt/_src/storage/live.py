@@ -1,9 +1,6 @@
-"""Reading memory its owner may free at any moment: an unstaged save's live tensors.
-
-With ``staging="none"`` a caller may free a storage mid-save (FSDP's ``resize_(0)``);
-reading unmapped memory kills the process, but a kernel ``write`` from it fails with
-``EFAULT``. So live memory is read only by the kernel, into a private ``memfd`` whose
-pages are then read; a failed read raises :class:`Freed`.
+"""Reading memory its owner may free at any moment (``staging="none"``, FSDP's
+``resize_(0)``): reading unmapped memory kills the process, a kernel ``write`` from it
+fails with ``EFAULT``; so live memory is copied by the kernel into a private ``memfd``.
 """
 
 from __future__ import annotations
@@ -14,17 +11,11 @@ import os
 
 from functional_ckpt._src.format.checksum import crc32
 
-#: Bytes moved through the private file per call (its size, too).
-BLOCK = 4 << 20
+BLOCK = 4 << 20  # bytes moved through the private file per call (its size, too)
 
 
 class Freed(OSError):
     """Live memory could not be read: freed (or resized away) while a save read it."""
-
-
-def freed(error: BaseException) -> bool:
-    """Whether ``error`` is a read of memory that is no longer there (``EFAULT``)."""
-    return isinstance(error, OSError) and error.errno == errno.EFAULT
 
 
 class LiveReader:
@@ -42,12 +33,11 @@ class LiveReader:
         done = 0
         while done < n:
             try:
-                got = os.pwrite(self._fd, view[done:n], done)
+                done += os.pwrite(self._fd, view[done:n], done)
             except OSError as e:
-                if freed(e):
+                if e.errno == errno.EFAULT:
                     raise Freed(errno.EFAULT, "live memory was freed during the read") from None
                 raise
-            done += got
         return self._view[:n]
 
     def crc(self, view: memoryview, start: int = 0) -> int:

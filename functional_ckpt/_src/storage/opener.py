@@ -47,8 +47,7 @@ def _check_mode(mode: int, where: Path, what: str) -> None:
 def open_member(
     dir_fd: int, name: str, where: Path, *, size: int | None = None, what: str = "file"
 ) -> int:
-    """Open one file of a checkpoint for reading (blocking again once checked);
-    ``FileNotFoundError`` is left to the caller (missing or replaced?)."""
+    """Open one file of a checkpoint to read; ``FileNotFoundError`` is the caller's (replaced?)."""
     _check_mode(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode, where, what)
     try:
         fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
@@ -74,8 +73,7 @@ def open_member(
 
 
 def read_small(dir_fd: int, name: str, where: Path, limit: int, what: str) -> bytes:
-    """The whole of a small file (a marker, a manifest, a state file), at most ``limit``
-    bytes, through :func:`open_member`; ``FileNotFoundError`` is left to the caller."""
+    """The whole of a small file, at most ``limit`` bytes, through :func:`open_member`."""
     fd = open_member(dir_fd, name, where, what=what)
     try:
         size = os.fstat(fd).st_size
@@ -98,8 +96,7 @@ def read_file(path: Path, *, limit: int, what: str = "file") -> bytes:
 
 
 def read_state(path: Path, what: str) -> object | None:
-    """The JSON document of a state file beside checkpoints, or None when there is none
-    to trust (missing, special, oversized, not JSON...): a state file only informs."""
+    """A state file's JSON document, or None when none is to be trusted (it only informs)."""
     try:
         doc: object = documents.load(
             read_file(path, limit=LIMITS.state_file_bytes, what=what), str(path)

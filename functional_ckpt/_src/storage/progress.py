@@ -17,8 +17,7 @@ PROGRESS_ENV = "FCKPT_PROGRESS"
 
 
 def report_progress(step: int, saved_at: float) -> None:
-    """Record ``step`` (saved at ``saved_at``) for a supervisor that asked; best effort:
-    a file that cannot be written never fails a save."""
+    """Record ``step`` for a supervisor that asked; best effort: it never fails a save."""
     target = os.environ.get(PROGRESS_ENV)
     if not target:
         return

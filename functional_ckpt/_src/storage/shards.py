@@ -1,8 +1,5 @@
-"""Shard files: tensor blobs written with their checksums, and read back checked.
-
-Readers never parse the zip: the manifest gives each tensor's data offset, so a
-restore reads raw bytes straight into place, checking every byte on the way.
-"""
+"""Shard files: tensor blobs written with their checksums, read back checked at the
+manifest's offsets (never parsing the zip: raw bytes straight into place)."""
 
 from __future__ import annotations
 
@@ -10,10 +7,10 @@ import ctypes
 import os
 import struct
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from ctypes import string_at
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, TypeAlias
 
 from functional_ckpt._src.format.blobs import BlobTemplate, blob_template, byte_view
 from functional_ckpt._src.format.checksum import crc32
@@ -29,37 +26,12 @@ from functional_ckpt.errors import CheckpointError
 if TYPE_CHECKING:
     import torch
 
-#: Tensors below this size are assembled in memory and written in batches.
-SMALL_TENSOR = 1 << 20
+SMALL_TENSOR = 1 << 20  # smaller tensors are assembled in memory and written in batches
+WRITE_BATCH = 8 << 20  # batched small writes are flushed once this many bytes are pending
+CHUNK = 32 << 20  # large tensors are checksummed in chunks of this size, overlapping I/O
 
-#: Batched small writes are flushed once this many bytes are pending.
-WRITE_BATCH = 8 << 20
-
-#: Large tensors are written and checksummed in chunks of this size, overlapped.
-CHUNK = 32 << 20
-
-#: A blob's CRC32 written into its zip records (as ``BlobTemplate.patch`` does).
-_pack_crc = struct.Struct("<I").pack_into
-
+_pack_crc = struct.Struct("<I").pack_into  # a CRC32 into zip records, as BlobTemplate.patch
 _CRC = BackgroundThread("fc-crc")
-_FSYNC = BackgroundThread("fc-fsync")
-
-
-def checksum_pool() -> ThreadPoolExecutor:
-    """One background thread that checksums while the caller does I/O."""
-    return _CRC.pool()
-
-
-def sync_pool() -> ThreadPoolExecutor:
-    """One background thread that fsyncs files while the caller computes (fsync drops the GIL)."""
-    return _FSYNC.pool()
-
-
-def fsync_and_close(fd: int) -> None:
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def crc_chunks(view: memoryview, start: int = 0) -> int:
@@ -82,12 +54,8 @@ def write_shard(
     zstd_level: int = 0,
 ) -> Shard:
     """Write tensors (contiguous, on CPU) as DCP blobs into a new file, then the
-    ``blobs`` (values); return where each landed with its checksums.
-
-    ``background``: the fsync's future is appended there. ``live``: the caller's
-    tensors, which it may free meanwhile, read only through the kernel (:mod:`.live`).
-    The checksum thread is done with a tensor before this returns or raises.
-    """
+    ``blobs`` (values); return where each landed with its checksums. ``live``: the
+    caller's tensors, which it may free meanwhile, read only through the kernel."""
     name = path.name
     chunks: list[Chunk] = []
     located: list[ByteEntry] = []
@@ -101,25 +69,20 @@ def write_shard(
         start = 0  # where ``pending`` starts; it holds small blobs from ``small`` on
         small = -1
         out = durable.Appender(fd, sync=sync)
-        pool = checksum_pool()
+        pool = _CRC.pool()
         # this file's templates by (dtype, shape), without a cache lookup per tensor
         templates: dict[tuple[torch.dtype, tuple[int, ...]], BlobTemplate] = {}
         new = tuple.__new__
         for i, t in enumerate(tensors):
             shape = tuple(t.shape)
-            spec = (t.dtype, shape)
-            found = templates.get(spec)
-            if found is None:
-                found = templates[spec] = blob_template(t.dtype, shape)
-            tpl = found
+            tpl = templates.get((t.dtype, shape))
+            if tpl is None:
+                tpl = templates[t.dtype, shape] = blob_template(t.dtype, shape)
             box = (0,) * len(shape) if offsets is None else offsets[i]
             if zstd_level:
                 _flush(out, pending, start, small, segments)
-                chunks.append(
-                    zstd.write_blob(
-                        out, tpl, t, zstd_level, (box, name, pos), readers[0] if readers else None
-                    )
-                )
+                reader = readers[0] if readers else None
+                chunks.append(zstd.write_blob(out, tpl, t, zstd_level, (box, name, pos), reader))
                 pos = start = out.end
                 small = -1
                 if after_each is not None:
@@ -175,10 +138,9 @@ def write_shard(
             if after_each is not None:
                 after_each(i)
         for b in blobs:
-            n = len(b.data)
             located.append(b.located(name, pos))
             pending += b.data
-            pos += n
+            pos += len(b.data)
         if pending:
             _flush(out, pending, start, small, segments)
     except BaseException:
@@ -190,12 +152,7 @@ def write_shard(
         if readers is not None:  # the pool is done with its reader (waited for above)
             for r in readers:
                 r.close()
-    if not sync:
-        os.close(fd)
-    elif background is None:
-        fsync_and_close(fd)
-    else:
-        background.append(sync_pool().submit(fsync_and_close, fd))
+    durable.close_new(fd, sync, background)
     return Shard(chunks, located, segments)
 
 
@@ -230,8 +187,7 @@ def _flush(
 def read_into(fd: int, offset: int, dest: memoryview) -> int:
     """Fill ``dest`` from ``fd`` at ``offset``; returns the bytes actually read."""
     done = 0
-    total = len(dest)
-    while done < total:
+    while done < len(dest):
         n = os.preadv(fd, [dest[done:]], offset + done)
         if n == 0:
             break
@@ -239,36 +195,14 @@ def read_into(fd: int, offset: int, dest: memoryview) -> int:
     return done
 
 
-class Addressed(Protocol):
-    """A contiguous CPU tensor as a landing place: its bytes start at ``data_ptr()``."""
-
-    def data_ptr(self) -> int: ...
-
-    @property
-    def nbytes(self) -> int: ...
-
-    def is_contiguous(self) -> bool: ...
-
-
 #: Where one blob's raw bytes land: a buffer, or a contiguous CPU tensor (its own bytes).
-Landing = memoryview | Addressed
+Landing: TypeAlias = "memoryview | torch.Tensor"
+ReadJob = tuple[Chunk, Landing]  # a blob's chunk and where exactly its raw bytes land
+Ready = Callable[[int, int], None]  # ready(address, end): once those bytes may be written
 
-
-#: One blob to read: the chunk it holds and where its raw bytes land (exactly their size).
-ReadJob = tuple[Chunk, Landing]
-
-#: Small blobs that lie together in the file are read with one call of this size.
-READ_WINDOW = 8 << 20
-
-#: A large blob read into memory being faulted in is read a block of this size at a time.
-READ_BLOCK = 8 << 20
-
-#: ``ready(address, end)``: returns once the first ``end`` bytes of the destination
-#: starting at ``address`` may be written.
-Ready = Callable[[int, int], None]
-
-#: A run of blobs read with one call skips at most this many bytes between two of them.
-READ_GAP = 64 << 10
+READ_WINDOW = 8 << 20  # at most this many bytes of small blobs read with one call
+READ_BLOCK = 8 << 20  # a large blob read into memory being faulted in, a block at a time
+READ_GAP = 64 << 10  # a run read with one call skips at most this many bytes
 
 
 def _landing_view(dest: Landing) -> memoryview:
@@ -296,21 +230,14 @@ def read_tensors(
     *,
     ready: Ready | None = None,
 ) -> list[str | None]:
-    """Read blobs from one opened file into their destinations, checking every byte;
-    per job None when intact, else what is wrong (one damaged blob names only itself).
-
-    Runs of small blobs are read with one call into a reused window (a run filling
-    most of a segment is checked by its one run checksum); large blobs go straight
-    into place, checksummed in the background, each block once ``ready`` allows.
-    """
+    """Read blobs from one opened file into place, checking every byte: per job None
+    when intact, else what is wrong (a damaged blob names only itself). Runs of small
+    blobs are read with one call (one filling a segment checked by its run checksum);
+    large ones straight into place, checksummed in the background."""
     results: list[str | None] = [None] * len(jobs)
     for chunk, dest in jobs:
-        if _landing_size(dest) != chunk.nbytes:
-            raise CheckpointError(
-                f"internal: landing place of {_landing_size(dest)} bytes for a blob of "
-                f"{chunk.nbytes}"
-            )
-    pool = checksum_pool()
+        if (n := _landing_size(dest)) != chunk.nbytes:
+            raise CheckpointError(f"internal: landing place of {n} bytes, blob {chunk.nbytes}")
     order = sorted(range(len(jobs)), key=[c.offset for c, _ in jobs].__getitem__)
     if any(c.zstd for c, _ in jobs):  # frames are decompressed one by one, in place
         for k in (k for k in order if jobs[k][0].zstd):
@@ -325,7 +252,7 @@ def read_tensors(
         while i < len(order):
             job = jobs[order[i]][0]
             if job.length >= SMALL_TENSOR:
-                results[order[i]] = _read_large(fd, jobs[order[i]], pool, futures, order[i], ready)
+                results[order[i]] = _read_large(fd, jobs[order[i]], futures, order[i], ready)
                 i += 1
                 continue
             j = i + 1
@@ -359,8 +286,7 @@ def _read_segments(
     segments: Sequence[Segment],
     results: list[str | None],
 ) -> list[int]:
-    """Read the small blobs in ``segments`` segment by segment (only where they fill at
-    least half of it); return the rest, in file order."""
+    """Read the small blobs of each segment they fill half of; return the rest in order."""
     left: list[int] = []
     window = bytearray()
     i, n = 0, len(order)
@@ -377,9 +303,8 @@ def _read_segments(
             j += 1
         if 2 * used < seg.length:  # sparse (or nothing wanted here): blob by blob
             left += order[i:j]
-            i = j
-            continue
-        window = _read_run(fd, jobs, order[i:j], seg.offset, end, window, results, seg.crc32)
+        else:
+            window = _read_run(fd, jobs, order[i:j], seg.offset, end, window, results, seg.crc32)
         i = j
     left += order[i:]
     return left
@@ -396,57 +321,40 @@ def _read_run(
     run_crc: int | None = None,
 ) -> bytearray:
     """Read the file's bytes ``start..end`` into ``window`` (returned, grown as needed)
-    and check the blobs ``run`` in them; ``run_crc``: a segment's, covering the framing
-    where it holds (else each blob names its own damage)."""
+    and copy the intact blobs ``run`` to their places. ``run_crc``: a segment's, covering
+    the framing where it holds (else each blob's own); the bytes always meet their CRC32."""
     if len(window) < end - start:
         window = bytearray(max(end - start, 1 << 16))
     view = memoryview(window)[: end - start]
     got = view[: read_into(fd, start, view)]
     addr = ctypes.addressof(ctypes.c_char.from_buffer(window))
     framing = run_crc is None or len(got) != end - start or crc32(got) != run_crc
-    _check_run(jobs, run, got, start, addr, results, framing=framing)
+    crc, memmove, size = crc32, ctypes.memmove, len(got)
+    for k in run:
+        chunk, dest = jobs[k]
+        at = chunk.offset - start
+        stop = at + chunk.length
+        if stop > size:
+            results[k] = f"only {max(0, size - at)} of {chunk.length} bytes"
+            continue
+        data_at = chunk.data_offset - start
+        data_end = data_at + chunk.nbytes
+        if framing and crc(got[data_end:stop], crc(got[at:data_at])) != chunk.hcrc32:
+            results[k] = "blob headers fail their checksum"
+        elif crc(got[data_at:data_end]) != chunk.crc32:
+            results[k] = "checksum mismatch"
+        elif type(dest) is memoryview:
+            dest[:] = got[data_at:data_end]
+        elif data_end > data_at:
+            memmove(dest.data_ptr(), addr + data_at, data_end - data_at)
     got.release()
     view.release()
     return window
 
 
-def _check_run(
-    jobs: Sequence[ReadJob],
-    run: list[int],
-    window: memoryview,
-    base: int,
-    addr: int,
-    results: list[str | None],
-    *,
-    framing: bool = True,
-) -> None:
-    """Check the blobs ``run`` read together into ``window`` (the file from ``base``, its
-    memory at ``addr``) and copy the intact ones to their places. Without ``framing``
-    the segment's run checksum covered the framing; the bytes always meet their CRC32."""
-    crc, memmove, size = crc32, ctypes.memmove, len(window)
-    for k in run:
-        chunk, dest = jobs[k]
-        start = chunk.offset - base
-        end = start + chunk.length
-        if end > size:
-            results[k] = f"only {max(0, size - start)} of {chunk.length} bytes"
-            continue
-        data_at = chunk.data_offset - base
-        data_end = data_at + chunk.nbytes
-        if framing and crc(window[data_end:end], crc(window[start:data_at])) != chunk.hcrc32:
-            results[k] = "blob headers fail their checksum"
-        elif crc(window[data_at:data_end]) != chunk.crc32:
-            results[k] = "checksum mismatch"
-        elif type(dest) is memoryview:
-            dest[:] = window[data_at:data_end]
-        elif data_end > data_at:
-            memmove(dest.data_ptr(), addr + data_at, data_end - data_at)
-
-
 def _read_large(
     fd: int,
     job: ReadJob,
-    pool: ThreadPoolExecutor,
     futures: list[tuple[int, Future[int]]],
     k: int,
     ready: Ready | None,
@@ -467,7 +375,7 @@ def _read_large(
                 break
     if n != len(dest):
         return f"only {n} of {len(dest)} bytes"
-    futures.append((k, pool.submit(crc_chunks, dest)))
+    futures.append((k, _CRC.pool().submit(crc_chunks, dest)))
     head = os.pread(fd, chunk.data_offset - chunk.offset, chunk.offset)
     end = chunk.data_offset + len(dest)
     tail = os.pread(fd, chunk.offset + chunk.length - end, end)

@@ -27,16 +27,14 @@ def dir_size(path: Path) -> int:
 
 
 def sharing(path: Path, files: Any) -> tuple[int, int]:
-    """(bytes shared with other checkpoints now: files of several links, bytes this save
-    added: every listed file it wrote itself, copies included) of a checkpoint."""
+    """Bytes shared with other checkpoints now (several links) and added by its save."""
     shared = added = 0
     if not isinstance(files, dict):
         return 0, 0
     for name, info in files.items():
         if not isinstance(info, dict) or not isinstance(name, str) or "/" in name:
             continue
-        size = info.get("size")
-        size = size if isinstance(size, int) else 0
+        size = info["size"] if isinstance(info.get("size"), int) else 0
         if not info.get("reused") or info.get("copied") is True:
             added += size
         with contextlib.suppress(OSError):

@@ -1,9 +1,5 @@
-"""``fc.verify``: every byte of a checkpoint re-read and checked against its checksum.
-
-Every byte of every data file must belong to exactly one blob, and ``.metadata``
-must say field for field what the manifest says: one that sends stock ``dcp.load``
-elsewhere is damage too.
-"""
+"""``fc.verify``: every byte re-read and checked, belonging to one blob; a ``.metadata``
+sending stock ``dcp.load`` elsewhere than the manifest says is damage too."""
 
 from __future__ import annotations
 
@@ -46,10 +42,8 @@ class VerifyReport:
     bytes_checked: int = 0
 
     def __str__(self) -> str:
-        head = (
-            f"{self.path}: {'OK' if self.ok else 'DAMAGED'} ({self.files_checked} files, "
-            f"{self.bytes_checked} bytes)"
-        )
+        state = "OK" if self.ok else "DAMAGED"
+        head = f"{self.path}: {state} ({self.files_checked} files, {self.bytes_checked} bytes)"
         return "\n".join([head, *(f"  {p}" for p in self.problems)])
 
 
@@ -142,10 +136,9 @@ def _verify_metadata(
         ck.release(name)
     report.files_checked += 1
     report.bytes_checked += len(raw)
-    if crc32(raw) != info.get("crc32"):
-        report.problems.append(Problem(name, str(classify_metadata(ck)), name))
-        return
     try:
+        if crc32(raw) != info.get("crc32"):
+            raise classify_metadata(ck)
         found = unpickler.load_standins(raw, where)
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.problems.append(Problem(name, str(err), name))
@@ -163,63 +156,57 @@ def _verify_file(
     parsed: Any,
     report: VerifyReport,
 ) -> None:
-    """Every byte of a shard file belongs to exactly one blob whose checksums hold, and
-    every run checksum holds. A file reused from a base may have gaps (never overlaps);
-    a damaged blob is reported once, by its key, not again by its run checksum."""
+    """Every byte of a shard file belongs to one blob whose checksums hold, as do the run
+    checksums (a damaged blob reported once, by its key). A base's file may have gaps."""
     report.files_checked += 1
     pos = 0
     damaged: list[tuple[int, int]] = []  # the byte ranges of blobs found damaged
     fd = ck.fd(name)
     info = parsed.raw.get("files", {}).get(name)
     gaps = isinstance(info, dict) and info.get("reused") is True
+    size = parsed.file_sizes[name]
+
+    def bad(where: str, detail: str) -> None:
+        report.problems.append(Problem(where, detail, name))
+
     for _, (key, c) in chunks:
         if c.offset != pos and not (gaps and c.offset > pos):
-            report.problems.append(
-                Problem(name, f"bytes {pos}..{c.offset} are not accounted for", name)
-            )
+            bad(name, f"bytes {pos}..{c.offset} are not accounted for")
+        start = len(report.problems)
         if isinstance(c, ByteEntry) or c.zstd:  # one checksum over the stored bytes
             crc, n = crc_range(fd, c.offset, c.length)
             report.bytes_checked += n
-            plain = isinstance(c, ByteEntry)
-            if crc != (c.crc32 if isinstance(c, ByteEntry) else c.hcrc32):
-                what = "bytes" if plain else "stored (compressed) tensor bytes"
-                report.problems.append(Problem(key, f"{what} in {name} fail their checksum", name))
-                damaged.append((c.offset, c.offset + c.length))
-            pos = c.offset + c.length
-            continue
-        hcrc, n1 = crc_range(fd, c.offset, c.data_offset - c.offset)
-        crc, n2 = crc_range(fd, c.data_offset, c.nbytes)
-        end = c.data_offset + c.nbytes
-        hcrc, n3 = crc_range(fd, end, c.offset + c.length - end, hcrc)
-        report.bytes_checked += n1 + n2 + n3
-        if crc != c.crc32:
-            report.problems.append(Problem(key, f"tensor data in {name} fails its checksum", name))
-        if hcrc != c.hcrc32:
-            report.problems.append(
-                Problem(key, f"blob headers in {name} fail their checksum", name)
-            )
-        if crc != c.crc32 or hcrc != c.hcrc32:
+            if isinstance(c, ByteEntry) and crc != c.crc32:
+                bad(key, f"bytes in {name} fail their checksum")
+            elif not isinstance(c, ByteEntry) and crc != c.hcrc32:
+                bad(key, f"stored (compressed) tensor bytes in {name} fail their checksum")
+        else:
+            hcrc, n1 = crc_range(fd, c.offset, c.data_offset - c.offset)
+            crc, n2 = crc_range(fd, c.data_offset, c.nbytes)
+            end = c.data_offset + c.nbytes
+            hcrc, n3 = crc_range(fd, end, c.offset + c.length - end, hcrc)
+            report.bytes_checked += n1 + n2 + n3
+            if crc != c.crc32:
+                bad(key, f"tensor data in {name} fails its checksum")
+            if hcrc != c.hcrc32:
+                bad(key, f"blob headers in {name} fail their checksum")
+        if len(report.problems) > start:
             damaged.append((c.offset, c.offset + c.length))
         pos = c.offset + c.length
-    if pos != parsed.file_sizes[name] and not (gaps and pos < parsed.file_sizes[name]):
-        report.problems.append(
-            Problem(name, f"bytes {pos}..{parsed.file_sizes[name]} are not accounted for", name)
-        )
+    if pos != size and not (gaps and pos < size):
+        bad(name, f"bytes {pos}..{size} are not accounted for")
     for seg in parsed.segments.get(name, ()):
         crc, _ = crc_range(fd, seg.offset, seg.length)  # bytes counted above
         if crc != seg.crc32 and not any(a < seg.end and seg.offset < b for a, b in damaged):
-            report.problems.append(
-                Problem(name, f"bytes {seg.offset}..{seg.end} fail their run checksum", name)
-            )
+            bad(name, f"bytes {seg.offset}..{seg.end} fail their run checksum")
 
 
-#: Bytes read per step when checksumming a file range (the buffer stays in cache).
-CRC_BLOCK = 4 << 20
+CRC_BLOCK = 4 << 20  # bytes read per step: the buffer stays in cache
 
 
 def crc_range(fd: int, offset: int, length: int, start: int = 0) -> tuple[int, int]:
-    """CRC32 over a file range; returns (crc, bytes read). One reused buffer: a fresh
-    one per read costs its page faults, several times the read and checksum together."""
+    """CRC32 over a file range, and the bytes read; one reused buffer (a fresh one per
+    read costs page faults, several times the read and checksum together)."""
     view = memoryview(bytearray(min(CRC_BLOCK, max(length, 0))))
     crc = start
     done = 0

@@ -1,10 +1,6 @@
-"""Tensor blobs stored as zstd frames: DCP's own ``stream.zstd/1`` transform.
-
-A compressed blob is the plain blob as one zstd frame, as stock DCP's ``ZStandard``
-extension writes it (stock ``dcp.load`` reads it). ``hcrc32`` covers the stored frame
-(``fc.verify`` never decompresses), ``crc32`` the tensor's bytes; a frame is never
-decompressed beyond the bytes its entry declares.
-"""
+"""Tensor blobs as zstd frames, as DCP's own ``ZStandard`` extension writes them (stock
+``dcp.load`` reads them). ``hcrc32`` covers the frame (``fc.verify`` never decompresses),
+``crc32`` the tensor's bytes; none decompresses beyond the bytes its entry declares."""
 
 from __future__ import annotations
 
@@ -42,8 +38,7 @@ def _module() -> Any:
 
 
 def level_of(compression: object, what: str) -> int:
-    """The zstd level of a ``compression=`` argument (None, ``"zstd"`` or ``"zstd:N"``,
-    N from 1 to 19), 0 for none; zstandard must be importable where one is asked for."""
+    """The zstd level of a ``compression=`` argument (None: 0, ``"zstd"``, ``"zstd:N"``)."""
     if compression is None:
         return 0
     if isinstance(compression, str) and compression.partition(":")[0] == "zstd":
@@ -66,8 +61,7 @@ def write_blob(
     at: tuple[tuple[int, ...], str, int],
     reader: LiveReader | None,
 ) -> Chunk:
-    """Write ``t``'s blob as one zstd frame at the end of ``out``; ``at`` is (the chunk's
-    box, the file's name, where the frame starts). Returns the chunk it stored."""
+    """Write ``t``'s blob as one zstd frame; ``at``: the chunk's box, file name and offset."""
     box, name, pos = at
     data = byte_view(t)
     if len(data) != tpl.nbytes:
@@ -117,10 +111,9 @@ class _Stored:
 def read_blob(
     fd: int, chunk: Chunk, dest: memoryview, ready: Callable[[int, int], None] | None = None
 ) -> str | None:
-    """Decompress ``chunk``'s frame, its tensor bytes straight into ``dest``; returns None
-    if every byte checked out, else what is wrong (a damaged frame is named by its
-    stored checksum; a frame that decodes to anything but the declared blob, too).
-    ``ready`` as for :func:`.shards.read_tensors`: called for all of ``dest`` at once."""
+    """Decompress ``chunk``'s frame, its tensor bytes straight into ``dest``: None if every
+    byte checked out, else what is wrong (the stored checksum, or a frame decoding to
+    anything but the declared blob); ``ready`` is called for all of ``dest`` at once."""
     if ready is not None and len(dest):
         ready(ctypes.addressof(ctypes.c_char.from_buffer(dest)), len(dest))
     stored = _Stored(fd, chunk)
