@@ -103,7 +103,7 @@ def one_rep(
     times: dict[str, list[float]],
     written: dict[str, list[int]],
 ) -> None:
-    from functional_ckpt._src.save import trust
+    from functional_ckpt._src.save import staging
 
     def step(names: Sequence[str]) -> None:
         for n in names:
@@ -125,7 +125,7 @@ def one_rep(
     step(trained)
     frozen = save(FROZEN, "frozen", chained)
     step(trained)
-    trust.PROCESS_TRUST.clear()  # as if the base had been written by another process
+    staging.PROCESS_TRUST.clear()  # as if the base had been written by another process
     cold = save(FROZEN_COLD, "cold", frozen)
     step(list(state))
     # The same bytes, saved in full and on top of ``cold`` (whose counters are

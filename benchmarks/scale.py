@@ -79,7 +79,7 @@ import time
 import tracemalloc
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +218,13 @@ class World:
     plan_s: float  # one rank's fc planning time
     written: list[bytes]  # what each rank reports having written (its chunks with boxes)
     written_again: list[bytes]  # the same in a second save (new CRC32s, no boxes)
+    plans: Any = field(default_factory=lambda: _plan_cache())  # the coordinator's last plans
+
+
+def _plan_cache() -> Any:
+    from functional_ckpt._src.save.exchange import PlanCache
+
+    return PlanCache()
 
 
 def _sharded(entry: Any, n: int) -> bool:
@@ -435,7 +442,7 @@ def fc_coordinator(
         last[0] = now
 
     plan = world.plan
-    cache = multi_rank.PLANS.get(multi_rank.plan_key(range(world.n)))
+    cache = world.plans
     payloads = world.payloads_again if again else world.payloads
     failures, ranks, _ = multi_rank.coordinate(payloads, plan.local, cache)
     assert not failures
@@ -806,10 +813,7 @@ def peak(fn: Callable[[], Any]) -> int:
 
 def measure_coordinator(model: Model, n: int) -> dict[str, Any]:
     """The coordinator's first save and a save of the same layout, by function."""
-    from functional_ckpt._src.save import multi_rank
-
-    multi_rank.PLANS.forget(multi_rank.plan_key(range(n)))  # a first save: no plan cached
-    world = simulate(model, n)
+    world = simulate(model, n)  # a first save: no plan cached
     split: dict[str, dict[str, float]] = {"first": {}, "again": {}}
     first_s, _ = timed(lambda: fc_coordinator(world, False, split["first"]))
     again_s, _ = timed(lambda: fc_coordinator(world, True, split["again"]))
@@ -824,10 +828,8 @@ def measure(model: Model, n: int, tmp: Path, memory: bool) -> dict[str, Any]:
 
     from functional_ckpt._src import codec
     from functional_ckpt._src.format import dcp_metadata, naming
-    from functional_ckpt._src.save import multi_rank
 
     dcp_metadata._derived.cache_clear()  # a first save: nothing derived yet, no plan cached
-    multi_rank.PLANS.forget(multi_rank.plan_key(range(n)))
     world = simulate(model, n)
     split: dict[str, dict[str, float]] = {"first": {}, "again": {}, "dcp": {}}
     fc_s, (manifest, parts, md) = timed(lambda: fc_coordinator(world, False, split["first"]))

@@ -315,15 +315,15 @@ def test_no_module_is_named_after_a_standard_library_module() -> None:
 
 # ---------------------------------------------------------------------------- module state
 
-#: Module-level state the package keeps, each a cache or pool that changes no result,
-#: or a registry the user fills on purpose. Anything else a function changes at
-#: module level is behaviour at a distance.
+#: Module-level state the package keeps: the registry the user fills on purpose, and this
+#: process's saves. Anything else a function changes at module level is behaviour at a
+#: distance: a cache of a pure function is an lru_cache on it, other state lives on the
+#: object that owns it (a manager's trust memory).
 KNOWN_STATE = {
     "functional_ckpt._src.codec.tagged": {"TAGGED", "_BY_TAG"},  # fc.codec.register
-    "functional_ckpt._src.format.dcp_values": {"_CACHE"},  # decoded stock-DCP values
-    "functional_ckpt._src.save.trust": {"PROCESS_TRUST"},  # what this process committed
-    "functional_ckpt._src.save.multi_rank": {"PLANS"},  # the last save plans, per group
-    "functional_ckpt._src.save.staging": {"_RUNNING", "_UNREAD"},  # saves exit must finish
+    # this process's saves: those exit must finish, what fc.save committed (its trust) and
+    # each checkpoint group's last plans
+    "functional_ckpt._src.save.staging": {"_RUNNING", "_UNREAD", "PROCESS_TRUST", "_PLANS"},
 }
 
 _MUTATORS = {
@@ -408,7 +408,7 @@ def test_the_state_check_sees_a_global_flag(tmp_path: Path) -> None:
         "_SEEN = set()\nFLAG = False\nclass Memo: ...\nMEMO = Memo()\nTABLE = {'a': 1}\n"
         "@dataclass(frozen=True)\nclass Box: ...\nBOX = Box()\n"
         "def f(x):\n    global FLAG\n    FLAG = True\n    _SEEN.add(x)\n    return TABLE['a']\n"
-        "from functional_ckpt._src.save import exchange\nCACHES = exchange.PlanCaches()\n"
+        "from functional_ckpt._src.save import exchange\nCACHES = exchange.PlanCache()\n"
         "import msgpack\nPACKER = msgpack.Packer()\n"
     )
     assert module_state(src) == {"CACHES", "FLAG", "MEMO", "_SEEN"}

@@ -360,7 +360,7 @@ def test_a_plain_save_feeds_the_trust_of_the_next_incremental_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """fc.save(a) then fc.save(b, base=a) in one process compares no byte of a."""
-    from functional_ckpt._src.save.trust import PROCESS_TRUST
+    from functional_ckpt._src.save.staging import PROCESS_TRUST
 
     state = make_state()
     calls = _count_comparisons(monkeypatch)
@@ -389,7 +389,7 @@ def test_a_trusted_file_changed_since_is_compared_again(
 
 
 def test_the_manager_owns_its_trust_memory(tmp_path: Path) -> None:
-    from functional_ckpt._src.save.trust import PROCESS_TRUST
+    from functional_ckpt._src.save.staging import PROCESS_TRUST
 
     one = fc.CheckpointManager(tmp_path / "run", tiers=(fc.manager.Disk(incremental=True),))
     two = fc.CheckpointManager(tmp_path / "other", tiers=(fc.manager.Disk(incremental=True),))

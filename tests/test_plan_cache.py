@@ -19,7 +19,7 @@ import pytest
 import functional_ckpt as fc
 from functional_ckpt._src import codec
 from functional_ckpt._src.format.manifest import Tree
-from functional_ckpt._src.save import dedup, exchange, multi_rank, splice
+from functional_ckpt._src.save import dedup, exchange, multi_rank, splice, staging
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import scale
@@ -76,32 +76,89 @@ def test_a_rank_whose_layout_changed_is_planned_again_with_the_others() -> None:
     assert delta[1] is not None  # the rank whose plan changed is sent its drops
 
 
+class Group:
+    """A stand-in for a checkpoint group (held weakly, as torch's are)."""
+
+
+def plans(group: Any) -> exchange.PlanCache:
+    return staging.plans(group, exchange.PlanCache)
+
+
 def test_a_plan_is_never_reused_by_another_world() -> None:
-    caches, count = exchange.PlanCaches(), Counting()
-    exchange.global_step(caches.get(multi_rank.plan_key(range(4))), local_keys(4), count)
-    assert multi_rank.plan_key(range(3)) != multi_rank.plan_key(range(4))
-    assert multi_rank.plan_key([0, 1, 2, 4]) != multi_rank.plan_key(range(4))
+    """Each checkpoint group holds its own plans (another world, other ranks, the memory
+    tier's group of the same ranks: another group)."""
+    four, three, other, memory = Group(), Group(), Group(), Group()
+    count = Counting()
+    exchange.global_step(plans(four), local_keys(4), count)
+    assert plans(four) is plans(four)
+    assert plans(three) is not plans(four)
+    assert plans(other) is not plans(four)
     # the memory tier's group of the same ranks keeps plans of its own
-    assert multi_rank.plan_key(range(4), "memory") != multi_rank.plan_key(range(4))
-    for key, n in ((multi_rank.plan_key(range(3)), 3), (multi_rank.plan_key(range(4)), 3)):
+    assert plans(memory) is not plans(four)
+    for group, n in ((three, 3), (four, 3)):
         with pytest.raises(fc.errors.CheckpointError, match="does not hold"):
-            exchange.global_step(caches.get(key), [None] * n, count)
+            exchange.global_step(plans(group), [None] * n, count)
     assert count.calls == 1
 
 
 def test_a_failed_save_forgets_its_plans() -> None:
     """After "does not hold", every rank drops its plans: the next save plans afresh."""
-    key, count = multi_rank.plan_key(range(4)), Counting()
-    multi_rank.PLANS.forget(key)
+    group, count = Group(), Counting()
     with pytest.raises(fc.errors.CheckpointError, match="does not hold"):
-        exchange.global_step(multi_rank.PLANS.get(key), [None] * 4, count)
-    exchange.global_step(multi_rank.PLANS.get(key), local_keys(4), count)
-    multi_rank.PLANS.get(key).local = scale.simulate(MODEL, 4).dcp_plans[0]  # what a rank keeps
-    multi_rank.PLANS.forget(key)
-    assert key not in multi_rank.PLANS.by_key
+        exchange.global_step(plans(group), [None] * 4, count)
+    exchange.global_step(plans(group), local_keys(4), count)
+    plans(group).local = scale.simulate(MODEL, 4).dcp_plans[0]  # what a rank keeps
+    staging.forget(group)
+    assert group not in staging._PLANS
     with pytest.raises(fc.errors.CheckpointError, match="does not hold"):
-        exchange.global_step(multi_rank.PLANS.get(key), [None] * 4, count)
-    multi_rank.PLANS.forget(key)
+        exchange.global_step(plans(group), [None] * 4, count)
+    held = len(staging._PLANS)
+    del group  # a group torch dropped takes its plans along
+    assert len(staging._PLANS) == held - 1
+
+
+_GROUPS_JOB = """
+import sys
+import torch.distributed as dist
+from functional_ckpt._src.distributed.groups import checkpoint_group
+from functional_ckpt._src.save import staging
+from functional_ckpt._src.save.exchange import PlanCache
+
+def plans(group):
+    return staging.plans(group, PlanCache)
+
+def init(name):
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(sys.argv[1] + name, 1), rank=0, world_size=1
+    )
+
+init("/one")
+save, memory = checkpoint_group(), checkpoint_group(purpose="memory")
+plans(save).keys = [()]
+assert plans(checkpoint_group()) is plans(save)  # found again
+assert memory is not save and plans(memory).keys is None
+dist.destroy_process_group()
+init("/two")
+assert plans(checkpoint_group()).keys is None  # a new job plans afresh
+print("ok")
+"""
+
+
+def test_real_checkpoint_groups_hold_their_own_plans(tmp_path: Path) -> None:
+    """On gloo groups: a group found again holds its plans, the memory tier's group of
+    the same ranks holds others, and a re-initialized job holds none."""
+    import os
+    import subprocess
+
+    (tmp_path / "job.py").write_text(_GROUPS_JOB)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "job.py"), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 def test_keys_and_results_travel_and_bad_ones_name_the_rank() -> None:
@@ -253,9 +310,8 @@ def _saved_again(world: scale.World, renew: Any) -> tuple[bytes, list[bytes], by
 
 def _saved_afresh(world: scale.World, renew: Any) -> tuple[bytes, list[bytes], bytes]:
     """The same chunks saved by a coordinator that holds no plan (every box sent)."""
-    multi_rank.PLANS.forget(multi_rank.plan_key(range(world.n)))
     new = [exchange.written_payload([(k, renew(c)) for k, c in r]) for r in world.results]
-    return scale.fc_coordinator(dataclasses.replace(world, written=new))
+    return scale.fc_coordinator(dataclasses.replace(world, written=new, plans=exchange.PlanCache()))
 
 
 @pytest.mark.parametrize("change", ["checksums", "lengths"])
@@ -276,7 +332,6 @@ def test_a_save_of_the_layout_saved_last_writes_what_a_first_save_writes(
             return c._replace(crc32=c.crc32 ^ 0xFFFF, hcrc32=(c.hcrc32 + 77) % 2**32)
         return c._replace(length=c.length + 8, zstd=1) if c.offsets[:1] == (0,) else c
 
-    multi_rank.PLANS.forget(multi_rank.plan_key(range(4)))
     first = scale.fc_coordinator(world)
     again = _saved_again(world, renew)
     assert firsts.calls == (1 if change == "checksums" else 2)
@@ -284,14 +339,10 @@ def test_a_save_of_the_layout_saved_last_writes_what_a_first_save_writes(
     assert again == afresh and again != first
     _, parts, _ = again
     assert len(parts) == 4 and all(p[:-4] and p[-4:] for p in parts)
-    multi_rank.PLANS.forget(multi_rank.plan_key(range(4)))
 
 
 def test_chunks_without_boxes_from_a_plan_the_coordinator_does_not_hold_fail() -> None:
     world = scale.simulate(MODEL, 4)
-    key = multi_rank.plan_key(range(4))
-    multi_rank.PLANS.forget(key)
     sent = [exchange.parse_written(w, r)[1] for r, w in enumerate(world.written_again)]
     with pytest.raises(fc.errors.CheckpointError, match="rank 0 reported the chunks of a plan"):
-        splice.merge(multi_rank.PLANS.get(key), sent, Tree(world.plan.entries, ()), (), False)
-    multi_rank.PLANS.forget(key)
+        splice.merge(exchange.PlanCache(), sent, Tree(world.plan.entries, ()), (), False)

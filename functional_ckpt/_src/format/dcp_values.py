@@ -22,9 +22,11 @@ import io
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from functional_ckpt._src import codec
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath
 from functional_ckpt._src.format.naming import DCP_METADATA
@@ -182,28 +184,19 @@ _MAX_ELEMENTS = 4096
 _LARGE_INT = 1 << 4096
 
 
-_CACHE: OrderedDict[tuple[type, str], bytes] = OrderedDict()
-
-
 def _saved(value: Any) -> bytes:
-    """``torch.save`` bytes of a plain value; equal values reuse one result.
+    """``torch.save`` bytes of a plain value, equal values sharing one result: keyed by
+    the value's exact encoding (``1``, ``1.0`` and ``True``, tuples and lists differ)."""
+    return _saved_encoded(codec.encode(value))
 
-    ``repr`` of a plain value tells every such value apart (``1``, ``1.0`` and
-    ``True``; tuples and lists), so it is an exact cache key.
-    """
-    key = (type(value), repr(value))
-    got = _CACHE.get(key)
-    if got is None:
-        import torch  # writing: a reader of byte entries never runs torch.save
 
-        buf = io.BytesIO()
-        torch.save(value, buf)
-        got = _CACHE[key] = buf.getvalue()
-        while len(_CACHE) > 4096:
-            _CACHE.popitem(last=False)
-    else:
-        _CACHE.move_to_end(key)
-    return got
+@lru_cache(maxsize=4096)
+def _saved_encoded(encoded: bytes) -> bytes:
+    import torch  # writing: a reader of byte entries never runs torch.save
+
+    buf = io.BytesIO()
+    torch.save(codec.decode(encoded), buf)
+    return buf.getvalue()
 
 
 def _is_params(rel: DcpPath) -> bool:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import operator
 from abc import ABC, abstractmethod
@@ -111,13 +112,38 @@ def call_text(kind: str, args: Mapping[str, Any], shown: int, defaults: Iterable
 
 
 class LeafPolicy(SavePolicy):
-    """A policy whose spec is ``{kind: {param: attribute}}`` (``kind`` alone without
-    params) and whose repr is the call that made it (see :func:`call_text`)."""
+    """A policy made of its ``params`` (in order), whose spec is ``{kind: {param:
+    attribute}}`` (``kind`` alone without params), whose repr is the call that made it
+    (see :func:`call_text`) and whose state is a dict of the keys of ``initial``."""
 
     kind = ""
     params: tuple[str, ...] = ()
     shown = 1
     defaults: tuple[tuple[str, Any], ...] = ()
+    initial: tuple[tuple[str, Any], ...] | None = None  # the state's keys and first values
+
+    def __init__(self, *args: Any) -> None:
+        for name, value in zip(self.params, args, strict=True):
+            setattr(self, name, value)
+
+    def init(self) -> PolicyState:
+        return None if self.initial is None else copy.deepcopy(dict(self.initial))
+
+    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
+        self.fields(state)  # a stateless policy's update, checked; the others define theirs
+        return state
+
+    def fields(self, state: PolicyState) -> dict[str, Any]:
+        """``state``, checked to be of this policy's shape (stateless: None): one written
+        under another policy fails."""
+        if self.initial is None:
+            if state is not None:
+                raise misfit(self, state, "None")
+            return {}
+        keys = {k for k, _ in self.initial}
+        if not isinstance(state, dict) or set(state) != keys:
+            raise misfit(self, state, f"a dict with keys {sorted(keys)}")
+        return state
 
     def _args(self) -> dict[str, Any]:  # a list copied: editing a spec leaves the policy
         return {p: list(v) if isinstance(v := getattr(self, p), list) else v for p in self.params}
@@ -164,19 +190,6 @@ def positive_int(value: object, name: str, what: str) -> int:
     return value
 
 
-def checked_state(policy: SavePolicy, state: PolicyState, keys: Iterable[str]) -> dict[str, Any]:
-    """A restored state of this policy's shape; one written under another policy fails."""
-    expected = set(keys)
-    if not isinstance(state, dict) or set(state) != expected:
-        raise misfit(policy, state, f"a dict with keys {sorted(expected)}")
-    return state
-
-
-def no_state(policy: SavePolicy, state: PolicyState) -> None:
-    if state is not None:
-        raise misfit(policy, state, "None")
-
-
 def misfit(policy: SavePolicy, state: PolicyState, expected: str) -> PolicyError:
     return PolicyError(
         f"{policy!r}: state={state!r} does not fit this policy (expected {expected}); "
@@ -184,12 +197,13 @@ def misfit(policy: SavePolicy, state: PolicyState, expected: str) -> PolicyError
     )
 
 
-def metric_value(event: Event, name: str) -> float | None:
-    """The event's value of ``name`` as a float; None when missing or NaN (ignored)."""
+def metric_value(event: Event, name: str, nan: bool = False) -> float | None:
+    """The event's value of ``name`` as a float; None when missing or NaN (ignored, but
+    kept when ``nan``: a diverged run is degraded)."""
     if event.metrics is None or name not in event.metrics:
         return None
     value = float(event.metrics[name])
-    return None if math.isnan(value) else value
+    return None if math.isnan(value) and not nan else value
 
 
 def _flatten(kind: type[AnyOf | AllOf], children: Iterable[SavePolicy]) -> list[SavePolicy]:

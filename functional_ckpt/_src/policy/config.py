@@ -6,7 +6,9 @@ them without loading the manager."""
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -178,9 +180,10 @@ def _one_key(value: object, path: str, known: Sequence[str], what: str) -> tuple
     return str(name), args
 
 
-def kind_args(kind: _Kind, args: object, path: str) -> dict[str, Any]:
-    """The checked keyword arguments of ``args``: a mapping, the first one alone, or none."""
-    _, checks, required = kind
+def _build(kind: _Kind, args: object, path: str) -> Any:
+    """The policy ``kind`` makes of ``args`` (a mapping, the first argument alone, or
+    none), each argument checked by the table, the rest by the constructor."""
+    make, checks, required = kind
     names = list(checks)
     if args is None:
         given: dict[str, Any] = {}
@@ -197,13 +200,8 @@ def kind_args(kind: _Kind, args: object, path: str) -> dict[str, Any]:
             out[name] = check(given[name], where)
         elif i < required:
             raise ConfigError(f"{at_key(path, name)}: required (arguments: {', '.join(names)})")
-    return out
-
-
-def _build(kind: _Kind, args: dict[str, Any], path: str) -> Any:
-    make = kind[0]
     try:
-        return make(**args)
+        return make(**out)
     except (TypeError, ValueError) as exc:  # what the constructor checks beyond the table
         raise ConfigError(f"{path}: {exc}") from None
 
@@ -222,8 +220,7 @@ def policy_from_config(value: object, path: str = "save") -> SavePolicy:
         if len(children) == 1:
             return children[0]
         return AnyOf(children) if name == "any" else AllOf(children)
-    kind = SAVE_KINDS[name]
-    made: SavePolicy = _build(kind, kind_args(kind, args, here), here)
+    made: SavePolicy = _build(SAVE_KINDS[name], args, here)
     return made
 
 
@@ -233,14 +230,9 @@ def retention_from_config(value: object, path: str = "keep") -> RetentionPolicy:
         if not value:
             raise config_error(path, "a non-empty list of retention policies", value)
         parts = [retention_from_config(v, at_key(path, i)) for i, v in enumerate(value)]
-        out = parts[0]
-        for p in parts[1:]:
-            out = out | p
-        return out
+        return functools.reduce(operator.or_, parts)
     name, args = _one_key(value, path, list(_KEEP_KINDS), "retention policy")
-    here = at_key(path, name)
-    kind = _KEEP_KINDS[name]
-    made: RetentionPolicy = _build(kind, kind_args(kind, args, here), here)
+    made: RetentionPolicy = _build(_KEEP_KINDS[name], args, at_key(path, name))
     return made
 
 
@@ -284,18 +276,13 @@ RELAUNCH_KEYS = ("retries", "backoff", "max_backoff", "stall_limit")
 
 def relaunch_from_config(value: object, path: str = "run") -> Relaunch:
     """The ``run`` block: any of ``retries``, ``backoff``, ``max_backoff``, ``stall_limit``."""
-    given = check_keys(value, path, RELAUNCH_KEYS, "options")
     out: dict[str, Any] = {}
-    for key in ("retries", "stall_limit"):
-        if key in given:
-            out[key] = _int(given[key], at_key(path, key))
-            if out[key] < 0:
-                raise config_error(at_key(path, key), "an int >= 0", given[key])
-    if out.get("stall_limit") == 1:
-        raise config_error(at_key(path, "stall_limit"), "0 (never) or 2 or more", 1)
-    for key in ("backoff", "max_backoff"):
-        if key in given:
-            out[key] = _number(given[key], at_key(path, key))
+    for key, item in check_keys(value, path, RELAUNCH_KEYS, "options").items():
+        where = at_key(path, key)
+        out[key] = (_number if key.endswith("backoff") else _int)(item, where)
+        if out[key] < 0 or (key == "stall_limit" and out[key] == 1):
+            rule = "0 (never) or 2 or more" if out[key] == 1 else "an int >= 0"
+            raise config_error(where, rule, item)
     return Relaunch(**out)
 
 

@@ -10,9 +10,9 @@ from functional_ckpt._src.policy.base import (
     LeafPolicy,
     PolicyState,
     SavePolicy,
-    checked_state,
     finite_number,
     metric_and_mode,
+    metric_value,
     positive_int,
 )
 
@@ -25,27 +25,17 @@ class OnDegrade(LeafPolicy):
 
     kind, params = "on_degrade", ("metric", "mode", "drop", "patience", "to")
     defaults = (("mode", "min"), ("to", "best"))
-
-    def __init__(self, metric: str, mode: str, drop: float, patience: int, to: str) -> None:
-        self.metric = metric
-        self.mode = mode
-        self.drop = drop
-        self.patience = patience
-        self.to = to
-
-    def init(self) -> PolicyState:
-        return {"best": None, "bad": 0}
+    initial = (("best", None), ("bad", 0))
+    metric: str
+    mode: str
+    drop: float
+    patience: int
+    to: str
 
     def _fields(self, state: PolicyState) -> tuple[float | None, int]:
-        fields = checked_state(self, state, ["best", "bad"])
+        fields = self.fields(state)
         best, bad = fields["best"], fields["bad"]
         return (None if best is None else float(best)), int(bad)
-
-    def _value(self, event: Event) -> float | None:
-        """The event's value (NaN kept: a diverged run is degraded); None when absent."""
-        if event.metrics is None or self.metric not in event.metrics:
-            return None
-        return float(event.metrics[self.metric])
 
     def degraded(self, value: float, best: float | None) -> bool:
         """Worse than ``best`` by more than ``drop`` of its magnitude (NaN always is)."""
@@ -58,12 +48,12 @@ class OnDegrade(LeafPolicy):
 
     def decide(self, state: PolicyState, event: Event) -> bool:
         best, bad = self._fields(state)
-        value = self._value(event)
+        value = metric_value(event, self.metric, nan=True)
         return value is not None and self.degraded(value, best) and bad + 1 >= self.patience
 
     def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
         best, bad = self._fields(state)
-        value = self._value(event)
+        value = metric_value(event, self.metric, nan=True)
         if value is None:
             return state
         bad = bad + 1 if self.degraded(value, best) else 0

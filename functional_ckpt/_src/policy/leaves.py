@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from functional_ckpt._src.policy.base import (
     Event,
     LeafPolicy,
     PolicyState,
     SavePolicy,
-    checked_state,
     finite_number,
     metric_and_mode,
     metric_value,
-    no_state,
     positive_int,
 )
 from functional_ckpt.errors import PolicyError
@@ -23,16 +22,9 @@ class _Stateless(LeafPolicy):
     def __init__(self, kind: str) -> None:
         self.kind = kind
 
-    def init(self) -> PolicyState:
-        return None
-
     def decide(self, state: PolicyState, event: Event) -> bool:
-        no_state(self, state)
+        self.fields(state)
         return self.kind == "always" or (self.kind == "on_final" and event.is_final)
-
-    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
-        no_state(self, state)
-        return None
 
 
 def always() -> SavePolicy:
@@ -52,21 +44,16 @@ def on_final() -> SavePolicy:
 
 class _EverySteps(LeafPolicy):
     kind, params, defaults = "every_steps", ("n", "offset"), (("offset", 0),)
-
-    def __init__(self, n: int, offset: int) -> None:
-        self.n = n
-        self.offset = offset
-
-    def init(self) -> PolicyState:
-        return {"last_saved_step": None}
+    initial = (("last_saved_step", None),)
+    n: int
+    offset: int
 
     def decide(self, state: PolicyState, event: Event) -> bool:
-        last = checked_state(self, state, ["last_saved_step"])["last_saved_step"]
-        step = event.step
+        last, step = self.fields(state)["last_saved_step"], event.step
         return step >= self.offset and (step - self.offset) % self.n == 0 and step != last
 
     def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
-        last = checked_state(self, state, ["last_saved_step"])["last_saved_step"]
+        last = self.fields(state)["last_saved_step"]
         return {"last_saved_step": event.step if saved else last}
 
 
@@ -81,17 +68,13 @@ def every_steps(n: int, offset: int = 0) -> SavePolicy:
 
 class _EveryEpochs(LeafPolicy):
     kind, params = "every_epochs", ("n",)
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def init(self) -> PolicyState:
-        return {"ended": 0, "end_step": None, "saved": False}
+    initial = (("ended", 0), ("end_step", None), ("saved", False))
+    n: int
 
     def _fields(self, state: PolicyState) -> tuple[int, int | None, bool]:
         if isinstance(state, dict) and set(state) == {"last_epoch", "owed"}:
             state = self.init()  # the state of the former epoch-counter policy: counts anew
-        fields = checked_state(self, state, ["ended", "end_step", "saved"])
+        fields = self.fields(state)
         return int(fields["ended"]), fields["end_step"], bool(fields["saved"])
 
     def decide(self, state: PolicyState, event: Event) -> bool:
@@ -119,19 +102,15 @@ def every_epochs(n: int) -> SavePolicy:
 
 class _AtSteps(LeafPolicy):
     kind, params = "at_steps", ("steps",)
-
-    def __init__(self, steps: list[int]) -> None:
-        self.steps = steps  # sorted, each once
-
-    def init(self) -> PolicyState:
-        return {"fired": []}
+    initial: tuple[tuple[str, Any], ...] = (("fired", []),)
+    steps: list[int]  # sorted, each once
 
     def decide(self, state: PolicyState, event: Event) -> bool:
-        fired = checked_state(self, state, ["fired"])["fired"]
+        fired = self.fields(state)["fired"]
         return event.step in self.steps and event.step not in fired
 
     def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
-        fired = checked_state(self, state, ["fired"])["fired"]
+        fired = self.fields(state)["fired"]
         if not saved or event.step not in self.steps or event.step in fired:
             return state
         return {"fired": sorted([*fired, event.step])}
@@ -152,15 +131,11 @@ def at_steps(steps: Iterable[int]) -> SavePolicy:
 
 class _EverySecs(LeafPolicy):
     kind, params = "every_secs", ("secs",)
-
-    def __init__(self, secs: float) -> None:
-        self.secs = secs
-
-    def init(self) -> PolicyState:
-        return {"since": None}
+    initial = (("since", None),)
+    secs: float
 
     def _since(self, state: PolicyState, event: Event) -> tuple[float | None, float]:
-        since = checked_state(self, state, ["since"])["since"]
+        since = self.fields(state)["since"]
         if event.time is None:
             raise PolicyError(
                 f"{self!r}: Event(step={event.step}) has no time; this policy needs the "
@@ -189,17 +164,13 @@ def every_secs(secs: float) -> SavePolicy:
 class _OnImprove(LeafPolicy):
     kind, params = "on_improve", ("metric", "mode", "min_delta")
     defaults = (("mode", "min"), ("min_delta", 0.0))
-
-    def __init__(self, metric: str, mode: str, min_delta: float) -> None:
-        self.metric = metric
-        self.mode = mode
-        self.min_delta = min_delta
-
-    def init(self) -> PolicyState:
-        return {"best": None}
+    initial = (("best", None),)
+    metric: str
+    mode: str
+    min_delta: float
 
     def _best(self, state: PolicyState) -> float | None:
-        best = checked_state(self, state, ["best"])["best"]
+        best = self.fields(state)["best"]
         return None if best is None else float(best)
 
     def decide(self, state: PolicyState, event: Event) -> bool:

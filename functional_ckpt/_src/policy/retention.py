@@ -65,7 +65,7 @@ class RetentionPolicy(ABC):
     @property
     def spec(self) -> PolicySpec:
         """Its configuration form (a union: a list), which :func:`.retention_from_config`
-        rebuilds; one defined outside this package gives its type and repr."""
+        rebuilds (one defined outside: its type and repr)."""
         return custom_spec(self)
 
     def __or__(self, other: object) -> RetentionPolicy:
@@ -93,8 +93,8 @@ class _Union(RetentionPolicy):
 
 
 class _Keep(RetentionPolicy):
-    """A leaf policy: its kind and arguments (its spec), how many of them its repr shows
-    by position and, for ``keep_within``, its clock (how "now" is read)."""
+    """A leaf policy: its kind and arguments (its spec), how many its repr shows by
+    position, and ``keep_within``'s clock."""
 
     def __init__(
         self, kind: str, shown: int = 1, clock: Callable[[], float] = time.time, **args: Any

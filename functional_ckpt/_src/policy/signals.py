@@ -8,11 +8,11 @@ import threading
 from types import FrameType
 from typing import Any
 
-from functional_ckpt._src.policy.base import Event, PolicySpec, PolicyState, SavePolicy, no_state
+from functional_ckpt._src.policy.base import Event, LeafPolicy, PolicySpec, PolicyState
 from functional_ckpt.errors import CheckpointError
 
 
-class SignalPolicy(SavePolicy):
+class SignalPolicy(LeafPolicy):
     """Returned by :func:`on_signal`; adds :meth:`trigger` and :meth:`uninstall`."""
 
     def __init__(self, signum: signal.Signals) -> None:
@@ -51,18 +51,11 @@ class SignalPolicy(SavePolicy):
         self._installed = False
         self._pending = False
 
-    def init(self) -> PolicyState:
-        return None
-
     def decide(self, state: PolicyState, event: Event) -> bool:
         # The documented impurity: the vote consumes the process's flag.
-        no_state(self, state)
+        self.fields(state)
         pending, self._pending = self._pending, False
         return pending
-
-    def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
-        no_state(self, state)
-        return None
 
     @property
     def spec(self) -> PolicySpec:

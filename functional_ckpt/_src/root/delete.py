@@ -28,8 +28,7 @@ def quarantine(root: Path, path: Path) -> Path:
 
 def delete(root: Path, paths: Iterable[Path]) -> list[Path]:
     """Take checkpoints out of sight crash-safely; returns the trash left to remove (a
-    crash before that leaves uncommitted leftovers). Of a symbolic link only the link goes.
-    """
+    crash leaves uncommitted leftovers). Of a symbolic link only the link goes."""
     trash: list[Path] = []
     t0 = time.perf_counter()
     for path in paths:

@@ -37,12 +37,7 @@ def open_writer(root: Path, *, stacklevel: int = 2) -> WriterLock:
 
 def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
     """Recover or remove what crashed writers left in ``root``; returns what was recovered.
-
-    Of every ``step_N.tmp-*`` / ``step_N.trash-*``, an uncommitted one is deleted; of
-    the committed ones (an interrupted overwrite leaves both), the newest by save time
-    goes back to a free ``step_N``, the rest stay with a :class:`LeftoverWarning`.
-    Temporaries under ``exports/`` are deleted (an export can be written again).
-    """
+    Temporaries under ``exports/`` are deleted (an export can be written again)."""
     groups: dict[str, list[Path]] = {}
     changed = False
     for parent in (root, root / EXPORTS_DIR):
@@ -70,8 +65,7 @@ def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
 
 def recover_beside(directory: Path, *, stacklevel: int = 2) -> list[Path]:
     """:func:`recover_leftovers` for checkpoints named freely among other files
-    (Lightning's): only a temporary directory holding nothing but a checkpoint's files
-    is touched. Safe only while no other process saves into ``directory``."""
+    (Lightning's): only a temporary holding nothing but a checkpoint's files is touched."""
     groups: dict[str, list[Path]] = {}
     changed = False
     try:
@@ -101,7 +95,8 @@ _LEFTOVERS = frozenset({Kind.EMPTY, Kind.PART, Kind.STOCK_DCP, Kind.UNCOMMITTED,
 def _put_back(
     parent: Path, groups: dict[str, list[Path]], changed: bool, *, stacklevel: int
 ) -> list[Path]:
-    """Rename the newest committed leftover of each free name back; warn about the rest."""
+    """Rename the newest committed leftover (by save time) of each free name back; warn
+    about the rest (an interrupted overwrite leaves two)."""
     recovered: list[Path] = []
     for base, paths in sorted(groups.items()):
         final = parent / base

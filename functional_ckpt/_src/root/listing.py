@@ -1,12 +1,12 @@
-"""What a root of checkpoints holds, read the same way by the manager, the remote tier
-and ``fckpt``: a checkpoint is listed by its canonical ``step_N`` name, counts once
-committed, and is summarised from its manifest alone."""
+"""What a root of checkpoints holds, read alike by the manager, the remote tier and
+``fckpt``: listed by canonical ``step_N`` name, counted once committed, summarised from
+its manifest alone."""
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,9 +24,8 @@ from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
 @dataclass(frozen=True)
 class StepInfo:
-    """One managed checkpoint, as retention policies and users see it: ``time`` is when
-    the save started (0.0 if unknown), ``size`` counts every file, ``metadata`` is all
-    it recorded."""
+    """One managed checkpoint as retention and users see it: ``time``, when the save
+    started (0.0 if unknown); ``size``, every file's."""
 
     step: int
     path: Path
@@ -54,31 +53,6 @@ def stamp(path: Path) -> tuple[int, int, int]:
     return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
-class Summaries:
-    """:func:`read_info` of committed checkpoints, read again only when one's marker
-    :func:`stamp` changed (a step saved again, or replaced by another writer)."""
-
-    def __init__(self) -> None:
-        self._cache: dict[int, tuple[tuple[int, int, int], StepInfo]] = {}
-
-    def get(self, path: Path, step: int) -> StepInfo | None:
-        """The summary of ``path``, or None if it holds no committed checkpoint."""
-        try:
-            marker = stamp(path)
-        except FileNotFoundError:
-            return None
-        cached = self._cache.get(step)
-        if cached is not None and cached[0] == marker:
-            return cached[1]
-        info = read_info(path, step)
-        self._cache[step] = (marker, info)
-        return info
-
-    def forget(self, steps: Iterable[int]) -> None:
-        for step in steps:
-            self._cache.pop(step, None)
-
-
 def dir_identity(path: Path) -> tuple[int, tuple[int, int, int] | None] | None:
     """(directory inode, marker stamp), or None if gone: did a writer swap it under us?"""
     try:
@@ -93,9 +67,8 @@ def dir_identity(path: Path) -> tuple[int, tuple[int, int, int] | None] | None:
 
 @dataclass
 class RootEntry:
-    """One checkpoint-related directory of a root: ``status`` is ``ok``, ``damaged``
-    (committed, manifest unreadable), ``uncommitted``, ``quarantined``, ``deleting`` or
-    ``foreign`` (stock DCP); ``canonical``: named exactly ``step_name(step)``."""
+    """One checkpoint-related directory of a root: ``status`` is ``ok``, ``damaged``,
+    ``uncommitted``, ``quarantined``, ``deleting`` or ``foreign`` (stock DCP)."""
 
     name: str
     path: Path

@@ -66,9 +66,8 @@ def _open_lock_file(root: Path, path: Path) -> int:
 
 
 class WriterLock:
-    """An exclusive ``flock`` on ``root/.lock`` for the lifetime of a writer. The file
-    (pid, host, start time: for messages) is never removed, lest a second process lock
-    a fresh inode of the name, and never opened through a link."""
+    """An exclusive ``flock`` on ``root/.lock`` for a writer's lifetime. The file (its
+    holder, for messages) is never removed, lest another process lock a fresh inode."""
 
     def __init__(self, root: Path) -> None:
         self.path = root / LOCK_FILE

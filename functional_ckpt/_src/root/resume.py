@@ -38,12 +38,9 @@ def newest_readable(
     elsewhere: bool = False,
 ) -> tuple[tuple[StepInfo, T] | None, set[tuple[int, int]]]:
     """Read the newest of ``candidates()`` (``(step, path)``, listed again when one
-    vanishes while read) that ``read`` reads: (its summary and what ``read`` made of
-    it, or None; the ``(step, inode)`` of each damaged one left in place).
-
-    ``elsewhere``: another tier holds an older intact step, so none readable here is
-    no error.
-    """
+    vanishes while read) that ``read`` reads: ((its summary, what ``read`` made) or None,
+    the ``(step, inode)`` of each damaged one left in place). ``elsewhere``: another tier
+    holds an older intact step, so none readable here is no error."""
     failures: list[str] = []
     bad: set[tuple[int, int]] = set()
 

@@ -40,9 +40,6 @@ class RollbackPlan:
     newer: Newer
     branch: str | None
 
-    def encode(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
     @staticmethod
     def decode(raw: bytes, where: Path) -> RollbackPlan:
         try:
@@ -103,7 +100,13 @@ def run(
         if newer == "branch":
             name = new_branch(root, branch, newer_steps[-1], to_step)
         plan = RollbackPlan(to_step, [step_name(s) for s in newer_steps], newer, name)
-        begin(root, plan)
+        intent = root / INTENT_FILE
+        if intent.exists():
+            raise CheckpointError(
+                f"{intent}: a rollback is already in progress; reopen the manager"
+            )
+        # recorded durably before anything moves: from here on it finishes, even after a crash
+        durable.replace_durably(intent, json.dumps(asdict(plan), sort_keys=True).encode())
         finish(root)
     done = {"time": time.time(), "to_step": to_step, "newer_steps": newer_steps, "branch": name}
     return done if reason is None else {**done, "reason": dict(reason)}
@@ -126,14 +129,6 @@ def new_branch(root: Path, name: str | None, from_step: int, to_step: int) -> st
         n += 1
         candidate = f"{base}_{n}"
     return candidate
-
-
-def begin(root: Path, plan: RollbackPlan) -> None:
-    """Record ``plan`` durably; nothing has moved yet, and from here on it will finish."""
-    intent = root / INTENT_FILE
-    if intent.exists():
-        raise CheckpointError(f"{intent}: a rollback is already in progress; reopen the manager")
-    durable.replace_durably(intent, plan.encode())
 
 
 #: Largest rollback intent read back (the names of the steps it moves).

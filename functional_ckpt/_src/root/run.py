@@ -1,7 +1,6 @@
-"""The run a root holds: a random id made by its first writer and recorded in every
-checkpoint, so a tier outside the root (RAM) is resumed only when it holds this run's.
-No leading dot: ``rm -rf ckpt/*`` starts a new run. Its secret (owner-only) names the
-memory tier's folder unpredictably."""
+"""The run a root holds: a random id recorded in every checkpoint, so a tier outside the
+root (RAM) is resumed only when it holds this run's (no leading dot: ``rm -rf ckpt/*``
+starts a new run), and an owner-only secret naming the memory tier's folder."""
 
 from __future__ import annotations
 

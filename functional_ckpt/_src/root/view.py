@@ -10,7 +10,7 @@ from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.format.naming import BRANCHES_DIR, step_name
 from functional_ckpt._src.policy.retention import best_steps
 from functional_ckpt._src.root import rollback
-from functional_ckpt._src.root.listing import StepInfo, Summaries, committed_steps, step_dirs
+from functional_ckpt._src.root.listing import StepInfo, committed_steps, read_info, stamp, step_dirs
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
 
@@ -39,7 +39,8 @@ class RootView:
         check_root(root)
         self.root = root
         self._bad: set[tuple[int, int]] = set()  # (step, dir inode) found unreadable
-        self._summaries = Summaries()
+        # each step's summary, read again when its marker's stamp changed (saved again)
+        self._summaries: dict[int, tuple[tuple[int, int, int], StepInfo]] = {}
 
     def path(self, step: int) -> Path:
         """Where the checkpoint of ``step`` lives (whether or not it exists)."""
@@ -65,24 +66,27 @@ class RootView:
 
     def forget(self, steps: list[int]) -> None:
         """These steps were deleted or moved: their summaries are stale."""
-        self._summaries.forget(steps)
+        for step in steps:
+            self._summaries.pop(step, None)
 
     def info(self, step: int) -> StepInfo:
         """Step, time, metrics, epoch, size and full metadata of one checkpoint."""
         path = self.path(step)
-        info = self._summaries.get(path, step)
-        if info is None:
+        try:
+            marker = stamp(path)
+        except FileNotFoundError:
             raise CheckpointNotFound(
                 f"{path}: no committed checkpoint for step {step} in {self.root} "
                 f"(steps: {self._steps_text()})"
-            )
-        return info
+            ) from None
+        cached = self._summaries.get(step)
+        if cached is None or cached[0] != marker:
+            cached = self._summaries[step] = (marker, read_info(path, step))
+        return cached[1]
 
     def _steps_text(self) -> str:
         steps = self.steps()
-        if not steps:
-            return "none"
-        shown = ", ".join(map(str, steps[-10:]))
+        shown = ", ".join(map(str, steps[-10:])) or "none"
         return shown if len(steps) <= 10 else f"…, {shown}"
 
     def infos(self) -> list[StepInfo]:

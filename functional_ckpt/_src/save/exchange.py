@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -52,20 +52,6 @@ class Recipe:
     bounds: list[int]  # where each part's rows start in ``order``
     rest: list[tuple[int, KeyBox]]  # the rows the index and the per-rank entries hold
     spliced: Spliced  # the split, and .metadata once the save derived it
-
-
-@dataclass
-class PlanCaches:
-    """Every checkpoint group's :class:`PlanCache` in this process, by plan key."""
-
-    by_key: dict[str, PlanCache] = field(default_factory=dict)
-
-    def get(self, key: str) -> PlanCache:
-        return self.by_key.setdefault(key, PlanCache())
-
-    def forget(self, key: str) -> None:
-        """Drop a group's plans (a save that failed: ranks may no longer agree)."""
-        self.by_key.pop(key, None)
 
 
 def global_step(

@@ -1,16 +1,11 @@
-"""A save every rank takes part in, planned by DCP's planner.
-
-DCP's planner decides who writes what (sharded DTensor leaves by their owners,
-replicated tensors once, spread across ranks); each rank writes its shard file as a
-single-process save would, and the coordinator commits once every rank reported its
-data durable. The rounds are the project's own (:mod:`.exchange`).
-"""
+"""A save every rank takes part in: DCP's planner decides who writes what, each rank
+writes its shard file as a single-process save would, and the coordinator commits once
+every rank reported its data durable (the rounds: :mod:`.exchange`)."""
 
 from __future__ import annotations
 
 import os
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +23,7 @@ from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import Chunk, Entry, Tree, Written
 from functional_ckpt._src.format.naming import parse_shard
 from functional_ckpt._src.format.view import parse_planned
-from functional_ckpt._src.save import dedup, exchange, incremental, splice, trust
+from functional_ckpt._src.save import dedup, exchange, incremental, splice, staging, trust
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.job import SaveJob
 from functional_ckpt._src.save.local import finalize
@@ -41,15 +36,12 @@ from functional_ckpt.errors import CheckpointError
 
 @dataclass(frozen=True)
 class _Commit:
-    """What the coordinator needs to turn every rank's chunks into a committed checkpoint,
-    and what each rank writes with."""
+    """What each rank writes with, and the coordinator commits with."""
 
     job: SaveJob
     tmp: Path
     created: float
-    world: int
     blobs: list[ByteEntry]  # the values for stock readers, planned (rank 0)
-    base: incremental.Base | None
     idents: dict[str, trust.Ident | None]  # by DCP key
     read: Callable[[], None] | None = None  # once this rank read every tensor it writes
 
@@ -61,8 +53,8 @@ class _Commit:
         elsewhere: dict[str, int],
         cache: exchange.PlanCache,
     ) -> int:
-        """Commit the checkpoint (the coordinator): its size in bytes. ``elsewhere``: the
-        shard files ranks reported writing into parts of their own, with their sizes."""
+        """Commit (the coordinator): the checkpoint's size. ``elsewhere``: the shard files
+        ranks reported writing into parts of their own, with their sizes."""
         plan = self.job.plan
         tree = Tree(plan.entries, ranks, plan.root)
         # every rank writes its file, unless an incremental save found nothing to write
@@ -98,21 +90,6 @@ class _Commit:
         return nbytes
 
 
-def plan_key(ranks: Sequence[int], purpose: str = "save") -> str:
-    """The plan cache's key for a checkpoint group of these global ranks.
-
-    ``purpose`` names the group (the disk tier's saves, the memory tier's): two
-    groups of the same ranks save on threads of their own, and one's failure (which
-    forgets its plans) must not make the other's in-flight save fail.
-    """
-    ranks_crc = zlib.crc32(repr(tuple(ranks)).encode())
-    return f"functional_ckpt/{purpose}/{len(ranks)}/{ranks_crc:08x}"
-
-
-#: This process's plan caches (a cache, never a decision: :class:`exchange.PlanCache`).
-PLANS = exchange.PlanCaches()
-
-
 def save_planned(
     job: SaveJob,
     tensors: Sequence[torch.Tensor],
@@ -122,13 +99,9 @@ def save_planned(
 ) -> CheckpointInfo:
     """The multi-rank write of a planned save: every rank calls it; one checkpoint commits.
 
-    The first round carries the coordinator's directory name and its arguments
-    (:func:`exchange.arguments`): a rank that passed others fails with the next. A
-    rank's planning failure (``job.error``) is agreed on with the coordinator's
-    directory (one round: the coordinator makes it only when it planned, and removes
-    it when another rank did not), so all of them fail together. ``tensors`` are what
-    fills the plan's targets (the sources, DTensors included, or their staged copies);
-    ``read()`` is called once this rank no longer reads them (its shard file written).
+    Every failure (``job.error`` included, or arguments that differ from the
+    coordinator's) is agreed on, so all ranks fail together. ``tensors`` fill the
+    plan's targets; ``read()`` is called once this rank no longer reads them.
     """
     t0 = time.perf_counter()
     dest = job.dest
@@ -149,8 +122,7 @@ def save_planned(
             error = error or exchange.disagreement(job, coordinator, rank, what)
     except CheckpointError as e:
         error = error or e
-    tmp = dest.parent / tmp_name
-    made = False
+    tmp, made, own = dest.parent / tmp_name, False, False
     try:
         if rank == 0 and error is None:
             durable.make_dirs(dest.parent)
@@ -158,25 +130,13 @@ def save_planned(
             made = True
     except BaseException as e:
         error = os_failure(e, dest, "saving") if isinstance(e, OSError) else e
-    try:
-        groups.agree(error, group, what)
-    except BaseException:
-        if made:
-            commit.remove_tree(tmp)
-        raise
-    plan = job.plan
+    _agree(error, group, what, tmp if made else None)
     try:
         own = rank != 0 and _own_part(tmp, job.options.parts)
     except BaseException as e:
-        error, own = os_failure(e, dest, "saving") if isinstance(e, OSError) else e, False
-    try:
-        groups.agree(error, group, what)
-    except BaseException:
-        if rank == 0 or own:
-            commit.remove_tree(tmp)
-        raise
-    world = dist.get_world_size(group)
-    key = plan_key(dist.get_process_group_ranks(group), job.options.group)
+        error = os_failure(e, dest, "saving") if isinstance(e, OSError) else e
+    _agree(error, group, what, tmp if rank == 0 or own else None)
+    plan = job.plan
     blobs: list[ByteEntry] = []
     state_dict: dict[str, Any] = {}
     idents: dict[str, trust.Ident | None] = {}
@@ -186,15 +146,13 @@ def save_planned(
         state_dict = {e.fqn: t for e, t in zip(plan.targets, tensors, strict=True)}
     except BaseException as e:
         error = e
-    # A rank with a part of its own (a folder or root of its machine) has a base when
-    # its last step there is a checkpoint (a replicated memory tier's folder: the
-    # coordinator's manifest beside this rank's files); a bare part opens as none.
-    commit_job = _Commit(job, tmp, time.time(), world, blobs, job.base, idents, read)
+    commit_job = _Commit(job, tmp, time.time(), blobs, idents, read)
+    cache = staging.plans(group, exchange.PlanCache)
     try:
         with gc_paused():
-            nbytes, seen = _rounds(commit_job, state_dict, PLANS.get(key), group, what, error)
+            nbytes, seen = _rounds(commit_job, state_dict, cache, group, what, error)
     except VerdictLost as e:
-        PLANS.forget(key)
+        staging.forget(group)  # the next save plans afresh on every rank
         if own:
             _keep_part(tmp, dest)
             raise CheckpointError(
@@ -202,7 +160,7 @@ def save_planned(
             ) from e
         raise
     except BaseException as e:
-        PLANS.forget(key)  # the next save plans afresh on every rank
+        staging.forget(group)
         if rank == 0 or own:
             commit.remove_tree(tmp)
         raise as_checkpoint_error(e, what, "; nothing was committed") from e
@@ -225,23 +183,17 @@ def save_planned(
 def coordinate(
     gathered: Sequence[bytes], mine: tuple[Entry, ...], cache: exchange.PlanCache
 ) -> tuple[dict[int, bytes], tuple[tuple[Entry, ...], ...], list[dedup.Drops | None]]:
-    """The coordinator's step before the writes, on every rank's :func:`exchange.rank_payload`:
-    (the failures, every rank's per-rank entries, each rank's drops).
-
-    Pure, so it can be measured for any world size without a process group
-    (benchmarks/scale.py). ``mine`` is the coordinator's own entries (not decoded
-    again).
-    """
+    """The coordinator's step before the writes: (the failures, every rank's per-rank
+    entries, each rank's drops). Pure, so benchmarks/scale.py measures it for any world
+    size; ``mine``: the coordinator's own entries (not decoded again)."""
     failures: dict[int, bytes] = {}
     entries: list[tuple[Entry, ...]] = []
     keys: list[tuple[dedup.ItemKey, ...] | None] = []
     for r, data in enumerate(gathered):
         told = codec.decode(data)
-        if not isinstance(told, list) or len(told) != 3:
+        if not isinstance(told, list) or len(told) != 3 or type(told[0]) is not bytes:
             raise CheckpointError(f"rank {r} sent an invalid save plan")
         report, local, k = told
-        if type(report) is not bytes:
-            raise CheckpointError(f"rank {r} sent an invalid save plan")
         if report:
             failures[r] = report
             continue
@@ -260,13 +212,10 @@ def _rounds(
     what: str,
     error: BaseException | None = None,
 ) -> tuple[int, trust.Seen]:
-    """Plan, write and commit with the other ranks: four exchanges, each a gather to
-    the coordinator or one message from it, so a rank other than the coordinator
-    moves the same bytes whatever the world size. Returns the checkpoint's size and
-    what this rank wrote (its commit's trust). Every rank fails together
-    (:func:`groups.raise_failures`): whatever fails on a rank (``error``: before
-    the rounds) is sent in the next exchange, and every rank takes part in each
-    exchange until all of them know.
+    """Plan, write and commit in four exchanges, each a gather to the coordinator or one
+    message from it, so a rank other than the coordinator moves the same bytes whatever
+    the world size: (the checkpoint's size, this commit's trust). A failure (``error``:
+    before the rounds) travels with the next exchange, so every rank fails together.
     """
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -365,31 +314,25 @@ def _rounds(
 
 
 class VerdictLost(CheckpointError):
-    """The last exchange of a save failed: every rank had written, and only the
-    coordinator knows whether it committed (it has, when ``committed``).
-
-    Not "nothing committed": a rank that keeps a part keeps it then, because a part
-    alone is never read as a checkpoint and the coordinator's checkpoint, if it
-    committed, needs it.
-    """
+    """The last exchange of a save failed: only the coordinator knows whether it
+    committed (it has, when ``committed``), so a rank keeps its part, which the
+    checkpoint may need and which alone is never read as one."""
 
     def __init__(self, what: str, cause: BaseException, *, committed: bool) -> None:
-        if committed:
-            text = f"{what}: committed, but another rank did not take the verdict ({cause})"
-        else:
-            text = (
-                f"{what}: the coordinator did not confirm the commit ({cause}); "
-                "it may have committed"
-            )
-        super().__init__(text)
+        super().__init__(
+            f"{what}: committed, but another rank did not take the verdict ({cause})"
+            if committed
+            else f"{what}: the coordinator did not confirm the commit ({cause}); it may have "
+            "committed"
+        )
         self.committed = committed
 
 
 def _write(
     job: _Commit, plan: SavePlan, planner: Any, rank: int
 ) -> tuple[list[tuple[str, Chunk]], list[ByteEntry], trust.Seen]:
-    """Write this rank's share of the final plan: its chunks by DCP key, the values
-    as located (the coordinator's), and its commit's trust."""
+    """Write this rank's share of the final plan: (its chunks by DCP key, the values as
+    located, its commit's trust)."""
     items = [it for it in plan.items if it.type != WriteItemType.BYTE_IO]
     tensors = [host_copy(planner.resolve_data(it)) for it in items]
     keys: list[trust.Key] = []
@@ -402,7 +345,14 @@ def _write(
         # none of a multi-rank save (its readers check every blob on its own).
         level = job.job.options.zstd_level
         chunks, located, _ = incremental.write_rank(
-            job.tmp, rank, job.base, keys, tensors, chunk_idents, blobs=job.blobs, zstd_level=level
+            job.tmp,
+            rank,
+            job.job.base,
+            keys,
+            tensors,
+            chunk_idents,
+            blobs=job.blobs,
+            zstd_level=level,
         )
     except OSError as e:
         raise os_failure(e, job.job.dest, "saving") from e
@@ -412,9 +362,18 @@ def _write(
     return written, located, trust.Seen(keys, chunk_idents)
 
 
+def _agree(error: BaseException | None, group: Any, what: str, made: Path | None) -> None:
+    """:func:`groups.agree`, removing the directory ``made`` when any rank failed."""
+    try:
+        groups.agree(error, group, what)
+    except BaseException:
+        if made is not None:
+            commit.remove_tree(made)
+        raise
+
+
 def _keep_part(tmp: Path, dest: Path) -> None:
-    """Rename this rank's part to the checkpoint's name (replacing an older part or
-    checkpoint there), or remove it when that fails."""
+    """Rename this rank's part to the checkpoint's name, or remove it when that fails."""
     try:
         commit.commit_checkpoint(tmp, dest, overwrite=True, replaces=commit.PARTS)
     except OSError as e:
@@ -423,8 +382,7 @@ def _keep_part(tmp: Path, dest: Path) -> None:
 
 
 def _own_files(tmp: Path, rank: int) -> dict[str, int]:
-    """This rank's shard files in ``tmp`` (a part, possibly shared with the other ranks
-    of its machine), with their sizes: what it reports having written."""
+    """This rank's shard files in ``tmp`` with their sizes: what it reports writing."""
     return {
         n: os.stat(tmp / n, follow_symlinks=False).st_size
         for n in sorted(os.listdir(tmp))
@@ -435,11 +393,8 @@ def _own_files(tmp: Path, rank: int) -> dict[str, int]:
 def _own_part(tmp: Path, parts: bool) -> bool:
     """Create ``tmp`` here if this rank does not see the coordinator's: True if it did.
 
-    Ranks that share no file system with the coordinator (one local root per
-    machine, under a remote tier: ``SaveOptions.parts``) each keep their shard files
-    in a directory of their own, renamed to the checkpoint's name once the
-    coordinator committed: a *part* of the checkpoint, without manifest or marker,
-    which no reader takes for a checkpoint.
+    A rank sharing no file system with the coordinator (``SaveOptions.parts``) keeps
+    its files in a *part*: no manifest or marker, never read as a checkpoint.
     """
     if tmp.is_dir():
         return False

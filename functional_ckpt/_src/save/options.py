@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from functional_ckpt._src.paths import PathLike
-from functional_ckpt._src.save.trust import PROCESS_TRUST, TrustMemory
+from functional_ckpt._src.save.staging import PROCESS_TRUST
+from functional_ckpt._src.save.trust import TrustMemory
 from functional_ckpt._src.storage import zstd
 
 #: Top-level subtrees that differ between ranks and are stored once per rank.

@@ -1,11 +1,9 @@
 """The coordinator's merge of every rank's written chunks into the manifest's parts.
 
-A training loop saves one layout again and again: each rank writes its last plan and
-only its chunks' numbers change (the CRC32s; offsets where compressed). The
-coordinator keeps, from the last save, which part and row each rank's chunk fills
-and which chunks the index holds; a save of that layout packs the parts' rows from
-every rank's columns (:mod:`..format.packed_rows`) and keeps ``.metadata`` while
-every file, offset and length is the same: no Python object per chunk.
+A training loop saves one layout again and again, only its chunks' numbers changing
+(CRC32s; offsets where compressed): the coordinator keeps where each rank's rows went
+last time, packs the parts' rows from every rank's columns (:mod:`..format.packed_rows`)
+and keeps ``.metadata`` while every file, offset and length is the same.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The staging stage of the save pipeline, and the handle of a background save.
-
-A :class:`Stager` reuses its buffers while shapes stay the same, so host memory
-stays flat over any number of saves.
-"""
+"""The staging stage of the save pipeline, the handle of a background save, and this
+process's saves. A :class:`Stager` reuses its buffers while shapes stay the same, so
+host memory stays flat over any number of saves."""
 
 from __future__ import annotations
 
@@ -13,10 +11,11 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import wait
 from pathlib import Path
-from typing import Any, Literal, cast, get_args
+from typing import Any, Literal, TypeVar, cast, get_args
 
 import torch
 
@@ -24,11 +23,14 @@ from functional_ckpt._src.distributed.topology import is_dtensor
 from functional_ckpt._src.format.blobs import byte_view
 from functional_ckpt._src.format.keys import format_path
 from functional_ckpt._src.format.manifest import TensorEntry, Written
+from functional_ckpt._src.save import trust
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.state.allocation import host_empty
 from functional_ckpt._src.storage.live import LiveReader
 from functional_ckpt._src.threads import BackgroundThread
 from functional_ckpt.errors import CheckpointError, ModifiedDuringSave
+
+_T = TypeVar("_T")
 
 #: How an asynchronous save reads the state (see :func:`functional_ckpt.save_async`):
 #: ``copy`` into reusable buffers, then write those; ``write`` the live tensors straight
@@ -49,9 +51,8 @@ def check_staging(value: object, what: str) -> Staging:
 
 
 class Stager:
-    """Reusable host buffers (pinned for CUDA) for one state layout; busy from
-    :meth:`acquire` until the write that read them has finished, so a second save waits
-    instead of overwriting bytes still being written."""
+    """Reusable host buffers (pinned for CUDA) for one state layout, busy until the write
+    that read them finished: a second save waits instead of overwriting them."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
@@ -236,12 +237,9 @@ def version_guard(
     targets: Sequence[TensorEntry],
 ) -> tuple[Callable[[int], None], Callable[[Written], None], Callable[[], None]]:
     """Hooks that refuse the commit of a state changed while it was written:
-    ``after_each(i)``, ``check(written)`` before the commit and ``moved()``.
-
-    Version counters miss writes through ``.data`` or numpy, so before the commit
-    every tensor is checksummed again against the CRC32 of the bytes in the file. A
-    storage resized or freed meanwhile moves (address or size): checked after each
-    write, before the second checksum, and by ``moved()`` for a write that failed.
+    ``after_each(i)``, ``check(written)`` before the commit and ``moved()``. Version
+    counters miss writes through ``.data`` or numpy, so ``check`` checksums every tensor
+    again; a storage resized or freed moves (address or size) and is never read again.
     """
     versions = [t._version for t in sources]
     places = [_place(t) for t in sources]
@@ -295,6 +293,27 @@ _RUNNING: set[PendingSave] = set()
 
 #: Failed saves whose error nobody has read yet: printed at exit, which then fails.
 _UNREAD: set[PendingSave] = set()
+
+#: The last checkpoints ``fc.save`` and ``fc.save_async`` committed, the trust of an
+#: incremental save's base (:mod:`.trust`; a manager brings its own).
+PROCESS_TRUST = trust.TrustMemory()
+
+#: Each live checkpoint group's last save plans (torch's groups hold no attributes).
+_PLANS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def plans(group: Any, new: Callable[[], _T]) -> _T:
+    """The last save plans of a checkpoint group (``new()`` at first), kept while it lives:
+    two groups of the same ranks (the disk tier's, the memory tier's) never share them,
+    and a re-initialized job, whose groups are new, plans afresh."""
+    if group not in _PLANS:
+        _PLANS[group] = new()
+    return cast(_T, _PLANS[group])
+
+
+def forget(group: Any) -> None:
+    """After a failed save, whose ranks may no longer hold the same plans."""
+    _PLANS.pop(group, None)
 
 
 def _finish_saves() -> None:

@@ -1,9 +1,7 @@
-"""What this process knows of the checkpoints it committed (an incremental save's trust).
-
-A base's file is trusted without a byte comparison only if this process wrote it and
-it is still the file it left (device, inode, size, mtime). The memory only spares
-work: every byte it lets a save share is still covered by its CRC32.
-"""
+"""What a process knows of the checkpoints it committed: a base's file is trusted
+without a byte comparison only if this process wrote it and it is still the file it left
+(device, inode, size, mtime). It only spares work: every byte shared is still covered by
+its CRC32."""
 
 from __future__ import annotations
 
@@ -33,8 +31,8 @@ CheckpointIdent = tuple[int, int, int, int]
 
 
 class Seen:
-    """Each saved chunk's tensor identity and version; the table is built on first lookup
-    (most saves are never a base)."""
+    """Each saved chunk's tensor identity and version, tabled on first lookup (most saves
+    are never a base)."""
 
     def __init__(self, keys: Sequence[Key], idents: Sequence[Ident | None]) -> None:
         self._keys, self._idents = tuple(keys), tuple(idents)
@@ -61,7 +59,7 @@ class Recollection:
 
 class TrustMemory:
     """The last few checkpoints this process committed (thread-safe: saves commit in the
-    background); a manager owns one, ``fc.save`` uses :data:`PROCESS_TRUST`."""
+    background); a manager owns one, ``fc.save`` uses :data:`.staging.PROCESS_TRUST`."""
 
     def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity
@@ -76,12 +74,8 @@ class TrustMemory:
             return
         try:
             key = checkpoint_ident(dir_fd, dest)
-            files = {}
-            for n in os.listdir(dir_fd):
-                shard = parse_shard(n)
-                fid = file_ident(dir_fd, n) if shard is not None and shard[0] == rank else None
-                if fid is not None:
-                    files[n] = fid
+            mine = [n for n in os.listdir(dir_fd) if (parse_shard(n) or (-1,))[0] == rank]
+            files = {n: fid for n in mine if (fid := file_ident(dir_fd, n)) is not None}
         finally:
             os.close(dir_fd)
         with self._lock:
@@ -102,16 +96,12 @@ class TrustMemory:
             return self._known.get(key)
 
 
-#: The memory of ``fc.save`` and ``fc.save_async`` (a manager brings its own).
-PROCESS_TRUST = TrustMemory()
-
-
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def idents(tensors: Sequence[torch.Tensor]) -> tuple[Ident | None, ...]:
     """Where each tensor's bytes are (a DTensor's shard's) and its version counter; None
-    for one that has none. One loop, no failing attribute lookup: a save has thousands."""
+    for one that has none. One loop: a save has thousands."""
     out: list[Ident | None] = []
     add = out.append
     for t in tensors:
