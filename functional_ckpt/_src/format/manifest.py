@@ -372,7 +372,7 @@ def even_splits(entries: Sequence[Entry], world: int) -> dict[KeyPath, int]:
     out: dict[KeyPath, int] = {}
     for e in entries:
         if type(e) is TensorEntry and e.alias is None and len(e.chunks) == world:
-            dim = split_rule.split_dim(e.shape, e.chunks, world)  # chunks start with the box
+            dim = split_rule.owned_split(e.shape, e.chunks, world)
             if dim is not None:
                 out[e.path] = dim
     return out
