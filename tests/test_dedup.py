@@ -70,7 +70,8 @@ def test_the_same_items_stay_with_the_same_ranks_as_in_dcp(
 ) -> None:
     plans = _plans(seed, ranks)
     want = dcp_dedup(plans, lowest)
-    got = dedup.dedup_save_plans(plans, lowest)
+    drops = dedup.dedup_keys([dedup.item_keys(p) for p in plans], lowest)
+    got = [dedup.kept(p, d) for p, d in zip(plans, drops, strict=True)]
     assert got == want
     assert [[i.index for i in p.items] for p in got] == [[i.index for i in p.items] for p in want]
     assert sum(len(p.items) for p in got) < sum(len(p.items) for p in plans) or ranks == 1

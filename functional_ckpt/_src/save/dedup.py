@@ -84,11 +84,3 @@ def kept(plan: SavePlan, drops: Drops) -> SavePlan:
         return dataclasses.replace(plan, items=list(plan.items))
     gone = set(drops)
     return dataclasses.replace(plan, items=[it for i, it in enumerate(plan.items) if i not in gone])
-
-
-def dedup_save_plans(
-    all_plans: list[SavePlan], save_to_lowest_rank: bool = False
-) -> list[SavePlan]:
-    """What ``torch.distributed.checkpoint._dedup_save_plans.dedup_save_plans`` returns."""
-    drops = dedup_keys([item_keys(p) for p in all_plans], save_to_lowest_rank)
-    return [kept(p, d) for p, d in zip(all_plans, drops, strict=True)]

@@ -266,15 +266,12 @@ def _check_held(
     """Refuse a shared tensor the coordinator lacks: the manifest is its tree, so another
     rank's copy would be written and never listed (only that rank knows its spec)."""
     known = {e.fqn for g in (shared, *ranks) for e in g if type(e) is TensorEntry}
-    held: dict[str, list[int]] = {}
-    for r, items in enumerate(keys):
-        for fqn, _, _ in items:
-            if fqn not in known and r not in held.setdefault(fqn, []):
-                held[fqn].append(r)
-    if held:
-        fqn, rs = next(iter(held.items()))
+    alone = sorted({(f, r) for r, items in enumerate(keys) for f, _, _ in items if f not in known})
+    if alone:
+        fqn = alone[0][0]
+        rs = ", ".join(str(r) for f, r in alone if f == fqn)
         raise CheckpointError(
-            f"the shared tensor {fqn!r} is held by rank {', '.join(map(str, rs))} but not by "
+            f"the shared tensor {fqn!r} is held by rank {rs} but not by "
             "rank 0, whose shared keys the checkpoint lists; give every rank the same shared "
             "keys, or save it as per-rank state (under a subtree named in per_rank=)"
         )
