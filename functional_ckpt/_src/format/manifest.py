@@ -344,7 +344,7 @@ def assemble(
     split: dict[KeyPath, int] = {}
     for e in shared if spliced is None and len(ranks) > 1 else ():
         if type(e) is TensorEntry and e.alias is None:
-            dim = split_rule.split_dim(e.shape, e.chunks, len(ranks))  # chunks start with the box
+            dim = split_rule.owned_split(e.shape, e.chunks, len(ranks))  # each in its rank's file
             if dim is not None:
                 split[e.path] = dim
     return Manifest(

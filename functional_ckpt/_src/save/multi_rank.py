@@ -20,7 +20,7 @@ from functional_ckpt._src import codec
 from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.groups import as_checkpoint_error, checkpoint_group
 from functional_ckpt._src.format.dcp_values import ByteEntry
-from functional_ckpt._src.format.manifest import Chunk, Entry, Tree, Written
+from functional_ckpt._src.format.manifest import Chunk, Entry, TensorEntry, Tree, Written
 from functional_ckpt._src.format.naming import parse_shard
 from functional_ckpt._src.format.view import parse_planned
 from functional_ckpt._src.save import dedup, exchange, incremental, splice, staging, trust
@@ -181,11 +181,15 @@ def save_planned(
 
 
 def coordinate(
-    gathered: Sequence[bytes], mine: tuple[Entry, ...], cache: exchange.PlanCache
+    gathered: Sequence[bytes],
+    mine: tuple[Entry, ...],
+    cache: exchange.PlanCache,
+    shared: Sequence[Entry] | None = None,
 ) -> tuple[dict[int, bytes], tuple[tuple[Entry, ...], ...], list[dedup.Drops | None]]:
     """The coordinator's step before the writes: (the failures, every rank's per-rank
     entries, each rank's drops). Pure, so benchmarks/scale.py measures it for any world
-    size; ``mine``: the coordinator's own entries (not decoded again)."""
+    size; ``mine``: the coordinator's own entries (not decoded again); ``shared``, its
+    shared entries, which every rank's items must be in."""
     failures: dict[int, bytes] = {}
     entries: list[tuple[Entry, ...]] = []
     keys: list[tuple[dedup.ItemKey, ...] | None] = []
@@ -201,7 +205,29 @@ def coordinate(
         keys.append(exchange.parse_keys(k, r))
     if failures:
         return failures, (), []
-    return {}, tuple(entries), exchange.global_step(cache, keys)
+    drops = exchange.global_step(cache, keys)
+    if shared is not None and cache.keys is not None and any(k is not None for k in keys):
+        _check_held(cache.keys, shared, entries)
+    return {}, tuple(entries), drops
+
+
+def _check_held(
+    keys: Sequence[tuple[dedup.ItemKey, ...]],
+    shared: Sequence[Entry],
+    ranks: Sequence[tuple[Entry, ...]],
+) -> None:
+    """Refuse a shared tensor the coordinator lacks: the manifest is its tree, so another
+    rank's copy would be written and never listed (only that rank knows its spec)."""
+    known = {e.fqn for g in (shared, *ranks) for e in g if type(e) is TensorEntry}
+    alone = sorted({(f, r) for r, items in enumerate(keys) for f, _, _ in items if f not in known})
+    if alone:
+        fqn = alone[0][0]
+        rs = ", ".join(str(r) for f, r in alone if f == fqn)
+        raise CheckpointError(
+            f"the shared tensor {fqn!r} is held by rank {rs} but not by "
+            "rank 0, whose shared keys the checkpoint lists; give every rank the same shared "
+            "keys, or save it as per-rank state (under a subtree named in per_rank=)"
+        )
 
 
 def _rounds(
@@ -242,7 +268,9 @@ def _rounds(
     failures: dict[int, bytes] = {}
     if gathered is not None:
         try:
-            failures, ranks, drops = coordinate(gathered, job.job.plan.local, cache)
+            failures, ranks, drops = coordinate(
+                gathered, job.job.plan.local, cache, job.job.plan.entries
+            )
             if failures:
                 replies = [exchange.reply(failures, None)] * len(gathered)
             else:

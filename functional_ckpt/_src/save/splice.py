@@ -20,7 +20,7 @@ from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.manifest import Chunk, TensorEntry, Tree
 from functional_ckpt._src.format.naming import shard_name
 from functional_ckpt._src.format.packed_rows import COLUMNS, Spliced, pack_rows
-from functional_ckpt._src.format.parts import split_dim, split_size
+from functional_ckpt._src.format.parts import owned_split, split_size
 from functional_ckpt._src.save.exchange import KeyBox, PlanCache, Recipe, Sent
 from functional_ckpt.errors import CheckpointError
 
@@ -102,7 +102,7 @@ def _recipe(
         if type(e) is not TensorEntry or e.alias is not None:
             continue
         got = chunks.get(e.fqn, [])
-        dim = split_dim(e.shape, sorted(got), world) if len(got) == world > 1 else None
+        dim = owned_split(e.shape, sorted(got), world) if len(got) == world > 1 else None
         if dim is not None:
             split[e.path] = dim
             row_of[e.fqn] = (len(row_of), dim, split_size(e.shape[dim], world))
