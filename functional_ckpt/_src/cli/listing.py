@@ -32,10 +32,12 @@ from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.header import MANAGER_KEY
 from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.manager.provenance import run_of
+from functional_ckpt._src.manager.tiers import Lineage
 from functional_ckpt._src.policy.config import stored_spec
 from functional_ckpt._src.policy.retention import union_parts
 from functional_ckpt._src.root.listing import RootEntry, kept_by, newest_summary, root_entries
 from functional_ckpt._src.root.rollback import branches
+from functional_ckpt._src.root.run import read_run
 from functional_ckpt._src.storage.usage import dir_size, disk_bytes, shared_bytes
 from functional_ckpt.errors import CheckpointNotFound, ConfigError
 
@@ -180,13 +182,17 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
         recorded = recorded_retention(rows)
         parts = retention_parts(recorded) if recorded is not None else None
         source = "recorded in the checkpoints"
+    run = read_run(root)  # another lineage's checkpoints are kept, as the manager keeps them
+    ours = Lineage(None if run is None else run.id).learn(r.metadata for r in rows).holds
     records = [
         fc.policy.CheckpointRecord(r.step, r.time or 0.0, r.metrics)
         for r in rows
-        if r.status in ("ok", "intact") and r.canonical and r.step is not None
+        if r.status in ("ok", "intact") and r.canonical and r.step is not None and ours(r.metadata)
     ]
     kept = kept_by(parts or [], records)
-    why: dict[str, list[str]] = {}
+    why = {
+        r.name: ["another run's: never resumed nor deleted"] for r in rows if not ours(r.metadata)
+    }
     for row in rows:
         if row.step in kept and row.canonical and row.status in ("ok", "intact"):
             why[row.name] = kept[row.step] or (["(deleted by the next prune)"] if parts else [])
@@ -385,7 +391,7 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
     parts = policy_from_flags(args)
     assert parts is not None  # --keep-last is required
     policy = functools.reduce(operator.or_, (p for _, p in parts))
-    infos = fc.CheckpointManager(root, read_only=True).infos()
+    infos = fc.CheckpointManager(root, read_only=True).disk.infos()
     plan = fc.policy.plan_deletions(policy, infos) if infos else []
     kept = kept_by(parts, infos)
     sizes = {r.step: r.size for r in rows if r.canonical}
@@ -447,7 +453,7 @@ def _delete(root: Path, policy: fc.policy.RetentionPolicy, approved: set[int]) -
     """Delete under the writer lock, re-planned there: only steps shown and still doomed
     (a trainer that saved meanwhile may have changed what the policy keeps)."""
     with fc.CheckpointManager(root, save=fc.policy.never(), keep=fc.policy.keep_all()) as mgr:
-        doomed = [s for s in fc.policy.plan_deletions(policy, mgr.infos()) if s in approved]
+        doomed = [s for s in fc.policy.plan_deletions(policy, mgr.disk.infos()) if s in approved]
         for step in doomed:
             mgr.delete(step)
     return doomed

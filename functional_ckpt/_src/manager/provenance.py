@@ -1,12 +1,9 @@
 """What a managed checkpoint records about itself in its metadata, and reading it back.
 
-Each checkpoint a :class:`~functional_ckpt.manager.CheckpointManager` writes carries
-automatic keys (when, where and from which git commit it was written, the run's
-lineage and rollbacks), the user's metadata, and under the reserved key
-``"manager"`` the manager's record: step, epoch, metrics, running time and each
-policy's spec with its state. A restarted run reads its policies' states and its
-running time back from that record; a state is handed back only to the policy of
-the same spec.
+Automatic keys (when, where, which git commit, the run's lineage and rollbacks), the
+user's metadata, and under ``"manager"`` the manager's record: step, epoch, metrics,
+running time and each policy's spec with its state, handed back on a restart only to
+the policy of the same spec.
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ __all__ = [
     "AUTO_KEYS",
     "Provenance",
     "RunningTime",
+    "ancestors_of",
     "check_metadata",
     "git_commit",
     "manager_record",
@@ -61,11 +59,8 @@ _GIT_TIMEOUT_S = 2.0
 
 
 def git_commit(cwd: PathLike | None = None) -> str | None:
-    """HEAD of the git checkout at ``cwd`` (default: the working directory), or None.
-
-    Best effort by design: no git, no repository, a hung filesystem (short timeout)
-    all mean "unknown", never a failed save.
-    """
+    """HEAD of the git checkout at ``cwd``, or None: best effort (no git, no repository,
+    a hung file system all mean "unknown", never a failed save)."""
     try:
         proc = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -94,14 +89,11 @@ def check_metadata(metadata: Mapping[str, Any] | None, where: str) -> dict[str, 
 
 @dataclass
 class Provenance:
-    """Where a run comes from, as each of its checkpoints records it.
-
-    ``lineage`` is the ``"forked_from"`` record of a forked run, ``rollbacks`` the
-    run's rollbacks, oldest first; both continue from a restored checkpoint.
-    ``run`` is the root's run id (:mod:`..root.run`) and ``parent`` the checkpoint
-    this run continued from (its run, step and manifest checksum), recorded in
-    every checkpoint as ``"run"``: the lineage a resume keeps to.
-    """
+    """Where a run comes from, as each of its checkpoints records it: ``lineage`` (a
+    fork's ``"forked_from"``) and ``rollbacks`` continue from a restored checkpoint;
+    ``run`` (the root's id), ``parent`` (the checkpoint it continued from) and
+    ``ancestors`` (the runs it continued) are ``"run"``, the lineage a resume keeps to
+    (``manager/tiers.Lineage``)."""
 
     cwd: str
     git: str | None = None
@@ -109,6 +101,7 @@ class Provenance:
     rollbacks: list[Any] = field(default_factory=list)
     run: str | None = None
     parent: dict[str, Any] | None = None
+    ancestors: list[str] = field(default_factory=list)
 
     def metadata(self, record: Mapping[str, Any], user: Mapping[str, Any]) -> dict[str, Any]:
         """Automatic keys, then the user's metadata, then the manager's record."""
@@ -125,6 +118,8 @@ class Provenance:
             auto["rollbacks"] = list(self.rollbacks)  # and of a run that rolled back
         if self.run is not None:
             auto["run"] = {"id": self.run, "parent": self.parent}
+            if self.ancestors:
+                auto["run"]["ancestors"] = list(self.ancestors)
         return {**auto, **user, MANAGER_KEY: dict(record)}
 
     def resume(self, metadata: Mapping[str, Any]) -> None:
@@ -140,7 +135,9 @@ class Provenance:
         checksum = None
         with contextlib.suppress(CheckpointError, OSError):
             checksum = check_committed(path).get("manifest_crc32")
-        self.parent = {"run": run_of(metadata), "step": step, "manifest_crc32": checksum}
+        run, prior = run_of(metadata), ancestors_of(metadata)
+        self.parent = {"run": run, "step": step, "manifest_crc32": checksum}
+        self.ancestors = prior if run in (None, self.run, *prior) else [*prior, str(run)]
 
 
 def run_of(metadata: Mapping[str, Any]) -> str | None:
@@ -148,6 +145,13 @@ def run_of(metadata: Mapping[str, Any]) -> str | None:
     run = metadata.get("run")
     rid = run.get("id") if isinstance(run, dict) else None
     return rid if isinstance(rid, str) else None
+
+
+def ancestors_of(metadata: Mapping[str, Any]) -> list[str]:
+    """The runs a checkpoint's run continued from, oldest first (none if unrecorded)."""
+    run = metadata.get("run")
+    found = run.get("ancestors") if isinstance(run, dict) else None
+    return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
 
 
 def manager_record(
@@ -199,11 +203,8 @@ class RunningTime:
 def stored_state(
     policy: SavePolicy, record: Mapping[str, Any], key: str, path: Path
 ) -> PolicyState:
-    """The state stored for ``policy``, or ``policy.init()`` if it was another policy's.
-
-    A state is handed back only to the policy whose spec it was stored with; any other
-    policy starts fresh (with a warning) instead of reinterpreting it.
-    """
+    """The state stored for ``policy``, or ``policy.init()`` (with a warning) if it was
+    another policy's: a state is never reinterpreted."""
     stored = record.get(key)
     if stored is None and not any(k in record for k in ("policy_state", "export_policy_state")):
         return policy.init()  # written by fc.save or a fork: a new run's policies
