@@ -42,19 +42,12 @@ def download(
     replace: bool = False,
     rank: int | None = None,
 ) -> Path:
-    """Download and verify remote ``step``; return it committed as ``into/step_N``.
+    """Download and verify remote ``step``; return it committed as ``into/step_N``
+    (``replace``: over what is there, a rank's part of it).
 
-    ``into`` is the local root (or any directory on the same file system). An
-    existing ``into/step_N`` is left alone: the caller decides it is missing first.
-    ``check=False`` leaves the verification to the caller (``fckpt verify`` reports
-    every problem instead of the first); with it, ``rank`` fetches only what that
-    rank reads (the marker, the index, the files the index lists but ``.metadata``,
-    its part and the files its part lists), a copy that restores that rank alone.
-    ``replace=True`` replaces what is at ``into/step_N`` (a rank's part of that
-    checkpoint: the download supersedes it).
-
-    Whatever a hostile remote manifest holds, the failure is a ``CheckpointError``
-    (damage of that remote checkpoint, or the local disk's), never a raw exception.
+    ``check=False`` leaves the verification to the caller; with it, ``rank`` fetches
+    only what that rank reads, a copy that restores that rank alone. Whatever a
+    hostile remote manifest holds, the failure is a ``CheckpointError``.
     """
     whole = check or rank is None
     work = into / f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"
@@ -81,10 +74,8 @@ def download(
 
 
 def fetch_share(store: Store, step: int, into: Path, work: str, *, rank: int, world: int) -> bytes:
-    """One rank's share of a download into a root the ranks share: the files ``rank``
-    reads (the coordinator, rank 0: the index, the files it lists and ``.metadata``
-    too; every part where another world size saved it), fetched into a directory of
-    its own, flushed, then moved into ``into/<work>/step_N``. The marker, which
+    """One rank's share of a download into a root the ranks share (:func:`_fetch`),
+    flushed and moved into ``into/<work>/step_N``; the marker, which
     :func:`commit_shares` writes once every rank's share is durable."""
     first, mine = rank == 0, into / work / f"rank-{rank}"  # the coordinator: rank 0
     tmp = into / work / step_name(step)
