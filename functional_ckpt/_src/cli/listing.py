@@ -31,8 +31,7 @@ from functional_ckpt._src.export.exports import ExportInfo, export_infos
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.header import MANAGER_KEY
 from functional_ckpt._src.format.kind import Kind, classify
-from functional_ckpt._src.manager.provenance import run_of
-from functional_ckpt._src.manager.tiers import Lineage
+from functional_ckpt._src.manager.provenance import Lineage, run_of
 from functional_ckpt._src.policy.config import stored_spec
 from functional_ckpt._src.policy.retention import union_parts
 from functional_ckpt._src.root.listing import RootEntry, kept_by, newest_summary, root_entries

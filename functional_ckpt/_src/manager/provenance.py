@@ -14,13 +14,14 @@ import re
 import subprocess
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.format.header import MANAGER_KEY
+from functional_ckpt._src.log import warn
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy import Event, PolicyState, SavePolicy
 from functional_ckpt._src.policy.config import stored_spec
@@ -30,6 +31,7 @@ from functional_ckpt.errors import CheckpointError, CheckpointWarning
 
 __all__ = [
     "AUTO_KEYS",
+    "Lineage",
     "Provenance",
     "RunningTime",
     "ancestors_of",
@@ -93,7 +95,7 @@ class Provenance:
     fork's ``"forked_from"``) and ``rollbacks`` continue from a restored checkpoint;
     ``run`` (the root's id), ``parent`` (the checkpoint it continued from) and
     ``ancestors`` (the runs it continued) are ``"run"``, the lineage a resume keeps to
-    (``manager/tiers.Lineage``)."""
+    (:class:`Lineage`)."""
 
     cwd: str
     git: str | None = None
@@ -221,3 +223,42 @@ def stored_state(
         stacklevel=5,
     )
     return policy.init()
+
+
+class Lineage:
+    """The lineage rule (docs/tiered.md): a checkpoint is this run's to resume, keep and
+    delete when it records no run, this run, or one of its ``"ancestors"``; anything
+    goes while the root holds none of this run's (not begun: it continues whichever it
+    resumes). Another lineage's checkpoint is reported once, and left alone."""
+
+    def __init__(self, run: str | None) -> None:
+        self.run = run
+        self.runs: set[str] | None = None  # None: every run's (not begun)
+        self._told: set[str] = set()
+
+    def learn(self, held: Iterable[Mapping[str, Any]]) -> Lineage:
+        """The lineage's runs, from the metadata of the checkpoints the root holds."""
+        run = self.run
+        own = [m for m in held if run is not None and run_of(m) == run]
+        self.runs = {run, *(a for m in own for a in ancestors_of(m))} if run and own else None
+        return self
+
+    def holds(self, metadata: Mapping[str, Any]) -> bool:
+        """Whether a checkpoint recording ``metadata`` is of this lineage."""
+        run = run_of(metadata)
+        return self.runs is None or run is None or run in self.runs
+
+    def __call__(self, metadata: Mapping[str, Any], where: object) -> bool:
+        """:meth:`holds`, another lineage's checkpoint at ``where`` reported once."""
+        if self.holds(metadata):
+            return True
+        run = run_of(metadata)
+        if str(where) not in self._told:
+            self._told.add(str(where))
+            warn(
+                f"{where}: a checkpoint of run {run}, not of this run's lineage ({self.run}); "
+                "never resumed nor deleted here (fork it to continue it)",
+                CheckpointWarning,
+                stacklevel=4,
+            )
+        return False

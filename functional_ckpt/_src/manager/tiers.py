@@ -6,24 +6,23 @@ object store behind it (:class:`~..remote.tier.RemoteTier`). Each answers the fe
 questions of :class:`Tier`; the manager holds them fastest first, and resume
 (:func:`newest_in_tiers`), retention (:func:`retain`), promotion (:func:`promote`),
 deletion, progress for ``fckpt run``, closing and whose checkpoints are this run's
-(:class:`Lineage`) are written once here over that list, so no tier decides any of
-them on its own.
+(:class:`~.provenance.Lineage`, a rule ``fckpt`` applies too) are written once here
+over that list, so no tier decides any of them on its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format.header import header_of, record_of
 from functional_ckpt._src.format.naming import parse_step
-from functional_ckpt._src.log import warn
 from functional_ckpt._src.manager.memory_promote import promote_newest
-from functional_ckpt._src.manager.provenance import ancestors_of, run_of
+from functional_ckpt._src.manager.provenance import Lineage
 from functional_ckpt._src.manager.writes import Writes
 from functional_ckpt._src.policy.retention import CheckpointLike, RetentionPolicy, plan_deletions
 from functional_ckpt._src.remote.resume import Found
@@ -38,7 +37,7 @@ from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.storage.committed import read_manifest
 from functional_ckpt._src.storage.os_failure import machine_errors
 from functional_ckpt._src.storage.progress import report_progress
-from functional_ckpt.errors import CheckpointError, CheckpointWarning, CorruptCheckpoint
+from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
 __all__ = [
     "DiskTier",
@@ -98,45 +97,6 @@ class Tier(Protocol):
     def close(self, *, crashed: bool) -> None:
         """The manager closes (``crashed``: an exception left it)."""
         ...
-
-
-class Lineage:
-    """The lineage rule (docs/tiered.md): a checkpoint is this run's to resume, keep and
-    delete when it records no run, this run, or one of its ``"ancestors"``; anything
-    goes while the root holds none of this run's (not begun: it continues whichever it
-    resumes). Another lineage's checkpoint is reported once, and left alone."""
-
-    def __init__(self, run: str | None) -> None:
-        self.run = run
-        self.runs: set[str] | None = None  # None: every run's (not begun)
-        self._told: set[str] = set()
-
-    def learn(self, held: Iterable[Mapping[str, Any]]) -> Lineage:
-        """The lineage's runs, from the metadata of the checkpoints the root holds."""
-        run = self.run
-        own = [m for m in held if run is not None and run_of(m) == run]
-        self.runs = {run, *(a for m in own for a in ancestors_of(m))} if run and own else None
-        return self
-
-    def holds(self, metadata: Mapping[str, Any]) -> bool:
-        """Whether a checkpoint recording ``metadata`` is of this lineage."""
-        run = run_of(metadata)
-        return self.runs is None or run is None or run in self.runs
-
-    def __call__(self, metadata: Mapping[str, Any], where: object) -> bool:
-        """:meth:`holds`, another lineage's checkpoint at ``where`` reported once."""
-        if self.holds(metadata):
-            return True
-        run = run_of(metadata)
-        if str(where) not in self._told:
-            self._told.add(str(where))
-            warn(
-                f"{where}: a checkpoint of run {run}, not of this run's lineage ({self.run}); "
-                "never resumed nor deleted here (fork it to continue it)",
-                CheckpointWarning,
-                stacklevel=4,
-            )
-        return False
 
 
 def newest_in_tiers(tiers: Sequence[Tier], read: Callable[[Path], T], root: Path) -> Found[T]:
