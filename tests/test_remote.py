@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -444,6 +445,32 @@ def test_two_ranks_with_their_own_local_roots_commit_on_one_remote(
     assert fc.CheckpointManager(tmp_path / "run0", read_only=True).steps() == [4]
 
 
+def test_two_ranks_sharing_one_root_each_download_what_they_read(
+    tmp_path: Path, s3: dict[str, Any], bucket: str
+) -> None:
+    env = {"ENDPOINT": s3["endpoint"], "FCKPT_TIMEOUT": "60"}
+    job = REPO / "tests" / "remote_shared_job.py"
+    (rc0, out0, err0), (rc1, out1, err1) = wait_all(
+        launch(2, str(tmp_path), bucket, env=env, job=job)
+    )
+    assert rc0 == 0 and rc1 == 0, err0[-3000:] + err1[-3000:]
+    got = [ast.literal_eval(o.split("FETCHED ", 1)[1].splitlines()[0]) for o in (out0, out1)]
+    # The coordinator fetches the index, the files it lists (.metadata too: the local
+    # copy is whole) and its part; rank 1 only the index, its part and its shard file.
+    assert got[0] == [
+        ".metadata",
+        "__0_0.distcp",
+        "manifest.msgpack",
+        "manifest.part-00000.msgpack",
+    ]
+    assert got[1] == ["__1_0.distcp", "manifest.msgpack", "manifest.part-00001.msgpack"]
+    assert "RESUMED True" in out0 and "RESUMED True" in out1  # committed whole, intact
+    assert "TORN" in out0 and "TORN" in out1  # one rank's failure fails every rank
+    assert "LEFT []" in out0 and "LEFT []" in out1
+    assert list((tmp_path / "torn").rglob("COMMITTED")) == []  # nothing looks committed
+    assert not [n for n in os.listdir(tmp_path / "torn") if n.startswith(".fc-download-")]
+
+
 def _two_ranks(base: Path, url: str, endpoint: str) -> list[tuple[int, str, str]]:
     """tests/remote_job.py on two ranks, with the variables torchrun sets."""
     env = {"ENDPOINT": endpoint, "FCKPT_TIMEOUT": "30"}  # a dead rank fails within
@@ -483,15 +510,17 @@ def test_credentials_are_never_written_or_printed(
 
 
 def test_a_second_manager_on_the_remote_root_takes_it_over(tmp_path: Path, mem: str) -> None:
-    """The stale process of a restarted job (or a second run) on one prefix: the manager
-    that began writing there last writes there; the other stops uploading and deleting,
-    and says so."""
+    """The stale process of a restarted job on one prefix (the job restarted elsewhere,
+    its root copied): the manager that began writing there last writes there; the other
+    stops uploading and deleting, and says so. (A second run's checkpoints there are
+    another lineage's: tests/test_tiers.py.)"""
     stale = fc.CheckpointManager(
         tmp_path / "old", keep=fc.keep_last(1), tiers=(fc.manager.Remote(mem),)
     )
     stale.maybe_save(_state(1), step=1)
     assert stale.remote is not None
     stale.remote.wait()
+    shutil.copytree(tmp_path / "old", tmp_path / "new")  # the same run, restarted elsewhere
     with fc.CheckpointManager(
         tmp_path / "new", tiers=(fc.manager.Remote(mem, keep=fc.keep_last(1)),)
     ) as mgr:

@@ -246,6 +246,98 @@ def test_fckpt_ls_says_which_run_each_memory_checkpoint_is_of(
     assert "RUN" in out and run.id[:8] in out and "another run" not in out
 
 
+# --------------------------------------------------------------------------- lineage
+
+
+def saved(root: Path, *steps: int, keep: Any = None) -> None:
+    with fc.CheckpointManager(root, keep=keep) as mgr:
+        for step in steps:
+            mgr.maybe_save(state(step), step=step)
+
+
+def test_a_checkpoint_copied_in_from_another_run_is_never_resumed_nor_deleted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from functional_ckpt._src import cli
+
+    root, other = tmp_path / "root", tmp_path / "other"
+    saved(root, 1, 2)
+    saved(other, 5)
+    shutil.copytree(other / step_name(5), root / step_name(5))
+    theirs = read_run(other)
+    assert theirs is not None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fc.CheckpointManager(root, keep=fc.keep_last(1)) as mgr:
+            exact(mgr.restore_latest(like=state(0)), 2)  # not the other run's step 5
+            assert mgr.restored_step == 2
+            mgr.maybe_save(state(3), step=3)  # no "step 5 is newer": it is not this run's
+            mgr.rollback(3, like=state(0), newer="delete")
+    assert committed(root) == [3, 5]  # retention and the rollback left it alone
+    exact(fc.restore(root / step_name(5)), 5)
+    told = [str(w.message) for w in caught if "not of this run's lineage" in str(w.message)]
+    assert len(told) == 1 and theirs.id in told[0], told  # reported once
+    records = [r for r in caplog.records if "not of this run's lineage" in r.getMessage()]
+    assert records and records[0].levelname == "WARNING"
+    assert records[0].name.startswith("functional_ckpt")
+    assert cli.main(["ls", "--json", "--keep-last", "1", str(root)]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out) if "kind" not in r}
+    assert rows[5]["run"] == theirs.id and "another run" in rows[5]["kept_by"][0]
+    assert rows[3]["kept_by"] == ["keep_last(1)", "latest"]
+    assert cli.main(["prune", "--keep-last", "1", "--yes", str(root)]) == 0
+    assert committed(root) == [3, 5]
+
+
+def test_a_fork_keeps_its_parents_checkpoints_and_no_others(tmp_path: Path) -> None:
+    """A fork records its parent's run: the parent's checkpoints are this lineage's
+    (resumed, and deleted by retention); an unrelated run's are neither."""
+    root, other, fork = tmp_path / "root", tmp_path / "other", tmp_path / "fork"
+    saved(root, 1, 4)
+    saved(other, 2)
+    fc.manager.fork(root / step_name(4), fork)
+    for src in (root / step_name(1), other / step_name(2)):
+        shutil.copytree(src, fork / src.name)
+    flip(fork / step_name(4), "w")  # the fork's own step is damaged
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with fc.CheckpointManager(fork, keep=fc.keep_last(1)) as mgr:
+            exact(mgr.restore_latest(like=state(0)), 1)  # its parent's, not the other run's
+            mgr.maybe_save(state(5), step=5)
+    assert committed(fork) == [2, 5]  # the parent's step 1 pruned, the other run's kept
+    meta = fc.CheckpointManager(fork, read_only=True).info(5).metadata["run"]
+    parent = read_run(root)
+    assert parent is not None and meta["ancestors"] == [parent.id]
+
+
+def test_checkpoints_without_a_run_are_this_runs(tmp_path: Path) -> None:
+    """Saved by ``fc.save`` (or before run ids, or adopted from DCP): resumed as ever."""
+    root = tmp_path / "root"
+    saved(root, 1)
+    fc.save(root / step_name(3), state(3))
+    with fc.CheckpointManager(root) as mgr:
+        exact(mgr.restore_latest(like=state(0)), 3)
+
+
+def test_a_remote_checkpoint_of_another_run_is_never_resumed(tmp_path: Path, mem: str) -> None:
+    root, other = tmp_path / "root", tmp_path / "other"
+    with fc.CheckpointManager(root, tiers=(fc.manager.Remote(mem),)) as mgr:
+        mgr.maybe_save(state(1), step=1)
+        assert mgr.remote is not None and mgr.remote.wait()
+    with fc.CheckpointManager(other, tiers=(fc.manager.Remote(mem),)) as mgr:
+        mgr.maybe_save(state(6), step=6)  # another run writes the same remote root
+        assert mgr.remote is not None and mgr.remote.wait() and mgr.remote.steps() == [1, 6]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with fc.CheckpointManager(
+            root, tiers=(fc.manager.Remote(mem, keep=fc.keep_last(1)),)
+        ) as mgr:
+            exact(mgr.restore_latest(like=state(0)), 1)
+            mgr.maybe_save(state(2), step=2)
+            assert mgr.remote is not None and mgr.remote.wait()
+            assert mgr.remote.steps() == [2, 6]  # its retention left the other run's alone
+    assert not (root / step_name(6)).exists()  # nor was it downloaded
+
+
 # --------------------------------------------------------------------------- crash means crash
 
 
@@ -501,6 +593,7 @@ class FakeTier:
     """A fourth tier, fastest first, that only answers the tier protocol's questions."""
 
     durable = False
+    local = True
 
     def __init__(self, root: Path) -> None:
         self.root, self.held, self.closed = root, {}, []  # type: ignore[var-annotated]
@@ -608,6 +701,7 @@ def test_a_fork_starts_a_new_run_whose_parent_is_the_forked_checkpoint(
     assert meta["run"] == {
         "id": child.id,
         "parent": {"run": parent.id, "step": 3, "manifest_crc32": crc},
+        "ancestors": [parent.id],  # the parent's checkpoints are this lineage's
     }
     assert forked == tmp_path / "fork" / step_name(3)
     for where, run in ((root, parent), (tmp_path / "fork", child)):
@@ -651,3 +745,7 @@ def test_no_tier_module_decides_resume_retention_or_progress_itself() -> None:
         if name in path.read_text()
     }
     assert found == set()
+    remote = Path(pkg.__file__).parent.parent / "remote"
+    assert not [p.name for p in remote.glob("*.py") if "keep.select(" in p.read_text()]
+    tiers = (Path(pkg.__file__).parent / "tiers.py").read_text()
+    assert "isinstance(" not in tiers  # a tier says what it is: ``local``, ``durable``

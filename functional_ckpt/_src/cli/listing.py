@@ -23,11 +23,12 @@ from functional_ckpt._src.export.exports import export_infos
 from functional_ckpt._src.format.header import MANAGER_KEY
 from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.format.naming import BRANCHES_DIR, is_temporary_name
-from functional_ckpt._src.manager.provenance import run_of
+from functional_ckpt._src.manager.provenance import Lineage, run_of
 from functional_ckpt._src.policy.config import stored_spec
 from functional_ckpt._src.policy.retention import union_parts
 from functional_ckpt._src.root.listing import RootEntry, kept_by, newest_summary, root_entries
 from functional_ckpt._src.root.rollback import branches
+from functional_ckpt._src.root.run import read_run
 from functional_ckpt._src.storage.usage import disk_bytes, shared_bytes
 from functional_ckpt.errors import CheckpointNotFound, ConfigError
 
@@ -230,22 +231,26 @@ def _why(row: dict[str, Any]) -> str:
     return "bad" if "deleted by" in (", ".join(row["kept_by"]) or row["detail"]) else "dim"
 
 
-def _checkpoints(rows: list[RootEntry], parts: Any) -> Section:
+def _checkpoints(root: Path, rows: list[RootEntry], parts: Any) -> Section:
+    run = read_run(root)  # another lineage's checkpoints are kept, as the manager keeps them
+    ours = Lineage(None if run is None else run.id).learn(r.metadata for r in rows).holds
     records = [
         fc.policy.CheckpointRecord(r.step, r.time or 0.0, r.metrics)
         for r in rows
-        if r.status in ("ok", "intact") and r.canonical and r.step is not None
+        if r.status in ("ok", "intact") and r.canonical and r.step is not None and ours(r.metadata)
     ]
     kept: dict[Any, list[str]] = kept_by(parts or [], records)
     doomed = ["(deleted by the next prune)"] if parts else []
+    foreign = ["another run's: never resumed nor deleted"]
     section = Section("", "", _CHECKPOINTS)
     for r in rows:
         wanted = r.canonical and r.status in ("ok", "intact")
+        doomed_here = doomed if ours(r.metadata) else foreign
         row: dict[str, Any] = {"name": r.name, "path": str(r.path), "step": r.step}
         row |= {"status": r.status}
         row |= {"time": r.time, "size": r.size}
         row |= {"shared": shared_bytes(r.path), "metrics": fmt.jsonable(r.metrics)}
-        row |= {"kept_by": (kept.get(r.step) or doomed) if wanted else [], "detail": r.detail}
+        row |= {"kept_by": (kept.get(r.step) or doomed_here) if wanted else [], "detail": r.detail}
         section.rows.append({**row, "run": run_of(r.metadata)})
     return section
 
@@ -302,7 +307,7 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
         recorded = recorded_retention(rows)
         parts = retention_parts(recorded) if recorded is not None else None
         source = "recorded in the checkpoints"
-    main = _checkpoints(rows, parts)
+    main = _checkpoints(root, rows, parts)
     below = [_exports(root), _branches(root), tiers.tiers(root, rows), tiers.memory(root)]
     shown = [s for s in below if s is not None]
     if args.json:
@@ -397,7 +402,7 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
     parts = policy_from_flags(args)
     assert parts is not None  # --keep-last is required
     policy = functools.reduce(operator.or_, (p for _, p in parts))
-    infos = fc.CheckpointManager(root, read_only=True).infos()
+    infos = fc.CheckpointManager(root, read_only=True).disk.infos()
     plan = fc.policy.plan_deletions(policy, infos) if infos else []
     kept = kept_by(parts, infos)
     sizes = {r.step: r.size for r in rows if r.canonical}
@@ -442,7 +447,7 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
     # Deleted under the writer lock, re-planned there: only steps shown and still doomed
     # (a trainer that saved meanwhile may have changed what the policy keeps).
     with fc.CheckpointManager(root, save=fc.policy.never(), keep=fc.policy.keep_all()) as mgr:
-        deleted = [s for s in fc.policy.plan_deletions(policy, mgr.infos()) if s in set(plan)]
+        deleted = [s for s in fc.policy.plan_deletions(policy, mgr.disk.infos()) if s in set(plan)]
         for step in deleted:
             mgr.delete(step)
     freed = sum(sizes.get(s, 0) for s in deleted)

@@ -1,23 +1,29 @@
-"""What every rank of a job does together, on the training thread, around a save.
+"""What every rank of a job does together, on the training thread, around a save,
+and the decision of one ``maybe_save`` event as one value.
 
-Each of these is a collective: every rank calls it, in the same order, or the job
-hangs. The manager uses them to agree on one save decision (the coordinator's) and
-to gather sharded weights for an export.
+Each collective here is called by every rank in the same order, or the job hangs:
+one save decision (the coordinator's: clocks and metrics differ between ranks, and
+half the ranks saving would deadlock the collective save), sharded weights gathered
+for an export.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tensordict import TensorDict, TensorDictBase
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.distributed.topology import is_dtensor
+from functional_ckpt._src.manager.rollback_rule import Watch
+from functional_ckpt._src.policy import Event, PolicyState, SavePolicy
 from functional_ckpt._src.root.run import Run
 from functional_ckpt._src.state.tree import Leaf, leaves_of, unflatten
 
-__all__ = ["coordinator_decides", "gathered", "prepare_groups", "share_run"]
+__all__ = ["Decision", "coordinator_decides", "decide", "gathered", "prepare_groups", "share_run"]
 
 
 def prepare_groups() -> None:
@@ -72,3 +78,44 @@ def share_run(run: tuple[Run, bool] | None) -> tuple[Run, bool]:
         (run[0].id, run[0].secret, run[1]) if run is not None else ("", "", False)
     )
     return Run(str(rid), str(secret)), bool(made)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do on ``event`` and the policy states after it (stored with its save)."""
+
+    event: Event
+    saved: bool
+    policy_state: PolicyState
+    exported: bool
+    export_state: PolicyState
+    rolls: bool
+    rule_state: PolicyState
+
+
+def decide(
+    event: Event,
+    *,
+    force: bool,
+    save: SavePolicy,
+    save_state: PolicyState,
+    export: SavePolicy | None,
+    export_state: PolicyState,
+    watch: Watch,
+    distributed: bool,
+) -> Decision:
+    """Every policy's vote on ``event``, and under ``torch.distributed`` the coordinator's."""
+    saved = save.decide(save_state, event) or force
+    policy_state = save.update(save_state, event, saved)
+    exported = False
+    if export is not None:
+        exported = export.decide(export_state, event)
+        export_state = export.update(export_state, event, exported)
+    rolls, rule_state = watch.vote(event, saved)
+    if distributed:  # one decision for all ranks: the coordinator's
+        decided = (saved, policy_state, exported, export_state, event.time, rolls, rule_state)
+        saved, policy_state, exported, export_state, now, rolls, rule_state = coordinator_decides(
+            decided
+        )
+        event = dataclasses.replace(event, time=now)
+    return Decision(event, saved, policy_state, exported, export_state, rolls, rule_state)

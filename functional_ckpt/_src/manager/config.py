@@ -1,20 +1,15 @@
-"""A manager as configuration: the plain-data form of every ``CheckpointManager`` argument.
+"""A manager as configuration: the plain-data form of every ``CheckpointManager`` argument
+(``from_config`` reads it, ``config()`` writes it; docs/manager.md).
 
-``CheckpointManager.from_config(cfg)`` reads it and ``mgr.config()`` writes it: the
-keys are the constructor's arguments, the policies in the form of
-:mod:`..policy.config`, the option objects (``Export``, ``AsyncSave``; ``Memory``,
-``Disk``, ``Remote`` under ``tiers``, by kind) as mappings of their fields, and a
-``run`` block for ``fckpt run`` (how to relaunch the job). Any ``Mapping``/``Sequence``
-will do, an OmegaConf ``DictConfig`` as it comes;
-a bad key is refused with its path and the names known there, before anything is
-opened. What is no plain data (a callable ``rename``, a clock, credentials) never
-goes into a written configuration.
+Any ``Mapping``/``Sequence`` will do (an OmegaConf ``DictConfig`` as it comes); a bad
+key is refused with its path and the names known there, before anything is opened.
+What is no plain data (a callable, a clock, credentials) is never written.
 """
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,7 +17,7 @@ import torch
 from functional_ckpt._src.codec import documents
 from functional_ckpt._src.export.safetensors import Export, parse_size
 from functional_ckpt._src.manager.memory import Memory
-from functional_ckpt._src.manager.options import AsyncSave, Disk, TierOptions
+from functional_ckpt._src.manager.options import AsyncSave, Disk
 from functional_ckpt._src.policy import SavePolicy
 from functional_ckpt._src.policy.config import (
     MANAGER_KEYS,
@@ -288,35 +283,24 @@ def _export_config(export: Export) -> dict[str, Any]:
     return out
 
 
-def config_of(
-    *,
-    root: str,
-    save: SavePolicy,
-    keep: RetentionPolicy,
-    metadata: Mapping[str, Any],
-    read_only: bool,
-    async_save: AsyncSave | None,
-    export: Export | None,
-    tiers: TierOptions,
-    rollback: SavePolicy | None,
-    per_rank: Sequence[str],
-    run: Relaunch | None,
-) -> dict[str, Any]:
-    """A manager's configuration, every value spelled; ``manager_arguments`` reads it back.
+def config_of(mgr: Any) -> dict[str, Any]:
+    """A manager's (``mgr``) configuration, every value spelled; ``manager_arguments``
+    reads it back.
 
     A remote tier's ``storage_options`` are left out: they may hold credentials, and a
     configuration is written where anyone may read it (a checkpoint's metadata).
     """
+    settings, export, rollback = mgr._writes.settings, mgr.export, mgr._watch.rule
     out: dict[str, Any] = {
-        "root": root,
-        "save": _spec(save, "save"),
-        "keep": _spec(keep, "keep"),
-        "metadata": _plain(metadata, "metadata"),
-        "read_only": read_only,
-        "async_save": False if async_save is None else {"staging": async_save.staging},
-        "per_rank": list(per_rank),
+        "root": str(mgr.root),
+        "save": _spec(mgr.save_policy, "save"),
+        "keep": _spec(mgr.keep, "keep"),
+        "metadata": _plain(mgr.metadata, "metadata"),
+        "read_only": mgr.read_only,
+        "async_save": False if (mode := settings.async_save) is None else {"staging": mode.staging},
+        "per_rank": list(settings.per_rank),
     }
-    memory, disk, remote = tiers
+    memory, disk, remote = mgr._options
     out["tiers"] = {"disk": {"incremental": disk.incremental, "compression": disk.compression}}
     if export is not None:
         out["export"] = _export_config(export)
@@ -338,6 +322,6 @@ def config_of(
         }
     if rollback is not None:
         out["rollback"] = _spec(rollback, "rollback")
-    if run is not None:
-        out["run"] = relaunch_to_config(run)
+    if mgr._relaunch is not None:
+        out["run"] = relaunch_to_config(mgr._relaunch)
     return out

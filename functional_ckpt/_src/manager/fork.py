@@ -1,10 +1,8 @@
 """Forking: start a new run in a new root from a checkpoint of another run.
 
-The fork is a new checkpoint (the source's manifest is sealed by its commit
-marker, so it cannot be amended in place) that records its lineage under
-``"forked_from"`` and shares the source's data files (an incremental save with
-the source as its base: hard links, or copies across file systems); every later
-checkpoint of the new run carries that lineage on.
+The fork is a new checkpoint (the source's manifest is sealed by its marker) sharing
+the source's data files (an incremental save on it as base); it and every later
+checkpoint of the new run record where it came from.
 """
 
 from __future__ import annotations
@@ -30,17 +28,13 @@ __all__ = ["fork"]
 
 
 def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = None) -> Path:
-    """Start a new run in ``new_root`` from a checkpoint of another run.
+    """Start a new run in the empty ``new_root`` from a checkpoint of another run, as
+    ``new_root/step_N`` (``N`` the source's step unless ``step`` is given).
 
-    The checkpoint is restored and saved again (its data files shared with the
-    source, not copied, where the file system allows hard links) as
-    ``new_root/step_N`` with ``N`` the source's step unless ``step`` is given. The
-    copy keeps the user metadata, step, epoch and metrics of the source, gets fresh
-    automatic metadata, starts its policies afresh (it is a new run), and records
-    ``"forked_from": {"path", "step", "time", "hostname", "git_commit"}`` (nested
-    ``"parent"`` for forks of forks), and starts a new run lineage: ``"run"`` holds the
-    new root's run id and, as parent, the source's run, step and manifest checksum.
-    ``new_root`` must hold no checkpoint yet.
+    The copy keeps the source's user metadata, step, epoch and metrics, starts its
+    policies afresh, records ``"forked_from": {"path", "step", "time", "hostname",
+    "git_commit"}`` (nested ``"parent"`` for forks of forks) and starts a new lineage:
+    ``"run"`` names the source's run as its parent and ancestor.
     """
     src = Path(checkpoint_path)
     head = header_of(committed.read_manifest(src))

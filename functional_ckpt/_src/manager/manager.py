@@ -22,9 +22,8 @@ from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.format.header import record_of
 from functional_ckpt._src.format.naming import parse_step
 from functional_ckpt._src.log import done, logger
-from functional_ckpt._src.manager.collective import prepare_groups, share_run
+from functional_ckpt._src.manager.collective import decide, prepare_groups, share_run
 from functional_ckpt._src.manager.config import config_of, manager_arguments
-from functional_ckpt._src.manager.decide import decide
 from functional_ckpt._src.manager.memory import Memory
 from functional_ckpt._src.manager.memory_tier import MemoryTier
 from functional_ckpt._src.manager.options import (
@@ -52,6 +51,7 @@ from functional_ckpt._src.manager.tiers import (
     progress,
     promote,
     retain,
+    retained,
 )
 from functional_ckpt._src.manager.writes import Writes, WriteSettings
 from functional_ckpt._src.paths import PathLike
@@ -68,7 +68,7 @@ from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt._src.root.lock import WriterLock
 from functional_ckpt._src.root.resume import check_order
 from functional_ckpt._src.root.rollback import Newer
-from functional_ckpt._src.root.run import Run, open_run
+from functional_ckpt._src.root.run import Run, open_run, read_run
 from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.options import DEFAULT_PER_RANK
@@ -82,14 +82,10 @@ __all__ = ["CheckpointManager"]
 class CheckpointManager(RootView):
     """Save on a policy, keep on a retention policy, resume from the newest good checkpoint.
 
-    ``save`` defaults to ``every_steps(1)`` and ``keep`` to ``keep_all()``. One option
-    value per concern (docs/manager.md): ``async_save``, ``export``, ``tiers``
-    (``Memory``, a tier in RAM above the root on its own policy; ``Disk``, how the root
-    stores; ``Remote``, an object store behind it), ``rollback``, ``per_rank``. A
-    writing manager locks ``root``, recovers or removes what crashes left and finishes
-    an interrupted rollback at open; ``read_only=True`` never deletes or renames
-    anything. Only the manager reads ``clock`` (the run's running time). Not
-    thread-safe. ``self.tiers`` are its tiers, fastest first.
+    One option value per concern (docs/manager.md). A writing manager locks ``root``
+    and recovers what crashes left at open; ``read_only=True`` never deletes or renames
+    anything. Only the manager reads ``clock``. Not thread-safe. ``self.tiers`` are its
+    tiers, fastest first.
     """
 
     def __init__(
@@ -158,12 +154,16 @@ class CheckpointManager(RootView):
                 self._lock.release()
             raise
         self._writes = Writes(self, settings, self.remote)
+        known = read_run(self.root) if run is None else run[0]  # a reader follows the root's
         self.disk = DiskTier(self, self._writes, self._after_commit, writer=not self.read_only,
-                             coordinator=self._coordinator, remote=self.remote)  # fmt: skip
+                             coordinator=self._coordinator, remote=self.remote,
+                             run=None if known is None else known.id)  # fmt: skip
         self.tiers: list[Tier] = [self.disk]
         if (behind := self.remote) is not None:
             self.tiers.append(behind)
             behind.prune = lambda: retain(behind, behind.keep)  # after each upload round
+            behind.retained = partial(retained, behind.keep)  # what it uploads
+            behind.ours = self.disk.lineage
         if self.memory is not None:
             self.tiers.insert(0, self.memory)
             self.memory.promote = partial(promote, self.tiers, self.memory)
@@ -183,20 +183,7 @@ class CheckpointManager(RootView):
     def config(self) -> dict[str, Any]:
         """This manager's configuration as plain data :meth:`from_config` builds it from
         again (a remote's ``storage_options`` left out: they may be credentials)."""
-        settings = self._writes.settings
-        return config_of(
-            root=str(self.root),
-            save=self.save_policy,
-            keep=self.keep,
-            metadata=self.metadata,
-            read_only=self.read_only,
-            async_save=settings.async_save,
-            export=self.export,
-            tiers=self._options,
-            rollback=self._watch.rule,
-            per_rank=settings.per_rank,
-            run=self._relaunch,
-        )
+        return config_of(self)
 
     def _open_writer(self) -> tuple[Run, bool]:
         """Lock the root, finish what crashes left (warning at the CheckpointManager call),
@@ -244,13 +231,10 @@ class CheckpointManager(RootView):
         out: State | None = None,
         reshard: Reshard | None = None,
     ) -> TensorDict | None:
-        """Restore the newest intact checkpoint of this run in any tier
-        (:func:`~.tiers.newest_in_tiers`); None only if no tier holds one.
-
-        Damage is reported and skipped (a writer moves it aside, never deletes it); a
-        template that does not fit raises at once. If checkpoints exist but none is
-        readable this raises rather than letting the run silently start over.
-        """
+        """Restore the newest intact checkpoint of this run's lineage in any tier
+        (:func:`~.tiers.newest_in_tiers`); None only if no tier holds one. Damage is
+        reported and skipped; a template that does not fit raises at once; checkpoints
+        that exist but none readable raise rather than start over."""
         check_like_or_out(like, out, "CheckpointManager.restore_latest")
         self._check_open("restore_latest", writing=False)
 
@@ -393,13 +377,12 @@ class CheckpointManager(RootView):
         epoch_end: bool = False,
         force: bool = False,
     ) -> SaveResult:
-        """Build the event, ask the policies, save, commit their states with it, then prune.
+        """Ask the policies about this event, save, commit their states with it, prune.
 
-        Returns whether a disk checkpoint was written (``force=True`` saves whatever the
-        policy says; a memory tier saves on its own policy after it). ``epoch_end=True``
-        marks the step that ends an epoch; ``epoch`` is only recorded. An export due is
-        written first. Policy states advance only once the writes they describe
-        succeeded. A rollback rule that fires returns its state in ``.rollback``.
+        Returns whether a disk checkpoint was written (``force=True`` saves regardless;
+        a memory tier saves on its own policy). Policy states advance only once the
+        writes they describe succeeded. A rollback rule that fires returns its state in
+        ``.rollback``.
         """
         self._check_open("maybe_save", writing=True)
         if self.remote is not None:
@@ -423,7 +406,7 @@ class CheckpointManager(RootView):
         self._watch.next = rule_state
         if saved:
             self.disk.wait()  # at most one save in flight; the previous one must have committed
-            check_order(self.root, event.step, self.latest_step())  # before any write
+            check_order(self.root, event.step, self.disk.latest())  # before any write
         background = exported and self._writes.settings.async_save is not None
         background = background and not self._distributed
         if exported and not background:

@@ -117,7 +117,7 @@ class MemoryTier:
         self._handling = False  # whether a signal of promote_on promotes
         #: Promotion over the manager's tiers (``manager/tiers.promote``), set by the manager.
         self.promote: Callable[[float], Path | None] = lambda within: None
-        self.durable = False
+        self.durable, self.local = False, True
         self.committed: Callable[[], object] = lambda: None  # progress, told over all tiers
         keep = option.keep
         self.keep = keep if isinstance(keep, RetentionPolicy) else keep_last(option.held)

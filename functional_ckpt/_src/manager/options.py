@@ -24,16 +24,10 @@ __all__ = ["AsyncSave", "Disk", "TierOptions", "check_policies", "plain_metrics"
 
 @dataclass(frozen=True)
 class AsyncSave:
-    """Save off the training thread (``CheckpointManager(async_save=AsyncSave(...))``).
-
-    ``staging="copy"`` (default): ``maybe_save`` returns once the state's tensors are
-    copied into the manager's reusable buffers; ``"write"``: once they are written
-    straight into the checkpoint's files (one copy, no buffers: for files in RAM);
-    ``"none"``: nothing is copied, the
-    loop must not change tensors in place until the save commits (a functional loop
-    never does; a violation refuses the checkpoint). ``async_save=True`` is
-    ``AsyncSave()``.
-    """
+    """Save off the training thread; ``maybe_save`` returns once the state is copied
+    into reusable buffers (``staging="copy"``), written into the files (``"write"``:
+    one copy, for files in RAM) or at once (``"none"``: the loop must not change tensors
+    in place until the save commits; a violation refuses the checkpoint)."""
 
     staging: Staging = "copy"
 

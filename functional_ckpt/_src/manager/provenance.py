@@ -1,12 +1,9 @@
 """What a managed checkpoint records about itself in its metadata, and reading it back.
 
-Each checkpoint a :class:`~functional_ckpt.manager.CheckpointManager` writes carries
-automatic keys (when, where and from which git commit it was written, the run's
-lineage and rollbacks), the user's metadata, and under the reserved key
-``"manager"`` the manager's record: step, epoch, metrics, running time and each
-policy's spec with its state. A restarted run reads its policies' states and its
-running time back from that record; a state is handed back only to the policy of
-the same spec.
+Automatic keys (when, where, which git commit, the run's lineage and rollbacks), the
+user's metadata, and under ``"manager"`` the manager's record: step, epoch, metrics,
+running time and each policy's spec with its state, handed back on a restart only to
+the policy of the same spec.
 """
 
 from __future__ import annotations
@@ -17,13 +14,14 @@ import re
 import subprocess
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.format.header import MANAGER_KEY
+from functional_ckpt._src.log import warn
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy import Event, PolicyState, SavePolicy
 from functional_ckpt._src.policy.config import stored_spec
@@ -33,8 +31,10 @@ from functional_ckpt.errors import CheckpointError, CheckpointWarning
 
 __all__ = [
     "AUTO_KEYS",
+    "Lineage",
     "Provenance",
     "RunningTime",
+    "ancestors_of",
     "check_metadata",
     "git_commit",
     "manager_record",
@@ -61,11 +61,8 @@ _GIT_TIMEOUT_S = 2.0
 
 
 def git_commit(cwd: PathLike | None = None) -> str | None:
-    """HEAD of the git checkout at ``cwd`` (default: the working directory), or None.
-
-    Best effort by design: no git, no repository, a hung filesystem (short timeout)
-    all mean "unknown", never a failed save.
-    """
+    """HEAD of the git checkout at ``cwd``, or None: best effort (no git, no repository,
+    a hung file system all mean "unknown", never a failed save)."""
     try:
         proc = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -94,14 +91,11 @@ def check_metadata(metadata: Mapping[str, Any] | None, where: str) -> dict[str, 
 
 @dataclass
 class Provenance:
-    """Where a run comes from, as each of its checkpoints records it.
-
-    ``lineage`` is the ``"forked_from"`` record of a forked run, ``rollbacks`` the
-    run's rollbacks, oldest first; both continue from a restored checkpoint.
-    ``run`` is the root's run id (:mod:`..root.run`) and ``parent`` the checkpoint
-    this run continued from (its run, step and manifest checksum), recorded in
-    every checkpoint as ``"run"``: the lineage a resume keeps to.
-    """
+    """Where a run comes from, as each of its checkpoints records it: ``lineage`` (a
+    fork's ``"forked_from"``) and ``rollbacks`` continue from a restored checkpoint;
+    ``run`` (the root's id), ``parent`` (the checkpoint it continued from) and
+    ``ancestors`` (the runs it continued) are ``"run"``, the lineage a resume keeps to
+    (:class:`Lineage`)."""
 
     cwd: str
     git: str | None = None
@@ -109,6 +103,7 @@ class Provenance:
     rollbacks: list[Any] = field(default_factory=list)
     run: str | None = None
     parent: dict[str, Any] | None = None
+    ancestors: list[str] = field(default_factory=list)
 
     def metadata(self, record: Mapping[str, Any], user: Mapping[str, Any]) -> dict[str, Any]:
         """Automatic keys, then the user's metadata, then the manager's record."""
@@ -125,6 +120,8 @@ class Provenance:
             auto["rollbacks"] = list(self.rollbacks)  # and of a run that rolled back
         if self.run is not None:
             auto["run"] = {"id": self.run, "parent": self.parent}
+            if self.ancestors:
+                auto["run"]["ancestors"] = list(self.ancestors)
         return {**auto, **user, MANAGER_KEY: dict(record)}
 
     def resume(self, metadata: Mapping[str, Any]) -> None:
@@ -140,7 +137,9 @@ class Provenance:
         checksum = None
         with contextlib.suppress(CheckpointError, OSError):
             checksum = check_committed(path).get("manifest_crc32")
-        self.parent = {"run": run_of(metadata), "step": step, "manifest_crc32": checksum}
+        run, prior = run_of(metadata), ancestors_of(metadata)
+        self.parent = {"run": run, "step": step, "manifest_crc32": checksum}
+        self.ancestors = prior if run in (None, self.run, *prior) else [*prior, str(run)]
 
 
 def run_of(metadata: Mapping[str, Any]) -> str | None:
@@ -148,6 +147,13 @@ def run_of(metadata: Mapping[str, Any]) -> str | None:
     run = metadata.get("run")
     rid = run.get("id") if isinstance(run, dict) else None
     return rid if isinstance(rid, str) else None
+
+
+def ancestors_of(metadata: Mapping[str, Any]) -> list[str]:
+    """The runs a checkpoint's run continued from, oldest first (none if unrecorded)."""
+    run = metadata.get("run")
+    found = run.get("ancestors") if isinstance(run, dict) else None
+    return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
 
 
 def manager_record(
@@ -199,11 +205,8 @@ class RunningTime:
 def stored_state(
     policy: SavePolicy, record: Mapping[str, Any], key: str, path: Path
 ) -> PolicyState:
-    """The state stored for ``policy``, or ``policy.init()`` if it was another policy's.
-
-    A state is handed back only to the policy whose spec it was stored with; any other
-    policy starts fresh (with a warning) instead of reinterpreting it.
-    """
+    """The state stored for ``policy``, or ``policy.init()`` (with a warning) if it was
+    another policy's: a state is never reinterpreted."""
     stored = record.get(key)
     if stored is None and not any(k in record for k in ("policy_state", "export_policy_state")):
         return policy.init()  # written by fc.save or a fork: a new run's policies
@@ -220,3 +223,42 @@ def stored_state(
         stacklevel=5,
     )
     return policy.init()
+
+
+class Lineage:
+    """The lineage rule (docs/tiered.md): a checkpoint is this run's to resume, keep and
+    delete when it records no run, this run, or one of its ``"ancestors"``; anything
+    goes while the root holds none of this run's (not begun: it continues whichever it
+    resumes). Another lineage's checkpoint is reported once, and left alone."""
+
+    def __init__(self, run: str | None) -> None:
+        self.run = run
+        self.runs: set[str] | None = None  # None: every run's (not begun)
+        self._told: set[str] = set()
+
+    def learn(self, held: Iterable[Mapping[str, Any]]) -> Lineage:
+        """The lineage's runs, from the metadata of the checkpoints the root holds."""
+        run = self.run
+        own = [m for m in held if run is not None and run_of(m) == run]
+        self.runs = {run, *(a for m in own for a in ancestors_of(m))} if run and own else None
+        return self
+
+    def holds(self, metadata: Mapping[str, Any]) -> bool:
+        """Whether a checkpoint recording ``metadata`` is of this lineage."""
+        run = run_of(metadata)
+        return self.runs is None or run is None or run in self.runs
+
+    def __call__(self, metadata: Mapping[str, Any], where: object) -> bool:
+        """:meth:`holds`, another lineage's checkpoint at ``where`` reported once."""
+        if self.holds(metadata):
+            return True
+        run = run_of(metadata)
+        if str(where) not in self._told:
+            self._told.add(str(where))
+            warn(
+                f"{where}: a checkpoint of run {run}, not of this run's lineage ({self.run}); "
+                "never resumed nor deleted here (fork it to continue it)",
+                CheckpointWarning,
+                stacklevel=4,
+            )
+        return False

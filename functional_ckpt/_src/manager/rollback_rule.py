@@ -1,15 +1,10 @@
-"""Rolling back on degradation: the manager's side of a rollback rule.
+"""Rolling back on degradation: the manager's side of a rollback rule (``rollback=``).
 
-A :class:`~functional_ckpt.manager.CheckpointManager` given ``rollback=`` (a rule
-such as :func:`functional_ckpt.policy.on_degrade`) asks the rule on every
-``maybe_save`` event, after the save policy, and stores the rule's spec and state
-with each checkpoint like the save policy's. When the rule votes yes, the manager
-restores the kept checkpoint the rule points to as a new state through
-:meth:`~functional_ckpt.manager.CheckpointManager.rollback` (newer checkpoints go
-to a branch), records why in the run's ``metadata["rollbacks"]``, and
-``maybe_save`` hands the state back in a :class:`SaveResult`. The rule's own state
-comes back with the checkpoint, so after a rollback it watches from there.
-Everything here is a function of the rule, the event and the kept checkpoints.
+The rule votes on every ``maybe_save`` event and its state is stored with each
+checkpoint like the save policy's; when it fires, the manager rolls back to the kept
+checkpoint it points to and ``maybe_save`` hands the state back in a
+:class:`SaveResult`. Everything here is a function of the rule, the event and the
+kept checkpoints.
 """
 
 from __future__ import annotations
@@ -52,12 +47,8 @@ class Rollback:
 
 
 class SaveResult(int):
-    """What ``maybe_save`` returns: 1 or 0 like the ``bool`` it always was, and more.
-
-    ``if mgr.maybe_save(...)``, ``== True``, ``sum(...)`` and JSON work as before;
-    ``saved`` is the same as a bool and ``rollback`` is the :class:`Rollback` made on
-    this event, if any.
-    """
+    """What ``maybe_save`` returns: 1 or 0 like the ``bool`` it always was (``if``,
+    ``sum``, JSON work as before), and the :class:`Rollback` made on this event, if any."""
 
     rollback: Rollback | None
 

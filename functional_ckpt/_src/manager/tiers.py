@@ -5,8 +5,9 @@ A tier is any place that holds committed checkpoints of a run: the folder in RAM
 object store behind it (:class:`~..remote.tier.RemoteTier`). Each answers the few
 questions of :class:`Tier`; the manager holds them fastest first, and resume
 (:func:`newest_in_tiers`), retention (:func:`retain`), promotion (:func:`promote`),
-deletion, progress for ``fckpt run`` and closing are written once here over that
-list, so no tier decides any of them on its own.
+deletion, progress for ``fckpt run``, closing and whose checkpoints are this run's
+(:class:`~.provenance.Lineage`, a rule ``fckpt`` applies too) are written once here
+over that list, so no tier decides any of them on its own.
 """
 
 from __future__ import annotations
@@ -18,15 +19,16 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from functional_ckpt._src.distributed.topology import topology
-from functional_ckpt._src.format.header import header_of
+from functional_ckpt._src.format.header import header_of, record_of
 from functional_ckpt._src.format.naming import parse_step
+from functional_ckpt._src.manager.provenance import Lineage
 from functional_ckpt._src.manager.writes import Writes
 from functional_ckpt._src.policy.retention import CheckpointLike, RetentionPolicy, plan_deletions
 from functional_ckpt._src.remote.resume import Found
 from functional_ckpt._src.remote.tier import RemoteTier
 from functional_ckpt._src.root import rollback
 from functional_ckpt._src.root.delete import delete
-from functional_ckpt._src.root.listing import committed_steps
+from functional_ckpt._src.root.listing import StepInfo, committed_steps
 from functional_ckpt._src.root.resume import newest_readable
 from functional_ckpt._src.root.rollback import Newer
 from functional_ckpt._src.root.view import RootView
@@ -37,7 +39,17 @@ from functional_ckpt._src.storage.progress import report_progress
 from functional_ckpt._src.storage.ram import promote_newest
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
-__all__ = ["DiskTier", "Tier", "move_newer", "newest_in_tiers", "progress", "promote", "retain"]
+__all__ = [
+    "DiskTier",
+    "Lineage",
+    "Tier",
+    "retained",
+    "move_newer",
+    "newest_in_tiers",
+    "progress",
+    "promote",
+    "retain",
+]
 
 T = TypeVar("T")
 
@@ -47,6 +59,8 @@ class Tier(Protocol):
 
     #: Whether it outlives the machine's memory: promotion copies into the next such tier.
     durable: bool
+    #: Whether listing it is a local directory read (progress lists it after each save).
+    local: bool
 
     def steps(self) -> list[int]:
         """The committed steps the tier holds, ascending."""
@@ -86,15 +100,14 @@ class Tier(Protocol):
 
 
 def newest_in_tiers(tiers: Sequence[Tier], read: Callable[[Path], T], root: Path) -> Found[T]:
-    """The newest intact step of this run in any tier, read; None only if no tier holds one.
+    """Which checkpoint a resume takes: the newest intact step of this run's lineage in
+    any tier, read; None only if no tier holds one.
 
-    This is which checkpoint a resume takes. The tiers are asked in order, fastest
-    first, each for its newest intact step newer than the best found so far: a
-    damaged step is passed over for the one below it, in that tier, so a damaged
-    newest checkpoint never hides an intact one that came later in the run, in any
-    tier. A tie goes to the faster tier. A checkpoint recording another step than its
-    directory's name (renamed, or copied in) is damage: resumed as the named step, the
-    run would go on numbering from a step its state does not hold.
+    Each tier, fastest first, is asked for its newest intact step of the lineage newer
+    than the best found so far, passing damage over for the step below, so a damaged
+    newest checkpoint never hides an intact later one in any tier; a tie goes to the
+    faster tier. A checkpoint recording another step than its name is damage: resumed
+    as the named step, the run would number on from a step its state does not hold.
     """
 
     def checked(path: Path) -> T:
@@ -110,9 +123,18 @@ def newest_in_tiers(tiers: Sequence[Tier], read: Callable[[Path], T], root: Path
     return found
 
 
+def retained(keep: RetentionPolicy, records: Sequence[CheckpointLike]) -> set[int]:
+    """The steps of ``records`` a tier keeps by ``keep`` (always the newest): what every
+    tier's retention spares and what the remote tier uploads."""
+    steps = {r.step for r in records}
+    return steps - set(plan_deletions(keep, records))
+
+
 def retain(tier: Tier, keep: RetentionPolicy, protected: Iterable[int] = ()) -> list[int]:
     """Delete from ``tier`` what ``keep`` does not keep (never its newest nor ``protected``)."""
-    doomed = plan_deletions(keep, tier.infos(), protected=protected)
+    records = tier.infos()
+    spared = retained(keep, records) | set(protected)
+    doomed = sorted(r.step for r in records if r.step not in spared)
     if doomed:
         tier.delete(doomed)
     return doomed
@@ -130,17 +152,18 @@ def promote(tiers: Sequence[Tier], source: Tier, within: float) -> Path | None:
 def progress(tiers: Sequence[Tier]) -> None:
     """Tell a supervising ``fckpt run`` the newest step any tier holds (a job resuming a
     little further from RAM each time makes progress too)."""
-    if topology().rank == 0:  # the remote holds the disk's steps: not listed for this
-        held = [t.steps()[-1:] for t in tiers if not isinstance(t, RemoteTier)]
+    if topology().rank == 0:  # a remote tier holds the disk's steps: not listed for this
+        held = [t.steps()[-1:] for t in tiers if t.local]
         newest = max((s for steps in held for s in steps), default=None)
         if newest is not None:
             report_progress(newest, time.time())
 
 
 class DiskTier:
-    """The manager's root: a writing coordinator moves damage aside. With a writing
-    remote tier behind it, a job of many ranks resumes through that tier alone (a
-    rank's root may hold only its part), and none readable here is no error yet."""
+    """The manager's root: a writing coordinator moves damage aside; ``lineage`` is
+    learnt from it. With a writing remote tier behind it, a job of many ranks resumes
+    through that tier alone (a rank's root may hold only its part), and none readable
+    here is no error yet."""
 
     def __init__(
         self,
@@ -151,13 +174,32 @@ class DiskTier:
         writer: bool,
         coordinator: bool,
         remote: RemoteTier | None,
+        run: str | None,
     ) -> None:
         self.view, self.writer, self.coordinator = view, writer, coordinator
         self._writes, self._committed = writes, committed
-        self.steps, self.infos = view.steps, view.infos
+        self.steps = view.steps
         self._behind = remote is not None and remote.writer  # the remote may hold newer
         self._defer = self._behind and topology().distributed
-        self.durable = True
+        self.durable = self.local = True
+        self.lineage = Lineage(run)
+
+    def others(self) -> set[int]:
+        """The root's steps of another lineage (a step named for another step is damage,
+        not another lineage's), the lineage learnt from the root first."""
+        held = self.view.infos()
+        ours = self.lineage.learn(i.metadata for i in held)
+        named = [i for i in held if record_of(i.metadata).step in (None, i.step)]
+        return {i.step for i in named if not ours(i.metadata, i.path)}
+
+    def infos(self) -> list[StepInfo]:
+        """What retention reads: this lineage's readable checkpoints."""
+        others = self.others()
+        return [i for i in self.view.infos() if i.step not in others]
+
+    def latest(self) -> int | None:
+        """The newest committed step but another lineage's (a save must not be older)."""
+        return max(set(self.steps()) - self.others(), default=None)
 
     def open(self, step: int) -> Path:
         return self.view.path(step)
@@ -179,10 +221,13 @@ class DiskTier:
         return promote_newest(self.view.root, paths, within)
 
     def newest(self, read: Callable[[Path], T], above: int | None) -> Found[T]:
+        others = self.others()  # the lineage, learnt for the remote tier too
         if self._defer:
             return None
         view = self.view
-        newer = lambda: [(s, p) for s, p in view.candidates() if above is None or s > above]  # noqa: E731
+        newer = lambda: [  # noqa: E731
+            (s, p) for s, p in view.candidates() if (above is None or s > above) and s not in others
+        ]
         found, damaged = newest_readable(
             view.root,
             newer,
@@ -224,8 +269,8 @@ def move_newer(
     for tier in tiers:
         if tier is not disk and tier is not remote:
             tier.delete([s for s in tier.steps() if s > step])
-    view = disk.view
-    doomed = sorted(s for s, _ in view.candidates() if s > step)
+    view, others = disk.view, disk.others()  # another lineage's stay where they are
+    doomed = sorted(s for s, _ in view.candidates() if s > step and s not in others)
     if remote is not None and disk.coordinator:
         gone = remote.newer_than(step)
         if gone and newer == "branch":

@@ -1,11 +1,8 @@
 """A manager's writes: one save in flight, its buffers and trust, exports, removals.
 
-Everything a :class:`~.manager.CheckpointManager` writes goes through one
-:class:`Writes`: at most one checkpoint save in flight (synchronous or off the
-training thread), the staging buffers it reuses, the trust memory its incremental
-saves share (:mod:`..save.trust`), the uploads held while a save stages, the export
-off the training thread and the removal of pruned checkpoints. It decides nothing:
-the manager says what to write and when.
+Everything a manager writes goes through one :class:`Writes` (the uploads held while
+a save stages, the export and the removals off the training thread); it decides
+nothing: the manager says what to write and when.
 """
 
 from __future__ import annotations
@@ -35,10 +32,8 @@ from functional_ckpt._src.state.tree import State
 
 @dataclass(frozen=True)
 class WriteSettings:
-    """How a manager writes: ``per_rank`` subtrees, off the training thread or not,
-    each save on the previous one (``incremental``), whether ranks keep parts, and
-    whether what is written must survive a power loss (not a memory tier's saves), and
-    the checkpoint group of its collectives."""
+    """How a manager writes (``durable``: survives a power loss, as a memory tier's
+    saves need not)."""
 
     per_rank: tuple[str, ...]
     async_save: AsyncSave | None
@@ -67,11 +62,8 @@ class Writes:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, path: Path, state: State, metadata: Mapping[str, Any]) -> CheckpointInfo | None:
-        """The one place a checkpoint is written; None while an async save runs.
-
-        An existing directory for the same step is replaced atomically: the newer
-        save of a step supersedes the older one.
-        """
+        """The one place a checkpoint is written (over an older save of its step,
+        atomically); None while an async save runs."""
         options = SaveOptions(
             metadata=metadata,
             overwrite=path.exists(),
@@ -112,9 +104,7 @@ class Writes:
 
     def wait(self) -> CheckpointInfo | None:
         """The save in flight, committed (or its error raised); None if there was none.
-
-        Interrupted while it runs (Ctrl-C), the save stays the one in flight: nobody
-        may take it for finished (release the writer lock under it, or forget it)."""
+        Interrupted (Ctrl-C), it stays in flight: nobody may take it for finished."""
         pending = self.pending
         if pending is None:
             return None

@@ -1,17 +1,22 @@
-"""Downloading a remote checkpoint: in parallel, every byte verified, committed locally.
+"""Downloading a remote checkpoint, in parallel, committed locally.
 
-A private directory of the local root receives the objects, is checked by
-:func:`functional_ckpt.verify`, then renamed into place: nothing half-downloaded is
-ever visible. Damage is :class:`~functional_ckpt.errors.CorruptCheckpoint`; a copy
-deleted or replaced remotely meanwhile is :class:`~functional_ckpt.errors.RemoteVanished`.
+A private directory of the local root receives the objects (all of them, checked by
+:func:`functional_ckpt.verify`; or what one rank reads, checked as it is read), then
+is renamed into place, marker last: nothing half-downloaded is ever visible. Ranks
+sharing one root fetch their shares into one such directory, which the coordinator
+commits once every share is durable. Damage is
+:class:`~functional_ckpt.errors.CorruptCheckpoint`; a copy deleted or replaced
+remotely meanwhile is :class:`~functional_ckpt.errors.RemoteVanished`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from functional_ckpt._src.format import naming
@@ -22,7 +27,7 @@ from functional_ckpt._src.storage import commit, committed, durable
 from functional_ckpt._src.storage.verify import verify
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, RemoteVanished
 
-__all__ = ["DOWNLOAD_PREFIX", "download", "remove_downloads"]
+__all__ = ["DOWNLOAD_PREFIX", "commit_shares", "download", "fetch_share", "remove_downloads"]
 
 #: Prefix of the private directories downloads are written into (inside the local root).
 DOWNLOAD_PREFIX = ".fc-download-"
@@ -37,22 +42,77 @@ def download(
     replace: bool = False,
     rank: int | None = None,
 ) -> Path:
-    """Download and verify remote ``step``; return it committed as ``into/step_N``.
+    """Download and verify remote ``step``; return it committed as ``into/step_N``
+    (``replace``: over what is there, a rank's part of it).
 
-    ``into`` is the local root (or any directory on the same file system). An
-    existing ``into/step_N`` is left alone: the caller decides it is missing first.
-    ``check=False`` leaves the verification to the caller (``fckpt verify`` reports
-    every problem instead of the first); with it, ``rank`` fetches only what that
-    rank reads (the marker, the index, the files the index lists but ``.metadata``,
-    its part and the files its part lists), a copy that restores that rank alone.
-    ``replace=True`` replaces what is at ``into/step_N`` (a rank's part of that
-    checkpoint: the download supersedes it).
-
-    Whatever a hostile remote manifest holds, the failure is a ``CheckpointError``
-    (damage of that remote checkpoint, or the local disk's), never a raw exception.
+    ``check=False`` leaves the verification to the caller; with it, ``rank`` fetches
+    only what that rank reads, a copy that restores that rank alone. Whatever a
+    hostile remote manifest holds, the failure is a ``CheckpointError``.
     """
+    whole = check or rank is None
+    work = into / f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"
+    tmp = work / step_name(step)
     try:
-        return _download(store, step, into, check=check, replace=replace, rank=rank)
+        with _damage(store, step):
+            marker, names = _fetch(store, step, tmp, None if whole else rank, index=True)
+            _unchanged(store, step, marker)
+            report = verify(tmp) if check else None
+            if report is not None and not report.ok:
+                problems = "; ".join(str(p) for p in report.problems[:3])
+                raise CorruptCheckpoint(
+                    f"{store.where(step)}: damaged remote checkpoint: {problems}"
+                )
+            final = into / step_name(step)
+            commit.commit_checkpoint(tmp, final, overwrite=replace, replaces=commit.PARTS)
+    finally:
+        _discard(work)
+    # A local copy of a remote checkpoint is flushed to disk in the background: one
+    # torn by a power loss before then fails its checksums, is moved aside, and is
+    # downloaded again (the remote copy is the durable one).
+    threading.Thread(target=_fsync_all, args=(final, names), daemon=True).start()
+    return final
+
+
+def fetch_share(store: Store, step: int, into: Path, work: str, *, rank: int, world: int) -> bytes:
+    """One rank's share of a download into a root the ranks share (:func:`_fetch`),
+    flushed and moved into ``into/<work>/step_N``; the marker, which
+    :func:`commit_shares` writes once every rank's share is durable."""
+    first, mine = rank == 0, into / work / f"rank-{rank}"  # the coordinator: rank 0
+    tmp = into / work / step_name(step)
+    with _damage(store, step):
+        marker, names = _fetch(store, step, mine, rank, index=first, world=world)
+        tmp.mkdir(exist_ok=True)
+        for name in names:  # the index by the coordinator; a part's files by its rank
+            if name != naming.COMMIT_MARKER and (first or name != naming.MANIFEST):
+                _fsync_all(mine, [name])
+                os.replace(mine / name, tmp / name)
+    return marker
+
+
+def commit_shares(store: Store, step: int, into: Path, work: str, marker: bytes) -> Path:
+    """Commit what every rank fetched (:func:`fetch_share`) as ``into/step_N``: marker
+    last, once the remote copy is found unchanged; the private directory removed."""
+    tmp, final = into / work / step_name(step), into / step_name(step)
+    try:
+        with _damage(store, step):
+            _unchanged(store, step, marker)
+            durable.write_new(tmp / naming.COMMIT_MARKER, marker)
+            commit.commit_checkpoint(tmp, final, overwrite=True, replaces=commit.PARTS)
+    finally:
+        _discard(into / work)
+    return final
+
+
+def _discard(work: Path) -> None:
+    """Remove a download's private directory (never a checkpoint: none is in it)."""
+    shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _damage(store: Store, step: int) -> Iterator[None]:
+    """Whatever a hostile remote manifest provokes is a ``CheckpointError``."""
+    try:
+        yield
     except (CheckpointError, OSError):
         raise
     except Exception as e:  # anything a forged manifest could still provoke
@@ -61,58 +121,53 @@ def download(
         ) from e
 
 
-def _download(
-    store: Store, step: int, into: Path, *, check: bool, replace: bool, rank: int | None
-) -> Path:
+def _fetch(
+    store: Store, step: int, tmp: Path, rank: int | None, *, index: bool, world: int = 0
+) -> tuple[bytes, list[str]]:
+    """Download into ``tmp`` (made here) the manifest, the marker and what one reader
+    reads of remote ``step``: with ``rank`` None every file; else that rank's part and
+    the files it lists, and (``index``) the files the index lists but ``.metadata``
+    (``world``, ranks sharing one root: rank 0 ``.metadata`` too, and every part where
+    another world size saved it, the others none). The marker and the names fetched."""
     marker, manifest = store.manifest(step)
     # the one validation of a manifest, before any object is fetched: file names,
     # sizes, entries (a forged table naming the marker or a number is refused here)
     shared = parse_checkpoint(manifest, Path(store.where(step))).shared
-    whole = check or rank is None
-    sizes = {n: s for n, s in shared.file_sizes.items() if whole or n != naming.DCP_METADATA}
+    listed = shared.file_sizes.items() if index or rank is None else ()
+    sizes = {n: s for n, s in listed if rank is None or world or n != naming.DCP_METADATA}
     parts: list[int] = []  # parts that check themselves: the index lists none
     if shared.raw.get("version") == naming.PART_FILES_VERSION:
         parts = list(range(shared.parts))
-        parts = parts if whole or rank is None else parts[rank : rank + 1]
+        if world and shared.parts != world:  # a reader's chunks may lie in any part
+            parts = parts if index else []
+        elif rank is not None:
+            parts = parts[rank : rank + 1]
     found = store.objects(step)
-    _present(store, step, found, [*sizes, *map(naming.part_name, parts), naming.MANIFEST], sizes)
-    into.mkdir(parents=True, exist_ok=True)
-    work = into / f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"
-    tmp = work / step_name(step)
-    try:
-        tmp.mkdir(parents=True)
-        wanted = [*sizes, *map(naming.part_name, parts), naming.MANIFEST]
-        _get(store, step, tmp, wanted)
-        durable.write_new(tmp / naming.COMMIT_MARKER, marker)
-        if parts:  # then the files the parts list (their own, not every rank's)
-            with committed.open_checkpoint(tmp) as ck:
-                once = committed.parsed(ck)
-                for r in parts:
-                    once.part(r)
-                listed = once.shared.file_sizes.items()
-                more = {n: s for n, s in listed if n not in shared.file_sizes}
-            _present(store, step, found, list(more), more)
-            _get(store, step, tmp, list(more))
-            wanted += more
-        if store.objects(step).get(naming.COMMIT_MARKER) != len(marker) or (
-            store.read(step, naming.COMMIT_MARKER) != marker
-        ):
-            raise RemoteVanished(
-                f"{store.where(step)}: deleted or replaced remotely while it was downloaded"
-            )
-        report = verify(tmp) if check else None
-        if report is not None and not report.ok:
-            problems = "; ".join(str(p) for p in report.problems[:3])
-            raise CorruptCheckpoint(f"{store.where(step)}: damaged remote checkpoint: {problems}")
-        final = into / step_name(step)
-        commit.commit_checkpoint(tmp, final, overwrite=replace, replaces=commit.PARTS)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    # A local copy of a remote checkpoint is flushed to disk in the background: one
-    # torn by a power loss before then fails its checksums, is moved aside, and is
-    # downloaded again (the remote copy is the durable one).
-    threading.Thread(target=_fsync_all, args=(final, wanted), daemon=True).start()
-    return final
+    wanted = [*sizes, *map(naming.part_name, parts), naming.MANIFEST]
+    _present(store, step, found, wanted, sizes)
+    tmp.mkdir(parents=True)
+    _get(store, step, tmp, wanted)
+    durable.write_new(tmp / naming.COMMIT_MARKER, marker)
+    if parts:  # then the files the parts list (their own, not every rank's)
+        with committed.open_checkpoint(tmp) as ck:
+            once = committed.parsed(ck)
+            for r in parts:
+                once.part(r)
+            more = {n: s for n, s in once.shared.file_sizes.items() if n not in shared.file_sizes}
+        _present(store, step, found, list(more), more)
+        _get(store, step, tmp, list(more))
+        wanted += more
+    return marker, [*wanted, naming.COMMIT_MARKER]
+
+
+def _unchanged(store: Store, step: int, marker: bytes) -> None:
+    """Raise unless remote ``step`` still has ``marker`` (not deleted or replaced)."""
+    if store.objects(step).get(naming.COMMIT_MARKER) != len(marker) or (
+        store.read(step, naming.COMMIT_MARKER) != marker
+    ):
+        raise RemoteVanished(
+            f"{store.where(step)}: deleted or replaced remotely while it was downloaded"
+        )
 
 
 def _present(

@@ -1,16 +1,11 @@
 """Uploads' bytes moved by a helper process, which stands still while a save stages.
 
-An object store's client is Python code: on the training process it competes for the
-GIL and the cores with the loop and with the state copy an async save waits for. So
-the bulk ``put`` runs in a niced child process (:class:`Mover`) that the manager
-``SIGSTOP``s from the start of each save until the state is copied: the transfer is
-only delayed, the loop's stall is what it is without uploads.
-
-The child runs this file as a script (standard library and fsspec only), gets the URL
-and ``storage_options`` through a pipe (never a file), dies with its parent, and
-reports failures as :func:`facts_of` does here, so both map to the same
-:class:`~functional_ckpt.errors.RemoteError`. ``memory://``, local directories and
-options that are not plain JSON (nothing is pickled) keep the transfer in the caller.
+An object store's client is Python code that would compete for the GIL and the cores
+with the loop, so the bulk ``put`` runs in a niced child process that the manager
+``SIGSTOP``s from the start of each save until the state is copied. The child runs this
+file as a script (standard library and fsspec only), gets the URL and options through
+a pipe (never a file, never pickled), dies with its parent, and reports failures as
+:func:`facts_of` does, so both map to the same :class:`~functional_ckpt.errors.RemoteError`.
 """
 
 from __future__ import annotations
@@ -70,19 +65,17 @@ def reaches(fs: Any) -> bool:
 
 
 class Mover:
-    """One helper process that runs ``fs.put`` for one store, started on first use.
+    """One helper process that runs ``fs.put`` for one store, started on first use;
+    ``pause``/``resume`` nest and come from any thread."""
 
-    ``put`` is called by one thread at a time (the upload worker); ``pause`` and
-    ``resume`` by any (they nest: the process runs when every pause is resumed).
-    """
-
-    def __init__(self, url: str, storage_options: Mapping[str, Any]) -> None:
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
+        """``storage_options`` None: no process (the store is in this one's memory, or
+        local); options that do not round-trip through JSON leave transfers in the caller."""
         self.url = url
-        # Options that do not round-trip through JSON leave transfers in the caller.
-        options = dict(storage_options)
+        options = dict(storage_options or {})
         try:
             encoded = json.dumps(options)
-            exact = json.loads(encoded) == options
+            exact = storage_options is not None and json.loads(encoded) == options
         except (TypeError, ValueError):
             encoded, exact = "", False
         self._setup = encoded if exact else None

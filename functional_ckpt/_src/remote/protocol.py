@@ -69,12 +69,9 @@ def local_marker(local: Path) -> bytes:
 
 
 def begin_upload(store: Store, step: int, local: Path) -> dict[str, int] | None:
-    """Ready the remote directory of ``step`` for the checkpoint at ``local``.
-
-    Returns None if the remote copy is already committed (same marker), else the
-    objects already uploaded for this very checkpoint (name -> size), which an
-    interrupted upload need not send again.
-    """
+    """Ready the remote directory of ``step`` for the checkpoint at ``local``: None if
+    it is committed there already, else the objects of this very checkpoint there
+    (name -> size), which an interrupted upload need not send again."""
     marker = local_marker(local)
     manifest = opener.read_file(
         local / naming.MANIFEST, limit=LIMITS.manifest_bytes, what="manifest"
@@ -98,12 +95,8 @@ def begin_upload(store: Store, step: int, local: Path) -> dict[str, int] | None:
 def put_part(
     store: Store, step: int, local: Path, names: Iterable[str], present: dict[str, int]
 ) -> int:
-    """Upload ``names`` from ``local`` (those not already ``present`` at their size); confirm all.
-
-    Returns the bytes sent. Objects go up in parallel, through the store's own
-    bulk ``put`` (run by the helper process of :mod:`~functional_ckpt._src.remote.mover`
-    where there is one).
-    """
+    """Upload ``names`` from ``local`` (not those ``present`` at their size) in one
+    bulk ``put``; confirm all; the bytes sent."""
     sizes = {name: os.stat(local / name).st_size for name in names}
     todo = [n for n, size in sizes.items() if present.get(n) != size]
     if todo:

@@ -4,13 +4,16 @@ fetched into the local root and read there (``RemoteTier.newest``).
 A damaged remote checkpoint is reported as a :class:`RemoteWarning`, its local copy
 moved aside, and the previous one tried. Under ``torch.distributed`` every rank reads
 the same step: the newest every rank holds whole locally, or the coordinator's newest
-good remote one, which each rank fetches: only what it reads where the ranks' roots
-are their own, the whole of it once (verified) where they are one directory.
+good remote one, of which each rank fetches only what it reads, each file checked as
+it is read (``fc.verify`` checks everything when asked). Where the ranks share one
+root, their shares land in one private directory the coordinator commits, marker
+last, once every rank's share is durable.
 """
 
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,7 +21,12 @@ from typing import Any, TypeVar
 from functional_ckpt._src.format.kind import is_committed
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.log import warn
-from functional_ckpt._src.remote.fetch import download
+from functional_ckpt._src.remote.fetch import (
+    DOWNLOAD_PREFIX,
+    commit_shares,
+    download,
+    fetch_share,
+)
 from functional_ckpt._src.remote.uploader import retried
 from functional_ckpt._src.root.delete import quarantine
 from functional_ckpt._src.root.listing import StepInfo, committed_steps, quarantined, read_info
@@ -52,7 +60,7 @@ def newest(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Found
     if tier.world > 1:
         return _agreed(tier, read, above)
     root = tier.root
-    for step in _good(tier, above):
+    for step in (s for s in _good(tier, above) if tier.of_lineage(s)):  # this lineage's only
         there = root / step_name(step)
         if there.is_dir() and not is_committed(there):
             quarantine(root, there)  # never committed (a download a crash cut short)
@@ -103,6 +111,15 @@ def _good(tier: _Remote, above: int | None) -> list[int]:
     return sorted(newer, reverse=True)
 
 
+def _ours(tier: _Remote, step: int, path: Path) -> bool:
+    """Whether a local checkpoint is of this run's lineage (a damaged one is read, and
+    reported, like any other)."""
+    try:
+        return bool(tier.ours(read_info(path, step).metadata, path))
+    except (CheckpointError, OSError):
+        return True
+
+
 def _agreed(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Found[T]:
     """Every rank reads one step (see the module docstring). On the training thread, so
     on the manager's group (uploads use their own)."""
@@ -114,26 +131,42 @@ def _agreed(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Foun
     )
 
     group = checkpoint_group(purpose="control")
-    mine = [s for s, path in committed_steps(tier.root).items() if holds_every_file(path)]
+    mine = [
+        s
+        for s, p in committed_steps(tier.root).items()
+        if holds_every_file(p) and _ours(tier, s, p)
+    ]
     common = set.intersection(*(set(s) for s in all_gather_values(mine, group)))
     error: BaseException | None = None
     remote: list[int] = []
     if tier.coordinator:
         try:
-            remote = _good(tier, above)
+            remote = next(([s] for s in _good(tier, above) if tier.of_lineage(s)), [])  # lineage's
         except BaseException as e:
             error = e
-    told = agree_values(error, remote if tier.coordinator else None, group, tier.url)
-    target = max([*(s for s in common if above is None or s > above), *told[0]], default=None)
+    work = f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"  # the coordinator's, for one root
+    told = agree_values(error, [remote, work] if tier.coordinator else None, group, tier.url)
+    (remote, work), where = told[0], tier.store.where
+    target = max([*(s for s in common if above is None or s > above), *remote], default=None)
     if target is None:
         return None
+    shares, marker = target not in mine and tier.shared, b""
     try:
         if target not in mine and not tier.shared:  # its own root: what it reads
             download(tier.store, target, tier.root, check=False, replace=True, rank=tier.rank)
-        elif target not in mine and tier.coordinator:  # one root: whole, once
-            download(tier.store, target, tier.root, replace=True)
+        elif shares:  # one root: each rank what it reads, in parallel
+            marker = fetch_share(
+                tier.store, target, tier.root, work, rank=tier.rank, world=tier.world
+            )
     except BaseException as e:
         error = e
-    agree(error, group, f"download {tier.store.where(target)}")
+    agree(error, group, f"download {where(target)}")  # every rank's share durable, or none
+    if shares:  # then the coordinator commits it, marker last
+        try:
+            if tier.coordinator:
+                commit_shares(tier.store, target, tier.root, work, marker)
+        except BaseException as e:
+            error = e
+        agree(error, group, f"commit {where(target)}")
     path = tier.root / step_name(target)
     return read_info(path, target), read(path)

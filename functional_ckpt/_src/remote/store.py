@@ -151,8 +151,11 @@ class Store:
         except Exception as e:
             raise remote_error(e, self.url) from e
         self.base = str(path).rstrip("/")
-        # Bulk uploads run in a helper process where another process reaches the store.
-        self._mover = Mover(full, options) if reaches(self.fs) else None
+        # Bulk uploads run in a helper process where another process reaches the store;
+        # it stands still while a save stages (``pause_uploads`` until ``resume_uploads``).
+        self.mover = Mover(full, options if reaches(self.fs) else None)
+        self.start_uploads, self.close = self.mover.start, self.mover.close
+        self.pause_uploads, self.resume_uploads = self.mover.pause, self.mover.resume
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -166,35 +169,12 @@ class Store:
 
     def put(self, where: str, lpaths: list[str], rpaths: list[str]) -> None:
         """Upload local files to objects, in parallel (in the helper process if any)."""
-        if self._mover is not None and self._mover.start():
-            self.call(where, self._mover.put, lpaths, rpaths)
-        else:
-            self.call(where, self.fs.put, lpaths, rpaths)
-
-    def start_uploads(self) -> None:
-        """Start the helper process of uploads now, not at the first upload."""
-        if self._mover is not None:
-            self._mover.start()
-
-    def pause_uploads(self) -> None:
-        """Hold the uploads running (in the helper process) until ``resume_uploads``: a
-        save begins, and the state copy the loop waits for gets the cores."""
-        if self._mover is not None:
-            self._mover.pause()
-
-    def resume_uploads(self) -> None:
-        if self._mover is not None:
-            self._mover.resume()
+        self.call(where, self.mover.put if self.mover.start() else self.fs.put, lpaths, rpaths)
 
     @property
     def uploader_pid(self) -> int | None:
         """The helper process of uploads, while one runs."""
-        return None if self._mover is None else self._mover.pid
-
-    def close(self) -> None:
-        """End the helper process of uploads (a later upload starts another)."""
-        if self._mover is not None:
-            self._mover.close()
+        return self.mover.pid
 
     def step_dir(self, step: int) -> str:
         return f"{self.base}/{step_name(step)}"

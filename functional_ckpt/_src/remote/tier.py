@@ -1,13 +1,9 @@
 """The remote tier of a manager's root: a tier (``manager/tiers.Tier``) behind the disk.
 
-Every checkpoint commits locally first; a background upload round then commits the
-ones the remote retention keeps by :mod:`~functional_ckpt._src.remote.protocol`, each
-rank uploading the files it wrote, and runs the manager's retention over this tier.
-Local retention spares a checkpoint until its remote copy is committed (unless
-``prune_unuploaded``). With one local root per rank, a non-coordinator's ``step_N``
-is a *part* (its shards, no manifest, no marker): never listed or restored, kept
-only to be uploaded; a resume then comes from remote, each rank fetching only what
-it reads.
+Every checkpoint commits locally first, then a background round uploads what the
+manager's retention keeps (:mod:`.protocol`, each rank its own files) and prunes.
+With one local root per rank, a non-coordinator's ``step_N`` is a *part* (its shards,
+no marker), kept only to be uploaded: the whole checkpoint lives remotely.
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -45,10 +41,8 @@ __all__ = ["LEASE", "RemoteTier", "read_status"]
 
 T = TypeVar("T")
 
-#: The object beside the checkpoints naming the manager that writes the remote root:
-#: the one that began writing there last. A manager takes it before its first upload
-#: or deletion and checks it before each next one, so the stale process of a restarted
-#: job stops writing once the new one writes (a manager that only restores never takes it).
+#: The object naming the manager that writes the remote root (the last to begin): the
+#: stale process of a restarted job stops writing once the new one writes.
 LEASE = ".writer.json"
 
 
@@ -98,14 +92,16 @@ class RemoteTier:
         self._committed: set[int] = set()  # steps committed remotely (as last seen)
         self._dropped: set[int] = set()  # local steps the remote retention does not keep
         self._uploading: int | None = None
-        self._records: dict[int, CheckpointRecord] = {}
+        self._records: dict[int, tuple[CheckpointRecord, Mapping[str, Any]]] = {}
         self._same: dict[int, bytes] = {}  # local steps whose remote copy has their marker
         self._worker: Worker | None = None
         self.bad: set[int] = set()  # remote steps found damaged by this process
-        self.durable = True
-        #: The manager's retention over this tier (``manager/tiers.retain``), run by the
-        #: coordinator after each upload round.
+        self.durable, self.local = True, False
+        #: The manager's decisions over this tier (``manager/tiers``): its retention (after
+        #: each upload round), what retention keeps (uploaded) and the lineage rule.
         self.prune: Callable[[], object] = lambda: None
+        self.retained: Callable[[Sequence[Any]], set[int]] = lambda rs: {r.step for r in rs}
+        self.ours: Callable[[Mapping[str, Any], object], bool] = lambda metadata, where: True
         if writer:
             if self.coordinator or not self.shared:
                 remove_downloads(root)
@@ -154,10 +150,15 @@ class RemoteTier:
         return sorted(s for s, r in listing.items() if r.committed)
 
     def infos(self) -> list[CheckpointRecord]:
-        """What retention reads of each remote checkpoint committed (as last listed)."""
+        """What retention reads of each remote checkpoint of this lineage committed (as
+        last listed)."""
         with self._lock:
             committed = sorted(self._committed)
-        return [self._record(s) for s in committed]
+        return [self._record(s) for s in committed if self.of_lineage(s)]
+
+    def of_lineage(self, step: int) -> bool:
+        """Whether remote ``step`` is of this run's lineage (its manifest read once)."""
+        return self.ours(self._head(step)[1], self.store.where(step))
 
     def delete(self, steps: Sequence[int]) -> None:
         """Remove remote ``steps``, each marker first (no longer committed at once)."""
@@ -282,13 +283,15 @@ class RemoteTier:
             self._fail(max(local, default=-1), err)
             return {"upload": [], "local": sorted(local)}
         candidates = sorted(s for s in local if s not in committed)
-        records: list[Any] = [self._record(s) for s in committed]
+        records: list[Any] = [self._record(s) for s in committed if self.of_lineage(s)]
         for s in candidates:
             try:
-                records.append(read_info(local[s], s))
+                info = read_info(local[s], s)
             except (CheckpointError, OSError):
                 continue  # unreadable locally: not uploaded (the local resume deals with it)
-        kept = self.keep.select(records) | {max(r.step for r in records)} if records else set()
+            if self.ours(info.metadata, info.path):
+                records.append(info)
+        kept = self.retained(records)
         upload = [s for s in candidates if s in kept]
         if upload:
             try:
@@ -324,14 +327,20 @@ class RemoteTier:
         return out
 
     def _record(self, step: int) -> CheckpointRecord:
-        """What the remote retention needs of a remote checkpoint (its manifest, read once)."""
-        if step not in self._records:
-            created, metrics = 0.0, {}
+        return self._head(step)[0]
+
+    def _head(self, step: int) -> tuple[CheckpointRecord, Mapping[str, Any]]:
+        """What retention and the lineage read of a remote checkpoint (its manifest, read
+        once)."""
+        found = self._records.get(step)
+        if found is None:
+            created, metrics, metadata = 0.0, {}, {}
             with contextlib.suppress(CheckpointError, ValueError):
                 head = header_of(self.store.manifest(step)[1])
                 created, metrics = head.created or 0.0, dict(head.record.metrics)
-            self._records[step] = CheckpointRecord(step, created, metrics)
-        return self._records[step]
+                metadata = dict(head.metadata)
+            found = self._records[step] = (CheckpointRecord(step, created, metrics), metadata)
+        return found
 
     def _upload(self, step: int) -> None:
         """One checkpoint, by the object-store commit protocol, every rank its own files."""
@@ -403,7 +412,8 @@ class RemoteTier:
             self.failures.pop(step, None)
         with contextlib.suppress(CheckpointError, OSError):
             info = read_info(self.root / step_name(step), step)
-            self._records[step] = CheckpointRecord(step, info.time, dict(info.metrics))
+            record = CheckpointRecord(step, info.time, dict(info.metrics))
+            self._records[step] = (record, dict(info.metadata))
 
     def _fail(self, step: int, err: BaseException) -> None:
         failed = failure(step, err, self.url)

@@ -1,9 +1,8 @@
 """Uploads off the training thread: one worker, retries with backoff, a status file.
 
-Under ``torch.distributed`` every rank runs the same rounds in the same order, so
-their collectives line up. A failed upload never raises on the training thread: it
-is reported once as a :class:`~functional_ckpt.errors.RemoteWarning` at the next
-manager call and written to ``root/.remote.json`` for ``fckpt ls``.
+A failed upload never raises on the training thread: it is reported once as a
+:class:`~functional_ckpt.errors.RemoteWarning` at the next manager call, and written
+to ``root/.remote.json`` for ``fckpt ls``.
 """
 
 from __future__ import annotations
@@ -39,10 +38,8 @@ STATUS_FILE = ".remote.json"
 
 
 def retried(fn: Callable[[], T], attempts: int | None = None) -> T:
-    """``fn()``, tried again with exponential backoff while the store fails transiently.
-
-    Refused credentials and a missing bucket are not transient: they raise at once.
-    """
+    """``fn()``, tried again with exponential backoff while the store fails transiently
+    (refused credentials and a missing bucket are not transient)."""
     tries = RETRIES if attempts is None else attempts
     delay = BACKOFF
     for attempt in range(tries):
@@ -59,12 +56,9 @@ def retried(fn: Callable[[], T], attempts: int | None = None) -> T:
 
 
 class Worker:
-    """One daemon thread that runs ``round()`` after requests, in order.
-
-    A round serves every request made before it began, so saves made while a store is
-    down do not queue rounds up. ``coalesce=False`` runs one round per request (ranks
-    must run the same rounds for their collectives to line up).
-    """
+    """One daemon thread that runs ``round()`` after requests: each round serves every
+    request made before it began (``coalesce=False``: one round per request, for ranks
+    whose collectives must line up)."""
 
     def __init__(
         self, round_: Callable[[], None], name: str = "fc-upload", *, coalesce: bool = True

@@ -1,0 +1,91 @@
+"""One rank of the two-rank remote-tier test with one local root both ranks share
+(launched by tests/test_remote.py; ``BASE`` and ``REMOTE`` as in tests/remote_job.py).
+
+1. in ``BASE/run``: save steps 1-2 and wait for their uploads;
+2. a relaunch into the empty ``BASE/fresh`` (the same remote) resumes step 2: each
+   rank downloads what it reads (the objects it fetches printed), the local copy is
+   committed whole and ``fc.verify`` finds it intact;
+3. into ``BASE/torn``, rank 1's download fails midway: every rank raises, nothing in
+   the root looks committed, and the next writer removes what it left.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import functional_ckpt as fc
+from functional_ckpt._src.remote import fetch
+
+
+def state(mesh: Any, rank: int, step: int) -> dict[str, Any]:
+    full = torch.arange(40, dtype=torch.float32).reshape(8, 5) * step
+    return {
+        "w": distribute_tensor(full, mesh, [Shard(0)]),  # each rank writes its half
+        "step": step,
+        "loader": {"pos": 100 * rank + step},
+    }
+
+
+def main() -> None:
+    base, remote = Path(sys.argv[1]), sys.argv[2]
+    options = {"client_kwargs": {"endpoint_url": os.environ["ENDPOINT"]}}
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def manager(name: str) -> fc.CheckpointManager:
+        tier = fc.manager.Remote(remote, storage_options=options)
+        return fc.CheckpointManager(base / name, tiers=(tier,))
+
+    with manager("run") as mgr:
+        assert mgr.remote is not None and mgr.remote.shared
+        for step in (1, 2):
+            mgr.maybe_save(state(mesh, rank, step), step=step)
+        mgr.remote.wait()
+
+    fetched: list[str] = []  # every object this rank downloads from the store
+    real_get = fetch._get
+
+    def counted(store: Any, step: int, tmp: Path, names: list[str]) -> None:
+        fetched.extend(names)
+        if os.environ.get("TEAR") == str(rank) and names:
+            raise fc.CheckpointError(f"{names[0]}: torn off")
+        real_get(store, step, tmp, names)
+
+    fetch._get = counted  # type: ignore[assignment]
+    with manager("fresh") as mgr:  # a relaunch on machines whose root is empty
+        got = mgr.restore_latest(like=state(mesh, rank, 0))
+        print("FETCHED", sorted(fetched), flush=True)
+        assert got is not None and mgr.restored_step == 2, mgr.restored_step
+        assert torch.equal(got["w"].to_local(), state(mesh, rank, 2)["w"].to_local())
+        assert got["loader"]["pos"] == 100 * rank + 2 and got["step"] == 2
+    dist.barrier()
+    print("RESUMED", fc.verify(base / "fresh" / "step_000000002").ok, flush=True)
+
+    os.environ["TEAR"] = "1"
+    try:
+        with manager("torn") as mgr:
+            mgr.restore_latest(like=state(mesh, rank, 0))
+        raise AssertionError("a torn download was resumed")
+    except fc.CheckpointError as e:
+        print("TORN", type(e).__name__, flush=True)
+    dist.barrier()
+    print("LEFT", fc.CheckpointManager(base / "torn", read_only=True).steps(), flush=True)
+    with manager("torn"):  # the next writer removes what the failed download left
+        pass
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
