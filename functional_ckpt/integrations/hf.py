@@ -39,10 +39,8 @@ if TYPE_CHECKING:
 else:
     _Base = object
 
-__all__ = ["FunctionalTrainer", "FunctionalTrainerMixin", "is_stock_checkpoint"]
-__all__ += ["load_trainer_checkpoint"]
-
-_RESUME_KEYS = ("optimizer", "scheduler", "rng")
+__all__ = ["FunctionalTrainer", "FunctionalTrainerMixin"]
+__all__ += ["is_stock_checkpoint", "load_trainer_checkpoint"]
 
 #: What the stock ``Trainer`` writes into a ``checkpoint-N`` that a run goes on from.
 _STOCK_STATE = "trainer_state.json"
@@ -210,7 +208,7 @@ class FunctionalTrainerMixin(_Base):
             finally:
                 self._fc_stock = False
         loaded = load_trainer_checkpoint(resume_from_checkpoint)
-        missing = [k for k in _RESUME_KEYS if k not in loaded]
+        missing = [k for k in ("optimizer", "scheduler", "rng") if k not in loaded]
         if missing:
             raise CheckpointError(
                 f"{resume_from_checkpoint}: holds no {missing} (saved with save_only_model=True?); "

@@ -65,9 +65,6 @@ def _staged(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return copy.deepcopy(checkpoint, memo=tensors)
 
 
-_MODEL_CHECKPOINT_KEYS = ("last_model_path", "best_model_path", "best_k_models")
-
-
 def _last_to_follow(
     checkpoint: dict[str, Any], target: Path, queued: Callable[[Path], bool]
 ) -> Path | None:
@@ -80,7 +77,9 @@ def _last_to_follow(
     for state in callbacks.values():
         if not isinstance(state, dict):
             continue
-        last, best, top = (state.get(k) for k in _MODEL_CHECKPOINT_KEYS)
+        last, best, top = (
+            state.get(k) for k in ("last_model_path", "best_model_path", "best_k_models")
+        )
         saving = [best, *top] if isinstance(top, dict) else [best]
         if not isinstance(last, str) or not last:
             continue

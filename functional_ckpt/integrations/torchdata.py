@@ -36,11 +36,6 @@ def iter_resumed(
     if inspect.isgenerator(iterator):
         # A generator (accelerate's loaders) runs nothing, and draws nothing, until
         # its first batch is asked for: ask now, before the generators are restored.
-        try:
-            first = [next(iterator)]
-        except StopIteration:
-            first = []
-        apply(state, rng=rng)
-        return itertools.chain(first, iterator)
+        iterator = itertools.chain(list(itertools.islice(iterator, 1)), iterator)
     apply(state, rng=rng)  # the generators only, now that the iterator has drawn its seeds
     return iterator

@@ -218,11 +218,10 @@ class Unregistered:
             object.__setattr__(self, "_hash", object.__hash__(self))
         object.__setattr__(self, "by_identity", True)
 
-    def __setattr__(self, name: str, value: object) -> None:
+    def __setattr__(self, name: str, value: object = None) -> None:
         raise AttributeError(f"{type(self).__name__} is read-only")
 
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"{type(self).__name__} is read-only")
+    __delattr__ = __setattr__
 
     def __reduce__(self) -> tuple[Any, ...]:  # copies despite read-only slots
         return (partial(Unregistered, by_identity=self.by_identity), (self.tag, self.fields))
