@@ -152,7 +152,7 @@ class FunctionalCheckpointIO(CheckpointIO):
         """Once per directory, before the first save into it: what killed saves left."""
         if directory in self._cleaned:
             return
-        self._drain()  # none of this plugin's own saves is in flight there
+        self._wait()  # none of this plugin's own saves is in flight there
         recover_beside(directory, stacklevel=4)
         self._cleaned.add(directory)
 
@@ -184,17 +184,12 @@ class FunctionalCheckpointIO(CheckpointIO):
     def _queued(self, path: Path) -> bool:
         return any(path in paths for paths, _ in self._jobs)
 
-    def _wait(self, path: Path) -> None:
-        """Wait for the saves up to the last one that writes ``path``."""
+    def _wait(self, path: Path | None = None) -> None:
+        """Wait for the saves up to the last one that writes ``path`` (None: every one)."""
         for paths, pending in reversed(self._jobs):
-            if path in paths:
+            if path is None or path in paths:
                 pending.exception()
                 break
-        self._reap()
-
-    def _drain(self) -> None:
-        if self._jobs:
-            self._jobs[-1][1].exception()
         self._reap()
 
     def _reap(self) -> None:
