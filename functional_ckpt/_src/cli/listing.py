@@ -247,8 +247,7 @@ def _checkpoints(root: Path, rows: list[RootEntry], parts: Any) -> Section:
         wanted = r.canonical and r.status in ("ok", "intact")
         doomed_here = doomed if ours(r.metadata) else foreign
         row: dict[str, Any] = {"name": r.name, "path": str(r.path), "step": r.step}
-        row |= {"status": r.status}
-        row |= {"time": r.time, "size": r.size}
+        row |= {"status": r.status, "time": r.time, "size": r.size}
         row |= {"shared": shared_bytes(r.path), "metrics": fmt.jsonable(r.metrics)}
         row |= {"kept_by": (kept.get(r.step) or doomed_here) if wanted else [], "detail": r.detail}
         section.rows.append({**row, "run": run_of(r.metadata)})
