@@ -149,9 +149,10 @@ class Replicas:
             for name in sorted(os.listdir(top)):
                 commit.remove_tree(top / name)
 
-    def replicate(self, step: int, error: BaseException | None) -> None:
+    def replicate(self, step: int, error: BaseException | None) -> BaseException | None:
         """Phase 2 of a save (every rank): replicas sent, agreed on, committed per folder;
-        with ``error`` (this rank's phase 1 failed) nothing is committed anywhere."""
+        with ``error`` (this rank's phase 1 failed) nothing is committed anywhere. A
+        keeper's failed commit is returned (its folder lacks the step, the others hold it)."""
         what, staging, lay = f"memory-tier step {step}", self.staging(step), self.layout
         groups.agree(error, self.group, what)  # and the coordinator committed phase 1
         held: dict[str, int] = {}
@@ -170,10 +171,14 @@ class Replicas:
                 for h in holders:
                     want[lay.folders[h]].add(shard_name(r))
         self._send(self._plan(want, have), staging, staging, what)
-        if self.keeper:  # a folder whose rename fails lacks the step (the others hold it)
-            commit.commit_checkpoint(
-                staging, self.folder / step_name(step), overwrite=True, sync=False
-            )
+        try:
+            if self.keeper:
+                commit.commit_checkpoint(
+                    staging, self.folder / step_name(step), overwrite=True, sync=False
+                )
+        except Exception as e:
+            return e
+        return None
 
     def _plan(self, want: dict[int, set[str]], have: dict[int, dict[str, int]]) -> list[Move]:
         """Who sends which file to whom: each folder's files ``want``-ed that it lacks (in
