@@ -43,11 +43,6 @@ T = TypeVar("T")
 
 #: In each folder: where a step is written and replicated before it is committed.
 STAGING = ".replicating"
-#: What a resume does once a read found damage: first, then again.
-_AFTER_DAMAGE = (
-    "every copy is checked and the step gathered again",
-    "falling back to the next tier",
-)
 
 
 @dataclass(frozen=True)
@@ -107,9 +102,8 @@ class Replicas:
         error: BaseException | None,
         steps: Callable[[], list[int]],
     ) -> None:
-        """Every rank, in the same order (groups are made here), each with its folder
-        claimed or the ``error`` that refused it; the domain is by default the node.
-        ``steps``: the folder's checkpoints of this run, the only ones it offers."""
+        """Every rank, its folder claimed or the ``error`` that refused it; ``steps``: the
+        folder's checkpoints of this run, the only ones it offers."""
         self.folder, self.rank, self.steps = folder, topology().rank, steps
         self.group = groups.checkpoint_group(purpose="replicate")
         groups.checkpoint_group(purpose="memory")  # the tier's saves (beside the disk's)
@@ -269,7 +263,11 @@ class Replicas:
                 return found
             warn(
                 f"{path}: memory-tier checkpoint of step {step} is unreadable ({bad}); "
-                + _AFTER_DAMAGE[verified],
+                + (
+                    "falling back to the next tier"
+                    if verified
+                    else "every copy is checked and the step gathered again"
+                ),
                 MemoryTierWarning,
                 stacklevel=7,
             )

@@ -48,9 +48,8 @@ T = TypeVar("T")
 
 
 class RunView(RootView):
-    """The tier's folder as its run sees it: its steps are this run's checkpoints only, so
-    that none another run (or the user) put there is resumed, deleted or built on (the
-    base of an incremental save); those are reported once and left as they are."""
+    """The tier's folder as its run sees it: this run's checkpoints only (another's is
+    never resumed, deleted or built on; reported once, left as it is)."""
 
     def __init__(self, folder: Path, run: str) -> None:
         super().__init__(folder)
@@ -186,9 +185,8 @@ class MemoryTier:
             raise
 
     def close(self, *, crashed: bool = False) -> None:
-        """Wait for the save in flight, then remove the folder: its RAM is not held past the
-        run. After a crash (an exception leaving the manager) the folder stays for the
-        restart, its newest step promoted to the disk first where a signal would have."""
+        """Remove the folder: its RAM is not held past the run. After a crash it stays for
+        the restart, its newest step promoted first where a signal would have."""
         self.wait(stacklevel=4)
         self.writes.join_removals()
         if self._handling and threading.current_thread() is threading.main_thread():
@@ -322,9 +320,8 @@ class MemoryTier:
         self.committed()
 
     def delete(self, steps: Sequence[int]) -> None:
-        """Out of sight now, the files removed off the training thread (freeing RAM takes
-        as long as a copy); only the keeper of a shared folder deletes, and only this
-        run's checkpoints."""
+        """Out of sight now, removed off the training thread (freeing RAM takes as long as a
+        copy); only by a folder's keeper, only this run's checkpoints."""
         mine = set(self.steps()) if steps and self.keeper else set()
         steps = [s for s in steps if s in mine]
         if steps:
@@ -392,4 +389,4 @@ class MemoryTier:
         return path
 
     def copy_in(self, source: object, within: float) -> None:
-        """Nothing is promoted into RAM: it is the fastest tier, and not durable."""
+        """Nothing is promoted into RAM: the fastest tier, and not durable."""
