@@ -319,3 +319,17 @@ def test_two_histories_sharing_a_step_are_never_mixed(tmp_path: Path) -> None:
             -3000:
         ]
         assert not lines(out, "RESUMED"), out[-3000:]
+
+
+def test_after_wait_every_rank_lists_the_memory_steps_committed(tmp_path: Path) -> None:
+    """Two ranks share one folder, its keeper commits late: ``wait()`` on either rank
+    returns with the step committed, so every rank lists (and restores) the same steps."""
+    from tests.test_dist import launch, wait_all
+
+    root, folder = tmp_path / "root", tmp_path / "ram"
+    job = Path(__file__).with_name("memory_wait_job.py")
+    for rc, _, err in wait_all(launch(2, str(root), str(folder), job=job)):
+        assert rc == 0, err[-3000:]
+    held = [json.loads((root / f"held.{r}.json").read_text()) for r in range(2)]
+    assert [h["memory"] for h in held] == [[6, 7], [6, 7]], held
+    assert all(h == {"disk": [2, 4, 6], "memory": [6, 7], "restored": [True, True]} for h in held)

@@ -43,11 +43,6 @@ T = TypeVar("T")
 
 #: In each folder: where a step is written and replicated before it is committed.
 STAGING = ".replicating"
-#: What a resume does once a read found damage: first, then again.
-_AFTER_DAMAGE = (
-    "every copy is checked and the step gathered again",
-    "falling back to the next tier",
-)
 
 
 @dataclass(frozen=True)
@@ -107,9 +102,8 @@ class Replicas:
         error: BaseException | None,
         steps: Callable[[], list[int]],
     ) -> None:
-        """Every rank, in the same order (groups are made here), each with its folder
-        claimed or the ``error`` that refused it; the domain is by default the node.
-        ``steps``: the folder's checkpoints of this run, the only ones it offers."""
+        """Every rank, its folder claimed or the ``error`` that refused it; ``steps``: the
+        folder's checkpoints of this run, the only ones it offers."""
         self.folder, self.rank, self.steps = folder, topology().rank, steps
         self.group = groups.checkpoint_group(purpose="replicate")
         groups.checkpoint_group(purpose="memory")  # the tier's saves (beside the disk's)
@@ -149,9 +143,10 @@ class Replicas:
             for name in sorted(os.listdir(top)):
                 commit.remove_tree(top / name)
 
-    def replicate(self, step: int, error: BaseException | None) -> None:
+    def replicate(self, step: int, error: BaseException | None) -> BaseException | None:
         """Phase 2 of a save (every rank): replicas sent, agreed on, committed per folder;
-        with ``error`` (this rank's phase 1 failed) nothing is committed anywhere."""
+        with ``error`` (this rank's phase 1 failed) nothing is committed anywhere. A
+        keeper's failed commit is returned (its folder lacks the step, the others hold it)."""
         what, staging, lay = f"memory-tier step {step}", self.staging(step), self.layout
         groups.agree(error, self.group, what)  # and the coordinator committed phase 1
         held: dict[str, int] = {}
@@ -170,10 +165,14 @@ class Replicas:
                 for h in holders:
                     want[lay.folders[h]].add(shard_name(r))
         self._send(self._plan(want, have), staging, staging, what)
-        if self.keeper:  # a folder whose rename fails lacks the step (the others hold it)
-            commit.commit_checkpoint(
-                staging, self.folder / step_name(step), overwrite=True, sync=False
-            )
+        try:
+            if self.keeper:
+                commit.commit_checkpoint(
+                    staging, self.folder / step_name(step), overwrite=True, sync=False
+                )
+        except Exception as e:
+            return e
+        return None
 
     def _plan(self, want: dict[int, set[str]], have: dict[int, dict[str, int]]) -> list[Move]:
         """Who sends which file to whom: each folder's files ``want``-ed that it lacks (in
@@ -264,7 +263,11 @@ class Replicas:
                 return found
             warn(
                 f"{path}: memory-tier checkpoint of step {step} is unreadable ({bad}); "
-                + _AFTER_DAMAGE[verified],
+                + (
+                    "falling back to the next tier"
+                    if verified
+                    else "every copy is checked and the step gathered again"
+                ),
                 MemoryTierWarning,
                 stacklevel=7,
             )

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.topology import topology
+from functional_ckpt._src.format.kind import is_committed
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.log import warn
 from functional_ckpt._src.manager import memory as mf
@@ -29,10 +30,8 @@ from functional_ckpt._src.manager.collective import coordinator_decides
 from functional_ckpt._src.manager.memory_replicas import STAGING, Replicas
 from functional_ckpt._src.manager.options import AsyncSave
 from functional_ckpt._src.manager.provenance import run_of
-from functional_ckpt._src.manager.tiers import retain
 from functional_ckpt._src.manager.writes import Writes, WriteSettings
 from functional_ckpt._src.policy import Event, PolicyState
-from functional_ckpt._src.policy.retention import RetentionPolicy, keep_last
 from functional_ckpt._src.root.delete import delete, remove_all
 from functional_ckpt._src.root.leftovers import recover_leftovers
 from functional_ckpt._src.root.listing import StepInfo
@@ -49,21 +48,25 @@ T = TypeVar("T")
 
 
 class RunView(RootView):
-    """The tier's folder as its run sees it: its steps are this run's checkpoints only, so
-    that none another run (or the user) put there is resumed, deleted or built on (the
-    base of an incremental save); those are reported once and left as they are."""
+    """The tier's folder as its run sees it: this run's checkpoints only (another's is
+    never resumed, deleted or built on; reported once, left as it is)."""
 
     def __init__(self, folder: Path, run: str) -> None:
         super().__init__(folder)
         self.run, self._said = run, False
+        self.mine: set[int] = set()  # committed by this tier: this run's, no manifest read
+        self.listed: list[int] | None = None  # held over a save's blocking part: one listing
+        self.hold = False
 
     def steps(self) -> list[int]:
-        committed = super().steps()
+        if self.listed is not None:
+            return list(self.listed)
+        found = sorted(self.candidates())
         mine: list[int] = []
-        others = sorted({s for s, _ in self.candidates()} - set(committed))
-        for step in committed:
+        others = [s for s, p in found if not is_committed(p)]
+        for step in (s for s, p in found if is_committed(p)):
             try:
-                ours = run_of(self.info(step).metadata) == self.run
+                ours = step in self.mine or run_of(self.info(step).metadata) == self.run
             except (CheckpointError, OSError):
                 ours = False
             (mine if ours else others).append(step)
@@ -76,7 +79,15 @@ class RunView(RootView):
                 MemoryTierWarning,
                 stacklevel=6,
             )
+        if self.hold:
+            self.listed = list(mine)
         return mine
+
+    def forget(self, steps: list[int]) -> None:
+        super().forget(steps)
+        self.mine -= set(steps)
+        if self.listed is not None:
+            self.listed = [s for s in self.listed if s not in steps]
 
 
 class MemoryTier:
@@ -119,8 +130,6 @@ class MemoryTier:
         self.promote: Callable[[float], Path | None] = lambda within: None
         self.durable, self.local = False, True
         self.committed: Callable[[], object] = lambda: None  # progress, told over all tiers
-        keep = option.keep
-        self.keep = keep if isinstance(keep, RetentionPolicy) else keep_last(option.held)
         self.view = RunView(self.folder, self.run.id)  # refuses a folder that is a checkpoint
         self.steps, self.infos = self.view.steps, self.view.infos
         error = None
@@ -176,9 +185,8 @@ class MemoryTier:
             raise
 
     def close(self, *, crashed: bool = False) -> None:
-        """Wait for the save in flight, then remove the folder: its RAM is not held past the
-        run. After a crash (an exception leaving the manager) the folder stays for the
-        restart, its newest step promoted to the disk first where a signal would have."""
+        """Remove the folder: its RAM is not held past the run. After a crash it stays for
+        the restart, its newest step promoted first where a signal would have."""
         self.wait(stacklevel=4)
         self.writes.join_removals()
         if self._handling and threading.current_thread() is threading.main_thread():
@@ -242,21 +250,26 @@ class MemoryTier:
 
     def save(self, state: State, step: int, metadata: Callable[[], Mapping[str, Any]]) -> None:
         """Start the checkpoint of ``step`` (off the training thread by default), the
-        previous one collected and room made first: at most ``keep`` in the folder."""
-        self.wait(stacklevel=4)
-        replicas, self._step = self.replicas, step
-        error: BaseException | None = mf.over_budget(self.option, self.budget, self.folder, state)
+        previous one collected and room made first: at most ``keep`` (a count) in the
+        folder, which is all its retention. Until the write starts the folder is listed
+        once (this run alone writes it)."""
+        replicas, self.view.hold = self.replicas, True
         try:
-            if self.keeper and error is None:
-                steps = self.steps()
-                older = [s for s in steps if s < step]  # and none newer: a run went back
-                kept = {step, *older[len(older) + 1 - self.option.held :]}
-                self.delete([s for s in steps if s not in kept])
-                if replicas is not None:
-                    replicas.clear_staging()
-        except Exception as e:
-            error = e
-        try:
+            self.wait(stacklevel=4)
+            self._step = step
+            error: BaseException | None = mf.over_budget(
+                self.option, self.budget, self.folder, state
+            )
+            try:
+                if self.keeper and error is None:
+                    steps = self.steps()
+                    older = [s for s in steps if s < step]  # and none newer: a run went back
+                    kept = {step, *older[len(older) + 1 - self.option.held :]}
+                    self.delete([s for s in steps if s not in kept])
+                    if replicas is not None:
+                        replicas.clear_staging()
+            except Exception as e:
+                error = e
             self._agree(error, f"memory-tier step {step}")
             path = self.view.path(step) if replicas is None else replicas.staging(step)
             info = self.writes.save(path, state, metadata())
@@ -268,6 +281,8 @@ class MemoryTier:
                 self._said_over = True
                 warn(str(err), MemoryTierWarning, stacklevel=4)
             return
+        finally:
+            self.view.hold, self.view.listed = False, None
         if replicas is None:
             if info is not None:
                 self._prune()
@@ -281,7 +296,8 @@ class MemoryTier:
             self.wait(stacklevel=4)
 
     def _replicate(self, step: int, pending: Any) -> None:
-        """Phase 2 (see :mod:`.memory_replicas`), then the keeper's retention."""
+        """Phase 2 (see :mod:`.memory_replicas`); each rank done once every keeper committed
+        (a ``wait()`` returns with the step listed in every folder)."""
         assert self.replicas is not None
         error: BaseException | None = None
         try:
@@ -289,22 +305,23 @@ class MemoryTier:
                 pending.result()
         except BaseException as e:
             error = e
-        try:
-            self.replicas.replicate(step, error)
-            if self.keeper:
+        try:  # fails on every rank alike, but for a keeper's commit (returned)
+            error = self.replicas.replicate(step, error)
+            if error is None and self.keeper:
                 self._prune()
+            groups.agree(None, self.replicas.group, f"memory-tier step {step}")
         except BaseException as e:
-            self._round_error = e
+            error = error or e
+        self._round_error = error
 
     def _prune(self) -> None:
-        """After a commit: retention and progress, as :mod:`.tiers` decides them."""
-        retain(self, self.keep)
+        """After a commit: the step is this run's, progress told over all tiers."""
+        self.view.mine.add(self._step)
         self.committed()
 
     def delete(self, steps: Sequence[int]) -> None:
-        """Out of sight now, the files removed off the training thread (freeing RAM takes
-        as long as a copy); only the keeper of a shared folder deletes, and only this
-        run's checkpoints."""
+        """Out of sight now, removed off the training thread (freeing RAM takes as long as a
+        copy); only by a folder's keeper, only this run's checkpoints."""
         mine = set(self.steps()) if steps and self.keeper else set()
         steps = [s for s in steps if s in mine]
         if steps:
@@ -372,4 +389,4 @@ class MemoryTier:
         return path
 
     def copy_in(self, source: object, within: float) -> None:
-        """Nothing is promoted into RAM: it is the fastest tier, and not durable."""
+        """Nothing is promoted into RAM: the fastest tier, and not durable."""
