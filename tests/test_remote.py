@@ -565,13 +565,20 @@ def test_upload_rounds_asked_for_while_one_runs_are_served_by_one_more() -> None
 
 
 def test_a_remote_that_is_the_local_root_itself_is_refused(tmp_path: Path) -> None:
-    """Its retention would delete local checkpoints the local retention keeps."""
-    root = tmp_path / "ckpt"
+    """Its retention would delete local checkpoints the local retention keeps; its uploads
+    inside a checkpoint would damage it; around the memory folder, lose the tier's steps."""
+    root, folder = tmp_path / "ckpt", tmp_path / "ram" / "tier"
     (tmp_path / "link").symlink_to(root, target_is_directory=True)
-    fc.CheckpointManager(root).close()
-    for url in (f"file://{root}", f"file://{root}//", f"file://{tmp_path}/link"):
-        with pytest.raises(fc.CheckpointError, match=r"remote=.*: the local root itself"):
+    with fc.CheckpointManager(root) as mgr:
+        mgr.maybe_save(_state(1), step=1)
+    inside, memory = f"file://{root}/step_000000001", fc.manager.Memory(path=folder)
+    for url in (f"file://{root}", f"file://{root}//", f"file://{tmp_path}/link", inside):
+        with pytest.raises(fc.CheckpointError, match=r"remote=.*the local root itself"):
             fc.CheckpointManager(root, tiers=(fc.manager.Remote(url),))
+    for url in (f"file://{folder}", f"file://{folder}/r", f"file://{folder.parent}"):
+        with pytest.raises(fc.CheckpointError, match=rf"remote=.*{folder}"):
+            fc.CheckpointManager(root, tiers=(memory, fc.manager.Remote(url)))
+    assert not folder.exists() and fc.verify(root / "step_000000001").ok  # nothing written
     with fc.CheckpointManager(root, tiers=(fc.manager.Remote(f"file://{tmp_path}/remote"),)) as mgr:
         mgr.maybe_save(_state(1), step=1)  # a remote beside it is fine
     assert Store(f"file://{tmp_path}/remote").listing().keys() == {1}
