@@ -35,6 +35,7 @@ from functional_ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
     IncompleteCheckpoint,
+    RankFailed,
     RemoteError,
     RemoteVanished,
     RemoteWarning,
@@ -121,10 +122,10 @@ def _ours(tier: _Remote, step: int, path: Path) -> bool:
 
 
 def _agreed(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Found[T]:
-    """Every rank reads one step (see the module docstring). On the training thread, so
-    on the manager's group (uploads use their own)."""
+    """Every rank reads one step (see the module docstring), walking down past damage
+    found on any rank, every rank alike. On the training thread, so on the manager's
+    group (uploads use their own)."""
     from functional_ckpt._src.distributed.groups import (
-        agree,
         agree_values,
         all_gather_values,
         checkpoint_group,
@@ -137,23 +138,72 @@ def _agreed(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Foun
         if holds_every_file(p) and _ours(tier, s, p)
     ]
     common = set.intersection(*(set(s) for s in all_gather_values(mine, group)))
-    error: BaseException | None = None
-    remote: list[int] = []
-    if tier.coordinator:
+    below, pending, candidates = None, None, None  # the coordinator's remote steps, lazily
+    while True:
+        error: BaseException | None = None
+        remote: list[int] = []
+        if tier.coordinator:
+            try:
+                if candidates is None:
+                    candidates = (s for s in _good(tier, above) if tier.of_lineage(s))
+                pending = next(candidates, None) if pending is None else pending
+                remote = [] if pending is None else [pending]
+            except BaseException as e:
+                error = e
+        work = f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"  # the coordinator's, for one root
+        told = agree_values(error, [remote, work] if tier.coordinator else None, group, tier.url)
+        (remote, work) = told[0]
+        newer = (s for s in common if (above is None or s > above) and (below is None or s < below))
+        target = max([*newer, *remote], default=None)
+        if target is None:
+            return None
         try:
-            remote = next(([s] for s in _good(tier, above) if tier.of_lineage(s)), [])  # lineage's
-        except BaseException as e:
-            error = e
-    work = f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"  # the coordinator's, for one root
-    told = agree_values(error, [remote, work] if tier.coordinator else None, group, tier.url)
-    (remote, work), where = told[0], tier.store.where
-    target = max([*(s for s in common if above is None or s > above), *remote], default=None)
-    if target is None:
-        return None
-    shares, marker = target not in mine and tier.shared, b""
+            return _read_one(tier, group, target, target not in mine, work, read)
+        except Exception as err:
+            verdicts = all_gather_values(_verdict(err), group)  # one decision, every rank
+            if "other" in verdicts or "damage" not in verdicts:
+                raise
+            _set_aside(tier, target, target not in mine, err)
+        pending = None if target in remote else pending
+        below = target
+
+
+def _verdict(err: BaseException) -> str:
+    """What a failed read says of the checkpoint: damage, another rank's failure, or
+    something about the caller (raised on every rank)."""
+    if isinstance(err, RankFailed):
+        return "follow"
+    return "damage" if isinstance(err, _DAMAGE) or is_damage(err) else "other"
+
+
+def _set_aside(tier: _Remote, step: int, fetched: bool, err: BaseException) -> None:
+    """A step some rank found damaged: reported, its local copy (if fetched) moved aside."""
+    if fetched:
+        tier.bad.add(step)  # the remote copy: not tried again by this process
+    there = tier.root / step_name(step)
+    with contextlib.suppress(OSError):
+        if fetched and (tier.coordinator or not tier.shared) and there.exists():
+            quarantine(tier.root, there)
+    warn(
+        f"{tier.store.where(step)}: checkpoint of step {step} is unusable "
+        f"({type(err).__name__}: {err}); falling back to the previous one",
+        RemoteWarning,
+        stacklevel=6,
+    )
+
+
+def _read_one(
+    tier: _Remote, group: Any, target: int, fetch: bool, work: str, read: Callable[[Path], T]
+) -> tuple[StepInfo, T]:
+    """Step ``target`` on every rank: fetched (if ``fetch``) as each rank reads it, read."""
+    from functional_ckpt._src.distributed.groups import agree
+
+    error: BaseException | None = None
+    shares, marker, where = fetch and tier.shared, b"", tier.store.where
     try:
-        if target not in mine and not tier.shared:  # its own root: what it reads
-            download(tier.store, target, tier.root, check=False, replace=True, rank=tier.rank)
+        if fetch and not tier.shared:  # its own root: what it reads
+            download(tier.store, target, tier.root, check=False, replace=True, rank=tier.rank,
+                     world=tier.world)  # fmt: skip
         elif shares:  # one root: each rank what it reads, in parallel
             marker = fetch_share(
                 tier.store, target, tier.root, work, rank=tier.rank, world=tier.world
