@@ -73,16 +73,7 @@ def newest(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Found
         except Exception as err:
             if not isinstance(err, _DAMAGE) and not is_damage(err):
                 raise  # the template or an argument is wrong, not the checkpoint
-            tier.bad.add(step)
-            with contextlib.suppress(OSError):
-                if there.exists():
-                    quarantine(root, there)
-            warn(
-                f"{tier.store.where(step)}: remote checkpoint of step {step} is unusable "
-                f"({type(err).__name__}: {err}); falling back to the previous one",
-                RemoteWarning,
-                stacklevel=5,
-            )
+            _set_aside(tier, step, True, err, depth=6)
     if above is None and quarantined(root):  # only damage anywhere: never start fresh
         raise CheckpointError(
             f"{root}: the checkpoints here were found damaged and moved aside "
@@ -163,7 +154,7 @@ def _agreed(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Foun
             verdicts = all_gather_values(_verdict(err), group)  # one decision, every rank
             if "other" in verdicts or "damage" not in verdicts:
                 raise
-            _set_aside(tier, target, target not in mine, err)
+            _set_aside(tier, target, target not in mine, err, depth=7)
         pending = None if target in remote else pending
         below = target
 
@@ -176,7 +167,7 @@ def _verdict(err: BaseException) -> str:
     return "damage" if isinstance(err, _DAMAGE) or is_damage(err) else "other"
 
 
-def _set_aside(tier: _Remote, step: int, fetched: bool, err: BaseException) -> None:
+def _set_aside(tier: _Remote, step: int, fetched: bool, err: BaseException, depth: int) -> None:
     """A step some rank found damaged: reported, its local copy (if fetched) moved aside."""
     if fetched:
         tier.bad.add(step)  # the remote copy: not tried again by this process
@@ -185,10 +176,10 @@ def _set_aside(tier: _Remote, step: int, fetched: bool, err: BaseException) -> N
         if fetched and (tier.coordinator or not tier.shared) and there.exists():
             quarantine(tier.root, there)
     warn(
-        f"{tier.store.where(step)}: checkpoint of step {step} is unusable "
+        f"{tier.store.where(step)}: remote checkpoint of step {step} is unusable "
         f"({type(err).__name__}: {err}); falling back to the previous one",
         RemoteWarning,
-        stacklevel=6,
+        stacklevel=depth,
     )
 
 
