@@ -129,34 +129,25 @@ def _agreed(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Foun
         if holds_every_file(p) and _ours(tier, s, p)
     ]
     common = set.intersection(*(set(s) for s in all_gather_values(mine, group)))
-    below, pending, candidates = None, None, None  # the coordinator's remote steps, lazily
-    while True:
-        error: BaseException | None = None
-        remote: list[int] = []
-        if tier.coordinator:
-            try:
-                if candidates is None:
-                    candidates = (s for s in _good(tier, above) if tier.of_lineage(s))
-                pending = next(candidates, None) if pending is None else pending
-                remote = [] if pending is None else [pending]
-            except BaseException as e:
-                error = e
-        work = f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"  # the coordinator's, for one root
-        told = agree_values(error, [remote, work] if tier.coordinator else None, group, tier.url)
-        (remote, work) = told[0]
-        newer = (s for s in common if (above is None or s > above) and (below is None or s < below))
-        target = max([*newer, *remote], default=None)
-        if target is None:
-            return None
+    error: BaseException | None = None
+    remote: list[int] = []
+    if tier.coordinator:
         try:
-            return _read_one(tier, group, target, target not in mine, work, read)
+            remote = [s for s in _good(tier, above) if tier.of_lineage(s)]  # this lineage's
+        except BaseException as e:
+            error = e
+    work = f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"  # the coordinator's, for one root
+    told = agree_values(error, [remote, work] if tier.coordinator else None, group, tier.url)
+    (remote, work), newer = told[0], {s for s in common if above is None or s > above}
+    for target in sorted(newer | set(remote), reverse=True):
+        try:
+            return _read_one(tier, group, target, target not in mine, f"{work}-{target}", read)
         except Exception as err:
             verdicts = all_gather_values(_verdict(err), group)  # one decision, every rank
             if "other" in verdicts or "damage" not in verdicts:
                 raise
             _set_aside(tier, target, target not in mine, err, depth=7)
-        pending = None if target in remote else pending
-        below = target
+    return None
 
 
 def _verdict(err: BaseException) -> str:
