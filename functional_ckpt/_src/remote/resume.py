@@ -5,7 +5,8 @@ A damaged remote checkpoint is reported as a :class:`RemoteWarning`, its local c
 moved aside, and the previous one tried. Under ``torch.distributed`` every rank reads
 the same step: the newest every rank holds whole locally, or the coordinator's newest
 good remote one, of which each rank fetches only what it reads, each file checked as
-it is read (``fc.verify`` checks everything when asked). Where the ranks share one
+it is read (``fc.verify`` checks everything when asked); damage any rank finds sends
+every rank to the previous step. Where the ranks share one
 root, their shares land in one private directory the coordinator commits, marker
 last, once every rank's share is durable.
 """
