@@ -382,7 +382,8 @@ def test_a_remote_tier_as_data_keeps_its_credentials_out(tmp_path: Path) -> None
         ({"root": "r", "tiers": {"remote": {"url": "s3://b", "storage_options": "secret"}}},
          "tiers.remote.storage_options: expected a mapping"),
         ({"root": "r", "tiers": {"disk": {"compression": "lz4"}}},
-         "tiers.disk: Disk(compression='lz4')"),
+         "tiers.disk.compression: Disk(compression='lz4')"),
+        ({"root": "r", "tiers": {"remote": {"url": None}}}, "tiers.remote.url: required"),
         ({"root": "r", "tiers": {"tape": {}}}, "tiers.tape: unknown tier; known: memory, disk"),
         ({"root": "r", "per_rank": "rng"},
          "per_rank: expected a list of top-level keys, got 'rng'"),
@@ -503,10 +504,11 @@ def test_a_memory_tier_as_data(tmp_path: Path) -> None:
     with fc.CheckpointManager.from_config({**cfg, "tiers": {"memory": written}}) as again:
         assert again.config()["tiers"]["memory"] == written
     for bad, fragment in (
-        ({"keep": 3}, "tiers.memory: Memory(keep=3): expected fc.keep_last(1) or fc.keep_last(2)"),
+        ({"keep": 3}, "tiers.memory.keep: Memory(keep=3): expected fc.keep_last(1) or fc.keep_"),
+        ({"budget": True}, "tiers.memory.budget: Memory(budget=True): expected bytes"),
         ({"promote_on": ["SIGNOPE"]}, "tiers.memory.promote_on[0]: expected a signal name"),
         ({"sizes": 1}, "tiers.memory.sizes: unknown field"),
-        ({"replicas": 0}, "tiers.memory: Memory(replicas=0): expected a number of copies"),
+        ({"replicas": 0}, "tiers.memory.replicas: Memory(replicas=0): expected a number of copies"),
     ):
         with pytest.raises(fc.errors.ConfigError, match=re.escape(fragment)):
             fc.CheckpointManager.from_config(

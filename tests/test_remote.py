@@ -471,6 +471,71 @@ def test_two_ranks_sharing_one_root_each_download_what_they_read(
     assert not [n for n in os.listdir(tmp_path / "torn") if n.startswith(".fc-download-")]
 
 
+def _ranks(world: int, *args: str, endpoint: str) -> None:
+    """tests/remote_ranks_job.py on ``world`` ranks, each with a root of its own."""
+    env = {"ENDPOINT": endpoint, "FCKPT_TIMEOUT": "30"}
+    for rc, _, err in wait_all(
+        launch(world, *args, env=env, job=REPO / "tests" / "remote_ranks_job.py")
+    ):
+        assert rc == 0, err[-3000:]
+
+
+def _resumed(base: Path, url: str, endpoint: str, world: int) -> list[dict[str, Any]]:
+    _ranks(world, "resume", str(base), url, endpoint=endpoint)
+    return [json.loads((base / f"resume.{r}.json").read_text()) for r in range(world)]
+
+
+def _flip(fs: Any, path: str) -> None:
+    data = bytearray(fs.cat_file(path))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(path, bytes(data))
+
+
+def _swap(fs: Any, a: str, b: str) -> None:
+    da, db = fs.cat_file(a), fs.cat_file(b)
+    fs.pipe_file(a, db)
+    fs.pipe_file(b, da)
+
+
+_PARTS = ("manifest.part-00000.msgpack", "manifest.part-00001.msgpack")
+#: Damage of one newest remote checkpoint each (saved on two ranks, a root each).
+_RANK_DAMAGE: dict[str, Any] = {
+    "rank 1's shard flipped": lambda fs, at: _flip(fs, at("__1_0.distcp")),
+    "rank 1's shard missing": lambda fs, at: fs.rm(at("__1_0.distcp")),
+    "rank 1's part missing": lambda fs, at: fs.rm(at(_PARTS[1])),
+    "shards swapped between ranks": lambda fs, at: _swap(
+        fs, at("__0_0.distcp"), at("__1_0.distcp")
+    ),
+    "parts swapped between ranks": lambda fs, at: _swap(fs, at(_PARTS[0]), at(_PARTS[1])),
+    "rank 1's shard truncated": lambda fs, at: fs.pipe_file(
+        at("__1_0.distcp"), fs.cat_file(at("__1_0.distcp"))[:-8]
+    ),
+}
+
+
+def test_ranks_with_roots_of_their_own_resume_resharded_and_past_remote_damage(
+    tmp_path: Path, s3: dict[str, Any], bucket: str
+) -> None:
+    """Three ranks resume a two-rank remote checkpoint, each fetching the parts its
+    shards meet; then, each newest remote step damaged in its own way, every rank walks
+    down, warned of each, to the one intact step, all alike, bit-exactly."""
+    steps = len(_RANK_DAMAGE) + 1
+    _ranks(2, "save", str(tmp_path), bucket, "1", str(steps), endpoint=s3["endpoint"])
+    for told in _resumed(tmp_path, bucket, s3["endpoint"], 3):
+        assert "error" not in told and told["step"] == steps, told
+        assert told["match"] and told["step_value"] == steps, told
+    fs = fsspec.filesystem("s3", **s3["options"])
+    for step, damage in zip(range(steps, 1, -1), _RANK_DAMAGE.values(), strict=True):
+        damage(fs, lambda n, s=step: f"{bucket.removeprefix('s3://')}/step_{s:09d}/{n}")
+    for root in tmp_path.glob("root*"):
+        shutil.rmtree(root)
+    for told in _resumed(tmp_path, bucket, s3["endpoint"], 2):
+        assert "error" not in told and told["step"] == 1, told
+        assert told["match"] and told["step_value"] == 1, told
+        for step in range(steps, 1, -1):  # each damaged step named, on every rank
+            assert any(f"step {step} is unusable" in w for w in told["warnings"]), told
+
+
 def _two_ranks(base: Path, url: str, endpoint: str) -> list[tuple[int, str, str]]:
     """tests/remote_job.py on two ranks, with the variables torchrun sets."""
     env = {"ENDPOINT": endpoint, "FCKPT_TIMEOUT": "30"}  # a dead rank fails within
@@ -565,13 +630,20 @@ def test_upload_rounds_asked_for_while_one_runs_are_served_by_one_more() -> None
 
 
 def test_a_remote_that_is_the_local_root_itself_is_refused(tmp_path: Path) -> None:
-    """Its retention would delete local checkpoints the local retention keeps."""
-    root = tmp_path / "ckpt"
+    """Its retention would delete local checkpoints the local retention keeps; its uploads
+    inside a checkpoint would damage it; around the memory folder, lose the tier's steps."""
+    root, folder = tmp_path / "ckpt", tmp_path / "ram" / "tier"
     (tmp_path / "link").symlink_to(root, target_is_directory=True)
-    fc.CheckpointManager(root).close()
-    for url in (f"file://{root}", f"file://{root}//", f"file://{tmp_path}/link"):
-        with pytest.raises(fc.CheckpointError, match=r"remote=.*: the local root itself"):
+    with fc.CheckpointManager(root) as mgr:
+        mgr.maybe_save(_state(1), step=1)
+    inside, memory = f"file://{root}/step_000000001", fc.manager.Memory(path=folder)
+    for url in (f"file://{root}", f"file://{root}//", f"file://{tmp_path}/link", inside):
+        with pytest.raises(fc.CheckpointError, match=r"remote=.*the local root itself"):
             fc.CheckpointManager(root, tiers=(fc.manager.Remote(url),))
+    for url in (f"file://{folder}", f"file://{folder}/r", f"file://{folder.parent}"):
+        with pytest.raises(fc.CheckpointError, match=rf"remote=.*{folder}"):
+            fc.CheckpointManager(root, tiers=(memory, fc.manager.Remote(url)))
+    assert not folder.exists() and fc.verify(root / "step_000000001").ok  # nothing written
     with fc.CheckpointManager(root, tiers=(fc.manager.Remote(f"file://{tmp_path}/remote"),)) as mgr:
         mgr.maybe_save(_state(1), step=1)  # a remote beside it is fine
     assert Store(f"file://{tmp_path}/remote").listing().keys() == {1}

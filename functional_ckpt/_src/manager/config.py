@@ -178,7 +178,7 @@ def _tiers(value: object) -> list[Memory | Disk | Remote]:
             continue
         given = {"url": given} if key == "remote" and isinstance(given, str) else given
         given = check_keys({} if given is True else given, path, known, "fields")
-        if key == "remote" and "url" not in given:
+        if key == "remote" and given.get("url") is None:
             raise ConfigError(f"{at_key(path, 'url')}: required (an fsspec URL)")
         args: dict[str, Any] = {
             k: (read.get(k) or _PLAIN.get(k) or (lambda v, _: v))(v, at_key(path, k))
@@ -187,8 +187,9 @@ def _tiers(value: object) -> list[Memory | Disk | Remote]:
         }
         try:
             out.append(kind(**args))
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{path}: {exc}") from None
+        except (TypeError, ValueError) as exc:  # named by the field the option names
+            field = next((k for k in args if f"({k}=" in str(exc)), None)
+            raise ConfigError(f"{at_key(path, field) if field else path}: {exc}") from None
     return out
 
 

@@ -140,7 +140,9 @@ class CheckpointManager(RootView):
         self.remote = None
         try:
             if remote is not None:
-                self.remote = RemoteTier(self.root, remote, writer=not read_only)
+                shm = Path("/dev/shm/fckpt-")  # where the default memory folder lies
+                apart = [] if memory is None else [Path(memory.path or shm)]
+                self.remote = RemoteTier(self.root, remote, writer=not read_only, apart=apart)
             # A reader follows the disk and remote tiers: the folder in RAM is the writer's.
             self.memory = (
                 None

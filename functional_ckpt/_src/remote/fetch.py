@@ -41,12 +41,14 @@ def download(
     check: bool = True,
     replace: bool = False,
     rank: int | None = None,
+    world: int = 0,
 ) -> Path:
     """Download and verify remote ``step``; return it committed as ``into/step_N``
     (``replace``: over what is there, a rank's part of it).
 
     ``check=False`` leaves the verification to the caller; with it, ``rank`` fetches
-    only what that rank reads, a copy that restores that rank alone. Whatever a
+    only what that rank reads (every part where ``world`` ranks read a checkpoint
+    another world size saved), a copy that restores that rank alone. Whatever a
     hostile remote manifest holds, the failure is a ``CheckpointError``.
     """
     whole = check or rank is None
@@ -54,7 +56,9 @@ def download(
     tmp = work / step_name(step)
     try:
         with _damage(store, step):
-            marker, names = _fetch(store, step, tmp, None if whole else rank, index=True)
+            marker, names = _fetch(
+                store, step, tmp, None if whole else rank, index=True, world=world
+            )
             _unchanged(store, step, marker)
             report = verify(tmp) if check else None
             if report is not None and not report.ok:
@@ -80,7 +84,7 @@ def fetch_share(store: Store, step: int, into: Path, work: str, *, rank: int, wo
     first, mine = rank == 0, into / work / f"rank-{rank}"  # the coordinator: rank 0
     tmp = into / work / step_name(step)
     with _damage(store, step):
-        marker, names = _fetch(store, step, mine, rank, index=first, world=world)
+        marker, names = _fetch(store, step, mine, rank, index=first, world=world, metadata=True)
         tmp.mkdir(exist_ok=True)
         for name in names:  # the index by the coordinator; a part's files by its rank
             if name != naming.COMMIT_MARKER and (first or name != naming.MANIFEST):
@@ -122,19 +126,26 @@ def _damage(store: Store, step: int) -> Iterator[None]:
 
 
 def _fetch(
-    store: Store, step: int, tmp: Path, rank: int | None, *, index: bool, world: int = 0
+    store: Store,
+    step: int,
+    tmp: Path,
+    rank: int | None,
+    *,
+    index: bool,
+    world: int = 0,
+    metadata: bool = False,
 ) -> tuple[bytes, list[str]]:
     """Download into ``tmp`` (made here) the manifest, the marker and what one reader
     reads of remote ``step``: with ``rank`` None every file; else that rank's part and
-    the files it lists, and (``index``) the files the index lists but ``.metadata``
-    (``world``, ranks sharing one root: rank 0 ``.metadata`` too, and every part where
-    another world size saved it, the others none). The marker and the names fetched."""
+    the files it lists, and (``index``) the files the index lists, ``.metadata`` only
+    with ``metadata`` (``world``, the reading world size: every part where another
+    world size saved it, to the reader with ``index``). The marker and the names fetched."""
     marker, manifest = store.manifest(step)
     # the one validation of a manifest, before any object is fetched: file names,
     # sizes, entries (a forged table naming the marker or a number is refused here)
     shared = parse_checkpoint(manifest, Path(store.where(step))).shared
     listed = shared.file_sizes.items() if index or rank is None else ()
-    sizes = {n: s for n, s in listed if rank is None or world or n != naming.DCP_METADATA}
+    sizes = {n: s for n, s in listed if rank is None or metadata or n != naming.DCP_METADATA}
     parts: list[int] = []  # parts that check themselves: the index lists none
     if shared.raw.get("version") == naming.PART_FILES_VERSION:
         parts = list(range(shared.parts))

@@ -5,7 +5,8 @@ A damaged remote checkpoint is reported as a :class:`RemoteWarning`, its local c
 moved aside, and the previous one tried. Under ``torch.distributed`` every rank reads
 the same step: the newest every rank holds whole locally, or the coordinator's newest
 good remote one, of which each rank fetches only what it reads, each file checked as
-it is read (``fc.verify`` checks everything when asked). Where the ranks share one
+it is read (``fc.verify`` checks everything when asked); damage any rank finds sends
+every rank to the previous step. Where the ranks share one
 root, their shares land in one private directory the coordinator commits, marker
 last, once every rank's share is durable.
 """
@@ -35,6 +36,7 @@ from functional_ckpt.errors import (
     CheckpointError,
     CorruptCheckpoint,
     IncompleteCheckpoint,
+    RankFailed,
     RemoteError,
     RemoteVanished,
     RemoteWarning,
@@ -72,16 +74,7 @@ def newest(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Found
         except Exception as err:
             if not isinstance(err, _DAMAGE) and not is_damage(err):
                 raise  # the template or an argument is wrong, not the checkpoint
-            tier.bad.add(step)
-            with contextlib.suppress(OSError):
-                if there.exists():
-                    quarantine(root, there)
-            warn(
-                f"{tier.store.where(step)}: remote checkpoint of step {step} is unusable "
-                f"({type(err).__name__}: {err}); falling back to the previous one",
-                RemoteWarning,
-                stacklevel=5,
-            )
+            _set_aside(tier, step, True, err, depth=6)
     if above is None and quarantined(root):  # only damage anywhere: never start fresh
         raise CheckpointError(
             f"{root}: the checkpoints here were found damaged and moved aside "
@@ -121,10 +114,10 @@ def _ours(tier: _Remote, step: int, path: Path) -> bool:
 
 
 def _agreed(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Found[T]:
-    """Every rank reads one step (see the module docstring). On the training thread, so
-    on the manager's group (uploads use their own)."""
+    """Every rank reads one step (see the module docstring), walking down past damage
+    found on any rank, every rank alike. On the training thread, so on the manager's
+    group (uploads use their own)."""
     from functional_ckpt._src.distributed.groups import (
-        agree,
         agree_values,
         all_gather_values,
         checkpoint_group,
@@ -141,19 +134,59 @@ def _agreed(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Foun
     remote: list[int] = []
     if tier.coordinator:
         try:
-            remote = next(([s] for s in _good(tier, above) if tier.of_lineage(s)), [])  # lineage's
+            remote = [s for s in _good(tier, above) if tier.of_lineage(s)]  # this lineage's
         except BaseException as e:
             error = e
     work = f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"  # the coordinator's, for one root
     told = agree_values(error, [remote, work] if tier.coordinator else None, group, tier.url)
-    (remote, work), where = told[0], tier.store.where
-    target = max([*(s for s in common if above is None or s > above), *remote], default=None)
-    if target is None:
-        return None
-    shares, marker = target not in mine and tier.shared, b""
+    (remote, work), newer = told[0], {s for s in common if above is None or s > above}
+    for target in sorted(newer | set(remote), reverse=True):
+        try:
+            return _read_one(tier, group, target, target not in mine, f"{work}-{target}", read)
+        except Exception as err:
+            verdicts = all_gather_values(_verdict(err), group)  # one decision, every rank
+            if "other" in verdicts or "damage" not in verdicts:
+                raise
+            _set_aside(tier, target, target not in mine, err, depth=7)
+    return None
+
+
+def _verdict(err: BaseException) -> str:
+    """What a failed read says of the checkpoint: damage, another rank's failure, or
+    something about the caller (raised on every rank)."""
+    if isinstance(err, RankFailed):
+        return "follow"
+    return "damage" if isinstance(err, _DAMAGE) or is_damage(err) else "other"
+
+
+def _set_aside(tier: _Remote, step: int, fetched: bool, err: BaseException, depth: int) -> None:
+    """A step some rank found damaged: reported, its local copy (if fetched) moved aside."""
+    if fetched:
+        tier.bad.add(step)  # the remote copy: not tried again by this process
+    there = tier.root / step_name(step)
+    with contextlib.suppress(OSError):
+        if fetched and (tier.coordinator or not tier.shared) and there.exists():
+            quarantine(tier.root, there)
+    warn(
+        f"{tier.store.where(step)}: remote checkpoint of step {step} is unusable "
+        f"({type(err).__name__}: {err}); falling back to the previous one",
+        RemoteWarning,
+        stacklevel=depth,
+    )
+
+
+def _read_one(
+    tier: _Remote, group: Any, target: int, fetch: bool, work: str, read: Callable[[Path], T]
+) -> tuple[StepInfo, T]:
+    """Step ``target`` on every rank: fetched (if ``fetch``) as each rank reads it, read."""
+    from functional_ckpt._src.distributed.groups import agree
+
+    error: BaseException | None = None
+    shares, marker, where = fetch and tier.shared, b"", tier.store.where
     try:
-        if target not in mine and not tier.shared:  # its own root: what it reads
-            download(tier.store, target, tier.root, check=False, replace=True, rank=tier.rank)
+        if fetch and not tier.shared:  # its own root: what it reads
+            download(tier.store, target, tier.root, check=False, replace=True, rank=tier.rank,
+                     world=tier.world)  # fmt: skip
         elif shares:  # one root: each rank what it reads, in parallel
             marker = fetch_share(
                 tier.store, target, tier.root, work, rank=tier.rank, world=tier.world

@@ -49,7 +49,9 @@ LEASE = ".writer.json"
 class RemoteTier:
     """The object store behind one manager's root (see the module docstring)."""
 
-    def __init__(self, root: Path, option: Remote, *, writer: bool = True) -> None:
+    def __init__(
+        self, root: Path, option: Remote, *, writer: bool = True, apart: Sequence[Path] = ()
+    ) -> None:
         self.root, self.keep, self.writer = root, option.keep, writer
         self.prune_unuploaded, url = option.prune_unuploaded, option.url
         topo = topology()
@@ -65,13 +67,16 @@ class RemoteTier:
         self._holding = False  # whether this manager took the remote root (see LEASE)
         try:
             self.store = Store(url, option.storage_options)
-            if getattr(self.store.fs, "local_file", False) and os.path.realpath(
-                self.store.base
-            ) == os.path.realpath(root):
-                raise CheckpointError(
-                    f"remote={self.url!r}: the local root itself ({root}); its retention would "
-                    "delete local checkpoints: give the remote tier a directory of its own"
-                )
+            if getattr(self.store.fs, "local_file", False):
+                base = os.path.realpath(self.store.base)
+                for place in (root, *apart):  # retention or uploads there would lose steps
+                    real = os.path.realpath(place)
+                    if os.path.commonpath([base, real]) in (base, real):
+                        raise CheckpointError(
+                            f"remote={self.url!r}: {base} is, lies inside or contains {place} "
+                            "(the local root itself or the memory tier's folder): give the "
+                            "remote tier a directory of its own"
+                        )
             retried(self.store.probe)  # a wrong endpoint, credentials or bucket fails here
         except BaseException as e:
             if self.world == 1:
