@@ -81,12 +81,10 @@ def _last_to_follow(
             state.get(k) for k in ("last_model_path", "best_model_path", "best_k_models")
         )
         saving = [best, *top] if isinstance(top, dict) else [best]
-        if not isinstance(last, str) or not last:
+        path = Path(last) if isinstance(last, str) and last else target
+        if path == target or path.parent != target.parent:
             continue
         if not any(isinstance(p, str) and p and Path(p) == target for p in saving):
-            continue
-        path = Path(last)
-        if path == target or path.parent != target.parent:
             continue
         if queued(path) or classify(path) is Kind.COMMITTED:
             return path

@@ -173,11 +173,10 @@ def register(
                 f"{what}: the name {t!r} is already taken by "
                 f"{taken.cls.__module__}.{taken.cls.__qualname__}; pass another name"
             )
-    if old is None and tagged.by_tag(tag) is not None:
-        tagged.add_class(entry)  # the script's twin: saved under its name, read as the first
-    elif old is None:
-        tagged.add(entry)
-        if name is None and cls.__module__ in _SCRIPT_MODULES:
+    if old is None:
+        twin = tagged.by_tag(tag) is not None  # the script's twin: read as the first
+        tagged.add(entry, read=not twin)
+        if not twin and name is None and cls.__module__ in _SCRIPT_MODULES:
             tagged.add_name(f"__main__.{cls.__qualname__}", entry)  # what it was recorded as before
     else:
         entry = old  # registering twice is harmless

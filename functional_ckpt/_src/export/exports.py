@@ -9,6 +9,7 @@ live tensors the next step changes. Listing reads directories and headers only."
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import threading
@@ -146,12 +147,7 @@ def snapshot(state: TensorDictBase | Mapping[str, Any], export: Export) -> dict[
             for k in leaf.path[:-1]:
                 where = where.setdefault(k, {})
             where[leaf.path[-1]] = copy(leaf.value)
-    out: dict[str, Any] = {}
-    where = out
-    for k in path[:-1]:
-        where = where.setdefault(k, {})
-    where[path[-1]] = inner
-    return out
+    return functools.reduce(lambda value, key: {key: value}, reversed(path), inner)
 
 
 def run_export(

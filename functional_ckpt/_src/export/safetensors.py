@@ -5,6 +5,7 @@ that merely overlap are copied. The directory appears atomically."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -197,11 +198,7 @@ def _load(source: TensorDictBase | Mapping[str, Any] | PathLike, path: KeyPath) 
     """The state, or the ``path`` subtree of a checkpoint read without the rest."""
     if isinstance(source, TensorDictBase | Mapping):
         return as_state(source)
-    template: dict[str, Any] = {}
-    node = template
-    for key in path:
-        node[key] = {}
-        node = node[key]
+    template = functools.reduce(lambda inner, key: {key: inner}, reversed(path), dict[str, Any]())
     try:
         return restore(source, from_python(template), partial=True)
     except TemplateMismatch:
@@ -302,11 +299,7 @@ def _write_shards(
         shard = dict(_prepared(names, tensors, dtype))  # one shard in memory at a time
         meta = {**header, "format": "pt"} if i == 1 else {"format": "pt"}
         save_file(shard, str(tmp / file), metadata=meta)
-        fd = os.open(tmp / file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        durable.fsync_and_close(os.open(tmp / file, os.O_RDONLY))
         total += sum(t.numel() * t.element_size() for t in shard.values())
         weight_map.update(dict.fromkeys(names, file))
         del shard
