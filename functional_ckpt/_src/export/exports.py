@@ -1,10 +1,7 @@
 """A root's exports: where they live, what they record, their retention, their snapshots.
-
-Each export (``root/exports/step_N``) records its step and metrics in its
-safetensors header, so ``Export.keep`` chooses among exports as ``keep`` does among
-checkpoints with no file beside those ``transformers`` reads. An export off the
-training thread reads the committed checkpoint or a :func:`snapshot`, never the
-live tensors the next step changes. Listing reads directories and headers only."""
+Each records its step and metrics in its safetensors header, so ``Export.keep`` chooses
+among exports with no file beside those ``transformers`` reads; one made off the training
+thread reads the committed checkpoint or a :func:`snapshot`, never the live tensors."""
 
 from __future__ import annotations
 
