@@ -210,12 +210,8 @@ def _collect(state: TensorDictBase, path: KeyPath) -> dict[str, torch.Tensor]:
     node: Any = state
     for i, key in enumerate(path):
         if not isinstance(node, TensorDictBase) or key not in node.keys():
-            have = (
-                [str(k) for k in node.keys() if k != NODE_KEY]
-                if isinstance(node, TensorDictBase)
-                else []
-            )
-            have.sort()
+            keys = node.keys() if isinstance(node, TensorDictBase) else ()
+            have = sorted(str(k) for k in keys if k != NODE_KEY)
             raise CheckpointError(
                 f"export: the state has no state[{format_path(path[: i + 1])}] (keys there: {have})"
             )

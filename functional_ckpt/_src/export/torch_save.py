@@ -112,8 +112,7 @@ def is_bare_state_dict(obj: Any) -> bool:
     return (
         isinstance(obj, Mapping)
         and bool(obj)
-        and all(isinstance(k, str) for k in obj)
-        and all(isinstance(v, torch.Tensor) for v in obj.values())
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
     )
 
 
