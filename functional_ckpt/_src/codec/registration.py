@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import pathlib
 import sys
 from collections.abc import Callable, Iterable
@@ -142,12 +143,7 @@ def register(
     fields, and rebuilt where the class is registered under that tag or one of its
     ``aliases`` (older names, read, never written). A decorator too."""
     if cls is None:
-        chosen, more = name, tuple(aliases)
-
-        def decorate(c: _T) -> _T:
-            return register(c, chosen, aliases=more)
-
-        return decorate
+        return functools.partial(register, name=name, aliases=tuple(aliases))
     if not isinstance(cls, type):
         raise UnsupportedValue(f"register() needs a class, got {cls!r:.80}")
     what = f"register({cls.__qualname__})"

@@ -137,11 +137,9 @@ def map_names(
             )
         origin[new] = name
         out[new] = t
-    names = list(out)
     for prefix, by in WRAPPER_PREFIXES.items():
-        wrapped = [n for n in names if n.startswith(prefix) or f".{prefix}" in n]
-        everywhere = len(wrapped) == len(names)
-        if wrapped and (prefix == "_orig_mod." or everywhere):
+        wrapped = [n for n in out if n.startswith(prefix) or f".{prefix}" in n]
+        if wrapped and (prefix == "_orig_mod." or len(wrapped) == len(out)):
             warnings.warn(
                 f"export: tensor names such as {wrapped[0]!r} carry the prefix {prefix!r} "
                 f"that {by} adds; transformers would not find these weights and would "
