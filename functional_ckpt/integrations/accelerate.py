@@ -1,10 +1,6 @@
-"""accelerate without its pickles: capture and apply what ``accelerator.prepare`` returned.
-
-``fc.capture``/``fc.apply`` for prepared objects instead of ``save_state``'s
-pickles: the model unwrapped (DDP, ``torch.compile``), so its names do not depend
-on the wrapping, plus the fp16 gradient scaler and the accelerator's step counter.
-A prepared torchdata ``StatefulDataLoader`` resumes mid-epoch through
-:func:`iter_resumed`."""
+"""accelerate without its pickles: ``fc.capture``/``fc.apply`` of what ``accelerator.prepare``
+returned, the model unwrapped (DDP, ``torch.compile``) so that its names do not depend
+on the wrapping, plus the fp16 gradient scaler and the accelerator's step counter."""
 
 from __future__ import annotations
 

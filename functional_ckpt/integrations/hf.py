@@ -1,13 +1,7 @@
-"""Hugging Face ``Trainer`` checkpoints in this format, resumed through ``train()`` itself.
-
-:class:`FunctionalTrainerMixin` writes each save step as one checkpoint of this
-format, ``output_dir/checkpoint-N`` (model, optimizer, scheduler, scaler, every
-random generator, the trainer state), nothing pickled; ``save_steps``,
-``save_strategy`` and ``save_total_limit`` keep their meaning. Resuming is the
-Trainer's own ``train(resume_from_checkpoint=...)``, only its loading steps replaced,
-so the resumed run is bit-identical. A stock ``Trainer``'s ``checkpoint-N`` is read
-by its own loaders (which unpickle nothing) and the run goes on in this format; one
-lacking a file needed to go on exactly is refused. Single process only."""
+"""Hugging Face ``Trainer`` checkpoints in this format (nothing pickled), resumed through
+``train()`` itself with only its loading steps replaced, so the resumed run is
+bit-identical. A stock ``checkpoint-N`` is read by its own loaders, which unpickle
+nothing; one lacking a file needed to go on exactly is refused. Single process only."""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
-"""Lightning checkpoints in this format: a ``CheckpointIO`` on ``fc.save``/``fc.restore``.
+"""Lightning checkpoints in this format: a ``CheckpointIO`` on ``fc.save``/``fc.restore``
+(nothing pickled, pruning crash-safe; ``async_save=True`` commits in call order).
 
-``Trainer(plugins=[FunctionalCheckpointIO()])`` writes every checkpoint Lightning
-saves as a directory of this format (its dict as it is, hyper-parameters as tagged
-plain data), ``fit(ckpt_path=...)`` reads it back from the manifest alone, and
-pruning is crash-safe. ``async_save=True`` writes and commits in the background
-in call order; ``teardown`` waits, and a failure is raised by the next call.
-
-``last.ckpt`` never lags a committed checkpoint: one ``ModelCheckpoint`` saves
-while it keeps a last one is committed there first, then at its own path sharing
-the files. The first save into a directory removes what killed saves of this
-format left there and recovers committed ones whose name is free; nothing else
-is ever deleted."""
+``last.ckpt`` never lags a committed checkpoint: it is committed first, sharing the
+files. The first save into a directory recovers or removes what killed saves of this
+format left there; nothing else is ever deleted."""
 
 from __future__ import annotations
 
@@ -81,12 +74,10 @@ def _last_to_follow(
             state.get(k) for k in ("last_model_path", "best_model_path", "best_k_models")
         )
         saving = [best, *top] if isinstance(top, dict) else [best]
-        if not isinstance(last, str) or not last:
+        path = Path(last) if isinstance(last, str) and last else target
+        if path == target or path.parent != target.parent:
             continue
         if not any(isinstance(p, str) and p and Path(p) == target for p in saving):
-            continue
-        path = Path(last)
-        if path == target or path.parent != target.parent:
             continue
         if queued(path) or classify(path) is Kind.COMMITTED:
             return path

@@ -1,9 +1,7 @@
-"""Exact, pickle-free msgpack encoding of the non-tensor values of a training state.
-
-A resumed run must be bit-identical, so every value comes back with the same type at
-every level and the same bits, and anything else is refused, never converted; the ext
-type codes are part of the format (docs/format.md). Decoding treats its input as
-hostile. ``encoding`` (numpy and torch) is imported on first use: readers only decode."""
+"""Exact, pickle-free msgpack encoding of the non-tensor values of a training state: a
+resumed run must be bit-identical, so every value comes back with the same type and bits
+at every level, and anything else is refused, never converted. ``encoding`` (numpy and
+torch) is imported on first use: readers only decode."""
 
 from __future__ import annotations
 

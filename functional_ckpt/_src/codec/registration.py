@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import pathlib
 import sys
 from collections.abc import Callable, Iterable
@@ -142,12 +143,7 @@ def register(
     fields, and rebuilt where the class is registered under that tag or one of its
     ``aliases`` (older names, read, never written). A decorator too."""
     if cls is None:
-        chosen, more = name, tuple(aliases)
-
-        def decorate(c: _T) -> _T:
-            return register(c, chosen, aliases=more)
-
-        return decorate
+        return functools.partial(register, name=name, aliases=tuple(aliases))
     if not isinstance(cls, type):
         raise UnsupportedValue(f"register() needs a class, got {cls!r:.80}")
     what = f"register({cls.__qualname__})"
@@ -173,11 +169,10 @@ def register(
                 f"{what}: the name {t!r} is already taken by "
                 f"{taken.cls.__module__}.{taken.cls.__qualname__}; pass another name"
             )
-    if old is None and tagged.by_tag(tag) is not None:
-        tagged.add_class(entry)  # the script's twin: saved under its name, read as the first
-    elif old is None:
-        tagged.add(entry)
-        if name is None and cls.__module__ in _SCRIPT_MODULES:
+    if old is None:
+        twin = tagged.by_tag(tag) is not None  # the script's twin: read as the first
+        tagged.add(entry, read=not twin)
+        if not twin and name is None and cls.__module__ in _SCRIPT_MODULES:
             tagged.add_name(f"__main__.{cls.__qualname__}", entry)  # what it was recorded as before
     else:
         entry = old  # registering twice is harmless

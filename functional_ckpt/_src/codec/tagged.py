@@ -39,16 +39,12 @@ def by_tag(tag: str) -> TaggedType | None:
     return _BY_TAG.get(tag)
 
 
-def add(entry: TaggedType) -> None:
-    """Store ``entry``'s class under its tag, and read that tag as it."""
+def add(entry: TaggedType, *, read: bool = True) -> None:
+    """Store ``entry``'s class under its tag, and (``read``) read that tag as it; not
+    where another class holds the tag (a script's class imported again by its module)."""
     TAGGED[entry.cls] = entry
-    _BY_TAG[entry.tag] = entry
-
-
-def add_class(entry: TaggedType) -> None:
-    """Store ``entry``'s class under its tag, which another class already holds for
-    reading (a script's class imported a second time by its module name)."""
-    TAGGED[entry.cls] = entry
+    if read:
+        _BY_TAG[entry.tag] = entry
 
 
 def add_name(tag: str, entry: TaggedType) -> None:

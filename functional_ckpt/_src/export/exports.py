@@ -1,14 +1,12 @@
 """A root's exports: where they live, what they record, their retention, their snapshots.
-
-Each export (``root/exports/step_N``) records its step and metrics in its
-safetensors header, so ``Export.keep`` chooses among exports as ``keep`` does among
-checkpoints with no file beside those ``transformers`` reads. An export off the
-training thread reads the committed checkpoint or a :func:`snapshot`, never the
-live tensors the next step changes. Listing reads directories and headers only."""
+Each records its step and metrics in its safetensors header, so ``Export.keep`` chooses
+among exports with no file beside those ``transformers`` reads; one made off the training
+thread reads the committed checkpoint or a :func:`snapshot`, never the live tensors."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import threading
@@ -146,12 +144,7 @@ def snapshot(state: TensorDictBase | Mapping[str, Any], export: Export) -> dict[
             for k in leaf.path[:-1]:
                 where = where.setdefault(k, {})
             where[leaf.path[-1]] = copy(leaf.value)
-    out: dict[str, Any] = {}
-    where = out
-    for k in path[:-1]:
-        where = where.setdefault(k, {})
-    where[path[-1]] = inner
-    return out
+    return functools.reduce(lambda value, key: {key: value}, reversed(path), inner)
 
 
 def run_export(

@@ -5,6 +5,7 @@ that merely overlap are copied. The directory appears atomically."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -136,11 +137,9 @@ def map_names(
             )
         origin[new] = name
         out[new] = t
-    names = list(out)
     for prefix, by in WRAPPER_PREFIXES.items():
-        wrapped = [n for n in names if n.startswith(prefix) or f".{prefix}" in n]
-        everywhere = len(wrapped) == len(names)
-        if wrapped and (prefix == "_orig_mod." or everywhere):
+        wrapped = [n for n in out if n.startswith(prefix) or f".{prefix}" in n]
+        if wrapped and (prefix == "_orig_mod." or len(wrapped) == len(out)):
             warnings.warn(
                 f"export: tensor names such as {wrapped[0]!r} carry the prefix {prefix!r} "
                 f"that {by} adds; transformers would not find these weights and would "
@@ -197,11 +196,7 @@ def _load(source: TensorDictBase | Mapping[str, Any] | PathLike, path: KeyPath) 
     """The state, or the ``path`` subtree of a checkpoint read without the rest."""
     if isinstance(source, TensorDictBase | Mapping):
         return as_state(source)
-    template: dict[str, Any] = {}
-    node = template
-    for key in path:
-        node[key] = {}
-        node = node[key]
+    template = functools.reduce(lambda inner, key: {key: inner}, reversed(path), dict[str, Any]())
     try:
         return restore(source, from_python(template), partial=True)
     except TemplateMismatch:
@@ -213,12 +208,8 @@ def _collect(state: TensorDictBase, path: KeyPath) -> dict[str, torch.Tensor]:
     node: Any = state
     for i, key in enumerate(path):
         if not isinstance(node, TensorDictBase) or key not in node.keys():
-            have = (
-                [str(k) for k in node.keys() if k != NODE_KEY]
-                if isinstance(node, TensorDictBase)
-                else []
-            )
-            have.sort()
+            keys = node.keys() if isinstance(node, TensorDictBase) else ()
+            have = sorted(str(k) for k in keys if k != NODE_KEY)
             raise CheckpointError(
                 f"export: the state has no state[{format_path(path[: i + 1])}] (keys there: {have})"
             )
@@ -302,11 +293,7 @@ def _write_shards(
         shard = dict(_prepared(names, tensors, dtype))  # one shard in memory at a time
         meta = {**header, "format": "pt"} if i == 1 else {"format": "pt"}
         save_file(shard, str(tmp / file), metadata=meta)
-        fd = os.open(tmp / file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        durable.fsync_and_close(os.open(tmp / file, os.O_RDONLY))
         total += sum(t.numel() * t.element_size() for t in shard.values())
         weight_map.update(dict.fromkeys(names, file))
         del shard

@@ -1,11 +1,6 @@
-"""``torch.save`` files (``.pt``/``.pth``) in and out, never running code from one.
-
-A file is read with ``torch.load(weights_only=True)``, and an export holds only
-what that reader builds, so it loads that way too. On import a bare
-``state_dict`` becomes the ``model`` subtree (``fc.capture(model=...)``'s layout)
-and any other mapping is the state as it is. An export is the weights under
-``select`` by ``state_dict`` name, or the whole state as Python containers
-(numpy values become tensors and numbers), written atomically."""
+"""``torch.save`` files (``.pt``/``.pth``) in and out, never running code from one: a
+file is read with ``torch.load(weights_only=True)``, and an export holds only what
+that reader builds, so it loads that way too."""
 
 from __future__ import annotations
 
@@ -117,8 +112,7 @@ def is_bare_state_dict(obj: Any) -> bool:
     return (
         isinstance(obj, Mapping)
         and bool(obj)
-        and all(isinstance(k, str) for k in obj)
-        and all(isinstance(v, torch.Tensor) for v in obj.values())
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
     )
 
 

@@ -125,16 +125,10 @@ def read_recording_marker(dir_fd: int, path: Path) -> dict[str, Any] | None:
     """The decoded marker, or None before the first commit."""
     where = path / RECORDING_MARKER
     try:
-        fd = opener.open_member(dir_fd, RECORDING_MARKER, where, what="commit marker")
+        raw = opener.read_small(dir_fd, RECORDING_MARKER, where, LIMITS.marker_bytes, "marker")
     except FileNotFoundError:
         return None
-    try:
-        size = os.fstat(fd).st_size
-        if size > LIMITS.marker_bytes:
-            raise CorruptCheckpoint(f"{where}: {size} bytes, too large for a commit marker")
-        marker = codec.decode(opener.read_exact(fd, size, where), source=str(where))
-    finally:
-        os.close(fd)
+    marker = codec.decode(raw, source=str(where))
     if not isinstance(marker, dict) or set(marker) != _MARKER_KEYS:
         raise CorruptCheckpoint(f"{where}: not a recording's commit marker")
     if marker["format"] != FORMAT or marker["version"] != VERSION:

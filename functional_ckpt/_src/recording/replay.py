@@ -1,8 +1,5 @@
-"""``Replay``: read any committed record of a recording back as a new state.
-
-The recording is vetted once on opening; each leaf read is checked against its
-CRC32. ``replay[step]`` is exactly the state recorded at ``step``, so a loop can be
-re-run from it (``fc.apply`` puts the random generators back)."""
+"""``Replay``: any committed record of a recording back as a new state, exactly as it was
+recorded, so a loop can be re-run from it (``fc.apply`` puts the random generators back)."""
 
 from __future__ import annotations
 

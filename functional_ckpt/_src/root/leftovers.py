@@ -11,7 +11,7 @@ from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.kind import Kind, classify, holds_only_its_own
 from functional_ckpt._src.format.naming import EXPORTS_DIR, QUARANTINE_INFIX, base_name, parse_step
 from functional_ckpt._src.log import warn
-from functional_ckpt._src.root.listing import _committed, _created
+from functional_ckpt._src.root.listing import _created, leftover_manifest
 from functional_ckpt._src.root.lock import WriterLock
 from functional_ckpt._src.root.run import RUN_FILE
 from functional_ckpt._src.storage import commit, durable
@@ -55,7 +55,7 @@ def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
             if not entry.is_dir(follow_symlinks=False):
                 os.unlink(path)
                 changed = True
-            elif parent == root and _committed(path):
+            elif parent == root and leftover_manifest(path) is not None:
                 groups.setdefault(base, []).append(path)
             else:
                 commit.remove_tree(path)

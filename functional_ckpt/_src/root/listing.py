@@ -97,7 +97,7 @@ def entry_of(path: Path) -> RootEntry | None:
     if kind is Kind.TEMPORARY:
         deleting = naming.TRASH_INFIX in name
         entry.status = "deleting" if deleting else "uncommitted"
-        if _committed(path):
+        if leftover_manifest(path) is not None:
             entry.detail = "complete (committed): the next writer recovers it, never deletes it"
         elif deleting:
             entry.detail = "a deletion in progress (or interrupted)"
@@ -189,7 +189,7 @@ def kept_by(
     return out
 
 
-def _leftover_manifest(path: Path) -> dict[str, Any] | None:
+def leftover_manifest(path: Path) -> dict[str, Any] | None:
     """The manifest of a leftover directory if its marker is whole and vouches for it."""
     try:
         dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -203,11 +203,7 @@ def _leftover_manifest(path: Path) -> dict[str, Any] | None:
         os.close(dir_fd)
 
 
-def _committed(path: Path) -> bool:
-    return _leftover_manifest(path) is not None
-
-
 def _created(path: Path) -> float:
-    manifest = _leftover_manifest(path)
+    manifest = leftover_manifest(path)
     t = None if manifest is None else header_of(manifest).created
     return -math.inf if t is None else t

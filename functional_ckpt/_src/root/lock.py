@@ -51,17 +51,15 @@ def _open_lock_file(root: Path, path: Path) -> int:
             "location open the manager with read_only=True"
         ) from e
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise CheckpointError(
-            f"{root}: the writer lock {path} is not a regular file; remove it and try again"
+    why = None if stat.S_ISREG(st.st_mode) else "is not a regular file"
+    if why is None and st.st_nlink != 1:  # writing the holder's name would change another file
+        why = (
+            f"has {st.st_nlink} hard links, so it is shared with another file that taking "
+            "the lock would overwrite"
         )
-    if st.st_nlink != 1:  # a hard link: writing the holder's name would change another file
+    if why is not None:
         os.close(fd)
-        raise CheckpointError(
-            f"{root}: the writer lock {path} has {st.st_nlink} hard links, so it is shared "
-            "with another file that taking the lock would overwrite; remove it and try again"
-        )
+        raise CheckpointError(f"{root}: the writer lock {path} {why}; remove it and try again")
     return fd
 
 
