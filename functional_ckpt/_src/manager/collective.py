@@ -1,10 +1,6 @@
-"""What every rank of a job does together, on the training thread, around a save,
-and the decision of one ``maybe_save`` event as one value.
+"""What every rank of a job does together, on the training thread, around a save.
 
-Each collective here is called by every rank in the same order, or the job hangs:
-one save decision (the coordinator's: clocks and metrics differ between ranks, and
-half the ranks saving would deadlock the collective save), sharded weights gathered
-for an export.
+Each collective here is called by every rank in the same order, or the job hangs.
 """
 
 from __future__ import annotations
@@ -27,11 +23,8 @@ __all__ = ["Decision", "coordinator_decides", "decide", "gathered", "prepare_gro
 
 
 def prepare_groups() -> None:
-    """Create the process groups saves and decisions use, on every rank, in one order.
-
-    Groups are created collectively; creating them later on a background save
-    thread could interleave with the training thread's collectives.
-    """
+    """Create the process groups saves and decisions use now: created later on a save
+    thread, they could interleave with the training thread's collectives."""
     from functional_ckpt._src.distributed.groups import checkpoint_group
 
     checkpoint_group()
@@ -39,11 +32,7 @@ def prepare_groups() -> None:
 
 
 def gathered(state: TensorDictBase | Mapping[str, Any], select: str | Sequence[str]) -> TensorDict:
-    """The ``select`` subtree with every DTensor gathered into a full tensor.
-
-    ``full_tensor()`` is a collective on the tensor's mesh: every rank calls this,
-    in the same order, on the training thread.
-    """
+    """The ``select`` subtree with every DTensor gathered (a collective) into a full tensor."""
     prefix = (select,) if isinstance(select, str) else tuple(select)
     leaves = []
     for leaf in leaves_of(state):
@@ -57,12 +46,8 @@ def gathered(state: TensorDictBase | Mapping[str, Any], select: str | Sequence[s
 
 
 def coordinator_decides(decision: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Every rank adopts rank 0's decision and policy states.
-
-    Clocks and metrics may differ between ranks (``every_secs``, ``on_improve``);
-    half the ranks saving would deadlock the collective save, so only the
-    coordinator's view counts, and its policy states are stored everywhere.
-    """
+    """Every rank adopts rank 0's decision and policy states: clocks and metrics differ
+    between ranks, and half the ranks saving would deadlock the collective save."""
     from functional_ckpt._src.distributed.groups import all_gather_bytes, checkpoint_group
 
     group = checkpoint_group(purpose="control")

@@ -1,8 +1,6 @@
 """CheckpointManager: policies, retention, resume and locking around ``save``/``restore``.
 
-No checkpointing logic of its own: it threads a save policy's state through
-``maybe_save`` events and writes through :mod:`.writes`; what a resume takes, what
-retention deletes, what is promoted and what a close keeps are :mod:`.tiers`'s.
+It threads policy states through ``maybe_save``; the decisions over tiers are :mod:`.tiers`'s.
 """
 
 from __future__ import annotations
@@ -67,7 +65,7 @@ from functional_ckpt._src.root.leftovers import open_writer
 from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt._src.root.lock import WriterLock
 from functional_ckpt._src.root.resume import check_order
-from functional_ckpt._src.root.rollback import Newer
+from functional_ckpt._src.root.rollback import Newer, finish
 from functional_ckpt._src.root.run import Run, open_run, read_run
 from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
@@ -82,10 +80,8 @@ __all__ = ["CheckpointManager"]
 class CheckpointManager(RootView):
     """Save on a policy, keep on a retention policy, resume from the newest good checkpoint.
 
-    One option value per concern (docs/manager.md). A writing manager locks ``root``
-    and recovers what crashes left at open; ``read_only=True`` never deletes or renames
-    anything. Only the manager reads ``clock``. Not thread-safe. ``self.tiers`` are its
-    tiers, fastest first.
+    A writing manager locks ``root`` and recovers what crashes left at open;
+    ``read_only=True`` never deletes or renames anything. Not thread-safe (docs/manager.md).
     """
 
     def __init__(
@@ -131,8 +127,14 @@ class CheckpointManager(RootView):
         run: tuple[Run, bool] | None = None
         if not self.read_only:
             self._run.git = git_commit(self._run.cwd)  # before the lock: no child inherits it
-            if self._coordinator:
-                run = self._open_writer()  # one lock per job: the coordinator's
+            if self._coordinator:  # one lock per job: the coordinator's
+                self._lock = open_writer(self.root, stacklevel=3)
+                try:
+                    finish(self.root)  # a rollback a crash interrupted completes now
+                    run = open_run(self.root)
+                except BaseException:
+                    self._lock.release()
+                    raise
             if self._distributed:
                 run = share_run(run)
             assert run is not None
@@ -185,17 +187,6 @@ class CheckpointManager(RootView):
         again (a remote's ``storage_options`` left out: they may be credentials)."""
         return config_of(self)
 
-    def _open_writer(self) -> tuple[Run, bool]:
-        """Lock the root, finish what crashes left (warning at the CheckpointManager call),
-        and say which run it holds (made now?)."""
-        self._lock = open_writer(self.root, stacklevel=4)
-        try:
-            rollback.finish(self.root)  # a rollback a crash interrupted completes now
-            return open_run(self.root)
-        except BaseException:
-            self._lock.release()
-            raise
-
     # ------------------------------------------------------------------ reading
 
     def _check_open(self, what: str, *, writing: bool) -> None:
@@ -212,15 +203,12 @@ class CheckpointManager(RootView):
         out: State | None = None,
         reshard: Reshard | None = None,
     ) -> TensorDict:
-        """Restore one step (no fallback) and continue the policies from it.
-
-        ``like``, ``out`` and ``reshard`` are those of :func:`functional_ckpt.restore`.
-        """
+        """Restore one step (no fallback; arguments as :func:`functional_ckpt.restore`)
+        and continue the policies from it."""
         check_like_or_out(like, out, "CheckpointManager.restore")
         self._check_open("restore", writing=False)
-        path = self.path(step)
         info = self.info(step)
-        state = restore(path, like, out=out, reshard=reshard)
+        state = restore(self.path(step), like, out=out, reshard=reshard)
         self._adopt(info)
         return state
 
@@ -231,10 +219,8 @@ class CheckpointManager(RootView):
         out: State | None = None,
         reshard: Reshard | None = None,
     ) -> TensorDict | None:
-        """Restore the newest intact checkpoint of this run's lineage in any tier
-        (:func:`~.tiers.newest_in_tiers`); None only if no tier holds one. Damage is
-        reported and skipped; a template that does not fit raises at once; checkpoints
-        that exist but none readable raise rather than start over."""
+        """Restore the newest intact checkpoint of this run's lineage in any tier; None
+        only if no tier holds one. Damage is skipped; none readable raises."""
         check_like_or_out(like, out, "CheckpointManager.restore_latest")
         self._check_open("restore_latest", writing=False)
 
@@ -341,9 +327,8 @@ class CheckpointManager(RootView):
                 self._lock = None
 
     def wait(self) -> None:
-        """Block until every save started so far is committed (retention then runs); raise
-        if one failed (a memory-tier save's failure is a ``MemoryTierWarning`` instead).
-        Uploads go on in the background: ``mgr.remote.wait()`` waits for them."""
+        """Block until every save started so far is committed; raise if one failed.
+        Uploads go on: ``mgr.remote.wait()`` waits for them."""
         for tier in self.tiers:
             if tier is not self.remote:
                 tier.wait()
@@ -377,12 +362,9 @@ class CheckpointManager(RootView):
         epoch_end: bool = False,
         force: bool = False,
     ) -> SaveResult:
-        """Ask the policies about this event, save, commit their states with it, prune.
-
-        Returns whether a disk checkpoint was written (``force=True`` saves regardless;
-        a memory tier saves on its own policy). Policy states advance only once the
-        writes they describe succeeded. A rollback rule that fires returns its state in
-        ``.rollback``.
+        """Ask the policies about this event, save, commit their states with it, prune;
+        whether a disk checkpoint was written. Policy states advance only once the writes
+        they describe succeeded; a rollback rule that fires returns its state in ``.rollback``.
         """
         self._check_open("maybe_save", writing=True)
         if self.remote is not None:
@@ -438,8 +420,7 @@ class CheckpointManager(RootView):
     def _metadata(
         self, event: Event, policy_state: PolicyState, export_state: PolicyState
     ) -> dict[str, Any]:
-        """What a checkpoint of ``event`` records, in whichever tier it is written: the
-        policy states after the event, so a resume from any tier continues them alike."""
+        """What a checkpoint of ``event`` records in any tier (the policy states after it)."""
         export = None if self.export is None else self.export.policy
         record = manager_record(
             event, self.save_policy, policy_state, self.keep, export, export_state
@@ -458,8 +439,7 @@ class CheckpointManager(RootView):
     # ------------------------------------------------------------------ deleting
 
     def _prune(self, protected: set[int]) -> list[int]:
-        """Delete what retention does not keep; never the newest, ``protected``, one a save
-        or an export uses, or one whose remote copy is not committed yet."""
+        """Delete what retention does not keep, but ``protected``, those in use or not uploaded."""
         protected = protected | self._writes.busy_steps()
         if self.remote is not None:
             protected = protected | self.remote.protected(self.steps())

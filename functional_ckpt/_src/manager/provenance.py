@@ -1,9 +1,6 @@
 """What a managed checkpoint records about itself in its metadata, and reading it back.
 
-Automatic keys (when, where, which git commit, the run's lineage and rollbacks), the
-user's metadata, and under ``"manager"`` the manager's record: step, epoch, metrics,
-running time and each policy's spec with its state, handed back on a restart only to
-the policy of the same spec.
+A policy's stored state is handed back on a restart only to the policy of the same spec.
 """
 
 from __future__ import annotations
@@ -61,8 +58,7 @@ _GIT_TIMEOUT_S = 2.0
 
 
 def git_commit(cwd: PathLike | None = None) -> str | None:
-    """HEAD of the git checkout at ``cwd``, or None: best effort (no git, no repository,
-    a hung file system all mean "unknown", never a failed save)."""
+    """HEAD of the git checkout at ``cwd``, or None: "unknown", never a failed save."""
     try:
         proc = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -91,11 +87,8 @@ def check_metadata(metadata: Mapping[str, Any] | None, where: str) -> dict[str, 
 
 @dataclass
 class Provenance:
-    """Where a run comes from, as each of its checkpoints records it: ``lineage`` (a
-    fork's ``"forked_from"``) and ``rollbacks`` continue from a restored checkpoint;
-    ``run`` (the root's id), ``parent`` (the checkpoint it continued from) and
-    ``ancestors`` (the runs it continued) are ``"run"``, the lineage a resume keeps to
-    (:class:`Lineage`)."""
+    """Where a run comes from, as each of its checkpoints records it (``"forked_from"``,
+    ``"rollbacks"``, and ``"run"``: the lineage a resume keeps to, :class:`Lineage`)."""
 
     cwd: str
     git: str | None = None
@@ -181,14 +174,11 @@ def manager_record(
 
 
 class RunningTime:
-    """Seconds a run has been running: carried over by restores, downtime excluded.
-
-    Only this reads the clock, never a policy: every event carries its value.
-    """
+    """Seconds a run has been running: carried over by restores, downtime excluded
+    (only this reads the clock, never a policy: every event carries its value)."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
-        # Running time = offset (carried by the restored checkpoint) + clock since base.
         self._offset = 0.0
         self._base = float(clock())
 
@@ -196,8 +186,7 @@ class RunningTime:
         return self._offset + max(0.0, float(self.clock()) - self._base)
 
     def resume(self, seconds: float) -> None:
-        """Continue from the running time a restored checkpoint's record carries
-        (:class:`~..format.header.Record`: an insane value there reads as 0.0)."""
+        """Continue from a restored checkpoint's running time (an insane one reads as 0.0)."""
         self._offset = seconds
         self._base = float(self.clock())
 
@@ -227,9 +216,8 @@ def stored_state(
 
 class Lineage:
     """The lineage rule (docs/tiered.md): a checkpoint is this run's to resume, keep and
-    delete when it records no run, this run, or one of its ``"ancestors"``; anything
-    goes while the root holds none of this run's (not begun: it continues whichever it
-    resumes). Another lineage's checkpoint is reported once, and left alone."""
+    delete when it records no run, this run, or one of its ``"ancestors"`` (any, while
+    the root holds none of this run's); another lineage's is reported once, left alone."""
 
     def __init__(self, run: str | None) -> None:
         self.run = run

@@ -1,10 +1,7 @@
 """Rolling back on degradation: the manager's side of a rollback rule (``rollback=``).
 
-The rule votes on every ``maybe_save`` event and its state is stored with each
-checkpoint like the save policy's; when it fires, the manager rolls back to the kept
-checkpoint it points to and ``maybe_save`` hands the state back in a
-:class:`SaveResult`. Everything here is a function of the rule, the event and the
-kept checkpoints.
+The rule's state is stored with each checkpoint like the save policy's; when it fires,
+``maybe_save`` rolls back and hands the state back in a :class:`SaveResult`.
 """
 
 from __future__ import annotations
@@ -33,12 +30,8 @@ RECORD_KEY = "rollback"
 
 @dataclass(frozen=True)
 class Rollback:
-    """A rollback ``maybe_save`` made: continue the loop from ``state`` at ``to_step``.
-
-    ``step`` is the event on which the rule fired; ``branch`` is where the newer
-    checkpoints went (None when there were none, and on ranks other than the
-    coordinator).
-    """
+    """A rollback ``maybe_save`` made on ``step``: continue from ``state`` at ``to_step``
+    (``branch``: where the newer checkpoints went; None if none or not the coordinator)."""
 
     step: int
     to_step: int
@@ -78,11 +71,8 @@ def _leaves(rule: SavePolicy) -> Iterator[SavePolicy]:
 
 
 def choose_target(rule: OnDegrade, infos: Sequence[StepInfo]) -> int | None:
-    """The kept checkpoint a rollback returns to (None if no kept one has the metric).
-
-    ``"best"``: the best value (``fc.policy.best_steps``, ties to the newer);
-    ``"last_good"``: the newest checkpoint not degraded relative to that best.
-    """
+    """The kept checkpoint a rollback returns to (None if no kept one has the metric):
+    the best (ties to the newer), or for ``"last_good"`` the newest not degraded from it."""
     ranked = best_steps(infos, rule.metric, rule.mode)
     if not ranked or rule.to == "best":
         return next(iter(ranked), None)
@@ -95,11 +85,8 @@ def choose_target(rule: OnDegrade, infos: Sequence[StepInfo]) -> int | None:
 
 
 class Watch:
-    """A rollback rule and its state, as a manager threads them through its events.
-
-    ``next`` is the state after the current event, stored with the checkpoint that
-    event saves; it becomes ``state`` once the event is through.
-    """
+    """A rollback rule and its state (``next``: after the current event, stored with its
+    checkpoint; ``state`` once the event is through)."""
 
     def __init__(self, rule: object) -> None:
         self.rule: SavePolicy | None = None
@@ -155,25 +142,16 @@ class Watch:
         return {"rule": repr(self.rule), "at_step": event.step, "metrics": metrics}
 
 
-#: Continue from ``step``, recording ``reason``: returns the restored state and the
-#: branch the newer checkpoints went to (None when there were none).
-RollbackTo = Callable[[int, Mapping[str, Any]], tuple[TensorDict, str | None]]
-
-
 def roll_back(
     watch: Watch,
     event: Event,
     saved: bool,
     infos: Sequence[StepInfo],
     root: Path,
-    rollback_to: RollbackTo,
+    rollback_to: Callable[[int, Mapping[str, Any]], tuple[TensorDict, str | None]],
 ) -> SaveResult:
-    """The rule fired on ``event``: continue from the kept checkpoint it points to.
-
-    Gets what it needs and nothing else: the kept checkpoints (``infos``, the one of
-    this very event committed already) and how to roll back. A loop could do the same
-    by hand with :func:`choose_target` and ``CheckpointManager.rollback``.
-    """
+    """The rule fired on ``event``: continue from the kept checkpoint it points to
+    (``rollback_to(step, reason)`` gives the state and the branch)."""
     target = watch.choose(infos, event, root)
     if target is None:
         return SaveResult(saved)

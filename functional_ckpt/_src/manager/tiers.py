@@ -1,13 +1,7 @@
-"""The tier protocol, and each decision a manager makes over its ordered list of tiers.
+"""The tier protocol, and each decision a manager makes over its tiers, fastest first.
 
-A tier is any place that holds committed checkpoints of a run: the folder in RAM
-(:class:`~.memory_tier.MemoryTier`), the root on disk (:class:`DiskTier`), the
-object store behind it (:class:`~..remote.tier.RemoteTier`). Each answers the few
-questions of :class:`Tier`; the manager holds them fastest first, and resume
-(:func:`newest_in_tiers`), retention (:func:`retain`), promotion (:func:`promote`),
-deletion, progress for ``fckpt run``, closing and whose checkpoints are this run's
-(:class:`~.provenance.Lineage`, a rule ``fckpt`` applies too) are written once here
-over that list, so no tier decides any of them on its own.
+A tier (RAM, disk, object store) only answers :class:`Tier`'s questions; resume,
+retention, promotion and progress are decided once here, so no tier decides them alone.
 """
 
 from __future__ import annotations
@@ -41,7 +35,6 @@ from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
 __all__ = [
     "DiskTier",
-    "Lineage",
     "Tier",
     "retained",
     "move_newer",
@@ -67,23 +60,21 @@ class Tier(Protocol):
         ...
 
     def infos(self) -> Sequence[CheckpointLike]:
-        """Step, time and metrics of each readable committed checkpoint (what retention
-        reads)."""
+        """Each readable committed checkpoint, as retention reads it."""
         ...
 
     def newest(self, read: Callable[[Path], T], above: int | None) -> Found[T]:
-        """The tier's newest intact checkpoint of this run newer than ``above``, read;
-        a damaged one is reported and set aside by the tier's own crash-safe means."""
+        """The newest intact checkpoint of this run newer than ``above``, read (damage
+        reported and set aside)."""
         ...
 
     def open(self, step: int) -> Path:
-        """The directory holding ``step`` whole, to read or copy from (fetched first where
-        it must be); ``CheckpointError`` if this tier cannot give it whole."""
+        """The directory holding ``step`` whole; ``CheckpointError`` if it cannot be had."""
         ...
 
     def copy_in(self, source: Tier, within: float) -> Path | None:
-        """Make the newest step of the faster ``source`` this tier lacks its own, in at most
-        ``within`` seconds; the copy made, or None (nothing newer, or in the background)."""
+        """Copy the newest step of ``source`` this tier lacks within ``within`` seconds;
+        the copy made, or None (nothing newer, or in the background)."""
         ...
 
     def delete(self, steps: Sequence[int]) -> None:
@@ -100,15 +91,9 @@ class Tier(Protocol):
 
 
 def newest_in_tiers(tiers: Sequence[Tier], read: Callable[[Path], T], root: Path) -> Found[T]:
-    """Which checkpoint a resume takes: the newest intact step of this run's lineage in
-    any tier, read; None only if no tier holds one.
-
-    Each tier, fastest first, is asked for its newest intact step of the lineage newer
-    than the best found so far, passing damage over for the step below, so a damaged
-    newest checkpoint never hides an intact later one in any tier; a tie goes to the
-    faster tier. A checkpoint recording another step than its name is damage: resumed
-    as the named step, the run would number on from a step its state does not hold.
-    """
+    """The newest intact step of this run's lineage in any tier, read (a tie to the
+    faster tier); None only if no tier holds one. A checkpoint recording another step
+    than its name is damage: the run would number on from a step its state lacks."""
 
     def checked(path: Path) -> T:
         named, recorded = parse_step(path.name), header_of(read_manifest(path)).record.step
@@ -141,9 +126,8 @@ def retain(tier: Tier, keep: RetentionPolicy, protected: Iterable[int] = ()) -> 
 
 
 def promote(tiers: Sequence[Tier], source: Tier, within: float) -> Path | None:
-    """Copy the newest step of ``source`` into the next durable tier after it: the memory
-    tier's into the disk on a signal or a crash leaving the manager, the disk's into the
-    remote (an upload) after each commit. The copy made, if one was made now."""
+    """Copy the newest step of ``source`` into the next durable tier after it (RAM to
+    disk, disk to remote); the copy made, if one was made now."""
     after = list(tiers)[list(tiers).index(source) + 1 :]
     target = next((t for t in after if t.durable), None)
     return None if target is None else target.copy_in(source, within)
@@ -160,10 +144,8 @@ def progress(tiers: Sequence[Tier]) -> None:
 
 
 class DiskTier:
-    """The manager's root: a writing coordinator moves damage aside; ``lineage`` is
-    learnt from it. With a writing remote tier behind it, a job of many ranks resumes
-    through that tier alone (a rank's root may hold only its part), and none readable
-    here is no error yet."""
+    """The manager's root. With a writing remote tier behind it, a job of many ranks
+    resumes through that tier alone (a rank's root may hold only its part)."""
 
     def __init__(
         self,
@@ -263,9 +245,8 @@ def move_newer(
     branch: str | None,
     reason: Any,
 ) -> dict[str, Any] | None:
-    """Every tier's steps newer than ``step`` out of the trunk, the remote one first
-    (docs/tiered.md): a tier of copies drops them, the disk keeps them on a branch.
-    The rollback's record (None where this rank moves nothing on disk)."""
+    """Every tier's steps newer than ``step`` out of the trunk (docs/tiered.md); the
+    rollback's record (None where this rank moves nothing on disk)."""
     for tier in tiers:
         if tier is not disk and tier is not remote:
             tier.delete([s for s in tier.steps() if s > step])

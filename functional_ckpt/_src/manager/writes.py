@@ -1,8 +1,6 @@
 """A manager's writes: one save in flight, its buffers and trust, exports, removals.
 
-Everything a manager writes goes through one :class:`Writes` (the uploads held while
-a save stages, the export and the removals off the training thread); it decides
-nothing: the manager says what to write and when.
+It decides nothing: the manager says what to write and when.
 """
 
 from __future__ import annotations
@@ -47,8 +45,6 @@ class WriteSettings:
 
 
 class Writes:
-    """A manager's writes (see the module docstring)."""
-
     def __init__(self, view: RootView, settings: WriteSettings, remote: RemoteTier | None) -> None:
         self.view = view
         self.settings = settings
@@ -58,8 +54,6 @@ class Writes:
         self.trust = TrustMemory()
         self.exports = BackgroundExport()
         self._removal: threading.Thread | None = None
-
-    # ------------------------------------------------------------------ checkpoints
 
     def save(self, path: Path, state: State, metadata: Mapping[str, Any]) -> CheckpointInfo | None:
         """The one place a checkpoint is written (over an older save of its step,
@@ -143,8 +137,6 @@ class Writes:
             busy.add(self.exports.step)
         return busy
 
-    # ------------------------------------------------------------------ exports
-
     def export(self, state: State, export: Export, event: Event) -> Path | None:
         """Write the export of ``event`` now, on this thread."""
         if self.settings.distributed:
@@ -162,12 +154,9 @@ class Writes:
         failure = None if pending is None else pending.exception
         self.exports.start(source, self.view.root, export, event.step, event.metrics or {}, failure)
 
-    # ------------------------------------------------------------------ removals
-
     def remove(self, trash: list[Path]) -> None:
         """Remove checkpoints already out of sight; off the training thread when saves are."""
         if self.settings.async_save is not None and trash:
-            # Out of sight already; unlinking gigabytes need not stall the training loop.
             # close() waits for it; what a crash leaves, the next writer removes at open.
             self.join_removals()
             self._removal = threading.Thread(
@@ -178,8 +167,7 @@ class Writes:
             remove_all(trash)
 
     def removed(self) -> None:
-        """Until the removal in flight is done (from any thread; collected by
-        :meth:`join_removals`)."""
+        """Until the removal in flight is done (from any thread)."""
         removal = self._removal
         if removal is not None:
             removal.join()

@@ -1,23 +1,9 @@
 """Committing a checkpoint on an object store: every object confirmed, the marker last.
 
-An object store has no atomic rename, so a remote checkpoint becomes visible the
-way a local one does on a store without rename: by its ``COMMITTED`` marker, the
-same bytes as the local marker (it authenticates the manifest, which records
-every file's size and every chunk's checksum). The steps, for one checkpoint:
-
-1. ``begin`` (the coordinator): a remote copy already committed with the same
-   marker is done. Otherwise, if the remote manifest is this checkpoint's
-   manifest, the objects there belong to this checkpoint (an interrupted upload
-   resumes); anything else under the step (another checkpoint of the same step,
-   a torn upload of one) is deleted, marker first, and the manifest is written
-   first, so that every object found next to it later was written after it.
-2. ``put_part`` (every rank): upload the files this rank wrote, in parallel, and
-   confirm each is present at its local size.
-3. ``commit`` (the coordinator, after every rank confirmed): check every file of
-   the manifest's table and the manifest itself present at its recorded size,
-   then write the marker and confirm it.
-
-A crash at any point leaves no marker, or the marker of a complete checkpoint.
+An object store has no atomic rename: a remote checkpoint becomes visible by its
+``COMMITTED`` marker, the local marker's bytes (it authenticates the manifest). The
+manifest is written first, so every object found beside it was written after it; a
+crash at any point leaves no marker, or the marker of a complete checkpoint.
 """
 
 from __future__ import annotations
@@ -62,7 +48,6 @@ def expected_sizes(local: Path) -> dict[str, int]:
 
 
 def local_marker(local: Path) -> bytes:
-    """The commit marker of the local checkpoint ``local``, through the safe opener."""
     return opener.read_file(
         local / naming.COMMIT_MARKER, limit=LIMITS.marker_bytes, what="commit marker"
     )

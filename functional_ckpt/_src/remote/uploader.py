@@ -37,18 +37,17 @@ MAX_BACKOFF = 30.0
 STATUS_FILE = ".remote.json"
 
 
-def retried(fn: Callable[[], T], attempts: int | None = None) -> T:
+def retried(fn: Callable[[], T]) -> T:
     """``fn()``, tried again with exponential backoff while the store fails transiently
     (refused credentials and a missing bucket are not transient)."""
-    tries = RETRIES if attempts is None else attempts
     delay = BACKOFF
-    for attempt in range(tries):
+    for attempt in range(RETRIES):
         try:
             return fn()
         except (RemoteAccessDenied, RemoteBucketMissing):
             raise
         except RemoteError:
-            if attempt == tries - 1:
+            if attempt == RETRIES - 1:
                 raise
         time.sleep(delay)
         delay = min(delay * 2, MAX_BACKOFF)
@@ -60,9 +59,7 @@ class Worker:
     request made before it began (``coalesce=False``: one round per request, for ranks
     whose collectives must line up)."""
 
-    def __init__(
-        self, round_: Callable[[], None], name: str = "fc-upload", *, coalesce: bool = True
-    ) -> None:
+    def __init__(self, round_: Callable[[], None], *, coalesce: bool = True) -> None:
         self._round = round_
         self._coalesce = coalesce
         self._lock = threading.Condition()
@@ -70,7 +67,7 @@ class Worker:
         self._done = 0
         self._stopping = False
         self.crashed: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="fc-upload", daemon=True)
         self._thread.start()
 
     def request(self) -> None:
