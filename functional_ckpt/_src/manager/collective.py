@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from tensordict import TensorDict, TensorDictBase
@@ -19,12 +18,9 @@ from functional_ckpt._src.policy import Event, PolicyState, SavePolicy
 from functional_ckpt._src.root.run import Run
 from functional_ckpt._src.state.tree import Leaf, leaves_of, unflatten
 
-__all__ = ["Decision", "coordinator_decides", "decide", "gathered", "prepare_groups", "share_run"]
-
 
 def prepare_groups() -> None:
-    """Create the process groups saves and decisions use now: created later on a save
-    thread, they could interleave with the training thread's collectives."""
+    """Create the groups now: on a save thread they could interleave with the loop's."""
     from functional_ckpt._src.distributed.groups import checkpoint_group
 
     checkpoint_group()
@@ -65,19 +61,6 @@ def share_run(run: tuple[Run, bool] | None) -> tuple[Run, bool]:
     return Run(str(rid), str(secret)), bool(made)
 
 
-@dataclass(frozen=True)
-class Decision:
-    """What to do on ``event`` and the policy states after it (stored with its save)."""
-
-    event: Event
-    saved: bool
-    policy_state: PolicyState
-    exported: bool
-    export_state: PolicyState
-    rolls: bool
-    rule_state: PolicyState
-
-
 def decide(
     event: Event,
     *,
@@ -88,8 +71,9 @@ def decide(
     export_state: PolicyState,
     watch: Watch,
     distributed: bool,
-) -> Decision:
-    """Every policy's vote on ``event``, and under ``torch.distributed`` the coordinator's."""
+) -> tuple[Event, bool, PolicyState, bool, PolicyState, bool, PolicyState]:
+    """Every policy's vote on ``event`` (the coordinator's in a job): the event, whether
+    to save, export and roll back, and each policy's state after it."""
     saved = save.decide(save_state, event) or force
     policy_state = save.update(save_state, event, saved)
     exported = False
@@ -103,4 +87,4 @@ def decide(
             decided
         )
         event = dataclasses.replace(event, time=now)
-    return Decision(event, saved, policy_state, exported, export_state, rolls, rule_state)
+    return event, saved, policy_state, exported, export_state, rolls, rule_state

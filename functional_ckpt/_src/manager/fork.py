@@ -22,8 +22,6 @@ from functional_ckpt._src.save.api import save
 from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import CheckpointError, CheckpointExists
 
-__all__ = ["fork"]
-
 
 def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = None) -> Path:
     """Start a new run in the empty ``new_root`` from a checkpoint of another run, as
@@ -50,8 +48,7 @@ def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = No
     run = Provenance(cwd, git_commit(cwd))  # a new run, whose parent is the source
     run.continued_from(src_step, meta, src)
     with CheckpointManager(new_root, save=never(), keep=keep_all()) as mgr:
-        existing = mgr.steps()
-        if existing:
+        if existing := mgr.steps():
             raise CheckpointExists(
                 f"{mgr.root}: already holds checkpoints (steps {existing[:5]}…); fork into "
                 "an empty root"

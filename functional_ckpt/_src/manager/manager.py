@@ -74,8 +74,6 @@ from functional_ckpt._src.state.tree import State
 from functional_ckpt._src.storage import zstd
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
-__all__ = ["CheckpointManager"]
-
 
 class CheckpointManager(RootView):
     """Save on a policy, keep on a retention policy, resume from the newest good checkpoint.
@@ -174,8 +172,7 @@ class CheckpointManager(RootView):
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], **kwargs: Any) -> CheckpointManager:
-        """The manager that configuration ``cfg`` (plain data) describes, every key checked
-        before anything opens; ``kwargs`` replace the config's (docs/manager.md)."""
+        """The manager ``cfg`` (plain data, checked first) describes; ``kwargs`` replace it."""
         root, args, run = manager_arguments(cfg, root_given="root" in kwargs)
         args.update(kwargs)
         mgr = cls(args.pop("root", root), **args)
@@ -183,11 +180,8 @@ class CheckpointManager(RootView):
         return mgr
 
     def config(self) -> dict[str, Any]:
-        """This manager's configuration as plain data :meth:`from_config` builds it from
-        again (a remote's ``storage_options`` left out: they may be credentials)."""
+        """This manager's configuration for :meth:`from_config` (no ``storage_options``)."""
         return config_of(self)
-
-    # ------------------------------------------------------------------ reading
 
     def _check_open(self, what: str, *, writing: bool) -> None:
         if self._closed:
@@ -203,8 +197,7 @@ class CheckpointManager(RootView):
         out: State | None = None,
         reshard: Reshard | None = None,
     ) -> TensorDict:
-        """Restore one step (no fallback; arguments as :func:`functional_ckpt.restore`)
-        and continue the policies from it."""
+        """Restore one step (no fallback) and continue the policies from it."""
         check_like_or_out(like, out, "CheckpointManager.restore")
         self._check_open("restore", writing=False)
         info = self.info(step)
@@ -219,14 +212,10 @@ class CheckpointManager(RootView):
         out: State | None = None,
         reshard: Reshard | None = None,
     ) -> TensorDict | None:
-        """Restore the newest intact checkpoint of this run's lineage in any tier; None
-        only if no tier holds one. Damage is skipped; none readable raises."""
+        """The newest intact checkpoint of this run in any tier; None only if none holds one."""
         check_like_or_out(like, out, "CheckpointManager.restore_latest")
         self._check_open("restore_latest", writing=False)
-
-        def read(path: Path) -> TensorDict:
-            return restore(path, like, out=out, reshard=reshard)
-
+        read = partial(restore, like=like, out=out, reshard=reshard)
         t0 = time.perf_counter()
         found = newest_in_tiers(self.tiers, read, self.root)
         if found is None:
@@ -248,9 +237,7 @@ class CheckpointManager(RootView):
         branch: str | None = None,
         reason: Mapping[str, Any] | None = None,
     ) -> TensorDict:
-        """Continue the run from the older kept checkpoint ``step``: restored, then every
-        newer one out of every tier's trunk (on disk to ``root/branches/<branch>/``, or
-        deleted); nothing moves if the restore fails (docs/manager.md)."""
+        """Continue from the kept ``step``; newer ones leave the trunk if the restore works."""
         return self._rollback(step, like, newer, branch, reason)[0]
 
     def _rollback(
@@ -288,8 +275,6 @@ class CheckpointManager(RootView):
             self._export_state = stored_state(self.export.policy, record.raw, "export", info.path)
         self._running.resume(record.running_time)
 
-    # ------------------------------------------------------------------ context manager
-
     def __enter__(self) -> CheckpointManager:
         return self
 
@@ -297,8 +282,7 @@ class CheckpointManager(RootView):
         self._close(crashed=kind is not None)  # a crash keeps what a tier keeps past one
 
     def close(self) -> None:
-        """Wait for pending work and release the lock; idempotent. The memory tier's
-        folder goes too (an exception leaving the ``with`` block keeps it)."""
+        """Wait for pending work and release the lock; idempotent."""
         self._close(crashed=False)
 
     def _close(self, *, crashed: bool) -> None:
@@ -315,9 +299,8 @@ class CheckpointManager(RootView):
                     self._prune(set())  # what the uploads protected from retention
         finally:
             self._writes.join_removals()
-            # Interrupted while a save runs, the lock is released only once it has
-            # finished (a second writer would take its files for leftovers), and a
-            # second close() waits for it again.
+            # Interrupted while a save runs, the lock goes once it finished (a second
+            # writer would take its files for leftovers).
             running = self._writes.running()
             self._closed = running is None
             if self._lock is not None and running is not None:
@@ -327,15 +310,13 @@ class CheckpointManager(RootView):
                 self._lock = None
 
     def wait(self) -> None:
-        """Block until every save started so far is committed; raise if one failed.
-        Uploads go on: ``mgr.remote.wait()`` waits for them."""
+        """Block until every save started is committed (not uploaded); raise if one failed."""
         for tier in self.tiers:
             if tier is not self.remote:
                 tier.wait()
 
     def wait_staged(self) -> None:
-        """Block until the state may be mutated again (call it before the optimizer step;
-        with ``staging="none"`` it waits for the whole write)."""
+        """Block until the state may be mutated again (call it before the optimizer step)."""
         self._writes.wait_staged()
         if self.memory is not None:
             self.memory.wait_staged()
@@ -348,8 +329,6 @@ class CheckpointManager(RootView):
         mode = "read-only" if self.read_only else "writer"
         where = f"{str(self.root)!r}, save={self.save_policy!r}, keep={self.keep!r}"
         return f"CheckpointManager({where}, {mode})"
-
-    # ------------------------------------------------------------------ saving
 
     def maybe_save(
         self,
@@ -378,13 +357,11 @@ class CheckpointManager(RootView):
         if event.step < 0:
             raise ValueError(f"maybe_save(step={step!r}): steps must be >= 0")
         export = self.export
-        d = decide(
+        event, saved, policy_state, exported, export_state, rolls, rule_state = decide(
             event, force=force, save=self.save_policy, save_state=self._policy_state,
             export=None if export is None else export.policy, export_state=self._export_state,
             watch=self._watch, distributed=self._distributed,
         )  # fmt: skip
-        event, saved, exported, rolls = d.event, d.saved, d.exported, d.rolls
-        policy_state, export_state, rule_state = d.policy_state, d.export_state, d.rule_state
         self._watch.next = rule_state
         if saved:
             self.disk.wait()  # at most one save in flight; the previous one must have committed
@@ -435,8 +412,6 @@ class CheckpointManager(RootView):
         if self._coordinator:
             progress(self.tiers)  # to a supervising ``fckpt run``
             self._prune(protected={step} if step is not None else set())
-
-    # ------------------------------------------------------------------ deleting
 
     def _prune(self, protected: set[int]) -> list[int]:
         """Delete what retention does not keep, but ``protected``, those in use or not uploaded."""

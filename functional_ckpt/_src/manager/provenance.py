@@ -26,19 +26,6 @@ from functional_ckpt._src.policy.retention import RetentionPolicy
 from functional_ckpt._src.storage.committed import check_committed
 from functional_ckpt.errors import CheckpointError, CheckpointWarning
 
-__all__ = [
-    "AUTO_KEYS",
-    "Lineage",
-    "Provenance",
-    "RunningTime",
-    "ancestors_of",
-    "check_metadata",
-    "git_commit",
-    "manager_record",
-    "run_of",
-    "stored_state",
-]
-
 #: Metadata keys describing the process that wrote a checkpoint (replaced on fork).
 AUTO_KEYS = frozenset(
     {
@@ -125,8 +112,7 @@ class Provenance:
         self.rollbacks = list(rollbacks) if isinstance(rollbacks, list) else []
 
     def continued_from(self, step: int | None, metadata: Mapping[str, Any], path: Path) -> None:
-        """The parent of this run's next checkpoints: the one of ``step`` (at ``path``) just
-        restored, named by its run, step and manifest checksum."""
+        """The parent of this run's next checkpoints: the one just restored from ``path``."""
         checksum = None
         with contextlib.suppress(CheckpointError, OSError):
             checksum = check_committed(path).get("manifest_crc32")
@@ -194,8 +180,7 @@ class RunningTime:
 def stored_state(
     policy: SavePolicy, record: Mapping[str, Any], key: str, path: Path
 ) -> PolicyState:
-    """The state stored for ``policy``, or ``policy.init()`` (with a warning) if it was
-    another policy's: a state is never reinterpreted."""
+    """The state stored for ``policy``; another policy's is never reinterpreted."""
     stored = record.get(key)
     if stored is None and not any(k in record for k in ("policy_state", "export_policy_state")):
         return policy.init()  # written by fc.save or a fork: a new run's policies

@@ -1,7 +1,6 @@
 """Rolling back on degradation: the manager's side of a rollback rule (``rollback=``).
 
-The rule's state is stored with each checkpoint like the save policy's; when it fires,
-``maybe_save`` rolls back and hands the state back in a :class:`SaveResult`.
+When the rule fires, ``maybe_save`` rolls back and returns the state in a :class:`SaveResult`.
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ from functional_ckpt._src.policy.retention import best_steps
 from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt.errors import CheckpointWarning
 
-__all__ = ["Rollback", "SaveResult", "Watch", "choose_target", "roll_back"]
-
 #: Where a checkpoint's record keeps the rollback rule's spec and state.
 RECORD_KEY = "rollback"
 
@@ -40,8 +37,7 @@ class Rollback:
 
 
 class SaveResult(int):
-    """What ``maybe_save`` returns: 1 or 0 like the ``bool`` it always was (``if``,
-    ``sum``, JSON work as before), and the :class:`Rollback` made on this event, if any."""
+    """``maybe_save``'s 1 or 0, as the ``bool`` it was, and the :class:`Rollback` made."""
 
     rollback: Rollback | None
 
@@ -123,24 +119,6 @@ class Watch:
         if self.rule is not None:
             self.state = self.next = stored_state(self.rule, record, RECORD_KEY, path)
 
-    def choose(self, infos: Sequence[StepInfo], event: Event, root: Path) -> int | None:
-        """The step to roll back to; None (with a warning) when nothing kept qualifies."""
-        assert self.target is not None
-        step = choose_target(self.target, infos)
-        if step is None:
-            warnings.warn(
-                f"{root}: {self.rule!r} fired at step {event.step}, but no kept checkpoint "
-                f"records {self.target.metric!r}; nothing to roll back to, the run goes on",
-                CheckpointWarning,
-                stacklevel=4,
-            )
-        return step
-
-    def reason(self, event: Event) -> dict[str, Any]:
-        """Why the rollback happened, as ``metadata["rollbacks"]`` records it."""
-        metrics = dict(event.metrics or {})
-        return {"rule": repr(self.rule), "at_step": event.step, "metrics": metrics}
-
 
 def roll_back(
     watch: Watch,
@@ -152,8 +130,18 @@ def roll_back(
 ) -> SaveResult:
     """The rule fired on ``event``: continue from the kept checkpoint it points to
     (``rollback_to(step, reason)`` gives the state and the branch)."""
-    target = watch.choose(infos, event, root)
+    assert watch.target is not None
+    target = choose_target(watch.target, infos)
     if target is None:
+        warnings.warn(
+            f"{root}: {watch.rule!r} fired at step {event.step}, but no kept checkpoint "
+            f"records {watch.target.metric!r}; nothing to roll back to, the run goes on",
+            CheckpointWarning,
+            stacklevel=3,
+        )
         return SaveResult(saved)
-    state, branch = rollback_to(target, watch.reason(event))
+    metrics = dict(event.metrics or {})  # as ``metadata["rollbacks"]`` records the reason
+    state, branch = rollback_to(
+        target, {"rule": repr(watch.rule), "at_step": event.step, "metrics": metrics}
+    )
     return SaveResult(saved, Rollback(event.step, target, state, branch))

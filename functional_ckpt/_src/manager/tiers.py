@@ -1,7 +1,6 @@
 """The tier protocol, and each decision a manager makes over its tiers, fastest first.
 
-A tier (RAM, disk, object store) only answers :class:`Tier`'s questions; resume,
-retention, promotion and progress are decided once here, so no tier decides them alone.
+A tier (RAM, disk, object store) only answers :class:`Tier`'s questions, so none decides alone.
 """
 
 from __future__ import annotations
@@ -33,17 +32,6 @@ from functional_ckpt._src.storage.progress import report_progress
 from functional_ckpt._src.storage.ram import promote_newest
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
-__all__ = [
-    "DiskTier",
-    "Tier",
-    "retained",
-    "move_newer",
-    "newest_in_tiers",
-    "progress",
-    "promote",
-    "retain",
-]
-
 T = TypeVar("T")
 
 
@@ -57,37 +45,27 @@ class Tier(Protocol):
 
     def steps(self) -> list[int]:
         """The committed steps the tier holds, ascending."""
-        ...
 
     def infos(self) -> Sequence[CheckpointLike]:
         """Each readable committed checkpoint, as retention reads it."""
-        ...
 
     def newest(self, read: Callable[[Path], T], above: int | None) -> Found[T]:
-        """The newest intact checkpoint of this run newer than ``above``, read (damage
-        reported and set aside)."""
-        ...
+        """The newest intact checkpoint of this run newer than ``above``, read."""
 
     def open(self, step: int) -> Path:
         """The directory holding ``step`` whole; ``CheckpointError`` if it cannot be had."""
-        ...
 
     def copy_in(self, source: Tier, within: float) -> Path | None:
-        """Copy the newest step of ``source`` this tier lacks within ``within`` seconds;
-        the copy made, or None (nothing newer, or in the background)."""
-        ...
+        """Copy the newest step of ``source`` this tier lacks; the copy made now, if any."""
 
     def delete(self, steps: Sequence[int]) -> None:
         """Remove ``steps`` crash-safely (out of sight at once)."""
-        ...
 
     def wait(self) -> object:
         """Collect the save in flight."""
-        ...
 
     def close(self, *, crashed: bool) -> None:
         """The manager closes (``crashed``: an exception left it)."""
-        ...
 
 
 def newest_in_tiers(tiers: Sequence[Tier], read: Callable[[Path], T], root: Path) -> Found[T]:
@@ -109,10 +87,8 @@ def newest_in_tiers(tiers: Sequence[Tier], read: Callable[[Path], T], root: Path
 
 
 def retained(keep: RetentionPolicy, records: Sequence[CheckpointLike]) -> set[int]:
-    """The steps of ``records`` a tier keeps by ``keep`` (always the newest): what every
-    tier's retention spares and what the remote tier uploads."""
-    steps = {r.step for r in records}
-    return steps - set(plan_deletions(keep, records))
+    """The steps of ``records`` a tier keeps (always the newest; what the remote uploads)."""
+    return {r.step for r in records} - set(plan_deletions(keep, records))
 
 
 def retain(tier: Tier, keep: RetentionPolicy, protected: Iterable[int] = ()) -> list[int]:
@@ -126,16 +102,14 @@ def retain(tier: Tier, keep: RetentionPolicy, protected: Iterable[int] = ()) -> 
 
 
 def promote(tiers: Sequence[Tier], source: Tier, within: float) -> Path | None:
-    """Copy the newest step of ``source`` into the next durable tier after it (RAM to
-    disk, disk to remote); the copy made, if one was made now."""
+    """Copy the newest step of ``source`` into the next durable tier; the copy made now."""
     after = list(tiers)[list(tiers).index(source) + 1 :]
     target = next((t for t in after if t.durable), None)
     return None if target is None else target.copy_in(source, within)
 
 
 def progress(tiers: Sequence[Tier]) -> None:
-    """Tell a supervising ``fckpt run`` the newest step any tier holds (a job resuming a
-    little further from RAM each time makes progress too)."""
+    """Tell ``fckpt run`` the newest step any tier holds (a RAM resume is progress too)."""
     if topology().rank == 0:  # a remote tier holds the disk's steps: not listed for this
         held = [t.steps()[-1:] for t in tiers if t.local]
         newest = max((s for steps in held for s in steps), default=None)
@@ -167,8 +141,7 @@ class DiskTier:
         self.lineage = Lineage(run)
 
     def others(self) -> set[int]:
-        """The root's steps of another lineage (a step named for another step is damage,
-        not another lineage's), the lineage learnt from the root first."""
+        """The root's steps of another lineage (a step named for another is damage)."""
         held = self.view.infos()
         ours = self.lineage.learn(i.metadata for i in held)
         named = [i for i in held if record_of(i.metadata).step in (None, i.step)]
@@ -187,8 +160,7 @@ class DiskTier:
         return self.view.path(step)
 
     def copy_in(self, source: Tier, within: float) -> Path | None:
-        """One copy per job (the coordinator's), never over a step this root holds or
-        older, and only once the save in flight here is done: one writer per step."""
+        """The coordinator's copy, none older, after the save in flight: one writer a step."""
         if not self.coordinator:
             return None
         pending = self._writes.pending

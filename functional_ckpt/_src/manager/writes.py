@@ -30,8 +30,7 @@ from functional_ckpt._src.state.tree import State
 
 @dataclass(frozen=True)
 class WriteSettings:
-    """How a manager writes (``durable``: survives a power loss, as a memory tier's
-    saves need not)."""
+    """How a manager writes (``durable``: survives a power loss, as RAM's need not)."""
 
     per_rank: tuple[str, ...]
     async_save: AsyncSave | None
@@ -56,8 +55,7 @@ class Writes:
         self._removal: threading.Thread | None = None
 
     def save(self, path: Path, state: State, metadata: Mapping[str, Any]) -> CheckpointInfo | None:
-        """The one place a checkpoint is written (over an older save of its step,
-        atomically); None while an async save runs."""
+        """The one place a checkpoint is written; None while an async save runs."""
         options = SaveOptions(
             metadata=metadata,
             overwrite=path.exists(),
@@ -97,8 +95,7 @@ class Writes:
         return self.view.path(max(others)) if others else None
 
     def wait(self) -> CheckpointInfo | None:
-        """The save in flight, committed (or its error raised); None if there was none.
-        Interrupted (Ctrl-C), it stays in flight: nobody may take it for finished."""
+        """The save in flight, committed; interrupted, it stays in flight (not finished)."""
         pending = self.pending
         if pending is None:
             return None
@@ -129,13 +126,8 @@ class Writes:
 
     def busy_steps(self) -> set[int]:
         """Steps retention must not delete now: a save or an export is using them."""
-        busy = set()
-        if self.pending is not None:
-            step = parse_step(self.pending.path.name)
-            busy |= {step} if step is not None else set()
-        if self.exports.step is not None:
-            busy.add(self.exports.step)
-        return busy
+        saving = None if self.pending is None else parse_step(self.pending.path.name)
+        return {s for s in (saving, self.exports.step) if s is not None}
 
     def export(self, state: State, export: Export, event: Event) -> Path | None:
         """Write the export of ``event`` now, on this thread."""

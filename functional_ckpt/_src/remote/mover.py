@@ -1,8 +1,7 @@
 """Uploads' bytes moved by a helper process, which stands still while a save stages.
 
 An object store's client would compete for the GIL and the cores with the loop, so the
-bulk ``put`` runs in a niced child (this file as a script, its options through a pipe,
-never pickled) that the manager ``SIGSTOP``s while a save stages.
+bulk ``put`` runs in a niced child (this file, fed through a pipe) stopped while a save stages.
 """
 
 from __future__ import annotations
@@ -19,8 +18,6 @@ import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
-
-__all__ = ["Mover", "_MovedFailure", "facts_of", "reaches"]
 
 #: A failure across the pipe: its classes' names, errno and text (:func:`facts_of`).
 Facts = dict[str, Any]
@@ -60,8 +57,7 @@ def reaches(fs: Any) -> bool:
 
 
 class Mover:
-    """One helper process that runs ``fs.put`` for one store, started on first use;
-    ``pause``/``resume`` nest and come from any thread."""
+    """One helper process that runs ``fs.put``; ``pause``/``resume`` nest, from any thread."""
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
         """``storage_options`` None, or not round-tripping through JSON: no process."""
@@ -91,8 +87,7 @@ class Mover:
         return proc.pid if proc is not None and proc.poll() is None else None
 
     def start(self) -> bool:
-        """Start the helper process now (else the first ``put`` does); whether it runs.
-        One that cannot start is not tried again."""
+        """Start the helper process now, whether it runs (a failed start is not retried)."""
         with self._lock:
             return self._started()
 
@@ -144,8 +139,7 @@ class Mover:
 
     def _patience(self) -> Callable[[float], bool]:
         """Whether to wait on for a start: ``HELLO_TIMEOUT`` seconds, not counting holds."""
-        held = 0.0
-        last = 0.0
+        held = last = 0.0
 
         def more(seconds: float) -> bool:
             nonlocal held, last
@@ -206,8 +200,7 @@ def _ask(
     request: dict[str, Any],
     patience: Callable[[float], bool] | None = None,
 ) -> dict[str, Any]:
-    """Send one request line; the reply line, or {} if the process is gone (or silent
-    for as long as ``patience(seconds waited)`` allows: it is then killed)."""
+    """The reply to one request; {} if the process is gone or, past ``patience``, killed."""
     assert proc.stdin is not None and proc.stdout is not None
     try:
         proc.stdin.write(json.dumps(request) + "\n")

@@ -1,9 +1,7 @@
 """Committing a checkpoint on an object store: every object confirmed, the marker last.
 
-An object store has no atomic rename: a remote checkpoint becomes visible by its
-``COMMITTED`` marker, the local marker's bytes (it authenticates the manifest). The
-manifest is written first, so every object found beside it was written after it; a
-crash at any point leaves no marker, or the marker of a complete checkpoint.
+With no atomic rename, a remote checkpoint becomes visible by the local marker's bytes;
+the manifest goes first, so every object found beside it was written after it.
 """
 
 from __future__ import annotations
@@ -19,17 +17,6 @@ from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.remote.store import Store
 from functional_ckpt._src.storage import committed, opener
 from functional_ckpt.errors import RemoteError
-
-__all__ = [
-    "begin_upload",
-    "check_lease",
-    "commit_upload",
-    "copy_step",
-    "expected_sizes",
-    "owner",
-    "put_part",
-    "remove_step",
-]
 
 
 def owner(name: str, world: int) -> int:
@@ -54,9 +41,8 @@ def local_marker(local: Path) -> bytes:
 
 
 def begin_upload(store: Store, step: int, local: Path) -> dict[str, int] | None:
-    """Ready the remote directory of ``step`` for the checkpoint at ``local``: None if
-    it is committed there already, else the objects of this very checkpoint there
-    (name -> size), which an interrupted upload need not send again."""
+    """None if ``step`` is committed remotely, else the objects of this very checkpoint
+    there (name -> size), which an interrupted upload need not send again."""
     marker = local_marker(local)
     manifest = opener.read_file(
         local / naming.MANIFEST, limit=LIMITS.manifest_bytes, what="manifest"
@@ -80,8 +66,7 @@ def begin_upload(store: Store, step: int, local: Path) -> dict[str, int] | None:
 def put_part(
     store: Store, step: int, local: Path, names: Iterable[str], present: dict[str, int]
 ) -> int:
-    """Upload ``names`` from ``local`` (not those ``present`` at their size) in one
-    bulk ``put``; confirm all; the bytes sent."""
+    """Upload ``names`` not ``present`` at their size in one ``put``; the bytes sent."""
     sizes = {name: os.stat(local / name).st_size for name in names}
     todo = [n for n, size in sizes.items() if present.get(n) != size]
     if todo:

@@ -1,11 +1,11 @@
 """An object store reached through fsspec: its checkpoints' objects and its failures.
 
-Every failure becomes a :class:`~functional_ckpt.errors.RemoteError` that names the URL
-and says what to do; fsspec is imported only here, and only when a remote is used.
+Every failure becomes a ``RemoteError`` naming the URL; fsspec is imported only here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import re
 import urllib.parse
@@ -30,8 +30,6 @@ from functional_ckpt.errors import (
     RemoteUnreachable,
     RemoteVanished,
 )
-
-__all__ = ["RemoteStep", "Store", "public_url", "remote_error"]
 
 T = TypeVar("T")
 
@@ -139,9 +137,10 @@ class Store:
                 "pip install 'functional_ckpt[remote]'"
             ) from None
         options = dict(storage_options or {})
-        try:
-            if getattr(_fs_class(fsspec, full), "local_file", False):
+        with contextlib.suppress(ImportError, ValueError):  # unknown: ``url_to_fs`` says why
+            if getattr(fsspec.get_filesystem_class(scheme), "local_file", False):
                 options.setdefault("auto_mkdir", True)  # a directory, as on an object store
+        try:
             self.fs, path = fsspec.core.url_to_fs(full, **options)
         except ImportError as e:
             raise CheckpointError(f"remote={self.url!r}: {e}") from None
@@ -165,11 +164,6 @@ class Store:
     def put(self, where: str, lpaths: list[str], rpaths: list[str]) -> None:
         """Upload local files to objects, in parallel (in the helper process if any)."""
         self.call(where, self.mover.put if self.mover.start() else self.fs.put, lpaths, rpaths)
-
-    @property
-    def uploader_pid(self) -> int | None:
-        """The helper process of uploads, while one runs."""
-        return self.mover.pid
 
     def step_dir(self, step: int) -> str:
         return f"{self.base}/{step_name(step)}"
@@ -297,14 +291,6 @@ class Store:
         ):
             raise CorruptCheckpoint(f"{where}: not a functional_ckpt manifest")
         return marker_bytes, manifest
-
-
-def _fs_class(fsspec: Any, url: str) -> Any:
-    """The fsspec file system class of ``url`` (None if unknown: ``url_to_fs`` says why)."""
-    try:
-        return fsspec.get_filesystem_class(url.split("://", 1)[0])
-    except (ImportError, ValueError):
-        return None
 
 
 def decode_small(raw: bytes, where: str) -> dict[str, Any]:
