@@ -93,7 +93,7 @@ def test_uploads_run_in_a_helper_process_that_every_save_holds_until_staged(
         async_save=True,
     ) as mgr:
         assert mgr.remote is not None and mgr.remote.wait()
-        pid = mgr.remote.store.uploader_pid
+        pid = mgr.remote.store.mover.pid
         assert pid is not None and pid != os.getpid()  # started when the manager opened
         assert _running(pid)
         mgr.remote.store.pause_uploads()  # as a save does, from its start until staged
@@ -112,7 +112,7 @@ def test_uploads_run_in_a_helper_process_that_every_save_holds_until_staged(
         assert _running(pid)  # released once the state was staged
         mgr.wait()  # the commit, which asks for the upload
         assert mgr.remote.wait() and mgr.remote.steps() == [1, 2]
-        assert mgr.remote.store.uploader_pid == pid  # one process serves every upload
+        assert mgr.remote.store.mover.pid == pid  # one process serves every upload
     assert _gone(pid)  # closing the manager ends it
 
 
@@ -124,7 +124,7 @@ def test_a_failed_sync_save_releases_the_uploads(
         tmp_path / "ckpt", tiers=(fc.manager.Remote(bucket, storage_options=s3["options"]),)
     ) as m:
         assert m.remote is not None and m.remote.wait()
-        pid = m.remote.store.uploader_pid
+        pid = m.remote.store.mover.pid
         assert pid is not None
         with pytest.raises(TypeError):
             m.maybe_save({"bad": object()}, step=1, force=True)  # fails while held
@@ -142,7 +142,7 @@ remote = fc.manager.Remote(sys.argv[2], storage_options=options)
 mgr = fc.CheckpointManager(sys.argv[1], tiers=(remote,))
 assert mgr.remote.wait()
 mgr.remote.store.pause_uploads()  # killed while its helper is stopped, too
-print(mgr.remote.store.uploader_pid, flush=True)
+print(mgr.remote.store.mover.pid, flush=True)
 time.sleep(600)
 """
 
@@ -175,12 +175,12 @@ def test_a_helper_process_killed_mid_run_is_replaced(
         tmp_path / "ckpt", tiers=(fc.manager.Remote(bucket, storage_options=s3["options"]),)
     ) as m:
         assert m.remote is not None and m.remote.wait()
-        pid = m.remote.store.uploader_pid
+        pid = m.remote.store.mover.pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)  # the OOM killer, or a careless kill
         m.maybe_save(_state(1), step=1, force=True)
         assert m.remote.wait() and m.remote.steps() == [1]  # retried in a new process
-        assert m.remote.store.uploader_pid not in (None, pid)
+        assert m.remote.store.mover.pid not in (None, pid)
         assert m.remote.failures == {}
 
 
@@ -191,7 +191,7 @@ def test_failures_in_the_helper_process_keep_their_meaning(
     missing = Store("s3://no-such-bucket-here/x", s3["options"])
     with pytest.raises(RemoteBucketMissing, match=r"no-such-bucket-here.*does not exist"):
         missing.put("s3://no-such-bucket-here/x", [blob], [f"{missing.base}/blob"])
-    assert missing.uploader_pid is not None  # it was the helper process that failed
+    assert missing.mover.pid is not None  # it was the helper process that failed
     missing.close()
 
     import socket
@@ -239,11 +239,11 @@ def test_stores_no_other_process_reaches_upload_in_process(tmp_path: Path, mem: 
     blob = _file(tmp_path)
     store = Store(mem)
     store.put(mem, [blob], [f"{store.base}/blob"])
-    assert store.uploader_pid is None
+    assert store.mover.pid is None
     assert bytes(store.fs.cat_file(f"{store.base}/blob")) == Path(blob).read_bytes()
     local = Store(f"file://{tmp_path / 'remote'}")
     local.put("local", [blob], [f"{local.base}/blob"])
-    assert local.uploader_pid is None and (tmp_path / "remote" / "blob").exists()
+    assert local.mover.pid is None and (tmp_path / "remote" / "blob").exists()
 
 
 @pytest.mark.parametrize(
@@ -278,5 +278,5 @@ def test_a_helper_that_does_not_start_leaves_uploads_in_process(
     store = Store(bucket, s3["options"])
     blob = _file(tmp_path)
     store.put(bucket, [blob], [f"{store.base}/blob"])  # in this process instead
-    assert store.uploader_pid is None
+    assert store.mover.pid is None
     assert bytes(store.fs.cat_file(f"{store.base}/blob")) == Path(blob).read_bytes()

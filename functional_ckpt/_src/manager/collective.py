@@ -1,17 +1,12 @@
-"""What every rank of a job does together, on the training thread, around a save,
-and the decision of one ``maybe_save`` event as one value.
+"""What every rank of a job does together, on the training thread, around a save.
 
-Each collective here is called by every rank in the same order, or the job hangs:
-one save decision (the coordinator's: clocks and metrics differ between ranks, and
-half the ranks saving would deadlock the collective save), sharded weights gathered
-for an export.
+Each collective here is called by every rank in the same order, or the job hangs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from tensordict import TensorDict, TensorDictBase
@@ -23,15 +18,9 @@ from functional_ckpt._src.policy import Event, PolicyState, SavePolicy
 from functional_ckpt._src.root.run import Run
 from functional_ckpt._src.state.tree import Leaf, leaves_of, unflatten
 
-__all__ = ["Decision", "coordinator_decides", "decide", "gathered", "prepare_groups", "share_run"]
-
 
 def prepare_groups() -> None:
-    """Create the process groups saves and decisions use, on every rank, in one order.
-
-    Groups are created collectively; creating them later on a background save
-    thread could interleave with the training thread's collectives.
-    """
+    """Create the groups now: on a save thread they could interleave with the loop's."""
     from functional_ckpt._src.distributed.groups import checkpoint_group
 
     checkpoint_group()
@@ -39,11 +28,7 @@ def prepare_groups() -> None:
 
 
 def gathered(state: TensorDictBase | Mapping[str, Any], select: str | Sequence[str]) -> TensorDict:
-    """The ``select`` subtree with every DTensor gathered into a full tensor.
-
-    ``full_tensor()`` is a collective on the tensor's mesh: every rank calls this,
-    in the same order, on the training thread.
-    """
+    """The ``select`` subtree with every DTensor gathered (a collective) into a full tensor."""
     prefix = (select,) if isinstance(select, str) else tuple(select)
     leaves = []
     for leaf in leaves_of(state):
@@ -57,12 +42,8 @@ def gathered(state: TensorDictBase | Mapping[str, Any], select: str | Sequence[s
 
 
 def coordinator_decides(decision: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Every rank adopts rank 0's decision and policy states.
-
-    Clocks and metrics may differ between ranks (``every_secs``, ``on_improve``);
-    half the ranks saving would deadlock the collective save, so only the
-    coordinator's view counts, and its policy states are stored everywhere.
-    """
+    """Every rank adopts rank 0's decision and policy states: clocks and metrics differ
+    between ranks, and half the ranks saving would deadlock the collective save."""
     from functional_ckpt._src.distributed.groups import all_gather_bytes, checkpoint_group
 
     group = checkpoint_group(purpose="control")
@@ -80,19 +61,6 @@ def share_run(run: tuple[Run, bool] | None) -> tuple[Run, bool]:
     return Run(str(rid), str(secret)), bool(made)
 
 
-@dataclass(frozen=True)
-class Decision:
-    """What to do on ``event`` and the policy states after it (stored with its save)."""
-
-    event: Event
-    saved: bool
-    policy_state: PolicyState
-    exported: bool
-    export_state: PolicyState
-    rolls: bool
-    rule_state: PolicyState
-
-
 def decide(
     event: Event,
     *,
@@ -103,8 +71,9 @@ def decide(
     export_state: PolicyState,
     watch: Watch,
     distributed: bool,
-) -> Decision:
-    """Every policy's vote on ``event``, and under ``torch.distributed`` the coordinator's."""
+) -> tuple[Event, bool, PolicyState, bool, PolicyState, bool, PolicyState]:
+    """Every policy's vote on ``event`` (the coordinator's in a job): the event, whether
+    to save, export and roll back, and each policy's state after it."""
     saved = save.decide(save_state, event) or force
     policy_state = save.update(save_state, event, saved)
     exported = False
@@ -118,4 +87,4 @@ def decide(
             decided
         )
         event = dataclasses.replace(event, time=now)
-    return Decision(event, saved, policy_state, exported, export_state, rolls, rule_state)
+    return event, saved, policy_state, exported, export_state, rolls, rule_state

@@ -1,8 +1,6 @@
 """Forking: start a new run in a new root from a checkpoint of another run.
 
-The fork is a new checkpoint (the source's manifest is sealed by its marker) sharing
-the source's data files (an incremental save on it as base); it and every later
-checkpoint of the new run record where it came from.
+The fork shares the source's data files (an incremental save on it as base).
 """
 
 from __future__ import annotations
@@ -24,18 +22,11 @@ from functional_ckpt._src.save.api import save
 from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import CheckpointError, CheckpointExists
 
-__all__ = ["fork"]
-
 
 def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = None) -> Path:
     """Start a new run in the empty ``new_root`` from a checkpoint of another run, as
-    ``new_root/step_N`` (``N`` the source's step unless ``step`` is given).
-
-    The copy keeps the source's user metadata, step, epoch and metrics, starts its
-    policies afresh, records ``"forked_from": {"path", "step", "time", "hostname",
-    "git_commit"}`` (nested ``"parent"`` for forks of forks) and starts a new lineage:
-    ``"run"`` names the source's run as its parent and ancestor.
-    """
+    ``new_root/step_N`` (``N`` the source's step unless ``step`` is given): user
+    metadata, step and metrics kept, policies afresh, ``"forked_from"`` recorded."""
     src = Path(checkpoint_path)
     head = header_of(committed.read_manifest(src))
     meta = dict(head.metadata)
@@ -57,8 +48,7 @@ def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = No
     run = Provenance(cwd, git_commit(cwd))  # a new run, whose parent is the source
     run.continued_from(src_step, meta, src)
     with CheckpointManager(new_root, save=never(), keep=keep_all()) as mgr:
-        existing = mgr.steps()
-        if existing:
+        if existing := mgr.steps():
             raise CheckpointExists(
                 f"{mgr.root}: already holds checkpoints (steps {existing[:5]}…); fork into "
                 "an empty root"

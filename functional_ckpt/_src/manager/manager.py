@@ -1,8 +1,6 @@
 """CheckpointManager: policies, retention, resume and locking around ``save``/``restore``.
 
-No checkpointing logic of its own: it threads a save policy's state through
-``maybe_save`` events and writes through :mod:`.writes`; what a resume takes, what
-retention deletes, what is promoted and what a close keeps are :mod:`.tiers`'s.
+It threads policy states through ``maybe_save``; the decisions over tiers are :mod:`.tiers`'s.
 """
 
 from __future__ import annotations
@@ -67,7 +65,7 @@ from functional_ckpt._src.root.leftovers import open_writer
 from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt._src.root.lock import WriterLock
 from functional_ckpt._src.root.resume import check_order
-from functional_ckpt._src.root.rollback import Newer
+from functional_ckpt._src.root.rollback import Newer, finish
 from functional_ckpt._src.root.run import Run, open_run, read_run
 from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
@@ -76,16 +74,12 @@ from functional_ckpt._src.state.tree import State
 from functional_ckpt._src.storage import zstd
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 
-__all__ = ["CheckpointManager"]
-
 
 class CheckpointManager(RootView):
     """Save on a policy, keep on a retention policy, resume from the newest good checkpoint.
 
-    One option value per concern (docs/manager.md). A writing manager locks ``root``
-    and recovers what crashes left at open; ``read_only=True`` never deletes or renames
-    anything. Only the manager reads ``clock``. Not thread-safe. ``self.tiers`` are its
-    tiers, fastest first.
+    A writing manager locks ``root`` and recovers what crashes left at open;
+    ``read_only=True`` never deletes or renames anything. Not thread-safe (docs/manager.md).
     """
 
     def __init__(
@@ -131,8 +125,14 @@ class CheckpointManager(RootView):
         run: tuple[Run, bool] | None = None
         if not self.read_only:
             self._run.git = git_commit(self._run.cwd)  # before the lock: no child inherits it
-            if self._coordinator:
-                run = self._open_writer()  # one lock per job: the coordinator's
+            if self._coordinator:  # one lock per job: the coordinator's
+                self._lock = open_writer(self.root, stacklevel=3)
+                try:
+                    finish(self.root)  # a rollback a crash interrupted completes now
+                    run = open_run(self.root)
+                except BaseException:
+                    self._lock.release()
+                    raise
             if self._distributed:
                 run = share_run(run)
             assert run is not None
@@ -174,8 +174,7 @@ class CheckpointManager(RootView):
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], **kwargs: Any) -> CheckpointManager:
-        """The manager that configuration ``cfg`` (plain data) describes, every key checked
-        before anything opens; ``kwargs`` replace the config's (docs/manager.md)."""
+        """The manager ``cfg`` (plain data, checked first) describes; ``kwargs`` replace it."""
         root, args, run = manager_arguments(cfg, root_given="root" in kwargs)
         args.update(kwargs)
         mgr = cls(args.pop("root", root), **args)
@@ -183,22 +182,8 @@ class CheckpointManager(RootView):
         return mgr
 
     def config(self) -> dict[str, Any]:
-        """This manager's configuration as plain data :meth:`from_config` builds it from
-        again (a remote's ``storage_options`` left out: they may be credentials)."""
+        """This manager's configuration for :meth:`from_config` (no ``storage_options``)."""
         return config_of(self)
-
-    def _open_writer(self) -> tuple[Run, bool]:
-        """Lock the root, finish what crashes left (warning at the CheckpointManager call),
-        and say which run it holds (made now?)."""
-        self._lock = open_writer(self.root, stacklevel=4)
-        try:
-            rollback.finish(self.root)  # a rollback a crash interrupted completes now
-            return open_run(self.root)
-        except BaseException:
-            self._lock.release()
-            raise
-
-    # ------------------------------------------------------------------ reading
 
     def _check_open(self, what: str, *, writing: bool) -> None:
         if self._closed:
@@ -214,15 +199,11 @@ class CheckpointManager(RootView):
         out: State | None = None,
         reshard: Reshard | None = None,
     ) -> TensorDict:
-        """Restore one step (no fallback) and continue the policies from it.
-
-        ``like``, ``out`` and ``reshard`` are those of :func:`functional_ckpt.restore`.
-        """
+        """Restore one step (no fallback) and continue the policies from it."""
         check_like_or_out(like, out, "CheckpointManager.restore")
         self._check_open("restore", writing=False)
-        path = self.path(step)
         info = self.info(step)
-        state = restore(path, like, out=out, reshard=reshard)
+        state = restore(self.path(step), like, out=out, reshard=reshard)
         self._adopt(info)
         return state
 
@@ -233,16 +214,10 @@ class CheckpointManager(RootView):
         out: State | None = None,
         reshard: Reshard | None = None,
     ) -> TensorDict | None:
-        """Restore the newest intact checkpoint of this run's lineage in any tier
-        (:func:`~.tiers.newest_in_tiers`); None only if no tier holds one. Damage is
-        reported and skipped; a template that does not fit raises at once; checkpoints
-        that exist but none readable raise rather than start over."""
+        """The newest intact checkpoint of this run in any tier; None only if none holds one."""
         check_like_or_out(like, out, "CheckpointManager.restore_latest")
         self._check_open("restore_latest", writing=False)
-
-        def read(path: Path) -> TensorDict:
-            return restore(path, like, out=out, reshard=reshard)
-
+        read = partial(restore, like=like, out=out, reshard=reshard)
         t0 = time.perf_counter()
         found = newest_in_tiers(self.tiers, read, self.root)
         if found is None:
@@ -264,9 +239,7 @@ class CheckpointManager(RootView):
         branch: str | None = None,
         reason: Mapping[str, Any] | None = None,
     ) -> TensorDict:
-        """Continue the run from the older kept checkpoint ``step``: restored, then every
-        newer one out of every tier's trunk (on disk to ``root/branches/<branch>/``, or
-        deleted); nothing moves if the restore fails (docs/manager.md)."""
+        """Continue from the kept ``step``; newer ones leave the trunk if the restore works."""
         return self._rollback(step, like, newer, branch, reason)[0]
 
     def _rollback(
@@ -304,8 +277,6 @@ class CheckpointManager(RootView):
             self._export_state = stored_state(self.export.policy, record.raw, "export", info.path)
         self._running.resume(record.running_time)
 
-    # ------------------------------------------------------------------ context manager
-
     def __enter__(self) -> CheckpointManager:
         return self
 
@@ -313,8 +284,7 @@ class CheckpointManager(RootView):
         self._close(crashed=kind is not None)  # a crash keeps what a tier keeps past one
 
     def close(self) -> None:
-        """Wait for pending work and release the lock; idempotent. The memory tier's
-        folder goes too (an exception leaving the ``with`` block keeps it)."""
+        """Wait for pending work and release the lock; idempotent."""
         self._close(crashed=False)
 
     def _close(self, *, crashed: bool) -> None:
@@ -331,9 +301,8 @@ class CheckpointManager(RootView):
                     self._prune(set())  # what the uploads protected from retention
         finally:
             self._writes.join_removals()
-            # Interrupted while a save runs, the lock is released only once it has
-            # finished (a second writer would take its files for leftovers), and a
-            # second close() waits for it again.
+            # Interrupted while a save runs, the lock goes once it finished (a second
+            # writer would take its files for leftovers).
             running = self._writes.running()
             self._closed = running is None
             if self._lock is not None and running is not None:
@@ -343,16 +312,13 @@ class CheckpointManager(RootView):
                 self._lock = None
 
     def wait(self) -> None:
-        """Block until every save started so far is committed (retention then runs); raise
-        if one failed (a memory-tier save's failure is a ``MemoryTierWarning`` instead).
-        Uploads go on in the background: ``mgr.remote.wait()`` waits for them."""
+        """Block until every save started is committed (not uploaded); raise if one failed."""
         for tier in self.tiers:
             if tier is not self.remote:
                 tier.wait()
 
     def wait_staged(self) -> None:
-        """Block until the state may be mutated again (call it before the optimizer step;
-        with ``staging="none"`` it waits for the whole write)."""
+        """Block until the state may be mutated again (call it before the optimizer step)."""
         self._writes.wait_staged()
         if self.memory is not None:
             self.memory.wait_staged()
@@ -366,8 +332,6 @@ class CheckpointManager(RootView):
         where = f"{str(self.root)!r}, save={self.save_policy!r}, keep={self.keep!r}"
         return f"CheckpointManager({where}, {mode})"
 
-    # ------------------------------------------------------------------ saving
-
     def maybe_save(
         self,
         state: State,
@@ -379,12 +343,9 @@ class CheckpointManager(RootView):
         epoch_end: bool = False,
         force: bool = False,
     ) -> SaveResult:
-        """Ask the policies about this event, save, commit their states with it, prune.
-
-        Returns whether a disk checkpoint was written (``force=True`` saves regardless;
-        a memory tier saves on its own policy). Policy states advance only once the
-        writes they describe succeeded. A rollback rule that fires returns its state in
-        ``.rollback``.
+        """Ask the policies about this event, save, commit their states with it, prune;
+        whether a disk checkpoint was written. Policy states advance only once the writes
+        they describe succeeded; a rollback rule that fires returns its state in ``.rollback``.
         """
         self._check_open("maybe_save", writing=True)
         if self.remote is not None:
@@ -398,13 +359,11 @@ class CheckpointManager(RootView):
         if event.step < 0:
             raise ValueError(f"maybe_save(step={step!r}): steps must be >= 0")
         export = self.export
-        d = decide(
+        event, saved, policy_state, exported, export_state, rolls, rule_state = decide(
             event, force=force, save=self.save_policy, save_state=self._policy_state,
             export=None if export is None else export.policy, export_state=self._export_state,
             watch=self._watch, distributed=self._distributed,
         )  # fmt: skip
-        event, saved, exported, rolls = d.event, d.saved, d.exported, d.rolls
-        policy_state, export_state, rule_state = d.policy_state, d.export_state, d.rule_state
         self._watch.next = rule_state
         if saved:
             self.disk.wait()  # at most one save in flight; the previous one must have committed
@@ -440,8 +399,7 @@ class CheckpointManager(RootView):
     def _metadata(
         self, event: Event, policy_state: PolicyState, export_state: PolicyState
     ) -> dict[str, Any]:
-        """What a checkpoint of ``event`` records, in whichever tier it is written: the
-        policy states after the event, so a resume from any tier continues them alike."""
+        """What a checkpoint of ``event`` records in any tier (the policy states after it)."""
         export = None if self.export is None else self.export.policy
         record = manager_record(
             event, self.save_policy, policy_state, self.keep, export, export_state
@@ -457,11 +415,8 @@ class CheckpointManager(RootView):
             progress(self.tiers)  # to a supervising ``fckpt run``
             self._prune(protected={step} if step is not None else set())
 
-    # ------------------------------------------------------------------ deleting
-
     def _prune(self, protected: set[int]) -> list[int]:
-        """Delete what retention does not keep; never the newest, ``protected``, one a save
-        or an export uses, or one whose remote copy is not committed yet."""
+        """Delete what retention does not keep, but ``protected``, those in use or not uploaded."""
         protected = protected | self._writes.busy_steps()
         if self.remote is not None:
             protected = protected | self.remote.protected(self.steps())

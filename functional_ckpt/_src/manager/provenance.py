@@ -1,9 +1,6 @@
 """What a managed checkpoint records about itself in its metadata, and reading it back.
 
-Automatic keys (when, where, which git commit, the run's lineage and rollbacks), the
-user's metadata, and under ``"manager"`` the manager's record: step, epoch, metrics,
-running time and each policy's spec with its state, handed back on a restart only to
-the policy of the same spec.
+A policy's stored state is handed back on a restart only to the policy of the same spec.
 """
 
 from __future__ import annotations
@@ -29,19 +26,6 @@ from functional_ckpt._src.policy.retention import RetentionPolicy
 from functional_ckpt._src.storage.committed import check_committed
 from functional_ckpt.errors import CheckpointError, CheckpointWarning
 
-__all__ = [
-    "AUTO_KEYS",
-    "Lineage",
-    "Provenance",
-    "RunningTime",
-    "ancestors_of",
-    "check_metadata",
-    "git_commit",
-    "manager_record",
-    "run_of",
-    "stored_state",
-]
-
 #: Metadata keys describing the process that wrote a checkpoint (replaced on fork).
 AUTO_KEYS = frozenset(
     {
@@ -61,8 +45,7 @@ _GIT_TIMEOUT_S = 2.0
 
 
 def git_commit(cwd: PathLike | None = None) -> str | None:
-    """HEAD of the git checkout at ``cwd``, or None: best effort (no git, no repository,
-    a hung file system all mean "unknown", never a failed save)."""
+    """HEAD of the git checkout at ``cwd``, or None: "unknown", never a failed save."""
     try:
         proc = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -91,11 +74,8 @@ def check_metadata(metadata: Mapping[str, Any] | None, where: str) -> dict[str, 
 
 @dataclass
 class Provenance:
-    """Where a run comes from, as each of its checkpoints records it: ``lineage`` (a
-    fork's ``"forked_from"``) and ``rollbacks`` continue from a restored checkpoint;
-    ``run`` (the root's id), ``parent`` (the checkpoint it continued from) and
-    ``ancestors`` (the runs it continued) are ``"run"``, the lineage a resume keeps to
-    (:class:`Lineage`)."""
+    """Where a run comes from, as each of its checkpoints records it (``"forked_from"``,
+    ``"rollbacks"``, and ``"run"``: the lineage a resume keeps to, :class:`Lineage`)."""
 
     cwd: str
     git: str | None = None
@@ -132,8 +112,7 @@ class Provenance:
         self.rollbacks = list(rollbacks) if isinstance(rollbacks, list) else []
 
     def continued_from(self, step: int | None, metadata: Mapping[str, Any], path: Path) -> None:
-        """The parent of this run's next checkpoints: the one of ``step`` (at ``path``) just
-        restored, named by its run, step and manifest checksum."""
+        """The parent of this run's next checkpoints: the one just restored from ``path``."""
         checksum = None
         with contextlib.suppress(CheckpointError, OSError):
             checksum = check_committed(path).get("manifest_crc32")
@@ -181,14 +160,11 @@ def manager_record(
 
 
 class RunningTime:
-    """Seconds a run has been running: carried over by restores, downtime excluded.
-
-    Only this reads the clock, never a policy: every event carries its value.
-    """
+    """Seconds a run has been running: carried over by restores, downtime excluded
+    (only this reads the clock, never a policy: every event carries its value)."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
-        # Running time = offset (carried by the restored checkpoint) + clock since base.
         self._offset = 0.0
         self._base = float(clock())
 
@@ -196,8 +172,7 @@ class RunningTime:
         return self._offset + max(0.0, float(self.clock()) - self._base)
 
     def resume(self, seconds: float) -> None:
-        """Continue from the running time a restored checkpoint's record carries
-        (:class:`~..format.header.Record`: an insane value there reads as 0.0)."""
+        """Continue from a restored checkpoint's running time (an insane one reads as 0.0)."""
         self._offset = seconds
         self._base = float(self.clock())
 
@@ -205,8 +180,7 @@ class RunningTime:
 def stored_state(
     policy: SavePolicy, record: Mapping[str, Any], key: str, path: Path
 ) -> PolicyState:
-    """The state stored for ``policy``, or ``policy.init()`` (with a warning) if it was
-    another policy's: a state is never reinterpreted."""
+    """The state stored for ``policy``; another policy's is never reinterpreted."""
     stored = record.get(key)
     if stored is None and not any(k in record for k in ("policy_state", "export_policy_state")):
         return policy.init()  # written by fc.save or a fork: a new run's policies
@@ -227,9 +201,8 @@ def stored_state(
 
 class Lineage:
     """The lineage rule (docs/tiered.md): a checkpoint is this run's to resume, keep and
-    delete when it records no run, this run, or one of its ``"ancestors"``; anything
-    goes while the root holds none of this run's (not begun: it continues whichever it
-    resumes). Another lineage's checkpoint is reported once, and left alone."""
+    delete when it records no run, this run, or one of its ``"ancestors"`` (any, while
+    the root holds none of this run's); another lineage's is reported once, left alone."""
 
     def __init__(self, run: str | None) -> None:
         self.run = run

@@ -1,10 +1,6 @@
 """Rolling back on degradation: the manager's side of a rollback rule (``rollback=``).
 
-The rule votes on every ``maybe_save`` event and its state is stored with each
-checkpoint like the save policy's; when it fires, the manager rolls back to the kept
-checkpoint it points to and ``maybe_save`` hands the state back in a
-:class:`SaveResult`. Everything here is a function of the rule, the event and the
-kept checkpoints.
+When the rule fires, ``maybe_save`` rolls back and returns the state in a :class:`SaveResult`.
 """
 
 from __future__ import annotations
@@ -25,20 +21,14 @@ from functional_ckpt._src.policy.retention import best_steps
 from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt.errors import CheckpointWarning
 
-__all__ = ["Rollback", "SaveResult", "Watch", "choose_target", "roll_back"]
-
 #: Where a checkpoint's record keeps the rollback rule's spec and state.
 RECORD_KEY = "rollback"
 
 
 @dataclass(frozen=True)
 class Rollback:
-    """A rollback ``maybe_save`` made: continue the loop from ``state`` at ``to_step``.
-
-    ``step`` is the event on which the rule fired; ``branch`` is where the newer
-    checkpoints went (None when there were none, and on ranks other than the
-    coordinator).
-    """
+    """A rollback ``maybe_save`` made on ``step``: continue from ``state`` at ``to_step``
+    (``branch``: where the newer checkpoints went; None if none or not the coordinator)."""
 
     step: int
     to_step: int
@@ -47,8 +37,7 @@ class Rollback:
 
 
 class SaveResult(int):
-    """What ``maybe_save`` returns: 1 or 0 like the ``bool`` it always was (``if``,
-    ``sum``, JSON work as before), and the :class:`Rollback` made on this event, if any."""
+    """``maybe_save``'s 1 or 0, as the ``bool`` it was, and the :class:`Rollback` made."""
 
     rollback: Rollback | None
 
@@ -78,11 +67,8 @@ def _leaves(rule: SavePolicy) -> Iterator[SavePolicy]:
 
 
 def choose_target(rule: OnDegrade, infos: Sequence[StepInfo]) -> int | None:
-    """The kept checkpoint a rollback returns to (None if no kept one has the metric).
-
-    ``"best"``: the best value (``fc.policy.best_steps``, ties to the newer);
-    ``"last_good"``: the newest checkpoint not degraded relative to that best.
-    """
+    """The kept checkpoint a rollback returns to (None if no kept one has the metric):
+    the best (ties to the newer), or for ``"last_good"`` the newest not degraded from it."""
     ranked = best_steps(infos, rule.metric, rule.mode)
     if not ranked or rule.to == "best":
         return next(iter(ranked), None)
@@ -95,11 +81,8 @@ def choose_target(rule: OnDegrade, infos: Sequence[StepInfo]) -> int | None:
 
 
 class Watch:
-    """A rollback rule and its state, as a manager threads them through its events.
-
-    ``next`` is the state after the current event, stored with the checkpoint that
-    event saves; it becomes ``state`` once the event is through.
-    """
+    """A rollback rule and its state (``next``: after the current event, stored with its
+    checkpoint; ``state`` once the event is through)."""
 
     def __init__(self, rule: object) -> None:
         self.rule: SavePolicy | None = None
@@ -136,29 +119,6 @@ class Watch:
         if self.rule is not None:
             self.state = self.next = stored_state(self.rule, record, RECORD_KEY, path)
 
-    def choose(self, infos: Sequence[StepInfo], event: Event, root: Path) -> int | None:
-        """The step to roll back to; None (with a warning) when nothing kept qualifies."""
-        assert self.target is not None
-        step = choose_target(self.target, infos)
-        if step is None:
-            warnings.warn(
-                f"{root}: {self.rule!r} fired at step {event.step}, but no kept checkpoint "
-                f"records {self.target.metric!r}; nothing to roll back to, the run goes on",
-                CheckpointWarning,
-                stacklevel=4,
-            )
-        return step
-
-    def reason(self, event: Event) -> dict[str, Any]:
-        """Why the rollback happened, as ``metadata["rollbacks"]`` records it."""
-        metrics = dict(event.metrics or {})
-        return {"rule": repr(self.rule), "at_step": event.step, "metrics": metrics}
-
-
-#: Continue from ``step``, recording ``reason``: returns the restored state and the
-#: branch the newer checkpoints went to (None when there were none).
-RollbackTo = Callable[[int, Mapping[str, Any]], tuple[TensorDict, str | None]]
-
 
 def roll_back(
     watch: Watch,
@@ -166,16 +126,22 @@ def roll_back(
     saved: bool,
     infos: Sequence[StepInfo],
     root: Path,
-    rollback_to: RollbackTo,
+    rollback_to: Callable[[int, Mapping[str, Any]], tuple[TensorDict, str | None]],
 ) -> SaveResult:
-    """The rule fired on ``event``: continue from the kept checkpoint it points to.
-
-    Gets what it needs and nothing else: the kept checkpoints (``infos``, the one of
-    this very event committed already) and how to roll back. A loop could do the same
-    by hand with :func:`choose_target` and ``CheckpointManager.rollback``.
-    """
-    target = watch.choose(infos, event, root)
+    """The rule fired on ``event``: continue from the kept checkpoint it points to
+    (``rollback_to(step, reason)`` gives the state and the branch)."""
+    assert watch.target is not None
+    target = choose_target(watch.target, infos)
     if target is None:
+        warnings.warn(
+            f"{root}: {watch.rule!r} fired at step {event.step}, but no kept checkpoint "
+            f"records {watch.target.metric!r}; nothing to roll back to, the run goes on",
+            CheckpointWarning,
+            stacklevel=3,
+        )
         return SaveResult(saved)
-    state, branch = rollback_to(target, watch.reason(event))
+    metrics = dict(event.metrics or {})  # as ``metadata["rollbacks"]`` records the reason
+    state, branch = rollback_to(
+        target, {"rule": repr(watch.rule), "at_step": event.step, "metrics": metrics}
+    )
     return SaveResult(saved, Rollback(event.step, target, state, branch))

@@ -1,13 +1,6 @@
-"""The tier protocol, and each decision a manager makes over its ordered list of tiers.
+"""The tier protocol, and each decision a manager makes over its tiers, fastest first.
 
-A tier is any place that holds committed checkpoints of a run: the folder in RAM
-(:class:`~.memory_tier.MemoryTier`), the root on disk (:class:`DiskTier`), the
-object store behind it (:class:`~..remote.tier.RemoteTier`). Each answers the few
-questions of :class:`Tier`; the manager holds them fastest first, and resume
-(:func:`newest_in_tiers`), retention (:func:`retain`), promotion (:func:`promote`),
-deletion, progress for ``fckpt run``, closing and whose checkpoints are this run's
-(:class:`~.provenance.Lineage`, a rule ``fckpt`` applies too) are written once here
-over that list, so no tier decides any of them on its own.
+A tier (RAM, disk, object store) only answers :class:`Tier`'s questions, so none decides alone.
 """
 
 from __future__ import annotations
@@ -39,18 +32,6 @@ from functional_ckpt._src.storage.progress import report_progress
 from functional_ckpt._src.storage.ram import promote_newest
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
-__all__ = [
-    "DiskTier",
-    "Lineage",
-    "Tier",
-    "retained",
-    "move_newer",
-    "newest_in_tiers",
-    "progress",
-    "promote",
-    "retain",
-]
-
 T = TypeVar("T")
 
 
@@ -64,51 +45,33 @@ class Tier(Protocol):
 
     def steps(self) -> list[int]:
         """The committed steps the tier holds, ascending."""
-        ...
 
     def infos(self) -> Sequence[CheckpointLike]:
-        """Step, time and metrics of each readable committed checkpoint (what retention
-        reads)."""
-        ...
+        """Each readable committed checkpoint, as retention reads it."""
 
     def newest(self, read: Callable[[Path], T], above: int | None) -> Found[T]:
-        """The tier's newest intact checkpoint of this run newer than ``above``, read;
-        a damaged one is reported and set aside by the tier's own crash-safe means."""
-        ...
+        """The newest intact checkpoint of this run newer than ``above``, read."""
 
     def open(self, step: int) -> Path:
-        """The directory holding ``step`` whole, to read or copy from (fetched first where
-        it must be); ``CheckpointError`` if this tier cannot give it whole."""
-        ...
+        """The directory holding ``step`` whole; ``CheckpointError`` if it cannot be had."""
 
     def copy_in(self, source: Tier, within: float) -> Path | None:
-        """Make the newest step of the faster ``source`` this tier lacks its own, in at most
-        ``within`` seconds; the copy made, or None (nothing newer, or in the background)."""
-        ...
+        """Copy the newest step of ``source`` this tier lacks; the copy made now, if any."""
 
     def delete(self, steps: Sequence[int]) -> None:
         """Remove ``steps`` crash-safely (out of sight at once)."""
-        ...
 
     def wait(self) -> object:
         """Collect the save in flight."""
-        ...
 
     def close(self, *, crashed: bool) -> None:
         """The manager closes (``crashed``: an exception left it)."""
-        ...
 
 
 def newest_in_tiers(tiers: Sequence[Tier], read: Callable[[Path], T], root: Path) -> Found[T]:
-    """Which checkpoint a resume takes: the newest intact step of this run's lineage in
-    any tier, read; None only if no tier holds one.
-
-    Each tier, fastest first, is asked for its newest intact step of the lineage newer
-    than the best found so far, passing damage over for the step below, so a damaged
-    newest checkpoint never hides an intact later one in any tier; a tie goes to the
-    faster tier. A checkpoint recording another step than its name is damage: resumed
-    as the named step, the run would number on from a step its state does not hold.
-    """
+    """The newest intact step of this run's lineage in any tier, read (a tie to the
+    faster tier); None only if no tier holds one. A checkpoint recording another step
+    than its name is damage: the run would number on from a step its state lacks."""
 
     def checked(path: Path) -> T:
         named, recorded = parse_step(path.name), header_of(read_manifest(path)).record.step
@@ -124,10 +87,8 @@ def newest_in_tiers(tiers: Sequence[Tier], read: Callable[[Path], T], root: Path
 
 
 def retained(keep: RetentionPolicy, records: Sequence[CheckpointLike]) -> set[int]:
-    """The steps of ``records`` a tier keeps by ``keep`` (always the newest): what every
-    tier's retention spares and what the remote tier uploads."""
-    steps = {r.step for r in records}
-    return steps - set(plan_deletions(keep, records))
+    """The steps of ``records`` a tier keeps (always the newest; what the remote uploads)."""
+    return {r.step for r in records} - set(plan_deletions(keep, records))
 
 
 def retain(tier: Tier, keep: RetentionPolicy, protected: Iterable[int] = ()) -> list[int]:
@@ -141,17 +102,14 @@ def retain(tier: Tier, keep: RetentionPolicy, protected: Iterable[int] = ()) -> 
 
 
 def promote(tiers: Sequence[Tier], source: Tier, within: float) -> Path | None:
-    """Copy the newest step of ``source`` into the next durable tier after it: the memory
-    tier's into the disk on a signal or a crash leaving the manager, the disk's into the
-    remote (an upload) after each commit. The copy made, if one was made now."""
+    """Copy the newest step of ``source`` into the next durable tier; the copy made now."""
     after = list(tiers)[list(tiers).index(source) + 1 :]
     target = next((t for t in after if t.durable), None)
     return None if target is None else target.copy_in(source, within)
 
 
 def progress(tiers: Sequence[Tier]) -> None:
-    """Tell a supervising ``fckpt run`` the newest step any tier holds (a job resuming a
-    little further from RAM each time makes progress too)."""
+    """Tell ``fckpt run`` the newest step any tier holds (a RAM resume is progress too)."""
     if topology().rank == 0:  # a remote tier holds the disk's steps: not listed for this
         held = [t.steps()[-1:] for t in tiers if t.local]
         newest = max((s for steps in held for s in steps), default=None)
@@ -160,10 +118,8 @@ def progress(tiers: Sequence[Tier]) -> None:
 
 
 class DiskTier:
-    """The manager's root: a writing coordinator moves damage aside; ``lineage`` is
-    learnt from it. With a writing remote tier behind it, a job of many ranks resumes
-    through that tier alone (a rank's root may hold only its part), and none readable
-    here is no error yet."""
+    """The manager's root. With a writing remote tier behind it, a job of many ranks
+    resumes through that tier alone (a rank's root may hold only its part)."""
 
     def __init__(
         self,
@@ -185,8 +141,7 @@ class DiskTier:
         self.lineage = Lineage(run)
 
     def others(self) -> set[int]:
-        """The root's steps of another lineage (a step named for another step is damage,
-        not another lineage's), the lineage learnt from the root first."""
+        """The root's steps of another lineage (a step named for another is damage)."""
         held = self.view.infos()
         ours = self.lineage.learn(i.metadata for i in held)
         named = [i for i in held if record_of(i.metadata).step in (None, i.step)]
@@ -205,8 +160,7 @@ class DiskTier:
         return self.view.path(step)
 
     def copy_in(self, source: Tier, within: float) -> Path | None:
-        """One copy per job (the coordinator's), never over a step this root holds or
-        older, and only once the save in flight here is done: one writer per step."""
+        """The coordinator's copy, none older, after the save in flight: one writer a step."""
         if not self.coordinator:
             return None
         pending = self._writes.pending
@@ -263,9 +217,8 @@ def move_newer(
     branch: str | None,
     reason: Any,
 ) -> dict[str, Any] | None:
-    """Every tier's steps newer than ``step`` out of the trunk, the remote one first
-    (docs/tiered.md): a tier of copies drops them, the disk keeps them on a branch.
-    The rollback's record (None where this rank moves nothing on disk)."""
+    """Every tier's steps newer than ``step`` out of the trunk (docs/tiered.md); the
+    rollback's record (None where this rank moves nothing on disk)."""
     for tier in tiers:
         if tier is not disk and tier is not remote:
             tier.delete([s for s in tier.steps() if s > step])

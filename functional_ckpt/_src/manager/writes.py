@@ -1,8 +1,6 @@
 """A manager's writes: one save in flight, its buffers and trust, exports, removals.
 
-Everything a manager writes goes through one :class:`Writes` (the uploads held while
-a save stages, the export and the removals off the training thread); it decides
-nothing: the manager says what to write and when.
+It decides nothing: the manager says what to write and when.
 """
 
 from __future__ import annotations
@@ -32,8 +30,7 @@ from functional_ckpt._src.state.tree import State
 
 @dataclass(frozen=True)
 class WriteSettings:
-    """How a manager writes (``durable``: survives a power loss, as a memory tier's
-    saves need not)."""
+    """How a manager writes (``durable``: survives a power loss, as RAM's need not)."""
 
     per_rank: tuple[str, ...]
     async_save: AsyncSave | None
@@ -47,8 +44,6 @@ class WriteSettings:
 
 
 class Writes:
-    """A manager's writes (see the module docstring)."""
-
     def __init__(self, view: RootView, settings: WriteSettings, remote: RemoteTier | None) -> None:
         self.view = view
         self.settings = settings
@@ -59,11 +54,8 @@ class Writes:
         self.exports = BackgroundExport()
         self._removal: threading.Thread | None = None
 
-    # ------------------------------------------------------------------ checkpoints
-
     def save(self, path: Path, state: State, metadata: Mapping[str, Any]) -> CheckpointInfo | None:
-        """The one place a checkpoint is written (over an older save of its step,
-        atomically); None while an async save runs."""
+        """The one place a checkpoint is written; None while an async save runs."""
         options = SaveOptions(
             metadata=metadata,
             overwrite=path.exists(),
@@ -103,8 +95,7 @@ class Writes:
         return self.view.path(max(others)) if others else None
 
     def wait(self) -> CheckpointInfo | None:
-        """The save in flight, committed (or its error raised); None if there was none.
-        Interrupted (Ctrl-C), it stays in flight: nobody may take it for finished."""
+        """The save in flight, committed; interrupted, it stays in flight (not finished)."""
         pending = self.pending
         if pending is None:
             return None
@@ -135,15 +126,8 @@ class Writes:
 
     def busy_steps(self) -> set[int]:
         """Steps retention must not delete now: a save or an export is using them."""
-        busy = set()
-        if self.pending is not None:
-            step = parse_step(self.pending.path.name)
-            busy |= {step} if step is not None else set()
-        if self.exports.step is not None:
-            busy.add(self.exports.step)
-        return busy
-
-    # ------------------------------------------------------------------ exports
+        saving = None if self.pending is None else parse_step(self.pending.path.name)
+        return {s for s in (saving, self.exports.step) if s is not None}
 
     def export(self, state: State, export: Export, event: Event) -> Path | None:
         """Write the export of ``event`` now, on this thread."""
@@ -162,12 +146,9 @@ class Writes:
         failure = None if pending is None else pending.exception
         self.exports.start(source, self.view.root, export, event.step, event.metrics or {}, failure)
 
-    # ------------------------------------------------------------------ removals
-
     def remove(self, trash: list[Path]) -> None:
         """Remove checkpoints already out of sight; off the training thread when saves are."""
         if self.settings.async_save is not None and trash:
-            # Out of sight already; unlinking gigabytes need not stall the training loop.
             # close() waits for it; what a crash leaves, the next writer removes at open.
             self.join_removals()
             self._removal = threading.Thread(
@@ -178,8 +159,7 @@ class Writes:
             remove_all(trash)
 
     def removed(self) -> None:
-        """Until the removal in flight is done (from any thread; collected by
-        :meth:`join_removals`)."""
+        """Until the removal in flight is done (from any thread)."""
         removal = self._removal
         if removal is not None:
             removal.join()

@@ -1,11 +1,7 @@
 """Uploads' bytes moved by a helper process, which stands still while a save stages.
 
-An object store's client is Python code that would compete for the GIL and the cores
-with the loop, so the bulk ``put`` runs in a niced child process that the manager
-``SIGSTOP``s from the start of each save until the state is copied. The child runs this
-file as a script (standard library and fsspec only), gets the URL and options through
-a pipe (never a file, never pickled), dies with its parent, and reports failures as
-:func:`facts_of` does, so both map to the same :class:`~functional_ckpt.errors.RemoteError`.
+An object store's client would compete for the GIL and the cores with the loop, so the
+bulk ``put`` runs in a niced child (this file, fed through a pipe) stopped while a save stages.
 """
 
 from __future__ import annotations
@@ -23,14 +19,10 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
-__all__ = ["Mover", "_MovedFailure", "facts_of", "reaches"]
-
-#: How a failure is described across the pipe: its classes' names (most derived
-#: first), its errno (or None) and its text ``"Type: message"``.
+#: A failure across the pipe: its classes' names, errno and text (:func:`facts_of`).
 Facts = dict[str, Any]
 
-#: The helper's CPU priority below the training process's: it takes the cores the
-#: training leaves idle before any the training uses.
+#: The helper's CPU priority below the training process's: it takes idle cores first.
 NICENESS = 10
 #: Seconds the child may take to start (import fsspec and the store's client).
 HELLO_TIMEOUT = 120.0
@@ -65,12 +57,10 @@ def reaches(fs: Any) -> bool:
 
 
 class Mover:
-    """One helper process that runs ``fs.put`` for one store, started on first use;
-    ``pause``/``resume`` nest and come from any thread."""
+    """One helper process that runs ``fs.put``; ``pause``/``resume`` nest, from any thread."""
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
-        """``storage_options`` None: no process (the store is in this one's memory, or
-        local); options that do not round-trip through JSON leave transfers in the caller."""
+        """``storage_options`` None, or not round-tripping through JSON: no process."""
         self.url = url
         options = dict(storage_options or {})
         try:
@@ -97,8 +87,7 @@ class Mover:
         return proc.pid if proc is not None and proc.poll() is None else None
 
     def start(self) -> bool:
-        """Start the helper process now (else the first ``put`` does); whether it runs.
-        One that cannot start is not tried again."""
+        """Start the helper process now, whether it runs (a failed start is not retried)."""
         with self._lock:
             return self._started()
 
@@ -119,8 +108,7 @@ class Mover:
             raise _MovedFailure(dict(reply["error"]))
 
     def _started(self) -> bool:
-        """(Under ``_lock``.) The process is held from its start if a save holds the
-        uploads (its imports take a core too); the handshake waits for it then."""
+        """(Under ``_lock``.) A process started while a save holds the uploads is held too."""
         if self._proc is not None and self._proc.poll() is None:
             return True
         if not self.usable:
@@ -150,10 +138,8 @@ class Mover:
         return True
 
     def _patience(self) -> Callable[[float], bool]:
-        """Whether to wait on for a start that took ``seconds`` so far: for
-        ``HELLO_TIMEOUT`` seconds, not counting the time a save held the process."""
-        held = 0.0
-        last = 0.0
+        """Whether to wait on for a start: ``HELLO_TIMEOUT`` seconds, not counting holds."""
+        held = last = 0.0
 
         def more(seconds: float) -> bool:
             nonlocal held, last
@@ -188,9 +174,8 @@ class Mover:
             _stop(proc, os.getpid())
 
 
-#: The child's command: this file as ``__main__``, with neither the working
-#: directory nor this file's directory on ``sys.path`` (their modules would shadow
-#: the ones the child imports); it takes the parent's ``sys.path`` from the hello.
+#: The child's command: this file as ``__main__``, with no cwd or this file's directory
+#: on ``sys.path`` (their modules would shadow the ones the child imports).
 _LAUNCH = (
     "import runpy, sys; sys.path = [p for p in sys.path if p]; "
     "runpy.run_path(sys.argv[1], run_name='__main__')"
@@ -215,8 +200,7 @@ def _ask(
     request: dict[str, Any],
     patience: Callable[[float], bool] | None = None,
 ) -> dict[str, Any]:
-    """Send one request line; the reply line, or {} if the process is gone (or silent
-    for as long as ``patience(seconds waited)`` allows: it is then killed)."""
+    """The reply to one request; {} if the process is gone or, past ``patience``, killed."""
     assert proc.stdin is not None and proc.stdout is not None
     try:
         proc.stdin.write(json.dumps(request) + "\n")
@@ -238,8 +222,8 @@ def _ask(
 
 
 def _stop(proc: subprocess.Popen[str], owner: int) -> None:
-    """Let the process run and end (its stdin closed), else kill it; only in the
-    process that started it (a fork of it inherits this object, not the child)."""
+    """Let the process end (its stdin closed), else kill it; only in the process that
+    started it (a fork inherits this object, not the child)."""
     if os.getpid() != owner:
         return
     _signal(proc, _SIGCONT)
@@ -258,11 +242,7 @@ def _stop(proc: subprocess.Popen[str], owner: int) -> None:
 
 
 def _die_with(parent: int) -> None:
-    """End this process when ``parent`` ends (at once on Linux; else within a second).
-
-    Linux signals the death of the *thread* that started this process: the
-    upload worker, which lives as long as the manager's remote tier.
-    """
+    """End this process when ``parent`` ends (at once on Linux; else within a second)."""
     with contextlib.suppress(Exception):
         import ctypes
 

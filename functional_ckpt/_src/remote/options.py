@@ -1,8 +1,6 @@
 """``Remote``: a manager's remote tier, as one option value (``CheckpointManager(tiers=...)``).
 
-Built and checked where the user writes it; the manager opens it on its root
-(:class:`~.tier.RemoteTier`). Its
-storage options may hold credentials: they are never shown in a message or a repr.
+Its storage options may hold credentials: they are never shown in a message or a repr.
 """
 
 from __future__ import annotations
@@ -18,11 +16,8 @@ from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all
 class Remote:
     """Copy every committed checkpoint to ``url`` (any fsspec URL) in the background.
 
-    ``keep`` is the remote tier's own retention (default: keep everything);
-    ``storage_options`` go to fsspec (credentials, endpoint, client settings); with
-    ``prune_unuploaded`` the local retention may delete a checkpoint whose upload has
-    not committed yet (by default it waits for the upload). It uploads the files the
-    disk tier wrote, compressed as ``Disk(compression=)`` says. See docs/tiered.md.
+    ``keep`` is the remote tier's own retention; ``storage_options`` go to fsspec; with
+    ``prune_unuploaded`` local retention need not wait for an upload (docs/tiered.md).
     """
 
     url: str

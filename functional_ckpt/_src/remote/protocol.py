@@ -1,23 +1,7 @@
 """Committing a checkpoint on an object store: every object confirmed, the marker last.
 
-An object store has no atomic rename, so a remote checkpoint becomes visible the
-way a local one does on a store without rename: by its ``COMMITTED`` marker, the
-same bytes as the local marker (it authenticates the manifest, which records
-every file's size and every chunk's checksum). The steps, for one checkpoint:
-
-1. ``begin`` (the coordinator): a remote copy already committed with the same
-   marker is done. Otherwise, if the remote manifest is this checkpoint's
-   manifest, the objects there belong to this checkpoint (an interrupted upload
-   resumes); anything else under the step (another checkpoint of the same step,
-   a torn upload of one) is deleted, marker first, and the manifest is written
-   first, so that every object found next to it later was written after it.
-2. ``put_part`` (every rank): upload the files this rank wrote, in parallel, and
-   confirm each is present at its local size.
-3. ``commit`` (the coordinator, after every rank confirmed): check every file of
-   the manifest's table and the manifest itself present at its recorded size,
-   then write the marker and confirm it.
-
-A crash at any point leaves no marker, or the marker of a complete checkpoint.
+With no atomic rename, a remote checkpoint becomes visible by the local marker's bytes;
+the manifest goes first, so every object found beside it was written after it.
 """
 
 from __future__ import annotations
@@ -33,17 +17,6 @@ from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.remote.store import Store
 from functional_ckpt._src.storage import committed, opener
 from functional_ckpt.errors import RemoteError
-
-__all__ = [
-    "begin_upload",
-    "check_lease",
-    "commit_upload",
-    "copy_step",
-    "expected_sizes",
-    "owner",
-    "put_part",
-    "remove_step",
-]
 
 
 def owner(name: str, world: int) -> int:
@@ -62,16 +35,14 @@ def expected_sizes(local: Path) -> dict[str, int]:
 
 
 def local_marker(local: Path) -> bytes:
-    """The commit marker of the local checkpoint ``local``, through the safe opener."""
     return opener.read_file(
         local / naming.COMMIT_MARKER, limit=LIMITS.marker_bytes, what="commit marker"
     )
 
 
 def begin_upload(store: Store, step: int, local: Path) -> dict[str, int] | None:
-    """Ready the remote directory of ``step`` for the checkpoint at ``local``: None if
-    it is committed there already, else the objects of this very checkpoint there
-    (name -> size), which an interrupted upload need not send again."""
+    """None if ``step`` is committed remotely, else the objects of this very checkpoint
+    there (name -> size), which an interrupted upload need not send again."""
     marker = local_marker(local)
     manifest = opener.read_file(
         local / naming.MANIFEST, limit=LIMITS.manifest_bytes, what="manifest"
@@ -95,8 +66,7 @@ def begin_upload(store: Store, step: int, local: Path) -> dict[str, int] | None:
 def put_part(
     store: Store, step: int, local: Path, names: Iterable[str], present: dict[str, int]
 ) -> int:
-    """Upload ``names`` from ``local`` (not those ``present`` at their size) in one
-    bulk ``put``; confirm all; the bytes sent."""
+    """Upload ``names`` not ``present`` at their size in one ``put``; the bytes sent."""
     sizes = {name: os.stat(local / name).st_size for name in names}
     todo = [n for n, size in sizes.items() if present.get(n) != size]
     if todo:

@@ -1,12 +1,11 @@
 """An object store reached through fsspec: its checkpoints' objects and its failures.
 
-``<url>/step_{N:09d}/`` holds the local checkpoint's files. Every failure becomes a
-:class:`~functional_ckpt.errors.RemoteError` that names the URL and says what to do;
-fsspec is imported only here, and only when a remote is used.
+Every failure becomes a ``RemoteError`` naming the URL; fsspec is imported only here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import re
 import urllib.parse
@@ -31,8 +30,6 @@ from functional_ckpt.errors import (
     RemoteUnreachable,
     RemoteVanished,
 )
-
-__all__ = ["RemoteStep", "Store", "public_url", "remote_error"]
 
 T = TypeVar("T")
 
@@ -70,8 +67,7 @@ def remote_error(err: BaseException, where: str) -> CheckpointError:
 
 
 def public_url(url: str) -> str:
-    """``url`` without its secrets (a user's password, a query's token), as messages and
-    the status file show it."""
+    """``url`` without its secrets (a user's password, a query's token)."""
     try:
         parts = urllib.parse.urlsplit(url)
         password = parts.password
@@ -91,8 +87,7 @@ _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 
 
 def redact(text: str) -> str:
-    """``text`` with every URL in it made public (:func:`public_url`): what a store's own
-    error message says about an endpoint is shown without its secrets."""
+    """``text`` (a store's own error message) with every URL in it made public."""
     return _URL.sub(lambda m: public_url(m.group(0)), text)
 
 
@@ -142,17 +137,16 @@ class Store:
                 "pip install 'functional_ckpt[remote]'"
             ) from None
         options = dict(storage_options or {})
-        try:
-            if getattr(_fs_class(fsspec, full), "local_file", False):
+        with contextlib.suppress(ImportError, ValueError):  # unknown: ``url_to_fs`` says why
+            if getattr(fsspec.get_filesystem_class(scheme), "local_file", False):
                 options.setdefault("auto_mkdir", True)  # a directory, as on an object store
+        try:
             self.fs, path = fsspec.core.url_to_fs(full, **options)
         except ImportError as e:
             raise CheckpointError(f"remote={self.url!r}: {e}") from None
         except Exception as e:
             raise remote_error(e, self.url) from e
         self.base = str(path).rstrip("/")
-        # Bulk uploads run in a helper process where another process reaches the store;
-        # it stands still while a save stages (``pause_uploads`` until ``resume_uploads``).
         self.mover = Mover(full, options if reaches(self.fs) else None)
         self.start_uploads, self.close = self.mover.start, self.mover.close
         self.pause_uploads, self.resume_uploads = self.mover.pause, self.mover.resume
@@ -170,11 +164,6 @@ class Store:
     def put(self, where: str, lpaths: list[str], rpaths: list[str]) -> None:
         """Upload local files to objects, in parallel (in the helper process if any)."""
         self.call(where, self.mover.put if self.mover.start() else self.fs.put, lpaths, rpaths)
-
-    @property
-    def uploader_pid(self) -> int | None:
-        """The helper process of uploads, while one runs."""
-        return self.mover.pid
 
     def step_dir(self, step: int) -> str:
         return f"{self.base}/{step_name(step)}"
@@ -196,16 +185,20 @@ class Store:
         """Fail now, clearly, if the store cannot be listed (endpoint, credentials, bucket)."""
         self.listing()
 
-    def _ls(self, path: str, where: str) -> list[dict[str, Any]]:
-        """``ls`` (not ``find``, which some stores answer with nothing on any error)."""
+    def _or_none(self, fn: Callable[[str], T], path: str, where: str) -> T | None:
+        """``fn(path)``; None if nothing is there yet (a missing bucket is a failure)."""
         try:
-            return list(self.fs.ls(path, detail=True))
+            return fn(path)
         except FileNotFoundError as e:
             if _missing_bucket(str(e), path):
                 raise remote_error(e, where) from e
-            return []  # nothing written under this prefix yet
+            return None
         except Exception as e:
             raise remote_error(e, where) from e
+
+    def _ls(self, path: str, where: str) -> list[dict[str, Any]]:
+        """``ls`` (not ``find``, which some stores answer with nothing on any error)."""
+        return list(self._or_none(lambda p: self.fs.ls(p, detail=True), path, where) or [])
 
     def listing(self) -> dict[int, RemoteStep]:
         """Every ``step_N`` directory of the remote root with its objects."""
@@ -234,14 +227,8 @@ class Store:
 
     def read_root(self, name: str) -> bytes | None:
         """An object beside the checkpoints (``url/name``); None if there is none."""
-        try:
-            return bytes(self.fs.cat_file(f"{self.base}/{name}"))
-        except FileNotFoundError as e:
-            if _missing_bucket(str(e), f"{self.base}/{name}"):
-                raise remote_error(e, f"{self.url}/{name}") from e
-            return None
-        except Exception as e:
-            raise remote_error(e, f"{self.url}/{name}") from e
+        data = self._or_none(self.fs.cat_file, f"{self.base}/{name}", f"{self.url}/{name}")
+        return None if data is None else bytes(data)
 
     def write_root(self, name: str, data: bytes) -> None:
         self.call(f"{self.url}/{name}", self.fs.pipe_file, f"{self.base}/{name}", data)
@@ -267,10 +254,11 @@ class Store:
         where = self.where(step)
         found = self.objects(step)  # sizes first: no object is read past what it may hold
         marker_size = found.get(naming.COMMIT_MARKER)
+        uncommitted = (
+            f"{where}: not a committed remote checkpoint ({naming.COMMIT_MARKER} is missing)"
+        )
         if marker_size is None:
-            raise IncompleteCheckpoint(
-                f"{where}: not a committed remote checkpoint ({naming.COMMIT_MARKER} is missing)"
-            )
+            raise IncompleteCheckpoint(uncommitted)
         if not 0 <= marker_size <= LIMITS.marker_bytes:
             raise CorruptCheckpoint(
                 f"{self.where(step, naming.COMMIT_MARKER)}: {marker_size} bytes, too large for "
@@ -279,9 +267,7 @@ class Store:
         try:
             marker_bytes = self.read(step, naming.COMMIT_MARKER)
         except RemoteVanished:
-            raise IncompleteCheckpoint(
-                f"{where}: not a committed remote checkpoint ({naming.COMMIT_MARKER} is missing)"
-            ) from None
+            raise IncompleteCheckpoint(uncommitted) from None
         marker = decode_small(marker_bytes, self.where(step, naming.COMMIT_MARKER))
         size = marker.get("manifest_size")
         if not isinstance(size, int) or not 0 <= size <= committed.MAX_MANIFEST_BYTES:
@@ -305,14 +291,6 @@ class Store:
         ):
             raise CorruptCheckpoint(f"{where}: not a functional_ckpt manifest")
         return marker_bytes, manifest
-
-
-def _fs_class(fsspec: Any, url: str) -> Any:
-    """The fsspec file system class of ``url`` (None if unknown: ``url_to_fs`` says why)."""
-    try:
-        return fsspec.get_filesystem_class(url.split("://", 1)[0])
-    except (ImportError, ValueError):
-        return None
 
 
 def decode_small(raw: bytes, where: str) -> dict[str, Any]:

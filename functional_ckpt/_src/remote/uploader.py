@@ -1,8 +1,7 @@
 """Uploads off the training thread: one worker, retries with backoff, a status file.
 
-A failed upload never raises on the training thread: it is reported once as a
-:class:`~functional_ckpt.errors.RemoteWarning` at the next manager call, and written
-to ``root/.remote.json`` for ``fckpt ls``.
+A failed upload never raises on the training thread: it is a ``RemoteWarning`` at the
+next manager call, and in ``root/.remote.json`` for ``fckpt ls``.
 """
 
 from __future__ import annotations
@@ -24,8 +23,6 @@ from functional_ckpt.errors import (
     UploadFailed,
 )
 
-__all__ = ["STATUS_FILE", "Worker", "failure", "read_status", "retried", "write_status"]
-
 T = TypeVar("T")
 
 #: Attempts of each step of an upload (listing, objects, marker) before it counts as failed.
@@ -37,18 +34,16 @@ MAX_BACKOFF = 30.0
 STATUS_FILE = ".remote.json"
 
 
-def retried(fn: Callable[[], T], attempts: int | None = None) -> T:
-    """``fn()``, tried again with exponential backoff while the store fails transiently
-    (refused credentials and a missing bucket are not transient)."""
-    tries = RETRIES if attempts is None else attempts
+def retried(fn: Callable[[], T]) -> T:
+    """``fn()``, retried with backoff unless credentials or the bucket are at fault."""
     delay = BACKOFF
-    for attempt in range(tries):
+    for attempt in range(RETRIES):
         try:
             return fn()
         except (RemoteAccessDenied, RemoteBucketMissing):
             raise
         except RemoteError:
-            if attempt == tries - 1:
+            if attempt == RETRIES - 1:
                 raise
         time.sleep(delay)
         delay = min(delay * 2, MAX_BACKOFF)
@@ -56,21 +51,17 @@ def retried(fn: Callable[[], T], attempts: int | None = None) -> T:
 
 
 class Worker:
-    """One daemon thread that runs ``round()`` after requests: each round serves every
-    request made before it began (``coalesce=False``: one round per request, for ranks
-    whose collectives must line up)."""
+    """One daemon thread that runs ``round()`` after requests, each round serving those
+    made before it (``coalesce=False``: one per request, for ranks' collectives to line up)."""
 
-    def __init__(
-        self, round_: Callable[[], None], name: str = "fc-upload", *, coalesce: bool = True
-    ) -> None:
+    def __init__(self, round_: Callable[[], None], *, coalesce: bool = True) -> None:
         self._round = round_
         self._coalesce = coalesce
         self._lock = threading.Condition()
-        self._asked = 0
-        self._done = 0
+        self._asked = self._done = 0
         self._stopping = False
         self.crashed: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="fc-upload", daemon=True)
         self._thread.start()
 
     def request(self) -> None:
