@@ -19,21 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import functional_ckpt as fc
 from functional_ckpt._src.remote import fetch
-
-
-def state(mesh: Any, rank: int, step: int) -> dict[str, Any]:
-    full = torch.arange(40, dtype=torch.float32).reshape(8, 5) * step
-    return {
-        "w": distribute_tensor(full, mesh, [Shard(0)]),  # each rank writes its half
-        "step": step,
-        "loader": {"pos": 100 * rank + step},
-    }
+from tests.remote_job import state
 
 
 def main() -> None:
