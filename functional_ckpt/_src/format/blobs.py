@@ -1,9 +1,7 @@
 """The bytes of one tensor as stock DCP stores it: a ``torch.save`` zip blob.
 
-``torch.save`` once per tensor is what makes DCP slow on many small tensors, so the
-zip of each (dtype, shape) is built once and filled per tensor (:class:`BlobTemplate`).
-It holds only the records ``torch.load`` reads (about 0.5 KB, not ``torch.save``'s
-1.5 KB); a tensor of 2 GiB or more keeps ``torch.save``'s zip64 framing.
+``torch.save`` per tensor makes DCP slow on many small tensors, so the zip of each
+(dtype, shape) is built once and filled per tensor (:class:`BlobTemplate`).
 """
 
 from __future__ import annotations

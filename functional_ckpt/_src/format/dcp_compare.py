@@ -1,9 +1,7 @@
 """Does a ``.metadata`` say what the manifest says? Compared field by field, without torch.
 
-Not its bytes: they depend on the torch that wrote them, so an honest file from
-another torch differs. The file is parsed into plain stand-ins (no torch) and what
-``dcp.load`` finds things by (kinds, dtypes, shapes, chunks, where bytes lie, key
-paths) is compared with the manifest's entries.
+Not its bytes: an honest file from another torch differs. What ``dcp.load`` finds
+things by (kinds, dtypes, shapes, chunks, offsets, key paths) is compared.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The bytes of DCP's ``.metadata`` written as pickle opcodes, without DCP's objects.
 
-At a thousand ranks ``.metadata`` holds over a hundred thousand chunks, and building
-and pickling DCP's objects for each was most of the coordinator's work. Here each
-object is the opcodes ``pickle`` would write (classes, strings and sizes memoised),
-and a tensor's chunk records are written at once as numpy columns: no Python per chunk.
-
-``pickle.load`` makes of them what :func:`.dcp_metadata.metadata_for` builds, field
-for field (the bytes are not torch's own; nothing compares bytes). :func:`supported`
+At a thousand ranks, building and pickling DCP's objects per chunk was most of the
+coordinator's work; here chunk records are written as numpy columns. ``pickle.load``
+makes of them what :func:`.dcp_metadata.metadata_for` builds; :func:`supported`
 checks that the installed torch reduces its classes as written here.
 """
 

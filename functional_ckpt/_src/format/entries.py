@@ -1,8 +1,7 @@
-"""Manifest entries validated: a key path, a node, a value, a tensor and its chunks, and
-tensor tables (many plain tensors at once, every row held to a tensor entry's checks).
+"""Manifest entries validated: key paths, nodes, values, tensors, chunks and tensor tables.
 
-The common, well-formed record passes checks done in line (a manifest holds tens of
-thousands); any other goes through the checks that name what is wrong with it.
+A well-formed record passes checks done in line (a manifest holds tens of thousands);
+any other goes through the checks that name what is wrong with it.
 """
 
 from __future__ import annotations
@@ -54,13 +53,11 @@ class ParsedManifest:
 def check_coverage(
     shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]], what: str
 ) -> None:
-    """Every element of a tensor of ``shape`` lies in exactly one box (offsets, sizes),
-    given boxes inside the tensor whose element counts add up to its own (a reader that
-    trusted them could return a hole, or pick one of two overlapping writes).
+    """Every element of a tensor of ``shape`` lies in exactly one box (a reader that trusted
+    the boxes could return a hole, or pick one of two overlapping writes).
 
-    The box boundaries cut the tensor into a grid (one cell per box for real layouts);
-    a cell filled twice is an overlap (CorruptCheckpoint), and the counts then leave no
-    cell empty. More cells than ``LIMITS.coverage_cells``: UnsafeCheckpoint.
+    A cell of the grid the box boundaries cut filled twice is an overlap (CorruptCheckpoint);
+    the element counts then leave no cell empty. Over ``LIMITS.coverage_cells``: UnsafeCheckpoint.
     """
     boxes = [(o, s) for o, s in boxes if math.prod(s)]  # empty boxes cover nothing
     if len(boxes) <= 1:

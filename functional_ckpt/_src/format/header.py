@@ -1,8 +1,7 @@
 """What a manifest says beside the tree (save time, metrics, the manager's record), typed.
 
-A manifest is authenticated, not trusted (anyone may re-sign one), so every reader
-goes through :func:`header_of`: a value of the wrong type, a bool for a number, NaN,
-infinity or a time outside 1970-9999 is *unknown*, never fatal nor misread.
+A manifest is authenticated, not trusted, so :func:`header_of` reads a value of the
+wrong type, NaN, infinity or a time outside 1970-9999 as *unknown*, never fatal.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """A split manifest's part rows packed from number columns, byte for byte as msgpack packs
-:func:`.parts.rows` of the same chunks.
-
-A save at thousands of ranks writes millions of rows whose numbers (offsets, CRC32s)
-arrive as fixed-width columns; packing them here costs a few numpy passes instead of
-a Python object per chunk on the coordinator.
+:func:`.parts.rows`: a few numpy passes instead of a Python object per chunk.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """A split manifest: the sharding rule that places each rank's chunk, and a part's rows.
 
-A multi-rank save writes an *index* (the tree) and one *part* per rank. A tensor
-evenly split along one dimension (FSDP2's ``Shard(dim)``) records only that dimension:
-each part's box follows from the shape, and a restoring rank reads only the parts
-whose boxes meet its own shards.
+A tensor evenly split along one dimension (FSDP2's ``Shard(dim)``) records only that
+dimension, so a restoring rank reads only the parts whose boxes meet its own shards.
 """
 
 from __future__ import annotations
@@ -87,10 +85,9 @@ def overlapping(extent: int, parts: int, start: int, length: int) -> range:
 def file_tables(
     files: Mapping[str, Mapping[str, Any]], in_index: set[str], parts: int
 ) -> dict[int, dict[str, dict[str, Any]]]:
-    """The file table of the index (-1) and of each part that lists files: rank ``r``'s
-    shard files lie in part ``r``, so that a restoring rank reads the tables of the
-    index and of the parts it reads, never every rank's; the files an index chunk or
-    byte entry names (``in_index``) stay in the index."""
+    """The file table of the index (-1) and of each part that lists files: a restoring rank
+    reads only the tables of the index and of the parts it reads.
+    """
     out: dict[int, dict[str, dict[str, Any]]] = {-1: {}}
     for name, info in files.items():
         shard = parse_shard(name)

@@ -1,9 +1,7 @@
 """Which entries a tensor table holds, and the table they make (:mod:`.tables` reads it).
 
-A manifest's shared entries are written as tables where a run of plain tensors (one
-whole chunk each, in one file) and the bare nodes between them is long enough; the
-rows are told apart by their ``kind`` (``format/manifest``'s entries, which import this
-module).
+Long runs of plain one-chunk tensors and the bare nodes between them are written as
+tables, their rows told apart by ``kind``.
 """
 
 from __future__ import annotations

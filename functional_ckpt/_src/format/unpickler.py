@@ -1,8 +1,7 @@
 """The hardened reader of ``.metadata`` files (a stock checkpoint's, or one being verified).
 
-A pickle runs code, so a pure-Python unpickler vets every opcode: it resolves only
-DCP's metadata names, to torch-free stand-ins (:mod:`.dcp_standins`), fills only
-instances it created, and checks every field's type before DCP objects are made.
+A pickle runs code, so every opcode is vetted: only DCP's metadata names resolve, to
+torch-free stand-ins, and every field's type is checked.
 """
 
 from __future__ import annotations

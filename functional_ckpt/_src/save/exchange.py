@@ -121,10 +121,9 @@ def parse_drops(plain: Any, n_items: int) -> Drops:
 
 
 def results_payload(written: Sequence[tuple[str, Chunk]], boxes: bool = True) -> Any:
-    """A rank's written chunks as plain data: its files' names, a fixed-width row per
-    chunk (the file's index, the fields after it) and, with ``boxes``, each chunk's DCP
-    key and box. Fixed width: a message's size depends on the layout alone, and the
-    coordinator reads columns, never a Python object per chunk."""
+    """A rank's written chunks as plain data: file names, a fixed-width row per chunk and,
+    with ``boxes``, DCP keys and boxes; the coordinator reads columns, not objects.
+    """
     files = list(dict.fromkeys(c.file for _, c in written))
     at = {f: i for i, f in enumerate(files)}
     table = np.array([(at[c.file], *c[3:]) for _, c in written], "<u8").reshape(

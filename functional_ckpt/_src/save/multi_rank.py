@@ -99,9 +99,8 @@ def save_planned(
 ) -> CheckpointInfo:
     """The multi-rank write of a planned save: every rank calls it; one checkpoint commits.
 
-    Every failure (``job.error`` included, or arguments that differ from the
-    coordinator's) is agreed on, so all ranks fail together. ``tensors`` fill the
-    plan's targets; ``read()`` is called once this rank no longer reads them.
+    Every failure is agreed on, so all ranks fail together. ``read()`` is called once this
+    rank no longer reads ``tensors``.
     """
     t0 = time.perf_counter()
     dest = job.dest
@@ -238,10 +237,8 @@ def _rounds(
     what: str,
     error: BaseException | None = None,
 ) -> tuple[int, trust.Seen]:
-    """Plan, write and commit in four exchanges, each a gather to the coordinator or one
-    message from it, so a rank other than the coordinator moves the same bytes whatever
-    the world size: (the checkpoint's size, this commit's trust). A failure (``error``:
-    before the rounds) travels with the next exchange, so every rank fails together.
+    """Plan, write and commit in four exchanges to or from the coordinator, so a rank moves
+    the same bytes whatever the world size: (the checkpoint's size, this commit's trust).
     """
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -419,11 +416,7 @@ def _own_files(tmp: Path, rank: int) -> dict[str, int]:
 
 
 def _own_part(tmp: Path, parts: bool) -> bool:
-    """Create ``tmp`` here if this rank does not see the coordinator's: True if it did.
-
-    A rank sharing no file system with the coordinator (``SaveOptions.parts``) keeps
-    its files in a *part*: no manifest or marker, never read as a checkpoint.
-    """
+    """Create ``tmp`` here if this rank does not see the coordinator's: True if it did."""
     if tmp.is_dir():
         return False
     if not parts:

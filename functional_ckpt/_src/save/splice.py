@@ -1,9 +1,7 @@
 """The coordinator's merge of every rank's written chunks into the manifest's parts.
 
-A training loop saves one layout again and again, only its chunks' numbers changing
-(CRC32s; offsets where compressed): the coordinator keeps where each rank's rows went
-last time, packs the parts' rows from every rank's columns (:mod:`..format.packed_rows`)
-and keeps ``.metadata`` while every file, offset and length is the same.
+A training loop saves one layout again and again, so the coordinator keeps where each
+rank's rows went last time and keeps ``.metadata`` while no file, offset or length moved.
 """
 
 from __future__ import annotations

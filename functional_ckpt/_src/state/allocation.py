@@ -1,11 +1,9 @@
 """New host tensors whose fresh pages cost as little as the kernel allows.
 
-Faulting and zeroing 4 KiB pages while a read fills them costs several times the
-copy; memory advised for transparent huge pages takes one fault per 2 MiB, and
-:class:`Prefaulter` faults it in a block ahead of the reads, on the other core. Under a
-hypervisor whose balloon reports free pages, a huge page is served from discarded memory
-(measured five times slower): by default huge pages are asked for only where the kernel
-offers them and no such reporting is active (:data:`HUGE_PAGES_ENV` decides otherwise).
+Faulting 4 KiB pages during a read costs several times the copy, so memory is advised
+for huge pages and :class:`Prefaulter` faults it ahead of the reads. Under a balloon
+that reports free pages, huge pages are five times slower: they are asked for only
+where no such reporting is active (:data:`HUGE_PAGES_ENV` decides otherwise).
 """
 
 from __future__ import annotations

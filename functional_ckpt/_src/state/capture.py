@@ -173,14 +173,11 @@ def apply(
     rng: bool = True,
     **extra: Any,
 ) -> None:
-    """Write a state back into live objects (the inverse of :func:`capture`); ``extra``
-    names further objects with ``load_state_dict``, as :func:`capture` stored them.
+    """Write a state back into live objects (the inverse of :func:`capture`, ``extra`` too).
 
-    The random generators are restored last. Creating a data loader's iterator
-    draws from them (its sampler's seed), so a loop resumed mid-epoch must create
-    the iterator *before* they are restored, or every later random draw shifts:
-    ``fc.apply(state, loader=loader, rng=False)``, ``it = iter(loader)``,
-    ``fc.apply(state)`` (or :func:`functional_ckpt.integrations.torchdata.iter_resumed`).
+    The random generators are restored last: creating a data loader's iterator draws from
+    them, so a loop resumed mid-epoch calls ``fc.apply(state, loader=loader, rng=False)``,
+    ``it = iter(loader)``, ``fc.apply(state)``.
     """
     if model is not None and optimizer is not None and is_sharded_module(model):
         from torch.distributed.checkpoint.state_dict import set_state_dict

@@ -1,9 +1,8 @@
 """The state as a tree: conversion from Python containers, key paths, flattening.
 
-Containers TensorDict cannot express (lists, tuples, int-keyed dicts such as an
-optimizer's ``state``) become sub-TensorDicts with one extra leaf, :data:`NODE_KEY`,
-recording their kind and keys: ordinary data, so save and restore need no special case.
-``tensordict`` (seconds to import) is imported only where a TensorDict is made or given.
+Containers TensorDict cannot express become sub-TensorDicts with one extra leaf,
+:data:`NODE_KEY`, recording their kind and keys, so save and restore need no special
+case. ``tensordict`` (seconds to import) is imported only where needed.
 """
 
 from __future__ import annotations

@@ -230,10 +230,9 @@ def read_tensors(
     *,
     ready: Ready | None = None,
 ) -> list[str | None]:
-    """Read blobs from one opened file into place, checking every byte: per job None
-    when intact, else what is wrong (a damaged blob names only itself). Runs of small
-    blobs are read with one call (one filling a segment checked by its run checksum);
-    large ones straight into place, checksummed in the background."""
+    """Read blobs from one opened file into place, checking every byte: per job None when
+    intact, else what is wrong. Runs of small blobs are read with one call.
+    """
     results: list[str | None] = [None] * len(jobs)
     for chunk, dest in jobs:
         if (n := _landing_size(dest)) != chunk.nbytes:
