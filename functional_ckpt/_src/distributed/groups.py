@@ -1,6 +1,5 @@
 """Checkpoint collectives on dedicated gloo groups with a timeout: never interleaved with
-training's, a dead rank fails the others clearly, and every rank fails together
-(:func:`agree`). What only the coordinator needs travels only to it (docs/scale.md)."""
+training's, and every rank fails together (:func:`agree`)."""
 
 from __future__ import annotations
 
@@ -28,10 +27,9 @@ DEFAULT_TIMEOUT = float(os.environ.get("FCKPT_TIMEOUT", "600"))
 
 
 def checkpoint_group(timeout: float | None = None, purpose: str = "save") -> Any:
-    """A dedicated gloo group per ``purpose`` (saves on a background thread and the
-    manager's decisions never interleave). Creating one is a collective on the default
-    group: call it from the training thread, in the same order on every rank. Found
-    again by its tag in torch's registry, which a re-initialized job empties."""
+    """A dedicated gloo group per ``purpose``, so saves and the manager's decisions never
+    interleave. Creating one is a collective: call it from the training thread, in the same
+    order on every rank."""
     seconds = DEFAULT_TIMEOUT if timeout is None else float(timeout)
     tag, ranks = f"functional_ckpt:{purpose}:{seconds}", list(range(dist.get_world_size()))
     group = c10d._find_pg_by_ranks_and_tag(tag, ranks)
@@ -53,9 +51,8 @@ class Unanswered(CheckpointError):
 
 
 def _collective(op: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
-    """Run one collective: every one of the package runs here (tests/test_primitives.py),
-    so a lost peer is always :class:`Unanswered`. Returns once gloo's worker thread let
-    go of the tensors too: one it frees during interpreter shutdown aborts the process."""
+    """Run one collective (every one of the package runs here), so a lost peer is always
+    :class:`Unanswered`; returns once gloo's worker thread let go of the tensors too."""
     flat = [t for a in args for t in (a if isinstance(a, list) else [a])]
     tensors = [t for t in flat if isinstance(t, torch.Tensor)]
 

@@ -47,9 +47,8 @@ def lands_raw(t: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without a copy (writable). Not
-    ``t.numpy()``: numpy marks the storage never resizable again (a save must leave the
-    state as it found it). It keeps ``t`` alive, not its memory (:mod:`..storage.live`)."""
+    """The raw bytes of a contiguous CPU tensor, without a copy (writable). Not ``t.numpy()``:
+    numpy marks the storage never resizable again (a save must leave the state as it was)."""
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(b"")
@@ -59,9 +58,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 
 class _Sparse(io.RawIOBase):
-    """A seekable file keeping only what is written (``torch.save`` skips the tensor's
-    bytes), read back with zeros in the gaps: ``zipfile`` reads the small records
-    without a tensor-sized buffer."""
+    """A seekable file keeping only what is written, read back with zeros in the gaps."""
 
     def __init__(self) -> None:
         super().__init__()

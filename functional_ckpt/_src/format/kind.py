@@ -1,7 +1,5 @@
-"""What a path is, decided in one place, so every reader, lister and writer agrees.
-
-Only directory entries are read (``lstat``, no link followed): a directory *claims*
-to be committed by its ``COMMITTED`` entry; the reader that opens it checks the claim.
+"""What a path is, decided in one place, so every reader, lister and writer agrees. Only
+directory entries are read: a ``COMMITTED`` entry is a claim the opening reader checks.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The manifest model: the entries a save writes and the manifest they make.
-
-The manifest is the one place that knows the tree (every node, value, and tensor
-spec, location and checksums); :mod:`.view` returns these classes once validated.
+"""The manifest model: the entries a save writes and the manifest they make (the one
+place that knows the tree); :mod:`.view` returns these classes once validated.
 """
 
 from __future__ import annotations
@@ -291,9 +289,8 @@ class Manifest:
         return chunk_rows(split, len(self.ranks))
 
     def encode_part(self, rank: int) -> bytes:
-        """Part ``rank`` of a split manifest: that rank's per-rank entries, its chunk of
-        every evenly split tensor and its files, then the CRC32 of those bytes (4
-        bytes, little-endian): it checks itself."""
+        """Part ``rank`` of a split manifest: that rank's per-rank entries, its chunk of every
+        split tensor and its files, then their CRC32 (4 bytes, little-endian)."""
         head = {"format": naming.FORMAT_NAME, "version": self.version, "part": rank}
         head |= {"created": self.created, "files": self.listed.get(rank, {})}
         parts = [_map_header(len(head) + 2), _elements(_flat(head))]
@@ -336,9 +333,8 @@ def assemble(
     metadata: Any,
     metadata_bytes: bytes | None = None,
 ) -> Manifest:
-    """The one way a manifest is made: the planned tree, filled with what was written; a
-    tensor whose chunks are the even split of one dimension across the ranks records
-    that dimension instead of its boxes."""
+    """The one way a manifest is made: the planned tree, filled with what was written (an even
+    split of one dimension across the ranks records that dimension instead of its boxes)."""
     shared, *ranks = with_chunks(tree, written)
     spliced = written.spliced
     split: dict[KeyPath, int] = {}
@@ -411,9 +407,8 @@ def _entries(
     split: Mapping[KeyPath, int] | None = None,
     tables: Sequence[tuple[int, int]] = (),
 ) -> bytes:
-    """An array of entries: runs of plain ones packed at once, values spliced in
-    (``split``: tensors written with their rule instead of their chunks; ``tables``:
-    the runs written as tensor tables, from :func:`table_runs`)."""
+    """An array of entries: runs of plain ones packed at once, values spliced in (``split``:
+    the split rule instead of chunks; ``tables``: runs from :func:`table_runs` as tables)."""
     parts = [_array_header(len(entries) - sum(b - a for a, b in tables) + len(tables))]
     run: list[Any] = []
     starts = dict(tables)

@@ -21,9 +21,8 @@ COLUMNS = 8
 
 @dataclass
 class Spliced:
-    """What the coordinator of a multi-rank save packed from every rank's columns
-    (``save/splice``): the evenly split tensors, each part's rows, and ``.metadata`` (the
-    last save's, else derived by this save and kept here)."""
+    """What the coordinator of a multi-rank save packed from every rank's columns: the evenly
+    split tensors, each part's rows, and ``.metadata`` (the last save's, else derived)."""
 
     split: Mapping[KeyPath, int]
     rows: Sequence[bytes]

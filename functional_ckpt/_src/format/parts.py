@@ -86,8 +86,7 @@ def file_tables(
     files: Mapping[str, Mapping[str, Any]], in_index: set[str], parts: int
 ) -> dict[int, dict[str, dict[str, Any]]]:
     """The file table of the index (-1) and of each part that lists files: a restoring rank
-    reads only the tables of the index and of the parts it reads.
-    """
+    reads only the tables of the index and of the parts it reads."""
     out: dict[int, dict[str, dict[str, Any]]] = {-1: {}}
     for name, info in files.items():
         shard = parse_shard(name)

@@ -40,9 +40,8 @@ def _row_file(e: Any, split: Mapping[KeyPath, int] | None) -> str | None:
 def table_runs(
     entries: Sequence[Any], split: Mapping[KeyPath, int] | None = None
 ) -> list[tuple[int, int]]:
-    """``(start, end)`` of every run of at least :data:`TABLE_MIN_ROWS` entries in a
-    row that a tensor table holds: plain tensors whose chunks lie in one file, and the
-    nodes between them (an optimizer's state is a node per parameter)."""
+    """``(start, end)`` of every run of at least :data:`TABLE_MIN_ROWS` entries a tensor table
+    holds: plain tensors in one file, and the nodes between them."""
     runs: list[tuple[int, int]] = []
     start, file, tensors = 0, "", 0  # the run's first entry, its file, its tensors
     for i, e in enumerate((*entries, None)):

@@ -1,7 +1,5 @@
-"""A decoded manifest validated once, and every rank's view of it.
-
-The manifest is untrusted input: every field is checked against the file table
-before a byte is allocated, and every rank's view derives from that one validation.
+"""A decoded manifest validated once, and every rank's view of it. The manifest is untrusted:
+every field is checked against the file table before a byte is allocated.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""``fc.restore``: open and vet once, match the template, read, unflatten, each step as
-the kind asks: this format's, stock DCP's (its hardened ``.metadata``), or into DTensor
-templates (DCP's load planner, serving from the manifest)."""
+"""``fc.restore``: open and vet once, match the template, read, unflatten, as the kind asks:
+this format's, stock DCP's, or into DTensor templates."""
 
 from __future__ import annotations
 

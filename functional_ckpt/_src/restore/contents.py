@@ -86,9 +86,8 @@ def _file_sums(src: Path, raw: dict[str, Any], parts: int) -> tuple[int, int, in
 
 
 def inspect(path: PathLike) -> summary.CheckpointSummary:
-    """Describe a checkpoint without reading any tensor data, or the code that wrote it: a
-    value of a class this process has not registered is an ``fc.codec.Unregistered``
-    placeholder, its tag in ``summary.unregistered`` (``fc.restore`` refuses them)."""
+    """Describe a checkpoint without reading any tensor data, or the code that wrote it: an
+    unregistered class's value is an ``fc.codec.Unregistered`` placeholder."""
     src = Path(path)
     if is_stock_dcp(src):
         return inspect_dcp(src)

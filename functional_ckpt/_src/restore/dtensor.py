@@ -1,6 +1,5 @@
-"""Restores into DTensor templates at any world size: DCP's load planner maps saved
-chunks onto shards, and the reader here serves them from the manifest (no pickle),
-every byte checked."""
+"""Restores into DTensor templates at any world size: DCP's load planner maps saved chunks
+onto shards, served here from the manifest (no pickle), every byte checked."""
 
 from __future__ import annotations
 

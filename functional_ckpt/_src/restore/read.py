@@ -61,9 +61,8 @@ class Reads:
         device: torch.device,
         cast: bool = False,
     ) -> torch.Tensor:
-        """Plan the reads of ``entry`` into a new tensor of the template leaf's dtype and
-        device (``device`` for ``meta`` leaves and none), or ``inplace`` into the leaf;
-        returns it. A leaf that does not fit is listed in :attr:`problems`."""
+        """Plan the reads of ``entry`` into a new tensor of the template leaf's dtype and device
+        (``inplace``: into the leaf); returns it. A misfit is listed in :attr:`problems`."""
         chunks = entry.chunks
         c = chunks[0] if len(chunks) == 1 else None
         saved = torch_dtype(entry.dtype_name)
@@ -199,10 +198,9 @@ def read_leaves(
     placeholders: bool = False,
     cast: bool = False,
 ) -> list[Leaf]:
-    """Read the selected entries into leaves, in the manifest's order, each into the dtype
-    and device (``inplace``: the storage) of its ``wanted`` template leaf; every leaf that
-    does not fit is named in one error before anything is read. Values of unregistered
-    classes are refused unless ``placeholders``."""
+    """Read the selected entries into leaves of their ``wanted`` template leaf's dtype and device
+    (``inplace``: its storage); every leaf that does not fit is named before anything is read.
+    Unregistered classes' values are refused unless ``placeholders``."""
     reads = Reads()
     tensors = parsed.tensors
     chosen: set[KeyPath] | None = None  # the tensors read: made when a tie is met

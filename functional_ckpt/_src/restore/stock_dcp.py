@@ -1,7 +1,6 @@
-"""Reading checkpoints written by stock ``torch.distributed.checkpoint``: the tree from
-the caller's template, tensor locations from ``.metadata`` (the restricted unpickler),
-each tensor through ``torch.load(weights_only=True)``, pickled values only as plain data
-(every global refused); any other value is refused."""
+"""Reading checkpoints written by stock ``torch.distributed.checkpoint``: tensor locations
+from ``.metadata`` (the restricted unpickler), each tensor by ``torch.load``, pickled
+values only as plain data (every global refused)."""
 
 from __future__ import annotations
 
@@ -107,9 +106,8 @@ class _PlainUnpickler(unpickler.RestrictedUnpickler):
 
 
 def load_plain(blob: bytes) -> Any:
-    """A byte entry's value (a ``torch.save`` zip) when it is plain data, else ``_NOT_PLAIN``
-    (every global refused), and no more than four elements per pickle byte as a tree: a few
-    hundred bytes referring to one container many times could stand for 2**31 of them."""
+    """A byte entry's value when it is plain data, else ``_NOT_PLAIN`` (every global refused),
+    at most four elements per pickle byte: a few hundred bytes could stand for 2**31 of them."""
     try:
         with zipfile.ZipFile(io.BytesIO(blob)) as z:
             infos = z.infolist()

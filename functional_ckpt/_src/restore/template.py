@@ -1,6 +1,5 @@
-"""Matching a checkpoint against the template: what is read, and into what; every
-mismatch listed in one error. Per-rank subtrees (random generators, data positions)
-are this rank's, or mapped by ``reshard`` when the world size changed."""
+"""Matching a checkpoint against the template, every mismatch listed in one error. Per-rank
+subtrees are this rank's, or mapped by ``reshard`` when the world size changed."""
 
 from __future__ import annotations
 
@@ -134,8 +133,7 @@ def select(
     specs: bool = True,
 ) -> tuple[list[tuple[KeyPath, str]], dict[KeyPath, torch.Tensor]]:
     """Match saved entries to the template; every mismatch is listed in one error. Without
-    ``specs`` a template of the saved tree is matched by its keys alone: the read checks
-    each tensor's dtype and shape where it looks at the template leaf anyway."""
+    ``specs`` a template of the saved tree is matched by its keys alone (the read checks)."""
     if template is None:
         return parsed.order, {}
     tensors = parsed.tensors
@@ -227,8 +225,7 @@ def rank_view(
     parts: frozenset[int] | None = None,
 ) -> tuple[ParsedManifest, Template | None, TensorDict | None]:
     """The checkpoint as this rank restores it, its template, and the per-rank subtrees
-    ``reshard`` maps from every rank's on a new world size (without it, those asked for
-    are refused); ``parts`` limits the split tensors' chunks read to those parts'."""
+    ``reshard`` maps on a new world size; ``parts`` limits the split tensors' chunks read."""
     mine_parsed = parsed.view(rank, parts)
     if mine_parsed.world_size == world or not mine_parsed.per_rank_roots:
         return mine_parsed, template, None  # the common case

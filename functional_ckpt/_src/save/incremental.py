@@ -1,7 +1,6 @@
-"""Incremental saves: base files holding enough unchanged chunks are hard-linked (else
-copied) in, so every checkpoint stays self-contained. A chunk is reused when key, box,
-dtype and CRC32 match and its file is one this process committed (:mod:`.trust`) or
-compared byte for byte: a damaged or foreign base never lends its bytes."""
+"""Incremental saves: base files holding enough unchanged chunks are hard-linked (else copied)
+in, so every checkpoint stays self-contained. A chunk is reused when key, box, dtype and
+CRC32 match and its file is trusted (:mod:`.trust`) or compared byte for byte."""
 
 from __future__ import annotations
 

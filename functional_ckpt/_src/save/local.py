@@ -43,10 +43,8 @@ def finalize(
     elsewhere: Mapping[str, int] | None = None,
     sync: bool = True,
 ) -> int:
-    """Commit ``tmp``, its shard files written, as ``dest``; return its bytes on disk.
-    ``syncing``: their fsyncs still running (overlapping the encoding, all done before
-    the marker). ``elsewhere``: shard files ranks wrote into parts of their own.
-    Without ``sync`` nothing is fsynced (a memory tier): as atomic, not durable."""
+    """Commit ``tmp`` as ``dest``; return its bytes on disk. ``syncing``: shard fsyncs still
+    running; ``elsewhere``: files ranks wrote into their own parts; no ``sync``: no fsync."""
     syncing = [] if syncing is None else syncing
     try:
         manifest = assemble(

@@ -1,6 +1,5 @@
-"""A save every rank takes part in: DCP's planner decides who writes what, each rank
-writes its shard file as a single-process save would, and the coordinator commits once
-every rank reported its data durable (the rounds: :mod:`.exchange`)."""
+"""A save every rank takes part in: DCP's planner decides who writes what, each rank writes
+its shard file, and the coordinator commits once every rank reported its data durable."""
 
 from __future__ import annotations
 
@@ -185,10 +184,8 @@ def coordinate(
     cache: exchange.PlanCache,
     shared: Sequence[Entry] | None = None,
 ) -> tuple[dict[int, bytes], tuple[tuple[Entry, ...], ...], list[dedup.Drops | None]]:
-    """The coordinator's step before the writes: (the failures, every rank's per-rank
-    entries, each rank's drops). Pure, so benchmarks/scale.py measures it for any world
-    size; ``mine``: the coordinator's own entries (not decoded again); ``shared``, its
-    shared entries, which every rank's items must be in."""
+    """The coordinator's step before the writes: (the failures, every rank's per-rank entries,
+    each rank's drops); ``mine``/``shared``: the coordinator's own entries, not decoded again."""
     failures: dict[int, bytes] = {}
     entries: list[tuple[Entry, ...]] = []
     keys: list[tuple[dedup.ItemKey, ...] | None] = []

@@ -20,10 +20,8 @@ DEFAULT_PER_RANK = ("rng", "loader")
 
 @dataclass(frozen=True)
 class SaveOptions:
-    """One save's options. An unreadable ``base`` is an error when ``base_required``
-    (``fc.save``), else a full save (a manager's base may have been moved aside).
-    ``parts``: a rank that does not see the coordinator's directory keeps its files in
-    its own. ``durable=False``: no fsync (a memory tier), as atomic."""
+    """One save's options. An unreadable ``base`` is an error when ``base_required``, else a full
+    save. ``parts``: a rank not seeing the coordinator's directory keeps its files in its own."""
 
     metadata: Mapping[str, Any] | None = None
     overwrite: bool = False

@@ -148,9 +148,8 @@ class _Aliases:
 
 @dataclass(frozen=True)
 class Plan:
-    """The flattened state ready to be written. ``entries``: the shared tree (a
-    placeholder per per-rank subtree); ``local``: this rank's per-rank entries;
-    ``sources``: the tensors to write, each filling its ``targets`` entry."""
+    """The flattened state ready to be written: ``entries`` the shared tree, ``local`` this rank's
+    per-rank entries, ``sources`` the tensors to write, each filling its ``targets`` entry."""
 
     entries: tuple[Entry, ...]
     local: tuple[Entry, ...]

@@ -1,6 +1,5 @@
 """The staging stage of the save pipeline, the handle of a background save, and this
-process's saves. A :class:`Stager` reuses its buffers while shapes stay the same, so
-host memory stays flat over any number of saves."""
+process's saves; a :class:`Stager` reuses its buffers, so host memory stays flat."""
 
 from __future__ import annotations
 
@@ -236,10 +235,8 @@ def version_guard(
     written: Sequence[torch.Tensor],
     targets: Sequence[TensorEntry],
 ) -> tuple[Callable[[int], None], Callable[[Written], None], Callable[[], None]]:
-    """Hooks that refuse the commit of a state changed while it was written:
-    ``after_each(i)``, ``check(written)`` before the commit and ``moved()``. Version
-    counters miss writes through ``.data`` or numpy, so ``check`` checksums every tensor
-    again; a storage resized or freed moves (address or size) and is never read again.
+    """Hooks that refuse the commit of a state changed while it was written. Version counters
+    miss writes through ``.data`` or numpy, so ``check`` checksums every tensor again.
     """
     versions = [t._version for t in sources]
     places = [_place(t) for t in sources]
@@ -303,9 +300,8 @@ _PLANS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def plans(group: Any, new: Callable[[], _T]) -> _T:
-    """The last save plans of a checkpoint group (``new()`` at first), kept while it lives:
-    two groups of the same ranks (the disk tier's, the memory tier's) never share them,
-    and a re-initialized job, whose groups are new, plans afresh."""
+    """The last save plans of a checkpoint group, kept while it lives: two groups of the same
+    ranks never share them, and a re-initialized job plans afresh."""
     if group not in _PLANS:
         _PLANS[group] = new()
     return cast(_T, _PLANS[group])

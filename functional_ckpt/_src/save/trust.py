@@ -1,7 +1,5 @@
-"""What a process knows of the checkpoints it committed: a base's file is trusted
-without a byte comparison only if this process wrote it and it is still the file it left
-(device, inode, size, mtime). It only spares work: every byte shared is still covered by
-its CRC32."""
+"""What a process knows of the checkpoints it committed: a base's file is trusted without a
+byte comparison only if this process wrote it and it is unchanged (every byte keeps its CRC32)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Capture live training objects into one state tree, and apply a tree back to them:
-everything a resumed run needs to be bit-identical (model, optimizer, scheduler, every
-random generator, the data position). Tensors are captured by reference; a restore
-leaves the live ones alone until :func:`apply` loads its result into the objects."""
+everything a resumed run needs to be bit-identical. Tensors are captured by reference."""
 
 from __future__ import annotations
 
@@ -111,9 +109,8 @@ def capture(
     rng: bool = True,
     **extra: Any,
 ) -> TensorDict:
-    """Gather the whole training state into one locked TensorDict; ``extra`` holds user
-    subtrees (``env=``, ``step=``, ...): containers, tensors, numpy arrays, plain values,
-    or any object with ``state_dict()``."""
+    """Gather the whole training state into one locked TensorDict; ``extra`` holds user subtrees
+    (containers, tensors, numpy arrays, plain values, or objects with ``state_dict()``)."""
     td = TensorDict({}, batch_size=[])
     if model is not None and optimizer is not None and is_sharded_module(model):
         model_sd, optim_sd = sharded_state_dicts(model, optimizer)

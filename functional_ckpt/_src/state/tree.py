@@ -71,9 +71,8 @@ def _contains_tensor(value: object) -> bool:
 def from_python(
     value: Mapping[str, Any] | Any, path: KeyPath = (), _active: frozenset[int] = frozenset()
 ) -> TensorDict:
-    """An unlocked TensorDict of nested Python containers, exactly: other containers are
-    nodes with a :data:`NODE_KEY` record where they hold tensors, single leaves where not
-    (``_active``: those above, so one containing itself is refused before recursing)."""
+    """An unlocked TensorDict of nested Python containers, exactly (``_active``: the containers
+    above, so one containing itself is refused before recursing)."""
     from tensordict import NonTensorData, TensorDict
 
     if is_tensordict(value):

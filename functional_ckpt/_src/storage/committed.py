@@ -110,9 +110,8 @@ MAX_OPEN = 8
 
 @dataclass
 class Checkpoint:
-    """A committed checkpoint held open: its directory, authenticated manifest, and the
-    files being read (opened when first read). A file deleted meanwhile (a prune) is
-    ``CheckpointNotFound``, never damage."""
+    """A committed checkpoint held open: its directory, authenticated manifest and files. A file
+    deleted meanwhile (a prune) is ``CheckpointNotFound``, never damage."""
 
     path: Path
     dir_fd: int
@@ -218,9 +217,8 @@ def _replaced(path: Path, dir_fd: int, had_marker: bool) -> bool:
 def open_checkpoint(
     path: Path, *, problems: list[tuple[str, CheckpointError]] | None = None
 ) -> Checkpoint:
-    """Open a committed checkpoint, its marker and manifest authenticated (with
-    ``problems``: :func:`check_members` too). A directory replaced meanwhile is
-    opened once more; a second race is ``CheckpointNotFound``, not damage."""
+    """Open a committed checkpoint, its marker and manifest authenticated (``problems``: also
+    :func:`check_members`); a directory replaced twice meanwhile is ``CheckpointNotFound``."""
     for attempt in (0, 1):
         dir_fd = open_directory(path)
         had_marker = False
