@@ -167,8 +167,7 @@ def broadcast_bytes(data: bytes, group: Any, src: int = 0) -> bytes:
 
 
 def scatter_bytes(parts: list[bytes] | None, group: Any, src: int = 0) -> bytes:
-    """Rank ``src``'s ``parts[r]`` on each rank ``r`` of ``group`` (the others pass None):
-    the longest part's size and its own, whatever the world (unlike ``scatter_object_list``)."""
+    """Rank ``src``'s ``parts[r]`` on each rank ``r`` of ``group`` (the others pass None)."""
     mine = dist.get_rank(group) == src
     if mine and (parts is None or len(parts) != dist.get_world_size(group)):
         raise ValueError("scatter_bytes: the source passes one part per rank")
@@ -237,8 +236,7 @@ def agree_values(error: BaseException | None, value: Any, group: Any, what: str)
 
 
 def report(error: BaseException | None) -> bytes:
-    """A rank's failure as it travels to the others (b"" for none). Never raises: a rank
-    that cannot say why it failed would leave the others waiting out the timeout."""
+    """A rank's failure as it travels to the others (b"" for none); never raises."""
     if error is None:
         return b""
     return f"{type(error).__name__}\0{_message(error)}".encode(errors="replace")

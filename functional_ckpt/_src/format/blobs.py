@@ -36,8 +36,7 @@ _DATE = (1 << 5) | 1  # 1980-01-01, the zip epoch, in MS-DOS date format
 
 
 def bytes_are_values(t: torch.Tensor) -> bool:
-    """Whether ``t``'s memory holds exactly its values, in order (contiguous host memory,
-    no lazy conjugate or negation bit): only then are its bytes written or read as they are."""
+    """Whether ``t``'s memory holds exactly its values, in order: only then are its bytes used."""
     return t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg())
 
 
@@ -120,8 +119,7 @@ def _saved_empty(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[_Sparse, i
 
 
 def _compact_template(sink: _Sparse, nbytes: int) -> BlobTemplate:
-    """The records ``torch.load`` reads, taken from ``torch.save``'s zip, framed anew; the
-    data record's CRC32 follows it (a descriptor), so the head is the same for the spec."""
+    """The records ``torch.load`` reads, taken from ``torch.save``'s zip and framed anew."""
     with zipfile.ZipFile(sink) as z:
         names = z.namelist()
         pickles = [n for n in names if n.endswith("/data.pkl")]

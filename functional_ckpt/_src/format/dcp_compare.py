@@ -29,8 +29,7 @@ def transforms(c: Chunk) -> list[str] | None:
 
 
 def manifest_view(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] = ()) -> View:
-    """What the ``.metadata`` derived from these entries says (as
-    :func:`.dcp_metadata.metadata_for` builds it: later entries of a key win)."""
+    """What the ``.metadata`` derived from these entries says (later entries of a key win)."""
     chunks: dict[str, Any] = {}
     storage: dict[tuple[str, Any], Any] = {}
     planner: dict[str, Any] = {}
@@ -67,8 +66,7 @@ def _boxes(chunks: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
 
 
 def compare(found: View, expected: View, limit: int = 20) -> list[str]:
-    """Every way the file (``found``) would make stock DCP read differently from the
-    manifest (``expected``), at most ``limit`` of them."""
+    """Every way ``found`` would make stock DCP read other than ``expected``, at most ``limit``."""
     problems: list[str] = []
     a, b = found[0], expected[0]
     for fqn in sorted(set(a) | set(b)):

@@ -27,8 +27,7 @@ _VERSION: str | None = getattr(filesystem, "CURRENT_DCP_VERSION", None)
 def metadata_for(
     groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] = ()
 ) -> dcp.Metadata:
-    """The DCP ``Metadata`` describing a manifest's tensor groups (shared, then per rank)
-    and byte entries; equal strings, sizes and properties are one object each."""
+    """The DCP ``Metadata`` of a manifest's tensor groups and byte entries, equal strings shared."""
     strings: dict[str, str] = {}
     props: dict[torch.dtype, dcp.TensorProperties] = {}
     sizes: dict[tuple[int, ...], torch.Size] = {}

@@ -98,8 +98,7 @@ def _get(i: int) -> bytes:
 
 
 class _Memo:
-    """A pickle's memo as it is written: each method returns the opcodes pushing a value
-    (the value and ``MEMOIZE`` the first time, a ``GET`` after), placed in order."""
+    """A pickle's memo as it is written: each method returns the opcodes pushing a value."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -158,8 +157,7 @@ def _dcp(name: str) -> Callable[[], Any]:
 def write(
     groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry], version: str | None
 ) -> bytes:
-    """The pickle of what :func:`.dcp_metadata.metadata_for` builds, written directly
-    (three passes, in the order ``Metadata`` pickles its fields)."""
+    """The pickle of what :func:`.dcp_metadata.metadata_for` builds, written directly."""
     m = _Memo()
     s, size, obj = m.string, m.size, m.obj
     out: list[bytes | bytearray] = [pickle.PROTO + b"\x04"]

@@ -51,8 +51,7 @@ class ByteEntry:
     crc32: int = 0
 
     def located(self, file: str, offset: int) -> ByteEntry:
-        """This entry as written at ``offset`` of ``file`` (its data dropped, its CRC32
-        kept): what the shard writer returns, one per value, so built directly."""
+        """This entry as written at ``offset`` of ``file``, its data dropped."""
         return ByteEntry(self.fqn, self.path, b"", file, offset, len(self.data), crc32(self.data))
 
     def to_plain(self) -> dict[str, Any]:
@@ -167,8 +166,7 @@ _LARGE_INT = 1 << 4096
 
 
 def _saved(value: Any) -> bytes:
-    """``torch.save`` bytes of a plain value, equal values sharing one result: keyed by
-    the value's exact encoding (``1``, ``1.0`` and ``True``, tuples and lists differ)."""
+    """``torch.save`` bytes of a plain value, equal values (by exact encoding) sharing them."""
     return _saved_encoded(codec.encode(value))
 
 
@@ -214,8 +212,7 @@ def plan_bytes(
 def _entries(
     values: Sequence[tuple[KeyPath, Any]], optimizers: Mapping[KeyPath, list[str]]
 ) -> Iterator[list[tuple[str, DcpPath, Any]]]:
-    """Per value (container records skipped), the (DCP key, object path, value) entries
-    DCP's flattening makes of it, parameter positions named as ``get_state_dict`` does."""
+    """Per value, the (DCP key, object path, value) entries DCP's flattening makes of it."""
     for path, value in values:
         if path[-1] == NODE_KEY:
             continue

@@ -29,8 +29,7 @@ ZSTD_HEAD = 1 << 16
 
 @dataclass
 class ParsedManifest:
-    """A manifest whose entries were checked against the checkpoint's files; ``order``:
-    the tree as one rank sees it."""
+    """A manifest checked against the checkpoint's files; ``order``: the tree one rank sees."""
 
     raw: dict[str, Any]
     rank: int = 0
@@ -94,8 +93,7 @@ def check_coverage(
 
 
 def checked_dtype_name(name: object, where: str) -> str:
-    """The name a manifest gives a dtype, if the format knows it (torch's other names
-    of a dtype, such as ``float``, stand for its own)."""
+    """The name a manifest gives a dtype, if the format knows it (aliases such as ``float`` too)."""
     if isinstance(name, str):
         name = DTYPE_ALIASES.get(name, name)
         if name in DTYPE_SIZES:

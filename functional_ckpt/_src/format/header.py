@@ -49,8 +49,7 @@ def metrics_of(value: object) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Record:
-    """The manager's record of a checkpoint (``metadata["manager"]``); ``raw`` as stored,
-    for the policy states it carries."""
+    """The manager's record of a checkpoint (``metadata["manager"]``); ``raw`` as stored."""
 
     step: int | None = None
     epoch: int | None = None

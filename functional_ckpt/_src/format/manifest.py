@@ -64,8 +64,7 @@ def shape_problem(shape: Sequence[int], dtype: str) -> str | None:
 
 
 class Chunk(NamedTuple):
-    """One stored piece of a tensor: a box of the global tensor, where its bytes are and
-    their checksums (a named tuple: a save or a restore makes one per tensor)."""
+    """One stored piece of a tensor: a box of the global tensor, where its bytes are, checksums."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -195,8 +194,7 @@ class Tree:
 
 @dataclass(frozen=True)
 class Written:
-    """What a save's write stage put on disk: chunks by DCP key, the values' byte
-    entries, and extra fields of the file table (reused files)."""
+    """What a save's write stage put on disk: chunks by DCP key, byte entries, file table extras."""
 
     chunks: Mapping[str, tuple[Chunk, ...]]
     blobs: tuple[ByteEntry, ...] = ()
@@ -206,8 +204,7 @@ class Written:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A checkpoint's manifest as a save commits it (built by :func:`assemble`);
-    :meth:`encode` gives its bytes."""
+    """A checkpoint's manifest as a save commits it (built by :func:`assemble`)."""
 
     created: float
     metadata: Any
@@ -279,8 +276,7 @@ class Manifest:
 
     @cached_property
     def part_rows(self) -> Sequence[bytes]:
-        """Each part's rows packed (unless the coordinator packed them), the evenly split
-        tensors in the index's order."""
+        """Each part's rows packed (unless the coordinator packed them), in the index's order."""
         if self.rows is not None:
             return self.rows
         from functional_ckpt._src.format.packed_rows import chunk_rows  # numpy: writing only

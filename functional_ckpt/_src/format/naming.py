@@ -55,8 +55,7 @@ def is_shard_file(name: str) -> bool:
 
 
 def safe_member(root: Path, name: object) -> Path:
-    """A file name from a manifest as a path in ``root``; anything else is refused (links
-    and special files are refused when opened: :mod:`..storage.opener`)."""
+    """A file name from a manifest as a path in ``root``; anything else is refused."""
     if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
         raise UnsafeCheckpoint(f"{root}: the manifest names an unsafe file {name!r}")
     return root / name

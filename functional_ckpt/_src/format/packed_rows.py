@@ -53,8 +53,7 @@ def _put(buf: np.ndarray, at: np.ndarray, v: np.ndarray, w: np.ndarray) -> None:
 
 
 def pack_rows(names: Sequence[str], table: np.ndarray, bounds: Sequence[int]) -> list[bytes]:
-    """Each part's rows as one msgpack array: part ``i`` holds ``table[bounds[i]:bounds[i+1]]``
-    (``table``: one row of :data:`COLUMNS` unsigned numbers a chunk)."""
+    """Each part's rows as one msgpack array: part ``i`` holds ``table[bounds[i]:bounds[i+1]]``."""
     packed = [bytes(msgpack.packb(n, use_bin_type=True)) for n in names]
     lens = np.array([len(p) for p in packed] or [0], np.int64)
     file, ints, zstd = table[:, 0], table[:, 1:7], table[:, 7]

@@ -74,8 +74,7 @@ def owned_split(shape: Sequence[int], chunks: Sequence[Any], parts: int) -> int 
 
 
 def overlapping(extent: int, parts: int, start: int, length: int) -> range:
-    """The chunks of a dimension of ``extent`` split in ``parts`` that meet
-    ``[start, start + length)``."""
+    """The chunks of an ``extent`` split in ``parts`` that meet ``[start, start + length)``."""
     if length <= 0:
         return range(0)
     step = split_size(extent, parts)
@@ -96,8 +95,7 @@ def file_tables(
 
 
 def rows(chunks: Sequence[Any]) -> list[list[Any]]:
-    """Each chunk as a part row: :data:`ROW_FIELDS` of it, in order (a chunk's fields
-    after its box; ``zstd`` only where set)."""
+    """Each chunk as a part row: :data:`ROW_FIELDS` of it (``zstd`` only where set)."""
     return [list(c[2:] if c.zstd else c[2:9]) for c in chunks]
 
 

@@ -49,8 +49,7 @@ def _refusing(what: str, self: Any) -> None:
 def _filler(
     name: str, kinds: tuple[type, ...] | None, at: int, keys: slice | None
 ) -> Callable[[Any], None]:
-    """Pickle's ``load_<name>``, vetted: what it fills is one of ``kinds``, and its new
-    keys flood no table."""
+    """Pickle's ``load_<name>``, vetted: it fills one of ``kinds`` and floods no table."""
     load = getattr(pickle._Unpickler, f"load_{name.lower()}")
 
     def vetted(self: Any) -> None:
@@ -155,8 +154,7 @@ class RestrictedUnpickler(pickle._Unpickler):
         return self.metastack[-1][-1]
 
     def _count(self, table: Any, keys: list[Any]) -> None:
-        """Refuse keys that would flood ``table`` (the msgpack decoder's bound), over
-        every key it ever receives."""
+        """Refuse keys that would flood ``table``, over every key it ever receives."""
         counts = self._hashes.setdefault(id(table), (table, collections.Counter()))[1]
         for key in keys:
             try:

@@ -258,8 +258,7 @@ def _add_files(part: dict[str, Any], shared: ParsedManifest, where: str) -> None
 
 
 def parse_planned(plain: object, where: str) -> list[Entry]:
-    """Entries of a save in progress (exchanged before any chunk is written) from their
-    plain form, by the one parser."""
+    """Entries of a save in progress from their plain form, by the one parser."""
     if not isinstance(plain, list):
         raise CorruptCheckpoint(f"{where}: not a list of entries")
     out = ParsedManifest({}, planned=True)

@@ -111,8 +111,7 @@ def parts_needed(
 def parts_meeting(
     parsed: ParsedManifest, boxes: Sequence[tuple[KeyPath, parts.Box | None]]
 ) -> set[int]:
-    """The parts holding the chunks of split tensors that these boxes of them meet
-    (a box of None: the whole tensor)."""
+    """The parts holding the chunks of split tensors these boxes meet (None: the whole tensor)."""
     split, n = parsed.split, parsed.parts
     need: set[int] = set()
     for p, box in boxes:
@@ -188,8 +187,7 @@ def read_chunk(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One stored chunk as a new tensor, or read straight into ``out`` (contiguous CPU
-    memory of its dtype and shape), every byte checked."""
+    """One stored chunk as a new tensor, or read straight into ``out``, every byte checked."""
     data = torch.empty(chunk.sizes, dtype=dtype) if out is None else out
     if chunk.nbytes:
         res = read_tensors(root.fd(chunk.file), [(chunk, data)])[0]

@@ -124,8 +124,7 @@ class Reads:
         return dest
 
     def run(self, src: committed.Checkpoint, segments: Mapping[str, Sequence[Segment]]) -> None:
-        """Read and check every planned blob (a run at a time where the files record
-        ``segments``); one error lists all damage."""
+        """Read and check every planned blob; one error lists all damage."""
         bad: list[str] = []
         files = {name: i for i, name in enumerate(self.by_file)}
         in_order = sorted(self.fresh, key=lambda f: (files[f[0]], f[1]))  # as they are read
@@ -178,8 +177,7 @@ def region(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> tor
 def rebuild(
     leaves: list[Leaf], root: dict[str, Any] | None, src: Path, *, plain: bool = False
 ) -> Any:
-    """The locked tree of ``leaves`` (``plain``: as Python containers); a saved tree that
-    does not fit together is damage."""
+    """The locked tree of ``leaves`` (``plain``: as Python containers); a misfit is damage."""
     try:
         return unflatten_python(leaves) if plain else unflatten(leaves, root)
     except (RuntimeError, ValueError) as e:  # batch sizes that do not fit the tensors

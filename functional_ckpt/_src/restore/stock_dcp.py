@@ -31,8 +31,7 @@ from functional_ckpt.errors import (
 
 
 class StockFiles:
-    """A stock DCP checkpoint directory held open, its ``.metadata`` read; its files opened
-    safely, once each."""
+    """A stock DCP checkpoint directory held open, its ``.metadata`` read."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -157,8 +156,7 @@ class StockItem:
 
 @dataclass
 class StockMatch:
-    """The template's leaves (in its order) matched to a stock checkpoint's entries, and
-    the plain byte entries already loaded while matching."""
+    """The template's leaves matched to a stock checkpoint's entries, plain byte entries loaded."""
 
     items: list[StockItem]
     root: dict[str, Any] | None
@@ -168,8 +166,7 @@ class StockMatch:
 def match_dcp(
     files: StockFiles, template: Template | None, *, partial: bool, cast: bool
 ) -> StockMatch:
-    """Match the template to the stock ``.metadata``; one error lists every mismatch. Byte
-    entries are loaded here, as plain data only."""
+    """Match the template to the stock ``.metadata``; one error lists every mismatch."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     root = files.root

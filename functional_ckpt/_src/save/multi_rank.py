@@ -353,8 +353,7 @@ class VerdictLost(CheckpointError):
 def _write(
     job: _Commit, plan: SavePlan, planner: Any, rank: int
 ) -> tuple[list[tuple[str, Chunk]], list[ByteEntry], trust.Seen]:
-    """Write this rank's share of the final plan: (its chunks by DCP key, the values as
-    located, its commit's trust)."""
+    """Write this rank's share of the final plan: (chunks by DCP key, located values, trust)."""
     items = [it for it in plan.items if it.type != WriteItemType.BYTE_IO]
     tensors = [host_copy(planner.resolve_data(it)) for it in items]
     keys: list[trust.Key] = []

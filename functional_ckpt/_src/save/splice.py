@@ -33,8 +33,7 @@ def merge(
     blobs: Sequence[ByteEntry],
     incremental_save: bool,
 ) -> tuple[dict[str, tuple[Chunk, ...]], dict[str, int], Spliced]:
-    """Every rank's chunks by DCP key (for a layout merged last, only those the index
-    and the per-rank entries hold), each shard file's size, and the parts' rows."""
+    """Every rank's chunks by DCP key, each shard file's size, and the parts' rows."""
     boxes = []
     for r, s in enumerate(sent):
         kept = held.boxes[r] if held.boxes and len(held.boxes) == len(sent) else None

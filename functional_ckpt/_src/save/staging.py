@@ -50,8 +50,7 @@ def check_staging(value: object, what: str) -> Staging:
 
 
 class Stager:
-    """Reusable host buffers (pinned for CUDA) for one state layout, busy until the write
-    that read them finished: a second save waits instead of overwriting them."""
+    """Reusable host buffers for one state layout, busy until the write that read them finished."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
@@ -210,8 +209,7 @@ class PendingSave:
             _RUNNING.discard(self)
 
     def _mark_staged(self) -> None:
-        """The callbacks run before ``wait_staged`` returns: what they undo (the uploads
-        held during staging) is undone by the time the caller goes on."""
+        """The callbacks run before ``wait_staged`` returns."""
         with self._callbacks:
             callbacks, self._on_staged = self._on_staged, None
         if callbacks is None:

@@ -29,8 +29,7 @@ CheckpointIdent = tuple[int, int, int, int]
 
 
 class Seen:
-    """Each saved chunk's tensor identity and version, tabled on first lookup (most saves
-    are never a base)."""
+    """Each saved chunk's tensor identity and version, tabled on first lookup."""
 
     def __init__(self, keys: Sequence[Key], idents: Sequence[Ident | None]) -> None:
         self._keys, self._idents = tuple(keys), tuple(idents)

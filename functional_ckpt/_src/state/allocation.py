@@ -107,8 +107,7 @@ def advise_fresh(tensor: torch.Tensor, *, huge: bool, fault: bool = True) -> boo
 
 
 def populate(ptr: int, length: int) -> None:
-    """Fault in the whole pages of ``length`` bytes from ``ptr`` with one call (best
-    effort; pages already there keep their bytes)."""
+    """Fault in the whole pages of ``length`` bytes from ``ptr`` with one call (best effort)."""
     if _MADVISE is None:
         return
     lo = (ptr + _PAGE - 1) & ~(_PAGE - 1)

@@ -94,8 +94,7 @@ def from_python(
 
 
 def leaves_of(value: State) -> list[Leaf]:
-    """``list(iter_leaves(as_state(value)))``, without building the TensorDict (which
-    costs more than the walk)."""
+    """``list(iter_leaves(as_state(value)))``, without building the TensorDict."""
     if is_tensordict(value) or not isinstance(value, Mapping):
         return list(iter_leaves(as_state(value)))  # one refused there, with its reason
     out: list[Leaf] = []
@@ -354,8 +353,7 @@ def unflatten_python(leaves: list[Leaf]) -> Any:
 
 
 def new_node(record: Mapping[str, Any] | None, entries: dict[str, Any] | None = None) -> TensorDict:
-    """A TensorDict of ``entries`` (none: empty) with the batch size and names of a
-    :func:`node_record`."""
+    """A TensorDict of ``entries`` with the batch size and names of a :func:`node_record`."""
     from tensordict import TensorDict
 
     if not record:

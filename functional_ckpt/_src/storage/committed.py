@@ -1,5 +1,4 @@
-"""A committed checkpoint held open through one directory descriptor (:mod:`.opener`):
-a reader reads one consistent checkpoint even while a writer replaces the path."""
+"""A committed checkpoint held open by one directory descriptor, even while a writer replaces it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Durable file primitives, so "durable" means the same for every writer; no link is
-followed where a file is written."""
+"""Durable file primitives, so "durable" means the same for every writer; no link followed."""
 
 from __future__ import annotations
 

@@ -205,8 +205,7 @@ CRC_BLOCK = 4 << 20  # bytes read per step: the buffer stays in cache
 
 
 def crc_range(fd: int, offset: int, length: int, start: int = 0) -> tuple[int, int]:
-    """CRC32 over a file range, and the bytes read; one reused buffer (a fresh one per
-    read costs page faults, several times the read and checksum together)."""
+    """CRC32 over a file range, and the bytes read, into one reused buffer (fresh ones fault)."""
     view = memoryview(bytearray(min(CRC_BLOCK, max(length, 0))))
     crc = start
     done = 0
