@@ -1,5 +1,4 @@
-"""Checkpoint collectives on dedicated gloo groups with a timeout: never interleaved with
-training's, and every rank fails together (:func:`agree`)."""
+"""Checkpoint collectives on dedicated gloo groups with a timeout; every rank fails together."""
 
 from __future__ import annotations
 

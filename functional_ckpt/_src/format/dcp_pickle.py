@@ -300,8 +300,7 @@ def _numbers(values: np.ndarray) -> tuple[bytes, np.ndarray]:
 
 
 def _records(n: int, *pieces: bytes | tuple[bytes, np.ndarray]) -> bytearray:
-    """``n`` runs of ``pieces``: the bytes as they are, each (opcode, column) the
-    opcode and the column's n-th value, little-endian (one numpy copy a column)."""
+    """``n`` runs of ``pieces``: bytes as they are, (opcode, column) pairs as little-endian."""
     template: list[bytes] = []
     columns: list[np.ndarray] = []
     offsets: list[int] = []

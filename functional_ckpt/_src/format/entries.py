@@ -248,8 +248,7 @@ _NUMBERS = tuple(k for k, _ in _FIELDS[:6])  # ``zstd`` may be left out: 0
 
 
 def checked_chunk(c: object, entry: TensorEntry, out: ParsedManifest, where: str) -> Chunk:
-    """A chunk record checked, every fault named (in line: a manifest holds tens of
-    thousands)."""
+    """A chunk record checked in line, every fault named."""
     if type(c) is not dict:
         raise CorruptCheckpoint(f"{where}: invalid chunk")
     offsets, sizes, shape = c.get("offsets"), c.get("sizes"), entry.shape

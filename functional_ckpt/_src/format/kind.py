@@ -68,8 +68,7 @@ def _directory_kind(path: Path, by_name: bool = True) -> Kind | None:
 
 
 def classify(path: Path, *, by_name: bool = True) -> Kind:
-    """What ``path`` is; ``by_name=False`` looks past a temporary or quarantined name
-    at what the directory holds (a killed save's ``step_N.tmp-…``)."""
+    """What ``path`` is; ``by_name=False`` looks past a temporary or quarantined name."""
     early = _directory_kind(path, by_name)
     if early is not None:
         return early
@@ -110,8 +109,7 @@ def _member(kind: Kind, name: str, regular: bool) -> bool:
 
 
 def holds_only_its_own(path: Path, kind: Kind) -> bool:
-    """Whether every entry of ``path`` (of ``kind``) is its own file: replacing it then
-    loses nothing else (a notes file, a subdirectory, a link)."""
+    """Whether every entry of ``path`` (of ``kind``) is its own file: replacing it loses nothing."""
     return all(_member(kind, n, regular) for n, regular in _entries(path).items())
 
 

@@ -247,8 +247,7 @@ class Manifest:
         return [[e for e in g if type(e) is TensorEntry] for g in (self.entries, *self.ranks)]
 
     def encode(self) -> bytes:
-        """The manifest's bytes: the values and the metadata as they were encoded when
-        the save was planned, spliced into the rest (plain data, packed once)."""
+        """The manifest's bytes: values and metadata as encoded when planned, spliced in."""
         head: dict[str, Any] = {
             "format": naming.FORMAT_NAME,
             "version": self.version,
@@ -297,8 +296,7 @@ class Manifest:
 
 
 def with_chunks(tree: Tree, written: Written) -> tuple[tuple[Entry, ...], ...]:
-    """The tree's entry groups (shared, then each rank's) with the chunks written (an
-    alias gets its target's: stock DCP finds each key's bytes through ``.metadata``)."""
+    """The tree's entry groups (shared, then each rank's) with the chunks written."""
     by_path: dict[KeyPath, tuple[Chunk, ...]] = {}
     groups: list[tuple[Entry, ...]] = []
     chunks_of = written.chunks.get
@@ -384,8 +382,7 @@ def _elements(items: list[Any]) -> bytes:
 
 
 def _pack_path(path: KeyPath) -> bytes:
-    """A key path as :func:`_pack` packs it (a string that is no valid UTF-8 by itself,
-    a lone surrogate, takes the checked way)."""
+    """A key path as :func:`_pack` packs it (a lone surrogate takes the checked way)."""
     try:
         return bytes(_PACKER.pack(list(path)))
     except UnicodeEncodeError:

@@ -7,8 +7,6 @@ from pathlib import Path
 
 from functional_ckpt.errors import UnsafeCheckpoint
 
-# --------------------------------------------------------------------------- a checkpoint
-
 FORMAT_NAME = "functional_ckpt"
 #: The highest format version this code reads; a save writes the lowest that describes
 #: its checkpoint: one manifest, split into parts, with tensor tables, parts that list
@@ -61,8 +59,6 @@ def safe_member(root: Path, name: object) -> Path:
     return root / name
 
 
-# --------------------------------------------------------------------------- siblings
-
 #: A save in progress writes ``<name>.tmp-<id>``; a deletion renames to ``<name>.trash-<id>``.
 TMP_INFIX = ".tmp-"
 TRASH_INFIX = ".trash-"
@@ -92,8 +88,6 @@ def base_name(name: str) -> str:
     return name
 
 
-# --------------------------------------------------------------------------- a root
-
 _STEP_RE = re.compile(r"step_(\d{1,30})")
 #: Where a manager writes its exports, and where a rollback keeps the newer steps.
 EXPORTS_DIR = "exports"
@@ -117,8 +111,6 @@ def step_in_name(name: str) -> int | None:
     m = _STEP_RE.fullmatch(base_name(name))
     return int(m.group(1)) if m else None
 
-
-# --------------------------------------------------------------------------- exports, recordings
 
 #: A safetensors export (Hugging Face layout): one file, or shards and their index.
 EXPORT_WEIGHTS = "model.safetensors"

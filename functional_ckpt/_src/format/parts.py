@@ -100,8 +100,7 @@ def rows(chunks: Sequence[Any]) -> list[list[Any]]:
 
 
 def row_plain(values: object, box: Box) -> dict[str, Any] | None:
-    """A part row with its box, as a chunk's plain map (validated by the one chunk
-    parser, :mod:`.view`); None if it is not a row."""
+    """A part row with its box, as a chunk's plain map; None if it is not a row."""
     if not isinstance(values, list) or not 7 <= len(values) <= len(ROW_FIELDS):
         return None
     return dict(zip(ROW_FIELDS, values, strict=False)) | {"offsets": [*box[0]], "sizes": [*box[1]]}

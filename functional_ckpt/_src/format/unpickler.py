@@ -342,8 +342,7 @@ def load_foreign(raw: bytes, source: Path) -> DcpMetadata:
 
 
 def scan_pickle(raw: bytes, source: Path) -> UnsafeCheckpoint | None:
-    """Whether a pickle names anything outside the allow-list, read statically: tells a
-    hostile ``.metadata`` from a merely damaged one."""
+    """Whether a pickle names anything outside the allow-list: hostile, not merely damaged."""
     recent: list[str | None] = []  # what the last opcodes pushed (strings only)
     memo: dict[int, str | None] = {}
     try:

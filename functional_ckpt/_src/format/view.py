@@ -34,8 +34,7 @@ from functional_ckpt.errors import CorruptCheckpoint
 def _files(
     manifest: dict[str, Any], root: Path, src: str
 ) -> tuple[dict[str, int], dict[str, tuple[Segment, ...]]]:
-    """The file table: safe names, recorded sizes and run checksums (where recorded); a
-    table naming the marker or the manifest is forged."""
+    """The file table: safe names, sizes, run checksums; one naming marker or manifest is forged."""
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise CorruptCheckpoint(f"{src}: missing file table")
@@ -88,8 +87,7 @@ class ParsedCheckpoint:
         return self.shared.world_size
 
     def view(self, rank: int | None, parts: Iterable[int] | None = None) -> ParsedManifest:
-        """The tree as ``rank`` sees it (None: without any per-rank subtree); with
-        ``parts``, split tensors hold only those parts' chunks (no other part read)."""
+        """The tree as ``rank`` sees it (None: no per-rank subtree), of ``parts`` only if given."""
         if parts is None:
             self._complete()
         if rank is not None and (rank, self.complete) not in self.views:
@@ -174,8 +172,7 @@ class ParsedCheckpoint:
 def parse_checkpoint(
     manifest: dict[str, Any], root: Path, *, parts: PartLoader | None = None
 ) -> ParsedCheckpoint:
-    """Validate a decoded manifest against the directory ``root`` it came from, once;
-    ``parts`` reads a split manifest's parts when a view needs them."""
+    """Validate a decoded manifest against its directory ``root`` once; ``parts`` reads parts."""
     src = str(root / "manifest.msgpack")
     out = ParsedManifest(manifest)
     n = manifest.get("parts", 0)  # per-rank parts of a split manifest (0: one manifest)
@@ -216,8 +213,7 @@ def parse_checkpoint(
 
 
 def validated_part(raw: object, rank: int, shared: ParsedManifest, where: str) -> _Part:
-    """Validate part ``rank`` of a split manifest against its index's tree: one row per
-    evenly split tensor, its box following from the rule."""
+    """Validate part ``rank`` of a split manifest against its index's tree."""
     if not isinstance(raw, dict) or raw.get("part") != rank:
         raise CorruptCheckpoint(f"{where}: not part {rank} of this manifest")
     entries = raw.get("entries")

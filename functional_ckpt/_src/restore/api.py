@@ -275,8 +275,7 @@ def restore(
 
 
 def restore_for_viewing(path: PathLike) -> Any:
-    """The whole state, values of unregistered classes kept as ``Unregistered``
-    placeholders: for readers that only show or compare, and need not the writer's code."""
+    """The whole state, unregistered classes' values as ``Unregistered`` placeholders."""
     return _restore(path, None, Request(placeholders=True))
 
 

@@ -61,8 +61,7 @@ def inspect_dcp(root: Path) -> summary.CheckpointSummary:
 
 
 def _file_sums(src: Path, raw: dict[str, Any], parts: int) -> tuple[int, int, int]:
-    """(bytes, bytes shared, bytes added) of a checkpoint's files, a split manifest's parts
-    and the files they list from the index's totals and the directory (no part is read)."""
+    """(bytes, bytes shared, bytes added) of a checkpoint's files, without reading any part."""
     files = dict(raw["files"])  # validated; the index's table alone
     total = sum(f["size"] for f in files.values())
     shared, added = sharing(src, files)

@@ -26,8 +26,7 @@ from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
 
 class ManifestChunks:
-    """Serves DCP's load plans with tensor chunks read from our files as the manifest's
-    ``entries`` place them (later entries win, as in ``dcp_metadata.build``)."""
+    """Serves DCP's load plans with chunks read as the manifest's ``entries`` place them."""
 
     def __init__(self, root: committed.Checkpoint, entries: Iterable[TensorEntry]) -> None:
         self.root = root
@@ -73,8 +72,7 @@ class ManifestChunks:
 def _whole_target(
     chunk: Chunk, req: Any, planner: LoadPlanner, dtype: torch.dtype
 ) -> torch.Tensor | None:
-    """Where ``req`` lands, if it is the whole of ``chunk`` and its bytes can be read
-    straight into it (:func:`~..format.blobs.lands_raw`): no buffer, no copy."""
+    """Where ``req`` lands, if it is the whole of ``chunk`` and can be read straight into it."""
     if any(req.storage_offsets) or tuple(req.lengths) != tuple(chunk.sizes):
         return None
     target: torch.Tensor = planner.resolve_tensor(req).detach()

@@ -34,8 +34,7 @@ def vetted_view(path: Path, *, rank: int | None = 0) -> ParsedManifest:
 
 @dataclass(slots=True)
 class Reads:
-    """The reads of one restore by file (one call per run of a file's blobs: a small tensor
-    costs one allocation and one check), and the copies to make once they are checked."""
+    """The reads of one restore by file (a run of blobs per call), and the copies once checked."""
 
     #: Per file, its blobs (where each lands) and whose tensor each is.
     by_file: dict[str, tuple[list[shards.ReadJob], list[KeyPath]]] = field(default_factory=dict)
@@ -243,8 +242,7 @@ def read_leaves(
 
 
 def require_grad(t: torch.Tensor, like: torch.Tensor | None, inplace: bool, saved: bool) -> None:
-    """Make ``t`` require grad as its template leaf did (without one, or ``inplace``: as
-    the saved tensor did, ``saved``), where its dtype can."""
+    """Make ``t`` require grad as its template leaf (else the saved tensor, ``saved``) did."""
     wants = like.requires_grad if like is not None and not inplace else saved
     if wants and not t.requires_grad and (t.is_floating_point() or t.is_complex()):
         t.requires_grad_(True)

@@ -305,8 +305,7 @@ def _set(container: Any, rel: DcpPath, value: Any) -> Any:
 def read_dcp(
     files: StockFiles, match: StockMatch, *, inplace: bool, device: torch.device
 ) -> list[Leaf]:
-    """Read every matched leaf: tensors into new tensors of the template leaves' dtype and
-    device (``inplace``: the template's); a filled subtree's keep their saved dtype."""
+    """Read every matched leaf into the template leaves' dtype and device (``inplace``: them)."""
     values: dict[KeyPath, Any] = {}
     for item in match.items:
         leaf = item.leaf
@@ -351,8 +350,7 @@ def read_dcp(
 
 
 def _positional_keys(opt: KeyPath, values: dict[KeyPath, Any], record: Any) -> None:
-    """An optimizer's ``state`` keyed by parameter position again, as ``load_state_dict``
-    needs, from DCP's string keys or parameter names (the template's record maps them)."""
+    """An optimizer's ``state`` keyed by parameter position again, as ``load_state_dict`` needs."""
     state, groups = values.get((*opt, "state")), values.get((*opt, "param_groups"))
     if not (isinstance(state, dict) and isinstance(groups, list)):
         return

@@ -73,8 +73,7 @@ class Template:
 
 
 def _plain(state: Mapping[str, Any]) -> bool:
-    """Whether a tree of Python containers surely holds no DTensor (nor a TensorDict,
-    that may): its values' types, gathered in C a container at a time."""
+    """Whether a tree of Python containers surely holds no DTensor (nor a TensorDict)."""
     td = sys.modules.get("tensordict")
     stack, seen = [state], set()
     while stack:

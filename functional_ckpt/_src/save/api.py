@@ -36,8 +36,7 @@ def plan_job(
     snapshot: bool,
     staging: str | None = None,
 ) -> SaveJob:
-    """Check and plan a save once (the sources' versions before anything stages them);
-    a distributed rank keeps its failure in the job, for every rank to fail together."""
+    """Check and plan a save once; a distributed rank keeps its failure in the job for all."""
     topo = topology()
     try:
         prepared = prepare_save(

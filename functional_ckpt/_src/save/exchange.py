@@ -117,8 +117,7 @@ def parse_drops(plain: Any, n_items: int) -> Drops:
 
 
 def results_payload(written: Sequence[tuple[str, Chunk]], boxes: bool = True) -> Any:
-    """A rank's written chunks as plain data: file names, a fixed-width row per chunk and,
-    with ``boxes``, DCP keys and boxes; the coordinator reads columns, not objects."""
+    """A rank's written chunks as fixed-width rows and, with ``boxes``, DCP keys and boxes."""
     files = list(dict.fromkeys(c.file for _, c in written))
     at = {f: i for i, f in enumerate(files)}
     table = np.array([(at[c.file], *c[3:]) for _, c in written], "<u8").reshape(

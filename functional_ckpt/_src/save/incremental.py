@@ -284,8 +284,7 @@ def write_rank(
     live: bool = False,
     zstd_level: int = 0,
 ) -> tuple[list[Chunk], list[ByteEntry], list[Segment]]:
-    """Write one rank's chunks into ``tmp``, unchanged ones from the base: every tensor's
-    chunk in order, the located ``blobs`` and the new file's run checksums."""
+    """Write one rank's chunks into ``tmp``, unchanged ones from the base, then ``blobs``."""
     background: list[Future[None]] = [] if syncing is None else syncing
     reused = place(
         base, unchanged_chunks(base, keys, tensors, idents, live), tmp, rank, background, sync

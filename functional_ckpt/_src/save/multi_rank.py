@@ -52,8 +52,7 @@ class _Commit:
         elsewhere: dict[str, int],
         cache: exchange.PlanCache,
     ) -> int:
-        """Commit (the coordinator): the checkpoint's size. ``elsewhere``: the shard files
-        ranks reported writing into parts of their own, with their sizes."""
+        """Commit (the coordinator): the checkpoint's size; ``elsewhere``: files in ranks' parts."""
         plan = self.job.plan
         tree = Tree(plan.entries, ranks, plan.root)
         # every rank writes its file, unless an incremental save found nothing to write

@@ -75,8 +75,7 @@ class Stager:
         return sum(b.numel() * b.element_size() for b in self._buffers)
 
     def stage(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Copy ``tensors`` into the buffers (CUDA ones on a side stream); returns them once
-        every copy is complete, so the sources may be modified afterwards."""
+        """Copy ``tensors`` into the buffers; returns them once every copy is complete."""
         layout = [(t.shape, t.dtype, t.device.type == "cuda") for t in tensors]
         if layout != self._layout:
             self._buffers = [
@@ -118,8 +117,7 @@ _COPIERS = BackgroundThread("fc-stage", COPY_THREADS)
 
 
 def _copy_parallel(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for every pair, in byte-balanced groups on a small pool; every
-    group has finished before this returns or raises (the buffers are reused after)."""
+    """``dst.copy_(src)`` for every pair on a small pool, all done before this returns or raises."""
     if sum(src.nbytes for _, src in pairs) < PARALLEL_BYTES:
         return _copy_group(pairs)
     groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(COPY_THREADS)]
@@ -311,8 +309,7 @@ def forget(group: Any) -> None:
 
 
 def _finish_saves() -> None:
-    """At exit: wait for every running save, whatever interrupts the waiting (a Ctrl-C
-    would end the process under the save), then print each failure nobody read."""
+    """At exit: wait for every running save (Ctrl-C too), then print each failure nobody read."""
     while _RUNNING:
         for pending in list(_RUNNING):
             try:

@@ -97,8 +97,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def idents(tensors: Sequence[torch.Tensor]) -> tuple[Ident | None, ...]:
-    """Where each tensor's bytes are (a DTensor's shard's) and its version counter; None
-    for one that has none. One loop: a save has thousands."""
+    """Where each tensor's bytes are and its version counter; None for one that has none."""
     out: list[Ident | None] = []
     add = out.append
     for t in tensors:

@@ -109,8 +109,7 @@ def capture(
     rng: bool = True,
     **extra: Any,
 ) -> TensorDict:
-    """Gather the whole training state into one locked TensorDict; ``extra`` holds user subtrees
-    (containers, tensors, numpy arrays, plain values, or objects with ``state_dict()``)."""
+    """Gather the whole training state into one locked TensorDict; ``extra`` holds user subtrees."""
     td = TensorDict({}, batch_size=[])
     if model is not None and optimizer is not None and is_sharded_module(model):
         model_sd, optim_sd = sharded_state_dicts(model, optimizer)

@@ -250,8 +250,7 @@ def node_record(td: TensorDictBase) -> dict[str, Any] | None:
 
 
 def iter_leaves(td: TensorDictBase, prefix: KeyPath = ()) -> Iterator[Leaf]:
-    """Every node and leaf of a TensorDict in insertion order, a node (its value its
-    :func:`node_record`) before its children, so that an unflatten rebuilds empty ones."""
+    """Every node and leaf of a TensorDict in insertion order, each node before its children."""
     from tensordict import NonTensorData, NonTensorStack, TensorDictBase, is_tensorclass
 
     for key, item in td.items():
@@ -299,8 +298,7 @@ def as_state(value: State) -> TensorDictBase:
 def _gather(
     leaves: list[Leaf], root: Mapping[str, Any] | None, wrap: Callable[[Any, Any], Any] | None
 ) -> tuple[dict[KeyPath, dict[str, Any]], dict[KeyPath, Any], list[KeyPath]]:
-    """Each node's entries (a value as ``wrap(value, its node's record)``, or as it is),
-    each node's record, and the nodes below the root, parents before children."""
+    """Each node's entries (values wrapped), each node's record, and the nodes below the root."""
     top: dict[str, Any] = {}
     kids: dict[KeyPath, dict[str, Any]] = {(): top}
     records: dict[KeyPath, Any] = {(): root}
@@ -328,8 +326,7 @@ def _gather(
 
 
 def unflatten(leaves: list[Leaf], root: Mapping[str, Any] | None = None) -> TensorDict:
-    """A locked TensorDict of :func:`iter_leaves`' leaves (``root``: the root's record),
-    each node made once from its gathered entries (a ``set`` per key costs ten times more)."""
+    """A locked TensorDict of :func:`iter_leaves`' leaves (``root``: the root's record)."""
     from tensordict import NonTensorData
 
     def value(v: Any, record: Any) -> NonTensorData:

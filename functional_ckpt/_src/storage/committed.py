@@ -142,8 +142,7 @@ class Checkpoint:
             self.release(name)
 
     def open_file(self, name: str, *, listed: bool = True) -> int:
-        """Open file ``name`` at its recorded size (a new descriptor, the caller's to
-        close); ``listed=False``: a file no table lists (a part that checks itself)."""
+        """Open file ``name`` at its recorded size; ``listed=False``: a file no table lists."""
         files = self.manifest.get("files")
         info = files.get(name) if isinstance(files, dict) and listed else {"size": 0}
         if not isinstance(info, dict):

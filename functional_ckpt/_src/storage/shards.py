@@ -1,5 +1,4 @@
-"""Shard files: tensor blobs written with their checksums, read back checked at the
-manifest's offsets (never parsing the zip: raw bytes straight into place)."""
+"""Shard files: tensor blobs written with checksums, read back checked at the manifest's offsets."""
 
 from __future__ import annotations
 
@@ -229,8 +228,7 @@ def read_tensors(
     *,
     ready: Ready | None = None,
 ) -> list[str | None]:
-    """Read blobs from one opened file into place, checking every byte: per job None when
-    intact, else what is wrong. Runs of small blobs are read with one call."""
+    """Read blobs from one opened file into place, checking every byte: per job None or fault."""
     results: list[str | None] = [None] * len(jobs)
     for chunk, dest in jobs:
         if (n := _landing_size(dest)) != chunk.nbytes:

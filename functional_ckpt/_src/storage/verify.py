@@ -1,5 +1,4 @@
-"""``fc.verify``: every byte re-read and checked, belonging to one blob; a ``.metadata``
-sending stock ``dcp.load`` elsewhere than the manifest says is damage too."""
+"""``fc.verify``: every byte re-read and checked, and ``.metadata`` against the manifest."""
 
 from __future__ import annotations
 

@@ -110,8 +110,7 @@ class _Stored:
 def read_blob(
     fd: int, chunk: Chunk, dest: memoryview, ready: Callable[[int, int], None] | None = None
 ) -> str | None:
-    """Decompress ``chunk``'s frame straight into ``dest``: None if every byte checked out, else
-    what is wrong; ``ready`` is called for all of ``dest`` at once."""
+    """Decompress ``chunk``'s frame into ``dest``: None if every byte checked out, else why not."""
     if ready is not None and len(dest):
         ready(ctypes.addressof(ctypes.c_char.from_buffer(dest)), len(dest))
     stored = _Stored(fd, chunk)
