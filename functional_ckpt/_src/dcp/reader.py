@@ -94,7 +94,7 @@ class Reader(StorageReader):
                 "functional_ckpt.integrations.dcp.Reader: no checkpoint path; pass Reader(path) "
                 "or dcp.load(..., checkpoint_id=path)"
             )
-        ck = committed.open_vetted(self.path)
+        ck = committed.open_checkpoint(self.path)
         try:
             parsed = committed.parsed(ck)
             groups = parsed.groups()

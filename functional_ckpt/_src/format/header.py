@@ -77,8 +77,7 @@ def record_of(metadata: Mapping[str, Any]) -> Record:
 
 @dataclass(frozen=True)
 class Header:
-    """A manifest's save time (None when unknown), ``metadata`` (``{}`` when no mapping),
-    the manager's ``record`` in it, and format ``version``."""
+    """A manifest's save time, ``metadata``, the manager's ``record`` and format ``version``."""
 
     created: float | None
     metadata: Mapping[str, Any]

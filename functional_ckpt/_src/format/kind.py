@@ -114,8 +114,7 @@ def holds_only_its_own(path: Path, kind: Kind) -> bool:
 
 
 def is_stock_dcp(path: Path) -> bool:
-    """A directory written by stock DCP (a link the caller named followed), counted only
-    if it stayed at the path meanwhile (one being replaced may list half-deleted)."""
+    """A directory written by stock DCP, counted only if it stayed at the path meanwhile."""
     real = Path(os.path.realpath(path))
     for _ in range(3):
         before = _identity(real)

@@ -157,8 +157,7 @@ class NodeEntry:
 
 @dataclass(frozen=True, slots=True)
 class ValueEntry:
-    """A non-tensor leaf, stored exactly through the codec: encoded once, when the save
-    plans (``encoded``), so an asynchronous save commits the value as it was at the call."""
+    """A non-tensor leaf, encoded once when the save plans: an async save commits it as it was."""
 
     path: KeyPath
     value: Any

@@ -100,8 +100,7 @@ def step_name(step: int) -> str:
 
 
 def parse_step(name: str) -> int | None:
-    """The step of a canonical checkpoint directory name, else None (only the exact
-    :func:`step_name`: ``step_5`` beside ``step_000000005`` is not one step twice)."""
+    """The step of a canonical checkpoint directory name (only the exact :func:`step_name`)."""
     m = _STEP_RE.fullmatch(name)
     return int(m.group(1)) if m and step_name(int(m.group(1))) == name else None
 

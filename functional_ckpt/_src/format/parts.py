@@ -66,8 +66,7 @@ def split_dim(shape: Sequence[int], boxes: Sequence[Any], parts: int) -> int | N
 
 
 def owned_split(shape: Sequence[int], chunks: Sequence[Any], parts: int) -> int | None:
-    """:func:`split_dim` of chunks (sorted) each in its part's rank's file: a part's
-    file table lists its own rank's files, so a permuted mesh's shards stay in the index."""
+    """:func:`split_dim` of chunks (sorted) each in its part's rank's file, else None."""
     if [(parse_shard(c.file) or (-1,))[0] for c in chunks] != list(range(parts)):
         return None
     return split_dim(shape, chunks, parts)

@@ -208,8 +208,7 @@ def _bad(where: str) -> CorruptCheckpoint:
 
 
 def _check_fields(obj: Any, cls: type, where: str) -> None:
-    """``obj`` is a ``cls`` (its fields only: :meth:`RestrictedUnpickler.load_build`);
-    the fields its pickle left out take DCP's defaults."""
+    """``obj`` is a ``cls`` (its fields only); fields its pickle left out take DCP's defaults."""
     if type(obj) is not cls:
         raise _bad(f"{where} is a {type(obj).__name__}, not a {cls.__name__}")
     if cls is sd.TensorProperties and "dtype" not in vars(obj):
@@ -309,8 +308,7 @@ def load_standins(raw: bytes, source: Path) -> sd.Metadata:
 
 
 def load_foreign(raw: bytes, source: Path) -> DcpMetadata:
-    """DCP's own ``Metadata`` of a ``.metadata``, made by DCP's constructors from the
-    checked stand-ins (:func:`load_standins`): nothing reaches torch before it is vetted."""
+    """DCP's own ``Metadata`` of a ``.metadata``, made from the checked stand-ins."""
     import torch
     from torch.distributed.checkpoint import filesystem
     from torch.distributed.checkpoint import metadata as dcp

@@ -70,8 +70,7 @@ _GROWN = ("tensors", "values", "nodes", "node_info", "inner", "split")
 
 @dataclass
 class ParsedCheckpoint:
-    """A manifest validated once: the shared tree, and every rank's view derived from it
-    (each rank's entries, and a split manifest's parts, checked when first needed)."""
+    """A manifest validated once: the shared tree, and every rank's view (checked when needed)."""
 
     shared: ParsedManifest  # the view of ``rank=None``: per-rank subtrees left out
     ranks: list[list[Any]]  # each rank's per-rank entries, as decoded (one manifest)

@@ -16,7 +16,7 @@ from functional_ckpt._src.format.naming import parse_part, parse_shard
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.restore import summary
 from functional_ckpt._src.storage import committed
-from functional_ckpt._src.storage.committed import open_vetted
+from functional_ckpt._src.storage.committed import open_checkpoint
 from functional_ckpt._src.storage.usage import sharing
 
 
@@ -90,7 +90,7 @@ def inspect(path: PathLike) -> summary.CheckpointSummary:
     src = Path(path)
     if is_stock_dcp(src):
         return inspect_dcp(src)
-    with open_vetted(src) as ck:
+    with open_checkpoint(src) as ck:
         once = committed.parsed(ck)
         sums = _file_sums(src, ck.manifest, once.shared.parts)  # before a part adds files
         parsed = once.view(0, parts=())  # specs only: no chunk is read

@@ -85,8 +85,7 @@ def parts_needed(
     selected: Sequence[tuple[KeyPath, str]],
     wanted: Mapping[KeyPath, torch.Tensor],
 ) -> set[int]:
-    """The parts of a split manifest whose chunks this rank reads: those its DTensor shards
-    of split tensors meet, or every part when one is read whole (its leaf no DTensor)."""
+    """The parts of a split manifest this rank's DTensor shards meet (every part: a whole read)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     boxes: list[tuple[KeyPath, parts.Box | None]] = []
@@ -135,8 +134,7 @@ def read_sharded(
     inplace: bool,
     error: BaseException | None = None,
 ) -> dict[KeyPath, torch.Tensor]:
-    """The DTensor leaves of ``wanted`` read collectively into new DTensors (``inplace``: the
-    template's); every rank calls it, with ``error`` if it failed before, to fail together."""
+    """The DTensor leaves of ``wanted`` read collectively; every rank calls it, with ``error``."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     what = f"restore {ck.path}"

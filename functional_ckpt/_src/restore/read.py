@@ -19,7 +19,7 @@ from functional_ckpt._src.format.segments import Segment
 from functional_ckpt._src.state.allocation import PREFAULT_BYTES, Prefaulter, host_empty
 from functional_ckpt._src.state.tree import Leaf, unflatten, unflatten_python
 from functional_ckpt._src.storage import committed, shards
-from functional_ckpt._src.storage.committed import open_vetted
+from functional_ckpt._src.storage.committed import open_checkpoint
 from functional_ckpt._src.text import short_repr
 from functional_ckpt.errors import CorruptCheckpoint, TemplateMismatch, UnregisteredType
 
@@ -28,7 +28,7 @@ CPU = torch.device("cpu")
 
 def vetted_view(path: Path, *, rank: int | None = 0) -> ParsedManifest:
     """Authenticate and validate a committed checkpoint, seen from ``rank``."""
-    with open_vetted(path) as ck:
+    with open_checkpoint(path) as ck:
         return committed.parsed(ck).view(rank)
 
 

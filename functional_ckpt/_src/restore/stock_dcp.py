@@ -145,8 +145,7 @@ def _tree_within(value: Any, budget: int) -> bool:
 
 @dataclass
 class StockItem:
-    """One template leaf and what fills it: its own DCP entry (``fqn``), the entries under
-    it (``parts``: a value stored per element, or an empty template subtree), or neither."""
+    """A template leaf and what fills it: its DCP entry (``fqn``), ``parts`` below, or neither."""
 
     leaf: Leaf
     fqn: str | None = None
@@ -248,8 +247,7 @@ def match_dcp(
 
 
 def _parts(saved: dict[str, Any], planner: dict[str, Any], path: KeyPath) -> list[Any]:
-    """The entries stored under ``path``, each with its object path below it (from DCP's
-    ``planner_data``, list indices as ints; without one, a single key below ``path``)."""
+    """The entries stored under ``path``, each with its object path below it."""
     prefix = ".".join(path) + "."
     out: list[tuple[DcpPath, str, Any]] = []
     for key, smd in saved.items():

@@ -40,8 +40,7 @@ Reshard = Callable[[list["TensorDict"], int, int], Any]
 
 @dataclass
 class Template:
-    """``like`` or ``out`` as given, and its root's record: never rebuilt as a tree, its
-    leaves walked only where one walk beside the saved entries does not match it."""
+    """``like`` or ``out`` as given, and its root's record (never rebuilt as a tree)."""
 
     state: Any  # None: made from ``known`` leaves
     root: dict[str, Any] | None = None
@@ -96,8 +95,7 @@ _SAFE = _NESTED | ATOMS | {torch.Tensor}
 
 
 def _saved_tree(state: Any, order: list[tuple[KeyPath, str]]) -> dict[KeyPath, Any] | None:
-    """The tensors of a template of plain dicts holding the saved tree key for key, by one
-    walk beside the saved entries; None otherwise (then matched leaf by leaf)."""
+    """The tensors of a template of plain dicts holding the saved tree key for key, else None."""
     entries, targets = iter(order), dict[KeyPath, Any]()
 
     def walk(node: dict[str, Any], depth: int) -> bool:

@@ -1,5 +1,4 @@
-"""``fc.save`` and ``fc.save_async``: one pipeline, plan -> stage -> write -> commit.
-Options are checked once where the call comes in; from there on plan and job are values."""
+"""``fc.save`` and ``fc.save_async``: one pipeline, plan -> stage -> write -> commit."""
 
 from __future__ import annotations
 

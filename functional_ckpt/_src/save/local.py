@@ -1,5 +1,4 @@
-"""One process writes a planned state and commits it; :func:`finalize` (a multi-rank
-save's coordinator's too) writes the manifest, ``.metadata`` and marker and commits."""
+"""One process writes a planned state and commits it; :func:`finalize` commits every save."""
 
 from __future__ import annotations
 

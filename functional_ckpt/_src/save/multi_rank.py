@@ -211,8 +211,7 @@ def _check_held(
     shared: Sequence[Entry],
     ranks: Sequence[tuple[Entry, ...]],
 ) -> None:
-    """Refuse a shared tensor the coordinator lacks: the manifest is its tree, so another
-    rank's copy would be written and never listed (only that rank knows its spec)."""
+    """Refuse a shared tensor the coordinator lacks: the manifest would not list another's copy."""
     known = {e.fqn for g in (shared, *ranks) for e in g if type(e) is TensorEntry}
     alone = sorted({(f, r) for r, items in enumerate(keys) for f, _, _ in items if f not in known})
     if alone:

@@ -1,5 +1,4 @@
-"""One :class:`SaveOptions` value, checked once where the call comes in, read by every
-stage below (no module-level setting changes a save)."""
+"""One :class:`SaveOptions` value, checked once where the call comes in, read by every stage."""
 
 from __future__ import annotations
 

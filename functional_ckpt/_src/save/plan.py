@@ -283,8 +283,7 @@ def byte_entries(plan: Plan, *, snapshot: bool = False) -> list[dcpbytes.ByteEnt
 
 
 def _entry_overhead(e: Entry) -> int:
-    """An upper bound on an entry's manifest bytes, its value aside (every integer at
-    its widest: 202 bytes of fixed fields for a one-chunk tensor)."""
+    """An upper bound on an entry's manifest bytes, its value aside (every integer widest)."""
     keys = "".join(e.path)  # the keys' bounds summed: 5 bytes of header each
     n = 48 + 5 * len(e.path) + (len(keys) if keys.isascii() else 4 * len(keys))
     if isinstance(e, TensorEntry):  # and the fqn's: 5 bytes of header

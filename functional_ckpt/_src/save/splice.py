@@ -91,8 +91,7 @@ def _recipe(
     world: int,
     key: Any,
 ) -> Recipe:
-    """Where every row goes: part ``p`` holds chunk ``p`` of every evenly split tensor
-    (in the index's order), the index and per-rank entries the rest."""
+    """Where rows go: part ``p`` holds chunk ``p`` of each split tensor, the index the rest."""
     split: dict[KeyPath, int] = {}
     row_of: dict[str, tuple[int, int, int]] = {}  # DCP key: (row, dim, split size)
     for e in tree.entries:
@@ -120,8 +119,7 @@ def _recipe(
 def file_sizes(
     names: list[str], table: np.ndarray, blobs: Sequence[ByteEntry], world: int
 ) -> dict[str, int]:
-    """Each file's size: the end of its last blob (the blobs tile a file); the ``world``
-    ranks' files are there even when empty (an incremental save passes 0)."""
+    """Each file's size: the end of its last blob; the ``world`` ranks' files even when empty."""
     ends = np.zeros(len(names), np.uint64)
     np.maximum.at(ends, table[:, 0].astype(np.intp), table[:, 1] + table[:, 2])
     sizes = {shard_name(r): 0 for r in range(world)}

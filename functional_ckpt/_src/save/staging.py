@@ -139,8 +139,7 @@ def _copy_group(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 class PendingSave:
-    """A save running in the background: ``wait_staged()`` returns once the state may be
-    mutated again, ``result()`` once it is committed (or raises why it was not)."""
+    """A save running in the background: see ``wait_staged()`` and ``result()``."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

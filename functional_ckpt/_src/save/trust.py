@@ -55,8 +55,7 @@ class Recollection:
 
 
 class TrustMemory:
-    """The last few checkpoints this process committed (thread-safe: saves commit in the
-    background); a manager owns one, ``fc.save`` uses :data:`.staging.PROCESS_TRUST`."""
+    """The last few checkpoints this process committed (thread-safe); a manager owns one."""
 
     def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity

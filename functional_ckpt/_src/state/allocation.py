@@ -123,8 +123,7 @@ def host_empty(
     huge: bool | None = None,
     fault: bool = True,
 ) -> torch.Tensor:
-    """A new CPU tensor about to be written once in full; a large one advised and
-    (``fault``, else by a :class:`Prefaulter`) faulted in up front."""
+    """A new CPU tensor about to be written once in full; a large one faulted in up front."""
     tensor = torch.empty(shape, dtype=dtype)
     if tensor.numel() * tensor.itemsize >= PREFAULT_BYTES:
         advise_fresh(tensor, huge=huge_pages_default() if huge is None else huge, fault=fault)
@@ -138,8 +137,7 @@ _FAULTS = BackgroundThread("fc-fault")
 
 
 class Prefaulter:
-    """New tensors' pages faulted in by a background thread in the order they are read, on
-    one core while a read fills them on the other (``madvise`` and ``preadv`` free the GIL)."""
+    """New tensors' pages faulted in by a background thread in the order they are read."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], block: int = FAULT_BLOCK) -> None:
         self._ranges = [(t.data_ptr(), t.numel() * t.itemsize) for t in tensors]

@@ -131,8 +131,7 @@ def capture(
 
 
 def _record_param_names(sub: TensorDictBase, model: Any, optimizer: Any) -> None:
-    """Record the optimizer's parameter names, so stock DCP sees its state by name, as
-    ``get_state_dict`` keys it (a container record: the state stays its own)."""
+    """Record the optimizer's parameter names, so stock DCP sees its state by name."""
     from functional_ckpt._src.format import dcp_values as dcpbytes
     from functional_ckpt._src.format.keys import NODE_KEY
 

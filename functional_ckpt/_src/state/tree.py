@@ -31,8 +31,7 @@ State: TypeAlias = "TensorDictBase | Mapping[str, Any]"
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """The cyclic GC paused while a large tree is flattened or rebuilt: with thousands of
-    tensors each collection walks the whole heap, costing more than small tensors' I/O."""
+    """The cyclic GC paused while a large tree is flattened or rebuilt: it walks the whole heap."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -229,8 +228,7 @@ def _python_node(out: dict[str, Any]) -> Any:
 
 
 class Leaf(NamedTuple):
-    """One entry of a flattened tree: a tensor, a plain value, or an (empty) node (a named
-    tuple: as immutable as a frozen dataclass, made one per leaf at a third of the cost)."""
+    """One entry of a flattened tree: a tensor, a plain value, or an (empty) node."""
 
     path: KeyPath
     kind: str  # "tensor" | "value" | "node"
@@ -238,8 +236,7 @@ class Leaf(NamedTuple):
 
 
 def node_record(td: TensorDictBase) -> dict[str, Any] | None:
-    """What a (sub-)TensorDict carries besides its entries: batch size and dimension names
-    (None for ``batch_size=[]``, so unbatched trees are recorded as before)."""
+    """A (sub-)TensorDict's batch size and dimension names (None for ``batch_size=[]``)."""
     if td.batch_size == torch.Size([]):
         return None
     record: dict[str, Any] = {"batch_size": list(td.batch_size)}
@@ -341,8 +338,7 @@ def unflatten(leaves: list[Leaf], root: Mapping[str, Any] | None = None) -> Tens
 
 
 def unflatten_python(leaves: list[Leaf]) -> Any:
-    """``to_python(unflatten(leaves))``, made without a TensorDict: what a restore into a
-    template of plain containers returns (batch sizes, a TensorDict's alone, are dropped)."""
+    """``to_python(unflatten(leaves))``, made without a TensorDict (batch sizes dropped)."""
     kids, _, made = _gather(leaves, None, None)
     for path in reversed(made):
         kids[path[:-1]][path[-1]] = _python_node(kids[path])

@@ -340,8 +340,3 @@ def every_file(path: Path) -> dict[str, Any]:
         for name in map(naming.part_name, range(once.shared.parts)):
             files.setdefault(name, {"size": ck.sizes[name]})  # a part that checks itself
         return files
-
-
-def open_vetted(path: Path) -> Checkpoint:
-    """Open a committed checkpoint to read (``.metadata``, derived, is ``fc.verify``'s)."""
-    return open_checkpoint(path)

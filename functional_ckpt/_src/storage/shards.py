@@ -170,8 +170,8 @@ def _flush(
     segments: list[Segment],
     after: int = 0,
 ) -> int:
-    """Write and clear ``pending`` (file bytes from ``start``), returning the file's end;
-    its small blobs from ``small`` on, but its last ``after`` bytes, make one segment."""
+    """Write and clear ``pending`` (file bytes from ``start``), returning the file's end; its small
+    blobs from ``small`` on, but its last ``after`` bytes, make one segment."""
     end = len(pending) - after
     if 0 <= small < end and end - small <= LIMITS.segment_bytes:
         run = memoryview(pending)[small:end]
