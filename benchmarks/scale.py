@@ -582,7 +582,7 @@ def restore_on_disk(
 
     ``where`` gets the checkpoint with its marker, index and parts as written and
     every other file (shard files, ``.metadata``) sparse at its recorded size. The
-    rank opens it as ``fc.restore`` does (``committed.open_vetted``, its view, the
+    rank opens it as ``fc.restore`` does (``committed.open_checkpoint``, its view, the
     parts its shards meet through ``read_part``) and then each data file holding a
     chunk it reads, in file order, through ``Checkpoint.fd`` and ``release``: the
     reads themselves are left out (the blobs are not real).
@@ -629,7 +629,7 @@ def restore_on_disk(
     os.open, os.close = opened, closed  # type: ignore[assignment]
     os.pread, os.read = read, read  # type: ignore[assignment]
     try:
-        with committed.open_vetted(where) as ck:
+        with committed.open_checkpoint(where) as ck:
             once = committed.parsed(ck)
             view = once.view(rank, parts=())
             path_of = {e.fqn: p for p, e in view.tensors.items()}

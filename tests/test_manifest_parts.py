@@ -117,7 +117,7 @@ def test_a_view_reads_only_the_parts_it_is_asked_for(
         return original(held, rank)
 
     monkeypatch.setattr(committed, "read_part", counting)
-    with committed.open_vetted(ck) as held:
+    with committed.open_checkpoint(ck) as held:
         once = committed.parsed(held)
         mine = once.view(1, parts=[1])
         assert read == [1]  # its per-rank entries and its chunks: one part
@@ -135,7 +135,7 @@ def test_a_view_of_some_parts_describes_to_dcp_only_what_it_holds(ck: Path) -> N
     and not to be mistaken for r's one chunk (the same dtype and shape, all of r)."""
     from functional_ckpt._src.format import dcp_metadata
 
-    with committed.open_vetted(ck) as held:
+    with committed.open_checkpoint(ck) as held:
         mine = committed.parsed(held).view(0, parts=[0])
     md = dcp_metadata.metadata_for([list(mine.tensors.values())])
     w, r = md.state_dict_metadata["w"], md.state_dict_metadata["r"]

@@ -112,7 +112,7 @@ def test_verify_checks_every_file_with_few_open(many: Path, opened: Opened) -> N
 def test_held_files_never_exceed_the_bound(many: Path) -> None:
     """Read through one held checkpoint, file after file without releasing: the
     least recently used are closed, never more than ``MAX_OPEN`` held."""
-    with committed.open_vetted(many) as ck:
+    with committed.open_checkpoint(many) as ck:
         for name in sorted(n for n in os.listdir(many) if naming.parse_shard(n) is not None):
             ck.fd(name)
             assert len(ck.fds) <= committed.MAX_OPEN

@@ -74,7 +74,7 @@ def test_each_rank_fetches_its_part_and_files_alone(
         assert sorted(got) == sorted({naming.MANIFEST, naming.part_name(rank), *listed, *own})
         assert naming.DCP_METADATA not in got
         assert set(os.listdir(local)) == {naming.COMMIT_MARKER, *got}
-        with committed.open_vetted(local) as ck:  # what the rank reads is all there
+        with committed.open_checkpoint(local) as ck:  # what the rank reads is all there
             view = committed.parsed(ck).view(rank, parts=[rank])
             (chunk,) = view.tensors[("w",)].chunks
             assert chunk.file == naming.shard_name(rank) and (local / chunk.file).is_file()

@@ -1,14 +1,8 @@
 """A DCP ``StorageReader`` of this project's checkpoints.
 
-``dcp.load(sd, storage_reader=Reader(path))`` reads any checkpoint of this format.
-
-DCP learns what is stored from ``Metadata`` derived from the authenticated
-manifest (:func:`~..format.dcp_metadata.metadata_for`, the one derivation), so
-``.metadata`` is never unpickled. Tensor chunks are served with every byte
-checked against the manifest's CRC32s (DCP's planner still maps saved chunks
-onto the caller's shards, any world size). DCP's planner unpickles a value's bytes
-(``weights_only=False``), so it is handed bytes made from the manifest's value, never
-bytes read from the checkpoint's files, each made when DCP first asks for it.
+DCP's ``Metadata`` is derived from the authenticated manifest, so ``.metadata`` is never
+unpickled; tensor chunks are served CRC-checked. DCP's planner unpickles a value's bytes,
+so it is handed bytes made from the manifest's value, never bytes read from the files.
 """
 
 from __future__ import annotations
@@ -32,11 +26,7 @@ from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
 
 class Reader(StorageReader):
-    """Where ``dcp.load`` reads a checkpoint of this format (``path`` or ``checkpoint_id=``).
-
-    The checkpoint is opened and vetted once per load (marker, manifest, every
-    file); damage is raised as ``CorruptCheckpoint`` naming the file and key.
-    """
+    """Where ``dcp.load`` reads a checkpoint of this format, vetted once per load."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         super().__init__()
@@ -104,7 +94,7 @@ class Reader(StorageReader):
                 "functional_ckpt.integrations.dcp.Reader: no checkpoint path; pass Reader(path) "
                 "or dcp.load(..., checkpoint_id=path)"
             )
-        ck = committed.open_vetted(self.path)
+        ck = committed.open_checkpoint(self.path)
         try:
             parsed = committed.parsed(ck)
             groups = parsed.groups()

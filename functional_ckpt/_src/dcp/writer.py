@@ -1,20 +1,9 @@
 """A DCP ``StorageWriter`` whose checkpoints are this project's.
 
-``dcp.save(sd, storage_writer=Writer(path))`` commits a checkpoint of this format.
-
-DCP's own planning still runs (its planner flattens the state, dedups replicated
-tensors, builds its ``Metadata``), but the bytes are written by ``fc.save``: the
-one writer that keeps the commit protocol (temporary sibling, every file fsynced,
-marker last, atomic rename, ``overwrite=False`` unless asked), a CRC32 for every
-byte and the manifest. So what ``dcp.save`` leaves behind is an ordinary
-checkpoint of this format: ``fc.restore``, ``fc.verify``, ``fckpt`` and stock
-``dcp.load`` all read it, and there is no second writer to keep in step.
-
-``write_data`` is where DCP hands over the (possibly staged) state on every
-rank at once, so the save happens there, as one collective ``fc.save`` of the
-planner's state unflattened to the tree the caller passed; ``finish`` has
-nothing left to do. Non-tensor values are encoded exactly by the codec or
-refused, naming the key: nothing is pickled.
+DCP's planning still runs, but the bytes are written by ``fc.save`` (in ``write_data``,
+where DCP hands every rank's state over at once), the one writer that keeps the commit
+protocol, the CRC32s and the manifest: there is no second writer to keep in step.
+Non-tensor values are encoded by the codec or refused, naming the key: nothing is pickled.
 """
 
 from __future__ import annotations
@@ -39,13 +28,9 @@ from functional_ckpt.errors import CheckpointError
 class Writer(StorageWriter):
     """Where ``dcp.save`` / ``dcp.async_save`` write a checkpoint of this format.
 
-    ``path`` (or DCP's ``checkpoint_id=``) names the checkpoint directory; an
-    existing one is replaced only with ``overwrite=True``; ``metadata`` is stored
-    in the manifest as ``fc.save`` stores it; ``compression`` as for ``fc.save``.
-    Under ``torch.distributed`` create it on every rank (as ``dcp.save`` is called on
-    every rank): its checkpoint group is made there, on the calling thread, not on a
-    saving thread.
-    ``info`` is what the last save returned on this process.
+    ``path`` (or ``checkpoint_id=``), ``overwrite``, ``metadata`` and ``compression`` are
+    ``fc.save``'s. Under ``torch.distributed`` create it on every rank: its checkpoint
+    group is made there, on the calling thread. ``info`` is what the last save returned.
     """
 
     def __init__(
@@ -112,11 +97,7 @@ class Writer(StorageWriter):
 
 
 def planned_state(planner: SavePlanner) -> dict[str, Any]:
-    """The state DCP's planner holds, as the nested tree the caller passed to ``dcp.save``.
-
-    DCP's default planner flattens the state (``mappings`` leads each flat key back to
-    its path); a planner holding no ``state_dict`` is refused by name.
-    """
+    """The state DCP's planner holds, as the nested tree the caller passed to ``dcp.save``."""
     from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 
     flat = getattr(planner, "state_dict", None)

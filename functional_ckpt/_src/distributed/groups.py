@@ -1,6 +1,4 @@
-"""Checkpoint collectives on dedicated gloo groups with a timeout: never interleaved with
-training's, a dead rank fails the others clearly, and every rank fails together
-(:func:`agree`). What only the coordinator needs travels only to it (docs/scale.md)."""
+"""Checkpoint collectives on dedicated gloo groups with a timeout; every rank fails together."""
 
 from __future__ import annotations
 
@@ -28,10 +26,9 @@ DEFAULT_TIMEOUT = float(os.environ.get("FCKPT_TIMEOUT", "600"))
 
 
 def checkpoint_group(timeout: float | None = None, purpose: str = "save") -> Any:
-    """A dedicated gloo group per ``purpose`` (saves on a background thread and the
-    manager's decisions never interleave). Creating one is a collective on the default
-    group: call it from the training thread, in the same order on every rank. Found
-    again by its tag in torch's registry, which a re-initialized job empties."""
+    """A dedicated gloo group per ``purpose``, so saves and the manager's decisions never
+    interleave. Creating one is a collective: call it from the training thread, in the same
+    order on every rank."""
     seconds = DEFAULT_TIMEOUT if timeout is None else float(timeout)
     tag, ranks = f"functional_ckpt:{purpose}:{seconds}", list(range(dist.get_world_size()))
     group = c10d._find_pg_by_ranks_and_tag(tag, ranks)
@@ -53,9 +50,8 @@ class Unanswered(CheckpointError):
 
 
 def _collective(op: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
-    """Run one collective: every one of the package runs here (tests/test_primitives.py),
-    so a lost peer is always :class:`Unanswered`. Returns once gloo's worker thread let
-    go of the tensors too: one it frees during interpreter shutdown aborts the process."""
+    """Run one collective (every one of the package runs here), so a lost peer is always
+    :class:`Unanswered`; returns once gloo's worker thread let go of the tensors too."""
     flat = [t for a in args for t in (a if isinstance(a, list) else [a])]
     tensors = [t for t in flat if isinstance(t, torch.Tensor)]
 
@@ -170,8 +166,7 @@ def broadcast_bytes(data: bytes, group: Any, src: int = 0) -> bytes:
 
 
 def scatter_bytes(parts: list[bytes] | None, group: Any, src: int = 0) -> bytes:
-    """Rank ``src``'s ``parts[r]`` on each rank ``r`` of ``group`` (the others pass None):
-    the longest part's size and its own, whatever the world (unlike ``scatter_object_list``)."""
+    """Rank ``src``'s ``parts[r]`` on each rank ``r`` of ``group`` (the others pass None)."""
     mine = dist.get_rank(group) == src
     if mine and (parts is None or len(parts) != dist.get_world_size(group)):
         raise ValueError("scatter_bytes: the source passes one part per rank")
@@ -240,8 +235,7 @@ def agree_values(error: BaseException | None, value: Any, group: Any, what: str)
 
 
 def report(error: BaseException | None) -> bytes:
-    """A rank's failure as it travels to the others (b"" for none). Never raises: a rank
-    that cannot say why it failed would leave the others waiting out the timeout."""
+    """A rank's failure as it travels to the others (b"" for none); never raises."""
     if error is None:
         return b""
     return f"{type(error).__name__}\0{_message(error)}".encode(errors="replace")

@@ -1,9 +1,7 @@
 """The bytes of one tensor as stock DCP stores it: a ``torch.save`` zip blob.
 
-``torch.save`` once per tensor is what makes DCP slow on many small tensors, so the
-zip of each (dtype, shape) is built once and filled per tensor (:class:`BlobTemplate`).
-It holds only the records ``torch.load`` reads (about 0.5 KB, not ``torch.save``'s
-1.5 KB); a tensor of 2 GiB or more keeps ``torch.save``'s zip64 framing.
+``torch.save`` per tensor makes DCP slow on many small tensors, so the zip of each
+(dtype, shape) is built once and filled per tensor (:class:`BlobTemplate`).
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ _DATE = (1 << 5) | 1  # 1980-01-01, the zip epoch, in MS-DOS date format
 
 
 def bytes_are_values(t: torch.Tensor) -> bool:
-    """Whether ``t``'s memory holds exactly its values, in order (contiguous host memory,
-    no lazy conjugate or negation bit): only then are its bytes written or read as they are."""
+    """Whether ``t``'s memory holds exactly its values, in order: only then are its bytes used."""
     return t.is_cpu and t.is_contiguous() and not (t.is_conj() or t.is_neg())
 
 
@@ -49,9 +46,8 @@ def lands_raw(t: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without a copy (writable). Not
-    ``t.numpy()``: numpy marks the storage never resizable again (a save must leave the
-    state as it found it). It keeps ``t`` alive, not its memory (:mod:`..storage.live`)."""
+    """The raw bytes of a contiguous CPU tensor, without a copy (writable). Not ``t.numpy()``:
+    numpy marks the storage never resizable again (a save must leave the state as it was)."""
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(b"")
@@ -61,9 +57,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 
 class _Sparse(io.RawIOBase):
-    """A seekable file keeping only what is written (``torch.save`` skips the tensor's
-    bytes), read back with zeros in the gaps: ``zipfile`` reads the small records
-    without a tensor-sized buffer."""
+    """A seekable file keeping only what is written, read back with zeros in the gaps."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -125,8 +119,7 @@ def _saved_empty(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[_Sparse, i
 
 
 def _compact_template(sink: _Sparse, nbytes: int) -> BlobTemplate:
-    """The records ``torch.load`` reads, taken from ``torch.save``'s zip, framed anew; the
-    data record's CRC32 follows it (a descriptor), so the head is the same for the spec."""
+    """The records ``torch.load`` reads, taken from ``torch.save``'s zip and framed anew."""
     with zipfile.ZipFile(sink) as z:
         names = z.namelist()
         pickles = [n for n in names if n.endswith("/data.pkl")]

@@ -1,5 +1,5 @@
 """Fixed-width unsigned integer columns: many numbers as one little-endian byte string,
-so a manifest of many tensors decodes as a few byte strings, not a container per field.
+so a manifest of many tensors decodes as a few byte strings.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Does a ``.metadata`` say what the manifest says? Compared field by field, without torch.
 
-Not its bytes: they depend on the torch that wrote them, so an honest file from
-another torch differs. The file is parsed into plain stand-ins (no torch) and what
-``dcp.load`` finds things by (kinds, dtypes, shapes, chunks, where bytes lie, key
-paths) is compared with the manifest's entries.
+Not its bytes: an honest file from another torch differs. What ``dcp.load`` finds
+things by (kinds, dtypes, shapes, chunks, offsets, key paths) is compared.
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ def transforms(c: Chunk) -> list[str] | None:
 
 
 def manifest_view(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] = ()) -> View:
-    """What the ``.metadata`` derived from these entries says (as
-    :func:`.dcp_metadata.metadata_for` builds it: later entries of a key win)."""
+    """What the ``.metadata`` derived from these entries says (later entries of a key win)."""
     chunks: dict[str, Any] = {}
     storage: dict[tuple[str, Any], Any] = {}
     planner: dict[str, Any] = {}
@@ -69,8 +66,7 @@ def _boxes(chunks: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
 
 
 def compare(found: View, expected: View, limit: int = 20) -> list[str]:
-    """Every way the file (``found``) would make stock DCP read differently from the
-    manifest (``expected``), at most ``limit`` of them."""
+    """Every way ``found`` would make stock DCP read other than ``expected``, at most ``limit``."""
     problems: list[str] = []
     a, b = found[0], expected[0]
     for fqn in sorted(set(a) | set(b)):

@@ -1,7 +1,5 @@
-"""DCP's ``.metadata`` of a checkpoint, derived from its manifest.
+"""DCP's ``.metadata`` of a checkpoint, derived from its manifest by one function.
 
-Stock DCP finds tensors and values through ``.metadata``, a pickle of its
-``Metadata``; here it is derived from the manifest by one function (:func:`derive`).
 The project's readers never read it; ``fc.verify`` compares it with the manifest.
 """
 
@@ -29,8 +27,7 @@ _VERSION: str | None = getattr(filesystem, "CURRENT_DCP_VERSION", None)
 def metadata_for(
     groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] = ()
 ) -> dcp.Metadata:
-    """The DCP ``Metadata`` describing a manifest's tensor groups (shared, then per rank)
-    and byte entries; equal strings, sizes and properties are one object each."""
+    """The DCP ``Metadata`` of a manifest's tensor groups and byte entries, equal strings shared."""
     strings: dict[str, str] = {}
     props: dict[torch.dtype, dcp.TensorProperties] = {}
     sizes: dict[tuple[int, ...], torch.Size] = {}
@@ -79,10 +76,8 @@ def metadata_for(
 def derive(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] = ()) -> bytes:
     """The exact bytes of ``.metadata`` for a manifest: a pickle stock ``dcp.load`` reads.
 
-    Written opcode by opcode (:mod:`.dcp_pickle`): it unpickles to what
-    :func:`metadata_for` builds, field for field, without building it. The bytes
-    depend only on the layout (never on values or checksums), and a training loop
-    saves one layout again and again: the last one is kept (:func:`_derived`).
+    They depend only on the layout, and a loop saves one layout again and again, so the
+    last one is kept (:func:`_derived`).
     """
     return _derived(_Layout(groups, blobs))
 

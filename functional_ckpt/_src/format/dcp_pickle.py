@@ -1,12 +1,8 @@
 """The bytes of DCP's ``.metadata`` written as pickle opcodes, without DCP's objects.
 
-At a thousand ranks ``.metadata`` holds over a hundred thousand chunks, and building
-and pickling DCP's objects for each was most of the coordinator's work. Here each
-object is the opcodes ``pickle`` would write (classes, strings and sizes memoised),
-and a tensor's chunk records are written at once as numpy columns: no Python per chunk.
-
-``pickle.load`` makes of them what :func:`.dcp_metadata.metadata_for` builds, field
-for field (the bytes are not torch's own; nothing compares bytes). :func:`supported`
+At a thousand ranks, building and pickling DCP's objects per chunk was most of the
+coordinator's work; here chunk records are written as numpy columns. ``pickle.load``
+makes of them what :func:`.dcp_metadata.metadata_for` builds; :func:`supported`
 checks that the installed torch reduces its classes as written here.
 """
 
@@ -102,8 +98,7 @@ def _get(i: int) -> bytes:
 
 
 class _Memo:
-    """A pickle's memo as it is written: each method returns the opcodes pushing a value
-    (the value and ``MEMOIZE`` the first time, a ``GET`` after), placed in order."""
+    """A pickle's memo as it is written: each method returns the opcodes pushing a value."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -162,8 +157,7 @@ def _dcp(name: str) -> Callable[[], Any]:
 def write(
     groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry], version: str | None
 ) -> bytes:
-    """The pickle of what :func:`.dcp_metadata.metadata_for` builds, written directly
-    (three passes, in the order ``Metadata`` pickles its fields)."""
+    """The pickle of what :func:`.dcp_metadata.metadata_for` builds, written directly."""
     m = _Memo()
     s, size, obj = m.string, m.size, m.obj
     out: list[bytes | bytearray] = [pickle.PROTO + b"\x04"]
@@ -306,8 +300,7 @@ def _numbers(values: np.ndarray) -> tuple[bytes, np.ndarray]:
 
 
 def _records(n: int, *pieces: bytes | tuple[bytes, np.ndarray]) -> bytearray:
-    """``n`` runs of ``pieces``: the bytes as they are, each (opcode, column) the
-    opcode and the column's n-th value, little-endian (one numpy copy a column)."""
+    """``n`` runs of ``pieces``: bytes as they are, (opcode, column) pairs as little-endian."""
     template: list[bytes] = []
     columns: list[np.ndarray] = []
     offsets: list[int] = []

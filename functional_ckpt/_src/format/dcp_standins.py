@@ -1,9 +1,7 @@
 """Plain stand-ins for the classes and torch values a DCP ``.metadata`` pickle names.
 
-The hardened unpickler (:mod:`.unpickler`) resolves every name it allows to these
-(same names, fields and class-level defaults as DCP's), so reading a ``.metadata``
-needs no torch and no pickle can reach, let alone alter, a torch object.
-``tests/test_storage_hardening.py`` checks them against torch.
+The hardened unpickler resolves every name it allows to these (same names, fields and
+defaults as DCP's), so no pickle can reach a torch object.
 """
 
 from __future__ import annotations

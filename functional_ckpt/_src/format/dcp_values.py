@@ -1,19 +1,10 @@
 """How a state looks to stock DCP: its non-tensor values as DCP byte entries.
 
-Stock ``dcp.load`` and ``dcp_to_torch_save`` find a non-tensor value of a state
-dict as a *byte entry*: ``torch.save`` bytes of the value in a shard file, named
-in ``.metadata`` by a ``BytesStorageMetadata`` under the key DCP's flattening
-gives it (dicts are walked key by key, a list of dicts element by element, so an
-optimizer's learning rate is ``optimizer.param_groups.0.lr``). Every small plain
-value of a checkpoint is written that way too, into the same shard file, and
-recorded in the manifest (``dcp_bytes``) with its checksum, so ``.metadata``
-stays a function of the manifest and ``fc.verify`` covers those bytes like
-tensor data. They exist for stock readers only: this package never reads them.
-
-DCP's ``get_state_dict`` keys an optimizer's state by parameter name, where
-``optimizer.state_dict()`` uses positions; :func:`optimizer_record` lets
-``fc.capture`` record the names, and DCP keys under that optimizer then follow
-``get_state_dict`` (:func:`optimizer_names`, :func:`dcp_path`).
+Stock ``dcp.load`` finds a non-tensor value as ``torch.save`` bytes in a shard file,
+named in ``.metadata`` under DCP's flattened key. Every small plain value is written
+that way too, with its checksum in the manifest (``dcp_bytes``), so ``.metadata``
+stays a function of the manifest and ``fc.verify`` covers those bytes; this package
+never reads them. :func:`optimizer_record` lets optimizer keys follow ``get_state_dict``.
 """
 
 from __future__ import annotations
@@ -49,10 +40,7 @@ _PLAIN = (type(None), bool, int, float, str)
 
 @dataclass(frozen=True, slots=True)
 class ByteEntry:
-    """One value as stock DCP stores it: where its ``torch.save`` bytes lie and their CRC32.
-
-    Planned with its ``data``; the shard writer returns it located (``data`` dropped).
-    """
+    """One value as stock DCP stores it: where its ``torch.save`` bytes lie and their CRC32."""
 
     fqn: str
     path: DcpPath
@@ -63,8 +51,7 @@ class ByteEntry:
     crc32: int = 0
 
     def located(self, file: str, offset: int) -> ByteEntry:
-        """This entry as written at ``offset`` of ``file`` (its data dropped, its CRC32
-        kept): what the shard writer returns, one per value, so built directly."""
+        """This entry as written at ``offset`` of ``file``, its data dropped."""
         return ByteEntry(self.fqn, self.path, b"", file, offset, len(self.data), crc32(self.data))
 
     def to_plain(self) -> dict[str, Any]:
@@ -82,10 +69,7 @@ class ByteEntry:
 
 
 def param_names(model: Any, optimizer: Any) -> list[str] | None:
-    """Each optimizer parameter's name in ``model`` by position (as in ``state_dict()``).
-
-    None when a parameter of the optimizer is not one of the model's.
-    """
+    """Each optimizer parameter's name in ``model`` by position; None if one is not the model's."""
     names: dict[int, str] = {}
     for name, p in model.named_parameters():
         names.setdefault(id(p), name)
@@ -158,10 +142,7 @@ def flatten(prefix: DcpPath, value: Any, depth: int = 0) -> Iterator[tuple[DcpPa
 
 
 def _plain(value: Any, budget: list[int], depth: int = 0) -> bool:
-    """A small value ``torch.load(weights_only=True)`` and every stock reader rebuild as it was.
-
-    ``budget`` counts down the elements visited; a value that exhausts it is not small.
-    """
+    """A small value every stock reader rebuilds as it was; ``budget`` counts elements down."""
     budget[0] -= 1
     if budget[0] < 0 or depth > _MAX_DEPTH:
         return False
@@ -185,8 +166,7 @@ _LARGE_INT = 1 << 4096
 
 
 def _saved(value: Any) -> bytes:
-    """``torch.save`` bytes of a plain value, equal values sharing one result: keyed by
-    the value's exact encoding (``1``, ``1.0`` and ``True``, tuples and lists differ)."""
+    """``torch.save`` bytes of a plain value, equal values (by exact encoding) sharing them."""
     return _saved_encoded(codec.encode(value))
 
 
@@ -211,11 +191,8 @@ def plan_bytes(
 ) -> list[ByteEntry]:
     """The byte entries of a state's shared values, their ``torch.save`` bytes made.
 
-    ``taken`` holds the DCP keys of tensors (a value never shadows one);
-    container records, values that are not plain data and large values are
-    left to the manifest alone, and so are values whose DCP keys collide
-    (``a.b`` and ``a`` -> ``b``): a stock reader asking for one of them must
-    not be handed the other's value.
+    ``taken``: the DCP keys of tensors. Containers, non-plain or large values and values
+    whose DCP keys collide (``a.b`` and ``a`` -> ``b``) are left to the manifest alone.
     """
     out: list[ByteEntry] = []
     seen = set(taken)
@@ -235,8 +212,7 @@ def plan_bytes(
 def _entries(
     values: Sequence[tuple[KeyPath, Any]], optimizers: Mapping[KeyPath, list[str]]
 ) -> Iterator[list[tuple[str, DcpPath, Any]]]:
-    """Per value (container records skipped), the (DCP key, object path, value) entries
-    DCP's flattening makes of it, parameter positions named as ``get_state_dict`` does."""
+    """Per value, the (DCP key, object path, value) entries DCP's flattening makes of it."""
     for path, value in values:
         if path[-1] == NODE_KEY:
             continue
@@ -271,12 +247,9 @@ def from_manifest(
     values: Sequence[tuple[KeyPath, Any]], taken: set[str]
 ) -> Callable[[str], bytes | None]:
     """The ``torch.save`` bytes of a checkpoint's value by DCP key (None: none), made from
-    the manifest's (authenticated, msgpack) values as a save plans them, when first asked
-    for: a load may ask for none. A key a save listed has one value a save would write
-    (the first: those before it are not, and none follows it).
-
-    Stock DCP's planner unpickles what a reader hands it: made here, those bytes never
-    come from the checkpoint's files."""
+    the manifest's values as a save plans them, when first asked for: stock DCP's planner
+    unpickles them, so they never come from the checkpoint's files.
+    """
     optimizers = dict(filter(None, (optimizer_names(p, v) for p, v in values)))
     by_key: dict[str, list[Any]] | None = None
 

@@ -1,8 +1,7 @@
-"""Manifest entries validated: a key path, a node, a value, a tensor and its chunks, and
-tensor tables (many plain tensors at once, every row held to a tensor entry's checks).
+"""Manifest entries validated: key paths, nodes, values, tensors, chunks and tensor tables.
 
-The common, well-formed record passes checks done in line (a manifest holds tens of
-thousands); any other goes through the checks that name what is wrong with it.
+A well-formed record passes checks done in line (a manifest holds tens of thousands);
+any other goes through the checks that name what is wrong with it.
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ ZSTD_HEAD = 1 << 16
 
 @dataclass
 class ParsedManifest:
-    """A manifest whose entries were checked against the checkpoint's files; ``order``:
-    the tree as one rank sees it."""
+    """A manifest checked against the checkpoint's files; ``order``: the tree one rank sees."""
 
     raw: dict[str, Any]
     rank: int = 0
@@ -54,13 +52,11 @@ class ParsedManifest:
 def check_coverage(
     shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]], what: str
 ) -> None:
-    """Every element of a tensor of ``shape`` lies in exactly one box (offsets, sizes),
-    given boxes inside the tensor whose element counts add up to its own (a reader that
-    trusted them could return a hole, or pick one of two overlapping writes).
+    """Every element of a tensor of ``shape`` lies in exactly one box (a reader that trusted
+    the boxes could return a hole, or pick one of two overlapping writes).
 
-    The box boundaries cut the tensor into a grid (one cell per box for real layouts);
-    a cell filled twice is an overlap (CorruptCheckpoint), and the counts then leave no
-    cell empty. More cells than ``LIMITS.coverage_cells``: UnsafeCheckpoint.
+    A cell of the grid the box boundaries cut filled twice is an overlap (CorruptCheckpoint);
+    the element counts then leave no cell empty. Over ``LIMITS.coverage_cells``: UnsafeCheckpoint.
     """
     boxes = [(o, s) for o, s in boxes if math.prod(s)]  # empty boxes cover nothing
     if len(boxes) <= 1:
@@ -97,8 +93,7 @@ def check_coverage(
 
 
 def checked_dtype_name(name: object, where: str) -> str:
-    """The name a manifest gives a dtype, if the format knows it (torch's other names
-    of a dtype, such as ``float``, stand for its own)."""
+    """The name a manifest gives a dtype, if the format knows it (aliases such as ``float`` too)."""
     if isinstance(name, str):
         name = DTYPE_ALIASES.get(name, name)
         if name in DTYPE_SIZES:
@@ -253,8 +248,7 @@ _NUMBERS = tuple(k for k, _ in _FIELDS[:6])  # ``zstd`` may be left out: 0
 
 
 def checked_chunk(c: object, entry: TensorEntry, out: ParsedManifest, where: str) -> Chunk:
-    """A chunk record checked, every fault named (in line: a manifest holds tens of
-    thousands)."""
+    """A chunk record checked in line, every fault named."""
     if type(c) is not dict:
         raise CorruptCheckpoint(f"{where}: invalid chunk")
     offsets, sizes, shape = c.get("offsets"), c.get("sizes"), entry.shape

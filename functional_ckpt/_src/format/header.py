@@ -1,8 +1,7 @@
 """What a manifest says beside the tree (save time, metrics, the manager's record), typed.
 
-A manifest is authenticated, not trusted (anyone may re-sign one), so every reader
-goes through :func:`header_of`: a value of the wrong type, a bool for a number, NaN,
-infinity or a time outside 1970-9999 is *unknown*, never fatal nor misread.
+A manifest is authenticated, not trusted, so :func:`header_of` reads a value of the
+wrong type, NaN, infinity or a time outside 1970-9999 as *unknown*, never fatal.
 """
 
 from __future__ import annotations
@@ -50,8 +49,7 @@ def metrics_of(value: object) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Record:
-    """The manager's record of a checkpoint (``metadata["manager"]``); ``raw`` as stored,
-    for the policy states it carries."""
+    """The manager's record of a checkpoint (``metadata["manager"]``); ``raw`` as stored."""
 
     step: int | None = None
     epoch: int | None = None
@@ -79,8 +77,7 @@ def record_of(metadata: Mapping[str, Any]) -> Record:
 
 @dataclass(frozen=True)
 class Header:
-    """A manifest's save time (None when unknown), ``metadata`` (``{}`` when no mapping),
-    the manager's ``record`` in it, and format ``version``."""
+    """A manifest's save time, ``metadata``, the manager's ``record`` and format ``version``."""
 
     created: float | None
     metadata: Mapping[str, Any]

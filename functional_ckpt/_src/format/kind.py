@@ -1,7 +1,5 @@
-"""What a path is, decided in one place, so every reader, lister and writer agrees.
-
-Only directory entries are read (``lstat``, no link followed): a directory *claims*
-to be committed by its ``COMMITTED`` entry; the reader that opens it checks the claim.
+"""What a path is, decided in one place, so every reader, lister and writer agrees. Only
+directory entries are read: a ``COMMITTED`` entry is a claim the opening reader checks.
 """
 
 from __future__ import annotations
@@ -70,8 +68,7 @@ def _directory_kind(path: Path, by_name: bool = True) -> Kind | None:
 
 
 def classify(path: Path, *, by_name: bool = True) -> Kind:
-    """What ``path`` is; ``by_name=False`` looks past a temporary or quarantined name
-    at what the directory holds (a killed save's ``step_N.tmp-…``)."""
+    """What ``path`` is; ``by_name=False`` looks past a temporary or quarantined name."""
     early = _directory_kind(path, by_name)
     if early is not None:
         return early
@@ -112,14 +109,12 @@ def _member(kind: Kind, name: str, regular: bool) -> bool:
 
 
 def holds_only_its_own(path: Path, kind: Kind) -> bool:
-    """Whether every entry of ``path`` (of ``kind``) is its own file: replacing it then
-    loses nothing else (a notes file, a subdirectory, a link)."""
+    """Whether every entry of ``path`` (of ``kind``) is its own file: replacing it loses nothing."""
     return all(_member(kind, n, regular) for n, regular in _entries(path).items())
 
 
 def is_stock_dcp(path: Path) -> bool:
-    """A directory written by stock DCP (a link the caller named followed), counted only
-    if it stayed at the path meanwhile (one being replaced may list half-deleted)."""
+    """A directory written by stock DCP, counted only if it stayed at the path meanwhile."""
     real = Path(os.path.realpath(path))
     for _ in range(3):
         before = _identity(real)

@@ -1,7 +1,5 @@
-"""The manifest model: the entries a save writes and the manifest they make.
-
-The manifest is the one place that knows the tree (every node, value, and tensor
-spec, location and checksums); :mod:`.view` returns these classes once validated.
+"""The manifest model: the entries a save writes and the manifest they make (the one
+place that knows the tree); :mod:`.view` returns these classes once validated.
 """
 
 from __future__ import annotations
@@ -66,8 +64,7 @@ def shape_problem(shape: Sequence[int], dtype: str) -> str | None:
 
 
 class Chunk(NamedTuple):
-    """One stored piece of a tensor: a box of the global tensor, where its bytes are and
-    their checksums (a named tuple: a save or a restore makes one per tensor)."""
+    """One stored piece of a tensor: a box of the global tensor, where its bytes are, checksums."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -160,8 +157,7 @@ class NodeEntry:
 
 @dataclass(frozen=True, slots=True)
 class ValueEntry:
-    """A non-tensor leaf, stored exactly through the codec: encoded once, when the save
-    plans (``encoded``), so an asynchronous save commits the value as it was at the call."""
+    """A non-tensor leaf, encoded once when the save plans: an async save commits it as it was."""
 
     path: KeyPath
     value: Any
@@ -197,8 +193,7 @@ class Tree:
 
 @dataclass(frozen=True)
 class Written:
-    """What a save's write stage put on disk: chunks by DCP key, the values' byte
-    entries, and extra fields of the file table (reused files)."""
+    """What a save's write stage put on disk: chunks by DCP key, byte entries, file table extras."""
 
     chunks: Mapping[str, tuple[Chunk, ...]]
     blobs: tuple[ByteEntry, ...] = ()
@@ -208,8 +203,7 @@ class Written:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A checkpoint's manifest as a save commits it (built by :func:`assemble`);
-    :meth:`encode` gives its bytes."""
+    """A checkpoint's manifest as a save commits it (built by :func:`assemble`)."""
 
     created: float
     metadata: Any
@@ -252,8 +246,7 @@ class Manifest:
         return [[e for e in g if type(e) is TensorEntry] for g in (self.entries, *self.ranks)]
 
     def encode(self) -> bytes:
-        """The manifest's bytes: the values and the metadata as they were encoded when
-        the save was planned, spliced into the rest (plain data, packed once)."""
+        """The manifest's bytes: values and metadata as encoded when planned, spliced in."""
         head: dict[str, Any] = {
             "format": naming.FORMAT_NAME,
             "version": self.version,
@@ -281,8 +274,7 @@ class Manifest:
 
     @cached_property
     def part_rows(self) -> Sequence[bytes]:
-        """Each part's rows packed (unless the coordinator packed them), the evenly split
-        tensors in the index's order."""
+        """Each part's rows packed (unless the coordinator packed them), in the index's order."""
         if self.rows is not None:
             return self.rows
         from functional_ckpt._src.format.packed_rows import chunk_rows  # numpy: writing only
@@ -291,9 +283,8 @@ class Manifest:
         return chunk_rows(split, len(self.ranks))
 
     def encode_part(self, rank: int) -> bytes:
-        """Part ``rank`` of a split manifest: that rank's per-rank entries, its chunk of
-        every evenly split tensor and its files, then the CRC32 of those bytes (4
-        bytes, little-endian): it checks itself."""
+        """Part ``rank`` of a split manifest: that rank's per-rank entries, its chunk of every
+        split tensor and its files, then their CRC32 (4 bytes, little-endian)."""
         head = {"format": naming.FORMAT_NAME, "version": self.version, "part": rank}
         head |= {"created": self.created, "files": self.listed.get(rank, {})}
         parts = [_map_header(len(head) + 2), _elements(_flat(head))]
@@ -304,8 +295,7 @@ class Manifest:
 
 
 def with_chunks(tree: Tree, written: Written) -> tuple[tuple[Entry, ...], ...]:
-    """The tree's entry groups (shared, then each rank's) with the chunks written (an
-    alias gets its target's: stock DCP finds each key's bytes through ``.metadata``)."""
+    """The tree's entry groups (shared, then each rank's) with the chunks written."""
     by_path: dict[KeyPath, tuple[Chunk, ...]] = {}
     groups: list[tuple[Entry, ...]] = []
     chunks_of = written.chunks.get
@@ -336,9 +326,8 @@ def assemble(
     metadata: Any,
     metadata_bytes: bytes | None = None,
 ) -> Manifest:
-    """The one way a manifest is made: the planned tree, filled with what was written; a
-    tensor whose chunks are the even split of one dimension across the ranks records
-    that dimension instead of its boxes."""
+    """The one way a manifest is made: the planned tree, filled with what was written (an even
+    split of one dimension across the ranks records that dimension instead of its boxes)."""
     shared, *ranks = with_chunks(tree, written)
     spliced = written.spliced
     split: dict[KeyPath, int] = {}
@@ -392,8 +381,7 @@ def _elements(items: list[Any]) -> bytes:
 
 
 def _pack_path(path: KeyPath) -> bytes:
-    """A key path as :func:`_pack` packs it (a string that is no valid UTF-8 by itself,
-    a lone surrogate, takes the checked way)."""
+    """A key path as :func:`_pack` packs it (a lone surrogate takes the checked way)."""
     try:
         return bytes(_PACKER.pack(list(path)))
     except UnicodeEncodeError:
@@ -411,9 +399,8 @@ def _entries(
     split: Mapping[KeyPath, int] | None = None,
     tables: Sequence[tuple[int, int]] = (),
 ) -> bytes:
-    """An array of entries: runs of plain ones packed at once, values spliced in
-    (``split``: tensors written with their rule instead of their chunks; ``tables``:
-    the runs written as tensor tables, from :func:`table_runs`)."""
+    """An array of entries: runs of plain ones packed at once, values spliced in (``split``:
+    the split rule instead of chunks; ``tables``: runs from :func:`table_runs` as tables)."""
     parts = [_array_header(len(entries) - sum(b - a for a, b in tables) + len(tables))]
     run: list[Any] = []
     starts = dict(tables)

@@ -7,8 +7,6 @@ from pathlib import Path
 
 from functional_ckpt.errors import UnsafeCheckpoint
 
-# --------------------------------------------------------------------------- a checkpoint
-
 FORMAT_NAME = "functional_ckpt"
 #: The highest format version this code reads; a save writes the lowest that describes
 #: its checkpoint: one manifest, split into parts, with tensor tables, parts that list
@@ -55,14 +53,11 @@ def is_shard_file(name: str) -> bool:
 
 
 def safe_member(root: Path, name: object) -> Path:
-    """A file name from a manifest as a path in ``root``; anything else is refused (links
-    and special files are refused when opened: :mod:`..storage.opener`)."""
+    """A file name from a manifest as a path in ``root``; anything else is refused."""
     if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
         raise UnsafeCheckpoint(f"{root}: the manifest names an unsafe file {name!r}")
     return root / name
 
-
-# --------------------------------------------------------------------------- siblings
 
 #: A save in progress writes ``<name>.tmp-<id>``; a deletion renames to ``<name>.trash-<id>``.
 TMP_INFIX = ".tmp-"
@@ -93,8 +88,6 @@ def base_name(name: str) -> str:
     return name
 
 
-# --------------------------------------------------------------------------- a root
-
 _STEP_RE = re.compile(r"step_(\d{1,30})")
 #: Where a manager writes its exports, and where a rollback keeps the newer steps.
 EXPORTS_DIR = "exports"
@@ -107,8 +100,7 @@ def step_name(step: int) -> str:
 
 
 def parse_step(name: str) -> int | None:
-    """The step of a canonical checkpoint directory name, else None (only the exact
-    :func:`step_name`: ``step_5`` beside ``step_000000005`` is not one step twice)."""
+    """The step of a canonical checkpoint directory name (only the exact :func:`step_name`)."""
     m = _STEP_RE.fullmatch(name)
     return int(m.group(1)) if m and step_name(int(m.group(1))) == name else None
 
@@ -118,8 +110,6 @@ def step_in_name(name: str) -> int | None:
     m = _STEP_RE.fullmatch(base_name(name))
     return int(m.group(1)) if m else None
 
-
-# --------------------------------------------------------------------------- exports, recordings
 
 #: A safetensors export (Hugging Face layout): one file, or shards and their index.
 EXPORT_WEIGHTS = "model.safetensors"

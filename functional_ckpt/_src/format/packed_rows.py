@@ -1,9 +1,5 @@
 """A split manifest's part rows packed from number columns, byte for byte as msgpack packs
-:func:`.parts.rows` of the same chunks.
-
-A save at thousands of ranks writes millions of rows whose numbers (offsets, CRC32s)
-arrive as fixed-width columns; packing them here costs a few numpy passes instead of
-a Python object per chunk on the coordinator.
+:func:`.parts.rows`: a few numpy passes instead of a Python object per chunk.
 """
 
 from __future__ import annotations
@@ -25,9 +21,8 @@ COLUMNS = 8
 
 @dataclass
 class Spliced:
-    """What the coordinator of a multi-rank save packed from every rank's columns
-    (``save/splice``): the evenly split tensors, each part's rows, and ``.metadata`` (the
-    last save's, else derived by this save and kept here)."""
+    """What the coordinator of a multi-rank save packed from every rank's columns: the evenly
+    split tensors, each part's rows, and ``.metadata`` (the last save's, else derived)."""
 
     split: Mapping[KeyPath, int]
     rows: Sequence[bytes]
@@ -58,8 +53,7 @@ def _put(buf: np.ndarray, at: np.ndarray, v: np.ndarray, w: np.ndarray) -> None:
 
 
 def pack_rows(names: Sequence[str], table: np.ndarray, bounds: Sequence[int]) -> list[bytes]:
-    """Each part's rows as one msgpack array: part ``i`` holds ``table[bounds[i]:bounds[i+1]]``
-    (``table``: one row of :data:`COLUMNS` unsigned numbers a chunk)."""
+    """Each part's rows as one msgpack array: part ``i`` holds ``table[bounds[i]:bounds[i+1]]``."""
     packed = [bytes(msgpack.packb(n, use_bin_type=True)) for n in names]
     lens = np.array([len(p) for p in packed] or [0], np.int64)
     file, ints, zstd = table[:, 0], table[:, 1:7], table[:, 7]

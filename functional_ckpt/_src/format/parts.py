@@ -1,9 +1,7 @@
 """A split manifest: the sharding rule that places each rank's chunk, and a part's rows.
 
-A multi-rank save writes an *index* (the tree) and one *part* per rank. A tensor
-evenly split along one dimension (FSDP2's ``Shard(dim)``) records only that dimension:
-each part's box follows from the shape, and a restoring rank reads only the parts
-whose boxes meet its own shards.
+A tensor evenly split along one dimension (FSDP2's ``Shard(dim)``) records only that
+dimension, so a restoring rank reads only the parts whose boxes meet its own shards.
 """
 
 from __future__ import annotations
@@ -68,16 +66,14 @@ def split_dim(shape: Sequence[int], boxes: Sequence[Any], parts: int) -> int | N
 
 
 def owned_split(shape: Sequence[int], chunks: Sequence[Any], parts: int) -> int | None:
-    """:func:`split_dim` of chunks (sorted) each in its part's rank's file: a part's
-    file table lists its own rank's files, so a permuted mesh's shards stay in the index."""
+    """:func:`split_dim` of chunks (sorted) each in its part's rank's file, else None."""
     if [(parse_shard(c.file) or (-1,))[0] for c in chunks] != list(range(parts)):
         return None
     return split_dim(shape, chunks, parts)
 
 
 def overlapping(extent: int, parts: int, start: int, length: int) -> range:
-    """The chunks of a dimension of ``extent`` split in ``parts`` that meet
-    ``[start, start + length)``."""
+    """The chunks of an ``extent`` split in ``parts`` that meet ``[start, start + length)``."""
     if length <= 0:
         return range(0)
     step = split_size(extent, parts)
@@ -87,10 +83,8 @@ def overlapping(extent: int, parts: int, start: int, length: int) -> range:
 def file_tables(
     files: Mapping[str, Mapping[str, Any]], in_index: set[str], parts: int
 ) -> dict[int, dict[str, dict[str, Any]]]:
-    """The file table of the index (-1) and of each part that lists files: rank ``r``'s
-    shard files lie in part ``r``, so that a restoring rank reads the tables of the
-    index and of the parts it reads, never every rank's; the files an index chunk or
-    byte entry names (``in_index``) stay in the index."""
+    """The file table of the index (-1) and of each part that lists files: a restoring rank
+    reads only the tables of the index and of the parts it reads."""
     out: dict[int, dict[str, dict[str, Any]]] = {-1: {}}
     for name, info in files.items():
         shard = parse_shard(name)
@@ -100,14 +94,12 @@ def file_tables(
 
 
 def rows(chunks: Sequence[Any]) -> list[list[Any]]:
-    """Each chunk as a part row: :data:`ROW_FIELDS` of it, in order (a chunk's fields
-    after its box; ``zstd`` only where set)."""
+    """Each chunk as a part row: :data:`ROW_FIELDS` of it (``zstd`` only where set)."""
     return [list(c[2:] if c.zstd else c[2:9]) for c in chunks]
 
 
 def row_plain(values: object, box: Box) -> dict[str, Any] | None:
-    """A part row with its box, as a chunk's plain map (validated by the one chunk
-    parser, :mod:`.view`); None if it is not a row."""
+    """A part row with its box, as a chunk's plain map; None if it is not a row."""
     if not isinstance(values, list) or not 7 <= len(values) <= len(ROW_FIELDS):
         return None
     return dict(zip(ROW_FIELDS, values, strict=False)) | {"offsets": [*box[0]], "sizes": [*box[1]]}

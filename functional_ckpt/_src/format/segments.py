@@ -1,9 +1,7 @@
 """Run checksums: one CRC32 over a run of adjacent small blobs of a shard file.
 
-Checking three checksums per small tensor costs more than reading it, so a reader of
-a whole *segment* checks one CRC32, and checks its blobs one by one only if it fails
-(naming the damaged ones). A file's record holds ``segments``: three columns
-(:mod:`.columns`), ``offset`` and ``length`` of 8 bytes and ``crc32`` of 4, in file order.
+Three checksums per small tensor cost more than reading it, so a reader checks one
+CRC32 per segment and the blobs one by one only if it fails (naming the damaged ones).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Which entries a tensor table holds, and the table they make (:mod:`.tables` reads it).
 
-A manifest's shared entries are written as tables where a run of plain tensors (one
-whole chunk each, in one file) and the bare nodes between them is long enough; the
-rows are told apart by their ``kind`` (``format/manifest``'s entries, which import this
-module).
+Long runs of plain one-chunk tensors and the bare nodes between them are written as
+tables, their rows told apart by ``kind``.
 """
 
 from __future__ import annotations
@@ -42,9 +40,8 @@ def _row_file(e: Any, split: Mapping[KeyPath, int] | None) -> str | None:
 def table_runs(
     entries: Sequence[Any], split: Mapping[KeyPath, int] | None = None
 ) -> list[tuple[int, int]]:
-    """``(start, end)`` of every run of at least :data:`TABLE_MIN_ROWS` entries in a
-    row that a tensor table holds: plain tensors whose chunks lie in one file, and the
-    nodes between them (an optimizer's state is a node per parameter)."""
+    """``(start, end)`` of every run of at least :data:`TABLE_MIN_ROWS` entries a tensor table
+    holds: plain tensors in one file, and the nodes between them."""
     runs: list[tuple[int, int]] = []
     start, file, tensors = 0, "", 0  # the run's first entry, its file, its tensors
     for i, e in enumerate((*entries, None)):

@@ -1,8 +1,7 @@
 """The hardened reader of ``.metadata`` files (a stock checkpoint's, or one being verified).
 
-A pickle runs code, so a pure-Python unpickler vets every opcode: it resolves only
-DCP's metadata names, to torch-free stand-ins (:mod:`.dcp_standins`), fills only
-instances it created, and checks every field's type before DCP objects are made.
+A pickle runs code, so every opcode is vetted: only DCP's metadata names resolve, to
+torch-free stand-ins, and every field's type is checked.
 """
 
 from __future__ import annotations
@@ -50,8 +49,7 @@ def _refusing(what: str, self: Any) -> None:
 def _filler(
     name: str, kinds: tuple[type, ...] | None, at: int, keys: slice | None
 ) -> Callable[[Any], None]:
-    """Pickle's ``load_<name>``, vetted: what it fills is one of ``kinds``, and its new
-    keys flood no table."""
+    """Pickle's ``load_<name>``, vetted: it fills one of ``kinds`` and floods no table."""
     load = getattr(pickle._Unpickler, f"load_{name.lower()}")
 
     def vetted(self: Any) -> None:
@@ -156,8 +154,7 @@ class RestrictedUnpickler(pickle._Unpickler):
         return self.metastack[-1][-1]
 
     def _count(self, table: Any, keys: list[Any]) -> None:
-        """Refuse keys that would flood ``table`` (the msgpack decoder's bound), over
-        every key it ever receives."""
+        """Refuse keys that would flood ``table``, over every key it ever receives."""
         counts = self._hashes.setdefault(id(table), (table, collections.Counter()))[1]
         for key in keys:
             try:
@@ -211,8 +208,7 @@ def _bad(where: str) -> CorruptCheckpoint:
 
 
 def _check_fields(obj: Any, cls: type, where: str) -> None:
-    """``obj`` is a ``cls`` (its fields only: :meth:`RestrictedUnpickler.load_build`);
-    the fields its pickle left out take DCP's defaults."""
+    """``obj`` is a ``cls`` (its fields only); fields its pickle left out take DCP's defaults."""
     if type(obj) is not cls:
         raise _bad(f"{where} is a {type(obj).__name__}, not a {cls.__name__}")
     if cls is sd.TensorProperties and "dtype" not in vars(obj):
@@ -312,8 +308,7 @@ def load_standins(raw: bytes, source: Path) -> sd.Metadata:
 
 
 def load_foreign(raw: bytes, source: Path) -> DcpMetadata:
-    """DCP's own ``Metadata`` of a ``.metadata``, made by DCP's constructors from the
-    checked stand-ins (:func:`load_standins`): nothing reaches torch before it is vetted."""
+    """DCP's own ``Metadata`` of a ``.metadata``, made from the checked stand-ins."""
     import torch
     from torch.distributed.checkpoint import filesystem
     from torch.distributed.checkpoint import metadata as dcp
@@ -345,8 +340,7 @@ def load_foreign(raw: bytes, source: Path) -> DcpMetadata:
 
 
 def scan_pickle(raw: bytes, source: Path) -> UnsafeCheckpoint | None:
-    """Whether a pickle names anything outside the allow-list, read statically: tells a
-    hostile ``.metadata`` from a merely damaged one."""
+    """Whether a pickle names anything outside the allow-list: hostile, not merely damaged."""
     recent: list[str | None] = []  # what the last opcodes pushed (strings only)
     memo: dict[int, str | None] = {}
     try:

@@ -1,7 +1,5 @@
-"""A decoded manifest validated once, and every rank's view of it.
-
-The manifest is untrusted input: every field is checked against the file table
-before a byte is allocated, and every rank's view derives from that one validation.
+"""A decoded manifest validated once, and every rank's view of it. The manifest is untrusted:
+every field is checked against the file table before a byte is allocated.
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ from functional_ckpt.errors import CorruptCheckpoint
 def _files(
     manifest: dict[str, Any], root: Path, src: str
 ) -> tuple[dict[str, int], dict[str, tuple[Segment, ...]]]:
-    """The file table: safe names, recorded sizes and run checksums (where recorded); a
-    table naming the marker or the manifest is forged."""
+    """The file table: safe names, sizes, run checksums; one naming marker or manifest is forged."""
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise CorruptCheckpoint(f"{src}: missing file table")
@@ -73,8 +70,7 @@ _GROWN = ("tensors", "values", "nodes", "node_info", "inner", "split")
 
 @dataclass
 class ParsedCheckpoint:
-    """A manifest validated once: the shared tree, and every rank's view derived from it
-    (each rank's entries, and a split manifest's parts, checked when first needed)."""
+    """A manifest validated once: the shared tree, and every rank's view (checked when needed)."""
 
     shared: ParsedManifest  # the view of ``rank=None``: per-rank subtrees left out
     ranks: list[list[Any]]  # each rank's per-rank entries, as decoded (one manifest)
@@ -90,8 +86,7 @@ class ParsedCheckpoint:
         return self.shared.world_size
 
     def view(self, rank: int | None, parts: Iterable[int] | None = None) -> ParsedManifest:
-        """The tree as ``rank`` sees it (None: without any per-rank subtree); with
-        ``parts``, split tensors hold only those parts' chunks (no other part read)."""
+        """The tree as ``rank`` sees it (None: no per-rank subtree), of ``parts`` only if given."""
         if parts is None:
             self._complete()
         if rank is not None and (rank, self.complete) not in self.views:
@@ -176,8 +171,7 @@ class ParsedCheckpoint:
 def parse_checkpoint(
     manifest: dict[str, Any], root: Path, *, parts: PartLoader | None = None
 ) -> ParsedCheckpoint:
-    """Validate a decoded manifest against the directory ``root`` it came from, once;
-    ``parts`` reads a split manifest's parts when a view needs them."""
+    """Validate a decoded manifest against its directory ``root`` once; ``parts`` reads parts."""
     src = str(root / "manifest.msgpack")
     out = ParsedManifest(manifest)
     n = manifest.get("parts", 0)  # per-rank parts of a split manifest (0: one manifest)
@@ -218,8 +212,7 @@ def parse_checkpoint(
 
 
 def validated_part(raw: object, rank: int, shared: ParsedManifest, where: str) -> _Part:
-    """Validate part ``rank`` of a split manifest against its index's tree: one row per
-    evenly split tensor, its box following from the rule."""
+    """Validate part ``rank`` of a split manifest against its index's tree."""
     if not isinstance(raw, dict) or raw.get("part") != rank:
         raise CorruptCheckpoint(f"{where}: not part {rank} of this manifest")
     entries = raw.get("entries")
@@ -260,8 +253,7 @@ def _add_files(part: dict[str, Any], shared: ParsedManifest, where: str) -> None
 
 
 def parse_planned(plain: object, where: str) -> list[Entry]:
-    """Entries of a save in progress (exchanged before any chunk is written) from their
-    plain form, by the one parser."""
+    """Entries of a save in progress from their plain form, by the one parser."""
     if not isinstance(plain, list):
         raise CorruptCheckpoint(f"{where}: not a list of entries")
     out = ParsedManifest({}, planned=True)

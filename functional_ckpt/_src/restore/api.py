@@ -1,6 +1,5 @@
-"""``fc.restore``: open and vet once, match the template, read, unflatten, each step as
-the kind asks: this format's, stock DCP's (its hardened ``.metadata``), or into DTensor
-templates (DCP's load planner, serving from the manifest)."""
+"""``fc.restore``: open and vet once, match the template, read, unflatten, as the kind asks:
+this format's, stock DCP's, or into DTensor templates."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ from functional_ckpt._src.restore.stock_dcp import StockFiles, StockMatch, match
 from functional_ckpt._src.restore.template import Reshard, Template, rank_view, select
 from functional_ckpt._src.state.tree import Leaf, State, gc_paused, is_tensordict, iter_leaves
 from functional_ckpt._src.storage import committed
-from functional_ckpt._src.storage.committed import open_vetted
+from functional_ckpt._src.storage.committed import open_checkpoint
 from functional_ckpt.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -129,8 +128,7 @@ class _Stock:
 
 
 class _Planned:
-    """A checkpoint of this format read collectively: the ranks agree on every step, so a
-    rank that fails to open, vet or match fails every rank, none left waiting in DCP's load."""
+    """A checkpoint of this format read collectively: a rank that fails fails every rank."""
 
     def __init__(self, path: Path, topo: Topology, group: Any) -> None:
         self.path = path
@@ -138,7 +136,7 @@ class _Planned:
         self.inner: _Manifested | None = None
         self.error: BaseException | None = None
         try:
-            self.inner = _Manifested(open_vetted(path), topo, sparse=True)
+            self.inner = _Manifested(open_checkpoint(path), topo, sparse=True)
         except BaseException as e:
             self.error = e
 
@@ -208,7 +206,7 @@ def open_for_restore(path: Path, template: Template | None) -> Opened:
                 "restoring into DTensor templates needs an initialized process group"
             )
         return _Planned(path, topo, checkpoint_group())
-    ck = open_vetted(path)
+    ck = open_checkpoint(path)
     try:
         return _Manifested(ck, topo)
     except BaseException:
@@ -276,8 +274,7 @@ def restore(
 
 
 def restore_for_viewing(path: PathLike) -> Any:
-    """The whole state, values of unregistered classes kept as ``Unregistered``
-    placeholders: for readers that only show or compare, and need not the writer's code."""
+    """The whole state, unregistered classes' values as ``Unregistered`` placeholders."""
     return _restore(path, None, Request(placeholders=True))
 
 

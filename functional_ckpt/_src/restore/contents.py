@@ -16,7 +16,7 @@ from functional_ckpt._src.format.naming import parse_part, parse_shard
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.restore import summary
 from functional_ckpt._src.storage import committed
-from functional_ckpt._src.storage.committed import open_vetted
+from functional_ckpt._src.storage.committed import open_checkpoint
 from functional_ckpt._src.storage.usage import sharing
 
 
@@ -61,8 +61,7 @@ def inspect_dcp(root: Path) -> summary.CheckpointSummary:
 
 
 def _file_sums(src: Path, raw: dict[str, Any], parts: int) -> tuple[int, int, int]:
-    """(bytes, bytes shared, bytes added) of a checkpoint's files, a split manifest's parts
-    and the files they list from the index's totals and the directory (no part is read)."""
+    """(bytes, bytes shared, bytes added) of a checkpoint's files, without reading any part."""
     files = dict(raw["files"])  # validated; the index's table alone
     total = sum(f["size"] for f in files.values())
     shared, added = sharing(src, files)
@@ -86,13 +85,12 @@ def _file_sums(src: Path, raw: dict[str, Any], parts: int) -> tuple[int, int, in
 
 
 def inspect(path: PathLike) -> summary.CheckpointSummary:
-    """Describe a checkpoint without reading any tensor data, or the code that wrote it: a
-    value of a class this process has not registered is an ``fc.codec.Unregistered``
-    placeholder, its tag in ``summary.unregistered`` (``fc.restore`` refuses them)."""
+    """Describe a checkpoint without reading any tensor data, or the code that wrote it: an
+    unregistered class's value is an ``fc.codec.Unregistered`` placeholder."""
     src = Path(path)
     if is_stock_dcp(src):
         return inspect_dcp(src)
-    with open_vetted(src) as ck:
+    with open_checkpoint(src) as ck:
         once = committed.parsed(ck)
         sums = _file_sums(src, ck.manifest, once.shared.parts)  # before a part adds files
         parsed = once.view(0, parts=())  # specs only: no chunk is read

@@ -138,8 +138,7 @@ def _diff_one(key: KeyPath, a: tuple[str, Any], b: tuple[str, Any]) -> DiffEntry
 def diff_checkpoints(
     a: Path, b: Path, progress: Callable[[str, Path | None], None] | None = None
 ) -> DiffResult:
-    """Compare two checkpoints leaf by leaf (both restored in full, without templates);
-    ``progress(stage, path)`` hears ``"reading"`` each, ``"comparing"`` and ``"done"``."""
+    """Compare two checkpoints leaf by leaf; ``progress(stage, path)`` hears each stage."""
     say = progress or (lambda stage, path: None)
     say("reading", a)
     left = _leaves(a)

@@ -1,6 +1,5 @@
-"""Restores into DTensor templates at any world size: DCP's load planner maps saved
-chunks onto shards, and the reader here serves them from the manifest (no pickle),
-every byte checked."""
+"""Restores into DTensor templates at any world size: DCP's load planner maps saved chunks
+onto shards, served here from the manifest (no pickle), every byte checked."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
 
 class ManifestChunks:
-    """Serves DCP's load plans with tensor chunks read from our files as the manifest's
-    ``entries`` place them (later entries win, as in ``dcp_metadata.build``)."""
+    """Serves DCP's load plans with chunks read as the manifest's ``entries`` place them."""
 
     def __init__(self, root: committed.Checkpoint, entries: Iterable[TensorEntry]) -> None:
         self.root = root
@@ -74,8 +72,7 @@ class ManifestChunks:
 def _whole_target(
     chunk: Chunk, req: Any, planner: LoadPlanner, dtype: torch.dtype
 ) -> torch.Tensor | None:
-    """Where ``req`` lands, if it is the whole of ``chunk`` and its bytes can be read
-    straight into it (:func:`~..format.blobs.lands_raw`): no buffer, no copy."""
+    """Where ``req`` lands, if it is the whole of ``chunk`` and can be read straight into it."""
     if any(req.storage_offsets) or tuple(req.lengths) != tuple(chunk.sizes):
         return None
     target: torch.Tensor = planner.resolve_tensor(req).detach()
@@ -88,8 +85,7 @@ def parts_needed(
     selected: Sequence[tuple[KeyPath, str]],
     wanted: Mapping[KeyPath, torch.Tensor],
 ) -> set[int]:
-    """The parts of a split manifest whose chunks this rank reads: those its DTensor shards
-    of split tensors meet, or every part when one is read whole (its leaf no DTensor)."""
+    """The parts of a split manifest this rank's DTensor shards meet (every part: a whole read)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     boxes: list[tuple[KeyPath, parts.Box | None]] = []
@@ -112,8 +108,7 @@ def parts_needed(
 def parts_meeting(
     parsed: ParsedManifest, boxes: Sequence[tuple[KeyPath, parts.Box | None]]
 ) -> set[int]:
-    """The parts holding the chunks of split tensors that these boxes of them meet
-    (a box of None: the whole tensor)."""
+    """The parts holding the chunks of split tensors these boxes meet (None: the whole tensor)."""
     split, n = parsed.split, parsed.parts
     need: set[int] = set()
     for p, box in boxes:
@@ -139,8 +134,7 @@ def read_sharded(
     inplace: bool,
     error: BaseException | None = None,
 ) -> dict[KeyPath, torch.Tensor]:
-    """The DTensor leaves of ``wanted`` read collectively into new DTensors (``inplace``: the
-    template's); every rank calls it, with ``error`` if it failed before, to fail together."""
+    """The DTensor leaves of ``wanted`` read collectively; every rank calls it, with ``error``."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     what = f"restore {ck.path}"
@@ -189,8 +183,7 @@ def read_chunk(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One stored chunk as a new tensor, or read straight into ``out`` (contiguous CPU
-    memory of its dtype and shape), every byte checked."""
+    """One stored chunk as a new tensor, or read straight into ``out``, every byte checked."""
     data = torch.empty(chunk.sizes, dtype=dtype) if out is None else out
     if chunk.nbytes:
         res = read_tensors(root.fd(chunk.file), [(chunk, data)])[0]

@@ -19,7 +19,7 @@ from functional_ckpt._src.format.segments import Segment
 from functional_ckpt._src.state.allocation import PREFAULT_BYTES, Prefaulter, host_empty
 from functional_ckpt._src.state.tree import Leaf, unflatten, unflatten_python
 from functional_ckpt._src.storage import committed, shards
-from functional_ckpt._src.storage.committed import open_vetted
+from functional_ckpt._src.storage.committed import open_checkpoint
 from functional_ckpt._src.text import short_repr
 from functional_ckpt.errors import CorruptCheckpoint, TemplateMismatch, UnregisteredType
 
@@ -28,14 +28,13 @@ CPU = torch.device("cpu")
 
 def vetted_view(path: Path, *, rank: int | None = 0) -> ParsedManifest:
     """Authenticate and validate a committed checkpoint, seen from ``rank``."""
-    with open_vetted(path) as ck:
+    with open_checkpoint(path) as ck:
         return committed.parsed(ck).view(rank)
 
 
 @dataclass(slots=True)
 class Reads:
-    """The reads of one restore by file (one call per run of a file's blobs: a small tensor
-    costs one allocation and one check), and the copies to make once they are checked."""
+    """The reads of one restore by file (a run of blobs per call), and the copies once checked."""
 
     #: Per file, its blobs (where each lands) and whose tensor each is.
     by_file: dict[str, tuple[list[shards.ReadJob], list[KeyPath]]] = field(default_factory=dict)
@@ -61,9 +60,8 @@ class Reads:
         device: torch.device,
         cast: bool = False,
     ) -> torch.Tensor:
-        """Plan the reads of ``entry`` into a new tensor of the template leaf's dtype and
-        device (``device`` for ``meta`` leaves and none), or ``inplace`` into the leaf;
-        returns it. A leaf that does not fit is listed in :attr:`problems`."""
+        """Plan the reads of ``entry`` into a new tensor of the template leaf's dtype and device
+        (``inplace``: into the leaf); returns it. A misfit is listed in :attr:`problems`."""
         chunks = entry.chunks
         c = chunks[0] if len(chunks) == 1 else None
         saved = torch_dtype(entry.dtype_name)
@@ -125,8 +123,7 @@ class Reads:
         return dest
 
     def run(self, src: committed.Checkpoint, segments: Mapping[str, Sequence[Segment]]) -> None:
-        """Read and check every planned blob (a run at a time where the files record
-        ``segments``); one error lists all damage."""
+        """Read and check every planned blob; one error lists all damage."""
         bad: list[str] = []
         files = {name: i for i, name in enumerate(self.by_file)}
         in_order = sorted(self.fresh, key=lambda f: (files[f[0]], f[1]))  # as they are read
@@ -179,8 +176,7 @@ def region(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> tor
 def rebuild(
     leaves: list[Leaf], root: dict[str, Any] | None, src: Path, *, plain: bool = False
 ) -> Any:
-    """The locked tree of ``leaves`` (``plain``: as Python containers); a saved tree that
-    does not fit together is damage."""
+    """The locked tree of ``leaves`` (``plain``: as Python containers); a misfit is damage."""
     try:
         return unflatten_python(leaves) if plain else unflatten(leaves, root)
     except (RuntimeError, ValueError) as e:  # batch sizes that do not fit the tensors
@@ -199,10 +195,9 @@ def read_leaves(
     placeholders: bool = False,
     cast: bool = False,
 ) -> list[Leaf]:
-    """Read the selected entries into leaves, in the manifest's order, each into the dtype
-    and device (``inplace``: the storage) of its ``wanted`` template leaf; every leaf that
-    does not fit is named in one error before anything is read. Values of unregistered
-    classes are refused unless ``placeholders``."""
+    """Read the selected entries into leaves of their ``wanted`` template leaf's dtype and device
+    (``inplace``: its storage); every leaf that does not fit is named before anything is read.
+    Unregistered classes' values are refused unless ``placeholders``."""
     reads = Reads()
     tensors = parsed.tensors
     chosen: set[KeyPath] | None = None  # the tensors read: made when a tie is met
@@ -247,8 +242,7 @@ def read_leaves(
 
 
 def require_grad(t: torch.Tensor, like: torch.Tensor | None, inplace: bool, saved: bool) -> None:
-    """Make ``t`` require grad as its template leaf did (without one, or ``inplace``: as
-    the saved tensor did, ``saved``), where its dtype can."""
+    """Make ``t`` require grad as its template leaf (else the saved tensor, ``saved``) did."""
     wants = like.requires_grad if like is not None and not inplace else saved
     if wants and not t.requires_grad and (t.is_floating_point() or t.is_complex()):
         t.requires_grad_(True)

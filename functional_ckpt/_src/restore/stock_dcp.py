@@ -1,7 +1,6 @@
-"""Reading checkpoints written by stock ``torch.distributed.checkpoint``: the tree from
-the caller's template, tensor locations from ``.metadata`` (the restricted unpickler),
-each tensor through ``torch.load(weights_only=True)``, pickled values only as plain data
-(every global refused); any other value is refused."""
+"""Reading checkpoints written by stock ``torch.distributed.checkpoint``: tensor locations
+from ``.metadata`` (the restricted unpickler), each tensor by ``torch.load``, pickled
+values only as plain data (every global refused)."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ from functional_ckpt.errors import (
 
 
 class StockFiles:
-    """A stock DCP checkpoint directory held open, its ``.metadata`` read; its files opened
-    safely, once each."""
+    """A stock DCP checkpoint directory held open, its ``.metadata`` read."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -107,9 +105,8 @@ class _PlainUnpickler(unpickler.RestrictedUnpickler):
 
 
 def load_plain(blob: bytes) -> Any:
-    """A byte entry's value (a ``torch.save`` zip) when it is plain data, else ``_NOT_PLAIN``
-    (every global refused), and no more than four elements per pickle byte as a tree: a few
-    hundred bytes referring to one container many times could stand for 2**31 of them."""
+    """A byte entry's value when it is plain data, else ``_NOT_PLAIN`` (every global refused),
+    at most four elements per pickle byte: a few hundred bytes could stand for 2**31 of them."""
     try:
         with zipfile.ZipFile(io.BytesIO(blob)) as z:
             infos = z.infolist()
@@ -148,8 +145,7 @@ def _tree_within(value: Any, budget: int) -> bool:
 
 @dataclass
 class StockItem:
-    """One template leaf and what fills it: its own DCP entry (``fqn``), the entries under
-    it (``parts``: a value stored per element, or an empty template subtree), or neither."""
+    """A template leaf and what fills it: its DCP entry (``fqn``), ``parts`` below, or neither."""
 
     leaf: Leaf
     fqn: str | None = None
@@ -159,8 +155,7 @@ class StockItem:
 
 @dataclass
 class StockMatch:
-    """The template's leaves (in its order) matched to a stock checkpoint's entries, and
-    the plain byte entries already loaded while matching."""
+    """The template's leaves matched to a stock checkpoint's entries, plain byte entries loaded."""
 
     items: list[StockItem]
     root: dict[str, Any] | None
@@ -170,8 +165,7 @@ class StockMatch:
 def match_dcp(
     files: StockFiles, template: Template | None, *, partial: bool, cast: bool
 ) -> StockMatch:
-    """Match the template to the stock ``.metadata``; one error lists every mismatch. Byte
-    entries are loaded here, as plain data only."""
+    """Match the template to the stock ``.metadata``; one error lists every mismatch."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     root = files.root
@@ -253,8 +247,7 @@ def match_dcp(
 
 
 def _parts(saved: dict[str, Any], planner: dict[str, Any], path: KeyPath) -> list[Any]:
-    """The entries stored under ``path``, each with its object path below it (from DCP's
-    ``planner_data``, list indices as ints; without one, a single key below ``path``)."""
+    """The entries stored under ``path``, each with its object path below it."""
     prefix = ".".join(path) + "."
     out: list[tuple[DcpPath, str, Any]] = []
     for key, smd in saved.items():
@@ -310,8 +303,7 @@ def _set(container: Any, rel: DcpPath, value: Any) -> Any:
 def read_dcp(
     files: StockFiles, match: StockMatch, *, inplace: bool, device: torch.device
 ) -> list[Leaf]:
-    """Read every matched leaf: tensors into new tensors of the template leaves' dtype and
-    device (``inplace``: the template's); a filled subtree's keep their saved dtype."""
+    """Read every matched leaf into the template leaves' dtype and device (``inplace``: them)."""
     values: dict[KeyPath, Any] = {}
     for item in match.items:
         leaf = item.leaf
@@ -356,8 +348,7 @@ def read_dcp(
 
 
 def _positional_keys(opt: KeyPath, values: dict[KeyPath, Any], record: Any) -> None:
-    """An optimizer's ``state`` keyed by parameter position again, as ``load_state_dict``
-    needs, from DCP's string keys or parameter names (the template's record maps them)."""
+    """An optimizer's ``state`` keyed by parameter position again, as ``load_state_dict`` needs."""
     state, groups = values.get((*opt, "state")), values.get((*opt, "param_groups"))
     if not (isinstance(state, dict) and isinstance(groups, list)):
         return

@@ -1,5 +1,4 @@
-"""What ``fc.inspect`` returns: a checkpoint's tree of specs and values, and how to show it
-(shared by the readers of both checkpoint kinds, so neither imports the other)."""
+"""What ``fc.inspect`` returns: a checkpoint's tree of specs and values, and how to show it."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, init=False)
 class TensorSpec:
-    """A tensor as a checkpoint records it; the dtype held by name, so describing a
-    checkpoint needs no torch (``dtype`` makes the ``torch.dtype`` when asked)."""
+    """A tensor as a checkpoint records it; the dtype held by name, so it needs no torch."""
 
     dtype_name: str
     shape: tuple[int, ...]

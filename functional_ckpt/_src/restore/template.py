@@ -1,6 +1,5 @@
-"""Matching a checkpoint against the template: what is read, and into what; every
-mismatch listed in one error. Per-rank subtrees (random generators, data positions)
-are this rank's, or mapped by ``reshard`` when the world size changed."""
+"""Matching a checkpoint against the template, every mismatch listed in one error. Per-rank
+subtrees are this rank's, or mapped by ``reshard`` when the world size changed."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ Reshard = Callable[[list["TensorDict"], int, int], Any]
 
 @dataclass
 class Template:
-    """``like`` or ``out`` as given, and its root's record: never rebuilt as a tree, its
-    leaves walked only where one walk beside the saved entries does not match it."""
+    """``like`` or ``out`` as given, and its root's record (never rebuilt as a tree)."""
 
     state: Any  # None: made from ``known`` leaves
     root: dict[str, Any] | None = None
@@ -74,8 +72,7 @@ class Template:
 
 
 def _plain(state: Mapping[str, Any]) -> bool:
-    """Whether a tree of Python containers surely holds no DTensor (nor a TensorDict,
-    that may): its values' types, gathered in C a container at a time."""
+    """Whether a tree of Python containers surely holds no DTensor (nor a TensorDict)."""
     td = sys.modules.get("tensordict")
     stack, seen = [state], set()
     while stack:
@@ -98,8 +95,7 @@ _SAFE = _NESTED | ATOMS | {torch.Tensor}
 
 
 def _saved_tree(state: Any, order: list[tuple[KeyPath, str]]) -> dict[KeyPath, Any] | None:
-    """The tensors of a template of plain dicts holding the saved tree key for key, by one
-    walk beside the saved entries; None otherwise (then matched leaf by leaf)."""
+    """The tensors of a template of plain dicts holding the saved tree key for key, else None."""
     entries, targets = iter(order), dict[KeyPath, Any]()
 
     def walk(node: dict[str, Any], depth: int) -> bool:
@@ -134,8 +130,7 @@ def select(
     specs: bool = True,
 ) -> tuple[list[tuple[KeyPath, str]], dict[KeyPath, torch.Tensor]]:
     """Match saved entries to the template; every mismatch is listed in one error. Without
-    ``specs`` a template of the saved tree is matched by its keys alone: the read checks
-    each tensor's dtype and shape where it looks at the template leaf anyway."""
+    ``specs`` a template of the saved tree is matched by its keys alone (the read checks)."""
     if template is None:
         return parsed.order, {}
     tensors = parsed.tensors
@@ -227,8 +222,7 @@ def rank_view(
     parts: frozenset[int] | None = None,
 ) -> tuple[ParsedManifest, Template | None, TensorDict | None]:
     """The checkpoint as this rank restores it, its template, and the per-rank subtrees
-    ``reshard`` maps from every rank's on a new world size (without it, those asked for
-    are refused); ``parts`` limits the split tensors' chunks read to those parts'."""
+    ``reshard`` maps on a new world size; ``parts`` limits the split tensors' chunks read."""
     mine_parsed = parsed.view(rank, parts)
     if mine_parsed.world_size == world or not mine_parsed.per_rank_roots:
         return mine_parsed, template, None  # the common case

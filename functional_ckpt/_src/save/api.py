@@ -1,5 +1,4 @@
-"""``fc.save`` and ``fc.save_async``: one pipeline, plan -> stage -> write -> commit.
-Options are checked once where the call comes in; from there on plan and job are values."""
+"""``fc.save`` and ``fc.save_async``: one pipeline, plan -> stage -> write -> commit."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ def plan_job(
     snapshot: bool,
     staging: str | None = None,
 ) -> SaveJob:
-    """Check and plan a save once (the sources' versions before anything stages them);
-    a distributed rank keeps its failure in the job, for every rank to fail together."""
+    """Check and plan a save once; a distributed rank keeps its failure in the job for all."""
     topo = topology()
     try:
         prepared = prepare_save(

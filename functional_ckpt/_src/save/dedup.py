@@ -1,5 +1,4 @@
-"""DCP's deduplication of save plans, on keys alone (:mod:`.exchange`): DCP's result,
-without its ``MetadataIndex`` hash (slow at 100k items) or whole plans."""
+"""DCP's deduplication of save plans, on keys alone: DCP's result, without its slow hashing."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """What the ranks of a multi-rank save tell the coordinator and it tells each back, in the
-project's codec (not ``dcp.save``'s object collectives: docs/scale.md). Pure, so
-benchmarks/scale.py measures the coordinator's share without a process group."""
+project's codec (docs/scale.md); pure, so benchmarks/scale.py measures it."""
 
 from __future__ import annotations
 
@@ -28,9 +27,8 @@ KeyBox = tuple[str, tuple[int, ...], tuple[int, ...]]  # a chunk's DCP key, offs
 
 @dataclass
 class PlanCache:
-    """The last plans of one checkpoint group: a layout saved again is not planned again.
-    A cache never decides: a rank claims "unchanged" only for a plan equal to its last,
-    and a coordinator not holding every claimed plan fails the save (:func:`global_step`).
+    """The last plans of one checkpoint group: a layout saved again is not planned again. A
+    cache never decides: a plan claimed unchanged that the coordinator lacks fails the save.
     """
 
     local: SavePlan | None = None
@@ -59,10 +57,8 @@ def global_step(
     sent: Sequence[tuple[ItemKey, ...] | None],
     dedup: Callable[[Sequence[Sequence[ItemKey]]], list[Drops]] = dedup_keys,
 ) -> list[Drops | None]:
-    """The coordinator's step: each rank's drops, or None for "write your last plan".
-    ``sent[r]``: rank ``r``'s keys, None where its plan equals its last one. Nothing is
-    deduplicated again unless a plan changed; a claimed plan this coordinator does not
-    hold (another world, a cache lost) fails the save."""
+    """The coordinator's step: each rank's drops, or None for "write your last plan" (``sent[r]``
+    None: rank ``r``'s plan equals its last); a claimed plan it does not hold fails the save."""
     unchanged = [s is None for s in sent]
     if any(unchanged) and (cache.keys is None or len(cache.keys) != len(sent)):
         raise CheckpointError(
@@ -121,10 +117,7 @@ def parse_drops(plain: Any, n_items: int) -> Drops:
 
 
 def results_payload(written: Sequence[tuple[str, Chunk]], boxes: bool = True) -> Any:
-    """A rank's written chunks as plain data: its files' names, a fixed-width row per
-    chunk (the file's index, the fields after it) and, with ``boxes``, each chunk's DCP
-    key and box. Fixed width: a message's size depends on the layout alone, and the
-    coordinator reads columns, never a Python object per chunk."""
+    """A rank's written chunks as fixed-width rows and, with ``boxes``, DCP keys and boxes."""
     files = list(dict.fromkeys(c.file for _, c in written))
     at = {f: i for i, f in enumerate(files)}
     table = np.array([(at[c.file], *c[3:]) for _, c in written], "<u8").reshape(
@@ -249,9 +242,8 @@ def parse_reply(data: bytes) -> tuple[dict[int, bytes], Any]:
 
 
 def arguments(job: SaveJob) -> dict[str, Any]:
-    """What every rank of a save must pass alike: the destination and base by their
-    names (however each rank spells their directory; no base under parts, each rank's
-    root has its own), the staging mode (None: ``fc.save``), what shapes the files."""
+    """What every rank of a save must pass alike: the destination and base by name (no base
+    under parts), the staging mode (None: ``fc.save``), what shapes the files."""
     o = job.options
     told: dict[str, Any] = {"path": job.dest.name}
     if not o.parts:

@@ -1,7 +1,6 @@
-"""Incremental saves: base files holding enough unchanged chunks are hard-linked (else
-copied) in, so every checkpoint stays self-contained. A chunk is reused when key, box,
-dtype and CRC32 match and its file is one this process committed (:mod:`.trust`) or
-compared byte for byte: a damaged or foreign base never lends its bytes."""
+"""Incremental saves: base files holding enough unchanged chunks are hard-linked (else copied)
+in, so every checkpoint stays self-contained. A chunk is reused when key, box, dtype and
+CRC32 match and its file is trusted (:mod:`.trust`) or compared byte for byte."""
 
 from __future__ import annotations
 
@@ -285,8 +284,7 @@ def write_rank(
     live: bool = False,
     zstd_level: int = 0,
 ) -> tuple[list[Chunk], list[ByteEntry], list[Segment]]:
-    """Write one rank's chunks into ``tmp``, unchanged ones from the base: every tensor's
-    chunk in order, the located ``blobs`` and the new file's run checksums."""
+    """Write one rank's chunks into ``tmp``, unchanged ones from the base, then ``blobs``."""
     background: list[Future[None]] = [] if syncing is None else syncing
     reused = place(
         base, unchanged_chunks(base, keys, tensors, idents, live), tmp, rank, background, sync

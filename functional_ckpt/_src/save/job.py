@@ -16,9 +16,8 @@ from functional_ckpt._src.save.trust import Ident
 
 @dataclass(frozen=True)
 class SaveJob:
-    """Everything checked, nothing written yet. ``error``: a distributed rank's planning
-    failure, for the write to agree on (no ``prepared`` then); ``idents``: the sources'
-    identities and versions when planned; ``staging``: an async save's mode (None: sync)."""
+    """Everything checked, nothing written yet. ``error``: a distributed rank's planning failure;
+    ``idents``: the sources' identities and versions; ``staging``: None for a sync save."""
 
     dest: Path
     prepared: Prepared | None

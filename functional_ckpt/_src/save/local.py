@@ -1,5 +1,4 @@
-"""One process writes a planned state and commits it; :func:`finalize` (a multi-rank
-save's coordinator's too) writes the manifest, ``.metadata`` and marker and commits."""
+"""One process writes a planned state and commits it; :func:`finalize` commits every save."""
 
 from __future__ import annotations
 
@@ -43,10 +42,8 @@ def finalize(
     elsewhere: Mapping[str, int] | None = None,
     sync: bool = True,
 ) -> int:
-    """Commit ``tmp``, its shard files written, as ``dest``; return its bytes on disk.
-    ``syncing``: their fsyncs still running (overlapping the encoding, all done before
-    the marker). ``elsewhere``: shard files ranks wrote into parts of their own.
-    Without ``sync`` nothing is fsynced (a memory tier): as atomic, not durable."""
+    """Commit ``tmp`` as ``dest``; return its bytes on disk. ``syncing``: shard fsyncs still
+    running; ``elsewhere``: files ranks wrote into their own parts; no ``sync``: no fsync."""
     syncing = [] if syncing is None else syncing
     try:
         manifest = assemble(

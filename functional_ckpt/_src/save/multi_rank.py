@@ -1,6 +1,5 @@
-"""A save every rank takes part in: DCP's planner decides who writes what, each rank
-writes its shard file as a single-process save would, and the coordinator commits once
-every rank reported its data durable (the rounds: :mod:`.exchange`)."""
+"""A save every rank takes part in: DCP's planner decides who writes what, each rank writes
+its shard file, and the coordinator commits once every rank reported its data durable."""
 
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ class _Commit:
         elsewhere: dict[str, int],
         cache: exchange.PlanCache,
     ) -> int:
-        """Commit (the coordinator): the checkpoint's size. ``elsewhere``: the shard files
-        ranks reported writing into parts of their own, with their sizes."""
+        """Commit (the coordinator): the checkpoint's size; ``elsewhere``: files in ranks' parts."""
         plan = self.job.plan
         tree = Tree(plan.entries, ranks, plan.root)
         # every rank writes its file, unless an incremental save found nothing to write
@@ -99,9 +97,8 @@ def save_planned(
 ) -> CheckpointInfo:
     """The multi-rank write of a planned save: every rank calls it; one checkpoint commits.
 
-    Every failure (``job.error`` included, or arguments that differ from the
-    coordinator's) is agreed on, so all ranks fail together. ``tensors`` fill the
-    plan's targets; ``read()`` is called once this rank no longer reads them.
+    Every failure is agreed on, so all ranks fail together. ``read()`` is called once this
+    rank no longer reads ``tensors``.
     """
     t0 = time.perf_counter()
     dest = job.dest
@@ -186,10 +183,8 @@ def coordinate(
     cache: exchange.PlanCache,
     shared: Sequence[Entry] | None = None,
 ) -> tuple[dict[int, bytes], tuple[tuple[Entry, ...], ...], list[dedup.Drops | None]]:
-    """The coordinator's step before the writes: (the failures, every rank's per-rank
-    entries, each rank's drops). Pure, so benchmarks/scale.py measures it for any world
-    size; ``mine``: the coordinator's own entries (not decoded again); ``shared``, its
-    shared entries, which every rank's items must be in."""
+    """The coordinator's step before the writes: (the failures, every rank's per-rank entries,
+    each rank's drops); ``mine``/``shared``: the coordinator's own entries, not decoded again."""
     failures: dict[int, bytes] = {}
     entries: list[tuple[Entry, ...]] = []
     keys: list[tuple[dedup.ItemKey, ...] | None] = []
@@ -216,8 +211,7 @@ def _check_held(
     shared: Sequence[Entry],
     ranks: Sequence[tuple[Entry, ...]],
 ) -> None:
-    """Refuse a shared tensor the coordinator lacks: the manifest is its tree, so another
-    rank's copy would be written and never listed (only that rank knows its spec)."""
+    """Refuse a shared tensor the coordinator lacks: the manifest would not list another's copy."""
     known = {e.fqn for g in (shared, *ranks) for e in g if type(e) is TensorEntry}
     alone = sorted({(f, r) for r, items in enumerate(keys) for f, _, _ in items if f not in known})
     if alone:
@@ -238,10 +232,8 @@ def _rounds(
     what: str,
     error: BaseException | None = None,
 ) -> tuple[int, trust.Seen]:
-    """Plan, write and commit in four exchanges, each a gather to the coordinator or one
-    message from it, so a rank other than the coordinator moves the same bytes whatever
-    the world size: (the checkpoint's size, this commit's trust). A failure (``error``:
-    before the rounds) travels with the next exchange, so every rank fails together.
+    """Plan, write and commit in four exchanges to or from the coordinator, so a rank moves
+    the same bytes whatever the world size: (the checkpoint's size, this commit's trust).
     """
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -359,8 +351,7 @@ class VerdictLost(CheckpointError):
 def _write(
     job: _Commit, plan: SavePlan, planner: Any, rank: int
 ) -> tuple[list[tuple[str, Chunk]], list[ByteEntry], trust.Seen]:
-    """Write this rank's share of the final plan: (its chunks by DCP key, the values as
-    located, its commit's trust)."""
+    """Write this rank's share of the final plan: (chunks by DCP key, located values, trust)."""
     items = [it for it in plan.items if it.type != WriteItemType.BYTE_IO]
     tensors = [host_copy(planner.resolve_data(it)) for it in items]
     keys: list[trust.Key] = []
@@ -419,11 +410,7 @@ def _own_files(tmp: Path, rank: int) -> dict[str, int]:
 
 
 def _own_part(tmp: Path, parts: bool) -> bool:
-    """Create ``tmp`` here if this rank does not see the coordinator's: True if it did.
-
-    A rank sharing no file system with the coordinator (``SaveOptions.parts``) keeps
-    its files in a *part*: no manifest or marker, never read as a checkpoint.
-    """
+    """Create ``tmp`` here if this rank does not see the coordinator's: True if it did."""
     if tmp.is_dir():
         return False
     if not parts:

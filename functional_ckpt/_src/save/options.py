@@ -1,5 +1,4 @@
-"""One :class:`SaveOptions` value, checked once where the call comes in, read by every
-stage below (no module-level setting changes a save)."""
+"""One :class:`SaveOptions` value, checked once where the call comes in, read by every stage."""
 
 from __future__ import annotations
 
@@ -20,10 +19,8 @@ DEFAULT_PER_RANK = ("rng", "loader")
 
 @dataclass(frozen=True)
 class SaveOptions:
-    """One save's options. An unreadable ``base`` is an error when ``base_required``
-    (``fc.save``), else a full save (a manager's base may have been moved aside).
-    ``parts``: a rank that does not see the coordinator's directory keeps its files in
-    its own. ``durable=False``: no fsync (a memory tier), as atomic."""
+    """One save's options. An unreadable ``base`` is an error when ``base_required``, else a full
+    save. ``parts``: a rank not seeing the coordinator's directory keeps its files in its own."""
 
     metadata: Mapping[str, Any] | None = None
     overwrite: bool = False

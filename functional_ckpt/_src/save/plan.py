@@ -148,9 +148,8 @@ class _Aliases:
 
 @dataclass(frozen=True)
 class Plan:
-    """The flattened state ready to be written. ``entries``: the shared tree (a
-    placeholder per per-rank subtree); ``local``: this rank's per-rank entries;
-    ``sources``: the tensors to write, each filling its ``targets`` entry."""
+    """The flattened state ready to be written: ``entries`` the shared tree, ``local`` this rank's
+    per-rank entries, ``sources`` the tensors to write, each filling its ``targets`` entry."""
 
     entries: tuple[Entry, ...]
     local: tuple[Entry, ...]
@@ -284,8 +283,7 @@ def byte_entries(plan: Plan, *, snapshot: bool = False) -> list[dcpbytes.ByteEnt
 
 
 def _entry_overhead(e: Entry) -> int:
-    """An upper bound on an entry's manifest bytes, its value aside (every integer at
-    its widest: 202 bytes of fixed fields for a one-chunk tensor)."""
+    """An upper bound on an entry's manifest bytes, its value aside (every integer widest)."""
     keys = "".join(e.path)  # the keys' bounds summed: 5 bytes of header each
     n = 48 + 5 * len(e.path) + (len(keys) if keys.isascii() else 4 * len(keys))
     if isinstance(e, TensorEntry):  # and the fqn's: 5 bytes of header

@@ -1,9 +1,7 @@
 """The coordinator's merge of every rank's written chunks into the manifest's parts.
 
-A training loop saves one layout again and again, only its chunks' numbers changing
-(CRC32s; offsets where compressed): the coordinator keeps where each rank's rows went
-last time, packs the parts' rows from every rank's columns (:mod:`..format.packed_rows`)
-and keeps ``.metadata`` while every file, offset and length is the same.
+A training loop saves one layout again and again, so the coordinator keeps where each
+rank's rows went last time and keeps ``.metadata`` while no file, offset or length moved.
 """
 
 from __future__ import annotations
@@ -35,8 +33,7 @@ def merge(
     blobs: Sequence[ByteEntry],
     incremental_save: bool,
 ) -> tuple[dict[str, tuple[Chunk, ...]], dict[str, int], Spliced]:
-    """Every rank's chunks by DCP key (for a layout merged last, only those the index
-    and the per-rank entries hold), each shard file's size, and the parts' rows."""
+    """Every rank's chunks by DCP key, each shard file's size, and the parts' rows."""
     boxes = []
     for r, s in enumerate(sent):
         kept = held.boxes[r] if held.boxes and len(held.boxes) == len(sent) else None
@@ -94,8 +91,7 @@ def _recipe(
     world: int,
     key: Any,
 ) -> Recipe:
-    """Where every row goes: part ``p`` holds chunk ``p`` of every evenly split tensor
-    (in the index's order), the index and per-rank entries the rest."""
+    """Where rows go: part ``p`` holds chunk ``p`` of each split tensor, the index the rest."""
     split: dict[KeyPath, int] = {}
     row_of: dict[str, tuple[int, int, int]] = {}  # DCP key: (row, dim, split size)
     for e in tree.entries:
@@ -123,8 +119,7 @@ def _recipe(
 def file_sizes(
     names: list[str], table: np.ndarray, blobs: Sequence[ByteEntry], world: int
 ) -> dict[str, int]:
-    """Each file's size: the end of its last blob (the blobs tile a file); the ``world``
-    ranks' files are there even when empty (an incremental save passes 0)."""
+    """Each file's size: the end of its last blob; the ``world`` ranks' files even when empty."""
     ends = np.zeros(len(names), np.uint64)
     np.maximum.at(ends, table[:, 0].astype(np.intp), table[:, 1] + table[:, 2])
     sizes = {shard_name(r): 0 for r in range(world)}

@@ -1,6 +1,5 @@
 """The staging stage of the save pipeline, the handle of a background save, and this
-process's saves. A :class:`Stager` reuses its buffers while shapes stay the same, so
-host memory stays flat over any number of saves."""
+process's saves; a :class:`Stager` reuses its buffers, so host memory stays flat."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ def check_staging(value: object, what: str) -> Staging:
 
 
 class Stager:
-    """Reusable host buffers (pinned for CUDA) for one state layout, busy until the write
-    that read them finished: a second save waits instead of overwriting them."""
+    """Reusable host buffers for one state layout, busy until the write that read them finished."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
@@ -77,8 +75,7 @@ class Stager:
         return sum(b.numel() * b.element_size() for b in self._buffers)
 
     def stage(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Copy ``tensors`` into the buffers (CUDA ones on a side stream); returns them once
-        every copy is complete, so the sources may be modified afterwards."""
+        """Copy ``tensors`` into the buffers; returns them once every copy is complete."""
         layout = [(t.shape, t.dtype, t.device.type == "cuda") for t in tensors]
         if layout != self._layout:
             self._buffers = [
@@ -120,8 +117,7 @@ _COPIERS = BackgroundThread("fc-stage", COPY_THREADS)
 
 
 def _copy_parallel(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for every pair, in byte-balanced groups on a small pool; every
-    group has finished before this returns or raises (the buffers are reused after)."""
+    """``dst.copy_(src)`` for every pair on a small pool, all done before this returns or raises."""
     if sum(src.nbytes for _, src in pairs) < PARALLEL_BYTES:
         return _copy_group(pairs)
     groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(COPY_THREADS)]
@@ -143,8 +139,7 @@ def _copy_group(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 class PendingSave:
-    """A save running in the background: ``wait_staged()`` returns once the state may be
-    mutated again, ``result()`` once it is committed (or raises why it was not)."""
+    """A save running in the background: see ``wait_staged()`` and ``result()``."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -211,8 +206,7 @@ class PendingSave:
             _RUNNING.discard(self)
 
     def _mark_staged(self) -> None:
-        """The callbacks run before ``wait_staged`` returns: what they undo (the uploads
-        held during staging) is undone by the time the caller goes on."""
+        """The callbacks run before ``wait_staged`` returns."""
         with self._callbacks:
             callbacks, self._on_staged = self._on_staged, None
         if callbacks is None:
@@ -236,10 +230,8 @@ def version_guard(
     written: Sequence[torch.Tensor],
     targets: Sequence[TensorEntry],
 ) -> tuple[Callable[[int], None], Callable[[Written], None], Callable[[], None]]:
-    """Hooks that refuse the commit of a state changed while it was written:
-    ``after_each(i)``, ``check(written)`` before the commit and ``moved()``. Version
-    counters miss writes through ``.data`` or numpy, so ``check`` checksums every tensor
-    again; a storage resized or freed moves (address or size) and is never read again.
+    """Hooks that refuse the commit of a state changed while it was written. Version counters
+    miss writes through ``.data`` or numpy, so ``check`` checksums every tensor again.
     """
     versions = [t._version for t in sources]
     places = [_place(t) for t in sources]
@@ -303,9 +295,8 @@ _PLANS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def plans(group: Any, new: Callable[[], _T]) -> _T:
-    """The last save plans of a checkpoint group (``new()`` at first), kept while it lives:
-    two groups of the same ranks (the disk tier's, the memory tier's) never share them,
-    and a re-initialized job, whose groups are new, plans afresh."""
+    """The last save plans of a checkpoint group, kept while it lives: two groups of the same
+    ranks never share them, and a re-initialized job plans afresh."""
     if group not in _PLANS:
         _PLANS[group] = new()
     return cast(_T, _PLANS[group])
@@ -317,8 +308,7 @@ def forget(group: Any) -> None:
 
 
 def _finish_saves() -> None:
-    """At exit: wait for every running save, whatever interrupts the waiting (a Ctrl-C
-    would end the process under the save), then print each failure nobody read."""
+    """At exit: wait for every running save (Ctrl-C too), then print each failure nobody read."""
     while _RUNNING:
         for pending in list(_RUNNING):
             try:

@@ -1,7 +1,5 @@
-"""What a process knows of the checkpoints it committed: a base's file is trusted
-without a byte comparison only if this process wrote it and it is still the file it left
-(device, inode, size, mtime). It only spares work: every byte shared is still covered by
-its CRC32."""
+"""What a process knows of the checkpoints it committed: a base's file is trusted without a
+byte comparison only if this process wrote it and it is unchanged (every byte keeps its CRC32)."""
 
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ CheckpointIdent = tuple[int, int, int, int]
 
 
 class Seen:
-    """Each saved chunk's tensor identity and version, tabled on first lookup (most saves
-    are never a base)."""
+    """Each saved chunk's tensor identity and version, tabled on first lookup."""
 
     def __init__(self, keys: Sequence[Key], idents: Sequence[Ident | None]) -> None:
         self._keys, self._idents = tuple(keys), tuple(idents)
@@ -58,8 +55,7 @@ class Recollection:
 
 
 class TrustMemory:
-    """The last few checkpoints this process committed (thread-safe: saves commit in the
-    background); a manager owns one, ``fc.save`` uses :data:`.staging.PROCESS_TRUST`."""
+    """The last few checkpoints this process committed (thread-safe); a manager owns one."""
 
     def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity
@@ -100,8 +96,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def idents(tensors: Sequence[torch.Tensor]) -> tuple[Ident | None, ...]:
-    """Where each tensor's bytes are (a DTensor's shard's) and its version counter; None
-    for one that has none. One loop: a save has thousands."""
+    """Where each tensor's bytes are and its version counter; None for one that has none."""
     out: list[Ident | None] = []
     add = out.append
     for t in tensors:

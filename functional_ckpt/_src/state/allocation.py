@@ -1,11 +1,9 @@
 """New host tensors whose fresh pages cost as little as the kernel allows.
 
-Faulting and zeroing 4 KiB pages while a read fills them costs several times the
-copy; memory advised for transparent huge pages takes one fault per 2 MiB, and
-:class:`Prefaulter` faults it in a block ahead of the reads, on the other core. Under a
-hypervisor whose balloon reports free pages, a huge page is served from discarded memory
-(measured five times slower): by default huge pages are asked for only where the kernel
-offers them and no such reporting is active (:data:`HUGE_PAGES_ENV` decides otherwise).
+Faulting 4 KiB pages during a read costs several times the copy, so memory is advised
+for huge pages and :class:`Prefaulter` faults it ahead of the reads. Under a balloon
+that reports free pages, huge pages are five times slower: they are asked for only
+where no such reporting is active (:data:`HUGE_PAGES_ENV` decides otherwise).
 """
 
 from __future__ import annotations
@@ -109,8 +107,7 @@ def advise_fresh(tensor: torch.Tensor, *, huge: bool, fault: bool = True) -> boo
 
 
 def populate(ptr: int, length: int) -> None:
-    """Fault in the whole pages of ``length`` bytes from ``ptr`` with one call (best
-    effort; pages already there keep their bytes)."""
+    """Fault in the whole pages of ``length`` bytes from ``ptr`` with one call (best effort)."""
     if _MADVISE is None:
         return
     lo = (ptr + _PAGE - 1) & ~(_PAGE - 1)
@@ -126,8 +123,7 @@ def host_empty(
     huge: bool | None = None,
     fault: bool = True,
 ) -> torch.Tensor:
-    """A new CPU tensor about to be written once in full; a large one advised and
-    (``fault``, else by a :class:`Prefaulter`) faulted in up front."""
+    """A new CPU tensor about to be written once in full; a large one faulted in up front."""
     tensor = torch.empty(shape, dtype=dtype)
     if tensor.numel() * tensor.itemsize >= PREFAULT_BYTES:
         advise_fresh(tensor, huge=huge_pages_default() if huge is None else huge, fault=fault)
@@ -141,8 +137,7 @@ _FAULTS = BackgroundThread("fc-fault")
 
 
 class Prefaulter:
-    """New tensors' pages faulted in by a background thread in the order they are read, on
-    one core while a read fills them on the other (``madvise`` and ``preadv`` free the GIL)."""
+    """New tensors' pages faulted in by a background thread in the order they are read."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], block: int = FAULT_BLOCK) -> None:
         self._ranges = [(t.data_ptr(), t.numel() * t.itemsize) for t in tensors]

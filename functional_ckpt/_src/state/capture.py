@@ -1,7 +1,5 @@
 """Capture live training objects into one state tree, and apply a tree back to them:
-everything a resumed run needs to be bit-identical (model, optimizer, scheduler, every
-random generator, the data position). Tensors are captured by reference; a restore
-leaves the live ones alone until :func:`apply` loads its result into the objects."""
+everything a resumed run needs to be bit-identical. Tensors are captured by reference."""
 
 from __future__ import annotations
 
@@ -111,9 +109,7 @@ def capture(
     rng: bool = True,
     **extra: Any,
 ) -> TensorDict:
-    """Gather the whole training state into one locked TensorDict; ``extra`` holds user
-    subtrees (``env=``, ``step=``, ...): containers, tensors, numpy arrays, plain values,
-    or any object with ``state_dict()``."""
+    """Gather the whole training state into one locked TensorDict; ``extra`` holds user subtrees."""
     td = TensorDict({}, batch_size=[])
     if model is not None and optimizer is not None and is_sharded_module(model):
         model_sd, optim_sd = sharded_state_dicts(model, optimizer)
@@ -135,8 +131,7 @@ def capture(
 
 
 def _record_param_names(sub: TensorDictBase, model: Any, optimizer: Any) -> None:
-    """Record the optimizer's parameter names, so stock DCP sees its state by name, as
-    ``get_state_dict`` keys it (a container record: the state stays its own)."""
+    """Record the optimizer's parameter names, so stock DCP sees its state by name."""
     from functional_ckpt._src.format import dcp_values as dcpbytes
     from functional_ckpt._src.format.keys import NODE_KEY
 
@@ -173,14 +168,11 @@ def apply(
     rng: bool = True,
     **extra: Any,
 ) -> None:
-    """Write a state back into live objects (the inverse of :func:`capture`); ``extra``
-    names further objects with ``load_state_dict``, as :func:`capture` stored them.
+    """Write a state back into live objects (the inverse of :func:`capture`, ``extra`` too).
 
-    The random generators are restored last. Creating a data loader's iterator
-    draws from them (its sampler's seed), so a loop resumed mid-epoch must create
-    the iterator *before* they are restored, or every later random draw shifts:
-    ``fc.apply(state, loader=loader, rng=False)``, ``it = iter(loader)``,
-    ``fc.apply(state)`` (or :func:`functional_ckpt.integrations.torchdata.iter_resumed`).
+    The random generators are restored last: creating a data loader's iterator draws from
+    them, so a loop resumed mid-epoch calls ``fc.apply(state, loader=loader, rng=False)``,
+    ``it = iter(loader)``, ``fc.apply(state)``.
     """
     if model is not None and optimizer is not None and is_sharded_module(model):
         from torch.distributed.checkpoint.state_dict import set_state_dict

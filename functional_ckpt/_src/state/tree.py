@@ -1,9 +1,8 @@
 """The state as a tree: conversion from Python containers, key paths, flattening.
 
-Containers TensorDict cannot express (lists, tuples, int-keyed dicts such as an
-optimizer's ``state``) become sub-TensorDicts with one extra leaf, :data:`NODE_KEY`,
-recording their kind and keys: ordinary data, so save and restore need no special case.
-``tensordict`` (seconds to import) is imported only where a TensorDict is made or given.
+Containers TensorDict cannot express become sub-TensorDicts with one extra leaf,
+:data:`NODE_KEY`, recording their kind and keys, so save and restore need no special
+case. ``tensordict`` (seconds to import) is imported only where needed.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ State: TypeAlias = "TensorDictBase | Mapping[str, Any]"
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """The cyclic GC paused while a large tree is flattened or rebuilt: with thousands of
-    tensors each collection walks the whole heap, costing more than small tensors' I/O."""
+    """The cyclic GC paused while a large tree is flattened or rebuilt: it walks the whole heap."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -72,9 +70,8 @@ def _contains_tensor(value: object) -> bool:
 def from_python(
     value: Mapping[str, Any] | Any, path: KeyPath = (), _active: frozenset[int] = frozenset()
 ) -> TensorDict:
-    """An unlocked TensorDict of nested Python containers, exactly: other containers are
-    nodes with a :data:`NODE_KEY` record where they hold tensors, single leaves where not
-    (``_active``: those above, so one containing itself is refused before recursing)."""
+    """An unlocked TensorDict of nested Python containers, exactly (``_active``: the containers
+    above, so one containing itself is refused before recursing)."""
     from tensordict import NonTensorData, TensorDict
 
     if is_tensordict(value):
@@ -96,8 +93,7 @@ def from_python(
 
 
 def leaves_of(value: State) -> list[Leaf]:
-    """``list(iter_leaves(as_state(value)))``, without building the TensorDict (which
-    costs more than the walk)."""
+    """``list(iter_leaves(as_state(value)))``, without building the TensorDict."""
     if is_tensordict(value) or not isinstance(value, Mapping):
         return list(iter_leaves(as_state(value)))  # one refused there, with its reason
     out: list[Leaf] = []
@@ -232,8 +228,7 @@ def _python_node(out: dict[str, Any]) -> Any:
 
 
 class Leaf(NamedTuple):
-    """One entry of a flattened tree: a tensor, a plain value, or an (empty) node (a named
-    tuple: as immutable as a frozen dataclass, made one per leaf at a third of the cost)."""
+    """One entry of a flattened tree: a tensor, a plain value, or an (empty) node."""
 
     path: KeyPath
     kind: str  # "tensor" | "value" | "node"
@@ -241,8 +236,7 @@ class Leaf(NamedTuple):
 
 
 def node_record(td: TensorDictBase) -> dict[str, Any] | None:
-    """What a (sub-)TensorDict carries besides its entries: batch size and dimension names
-    (None for ``batch_size=[]``, so unbatched trees are recorded as before)."""
+    """A (sub-)TensorDict's batch size and dimension names (None for ``batch_size=[]``)."""
     if td.batch_size == torch.Size([]):
         return None
     record: dict[str, Any] = {"batch_size": list(td.batch_size)}
@@ -253,8 +247,7 @@ def node_record(td: TensorDictBase) -> dict[str, Any] | None:
 
 
 def iter_leaves(td: TensorDictBase, prefix: KeyPath = ()) -> Iterator[Leaf]:
-    """Every node and leaf of a TensorDict in insertion order, a node (its value its
-    :func:`node_record`) before its children, so that an unflatten rebuilds empty ones."""
+    """Every node and leaf of a TensorDict in insertion order, each node before its children."""
     from tensordict import NonTensorData, NonTensorStack, TensorDictBase, is_tensorclass
 
     for key, item in td.items():
@@ -302,8 +295,7 @@ def as_state(value: State) -> TensorDictBase:
 def _gather(
     leaves: list[Leaf], root: Mapping[str, Any] | None, wrap: Callable[[Any, Any], Any] | None
 ) -> tuple[dict[KeyPath, dict[str, Any]], dict[KeyPath, Any], list[KeyPath]]:
-    """Each node's entries (a value as ``wrap(value, its node's record)``, or as it is),
-    each node's record, and the nodes below the root, parents before children."""
+    """Each node's entries (values wrapped), each node's record, and the nodes below the root."""
     top: dict[str, Any] = {}
     kids: dict[KeyPath, dict[str, Any]] = {(): top}
     records: dict[KeyPath, Any] = {(): root}
@@ -331,8 +323,7 @@ def _gather(
 
 
 def unflatten(leaves: list[Leaf], root: Mapping[str, Any] | None = None) -> TensorDict:
-    """A locked TensorDict of :func:`iter_leaves`' leaves (``root``: the root's record),
-    each node made once from its gathered entries (a ``set`` per key costs ten times more)."""
+    """A locked TensorDict of :func:`iter_leaves`' leaves (``root``: the root's record)."""
     from tensordict import NonTensorData
 
     def value(v: Any, record: Any) -> NonTensorData:
@@ -347,8 +338,7 @@ def unflatten(leaves: list[Leaf], root: Mapping[str, Any] | None = None) -> Tens
 
 
 def unflatten_python(leaves: list[Leaf]) -> Any:
-    """``to_python(unflatten(leaves))``, made without a TensorDict: what a restore into a
-    template of plain containers returns (batch sizes, a TensorDict's alone, are dropped)."""
+    """``to_python(unflatten(leaves))``, made without a TensorDict (batch sizes dropped)."""
     kids, _, made = _gather(leaves, None, None)
     for path in reversed(made):
         kids[path[:-1]][path[-1]] = _python_node(kids[path])
@@ -356,8 +346,7 @@ def unflatten_python(leaves: list[Leaf]) -> Any:
 
 
 def new_node(record: Mapping[str, Any] | None, entries: dict[str, Any] | None = None) -> TensorDict:
-    """A TensorDict of ``entries`` (none: empty) with the batch size and names of a
-    :func:`node_record`."""
+    """A TensorDict of ``entries`` with the batch size and names of a :func:`node_record`."""
     from tensordict import TensorDict
 
     if not record:

@@ -1,5 +1,4 @@
-"""The commit protocol: a fully written ``<name>.tmp-<id>/`` becomes a checkpoint at once;
-the marker, written last, records the manifest's size and checksum (a torn one is caught)."""
+"""The commit protocol: a fully written ``<name>.tmp-<id>/`` becomes a checkpoint at once."""
 
 from __future__ import annotations
 
@@ -94,8 +93,8 @@ def commit_checkpoint(
     replaces: frozenset[Kind] = CHECKPOINTS,
     sync: bool = True,
 ) -> None:
-    """Make a fully written ``tmp`` visible as ``final``, atomically; with ``overwrite`` an
-    existing one (of ``replaces``) stays readable until exchanged (where the OS can)."""
+    """Make a fully written ``tmp`` visible as ``final``, atomically; with ``overwrite`` an existing
+    one (of ``replaces``) stays readable until exchanged (where the OS can)."""
     t0 = time.perf_counter()
     fsync = fsync_dir if sync else (lambda path: None)
     fsync(tmp)

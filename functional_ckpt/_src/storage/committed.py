@@ -1,5 +1,4 @@
-"""A committed checkpoint held open through one directory descriptor (:mod:`.opener`):
-a reader reads one consistent checkpoint even while a writer replaces the path."""
+"""A committed checkpoint held open by one directory descriptor, even while a writer replaces it."""
 
 from __future__ import annotations
 
@@ -110,9 +109,8 @@ MAX_OPEN = 8
 
 @dataclass
 class Checkpoint:
-    """A committed checkpoint held open: its directory, authenticated manifest, and the
-    files being read (opened when first read). A file deleted meanwhile (a prune) is
-    ``CheckpointNotFound``, never damage."""
+    """A committed checkpoint held open: its directory, authenticated manifest and files. A file
+    deleted meanwhile (a prune) is ``CheckpointNotFound``, never damage."""
 
     path: Path
     dir_fd: int
@@ -144,8 +142,7 @@ class Checkpoint:
             self.release(name)
 
     def open_file(self, name: str, *, listed: bool = True) -> int:
-        """Open file ``name`` at its recorded size (a new descriptor, the caller's to
-        close); ``listed=False``: a file no table lists (a part that checks itself)."""
+        """Open file ``name`` at its recorded size; ``listed=False``: a file no table lists."""
         files = self.manifest.get("files")
         info = files.get(name) if isinstance(files, dict) and listed else {"size": 0}
         if not isinstance(info, dict):
@@ -218,9 +215,8 @@ def _replaced(path: Path, dir_fd: int, had_marker: bool) -> bool:
 def open_checkpoint(
     path: Path, *, problems: list[tuple[str, CheckpointError]] | None = None
 ) -> Checkpoint:
-    """Open a committed checkpoint, its marker and manifest authenticated (with
-    ``problems``: :func:`check_members` too). A directory replaced meanwhile is
-    opened once more; a second race is ``CheckpointNotFound``, not damage."""
+    """Open a committed checkpoint, its marker and manifest authenticated (``problems``: also
+    :func:`check_members`); a directory replaced twice meanwhile is ``CheckpointNotFound``."""
     for attempt in (0, 1):
         dir_fd = open_directory(path)
         had_marker = False
@@ -344,8 +340,3 @@ def every_file(path: Path) -> dict[str, Any]:
         for name in map(naming.part_name, range(once.shared.parts)):
             files.setdefault(name, {"size": ck.sizes[name]})  # a part that checks itself
         return files
-
-
-def open_vetted(path: Path) -> Checkpoint:
-    """Open a committed checkpoint to read (``.metadata``, derived, is ``fc.verify``'s)."""
-    return open_checkpoint(path)

@@ -1,5 +1,4 @@
-"""Durable file primitives, so "durable" means the same for every writer; no link is
-followed where a file is written."""
+"""Durable file primitives, so "durable" means the same for every writer; no link followed."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ _FSYNC = BackgroundThread("fc-fsync")  # fsyncs while the writer goes on (drops 
 
 
 def start_writeback(fd: int, offset: int, length: int) -> bool:
-    """Ask the kernel to start writing a range of ``fd`` to disk (a hint; whether taken):
-    else the disk idles until the fsync (with it a 1 GiB write+fsync took 0.6-0.8x)."""
+    """Ask the kernel to start writing a range of ``fd`` to disk, else it idles until the fsync."""
     if _SYNC_FILE_RANGE is None or length <= 0:
         return False
     return bool(_SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE) == 0)
@@ -135,8 +133,7 @@ def write_new(
 
 
 def replace_durably(path: Path, data: bytes, *, sync: bool = True) -> None:
-    """Replace the file at ``path`` atomically (a reader, and with ``sync`` a crash, sees
-    old or new bytes); a link there is replaced, not written through."""
+    """Replace the file at ``path`` atomically (``sync``: durably); a link is replaced itself."""
     tmp = tmp_sibling(path)
     try:
         write_new(tmp, data, sync=sync)

@@ -1,6 +1,5 @@
-"""Reading memory its owner may free at any moment (``staging="none"``, FSDP's
-``resize_(0)``): reading unmapped memory kills the process, a kernel ``write`` from it
-fails with ``EFAULT``; so live memory is copied by the kernel into a private ``memfd``.
+"""Reading memory its owner may free at any moment (``staging="none"``, FSDP's ``resize_(0)``):
+a read of unmapped memory kills the process, so the kernel copies it into a ``memfd``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""The one safe way to open a file of a checkpoint: no link followed, no blocking (a FIFO
-in place of a file would hang ``open``), a regular file of the recorded size."""
+"""The one safe way to open a file of a checkpoint: no link followed, no blocking, checked size."""
 
 from __future__ import annotations
 

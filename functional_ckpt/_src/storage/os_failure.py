@@ -1,5 +1,4 @@
-"""What ran out: an ``OSError`` of the machine (a full disk, no descriptors) as a clear
-error, never taken for damage (a damaged checkpoint is moved aside)."""
+"""What ran out: an ``OSError`` of the machine as a clear error, never taken for damage."""
 
 from __future__ import annotations
 

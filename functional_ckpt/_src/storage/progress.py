@@ -1,5 +1,4 @@
-"""The progress file: how a managed job tells ``fckpt run`` its newest committed step,
-so the supervisor tells a job that progresses between crashes from one that is stuck."""
+"""The progress file: how a managed job tells ``fckpt run`` its newest committed step."""
 
 from __future__ import annotations
 

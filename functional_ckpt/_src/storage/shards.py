@@ -1,5 +1,4 @@
-"""Shard files: tensor blobs written with their checksums, read back checked at the
-manifest's offsets (never parsing the zip: raw bytes straight into place)."""
+"""Shard files: tensor blobs written with checksums, read back checked at the manifest's offsets."""
 
 from __future__ import annotations
 
@@ -53,9 +52,8 @@ def write_shard(
     live: bool = False,
     zstd_level: int = 0,
 ) -> Shard:
-    """Write tensors (contiguous, on CPU) as DCP blobs into a new file, then the
-    ``blobs`` (values); return where each landed with its checksums. ``live``: the
-    caller's tensors, which it may free meanwhile, read only through the kernel."""
+    """Write tensors (contiguous, on CPU) and then ``blobs`` as DCP blobs into a new file; return
+    where each landed with its checksums. ``live``: tensors read only through the kernel."""
     name = path.name
     chunks: list[Chunk] = []
     located: list[ByteEntry] = []
@@ -172,8 +170,8 @@ def _flush(
     segments: list[Segment],
     after: int = 0,
 ) -> int:
-    """Write and clear ``pending`` (file bytes from ``start``), returning the file's end;
-    its small blobs from ``small`` on, but its last ``after`` bytes, make one segment."""
+    """Write and clear ``pending`` (file bytes from ``start``), returning the file's end; its small
+    blobs from ``small`` on, but its last ``after`` bytes, make one segment."""
     end = len(pending) - after
     if 0 <= small < end and end - small <= LIMITS.segment_bytes:
         run = memoryview(pending)[small:end]
@@ -230,10 +228,7 @@ def read_tensors(
     *,
     ready: Ready | None = None,
 ) -> list[str | None]:
-    """Read blobs from one opened file into place, checking every byte: per job None
-    when intact, else what is wrong (a damaged blob names only itself). Runs of small
-    blobs are read with one call (one filling a segment checked by its run checksum);
-    large ones straight into place, checksummed in the background."""
+    """Read blobs from one opened file into place, checking every byte: per job None or fault."""
     results: list[str | None] = [None] * len(jobs)
     for chunk, dest in jobs:
         if (n := _landing_size(dest)) != chunk.nbytes:
@@ -320,9 +315,8 @@ def _read_run(
     results: list[str | None],
     run_crc: int | None = None,
 ) -> bytearray:
-    """Read the file's bytes ``start..end`` into ``window`` (returned, grown as needed)
-    and copy the intact blobs ``run`` to their places. ``run_crc``: a segment's, covering
-    the framing where it holds (else each blob's own); the bytes always meet their CRC32."""
+    """Read the file's bytes ``start..end`` into ``window`` (returned, grown as needed) and copy
+    the intact blobs ``run`` to their places; ``run_crc``: a segment's, else each blob's own."""
     if len(window) < end - start:
         window = bytearray(max(end - start, 1 << 16))
     view = memoryview(window)[: end - start]

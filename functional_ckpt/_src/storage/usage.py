@@ -1,5 +1,4 @@
-"""Disk usage of checkpoints, from ``stat`` alone: incremental ones share data files
-through hard links, so their size and the bytes they add to the disk differ."""
+"""Disk usage of checkpoints, from ``stat`` alone (incremental ones share hard links)."""
 
 from __future__ import annotations
 

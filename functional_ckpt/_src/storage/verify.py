@@ -1,5 +1,4 @@
-"""``fc.verify``: every byte re-read and checked, belonging to one blob; a ``.metadata``
-sending stock ``dcp.load`` elsewhere than the manifest says is damage too."""
+"""``fc.verify``: every byte re-read and checked, and ``.metadata`` against the manifest."""
 
 from __future__ import annotations
 
@@ -205,8 +204,7 @@ CRC_BLOCK = 4 << 20  # bytes read per step: the buffer stays in cache
 
 
 def crc_range(fd: int, offset: int, length: int, start: int = 0) -> tuple[int, int]:
-    """CRC32 over a file range, and the bytes read; one reused buffer (a fresh one per
-    read costs page faults, several times the read and checksum together)."""
+    """CRC32 over a file range, and the bytes read, into one reused buffer (fresh ones fault)."""
     view = memoryview(bytearray(min(CRC_BLOCK, max(length, 0))))
     crc = start
     done = 0

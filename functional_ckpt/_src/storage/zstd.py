@@ -1,6 +1,5 @@
-"""Tensor blobs as zstd frames, as DCP's own ``ZStandard`` extension writes them (stock
-``dcp.load`` reads them). ``hcrc32`` covers the frame (``fc.verify`` never decompresses),
-``crc32`` the tensor's bytes; none decompresses beyond the bytes its entry declares."""
+"""Tensor blobs as zstd frames, as DCP's own ``ZStandard`` extension writes them. ``hcrc32``
+covers the frame, ``crc32`` the tensor's bytes; nothing decompresses beyond its entry."""
 
 from __future__ import annotations
 
@@ -111,9 +110,7 @@ class _Stored:
 def read_blob(
     fd: int, chunk: Chunk, dest: memoryview, ready: Callable[[int, int], None] | None = None
 ) -> str | None:
-    """Decompress ``chunk``'s frame, its tensor bytes straight into ``dest``: None if every
-    byte checked out, else what is wrong (the stored checksum, or a frame decoding to
-    anything but the declared blob); ``ready`` is called for all of ``dest`` at once."""
+    """Decompress ``chunk``'s frame into ``dest``: None if every byte checked out, else why not."""
     if ready is not None and len(dest):
         ready(ctypes.addressof(ctypes.c_char.from_buffer(dest)), len(dest))
     stored = _Stored(fd, chunk)
