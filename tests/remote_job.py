@@ -41,12 +41,16 @@ def state(mesh: Any, rank: int, step: int) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    base, remote = Path(sys.argv[1]), sys.argv[2]
+def started() -> tuple[Path, str, dict[str, Any], int, Any]:
+    """This rank joined: (``BASE``, ``REMOTE``, the store's options, its rank, a 1-D mesh)."""
     options = {"client_kwargs": {"endpoint_url": os.environ["ENDPOINT"]}}
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return Path(sys.argv[1]), sys.argv[2], options, dist.get_rank(), mesh
+
+
+def main() -> None:
+    base, remote, options, rank, mesh = started()
 
     def manager(name: str) -> fc.CheckpointManager:
         return fc.CheckpointManager(

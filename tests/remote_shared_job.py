@@ -18,21 +18,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import functional_ckpt as fc
 from functional_ckpt._src.remote import fetch
-from tests.remote_job import state
+from tests.remote_job import started, state
 
 
 def main() -> None:
-    base, remote = Path(sys.argv[1]), sys.argv[2]
-    options = {"client_kwargs": {"endpoint_url": os.environ["ENDPOINT"]}}
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    base, remote, options, rank, mesh = started()
 
     def manager(name: str) -> fc.CheckpointManager:
         tier = fc.manager.Remote(remote, storage_options=options)
