@@ -62,7 +62,7 @@ def newest(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Found
     if tier.world > 1:
         return _agreed(tier, read, above)
     root = tier.root
-    for step in (s for s in _good(tier, above) if tier.of_lineage(s)):  # this lineage's only
+    for step in _good(tier, above):
         there = root / step_name(step)
         if there.is_dir() and not is_committed(there):
             quarantine(root, there)  # never committed (a download a crash cut short)
@@ -72,7 +72,7 @@ def newest(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Found
             path = download(tier.store, step, root)
             return read_info(path, step), read(path)
         except Exception as err:
-            if not isinstance(err, _DAMAGE) and not is_damage(err):
+            if _verdict(err) != "damage":
                 raise  # the template or an argument is wrong, not the checkpoint
             _set_aside(tier, step, True, err, depth=6)
     if above is None and quarantined(root):  # only damage anywhere: never start fresh
@@ -85,8 +85,9 @@ def newest(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Found
 
 
 def _good(tier: _Remote, above: int | None) -> list[int]:
-    """Committed remote steps newer than ``above`` not found damaged, newest first; none
-    (with a warning) if the remote cannot be listed while a faster tier holds a step."""
+    """This lineage's committed remote steps newer than ``above`` not found damaged,
+    newest first; none (with a warning) if the remote cannot be listed while a faster
+    tier holds a step."""
     try:
         listing = retried(tier.store.listing)
     except RemoteError as err:
@@ -101,7 +102,7 @@ def _good(tier: _Remote, above: int | None) -> list[int]:
         return []
     committed = tier.listed({s for s, r in listing.items() if r.committed})
     newer = (s for s in committed if s not in tier.bad and (above is None or s > above))
-    return sorted(newer, reverse=True)
+    return sorted((s for s in newer if tier.of_lineage(s)), reverse=True)
 
 
 def _ours(tier: _Remote, step: int, path: Path) -> bool:
@@ -134,7 +135,7 @@ def _agreed(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Foun
     remote: list[int] = []
     if tier.coordinator:
         try:
-            remote = [s for s in _good(tier, above) if tier.of_lineage(s)]  # this lineage's
+            remote = _good(tier, above)
         except BaseException as e:
             error = e
     work = f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"  # the coordinator's, for one root
