@@ -25,15 +25,15 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT = float(os.environ.get("FCKPT_TIMEOUT", "600"))
 
 
-def checkpoint_group(timeout: float | None = None, purpose: str = "save") -> Any:
+def checkpoint_group(purpose: str = "save") -> Any:
     """A dedicated gloo group per ``purpose``, so saves and the manager's decisions never
     interleave. Creating one is a collective: call it from the training thread, in the same
     order on every rank."""
-    seconds = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-    tag, ranks = f"functional_ckpt:{purpose}:{seconds}", list(range(dist.get_world_size()))
+    tag, ranks = f"functional_ckpt:{purpose}", list(range(dist.get_world_size()))
     group = c10d._find_pg_by_ranks_and_tag(tag, ranks)
     if group is None:
-        group = c10d._new_group_with_tag(ranks, timedelta(seconds=seconds), "gloo", pg_tag=tag)
+        timeout = timedelta(seconds=DEFAULT_TIMEOUT)
+        group = c10d._new_group_with_tag(ranks, timeout, "gloo", pg_tag=tag)
         atexit.register(_release, group)
     return group
 

@@ -92,7 +92,6 @@ def save_planned(
     job: SaveJob,
     tensors: Sequence[torch.Tensor],
     *,
-    timeout: float | None = None,
     read: Callable[[], None] | None = None,
 ) -> CheckpointInfo:
     """The multi-rank write of a planned save: every rank calls it; one checkpoint commits.
@@ -102,7 +101,7 @@ def save_planned(
     """
     t0 = time.perf_counter()
     dest = job.dest
-    group = checkpoint_group(timeout, purpose=job.options.group)
+    group = checkpoint_group(purpose=job.options.group)
     rank = dist.get_rank()
     error: BaseException | None = job.error
     what = f"save {dest}"
