@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from tensordict import TensorDict, TensorDictBase
 
@@ -61,6 +61,19 @@ def share_run(run: tuple[Run, bool] | None) -> tuple[Run, bool]:
     return Run(str(rid), str(secret)), bool(made)
 
 
+class Votes(NamedTuple):
+    """Every policy's vote on one event: whether to save, export and roll back, and each
+    policy's state after it."""
+
+    event: Event
+    saved: bool
+    policy_state: PolicyState
+    exported: bool
+    export_state: PolicyState
+    rolls: bool
+    rule_state: PolicyState
+
+
 def decide(
     event: Event,
     *,
@@ -71,20 +84,16 @@ def decide(
     export_state: PolicyState,
     watch: Watch,
     distributed: bool,
-) -> tuple[Event, bool, PolicyState, bool, PolicyState, bool, PolicyState]:
-    """Every policy's vote on ``event`` (the coordinator's in a job): the event, whether
-    to save, export and roll back, and each policy's state after it."""
+) -> Votes:
+    """The votes on ``event``; in a job, the coordinator's (its clock's time too)."""
     saved = save.decide(save_state, event) or force
     policy_state = save.update(save_state, event, saved)
     exported = False
     if export is not None:
         exported = export.decide(export_state, event)
         export_state = export.update(export_state, event, exported)
-    rolls, rule_state = watch.vote(event, saved)
-    if distributed:  # one decision for all ranks: the coordinator's
-        decided = (saved, policy_state, exported, export_state, event.time, rolls, rule_state)
-        saved, policy_state, exported, export_state, now, rolls, rule_state = coordinator_decides(
-            decided
-        )
-        event = dataclasses.replace(event, time=now)
-    return event, saved, policy_state, exported, export_state, rolls, rule_state
+    votes = Votes(event, saved, policy_state, exported, export_state, *watch.vote(event, saved))
+    if not distributed:
+        return votes
+    *chosen, now = coordinator_decides((*votes[1:], event.time))
+    return Votes(dataclasses.replace(event, time=now), *chosen)
