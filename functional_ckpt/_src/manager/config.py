@@ -4,12 +4,15 @@
 Any ``Mapping``/``Sequence`` will do (an OmegaConf ``DictConfig`` as it comes); a bad
 key is refused with its path and the names known there, before anything is opened.
 What is no plain data (a callable, a clock, credentials) is never written.
+One table (:data:`_OPTIONS`, :data:`_MANAGER`) names each field and how it is read and
+written; the option values hold the defaults and check the rest, naming the field.
 """
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,10 +20,9 @@ import torch
 from functional_ckpt._src.codec import documents
 from functional_ckpt._src.export.safetensors import Export, parse_size
 from functional_ckpt._src.manager.memory import Memory
-from functional_ckpt._src.manager.options import AsyncSave, Disk
+from functional_ckpt._src.manager.options import TIERS, AsyncSave, Disk, TierOptions
 from functional_ckpt._src.policy import SavePolicy
 from functional_ckpt._src.policy.config import (
-    MANAGER_KEYS,
     Relaunch,
     at_key,
     check_bool,
@@ -28,6 +30,7 @@ from functional_ckpt._src.policy.config import (
     check_str,
     config_error,
     is_sequence,
+    one_of,
     policy_from_config,
     relaunch_from_config,
     relaunch_to_config,
@@ -39,31 +42,9 @@ from functional_ckpt._src.remote.options import Remote
 from functional_ckpt._src.save.staging import STAGINGS
 from functional_ckpt.errors import ConfigError
 
-__all__ = ["EXPORT_KEYS", "MEMORY_KEYS", "REMOTE_KEYS", "config_of", "manager_arguments"]
+__all__ = ["config_of", "manager_arguments"]
 
-EXPORT_KEYS = (
-    "policy",
-    "select",
-    "dtype",
-    "max_shard_size",
-    "config",
-    "extra_files",
-    "strip_prefix",
-    "rename",
-    "keep",
-)
-REMOTE_KEYS = ("url", "keep", "storage_options", "prune_unuploaded")
-MEMORY_KEYS = (
-    "path",
-    "save",
-    "keep",
-    "budget",
-    "promote_on",
-    "promote_within",
-    "async_save",
-    "incremental",
-    "replicas",
-)
+_Codec = Callable[[Any, str], Any]  # a value and its key path: the value in the other form
 
 
 def _plain(value: object, path: str) -> Any:
@@ -87,6 +68,16 @@ def _copy(value: object, path: str) -> Any:
     return value
 
 
+def _same(value: Any, path: str) -> Any:
+    return value
+
+
+def _mapping(value: object, path: str) -> Any:
+    if not isinstance(value, Mapping):
+        raise config_error(path, "a mapping", value)
+    return _plain(value, path)
+
+
 def _names(value: object, path: str) -> str | list[str]:
     """A key, or a list of keys (``select``, ``strip_prefix``)."""
     if isinstance(value, str):
@@ -104,46 +95,12 @@ def _dtype(value: object, path: str) -> torch.dtype:
     return dtype
 
 
-def _async(value: object, path: str) -> bool | AsyncSave:
-    if isinstance(value, bool):
-        return value
-    given = check_keys(value, path, ("staging",), "options")
-    staging = given.get("staging", "copy")
-    if staging not in STAGINGS:
-        raise config_error(at_key(path, "staging"), " or ".join(map(repr, STAGINGS)), staging)
-    return AsyncSave(staging=staging)
-
-
-def _export(value: object, path: str) -> Export:
-    given = check_keys(value, path, EXPORT_KEYS, "fields")
-    if "policy" not in given:
-        raise ConfigError(f"{at_key(path, 'policy')}: required (when to export)")
-    args: dict[str, Any] = {"policy": policy_from_config(given["policy"], at_key(path, "policy"))}
-    for key in ("select", "strip_prefix"):
-        if given.get(key) is not None:
-            args[key] = _names(given[key], at_key(path, key))
-    if given.get("dtype") is not None:
-        args["dtype"] = _dtype(given["dtype"], at_key(path, "dtype"))
-    if "max_shard_size" in given:
-        size = given["max_shard_size"]
-        try:
-            parse_size(size)
-        except (TypeError, ValueError):
-            raise config_error(
-                at_key(path, "max_shard_size"), "a number of bytes or a size such as '5GB'", size
-            ) from None
-        args["max_shard_size"] = size
-    for key in ("config", "extra_files", "rename"):
-        if given.get(key) is not None:
-            if not isinstance(given[key], Mapping):
-                raise config_error(at_key(path, key), "a mapping", given[key])
-            args[key] = _plain(given[key], at_key(path, key))
-    if "keep" in given:
-        args["keep"] = retention_from_config(given["keep"], at_key(path, "keep"))
+def _size(value: object, path: str) -> object:
     try:
-        return Export(**args)
-    except (TypeError, ValueError) as exc:  # what Export checks beyond the keys
-        raise ConfigError(f"{path}: {exc}") from None
+        parse_size(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise config_error(path, "a number of bytes or a size such as '5GB'", value) from None
+    return value
 
 
 def _signals(value: object, path: str) -> tuple[int, ...]:
@@ -158,87 +115,10 @@ def _secret(value: object, path: str) -> Any:
     return _plain(value, path)
 
 
-_BOOLS, _STRS = ("async_save", "incremental", "prune_unuploaded"), ("path", "url", "compression")
-_PLAIN: dict[str, Any] = {**dict.fromkeys(_BOOLS, check_bool), **dict.fromkeys(_STRS, check_str)}
-#: Each tier's option by its key, its fields, and how those not plain are read (the
-#: option itself checks the rest, naming the field).
-_TIERS: dict[str, tuple[type[Memory | Disk | Remote], tuple[str, ...], dict[str, Any]]] = {
-    "memory": (Memory, MEMORY_KEYS, {"save": policy_from_config, "promote_on": _signals}),
-    "disk": (Disk, ("incremental", "compression"), {}),
-    "remote": (Remote, REMOTE_KEYS, {"keep": retention_from_config, "storage_options": _secret}),
-}
-
-
-def _tiers(value: object) -> list[Memory | Disk | Remote]:
-    out: list[Memory | Disk | Remote] = []
-    for key, given in check_keys(value, "tiers", tuple(_TIERS), "tiers").items():
-        kind, known, read = _TIERS[key]
-        path = at_key("tiers", key)
-        if given in (None, False):
-            continue
-        given = {"url": given} if key == "remote" and isinstance(given, str) else given
-        given = check_keys({} if given is True else given, path, known, "fields")
-        if key == "remote" and given.get("url") is None:
-            raise ConfigError(f"{at_key(path, 'url')}: required (an fsspec URL)")
-        args: dict[str, Any] = {
-            k: (read.get(k) or _PLAIN.get(k) or (lambda v, _: v))(v, at_key(path, k))
-            for k, v in given.items()
-            if v is not None
-        }
-        try:
-            out.append(kind(**args))
-        except (TypeError, ValueError) as exc:  # named by the field the option names
-            field = next((k for k in args if f"({k}=" in str(exc)), None)
-            raise ConfigError(f"{at_key(path, field) if field else path}: {exc}") from None
-    return out
-
-
-def manager_arguments(
-    cfg: object, *, root_given: bool = False
-) -> tuple[str | None, dict[str, Any], Relaunch | None]:
-    """The root, the constructor's keyword arguments and the ``run`` block of ``cfg``
-    (``root_given``: the caller has the root, the config need not)."""
-    documents.check_bounded(cfg, "config")
-    given = check_keys(cfg, "config", MANAGER_KEYS, "keys")
-    if "root" not in given and not root_given:
-        raise ConfigError("root: required (the directory of the run's checkpoints)")
-    root = check_str(given["root"], "root") if "root" in given else None
-    kwargs: dict[str, Any] = {}
-    if given.get("save") is not None:
-        kwargs["save"] = policy_from_config(given["save"], "save")
-    if given.get("keep") is not None:
-        kwargs["keep"] = retention_from_config(given["keep"], "keep")
-    if given.get("rollback") is not None:
-        kwargs["rollback"] = policy_from_config(given["rollback"], "rollback")
-    if given.get("metadata") is not None:
-        if not isinstance(given["metadata"], Mapping):
-            raise config_error("metadata", "a mapping", given["metadata"])
-        kwargs["metadata"] = _plain(given["metadata"], "metadata")
-    if "read_only" in given:
-        kwargs["read_only"] = check_bool(given["read_only"], "read_only")
-    if "async_save" in given:
-        kwargs["async_save"] = _async(given["async_save"], "async_save")
-    if given.get("export") is not None:
-        kwargs["export"] = _export(given["export"], "export")
-    if given.get("tiers") is not None:
-        kwargs["tiers"] = _tiers(given["tiers"])
-    if "per_rank" in given:
-        per_rank = given["per_rank"]
-        if not is_sequence(per_rank):
-            raise config_error("per_rank", "a list of top-level keys", per_rank)
-        kwargs["per_rank"] = [check_str(k, at_key("per_rank", i)) for i, k in enumerate(per_rank)]
-    run = relaunch_from_config(given["run"]) if given.get("run") is not None else None
-    return root, kwargs, run
-
-
-def _data(value: object, path: str) -> Any:
-    """A field of an export as plain data, or a ConfigError saying why it is none."""
-    if value is None or isinstance(value, Mapping):
-        return _plain(value, path)
-    to_dict = getattr(value, "to_dict", None)
-    if callable(to_dict):  # a transformers config: its fields
-        return _plain(to_dict(), path)
-    raise ConfigError(f"{path}: a {type(value).__name__} has no configuration form")
+def _keys(value: object, path: str) -> list[str]:
+    if not is_sequence(value):
+        raise config_error(path, "a list of top-level keys", value)
+    return [check_str(k, at_key(path, i)) for i, k in enumerate(value)]
 
 
 def _spec(policy: SavePolicy | RetentionPolicy, path: str) -> Any:
@@ -258,30 +138,162 @@ def _spec(policy: SavePolicy | RetentionPolicy, path: str) -> Any:
     return policy.spec
 
 
-def _export_config(export: Export) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "policy": _spec(export.policy, "export.policy"),
-        "select": export.select if isinstance(export.select, str) else list(export.select),
-        "dtype": None if export.dtype is None else str(export.dtype).removeprefix("torch."),
-        "max_shard_size": export.max_shard_size,
-        "keep": _spec(export.keep, "export.keep"),
+def _data(value: object, path: str) -> Any:
+    """A field of an export as plain data, or a ConfigError saying why it is none."""
+    to_dict = getattr(value, "to_dict", None)
+    value = to_dict() if callable(to_dict) else value  # a transformers config: its fields
+    if not isinstance(value, Mapping):
+        what = "function" if callable(value) else type(value).__name__
+        raise ConfigError(f"{path}: a {what} has no configuration form; use a mapping")
+    return _plain(value, path)
+
+
+def _files(files: Mapping[str, Any], path: str) -> dict[str, Any]:
+    return {
+        name: item if isinstance(item, str) else _data(item, f"{path}[{name!r}]")
+        for name, item in files.items()
     }
-    if export.strip_prefix is not None:
-        strip = export.strip_prefix
-        out["strip_prefix"] = strip if isinstance(strip, str) else list(strip)
-    if export.config is not None:
-        out["config"] = _data(export.config, "export.config")
-    if export.extra_files is not None:
-        files: dict[str, Any] = {}
-        for name, item in export.extra_files.items():
-            where = f"export.extra_files[{name!r}]"
-            files[name] = item if isinstance(item, str) else _data(item, where)
-        out["extra_files"] = files
-    if export.rename is not None:
-        if not isinstance(export.rename, Mapping):
-            raise ConfigError("export.rename: a function has no configuration form; use a mapping")
-        out["rename"] = _plain(export.rename, "export.rename")
+
+
+@dataclass(frozen=True)
+class _Field:
+    """How one field is read from a config and written back (``write`` None: never, as
+    credentials); ``required`` says what a field without a default is."""
+
+    read: _Codec
+    write: _Codec | None = _same
+    required: str = ""
+
+
+_POLICY = _Field(policy_from_config, _spec)
+_KEEP = _Field(retention_from_config, _spec)
+_BOOL, _STR = _Field(check_bool), _Field(check_str)
+_NAMES = _Field(_names, lambda v, _: v if isinstance(v, str) else list(v))
+
+#: Each option value's fields, in the order its messages list them.
+_OPTIONS: dict[type[Any], dict[str, _Field]] = {
+    AsyncSave: {"staging": _Field(one_of(*STAGINGS))},
+    Disk: {"incremental": _BOOL, "compression": _STR},
+    Memory: {
+        "path": _Field(check_str, lambda v, _: str(v)),
+        "save": _POLICY,
+        "keep": _Field(_same, lambda v, _: Memory(keep=v).held),  # keep_last(n) as n
+        "budget": _Field(_same),
+        "promote_on": _Field(_signals, lambda v, _: [signal.Signals(s).name for s in v]),
+        "promote_within": _Field(_same),
+        "async_save": _BOOL,
+        "incremental": _BOOL,
+        "replicas": _Field(_same),
+    },
+    Remote: {
+        "url": _Field(check_str, required="an fsspec URL"),
+        "keep": _KEEP,
+        "storage_options": _Field(_secret, None),
+        "prune_unuploaded": _BOOL,
+    },
+    Export: {
+        "policy": _Field(policy_from_config, _spec, required="when to export"),
+        "select": _NAMES,
+        "dtype": _Field(_dtype, lambda v, _: str(v).removeprefix("torch.")),
+        "max_shard_size": _Field(_size),
+        "config": _Field(_mapping, _data),
+        "extra_files": _Field(_mapping, _files),
+        "strip_prefix": _NAMES,
+        "rename": _Field(_mapping, _data),
+        "keep": _KEEP,
+    },
+}
+
+
+def _read(fields: Mapping[str, _Field], value: object, path: str, what: str) -> dict[str, Any]:
+    """The fields ``value`` gives, each read at its key path (None: the default)."""
+    given = check_keys(value, path or "config", list(fields), what)
+    args: dict[str, Any] = {}
+    for name, field in fields.items():
+        if given.get(name) is not None:
+            args[name] = field.read(given[name], at_key(path, name))
+        elif field.required:
+            raise ConfigError(f"{at_key(path, name)}: required ({field.required})")
+    return args
+
+
+def _write(fields: Mapping[str, _Field], values: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """``values`` in their plain form (None as it is)."""
+    return {
+        name: None if value is None else write(value, at_key(path, name))
+        for name, value in values.items()
+        if (write := fields[name].write) is not None
+    }
+
+
+def _option(kind: type[Any], value: object, path: str) -> Any:
+    args = _read(_OPTIONS[kind], value, path, "fields")
+    try:
+        return kind(**args)
+    except (TypeError, ValueError) as exc:  # named by the field the option names
+        field = next((k for k in args if f"({k}=" in str(exc)), None)
+        raise ConfigError(f"{at_key(path, field) if field else path}: {exc}") from None
+
+
+def _option_config(option: Any, path: str) -> dict[str, Any]:
+    fields = _OPTIONS[type(option)]
+    return _write(fields, {name: getattr(option, name) for name in fields}, path)
+
+
+def _async(value: object, path: str) -> bool | AsyncSave:
+    return value if isinstance(value, bool) else _option(AsyncSave, value, path)
+
+
+def _tiers(value: object, path: str) -> list[Memory | Disk | Remote]:
+    out = []
+    for key, given in check_keys(value, path, tuple(TIERS), "tiers").items():
+        if given not in (None, False):
+            given = {"url": given} if key == "remote" and isinstance(given, str) else given
+            out.append(_option(TIERS[key], {} if given is True else given, at_key(path, key)))
     return out
+
+
+def _tiers_config(options: TierOptions, path: str) -> dict[str, Any]:
+    memory = options[0]
+    if memory is not None and memory.domain is not None:
+        raise ConfigError(
+            f"{path}.memory.domain={memory.domain!r}: a function has no plain form; leave it "
+            "out (the default domains are the nodes, from LOCAL_RANK) or build the manager "
+            "in code"
+        )
+    return {
+        key: _option_config(option, at_key(path, key))
+        for key, option in zip(TIERS, options, strict=True)
+        if option is not None
+    }
+
+
+#: The manager's keys (``policy.config.MANAGER_KEYS``): how each is read and written.
+_MANAGER: dict[str, _Field] = {
+    "root": _STR,
+    "save": _POLICY,
+    "keep": _KEEP,
+    "metadata": _Field(_mapping, _plain),
+    "read_only": _BOOL,
+    "async_save": _Field(_async, lambda v, p: v if v is False else _option_config(v, p)),
+    "export": _Field(lambda v, p: _option(Export, v, p), _option_config),
+    "tiers": _Field(_tiers, _tiers_config),
+    "rollback": _POLICY,
+    "per_rank": _Field(_keys, lambda v, _: list(v)),
+    "run": _Field(relaunch_from_config, lambda v, _: relaunch_to_config(v)),
+}
+
+
+def manager_arguments(
+    cfg: object, *, root_given: bool = False
+) -> tuple[str | None, dict[str, Any], Relaunch | None]:
+    """The root, the constructor's keyword arguments and the ``run`` block of ``cfg``
+    (``root_given``: the caller has the root, the config need not)."""
+    documents.check_bounded(cfg, "config")
+    kwargs = _read(_MANAGER, cfg, "", "keys")
+    if "root" not in kwargs and not root_given:
+        raise ConfigError("root: required (the directory of the run's checkpoints)")
+    return kwargs.pop("root", None), kwargs, kwargs.pop("run", None)
 
 
 def config_of(mgr: Any) -> dict[str, Any]:
@@ -291,38 +303,18 @@ def config_of(mgr: Any) -> dict[str, Any]:
     A remote tier's ``storage_options`` are left out: they may hold credentials, and a
     configuration is written where anyone may read it (a checkpoint's metadata).
     """
-    settings, export, rollback = mgr._writes.settings, mgr.export, mgr._watch.rule
-    out: dict[str, Any] = {
+    settings = mgr._writes.settings
+    values = {
         "root": str(mgr.root),
-        "save": _spec(mgr.save_policy, "save"),
-        "keep": _spec(mgr.keep, "keep"),
-        "metadata": _plain(mgr.metadata, "metadata"),
+        "save": mgr.save_policy,
+        "keep": mgr.keep,
+        "metadata": mgr.metadata,
         "read_only": mgr.read_only,
-        "async_save": False if (mode := settings.async_save) is None else {"staging": mode.staging},
-        "per_rank": list(settings.per_rank),
+        "async_save": settings.async_save or False,
+        "export": mgr.export,
+        "tiers": mgr._options,
+        "rollback": mgr._watch.rule,
+        "per_rank": settings.per_rank,
+        "run": mgr._relaunch,
     }
-    memory, disk, remote = mgr._options
-    out["tiers"] = {"disk": {"incremental": disk.incremental, "compression": disk.compression}}
-    if export is not None:
-        out["export"] = _export_config(export)
-    if remote is not None:
-        out["tiers"]["remote"] = {k: getattr(remote, k) for k in ("url", "prune_unuploaded")}
-        out["tiers"]["remote"]["keep"] = _spec(remote.keep, "tiers.remote.keep")
-    if memory is not None:
-        if memory.domain is not None:
-            raise ConfigError(
-                f"tiers.memory.domain={memory.domain!r}: a function has no plain form; leave it "
-                "out (the default domains are the nodes, from LOCAL_RANK) or build the manager "
-                "in code"
-            )
-        out["tiers"]["memory"] = {k: getattr(memory, k) for k in MEMORY_KEYS} | {
-            "path": None if memory.path is None else str(memory.path),
-            "save": _spec(memory.save, "tiers.memory.save"),
-            "keep": memory.held,  # keep_last(n), as its int shorthand
-            "promote_on": [signal.Signals(s).name for s in memory.promote_on],
-        }
-    if rollback is not None:
-        out["rollback"] = _spec(rollback, "rollback")
-    if mgr._relaunch is not None:
-        out["run"] = relaunch_to_config(mgr._relaunch)
-    return out
+    return _write(_MANAGER, {k: v for k, v in values.items() if v is not None}, "")

@@ -19,7 +19,8 @@ from functional_ckpt._src.save.staging import Staging, check_staging
 from functional_ckpt._src.storage.zstd import level_of
 from functional_ckpt.errors import UnsupportedValue
 
-__all__ = ["AsyncSave", "Disk", "TierOptions", "check_policies", "plain_metrics", "tier_options"]
+__all__ = ["TIERS", "AsyncSave", "Disk", "TierOptions", "check_policies", "plain_metrics"]
+__all__ += ["tier_options"]
 
 
 @dataclass(frozen=True)
@@ -51,25 +52,26 @@ class Disk:
 
 
 TierOptions = tuple[Memory | None, Disk, Remote | None]
+#: Each tier's option by its key in a configuration, fastest first.
+TIERS: dict[str, type[Memory | Disk | Remote]] = {"memory": Memory, "disk": Disk, "remote": Remote}
 
 
 def tier_options(tiers: Sequence[Memory | Disk | Remote]) -> TierOptions:
     """``tiers=`` as given (any order, each kind at most once): memory, disk, remote."""
-    kinds = (Memory, Disk, Remote)
     if isinstance(tiers, str | bytes) or not isinstance(tiers, Sequence):
         raise TypeError(f"CheckpointManager(tiers={tiers!r}): expected a tuple of tier options")
-    found: list[Any] = [None, Disk(), None]
+    found: dict[type[Any], Any] = {Disk: Disk()}
     for i, option in enumerate(tiers):
-        kind = next((k for k, t in enumerate(kinds) if isinstance(option, t)), None)
+        kind = next((k for k in TIERS.values() if isinstance(option, k)), None)
         if kind is None:
             raise TypeError(
                 f"CheckpointManager(tiers[{i}]={option!r}): expected fc.manager.Memory(...), "
                 "fc.manager.Disk(...) or fc.manager.Remote(...)"
             )
-        if any(isinstance(t, kinds[kind]) for t in tiers[:i]):
-            raise ValueError(f"CheckpointManager(tiers=...): two {kinds[kind].__name__} tiers")
+        if any(isinstance(t, kind) for t in tiers[:i]):
+            raise ValueError(f"CheckpointManager(tiers=...): two {kind.__name__} tiers")
         found[kind] = option
-    return found[0], found[1], found[2]
+    return found.get(Memory), found[Disk], found.get(Remote)
 
 
 def async_option(value: object) -> AsyncSave | None:

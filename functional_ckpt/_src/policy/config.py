@@ -80,7 +80,7 @@ def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _one_of(*choices: str) -> _Check[str]:
+def one_of(*choices: str) -> _Check[str]:
     return _rule(" or ".join(repr(c) for c in choices), lambda v: v in choices, str)
 
 
@@ -90,7 +90,7 @@ _int = _rule("an int", _is_int, int)
 _positive_int = _rule("a positive int", lambda v: _is_int(v) and v > 0, int)
 _number = _rule("a number >= 0", lambda v: _is_real(v) and v >= 0, float)
 _positive_number = _rule("a positive number", lambda v: _is_real(v) and v > 0, float)
-_mode, _target = _one_of("min", "max"), _one_of(*TARGETS)
+_mode, _target = one_of("min", "max"), one_of(*TARGETS)
 
 
 def _steps(value: object, path: str) -> list[int]:
