@@ -184,6 +184,11 @@ def metric_and_mode(metric: object, mode: object, what: str) -> tuple[str, str]:
     return metric, str(mode)
 
 
+def better(value: float, than: float | None, mode: str, by: float = 0.0) -> bool:
+    """``value`` beats ``than`` (None: anything does) by more than ``by`` ("min": lower)."""
+    return than is None or (value < than - by if mode == "min" else value > than + by)
+
+
 def positive_int(value: object, name: str, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{what}: {name} must be a positive int, got {value!r}")

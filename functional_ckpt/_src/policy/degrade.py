@@ -10,6 +10,7 @@ from functional_ckpt._src.policy.base import (
     LeafPolicy,
     PolicyState,
     SavePolicy,
+    better,
     finite_number,
     metric_and_mode,
     metric_value,
@@ -41,10 +42,7 @@ class OnDegrade(LeafPolicy):
         """Worse than ``best`` by more than ``drop`` of its magnitude (NaN always is)."""
         if math.isnan(value):
             return True
-        if best is None:
-            return False
-        margin = self.drop * abs(best)
-        return value < best - margin if self.mode == "max" else value > best + margin
+        return best is not None and better(best, value, self.mode, self.drop * abs(best))
 
     def decide(self, state: PolicyState, event: Event) -> bool:
         best, bad = self._fields(state)
@@ -57,8 +55,7 @@ class OnDegrade(LeafPolicy):
         if value is None:
             return state
         bad = bad + 1 if self.degraded(value, best) else 0
-        better = best is None or (value > best if self.mode == "max" else value < best)
-        if saved and not math.isnan(value) and better:
+        if saved and not math.isnan(value) and better(value, best, self.mode):
             best = value
         return {"best": best, "bad": bad}
 

@@ -10,6 +10,7 @@ from functional_ckpt._src.policy.base import (
     LeafPolicy,
     PolicyState,
     SavePolicy,
+    better,
     finite_number,
     metric_and_mode,
     metric_value,
@@ -175,19 +176,11 @@ class _OnImprove(LeafPolicy):
 
     def decide(self, state: PolicyState, event: Event) -> bool:
         best, value = self._best(state), metric_value(event, self.metric)
-        if value is None:
-            return False
-        if best is None:
-            return True
-        if self.mode == "min":
-            return value < best - self.min_delta
-        return value > best + self.min_delta
+        return value is not None and better(value, best, self.mode, self.min_delta)
 
     def update(self, state: PolicyState, event: Event, saved: bool) -> PolicyState:
         best, value = self._best(state), metric_value(event, self.metric)
-        if not saved or value is None:
-            return state
-        if best is None or (value < best if self.mode == "min" else value > best):
+        if saved and value is not None and better(value, best, self.mode):
             return {"best": value}
         return state
 
