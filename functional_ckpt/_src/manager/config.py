@@ -10,9 +10,9 @@ written; the option values hold the defaults and check the rest, naming the fiel
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +33,6 @@ from functional_ckpt._src.policy.config import (
     one_of,
     policy_from_config,
     relaunch_from_config,
-    relaunch_to_config,
     retention_from_config,
     signal_number,
 )
@@ -155,7 +154,7 @@ def _files(files: Mapping[str, Any], path: str) -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Field:
     """How one field is read from a config and written back (``write`` None: never, as
     credentials); ``required`` says what a field without a default is."""
@@ -280,7 +279,7 @@ _MANAGER: dict[str, _Field] = {
     "tiers": _Field(_tiers, _tiers_config),
     "rollback": _POLICY,
     "per_rank": _Field(_keys, lambda v, _: list(v)),
-    "run": _Field(relaunch_from_config, lambda v, _: relaunch_to_config(v)),
+    "run": _Field(relaunch_from_config, lambda v, _: dataclasses.asdict(v)),
 }
 
 

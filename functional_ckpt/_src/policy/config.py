@@ -284,7 +284,3 @@ def relaunch_from_config(value: object, path: str = "run") -> Relaunch:
             rule = "0 (never) or 2 or more" if out[key] == 1 else "an int >= 0"
             raise config_error(where, rule, item)
     return Relaunch(**out)
-
-
-def relaunch_to_config(relaunch: Relaunch) -> dict[str, Any]:
-    return {key: getattr(relaunch, key) for key in RELAUNCH_KEYS}
