@@ -21,7 +21,8 @@ from functional_ckpt._src.codec import documents
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.kind import is_committed
 from functional_ckpt._src.format.naming import BRANCHES_DIR, EXPORTS_DIR, parse_step, step_name
-from functional_ckpt._src.storage import commit, durable, opener
+from functional_ckpt._src.root.delete import delete, remove_all
+from functional_ckpt._src.storage import durable, opener
 from functional_ckpt.errors import CheckpointError, CheckpointExists
 
 #: The durable record of a rollback in progress.
@@ -155,14 +156,8 @@ def finish(root: Path) -> RollbackPlan | None:
             _move(root / EXPORTS_DIR / name, target / EXPORTS_DIR / name)
     else:
         for name in plan.names:
-            for path in (root / name, root / EXPORTS_DIR / name):
-                trash = durable.tmp_sibling(path, naming.TRASH_INFIX)
-                try:
-                    os.rename(path, trash)
-                except FileNotFoundError:
-                    continue
-                durable.fsync_dir(path.parent)
-                commit.remove_tree(trash)
+            for parent in (root, root / EXPORTS_DIR):
+                remove_all(delete(parent, [parent / name]))
     os.unlink(intent)
     durable.fsync_dir(root)
     return plan
