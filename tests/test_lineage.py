@@ -209,3 +209,29 @@ def test_fckpt_ls_and_the_manager_learn_the_lineage_alike(
     rows = {r["step"]: r for r in json.loads(capsys.readouterr().out) if "kind" not in r}
     assert rows[9]["run"] == theirs and "another run" in rows[9]["kept_by"][0]
     assert rows[0]["kept_by"] == ["keep_last(1)", "latest"]
+
+
+# --------------------------------------------------------------------------- reads
+
+
+@pytest.mark.parametrize("held", [4, 16])
+def test_the_lineage_reads_each_manifest_once_per_manager_however_many_are_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: int
+) -> None:
+    """Resume and the saves after it ask the rule many times; each checkpoint's
+    manifest is read once per manager (then remembered by its marker), never once per
+    question: the reads grow with the checkpoints held, not with checkpoints x calls."""
+    from functional_ckpt._src.storage import committed as storage
+
+    root = tmp_path / "root"
+    saved(root, *range(1, held + 1))
+    read, real = [], storage.read_manifest
+    monkeypatch.setattr(storage, "read_manifest", lambda p: read.append(p) or real(p))
+    saves = 5
+    with fc.CheckpointManager(root, keep=fc.keep_last(held + saves)) as mgr:
+        exact(mgr.restore_latest(like=state(0)), held)
+        for step in range(held + 1, held + saves + 1):
+            mgr.maybe_save(state(step), step=step)
+    # 4 held: 10 reads (each held once, each new one once, the resumed one again);
+    # a read per checkpoint per question would be 135.
+    assert len(read) <= held + 2 * saves + 2, sorted(str(p) for p in read)
