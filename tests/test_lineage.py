@@ -100,6 +100,30 @@ def test_a_save_never_replaces_another_runs_checkpoint_of_the_same_step(
     assert committed(root) == [1, 9, 10]
 
 
+@pytest.mark.parametrize("theirs", [9, 3])
+def test_a_promotion_is_neither_blocked_by_nor_copied_over_another_runs_checkpoint(
+    tmp_path: Path, theirs: int
+) -> None:
+    """The memory tier's newest step is promoted past another run's newer step, and
+    another run's step of the same number is left as it is (the next older promoted)."""
+    root, other, memory = tmp_path / "root", tmp_path / "other", tmp_path / "mem"
+    saved(root, 1)
+    their_run = saved(other, theirs)
+    copied_in(other, root, theirs)
+    tier = fc.manager.Memory(path=memory, async_save=False)  # promotes on a crash
+    manager = fc.CheckpointManager(root, save=fc.every_steps(100), tiers=(tier,))
+    with pytest.raises(RuntimeError, match="a crash"), manager as mgr:
+        mgr.restore_latest(like=state(0))
+        for step in (2, 3):
+            mgr.maybe_save(state(step), step=step)
+        raise RuntimeError("a crash")
+    promoted = 3 if theirs == 9 else 2
+    assert committed(root) == sorted({1, promoted, theirs})
+    exact(fc.restore(root / step_name(promoted)), promoted)
+    assert run_of(root, theirs) == their_run
+    shutil.rmtree(memory)
+
+
 # --------------------------------------------------------------------------- a rollback
 
 

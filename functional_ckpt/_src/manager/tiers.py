@@ -6,6 +6,7 @@ A tier (RAM, disk, object store) only answers :class:`Tier`'s questions, so none
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
@@ -186,10 +187,10 @@ class DiskTier:
         pending = self._writes.pending
         if pending is not None:
             pending.exception(within)  # its failure is reported by the next wait()
-        newest = max(committed_steps(self.view.root), default=-1)
-        paths = []
+        newest = max(set(committed_steps(self.view.root)) - self.others(), default=-1)
+        paths = []  # another lineage's step is no obstacle, and never copied over
         for step in source.steps():
-            if step > newest:
+            if step > newest and not os.path.lexists(self.view.path(step)):
                 with contextlib.suppress(CheckpointError):  # held only in part there
                     paths.append(source.open(step))
         return promote_newest(self.view.root, paths, within)
