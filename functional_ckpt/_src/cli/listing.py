@@ -232,8 +232,8 @@ def _why(row: dict[str, Any]) -> str:
 
 
 def _checkpoints(root: Path, rows: list[RootEntry], parts: Any) -> Section:
-    run = read_run(root)  # another lineage's checkpoints are kept, as the manager keeps them
-    ours = Lineage(None if run is None else run.id).learn(r.metadata for r in rows).holds
+    # Another lineage's checkpoints are kept, as the manager keeps them (the same rule).
+    ours = Lineage(read_run(root)).learn(r.metadata for r in rows).holds
     records = [
         fc.policy.CheckpointRecord(r.step, r.time or 0.0, r.metrics)
         for r in rows
@@ -401,7 +401,10 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
     parts = policy_from_flags(args)
     assert parts is not None  # --keep-last is required
     policy = functools.reduce(operator.or_, (p for _, p in parts))
-    infos = fc.CheckpointManager(root, read_only=True).disk.infos()
+    disk = fc.CheckpointManager(root, read_only=True).disk
+    infos = disk.infos()
+    if disk.lineage.unrelated:  # which run's history to prune is never guessed
+        raise Declined(disk.lineage.unsure(root))
     plan = fc.policy.plan_deletions(policy, infos) if infos else []
     kept = kept_by(parts, infos)
     sizes = {r.step: r.size for r in rows if r.canonical}

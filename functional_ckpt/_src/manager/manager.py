@@ -64,7 +64,6 @@ from functional_ckpt._src.root import rollback
 from functional_ckpt._src.root.leftovers import open_writer
 from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt._src.root.lock import WriterLock
-from functional_ckpt._src.root.resume import check_order
 from functional_ckpt._src.root.rollback import Newer, finish
 from functional_ckpt._src.root.run import Run, open_run, read_run
 from functional_ckpt._src.root.view import RootView
@@ -156,16 +155,18 @@ class CheckpointManager(RootView):
                 self._lock.release()
             raise
         self._writes = Writes(self, settings, self.remote)
-        known = read_run(self.root) if run is None else run[0]  # a reader follows the root's
+        known = read_run(self.root) or (None if run is None else run[0])  # a reader: the root's
         self.disk = DiskTier(self, self._writes, self._after_commit, writer=not self.read_only,
                              coordinator=self._coordinator, remote=self.remote,
-                             run=None if known is None else known.id)  # fmt: skip
+                             run=known)  # fmt: skip
         self.tiers: list[Tier] = [self.disk]
         if (behind := self.remote) is not None:
             self.tiers.append(behind)
             behind.prune = lambda: retain(behind, behind.keep)  # after each upload round
             behind.retained = partial(retained, behind.keep)  # what it uploads
             behind.ours = self.disk.lineage
+            self.disk.others()  # learnt before the first upload round chooses what to upload
+            behind.copy_in(self.disk, 0.0)  # which resumes what a crash interrupted
         if self.memory is not None:
             self.tiers.insert(0, self.memory)
             self.memory.promote = partial(promote, self.tiers, self.memory)
@@ -254,6 +255,7 @@ class CheckpointManager(RootView):
         self._check_open("rollback", writing=True)
         rollback.check_request(newer, branch, reason)
         self.wait()  # a save in flight commits first: it may be one of the newer steps
+        self.disk.check_ours(step, f"rollback({step}) continues this run's only", CheckpointError)
         state = self.restore(step, like)  # raises, moving nothing, if step is unusable
         done = move_newer(
             self.tiers, self.disk, self.remote, step, newer=newer, branch=branch, reason=reason
@@ -367,7 +369,7 @@ class CheckpointManager(RootView):
         self._watch.next = rule_state
         if saved:
             self.disk.wait()  # at most one save in flight; the previous one must have committed
-            check_order(self.root, event.step, self.disk.latest())  # before any write
+            self.disk.check_save(event.step)  # before any write
         background = exported and self._writes.settings.async_save is not None
         background = background and not self._distributed
         if exported and not background:

@@ -23,6 +23,7 @@ from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy import Event, PolicyState, SavePolicy
 from functional_ckpt._src.policy.config import stored_spec
 from functional_ckpt._src.policy.retention import RetentionPolicy
+from functional_ckpt._src.root.run import Run
 from functional_ckpt._src.storage.committed import check_committed
 from functional_ckpt.errors import CheckpointError, CheckpointWarning
 
@@ -201,19 +202,33 @@ def stored_state(
 
 class Lineage:
     """The lineage rule (docs/tiered.md): a checkpoint is this run's to resume, keep and
-    delete when it records no run, this run, or one of its ``"ancestors"`` (any, while
-    the root holds none of this run's); another lineage's is reported once, left alone."""
+    delete when it records no run, this run, or one of its ``"ancestors"``. Until the run
+    has a checkpoint (``run.json`` records its runs from then on) it adopts the one lineage
+    the root holds; between unrelated ones it never guesses. Another's is reported once."""
 
-    def __init__(self, run: str | None) -> None:
-        self.run = run
-        self.runs: set[str] | None = None  # None: every run's (not begun)
+    def __init__(self, run: Run | None) -> None:
+        self.run = None if run is None else run.id
+        self.recorded = set(() if run is None else run.lineage)  # grows, never shrinks
+        self.runs: set[str] | None = set()  # None: every run's (none held records one)
+        self.unrelated: list[str] = []  # the runs held, none of them this lineage's
         self._told: set[str] = set()
 
     def learn(self, held: Iterable[Mapping[str, Any]]) -> Lineage:
         """The lineage's runs, from the metadata of the checkpoints the root holds."""
-        run = self.run
-        own = [m for m in held if run is not None and run_of(m) == run]
-        self.runs = {run, *(a for m in own for a in ancestors_of(m))} if run and own else None
+        held = list(held)
+        mine = self.recorded | ({self.run} if self.run is not None else set())
+        if self.recorded or any(run_of(m) == self.run for m in held if self.run is not None):
+            ancestors = {a for m in held if run_of(m) in mine for a in ancestors_of(m)}
+            self.runs = self.recorded = mine | ancestors
+            self.unrelated = []
+            return self
+        lines: dict[str, set[str]] = {}
+        for m in held:
+            if (run := run_of(m)) is not None:
+                lines.setdefault(run, {run}).update(ancestors_of(m))
+        whole = [r for r in sorted(lines) if lines.keys() <= lines[r]]
+        self.runs = None if not lines else lines[whole[0]] if whole else set()
+        self.unrelated = [] if whole else sorted(lines)
         return self
 
     def holds(self, metadata: Mapping[str, Any]) -> bool:
@@ -221,16 +236,29 @@ class Lineage:
         run = run_of(metadata)
         return self.runs is None or run is None or run in self.runs
 
+    def stranger(self, metadata: Mapping[str, Any], where: object) -> str:
+        """What a checkpoint at ``where`` of another lineage is."""
+        run = run_of(metadata)
+        return f"{where}: a checkpoint of run {run}, not of this run's lineage ({self.run})"
+
+    def unsure(self, where: object) -> str:
+        """Why nothing at ``where`` is resumed or deleted: unrelated runs, none this one."""
+        return (
+            f"{where}: holds checkpoints of unrelated runs {', '.join(self.unrelated)} and none "
+            "of this root's run, so which one it continues is not guessed: nothing is resumed "
+            "or deleted. Move the other runs' checkpoints out of the root, or restore(step) "
+            "the one to continue and save"
+        )
+
     def __call__(self, metadata: Mapping[str, Any], where: object) -> bool:
         """:meth:`holds`, another lineage's checkpoint at ``where`` reported once."""
         if self.holds(metadata):
             return True
-        run = run_of(metadata)
-        if str(where) not in self._told:
+        if str(where) not in self._told and not self.unrelated:  # else told as a whole
             self._told.add(str(where))
             warn(
-                f"{where}: a checkpoint of run {run}, not of this run's lineage ({self.run}); "
-                "never resumed nor deleted here (fork it to continue it)",
+                f"{self.stranger(metadata, where)}; never resumed nor deleted here "
+                "(fork it to continue it)",
                 CheckpointWarning,
                 stacklevel=4,
             )

@@ -6,8 +6,10 @@ A tier (RAM, disk, object store) only answers :class:`Tier`'s questions, so none
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -22,15 +24,16 @@ from functional_ckpt._src.remote.tier import RemoteTier
 from functional_ckpt._src.root import rollback
 from functional_ckpt._src.root.delete import delete
 from functional_ckpt._src.root.listing import StepInfo, committed_steps
-from functional_ckpt._src.root.resume import newest_readable
+from functional_ckpt._src.root.resume import check_order, newest_readable
 from functional_ckpt._src.root.rollback import Newer
+from functional_ckpt._src.root.run import Run, read_run, record_run
 from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.storage.committed import read_manifest
 from functional_ckpt._src.storage.os_failure import machine_errors
 from functional_ckpt._src.storage.progress import report_progress
 from functional_ckpt._src.storage.ram import promote_newest
-from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
+from functional_ckpt.errors import CheckpointError, CheckpointExists, CorruptCheckpoint
 
 T = TypeVar("T")
 
@@ -130,7 +133,7 @@ class DiskTier:
         writer: bool,
         coordinator: bool,
         remote: RemoteTier | None,
-        run: str | None,
+        run: Run | None,
     ) -> None:
         self.view, self.writer, self.coordinator = view, writer, coordinator
         self._writes, self._committed = writes, committed
@@ -139,11 +142,17 @@ class DiskTier:
         self._defer = self._behind and topology().distributed
         self.durable = self.local = True
         self.lineage = Lineage(run)
+        self._recorded = self.lineage.recorded
 
     def others(self) -> set[int]:
         """The root's steps of another lineage (a step named for another is damage)."""
         held = self.view.infos()
         ours = self.lineage.learn(i.metadata for i in held)
+        if ours.recorded != self._recorded and self.writer and self.coordinator:
+            self._recorded = ours.recorded  # this lineage's runs, in run.json for good
+            run = read_run(self.view.root)  # as the memory tier may have renewed it
+            if run is not None and run.id == ours.run:
+                record_run(self.view.root, replace(run, lineage=tuple(sorted(ours.recorded))))
         named = [i for i in held if record_of(i.metadata).step in (None, i.step)]
         return {i.step for i in named if not ours(i.metadata, i.path)}
 
@@ -152,9 +161,21 @@ class DiskTier:
         others = self.others()
         return [i for i in self.view.infos() if i.step not in others]
 
-    def latest(self) -> int | None:
-        """The newest committed step but another lineage's (a save must not be older)."""
-        return max(set(self.steps()) - self.others(), default=None)
+    def check_save(self, step: int) -> None:
+        """Before any write: refuse a save of ``step`` behind this lineage's newest, or
+        over another lineage's checkpoint of that step (never replaced)."""
+        others = self.others()
+        check_order(self.view.root, step, max(set(self.steps()) - others, default=None))
+        self.check_ours(step, f"a save of step {step} would replace it", CheckpointExists)
+
+    def check_ours(self, step: int, doing: str, error: type[CheckpointError]) -> None:
+        """Raise ``error`` if ``step`` is another lineage's, before anything is changed."""
+        if step in self.others():
+            info = self.view.info(step)
+            raise error(
+                f"{self.lineage.stranger(info.metadata, info.path)}: {doing}, so nothing was "
+                "written or moved. Move it out of the root, or fork it to continue it"
+            )
 
     def open(self, step: int) -> Path:
         return self.view.path(step)
@@ -166,16 +187,18 @@ class DiskTier:
         pending = self._writes.pending
         if pending is not None:
             pending.exception(within)  # its failure is reported by the next wait()
-        newest = max(committed_steps(self.view.root), default=-1)
-        paths = []
+        newest = max(set(committed_steps(self.view.root)) - self.others(), default=-1)
+        paths = []  # another lineage's step is no obstacle, and never copied over
         for step in source.steps():
-            if step > newest:
+            if step > newest and not os.path.lexists(self.view.path(step)):
                 with contextlib.suppress(CheckpointError):  # held only in part there
                     paths.append(source.open(step))
         return promote_newest(self.view.root, paths, within)
 
     def newest(self, read: Callable[[Path], T], above: int | None) -> Found[T]:
         others = self.others()  # the lineage, learnt for the remote tier too
+        if self.lineage.unrelated:
+            raise CheckpointError(self.lineage.unsure(self.view.root))
         if self._defer:
             return None
         view = self.view

@@ -111,7 +111,6 @@ class RemoteTier:
             if self.coordinator or not self.shared:
                 remove_downloads(root)
             self._worker = Worker(self._round, coalesce=self.world == 1)
-            self._worker.request()  # resumes what a crash interrupted
 
     def __repr__(self) -> str:
         return f"RemoteTier({self.url!r}, keep={self.keep!r})"

@@ -20,10 +20,13 @@ RUN_FILE = "run.json"
 
 @dataclass(frozen=True)
 class Run:
-    """A root's run: ``id`` recorded in every checkpoint; ``secret`` names its RAM folder."""
+    """A root's run: ``id`` recorded in every checkpoint; ``secret`` names its RAM folder;
+    ``lineage``: the runs its checkpoints continue, once it has any (its own deletions
+    never make another run's checkpoints its own)."""
 
     id: str
     secret: str
+    lineage: tuple[str, ...] = ()
 
 
 def read_run(root: Path) -> Run | None:
@@ -34,7 +37,9 @@ def read_run(root: Path) -> Run | None:
     rid, secret = doc.get("run"), doc.get("secret")
     if not (isinstance(rid, str) and rid and isinstance(secret, str) and secret):
         return None
-    return Run(rid, secret)
+    found = doc.get("lineage")
+    lineage = tuple(r for r in found if isinstance(r, str)) if isinstance(found, list) else ()
+    return Run(rid, secret, lineage)
 
 
 def open_run(root: Path, *, new_secret: bool = False) -> tuple[Run, bool]:
@@ -43,13 +48,19 @@ def open_run(root: Path, *, new_secret: bool = False) -> tuple[Run, bool]:
     run = read_run(root)
     made = run is None
     if run is None or new_secret:
-        run = Run(secrets.token_hex(16) if run is None else run.id, secrets.token_hex(16))
-        path = root / RUN_FILE  # crash-safely, readable by its owner only
-        try:
-            data = json.dumps({"run": run.id, "secret": run.secret}).encode()
-            durable.replace_durably(path, data)
-        except OSError as e:  # a directory or a special file in its place: not ours to fix
-            raise CheckpointError(f"{path}: cannot record the run ({e.strerror or e})") from e
-        with contextlib.suppress(OSError):
-            os.chmod(path, 0o600)
+        lineage = () if run is None else run.lineage
+        run = Run(secrets.token_hex(16) if run is None else run.id, secrets.token_hex(16), lineage)
+        record_run(root, run)
     return run, made
+
+
+def record_run(root: Path, run: Run) -> None:
+    """Write ``run`` as ``root``'s (under the writer's lock), crash-safely, owner-only."""
+    path = root / RUN_FILE
+    doc = {"run": run.id, "secret": run.secret, "lineage": list(run.lineage)}
+    try:
+        durable.replace_durably(path, json.dumps(doc).encode())
+    except OSError as e:  # a directory or a special file in its place: not ours to fix
+        raise CheckpointError(f"{path}: cannot record the run ({e.strerror or e})") from e
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o600)
