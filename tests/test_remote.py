@@ -467,7 +467,11 @@ def test_two_ranks_sharing_one_root_each_download_what_they_read(
     assert "RESUMED True" in out0 and "RESUMED True" in out1  # committed whole, intact
     assert "TORN" in out0 and "TORN" in out1  # one rank's failure fails every rank
     assert "LEFT []" in out0 and "LEFT []" in out1
-    assert list((tmp_path / "torn").rglob("COMMITTED")) == []  # nothing looks committed
+    assert "MARKERS []" in out0, out0  # nothing looks committed, in the download directory too
+    left = [n for n in os.listdir(tmp_path / "torn") if n.startswith(".fc-download-")]
+    assert left, os.listdir(tmp_path / "torn")
+    with fc.CheckpointManager(tmp_path / "torn"):  # the next writer, with no remote tier
+        pass
     assert not [n for n in os.listdir(tmp_path / "torn") if n.startswith(".fc-download-")]
 
 

@@ -28,12 +28,13 @@ from functional_ckpt._src.format.naming import BRANCHES_DIR, step_name
 from functional_ckpt._src.log import done, logger, warn
 from functional_ckpt._src.policy.retention import CheckpointRecord
 from functional_ckpt._src.remote import protocol, resume
-from functional_ckpt._src.remote.fetch import download, remove_downloads
+from functional_ckpt._src.remote.fetch import download
 from functional_ckpt._src.remote.options import Remote
 from functional_ckpt._src.remote.resume import Found
 from functional_ckpt._src.remote.store import Store, public_url
 from functional_ckpt._src.remote.uploader import Worker, failure, read_status, retried, write_status
 from functional_ckpt._src.root.delete import delete, remove_all
+from functional_ckpt._src.root.leftovers import remove_downloads
 from functional_ckpt._src.root.listing import committed_steps, read_info, step_dirs
 from functional_ckpt.errors import CheckpointError, RemoteVanished, RemoteWarning
 
@@ -108,7 +109,7 @@ class RemoteTier:
         self.retained: Callable[[Sequence[Any]], set[int]] = lambda rs: {r.step for r in rs}
         self.ours: Callable[[Mapping[str, Any], object], bool] = lambda metadata, where: True
         if writer:
-            if self.coordinator or not self.shared:
+            if not self.coordinator and not self.shared:  # (the coordinator's lock does)
                 remove_downloads(root)
             self._worker = Worker(self._round, coalesce=self.world == 1)
             self._worker.request()  # resumes what a crash interrupted
