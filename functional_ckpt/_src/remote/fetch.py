@@ -28,7 +28,7 @@ from functional_ckpt._src.storage import commit, committed, durable, opener
 from functional_ckpt._src.storage.verify import verify
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, RemoteVanished
 
-__all__ = ["DOWNLOAD_PREFIX", "commit_shares", "download", "fetch_share"]
+__all__ = ["commit_shares", "download", "fetch_share"]
 
 
 def download(
@@ -49,26 +49,17 @@ def download(
     another world size saved), a copy that restores that rank alone. Whatever a
     hostile remote manifest holds, the failure is a ``CheckpointError``.
     """
-    whole = check or rank is None
-    work = into / f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"
-    tmp = work / step_name(step)
+    work = f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"
     try:
         with _damage(store, step):
-            marker, names = _fetch(
-                store, step, tmp, None if whole else rank, index=True, world=world
-            )
-            _unchanged(store, step, marker)
-            durable.write_new(tmp / naming.COMMIT_MARKER, marker)
-            report = verify(tmp) if check else None
-            if report is not None and not report.ok:
-                problems = "; ".join(str(p) for p in report.problems[:3])
-                raise CorruptCheckpoint(
-                    f"{store.where(step)}: damaged remote checkpoint: {problems}"
-                )
-            final = into / step_name(step)
-            commit.commit_checkpoint(tmp, final, overwrite=replace, replaces=commit.PARTS)
-    finally:
-        commit.remove_tree(work)
+            reader = None if check or rank is None else rank
+            tmp = into / work / step_name(step)
+            marker, names = _fetch(store, step, tmp, reader, index=True, world=world)
+    except BaseException:
+        commit.remove_tree(into / work)
+        raise
+    commit_shares(store, step, into, work, marker, check=check, replace=replace)
+    final = into / step_name(step)
     # A local copy of a remote checkpoint is flushed to disk in the background: one
     # torn by a power loss before then fails its checksums, is moved aside, and is
     # downloaded again (the remote copy is the durable one).
@@ -92,18 +83,33 @@ def fetch_share(store: Store, step: int, into: Path, work: str, *, rank: int, wo
     return marker
 
 
-def commit_shares(store: Store, step: int, into: Path, work: str, marker: bytes) -> Path:
-    """Commit what every rank fetched (:func:`fetch_share`) as ``into/step_N``: marker
-    last, once the remote copy is found unchanged; the private directory removed."""
+def commit_shares(
+    store: Store,
+    step: int,
+    into: Path,
+    work: str,
+    marker: bytes,
+    *,
+    check: bool = False,
+    replace: bool = True,
+) -> None:
+    """Commit what the ranks fetched (:func:`fetch_share`; or one process) into
+    ``into/<work>/step_N`` as ``into/step_N``: marker last, once the remote copy is found
+    unchanged (and, with ``check``, every byte verified); the private directory removed."""
     tmp, final = into / work / step_name(step), into / step_name(step)
     try:
         with _damage(store, step):
             _unchanged(store, step, marker)
             durable.write_new(tmp / naming.COMMIT_MARKER, marker)
-            commit.commit_checkpoint(tmp, final, overwrite=True, replaces=commit.PARTS)
+            report = verify(tmp) if check else None
+            if report is not None and not report.ok:
+                problems = "; ".join(str(p) for p in report.problems[:3])
+                raise CorruptCheckpoint(
+                    f"{store.where(step)}: damaged remote checkpoint: {problems}"
+                )
+            commit.commit_checkpoint(tmp, final, overwrite=replace, replaces=commit.PARTS)
     finally:
         commit.remove_tree(into / work)
-    return final
 
 
 @contextlib.contextmanager
@@ -211,9 +217,5 @@ def _fsync_all(path: Path, names: list[str]) -> None:
             fd = os.open(path / name, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             return  # deleted meanwhile: nothing to flush
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        with contextlib.suppress(OSError):
+            durable.fsync_and_close(fd)
