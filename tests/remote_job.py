@@ -1,8 +1,13 @@
-"""One rank of the two-rank remote-tier test (launched by tests/test_remote.py).
+"""The two-rank remote-tier job (launched once by tests/test_remote.py): ``BASE``, and
+``URL`` the prefix of an S3 bucket on the test's moto server at ``ENDPOINT``. Its
+parts in turn, each printing into ``BASE/<part>.<R>.out``:
 
-Every rank has local roots of its own (``BASE/<name><R>``: no shared file
-system) and all share one remote (``REMOTE``, an S3 URL on the test's moto
-server at ``ENDPOINT``). In order:
+- ``shared``: one local root both ranks share (tests/remote_shared_job.py);
+- ``ranks``: a root per rank, checkpoints damaged remotely (tests/remote_ranks_job.py);
+- ``own``, last (a rank dies in it), below.
+
+In ``own``, every rank has local roots of its own (``BASE/own/<name><R>``: no shared
+file system) and all share one remote. In order:
 
 0. ``fc.save`` into ``plain<R>``, without a remote tier, fails on every rank;
 1. in ``run<R>``: save steps 1-3 and wait for their uploads;
@@ -15,6 +20,7 @@ server at ``ENDPOINT``). In order:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -41,17 +47,7 @@ def state(mesh: Any, rank: int, step: int) -> dict[str, Any]:
     }
 
 
-def started() -> tuple[Path, str, dict[str, Any], int, Any]:
-    """This rank joined: (``BASE``, ``REMOTE``, the store's options, its rank, a 1-D mesh)."""
-    options = {"client_kwargs": {"endpoint_url": os.environ["ENDPOINT"]}}
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    return Path(sys.argv[1]), sys.argv[2], options, dist.get_rank(), mesh
-
-
-def main() -> None:
-    base, remote, options, rank, mesh = started()
-
+def own(base: Path, remote: str, options: dict[str, Any], rank: int, mesh: Any) -> None:
     def manager(name: str) -> fc.CheckpointManager:
         return fc.CheckpointManager(
             base / f"{name}{rank}",
@@ -106,6 +102,23 @@ def main() -> None:
         warnings.simplefilter("always")
         mgr.remote.wait()
     print("FAILED", sorted(mgr.remote.failures), [str(w.message) for w in seen], flush=True)
+
+
+def main() -> None:
+    from tests import remote_ranks_job, remote_shared_job
+
+    base, url = Path(sys.argv[1]), sys.argv[2]
+    options = {"client_kwargs": {"endpoint_url": os.environ["ENDPOINT"]}}
+    dist.init_process_group("gloo")
+    rank, mesh = dist.get_rank(), init_device_mesh("cpu", (dist.get_world_size(),))
+    real = fetch._get
+    parts = {"shared": remote_shared_job.run, "ranks": remote_ranks_job.damaged, "own": own}
+    for name, part in parts.items():
+        (base / name).mkdir(parents=True, exist_ok=True)
+        with open(base / f"{name}.{rank}.out", "w") as out, contextlib.redirect_stdout(out):
+            part(base / name, f"{url}/{name}", options, rank, mesh)
+        fetch._get = real  # type: ignore[assignment]
+        os.environ.pop("TEAR", None)
     os._exit(0)  # the job is broken (rank 1 is gone): no orderly shutdown
 
 

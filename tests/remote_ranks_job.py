@@ -1,20 +1,16 @@
-"""One rank of the root-per-rank resume tests (tests/test_remote.py): every rank has a
-local root of its own (``BASE/root<R>``), all share one remote (``URL``; an S3 endpoint
-in ``ENDPOINT``).
+"""The root-per-rank resume tests' ranks (tests/test_remote.py): every rank has a local
+root of its own (``BASE/root<R>``), all share one remote (``URL``; an S3 endpoint in
+``ENDPOINT``).
 
-Modes:
-  save BASE URL SCALE STEPS     save steps 1..STEPS (w = arange * step * SCALE), wait
-                                for the uploads
-  resume BASE URL [kill]        restore_latest; writes ``BASE/resume.<R>.json`` with the
-                                step, whether w matches that step and what it fetched;
-                                ``kill``: rank 1 SIGKILLs itself mid-download
+Run alone (``BASE URL``), each rank resumes (:func:`resume`): on three ranks, the
+two-rank checkpoints :func:`damaged` saved there. :func:`damaged` is a part of the
+two-rank job (tests/remote_job.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import traceback
 import warnings
@@ -32,43 +28,79 @@ import functional_ckpt as fc
 from functional_ckpt._src.remote import fetch
 
 
-def full(step: int, scale: int = 1) -> torch.Tensor:
-    return torch.arange(48, dtype=torch.float32).reshape(12, 4) * step * scale + 0.5
+def _flip(fs: Any, path: str) -> None:
+    data = bytearray(fs.cat_file(path))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(path, bytes(data))
 
 
-def main() -> None:
-    mode, base, url = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
-    endpoint = os.environ.get("ENDPOINT")
-    options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else None
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+def _swap(fs: Any, a: str, b: str) -> None:
+    da, db = fs.cat_file(a), fs.cat_file(b)
+    fs.pipe_file(a, db)
+    fs.pipe_file(b, da)
 
-    def manager() -> fc.CheckpointManager:
-        return fc.CheckpointManager(
-            base / f"root{rank}",
-            keep=fc.keep_last(1),
-            tiers=(fc.manager.Remote(url, storage_options=options),),
-        )
 
-    if mode == "save":
-        scale, steps = int(sys.argv[4]), int(sys.argv[5])
-        with manager() as mgr:
-            for step in range(1, steps + 1):
-                state = {"w": distribute_tensor(full(step, scale), mesh, [Shard(0)]), "step": step}
-                mgr.maybe_save(state, step=step)
-            assert mgr.remote is not None
-            mgr.remote.wait()
-        dist.barrier()
-        return
+_PARTS = ("manifest.part-00000.msgpack", "manifest.part-00001.msgpack")
+#: Damage of one newest remote checkpoint each (saved on two ranks, a root each).
+RANK_DAMAGE: dict[str, Any] = {
+    "rank 1's shard flipped": lambda fs, at: _flip(fs, at("__1_0.distcp")),
+    "rank 1's shard missing": lambda fs, at: fs.rm(at("__1_0.distcp")),
+    "rank 1's part missing": lambda fs, at: fs.rm(at(_PARTS[1])),
+    "shards swapped between ranks": lambda fs, at: _swap(
+        fs, at("__0_0.distcp"), at("__1_0.distcp")
+    ),
+    "parts swapped between ranks": lambda fs, at: _swap(fs, at(_PARTS[0]), at(_PARTS[1])),
+    "rank 1's shard truncated": lambda fs, at: fs.pipe_file(
+        at("__1_0.distcp"), fs.cat_file(at("__1_0.distcp"))[:-8]
+    ),
+}
+#: The steps :func:`damaged` saves: the newest of each damaged, step 1 intact.
+STEPS = len(RANK_DAMAGE) + 1
+
+
+def full(step: int) -> torch.Tensor:
+    return torch.arange(48, dtype=torch.float32).reshape(12, 4) * step + 0.5
+
+
+def _manager(base: Path, url: str, options: dict[str, Any], rank: int) -> fc.CheckpointManager:
+    tier = fc.manager.Remote(url, storage_options=options)
+    return fc.CheckpointManager(base / f"root{rank}", keep=fc.keep_last(1), tiers=(tier,))
+
+
+def damaged(base: Path, url: str, options: dict[str, Any], rank: int, mesh: Any) -> None:
+    """Save steps 1..STEPS into ``BASE/root<R>`` and ``URL`` and wait for the uploads;
+    then a copy of them in ``URL-damaged``, each newest step damaged its own way, and
+    each rank resumes from it into ``BASE/walk`` (:func:`resume`)."""
+    with _manager(base, url, options, rank) as mgr:
+        for step in range(1, STEPS + 1):
+            state = {"w": distribute_tensor(full(step), mesh, [Shard(0)]), "step": step}
+            mgr.maybe_save(state, step=step)
+        assert mgr.remote is not None
+        mgr.remote.wait()
+    dist.barrier()
+    copy = f"{url}-damaged"
+    if rank == 0:
+        import fsspec
+
+        fs = fsspec.filesystem("s3", **options)
+        src, dst = url.removeprefix("s3://"), copy.removeprefix("s3://")
+        for path in fs.find(src):
+            fs.copy(path, dst + path[len(src) :])
+        for step, damage in zip(range(STEPS, 1, -1), RANK_DAMAGE.values(), strict=True):
+            damage(fs, lambda n, s=step: f"{dst}/step_{s:09d}/{n}")
+    dist.barrier()
+    resume(base / "walk", copy, options, rank, mesh)
+    dist.barrier()
+
+
+def resume(base: Path, url: str, options: dict[str, Any], rank: int, mesh: Any) -> None:
+    """restore_latest; writes ``BASE/resume.<R>.json`` with the step, whether w matches
+    that step, the warnings and what this rank fetched."""
     fetched: list[str] = []
     real = fetch._get
 
     def counted(store: Any, step: int, tmp: Path, names: list[str]) -> None:
         fetched.extend(names)
-        if rank == 1 and len(sys.argv) > 4 and sys.argv[4] == "kill":
-            real(store, step, tmp, names[:1])
-            os.kill(os.getpid(), signal.SIGKILL)
         real(store, step, tmp, names)
 
     fetch._get = counted  # type: ignore[assignment]
@@ -76,7 +108,7 @@ def main() -> None:
     try:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            with manager() as mgr:
+            with _manager(base, url, options, rank) as mgr:
                 like = {"w": distribute_tensor(torch.zeros(12, 4), mesh, [Shard(0)]), "step": 0}
                 got = mgr.restore_latest(like=like)
                 step = mgr.restored_step
@@ -89,8 +121,18 @@ def main() -> None:
     except Exception as e:
         told["error"] = f"{type(e).__name__}: {e}"
         told["trace"] = traceback.format_exc()[-2000:]
+    finally:
+        fetch._get = real  # type: ignore[assignment]
     told["fetched"] = sorted(fetched)
+    base.mkdir(parents=True, exist_ok=True)
     (base / f"resume.{rank}.json").write_text(json.dumps(told))
+
+
+def main() -> None:
+    base, url = Path(sys.argv[1]), sys.argv[2]
+    options = {"client_kwargs": {"endpoint_url": os.environ["ENDPOINT"]}}
+    dist.init_process_group("gloo")
+    resume(base, url, options, dist.get_rank(), init_device_mesh("cpu", (dist.get_world_size(),)))
     os._exit(0)
 
 

@@ -1,12 +1,13 @@
-"""One rank of the two-rank remote-tier test with one local root both ranks share
-(launched by tests/test_remote.py; ``BASE`` and ``REMOTE`` as in tests/remote_job.py).
+"""The part of the two-rank remote-tier job (tests/remote_job.py) with one local root
+both ranks share (``BASE``, under the job's base):
 
 1. in ``BASE/run``: save steps 1-2 and wait for their uploads;
 2. a relaunch into the empty ``BASE/fresh`` (the same remote) resumes step 2: each
    rank downloads what it reads (the objects it fetches printed), the local copy is
    committed whole and ``fc.verify`` finds it intact;
-3. into ``BASE/torn``, rank 1's download fails midway: every rank raises, nothing in
-   the root looks committed, and the next writer removes what it left.
+3. into ``BASE/torn``, rank 1's download fails midway: every rank raises and no
+   marker lies anywhere in the root (the download directory the test's next writer
+   removes included).
 """
 
 from __future__ import annotations
@@ -23,12 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import functional_ckpt as fc
 from functional_ckpt._src.remote import fetch
-from tests.remote_job import started, state
+from tests.remote_job import state
 
 
-def main() -> None:
-    base, remote, options, rank, mesh = started()
-
+def run(base: Path, remote: str, options: dict[str, Any], rank: int, mesh: Any) -> None:
     def manager(name: str) -> fc.CheckpointManager:
         tier = fc.manager.Remote(remote, storage_options=options)
         return fc.CheckpointManager(base / name, tiers=(tier,))
@@ -67,11 +66,6 @@ def main() -> None:
         print("TORN", type(e).__name__, flush=True)
     dist.barrier()
     print("LEFT", fc.CheckpointManager(base / "torn", read_only=True).steps(), flush=True)
-    with manager("torn"):  # the next writer removes what the failed download left
-        pass
+    markers = sorted(str(p.relative_to(base)) for p in (base / "torn").rglob("COMMITTED"))
+    print("MARKERS", markers, flush=True)
     dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

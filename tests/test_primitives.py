@@ -40,7 +40,6 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("_src/export/torch_save.py", "zipfile.is_zipfile"): (1, "the same file, checked regular"),
     ("_src/export/torch_save.py", "os.unlink"): (2, "this writer's own temporary file"),
     ("_src/recording/recorder.py", "os.open"): (1, "the recording's directory (O_NOFOLLOW)"),
-    ("_src/remote/fetch.py", "shutil.rmtree"): (2, "this download's private directory"),
     ("_src/remote/fetch.py", "os.open"): (1, "fsync of a downloaded file (O_NOFOLLOW)"),
     ("_src/root/delete.py", "os.unlink"): (2, "the primitive: a marker, or a link itself"),
     ("_src/root/leftovers.py", "os.unlink"): (1, "a temporary file (not a directory) of a crash"),

@@ -41,6 +41,7 @@ from functional_ckpt.errors import (
 )
 from tests import prefork
 from tests.exact import assert_exact
+from tests.remote_ranks_job import STEPS
 from tests.test_dist import launch, wait_all
 
 REPO = Path(__file__).resolve().parent.parent
@@ -411,14 +412,39 @@ def test_fckpt_ls_shows_the_tiers_and_verify_inspect_take_remote_urls(
     assert statuses == {f"{mem}/step_000000002": "damaged", f"{mem}/step_000000003": "intact"}
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory, s3: dict[str, Any]) -> dict[str, Any]:
+    """tests/remote_job.py, launched once on two ranks, with the variables torchrun
+    sets: its return codes, stderr, each part's output per rank, its base and URL."""
+    base = tmp_path_factory.mktemp("two_ranks")
+    name = f"b-{uuid.uuid4().hex[:10]}"
+    Store(f"s3://{name}", s3["options"]).fs.mkdir(name)
+    url = f"s3://{name}/run"
+    env = {"ENDPOINT": s3["endpoint"], "FCKPT_TIMEOUT": "60"}  # a dead rank fails within
+    ran = wait_all(launch(2, str(base), url, env=env, job=REPO / "tests" / "remote_job.py"))
+    out = {
+        part: [(base / f"{part}.{r}.out").read_text() for r in (0, 1)]
+        for part in ("shared", "ranks", "own")
+        if (base / f"{part}.1.out").exists()
+    }
+    err = "".join(e[-3000:] for _, _, e in ran)
+    return {"rc": [rc for rc, _, _ in ran], "err": err, "out": out, "base": base, "url": url}
+
+
+def _part(two_ranks: dict[str, Any], part: str) -> list[str]:
+    """What each rank printed in ``part`` of the two-rank job (which ran every part)."""
+    assert two_ranks["rc"] == [0, 9], two_ranks["err"]  # rank 1 dies in the last part
+    out: list[str] = two_ranks["out"][part]
+    return out
+
+
 def test_two_ranks_with_their_own_local_roots_commit_on_one_remote(
-    tmp_path: Path, s3: dict[str, Any], bucket: str
+    two_ranks: dict[str, Any], s3: dict[str, Any]
 ) -> None:
-    url = bucket
-    (rc0, out0, err0), (rc1, out1, err1) = _two_ranks(tmp_path, url, s3["endpoint"])
-    assert rc0 == 0 and rc1 == 9, err0[-3000:] + err1[-3000:]
+    out0, out1 = _part(two_ranks, "own")
+    base, url = two_ranks["base"] / "own", f"{two_ranks['url']}/own"
     assert "REFUSED" in out0 and "REFUSED" in out1
-    assert not list((tmp_path / "plain0").iterdir())  # nothing committed, nothing left
+    assert not list((base / "plain0").iterdir())  # nothing committed, nothing left
     assert "UPLOADED [1, 2, 3]" in out0
     assert "RESUMED 3" in out0 and "RESUMED 3" in out1  # from the remote tier, bit-identically
     # Each rank fetched what it reads: the index, the file its replicated values lie in
@@ -440,20 +466,15 @@ def test_two_ranks_with_their_own_local_roots_commit_on_one_remote(
         listing[3].objects
     )
     assert "LOCAL [3]" in out0 and "LOCAL []" in out1  # rank 1 keeps parts only
-    part = tmp_path / "run1" / "step_000000004"
+    part = base / "run1" / "step_000000004"
     assert sorted(p.name for p in part.iterdir()) == ["__1_0.distcp"]
-    assert fc.CheckpointManager(tmp_path / "run0", read_only=True).steps() == [4]
+    assert fc.CheckpointManager(base / "run0", read_only=True).steps() == [4]
 
 
 def test_two_ranks_sharing_one_root_each_download_what_they_read(
-    tmp_path: Path, s3: dict[str, Any], bucket: str
+    two_ranks: dict[str, Any],
 ) -> None:
-    env = {"ENDPOINT": s3["endpoint"], "FCKPT_TIMEOUT": "60"}
-    job = REPO / "tests" / "remote_shared_job.py"
-    (rc0, out0, err0), (rc1, out1, err1) = wait_all(
-        launch(2, str(tmp_path), bucket, env=env, job=job)
-    )
-    assert rc0 == 0 and rc1 == 0, err0[-3000:] + err1[-3000:]
+    out0, out1 = _part(two_ranks, "shared")
     got = [ast.literal_eval(o.split("FETCHED ", 1)[1].splitlines()[0]) for o in (out0, out1)]
     # The coordinator fetches the index, the files it lists (.metadata too: the local
     # copy is whole) and its part; rank 1 only the index, its part and its shard file.
@@ -467,79 +488,37 @@ def test_two_ranks_sharing_one_root_each_download_what_they_read(
     assert "RESUMED True" in out0 and "RESUMED True" in out1  # committed whole, intact
     assert "TORN" in out0 and "TORN" in out1  # one rank's failure fails every rank
     assert "LEFT []" in out0 and "LEFT []" in out1
-    assert list((tmp_path / "torn").rglob("COMMITTED")) == []  # nothing looks committed
-    assert not [n for n in os.listdir(tmp_path / "torn") if n.startswith(".fc-download-")]
-
-
-def _ranks(world: int, *args: str, endpoint: str) -> None:
-    """tests/remote_ranks_job.py on ``world`` ranks, each with a root of its own."""
-    env = {"ENDPOINT": endpoint, "FCKPT_TIMEOUT": "30"}
-    for rc, _, err in wait_all(
-        launch(world, *args, env=env, job=REPO / "tests" / "remote_ranks_job.py")
-    ):
-        assert rc == 0, err[-3000:]
-
-
-def _resumed(base: Path, url: str, endpoint: str, world: int) -> list[dict[str, Any]]:
-    _ranks(world, "resume", str(base), url, endpoint=endpoint)
-    return [json.loads((base / f"resume.{r}.json").read_text()) for r in range(world)]
-
-
-def _flip(fs: Any, path: str) -> None:
-    data = bytearray(fs.cat_file(path))
-    data[len(data) // 2] ^= 0xFF
-    fs.pipe_file(path, bytes(data))
-
-
-def _swap(fs: Any, a: str, b: str) -> None:
-    da, db = fs.cat_file(a), fs.cat_file(b)
-    fs.pipe_file(a, db)
-    fs.pipe_file(b, da)
-
-
-_PARTS = ("manifest.part-00000.msgpack", "manifest.part-00001.msgpack")
-#: Damage of one newest remote checkpoint each (saved on two ranks, a root each).
-_RANK_DAMAGE: dict[str, Any] = {
-    "rank 1's shard flipped": lambda fs, at: _flip(fs, at("__1_0.distcp")),
-    "rank 1's shard missing": lambda fs, at: fs.rm(at("__1_0.distcp")),
-    "rank 1's part missing": lambda fs, at: fs.rm(at(_PARTS[1])),
-    "shards swapped between ranks": lambda fs, at: _swap(
-        fs, at("__0_0.distcp"), at("__1_0.distcp")
-    ),
-    "parts swapped between ranks": lambda fs, at: _swap(fs, at(_PARTS[0]), at(_PARTS[1])),
-    "rank 1's shard truncated": lambda fs, at: fs.pipe_file(
-        at("__1_0.distcp"), fs.cat_file(at("__1_0.distcp"))[:-8]
-    ),
-}
+    assert "MARKERS []" in out0, out0  # nothing looks committed, in the download directory too
+    torn = two_ranks["base"] / "shared" / "torn"
+    assert [n for n in os.listdir(torn) if n.startswith(".fc-download-")], os.listdir(torn)
+    with fc.CheckpointManager(torn):  # the next writer, with no remote tier
+        pass
+    assert not [n for n in os.listdir(torn) if n.startswith(".fc-download-")]
 
 
 def test_ranks_with_roots_of_their_own_resume_resharded_and_past_remote_damage(
-    tmp_path: Path, s3: dict[str, Any], bucket: str
+    two_ranks: dict[str, Any], s3: dict[str, Any]
 ) -> None:
     """Three ranks resume a two-rank remote checkpoint, each fetching the parts its
-    shards meet; then, each newest remote step damaged in its own way, every rank walks
-    down, warned of each, to the one intact step, all alike, bit-exactly."""
-    steps = len(_RANK_DAMAGE) + 1
-    _ranks(2, "save", str(tmp_path), bucket, "1", str(steps), endpoint=s3["endpoint"])
-    for told in _resumed(tmp_path, bucket, s3["endpoint"], 3):
+    shards meet; then (in the two-rank job, on a copy), each newest remote step
+    damaged in its own way, every rank walks down, warned of each, to the one intact
+    step, all alike, bit-exactly."""
+    _part(two_ranks, "ranks")
+    base, steps = two_ranks["base"] / "ranks", STEPS
+    env = {"ENDPOINT": s3["endpoint"], "FCKPT_TIMEOUT": "30"}
+    job = REPO / "tests" / "remote_ranks_job.py"
+    for rc, _, err in wait_all(launch(3, str(base), f"{two_ranks['url']}/ranks", env=env, job=job)):
+        assert rc == 0, err[-3000:]
+    for r in range(3):
+        told = json.loads((base / f"resume.{r}.json").read_text())
         assert "error" not in told and told["step"] == steps, told
         assert told["match"] and told["step_value"] == steps, told
-    fs = fsspec.filesystem("s3", **s3["options"])
-    for step, damage in zip(range(steps, 1, -1), _RANK_DAMAGE.values(), strict=True):
-        damage(fs, lambda n, s=step: f"{bucket.removeprefix('s3://')}/step_{s:09d}/{n}")
-    for root in tmp_path.glob("root*"):
-        shutil.rmtree(root)
-    for told in _resumed(tmp_path, bucket, s3["endpoint"], 2):
+    for r in range(2):
+        told = json.loads((base / "walk" / f"resume.{r}.json").read_text())
         assert "error" not in told and told["step"] == 1, told
         assert told["match"] and told["step_value"] == 1, told
         for step in range(steps, 1, -1):  # each damaged step named, on every rank
             assert any(f"step {step} is unusable" in w for w in told["warnings"]), told
-
-
-def _two_ranks(base: Path, url: str, endpoint: str) -> list[tuple[int, str, str]]:
-    """tests/remote_job.py on two ranks, with the variables torchrun sets."""
-    env = {"ENDPOINT": endpoint, "FCKPT_TIMEOUT": "30"}  # a dead rank fails within
-    return wait_all(launch(2, str(base), url, env=env, job=REPO / "tests" / "remote_job.py"))
 
 
 def test_credentials_are_never_written_or_printed(

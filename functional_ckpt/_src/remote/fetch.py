@@ -2,9 +2,10 @@
 
 A private directory of the local root receives the objects (all of them, checked by
 :func:`functional_ckpt.verify`; or what one rank reads, checked as it is read), then
-is renamed into place, marker last: nothing half-downloaded is ever visible. Ranks
-sharing one root fetch their shares into one such directory, which the coordinator
-commits once every share is durable. Damage is
+is renamed into place, its marker written just before (and verified with it): a
+killed download leaves no marker, and the root's next writer removes the directory
+(``root/leftovers``). Ranks sharing one root fetch their shares into one such
+directory, which the coordinator commits once every share is durable. Damage is
 :class:`~functional_ckpt.errors.CorruptCheckpoint`; a copy deleted or replaced
 remotely meanwhile is :class:`~functional_ckpt.errors.RemoteVanished`.
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import threading
 import uuid
 from collections.abc import Iterator
@@ -23,14 +23,12 @@ from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.format.view import parse_checkpoint
 from functional_ckpt._src.remote.store import Store
-from functional_ckpt._src.storage import commit, committed, durable
+from functional_ckpt._src.root.leftovers import DOWNLOAD_PREFIX
+from functional_ckpt._src.storage import commit, committed, durable, opener
 from functional_ckpt._src.storage.verify import verify
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint, RemoteVanished
 
-__all__ = ["DOWNLOAD_PREFIX", "commit_shares", "download", "fetch_share", "remove_downloads"]
-
-#: Prefix of the private directories downloads are written into (inside the local root).
-DOWNLOAD_PREFIX = ".fc-download-"
+__all__ = ["commit_shares", "download", "fetch_share"]
 
 
 def download(
@@ -51,25 +49,17 @@ def download(
     another world size saved), a copy that restores that rank alone. Whatever a
     hostile remote manifest holds, the failure is a ``CheckpointError``.
     """
-    whole = check or rank is None
-    work = into / f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"
-    tmp = work / step_name(step)
+    work = f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"
     try:
         with _damage(store, step):
-            marker, names = _fetch(
-                store, step, tmp, None if whole else rank, index=True, world=world
-            )
-            _unchanged(store, step, marker)
-            report = verify(tmp) if check else None
-            if report is not None and not report.ok:
-                problems = "; ".join(str(p) for p in report.problems[:3])
-                raise CorruptCheckpoint(
-                    f"{store.where(step)}: damaged remote checkpoint: {problems}"
-                )
-            final = into / step_name(step)
-            commit.commit_checkpoint(tmp, final, overwrite=replace, replaces=commit.PARTS)
-    finally:
-        _discard(work)
+            reader = None if check or rank is None else rank
+            tmp = into / work / step_name(step)
+            marker, names = _fetch(store, step, tmp, reader, index=True, world=world)
+    except BaseException:
+        commit.remove_tree(into / work)
+        raise
+    commit_shares(store, step, into, work, marker, check=check, replace=replace)
+    final = into / step_name(step)
     # A local copy of a remote checkpoint is flushed to disk in the background: one
     # torn by a power loss before then fails its checksums, is moved aside, and is
     # downloaded again (the remote copy is the durable one).
@@ -80,36 +70,46 @@ def download(
 def fetch_share(store: Store, step: int, into: Path, work: str, *, rank: int, world: int) -> bytes:
     """One rank's share of a download into a root the ranks share (:func:`_fetch`),
     flushed and moved into ``into/<work>/step_N``; the marker, which
-    :func:`commit_shares` writes once every rank's share is durable."""
+    :func:`commit_shares` writes once every rank's share is durable (none before)."""
     first, mine = rank == 0, into / work / f"rank-{rank}"  # the coordinator: rank 0
     tmp = into / work / step_name(step)
     with _damage(store, step):
         marker, names = _fetch(store, step, mine, rank, index=first, world=world, metadata=True)
         tmp.mkdir(exist_ok=True)
         for name in names:  # the index by the coordinator; a part's files by its rank
-            if name != naming.COMMIT_MARKER and (first or name != naming.MANIFEST):
+            if first or name != naming.MANIFEST:
                 _fsync_all(mine, [name])
                 os.replace(mine / name, tmp / name)
     return marker
 
 
-def commit_shares(store: Store, step: int, into: Path, work: str, marker: bytes) -> Path:
-    """Commit what every rank fetched (:func:`fetch_share`) as ``into/step_N``: marker
-    last, once the remote copy is found unchanged; the private directory removed."""
+def commit_shares(
+    store: Store,
+    step: int,
+    into: Path,
+    work: str,
+    marker: bytes,
+    *,
+    check: bool = False,
+    replace: bool = True,
+) -> None:
+    """Commit what the ranks fetched (:func:`fetch_share`; or one process) into
+    ``into/<work>/step_N`` as ``into/step_N``: marker last, once the remote copy is found
+    unchanged (and, with ``check``, every byte verified); the private directory removed."""
     tmp, final = into / work / step_name(step), into / step_name(step)
     try:
         with _damage(store, step):
             _unchanged(store, step, marker)
             durable.write_new(tmp / naming.COMMIT_MARKER, marker)
-            commit.commit_checkpoint(tmp, final, overwrite=True, replaces=commit.PARTS)
+            report = verify(tmp) if check else None
+            if report is not None and not report.ok:
+                problems = "; ".join(str(p) for p in report.problems[:3])
+                raise CorruptCheckpoint(
+                    f"{store.where(step)}: damaged remote checkpoint: {problems}"
+                )
+            commit.commit_checkpoint(tmp, final, overwrite=replace, replaces=commit.PARTS)
     finally:
-        _discard(into / work)
-    return final
-
-
-def _discard(work: Path) -> None:
-    """Remove a download's private directory (never a checkpoint: none is in it)."""
-    shutil.rmtree(work, ignore_errors=True)
+        commit.remove_tree(into / work)
 
 
 @contextlib.contextmanager
@@ -135,11 +135,12 @@ def _fetch(
     world: int = 0,
     metadata: bool = False,
 ) -> tuple[bytes, list[str]]:
-    """Download into ``tmp`` (made here) the manifest, the marker and what one reader
-    reads of remote ``step``: with ``rank`` None every file; else that rank's part and
-    the files it lists, and (``index``) the files the index lists, ``.metadata`` only
-    with ``metadata`` (``world``, the reading world size: every part where another
-    world size saved it, to the reader with ``index``). The marker and the names fetched."""
+    """Download into ``tmp`` (made here) the manifest and what one reader reads of
+    remote ``step``, no marker (a killed download leaves nothing committed): with
+    ``rank`` None every file; else that rank's part and the files it lists, and
+    (``index``) the files the index lists, ``.metadata`` only with ``metadata``
+    (``world``, the reading world size: every part where another world size saved it,
+    to the reader with ``index``). The marker and the names fetched."""
     marker, manifest = store.manifest(step)
     # the one validation of a manifest, before any object is fetched: file names,
     # sizes, entries (a forged table naming the marker or a number is refused here)
@@ -158,9 +159,8 @@ def _fetch(
     _present(store, step, found, wanted, sizes)
     tmp.mkdir(parents=True)
     _get(store, step, tmp, wanted)
-    durable.write_new(tmp / naming.COMMIT_MARKER, marker)
     if parts:  # then the files the parts list (their own, not every rank's)
-        with committed.open_checkpoint(tmp) as ck:
+        with committed.Checkpoint(tmp, opener.open_directory(tmp), manifest) as ck:
             once = committed.parsed(ck)
             for r in parts:
                 once.part(r)
@@ -168,7 +168,7 @@ def _fetch(
         _present(store, step, found, list(more), more)
         _get(store, step, tmp, list(more))
         wanted += more
-    return marker, [*wanted, naming.COMMIT_MARKER]
+    return marker, wanted
 
 
 def _unchanged(store: Store, step: int, marker: bytes) -> None:
@@ -217,20 +217,5 @@ def _fsync_all(path: Path, names: list[str]) -> None:
             fd = os.open(path / name, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             return  # deleted meanwhile: nothing to flush
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
-
-def remove_downloads(root: Path) -> None:
-    """Remove what interrupted downloads left in ``root`` (never a checkpoint)."""
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return
-    for name in names:
-        if name.startswith(DOWNLOAD_PREFIX):
-            shutil.rmtree(root / name, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            durable.fsync_and_close(fd)

@@ -16,20 +16,16 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 from functional_ckpt._src.format.kind import is_committed
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.log import warn
-from functional_ckpt._src.remote.fetch import (
-    DOWNLOAD_PREFIX,
-    commit_shares,
-    download,
-    fetch_share,
-)
-from functional_ckpt._src.remote.uploader import retried
+from functional_ckpt._src.remote.fetch import commit_shares, download, fetch_share
 from functional_ckpt._src.root.delete import quarantine
+from functional_ckpt._src.root.leftovers import DOWNLOAD_PREFIX
 from functional_ckpt._src.root.listing import StepInfo, committed_steps, quarantined, read_info
 from functional_ckpt._src.storage.ram import holds_every_file
 from functional_ckpt.errors import (
@@ -89,7 +85,7 @@ def _good(tier: _Remote, above: int | None) -> list[int]:
     newest first; none (with a warning) if the remote cannot be listed while a faster
     tier holds a step."""
     try:
-        listing = retried(tier.store.listing)
+        committed = tier.steps()
     except RemoteError as err:
         if above is None:
             raise
@@ -100,7 +96,6 @@ def _good(tier: _Remote, above: int | None) -> list[int]:
             stacklevel=6,
         )
         return []
-    committed = tier.listed({s for s, r in listing.items() if r.committed})
     newer = (s for s in committed if s not in tier.bad and (above is None or s > above))
     return sorted((s for s in newer if tier.of_lineage(s)), reverse=True)
 
@@ -118,11 +113,7 @@ def _agreed(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Foun
     """Every rank reads one step (see the module docstring), walking down past damage
     found on any rank, every rank alike. On the training thread, so on the manager's
     group (uploads use their own)."""
-    from functional_ckpt._src.distributed.groups import (
-        agree_values,
-        all_gather_values,
-        checkpoint_group,
-    )
+    from functional_ckpt._src.distributed.groups import all_gather_values, checkpoint_group
 
     group = checkpoint_group(purpose="control")
     mine = [
@@ -131,16 +122,9 @@ def _agreed(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Foun
         if holds_every_file(p) and _ours(tier, s, p)
     ]
     common = set.intersection(*(set(s) for s in all_gather_values(mine, group)))
-    error: BaseException | None = None
-    remote: list[int] = []
-    if tier.coordinator:
-        try:
-            remote = _good(tier, above)
-        except BaseException as e:
-            error = e
     work = f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"  # the coordinator's, for one root
-    told = agree_values(error, [remote, work] if tier.coordinator else None, group, tier.url)
-    (remote, work), newer = told[0], {s for s in common if above is None or s > above}
+    told = tier.together(tier.url, lambda: [_good(tier, above), work], tier.coordinator, group)
+    (remote, work), newer = told, {s for s in common if above is None or s > above}
     for target in sorted(newer | set(remote), reverse=True):
         try:
             return _read_one(tier, group, target, target not in mine, f"{work}-{target}", read)
@@ -180,27 +164,19 @@ def _read_one(
     tier: _Remote, group: Any, target: int, fetch: bool, work: str, read: Callable[[Path], T]
 ) -> tuple[StepInfo, T]:
     """Step ``target`` on every rank: fetched (if ``fetch``) as each rank reads it, read."""
-    from functional_ckpt._src.distributed.groups import agree
+    shares, where, store = fetch and tier.shared, tier.store.where(target), tier.store
 
-    error: BaseException | None = None
-    shares, marker, where = fetch and tier.shared, b"", tier.store.where
-    try:
+    def fetched() -> bytes:
         if fetch and not tier.shared:  # its own root: what it reads
-            download(tier.store, target, tier.root, check=False, replace=True, rank=tier.rank,
+            download(store, target, tier.root, check=False, replace=True, rank=tier.rank,
                      world=tier.world)  # fmt: skip
         elif shares:  # one root: each rank what it reads, in parallel
-            marker = fetch_share(
-                tier.store, target, tier.root, work, rank=tier.rank, world=tier.world
-            )
-    except BaseException as e:
-        error = e
-    agree(error, group, f"download {where(target)}")  # every rank's share durable, or none
+            return fetch_share(store, target, tier.root, work, rank=tier.rank, world=tier.world)
+        return b""
+
+    marker = tier.together(f"download {where}", fetched, group=group)  # every share durable
     if shares:  # then the coordinator commits it, marker last
-        try:
-            if tier.coordinator:
-                commit_shares(tier.store, target, tier.root, work, marker)
-        except BaseException as e:
-            error = e
-        agree(error, group, f"commit {where(target)}")
+        commit = partial(commit_shares, store, target, tier.root, work, marker)
+        tier.together(f"commit {where}", commit, tier.coordinator, group)
     path = tier.root / step_name(target)
     return read_info(path, target), read(path)

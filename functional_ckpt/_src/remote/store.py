@@ -181,10 +181,6 @@ class Store:
         if invalidate is not None:
             invalidate()
 
-    def probe(self) -> None:
-        """Fail now, clearly, if the store cannot be listed (endpoint, credentials, bucket)."""
-        self.listing()
-
     def _or_none(self, fn: Callable[[str], T], path: str, where: str) -> T | None:
         """``fn(path)``; None if nothing is there yet (a missing bucket is a failure)."""
         try:

@@ -28,12 +28,13 @@ from functional_ckpt._src.format.naming import BRANCHES_DIR, step_name
 from functional_ckpt._src.log import done, logger, warn
 from functional_ckpt._src.policy.retention import CheckpointRecord
 from functional_ckpt._src.remote import protocol, resume
-from functional_ckpt._src.remote.fetch import download, remove_downloads
+from functional_ckpt._src.remote.fetch import download
 from functional_ckpt._src.remote.options import Remote
 from functional_ckpt._src.remote.resume import Found
 from functional_ckpt._src.remote.store import Store, public_url
 from functional_ckpt._src.remote.uploader import Worker, failure, read_status, retried, write_status
 from functional_ckpt._src.root.delete import delete, remove_all
+from functional_ckpt._src.root.leftovers import remove_downloads
 from functional_ckpt._src.root.listing import committed_steps, read_info, step_dirs
 from functional_ckpt.errors import CheckpointError, RemoteVanished, RemoteWarning
 
@@ -77,7 +78,7 @@ class RemoteTier:
                             "(the local root itself or the memory tier's folder): give the "
                             "remote tier a directory of its own"
                         )
-            retried(self.store.probe)  # a wrong endpoint, credentials or bucket fails here
+            retried(self.store.listing)  # a wrong endpoint, credentials or bucket fails here
         except BaseException as e:
             if self.world == 1:
                 raise
@@ -108,7 +109,7 @@ class RemoteTier:
         self.retained: Callable[[Sequence[Any]], set[int]] = lambda rs: {r.step for r in rs}
         self.ours: Callable[[Mapping[str, Any], object], bool] = lambda metadata, where: True
         if writer:
-            if self.coordinator or not self.shared:
+            if not self.coordinator and not self.shared:  # (the coordinator's lock does)
                 remove_downloads(root)
             self._worker = Worker(self._round, coalesce=self.world == 1)
 
@@ -149,16 +150,19 @@ class RemoteTier:
             return {s for s in local_steps if s not in self._committed and s not in self._dropped}
 
     def steps(self) -> list[int]:
-        """Steps committed on the remote tier, ascending (listed now)."""
+        """Steps committed on the remote tier, ascending (listed now, and remembered)."""
         listing = retried(self.store.listing)
-        return sorted(s for s, r in listing.items() if r.committed)
+        committed = {s for s, r in listing.items() if r.committed}
+        with self._lock:
+            self._committed = set(committed)
+        return sorted(committed)
 
     def infos(self) -> list[CheckpointRecord]:
         """What retention reads of each remote checkpoint of this lineage committed (as
         last listed)."""
         with self._lock:
             committed = sorted(self._committed)
-        return [self._record(s) for s in committed if self.of_lineage(s)]
+        return [self._head(s)[0] for s in committed if self.of_lineage(s)]
 
     def of_lineage(self, step: int) -> bool:
         """Whether remote ``step`` is of this run's lineage (its manifest read once)."""
@@ -209,12 +213,6 @@ class RemoteTier:
                 retried(partial(protocol.copy_step, self.store, step, dest))
         self.delete(steps)
 
-    def listed(self, committed: set[int]) -> set[int]:
-        """What is committed remotely, as a listing found it just now."""
-        with self._lock:
-            self._committed = set(committed)
-        return committed
-
     def _forget(self, step: int) -> None:
         """Remote ``step`` is deleted."""
         with self._lock:
@@ -229,14 +227,6 @@ class RemoteTier:
         (:func:`~.resume.newest`); only a writer fetches, a reader follows its root."""
         return resume.newest(self, read, above) if self.writer else None
 
-    # ------------------------------------------------------------------ collectives
-
-    def _share(self, value: Any) -> Any:
-        """The coordinator's ``value``, on every rank (on the uploads' group)."""
-        from functional_ckpt._src.distributed.groups import all_gather_values
-
-        return all_gather_values(value if self.coordinator else None, self._group)[0]
-
     # ------------------------------------------------------------------ worker thread
 
     def _round(self) -> None:
@@ -247,7 +237,7 @@ class RemoteTier:
                 plan = self._plan()
             except Exception as err:  # the other ranks still take part in the round
                 self._fail(-1, err)
-        plan = self._share(plan) if self.world > 1 else plan
+        plan = self.together(f"upload round {self.url}", lambda: plan)
         for step in plan["upload"]:
             self._upload(step)
         if self.coordinator:
@@ -276,18 +266,13 @@ class RemoteTier:
     def _plan(self) -> dict[str, list[int]]:
         local = committed_steps(self.root)
         try:
-            listing = retried(self.store.listing)
-        except CheckpointError as err:
-            self._fail(max(local, default=-1), err)
-            return {"upload": [], "local": sorted(local)}
-        committed = {s for s, r in listing.items() if r.committed}
-        try:
+            committed = set(self.steps())
             committed -= self._others(local, committed)
         except CheckpointError as err:
             self._fail(max(local, default=-1), err)
             return {"upload": [], "local": sorted(local)}
         candidates = sorted(s for s in local if s not in committed)
-        records: list[Any] = [self._record(s) for s in committed if self.of_lineage(s)]
+        records: list[Any] = [self._head(s)[0] for s in committed if self.of_lineage(s)]
         for s in candidates:
             try:
                 info = read_info(local[s], s)
@@ -330,9 +315,6 @@ class RemoteTier:
                 self._records.pop(step, None)
         return out
 
-    def _record(self, step: int) -> CheckpointRecord:
-        return self._head(step)[0]
-
     def _head(self, step: int) -> tuple[CheckpointRecord, Mapping[str, Any]]:
         """What retention and the lineage read of a remote checkpoint (its manifest, read
         once)."""
@@ -349,20 +331,19 @@ class RemoteTier:
     def _upload(self, step: int) -> None:
         """One checkpoint, by the object-store commit protocol, every rank its own files."""
         local, t0 = self.root / step_name(step), time.perf_counter()
+        where = self.store.where(step)
         with self._lock:
             self._uploading = step
         if self.coordinator:
             self._write_status()
         sizes: dict[str, int] = {}
-        begun: list[dict[str, int] | None] = [{}]  # objects there already; None: committed
 
-        def begin() -> None:
+        def begin() -> dict[str, int] | None:  # objects there already; None: committed
             sizes.update(protocol.expected_sizes(local))
-            begun[0] = retried(lambda: protocol.begin_upload(self.store, step, local))
+            return retried(lambda: protocol.begin_upload(self.store, step, local))
 
         try:
-            self._together(f"upload {self.store.where(step)}", begin, here=self.coordinator)
-            present = self._share(begun[0]) if self.world > 1 else begun[0]
+            present = self.together(f"upload {where}", begin, self.coordinator)
             if present is None:
                 self._done(step)  # already committed remotely: the same checkpoint
                 return
@@ -372,42 +353,42 @@ class RemoteTier:
                 if n not in (naming.COMMIT_MARKER, naming.MANIFEST)
                 and protocol.owner(n, self.world) == self.rank
             ]
-            parts = present or {}
-            self._together(
-                f"upload {self.store.where(step)}",
-                lambda: retried(lambda: protocol.put_part(self.store, step, local, names, parts)),
-            )
+            put = partial(protocol.put_part, self.store, step, local, names, present)
+            self.together(f"upload {where}", lambda: retried(put))
 
             def commit() -> None:
                 self._held()  # a root taken over meanwhile gets no marker from here
                 retried(lambda: protocol.commit_upload(self.store, step, local, sizes))
 
-            self._together(f"commit {self.store.where(step)}", commit, here=self.coordinator)
+            self.together(f"commit {where}", commit, here=self.coordinator)
         except BaseException as err:
             self._fail(step, err)
             return
         self._done(step)
         if self.coordinator:
             seconds, nbytes = time.perf_counter() - t0, sum(sizes.values())
-            done(
-                _LOG, "uploaded", self.store.where(step), seconds=seconds, nbytes=nbytes, step=step
-            )
+            done(_LOG, "uploaded", where, seconds=seconds, nbytes=nbytes, step=step)
 
-    def _together(self, what: str, action: Callable[[], object], here: bool = True) -> None:
+    def together(
+        self, what: str, action: Callable[[], object], here: bool = True, group: Any = None
+    ) -> Any:
         """``action`` (on this rank if ``here``), then every rank raises if any rank's
-        failed: no rank goes on to the next phase of an upload alone."""
+        failed: no rank goes on to the next phase alone. The coordinator's result, on
+        every rank (on ``group``, by default the uploads')."""
         error: BaseException | None = None
+        value = None
         try:
-            if here:
-                action()
+            value = action() if here else None
         except BaseException as e:
             error = e
-        if self.world > 1:
-            from functional_ckpt._src.distributed.groups import agree
+        if self.world == 1:
+            if error is not None:
+                raise error
+            return value
+        from functional_ckpt._src.distributed.groups import agree_values
 
-            agree(error, self._group, what)
-        elif error is not None:
-            raise error
+        mine = value if self.coordinator else None
+        return agree_values(error, mine, group or self._group, what)[0]
 
     def _done(self, step: int) -> None:
         with self._lock:

@@ -4,6 +4,7 @@ lock, which :func:`open_writer` takes first."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -16,6 +17,9 @@ from functional_ckpt._src.root.lock import WriterLock
 from functional_ckpt._src.root.run import RUN_FILE
 from functional_ckpt._src.storage import commit, durable
 from functional_ckpt.errors import CheckpointError, LeftoverWarning
+
+#: Prefix of the private directories a download from the remote tier fills (never committed).
+DOWNLOAD_PREFIX = ".fc-download-"
 
 
 def open_writer(root: Path, *, stacklevel: int = 2) -> WriterLock:
@@ -37,7 +41,8 @@ def open_writer(root: Path, *, stacklevel: int = 2) -> WriterLock:
 
 def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
     """Recover or remove what crashed writers left in ``root``; returns what was recovered.
-    Temporaries under ``exports/`` are deleted (an export can be written again)."""
+    Temporaries under ``exports/`` and interrupted downloads are deleted (written again)."""
+    remove_downloads(root)
     groups: dict[str, list[Path]] = {}
     changed = False
     for parent in (root, root / EXPORTS_DIR):
@@ -61,6 +66,14 @@ def recover_leftovers(root: Path, *, stacklevel: int = 2) -> list[Path]:
                 commit.remove_tree(path)
                 changed = True
     return _put_back(root, groups, changed, stacklevel=stacklevel + 1)
+
+
+def remove_downloads(root: Path) -> None:
+    """Remove what interrupted downloads left in ``root`` (never a checkpoint, no marker)."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            if entry.name.startswith(DOWNLOAD_PREFIX):
+                commit.remove_tree(Path(entry.path))
 
 
 def recover_beside(directory: Path, *, stacklevel: int = 2) -> list[Path]:
