@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from functional_ckpt._src.export.safetensors import _collect, _load, _select_path
+from functional_ckpt._src.export.safetensors import _collect, _load, _select_path, subtree
 from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.restore.api import restore
@@ -143,9 +143,7 @@ def _weights(source: PathLike, select: KeyPath, dtype: torch.dtype | None) -> di
     """What ``load_state_dict`` takes: a captured module's ``OrderedDict`` keeps ``_metadata``."""
     state = _load(source, select)
     tensors = _collect(state, select)
-    node: Any = state
-    for key in select:
-        node = node.get(key)
+    node = subtree(state, select)
     python: Any = to_python(node) if isinstance(node, TensorDictBase) else None
     weights: dict[str, Any] = {}
     if is_bare_state_dict(python) and python.keys() == tensors.keys():
