@@ -163,6 +163,7 @@ def _checked(kind: type, ok: Callable[[Any], bool], expected: str) -> Callable[[
 _positive = _checked(int, lambda v: v > 0, "a positive integer")
 _non_negative = _checked(int, lambda v: v >= 0, "an integer >= 0")
 _seconds = _checked(float, lambda v: 0 <= v < float("inf"), "seconds >= 0")
+_stall = _checked(int, lambda v: v == 0 or v >= 2, "0 (never) or 2 or more failures in a row")
 
 
 def _size(text: str) -> str:
@@ -283,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     root = "the job's checkpoint root, read to report steps and see progress"
     p.add_argument("--root", metavar="DIR", help=root)
     stall = "stop after K >= 2 failures in a row at the same place (default: 2; 0: never)"
-    p.add_argument("--stall-limit", type=_non_negative, metavar="K", help=stall)
+    p.add_argument("--stall-limit", type=_stall, metavar="K", help=stall)
     config = "a manager's config (JSON or YAML): relaunch options from its run block"
     p.add_argument("--config", metavar="FILE", help=config)
     where = "where in --config FILE the manager's config is (dotted: trainer.checkpoint)"
