@@ -138,6 +138,11 @@ prune, demo). 'fckpt COMMAND --help' shows each command's options. NO_COLOR=1
 disables colours."""
 
 
+#: ``--json``'s help where it says more than "print JSON for scripts".
+_JSON = {"prune": "print JSON for scripts (with --yes or --dry-run)"}
+_JSON["demo"] = "print the verdict as JSON (progress on stderr)"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr and exit status 2 (via main)."""
 
@@ -163,6 +168,7 @@ def _checked(kind: type, ok: Callable[[Any], bool], expected: str) -> Callable[[
 _positive = _checked(int, lambda v: v > 0, "a positive integer")
 _non_negative = _checked(int, lambda v: v >= 0, "an integer >= 0")
 _seconds = _checked(float, lambda v: 0 <= v < float("inf"), "seconds >= 0")
+_stall = _checked(int, lambda v: v == 0 or v >= 2, "0 (never) or 2 or more failures in a row")
 
 
 def _size(text: str) -> str:
@@ -192,10 +198,6 @@ def _command(subs: Any, name: str) -> Any:
     return p
 
 
-def _json(p: Any, text: str = "print JSON for scripts") -> None:
-    p.add_argument("--json", action="store_true", help=text)
-
-
 def _policy_flags(p: Any, *, required: bool) -> None:
     keep = "keep the N highest steps"
     p.add_argument("--keep-last", type=_positive, metavar="N", required=required, help=keep)
@@ -217,19 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(subs, "ls")
     p.add_argument("root", help="directory holding step_* checkpoints")
     p.add_argument("--verify", action="store_true", help="re-read every byte (slow)")
-    _json(p)
     _policy_flags(p, required=False)
 
     p = _command(subs, "inspect")
     p.add_argument("path", help="a checkpoint directory")
     key = "only keys starting with PREFIX, nested keys joined by '/' (model/0.weight)"
     p.add_argument("--key", metavar="PREFIX", help=key)
-    _json(p)
 
     p = _command(subs, "verify")
     p.add_argument("path", help="a checkpoint directory, or a root of checkpoints")
     p.add_argument("-q", "--quiet", action="store_true", help="print only damage and the total")
-    _json(p)
 
     p = _command(subs, "diff")
     p.add_argument("a", help="the first checkpoint")
@@ -237,7 +236,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="also list the identical keys")
     differ = "exit with status 1 when the checkpoints differ"
     p.add_argument("--exit-code", action="store_true", help=differ)
-    _json(p)
 
     p = _command(subs, "export")
     p.add_argument("path", help="a checkpoint, or a root (its newest checkpoint)")
@@ -257,21 +255,18 @@ def build_parser() -> argparse.ArgumentParser:
     config += "output) also gives its tokenizer files, generation_config.json and other side files"
     p.add_argument("--config", metavar="DIR_OR_FILE", help=config)
     p.add_argument("--overwrite", action="store_true", help="replace OUT atomically")
-    _json(p)
 
     p = _command(subs, "import")
     p.add_argument("file", help="a torch.save file (.pt, .pth, .ckpt)")
     out = "the checkpoint directory to write (must not exist unless --overwrite)"
     p.add_argument("out", help=out)
     p.add_argument("--overwrite", action="store_true", help="replace OUT atomically")
-    _json(p)
 
     p = _command(subs, "prune")
     p.add_argument("root", help="directory holding step_* checkpoints")
     _policy_flags(p, required=True)
     p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
     p.add_argument("-n", "--dry-run", action="store_true", help="show the plan, delete nothing")
-    _json(p, "print JSON for scripts (with --yes or --dry-run)")
 
     p = _command(subs, "run")
     retries = "relaunches after a failure (default: 3)"
@@ -283,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     root = "the job's checkpoint root, read to report steps and see progress"
     p.add_argument("--root", metavar="DIR", help=root)
     stall = "stop after K >= 2 failures in a row at the same place (default: 2; 0: never)"
-    p.add_argument("--stall-limit", type=_non_negative, metavar="K", help=stall)
+    p.add_argument("--stall-limit", type=_stall, metavar="K", help=stall)
     config = "a manager's config (JSON or YAML): relaunch options from its run block"
     p.add_argument("--config", metavar="FILE", help=config)
     where = "where in --config FILE the manager's config is (dotted: trainer.checkpoint)"
@@ -296,5 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive, default=DEFAULT_STEPS, help=steps)
     crash = "step after which the first process is killed (default: 40%% of --steps)"
     p.add_argument("--crash-at", type=_positive, metavar="STEP", help=crash)
-    _json(p, "print the verdict as JSON (progress on stderr)")
+    for name, command in subs.choices.items():  # every command but run has one
+        if name != "run":
+            text = _JSON.get(name, "print JSON for scripts")
+            command.add_argument("--json", action="store_true", help=text)
     return parser

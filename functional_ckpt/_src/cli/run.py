@@ -98,12 +98,6 @@ def run_options(args: argparse.Namespace) -> tuple[list[str], Relaunch, Path | N
         raise UsageError(
             f"--root {root}: is a checkpoint; give the directory of checkpoints that holds it"
         )
-    if opts.stall_limit == 1:
-        raise UsageError(
-            "--stall-limit 1: give 2 or more (failures in a row at the same place), or 0 for never"
-        )
-    if opts.backoff < 0 or opts.max_backoff < 0:
-        raise UsageError("--backoff and --max-backoff must be >= 0 seconds")
     opts = dataclasses.replace(opts, max_backoff=max(opts.max_backoff, opts.backoff))
     return list(command), opts, root
 

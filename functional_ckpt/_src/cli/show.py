@@ -22,6 +22,8 @@ from functional_ckpt._src.restore.summary import (
     CheckpointSummary,
     Node,
     TensorSpec,
+    insert,
+    node_of,
     unregistered_note,
 )
 from functional_ckpt._src.root.listing import entry_of
@@ -62,12 +64,20 @@ def _matching(rows: list[Row], prefix: str | None) -> list[Row]:
 _CONTAINERS = {"list": "  (list)", "tuple": "  (tuple)", "dict": "  (dict, non-str keys)"}
 
 
+class _PerRecord:
+    """A recording's value leaf: its value is one per record, not one to show."""
+
+    def __repr__(self) -> str:
+        return "(a value, per record)"
+
+
 def _entry_line(path: KeyPath, item: Any, ui: UI, width: int) -> str:
     """One tree row; leaf names are padded to ``width`` so their specs line up."""
     indent, name = "  " * len(path), printable(path[-1])
     if isinstance(item, Node):
         record = item.get(NODE_KEY)
         kind = _CONTAINERS.get(str(record.get("kind")), "") if isinstance(record, dict) else ""
+        kind = kind or (f"  batch {list(item.batch_size)}" if item.batch_size else "")
         return f"{indent}{ui.paint(name + '/', 'key')}{ui.paint(kind, 'dim')}"
     if isinstance(item, TensorSpec):
         spec = f"{item.dtype_name}{list(item.shape)}"
@@ -77,6 +87,7 @@ def _entry_line(path: KeyPath, item: Any, ui: UI, width: int) -> str:
 
 
 def _tree_lines(rows: list[Row], ui: UI) -> list[str]:
+    """The one printer of a key tree, a checkpoint's or a recording's."""
     shown = [(path, item) for path, item in rows if path[-1] != NODE_KEY]
     widths: dict[KeyPath, int] = {}
     for path, item in shown:
@@ -102,7 +113,7 @@ def _metadata_lines(meta: Any, ui: UI) -> list[str]:
 def _entry_json(path: KeyPath, item: Any) -> dict[str, Any]:
     doc = {"key": "/".join(path), "path": list(path)}
     if isinstance(item, Node):
-        return {**doc, "kind": "node"}
+        return {**doc, "kind": "node", "batch_size": list(item.batch_size)}
     if isinstance(item, TensorSpec):
         spec = {"dtype": item.dtype_name, "shape": list(item.shape), "nbytes": item.nbytes}
         return {**doc, "kind": "tensor", **spec}
@@ -128,24 +139,29 @@ def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
         with tiers.fetched(args.path, check=False) as local:
             return cmd_inspect(argparse.Namespace(**{**vars(args), "path": str(local)}), ui)
     path = Path(args.path)
+    tail: list[str] = []  # a checkpoint's note on unregistered classes
     if classify(path) is Kind.RECORDING:
-        return _inspect_recording(path, args, ui)
-    summary = _inspect(path)
-    entries = _matching(list(_rows(summary.tree)), args.key)
-    if args.key and not entries:
-        top = ", ".join(sorted(summary.tree)) or "none"
-        raise UsageError(f"{path}: no key starts with {args.key!r} (top-level keys: {top})")
-    if args.json:
+        doc, tree, head = _recording(path, ui)
+    else:
+        summary = _inspect(path)
         fields = [f.name for f in dataclasses.fields(summary) if f.name not in ("path", "tree")]
         doc = {"path": str(summary.path)} | {k: jsonable(getattr(summary, k)) for k in fields}
+        tree, head = summary.tree, _inspect_lines(summary, ui)
+        if summary.unregistered:
+            tail = [ui.paint(unregistered_note(summary.unregistered), "warn")]
+    entries = _matching(list(_rows(tree)), args.key)
+    if args.key and not entries:
+        top = ", ".join(sorted(tree)) or "none"
+        raise UsageError(f"{path}: no key starts with {args.key!r} (top-level keys: {top})")
+    if args.json:
         ui.json({**doc, "entries": [_entry_json(*e) for e in entries]})
         return 0
-    for line in _inspect_lines(summary, entries, ui):
+    for line in [*head, *_tree_lines(entries, ui), *tail]:
         ui.print(line)
     return 0
 
 
-def _inspect_lines(summary: CheckpointSummary, entries: list[Row], ui: UI) -> list[str]:
+def _inspect_lines(summary: CheckpointSummary, ui: UI) -> list[str]:
     kind = "stock DCP checkpoint" if summary.foreign else f"format v{summary.format_version}"
     lines = [
         ui.paint(str(summary.path), "head"),
@@ -159,46 +175,27 @@ def _inspect_lines(summary: CheckpointSummary, entries: list[Row], ui: UI) -> li
             f"  {human(summary.shared_bytes)} shared with other checkpoints, "
             f"{human(summary.added_bytes)} added by this save"
         )
-    lines += _metadata_lines(summary.metadata, ui)
-    lines.append(ui.paint("tree", "head"))
-    lines += _tree_lines(entries, ui)
-    if summary.unregistered:
-        lines.append(ui.paint(unregistered_note(summary.unregistered), "warn"))
-    return lines
+    return [*lines, *_metadata_lines(summary.metadata, ui), ui.paint("tree", "head")]
 
 
-def _inspect_recording(path: Path, args: argparse.Namespace, ui: UI) -> int:
-    """A recording's tree, once for all its records, and its totals."""
+def _recording(path: Path, ui: UI) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """A recording's totals (JSON and lines) and the tree every record holds."""
     from functional_ckpt._src.format.manifest import NodeEntry, TensorEntry
     from functional_ckpt._src.recording.replay import Replay  # numpy and torch
 
     with Replay(path) as replay:
         rec = replay.committed
-    doc, entries = listing.recording_summary(rec), []
-    lines = [*listing.recording_lines(doc, ui), ui.paint("tree (every record)", "head")]
+    tree: dict[str, Any] = node_of(rec.header.get("root"))
     for e in rec.entries:
-        key = "/".join(e.path)
-        if args.key and not key.startswith(args.key):
-            continue
-        indent, name = "  " * key.count("/"), key.rsplit("/", 1)[-1]
-        if isinstance(e, TensorEntry):
-            entries.append({"key": key, "kind": "tensor", "spec": e.spec, "nbytes": e.nbytes})
-            size = ui.paint(human(e.nbytes), "dim")
-            lines.append(f"  {indent}{name}  {ui.paint(e.spec, 'dtype')}  {size}")
-        elif isinstance(e, NodeEntry):
-            batch = (e.info or {}).get("batch_size", [])
-            entries.append({"key": key, "kind": "node", "batch_size": batch})
-            batch_text = ui.paint(f"  batch {batch}" if batch else "", "dim")
-            lines.append(f"  {indent}{ui.paint(name + '/', 'key')}{batch_text}")
-        else:
-            entries.append({"key": key, "kind": "value"})
-            lines.append(f"  {indent}{name}  = (a value, per record)")
-    if args.json:
-        ui.json({**doc, "entries": entries})
-    else:
-        for line in lines:
-            ui.print(line)
-    return 0
+        item: Any = _PerRecord()
+        if isinstance(e, NodeEntry):
+            item = node_of(e.info)
+        elif isinstance(e, TensorEntry):
+            item = TensorSpec(e.dtype_name, e.shape, e.nbytes)
+        insert(tree, e.path, item)
+    doc = listing.recording_summary(rec)
+    head = [*listing.recording_lines(doc, ui), ui.paint("tree (every record)", "head")]
+    return doc, tree, head
 
 
 # --------------------------------------------------------------------------- diff

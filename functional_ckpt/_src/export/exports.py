@@ -116,34 +116,27 @@ def snapshot(state: TensorDictBase | Mapping[str, Any], export: Export) -> dict[
     import torch
     from tensordict import TensorDictBase
 
-    from functional_ckpt._src.export.safetensors import _select_path, view_key
-    from functional_ckpt._src.state.tree import as_state, iter_leaves
+    from functional_ckpt._src.export import safetensors as st
+    from functional_ckpt._src.state.tree import as_state
 
-    path = _select_path(export.select)
-    node: Any = as_state(state)
-    for key in path:
-        if not isinstance(node, TensorDictBase) or key not in node.keys():
-            return dict(as_state(state).items())  # let the export report what is missing
-        node = node.get(key)
+    path = st._select_path(export.select)
+    try:
+        node = st.subtree(as_state(state), path)
+    except CheckpointError:
+        return dict(as_state(state).items())  # let the export report what is missing
     copies: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def copy(t: torch.Tensor) -> torch.Tensor:
-        key = view_key(t)
+        key = st.view_key(t)
         if key not in copies:
             copies[key] = t.detach().clone()
         return copies[key]
 
+    inner: Any
     if isinstance(node, torch.Tensor) and not isinstance(node, TensorDictBase):
-        inner: Any = copy(node)
-    else:
-        inner = {}
-        for leaf in iter_leaves(node):
-            if leaf.kind != "tensor":
-                continue
-            where = inner
-            for k in leaf.path[:-1]:
-                where = where.setdefault(k, {})
-            where[leaf.path[-1]] = copy(leaf.value)
+        inner = copy(node)
+    else:  # dotted names as single keys: the export names them alike
+        inner = {name: copy(t) for name, t in st.tensors_of(node).items()}
     return functools.reduce(lambda value, key: {key: value}, reversed(path), inner)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from functional_ckpt._src.codec import documents
-from functional_ckpt._src.format.naming import EXPORT_INDEX, EXPORT_WEIGHTS, is_export_weights
+from functional_ckpt._src.format.naming import EXPORT_INDEX, is_export_weights
 from functional_ckpt._src.storage import opener
 from functional_ckpt.errors import CheckpointError, ConfigError
 
@@ -126,12 +126,10 @@ HEADER_BYTES = 100_000_000
 def header_metadata(path: Path) -> dict[str, str]:
     """The safetensors header metadata of an export (``{"format": "pt", ...}``), read
     through ``storage/opener``, its length bounded and its JSON by the bounded loader."""
-    weights = path / EXPORT_WEIGHTS  # the single file, or the first shard
-    if not weights.is_file():
-        shards = sorted(n for n in os.listdir(path) if is_export_weights(n))
-        if not shards:
-            raise CheckpointError(f"{path}: holds no model*.safetensors file")
-        weights = path / shards[0]
+    files = sorted(n for n in os.listdir(path) if is_export_weights(n))
+    if not files:
+        raise CheckpointError(f"{path}: holds no model*.safetensors file")
+    weights = path / files[0]  # the single file, or the first shard (it holds the header)
     dir_fd = opener.open_directory(weights.parent)
     try:
         fd = opener.open_member(dir_fd, weights.name, weights, what="export's weights")

@@ -203,8 +203,8 @@ def _load(source: TensorDictBase | Mapping[str, Any] | PathLike, path: KeyPath) 
         return restore(source)  # the selection is not a subtree (e.g. one tensor)
 
 
-def _collect(state: TensorDictBase, path: KeyPath) -> dict[str, torch.Tensor]:
-    """Tensor leaves under ``path`` by dotted name; non-tensor leaves are skipped."""
+def subtree(state: TensorDictBase, path: KeyPath) -> Any:
+    """``state[path]``: a sub-state or a tensor; a missing key is named with its siblings."""
     node: Any = state
     for i, key in enumerate(path):
         if not isinstance(node, TensorDictBase) or key not in node.keys():
@@ -214,11 +214,20 @@ def _collect(state: TensorDictBase, path: KeyPath) -> dict[str, torch.Tensor]:
                 f"export: the state has no state[{format_path(path[: i + 1])}] (keys there: {have})"
             )
         node = node.get(key)
+    return node
+
+
+def tensors_of(node: Any) -> dict[str, torch.Tensor]:
+    """The tensor leaves of a sub-state by dotted name; non-tensor leaves are skipped."""
+    return {".".join(leaf.path): leaf.value for leaf in iter_leaves(node) if leaf.kind == "tensor"}
+
+
+def _collect(state: TensorDictBase, path: KeyPath) -> dict[str, torch.Tensor]:
+    """Tensor leaves under ``path`` by dotted name (the tensor at ``path`` by its key)."""
+    node = subtree(state, path)
     if isinstance(node, torch.Tensor) and not isinstance(node, TensorDictBase):
         return {path[-1]: node}
-    tensors = {
-        ".".join(leaf.path): leaf.value for leaf in iter_leaves(node) if leaf.kind == "tensor"
-    }
+    tensors = tensors_of(node)
     if not tensors:
         raise CheckpointError(f"export: state[{format_path(path)}] holds no tensors")
     return tensors

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from functional_ckpt._src.export.safetensors import _collect, _load, _select_path
+from functional_ckpt._src.export import safetensors as st
 from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.restore.api import restore
@@ -141,11 +141,9 @@ def import_torch(src: PathLike, out: PathLike, *, overwrite: bool = False) -> Ch
 
 def _weights(source: PathLike, select: KeyPath, dtype: torch.dtype | None) -> dict[str, Any]:
     """What ``load_state_dict`` takes: a captured module's ``OrderedDict`` keeps ``_metadata``."""
-    state = _load(source, select)
-    tensors = _collect(state, select)
-    node: Any = state
-    for key in select:
-        node = node.get(key)
+    state = st._load(source, select)
+    tensors = st._collect(state, select)
+    node = st.subtree(state, select)
     python: Any = to_python(node) if isinstance(node, TensorDictBase) else None
     weights: dict[str, Any] = {}
     if is_bare_state_dict(python) and python.keys() == tensors.keys():
@@ -155,7 +153,7 @@ def _weights(source: PathLike, select: KeyPath, dtype: torch.dtype | None) -> di
             if hasattr(python, "_metadata"):
                 weights._metadata = python._metadata  # type: ignore[attr-defined]
     for name, t in tensors.items():
-        weights[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        weights[name] = t.to(st._out_dtype(t, dtype))
     return weights
 
 
@@ -253,7 +251,7 @@ def export_torch(
             raise ValueError("export_torch: dtype converts weights; the full state stays exact")
         obj = to_python(restore(checkpoint))
     else:
-        obj = _weights(checkpoint, _select_path(select), dtype)
+        obj = _weights(checkpoint, st._select_path(select), dtype)
     converted: list[KeyPath] = []
     obj = loadable(obj, (), converted)
     write_torch_file(obj, dest, overwrite=overwrite)

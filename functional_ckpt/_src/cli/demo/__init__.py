@@ -28,6 +28,7 @@ from functional_ckpt._src.cli.demo.job import DemoError, Job, Schedule
 from functional_ckpt._src.cli.parser import DEFAULT_STEPS
 from functional_ckpt._src.cli.ui import UI, one_line
 from functional_ckpt._src.format import naming
+from functional_ckpt._src.policy.retention import union_parts
 from functional_ckpt._src.root.listing import kept_by, root_entries
 
 __all__ = ["DEFAULT_STEPS", "DemoError", "Schedule", "cmd_demo", "run_demo"]
@@ -256,7 +257,8 @@ def run_demo(
     infos = mgr.infos()
     diff = diff_checkpoints(root / job.REF_DIR / "final", mgr.path(steps))
     model = [e for e in diff.same if e.key[:1] == ("model",)]
-    steps_kept, kept = [i.step for i in infos], kept_by(schedule.retention_parts(), infos)
+    parts = [(repr(part), part) for part in union_parts(schedule.retention())]
+    steps_kept, kept = [i.step for i in infos], kept_by(parts, infos)
     head = (root, schedule, crash, first, second, reference, in_flight, steps_kept, kept)
     replayed, diffs = len(set(first.losses) & set(second.losses)), [str(e) for e in diff.changes]
     tail = (len(model), sum(e.nbytes for e in model), wall_s)

@@ -81,14 +81,8 @@ class Schedule:
             | fc.on_final()
         )
 
-    def retention_parts(self) -> list[tuple[str, fc.policy.RetentionPolicy]]:
-        """The parts of :meth:`retention`, each with its label (for "kept by" columns)."""
-        parts = [fc.keep_last(self.keep_last), fc.keep_best(self.keep_best, "val_loss", mode="min")]
-        return [(repr(p), p) for p in parts]
-
     def retention(self) -> fc.policy.RetentionPolicy:
-        first, second = (p for _, p in self.retention_parts())
-        return first | second
+        return fc.keep_last(self.keep_last) | fc.keep_best(self.keep_best, "val_loss", mode="min")
 
     def lr_factor(self, step: int) -> float:
         """Linear warm-up, then cosine decay to 10 %: a schedule whose state matters."""
