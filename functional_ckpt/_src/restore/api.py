@@ -111,20 +111,14 @@ class _Manifested:
         self.ck.close()
 
 
-class _Stock:
-    def __init__(self, files: StockFiles) -> None:
-        self.files = files
-
+class _Stock(StockFiles):
     def match(self, template: Template | None, req: Request) -> Match:
-        stock = match_dcp(self.files, template, partial=req.partial, cast=req.cast)
+        stock = match_dcp(self, template, partial=req.partial, cast=req.cast)
         return Match(stock.root, stock=stock)
 
     def read(self, match: Match, req: Request) -> list[Leaf]:
         assert match.stock is not None
-        return read_dcp(self.files, match.stock, inplace=req.inplace, device=req.device)
-
-    def close(self) -> None:
-        self.files.close()
+        return read_dcp(self, match.stock, inplace=req.inplace, device=req.device)
 
 
 class _Planned:
@@ -196,7 +190,7 @@ Opened = _Manifested | _Stock | _Planned
 def open_for_restore(path: Path, template: Template | None) -> Opened:
     """``path`` opened and vetted, read as its kind and ``template`` ask."""
     if is_stock_dcp(path):
-        return _Stock(StockFiles(path))
+        return _Stock(path)
     topo = topology()
     if template is not None and template.has_dtensor:
         from functional_ckpt._src.distributed.groups import checkpoint_group

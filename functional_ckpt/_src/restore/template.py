@@ -197,19 +197,6 @@ def select(
     return selected, targets
 
 
-def per_rank_check(parsed: ParsedManifest, selected: list[tuple[KeyPath, str]], world: int) -> None:
-    roots = parsed.per_rank_roots
-    if not roots or parsed.world_size == world:
-        return
-    hit = [r for r in roots if any(p[: len(r)] == r for p, _ in selected)]
-    if hit:
-        raise TemplateMismatch(
-            f"per-rank state {', '.join(format_path(r) for r in hit)} was saved by "
-            f"{parsed.world_size} ranks but this run has {world}; pass reshard=fn to map it "
-            "(see the multi-rank guide), or leave it out of the template with partial=True"
-        )
-
-
 def rank_view(
     src: committed.Checkpoint,
     parsed: ParsedCheckpoint,
@@ -237,8 +224,12 @@ def rank_view(
             saved.append(rebuild(read_leaves(src, one, sel, {}, True), one.root, src.path))
         mine = as_state(reshard(saved, rank, world))
         return saved_world, None if template is None else template.without(roots), mine
-    if template is None and not partial:
-        per_rank_check(saved_world, [(r, "node") for r in roots], world)
-    if template is not None:
-        per_rank_check(saved_world, [(lf.path, lf.kind) for lf in template.leaves], world)
+    asked = roots if template is None else [lf.path for lf in template.leaves]
+    hit = [r for r in roots if any(p[: len(r)] == r for p in asked)]
+    if hit and (template is not None or not partial):
+        raise TemplateMismatch(
+            f"per-rank state {', '.join(format_path(r) for r in hit)} was saved by "
+            f"{parsed.world_size} ranks but this run has {world}; pass reshard=fn to map it "
+            "(see the multi-rank guide), or leave it out of the template with partial=True"
+        )
     return saved_world, template, None
