@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from functional_ckpt._src.distributed.topology import is_dtensor
+from functional_ckpt._src.distributed.topology import Topology, is_dtensor
 from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.format.view import ParsedCheckpoint
-from functional_ckpt._src.restore.read import mismatch, read_leaves, rebuild, spec_problem
+from functional_ckpt._src.restore.read import Request, mismatch, read_leaves, rebuild, spec_problem
 from functional_ckpt._src.state.tree import (
     ATOMS,
     Leaf,
@@ -32,10 +32,10 @@ from functional_ckpt.errors import TemplateMismatch
 if TYPE_CHECKING:
     from tensordict import TensorDict, TensorDictBase
 
-_PATH_KIND = itemgetter(0, 1)
-
 #: ``reshard(saved, rank, world_size)``: this rank's per-rank subtrees from every saving rank's.
 Reshard = Callable[[list["TensorDict"], int, int], Any]
+
+_PATH_KIND = itemgetter(0, 1)
 
 
 @dataclass
@@ -124,9 +124,8 @@ def _saved_tree(state: Any, order: list[tuple[KeyPath, str]]) -> dict[KeyPath, A
 def select(
     parsed: ParsedManifest,
     template: Template | None,
+    req: Request,
     *,
-    partial: bool,
-    cast: bool,
     specs: bool = True,
 ) -> tuple[list[tuple[KeyPath, str]], dict[KeyPath, torch.Tensor]]:
     """Match saved entries to the template; every mismatch is listed in one error. Without
@@ -140,7 +139,7 @@ def select(
     if found is not None:  # the tree that was saved
         targets: dict[KeyPath, torch.Tensor] = found
         if specs and (
-            bad := [x for p, t in targets.items() if (x := spec_problem(tensors[p], t, cast))]
+            bad := [x for p, t in targets.items() if (x := spec_problem(tensors[p], t, req.cast))]
         ):
             raise mismatch(bad)
         return parsed.order, targets
@@ -164,7 +163,7 @@ def select(
         elif kind != leaf.kind:
             problems.append(f"  {format_path(p)}: saved as a {kind}, template has a {leaf.kind}")
         elif kind == "tensor":
-            problem = spec_problem(tensors[p], leaf.value, cast)
+            problem = spec_problem(tensors[p], leaf.value, req.cast)
             if problem is None:
                 targets[p] = leaf.value
             else:
@@ -184,7 +183,7 @@ def select(
             selected.append((p, k))
         else:
             extra.append(p)
-    if not partial:
+    if not req.partial:
         problems += [
             f"  {format_path(p)}: in the checkpoint but not in the template (pass partial=True "
             "to restore a subset)"
@@ -201,15 +200,13 @@ def rank_view(
     src: committed.Checkpoint,
     parsed: ParsedCheckpoint,
     template: Template | None,
-    *,
-    partial: bool,
-    reshard: Reshard | None,
-    rank: int,
-    world: int,
+    req: Request,
+    topo: Topology,
     parts: frozenset[int] | None = None,
 ) -> tuple[ParsedManifest, Template | None, TensorDict | None]:
     """The checkpoint as this rank restores it, its template, and the per-rank subtrees
     ``reshard`` maps on a new world size; ``parts`` limits the split tensors' chunks read."""
+    rank, world, reshard = topo.rank, topo.world, req.reshard
     mine_parsed = parsed.view(rank, parts)
     if mine_parsed.world_size == world or not mine_parsed.per_rank_roots:
         return mine_parsed, template, None  # the common case
@@ -226,7 +223,7 @@ def rank_view(
         return saved_world, None if template is None else template.without(roots), mine
     asked = roots if template is None else [lf.path for lf in template.leaves]
     hit = [r for r in roots if any(p[: len(r)] == r for p in asked)]
-    if hit and (template is not None or not partial):
+    if hit and (template is not None or not req.partial):
         raise TemplateMismatch(
             f"per-rank state {', '.join(format_path(r) for r in hit)} was saved by "
             f"{parsed.world_size} ranks but this run has {world}; pass reshard=fn to map it "
