@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from functional_ckpt._src.format import dcp_compare, naming, unpickler
 from functional_ckpt._src.format import dcp_values as dcpbytes
+from functional_ckpt._src.format import naming, unpickler
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.keys import format_path
@@ -141,8 +141,7 @@ def _verify_metadata(
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.problems.append(Problem(name, str(err), name))
         return
-    expected = dcp_compare.manifest_view(groups, blobs)
-    for diff in dcp_compare.compare(dcp_compare.file_view(found), expected):
+    for diff in unpickler.compare(found, groups, blobs):
         why = f"disagrees with the manifest (stock dcp.load would misread): {diff}"
         report.problems.append(Problem(name, why, name))
 
