@@ -32,10 +32,10 @@ from functional_ckpt.errors import TemplateMismatch
 if TYPE_CHECKING:
     from tensordict import TensorDict, TensorDictBase
 
+_PATH_KIND = itemgetter(0, 1)
+
 #: ``reshard(saved, rank, world_size)``: this rank's per-rank subtrees from every saving rank's.
 Reshard = Callable[[list["TensorDict"], int, int], Any]
-
-_PATH_KIND = itemgetter(0, 1)
 
 
 @dataclass
