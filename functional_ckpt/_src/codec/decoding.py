@@ -1,26 +1,34 @@
 """Decoding: hostile bytes back to exactly the value that was encoded. The unpacker's
 hooks rebuild and count containers within the one C-level parse, vet keys for a hash
-flood before a table is built; the result is walked once more for depth and strays."""
+flood before a table is built; the result is walked once more for depth and strays.
+Each leaf ext's sizes are checked against the bytes present before anything is
+allocated, dtypes and devices in a canonical spelling only; numpy and torch are
+imported only when a value of theirs is met."""
 
 from __future__ import annotations
 
 import collections
 import gc
+import math
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import msgpack
 
 from functional_ckpt._src.codec import table
-from functional_ckpt._src.codec.leaves import LEAF_DECODERS, _Corrupt
 from functional_ckpt._src.codec.registration import tag_problem, unknown_tag_problem
 from functional_ckpt._src.codec.tagged import TAGGED, Unregistered, _BadFields, by_tag, placeholder
 from functional_ckpt._src.limits import LIMITS
+from functional_ckpt._src.text import short_repr
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _MSGPACK_STACK_LIMIT: Final = 1024  # the C unpacker's fixed parse stack
 _GC_PAUSE_BYTES: Final = 256 * 1024
+_MAX_DEVICE_LEN: Final = 64
 
 _OrderedDict = collections.OrderedDict
 
@@ -34,6 +42,143 @@ class _Marker(NamedTuple):
 
 class _Unsafe(Exception):
     """Internal: resource limit exceeded, re-raised as UnsafeCheckpoint."""
+
+
+class _Corrupt(Exception):
+    """Internal: malformed data, re-raised as CorruptCheckpoint naming the source."""
+
+
+def _unpackb(data: Any, n: int, *, ext: int, **hooks: Any) -> Any:
+    """msgpack's C parse of ``n`` bytes, no length declared in them beyond what they hold."""
+    return msgpack.unpackb(
+        data,
+        raw=False,
+        use_list=True,
+        unicode_errors="surrogatepass",
+        max_str_len=n,
+        max_bin_len=n,
+        max_array_len=n,
+        max_map_len=n // 2,
+        max_ext_len=ext,
+        **hooks,
+    )
+
+
+def _parse_dtype(code: object) -> np.dtype[Any]:
+    if type(code) is not str or not code or len(code) > 32 or not code.isascii():
+        raise _Corrupt(f"invalid numpy dtype code {code!r}")
+    import numpy as np
+
+    try:
+        dt = np.dtype(code)
+    except Exception:
+        raise _Corrupt(f"invalid numpy dtype code {code!r}") from None
+    if table.dtype_code(dt) != code:
+        raise _Corrupt(f"non-canonical or unsupported numpy dtype code {code!r}")
+    return dt
+
+
+def _unpack_payload(payload: bytes, what: str) -> list[Any]:
+    """Parse the small, flat msgpack header inside a leaf ext; no exts allowed inside."""
+    try:
+        out = _unpackb(payload, len(payload), strict_map_key=True, ext_hook=_refuse_ext, ext=0)
+    except _Corrupt:
+        raise
+    except Exception as exc:
+        raise _Corrupt(f"malformed {what} payload: {exc}") from None
+    if type(out) is not list:
+        raise _Corrupt(f"malformed {what} payload")
+    return out
+
+
+def _refuse_ext(code: int, data: bytes) -> object:
+    raise _Corrupt(f"unexpected ext code {code} inside a leaf payload")
+
+
+def _decode_ndarray(payload: bytes) -> object:
+    header = _unpack_payload(payload, "numpy array")
+    if len(header) != 3:
+        raise _Corrupt("malformed numpy array payload")
+    code, shape, raw = header
+    dt = _parse_dtype(code)
+    if type(shape) is not list or len(shape) > LIMITS.tensor_ndim:
+        raise _Corrupt(f"invalid numpy array shape {short_repr(shape)}")
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise _Corrupt(f"invalid numpy array dimension {short_repr(d)}")
+    if type(raw) is not bytes:
+        raise _Corrupt("numpy array data is not bytes")
+    declared = math.prod(shape) * dt.itemsize
+    if declared != len(raw):
+        raise _Corrupt(
+            f"numpy array of shape {tuple(shape)} and dtype {code} needs {declared} bytes "
+            f"but {len(raw)} are present"
+        )
+    import numpy as np
+
+    try:
+        return np.frombuffer(raw, dtype=dt).reshape(shape).copy()
+    except Exception as exc:
+        raise _Corrupt(f"invalid numpy array: {exc}") from None
+
+
+def _decode_numpy_scalar(payload: bytes) -> object:
+    header = _unpack_payload(payload, "numpy scalar")
+    if len(header) != 2:
+        raise _Corrupt("malformed numpy scalar payload")
+    code, body = header
+    import numpy as np
+
+    if code in ("U", "S"):  # text travels as its Python value (see encoding)
+        value, make = (str, np.str_) if code == "U" else (bytes, np.bytes_)
+        if type(body) is not value:
+            raise _Corrupt(f"numpy {make.__name__} scalar without a {value.__name__} value")
+        return make(body)
+    dt = _parse_dtype(code)
+    if dt.kind in "USV":
+        raise _Corrupt(f"numpy scalar dtype {code} is not part of the format")
+    if type(body) is not bytes or len(body) != dt.itemsize:
+        raise _Corrupt(f"numpy scalar of dtype {code} needs exactly {dt.itemsize} bytes")
+    scalar: object = np.frombuffer(body, dtype=dt)[0]
+    return scalar
+
+
+def _decode_torch_dtype(payload: bytes) -> object:
+    try:
+        return table.TORCH_DTYPES[payload.decode("ascii")]
+    except (KeyError, UnicodeDecodeError):
+        raise _Corrupt(f"unknown torch dtype {short_repr(payload)}") from None
+
+
+def _decode_torch_device(payload: bytes) -> object:
+    if len(payload) > _MAX_DEVICE_LEN:
+        raise _Corrupt("torch device name too long")
+    import torch
+
+    try:
+        text = payload.decode("ascii")
+        device = torch.device(text)
+    except Exception:
+        raise _Corrupt(f"invalid torch device {short_repr(payload)}") from None
+    if str(device) != text:
+        raise _Corrupt(f"non-canonical torch device {text!r}")
+    return device
+
+
+def _decode_bigint(payload: bytes) -> object:
+    if not payload:
+        raise _Corrupt("empty big int payload")
+    return int.from_bytes(payload, "little", signed=True)
+
+
+LEAF_DECODERS: Final[dict[int, Callable[[bytes], object]]] = {
+    table.EXT_BIGINT: _decode_bigint,
+    table.EXT_BYTEARRAY: bytearray,
+    table.EXT_NDARRAY: _decode_ndarray,
+    table.EXT_NUMPY_SCALAR: _decode_numpy_scalar,
+    table.EXT_TORCH_DTYPE: _decode_torch_dtype,
+    table.EXT_TORCH_DEVICE: _decode_torch_device,
+}
 
 
 def _as_keys(keys: Iterable[Any]) -> None:
@@ -293,20 +438,14 @@ def decode(
     if pause_gc:
         gc.disable()
     try:
-        value = msgpack.unpackb(
+        value = _unpackb(
             data,
-            raw=False,
-            use_list=True,
+            n,
+            ext=n,
             strict_map_key=False,
-            unicode_errors="surrogatepass",
             ext_hook=hooks.ext_hook,
             list_hook=hooks.list_hook,
             object_pairs_hook=hooks.pairs_hook,
-            max_str_len=n,
-            max_bin_len=n,
-            max_array_len=n,
-            max_map_len=n // 2,
-            max_ext_len=n,
         )
         _check_decoded(value, max_depth)
     except _Unsafe as exc:

@@ -272,7 +272,9 @@ def _wrap_bytearrays(value: Any) -> Any:
     return built
 
 
-def _pack(value: object, where: str) -> bytes:
+def encode_checked(value: object, *, where: str = "value") -> bytes:
+    """:func:`encode` of plain data around parts that passed :func:`check_encodable`
+    without a bytearray: not scanned again (within the limits' headroom)."""
     try:
         try:
             return _packb(value, default=_default)
@@ -293,7 +295,7 @@ def check_encodable(value: object, *, where: str = "value", max_bytes: int | Non
     free = LIMITS.decode_free_containers // 4
     if containers <= free and max_bytes is None:
         return has_bytearray
-    data = _pack(_wrap_bytearrays(value) if has_bytearray else value, where)
+    data = encode_checked(_wrap_bytearrays(value) if has_bytearray else value, where=where)
     _check_budget(containers, data, free, where)
     if max_bytes is not None and len(data) > max_bytes:
         raise UnsupportedValue(
@@ -303,18 +305,12 @@ def check_encodable(value: object, *, where: str = "value", max_bytes: int | Non
     return has_bytearray
 
 
-def encode_checked(value: object, *, where: str = "value") -> bytes:
-    """:func:`encode` of plain data around parts that passed :func:`check_encodable`
-    without a bytearray: not scanned again (within the limits' headroom)."""
-    return _pack(value, where)
-
-
 def encode_counted(value: object, *, where: str = "value") -> tuple[bytes, int]:
     """:func:`encode`, and how many containers a decode of the bytes builds."""
     has_bytearray, containers = _scan(value, where)
     if has_bytearray:
         value = _wrap_bytearrays(value)
-    data = _pack(value, where)
+    data = encode_checked(value, where=where)
     if containers > LIMITS.decode_free_containers:
         _check_budget(containers, data, LIMITS.decode_free_containers, where)
     return data, containers

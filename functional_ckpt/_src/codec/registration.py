@@ -17,10 +17,6 @@ from functional_ckpt.errors import UnsupportedValue
 _MAX_TAG_LEN: Final = 256
 
 
-def _is_namedtuple(cls: type) -> bool:
-    return issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple)
-
-
 def _dataclass_entry(tag: str, cls: type) -> tagged.TaggedType:
     names = [f.name for f in dataclasses.fields(cls)]
     init = [f.name for f in dataclasses.fields(cls) if f.init]
@@ -77,7 +73,7 @@ def _kind_of(cls: type) -> tuple[str, Callable[[str, Any], tagged.TaggedType]] |
     """The kind of class ``register`` takes (" dataclass"...) and how it is tagged, or None."""
     if dataclasses.is_dataclass(cls):
         return " dataclass", _dataclass_entry
-    if _is_namedtuple(cls):
+    if issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple):
         return " NamedTuple", _namedtuple_entry
     if issubclass(cls, enum.Enum):
         return "n Enum", _enum_entry
@@ -228,12 +224,6 @@ def registration_line(tag: str) -> str:
     return f"functional_ckpt.codec.register({cls}, name={tag!r})"
 
 
-def _namesakes(tag: str) -> list[tagged.TaggedType]:
-    """Registered classes whose name ends like ``tag``: maybe the same class, renamed."""
-    short = tag.rsplit(".", 1)[-1]
-    return [e for e in tagged.TAGGED.values() if e.tag.rsplit(".", 1)[-1] == short][:3]
-
-
 def unknown_tag_problem(tag: str) -> str:
     text = (
         f"unknown tagged type {tag!r}: no class is registered under that name in this "
@@ -241,7 +231,8 @@ def unknown_tag_problem(tag: str) -> str:
         f"NamedTuple or Enum, call `{registration_line(tag)}` (where the class is "
         "defined) before restoring"
     )
-    for e in _namesakes(tag):
+    short = tag.rsplit(".", 1)[-1]  # a class registered under a name ending so: maybe renamed
+    for e in [x for x in tagged.TAGGED.values() if x.tag.rsplit(".", 1)[-1] == short][:3]:
         named = "" if e.tag == default_name(e.cls) else f", name={e.tag!r}"
         text += (
             f"; or, if it is the {e.cls.__qualname__} registered here as {e.tag!r}, "

@@ -104,22 +104,17 @@ def _datetime_fields(v: dt.datetime) -> object:
     return [v.year, v.month, v.day, *_time_fields(v.timetz())]
 
 
-def _datetime_build(f: object) -> object:
-    if type(f) is not list or len(f) != 9:
-        raise _BadFields(f"datetime needs 9 fields, got {f!r:.80}")
-    y, mo, d, h, mi, s, us, fold = _ints(f[:8], 8, "datetime")
-    return dt.datetime(y, mo, d, h, mi, s, us, tzinfo=_tz_build(f[8]), fold=fold)
-
-
 def _time_fields(v: dt.time) -> list[object]:
     return [v.hour, v.minute, v.second, v.microsecond, v.fold, _tz_fields(v.tzinfo)]
 
 
-def _time_build(f: object) -> object:
-    if type(f) is not list or len(f) != 6:
-        raise _BadFields(f"time needs 6 fields, got {f!r:.80}")
-    h, mi, s, us, fold = _ints(f[:5], 5, "time")
-    return dt.time(h, mi, s, us, tzinfo=_tz_build(f[5]), fold=fold)
+def _zoned_build(cls: Any, f: object) -> object:
+    """A datetime or time: its ints up to ``fold``, then its time zone's fields."""
+    n = 9 if cls is dt.datetime else 6
+    if type(f) is not list or len(f) != n:
+        raise _BadFields(f"{cls.__name__} needs {n} fields, got {f!r:.80}")
+    *ints, fold = _ints(f[:-1], n - 1, cls.__name__)
+    return cls(*ints, tzinfo=_tz_build(f[-1]), fold=fold)
 
 
 def _path_entry(cls: type) -> TaggedType:
@@ -140,7 +135,8 @@ def _namespace_build(f: object) -> object:
 for _cls in (pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath):
     add(_path_entry(_cls))
 add(_path_entry(pathlib.WindowsPath))
-add(TaggedType("datetime.datetime", dt.datetime, _datetime_fields, _datetime_build))
+for _zoned, _fields in ((dt.datetime, _datetime_fields), (dt.time, _time_fields)):
+    add(TaggedType(f"datetime.{_zoned.__name__}", _zoned, _fields, partial(_zoned_build, _zoned)))
 add(
     TaggedType(
         "datetime.date",
@@ -149,7 +145,6 @@ add(
         lambda f: dt.date(*_ints(f, 3, "date")),
     )
 )
-add(TaggedType("datetime.time", dt.time, _time_fields, _time_build))
 add(
     TaggedType(
         "datetime.timedelta",

@@ -15,7 +15,6 @@ from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint import metadata as dcp
 
 from functional_ckpt._src.format import dcp_pickle
-from functional_ckpt._src.format.dcp_compare import transforms
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.manifest import TensorEntry
 
@@ -63,7 +62,7 @@ def metadata_for(
         planner_data[fqn] = tuple(s(k) for k in key_path)
         for i, c in enumerate(chunks):
             index = dcp.MetadataIndex(fqn, size_of(c.offsets), i)
-            storage[index] = filesystem._StorageInfo(s(c.file), c.offset, c.length, transforms(c))
+            storage[index] = filesystem._StorageInfo(s(c.file), c.offset, c.length, c.transforms)
     value = dcp.BytesStorageMetadata()
     for b in blobs:
         fqn = s(b.fqn)

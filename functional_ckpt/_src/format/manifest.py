@@ -81,6 +81,11 @@ class Chunk(NamedTuple):
     def whole(self) -> bool:
         return not any(self.offsets)
 
+    @property
+    def transforms(self) -> list[str] | None:
+        """DCP's ``_StorageInfo.transform_descriptors``: None (left out) for a plain blob."""
+        return ["stream.zstd/1"] if self.zstd else None
+
     def to_plain(self) -> dict[str, Any]:
         out = self._asdict() | {"offsets": list(self.offsets), "sizes": list(self.sizes)}
         if not self.zstd:

@@ -1,7 +1,10 @@
-"""The hardened reader of ``.metadata`` files (a stock checkpoint's, or one being verified).
+"""The hardened reader of ``.metadata`` files (a stock checkpoint's, or one being verified),
+and whether one says what the manifest says.
 
 A pickle runs code, so every opcode is vetted: only DCP's metadata names resolve, to
-torch-free stand-ins, and every field's type is checked.
+torch-free stand-ins, and every field's type is checked. A file is compared with its
+manifest by what ``dcp.load`` finds things by (kinds, dtypes, shapes, chunks, offsets,
+key paths), without torch.
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ import functools
 import io
 import pickle
 import pickletools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from functional_ckpt._src.format import dcp_standins as sd
 from functional_ckpt._src.format.dcp_standins import _MEM_FORMAT_ENCODING, ALLOWED
+from functional_ckpt._src.format.dcp_values import ByteEntry
+from functional_ckpt._src.format.manifest import TensorEntry
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import CorruptCheckpoint, UnsafeCheckpoint
 
@@ -367,3 +372,72 @@ def scan_pickle(raw: bytes, source: Path) -> UnsafeCheckpoint | None:
     except Exception:
         return None
     return None
+
+
+#: A ``.metadata`` as ``dcp.load`` uses it: per key (dtype, shape, chunk boxes) or
+#: ``"bytes"``; per stored piece (key, offsets) its (file, offset, length, transforms);
+#: the key paths.
+View = tuple[dict[str, Any], dict[tuple[str, Any], Any], Any]
+
+
+def manifest_view(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry]) -> View:
+    """What the ``.metadata`` derived from these entries says (later entries of a key win)."""
+    chunks: dict[str, Any] = {}
+    storage: dict[tuple[str, Any], Any] = {}
+    planner: dict[str, Any] = {}
+    for e in (e for group in groups for e in group):
+        chunks[e.fqn] = (sd.DType(e.dtype_name), tuple(e.shape), _boxes(e.chunks))
+        planner[e.fqn] = tuple(e.path if e.dcp_path is None else e.dcp_path)
+        for c in e.chunks:
+            storage[(e.fqn, tuple(c.offsets))] = (c.file, c.offset, c.length, c.transforms)
+    for b in blobs:
+        chunks[b.fqn] = "bytes"
+        planner[b.fqn] = tuple(b.path)
+        storage[(b.fqn, None)] = (b.file, b.offset, b.length, None)
+    return chunks, storage, planner
+
+
+def file_view(md: Any) -> View:
+    """What a parsed ``.metadata`` (:func:`load_standins`) says."""
+    chunks: dict[str, Any] = {}
+    for fqn, smd in md.state_dict_metadata.items():
+        tensor = type(smd) is sd.TensorStorageMetadata
+        chunks[fqn] = (
+            (smd.properties.dtype, tuple(smd.size), _boxes(smd.chunks)) if tensor else "bytes"
+        )
+    data = md.storage_data if isinstance(md.storage_data, dict) else {}
+    storage: dict[tuple[str, Any], Any] = {}
+    for k, v in data.items():
+        key = (k.fqn, None if k.offset is None else tuple(k.offset))
+        storage[key] = (v.relative_path, v.offset, v.length, v.transform_descriptors)
+    return chunks, storage, md.planner_data
+
+
+def _boxes(chunks: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    return sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks)
+
+
+def compare(
+    md: sd.Metadata, groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry]
+) -> list[str]:
+    """Every way ``md`` would make stock DCP read other than the manifest says, at most 20."""
+    found, expected = file_view(md), manifest_view(groups, blobs)
+    problems: list[str] = []
+    a, b = found[0], expected[0]
+    for fqn in sorted(set(a) | set(b)):
+        if fqn not in b:
+            problems.append(f"tensor {fqn!r} is not in the manifest")
+        elif fqn not in a:
+            problems.append(f"tensor {fqn!r} of the manifest is missing")
+        elif a[fqn] != b[fqn]:
+            problems.append(f"tensor {fqn!r}: {a[fqn]} where the manifest says {b[fqn]}")
+    sa, sb = found[1], expected[1]
+    for key in sorted(set(sa) | set(sb), key=repr):
+        if sa.get(key) != sb.get(key):
+            problems.append(
+                f"storage of {key[0]!r} at {key[1]}: {sa.get(key)} where the manifest says "
+                f"{sb.get(key)}"
+            )
+    if found[2] != expected[2]:
+        problems.append("planner data (key paths) differ from the manifest")
+    return problems[:20]

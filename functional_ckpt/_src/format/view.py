@@ -5,7 +5,7 @@ every field is checked against the file table before a byte is allocated.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from copy import copy
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -139,7 +139,9 @@ class ParsedCheckpoint:
 
     def groups(self) -> list[list[TensorEntry]]:
         """:func:`tensor_groups` of this manifest (shared, then each rank's own)."""
-        return groups_of(self.shared, self.all_views())
+        shared = self.shared.tensors
+        mine = [[e for p, e in one.tensors.items() if p not in shared] for one in self.all_views()]
+        return [list(shared.values()), *mine]
 
     def _view(self, rank: int) -> ParsedManifest:
         base = self.shared
@@ -267,11 +269,3 @@ def parse_planned(plain: object, where: str) -> list[Entry]:
         else out.tensors[p]
         for p, kind in out.order
     ]
-
-
-def groups_of(shared: ParsedManifest, ranks: Sequence[ParsedManifest]) -> list[list[TensorEntry]]:
-    """:func:`tensor_groups` from ``parse`` results: ``rank=None``, then every rank's."""
-    groups = [list(shared.tensors.values())]
-    for one in ranks:
-        groups.append([e for p, e in one.tensors.items() if p not in shared.tensors])
-    return groups

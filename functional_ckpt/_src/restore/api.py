@@ -19,7 +19,7 @@ from functional_ckpt._src.format.naming import parse_step
 from functional_ckpt._src.format.view import ParsedCheckpoint
 from functional_ckpt._src.log import done, logger, phase
 from functional_ckpt._src.paths import PathLike
-from functional_ckpt._src.restore.read import CPU, read_leaves, rebuild
+from functional_ckpt._src.restore.read import Request, read_leaves, rebuild
 from functional_ckpt._src.restore.stock_dcp import StockFiles, StockMatch, match_dcp, read_dcp
 from functional_ckpt._src.restore.template import Reshard, Template, rank_view, select
 from functional_ckpt._src.state.tree import Leaf, State, gc_paused, is_tensordict, iter_leaves
@@ -39,18 +39,6 @@ def check_like_or_out(like: State | None, out: State | None, what: str) -> None:
         raise CheckpointError(
             f"{what}: pass like= (a new state is returned) or out= (restore in place), not both"
         )
-
-
-@dataclass(frozen=True)
-class Request:
-    """How the caller asked for a restore (everything but the path and the template)."""
-
-    partial: bool = False
-    cast: bool = False
-    reshard: Reshard | None = None
-    inplace: bool = False
-    device: torch.device = CPU
-    placeholders: bool = False  # keep values of unregistered classes (readers that only look)
 
 
 @dataclass
@@ -76,34 +64,17 @@ class _Manifested:
         self.sparse = sparse  # match without split chunks: ``_Planned`` reads what it needs
 
     def match(self, template: Template | None, req: Request) -> Match:
-        parsed, template, mine = rank_view(
-            self.ck,
-            self.parsed,
-            template,
-            partial=req.partial,
-            reshard=req.reshard,
-            rank=self.topo.rank,
-            world=self.topo.world,
-            parts=frozenset() if self.sparse else None,
-        )
-        selected, wanted = select(
-            parsed, template, partial=req.partial, cast=req.cast, specs=self.sparse
-        )  # read_leaves checks the tensors' specs; a collective read has DTensors it does not
+        parts = frozenset[int]() if self.sparse else None
+        parsed, template, mine = rank_view(self.ck, self.parsed, template, req, self.topo, parts)
+        # read_leaves checks the tensors' specs; a collective read has DTensors it does not
+        selected, wanted = select(parsed, template, req, specs=self.sparse)
         extra = [] if mine is None else list(iter_leaves(mine))
         return Match(parsed.root, parsed, selected, wanted, template is None, extra)
 
     def read(self, match: Match, req: Request) -> list[Leaf]:
         assert match.parsed is not None
         leaves = read_leaves(
-            self.ck,
-            match.parsed,
-            match.selected,
-            match.wanted,
-            match.no_template,
-            inplace=req.inplace,
-            device=req.device,
-            placeholders=req.placeholders,
-            cast=req.cast,
+            self.ck, match.parsed, match.selected, match.wanted, match.no_template, req
         )
         return leaves + match.resharded
 
@@ -111,20 +82,14 @@ class _Manifested:
         self.ck.close()
 
 
-class _Stock:
-    def __init__(self, files: StockFiles) -> None:
-        self.files = files
-
+class _Stock(StockFiles):
     def match(self, template: Template | None, req: Request) -> Match:
-        stock = match_dcp(self.files, template, partial=req.partial, cast=req.cast)
+        stock = match_dcp(self, template, req)
         return Match(stock.root, stock=stock)
 
     def read(self, match: Match, req: Request) -> list[Leaf]:
         assert match.stock is not None
-        return read_dcp(self.files, match.stock, inplace=req.inplace, device=req.device)
-
-    def close(self) -> None:
-        self.files.close()
+        return read_dcp(self, match.stock, inplace=req.inplace, device=req.device)
 
 
 class _Planned:
@@ -196,7 +161,7 @@ Opened = _Manifested | _Stock | _Planned
 def open_for_restore(path: Path, template: Template | None) -> Opened:
     """``path`` opened and vetted, read as its kind and ``template`` ask."""
     if is_stock_dcp(path):
-        return _Stock(StockFiles(path))
+        return _Stock(path)
     topo = topology()
     if template is not None and template.has_dtensor:
         from functional_ckpt._src.distributed.groups import checkpoint_group

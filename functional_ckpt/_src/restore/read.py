@@ -3,7 +3,7 @@ checked: a restore never writes what it was given, except ``out=``'s tensors."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,18 @@ from functional_ckpt._src.text import short_repr
 from functional_ckpt.errors import CorruptCheckpoint, TemplateMismatch, UnregisteredType
 
 CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Request:
+    """How the caller asked for a restore (everything but the path and the template)."""
+
+    partial: bool = False
+    cast: bool = False
+    reshard: Callable[[list[Any], int, int], Any] | None = None  # ``template.Reshard``
+    inplace: bool = False
+    device: torch.device = CPU
+    placeholders: bool = False  # keep values of unregistered classes (readers that only look)
 
 
 def vetted_view(path: Path, *, rank: int | None = 0) -> ParsedManifest:
@@ -189,15 +201,12 @@ def read_leaves(
     selected: list[tuple[KeyPath, str]],
     wanted: dict[KeyPath, torch.Tensor],
     no_template: bool,
-    *,
-    inplace: bool = False,
-    device: torch.device = CPU,
-    placeholders: bool = False,
-    cast: bool = False,
+    req: Request = Request(),
 ) -> list[Leaf]:
     """Read the selected entries into leaves of their ``wanted`` template leaf's dtype and device
     (``inplace``: its storage); every leaf that does not fit is named before anything is read.
     Unregistered classes' values are refused unless ``placeholders``."""
+    inplace, device, cast = req.inplace, req.device, req.cast
     reads = Reads()
     tensors = parsed.tensors
     chosen: set[KeyPath] | None = None  # the tensors read: made when a tie is met
@@ -236,7 +245,7 @@ def read_leaves(
             t = _tied(results[e.alias], like, inplace, device)
             require_grad(t, like, inplace, no_template and e.requires_grad)
             leaves[i] = Leaf(e.path, "tensor", t)
-    if src.unregistered and not placeholders:
+    if src.unregistered and not req.placeholders:
         refuse_unregistered(src.path, parsed, selected)
     return leaves
 

@@ -18,7 +18,7 @@ from functional_ckpt._src.format import naming, unpickler
 from functional_ckpt._src.format.dcp_values import DcpPath
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.format.manifest import TensorEntry, dtype_name
-from functional_ckpt._src.restore.read import region, require_grad, spec_problem
+from functional_ckpt._src.restore.read import Request, region, require_grad, spec_problem
 from functional_ckpt._src.restore.template import Template
 from functional_ckpt._src.state.tree import Leaf, from_python, iter_leaves
 from functional_ckpt._src.storage import opener
@@ -162,9 +162,7 @@ class StockMatch:
     values: dict[str, Any] = field(default_factory=dict)
 
 
-def match_dcp(
-    files: StockFiles, template: Template | None, *, partial: bool, cast: bool
-) -> StockMatch:
+def match_dcp(files: StockFiles, template: Template | None, req: Request) -> StockMatch:
     """Match the template to the stock ``.metadata``; one error lists every mismatch."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
@@ -224,12 +222,12 @@ def match_dcp(
             problems.append(f"  {where}: saved as a pickled value, template has a tensor")
             continue
         spec = TensorEntry(leaf.path, fqn, dtype_name(smd.properties.dtype), smd.size, False)
-        problem = spec_problem(spec, leaf.value, cast)
+        problem = spec_problem(spec, leaf.value, req.cast)
         if problem is None:
             match.items.append(StockItem(leaf, fqn, smd))
         else:
             problems.append(problem)
-    if not partial:
+    if not req.partial:
         extra = sorted(set(saved) - used)
         problems += [f"  DCP key {k!r}: in the checkpoint but not in the template" for k in extra]
     if problems:

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from functional_ckpt._src.distributed.topology import is_dtensor
+from functional_ckpt._src.distributed.topology import Topology, is_dtensor
 from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.format.view import ParsedCheckpoint
-from functional_ckpt._src.restore.read import mismatch, read_leaves, rebuild, spec_problem
+from functional_ckpt._src.restore.read import Request, mismatch, read_leaves, rebuild, spec_problem
 from functional_ckpt._src.state.tree import (
     ATOMS,
     Leaf,
@@ -124,9 +124,8 @@ def _saved_tree(state: Any, order: list[tuple[KeyPath, str]]) -> dict[KeyPath, A
 def select(
     parsed: ParsedManifest,
     template: Template | None,
+    req: Request,
     *,
-    partial: bool,
-    cast: bool,
     specs: bool = True,
 ) -> tuple[list[tuple[KeyPath, str]], dict[KeyPath, torch.Tensor]]:
     """Match saved entries to the template; every mismatch is listed in one error. Without
@@ -140,7 +139,7 @@ def select(
     if found is not None:  # the tree that was saved
         targets: dict[KeyPath, torch.Tensor] = found
         if specs and (
-            bad := [x for p, t in targets.items() if (x := spec_problem(tensors[p], t, cast))]
+            bad := [x for p, t in targets.items() if (x := spec_problem(tensors[p], t, req.cast))]
         ):
             raise mismatch(bad)
         return parsed.order, targets
@@ -164,7 +163,7 @@ def select(
         elif kind != leaf.kind:
             problems.append(f"  {format_path(p)}: saved as a {kind}, template has a {leaf.kind}")
         elif kind == "tensor":
-            problem = spec_problem(tensors[p], leaf.value, cast)
+            problem = spec_problem(tensors[p], leaf.value, req.cast)
             if problem is None:
                 targets[p] = leaf.value
             else:
@@ -184,7 +183,7 @@ def select(
             selected.append((p, k))
         else:
             extra.append(p)
-    if not partial:
+    if not req.partial:
         problems += [
             f"  {format_path(p)}: in the checkpoint but not in the template (pass partial=True "
             "to restore a subset)"
@@ -197,32 +196,17 @@ def select(
     return selected, targets
 
 
-def per_rank_check(parsed: ParsedManifest, selected: list[tuple[KeyPath, str]], world: int) -> None:
-    roots = parsed.per_rank_roots
-    if not roots or parsed.world_size == world:
-        return
-    hit = [r for r in roots if any(p[: len(r)] == r for p, _ in selected)]
-    if hit:
-        raise TemplateMismatch(
-            f"per-rank state {', '.join(format_path(r) for r in hit)} was saved by "
-            f"{parsed.world_size} ranks but this run has {world}; pass reshard=fn to map it "
-            "(see the multi-rank guide), or leave it out of the template with partial=True"
-        )
-
-
 def rank_view(
     src: committed.Checkpoint,
     parsed: ParsedCheckpoint,
     template: Template | None,
-    *,
-    partial: bool,
-    reshard: Reshard | None,
-    rank: int,
-    world: int,
+    req: Request,
+    topo: Topology,
     parts: frozenset[int] | None = None,
 ) -> tuple[ParsedManifest, Template | None, TensorDict | None]:
     """The checkpoint as this rank restores it, its template, and the per-rank subtrees
     ``reshard`` maps on a new world size; ``parts`` limits the split tensors' chunks read."""
+    rank, world, reshard = topo.rank, topo.world, req.reshard
     mine_parsed = parsed.view(rank, parts)
     if mine_parsed.world_size == world or not mine_parsed.per_rank_roots:
         return mine_parsed, template, None  # the common case
@@ -237,8 +221,12 @@ def rank_view(
             saved.append(rebuild(read_leaves(src, one, sel, {}, True), one.root, src.path))
         mine = as_state(reshard(saved, rank, world))
         return saved_world, None if template is None else template.without(roots), mine
-    if template is None and not partial:
-        per_rank_check(saved_world, [(r, "node") for r in roots], world)
-    if template is not None:
-        per_rank_check(saved_world, [(lf.path, lf.kind) for lf in template.leaves], world)
+    asked = roots if template is None else [lf.path for lf in template.leaves]
+    hit = [r for r in roots if any(p[: len(r)] == r for p in asked)]
+    if hit and (template is not None or not req.partial):
+        raise TemplateMismatch(
+            f"per-rank state {', '.join(format_path(r) for r in hit)} was saved by "
+            f"{parsed.world_size} ranks but this run has {world}; pass reshard=fn to map it "
+            "(see the multi-rank guide), or leave it out of the template with partial=True"
+        )
     return saved_world, template, None

@@ -61,18 +61,6 @@ def is_sharded_module(model: Any) -> bool:
     return any(type(p).__name__ == "DTensor" for p in getattr(model, "parameters", list)())
 
 
-def sharded_state_dicts(model: Any, optimizer: Any) -> tuple[Any, Any]:
-    """Model and optimizer state through DCP's ``get_state_dict`` (keys are FQNs); the
-    state DCP gives a fresh optimizer (for its sharded shape) is not kept by it."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    fresh = not optimizer.state
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    if fresh:
-        optimizer.state.clear()
-    return model_sd, optim_sd
-
-
 def _named(
     model: Any, optimizer: Any, scheduler: Any, loader: Any, **extra: Any
 ) -> list[tuple[str, Any]]:
@@ -112,7 +100,12 @@ def capture(
     """Gather the whole training state into one locked TensorDict; ``extra`` holds user subtrees."""
     td = TensorDict({}, batch_size=[])
     if model is not None and optimizer is not None and is_sharded_module(model):
-        model_sd, optim_sd = sharded_state_dicts(model, optimizer)
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        fresh = not optimizer.state  # a fresh one keeps none of the state DCP makes for its shape
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # keys are FQNs
+        if fresh:
+            optimizer.state.clear()
         td.set("model", from_python(model_sd, ("model",)))
         td.set("optimizer", from_python(optim_sd, ("optimizer",)))
         model = optimizer = None

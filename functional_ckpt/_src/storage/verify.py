@@ -7,13 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from functional_ckpt._src.format import dcp_compare, naming, unpickler
 from functional_ckpt._src.format import dcp_values as dcpbytes
+from functional_ckpt._src.format import naming, unpickler
 from functional_ckpt._src.format.checksum import crc32
 from functional_ckpt._src.format.dcp_values import ByteEntry
 from functional_ckpt._src.format.keys import format_path
 from functional_ckpt._src.format.manifest import Chunk, TensorEntry
-from functional_ckpt._src.format.view import groups_of
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.storage import committed, opener, shards
 from functional_ckpt._src.storage.committed import classify_metadata
@@ -96,7 +95,7 @@ def _verify_open(
         if child not in listed:
             report.problems.append(Problem(child, "unexpected file in the checkpoint", child))
     if naming.DCP_METADATA not in unread:
-        _verify_metadata(ck, groups_of(shared, parsed), blobs, report)
+        _verify_metadata(ck, once.groups(), blobs, report)
     by_file: dict[str, dict[int, tuple[str, Chunk | ByteEntry]]] = {}
     for one in parsed:
         for e in one.tensors.values():
@@ -142,8 +141,7 @@ def _verify_metadata(
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.problems.append(Problem(name, str(err), name))
         return
-    expected = dcp_compare.manifest_view(groups, blobs)
-    for diff in dcp_compare.compare(dcp_compare.file_view(found), expected):
+    for diff in unpickler.compare(found, groups, blobs):
         why = f"disagrees with the manifest (stock dcp.load would misread): {diff}"
         report.problems.append(Problem(name, why, name))
 
