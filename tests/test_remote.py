@@ -412,11 +412,21 @@ def test_fckpt_ls_shows_the_tiers_and_verify_inspect_take_remote_urls(
     assert statuses == {f"{mem}/step_000000002": "damaged", f"{mem}/step_000000003": "intact"}
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory, s3: dict[str, Any]) -> dict[str, Any]:
-    """tests/remote_job.py, launched once on two ranks, with the variables torchrun
-    sets: its return codes, stderr, each part's output per rank, its base and URL."""
-    base = tmp_path_factory.mktemp("two_ranks")
+def test_ranks_on_one_remote_with_roots_of_their_own_or_one_shared_root(
+    tmp_path: Path, s3: dict[str, Any]
+) -> None:
+    """Two ranks, launched once (tests/remote_job.py, every part below), then three:
+    one test, so that no two test processes launch the same ranks."""
+    two = _two_ranks(tmp_path, s3)
+    assert two["rc"] == [0, 9], two["err"]  # rank 1 dies in the last part
+    _own_roots_commit_on_one_remote(two, s3)
+    _sharing_one_root_each_download_what_they_read(two)
+    _resharded_and_past_remote_damage(two, s3)
+
+
+def _two_ranks(base: Path, s3: dict[str, Any]) -> dict[str, Any]:
+    """tests/remote_job.py, launched on two ranks, with the variables torchrun sets:
+    its return codes, stderr, each part's output per rank, its base and URL."""
     name = f"b-{uuid.uuid4().hex[:10]}"
     Store(f"s3://{name}", s3["options"]).fs.mkdir(name)
     url = f"s3://{name}/run"
@@ -431,17 +441,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory, s3: dict[str, Any]) -> d
     return {"rc": [rc for rc, _, _ in ran], "err": err, "out": out, "base": base, "url": url}
 
 
-def _part(two_ranks: dict[str, Any], part: str) -> list[str]:
-    """What each rank printed in ``part`` of the two-rank job (which ran every part)."""
-    assert two_ranks["rc"] == [0, 9], two_ranks["err"]  # rank 1 dies in the last part
-    out: list[str] = two_ranks["out"][part]
-    return out
-
-
-def test_two_ranks_with_their_own_local_roots_commit_on_one_remote(
-    two_ranks: dict[str, Any], s3: dict[str, Any]
-) -> None:
-    out0, out1 = _part(two_ranks, "own")
+def _own_roots_commit_on_one_remote(two_ranks: dict[str, Any], s3: dict[str, Any]) -> None:
+    out0, out1 = two_ranks["out"]["own"]
     base, url = two_ranks["base"] / "own", f"{two_ranks['url']}/own"
     assert "REFUSED" in out0 and "REFUSED" in out1
     assert not list((base / "plain0").iterdir())  # nothing committed, nothing left
@@ -471,10 +472,8 @@ def test_two_ranks_with_their_own_local_roots_commit_on_one_remote(
     assert fc.CheckpointManager(base / "run0", read_only=True).steps() == [4]
 
 
-def test_two_ranks_sharing_one_root_each_download_what_they_read(
-    two_ranks: dict[str, Any],
-) -> None:
-    out0, out1 = _part(two_ranks, "shared")
+def _sharing_one_root_each_download_what_they_read(two_ranks: dict[str, Any]) -> None:
+    out0, out1 = two_ranks["out"]["shared"]
     got = [ast.literal_eval(o.split("FETCHED ", 1)[1].splitlines()[0]) for o in (out0, out1)]
     # The coordinator fetches the index, the files it lists (.metadata too: the local
     # copy is whole) and its part; rank 1 only the index, its part and its shard file.
@@ -496,14 +495,11 @@ def test_two_ranks_sharing_one_root_each_download_what_they_read(
     assert not [n for n in os.listdir(torn) if n.startswith(".fc-download-")]
 
 
-def test_ranks_with_roots_of_their_own_resume_resharded_and_past_remote_damage(
-    two_ranks: dict[str, Any], s3: dict[str, Any]
-) -> None:
+def _resharded_and_past_remote_damage(two_ranks: dict[str, Any], s3: dict[str, Any]) -> None:
     """Three ranks resume a two-rank remote checkpoint, each fetching the parts its
     shards meet; then (in the two-rank job, on a copy), each newest remote step
     damaged in its own way, every rank walks down, warned of each, to the one intact
     step, all alike, bit-exactly."""
-    _part(two_ranks, "ranks")
     base, steps = two_ranks["base"] / "ranks", STEPS
     env = {"ENDPOINT": s3["endpoint"], "FCKPT_TIMEOUT": "30"}
     job = REPO / "tests" / "remote_ranks_job.py"
