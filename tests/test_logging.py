@@ -116,9 +116,16 @@ def test_no_message_is_built_while_nobody_listens(
         raise AssertionError("a log message was formatted with logging disabled")
 
     monkeypatch.setattr(log, "size", refuse)
-    assert not logging.getLogger("functional_ckpt.save").isEnabledFor(logging.INFO)
-    fc.save(tmp_path / "c", _state(1))
-    fc.restore(tmp_path / "c")
+    # Nobody listens, whatever an earlier test in this process set on the root logger.
+    logger = logging.getLogger("functional_ckpt")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        assert not logging.getLogger("functional_ckpt.save").isEnabledFor(logging.INFO)
+        fc.save(tmp_path / "c", _state(1))
+        fc.restore(tmp_path / "c")
+    finally:
+        logger.setLevel(level)
 
 
 def test_nothing_is_printed_unless_the_application_configures_logging(tmp_path: Path) -> None:
