@@ -39,6 +39,7 @@ from functional_ckpt._src.manager.provenance import (
     git_commit,
     manager_record,
     stored_state,
+    stranger,
 )
 from functional_ckpt._src.manager.rollback_rule import SaveResult, Watch, roll_back
 from functional_ckpt._src.manager.tiers import (
@@ -166,6 +167,7 @@ class CheckpointManager(RootView):
             behind.prune = lambda: retain(behind, behind.keep)  # after each upload round
             behind.retained = partial(retained, behind.keep)  # what it uploads
             behind.ours = self.disk.lineage
+            behind.stranger = stranger  # whose remote checkpoint an upload leaves alone
         if self.memory is not None:
             self.tiers.insert(0, self.memory)
             self.memory.promote = partial(promote, self.tiers, self.memory)

@@ -35,7 +35,14 @@ from functional_ckpt._src.remote.store import Store, public_url
 from functional_ckpt._src.remote.uploader import Worker, failure, read_status, retried, write_status
 from functional_ckpt._src.root.delete import delete, remove_all
 from functional_ckpt._src.root.listing import committed_steps, read_info, step_dirs
-from functional_ckpt.errors import CheckpointError, RemoteVanished, RemoteWarning
+from functional_ckpt.errors import (
+    CheckpointError,
+    CheckpointWarning,
+    CorruptCheckpoint,
+    IncompleteCheckpoint,
+    RemoteVanished,
+    RemoteWarning,
+)
 
 __all__ = ["LEASE", "RemoteTier", "read_status"]
 
@@ -93,7 +100,8 @@ class RemoteTier:
                 self.shared = one_directory(root, self._group)
         self._lock = threading.Lock()
         self.failures: dict[int, CheckpointError] = {}
-        self._unreported: list[CheckpointError] = []
+        self._unreported: list[Warning] = []
+        self._spared: set[int] = set()  # remote steps of another lineage, reported
         self._committed: set[int] = set()  # steps committed remotely (as last seen)
         self._dropped: set[int] = set()  # local steps the remote retention does not keep
         self._uploading: int | None = None
@@ -107,6 +115,7 @@ class RemoteTier:
         self.prune: Callable[[], object] = lambda: None
         self.retained: Callable[[Sequence[Any]], set[int]] = lambda rs: {r.step for r in rs}
         self.ours: Callable[[Mapping[str, Any], object], bool] = lambda metadata, where: True
+        self.stranger: Callable[..., str | None] = lambda theirs, mine: None
         if writer:
             if self.coordinator or not self.shared:
                 remove_downloads(root)
@@ -136,11 +145,11 @@ class RemoteTier:
         return there if is_committed(there) else download(self.store, step, self.root)
 
     def check(self) -> None:
-        """Report upload failures not reported yet, once each, as :class:`RemoteWarning`."""
+        """Report upload failures (:class:`RemoteWarning`) and skips not reported yet, once each."""
         with self._lock:
             new, self._unreported = self._unreported, []
-        for err in new:
-            warn(str(err), RemoteWarning, stacklevel=3)
+        for told in new:
+            warn(str(told), type(told), stacklevel=3)
 
     def protected(self, local_steps: list[int]) -> set[int]:
         """Local steps retention must not delete yet: their remote copy is not committed."""
@@ -289,12 +298,15 @@ class RemoteTier:
             return {"upload": [], "local": sorted(local)}
         candidates = sorted(s for s in local if s not in committed)
         records: list[Any] = [self._record(s) for s in committed if self.of_lineage(s)]
+        spared = set()  # kept locally: their remote slot is another lineage's
         for s in candidates:
             try:
                 info = read_info(local[s], s)
             except (CheckpointError, OSError):
                 continue  # unreadable locally: not uploaded (the local resume deals with it)
-            if self.ours(info.metadata, info.path):
+            if s in listing and listing[s].committed and self._foreign(s, info.metadata):
+                spared.add(s)
+            elif self.ours(info.metadata, info.path):
                 records.append(info)
         kept = self.retained(records)
         upload = [s for s in candidates if s in kept]
@@ -306,12 +318,12 @@ class RemoteTier:
                 upload = []
         with self._lock:
             self._committed = committed
-            self._dropped = set(candidates) - kept
+            self._dropped = set(candidates) - kept - spared
         return {"upload": upload, "local": sorted(local)}
 
     def _others(self, local: dict[int, Path], committed: set[int]) -> set[int]:
         """Local steps whose remote copy is another checkpoint of that step (another
-        marker): not this one's copy, so uploaded over it. Each is compared once."""
+        marker): not this one's copy, uploaded over but :meth:`_foreign`. Each compared once."""
         out = set()
         for step in sorted(committed & local.keys()):
             try:
@@ -330,6 +342,24 @@ class RemoteTier:
                 out.add(step)
                 self._records.pop(step, None)
         return out
+
+    def _foreign(self, step: int, mine: Mapping[str, Any]) -> bool:
+        """Whether remote ``step``, another checkpoint than the local one recording ``mine``,
+        is another lineage's: it stays (reported once). Unread now, the round fails."""
+        try:
+            theirs = header_of(retried(partial(self.store.manifest, step))[1]).metadata
+        except (CorruptCheckpoint, IncompleteCheckpoint, RemoteVanished):
+            return False  # damaged, or gone meanwhile: no one's checkpoint
+        why = self.stranger(theirs, mine)
+        if why is not None and step not in self._spared:
+            self._spared.add(step)
+            told = CheckpointWarning(
+                f"{self.store.where(step)}: step {step} not uploaded: the remote one is {why}; "
+                "an upload never replaces it (the local checkpoint stays)"
+            )
+            with self._lock:
+                self._unreported.append(told)
+        return why is not None
 
     def _record(self, step: int) -> CheckpointRecord:
         return self._head(step)[0]
@@ -426,7 +456,7 @@ class RemoteTier:
             self._uploading = None
             if self.coordinator:
                 self.failures[step] = failed
-                self._unreported.append(failed)
+                self._unreported.append(RemoteWarning(str(failed)))
 
     def _drop_parts(self, coordinator_steps: list[int]) -> None:
         """This rank's parts of steps the coordinator no longer keeps (crash-safely)."""
