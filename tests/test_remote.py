@@ -684,22 +684,6 @@ def test_a_remote_url_without_a_path_or_with_dot_dot_is_refused(
     assert Store("memory://bucket/run1//").url == "memory://bucket/run1"
 
 
-def test_a_local_checkpoint_is_uploaded_over_another_of_its_step(tmp_path: Path, mem: str) -> None:
-    """A remote copy counts as this checkpoint's only if it is this checkpoint (same marker):
-    a new run on a used prefix must not take the old run's step 2 for its own, and prune it."""
-    with fc.CheckpointManager(tmp_path / "a", tiers=(fc.manager.Remote(mem),)) as mgr:
-        for step in (1, 2):
-            mgr.maybe_save(_state(step), step=step)
-    with fc.CheckpointManager(
-        tmp_path / "b", keep=fc.keep_last(1), tiers=(fc.manager.Remote(mem),)
-    ) as mgr:
-        mgr.maybe_save(_state(20), step=2)
-        assert mgr.remote is not None and mgr.remote.wait()
-        mgr.maybe_save(_state(30), step=3)  # prunes the local step 2: it is on the remote
-    got = fc.restore(download(Store(mem), 2, tmp_path / "fresh"))
-    assert torch.equal(got["w"], _state(20)["w"])
-
-
 def test_no_url_secret_is_ever_shown() -> None:
     from functional_ckpt._src.remote.store import public_url, redact
 

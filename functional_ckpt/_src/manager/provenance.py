@@ -136,6 +136,15 @@ def ancestors_of(metadata: Mapping[str, Any]) -> list[str]:
     return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
 
 
+def stranger(theirs: Mapping[str, Any], mine: Mapping[str, Any]) -> str | None:
+    """Why an upload of a checkpoint recording ``mine`` must not replace one of its step
+    recording ``theirs`` (another lineage's), or None where it may (docs/tiered.md)."""
+    run, own = run_of(theirs), run_of(mine)
+    if run is None or run in (own, *ancestors_of(mine)):
+        return None
+    return f"run {run}'s checkpoint, not of this run's lineage ({own})"
+
+
 def manager_record(
     event: Event,
     save: SavePolicy,

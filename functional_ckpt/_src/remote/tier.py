@@ -36,7 +36,14 @@ from functional_ckpt._src.remote.uploader import Worker, failure, read_status, r
 from functional_ckpt._src.root.delete import delete, remove_all
 from functional_ckpt._src.root.leftovers import remove_downloads
 from functional_ckpt._src.root.listing import committed_steps, read_info, step_dirs
-from functional_ckpt.errors import CheckpointError, RemoteVanished, RemoteWarning
+from functional_ckpt.errors import (
+    CheckpointError,
+    CheckpointWarning,
+    CorruptCheckpoint,
+    IncompleteCheckpoint,
+    RemoteVanished,
+    RemoteWarning,
+)
 
 __all__ = ["LEASE", "RemoteTier", "read_status"]
 
@@ -94,8 +101,10 @@ class RemoteTier:
                 self.shared = one_directory(root, self._group)
         self._lock = threading.Lock()
         self.failures: dict[int, CheckpointError] = {}
-        self._unreported: list[CheckpointError] = []
+        self._unreported: list[Warning] = []
+        self._spared: set[int] = set()  # remote steps of another lineage, reported
         self._committed: set[int] = set()  # steps committed remotely (as last seen)
+        self._differ: set[int] = set()  # of those, another checkpoint than the local one
         self._dropped: set[int] = set()  # local steps the remote retention does not keep
         self._uploading: int | None = None
         self._records: dict[int, tuple[CheckpointRecord, Mapping[str, Any]]] = {}
@@ -108,6 +117,7 @@ class RemoteTier:
         self.prune: Callable[[], object] = lambda: None
         self.retained: Callable[[Sequence[Any]], set[int]] = lambda rs: {r.step for r in rs}
         self.ours: Callable[[Mapping[str, Any], object], bool] = lambda metadata, where: True
+        self.stranger: Callable[..., str | None] = lambda theirs, mine: None
         if writer:
             if not self.coordinator and not self.shared:  # (the coordinator's lock does)
                 remove_downloads(root)
@@ -136,18 +146,20 @@ class RemoteTier:
         return there if is_committed(there) else download(self.store, step, self.root)
 
     def check(self) -> None:
-        """Report upload failures not reported yet, once each, as :class:`RemoteWarning`."""
+        """Report upload failures (:class:`RemoteWarning`) and skips not reported yet, once each."""
         with self._lock:
             new, self._unreported = self._unreported, []
-        for err in new:
-            warn(str(err), RemoteWarning, stacklevel=3)
+        for told in new:
+            warn(str(told), type(told), stacklevel=3)
 
     def protected(self, local_steps: list[int]) -> set[int]:
-        """Local steps retention must not delete yet: their remote copy is not committed."""
+        """Local steps retention must not delete yet: their remote copy is not committed,
+        or is another checkpoint of that step (as the last upload round found)."""
         if self.prune_unuploaded:
             return set()
         with self._lock:
-            return {s for s in local_steps if s not in self._committed and s not in self._dropped}
+            copied = self._committed - self._differ
+            return {s for s in local_steps if s not in copied and s not in self._dropped}
 
     def steps(self) -> list[int]:
         """Steps committed on the remote tier, ascending (listed now, and remembered)."""
@@ -238,6 +250,8 @@ class RemoteTier:
             except Exception as err:  # the other ranks still take part in the round
                 self._fail(-1, err)
         plan = self.together(f"upload round {self.url}", lambda: plan)
+        with self._lock:
+            self._differ = set(plan.get("differ", ()))
         for step in plan["upload"]:
             self._upload(step)
         if self.coordinator:
@@ -266,19 +280,22 @@ class RemoteTier:
     def _plan(self) -> dict[str, list[int]]:
         local = committed_steps(self.root)
         try:
-            committed = set(self.steps())
-            committed -= self._others(local, committed)
+            remote = set(self.steps())
+            committed = remote - self._others(local, remote)
         except CheckpointError as err:
             self._fail(max(local, default=-1), err)
             return {"upload": [], "local": sorted(local)}
         candidates = sorted(s for s in local if s not in committed)
         records: list[Any] = [self._head(s)[0] for s in committed if self.of_lineage(s)]
+        spared: set[int] = set()  # kept locally: their remote slot is another lineage's
         for s in candidates:
             try:
                 info = read_info(local[s], s)
             except (CheckpointError, OSError):
                 continue  # unreadable locally: not uploaded (the local resume deals with it)
-            if self.ours(info.metadata, info.path):
+            if s in remote and self._foreign(s, info.metadata):
+                spared.add(s)
+            elif self.ours(info.metadata, info.path):
                 records.append(info)
         kept = self.retained(records)
         upload = [s for s in candidates if s in kept]
@@ -290,12 +307,12 @@ class RemoteTier:
                 upload = []
         with self._lock:
             self._committed = committed
-            self._dropped = set(candidates) - kept
-        return {"upload": upload, "local": sorted(local)}
+            self._dropped = set(candidates) - kept - spared
+        return {"upload": upload, "local": sorted(local), "differ": sorted(remote - committed)}
 
     def _others(self, local: dict[int, Path], committed: set[int]) -> set[int]:
         """Local steps whose remote copy is another checkpoint of that step (another
-        marker): not this one's copy, so uploaded over it. Each is compared once."""
+        marker): not this one's copy, uploaded over but :meth:`_foreign`. Each compared once."""
         out = set()
         for step in sorted(committed & local.keys()):
             try:
@@ -314,6 +331,24 @@ class RemoteTier:
                 out.add(step)
                 self._records.pop(step, None)
         return out
+
+    def _foreign(self, step: int, mine: Mapping[str, Any]) -> bool:
+        """Whether remote ``step``, another checkpoint than the local one recording ``mine``,
+        is another lineage's: it stays (reported once). Unread now, the round fails."""
+        try:
+            theirs = header_of(retried(partial(self.store.manifest, step))[1]).metadata
+        except (CorruptCheckpoint, IncompleteCheckpoint, RemoteVanished):
+            return False  # damaged, or gone meanwhile: no one's checkpoint
+        why = self.stranger(theirs, mine)
+        if why is not None and step not in self._spared:
+            self._spared.add(step)
+            told = CheckpointWarning(
+                f"{self.store.where(step)}: step {step} not uploaded: the remote one is {why}; "
+                "an upload never replaces it (the local checkpoint stays)"
+            )
+            with self._lock:
+                self._unreported.append(told)
+        return why is not None
 
     def _head(self, step: int) -> tuple[CheckpointRecord, Mapping[str, Any]]:
         """What retention and the lineage read of a remote checkpoint (its manifest, read
@@ -393,6 +428,7 @@ class RemoteTier:
     def _done(self, step: int) -> None:
         with self._lock:
             self._committed.add(step)
+            self._differ.discard(step)
             self._uploading = None
             self.failures.pop(step, None)
         with contextlib.suppress(CheckpointError, OSError):
@@ -406,7 +442,7 @@ class RemoteTier:
             self._uploading = None
             if self.coordinator:
                 self.failures[step] = failed
-                self._unreported.append(failed)
+                self._unreported.append(RemoteWarning(str(failed)))
 
     def _drop_parts(self, coordinator_steps: list[int]) -> None:
         """This rank's parts of steps the coordinator no longer keeps (crash-safely)."""

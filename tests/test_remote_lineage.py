@@ -1,0 +1,148 @@
+"""Uploads and the lineage rule: an upload replaces a remote checkpoint of its step only
+where that checkpoint is of the uploading run's lineage; another run's stays, the skip is
+reported once, and the local checkpoint stays (it has no remote copy).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import functional_ckpt as fc
+from functional_ckpt._src.remote.fetch import download
+from functional_ckpt._src.remote.store import Store
+from functional_ckpt.errors import CheckpointWarning
+from tests.test_dist import launch, wait_all
+
+REPO = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.usefixtures("fast_retries")
+
+
+def _state(step: int, bias: float = 0.0) -> dict[str, object]:
+    return {"w": torch.full((3,), step + bias), "step": step}
+
+
+def _run(
+    root: Path, url: str, steps: list[int], bias: float = 0.0, **kw: Any
+) -> list[warnings.WarningMessage]:
+    """A manager on ``root`` resumes what it finds, saves ``steps``, waits for the uploads."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fc.CheckpointManager(root, tiers=(fc.manager.Remote(url),), **kw) as mgr:
+            mgr.restore_latest(like=_state(0))
+            for s in steps:
+                mgr.maybe_save(_state(s, bias), step=s)
+                assert mgr.remote is not None
+                mgr.remote.wait()
+    return list(caught)
+
+
+def _run_id(path: Path) -> str:
+    run: dict[str, str] = fc.inspect(path).metadata["run"]
+    return run["id"]
+
+
+def test_an_old_machine_never_uploads_over_the_newer_runs_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Run A uploads 1-3; a fresh root elsewhere resumes A's 3 as run B and uploads 4
+    and 5; A's machine comes back, resumes its own 3 and saves 4 and 6: B's remote 4
+    stays B's (reported once), A's 6 is uploaded, A's local 4 is never pruned."""
+    remote = tmp_path / "bucket" / "run"
+    remote.parent.mkdir()
+    url = remote.as_uri()
+    _run(tmp_path / "machine1", url, [1, 2, 3])
+    _run(tmp_path / "machine2", url, [4, 5])
+    step4 = remote / "step_000000004"
+    run_a, run_b = _run_id(tmp_path / "machine1" / "step_000000003"), _run_id(step4)
+    assert run_a != run_b
+    with caplog.at_level(logging.WARNING, logger="functional_ckpt"):
+        caught = _run(tmp_path / "machine1", url, [4, 6], 100.0, keep=fc.keep_last(1))
+    assert _run_id(step4) == run_b, "run B's remote step 4 was replaced"
+    assert float(fc.restore(step4)["w"][0]) == 4.0
+    assert float(fc.restore(remote / "step_000000006")["w"][0]) == 106.0
+    mine = tmp_path / "machine1" / "step_000000004"  # its only copy: kept
+    assert float(fc.restore(mine)["w"][0]) == 104.0
+    said = [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, CheckpointWarning) and "not uploaded" in str(w.message)
+    ]
+    assert len(said) == 1, said  # once, though each upload round meets it
+    for part in ("step 4", f"{url}/step_000000004", run_a, run_b):
+        assert part in said[0], (part, said[0])
+    logged = [r for r in caplog.records if r.getMessage() == said[0]]
+    assert logged and logged[0].levelno == logging.WARNING
+    assert logged[0].name.startswith("functional_ckpt")
+
+
+def test_a_new_run_on_a_used_prefix_keeps_its_step_the_old_run_holds_there(
+    tmp_path: Path, mem: str
+) -> None:
+    """A remote copy counts as this checkpoint's only if it is this checkpoint (same
+    marker), and another run's is not uploaded over: the new run's step 2 is neither
+    taken for uploaded (and pruned) nor uploaded over the old run's."""
+    _run(tmp_path / "a", mem, [1, 2])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fc.CheckpointManager(
+            tmp_path / "b", keep=fc.keep_last(1), tiers=(fc.manager.Remote(mem),)
+        ) as mgr:
+            mgr.maybe_save(_state(20), step=2)
+            assert mgr.remote is not None and mgr.remote.wait()
+            mgr.maybe_save(_state(30), step=3)  # local retention keeps the unuploaded 2
+            assert mgr.remote.wait()
+    old = fc.restore(download(Store(mem), 2, tmp_path / "fresh"))
+    assert float(old["w"][0]) == 2.0, "the old run's remote step 2 was replaced"
+    assert float(fc.restore(tmp_path / "b" / "step_000000002")["w"][0]) == 20.0
+    assert any("step 2 not uploaded" in str(w.message) for w in caught)
+
+
+def test_a_copy_of_the_step_of_the_same_lineage_is_replaced(tmp_path: Path, mem: str) -> None:
+    """The run's own older checkpoint of a step (its local one lost here) and an
+    ancestor run's are uploaded over by the run's new checkpoint of that step."""
+    _run(tmp_path / "a", mem, [1, 2, 3, 4])
+    shutil.rmtree(tmp_path / "a" / "step_000000004")
+    with fc.CheckpointManager(tmp_path / "a", tiers=(fc.manager.Remote(mem),)) as mgr:
+        mgr.maybe_save(_state(4, 100.0), step=4)  # the same run: no restore, a new step 4
+    got = fc.restore(download(Store(mem), 4, tmp_path / "fresh4"))
+    assert float(got["w"][0]) == 104.0
+    # run C continues A's step 3 on a root of its own, unuploaded; A uploads 5 first
+    shutil.copytree(tmp_path / "a" / "step_000000003", tmp_path / "c" / "step_000000003")
+    with fc.CheckpointManager(tmp_path / "c") as mgr:
+        mgr.restore_latest(like=_state(0))
+        mgr.maybe_save(_state(5, 200.0), step=5)
+    _run(tmp_path / "a", mem, [5])
+    _run(tmp_path / "c", mem, [])  # C's 5 goes up over its ancestor's
+    got = fc.restore(download(Store(mem), 5, tmp_path / "fresh5"))
+    assert float(got["w"][0]) == 205.0
+
+
+def test_ranks_with_roots_of_their_own_never_upload_over_another_runs_steps(
+    tmp_path: Path,
+) -> None:
+    """The upload of a checkpoint saved on two ranks, a root each, meets the same rule:
+    a second run on the same remote keeps its steps 1 and 2, every rank's part, locally."""
+    remote = tmp_path / "bucket" / "run"
+    remote.parent.mkdir()
+    url = remote.as_uri()
+    for base, scale in (("a", "1"), ("b", "2")):
+        job = REPO / "tests" / "remote_ranks_job.py"
+        for rc, _, err in wait_all(
+            launch(2, "save", str(tmp_path / base), url, scale, "2", job=job)
+        ):
+            assert rc == 0, err[-3000:]
+    run_a = _run_id(tmp_path / "a" / "root0" / "step_000000002")
+    assert _run_id(remote / "step_000000002") == run_a, "run a's remote step 2 was replaced"
+    assert _run_id(remote / "step_000000001") == run_a
+    assert sorted(p.name for p in (tmp_path / "b" / "root1").glob("step_*")) == [
+        "step_000000001",
+        "step_000000002",
+    ]
