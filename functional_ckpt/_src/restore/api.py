@@ -19,7 +19,7 @@ from functional_ckpt._src.format.naming import parse_step
 from functional_ckpt._src.format.view import ParsedCheckpoint
 from functional_ckpt._src.log import done, logger, phase
 from functional_ckpt._src.paths import PathLike
-from functional_ckpt._src.restore.read import CPU, read_leaves, rebuild
+from functional_ckpt._src.restore.read import CPU, read_leaves, rebuild, refuse_overlaps
 from functional_ckpt._src.restore.stock_dcp import StockFiles, StockMatch, match_dcp, read_dcp
 from functional_ckpt._src.restore.template import Reshard, Template, rank_view, select
 from functional_ckpt._src.state.tree import Leaf, State, gc_paused, is_tensordict, iter_leaves
@@ -89,6 +89,8 @@ class _Manifested:
         selected, wanted = select(
             parsed, template, partial=req.partial, cast=req.cast, specs=self.sparse
         )  # read_leaves checks the tensors' specs; a collective read has DTensors it does not
+        if req.inplace:
+            refuse_overlaps(wanted.items())
         extra = [] if mine is None else list(iter_leaves(mine))
         return Match(parsed.root, parsed, selected, wanted, template is None, extra)
 
@@ -117,6 +119,10 @@ class _Stock:
 
     def match(self, template: Template | None, req: Request) -> Match:
         stock = match_dcp(self.files, template, partial=req.partial, cast=req.cast)
+        if req.inplace:
+            refuse_overlaps(
+                (i.leaf.path, i.leaf.value) for i in stock.items if i.leaf.kind == "tensor"
+            )
         return Match(stock.root, stock=stock)
 
     def read(self, match: Match, req: Request) -> list[Leaf]:
