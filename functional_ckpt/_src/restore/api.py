@@ -211,7 +211,7 @@ def open_for_restore(path: Path, template: Template | None) -> Opened:
             raise CheckpointError(
                 "restoring into DTensor templates needs an initialized process group"
             )
-        return _Planned(path, topo, checkpoint_group())
+        return _Planned(path, topo, checkpoint_group(purpose="control"))
     ck = open_checkpoint(path)
     try:
         return _Manifested(ck, topo)
