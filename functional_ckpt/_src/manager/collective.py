@@ -20,10 +20,10 @@ from functional_ckpt._src.state.tree import Leaf, leaves_of, unflatten
 
 
 def prepare_groups() -> None:
-    """Create the groups now: on a save thread they could interleave with the loop's."""
+    """Create the training thread's group now, in the same order on every rank (an async
+    save makes its own as it starts, also on this thread)."""
     from functional_ckpt._src.distributed.groups import checkpoint_group
 
-    checkpoint_group()
     checkpoint_group(purpose="control")
 
 

@@ -39,7 +39,7 @@ class WriteSettings:
     coordinator: bool
     durable: bool = True
     parts: bool = False
-    group: str = "save"
+    group: str | None = None  # None: the loop's ("control"), or an async save's thread's
     zstd_level: int = 0  # tensors stored as zstd frames of this level (0: raw)
 
 
@@ -65,7 +65,7 @@ class Writes:
             trust=self.trust,
             parts=self.settings.parts or (self.remote is not None and self.remote.parts),
             durable=self.settings.durable,
-            group=self.settings.group,
+            group=self.settings.group or ("save" if self.settings.async_save else "control"),
             zstd_level=self.settings.zstd_level,
         )
         remote = self.remote

@@ -19,7 +19,7 @@ from functional_ckpt._src.format.naming import parse_step
 from functional_ckpt._src.format.view import ParsedCheckpoint
 from functional_ckpt._src.log import done, logger, phase
 from functional_ckpt._src.paths import PathLike
-from functional_ckpt._src.restore.read import Request, read_leaves, rebuild
+from functional_ckpt._src.restore.read import Request, read_leaves, rebuild, refuse_overlaps
 from functional_ckpt._src.restore.stock_dcp import StockFiles, StockMatch, match_dcp, read_dcp
 from functional_ckpt._src.restore.template import Reshard, Template, rank_view, select
 from functional_ckpt._src.state.tree import Leaf, State, gc_paused, is_tensordict, iter_leaves
@@ -68,6 +68,8 @@ class _Manifested:
         parsed, template, mine = rank_view(self.ck, self.parsed, template, req, self.topo, parts)
         # read_leaves checks the tensors' specs; a collective read has DTensors it does not
         selected, wanted = select(parsed, template, req, specs=self.sparse)
+        if req.inplace:
+            refuse_overlaps(wanted.items())
         extra = [] if mine is None else list(iter_leaves(mine))
         return Match(parsed.root, parsed, selected, wanted, template is None, extra)
 
@@ -85,6 +87,10 @@ class _Manifested:
 class _Stock(StockFiles):
     def match(self, template: Template | None, req: Request) -> Match:
         stock = match_dcp(self, template, req)
+        if req.inplace:
+            refuse_overlaps(
+                (i.leaf.path, i.leaf.value) for i in stock.items if i.leaf.kind == "tensor"
+            )
         return Match(stock.root, stock=stock)
 
     def read(self, match: Match, req: Request) -> list[Leaf]:
@@ -170,7 +176,7 @@ def open_for_restore(path: Path, template: Template | None) -> Opened:
             raise CheckpointError(
                 "restoring into DTensor templates needs an initialized process group"
             )
-        return _Planned(path, topo, checkpoint_group())
+        return _Planned(path, topo, checkpoint_group(purpose="control"))
     ck = open_checkpoint(path)
     try:
         return _Manifested(ck, topo)

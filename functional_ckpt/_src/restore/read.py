@@ -3,7 +3,7 @@ checked: a restore never writes what it was given, except ``out=``'s tensors."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,6 +168,33 @@ def spec_problem(e: TensorEntry, t: torch.Tensor, cast: bool) -> str | None:
         return None
     why = "shape differs" if t.shape != e.shape else "dtype differs; pass cast=True to convert"
     return f"  {format_path(e.path)}: saved {e.spec}, template {tensor_spec(t)} ({why})"
+
+
+def refuse_overlaps(written: Iterable[tuple[KeyPath, torch.Tensor]]) -> None:
+    """Refuse ``out=`` leaves that two saved elements would land on, before a byte is
+    written: a tensor overlapping itself (expanded), or two sharing memory without being
+    one tensor (a tie). Spans are compared, so views interleaved in one buffer count too."""
+    problems, spans = [], []
+    for p, t in written:
+        t = getattr(t, "_local_tensor", t)  # a DTensor: its shard
+        if t.is_meta or not t.numel():
+            continue
+        if torch._debug_has_internal_overlap(t) == 1:
+            problems.append(f"  {format_path(p)}: overlaps itself; pass a tensor of its own")
+            continue
+        end = t.data_ptr() + t.element_size() * (
+            1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+        )
+        spans.append((str(t.device), t.data_ptr(), end, (t.dtype, t.shape, t.stride()), p))
+    spans.sort(key=lambda s: s[:3])
+    reach = None  # of the spans so far, the one ending last
+    for b in spans:
+        if reach and reach[0] == b[0] and b[1] < reach[2] and reach[1::2] != b[1::2]:
+            problems.append(f"  {format_path(b[4])} shares memory with {format_path(reach[4])}")
+        if not reach or reach[0] != b[0] or b[2] > reach[2]:
+            reach = b
+    if problems:
+        raise TemplateMismatch("out= cannot receive the checkpoint:\n" + "\n".join(problems))
 
 
 def tensor_spec(t: torch.Tensor) -> str:
