@@ -7,6 +7,7 @@ Real roots, real managers, the ``fckpt`` command itself; the rule is docs/tiered
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -23,6 +24,7 @@ from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.root.run import RUN_FILE, read_run
 from functional_ckpt.errors import CheckpointError, CheckpointExists
 from tests.exact import assert_exact
+from tests.patience import finished
 
 
 def state(step: int) -> dict[str, Any]:
@@ -122,6 +124,32 @@ def test_a_promotion_is_neither_blocked_by_nor_copied_over_another_runs_checkpoi
     exact(fc.restore(root / step_name(promoted)), promoted)
     assert run_of(root, theirs) == their_run
     shutil.rmtree(memory)
+
+
+def _killed_before_its_first_disk_save(root: str, memory: str) -> None:
+    tier = fc.manager.Memory(path=memory, async_save=False, promote_on=())
+    mgr = fc.CheckpointManager(root, save=fc.every_steps(100), tiers=(tier,))
+    for step in (1, 2, 3):
+        mgr.maybe_save(state(step), step=step)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_run_with_checkpoints_only_in_ram_has_begun(tmp_path: Path) -> None:
+    """Killed before its first disk save, the run's checkpoints are in RAM alone: it has
+    begun, so another run's checkpoint copied into its root is not adopted."""
+    root, other, memory = tmp_path / "root", tmp_path / "other", tmp_path / "mem"
+    proc = mp.get_context("fork").Process(
+        target=_killed_before_its_first_disk_save, args=(str(root), str(memory))
+    )
+    proc.start()
+    assert finished(proc) == -signal.SIGKILL
+    saved(other, 9)
+    copied_in(other, root, 9)
+    tier = fc.manager.Memory(path=memory, promote_on=())
+    with fc.CheckpointManager(root, save=fc.every_steps(100), tiers=(tier,)) as mgr:
+        exact(mgr.restore_latest(like=state(0)), 3)  # not the other run's step 9
+        mgr.maybe_save(state(4), step=4, force=True)  # 9 is no obstacle
+    assert committed(root) == [4, 9]
 
 
 # --------------------------------------------------------------------------- a rollback

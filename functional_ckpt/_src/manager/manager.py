@@ -172,8 +172,15 @@ class CheckpointManager(RootView):
         if self.memory is not None:
             self.tiers.insert(0, self.memory)
             self.memory.promote = partial(promote, self.tiers, self.memory)
-            self.memory.committed = lambda: progress(self.tiers)
+            self.memory.committed = self._begun
+            if self.memory.steps():  # killed before its first disk save, the run has begun
+                self.disk.lineage.begin()
         self._relaunch: Relaunch | None = None  # the ``run`` block of from_config's config
+
+    def _begun(self) -> None:
+        """A memory-tier commit: the run has begun (see :meth:`Lineage.begin`); progress."""
+        self.disk.lineage.begin()
+        progress(self.tiers)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], **kwargs: Any) -> CheckpointManager:

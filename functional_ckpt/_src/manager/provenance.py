@@ -240,6 +240,11 @@ class Lineage:
         self.unrelated = [] if whole else sorted(lines)
         return self
 
+    def begin(self) -> None:
+        """This run has a checkpoint (in RAM, say): it adopts no other run's from now on."""
+        if self.run is not None:
+            self.recorded.add(self.run)
+
     def holds(self, metadata: Mapping[str, Any]) -> bool:
         """Whether a checkpoint recording ``metadata`` is of this lineage."""
         run = run_of(metadata)
