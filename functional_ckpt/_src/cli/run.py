@@ -1,9 +1,7 @@
 """``fckpt run``: relaunch a training command after a crash, never after success or a stop.
 
-The command runs in a process group of its own, started again after a growing pause
-on a failure and only once no process of the last attempt is left (two copies must
-never run at once). SIGTERM, SIGINT or SIGHUP is passed to the group and means "stop".
-The newest committed step (``--root``, or the job's ``FCKPT_PROGRESS`` file) tells a
+A relaunch waits until no process of the last attempt is left: two copies must never run
+at once. The newest committed step (``--root``, or the job's ``FCKPT_PROGRESS`` file) tells a
 job that progresses from one that fails at the same place every time.
 """
 
@@ -44,8 +42,6 @@ GRACE_SECONDS = 10.0
 #: Signals that mean "stop": passed to the command's group, then no relaunch.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _CONFIG_LIMIT = 1 << 20
-
-# --------------------------------------------------------------------------- options
 
 
 def _config(path: Path, key: str | None) -> Relaunch:
@@ -100,9 +96,6 @@ def run_options(args: argparse.Namespace) -> tuple[list[str], Relaunch, Path | N
         )
     opts = dataclasses.replace(opts, max_backoff=max(opts.max_backoff, opts.backoff))
     return list(command), opts, root
-
-
-# --------------------------------------------------------------------------- attempts
 
 
 @dataclass(frozen=True)
@@ -167,9 +160,6 @@ def duration_text(t: float) -> str:
     if t < 3600:
         return f"{t / 60:.1f} min"
     return f"{t / 3600:.2f} h"
-
-
-# --------------------------------------------------------------------------- the process group
 
 
 def group_alive(group: int) -> bool:
