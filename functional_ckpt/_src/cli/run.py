@@ -196,7 +196,6 @@ class _Supervisor:
         self.attempts: list[Attempt] = []
         self.received: int | None = None  # a stop signal that came
         self.group: int | None = None  # the process group of the running command
-        self.gave_up = ""
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
@@ -343,9 +342,9 @@ class _Supervisor:
                 if number > self.opts.retries:
                     self.say(f"{done}; no retries left")
                     break
-                self.gave_up = self.stalled()
-                if self.gave_up:
-                    self.say(f"{done}; stopping early: {self.gave_up}")
+                stalled = self.stalled()
+                if stalled:
+                    self.say(f"{done}; stopping early: {stalled}")
                     break
                 if self.progressed(attempt):
                     delay = self.opts.backoff

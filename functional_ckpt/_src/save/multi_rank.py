@@ -70,7 +70,7 @@ class _Commit:
                     f"{self.job.dest}: shard file {', '.join(missing)} is missing at the commit "
                     "and no rank reported writing it elsewhere; nothing was committed"
                 )
-            nbytes = finalize(
+            return finalize(
                 self.tmp,
                 self.job.dest,
                 tree,
@@ -85,7 +85,6 @@ class _Commit:
             raise
         except OSError as e:
             raise os_failure(e, self.job.dest, "saving") from e
-        return nbytes
 
 
 def save_planned(

@@ -51,7 +51,6 @@ class ChildLog:
 
 
 def read_attempt(events: Sequence[Mapping[str, Any]], returncode: int) -> ChildLog:
-    """Fold the events of one process into a :class:`ChildLog`."""
     att = ChildLog(returncode)
     for ev in events:
         kind = ev.get("event")

@@ -49,8 +49,8 @@ class Schedule:
     steps: int
     eval_every: int
     save_every: int
-    save_secs: float
     warmup: int
+    save_secs: float = 5.0
     keep_last: int = 3
     keep_best: int = 2
 
@@ -61,7 +61,6 @@ class Schedule:
             steps=steps,
             eval_every=eval_every,
             save_every=eval_every * 8,
-            save_secs=5.0,
             warmup=max(1, steps // 20),
         )
 
@@ -270,7 +269,6 @@ def child_main(argv: Sequence[str]) -> int:
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    args.directory.mkdir(parents=True, exist_ok=True)
     schedule = Schedule.for_steps(args.steps)
     if args.reference:
         train_reference(args.directory, schedule, args.events)
