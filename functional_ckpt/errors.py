@@ -37,11 +37,8 @@ class UnsafeCheckpoint(CheckpointError):
 
 
 class UnregisteredType(CheckpointError):
-    """A restored value is of a class this process has not registered (``fc.codec.register``).
-
-    Not damage: nothing is imported from a checkpoint, so the reader must register the
-    class; the message names the tag, the key path and the line to add.
-    """
+    """A restored value is of a class this process has not registered (``fc.codec.register``):
+    not damage, nothing is imported from a checkpoint, so the reader must register the class."""
 
 
 class UnsupportedValue(CheckpointError, TypeError):
@@ -93,11 +90,8 @@ class NotRecorded(CheckpointError, LookupError):
 
 
 class RankFailed(CheckpointError):
-    """Other ranks failed a step every rank must pass (a failing rank raises its own error).
-
-    ``failures`` maps each failing rank to its error's type name and message, so a
-    healthy rank can report the job's failure without reading every rank's log.
-    """
+    """Other ranks failed a step every rank must pass (a failing rank raises its own error);
+    ``failures`` (rank: error type, message) lets a healthy rank report them all."""
 
     def __init__(self, what: str, failures: dict[int, tuple[str, str]]) -> None:
         self.what = what

@@ -1,7 +1,5 @@
-"""The manager of a root of checkpoints, its options (:class:`Export`, :class:`AsyncSave`
-and its tiers :class:`Memory`, :class:`Disk`, :class:`Remote`) and what it reports
-(:class:`StepInfo`, :class:`SaveResult`, :class:`Rollback`); :func:`fork` starts a new
-run from a checkpoint, :func:`remove_checkpoint` deletes one crash-safely. See
+"""The manager of a root of checkpoints, its options, tiers and reports; :func:`fork` starts a
+new run from a checkpoint, :func:`remove_checkpoint` deletes one crash-safely. See
 docs/manager.md."""
 
 from functional_ckpt._src.export.safetensors import Export

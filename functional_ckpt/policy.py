@@ -1,7 +1,5 @@
 """Policies: pure, composable decisions about *when* to save and *which* checkpoints to
-keep, their protocols, :func:`run_policy`, :func:`plan_deletions`, the rollback rule
-``on_degrade``, and the readers of a policy's plain-data form (``policy.spec``).
-See docs/policies.md."""
+keep, and the readers of their plain-data form (``policy.spec``). See docs/policies.md."""
 
 from functional_ckpt._src.policy import (
     Event,

@@ -1,12 +1,7 @@
-"""The package's log records, on ``logging.getLogger("functional_ckpt")`` and its children.
-
-A job that runs for days wants a line per save, restore, commit, prune, export,
-upload, replication, promotion and resume decision, and a warning per fallback,
-without writing them itself. Each stage logs on a child (``functional_ckpt.save``
-...), the numbers as ``extra`` fields (``step``, ``bytes``, ``seconds``,
-``throughput``, ``path``). The package logger holds a ``NullHandler``, so nothing is
-printed unless the application configures logging, and nothing is formatted while
-no handler would see the record."""
+"""The package's log records, one child logger per stage, numbers as ``extra`` fields: a job
+that runs for days wants a line per save, restore, commit or prune and a warning per fallback
+without writing them itself. Silent (a ``NullHandler``) until the application configures
+logging, and nothing is formatted that no handler would see."""
 
 from __future__ import annotations
 

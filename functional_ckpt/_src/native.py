@@ -1,8 +1,5 @@
-"""Calls of the C library that Python's ``os`` module lacks, each with its signature.
-
-They are Linux's (``renameat2``, ``madvise``, ``sync_file_range``); where a call does
-not exist, :func:`libc_function` gives ``None`` and its caller falls back.
-"""
+"""Calls of the C library that Python's ``os`` lacks (Linux's ``renameat2``, ``madvise``,
+``sync_file_range``), loaded one way; where one does not exist its caller falls back."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The package's background threads: one per purpose, made on first use (and anew in
-a forked child). One thread each (the staging copies excepted), because the work is
-ordered (checksums beside a write, fsyncs, page faults ahead of reads) and runs
+"""The package's background threads, one per purpose (the staging copies excepted): the
+work is ordered (checksums beside a write, fsyncs, page faults ahead of reads) and runs
 without the GIL."""
 
 from __future__ import annotations

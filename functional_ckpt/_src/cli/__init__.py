@@ -1,7 +1,4 @@
-"""The ``fckpt`` command line (``main``); the demo it runs lives in :mod:`.demo`.
-
-Nothing in the library imports this package.
-"""
+"""The ``fckpt`` command line (``main``); nothing in the library imports this package."""
 
 from functional_ckpt._src.cli.main import main
 from functional_ckpt._src.cli.parser import build_parser

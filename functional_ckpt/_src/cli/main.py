@@ -1,10 +1,7 @@
 """``fckpt``: look at, check, compare, export and prune checkpoints from the shell.
 
-Each command is presentation over the library's functions, never new checkpoint
-logic. Results go to stdout, progress and errors to stderr (docs/cli.md). Exit
-status 0: all good; 1: the answer is "no" (damage, runs differ, prune declined);
-2: bad input, one line ``fckpt: error: <message>`` and no traceback, whatever the
-input file holds.
+Each command is presentation over the library's functions, never new checkpoint logic;
+bad input is one line ``fckpt: error: <message>``, never a traceback (docs/cli.md).
 """
 
 from __future__ import annotations
@@ -64,7 +61,3 @@ def _log_to_stderr(level: int) -> None:
     log = logging.getLogger("functional_ckpt")
     log.addHandler(handler)
     log.setLevel(level)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

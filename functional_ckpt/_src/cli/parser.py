@@ -1,8 +1,5 @@
-"""``fckpt``'s parser: every command's flags, help and examples, and which function runs it.
-
-Building it imports no command's module, so ``fckpt --help`` starts light; a bad flag
-value is a one-line usage error naming the flag, found while parsing.
-"""
+"""``fckpt``'s parser and which function runs each command: building it imports no command's
+module, so ``fckpt --help`` starts light; a bad flag value is a usage error naming the flag."""
 
 from __future__ import annotations
 

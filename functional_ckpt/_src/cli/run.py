@@ -1,9 +1,7 @@
 """``fckpt run``: relaunch a training command after a crash, never after success or a stop.
 
-The command runs in a process group of its own, started again after a growing pause
-on a failure and only once no process of the last attempt is left (two copies must
-never run at once). SIGTERM, SIGINT or SIGHUP is passed to the group and means "stop".
-The newest committed step (``--root``, or the job's ``FCKPT_PROGRESS`` file) tells a
+A relaunch waits until no process of the last attempt is left: two copies must never run
+at once. The newest committed step (``--root``, or the job's ``FCKPT_PROGRESS`` file) tells a
 job that progresses from one that fails at the same place every time.
 """
 
@@ -44,8 +42,6 @@ GRACE_SECONDS = 10.0
 #: Signals that mean "stop": passed to the command's group, then no relaunch.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _CONFIG_LIMIT = 1 << 20
-
-# --------------------------------------------------------------------------- options
 
 
 def _config(path: Path, key: str | None) -> Relaunch:
@@ -100,9 +96,6 @@ def run_options(args: argparse.Namespace) -> tuple[list[str], Relaunch, Path | N
         )
     opts = dataclasses.replace(opts, max_backoff=max(opts.max_backoff, opts.backoff))
     return list(command), opts, root
-
-
-# --------------------------------------------------------------------------- attempts
 
 
 @dataclass(frozen=True)
@@ -169,9 +162,6 @@ def duration_text(t: float) -> str:
     return f"{t / 3600:.2f} h"
 
 
-# --------------------------------------------------------------------------- the process group
-
-
 def group_alive(group: int) -> bool:
     """Whether a live (not zombie) process is left in process group ``group``."""
     try:
@@ -206,7 +196,6 @@ class _Supervisor:
         self.attempts: list[Attempt] = []
         self.received: int | None = None  # a stop signal that came
         self.group: int | None = None  # the process group of the running command
-        self.gave_up = ""
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
@@ -353,9 +342,9 @@ class _Supervisor:
                 if number > self.opts.retries:
                     self.say(f"{done}; no retries left")
                     break
-                self.gave_up = self.stalled()
-                if self.gave_up:
-                    self.say(f"{done}; stopping early: {self.gave_up}")
+                stalled = self.stalled()
+                if stalled:
+                    self.say(f"{done}; stopping early: {stalled}")
                     break
                 if self.progressed(attempt):
                     delay = self.opts.backoff

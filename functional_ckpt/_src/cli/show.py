@@ -1,7 +1,5 @@
-"""``fckpt inspect``, ``diff``, ``export`` and ``import``: the commands about one or two
-checkpoints (or a recording). The conversions to and from ``torch.save`` files are
-:mod:`functional_ckpt._src.export.torch_save`'s; this adds the flags and the report.
-"""
+"""``fckpt inspect``, ``diff``, ``export`` and ``import``: the flags and reports of the
+commands about one or two checkpoints (or a recording); the conversions are the library's."""
 
 from __future__ import annotations
 
@@ -35,8 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["cmd_diff", "cmd_export", "cmd_import", "cmd_inspect", "parse_dtype"]
 
-# --------------------------------------------------------------------------- inspect
-# (reads manifests only: torch and numpy are not imported for it)
+# ``inspect`` reads manifests only: torch and numpy are not imported for it.
 
 #: One row of a summary tree: its key path and a node, a tensor spec or a plain value.
 Row = tuple[KeyPath, Any]
@@ -198,9 +195,6 @@ def _recording(path: Path, ui: UI) -> tuple[dict[str, Any], dict[str, Any], list
     return doc, tree, head
 
 
-# --------------------------------------------------------------------------- diff
-
-
 _DIFF_STYLE = {"added": "ok", "removed": "bad", "same": "dim"}
 #: How ``diff`` names each kind of entry in its closing count, in this order.
 _COUNTED = {"added": "added", "removed": "removed", "kind": "kind changed"}
@@ -244,9 +238,6 @@ def cmd_diff(args: argparse.Namespace, ui: UI) -> int:
     if not result.changes:
         ui.print("the checkpoints hold identical states")
     return differ
-
-
-# --------------------------------------------------------------------------- export
 
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64", "half", "float", "double")
@@ -329,9 +320,6 @@ def cmd_export(args: argparse.Namespace, ui: UI) -> int:
             skipped = ", ".join(left_out)
             ui.print(f"not taken from {args.config}: {skipped} (weights, hidden, folders)")
     return 0
-
-
-# --------------------------------------------------------------------------- torch.save files
 
 
 @contextlib.contextmanager

@@ -1,10 +1,7 @@
-"""Where ``fckpt`` output goes and how it looks: one table printer, one JSON emitter.
-
-Colours need a terminal on stdout and no ``NO_COLOR``/``TERM=dumb``; progress needs a
-terminal on stderr, so ``fckpt verify ROOT > log`` shows progress while the log stays
-plain, stable text for scripts (tables never wrapped, no trailing spaces). ``rich`` is
-imported only to draw a bar, a colour or a non-ASCII table, so plain output starts fast.
-"""
+"""Where ``fckpt`` output goes and how it looks: one table printer, one JSON emitter. Output
+redirected to a log stays plain, stable text for scripts (tables never wrapped, no trailing
+spaces) while progress still shows on a terminal's stderr; ``rich`` is imported only to draw
+a bar, a colour or a non-ASCII table, so plain output starts fast."""
 
 from __future__ import annotations
 
@@ -132,8 +129,7 @@ def _plain_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str
 
 
 class Progress:
-    """A transient ``rich`` progress bar on a terminal; nothing otherwise (a log stays clean).
-    Shown from ``with`` (or :meth:`start`) to :meth:`close`; a ``total`` of 0 has no end."""
+    """A transient ``rich`` progress bar on a terminal; nothing otherwise (a log stays clean)."""
 
     def __init__(
         self, stream: IO[str], label: str, total: int, unit: str, enabled: bool, out: Any = None

@@ -181,8 +181,7 @@ def _one_key(value: object, path: str, known: Sequence[str], what: str) -> tuple
 
 
 def _build(kind: _Kind, args: object, path: str) -> Any:
-    """The policy ``kind`` makes of ``args`` (a mapping, the first argument alone, or
-    none), each argument checked by the table, the rest by the constructor."""
+    """The policy ``kind`` makes of ``args``: a mapping, the first argument alone, or none."""
     make, checks, required = kind
     names = list(checks)
     if args is None:

@@ -29,7 +29,6 @@ class CheckpointLike(Protocol):
     @property
     def time(self) -> float:
         """Seconds since the Unix epoch at which the checkpoint was committed."""
-        ...
 
     @property
     def metrics(self) -> Mapping[str, float]: ...
@@ -93,8 +92,7 @@ class _Union(RetentionPolicy):
 
 
 class _Keep(RetentionPolicy):
-    """A leaf policy: its kind and arguments (its spec), how many its repr shows by
-    position, and ``keep_within``'s clock."""
+    """A leaf policy, its kind and arguments being its spec."""
 
     def __init__(
         self, kind: str, shown: int = 1, clock: Callable[[], float] = time.time, **args: Any

@@ -70,7 +70,7 @@ class _Commit:
                     f"{self.job.dest}: shard file {', '.join(missing)} is missing at the commit "
                     "and no rank reported writing it elsewhere; nothing was committed"
                 )
-            nbytes = finalize(
+            return finalize(
                 self.tmp,
                 self.job.dest,
                 tree,
@@ -85,7 +85,6 @@ class _Commit:
             raise
         except OSError as e:
             raise os_failure(e, self.job.dest, "saving") from e
-        return nbytes
 
 
 def save_planned(
@@ -94,11 +93,8 @@ def save_planned(
     *,
     read: Callable[[], None] | None = None,
 ) -> CheckpointInfo:
-    """The multi-rank write of a planned save: every rank calls it; one checkpoint commits.
-
-    Every failure is agreed on, so all ranks fail together. ``read()`` is called once this
-    rank no longer reads ``tensors``.
-    """
+    """The multi-rank write of a planned save: every rank calls it, every failure is agreed
+    on so all fail together; ``read()`` once this rank no longer reads ``tensors``."""
     t0 = time.perf_counter()
     dest = job.dest
     group = checkpoint_group(purpose=job.options.group)
@@ -361,7 +357,6 @@ def _write(
     try:  # each rank decides for its own chunks what its base already holds
         # Run checksums stay with the rank that wrote them: the file table records
         # none of a multi-rank save (its readers check every blob on its own).
-        level = job.job.options.zstd_level
         chunks, located, _ = incremental.write_rank(
             job.tmp,
             rank,
@@ -370,7 +365,7 @@ def _write(
             tensors,
             chunk_idents,
             blobs=job.blobs,
-            zstd_level=level,
+            zstd_level=job.job.options.zstd_level,
         )
     except OSError as e:
         raise os_failure(e, job.job.dest, "saving") from e

@@ -1,8 +1,6 @@
-"""The coordinator's merge of every rank's written chunks into the manifest's parts.
-
-A training loop saves one layout again and again, so the coordinator keeps where each
-rank's rows went last time and keeps ``.metadata`` while no file, offset or length moved.
-"""
+"""The coordinator's merge of every rank's written chunks into the manifest's parts. A loop
+saves one layout again and again: where its rows went, and ``.metadata``, are kept while no
+file, offset or length moved."""
 
 from __future__ import annotations
 

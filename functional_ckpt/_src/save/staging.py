@@ -31,10 +31,7 @@ from functional_ckpt.errors import CheckpointError, ModifiedDuringSave
 
 _T = TypeVar("_T")
 
-#: How an asynchronous save reads the state (see :func:`functional_ckpt.save_async`):
-#: ``copy`` into reusable buffers, then write those; ``write`` the live tensors straight
-#: into the files, staged once every byte is in them; ``none``: write the live tensors
-#: while the caller goes on, refusing the commit if they changed.
+#: How an asynchronous save reads the state (see :func:`functional_ckpt.save_async`).
 Staging = Literal["copy", "write", "none"]
 
 #: The modes, in the order error messages list them.

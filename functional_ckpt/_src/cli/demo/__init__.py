@@ -1,7 +1,5 @@
-"""``fckpt demo``: spawn the training children (:mod:`.job`), watch them, compare, report.
-
-Loaded only by the command; the library never imports it.
-"""
+"""``fckpt demo``: spawn the training children (:mod:`.job`), watch them, compare, report
+(loaded only by the command; the library never imports it)."""
 
 from __future__ import annotations
 
@@ -53,7 +51,6 @@ class ChildLog:
 
 
 def read_attempt(events: Sequence[Mapping[str, Any]], returncode: int) -> ChildLog:
-    """Fold the events of one process into a :class:`ChildLog`."""
     att = ChildLog(returncode)
     for ev in events:
         kind = ev.get("event")
@@ -273,9 +270,6 @@ def _in_flight(ckpt_dir: Path) -> list[str]:
         return []
 
 
-# --------------------------------------------------------------------------- report
-
-
 def _run_losses(result: DemoResult) -> list[float]:
     """The curve the crashed-and-resumed run produced: first process, then the second."""
     resumed = result.second.resumed_from or 0
@@ -403,9 +397,6 @@ def report_lines(
     )
     ckpts = result.root / job.RUN_DIR / job.CKPT_DIR
     return [*lines, "", verdict, f"Look around: fckpt ls {ckpts}   fckpt verify {ckpts}"]
-
-
-# --------------------------------------------------------------------------- the command
 
 
 def cmd_demo(args: argparse.Namespace, ui: UI) -> int:

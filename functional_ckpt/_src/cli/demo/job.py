@@ -1,13 +1,8 @@
-"""``fckpt demo``: train, SIGKILL, resume, and prove the result is bit-identical.
+"""``fckpt demo``'s children: a run SIGKILLed after ``--crash-at`` (a save may be in flight)
+and resumed must be *the same run*, bit for bit, as a reference that never stopped.
 
-A run that crashes and resumes must be *the same run* as one that never stopped. A
-training process (MLP with dropout, AdamW, warm-up + cosine LR, a shuffling loader,
-torch and numpy randomness, async saves by a :class:`CheckpointManager`) SIGKILLs
-itself after step ``--crash-at`` (a save may be in flight) and a new process resumes;
-a reference process trains without stopping. Per-step losses (float hex) and final
-states must be bit-identical. The children are single-threaded and deterministic:
-multi-threaded reductions may sum in another order and break bit-identity for reasons
-that have nothing to do with checkpointing.
+They are single-threaded and deterministic: multi-threaded reductions may sum in another
+order and break bit-identity for reasons that have nothing to do with checkpointing.
 """
 
 from __future__ import annotations
@@ -48,17 +43,14 @@ class DemoError(Exception):
 
 @dataclass(frozen=True)
 class Schedule:
-    """Every knob that depends on the number of steps, derived in one place.
-
-    Scaled so that a short CI run (``--steps 60``) still evaluates, saves on every
-    policy and prunes, while the default run saves a few dozen times.
-    """
+    """Scaled so that a short CI run (``--steps 60``) still evaluates, saves on every
+    policy and prunes, while the default run saves a few dozen times."""
 
     steps: int
     eval_every: int
     save_every: int
-    save_secs: float
     warmup: int
+    save_secs: float = 5.0
     keep_last: int = 3
     keep_best: int = 2
 
@@ -69,7 +61,6 @@ class Schedule:
             steps=steps,
             eval_every=eval_every,
             save_every=eval_every * 8,
-            save_secs=5.0,
             warmup=max(1, steps // 20),
         )
 
@@ -93,11 +84,8 @@ class Schedule:
 
 
 class ShuffleLoader:
-    """Reshuffles every epoch from ``(seed, epoch)`` and resumes at any position.
-
-    Its own generator, rebuilt from plain integers, so its state is three ints and
-    the order after a resume cannot depend on anything else the process did.
-    """
+    """Reshuffles every epoch from a generator of its own, rebuilt from ``(seed, epoch)``: its
+    state is three ints, and the order after a resume depends on nothing else the process did."""
 
     def __init__(self, data: torch.Tensor, targets: torch.Tensor, batch: int, seed: int) -> None:
         self.data, self.targets = data, targets
@@ -125,10 +113,8 @@ class ShuffleLoader:
 
 
 def make_data() -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs labelled by a random teacher network plus Gumbel noise (so it can overfit).
-
-    Drawn from a private generator: every process builds the very same data set.
-    """
+    """Inputs labelled by a random teacher network plus Gumbel noise (so it can overfit), from a
+    private generator: every process builds the very same data set."""
     import torch
 
     g = torch.Generator().manual_seed(DATA_SEED)
@@ -209,9 +195,6 @@ class Job:
         return {**live, "loader": self.loader}
 
 
-# --------------------------------------------------------------------------- children
-
-
 class EventLog:
     """JSON lines, flushed one by one, so a SIGKILL loses at most the line being written."""
 
@@ -275,7 +258,6 @@ def train_reference(directory: Path, schedule: Schedule, events: Path) -> None:
 
 
 def child_main(argv: Sequence[str]) -> int:
-    """A child: ``python -c CHILD DIR --steps N [--crash-at S | --reference]``."""
     ap = argparse.ArgumentParser(prog="fckpt demo's child")
     ap.add_argument("directory", type=Path)
     ap.add_argument("--steps", type=int, required=True)
@@ -287,7 +269,6 @@ def child_main(argv: Sequence[str]) -> int:
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    args.directory.mkdir(parents=True, exist_ok=True)
     schedule = Schedule.for_steps(args.steps)
     if args.reference:
         train_reference(args.directory, schedule, args.events)
