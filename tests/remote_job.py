@@ -4,6 +4,8 @@ parts in turn, each printing into ``BASE/<part>.<R>.out``:
 
 - ``shared``: one local root both ranks share (tests/remote_shared_job.py);
 - ``ranks``: a root per rank, checkpoints damaged remotely (tests/remote_ranks_job.py);
+- ``lineage``: two runs, a root per rank each, save the same steps to one remote
+  (tests/remote_ranks_job.py);
 - ``own``, last (a rank dies in it), below.
 
 In ``own``, every rank has local roots of its own (``BASE/own/<name><R>``: no shared
@@ -112,7 +114,12 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, mesh = dist.get_rank(), init_device_mesh("cpu", (dist.get_world_size(),))
     real = fetch._get
-    parts = {"shared": remote_shared_job.run, "ranks": remote_ranks_job.damaged, "own": own}
+    parts = {
+        "shared": remote_shared_job.run,
+        "ranks": remote_ranks_job.damaged,
+        "lineage": remote_ranks_job.two_runs,
+        "own": own,
+    }
     for name, part in parts.items():
         (base / name).mkdir(parents=True, exist_ok=True)
         with open(base / f"{name}.{rank}.out", "w") as out, contextlib.redirect_stdout(out):

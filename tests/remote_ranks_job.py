@@ -3,8 +3,8 @@ root of its own (``BASE/root<R>``), all share one remote (``URL``; an S3 endpoin
 ``ENDPOINT``).
 
 Run alone (``BASE URL``), each rank resumes (:func:`resume`): on three ranks, the
-two-rank checkpoints :func:`damaged` saved there. :func:`damaged` is a part of the
-two-rank job (tests/remote_job.py).
+two-rank checkpoints :func:`damaged` saved there. :func:`damaged` and :func:`two_runs`
+are parts of the two-rank job (tests/remote_job.py).
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ RANK_DAMAGE: dict[str, Any] = {
 STEPS = len(RANK_DAMAGE) + 1
 
 
-def full(step: int) -> torch.Tensor:
-    return torch.arange(48, dtype=torch.float32).reshape(12, 4) * step + 0.5
+def full(step: int, scale: int = 1) -> torch.Tensor:
+    return torch.arange(48, dtype=torch.float32).reshape(12, 4) * step * scale + 0.5
 
 
 def _manager(base: Path, url: str, options: dict[str, Any], rank: int) -> fc.CheckpointManager:
@@ -67,17 +67,31 @@ def _manager(base: Path, url: str, options: dict[str, Any], rank: int) -> fc.Che
     return fc.CheckpointManager(base / f"root{rank}", keep=fc.keep_last(1), tiers=(tier,))
 
 
-def damaged(base: Path, url: str, options: dict[str, Any], rank: int, mesh: Any) -> None:
-    """Save steps 1..STEPS into ``BASE/root<R>`` and ``URL`` and wait for the uploads;
-    then a copy of them in ``URL-damaged``, each newest step damaged its own way, and
-    each rank resumes from it into ``BASE/walk`` (:func:`resume`)."""
+def _save(
+    base: Path, url: str, options: dict[str, Any], rank: int, mesh: Any, steps: int, scale: int = 1
+) -> None:
+    """Save steps 1..``steps`` into ``BASE/root<R>`` and ``URL``, wait for the uploads."""
     with _manager(base, url, options, rank) as mgr:
-        for step in range(1, STEPS + 1):
-            state = {"w": distribute_tensor(full(step), mesh, [Shard(0)]), "step": step}
+        for step in range(1, steps + 1):
+            state = {"w": distribute_tensor(full(step, scale), mesh, [Shard(0)]), "step": step}
             mgr.maybe_save(state, step=step)
         assert mgr.remote is not None
         mgr.remote.wait()
     dist.barrier()
+
+
+def two_runs(base: Path, url: str, options: dict[str, Any], rank: int, mesh: Any) -> None:
+    """Run ``a``, then run ``b`` (roots of their own: ``BASE/<run>/root<R>``), save
+    steps 1-2 to the same ``URL``: b's uploads meet a's steps there."""
+    for run, scale in (("a", 1), ("b", 2)):
+        _save(base / run, url, options, rank, mesh, 2, scale)
+
+
+def damaged(base: Path, url: str, options: dict[str, Any], rank: int, mesh: Any) -> None:
+    """Save steps 1..STEPS into ``BASE/root<R>`` and ``URL`` and wait for the uploads;
+    then a copy of them in ``URL-damaged``, each newest step damaged its own way, and
+    each rank resumes from it into ``BASE/walk`` (:func:`resume`)."""
+    _save(base, url, options, rank, mesh, STEPS)
     copy = f"{url}-damaged"
     if rank == 0:
         import fsspec

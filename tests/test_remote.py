@@ -422,6 +422,7 @@ def test_ranks_on_one_remote_with_roots_of_their_own_or_one_shared_root(
     _own_roots_commit_on_one_remote(two, s3)
     _sharing_one_root_each_download_what_they_read(two)
     _resharded_and_past_remote_damage(two, s3)
+    _runs_never_upload_over_another_runs_steps(two, s3)
 
 
 def _two_ranks(base: Path, s3: dict[str, Any]) -> dict[str, Any]:
@@ -515,6 +516,29 @@ def _resharded_and_past_remote_damage(two_ranks: dict[str, Any], s3: dict[str, A
         assert told["match"] and told["step_value"] == 1, told
         for step in range(steps, 1, -1):  # each damaged step named, on every rank
             assert any(f"step {step} is unusable" in w for w in told["warnings"]), told
+
+
+def _runs_never_upload_over_another_runs_steps(
+    two_ranks: dict[str, Any], s3: dict[str, Any]
+) -> None:
+    """The upload of a checkpoint saved on two ranks, a root each, meets the lineage
+    rule: a second run on the same remote keeps its steps 1 and 2, every rank's part,
+    locally."""
+    base, store = two_ranks["base"] / "lineage", Store(f"{two_ranks['url']}/lineage", s3["options"])
+
+    def run_id(path: Path) -> str:
+        run: dict[str, str] = fc.inspect(path).metadata["run"]
+        return run["id"]
+
+    remote = {s: run_id(download(store, s, base / "fetched" / str(s))) for s in (1, 2)}
+    run_a = run_id(base / "a" / "root0" / "step_000000002")
+    assert remote[2] == run_a, "run a's remote step 2 was replaced"
+    assert remote[1] == run_a
+    for rank in (0, 1):
+        assert sorted(p.name for p in (base / "b" / f"root{rank}").glob("step_*")) == [
+            "step_000000001",
+            "step_000000002",
+        ]
 
 
 def test_credentials_are_never_written_or_printed(

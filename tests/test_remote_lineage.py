@@ -18,9 +18,6 @@ import functional_ckpt as fc
 from functional_ckpt._src.remote.fetch import download
 from functional_ckpt._src.remote.store import Store
 from functional_ckpt.errors import CheckpointWarning
-from tests.test_dist import launch, wait_all
-
-REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.usefixtures("fast_retries")
 
@@ -123,26 +120,3 @@ def test_a_copy_of_the_step_of_the_same_lineage_is_replaced(tmp_path: Path, mem:
     _run(tmp_path / "c", mem, [])  # C's 5 goes up over its ancestor's
     got = fc.restore(download(Store(mem), 5, tmp_path / "fresh5"))
     assert float(got["w"][0]) == 205.0
-
-
-def test_ranks_with_roots_of_their_own_never_upload_over_another_runs_steps(
-    tmp_path: Path,
-) -> None:
-    """The upload of a checkpoint saved on two ranks, a root each, meets the same rule:
-    a second run on the same remote keeps its steps 1 and 2, every rank's part, locally."""
-    remote = tmp_path / "bucket" / "run"
-    remote.parent.mkdir()
-    url = remote.as_uri()
-    for base, scale in (("a", "1"), ("b", "2")):
-        job = REPO / "tests" / "remote_ranks_job.py"
-        for rc, _, err in wait_all(
-            launch(2, "save", str(tmp_path / base), url, scale, "2", job=job)
-        ):
-            assert rc == 0, err[-3000:]
-    run_a = _run_id(tmp_path / "a" / "root0" / "step_000000002")
-    assert _run_id(remote / "step_000000002") == run_a, "run a's remote step 2 was replaced"
-    assert _run_id(remote / "step_000000001") == run_a
-    assert sorted(p.name for p in (tmp_path / "b" / "root1").glob("step_*")) == [
-        "step_000000001",
-        "step_000000002",
-    ]
