@@ -107,7 +107,7 @@ def torchrun(base: Path, *args: str) -> list[tuple[int, str]]:
             "--master_port", _port(), "--log_dir", str(log), "--redirects", "3",
             str(JOB), str(base), str(STEPS), *args,
         ]  # fmt: skip
-        done = subprocess.run(
+        done = prefork.run(
             cmd, env=_env(DOMAIN_SIZE="2"), capture_output=True, text=True, timeout=HANG
         )
         outs = sorted(log.rglob("stdout.log"), key=lambda p: int(p.parent.name))
