@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import signal
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -69,3 +70,23 @@ def bucket(s3: dict[str, Any]) -> str:
     name = f"b-{uuid.uuid4().hex[:10]}"
     Store(f"s3://{name}", s3["options"]).fs.mkdir(name)
     return f"s3://{name}/run"
+
+
+@pytest.fixture(scope="session")
+def shard_save(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
+    """``shard_save(n)``: tests/dist_job.py's ``shard_state`` (DTensors sharded on two
+    dimensions, a replicated one, a plain tensor, values and each rank's ``loader``) as
+    ``n`` gloo ranks saved it (``w<n>``), saved once per test process. A test that
+    changes it works on a copy."""
+    saved: dict[int, Path] = {}
+
+    def get(world: int) -> Path:
+        if world not in saved:
+            from tests.test_dist import run_ok
+
+            root = tmp_path_factory.mktemp(f"shard-save-{world}")
+            run_ok(world, "shard-save", str(root))
+            saved[world] = root / f"w{world}"
+        return saved[world]
+
+    return get

@@ -9,7 +9,6 @@ process, whose memory map holds nothing else of ours.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -27,6 +26,7 @@ from functional_ckpt._src.state.allocation import (
     thp_offered,
 )
 from functional_ckpt.errors import CorruptCheckpoint
+from tests import prefork
 from tests.patience import HANG
 
 LINUX = sys.platform.startswith("linux")
@@ -137,7 +137,7 @@ _CHILD = textwrap.dedent(
 
 
 def _child(huge: bool) -> dict[str, object]:
-    out = subprocess.run(
+    out = prefork.run(
         [sys.executable, "-c", _CHILD, "1" if huge else "0"],
         capture_output=True,
         text=True,
@@ -207,7 +207,7 @@ _PREFAULT_CHILD = textwrap.dedent(
 
 @pytest.mark.skipif(not LINUX, reason="/proc and madvise are Linux's")
 def test_a_prefaulter_has_the_pages_in_before_it_says_ready() -> None:
-    out = subprocess.run(
+    out = prefork.run(
         [sys.executable, "-c", _PREFAULT_CHILD],
         capture_output=True,
         text=True,

@@ -3,7 +3,6 @@ unstaged write is refused, never a crash, never zeros committed."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 import functional_ckpt as fc
+from tests import prefork
 from tests.patience import HANG
 
 #: The child, one process for every case ``HOW-AT`` it is given: a 64 MiB
@@ -86,7 +86,7 @@ def resized(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dict[st
     fc.save(root / "base", {"w": torch.ones(1 << 24)})
     script = root / "child.py"
     script.write_text(CHILD)
-    proc = subprocess.run(
+    proc = prefork.run(
         [sys.executable, str(script), str(root), *CASES],
         capture_output=True,
         text=True,

@@ -5,7 +5,6 @@ untrusted document is bounded before it is expanded ... a ConfigError naming the
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 import functional_ckpt as fc
+from tests import prefork
 from tests.patience import HANG
 
 REPO = Path(__file__).parent.parent
@@ -95,7 +95,7 @@ def test_fckpt_run_names_the_config_holding_a_huge_integer(tmp_path: Path, suffi
         else b"run:\n  retries: " + HUGE_INT
     )
     config.write_bytes(text + b"\n")
-    proc = subprocess.run(
+    proc = prefork.run(
         [
             sys.executable,
             "-c",

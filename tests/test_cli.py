@@ -26,6 +26,7 @@ from functional_ckpt._src.cli import listing, ui
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.restore.diff import same_value, tensor_delta
 from functional_ckpt._src.restore.read import vetted_view
+from tests import prefork
 from tests.forge import resign
 from tests.patience import HANG
 
@@ -585,7 +586,7 @@ def test_progress_bar_draws_only_on_a_terminal() -> None:
 
 def fckpt(*argv: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "NO_COLOR": "1"}
-    return subprocess.run(
+    return prefork.run(
         [sys.executable, "-m", "functional_ckpt", *argv],
         capture_output=True,
         text=True,

@@ -28,6 +28,7 @@ import functional_ckpt as fc
 from functional_ckpt._src import cli
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.restore.read import vetted_view
+from tests import prefork
 from tests.patience import HANG
 
 HERE = Path(__file__).resolve().parent
@@ -373,7 +374,7 @@ def junk_results(
             keys.append((name, command))
     (base / "jobs.json").write_text(json.dumps(jobs))
     env = {**os.environ, "NO_COLOR": "1"}
-    subprocess.run(
+    prefork.run(
         [sys.executable, str(HERE / "cli_driver.py"), str(base / "jobs.json"), str(base / "r")],
         check=True,
         env=env,

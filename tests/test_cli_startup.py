@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,6 @@ from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import step_name
 from tests.forge import resign
 from tests.patience import HANG
-from tests.test_dist import run_ok
 
 #: Runs the entry point as ``python -m functional_ckpt`` does, then names the heavy
 #: top-level packages it loaded (on stderr, after the command's own output).
@@ -229,13 +229,11 @@ def test_verify_loads_no_tensor_library(plain_root: Path, managed_root: Path) ->
         assert loaded <= allowed
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture
+def two_ranks(shard_save: Callable[[int], Path]) -> Path:
     """A checkpoint two gloo ranks saved: DTensors sharded on different dimensions, a
     replicated one, a plain tensor, values and each rank's own subtree (``loader``)."""
-    root = tmp_path_factory.mktemp("startup") / "dist"
-    run_ok(2, "shard-save", str(root))
-    return root / "w2"
+    return shard_save(2)
 
 
 def test_inspect_of_a_two_rank_checkpoint_loads_no_tensor_library(two_ranks: Path) -> None:

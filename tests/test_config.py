@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -44,6 +43,7 @@ from functional_ckpt.policy import (
     policy_from_config,
     retention_from_config,
 )
+from tests import prefork
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -454,7 +454,7 @@ def test_the_example_yaml_file_is_the_dict_and_its_training_runs(tmp_path: Path)
     root = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     script = REPO / "examples" / "configured_train.py"
-    out = subprocess.run(
+    out = prefork.run(
         [sys.executable, str(script), str(path), str(root)],
         capture_output=True, text=True, env=env, cwd=tmp_path, check=False,
     )  # fmt: skip

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -283,17 +284,18 @@ def test_own_reader_never_reads_byte_entries(tmp_path: Path) -> None:
     assert naming.MANIFEST in {p.name for p in (tmp_path / "ck").iterdir()}
 
 
-def test_two_rank_checkpoint_converts_with_dcp_to_torch_save(tmp_path: Path) -> None:
+def test_two_rank_checkpoint_converts_with_dcp_to_torch_save(
+    tmp_path: Path, shard_save: Callable[[int], Path]
+) -> None:
     from tests.dist_job import full_tensors
-    from tests.test_dist import run_ok
 
-    run_ok(2, "shard-save", str(tmp_path))  # DTensor shards, a replicated tensor, a value
-    dcp_to_torch_save(tmp_path / "w2", tmp_path / "full.pt")
+    saved = shard_save(2)  # DTensor shards, a replicated tensor, a value
+    dcp_to_torch_save(saved, tmp_path / "full.pt")
     full = torch.load(tmp_path / "full.pt", weights_only=False)
     want = full_tensors()
     assert full["step"] == 11  # written once, by the coordinator
     assert torch.equal(full["w"], want["w"]) and torch.equal(full["e"], want["e"])
-    assert fc.verify(tmp_path / "w2").ok
+    assert fc.verify(saved).ok
 
 
 def test_partial_restore_of_a_captured_optimizer(tmp_path: Path) -> None:

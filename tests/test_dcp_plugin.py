@@ -129,7 +129,7 @@ def test_the_reader_makes_a_values_bytes_only_when_dcp_asks_for_them(
     ck = tmp_path / "ck"
     save = "import sys, torch, functional_ckpt as fc\n"
     save += "fc.save(sys.argv[1], {'w': torch.ones(3), 'lr': 0.271828, 'n': 918273, 'x': [0.5]})"
-    done = subprocess.run(
+    done = prefork.run(
         [sys.executable, "-c", save, str(ck)],
         capture_output=True,
         text=True,

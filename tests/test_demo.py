@@ -12,6 +12,7 @@ import pytest
 import functional_ckpt as fc
 from functional_ckpt._src import cli
 from functional_ckpt._src.cli import demo
+from tests import prefork
 from tests.patience import HANG
 
 STEPS, CRASH_AT = 40, 17
@@ -23,7 +24,7 @@ def demo_run(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[Path, subprocess.CompletedProcess[str]]:
     root = tmp_path_factory.mktemp("demo") / "root"
-    proc = subprocess.run(
+    proc = prefork.run(
         [*FCKPT, "demo", "--root", str(root), "--steps", str(STEPS), "--crash-at", str(CRASH_AT)],
         capture_output=True,
         text=True,

@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,12 @@ def losses(root: Path, rank: int) -> list[tuple[int, str]]:
     return [(int(a), b) for a, b in zip(words[::2], words[1::2], strict=True)]
 
 
+def copied(shard_save: Callable[[int], Path], to: Path, *worlds: int) -> None:
+    """The saves of ``shard_save`` for ``worlds`` copied into ``to``, to change there."""
+    for world in worlds:
+        shutil.copytree(shard_save(world), to / f"w{world}")
+
+
 def test_fsdp2_sigkill_of_one_rank_resumes_bit_identically(tmp_path: Path) -> None:
     ref, run = tmp_path / "ref", tmp_path / "run"
     ref.mkdir()
@@ -110,9 +117,8 @@ def test_fsdp2_sigkill_of_one_rank_resumes_bit_identically(tmp_path: Path) -> No
     assert_exact(fc.codec.to_python(a), fc.codec.to_python(b))
 
 
-def test_reshard_4_to_2_and_1_and_1_to_2(tmp_path: Path) -> None:
-    run_ok(4, "shard-save", str(tmp_path))
-    run_ok(2, "shard-save", str(tmp_path))
+def test_reshard_4_to_2_and_1_and_1_to_2(tmp_path: Path, shard_save: Callable[[int], Path]) -> None:
+    copied(shard_save, tmp_path, 4, 2)
     assert fc.verify(tmp_path / "w4").ok and fc.inspect(tmp_path / "w4").world_size == 4
     run_ok(2, "shard-restore", str(tmp_path))  # 4 -> 2 and 2 -> 2
 
@@ -261,14 +267,16 @@ def test_agree_values_gives_every_value_or_fails_every_rank_together(tmp_path: P
         assert "round two: rank 1 failed" in told[r]["str"]
 
 
-def test_a_shard_read_straight_into_its_dtensor_still_checks_every_byte(tmp_path: Path) -> None:
+def test_a_shard_read_straight_into_its_dtensor_still_checks_every_byte(
+    tmp_path: Path, shard_save: Callable[[int], Path]
+) -> None:
     """A rank reads its saved shard straight into its new DTensor's memory; a byte
     flipped in that shard's data is still found, named by file, on every rank."""
     import json
 
     from tests.forge import flip
 
-    run_ok(2, "shard-save", str(tmp_path))
+    copied(shard_save, tmp_path, 2)
     run_ok(2, "same-shard-restore", str(tmp_path))  # exact, and every shard read straight
     assert not list(tmp_path.glob("error.*"))
     shard = tmp_path / "w2" / "__1_0.distcp"
@@ -284,13 +292,15 @@ def test_a_shard_read_straight_into_its_dtensor_still_checks_every_byte(tmp_path
     assert told[0]["failures"]["1"][0] == "CorruptCheckpoint", told
 
 
-def test_a_part_damaged_on_one_rank_fails_every_rank_together(tmp_path: Path) -> None:
+def test_a_part_damaged_on_one_rank_fails_every_rank_together(
+    tmp_path: Path, shard_save: Callable[[int], Path]
+) -> None:
     """A restoring rank whose own manifest part is damaged (only it reads that part)
     fails with the part named, and every other rank at once, naming that rank and
     its error: no rank waits out the timeout."""
     import json
 
-    run_ok(2, "shard-save", str(tmp_path))
+    copied(shard_save, tmp_path, 2)
     (part,) = (tmp_path / "w2").glob("manifest.part-*1.msgpack")
     data = bytearray(part.read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -19,7 +19,6 @@ import importlib.util
 import json
 import os
 import pickle
-import subprocess
 import sys
 import time
 import zlib
@@ -35,6 +34,7 @@ import functional_ckpt as fc
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.storage import commit, committed, durable, shards
+from tests import prefork
 from tests.patience import HANG
 
 REPO = Path(__file__).resolve().parent.parent
@@ -210,7 +210,7 @@ def test_cli_on_odd_manifests() -> None:
 def test_cli_table_and_json(tmp_path: Path) -> None:
     out = tmp_path / "faults.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
+    proc = prefork.run(
         [sys.executable, str(SCRIPT), "--ci", "--scenarios", "destinations", "--json", str(out)],
         capture_output=True,
         text=True,

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import functional_ckpt as fc
+from tests import prefork
 from tests.exact import assert_exact
 from tests.patience import HANG
 
@@ -21,7 +22,7 @@ def command(root: Path, *extra: str) -> list[str]:
 
 
 def finish(root: Path) -> str:
-    proc = subprocess.run(command(root), capture_output=True, text=True, timeout=HANG)
+    proc = prefork.run(command(root), capture_output=True, text=True, timeout=HANG)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -31,9 +32,7 @@ def test_functional_loop_killed_and_resumed_is_bit_identical(tmp_path: Path) -> 
     assert "start at step 0" in finish(reference)
 
     run = tmp_path / "run"
-    victim = subprocess.Popen(
-        command(run, "--sleep", "0.02"), stdout=subprocess.PIPE, text=True, bufsize=1
-    )
+    victim = prefork.Popen(command(run, "--sleep", "0.02"), stdout=subprocess.PIPE, text=True)
     try:
         assert victim.stdout is not None
         for line in victim.stdout:

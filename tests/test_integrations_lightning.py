@@ -33,6 +33,7 @@ from functional_ckpt._src.format import naming
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt.errors import CheckpointError
 from functional_ckpt.integrations.lightning import FunctionalCheckpointIO
+from tests import prefork
 
 STEPS_PER_EPOCH = 8
 JOB = Path(__file__).with_name("lightning_job.py")
@@ -253,7 +254,7 @@ def test_sigkill_during_an_async_save_leaves_last_current_and_no_leftover(
     root = tmp_path / "ckpts"
     job = Path(__file__).with_name("lightning_job.py")
     env = {**os.environ, "PYTHONPATH": str(job.parent.parent)}
-    proc = subprocess.Popen([sys.executable, str(job), str(root)], stdout=subprocess.PIPE, env=env)
+    proc = prefork.Popen([sys.executable, str(job), str(root)], stdout=subprocess.PIPE, env=env)
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == b"ready"  # inside the save of step 8
     os.kill(proc.pid, signal.SIGKILL)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -23,6 +22,7 @@ from functional_ckpt._src import log
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.storage.ram import promote_newest
 from functional_ckpt.errors import CheckpointWarning
+from tests import prefork
 from tests.patience import HANG
 
 
@@ -141,7 +141,7 @@ def test_nothing_is_printed_unless_the_application_configures_logging(tmp_path: 
         "    assert m.restore_latest() is not None and m.restored_step == 1\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run(
+    out = prefork.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG, env=env
     )
     assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
@@ -152,9 +152,9 @@ def test_fckpt_verbose_prints_the_records(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "functional_ckpt"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "NO_COLOR": "1"}
     export = ["export", str(tmp_path / step_name(4)), str(tmp_path / "out")]
-    quiet = subprocess.run([*argv, *export], capture_output=True, text=True, env=env)
+    quiet = prefork.run([*argv, *export], capture_output=True, text=True, env=env)
     assert quiet.returncode == 0 and "functional_ckpt" not in quiet.stderr
-    loud = subprocess.run(
+    loud = prefork.run(
         [*argv, "-v", *export, "--overwrite"], capture_output=True, text=True, env=env
     )
     assert loud.returncode == 0

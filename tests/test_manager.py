@@ -489,10 +489,10 @@ def start(ctx: mp.context.ForkServerContext, root: Path, **kwargs: Any) -> Any:
 
 
 @contextlib.contextmanager
-def holder(root: Path) -> Iterator[subprocess.Popen[str]]:
+def holder(root: Path) -> Iterator[prefork.Popen]:
     """A real script process holding the writer lock of ``root`` until killed."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(
+    proc = prefork.Popen(
         [sys.executable, str(JOB), str(root), "--hold"], stdout=subprocess.PIPE, text=True, env=env
     )
     try:

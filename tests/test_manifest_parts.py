@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +29,13 @@ from functional_ckpt._src.save import local
 from functional_ckpt._src.storage import committed
 from tests.dist_job import full_tensors
 from tests.forge import old_layout, read_part, resign, write_part
-from tests.test_dist import run_ok
 
 PART0, PART1 = naming.part_name(0), naming.part_name(1)
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("parts")
-    run_ok(2, "shard-save", str(root))  # w: Shard(0), e: Shard(1), r: replicated
-    return root / "w2"
+@pytest.fixture
+def saved(shard_save: Callable[[int], Path]) -> Path:
+    return shard_save(2)  # w: Shard(0), e: Shard(1), r: replicated
 
 
 @pytest.fixture(params=["now", "old"])

@@ -107,7 +107,7 @@ def torchrun(base: Path, *args: str) -> list[tuple[int, str]]:
             "--master_port", _port(), "--log_dir", str(log), "--redirects", "3",
             str(JOB), str(base), str(STEPS), *args,
         ]  # fmt: skip
-        done = subprocess.run(
+        done = prefork.run(
             cmd, env=_env(DOMAIN_SIZE="2"), capture_output=True, text=True, timeout=HANG
         )
         outs = sorted(log.rglob("stdout.log"), key=lambda p: int(p.parent.name))
@@ -139,6 +139,28 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     assert [r[0] for r in resumed(runs)] == [None] * WORLD
     assert not (base / "mem-a").exists() and not (base / "mem-b").exists()  # closed: gone
     return finals(runs)
+
+
+@pytest.fixture(scope="module")
+def died_at_7(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A job SIGKILLed on every rank once memory step 7 is committed (node folders at
+    ``[6, 7]``, the disk at ``[5]``): its folder, and a copy of it as the kills left it."""
+    base = tmp_path_factory.mktemp("died-at-7")
+    work, kept = base / "work", base / "kept"
+    runs = two_nodes(work, "--die-at", "7")
+    assert [code for code, _ in runs] == [-signal.SIGKILL] * WORLD
+    subprocess.run(["cp", "-a", str(work), str(kept)], check=True)  # hard links kept
+    return work, kept
+
+
+@pytest.fixture
+def died(died_at_7: tuple[Path, Path]) -> Path:
+    """The folder of :func:`died_at_7` as the kills left it, at the same path: a memory
+    tier's folder belongs to the root of that real path (its mark names it)."""
+    work, kept = died_at_7
+    shutil.rmtree(work)
+    subprocess.run(["cp", "-a", str(kept), str(work)], check=True)
+    return work
 
 
 def test_holders_are_the_same_local_rank_on_the_next_nodes() -> None:
@@ -191,23 +213,21 @@ def test_memory_tier_saves_across_nodes_are_incremental(tmp_path: Path) -> None:
 
 
 def test_a_lost_node_resumes_from_the_replicas_bit_identically(
-    tmp_path: Path, reference: list[str], capsys: pytest.CaptureFixture[str]
+    died: Path, reference: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    runs = two_nodes(tmp_path, "--die-at", "7")
-    assert [code for code, _ in runs] == [-signal.SIGKILL] * WORLD
-    mem_a, mem_b = tmp_path / "mem-a", tmp_path / "mem-b"
+    mem_a, mem_b = died / "mem-a", died / "mem-b"
     assert committed(mem_a) == committed(mem_b) == [6, 7]
     for folder in (mem_a, mem_b):  # each node's folder: normal, complete checkpoints
         assert fc.verify(folder / step_name(7)).ok
-    assert committed(tmp_path / "root") == [5]
-    assert cli.main(["ls", "--json", str(tmp_path / "root")]) == 0
+    assert committed(died / "root") == [5]
+    assert cli.main(["ls", "--json", str(died / "root")]) == 0
     rows = [r for r in json.loads(capsys.readouterr().out) if r.get("kind") == "memory"]
     assert [(r["step"], r["replicas"], r["whole"]) for r in rows] == [(6, 2, True), (7, 2, True)]
-    assert cli.main(["ls", str(tmp_path / "root")]) == 0
+    assert cli.main(["ls", str(died / "root")]) == 0
     out = capsys.readouterr().out
     assert "REPLICAS" in out and "2 confirmed" in out, out
     shutil.rmtree(mem_b)  # node b is lost, and its RAM with it
-    runs = two_nodes(tmp_path)
+    runs = two_nodes(died)
     got = resumed(runs)
     assert [g[0] for g in got] == [7] * WORLD, got  # the memory tier's step, not the disk's 5
     fetched = got[2][1]["fetched"]  # node b's folder, from node a's ranks
@@ -253,14 +273,12 @@ def test_a_failed_replication_warns_every_rank_and_training_goes_on(
 
 
 def test_a_damaged_replica_is_refetched_or_the_disk_tier_used(
-    tmp_path: Path, reference: list[str]
+    died: Path, reference: list[str]
 ) -> None:
-    runs = two_nodes(tmp_path, "--die-at", "7")
-    assert [code for code, _ in runs] == [-signal.SIGKILL] * WORLD
-    mem_a, mem_b = tmp_path / "mem-a", tmp_path / "mem-b"
+    mem_a, mem_b = died / "mem-a", died / "mem-b"
     # Node a's own copy of rank 0's file is damaged: node b's replica of it is used.
     corrupt_file(mem_a / step_name(7) / "__0_0.distcp")
-    runs = two_nodes(tmp_path, "--die-at", "8")  # resumes at 7, dies once 8 is in memory
+    runs = two_nodes(died, "--die-at", "8")  # resumes at 7, dies once 8 is in memory
     got = resumed(runs)
     assert [g[0] for g in got] == [7] * WORLD, got
     assert got[0][1]["fetched"] == {"__0_0.distcp": 2}, got
@@ -273,7 +291,7 @@ def test_a_damaged_replica_is_refetched_or_the_disk_tier_used(
     shutil.rmtree(mem_b)
     for step in (7, 8):
         corrupt_file(mem_a / step_name(step) / "__2_0.distcp")
-    runs = two_nodes(tmp_path)
+    runs = two_nodes(died)
     got = resumed(runs)
     assert [g[0] for g in got] == [5] * WORLD, got
     assert any("no intact copy" in w and "__2_0.distcp" in w for w in got[0][2]), got[0][2]
@@ -287,10 +305,8 @@ def corrupt_file(path: Path) -> None:
     path.write_bytes(bytes(raw))
 
 
-def test_another_world_size_says_so_and_resumes_from_the_disk_tier(tmp_path: Path) -> None:
-    runs = two_nodes(tmp_path, "--die-at", "7")
-    assert [code for code, _ in runs] == [-signal.SIGKILL] * WORLD
-    runs = two_nodes(tmp_path, world=2)  # the job comes back on half the ranks
+def test_another_world_size_says_so_and_resumes_from_the_disk_tier(died: Path) -> None:
+    runs = two_nodes(died, world=2)  # the job comes back on half the ranks
     got = resumed(runs)
     assert [g[0] for g in got] == [5, 5], got  # the disk tier reshards; the memory tier cannot
     told = " ".join(got[0][2])
@@ -299,21 +315,19 @@ def test_another_world_size_says_so_and_resumes_from_the_disk_tier(tmp_path: Pat
         assert code == 0 and lines(out, "FINAL"), out[-3000:]
 
 
-def test_two_histories_sharing_a_step_are_never_mixed(tmp_path: Path) -> None:
-    runs = two_nodes(tmp_path, "--die-at", "7")
-    assert [code for code, _ in runs] == [-signal.SIGKILL] * WORLD
-    mem_a, mem_b = tmp_path / "mem-a", tmp_path / "mem-b"
-    old_b = tmp_path / "old-b"
+def test_two_histories_sharing_a_step_are_never_mixed(died: Path) -> None:
+    mem_a, mem_b = died / "mem-a", died / "mem-b"
+    old_b = died / "old-b"
     shutil.copytree(mem_b, old_b, symlinks=True)  # node b's RAM, as it was
     shutil.rmtree(mem_a)
     shutil.rmtree(mem_b)  # a relaunch elsewhere: from the disk's step 5, another step 7
-    runs = two_nodes(tmp_path, "--die-at", "7")
+    runs = two_nodes(died, "--die-at", "7")
     assert [code for code, _ in runs] == [-signal.SIGKILL] * WORLD
     assert [g[0] for g in resumed(runs)] == [5] * WORLD
     assert committed(mem_a) == committed(old_b) == [6, 7]
     shutil.rmtree(mem_b)
     old_b.rename(mem_b)  # the old node came back with its RAM
-    runs = two_nodes(tmp_path)
+    runs = two_nodes(died)
     for code, out in runs:  # every rank refuses, naming the conflict; none resumes a mix
         assert code != 0 and "memory-tier step 7 is held as two different checkpoints" in out, out[
             -3000:

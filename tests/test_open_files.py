@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from functional_ckpt._src.restore.read import vetted_view
 from functional_ckpt._src.storage import committed
 from tests.open_files_job import LIMIT, expected
 from tests.patience import HANG
-from tests.test_dist import launch, run_ok
+from tests.test_dist import launch
 
 COUNT = 100  # tensors, and about as many files
 JOB = Path(__file__).with_name("open_files_job.py")
@@ -129,12 +129,13 @@ def test_restore_under_a_descriptor_limit(many: Path, tmp_path: Path, world: int
     assert _launch(world, str(ck), str(COUNT)) == ["ok"] * world
 
 
-def test_each_restoring_rank_opens_its_own_part_and_never_metadata(tmp_path: Path) -> None:
+def test_each_restoring_rank_opens_its_own_part_and_never_metadata(
+    shard_save: Callable[[int], Path],
+) -> None:
     """Two gloo ranks restore a two-rank save onto its placements, ``os.open`` counted:
     each opens the marker, the index, its own part and its own data file, never
     the other rank's part nor ``.metadata``."""
-    run_ok(2, "shard-save", str(tmp_path))
-    for rank, out in enumerate(_launch(2, str(tmp_path / "w2"), "count")):
+    for rank, out in enumerate(_launch(2, str(shard_save(2)), "count")):
         names = set(json.loads(out))
         assert {naming.COMMIT_MARKER, naming.MANIFEST, naming.shard_name(rank)} <= names
         assert {n for n in names if naming.parse_part(n) is not None} == {naming.part_name(rank)}

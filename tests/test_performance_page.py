@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import prefork
 from tests.patience import HANG
 
 REPO = Path(__file__).resolve().parent.parent
@@ -19,7 +20,7 @@ REPORT = REPO / "benchmarks" / "report.py"
 
 
 def _report(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return prefork.run(
         [sys.executable, str(REPORT), *argv],
         capture_output=True,
         text=True,

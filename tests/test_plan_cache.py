@@ -20,6 +20,7 @@ import functional_ckpt as fc
 from functional_ckpt._src import codec
 from functional_ckpt._src.format.manifest import Tree
 from functional_ckpt._src.save import dedup, exchange, multi_rank, splice, staging
+from tests import prefork
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import scale
@@ -148,11 +149,10 @@ def test_real_checkpoint_groups_hold_their_own_plans(tmp_path: Path) -> None:
     """On gloo groups: a group found again holds its plans, the memory tier's group of
     the same ranks holds others, and a re-initialized job holds none."""
     import os
-    import subprocess
 
     (tmp_path / "job.py").write_text(_GROUPS_JOB)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    done = subprocess.run(
+    done = prefork.run(
         [sys.executable, str(tmp_path / "job.py"), str(tmp_path)],
         env=env,
         capture_output=True,

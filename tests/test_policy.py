@@ -8,7 +8,6 @@ import math
 import os
 import re
 import signal
-import subprocess
 import sys
 import textwrap
 import threading
@@ -39,6 +38,7 @@ from functional_ckpt._src.policy import (
 )
 from functional_ckpt._src.policy.config import stored_spec
 from functional_ckpt.errors import CheckpointError, ConfigError, PolicyError
+from tests import prefork
 from tests.patience import HANG, eventually
 
 REPO = Path(__file__).resolve().parents[1]
@@ -400,7 +400,7 @@ def test_on_signal_does_not_run_sig_dfl() -> None:
         print("survived")
         """
     )
-    out = subprocess.run(
+    out = prefork.run(
         [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=HANG
     )
     assert out.returncode == 0, out.stderr

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -31,6 +30,7 @@ from functional_ckpt.errors import (
     NotRecorded,
     TemplateMismatch,
 )
+from tests import prefork
 from tests.patience import HANG, eventually
 
 REPO = Path(__file__).resolve().parent.parent
@@ -152,7 +152,7 @@ def test_sigkill_loses_only_what_was_not_committed(tmp_path: Path) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
         """
     )
-    proc = subprocess.run(
+    proc = prefork.run(
         [sys.executable, "-c", child], capture_output=True, text=True, timeout=HANG, check=False
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]

@@ -10,7 +10,6 @@ import os
 import pathlib
 import pickle
 import stat
-import subprocess
 import sys
 import textwrap
 import threading
@@ -496,7 +495,7 @@ def test_attack_would_work_without_the_vetting(tmp_path: Path) -> None:
         print(type(md).__name__, pathlib.PosixPath.__truediv__ is not pathlib.PurePath.__truediv__)
         """
     )
-    out = subprocess.run(
+    out = prefork.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=HANG
     )
     assert out.stdout.split() == ["Metadata", "True"], out.stderr[-2000:]
@@ -620,7 +619,7 @@ def test_stock_dcp_with_a_fifo_never_hangs(tmp_path: Path) -> None:
         "    try: fn(); print('ok')\n"
         "    except fc.CheckpointError as e: print(type(e).__name__, e)\n"
     )
-    proc = subprocess.run(
+    proc = prefork.run(
         [sys.executable, "-c", code, str(d)], capture_output=True, text=True, env=ENV, timeout=HANG
     )
     lines = proc.stdout.strip().splitlines()
@@ -810,7 +809,7 @@ def test_cli_export_overwrite_keeps_a_source_tree(tmp_path: Path) -> None:
     src = tmp_path / "project"
     src.mkdir()
     (src / "main.py").write_text("print(1)\n")
-    proc = subprocess.run(
+    proc = prefork.run(
         [sys.executable, "-m", "functional_ckpt", "export", str(ck), str(src), "--overwrite"],
         capture_output=True,
         text=True,

@@ -30,7 +30,7 @@ from functional_ckpt._src.codec import table
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.limits import LIMITS
-from tests import forge
+from tests import forge, prefork
 
 CFGMOD = '''
 """Config classes in an importable module, registered at import."""
@@ -177,9 +177,7 @@ def _env() -> dict[str, str]:
 
 
 def python(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, *argv], capture_output=True, text=True, cwd=cwd, env=_env()
-    )
+    return prefork.run([sys.executable, *argv], capture_output=True, text=True, cwd=cwd, env=_env())
 
 
 def fckpt(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:

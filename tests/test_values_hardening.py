@@ -38,6 +38,7 @@ from functional_ckpt.errors import (
     UnsafeCheckpoint,
     UnsupportedValue,
 )
+from tests import prefork
 from tests.patience import HANG
 
 P = 2**61 - 1  # hash(k * P) == hash(0) for every int k
@@ -563,7 +564,7 @@ def test_fault_classes_find_nothing_wrong(tmp_path: Path) -> None:
     }
     out = tmp_path / "faults.json"
     classes = ["view-bit-aliasing", "limit-symmetry", "chunk-coverage", "unstaged-bypass"]
-    subprocess.run(
+    prefork.run(
         [sys.executable, str(script), "--quick", "--json", str(out), "--classes", *classes],
         check=True,
         capture_output=True,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 import functional_ckpt as fc
+from tests import prefork
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -46,7 +46,7 @@ def one_rank(tmp_path: Path, body: str) -> dict:
     )
     (tmp_path / "job.py").write_text(script)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
+    done = prefork.run(
         [sys.executable, str(tmp_path / "job.py"), str(tmp_path)],
         env=env,
         capture_output=True,
