@@ -31,16 +31,6 @@ from functional_ckpt.errors import CheckpointError
 __all__ = ["FunctionalCheckpointIO"]
 
 
-def _device(map_location: Any) -> torch.device | str | None:
-    """The device a ``map_location`` names; storage-remapping callables have no meaning here."""
-    if map_location is None or isinstance(map_location, str | torch.device):
-        return map_location
-    raise CheckpointError(
-        f"FunctionalCheckpointIO.load_checkpoint(map_location={map_location!r:.60}): pass a "
-        "device (torch.device or str) or None; tensors are read straight onto it"
-    )
-
-
 def _staged(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """A copy of the dict, its tensors copied to the host once each, for a background
     write that runs after training and Lightning changed what the dict refers to."""
@@ -151,9 +141,14 @@ class FunctionalCheckpointIO(CheckpointIO):
         self, path: str | os.PathLike[str], map_location: Any = None, weights_only: Any = None
     ) -> dict[str, Any]:
         """The checkpoint dict as Lightning wrote it; never unpickled, whatever ``weights_only``."""
+        if not (map_location is None or isinstance(map_location, str | torch.device)):
+            raise CheckpointError(  # storage-remapping callables have no meaning here
+                f"FunctionalCheckpointIO.load_checkpoint(map_location={map_location!r:.60}): pass "
+                "a device (torch.device or str) or None; tensors are read straight onto it"
+            )
         target = Path(path)
         self._wait(target)
-        loaded = to_python(restore(target, device=_device(map_location)))
+        loaded = to_python(restore(target, device=map_location))
         assert isinstance(loaded, dict)
         return loaded
 

@@ -1,9 +1,7 @@
 """torchdata's ``StatefulDataLoader``: resume mid-epoch, random draws included.
 
 Creating a loader's iterator draws from the global generator (sampler and worker
-seeds), so restoring the generators *before* ``iter(loader)`` takes one draw more
-than the uninterrupted run. :func:`iter_resumed` loads the loader's state, creates
-the iterator, then restores the generators."""
+seeds), so :func:`iter_resumed` restores the generators after ``iter(loader)``."""
 
 from __future__ import annotations
 

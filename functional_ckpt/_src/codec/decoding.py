@@ -1,9 +1,6 @@
-"""Decoding: hostile bytes back to exactly the value that was encoded. The unpacker's
-hooks rebuild and count containers within the one C-level parse, vet keys for a hash
-flood before a table is built; the result is walked once more for depth and strays.
-Each leaf ext's sizes are checked against the bytes present before anything is
-allocated, dtypes and devices in a canonical spelling only; numpy and torch are
-imported only when a value of theirs is met."""
+"""Decoding: hostile bytes back to exactly the value that was encoded, nothing allocated
+before the bytes present justify it, dtypes and devices in a canonical spelling only;
+numpy and torch are imported only when a value of theirs is met."""
 
 from __future__ import annotations
 

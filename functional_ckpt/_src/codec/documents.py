@@ -9,6 +9,7 @@ import json
 from collections.abc import Iterator, Mapping, Sequence, Set
 from typing import Any
 
+from functional_ckpt._src.codec.table import container_budget
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt.errors import ConfigError
 
@@ -17,7 +18,6 @@ _IN_MEMORY_BYTES = LIMITS.state_file_bytes
 
 
 def _children(value: object) -> Iterator[tuple[object, object]] | None:
-    """A container's (key, child) pairs; None for a leaf."""
     if isinstance(value, Mapping):
         return iter(value.items())
     if isinstance(value, (str, bytes, bytearray)):
@@ -40,10 +40,8 @@ def check_bounded(doc: object, where: str, text_bytes: int | None = None) -> Non
     """Refuse (``ConfigError`` naming ``where`` and the key path) a document deeper or
     larger when expanded than the budgets of a ``text_bytes`` text (default: a state file)."""
     n = _IN_MEMORY_BYTES if text_bytes is None else text_bytes
-    budget = (
-        LIMITS.decode_free_containers + n // LIMITS.decode_bytes_per_container,
-        LIMITS.decode_free_containers + n,
-    )
+    free = LIMITS.decode_free_containers
+    budget = (container_budget(n, free), free + n)
     containers, size = budget
     stack: list[Iterator[tuple[object, object]]] = []
     path: list[object] = []

@@ -30,19 +30,7 @@ def _pack_payload(obj: object) -> bytes:
     return _packb(obj, unicode_errors="surrogatepass")  # np.str_ may hold them
 
 
-def _encode_bigint(n: int) -> msgpack.ExtType:
-    return msgpack.ExtType(
-        table.EXT_BIGINT, n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
-    )
-
-
-def _encode_ndarray(a: np.ndarray[Any, Any]) -> msgpack.ExtType:
-    code = table.dtype_code(a.dtype)
-    assert code is not None  # _scan refuses the others first
-    return msgpack.ExtType(table.EXT_NDARRAY, _pack_payload([code, list(a.shape), a.tobytes()]))
-
-
-def _encode_numpy_scalar(x: np.generic) -> msgpack.ExtType:
+def _encode_numpy(x: np.ndarray[Any, Any] | np.generic) -> msgpack.ExtType:
     # text scalars lose trailing NULs through an array, so they travel as Python values
     t = type(x)
     if t is np.str_:
@@ -52,6 +40,8 @@ def _encode_numpy_scalar(x: np.generic) -> msgpack.ExtType:
         return msgpack.ExtType(table.EXT_NUMPY_SCALAR, payload)
     code = table.dtype_code(x.dtype)
     assert code is not None  # _scan refuses the others first
+    if t is np.ndarray:
+        return msgpack.ExtType(table.EXT_NDARRAY, _pack_payload([code, list(x.shape), x.tobytes()]))
     return msgpack.ExtType(table.EXT_NUMPY_SCALAR, _pack_payload([code, x.tobytes()]))
 
 
@@ -73,11 +63,10 @@ def _default(obj: Any) -> object:
     if marker is not None:
         return [marker, *obj]
     if t is int:  # outside the 64-bit range msgpack handles
-        return _encode_bigint(obj)
-    if t is np.ndarray:
-        return _encode_ndarray(obj)
-    if t in table.NUMPY_SCALAR_TYPES:
-        return _encode_numpy_scalar(obj)
+        data = obj.to_bytes((obj.bit_length() + 8) // 8, "little", signed=True)
+        return msgpack.ExtType(table.EXT_BIGINT, data)
+    if t is np.ndarray or t in table.NUMPY_SCALAR_TYPES:
+        return _encode_numpy(obj)
     if t is _OrderedDict:
         return [_ORDERED_DICT_EXT, *itertools.chain.from_iterable(obj.items())]
     entry = TAGGED.get(t)
@@ -237,8 +226,7 @@ _REBUILT: Final[frozenset[type]] = frozenset({list, tuple, dict, _OrderedDict})
 
 
 def _wrap_bytearrays(value: Any) -> Any:
-    """Copy the containers above each bytearray, swapping it for its ext (the packer
-    never offers a bytearray to ``default``): shells copied top-down, built bottom-up."""
+    """A copy with each bytearray as its ext: the packer never offers one to ``default``."""
     if type(value) is bytearray:
         return msgpack.ExtType(table.EXT_BYTEARRAY, bytes(value))
     if type(value) not in _REBUILT:

@@ -58,9 +58,6 @@ def _ints(fields: object, n: int, what: str) -> list[int]:
     return fields
 
 
-# --- time zones: exact fixed offsets (UTC included) and IANA zones by key ----------
-
-
 def _tz_fields(tz: dt.tzinfo | None) -> object:
     if tz is None:
         return None
@@ -117,6 +114,15 @@ def _zoned_build(cls: Any, f: object) -> object:
     return cls(*ints, tzinfo=_tz_build(f[-1]), fold=fold)
 
 
+def _ints_entry(cls: Any, *names: str) -> TaggedType:
+    def build(f: object) -> object:
+        return cls(*_ints(f, len(names), cls.__name__))
+
+    return TaggedType(
+        f"datetime.{cls.__name__}", cls, lambda v: [getattr(v, a) for a in names], build
+    )
+
+
 def _path_entry(cls: type) -> TaggedType:
     def build(f: object) -> object:
         if type(f) is not str:
@@ -137,26 +143,9 @@ for _cls in (pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath):
 add(_path_entry(pathlib.WindowsPath))
 for _zoned, _fields in ((dt.datetime, _datetime_fields), (dt.time, _time_fields)):
     add(TaggedType(f"datetime.{_zoned.__name__}", _zoned, _fields, partial(_zoned_build, _zoned)))
-add(
-    TaggedType(
-        "datetime.date",
-        dt.date,
-        lambda v: [v.year, v.month, v.day],
-        lambda f: dt.date(*_ints(f, 3, "date")),
-    )
-)
-add(
-    TaggedType(
-        "datetime.timedelta",
-        dt.timedelta,
-        lambda v: [v.days, v.seconds, v.microseconds],
-        lambda f: dt.timedelta(*_ints(f, 3, "timedelta")),
-    )
-)
+add(_ints_entry(dt.date, "year", "month", "day"))
+add(_ints_entry(dt.timedelta, "days", "seconds", "microseconds"))
 add(TaggedType("argparse.Namespace", argparse.Namespace, lambda v: dict(vars(v)), _namespace_build))
-
-
-# --- the placeholder of a tag this process has not registered ------------------------
 
 
 def placeholder_problem(value: Unregistered) -> str:

@@ -25,7 +25,31 @@ from functional_ckpt._src.storage import committed
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
 
-class Reader(StorageReader):
+class Chosen:
+    """What the reader and the writer share: a checkpoint chosen by name, DCP's plans kept."""
+
+    path: Path | None
+
+    @property
+    def checkpoint_id(self) -> Path | None:
+        return self.path
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id)
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # chosen by name, never guessed from a path
+
+
+class Reader(Chosen, StorageReader):
     """Where ``dcp.load`` reads a checkpoint of this format, vetted once per load."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
@@ -35,14 +59,9 @@ class Reader(StorageReader):
         self._values: Callable[[str], bytes | None] = lambda fqn: None
         self._metadata: Metadata | None = None
 
-    @property
-    def checkpoint_id(self) -> Path | None:
-        return self.path
-
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._close()
-        if checkpoint_id is not None:
-            self.path = Path(checkpoint_id)
+        super().reset(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self._open()
@@ -51,12 +70,6 @@ class Reader(StorageReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         self._open()
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self._open()
@@ -80,10 +93,6 @@ class Reader(StorageReader):
         done: Future[None] = Future()
         done.set_result(None)
         return done
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return False  # chosen by name, never guessed from a path
 
     def _open(self) -> Metadata:
         """Open and vet the checkpoint (once per load); its ``Metadata``, derived."""

@@ -19,13 +19,14 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from functional_ckpt._src.dcp.reader import Chosen
 from functional_ckpt._src.save.api import save
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.storage.zstd import level_of
 from functional_ckpt.errors import CheckpointError
 
 
-class Writer(StorageWriter):
+class Writer(Chosen, StorageWriter):
     """Where ``dcp.save`` / ``dcp.async_save`` write a checkpoint of this format.
 
     ``path`` (or ``checkpoint_id=``), ``overwrite``, ``metadata`` and ``compression`` are
@@ -53,26 +54,12 @@ class Writer(StorageWriter):
 
             checkpoint_group()
 
-    @property
-    def checkpoint_id(self) -> Path | None:
-        return self.path
-
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None:
-            self.path = Path(checkpoint_id)
-
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self.path is None:
             raise CheckpointError(
                 "functional_ckpt.integrations.dcp.Writer: no checkpoint path; pass Writer(path) "
                 "or dcp.save(..., checkpoint_id=path)"
             )
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assert self.path is not None  # set_up_storage_writer checked it
@@ -90,10 +77,6 @@ class Writer(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Nothing: ``write_data``'s save committed the checkpoint on every rank."""
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return False  # chosen by name, never guessed from a path
 
 
 def planned_state(planner: SavePlanner) -> dict[str, Any]:

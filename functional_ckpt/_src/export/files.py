@@ -124,8 +124,7 @@ HEADER_BYTES = 100_000_000
 
 
 def header_metadata(path: Path) -> dict[str, str]:
-    """The safetensors header metadata of an export (``{"format": "pt", ...}``), read
-    through ``storage/opener``, its length bounded and its JSON by the bounded loader."""
+    """The safetensors header metadata of an export (``{"format": "pt", ...}``), read bounded."""
     files = sorted(n for n in os.listdir(path) if is_export_weights(n))
     if not files:
         raise CheckpointError(f"{path}: holds no model*.safetensors file")
@@ -182,13 +181,10 @@ def _config_of(data: bytes, where: Path) -> dict[str, Any]:
 
 
 def model_files(source: Path) -> tuple[dict[str, Any], dict[str, bytes], list[str]]:
-    """(config, other side files, names left out) of a model directory or a config file.
-
-    A directory gives its ``config.json`` and every other regular file beside it
-    (tokenizer, generation config, README), not its weights, hidden files or
-    subdirectories. Nothing is read through a link (its target would land in the
-    export), a FIFO or a device.
-    """
+    """(config, other side files, names left out) of a model directory or a config file: a
+    directory's ``config.json`` and every other regular file beside it, not its weights,
+    hidden files or subdirectories; nothing through a link (its target would land in the
+    export), a FIFO or a device."""
     try:
         mode = os.lstat(source).st_mode
     except FileNotFoundError:

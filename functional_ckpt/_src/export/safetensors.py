@@ -189,9 +189,6 @@ class Export:
         side_files(self.config, self.extra_files, None)  # fails now, not at the first export
 
 
-# --------------------------------------------------------------------------- collect
-
-
 def _load(source: TensorDictBase | Mapping[str, Any] | PathLike, path: KeyPath) -> TensorDictBase:
     """The state, or the ``path`` subtree of a checkpoint read without the rest."""
     if isinstance(source, TensorDictBase | Mapping):
@@ -253,7 +250,6 @@ def _out_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
 def _plan_shards(
     tensors: dict[str, torch.Tensor], limit: int, dtype: torch.dtype | None
 ) -> list[list[str]]:
-    """Greedy, in state order: start a new shard when the next tensor would overflow."""
     shards: list[list[str]] = [[]]
     size = 0
     for name, t in tensors.items():
@@ -280,9 +276,6 @@ def _prepared(
             ptr = t.untyped_storage().data_ptr()
         storages.add(ptr)
         yield name, t
-
-
-# --------------------------------------------------------------------------- write
 
 
 def _write_shards(

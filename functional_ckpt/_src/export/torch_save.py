@@ -48,9 +48,6 @@ _GARBLED: tuple[type[BaseException], ...] = (LookupError, TypeError, AttributeEr
 _GARBLED += (AssertionError, struct.error, MemoryError, RecursionError)
 
 
-# --------------------------------------------------------------------------- import
-
-
 def load_torch_file(path: PathLike) -> Any:
     """What a ``torch.save`` file holds, read with ``weights_only=True``: a pickle naming
     anything outside torch's safe set raises :class:`UnsafeCheckpoint`, other bytes
@@ -73,7 +70,9 @@ def load_torch_file(path: PathLike) -> Any:
             )
     except pickle.UnpicklingError as exc:
         text = str(exc)
-        reason = _refusal_reason(text)
+        # the line of torch's refusal that names what was refused, if there is one
+        named = [ln.strip() for ln in text.splitlines() if "GLOBAL" in ln or "Unsupported" in ln]
+        reason = f" ({named[0].rstrip('.')})" if named else ""
         if "Weights only load failed" in text and "GLOBAL" in reason:
             raise UnsafeCheckpoint(
                 f"{src}: refused: the file holds pickled objects that "
@@ -96,15 +95,6 @@ def load_torch_file(path: PathLike) -> Any:
 
 def _first_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), "unknown error")
-
-
-def _refusal_reason(text: str) -> str:
-    """The line of torch's refusal that names what was refused, if there is one."""
-    for line in text.splitlines():
-        line = line.strip()
-        if "GLOBAL" in line or "Unsupported" in line:
-            return f" ({line.rstrip('.')})"
-    return ""
 
 
 def is_bare_state_dict(obj: Any) -> bool:
@@ -134,9 +124,6 @@ def import_torch(src: PathLike, out: PathLike, *, overwrite: bool = False) -> Ch
         )
     imported = {"imported": {"from": str(path), "format": "torch"}}
     return save(out, obj, metadata=imported, overwrite=overwrite)
-
-
-# --------------------------------------------------------------------------- export
 
 
 def _weights(source: PathLike, select: KeyPath, dtype: torch.dtype | None) -> dict[str, Any]:

@@ -73,11 +73,8 @@ def metadata_for(
 
 
 def derive(groups: Sequence[Sequence[TensorEntry]], blobs: Sequence[ByteEntry] = ()) -> bytes:
-    """The exact bytes of ``.metadata`` for a manifest: a pickle stock ``dcp.load`` reads.
-
-    They depend only on the layout, and a loop saves one layout again and again, so the
-    last one is kept (:func:`_derived`).
-    """
+    """The exact bytes of ``.metadata`` for a manifest: a pickle stock ``dcp.load`` reads;
+    the last layout's are kept, as a loop saves one layout again and again."""
     return _derived(_Layout(groups, blobs))
 
 

@@ -65,9 +65,6 @@ class ByteEntry:
         }
 
 
-# --------------------------------------------------------------------------- names
-
-
 def param_names(model: Any, optimizer: Any) -> list[str] | None:
     """Each optimizer parameter's name in ``model`` by position; None if one is not the model's."""
     names: dict[int, str] = {}
@@ -101,9 +98,6 @@ def dcp_path(path: KeyPath, optimizers: Mapping[KeyPath, list[str]]) -> KeyPath 
             if pos.isdigit() and int(pos) < len(names) and str(int(pos)) == pos:
                 return (*root, "state", names[int(pos)], *path[n + 2 :])
     return None
-
-
-# --------------------------------------------------------------------------- flattening
 
 
 #: Values nested deeper than this are left to the manifest.
@@ -189,11 +183,9 @@ def plan_bytes(
     taken: set[str],
     optimizers: Mapping[KeyPath, list[str]],
 ) -> list[ByteEntry]:
-    """The byte entries of a state's shared values, their ``torch.save`` bytes made.
-
-    ``taken``: the DCP keys of tensors. Containers, non-plain or large values and values
-    whose DCP keys collide (``a.b`` and ``a`` -> ``b``) are left to the manifest alone.
-    """
+    """The byte entries of a state's shared values (``taken``: the DCP keys of tensors);
+    containers, non-plain or large values and values whose DCP keys collide (``a.b`` and
+    ``a`` -> ``b``) are left to the manifest alone."""
     out: list[ByteEntry] = []
     seen = set(taken)
     clashes: set[str] = set()
@@ -247,9 +239,8 @@ def from_manifest(
     values: Sequence[tuple[KeyPath, Any]], taken: set[str]
 ) -> Callable[[str], bytes | None]:
     """The ``torch.save`` bytes of a checkpoint's value by DCP key (None: none), made from
-    the manifest's values as a save plans them, when first asked for: stock DCP's planner
-    unpickles them, so they never come from the checkpoint's files.
-    """
+    the manifest's values when first asked for: stock DCP's planner unpickles them, so
+    they never come from the checkpoint's files."""
     optimizers = dict(filter(None, (optimizer_names(p, v) for p, v in values)))
     by_key: dict[str, list[Any]] | None = None
 
@@ -264,9 +255,6 @@ def from_manifest(
         return next((data for data in made if data is not None), None)
 
     return value_bytes
-
-
-# --------------------------------------------------------------------------- parsing
 
 
 def parse_byte_entries(

@@ -53,11 +53,8 @@ def check_coverage(
     shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]], what: str
 ) -> None:
     """Every element of a tensor of ``shape`` lies in exactly one box (a reader that trusted
-    the boxes could return a hole, or pick one of two overlapping writes).
-
-    A cell of the grid the box boundaries cut filled twice is an overlap (CorruptCheckpoint);
-    the element counts then leave no cell empty. Over ``LIMITS.coverage_cells``: UnsafeCheckpoint.
-    """
+    the boxes could return a hole, or pick one of two overlapping writes): no cell of the
+    grid the box boundaries cut is filled twice, and the element counts leave none empty."""
     boxes = [(o, s) for o, s in boxes if math.prod(s)]  # empty boxes cover nothing
     if len(boxes) <= 1:
         return

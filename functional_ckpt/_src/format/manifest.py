@@ -119,7 +119,6 @@ class TensorEntry(NamedTuple):
         return f"{self.dtype_name}{list(self.shape)}"
 
     def with_chunks(self, chunks: tuple[Chunk, ...]) -> TensorEntry:
-        """This entry holding ``chunks``."""
         # a save and a restore make one per tensor: without the named tuple's __new__
         return tuple.__new__(TensorEntry, (*self[:5], chunks, *self[6:]))
 
@@ -355,8 +354,6 @@ def assemble(
     )
 
 
-# --------------------------------------------------------------------------- encoding
-
 _PACKER = msgpack.Packer(use_bin_type=True, use_single_float=False, autoreset=True)
 
 
@@ -378,7 +375,6 @@ def _flat(mapping: Mapping[str, Any]) -> list[Any]:
 
 
 def _elements(items: list[Any]) -> bytes:
-    """The packed elements of ``items`` one after the other, without an array header."""
     packed = _pack(items)
     head = _array_header(len(items))
     assert packed.startswith(head)

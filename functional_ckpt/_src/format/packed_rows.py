@@ -40,7 +40,6 @@ def _widths(v: np.ndarray) -> np.ndarray:
 
 
 def _put(buf: np.ndarray, at: np.ndarray, v: np.ndarray, w: np.ndarray) -> None:
-    """Write each ``v`` packed in ``w`` bytes at ``at``."""
     small = w == 1
     buf[at[small]] = v[small]
     for marker, n in _UINTS:

@@ -1,5 +1,4 @@
-"""A recording on disk (docs/simulation.md): its files, its commit marker, and reading
-them back safely.
+"""A recording on disk (docs/simulation.md): its files, its commit marker, reading them.
 
 The header is written once; data segments and the index (one frame per commit) are
 append-only; the marker ``RECORDED``, replaced atomically at each commit, holds the

@@ -1,9 +1,8 @@
 """``Recorder``: append a small state to a recording every k steps, off the loop's thread.
 
-The loop pays one copy of the tensors into a reused staging slot and the encoding
-of the plain values; a background thread appends only the leaves that changed
-since the previous record and commits periodically and at ``close``, so a crash
-loses at most the records after the last commit."""
+The loop pays one copy of the tensors into a reused staging slot and the encoding of
+the plain values; a background thread appends only the leaves that changed since the
+previous record, so a crash loses at most the records after the last commit."""
 
 from __future__ import annotations
 
@@ -175,7 +174,6 @@ class Recorder:
         return True
 
     def _start(self, root: dict[str, Any] | None, leaves: list[Leaf]) -> None:
-        """The first record: the layout, the header, the staging slots, the writer."""
         entries: list[mf.Entry] = []
         pin = False
         for leaf in leaves:

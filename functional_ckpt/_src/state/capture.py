@@ -64,19 +64,8 @@ def is_sharded_module(model: Any) -> bool:
 def _named(
     model: Any, optimizer: Any, scheduler: Any, loader: Any, **extra: Any
 ) -> list[tuple[str, Any]]:
-    """The given stateful objects under their conventional top-level names."""
     named = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader}
     return [(k, v) for k, v in {**named, **extra}.items() if v is not None]
-
-
-def _state_of(name: str, obj: Any) -> Any:
-    if not isinstance(obj, Stateful):
-        raise UnsupportedValue(
-            f"fc.capture({name}=...): {type(obj).__name__} has no "
-            "state_dict()/load_state_dict(); use a resumable object (e.g. torchdata's "
-            "StatefulDataLoader) or put its state in **extra"
-        )
-    return obj.state_dict()
 
 
 def _subtree(name: str, value: Any) -> Any:
@@ -110,7 +99,13 @@ def capture(
         td.set("optimizer", from_python(optim_sd, ("optimizer",)))
         model = optimizer = None
     for name, obj in _named(model, optimizer, scheduler, loader):
-        td.set(name, from_python(_state_of(name, obj), (name,)))
+        if not isinstance(obj, Stateful):
+            raise UnsupportedValue(
+                f"fc.capture({name}=...): {type(obj).__name__} has no "
+                "state_dict()/load_state_dict(); use a resumable object (e.g. torchdata's "
+                "StatefulDataLoader) or put its state in **extra"
+            )
+        td.set(name, from_python(obj.state_dict(), (name,)))
     if model is not None and optimizer is not None:
         _record_param_names(td.get("optimizer"), model, optimizer)
     if rng:
@@ -144,14 +139,6 @@ def _entry(state: TensorDictBase, name: str, hint: str = "") -> Any:
     return to_python(state.get(name))
 
 
-def _load(name: str, obj: Any, state: TensorDictBase) -> None:
-    if not isinstance(obj, Stateful):
-        raise UnsupportedValue(
-            f"fc.apply({name}=...): {type(obj).__name__} has no load_state_dict()"
-        )
-    obj.load_state_dict(_entry(state, name))
-
-
 def apply(
     state: TensorDictBase,
     model: Any = None,
@@ -174,6 +161,10 @@ def apply(
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         model = optimizer = None
     for name, obj in _named(model, optimizer, scheduler, loader, **extra):
-        _load(name, obj, state)
+        if not isinstance(obj, Stateful):
+            raise UnsupportedValue(
+                f"fc.apply({name}=...): {type(obj).__name__} has no load_state_dict()"
+            )
+        obj.load_state_dict(_entry(state, name))
     if rng:
         apply_rng(_entry(state, "rng", "; pass rng=False to skip it"))
