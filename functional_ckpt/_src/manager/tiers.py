@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from functional_ckpt._src.distributed.topology import topology
-from functional_ckpt._src.format.header import header_of, record_of
-from functional_ckpt._src.format.naming import parse_step
 from functional_ckpt._src.manager.provenance import Lineage
 from functional_ckpt._src.manager.writes import Writes
 from functional_ckpt._src.policy.retention import CheckpointLike, RetentionPolicy, plan_deletions
@@ -26,11 +24,10 @@ from functional_ckpt._src.root.resume import newest_readable
 from functional_ckpt._src.root.rollback import Newer
 from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
-from functional_ckpt._src.storage.committed import read_manifest
 from functional_ckpt._src.storage.os_failure import machine_errors
 from functional_ckpt._src.storage.progress import report_progress
 from functional_ckpt._src.storage.ram import promote_newest
-from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
+from functional_ckpt.errors import CheckpointError
 
 T = TypeVar("T")
 
@@ -70,19 +67,11 @@ class Tier(Protocol):
 
 def newest_in_tiers(tiers: Sequence[Tier], read: Callable[[Path], T], root: Path) -> Found[T]:
     """The newest intact step of this run's lineage in any tier, read (a tie to the
-    faster tier); None only if no tier holds one. A checkpoint recording another step
-    than its name is damage: the run would number on from a step its state lacks."""
-
-    def checked(path: Path) -> T:
-        named, recorded = parse_step(path.name), header_of(read_manifest(path)).record.step
-        if named is not None and recorded is not None and named != recorded:
-            raise CorruptCheckpoint(f"{path}: the checkpoint records step {recorded}")
-        return read(path)
-
+    faster tier); None only if no tier holds one."""
     found: Found[T] = None
     with machine_errors(root, "resuming"):  # what ran out, if anything did
         for tier in tiers:
-            found = tier.newest(checked, None if found is None else found[0].step) or found
+            found = tier.newest(read, None if found is None else found[0].step) or found
     return found
 
 
@@ -141,11 +130,10 @@ class DiskTier:
         self.lineage = Lineage(run)
 
     def others(self) -> set[int]:
-        """The root's steps of another lineage (a step named for another is damage)."""
+        """The root's steps of another lineage."""
         held = self.view.infos()
         ours = self.lineage.learn(i.metadata for i in held)
-        named = [i for i in held if record_of(i.metadata).step in (None, i.step)]
-        return {i.step for i in named if not ours(i.metadata, i.path)}
+        return {i.step for i in held if not ours(i.metadata, i.path)}
 
     def infos(self) -> list[StepInfo]:
         """What retention reads: this lineage's readable checkpoints."""
@@ -153,8 +141,9 @@ class DiskTier:
         return [i for i in self.view.infos() if i.step not in others]
 
     def latest(self) -> int | None:
-        """The newest committed step but another lineage's (a save must not be older)."""
-        return max(set(self.steps()) - self.others(), default=None)
+        """The newest step a resume could take, none of another lineage's nor a damaged
+        one (a resume moves those aside): a save must not be older."""
+        return max((i.step for i in self.infos()), default=None)
 
     def open(self, step: int) -> Path:
         return self.view.path(step)
