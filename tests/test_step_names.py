@@ -108,3 +108,15 @@ def test_ls_and_verify_of_a_url_report_a_renamed_remote_step(
     out = capsys.readouterr().out
     assert f"DAMAGED  {url}/{step_name(7)}" in out and "records step 3" in out
     assert "1 of 3 checkpoints damaged" in out
+
+
+def test_a_renamed_step_does_not_stop_the_memory_tier_s_promotion(tmp_path: Path) -> None:
+    root, memory = _renamed(tmp_path / "ckpt"), tmp_path / "mem"
+    tier = fc.manager.Memory(path=memory, save=fc.every_steps(1), async_save=False)
+    with pytest.raises(KeyboardInterrupt), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with fc.CheckpointManager(root, save=fc.policy.never(), tiers=(tier,)) as mgr:
+            mgr.maybe_save(_state(4), step=4)
+            raise KeyboardInterrupt  # a crash: the memory tier's newest is promoted
+    assert (root / step_name(4) / "COMMITTED").is_file()  # was not: "step 7 is newer"
+    assert _resumed(root) == 4

@@ -19,7 +19,7 @@ from functional_ckpt._src.remote.resume import Found
 from functional_ckpt._src.remote.tier import RemoteTier
 from functional_ckpt._src.root import rollback
 from functional_ckpt._src.root.delete import delete
-from functional_ckpt._src.root.listing import StepInfo, committed_steps
+from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt._src.root.resume import newest_readable
 from functional_ckpt._src.root.rollback import Newer
 from functional_ckpt._src.root.view import RootView
@@ -155,10 +155,10 @@ class DiskTier:
         pending = self._writes.pending
         if pending is not None:
             pending.exception(within)  # its failure is reported by the next wait()
-        newest = max(committed_steps(self.view.root), default=-1)
+        newest = self.latest()  # what a save must not be older than, a copy neither
         paths = []
         for step in source.steps():
-            if step > newest:
+            if newest is None or step > newest:
                 with contextlib.suppress(CheckpointError):  # held only in part there
                     paths.append(source.open(step))
         return promote_newest(self.view.root, paths, within)
