@@ -424,3 +424,46 @@ def test_the_unpickling_scan_sees_a_stored_value_loaded() -> None:
         "torch.load(f)",
         "torch.load(f, weights_only=False)",
     ]
+
+
+#: (module path, call) -> how many, and why each reads a checkpoint's header (the
+#: manager's record, its step) other than through ``storage/committed.header_named``.
+HEADER_READS: dict[tuple[str, str], tuple[int, str]] = {
+    ("_src/format/header.py", "record_of"): (1, "header_of itself"),
+    ("_src/storage/committed.py", "header_of"): (1, "header_named itself"),
+    ("_src/root/listing.py", "header_of"): (1, "a leftover's save time: no committed checkpoint"),
+    ("_src/manager/fork.py", "header_of"): (1, "the one checkpoint fork is given by path"),
+    ("_src/restore/contents.py", "header_of"): (1, "the one checkpoint fc.inspect is given"),
+    ("_src/manager/manager.py", "record_of"): (1, "a summary read_info made, already checked"),
+}
+
+
+def header_reads(source: str) -> Counter[str]:
+    """Each call of ``header_of`` or ``record_of`` in ``source``, however imported."""
+    found: Counter[str] = Counter()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func).rpartition(".")[2]
+            if name in ("header_of", "record_of"):
+                found[name] += 1
+    return found
+
+
+def test_the_checkpoints_of_a_root_are_read_through_header_named() -> None:
+    """A ``step_N`` folder whose checkpoint records another step is damage to every
+    reader of a root or a remote (resume, ls, verify, prune, the upload choice, the
+    newer-step guard): one that read the record some other way would take the folder
+    for its name's step, keep it as the newest, upload it, or refuse a save for it."""
+    found = {
+        (p.relative_to(PACKAGE).as_posix(), name): n
+        for p in sorted(PACKAGE.rglob("*.py"))
+        for name, n in header_reads(p.read_text()).items()
+    }
+    assert found == {k: n for k, (n, _) in HEADER_READS.items()}
+
+
+def test_the_header_scan_sees_a_record_read_around_it() -> None:
+    src = (
+        "h = header.header_of(m)\nr = record_of(h.metadata)\nf = header_of\nheader_named(m, 1, p)\n"
+    )
+    assert header_reads(src) == Counter({"header_of": 1, "record_of": 1})

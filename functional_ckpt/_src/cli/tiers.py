@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 from functional_ckpt._src.cli import ui as fmt
 from functional_ckpt._src.cli.ui import UI, Column, Section, UsageError
-from functional_ckpt._src.format.header import header_of
 from functional_ckpt._src.format.naming import parse_step, step_name
 from functional_ckpt._src.manager.provenance import run_of
 from functional_ckpt._src.remote.uploader import read_status
 from functional_ckpt._src.root.listing import RootEntry, committed_steps, read_info
 from functional_ckpt._src.root.run import read_run
+from functional_ckpt._src.storage.committed import header_named
 from functional_ckpt._src.storage.ram import holds_every_file, read_memory_status
 from functional_ckpt._src.storage.usage import dir_size
-from functional_ckpt.errors import CheckpointError
+from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
 if TYPE_CHECKING:
     from functional_ckpt._src.remote.store import Store
@@ -155,28 +155,30 @@ def memory(root: Path) -> Section | None:
 
 
 def ls_remote(args: argparse.Namespace, ui: UI) -> int:
-    """``fckpt ls URL``: the checkpoints of a remote root."""
+    """``fckpt ls URL``: the checkpoints of a remote root (exit status 1 if one is damaged)."""
     store = open_store(args.root)
     columns: list[Column] = [("CHECKPOINT", lambda r: step_name(r["step"]), ""), fmt.STEP]
     columns += [fmt.SAVED, fmt.SIZE, ("STATUS", fmt.cell("status"), ""), fmt.RUN]
-    section = Section("", "", columns)
+    section = Section("", "", [*columns, ("NOTE", fmt.cell("note"), "dim")])
     for step, entry in sorted(store.listing().items()):
-        created, run = None, None
+        created, run, status, note = None, None, "ok" if entry.committed else "partial", ""
         if entry.committed:
-            with contextlib.suppress(CheckpointError, ValueError):
-                head = header_of(store.manifest(step)[1])
+            try:
+                head = header_named(store.manifest(step)[1], step, step_name(step))
                 created, run = head.created, run_of(head.metadata)
+            except CorruptCheckpoint as err:
+                status, note = "damaged", fmt.one_line(err)
+            except (CheckpointError, ValueError):
+                pass
         size = sum(v for v in entry.objects.values() if v > 0)
-        status = "ok" if entry.committed else "partial"
-        section.rows.append(
-            {"step": step, "status": status, "time": created, "size": size, "run": run}
-        )
+        row = {"step": step, "status": status, "time": created, "size": size, "run": run}
+        section.rows.append({**row, "note": note})
     if args.json:
         ui.json(section.rows)
     elif not section.rows:
         ui.print(f"{args.root}: no checkpoints")
     else:
         section.print(ui)
-        committed = sum(r["status"] == "ok" for r in section.rows)
+        committed = sum(r["status"] != "partial" for r in section.rows)
         ui.print(f"\n{committed} committed checkpoints on {args.root}")
-    return 0
+    return 1 if any(r["status"] == "damaged" for r in section.rows) else 0

@@ -14,8 +14,6 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from functional_ckpt._src.distributed.topology import topology
-from functional_ckpt._src.format.header import header_of, record_of
-from functional_ckpt._src.format.naming import parse_step
 from functional_ckpt._src.manager.provenance import Lineage
 from functional_ckpt._src.manager.writes import Writes
 from functional_ckpt._src.policy.retention import CheckpointLike, RetentionPolicy, plan_deletions
@@ -23,17 +21,16 @@ from functional_ckpt._src.remote.resume import Found
 from functional_ckpt._src.remote.tier import RemoteTier
 from functional_ckpt._src.root import rollback
 from functional_ckpt._src.root.delete import delete
-from functional_ckpt._src.root.listing import StepInfo, committed_steps
+from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt._src.root.resume import check_order, newest_readable
 from functional_ckpt._src.root.rollback import Newer
 from functional_ckpt._src.root.run import Run, read_run, record_run
 from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
-from functional_ckpt._src.storage.committed import read_manifest
 from functional_ckpt._src.storage.os_failure import machine_errors
 from functional_ckpt._src.storage.progress import report_progress
 from functional_ckpt._src.storage.ram import promote_newest
-from functional_ckpt.errors import CheckpointError, CheckpointExists, CorruptCheckpoint
+from functional_ckpt.errors import CheckpointError, CheckpointExists
 
 T = TypeVar("T")
 
@@ -73,19 +70,11 @@ class Tier(Protocol):
 
 def newest_in_tiers(tiers: Sequence[Tier], read: Callable[[Path], T], root: Path) -> Found[T]:
     """The newest intact step of this run's lineage in any tier, read (a tie to the
-    faster tier); None only if no tier holds one. A checkpoint recording another step
-    than its name is damage: the run would number on from a step its state lacks."""
-
-    def checked(path: Path) -> T:
-        named, recorded = parse_step(path.name), header_of(read_manifest(path)).record.step
-        if named is not None and recorded is not None and named != recorded:
-            raise CorruptCheckpoint(f"{path}: the checkpoint records step {recorded}")
-        return read(path)
-
+    faster tier); None only if no tier holds one."""
     found: Found[T] = None
     with machine_errors(root, "resuming"):  # what ran out, if anything did
         for tier in tiers:
-            found = tier.newest(checked, None if found is None else found[0].step) or found
+            found = tier.newest(read, None if found is None else found[0].step) or found
     return found
 
 
@@ -145,7 +134,7 @@ class DiskTier:
         self._recorded = self.lineage.recorded
 
     def others(self) -> set[int]:
-        """The root's steps of another lineage (a step named for another is damage)."""
+        """The root's steps of another lineage."""
         held = self.view.infos()
         ours = self.lineage.learn(i.metadata for i in held)
         if ours.recorded != self._recorded and self.writer and self.coordinator:
@@ -153,19 +142,22 @@ class DiskTier:
             run = read_run(self.view.root)  # as the memory tier may have renewed it
             if run is not None and run.id == ours.run:
                 record_run(self.view.root, replace(run, lineage=tuple(sorted(ours.recorded))))
-        named = [i for i in held if record_of(i.metadata).step in (None, i.step)]
-        return {i.step for i in named if not ours(i.metadata, i.path)}
+        return {i.step for i in held if not ours(i.metadata, i.path)}
 
     def infos(self) -> list[StepInfo]:
         """What retention reads: this lineage's readable checkpoints."""
         others = self.others()
         return [i for i in self.view.infos() if i.step not in others]
 
+    def latest(self) -> int | None:
+        """The newest step a resume could take, none of another lineage's nor a damaged
+        one (a resume moves those aside): a save must not be older."""
+        return max((i.step for i in self.infos()), default=None)
+
     def check_save(self, step: int) -> None:
         """Before any write: refuse a save of ``step`` behind this lineage's newest, or
         over another lineage's checkpoint of that step (never replaced)."""
-        others = self.others()
-        check_order(self.view.root, step, max(set(self.steps()) - others, default=None))
+        check_order(self.view.root, step, self.latest())
         self.check_ours(step, f"a save of step {step} would replace it", CheckpointExists)
 
     def check_ours(self, step: int, doing: str, error: type[CheckpointError]) -> None:
@@ -187,10 +179,10 @@ class DiskTier:
         pending = self._writes.pending
         if pending is not None:
             pending.exception(within)  # its failure is reported by the next wait()
-        newest = max(set(committed_steps(self.view.root)) - self.others(), default=-1)
+        newest = self.latest()  # what a save must not be older than, a copy neither
         paths = []  # another lineage's step is no obstacle, and never copied over
         for step in source.steps():
-            if step > newest and not os.path.lexists(self.view.path(step)):
+            if (newest is None or step > newest) and not os.path.lexists(self.view.path(step)):
                 with contextlib.suppress(CheckpointError):  # held only in part there
                     paths.append(source.open(step))
         return promote_newest(self.view.root, paths, within)

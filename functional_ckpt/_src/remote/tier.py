@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format import naming
-from functional_ckpt._src.format.header import header_of
 from functional_ckpt._src.format.kind import is_committed
 from functional_ckpt._src.format.naming import BRANCHES_DIR, step_name
 from functional_ckpt._src.log import done, logger, warn
@@ -36,6 +35,7 @@ from functional_ckpt._src.remote.uploader import Worker, failure, read_status, r
 from functional_ckpt._src.root.delete import delete, remove_all
 from functional_ckpt._src.root.leftovers import remove_downloads
 from functional_ckpt._src.root.listing import committed_steps, read_info, step_dirs
+from functional_ckpt._src.storage.committed import header_named
 from functional_ckpt.errors import (
     CheckpointError,
     CheckpointWarning,
@@ -336,7 +336,8 @@ class RemoteTier:
         """Whether remote ``step``, another checkpoint than the local one recording ``mine``,
         is another lineage's: it stays (reported once). Unread now, the round fails."""
         try:
-            theirs = header_of(retried(partial(self.store.manifest, step))[1]).metadata
+            manifest = retried(partial(self.store.manifest, step))[1]
+            theirs = header_named(manifest, step, self.store.where(step)).metadata
         except (CorruptCheckpoint, IncompleteCheckpoint, RemoteVanished):
             return False  # damaged, or gone meanwhile: no one's checkpoint
         why = self.stranger(theirs, mine)
@@ -357,7 +358,7 @@ class RemoteTier:
         if found is None:
             created, metrics, metadata = 0.0, {}, {}
             with contextlib.suppress(CheckpointError, ValueError):
-                head = header_of(self.store.manifest(step)[1])
+                head = header_named(self.store.manifest(step)[1], step, self.store.where(step))
                 created, metrics = head.created or 0.0, dict(head.record.metrics)
                 metadata = dict(head.metadata)
             found = self._records[step] = (CheckpointRecord(step, created, metrics), metadata)

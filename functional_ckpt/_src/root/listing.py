@@ -38,8 +38,9 @@ class StepInfo:
 
 
 def read_info(path: Path, step: int) -> StepInfo:
-    """The summary of one committed checkpoint; raises only if its manifest is unreadable."""
-    head = header_of(committed.read_manifest(path))
+    """The summary of the committed checkpoint of ``step``; raises if its manifest is
+    unreadable or records another step (``committed.header_named``)."""
+    head = committed.header_named(committed.read_manifest(path), step, path)
     record, when = head.record, 0.0 if head.created is None else head.created
     size = dir_size(path)
     return StepInfo(
@@ -103,7 +104,7 @@ def entry_of(path: Path) -> RootEntry | None:
             entry.detail = "a deletion in progress (or interrupted)"
     elif kind is Kind.COMMITTED:
         try:
-            head = header_of(committed.read_manifest(path))
+            head = committed.header_named(committed.read_manifest(path), parse_step(name), path)
         except (CheckpointError, OSError, ValueError, RecursionError, MemoryError) as err:
             entry.status, entry.detail = "damaged", joined_lines(str(err)) or type(err).__name__
             return entry

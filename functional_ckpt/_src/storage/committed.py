@@ -11,6 +11,7 @@ from typing import Any
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.checksum import crc32
+from functional_ckpt._src.format.header import Header, header_of
 from functional_ckpt._src.format.naming import (
     COMMIT_MARKER,
     DCP_METADATA,
@@ -259,6 +260,22 @@ def read_manifest(path: Path) -> dict[str, Any]:
     """Read and authenticate the manifest of a committed checkpoint."""
     with open_checkpoint(path) as ck:
         return ck.manifest
+
+
+def header_named(manifest: dict[str, Any], step: int | None, where: object) -> Header:
+    """The header of a checkpoint whose name says ``step`` (None: a name of no step), as
+    every reader of a root's or a remote's checkpoints takes it. One recording another
+    step (renamed or copied in by hand) is damage: taken as ``step``, a run would number
+    on from a state it lacks, and listing, retention and uploads would count it as the
+    newest."""
+    head = header_of(manifest)
+    recorded = head.record.step
+    if step is not None and recorded is not None and recorded != step:
+        raise CorruptCheckpoint(
+            f"{where}: named for step {step}, but the checkpoint records step {recorded}; "
+            f"damaged as step {step} (its own name is {naming.step_name(recorded)})"
+        )
+    return head
 
 
 CLASSIFY_LIMIT = 64 << 20  # a damaged .metadata is scanned for hostility up to this size

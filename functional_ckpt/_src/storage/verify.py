@@ -57,6 +57,10 @@ def verify(path: PathLike) -> VerifyReport:
         report.problems.append(Problem(naming.MANIFEST, str(err), naming.MANIFEST))
         return report
     with ck:
+        try:  # its name is what every reader of a root takes it for
+            committed.header_named(ck.manifest, naming.parse_step(src.name), src.name)
+        except CorruptCheckpoint as err:
+            report.problems.append(Problem(naming.MANIFEST, str(err)))
         _verify_open(ck, failed, report)
     report.ok = not report.problems
     return report
