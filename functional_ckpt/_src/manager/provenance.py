@@ -75,8 +75,7 @@ def check_metadata(metadata: Mapping[str, Any] | None, where: str) -> dict[str, 
 
 @dataclass
 class Provenance:
-    """Where a run comes from, as each of its checkpoints records it (``"forked_from"``,
-    ``"rollbacks"``, and ``"run"``: the lineage a resume keeps to, :class:`Lineage`)."""
+    """Where a run comes from, as each of its checkpoints records it (see :class:`Lineage`)."""
 
     cwd: str
     git: str | None = None
@@ -160,7 +159,6 @@ def manager_record(
         "metrics": dict(event.metrics or {}),
         "is_final": event.is_final,
         "running_time": event.time,
-        # A stored state belongs to the policy of this spec and no other.
         "save": {"spec": save.spec, "state": save_state},
         "keep": keep.spec,
     }

@@ -162,8 +162,7 @@ class DiskTier:
         return [i for i in self.view.infos() if i.step not in others]
 
     def check_save(self, step: int) -> None:
-        """Before any write: refuse a save of ``step`` behind this lineage's newest, or
-        over another lineage's checkpoint of that step (never replaced)."""
+        """Before any write: refuse a step behind this lineage's newest or another lineage's."""
         others = self.others()
         check_order(self.view.root, step, max(set(self.steps()) - others, default=None))
         self.check_ours(step, f"a save of step {step} would replace it", CheckpointExists)
