@@ -136,8 +136,7 @@ def ancestors_of(metadata: Mapping[str, Any]) -> list[str]:
 
 
 def stranger(theirs: Mapping[str, Any], mine: Mapping[str, Any]) -> str | None:
-    """Why an upload of a checkpoint recording ``mine`` must not replace one of its step
-    recording ``theirs`` (another lineage's), or None where it may (docs/tiered.md)."""
+    """Why an upload recording ``mine`` must not replace one recording ``theirs``, or None."""
     run, own = run_of(theirs), run_of(mine)
     if run is None or run in (own, *ancestors_of(mine)):
         return None

@@ -149,8 +149,7 @@ class RemoteTier:
             warn(str(told), type(told), stacklevel=3)
 
     def protected(self, local_steps: list[int]) -> set[int]:
-        """Local steps retention must not delete yet: their remote copy is not committed,
-        or is another checkpoint of that step (as the last upload round found)."""
+        """Local steps retention must not delete yet: not copied remotely (as last found)."""
         if self.prune_unuploaded:
             return set()
         with self._lock:
