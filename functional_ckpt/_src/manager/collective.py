@@ -62,8 +62,7 @@ def share_run(run: tuple[Run, bool] | None) -> tuple[Run, bool]:
 
 
 class Votes(NamedTuple):
-    """Every policy's vote on one event: whether to save, export and roll back, and each
-    policy's state after it."""
+    """Every policy's vote on one event (save, export, roll back) and its state after it."""
 
     event: Event
     saved: bool

@@ -4,8 +4,6 @@
 Any ``Mapping``/``Sequence`` will do (an OmegaConf ``DictConfig`` as it comes); a bad
 key is refused with its path and the names known there, before anything is opened.
 What is no plain data (a callable, a clock, credentials) is never written.
-One table (:data:`_OPTIONS`, :data:`_MANAGER`) names each field and how it is read and
-written; the option values hold the defaults and check the rest, naming the field.
 """
 
 from __future__ import annotations
@@ -47,9 +45,8 @@ _Codec = Callable[[Any, str], Any]  # a value and its key path: the value in the
 
 
 def _plain(value: object, path: str) -> Any:
-    """Mappings and sequences (a DictConfig's too) as dicts and lists, all the way down;
-    bounded first, as an untrusted document (parsed YAML shares an aliased node, which
-    a copy would expand once per reference)."""
+    """Mappings and sequences as dicts and lists, bounded first: parsed YAML shares an
+    aliased node, which a copy would expand once per reference."""
     documents.check_bounded(value, path)
     return _copy(value, path)
 
@@ -121,8 +118,7 @@ def _keys(value: object, path: str) -> list[str]:
 
 
 def _spec(policy: SavePolicy | RetentionPolicy, path: str) -> Any:
-    """``policy.spec``, or a ConfigError if part of it was defined outside this package
-    (recorded by type and repr, it has no configuration form)."""
+    """``policy.spec``; a ConfigError if part of it was defined outside this package."""
 
     def outside(spec: object) -> bool:
         if isinstance(spec, dict):
@@ -156,8 +152,7 @@ def _files(files: Mapping[str, Any], path: str) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class _Field:
-    """How one field is read from a config and written back (``write`` None: never, as
-    credentials); ``required`` says what a field without a default is."""
+    """How one field is read and written back (``write`` None: never, as credentials)."""
 
     read: _Codec
     write: _Codec | None = _same
@@ -296,12 +291,8 @@ def manager_arguments(
 
 
 def config_of(mgr: Any) -> dict[str, Any]:
-    """A manager's (``mgr``) configuration, every value spelled; ``manager_arguments``
-    reads it back.
-
-    A remote tier's ``storage_options`` are left out: they may hold credentials, and a
-    configuration is written where anyone may read it (a checkpoint's metadata).
-    """
+    """``mgr``'s configuration, every value spelled, without a remote tier's
+    ``storage_options``: a configuration is written where anyone may read it."""
     settings = mgr._writes.settings
     values = {
         "root": str(mgr.root),

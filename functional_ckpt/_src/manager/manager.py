@@ -312,8 +312,7 @@ class CheckpointManager(RootView):
                     self._prune(set())  # what the uploads protected from retention
         finally:
             self._writes.join_removals()
-            # Interrupted while a save runs, the lock goes once it finished (a second
-            # writer would take its files for leftovers).
+            # Mid-save, the lock goes once the save finished (its files are no one's leftovers).
             running = self._writes.running()
             self._closed = running is None
             if self._lock is not None and running is not None:

@@ -1,8 +1,6 @@
-"""``Memory``: the memory tier as one option value (checked where the user writes it, so
-a configuration file describes it as well as code), and the folder in RAM it names: by
-default ``/dev/shm/fckpt-<uid>-<secret>``, the secret in the root's owner-only run
-record; any folder verified at every open (this user's, not a link, closed to others)
-and tied to its run by a mark, never by a path, so no other user can plant or block it.
+"""``Memory``: the memory tier as one option value (checked where the user writes it), and
+its folder in RAM, verified at every open and tied to its run by a mark, never by a path,
+so no other user can plant or block it.
 """
 
 from __future__ import annotations
@@ -153,10 +151,9 @@ _SHM = Path("/dev/shm")
 def claim_folder(
     path: str | os.PathLike[str] | None, root: Path, run: Run, *, made: bool, retry: bool
 ) -> tuple[Path, Run]:
-    """The tier's folder (made if missing), verified as :func:`_own` says, and the run as
-    it now is. An explicit ``path`` must lie apart from every root. The default one,
-    where another user planted it, is left alone and (``retry``) a new secret drawn for
-    a new one; a run ``made`` now reports the folders of an earlier run of ``root``."""
+    """The tier's folder, verified (:func:`_own`), and the run as it now is. The default,
+    ``/dev/shm/fckpt-<uid>-<secret>`` (the secret in the owner-only run record), planted
+    by another user is left alone and (``retry``) a new secret drawn."""
     if path is not None:
         _check_apart(Path(path), root)
         _own(Path(path), private=False)
@@ -180,8 +177,8 @@ def claim_folder(
 
 
 def _own(folder: Path, *, private: bool) -> None:
-    """Make ``folder`` (mode 0700) if missing; refuse it unless a directory of this user's,
-    not a link, not writable by others (``private``: no access at all)."""
+    """Make ``folder`` (0700) if missing; refuse it unless this user's directory, not a link,
+    not writable by others (``private``: no access at all)."""
     with contextlib.suppress(FileExistsError):
         if not private:
             durable.make_dirs(folder.parent)
@@ -203,8 +200,7 @@ def _own(folder: Path, *, private: bool) -> None:
 
 
 def _check_apart(folder: Path, root: Path) -> None:
-    """Refuse a folder inside or around any root (retention of one would delete the
-    other's checkpoints)."""
+    """Refuse a folder inside or around any root (retention there deletes the other's)."""
     a, b = os.path.realpath(folder), os.path.realpath(root)
     inside = [p for p in (Path(a), *Path(a).parents) if (p / RUN_FILE).exists()]
     around: list[Path] = []
@@ -219,8 +215,7 @@ def _check_apart(folder: Path, root: Path) -> None:
 
 
 def adopt(folder: Path, root: Path, run: Run) -> None:
-    """Mark ``folder`` (locked) as this run's; refuse (never empty) one holding
-    checkpoints of another run, or of no known run."""
+    """Mark ``folder`` as this run's; refuse (never empty) one holding another's checkpoints."""
     mine = {"root": os.path.realpath(root), "run": run.id}
     theirs = opener.read_state(folder / MARK_FILE, "memory tier mark")
     if theirs == mine:
@@ -241,8 +236,7 @@ def adopt(folder: Path, root: Path, run: Run) -> None:
 
 
 def _report_others(root: Path, run: Run) -> None:
-    """Warn of this user's folders holding an earlier run of ``root`` (emptied by hand):
-    never resumed nor removed."""
+    """Warn of this user's folders holding an earlier run of ``root``: never resumed."""
     real = os.path.realpath(root)
     with contextlib.suppress(OSError):
         for path in _SHM.glob(f"fckpt-{os.getuid()}-*"):

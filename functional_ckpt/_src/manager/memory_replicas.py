@@ -2,10 +2,9 @@
 
 A save of step N is written into ``.replicating/step_N`` of each node's folder, each
 shard file sent to its *holders* (the same local rank on the next ``replicas - 1``
-domains), and only then committed by each folder's keeper (its lowest rank): a step
-committed anywhere was complete everywhere. A resume gathers the newest step of one
-history into every folder, then reads it; one plan (:meth:`Replicas._plan`) says who
-sends which file to whom in both.
+domains), then committed by each folder's keeper (its lowest rank): a step committed
+anywhere was complete everywhere. A resume gathers the newest step of one history into
+every folder; one plan (:meth:`Replicas._plan`) says who sends what in both.
 """
 
 from __future__ import annotations
@@ -102,8 +101,7 @@ class Replicas:
         error: BaseException | None,
         steps: Callable[[], list[int]],
     ) -> None:
-        """Every rank, its folder claimed or the ``error`` that refused it; ``steps``: the
-        folder's checkpoints of this run, the only ones it offers."""
+        """``error``: why this rank's folder was refused; ``steps``: its checkpoints of this run."""
         self.folder, self.rank, self.steps = folder, topology().rank, steps
         self.group = groups.checkpoint_group(purpose="replicate")
         groups.checkpoint_group(purpose="memory")  # the tier's saves (beside the disk's)
@@ -144,9 +142,8 @@ class Replicas:
                 commit.remove_tree(top / name)
 
     def replicate(self, step: int, error: BaseException | None) -> BaseException | None:
-        """Phase 2 of a save (every rank): replicas sent, agreed on, committed per folder;
-        with ``error`` (this rank's phase 1 failed) nothing is committed anywhere. A
-        keeper's failed commit is returned (its folder lacks the step, the others hold it)."""
+        """Phase 2 of a save (every rank): replicas sent, agreed on, committed per folder (none
+        after a phase 1 ``error``); a keeper's failed commit is returned (the others hold it)."""
         what, staging, lay = f"memory-tier step {step}", self.staging(step), self.layout
         groups.agree(error, self.group, what)  # and the coordinator committed phase 1
         held: dict[str, int] = {}
@@ -175,9 +172,8 @@ class Replicas:
         return None
 
     def _plan(self, want: dict[int, set[str]], have: dict[int, dict[str, int]]) -> list[Move]:
-        """Who sends which file to whom: each folder's files ``want``-ed that it lacks (in
-        :func:`_order`), each from a folder that ``have``-s it, spread over those folders
-        and over the ranks of both (a node's ranks share its folder)."""
+        """Who sends which file to whom: each folder's lacking ``want``-ed files (in
+        :func:`_order`), spread over the folders that ``have`` them and the ranks of both."""
         lay, moves = self.layout, []
         members = {f: [r for r, g in enumerate(lay.folders) if g == f] for f in set(lay.folders)}
         for k in lay.keepers():
@@ -200,10 +196,9 @@ class Replicas:
         groups.agree(error, self.group, what)
 
     def resume(self, above: int | None, world: int, *, verified: bool) -> int | None:
-        """Every rank: the newest step newer than ``above`` (any rank's) whole somewhere,
-        gathered into every folder. Each file is taken from a copy at its size (the read
-        checks every byte), or, ``verified`` (a read found damage), one that passes its
-        checksums."""
+        """Every rank: the newest step newer than ``above`` whole somewhere, gathered into every
+        folder, each file from a copy at its size (the read checks every byte) or, ``verified``
+        (a read found damage), one passing its checksums."""
         mine = [self._held() if self.keeper else [], -1 if above is None else above]
         told = groups.all_gather_values(mine, self.group)
         reports, floor = [t[0] for t in told], max(t[1] for t in told)
@@ -274,8 +269,7 @@ class Replicas:
         return None
 
     def _intact(self, step: int, holding: dict[int, set[str]]) -> dict[int, set[str]]:
-        """Each folder's files of ``step`` whose every byte passes its checksums (each
-        keeper checks its own folder)."""
+        """Each folder's files of ``step`` passing their checksums (each keeper checks its own)."""
         good: set[str] = set()
         path = self.folder / step_name(step)
         if self.keeper and self.layout.folders[self.rank] in holding:
@@ -300,9 +294,8 @@ class Replicas:
     def _reassemble(
         self, step: int, need: dict[str, int], good: dict[int, set[str]]
     ) -> dict[str, int]:
-        """Each folder gets what it lacks of ``step`` from folders holding it (``good``),
-        then its keeper commits it; returns what this rank's folder fetched from whom.
-        Every rank fails together."""
+        """Each folder gets what it lacks of ``step`` from those holding it (``good``), its
+        keeper commits it; what this rank's folder fetched from whom. All fail together."""
         lay, what, mine = self.layout, f"memory-tier step {step}", self.layout.folders[self.rank]
         final, build = self.folder / step_name(step), self.staging(step)
         have = {f: {n: need[n] for n in good.get(f, ())} for f in set(lay.folders)}
@@ -332,17 +325,15 @@ class Replicas:
 
 
 def _order(name: str) -> tuple[bool, bool, str]:
-    """Shard files first (each rank's to the rank of its number in the other folder,
-    all at once), the commit marker last."""
+    """Shard files first (each rank's to its peer, all at once), the commit marker last."""
     return name == COMMIT_MARKER, parse_shard(name) is None, name
 
 
 def _copies(
     step: int, reports: Sequence[Sequence[Sequence[Any]]], lay: ReplicaLayout, folder: Path
 ) -> tuple[dict[str, int], dict[int, set[str]]]:
-    """What ``step`` needs and what each folder holds of it. Raises (every rank alike:
-    the reports are everyone's) where folders hold two different checkpoints of it: two
-    histories that share a step number are never mixed."""
+    """What ``step`` needs and what each folder holds of it; raises (every rank alike) where
+    folders hold two different checkpoints of it: two histories are never mixed."""
     copies = [
         (lay.folders[r], dict(files), set(have), int(crc))
         for r, rep in enumerate(reports)

@@ -1,9 +1,8 @@
 """The memory tier of a manager's root: checkpoints in RAM, so that a crash costs a step.
 
-Its folder is a root of its own, written without fsync (a power loss empties it
-anyway), locked, marked with its run, removed when its manager closes cleanly. Its
-failures never stop training (a :class:`~functional_ckpt.errors.MemoryTierWarning`).
-Across nodes each folder also holds replicas of other nodes' parts (:mod:`.memory_replicas`).
+Its folder is a root of its own, written without fsync (a power loss empties it anyway),
+locked, marked with its run, removed when its manager closes cleanly. Its failures never
+stop training (``MemoryTierWarning``); across nodes, see :mod:`.memory_replicas`.
 """
 
 from __future__ import annotations
@@ -48,8 +47,7 @@ T = TypeVar("T")
 
 
 class RunView(RootView):
-    """The tier's folder as its run sees it: this run's checkpoints only (another's is
-    never resumed, deleted or built on; reported once, left as it is)."""
+    """The folder as its run sees it: only this run's checkpoints (another's is left alone)."""
 
     def __init__(self, folder: Path, run: str) -> None:
         super().__init__(folder)
@@ -162,8 +160,7 @@ class MemoryTier:
             raise error
 
     def _open(self) -> None:
-        """Lock and mark the folder (this run's only), then recover what a crash of this
-        run left (never in a folder refused as another's), handle signals."""
+        """Lock and mark the folder as this run's, recover what its crash left, handle signals."""
         try:
             self._lock = WriterLock(self.folder)
         except CheckpointError as e:
@@ -238,8 +235,7 @@ class MemoryTier:
             durable.replace_durably(self.root / ram.MEMORY_STATUS, json.dumps(doc).encode())
 
     def decide(self, event: Event) -> bool:
-        """The tier's own policy on ``event`` (its state advances at once: a missed save
-        of the memory tier is not made up later)."""
+        """The tier's own policy on ``event`` (a missed memory-tier save is not made up later)."""
         policy = self.option.save
         due = policy.decide(self.policy_state, event)
         state = policy.update(self.policy_state, event, due)
@@ -249,10 +245,9 @@ class MemoryTier:
         return bool(due)
 
     def save(self, state: State, step: int, metadata: Callable[[], Mapping[str, Any]]) -> None:
-        """Start the checkpoint of ``step`` (off the training thread by default), the
-        previous one collected and room made first: at most ``keep`` (a count) in the
-        folder, which is all its retention. Until the write starts the folder is listed
-        once (this run alone writes it)."""
+        """Start the checkpoint of ``step``, the previous one collected and room made first:
+        at most ``keep`` in the folder, all its retention. Until the write starts the folder
+        is listed once (this run alone writes it)."""
         replicas, self.view.hold = self.replicas, True
         try:
             self.wait(stacklevel=4)
@@ -296,8 +291,7 @@ class MemoryTier:
             self.wait(stacklevel=4)
 
     def _replicate(self, step: int, pending: Any) -> None:
-        """Phase 2 (see :mod:`.memory_replicas`); each rank done once every keeper committed
-        (a ``wait()`` returns with the step listed in every folder)."""
+        """Phase 2 (:mod:`.memory_replicas`): a ``wait()`` returns with the step in every folder."""
         assert self.replicas is not None
         error: BaseException | None = None
         try:
@@ -381,8 +375,7 @@ class MemoryTier:
         return None
 
     def open(self, step: int) -> Path:
-        """The folder's copy of ``step``, if it holds every rank's files (a folder of many
-        ranks may hold only some)."""
+        """The folder's copy of ``step``, if it holds every rank's files (not only some)."""
         path = self.view.path(step)
         if self.replicas is not None and not ram.holds_every_file(path):
             raise CheckpointError(f"{path}: holds only some ranks' files of step {step}")

@@ -75,8 +75,7 @@ def check_metadata(metadata: Mapping[str, Any] | None, where: str) -> dict[str, 
 
 @dataclass
 class Provenance:
-    """Where a run comes from, as each of its checkpoints records it (``"forked_from"``,
-    ``"rollbacks"``, and ``"run"``: the lineage a resume keeps to, :class:`Lineage`)."""
+    """Where a run comes from, as each of its checkpoints records it (see :class:`Lineage`)."""
 
     cwd: str
     git: str | None = None
@@ -137,8 +136,7 @@ def ancestors_of(metadata: Mapping[str, Any]) -> list[str]:
 
 
 def stranger(theirs: Mapping[str, Any], mine: Mapping[str, Any]) -> str | None:
-    """Why an upload of a checkpoint recording ``mine`` must not replace one of its step
-    recording ``theirs`` (another lineage's), or None where it may (docs/tiered.md)."""
+    """Why an upload recording ``mine`` must not replace one recording ``theirs``, or None."""
     run, own = run_of(theirs), run_of(mine)
     if run is None or run in (own, *ancestors_of(mine)):
         return None
@@ -160,7 +158,6 @@ def manager_record(
         "metrics": dict(event.metrics or {}),
         "is_final": event.is_final,
         "running_time": event.time,
-        # A stored state belongs to the policy of this spec and no other.
         "save": {"spec": save.spec, "state": save_state},
         "keep": keep.spec,
     }

@@ -128,8 +128,7 @@ def roll_back(
     root: Path,
     rollback_to: Callable[[int, Mapping[str, Any]], tuple[TensorDict, str | None]],
 ) -> SaveResult:
-    """The rule fired on ``event``: continue from the kept checkpoint it points to
-    (``rollback_to(step, reason)`` gives the state and the branch)."""
+    """The rule fired on ``event``: continue from the kept checkpoint it points to."""
     assert watch.target is not None
     target = choose_target(watch.target, infos)
     if target is None:

@@ -155,8 +155,7 @@ class DiskTier:
         return max((i.step for i in self.infos()), default=None)
 
     def check_save(self, step: int) -> None:
-        """Before any write: refuse a save of ``step`` behind this lineage's newest, or
-        over another lineage's checkpoint of that step (never replaced)."""
+        """Before any write: refuse a step behind this lineage's newest or another lineage's."""
         check_order(self.view.root, step, self.latest())
         self.check_ours(step, f"a save of step {step} would replace it", CheckpointExists)
 

@@ -132,7 +132,6 @@ class Writes:
     def export(self, state: State, export: Export, event: Event) -> Path | None:
         """Write the export of ``event`` now, on this thread."""
         if self.settings.distributed:
-            # Every rank takes part in gathering the sharded weights; rank 0 writes them.
             state = gathered(state, export.select)
             if not self.settings.coordinator:
                 return None
@@ -165,6 +164,5 @@ class Writes:
             removal.join()
 
     def join_removals(self) -> None:
-        if self._removal is not None:
-            self._removal.join()
-            self._removal = None
+        self.removed()
+        self._removal = None

@@ -1,13 +1,9 @@
 """Downloading a remote checkpoint, in parallel, committed locally.
 
-A private directory of the local root receives the objects (all of them, checked by
-:func:`functional_ckpt.verify`; or what one rank reads, checked as it is read), then
-is renamed into place, its marker written just before (and verified with it): a
-killed download leaves no marker, and the root's next writer removes the directory
-(``root/leftovers``). Ranks sharing one root fetch their shares into one such
-directory, which the coordinator commits once every share is durable. Damage is
-:class:`~functional_ckpt.errors.CorruptCheckpoint`; a copy deleted or replaced
-remotely meanwhile is :class:`~functional_ckpt.errors.RemoteVanished`.
+The objects land in a private directory of the root, renamed into place with the
+marker written last: a killed download leaves no marker, and the root's next writer
+removes the directory (``root/leftovers``). Damage is ``CorruptCheckpoint``; a copy
+deleted or replaced remotely meanwhile is ``RemoteVanished``.
 """
 
 from __future__ import annotations
@@ -42,13 +38,8 @@ def download(
     world: int = 0,
 ) -> Path:
     """Download and verify remote ``step``; return it committed as ``into/step_N``
-    (``replace``: over what is there, a rank's part of it).
-
-    ``check=False`` leaves the verification to the caller; with it, ``rank`` fetches
-    only what that rank reads (every part where ``world`` ranks read a checkpoint
-    another world size saved), a copy that restores that rank alone. Whatever a
-    hostile remote manifest holds, the failure is a ``CheckpointError``.
-    """
+    (``replace``: over a rank's part of it). ``check=False`` leaves verifying to the
+    caller; with it, ``rank`` fetches only what that rank reads (:func:`_fetch`)."""
     work = f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"
     try:
         with _damage(store, step):
@@ -60,17 +51,15 @@ def download(
         raise
     commit_shares(store, step, into, work, marker, check=check, replace=replace)
     final = into / step_name(step)
-    # A local copy of a remote checkpoint is flushed to disk in the background: one
-    # torn by a power loss before then fails its checksums, is moved aside, and is
-    # downloaded again (the remote copy is the durable one).
+    # Flushed in the background: a copy torn by a power loss fails its checksums, is
+    # moved aside and downloaded again (the remote copy is the durable one).
     threading.Thread(target=_fsync_all, args=(final, names), daemon=True).start()
     return final
 
 
 def fetch_share(store: Store, step: int, into: Path, work: str, *, rank: int, world: int) -> bytes:
-    """One rank's share of a download into a root the ranks share (:func:`_fetch`),
-    flushed and moved into ``into/<work>/step_N``; the marker, which
-    :func:`commit_shares` writes once every rank's share is durable (none before)."""
+    """One rank's share of a download into a root the ranks share, flushed, in
+    ``into/<work>/step_N``; the marker, written by :func:`commit_shares` once all are."""
     first, mine = rank == 0, into / work / f"rank-{rank}"  # the coordinator: rank 0
     tmp = into / work / step_name(step)
     with _damage(store, step):
@@ -93,9 +82,8 @@ def commit_shares(
     check: bool = False,
     replace: bool = True,
 ) -> None:
-    """Commit what the ranks fetched (:func:`fetch_share`; or one process) into
-    ``into/<work>/step_N`` as ``into/step_N``: marker last, once the remote copy is found
-    unchanged (and, with ``check``, every byte verified); the private directory removed."""
+    """Commit ``into/<work>/step_N`` as ``into/step_N``, marker last, once the remote copy
+    is found unchanged (and, with ``check``, every byte verified)."""
     tmp, final = into / work / step_name(step), into / step_name(step)
     try:
         with _damage(store, step):
@@ -135,15 +123,12 @@ def _fetch(
     world: int = 0,
     metadata: bool = False,
 ) -> tuple[bytes, list[str]]:
-    """Download into ``tmp`` (made here) the manifest and what one reader reads of
-    remote ``step``, no marker (a killed download leaves nothing committed): with
-    ``rank`` None every file; else that rank's part and the files it lists, and
-    (``index``) the files the index lists, ``.metadata`` only with ``metadata``
-    (``world``, the reading world size: every part where another world size saved it,
-    to the reader with ``index``). The marker and the names fetched."""
+    """Download into ``tmp`` what one reader reads of remote ``step``, no marker: every
+    file if ``rank`` is None, else its part and files, with ``index`` the index's files
+    (``.metadata`` with ``metadata``; every part where ``world`` is not the saving one).
+    The marker and the names fetched."""
     marker, manifest = store.manifest(step)
-    # the one validation of a manifest, before any object is fetched: file names,
-    # sizes, entries (a forged table naming the marker or a number is refused here)
+    # validated once, before any fetch: a forged table naming the marker is refused here
     shared = parse_checkpoint(manifest, Path(store.where(step))).shared
     listed = shared.file_sizes.items() if index or rank is None else ()
     sizes = {n: s for n, s in listed if rank is None or metadata or n != naming.DCP_METADATA}
@@ -184,8 +169,7 @@ def _unchanged(store: Store, step: int, marker: bytes) -> None:
 def _present(
     store: Store, step: int, found: dict[str, int], names: list[str], sizes: dict[str, int]
 ) -> None:
-    """Every object of ``names`` is there, those of ``sizes`` at their recorded size
-    (no object is downloaded past it)."""
+    """Every object of ``names`` is there, those of ``sizes`` at their recorded size."""
     missing = [n for n in names if n not in found]
     if missing:
         raise RemoteVanished(
@@ -201,7 +185,6 @@ def _present(
 
 
 def _get(store: Store, step: int, tmp: Path, names: list[str]) -> None:
-    """Download ``names`` into ``tmp``, in parallel (the store's bulk ``get``)."""
     if names:
         store.call(
             store.where(step),

@@ -238,9 +238,6 @@ def _stop(proc: subprocess.Popen[str], owner: int) -> None:
         proc.wait()
 
 
-# ---------------------------------------------------------------------- the child
-
-
 def _die_with(parent: int) -> None:
     """End this process when ``parent`` ends (at once on Linux; else within a second)."""
     with contextlib.suppress(Exception):
@@ -261,6 +258,7 @@ def _die_with(parent: int) -> None:
 
 
 def _serve(parent: int) -> None:
+    """The child process: one ``fs.put`` per request line, one reply line each."""
     _die_with(parent)
     with contextlib.suppress(OSError):
         os.nice(NICENESS)

@@ -1,14 +1,10 @@
 """A resume's side of the remote tier: its newest good step newer than a faster tier's,
 fetched into the local root and read there (``RemoteTier.newest``).
 
-A damaged remote checkpoint is reported as a :class:`RemoteWarning`, its local copy
-moved aside, and the previous one tried. Under ``torch.distributed`` every rank reads
-the same step: the newest every rank holds whole locally, or the coordinator's newest
-good remote one, of which each rank fetches only what it reads, each file checked as
-it is read (``fc.verify`` checks everything when asked); damage any rank finds sends
-every rank to the previous step. Where the ranks share one
-root, their shares land in one private directory the coordinator commits, marker
-last, once every rank's share is durable.
+A damaged remote checkpoint is reported (``RemoteWarning``), its local copy moved
+aside, and the previous one tried. Under ``torch.distributed`` every rank reads the same
+step, the newest all hold locally or the coordinator's newest good remote one, each
+rank fetching what it reads; damage any rank finds sends every rank to the previous step.
 """
 
 from __future__ import annotations
@@ -81,9 +77,8 @@ def newest(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Found
 
 
 def _good(tier: _Remote, above: int | None) -> list[int]:
-    """This lineage's committed remote steps newer than ``above`` not found damaged,
-    newest first; none (with a warning) if the remote cannot be listed while a faster
-    tier holds a step."""
+    """This lineage's good committed remote steps newer than ``above``, newest first;
+    none (with a warning) if the remote cannot be listed while a faster tier holds one."""
     try:
         committed = tier.steps()
     except RemoteError as err:
@@ -101,8 +96,7 @@ def _good(tier: _Remote, above: int | None) -> list[int]:
 
 
 def _ours(tier: _Remote, step: int, path: Path) -> bool:
-    """Whether a local checkpoint is of this run's lineage (a damaged one is read, and
-    reported, like any other)."""
+    """Whether a local checkpoint is this run's (a damaged one is read, and reported)."""
     try:
         return bool(tier.ours(read_info(path, step).metadata, path))
     except (CheckpointError, OSError):
@@ -110,9 +104,8 @@ def _ours(tier: _Remote, step: int, path: Path) -> bool:
 
 
 def _agreed(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Found[T]:
-    """Every rank reads one step (see the module docstring), walking down past damage
-    found on any rank, every rank alike. On the training thread, so on the manager's
-    group (uploads use their own)."""
+    """Every rank reads one step, walking down past damage any rank finds. On the
+    training thread, so on the manager's group (uploads use their own)."""
     from functional_ckpt._src.distributed.groups import all_gather_values, checkpoint_group
 
     group = checkpoint_group(purpose="control")
@@ -137,8 +130,7 @@ def _agreed(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Foun
 
 
 def _verdict(err: BaseException) -> str:
-    """What a failed read says of the checkpoint: damage, another rank's failure, or
-    something about the caller (raised on every rank)."""
+    """A failed read's verdict: damage, another rank's failure, or the caller's error."""
     if isinstance(err, RankFailed):
         return "follow"
     return "damage" if isinstance(err, _DAMAGE) or is_damage(err) else "other"

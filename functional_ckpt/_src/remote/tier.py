@@ -128,15 +128,11 @@ class RemoteTier:
 
     @property
     def parts(self) -> bool:
-        """Whether the ranks' local roots are split (one per machine): each rank's save
-        then keeps its own shard files, and the uploads make every checkpoint whole."""
+        """Whether each rank's root keeps only its shards (the uploads make them whole)."""
         return self.world > 1 and not self.shared
 
-    # ------------------------------------------------------------------ training thread
-
     def copy_in(self, source: object, within: float) -> None:
-        """A local checkpoint committed (``source`` is the disk tier): an upload round runs
-        in the background; it uploads the disk's steps this tier's retention keeps."""
+        """A local checkpoint committed: an upload round runs in the background."""
         if self._worker is not None:
             self._worker.request()
 
@@ -153,8 +149,7 @@ class RemoteTier:
             warn(str(told), type(told), stacklevel=3)
 
     def protected(self, local_steps: list[int]) -> set[int]:
-        """Local steps retention must not delete yet: their remote copy is not committed,
-        or is another checkpoint of that step (as the last upload round found)."""
+        """Local steps retention must not delete yet: not copied remotely (as last found)."""
         if self.prune_unuploaded:
             return set()
         with self._lock:
@@ -170,8 +165,7 @@ class RemoteTier:
         return sorted(committed)
 
     def infos(self) -> list[CheckpointRecord]:
-        """What retention reads of each remote checkpoint of this lineage committed (as
-        last listed)."""
+        """What retention reads of this lineage's remote checkpoints (as last listed)."""
         with self._lock:
             committed = sorted(self._committed)
         return [self._head(s)[0] for s in committed if self.of_lineage(s)]
@@ -186,11 +180,13 @@ class RemoteTier:
             self._claim()  # a root another manager writes is not this one's to change
         for step in steps:
             retried(partial(protocol.remove_step, self.store, step))
-            self._forget(step)
+            with self._lock:
+                self._committed.discard(step)
+            self._records.pop(step, None)
+            self._same.pop(step, None)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until every upload asked for so far has ended; report failures.
-        False if ``timeout`` (seconds) passed first."""
+        """Block until the uploads asked for ended; report failures (False: timed out)."""
         done = True if self._worker is None else self._worker.drain(timeout)
         self.check()
         return done
@@ -212,11 +208,8 @@ class RemoteTier:
 
     def set_aside(self, steps: list[int], branch: str | None) -> None:
         """A rollback's remote part: ``steps`` leave the remote trunk, copied first to
-        ``url/branches/<branch>/`` (marker last) unless ``branch`` is None.
-
-        Runs before the local rollback moves anything: a crash in between leaves the
-        local trunk whole, and the next upload round puts its steps back remotely.
-        """
+        ``url/branches/<branch>/`` unless ``branch`` is None. Before the local rollback:
+        a crash in between leaves the local trunk whole, and uploads put it back."""
         for step in steps:
             if branch is not None and retried(partial(self.store.objects, step)).get(
                 naming.COMMIT_MARKER
@@ -225,21 +218,9 @@ class RemoteTier:
                 retried(partial(protocol.copy_step, self.store, step, dest))
         self.delete(steps)
 
-    def _forget(self, step: int) -> None:
-        """Remote ``step`` is deleted."""
-        with self._lock:
-            self._committed.discard(step)
-        self._records.pop(step, None)
-        self._same.pop(step, None)
-
-    # ------------------------------------------------------------------ resume
-
     def newest(self, read: Callable[[Path], T], above: int | None) -> Found[T]:
-        """The newest good remote step newer than ``above``, fetched and read
-        (:func:`~.resume.newest`); only a writer fetches, a reader follows its root."""
+        """The newest good remote step newer than ``above``, read; a reader follows its root."""
         return resume.newest(self, read, above) if self.writer else None
-
-    # ------------------------------------------------------------------ worker thread
 
     def _round(self) -> None:
         self.store.start_uploads()  # at the open of the manager, not during the first save
@@ -264,8 +245,7 @@ class RemoteTier:
             self._drop_parts(plan["local"])
 
     def _claim(self) -> None:
-        """Before writing remotely: take the remote root (the first time), or raise if
-        another manager took it since (see :data:`LEASE`)."""
+        """Take the remote root (the first time), or raise if another manager took it since."""
         if not self._holding:
             retried(partial(self.store.write_root, LEASE, self._lease))
             self._holding = True
@@ -311,8 +291,7 @@ class RemoteTier:
         return {"upload": upload, "local": sorted(local), "differ": sorted(remote - committed)}
 
     def _others(self, local: dict[int, Path], committed: set[int]) -> set[int]:
-        """Local steps whose remote copy is another checkpoint of that step (another
-        marker): not this one's copy, uploaded over but :meth:`_foreign`. Each compared once."""
+        """Local steps whose remote copy has another marker (each compared once)."""
         out = set()
         for step in sorted(committed & local.keys()):
             try:
@@ -352,8 +331,7 @@ class RemoteTier:
         return why is not None
 
     def _head(self, step: int) -> tuple[CheckpointRecord, Mapping[str, Any]]:
-        """What retention and the lineage read of a remote checkpoint (its manifest, read
-        once)."""
+        """What retention and the lineage read of a remote checkpoint (its manifest, once)."""
         found = self._records.get(step)
         if found is None:
             created, metrics, metadata = 0.0, {}, {}
@@ -408,9 +386,8 @@ class RemoteTier:
     def together(
         self, what: str, action: Callable[[], object], here: bool = True, group: Any = None
     ) -> Any:
-        """``action`` (on this rank if ``here``), then every rank raises if any rank's
-        failed: no rank goes on to the next phase alone. The coordinator's result, on
-        every rank (on ``group``, by default the uploads')."""
+        """``action`` (on this rank if ``here``), then every rank raises if any failed: none
+        goes on alone. The coordinator's result, on every rank (``group``: the uploads')."""
         error: BaseException | None = None
         value = None
         try:

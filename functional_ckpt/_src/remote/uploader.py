@@ -51,8 +51,8 @@ def retried(fn: Callable[[], T]) -> T:
 
 
 class Worker:
-    """One daemon thread that runs ``round()`` after requests, each round serving those
-    made before it (``coalesce=False``: one per request, for ranks' collectives to line up)."""
+    """One daemon thread running ``round()`` for the requests made before it
+    (``coalesce=False``: one per request, for ranks' collectives to line up)."""
 
     def __init__(self, round_: Callable[[], None], *, coalesce: bool = True) -> None:
         self._round = round_
@@ -60,7 +60,6 @@ class Worker:
         self._lock = threading.Condition()
         self._asked = self._done = 0
         self._stopping = False
-        self.crashed: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="fc-upload", daemon=True)
         self._thread.start()
 
@@ -89,9 +88,8 @@ class Worker:
                     return  # stopping, nothing asked for
                 served = self._asked if self._coalesce else self._done + 1
             try:
-                self._round()
-            except BaseException as e:  # recorded by the round itself; this is a bug guard
-                self.crashed = e
+                with contextlib.suppress(BaseException):  # the round records its own failures
+                    self._round()
             finally:
                 with self._lock:
                     self._done = served
