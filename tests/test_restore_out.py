@@ -27,6 +27,25 @@ def test_an_expanded_out_tensor_is_refused_naming_its_key(saved: Path) -> None:
     assert not row.any() and not into["model"]["bias"].any()  # nothing was written
 
 
+@pytest.mark.parametrize("strides", [(1, 1), (2, 2), (2, 1)])
+def test_an_out_tensor_overlapping_itself_without_a_zero_stride_is_refused(
+    saved: Path, strides: tuple[int, int]
+) -> None:
+    backing = torch.zeros(16)
+    into = {"model": {"weight": backing.as_strided((2, 3), strides), "bias": torch.zeros(3)}}
+    with pytest.raises(fc.errors.TemplateMismatch, match=r"'model', 'weight'.*overlaps itself"):
+        fc.restore(saved, out=into)
+    assert not backing.any() and not into["model"]["bias"].any()
+
+
+def test_out_tensors_strided_without_overlap_restore(saved: Path) -> None:
+    backing = torch.zeros(3, 2)  # the weight lands transposed, the bias in every other slot
+    spaced = torch.zeros(6)
+    fc.restore(saved, out={"model": {"weight": backing.t(), "bias": spaced[::2]}})
+    assert torch.equal(backing.t(), torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(spaced, torch.tensor([1.0, 0, 1, 0, 1, 0]))
+
+
 def test_out_leaves_sharing_memory_are_refused_naming_both(saved: Path) -> None:
     flat = torch.zeros(8)
     into = {"model": {"weight": flat[:6].view(2, 3), "bias": flat[4:7]}}
