@@ -13,6 +13,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import shutil
 import signal
 import threading
 import time
@@ -470,6 +471,44 @@ def test_an_incremental_save_builds_on_this_runs_checkpoints_only(tmp_path: Path
             fc.codec.to_python(small_state(2)),
         )
     assert committed(memory) == [9] and fc.verify(foreign).ok  # not this run's: left
+
+
+def test_another_runs_checkpoint_in_the_folder_is_never_saved_over_nor_deleted(
+    tmp_path: Path,
+) -> None:
+    """Another run's checkpoint copied into the folder of a run that then crashes: the
+    relaunch resumes past it, its memory save of that step is refused before any byte (the
+    disk tier's save of the step goes on), and retention and close() leave it."""
+    with fc.CheckpointManager(tmp_path / "theirs") as mgr:
+        mgr.maybe_save({**small_state(5), "w": torch.full((64, 16), 999.0)}, step=5)
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    tier, every = fc.manager.Memory(path=memory, promote_on=()), fc.policy.every_steps(1)
+    with (
+        contextlib.suppress(KeyboardInterrupt),
+        fc.CheckpointManager(root, save=every, tiers=(tier,)) as mgr,
+    ):
+        for step in (1, 2):
+            mgr.maybe_save(small_state(step), step=step)
+        mgr.wait()
+        shutil.copytree(tmp_path / "theirs" / step_name(5), memory / step_name(5))
+        raise KeyboardInterrupt  # a crash keeps the folder
+    theirs = memory / step_name(5)
+    with (
+        pytest.warns(MemoryTierWarning) as caught,
+        fc.CheckpointManager(root, save=every, tiers=(tier,)) as mgr,
+    ):
+        assert mgr.restore_latest(like=small_state(0)) is not None
+        assert mgr.restored_step == 2
+        for step in (3, 4, 5, 6):
+            mgr.maybe_save(small_state(step), step=step)
+        mgr.wait()
+        assert float(fc.restore(theirs)["w"][0, 0]) == 999.0, "replaced"
+        assert committed(memory) == [4, 5, 6]  # keep=2 of this run's, beside theirs
+        assert float(fc.restore(root / step_name(5))["w"][0, 0]) == 5.0  # the disk's own
+    told = [str(w.message) for w in caught]
+    assert sum(f"{theirs}: not a checkpoint of this run" in m for m in told) == 1, told
+    assert sorted(os.listdir(memory)) == [step_name(5)]  # close() removed only this run's
+    assert float(fc.restore(theirs)["w"][0, 0]) == 999.0
 
 
 def test_a_failed_memory_save_warns_and_training_goes_on(

@@ -39,7 +39,13 @@ from functional_ckpt._src.root.run import Run
 from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.state.tree import State
 from functional_ckpt._src.storage import durable, ram
-from functional_ckpt.errors import CheckpointError, MemoryTierWarning, RankFailed, is_damage
+from functional_ckpt.errors import (
+    CheckpointError,
+    CheckpointExists,
+    MemoryTierWarning,
+    RankFailed,
+    is_damage,
+)
 
 __all__ = ["MemoryTier"]
 
@@ -257,7 +263,12 @@ class MemoryTier:
             )
             try:
                 if self.keeper and error is None:
-                    steps = self.steps()
+                    steps, path = self.steps(), self.view.path(step)
+                    if step not in steps and os.path.lexists(path):  # another run's
+                        raise CheckpointExists(
+                            f"{path}: not a checkpoint of this run ({self.run.id}): a memory-"
+                            f"tier save of step {step} would replace it, so nothing was written"
+                        )
                     older = [s for s in steps if s < step]  # and none newer: a run went back
                     kept = {step, *older[len(older) + 1 - self.option.held :]}
                     self.delete([s for s in steps if s not in kept])
