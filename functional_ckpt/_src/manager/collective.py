@@ -100,8 +100,7 @@ def decide(
 
 
 def together(distributed: bool, what: str, check: Callable[..., None], *args: Any) -> None:
-    """``check(*args)``; a refusal by any rank is raised by every rank, naming the rank: one
-    going on alone would wait for the refusing one in the save's collectives."""
+    """``check(*args)``: refused on any rank, refused on all (naming it), or one waits alone."""
     if not distributed:
         return check(*args)
     from functional_ckpt._src.distributed import groups

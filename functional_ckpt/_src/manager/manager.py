@@ -314,7 +314,8 @@ class CheckpointManager(RootView):
         finally:
             self._writes.join_removals()
             # Mid-save, the lock goes once the save finished (its files are no one's leftovers).
-            running = self._writes.running()
+            running = self._writes.pending
+            running = None if running is None or running.done() else running
             self._closed = running is None
             if self._lock is not None and running is not None:
                 running.when_finished(self._lock.release)

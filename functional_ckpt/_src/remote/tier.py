@@ -433,10 +433,9 @@ class RemoteTier:
             remove_all(delete(self.root, [p for s, p in dirs if not self._theirs(s, p)]))
 
     def _theirs(self, step: int, path: Path) -> bool:
-        try:
+        with contextlib.suppress(CheckpointError, OSError):  # a part records no run
             return not self.ours(read_info(path, step).metadata, path)
-        except (CheckpointError, OSError):
-            return False  # a part of this run's: no record of its own
+        return False
 
     def _write_status(self) -> None:
         with self._lock:
