@@ -6,11 +6,12 @@ Each collective here is called by every rank in the same order, or the job hangs
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from tensordict import TensorDict, TensorDictBase
 
+from functional_ckpt import errors
 from functional_ckpt._src import codec
 from functional_ckpt._src.distributed.topology import is_dtensor
 from functional_ckpt._src.manager.rollback_rule import Watch
@@ -96,3 +97,22 @@ def decide(
         return votes
     *chosen, now = coordinator_decides((*votes[1:], event.time))
     return Votes(dataclasses.replace(event, time=now), *chosen)
+
+
+def together(distributed: bool, what: str, check: Callable[..., None], *args: Any) -> None:
+    """``check(*args)``: refused on any rank, refused on all (naming it), or one waits alone."""
+    if not distributed:
+        return check(*args)
+    from functional_ckpt._src.distributed import groups
+
+    error = None
+    try:
+        check(*args)
+    except errors.CheckpointError as e:
+        error = e
+    group = groups.checkpoint_group(purpose="control")
+    reports = groups.answered(what, groups.all_gather_bytes, groups.report(error), group)
+    for rank, told in enumerate(reports):
+        if told:
+            kind, _, message = told.decode().partition("\0")
+            raise getattr(errors, kind, errors.CheckpointError)(f"rank {rank}: {message}")

@@ -20,7 +20,7 @@ from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.format.header import record_of
 from functional_ckpt._src.format.naming import parse_step
 from functional_ckpt._src.log import done, logger
-from functional_ckpt._src.manager.collective import decide, prepare_groups, share_run
+from functional_ckpt._src.manager.collective import decide, prepare_groups, share_run, together
 from functional_ckpt._src.manager.config import config_of, manager_arguments
 from functional_ckpt._src.manager.memory import Memory
 from functional_ckpt._src.manager.memory_tier import MemoryTier
@@ -264,7 +264,8 @@ class CheckpointManager(RootView):
         self._check_open("rollback", writing=True)
         rollback.check_request(newer, branch, reason)
         self.wait()  # a save in flight commits first: it may be one of the newer steps
-        self.disk.check_ours(step, f"rollback({step}) continues this run's only", CheckpointError)
+        doing = f"rollback({step}) continues this run's only"
+        together(self._distributed, doing, self.disk.check_ours, step, doing, CheckpointError)
         state = self.restore(step, like)  # raises, moving nothing, if step is unusable
         done = move_newer(
             self.tiers, self.disk, self.remote, step, newer=newer, branch=branch, reason=reason
@@ -313,7 +314,8 @@ class CheckpointManager(RootView):
         finally:
             self._writes.join_removals()
             # Mid-save, the lock goes once the save finished (its files are no one's leftovers).
-            running = self._writes.running()
+            running = self._writes.pending
+            running = None if running is None or running.done() else running
             self._closed = running is None
             if self._lock is not None and running is not None:
                 running.when_finished(self._lock.release)
@@ -377,7 +379,7 @@ class CheckpointManager(RootView):
         self._watch.next = rule_state
         if saved:
             self.disk.wait()  # at most one save in flight; the previous one must have committed
-            self.disk.check_save(event.step)  # before any write
+            together(self._distributed, f"save({step})", self.disk.check_save, event.step)
         background = exported and self._writes.settings.async_save is not None
         background = background and not self._distributed
         if exported and not background:

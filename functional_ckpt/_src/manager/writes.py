@@ -105,11 +105,6 @@ class Writes:
             if pending.done():
                 self.pending = None
 
-    def running(self) -> PendingSave | None:
-        """The save in flight, if it has not finished."""
-        pending = self.pending
-        return None if pending is None or pending.done() else pending
-
     def wait_staged(self) -> None:
         """Until the state may be mutated again (with ``staging="none"``: committed)."""
         if self.pending is None:

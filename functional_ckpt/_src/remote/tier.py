@@ -423,13 +423,19 @@ class RemoteTier:
                 self._unreported.append(RemoteWarning(str(failed)))
 
     def _drop_parts(self, coordinator_steps: list[int]) -> None:
-        """This rank's parts of steps the coordinator no longer keeps (crash-safely)."""
+        """This rank's parts of steps the coordinator no longer keeps (crash-safely), not
+        another lineage's checkpoint copied into this rank's root."""
         if not coordinator_steps:
             return
         newest, kept = max(coordinator_steps), set(coordinator_steps)
-        doomed = [p for s, p, _ in step_dirs(self.root) if s < newest and s not in kept]
+        dirs = [(s, p) for s, p, _ in step_dirs(self.root) if s < newest and s not in kept]
         with contextlib.suppress(CheckpointError, OSError):
-            remove_all(delete(self.root, doomed))
+            remove_all(delete(self.root, [p for s, p in dirs if not self._theirs(s, p)]))
+
+    def _theirs(self, step: int, path: Path) -> bool:
+        with contextlib.suppress(CheckpointError, OSError):  # a part records no run
+            return not self.ours(read_info(path, step).metadata, path)
+        return False
 
     def _write_status(self) -> None:
         with self._lock:

@@ -1,0 +1,33 @@
+"""The lineage rule (docs/tiered.md) on ranks with a root each: a refusal on one rank's
+root is every rank's, and the manager goes on saving. Real gloo ranks (tests/lineage_ranks_job.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+import functional_ckpt as fc
+from tests.test_dist import launch, wait_all
+
+JOB = Path(__file__).with_name("lineage_ranks_job.py")
+
+
+def test_another_runs_step_on_one_ranks_root_is_refused_by_every_rank(tmp_path: Path) -> None:
+    base, url, other = tmp_path / "job", (tmp_path / "bucket").as_uri(), tmp_path / "other"
+    with fc.CheckpointManager(other) as mgr:
+        mgr.maybe_save({"w": torch.full((8,), 9.0), "step": 3}, step=3)
+    # a rank going on alone would see its collective unanswered after this many seconds
+    done = wait_all(launch(2, str(base), url, str(other), job=JOB, env={"FCKPT_TIMEOUT": "30"}))
+    assert [rc for rc, _, _ in done] == [0, 0], [err[-3000:] for _, _, err in done]
+    seen = [json.loads((base / f"out.{r}.json").read_text()) for r in range(2)]
+    theirs = str(base / "root1" / "step_000000003")
+    assert seen[0] == seen[1], seen  # one decision, taken together
+    assert seen[0]["3"].startswith("CheckpointExists: rank 1: "), seen
+    assert theirs in seen[0]["3"] and "would replace it" in seen[0]["3"], seen
+    assert seen[0]["4"] == "saved", seen
+    assert seen[0]["rollback"].startswith("CheckpointError: rank 1: "), seen
+    assert theirs in seen[0]["rollback"] and "rollback(3)" in seen[0]["rollback"], seen
+    assert float(fc.restore(theirs)["w"][0]) == 9.0, "the other run's checkpoint was written over"
