@@ -17,6 +17,7 @@ import torch
 import functional_ckpt as fc
 from functional_ckpt._src.remote.fetch import download
 from functional_ckpt._src.remote.store import Store
+from functional_ckpt._src.root.run import read_run
 from functional_ckpt.errors import CheckpointError, CheckpointWarning
 
 pytestmark = pytest.mark.usefixtures("fast_retries")
@@ -62,6 +63,8 @@ def test_an_old_machine_never_uploads_over_the_newer_runs_step(
     step4 = remote / "step_000000004"
     run_a, run_b = _run_id(tmp_path / "machine1" / "step_000000003"), _run_id(step4)
     assert run_a != run_b
+    assert fc.inspect(step4).metadata["run"]["until"] == {run_a: 3}  # where B left A
+    assert getattr(read_run(tmp_path / "machine2"), "until", None) == {run_a: 3}  # for good
     with caplog.at_level(logging.WARNING, logger="functional_ckpt"):
         caught = _run(tmp_path / "machine1", url, [4, 6], 100.0, keep=fc.keep_last(1))
     assert _run_id(step4) == run_b, "run B's remote step 4 was replaced"
