@@ -17,7 +17,8 @@ import torch
 import functional_ckpt as fc
 from functional_ckpt._src.remote.fetch import download
 from functional_ckpt._src.remote.store import Store
-from functional_ckpt.errors import CheckpointWarning
+from functional_ckpt._src.root.run import read_run
+from functional_ckpt.errors import CheckpointError, CheckpointWarning
 
 pytestmark = pytest.mark.usefixtures("fast_retries")
 
@@ -51,7 +52,9 @@ def test_an_old_machine_never_uploads_over_the_newer_runs_step(
 ) -> None:
     """Run A uploads 1-3; a fresh root elsewhere resumes A's 3 as run B and uploads 4
     and 5; A's machine comes back, resumes its own 3 and saves 4 and 6: B's remote 4
-    stays B's (reported once), A's 6 is uploaded, A's local 4 is never pruned."""
+    stays B's (reported once), A's 6 is uploaded, A's local 4 is never pruned. B's
+    relaunch, and a fresh root in front of the remote, resume B's 5: A's 6 is not of B's
+    lineage, which left A at step 3."""
     remote = tmp_path / "bucket" / "run"
     remote.parent.mkdir()
     url = remote.as_uri()
@@ -60,6 +63,8 @@ def test_an_old_machine_never_uploads_over_the_newer_runs_step(
     step4 = remote / "step_000000004"
     run_a, run_b = _run_id(tmp_path / "machine1" / "step_000000003"), _run_id(step4)
     assert run_a != run_b
+    assert fc.inspect(step4).metadata["run"]["until"] == {run_a: 3}  # where B left A
+    assert getattr(read_run(tmp_path / "machine2"), "until", None) == {run_a: 3}  # for good
     with caplog.at_level(logging.WARNING, logger="functional_ckpt"):
         caught = _run(tmp_path / "machine1", url, [4, 6], 100.0, keep=fc.keep_last(1))
     assert _run_id(step4) == run_b, "run B's remote step 4 was replaced"
@@ -78,6 +83,10 @@ def test_an_old_machine_never_uploads_over_the_newer_runs_step(
     logged = [r for r in caplog.records if r.getMessage() == said[0]]
     assert logged and logged[0].levelno == logging.WARNING
     assert logged[0].name.startswith("functional_ckpt")
+    for root in (tmp_path / "machine2", tmp_path / "fresh"):
+        with fc.CheckpointManager(root, tiers=(fc.manager.Remote(url),)) as mgr:
+            got = mgr.restore_latest(like=_state(0))
+            assert (mgr.restored_step, float(got["w"][0])) == (5, 5.0), root
 
 
 def test_a_new_run_on_a_used_prefix_keeps_its_step_the_old_run_holds_there(
@@ -85,7 +94,8 @@ def test_a_new_run_on_a_used_prefix_keeps_its_step_the_old_run_holds_there(
 ) -> None:
     """A remote copy counts as this checkpoint's only if it is this checkpoint (same
     marker), and another run's is not uploaded over: the new run's step 2 is neither
-    taken for uploaded (and pruned) nor uploaded over the old run's."""
+    taken for uploaded (and pruned) nor uploaded over the old run's. A fresh root in front
+    of the remote, which holds both unrelated runs' checkpoints, guesses neither."""
     _run(tmp_path / "a", mem, [1, 2])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -100,11 +110,15 @@ def test_a_new_run_on_a_used_prefix_keeps_its_step_the_old_run_holds_there(
     assert float(old["w"][0]) == 2.0, "the old run's remote step 2 was replaced"
     assert float(fc.restore(tmp_path / "b" / "step_000000002")["w"][0]) == 20.0
     assert any("step 2 not uploaded" in str(w.message) for w in caught)
+    fresh = fc.CheckpointManager(tmp_path / "c", tiers=(fc.manager.Remote(mem),))
+    with fresh, pytest.raises(CheckpointError, match=r"unrelated runs .* not guessed"):
+        fresh.restore_latest(like=_state(0))
 
 
 def test_a_copy_of_the_step_of_the_same_lineage_is_replaced(tmp_path: Path, mem: str) -> None:
-    """The run's own older checkpoint of a step (its local one lost here) and an
-    ancestor run's are uploaded over by the run's new checkpoint of that step."""
+    """The run's own older checkpoint of a step (its local one lost here) is uploaded
+    over by the run's new checkpoint of that step; an ancestor run's saved after the run
+    left it is not (it is not of this lineage)."""
     _run(tmp_path / "a", mem, [1, 2, 3, 4])
     shutil.rmtree(tmp_path / "a" / "step_000000004")
     with fc.CheckpointManager(tmp_path / "a", tiers=(fc.manager.Remote(mem),)) as mgr:
@@ -117,6 +131,7 @@ def test_a_copy_of_the_step_of_the_same_lineage_is_replaced(tmp_path: Path, mem:
         mgr.restore_latest(like=_state(0))
         mgr.maybe_save(_state(5, 200.0), step=5)
     _run(tmp_path / "a", mem, [5])
-    _run(tmp_path / "c", mem, [])  # C's 5 goes up over its ancestor's
+    caught = _run(tmp_path / "c", mem, [])  # C left A at 3: A's 5 is not C's to replace
     got = fc.restore(download(Store(mem), 5, tmp_path / "fresh5"))
-    assert float(got["w"][0]) == 205.0
+    assert float(got["w"][0]) == 5.0
+    assert any("step 5 not uploaded" in str(w.message) for w in caught)

@@ -42,8 +42,6 @@ __all__ += ["retention_parts", "scan_root"]
 #: Statuses of a committed checkpoint (``intact`` once ``--verify`` re-read it).
 COMMITTED = ("ok", "damaged", "intact")
 
-# --------------------------------------------------------------------------- what a path is
-
 
 def is_checkpoint_dir(path: Path) -> bool:
     """Holds one checkpoint (ours, committed or not, or a stock DCP one), whatever its name."""
@@ -100,9 +98,6 @@ def is_damaged(row: RootEntry) -> bool:
     """Does listing alone find ``row`` damaged: an unreadable manifest, or a ``step_N``
     directory (a real name, not a save in progress) that lost its commit marker?"""
     return row.status == "damaged" or (row.status == "uncommitted" and row.canonical)
-
-
-# --------------------------------------------------------------------------- damage
 
 
 @dataclass(frozen=True)
@@ -182,9 +177,6 @@ def verify_rows(root: Path, rows: list[RootEntry], ui: UI) -> list[RootEntry]:
     return rows
 
 
-# --------------------------------------------------------------------------- retention
-
-
 def retention_parts(spec: object) -> list[tuple[str, fc.policy.RetentionPolicy]] | None:
     """A recorded retention spec as policy parts, one per ``|`` operand; None if not one.
     A spec is plain data of ``keep_*`` kinds only: nothing read from a checkpoint runs."""
@@ -213,9 +205,6 @@ def policy_from_flags(args: argparse.Namespace) -> list[tuple[str, Any]] | None:
     if args.keep_best is not None:
         parts.append(fc.keep_best(args.keep_best, args.metric, mode=args.mode))
     return [(repr(p), p) for p in parts] or None
-
-
-# --------------------------------------------------------------------------- sections
 
 
 _STATUS_STYLE = {"ok": "ok", "intact": "ok", "damaged": "bad", "quarantined": "bad"}
@@ -288,9 +277,6 @@ def _branches(root: Path) -> Section | None:
     return section if section.rows else None
 
 
-# --------------------------------------------------------------------------- ls
-
-
 def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
     """List a root; exit status 1 when a checkpoint in it is damaged (``--verify`` or not)."""
     if tiers.is_url(args.root):
@@ -328,9 +314,6 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
         for section in shown:
             section.print(ui)
     return 1 if any(is_damaged(r) for r in rows) else 0
-
-
-# --------------------------------------------------------------------------- recordings
 
 
 def recording_summary(rec: Committed) -> dict[str, Any]:
@@ -388,9 +371,6 @@ def _ls_recording(path: Path, args: argparse.Namespace, ui: UI) -> int:
     for line in recording_lines(recording_summary(rec), ui):
         ui.print(line)
     return 0
-
-
-# --------------------------------------------------------------------------- prune
 
 
 def cmd_prune(args: argparse.Namespace, ui: UI) -> int:

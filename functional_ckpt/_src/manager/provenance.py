@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from functional_ckpt._src import codec
-from functional_ckpt._src.format.header import MANAGER_KEY
+from functional_ckpt._src.format.header import MANAGER_KEY, record_of
 from functional_ckpt._src.log import warn
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy import Event, PolicyState, SavePolicy
@@ -84,6 +84,7 @@ class Provenance:
     run: str | None = None
     parent: dict[str, Any] | None = None
     ancestors: list[str] = field(default_factory=list)
+    until: dict[str, int] = field(default_factory=dict)
 
     def metadata(self, record: Mapping[str, Any], user: Mapping[str, Any]) -> dict[str, Any]:
         """Automatic keys, then the user's metadata, then the manager's record."""
@@ -101,7 +102,7 @@ class Provenance:
         if self.run is not None:
             auto["run"] = {"id": self.run, "parent": self.parent}
             if self.ancestors:
-                auto["run"]["ancestors"] = list(self.ancestors)
+                auto["run"].update(ancestors=list(self.ancestors), until=dict(self.until))
         return {**auto, **user, MANAGER_KEY: dict(record)}
 
     def resume(self, metadata: Mapping[str, Any]) -> None:
@@ -119,6 +120,8 @@ class Provenance:
         run, prior = run_of(metadata), ancestors_of(metadata)
         self.parent = {"run": run, "step": step, "manifest_crc32": checksum}
         self.ancestors = prior if run in (None, self.run, *prior) else [*prior, str(run)]
+        until = {**until_of(metadata), str(run): step}  # where this lineage left each ancestor
+        self.until = {r: s for r, s in until.items() if r in self.ancestors and s is not None}
 
 
 def run_of(metadata: Mapping[str, Any]) -> str | None:
@@ -135,10 +138,26 @@ def ancestors_of(metadata: Mapping[str, Any]) -> list[str]:
     return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
 
 
+def until_of(metadata: Mapping[str, Any]) -> dict[str, int]:
+    """Each ancestor's step where a checkpoint's lineage left it (none if unrecorded)."""
+    run = metadata.get("run")
+    found = run.get("until") if isinstance(run, dict) else None
+    return {r: s for r, s in found.items() if type(s) is int} if isinstance(found, dict) else {}
+
+
+def within(metadata: Mapping[str, Any], runs: set[str] | None, until: dict[str, int]) -> bool:
+    """The lineage rule: whether a checkpoint is of the lineage of ``runs`` (None: any),
+    an ancestor's only up to the step ``until`` records where the lineage left it."""
+    run = run_of(metadata)
+    if runs is None or run is None:
+        return True
+    return run in runs and (run not in until or (record_of(metadata).step or 0) <= until[run])
+
+
 def stranger(theirs: Mapping[str, Any], mine: Mapping[str, Any]) -> str | None:
     """Why an upload recording ``mine`` must not replace one recording ``theirs``, or None."""
     run, own = run_of(theirs), run_of(mine)
-    if run is None or run in (own, *ancestors_of(mine)):
+    if run == own or within(theirs, set(ancestors_of(mine)), until_of(mine)):
         return None
     return f"run {run}'s checkpoint, not of this run's lineage ({own})"
 
@@ -208,13 +227,15 @@ def stored_state(
 
 class Lineage:
     """The lineage rule (docs/tiered.md): a checkpoint is this run's to resume, keep and
-    delete when it records no run, this run, or one of its ``"ancestors"``. Until the run
-    has a checkpoint (``run.json`` records its runs from then on) it adopts the one lineage
-    the root holds; between unrelated ones it never guesses. Another's is reported once."""
+    delete when it records no run, this run, or one of its ``"ancestors"`` (up to its step
+    ``"until"`` records). Until the run has a checkpoint (``run.json`` records its runs from
+    then on) it adopts the one lineage the root holds (or else the remote tier's); between
+    unrelated ones it never guesses. Another's is reported once."""
 
     def __init__(self, run: Run | None) -> None:
         self.run = None if run is None else run.id
         self.recorded = set(() if run is None else run.lineage)  # grows, never shrinks
+        self.until = {} if run is None else dict(run.until)  # as does each branch step
         self.runs: set[str] | None = set()  # None: every run's (none held records one)
         self.unrelated: list[str] = []  # the runs held, none of them this lineage's
         self._told: set[str] = set()
@@ -224,16 +245,20 @@ class Lineage:
         held = list(held)
         mine = self.recorded | ({self.run} if self.run is not None else set())
         if self.recorded or any(run_of(m) == self.run for m in held if self.run is not None):
-            ancestors = {a for m in held if run_of(m) in mine for a in ancestors_of(m)}
-            self.runs = self.recorded = mine | ancestors
+            line = [m for m in held if run_of(m) in mine]
+            self.runs = self.recorded = mine | {a for m in line for a in ancestors_of(m)}
+            self.until = self.until | {r: s for m in line for r, s in until_of(m).items()}
             self.unrelated = []
             return self
         lines: dict[str, set[str]] = {}
+        untils: dict[str, dict[str, int]] = {}
         for m in held:
             if (run := run_of(m)) is not None:
                 lines.setdefault(run, {run}).update(ancestors_of(m))
+                untils.setdefault(run, {}).update(until_of(m))
         whole = [r for r in sorted(lines) if lines.keys() <= lines[r]]
         self.runs = None if not lines else lines[whole[0]] if whole else set()
+        self.until = untils[whole[0]] if whole else {}
         self.unrelated = [] if whole else sorted(lines)
         return self
 
@@ -244,8 +269,7 @@ class Lineage:
 
     def holds(self, metadata: Mapping[str, Any]) -> bool:
         """Whether a checkpoint recording ``metadata`` is of this lineage."""
-        run = run_of(metadata)
-        return self.runs is None or run is None or run in self.runs
+        return run_of(metadata) == self.run or within(metadata, self.runs, self.until)
 
     def stranger(self, metadata: Mapping[str, Any], where: object) -> str:
         """What a checkpoint at ``where`` of another lineage is."""

@@ -131,17 +131,19 @@ class DiskTier:
         self._defer = self._behind and topology().distributed
         self.durable = self.local = True
         self.lineage = Lineage(run)
-        self._recorded = self.lineage.recorded
+        self._recorded = (self.lineage.recorded, self.lineage.until)
 
     def others(self) -> set[int]:
         """The root's steps of another lineage."""
         held = self.view.infos()
         ours = self.lineage.learn(i.metadata for i in held)
-        if ours.recorded != self._recorded and self.writer and self.coordinator:
-            self._recorded = ours.recorded  # this lineage's runs, in run.json for good
+        now = (ours.recorded, ours.until)
+        if ours.recorded and now != self._recorded and self.writer and self.coordinator:
+            self._recorded = now  # this lineage's runs and branch steps, in run.json for good
             run = read_run(self.view.root)  # as the memory tier may have renewed it
             if run is not None and run.id == ours.run:
-                record_run(self.view.root, replace(run, lineage=tuple(sorted(ours.recorded))))
+                mine = replace(run, lineage=tuple(sorted(ours.recorded)), until=ours.until)
+                record_run(self.view.root, mine)
         return {i.step for i in held if not ours(i.metadata, i.path)}
 
     def infos(self) -> list[StepInfo]:

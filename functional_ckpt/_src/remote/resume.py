@@ -91,6 +91,9 @@ def _good(tier: _Remote, above: int | None) -> list[int]:
             stacklevel=6,
         )
         return []
+    lineage = tier.ours  # a root holding no run's checkpoint adopts the remote's lineage
+    if lineage.runs is None and lineage.learn(tier._head(s)[1] for s in committed).unrelated:
+        raise CheckpointError(lineage.unsure(tier.url))
     newer = (s for s in committed if s not in tier.bad and (above is None or s > above))
     return sorted((s for s in newer if tier.of_lineage(s)), reverse=True)
 

@@ -8,7 +8,7 @@ import contextlib
 import json
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from functional_ckpt._src.storage import durable, opener
@@ -22,11 +22,12 @@ RUN_FILE = "run.json"
 class Run:
     """A root's run: ``id`` recorded in every checkpoint; ``secret`` names its RAM folder;
     ``lineage``: the runs its checkpoints continue, once it has any (its own deletions
-    never make another run's checkpoints its own)."""
+    never make another run's checkpoints its own), ``until`` the step each was left at."""
 
     id: str
     secret: str
     lineage: tuple[str, ...] = ()
+    until: dict[str, int] = field(default_factory=dict)
 
 
 def read_run(root: Path) -> Run | None:
@@ -39,7 +40,8 @@ def read_run(root: Path) -> Run | None:
         return None
     found = doc.get("lineage")
     lineage = tuple(r for r in found if isinstance(r, str)) if isinstance(found, list) else ()
-    return Run(rid, secret, lineage)
+    until = doc["until"] if isinstance(doc.get("until"), dict) else {}
+    return Run(rid, secret, lineage, {r: s for r, s in until.items() if type(s) is int})
 
 
 def open_run(root: Path, *, new_secret: bool = False) -> tuple[Run, bool]:
@@ -48,8 +50,7 @@ def open_run(root: Path, *, new_secret: bool = False) -> tuple[Run, bool]:
     run = read_run(root)
     made = run is None
     if run is None or new_secret:
-        lineage = () if run is None else run.lineage
-        run = Run(secrets.token_hex(16) if run is None else run.id, secrets.token_hex(16), lineage)
+        run = replace(run or Run(secrets.token_hex(16), ""), secret=secrets.token_hex(16))
         record_run(root, run)
     return run, made
 
@@ -57,7 +58,7 @@ def open_run(root: Path, *, new_secret: bool = False) -> tuple[Run, bool]:
 def record_run(root: Path, run: Run) -> None:
     """Write ``run`` as ``root``'s (under the writer's lock), crash-safely, owner-only."""
     path = root / RUN_FILE
-    doc = {"run": run.id, "secret": run.secret, "lineage": list(run.lineage)}
+    doc = {"run": run.id, "secret": run.secret, "lineage": list(run.lineage), "until": run.until}
     try:
         durable.replace_durably(path, json.dumps(doc).encode())
     except OSError as e:  # a directory or a special file in its place: not ours to fix
