@@ -1,26 +1,19 @@
 """Policies: pure, composable decisions about *when* to save and *which* checkpoints to
 keep, and the readers of their plain-data form (``policy.spec``). See docs/policies.md."""
 
-from functional_ckpt._src.policy import (
-    Event,
-    PolicySpec,
-    PolicyState,
-    SavePolicy,
-    SignalPolicy,
+from functional_ckpt._src.policy.base import Event, PolicySpec, PolicyState, SavePolicy, run_policy
+from functional_ckpt._src.policy.config import policy_from_config, retention_from_config
+from functional_ckpt._src.policy.degrade import on_degrade
+from functional_ckpt._src.policy.leaves import (
     always,
     at_steps,
     every_epochs,
     every_secs,
     every_steps,
     never,
-    on_degrade,
     on_final,
     on_improve,
-    on_signal,
-    policy_from_config,
-    run_policy,
 )
-from functional_ckpt._src.policy.config import retention_from_config
 from functional_ckpt._src.policy.retention import (
     CheckpointLike,
     CheckpointRecord,
@@ -33,6 +26,7 @@ from functional_ckpt._src.policy.retention import (
     keep_within,
     plan_deletions,
 )
+from functional_ckpt._src.policy.signals import SignalPolicy, on_signal
 
 __all__ = ["CheckpointLike", "CheckpointRecord", "Event", "PolicySpec", "PolicyState"]
 __all__ += ["RetentionPolicy", "SavePolicy", "SignalPolicy", "always", "at_steps", "best_steps"]

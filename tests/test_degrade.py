@@ -19,7 +19,9 @@ import torch
 import functional_ckpt as fc
 from functional_ckpt._src import cli
 from functional_ckpt._src.manager.rollback_rule import SaveResult, choose_target
-from functional_ckpt._src.policy import Event, on_degrade, policy_from_config, run_policy
+from functional_ckpt._src.policy.base import Event, run_policy
+from functional_ckpt._src.policy.config import policy_from_config
+from functional_ckpt._src.policy.degrade import on_degrade
 from functional_ckpt._src.root.listing import StepInfo
 
 

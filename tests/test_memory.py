@@ -593,7 +593,7 @@ def test_sigterm_beside_on_signal_promotes_and_the_run_goes_on(
 
 
 def mgr_event(step: int) -> Any:
-    from functional_ckpt._src.policy import Event
+    from functional_ckpt._src.policy.base import Event
 
     return Event(step=step)
 

@@ -20,10 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from functional_ckpt._src import codec
-from functional_ckpt._src.policy import (
-    Event,
-    PolicyState,
-    SavePolicy,
+from functional_ckpt._src.policy.base import Event, PolicyState, SavePolicy, run_policy
+from functional_ckpt._src.policy.config import policy_from_config, stored_spec
+from functional_ckpt._src.policy.leaves import (
     always,
     at_steps,
     every_epochs,
@@ -32,11 +31,8 @@ from functional_ckpt._src.policy import (
     never,
     on_final,
     on_improve,
-    on_signal,
-    policy_from_config,
-    run_policy,
 )
-from functional_ckpt._src.policy.config import stored_spec
+from functional_ckpt._src.policy.signals import on_signal
 from functional_ckpt.errors import CheckpointError, ConfigError, PolicyError
 from tests import prefork
 from tests.patience import HANG, eventually

@@ -25,7 +25,7 @@ from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.format.naming import EXPORT_INDEX, EXPORT_WEIGHTS
 from functional_ckpt._src.log import done, logger
 from functional_ckpt._src.paths import PathLike
-from functional_ckpt._src.policy import SavePolicy
+from functional_ckpt._src.policy.base import SavePolicy
 from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all
 from functional_ckpt._src.restore.api import restore
 from functional_ckpt._src.state.tree import as_state, from_python, iter_leaves

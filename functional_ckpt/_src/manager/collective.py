@@ -15,7 +15,7 @@ from functional_ckpt import errors
 from functional_ckpt._src import codec
 from functional_ckpt._src.distributed.topology import is_dtensor
 from functional_ckpt._src.manager.rollback_rule import Watch
-from functional_ckpt._src.policy import Event, PolicyState, SavePolicy
+from functional_ckpt._src.policy.base import Event, PolicyState, SavePolicy
 from functional_ckpt._src.root.run import Run
 from functional_ckpt._src.state.tree import Leaf, leaves_of, unflatten
 

@@ -19,7 +19,7 @@ from functional_ckpt._src.codec import documents
 from functional_ckpt._src.export.safetensors import Export, parse_size
 from functional_ckpt._src.manager.memory import Memory
 from functional_ckpt._src.manager.options import TIERS, AsyncSave, Disk, TierOptions
-from functional_ckpt._src.policy import SavePolicy
+from functional_ckpt._src.policy.base import SavePolicy
 from functional_ckpt._src.policy.config import (
     Relaunch,
     at_key,

@@ -15,7 +15,7 @@ from functional_ckpt._src.format.naming import step_in_name
 from functional_ckpt._src.manager.manager import CheckpointManager
 from functional_ckpt._src.manager.provenance import AUTO_KEYS, Provenance, git_commit
 from functional_ckpt._src.paths import PathLike
-from functional_ckpt._src.policy import never
+from functional_ckpt._src.policy.leaves import never
 from functional_ckpt._src.policy.retention import keep_all
 from functional_ckpt._src.restore.api import restore
 from functional_ckpt._src.save.api import save

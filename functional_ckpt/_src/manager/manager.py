@@ -54,8 +54,9 @@ from functional_ckpt._src.manager.tiers import (
 )
 from functional_ckpt._src.manager.writes import Writes, WriteSettings
 from functional_ckpt._src.paths import PathLike
-from functional_ckpt._src.policy import Event, PolicyState, SavePolicy, every_steps
+from functional_ckpt._src.policy.base import Event, PolicyState, SavePolicy
 from functional_ckpt._src.policy.config import Relaunch
+from functional_ckpt._src.policy.leaves import every_steps
 from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all
 from functional_ckpt._src.remote.options import Remote
 from functional_ckpt._src.remote.tier import RemoteTier

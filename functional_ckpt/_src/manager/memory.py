@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from functional_ckpt._src.log import warn
-from functional_ckpt._src.policy import SavePolicy, every_steps
+from functional_ckpt._src.policy.base import SavePolicy
+from functional_ckpt._src.policy.leaves import every_steps
 from functional_ckpt._src.policy.retention import RetentionPolicy
 from functional_ckpt._src.root.listing import committed_steps
 from functional_ckpt._src.root.run import RUN_FILE, Run, open_run

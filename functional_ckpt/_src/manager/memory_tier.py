@@ -30,7 +30,7 @@ from functional_ckpt._src.manager.memory_replicas import STAGING, Replicas
 from functional_ckpt._src.manager.options import AsyncSave
 from functional_ckpt._src.manager.provenance import run_of
 from functional_ckpt._src.manager.writes import Writes, WriteSettings
-from functional_ckpt._src.policy import Event, PolicyState
+from functional_ckpt._src.policy.base import Event, PolicyState
 from functional_ckpt._src.root.delete import delete, remove_all
 from functional_ckpt._src.root.leftovers import recover_leftovers
 from functional_ckpt._src.root.listing import StepInfo

@@ -12,7 +12,7 @@ from typing import Any
 
 from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.manager.memory import Memory
-from functional_ckpt._src.policy import SavePolicy
+from functional_ckpt._src.policy.base import SavePolicy
 from functional_ckpt._src.policy.retention import RetentionPolicy
 from functional_ckpt._src.remote.options import Remote
 from functional_ckpt._src.save.staging import Staging, check_staging

@@ -20,7 +20,7 @@ from functional_ckpt._src import codec
 from functional_ckpt._src.format.header import MANAGER_KEY, record_of
 from functional_ckpt._src.log import warn
 from functional_ckpt._src.paths import PathLike
-from functional_ckpt._src.policy import Event, PolicyState, SavePolicy
+from functional_ckpt._src.policy.base import Event, PolicyState, SavePolicy
 from functional_ckpt._src.policy.config import stored_spec
 from functional_ckpt._src.policy.retention import RetentionPolicy
 from functional_ckpt._src.root.run import Run

@@ -14,8 +14,7 @@ from typing import Any
 from tensordict import TensorDict
 
 from functional_ckpt._src.manager.provenance import stored_state
-from functional_ckpt._src.policy import Event, PolicyState, SavePolicy
-from functional_ckpt._src.policy.base import AllOf, AnyOf, Not
+from functional_ckpt._src.policy.base import AllOf, AnyOf, Event, Not, PolicyState, SavePolicy
 from functional_ckpt._src.policy.degrade import OnDegrade
 from functional_ckpt._src.policy.retention import best_steps
 from functional_ckpt._src.root.listing import StepInfo

@@ -16,7 +16,7 @@ from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.format.naming import parse_step
 from functional_ckpt._src.manager.collective import gathered
 from functional_ckpt._src.manager.options import AsyncSave
-from functional_ckpt._src.policy import Event
+from functional_ckpt._src.policy.base import Event
 from functional_ckpt._src.remote.tier import RemoteTier
 from functional_ckpt._src.root.delete import remove_all
 from functional_ckpt._src.root.view import RootView
