@@ -173,28 +173,43 @@ def spec_problem(e: TensorEntry, t: torch.Tensor, cast: bool) -> str | None:
 def refuse_overlaps(written: Iterable[tuple[KeyPath, torch.Tensor]]) -> None:
     """Refuse ``out=`` leaves that two saved elements would land on, before a byte is
     written: a tensor overlapping itself (expanded), or two sharing memory without being
-    one tensor (a tie). Spans are compared, so views interleaved in one buffer count too."""
-    problems, spans = [], []
+    one tensor (a tie). Spans are compared, so views interleaved in one buffer count too.
+    A restore into many small tensors pays for this, so contiguous ones take a short cut."""
+    problems: list[str] = []
+    spans: dict[torch.device, list[tuple[int, int, torch.Tensor, KeyPath]]] = {}
     for p, t in written:
-        t = getattr(t, "_local_tensor", t)  # a DTensor: its shard
+        if type(t) is not torch.Tensor:
+            t = getattr(t, "_local_tensor", t)  # a DTensor: its shard
         if t.is_meta or not t.numel():
             continue
-        if _may_overlap_itself(t):
+        start = t.data_ptr()
+        if t.is_contiguous():
+            end = start + t.nbytes
+        elif _may_overlap_itself(t):
             problems.append(f"  {format_path(p)}: overlaps itself; pass a tensor of its own")
             continue
-        end = t.data_ptr() + t.element_size() * (
-            1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-        )
-        spans.append((str(t.device), t.data_ptr(), end, (t.dtype, t.shape, t.stride()), p))
-    spans.sort(key=lambda s: s[:3])
-    reach = None  # of the spans so far, the one ending last
-    for b in spans:
-        if reach and reach[0] == b[0] and b[1] < reach[2] and reach[1::2] != b[1::2]:
-            problems.append(f"  {format_path(b[4])} shares memory with {format_path(reach[4])}")
-        if not reach or reach[0] != b[0] or b[2] > reach[2]:
-            reach = b
+        else:
+            reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+            end = start + t.element_size() * (1 + reach)
+        spans.setdefault(t.device, []).append((start, end, t, p))
+    for found in spans.values():
+        found.sort(key=lambda s: s[:2])
+        last = found[0]  # of the spans so far, the one ending last
+        for b in found[1:]:
+            if b[0] < last[1] and not _tie(last, b):
+                problems.append(f"  {format_path(b[3])} shares memory with {format_path(last[3])}")
+            if b[1] > last[1]:
+                last = b
     if problems:
         raise TemplateMismatch("out= cannot receive the checkpoint:\n" + "\n".join(problems))
+
+
+def _tie(
+    a: tuple[int, int, torch.Tensor, KeyPath], b: tuple[int, int, torch.Tensor, KeyPath]
+) -> bool:
+    """The same tensor in two places: one start, one layout."""
+    x, y = a[2], b[2]
+    return a[:2] == b[:2] and (x.dtype, x.shape, x.stride()) == (y.dtype, y.shape, y.stride())
 
 
 def _may_overlap_itself(t: torch.Tensor) -> bool:
