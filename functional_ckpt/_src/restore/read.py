@@ -178,25 +178,25 @@ def refuse_overlaps(written: Iterable[tuple[KeyPath, torch.Tensor]]) -> None:
     problems: list[str] = []
     spans: dict[torch.device, list[tuple[int, int, torch.Tensor, KeyPath]]] = {}
     for p, t in written:
-        if type(t) is not torch.Tensor:
-            t = getattr(t, "_local_tensor", t)  # a DTensor: its shard
+        t = getattr(t, "_local_tensor", t)  # a DTensor: its shard
         if t.is_meta or not t.numel():
             continue
         start = t.data_ptr()
         if t.is_contiguous():
             end = start + t.nbytes
-        elif _may_overlap_itself(t):
+        elif (reach := _reach(t)) is None:
             problems.append(f"  {format_path(p)}: overlaps itself; pass a tensor of its own")
             continue
         else:
-            reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
             end = start + t.element_size() * (1 + reach)
         spans.setdefault(t.device, []).append((start, end, t, p))
     for found in spans.values():
         found.sort(key=lambda s: s[:2])
         last = found[0]  # of the spans so far, the one ending last
         for b in found[1:]:
-            if b[0] < last[1] and not _tie(last, b):
+            x, y = last[2], b[2]  # a tie: the same tensor twice
+            tie = b[:2] == last[:2] and x.dtype == y.dtype and x.is_set_to(y)
+            if b[0] < last[1] and not tie:
                 problems.append(f"  {format_path(b[3])} shares memory with {format_path(last[3])}")
             if b[1] > last[1]:
                 last = b
@@ -204,23 +204,16 @@ def refuse_overlaps(written: Iterable[tuple[KeyPath, torch.Tensor]]) -> None:
         raise TemplateMismatch("out= cannot receive the checkpoint:\n" + "\n".join(problems))
 
 
-def _tie(
-    a: tuple[int, int, torch.Tensor, KeyPath], b: tuple[int, int, torch.Tensor, KeyPath]
-) -> bool:
-    """The same tensor in two places: one start, one layout."""
-    x, y = a[2], b[2]
-    return a[:2] == b[:2] and (x.dtype, x.shape, x.stride()) == (y.dtype, y.shape, y.stride())
-
-
-def _may_overlap_itself(t: torch.Tensor) -> bool:
-    """Unless each stride, smallest first, steps past all the smaller ones reach, two
-    indices may meet (torch's own check answers only for expanded and dense tensors)."""
+def _reach(t: torch.Tensor) -> int | None:
+    """How many elements past its first ``t`` reaches; None where two indices may meet:
+    unless each stride, smallest first, steps past all the smaller ones reach (torch's
+    own check answers only for expanded and dense tensors)."""
     reach = 0
     for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride(), strict=True) if n > 1):
         if stride <= reach:
-            return True
+            return None
         reach += (size - 1) * stride
-    return False
+    return reach
 
 
 def tensor_spec(t: torch.Tensor) -> str:
