@@ -24,10 +24,17 @@ def test_another_runs_step_on_one_ranks_root_is_refused_by_every_rank(tmp_path: 
     assert [rc for rc, _, _ in done] == [0, 0], [err[-3000:] for _, _, err in done]
     seen = [json.loads((base / f"out.{r}.json").read_text()) for r in range(2)]
     theirs = str(base / "root1" / "step_000000003")
-    assert seen[0] == seen[1], seen  # one decision, taken together
-    assert seen[0]["3"].startswith("CheckpointExists: rank 1: "), seen
-    assert theirs in seen[0]["3"] and "would replace it" in seen[0]["3"], seen
-    assert seen[0]["4"] == "saved", seen
-    assert seen[0]["rollback"].startswith("CheckpointError: rank 1: "), seen
-    assert theirs in seen[0]["rollback"] and "rollback(3)" in seen[0]["rollback"], seen
+    # one decision, taken together: rank 1 raises its refusal, rank 0 a RankFailed naming it
+    for got in (seen[0]["3"], seen[1]["3"]):
+        assert theirs in got and "would replace it" in got, seen
+    assert seen[1]["3"].startswith("CheckpointExists: "), seen
+    assert (
+        seen[0]["3"].startswith("RankFailed: ")
+        and "rank 1 failed: CheckpointExists" in seen[0]["3"]
+    )
+    assert seen[0]["4"] == seen[1]["4"] == "saved", seen
+    for got in (seen[0]["rollback"], seen[1]["rollback"]):
+        assert theirs in got and "rollback(3)" in got, seen
+    assert seen[1]["rollback"].startswith("CheckpointError: "), seen
+    assert "rank 1 failed: CheckpointError" in seen[0]["rollback"], seen
     assert float(fc.restore(theirs)["w"][0]) == 9.0, "the other run's checkpoint was written over"

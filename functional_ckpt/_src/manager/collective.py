@@ -100,7 +100,7 @@ def decide(
 
 
 def together(distributed: bool, what: str, check: Callable[..., None], *args: Any) -> None:
-    """``check(*args)``: refused on any rank, refused on all (naming it), or one waits alone."""
+    """``check(*args)``: refused on any rank, refused on all (:func:`groups.agree`)."""
     if not distributed:
         return check(*args)
     from functional_ckpt._src.distributed import groups
@@ -110,9 +110,4 @@ def together(distributed: bool, what: str, check: Callable[..., None], *args: An
         check(*args)
     except errors.CheckpointError as e:
         error = e
-    group = groups.checkpoint_group(purpose="control")
-    reports = groups.answered(what, groups.all_gather_bytes, groups.report(error), group)
-    for rank, told in enumerate(reports):
-        if told:
-            kind, _, message = told.decode().partition("\0")
-            raise getattr(errors, kind, errors.CheckpointError)(f"rank {rank}: {message}")
+    groups.agree(error, groups.checkpoint_group(purpose="control"), what)

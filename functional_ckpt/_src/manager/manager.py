@@ -39,7 +39,7 @@ from functional_ckpt._src.manager.provenance import (
     git_commit,
     manager_record,
     stored_state,
-    stranger,
+    upload_refusal,
 )
 from functional_ckpt._src.manager.rollback_rule import SaveResult, Watch, roll_back
 from functional_ckpt._src.manager.tiers import (
@@ -169,7 +169,7 @@ class CheckpointManager(RootView):
             behind.ours = self.disk.lineage
             self.disk.others()  # learnt before the first upload round chooses what to upload
             behind.copy_in(self.disk, 0.0)  # which resumes what a crash interrupted
-            behind.stranger = stranger  # whose remote checkpoint an upload leaves alone
+            behind.upload_refusal = upload_refusal  # whose remote checkpoint an upload leaves alone
         if self.memory is not None:
             self.tiers.insert(0, self.memory)
             self.memory.promote = partial(promote, self.tiers, self.memory)

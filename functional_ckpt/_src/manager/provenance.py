@@ -154,7 +154,7 @@ def within(metadata: Mapping[str, Any], runs: set[str] | None, until: dict[str, 
     return run in runs and (run not in until or (record_of(metadata).step or 0) <= until[run])
 
 
-def stranger(theirs: Mapping[str, Any], mine: Mapping[str, Any]) -> str | None:
+def upload_refusal(theirs: Mapping[str, Any], mine: Mapping[str, Any]) -> str | None:
     """Why an upload recording ``mine`` must not replace one recording ``theirs``, or None."""
     run, own = run_of(theirs), run_of(mine)
     if run == own or within(theirs, set(ancestors_of(mine)), until_of(mine)):
