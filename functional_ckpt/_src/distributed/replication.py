@@ -39,10 +39,10 @@ class Move:
     size: int
 
 
-def transfer(moves: Sequence[Move], source: Path, target: Path, group: Any) -> int:
+def transfer(moves: Sequence[Move], source: Path, target: Path, group: Any, what: str) -> int:
     """Carry out this rank's ``moves`` (every rank calls it with the same list), from the
-    directory ``source`` into ``target``; returns the bytes moved. A local failure
-    raises only once every move is done, so only a dead rank keeps one waiting."""
+    directory ``source`` into ``target``; returns the bytes moved. A local failure fails
+    every rank, once every move is done: only a dead rank keeps one waiting."""
     rank, t0, moved = dist.get_rank(group), time.perf_counter(), 0
     failed: list[BaseException] = []
     for tag, move in enumerate(moves):
@@ -51,12 +51,11 @@ def transfer(moves: Sequence[Move], source: Path, target: Path, group: Any) -> i
         try:  # a local failure still moves every byte: the others' moves wait on them
             _carry(move, tag, group, source / move.name if move.src == rank else None, target)
             moved += move.size
-        except groups.Unanswered:  # a peer is gone: no later move can finish either
-            raise
-        except (OSError, CheckpointError) as e:
+        except Exception as e:
             failed.append(e)
-    if failed:
-        raise failed[0]
+            if isinstance(e, groups.Unanswered):  # a peer is gone: no later move can finish
+                break
+    groups.agree(failed[0] if failed else None, group, what)
     if any(m.dst == rank and m.src != m.dst for m in moves):  # where the bytes landed
         done(_LOG, "replicated", target, seconds=time.perf_counter() - t0, nbytes=moved, to="into")
     return moved
@@ -77,20 +76,17 @@ def _carry(move: Move, tag: int, group: Any, sent: Path | None, target: Path) ->
         if sent is not None:
             dir_fd = opener.open_directory(sent.parent)
             try:
-                fd = opener.open_member(dir_fd, sent.name, sent)
+                fd = opener.open_member(dir_fd, sent.name, sent, size=move.size)
             finally:
                 os.close(dir_fd)
-            size = os.fstat(fd).st_size
-            if size != move.size:
-                failure = CheckpointError(f"{sent}: {size} bytes, not the {move.size} sent for it")
-            if min(size, move.size):  # private (torch takes writable buffers only), not copied
-                view = mmap.mmap(fd, min(size, move.size), access=mmap.ACCESS_COPY)
+            if move.size:  # private (torch takes writable buffers only), not copied
+                view = mmap.mmap(fd, move.size, access=mmap.ACCESS_COPY)
         else:
             fd = durable.open_new(target / move.name, mapped=True)
             if move.size:
                 os.posix_fallocate(fd, 0, move.size)
                 view = mmap.mmap(fd, move.size)
-    except OSError as e:
+    except (OSError, CheckpointError) as e:
         failure = e
     try:
         for piece in _pieces(view, move.size):
@@ -109,14 +105,10 @@ def _carry(move: Move, tag: int, group: Any, sent: Path | None, target: Path) ->
 
 
 def _pieces(view: mmap.mmap | None, size: int) -> Iterator[torch.Tensor]:
-    """``size`` bytes of ``view`` in pieces of :data:`PIECE`, in place; zeros past its end."""
-    have = 0 if view is None else len(view)
+    """``size`` bytes of ``view`` in pieces of :data:`PIECE`, in place (None: zeros)."""
     for offset in range(0, size, PIECE):
         n = min(PIECE, size - offset)
-        if view is not None and offset + n <= have:
+        if view is None:
+            yield torch.zeros(n, dtype=torch.uint8)
+        else:
             yield torch.frombuffer(view, dtype=torch.uint8, count=n, offset=offset)
-            continue
-        piece = torch.zeros(n, dtype=torch.uint8)
-        if view is not None and have > offset:
-            piece[: have - offset] = torch.frombuffer(view, dtype=torch.uint8, offset=offset)
-        yield piece

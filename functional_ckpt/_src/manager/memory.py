@@ -25,7 +25,7 @@ from functional_ckpt._src.state.tree import State, leaves_of
 from functional_ckpt._src.storage import durable, opener, ram, usage
 from functional_ckpt.errors import CheckpointError, MemoryTierWarning
 
-__all__ = ["Memory", "OverBudget", "adopt", "claim_folder", "over_budget", "resolve_budget"]
+__all__ = ["Memory", "OverBudget", "adopt", "check_budget", "claim_folder", "resolve_budget"]
 
 
 def _int(v: Any) -> bool:
@@ -129,19 +129,18 @@ def resolve_budget(option: Memory, folder: Path) -> int:
     return budget
 
 
-def over_budget(option: Memory, budget: int, folder: Path, state: State) -> OverBudget | None:
-    """Why ``keep`` checkpoints of this very state exceed ``budget`` (checked at every save:
-    a state grows, Adam's moments appear at its first step); None if they fit."""
+def check_budget(option: Memory, budget: int, folder: Path, state: State) -> None:
+    """Refuse ``keep`` checkpoints of this very state over ``budget`` (checked at every save:
+    a state grows, Adam's moments appear at its first step)."""
     tensors = (leaf.value for leaf in leaves_of(state) if leaf.kind == "tensor")
     need = option.held * sum(t.numel() * t.element_size() for t in tensors)
-    if need <= budget:
-        return None
-    return OverBudget(
-        f"Memory(budget={option.budget!r}): {option.held} checkpoint(s) of "
-        f"this state need {need} bytes in {folder}, more than the budget of "
-        f"{budget} bytes; the memory tier skips every save that does not fit (said "
-        "once). Raise budget=, lower keep= (1 holds one checkpoint), or leave it out"
-    )
+    if need > budget:
+        raise OverBudget(
+            f"Memory(budget={option.budget!r}): {option.held} checkpoint(s) of "
+            f"this state need {need} bytes in {folder}, more than the budget of "
+            f"{budget} bytes; the memory tier skips every save that does not fit (said "
+            "once). Raise budget=, lower keep= (1 holds one checkpoint), or leave it out"
+        )
 
 
 #: In the tier's folder: the root and the run it belongs to.

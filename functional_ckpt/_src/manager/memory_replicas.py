@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,12 +31,13 @@ from functional_ckpt._src.format.naming import (
 )
 from functional_ckpt._src.log import warn
 from functional_ckpt._src.root.listing import StepInfo, read_info
+from functional_ckpt._src.save.staging import PendingSave
 from functional_ckpt._src.storage import commit, durable, ram
 from functional_ckpt._src.storage.committed import check_committed
 from functional_ckpt._src.storage.verify import verify
 from functional_ckpt.errors import CheckpointError, MemoryTierWarning, RankFailed, is_damage
 
-__all__ = ["STAGING", "ReplicaLayout", "Replicas", "holders_of", "layout_of"]
+__all__ = ["STAGING", "ReplicaLayout", "Replicas", "holders_of", "layout_of", "fail_together"]
 
 T = TypeVar("T")
 
@@ -98,19 +99,17 @@ class Replicas:
         folder: Path,
         replicas: int | None,
         domain: Callable[[int], int | str] | None,
-        error: BaseException | None,
         steps: Callable[[], list[int]],
     ) -> None:
-        """``error``: why this rank's folder was refused; ``steps``: its checkpoints of this run."""
+        """``steps``: this rank's folder's checkpoints of this run."""
         self.folder, self.rank, self.steps = folder, topology().rank, steps
         self.group = groups.checkpoint_group(purpose="replicate")
         groups.checkpoint_group(purpose="memory")  # the tier's saves (beside the disk's)
         #: What the last resume took from where: ``{"step": N, "fetched": {file: rank}}``.
         self.resumed: dict[str, Any] = {}
         mine: list[Any] = []
+        error: BaseException | None = None
         try:
-            if error is not None:
-                raise error
             local = os.environ.get("LOCAL_RANK", "")  # the node's first rank, else its name
             node = self.rank - int(local) if local.isdigit() else socket.gethostname()
             where = domain(self.rank) if domain is not None else node
@@ -125,11 +124,7 @@ class Replicas:
             error = e
         every = groups.agree_values(error, mine, self.group, f"memory tier {folder}")
         self.layout = layout_of([e[0] for e in every], [e[1] for e in every], replicas)
-
-    @property
-    def keeper(self) -> bool:
-        """Whether this rank keeps its folder (lock, retention, commits)."""
-        return self.rank in self.layout.keepers()
+        self.keeper = self.rank in self.layout.keepers()  # of its folder: lock, retention, commits
 
     def staging(self, step: int) -> Path:
         return self.folder / STAGING / step_name(step)
@@ -141,12 +136,16 @@ class Replicas:
             for name in sorted(os.listdir(top)):
                 commit.remove_tree(top / name)
 
-    def replicate(self, step: int, error: BaseException | None) -> BaseException | None:
+    def replicate(self, step: int, pending: PendingSave | None) -> BaseException | None:
         """Phase 2 of a save (every rank): replicas sent, agreed on, committed per folder (none
-        after a phase 1 ``error``); a keeper's failed commit is returned (the others hold it)."""
+        where phase 1, ``pending``, failed); a keeper's failed commit is returned (the others
+        hold it)."""
         what, staging, lay = f"memory-tier step {step}", self.staging(step), self.layout
-        groups.agree(error, self.group, what)  # and the coordinator committed phase 1
+        with fail_together(self.group, what):  # and the coordinator committed phase 1
+            if pending is not None:
+                pending.result()
         held: dict[str, int] = {}
+        error: BaseException | None = None
         try:
             if self.keeper:
                 held = {n: os.lstat(staging / n).st_size for n in os.listdir(staging)}
@@ -161,7 +160,7 @@ class Replicas:
             if shard_name(r) in have[lay.folders[r]]:
                 for h in holders:
                     want[lay.folders[h]].add(shard_name(r))
-        self._send(self._plan(want, have), staging, staging, what)
+        transfer(self._plan(want, have), staging, staging, self.group, what)
         try:
             if self.keeper:
                 commit.commit_checkpoint(
@@ -186,64 +185,43 @@ class Replicas:
                 moves.append(Move(src[i % len(src)], dst[i % len(dst)], name, size))
         return moves
 
-    def _send(self, moves: list[Move], source: Path, target: Path, what: str) -> None:
-        """``moves`` from the directory ``source`` into ``target``; all ranks fail together."""
-        error: BaseException | None = None
-        try:
-            transfer(moves, source, target, self.group)
-        except Exception as e:
-            error = e
-        groups.agree(error, self.group, what)
-
-    def resume(self, above: int | None, world: int, *, verified: bool) -> int | None:
-        """Every rank: the newest step newer than ``above`` whole somewhere, gathered into every
-        folder, each file from a copy at its size (the read checks every byte) or, ``verified``
-        (a read found damage), one passing its checksums."""
-        mine = [self._held() if self.keeper else [], -1 if above is None else above]
-        told = groups.all_gather_values(mine, self.group)
-        reports, floor = [t[0] for t in told], max(t[1] for t in told)
-        for step in sorted({s for rep in reports for s, *_ in rep}, reverse=True):
-            if step <= floor:
-                break
-            need, holding = _copies(step, reports, self.layout, self.folder)
-            saved = {p[0] for n in need if (p := parse_shard(n)) is not None}
-            if saved and saved != set(range(world)):
-                why = f"was saved by {max(saved) + 1} ranks and this run has {world}: the "
-                self._warn(step, why + "memory tier resumes only onto that world size")
-                return None
-            if not set(need) <= set().union(*holding.values()):
-                continue  # some rank's part is nowhere now (its node and its holders lost)
-            good = self._intact(step, holding) if verified else holding
-            missing = set(need) - set().union(*good.values())
-            if missing:
-                no = f"has no intact copy of {sorted(missing)} on any rank (checksums fail)"
-                self._warn(step, no, "trying an older step")
-                continue
-            try:
-                fetched = self._reassemble(step, need, good)
-            except CheckpointError as e:
-                self._warn(step, f"could not be gathered ({e})")
-                return None
-            self.resumed = {"step": step, "fetched": fetched}
-            return int(step)
-        return None
-
-    def _warn(self, step: int, why: str, then: str = "falling back to the disk tier") -> None:
-        warn(
-            f"{self.folder}: memory-tier step {step} {why}; {then}", MemoryTierWarning, stacklevel=5
-        )
-
     def newest(
         self, read: Callable[[Path], T], above: int | None, world: int
     ) -> tuple[StepInfo, T] | None:
-        """Every rank: the agreed step, gathered into each folder, read by all; a read that
-        finds damage (on any rank) is tried once more with every copy checked first."""
+        """Every rank: the newest step newer than ``above`` whole somewhere, gathered into
+        every folder, each file from a copy at its size (the read checks every byte), read
+        by all; a read that finds damage (on any rank) is tried once more, each file from a
+        copy passing its checksums."""
         for verified in (False, True):
-            step = self.resume(above, world, verified=verified)
-            if step is None:
+            mine = [self._held() if self.keeper else [], -1 if above is None else above]
+            told = groups.all_gather_values(mine, self.group)
+            reports, floor = [t[0] for t in told], max(t[1] for t in told)
+            for step in sorted({s for rep in reports for s, *_ in rep}, reverse=True):
+                if step <= floor:
+                    return None
+                need, holding = _copies(step, reports, self.layout, self.folder)
+                saved = {p[0] for n in need if (p := parse_shard(n)) is not None}
+                if saved and saved != set(range(world)):
+                    why = f"was saved by {max(saved) + 1} ranks and this run has {world}: the "
+                    self._warn(step, why + "memory tier resumes only onto that world size")
+                    return None
+                if not set(need) <= set().union(*holding.values()):
+                    continue  # some rank's part is nowhere now (its node and its holders lost)
+                good = self._intact(step, holding) if verified else holding
+                missing = set(need) - set().union(*good.values())
+                if missing:
+                    no = f"has no intact copy of {sorted(missing)} on any rank (checksums fail)"
+                    self._warn(step, no, "trying an older step")
+                    continue
+                try:
+                    self.resumed = {"step": step, "fetched": self._reassemble(step, need, good)}
+                except CheckpointError as e:
+                    self._warn(step, f"could not be gathered ({e})")
+                    return None
+                break
+            else:
                 return None
-            path = self.folder / step_name(step)
-            error: BaseException | None = None
+            path, error = self.folder / step_name(step), None
             found: tuple[StepInfo, T] | None = None
             try:
                 found = read_info(path, step), read(path)
@@ -256,17 +234,17 @@ class Replicas:
             bad = "; ".join(f"rank {r}: {msg}" for r, msg in enumerate(told) if msg is not None)
             if not bad:
                 return found
-            warn(
-                f"{path}: memory-tier checkpoint of step {step} is unreadable ({bad}); "
-                + (
-                    "falling back to the next tier"
-                    if verified
-                    else "every copy is checked and the step gathered again"
-                ),
-                MemoryTierWarning,
-                stacklevel=7,
+            then = (
+                "every copy is checked and the step gathered again",
+                "falling back to the next tier",
             )
+            self._warn(step, f"is unreadable ({bad})", then[verified])
         return None
+
+    def _warn(self, step: int, why: str, then: str = "falling back to the disk tier") -> None:
+        warn(
+            f"{self.folder}: memory-tier step {step} {why}; {then}", MemoryTierWarning, stacklevel=8
+        )
 
     def _intact(self, step: int, holding: dict[int, set[str]]) -> dict[int, set[str]]:
         """Each folder's files of ``step`` passing their checksums (each keeper checks its own)."""
@@ -301,27 +279,35 @@ class Replicas:
         have = {f: {n: need[n] for n in good.get(f, ())} for f in set(lay.folders)}
         moves = self._plan({f: set(need) for f in have}, have)
         ours = [m for m in moves if lay.folders[m.dst] == mine]
-        error: BaseException | None = None
-        try:
+        with fail_together(self.group, what):
             if ours and self.keeper:
                 self.clear_staging()
                 durable.make_dirs(build)
                 for name in sorted(have[mine]):  # what it holds, linked in; the marker last
                     if name != COMMIT_MARKER:
                         os.link(final / name, build / name, follow_symlinks=False)
-        except Exception as e:
-            error = e
-        groups.agree(error, self.group, what)
-        self._send(moves, final, build, what)  # every folder has all it lacked
-        try:
+        transfer(moves, final, build, self.group, what)  # every folder has all it lacked
+        with fail_together(self.group, what):
             if ours and self.keeper:
                 if COMMIT_MARKER in have[mine]:
                     os.link(final / COMMIT_MARKER, build / COMMIT_MARKER, follow_symlinks=False)
                 commit.commit_checkpoint(build, final, overwrite=True, sync=False)
-        except Exception as e:
-            error = e
-        groups.agree(error, self.group, what)
         return {m.name: m.src for m in ours}
+
+
+@contextlib.contextmanager
+def fail_together(group: Any, what: str) -> Iterator[None]:
+    """Where the block fails on any rank of ``group``, it fails on every one (None: this
+    process alone)."""
+    error: BaseException | None = None
+    try:
+        yield
+    except BaseException as e:
+        if group is None:
+            raise
+        error = e
+    if group is not None:
+        groups.agree(error, group, what)
 
 
 def _order(name: str) -> tuple[bool, bool, str]:
@@ -335,14 +321,12 @@ def _copies(
     """What ``step`` needs and what each folder holds of it; raises (every rank alike) where
     folders hold two different checkpoints of it: two histories are never mixed."""
     copies = [
-        (lay.folders[r], dict(files), set(have), int(crc))
+        (r, dict(files), set(have), int(crc))
         for r, rep in enumerate(reports)
         for s, files, have, crc in rep
         if s == step
     ]
-    sums: dict[int, list[int]] = {}
-    for f, _, _, crc in copies:
-        sums.setdefault(crc, []).append(f)
+    sums = {crc: [r for r, *_, c in copies if c == crc] for *_, crc in copies}
     if len(sums) > 1:
         told = "; ".join(
             f"manifest crc32 {c:#010x} in the folders of ranks {f}" for c, f in sums.items()
@@ -353,4 +337,4 @@ def _copies(
             "the RAM of an older attempt). Refusing to mix them; remove the stale "
             "folder's checkpoints, or the memory tier's folders to resume from the disk"
         )
-    return copies[0][1], {f: have for f, _, have, _ in copies}
+    return copies[0][1], {lay.folders[r]: have for r, _, have, _ in copies}

@@ -26,7 +26,7 @@ from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.log import warn
 from functional_ckpt._src.manager import memory as mf
 from functional_ckpt._src.manager.collective import coordinator_decides
-from functional_ckpt._src.manager.memory_replicas import STAGING, Replicas
+from functional_ckpt._src.manager.memory_replicas import STAGING, Replicas, fail_together
 from functional_ckpt._src.manager.options import AsyncSave
 from functional_ckpt._src.manager.provenance import run_of
 from functional_ckpt._src.manager.writes import Writes, WriteSettings
@@ -107,17 +107,13 @@ class MemoryTier:
                 "replicas live on ranks of other nodes (torch.distributed)"
             )
         self.option, self.root, self.folder, self.run = option, root, root, run
-        error: BaseException | None = None
-        try:  # a default folder planted by another user: one process draws another
-            self.folder, self.run = mf.claim_folder(
+        self.group = groups.checkpoint_group(purpose="replicate") if topo.distributed else None
+        with fail_together(self.group, f"memory tier {root}"):  # one process draws another
+            self.folder, self.run = mf.claim_folder(  # where another user planted the default
                 option.path, root, run, made=made and topo.coordinator, retry=not topo.distributed
             )
-        except Exception as e:
-            if not topo.distributed:
-                raise
-            error = e
-        self.replicas = (  # every rank owns the folder there, the errors agreed
-            Replicas(self.folder, option.replicas, option.domain, error, lambda: self.steps())
+        self.replicas = (  # every rank owns the folder there
+            Replicas(self.folder, option.replicas, option.domain, lambda: self.steps())
             if topo.distributed
             else None
         )
@@ -136,14 +132,10 @@ class MemoryTier:
         self.committed: Callable[[], object] = lambda: None  # progress, told over all tiers
         self.view = RunView(self.folder, self.run.id)  # refuses a folder that is a checkpoint
         self.steps, self.infos = self.view.steps, self.view.infos
-        error = None
-        try:
+        with fail_together(self.group, f"memory tier {self.folder}"):
             self.budget = mf.resolve_budget(option, self.folder)
             if self.keeper:
                 self._open()
-        except BaseException as e:
-            error = e
-        self._agree(error, f"memory tier {self.folder}")
         self.writes = Writes(  # a rank's base: this run's last step its own folder holds
             self.view,
             replace(
@@ -157,13 +149,6 @@ class MemoryTier:
             ),
             None,
         )
-
-    def _agree(self, error: BaseException | None, what: str) -> None:
-        """Raise ``error``; across nodes, every rank fails together."""
-        if self.replicas is not None:
-            groups.agree(error, self.replicas.group, what)
-        elif error is not None:
-            raise error
 
     def _open(self) -> None:
         """Lock and mark the folder as this run's, recover what its crash left, handle signals."""
@@ -242,12 +227,9 @@ class MemoryTier:
 
     def decide(self, event: Event) -> bool:
         """The tier's own policy on ``event`` (a missed memory-tier save is not made up later)."""
-        policy = self.option.save
-        due = policy.decide(self.policy_state, event)
-        state = policy.update(self.policy_state, event, due)
+        due, self.policy_state = self.option.save.should_save(self.policy_state, event)
         if self.replicas is not None:  # every rank saves, or none: the coordinator decides
-            due, state = coordinator_decides((due, state))
-        self.policy_state = state
+            due, self.policy_state = coordinator_decides((due, self.policy_state))
         return bool(due)
 
     def save(self, state: State, step: int, metadata: Callable[[], Mapping[str, Any]]) -> None:
@@ -258,11 +240,9 @@ class MemoryTier:
         try:
             self.wait(stacklevel=4)
             self._step = step
-            error: BaseException | None = mf.over_budget(
-                self.option, self.budget, self.folder, state
-            )
-            try:
-                if self.keeper and error is None:
+            with fail_together(self.group, f"memory-tier step {step}"):
+                mf.check_budget(self.option, self.budget, self.folder, state)
+                if self.keeper:
                     steps, path = self.steps(), self.view.path(step)
                     if step not in steps and os.path.lexists(path):  # another run's
                         raise CheckpointExists(
@@ -274,9 +254,6 @@ class MemoryTier:
                     self.delete([s for s in steps if s not in kept])
                     if replicas is not None:
                         replicas.clear_staging()
-            except Exception as e:
-                error = e
-            self._agree(error, f"memory-tier step {step}")
             path = self.view.path(step) if replicas is None else replicas.staging(step)
             info = self.writes.save(path, state, metadata())
         except Exception as err:
@@ -304,20 +281,13 @@ class MemoryTier:
     def _replicate(self, step: int, pending: Any) -> None:
         """Phase 2 (:mod:`.memory_replicas`): a ``wait()`` returns with the step in every folder."""
         assert self.replicas is not None
-        error: BaseException | None = None
-        try:
-            if pending is not None:
-                pending.result()
-        except BaseException as e:
-            error = e
         try:  # fails on every rank alike, but for a keeper's commit (returned)
-            error = self.replicas.replicate(step, error)
-            if error is None and self.keeper:
+            self._round_error = self.replicas.replicate(step, pending)
+            if self._round_error is None and self.keeper:
                 self._prune()
-            groups.agree(None, self.replicas.group, f"memory-tier step {step}")
+            groups.agree(None, self.group, f"memory-tier step {step}")
         except BaseException as e:
-            error = error or e
-        self._round_error = error
+            self._round_error = self._round_error or e
 
     def _prune(self) -> None:
         """After a commit: the step is this run's, progress told over all tiers."""

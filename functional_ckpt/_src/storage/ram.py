@@ -54,14 +54,8 @@ def files_held(path: Path) -> tuple[dict[str, int], set[str]]:
     files = committed.every_file(path)
     listed = {str(n): int(i["size"]) for n, i in files.items() if isinstance(i, dict)}
     listed |= {n: os.lstat(path / n).st_size for n in (MANIFEST, COMMIT_MARKER)}
-    return listed, {n for n, size in listed.items() if _size(path / n) == size}
-
-
-def _size(path: Path) -> int:
-    try:
-        return os.lstat(path).st_size
-    except OSError:
-        return -1
+    sizes = {e.name: e.stat(follow_symlinks=False).st_size for e in os.scandir(path)}
+    return listed, {n for n, size in listed.items() if sizes.get(n) == size}
 
 
 def holds_every_file(path: Path) -> bool:
