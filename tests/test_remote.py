@@ -705,6 +705,28 @@ def test_a_rollback_below_the_remote_retention_leaves_its_step_on_the_remote(
     assert resumed(tmp_path / "fresh_again") == (4, 40.0)
 
 
+@pytest.mark.filterwarnings("ignore::functional_ckpt.errors.RemoteWarning")
+def test_a_rollback_whose_step_cannot_be_uploaded_moves_nothing(
+    tmp_path: Path, mem: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its newer remote steps would leave a remote trunk without it: it raises, naming
+    the failed upload, before any tier moved a step."""
+    with fc.CheckpointManager(
+        tmp_path / "a", tiers=(fc.manager.Remote(mem, keep=fc.keep_last(2)),)
+    ) as mgr:
+        for step in (1, 2, 3, 4, 5):
+            mgr.maybe_save(_state(step), step=step)
+        assert mgr.remote is not None and mgr.remote.wait()
+
+        def down(*a: Any, **k: Any) -> int:
+            raise fc.errors.RemoteUnreachable(f"{mem}: the object store did not answer (test)")
+
+        monkeypatch.setattr(protocol, "put_part", down)
+        with pytest.raises(fc.CheckpointError, match=r"rollback\(3\): .*upload of step 3 failed"):
+            mgr.rollback(3)
+        assert mgr.steps() == [1, 2, 3, 4, 5] and mgr.remote.steps() == [4, 5]
+
+
 def test_a_renamed_remote_step_counts_in_no_retention_of_the_remote(
     tmp_path: Path, mem: str
 ) -> None:
