@@ -7,7 +7,9 @@ both ranks share (``BASE``, under the job's base):
    committed whole and ``fc.verify`` finds it intact;
 3. into ``BASE/torn``, rank 1's download fails midway: every rank raises and no
    marker lies anywhere in the root (the download directory the test's next writer
-   removes included).
+   removes included);
+4. into ``BASE/back``, whose remote keeps the newest step only: steps 1-2 saved, a
+   rollback to 1 puts step 1 on the remote again before step 2 leaves it.
 """
 
 from __future__ import annotations
@@ -69,3 +71,11 @@ def run(base: Path, remote: str, options: dict[str, Any], rank: int, mesh: Any) 
     markers = sorted(str(p.relative_to(base)) for p in (base / "torn").rglob("COMMITTED"))
     print("MARKERS", markers, flush=True)
     dist.barrier()
+    back = fc.manager.Remote(f"{remote}/back", keep=fc.keep_last(1), storage_options=options)
+    with fc.CheckpointManager(base / "back", tiers=(back,)) as mgr:
+        for step in (1, 2):
+            mgr.maybe_save(state(mesh, rank, step), step=step)
+        assert mgr.remote is not None and mgr.remote.wait() and mgr.remote.steps() == [2]
+        mgr.rollback(1, like=state(mesh, rank, 0), newer="delete")
+        dist.barrier()  # the coordinator's remote part is done
+        print("ROLLED BACK", mgr.remote.steps(), flush=True)

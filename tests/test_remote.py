@@ -475,6 +475,7 @@ def _own_roots_commit_on_one_remote(two_ranks: dict[str, Any], s3: dict[str, Any
 
 def _sharing_one_root_each_download_what_they_read(two_ranks: dict[str, Any]) -> None:
     out0, out1 = two_ranks["out"]["shared"]
+    assert "ROLLED BACK [1]" in out0 and "ROLLED BACK [1]" in out1, (out0, out1)
     got = [ast.literal_eval(o.split("FETCHED ", 1)[1].splitlines()[0]) for o in (out0, out1)]
     # The coordinator fetches the index, the files it lists (.metadata too: the local
     # copy is whole) and its part; rank 1 only the index, its part and its shard file.
@@ -664,6 +665,86 @@ def test_a_rollback_sets_the_remote_trunk_aside_too(tmp_path: Path, mem: str) ->
         with fc.CheckpointManager(where, tiers=(fc.manager.Remote(mem),)) as mgr:
             got = mgr.restore_latest()
             assert mgr.restored_step == 3 and torch.equal(got["w"], _state(30)["w"])  # type: ignore[index]
+
+
+_ROLLED_BACK_THEN_KILLED = """
+import os, signal, sys, torch
+import functional_ckpt as fc
+
+remote = fc.manager.Remote(sys.argv[2], keep=fc.keep_last(2))
+mgr = fc.CheckpointManager(sys.argv[1], tiers=(remote,))
+for step in (1, 2, 3, 4, 5):
+    mgr.maybe_save({"w": torch.full((4,), float(step)), "step": step}, step=step)
+assert mgr.remote.wait() and mgr.remote.steps() == [4, 5]
+mgr.rollback(3, newer=sys.argv[3])
+os.kill(os.getpid(), signal.SIGKILL)  # no close, no upload round after the rollback
+"""
+
+
+@pytest.mark.parametrize("newer", ["delete", "branch"])
+def test_a_rollback_below_the_remote_retention_leaves_its_step_on_the_remote(
+    tmp_path: Path, newer: str
+) -> None:
+    """The remote's keep_last(2) held 4 and 5 only; the rollback to 3 takes them off the
+    remote trunk, so it puts 3 there first: killed right after it, a fresh machine
+    resumes 3 (it found nothing and started over); the run's next save is the newest."""
+    url, root = (tmp_path / "bucket").as_uri(), tmp_path / "a"
+    code = [sys.executable, "-c", _ROLLED_BACK_THEN_KILLED, str(root), url, newer]
+    child = prefork.run(code, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert child.returncode == -signal.SIGKILL
+
+    def resumed(where: Path) -> tuple[int | None, float]:
+        with fc.CheckpointManager(where, tiers=(fc.manager.Remote(url),)) as mgr:
+            got = mgr.restore_latest()
+            return mgr.restored_step, float("nan") if got is None else float(got["w"][0])
+
+    assert resumed(tmp_path / "fresh") == (3, 3.0)
+    with fc.CheckpointManager(root, tiers=(fc.manager.Remote(url, keep=fc.keep_last(2)),)) as mgr:
+        assert mgr.restore_latest() is not None and mgr.restored_step == 3
+        mgr.maybe_save({"w": torch.full((4,), 40.0), "step": 4}, step=4)
+    assert resumed(tmp_path / "fresh_again") == (4, 40.0)
+
+
+@pytest.mark.filterwarnings("ignore::functional_ckpt.errors.RemoteWarning")
+def test_a_rollback_whose_step_cannot_be_uploaded_moves_nothing(
+    tmp_path: Path, mem: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its newer remote steps would leave a remote trunk without it: it raises, naming
+    the failed upload, before any tier moved a step."""
+    with fc.CheckpointManager(
+        tmp_path / "a", tiers=(fc.manager.Remote(mem, keep=fc.keep_last(2)),)
+    ) as mgr:
+        for step in (1, 2, 3, 4, 5):
+            mgr.maybe_save(_state(step), step=step)
+        assert mgr.remote is not None and mgr.remote.wait()
+
+        def down(*a: Any, **k: Any) -> int:
+            raise fc.errors.RemoteUnreachable(f"{mem}: the object store did not answer (test)")
+
+        monkeypatch.setattr(protocol, "put_part", down)
+        with pytest.raises(fc.CheckpointError, match=r"rollback\(3\): .*upload of step 3 failed"):
+            mgr.rollback(3)
+        assert mgr.steps() == [1, 2, 3, 4, 5] and mgr.remote.steps() == [4, 5]
+
+
+def test_a_renamed_remote_step_counts_in_no_retention_of_the_remote(
+    tmp_path: Path, mem: str
+) -> None:
+    """A remote step_9 holding step 3's checkpoint is damage: the remote's keep_last(2)
+    keeps the intact 3 and 4 beside it (it kept 9 and 4, and deleted 3)."""
+    with fc.CheckpointManager(
+        tmp_path / "a", tiers=(fc.manager.Remote(mem, keep=fc.keep_last(2)),)
+    ) as mgr:
+        for step in (1, 2, 3):
+            mgr.maybe_save(_state(step), step=step)
+        assert mgr.remote is not None and mgr.remote.wait()
+        store = Store(mem)
+        store.fs.copy(
+            f"{store.base}/step_000000003", f"{store.base}/step_000000009", recursive=True
+        )
+        mgr.maybe_save(_state(4), step=4)
+        assert mgr.remote.wait()
+        assert mgr.remote.steps() == [3, 4, 9]
 
 
 def test_a_remote_marker_or_manifest_of_the_wrong_size_is_never_read(

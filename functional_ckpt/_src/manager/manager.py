@@ -268,13 +268,14 @@ class CheckpointManager(RootView):
         doing = f"rollback({step}) continues this run's only"
         together(self._distributed, doing, self.disk.check_ours, step, doing, CheckpointError)
         state = self.restore(step, like)  # raises, moving nothing, if step is unusable
+        if self.remote is not None:
+            self.remote.hold(step)  # on the remote trunk before the newer steps leave it
         done = move_newer(
             self.tiers, self.disk, self.remote, step, newer=newer, branch=branch, reason=reason
         )
-        if done is None:
-            return state, None
-        self._run.rollbacks.append(done)
-        return state, done.get("branch")
+        if done is not None:
+            self._run.rollbacks.append(done)
+        return state, None if done is None else done.get("branch")
 
     def _adopt(self, info: StepInfo) -> None:
         """Continue the run from the restored checkpoint: policy states and running time."""

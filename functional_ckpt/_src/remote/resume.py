@@ -26,13 +26,10 @@ from functional_ckpt._src.root.listing import StepInfo, committed_steps, quarant
 from functional_ckpt._src.storage.ram import holds_every_file
 from functional_ckpt.errors import (
     CheckpointError,
-    CorruptCheckpoint,
-    IncompleteCheckpoint,
     RankFailed,
     RemoteError,
     RemoteVanished,
     RemoteWarning,
-    UnsafeCheckpoint,
     is_damage,
 )
 
@@ -43,9 +40,6 @@ __all__ = ["Found", "newest"]
 
 T = TypeVar("T")
 Found = tuple[StepInfo, T] | None
-
-#: What a remote checkpoint's own bytes can raise: skip it, try the previous one.
-_DAMAGE = (CorruptCheckpoint, UnsafeCheckpoint, IncompleteCheckpoint, RemoteVanished)
 
 
 def newest(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Found[T]:
@@ -91,19 +85,8 @@ def _good(tier: _Remote, above: int | None) -> list[int]:
             stacklevel=6,
         )
         return []
-    lineage = tier.ours  # a root holding no run's checkpoint adopts the remote's lineage
-    if lineage.runs is None and lineage.learn(tier._head(s)[1] for s in committed).unrelated:
-        raise CheckpointError(lineage.unsure(tier.url))
-    newer = (s for s in committed if s not in tier.bad and (above is None or s > above))
-    return sorted((s for s in newer if tier.of_lineage(s)), reverse=True)
-
-
-def _ours(tier: _Remote, step: int, path: Path) -> bool:
-    """Whether a local checkpoint is this run's (a damaged one is read, and reported)."""
-    try:
-        return bool(tier.ours(read_info(path, step).metadata, path))
-    except (CheckpointError, OSError):
-        return True
+    newer = [s for s in committed if s not in tier.bad and (above is None or s > above)]
+    return sorted(tier.lineage_of(newer, learn=committed), reverse=True)
 
 
 def _agreed(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Found[T]:
@@ -115,7 +98,7 @@ def _agreed(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Foun
     mine = [
         s
         for s, p in committed_steps(tier.root).items()
-        if holds_every_file(p) and _ours(tier, s, p)
+        if holds_every_file(p) and not tier.theirs(s, p)
     ]
     common = set.intersection(*(set(s) for s in all_gather_values(mine, group)))
     work = f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"  # the coordinator's, for one root
@@ -136,7 +119,7 @@ def _verdict(err: BaseException) -> str:
     """A failed read's verdict: damage, another rank's failure, or the caller's error."""
     if isinstance(err, RankFailed):
         return "follow"
-    return "damage" if isinstance(err, _DAMAGE) or is_damage(err) else "other"
+    return "damage" if is_damage(err) or isinstance(err, RemoteVanished) else "other"
 
 
 def _set_aside(tier: _Remote, step: int, fetched: bool, err: BaseException, depth: int) -> None:

@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -99,6 +99,7 @@ class RemoteTier:
                 from functional_ckpt._src.distributed.groups import one_directory
 
                 self.shared = one_directory(root, self._group)
+        self.parts = self.world > 1 and not self.shared  # a rank's root: its shards only
         self._lock = threading.Lock()
         self.failures: dict[int, CheckpointError] = {}
         self._unreported: list[Warning] = []
@@ -107,7 +108,8 @@ class RemoteTier:
         self._differ: set[int] = set()  # of those, another checkpoint than the local one
         self._dropped: set[int] = set()  # local steps the remote retention does not keep
         self._uploading: int | None = None
-        self._records: dict[int, tuple[CheckpointRecord, Mapping[str, Any]]] = {}
+        self._below = float("inf")  # a round plans the steps up to it only (see hold)
+        self._records: dict[int, tuple[CheckpointRecord | None, Mapping[str, Any]]] = {}
         self._same: dict[int, bytes] = {}  # local steps whose remote copy has their marker
         self._worker: Worker | None = None
         self.bad: set[int] = set()  # remote steps found damaged by this process
@@ -125,11 +127,6 @@ class RemoteTier:
 
     def __repr__(self) -> str:
         return f"RemoteTier({self.url!r}, keep={self.keep!r})"
-
-    @property
-    def parts(self) -> bool:
-        """Whether each rank's root keeps only its shards (the uploads make them whole)."""
-        return self.world > 1 and not self.shared
 
     def copy_in(self, source: object, within: float) -> None:
         """A local checkpoint committed: an upload round runs in the background."""
@@ -153,8 +150,7 @@ class RemoteTier:
         if self.prune_unuploaded:
             return set()
         with self._lock:
-            copied = self._committed - self._differ
-            return {s for s in local_steps if s not in copied and s not in self._dropped}
+            return set(local_steps) - (self._committed - self._differ) - self._dropped
 
     def steps(self) -> list[int]:
         """Steps committed on the remote tier, ascending (listed now, and remembered)."""
@@ -164,15 +160,20 @@ class RemoteTier:
             self._committed = set(committed)
         return sorted(committed)
 
-    def infos(self) -> list[CheckpointRecord]:
-        """What retention reads of this lineage's remote checkpoints (as last listed)."""
+    def infos(self, steps: Iterable[int] | None = None) -> list[CheckpointRecord]:
+        """What retention reads: this lineage's intact ``steps`` (default: committed, as known)."""
         with self._lock:
-            committed = sorted(self._committed)
-        return [self._head(s)[0] for s in committed if self.of_lineage(s)]
+            steps = sorted(self._committed if steps is None else steps)
+        heads = [self._head(s)[0] for s in self.lineage_of(steps)]
+        return [r for r in heads if r is not None]
 
-    def of_lineage(self, step: int) -> bool:
-        """Whether remote ``step`` is of this run's lineage (its manifest read once)."""
-        return self.ours(self._head(step)[1], self.store.where(step))
+    def lineage_of(self, steps: Sequence[int], learn: Sequence[int] = ()) -> list[int]:
+        """This lineage's remote ``steps`` (a root holding none first adopts that of ``learn``)."""
+        lineage: Any = self.ours
+        heads = (self._head(s)[1] for s in learn)
+        if learn and lineage.runs is None and lineage.learn(heads).unrelated:
+            raise CheckpointError(lineage.unsure(self.url))
+        return [s for s in steps if self.ours(self._head(s)[1], self.store.where(s))]
 
     def delete(self, steps: Sequence[int]) -> None:
         """Remove remote ``steps``, each marker first (no longer committed at once)."""
@@ -194,17 +195,32 @@ class RemoteTier:
     def close(self, *, crashed: bool = False) -> None:
         """Finish the uploads asked for, then stop the worker (after a crash too)."""
         if self._worker is not None:
-            self._worker.drain()
             self._worker.stop()
             self._worker = None
         self.store.close()
         self.check()
 
     def newer_than(self, step: int) -> list[int]:
-        """Remote steps after ``step`` (committed or not), the uploads asked for done first."""
-        if self._worker is not None:
-            self._worker.drain()
-        return sorted(s for s in retried(self.store.listing) if s > step)
+        """This lineage's remote steps after ``step`` (committed or not; another lineage's
+        stay, reported), after :meth:`hold` (no upload runs)."""
+        return self.lineage_of(sorted(s for s in retried(self.store.listing) if s > step))
+
+    def hold(self, step: int) -> None:
+        """A rollback's round, before the newer steps leave: the trunk up to ``step``, held."""
+        if self._worker is None:
+            return
+        self._worker.drain()
+        self._below = step
+        self._worker.request()
+        self._worker.drain()
+        self._below = float("inf")
+
+        def held() -> None:
+            if step not in self._committed | self._spared:
+                why = self.failures.get(step) or f"{self.url} does not hold step {step}"
+                raise CheckpointError(f"rollback({step}): {why}; nothing was moved")
+
+        self.together(f"rollback {self.url}", held, self.coordinator)
 
     def set_aside(self, steps: list[int], branch: str | None) -> None:
         """A rollback's remote part: ``steps`` leave the remote trunk, copied first to
@@ -231,8 +247,6 @@ class RemoteTier:
             except Exception as err:  # the other ranks still take part in the round
                 self._fail(-1, err)
         plan = self.together(f"upload round {self.url}", lambda: plan)
-        with self._lock:
-            self._differ = set(plan.get("differ", ()))
         for step in plan["upload"]:
             self._upload(step)
         if self.coordinator:
@@ -258,15 +272,15 @@ class RemoteTier:
         )
 
     def _plan(self) -> dict[str, list[int]]:
-        local = committed_steps(self.root)
+        local = {s: p for s, p in committed_steps(self.root).items() if s <= self._below}
         try:
-            remote = set(self.steps())
+            remote = {s for s in self.steps() if s <= self._below}
             committed = remote - self._others(local, remote)
         except CheckpointError as err:
             self._fail(max(local, default=-1), err)
             return {"upload": [], "local": sorted(local)}
         candidates = sorted(s for s in local if s not in committed)
-        records: list[Any] = [self._head(s)[0] for s in committed if self.of_lineage(s)]
+        records: list[Any] = self.infos(committed)
         spared: set[int] = set()  # kept locally: their remote slot is another lineage's
         for s in candidates:
             try:
@@ -287,8 +301,9 @@ class RemoteTier:
                 upload = []
         with self._lock:
             self._committed = committed
+            self._differ = remote - committed
             self._dropped = set(candidates) - kept - spared
-        return {"upload": upload, "local": sorted(local), "differ": sorted(remote - committed)}
+        return {"upload": upload, "local": sorted(local)}
 
     def _others(self, local: dict[int, Path], committed: set[int]) -> set[int]:
         """Local steps whose remote copy has another marker (each compared once)."""
@@ -330,16 +345,17 @@ class RemoteTier:
                 self._unreported.append(told)
         return why is not None
 
-    def _head(self, step: int) -> tuple[CheckpointRecord, Mapping[str, Any]]:
-        """What retention and the lineage read of a remote checkpoint (its manifest, once)."""
+    def _head(self, step: int) -> tuple[CheckpointRecord | None, Mapping[str, Any]]:
+        """What retention and the lineage read of a remote checkpoint (its manifest, once):
+        no record for damage (a step renamed, say), which no retention counts."""
         found = self._records.get(step)
         if found is None:
-            created, metrics, metadata = 0.0, {}, {}
+            found = None, {}
             with contextlib.suppress(CheckpointError, ValueError):
                 head = header_named(self.store.manifest(step)[1], step, self.store.where(step))
-                created, metrics = head.created or 0.0, dict(head.record.metrics)
-                metadata = dict(head.metadata)
-            found = self._records[step] = (CheckpointRecord(step, created, metrics), metadata)
+                record = CheckpointRecord(step, head.created or 0.0, dict(head.record.metrics))
+                found = record, dict(head.metadata)
+            self._records[step] = found
         return found
 
     def _upload(self, step: int) -> None:
@@ -388,16 +404,14 @@ class RemoteTier:
     ) -> Any:
         """``action`` (on this rank if ``here``), then every rank raises if any failed: none
         goes on alone. The coordinator's result, on every rank (``group``: the uploads')."""
+        if self.world == 1:
+            return action()  # (``here``: the coordinator)
         error: BaseException | None = None
         value = None
         try:
             value = action() if here else None
         except BaseException as e:
             error = e
-        if self.world == 1:
-            if error is not None:
-                raise error
-            return value
         from functional_ckpt._src.distributed.groups import agree_values
 
         mine = value if self.coordinator else None
@@ -430,9 +444,10 @@ class RemoteTier:
         newest, kept = max(coordinator_steps), set(coordinator_steps)
         dirs = [(s, p) for s, p, _ in step_dirs(self.root) if s < newest and s not in kept]
         with contextlib.suppress(CheckpointError, OSError):
-            remove_all(delete(self.root, [p for s, p in dirs if not self._theirs(s, p)]))
+            remove_all(delete(self.root, [p for s, p in dirs if not self.theirs(s, p)]))
 
-    def _theirs(self, step: int, path: Path) -> bool:
+    def theirs(self, step: int, path: Path) -> bool:
+        """Whether local ``step`` at ``path`` is another lineage's (a damaged one is no one's)."""
         with contextlib.suppress(CheckpointError, OSError):  # a part records no run
             return not self.ours(read_info(path, step).metadata, path)
         return False
