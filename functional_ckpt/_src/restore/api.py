@@ -70,10 +70,10 @@ class _Manifested:
         # read_leaves checks the tensors' specs; a collective read has DTensors it does not
         selected, wanted = select(parsed, template, req, specs=self.sparse)
         if req.inplace and self.sparse:  # DTensors' shards too (read_leaves checks the rest)
-            whole = read.saved_value(
-                self.ck, parsed, lambda v: self.parsed.filled(v, range(v.parts))
+            saved = read.saved_value(
+                self.ck, lambda: self.parsed.filled(parsed, range(parsed.parts))
             )
-            read.refuse_overlaps(wanted.items(), whole, read.source(parsed))
+            read.refuse_overlaps(wanted.items(), saved, lambda p: parsed.tensors[p].alias or p)
         extra = [] if mine is None else list(iter_leaves(mine))
         return Match(parsed.root, parsed, selected, wanted, template is None, extra)
 

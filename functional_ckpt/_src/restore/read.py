@@ -224,10 +224,15 @@ def refuse_overlaps(
         raise TemplateMismatch("out= cannot receive the checkpoint:\n" + "\n".join(problems))
 
 
+def element_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Each element's bytes as one row, to compare any dtype bit for bit."""
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).reshape(flat.numel(), t.element_size())
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` hold the same bits (NaNs and signed zeros too)."""
-    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
-    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return a.dtype == b.dtype and torch.equal(element_bytes(a), element_bytes(b))
 
 
 def _reach(t: torch.Tensor) -> int | None:
@@ -312,7 +317,12 @@ def read_leaves(
     if reads.problems:
         raise mismatch(reads.problems)
     if inplace:
-        refuse_overlaps(reads.written, saved_value(src, parsed), source(parsed), reads.spans)
+        refuse_overlaps(
+            reads.written,
+            saved_value(src, lambda: parsed),
+            lambda p: tensors[p].alias or p,
+            reads.spans,
+        )
     reads.run(src, parsed.segments)
     with torch.no_grad():
         for i, e in aliases:
@@ -326,19 +336,9 @@ def read_leaves(
     return leaves
 
 
-def saved_value(
-    src: committed.Checkpoint,
-    parsed: ParsedManifest,
-    whole: Callable[[ParsedManifest], ParsedManifest] = lambda v: v,
-) -> Callable[[KeyPath], Any]:
-    """Read one saved tensor, as a restore without a template would (``whole``: the view
-    with every chunk, where a collective restore's view holds only those its shards meet)."""
-    return lambda p: read_leaves(src, whole(parsed), [(p, "tensor")], {}, True)[0].value
-
-
-def source(parsed: ParsedManifest) -> Callable[[KeyPath], KeyPath]:
-    """The key a saved tensor was written under (its own, or the one it is a tie of)."""
-    return lambda p: parsed.tensors[p].alias or p
+def saved_value(src: committed.Checkpoint, view: Callable[[], ParsedManifest]) -> Any:
+    """Read one saved tensor of ``view()``, as a restore without a template would."""
+    return lambda p: read_leaves(src, view(), [(p, "tensor")], {}, True)[0].value
 
 
 def require_grad(t: torch.Tensor, like: torch.Tensor | None, inplace: bool, saved: bool) -> None:
