@@ -145,8 +145,8 @@ class Reads:
         bad: list[str] = []
         files = {name: i for i, name in enumerate(self.by_file)}
         in_order = sorted(self.fresh, key=lambda f: (files[f[0]], f[1]))  # as they are read
-        faults = Prefaulter([t for _, _, t in in_order]) if in_order else None
-        ready = None if faults is None else faults.ready
+        faults = Prefaulter([t for _, _, t in in_order])  # none: no thread is started
+        ready = faults.ready if in_order else None
         try:
             for name, (jobs, paths) in self.by_file.items():  # a file at a time, closed once read
                 try:
@@ -159,8 +159,7 @@ class Reads:
                     if res is not None:
                         bad.append(f"  {format_path(path)} in {name}: {res}")
         finally:
-            if faults is not None:
-                faults.close()
+            faults.close()
         if bad:
             raise CorruptCheckpoint(f"{src.path}: damaged tensor data:\n" + "\n".join(bad))
         with torch.no_grad():
@@ -186,11 +185,10 @@ def refuse_overlaps(
     source: Callable[[KeyPath], KeyPath] = lambda p: p,
     spans: dict[torch.device, list[Span]] | None = None,
 ) -> None:
-    """Refuse ``out=`` leaves that two saved elements would land on, before a byte is
-    written: a tensor overlapping itself (expanded), two sharing memory without being one
-    tensor, and one tensor in two places (a tie) unless the checkpoint holds one value for
-    both: saved as one tensor (one ``source``), else ``saved`` with the same bits. Spans
-    are compared, so views interleaved in one buffer count too; ``spans`` are known ones."""
+    """Refuse ``out=`` leaves that two saved elements would land on, before a byte is written:
+    one overlapping itself (expanded), two sharing memory that are not one tensor, and one
+    tensor under two keys (a tie) saved as two (``source``) of other bits (``saved``). Spans
+    are compared, so views interleaved in one buffer count too (``spans``: those known)."""
     problems: list[str] = []
     spans = {} if spans is None else spans
     for p, t in written:
@@ -317,12 +315,8 @@ def read_leaves(
     if reads.problems:
         raise mismatch(reads.problems)
     if inplace:
-        refuse_overlaps(
-            reads.written,
-            saved_value(src, lambda: parsed),
-            lambda p: tensors[p].alias or p,
-            reads.spans,
-        )
+        saved = saved_value(src, lambda: parsed)
+        refuse_overlaps(reads.written, saved, lambda p: tensors[p].alias or p, reads.spans)
     reads.run(src, parsed.segments)
     with torch.no_grad():
         for i, e in aliases:
