@@ -1,6 +1,6 @@
 """``out=`` tensors that several saved elements would land on are refused by key, before a
-byte is written: an expanded tensor, and two leaves that share memory without being one
-tensor (a tied pair, the same tensor twice, is fine)."""
+byte is written: an expanded tensor, two leaves that share memory without being one
+tensor, and one tensor twice (a tie) where the checkpoint holds two values for its keys."""
 
 from __future__ import annotations
 
@@ -76,7 +76,11 @@ def _save(path: Path, state: dict[str, torch.Tensor], stock: bool) -> None:
 @pytest.mark.parametrize("how", ["one tensor", "two of the same bits", "stock DCP"])
 def test_a_tied_pair_of_out_leaves_restores(tmp_path: Path, how: str) -> None:
     w = torch.tensor([1.0, -0.0, float("nan")])  # bits compared: NaN is NaN, -0.0 is not 0.0
-    _save(tmp_path / "tied", {"a": w, "b": w if how == "one tensor" else w.clone()}, how[0] == "s")
+    _save(
+        tmp_path / "tied",
+        {"a": w, "b": w if how == "one tensor" else w.clone()},
+        how == "stock DCP",
+    )
     t = torch.zeros(3)
     back = fc.restore(tmp_path / "tied", out={"a": t, "b": t})
     assert (
@@ -84,8 +88,10 @@ def test_a_tied_pair_of_out_leaves_restores(tmp_path: Path, how: str) -> None:
     )
 
 
-@pytest.mark.parametrize("stock", [False, True])
-@pytest.mark.parametrize("b", [torch.full((4,), 9.0), torch.tensor([7.0, 7, 7, -0.0])])
+@pytest.mark.parametrize("stock", [False, True], ids=["fc", "stock DCP"])
+@pytest.mark.parametrize(
+    "b", [torch.full((4,), 9.0), torch.tensor([7.0, 7, 7, -0.0])], ids=["9s", "-0.0 for 0.0"]
+)
 def test_a_tie_in_out_of_keys_saved_with_other_values_is_refused_naming_both(
     tmp_path: Path, stock: bool, b: torch.Tensor
 ) -> None:
