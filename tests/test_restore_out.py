@@ -1,6 +1,6 @@
 """``out=`` tensors that several saved elements would land on are refused by key, before a
-byte is written: an expanded tensor, and two leaves that share memory without being one
-tensor (a tied pair, the same tensor twice, is fine)."""
+byte is written: an expanded tensor, two leaves that share memory without being one
+tensor, and one tensor twice (a tie) where the checkpoint holds two values for its keys."""
 
 from __future__ import annotations
 
@@ -64,12 +64,44 @@ def test_out_leaves_side_by_side_in_one_buffer_restore(saved: Path) -> None:
     assert torch.equal(flat, torch.tensor([0.0, 1, 2, 3, 4, 5, 1, 1, 1]))
 
 
-def test_a_tied_pair_of_out_leaves_restores(tmp_path: Path) -> None:
-    w = torch.arange(3.0)
-    fc.save(tmp_path / "tied", {"a": w, "b": w})
+def _save(path: Path, state: dict[str, torch.Tensor], stock: bool) -> None:
+    if stock:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state, checkpoint_id=path)
+    else:
+        fc.save(path, state)
+
+
+@pytest.mark.parametrize("how", ["one tensor", "two of the same bits", "stock DCP"])
+def test_a_tied_pair_of_out_leaves_restores(tmp_path: Path, how: str) -> None:
+    w = torch.tensor([1.0, -0.0, float("nan")])  # bits compared: NaN is NaN, -0.0 is not 0.0
+    _save(
+        tmp_path / "tied",
+        {"a": w, "b": w if how == "one tensor" else w.clone()},
+        how == "stock DCP",
+    )
     t = torch.zeros(3)
     back = fc.restore(tmp_path / "tied", out={"a": t, "b": t})
-    assert back["a"] is t and back["b"] is t and torch.equal(t, w)
+    assert (
+        back["a"] is t and back["b"] is t and torch.equal(t.view(torch.int32), w.view(torch.int32))
+    )
+
+
+@pytest.mark.parametrize("stock", [False, True], ids=["fc", "stock DCP"])
+@pytest.mark.parametrize(
+    "b", [torch.full((4,), 9.0), torch.tensor([7.0, 7, 7, -0.0])], ids=["9s", "-0.0 for 0.0"]
+)
+def test_a_tie_in_out_of_keys_saved_with_other_values_is_refused_naming_both(
+    tmp_path: Path, stock: bool, b: torch.Tensor
+) -> None:
+    _save(tmp_path / "ck", {"a": torch.tensor([7.0, 7, 7, 0]), "b": b}, stock)
+    t = torch.zeros(4)
+    with pytest.raises(
+        fc.errors.TemplateMismatch, match="'b' holds other saved values than its tie 'a'"
+    ):
+        fc.restore(tmp_path / "ck", out={"a": t, "b": t})
+    assert not t.any()  # nothing was written
 
 
 def test_a_stock_dcp_checkpoint_refuses_an_expanded_out_tensor(tmp_path: Path) -> None:
@@ -80,3 +112,34 @@ def test_a_stock_dcp_checkpoint_refuses_an_expanded_out_tensor(tmp_path: Path) -
     with pytest.raises(fc.errors.TemplateMismatch, match=r"'weight'.*overlaps itself"):
         fc.restore(tmp_path / "stock", out={"weight": row.expand(2, 3)})
     assert not row.any()
+
+
+def test_a_dtensor_tie_in_out_restores_only_where_its_saved_values_are_the_same(
+    tmp_path: Path,
+) -> None:
+    """A save records no tie of DTensors (tied embeddings under FSDP2): a DTensor twice in
+    out= is read back when both keys' saved bits are the same, else refused, unwritten."""
+    from tests.test_write_staging_edges import one_rank
+
+    got = one_rank(
+        tmp_path,
+        """
+        w = torch.arange(16.0).reshape(4, 4)
+        a = distribute_tensor(w, mesh, [Shard(0)])
+        fc.save(base / "same", {"a": a, "b": a})
+        fc.save(base / "other", {"a": a, "b": distribute_tensor(w + 1, mesh, [Shard(0)])})
+        t = DTensor.from_local(torch.zeros(4, 4), mesh, [Shard(0)], run_check=False)
+        back = fc.restore(base / "same", out={"a": t, "b": t})
+        same = back["a"] is t and back["b"] is t and torch.equal(t.full_tensor(), w)
+        try:
+            fc.restore(base / "other", out={"a": t, "b": t})
+            refused = ""
+        except fc.errors.TemplateMismatch as e:
+            refused = str(e)
+        kept = torch.equal(t.full_tensor(), w)
+        print(json.dumps({"same": bool(same), "refused": refused, "kept": bool(kept)}))
+        """,
+    )
+    assert got["same"]
+    assert "'b' holds other saved values than its tie 'a'" in got["refused"], got["refused"]
+    assert got["kept"]

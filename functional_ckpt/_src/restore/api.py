@@ -19,7 +19,8 @@ from functional_ckpt._src.format.naming import parse_step
 from functional_ckpt._src.format.view import ParsedCheckpoint
 from functional_ckpt._src.log import done, logger, phase
 from functional_ckpt._src.paths import PathLike
-from functional_ckpt._src.restore.read import Request, read_leaves, rebuild, refuse_overlaps
+from functional_ckpt._src.restore import read
+from functional_ckpt._src.restore.read import Request, read_leaves, rebuild
 from functional_ckpt._src.restore.stock_dcp import StockFiles, StockMatch, match_dcp, read_dcp
 from functional_ckpt._src.restore.template import Reshard, Template, rank_view, select
 from functional_ckpt._src.state.tree import Leaf, State, gc_paused, is_tensordict, iter_leaves
@@ -68,8 +69,11 @@ class _Manifested:
         parsed, template, mine = rank_view(self.ck, self.parsed, template, req, self.topo, parts)
         # read_leaves checks the tensors' specs; a collective read has DTensors it does not
         selected, wanted = select(parsed, template, req, specs=self.sparse)
-        if req.inplace:
-            refuse_overlaps(wanted.items())
+        if req.inplace and self.sparse:  # DTensors' shards too (read_leaves checks the rest)
+            saved = read.saved_value(
+                self.ck, lambda: self.parsed.filled(parsed, range(parsed.parts))
+            )
+            read.refuse_overlaps(wanted.items(), saved, lambda p: parsed.tensors[p].alias or p)
         extra = [] if mine is None else list(iter_leaves(mine))
         return Match(parsed.root, parsed, selected, wanted, template is None, extra)
 
@@ -87,9 +91,10 @@ class _Manifested:
 class _Stock(StockFiles):
     def match(self, template: Template | None, req: Request) -> Match:
         stock = match_dcp(self, template, req)
-        if req.inplace:
-            refuse_overlaps(
-                (i.leaf.path, i.leaf.value) for i in stock.items if i.leaf.kind == "tensor"
+        if req.inplace:  # stock DCP records no ties: a tie's saved bits decide
+            items = {i.leaf.path: i for i in stock.items if i.fqn and i.leaf.kind == "tensor"}
+            read.refuse_overlaps(
+                ((p, i.leaf.value) for p, i in items.items()), lambda p: self.saved(items[p])
             )
         return Match(stock.root, stock=stock)
 

@@ -14,7 +14,7 @@ import torch
 from functional_ckpt._src.codec import Unregistered
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.restore.api import restore_for_viewing
-from functional_ckpt._src.restore.read import tensor_spec
+from functional_ckpt._src.restore.read import element_bytes, tensor_spec
 from functional_ckpt._src.state.tree import iter_leaves
 from functional_ckpt._src.text import printable, short_repr
 
@@ -78,17 +78,11 @@ def same_value(a: Any, b: Any) -> bool:
         return repr(a) == repr(b)
 
 
-def _element_bytes(t: torch.Tensor) -> torch.Tensor:
-    """Each element's bytes as one row, to compare any dtype bit for bit."""
-    flat = t.detach().contiguous().reshape(-1)
-    return flat.view(torch.uint8).reshape(flat.numel(), t.element_size())
-
-
 def tensor_delta(a: torch.Tensor, b: torch.Tensor) -> str | None:
     """None if bit-identical, else how much they differ, in float64 (or complex128), which
     holds every float8/16/32 and integer up to 2**53 exactly; NaN against a number apart."""
     try:
-        differ = (_element_bytes(a) != _element_bytes(b)).any(dim=1)
+        differ = (element_bytes(a) != element_bytes(b)).any(dim=1)
     except RuntimeError:
         return None if torch.equal(a, b) else "values differ"
     n = int(differ.sum())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,9 @@ class Reads:
     #: New large tensors read whole from one blob (its file and offset): their pages
     #: are faulted in beside the reads (:class:`~..state.allocation.Prefaulter`).
     fresh: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
+    #: ``out=``'s leaves read straight into, by device (:func:`refuse_overlaps`), and the others.
+    spans: dict[torch.device, list[Span]] = field(default_factory=lambda: {CPU: []})
+    written: list[tuple[KeyPath, torch.Tensor]] = field(default_factory=list)
 
     def _read(self, path: KeyPath, chunk: Chunk, land: shards.Landing) -> None:
         found = self.by_file.get(chunk.file)
@@ -90,7 +94,8 @@ class Reads:
                 ):  # the sizes unpacked: a tuple costs torch.empty half as much again
                     t = torch.empty(*shape, dtype=saved) if shape else torch.empty((), dtype=saved)
             elif target is not None and target.shape == shape and lands_raw(target, saved):
-                t = target  # out='s own
+                t = target  # out='s own: contiguous, so its span is known
+                self.spans[CPU].append((s := t.data_ptr(), s + c.nbytes, t, entry.path))
             if t is not None:
                 if c.nbytes:
                     self._read(entry.path, c, t)
@@ -102,6 +107,7 @@ class Reads:
         made = True  # ``buf`` is new memory
         if inplace and target is not None and not target.is_meta:
             dest = target
+            self.written.append((entry.path, target))
             direct = lands_raw(target, saved)
             made = not direct
             buf = target.detach() if direct else host_empty(entry.shape, saved, fault=not whole)
@@ -139,8 +145,8 @@ class Reads:
         bad: list[str] = []
         files = {name: i for i, name in enumerate(self.by_file)}
         in_order = sorted(self.fresh, key=lambda f: (files[f[0]], f[1]))  # as they are read
-        faults = Prefaulter([t for _, _, t in in_order]) if in_order else None
-        ready = None if faults is None else faults.ready
+        faults = Prefaulter([t for _, _, t in in_order])  # none: no thread is started
+        ready = faults.ready if in_order else None
         try:
             for name, (jobs, paths) in self.by_file.items():  # a file at a time, closed once read
                 try:
@@ -153,8 +159,7 @@ class Reads:
                     if res is not None:
                         bad.append(f"  {format_path(path)} in {name}: {res}")
         finally:
-            if faults is not None:
-                faults.close()
+            faults.close()
         if bad:
             raise CorruptCheckpoint(f"{src.path}: damaged tensor data:\n" + "\n".join(bad))
         with torch.no_grad():
@@ -170,18 +175,27 @@ def spec_problem(e: TensorEntry, t: torch.Tensor, cast: bool) -> str | None:
     return f"  {format_path(e.path)}: saved {e.spec}, template {tensor_spec(t)} ({why})"
 
 
-def refuse_overlaps(written: Iterable[tuple[KeyPath, torch.Tensor]]) -> None:
-    """Refuse ``out=`` leaves that two saved elements would land on, before a byte is
-    written: a tensor overlapping itself (expanded), or two sharing memory without being
-    one tensor (a tie). Spans are compared, so views interleaved in one buffer count too.
-    A restore into many small tensors pays for this, so contiguous ones take a short cut."""
+#: Where an ``out=`` leaf lies: its first byte, the byte past its last, itself, its key.
+Span = tuple[int, int, torch.Tensor, KeyPath]
+
+
+def refuse_overlaps(
+    written: Iterable[tuple[KeyPath, torch.Tensor]],
+    saved: Callable[[KeyPath], torch.Tensor],
+    source: Callable[[KeyPath], KeyPath] = lambda p: p,
+    spans: dict[torch.device, list[Span]] | None = None,
+) -> None:
+    """Refuse ``out=`` leaves that two saved elements would land on, before a byte is written:
+    one overlapping itself (expanded), two sharing memory that are not one tensor, and one
+    tensor under two keys (a tie) saved as two (``source``) of other bits (``saved``). Spans
+    are compared, so views interleaved in one buffer count too (``spans``: those known)."""
     problems: list[str] = []
-    spans: dict[torch.device, list[tuple[int, int, torch.Tensor, KeyPath]]] = {}
+    spans = {} if spans is None else spans
     for p, t in written:
         t = getattr(t, "_local_tensor", t)  # a DTensor: its shard
-        if t.is_meta or not t.numel():
+        start = t.data_ptr()  # 0: a meta or empty tensor
+        if not start:
             continue
-        start = t.data_ptr()
         if t.is_contiguous():
             end = start + t.nbytes
         elif (reach := _reach(t)) is None:
@@ -190,18 +204,33 @@ def refuse_overlaps(written: Iterable[tuple[KeyPath, torch.Tensor]]) -> None:
         else:
             end = start + t.element_size() * (1 + reach)
         spans.setdefault(t.device, []).append((start, end, t, p))
-    for found in spans.values():
-        found.sort(key=lambda s: s[:2])
+    for found in filter(None, spans.values()):
+        found.sort(key=itemgetter(0))
         last = found[0]  # of the spans so far, the one ending last
         for b in found[1:]:
-            x, y = last[2], b[2]  # a tie: the same tensor twice
-            tie = b[:2] == last[:2] and x.dtype == y.dtype and x.is_set_to(y)
-            if b[0] < last[1] and not tie:
-                problems.append(f"  {format_path(b[3])} shares memory with {format_path(last[3])}")
+            if b[0] < last[1]:
+                x, y, q, r = last[2], b[2], last[3], b[3]
+                why = "shares memory with"
+                if b[1] == last[1] and x.dtype == y.dtype and x.is_set_to(y):  # one tensor
+                    ok = source(q) == source(r) or same_bits(saved(q), saved(r))
+                    why = "" if ok else "holds other saved values than its tie"
+                if why:
+                    problems.append(f"  {format_path(r)} {why} {format_path(q)}")
             if b[1] > last[1]:
                 last = b
     if problems:
         raise TemplateMismatch("out= cannot receive the checkpoint:\n" + "\n".join(problems))
+
+
+def element_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Each element's bytes as one row, to compare any dtype bit for bit."""
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).reshape(flat.numel(), t.element_size())
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same bits (NaNs and signed zeros too)."""
+    return a.dtype == b.dtype and torch.equal(element_bytes(a), element_bytes(b))
 
 
 def _reach(t: torch.Tensor) -> int | None:
@@ -275,6 +304,8 @@ def read_leaves(
                     if like is not None and (problem := spec_problem(e, like, cast)) is not None:
                         reads.problems.append(problem)
                     aliases.append((len(leaves), e))
+                    if inplace and like is not None and not like.is_meta:  # _tied writes it
+                        reads.written.append((p, like))
                     leaves.append(Leaf(p, "tensor", None))
                     continue
             like = wanted.get(p)
@@ -283,6 +314,9 @@ def read_leaves(
             leaves.append(new(Leaf, (p, "tensor", t)))
     if reads.problems:
         raise mismatch(reads.problems)
+    if inplace:
+        saved = saved_value(src, lambda: parsed)
+        refuse_overlaps(reads.written, saved, lambda p: tensors[p].alias or p, reads.spans)
     reads.run(src, parsed.segments)
     with torch.no_grad():
         for i, e in aliases:
@@ -294,6 +328,11 @@ def read_leaves(
     if src.unregistered and not req.placeholders:
         refuse_unregistered(src.path, parsed, selected)
     return leaves
+
+
+def saved_value(src: committed.Checkpoint, view: Callable[[], ParsedManifest]) -> Any:
+    """Read one saved tensor of ``view()``, as a restore without a template would."""
+    return lambda p: read_leaves(src, view(), [(p, "tensor")], {}, True)[0].value
 
 
 def require_grad(t: torch.Tensor, like: torch.Tensor | None, inplace: bool, saved: bool) -> None:

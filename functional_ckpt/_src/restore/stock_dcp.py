@@ -84,6 +84,12 @@ class StockFiles:
             )
         return os.pread(fd, info.length, info.offset)
 
+    def saved(self, item: StockItem) -> torch.Tensor:
+        """A matched leaf's saved tensor, as a new CPU tensor."""
+        t = torch.empty(item.smd.size, dtype=item.smd.properties.dtype)
+        _tensor(self, str(item.fqn), item.smd, t, _where(item.leaf.path))
+        return t
+
     def close(self) -> None:
         for fd, _ in self.fds.values():
             os.close(fd)
