@@ -3,7 +3,8 @@
 Usage: descriptors_job.py ROOT OUT [URL]. Every rank opens a manager on the shared ROOT
 (with a remote tier at URL if given), saves step 1 of a sharded state, restores it and
 writes OUT.RANK.json: the descriptors it then holds that it did not before the manager
-opened, as ``{"socket": n, ...}``.
+opened, as ``{"socket": n, ...}``. Its groups connect as a group of ``LAZY_FROM`` ranks
+does, at each pair's first message.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import functional_ckpt as fc
+from functional_ckpt._src.distributed import groups
 
 
 def held() -> dict[str, str]:
@@ -37,6 +39,7 @@ def held() -> dict[str, str]:
 def main() -> None:
     root, out = Path(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo")
+    groups.LAZY_FROM = 2
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     state = {"w": distribute_tensor(torch.arange(48.0).reshape(12, 4), mesh, [Shard(0)])}
     tiers = (fc.manager.Disk(), fc.manager.Remote(sys.argv[3])) if len(sys.argv) > 3 else ()

@@ -23,17 +23,28 @@ T = TypeVar("T")
 
 #: Seconds a rank waits for the others in a checkpoint collective before failing.
 DEFAULT_TIMEOUT = float(os.environ.get("FCKPT_TIMEOUT", "600"))
+#: Ranks from which a group's pairs connect at their first message; a smaller group connects
+#: them all as it is made, so that every rank sees at once a dead rank's connection drop.
+LAZY_FROM, _LAZY = 64, "TORCH_GLOO_LAZY_INIT"
 
 
 def checkpoint_group(purpose: str = "save") -> Any:
     """A dedicated gloo group per ``purpose``, so saves and the manager's decisions never
     interleave. Creating one is a collective: call it from the training thread, in the same
-    order on every rank."""
+    order on every rank. From :data:`LAZY_FROM` ranks on, a rank holds a socket per peer its
+    collectives reach, not per rank (docs/scale.md)."""
     tag, ranks = f"functional_ckpt:{purpose}", list(range(dist.get_world_size()))
     group = c10d._find_pg_by_ranks_and_tag(tag, ranks)
     if group is None:
         timeout = timedelta(seconds=DEFAULT_TIMEOUT)
-        group = c10d._new_group_with_tag(ranks, timeout, "gloo", pg_tag=tag)
+        ours = len(ranks) >= LAZY_FROM and _LAZY not in os.environ  # a user's value holds
+        if ours:  # gloo reads it as it makes a group: for this one alone
+            os.environ[_LAZY] = "1"
+        try:
+            group = c10d._new_group_with_tag(ranks, timeout, "gloo", pg_tag=tag)
+        finally:
+            if ours:
+                del os.environ[_LAZY]
         atexit.register(_release, group)
     return group
 
@@ -243,11 +254,8 @@ def report(error: BaseException | None) -> bytes:
 
 def raise_failures(error: BaseException | None, what: str, reports: dict[int, bytes]) -> None:
     """Fail as :func:`agree` does, given every rank's :func:`report` by rank."""
-    failures: dict[int, tuple[str, str]] = {}
-    for r, m in reports.items():
-        if m:
-            kind, _, message = m.partition(b"\0")
-            failures[r] = (kind.decode(errors="replace"), message.decode(errors="replace"))
+    told = {r: m.decode(errors="replace").partition("\0") for r, m in reports.items() if m}
+    failures = {r: (kind, message) for r, (kind, _, message) in told.items()}
     if not failures:
         if error is not None:
             raise error
