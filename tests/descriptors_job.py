@@ -49,6 +49,7 @@ def main() -> None:
         back = mgr.restore(1, like=state)
         assert torch.equal(back["w"].to_local(), state["w"].to_local())
         added = [kind for fd, kind in held().items() if before.get(fd) != kind]
+    assert "TORCH_GLOO_LAZY_INIT" not in os.environ  # set only while a group was made
     kinds = collections.Counter(Path(k).name if k.startswith("/") else k for k in added)
     Path(f"{out}.{dist.get_rank()}.json").write_text(json.dumps(kinds))
     dist.barrier()
