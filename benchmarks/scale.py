@@ -1130,7 +1130,7 @@ def sockets(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(dir=args.dir if args.dir.exists() else None) as d:
         held = measure_sockets(8, Path(d))
     measured = socket_row(8, held)
-    table = Table(["ranks", "coordinator", "other: most", "other: mean", "whole mesh (before)"])
+    table = Table(["ranks", "coordinator", "other: most", "other: mean", "whole mesh (default)"])
     for r in [*rows, {**measured, "ranks": "8, measured"}]:
         table.add(r["ranks"], r["coordinator"], r["other_most"], f"{r['other_mean']:.1f}",
                   r["eager"] or "-")  # fmt: skip
@@ -1144,7 +1144,8 @@ def sockets(args: argparse.Namespace) -> dict[str, Any]:
         {"target": t, "value": v, "limit": lim, "result": verdict(v, lim)} for t, v, lim in found
     ]
     print("sockets a rank holds for a manager with synchronous saves and a remote tier "
-          "(two groups)", table.render(), "", render_targets(result), sep="\n")  # fmt: skip
+          "(two groups), pairs connected at their first message (TORCH_GLOO_LAZY_INIT=1)",
+          table.render(), "", render_targets(result), sep="\n")  # fmt: skip
     return {"rows": [*rows, measured], "targets": result}
 
 

@@ -1,8 +1,8 @@
 """What a rank holds for checkpointing: the root's lock, and per gloo group a few
-descriptors and a socket per peer its collectives reach (from ``groups.LAZY_FROM`` ranks,
-which descriptors_job.py lowers, the pairs connect at their first message). A manager's
-loop (its decisions, synchronous saves and restores) uses one group; a remote tier's
-uploads, on their own thread, a second."""
+descriptors and a socket per peer (per peer its collectives reach where the user sets
+``TORCH_GLOO_LAZY_INIT=1``, as descriptors_job.py does). A manager's loop (its decisions,
+synchronous saves and restores) uses one group; a remote tier's uploads, on their own
+thread, a second."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ GROUP = 3
 def test_a_rank_holds_a_socket_per_peer_its_collectives_reach(tmp_path: Path) -> None:
     """8 ranks open a manager with a remote tier, save and restore: each holds the sockets
     benchmarks/scale.py predicts from gloo's algorithms (a ring, a tree and a star on the
-    coordinator for the group that saves, a ring for the uploads), not one per rank."""
+    coordinator for the group that saves, a ring for the uploads), not one per rank; and
+    each rank's soft descriptor limit, lowered below what its groups need, is raised."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import scale
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import resource
 import time
 import uuid
 from collections.abc import Callable
@@ -17,36 +18,50 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from functional_ckpt._src.distributed.topology import topology
-from functional_ckpt.errors import CheckpointError, RankFailed
+from functional_ckpt._src.log import logger, warn
+from functional_ckpt.errors import CheckpointError, CheckpointWarning, RankFailed
 
 T = TypeVar("T")
+_LOG = logger("distributed")
 
 #: Seconds a rank waits for the others in a checkpoint collective before failing.
 DEFAULT_TIMEOUT = float(os.environ.get("FCKPT_TIMEOUT", "600"))
-#: Ranks from which a group's pairs connect at their first message; a smaller group connects
-#: them all as it is made, so that every rank sees at once a dead rank's connection drop.
-LAZY_FROM, _LAZY = 64, "TORCH_GLOO_LAZY_INIT"
 
 
 def checkpoint_group(purpose: str = "save") -> Any:
     """A dedicated gloo group per ``purpose``, so saves and the manager's decisions never
     interleave. Creating one is a collective: call it from the training thread, in the same
-    order on every rank. From :data:`LAZY_FROM` ranks on, a rank holds a socket per peer its
-    collectives reach, not per rank (docs/scale.md)."""
+    order on every rank."""
     tag, ranks = f"functional_ckpt:{purpose}", list(range(dist.get_world_size()))
     group = c10d._find_pg_by_ranks_and_tag(tag, ranks)
     if group is None:
+        _room_for(len(ranks))
         timeout = timedelta(seconds=DEFAULT_TIMEOUT)
-        ours = len(ranks) >= LAZY_FROM and _LAZY not in os.environ  # a user's value holds
-        if ours:  # gloo reads it as it makes a group: for this one alone
-            os.environ[_LAZY] = "1"
-        try:
-            group = c10d._new_group_with_tag(ranks, timeout, "gloo", pg_tag=tag)
-        finally:
-            if ours:
-                del os.environ[_LAZY]
+        group = c10d._new_group_with_tag(ranks, timeout, "gloo", pg_tag=tag)
         atexit.register(_release, group)
     return group
+
+
+def _room_for(peers: int) -> None:
+    """A gloo group holds a socket per peer: the usual soft limit of 1,024 descriptors would
+    stop a rank near 500 ranks a group, far below its hard limit. Raise the soft limit as
+    far as the group needs (logged), never past the hard one (a warning)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
+    need = held + peers + 64  # a restore's files and a margin
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    raised = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if raised > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        _LOG.info("soft descriptor limit %d raised to %d for %d ranks", soft, raised, peers)
+    if raised < need:
+        what = f"a checkpoint group of {peers} ranks needs about {need} descriptors"
+        warn(
+            f"{what}, above the hard limit {hard}: raise `ulimit -Hn`",
+            CheckpointWarning,
+            stacklevel=3,
+        )
 
 
 def _release(group: Any) -> None:
