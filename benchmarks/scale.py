@@ -64,6 +64,7 @@ N=4096 <= 0.5x DCP's planning and ``.metadata``.
 Usage::
 
     python benchmarks/scale.py [--quick | --full] [--ranks 8,64,256] [--layers L] [--json PATH]
+    python benchmarks/scale.py --sockets [--full]   # a rank's sockets for its checkpoint groups
 """
 
 from __future__ import annotations
@@ -655,6 +656,63 @@ def dcp_restore(metadata_bytes: bytes, wanted: dict[str, Any]) -> int:
     return reads
 
 
+# --------------------------------------------------------------------------- sockets
+
+#: gloo's algorithms on a checkpoint group, as measured on 8 and 16 ranks: all_gather and
+#: all_reduce pass around a ring, broadcast (from the coordinator) runs down a binomial
+#: tree, gather and scatter are a star on the coordinator. A group that saves runs all
+#: three; one that only agrees (the remote tier's uploads) the ring.
+SAVING, AGREEING = ("ring", "tree", "star"), ("ring",)
+
+
+def gloo_peers(algorithm: str, rank: int, n: int) -> set[int]:
+    """The ranks that ``rank`` exchanges with in one of gloo's algorithms rooted at 0."""
+    if algorithm == "ring":
+        return {(rank - 1) % n, (rank + 1) % n} - {rank}
+    if algorithm == "star":
+        return set(range(1, n)) if rank == 0 else {0}
+    # a binomial tree: the parent clears the highest bit, the children add a higher one
+    parent = {rank - (1 << (rank.bit_length() - 1))} if rank else set()
+    bits = range(rank.bit_length(), n.bit_length())
+    return parent | {rank + (1 << k) for k in bits if rank + (1 << k) < n}
+
+
+def group_sockets(algorithms: Sequence[str], rank: int, n: int) -> int:
+    """The sockets ``rank`` holds for one group whose pairs connect at their first message:
+    its listening socket and one per peer its algorithms reach (``n`` when every pair is
+    connected as the group is made)."""
+    return 1 + len(set().union(*(gloo_peers(a, rank, n) for a in algorithms)))
+
+
+def manager_sockets(rank: int, n: int) -> int:
+    """A manager's sockets with synchronous saves and a remote tier: ``control`` saves,
+    ``upload`` agrees (what ``tests/descriptors_job.py`` holds)."""
+    return group_sockets(SAVING, rank, n) + group_sockets(AGREEING, rank, n)
+
+
+def socket_row(n: int, held: Sequence[int] | None = None) -> dict[str, Any]:
+    """The coordinator's sockets, the most and the mean of any other rank: every rank's
+    ``held``, else :func:`manager_sockets` with every rank's if every pair connected as the
+    group was made (``eager``)."""
+    eager = None if held else 2 * n
+    held = held or [manager_sockets(r, n) for r in range(n)]
+    return {"ranks": n, "coordinator": held[0], "other_most": max(held[1:]),
+            "other_mean": sum(held[1:]) / (n - 1), "eager": eager}  # fmt: skip
+
+
+def measure_sockets(n: int, tmp: Path) -> list[int]:
+    """Every rank's sockets, measured: ``n`` real gloo ranks open a manager with a remote
+    tier, save and restore (``tests/descriptors_job.py``, the same as :func:`manager_sockets`)."""
+    from tests.test_dist import launch, wait_all
+
+    job, out = REPO_ROOT / "tests" / "descriptors_job.py", tmp / "held"
+    url = (tmp / "bucket").as_uri()
+    for rc, _, err in wait_all(launch(n, str(tmp / "root"), str(out), url, job=job)):
+        if rc:
+            raise RuntimeError(f"a rank of {job.name} failed: {err[-2000:]}")
+    return [json.loads(Path(f"{out}.{r}.json").read_text())["socket"] for r in range(n)]
+
+
 # --------------------------------------------------------------------------- bytes
 
 
@@ -1064,6 +1122,33 @@ def render(result: dict[str, Any]) -> str:
     )  # fmt: skip
 
 
+def sockets(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`manager_sockets` at each N, and measured on 8 real ranks against it."""
+    import tempfile
+
+    rows = [socket_row(n) for n in sorted({8, *args.ranks})]
+    with tempfile.TemporaryDirectory(dir=args.dir if args.dir.exists() else None) as d:
+        held = measure_sockets(8, Path(d))
+    measured = socket_row(8, held)
+    table = Table(["ranks", "coordinator", "other: most", "other: mean", "whole mesh (default)"])
+    for r in [*rows, {**measured, "ranks": "8, measured"}]:
+        table.add(r["ranks"], r["coordinator"], r["other_most"], f"{r['other_mean']:.1f}",
+                  r["eager"] or "-")  # fmt: skip
+    over = max(h / manager_sockets(r, 8) for r, h in enumerate(held))
+    lo, hi = socket_row(256), socket_row(4096)
+    found = [
+        ("a rank's sockets measured / predicted, 8 ranks (most)", over, 1.0),
+        ("another rank's most sockets, N=4096 / N=256", hi["other_most"] / lo["other_most"], 1.5),
+    ]
+    result = [
+        {"target": t, "value": v, "limit": lim, "result": verdict(v, lim)} for t, v, lim in found
+    ]
+    print("sockets a rank holds for a manager with synchronous saves and a remote tier "
+          "(two groups), pairs connected at their first message (TORCH_GLOO_LAZY_INIT=1)",
+          table.render(), "", render_targets(result), sep="\n")  # fmt: skip
+    return {"rows": [*rows, measured], "targets": result}
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = bench_parser(__doc__)
     p.add_argument("--quick", action="store_true", help=f"N in {QUICK_RANKS}, 2 layers")
@@ -1086,6 +1171,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="only the coordinator's first save and a save of the same layout, by function",
     )
+    p.add_argument(
+        "--sockets",
+        action="store_true",
+        help="the sockets a rank holds for its checkpoint groups: predicted, and on 8 real ranks",
+    )
     add_run_args(p, "scale", strict="a target")
     args = p.parse_args(argv)
     if args.ranks:
@@ -1105,6 +1195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import tempfile
 
     args = parse_args(argv)
+    if args.sockets:
+        return finish(args, {"benchmark": "scale", "environment": environment(), **sockets(args)})
     model = Model(**{**(LLAMA if args.full else {}), "layers": args.layers})
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir if args.dir.exists() else None) as d:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import resource
 import time
 import uuid
 from collections.abc import Callable
@@ -17,9 +18,11 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from functional_ckpt._src.distributed.topology import topology
-from functional_ckpt.errors import CheckpointError, RankFailed
+from functional_ckpt._src.log import logger, warn
+from functional_ckpt.errors import CheckpointError, CheckpointWarning, RankFailed
 
 T = TypeVar("T")
+_LOG = logger("distributed")
 
 #: Seconds a rank waits for the others in a checkpoint collective before failing.
 DEFAULT_TIMEOUT = float(os.environ.get("FCKPT_TIMEOUT", "600"))
@@ -32,10 +35,33 @@ def checkpoint_group(purpose: str = "save") -> Any:
     tag, ranks = f"functional_ckpt:{purpose}", list(range(dist.get_world_size()))
     group = c10d._find_pg_by_ranks_and_tag(tag, ranks)
     if group is None:
+        _room_for(len(ranks))
         timeout = timedelta(seconds=DEFAULT_TIMEOUT)
         group = c10d._new_group_with_tag(ranks, timeout, "gloo", pg_tag=tag)
         atexit.register(_release, group)
     return group
+
+
+def _room_for(peers: int) -> None:
+    """A gloo group holds a socket per peer: the usual soft limit of 1,024 descriptors would
+    stop a rank near 500 ranks a group, far below its hard limit. Raise the soft limit as
+    far as the group needs (logged), never past the hard one (a warning)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
+    need = held + peers + 64  # a restore's files and a margin
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    raised = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if raised > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        _LOG.info("soft descriptor limit %d raised to %d for %d ranks", soft, raised, peers)
+    if raised < need:
+        what = f"a checkpoint group of {peers} ranks needs about {need} descriptors"
+        warn(
+            f"{what}, above the hard limit {hard}: raise `ulimit -Hn`",
+            CheckpointWarning,
+            stacklevel=3,
+        )
 
 
 def _release(group: Any) -> None:
@@ -243,11 +269,8 @@ def report(error: BaseException | None) -> bytes:
 
 def raise_failures(error: BaseException | None, what: str, reports: dict[int, bytes]) -> None:
     """Fail as :func:`agree` does, given every rank's :func:`report` by rank."""
-    failures: dict[int, tuple[str, str]] = {}
-    for r, m in reports.items():
-        if m:
-            kind, _, message = m.partition(b"\0")
-            failures[r] = (kind.decode(errors="replace"), message.decode(errors="replace"))
+    told = {r: m.decode(errors="replace").partition("\0") for r, m in reports.items() if m}
+    failures = {r: (kind, message) for r, (kind, _, message) in told.items()}
     if not failures:
         if error is not None:
             raise error
