@@ -82,10 +82,8 @@ class Provenance:
     lineage: dict[str, Any] | None = None
     rollbacks: list[Any] = field(default_factory=list)
     run: str | None = None
-    parent: dict[str, Any] | None = None
-    ancestors: list[str] = field(default_factory=list)
-    until: dict[str, int] = field(default_factory=dict)
-    until_time: dict[str, float] = field(default_factory=dict)
+    #: What ``metadata["run"]`` records beside the id: the parent, and the ancestors if any.
+    line: dict[str, Any] = field(default_factory=lambda: {"parent": None})
 
     def metadata(self, record: Mapping[str, Any], user: Mapping[str, Any]) -> dict[str, Any]:
         """Automatic keys, then the user's metadata, then the manager's record."""
@@ -101,10 +99,7 @@ class Provenance:
         if self.rollbacks:
             auto["rollbacks"] = list(self.rollbacks)  # and of a run that rolled back
         if self.run is not None:
-            auto["run"] = {"id": self.run, "parent": self.parent}
-            if self.ancestors:
-                auto["run"].update(ancestors=list(self.ancestors), until=dict(self.until))
-                auto["run"]["until_time"] = dict(self.until_time)
+            auto["run"] = {"id": self.run, **self.line}
         return {**auto, **user, MANAGER_KEY: dict(record)}
 
     def resume(self, metadata: Mapping[str, Any]) -> None:
@@ -120,12 +115,15 @@ class Provenance:
         with contextlib.suppress(CheckpointError, OSError):
             checksum = check_committed(path).get("manifest_crc32")
         run, prior = run_of(metadata), ancestors_of(metadata)
-        self.parent = {"run": run, "step": step, "manifest_crc32": checksum}
-        self.ancestors = prior if run in (None, self.run, *prior) else [*prior, str(run)]
-        until = {**until_of(metadata), str(run): step}  # where this lineage left each ancestor
-        self.until = {r: s for r, s in until.items() if r in self.ancestors and s is not None}
-        times = {**until_of(metadata, "until_time"), str(run): metadata.get("time")}
-        self.until_time = {r: t for r, t in times.items() if r in self.until and type(t) is float}
+        line: dict[str, Any] = {"parent": {"run": run, "step": step, "manifest_crc32": checksum}}
+        ancestors = prior if run in (None, self.run, *prior) else [*prior, str(run)]
+        if ancestors:  # and where this lineage left each: the step, its checkpoint's save time
+            until = {**until_of(metadata), str(run): step}
+            times = {**until_of(metadata, "until_time"), str(run): metadata.get("time")}
+            until = {r: s for r, s in until.items() if r in ancestors and s is not None}
+            times = {r: t for r, t in times.items() if r in until and type(t) is float}
+            line.update(ancestors=ancestors, until=until, until_time=times)
+        self.line = line
 
 
 def _recorded(metadata: Mapping[str, Any], key: str) -> Any:
@@ -146,8 +144,7 @@ def ancestors_of(metadata: Mapping[str, Any]) -> list[str]:
 
 
 def until_of(metadata: Mapping[str, Any], key: str = "until") -> dict[str, Any]:
-    """Each ancestor's step where a checkpoint's lineage left it (``"until_time"``: the
-    save time that checkpoint records), none if unrecorded."""
+    """Each ancestor's step where a checkpoint's lineage left it (or ``key``'s save time)."""
     return numbers(_recorded(metadata, key), int if key == "until" else float)
 
 
@@ -216,12 +213,11 @@ def stored_state(
 
 class Lineage:
     """The lineage rule (docs/tiered.md): a checkpoint is this run's to resume, keep and
-    delete when it records no run, this run, or one of its ``"ancestors"`` up to where
-    the lineage left it (``"until"``: its step; ``"until_time"``: the save time of the
-    checkpoint continued, so that one an ancestor saved after it is not this lineage's).
-    Until the run has a checkpoint (``run.json`` records its runs from then on) it adopts
-    the one lineage the root holds (or else the remote tier's); between unrelated ones it
-    never guesses. Another's is reported once. ``alone``: this run's only (a memory tier's
+    delete when it records no run, this run, or one of its ``"ancestors"`` on the path it
+    came from (at or below ``"until"``, saved no later than ``"until_time"``). Until the
+    run has a checkpoint (``run.json`` records its runs from then on) it adopts the one
+    lineage the root holds (or else the remote tier's); between unrelated ones it never
+    guesses. Another's is reported once. ``alone``: this run's only (a memory tier's
     folder is private to its run: any other checkpoint there was planted)."""
 
     def __init__(self, run: Run | None, *, alone: bool = False) -> None:
@@ -234,8 +230,7 @@ class Lineage:
         self._told: set[str] = set()
 
     def learn(self, held: Iterable[Mapping[str, Any]]) -> Lineage:
-        """The lineage's runs, and where it left each, from the metadata of the checkpoints
-        the root holds."""
+        """The lineage's runs, from the metadata of the checkpoints the root holds."""
         held = list(held)
         mine = self.recorded | ({self.run} if self.run is not None else set())
         if self.recorded or any(run_of(m) == self.run for m in held if self.run is not None):

@@ -23,8 +23,8 @@ RUN_FILE = "run.json"
 class Run:
     """A root's run: ``id`` recorded in every checkpoint; ``secret`` names its RAM folder;
     ``lineage``: the runs its checkpoints continue, once it has any (its own deletions
-    never make another run's checkpoints its own), ``until`` the step each was left at
-    (``until_time``: the save time its checkpoint there records)."""
+    never make another run's checkpoints its own), ``until`` and ``until_time`` where it
+    left each (the step, and the save time its checkpoint there records)."""
 
     id: str
     secret: str
