@@ -217,6 +217,34 @@ def test_no_upload_round_runs_before_the_lineage_is_learnt(tmp_path: Path, mem: 
         assert mgr.remote.wait() and mgr.remote.steps() == [1, 2, 3]
 
 
+@pytest.mark.parametrize("keep", ["all", "last 2"])
+def test_an_ancestors_steps_saved_again_after_the_lineage_left_it_are_not_its(
+    tmp_path: Path, keep: str
+) -> None:
+    """B uploads 1-5; C continues B's 5 (copied in) and saves 6, 7; B rolls back to 3 and
+    saves 4 and 5 again, uploaded. C's relaunch with the remote saves 8: B's new 4 and 5,
+    saved after C left B, are not on C's path (though at or below its branch step): C
+    neither uploads its copy of B's old 5 over them nor prunes them; B's 1-3 are C's."""
+    remote, b, c = tmp_path / "bucket", tmp_path / "b", tmp_path / "c"
+
+    def tier(keep: Any = None) -> Any:
+        return (fc.manager.Remote(remote.as_uri(), keep=keep or fc.policy.keep_all()),)
+
+    saved(b, 1, 2, 3, 4, 5, tiers=tier())
+    copied_in(b, c, 5)
+    saved(c, 6, 7)
+    with fc.CheckpointManager(b, tiers=tier()) as mgr:
+        mgr.restore_latest(like=state(0))
+        mgr.rollback(3, like=state(0))
+        for step in (4, 5):
+            mgr.maybe_save(state(100 + step), step=step)
+        assert mgr.remote is not None and mgr.remote.wait()
+    saved(c, 8, tiers=tier(fc.policy.keep_all() if keep == "all" else fc.keep_last(2)))
+    held = {int(p.parent.name[5:]): p.parent for p in remote.glob("step_*/COMMITTED")}
+    got = {s: float(fc.restore(p)["w"][0, 0]) for s, p in held.items() if s <= 5}
+    assert got == ({1: 1.0, 2: 2.0, 3: 3.0} if keep == "all" else {}) | {4: 104.0, 5: 105.0}
+
+
 # --------------------------------------------------------------------------- an unknown run
 
 

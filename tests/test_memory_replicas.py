@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import functional_ckpt as fc
 from functional_ckpt._src import cli
@@ -291,11 +292,23 @@ def test_a_damaged_replica_is_refetched_or_the_disk_tier_used(
     shutil.rmtree(mem_b)
     for step in (7, 8):
         corrupt_file(mem_a / step_name(step) / "__2_0.distcp")
+    # And another run's checkpoint of step 10 is put in node a's folder: the memory-tier
+    # save of step 10 is refused on every rank before a byte is written, theirs is left
+    # as it is, and training, the later memory saves and the disk's step 10 go on.
+    with fc.CheckpointManager(died / "theirs") as mgr:
+        mgr.maybe_save({"w": torch.zeros(2)}, step=10)
+    shutil.copytree(died / "theirs" / step_name(10), mem_a / step_name(10))
     runs = two_nodes(died)
     got = resumed(runs)
     assert [g[0] for g in got] == [5] * WORLD, got
     assert any("no intact copy" in w and "__2_0.distcp" in w for w in got[0][2]), got[0][2]
     assert finals(runs) == reference
+    for rank, (_, out) in enumerate(runs):
+        told = [w for w in json.loads(lines(out, "WARNINGS")[0]) if "step 10 failed" in w]
+        assert len(told) == 1 and "not a checkpoint of this run" in told[0], (rank, told)
+    theirs = fc.inspect(mem_a / step_name(10)).metadata["run"]
+    assert theirs == fc.inspect(died / "theirs" / step_name(10)).metadata["run"]
+    assert committed(died / "root") == [10, 12]
 
 
 def corrupt_file(path: Path) -> None:

@@ -703,6 +703,7 @@ def test_a_fork_starts_a_new_run_whose_parent_is_the_forked_checkpoint(
         "parent": {"run": parent.id, "step": 3, "manifest_crc32": crc},
         "ancestors": [parent.id],  # the parent's checkpoints are this lineage's
         "until": {parent.id: 3},  # up to the step the fork left it at
+        "until_time": {parent.id: fc.inspect(root / step_name(3)).metadata["time"]},  # its save
     }
     assert forked == tmp_path / "fork" / step_name(3)
     for where, run in ((root, parent), (tmp_path / "fork", child)):

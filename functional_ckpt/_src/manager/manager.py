@@ -39,7 +39,6 @@ from functional_ckpt._src.manager.provenance import (
     git_commit,
     manager_record,
     stored_state,
-    upload_refusal,
 )
 from functional_ckpt._src.manager.rollback_rule import SaveResult, Watch, roll_back
 from functional_ckpt._src.manager.tiers import (
@@ -166,10 +165,10 @@ class CheckpointManager(RootView):
             self.tiers.append(behind)
             behind.prune = lambda: retain(behind, behind.keep)  # after each upload round
             behind.retained = partial(retained, behind.keep)  # what it uploads
-            behind.ours = self.disk.lineage
+            behind.ours = self.disk.lineage  # and whose remote checkpoint an upload leaves alone:
+            behind.upload_refusal = self.disk.lineage.upload_refusal
             self.disk.others()  # learnt before the first upload round chooses what to upload
             behind.copy_in(self.disk, 0.0)  # which resumes what a crash interrupted
-            behind.upload_refusal = upload_refusal  # whose remote checkpoint an upload leaves alone
         if self.memory is not None:
             self.tiers.insert(0, self.memory)
             self.memory.promote = partial(promote, self.tiers, self.memory)
@@ -424,6 +423,7 @@ class CheckpointManager(RootView):
     def _after_commit(self, info: CheckpointInfo) -> None:
         """Retention runs only after the checkpoint it protects is committed."""
         step = parse_step(info.path.name)
+        self.disk.lineage.begin()  # before the upload round asks whose remote step it may replace
         promote(self.tiers, self.disk, 0.0)  # uploaded in the background, if a tier is behind
         if self._coordinator:
             progress(self.tiers)  # to a supervising ``fckpt run``

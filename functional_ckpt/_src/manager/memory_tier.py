@@ -28,7 +28,7 @@ from functional_ckpt._src.manager import memory as mf
 from functional_ckpt._src.manager.collective import coordinator_decides
 from functional_ckpt._src.manager.memory_replicas import STAGING, Replicas, fail_together
 from functional_ckpt._src.manager.options import AsyncSave
-from functional_ckpt._src.manager.provenance import run_of
+from functional_ckpt._src.manager.provenance import Lineage
 from functional_ckpt._src.manager.writes import Writes, WriteSettings
 from functional_ckpt._src.policy.base import Event, PolicyState
 from functional_ckpt._src.root.delete import delete, remove_all
@@ -55,9 +55,9 @@ T = TypeVar("T")
 class RunView(RootView):
     """The folder as its run sees it: only this run's checkpoints (another's is left alone)."""
 
-    def __init__(self, folder: Path, run: str) -> None:
+    def __init__(self, folder: Path, run: Run) -> None:
         super().__init__(folder)
-        self.run, self._said = run, False
+        self.lineage, self._said = Lineage(run, alone=True), False  # planted, not adopted
         self.mine: set[int] = set()  # committed by this tier: this run's, no manifest read
         self.listed: list[int] | None = None  # held over a save's blocking part: one listing
         self.hold = False
@@ -70,7 +70,7 @@ class RunView(RootView):
         others = [s for s, p in found if not is_committed(p)]
         for step in (s for s, p in found if is_committed(p)):
             try:
-                ours = step in self.mine or run_of(self.info(step).metadata) == self.run
+                ours = step in self.mine or self.lineage.holds(self.info(step).metadata)
             except (CheckpointError, OSError):
                 ours = False
             (mine if ours else others).append(step)
@@ -78,8 +78,8 @@ class RunView(RootView):
             self._said = True
             warn(
                 f"{self.root}: steps {sorted(others)} are not checkpoints of this run "
-                f"({self.run}): the memory tier leaves them as they are (a step not of this "
-                "run is never resumed, built on or deleted)",
+                f"({self.lineage.run}): the memory tier leaves them as they are (a step not "
+                "of this run is never resumed, built on or deleted)",
                 MemoryTierWarning,
                 stacklevel=6,
             )
@@ -130,7 +130,7 @@ class MemoryTier:
         self.promote: Callable[[float], Path | None] = lambda within: None
         self.durable, self.local = False, True
         self.committed: Callable[[], object] = lambda: None  # progress, told over all tiers
-        self.view = RunView(self.folder, self.run.id)  # refuses a folder that is a checkpoint
+        self.view = RunView(self.folder, self.run)  # refuses a folder that is a checkpoint
         self.steps, self.infos = self.view.steps, self.view.infos
         with fail_together(self.group, f"memory tier {self.folder}"):
             self.budget = mf.resolve_budget(option, self.folder)

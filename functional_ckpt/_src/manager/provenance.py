@@ -23,7 +23,7 @@ from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy.base import Event, PolicyState, SavePolicy
 from functional_ckpt._src.policy.config import stored_spec
 from functional_ckpt._src.policy.retention import RetentionPolicy
-from functional_ckpt._src.root.run import Run
+from functional_ckpt._src.root.run import Run, numbers
 from functional_ckpt._src.storage.committed import check_committed
 from functional_ckpt.errors import CheckpointError, CheckpointWarning
 
@@ -82,9 +82,8 @@ class Provenance:
     lineage: dict[str, Any] | None = None
     rollbacks: list[Any] = field(default_factory=list)
     run: str | None = None
-    parent: dict[str, Any] | None = None
-    ancestors: list[str] = field(default_factory=list)
-    until: dict[str, int] = field(default_factory=dict)
+    #: What ``metadata["run"]`` records beside the id: the parent, and the ancestors if any.
+    line: dict[str, Any] = field(default_factory=lambda: {"parent": None})
 
     def metadata(self, record: Mapping[str, Any], user: Mapping[str, Any]) -> dict[str, Any]:
         """Automatic keys, then the user's metadata, then the manager's record."""
@@ -100,9 +99,7 @@ class Provenance:
         if self.rollbacks:
             auto["rollbacks"] = list(self.rollbacks)  # and of a run that rolled back
         if self.run is not None:
-            auto["run"] = {"id": self.run, "parent": self.parent}
-            if self.ancestors:
-                auto["run"].update(ancestors=list(self.ancestors), until=dict(self.until))
+            auto["run"] = {"id": self.run, **self.line}
         return {**auto, **user, MANAGER_KEY: dict(record)}
 
     def resume(self, metadata: Mapping[str, Any]) -> None:
@@ -118,48 +115,37 @@ class Provenance:
         with contextlib.suppress(CheckpointError, OSError):
             checksum = check_committed(path).get("manifest_crc32")
         run, prior = run_of(metadata), ancestors_of(metadata)
-        self.parent = {"run": run, "step": step, "manifest_crc32": checksum}
-        self.ancestors = prior if run in (None, self.run, *prior) else [*prior, str(run)]
-        until = {**until_of(metadata), str(run): step}  # where this lineage left each ancestor
-        self.until = {r: s for r, s in until.items() if r in self.ancestors and s is not None}
+        line: dict[str, Any] = {"parent": {"run": run, "step": step, "manifest_crc32": checksum}}
+        ancestors = prior if run in (None, self.run, *prior) else [*prior, str(run)]
+        if ancestors:  # and where this lineage left each: the step, its checkpoint's save time
+            until = {**until_of(metadata), str(run): step}
+            times = {**until_of(metadata, "until_time"), str(run): metadata.get("time")}
+            until = {r: s for r, s in until.items() if r in ancestors and s is not None}
+            times = {r: t for r, t in times.items() if r in until and type(t) is float}
+            line.update(ancestors=ancestors, until=until, until_time=times)
+        self.line = line
+
+
+def _recorded(metadata: Mapping[str, Any], key: str) -> Any:
+    run = metadata.get("run")
+    return run.get(key) if isinstance(run, dict) else None
 
 
 def run_of(metadata: Mapping[str, Any]) -> str | None:
     """The run id a checkpoint's metadata records (None for one saved outside a manager)."""
-    run = metadata.get("run")
-    rid = run.get("id") if isinstance(run, dict) else None
+    rid = _recorded(metadata, "id")
     return rid if isinstance(rid, str) else None
 
 
 def ancestors_of(metadata: Mapping[str, Any]) -> list[str]:
     """The runs a checkpoint's run continued from, oldest first (none if unrecorded)."""
-    run = metadata.get("run")
-    found = run.get("ancestors") if isinstance(run, dict) else None
+    found = _recorded(metadata, "ancestors")
     return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
 
 
-def until_of(metadata: Mapping[str, Any]) -> dict[str, int]:
-    """Each ancestor's step where a checkpoint's lineage left it (none if unrecorded)."""
-    run = metadata.get("run")
-    found = run.get("until") if isinstance(run, dict) else None
-    return {r: s for r, s in found.items() if type(s) is int} if isinstance(found, dict) else {}
-
-
-def within(metadata: Mapping[str, Any], runs: set[str] | None, until: dict[str, int]) -> bool:
-    """The lineage rule: whether a checkpoint is of the lineage of ``runs`` (None: any),
-    an ancestor's only up to the step ``until`` records where the lineage left it."""
-    run = run_of(metadata)
-    if runs is None or run is None:
-        return True
-    return run in runs and (run not in until or (record_of(metadata).step or 0) <= until[run])
-
-
-def upload_refusal(theirs: Mapping[str, Any], mine: Mapping[str, Any]) -> str | None:
-    """Why an upload recording ``mine`` must not replace one recording ``theirs``, or None."""
-    run, own = run_of(theirs), run_of(mine)
-    if run == own or within(theirs, set(ancestors_of(mine)), until_of(mine)):
-        return None
-    return f"run {run}'s checkpoint, not of this run's lineage ({own})"
+def until_of(metadata: Mapping[str, Any], key: str = "until") -> dict[str, Any]:
+    """Each ancestor's step where a checkpoint's lineage left it (or ``key``'s save time)."""
+    return numbers(_recorded(metadata, key), int if key == "until" else float)
 
 
 def manager_record(
@@ -227,15 +213,18 @@ def stored_state(
 
 class Lineage:
     """The lineage rule (docs/tiered.md): a checkpoint is this run's to resume, keep and
-    delete when it records no run, this run, or one of its ``"ancestors"`` (up to its step
-    ``"until"`` records). Until the run has a checkpoint (``run.json`` records its runs from
-    then on) it adopts the one lineage the root holds (or else the remote tier's); between
-    unrelated ones it never guesses. Another's is reported once."""
+    delete when it records no run, this run, or one of its ``"ancestors"`` on the path it
+    came from (at or below ``"until"``, saved no later than ``"until_time"``). Until the
+    run has a checkpoint (``run.json`` records its runs from then on) it adopts the one
+    lineage the root holds (or else the remote tier's); between unrelated ones it never
+    guesses. Another's is reported once. ``alone``: this run's only (a memory tier's
+    folder is private to its run: any other checkpoint there was planted)."""
 
-    def __init__(self, run: Run | None) -> None:
-        self.run = None if run is None else run.id
+    def __init__(self, run: Run | None, *, alone: bool = False) -> None:
+        self.run, self.alone = None if run is None else run.id, alone
         self.recorded = set(() if run is None else run.lineage)  # grows, never shrinks
         self.until = {} if run is None else dict(run.until)  # as does each branch step
+        self.until_time = {} if run is None else dict(run.until_time)
         self.runs: set[str] | None = set()  # None: every run's (none held records one)
         self.unrelated: list[str] = []  # the runs held, none of them this lineage's
         self._told: set[str] = set()
@@ -247,29 +236,49 @@ class Lineage:
         if self.recorded or any(run_of(m) == self.run for m in held if self.run is not None):
             line = [m for m in held if run_of(m) in mine]
             self.runs = self.recorded = mine | {a for m in line for a in ancestors_of(m)}
-            self.until = self.until | {r: s for m in line for r, s in until_of(m).items()}
             self.unrelated = []
-            return self
-        lines: dict[str, set[str]] = {}
-        untils: dict[str, dict[str, int]] = {}
-        for m in held:
-            if (run := run_of(m)) is not None:
-                lines.setdefault(run, {run}).update(ancestors_of(m))
-                untils.setdefault(run, {}).update(until_of(m))
-        whole = [r for r in sorted(lines) if lines.keys() <= lines[r]]
-        self.runs = None if not lines else lines[whole[0]] if whole else set()
-        self.until = untils[whole[0]] if whole else {}
-        self.unrelated = [] if whole else sorted(lines)
+        else:
+            lines: dict[str, set[str]] = {}
+            for m in held:
+                if (run := run_of(m)) is not None:
+                    lines.setdefault(run, {run}).update(ancestors_of(m))
+            whole = [r for r in sorted(lines) if lines.keys() <= lines[r]]
+            self.runs = None if not lines else lines[whole[0]] if whole else set()
+            self.unrelated = [] if whole else sorted(lines)
+            self.until, self.until_time = {}, {}
+            line = [m for m in held if whole and run_of(m) == whole[0]]
+        for m in line:
+            self.until.update(until_of(m))
+            self.until_time.update(until_of(m, "until_time"))
         return self
+
+    def left(self) -> dict[str, Any]:
+        """What ``run.json`` records of the lineage (:class:`Run`'s fields)."""
+        until, times = dict(self.until), dict(self.until_time)
+        return {"lineage": tuple(sorted(self.recorded)), "until": until, "until_time": times}
 
     def begin(self) -> None:
         """This run has a checkpoint (in RAM, say): it adopts no other run's from now on."""
         if self.run is not None:
             self.recorded.add(self.run)
+            self.runs = self.recorded if self.runs is None else self.runs  # until learnt again
 
     def holds(self, metadata: Mapping[str, Any]) -> bool:
         """Whether a checkpoint recording ``metadata`` is of this lineage."""
-        return run_of(metadata) == self.run or within(metadata, self.runs, self.until)
+        run = run_of(metadata)
+        if run == self.run or self.alone:
+            return run == self.run
+        if self.runs is None or run is None:
+            return True
+        step, saved = record_of(metadata).step or 0, metadata.get("time")
+        early = type(saved) is not float or saved <= self.until_time.get(run, saved)
+        return run in self.runs and step <= self.until.get(run, step) and early
+
+    def upload_refusal(self, theirs: Mapping[str, Any]) -> str | None:
+        """Why an upload must not replace a checkpoint recording ``theirs``, or None."""
+        if self.holds(theirs):
+            return None
+        return f"run {run_of(theirs)}'s checkpoint, not of this run's lineage ({self.run})"
 
     def stranger(self, metadata: Mapping[str, Any], where: object) -> str:
         """What a checkpoint at ``where`` of another lineage is."""

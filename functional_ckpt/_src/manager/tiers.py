@@ -131,19 +131,18 @@ class DiskTier:
         self._defer = self._behind and topology().distributed
         self.durable = self.local = True
         self.lineage = Lineage(run)
-        self._recorded = (self.lineage.recorded, self.lineage.until)
+        self._recorded = self.lineage.left()
 
     def others(self) -> set[int]:
         """The root's steps of another lineage."""
         held = self.view.infos()
         ours = self.lineage.learn(i.metadata for i in held)
-        now = (ours.recorded, ours.until)
+        now = ours.left()
         if ours.recorded and now != self._recorded and self.writer and self.coordinator:
             self._recorded = now  # this lineage's runs and branch steps, in run.json for good
             run = read_run(self.view.root)  # as the memory tier may have renewed it
             if run is not None and run.id == ours.run:
-                mine = replace(run, lineage=tuple(sorted(ours.recorded)), until=ours.until)
-                record_run(self.view.root, mine)
+                record_run(self.view.root, replace(run, **now))
         return {i.step for i in held if not ours(i.metadata, i.path)}
 
     def infos(self) -> list[StepInfo]:

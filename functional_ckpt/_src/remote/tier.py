@@ -119,7 +119,7 @@ class RemoteTier:
         self.prune: Callable[[], object] = lambda: None
         self.retained: Callable[[Sequence[Any]], set[int]] = lambda rs: {r.step for r in rs}
         self.ours: Callable[[Mapping[str, Any], object], bool] = lambda metadata, where: True
-        self.upload_refusal: Callable[..., str | None] = lambda theirs, mine: None
+        self.upload_refusal: Callable[..., str | None] = lambda theirs: None
         if writer:
             if not self.coordinator and not self.shared:  # (the coordinator's lock does)
                 remove_downloads(root)
@@ -334,7 +334,7 @@ class RemoteTier:
             theirs = header_named(manifest, step, self.store.where(step)).metadata
         except (CorruptCheckpoint, IncompleteCheckpoint, RemoteVanished):
             return False  # damaged, or gone meanwhile: no one's checkpoint
-        why = self.upload_refusal(theirs, mine)
+        why = self.upload_refusal(theirs)
         if why is not None and step not in self._spared:
             self._spared.add(step)
             told = CheckpointWarning(

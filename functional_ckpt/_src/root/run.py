@@ -10,6 +10,7 @@ import os
 import secrets
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from functional_ckpt._src.storage import durable, opener
 from functional_ckpt.errors import CheckpointError
@@ -22,12 +23,14 @@ RUN_FILE = "run.json"
 class Run:
     """A root's run: ``id`` recorded in every checkpoint; ``secret`` names its RAM folder;
     ``lineage``: the runs its checkpoints continue, once it has any (its own deletions
-    never make another run's checkpoints its own), ``until`` the step each was left at."""
+    never make another run's checkpoints its own), ``until`` and ``until_time`` where it
+    left each (the step, and the save time its checkpoint there records)."""
 
     id: str
     secret: str
     lineage: tuple[str, ...] = ()
     until: dict[str, int] = field(default_factory=dict)
+    until_time: dict[str, float] = field(default_factory=dict)
 
 
 def read_run(root: Path) -> Run | None:
@@ -40,8 +43,13 @@ def read_run(root: Path) -> Run | None:
         return None
     found = doc.get("lineage")
     lineage = tuple(r for r in found if isinstance(r, str)) if isinstance(found, list) else ()
-    until = doc["until"] if isinstance(doc.get("until"), dict) else {}
-    return Run(rid, secret, lineage, {r: s for r, s in until.items() if type(s) is int})
+    until, times = numbers(doc.get("until"), int), numbers(doc.get("until_time"), float)
+    return Run(rid, secret, lineage, until, times)
+
+
+def numbers(found: object, kind: type) -> dict[str, Any]:
+    """The entries of a recorded ``{run: number}`` that are of ``kind`` (none if unrecorded)."""
+    return {r: v for r, v in found.items() if type(v) is kind} if isinstance(found, dict) else {}
 
 
 def open_run(root: Path, *, new_secret: bool = False) -> tuple[Run, bool]:
@@ -59,6 +67,7 @@ def record_run(root: Path, run: Run) -> None:
     """Write ``run`` as ``root``'s (under the writer's lock), crash-safely, owner-only."""
     path = root / RUN_FILE
     doc = {"run": run.id, "secret": run.secret, "lineage": list(run.lineage), "until": run.until}
+    doc["until_time"] = run.until_time
     try:
         durable.replace_durably(path, json.dumps(doc).encode())
     except OSError as e:  # a directory or a special file in its place: not ours to fix
