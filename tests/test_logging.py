@@ -9,16 +9,19 @@ message is built, and ``fckpt -v`` routes the records to stderr.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import functional_ckpt as fc
 from functional_ckpt._src import log
+from functional_ckpt._src.export.torch_save import export_torch
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.storage.ram import promote_newest
 from functional_ckpt.errors import CheckpointWarning
@@ -34,11 +37,12 @@ def _records(caplog: pytest.LogCaptureFixture, start: str) -> list[logging.LogRe
     return [r for r in caplog.records if r.getMessage().startswith(start)]
 
 
+@pytest.mark.parametrize("name", [step_name(7), "step_7"])  # the names ``fckpt ls`` reads
 def test_a_save_and_a_restore_each_log_one_info_record(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, name: str
 ) -> None:
     caplog.set_level(logging.INFO, logger="functional_ckpt")
-    path = tmp_path / step_name(7)
+    path = tmp_path / name
     info = fc.save(path, _state(7))
     [saved] = _records(caplog, "saved step 7: ")
     assert saved.name == "functional_ckpt.save" and saved.levelno == logging.INFO
@@ -75,6 +79,7 @@ def test_a_manager_logs_its_resume_decision_and_its_pruning(
             mgr.maybe_save(_state(step), step=step)
     [deleted] = _records(caplog, "deleted step 1: ")
     assert deleted.name == "functional_ckpt.root" and deleted.step == 1  # type: ignore[attr-defined]
+    assert deleted.path == str(tmp_path / step_name(1))  # type: ignore[attr-defined]
     caplog.clear()
     with fc.CheckpointManager(tmp_path, save=fc.every_steps(1), keep=fc.keep_last(1)) as mgr:
         mgr.restore_latest()
@@ -186,3 +191,98 @@ def test_an_upload_logs_its_bytes(
     size = sum(f.stat().st_size for f in local.iterdir() if f.name != "COMMITTED")  # its data
     assert uploaded.name == "functional_ckpt.remote" and uploaded.bytes == size  # type: ignore[attr-defined]
     assert uploaded.path == f"{mem}/{step_name(4)}"  # type: ignore[attr-defined]
+
+
+def _a_policy_changed(root: Path) -> None:
+    with fc.CheckpointManager(root, save=fc.every_steps(1)) as mgr:
+        mgr.maybe_save(_state(1), step=1)
+    with fc.CheckpointManager(root, save=fc.every_secs(5)) as mgr:
+        mgr.restore_latest()
+
+
+def _nothing_to_roll_back_to(root: Path) -> None:
+    rule = fc.policy.on_degrade("reward", mode="max", patience=1)
+    with fc.CheckpointManager(root, save=fc.policy.never(), rollback=rule) as mgr:
+        mgr.maybe_save(_state(1), step=1, metrics={"reward": 1.0})
+        mgr.maybe_save(_state(2), step=2, metrics={"reward": math.nan})
+
+
+def _wrapped_names_exported(root: Path) -> None:
+    fc.export_safetensors({"model": {"_orig_mod": {"w": torch.ones(2)}}}, root / "hf")
+
+
+@pytest.mark.parametrize(
+    ("fallback", "stage", "match"),
+    [
+        (_a_policy_changed, "manager", "that policy starts fresh"),
+        (_nothing_to_roll_back_to, "manager", "nothing to roll back to"),
+        (_wrapped_names_exported, "export", "strip_prefix="),
+    ],
+    ids=["policy", "rollback", "export"],
+)
+def test_every_fallback_warned_of_is_a_warning_record(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, fallback: Any, stage: str, match: str
+) -> None:
+    with pytest.warns(CheckpointWarning, match=match) as caught:
+        fallback(tmp_path)
+    warned = [(f"functional_ckpt.{stage}", str(w.message), "CheckpointWarning") for w in caught]
+    logged = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [(r.name, r.getMessage(), r.category) for r in logged] == warned  # type: ignore[attr-defined]
+
+
+def _export(how: str, ck: Path, out: Path) -> Path:
+    if how == "manager":
+        export = fc.manager.Export(fc.every_steps(2))
+        with fc.CheckpointManager(out, save=fc.every_steps(1), export=export) as mgr:
+            for step in (1, 2):
+                mgr.maybe_save({"model": {"w": torch.ones(8)}}, step=step)
+        return out / "exports" / step_name(2)
+    if how == "safetensors":
+        return fc.export_safetensors(ck, out)
+    export_torch(ck, out, select=None if how == "torch full" else "model")
+    return out
+
+
+@pytest.mark.parametrize(
+    ("how", "step"), [("manager", 2), ("safetensors", None), ("torch", None), ("torch full", None)]
+)
+def test_every_export_is_one_record_with_the_step_its_path_names(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str, step: int | None
+) -> None:
+    ck = tmp_path / "ck"
+    fc.save(ck, {"model": {"w": torch.ones(8)}})
+    caplog.set_level(logging.INFO, logger="functional_ckpt")
+    out = _export(how, ck, tmp_path / "out")
+    [exported] = [r for r in caplog.records if r.name == "functional_ckpt.export"]
+    assert (exported.path, exported.step) == (str(out), step)  # type: ignore[attr-defined]
+    assert exported.getMessage().startswith(
+        "exported: " if step is None else f"exported step {step}: "
+    )
+    assert exported.bytes > 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("name", "step"), [("best", None), ("step_5", 5)])
+def test_a_removed_checkpoints_record_names_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, name: str, step: int | None
+) -> None:
+    for each in ("last", name):
+        fc.save(tmp_path / "runs" / each, _state(1))
+    caplog.set_level(logging.INFO, logger="functional_ckpt")
+    fc.manager.remove_checkpoint(tmp_path / "runs" / name)
+    [deleted] = _records(caplog, "deleted")
+    assert (deleted.path, deleted.step) == (str(tmp_path / "runs" / name), step)  # type: ignore[attr-defined]
+
+
+@pytest.mark.usefixtures("fast_retries")
+def test_the_remote_retention_logs_each_deletion(
+    tmp_path: Path, mem: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="functional_ckpt")
+    remote = fc.manager.Remote(mem, keep=fc.keep_last(1))
+    with fc.CheckpointManager(tmp_path, tiers=(remote,)) as mgr:
+        for step in (1, 2, 3):
+            mgr.maybe_save(_state(step), step=step)
+            assert mgr.remote is not None and mgr.remote.wait()
+        assert mgr.remote.steps() == [3]
+    deleted = [r for r in _records(caplog, "deleted") if r.name == "functional_ckpt.remote"]
+    assert [(r.step, r.path) for r in deleted] == [(s, f"{mem}/{step_name(s)}") for s in (1, 2)]  # type: ignore[attr-defined]

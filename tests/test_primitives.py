@@ -8,7 +8,8 @@ every module's source and lists each direct file read, open or delete outside th
 storage stage; each one left is here with the reason it is not a checkpoint's
 file. A new one fails the test until it goes through a primitive or is argued here.
 Likewise a state's leaves are walked through ``state/tree.leaves_of``, never by
-building its TensorDict first.
+building its TensorDict first, and a warning is raised only through ``log.warn``,
+beside its WARNING record.
 """
 
 from __future__ import annotations
@@ -468,3 +469,36 @@ def test_the_header_scan_sees_a_record_read_around_it() -> None:
         "h = header.header_of(m)\nr = record_of(h.metadata)\nf = header_of\nheader_named(m, 1, p)\n"
     )
     assert header_reads(src) == Counter({"header_of": 1, "record_of": 1})
+
+
+def direct_warnings(source: str) -> int:
+    """Each warning raised around ``log.warn`` (``warnings.warn``, ``warn_explicit``, or
+    either imported from ``warnings``): a fallback the ``functional_ckpt`` logger never hears of."""
+    n = 0
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module == "warnings":
+            n += sum(a.name in ("warn", "warn_explicit") for a in node.names)
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in (
+            "warnings.warn",
+            "warnings.warn_explicit",
+        ):
+            n += 1
+    return n
+
+
+def test_every_warning_is_raised_with_its_log_record() -> None:
+    seen = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        n = direct_warnings(path.read_text())
+        if n:
+            seen[rel] = n
+    assert seen == {"_src/log.py": 1}  # log.warn: the warning and its record
+
+
+def test_the_warning_scan_sees_a_warning_raised_around_the_helper() -> None:
+    src = (
+        "import warnings\nfrom warnings import warn as w\n"
+        "warnings.warn('x', UserWarning)\nwarn('y', UserWarning, stacklevel=2)\n"
+    )
+    assert direct_warnings(src) == 2

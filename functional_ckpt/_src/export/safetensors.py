@@ -11,7 +11,6 @@ import logging
 import os
 import re
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +21,8 @@ from tensordict import TensorDictBase
 
 from functional_ckpt._src.export.files import CONFIG_FILE, ExtraFile, carried_over, side_files
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
-from functional_ckpt._src.format.naming import EXPORT_INDEX, EXPORT_WEIGHTS
-from functional_ckpt._src.log import done, logger
+from functional_ckpt._src.format.naming import EXPORT_INDEX, EXPORT_WEIGHTS, step_in_name
+from functional_ckpt._src.log import done, logger, warn
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy.base import SavePolicy
 from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all
@@ -140,7 +139,7 @@ def map_names(
     for prefix, by in WRAPPER_PREFIXES.items():
         wrapped = [n for n in out if n.startswith(prefix) or f".{prefix}" in n]
         if wrapped and (prefix == "_orig_mod." or len(wrapped) == len(out)):
-            warnings.warn(
+            warn(
                 f"export: tensor names such as {wrapped[0]!r} carry the prefix {prefix!r} "
                 f"that {by} adds; transformers would not find these weights and would "
                 f"initialise them at random. Pass strip_prefix={prefix!r} (or rename=)",
@@ -354,10 +353,17 @@ def export_safetensors(
     except BaseException:
         commit.remove_tree(tmp)
         raise
-    if _LOG.isEnabledFor(logging.INFO):
-        nbytes = sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(out))
-        done(_LOG, "exported", out, seconds=time.perf_counter() - t0, nbytes=nbytes)
+    logged(out, t0)
     return out
+
+
+def logged(out: Path, t0: float) -> None:
+    """The INFO record of an export begun at ``t0``: a directory, or one ``torch.save`` file."""
+    if _LOG.isEnabledFor(logging.INFO):
+        files = list(os.scandir(out)) if out.is_dir() else [out]
+        nbytes = sum(f.stat(follow_symlinks=False).st_size for f in files)
+        seconds, step = time.perf_counter() - t0, step_in_name(out.name)
+        done(_LOG, "exported", out, seconds=seconds, nbytes=nbytes, step=step)
 
 
 _LOG = logger("export")

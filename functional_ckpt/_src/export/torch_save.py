@@ -9,6 +9,7 @@ import os
 import pickle
 import stat
 import struct
+import time
 import warnings
 import zipfile
 from collections import OrderedDict
@@ -231,7 +232,7 @@ def export_torch(
     whole state (``select=None``, see :func:`loadable`) as a ``torch.save`` file that
     ``weights_only=True`` reads back bit-exactly; returns the converted key paths.
     """
-    dest = Path(out)
+    dest, t0 = Path(out), time.perf_counter()
     obj: Any
     if select is None:
         if dtype is not None:
@@ -242,4 +243,5 @@ def export_torch(
     converted: list[KeyPath] = []
     obj = loadable(obj, (), converted)
     write_torch_file(obj, dest, overwrite=overwrite)
+    st.logged(dest, t0)
     return converted

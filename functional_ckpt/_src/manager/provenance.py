@@ -10,7 +10,6 @@ import platform
 import re
 import subprocess
 import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,7 +200,7 @@ def stored_state(
         state: PolicyState = stored["state"]
         return state
     old = stored.get("spec") if isinstance(stored, dict) else None
-    warnings.warn(
+    warn(
         f"{path}: the stored {key} policy state belongs to "
         f"{'an unrecorded policy' if old is None else repr(old)}, not to {policy!r} "
         f"(spec {spec!r}); that policy starts fresh",

@@ -5,7 +5,6 @@ When the rule fires, ``maybe_save`` rolls back and returns the state in a :class
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 
 from tensordict import TensorDict
 
+from functional_ckpt._src.log import warn
 from functional_ckpt._src.manager.provenance import stored_state
 from functional_ckpt._src.policy.base import AllOf, AnyOf, Event, Not, PolicyState, SavePolicy
 from functional_ckpt._src.policy.degrade import OnDegrade
@@ -131,7 +131,7 @@ def roll_back(
     assert watch.target is not None
     target = choose_target(watch.target, infos)
     if target is None:
-        warnings.warn(
+        warn(
             f"{root}: {watch.rule!r} fired at step {event.step}, but no kept checkpoint "
             f"records {watch.target.metric!r}; nothing to roll back to, the run goes on",
             CheckpointWarning,

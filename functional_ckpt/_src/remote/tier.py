@@ -180,7 +180,10 @@ class RemoteTier:
         if steps:
             self._claim()  # a root another manager writes is not this one's to change
         for step in steps:
+            t0 = time.perf_counter()
             retried(partial(protocol.remove_step, self.store, step))
+            seconds, where = time.perf_counter() - t0, self.store.where(step)
+            done(_LOG, "deleted", where, seconds=seconds, step=step, to="at")
             with self._lock:
                 self._committed.discard(step)
             self._records.pop(step, None)

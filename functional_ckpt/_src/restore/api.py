@@ -15,7 +15,7 @@ from functional_ckpt._src.distributed.topology import Topology, topology
 from functional_ckpt._src.format.entries import ParsedManifest
 from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.kind import is_stock_dcp
-from functional_ckpt._src.format.naming import parse_step
+from functional_ckpt._src.format.naming import step_in_name
 from functional_ckpt._src.format.view import ParsedCheckpoint
 from functional_ckpt._src.log import done, logger, phase
 from functional_ckpt._src.paths import PathLike
@@ -271,7 +271,7 @@ def _restore(path: PathLike, chosen: State | None, req: Request) -> Any:
             opened.close()
         if _LOG.isEnabledFor(logging.INFO):
             nbytes = sum(v.nbytes for _, kind, v in leaves if kind == "tensor")
-            seconds, step = time.perf_counter() - t0, parse_step(src.name)
+            seconds, step = time.perf_counter() - t0, step_in_name(src.name)
             done(_LOG, "restored", src, seconds=seconds, nbytes=nbytes, step=step, to="from")
         # Freed while collection is paused, the manifest's and the template's many
         # small objects are never walked by the collection that re-enabling triggers.

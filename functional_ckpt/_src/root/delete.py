@@ -12,7 +12,7 @@ from pathlib import Path
 
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.kind import classify, holds_only_its_own
-from functional_ckpt._src.format.naming import QUARANTINE_INFIX, parse_step
+from functional_ckpt._src.format.naming import QUARANTINE_INFIX, base_name, step_in_name
 from functional_ckpt._src.log import done, logger
 from functional_ckpt._src.storage import commit, durable
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
@@ -49,8 +49,8 @@ def delete(root: Path, paths: Iterable[Path]) -> list[Path]:
                 os.unlink(aside / naming.COMMIT_MARKER)
     seconds = time.perf_counter() - t0
     for aside in trash:  # what retention prunes, a memory tier drops, a user removes
-        step = parse_step(aside.name.partition(naming.TRASH_INFIX)[0])
-        done(_LOG, "deleted", root, seconds=seconds, step=step, to="from")
+        path = aside.with_name(base_name(aside.name))
+        done(_LOG, "deleted", path, seconds=seconds, step=step_in_name(path.name), to="at")
     return trash
 
 

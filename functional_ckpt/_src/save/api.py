@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from functional_ckpt._src.distributed.topology import is_dtensor, topology
-from functional_ckpt._src.format.naming import parse_step
+from functional_ckpt._src.format.naming import step_in_name
 from functional_ckpt._src.log import done, logger, phase
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.save import incremental
@@ -77,7 +77,7 @@ def write_job(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> Ch
             return info
     else:
         info = write_local(job, tensors, hooks)
-    step = parse_step(info.path.name)
+    step = step_in_name(info.path.name)
     done(_LOG, "saved", info.path, seconds=info.duration, nbytes=info.nbytes, step=step)
     return info
 

@@ -18,7 +18,7 @@ from functional_ckpt._src.format.naming import (
     DCP_METADATA,
     FORMAT_NAME,
     TRASH_INFIX,
-    parse_step,
+    step_in_name,
 )
 from functional_ckpt._src.log import done, logger
 from functional_ckpt._src.native import libc_function
@@ -122,7 +122,7 @@ def commit_checkpoint(
         os.rename(tmp, final)
         fsync(parent)
     seconds = time.perf_counter() - t0
-    done(_LOG, "committed", final, seconds=seconds, step=parse_step(final.name), to="as")
+    done(_LOG, "committed", final, seconds=seconds, step=step_in_name(final.name), to="as")
 
 
 _LOG = logger("storage")
