@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any, overload
 
 import torch
 
+from functional_ckpt._src.arguments import flag, require
 from functional_ckpt._src.distributed.topology import Topology, topology
 from functional_ckpt._src.format.entries import ParsedManifest
-from functional_ckpt._src.format.keys import KeyPath
+from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.format.kind import is_stock_dcp
 from functional_ckpt._src.format.naming import parse_step
 from functional_ckpt._src.format.view import ParsedCheckpoint
@@ -25,7 +26,7 @@ from functional_ckpt._src.restore.template import Reshard, Template, rank_view, 
 from functional_ckpt._src.state.tree import Leaf, State, gc_paused, is_tensordict, iter_leaves
 from functional_ckpt._src.storage import committed
 from functional_ckpt._src.storage.committed import open_checkpoint
-from functional_ckpt.errors import CheckpointError
+from functional_ckpt.errors import CheckpointError, TemplateMismatch
 
 if TYPE_CHECKING:
     from tensordict import TensorDict, TensorDictBase
@@ -39,6 +40,19 @@ def check_like_or_out(like: State | None, out: State | None, what: str) -> None:
         raise CheckpointError(
             f"{what}: pass like= (a new state is returned) or out= (restore in place), not both"
         )
+
+
+def refuse_for_out(written: list[tuple[KeyPath, torch.Tensor]]) -> None:
+    """Refuse ``out=`` tensors that cannot receive the bytes in place, by key, before one
+    is written: sparse and nested ones (torch's own error names no key), overlapping ones."""
+    bad = [
+        f"  {format_path(p)}: a {'nested' if t.is_nested else t.layout} tensor; pass a dense one"
+        for p, t in written
+        if t.is_nested or t.layout != torch.strided
+    ]
+    if bad:
+        raise TemplateMismatch("out= cannot receive the checkpoint:\n" + "\n".join(bad))
+    refuse_overlaps(written)
 
 
 @dataclass
@@ -69,7 +83,7 @@ class _Manifested:
         # read_leaves checks the tensors' specs; a collective read has DTensors it does not
         selected, wanted = select(parsed, template, req, specs=self.sparse)
         if req.inplace:
-            refuse_overlaps(wanted.items())
+            refuse_for_out(list(wanted.items()))
         extra = [] if mine is None else list(iter_leaves(mine))
         return Match(parsed.root, parsed, selected, wanted, template is None, extra)
 
@@ -88,8 +102,8 @@ class _Stock(StockFiles):
     def match(self, template: Template | None, req: Request) -> Match:
         stock = match_dcp(self, template, req)
         if req.inplace:
-            refuse_overlaps(
-                (i.leaf.path, i.leaf.value) for i in stock.items if i.leaf.kind == "tensor"
+            refuse_for_out(
+                [(i.leaf.path, i.leaf.value) for i in stock.items if i.leaf.kind == "tensor"]
             )
         return Match(stock.root, stock=stock)
 
@@ -239,9 +253,20 @@ def restore(
     result holds ``out``'s tensors, whose contents are unspecified if it fails.
     """
     check_like_or_out(like, out, "fc.restore")
-    dev = torch.device("cpu" if device is None else device)
-    req = Request(partial=partial, cast=cast, reshard=reshard, inplace=out is not None, device=dev)
+    require(reshard is None or callable(reshard), reshard, "reshard", "fc.restore", "a function")
+    partial, cast = flag(partial, "partial", "fc.restore"), flag(cast, "cast", "fc.restore")
+    req = Request(partial, cast, reshard, out is not None, device=_device(device))
     return _restore(path, like if out is None else out, req)
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    """``device=`` as a device this process can make tensors on (``cuda`` needs a GPU)."""
+    try:
+        dev = torch.device("cpu" if device is None else device)
+        torch.empty(0, device=dev)
+    except Exception as e:  # torch says no in many ways: RuntimeError, AssertionError...
+        raise ValueError(f"fc.restore(device={device!r}): not a device here ({e})") from None
+    return dev
 
 
 def restore_for_viewing(path: PathLike) -> Any:
