@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import random
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -353,6 +355,22 @@ def test_state_must_be_a_tree(tmp_path: Path) -> None:
         fc.save(tmp_path / "ck", Pair(a=torch.zeros(2), batch_size=[2]))  # type: ignore[call-arg]
     assert not (tmp_path / "ck").exists()
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        (lambda m: fc.apply(3, model=m), "state: expected a TensorDict or a dict, got int"),
+        (lambda m: fc.apply(None, model=m), "state: expected a TensorDict or a dict"),
+        (lambda m: fc.apply([1, 2], model=m), "state: expected a TensorDict or a dict"),
+        (lambda m: fc.apply(fc.capture(model=m), model=m, rng="no"), r"fc\.apply\(rng='no'\)"),
+        (lambda m: fc.capture(model=m, rng="yes"), r"fc\.capture\(rng='yes'\)"),
+    ],
+)
+def test_capture_and_apply_name_a_bad_argument(call: Callable[[Any], Any], named: str) -> None:
+    """Not an AttributeError of the state's missing ``keys``; a string flag is not True."""
+    with pytest.raises(TypeError, match=named):
+        call(torch.nn.Linear(2, 2))
 
 
 def test_plain_dict_like_fits_a_captured_module(tmp_path: Path) -> None:

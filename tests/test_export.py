@@ -205,6 +205,11 @@ def test_export_config_is_checked(tmp_path: Path) -> None:
         fc.manager.Export(fc.policy.always(), max_shard_size="lots")
     with pytest.raises(ValueError, match="select"):
         fc.manager.Export(fc.policy.always(), select=())
+    state = {"model": {"w": torch.ones(2)}}
+    for bad in ({"strip_prefix": 3}, {"header": {"a": 3}}, {"header": {"format": "np"}}):
+        with pytest.raises(TypeError, match=f"{next(iter(bad))}="):
+            fc.export_safetensors(state, tmp_path / "out", **bad)  # type: ignore[arg-type]
+    assert not (tmp_path / "out").exists()
     assert export_mod.Export(fc.policy.always(), max_shard_size="1KB").max_shard_bytes == 1000
 
 

@@ -192,6 +192,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "functional_ckpt._src",
             "functional_ckpt._src.paths",
             "functional_ckpt._src.text",
+            "functional_ckpt._src.arguments",
             "functional_ckpt._src.version",
             "functional_ckpt._src.limits",
             "functional_ckpt._src.log",

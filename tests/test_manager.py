@@ -136,9 +136,23 @@ def test_listing_info_best(tmp_path: Path) -> None:
         fc.CheckpointManager(tmp_path, read_only=True).info(9)
 
 
-def test_reserved_metadata_key_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="reserved"):
-        fc.CheckpointManager(tmp_path, metadata={"manager": 1})
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        ({"metadata": {"manager": 1}}, ValueError, "reserved"),
+        ({"metadata": 3}, TypeError, r"CheckpointManager\(metadata=3\): expected a mapping"),
+        ({"per_rank": "rng"}, TypeError, r"CheckpointManager\(per_rank='rng'\): expected"),
+        ({"per_rank": ["rng", 1]}, TypeError, r"CheckpointManager\(per_rank=\['rng', 1\]\)"),
+        ({"read_only": "no"}, TypeError, r"CheckpointManager\(read_only='no'\)"),
+    ],
+)
+def test_a_bad_constructor_argument_is_named(
+    tmp_path: Path, arguments: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    """``per_rank="rng"`` was the keys 'r', 'n', 'g': ``rng`` saved once for every rank."""
+    with pytest.raises(error, match=message):
+        fc.CheckpointManager(tmp_path / "run", **arguments)
+    assert not (tmp_path / "run").exists()
 
 
 def _git(cwd: Path, *args: str) -> str:
@@ -682,6 +696,15 @@ def test_fork_records_provenance_and_continues(tmp_path: Path) -> None:
     c = fc.manager.fork(b / step_name(4), tmp_path / "c", step=0)
     prov = fc.CheckpointManager(tmp_path / "c", read_only=True).info(0).metadata["forked_from"]
     assert c.name == step_name(0) and prov["step"] == 4 and prov["parent"]["step"] == 3
+
+
+@pytest.mark.parametrize(("step", "error"), [(-1, ValueError), ("5", TypeError), (True, TypeError)])
+def test_fork_refuses_a_step_no_manager_takes(tmp_path: Path, step: Any, error: type) -> None:
+    """``step=-1`` wrote ``step_-00000001``, which no manager resumes: the fork began afresh."""
+    fc.save(tmp_path / "ck", small_state(1))
+    with pytest.raises(error, match=r"fork\(step="):
+        fc.manager.fork(tmp_path / "ck", tmp_path / "b", step=step)
+    assert not (tmp_path / "b").exists()
 
 
 # --------------------------------------------------------------------------- docs

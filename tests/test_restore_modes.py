@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -66,3 +68,24 @@ def test_like_and_out_together_is_the_callers_error_not_damage(tmp_path: Path) -
             with pytest.raises(fc.CheckpointError, match="not both"):
                 mgr.restore_latest(like=like, out=like)
         assert mgr.steps() == [1, 2]  # nothing was moved aside
+
+
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        ({"device": "bogus"}, "device='bogus'"),
+        ({"device": "cpu:x"}, "device='cpu:x'"),
+        ({"partial": "no"}, "partial='no'"),
+        ({"cast": "no"}, "cast='no'"),
+        ({"reshard": 3}, "reshard=3"),
+        *([] if torch.cuda.is_available() else [({"device": "cuda"}, "device='cuda'")]),
+    ],
+)
+def test_a_bad_restore_argument_is_named(
+    tmp_path: Path, arguments: dict[str, Any], named: str
+) -> None:
+    """Not torch's own error naming no argument, nor a string flag taken for True."""
+    fc.save(tmp_path / "ck", {"w": torch.ones(3), "b": torch.ones(2)})
+    like = {"w": torch.empty(3, dtype=torch.float64, device="meta")}  # lands on device=
+    with pytest.raises((TypeError, ValueError), match=re.escape(f"fc.restore({named})")):
+        fc.restore(tmp_path / "ck", like, **{"partial": True, "cast": True, **arguments})

@@ -4,6 +4,7 @@ tensor, and one tensor twice (a tie) where the checkpoint holds two values for i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,24 @@ def test_an_expanded_out_tensor_is_refused_naming_its_key(saved: Path) -> None:
     with pytest.raises(fc.errors.TemplateMismatch, match=r"'model', 'weight'.*overlaps itself"):
         fc.restore(saved, out=into)
     assert not row.any() and not into["model"]["bias"].any()  # nothing was written
+
+
+@pytest.mark.parametrize(
+    "leaf",
+    [
+        lambda: torch.zeros(2, 3).to_sparse(),
+        lambda: torch.nested.nested_tensor([torch.zeros(2, 3)]),
+    ],
+    ids=["sparse", "nested"],
+)
+def test_an_out_tensor_with_no_dense_buffer_is_refused_naming_its_key(
+    saved: Path, leaf: Callable[[], torch.Tensor]
+) -> None:
+    """A sparse or nested leaf has no buffer of its shape: torch fails on it naming no key."""
+    into = {"model": {"weight": leaf(), "bias": torch.zeros(3)}}
+    with pytest.raises(fc.errors.TemplateMismatch, match=r"'model', 'weight'.*pass a dense one"):
+        fc.restore(saved, out=into)
+    assert not into["model"]["bias"].any()
 
 
 @pytest.mark.parametrize("strides", [(1, 1), (2, 2), (2, 1)])

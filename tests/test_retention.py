@@ -160,6 +160,10 @@ def test_plan_deletions_rejects_duplicates_and_non_policies() -> None:
         keep_all().select(dup)
     with pytest.raises(TypeError, match="policy must be a RetentionPolicy"):
         plan_deletions(lambda c: set(), HISTORY)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"plan_deletions\(checkpoints=3\)"):
+        plan_deletions(keep_last(1), 3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"plan_deletions\(protected=5\)"):
+        plan_deletions(keep_last(1), HISTORY, protected=5)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -282,6 +282,21 @@ def test_verify_reports_each_field_disagreement(tmp_path: Path, edit: str) -> No
     assert not report.ok and any(p.where == naming.DCP_METADATA for p in report.problems)
 
 
+@pytest.mark.parametrize("damage", ["garbage", "empty", "folder"])
+def test_verify_names_a_bad_marker_not_the_manifest_it_authenticates(
+    tmp_path: Path, damage: str
+) -> None:
+    fc.save(tmp_path / "ck", {"w": torch.ones(3)})
+    marker = tmp_path / "ck" / naming.COMMIT_MARKER
+    marker.unlink()
+    if damage == "folder":
+        marker.mkdir()
+    else:
+        marker.write_bytes(b"hello\n" if damage == "garbage" else b"")
+    report = fc.verify(tmp_path / "ck")
+    assert not report.ok and [p.where for p in report.problems] == [naming.COMMIT_MARKER]
+
+
 # --------------------------------------------------------------------------- hardened unpickler
 
 

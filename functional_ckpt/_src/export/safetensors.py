@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from functional_ckpt._src.arguments import is_name, items, mapping
 from functional_ckpt._src.export.files import CONFIG_FILE, ExtraFile, carried_over, side_files
 from functional_ckpt._src.format.keys import NODE_KEY, KeyPath, format_path
 from functional_ckpt._src.format.naming import EXPORT_INDEX, EXPORT_WEIGHTS, step_in_name
@@ -70,6 +71,12 @@ def parse_size(size: int | str) -> int:
 WRAPPER_PREFIXES = {"_orig_mod.": "torch.compile", "module.": "DDP or DataParallel"}
 
 Rename = Mapping[str, str] | Callable[[str], str]
+_RENAME = "a mapping of name prefixes to their replacement (e.g. {'model.': ''}) or a function"
+_HEADER = "a mapping of str to str, without 'format' (always 'pt')"
+
+
+def _header_entry(key: object, value: object) -> bool:
+    return key != "format" and is_name(key) and isinstance(value, str)
 
 
 def checked_options(
@@ -83,20 +90,10 @@ def checked_options(
     (the path of ``select``, the shard size in bytes, the prefixes to strip)."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype={dtype!r}: expected a floating-point torch.dtype or None")
-    strip = (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix or ())
-    if not all(isinstance(p, str) and p for p in strip):
-        raise TypeError(
-            f"strip_prefix={strip_prefix!r}: expected a prefix such as '_orig_mod.' or a "
-            "sequence of them"
-        )
-    if not (rename is None or callable(rename)) and not (
-        isinstance(rename, Mapping)
-        and all(isinstance(k, str) and k and isinstance(v, str) for k, v in rename.items())
-    ):
-        raise TypeError(
-            f"rename={rename!r}: expected a mapping of name prefixes to their replacement "
-            "(e.g. {'model.': ''}) or a function of one name"
-        )
+    given = (strip_prefix,) if isinstance(strip_prefix, str) else strip_prefix or ()
+    strip = items(given, "strip_prefix", "", "a prefix such as '_orig_mod.' or a sequence of them")
+    if not callable(rename):
+        mapping(rename, "rename", "", _RENAME, lambda k, v: is_name(k) and isinstance(v, str))
     return _select_path(select), parse_size(max_shard_size), strip
 
 
@@ -331,6 +328,7 @@ def export_safetensors(
     """
     out, t0 = Path(out_dir), time.perf_counter()
     path, limit, strip = checked_options(select, dtype, max_shard_size, strip_prefix, rename)
+    meta = mapping(header, "header", "", _HEADER, _header_entry)
     files = side_files(config, extra_files, dtype)
     replacing = out.exists() or out.is_symlink()
     if replacing:
@@ -344,7 +342,7 @@ def export_safetensors(
     tmp = durable.tmp_sibling(out)
     try:
         tmp.mkdir()
-        _write_shards(tmp, shards, tensors, dtype, header or {})
+        _write_shards(tmp, shards, tensors, dtype, meta)
         if replacing:
             files = {**carried_over(out, files), **files}
         for name, data in files.items():

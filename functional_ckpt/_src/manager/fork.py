@@ -15,6 +15,7 @@ from functional_ckpt._src.format.naming import step_in_name
 from functional_ckpt._src.manager.manager import CheckpointManager
 from functional_ckpt._src.manager.provenance import AUTO_KEYS, Provenance, git_commit
 from functional_ckpt._src.paths import PathLike
+from functional_ckpt._src.policy.base import as_int
 from functional_ckpt._src.policy.leaves import never
 from functional_ckpt._src.policy.retention import keep_all
 from functional_ckpt._src.restore.api import restore
@@ -27,6 +28,8 @@ def fork(checkpoint_path: PathLike, new_root: PathLike, *, step: int | None = No
     """Start a new run in the empty ``new_root`` from a checkpoint of another run, as
     ``new_root/step_N`` (``N`` the source's step unless ``step`` is given): user
     metadata, step and metrics kept, policies afresh, ``"forked_from"`` recorded."""
+    if step is not None and as_int(step, "fork(step=...)") < 0:
+        raise ValueError(f"fork(step={step!r}): steps must be >= 0")
     src = Path(checkpoint_path)
     head = header_of(committed.read_manifest(src))
     meta = dict(head.metadata)

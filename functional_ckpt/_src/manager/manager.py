@@ -15,6 +15,7 @@ from typing import Any
 
 from tensordict import TensorDict
 
+from functional_ckpt._src.arguments import flag, items
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.format.header import record_of
@@ -69,7 +70,7 @@ from functional_ckpt._src.root.rollback import Newer, finish
 from functional_ckpt._src.root.run import Run, open_run, read_run
 from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
-from functional_ckpt._src.save.options import DEFAULT_PER_RANK
+from functional_ckpt._src.save.options import DEFAULT_PER_RANK, PER_RANK
 from functional_ckpt._src.state.tree import State
 from functional_ckpt._src.storage import zstd
 from functional_ckpt.errors import CheckpointError, CheckpointNotFound
@@ -101,7 +102,7 @@ class CheckpointManager(RootView):
         if not callable(clock):
             raise TypeError(f"CheckpointManager(clock={clock!r}): clock must be callable")
         self._options = memory, disk, remote = tier_options(tiers)
-        self.read_only = bool(read_only)
+        self.read_only = flag(read_only, "read_only", "CheckpointManager")
         self.save_policy = every_steps(1) if save is None else save
         self.keep = keep_all() if keep is None else keep
         self.export = export
@@ -110,7 +111,8 @@ class CheckpointManager(RootView):
         topo = topology()
         self._distributed, self._coordinator = topo.distributed, topo.coordinator
         level, dist = zstd.level_of(disk.compression, "Disk"), self._distributed
-        settings = WriteSettings(tuple(per_rank), async_option(async_save), disk.incremental,
+        ranks = items(per_rank, "per_rank", "CheckpointManager", PER_RANK)
+        settings = WriteSettings(ranks, async_option(async_save), disk.incremental,
                                  dist, self._coordinator, zstd_level=level)  # fmt: skip
         if self._distributed:
             prepare_groups()  # now, on the training thread, in the same order on every rank

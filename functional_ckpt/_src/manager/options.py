@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from functional_ckpt._src.arguments import flag, require
 from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.manager.memory import Memory
 from functional_ckpt._src.policy.base import SavePolicy
@@ -46,8 +47,7 @@ class Disk:
     compression: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.incremental, bool):
-            raise TypeError(f"Disk(incremental={self.incremental!r}): expected a bool")
+        flag(self.incremental, "incremental", "Disk")
         level_of(self.compression, "Disk")
 
 
@@ -90,12 +90,10 @@ def async_option(value: object) -> AsyncSave | None:
 
 def check_policies(save: object, keep: object, export: object) -> None:
     """Refuse a save policy, retention policy or export that is not one."""
-    if not isinstance(save, SavePolicy):
-        raise TypeError(f"CheckpointManager(save={save!r}): not a SavePolicy")
-    if not isinstance(keep, RetentionPolicy):
-        raise TypeError(f"CheckpointManager(keep={keep!r}): not a RetentionPolicy")
-    if export is not None and not isinstance(export, Export):
-        raise TypeError(f"CheckpointManager(export={export!r}): not an fc.manager.Export")
+    what = "CheckpointManager"
+    require(isinstance(save, SavePolicy), save, "save", what, "a SavePolicy")
+    require(isinstance(keep, RetentionPolicy), keep, "keep", what, "a RetentionPolicy")
+    require(export is None or isinstance(export, Export), export, "export", what, "an Export")
 
 
 def plain_metrics(metrics: Mapping[str, Any] | None, where: str) -> dict[str, float]:

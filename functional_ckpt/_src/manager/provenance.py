@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from functional_ckpt._src import codec
+from functional_ckpt._src.arguments import mapping
 from functional_ckpt._src.format.header import MANAGER_KEY, record_of
 from functional_ckpt._src.log import warn
 from functional_ckpt._src.paths import PathLike
@@ -63,7 +64,7 @@ def git_commit(cwd: PathLike | None = None) -> str | None:
 
 def check_metadata(metadata: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
     """The user's metadata as a plain dict: msgpack-encodable, the reserved key left free."""
-    meta = dict(metadata or {})
+    meta = mapping(metadata, "metadata", "CheckpointManager", "a mapping", lambda k, v: True)
     if MANAGER_KEY in meta:
         raise ValueError(
             f"{where}: metadata key {MANAGER_KEY!r} is reserved for the manager's own record"

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from functional_ckpt._src.arguments import items
 from functional_ckpt._src.policy.base import (
     PolicySpec,
     call_text,
@@ -189,8 +190,11 @@ def plan_deletions(
     (still being written or read)."""
     if not isinstance(policy, RetentionPolicy):
         raise TypeError(f"plan_deletions(policy={policy!r}): policy must be a RetentionPolicy")
-    if not checkpoints:
+    what = "plan_deletions"
+    records = items(checkpoints, "checkpoints", what, "records", lambda c: hasattr(c, "step"))
+    if not records:
         return []
-    keep = policy.select(checkpoints) | set(protected)
-    keep.add(max(c.step for c in checkpoints))
-    return sorted(c.step for c in checkpoints if c.step not in keep)
+    steps = items(protected, "protected", what, "steps", lambda s: isinstance(s, int))
+    keep = policy.select(records) | set(steps)
+    keep.add(max(c.step for c in records))
+    return sorted(c.step for c in records if c.step not in keep)

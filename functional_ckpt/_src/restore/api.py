@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
 import torch
 
+from functional_ckpt._src.arguments import flag, require
 from functional_ckpt._src.distributed.topology import Topology, topology
 from functional_ckpt._src.format.entries import ParsedManifest
-from functional_ckpt._src.format.keys import KeyPath
+from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.format.kind import is_stock_dcp
 from functional_ckpt._src.format.naming import step_in_name
 from functional_ckpt._src.format.view import ParsedCheckpoint
@@ -26,7 +28,7 @@ from functional_ckpt._src.restore.template import Reshard, Template, rank_view, 
 from functional_ckpt._src.state.tree import Leaf, State, gc_paused, is_tensordict, iter_leaves
 from functional_ckpt._src.storage import committed
 from functional_ckpt._src.storage.committed import open_checkpoint
-from functional_ckpt.errors import CheckpointError
+from functional_ckpt.errors import CheckpointError, TemplateMismatch
 
 if TYPE_CHECKING:
     from tensordict import TensorDict, TensorDictBase
@@ -40,6 +42,18 @@ def check_like_or_out(like: State | None, out: State | None, what: str) -> None:
         raise CheckpointError(
             f"{what}: pass like= (a new state is returned) or out= (restore in place), not both"
         )
+
+
+def refuse_undense(written: Iterable[tuple[KeyPath, torch.Tensor]]) -> None:
+    """Refuse ``out=`` tensors with no dense buffer to read into, by key, before a byte is
+    written: sparse and nested ones (torch's own error names no key)."""
+    bad = [
+        f"  {format_path(p)}: a {'nested' if t.is_nested else t.layout} tensor; pass a dense one"
+        for p, t in written
+        if t.is_nested or t.layout != torch.strided
+    ]
+    if bad:
+        raise TemplateMismatch("out= cannot receive the checkpoint:\n" + "\n".join(bad))
 
 
 @dataclass
@@ -69,6 +83,8 @@ class _Manifested:
         parsed, template, mine = rank_view(self.ck, self.parsed, template, req, self.topo, parts)
         # read_leaves checks the tensors' specs; a collective read has DTensors it does not
         selected, wanted = select(parsed, template, req, specs=self.sparse)
+        if req.inplace:
+            refuse_undense(wanted.items())
         if req.inplace and self.sparse:  # DTensors' shards too (read_leaves checks the rest)
             saved = read.saved_value(
                 self.ck, lambda: self.parsed.filled(parsed, range(parsed.parts))
@@ -92,6 +108,9 @@ class _Stock(StockFiles):
     def match(self, template: Template | None, req: Request) -> Match:
         stock = match_dcp(self, template, req)
         if req.inplace:  # stock DCP records no ties: a tie's saved bits decide
+            refuse_undense(
+                (i.leaf.path, i.leaf.value) for i in stock.items if i.leaf.kind == "tensor"
+            )
             items = {i.leaf.path: i for i in stock.items if i.fqn and i.leaf.kind == "tensor"}
             read.refuse_overlaps(
                 ((p, i.leaf.value) for p, i in items.items()), lambda p: self.saved(items[p])
@@ -244,9 +263,20 @@ def restore(
     result holds ``out``'s tensors, whose contents are unspecified if it fails.
     """
     check_like_or_out(like, out, "fc.restore")
-    dev = torch.device("cpu" if device is None else device)
-    req = Request(partial=partial, cast=cast, reshard=reshard, inplace=out is not None, device=dev)
+    require(reshard is None or callable(reshard), reshard, "reshard", "fc.restore", "a function")
+    partial, cast = flag(partial, "partial", "fc.restore"), flag(cast, "cast", "fc.restore")
+    req = Request(partial, cast, reshard, out is not None, device=_device(device))
     return _restore(path, like if out is None else out, req)
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    """``device=`` as a device this process can make tensors on (``cuda`` needs a GPU)."""
+    try:
+        dev = torch.device("cpu" if device is None else device)
+        torch.empty(0, device=dev)
+    except Exception as e:  # torch says no in many ways: RuntimeError, AssertionError...
+        raise ValueError(f"fc.restore(device={device!r}): not a device here ({e})") from None
+    return dev
 
 
 def restore_for_viewing(path: PathLike) -> Any:

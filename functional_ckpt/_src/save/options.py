@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from functional_ckpt._src.arguments import flag, items, require
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.save.staging import PROCESS_TRUST
 from functional_ckpt._src.save.trust import TrustMemory
@@ -15,6 +16,7 @@ from functional_ckpt._src.storage import zstd
 
 #: Top-level subtrees that differ between ranks and are stored once per rank.
 DEFAULT_PER_RANK = ("rng", "loader")
+PER_RANK = "a sequence of top-level keys"
 
 
 @dataclass(frozen=True)
@@ -46,16 +48,11 @@ def save_options(
     """The options of a public call (``what`` names it in errors), every argument checked."""
     if metadata is not None and not isinstance(metadata, Mapping):
         raise TypeError(f"{what}(metadata={metadata!r}): expected a mapping of plain values")
-    if not isinstance(overwrite, bool):
-        raise TypeError(f"{what}(overwrite={overwrite!r}): expected True or False")
-    if isinstance(per_rank, str) or not all(isinstance(k, str) for k in per_rank):
-        raise TypeError(f"{what}(per_rank={per_rank!r}): expected a sequence of top-level keys")
-    if base is not None and not isinstance(base, str | os.PathLike):
-        raise TypeError(f"{what}(base={base!r}): expected the path of a committed checkpoint")
+    require(base is None or isinstance(base, str | os.PathLike), base, "base", what, "a path")
     return SaveOptions(
         metadata=metadata,
-        overwrite=overwrite,
-        per_rank=tuple(per_rank),
+        overwrite=flag(overwrite, "overwrite", what),
+        per_rank=items(per_rank, "per_rank", what, PER_RANK),
         base=None if base is None else Path(base),
         zstd_level=zstd.level_of(compression, what),
     )

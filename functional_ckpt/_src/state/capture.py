@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, TensorDict, TensorDictBase
 
-from functional_ckpt._src.state.tree import from_python, to_python
+from functional_ckpt._src.arguments import flag
+from functional_ckpt._src.state.tree import as_state, from_python, to_python
 from functional_ckpt.errors import TemplateMismatch, UnsupportedValue
 
 
@@ -108,7 +109,7 @@ def capture(
         td.set(name, from_python(obj.state_dict(), (name,)))
     if model is not None and optimizer is not None:
         _record_param_names(td.get("optimizer"), model, optimizer)
-    if rng:
+    if flag(rng, "rng", "fc.capture"):
         td.set("rng", from_python(capture_rng(), ("rng",)))
     for name, value in extra.items():
         if name in td.keys():
@@ -154,6 +155,7 @@ def apply(
     them, so a loop resumed mid-epoch calls ``fc.apply(state, loader=loader, rng=False)``,
     ``it = iter(loader)``, ``fc.apply(state)``.
     """
+    state, rng = as_state(state), flag(rng, "rng", "fc.apply")
     if model is not None and optimizer is not None and is_sharded_module(model):
         from torch.distributed.checkpoint.state_dict import set_state_dict
 

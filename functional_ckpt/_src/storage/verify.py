@@ -50,11 +50,14 @@ def verify(path: PathLike) -> VerifyReport:
     src = Path(path)
     report = VerifyReport(src, True, [])
     failed: list[tuple[str, CheckpointError]] = []
+    name = naming.COMMIT_MARKER  # the file at fault: the marker, else what it authenticates
     try:  # CheckpointNotFound / IncompleteCheckpoint propagate
+        committed.check_committed(src)
+        name = naming.MANIFEST
         ck = committed.open_checkpoint(src, problems=failed)
     except (CorruptCheckpoint, UnsafeCheckpoint) as err:
         report.ok = False
-        report.problems.append(Problem(naming.MANIFEST, str(err), naming.MANIFEST))
+        report.problems.append(Problem(name, str(err), name))
         return report
     with ck:
         try:  # its name is what every reader of a root takes it for
