@@ -136,8 +136,7 @@ def _decode_numpy_scalar(payload: bytes) -> object:
         raise _Corrupt(f"numpy scalar dtype {code} is not part of the format")
     if type(body) is not bytes or len(body) != dt.itemsize:
         raise _Corrupt(f"numpy scalar of dtype {code} needs exactly {dt.itemsize} bytes")
-    scalar: object = np.frombuffer(body, dtype=dt)[0]
-    return scalar
+    return np.frombuffer(body, dtype=dt)[0]
 
 
 def _decode_torch_dtype(payload: bytes) -> object:
@@ -453,8 +452,6 @@ def decode(
         raise UnsafeCheckpoint(
             f"{source}: nesting deeper than msgpack's parse stack ({_MSGPACK_STACK_LIMIT})"
         ) from None
-    except RecursionError:  # pragma: no cover - nothing above recurses; belt and braces
-        raise UnsafeCheckpoint(f"{source}: nesting too deep to decode") from None
     except msgpack.ExtraData:
         raise CorruptCheckpoint(f"{source}: trailing bytes after the encoded value") from None
     except UnicodeDecodeError as exc:

@@ -121,11 +121,6 @@ class ParsedCheckpoint:
             self.loaded[rank] = validated_part(self.load_part(rank), rank, self.shared, where)
         return self.loaded[rank]
 
-    def every_part(self) -> None:
-        """Read every part of a split manifest (their files join the file table)."""
-        for rank in range(self.shared.parts):
-            self.part(rank)
-
     def _complete(self) -> None:
         """Give every split tensor of the shared tree all its chunks (every part read)."""
         if not self.complete and self.shared.split:

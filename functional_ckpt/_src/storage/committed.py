@@ -352,7 +352,8 @@ def every_file(path: Path) -> dict[str, Any]:
     """Every file but the marker and the manifest, as the file tables record it (a copy's)."""
     with open_checkpoint(path) as ck:
         once = parsed(ck)
-        once.every_part()
+        for rank in range(once.shared.parts):
+            once.part(rank)  # its files join the file table
         files = dict(ck.manifest["files"])
         for name in map(naming.part_name, range(once.shared.parts)):
             files.setdefault(name, {"size": ck.sizes[name]})  # a part that checks itself
