@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     form = "safetensors (default) or torch (a torch.save file)"
     p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors", help=form)
     select = "subtree holding the weights, nested keys joined by '/' (default: model)"
-    p.add_argument("--select", "--key", dest="select", default="model", help=select)
+    p.add_argument("--select", "--key", dest="select", help=select)
     full = "with --format torch: the whole state, not the weights"
     p.add_argument("--full", action="store_true", help=full)
     dtype = "convert floating-point tensors (bfloat16 or bf16, float16 or fp16, ...)"

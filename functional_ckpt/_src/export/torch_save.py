@@ -21,6 +21,7 @@ from tensordict import TensorDictBase
 
 from functional_ckpt._src.export import safetensors as st
 from functional_ckpt._src.format.keys import KeyPath, format_path
+from functional_ckpt._src.format.kind import classify
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.restore.api import restore
 from functional_ckpt._src.save.api import save
@@ -191,7 +192,14 @@ def loadable(value: Any, path: KeyPath = (), converted: list[KeyPath] | None = N
 
 
 def write_torch_file(obj: Any, out: Path, *, overwrite: bool) -> Path:
-    """``torch.save`` to ``out`` atomically and durably; never replaces a directory."""
+    """``torch.save`` to ``out`` atomically and durably; never replaces a directory nor
+    writes into a checkpoint (its files are never replaced, no file joins them)."""
+    inside = next((p for p in out.parents if classify(p).checkpoint), None)
+    if inside is not None:
+        raise CheckpointExists(
+            f"{out}: inside {classify(inside).value} ({inside}), which is left intact: "
+            "a torch export is a file of its own; choose a path outside it"
+        )
     if out.is_dir() and not out.is_symlink():
         raise CheckpointExists(f"{out}: is a directory; give the path of the file to write")
     if out.exists() and not overwrite:
