@@ -118,6 +118,35 @@ def test_wrong_flags_are_one_line_usage_errors(
     assert_one_line_error(err, fragment, "--help")
 
 
+URL = "s3://bucket/run"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["diff", f"{URL}/step_000000001", "b"],
+        ["export", URL, "out"],
+        ["export", "ck", f"{URL}/out"],
+        ["import", "model.pt", f"{URL}/step_000000001"],
+        ["prune", URL, "--keep-last", "1", "--dry-run"],
+        ["run", "--root", URL, "--", "true"],
+        ["demo", "--root", URL],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_a_url_where_only_a_local_path_is_taken_is_refused_as_given(
+    argv: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(argv, capsys)
+    assert code == 2 and out == ""
+    assert_one_line_error(err, f"{URL}", "a URL")
+    assert os.listdir(tmp_path) == []  # nothing made at a local path the URL was taken for
+
+
 # --------------------------------------------------------------------------- ls
 
 
