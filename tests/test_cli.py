@@ -291,6 +291,19 @@ def test_verify_damage_exit_1_one_line_per_bad_key(
     assert lines[-1] == "1 of 3 checkpoints damaged"
 
 
+def test_verify_names_each_damaged_file_once(
+    copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = copy / step_name(40)
+    (ckpt / ".metadata").unlink()
+    (ckpt / "extra").write_text("x")
+    code, out, _ = run(["verify", str(ckpt)], capsys)
+    problems = out.splitlines()[1:-1]
+    assert code == 1 and f"  {ckpt / '.metadata'}: file is missing from the checkpoint" in problems
+    assert f"  {ckpt / 'extra'}: unexpected file in the checkpoint" in problems
+    assert all(line.count(str(ckpt)) == 1 for line in problems), problems
+
+
 def test_verify_torn_manifest_and_missing_marker(
     copy: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -548,6 +561,11 @@ def test_prune_refuses_without_terminal_or_yes(
     code, _, err = run(["prune", str(copy), "--keep-last", "1", "--keep-best", "2"], capsys)
     assert code == 2
     assert_one_line_error(err, "--keep-best needs --metric")
+    for flag in (["--metric", "val_loss"], ["--mode", "max"]):
+        code, _, err = run(["prune", str(copy), "--keep-last", "1", "--yes", *flag], capsys)
+        assert code == 2
+        assert_one_line_error(err, f"{flag[0]}: only with --keep-best K")
+    assert fc.CheckpointManager(copy, read_only=True).steps() == [20, 40, 50]
 
 
 def test_prune_refuses_while_a_writer_runs(copy: Path, capsys: pytest.CaptureFixture[str]) -> None:

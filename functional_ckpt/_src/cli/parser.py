@@ -216,7 +216,7 @@ def _policy_flags(p: Any, *, required: bool) -> None:
     p.add_argument("--keep-best", type=_positive, metavar="K", help=best)
     p.add_argument("--metric", metavar="M", help="metric name for --keep-best (e.g. val_loss)")
     mode = "whether lower or higher --metric is better (default: min)"
-    p.add_argument("--mode", choices=("min", "max"), default="min", help=mode)
+    p.add_argument("--mode", choices=("min", "max"), help=mode)
 
 
 def build_parser() -> argparse.ArgumentParser:
