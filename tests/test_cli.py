@@ -143,7 +143,7 @@ def test_a_url_where_only_a_local_path_is_taken_is_refused_as_given(
     monkeypatch.chdir(tmp_path)
     code, out, err = run(argv, capsys)
     assert code == 2 and out == ""
-    assert_one_line_error(err, f"{URL}", "a URL")
+    assert_one_line_error(err, f"got '{URL}", "expected a local path")
     assert os.listdir(tmp_path) == []  # nothing made at a local path the URL was taken for
 
 

@@ -153,4 +153,4 @@ def test_schedule_scales_with_steps() -> None:
     assert default.save_every % default.eval_every == 0
     assert default.lr_factor(0) < default.lr_factor(default.warmup) == pytest.approx(1.0)
     assert default.lr_factor(default.steps) == pytest.approx(0.1)
-    assert demo.default_crash_at(100) == 40 and demo.default_crash_at(2) == 1
+    assert demo.crash_step(100, None) == 40 and demo.crash_step(2, None) == 1

@@ -84,7 +84,6 @@ def scan_root(root: Path) -> list[RootEntry]:
 
 def newest_checkpoint(root: Path) -> Path:
     """``root`` itself if it is a checkpoint, else its newest committed, readable one."""
-    require_exists(root)
     if is_checkpoint_dir(root):
         return root
     scan_root(root)  # refuses what is no root of checkpoints

@@ -147,6 +147,10 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
+def is_url(text: str) -> bool:
+    return "://" in text
+
+
 def _checked(kind: type, ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
     """An argparse ``type``: ``kind(text)`` if ``ok`` of it, else an error naming the flag."""
 
@@ -166,20 +170,7 @@ _positive = _checked(int, lambda v: v > 0, "a positive integer")
 _non_negative = _checked(int, lambda v: v >= 0, "an integer >= 0")
 _seconds = _checked(float, lambda v: 0 <= v < float("inf"), "seconds >= 0")
 _stall = _checked(int, lambda v: v == 0 or v >= 2, "0 (never) or 2 or more failures in a row")
-
-
-def is_url(text: str) -> bool:
-    return "://" in text
-
-
-def _local(text: str) -> str:
-    """A path where a command reads or writes local files only: a URL is named as given."""
-    if is_url(text):
-        raise argparse.ArgumentTypeError(
-            f"{text}: a URL, where a local path is taken ('{PROG} ls', 'inspect' and 'verify' "
-            "read URLs)"
-        )
-    return text
+_local = _checked(str, lambda v: not is_url(v), "a local path (URLs: ls, inspect, verify)")
 
 
 def _size(text: str) -> str:
@@ -297,8 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...")
 
     p = _command(subs, "demo")
-    work = "working directory (default: a new temporary directory)"
-    p.add_argument("--root", type=_local, help=work)
+    p.add_argument("--root", type=_local, help="working directory (default: a new temporary one)")
     steps = f"training steps (default: {DEFAULT_STEPS})"
     p.add_argument("--steps", type=_positive, default=DEFAULT_STEPS, help=steps)
     crash = "step after which the first process is killed (default: 40%% of --steps)"

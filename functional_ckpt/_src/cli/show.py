@@ -340,7 +340,6 @@ def cmd_import(args: argparse.Namespace, ui: UI) -> int:
     from functional_ckpt._src.export.torch_save import WEIGHTS_KEY, import_torch
 
     src, out = Path(args.file), Path(args.out)
-    listing.require_exists(src)
     with _flag_spelling():
         info = import_torch(src, out, overwrite=args.overwrite)
     summary = fc.inspect(info.path)

@@ -192,13 +192,11 @@ def loadable(value: Any, path: KeyPath = (), converted: list[KeyPath] | None = N
 
 
 def write_torch_file(obj: Any, out: Path, *, overwrite: bool) -> Path:
-    """``torch.save`` to ``out`` atomically and durably; never replaces a directory nor
-    writes into a checkpoint (its files are never replaced, no file joins them)."""
+    """``torch.save`` to ``out`` atomically and durably; never into a directory or a checkpoint."""
     inside = next((p for p in out.parents if classify(p).checkpoint), None)
     if inside is not None:
         raise CheckpointExists(
-            f"{out}: inside {classify(inside).value} ({inside}), which is left intact: "
-            "a torch export is a file of its own; choose a path outside it"
+            f"{out}: inside {classify(inside).value} ({inside}); choose another path"
         )
     if out.is_dir() and not out.is_symlink():
         raise CheckpointExists(f"{out}: is a directory; give the path of the file to write")

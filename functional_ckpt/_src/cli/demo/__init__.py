@@ -200,13 +200,10 @@ def prepare_root(root: Path) -> None:
     (root / job.DEMO_MARKER).write_text(json.dumps({"created": time.time()}) + "\n")
 
 
-def default_crash_at(steps: int) -> int:
-    return max(1, min(steps - 1, round(steps * job.CRASH_FRACTION)))
-
-
 def crash_step(steps: int, crash_at: int | None) -> int:
     """The step after which the first run is killed; bad arguments: ValueError, status 2."""
-    crash = default_crash_at(steps) if crash_at is None else crash_at
+    default = max(1, min(steps - 1, round(steps * job.CRASH_FRACTION)))
+    crash = default if crash_at is None else crash_at
     if steps < 2:
         raise ValueError(f"--steps {steps}: need at least 2 steps (one before and after the crash)")
     if not 1 <= crash < steps:
