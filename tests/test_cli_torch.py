@@ -271,6 +271,11 @@ def test_export_never_writes_into_a_checkpoint(
         code, _, err = fckpt(capsys, *argv)
         assert code == 2 and f"{target}: inside a checkpoint" in one_error_line(err), target
         assert fc.verify(ck).ok and sorted(os.listdir(ck)) == names
+    assert fckpt(capsys, "export", str(ck), str(tmp_path / "hf"))[0] == 0
+    code, _, err = fckpt(
+        capsys, "export", str(ck), str(tmp_path / "hf" / "model.pt"), "--format=torch"
+    )
+    assert code == 0, err  # an export takes other files: a torch file beside its safetensors
 
 
 @pytest.mark.parametrize(
