@@ -35,7 +35,7 @@ from functional_ckpt.errors import CheckpointNotFound, ConfigError
 if TYPE_CHECKING:
     from functional_ckpt._src.recording.layout import Committed
 
-__all__ = ["Verified", "verify_listed", "verify_one", "verify_rows"]
+__all__ = ["Verified", "problem_line", "verify_listed", "verify_one", "verify_rows"]
 __all__ += ["COMMITTED", "cmd_ls", "cmd_prune", "kept_by", "newest_checkpoint", "recording_summary"]
 __all__ += ["retention_parts", "scan_root"]
 
@@ -120,9 +120,9 @@ class Verified:
             emit(f"  {line}")
 
 
-def _problem(path: Path, text: str) -> str:
-    """``path: text``, without naming the path twice when the text starts with it."""
-    return text if text.startswith(f"{path}: ") else f"{path}: {text}"
+def problem_line(path: Path | str, text: str) -> str:
+    """``path: text``, naming the path once where the text starts with it (or a file in it)."""
+    return text if text.startswith((f"{path}: ", f"{path}/")) else f"{path}: {text}"
 
 
 def verify_one(path: Path) -> Verified:
@@ -130,13 +130,13 @@ def verify_one(path: Path) -> Verified:
     try:
         report = fc.verify(path)
     except (fc.errors.CorruptCheckpoint, fc.errors.UnsafeCheckpoint) as err:
-        return Verified(str(path), False, (_problem(path, fmt.one_line(err)),))
+        return Verified(str(path), False, (problem_line(path, fmt.one_line(err)),))
     except fc.errors.IncompleteCheckpoint as err:
         if is_temporary_name(path.name):
             raise
-        return Verified(str(path), False, (_problem(path, fmt.one_line(err)),))
+        return Verified(str(path), False, (problem_line(path, fmt.one_line(err)),))
     lines = [  # a file's problem is named by the file, a key's by the checkpoint and the key
-        _problem(path / p.where, p.detail) if p.file == p.where else _problem(path, str(p))
+        problem_line(path / p.where, p.detail) if p.file == p.where else problem_line(path, str(p))
         for p in report.problems
     ]
     return Verified(str(path), report.ok, tuple(lines), report.files_checked, report.bytes_checked)
