@@ -118,6 +118,35 @@ def test_wrong_flags_are_one_line_usage_errors(
     assert_one_line_error(err, fragment, "--help")
 
 
+URL = "s3://bucket/run"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["diff", f"{URL}/step_000000001", "b"],
+        ["export", URL, "out"],
+        ["export", "ck", f"{URL}/out"],
+        ["import", "model.pt", f"{URL}/step_000000001"],
+        ["prune", URL, "--keep-last", "1", "--dry-run"],
+        ["run", "--root", URL, "--", "true"],
+        ["demo", "--root", URL],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_a_url_where_only_a_local_path_is_taken_is_refused_as_given(
+    argv: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(argv, capsys)
+    assert code == 2 and out == ""
+    assert_one_line_error(err, f"got '{URL}", "expected a local path")
+    assert os.listdir(tmp_path) == []  # nothing made at a local path the URL was taken for
+
+
 # --------------------------------------------------------------------------- ls
 
 
@@ -260,6 +289,19 @@ def test_verify_damage_exit_1_one_line_per_bad_key(
     assert len(bad) == 1, bad
     assert "('model', '2.weight'): tensor data in __0_0.distcp fails its checksum" in bad[0]
     assert lines[-1] == "1 of 3 checkpoints damaged"
+
+
+def test_verify_names_each_damaged_file_once(
+    copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = copy / step_name(40)
+    (ckpt / ".metadata").unlink()
+    (ckpt / "extra").write_text("x")
+    code, out, _ = run(["verify", str(ckpt)], capsys)
+    problems = out.splitlines()[1:-1]
+    assert code == 1 and f"  {ckpt / '.metadata'}: file is missing from the checkpoint" in problems
+    assert f"  {ckpt / 'extra'}: unexpected file in the checkpoint" in problems
+    assert all(line.count(str(ckpt)) == 1 for line in problems), problems
 
 
 def test_verify_torn_manifest_and_missing_marker(
@@ -519,6 +561,11 @@ def test_prune_refuses_without_terminal_or_yes(
     code, _, err = run(["prune", str(copy), "--keep-last", "1", "--keep-best", "2"], capsys)
     assert code == 2
     assert_one_line_error(err, "--keep-best needs --metric")
+    for flag in (["--metric", "val_loss"], ["--mode", "max"]):
+        code, _, err = run(["prune", str(copy), "--keep-last", "1", "--yes", *flag], capsys)
+        assert code == 2
+        assert_one_line_error(err, f"{flag[0]}: only with --keep-best K")
+    assert fc.CheckpointManager(copy, read_only=True).steps() == [20, 40, 50]
 
 
 def test_prune_refuses_while_a_writer_runs(copy: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -239,12 +239,19 @@ def test_bad_input_is_one_line(
     assert len(errors) == 1 and fragment in errors[0], err
 
 
-def test_root_that_is_a_checkpoint_is_refused(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [("one", "is a checkpoint"), ("one/x", "inside a checkpoint"), ("notes.txt", "a file")],
+)
+def test_root_that_cannot_hold_checkpoints_is_refused(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], name: str, fragment: str
 ) -> None:
     fc.save(tmp_path / "one", {"x": 1})
-    code, _, err = fckpt_run(capfd, f"--root={tmp_path / 'one'}", "--", "true")
-    assert code == 2 and "is a checkpoint" in err
+    (tmp_path / "notes.txt").write_text("not a root\n")
+    code, out, err = fckpt_run(capfd, f"--root={tmp_path / name}", "--", "true")
+    assert code == 2 and out == ""
+    (error,) = err.splitlines()
+    assert error.startswith(f"fckpt: error: --root {tmp_path / name}: {fragment}"), err
 
 
 def test_time_lost_counts_work_since_the_last_checkpoint() -> None:

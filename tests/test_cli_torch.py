@@ -260,12 +260,32 @@ def test_export_replaces_a_file_only_when_asked(
     assert sorted(os.listdir(tmp_path)) == ["a", "d", "out.pt"]
 
 
+def test_export_never_writes_into_a_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ck = tmp_path / "ck"
+    fc.save(ck, fc.capture(model=torch.nn.Linear(4, 3), rng=False))
+    names = sorted(os.listdir(ck))
+    for target in [ck / name for name in names] + [ck / "new.pt", ck / "sub" / "new.pt"]:
+        argv = ["export", str(ck), str(target), "--format=torch", "--overwrite"]
+        code, _, err = fckpt(capsys, *argv)
+        assert code == 2 and f"{target}: inside a checkpoint" in one_error_line(err), target
+        assert fc.verify(ck).ok and sorted(os.listdir(ck)) == names
+    assert fckpt(capsys, "export", str(ck), str(tmp_path / "hf"))[0] == 0
+    code, _, err = fckpt(
+        capsys, "export", str(ck), str(tmp_path / "hf" / "model.pt"), "--format=torch"
+    )
+    assert code == 0, err  # an export takes other files: a torch file beside its safetensors
+
+
 @pytest.mark.parametrize(
     ("flags", "fragment"),
     [
         (["--full"], "only with --format torch"),
         (["--format=torch", "--max-shard-size=1GB"], "one file"),
         (["--format=torch", "--full", "--dtype=bfloat16"], "--dtype"),
+        (["--format=torch", "--key=model", "--full"], "--key/--select: for the weights; --full"),
+        (["--format=torch", "--full", "--select=model"], "--key/--select"),
         (["--format=pickle"], "invalid choice"),
     ],
 )

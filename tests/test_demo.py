@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -105,14 +106,21 @@ def test_demo_reuses_its_own_root_but_no_other(
         (["--steps", "10", "--crash-at", "10"], "between 1 and 9"),
     ],
 )
+@pytest.mark.parametrize("root", [True, False])
 def test_demo_bad_arguments(
-    argv: list[str], fragment: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    argv: list[str],
+    fragment: str,
+    root: bool,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    code = cli.main(["demo", "--root", str(tmp_path / "r"), *argv])
-    err = capsys.readouterr().err
-    assert code == 2
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a demo without --root works
+    code = cli.main(["demo", *(["--root", str(tmp_path / "r")] if root else []), *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
     assert err.startswith("fckpt: error: ") and fragment in err and err.count("\n") == 1
-    assert not (tmp_path / "r").exists()
+    assert os.listdir(tmp_path) == []  # nothing made before the refusal
 
 
 def test_heartbeat_prints_a_line_at_most_every_few_seconds() -> None:
@@ -145,4 +153,4 @@ def test_schedule_scales_with_steps() -> None:
     assert default.save_every % default.eval_every == 0
     assert default.lr_factor(0) < default.lr_factor(default.warmup) == pytest.approx(1.0)
     assert default.lr_factor(default.steps) == pytest.approx(0.1)
-    assert demo.default_crash_at(100) == 40 and demo.default_crash_at(2) == 1
+    assert demo.crash_step(100, None) == 40 and demo.crash_step(2, None) == 1

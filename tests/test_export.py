@@ -233,6 +233,13 @@ def test_config_and_side_files_are_written_and_carried_over(model: TinyLM, tmp_p
     assert (out / "tokenizer.json").read_bytes() == b"{}"  # not given: carried over
     assert "float16" in (out / "config.json").read_text()
     assert_same(load_export(out), expected_weights(model))
+    (out / "tokenizer").mkdir()  # a folder is no file of an export: never dropped
+    with pytest.raises(
+        fc.errors.CheckpointExists,
+        match="e: exists and holds tokenizer: not a file of a safetensors export",
+    ):
+        fc.export_safetensors(state, out, overwrite=True)
+    assert (out / "tokenizer").is_dir() and (out / "vocab.txt").read_text() == "c\n"
     for bad in ({"../x": b""}, {"model.safetensors": b""}, {"a/b": b""}):
         with pytest.raises(ValueError, match="extra_files"):
             fc.export_safetensors(state, tmp_path / "f", extra_files=bad)

@@ -410,6 +410,10 @@ def test_fckpt_ls_shows_the_tiers_and_verify_inspect_take_remote_urls(
     assert doc["path"] == mem and doc["intact"] == 1 and doc["damaged"] == 1
     statuses = {c["path"]: c["status"] for c in doc["checkpoints"]}
     assert statuses == {f"{mem}/step_000000002": "damaged", f"{mem}/step_000000003": "intact"}
+    fs.pipe_file(mem.removeprefix("memory://") + "/step_000000003/.metadata", b"garbage")
+    assert cli.main(["verify", f"{mem}/step_000000003"]) == 1
+    damaged = f"  {mem}/step_000000003/.metadata: 7 bytes, the manifest records"
+    assert capsys.readouterr().out.splitlines()[1].startswith(damaged)  # the file named once
 
 
 def test_ranks_on_one_remote_with_roots_of_their_own_or_one_shared_root(

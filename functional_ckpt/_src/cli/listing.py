@@ -35,7 +35,7 @@ from functional_ckpt.errors import CheckpointNotFound, ConfigError
 if TYPE_CHECKING:
     from functional_ckpt._src.recording.layout import Committed
 
-__all__ = ["Verified", "verify_listed", "verify_one", "verify_rows"]
+__all__ = ["Verified", "problem_line", "verify_listed", "verify_one", "verify_rows"]
 __all__ += ["COMMITTED", "cmd_ls", "cmd_prune", "kept_by", "newest_checkpoint", "recording_summary"]
 __all__ += ["retention_parts", "scan_root"]
 
@@ -84,7 +84,6 @@ def scan_root(root: Path) -> list[RootEntry]:
 
 def newest_checkpoint(root: Path) -> Path:
     """``root`` itself if it is a checkpoint, else its newest committed, readable one."""
-    require_exists(root)
     if is_checkpoint_dir(root):
         return root
     scan_root(root)  # refuses what is no root of checkpoints
@@ -121,10 +120,9 @@ class Verified:
             emit(f"  {line}")
 
 
-def _problem(path: Path, err: BaseException) -> str:
-    """``path: message``, without naming the path twice when the message starts with it."""
-    text = fmt.one_line(err)
-    return text if text.startswith(f"{path}: ") else f"{path}: {text}"
+def problem_line(path: Path | str, text: str) -> str:
+    """``path: text``, naming the path once where the text starts with it (or a file in it)."""
+    return text if text.startswith((f"{path}: ", f"{path}/")) else f"{path}: {text}"
 
 
 def verify_one(path: Path) -> Verified:
@@ -132,13 +130,13 @@ def verify_one(path: Path) -> Verified:
     try:
         report = fc.verify(path)
     except (fc.errors.CorruptCheckpoint, fc.errors.UnsafeCheckpoint) as err:
-        return Verified(str(path), False, (_problem(path, err),))
+        return Verified(str(path), False, (problem_line(path, fmt.one_line(err)),))
     except fc.errors.IncompleteCheckpoint as err:
         if is_temporary_name(path.name):
             raise
-        return Verified(str(path), False, (_problem(path, err),))
-    lines = [
-        f"{path / p.where if '/' not in p.where and (path / p.where).exists() else path}: {p}"
+        return Verified(str(path), False, (problem_line(path, fmt.one_line(err)),))
+    lines = [  # a file's problem is named by the file, a key's by the checkpoint and the key
+        problem_line(path / p.where, p.detail) if p.file == p.where else problem_line(path, str(p))
         for p in report.problems
     ]
     return Verified(str(path), report.ok, tuple(lines), report.files_checked, report.bytes_checked)
@@ -201,9 +199,12 @@ def policy_from_flags(args: argparse.Namespace) -> list[tuple[str, Any]] | None:
     """``--keep-last N [--keep-best K --metric M [--mode max]]`` as policy parts."""
     if args.keep_best is not None and not args.metric:
         raise UsageError("--keep-best needs --metric NAME")
+    for flag, given in (("--metric", args.metric), ("--mode", args.mode)):
+        if given is not None and args.keep_best is None:
+            raise UsageError(f"{flag}: only with --keep-best K, which keeps the best by it")
     parts = [fc.keep_last(args.keep_last)] if args.keep_last is not None else []
     if args.keep_best is not None:
-        parts.append(fc.keep_best(args.keep_best, args.metric, mode=args.mode))
+        parts.append(fc.keep_best(args.keep_best, args.metric, mode=args.mode or "min"))
     return [(repr(p), p) for p in parts] or None
 
 

@@ -147,6 +147,10 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
+def is_url(text: str) -> bool:
+    return "://" in text
+
+
 def _checked(kind: type, ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
     """An argparse ``type``: ``kind(text)`` if ``ok`` of it, else an error naming the flag."""
 
@@ -166,6 +170,7 @@ _positive = _checked(int, lambda v: v > 0, "a positive integer")
 _non_negative = _checked(int, lambda v: v >= 0, "an integer >= 0")
 _seconds = _checked(float, lambda v: 0 <= v < float("inf"), "seconds >= 0")
 _stall = _checked(int, lambda v: v == 0 or v >= 2, "0 (never) or 2 or more failures in a row")
+_local = _checked(str, lambda v: not is_url(v), "a local path (URLs: ls, inspect, verify)")
 
 
 def _size(text: str) -> str:
@@ -202,7 +207,7 @@ def _policy_flags(p: Any, *, required: bool) -> None:
     p.add_argument("--keep-best", type=_positive, metavar="K", help=best)
     p.add_argument("--metric", metavar="M", help="metric name for --keep-best (e.g. val_loss)")
     mode = "whether lower or higher --metric is better (default: min)"
-    p.add_argument("--mode", choices=("min", "max"), default="min", help=mode)
+    p.add_argument("--mode", choices=("min", "max"), help=mode)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -228,20 +233,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="print only damage and the total")
 
     p = _command(subs, "diff")
-    p.add_argument("a", help="the first checkpoint")
-    p.add_argument("b", help="the second checkpoint")
+    p.add_argument("a", type=_local, help="the first checkpoint")
+    p.add_argument("b", type=_local, help="the second checkpoint")
     p.add_argument("--all", action="store_true", help="also list the identical keys")
     differ = "exit with status 1 when the checkpoints differ"
     p.add_argument("--exit-code", action="store_true", help=differ)
 
     p = _command(subs, "export")
-    p.add_argument("path", help="a checkpoint, or a root (its newest checkpoint)")
+    p.add_argument("path", type=_local, help="a checkpoint, or a root (its newest checkpoint)")
     out = "output directory (safetensors) or file (torch); must not exist unless --overwrite"
-    p.add_argument("out", help=out)
+    p.add_argument("out", type=_local, help=out)
     form = "safetensors (default) or torch (a torch.save file)"
     p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors", help=form)
     select = "subtree holding the weights, nested keys joined by '/' (default: model)"
-    p.add_argument("--select", "--key", dest="select", default="model", help=select)
+    p.add_argument("--select", "--key", dest="select", help=select)
     full = "with --format torch: the whole state, not the weights"
     p.add_argument("--full", action="store_true", help=full)
     dtype = "convert floating-point tensors (bfloat16 or bf16, float16 or fp16, ...)"
@@ -250,17 +255,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", type=_size, metavar="SIZE", help=shard)
     config = "config.json to write beside the weights; a model directory (save_pretrained's "
     config += "output) also gives its tokenizer files, generation_config.json and other side files"
-    p.add_argument("--config", metavar="DIR_OR_FILE", help=config)
+    p.add_argument("--config", type=_local, metavar="DIR_OR_FILE", help=config)
     p.add_argument("--overwrite", action="store_true", help="replace OUT atomically")
 
     p = _command(subs, "import")
-    p.add_argument("file", help="a torch.save file (.pt, .pth, .ckpt)")
+    p.add_argument("file", type=_local, help="a torch.save file (.pt, .pth, .ckpt)")
     out = "the checkpoint directory to write (must not exist unless --overwrite)"
-    p.add_argument("out", help=out)
+    p.add_argument("out", type=_local, help=out)
     p.add_argument("--overwrite", action="store_true", help="replace OUT atomically")
 
     p = _command(subs, "prune")
-    p.add_argument("root", help="directory holding step_* checkpoints")
+    p.add_argument("root", type=_local, help="directory holding step_* checkpoints")
     _policy_flags(p, required=True)
     p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
     p.add_argument("-n", "--dry-run", action="store_true", help="show the plan, delete nothing")
@@ -273,17 +278,17 @@ def build_parser() -> argparse.ArgumentParser:
     longest = "longest pause (default: 60)"
     p.add_argument("--max-backoff", type=_seconds, metavar="SECONDS", help=longest)
     root = "the job's checkpoint root, read to report steps and see progress"
-    p.add_argument("--root", metavar="DIR", help=root)
+    p.add_argument("--root", type=_local, metavar="DIR", help=root)
     stall = "stop after K >= 2 failures in a row at the same place (default: 2; 0: never)"
     p.add_argument("--stall-limit", type=_stall, metavar="K", help=stall)
     config = "a manager's config (JSON or YAML): relaunch options from its run block"
-    p.add_argument("--config", metavar="FILE", help=config)
+    p.add_argument("--config", type=_local, metavar="FILE", help=config)
     where = "where in --config FILE the manager's config is (dotted: trainer.checkpoint)"
     p.add_argument("--config-key", metavar="KEY", help=where)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...")
 
     p = _command(subs, "demo")
-    p.add_argument("--root", help="working directory (default: a new temporary directory)")
+    p.add_argument("--root", type=_local, help="working directory (default: a new temporary one)")
     steps = f"training steps (default: {DEFAULT_STEPS})"
     p.add_argument("--steps", type=_positive, default=DEFAULT_STEPS, help=steps)
     crash = "step after which the first process is killed (default: 40%% of --steps)"

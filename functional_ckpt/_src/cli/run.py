@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from functional_ckpt._src.cli.listing import is_checkpoint_dir
 from functional_ckpt._src.cli.ui import PROG, UI, UsageError, one_line
 from functional_ckpt._src.codec import documents
 from functional_ckpt._src.policy import config as pc
 from functional_ckpt._src.policy.config import Relaunch
 from functional_ckpt._src.root.listing import newest_summary
+from functional_ckpt._src.root.view import check_root
 from functional_ckpt._src.storage.opener import read_file
 from functional_ckpt._src.storage.progress import PROGRESS_ENV, read_progress
 from functional_ckpt.errors import CheckpointError, ConfigError
@@ -90,10 +90,11 @@ def run_options(args: argparse.Namespace) -> tuple[list[str], Relaunch, Path | N
     given = {k: getattr(args, k) for k in pc.RELAUNCH_KEYS if getattr(args, k) is not None}
     opts = dataclasses.replace(relaunch, **given)
     root = Path(args.root) if args.root else None
-    if root is not None and is_checkpoint_dir(root):
-        raise UsageError(
-            f"--root {root}: is a checkpoint; give the directory of checkpoints that holds it"
-        )
+    if root is not None:
+        try:
+            check_root(root)  # the manager's own: no file, no checkpoint nor a folder in one
+        except CheckpointError as e:
+            raise UsageError(f"--root {e}") from None
     opts = dataclasses.replace(opts, max_backoff=max(opts.max_backoff, opts.backoff))
     return list(command), opts, root
 

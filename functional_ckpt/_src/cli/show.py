@@ -268,11 +268,13 @@ def cmd_export(args: argparse.Namespace, ui: UI) -> int:
     for flag, given in (("--max-shard-size", args.max_shard_size), ("--config", args.config)):
         if torch_file and given is not None:
             raise UsageError(f"{flag}: a torch export is one file; leave it out")
-    if args.full and args.dtype:
-        raise UsageError("--dtype converts the weights; --full exports the state as saved")
+    for flag, given in (("--dtype", args.dtype), ("--key/--select", args.select)):
+        if args.full and given is not None:
+            raise UsageError(f"{flag}: for the weights; --full exports the whole state as saved")
     src = listing.newest_checkpoint(Path(args.path))
     out = Path(args.out)
-    select = None if args.full else tuple(k for k in args.select.split("/") if k)
+    keys = "model" if args.select is None else args.select
+    select = None if args.full else tuple(k for k in keys.split("/") if k)
     if select == ():
         raise UsageError(f"--select {args.select!r}: expected a key such as 'model'")
     what = "the full state" if select is None else "/".join(select)
@@ -338,7 +340,6 @@ def cmd_import(args: argparse.Namespace, ui: UI) -> int:
     from functional_ckpt._src.export.torch_save import WEIGHTS_KEY, import_torch
 
     src, out = Path(args.file), Path(args.out)
-    listing.require_exists(src)
     with _flag_spelling():
         info = import_torch(src, out, overwrite=args.overwrite)
     summary = fc.inspect(info.path)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from functional_ckpt._src.cli import ui as fmt
+from functional_ckpt._src.cli.parser import is_url
 from functional_ckpt._src.cli.ui import UI, Column, Section, UsageError
 from functional_ckpt._src.format.naming import parse_step, step_name
 from functional_ckpt._src.manager.provenance import run_of
@@ -32,10 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["fetched", "is_url", "ls_remote", "memory", "open_store", "split_step", "tiers"]
 
 OPTIONS_ENV = "FCKPT_STORAGE_OPTIONS"
-
-
-def is_url(text: str) -> bool:
-    return "://" in text
 
 
 def open_store(url: str) -> Store:

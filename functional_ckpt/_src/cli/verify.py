@@ -91,7 +91,7 @@ def _remote(url: str) -> list[tuple[int, Callable[[], Verified | None]]]:
             try:
                 report = fc.verify(download(store, step, Path(tmp), check=False))
             except CheckpointError as err:
-                return Verified(where, False, (f"{where}: {one_line(err)}",))
+                return Verified(where, False, (listing.problem_line(where, one_line(err)),))
         problems = tuple(f"{where}/{p}" for p in report.problems)
         return Verified(where, report.ok, problems, report.files_checked, report.bytes_checked)
 

@@ -22,6 +22,7 @@ from tensordict import TensorDictBase
 
 from functional_ckpt._src.export import safetensors as st
 from functional_ckpt._src.format.keys import KeyPath, format_path
+from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.restore.api import restore
 from functional_ckpt._src.save.api import save
@@ -192,7 +193,10 @@ def loadable(value: Any, path: KeyPath = (), converted: list[KeyPath] | None = N
 
 
 def write_torch_file(obj: Any, out: Path, *, overwrite: bool) -> Path:
-    """``torch.save`` to ``out`` atomically and durably; never replaces a directory."""
+    """``torch.save`` to ``out`` atomically and durably; never into a directory or a checkpoint."""
+    for parent in out.parents:  # a checkpoint's files are never replaced, and none joins them
+        if (kind := classify(parent)).checkpoint and kind is not Kind.EXPORT:
+            raise CheckpointExists(f"{out}: inside {kind.value} ({parent}); choose another path")
     if out.is_dir() and not out.is_symlink():
         raise CheckpointExists(f"{out}: is a directory; give the path of the file to write")
     if out.exists() and not overwrite:

@@ -108,9 +108,9 @@ def _member(kind: Kind, name: str, regular: bool) -> bool:
     return kind is Kind.EXPORT  # an export's side files (config, tokenizer) are plain files
 
 
-def holds_only_its_own(path: Path, kind: Kind) -> bool:
-    """Whether every entry of ``path`` (of ``kind``) is its own file: replacing it loses nothing."""
-    return all(_member(kind, n, regular) for n, regular in _entries(path).items())
+def strays(path: Path, kind: Kind) -> list[str]:
+    """The entries of ``path`` (of ``kind``) not its own files: what replacing it would lose."""
+    return sorted(n for n, regular in _entries(path).items() if not _member(kind, n, regular))
 
 
 def is_stock_dcp(path: Path) -> bool:

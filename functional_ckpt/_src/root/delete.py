@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from functional_ckpt._src.format import naming
-from functional_ckpt._src.format.kind import classify, holds_only_its_own
+from functional_ckpt._src.format.kind import classify, strays
 from functional_ckpt._src.format.naming import QUARANTINE_INFIX, base_name, step_in_name
 from functional_ckpt._src.log import done, logger
 from functional_ckpt._src.storage import commit, durable
@@ -76,7 +76,7 @@ def remove_checkpoint(path: str | os.PathLike[str], *, missing_ok: bool = False)
             "points to is removed (remove the link itself if that is what you meant)"
         )
     found = classify(path)
-    if found not in commit.CHECKPOINTS or not holds_only_its_own(path, found):
+    if found not in commit.CHECKPOINTS or strays(path, found):
         raise CheckpointError(
             f"{path}: not a checkpoint directory but {found.value} (only a directory holding "
             "a checkpoint's files, and nothing else, is removed); left intact"

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from functional_ckpt._src.format import naming
-from functional_ckpt._src.format.kind import Kind, classify, holds_only_its_own
+from functional_ckpt._src.format.kind import Kind, classify, strays
 from functional_ckpt._src.format.naming import EXPORTS_DIR, QUARANTINE_INFIX, base_name, parse_step
 from functional_ckpt._src.log import warn
 from functional_ckpt._src.root.listing import _created, leftover_manifest
@@ -91,7 +91,7 @@ def recover_beside(directory: Path, *, stacklevel: int = 2) -> list[Path]:
             continue
         path = Path(entry.path)
         kind = classify(path, by_name=False)
-        if kind not in _LEFTOVERS or not holds_only_its_own(path, kind):
+        if kind not in _LEFTOVERS or strays(path, kind):
             continue  # not what a save of this project leaves: someone else's
         if kind is Kind.COMMITTED:
             groups.setdefault(base, []).append(path)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from functional_ckpt._src import codec
 from functional_ckpt._src.format.checksum import crc32
-from functional_ckpt._src.format.kind import Kind, classify, holds_only_its_own
+from functional_ckpt._src.format.kind import Kind, classify, strays
 from functional_ckpt._src.format.naming import (
     COMMIT_MARKER,
     DCP_METADATA,
@@ -131,16 +131,17 @@ _LOG = logger("storage")
 def check_replaceable(path: Path, kinds: frozenset[Kind] = CHECKPOINTS) -> None:
     """Refuse to replace ``path`` unless empty or one of ``kinds`` holding only its own files."""
     kind = classify(path)
-    if kind is Kind.EMPTY or (kind in kinds and holds_only_its_own(path, kind)):
+    others = strays(path, kind) if kind in kinds else []
+    if kind is Kind.EMPTY or (kind in kinds and not others):
         return
     noun = _NOUN.get(kinds, "one of " + ", ".join(sorted(k.value for k in kinds)))
-    if kind in kinds:
-        found = f"{kind.value} holding other files too"
+    if others:
+        found = f"holds {', '.join(others[:3])}: not a file of {noun}"
     elif kind is Kind.OTHER:
-        found = f"not {noun}: it holds other files (a root of checkpoints? a source tree?)"
+        found = f"is not {noun}: it holds other files (a root of checkpoints? a source tree?)"
     else:
-        found = f"not {noun} but {kind.value}"
+        found = f"is not {noun} but {kind.value}"
     raise CheckpointExists(
-        f"{path}: exists and is {found}; only {noun} (or an empty directory) is replaced "
+        f"{path}: exists and {found}; only {noun} (or an empty directory) is replaced "
         "with overwrite=True, so it was left intact: choose another path or remove it"
     )

@@ -200,24 +200,26 @@ def prepare_root(root: Path) -> None:
     (root / job.DEMO_MARKER).write_text(json.dumps({"created": time.time()}) + "\n")
 
 
-def default_crash_at(steps: int) -> int:
-    return max(1, min(steps - 1, round(steps * job.CRASH_FRACTION)))
-
-
-def run_demo(
-    root: Path,
-    steps: int = DEFAULT_STEPS,
-    crash_at: int | None = None,
-    *,
-    progress: Callable[[str, int], Any],
-    say: Callable[[str], None] = print,
-) -> DemoResult:
-    """Run the three children and compare them (bad arguments: ValueError, exit status 2)."""
-    crash = default_crash_at(steps) if crash_at is None else crash_at
+def crash_step(steps: int, crash_at: int | None) -> int:
+    """The step after which the first run is killed; bad arguments: ValueError, status 2."""
+    default = max(1, min(steps - 1, round(steps * job.CRASH_FRACTION)))
+    crash = default if crash_at is None else crash_at
     if steps < 2:
         raise ValueError(f"--steps {steps}: need at least 2 steps (one before and after the crash)")
     if not 1 <= crash < steps:
         raise ValueError(f"--crash-at {crash}: must be between 1 and {steps - 1} (--steps - 1)")
+    return crash
+
+
+def run_demo(
+    root: Path,
+    steps: int,
+    crash: int,
+    *,
+    progress: Callable[[str, int], Any],
+    say: Callable[[str], None] = print,
+) -> DemoResult:
+    """Run the three children and compare them (``crash``: a :func:`crash_step`)."""
     from functional_ckpt._src.restore.diff import diff_checkpoints  # reads tensors: torch
 
     prepare_root(root)
@@ -400,6 +402,7 @@ def report_lines(
 
 
 def cmd_demo(args: argparse.Namespace, ui: UI) -> int:
+    crash = crash_step(args.steps, args.crash_at)  # refused before anything is made
     root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="fckpt-demo-"))
     say = ui.note if args.json else ui.print  # with --json, stdout holds only the document
 
@@ -410,7 +413,7 @@ def cmd_demo(args: argparse.Namespace, ui: UI) -> int:
 
     say(f"fckpt demo: train, SIGKILL, resume, compare; working in {root}")
     try:
-        result = run_demo(root, args.steps, args.crash_at, progress=progress, say=say)
+        result = run_demo(root, args.steps, crash, progress=progress, say=say)
     except DemoError as e:
         ui.error(one_line(e))  # the answer is "no": the demo's runs could not be compared
         return 1
