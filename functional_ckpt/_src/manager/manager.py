@@ -168,7 +168,6 @@ class CheckpointManager(RootView):
             behind.prune = lambda: retain(behind, behind.keep)  # after each upload round
             behind.retained = partial(retained, behind.keep)  # what it uploads
             behind.ours = self.disk.lineage  # and whose remote checkpoint an upload leaves alone:
-            behind.upload_refusal = self.disk.lineage.upload_refusal
             self.disk.others()  # learnt before the first upload round chooses what to upload
             behind.copy_in(self.disk, 0.0)  # which resumes what a crash interrupted
         if self.memory is not None:
