@@ -15,7 +15,7 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from functional_ckpt._src.arguments import flag, items
+from functional_ckpt._src.arguments import flag, items, require
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.format.header import record_of
@@ -99,8 +99,7 @@ class CheckpointManager(RootView):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(Path(root))
-        if not callable(clock):
-            raise TypeError(f"CheckpointManager(clock={clock!r}): clock must be callable")
+        require(callable(clock), clock, "clock", "CheckpointManager", "a callable")
         self._options = memory, disk, remote = tier_options(tiers)
         self.read_only = flag(read_only, "read_only", "CheckpointManager")
         self.save_policy = every_steps(1) if save is None else save

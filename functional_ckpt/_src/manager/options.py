@@ -74,17 +74,14 @@ def tier_options(tiers: Sequence[Memory | Disk | Remote]) -> TierOptions:
     return found.get(Memory), found[Disk], found.get(Remote)
 
 
-def async_option(value: object) -> AsyncSave | None:
+def async_option(value: bool | AsyncSave | None) -> AsyncSave | None:
     """``async_save=`` as given: False/None, True, or an :class:`AsyncSave`."""
     if value is None or value is False:
         return None
     if value is True:
         return AsyncSave()
-    if not isinstance(value, AsyncSave):
-        raise TypeError(
-            f"CheckpointManager(async_save={value!r}): expected True, False or "
-            "fc.manager.AsyncSave(staging=...)"
-        )
+    expected = "True, False or fc.manager.AsyncSave(staging=...)"
+    require(isinstance(value, AsyncSave), value, "async_save", "CheckpointManager", expected)
     return value
 
 
