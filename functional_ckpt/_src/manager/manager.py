@@ -313,7 +313,7 @@ class CheckpointManager(RootView):
                 if self.remote is not None and self._lock is not None:
                     self._prune(set())  # what the uploads protected from retention
         finally:
-            self._writes.join_removals()
+            self._writes.removed()
             # Mid-save, the lock goes once the save finished (its files are no one's leftovers).
             running = self._writes.pending
             running = None if running is None or running.done() else running
