@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.kind import is_committed
@@ -91,14 +92,10 @@ class RemoteTier:
                 raise
             error = e
         if self.world > 1:
-            from functional_ckpt._src.distributed.groups import agree, checkpoint_group
-
-            self._group = checkpoint_group(purpose="upload")
-            agree(error, self._group, f"remote {self.url}")
+            self._group = groups.checkpoint_group(purpose="upload")
+            groups.agree(error, self._group, f"remote {self.url}")
             if writer:
-                from functional_ckpt._src.distributed.groups import one_directory
-
-                self.shared = one_directory(root, self._group)
+                self.shared = groups.one_directory(root, self._group)
         self.parts = self.world > 1 and not self.shared  # a rank's root: its shards only
         self._lock = threading.Lock()
         self.failures: dict[int, CheckpointError] = {}
@@ -415,10 +412,8 @@ class RemoteTier:
             value = action() if here else None
         except BaseException as e:
             error = e
-        from functional_ckpt._src.distributed.groups import agree_values
-
         mine = value if self.coordinator else None
-        return agree_values(error, mine, group or self._group, what)[0]
+        return groups.agree_values(error, mine, group or self._group, what)[0]
 
     def _done(self, step: int) -> None:
         with self._lock:
