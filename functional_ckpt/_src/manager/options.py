@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from functional_ckpt._src.arguments import flag, require
+from functional_ckpt._src.arguments import flag, mapping, require
 from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.manager.memory import Memory
 from functional_ckpt._src.policy.base import SavePolicy
@@ -95,14 +95,11 @@ def check_policies(save: object, keep: object, export: object) -> None:
 
 def plain_metrics(metrics: Mapping[str, Any] | None, where: str) -> dict[str, float]:
     """Metrics as plain ``str -> float`` (tensors and numpy scalars are converted)."""
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, Mapping):
-        raise TypeError(f"{where}: metrics must be a mapping of str to numbers")
+    named = mapping(
+        metrics, "metrics", where, "a mapping of str to numbers", lambda k, _: isinstance(k, str)
+    )
     out: dict[str, float] = {}
-    for k, v in metrics.items():
-        if not isinstance(k, str):
-            raise TypeError(f"{where}: metric names must be str, got {k!r}")
+    for k, v in named.items():
         try:
             out[k] = float(v)
         except (TypeError, ValueError):
