@@ -21,12 +21,6 @@ from functional_ckpt._src.root.run import Run
 from functional_ckpt._src.state.tree import Leaf, leaves_of, unflatten
 
 
-def prepare_groups() -> None:
-    """Create the training thread's group now, in the same order on every rank (an async
-    save makes its own as it starts, also on this thread)."""
-    groups.checkpoint_group(purpose="control")
-
-
 def gathered(state: TensorDictBase | Mapping[str, Any], select: str | Sequence[str]) -> TensorDict:
     """The ``select`` subtree with every DTensor gathered (a collective) into a full tensor."""
     prefix = (select,) if isinstance(select, str) else tuple(select)

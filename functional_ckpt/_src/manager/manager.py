@@ -16,12 +16,13 @@ from typing import Any
 from tensordict import TensorDict
 
 from functional_ckpt._src.arguments import flag, items, require
+from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.format.header import record_of
 from functional_ckpt._src.format.naming import parse_step
 from functional_ckpt._src.log import done, logger
-from functional_ckpt._src.manager.collective import decide, prepare_groups, share_run, together
+from functional_ckpt._src.manager.collective import decide, share_run, together
 from functional_ckpt._src.manager.config import config_of, manager_arguments
 from functional_ckpt._src.manager.memory import Memory
 from functional_ckpt._src.manager.memory_tier import MemoryTier
@@ -114,7 +115,8 @@ class CheckpointManager(RootView):
         settings = WriteSettings(ranks, async_option(async_save), disk.incremental,
                                  dist, self._coordinator, zstd_level=level)  # fmt: skip
         if self._distributed:
-            prepare_groups()  # now, on the training thread, in the same order on every rank
+            # The loop's group now, on the training thread, in the same order on every rank
+            groups.checkpoint_group(purpose="control")  # (an async save's: as it starts)
         self._running = RunningTime(clock)
         self._policy_state: PolicyState = self.save_policy.init()
         self._export_state: PolicyState = export.policy.init() if export is not None else None
