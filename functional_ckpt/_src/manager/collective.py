@@ -13,19 +13,12 @@ from tensordict import TensorDict, TensorDictBase
 
 from functional_ckpt import errors
 from functional_ckpt._src import codec
+from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.topology import is_dtensor
 from functional_ckpt._src.manager.rollback_rule import Watch
 from functional_ckpt._src.policy.base import Event, PolicyState, SavePolicy
 from functional_ckpt._src.root.run import Run
 from functional_ckpt._src.state.tree import Leaf, leaves_of, unflatten
-
-
-def prepare_groups() -> None:
-    """Create the training thread's group now, in the same order on every rank (an async
-    save makes its own as it starts, also on this thread)."""
-    from functional_ckpt._src.distributed.groups import checkpoint_group
-
-    checkpoint_group(purpose="control")
 
 
 def gathered(state: TensorDictBase | Mapping[str, Any], select: str | Sequence[str]) -> TensorDict:
@@ -45,11 +38,9 @@ def gathered(state: TensorDictBase | Mapping[str, Any], select: str | Sequence[s
 def coordinator_decides(decision: tuple[Any, ...]) -> tuple[Any, ...]:
     """Every rank adopts rank 0's decision and policy states: clocks and metrics differ
     between ranks, and half the ranks saving would deadlock the collective save."""
-    from functional_ckpt._src.distributed.groups import all_gather_bytes, checkpoint_group
-
-    group = checkpoint_group(purpose="control")
+    group = groups.checkpoint_group(purpose="control")
     payload = codec.encode(list(decision))
-    chosen = codec.decode(all_gather_bytes(payload, group)[0])
+    chosen = codec.decode(groups.all_gather_bytes(payload, group)[0])
     assert isinstance(chosen, list)
     return tuple(chosen)
 
@@ -103,8 +94,6 @@ def together(distributed: bool, what: str, check: Callable[..., None], *args: An
     """``check(*args)``: refused on any rank, refused on all (:func:`groups.agree`)."""
     if not distributed:
         return check(*args)
-    from functional_ckpt._src.distributed import groups
-
     error = None
     try:
         check(*args)

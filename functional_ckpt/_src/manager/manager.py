@@ -15,13 +15,14 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from functional_ckpt._src.arguments import flag, items
+from functional_ckpt._src.arguments import flag, items, require
+from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.format.header import record_of
 from functional_ckpt._src.format.naming import parse_step
 from functional_ckpt._src.log import done, logger
-from functional_ckpt._src.manager.collective import decide, prepare_groups, share_run, together
+from functional_ckpt._src.manager.collective import decide, share_run, together
 from functional_ckpt._src.manager.config import config_of, manager_arguments
 from functional_ckpt._src.manager.memory import Memory
 from functional_ckpt._src.manager.memory_tier import MemoryTier
@@ -99,8 +100,7 @@ class CheckpointManager(RootView):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(Path(root))
-        if not callable(clock):
-            raise TypeError(f"CheckpointManager(clock={clock!r}): clock must be callable")
+        require(callable(clock), clock, "clock", "CheckpointManager", "a callable")
         self._options = memory, disk, remote = tier_options(tiers)
         self.read_only = flag(read_only, "read_only", "CheckpointManager")
         self.save_policy = every_steps(1) if save is None else save
@@ -115,7 +115,8 @@ class CheckpointManager(RootView):
         settings = WriteSettings(ranks, async_option(async_save), disk.incremental,
                                  dist, self._coordinator, zstd_level=level)  # fmt: skip
         if self._distributed:
-            prepare_groups()  # now, on the training thread, in the same order on every rank
+            # The loop's group now, on the training thread, in the same order on every rank
+            groups.checkpoint_group(purpose="control")  # (an async save's: as it starts)
         self._running = RunningTime(clock)
         self._policy_state: PolicyState = self.save_policy.init()
         self._export_state: PolicyState = export.policy.init() if export is not None else None
@@ -168,7 +169,6 @@ class CheckpointManager(RootView):
             behind.prune = lambda: retain(behind, behind.keep)  # after each upload round
             behind.retained = partial(retained, behind.keep)  # what it uploads
             behind.ours = self.disk.lineage  # and whose remote checkpoint an upload leaves alone:
-            behind.upload_refusal = self.disk.lineage.upload_refusal
             self.disk.others()  # learnt before the first upload round chooses what to upload
             behind.copy_in(self.disk, 0.0)  # which resumes what a crash interrupted
         if self.memory is not None:
@@ -315,7 +315,7 @@ class CheckpointManager(RootView):
                 if self.remote is not None and self._lock is not None:
                     self._prune(set())  # what the uploads protected from retention
         finally:
-            self._writes.join_removals()
+            self._writes.removed()
             # Mid-save, the lock goes once the save finished (its files are no one's leftovers).
             running = self._writes.pending
             running = None if running is None or running.done() else running

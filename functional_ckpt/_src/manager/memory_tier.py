@@ -176,7 +176,7 @@ class MemoryTier:
         """Remove the folder: its RAM is not held past the run. After a crash it stays for
         the restart, its newest step promoted first where a signal would have."""
         self.wait(stacklevel=4)
-        self.writes.join_removals()
+        self.writes.removed()
         if self._handling and threading.current_thread() is threading.main_thread():
             self._handling = False  # a later handler chaining to ours now just passes it on
             for signum, previous in self._previous.items():

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from functional_ckpt._src.arguments import flag, require
+from functional_ckpt._src.arguments import flag, items, mapping, require
 from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.manager.memory import Memory
 from functional_ckpt._src.policy.base import SavePolicy
@@ -58,33 +58,26 @@ TIERS: dict[str, type[Memory | Disk | Remote]] = {"memory": Memory, "disk": Disk
 
 def tier_options(tiers: Sequence[Memory | Disk | Remote]) -> TierOptions:
     """``tiers=`` as given (any order, each kind at most once): memory, disk, remote."""
-    if isinstance(tiers, str | bytes) or not isinstance(tiers, Sequence):
-        raise TypeError(f"CheckpointManager(tiers={tiers!r}): expected a tuple of tier options")
-    found: dict[type[Any], Any] = {Disk: Disk()}
-    for i, option in enumerate(tiers):
-        kind = next((k for k in TIERS.values() if isinstance(option, k)), None)
-        if kind is None:
-            raise TypeError(
-                f"CheckpointManager(tiers[{i}]={option!r}): expected fc.manager.Memory(...), "
-                "fc.manager.Disk(...) or fc.manager.Remote(...)"
-            )
-        if any(isinstance(t, kind) for t in tiers[:i]):
+    kinds = tuple(TIERS.values())
+    expected = "a tuple of fc.manager.Memory(...), fc.manager.Disk(...) or fc.manager.Remote(...)"
+    given = items(tiers, "tiers", "CheckpointManager", expected, lambda o: isinstance(o, kinds))
+    found: dict[type[Any], Any] = {}
+    for option in given:
+        kind = next(k for k in kinds if isinstance(option, k))
+        if kind in found:
             raise ValueError(f"CheckpointManager(tiers=...): two {kind.__name__} tiers")
         found[kind] = option
-    return found.get(Memory), found[Disk], found.get(Remote)
+    return found.get(Memory), found.get(Disk, Disk()), found.get(Remote)
 
 
-def async_option(value: object) -> AsyncSave | None:
+def async_option(value: bool | AsyncSave | None) -> AsyncSave | None:
     """``async_save=`` as given: False/None, True, or an :class:`AsyncSave`."""
     if value is None or value is False:
         return None
     if value is True:
         return AsyncSave()
-    if not isinstance(value, AsyncSave):
-        raise TypeError(
-            f"CheckpointManager(async_save={value!r}): expected True, False or "
-            "fc.manager.AsyncSave(staging=...)"
-        )
+    expected = "True, False or fc.manager.AsyncSave(staging=...)"
+    require(isinstance(value, AsyncSave), value, "async_save", "CheckpointManager", expected)
     return value
 
 
@@ -98,14 +91,11 @@ def check_policies(save: object, keep: object, export: object) -> None:
 
 def plain_metrics(metrics: Mapping[str, Any] | None, where: str) -> dict[str, float]:
     """Metrics as plain ``str -> float`` (tensors and numpy scalars are converted)."""
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, Mapping):
-        raise TypeError(f"{where}: metrics must be a mapping of str to numbers")
+    named = mapping(
+        metrics, "metrics", where, "a mapping of str to numbers", lambda k, _: isinstance(k, str)
+    )
     out: dict[str, float] = {}
-    for k, v in metrics.items():
-        if not isinstance(k, str):
-            raise TypeError(f"{where}: metric names must be str, got {k!r}")
+    for k, v in named.items():
         try:
             out[k] = float(v)
         except (TypeError, ValueError):

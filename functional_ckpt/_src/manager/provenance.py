@@ -274,12 +274,6 @@ class Lineage:
         early = type(saved) is not float or saved <= self.until_time.get(run, saved)
         return run in self.runs and step <= self.until.get(run, step) and early
 
-    def upload_refusal(self, theirs: Mapping[str, Any]) -> str | None:
-        """Why an upload must not replace a checkpoint recording ``theirs``, or None."""
-        if self.holds(theirs):
-            return None
-        return f"run {run_of(theirs)}'s checkpoint, not of this run's lineage ({self.run})"
-
     def stranger(self, metadata: Mapping[str, Any], where: object) -> str:
         """What a checkpoint at ``where`` of another lineage is."""
         run = run_of(metadata)

@@ -144,7 +144,7 @@ class Writes:
         """Remove checkpoints already out of sight; off the training thread when saves are."""
         if self.settings.async_save is not None and trash:
             # close() waits for it; what a crash leaves, the next writer removes at open.
-            self.join_removals()
+            self.removed()
             self._removal = threading.Thread(
                 target=remove_all, args=(trash,), name="fc-prune", daemon=True
             )
@@ -157,7 +157,3 @@ class Writes:
         removal = self._removal
         if removal is not None:
             removal.join()
-
-    def join_removals(self) -> None:
-        self.removed()
-        self._removal = None

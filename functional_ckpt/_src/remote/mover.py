@@ -245,8 +245,6 @@ def _die_with(parent: int) -> None:
 
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        os._exit(0)
 
     def watch() -> None:
         while True:

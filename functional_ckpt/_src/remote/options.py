@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from functional_ckpt._src.arguments import flag, require
 from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all
 
 
@@ -26,8 +27,7 @@ class Remote:
     prune_unuploaded: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.url, str):
-            raise TypeError(f"Remote(url={self.url!r}): expected an fsspec URL string")
+        require(isinstance(self.url, str), self.url, "url", "Remote", "an fsspec URL string")
         if not isinstance(self.keep, RetentionPolicy):
             raise TypeError(f"Remote(keep={self.keep!r}): not a RetentionPolicy")
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
@@ -35,5 +35,4 @@ class Remote:
                 f"Remote(storage_options=<{type(self.storage_options).__name__}>): expected a "
                 "mapping of fsspec options (its values are not shown: they may be credentials)"
             )
-        if not isinstance(self.prune_unuploaded, bool):
-            raise TypeError(f"Remote(prune_unuploaded={self.prune_unuploaded!r}): expected a bool")
+        flag(self.prune_unuploaded, "prune_unuploaded", "Remote")

@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+from functional_ckpt._src.distributed.groups import all_gather_values, checkpoint_group
 from functional_ckpt._src.format.kind import is_committed
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.log import warn
@@ -92,8 +93,6 @@ def _good(tier: _Remote, above: int | None) -> list[int]:
 def _agreed(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Found[T]:
     """Every rank reads one step, walking down past damage any rank finds. On the
     training thread, so on the manager's group (uploads use their own)."""
-    from functional_ckpt._src.distributed.groups import all_gather_values, checkpoint_group
-
     group = checkpoint_group(purpose="control")
     mine = [
         s

@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.kind import is_committed
@@ -91,14 +92,10 @@ class RemoteTier:
                 raise
             error = e
         if self.world > 1:
-            from functional_ckpt._src.distributed.groups import agree, checkpoint_group
-
-            self._group = checkpoint_group(purpose="upload")
-            agree(error, self._group, f"remote {self.url}")
+            self._group = groups.checkpoint_group(purpose="upload")
+            groups.agree(error, self._group, f"remote {self.url}")
             if writer:
-                from functional_ckpt._src.distributed.groups import one_directory
-
-                self.shared = one_directory(root, self._group)
+                self.shared = groups.one_directory(root, self._group)
         self.parts = self.world > 1 and not self.shared  # a rank's root: its shards only
         self._lock = threading.Lock()
         self.failures: dict[int, CheckpointError] = {}
@@ -115,11 +112,11 @@ class RemoteTier:
         self.bad: set[int] = set()  # remote steps found damaged by this process
         self.durable, self.local = True, False
         #: The manager's decisions over this tier (``manager/tiers``): its retention (after
-        #: each upload round), what retention keeps (uploaded) and the lineage rule.
+        #: each upload round), what retention keeps (uploaded) and the lineage rule (its
+        #: ``manager/provenance.Lineage``, set before the first round).
         self.prune: Callable[[], object] = lambda: None
         self.retained: Callable[[Sequence[Any]], set[int]] = lambda rs: {r.step for r in rs}
-        self.ours: Callable[[Mapping[str, Any], object], bool] = lambda metadata, where: True
-        self.upload_refusal: Callable[..., str | None] = lambda theirs: None
+        self.ours: Any = None
         if writer:
             if not self.coordinator and not self.shared:  # (the coordinator's lock does)
                 remove_downloads(root)
@@ -169,10 +166,9 @@ class RemoteTier:
 
     def lineage_of(self, steps: Sequence[int], learn: Sequence[int] = ()) -> list[int]:
         """This lineage's remote ``steps`` (a root holding none first adopts that of ``learn``)."""
-        lineage: Any = self.ours
         heads = (self._head(s)[1] for s in learn)
-        if learn and lineage.runs is None and lineage.learn(heads).unrelated:
-            raise CheckpointError(lineage.unsure(self.url))
+        if learn and self.ours.runs is None and self.ours.learn(heads).unrelated:
+            raise CheckpointError(self.ours.unsure(self.url))
         return [s for s in steps if self.ours(self._head(s)[1], self.store.where(s))]
 
     def delete(self, steps: Sequence[int]) -> None:
@@ -337,16 +333,17 @@ class RemoteTier:
             theirs = header_named(manifest, step, self.store.where(step)).metadata
         except (CorruptCheckpoint, IncompleteCheckpoint, RemoteVanished):
             return False  # damaged, or gone meanwhile: no one's checkpoint
-        why = self.upload_refusal(theirs)
-        if why is not None and step not in self._spared:
+        if self.ours.holds(theirs):
+            return False
+        if step not in self._spared:
             self._spared.add(step)
             told = CheckpointWarning(
-                f"{self.store.where(step)}: step {step} not uploaded: the remote one is {why}; "
-                "an upload never replaces it (the local checkpoint stays)"
+                f"{self.ours.stranger(theirs, self.store.where(step))}: step {step} not "
+                "uploaded: an upload never replaces it (the local checkpoint stays)"
             )
             with self._lock:
                 self._unreported.append(told)
-        return why is not None
+        return True
 
     def _head(self, step: int) -> tuple[CheckpointRecord | None, Mapping[str, Any]]:
         """What retention and the lineage read of a remote checkpoint (its manifest, once):
@@ -415,10 +412,8 @@ class RemoteTier:
             value = action() if here else None
         except BaseException as e:
             error = e
-        from functional_ckpt._src.distributed.groups import agree_values
-
         mine = value if self.coordinator else None
-        return agree_values(error, mine, group or self._group, what)[0]
+        return groups.agree_values(error, mine, group or self._group, what)[0]
 
     def _done(self, step: int) -> None:
         with self._lock:

@@ -37,17 +37,15 @@ STATUS_FILE = ".remote.json"
 def retried(fn: Callable[[], T]) -> T:
     """``fn()``, retried with backoff unless credentials or the bucket are at fault."""
     delay = BACKOFF
-    for attempt in range(RETRIES):
+    for _ in range(RETRIES - 1):
         try:
             return fn()
         except (RemoteAccessDenied, RemoteBucketMissing):
             raise
         except RemoteError:
-            if attempt == RETRIES - 1:
-                raise
-        time.sleep(delay)
-        delay = min(delay * 2, MAX_BACKOFF)
-    raise AssertionError("unreachable")
+            time.sleep(delay)
+            delay = min(delay * 2, MAX_BACKOFF)
+    return fn()  # the last attempt: its failure is the caller's
 
 
 class Worker:
