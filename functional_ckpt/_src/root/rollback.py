@@ -11,7 +11,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -113,20 +113,25 @@ def run(
     return done if reason is None else {**done, "reason": dict(reason)}
 
 
-def new_branch(root: Path, name: str | None, from_step: int, to_step: int) -> str:
-    """A branch name that does not exist yet (``name`` itself, which must be new)."""
+def new_branch(
+    root: Path, name: str | None, from_step: int, to_step: int, taken: Collection[str] = ()
+) -> str:
+    """A branch name that does not exist yet, here or in ``taken`` (the remote tier's
+    branches): ``name`` itself, which must be new."""
     parent = root / BRANCHES_DIR
+    taken = {*taken, *(os.listdir(parent) if parent.is_dir() else ())}
     if name is not None:
         name = check_branch_name(name)
-        if (parent / name).exists():
+        if name in taken:
             raise CheckpointExists(
-                f"{parent / name}: branch {name!r} already exists; choose another name"
+                f"{parent / name}: branch {name!r} already exists (here or on the remote "
+                "tier); choose another name"
             )
         return name
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     base = f"step_{from_step}_before_rollback_to_{to_step}_{stamp}"
     candidate, n = base, 1
-    while (parent / candidate).exists():
+    while candidate in taken:
         n += 1
         candidate = f"{base}_{n}"
     return candidate
