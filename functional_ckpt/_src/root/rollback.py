@@ -96,10 +96,8 @@ def run(
 ) -> dict[str, Any]:
     """Move ``newer_steps`` (ascending) out of the trunk, under the caller's writer lock;
     returns the record later checkpoints list under ``metadata["rollbacks"]``."""
-    name = None
+    name = branch if newer_steps and newer == "branch" else None  # (new: see new_branch)
     if newer_steps:
-        if newer == "branch":
-            name = new_branch(root, branch, newer_steps[-1], to_step)
         plan = RollbackPlan(to_step, [step_name(s) for s in newer_steps], newer, name)
         intent = root / INTENT_FILE
         if intent.exists():
@@ -120,8 +118,7 @@ def new_branch(
     branches): ``name`` itself, which must be new."""
     parent = root / BRANCHES_DIR
     taken = {*taken, *(os.listdir(parent) if parent.is_dir() else ())}
-    if name is not None:
-        name = check_branch_name(name)
+    if name is not None:  # (checked by check_request, before the rollback began)
         if name in taken:
             raise CheckpointExists(
                 f"{parent / name}: branch {name!r} already exists (here or on the remote "
