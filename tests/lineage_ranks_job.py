@@ -3,7 +3,8 @@
 Usage: lineage_ranks_job.py BASE URL OTHER. Every rank has a root of its own
 (``BASE/root<R>``) in front of one remote ``URL``. Steps 1 and 2 are saved; then rank 1
 copies the other run's step 3 (in ``OTHER``) into its root only, and every rank resumes,
-tries to save steps 3 and 4 and to roll back to step 3. ``BASE/out.<R>.json``: what each saw.
+tries to save steps 3 and 4, to roll back to step 3, then to step 1.
+``BASE/out.<R>.json``: what each saw.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ def main() -> None:
             seen["rollback"] = "rolled back"
         except fc.errors.CheckpointError as err:
             seen["rollback"] = f"{type(err).__name__}: {err}"
+        try:  # rank 1's root holds its part of step 1, the remote the whole
+            mgr.rollback(1, like=state)
+            seen["back"] = f"rolled back to {mgr.restored_step}"
+        except fc.errors.CheckpointError as err:
+            seen["back"] = f"{type(err).__name__}: {err}"
         assert mgr.remote is not None
         mgr.remote.wait()
     (base / f"out.{rank}.json").write_text(json.dumps(seen))

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 import functional_ckpt as fc
+from functional_ckpt._src.remote.store import Store
 from tests.test_dist import launch, wait_all
 
 JOB = Path(__file__).with_name("lineage_ranks_job.py")
@@ -37,4 +38,7 @@ def test_another_runs_step_on_one_ranks_root_is_refused_by_every_rank(tmp_path: 
         assert theirs in got and "rollback(3)" in got, seen
     assert seen[1]["rollback"].startswith("CheckpointError: "), seen
     assert "rank 1 failed: CheckpointError" in seen[0]["rollback"], seen
+    # a rollback every rank reads as a resume does (rank 1's root has a part of step 1)
+    assert seen[0]["back"] == seen[1]["back"] == "rolled back to 1", seen
+    assert Store(url).listing().keys() == {1}  # 2 and 4 set aside on the remote too
     assert float(fc.restore(theirs)["w"][0]) == 9.0, "the other run's checkpoint was written over"

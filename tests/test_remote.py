@@ -669,6 +669,16 @@ def test_a_rollback_sets_the_remote_trunk_aside_too(tmp_path: Path, mem: str) ->
         with fc.CheckpointManager(where, tiers=(fc.manager.Remote(mem),)) as mgr:
             got = mgr.restore_latest()
             assert mgr.restored_step == 3 and torch.equal(got["w"], _state(30)["w"])  # type: ignore[index]
+    marker = Store(f"{mem}/branches/old").read(4, "COMMITTED")
+    shutil.rmtree(root / "branches" / "old")  # the remote's branch alone holds the name now
+    with fc.CheckpointManager(root, tiers=(fc.manager.Remote(mem),)) as mgr:
+        mgr.restore_latest()
+        mgr.maybe_save(_state(40), step=4)
+        assert mgr.remote is not None and mgr.remote.wait()
+        with pytest.raises(fc.errors.CheckpointExists, match="branch 'old' already exists"):
+            mgr.rollback(3, branch="old")  # it would copy this 4 over the branch's 4
+        assert mgr.steps()[-2:] == [3, 4] and mgr.remote.steps()[-2:] == [3, 4]
+    assert Store(f"{mem}/branches/old").read(4, "COMMITTED") == marker
 
 
 _ROLLED_BACK_THEN_KILLED = """

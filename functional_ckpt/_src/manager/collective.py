@@ -11,7 +11,6 @@ from typing import Any, NamedTuple
 
 from tensordict import TensorDict, TensorDictBase
 
-from functional_ckpt import errors
 from functional_ckpt._src import codec
 from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.topology import is_dtensor
@@ -90,13 +89,14 @@ def decide(
     return Votes(dataclasses.replace(event, time=now), *chosen)
 
 
-def together(distributed: bool, what: str, check: Callable[..., None], *args: Any) -> None:
-    """``check(*args)``: refused on any rank, refused on all (:func:`groups.agree`)."""
+def together(distributed: bool, what: str, check: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """``check(...)``, its value: failed on any rank, failed on all (:func:`groups.agree`)."""
     if not distributed:
-        return check(*args)
-    error = None
+        return check(*args, **kw)
+    error = value = None
     try:
-        check(*args)
-    except errors.CheckpointError as e:
+        value = check(*args, **kw)
+    except Exception as e:
         error = e
     groups.agree(error, groups.checkpoint_group(purpose="control"), what)
+    return value

@@ -59,6 +59,7 @@ from functional_ckpt._src.policy.base import Event, PolicyState, SavePolicy
 from functional_ckpt._src.policy.config import Relaunch
 from functional_ckpt._src.policy.leaves import every_steps
 from functional_ckpt._src.policy.retention import RetentionPolicy, keep_all
+from functional_ckpt._src.remote import resume
 from functional_ckpt._src.remote.options import Remote
 from functional_ckpt._src.remote.tier import RemoteTier
 from functional_ckpt._src.restore.api import check_like_or_out, restore
@@ -268,15 +269,23 @@ class CheckpointManager(RootView):
         self.wait()  # a save in flight commits first: it may be one of the newer steps
         doing = f"rollback({step}) continues this run's only"
         together(self._distributed, doing, self.disk.check_ours, step, doing, CheckpointError)
-        state = self.restore(step, like)  # raises, moving nothing, if step is unusable
         if self.remote is not None:
             self.remote.hold(step)  # on the remote trunk before the newer steps leave it
-        done = move_newer(
-            self.tiers, self.disk, self.remote, step, newer=newer, branch=branch, reason=reason
-        )
+        state = together(self._distributed, f"rollback({step})", self._read, step, like)
+        move = partial(move_newer, self.tiers, self.disk, self.remote, step, newer=newer)
+        done = together(self._distributed, f"rollback({step})", move, branch=branch, reason=reason)
         if done is not None:
             self._run.rollbacks.append(done)
         return state, None if done is None else done.get("branch")
+
+    def _read(self, step: int, like: State | None) -> TensorDict:
+        """Restore ``step`` as a resume finds it: in a job, a rank's root may hold only its
+        part, and the remote tier the whole (fetched as each rank reads it)."""
+        if self.remote is None:
+            return self.restore(step, like)
+        info, state = resume.one(self.remote, partial(restore, like=like), step)
+        self._adopt(info)
+        return state
 
     def _adopt(self, info: StepInfo) -> None:
         """Continue the run from the restored checkpoint: policy states and running time."""

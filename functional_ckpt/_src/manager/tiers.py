@@ -19,6 +19,7 @@ from functional_ckpt._src.manager.writes import Writes
 from functional_ckpt._src.policy.retention import CheckpointLike, RetentionPolicy, plan_deletions
 from functional_ckpt._src.remote.resume import Found
 from functional_ckpt._src.remote.tier import RemoteTier
+from functional_ckpt._src.remote.uploader import retried
 from functional_ckpt._src.root import rollback
 from functional_ckpt._src.root.delete import delete
 from functional_ckpt._src.root.listing import StepInfo
@@ -234,15 +235,16 @@ def move_newer(
 ) -> dict[str, Any] | None:
     """Every tier's steps newer than ``step`` out of the trunk (docs/tiered.md); the
     rollback's record (None where this rank moves nothing on disk)."""
+    view, others = disk.view, disk.others()  # another lineage's stay where they are
+    doomed = sorted(s for s, _ in view.candidates() if s > step and s not in others)
+    gone = remote.newer_than(step) if remote is not None and disk.coordinator else []
+    if newer == "branch" and (gone or doomed) and disk.coordinator:  # before anything moves
+        taken = retried(remote.store.branches) if remote is not None else ()  # no tier's name
+        branch = rollback.new_branch(view.root, branch, max(gone + doomed), step, taken)
     for tier in tiers:
         if tier is not disk and tier is not remote:
             tier.delete([s for s in tier.steps() if s > step])
-    view, others = disk.view, disk.others()  # another lineage's stay where they are
-    doomed = sorted(s for s, _ in view.candidates() if s > step and s not in others)
     if remote is not None and disk.coordinator:
-        gone = remote.newer_than(step)
-        if gone and newer == "branch":
-            branch = rollback.new_branch(view.root, branch, max(gone + doomed), step)
         remote.set_aside(gone, branch if newer == "branch" else None)
     if not (doomed or reason) or not disk.coordinator:
         return None

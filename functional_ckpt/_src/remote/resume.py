@@ -37,7 +37,7 @@ from functional_ckpt.errors import (
 #: The tier, a ``remote/tier.RemoteTier`` (not imported: that module imports this one).
 _Remote = Any
 
-__all__ = ["Found", "newest"]
+__all__ = ["Found", "newest", "one"]
 
 T = TypeVar("T")
 Found = tuple[StepInfo, T] | None
@@ -69,6 +69,20 @@ def newest(tier: _Remote, read: Callable[[Path], T], above: int | None) -> Found
             "refusing to start fresh. Move or delete them to start over"
         )
     return None
+
+
+def one(tier: _Remote, read: Callable[[Path], T], step: int) -> tuple[StepInfo, T]:
+    """Step ``step`` read, fetched where a rank's root lacks a file it reads."""
+    there = tier.root / step_name(step)
+    whole = is_committed(there) and holds_every_file(there)
+    if tier.world == 1:
+        path = there if whole else download(tier.store, step, tier.root)
+        return read_info(path, step), read(path)
+    from functional_ckpt._src.distributed.groups import checkpoint_group
+
+    group, work = checkpoint_group(purpose="control"), f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"
+    work = tier.together(tier.url, lambda: work, tier.coordinator, group)  # the coordinator's
+    return _read_one(tier, group, step, not whole, f"{work}-{step}", read)
 
 
 def _good(tier: _Remote, above: int | None) -> list[int]:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from functional_ckpt._src import codec
 from functional_ckpt._src.format import naming
 from functional_ckpt._src.format.checksum import crc32
-from functional_ckpt._src.format.naming import parse_step, step_name
+from functional_ckpt._src.format.naming import BRANCHES_DIR, parse_step, step_name
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.remote.mover import Mover, _MovedFailure, facts_of, reaches
 from functional_ckpt._src.storage import committed
@@ -207,6 +207,12 @@ class Store:
                 if objects:  # an empty prefix left by a deletion is nothing
                     steps[step] = RemoteStep(step, objects)
         return steps
+
+    def branches(self) -> set[str]:
+        """The names under ``url/branches/``, where rollbacks set remote steps aside."""
+        self._fresh()
+        found = self._ls(f"{self.base}/{BRANCHES_DIR}", f"{self.url}/{BRANCHES_DIR}")
+        return {str(i.get("name", "")).rstrip("/").rsplit("/", 1)[-1] for i in found}
 
     def objects(self, step: int, *, fresh: bool = True) -> dict[str, int]:
         """The objects of one remote checkpoint directory (name -> size)."""

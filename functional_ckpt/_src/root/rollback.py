@@ -11,7 +11,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -96,10 +96,8 @@ def run(
 ) -> dict[str, Any]:
     """Move ``newer_steps`` (ascending) out of the trunk, under the caller's writer lock;
     returns the record later checkpoints list under ``metadata["rollbacks"]``."""
-    name = None
+    name = branch if newer_steps and newer == "branch" else None  # (new: see new_branch)
     if newer_steps:
-        if newer == "branch":
-            name = new_branch(root, branch, newer_steps[-1], to_step)
         plan = RollbackPlan(to_step, [step_name(s) for s in newer_steps], newer, name)
         intent = root / INTENT_FILE
         if intent.exists():
@@ -113,20 +111,24 @@ def run(
     return done if reason is None else {**done, "reason": dict(reason)}
 
 
-def new_branch(root: Path, name: str | None, from_step: int, to_step: int) -> str:
-    """A branch name that does not exist yet (``name`` itself, which must be new)."""
+def new_branch(
+    root: Path, name: str | None, from_step: int, to_step: int, taken: Collection[str] = ()
+) -> str:
+    """A branch name that does not exist yet, here or in ``taken`` (the remote tier's
+    branches): ``name`` itself, which must be new."""
     parent = root / BRANCHES_DIR
-    if name is not None:
-        name = check_branch_name(name)
-        if (parent / name).exists():
+    taken = {*taken, *(os.listdir(parent) if parent.is_dir() else ())}
+    if name is not None:  # (checked by check_request, before the rollback began)
+        if name in taken:
             raise CheckpointExists(
-                f"{parent / name}: branch {name!r} already exists; choose another name"
+                f"{parent / name}: branch {name!r} already exists (here or on the remote "
+                "tier); choose another name"
             )
         return name
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     base = f"step_{from_step}_before_rollback_to_{to_step}_{stamp}"
     candidate, n = base, 1
-    while (parent / candidate).exists():
+    while candidate in taken:
         n += 1
         candidate = f"{base}_{n}"
     return candidate
