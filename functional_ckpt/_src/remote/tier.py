@@ -103,7 +103,7 @@ class RemoteTier:
         self._lock = threading.Lock()
         self.failures: dict[int, CheckpointError] = {}
         self._unreported: list[Warning] = []
-        self._spared: set[int] = set()  # remote steps of another lineage, reported
+        self._spared: dict[int, str] = {}  # remote steps of another lineage, as reported
         self._committed: set[int] = set()  # steps committed remotely (as last seen)
         self._differ: set[int] = set()  # of those, another checkpoint than the local one
         self._dropped: set[int] = set()  # local steps the remote retention does not keep
@@ -219,8 +219,9 @@ class RemoteTier:
         self._below = float("inf")
 
         def held() -> None:
-            if step not in self._committed | self._spared:
-                why = self.failures.get(step) or f"{self.url} does not hold step {step}"
+            if step not in self._committed:  # another lineage's step there is not held
+                why = self.failures.get(step) or self._spared.get(step)
+                why = why or f"{self.url} does not hold step {step}"
                 raise CheckpointError(f"rollback({step}): {why}; nothing was moved")
 
         self.together(f"rollback {self.url}", held, self.coordinator)
@@ -290,7 +291,7 @@ class RemoteTier:
                 info = read_info(local[s], s)
             except (CheckpointError, OSError):
                 continue  # unreadable locally: not uploaded (the local resume deals with it)
-            if s in remote and self._foreign(s, info.metadata):
+            if s in remote and self._foreign(s):
                 spared.add(s)
             elif self.ours(info.metadata, info.path):
                 records.append(info)
@@ -329,9 +330,9 @@ class RemoteTier:
                 self._records.pop(step, None)
         return out
 
-    def _foreign(self, step: int, mine: Mapping[str, Any]) -> bool:
-        """Whether remote ``step``, another checkpoint than the local one recording ``mine``,
-        is another lineage's: it stays (reported once). Unread now, the round fails."""
+    def _foreign(self, step: int) -> bool:
+        """Whether remote ``step``, another checkpoint than the local one, is another
+        lineage's: it stays (reported once). Unread now, the round fails."""
         try:
             manifest = retried(partial(self.store.manifest, step))[1]
             theirs = header_named(manifest, step, self.store.where(step)).metadata
@@ -339,13 +340,12 @@ class RemoteTier:
             return False  # damaged, or gone meanwhile: no one's checkpoint
         why = self.upload_refusal(theirs)
         if why is not None and step not in self._spared:
-            self._spared.add(step)
-            told = CheckpointWarning(
+            self._spared[step] = (
                 f"{self.store.where(step)}: step {step} not uploaded: the remote one is {why}; "
                 "an upload never replaces it (the local checkpoint stays)"
             )
             with self._lock:
-                self._unreported.append(told)
+                self._unreported.append(CheckpointWarning(self._spared[step]))
         return why is not None
 
     def _head(self, step: int) -> tuple[CheckpointRecord | None, Mapping[str, Any]]:
