@@ -54,9 +54,9 @@ def test_an_old_machine_never_uploads_over_the_newer_runs_step(
     and 5; A's machine comes back, resumes its own 3 and saves 4 and 6: B's remote 4
     stays B's (reported once), A's 6 is uploaded, A's local 4 is never pruned. A's
     rollback to its 4 is refused, moving nothing: the remote trunk would hold B's 4 for
-    it. A rolls back to its 3: its 6 leaves the remote trunk, B's 4 and 5 (another
-    lineage's to A) stay. B's relaunch, and a fresh root in front of the remote, resume
-    B's 5: A's 6 is not of B's lineage, which left A at step 3."""
+    it; its delete(4) leaves B's 4. A rolls back to its 3: its 6 leaves the remote
+    trunk, B's 4 and 5 (another lineage's to A) stay. B's relaunch, and a fresh root in
+    front of the remote, resume B's 5: A's 6 is not of B's lineage, which left A at 3."""
     remote = tmp_path / "bucket" / "run"
     remote.parent.mkdir()
     url = remote.as_uri()
@@ -91,6 +91,8 @@ def test_an_old_machine_never_uploads_over_the_newer_runs_step(
             with pytest.raises(CheckpointError, match=rf"rollback\(4\): .*{run_b}.*nothing was"):
                 mgr.rollback(4, like=_state(0), branch="old")  # the remote holds B's 4, not A's
             assert mgr.steps() == [4, 6] and (remote / "step_000000006" / "COMMITTED").exists()
+            mgr.delete(4)  # A's own 4: B's remote 4 stays
+            assert mgr.steps() == [6] and _run_id(step4) == run_b, "B's 4 was deleted"
         download(Store(url), 3, tmp_path / "machine1")  # A's 3 (pruned locally once uploaded)
         with fc.CheckpointManager(tmp_path / "machine1", tiers=(fc.manager.Remote(url),)) as mgr:
             mgr.rollback(3, like=_state(0), branch="old")

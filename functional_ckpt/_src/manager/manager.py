@@ -439,10 +439,11 @@ class CheckpointManager(RootView):
         return retain(self.disk, self.keep, protected)
 
     def delete(self, step: int) -> None:
-        """Delete one checkpoint from every tier, crash-safely (even the newest: you asked)."""
+        """Delete this lineage's ``step`` from every tier, crash-safely (even the newest)."""
         self._check_open("delete", writing=True)
         if not self.path(step).is_dir():
             raise CheckpointNotFound(f"{self.path(step)}: no checkpoint for step {step}")
+        self.disk.check_ours(step, f"delete({step}) takes this run's only", CheckpointError)
         self.wait()
         if self.remote is not None:
             self.remote.wait()  # an upload in flight would commit the step again

@@ -176,8 +176,8 @@ class RemoteTier:
         return [s for s in steps if self.ours(self._head(s)[1], self.store.where(s))]
 
     def delete(self, steps: Sequence[int]) -> None:
-        """Remove remote ``steps``, each marker first (no longer committed at once)."""
-        if steps:
+        """Remove this lineage's remote ``steps`` (another's stay), each marker first."""
+        if steps := self.lineage_of(steps):
             self._claim()  # a root another manager writes is not this one's to change
         for step in steps:
             t0 = time.perf_counter()
