@@ -30,7 +30,7 @@ from functional_ckpt._src.remote import protocol, resume
 from functional_ckpt._src.remote.fetch import download
 from functional_ckpt._src.remote.options import Remote
 from functional_ckpt._src.remote.resume import Found
-from functional_ckpt._src.remote.store import Store, public_url
+from functional_ckpt._src.remote.store import RemoteStep, Store, public_url
 from functional_ckpt._src.remote.uploader import Worker, failure, read_status, retried, write_status
 from functional_ckpt._src.root.delete import delete, remove_all
 from functional_ckpt._src.root.leftovers import remove_downloads
@@ -110,7 +110,7 @@ class RemoteTier:
         self._uploading: int | None = None
         self._below = float("inf")  # a round plans the steps up to it only (see hold)
         self._records: dict[int, tuple[CheckpointRecord | None, Mapping[str, Any]]] = {}
-        self._same: dict[int, bytes] = {}  # local steps whose remote copy has their marker
+        self._same: dict[int, tuple[bytes, dict[str, int]]] = {}  # remote copy has its marker
         self._worker: Worker | None = None
         self.bad: set[int] = set()  # remote steps found damaged by this process
         self.durable, self.local = True, False
@@ -278,8 +278,9 @@ class RemoteTier:
     def _plan(self) -> dict[str, list[int]]:
         local = {s: p for s, p in committed_steps(self.root).items() if s <= self._below}
         try:
-            remote = {s for s in self.steps() if s <= self._below}
-            committed = remote - self._others(local, remote)
+            listing = retried(self.store.listing)
+            remote = {s for s, r in listing.items() if r.committed and s <= self._below}
+            committed = remote - self._others(local, listing)
         except CheckpointError as err:
             self._fail(max(local, default=-1), err)
             return {"upload": [], "local": sorted(local)}
@@ -309,23 +310,25 @@ class RemoteTier:
             self._dropped = set(candidates) - kept - spared
         return {"upload": upload, "local": sorted(local)}
 
-    def _others(self, local: dict[int, Path], committed: set[int]) -> set[int]:
-        """Local steps whose remote copy has another marker (each compared once)."""
+    def _others(self, local: dict[int, Path], listing: Mapping[int, RemoteStep]) -> set[int]:
+        """Local steps whose remote copy is no copy: another marker (each compared once),
+        or an object listed at another size than the manifest's (cut short, say)."""
         out = set()
-        for step in sorted(committed & local.keys()):
+        for step in sorted(local.keys() & {s for s, r in listing.items() if r.committed}):
             try:
-                mine = protocol.local_marker(local[step])
+                mine, same = protocol.local_marker(local[step]), self._same.get(step, (b"", {}))
+                sizes = same[1] if same[0] == mine else protocol.expected_sizes(local[step])
             except (OSError, CheckpointError):
                 continue
-            if self._same.get(step) == mine:
-                continue
-            try:
-                theirs = retried(partial(self.store.read, step, naming.COMMIT_MARKER))
-            except RemoteVanished:
-                theirs = b""  # deleted meanwhile: not a copy of anything
-            if theirs == mine:
-                self._same[step] = mine
-            else:
+            whole = not protocol.short(listing[step].objects, sizes)
+            if whole and same[0] != mine:
+                try:
+                    theirs = retried(partial(self.store.read, step, naming.COMMIT_MARKER))
+                except RemoteVanished:
+                    theirs = b""  # deleted meanwhile: not a copy of anything
+                if theirs == mine:
+                    self._same[step] = same = mine, sizes
+            if not whole or same[0] != mine:
                 out.add(step)
                 self._records.pop(step, None)
         return out
