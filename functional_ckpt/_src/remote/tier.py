@@ -204,8 +204,7 @@ class RemoteTier:
         self.check()
 
     def newer_than(self, step: int) -> list[int]:
-        """This lineage's remote steps after ``step`` (committed or not; another lineage's
-        stay, reported), after :meth:`hold` (no upload runs)."""
+        """This lineage's remote steps after ``step``, committed or not (after :meth:`hold`)."""
         return self.lineage_of(sorted(s for s in retried(self.store.listing) if s > step))
 
     def hold(self, step: int) -> None:
