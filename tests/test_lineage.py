@@ -155,7 +155,7 @@ def test_a_run_with_checkpoints_only_in_ram_has_begun(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- a rollback
 
 
-def test_a_rollback_to_another_runs_step_is_refused_before_anything_moves(
+def test_a_rollback_to_or_delete_of_another_runs_step_is_refused_before_anything_moves(
     tmp_path: Path,
 ) -> None:
     root, other = tmp_path / "root", tmp_path / "other"
@@ -166,6 +166,8 @@ def test_a_rollback_to_another_runs_step_is_refused_before_anything_moves(
         with pytest.raises(CheckpointError) as told:
             mgr.rollback(0, like=state(0), newer="delete")
         assert mgr.restored_step is None
+        with pytest.raises(CheckpointError, match=rf"step_000000009: .*{theirs}.*delete\(9\)"):
+            mgr.delete(9)
     message = str(told.value)
     assert "rollback(0)" in message and theirs in message and str(root / step_name(0)) in message
     assert committed(root) == [0, 1, 2, 4, 9]  # nothing deleted

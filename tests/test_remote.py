@@ -655,14 +655,18 @@ def test_a_remote_that_is_the_local_root_itself_is_refused(tmp_path: Path) -> No
 
 def test_a_rollback_sets_the_remote_trunk_aside_too(tmp_path: Path, mem: str) -> None:
     """After a rollback, a restart (here or on a fresh machine) resumes the new trunk,
-    not the newer checkpoints of the old one still on the remote tier."""
-    root = tmp_path / "ckpt"
+    not the newer checkpoints of the old one still on the remote tier. The remote 2 cut
+    short (its listing shows a shard's size wrong) is no copy: the rollback uploads 2."""
+    root, store = tmp_path / "ckpt", Store(mem)
     with fc.CheckpointManager(root, tiers=(fc.manager.Remote(mem),)) as mgr:
         for step in (1, 2, 3, 4):
             mgr.maybe_save(_state(step), step=step)
         assert mgr.remote is not None and mgr.remote.wait()
+        shard = store.object_path(2, "__0_0.distcp")
+        store.fs.pipe_file(shard, store.fs.cat_file(shard)[:-7])
         mgr.rollback(2, branch="old")
         mgr.maybe_save(_state(30), step=3)
+    assert fc.verify(download(store, 2, tmp_path / "fresh2")).ok  # uploaded whole again
     assert Store(mem).listing().keys() == {1, 2, 3}
     assert Store(f"{mem}/branches/old").listing().keys() == {3, 4}  # set aside, not lost
     for where in (root, tmp_path / "fresh"):

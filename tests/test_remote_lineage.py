@@ -52,10 +52,11 @@ def test_an_old_machine_never_uploads_over_the_newer_runs_step(
 ) -> None:
     """Run A uploads 1-3; a fresh root elsewhere resumes A's 3 as run B and uploads 4
     and 5; A's machine comes back, resumes its own 3 and saves 4 and 6: B's remote 4
-    stays B's (reported once), A's 6 is uploaded, A's local 4 is never pruned. A rolls
-    back to its 4: its 6 leaves the remote trunk, B's 5 (newer, another lineage's to A)
-    stays. B's relaunch, and a fresh root in front of the remote, resume B's 5: A's 6 is
-    not of B's lineage, which left A at step 3."""
+    stays B's (reported once), A's 6 is uploaded, A's local 4 is never pruned. A's
+    rollback to its 4 is refused, moving nothing: the remote trunk would hold B's 4 for
+    it; its delete(4) leaves B's 4. A rolls back to its 3: its 6 leaves the remote
+    trunk, B's 4 and 5 (another lineage's to A) stay. B's relaunch, and a fresh root in
+    front of the remote, resume B's 5: A's 6 is not of B's lineage, which left A at 3."""
     remote = tmp_path / "bucket" / "run"
     remote.parent.mkdir()
     url = remote.as_uri()
@@ -87,8 +88,16 @@ def test_an_old_machine_never_uploads_over_the_newer_runs_step(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with fc.CheckpointManager(tmp_path / "machine1", tiers=(fc.manager.Remote(url),)) as mgr:
-            mgr.rollback(4, like=_state(0), branch="old")
+            with pytest.raises(CheckpointError, match=rf"rollback\(4\): .*{run_b}.*nothing was"):
+                mgr.rollback(4, like=_state(0), branch="old")  # the remote holds B's 4, not A's
+            assert mgr.steps() == [4, 6] and (remote / "step_000000006" / "COMMITTED").exists()
+            mgr.delete(4)  # A's own 4: B's remote 4 stays
+            assert mgr.steps() == [6] and _run_id(step4) == run_b, "B's 4 was deleted"
+        download(Store(url), 3, tmp_path / "machine1")  # A's 3 (pruned locally once uploaded)
+        with fc.CheckpointManager(tmp_path / "machine1", tiers=(fc.manager.Remote(url),)) as mgr:
+            mgr.rollback(3, like=_state(0), branch="old")
     assert (remote / "step_000000005" / "COMMITTED").exists(), "run B's 5 left the trunk"
+    assert _run_id(step4) == run_b, "run B's remote step 4 left the trunk"
     assert (remote / "branches" / "old" / "step_000000006" / "COMMITTED").exists()
     for root in (tmp_path / "machine2", tmp_path / "fresh"):
         with fc.CheckpointManager(root, tiers=(fc.manager.Remote(url),)) as mgr:

@@ -448,13 +448,13 @@ class CheckpointManager(RootView):
         return retain(self.disk, self.keep, protected)
 
     def delete(self, step: int) -> None:
-        """Delete one checkpoint from every tier, crash-safely (even the newest: you asked)."""
+        """Delete this lineage's ``step`` from every tier, crash-safely (even the newest)."""
         self._check_open("delete", writing=True)
         if not self.path(step).is_dir():
             raise CheckpointNotFound(f"{self.path(step)}: no checkpoint for step {step}")
-        self.wait()
-        if self.remote is not None:
-            self.remote.wait()  # an upload in flight would commit the step again
+        self.disk.check_ours(step, f"delete({step}) takes this run's only", CheckpointError)
+        for tier in self.tiers:  # the remote's too: an upload in flight would commit it again
+            tier.wait()
         for tier in self.tiers:  # or a resume would still find it in another tier
             if tier is self.disk or step in tier.steps():  # a link in the root is not a step
                 tier.delete([step])

@@ -7,7 +7,7 @@ the manifest goes first, so every object found beside it was written after it.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from functional_ckpt._src.codec import documents
@@ -41,15 +41,16 @@ def local_marker(local: Path) -> bytes:
 
 
 def begin_upload(store: Store, step: int, local: Path) -> dict[str, int] | None:
-    """None if ``step`` is committed remotely, else the objects of this very checkpoint
-    there (name -> size), which an interrupted upload need not send again."""
+    """None if ``step`` is committed remotely (every object at its size), else the objects
+    of this very checkpoint there (name -> size), which need not be sent again."""
     marker = local_marker(local)
     manifest = opener.read_file(
         local / naming.MANIFEST, limit=LIMITS.manifest_bytes, what="manifest"
     )
     objects = store.objects(step)
     if naming.COMMIT_MARKER in objects:
-        if store.read(step, naming.COMMIT_MARKER) == marker:
+        whole = not short(objects, expected_sizes(local))  # a copy cut short: sent again
+        if whole and store.read(step, naming.COMMIT_MARKER) == marker:
             return None
         store.remove(step, [naming.COMMIT_MARKER])  # superseded: uncommitted before anything else
         del objects[naming.COMMIT_MARKER]
@@ -85,14 +86,17 @@ def commit_upload(store: Store, step: int, local: Path, sizes: dict[str, int]) -
     _confirm(store, step, {naming.COMMIT_MARKER: len(marker)})
 
 
-def _confirm(store: Store, step: int, sizes: dict[str, int]) -> None:
-    found = store.objects(step)
-    wrong = [
+def short(found: Mapping[str, int], sizes: Mapping[str, int]) -> list[str]:
+    """The objects of ``sizes`` not ``found`` (a listing) at their size, described."""
+    return [
         f"{name} ({'missing' if name not in found else f'{found[name]} bytes'}, expected {size})"
         for name, size in sorted(sizes.items())
         if found.get(name) != size
     ]
-    if wrong:
+
+
+def _confirm(store: Store, step: int, sizes: dict[str, int]) -> None:
+    if wrong := short(store.objects(step), sizes):
         raise RemoteError(
             f"{store.where(step)}: uploaded objects not confirmed: {', '.join(wrong[:5])}; "
             "the checkpoint is not committed remotely"

@@ -103,7 +103,6 @@ def _missing_bucket(message: str, path: str = "") -> bool:
 class RemoteStep:
     """The objects of one remote checkpoint directory: name -> size."""
 
-    step: int
     objects: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -205,7 +204,7 @@ class Store:
             if step is not None and info.get("type") == "directory":
                 objects = self.objects(step, fresh=False)
                 if objects:  # an empty prefix left by a deletion is nothing
-                    steps[step] = RemoteStep(step, objects)
+                    steps[step] = RemoteStep(objects)
         return steps
 
     def branches(self) -> set[str]:

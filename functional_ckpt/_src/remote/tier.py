@@ -31,7 +31,7 @@ from functional_ckpt._src.remote import protocol, resume
 from functional_ckpt._src.remote.fetch import download
 from functional_ckpt._src.remote.options import Remote
 from functional_ckpt._src.remote.resume import Found
-from functional_ckpt._src.remote.store import Store, public_url
+from functional_ckpt._src.remote.store import RemoteStep, Store, public_url
 from functional_ckpt._src.remote.uploader import Worker, failure, read_status, retried, write_status
 from functional_ckpt._src.root.delete import delete, remove_all
 from functional_ckpt._src.root.leftovers import remove_downloads
@@ -100,14 +100,14 @@ class RemoteTier:
         self._lock = threading.Lock()
         self.failures: dict[int, CheckpointError] = {}
         self._unreported: list[Warning] = []
-        self._spared: set[int] = set()  # remote steps of another lineage, reported
+        self._spared: dict[int, str] = {}  # remote steps of another lineage, as reported
         self._committed: set[int] = set()  # steps committed remotely (as last seen)
         self._differ: set[int] = set()  # of those, another checkpoint than the local one
         self._dropped: set[int] = set()  # local steps the remote retention does not keep
         self._uploading: int | None = None
         self._below = float("inf")  # a round plans the steps up to it only (see hold)
         self._records: dict[int, tuple[CheckpointRecord | None, Mapping[str, Any]]] = {}
-        self._same: dict[int, bytes] = {}  # local steps whose remote copy has their marker
+        self._same: dict[int, tuple[bytes, dict[str, int]]] = {}  # remote copy has its marker
         self._worker: Worker | None = None
         self.bad: set[int] = set()  # remote steps found damaged by this process
         self.durable, self.local = True, False
@@ -172,8 +172,8 @@ class RemoteTier:
         return [s for s in steps if self.ours(self._head(s)[1], self.store.where(s))]
 
     def delete(self, steps: Sequence[int]) -> None:
-        """Remove remote ``steps``, each marker first (no longer committed at once)."""
-        if steps:
+        """Remove this lineage's remote ``steps`` (another's stay), each marker first."""
+        if steps := self.lineage_of(steps):
             self._claim()  # a root another manager writes is not this one's to change
         for step in steps:
             t0 = time.perf_counter()
@@ -200,8 +200,7 @@ class RemoteTier:
         self.check()
 
     def newer_than(self, step: int) -> list[int]:
-        """This lineage's remote steps after ``step`` (committed or not; another lineage's
-        stay, reported), after :meth:`hold` (no upload runs)."""
+        """This lineage's remote steps after ``step``, committed or not (after :meth:`hold`)."""
         return self.lineage_of(sorted(s for s in retried(self.store.listing) if s > step))
 
     def hold(self, step: int) -> None:
@@ -215,8 +214,9 @@ class RemoteTier:
         self._below = float("inf")
 
         def held() -> None:
-            if step not in self._committed | self._spared:
-                why = self.failures.get(step) or f"{self.url} does not hold step {step}"
+            if step not in self._committed:  # another lineage's step there is not held
+                why = self.failures.get(step) or self._spared.get(step)
+                why = why or f"{self.url} does not hold step {step}"
                 raise CheckpointError(f"rollback({step}): {why}; nothing was moved")
 
         self.together(f"rollback {self.url}", held, self.coordinator)
@@ -273,8 +273,9 @@ class RemoteTier:
     def _plan(self) -> dict[str, list[int]]:
         local = {s: p for s, p in committed_steps(self.root).items() if s <= self._below}
         try:
-            remote = {s for s in self.steps() if s <= self._below}
-            committed = remote - self._others(local, remote)
+            listing = retried(self.store.listing)
+            remote = {s for s, r in listing.items() if r.committed and s <= self._below}
+            committed = remote - self._others(local, listing)
         except CheckpointError as err:
             self._fail(max(local, default=-1), err)
             return {"upload": [], "local": sorted(local)}
@@ -286,7 +287,7 @@ class RemoteTier:
                 info = read_info(local[s], s)
             except (CheckpointError, OSError):
                 continue  # unreadable locally: not uploaded (the local resume deals with it)
-            if s in remote and self._foreign(s, info.metadata):
+            if s in remote and self._foreign(s):
                 spared.add(s)
             elif self.ours(info.metadata, info.path):
                 records.append(info)
@@ -304,30 +305,32 @@ class RemoteTier:
             self._dropped = set(candidates) - kept - spared
         return {"upload": upload, "local": sorted(local)}
 
-    def _others(self, local: dict[int, Path], committed: set[int]) -> set[int]:
-        """Local steps whose remote copy has another marker (each compared once)."""
+    def _others(self, local: dict[int, Path], listing: Mapping[int, RemoteStep]) -> set[int]:
+        """Local steps whose remote copy is no copy: another marker (each compared once),
+        or an object listed at another size than the manifest's (cut short, say)."""
         out = set()
-        for step in sorted(committed & local.keys()):
+        for step in sorted(local.keys() & {s for s, r in listing.items() if r.committed}):
             try:
-                mine = protocol.local_marker(local[step])
+                mine, same = protocol.local_marker(local[step]), self._same.get(step, (b"", {}))
+                sizes = same[1] if same[0] == mine else protocol.expected_sizes(local[step])
             except (OSError, CheckpointError):
                 continue
-            if self._same.get(step) == mine:
-                continue
-            try:
-                theirs = retried(partial(self.store.read, step, naming.COMMIT_MARKER))
-            except RemoteVanished:
-                theirs = b""  # deleted meanwhile: not a copy of anything
-            if theirs == mine:
-                self._same[step] = mine
-            else:
+            whole = not protocol.short(listing[step].objects, sizes)
+            if whole and same[0] != mine:
+                try:
+                    theirs = retried(partial(self.store.read, step, naming.COMMIT_MARKER))
+                except RemoteVanished:
+                    theirs = b""  # deleted meanwhile: not a copy of anything
+                if theirs == mine:
+                    self._same[step] = same = mine, sizes
+            if not whole or same[0] != mine:
                 out.add(step)
                 self._records.pop(step, None)
         return out
 
-    def _foreign(self, step: int, mine: Mapping[str, Any]) -> bool:
-        """Whether remote ``step``, another checkpoint than the local one recording ``mine``,
-        is another lineage's: it stays (reported once). Unread now, the round fails."""
+    def _foreign(self, step: int) -> bool:
+        """Whether remote ``step``, another checkpoint than the local one, is another
+        lineage's: it stays (reported once). Unread now, the round fails."""
         try:
             manifest = retried(partial(self.store.manifest, step))[1]
             theirs = header_named(manifest, step, self.store.where(step)).metadata
@@ -336,13 +339,12 @@ class RemoteTier:
         if self.ours.holds(theirs):
             return False
         if step not in self._spared:
-            self._spared.add(step)
-            told = CheckpointWarning(
+            self._spared[step] = (
                 f"{self.ours.stranger(theirs, self.store.where(step))}: step {step} not "
                 "uploaded: an upload never replaces it (the local checkpoint stays)"
             )
             with self._lock:
-                self._unreported.append(told)
+                self._unreported.append(CheckpointWarning(self._spared[step]))
         return True
 
     def _head(self, step: int) -> tuple[CheckpointRecord | None, Mapping[str, Any]]:
