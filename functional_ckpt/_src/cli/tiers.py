@@ -109,7 +109,9 @@ def tiers(root: Path, rows: Sequence[RootEntry]) -> Section | None:
 
 
 def _run(row: dict[str, Any]) -> str:
-    return str(row.get("run"))[:8] + ("" if row.get("this_run") else " (another run)")
+    if "run" not in row:  # unreadable, or named for another step than it records
+        return "-"
+    return str(row["run"])[:8] + ("" if row["this_run"] else " (another run)")
 
 
 def _alive(status: dict[str, Any]) -> bool:
@@ -141,13 +143,16 @@ def memory(root: Path) -> Section | None:
     if isinstance(replicas, int):  # committed only once every replica was confirmed
         columns += [("REPLICAS", lambda r: f"{r['replicas']} confirmed", "")]
         columns += [("HERE", lambda r: "whole" if r["whole"] else "parts", "")]
+    columns.append(("NOTE", fmt.cell("note"), "dim"))
     empty = "  no checkpoints (a closed manager removes its memory tier)"
     section = Section("memory tier", f"({folder}, {run})", columns, empty=empty)
     for step, path in sorted(committed_steps(Path(folder)).items()):
         row = {"kind": "memory", "step": step, "path": str(path), "size": dir_size(path)}
-        with contextlib.suppress(CheckpointError, OSError):
+        try:
             run_id = run_of(read_info(path, step).metadata)  # which run each checkpoint is of
-            row |= {"run": run_id, "this_run": this is not None and run_id == this.id}
+            row |= {"run": run_id, "this_run": this is not None and run_id == this.id, "note": ""}
+        except (CheckpointError, OSError) as err:
+            row["note"] = fmt.one_line(err)
         if isinstance(replicas, int):
             row |= {"replicas": replicas, "whole": holds_every_file(path)}
         section.rows.append(row)
