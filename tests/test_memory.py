@@ -478,7 +478,8 @@ def test_another_runs_checkpoint_in_the_folder_is_never_saved_over_nor_deleted(
 ) -> None:
     """Another run's checkpoint copied into the folder of a run that then crashes: the
     relaunch resumes past it, its memory save of that step is refused before any byte (the
-    disk tier's save of the step goes on), and retention and close() leave it."""
+    disk tier's save of the step goes on), and retention and close() leave it. A copy of
+    this run's step 1 named step_6 is damage, not another run's: the save of 6 replaces it."""
     with fc.CheckpointManager(tmp_path / "theirs") as mgr:
         mgr.maybe_save({**small_state(5), "w": torch.full((64, 16), 999.0)}, step=5)
     root, memory = tmp_path / "root", tmp_path / "mem"
@@ -491,6 +492,7 @@ def test_another_runs_checkpoint_in_the_folder_is_never_saved_over_nor_deleted(
             mgr.maybe_save(small_state(step), step=step)
         mgr.wait()
         shutil.copytree(tmp_path / "theirs" / step_name(5), memory / step_name(5))
+        shutil.copytree(memory / step_name(1), memory / step_name(6))  # records step 1
         raise KeyboardInterrupt  # a crash keeps the folder
     theirs = memory / step_name(5)
     with (
@@ -503,10 +505,12 @@ def test_another_runs_checkpoint_in_the_folder_is_never_saved_over_nor_deleted(
             mgr.maybe_save(small_state(step), step=step)
         mgr.wait()
         assert float(fc.restore(theirs)["w"][0, 0]) == 999.0, "replaced"
+        assert float(fc.restore(memory / step_name(6))["w"][0, 0]) == 6.0  # not the renamed 1
         assert committed(memory) == [4, 5, 6]  # keep=2 of this run's, beside theirs
         assert float(fc.restore(root / step_name(5))["w"][0, 0]) == 5.0  # the disk's own
     told = [str(w.message) for w in caught]
     assert sum(f"{theirs}: not a checkpoint of this run" in m for m in told) == 1, told
+    assert not [m for m in told if "step 6 failed" in m], told
     assert sorted(os.listdir(memory)) == [step_name(5)]  # close() removed only this run's
     assert float(fc.restore(theirs)["w"][0, 0]) == 999.0
 

@@ -228,6 +228,8 @@ def test_a_lost_node_resumes_from_the_replicas_bit_identically(
     out = capsys.readouterr().out
     assert "REPLICAS" in out and "2 confirmed" in out, out
     shutil.rmtree(mem_b)  # node b is lost, and its RAM with it
+    # A copy of this run's step 6 named step_10 is damage: no obstacle to the save of 10.
+    shutil.copytree(mem_a / step_name(6), mem_a / step_name(10), symlinks=True)
     runs = two_nodes(died)
     got = resumed(runs)
     assert [g[0] for g in got] == [7] * WORLD, got  # the memory tier's step, not the disk's 5
@@ -240,6 +242,9 @@ def test_a_lost_node_resumes_from_the_replicas_bit_identically(
     assert [g[3] for g in got] == [0] * WORLD, got
     assert not any(g[2] for g in got), got
     assert finals(runs) == reference
+    for rank, (_, out) in enumerate(runs):
+        told = [w for w in json.loads(lines(out, "WARNINGS")[0]) if "step 10" in w]
+        assert not told, (rank, told)  # was "failed (...): not a checkpoint of this run"
 
 
 def test_a_kill_inside_a_replication_commits_that_step_nowhere(

@@ -5,6 +5,7 @@ reported once, and the local checkpoint stays (it has no remote copy).
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import warnings
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import functional_ckpt as fc
+from functional_ckpt._src import cli
 from functional_ckpt._src.remote.fetch import download
 from functional_ckpt._src.remote.store import Store
 from functional_ckpt._src.root.run import read_run
@@ -106,12 +108,13 @@ def test_an_old_machine_never_uploads_over_the_newer_runs_step(
 
 
 def test_a_new_run_on_a_used_prefix_keeps_its_step_the_old_run_holds_there(
-    tmp_path: Path, mem: str
+    tmp_path: Path, mem: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A remote copy counts as this checkpoint's only if it is this checkpoint (same
     marker), and another run's is not uploaded over: the new run's step 2 is neither
-    taken for uploaded (and pruned) nor uploaded over the old run's. A fresh root in front
-    of the remote, which holds both unrelated runs' checkpoints, guesses neither."""
+    taken for uploaded (and pruned) nor uploaded over the old run's, nor listed by `fckpt
+    ls` as held by both. A fresh root in front of the remote, which holds both unrelated
+    runs' checkpoints, guesses neither."""
     _run(tmp_path / "a", mem, [1, 2])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -126,6 +129,10 @@ def test_a_new_run_on_a_used_prefix_keeps_its_step_the_old_run_holds_there(
     assert float(old["w"][0]) == 2.0, "the old run's remote step 2 was replaced"
     assert float(fc.restore(tmp_path / "b" / "step_000000002")["w"][0]) == 20.0
     assert any("step 2 not uploaded" in str(w.message) for w in caught)
+    assert cli.main(["ls", "--json", str(tmp_path / "b")]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out) if r.get("kind") == "tier"}
+    assert (rows[2]["tier"], rows[3]["tier"]) == ("local", "both"), rows  # 2 was "both"
+    assert rows[2]["note"] == "the remote holds another checkpoint of step 2", rows
     fresh = fc.CheckpointManager(tmp_path / "c", tiers=(fc.manager.Remote(mem),))
     with fresh, pytest.raises(CheckpointError, match=r"unrelated runs .* not guessed"):
         fresh.restore_latest(like=_state(0))

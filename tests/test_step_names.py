@@ -92,7 +92,7 @@ def test_a_renamed_step_is_never_uploaded(tmp_path: Path) -> None:
     assert not (remote / step_name(7)).exists()  # was uploaded as a committed step 7
 
 
-def test_ls_and_verify_of_a_url_report_a_renamed_remote_step(
+def test_ls_and_verify_of_a_url_and_of_its_root_report_a_renamed_remote_step(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     remote = tmp_path / "bucket" / "run"
@@ -100,6 +100,10 @@ def test_ls_and_verify_of_a_url_report_a_renamed_remote_step(
     _renamed(tmp_path / "ckpt", fc.manager.Remote(remote.as_uri()))
     os.rename(remote / step_name(3), remote / step_name(7))
     url = remote.as_uri()
+    assert cli.main(["ls", str(tmp_path / "ckpt"), "--json"]) == 1  # its local 7 is damaged
+    tiers = {r["step"]: r for r in json.loads(capsys.readouterr().out) if r.get("kind") == "tier"}
+    assert tiers[2]["tier"] == "both" and tiers[7]["tier"] == "local", tiers  # 7 was "both"
+    assert "named for step 7, but the checkpoint records step 3" in tiers[7]["note"], tiers
     assert cli.main(["ls", url, "--json"]) == 1  # was 0, every step "ok"
     rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows[7]["status"] == "damaged" and "records step 3" in rows[7]["note"]

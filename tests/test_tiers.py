@@ -235,15 +235,19 @@ def test_fckpt_ls_says_which_run_each_memory_checkpoint_is_of(
     killed(root, memory, die_at=2, disk_every=10, memory_every=1)
     run = read_run(root)
     assert run is not None
-    assert cli.main(["ls", "--json", str(root)]) == 0
-    rows = [r for r in json.loads(capsys.readouterr().out) if r.get("kind") == "memory"]
-    assert [(r["step"], r["run"], r["this_run"]) for r in rows] == [
-        (1, run.id, True),
-        (2, run.id, True),
-    ]
+    shutil.copytree(memory / step_name(1), memory / step_name(9))  # damage: it records 1
     assert cli.main(["ls", str(root)]) == 0
     out = capsys.readouterr().out
-    assert "RUN" in out and run.id[:8] in out and "another run" not in out
+    assert "RUN" in out and run.id[:8] in out and "another run" not in out  # was, of step 9
+    assert "records step 1" in next(x for x in out.splitlines() if x.startswith(step_name(9)))
+    assert cli.main(["ls", "--json", str(root)]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out) if r.get("kind") == "memory"]
+    assert [(r["step"], r.get("run"), r.get("this_run")) for r in rows] == [
+        (1, run.id, True),
+        (2, run.id, True),
+        (9, None, None),
+    ]
+    assert "named for step 9, but the checkpoint records step 1" in rows[2]["note"], rows
 
 
 # --------------------------------------------------------------------------- lineage

@@ -28,6 +28,7 @@ from functional_ckpt._src.storage.usage import dir_size
 from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
 if TYPE_CHECKING:
+    from functional_ckpt._src.format.header import Header
     from functional_ckpt._src.remote.store import Store
 
 __all__ = ["fetched", "is_url", "ls_remote", "memory", "open_store", "split_step", "tiers"]
@@ -68,16 +69,18 @@ def fetched(url: str, *, check: bool) -> Iterator[Path]:
 
 
 def tiers(root: Path, rows: Sequence[RootEntry]) -> Section | None:
-    """Where each step lives, for a root with a remote tier."""
+    """Where each step lives, for a root with a remote tier: a remote copy is a local
+    checkpoint's only where its commit marker is the local one (as the uploader compares)."""
     status = read_status(root)
     url = status.get("url")
     if not isinstance(url, str):
         return None
-    local = {r.step for r in rows if r.canonical and r.committed and r.step is not None}
+    local = {r.step: r.path for r in rows if r.canonical and r.committed and r.step is not None}
     failed = status.get("failed")
     failed = failed if isinstance(failed, dict) else {}
     try:
-        listing, error = open_store(url).listing(), ""
+        store = open_store(url)
+        listing, error = store.listing(), ""
     except (CheckpointError, UsageError) as err:
         listing, error = {}, fmt.one_line(err)
     remote = {s for s, r in listing.items() if r.committed}
@@ -85,17 +88,19 @@ def tiers(root: Path, rows: Sequence[RootEntry]) -> Section | None:
     place: Column = ("TIER", fmt.cell("tier"), lambda r: "bad" if "failed" in r["note"] else "")
     columns = [fmt.STEP, place, ("NOTE", fmt.cell("note"), "dim")]
     section = Section("tiers", f"(remote {url})", columns)
-    for step in sorted(local | set(listing)):
-        note = ""
-        if step in local and step in remote:
+    for step in sorted(local.keys() | set(listing)):
+        theirs, _, note = _remote_head(store, step) if step in remote else (None, None, "")
+        if step in local and theirs is not None and theirs == _marker(local[step]):
             tier = "both"
-        elif step in remote:
+        elif step in remote and step not in local:
             tier = "remote"
         elif step in local and step == status.get("uploading"):
             tier = "uploading"
         elif step in local:
             tier = "local"
-            note = f"upload failed: {failed[str(step)]}" if str(step) in failed else ""
+            if step in remote:
+                note = note or f"the remote holds another checkpoint of step {step}"
+            note = f"upload failed: {failed[str(step)]}" if str(step) in failed else note
             note = note or ("upload pending" if step in partial or error else "")
         else:
             tier, note = "partial", "an interrupted upload (not a checkpoint)"
@@ -105,8 +110,30 @@ def tiers(root: Path, rows: Sequence[RootEntry]) -> Section | None:
     return section
 
 
+def _marker(path: Path) -> bytes | None:
+    from functional_ckpt._src.remote.protocol import local_marker
+
+    with contextlib.suppress(CheckpointError, OSError):
+        return local_marker(path)
+    return None
+
+
+def _remote_head(store: Store, step: int) -> tuple[bytes | None, Header | None, str]:
+    """A committed remote checkpoint's marker and header, or why it is damaged (named for
+    another step than it records, say): a damaged one is no copy of anything."""
+    try:
+        marker, manifest = store.manifest(step)
+        return marker, header_named(manifest, step, step_name(step)), ""
+    except CorruptCheckpoint as err:
+        return None, None, fmt.one_line(err)
+    except (CheckpointError, ValueError):
+        return None, None, ""
+
+
 def _run(row: dict[str, Any]) -> str:
-    return str(row.get("run"))[:8] + ("" if row.get("this_run") else " (another run)")
+    if "run" not in row:  # unreadable, or named for another step than it records
+        return "-"
+    return str(row["run"])[:8] + ("" if row["this_run"] else " (another run)")
 
 
 def _alive(status: dict[str, Any]) -> bool:
@@ -138,13 +165,16 @@ def memory(root: Path) -> Section | None:
     if isinstance(replicas, int):  # committed only once every replica was confirmed
         columns += [("REPLICAS", lambda r: f"{r['replicas']} confirmed", "")]
         columns += [("HERE", lambda r: "whole" if r["whole"] else "parts", "")]
+    columns.append(("NOTE", fmt.cell("note"), "dim"))
     empty = "  no checkpoints (a closed manager removes its memory tier)"
     section = Section("memory tier", f"({folder}, {run})", columns, empty=empty)
     for step, path in sorted(committed_steps(Path(folder)).items()):
         row = {"kind": "memory", "step": step, "path": str(path), "size": dir_size(path)}
-        with contextlib.suppress(CheckpointError, OSError):
+        try:
             run_id = run_of(read_info(path, step).metadata)  # which run each checkpoint is of
-            row |= {"run": run_id, "this_run": this is not None and run_id == this.id}
+            row |= {"run": run_id, "this_run": this is not None and run_id == this.id, "note": ""}
+        except (CheckpointError, OSError) as err:
+            row["note"] = fmt.one_line(err)
         if isinstance(replicas, int):
             row |= {"replicas": replicas, "whole": holds_every_file(path)}
         section.rows.append(row)
@@ -158,15 +188,9 @@ def ls_remote(args: argparse.Namespace, ui: UI) -> int:
     columns += [fmt.SAVED, fmt.SIZE, ("STATUS", fmt.cell("status"), ""), fmt.RUN]
     section = Section("", "", [*columns, ("NOTE", fmt.cell("note"), "dim")])
     for step, entry in sorted(store.listing().items()):
-        created, run, status, note = None, None, "ok" if entry.committed else "partial", ""
-        if entry.committed:
-            try:
-                head = header_named(store.manifest(step)[1], step, step_name(step))
-                created, run = head.created, run_of(head.metadata)
-            except CorruptCheckpoint as err:
-                status, note = "damaged", fmt.one_line(err)
-            except (CheckpointError, ValueError):
-                pass
+        _, head, note = _remote_head(store, step) if entry.committed else (None, None, "")
+        created, run = (None, None) if head is None else (head.created, run_of(head.metadata))
+        status = "damaged" if note else "ok" if entry.committed else "partial"
         size = sum(v for v in entry.objects.values() if v > 0)
         row = {"step": step, "status": status, "time": created, "size": size, "run": run}
         section.rows.append({**row, "note": note})

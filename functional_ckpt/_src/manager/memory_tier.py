@@ -59,6 +59,7 @@ class RunView(RootView):
         super().__init__(folder)
         self.lineage, self._said = Lineage(run, alone=True), False  # planted, not adopted
         self.mine: set[int] = set()  # committed by this tier: this run's, no manifest read
+        self.damaged: set[int] = set()  # unreadable or renamed: whoever's, a save replaces it
         self.listed: list[int] | None = None  # held over a save's blocking part: one listing
         self.hold = False
 
@@ -68,10 +69,14 @@ class RunView(RootView):
         found = sorted(self.candidates())
         mine: list[int] = []
         others = [s for s, p in found if not is_committed(p)]
+        self.damaged = set()
         for step in (s for s, p in found if is_committed(p)):
             try:
                 ours = step in self.mine or self.lineage.holds(self.info(step).metadata)
-            except (CheckpointError, OSError):
+            except (CheckpointError, OSError) as err:
+                if is_damage(err):
+                    self.damaged.add(step)
+                    continue
                 ours = False
             (mine if ours else others).append(step)
         if others and not self._said:
@@ -244,7 +249,7 @@ class MemoryTier:
                 mf.check_budget(self.option, self.budget, self.folder, state)
                 if self.keeper:
                     steps, path = self.steps(), self.view.path(step)
-                    if step not in steps and os.path.lexists(path):  # another run's
+                    if step not in {*steps, *self.view.damaged} and os.path.lexists(path):
                         raise CheckpointExists(
                             f"{path}: not a checkpoint of this run ({self.run.id}): a memory-"
                             f"tier save of step {step} would replace it, so nothing was written"
