@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from functional_ckpt._src.arguments import flag, items, mapping, require
+from functional_ckpt._src.arguments import flag, mapping, require
 from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.manager.memory import Memory
 from functional_ckpt._src.policy.base import SavePolicy
@@ -58,16 +58,20 @@ TIERS: dict[str, type[Memory | Disk | Remote]] = {"memory": Memory, "disk": Disk
 
 def tier_options(tiers: Sequence[Memory | Disk | Remote]) -> TierOptions:
     """``tiers=`` as given (any order, each kind at most once): memory, disk, remote."""
-    kinds = tuple(TIERS.values())
-    expected = "a tuple of fc.manager.Memory(...), fc.manager.Disk(...) or fc.manager.Remote(...)"
-    given = items(tiers, "tiers", "CheckpointManager", expected, lambda o: isinstance(o, kinds))
-    found: dict[type[Any], Any] = {}
-    for option in given:
-        kind = next(k for k in kinds if isinstance(option, k))
-        if kind in found:
+    if isinstance(tiers, str | bytes) or not isinstance(tiers, Sequence):
+        raise TypeError(f"CheckpointManager(tiers={tiers!r}): expected a tuple of tier options")
+    found: dict[type[Any], Any] = {Disk: Disk()}
+    for i, option in enumerate(tiers):
+        kind = next((k for k in TIERS.values() if isinstance(option, k)), None)
+        if kind is None:
+            raise TypeError(
+                f"CheckpointManager(tiers[{i}]={option!r}): expected fc.manager.Memory(...), "
+                "fc.manager.Disk(...) or fc.manager.Remote(...)"
+            )
+        if any(isinstance(t, kind) for t in tiers[:i]):
             raise ValueError(f"CheckpointManager(tiers=...): two {kind.__name__} tiers")
         found[kind] = option
-    return found.get(Memory), found.get(Disk, Disk()), found.get(Remote)
+    return found.get(Memory), found[Disk], found.get(Remote)
 
 
 def async_option(value: bool | AsyncSave | None) -> AsyncSave | None:
