@@ -162,7 +162,11 @@ class _Server:
             socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
             while not (msg := self._read(None) or "").startswith("pid "):
                 pass
-            return int(msg.split()[1])
+            pid = int(msg.split()[1])
+            # An earlier child's, its pid given again (pids wrap): the server reported
+            # that exit before this fork, and reports this child's only after its pid.
+            self.exits.pop(pid, None)
+            return pid
 
     def status(self, pid: int, timeout: float | None) -> int | None:
         """``pid``'s exit status once it ends, waiting up to ``timeout`` (None: forever)."""
