@@ -680,8 +680,9 @@ def test_a_rollback_sets_the_remote_trunk_aside_too(tmp_path: Path, mem: str) ->
         mgr.maybe_save(_state(40), step=4)
         assert mgr.remote is not None and mgr.remote.wait()
         with pytest.raises(fc.errors.CheckpointExists, match="branch 'old' already exists"):
-            mgr.rollback(3, branch="old")  # it would copy this 4 over the branch's 4
+            mgr.rollback(2, branch="old")  # it would copy this 4 over the branch's 4
         assert mgr.steps()[-2:] == [3, 4] and mgr.remote.steps()[-2:] == [3, 4]
+        assert mgr.restored_step == 3  # refused before the run went back to 2 either
     assert Store(f"{mem}/branches/old").read(4, "COMMITTED") == marker
 
 

@@ -53,8 +53,8 @@ def transfer(moves: Sequence[Move], source: Path, target: Path, group: Any, what
             moved += move.size
         except Exception as e:
             failed.append(e)
-            if isinstance(e, groups.Unanswered):  # a peer is gone: no later move can finish
-                break
+            if isinstance(e, groups.Unanswered):  # a peer is gone: no collective can finish
+                raise
     groups.agree(failed[0] if failed else None, group, what)
     if any(m.dst == rank and m.src != m.dst for m in moves):  # where the bytes landed
         done(_LOG, "replicated", target, seconds=time.perf_counter() - t0, nbytes=moved, to="into")

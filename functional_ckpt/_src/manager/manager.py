@@ -48,6 +48,7 @@ from functional_ckpt._src.manager.tiers import (
     Tier,
     move_newer,
     newest_in_tiers,
+    plan_newer,
     progress,
     promote,
     retain,
@@ -271,9 +272,13 @@ class CheckpointManager(RootView):
         together(self._distributed, doing, self.disk.check_ours, step, doing, CheckpointError)
         if self.remote is not None:
             self.remote.hold(step)  # on the remote trunk before the newer steps leave it
-        state = together(self._distributed, f"rollback({step})", self._read, step, like)
-        move = partial(move_newer, self.tiers, self.disk, self.remote, step, newer=newer)
-        done = together(self._distributed, f"rollback({step})", move, branch=branch, reason=reason)
+        doing = f"rollback({step})"
+        plan = together(
+            self._distributed, doing, plan_newer, self.disk, self.remote, step, newer, branch
+        )
+        state = together(self._distributed, doing, self._read, step, like)
+        move = partial(move_newer, self.tiers, self.disk, self.remote, step, plan, newer=newer)
+        done = together(self._distributed, doing, move, reason=reason)
         if done is not None:
             self._run.rollbacks.append(done)
         return state, None if done is None else done.get("branch")
@@ -452,7 +457,8 @@ class CheckpointManager(RootView):
         self._check_open("delete", writing=True)
         if not self.path(step).is_dir():
             raise CheckpointNotFound(f"{self.path(step)}: no checkpoint for step {step}")
-        self.disk.check_ours(step, f"delete({step}) takes this run's only", CheckpointError)
+        doing = f"delete({step}) takes this run's only"  # refused on one rank, on all
+        together(self._distributed, doing, self.disk.check_ours, step, doing, CheckpointError)
         for tier in self.tiers:  # the remote's too: an upload in flight would commit it again
             tier.wait()
         for tier in self.tiers:  # or a resume would still find it in another tier

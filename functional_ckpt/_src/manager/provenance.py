@@ -237,6 +237,7 @@ class Lineage:
             line = [m for m in held if run_of(m) in mine]
             self.runs = self.recorded = mine | {a for m in line for a in ancestors_of(m)}
             self.unrelated = []
+            until, until_time = dict(self.until), dict(self.until_time)
         else:
             lines: dict[str, set[str]] = {}
             for m in held:
@@ -245,11 +246,12 @@ class Lineage:
             whole = [r for r in sorted(lines) if lines.keys() <= lines[r]]
             self.runs = None if not lines else lines[whole[0]] if whole else set()
             self.unrelated = [] if whole else sorted(lines)
-            self.until, self.until_time = {}, {}
+            until, until_time = {}, {}
             line = [m for m in held if whole and run_of(m) == whole[0]]
         for m in line:
-            self.until.update(until_of(m))
-            self.until_time.update(until_of(m, "until_time"))
+            until.update(until_of(m))
+            until_time.update(until_of(m, "until_time"))
+        self.until, self.until_time = until, until_time  # whole: the uploader reads them
         return self
 
     def left(self) -> dict[str, Any]:

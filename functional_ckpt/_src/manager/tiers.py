@@ -223,24 +223,34 @@ class DiskTier:
         pass
 
 
+def plan_newer(
+    disk: DiskTier, remote: RemoteTier | None, step: int, newer: Newer, branch: str | None
+) -> tuple[list[int], list[int], str | None]:
+    """The steps newer than ``step`` that leave the trunk, on disk and on the remote, and
+    the branch they go to: every refusal is here, before anything (the run's state too)
+    moves."""
+    view, others = disk.view, disk.others()  # another lineage's stay where they are
+    doomed = sorted(s for s, _ in view.candidates() if s > step and s not in others)
+    gone = remote.newer_than(step) if remote is not None and disk.coordinator else []
+    if newer == "branch" and (gone or doomed) and disk.coordinator:  # no tier's name
+        taken = retried(remote.store.branches) if remote is not None else ()
+        branch = rollback.new_branch(disk.view.root, branch, max(gone + doomed), step, taken)
+    return doomed, gone, branch
+
+
 def move_newer(
     tiers: Sequence[Tier],
     disk: DiskTier,
     remote: RemoteTier | None,
     step: int,
+    plan: tuple[list[int], list[int], str | None],
     *,
     newer: Newer,
-    branch: str | None,
     reason: Any,
 ) -> dict[str, Any] | None:
-    """Every tier's steps newer than ``step`` out of the trunk (docs/tiered.md); the
-    rollback's record (None where this rank moves nothing on disk)."""
-    view, others = disk.view, disk.others()  # another lineage's stay where they are
-    doomed = sorted(s for s, _ in view.candidates() if s > step and s not in others)
-    gone = remote.newer_than(step) if remote is not None and disk.coordinator else []
-    if newer == "branch" and (gone or doomed) and disk.coordinator:  # before anything moves
-        taken = retried(remote.store.branches) if remote is not None else ()  # no tier's name
-        branch = rollback.new_branch(view.root, branch, max(gone + doomed), step, taken)
+    """Every tier's steps newer than ``step`` out of the trunk as :func:`plan_newer` chose
+    (docs/tiered.md); the rollback's record (None where this rank moves nothing on disk)."""
+    (doomed, gone, branch), view = plan, disk.view
     for tier in tiers:
         if tier is not disk and tier is not remote:
             tier.delete([s for s in tier.steps() if s > step])

@@ -209,9 +209,11 @@ class RemoteTier:
             return
         self._worker.drain()
         self._below = step
-        self._worker.request()
-        self._worker.drain()
-        self._below = float("inf")
+        try:
+            self._worker.request()
+            self._worker.drain()
+        finally:  # later rounds upload every step again, whatever stopped this one
+            self._below = float("inf")
 
         def held() -> None:
             if step not in self._committed:  # another lineage's step there is not held
