@@ -707,7 +707,8 @@ def measure_sockets(n: int, tmp: Path) -> list[int]:
 
     job, out = REPO_ROOT / "tests" / "descriptors_job.py", tmp / "held"
     url = (tmp / "bucket").as_uri()
-    for rc, _, err in wait_all(launch(n, str(tmp / "root"), str(out), url, job=job)):
+    lazy = {"TORCH_GLOO_LAZY_INIT": "1"}
+    for rc, _, err in wait_all(launch(n, str(tmp / "root"), str(out), url, job=job, env=lazy)):
         if rc:
             raise RuntimeError(f"a rank of {job.name} failed: {err[-2000:]}")
     return [json.loads(Path(f"{out}.{r}.json").read_text())["socket"] for r in range(n)]

@@ -3,8 +3,8 @@
 Usage: descriptors_job.py ROOT OUT [URL]. Every rank opens a manager on the shared ROOT
 (with a remote tier at URL if given), saves step 1 of a sharded state, restores it and
 writes OUT.RANK.json: the descriptors it then holds that it did not before the manager
-opened, as ``{"socket": n, ...}``. It sets ``TORCH_GLOO_LAZY_INIT=1``, as a user may,
-so its groups connect each pair at its first message. Its soft descriptor limit is first
+opened, as ``{"socket": n, ...}``; launched with ``TORCH_GLOO_LAZY_INIT=1``, as a user may
+set it, its groups connect each pair at its first message. Its soft descriptor limit is first
 lowered below what the coordinator's groups need (as 1,024 is at 500 ranks): they make room.
 """
 
@@ -39,7 +39,6 @@ def held() -> dict[str, str]:
 
 def main() -> None:
     root, out = Path(sys.argv[1]), sys.argv[2]
-    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     state = {"w": distribute_tensor(torch.arange(48.0).reshape(12, 4), mesh, [Shard(0)])}

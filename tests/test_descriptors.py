@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.test_dist import REPO, launch, wait_all
 
 JOB = Path(__file__).with_name("descriptors_job.py")
@@ -17,7 +19,8 @@ JOB = Path(__file__).with_name("descriptors_job.py")
 GROUP = 3
 
 
-def test_a_rank_holds_a_socket_per_peer_its_collectives_reach(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lazy", [True, False], ids=["pairs-on-demand", "whole-mesh"])
+def test_a_rank_holds_a_socket_per_peer_its_collectives_reach(tmp_path: Path, lazy: bool) -> None:
     """8 ranks open a manager with a remote tier, save and restore: each holds the sockets
     benchmarks/scale.py predicts from gloo's algorithms (a ring, a tree and a star on the
     coordinator for the group that saves, a ring for the uploads), not one per rank; and
@@ -27,12 +30,18 @@ def test_a_rank_holds_a_socket_per_peer_its_collectives_reach(tmp_path: Path) ->
 
     world, groups, out = 8, 2, tmp_path / "held"
     url = (tmp_path / "bucket").as_uri()
-    for rc, _, err in wait_all(launch(world, str(tmp_path / "root"), str(out), url, job=JOB)):
+    env = {"TORCH_GLOO_LAZY_INIT": "1" if lazy else "0"}
+    for rc, _, err in wait_all(
+        launch(world, str(tmp_path / "root"), str(out), url, job=JOB, env=env)
+    ):
         assert rc == 0, err[-3000:]
     for rank in range(world):
         held = json.loads(Path(f"{out}.{rank}.json").read_text())
         files = {k: n for k, n in held.items() if k not in ("socket", "pipe", "anon_inode")}
         assert sum(files.values()) <= groups, (rank, held)  # the lock, the tier's status
         assert held["pipe"] + held["anon_inode"] <= groups * GROUP, (rank, held)
+        if not lazy:  # gloo's default: a socket per peer of each group, as it is made,
+            assert held["socket"] == groups * world, (rank, held)  # and a listening one
+            continue
         assert held["socket"] == scale.manager_sockets(rank, world), (rank, held)
         assert rank == 0 or held["socket"] < groups * (world - 1), (rank, held)
