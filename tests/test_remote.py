@@ -389,6 +389,15 @@ def test_fckpt_ls_shows_the_tiers_and_verify_inspect_take_remote_urls(
     assert cli.main(["ls", str(root), "--json"]) == 0
     rows = [r for r in json.loads(capsys.readouterr().out) if r.get("kind") == "tier"]
     assert [(r["step"], r["tier"]) for r in rows] == [(2, "remote"), (3, "both")]
+    fs = fsspec.filesystem("memory")
+    shard = mem.removeprefix("memory://") + "/step_000000003/__0_0.distcp"
+    whole = fs.cat_file(shard)
+    fs.pipe_file(shard, whole[:-7])  # a copy cut short is none, as the uploader sees it
+    assert cli.main(["ls", str(root), "--json"]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out) if r.get("kind") == "tier"]
+    assert [(r["step"], r["tier"]) for r in rows] == [(2, "remote"), (3, "local")]
+    assert rows[1]["note"].startswith("the remote copy is cut short: __0_0.distcp ("), rows
+    fs.pipe_file(shard, whole)
     assert cli.main(["ls", mem]) == 0
     out = capsys.readouterr().out
     assert "step_000000002" in out and "2 committed checkpoints" in out
@@ -397,7 +406,6 @@ def test_fckpt_ls_shows_the_tiers_and_verify_inspect_take_remote_urls(
     assert cli.main(["inspect", f"{mem}/step_000000003", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["metadata"]["manager"]["step"] == 3
-    fs = fsspec.filesystem("memory")
     shard = mem.removeprefix("memory://") + "/step_000000002/__0_0.distcp"
     data = bytearray(fs.cat_file(shard))
     data[-40] ^= 0xFF

@@ -29,7 +29,7 @@ from functional_ckpt.errors import CheckpointError, CorruptCheckpoint
 
 if TYPE_CHECKING:
     from functional_ckpt._src.format.header import Header
-    from functional_ckpt._src.remote.store import Store
+    from functional_ckpt._src.remote.store import RemoteStep, Store
 
 __all__ = ["fetched", "is_url", "ls_remote", "memory", "open_store", "split_step", "tiers"]
 
@@ -89,8 +89,11 @@ def tiers(root: Path, rows: Sequence[RootEntry]) -> Section | None:
     columns = [fmt.STEP, place, ("NOTE", fmt.cell("note"), "dim")]
     section = Section("tiers", f"(remote {url})", columns)
     for step in sorted(local.keys() | set(listing)):
-        theirs, _, note = _remote_head(store, step) if step in remote else (None, None, "")
-        if step in local and theirs is not None and theirs == _marker(local[step]):
+        note = _remote_head(store, step)[2] if step in remote else ""
+        why = (
+            _differs(store, step, local[step], listing) if step in remote and step in local else ""
+        )
+        if step in remote and step in local and not note and not why:
             tier = "both"
         elif step in remote and step not in local:
             tier = "remote"
@@ -98,8 +101,7 @@ def tiers(root: Path, rows: Sequence[RootEntry]) -> Section | None:
             tier = "uploading"
         elif step in local:
             tier = "local"
-            if step in remote:
-                note = note or f"the remote holds another checkpoint of step {step}"
+            note = note or why
             note = f"upload failed: {failed[str(step)]}" if str(step) in failed else note
             note = note or ("upload pending" if step in partial or error else "")
         else:
@@ -110,12 +112,14 @@ def tiers(root: Path, rows: Sequence[RootEntry]) -> Section | None:
     return section
 
 
-def _marker(path: Path) -> bytes | None:
-    from functional_ckpt._src.remote.protocol import local_marker
+def _differs(store: Store, step: int, local: Path, listing: dict[int, RemoteStep]) -> str:
+    """Why remote ``step`` is no copy of the ``local`` one, as the uploader decides."""
+    from functional_ckpt._src.remote.protocol import differs
 
-    with contextlib.suppress(CheckpointError, OSError):
-        return local_marker(path)
-    return None
+    try:
+        return differs(store, step, local, listing[step].objects)
+    except (CheckpointError, OSError) as err:
+        return fmt.one_line(err)
 
 
 def _remote_head(store: Store, step: int) -> tuple[bytes | None, Header | None, str]:

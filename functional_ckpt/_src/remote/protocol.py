@@ -6,6 +6,7 @@ the manifest goes first, so every object found beside it was written after it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -16,7 +17,7 @@ from functional_ckpt._src.format.naming import parse_shard
 from functional_ckpt._src.limits import LIMITS
 from functional_ckpt._src.remote.store import Store
 from functional_ckpt._src.storage import committed, opener
-from functional_ckpt.errors import RemoteError
+from functional_ckpt.errors import RemoteError, RemoteVanished
 
 
 def owner(name: str, world: int) -> int:
@@ -43,14 +44,12 @@ def local_marker(local: Path) -> bytes:
 def begin_upload(store: Store, step: int, local: Path) -> dict[str, int] | None:
     """None if ``step`` is committed remotely (every object at its size), else the objects
     of this very checkpoint there (name -> size), which need not be sent again."""
-    marker = local_marker(local)
     manifest = opener.read_file(
         local / naming.MANIFEST, limit=LIMITS.manifest_bytes, what="manifest"
     )
     objects = store.objects(step)
     if naming.COMMIT_MARKER in objects:
-        whole = not short(objects, expected_sizes(local))  # a copy cut short: sent again
-        if whole and store.read(step, naming.COMMIT_MARKER) == marker:
+        if not differs(store, step, local, objects):
             return None
         store.remove(step, [naming.COMMIT_MARKER])  # superseded: uncommitted before anything else
         del objects[naming.COMMIT_MARKER]
@@ -62,6 +61,32 @@ def begin_upload(store: Store, step: int, local: Path) -> dict[str, int] | None:
     store.remove(step, sorted(objects))
     store.write(step, naming.MANIFEST, manifest)
     return {naming.MANIFEST: len(manifest)}
+
+
+def differs(
+    store: Store,
+    step: int,
+    local: Path,
+    objects: Mapping[str, int],
+    seen: dict[int, tuple[bytes, dict[str, int]]] | None = None,
+) -> str:
+    """Why committed remote ``step`` (listed as ``objects``) is no copy of the checkpoint
+    at ``local``, "" if it is: the uploader's decision and ``fckpt ls``'s. A copy has the
+    local marker and every object at its size (one cut short is none). ``seen`` keeps each
+    copy found (step -> marker, sizes), neither read again while the local marker is."""
+    mine = local_marker(local)
+    known, sizes = (seen or {}).get(step, (b"", {}))
+    if known != mine:
+        with contextlib.suppress(RemoteVanished):  # deleted meanwhile: a copy of nothing
+            known = store.read(step, naming.COMMIT_MARKER)
+        if known != mine:
+            return f"the remote holds another checkpoint of step {step}"
+        sizes = expected_sizes(local)
+    if wrong := short(objects, sizes):
+        return f"the remote copy is cut short: {', '.join(wrong[:5])}"
+    if seen is not None:
+        seen[step] = mine, sizes
+    return ""
 
 
 def put_part(

@@ -42,6 +42,7 @@ from functional_ckpt.errors import (
     CheckpointWarning,
     CorruptCheckpoint,
     IncompleteCheckpoint,
+    RemoteError,
     RemoteVanished,
     RemoteWarning,
 )
@@ -308,24 +309,20 @@ class RemoteTier:
         return {"upload": upload, "local": sorted(local)}
 
     def _others(self, local: dict[int, Path], listing: Mapping[int, RemoteStep]) -> set[int]:
-        """Local steps whose remote copy is no copy: another marker (each compared once),
-        or an object listed at another size than the manifest's (cut short, say)."""
+        """Local steps whose remote copy is no copy (``protocol.differs``, each copy found
+        compared once)."""
         out = set()
         for step in sorted(local.keys() & {s for s, r in listing.items() if r.committed}):
+            objects = listing[step].objects
             try:
-                mine, same = protocol.local_marker(local[step]), self._same.get(step, (b"", {}))
-                sizes = same[1] if same[0] == mine else protocol.expected_sizes(local[step])
+                why = retried(
+                    partial(protocol.differs, self.store, step, local[step], objects, self._same)
+                )
+            except RemoteError:
+                raise
             except (OSError, CheckpointError):
-                continue
-            whole = not protocol.short(listing[step].objects, sizes)
-            if whole and same[0] != mine:
-                try:
-                    theirs = retried(partial(self.store.read, step, naming.COMMIT_MARKER))
-                except RemoteVanished:
-                    theirs = b""  # deleted meanwhile: not a copy of anything
-                if theirs == mine:
-                    self._same[step] = same = mine, sizes
-            if not whole or same[0] != mine:
+                continue  # unreadable locally: not uploaded (the local resume deals with it)
+            if why:
                 out.add(step)
                 self._records.pop(step, None)
         return out
