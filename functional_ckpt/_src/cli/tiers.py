@@ -90,10 +90,9 @@ def tiers(root: Path, rows: Sequence[RootEntry]) -> Section | None:
     section = Section("tiers", f"(remote {url})", columns)
     for step in sorted(local.keys() | set(listing)):
         note = _remote_head(store, step)[2] if step in remote else ""
-        why = (
-            _differs(store, step, local[step], listing) if step in remote and step in local else ""
-        )
-        if step in remote and step in local and not note and not why:
+        if step in remote and step in local:
+            note = note or _differs(store, step, local[step], listing)
+        if step in remote and step in local and not note:
             tier = "both"
         elif step in remote and step not in local:
             tier = "remote"
@@ -101,7 +100,6 @@ def tiers(root: Path, rows: Sequence[RootEntry]) -> Section | None:
             tier = "uploading"
         elif step in local:
             tier = "local"
-            note = note or why
             note = f"upload failed: {failed[str(step)]}" if str(step) in failed else note
             note = note or ("upload pending" if step in partial or error else "")
         else:
@@ -117,7 +115,7 @@ def _differs(store: Store, step: int, local: Path, listing: dict[int, RemoteStep
     from functional_ckpt._src.remote.protocol import differs
 
     try:
-        return differs(store, step, local, listing[step].objects)
+        return differs(store, step, local, listing[step].objects, {})
     except (CheckpointError, OSError) as err:
         return fmt.one_line(err)
 

@@ -19,6 +19,8 @@ from functional_ckpt._src.remote.store import Store
 from functional_ckpt._src.storage import committed, opener
 from functional_ckpt.errors import RemoteError, RemoteVanished
 
+Seen = dict[int, tuple[bytes, dict[str, int]]]  # step -> the marker and sizes of its copy
+
 
 def owner(name: str, world: int) -> int:
     """The rank that uploads file ``name``: a shard file's writer, else the coordinator."""
@@ -49,7 +51,7 @@ def begin_upload(store: Store, step: int, local: Path) -> dict[str, int] | None:
     )
     objects = store.objects(step)
     if naming.COMMIT_MARKER in objects:
-        if not differs(store, step, local, objects):
+        if not differs(store, step, local, objects, {}):
             return None
         store.remove(step, [naming.COMMIT_MARKER])  # superseded: uncommitted before anything else
         del objects[naming.COMMIT_MARKER]
@@ -63,19 +65,12 @@ def begin_upload(store: Store, step: int, local: Path) -> dict[str, int] | None:
     return {naming.MANIFEST: len(manifest)}
 
 
-def differs(
-    store: Store,
-    step: int,
-    local: Path,
-    objects: Mapping[str, int],
-    seen: dict[int, tuple[bytes, dict[str, int]]] | None = None,
-) -> str:
-    """Why committed remote ``step`` (listed as ``objects``) is no copy of the checkpoint
-    at ``local``, "" if it is: the uploader's decision and ``fckpt ls``'s. A copy has the
-    local marker and every object at its size (one cut short is none). ``seen`` keeps each
-    copy found (step -> marker, sizes), neither read again while the local marker is."""
+def differs(store: Store, step: int, local: Path, objects: Mapping[str, int], seen: Seen) -> str:
+    """Why committed remote ``step`` (listed as ``objects``) is no copy of the checkpoint at
+    ``local``, "" if it is: a copy has the local marker and every object at its size (one
+    cut short is none). ``seen``: the copies found (step -> marker, sizes), not read again."""
     mine = local_marker(local)
-    known, sizes = (seen or {}).get(step, (b"", {}))
+    known, sizes = seen.get(step, (b"", {}))
     if known != mine:
         with contextlib.suppress(RemoteVanished):  # deleted meanwhile: a copy of nothing
             known = store.read(step, naming.COMMIT_MARKER)
@@ -84,8 +79,7 @@ def differs(
         sizes = expected_sizes(local)
     if wrong := short(objects, sizes):
         return f"the remote copy is cut short: {', '.join(wrong[:5])}"
-    if seen is not None:
-        seen[step] = mine, sizes
+    seen[step] = mine, sizes
     return ""
 
 

@@ -108,7 +108,7 @@ class RemoteTier:
         self._uploading: int | None = None
         self._below = float("inf")  # a round plans the steps up to it only (see hold)
         self._records: dict[int, tuple[CheckpointRecord | None, Mapping[str, Any]]] = {}
-        self._same: dict[int, tuple[bytes, dict[str, int]]] = {}  # remote copy has its marker
+        self._same: protocol.Seen = {}  # local steps with a remote copy, as last found
         self._worker: Worker | None = None
         self.bad: set[int] = set()  # remote steps found damaged by this process
         self.durable, self.local = True, False
