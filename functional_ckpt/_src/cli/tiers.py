@@ -89,9 +89,7 @@ def tiers(root: Path, rows: Sequence[RootEntry]) -> Section | None:
     columns = [fmt.STEP, place, ("NOTE", fmt.cell("note"), "dim")]
     section = Section("tiers", f"(remote {url})", columns)
     for step in sorted(local.keys() | set(listing)):
-        note = _remote_head(store, step)[2] if step in remote else ""
-        if step in remote and step in local:
-            note = note or _differs(store, step, local[step], listing)
+        note = _remote_head(store, step, local.get(step), listing)[1] if step in remote else ""
         if step in remote and step in local and not note:
             tier = "both"
         elif step in remote and step not in local:
@@ -110,26 +108,18 @@ def tiers(root: Path, rows: Sequence[RootEntry]) -> Section | None:
     return section
 
 
-def _differs(store: Store, step: int, local: Path, listing: dict[int, RemoteStep]) -> str:
-    """Why remote ``step`` is no copy of the ``local`` one, as the uploader decides."""
+def _remote_head(
+    store: Store, step: int, local: Path | None, listing: dict[int, RemoteStep]
+) -> tuple[Header | None, str]:
+    """A committed remote checkpoint's header and why it is damaged (renamed, say) or, with
+    the ``local`` one of its step, no copy of it as the uploader decides (or is unread)."""
     from functional_ckpt._src.remote.protocol import differs
 
     try:
-        return differs(store, step, local, listing[step].objects, {})
-    except (CheckpointError, OSError) as err:
-        return fmt.one_line(err)
-
-
-def _remote_head(store: Store, step: int) -> tuple[bytes | None, Header | None, str]:
-    """A committed remote checkpoint's marker and header, or why it is damaged (named for
-    another step than it records, say): a damaged one is no copy of anything."""
-    try:
-        marker, manifest = store.manifest(step)
-        return marker, header_named(manifest, step, step_name(step)), ""
-    except CorruptCheckpoint as err:
-        return None, None, fmt.one_line(err)
-    except (CheckpointError, ValueError):
-        return None, None, ""
+        head = header_named(store.manifest(step)[1], step, step_name(step))
+        return head, differs(store, step, local, listing[step].objects, {}) if local else ""
+    except (CheckpointError, ValueError, OSError) as err:  # damage, or (with ``local``) unread
+        return None, fmt.one_line(err) if local or isinstance(err, CorruptCheckpoint) else ""
 
 
 def _run(row: dict[str, Any]) -> str:
@@ -145,10 +135,8 @@ def _alive(status: dict[str, Any]) -> bool:
         return True
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
+    except OSError as err:  # no permission: another user's process, alive
+        return not isinstance(err, ProcessLookupError)
     return True
 
 
@@ -190,7 +178,7 @@ def ls_remote(args: argparse.Namespace, ui: UI) -> int:
     columns += [fmt.SAVED, fmt.SIZE, ("STATUS", fmt.cell("status"), ""), fmt.RUN]
     section = Section("", "", [*columns, ("NOTE", fmt.cell("note"), "dim")])
     for step, entry in sorted(store.listing().items()):
-        _, head, note = _remote_head(store, step) if entry.committed else (None, None, "")
+        head, note = _remote_head(store, step, None, {}) if entry.committed else (None, "")
         created, run = (None, None) if head is None else (head.created, run_of(head.metadata))
         status = "damaged" if note else "ok" if entry.committed else "partial"
         size = sum(v for v in entry.objects.values() if v > 0)

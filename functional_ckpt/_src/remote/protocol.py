@@ -19,7 +19,7 @@ from functional_ckpt._src.remote.store import Store
 from functional_ckpt._src.storage import committed, opener
 from functional_ckpt.errors import RemoteError, RemoteVanished
 
-Seen = dict[int, tuple[bytes, dict[str, int]]]  # step -> the marker and sizes of its copy
+Copies = dict[int, tuple[bytes, dict[str, int]]]  # copies found (step -> marker, sizes): not reread
 
 
 def owner(name: str, world: int) -> int:
@@ -65,10 +65,9 @@ def begin_upload(store: Store, step: int, local: Path) -> dict[str, int] | None:
     return {naming.MANIFEST: len(manifest)}
 
 
-def differs(store: Store, step: int, local: Path, objects: Mapping[str, int], seen: Seen) -> str:
-    """Why committed remote ``step`` (listed as ``objects``) is no copy of the checkpoint at
-    ``local``, "" if it is: a copy has the local marker and every object at its size (one
-    cut short is none). ``seen``: the copies found (step -> marker, sizes), not read again."""
+def differs(store: Store, step: int, local: Path, objects: Mapping[str, int], seen: Copies) -> str:
+    """Why remote ``step`` (listed as ``objects``) is no copy of the checkpoint at ``local``,
+    "" if it holds the local marker and every object at its size (one cut short is none)."""
     mine = local_marker(local)
     known, sizes = seen.get(step, (b"", {}))
     if known != mine:

@@ -108,7 +108,7 @@ class RemoteTier:
         self._uploading: int | None = None
         self._below = float("inf")  # a round plans the steps up to it only (see hold)
         self._records: dict[int, tuple[CheckpointRecord | None, Mapping[str, Any]]] = {}
-        self._same: protocol.Seen = {}  # local steps with a remote copy, as last found
+        self._same: protocol.Copies = {}  # local steps with a remote copy, as last found
         self._worker: Worker | None = None
         self.bad: set[int] = set()  # remote steps found damaged by this process
         self.durable, self.local = True, False
@@ -278,7 +278,8 @@ class RemoteTier:
         try:
             listing = retried(self.store.listing)
             remote = {s for s, r in listing.items() if r.committed and s <= self._below}
-            committed = remote - self._others(local, listing)
+            both = remote & local.keys()
+            committed = remote - {s for s in both if self._differs(s, local[s], listing[s])}
         except CheckpointError as err:
             self._fail(max(local, default=-1), err)
             return {"upload": [], "local": sorted(local)}
@@ -308,24 +309,18 @@ class RemoteTier:
             self._dropped = set(candidates) - kept - spared
         return {"upload": upload, "local": sorted(local)}
 
-    def _others(self, local: dict[int, Path], listing: Mapping[int, RemoteStep]) -> set[int]:
-        """Local steps whose remote copy is no copy (``protocol.differs``, each copy found
-        compared once)."""
-        out = set()
-        for step in sorted(local.keys() & {s for s, r in listing.items() if r.committed}):
-            objects = listing[step].objects
-            try:
-                why = retried(
-                    partial(protocol.differs, self.store, step, local[step], objects, self._same)
-                )
-            except RemoteError:
-                raise
-            except (OSError, CheckpointError):
-                continue  # unreadable locally: not uploaded (the local resume deals with it)
-            if why:
-                out.add(step)
-                self._records.pop(step, None)
-        return out
+    def _differs(self, step: int, local: Path, entry: RemoteStep) -> bool:
+        """Whether remote ``step`` is no copy of the ``local`` one (``protocol.differs``)."""
+        fn = partial(protocol.differs, self.store, step, local, entry.objects, self._same)
+        try:
+            if not retried(fn):
+                return False
+        except RemoteError:
+            raise
+        except (OSError, CheckpointError):
+            return False  # unread locally: taken for a copy (the local resume sees to it)
+        self._records.pop(step, None)
+        return True
 
     def _foreign(self, step: int) -> bool:
         """Whether remote ``step``, another checkpoint than the local one, is another
