@@ -139,7 +139,8 @@ def test_listing_info_best(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("arguments", "error", "message"),
     [
-        ({"metadata": {"manager": 1}}, ValueError, "reserved"),
+        ({"metadata": {"manager": 1}}, ValueError, r"\(metadata=...\): key 'manager' is reserved"),
+        ({"tiers": "disk"}, TypeError, r"CheckpointManager\(tiers='disk'\): expected a tuple"),
         ({"metadata": 3}, TypeError, r"CheckpointManager\(metadata=3\): expected a mapping"),
         ({"per_rank": "rng"}, TypeError, r"CheckpointManager\(per_rank='rng'\): expected"),
         ({"per_rank": ["rng", 1]}, TypeError, r"CheckpointManager\(per_rank=\['rng', 1\]\)"),

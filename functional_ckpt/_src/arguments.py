@@ -8,10 +8,12 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 
-def require(ok: bool, value: object, name: str, call: str, expected: str) -> None:
-    """Unless ``ok``, a TypeError naming ``value`` as argument ``name`` of ``call``."""
+def require(ok: bool, value: object, name: str, call: str, expected: str, shown: str = "") -> None:
+    """Unless ``ok``, a TypeError naming ``value`` (``shown`` in its place where it may hold
+    credentials) as argument ``name`` of ``call``."""
     if not ok:
-        at = f"{call}({name}={value!r})" if call else f"{name}={value!r}"
+        at = f"{name}={shown or repr(value)}"
+        at = f"{call}({at})" if call else at
         raise TypeError(f"{at}: expected {expected}")
 
 
@@ -36,7 +38,7 @@ def items(
 
 
 def mapping(
-    value: object, name: str, call: str, expected: str, ok: Callable[[Any, Any], bool]
+    value: object, name: str, call: str, expected: str, ok: Callable[..., bool] = lambda *_: True
 ) -> dict[Any, Any]:
     """``value`` (None: empty), a mapping whose every key and value are ``ok``, as a dict."""
     got = dict(value) if isinstance(value, Mapping) else {}

@@ -109,7 +109,7 @@ class CheckpointManager(RootView):
         self.keep = keep_all() if keep is None else keep
         self.export = export
         check_policies(self.save_policy, self.keep, self.export)
-        self.metadata = check_metadata(metadata, f"CheckpointManager({self.root})")
+        self.metadata = check_metadata(metadata)
         topo = topology()
         self._distributed, self._coordinator = topo.distributed, topo.coordinator
         level, dist = zstd.level_of(disk.compression, "Disk"), self._distributed

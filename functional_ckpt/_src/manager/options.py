@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from functional_ckpt._src.arguments import flag, mapping, require
+from functional_ckpt._src.arguments import flag, items, mapping, require
 from functional_ckpt._src.export.safetensors import Export
 from functional_ckpt._src.manager.memory import Memory
 from functional_ckpt._src.policy.base import SavePolicy
@@ -58,8 +58,7 @@ TIERS: dict[str, type[Memory | Disk | Remote]] = {"memory": Memory, "disk": Disk
 
 def tier_options(tiers: Sequence[Memory | Disk | Remote]) -> TierOptions:
     """``tiers=`` as given (any order, each kind at most once): memory, disk, remote."""
-    if isinstance(tiers, str | bytes) or not isinstance(tiers, Sequence):
-        raise TypeError(f"CheckpointManager(tiers={tiers!r}): expected a tuple of tier options")
+    tiers = items(tiers, "tiers", "CheckpointManager", "a tuple of tier options", lambda _: True)
     found: dict[type[Any], Any] = {Disk: Disk()}
     for i, option in enumerate(tiers):
         kind = next((k for k in TIERS.values() if isinstance(option, k)), None)

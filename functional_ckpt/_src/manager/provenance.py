@@ -62,14 +62,13 @@ def git_commit(cwd: PathLike | None = None) -> str | None:
     return sha if proc.returncode == 0 and re.fullmatch(r"[0-9a-f]{40,64}", sha) else None
 
 
-def check_metadata(metadata: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
+def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     """The user's metadata as a plain dict: msgpack-encodable, the reserved key left free."""
-    meta = mapping(metadata, "metadata", "CheckpointManager", "a mapping", lambda k, v: True)
+    meta = mapping(metadata, "metadata", "CheckpointManager", "a mapping")
+    where = "CheckpointManager(metadata=...)"
     if MANAGER_KEY in meta:
-        raise ValueError(
-            f"{where}: metadata key {MANAGER_KEY!r} is reserved for the manager's own record"
-        )
-    codec.check_encodable(meta, where="CheckpointManager(metadata=...)")
+        raise ValueError(f"{where}: key {MANAGER_KEY!r} is reserved for the manager's own record")
+    codec.check_encodable(meta, where=where)
     return meta
 
 
@@ -118,8 +117,8 @@ class Provenance:
         line: dict[str, Any] = {"parent": {"run": run, "step": step, "manifest_crc32": checksum}}
         ancestors = prior if run in (None, self.run, *prior) else [*prior, str(run)]
         if ancestors:  # and where this lineage left each: the step, its checkpoint's save time
-            until = {**until_of(metadata), str(run): step}
-            times = {**until_of(metadata, "until_time"), str(run): metadata.get("time")}
+            until = {**until_of(metadata, "until", int), str(run): step}
+            times = {**until_of(metadata, "until_time", float), str(run): metadata.get("time")}
             until = {r: s for r, s in until.items() if r in ancestors and s is not None}
             times = {r: t for r, t in times.items() if r in until and type(t) is float}
             line.update(ancestors=ancestors, until=until, until_time=times)
@@ -143,9 +142,9 @@ def ancestors_of(metadata: Mapping[str, Any]) -> list[str]:
     return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
 
 
-def until_of(metadata: Mapping[str, Any], key: str = "until") -> dict[str, Any]:
-    """Each ancestor's step where a checkpoint's lineage left it (or ``key``'s save time)."""
-    return numbers(_recorded(metadata, key), int if key == "until" else float)
+def until_of(metadata: Mapping[str, Any], key: str, kind: type) -> dict[str, Any]:
+    """Where a checkpoint's lineage left each ancestor: its step or save time, by ``key``."""
+    return numbers(_recorded(metadata, key), kind)
 
 
 def manager_record(
@@ -249,8 +248,8 @@ class Lineage:
             until, until_time = {}, {}
             line = [m for m in held if whole and run_of(m) == whole[0]]
         for m in line:
-            until.update(until_of(m))
-            until_time.update(until_of(m, "until_time"))
+            until.update(until_of(m, "until", int))
+            until_time.update(until_of(m, "until_time", float))
         self.until, self.until_time = until, until_time  # whole: the uploader reads them
         return self
 

@@ -28,11 +28,9 @@ class Remote:
 
     def __post_init__(self) -> None:
         require(isinstance(self.url, str), self.url, "url", "Remote", "an fsspec URL string")
-        if not isinstance(self.keep, RetentionPolicy):
-            raise TypeError(f"Remote(keep={self.keep!r}): not a RetentionPolicy")
-        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
-            raise TypeError(
-                f"Remote(storage_options=<{type(self.storage_options).__name__}>): expected a "
-                "mapping of fsspec options (its values are not shown: they may be credentials)"
-            )
+        keep, options = self.keep, self.storage_options
+        require(isinstance(keep, RetentionPolicy), keep, "keep", "Remote", "a RetentionPolicy")
+        fine = options is None or isinstance(options, Mapping)
+        expected = "a mapping of fsspec options (its values are not shown: they may be credentials)"
+        require(fine, options, "storage_options", "Remote", expected, f"<{type(options).__name__}>")
         flag(self.prune_unuploaded, "prune_unuploaded", "Remote")

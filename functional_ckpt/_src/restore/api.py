@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
@@ -15,7 +14,7 @@ import torch
 from functional_ckpt._src.arguments import flag, require
 from functional_ckpt._src.distributed.topology import Topology, topology
 from functional_ckpt._src.format.entries import ParsedManifest
-from functional_ckpt._src.format.keys import KeyPath, format_path
+from functional_ckpt._src.format.keys import KeyPath
 from functional_ckpt._src.format.kind import is_stock_dcp
 from functional_ckpt._src.format.naming import step_in_name
 from functional_ckpt._src.format.view import ParsedCheckpoint
@@ -28,7 +27,7 @@ from functional_ckpt._src.restore.template import Reshard, Template, rank_view, 
 from functional_ckpt._src.state.tree import Leaf, State, gc_paused, is_tensordict, iter_leaves
 from functional_ckpt._src.storage import committed
 from functional_ckpt._src.storage.committed import open_checkpoint
-from functional_ckpt.errors import CheckpointError, TemplateMismatch
+from functional_ckpt.errors import CheckpointError
 
 if TYPE_CHECKING:
     from tensordict import TensorDict, TensorDictBase
@@ -42,18 +41,6 @@ def check_like_or_out(like: State | None, out: State | None, what: str) -> None:
         raise CheckpointError(
             f"{what}: pass like= (a new state is returned) or out= (restore in place), not both"
         )
-
-
-def refuse_undense(written: Iterable[tuple[KeyPath, torch.Tensor]]) -> None:
-    """Refuse ``out=`` tensors with no dense buffer to read into, by key, before a byte is
-    written: sparse and nested ones (torch's own error names no key)."""
-    bad = [
-        f"  {format_path(p)}: a {'nested' if t.is_nested else t.layout} tensor; pass a dense one"
-        for p, t in written
-        if t.is_nested or t.layout != torch.strided
-    ]
-    if bad:
-        raise TemplateMismatch("out= cannot receive the checkpoint:\n" + "\n".join(bad))
 
 
 @dataclass
@@ -83,13 +70,13 @@ class _Manifested:
         parsed, template, mine = rank_view(self.ck, self.parsed, template, req, self.topo, parts)
         # read_leaves checks the tensors' specs; a collective read has DTensors it does not
         selected, wanted = select(parsed, template, req, specs=self.sparse)
-        if req.inplace:
-            refuse_undense(wanted.items())
-        if req.inplace and self.sparse:  # DTensors' shards too (read_leaves checks the rest)
+        if req.inplace:  # a DTensor's shard is what is written
             saved = read.saved_value(
                 self.ck, lambda: self.parsed.filled(parsed, range(parsed.parts))
             )
-            read.refuse_overlaps(wanted.items(), saved, lambda p: parsed.tensors[p].alias or p)
+            shards = ((p, getattr(t, "_local_tensor", t)) for p, t in wanted.items())
+            out = shards if self.sparse else wanted.items()
+            read.refuse_unwritable(out, saved, lambda p: parsed.tensors[p].alias or p)
         extra = [] if mine is None else list(iter_leaves(mine))
         return Match(parsed.root, parsed, selected, wanted, template is None, extra)
 
@@ -108,11 +95,8 @@ class _Stock(StockFiles):
     def match(self, template: Template | None, req: Request) -> Match:
         stock = match_dcp(self, template, req)
         if req.inplace:  # stock DCP records no ties: a tie's saved bits decide
-            refuse_undense(
-                (i.leaf.path, i.leaf.value) for i in stock.items if i.leaf.kind == "tensor"
-            )
             items = {i.leaf.path: i for i in stock.items if i.fqn and i.leaf.kind == "tensor"}
-            read.refuse_overlaps(
+            read.refuse_unwritable(
                 ((p, i.leaf.value) for p, i in items.items()), lambda p: self.saved(items[p])
             )
         return Match(stock.root, stock=stock)

@@ -57,9 +57,6 @@ class Reads:
     #: New large tensors read whole from one blob (its file and offset): their pages
     #: are faulted in beside the reads (:class:`~..state.allocation.Prefaulter`).
     fresh: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
-    #: ``out=``'s leaves read straight into, by device (:func:`refuse_overlaps`), and the others.
-    spans: dict[torch.device, list[Span]] = field(default_factory=lambda: {CPU: []})
-    written: list[tuple[KeyPath, torch.Tensor]] = field(default_factory=list)
 
     def _read(self, path: KeyPath, chunk: Chunk, land: shards.Landing) -> None:
         found = self.by_file.get(chunk.file)
@@ -94,8 +91,7 @@ class Reads:
                 ):  # the sizes unpacked: a tuple costs torch.empty half as much again
                     t = torch.empty(*shape, dtype=saved) if shape else torch.empty((), dtype=saved)
             elif target is not None and target.shape == shape and lands_raw(target, saved):
-                t = target  # out='s own: contiguous, so its span is known
-                self.spans[CPU].append((s := t.data_ptr(), s + c.nbytes, t, entry.path))
+                t = target
             if t is not None:
                 if c.nbytes:
                     self._read(entry.path, c, t)
@@ -107,7 +103,6 @@ class Reads:
         made = True  # ``buf`` is new memory
         if inplace and target is not None and not target.is_meta:
             dest = target
-            self.written.append((entry.path, target))
             direct = lands_raw(target, saved)
             made = not direct
             buf = target.detach() if direct else host_empty(entry.shape, saved, fault=not whole)
@@ -179,20 +174,24 @@ def spec_problem(e: TensorEntry, t: torch.Tensor, cast: bool) -> str | None:
 Span = tuple[int, int, torch.Tensor, KeyPath]
 
 
-def refuse_overlaps(
+def refuse_unwritable(
     written: Iterable[tuple[KeyPath, torch.Tensor]],
     saved: Callable[[KeyPath], torch.Tensor],
     source: Callable[[KeyPath], KeyPath] = lambda p: p,
-    spans: dict[torch.device, list[Span]] | None = None,
 ) -> None:
-    """Refuse ``out=`` leaves that two saved elements would land on, before a byte is written:
-    one overlapping itself (expanded), two sharing memory that are not one tensor, and one
-    tensor under two keys (a tie) saved as two (``source``) of other bits (``saved``). Spans
-    are compared, so views interleaved in one buffer count too (``spans``: those known)."""
+    """Refuse, by key, ``out=`` leaves that cannot receive the checkpoint, before a byte is
+    written: sparse and nested ones (no dense buffer: torch's own error names no key), one
+    overlapping itself (expanded), two sharing memory that are not one tensor, and one tensor
+    under two keys (a tie) saved as two (``source``) of other bits (``saved``). Spans are
+    compared, so views interleaved in one buffer count too."""
     problems: list[str] = []
-    spans = {} if spans is None else spans
+    spans: dict[torch.device, list[Span]] = {CPU: []}
+    on_cpu, strided = spans[CPU], torch.strided
     for p, t in written:
-        t = getattr(t, "_local_tensor", t)  # a DTensor: its shard
+        if t.is_nested or t.layout is not strided:
+            kind = "nested" if t.is_nested else t.layout
+            problems.append(f"  {format_path(p)}: a {kind} tensor; pass a dense one")
+            continue
         start = t.data_ptr()  # 0: a meta or empty tensor
         if not start:
             continue
@@ -203,7 +202,7 @@ def refuse_overlaps(
             continue
         else:
             end = start + t.element_size() * (1 + reach)
-        spans.setdefault(t.device, []).append((start, end, t, p))
+        (on_cpu if t.is_cpu else spans.setdefault(t.device, [])).append((start, end, t, p))
     for found in filter(None, spans.values()):
         found.sort(key=itemgetter(0))
         last = found[0]  # of the spans so far, the one ending last
@@ -304,8 +303,6 @@ def read_leaves(
                     if like is not None and (problem := spec_problem(e, like, cast)) is not None:
                         reads.problems.append(problem)
                     aliases.append((len(leaves), e))
-                    if inplace and like is not None and not like.is_meta:  # _tied writes it
-                        reads.written.append((p, like))
                     leaves.append(Leaf(p, "tensor", None))
                     continue
             like = wanted.get(p)
@@ -314,9 +311,6 @@ def read_leaves(
             leaves.append(new(Leaf, (p, "tensor", t)))
     if reads.problems:
         raise mismatch(reads.problems)
-    if inplace:
-        saved = saved_value(src, lambda: parsed)
-        refuse_overlaps(reads.written, saved, lambda p: tensors[p].alias or p, reads.spans)
     reads.run(src, parsed.segments)
     with torch.no_grad():
         for i, e in aliases:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from functional_ckpt._src.arguments import require
 from functional_ckpt._src.distributed.topology import is_dtensor, topology
 from functional_ckpt._src.format.naming import step_in_name
 from functional_ckpt._src.log import done, logger, phase
@@ -164,8 +165,8 @@ def save_async(
     tensor changed in place before ``result()`` returns is detected and the save refused.
     """
     options = save_options("fc.save_async", metadata, overwrite, per_rank, base, compression)
-    if stager is not None and not isinstance(stager, Stager):
-        raise TypeError(f"fc.save_async(stager={stager!r}): expected an fc.checkpoint.Stager")
+    fine = stager is None or isinstance(stager, Stager)
+    require(fine, stager, "stager", "fc.save_async", "an fc.checkpoint.Stager")
     return start_save(path, state, options, staging, Stager() if stager is None else stager)
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from functional_ckpt._src.arguments import flag, items, require
+from functional_ckpt._src.arguments import flag, items, mapping, require
 from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.save.staging import PROCESS_TRUST
 from functional_ckpt._src.save.trust import TrustMemory
@@ -46,11 +46,9 @@ def save_options(
     /,
 ) -> SaveOptions:
     """The options of a public call (``what`` names it in errors), every argument checked."""
-    if metadata is not None and not isinstance(metadata, Mapping):
-        raise TypeError(f"{what}(metadata={metadata!r}): expected a mapping of plain values")
     require(base is None or isinstance(base, str | os.PathLike), base, "base", what, "a path")
     return SaveOptions(
-        metadata=metadata,
+        metadata=mapping(metadata, "metadata", what, "a mapping of plain values"),
         overwrite=flag(overwrite, "overwrite", what),
         per_rank=items(per_rank, "per_rank", what, PER_RANK),
         base=None if base is None else Path(base),
