@@ -146,7 +146,7 @@ def _weights(source: PathLike, select: KeyPath, dtype: torch.dtype | None) -> di
     return weights
 
 
-def loadable(value: Any, path: KeyPath = (), converted: list[KeyPath] | None = None) -> Any:
+def loadable(value: Any, path: KeyPath, converted: list[KeyPath]) -> Any:
     """``value`` as ``torch.load(weights_only=True)`` reads it back exactly: numpy values
     become tensors and numbers (their paths added to ``converted``); anything else
     it cannot build raises :class:`CheckpointError` naming its key path.
@@ -169,8 +169,7 @@ def loadable(value: Any, path: KeyPath = (), converted: list[KeyPath] | None = N
         except TypeError:
             out = None
         if isinstance(out, torch.Tensor) or type(out) in _PLAIN_LEAVES:
-            if converted is not None:
-                converted.append(path)
+            converted.append(path)
             return out
     if kind in (dict, OrderedDict):
         mapping = kind()
