@@ -30,7 +30,7 @@ from functional_ckpt._src.root.listing import RootEntry, kept_by, newest_summary
 from functional_ckpt._src.root.rollback import branches
 from functional_ckpt._src.root.run import read_run
 from functional_ckpt._src.storage.usage import disk_bytes, shared_bytes
-from functional_ckpt.errors import CheckpointNotFound, ConfigError
+from functional_ckpt.errors import CheckpointNotFound, ConfigError, IncompleteCheckpoint
 
 if TYPE_CHECKING:
     from functional_ckpt._src.recording.layout import Committed
@@ -129,10 +129,8 @@ def verify_one(path: Path) -> Verified:
     """The verdict on one checkpoint; damage never raises."""
     try:
         report = fc.verify(path)
-    except (fc.errors.CorruptCheckpoint, fc.errors.UnsafeCheckpoint) as err:
-        return Verified(str(path), False, (problem_line(path, fmt.one_line(err)),))
-    except fc.errors.IncompleteCheckpoint as err:
-        if is_temporary_name(path.name):
+    except (fc.errors.CorruptCheckpoint, fc.errors.UnsafeCheckpoint, IncompleteCheckpoint) as err:
+        if isinstance(err, IncompleteCheckpoint) and is_temporary_name(path.name):
             raise
         return Verified(str(path), False, (problem_line(path, fmt.one_line(err)),))
     lines = [  # a file's problem is named by the file, a key's by the checkpoint and the key
@@ -290,8 +288,7 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
         rows = verify_rows(root, rows, ui)
     parts, source = policy_from_flags(args), "flags"
     if parts is None:
-        recorded = recorded_retention(rows)
-        parts = retention_parts(recorded) if recorded is not None else None
+        parts = retention_parts(recorded_retention(rows))
         source = "recorded in the checkpoints"
     main = _checkpoints(root, rows, parts)
     below = [_exports(root), _branches(root), tiers.tiers(root, rows), tiers.memory(root)]
@@ -386,16 +383,13 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
     infos = disk.infos()
     if disk.lineage.unrelated:  # which run's history to prune is never guessed
         raise Declined(disk.lineage.unsure(root))
-    plan = fc.policy.plan_deletions(policy, infos) if infos else []
-    kept = kept_by(parts, infos)
+    kept = kept_by(parts, infos)  # a step no part keeps, nor "latest", is deleted
+    plan = sorted(step for step, why in kept.items() if not why)
     sizes = {r.step: r.size for r in rows if r.canonical}
     checkpoints: list[dict[str, Any]] = [
         {"name": info.path.name, "path": str(info.path), "step": info.step}
-        | {"action": "delete" if info.step in plan else "keep"}
-        | {
-            "size": sizes.get(info.step, info.size),
-            "kept_by": [] if info.step in plan else kept[info.step],
-        }
+        | {"action": "keep" if kept[info.step] else "delete"}
+        | {"size": sizes.get(info.step, info.size), "kept_by": kept[info.step]}
         for info in infos
     ]
     doc = {"root": str(root), "policy": repr(policy), "dry_run": bool(args.dry_run)}
