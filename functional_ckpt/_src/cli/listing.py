@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from functional_ckpt._src.recording.layout import Committed
 
 __all__ = ["Verified", "problem_line", "verify_listed", "verify_one", "verify_rows"]
-__all__ += ["COMMITTED", "cmd_ls", "cmd_prune", "kept_by", "newest_checkpoint", "recording_summary"]
+__all__ += ["COMMITTED", "cmd_ls", "cmd_prune", "kept_by", "newest_checkpoint", "read_recording"]
 __all__ += ["retention_parts", "scan_root"]
 
 #: Statuses of a committed checkpoint (``intact`` once ``--verify`` re-read it).
@@ -314,10 +314,14 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
     return 1 if any(is_damaged(r) for r in rows) else 0
 
 
-def recording_summary(rec: Committed) -> dict[str, Any]:
-    """What ``ls`` and ``inspect`` say of a recording (only its marker, header and index read)."""
+def read_recording(path: Path) -> tuple[Committed, dict[str, Any]]:
+    """A recording's committed records and what ``ls`` and ``inspect`` say of it (only its
+    marker, header and index read)."""
     from functional_ckpt._src.format.manifest import TensorEntry
+    from functional_ckpt._src.recording.replay import Replay  # numpy and torch
 
+    with Replay(path) as replay:
+        rec = replay.committed
     steps = rec.steps.tolist()
     doc = {"path": str(rec.path), "kind": "recording", "created": rec.header.get("created")}
     doc |= {"every": rec.header.get("every"), "records": len(steps)}
@@ -325,7 +329,7 @@ def recording_summary(rec: Committed) -> dict[str, Any]:
     doc |= {"leaves": len(rec.leaves), "data_bytes": sum(rec.segments)}
     doc["tensor_bytes_per_record"] = sum(e.nbytes for e in rec.leaves if isinstance(e, TensorEntry))
     doc |= {"file_bytes": rec.file_bytes, "uncommitted_bytes": rec.tail_bytes}
-    return {**doc, "metadata": rec.header.get("metadata")}
+    return rec, {**doc, "metadata": rec.header.get("metadata")}
 
 
 def recording_lines(doc: dict[str, Any], ui: UI) -> list[str]:
@@ -349,10 +353,7 @@ def recording_lines(doc: dict[str, Any], ui: UI) -> list[str]:
 def _ls_recording(path: Path, args: argparse.Namespace, ui: UI) -> int:
     """A recording's committed records: each one's step and the bytes it added (a record
     shares every leaf that did not change with the one before)."""
-    from functional_ckpt._src.recording.replay import Replay  # numpy and torch
-
-    with Replay(path) as replay:
-        rec = replay.committed
+    rec, doc = read_recording(path)
     added, leaves = rec.new_bytes()
     keys = ("step", "new_bytes", "new_leaves")
     rows = [
@@ -360,13 +361,13 @@ def _ls_recording(path: Path, args: argparse.Namespace, ui: UI) -> int:
         for r in zip(rec.steps.tolist(), added.tolist(), leaves.tolist(), strict=True)
     ]
     if args.json:
-        ui.json({**recording_summary(rec), "rows": rows})
+        ui.json({**doc, "rows": rows})
         return 0
     columns: list[Column] = [fmt.STEP, ("NEW BYTES", lambda r: fmt.human(r["new_bytes"]), "")]
     ui.rows(
         [*columns, ("NEW LEAVES", lambda r: f"{r['new_leaves']}/{len(rec.leaves)}", "dim")], rows
     )
-    for line in recording_lines(recording_summary(rec), ui):
+    for line in recording_lines(doc, ui):
         ui.print(line)
     return 0
 
