@@ -166,10 +166,8 @@ def group_alive(group: int) -> bool:
     except OSError:  # no procfs: ask the kernel (zombies count there)
         try:
             os.killpg(group, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
+        except OSError as err:  # no permission: another user's group, alive
+            return not isinstance(err, ProcessLookupError)
         return True
     for name in names:
         if not name.isdigit():
