@@ -20,7 +20,7 @@ from functional_ckpt._src.cli import tiers
 from functional_ckpt._src.cli import ui as fmt
 from functional_ckpt._src.cli.ui import PROG, UI, Column, Declined, Section, UsageError
 from functional_ckpt._src.export.exports import export_infos
-from functional_ckpt._src.format.header import MANAGER_KEY
+from functional_ckpt._src.format.header import record_of
 from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.format.naming import BRANCHES_DIR, is_temporary_name
 from functional_ckpt._src.manager.provenance import Lineage, run_of
@@ -185,12 +185,8 @@ def retention_parts(spec: object) -> list[tuple[str, fc.policy.RetentionPolicy]]
 
 def recorded_retention(rows: Sequence[RootEntry]) -> object | None:
     """The retention spec the newest checkpoint's manager recorded (``manager.keep``)."""
-    for row in reversed(rows):
-        record = row.metadata.get(MANAGER_KEY) if row.status in ("ok", "intact") else None
-        spec: object = record.get("keep") if isinstance(record, dict) else None
-        if spec is not None:
-            return spec
-    return None
+    specs = [record_of(r.metadata).raw.get("keep") for r in rows if r.status in ("ok", "intact")]
+    return next((spec for spec in reversed(specs) if spec is not None), None)
 
 
 def policy_from_flags(args: argparse.Namespace) -> list[tuple[str, Any]] | None:
