@@ -437,6 +437,7 @@ HEADER_READS: dict[tuple[str, str], tuple[int, str]] = {
     ("_src/restore/contents.py", "header_of"): (1, "the one checkpoint fc.inspect is given"),
     ("_src/manager/manager.py", "record_of"): (1, "a summary read_info made, already checked"),
     ("_src/manager/provenance.py", "record_of"): (1, "the lineage rule's step: header_named's"),
+    ("_src/cli/listing.py", "record_of"): (1, "an ok row's metadata: header_named read it"),
 }
 
 

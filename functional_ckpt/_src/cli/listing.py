@@ -20,7 +20,7 @@ from functional_ckpt._src.cli import tiers
 from functional_ckpt._src.cli import ui as fmt
 from functional_ckpt._src.cli.ui import PROG, UI, Column, Declined, Section, UsageError
 from functional_ckpt._src.export.exports import export_infos
-from functional_ckpt._src.format.header import MANAGER_KEY
+from functional_ckpt._src.format.header import record_of
 from functional_ckpt._src.format.kind import Kind, classify
 from functional_ckpt._src.format.naming import BRANCHES_DIR, is_temporary_name
 from functional_ckpt._src.manager.provenance import Lineage, run_of
@@ -30,13 +30,13 @@ from functional_ckpt._src.root.listing import RootEntry, kept_by, newest_summary
 from functional_ckpt._src.root.rollback import branches
 from functional_ckpt._src.root.run import read_run
 from functional_ckpt._src.storage.usage import disk_bytes, shared_bytes
-from functional_ckpt.errors import CheckpointNotFound, ConfigError
+from functional_ckpt.errors import CheckpointNotFound, ConfigError, IncompleteCheckpoint
 
 if TYPE_CHECKING:
     from functional_ckpt._src.recording.layout import Committed
 
 __all__ = ["Verified", "problem_line", "verify_listed", "verify_one", "verify_rows"]
-__all__ += ["COMMITTED", "cmd_ls", "cmd_prune", "kept_by", "newest_checkpoint", "recording_summary"]
+__all__ += ["COMMITTED", "cmd_ls", "cmd_prune", "kept_by", "newest_checkpoint", "read_recording"]
 __all__ += ["retention_parts", "scan_root"]
 
 #: Statuses of a committed checkpoint (``intact`` once ``--verify`` re-read it).
@@ -129,10 +129,8 @@ def verify_one(path: Path) -> Verified:
     """The verdict on one checkpoint; damage never raises."""
     try:
         report = fc.verify(path)
-    except (fc.errors.CorruptCheckpoint, fc.errors.UnsafeCheckpoint) as err:
-        return Verified(str(path), False, (problem_line(path, fmt.one_line(err)),))
-    except fc.errors.IncompleteCheckpoint as err:
-        if is_temporary_name(path.name):
+    except (fc.errors.CorruptCheckpoint, fc.errors.UnsafeCheckpoint, IncompleteCheckpoint) as err:
+        if isinstance(err, IncompleteCheckpoint) and is_temporary_name(path.name):
             raise
         return Verified(str(path), False, (problem_line(path, fmt.one_line(err)),))
     lines = [  # a file's problem is named by the file, a key's by the checkpoint and the key
@@ -187,12 +185,8 @@ def retention_parts(spec: object) -> list[tuple[str, fc.policy.RetentionPolicy]]
 
 def recorded_retention(rows: Sequence[RootEntry]) -> object | None:
     """The retention spec the newest checkpoint's manager recorded (``manager.keep``)."""
-    for row in reversed(rows):
-        record = row.metadata.get(MANAGER_KEY) if row.status in ("ok", "intact") else None
-        spec: object = record.get("keep") if isinstance(record, dict) else None
-        if spec is not None:
-            return spec
-    return None
+    specs = [record_of(r.metadata).raw.get("keep") for r in rows if r.status in ("ok", "intact")]
+    return next((spec for spec in reversed(specs) if spec is not None), None)
 
 
 def policy_from_flags(args: argparse.Namespace) -> list[tuple[str, Any]] | None:
@@ -290,8 +284,7 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
         rows = verify_rows(root, rows, ui)
     parts, source = policy_from_flags(args), "flags"
     if parts is None:
-        recorded = recorded_retention(rows)
-        parts = retention_parts(recorded) if recorded is not None else None
+        parts = retention_parts(recorded_retention(rows))
         source = "recorded in the checkpoints"
     main = _checkpoints(root, rows, parts)
     below = [_exports(root), _branches(root), tiers.tiers(root, rows), tiers.memory(root)]
@@ -317,10 +310,14 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
     return 1 if any(is_damaged(r) for r in rows) else 0
 
 
-def recording_summary(rec: Committed) -> dict[str, Any]:
-    """What ``ls`` and ``inspect`` say of a recording (only its marker, header and index read)."""
+def read_recording(path: Path) -> tuple[Committed, dict[str, Any]]:
+    """A recording's committed records and what ``ls`` and ``inspect`` say of it (only its
+    marker, header and index read)."""
     from functional_ckpt._src.format.manifest import TensorEntry
+    from functional_ckpt._src.recording.replay import Replay  # numpy and torch
 
+    with Replay(path) as replay:
+        rec = replay.committed
     steps = rec.steps.tolist()
     doc = {"path": str(rec.path), "kind": "recording", "created": rec.header.get("created")}
     doc |= {"every": rec.header.get("every"), "records": len(steps)}
@@ -328,7 +325,7 @@ def recording_summary(rec: Committed) -> dict[str, Any]:
     doc |= {"leaves": len(rec.leaves), "data_bytes": sum(rec.segments)}
     doc["tensor_bytes_per_record"] = sum(e.nbytes for e in rec.leaves if isinstance(e, TensorEntry))
     doc |= {"file_bytes": rec.file_bytes, "uncommitted_bytes": rec.tail_bytes}
-    return {**doc, "metadata": rec.header.get("metadata")}
+    return rec, {**doc, "metadata": rec.header.get("metadata")}
 
 
 def recording_lines(doc: dict[str, Any], ui: UI) -> list[str]:
@@ -352,10 +349,7 @@ def recording_lines(doc: dict[str, Any], ui: UI) -> list[str]:
 def _ls_recording(path: Path, args: argparse.Namespace, ui: UI) -> int:
     """A recording's committed records: each one's step and the bytes it added (a record
     shares every leaf that did not change with the one before)."""
-    from functional_ckpt._src.recording.replay import Replay  # numpy and torch
-
-    with Replay(path) as replay:
-        rec = replay.committed
+    rec, doc = read_recording(path)
     added, leaves = rec.new_bytes()
     keys = ("step", "new_bytes", "new_leaves")
     rows = [
@@ -363,13 +357,13 @@ def _ls_recording(path: Path, args: argparse.Namespace, ui: UI) -> int:
         for r in zip(rec.steps.tolist(), added.tolist(), leaves.tolist(), strict=True)
     ]
     if args.json:
-        ui.json({**recording_summary(rec), "rows": rows})
+        ui.json({**doc, "rows": rows})
         return 0
     columns: list[Column] = [fmt.STEP, ("NEW BYTES", lambda r: fmt.human(r["new_bytes"]), "")]
     ui.rows(
         [*columns, ("NEW LEAVES", lambda r: f"{r['new_leaves']}/{len(rec.leaves)}", "dim")], rows
     )
-    for line in recording_lines(recording_summary(rec), ui):
+    for line in recording_lines(doc, ui):
         ui.print(line)
     return 0
 
@@ -386,16 +380,13 @@ def cmd_prune(args: argparse.Namespace, ui: UI) -> int:
     infos = disk.infos()
     if disk.lineage.unrelated:  # which run's history to prune is never guessed
         raise Declined(disk.lineage.unsure(root))
-    plan = fc.policy.plan_deletions(policy, infos) if infos else []
-    kept = kept_by(parts, infos)
+    kept = kept_by(parts, infos)  # a step no part keeps, nor "latest", is deleted
+    plan = sorted(step for step, why in kept.items() if not why)
     sizes = {r.step: r.size for r in rows if r.canonical}
     checkpoints: list[dict[str, Any]] = [
         {"name": info.path.name, "path": str(info.path), "step": info.step}
-        | {"action": "delete" if info.step in plan else "keep"}
-        | {
-            "size": sizes.get(info.step, info.size),
-            "kept_by": [] if info.step in plan else kept[info.step],
-        }
+        | {"action": "keep" if kept[info.step] else "delete"}
+        | {"size": sizes.get(info.step, info.size), "kept_by": kept[info.step]}
         for info in infos
     ]
     doc = {"root": str(root), "policy": repr(policy), "dry_run": bool(args.dry_run)}

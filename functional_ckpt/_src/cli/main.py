@@ -33,9 +33,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(run(args, ui))
     except SystemExit as e:  # --help, --version
         return e.code if isinstance(e.code, int) else 0
-    except UsageError as e:
-        ui.error(one_line(e))
-        return 2
     except (Declined, CorruptCheckpoint, UnsafeCheckpoint, IncompleteCheckpoint) as e:
         ui.error(one_line(e))  # the answer is "no": declined, damaged, hostile, never committed
         return 1
@@ -43,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except (fc.CheckpointError, OSError, ValueError, TypeError, ArithmeticError) as e:
+    except (UsageError, fc.CheckpointError, OSError, ValueError, TypeError, ArithmeticError) as e:
         ui.error(one_line(e))
         return 2
     except (RecursionError, MemoryError) as e:  # the input nests or grows beyond any bound

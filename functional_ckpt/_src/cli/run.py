@@ -27,7 +27,7 @@ from functional_ckpt._src.policy.config import Relaunch
 from functional_ckpt._src.root.listing import newest_summary
 from functional_ckpt._src.root.view import check_root
 from functional_ckpt._src.storage.opener import read_file
-from functional_ckpt._src.storage.progress import PROGRESS_ENV, read_progress
+from functional_ckpt._src.storage.progress import PROGRESS_ENV, ReportedStep, read_progress
 from functional_ckpt.errors import CheckpointError, ConfigError
 
 __all__ = ["ATTEMPT_ENV", "Attempt", "Resumable", "cmd_run", "exit_status", "outcome_text"]
@@ -99,12 +99,9 @@ def run_options(args: argparse.Namespace) -> tuple[list[str], Relaunch, Path | N
     return list(command), opts, root
 
 
-@dataclass(frozen=True)
-class Resumable:
-    """The newest committed, readable checkpoint of a root: its step and save time."""
-
-    step: int
-    time: float | None
+#: The newest committed, readable checkpoint (the root's, or the one the job reported):
+#: its step and save time (0.0: not known).
+Resumable = ReportedStep
 
 
 @dataclass
@@ -134,10 +131,9 @@ class Attempt:
         if not self.failed:
             return self.waited
         work = self.ran
-        if root_known and self.reached is not None and self.reached.time is not None:
-            saved_here = self.reached != self.resumed_from and self.reached.time >= self.started
-            if saved_here:
-                work = max(0.0, self.ended - self.reached.time)
+        saved = self.reached if self.reached != self.resumed_from else None
+        if root_known and saved is not None and saved.time >= self.started:  # by this one
+            work = max(0.0, self.ended - saved.time)
         return work + self.waited
 
 
@@ -170,10 +166,8 @@ def group_alive(group: int) -> bool:
     except OSError:  # no procfs: ask the kernel (zombies count there)
         try:
             os.killpg(group, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
+        except OSError as err:  # no permission: another user's group, alive
+            return not isinstance(err, ProcessLookupError)
         return True
     for name in names:
         if not name.isdigit():
@@ -213,15 +207,14 @@ class _Supervisor:
     def newest(self) -> Resumable | None:
         """The newest step a relaunch resumes from: the root's, or a newer one the job
         reported (a memory tier's commits are reported too, never written to the root)."""
-        reported = read_progress(self.progress)
-        told = None if reported is None else Resumable(reported.step, reported.time)
+        told = read_progress(self.progress)
         try:
             newest = None if self.root is None else newest_summary(self.root)
         except (CheckpointError, OSError):
             newest = None  # unreadable right now: nothing to report
         if newest is None or (told is not None and told.step > newest.step):
             return told
-        return Resumable(newest.step, newest.time or None)
+        return Resumable(newest.step, newest.time or 0.0)
 
     @property
     def sees_steps(self) -> bool:

@@ -178,10 +178,8 @@ def _inspect_lines(summary: CheckpointSummary, ui: UI) -> list[str]:
 def _recording(path: Path, ui: UI) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """A recording's totals (JSON and lines) and the tree every record holds."""
     from functional_ckpt._src.format.manifest import NodeEntry, TensorEntry
-    from functional_ckpt._src.recording.replay import Replay  # numpy and torch
 
-    with Replay(path) as replay:
-        rec = replay.committed
+    rec, doc = listing.read_recording(path)
     tree: dict[str, Any] = node_of(rec.header.get("root"))
     for e in rec.entries:
         item: Any = _PerRecord()
@@ -190,7 +188,6 @@ def _recording(path: Path, ui: UI) -> tuple[dict[str, Any], dict[str, Any], list
         elif isinstance(e, TensorEntry):
             item = TensorSpec(e.dtype_name, e.shape, e.nbytes)
         insert(tree, e.path, item)
-    doc = listing.recording_summary(rec)
     head = [*listing.recording_lines(doc, ui), ui.paint("tree (every record)", "head")]
     return doc, tree, head
 
@@ -297,9 +294,8 @@ def cmd_export(args: argparse.Namespace, ui: UI) -> int:
         options |= {"max_shard_size": args.max_shard_size or "5GB", "config": config[0]}
         with ui.progress("exporting", 0), _flag_spelling():  # a bar with no end: work shown
             fc.export_safetensors(src, out, extra_files=config[1], **options)
-        left_out = config[2]
         files = sorted(p for p in out.iterdir() if p.is_file())
-        more = {} if args.config is None else {"config": args.config, "left_out": left_out}
+        more = {} if args.config is None else {"config": args.config, "left_out": config[2]}
     if args.json:
         doc = {"path": str(src), "out": str(out), "format": args.format}
         doc |= {"select": None if select is None else what}
@@ -318,8 +314,8 @@ def cmd_export(args: argparse.Namespace, ui: UI) -> int:
         ui.print(f"exported {what} of {src} to {out}:")
         for f in files:
             ui.print(f"  {f.name}  {human(f.stat().st_size)}")
-        if left_out:
-            skipped = ", ".join(left_out)
+        if more.get("left_out"):
+            skipped = ", ".join(more["left_out"])
             ui.print(f"not taken from {args.config}: {skipped} (weights, hidden, folders)")
     return 0
 

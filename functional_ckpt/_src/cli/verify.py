@@ -19,39 +19,36 @@ from functional_ckpt.errors import CheckpointError, CheckpointNotFound
 __all__ = ["cmd_verify"]
 
 
-def _targets(target: Path) -> tuple[list[Path], list[Verified], list[Path], bool]:
-    """Checkpoints to verify under ``target``, damage found by listing alone, stock DCP
-    dirs, and whether they were listed (``target`` is a root, pruned meanwhile maybe)."""
+#: A checkpoint's size (what the progress bar advances by) and its verdict, when asked.
+Check = tuple[int, Callable[[], Verified | None]]
+
+
+def _targets(target: Path) -> tuple[list[Check], list[Verified], list[Path]]:
+    """Checkpoints to verify under ``target`` (of a root: each skipped if pruned meanwhile),
+    damage found by listing alone, and stock DCP dirs."""
+    listing.require_exists(target)
     if listing.is_checkpoint_dir(target) or not target.is_dir():
-        return [target], [], [], False
+        return [(dir_size(target), functools.partial(listing.verify_one, target))], [], []
     rows = scan_root(target)
-    paths = [r.path for r in rows if r.status in COMMITTED]
+    listed = functools.partial(listing.verify_listed, target)
+    checks: list[Check] = [
+        (r.size, functools.partial(listed, r.path)) for r in rows if r.status in COMMITTED
+    ]
     broken = [
         Verified(str(r.path), False, (f"{r.path}: {r.detail}",))
         for r in rows
         if r.status == "uncommitted" and is_damaged(r)
     ]
     stock = [r.path for r in rows if r.status == "foreign"]
-    if not paths and not broken and not stock:
+    if not checks and not broken and not stock:
         raise CheckpointNotFound(f"{target}: no checkpoints to verify here")
-    return paths, broken, stock, True
+    return checks, broken, stock
 
 
 def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
-    broken: list[Verified] = []
-    stock: list[Path] = []
-    where = args.path
-    if tiers.is_url(args.path):
-        checks = _remote(args.path)
-    else:
-        target = Path(args.path)
-        listing.require_exists(target)
-        where = str(target)
-        paths, broken, stock, listed = _targets(target)
-        check: Callable[[Path], Verified | None] = listing.verify_one
-        if listed:
-            check = functools.partial(listing.verify_listed, target)
-        checks = [(dir_size(p), functools.partial(check, p)) for p in paths]
+    remote = tiers.is_url(args.path)
+    where = args.path if remote else str(Path(args.path))
+    checks, broken, stock = _remote(args.path) if remote else _targets(Path(args.path))
     results = list(broken)
     emit = (lambda line: None) if args.json else ui.print
     for result in broken:  # found by listing alone: one line each
@@ -71,7 +68,7 @@ def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
     return _summary(ui, where, results, args.json, stock)
 
 
-def _remote(url: str) -> list[tuple[int, Callable[[], Verified | None]]]:
+def _remote(url: str) -> tuple[list[Check], list[Verified], list[Path]]:
     """``fckpt verify URL``: each checkpoint downloaded, then every byte checked."""
     from functional_ckpt._src.remote.fetch import download
 
@@ -95,7 +92,7 @@ def _remote(url: str) -> list[tuple[int, Callable[[], Verified | None]]]:
         problems = tuple(f"{where}/{p}" for p in report.problems)
         return Verified(where, report.ok, problems, report.files_checked, report.bytes_checked)
 
-    return [(0, functools.partial(check, s)) for s in steps]
+    return [(0, functools.partial(check, s)) for s in steps], [], []
 
 
 def _summary(

@@ -84,7 +84,7 @@ def _number(text: object) -> object:
 def export_infos(root: Path) -> list[ExportInfo]:
     """Every ``root/exports/step_N`` directory, ascending by step."""
     out = []
-    for step, path, _ in step_dirs(root / EXPORTS_DIR):
+    for step, path, _ in sorted(step_dirs(root / EXPORTS_DIR)):
         try:
             files = tuple(sorted(os.listdir(path)))
             mtime = os.stat(path).st_mtime
@@ -94,7 +94,6 @@ def export_infos(root: Path) -> list[ExportInfo]:
         out.append(
             ExportInfo(step, path, mtime if when is None else when, metrics, dir_size(path), files)
         )
-    out.sort(key=lambda e: e.step)
     return out
 
 
@@ -111,17 +110,14 @@ def prune_exports(root: Path, export: Export) -> list[int]:
 
 
 def snapshot(state: TensorDictBase | Mapping[str, Any], export: Export) -> dict[str, Any]:
-    """A copy of the tensors ``export`` selects, as a state that ``select`` still finds;
-    tied weights stay tied (one copy per view)."""
-    import torch
-    from tensordict import TensorDictBase
-
+    """A copy of the tensors ``export`` selects, as a state that ``select`` still finds (a
+    selected tensor under its own name); tied weights stay tied (one copy per view)."""
     from functional_ckpt._src.export import safetensors as st
     from functional_ckpt._src.state.tree import as_state
 
     path = st._select_path(export.select)
     try:
-        node = st.subtree(as_state(state), path)
+        tensors = st._collect(as_state(state), path)  # the walk the export makes
     except CheckpointError:
         return dict(as_state(state).items())  # let the export report what is missing
     copies: dict[tuple[Any, ...], torch.Tensor] = {}
@@ -132,11 +128,7 @@ def snapshot(state: TensorDictBase | Mapping[str, Any], export: Export) -> dict[
             copies[key] = t.detach().clone()
         return copies[key]
 
-    inner: Any
-    if isinstance(node, torch.Tensor) and not isinstance(node, TensorDictBase):
-        inner = copy(node)
-    else:  # dotted names as single keys: the export names them alike
-        inner = {name: copy(t) for name, t in st.tensors_of(node).items()}
+    inner = {name: copy(t) for name, t in tensors.items()}  # dotted names as single keys
     return functools.reduce(lambda value, key: {key: value}, reversed(path), inner)
 
 

@@ -210,17 +210,14 @@ def subtree(state: TensorDictBase, path: KeyPath) -> Any:
     return node
 
 
-def tensors_of(node: Any) -> dict[str, torch.Tensor]:
-    """The tensor leaves of a sub-state by dotted name; non-tensor leaves are skipped."""
-    return {".".join(leaf.path): leaf.value for leaf in iter_leaves(node) if leaf.kind == "tensor"}
-
-
 def _collect(state: TensorDictBase, path: KeyPath) -> dict[str, torch.Tensor]:
     """Tensor leaves under ``path`` by dotted name (the tensor at ``path`` by its key)."""
     node = subtree(state, path)
     if isinstance(node, torch.Tensor) and not isinstance(node, TensorDictBase):
         return {path[-1]: node}
-    tensors = tensors_of(node)
+    tensors = {
+        ".".join(leaf.path): leaf.value for leaf in iter_leaves(node) if leaf.kind == "tensor"
+    }
     if not tensors:
         raise CheckpointError(f"export: state[{format_path(path)}] holds no tensors")
     return tensors

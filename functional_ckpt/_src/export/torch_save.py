@@ -45,9 +45,11 @@ WEIGHTS_KEY = "model"
 #: pickled by its class name, which that reader refuses).
 _PLAIN_LEAVES: tuple[type, ...] = (type(None), bool, int, float, complex, str, bytes, bytearray)
 _PLAIN_LEAVES += (torch.Size, torch.dtype, torch.device)
-#: What the unpickler trips over in bytes that are no pickle (a memo index, a stack slot).
-_GARBLED: tuple[type[BaseException], ...] = (LookupError, TypeError, AttributeError)
-_GARBLED += (AssertionError, struct.error, MemoryError, RecursionError)
+#: What ``torch.load`` raises on bytes that are no torch.save file: a bad zip or stream, or
+#: what the unpickler trips over in bytes that are no pickle (a memo index, a stack slot).
+_UNREADABLE: tuple[type[BaseException], ...] = (RuntimeError, EOFError, ValueError, OSError)
+_UNREADABLE += (zipfile.BadZipFile, LookupError, TypeError, AttributeError, AssertionError)
+_UNREADABLE += (struct.error, MemoryError, RecursionError)
 
 
 def load_torch_file(path: PathLike) -> Any:
@@ -84,15 +86,9 @@ def load_torch_file(path: PathLike) -> Any:
             ) from None
         detail = reason.strip(" ()") or _first_line(text)
         raise CheckpointError(f"{src}: not a torch.save file ({detail})") from None
-    except (RuntimeError, EOFError, ValueError, OSError, zipfile.BadZipFile) as exc:
-        raise CheckpointError(
-            f"{src}: not a readable torch.save file ({_first_line(str(exc))})"
-        ) from None
-    except _GARBLED as exc:
-        raise CheckpointError(
-            f"{src}: not a torch.save file (its bytes do not decode as one: "
-            f"{type(exc).__name__} {_first_line(str(exc))})"
-        ) from None
+    except _UNREADABLE as exc:
+        why = f"{type(exc).__name__}: {_first_line(str(exc))}"
+        raise CheckpointError(f"{src}: not a readable torch.save file ({why})") from None
 
 
 def _first_line(text: str) -> str:
@@ -146,7 +142,7 @@ def _weights(source: PathLike, select: KeyPath, dtype: torch.dtype | None) -> di
     return weights
 
 
-def loadable(value: Any, path: KeyPath = (), converted: list[KeyPath] | None = None) -> Any:
+def loadable(value: Any, path: KeyPath, converted: list[KeyPath]) -> Any:
     """``value`` as ``torch.load(weights_only=True)`` reads it back exactly: numpy values
     become tensors and numbers (their paths added to ``converted``); anything else
     it cannot build raises :class:`CheckpointError` naming its key path.
@@ -169,8 +165,7 @@ def loadable(value: Any, path: KeyPath = (), converted: list[KeyPath] | None = N
         except TypeError:
             out = None
         if isinstance(out, torch.Tensor) or type(out) in _PLAIN_LEAVES:
-            if converted is not None:
-                converted.append(path)
+            converted.append(path)
             return out
     if kind in (dict, OrderedDict):
         mapping = kind()

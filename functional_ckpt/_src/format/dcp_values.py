@@ -159,13 +159,9 @@ _MAX_ELEMENTS = 4096
 _LARGE_INT = 1 << 4096
 
 
-def _saved(value: Any) -> bytes:
-    """``torch.save`` bytes of a plain value, equal values (by exact encoding) sharing them."""
-    return _saved_encoded(codec.encode(value))
-
-
 @lru_cache(maxsize=4096)
-def _saved_encoded(encoded: bytes) -> bytes:
+def _saved(encoded: bytes) -> bytes:
+    """``torch.save`` bytes of a plain value by its exact encoding (equal values share them)."""
     import torch  # writing: a reader of byte entries never runs torch.save
 
     buf = io.BytesIO()
@@ -231,7 +227,7 @@ def _small(value: Any) -> bytes | None:
     """``torch.save`` bytes of ``value`` if it is small plain data (else None)."""
     if not _plain(value, [_MAX_ELEMENTS]):
         return None
-    data = _saved(value)
+    data = _saved(codec.encode(value))
     return data if len(data) <= MAX_VALUE_BYTES else None
 
 

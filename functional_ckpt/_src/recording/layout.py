@@ -65,11 +65,8 @@ class Committed:
     def new_bytes(self) -> tuple[np.ndarray, np.ndarray]:
         """Per record: (bytes it appended, leaves it appended); the others it shares."""
         locs, fresh = self.locs, np.ones(self.locs.shape, dtype=bool)
-        if len(locs) > 1:
-            fresh[1:] = (locs[1:]["seg"] != locs[:-1]["seg"]) | (
-                locs[1:]["off"] != locs[:-1]["off"]
-            )
-        sizes = np.where(fresh, locs["n"], 0).sum(axis=1) if len(locs) else np.zeros(0)
+        fresh[1:] = (locs[1:]["seg"] != locs[:-1]["seg"]) | (locs[1:]["off"] != locs[:-1]["off"])
+        sizes = np.where(fresh, locs["n"], 0).sum(axis=1)
         return sizes.astype(np.int64), fresh.sum(axis=1)
 
 

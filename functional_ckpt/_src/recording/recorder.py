@@ -7,6 +7,7 @@ previous record, so a crash loses at most the records after the last commit."""
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
 import queue
 import threading
@@ -52,14 +53,11 @@ class _Slot:
     """One staging buffer: every tensor leaf's bytes, and the values' encodings."""
 
     def __init__(self, specs: list[mf.TensorEntry], pin: bool) -> None:
-        offsets: list[int] = []
-        padded: list[int] = []
-        for e in specs:
-            offsets.append(sum(padded))
-            padded.append(-(-e.nbytes // _ALIGN) * _ALIGN)
+        padded = [-(-e.nbytes // _ALIGN) * _ALIGN for e in specs]
+        *offsets, total = itertools.accumulate(padded, initial=0)
         # Zeroed, so that the padding of every slot is equal: leaves compare as int64
         # words (torch.equal on bytes is many times slower).
-        self.buf = torch.zeros(max(sum(padded), 1), dtype=torch.uint8, pin_memory=pin)
+        self.buf = torch.zeros(max(total, 1), dtype=torch.uint8, pin_memory=pin)
         self.raw = [self.buf[o : o + e.nbytes] for o, e in zip(offsets, specs, strict=True)]
         self.words = [
             self.buf[o : o + n].view(torch.int64) for o, n in zip(offsets, padded, strict=True)

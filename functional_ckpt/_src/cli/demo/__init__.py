@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import math
 import os
@@ -92,20 +91,17 @@ class EventTail:
         return max((int(e["step"]) for e in self.events if e.get("event") == "step"), default=0)
 
 
+@dataclass
 class Heartbeat:
     """Progress as a plain line at most every ``every`` seconds where no bar is drawn
     (a CI log shows the demo is alive)."""
 
-    def __init__(
-        self,
-        label: str,
-        total: int,
-        say: Callable[[str], None],
-        every: float = 5.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.label, self.total, self.say, self.every, self.clock = label, total, say, every, clock
-        self._last: float | None = None
+    label: str
+    total: int
+    say: Callable[[str], None]
+    every: float = 5.0
+    clock: Callable[[], float] = time.monotonic
+    _last: float | None = field(default=None, init=False)  # when it last said a line
 
     def update(self, done: int) -> None:
         now = self.clock()
@@ -165,15 +161,13 @@ class DemoResult:
     second: ChildLog
     reference: ChildLog
     in_flight: list[str]
-    kept: list[int]
-    kept_by: dict[int, list[str]]
+    kept_by: dict[int, list[str]]  # every checkpoint kept, and what keeps it
     losses_identical: bool
     replayed: int
     state_diff: list[str]
     model_tensors: int
     model_bytes: int
     wall_s: float
-    plot: Path | None = None
 
     @property
     def identical(self) -> bool:
@@ -189,7 +183,7 @@ def prepare_root(root: Path) -> None:
             raise ValueError(
                 f"{root}: is not empty and not an earlier demo directory; pass a new --root"
             )
-        for name in (job.RUN_DIR, job.REF_DIR, job.LOG_DIR, "loss.png"):
+        for name in (job.RUN_DIR, job.REF_DIR, job.LOG_DIR):
             target = root / name
             if target.is_dir():
                 shutil.rmtree(target)
@@ -257,8 +251,7 @@ def run_demo(
     diff = diff_checkpoints(root / job.REF_DIR / "final", mgr.path(steps))
     model = [e for e in diff.same if e.key[:1] == ("model",)]
     parts = [(repr(part), part) for part in union_parts(schedule.retention())]
-    steps_kept, kept = [i.step for i in infos], kept_by(parts, infos)
-    head = (root, schedule, crash, first, second, reference, in_flight, steps_kept, kept)
+    head = (root, schedule, crash, first, second, reference, in_flight, kept_by(parts, infos))
     replayed, diffs = len(set(first.losses) & set(second.losses)), [str(e) for e in diff.changes]
     tail = (len(model), sum(e.nbytes for e in model), wall_s)
     return DemoResult(*head, same and full, replayed, diffs, *tail)
@@ -270,14 +263,6 @@ def _in_flight(ckpt_dir: Path) -> list[str]:
         return [e.name for e in root_entries(ckpt_dir) if naming.TMP_INFIX in e.name]
     except fc.errors.CheckpointNotFound:
         return []
-
-
-def _run_losses(result: DemoResult) -> list[float]:
-    """The curve the crashed-and-resumed run produced: first process, then the second."""
-    resumed = result.second.resumed_from or 0
-    merged = {s: v for s, v in result.first.losses.items() if s <= resumed}
-    merged.update(result.second.losses)
-    return [float.fromhex(merged[s]) for s in sorted(merged)]
 
 
 def sparkline(
@@ -302,48 +287,27 @@ def sparkline(
     return line + "\n" + "".join(under).rstrip()
 
 
-def plot(result: DemoResult) -> Path | None:
-    """A PNG of both loss curves with the crash and the resume marked, if matplotlib is there."""
-    try:
-        plt: Any = importlib.import_module("matplotlib.pyplot")
-        ref = [float.fromhex(v) for _, v in sorted(result.reference.losses.items())]
-        run = _run_losses(result)
-        fig, ax = plt.subplots(figsize=(8, 4))
-        ax.plot(range(1, len(ref) + 1), ref, lw=2.5, alpha=0.4, label="reference (never stopped)")
-        ax.plot(range(1, len(run) + 1), run, lw=0.8, label="crashed and resumed")
-        ax.axvline(result.first.last_step, color="red", ls="--", label="SIGKILL")
-        ax.axvline(result.second.resumed_from or 0, color="green", ls=":", label="resumed from")
-        ax.set(xlabel="step", ylabel="training loss", title="fckpt demo")
-        ax.legend()
-        out = result.root / "loss.png"
-        fig.savefig(out, dpi=100)
-        plt.close(fig)
-        return out
-    except Exception:  # optional garnish: a broken matplotlib must not fail the demo
-        return None
-
-
 def _kept_lines(result: DemoResult) -> list[str]:
     """One line per part of the retention policy: the steps it keeps."""
     by_label: dict[str, list[int]] = {}
-    for step in result.kept:
-        for label in result.kept_by.get(step, []):
+    for step, labels in result.kept_by.items():
+        for label in labels:
             by_label.setdefault(label, []).append(step)
     width = max((len(label) for label in by_label), default=0)
     return [f"    {k.ljust(width)}  keeps {', '.join(map(str, v))}" for k, v in by_label.items()]
 
 
-def report_lines(
-    result: DemoResult, colour: Callable[[str, str], str], ascii_only: bool = False
-) -> list[str]:
-    """The report as lines; ``colour(text, style)`` decorates (or not) a fragment."""
-    s, first, second = result.schedule, result.first, result.second
+def report_lines(result: DemoResult, ui: UI) -> list[str]:
+    """The report as lines, coloured and drawn as ``ui`` can show them."""
+    s, first, second, ascii_only = result.schedule, result.first, result.second, ui.ascii_only
     resumed = second.resumed_from or 0
     loop_s = first.loop_s + second.loop_s
     blocked = first.blocked_s + second.blocked_s
     saves = len(first.saves) + len(second.saves)
     marks = {resumed or 1: "R" if ascii_only else "↺", first.last_step: "X" if ascii_only else "✗"}
-    curve = [*sparkline(_run_losses(result), 60, marks, ascii_only).splitlines(), "", ""]
+    run = {s: v for s, v in first.losses.items() if s <= resumed} | second.losses  # then resumed
+    values = [float.fromhex(run[step]) for step in sorted(run)]
+    curve = [*sparkline(values, 60, marks, ascii_only).splitlines(), "", ""]
     crash = f"SIGKILLed right after step {first.last_step}; " + (
         f"the save in flight was left as {result.in_flight[0]} (a temporary name: never "
         "read; on resume removed, or recovered if complete)"
@@ -373,7 +337,7 @@ def report_lines(
         "",
         f"  steps done           {s.steps} (+{result.replayed} replayed after the resume)",
         f"  checkpoints          {saves} saves started, {saves - len(result.in_flight)} "
-        f"committed, {len(result.kept)} kept:",
+        f"committed, {len(result.kept_by)} kept:",
         *_kept_lines(result),
         f"  blocked on saves     {blocked:.2f} s of {loop_s:.1f} s in the training loops "
         f"({100 * blocked / max(loop_s, 1e-9):.1f} %)",
@@ -389,13 +353,11 @@ def report_lines(
         f"  per-step losses      {losses}",
         f"  wall time            {result.wall_s:.1f} s (the reference ran alongside)",
     ]
-    if result.plot is not None:
-        lines.append(f"  plot                 {result.plot}")
     verdict = (
-        colour("IDENTICAL", "ok") + ": the crashed and resumed run is, bit for bit, the run that "
+        ui.paint("IDENTICAL", "ok") + ": the crashed and resumed run is, bit for bit, the run that "
         "never stopped."
         if result.identical
-        else colour("NOT IDENTICAL", "bad") + ": see the differences above."
+        else ui.paint("NOT IDENTICAL", "bad") + ": see the differences above."
     )
     ckpts = result.root / job.RUN_DIR / job.CKPT_DIR
     return [*lines, "", verdict, f"Look around: fckpt ls {ckpts}   fckpt verify {ckpts}"]
@@ -417,17 +379,15 @@ def cmd_demo(args: argparse.Namespace, ui: UI) -> int:
     except DemoError as e:
         ui.error(one_line(e))  # the answer is "no": the demo's runs could not be compared
         return 1
-    result.plot = plot(result)
     if args.json:
         doc = {"root": str(result.root), "identical": result.identical}
         doc |= {k: getattr(result, k) for k in ("losses_identical", "state_diff")}
         doc |= {"steps": result.schedule.steps, "crash_at": result.crash_at}
         doc |= {"killed_at": result.first.last_step, "resumed_from": result.second.resumed_from}
         doc |= {"finished_at": result.second.last_step, "replayed": result.replayed}
-        doc |= {"kept": result.kept, "kept_by": {str(k): v for k, v in result.kept_by.items()}}
-        doc |= {"in_flight": result.in_flight, "wall_s": result.wall_s}
-        ui.json({**doc, "plot": None if result.plot is None else str(result.plot)})
+        doc |= {"kept": list(result.kept_by), "kept_by": result.kept_by}  # JSON keys: str
+        ui.json({**doc, "in_flight": result.in_flight, "wall_s": result.wall_s})
     else:
         ui.print("")
-        ui.print("\n".join(report_lines(result, ui.paint, ui.ascii_only)))
+        ui.print("\n".join(report_lines(result, ui)))
     return 0 if result.identical else 1

@@ -204,8 +204,7 @@ class EventLog:
 
     def write(self, event: str, **fields: Any) -> None:
         record = {"event": event, "t": time.perf_counter() - self._start, **fields}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._file.write(json.dumps(record) + "\n")  # line-buffered: written at once
 
 
 def train(directory: Path, schedule: Schedule, events: Path, crash_at: int | None) -> None:
