@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import math
 import os
@@ -168,6 +169,7 @@ class DemoResult:
     model_tensors: int
     model_bytes: int
     wall_s: float
+    plot: Path | None = None
 
     @property
     def identical(self) -> bool:
@@ -183,7 +185,7 @@ def prepare_root(root: Path) -> None:
             raise ValueError(
                 f"{root}: is not empty and not an earlier demo directory; pass a new --root"
             )
-        for name in (job.RUN_DIR, job.REF_DIR, job.LOG_DIR):
+        for name in (job.RUN_DIR, job.REF_DIR, job.LOG_DIR, "loss.png"):
             target = root / name
             if target.is_dir():
                 shutil.rmtree(target)
@@ -265,6 +267,14 @@ def _in_flight(ckpt_dir: Path) -> list[str]:
         return []
 
 
+def _run_losses(result: DemoResult) -> list[float]:
+    """The curve the crashed-and-resumed run produced: first process, then the second."""
+    resumed = result.second.resumed_from or 0
+    merged = {s: v for s, v in result.first.losses.items() if s <= resumed}
+    merged.update(result.second.losses)
+    return [float.fromhex(merged[s]) for s in sorted(merged)]
+
+
 def sparkline(
     values: Sequence[float], width: int, marks: Mapping[int, str], ascii_only: bool
 ) -> str:
@@ -287,6 +297,27 @@ def sparkline(
     return line + "\n" + "".join(under).rstrip()
 
 
+def plot(result: DemoResult) -> Path | None:
+    """A PNG of both loss curves with the crash and the resume marked, if matplotlib is there."""
+    try:
+        plt: Any = importlib.import_module("matplotlib.pyplot")
+        ref = [float.fromhex(v) for _, v in sorted(result.reference.losses.items())]
+        run = _run_losses(result)
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.plot(range(1, len(ref) + 1), ref, lw=2.5, alpha=0.4, label="reference (never stopped)")
+        ax.plot(range(1, len(run) + 1), run, lw=0.8, label="crashed and resumed")
+        ax.axvline(result.first.last_step, color="red", ls="--", label="SIGKILL")
+        ax.axvline(result.second.resumed_from or 0, color="green", ls=":", label="resumed from")
+        ax.set(xlabel="step", ylabel="training loss", title="fckpt demo")
+        ax.legend()
+        out = result.root / "loss.png"
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        return out
+    except Exception:  # optional garnish: a broken matplotlib must not fail the demo
+        return None
+
+
 def _kept_lines(result: DemoResult) -> list[str]:
     """One line per part of the retention policy: the steps it keeps."""
     by_label: dict[str, list[int]] = {}
@@ -305,9 +336,7 @@ def report_lines(result: DemoResult, ui: UI) -> list[str]:
     blocked = first.blocked_s + second.blocked_s
     saves = len(first.saves) + len(second.saves)
     marks = {resumed or 1: "R" if ascii_only else "↺", first.last_step: "X" if ascii_only else "✗"}
-    run = {s: v for s, v in first.losses.items() if s <= resumed} | second.losses  # then resumed
-    values = [float.fromhex(run[step]) for step in sorted(run)]
-    curve = [*sparkline(values, 60, marks, ascii_only).splitlines(), "", ""]
+    curve = [*sparkline(_run_losses(result), 60, marks, ascii_only).splitlines(), "", ""]
     crash = f"SIGKILLed right after step {first.last_step}; " + (
         f"the save in flight was left as {result.in_flight[0]} (a temporary name: never "
         "read; on resume removed, or recovered if complete)"
@@ -353,6 +382,8 @@ def report_lines(result: DemoResult, ui: UI) -> list[str]:
         f"  per-step losses      {losses}",
         f"  wall time            {result.wall_s:.1f} s (the reference ran alongside)",
     ]
+    if result.plot is not None:
+        lines.append(f"  plot                 {result.plot}")
     verdict = (
         ui.paint("IDENTICAL", "ok") + ": the crashed and resumed run is, bit for bit, the run that "
         "never stopped."
@@ -379,6 +410,7 @@ def cmd_demo(args: argparse.Namespace, ui: UI) -> int:
     except DemoError as e:
         ui.error(one_line(e))  # the answer is "no": the demo's runs could not be compared
         return 1
+    result.plot = plot(result)
     if args.json:
         doc = {"root": str(result.root), "identical": result.identical}
         doc |= {k: getattr(result, k) for k in ("losses_identical", "state_diff")}
@@ -386,7 +418,8 @@ def cmd_demo(args: argparse.Namespace, ui: UI) -> int:
         doc |= {"killed_at": result.first.last_step, "resumed_from": result.second.resumed_from}
         doc |= {"finished_at": result.second.last_step, "replayed": result.replayed}
         doc |= {"kept": list(result.kept_by), "kept_by": result.kept_by}  # JSON keys: str
-        ui.json({**doc, "in_flight": result.in_flight, "wall_s": result.wall_s})
+        doc |= {"in_flight": result.in_flight, "wall_s": result.wall_s}
+        ui.json({**doc, "plot": None if result.plot is None else str(result.plot)})
     else:
         ui.print("")
         ui.print("\n".join(report_lines(result, ui)))
