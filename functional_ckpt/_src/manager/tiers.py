@@ -226,15 +226,16 @@ class DiskTier:
 def plan_newer(
     disk: DiskTier, remote: RemoteTier | None, step: int, newer: Newer, branch: str | None
 ) -> tuple[list[int], list[int], str | None]:
-    """The steps newer than ``step`` that leave the trunk, on disk and on the remote, and
-    the branch they go to: every refusal is here, before anything (the run's state too)
-    moves."""
+    """The steps newer than ``step`` that leave the trunk, on disk and on the remote
+    (committed or not), and the branch they go to: every refusal is here, before anything
+    (the run's state too) moves; a ``branch`` taken, on each rank whose root (or remote) has it."""
     view, others = disk.view, disk.others()  # another lineage's stay where they are
     doomed = sorted(s for s, _ in view.candidates() if s > step and s not in others)
-    gone = remote.newer_than(step) if remote is not None and disk.coordinator else []
-    if newer == "branch" and (gone or doomed) and disk.coordinator:  # no tier's name
-        taken = retried(remote.store.branches) if remote is not None else ()
-        branch = rollback.new_branch(disk.view.root, branch, max(gone + doomed), step, taken)
+    listing = retried(remote.store.listing) if remote is not None and disk.coordinator else {}
+    gone = remote.lineage_of(sorted(s for s in listing if s > step)) if remote else []
+    if newer == "branch" and (branch is not None or ((gone or doomed) and disk.coordinator)):
+        taken = retried(remote.store.branches) if remote is not None and disk.coordinator else ()
+        branch = rollback.new_branch(view.root, branch, max([step, *gone, *doomed]), step, taken)
     return doomed, gone, branch
 
 
