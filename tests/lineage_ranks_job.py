@@ -2,10 +2,12 @@
 
 Usage: lineage_ranks_job.py BASE URL OTHER. Every rank has a root of its own
 (``BASE/root<R>``) in front of one remote ``URL``. Steps 1 and 2 are saved; then rank 1
-copies the other run's step 3 (in ``OTHER``) into its root only, and every rank resumes
+copies the other run's step 3 (in ``OTHER``) into its root only (and the plan of a
+rollback a crash cut short there), and every rank opens (finishing it) and resumes
 (the remote keeping the last two), tries to save steps 3 and 4, to roll back to step 3,
 then to step 1: with rank 1's upload of step 1 failing, to a branch name rank 1's root
-alone holds, then as it is. ``BASE/out.<R>.json``: what each saw.
+alone holds, then as it is (each root's newer steps to the branch), and to save step 2
+again. ``BASE/out.<R>.json``: what each saw.
 """
 
 from __future__ import annotations
@@ -49,10 +51,16 @@ def main() -> None:
             mgr.maybe_save({**state, "step": step}, step=step)
     if rank == 1:
         shutil.copytree(other / "step_000000003", root / "step_000000003")
+        # a rollback on this root that a crash cut short once its plan was recorded
+        (root / "step_000000009").mkdir()
+        plan = {"to_step": 2, "names": ["step_000000009"], "newer": "delete", "branch": None}
+        (root / ".rollback").write_text(json.dumps(plan))
     dist.barrier()
     remote = fc.manager.Remote(url, keep=fc.keep_last(2))
     with fc.CheckpointManager(root, tiers=(remote,)) as mgr:
         assert mgr.remote is not None
+        left = [n for n in ("step_000000009", ".rollback") if (root / n).exists()]
+        seen["finished"] = str(left)
         mgr.restore_latest(like=state)
         for step in (3, 4):
             save = {**state, "step": step}
@@ -77,6 +85,12 @@ def main() -> None:
         # rank 1's root holds its part of step 1, the remote the whole
         seen["back"] = attempt(lambda: mgr.rollback(1, like=state), "rolled back")
         seen["back"] += f" to {mgr.restored_step}"
+        seen["trunk"] = str(sorted(p.name for p in root.glob("step_*")))  # each rank's own
+        held = {
+            b: sorted(p.name for p in mgr.branch_root(b).glob("step_*")) for b in mgr.branches()
+        }
+        seen["branch"] = json.dumps(held)
+        seen["again"] = attempt(lambda: mgr.maybe_save({**state, "step": 2}, step=2), "saved")
         mgr.remote.wait()
     (base / f"out.{rank}.json").write_text(json.dumps(seen))
     dist.destroy_process_group()

@@ -35,6 +35,7 @@ def test_another_runs_step_on_one_ranks_root_is_refused_by_every_rank(tmp_path: 
         and "rank 1 failed: CheckpointExists" in seen[0]["3"]
     )
     assert seen[0]["4"] == seen[1]["4"] == "saved", seen
+    assert seen[0]["finished"] == seen[1]["finished"] == "[]", seen  # rank 1's rollback too
     for got in (seen[0]["rollback"], seen[1]["rollback"]):
         assert theirs in got and "rollback(3)" in got, seen
     assert seen[1]["rollback"].startswith("CheckpointError: "), seen
@@ -55,5 +56,13 @@ def test_another_runs_step_on_one_ranks_root_is_refused_by_every_rank(tmp_path: 
     assert seen[1]["taken_left"] == "2 [1, 2, 4] (['x'], [])", seen
     # a rollback every rank reads as a resume does (rank 1's root has a part of step 1)
     assert seen[0]["back"] == seen[1]["back"] == "rolled back to 1", seen
-    assert Store(url).listing().keys() == {1}  # 2 and 4 set aside on the remote too
+    # each root's newer steps (rank 1's: its parts) went to the branch: the trunk saves 2 again
+    moved = ["step_000000002", "step_000000004"]
+    (name,) = branch0 = json.loads(seen[0]["branch"])
+    assert branch0 == {name: moved} and json.loads(seen[1]["branch"]) == {name: moved, "x": []}
+    assert seen[0]["trunk"] == str(["step_000000001"]), seen
+    assert seen[1]["trunk"] == str(["step_000000001", "step_000000003"]), seen  # 3: theirs
+    assert seen[0]["again"] == seen[1]["again"] == "saved", seen
+    assert Store(url).listing().keys() == {1, 2}  # 2 and 4 set aside on the remote too, 2 anew
+    assert Store(f"{url}/branches/{name}").listing().keys() == {2, 4}
     assert float(fc.restore(theirs)["w"][0]) == 9.0, "the other run's checkpoint was written over"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from functional_ckpt._src.distributed.topology import topology
+from functional_ckpt._src.manager.collective import coordinator_decides
 from functional_ckpt._src.manager.provenance import Lineage
 from functional_ckpt._src.manager.writes import Writes
 from functional_ckpt._src.policy.retention import CheckpointLike, RetentionPolicy, plan_deletions
@@ -250,15 +251,17 @@ def move_newer(
     reason: Any,
 ) -> dict[str, Any] | None:
     """Every tier's steps newer than ``step`` out of the trunk as :func:`plan_newer` chose
-    (docs/tiered.md); the rollback's record (None where this rank moves nothing on disk)."""
+    (docs/tiered.md); the rollback's record on the coordinator (None where none is made)."""
     (doomed, gone, branch), view = plan, disk.view
+    own = remote is not None and remote.parts  # a rank's root of its own: its parts move too
+    branch = coordinator_decides((branch,))[0] if own else branch  # the coordinator's name
     for tier in tiers:
         if tier is not disk and tier is not remote:
             tier.delete([s for s in tier.steps() if s > step])
     if remote is not None and disk.coordinator:
         remote.set_aside(gone, branch if newer == "branch" else None)
-    if not (doomed or reason) or not disk.coordinator:
+    if not (doomed or reason) or not (disk.coordinator or own):
         return None
     done = rollback.run(view.root, step, doomed, newer, branch, reason)
     view.forget(doomed)
-    return done
+    return done if disk.coordinator else None

@@ -36,6 +36,7 @@ from functional_ckpt._src.remote.uploader import Worker, failure, read_status, r
 from functional_ckpt._src.root.delete import delete, remove_all
 from functional_ckpt._src.root.leftovers import remove_downloads
 from functional_ckpt._src.root.listing import committed_steps, read_info, step_dirs
+from functional_ckpt._src.root.rollback import finish
 from functional_ckpt._src.storage.committed import header_named
 from functional_ckpt.errors import (
     CheckpointError,
@@ -123,6 +124,7 @@ class RemoteTier:
         if writer:
             if not self.coordinator and not self.shared:  # (the coordinator's lock does)
                 remove_downloads(root)
+                finish(root)  # a rollback a crash interrupted completes now
             self._worker = Worker(self._round, coalesce=self.world == 1)
 
     def __repr__(self) -> str:
