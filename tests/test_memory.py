@@ -250,6 +250,18 @@ def test_saves_every_step_into_ram_and_restores_from_there(tmp_path: Path) -> No
     assert fc.CheckpointManager(root, read_only=True).steps() == [5]
 
 
+def test_a_damaged_memory_step_goes_with_the_folder_at_close(tmp_path: Path) -> None:
+    """A step the folder holds damaged (a copy of step 1 named step_9) and never saves
+    again is no one's: a clean close() removes it with the folder."""
+    memory = tmp_path / "mem"
+    with fc.CheckpointManager(tmp_path / "root", tiers=(fc.manager.Memory(path=memory),)) as mgr:
+        mgr.maybe_save(small_state(1), step=1)
+        mgr.wait()
+        shutil.copytree(memory / step_name(1), memory / step_name(9))
+        assert mgr.memory is not None and mgr.memory.steps() == [1]
+    assert not memory.exists(), sorted(os.listdir(memory))
+
+
 def test_a_memory_save_is_one_copy_into_ram_and_staged_once_there(tmp_path: Path) -> None:
     """The tier writes the live tensors straight into its files (no staging buffers);
     the loop's in-place update right after ``wait_staged`` reaches no checkpoint."""

@@ -737,7 +737,8 @@ def test_a_rollback_whose_step_cannot_be_uploaded_moves_nothing(
     tmp_path: Path, mem: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its newer remote steps would leave a remote trunk without it: it raises, naming
-    the failed upload, before any tier moved a step."""
+    the failed upload, before any tier moved a step. The failure is the rollback's: no
+    upload of step 3 (which the remote's retention does not keep) is reported later."""
     with fc.CheckpointManager(
         tmp_path / "a", tiers=(fc.manager.Remote(mem, keep=fc.keep_last(2)),)
     ) as mgr:
@@ -748,10 +749,18 @@ def test_a_rollback_whose_step_cannot_be_uploaded_moves_nothing(
         def down(*a: Any, **k: Any) -> int:
             raise fc.errors.RemoteUnreachable(f"{mem}: the object store did not answer (test)")
 
+        real = protocol.put_part
         monkeypatch.setattr(protocol, "put_part", down)
         with pytest.raises(fc.CheckpointError, match=r"rollback\(3\): .*upload of step 3 failed"):
             mgr.rollback(3)
         assert mgr.steps() == [1, 2, 3, 4, 5] and mgr.remote.steps() == [4, 5]
+        monkeypatch.setattr(protocol, "put_part", real)
+        with warnings.catch_warnings(record=True) as told:
+            warnings.simplefilter("always")
+            mgr.maybe_save(_state(6), step=6)
+            assert mgr.remote.wait() and mgr.remote.steps() == [5, 6]
+        assert mgr.remote.failures == {}, mgr.remote.failures
+        assert not [w for w in told if "upload of step 3" in str(w.message)], told
 
 
 def test_a_renamed_remote_step_counts_in_no_retention_of_the_remote(

@@ -182,7 +182,7 @@ class CheckpointManager(RootView):
         self._relaunch: Relaunch | None = None  # the ``run`` block of from_config's config
 
     def _begun(self) -> None:
-        """A memory-tier commit: the run has begun (see :meth:`Lineage.begin`); progress."""
+        """A commit, any tier's: the run has begun (see :meth:`Lineage.begin`); progress."""
         self.disk.lineage.begin()
         progress(self.tiers)
 
@@ -439,10 +439,9 @@ class CheckpointManager(RootView):
     def _after_commit(self, info: CheckpointInfo) -> None:
         """Retention runs only after the checkpoint it protects is committed."""
         step = parse_step(info.path.name)
-        self.disk.lineage.begin()  # before the upload round asks whose remote step it may replace
+        self._begun()  # before the upload round asks whose remote step it may replace
         promote(self.tiers, self.disk, 0.0)  # uploaded in the background, if a tier is behind
         if self._coordinator:
-            progress(self.tiers)  # to a supervising ``fckpt run``
             self._prune(protected={step} if step is not None else set())
 
     def _prune(self, protected: set[int]) -> list[int]:

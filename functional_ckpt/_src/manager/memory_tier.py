@@ -193,7 +193,7 @@ class MemoryTier:
             return
         try:
             if not crashed:
-                own = [step_name(s) for s in self.steps()]
+                own = [step_name(s) for s in [*self.steps(), *self.view.damaged]]  # no one's
                 ram.remove_folder(self.folder, [*own, mf.MARK_FILE, STAGING, LOCK_FILE])
             self._write_status(open_=False)
         except OSError as e:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from functional_ckpt._src.distributed.topology import topology
+from functional_ckpt._src.manager.collective import coordinator_decides
 from functional_ckpt._src.manager.provenance import Lineage
 from functional_ckpt._src.manager.writes import Writes
 from functional_ckpt._src.policy.retention import CheckpointLike, RetentionPolicy, plan_deletions
@@ -226,15 +227,16 @@ class DiskTier:
 def plan_newer(
     disk: DiskTier, remote: RemoteTier | None, step: int, newer: Newer, branch: str | None
 ) -> tuple[list[int], list[int], str | None]:
-    """The steps newer than ``step`` that leave the trunk, on disk and on the remote, and
-    the branch they go to: every refusal is here, before anything (the run's state too)
-    moves."""
+    """The steps newer than ``step`` that leave the trunk, on disk and on the remote
+    (committed or not), and the branch they go to: every refusal is here, before anything
+    (the run's state too) moves; a ``branch`` taken, on each rank whose root (or remote) has it."""
     view, others = disk.view, disk.others()  # another lineage's stay where they are
     doomed = sorted(s for s, _ in view.candidates() if s > step and s not in others)
-    gone = remote.newer_than(step) if remote is not None and disk.coordinator else []
-    if newer == "branch" and (gone or doomed) and disk.coordinator:  # no tier's name
-        taken = retried(remote.store.branches) if remote is not None else ()
-        branch = rollback.new_branch(disk.view.root, branch, max(gone + doomed), step, taken)
+    listing = retried(remote.store.listing) if remote is not None and disk.coordinator else {}
+    gone = remote.lineage_of(sorted(s for s in listing if s > step)) if remote else []
+    if newer == "branch" and (branch is not None or ((gone or doomed) and disk.coordinator)):
+        taken = retried(remote.store.branches) if remote is not None and disk.coordinator else ()
+        branch = rollback.new_branch(view.root, branch, max([step, *gone, *doomed]), step, taken)
     return doomed, gone, branch
 
 
@@ -249,15 +251,17 @@ def move_newer(
     reason: Any,
 ) -> dict[str, Any] | None:
     """Every tier's steps newer than ``step`` out of the trunk as :func:`plan_newer` chose
-    (docs/tiered.md); the rollback's record (None where this rank moves nothing on disk)."""
+    (docs/tiered.md); the rollback's record on the coordinator (None where none is made)."""
     (doomed, gone, branch), view = plan, disk.view
+    own = remote is not None and remote.parts  # a rank's root of its own: its parts move too
+    branch = coordinator_decides((branch,))[0] if own else branch  # the coordinator's name
     for tier in tiers:
         if tier is not disk and tier is not remote:
             tier.delete([s for s in tier.steps() if s > step])
     if remote is not None and disk.coordinator:
         remote.set_aside(gone, branch if newer == "branch" else None)
-    if not (doomed or reason) or not disk.coordinator:
+    if not (doomed or reason) or not (disk.coordinator or own):
         return None
     done = rollback.run(view.root, step, doomed, newer, branch, reason)
     view.forget(doomed)
-    return done
+    return done if disk.coordinator else None

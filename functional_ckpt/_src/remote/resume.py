@@ -78,8 +78,6 @@ def one(tier: _Remote, read: Callable[[Path], T], step: int) -> tuple[StepInfo, 
     if tier.world == 1:
         path = there if whole else download(tier.store, step, tier.root)
         return read_info(path, step), read(path)
-    from functional_ckpt._src.distributed.groups import checkpoint_group
-
     group, work = checkpoint_group(purpose="control"), f"{DOWNLOAD_PREFIX}{uuid.uuid4().hex[:12]}"
     work = tier.together(tier.url, lambda: work, tier.coordinator, group)  # the coordinator's
     return _read_one(tier, group, step, not whole, f"{work}-{step}", read)

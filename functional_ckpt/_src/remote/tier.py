@@ -36,12 +36,14 @@ from functional_ckpt._src.remote.uploader import Worker, failure, read_status, r
 from functional_ckpt._src.root.delete import delete, remove_all
 from functional_ckpt._src.root.leftovers import remove_downloads
 from functional_ckpt._src.root.listing import committed_steps, read_info, step_dirs
+from functional_ckpt._src.root.rollback import finish
 from functional_ckpt._src.storage.committed import header_named
 from functional_ckpt.errors import (
     CheckpointError,
     CheckpointWarning,
     CorruptCheckpoint,
     IncompleteCheckpoint,
+    RankFailed,
     RemoteError,
     RemoteVanished,
     RemoteWarning,
@@ -107,6 +109,7 @@ class RemoteTier:
         self._dropped: set[int] = set()  # local steps the remote retention does not keep
         self._uploading: int | None = None
         self._below = float("inf")  # a round plans the steps up to it only (see hold)
+        self._rolling: dict[int, BaseException] = {}  # that round's failures (see hold)
         self._records: dict[int, tuple[CheckpointRecord | None, Mapping[str, Any]]] = {}
         self._same: protocol.Copies = {}  # local steps with a remote copy, as last found
         self._worker: Worker | None = None
@@ -121,6 +124,7 @@ class RemoteTier:
         if writer:
             if not self.coordinator and not self.shared:  # (the coordinator's lock does)
                 remove_downloads(root)
+                finish(root)  # a rollback a crash interrupted completes now
             self._worker = Worker(self._round, coalesce=self.world == 1)
 
     def __repr__(self) -> str:
@@ -200,29 +204,28 @@ class RemoteTier:
         self.store.close()
         self.check()
 
-    def newer_than(self, step: int) -> list[int]:
-        """This lineage's remote steps after ``step``, committed or not (after :meth:`hold`)."""
-        return self.lineage_of(sorted(s for s in retried(self.store.listing) if s > step))
-
     def hold(self, step: int) -> None:
         """A rollback's round, before the newer steps leave: the trunk up to ``step``, held."""
-        if self._worker is None:
-            return
+        assert self._worker is not None  # a writer's: a rollback writes
         self._worker.drain()
         self._below = step
         try:
             self._worker.request()
             self._worker.drain()
         finally:  # later rounds upload every step again, whatever stopped this one
-            self._below = float("inf")
+            self._below, failed, self._rolling = float("inf"), self._rolling, {}
 
         def held() -> None:
-            if step not in self._committed:  # another lineage's step there is not held
-                why = self.failures.get(step) or self._spared.get(step)
-                why = why or f"{self.url} does not hold step {step}"
-                raise CheckpointError(f"rollback({step}): {why}; nothing was moved")
+            err = failed.get(step)  # each rank raises its own (on the coordinator: not held)
+            if isinstance(err, RankFailed) or (
+                step in self._committed if self.coordinator else err is None
+            ):
+                return  # held, or another rank's failure (which reaches this one as RankFailed)
+            why = failure(step, err, self.url) if err else self._spared.get(step)
+            why = why or f"{self.url} does not hold step {step}"
+            raise CheckpointError(f"rollback({step}): {why}; nothing was moved")
 
-        self.together(f"rollback {self.url}", held, self.coordinator)
+        self.together(f"rollback {self.url}", held)
 
     def set_aside(self, steps: list[int], branch: str | None) -> None:
         """A rollback's remote part: ``steps`` leave the remote trunk, copied first to
@@ -265,10 +268,6 @@ class RemoteTier:
         if not self._holding:
             retried(partial(self.store.write_root, LEASE, self._lease))
             self._holding = True
-        self._held()
-
-    def _held(self) -> None:
-        """Raise unless this manager still holds the remote root."""
         protocol.check_lease(
             self.store, LEASE, retried(partial(self.store.read_root, LEASE)), self._lease
         )
@@ -383,7 +382,7 @@ class RemoteTier:
             self.together(f"upload {where}", lambda: retried(put))
 
             def commit() -> None:
-                self._held()  # a root taken over meanwhile gets no marker from here
+                self._claim()  # held since the plan: a root taken over meanwhile gets no marker
                 retried(lambda: protocol.commit_upload(self.store, step, local, sizes))
 
             self.together(f"commit {where}", commit, here=self.coordinator)
@@ -426,16 +425,16 @@ class RemoteTier:
         failed = failure(step, err, self.url)
         with self._lock:
             self._uploading = None
-            if self.coordinator:
+            if self._below < float("inf"):  # a rollback's round: its error, not a report
+                self._rolling[step] = err
+            elif self.coordinator:
                 self.failures[step] = failed
                 self._unreported.append(RemoteWarning(str(failed)))
 
     def _drop_parts(self, coordinator_steps: list[int]) -> None:
         """This rank's parts of steps the coordinator no longer keeps (crash-safely), not
         another lineage's checkpoint copied into this rank's root."""
-        if not coordinator_steps:
-            return
-        newest, kept = max(coordinator_steps), set(coordinator_steps)
+        newest, kept = max(coordinator_steps, default=-1), set(coordinator_steps)
         dirs = [(s, p) for s, p, _ in step_dirs(self.root) if s < newest and s not in kept]
         with contextlib.suppress(CheckpointError, OSError):
             remove_all(delete(self.root, [p for s, p in dirs if not self.theirs(s, p)]))
