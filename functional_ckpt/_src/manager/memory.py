@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from functional_ckpt._src import codec
+from functional_ckpt._src.format.keys import format_path
 from functional_ckpt._src.log import warn
 from functional_ckpt._src.policy.base import SavePolicy
 from functional_ckpt._src.policy.leaves import every_steps
@@ -130,10 +132,15 @@ def resolve_budget(option: Memory, folder: Path) -> int:
 
 
 def check_budget(option: Memory, budget: int, folder: Path, state: State) -> None:
-    """Refuse ``keep`` checkpoints of this very state over ``budget`` (checked at every save:
-    a state grows, Adam's moments appear at its first step)."""
-    tensors = (leaf.value for leaf in leaves_of(state) if leaf.kind == "tensor")
-    need = option.held * sum(t.numel() * t.element_size() for t in tensors)
+    """Refuse ``keep`` checkpoints of this very state over ``budget``, every leaf as stored (a
+    value as encoded), checked at every save: a state grows (Adam's moments, at step one)."""
+    sizes = (
+        v.numel() * v.element_size()
+        if kind == "tensor"
+        else len(codec.encode(v, where=f"state[{format_path(p)}]"))
+        for p, kind, v in leaves_of(state)
+    )
+    need = option.held * sum(sizes)
     if need > budget:
         raise OverBudget(
             f"Memory(budget={option.budget!r}): {option.held} checkpoint(s) of "
