@@ -25,6 +25,7 @@ import torch
 import functional_ckpt as fc
 from functional_ckpt._src.format.naming import step_name
 from functional_ckpt._src.root.run import RUN_FILE, read_run
+from functional_ckpt._src.storage.ram import MEMORY_STATUS
 from functional_ckpt.errors import CheckpointWarning, MemoryTierWarning
 from tests.exact import assert_exact
 from tests.forge import flip
@@ -172,7 +173,7 @@ def test_a_checkpoint_named_for_another_step_is_not_resumed_as_it(tmp_path: Path
 
 
 def test_a_run_killed_before_its_first_disk_save_resumes_from_ram(tmp_path: Path) -> None:
-    root = tmp_path / "root"
+    root, umask = tmp_path / "root", os.umask(0o022)  # the usual umask
     killed(root, None, die_at=5, disk_every=100, memory_every=1)
     folder = default_folder_of(root)
     try:
@@ -180,15 +181,19 @@ def test_a_run_killed_before_its_first_disk_save_resumes_from_ram(tmp_path: Path
         st = os.lstat(folder)  # the default folder: this user's, private, not a link
         assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
         assert st.st_uid == os.getuid()
-        assert stat.S_IMODE(os.stat(root / RUN_FILE).st_mode) == 0o600
+        for name in (RUN_FILE, MEMORY_STATUS):  # both name the folder: owner-only
+            assert stat.S_IMODE(os.stat(root / name).st_mode) == 0o600, name
+        os.chmod(root / MEMORY_STATUS, 0o644)  # as an older version left it
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             step, got = resumed(root, None, disk_every=100)
+        assert stat.S_IMODE(os.stat(root / MEMORY_STATUS).st_mode) == 0o600  # replaced so
         assert step == 5
         exact(got, 5)
         info = fc.CheckpointManager(folder, read_only=True).info(5) if folder.exists() else None
         assert info is None  # a clean exit removed the tier's folder
     finally:
+        os.umask(umask)
         shutil.rmtree(folder, ignore_errors=True)
 
 
