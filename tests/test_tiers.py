@@ -24,6 +24,7 @@ import torch
 
 import functional_ckpt as fc
 from functional_ckpt._src.format.naming import step_name
+from functional_ckpt._src.manager.memory import SEARCHED
 from functional_ckpt._src.root.run import RUN_FILE, read_run
 from functional_ckpt._src.storage.ram import MEMORY_STATUS
 from functional_ckpt.errors import CheckpointWarning, MemoryTierWarning
@@ -491,11 +492,17 @@ def test_an_explicit_folder_of_another_user_or_open_to_others_is_refused(
 
 
 def test_a_folder_inside_or_around_a_root_is_refused(tmp_path: Path) -> None:
-    with fc.CheckpointManager(tmp_path / "other"):
-        pass  # a root of another run
-    for folder in (tmp_path / "other" / "ram", tmp_path):
+    for other in (tmp_path / "other", tmp_path / "ram" / "a" / "b" / "other"):
+        with fc.CheckpointManager(other) as mgr:  # a root of another run, at any depth
+            mgr.maybe_save(state(7), step=7)
+    for folder in (tmp_path / "other" / "ram", tmp_path, tmp_path / "ram"):
         with pytest.raises(fc.CheckpointError, match="apart from the disk root"):
             fc.CheckpointManager(tmp_path / "r", tiers=(fc.manager.Memory(path=folder),))
+    for n in range(SEARCHED):  # a tree too large to search is refused
+        (tmp_path / "big" / str(n)).mkdir(parents=True)
+    with pytest.raises(fc.CheckpointError, match=rf"Memory\(path=.*big'\): more than {SEARCHED}"):
+        fc.CheckpointManager(tmp_path / "r", tiers=(fc.manager.Memory(path=tmp_path / "big"),))
+    assert committed(tmp_path / "ram" / "a" / "b" / "other") == [7]  # nothing lost
 
 
 def test_the_memory_tier_keeps_by_a_retention_policy(tmp_path: Path) -> None:

@@ -206,13 +206,23 @@ def _own(folder: Path, *, private: bool) -> None:
         )
 
 
+#: Directories below a memory folder searched for a root, at most (a larger tree is refused).
+SEARCHED = 1000
+
+
 def _check_apart(folder: Path, root: Path) -> None:
-    """Refuse a folder inside or around any root (retention there deletes the other's)."""
+    """Refuse a folder inside or around any root, at any depth (retention there deletes the
+    other's), or too large a tree to search (links are not followed)."""
     a, b = os.path.realpath(folder), os.path.realpath(root)
     inside = [p for p in (Path(a), *Path(a).parents) if (p / RUN_FILE).exists()]
     around: list[Path] = []
-    with contextlib.suppress(OSError):
-        around = [Path(e.path) for e in os.scandir(a) if os.path.isfile(Path(e.path) / RUN_FILE)]
+    for n, (here, _, files) in enumerate(os.walk(a)):
+        if n == SEARCHED:
+            raise CheckpointError(
+                f"Memory(path={str(folder)!r}): more than {SEARCHED} directories below it "
+                "to search for a checkpoint root; give the memory tier a folder of its own"
+            )
+        around += [Path(here)] if RUN_FILE in files and here != a else []
     if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep) or inside or around:
         raise CheckpointError(
             f"Memory(path={str(folder)!r}): the memory tier's folder must be apart from the "
