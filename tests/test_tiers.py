@@ -238,7 +238,7 @@ def test_fckpt_ls_says_which_run_each_memory_checkpoint_is_of(
     from functional_ckpt._src import cli
 
     root, memory = tmp_path / "root", tmp_path / "mem"
-    killed(root, memory, die_at=2, disk_every=10, memory_every=1)
+    killed(root, memory, die_at=2, disk_every=2, memory_every=1)
     run = read_run(root)
     assert run is not None
     shutil.copytree(memory / step_name(1), memory / step_name(9))  # damage: it records 1
@@ -254,6 +254,10 @@ def test_fckpt_ls_says_which_run_each_memory_checkpoint_is_of(
         (9, None, None),
     ]
     assert "named for step 9, but the checkpoint records step 1" in rows[2]["note"], rows
+    shutil.rmtree(memory)
+    memory.write_text("a file in the folder's place")
+    assert cli.main(["ls", str(root)]) == 0  # the root listed, the folder's problem said
+    assert f"{memory}: the checkpoint root is a file" in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------- lineage
