@@ -214,7 +214,7 @@ def _check_apart(folder: Path, root: Path) -> None:
     """Refuse a folder inside or around any root, at any depth (retention there deletes the
     other's), or too large a tree to search (links are not followed)."""
     a, b = os.path.realpath(folder), os.path.realpath(root)
-    inside = [p for p in (Path(a), *Path(a).parents) if (p / RUN_FILE).exists()]
+    inside = [p for p in Path(a).parents if (p / RUN_FILE).exists()]
     around: list[Path] = []
     for n, (here, _, files) in enumerate(os.walk(a)):
         if n == SEARCHED:
@@ -222,7 +222,7 @@ def _check_apart(folder: Path, root: Path) -> None:
                 f"Memory(path={str(folder)!r}): more than {SEARCHED} directories below it "
                 "to search for a checkpoint root; give the memory tier a folder of its own"
             )
-        around += [Path(here)] if RUN_FILE in files and here != a else []
+        around += [Path(here)] if RUN_FILE in files else []
     if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep) or inside or around:
         raise CheckpointError(
             f"Memory(path={str(folder)!r}): the memory tier's folder must be apart from the "
