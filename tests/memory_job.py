@@ -120,12 +120,12 @@ def main() -> None:
 
         real_open, opened = durable.open_new, [0]
 
-        def full(path: Path, *, mapped: bool = False) -> int:
+        def full(path: Path, *, mapped: bool = False, **kw: Any) -> int:
             if mapped:  # a replica received (only the replication maps what it writes)
                 opened[0] += 1
                 if opened[0] == args.full_in_round:
                     raise OSError(errno.ENOSPC, "No space left on device", str(path))
-            return real_open(path, mapped=mapped)
+            return real_open(path, mapped=mapped, **kw)
 
         durable.open_new = full  # type: ignore[assignment]
     from functional_ckpt._src.manager import memory_replicas as replicas_module

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -353,6 +354,12 @@ def test_a_save_over_the_budget_is_skipped_and_said_once(tmp_path: Path) -> None
     one = fc.manager.Memory(path=tmp_path / "mem", budget=size + 100, keep=1)
     with fc.CheckpointManager(tmp_path / "root2", tiers=(one,)) as mgr:
         mgr.maybe_save(small_state(1), step=1)
+        mgr.wait()
+        with pytest.warns(MemoryTierWarning, match=r"Memory\(budget="):  # values count too
+            mgr.maybe_save({**small_state(2), "v": np.zeros(size // 4, np.float32)}, step=2)
+            mgr.maybe_save({**small_state(3), "v": bytes(size)}, step=3)
+            mgr.wait()
+        assert committed(tmp_path / "mem") == [1]
 
 
 def test_a_budget_beyond_the_memory_there_is_refused_at_open(tmp_path: Path) -> None:

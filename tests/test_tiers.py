@@ -24,7 +24,9 @@ import torch
 
 import functional_ckpt as fc
 from functional_ckpt._src.format.naming import step_name
+from functional_ckpt._src.manager.memory import SEARCHED
 from functional_ckpt._src.root.run import RUN_FILE, read_run
+from functional_ckpt._src.storage.ram import MEMORY_STATUS
 from functional_ckpt.errors import CheckpointWarning, MemoryTierWarning
 from tests.exact import assert_exact
 from tests.forge import flip
@@ -172,7 +174,7 @@ def test_a_checkpoint_named_for_another_step_is_not_resumed_as_it(tmp_path: Path
 
 
 def test_a_run_killed_before_its_first_disk_save_resumes_from_ram(tmp_path: Path) -> None:
-    root = tmp_path / "root"
+    root, umask = tmp_path / "root", os.umask(0o022)  # the usual umask
     killed(root, None, die_at=5, disk_every=100, memory_every=1)
     folder = default_folder_of(root)
     try:
@@ -180,15 +182,19 @@ def test_a_run_killed_before_its_first_disk_save_resumes_from_ram(tmp_path: Path
         st = os.lstat(folder)  # the default folder: this user's, private, not a link
         assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
         assert st.st_uid == os.getuid()
-        assert stat.S_IMODE(os.stat(root / RUN_FILE).st_mode) == 0o600
+        for name in (RUN_FILE, MEMORY_STATUS):  # both name the folder: owner-only
+            assert stat.S_IMODE(os.stat(root / name).st_mode) == 0o600, name
+        os.chmod(root / MEMORY_STATUS, 0o644)  # as an older version left it
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             step, got = resumed(root, None, disk_every=100)
+        assert stat.S_IMODE(os.stat(root / MEMORY_STATUS).st_mode) == 0o600  # replaced so
         assert step == 5
         exact(got, 5)
         info = fc.CheckpointManager(folder, read_only=True).info(5) if folder.exists() else None
         assert info is None  # a clean exit removed the tier's folder
     finally:
+        os.umask(umask)
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -232,7 +238,7 @@ def test_fckpt_ls_says_which_run_each_memory_checkpoint_is_of(
     from functional_ckpt._src import cli
 
     root, memory = tmp_path / "root", tmp_path / "mem"
-    killed(root, memory, die_at=2, disk_every=10, memory_every=1)
+    killed(root, memory, die_at=2, disk_every=2, memory_every=1)
     run = read_run(root)
     assert run is not None
     shutil.copytree(memory / step_name(1), memory / step_name(9))  # damage: it records 1
@@ -248,6 +254,10 @@ def test_fckpt_ls_says_which_run_each_memory_checkpoint_is_of(
         (9, None, None),
     ]
     assert "named for step 9, but the checkpoint records step 1" in rows[2]["note"], rows
+    shutil.rmtree(memory)
+    memory.write_text("a file in the folder's place")
+    assert cli.main(["ls", str(root)]) == 0  # the root listed, the folder's problem said
+    assert f"{memory}: the checkpoint root is a file" in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------- lineage
@@ -486,11 +496,17 @@ def test_an_explicit_folder_of_another_user_or_open_to_others_is_refused(
 
 
 def test_a_folder_inside_or_around_a_root_is_refused(tmp_path: Path) -> None:
-    with fc.CheckpointManager(tmp_path / "other"):
-        pass  # a root of another run
-    for folder in (tmp_path / "other" / "ram", tmp_path):
+    for other in (tmp_path / "other", tmp_path / "ram" / "a" / "b" / "other"):
+        with fc.CheckpointManager(other) as mgr:  # a root of another run, at any depth
+            mgr.maybe_save(state(7), step=7)
+    for folder in (tmp_path / "other" / "ram", tmp_path, tmp_path / "ram"):
         with pytest.raises(fc.CheckpointError, match="apart from the disk root"):
             fc.CheckpointManager(tmp_path / "r", tiers=(fc.manager.Memory(path=folder),))
+    for n in range(SEARCHED):  # a tree too large to search is refused
+        (tmp_path / "big" / str(n)).mkdir(parents=True)
+    with pytest.raises(fc.CheckpointError, match=rf"Memory\(path=.*big'\): more than {SEARCHED}"):
+        fc.CheckpointManager(tmp_path / "r", tiers=(fc.manager.Memory(path=tmp_path / "big"),))
+    assert committed(tmp_path / "ram" / "a" / "b" / "other") == [7]  # nothing lost
 
 
 def test_the_memory_tier_keeps_by_a_retention_policy(tmp_path: Path) -> None:

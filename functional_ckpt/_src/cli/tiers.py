@@ -158,7 +158,11 @@ def memory(root: Path) -> Section | None:
     columns.append(("NOTE", fmt.cell("note"), "dim"))
     empty = "  no checkpoints (a closed manager removes its memory tier)"
     section = Section("memory tier", f"({folder}, {run})", columns, empty=empty)
-    for step, path in sorted(committed_steps(Path(folder)).items()):
+    try:
+        held = committed_steps(Path(folder))
+    except CheckpointError as err:  # a file in its place: said as a folder gone is
+        held, section.empty = {}, f"  {fmt.one_line(err)}"
+    for step, path in sorted(held.items()):
         row = {"kind": "memory", "step": step, "path": str(path), "size": dir_size(path)}
         try:
             run_id = run_of(read_info(path, step).metadata)  # which run each checkpoint is of

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from functional_ckpt._src import codec
+from functional_ckpt._src.format.keys import format_path
 from functional_ckpt._src.log import warn
 from functional_ckpt._src.policy.base import SavePolicy
 from functional_ckpt._src.policy.leaves import every_steps
@@ -130,10 +132,15 @@ def resolve_budget(option: Memory, folder: Path) -> int:
 
 
 def check_budget(option: Memory, budget: int, folder: Path, state: State) -> None:
-    """Refuse ``keep`` checkpoints of this very state over ``budget`` (checked at every save:
-    a state grows, Adam's moments appear at its first step)."""
-    tensors = (leaf.value for leaf in leaves_of(state) if leaf.kind == "tensor")
-    need = option.held * sum(t.numel() * t.element_size() for t in tensors)
+    """Refuse ``keep`` checkpoints of this very state over ``budget``, every leaf as stored (a
+    value as encoded), checked at every save: a state grows (Adam's moments, at step one)."""
+    sizes = (
+        v.numel() * v.element_size()
+        if kind == "tensor"
+        else len(codec.encode(v, where=f"state[{format_path(p)}]"))
+        for p, kind, v in leaves_of(state)
+    )
+    need = option.held * sum(sizes)
     if need > budget:
         raise OverBudget(
             f"Memory(budget={option.budget!r}): {option.held} checkpoint(s) of "
@@ -199,13 +206,23 @@ def _own(folder: Path, *, private: bool) -> None:
         )
 
 
+#: Directories below a memory folder searched for a root, at most (a larger tree is refused).
+SEARCHED = 1000
+
+
 def _check_apart(folder: Path, root: Path) -> None:
-    """Refuse a folder inside or around any root (retention there deletes the other's)."""
+    """Refuse a folder inside or around any root, at any depth (retention there deletes the
+    other's), or too large a tree to search (links are not followed)."""
     a, b = os.path.realpath(folder), os.path.realpath(root)
-    inside = [p for p in (Path(a), *Path(a).parents) if (p / RUN_FILE).exists()]
+    inside = [p for p in Path(a).parents if (p / RUN_FILE).exists()]
     around: list[Path] = []
-    with contextlib.suppress(OSError):
-        around = [Path(e.path) for e in os.scandir(a) if os.path.isfile(Path(e.path) / RUN_FILE)]
+    for n, (here, _, files) in enumerate(os.walk(a)):
+        if n == SEARCHED:
+            raise CheckpointError(
+                f"Memory(path={str(folder)!r}): more than {SEARCHED} directories below it "
+                "to search for a checkpoint root; give the memory tier a folder of its own"
+            )
+        around += [Path(here)] if RUN_FILE in files else []
     if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep) or inside or around:
         raise CheckpointError(
             f"Memory(path={str(folder)!r}): the memory tier's folder must be apart from the "

@@ -228,7 +228,8 @@ class MemoryTier:
             lay = self.replicas.layout
             doc |= {"replicas": lay.replicas, "domains": len(set(lay.domains))}
         with contextlib.suppress(OSError):
-            durable.replace_durably(self.root / ram.MEMORY_STATUS, json.dumps(doc).encode())
+            data = json.dumps(doc).encode()  # the default folder's name: owner-only
+            durable.replace_durably(self.root / ram.MEMORY_STATUS, data, mode=0o600)
 
     def decide(self, event: Event) -> bool:
         """The tier's own policy on ``event`` (a missed memory-tier save is not made up later)."""

@@ -4,9 +4,7 @@ starts a new run), and an owner-only secret naming the memory tier's folder."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import secrets
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -69,8 +67,6 @@ def record_run(root: Path, run: Run) -> None:
     doc = {"run": run.id, "secret": run.secret, "lineage": list(run.lineage), "until": run.until}
     doc["until_time"] = run.until_time
     try:
-        durable.replace_durably(path, json.dumps(doc).encode())
+        durable.replace_durably(path, json.dumps(doc).encode(), mode=0o600)
     except OSError as e:  # a directory or a special file in its place: not ours to fix
         raise CheckpointError(f"{path}: cannot record the run ({e.strerror or e})") from e
-    with contextlib.suppress(OSError):
-        os.chmod(path, 0o600)

@@ -96,10 +96,10 @@ def write_all(fd: int, data: memoryview | bytes | bytearray) -> None:
         view = view[os.write(fd, view) :]
 
 
-def open_new(path: Path, *, mapped: bool = False) -> int:
+def open_new(path: Path, *, mapped: bool = False, mode: int = 0o644) -> int:
     """A new file at ``path`` (never an existing one or a link); ``mapped``: readable too."""
     flags = (NEW_FILE & ~os.O_WRONLY) | os.O_RDWR if mapped else NEW_FILE
-    return os.open(path, flags, 0o644)
+    return os.open(path, flags, mode)
 
 
 def fsync_and_close(fd: int) -> None:
@@ -120,10 +120,15 @@ def close_new(fd: int, sync: bool, background: list[Future[None]] | None = None)
 
 
 def write_new(
-    path: Path, data: bytes, *, sync: bool = True, background: list[Future[None]] | None = None
+    path: Path,
+    data: bytes,
+    *,
+    sync: bool = True,
+    background: list[Future[None]] | None = None,
+    mode: int = 0o644,
 ) -> None:
     """Write a whole new file (never over anything) and close it as :func:`close_new`."""
-    fd = open_new(path)
+    fd = open_new(path, mode=mode)
     try:
         write_all(fd, data)
     except BaseException:
@@ -132,11 +137,12 @@ def write_new(
     close_new(fd, sync, background)
 
 
-def replace_durably(path: Path, data: bytes, *, sync: bool = True) -> None:
-    """Replace the file at ``path`` atomically (``sync``: durably); a link is replaced itself."""
+def replace_durably(path: Path, data: bytes, *, sync: bool = True, mode: int = 0o644) -> None:
+    """Replace the file at ``path`` atomically (``sync``: durably) by a new one of ``mode``
+    (made so: an owner-only file is never readable by others); a link is replaced itself."""
     tmp = tmp_sibling(path)
     try:
-        write_new(tmp, data, sync=sync)
+        write_new(tmp, data, sync=sync, mode=mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
