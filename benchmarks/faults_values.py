@@ -421,50 +421,88 @@ def _boxes(raw: dict[str, Any], boxes: list[tuple[list[int], list[int]]]) -> Non
 
 def unstaged_bypass(base: Path, quick: bool) -> ClassResult:
     res = ClassResult("unstaged-bypass")
-    trials = 6 if quick else 40
-    for i in range(trials):
+    for i in range(6 if quick else 40):
         how = ("data", "numpy")[i % 2]
         p = torch.nn.Parameter(torch.zeros(4 << 20))
-        stop = threading.Event()
+        bypass(res, base / f"unstaged-{i}", p, functools.partial(_add_one, p, how), f"{how} #{i}")
+    return res
 
-        def writer(p: torch.nn.Parameter = p, how: str = how, stop: threading.Event = stop) -> None:
-            while not stop.is_set():
-                if how == "data":
-                    p.data.add_(1)
-                else:
-                    p.detach().numpy()[:] += 1
 
-        path = base / f"unstaged-{i}"
-        thread = threading.Thread(target=writer)
-        with trial(res, f"{how} #{i}"):
-            thread.start()  # writing before, during and after the save
-            try:
-                error = fc.save_async(path, {"p": p}, staging="none").exception()
-            finally:
-                stop.set()
-                thread.join()
-            if isinstance(error, ModifiedDuringSave):
-                if path.exists():
-                    res.fail("wrong", f"{how} #{i}: refused but committed")
-                else:
-                    res.ok += 1
-                    res.note("refused before the commit")
-                continue
-            if error is not None:
-                raise error
-            # committed: it must never be read back torn
-            try:
-                out = fc.restore(path)["p"]
-            except CheckpointError:
-                res.ok += 1
-                res.note("committed, refused at load (documented)")
-                continue
-            if torch.unique(out).numel() != 1:
-                res.fail("wrong", f"{how} #{i}: a torn tensor restored without an error")
+def _add_one(p: torch.nn.Parameter, how: str) -> None:
+    """One to every element, past the version counter."""
+    if how == "data":
+        p.data.add_(1)
+    else:
+        p.detach().numpy()[:] += 1
+
+
+def bypass(
+    res: ClassResult, path: Path, p: torch.nn.Parameter, add: Callable[[], None], label: str
+) -> None:
+    """A ``staging="none"`` save of ``p`` while a thread calls ``add`` over and over.
+
+    An add is no single instant: a thread descheduled in the middle of one (a busy
+    machine does that) leaves ``p`` half added for as long as it waits, and a save
+    that runs meanwhile rightly commits those bytes. So a committed ``p`` must be a
+    state its memory held during the save (:func:`held`), not a tensor of one value.
+    """
+    adds = [0, 0]  # started, finished
+    stop = threading.Event()
+
+    def writer() -> None:
+        while not stop.is_set():
+            adds[0] += 1
+            add()
+            adds[1] += 1
+
+    thread = threading.Thread(target=writer)
+    with trial(res, label):
+        thread.start()  # writing before, during and after the save
+        try:
+            floor = adds[1]
+            error = fc.save_async(path, {"p": p}, staging="none").exception()
+            ceiling = adds[0]
+        finally:
+            stop.set()
+            thread.join()
+        if isinstance(error, ModifiedDuringSave):
+            if path.exists():
+                res.fail("wrong", f"{label}: refused but committed")
             else:
                 res.ok += 1
-                res.note("committed whole")
-    return res
+                res.note("refused before the commit")
+            return
+        if error is not None:
+            raise error
+        # committed: it must never be read back torn
+        try:
+            out = fc.restore(path)["p"]
+        except CheckpointError:
+            res.ok += 1
+            res.note("committed, refused at load (documented)")
+            return
+        if not held(out, floor, ceiling):
+            seen = torch.unique(out)[:4].tolist()
+            detail = f"values {seen} while adds {floor} to {ceiling} ran"
+            res.fail("wrong", f"{label}: a torn tensor restored without an error ({detail})")
+        else:
+            res.ok += 1
+            whole = out.min() == out.max()
+            res.note("committed whole" if whole else "committed in the middle of one add")
+
+
+def held(out: torch.Tensor, floor: int, ceiling: int) -> bool:
+    """Whether ``out`` is a state of a tensor of zeros, one added to it at a time, after
+    ``floor`` adds had finished and before add ``ceiling + 1`` began: ``k`` everywhere,
+    or ``k`` and ``k + 1`` while add ``k + 1`` was under way."""
+    values = torch.unique(out).tolist()  # sorted
+    k = values[0]
+    return (
+        values in ([k], [k, k + 1])
+        and float(k).is_integer()
+        and floor <= k
+        and values[-1] <= ceiling
+    )
 
 
 CLASSES: dict[str, Callable[[Path, bool], ClassResult]] = {

@@ -9,6 +9,8 @@ on unsupported states.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import json
 import math
 import os
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import tracemalloc
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import msgpack
@@ -39,7 +42,7 @@ from functional_ckpt.errors import (
     UnsupportedValue,
 )
 from tests import prefork
-from tests.patience import HANG
+from tests.patience import HANG, eventually
 
 P = 2**61 - 1  # hash(k * P) == hash(0) for every int k
 
@@ -575,6 +578,60 @@ def test_fault_classes_find_nothing_wrong(tmp_path: Path) -> None:
     assert [r["name"] for r in report["results"]] == classes
     for r in report["results"]:
         assert r["trials"] > 0 and r["wrong"] == 0 and r["raw"] == 0, r
+
+
+@functools.cache
+def faults_values() -> ModuleType:
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "faults_values.py"
+    spec = importlib.util.spec_from_file_location("fc_faults_values", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fc_faults_values"] = module  # for its dataclasses
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_unstaged_bypass_commits_a_writer_stopped_mid_add(tmp_path: Path) -> None:
+    """Regression: on a loaded machine the class's writer thread was descheduled in the
+    middle of a numpy add for a whole save; the save rightly committed the half-added
+    tensor its memory held, and the class counted it wrong (a torn tensor restored)."""
+    fv = faults_values()
+    p = torch.nn.Parameter(torch.zeros(1 << 20))
+    a = p.detach().numpy()
+    half = a.size // 2
+    a[:half] += 1  # the first add, stopped halfway until the save has committed
+    path = tmp_path / "ck"
+    stopped = [True]
+
+    def add() -> None:
+        if stopped:
+            stopped.clear()
+            eventually(path.exists, "the commit")
+            a[half:] += 1
+        else:
+            a[:] += 1
+
+    res = fv.ClassResult("unstaged-bypass")
+    fv.bypass(res, path, p, add, "stopped mid-add")
+    assert (res.ok, res.wrong, res.raw) == (1, 0, 0), res.problems
+    assert res.notes == {"committed in the middle of one add": 1}
+
+
+@pytest.mark.parametrize(
+    ("values", "floor", "ceiling", "held"),
+    [
+        ([2, 2], 1, 3, True),
+        ([3, 2], 1, 3, True),  # add 3 under way
+        ([1, 3], 0, 3, False),  # two adds apart: a mix of two moments
+        ([2, 2], 3, 5, False),  # older than the adds finished before the save
+        ([3, 2], 0, 2, False),  # add 3 began after the save
+        ([2, 2.5], 0, 3, False),
+    ],
+)
+def test_unstaged_bypass_accepts_only_states_the_memory_held(
+    values: list[float], floor: int, ceiling: int, held: bool
+) -> None:
+    assert faults_values().held(torch.tensor(values), floor, ceiling) is held
 
 
 @pytest.mark.parametrize("order", ["value after the tensor", "value before the tensor"])
