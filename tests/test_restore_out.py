@@ -162,3 +162,29 @@ def test_a_dtensor_tie_in_out_restores_only_where_its_saved_values_are_the_same(
     assert got["same"]
     assert "'b' holds other saved values than its tie 'a'" in got["refused"], got["refused"]
     assert got["kept"]
+
+
+def test_a_dtensor_tie_in_out_of_a_stock_dcp_checkpoint_is_refused_where_its_values_differ(
+    tmp_path: Path,
+) -> None:
+    """Stock DCP records no ties either: its DTensors' shards are what out= checks."""
+    from tests.test_write_staging_edges import one_rank
+
+    got = one_rank(
+        tmp_path,
+        """
+        import torch.distributed.checkpoint as dcp
+        w = torch.arange(16.0).reshape(4, 4)
+        a, b = (distribute_tensor(x, mesh, [Shard(0)]) for x in (w, w + 1))
+        dcp.save({"a": a, "b": b}, checkpoint_id=base / "stock")
+        t = DTensor.from_local(torch.zeros(4, 4), mesh, [Shard(0)], run_check=False)
+        try:
+            fc.restore(base / "stock", out={"a": t, "b": t})
+            refused = ""
+        except fc.errors.TemplateMismatch as e:
+            refused = str(e)
+        print(json.dumps({"refused": refused, "kept": not t.to_local().any()}))
+        """,
+    )
+    assert "'b' holds other saved values than its tie 'a'" in got["refused"], got["refused"]
+    assert got["kept"]

@@ -70,13 +70,11 @@ class _Manifested:
         parsed, template, mine = rank_view(self.ck, self.parsed, template, req, self.topo, parts)
         # read_leaves checks the tensors' specs; a collective read has DTensors it does not
         selected, wanted = select(parsed, template, req, specs=self.sparse)
-        if req.inplace:  # a DTensor's shard is what is written
+        if req.inplace:
             saved = read.saved_value(
                 self.ck, lambda: self.parsed.filled(parsed, range(parsed.parts))
             )
-            shards = ((p, getattr(t, "_local_tensor", t)) for p, t in wanted.items())
-            out = shards if self.sparse else wanted.items()
-            read.refuse_unwritable(out, saved, lambda p: parsed.tensors[p].alias or p)
+            read.refuse_unwritable(wanted.items(), saved, lambda p: parsed.tensors[p].alias or p)
         extra = [] if mine is None else list(iter_leaves(mine))
         return Match(parsed.root, parsed, selected, wanted, template is None, extra)
 

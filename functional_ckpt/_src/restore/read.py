@@ -192,7 +192,10 @@ def refuse_unwritable(
             kind = "nested" if t.is_nested else t.layout
             problems.append(f"  {format_path(p)}: a {kind} tensor; pass a dense one")
             continue
-        start = t.data_ptr()  # 0: a meta or empty tensor
+        start = t.data_ptr()  # 0: a meta or empty tensor, or a DTensor (its shard is written)
+        if not start and hasattr(t, "_local_tensor"):
+            t = t._local_tensor
+            start = t.data_ptr()
         if not start:
             continue
         if t.is_contiguous():
