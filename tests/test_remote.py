@@ -755,6 +755,15 @@ def test_a_rollback_whose_step_cannot_be_uploaded_moves_nothing(
             mgr.rollback(3)
         assert mgr.steps() == [1, 2, 3, 4, 5] and mgr.remote.steps() == [4, 5]
         monkeypatch.setattr(protocol, "put_part", real)
+
+        def unlisted(*a: Any) -> Any:  # the round's plan: its cause is the rollback's error
+            raise fc.errors.RemoteUnreachable(f"{mem}: the listing did not answer (test)")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(type(mgr.remote), "_plan", unlisted)
+            with pytest.raises(fc.CheckpointError, match=r"rollback\(3\): .*listing did not"):
+                mgr.rollback(3)
+        assert mgr.steps() == [1, 2, 3, 4, 5] and mgr.remote.steps() == [4, 5]
         with warnings.catch_warnings(record=True) as told:
             warnings.simplefilter("always")
             mgr.maybe_save(_state(6), step=6)

@@ -216,7 +216,7 @@ class RemoteTier:
             self._below, failed, self._rolling = float("inf"), self._rolling, {}
 
         def held() -> None:
-            err = failed.get(step)  # each rank raises its own (on the coordinator: not held)
+            err = failed.get(step, failed.get(-1))  # its upload's, or the plan's; each rank's own
             if isinstance(err, RankFailed) or (
                 step in self._committed if self.coordinator else err is None
             ):
