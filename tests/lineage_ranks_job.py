@@ -92,6 +92,11 @@ def main() -> None:
         seen["branch"] = json.dumps(held)
         seen["again"] = attempt(lambda: mgr.maybe_save({**state, "step": 2}, step=2), "saved")
         mgr.remote.wait()
+        if rank == 1:  # a save cut short in rank 1's root alone: no tier's step to branch
+            (root / "step_000000007").mkdir()
+        seen["cut"] = attempt(lambda: mgr.rollback(2, like=state, newer="branch"), "rolled back")
+    with fc.CheckpointManager(root, tiers=(remote,)):  # reopened: no rollback left half done
+        seen["reopened"] = str(sorted(p.name for p in root.glob("step_*")))
     (base / f"out.{rank}.json").write_text(json.dumps(seen))
     dist.destroy_process_group()
 

@@ -255,6 +255,8 @@ def move_newer(
     (doomed, gone, branch), view = plan, disk.view
     own = remote is not None and remote.parts  # a rank's root of its own: its parts move too
     branch = coordinator_decides((branch,))[0] if own else branch  # the coordinator's name
+    if branch is None and not disk.coordinator:  # newer parts no tier holds: a save cut short
+        newer = "delete"
     for tier in tiers:
         if tier is not disk and tier is not remote:
             tier.delete([s for s in tier.steps() if s > step])
