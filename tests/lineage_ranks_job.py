@@ -97,6 +97,10 @@ def main() -> None:
         seen["cut"] = attempt(lambda: mgr.rollback(2, like=state, newer="branch"), "rolled back")
     with fc.CheckpointManager(root, tiers=(remote,)):  # reopened: no rollback left half done
         seen["reopened"] = str(sorted(p.name for p in root.glob("step_*")))
+    if rank == 1:  # a rollback record damaged in rank 1's root: every rank fails at the open
+        (root / ".rollback").write_text("{")
+    opened = lambda: fc.CheckpointManager(root, tiers=(remote,)).close()  # noqa: E731
+    seen["damaged"] = attempt(opened, "opened")
     (base / f"out.{rank}.json").write_text(json.dumps(seen))
     dist.destroy_process_group()
 

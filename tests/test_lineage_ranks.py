@@ -67,6 +67,8 @@ def test_another_runs_step_on_one_ranks_root_is_refused_by_every_rank(tmp_path: 
     assert seen[0]["cut"] == seen[1]["cut"] == "rolled back", seen
     assert seen[0]["reopened"] == str(["step_000000001", "step_000000002"]), seen
     assert seen[1]["reopened"] == str(["step_000000001", "step_000000002", "step_000000003"])
+    assert "rollback record" in seen[1]["damaged"], seen  # that rank's error, the others told
+    assert seen[0]["damaged"].startswith("RankFailed: "), seen
     assert Store(url).listing().keys() == {1, 2}  # 2 and 4 set aside on the remote too, 2 anew
     assert Store(f"{url}/branches/{name}").listing().keys() == {2, 4}
     assert float(fc.restore(theirs)["w"][0]) == 9.0, "the other run's checkpoint was written over"

@@ -122,9 +122,15 @@ class RemoteTier:
         self.retained: Callable[[Sequence[Any]], set[int]] = lambda rs: {r.step for r in rs}
         self.ours: Any = None
         if writer:
+            cut: BaseException | None = None
             if not self.coordinator and not self.shared:  # (the coordinator's lock does)
-                remove_downloads(root)
-                finish(root)  # a rollback a crash interrupted completes now
+                try:
+                    remove_downloads(root)
+                    finish(root)  # a rollback a crash interrupted completes now
+                except BaseException as e:
+                    cut = e
+            if self.parts:  # a rank that cannot finish fails every rank
+                groups.agree(cut, self._group, f"rollback in {root}")
             self._worker = Worker(self._round, coalesce=self.world == 1)
 
     def __repr__(self) -> str:
