@@ -195,6 +195,32 @@ def test_sigterm_promotes_the_newest_memory_checkpoint_to_disk(
     assert not leftovers, leftovers
 
 
+def test_forked_workers_signalled_with_their_parent_never_promote(tmp_path: Path) -> None:
+    """One writer per step: a process group's SIGTERM reaches a DataLoader's forked workers
+    too; they inherit the handler but only the manager's process promotes."""
+    import subprocess
+    import sys
+
+    from tests.patience import HANG
+
+    job = Path(__file__).with_name("forked_worker_job.py")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run(
+        [sys.executable, str(job), str(tmp_path), "3"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=HANG,
+        start_new_session=True,  # a process group of its own, signalled whole
+    )
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-3000:])
+    assert "LIVED" not in done.stdout, done.stdout  # every process ended by the signal
+    root = tmp_path / "root"
+    assert committed(root) == [3] and fc.verify(root / step_name(3)).ok
+    assert not [p.name for p in root.iterdir() if naming.is_temporary_name(p.name)]
+    assert "Warning" not in done.stderr, done.stderr[-3000:]  # no second promotion of step 3
+
+
 def test_a_second_run_is_refused_on_a_folder_in_use(
     ctx: mp.context.ForkServerContext, tmp_path: Path
 ) -> None:

@@ -130,7 +130,7 @@ class MemoryTier:
         self._said_over = False
         self._lock: WriterLock | None = None
         self._previous: dict[int, Any] = {}  # each signal's handler before ours
-        self._handling = False  # whether a signal of promote_on promotes
+        self._handling, self._pid = False, os.getpid()  # a signal of promote_on promotes (here)
         #: Promotion over the manager's tiers (``manager/tiers.promote``), set by the manager.
         self.promote: Callable[[float], Path | None] = lambda within: None
         self.durable, self.local = False, True
@@ -169,7 +169,7 @@ class MemoryTier:
                 self._previous = {
                     s: signal.signal(s, self._on_signal) for s in self.option.promote_on
                 }
-                self._handling = True
+                self._handling, self._pid = True, os.getpid()  # a forked child inherits it
             if self.replicas is not None:
                 self.replicas.clear_staging()
         except BaseException:
@@ -210,7 +210,7 @@ class MemoryTier:
         """Promote, then let the signal do what it did before (by default: end the process).
         A handler installed on top of this one (``fc.on_signal``, say) owns what the signal
         does: reached through its chain, this one promotes and ends nothing."""
-        if self._handling:
+        if self._handling and os.getpid() == self._pid:  # one writer: a fork never promotes
             self.promote(self.option.promote_within)
         previous = self._previous.get(signum)
         if callable(previous):
