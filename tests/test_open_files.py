@@ -54,13 +54,19 @@ class Opened:
 
 
 @pytest.fixture
-def opened(monkeypatch: pytest.MonkeyPatch) -> Iterator[Opened]:
+def opened(monkeypatch: pytest.MonkeyPatch, many: Path) -> Iterator[Opened]:
+    """Counts files under ``many``'s folder alone: a background thread an earlier test
+    left in this worker (a download's flush) opens files elsewhere meanwhile."""
     seen = Opened()
     real_open, real_close = os.open, os.close
+    inside = os.fspath(many.parent) + os.sep
 
     def counting_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
         fd = real_open(path, flags, *args, **kwargs)
-        seen.names.append(os.path.basename(os.fsdecode(path)))
+        name = opened_path(path, kwargs.get("dir_fd"))
+        if not name.startswith(inside):
+            return fd
+        seen.names.append(os.path.basename(name))
         seen.held.add(fd)
         seen.peak = max(seen.peak, len(seen.held))
         return fd
@@ -72,6 +78,14 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> Iterator[Opened]:
     monkeypatch.setattr(os, "open", counting_open)
     monkeypatch.setattr(os, "close", counting_close)
     yield seen
+
+
+def opened_path(path: Any, dir_fd: int | None) -> str:
+    """The absolute name ``os.open(path, dir_fd=)`` opened (a member opened by name)."""
+    name = os.fsdecode(path)
+    if dir_fd is not None and not os.path.isabs(name):
+        return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), name)
+    return os.path.abspath(name)
 
 
 def _files(names: list[str], path: Path) -> list[str]:

@@ -838,8 +838,38 @@ def test_cli_export_overwrite_keeps_a_source_tree(tmp_path: Path) -> None:
 
 @pytest.fixture
 def no_exchange(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(commit, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(commit, "_exchange", lambda a, b, flags=2: False)
     yield
+
+
+@pytest.mark.parametrize("renameat2", [True, False])
+def test_a_saver_that_loses_the_race_for_a_path_is_refused_and_the_winner_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, renameat2: bool
+) -> None:
+    """Another saver commits to the path after this one looked and before it renamed: the
+    loser gets ``CheckpointExists`` (not the rename's bare "Directory not empty"), its own
+    files are gone and the winner is whole, with or without ``renameat2``."""
+    dest = tmp_path / "ck"
+    if not renameat2:
+        monkeypatch.setattr(commit, "_exchange", lambda a, b, flags=2: False)
+    real_exists = pathlib.Path.exists
+
+    def winner_commits_after_the_look(self: Path, *args: Any, **kwargs: Any) -> bool:
+        seen = real_exists(self, *args, **kwargs)
+        if self == dest and any(naming.is_temporary_name(p.name) for p in tmp_path.iterdir()):
+            if not seen:  # the loser's files are written: the winner lands now
+                monkeypatch.setattr(pathlib.Path, "exists", real_exists)
+                fc.save(dest, make_state(1.0))
+            return False
+        return seen
+
+    monkeypatch.setattr(pathlib.Path, "exists", winner_commits_after_the_look)
+    with pytest.raises(fc.errors.CheckpointExists, match="already exists"):
+        fc.save(dest, make_state(2.0))
+    monkeypatch.undo()
+    assert fc.verify(dest).ok
+    assert torch.equal(fc.restore(dest)["model"]["w"], make_state(1.0)["model"]["w"])
+    assert not [p for p in tmp_path.iterdir() if naming.is_temporary_name(p.name)]
 
 
 def test_overwrite_scope_checked_again_at_commit(
