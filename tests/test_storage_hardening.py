@@ -838,20 +838,17 @@ def test_cli_export_overwrite_keeps_a_source_tree(tmp_path: Path) -> None:
 
 @pytest.fixture
 def no_exchange(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(commit, "_exchange", lambda a, b, flags=2: False)
+    monkeypatch.setattr(commit, "_exchange", lambda a, b: False)
     yield
 
 
-@pytest.mark.parametrize("renameat2", [True, False])
 def test_a_saver_that_loses_the_race_for_a_path_is_refused_and_the_winner_kept(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, renameat2: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another saver commits to the path after this one looked and before it renamed: the
     loser gets ``CheckpointExists`` (not the rename's bare "Directory not empty"), its own
-    files are gone and the winner is whole, with or without ``renameat2``."""
+    files are gone and the winner is whole."""
     dest = tmp_path / "ck"
-    if not renameat2:
-        monkeypatch.setattr(commit, "_exchange", lambda a, b, flags=2: False)
     real_exists = pathlib.Path.exists
 
     def winner_commits_after_the_look(self: Path, *args: Any, **kwargs: Any) -> bool:

@@ -30,34 +30,19 @@ _RENAMEAT2 = libc_function(
 )
 
 _AT_FDCWD = -100
-_RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 
 
-def _exchange(a: Path, b: Path, flags: int = _RENAME_EXCHANGE) -> bool:
+def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two directories (Linux ``renameat2``); False where unsupported."""
     if _RENAMEAT2 is None:
         return False
-    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), str(b))
-
-
-def _rename_new(tmp: Path, final: Path) -> bool:
-    """Rename ``tmp`` to ``final`` unless something is there by then (another saver won
-    the race since it was looked for): False, nothing replaced."""
-    try:
-        if _exchange(tmp, final, _RENAME_NOREPLACE):
-            return True
-        os.rename(tmp, final)  # replaces an empty directory at most
-    except OSError as e:
-        if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
-            return False
-        raise
-    return True
 
 
 def write_commit_marker(
@@ -114,13 +99,12 @@ def commit_checkpoint(
     fsync = fsync_dir if sync else (lambda path: None)
     fsync(tmp)
     parent = final.parent
-    if not (final.exists() or final.is_symlink()) and _rename_new(tmp, final):
-        fsync(parent)
-    elif not overwrite:
-        raise CheckpointExists(
-            f"{final}: a checkpoint already exists here; pass overwrite=True to replace it"
-        )
-    else:
+    taken = CheckpointExists(
+        f"{final}: a checkpoint already exists here; pass overwrite=True to replace it"
+    )
+    if final.exists() or final.is_symlink():
+        if not overwrite:
+            raise taken
         check_replaceable(final, replaces)
         if _exchange(tmp, final):
             fsync(parent)
@@ -135,6 +119,14 @@ def commit_checkpoint(
                 raise
             fsync(parent)
             remove_tree(aside)
+    else:
+        try:
+            os.rename(tmp, final)
+        except OSError as e:  # another saver committed here since it was looked for
+            if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise taken from e
+            raise
+        fsync(parent)
     seconds = time.perf_counter() - t0
     done(_LOG, "committed", final, seconds=seconds, step=step_in_name(final.name), to="as")
 
