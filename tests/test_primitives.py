@@ -36,7 +36,6 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("_src/distributed/groups.py", "probe.unlink"): (1, "the probe file this rank made"),
     ("_src/export/files.py", "path.read_bytes"): (1, "a side file the user names (extra_files)"),
     ("_src/export/safetensors.py", "os.open"): (1, "fsync of a file this export wrote"),
-    ("_src/export/torch_save.py", "os.open"): (1, "a new file (O_EXCL | O_NOFOLLOW)"),
     ("_src/export/torch_save.py", "torch.load"): (1, "a torch.save file the user names, no root's"),
     ("_src/export/torch_save.py", "zipfile.is_zipfile"): (1, "the same file, checked regular"),
     ("_src/export/torch_save.py", "os.unlink"): (2, "this writer's own temporary file"),

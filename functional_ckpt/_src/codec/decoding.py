@@ -75,15 +75,15 @@ def _parse_dtype(code: object) -> np.dtype[Any]:
     return dt
 
 
-def _unpack_payload(payload: bytes, what: str) -> list[Any]:
-    """Parse the small, flat msgpack header inside a leaf ext; no exts allowed inside."""
+def _unpack_payload(payload: bytes, what: str, fields: int) -> list[Any]:
+    """A leaf ext's small, flat msgpack header: a list of ``fields`` values, no ext inside."""
     try:
         out = _unpackb(payload, len(payload), strict_map_key=True, ext_hook=_refuse_ext, ext=0)
     except _Corrupt:
         raise
     except Exception as exc:
         raise _Corrupt(f"malformed {what} payload: {exc}") from None
-    if type(out) is not list:
+    if type(out) is not list or len(out) != fields:
         raise _Corrupt(f"malformed {what} payload")
     return out
 
@@ -93,10 +93,7 @@ def _refuse_ext(code: int, data: bytes) -> object:
 
 
 def _decode_ndarray(payload: bytes) -> object:
-    header = _unpack_payload(payload, "numpy array")
-    if len(header) != 3:
-        raise _Corrupt("malformed numpy array payload")
-    code, shape, raw = header
+    code, shape, raw = _unpack_payload(payload, "numpy array", 3)
     dt = _parse_dtype(code)
     if type(shape) is not list or len(shape) > LIMITS.tensor_ndim:
         raise _Corrupt(f"invalid numpy array shape {short_repr(shape)}")
@@ -120,10 +117,7 @@ def _decode_ndarray(payload: bytes) -> object:
 
 
 def _decode_numpy_scalar(payload: bytes) -> object:
-    header = _unpack_payload(payload, "numpy scalar")
-    if len(header) != 2:
-        raise _Corrupt("malformed numpy scalar payload")
-    code, body = header
+    code, body = _unpack_payload(payload, "numpy scalar", 2)
     import numpy as np
 
     if code in ("U", "S"):  # text travels as its Python value (see encoding)

@@ -198,9 +198,8 @@ def write_torch_file(obj: Any, out: Path, *, overwrite: bool) -> Path:
         raise CheckpointExists(f"{out}: already exists; pass overwrite=True to replace it")
     durable.make_dirs(out.parent)
     tmp = durable.tmp_sibling(out)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(durable.open_new(tmp), "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())

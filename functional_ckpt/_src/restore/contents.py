@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.restore import summary
 from functional_ckpt._src.storage import committed
 from functional_ckpt._src.storage.committed import open_checkpoint
-from functional_ckpt._src.storage.usage import sharing
+from functional_ckpt._src.storage.usage import dir_size, sharing
 
 
 def inspect_dcp(root: Path) -> summary.CheckpointSummary:
@@ -44,8 +43,6 @@ def inspect_dcp(root: Path) -> summary.CheckpointSummary:
         else:
             num_values += 1
             summary.insert(tree, path, "<pickled value, not loaded>")
-    sizes = (os.lstat(root / f) for f in os.listdir(root))
-    file_bytes = sum(st.st_size for st in sizes if stat.S_ISREG(st.st_mode))
     return summary.CheckpointSummary(
         path=root,
         format_version=None,
@@ -55,7 +52,7 @@ def inspect_dcp(root: Path) -> summary.CheckpointSummary:
         num_tensors=num_tensors,
         num_values=num_values,
         tensor_bytes=tensor_bytes,
-        file_bytes=file_bytes,
+        file_bytes=dir_size(root),
         foreign=True,
     )
 

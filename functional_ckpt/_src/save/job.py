@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 from functional_ckpt._src.distributed.topology import Topology
 from functional_ckpt._src.format.manifest import Written
 from functional_ckpt._src.save.incremental import Base
+from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.options import SaveOptions
 from functional_ckpt._src.save.plan import Plan, Prepared
 from functional_ckpt._src.save.trust import Ident
@@ -34,6 +36,21 @@ class SaveJob:
     def plan(self) -> Plan:
         assert self.prepared is not None, "a failed rank's job has no plan"
         return self.prepared.plan
+
+    def info(self, nbytes: int, created: float, t0: float) -> CheckpointInfo:
+        """What this save reports once committed (``nbytes`` on disk), begun at ``t0``."""
+        assert self.prepared is not None
+        sources = self.prepared.plan.sources
+        return CheckpointInfo(
+            path=self.dest,
+            nbytes=nbytes,
+            tensor_bytes=sum(t.numel() * t.element_size() for t in sources),
+            num_tensors=len(sources),
+            num_values=self.prepared.plan.num_values,
+            created=created,
+            duration=time.perf_counter() - t0,
+            metadata=self.prepared.metadata,
+        )
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -29,25 +28,30 @@ from functional_ckpt.errors import CheckpointError, UnsupportedValue
 
 def finalize(
     tmp: Path,
-    dest: Path,
+    job: SaveJob,
     tree: Tree,
     written: Written,
     *,
     created: float,
-    metadata: Any,
-    metadata_bytes: bytes | None,
-    overwrite: bool,
     before_commit: Callable[[], None] | None = None,
     syncing: list[Future[None]] | None = None,
     elsewhere: Mapping[str, int] | None = None,
     sync: bool = True,
 ) -> int:
-    """Commit ``tmp`` as ``dest``; return its bytes on disk. ``syncing``: shard fsyncs still
-    running; ``elsewhere``: files ranks wrote into their own parts; no ``sync``: no fsync."""
+    """Commit ``tmp`` as the job's checkpoint; return its bytes on disk. ``syncing``: shard
+    fsyncs still running; ``elsewhere``: files ranks wrote into their own parts; no ``sync``:
+    no fsync."""
     syncing = [] if syncing is None else syncing
+    dest, prepared = job.dest, job.prepared
+    assert prepared is not None
     try:
         manifest = assemble(
-            tree, written, {}, created=created, metadata=metadata, metadata_bytes=metadata_bytes
+            tree,
+            written,
+            {},
+            created=created,
+            metadata=prepared.metadata,
+            metadata_bytes=prepared.metadata_bytes,
         )
         spliced = written.spliced  # a multi-rank save of the layout saved last keeps it
         md_bytes = spliced.dcp if spliced is not None else None
@@ -82,7 +86,7 @@ def finalize(
     if before_commit is not None:
         before_commit()
     commit.write_commit_marker(tmp, manifest_bytes, version=manifest.version, sync=sync)
-    commit.commit_checkpoint(tmp, dest, overwrite=overwrite, sync=sync)
+    commit.commit_checkpoint(tmp, dest, overwrite=job.options.overwrite, sync=sync)
     return sum(f["size"] for f in files.values()) + parts + len(manifest_bytes)
 
 
@@ -106,8 +110,7 @@ def encode_parts(manifest: Manifest, dest: Path) -> list[tuple[str, bytes]]:
 
 def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> CheckpointInfo:
     """Write and commit a planned state from one process (``tensors``: contiguous, on the CPU)."""
-    assert job.prepared is not None
-    prepared, plan, dest = job.prepared, job.prepared.plan, job.dest
+    plan, dest = job.plan, job.dest
     t0 = time.perf_counter()
     created = time.time()
     tmp = durable.tmp_sibling(dest)
@@ -141,13 +144,10 @@ def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> 
         check = hooks.before_commit
         nbytes = finalize(
             tmp,
-            dest,
+            job,
             plan.tree(),
             written,
             created=created,
-            metadata=prepared.metadata,
-            metadata_bytes=prepared.metadata_bytes,
-            overwrite=job.options.overwrite,
             before_commit=None if check is None else (lambda: check(written)),
             syncing=syncing,
             sync=job.options.durable,
@@ -158,13 +158,4 @@ def write_local(job: SaveJob, tensors: Sequence[torch.Tensor], hooks: Hooks) -> 
             raise os_failure(e, dest, "saving") from e
         raise
     job.options.trust.remember(dest, Seen(keys, job.idents))
-    return CheckpointInfo(
-        path=dest,
-        nbytes=nbytes,
-        tensor_bytes=sum(c.nbytes for c in chunks),
-        num_tensors=len(chunks),
-        num_values=plan.num_values,
-        created=created,
-        duration=time.perf_counter() - t0,
-        metadata=prepared.metadata,
-    )
+    return job.info(nbytes, created, t0)

@@ -59,8 +59,6 @@ class _Commit:
         incremental_save = self.job.options.base is not None  # the same on every rank
         chunks, sizes, spliced = splice.merge(cache, sent, tree, blobs, incremental_save)
         written = Written(chunks, blobs, incremental.reused_info(self.tmp), spliced)
-        prepared = self.job.prepared
-        assert prepared is not None
         try:
             # A shard file not in this directory is one a rank that does not share its
             # file system reported writing into a directory of its own (a part), or an error.
@@ -71,15 +69,7 @@ class _Commit:
                     "and no rank reported writing it elsewhere; nothing was committed"
                 )
             return finalize(
-                self.tmp,
-                self.job.dest,
-                tree,
-                written,
-                created=self.created,
-                metadata=prepared.metadata,
-                metadata_bytes=prepared.metadata_bytes,
-                overwrite=self.job.options.overwrite,
-                elsewhere=elsewhere,
+                self.tmp, self.job, tree, written, created=self.created, elsewhere=elsewhere
             )
         except CheckpointError:  # e.g. CheckpointExists, itself an OSError
             raise
@@ -159,17 +149,7 @@ def save_planned(
     if own:  # this rank's part of a checkpoint committed on the coordinator's file system
         _keep_part(tmp, dest)
     job.options.trust.remember(dest, seen, rank)
-    assert job.prepared is not None
-    return CheckpointInfo(
-        path=dest,
-        nbytes=nbytes,
-        tensor_bytes=sum(t.numel() * t.element_size() for t in plan.sources),
-        num_tensors=len(plan.sources),
-        num_values=plan.num_values,
-        created=commit_job.created,
-        duration=time.perf_counter() - t0,
-        metadata=job.prepared.metadata,
-    )
+    return job.info(nbytes, commit_job.created, t0)
 
 
 def coordinate(

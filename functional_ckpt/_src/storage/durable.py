@@ -96,10 +96,10 @@ def write_all(fd: int, data: memoryview | bytes | bytearray) -> None:
         view = view[os.write(fd, view) :]
 
 
-def open_new(path: Path, *, mapped: bool = False, mode: int = 0o644) -> int:
+def open_new(path: Path, *, mapped: bool = False) -> int:
     """A new file at ``path`` (never an existing one or a link); ``mapped``: readable too."""
     flags = (NEW_FILE & ~os.O_WRONLY) | os.O_RDWR if mapped else NEW_FILE
-    return os.open(path, flags, mode)
+    return os.open(path, flags, 0o644)
 
 
 def fsync_and_close(fd: int) -> None:
@@ -128,7 +128,7 @@ def write_new(
     mode: int = 0o644,
 ) -> None:
     """Write a whole new file (never over anything) and close it as :func:`close_new`."""
-    fd = open_new(path, mode=mode)
+    fd = os.open(path, NEW_FILE, mode)
     try:
         write_all(fd, data)
     except BaseException:
