@@ -7,7 +7,9 @@ rollback a crash cut short there), and every rank opens (finishing it) and resum
 (the remote keeping the last two), tries to save steps 3 and 4, to roll back to step 3,
 then to step 1: with rank 1's upload of step 1 failing, to a branch name rank 1's root
 alone holds, then as it is (each root's newer steps to the branch), and to save step 2
-again. ``BASE/out.<R>.json``: what each saw.
+again. Then, in a root the ranks share with a memory folder, a crashed run's RAM steps
+that a rollback made without the memory tier left are never resumed. ``BASE/out.<R>.json``:
+what each saw.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -36,6 +40,27 @@ def attempt(action: Callable[[], object], done: str) -> str:
         return done
     except fc.errors.CheckpointError as err:
         return f"{type(err).__name__}: {err}"
+
+
+def ram_after_rollback(base: Path) -> str:
+    """Steps 1-5 in RAM (4 and 5 held), 2 and 4 on disk; a crash; a rollback to 2 without
+    the memory tier; then what a relaunch with it resumes, and what RAM holds then."""
+    root, tier = base / "shared", fc.manager.Memory(path=base / "mem", promote_on=())
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # a state of every rank's part
+    state = {"w": distribute_tensor(torch.arange(8.0), mesh, [Shard(0)]), "step": 0}
+    try:
+        with fc.CheckpointManager(root, save=fc.every_steps(2), tiers=(tier,)) as mgr:
+            for step in range(1, 6):
+                mgr.maybe_save({**state, "step": step}, step=step)
+            raise RuntimeError("the run crashes")
+    except RuntimeError:
+        pass
+    with fc.CheckpointManager(root, save=fc.every_steps(2)) as mgr:
+        mgr.rollback(2, like=state, newer="delete")
+    with fc.CheckpointManager(root, save=fc.every_steps(2), tiers=(tier,)) as mgr:
+        assert mgr.memory is not None
+        mgr.restore_latest(like=state)
+        return f"{mgr.restored_step} {mgr.memory.steps()}"
 
 
 def main() -> None:
@@ -101,6 +126,7 @@ def main() -> None:
         (root / ".rollback").write_text("{")
     opened = lambda: fc.CheckpointManager(root, tiers=(remote,)).close()  # noqa: E731
     seen["damaged"] = attempt(opened, "opened")
+    seen["ram"] = ram_after_rollback(base)
     (base / f"out.{rank}.json").write_text(json.dumps(seen))
     dist.destroy_process_group()
 

@@ -1,6 +1,7 @@
 """The lineage rule (docs/tiered.md) on ranks with a root each: a refusal on one rank's
 root is every rank's, and the manager goes on saving; so is a rollback's failure on one
-rank (its upload, a branch name its root holds). Real gloo ranks (tests/lineage_ranks_job.py).
+rank (its upload, a branch name its root holds); a memory folder never undoes a rollback
+made without it. Real gloo ranks (tests/lineage_ranks_job.py).
 """
 
 from __future__ import annotations
@@ -72,3 +73,5 @@ def test_another_runs_step_on_one_ranks_root_is_refused_by_every_rank(tmp_path: 
     assert Store(url).listing().keys() == {1, 2}  # 2 and 4 set aside on the remote too, 2 anew
     assert Store(f"{url}/branches/{name}").listing().keys() == {2, 4}
     assert float(fc.restore(theirs)["w"][0]) == 9.0, "the other run's checkpoint was written over"
+    # RAM's steps 4 and 5, which a rollback to 2 made without the memory tier left: dropped
+    assert seen[0]["ram"] == seen[1]["ram"] == "2 []", seen

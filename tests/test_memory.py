@@ -685,3 +685,130 @@ def test_beside_a_remote_tier_the_newest_of_all_three_is_restored(tmp_path: Path
     with manager(tmp_path / "fresh") as mgr:  # another machine: an empty disk, no folder
         state = mgr.restore_latest()
         assert state is not None and mgr.restored_step == 6  # from the remote tier
+
+
+# --------------------------------------------------------------------------- the trunk
+
+
+def crashed_run(root: Path, memory: Path, steps: int) -> None:
+    """Steps 1.. ``steps`` saved to RAM (the newest two held) and every second one to disk,
+    then the process crashes: an exception leaves the block, the folder stays (nothing
+    promoted)."""
+    tier = fc.manager.Memory(path=memory, async_save=False, promote_on=())
+    mgr = fc.CheckpointManager(root, save=fc.every_steps(2), tiers=(tier,))
+    with contextlib.suppress(RuntimeError), mgr:
+        for s in range(1, steps + 1):
+            mgr.maybe_save(small_state(s), step=s)
+        raise RuntimeError("the run crashes")
+    assert committed(memory) == [steps - 1, steps]
+
+
+def resume_with_ram(root: Path, memory: Path) -> tuple[int | None, Any, list[int], str]:
+    """What a relaunch with the original memory tier resumes: the step, its state, what
+    RAM holds then and what the memory tier said."""
+    tier = fc.manager.Memory(path=memory, async_save=False)
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        with fc.CheckpointManager(root, save=fc.every_steps(2), tiers=(tier,)) as mgr:
+            state = mgr.restore_latest()
+            held = committed(memory)
+    said = " ".join(str(w.message) for w in told if w.category is MemoryTierWarning)
+    return mgr.restored_step, state, held, said
+
+
+@pytest.mark.parametrize("how", ["rollback", "rollback-other-ram", "delete"])
+def test_a_move_of_the_trunk_without_the_memory_tier_is_never_undone_by_ram(
+    tmp_path: Path, how: str
+) -> None:
+    """The trunk moves in a manager opened without the run's memory tier (or with another
+    folder): RAM's copies of the steps that left it are dropped, never resumed."""
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    crashed_run(root, memory, steps=4 if how == "delete" else 5)  # disk 2 4, RAM 3 4 / 4 5
+    other = fc.manager.Memory(path=tmp_path / "other")
+    tiers = (other,) if how == "rollback-other-ram" else ()
+    with fc.CheckpointManager(root, save=fc.every_steps(2), tiers=tiers) as mgr:
+        if how == "delete":
+            mgr.delete(4)
+        else:
+            mgr.rollback(2, newer="delete")
+    step, state, held, said = resume_with_ram(root, memory)
+    if how == "delete":  # step 3 stays on the trunk, step 4 does not
+        assert (step, held, int(state["step"])) == (3, [3], 3)
+    else:
+        assert (step, held, int(state["step"])) == (2, [], 2)
+    assert f"steps {[4] if how == 'delete' else [4, 5]} are off this run's trunk" in said, said
+
+
+def test_a_resume_of_an_older_step_then_saves_is_never_undone_by_ram(tmp_path: Path) -> None:
+    """A run restored from step 4 by name (with another memory folder) and saved on: the
+    original folder's older step 5 loses to the trunk's step 5, its tie."""
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    crashed_run(root, memory, steps=5)  # disk 2 4, RAM 4 5
+    other = fc.manager.Memory(path=tmp_path / "other", async_save=False)
+    with fc.CheckpointManager(root, save=fc.every_steps(2), tiers=(other,)) as mgr:
+        mgr.restore(4)
+        mgr.maybe_save(small_state(50), step=5, force=True)
+    step, state, held, said = resume_with_ram(root, memory)
+    assert (step, float(state["w"][0, 0]), held) == (5, 50.0, [4])  # 4 is on the trunk
+    assert "steps [5] are off this run's trunk" in said, said
+
+
+def test_a_stale_ram_step_never_wins_the_tie_with_the_trunks(tmp_path: Path) -> None:
+    """RAM holds step 5 of the history a rollback left; the disk a new step 5: a resume
+    takes the disk's (the trunk's), whatever the step numbers say."""
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    crashed_run(root, memory, steps=5)
+    with fc.CheckpointManager(root, save=fc.every_steps(2)) as mgr:
+        mgr.rollback(2, newer="branch")
+        for s in (3, 4, 5):
+            mgr.maybe_save(small_state(100 + s), step=s, force=True)
+    step, state, held, said = resume_with_ram(root, memory)
+    assert (step, float(state["w"][0, 0]), held) == (5, 105.0, [])
+    assert "steps [4, 5] are off this run's trunk" in said, said
+
+
+def dying_rollback(root: str, memory: str | None, kill_at: int) -> None:
+    """Roll ``root`` back to step 2, SIGKILLed before its (``kill_at``+1)-th rename (RAM's
+    and the disk's), or before the rollback's record goes once every move is done."""
+    tiers = () if memory is None else (fc.manager.Memory(path=memory, async_save=False),)
+    mgr = fc.CheckpointManager(root, save=fc.every_steps(2), tiers=tiers)
+    done = [0]
+    real_rename, real_unlink = os.rename, os.unlink
+
+    def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if done[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_rename(src, dst, *args, **kwargs)
+        done[0] += 1
+
+    def unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        if str(path).endswith("/.rollback") and done[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_unlink(path, *args, **kwargs)
+
+    os.rename, os.unlink = rename, unlink  # type: ignore[assignment]
+    mgr.rollback(2, newer="delete")
+    os.rename, os.unlink = real_rename, real_unlink  # type: ignore[assignment]
+    mgr.close()
+
+
+@pytest.mark.parametrize("with_ram", [True, False])
+@pytest.mark.parametrize("kill_at", [0, 1, 2, 3, 4, 99])
+def test_sigkill_during_a_rollback_never_lets_ram_undo_it(
+    ctx: mp.context.ForkServerContext, tmp_path: Path, with_ram: bool, kill_at: int
+) -> None:
+    """A rollback SIGKILLed anywhere either has not happened (the trunk whole: RAM may
+    resume it) or completes at the next open, and then RAM's dropped steps are never resumed."""
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    crashed_run(root, memory, steps=5)  # disk 2 4, RAM 4 5
+    args = (str(root), str(memory) if with_ram else None, kill_at)
+    proc = ctx.Process(target=dying_rollback, args=args)
+    proc.start()
+    code = finished(proc)
+    assert code in ((0,) if kill_at == 99 else (0, -signal.SIGKILL))  # (fewer renames: done)
+    step, state, held, _ = resume_with_ram(root, memory)
+    assert int(state["step"]) == step
+    if committed(root) == [2]:  # the rollback happened
+        assert step == 2 and held == []
+    else:  # it did not: nothing moved on disk, RAM may hold its newer steps still
+        assert committed(root) == [2, 4] and step in (4, 5), (step, held)

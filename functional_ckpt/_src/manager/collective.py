@@ -16,7 +16,7 @@ from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.topology import is_dtensor
 from functional_ckpt._src.manager.rollback_rule import Watch
 from functional_ckpt._src.policy.base import Event, PolicyState, SavePolicy
-from functional_ckpt._src.root.run import Run
+from functional_ckpt._src.root.run import Run, cuts_of
 from functional_ckpt._src.state.tree import Leaf, leaves_of, unflatten
 
 
@@ -45,11 +45,11 @@ def coordinator_decides(decision: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def share_run(run: tuple[Run, bool] | None) -> tuple[Run, bool]:
-    """Every rank adopts the run the coordinator found (or made) in the root."""
-    rid, secret, made = coordinator_decides(
-        (run[0].id, run[0].secret, run[1]) if run is not None else ("", "", False)
+    """Every rank adopts the run the coordinator found (or made) in the root, its cuts too."""
+    rid, secret, made, cuts = coordinator_decides(
+        (run[0].id, run[0].secret, run[1], run[0].cuts) if run is not None else ("", "", False, ())
     )
-    return Run(str(rid), str(secret)), bool(made)
+    return Run(str(rid), str(secret), cuts=cuts_of(cuts)), bool(made)
 
 
 class Votes(NamedTuple):

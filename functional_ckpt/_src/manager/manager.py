@@ -70,7 +70,7 @@ from functional_ckpt._src.root.leftovers import open_writer
 from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt._src.root.lock import WriterLock
 from functional_ckpt._src.root.rollback import Newer, finish
-from functional_ckpt._src.root.run import Run, open_run, read_run
+from functional_ckpt._src.root.run import Cut, Run, add_cut, open_run, read_run
 from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.options import DEFAULT_PER_RANK, PER_RANK
@@ -124,6 +124,7 @@ class CheckpointManager(RootView):
         self._export_state: PolicyState = export.policy.init() if export is not None else None
         self._watch = Watch(rollback)  # the rollback rule (see .rollback_rule)
         self.restored_step: int | None = None  # what the last restore returned, if any
+        self._continues: Cut | None = None
         self._lock: WriterLock | None = None
         self._closed = False
         self._run = Provenance(os.getcwd())
@@ -299,6 +300,7 @@ class CheckpointManager(RootView):
             return  # a follower never saves: its policies are irrelevant
         self._run.resume(info.metadata)
         self._run.continued_from(info.step, info.metadata, info.path)
+        self._continues = (info.step, None, time.time())  # the trunk's cut, once saved on
         record = record_of(info.metadata)
         self._policy_state = stored_state(self.save_policy, record.raw, "save", info.path)
         self._watch.resume(record.raw, info.path)
@@ -434,6 +436,9 @@ class CheckpointManager(RootView):
             event, self.save_policy, policy_state, self.keep, export, export_state
         )
         record.update(self._watch.entry())
+        if self._continues is not None and self._coordinator:  # before any tier writes one:
+            add_cut(self.root, self._continues)  # what the run left is no tier's to resume
+        self._continues = None
         return self._run.metadata(record, self.metadata)
 
     def _after_commit(self, info: CheckpointInfo) -> None:
@@ -460,9 +465,12 @@ class CheckpointManager(RootView):
         together(self._distributed, doing, self.disk.check_ours, step, doing, CheckpointError)
         for tier in self.tiers:  # the remote's too: an upload in flight would commit it again
             tier.wait()
+        cut = (step - 1, step, time.time())  # and none a tier holds later (RAM not open here)
         for tier in self.tiers:  # or a resume would still find it in another tier
             if tier is self.disk or step in tier.steps():  # a link in the root is not a step
                 tier.delete([step])
+        if self._coordinator:
+            add_cut(self.root, cut)
 
 
 _LOG = logger("manager")

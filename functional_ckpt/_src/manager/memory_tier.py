@@ -28,7 +28,7 @@ from functional_ckpt._src.manager import memory as mf
 from functional_ckpt._src.manager.collective import coordinator_decides
 from functional_ckpt._src.manager.memory_replicas import STAGING, Replicas, fail_together
 from functional_ckpt._src.manager.options import AsyncSave
-from functional_ckpt._src.manager.provenance import Lineage
+from functional_ckpt._src.manager.provenance import Lineage, run_of
 from functional_ckpt._src.manager.writes import Writes, WriteSettings
 from functional_ckpt._src.policy.base import Event, PolicyState
 from functional_ckpt._src.root.delete import delete, remove_all
@@ -60,6 +60,7 @@ class RunView(RootView):
         self.lineage, self._said = Lineage(run, alone=True), False  # planted, not adopted
         self.mine: set[int] = set()  # committed by this tier: this run's, no manifest read
         self.damaged: set[int] = set()  # unreadable or renamed: whoever's, a save replaces it
+        self.cut: list[int] = []  # this run's, off its trunk (docs/tiered.md): never resumed
         self.listed: list[int] | None = None  # held over a save's blocking part: one listing
         self.hold = False
 
@@ -69,16 +70,18 @@ class RunView(RootView):
         found = sorted(self.candidates())
         mine: list[int] = []
         others = [s for s, p in found if not is_committed(p)]
-        self.damaged = set()
+        self.damaged, self.cut = set(), []
         for step in (s for s, p in found if is_committed(p)):
+            meta: Mapping[str, Any] = {}
             try:
-                ours = step in self.mine or self.lineage.holds(self.info(step).metadata)
+                meta = {} if step in self.mine else self.info(step).metadata
             except (CheckpointError, OSError) as err:
                 if is_damage(err):
                     self.damaged.add(step)
                     continue
-                ours = False
-            (mine if ours else others).append(step)
+            ours = step in self.mine or self.lineage.holds(meta)
+            off = run_of(meta) == self.lineage.run  # this run's, off its trunk: dropped at open
+            (mine if ours else self.cut if off else others).append(step)
         if others and not self._said:
             self._said = True
             warn(
@@ -164,6 +167,7 @@ class MemoryTier:
         try:
             mf.adopt(self.folder, self.root, self.run)
             recover_leftovers(self.folder, stacklevel=6)
+            self._drop_cut()
             self._write_status(open_=True)
             if threading.current_thread() is threading.main_thread():  # where signals arrive
                 self._previous = {
@@ -176,6 +180,18 @@ class MemoryTier:
             self._lock.release()
             self._lock = None
             raise
+
+    def _drop_cut(self) -> None:
+        """Remove this run's checkpoints a move of its trunk made elsewhere left behind."""
+        self.steps()  # which lists them in view.cut
+        if cut := self.view.cut:
+            remove_all(delete(self.folder, [self.view.path(s) for s in cut]))
+            why = "a rollback, a delete or a resume of an older step left them"
+            warn(
+                f"{self.folder}: steps {cut} are off this run's trunk ({why}): removed",
+                MemoryTierWarning,
+                stacklevel=7,
+            )
 
     def close(self, *, crashed: bool = False) -> None:
         """Remove the folder: its RAM is not held past the run. After a crash it stays for

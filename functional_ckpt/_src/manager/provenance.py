@@ -6,6 +6,7 @@ A policy's stored state is handed back on a restart only to the policy of the sa
 from __future__ import annotations
 
 import contextlib
+import math
 import platform
 import re
 import subprocess
@@ -212,8 +213,9 @@ def stored_state(
 
 class Lineage:
     """The lineage rule (docs/tiered.md): a checkpoint is this run's to resume, keep and
-    delete when it records no run, this run, or one of its ``"ancestors"`` on the path it
-    came from (at or below ``"until"``, saved no later than ``"until_time"``). Until the
+    delete when it records no run, this run on its trunk (no recorded cut left it behind),
+    or one of its ``"ancestors"`` on the path it came from (at or below ``"until"``, saved
+    no later than ``"until_time"``). Until the
     run has a checkpoint (``run.json`` records its runs from then on) it adopts the one
     lineage the root holds (or else the remote tier's); between unrelated ones it never
     guesses. Another's is reported once. ``alone``: this run's only (a memory tier's
@@ -224,6 +226,7 @@ class Lineage:
         self.recorded = set(() if run is None else run.lineage)  # grows, never shrinks
         self.until = {} if run is None else dict(run.until)  # as does each branch step
         self.until_time = {} if run is None else dict(run.until_time)
+        self.cuts = () if run is None else run.cuts  # where this run's own trunk was cut
         self.runs: set[str] | None = set()  # None: every run's (none held records one)
         self.unrelated: list[str] = []  # the runs held, none of them this lineage's
         self._told: set[str] = set()
@@ -268,16 +271,25 @@ class Lineage:
         """Whether a checkpoint recording ``metadata`` is of this lineage."""
         run = run_of(metadata)
         if run == self.run or self.alone:
-            return run == self.run
+            return run == self.run and not self.cut(metadata)
         if self.runs is None or run is None:
             return True
         step, saved = record_of(metadata).step or 0, metadata.get("time")
         early = type(saved) is not float or saved <= self.until_time.get(run, saved)
         return run in self.runs and step <= self.until.get(run, step) and early
 
+    def cut(self, metadata: Mapping[str, Any]) -> bool:
+        """Whether this run's checkpoint left its trunk: saved before a cut above its step
+        (a rollback, a delete, a resume of an older step saved on from, wherever made)."""
+        step, saved = record_of(metadata).step or 0, metadata.get("time")
+        saved = saved if type(saved) is float else -math.inf  # unrecorded: before any cut
+        return any(a < step <= (step if b is None else b) and saved < t for a, b, t in self.cuts)
+
     def stranger(self, metadata: Mapping[str, Any], where: object) -> str:
-        """What a checkpoint at ``where`` of another lineage is."""
+        """What a checkpoint at ``where`` of another lineage (or off the trunk) is."""
         run = run_of(metadata)
+        if run == self.run:
+            return f"{where}: a checkpoint of this run ({run}) off this run's trunk"
         return f"{where}: a checkpoint of run {run}, not of this run's lineage ({self.run})"
 
     def unsure(self, where: object) -> str:

@@ -262,8 +262,8 @@ def move_newer(
             tier.delete([s for s in tier.steps() if s > step])
     if remote is not None and disk.coordinator:
         remote.set_aside(gone, branch if newer == "branch" else None)
-    if not (doomed or reason) or not (disk.coordinator or own):
+    if not (disk.coordinator or (own and doomed)):
         return None
-    done = rollback.run(view.root, step, doomed, newer, branch, reason)
+    done = rollback.run(view.root, step, doomed, newer, branch, reason)  # the trunk cut too
     view.forget(doomed)
-    return done if disk.coordinator else None
+    return done if disk.coordinator and (doomed or reason) else None

@@ -1,6 +1,7 @@
 """The run a root holds: a random id recorded in every checkpoint, so a tier outside the
 root (RAM) is resumed only when it holds this run's (no leading dot: ``rm -rf ckpt/*``
-starts a new run), and an owner-only secret naming the memory tier's folder."""
+starts a new run), an owner-only secret naming the memory tier's folder, and where its
+trunk was cut (a tier a move of the trunk did not reach never resumes what it left)."""
 
 from __future__ import annotations
 
@@ -17,18 +18,25 @@ from functional_ckpt.errors import CheckpointError
 RUN_FILE = "run.json"
 
 
+#: Where a run's trunk was cut: its checkpoints above ``above`` (up to ``upto``; None: all)
+#: saved before ``before`` (a rollback, a delete, a restore saved on from) left the trunk.
+Cut = tuple[int, int | None, float]
+
+
 @dataclass(frozen=True)
 class Run:
     """A root's run: ``id`` recorded in every checkpoint; ``secret`` names its RAM folder;
     ``lineage``: the runs its checkpoints continue, once it has any (its own deletions
     never make another run's checkpoints its own), ``until`` and ``until_time`` where it
-    left each (the step, and the save time its checkpoint there records)."""
+    left each (the step, and the save time its checkpoint there records); ``cuts``: where
+    its own trunk was cut, for good (see :data:`Cut`)."""
 
     id: str
     secret: str
     lineage: tuple[str, ...] = ()
     until: dict[str, int] = field(default_factory=dict)
     until_time: dict[str, float] = field(default_factory=dict)
+    cuts: tuple[Cut, ...] = ()
 
 
 def read_run(root: Path) -> Run | None:
@@ -42,7 +50,24 @@ def read_run(root: Path) -> Run | None:
     found = doc.get("lineage")
     lineage = tuple(r for r in found if isinstance(r, str)) if isinstance(found, list) else ()
     until, times = numbers(doc.get("until"), int), numbers(doc.get("until_time"), float)
-    return Run(rid, secret, lineage, until, times)
+    return Run(rid, secret, lineage, until, times, cuts_of(doc.get("cuts")))
+
+
+def cuts_of(found: object) -> tuple[Cut, ...]:
+    """The recorded cuts (none if unrecorded or malformed: it only informs)."""
+    try:
+        listed = found if isinstance(found, list | tuple) else ()
+        return tuple((int(a), None if b is None else int(b), float(t)) for a, b, t in listed)
+    except (TypeError, ValueError, OverflowError):
+        return ()
+
+
+def add_cut(root: Path, cut: Cut) -> None:
+    """Record ``cut`` in ``root``'s run, if it has one and no cut recorded covers it (under
+    the writer's lock)."""
+    run, wider = read_run(root), lambda c: c[0] <= cut[0] and c[1] is None and c[2] >= cut[2]
+    if run is not None and not any(map(wider, run.cuts)):
+        record_run(root, replace(run, cuts=(*run.cuts, cut)))
 
 
 def numbers(found: object, kind: type) -> dict[str, Any]:
@@ -64,8 +89,8 @@ def open_run(root: Path, *, new_secret: bool = False) -> tuple[Run, bool]:
 def record_run(root: Path, run: Run) -> None:
     """Write ``run`` as ``root``'s (under the writer's lock), crash-safely, owner-only."""
     path = root / RUN_FILE
-    doc = {"run": run.id, "secret": run.secret, "lineage": list(run.lineage), "until": run.until}
-    doc["until_time"] = run.until_time
+    doc: dict[str, Any] = {"run": run.id, "secret": run.secret, "lineage": list(run.lineage)}
+    doc |= {"until": run.until, "until_time": run.until_time, "cuts": [list(c) for c in run.cuts]}
     try:
         durable.replace_durably(path, json.dumps(doc).encode(), mode=0o600)
     except OSError as e:  # a directory or a special file in its place: not ours to fix
