@@ -685,3 +685,31 @@ def test_beside_a_remote_tier_the_newest_of_all_three_is_restored(tmp_path: Path
     with manager(tmp_path / "fresh") as mgr:  # another machine: an empty disk, no folder
         state = mgr.restore_latest()
         assert state is not None and mgr.restored_step == 6  # from the remote tier
+
+
+def test_a_run_that_adopted_the_remote_lineage_resumes_its_ram_steps_after_sigkill(
+    ctx: mp.context.ForkServerContext, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty root in front of a remote tier adopts the remote's run and resumes its step
+    4; killed before its first disk save, its steps 6 and 7 are in RAM alone. Relaunched, it
+    resumes step 7, the step it came from still of its lineage: where the RAM steps are
+    lost too, step 4 is taken, never a fresh start."""
+    pytest.importorskip("fsspec")
+    for name, lost in (("intact", False), ("lost", True)):
+        base = tmp_path / name
+        url = (base / "bucket").as_uri()
+        manager_job.run_memory(str(base / "a"), str(base / "ma"), steps=4, disk_every=2, remote=url)
+        root, memory = base / "root", base / "mem"
+        job = start(ctx, root, memory, steps=STEPS, disk_every=10**6, die_at=7, remote=url)
+        assert finished(job) == -signal.SIGKILL
+        assert committed(root) == [4] and committed(memory) == [6, 7]
+        if lost:
+            for step in (6, 7):
+                corrupt(memory / step_name(step))
+        capsys.readouterr()
+        with warnings.catch_warnings(record=True) as told:
+            warnings.simplefilter("always")
+            manager_job.run_memory(str(root), str(memory), steps=8, disk_every=10**6, remote=url)
+        assert f"resumed {4 if lost else 7}\n" in capsys.readouterr().out, name
+        strangers = [str(w.message) for w in told if "not of this run's lineage" in str(w.message)]
+        assert not strangers, strangers

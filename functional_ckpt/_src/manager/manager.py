@@ -177,13 +177,13 @@ class CheckpointManager(RootView):
             self.tiers.insert(0, self.memory)
             self.memory.promote = partial(promote, self.tiers, self.memory)
             self.memory.committed = self._begun
-            if self.memory.steps():  # killed before its first disk save, the run has begun
-                self.disk.lineage.begin()
+            if held := self.memory.steps():  # killed before its first disk save: begun
+                self.disk.begin(self.memory.view.info(held[-1]).metadata)
         self._relaunch: Relaunch | None = None  # the ``run`` block of from_config's config
 
     def _begun(self) -> None:
         """A commit, any tier's: the run has begun (see :meth:`Lineage.begin`); progress."""
-        self.disk.lineage.begin()
+        self.disk.begin({"run": self._run.line})
         progress(self.tiers)
 
     @classmethod
