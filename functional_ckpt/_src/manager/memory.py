@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from functional_ckpt._src import codec
-from functional_ckpt._src.format.keys import format_path
+from functional_ckpt._src.format.dcp_values import MAX_VALUE_BYTES
+from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.log import warn
 from functional_ckpt._src.policy.base import SavePolicy
 from functional_ckpt._src.policy.leaves import every_steps
@@ -131,16 +132,25 @@ def resolve_budget(option: Memory, folder: Path) -> int:
     return budget
 
 
+#: What a checkpoint holds beyond its leaves' bytes, at most: each leaf's entries in the
+#: manifest and ``.metadata`` (and its key's bytes, four times), a tensor's zip framing in its
+#: shard file, a value's ``torch.save`` framing as a DCP byte entry; and its files' pages.
+OVERHEAD = {"tensor": 700, "value": 1400, "node": 64, "checkpoint": 16 << 10}
+
+
 def check_budget(option: Memory, budget: int, folder: Path, state: State) -> None:
-    """Refuse ``keep`` checkpoints of this very state over ``budget``, every leaf as stored (a
-    value as encoded), checked at every save: a state grows (Adam's moments, at step one)."""
-    sizes = (
-        v.numel() * v.element_size()
-        if kind == "tensor"
-        else len(codec.encode(v, where=f"state[{format_path(p)}]"))
-        for p, kind, v in leaves_of(state)
-    )
-    need = option.held * sum(sizes)
+    """Refuse ``keep`` checkpoints of this very state over ``budget``, counted as stored (each
+    leaf with its entries; no value encoded), checked at every save: a state grows (Adam's
+    moments, at step one), and one of many small leaves is mostly their entries."""
+    need = OVERHEAD["checkpoint"]
+    for path, kind, v in leaves_of(state):
+        need += OVERHEAD[kind] + 4 * len("".join(path))
+        if kind == "tensor":
+            need += v.nbytes
+        elif kind == "value":
+            size = _encoded(v, path)  # in the manifest, and a small one as a DCP byte entry
+            need += size + (size if size <= MAX_VALUE_BYTES else 0)
+    need *= option.held
     if need > budget:
         raise OverBudget(
             f"Memory(budget={option.budget!r}): {option.held} checkpoint(s) of "
@@ -148,6 +158,22 @@ def check_budget(option: Memory, budget: int, folder: Path, state: State) -> Non
             f"{budget} bytes; the memory tier skips every save that does not fit (said "
             "once). Raise budget=, lower keep= (1 holds one checkpoint), or leave it out"
         )
+
+
+def _encoded(v: Any, path: KeyPath) -> int:
+    """A value's encoded bytes, at most: from its length or ``nbytes`` (a container's from its
+    items), encoded only where it is of another kind."""
+    if v is None or isinstance(v, bool | float) or (isinstance(v, int) and abs(v) < 1 << 63):
+        return 9
+    if isinstance(v, str | bytes | bytearray):
+        return 9 + (len(v) if not isinstance(v, str) or v.isascii() else 4 * len(v))
+    if isinstance(getattr(v, "nbytes", None), int):  # a numpy array or scalar
+        return 128 + int(v.nbytes)
+    if isinstance(v, list | tuple | set | frozenset):
+        return 9 + sum(_encoded(x, path) for x in v)
+    if isinstance(v, dict):
+        return 9 + sum(_encoded(k, path) + _encoded(x, path) for k, x in v.items())
+    return len(codec.encode(v, where=f"state[{format_path(path)}]"))
 
 
 #: In the tier's folder: the root and the run it belongs to.
