@@ -771,3 +771,25 @@ def test_no_tier_module_decides_resume_retention_or_progress_itself() -> None:
     assert not [p.name for p in remote.glob("*.py") if "keep.select(" in p.read_text()]
     tiers = (Path(pkg.__file__).parent / "tiers.py").read_text()
     assert "isinstance(" not in tiers  # a tier says what it is: ``local``, ``durable``
+
+
+def test_a_root_emptied_by_hand_and_reopened_without_the_memory_tier_names_its_folder(
+    tmp_path: Path,
+) -> None:
+    """The old run's RAM is no one's now: whichever tiers the new run has, the folder is
+    named with how to free it (and left: it may hold the only copy of its steps)."""
+    root = tmp_path / "ckpt"
+    killed(root, None, die_at=3, disk_every=100, memory_every=1)
+    old = default_folder_of(root)
+    try:
+        subprocess.run("rm -rf ckpt/*", shell=True, cwd=tmp_path, check=True)
+        earlier = r"steps \[2, 3\]\) of an earlier run"
+        with (
+            pytest.warns(MemoryTierWarning, match=earlier) as told,
+            fc.CheckpointManager(root, save=fc.every_steps(100)) as mgr,
+        ):
+            assert mgr.restore_latest(like=state(0)) is None
+        assert f"rm -rf {old}" in str(told[0].message), told[0].message
+        assert committed(old) == [2, 3]
+    finally:
+        shutil.rmtree(old, ignore_errors=True)

@@ -24,7 +24,7 @@ from functional_ckpt._src.format.naming import parse_step
 from functional_ckpt._src.log import done, logger
 from functional_ckpt._src.manager.collective import decide, share_run, together
 from functional_ckpt._src.manager.config import config_of, manager_arguments
-from functional_ckpt._src.manager.memory import Memory
+from functional_ckpt._src.manager.memory import Memory, report_orphans
 from functional_ckpt._src.manager.memory_tier import MemoryTier
 from functional_ckpt._src.manager.options import (
     AsyncSave,
@@ -142,6 +142,8 @@ class CheckpointManager(RootView):
                 run = share_run(run)
             assert run is not None
             self._run.run = run[0].id
+            if run[1] and self._coordinator:  # a new run: an old one's RAM is no one's now
+                report_orphans(self.root, run[0])
         self.remote = None
         try:
             if remote is not None:
@@ -152,7 +154,7 @@ class CheckpointManager(RootView):
             self.memory = (
                 None
                 if memory is None or run is None
-                else MemoryTier(memory, self.root, settings, run=run[0], made=run[1])
+                else MemoryTier(memory, self.root, settings, run=run[0])
             )
         except BaseException:  # the manager was not made: its lock goes
             if self.remote is not None:

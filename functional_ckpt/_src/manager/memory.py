@@ -182,7 +182,7 @@ _SHM = Path("/dev/shm")
 
 
 def claim_folder(
-    path: str | os.PathLike[str] | None, root: Path, run: Run, *, made: bool, retry: bool
+    path: str | os.PathLike[str] | None, root: Path, run: Run, *, retry: bool
 ) -> tuple[Path, Run]:
     """The tier's folder, verified (:func:`_own`), and the run as it now is. The default,
     ``/dev/shm/fckpt-<uid>-<secret>`` (the secret in the owner-only run record), planted
@@ -196,8 +196,6 @@ def claim_folder(
             f"CheckpointManager({root}, memory=fc.manager.Memory()): this machine has no "
             "/dev/shm; give the tier a folder in RAM with Memory(path=...)"
         )
-    if made:
-        _report_others(root, run)
     try:
         _own(_SHM / f"fckpt-{os.getuid()}-{run.secret}", private=True)
     except CheckpointError as e:
@@ -278,8 +276,10 @@ def adopt(folder: Path, root: Path, run: Run) -> None:
     durable.replace_durably(folder / MARK_FILE, json.dumps(mine).encode(), sync=False)
 
 
-def _report_others(root: Path, run: Run) -> None:
-    """Warn of this user's folders holding an earlier run of ``root``: never resumed."""
+def report_orphans(root: Path, run: Run) -> None:
+    """Warn of this user's folders holding an earlier run of ``root`` (its ``run.json`` gone:
+    ``run`` was made now), with or without a memory tier now: never resumed, never removed
+    (they may hold the only copy of their steps), only named."""
     real = os.path.realpath(root)
     with contextlib.suppress(OSError):
         for path in _SHM.glob(f"fckpt-{os.getuid()}-*"):
@@ -291,8 +291,7 @@ def _report_others(root: Path, run: Run) -> None:
                 warn(
                     f"{path}: memory-tier checkpoints (steps {held}) of an earlier run "
                     f"of {root} ({mark.get('run')}), whose run record is gone from the root; "
-                    "a new run starts and they are not resumed. Remove the folder to free "
-                    "its RAM",
+                    f"a new run starts and they are not resumed. Free its RAM with rm -rf {path}",
                     MemoryTierWarning,
-                    stacklevel=7,
+                    stacklevel=3,
                 )
