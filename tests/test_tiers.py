@@ -793,3 +793,20 @@ def test_a_root_emptied_by_hand_and_reopened_without_the_memory_tier_names_its_f
         assert committed(old) == [2, 3]
     finally:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def test_a_run_record_whose_secret_names_no_folder_is_refused_naming_it(tmp_path: Path) -> None:
+    """The secret names the default folder in RAM: one edited into a path is refused,
+    naming run.json and the field, before any folder is made."""
+    root = tmp_path / "root"
+    with fc.CheckpointManager(root):
+        pass
+    record = json.loads((root / RUN_FILE).read_text())
+    for secret in ("../../tmp/elsewhere", "a/b"):
+        (root / RUN_FILE).write_text(json.dumps({**record, "secret": secret}))
+        with pytest.raises(fc.CheckpointError) as err:
+            fc.CheckpointManager(root, tiers=(fc.manager.Memory(),))
+        said = str(err.value)
+        assert str(root / RUN_FILE) in said and '"secret"' in said and repr(secret) in said, said
+    with fc.CheckpointManager(root) as mgr:  # the refused manager let go of the root
+        assert mgr.steps() == []

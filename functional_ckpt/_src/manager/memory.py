@@ -191,6 +191,12 @@ def claim_folder(
         _check_apart(Path(path), root)
         _own(Path(path), private=False)
         return Path(path), run
+    if not (run.secret.isascii() and run.secret.isalnum()):  # one name, as drawn
+        raise CheckpointError(
+            f'{root / RUN_FILE}: its "secret" ({run.secret!r}) is not the word of letters '
+            "and digits that names the memory tier's folder (edited by hand, or damaged); "
+            "put back the one it had, or give the tier a folder with Memory(path=...)"
+        )
     if not _SHM.is_dir():
         raise CheckpointError(
             f"CheckpointManager({root}, memory=fc.manager.Memory()): this machine has no "
