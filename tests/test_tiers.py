@@ -810,3 +810,23 @@ def test_a_run_record_whose_secret_names_no_folder_is_refused_naming_it(tmp_path
         assert str(root / RUN_FILE) in said and '"secret"' in said and repr(secret) in said, said
     with fc.CheckpointManager(root) as mgr:  # the refused manager let go of the root
         assert mgr.steps() == []
+
+
+def test_a_folder_holding_a_directory_that_cannot_be_searched_is_refused(
+    shared_tmp: Path,
+) -> None:
+    """Whether a root lies below the memory tier's folder is not known where a directory
+    there cannot be read: refused, naming it, never taken for none."""
+    folder, sealed = shared_tmp / "ram", shared_tmp / "ram" / "a" / "sealed"
+
+    def check() -> None:
+        sealed.mkdir(parents=True)
+        os.chmod(sealed, 0)
+        try:
+            with pytest.raises(fc.CheckpointError, match="cannot be searched") as err:
+                fc.CheckpointManager(shared_tmp / "root", tiers=(fc.manager.Memory(path=folder),))
+            assert f"{sealed} cannot be searched" in str(err.value), err.value
+        finally:
+            os.chmod(sealed, 0o700)
+
+    as_another_user(check) if os.geteuid() == 0 else check()  # root reads it all the same

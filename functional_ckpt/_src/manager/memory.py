@@ -246,7 +246,16 @@ def _check_apart(folder: Path, root: Path) -> None:
     a, b = os.path.realpath(folder), os.path.realpath(root)
     inside = [p for p in Path(a).parents if (p / RUN_FILE).exists()]
     around: list[Path] = []
-    for n, (here, _, files) in enumerate(os.walk(a)):
+
+    def unsearched(e: OSError) -> None:  # a folder not made yet is no tree to search
+        if not isinstance(e, FileNotFoundError):
+            raise CheckpointError(
+                f"Memory(path={str(folder)!r}): {e.filename} cannot be searched for a "
+                f"checkpoint root ({e.strerror or e}); make it readable, or give the memory "
+                "tier a folder of its own"
+            )
+
+    for n, (here, _, files) in enumerate(os.walk(a, onerror=unsearched)):
         if n == SEARCHED:
             raise CheckpointError(
                 f"Memory(path={str(folder)!r}): more than {SEARCHED} directories below it "
