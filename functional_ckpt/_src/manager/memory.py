@@ -132,9 +132,8 @@ def resolve_budget(option: Memory, folder: Path) -> int:
     return budget
 
 
-#: What a checkpoint holds beyond its leaves' bytes, at most: each leaf's entries in the
-#: manifest and ``.metadata`` (and its key's bytes, four times), a tensor's zip framing in its
-#: shard file, a value's ``torch.save`` framing as a DCP byte entry; and its files' pages.
+#: A checkpoint's bytes beside its leaves', at most: a leaf's manifest and ``.metadata`` entries
+#: (its key four times), a tensor's zip framing, a value's DCP byte entry; its files' pages.
 OVERHEAD = {"tensor": 700, "value": 1400, "node": 64, "checkpoint": 16 << 10}
 
 
@@ -249,11 +248,8 @@ def _check_apart(folder: Path, root: Path) -> None:
 
     def unsearched(e: OSError) -> None:  # a folder not made yet is no tree to search
         if not isinstance(e, FileNotFoundError):
-            raise CheckpointError(
-                f"Memory(path={str(folder)!r}): {e.filename} cannot be searched for a "
-                f"checkpoint root ({e.strerror or e}); make it readable, or give the memory "
-                "tier a folder of its own"
-            )
+            why = f"{e.filename} cannot be searched for a checkpoint root ({e.strerror or e})"
+            raise CheckpointError(f"Memory(path={str(folder)!r}): {why}; make it readable")
 
     for n, (here, _, files) in enumerate(os.walk(a, onerror=unsearched)):
         if n == SEARCHED:
@@ -292,9 +288,8 @@ def adopt(folder: Path, root: Path, run: Run) -> None:
 
 
 def report_orphans(root: Path, run: Run) -> None:
-    """Warn of this user's folders holding an earlier run of ``root`` (its ``run.json`` gone:
-    ``run`` was made now), with or without a memory tier now: never resumed, never removed
-    (they may hold the only copy of their steps), only named."""
+    """Warn of this user's folders of an earlier run of ``root`` (``run`` was made now, with a
+    memory tier or not): never resumed, never removed (the only copy of their steps, maybe)."""
     real = os.path.realpath(root)
     with contextlib.suppress(OSError):
         for path in _SHM.glob(f"fckpt-{os.getuid()}-*"):
