@@ -138,18 +138,21 @@ def run_memory(
     die_at: int | None = None,
     keep: int = 2,
     step_time: float = 0.0,
+    remote: str | None = None,
 ) -> None:
     """Train to ``steps`` with a memory tier at ``memory`` (a save every step) above a disk
     tier saving every ``disk_every`` steps and at the end; resume from whatever the tiers
     hold. With ``die_at`` the job SIGKILLs itself once that step's memory save committed.
     ``step_time``: seconds more each step computes (a real step outlasts its save, so that
-    a kill lands beside a save in flight rather than after the run's end)."""
+    a kill lands beside a save in flight rather than after the run's end). ``remote``: the
+    URL of a remote tier behind the disk."""
     torch.set_num_threads(1)
     objs = build()
     model, opt, sched, loader = objs
     disk = fc.every_steps(disk_every) | fc.on_final()
-    tier = fc.manager.Memory(path=memory, keep=keep)
-    with fc.CheckpointManager(root, save=disk, keep=fc.keep_last(2), tiers=(tier,)) as mgr:
+    tiers: Any = (fc.manager.Memory(path=memory, keep=keep),)
+    tiers += () if remote is None else (fc.manager.Remote(remote),)
+    with fc.CheckpointManager(root, save=disk, keep=fc.keep_last(2), tiers=tiers) as mgr:
         restored = mgr.restore_latest(like=live_state(objs, 0))
         step = 0
         if restored is not None:

@@ -8,7 +8,7 @@ shared. The state is a weight sharded over the ranks, updated every step from a
 per-rank generator whose state is saved too (``rng``), and a per-rank loader position.
 
     python tests/memory_job.py BASE STEPS [--die-at N]
-                               [--die-in-round N | --full-in-round N] [--die-rank R]
+                               [--die-in-round N | --full-in-round N] [--die-rank R] [--plain]
 
 ``--die-at N``: every rank SIGKILLs itself once the memory step N is committed.
 ``--die-in-round N``: rank R SIGKILLs itself as the replication of its N-th memory
@@ -41,11 +41,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import functional_ckpt as fc
 
 DISK_EVERY = 5
+#: ``--plain``: a state of replicated tensors (written by one rank) and per-rank values.
+PLAIN = False
 
 
 def initial(mesh: Any, rank: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(1000 + rank)
     full = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32) / 7
+    if PLAIN:  # every tensor replicated: the same on every rank, written by one
+        return {"w": full, "step": 0, "loader": {"pos": rank}}
     return {
         "w": distribute_tensor(full, mesh, [Shard(0)]),
         "frozen": distribute_tensor(full.flip(0) + 1, mesh, [Shard(0)]),  # never trained
@@ -56,6 +60,9 @@ def initial(mesh: Any, rank: int) -> dict[str, Any]:
 
 
 def train(state: dict[str, Any], mesh: Any) -> dict[str, Any]:
+    if PLAIN:
+        w, pos = state["w"] * 0.999 + 1, int(state["loader"]["pos"]) + 4
+        return {"w": w, "step": int(state["step"]) + 1, "loader": {"pos": pos}}
     gen = torch.Generator()
     gen.set_state(state["rng"]["gen"])
     local = state["w"].to_local() * 0.999 + torch.randn(state["w"].to_local().shape, generator=gen)
@@ -69,6 +76,9 @@ def train(state: dict[str, Any], mesh: Any) -> dict[str, Any]:
 
 
 def digest(state: dict[str, Any]) -> str:
+    if PLAIN:
+        crc = zlib.crc32(state["w"].contiguous().numpy().tobytes())
+        return f"{crc:08x}-{state['step']}-{state['loader']['pos']}"
     local = state["w"].to_local().contiguous()
     crc = zlib.crc32(local.numpy().tobytes())
     crc = zlib.crc32(state["frozen"].to_local().contiguous().numpy().tobytes(), crc)
@@ -77,6 +87,9 @@ def digest(state: dict[str, Any]) -> str:
 
 
 def plain(state: Any) -> dict[str, Any]:
+    if PLAIN:
+        pos = int(state["loader"]["pos"])
+        return {"w": state["w"], "step": int(state["step"]), "loader": {"pos": pos}}
     return {
         "w": state["w"],
         "frozen": state["frozen"],
@@ -94,7 +107,10 @@ def main() -> None:
     ap.add_argument("--die-in-round", type=int)
     ap.add_argument("--die-rank", type=int, default=2)
     ap.add_argument("--full-in-round", type=int)
+    ap.add_argument("--plain", action="store_true")
     args = ap.parse_args()
+    global PLAIN
+    PLAIN = args.plain
     base = Path(args.base)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

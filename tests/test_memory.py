@@ -364,9 +364,10 @@ def test_the_memory_tier_has_its_own_policy(tmp_path: Path) -> None:
 
 
 def test_a_save_over_the_budget_is_skipped_and_said_once(tmp_path: Path) -> None:
-    size = 64 * 16 * 4 + 5 * 8
-    tier = fc.manager.Memory(path=tmp_path / "mem", budget=2 * size + 100, async_save=False)
-    grown = lambda s: {**small_state(s), "m": torch.zeros(64, 16)}  # noqa: E731  # Adam's moments
+    size, room = 1 << 20, 64 << 10  # a weight, and room for what a checkpoint holds beside it
+    tier = fc.manager.Memory(path=tmp_path / "mem", budget=2 * (size + room), async_save=False)
+    small_state = lambda s: {"w": torch.full((size // 4,), float(s)), "step": s}  # noqa: E731
+    grown = lambda s: {**small_state(s), "m": torch.zeros(size // 4)}  # noqa: E731  # Adam's moments
     with fc.CheckpointManager(tmp_path / "root", tiers=(tier,)) as mgr:
         mgr.maybe_save(small_state(1), step=1)  # two of these fit
         assert committed(tmp_path / "mem") == [1]
@@ -377,7 +378,7 @@ def test_a_save_over_the_budget_is_skipped_and_said_once(tmp_path: Path) -> None
         assert str(tmp_path / "mem") in str(said[0].message)
         assert committed(tmp_path / "mem") == [1]  # skipped before anything was written
         assert mgr.steps() == [1, 2, 3]  # the disk tier goes on
-    one = fc.manager.Memory(path=tmp_path / "mem", budget=size + 100, keep=1)
+    one = fc.manager.Memory(path=tmp_path / "mem", budget=size + room, keep=1)
     with fc.CheckpointManager(tmp_path / "root2", tiers=(one,)) as mgr:
         mgr.maybe_save(small_state(1), step=1)
         mgr.wait()
@@ -386,6 +387,33 @@ def test_a_save_over_the_budget_is_skipped_and_said_once(tmp_path: Path) -> None
             mgr.maybe_save({**small_state(3), "v": bytes(size)}, step=3)
             mgr.wait()
         assert committed(tmp_path / "mem") == [1]
+
+
+def test_a_state_of_many_small_leaves_counts_their_entries_against_the_budget(
+    tmp_path: Path,
+) -> None:
+    """20,000 scalars are 120 KB of values but megabytes of what a checkpoint holds for
+    them (entries in the manifest and .metadata, each tensor's framing): the budget counts
+    that, so a save that would not fit is skipped, and one that fits is made."""
+    state = {
+        "t": {f"k{i}": torch.tensor(float(i)) for i in range(10_000)},
+        "v": {f"k{i}": float(i) for i in range(10_000)},
+    }
+    fc.save(tmp_path / "alone", state)
+    held = sum(p.stat().st_size for p in (tmp_path / "alone").iterdir())
+    assert held > 10 * 120_000, held
+    for budget, fits in ((held - 1, False), (2 * held, True)):
+        memory = tmp_path / f"mem-{fits}"
+        tier = fc.manager.Memory(path=memory, budget=budget, keep=1, async_save=False)
+        with (
+            warnings.catch_warnings(record=True) as told,
+            fc.CheckpointManager(tmp_path / f"root-{fits}", tiers=(tier,)) as mgr,
+        ):
+            warnings.simplefilter("always")
+            mgr.maybe_save(state, step=1)
+            assert committed(memory) == ([1] if fits else []), (budget, held)
+        said = [str(w.message) for w in told if "Memory(budget=" in str(w.message)]
+        assert len(said) == (0 if fits else 1), said
 
 
 def test_a_budget_beyond_the_memory_there_is_refused_at_open(tmp_path: Path) -> None:
@@ -812,3 +840,31 @@ def test_sigkill_during_a_rollback_never_lets_ram_undo_it(
         assert step == 2 and held == []
     else:  # it did not: nothing moved on disk, RAM may hold its newer steps still
         assert committed(root) == [2, 4] and step in (4, 5), (step, held)
+
+
+def test_a_run_that_adopted_the_remote_lineage_resumes_its_ram_steps_after_sigkill(
+    ctx: mp.context.ForkServerContext, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty root in front of a remote tier adopts the remote's run and resumes its step
+    4; killed before its first disk save, its steps 6 and 7 are in RAM alone. Relaunched, it
+    resumes step 7, the step it came from still of its lineage: where the RAM steps are
+    lost too, step 4 is taken, never a fresh start."""
+    pytest.importorskip("fsspec")
+    for name, lost in (("intact", False), ("lost", True)):
+        base = tmp_path / name
+        url = (base / "bucket").as_uri()
+        manager_job.run_memory(str(base / "a"), str(base / "ma"), steps=4, disk_every=2, remote=url)
+        root, memory = base / "root", base / "mem"
+        job = start(ctx, root, memory, steps=STEPS, disk_every=10**6, die_at=7, remote=url)
+        assert finished(job) == -signal.SIGKILL
+        assert committed(root) == [4] and committed(memory) == [6, 7]
+        if lost:
+            for step in (6, 7):
+                corrupt(memory / step_name(step))
+        capsys.readouterr()
+        with warnings.catch_warnings(record=True) as told:
+            warnings.simplefilter("always")
+            manager_job.run_memory(str(root), str(memory), steps=8, disk_every=10**6, remote=url)
+        assert f"resumed {4 if lost else 7}\n" in capsys.readouterr().out, name
+        strangers = [str(w.message) for w in told if "not of this run's lineage" in str(w.message)]
+        assert not strangers, strangers

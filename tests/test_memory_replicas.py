@@ -364,3 +364,18 @@ def test_after_wait_every_rank_lists_the_memory_steps_committed(tmp_path: Path) 
     held = [json.loads((root / f"held.{r}.json").read_text()) for r in range(2)]
     assert [h["memory"] for h in held] == [[6, 7], [6, 7]], held
     assert all(h == {"disk": [2, 4, 6], "memory": [6, 7], "restored": [True, True]} for h in held)
+
+
+def test_a_state_of_replicated_tensors_resumes_from_the_memory_tier(tmp_path: Path) -> None:
+    """Every tensor replicated (one rank writes it, the others none) and per-rank values:
+    the step in RAM was saved by every rank all the same, and is resumed, not the disk's."""
+    runs = two_nodes(tmp_path, "--plain", "--die-at", "7")
+    assert [code for code, _ in runs] == [-signal.SIGKILL] * WORLD
+    assert committed(tmp_path / "mem-a") == committed(tmp_path / "mem-b") == [6, 7]
+    assert committed(tmp_path / "root") == [5]
+    runs = two_nodes(tmp_path, "--plain")
+    got = resumed(runs)
+    assert [g[0] for g in got] == [7] * WORLD, got
+    assert not any(g[2] for g in got), got
+    pos = [int(final.rsplit("-", 1)[1]) for final in finals(runs)]
+    assert pos == [rank + 4 * STEPS for rank in range(WORLD)], pos

@@ -771,3 +771,62 @@ def test_no_tier_module_decides_resume_retention_or_progress_itself() -> None:
     assert not [p.name for p in remote.glob("*.py") if "keep.select(" in p.read_text()]
     tiers = (Path(pkg.__file__).parent / "tiers.py").read_text()
     assert "isinstance(" not in tiers  # a tier says what it is: ``local``, ``durable``
+
+
+def test_a_root_emptied_by_hand_and_reopened_without_the_memory_tier_names_its_folder(
+    tmp_path: Path,
+) -> None:
+    """The old run's RAM is no one's now: whichever tiers the new run has, the folder is
+    named with how to free it (and left: it may hold the only copy of its steps)."""
+    root = tmp_path / "ckpt"
+    killed(root, None, die_at=3, disk_every=100, memory_every=1)
+    old = default_folder_of(root)
+    try:
+        subprocess.run("rm -rf ckpt/*", shell=True, cwd=tmp_path, check=True)
+        earlier = r"steps \[2, 3\]\) of an earlier run"
+        with (
+            pytest.warns(MemoryTierWarning, match=earlier) as told,
+            fc.CheckpointManager(root, save=fc.every_steps(100)) as mgr,
+        ):
+            assert mgr.restore_latest(like=state(0)) is None
+        assert f"rm -rf {old}" in str(told[0].message), told[0].message
+        assert committed(old) == [2, 3]
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def test_a_run_record_whose_secret_names_no_folder_is_refused_naming_it(tmp_path: Path) -> None:
+    """The secret names the default folder in RAM: one edited into a path is refused,
+    naming run.json and the field, before any folder is made."""
+    root = tmp_path / "root"
+    with fc.CheckpointManager(root):
+        pass
+    record = json.loads((root / RUN_FILE).read_text())
+    for secret in ("../../tmp/elsewhere", "a/b"):
+        (root / RUN_FILE).write_text(json.dumps({**record, "secret": secret}))
+        with pytest.raises(fc.CheckpointError) as err:
+            fc.CheckpointManager(root, tiers=(fc.manager.Memory(),))
+        said = str(err.value)
+        assert str(root / RUN_FILE) in said and '"secret"' in said and repr(secret) in said, said
+    with fc.CheckpointManager(root) as mgr:  # the refused manager let go of the root
+        assert mgr.steps() == []
+
+
+def test_a_folder_holding_a_directory_that_cannot_be_searched_is_refused(
+    shared_tmp: Path,
+) -> None:
+    """Whether a root lies below the memory tier's folder is not known where a directory
+    there cannot be read: refused, naming it, never taken for none."""
+    folder, sealed = shared_tmp / "ram", shared_tmp / "ram" / "a" / "sealed"
+
+    def check() -> None:
+        sealed.mkdir(parents=True)
+        os.chmod(sealed, 0)
+        try:
+            with pytest.raises(fc.CheckpointError, match="cannot be searched") as err:
+                fc.CheckpointManager(shared_tmp / "root", tiers=(fc.manager.Memory(path=folder),))
+            assert f"{sealed} cannot be searched" in str(err.value), err.value
+        finally:
+            os.chmod(sealed, 0o700)
+
+    as_another_user(check) if os.geteuid() == 0 else check()  # root reads it all the same

@@ -24,7 +24,7 @@ from functional_ckpt._src.format.naming import parse_step
 from functional_ckpt._src.log import done, logger
 from functional_ckpt._src.manager.collective import decide, share_run, together
 from functional_ckpt._src.manager.config import config_of, manager_arguments
-from functional_ckpt._src.manager.memory import Memory
+from functional_ckpt._src.manager.memory import Memory, report_orphans
 from functional_ckpt._src.manager.memory_tier import MemoryTier
 from functional_ckpt._src.manager.options import (
     AsyncSave,
@@ -143,6 +143,8 @@ class CheckpointManager(RootView):
                 run = share_run(run)
             assert run is not None
             self._run.run = run[0].id
+            if run[1] and self._coordinator:  # a new run: an old one's RAM is no one's now
+                report_orphans(self.root, run[0])
         self.remote = None
         try:
             if remote is not None:
@@ -153,7 +155,7 @@ class CheckpointManager(RootView):
             self.memory = (
                 None
                 if memory is None or run is None
-                else MemoryTier(memory, self.root, settings, run=run[0], made=run[1])
+                else MemoryTier(memory, self.root, settings, run=run[0])
             )
         except BaseException:  # the manager was not made: its lock goes
             if self.remote is not None:
@@ -178,13 +180,13 @@ class CheckpointManager(RootView):
             self.tiers.insert(0, self.memory)
             self.memory.promote = partial(promote, self.tiers, self.memory)
             self.memory.committed = self._begun
-            if self.memory.steps():  # killed before its first disk save, the run has begun
-                self.disk.lineage.begin()
+            if held := self.memory.steps():  # killed before its first disk save: begun
+                self.disk.begin(self.memory.view.info(held[-1]).metadata)
         self._relaunch: Relaunch | None = None  # the ``run`` block of from_config's config
 
     def _begun(self) -> None:
         """A commit, any tier's: the run has begun (see :meth:`Lineage.begin`); progress."""
-        self.disk.lineage.begin()
+        self.disk.begin({"run": self._run.line})
         progress(self.tiers)
 
     @classmethod

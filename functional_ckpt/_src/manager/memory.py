@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from functional_ckpt._src import codec
-from functional_ckpt._src.format.keys import format_path
+from functional_ckpt._src.format.dcp_values import MAX_VALUE_BYTES
+from functional_ckpt._src.format.keys import KeyPath, format_path
 from functional_ckpt._src.log import warn
 from functional_ckpt._src.policy.base import SavePolicy
 from functional_ckpt._src.policy.leaves import every_steps
@@ -131,16 +132,24 @@ def resolve_budget(option: Memory, folder: Path) -> int:
     return budget
 
 
+#: A checkpoint's bytes beside its leaves', at most: a leaf's manifest and ``.metadata`` entries
+#: (its key four times), a tensor's zip framing, a value's DCP byte entry; its files' pages.
+OVERHEAD = {"tensor": 700, "value": 1400, "node": 64, "checkpoint": 16 << 10}
+
+
 def check_budget(option: Memory, budget: int, folder: Path, state: State) -> None:
-    """Refuse ``keep`` checkpoints of this very state over ``budget``, every leaf as stored (a
-    value as encoded), checked at every save: a state grows (Adam's moments, at step one)."""
-    sizes = (
-        v.numel() * v.element_size()
-        if kind == "tensor"
-        else len(codec.encode(v, where=f"state[{format_path(p)}]"))
-        for p, kind, v in leaves_of(state)
-    )
-    need = option.held * sum(sizes)
+    """Refuse ``keep`` checkpoints of this very state over ``budget``, counted as stored (each
+    leaf with its entries; no value encoded), checked at every save: a state grows (Adam's
+    moments, at step one), and one of many small leaves is mostly their entries."""
+    need = OVERHEAD["checkpoint"]
+    for path, kind, v in leaves_of(state):
+        need += OVERHEAD[kind] + 4 * len("".join(path))
+        if kind == "tensor":
+            need += v.nbytes
+        elif kind == "value":
+            size = _encoded(v, path)  # in the manifest, and a small one as a DCP byte entry
+            need += size + (size if size <= MAX_VALUE_BYTES else 0)
+    need *= option.held
     if need > budget:
         raise OverBudget(
             f"Memory(budget={option.budget!r}): {option.held} checkpoint(s) of "
@@ -150,13 +159,29 @@ def check_budget(option: Memory, budget: int, folder: Path, state: State) -> Non
         )
 
 
+def _encoded(v: Any, path: KeyPath) -> int:
+    """A value's encoded bytes, at most: from its length or ``nbytes`` (a container's from its
+    items), encoded only where it is of another kind."""
+    if v is None or isinstance(v, bool | float) or (isinstance(v, int) and abs(v) < 1 << 63):
+        return 9
+    if isinstance(v, str | bytes | bytearray):
+        return 9 + (len(v) if not isinstance(v, str) or v.isascii() else 4 * len(v))
+    if isinstance(getattr(v, "nbytes", None), int):  # a numpy array or scalar
+        return 128 + int(v.nbytes)
+    if isinstance(v, list | tuple | set | frozenset):
+        return 9 + sum(_encoded(x, path) for x in v)
+    if isinstance(v, dict):
+        return 9 + sum(_encoded(k, path) + _encoded(x, path) for k, x in v.items())
+    return len(codec.encode(v, where=f"state[{format_path(path)}]"))
+
+
 #: In the tier's folder: the root and the run it belongs to.
 MARK_FILE = ".memory-tier.json"
 _SHM = Path("/dev/shm")
 
 
 def claim_folder(
-    path: str | os.PathLike[str] | None, root: Path, run: Run, *, made: bool, retry: bool
+    path: str | os.PathLike[str] | None, root: Path, run: Run, *, retry: bool
 ) -> tuple[Path, Run]:
     """The tier's folder, verified (:func:`_own`), and the run as it now is. The default,
     ``/dev/shm/fckpt-<uid>-<secret>`` (the secret in the owner-only run record), planted
@@ -165,13 +190,17 @@ def claim_folder(
         _check_apart(Path(path), root)
         _own(Path(path), private=False)
         return Path(path), run
+    if not (run.secret.isascii() and run.secret.isalnum()):  # one name, as drawn
+        raise CheckpointError(
+            f'{root / RUN_FILE}: its "secret" ({run.secret!r}) is not the word of letters '
+            "and digits that names the memory tier's folder (edited by hand, or damaged); "
+            "put back the one it had, or give the tier a folder with Memory(path=...)"
+        )
     if not _SHM.is_dir():
         raise CheckpointError(
             f"CheckpointManager({root}, memory=fc.manager.Memory()): this machine has no "
             "/dev/shm; give the tier a folder in RAM with Memory(path=...)"
         )
-    if made:
-        _report_others(root, run)
     try:
         _own(_SHM / f"fckpt-{os.getuid()}-{run.secret}", private=True)
     except CheckpointError as e:
@@ -216,7 +245,13 @@ def _check_apart(folder: Path, root: Path) -> None:
     a, b = os.path.realpath(folder), os.path.realpath(root)
     inside = [p for p in Path(a).parents if (p / RUN_FILE).exists()]
     around: list[Path] = []
-    for n, (here, _, files) in enumerate(os.walk(a)):
+
+    def unsearched(e: OSError) -> None:  # a folder not made yet is no tree to search
+        if not isinstance(e, FileNotFoundError):
+            why = f"{e.filename} cannot be searched for a checkpoint root ({e.strerror or e})"
+            raise CheckpointError(f"Memory(path={str(folder)!r}): {why}; make it readable")
+
+    for n, (here, _, files) in enumerate(os.walk(a, onerror=unsearched)):
         if n == SEARCHED:
             raise CheckpointError(
                 f"Memory(path={str(folder)!r}): more than {SEARCHED} directories below it "
@@ -252,8 +287,9 @@ def adopt(folder: Path, root: Path, run: Run) -> None:
     durable.replace_durably(folder / MARK_FILE, json.dumps(mine).encode(), sync=False)
 
 
-def _report_others(root: Path, run: Run) -> None:
-    """Warn of this user's folders holding an earlier run of ``root``: never resumed."""
+def report_orphans(root: Path, run: Run) -> None:
+    """Warn of this user's folders of an earlier run of ``root`` (``run`` was made now, with a
+    memory tier or not): never resumed, never removed (the only copy of their steps, maybe)."""
     real = os.path.realpath(root)
     with contextlib.suppress(OSError):
         for path in _SHM.glob(f"fckpt-{os.getuid()}-*"):
@@ -265,8 +301,7 @@ def _report_others(root: Path, run: Run) -> None:
                 warn(
                     f"{path}: memory-tier checkpoints (steps {held}) of an earlier run "
                     f"of {root} ({mark.get('run')}), whose run record is gone from the root; "
-                    "a new run starts and they are not resumed. Remove the folder to free "
-                    "its RAM",
+                    f"a new run starts and they are not resumed. Free its RAM with rm -rf {path}",
                     MemoryTierWarning,
-                    stacklevel=7,
+                    stacklevel=3,
                 )

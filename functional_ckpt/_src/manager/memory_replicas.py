@@ -200,7 +200,7 @@ class Replicas:
                 if step <= floor:
                     return None
                 need, holding = _copies(step, reports, self.layout, self.folder)
-                saved = {p[0] for n in need if (p := parse_shard(n)) is not None}
+                saved = {p for n in need if (p := parse_part(n)) is not None}  # every rank's
                 if saved and saved != set(range(world)):
                     why = f"was saved by {max(saved) + 1} ranks and this run has {world}: the "
                     self._warn(step, why + "memory tier resumes only onto that world size")

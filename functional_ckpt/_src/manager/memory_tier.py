@@ -105,9 +105,7 @@ class RunView(RootView):
 class MemoryTier:
     """The folder in RAM above one manager's root (see the module docstring)."""
 
-    def __init__(
-        self, option: mf.Memory, root: Path, settings: WriteSettings, *, run: Run, made: bool
-    ) -> None:
+    def __init__(self, option: mf.Memory, root: Path, settings: WriteSettings, *, run: Run) -> None:
         topo = topology()
         if option.replicas not in (None, 1) and not topo.distributed:
             raise CheckpointError(
@@ -118,7 +116,7 @@ class MemoryTier:
         self.group = groups.checkpoint_group(purpose="replicate") if topo.distributed else None
         with fail_together(self.group, f"memory tier {root}"):  # one process draws another
             self.folder, self.run = mf.claim_folder(  # where another user planted the default
-                option.path, root, run, made=made and topo.coordinator, retry=not topo.distributed
+                option.path, root, run, retry=not topo.distributed
             )
         self.replicas = (  # every rank owns the folder there
             Replicas(self.folder, option.replicas, option.domain, lambda: self.steps())

@@ -261,10 +261,13 @@ class Lineage:
         until, times = dict(self.until), dict(self.until_time)
         return {"lineage": tuple(sorted(self.recorded)), "until": until, "until_time": times}
 
-    def begin(self) -> None:
-        """This run has a checkpoint (in RAM, say): it adopts no other run's from now on."""
+    def begin(self, metadata: Mapping[str, Any]) -> None:
+        """This run has a checkpoint (in RAM, say) recording ``metadata``: it adopts no other
+        run's from now on, and the runs that checkpoint continues stay its lineage."""
         if self.run is not None:
-            self.recorded.add(self.run)
+            self.recorded |= {self.run, *ancestors_of(metadata)}
+            self.until = {**until_of(metadata, "until", int), **self.until}
+            self.until_time = {**until_of(metadata, "until_time", float), **self.until_time}
             self.runs = self.recorded if self.runs is None else self.runs  # until learnt again
 
     def holds(self, metadata: Mapping[str, Any]) -> bool:

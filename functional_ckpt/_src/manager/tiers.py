@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -139,13 +139,22 @@ class DiskTier:
         """The root's steps of another lineage."""
         held = self.view.infos()
         ours = self.lineage.learn(i.metadata for i in held)
-        now = ours.left()
-        if ours.recorded and now != self._recorded and self.writer and self.coordinator:
+        self._record()
+        return {i.step for i in held if not ours(i.metadata, i.path)}
+
+    def begin(self, metadata: Mapping[str, Any]) -> None:
+        """A checkpoint of this run recording ``metadata`` is committed, in any tier: the run
+        has begun (:meth:`Lineage.begin`), its lineage recorded before a crash can lose it."""
+        self.lineage.begin(metadata)
+        self._record()
+
+    def _record(self) -> None:
+        now = self.lineage.left()
+        if self.lineage.recorded and now != self._recorded and self.writer and self.coordinator:
             self._recorded = now  # this lineage's runs and branch steps, in run.json for good
             run = read_run(self.view.root)  # as the memory tier may have renewed it
-            if run is not None and run.id == ours.run:
+            if run is not None and run.id == self.lineage.run:
                 record_run(self.view.root, replace(run, **now))
-        return {i.step for i in held if not ours(i.metadata, i.path)}
 
     def infos(self) -> list[StepInfo]:
         """What retention reads: this lineage's readable checkpoints."""
