@@ -685,3 +685,38 @@ def test_beside_a_remote_tier_the_newest_of_all_three_is_restored(tmp_path: Path
     with manager(tmp_path / "fresh") as mgr:  # another machine: an empty disk, no folder
         state = mgr.restore_latest()
         assert state is not None and mgr.restored_step == 6  # from the remote tier
+
+
+def sigterm_job(base: Path, *args: str) -> Any:
+    """tests/sigterm_job.py in a process group of its own, which it signals whole."""
+    import subprocess
+    import sys
+
+    from tests.patience import HANG
+
+    job = Path(__file__).with_name("sigterm_job.py")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    return subprocess.run(
+        [sys.executable, str(job), str(base), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=HANG,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.parametrize("user", [False, True])
+def test_sigterm_promotes_every_manager_and_takes_its_course_once(
+    tmp_path: Path, user: bool
+) -> None:
+    """Two managers in one process: both promote, then the signal does what it did
+    before them, once: the default action ends the process; a handler of the user's is
+    called once, and the process goes on."""
+    done = sigterm_job(tmp_path, "two", *(["--user"] if user else []))
+    assert done.returncode == (0 if user else -signal.SIGTERM), (done.returncode, done.stderr)
+    assert done.stdout.count("USER") == (1 if user else 0), done.stdout
+    assert ("LIVED" in done.stdout) == user, done.stdout
+    for name in "ab":
+        assert committed(tmp_path / name) == [3], (name, done.stderr[-3000:])
+        assert fc.verify(tmp_path / name / step_name(3)).ok

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.topology import topology
@@ -129,8 +129,7 @@ class MemoryTier:
         self.policy_state: PolicyState = option.save.init()
         self._said_over = False
         self._lock: WriterLock | None = None
-        self._previous: dict[int, Any] = {}  # each signal's handler before ours
-        self._handling, self._pid = False, os.getpid()  # a signal of promote_on promotes (here)
+        self.pid = os.getpid()  # a signal of promote_on promotes (here)
         #: Promotion over the manager's tiers (``manager/tiers.promote``), set by the manager.
         self.promote: Callable[[float], Path | None] = lambda within: None
         self.durable, self.local = False, True
@@ -166,10 +165,10 @@ class MemoryTier:
             recover_leftovers(self.folder, stacklevel=6)
             self._write_status(open_=True)
             if threading.current_thread() is threading.main_thread():  # where signals arrive
-                self._previous = {
-                    s: signal.signal(s, self._on_signal) for s in self.option.promote_on
-                }
-                self._handling, self._pid = True, os.getpid()  # a forked child inherits it
+                for signum in self.option.promote_on:  # one handler, however many tiers
+                    if not isinstance(signal.getsignal(signum), Promotion):
+                        Promotion(signum)
+                Promotion.tiers.append(self)
             if self.replicas is not None:
                 self.replicas.clear_staging()
         except BaseException:
@@ -182,11 +181,13 @@ class MemoryTier:
         the restart, its newest step promoted first where a signal would have."""
         self.wait(stacklevel=4)
         self.writes.removed()
-        if self._handling and threading.current_thread() is threading.main_thread():
-            self._handling = False  # a later handler chaining to ours now just passes it on
-            for signum, previous in self._previous.items():
-                if signal.getsignal(signum) == self._on_signal:
-                    signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        if self in Promotion.tiers:  # the last one gone, the handler before is back
+            Promotion.tiers.remove(self)  # (unless one above may chain to it)
+        main = threading.current_thread() is threading.main_thread()
+        for signum in self.option.promote_on if main else ():
+            top, left = signal.getsignal(signum), Promotion.tiers
+            if isinstance(top, Promotion) and not any(signum in t.option.promote_on for t in left):
+                signal.signal(signum, top.previous or signal.SIG_DFL)
         if crashed and self.option.promote_on:
             self.promote(self.option.promote_within)
         if self._lock is None:
@@ -205,19 +206,6 @@ class MemoryTier:
         finally:
             self._lock.release()
             self._lock = None
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        """Promote, then let the signal do what it did before (by default: end the process).
-        A handler installed on top of this one (``fc.on_signal``, say) owns what the signal
-        does: reached through its chain, this one promotes and ends nothing."""
-        if self._handling and os.getpid() == self._pid:  # one writer: a fork never promotes
-            self.promote(self.option.promote_within)
-        previous = self._previous.get(signum)
-        if callable(previous):
-            previous(signum, frame)
-        elif previous != signal.SIG_IGN and signal.getsignal(signum) == self._on_signal:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
 
     def _write_status(self, *, open_: bool) -> None:
         if topology().rank != 0:
@@ -370,3 +358,25 @@ class MemoryTier:
 
     def copy_in(self, source: object, within: float) -> None:
         """Nothing is promoted into RAM: the fastest tier, and not durable."""
+
+
+class Promotion:
+    """The handler of a signal for every memory tier of this process: each promotes, then
+    the signal takes its course once, as without them (the handler before the first, or
+    the default action). One installed above (``fc.on_signal``, say) owns what the signal
+    does: reached through its chain, this one ends nothing."""
+
+    tiers: ClassVar[list[MemoryTier]] = []  # this process's, open
+
+    def __init__(self, signum: int) -> None:
+        self.previous = signal.signal(signum, self)
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        tiers = [t for t in self.tiers if signum in t.option.promote_on and t.pid == os.getpid()]
+        for tier in tiers:  # (a forked child's tiers are its parent's)
+            tier.promote(tier.option.promote_within)
+        if callable(self.previous):
+            self.previous(signum, frame)
+        elif self.previous != signal.SIG_IGN and signal.getsignal(signum) is self:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
