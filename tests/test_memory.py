@@ -720,3 +720,18 @@ def test_sigterm_promotes_every_manager_and_takes_its_course_once(
     for name in "ab":
         assert committed(tmp_path / name) == [3], (name, done.stderr[-3000:])
         assert fc.verify(tmp_path / name / step_name(3)).ok
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_sigterm_during_the_save_that_replaces_the_only_kept_step(
+    tmp_path: Path, sync: bool
+) -> None:
+    """With ``keep=1`` a memory save makes room first: while it is written the folder
+    holds no step. A SIGTERM then promotes the step once it is committed."""
+    done = sigterm_job(tmp_path, "keep1", *(["--sync"] if sync else []))
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-3000:])
+    assert "LIVED" not in done.stdout
+    root = tmp_path / "root"
+    assert committed(root) == [4], done.stderr[-3000:]
+    assert fc.verify(root / step_name(4)).ok
+    assert not [p.name for p in root.iterdir() if naming.is_temporary_name(p.name)]

@@ -129,7 +129,7 @@ class MemoryTier:
         self.policy_state: PolicyState = option.save.init()
         self._said_over = False
         self._lock: WriterLock | None = None
-        self.pid = os.getpid()  # a signal of promote_on promotes (here)
+        self.saving, self.pid = False, os.getpid()  # a signal of promote_on promotes (here)
         #: Promotion over the manager's tiers (``manager/tiers.promote``), set by the manager.
         self.promote: Callable[[float], Path | None] = lambda within: None
         self.durable, self.local = False, True
@@ -207,6 +207,17 @@ class MemoryTier:
             self._lock.release()
             self._lock = None
 
+    def promote_now(self) -> None:
+        """The save in flight given ``promote_within`` seconds to commit (with ``keep=1``
+        it replaced the only step), then the newest step promoted."""
+        within = self.option.promote_within
+        with contextlib.suppress(TimeoutError):  # then the newest step committed before it
+            if self._round is not None:
+                self._round.join(within)
+            elif self.writes.pending is not None:
+                self.writes.pending.exception(within)
+        self.promote(within)
+
     def _write_status(self, *, open_: bool) -> None:
         if topology().rank != 0:
             return  # one status per job: the coordinator's
@@ -227,9 +238,18 @@ class MemoryTier:
         return bool(due)
 
     def save(self, state: State, step: int, metadata: Callable[[], Mapping[str, Any]]) -> None:
-        """Start the checkpoint of ``step``, the previous one collected and room made first:
-        at most ``keep`` in the folder, all its retention. Until the write starts the folder
-        is listed once (this run alone writes it)."""
+        """Start the checkpoint of ``step``; a signal meanwhile is handled once it started."""
+        self.saving = True
+        try:
+            self._save(state, step, metadata)
+        finally:
+            self.saving = False
+            Promotion.resume()
+
+    def _save(self, state: State, step: int, metadata: Callable[[], Mapping[str, Any]]) -> None:
+        """The previous checkpoint collected and room made first: at most ``keep`` in the
+        folder, all its retention. Until the write starts the folder is listed once (this
+        run alone writes it)."""
         replicas, self.view.hold = self.replicas, True
         try:
             self.wait(stacklevel=4)
@@ -364,17 +384,29 @@ class Promotion:
     """The handler of a signal for every memory tier of this process: each promotes, then
     the signal takes its course once, as without them (the handler before the first, or
     the default action). One installed above (``fc.on_signal``, say) owns what the signal
-    does: reached through its chain, this one ends nothing."""
+    does: reached through its chain, this one ends nothing. A signal during a memory
+    save waits for it: making room, it may have removed the step it replaces."""
 
     tiers: ClassVar[list[MemoryTier]] = []  # this process's, open
+    deferred: ClassVar[dict[int, Promotion]] = {}  # signals that came during a save
 
     def __init__(self, signum: int) -> None:
         self.previous = signal.signal(signum, self)
 
+    @classmethod
+    def resume(cls) -> None:
+        """Handle the signals that came during a save, now."""
+        while cls.deferred:
+            signum, handler = cls.deferred.popitem()
+            handler(signum, None)
+
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         tiers = [t for t in self.tiers if signum in t.option.promote_on and t.pid == os.getpid()]
-        for tier in tiers:  # (a forked child's tiers are its parent's)
-            tier.promote(tier.option.promote_within)
+        if any(t.saving for t in tiers):  # (a forked child's tiers are its parent's)
+            self.deferred.setdefault(signum, self)
+            return
+        for tier in tiers:
+            tier.promote_now()
         if callable(self.previous):
             self.previous(signum, frame)
         elif self.previous != signal.SIG_IGN and signal.getsignal(signum) is self:
