@@ -722,6 +722,21 @@ def test_sigterm_promotes_every_manager_and_takes_its_course_once(
         assert fc.verify(tmp_path / name / step_name(3)).ok
 
 
+def test_sigterm_uploads_the_promoted_step(tmp_path: Path, s3: dict[str, Any], bucket: str) -> None:
+    """A step promoted on SIGTERM is a disk commit like any other: the remote tier
+    uploads it before the process ends, so a preempted machine's disk is not its only copy."""
+    from functional_ckpt._src.remote.store import Store
+
+    done = sigterm_job(tmp_path, "remote", bucket, s3["endpoint"])
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-3000:])
+    assert committed(tmp_path / "root") == [3]
+    listing = Store(bucket, s3["options"]).listing()
+    assert sorted(s for s, r in listing.items() if r.committed) == [3], done.stderr[-3000:]
+    remote = fc.manager.Remote(bucket, storage_options=s3["options"])
+    with fc.CheckpointManager(tmp_path / "fresh", tiers=(remote,)) as mgr:  # another machine
+        assert mgr.restore_latest() is not None and mgr.restored_step == 3
+
+
 @pytest.mark.parametrize("sync", [False, True])
 def test_sigterm_during_the_save_that_replaces_the_only_kept_step(
     tmp_path: Path, sync: bool

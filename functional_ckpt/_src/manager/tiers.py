@@ -96,10 +96,14 @@ def retain(tier: Tier, keep: RetentionPolicy, protected: Iterable[int] = ()) -> 
 
 
 def promote(tiers: Sequence[Tier], source: Tier, within: float) -> Path | None:
-    """Copy the newest step of ``source`` into the next durable tier; the copy made now."""
+    """Copy the newest step of ``source`` into the next durable tier, and that copy on (a
+    commit there, as any: the disk's is uploaded); the copy made now."""
     after = list(tiers)[list(tiers).index(source) + 1 :]
     target = next((t for t in after if t.durable), None)
-    return None if target is None else target.copy_in(source, within)
+    made = None if target is None else target.copy_in(source, within)
+    if made is not None and target is not None and not topology().distributed:
+        promote(tiers, target, within)  # (each rank's round: after the next save, or open)
+    return made
 
 
 def progress(tiers: Sequence[Tier]) -> None:
