@@ -239,12 +239,14 @@ class MemoryTier:
 
     def save(self, state: State, step: int, metadata: Callable[[], Mapping[str, Any]]) -> None:
         """Start the checkpoint of ``step``; a signal meanwhile is handled once it started."""
-        self.saving = True
+        self.saving = threading.current_thread() is threading.main_thread()  # (signals' thread)
         try:
             self._save(state, step, metadata)
         finally:
             self.saving = False
-            Promotion.resume()
+            while Promotion.deferred:
+                signum, handler = Promotion.deferred.popitem()
+                handler(signum, None)
 
     def _save(self, state: State, step: int, metadata: Callable[[], Mapping[str, Any]]) -> None:
         """The previous checkpoint collected and room made first: at most ``keep`` in the
@@ -392,13 +394,6 @@ class Promotion:
 
     def __init__(self, signum: int) -> None:
         self.previous = signal.signal(signum, self)
-
-    @classmethod
-    def resume(cls) -> None:
-        """Handle the signals that came during a save, now."""
-        while cls.deferred:
-            signum, handler = cls.deferred.popitem()
-            handler(signum, None)
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         tiers = [t for t in self.tiers if signum in t.option.promote_on and t.pid == os.getpid()]
