@@ -5,6 +5,7 @@ SIGTERM, as a scheduler sends it. A process the signal does not end prints ``LIV
     python sigterm_job.py BASE two [--user]
     python sigterm_job.py BASE remote URL ENDPOINT
     python sigterm_job.py BASE keep1 [--sync]
+    python sigterm_job.py BASE slowdisk
 
 ``two``: two managers (roots ``BASE/a`` and ``BASE/b``) save steps 1..3; with ``--user``
 a handler of the user's, installed first, prints ``USER`` each time it is called and the
@@ -12,7 +13,9 @@ process goes on. ``remote``: one manager with a remote tier at ``URL`` (an S3 se
 ``ENDPOINT``) saves steps 1..3. ``keep1``: one manager with ``Memory(keep=1)`` saves
 steps 1..3, and the signal comes while the save of step 4 (which replaces step 3) is
 written, before it commits: on the write's thread (``--sync``: the training thread),
-which then commits once the training thread handles the signal.
+which then commits once the training thread handles the signal. ``slowdisk``: the
+disk tier's async save of step 3 never commits, and the memory tier (``promote_within``
+0.2 s) holds steps 2 and 3; an exception the signal raises is printed as ``RAISED``.
 """
 
 from __future__ import annotations
@@ -83,18 +86,37 @@ def main() -> None:
             fc.manager.Remote(url, storage_options=options),
         )
         managers.append(fc.CheckpointManager(base / "root", save=never, tiers=tiers))
+    elif mode == "slowdisk":
+        tier = fc.manager.Memory(path=base / "mem", async_save=False, promote_within=0.2)
+        disk = fc.at_steps([3])
+        managers.append(
+            fc.CheckpointManager(base / "root", save=disk, async_save=True, tiers=(tier,))
+        )
+        real = commit.commit_checkpoint
+
+        def never(tmp: Path, final: Path, **kwargs: Any) -> None:
+            if final == base / "root" / step_name(3):
+                threading.Event().wait()
+            real(tmp, final, **kwargs)
+
+        commit.commit_checkpoint = never  # type: ignore[assignment]
     else:
         tier = fc.manager.Memory(path=base / "mem", keep=1, async_save="--sync" not in sys.argv)
         managers.append(fc.CheckpointManager(base / "root", save=never, tiers=(tier,)))
     for step in (1, 2, 3):
         for mgr in managers:
             mgr.maybe_save(state(step), step=step)
-            mgr.wait()
+            if mode != "slowdisk":
+                mgr.wait()
     if mode == "keep1":
         signal_inside_step_4(base / "mem")
         managers[0].maybe_save(state(4), step=4)
     else:
-        terminate()
+        try:
+            terminate()
+        except BaseException as e:
+            print("RAISED", repr(e), flush=True)
+            os._exit(1)
     if "--user" not in sys.argv:
         time.sleep(20)  # what the signal should have ended
     print("LIVED", flush=True)

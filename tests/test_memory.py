@@ -751,3 +751,12 @@ def test_sigterm_during_the_save_that_replaces_the_only_kept_step(
     assert committed(root) == [4], done.stderr[-3000:]
     assert fc.verify(root / step_name(4)).ok
     assert not [p.name for p in root.iterdir() if naming.is_temporary_name(p.name)]
+
+
+def test_sigterm_beside_a_disk_save_that_does_not_finish_in_time(tmp_path: Path) -> None:
+    """The disk's save in flight is waited for at most ``promote_within``: past that the
+    signal still takes its course, and its step is not written a second time meanwhile."""
+    done = sigterm_job(tmp_path, "slowdisk")
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stdout, done.stderr[-3000:])
+    assert "RAISED" not in done.stdout and "LIVED" not in done.stdout, done.stdout
+    assert committed(tmp_path / "root") == []  # step 3 has one writer: the save, cut short

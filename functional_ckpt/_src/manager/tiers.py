@@ -182,13 +182,17 @@ class DiskTier:
         """The coordinator's copy, none older, after the save in flight: one writer a step."""
         if not self.coordinator:
             return None
-        pending = self._writes.pending
-        if pending is not None:
-            pending.exception(within)  # its failure is reported by the next wait()
-        newest = self.latest()  # what a save must not be older than, a copy neither
+        pending, busy = self._writes.pending, set()
+        try:  # its failure is reported by the next wait()
+            if pending is not None:
+                pending.exception(within)
+        except TimeoutError:  # the step is still its save's: not written a second time
+            busy = self._writes.busy_steps()
+        held = (s for s in (self.latest(), *busy) if s is not None)
+        newest = max(held, default=-1)  # none older than a save, a copy neither
         paths = []  # another lineage's step is no obstacle, and never copied over
         for step in source.steps():
-            if (newest is None or step > newest) and not os.path.lexists(self.view.path(step)):
+            if step > newest and not os.path.lexists(self.view.path(step)):
                 with contextlib.suppress(CheckpointError):  # held only in part there
                     paths.append(source.open(step))
         return promote_newest(self.view.root, paths, within)
