@@ -136,10 +136,6 @@ class MemoryTier:
         self.committed: Callable[[], object] = lambda: None  # progress, told over all tiers
         self.view = RunView(self.folder, self.run)  # refuses a folder that is a checkpoint
         self.steps, self.infos = self.view.steps, self.view.infos
-        with fail_together(self.group, f"memory tier {self.folder}"):
-            self.budget = mf.resolve_budget(option, self.folder)
-            if self.keeper:
-                self._open()
         self.writes = Writes(  # a rank's base: this run's last step its own folder holds
             self.view,
             replace(
@@ -153,6 +149,10 @@ class MemoryTier:
             ),
             None,
         )
+        with fail_together(self.group, f"memory tier {self.folder}"):
+            self.budget = mf.resolve_budget(option, self.folder)
+            if self.keeper:
+                self._open()
 
     def _open(self) -> None:
         """Lock and mark the folder as this run's, recover what its crash left, handle signals."""
