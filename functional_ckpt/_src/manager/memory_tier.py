@@ -181,13 +181,13 @@ class MemoryTier:
         the restart, its newest step promoted first where a signal would have."""
         self.wait(stacklevel=4)
         self.writes.removed()
-        if self in Promotion.tiers:  # the last one gone, the handler before is back
-            Promotion.tiers.remove(self)  # (unless one above may chain to it)
+        if self in Promotion.tiers:
+            Promotion.tiers.remove(self)
         main = threading.current_thread() is threading.main_thread()
-        for signum in self.option.promote_on if main else ():
+        for signum in self.option.promote_on if main else ():  # no tier left, ours on top:
             top, left = signal.getsignal(signum), Promotion.tiers
             if isinstance(top, Promotion) and not any(signum in t.option.promote_on for t in left):
-                signal.signal(signum, top.previous or signal.SIG_DFL)
+                signal.signal(signum, top.previous or signal.SIG_DFL)  # the one before is back
         if crashed and self.option.promote_on:
             self.promote(self.option.promote_within)
         if self._lock is None:
