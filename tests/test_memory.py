@@ -868,3 +868,78 @@ def test_a_run_that_adopted_the_remote_lineage_resumes_its_ram_steps_after_sigki
         assert f"resumed {4 if lost else 7}\n" in capsys.readouterr().out, name
         strangers = [str(w.message) for w in told if "not of this run's lineage" in str(w.message)]
         assert not strangers, strangers
+
+
+def sigterm_job(base: Path, *args: str) -> Any:
+    """tests/sigterm_job.py in a process group of its own, which it signals whole."""
+    import subprocess
+    import sys
+
+    from tests.patience import HANG
+
+    job = Path(__file__).with_name("sigterm_job.py")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    return subprocess.run(
+        [sys.executable, str(job), str(base), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=HANG,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.parametrize("user", [False, True])
+def test_sigterm_promotes_every_manager_and_takes_its_course_once(
+    tmp_path: Path, user: bool
+) -> None:
+    """Two managers in one process: both promote, then the signal does what it did
+    before them, once: the default action ends the process; a handler of the user's is
+    called once, and the process goes on."""
+    done = sigterm_job(tmp_path, "two", *(["--user"] if user else []))
+    assert done.returncode == (0 if user else -signal.SIGTERM), (done.returncode, done.stderr)
+    assert done.stdout.count("USER") == (1 if user else 0), done.stdout
+    assert ("LIVED" in done.stdout) == user, done.stdout
+    for name in "ab":
+        assert committed(tmp_path / name) == [3], (name, done.stderr[-3000:])
+        assert fc.verify(tmp_path / name / step_name(3)).ok
+
+
+def test_sigterm_uploads_the_promoted_step(tmp_path: Path, s3: dict[str, Any], bucket: str) -> None:
+    """A step promoted on SIGTERM is a disk commit like any other: the remote tier
+    uploads it before the process ends, so a preempted machine's disk is not its only copy."""
+    from functional_ckpt._src.remote.store import Store
+
+    done = sigterm_job(tmp_path, "remote", bucket, s3["endpoint"])
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-3000:])
+    assert committed(tmp_path / "root") == [3]
+    listing = Store(bucket, s3["options"]).listing()
+    assert sorted(s for s, r in listing.items() if r.committed) == [3], done.stderr[-3000:]
+    remote = fc.manager.Remote(bucket, storage_options=s3["options"])
+    fresh = fc.CheckpointManager(tmp_path / "fresh", save=fc.policy.never(), tiers=(remote,))
+    with fresh as mgr:  # another machine
+        assert mgr.restore_latest() is not None and mgr.restored_step == 3
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_sigterm_during_the_save_that_replaces_the_only_kept_step(
+    tmp_path: Path, sync: bool
+) -> None:
+    """With ``keep=1`` a memory save makes room first: while it is written the folder
+    holds no step. A SIGTERM then promotes the step once it is committed."""
+    done = sigterm_job(tmp_path, "keep1", *(["--sync"] if sync else []))
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-3000:])
+    assert "LIVED" not in done.stdout
+    root = tmp_path / "root"
+    assert committed(root) == [4], done.stderr[-3000:]
+    assert fc.verify(root / step_name(4)).ok
+    assert not [p.name for p in root.iterdir() if naming.is_temporary_name(p.name)]
+
+
+def test_sigterm_beside_a_disk_save_that_does_not_finish_in_time(tmp_path: Path) -> None:
+    """The disk's save in flight is waited for at most ``promote_within``: past that the
+    signal still takes its course, and its step is not written a second time meanwhile."""
+    done = sigterm_job(tmp_path, "slowdisk")
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stdout, done.stderr[-3000:])
+    assert "RAISED" not in done.stdout and "LIVED" not in done.stdout, done.stdout
+    assert committed(tmp_path / "root") == []  # step 3 has one writer: the save, cut short

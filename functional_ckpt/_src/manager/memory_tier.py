@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from functional_ckpt._src.distributed import groups
 from functional_ckpt._src.distributed.topology import topology
@@ -130,18 +130,13 @@ class MemoryTier:
         self.policy_state: PolicyState = option.save.init()
         self._said_over = False
         self._lock: WriterLock | None = None
-        self._previous: dict[int, Any] = {}  # each signal's handler before ours
-        self._handling, self._pid = False, os.getpid()  # a signal of promote_on promotes (here)
+        self.saving, self.pid = False, os.getpid()  # a signal of promote_on promotes (here)
         #: Promotion over the manager's tiers (``manager/tiers.promote``), set by the manager.
         self.promote: Callable[[float], Path | None] = lambda within: None
         self.durable, self.local = False, True
         self.committed: Callable[[], object] = lambda: None  # progress, told over all tiers
         self.view = RunView(self.folder, self.run)  # refuses a folder that is a checkpoint
         self.steps, self.infos = self.view.steps, self.view.infos
-        with fail_together(self.group, f"memory tier {self.folder}"):
-            self.budget = mf.resolve_budget(option, self.folder)
-            if self.keeper:
-                self._open()
         self.writes = Writes(  # a rank's base: this run's last step its own folder holds
             self.view,
             replace(
@@ -155,6 +150,10 @@ class MemoryTier:
             ),
             None,
         )
+        with fail_together(self.group, f"memory tier {self.folder}"):
+            self.budget = mf.resolve_budget(option, self.folder)
+            if self.keeper:
+                self._open()
 
     def _open(self) -> None:
         """Lock and mark the folder as this run's, recover what its crash left, handle signals."""
@@ -168,10 +167,10 @@ class MemoryTier:
             self._drop_cut()
             self._write_status(open_=True)
             if threading.current_thread() is threading.main_thread():  # where signals arrive
-                self._previous = {
-                    s: signal.signal(s, self._on_signal) for s in self.option.promote_on
-                }
-                self._handling, self._pid = True, os.getpid()  # a forked child inherits it
+                for signum in self.option.promote_on:  # one handler, however many tiers
+                    if not isinstance(signal.getsignal(signum), Promotion):
+                        Promotion(signum)
+                Promotion.tiers.append(self)
             if self.replicas is not None:
                 self.replicas.clear_staging()
         except BaseException:
@@ -196,11 +195,13 @@ class MemoryTier:
         the restart, its newest step promoted first where a signal would have."""
         self.wait(stacklevel=4)
         self.writes.removed()
-        if self._handling and threading.current_thread() is threading.main_thread():
-            self._handling = False  # a later handler chaining to ours now just passes it on
-            for signum, previous in self._previous.items():
-                if signal.getsignal(signum) == self._on_signal:
-                    signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        if self in Promotion.tiers:
+            Promotion.tiers.remove(self)
+        main = threading.current_thread() is threading.main_thread()
+        for signum in self.option.promote_on if main else ():  # no tier left, ours on top:
+            top, left = signal.getsignal(signum), Promotion.tiers
+            if isinstance(top, Promotion) and not any(signum in t.option.promote_on for t in left):
+                signal.signal(signum, top.previous or signal.SIG_DFL)  # the one before is back
         if crashed and self.option.promote_on:
             self.promote(self.option.promote_within)
         if self._lock is None:
@@ -220,18 +221,16 @@ class MemoryTier:
             self._lock.release()
             self._lock = None
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        """Promote, then let the signal do what it did before (by default: end the process).
-        A handler installed on top of this one (``fc.on_signal``, say) owns what the signal
-        does: reached through its chain, this one promotes and ends nothing."""
-        if self._handling and os.getpid() == self._pid:  # one writer: a fork never promotes
-            self.promote(self.option.promote_within)
-        previous = self._previous.get(signum)
-        if callable(previous):
-            previous(signum, frame)
-        elif previous != signal.SIG_IGN and signal.getsignal(signum) == self._on_signal:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+    def promote_now(self) -> None:
+        """The save in flight given ``promote_within`` seconds to commit (with ``keep=1``
+        it replaced the only step), then the newest step promoted."""
+        within = self.option.promote_within
+        with contextlib.suppress(TimeoutError):  # then the newest step committed before it
+            if self._round is not None:
+                self._round.join(within)
+            elif self.writes.pending is not None:
+                self.writes.pending.exception(within)
+        self.promote(within)
 
     def _write_status(self, *, open_: bool) -> None:
         if topology().rank != 0:
@@ -253,9 +252,20 @@ class MemoryTier:
         return bool(due)
 
     def save(self, state: State, step: int, metadata: Callable[[], Mapping[str, Any]]) -> None:
-        """Start the checkpoint of ``step``, the previous one collected and room made first:
-        at most ``keep`` in the folder, all its retention. Until the write starts the folder
-        is listed once (this run alone writes it)."""
+        """Start the checkpoint of ``step``; a signal meanwhile is handled once it started."""
+        self.saving = threading.current_thread() is threading.main_thread()  # (signals' thread)
+        try:
+            self._save(state, step, metadata)
+        finally:
+            self.saving = False
+            while Promotion.deferred:
+                signum, handler = Promotion.deferred.popitem()
+                handler(signum, None)
+
+    def _save(self, state: State, step: int, metadata: Callable[[], Mapping[str, Any]]) -> None:
+        """The previous checkpoint collected and room made first: at most ``keep`` in the
+        folder, all its retention. Until the write starts the folder is listed once (this
+        run alone writes it)."""
         replicas, self.view.hold = self.replicas, True
         try:
             self.wait(stacklevel=4)
@@ -384,3 +394,30 @@ class MemoryTier:
 
     def copy_in(self, source: object, within: float) -> None:
         """Nothing is promoted into RAM: the fastest tier, and not durable."""
+
+
+class Promotion:
+    """The handler of a signal for every memory tier of this process: each promotes, then
+    the signal takes its course once, as without them (the handler before the first, or
+    the default action). One installed above (``fc.on_signal``, say) owns what the signal
+    does: reached through its chain, this one ends nothing. A signal during a memory
+    save waits for it: making room, it may have removed the step it replaces."""
+
+    tiers: ClassVar[list[MemoryTier]] = []  # this process's, open
+    deferred: ClassVar[dict[int, Promotion]] = {}  # signals that came during a save
+
+    def __init__(self, signum: int) -> None:
+        self.previous = signal.signal(signum, self)
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        tiers = [t for t in self.tiers if signum in t.option.promote_on and t.pid == os.getpid()]
+        if any(t.saving for t in tiers):  # (a forked child's tiers are its parent's)
+            self.deferred.setdefault(signum, self)
+            return
+        for tier in tiers:
+            tier.promote_now()
+        if callable(self.previous):
+            self.previous(signum, frame)
+        elif self.previous != signal.SIG_IGN and signal.getsignal(signum) is self:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)

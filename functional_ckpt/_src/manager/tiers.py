@@ -96,10 +96,14 @@ def retain(tier: Tier, keep: RetentionPolicy, protected: Iterable[int] = ()) -> 
 
 
 def promote(tiers: Sequence[Tier], source: Tier, within: float) -> Path | None:
-    """Copy the newest step of ``source`` into the next durable tier; the copy made now."""
+    """Copy the newest step of ``source`` into the next durable tier, and that copy on (a
+    commit there, as any: the disk's is uploaded); the copy made now."""
     after = list(tiers)[list(tiers).index(source) + 1 :]
     target = next((t for t in after if t.durable), None)
-    return None if target is None else target.copy_in(source, within)
+    made = None if target is None else target.copy_in(source, within)
+    if made is not None and target is not None and not topology().distributed:
+        promote(tiers, target, within)  # (each rank's round: after the next save, or open)
+    return made
 
 
 def progress(tiers: Sequence[Tier]) -> None:
@@ -187,13 +191,17 @@ class DiskTier:
         """The coordinator's copy, none older, after the save in flight: one writer a step."""
         if not self.coordinator:
             return None
-        pending = self._writes.pending
-        if pending is not None:
-            pending.exception(within)  # its failure is reported by the next wait()
-        newest = self.latest()  # what a save must not be older than, a copy neither
+        pending, busy = self._writes.pending, set()
+        try:  # its failure is reported by the next wait()
+            if pending is not None:
+                pending.exception(within)
+        except TimeoutError:  # the step is still its save's: not written a second time
+            busy = self._writes.busy_steps()
+        held = (s for s in (self.latest(), *busy) if s is not None)
+        newest = max(held, default=-1)  # none older than a save, a copy neither
         paths = []  # another lineage's step is no obstacle, and never copied over
         for step in source.steps():
-            if (newest is None or step > newest) and not os.path.lexists(self.view.path(step)):
+            if step > newest and not os.path.lexists(self.view.path(step)):
                 with contextlib.suppress(CheckpointError):  # held only in part there
                     paths.append(source.open(step))
         return promote_newest(self.view.root, paths, within)

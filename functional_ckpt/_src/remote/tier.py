@@ -137,9 +137,12 @@ class RemoteTier:
         return f"RemoteTier({self.url!r}, keep={self.keep!r})"
 
     def copy_in(self, source: object, within: float) -> None:
-        """A local checkpoint committed: an upload round runs in the background."""
+        """A local checkpoint committed: an upload round runs in the background. One
+        promoted on a signal (``within`` > 0) is waited for: the process may end next."""
         if self._worker is not None:
             self._worker.request()
+            if within:
+                self.wait(within)
 
     def open(self, step: int) -> Path:
         """The local copy of remote ``step`` (downloaded and verified first if missing)."""
