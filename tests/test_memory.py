@@ -604,6 +604,24 @@ def test_rollback_and_delete_reach_the_memory_tier(tmp_path: Path) -> None:
         assert mgr.restore_latest() is not None and mgr.restored_step == 2
 
 
+def test_a_step_only_ram_holds_is_deleted_out_of_sight(tmp_path: Path) -> None:
+    """A step of this run is one any tier holds: one not yet on disk is deletable too."""
+    memory = tmp_path / "mem"
+    tier = fc.manager.Memory(path=memory, async_save=False)
+    with fc.CheckpointManager(tmp_path / "root", save=fc.every_steps(2), tiers=(tier,)) as mgr:
+        for s in (1, 2, 3):
+            mgr.maybe_save(small_state(s), step=s)
+        assert committed(memory) == [2, 3] and mgr.steps() == [2]
+        mgr.delete(3)
+        assert committed(memory) == [2] and mgr.steps() == [2]
+        assert not os.path.lexists(memory / step_name(3))  # renamed away, then removed
+        assert mgr.restore_latest() is not None and mgr.restored_step == 2
+        with pytest.raises(
+            fc.errors.CheckpointNotFound, match=r"no checkpoint for step 7 in any tier"
+        ):
+            mgr.delete(7)
+
+
 def test_the_root_records_where_its_memory_tier_is(tmp_path: Path) -> None:
     tier = fc.manager.Memory(path=tmp_path / "mem")
     with fc.CheckpointManager(tmp_path / "root", tiers=(tier,)):

@@ -46,6 +46,7 @@ from functional_ckpt._src.manager.rollback_rule import SaveResult, Watch, roll_b
 from functional_ckpt._src.manager.tiers import (
     DiskTier,
     Tier,
+    holding,
     move_newer,
     newest_in_tiers,
     plan_newer,
@@ -76,7 +77,7 @@ from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.options import DEFAULT_PER_RANK, PER_RANK
 from functional_ckpt._src.state.tree import State
 from functional_ckpt._src.storage import zstd
-from functional_ckpt.errors import CheckpointError, CheckpointNotFound
+from functional_ckpt.errors import CheckpointError
 
 
 class CheckpointManager(RootView):
@@ -454,15 +455,12 @@ class CheckpointManager(RootView):
     def delete(self, step: int) -> None:
         """Delete this lineage's ``step`` from every tier, crash-safely (even the newest)."""
         self._check_open("delete", writing=True)
-        if not self.path(step).is_dir():
-            raise CheckpointNotFound(f"{self.path(step)}: no checkpoint for step {step}")
         doing = f"delete({step}) takes this run's only"  # refused on one rank, on all
         together(self._distributed, doing, self.disk.check_ours, step, doing, CheckpointError)
         for tier in self.tiers:  # the remote's too: an upload in flight would commit it again
             tier.wait()
-        for tier in self.tiers:  # or a resume would still find it in another tier
-            if tier is self.disk or step in tier.steps():  # a link in the root is not a step
-                tier.delete([step])
+        for tier in together(self._distributed, doing, holding, self.tiers, self.disk, step):
+            tier.delete([step])  # from each: a resume would still find it in another
 
 
 _LOG = logger("manager")

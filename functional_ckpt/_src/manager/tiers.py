@@ -32,7 +32,7 @@ from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.storage.os_failure import machine_errors
 from functional_ckpt._src.storage.progress import report_progress
 from functional_ckpt._src.storage.ram import promote_newest
-from functional_ckpt.errors import CheckpointError, CheckpointExists
+from functional_ckpt.errors import CheckpointError, CheckpointExists, CheckpointNotFound
 
 T = TypeVar("T")
 
@@ -222,6 +222,27 @@ class DiskTier:
 
     def close(self, *, crashed: bool) -> None:
         pass
+
+
+def holding(tiers: Sequence[Tier], disk: DiskTier, step: int) -> list[Tier]:
+    """The tiers holding this run's ``step``: a delete or rollback takes the steps of the
+    run from every tier, as a resume does (one only RAM or the remote holds is the run's
+    too). The disk holds what its root has at that name (a link, a rank's part; another
+    lineage's is refused by ``check_ours``), another tier this lineage's (``infos``)."""
+    held = [
+        t
+        for t in tiers
+        if (
+            disk.view.path(step).is_dir()
+            if t is disk
+            else step in t.steps() and any(r.step == step for r in t.infos())
+        )
+    ]
+    if not held:
+        raise CheckpointNotFound(
+            f"{disk.view.path(step)}: no checkpoint for step {step} in any tier of this run"
+        )
+    return held
 
 
 def plan_newer(
