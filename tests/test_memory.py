@@ -622,6 +622,57 @@ def test_a_step_only_ram_holds_is_deleted_out_of_sight(tmp_path: Path) -> None:
             mgr.delete(7)
 
 
+def ram_ahead(root: Path, memory: Path, **kwargs: Any) -> fc.CheckpointManager:
+    """A manager whose disk saves every other step, and RAM every step (its newest two)."""
+    tier = fc.manager.Memory(
+        path=memory, async_save=False, save=kwargs.pop("ram", fc.every_steps(1))
+    )
+    return fc.CheckpointManager(root, save=fc.every_steps(2), tiers=(tier,), **kwargs)
+
+
+def test_a_rollback_to_a_step_only_ram_holds_makes_it_the_head(tmp_path: Path) -> None:
+    """Step 3, in RAM only, older than the disk's 4 and 6: the newer ones branch off, and
+    step 3 is the trunk's head on disk (a copy, durable before anything moved)."""
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    with ram_ahead(root, memory, ram=fc.every_steps(3)) as mgr:
+        for s in range(1, 7):
+            mgr.maybe_save(small_state(s), step=s)
+        assert mgr.steps() == [2, 4, 6] and committed(memory) == [3, 6]
+        state = mgr.rollback(3, branch="old")
+        assert state["step"] == 3 and mgr.restored_step == 3
+        assert mgr.steps() == [2, 3] and mgr.branches() == {"old": [4, 6]}
+        assert committed(memory) == [3]
+        assert fc.verify(root / step_name(3)).ok
+    with fc.CheckpointManager(root, save=fc.every_steps(2)) as mgr:
+        assert mgr.restore_latest() is not None and mgr.restored_step == 3
+
+
+def test_a_branch_rollback_keeps_the_steps_only_ram_holds_on_the_branch(tmp_path: Path) -> None:
+    """The disk's newer steps and RAM's alike: none is deleted by a rollback to a branch."""
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    with ram_ahead(root, memory) as mgr:
+        for s in range(1, 6):
+            mgr.maybe_save(small_state(s), step=s)
+        assert mgr.steps() == [2, 4] and committed(memory) == [4, 5]
+        mgr.rollback(2, branch="b")
+        assert mgr.steps() == [2] and committed(memory) == []
+        assert mgr.branches() == {"b": [4, 5]}
+        assert fc.restore(root / "branches" / "b" / step_name(5))["step"] == 5
+
+
+def test_a_rollback_on_degradation_branches_the_steps_only_ram_holds(tmp_path: Path) -> None:
+    rule = fc.policy.on_degrade("reward", mode="max", patience=1)
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    with ram_ahead(root, memory, rollback=rule) as mgr:
+        for s, reward in ((1, 10.0), (2, 10.0), (3, 9.5)):
+            mgr.maybe_save(small_state(s), step=s, metrics={"reward": reward})
+        result = mgr.maybe_save(small_state(4), step=4, metrics={"reward": 1.0})
+        assert result.rollback is not None and result.rollback.to_step == 2
+        assert result.rollback.state["step"] == 2
+        assert mgr.steps() == [2] and committed(memory) == []
+        assert mgr.branches() == {result.rollback.branch: [3, 4]}
+
+
 def test_the_root_records_where_its_memory_tier_is(tmp_path: Path) -> None:
     tier = fc.manager.Memory(path=tmp_path / "mem")
     with fc.CheckpointManager(tmp_path / "root", tiers=(tier,)):

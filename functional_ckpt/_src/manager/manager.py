@@ -54,6 +54,7 @@ from functional_ckpt._src.manager.tiers import (
     promote,
     retain,
     retained,
+    to_disk,
 )
 from functional_ckpt._src.manager.writes import Writes, WriteSettings
 from functional_ckpt._src.paths import PathLike
@@ -271,6 +272,8 @@ class CheckpointManager(RootView):
         self.wait()  # a save in flight commits first: it may be one of the newer steps
         doing = f"rollback({step}) continues this run's only"
         together(self._distributed, doing, self.disk.check_ours, step, doing, CheckpointError)
+        together(self._distributed, doing, holding, self.tiers, self.disk, step)
+        together(self._distributed, doing, to_disk, self.tiers, self.disk, step, newer)
         if self.remote is not None:
             self.remote.hold(step)  # on the remote trunk before the newer steps leave it
         doing = f"rollback({step})"

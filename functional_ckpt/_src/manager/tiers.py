@@ -31,7 +31,7 @@ from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.storage.os_failure import machine_errors
 from functional_ckpt._src.storage.progress import report_progress
-from functional_ckpt._src.storage.ram import promote_newest
+from functional_ckpt._src.storage.ram import copy_checkpoint, promote_newest
 from functional_ckpt.errors import CheckpointError, CheckpointExists, CheckpointNotFound
 
 T = TypeVar("T")
@@ -243,6 +243,17 @@ def holding(tiers: Sequence[Tier], disk: DiskTier, step: int) -> list[Tier]:
             f"{disk.view.path(step)}: no checkpoint for step {step} in any tier of this run"
         )
     return held
+
+
+def to_disk(tiers: Sequence[Tier], disk: DiskTier, step: int, newer: Newer) -> None:
+    """Before a rollback moves anything, the coordinator copies into the disk what only a
+    faster tier holds of ``step`` and (to branch) the newer steps: the new head and the
+    branch are durable, never left in RAM or deleted with it. A crash leaves more steps."""
+    for tier in tiers[: list(tiers).index(disk)] if disk.coordinator else ():
+        for s in tier.steps():
+            path = disk.view.path(s)
+            if (s == step or (s > step and newer == "branch")) and not os.path.lexists(path):
+                copy_checkpoint(tier.open(s), path)
 
 
 def plan_newer(
