@@ -15,6 +15,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -33,10 +34,11 @@ from functional_ckpt._src.format.naming import parse_step, step_name
 from functional_ckpt._src.manager.memory import MARK_FILE
 from functional_ckpt._src.storage.ram import MEMORY_STATUS
 from functional_ckpt.errors import LeftoverWarning, MemoryTierWarning
-from tests import manager_job
+from tests import manager_job, prefork
 from tests.exact import assert_exact
 from tests.patience import eventually, finished
 
+REPO = Path(__file__).resolve().parent.parent
 STEPS = 24
 DISK_EVERY = 10
 
@@ -754,3 +756,45 @@ def test_beside_a_remote_tier_the_newest_of_all_three_is_restored(tmp_path: Path
     with manager(tmp_path / "fresh") as mgr:  # another machine: an empty disk, no folder
         state = mgr.restore_latest()
         assert state is not None and mgr.restored_step == 6  # from the remote tier
+
+
+_KILLED_IN_A_RAM_ROLLBACK = """
+import os, signal, sys
+import torch
+import functional_ckpt as fc
+from functional_ckpt._src.manager import manager
+from functional_ckpt._src.storage import commit
+root, memory, at = sys.argv[1:]
+def kill(*a, **k):
+    os.kill(os.getpid(), signal.SIGKILL)
+tier = fc.manager.Memory(path=memory, async_save=False)
+mgr = fc.CheckpointManager(root, save=fc.every_steps(2), tiers=(tier,))
+for s in range(1, 6):
+    mgr.maybe_save({"w": torch.full((4,), float(s)), "step": s}, step=s)
+if at == "copy":  # the step's files copied, its commit not made
+    commit.commit_checkpoint = kill
+else:  # copied into the disk, nothing moved yet
+    manager.plan_newer = kill
+mgr.rollback(2, branch="b")
+"""
+
+
+@pytest.mark.parametrize("at", ["copy", "plan"])
+def test_a_rollback_killed_as_it_copies_the_ram_steps_loses_none(tmp_path: Path, at: str) -> None:
+    """SIGKILL while a branch rollback makes RAM's newer steps durable: it has not begun,
+    every step is where a resume finds it, and the rollback done again keeps them all."""
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    script = [sys.executable, "-c", _KILLED_IN_A_RAM_ROLLBACK, str(root), str(memory), at]
+    proc = prefork.run(script, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == -signal.SIGKILL
+    assert not (root / "branches").exists() and committed(memory) == [4, 5]
+    assert committed(root) == ([2, 4] if at == "copy" else [2, 4, 5])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        mgr = ram_ahead(root, memory)
+    recovered = [w for w in seen if w.category is LeftoverWarning and "recovered" in str(w.message)]
+    assert len(recovered) == (at == "copy")  # whole but for its rename: step 5 again
+    with mgr:
+        assert mgr.restore_latest() is not None and mgr.restored_step == 5
+        mgr.rollback(2, branch="b")
+        assert mgr.steps() == [2] and mgr.branches() == {"b": [4, 5]}
