@@ -365,3 +365,12 @@ def test_after_wait_every_rank_lists_the_memory_steps_committed(tmp_path: Path) 
     held = [json.loads((root / f"held.{r}.json").read_text()) for r in range(2)]
     assert [h["memory"] for h in held] == [[6, 7], [6, 7]], held
     assert all(h == {"disk": [2, 4, 6], "memory": [6, 7], "restored": [True, True]} for h in held)
+
+
+def test_a_step_only_ram_holds_is_deleted_from_every_node(tmp_path: Path) -> None:
+    """Step 11, in the memory tier only (the disk saves every 5 steps), is deleted from
+    each node's folder, its replicas with it, on every rank alike."""
+    runs = two_nodes(tmp_path, "--delete", "11")
+    finals(runs)
+    held = [json.loads(lines(out, "HELD")[0]) for _, out in runs]
+    assert held == [[[12], [10, 12]]] * WORLD, held

@@ -462,8 +462,9 @@ class CheckpointManager(RootView):
         together(self._distributed, doing, self.disk.check_ours, step, doing, CheckpointError)
         for tier in self.tiers:  # the remote's too: an upload in flight would commit it again
             tier.wait()
-        for tier in together(self._distributed, doing, holding, self.tiers, self.disk, step):
-            tier.delete([step])  # from each: a resume would still find it in another
+        held = together(self._distributed, doing, holding, self.tiers, self.disk, step)
+        # from each (a resume finds any left), gone for every rank once one returns
+        together(self._distributed, doing, lambda: [t.delete([step]) for t in held])
 
 
 _LOG = logger("manager")
