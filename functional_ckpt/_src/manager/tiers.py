@@ -225,19 +225,14 @@ class DiskTier:
 
 
 def holding(tiers: Sequence[Tier], disk: DiskTier, step: int) -> list[Tier]:
-    """The tiers holding this run's ``step``: a delete or rollback takes the steps of the
-    run from every tier, as a resume does (one only RAM or the remote holds is the run's
-    too). The disk holds what its root has at that name (a link, a rank's part; another
-    lineage's is refused by ``check_ours``), another tier this lineage's (``infos``)."""
-    held = [
-        t
-        for t in tiers
-        if (
-            disk.view.path(step).is_dir()
-            if t is disk
-            else step in t.steps() and any(r.step == step for r in t.infos())
-        )
-    ]
+    """The tiers holding this run's ``step``: the steps of a run are every tier's, as for a
+    resume. The disk holds what its root has there (a link, a rank's part: ``check_ours``),
+    another tier this lineage's (its ``infos``)."""
+
+    def ours(t: Tier) -> bool:
+        return step in t.steps() and any(r.step == step for r in t.infos())
+
+    held = [t for t in tiers if (disk.view.path(step).is_dir() if t is disk else ours(t))]
     if not held:
         raise CheckpointNotFound(
             f"{disk.view.path(step)}: no checkpoint for step {step} in any tier of this run"
@@ -246,9 +241,8 @@ def holding(tiers: Sequence[Tier], disk: DiskTier, step: int) -> list[Tier]:
 
 
 def to_disk(tiers: Sequence[Tier], disk: DiskTier, step: int, newer: Newer) -> None:
-    """Before a rollback moves anything, the coordinator copies into the disk what only a
-    faster tier holds of ``step`` and (to branch) the newer steps: the new head and the
-    branch are durable, never left in RAM or deleted with it. A crash leaves more steps."""
+    """Before a rollback moves anything, what only a faster tier holds of ``step`` and (to
+    branch) newer steps, into the disk: never deleted with the RAM; a crash adds steps."""
     for tier in tiers[: list(tiers).index(disk)] if disk.coordinator else ():
         for s in tier.steps():
             path = disk.view.path(s)
@@ -289,9 +283,8 @@ def move_newer(
     branch = coordinator_decides((branch,))[0] if own else branch  # the coordinator's name
     if branch is None and not disk.coordinator:  # newer parts no tier holds: a save cut short
         newer = "delete"
-    for tier in tiers:
-        if tier is not disk and tier is not remote:
-            tier.delete([s for s in tier.steps() if s > step])
+    for tier in tiers[: list(tiers).index(disk)]:  # the faster tiers' (see to_disk)
+        tier.delete([s for s in tier.steps() if s > step])
     if remote is not None and disk.coordinator:
         remote.set_aside(gone, branch if newer == "branch" else None)
     if not (doomed or reason) or not (disk.coordinator or own):
