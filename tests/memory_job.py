@@ -9,13 +9,16 @@ per-rank generator whose state is saved too (``rng``), and a per-rank loader pos
 
     python tests/memory_job.py BASE STEPS [--die-at N]
                                [--die-in-round N | --full-in-round N] [--die-rank R] [--plain]
+                               [--delete N]
 
 ``--die-at N``: every rank SIGKILLs itself once the memory step N is committed.
 ``--die-in-round N``: rank R SIGKILLs itself as the replication of its N-th memory
 save starts (its part written, no replica sent). ``--full-in-round N``: rank R
 finds no room for the replica it receives in its N-th round. Each rank prints ``RESUMED``
 (the step, what its folder fetched, the warnings, and how many copies were checked
-whole before the read) and ``FINAL`` (a digest of its final state).
+whole before the read) and ``FINAL`` (a digest of its final state). ``--delete N``:
+every rank deletes step N at the end and prints ``HELD`` (the steps its folder and the
+disk then hold).
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ def main() -> None:
     ap.add_argument("--die-rank", type=int, default=2)
     ap.add_argument("--full-in-round", type=int)
     ap.add_argument("--plain", action="store_true")
+    ap.add_argument("--delete", type=int)
     args = ap.parse_args()
     global PLAIN
     PLAIN = args.plain
@@ -198,6 +202,10 @@ def main() -> None:
                 mgr.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
         mgr.wait()
+        if args.delete is not None:
+            mgr.delete(args.delete)
+            print("HELD", json.dumps([mgr.memory.steps(), mgr.steps()]), flush=True)
+            dist.barrier()  # before a keeper's close() removes its folder
         print("FINAL", digest(state), flush=True)
         print("REUSED", json.dumps(reused), flush=True)
         print("WARNINGS", json.dumps([str(w.message) for w in seen]), flush=True)

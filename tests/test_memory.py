@@ -15,6 +15,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -33,10 +34,11 @@ from functional_ckpt._src.format.naming import parse_step, step_name
 from functional_ckpt._src.manager.memory import MARK_FILE
 from functional_ckpt._src.storage.ram import MEMORY_STATUS
 from functional_ckpt.errors import LeftoverWarning, MemoryTierWarning
-from tests import manager_job
+from tests import manager_job, prefork
 from tests.exact import assert_exact
 from tests.patience import eventually, finished
 
+REPO = Path(__file__).resolve().parent.parent
 STEPS = 24
 DISK_EVERY = 10
 
@@ -632,6 +634,75 @@ def test_rollback_and_delete_reach_the_memory_tier(tmp_path: Path) -> None:
         assert mgr.restore_latest() is not None and mgr.restored_step == 2
 
 
+def test_a_step_only_ram_holds_is_deleted_out_of_sight(tmp_path: Path) -> None:
+    """A step of this run is one any tier holds: one not yet on disk is deletable too."""
+    memory = tmp_path / "mem"
+    tier = fc.manager.Memory(path=memory, async_save=False)
+    with fc.CheckpointManager(tmp_path / "root", save=fc.every_steps(2), tiers=(tier,)) as mgr:
+        for s in (1, 2, 3):
+            mgr.maybe_save(small_state(s), step=s)
+        assert committed(memory) == [2, 3] and mgr.steps() == [2]
+        mgr.delete(3)
+        assert committed(memory) == [2] and mgr.steps() == [2]
+        assert not os.path.lexists(memory / step_name(3))  # renamed away, then removed
+        assert mgr.restore_latest() is not None and mgr.restored_step == 2
+        with pytest.raises(
+            fc.errors.CheckpointNotFound, match=r"no checkpoint for step 7 in any tier"
+        ):
+            mgr.delete(7)
+
+
+def ram_ahead(root: Path, memory: Path, **kwargs: Any) -> fc.CheckpointManager:
+    """A manager whose disk saves every other step, and RAM every step (its newest two)."""
+    tier = fc.manager.Memory(
+        path=memory, async_save=False, save=kwargs.pop("ram", fc.every_steps(1))
+    )
+    return fc.CheckpointManager(root, save=fc.every_steps(2), tiers=(tier,), **kwargs)
+
+
+def test_a_rollback_to_a_step_only_ram_holds_makes_it_the_head(tmp_path: Path) -> None:
+    """Step 3, in RAM only, older than the disk's 4 and 6: the newer ones branch off, and
+    step 3 is the trunk's head on disk (a copy, durable before anything moved)."""
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    with ram_ahead(root, memory, ram=fc.every_steps(3)) as mgr:
+        for s in range(1, 7):
+            mgr.maybe_save(small_state(s), step=s)
+        assert mgr.steps() == [2, 4, 6] and committed(memory) == [3, 6]
+        state = mgr.rollback(3, branch="old")
+        assert state["step"] == 3 and mgr.restored_step == 3
+        assert mgr.steps() == [2, 3] and mgr.branches() == {"old": [4, 6]}
+        assert committed(memory) == [3]
+        assert fc.verify(root / step_name(3)).ok
+    with fc.CheckpointManager(root, save=fc.every_steps(2)) as mgr:
+        assert mgr.restore_latest() is not None and mgr.restored_step == 3
+
+
+def test_a_branch_rollback_keeps_the_steps_only_ram_holds_on_the_branch(tmp_path: Path) -> None:
+    """The disk's newer steps and RAM's alike: none is deleted by a rollback to a branch."""
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    with ram_ahead(root, memory) as mgr:
+        for s in range(1, 6):
+            mgr.maybe_save(small_state(s), step=s)
+        assert mgr.steps() == [2, 4] and committed(memory) == [4, 5]
+        mgr.rollback(2, branch="b")
+        assert mgr.steps() == [2] and committed(memory) == []
+        assert mgr.branches() == {"b": [4, 5]}
+        assert fc.restore(root / "branches" / "b" / step_name(5))["step"] == 5
+
+
+def test_a_rollback_on_degradation_branches_the_steps_only_ram_holds(tmp_path: Path) -> None:
+    rule = fc.policy.on_degrade("reward", mode="max", patience=1)
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    with ram_ahead(root, memory, rollback=rule) as mgr:
+        for s, reward in ((1, 10.0), (2, 10.0), (3, 9.5)):
+            mgr.maybe_save(small_state(s), step=s, metrics={"reward": reward})
+        result = mgr.maybe_save(small_state(4), step=4, metrics={"reward": 1.0})
+        assert result.rollback is not None and result.rollback.to_step == 2
+        assert result.rollback.state["step"] == 2
+        assert mgr.steps() == [2] and committed(memory) == []
+        assert mgr.branches() == {result.rollback.branch: [3, 4]}
+
+
 def test_the_root_records_where_its_memory_tier_is(tmp_path: Path) -> None:
     tier = fc.manager.Memory(path=tmp_path / "mem")
     with fc.CheckpointManager(tmp_path / "root", tiers=(tier,)):
@@ -943,3 +1014,45 @@ def test_sigterm_beside_a_disk_save_that_does_not_finish_in_time(tmp_path: Path)
     assert done.returncode == -signal.SIGTERM, (done.returncode, done.stdout, done.stderr[-3000:])
     assert "RAISED" not in done.stdout and "LIVED" not in done.stdout, done.stdout
     assert committed(tmp_path / "root") == []  # step 3 has one writer: the save, cut short
+
+
+_KILLED_IN_A_RAM_ROLLBACK = """
+import os, signal, sys
+import torch
+import functional_ckpt as fc
+from functional_ckpt._src.manager import manager
+from functional_ckpt._src.storage import commit
+root, memory, at = sys.argv[1:]
+def kill(*a, **k):
+    os.kill(os.getpid(), signal.SIGKILL)
+tier = fc.manager.Memory(path=memory, async_save=False)
+mgr = fc.CheckpointManager(root, save=fc.every_steps(2), tiers=(tier,))
+for s in range(1, 6):
+    mgr.maybe_save({"w": torch.full((4,), float(s)), "step": s}, step=s)
+if at == "copy":  # the step's files copied, its commit not made
+    commit.commit_checkpoint = kill
+else:  # copied into the disk, nothing moved yet
+    manager.plan_newer = kill
+mgr.rollback(2, branch="b")
+"""
+
+
+@pytest.mark.parametrize("at", ["copy", "plan"])
+def test_a_rollback_killed_as_it_copies_the_ram_steps_loses_none(tmp_path: Path, at: str) -> None:
+    """SIGKILL while a branch rollback makes RAM's newer steps durable: it has not begun,
+    every step is where a resume finds it, and the rollback done again keeps them all."""
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    script = [sys.executable, "-c", _KILLED_IN_A_RAM_ROLLBACK, str(root), str(memory), at]
+    proc = prefork.run(script, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == -signal.SIGKILL
+    assert not (root / "branches").exists() and committed(memory) == [4, 5]
+    assert committed(root) == ([2, 4] if at == "copy" else [2, 4, 5])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        mgr = ram_ahead(root, memory)
+    recovered = [w for w in seen if w.category is LeftoverWarning and "recovered" in str(w.message)]
+    assert len(recovered) == (at == "copy")  # whole but for its rename: step 5 again
+    with mgr:
+        assert mgr.restore_latest() is not None and mgr.restored_step == 5
+        mgr.rollback(2, branch="b")
+        assert mgr.steps() == [2] and mgr.branches() == {"b": [4, 5]}

@@ -379,3 +379,12 @@ def test_a_state_of_replicated_tensors_resumes_from_the_memory_tier(tmp_path: Pa
     assert not any(g[2] for g in got), got
     pos = [int(final.rsplit("-", 1)[1]) for final in finals(runs)]
     assert pos == [rank + 4 * STEPS for rank in range(WORLD)], pos
+
+
+def test_a_step_only_ram_holds_is_deleted_from_every_node(tmp_path: Path) -> None:
+    """Step 11, in the memory tier only (the disk saves every 5 steps), is deleted from
+    each node's folder, its replicas with it, on every rank alike."""
+    runs = two_nodes(tmp_path, "--delete", "11")
+    finals(runs)
+    held = [json.loads(lines(out, "HELD")[0]) for _, out in runs]
+    assert held == [[[12], [10, 12]]] * WORLD, held

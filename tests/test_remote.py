@@ -842,3 +842,20 @@ def test_no_url_secret_is_ever_shown() -> None:
     assert public_url("https://host/run?X-Amz-Signature=abc&token=t#frag") == "https://host/run?..."
     said = redact('Could not connect to "http://u:pw@10.0.0.1:9000/?token=SEKRET": refused')
     assert "SEKRET" not in said and "pw" not in said and "http://u@10.0.0.1:9000/?..." in said
+
+
+def test_a_step_only_the_remote_holds_is_deleted_there(
+    tmp_path: Path, s3: dict[str, Any], bucket: str
+) -> None:
+    """A fresh machine's root holds nothing yet: the step is this run's all the same."""
+    remote = fc.manager.Remote(bucket, storage_options=s3["options"])
+    with fc.CheckpointManager(tmp_path / "a", tiers=(remote,)) as mgr:
+        for step in (1, 2):
+            mgr.maybe_save(_state(step), step=step)
+    with fc.CheckpointManager(tmp_path / "b", tiers=(remote,)) as mgr:
+        assert mgr.steps() == [] and mgr.remote is not None and mgr.remote.steps() == [1, 2]
+        mgr.delete(1)
+        assert mgr.remote.steps() == [2] and mgr.steps() == []
+        assert "step_000000001/COMMITTED" not in _objects(bucket, s3["options"])
+    with fc.CheckpointManager(tmp_path / "c", tiers=(remote,)) as mgr:
+        assert mgr.restore_latest() is not None and mgr.restored_step == 2

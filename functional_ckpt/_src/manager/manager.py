@@ -46,6 +46,7 @@ from functional_ckpt._src.manager.rollback_rule import SaveResult, Watch, roll_b
 from functional_ckpt._src.manager.tiers import (
     DiskTier,
     Tier,
+    holding,
     move_newer,
     newest_in_tiers,
     plan_newer,
@@ -53,6 +54,7 @@ from functional_ckpt._src.manager.tiers import (
     promote,
     retain,
     retained,
+    to_disk,
 )
 from functional_ckpt._src.manager.writes import Writes, WriteSettings
 from functional_ckpt._src.paths import PathLike
@@ -76,7 +78,7 @@ from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.save.options import DEFAULT_PER_RANK, PER_RANK
 from functional_ckpt._src.state.tree import State
 from functional_ckpt._src.storage import zstd
-from functional_ckpt.errors import CheckpointError, CheckpointNotFound
+from functional_ckpt.errors import CheckpointError
 
 
 class CheckpointManager(RootView):
@@ -273,6 +275,8 @@ class CheckpointManager(RootView):
         self.wait()  # a save in flight commits first: it may be one of the newer steps
         doing = f"rollback({step}) continues this run's only"
         together(self._distributed, doing, self.disk.check_ours, step, doing, CheckpointError)
+        together(self._distributed, doing, holding, self.tiers, self.disk, step)
+        together(self._distributed, doing, to_disk, self.tiers, self.disk, step, newer)
         if self.remote is not None:
             self.remote.hold(step)  # on the remote trunk before the newer steps leave it
         doing = f"rollback({step})"
@@ -461,16 +465,14 @@ class CheckpointManager(RootView):
     def delete(self, step: int) -> None:
         """Delete this lineage's ``step`` from every tier, crash-safely (even the newest)."""
         self._check_open("delete", writing=True)
-        if not self.path(step).is_dir():
-            raise CheckpointNotFound(f"{self.path(step)}: no checkpoint for step {step}")
         doing = f"delete({step}) takes this run's only"  # refused on one rank, on all
         together(self._distributed, doing, self.disk.check_ours, step, doing, CheckpointError)
         for tier in self.tiers:  # the remote's too: an upload in flight would commit it again
             tier.wait()
         cut = (step - 1, step, time.time())  # and none a tier holds later (RAM not open here)
-        for tier in self.tiers:  # or a resume would still find it in another tier
-            if tier is self.disk or step in tier.steps():  # a link in the root is not a step
-                tier.delete([step])
+        held = together(self._distributed, doing, holding, self.tiers, self.disk, step)
+        # from each (a resume finds any left), gone for every rank once one returns
+        together(self._distributed, doing, lambda: [t.delete([step]) for t in held])
         if self._coordinator:
             add_cut(self.root, cut)
 

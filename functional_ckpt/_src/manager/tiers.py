@@ -31,8 +31,8 @@ from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.storage.os_failure import machine_errors
 from functional_ckpt._src.storage.progress import report_progress
-from functional_ckpt._src.storage.ram import promote_newest
-from functional_ckpt.errors import CheckpointError, CheckpointExists
+from functional_ckpt._src.storage.ram import copy_checkpoint, promote_newest
+from functional_ckpt.errors import CheckpointError, CheckpointExists, CheckpointNotFound
 
 T = TypeVar("T")
 
@@ -241,6 +241,32 @@ class DiskTier:
         pass
 
 
+def holding(tiers: Sequence[Tier], disk: DiskTier, step: int) -> list[Tier]:
+    """The tiers holding this run's ``step``: the steps of a run are every tier's, as for a
+    resume. The disk holds what its root has there (a link, a rank's part: ``check_ours``),
+    another tier this lineage's (its ``infos``)."""
+
+    def ours(t: Tier) -> bool:
+        return step in t.steps() and any(r.step == step for r in t.infos())
+
+    held = [t for t in tiers if (disk.view.path(step).is_dir() if t is disk else ours(t))]
+    if not held:
+        raise CheckpointNotFound(
+            f"{disk.view.path(step)}: no checkpoint for step {step} in any tier of this run"
+        )
+    return held
+
+
+def to_disk(tiers: Sequence[Tier], disk: DiskTier, step: int, newer: Newer) -> None:
+    """Before a rollback moves anything, what only a faster tier holds of ``step`` and (to
+    branch) newer steps, into the disk: never deleted with the RAM; a crash adds steps."""
+    for tier in tiers[: list(tiers).index(disk)] if disk.coordinator else ():
+        for s in tier.steps():
+            path = disk.view.path(s)
+            if (s == step or (s > step and newer == "branch")) and not os.path.lexists(path):
+                copy_checkpoint(tier.open(s), path)
+
+
 def plan_newer(
     disk: DiskTier, remote: RemoteTier | None, step: int, newer: Newer, branch: str | None
 ) -> tuple[list[int], list[int], str | None]:
@@ -274,9 +300,8 @@ def move_newer(
     branch = coordinator_decides((branch,))[0] if own else branch  # the coordinator's name
     if branch is None and not disk.coordinator:  # newer parts no tier holds: a save cut short
         newer = "delete"
-    for tier in tiers:
-        if tier is not disk and tier is not remote:
-            tier.delete([s for s in tier.steps() if s > step])
+    for tier in tiers[: list(tiers).index(disk)]:  # the faster tiers' (see to_disk)
+        tier.delete([s for s in tier.steps() if s > step])
     if remote is not None and disk.coordinator:
         remote.set_aside(gone, branch if newer == "branch" else None)
     if not (disk.coordinator or (own and doomed)):
