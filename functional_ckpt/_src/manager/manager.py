@@ -466,15 +466,15 @@ class CheckpointManager(RootView):
         together(self._distributed, doing, self.disk.check_ours, step, doing, CheckpointError)
         for tier in self.tiers:  # the remote's too: an upload in flight would commit it again
             tier.wait()
-        # recorded first, durably: no tier resumes it then, not one this delete never reaches
-        together(self._distributed, f"delete({step})", self._cut, (step - 1, step))  # (RAM)
+        together(self._distributed, f"delete({step})", self._cut, (step - 1, step))  # first
         for tier in self.tiers:  # or a resume would still find it in another tier
             if tier is self.disk or step in tier.steps():  # a link in the root is not a step
                 tier.delete([step])
 
     def _cut(self, cut: Cut) -> None:
-        """The trunk moves (docs/tiered.md): recorded in ``run.json`` before any tier moves,
-        and counted by every checkpoint saved from now on, on every rank."""
+        """The trunk moves (docs/tiered.md): recorded in ``run.json`` durably before any tier
+        moves (none it never reaches, RAM not open here, resumes what it left), and counted by
+        every checkpoint saved from now on, on every rank."""
         self._run.cuts += 1  # (first: should the record fail, one too many never loses a save)
         if self._coordinator:
             add_cut(self.root, cut)

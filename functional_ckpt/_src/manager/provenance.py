@@ -279,12 +279,13 @@ class Lineage:
         return run in self.runs and step <= self.until.get(run, step) and early
 
     def cut(self, metadata: Mapping[str, Any]) -> list[Cut]:
-        """The cuts that left this run's checkpoint off its trunk: over its step (a rollback,
+        """The cuts that left a checkpoint of this run off its trunk: over its step (a rollback,
         a delete, a resume of an older step saved on from, wherever made) and later than it,
         by the cuts it counted when saved (none recorded: before any), never by a clock."""
         step, saved = record_of(metadata).step or 0, _recorded(metadata, "cuts")
         later = self.cuts[max(saved, 0) if type(saved) is int else 0 :]
-        return [(a, b) for a, b in later if a < step <= (step if b is None else b)]
+        mine = run_of(metadata) == self.run  # (another run's cuts are its own)
+        return [(a, b) for a, b in later if mine and a < step <= (step if b is None else b)]
 
     def stranger(self, metadata: Mapping[str, Any], where: object) -> str:
         """What a checkpoint at ``where`` of another lineage (or off the trunk) is."""

@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 from functional_ckpt._src.distributed.topology import topology
 from functional_ckpt._src.manager.collective import coordinator_decides
-from functional_ckpt._src.manager.provenance import Lineage, run_of
+from functional_ckpt._src.manager.provenance import Lineage
 from functional_ckpt._src.manager.writes import Writes
 from functional_ckpt._src.policy.retention import CheckpointLike, RetentionPolicy, plan_deletions
 from functional_ckpt._src.remote.resume import Found
@@ -134,11 +134,9 @@ class DiskTier:
         self.durable = self.local = True
         self.lineage = Lineage(run)
         self._recorded = self.lineage.left()
-        if writer and coordinator and any(b is not None for _, b in self.lineage.cuts):
-            # a delete a crash cut short completes: its cut (over its step alone) came first
-            mine = [i for i in view.infos() if run_of(i.metadata) == self.lineage.run]
-            cuts = {i.step: self.lineage.cut(i.metadata) for i in mine}
-            self.delete([s for s, c in cuts.items() if any(b is not None for _, b in c)])
+        if writer and coordinator and self.lineage.cuts:  # a delete a crash cut short ends:
+            cuts = [(i.step, self.lineage.cut(i.metadata)) for i in view.infos()]
+            self.delete([s for s, c in cuts if any(b is not None for _, b in c)])  # (cut first)
 
     def others(self) -> set[int]:
         """The root's steps of another lineage."""
