@@ -197,7 +197,8 @@ class Recorder:
                 existed = os.path.lexists(p)
                 fd = int(real(path, flags, mode, dir_fd=dir_fd))
                 ino = self._fd_inode(fd)
-                if ino is None and not (flags & os.O_DIRECTORY):
+                # (a file made now may reuse the inode number of one deleted while recording)
+                if (ino is None or not existed) and not (flags & os.O_DIRECTORY):
                     where = self._where(p)
                     assert where is not None
                     kind = "created" if not existed else "observed"

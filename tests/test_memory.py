@@ -1056,3 +1056,67 @@ def test_a_rollback_killed_as_it_copies_the_ram_steps_loses_none(tmp_path: Path,
         assert mgr.restore_latest() is not None and mgr.restored_step == 5
         mgr.rollback(2, branch="b")
         assert mgr.steps() == [2] and mgr.branches() == {"b": [4, 5]}
+
+
+def rollback_then_clock_back(root: str, memory: str) -> None:
+    """A rollback to step 2 with the memory tier; then the clock jumps an hour back (NTP,
+    another machine's) and steps 3-5 are saved (RAM 4 5, disk 4); then a crash."""
+    tier = fc.manager.Memory(path=memory, async_save=False, promote_on=())
+    mgr = fc.CheckpointManager(root, save=fc.every_steps(2), tiers=(tier,))
+    with contextlib.suppress(RuntimeError), mgr:
+        mgr.rollback(2, newer="delete")
+        real = time.time
+        time.time = lambda: real() - 3600.0
+        for s in (3, 4, 5):
+            mgr.maybe_save(small_state(100 + s), step=s)
+        raise RuntimeError("the run crashes")
+
+
+def test_a_clock_that_goes_back_after_a_rollback_never_cuts_the_new_history(
+    ctx: mp.context.ForkServerContext, tmp_path: Path
+) -> None:
+    """The saves after a rollback are on the trunk whatever their clock says: RAM's new
+    step 5 (saved "before" the rollback by the clock) is resumed, nothing of it removed."""
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    crashed_run(root, memory, steps=5)  # disk 2 4, RAM 4 5
+    proc = ctx.Process(target=rollback_then_clock_back, args=(str(root), str(memory)))
+    proc.start()
+    assert finished(proc) == 0
+    step, state, held, said = resume_with_ram(root, memory)
+    assert (step, float(state["w"][0, 0]), held) == (5, 105.0, [4, 5]), said
+    assert "off this run's trunk" not in said, said
+
+
+def dying_delete(root: str, kill: str) -> None:
+    """``delete(4)`` without the memory tier, SIGKILLed just ``kill`` the disk's copy goes."""
+    mgr = fc.CheckpointManager(root, save=fc.every_steps(2))
+    real = mgr.disk.delete
+
+    def delete(steps: list[int]) -> None:
+        if kill == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(steps)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    mgr.disk.delete = delete  # type: ignore[method-assign]
+    mgr.delete(4)
+
+
+@pytest.mark.parametrize("kill", ["before", "after"])
+def test_sigkill_during_a_delete_never_lets_ram_resume_the_deleted_step(
+    ctx: mp.context.ForkServerContext, tmp_path: Path, kill: str
+) -> None:
+    """A delete records its cut before any tier deletes: SIGKILLed as the disk's copy goes,
+    the memory folder it never reached drops its copy, neither tier resumes the step, and
+    the delete completes as the root opens."""
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    crashed_run(root, memory, steps=4)  # disk 2 4, RAM 3 4
+    proc = ctx.Process(target=dying_delete, args=(str(root), kill))
+    proc.start()
+    assert finished(proc) == -signal.SIGKILL
+    assert committed(root) == ([2, 4] if kill == "before" else [2])
+    step, state, held, said = resume_with_ram(root, memory)
+    assert (step, int(state["step"]), held) == (3, 3, [3]), said
+    assert "steps [4] are off this run's trunk" in said, said
+    assert committed(root) == [2]  # the delete completed as the root opened
+    assert json.loads((root / "run.json").read_text())["cuts"][0] == [3, 4]  # recorded first

@@ -144,7 +144,7 @@ class CheckpointManager(RootView):
             if self._distributed:
                 run = share_run(run)
             assert run is not None
-            self._run.run = run[0].id
+            self._run.run, self._run.cuts = run[0].id, len(run[0].cuts)
             if run[1] and self._coordinator:  # a new run: an old one's RAM is no one's now
                 report_orphans(self.root, run[0])
         self.remote = None
@@ -285,6 +285,7 @@ class CheckpointManager(RootView):
         )
         state = together(self._distributed, doing, self._read, step, like)
         move = partial(move_newer, self.tiers, self.disk, self.remote, step, plan, newer=newer)
+        self._run.cuts += 1  # as the coordinator's rollback records it (one too many: no loss)
         done = together(self._distributed, doing, move, reason=reason)
         if done is not None:
             self._run.rollbacks.append(done)
@@ -306,7 +307,7 @@ class CheckpointManager(RootView):
             return  # a follower never saves: its policies are irrelevant
         self._run.resume(info.metadata)
         self._run.continued_from(info.step, info.metadata, info.path)
-        self._continues = (info.step, None, time.time())  # the trunk's cut, once saved on
+        self._continues = (info.step, None)  # the trunk's cut, once saved on
         record = record_of(info.metadata)
         self._policy_state = stored_state(self.save_policy, record.raw, "save", info.path)
         self._watch.resume(record.raw, info.path)
@@ -442,8 +443,8 @@ class CheckpointManager(RootView):
             event, self.save_policy, policy_state, self.keep, export, export_state
         )
         record.update(self._watch.entry())
-        if self._continues is not None and self._coordinator:  # before any tier writes one:
-            add_cut(self.root, self._continues)  # what the run left is no tier's to resume
+        if self._continues is not None:  # before any tier writes one: what the run left is
+            self._cut(self._continues)  # no tier's to resume
         self._continues = None
         return self._run.metadata(record, self.metadata)
 
@@ -469,10 +470,16 @@ class CheckpointManager(RootView):
         together(self._distributed, doing, self.disk.check_ours, step, doing, CheckpointError)
         for tier in self.tiers:  # the remote's too: an upload in flight would commit it again
             tier.wait()
-        cut = (step - 1, step, time.time())  # and none a tier holds later (RAM not open here)
         held = together(self._distributed, doing, holding, self.tiers, self.disk, step)
+        together(self._distributed, f"delete({step})", self._cut, (step - 1, step))  # first
         # from each (a resume finds any left), gone for every rank once one returns
         together(self._distributed, doing, lambda: [t.delete([step]) for t in held])
+
+    def _cut(self, cut: Cut) -> None:
+        """The trunk moves (docs/tiered.md): recorded in ``run.json`` durably before any tier
+        moves (none it never reaches, RAM not open here, resumes what it left), and counted by
+        every checkpoint saved from now on, on every rank."""
+        self._run.cuts += 1  # (first: should the record fail, one too many never loses a save)
         if self._coordinator:
             add_cut(self.root, cut)
 

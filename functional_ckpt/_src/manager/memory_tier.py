@@ -28,7 +28,7 @@ from functional_ckpt._src.manager import memory as mf
 from functional_ckpt._src.manager.collective import coordinator_decides
 from functional_ckpt._src.manager.memory_replicas import STAGING, Replicas, fail_together
 from functional_ckpt._src.manager.options import AsyncSave
-from functional_ckpt._src.manager.provenance import Lineage, run_of
+from functional_ckpt._src.manager.provenance import Lineage
 from functional_ckpt._src.manager.writes import Writes, WriteSettings
 from functional_ckpt._src.policy.base import Event, PolicyState
 from functional_ckpt._src.root.delete import delete, remove_all
@@ -80,8 +80,7 @@ class RunView(RootView):
                     self.damaged.add(step)
                     continue
             ours = step in self.mine or self.lineage.holds(meta)
-            off = run_of(meta) == self.lineage.run  # this run's, off its trunk: dropped at open
-            (mine if ours else self.cut if off else others).append(step)
+            (mine if ours else self.cut if self.lineage.cut(meta) else others).append(step)
         if others and not self._said:
             self._said = True
             warn(

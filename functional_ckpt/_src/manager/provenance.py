@@ -6,7 +6,6 @@ A policy's stored state is handed back on a restart only to the policy of the sa
 from __future__ import annotations
 
 import contextlib
-import math
 import platform
 import re
 import subprocess
@@ -24,7 +23,7 @@ from functional_ckpt._src.paths import PathLike
 from functional_ckpt._src.policy.base import Event, PolicyState, SavePolicy
 from functional_ckpt._src.policy.config import stored_spec
 from functional_ckpt._src.policy.retention import RetentionPolicy
-from functional_ckpt._src.root.run import Run, numbers
+from functional_ckpt._src.root.run import Cut, Run, numbers
 from functional_ckpt._src.storage.committed import check_committed
 from functional_ckpt.errors import CheckpointError, CheckpointWarning
 
@@ -82,6 +81,7 @@ class Provenance:
     lineage: dict[str, Any] | None = None
     rollbacks: list[Any] = field(default_factory=list)
     run: str | None = None
+    cuts: int = 0  # how many cuts the run's trunk has had (see :meth:`Lineage.cut`)
     #: What ``metadata["run"]`` records beside the id: the parent, and the ancestors if any.
     line: dict[str, Any] = field(default_factory=lambda: {"parent": None})
 
@@ -99,7 +99,7 @@ class Provenance:
         if self.rollbacks:
             auto["rollbacks"] = list(self.rollbacks)  # and of a run that rolled back
         if self.run is not None:
-            auto["run"] = {"id": self.run, **self.line}
+            auto["run"] = {"id": self.run, **self.line} | ({"cuts": self.cuts} if self.cuts else {})
         return {**auto, **user, MANAGER_KEY: dict(record)}
 
     def resume(self, metadata: Mapping[str, Any]) -> None:
@@ -281,12 +281,14 @@ class Lineage:
         early = type(saved) is not float or saved <= self.until_time.get(run, saved)
         return run in self.runs and step <= self.until.get(run, step) and early
 
-    def cut(self, metadata: Mapping[str, Any]) -> bool:
-        """Whether this run's checkpoint left its trunk: saved before a cut above its step
-        (a rollback, a delete, a resume of an older step saved on from, wherever made)."""
-        step, saved = record_of(metadata).step or 0, metadata.get("time")
-        saved = saved if type(saved) is float else -math.inf  # unrecorded: before any cut
-        return any(a < step <= (step if b is None else b) and saved < t for a, b, t in self.cuts)
+    def cut(self, metadata: Mapping[str, Any]) -> list[Cut]:
+        """The cuts that left a checkpoint of this run off its trunk: over its step (a rollback,
+        a delete, a resume of an older step saved on from, wherever made) and later than it,
+        by the cuts it counted when saved (none recorded: before any), never by a clock."""
+        step, saved = record_of(metadata).step or 0, _recorded(metadata, "cuts")
+        later = self.cuts[max(saved, 0) if type(saved) is int else 0 :]
+        mine = run_of(metadata) == self.run  # (another run's cuts are its own)
+        return [(a, b) for a, b in later if mine and a < step <= (step if b is None else b)]
 
     def stranger(self, metadata: Mapping[str, Any], where: object) -> str:
         """What a checkpoint at ``where`` of another lineage (or off the trunk) is."""

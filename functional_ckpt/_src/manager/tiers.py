@@ -138,6 +138,9 @@ class DiskTier:
         self.durable = self.local = True
         self.lineage = Lineage(run)
         self._recorded = self.lineage.left()
+        if writer and coordinator and self.lineage.cuts:  # a delete a crash cut short ends:
+            cuts = [(i.step, self.lineage.cut(i.metadata)) for i in view.infos()]
+            self.delete([s for s, c in cuts if any(b is not None for _, b in c)])  # (cut first)
 
     def others(self) -> set[int]:
         """The root's steps of another lineage."""

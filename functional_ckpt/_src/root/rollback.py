@@ -36,13 +36,12 @@ Newer = Literal["branch", "delete"]
 @dataclass(frozen=True)
 class RollbackPlan:
     """One rollback: move ``names`` (``step_N`` directory names) out of the trunk, and cut
-    it above ``to_step`` at ``time`` in the run record (so no tier resumes what it left)."""
+    it above ``to_step`` in the run record (so no tier resumes what it left)."""
 
     to_step: int
     names: list[str]
     newer: Newer
     branch: str | None
-    time: float | None = None
 
     @staticmethod
     def decode(raw: bytes, where: Path) -> RollbackPlan:
@@ -50,8 +49,7 @@ class RollbackPlan:
             data = documents.load(raw, str(where))
             branch = None if data["branch"] is None else str(data["branch"])
             names = [str(n) for n in data["names"]]
-            at = data.get("time")  # (none before rollbacks cut the trunk)
-            plan = RollbackPlan(int(data["to_step"]), names, data["newer"], branch, at)
+            plan = RollbackPlan(int(data["to_step"]), names, data["newer"], branch)
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(
                 f"{where}: unreadable rollback record ({exc}); it lists checkpoints to move "
@@ -102,15 +100,15 @@ def run(
     the caller's writer lock; returns the record later checkpoints list under
     ``metadata["rollbacks"]``."""
     name = branch if newer_steps and newer == "branch" else None  # (new: see new_branch)
-    names, now = [step_name(s) for s in newer_steps], time.time()
-    plan = RollbackPlan(to_step, names, "branch" if name else "delete", name, now)
+    names = [step_name(s) for s in newer_steps]
+    plan = RollbackPlan(to_step, names, "branch" if name else "delete", name)
     intent = root / INTENT_FILE
     if intent.exists():
         raise CheckpointError(f"{intent}: a rollback is already in progress; reopen the manager")
     # recorded durably before anything moves: from here on it finishes, even after a crash
     durable.replace_durably(intent, json.dumps(asdict(plan), sort_keys=True).encode())
     finish(root)
-    done = {"time": now, "to_step": to_step, "newer_steps": newer_steps, "branch": name}
+    done = {"time": time.time(), "to_step": to_step, "newer_steps": newer_steps, "branch": name}
     return done if reason is None else {**done, "reason": dict(reason)}
 
 
@@ -163,8 +161,7 @@ def finish(root: Path) -> RollbackPlan | None:
         for name in plan.names:
             for parent in (root, root / EXPORTS_DIR):
                 remove_all(delete(parent, [parent / name]))
-    if type(plan.time) is float:  # a tier the moves did not reach (RAM) never resumes them
-        add_cut(root, (plan.to_step, None, plan.time))
+    add_cut(root, (plan.to_step, None))  # a tier the moves did not reach (RAM) never resumes them
     os.unlink(intent)
     durable.fsync_dir(root)
     return plan

@@ -18,9 +18,10 @@ from functional_ckpt.errors import CheckpointError
 RUN_FILE = "run.json"
 
 
-#: Where a run's trunk was cut: its checkpoints above ``above`` (up to ``upto``; None: all)
-#: saved before ``before`` (a rollback, a delete, a restore saved on from) left the trunk.
-Cut = tuple[int, int | None, float]
+#: Where a run's trunk was cut (a rollback, a delete, a restore saved on from): its
+#: checkpoints above ``above`` (up to ``upto``; None: all) saved before the cut left the
+#: trunk; "before" by how many cuts each records, never by a clock (docs/tiered.md).
+Cut = tuple[int, int | None]
 
 
 @dataclass(frozen=True)
@@ -54,19 +55,18 @@ def read_run(root: Path) -> Run | None:
 
 
 def cuts_of(found: object) -> tuple[Cut, ...]:
-    """The recorded cuts (none if unrecorded or malformed: it only informs)."""
+    """The recorded cuts, in order (none if unrecorded or malformed: it only informs)."""
     try:
         listed = found if isinstance(found, list | tuple) else ()
-        return tuple((int(a), None if b is None else int(b), float(t)) for a, b, t in listed)
+        return tuple((int(a), None if b is None else int(b)) for a, b, *_ in listed)
     except (TypeError, ValueError, OverflowError):
         return ()
 
 
 def add_cut(root: Path, cut: Cut) -> None:
-    """Record ``cut`` in ``root``'s run, if it has one and no cut recorded covers it (under
-    the writer's lock)."""
-    run, wider = read_run(root), lambda c: c[0] <= cut[0] and c[1] is None and c[2] >= cut[2]
-    if run is not None and not any(map(wider, run.cuts)):
+    """Record ``cut`` last in ``root``'s run, if it has one, durably (under the writer's
+    lock): each cut counts, as the checkpoints saved after it count them."""
+    if (run := read_run(root)) is not None:
         record_run(root, replace(run, cuts=(*run.cuts, cut)))
 
 
