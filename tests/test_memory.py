@@ -852,6 +852,29 @@ def test_a_resume_of_an_older_step_then_saves_is_never_undone_by_ram(tmp_path: P
     assert "steps [5] are off this run's trunk" in said, said
 
 
+def test_a_memory_save_after_restoring_an_older_step_is_refused_and_cuts_nothing(
+    tmp_path: Path,
+) -> None:
+    """Disk 2 4 6: a restore of step 2 followed by a memory-only save would have the disk's
+    later steps taken off the trunk while the disk still refuses to save behind step 6.
+    Every tier keeps the disk's order: the save is refused naming ``rollback``, and the next
+    run resumes step 6 as before."""
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    crashed_run(root, memory, steps=6)  # disk 2 4 6, RAM 5 6
+    tier = fc.manager.Memory(path=memory, async_save=False, promote_on=())
+    with fc.CheckpointManager(root, save=fc.every_steps(2), tiers=(tier,)) as mgr:
+        mgr.restore(2)
+        with pytest.raises(fc.errors.CheckpointError, match=r"step 6 is newer.*rollback"):
+            mgr.maybe_save(small_state(3), step=3)  # RAM's alone: 3 is odd
+        assert committed(memory) == [5, 6]  # nothing written, nothing removed
+    assert (
+        "cuts" not in json.loads((root / "run.json").read_text())
+        or not json.loads((root / "run.json").read_text())["cuts"]
+    )
+    step, state, _, _ = resume_with_ram(root, memory)
+    assert (step, int(state["step"])) == (6, 6)
+
+
 def test_a_stale_ram_step_never_wins_the_tie_with_the_trunks(tmp_path: Path) -> None:
     """RAM holds step 5 of the history a rollback left; the disk a new step 5: a resume
     takes the disk's (the trunk's), whatever the step numbers say."""

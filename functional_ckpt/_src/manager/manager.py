@@ -403,8 +403,10 @@ class CheckpointManager(RootView):
             watch=self._watch, distributed=self._distributed,
         )  # fmt: skip
         self._watch.next = rule_state
+        in_memory = self.memory is not None and self.memory.decide(event)
         if saved:
             self.disk.wait()  # at most one save in flight; the previous one must have committed
+        if saved or (in_memory and self._continues is not None):  # RAM too, after a restore:
             together(self._distributed, f"save({step})", self.disk.check_save, event.step)
         background = exported and self._writes.settings.async_save is not None
         background = background and not self._distributed
@@ -415,7 +417,8 @@ class CheckpointManager(RootView):
             record = self._metadata(event, policy_state, export_state)
             if (info := self._writes.save(self.path(event.step), state, record)) is not None:
                 self._after_commit(info)
-        if self.memory is not None and self.memory.decide(event):
+        if in_memory:
+            assert self.memory is not None
             metadata = lambda: self._metadata(event, policy_state, export_state)  # noqa: E731
             self.memory.save(state, event.step, metadata)
         if background:
