@@ -830,3 +830,24 @@ def test_a_folder_holding_a_directory_that_cannot_be_searched_is_refused(
             os.chmod(sealed, 0o700)
 
     as_another_user(check) if os.geteuid() == 0 else check()  # root reads it all the same
+
+
+@pytest.mark.parametrize("cuts", ["[3, 4]", "[[3, 4], [5]]", '[["3", null]]', "[[1, 2.5]]"])
+def test_a_damaged_record_of_the_trunks_cuts_is_refused_naming_it(
+    tmp_path: Path, cuts: str
+) -> None:
+    """A hand-edited or damaged ``"cuts"`` is never read as none (every move of the trunk
+    undone): the manager refuses to open, naming run.json and the field, and the root's
+    checkpoints and lock are left as they were."""
+    root = tmp_path / "root"
+    with fc.CheckpointManager(root, save=fc.every_steps(1)) as mgr:
+        mgr.maybe_save({"w": torch.ones(3)}, step=1)
+    doc = json.loads((root / "run.json").read_text())
+    doc["cuts"] = json.loads(cuts)
+    (root / "run.json").write_text(json.dumps(doc))
+    with pytest.raises(fc.errors.CheckpointError, match=r'run\.json: "cuts" is .* not a list'):
+        fc.CheckpointManager(root, save=fc.every_steps(1))
+    doc["cuts"] = []
+    (root / "run.json").write_text(json.dumps(doc))
+    with fc.CheckpointManager(root, save=fc.every_steps(1)) as mgr:  # the lock was released
+        assert mgr.restore_latest() is not None and mgr.restored_step == 1

@@ -133,14 +133,12 @@ class CheckpointManager(RootView):
         run: tuple[Run, bool] | None = None
         if not self.read_only:
             self._run.git = git_commit(self._run.cwd)  # before the lock: no child inherits it
-            if self._coordinator:  # one lock per job: the coordinator's
-                self._lock = open_writer(self.root, stacklevel=3)
-                try:
-                    finish(self.root)  # a rollback a crash interrupted completes now
-                    run = open_run(self.root)
-                except BaseException:
+            try:  # failed on the coordinator (a damaged run.json), failed on every rank
+                run = together(self._distributed, f"opening {self.root}", self._open_root)
+            except BaseException:
+                if self._lock is not None:
                     self._lock.release()
-                    raise
+                raise
             if self._distributed:
                 run = share_run(run)
             assert run is not None
@@ -299,6 +297,15 @@ class CheckpointManager(RootView):
         info, state = resume.one(self.remote, partial(restore, like=like), step)
         self._adopt(info)
         return state
+
+    def _open_root(self) -> tuple[Run, bool] | None:
+        """The coordinator's: one lock per job, a rollback a crash interrupted completed,
+        then the root's run (made if it has none)."""
+        if not self._coordinator:
+            return None
+        self._lock = open_writer(self.root, stacklevel=5)
+        finish(self.root)
+        return open_run(self.root)
 
     def _adopt(self, info: StepInfo) -> None:
         """Continue the run from the restored checkpoint: policy states and running time."""

@@ -51,16 +51,23 @@ def read_run(root: Path) -> Run | None:
     found = doc.get("lineage")
     lineage = tuple(r for r in found if isinstance(r, str)) if isinstance(found, list) else ()
     until, times = numbers(doc.get("until"), int), numbers(doc.get("until_time"), float)
-    return Run(rid, secret, lineage, until, times, cuts_of(doc.get("cuts")))
+    return Run(rid, secret, lineage, until, times, cuts_of(doc.get("cuts"), root / RUN_FILE))
 
 
-def cuts_of(found: object) -> tuple[Cut, ...]:
-    """The recorded cuts, in order (none if unrecorded or malformed: it only informs)."""
-    try:
-        listed = found if isinstance(found, list | tuple) else ()
-        return tuple((int(a), None if b is None else int(b)) for a, b, *_ in listed)
-    except (TypeError, ValueError, OverflowError):
-        return ()
+def cuts_of(found: object, where: object = RUN_FILE) -> tuple[Cut, ...]:
+    """The recorded cuts, in order. A damaged record is refused, never read as none: each
+    cut decides what no tier may resume."""
+    entries = [] if found is None else found
+    if isinstance(entries, list | tuple):
+        cuts = [c for c in entries if isinstance(c, list | tuple) and len(c) == 2]
+        ints = all(type(a) is int and (b is None or type(b) is int) for a, b in cuts)
+        if ints and len(cuts) == len(entries):
+            return tuple((a, b) for a, b in cuts)
+    raise CheckpointError(
+        f'{where}: "cuts" is {found!r}, not a list of [step, step or null]: where this '
+        "run's trunk was cut is unknown, so nothing is resumed; restore the file from a "
+        "copy, or remove the root's run.json to start a new run"
+    )
 
 
 def add_cut(root: Path, cut: Cut) -> None:
