@@ -9,7 +9,7 @@ per-rank generator whose state is saved too (``rng``), and a per-rank loader pos
 
     python tests/memory_job.py BASE STEPS [--die-at N]
                                [--die-in-round N | --full-in-round N] [--die-rank R] [--plain]
-                               [--delete N]
+                               [--delete N | --rollback N]
 
 ``--die-at N``: every rank SIGKILLs itself once the memory step N is committed.
 ``--die-in-round N``: rank R SIGKILLs itself as the replication of its N-th memory
@@ -18,7 +18,10 @@ finds no room for the replica it receives in its N-th round. Each rank prints ``
 (the step, what its folder fetched, the warnings, and how many copies were checked
 whole before the read) and ``FINAL`` (a digest of its final state). ``--delete N``:
 every rank deletes step N at the end and prints ``HELD`` (the steps its folder and the
-disk then hold).
+disk then hold). ``--rollback N``: every rank tries a rollback to N + 1, printing
+``REFUSED`` and the error, then rolls back to step N (newer steps to the branch ``b``)
+and prints ``ROLLED`` (its folder's steps, the disk's, the
+branches).
 """
 
 from __future__ import annotations
@@ -112,6 +115,7 @@ def main() -> None:
     ap.add_argument("--full-in-round", type=int)
     ap.add_argument("--plain", action="store_true")
     ap.add_argument("--delete", type=int)
+    ap.add_argument("--rollback", type=int)
     args = ap.parse_args()
     global PLAIN
     PLAIN = args.plain
@@ -122,7 +126,7 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (world,))
     size = int(os.environ.get("DOMAIN_SIZE", "0"))
     domain = (lambda r: r // size) if size else None
-    node = "ab"[rank // int(os.environ.get("LOCAL_WORLD_SIZE", "2"))]
+    node = "abcd"[rank // int(os.environ.get("LOCAL_WORLD_SIZE", "2"))]
     if args.die_in_round is not None and rank == args.die_rank:
         from functional_ckpt._src.manager import memory_replicas
 
@@ -206,6 +210,13 @@ def main() -> None:
             mgr.delete(args.delete)
             print("HELD", json.dumps([mgr.memory.steps(), mgr.steps()]), flush=True)
             dist.barrier()  # before a keeper's close() removes its folder
+        if args.rollback is not None:
+            try:
+                mgr.rollback(args.rollback + 1, like=initial(mesh, rank))
+            except fc.errors.CheckpointError as err:
+                print("REFUSED", json.dumps(str(err)), flush=True)
+            mgr.rollback(args.rollback, like=initial(mesh, rank), branch="b")
+            print("ROLLED", json.dumps([mgr.memory.steps(), mgr.steps(), mgr.branches()]))
         print("FINAL", digest(state), flush=True)
         print("REUSED", json.dumps(reused), flush=True)
         print("WARNINGS", json.dumps([str(w.message) for w in seen]), flush=True)

@@ -1143,3 +1143,40 @@ def test_sigkill_during_a_delete_never_lets_ram_resume_the_deleted_step(
     assert "steps [4] are off this run's trunk" in said, said
     assert committed(root) == [2]  # the delete completed as the root opened
     assert json.loads((root / "run.json").read_text())["cuts"][0] == [3, 4]  # recorded first
+
+
+def test_a_branch_rollback_keeps_rams_intact_step_over_a_torn_copy_on_disk(
+    tmp_path: Path,
+) -> None:
+    """The disk's step 8 torn (a data file cut short), RAM's intact: the branch gets
+    RAM's, and the torn copy is moved aside, never the only one kept."""
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    with ram_ahead(root, memory) as mgr:
+        for s in range(1, 9):
+            mgr.maybe_save(small_state(s), step=s)
+        assert mgr.steps() == [2, 4, 6, 8] and committed(memory) == [7, 8]
+        data = max((root / step_name(8)).rglob("*"), key=lambda p: p.stat().st_size)
+        os.truncate(data, data.stat().st_size // 2)
+        mgr.rollback(6, branch="b")
+        assert mgr.branches() == {"b": [7, 8]} and committed(memory) == []
+        kept = fc.restore(root / "branches" / "b" / step_name(8))
+        assert torch.equal(kept["w"], small_state(8)["w"]) and kept["step"] == 8
+    aside = [p.name for p in root.iterdir() if naming.QUARANTINE_INFIX in p.name]
+    assert [n.startswith(step_name(8)) for n in aside] == [True], aside
+
+
+def test_a_branch_rollback_never_drops_rams_step_for_another_lineages(tmp_path: Path) -> None:
+    """RAM's step 8 is this run's, the disk's 8 another run's (copied in): a rollback
+    would leave that one where it is and drop RAM's, so it is refused, nothing moved."""
+    root, memory, other = tmp_path / "root", tmp_path / "mem", tmp_path / "other"
+    with fc.CheckpointManager(other, save=fc.every_steps(1)) as theirs:
+        theirs.maybe_save(small_state(8), step=8)
+    tier = fc.manager.Memory(path=memory, async_save=False)
+    with fc.CheckpointManager(root, save=fc.every_steps(3), tiers=(tier,)) as mgr:
+        for s in range(1, 9):
+            mgr.maybe_save(small_state(s), step=s)
+        assert mgr.steps() == [3, 6] and committed(memory) == [7, 8]
+        shutil.copytree(other / step_name(8), root / step_name(8))
+        with pytest.raises(fc.errors.CheckpointError, match=r"rollback\(6\) would drop RAM's"):
+            mgr.rollback(6, branch="b")
+        assert committed(memory) == [7, 8] and mgr.branches() == {}

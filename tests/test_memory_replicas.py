@@ -54,14 +54,14 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def two_nodes(
-    base: Path, *args: str, wait_for: int | None = None, world: int = WORLD
+    base: Path, *args: str, wait_for: int | None = None, world: int = WORLD, nodes: int = 2
 ) -> list[tuple[int, str]]:
-    """The job on ``world`` ranks, half per node as torchrun on two machines starts them.
+    """The job on ``world`` ranks, as torchrun on ``nodes`` machines starts them.
 
     With ``wait_for``, once that rank has ended the others are SIGKILLed (they wait for
     it in a collective): the whole job is lost, as when a node dies mid-step.
     """
-    port, per_node = _port(), world // 2
+    port, per_node = _port(), world // nodes
     procs = [
         prefork.Popen(
             [sys.executable, str(JOB), str(base), str(STEPS), *args],
@@ -388,3 +388,20 @@ def test_a_step_only_ram_holds_is_deleted_from_every_node(tmp_path: Path) -> Non
     finals(runs)
     held = [json.loads(lines(out, "HELD")[0]) for _, out in runs]
     assert held == [[[12], [10, 12]]] * WORLD, held
+
+
+def test_a_rollback_across_nodes_leaves_a_step_held_in_part_with_the_ram(tmp_path: Path) -> None:
+    """Four nodes of one rank, two copies of each shard: no node's folder holds step 11
+    (RAM only: the disk saves every 5 steps) whole. A rollback to 10 still branches 12,
+    on every rank alike, and says that 11 is dropped rather than failing; a rollback to
+    11 itself is refused, saying why, before anything moves."""
+    runs = two_nodes(tmp_path, "--rollback", "10", nodes=4)
+    finals(runs)
+    refused = [json.loads(lines(out, "REFUSED")[0]) for _, out in runs]
+    assert all("rollback(11): not on disk, and " in r and "some ranks" in r for r in refused), (
+        refused
+    )
+    rolled = [json.loads(lines(out, "ROLLED")[0]) for _, out in runs]
+    assert rolled == [[[], [10], {"b": [12]}]] * WORLD, rolled
+    told = json.loads(lines(runs[0][1], "WARNINGS")[0])
+    assert any("rollback(10) drops steps [11]" in w for w in told), told

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from functional_ckpt._src.distributed.topology import topology
+from functional_ckpt._src.log import warn
 from functional_ckpt._src.manager.collective import coordinator_decides
 from functional_ckpt._src.manager.provenance import Lineage
 from functional_ckpt._src.manager.writes import Writes
@@ -22,7 +23,7 @@ from functional_ckpt._src.remote.resume import Found
 from functional_ckpt._src.remote.tier import RemoteTier
 from functional_ckpt._src.remote.uploader import retried
 from functional_ckpt._src.root import rollback
-from functional_ckpt._src.root.delete import delete
+from functional_ckpt._src.root.delete import delete, quarantine
 from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt._src.root.resume import check_order, newest_readable
 from functional_ckpt._src.root.rollback import Newer
@@ -31,8 +32,9 @@ from functional_ckpt._src.root.view import RootView
 from functional_ckpt._src.save.info import CheckpointInfo
 from functional_ckpt._src.storage.os_failure import machine_errors
 from functional_ckpt._src.storage.progress import report_progress
-from functional_ckpt._src.storage.ram import copy_checkpoint, promote_newest
+from functional_ckpt._src.storage.ram import copy_checkpoint, holds_every_file, promote_newest
 from functional_ckpt.errors import CheckpointError, CheckpointExists, CheckpointNotFound
+from functional_ckpt.errors import MemoryTierWarning as RamWarning
 
 T = TypeVar("T")
 
@@ -260,14 +262,36 @@ def holding(tiers: Sequence[Tier], disk: DiskTier, step: int) -> list[Tier]:
     return held
 
 
+def faster(tiers: Sequence[Tier], disk: DiskTier) -> Sequence[Tier]:
+    """The tiers before the disk (RAM): what a rollback copies first, then drops."""
+    return tiers[: list(tiers).index(disk)]
+
+
 def to_disk(tiers: Sequence[Tier], disk: DiskTier, step: int, newer: Newer) -> None:
     """Before a rollback moves anything, what only a faster tier holds of ``step`` and (to
-    branch) newer steps, into the disk: never deleted with the RAM; a crash adds steps."""
-    for tier in tiers[: list(tiers).index(disk)] if disk.coordinator else ():
-        for s in tier.steps():
-            path = disk.view.path(s)
-            if (s == step or (s > step and newer == "branch")) and not os.path.lexists(path):
-                copy_checkpoint(tier.open(s), path)
+    branch) newer steps, into the disk, over a torn copy there (moved aside): never deleted
+    with the RAM (nor for another lineage's: refused); a crash adds steps. A newer step this
+    node's folder holds only in part goes with the RAM, named; ``step`` so held is refused."""
+    left: list[int] = []
+    for tier in faster(tiers, disk) if disk.coordinator else ():
+        for s in (s for s in tier.steps() if s == step or (s > step and newer == "branch")):
+            path, there = disk.view.path(s), os.path.lexists(disk.view.path(s))
+            disk.check_ours(s, f"rollback({step}) would drop RAM's step {s}", CheckpointError)
+            if there and (disk._defer or holds_every_file(path)):  # (a rank's root: its part)
+                continue
+            try:
+                source = tier.open(s)
+            except CheckpointError as err:
+                if s == step and not there:
+                    raise CheckpointError(f"rollback({step}): not on disk, and {err}") from err
+                left += [] if there else [s]
+                continue
+            if there:
+                quarantine(disk.view.root, path)
+            copy_checkpoint(source, path)
+    if left:
+        why = f"rollback({step}) drops steps {left}: this node's RAM holds some ranks' files"
+        warn(f"{disk.view.root}: {why}", RamWarning, stacklevel=5)
 
 
 def plan_newer(
@@ -303,7 +327,7 @@ def move_newer(
     branch = coordinator_decides((branch,))[0] if own else branch  # the coordinator's name
     if branch is None and not disk.coordinator:  # newer parts no tier holds: a save cut short
         newer = "delete"
-    for tier in tiers[: list(tiers).index(disk)]:  # the faster tiers' (see to_disk)
+    for tier in faster(tiers, disk):  # (see to_disk)
         tier.delete([s for s in tier.steps() if s > step])
     if remote is not None and disk.coordinator:
         remote.set_aside(gone, branch if newer == "branch" else None)
