@@ -250,11 +250,12 @@ class MemoryTier:
         finally:
             self._started()
 
-    def _started(self) -> None:
-        self.saving = False
-        while Promotion.deferred:
-            signum, handler = Promotion.deferred.popitem()
-            handler(signum, None)
+    def _started(self) -> None:  # signals held back handled (a replication's thread has none)
+        if threading.current_thread() is threading.main_thread():
+            self.saving = False
+            while Promotion.deferred:
+                signum, handler = Promotion.deferred.popitem()
+                handler(signum, None)
 
     def _save(self, state: State, step: int, metadata: Callable[[], Mapping[str, Any]]) -> None:
         """The previous checkpoint collected and room made first: at most ``keep`` in the
@@ -322,12 +323,11 @@ class MemoryTier:
         """After a commit: the step is this run's, progress told over all tiers (a signal
         meanwhile waits: the run's record may be written)."""
         self.view.mine.add(self._step)
-        self.saving |= (main := threading.current_thread() is threading.main_thread())
+        self.saving |= threading.current_thread() is threading.main_thread()
         try:
             self.committed()
         finally:
-            if main:
-                self._started()
+            self._started()
 
     def delete(self, steps: Sequence[int]) -> None:
         """Out of sight now, removed off the training thread (freeing RAM takes as long as a
@@ -425,14 +425,13 @@ class Promotion:
             while not isinstance(handler, Promotion | None):  # down the chain: .previous
                 handler = getattr(getattr(handler, "__self__", handler), "previous", None)
             if handler is None:
-                Promotion(signum)
+                cls(signum)
         cls.tiers.append(tier)
 
     @classmethod
     def release(cls, tier: MemoryTier) -> None:
         """``tier`` closed: with no tier left on a signal, the one before ours (on top) is back."""
-        if tier in cls.tiers:
-            cls.tiers.remove(tier)
+        cls.tiers[:] = [t for t in cls.tiers if t is not tier]
         for signum in tier.option.promote_on:
             top = signal.getsignal(signum)
             if isinstance(top, Promotion) and not any(
