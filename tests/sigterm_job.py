@@ -6,6 +6,8 @@ SIGTERM, as a scheduler sends it. A process the signal does not end prints ``LIV
     python sigterm_job.py BASE remote URL ENDPOINT
     python sigterm_job.py BASE keep1 [--sync]
     python sigterm_job.py BASE slowdisk
+    python sigterm_job.py BASE collective
+    python sigterm_job.py BASE locked URL
 
 ``two``: two managers (roots ``BASE/a`` and ``BASE/b``) save steps 1..3; with ``--user``
 a handler of the user's, installed first, prints ``USER`` each time it is called and the
@@ -16,15 +18,22 @@ written, before it commits: on the write's thread (``--sync``: the training thre
 which then commits once the training thread handles the signal. ``slowdisk``: the
 disk tier's async save of step 3 never commits, and the memory tier (``promote_within``
 0.2 s) holds steps 2 and 3; an exception the signal raises is printed as ``RAISED``.
+``collective``: as ``keep1``, but the signal comes while the save of step 4 is in its
+agreement over ranks (``fail_together``), before it made room. ``locked``: a memory
+and a remote tier (at ``URL``) save steps 1..3; the signal comes while the training
+thread holds the remote tier's lock, whose taking again by that thread prints
+``DEADLOCK`` and ends the process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import functional_ckpt as fc
 from functional_ckpt._src.format.naming import step_name
+from functional_ckpt._src.manager import memory_tier
 from functional_ckpt._src.storage import commit
 
 
@@ -68,6 +78,27 @@ def signal_inside_step_4(folder: Path) -> None:
     commit.commit_checkpoint = committing  # type: ignore[assignment]
 
 
+class Owned:
+    """A lock that signals once it is held by the training thread (then ``armed``)."""
+
+    def __init__(self, lock: Any) -> None:
+        self.lock, self.owner, self.armed = lock, None, True
+
+    def __enter__(self) -> None:
+        if self.owner == threading.get_ident():
+            print("DEADLOCK", flush=True)
+            os._exit(3)
+        self.lock.acquire()
+        self.owner = threading.get_ident()
+        if self.armed and threading.current_thread() is threading.main_thread():
+            self.armed = False
+            terminate()
+
+    def __exit__(self, *exc: object) -> None:
+        self.owner = None
+        self.lock.release()
+
+
 def main() -> None:
     base, mode = Path(sys.argv[1]), sys.argv[2]
     never = fc.policy.never()
@@ -86,6 +117,12 @@ def main() -> None:
             fc.manager.Remote(url, storage_options=options),
         )
         managers.append(fc.CheckpointManager(base / "root", save=never, tiers=tiers))
+    elif mode == "locked":
+        tiers = (
+            fc.manager.Memory(path=base / "mem", promote_within=0.5),
+            fc.manager.Remote(sys.argv[3]),
+        )
+        managers.append(fc.CheckpointManager(base / "root", save=never, tiers=tiers))
     elif mode == "slowdisk":
         tier = fc.manager.Memory(path=base / "mem", async_save=False, promote_within=0.2)
         disk = fc.at_steps([3])
@@ -100,7 +137,7 @@ def main() -> None:
             real(tmp, final, **kwargs)
 
         commit.commit_checkpoint = never  # type: ignore[assignment]
-    else:
+    else:  # keep1, collective
         tier = fc.manager.Memory(path=base / "mem", keep=1, async_save="--sync" not in sys.argv)
         managers.append(fc.CheckpointManager(base / "root", save=never, tiers=(tier,)))
     for step in (1, 2, 3):
@@ -111,6 +148,23 @@ def main() -> None:
     if mode == "keep1":
         signal_inside_step_4(base / "mem")
         managers[0].maybe_save(state(4), step=4)
+    elif mode == "collective":
+        real_together = memory_tier.fail_together
+
+        @contextlib.contextmanager
+        def together(group: Any, what: str) -> Iterator[None]:
+            if what == "memory-tier step 4":
+                terminate()
+            with real_together(group, what):
+                yield
+
+        memory_tier.fail_together = together  # type: ignore[assignment]
+        managers[0].maybe_save(state(4), step=4)
+    elif mode == "locked":
+        remote = managers[0].remote
+        assert remote is not None
+        remote._lock = Owned(remote._lock)  # type: ignore[assignment]
+        remote.steps()
     else:
         try:
             terminate()

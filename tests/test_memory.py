@@ -1030,6 +1030,52 @@ def test_sigterm_during_the_save_that_replaces_the_only_kept_step(
     assert not [p.name for p in root.iterdir() if naming.is_temporary_name(p.name)]
 
 
+def test_sigterm_during_a_memory_save_s_collective_is_handled_at_once(tmp_path: Path) -> None:
+    """A signal while a memory save waits (for the previous one, or for the other ranks
+    in a collective, which a dead node never joins) is not held back: the newest
+    committed step is promoted and the signal takes its course. Only between making
+    room and the write's start would it wait."""
+    done = sigterm_job(tmp_path, "collective")
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-3000:])
+    assert "LIVED" not in done.stdout
+    assert committed(tmp_path / "root") == [3], done.stderr[-3000:]
+    assert committed(tmp_path / "mem") == [3]  # the save of step 4 never started
+
+
+def test_sigterm_while_the_remote_tier_s_lock_is_held_promotes(tmp_path: Path) -> None:
+    """The handler runs on the training thread, which the signal may interrupt while it
+    holds the remote tier's lock: promoting takes no lock that thread may hold."""
+    pytest.importorskip("fsspec")
+    done = sigterm_job(tmp_path, "locked", f"memory://bucket/{tmp_path.name}")
+    assert "DEADLOCK" not in done.stdout, done.stdout
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-3000:])
+    assert committed(tmp_path / "root") == [3], done.stderr[-3000:]
+
+
+def test_a_handler_left_in_a_chain_serves_the_next_tier_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fc.on_signal`` installed above a memory tier's handler keeps it in its chain
+    after that tier closes: a tier opened next is served by it, one promotion a signal."""
+    from functional_ckpt._src.manager.memory_tier import MemoryTier
+
+    calls: list[int] = []
+    real = MemoryTier.promote_now
+    monkeypatch.setattr(MemoryTier, "promote_now", lambda t: calls.append(1) or real(t))
+    original = signal.getsignal(signal.SIGTERM)
+    tier = fc.manager.Memory(path=tmp_path / "mem", async_save=False)
+    try:
+        with fc.CheckpointManager(tmp_path / "a", save=fc.policy.never(), tiers=(tier,)):
+            policy = fc.on_signal(signal.SIGTERM)
+        with fc.CheckpointManager(tmp_path / "b", save=fc.policy.never(), tiers=(tier,)) as mgr:
+            mgr.maybe_save(small_state(1), step=1)
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert calls == [1] and mgr.steps() == [1]
+            assert policy.decide(None, mgr_event(2))
+    finally:
+        signal.signal(signal.SIGTERM, original)
+
+
 def test_sigterm_beside_a_disk_save_that_does_not_finish_in_time(tmp_path: Path) -> None:
     """The disk's save in flight is waited for at most ``promote_within``: past that the
     signal still takes its course, and its step is not written a second time meanwhile."""

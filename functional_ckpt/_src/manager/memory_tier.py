@@ -166,10 +166,7 @@ class MemoryTier:
             self._drop_cut()
             self._write_status(open_=True)
             if threading.current_thread() is threading.main_thread():  # where signals arrive
-                for signum in self.option.promote_on:  # one handler, however many tiers
-                    if not isinstance(signal.getsignal(signum), Promotion):
-                        Promotion(signum)
-                Promotion.tiers.append(self)
+                Promotion.hold(self)
             if self.replicas is not None:
                 self.replicas.clear_staging()
         except BaseException:
@@ -194,13 +191,7 @@ class MemoryTier:
         the restart, its newest step promoted first where a signal would have."""
         self.wait(stacklevel=4)
         self.writes.removed()
-        if self in Promotion.tiers:
-            Promotion.tiers.remove(self)
-        main = threading.current_thread() is threading.main_thread()
-        for signum in self.option.promote_on if main else ():  # no tier left, ours on top:
-            top, left = signal.getsignal(signum), Promotion.tiers
-            if isinstance(top, Promotion) and not any(signum in t.option.promote_on for t in left):
-                signal.signal(signum, top.previous or signal.SIG_DFL)  # the one before is back
+        Promotion.release(self)
         if crashed and self.option.promote_on:
             self.promote(self.option.promote_within)
         if self._lock is None:
@@ -251,11 +242,15 @@ class MemoryTier:
         return bool(due)
 
     def save(self, state: State, step: int, metadata: Callable[[], Mapping[str, Any]]) -> None:
-        """Start the checkpoint of ``step``; a signal meanwhile is handled once it started."""
-        self.saving = threading.current_thread() is threading.main_thread()  # (signals' thread)
+        """Start the checkpoint of ``step``; a signal is handled at once (in a wait or a
+        collective too) but between making room and the write's start (see ``Promotion``)."""
         try:
             self._save(state, step, metadata)
         finally:
+            self._started()
+
+    def _started(self) -> None:  # signals held back handled (a replication's thread has none)
+        if threading.current_thread() is threading.main_thread():
             self.saving = False
             while Promotion.deferred:
                 signum, handler = Promotion.deferred.popitem()
@@ -265,7 +260,7 @@ class MemoryTier:
         """The previous checkpoint collected and room made first: at most ``keep`` in the
         folder, all its retention. Until the write starts the folder is listed once (this
         run alone writes it)."""
-        replicas, self.view.hold = self.replicas, True
+        replicas, self.view.hold, drop = self.replicas, True, list[int]()
         try:
             self.wait(stacklevel=4)
             self._step = step
@@ -280,11 +275,15 @@ class MemoryTier:
                         )
                     older = [s for s in steps if s < step]  # and none newer: a run went back
                     kept = {step, *older[len(older) + 1 - self.option.held :]}
-                    self.delete([s for s in steps if s not in kept])
+                    drop = [s for s in steps if s not in kept]
                     if replicas is not None:
                         replicas.clear_staging()
             path = self.view.path(step) if replicas is None else replicas.staging(step)
-            info = self.writes.save(path, state, metadata())
+            meta, main = metadata(), threading.current_thread() is threading.main_thread()
+            self.saving = main and bool(drop and (self.option.async_save or self.group is None))
+            with contextlib.suppress(OSError):  # (the next save removes it)
+                self.delete(drop)
+            info = self.writes.save(path, state, meta)
         except Exception as err:
             kinds = dict(err.failures.values()) if isinstance(err, RankFailed) else {}
             if not isinstance(err, mf.OverBudget) and mf.OverBudget.__name__ not in kinds:
@@ -304,6 +303,7 @@ class MemoryTier:
             target=self._replicate, args=(step, pending), name="fc-replicate", daemon=True
         )
         self._round.start()
+        self._started()
         if pending is None:  # a synchronous save: its replication too
             self.wait(stacklevel=4)
 
@@ -319,9 +319,14 @@ class MemoryTier:
             self._round_error = self._round_error or e
 
     def _prune(self) -> None:
-        """After a commit: the step is this run's, progress told over all tiers."""
+        """After a commit: the step is this run's, progress told over all tiers (a signal
+        meanwhile waits: the run's record may be written)."""
         self.view.mine.add(self._step)
-        self.committed()
+        self.saving |= threading.current_thread() is threading.main_thread()
+        try:
+            self.committed()
+        finally:
+            self._started()
 
     def delete(self, steps: Sequence[int]) -> None:
         """Out of sight now, removed off the training thread (freeing RAM takes as long as a
@@ -399,14 +404,40 @@ class Promotion:
     """The handler of a signal for every memory tier of this process: each promotes, then
     the signal takes its course once, as without them (the handler before the first, or
     the default action). One installed above (``fc.on_signal``, say) owns what the signal
-    does: reached through its chain, this one ends nothing. A signal during a memory
-    save waits for it: making room, it may have removed the step it replaces."""
+    does: reached through its chain, this one ends nothing; one left in that chain by a
+    closed tier serves the next (a signal promotes once). A signal after a memory save
+    made room (which may remove the only step, ``keep=1``) waits for its write to start
+    (then for the write, as any): a write of one process, for its commit (a write of
+    many ranks runs collectives, where a dead peer would hold the signal back)."""
 
     tiers: ClassVar[list[MemoryTier]] = []  # this process's, open
     deferred: ClassVar[dict[int, Promotion]] = {}  # signals that came during a save
 
     def __init__(self, signum: int) -> None:
         self.previous = signal.signal(signum, self)
+
+    @classmethod
+    def hold(cls, tier: MemoryTier) -> None:
+        """``tier``'s signals handled: one handler anywhere in a signal's chain serves all."""
+        for signum in tier.option.promote_on:
+            handler = signal.getsignal(signum)
+            while not isinstance(handler, Promotion | None):  # down the chain: .previous
+                handler = getattr(getattr(handler, "__self__", handler), "previous", None)
+            if handler is None:
+                cls(signum)
+        cls.tiers.append(tier)
+
+    @classmethod
+    def release(cls, tier: MemoryTier) -> None:
+        """``tier`` closed: with no tier left on a signal, the one before ours (on top) is back."""
+        cls.tiers[:] = [t for t in cls.tiers if t is not tier]
+        for signum in tier.option.promote_on:
+            top = signal.getsignal(signum)
+            if isinstance(top, Promotion) and not any(
+                signum in t.option.promote_on for t in cls.tiers
+            ):
+                with contextlib.suppress(ValueError):  # not the main thread: it stays
+                    signal.signal(signum, top.previous or signal.SIG_DFL)
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         tiers = [t for t in self.tiers if signum in t.option.promote_on and t.pid == os.getpid()]

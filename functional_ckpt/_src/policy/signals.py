@@ -19,10 +19,10 @@ class SignalPolicy(LeafPolicy):
         self.signum = signum
         self._pending = False
         self._installed = False
-        self._previous: Any = None
+        self.previous: Any = None
         _require_main_thread(f"{self!r}")
         try:
-            self._previous = signal.signal(signum, self._handle)
+            self.previous = signal.signal(signum, self._handle)
         except (OSError, ValueError) as exc:
             raise ValueError(f"on_signal(signum={signum!r}): cannot handle it: {exc}") from exc
         self._installed = True
@@ -31,7 +31,7 @@ class SignalPolicy(LeafPolicy):
         # uninstalled but still in a later handler's chain: only pass the signal on
         if self._installed:
             self._pending = True
-        previous = self._previous  # SIG_DFL, SIG_IGN, None (set outside Python): not called
+        previous = self.previous  # SIG_DFL, SIG_IGN, None (set outside Python): not called
         if callable(previous):
             previous(signum, frame)
 
@@ -46,7 +46,7 @@ class SignalPolicy(LeafPolicy):
             return
         _require_main_thread(f"{self!r}.uninstall()")
         if signal.getsignal(self.signum) == self._handle:
-            previous = self._previous if self._previous is not None else signal.SIG_DFL
+            previous = self.previous if self.previous is not None else signal.SIG_DFL
             signal.signal(self.signum, previous)
         self._installed = False
         self._pending = False

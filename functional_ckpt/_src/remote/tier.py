@@ -138,11 +138,12 @@ class RemoteTier:
 
     def copy_in(self, source: object, within: float) -> None:
         """A local checkpoint committed: an upload round runs in the background. One
-        promoted on a signal (``within`` > 0) is waited for: the process may end next."""
+        promoted on a signal (``within`` > 0) is waited for: the process may end next
+        (its failures reported later: the interrupted thread may hold ``_lock``)."""
         if self._worker is not None:
             self._worker.request()
             if within:
-                self.wait(within)
+                self._worker.drain(within)
 
     def open(self, step: int) -> Path:
         """The local copy of remote ``step`` (downloaded and verified first if missing)."""
