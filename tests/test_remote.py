@@ -263,15 +263,15 @@ def test_a_remote_deletion_racing_the_download_falls_back(
     with fc.CheckpointManager(tmp_path / "a", tiers=(fc.manager.Remote(mem),)) as mgr:
         for step in (1, 2):
             mgr.maybe_save(_state(step), step=step)
-    fs = fsspec.filesystem("memory")
-    real_get = type(fs).get
+    fs = fsspec.filesystem("memory")  # the one instance fsspec keeps: its own attribute
+    real_get = fs.get  # wins (another test's patch of it, undone, is one too)
 
-    def racing_get(self: Any, rpaths: Any, lpaths: Any, *a: Any, **k: Any) -> Any:
+    def racing_get(rpaths: Any, lpaths: Any, *a: Any, **k: Any) -> Any:
         if any("step_000000002" in p for p in rpaths):  # a writer prunes step 2 meanwhile
             Store(mem).remove(2, ["COMMITTED", "__0_0.distcp"])
-        return real_get(self, rpaths, lpaths, *a, **k)
+        return real_get(rpaths, lpaths, *a, **k)
 
-    monkeypatch.setattr(type(fs), "get", racing_get)
+    monkeypatch.setattr(fs, "get", racing_get)
     with fc.CheckpointManager(tmp_path / "b", tiers=(fc.manager.Remote(mem),)) as mgr:
         with pytest.warns(RemoteWarning, match="step 2 is unusable.*RemoteVanished"):
             got = mgr.restore_latest()
