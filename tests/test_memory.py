@@ -875,6 +875,31 @@ def test_a_memory_save_after_restoring_an_older_step_is_refused_and_cuts_nothing
     assert (step, int(state["step"])) == (6, 6)
 
 
+@pytest.mark.parametrize("wait", [True, False])
+def test_saving_the_newest_step_again_on_disk_leaves_no_older_copy_in_ram(
+    tmp_path: Path, wait: bool
+) -> None:
+    """``force=True`` saves step 8 again on disk while the memory tier's policy is done
+    with step 8: RAM's copy is the older save, and a tie goes to the faster tier, so it
+    goes (its save in flight or not); a crash then resumes the disk's new step 8."""
+    root, memory = tmp_path / "root", tmp_path / "mem"
+    tier = fc.manager.Memory(path=memory, promote_on=())
+    with (
+        contextlib.suppress(RuntimeError),
+        fc.CheckpointManager(root, save=fc.every_steps(1), tiers=(tier,)) as mgr,
+    ):
+        for s in range(1, 9):
+            mgr.maybe_save(small_state(s), step=s)
+        if wait:
+            mgr.wait()
+        mgr.maybe_save(small_state(888), step=8, force=True)
+        mgr.wait()
+        assert 8 not in committed(memory)
+        raise RuntimeError("the run crashes")
+    step, state, _, _ = resume_with_ram(root, memory)
+    assert (step, float(state["w"][0, 0])) == (8, 888.0)
+
+
 def test_a_stale_ram_step_never_wins_the_tie_with_the_trunks(tmp_path: Path) -> None:
     """RAM holds step 5 of the history a rollback left; the disk a new step 5: a resume
     takes the disk's (the trunk's), whatever the step numbers say."""

@@ -435,7 +435,10 @@ HEADER_READS: dict[tuple[str, str], tuple[int, str]] = {
     ("_src/manager/fork.py", "header_of"): (1, "the one checkpoint fork is given by path"),
     ("_src/restore/contents.py", "header_of"): (1, "the one checkpoint fc.inspect is given"),
     ("_src/manager/manager.py", "record_of"): (1, "a summary read_info made, already checked"),
-    ("_src/manager/provenance.py", "record_of"): (1, "the lineage rule's step: header_named's"),
+    ("_src/manager/provenance.py", "record_of"): (
+        2,
+        "the lineage and cut rules' step: header_named's",
+    ),
     ("_src/cli/listing.py", "record_of"): (1, "an ok row's metadata: header_named read it"),
 }
 

@@ -832,7 +832,9 @@ def test_a_folder_holding_a_directory_that_cannot_be_searched_is_refused(
     as_another_user(check) if os.geteuid() == 0 else check()  # root reads it all the same
 
 
-@pytest.mark.parametrize("cuts", ["[3, 4]", "[[3, 4], [5]]", '[["3", null]]', "[[1, 2.5]]"])
+@pytest.mark.parametrize(
+    "cuts", ["[3, 4]", "[[3, 4], [5]]", '[["3", null]]', "[[1, 2.5]]", "[[-5, null]]", "[[4, 3]]"]
+)
 def test_a_damaged_record_of_the_trunks_cuts_is_refused_naming_it(
     tmp_path: Path, cuts: str
 ) -> None:
@@ -851,3 +853,18 @@ def test_a_damaged_record_of_the_trunks_cuts_is_refused_naming_it(
     (root / "run.json").write_text(json.dumps(doc))
     with fc.CheckpointManager(root, save=fc.every_steps(1)) as mgr:  # the lock was released
         assert mgr.restore_latest() is not None and mgr.restored_step == 1
+
+
+@pytest.mark.parametrize("step", ["3", 3.0, None, True, -1])
+def test_a_step_that_is_no_step_number_is_refused_by_delete_and_rollback_naming_it(
+    tmp_path: Path, step: Any
+) -> None:
+    """Not a format error from deep inside, nor ``True`` taken for step 1: the argument
+    named, before anything is deleted or moved."""
+    with fc.CheckpointManager(tmp_path / "root", save=fc.every_steps(1)) as mgr:
+        for s in (1, 2):
+            mgr.maybe_save({"w": torch.full((3,), float(s))}, step=s)
+        for call in (mgr.delete, mgr.rollback):
+            with pytest.raises(TypeError, match=rf"{call.__name__}\(step={step!r}\): expected"):
+                call(step)
+        assert mgr.steps() == [1, 2]

@@ -269,6 +269,7 @@ class CheckpointManager(RootView):
     ) -> tuple[TensorDict, str | None]:
         """:meth:`rollback`, and the branch the newer checkpoints went to (or None)."""
         self._check_open("rollback", writing=True)
+        require(type(step) is int and step >= 0, step, "step", "rollback", "a step (an int >= 0)")
         rollback.check_request(newer, branch, reason)
         self.wait()  # a save in flight commits first: it may be one of the newer steps
         doing = f"rollback({step}) continues this run's only"
@@ -415,6 +416,8 @@ class CheckpointManager(RootView):
             self.disk.wait()  # at most one save in flight; the previous one must have committed
         if saved or (in_memory and self._continues is not None):  # RAM too, after a restore:
             together(self._distributed, f"save({step})", self.disk.check_save, event.step)
+        if saved and not in_memory and self.memory is not None:
+            self.memory.drop(event.step)
         background = exported and self._writes.settings.async_save is not None
         background = background and not self._distributed
         if exported and not background:
@@ -476,6 +479,7 @@ class CheckpointManager(RootView):
     def delete(self, step: int) -> None:
         """Delete this lineage's ``step`` from every tier, crash-safely (even the newest)."""
         self._check_open("delete", writing=True)
+        require(type(step) is int and step >= 0, step, "step", "delete", "a step (an int >= 0)")
         doing = f"delete({step}) takes this run's only"  # refused on one rank, on all
         together(self._distributed, doing, self.disk.check_ours, step, doing, CheckpointError)
         for tier in self.tiers:  # the remote's too: an upload in flight would commit it again

@@ -338,6 +338,13 @@ class MemoryTier:
             self.view.forget(steps)
             (self.writes.remove if self.replicas is None else remove_all)(trash)
 
+    def drop(self, step: int) -> None:
+        """Another tier saves ``step`` again (``force=True``): this tier's copy is the older
+        save, and a tie would take it."""
+        if step == self._step:
+            self.wait()
+        self.delete([step])
+
     def wait_staged(self) -> None:
         with contextlib.suppress(Exception):  # a failure is reported by the next wait()
             self.writes.wait_staged()

@@ -60,13 +60,16 @@ def cuts_of(found: object, where: object = RUN_FILE) -> tuple[Cut, ...]:
     entries = [] if found is None else found
     if isinstance(entries, list | tuple):
         cuts = [c for c in entries if isinstance(c, list | tuple) and len(c) == 2]
-        ints = all(type(a) is int and (b is None or type(b) is int) for a, b in cuts)
+        ints = all(
+            type(a) is int and a >= -1 and (b is None or (type(b) is int and b > a))
+            for a, b in cuts
+        )
         if ints and len(cuts) == len(entries):
             return tuple((a, b) for a, b in cuts)
     raise CheckpointError(
-        f'{where}: "cuts" is {found!r}, not a list of [step, step or null]: where this '
-        "run's trunk was cut is unknown, so nothing is resumed; restore the file from a "
-        "copy, or remove the root's run.json to start a new run"
+        f'{where}: "cuts" is {found!r}, not a list of [step from -1, later step or null]: '
+        "where this run's trunk was cut is unknown, so nothing is resumed; restore the file "
+        "from a copy, or remove the root's run.json to start a new run"
     )
 
 
