@@ -900,33 +900,6 @@ def test_saving_the_newest_step_again_on_disk_leaves_no_older_copy_in_ram(
     assert (step, float(state["w"][0, 0])) == (8, 888.0)
 
 
-def test_a_save_after_restoring_a_step_behind_ram_s_newer_steps_is_refused(
-    tmp_path: Path,
-) -> None:
-    """Disk 2 4 6, RAM 7 8 (saved since, never on disk): a save of step 7 after a restore of
-    step 6 would delete RAM's 7 and 8 as newer, the only copies. It is refused naming
-    ``rollback``, as the disk's own newer step is; ``rollback(6)`` then keeps them on a
-    branch."""
-    root, memory = tmp_path / "root", tmp_path / "mem"
-    tier = fc.manager.Memory(path=memory, async_save=False, promote_on=())
-    with (
-        contextlib.suppress(RuntimeError),
-        fc.CheckpointManager(root, save=fc.every_steps(1000), tiers=(tier,)) as mgr,
-    ):
-        for s in range(1, 9):
-            mgr.maybe_save(small_state(s), step=s, force=s in (2, 4, 6))
-        raise RuntimeError("the run crashes")
-    tier = fc.manager.Memory(path=memory, async_save=False, promote_on=())
-    with fc.CheckpointManager(root, save=fc.every_steps(100), tiers=(tier,)) as mgr:
-        assert committed(root) == [2, 4, 6] and committed(memory) == [7, 8]
-        mgr.restore(6)
-        with pytest.raises(fc.errors.CheckpointError, match=r"step 8 is newer.*rollback"):
-            mgr.maybe_save(small_state(70), step=7)
-        assert committed(memory) == [7, 8]
-        mgr.rollback(6, branch="b")
-        assert mgr.branches() == {"b": [7, 8]}
-
-
 def test_a_stale_ram_step_never_wins_the_tie_with_the_trunks(tmp_path: Path) -> None:
     """RAM holds step 5 of the history a rollback left; the disk a new step 5: a resume
     takes the disk's (the trunk's), whatever the step numbers say."""

@@ -71,7 +71,6 @@ from functional_ckpt._src.root import rollback
 from functional_ckpt._src.root.leftovers import open_writer
 from functional_ckpt._src.root.listing import StepInfo
 from functional_ckpt._src.root.lock import WriterLock
-from functional_ckpt._src.root.resume import check_order
 from functional_ckpt._src.root.rollback import Newer, finish
 from functional_ckpt._src.root.run import Cut, Run, add_cut, open_run, read_run
 from functional_ckpt._src.root.view import RootView
@@ -300,13 +299,6 @@ class CheckpointManager(RootView):
         self._adopt(info)
         return state
 
-    def _check_save(self, step: int) -> None:
-        """The disk's order; after a restore, what RAM alone holds counts too (a resume
-        would take it: a save behind it would delete it as newer)."""
-        self.disk.check_save(step)
-        if self._continues is not None and self.memory is not None:
-            check_order(self.root, step, max(self.memory.steps(), default=None))
-
     def _open_root(self) -> tuple[Run, bool] | None:
         """The coordinator's: one lock per job, a rollback a crash interrupted completed,
         then the root's run (made if it has none)."""
@@ -423,7 +415,7 @@ class CheckpointManager(RootView):
         if saved:
             self.disk.wait()  # at most one save in flight; the previous one must have committed
         if saved or (in_memory and self._continues is not None):  # RAM too, after a restore:
-            together(self._distributed, f"save({step})", self._check_save, event.step)
+            together(self._distributed, f"save({step})", self.disk.check_save, event.step)
         if saved and not in_memory and self.memory is not None:
             self.memory.drop(event.step)
         background = exported and self._writes.settings.async_save is not None
