@@ -300,8 +300,7 @@ class CheckpointManager(RootView):
         return state
 
     def _open_root(self) -> tuple[Run, bool] | None:
-        """The coordinator's: one lock per job, a rollback a crash interrupted completed,
-        then the root's run (made if it has none)."""
+        """The coordinator's: the job's one lock, an interrupted rollback done, the run."""
         if not self._coordinator:
             return None
         self._lock = open_writer(self.root, stacklevel=5)
