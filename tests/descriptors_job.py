@@ -51,6 +51,8 @@ def main() -> None:
         mgr.maybe_save(state, step=1, force=True)
         back = mgr.restore(1, like=state)
         assert torch.equal(back["w"].to_local(), state["w"].to_local())
+        if mgr.remote is not None:  # at rest: an upload in flight reads the step's files
+            mgr.remote.wait()
         added = [kind for fd, kind in held().items() if before.get(fd) != kind]
     assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] > low  # raised to make room
     kinds = collections.Counter(Path(k).name if k.startswith("/") else k for k in added)
